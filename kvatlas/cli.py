@@ -1,0 +1,39 @@
+"""The ``kvatlas`` command: ``demo`` and ``bench NAME`` (more subcommands arrive with their layers)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from kvatlas.bench import BENCHMARKS
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvatlas", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="run the embedded demo")
+    demo.add_argument("--seed", type=int, default=0)
+
+    bench = sub.add_parser("bench", help="run a benchmark (median of repeats, ratio to naive)")
+    bench_sub = bench.add_subparsers(dest="bench_name", required=True)
+    for name in BENCHMARKS:
+        module = importlib.import_module(f"kvatlas.bench.{name}")
+        module.add_arguments(bench_sub.add_parser(name, help=module.__doc__))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    if args.command == "demo":
+        from kvatlas.demo import run_demo
+
+        return run_demo(seed=args.seed)
+    module = importlib.import_module(f"kvatlas.bench.{args.bench_name}")
+    return int(module.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""ObjectKey: whose KV a chunk is (content+prefix hash, model, parallel rank, group, tenant salt).
+
+The field rules are the wire contract shared with LMCache MP servers: a model name never holds
+``@`` and a salt never holds ``@ / \\ NUL`` because both are joined into storage paths and
+string keys downstream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+MAX_SALT_CHARS = 128
+_SALT_FORBIDDEN = frozenset("@/\\\x00")
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def _check_byte_field(name: str, value: int, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+
+
+def pack_kv_rank(world_size: int, global_rank: int, local_world_size: int, local_rank: int) -> int:
+    """``world_size<<24 | global_rank<<16 | local_world_size<<8 | local_rank``, 8 bits each."""
+    _check_byte_field("world_size", world_size, 1, 255)
+    _check_byte_field("global_rank", global_rank, 0, world_size - 1)
+    _check_byte_field("local_world_size", local_world_size, 1, 255)
+    _check_byte_field("local_rank", local_rank, 0, local_world_size - 1)
+    return world_size << 24 | global_rank << 16 | local_world_size << 8 | local_rank
+
+
+def unpack_kv_rank(kv_rank: int) -> tuple[int, int, int, int]:
+    """Inverse of :func:`pack_kv_rank`; validates the unpacked fields the same way."""
+    if isinstance(kv_rank, bool) or not isinstance(kv_rank, int) or not 0 <= kv_rank < 1 << 32:
+        raise ValueError(f"kv_rank must be an unsigned 32-bit integer, got {kv_rank!r}")
+    fields = (kv_rank >> 24, (kv_rank >> 16) & 0xFF, (kv_rank >> 8) & 0xFF, kv_rank & 0xFF)
+    pack_kv_rank(*fields)
+    return fields
+
+
+def world_size_of(kv_rank: int) -> int:
+    """The top byte of ``kv_rank``: how many shards the stored KV was split into."""
+    return unpack_kv_rank(kv_rank)[0]
+
+
+def check_model_name(model_name: str) -> str:
+    if not isinstance(model_name, str) or not model_name:
+        raise ValueError("model_name must be a non-empty string")
+    if "@" in model_name:
+        raise ValueError(f"model_name must not contain '@': {model_name!r}")
+    return model_name
+
+
+def check_cache_salt(cache_salt: str) -> str:
+    if not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+    if len(cache_salt) > MAX_SALT_CHARS:
+        raise ValueError(f"cache_salt longer than {MAX_SALT_CHARS} characters")
+    bad = _SALT_FORBIDDEN.intersection(cache_salt)
+    if bad:
+        raise ValueError(f"cache_salt must not contain any of @ / \\ NUL (found {sorted(bad)!r})")
+    return cache_salt
+
+
+def parse_chunk_hash_hex(text: str) -> bytes:
+    """Decode a wire chunk hash: exactly 64 hex characters."""
+    if not isinstance(text, str) or len(text) != 64 or not _HEX.issuperset(text):
+        raise ValueError(f"chunk_hash_hex must be 64 hex characters, got {text!r:.80}")
+    return bytes.fromhex(text)
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectKey:
+    """Immutable, hashable identity of one stored KV object."""
+
+    chunk_hash: bytes
+    model_name: str
+    kv_rank: int
+    object_group_id: int = 0
+    cache_salt: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.chunk_hash, bytes) or len(self.chunk_hash) != 32:
+            raise ValueError("chunk_hash must be 32 bytes")
+        check_model_name(self.model_name)
+        unpack_kv_rank(self.kv_rank)
+        if (
+            isinstance(self.object_group_id, bool)
+            or not isinstance(self.object_group_id, int)
+            or self.object_group_id < 0
+        ):
+            raise ValueError(f"object_group_id must be an integer >= 0, got {self.object_group_id!r}")
+        check_cache_salt(self.cache_salt)
+
+    @property
+    def world_size(self) -> int:
+        return self.kv_rank >> 24
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "chunk_hash_hex": self.chunk_hash.hex(),
+            "model_name": self.model_name,
+            "kv_rank": self.kv_rank,
+            "object_group_id": self.object_group_id,
+            "cache_salt": self.cache_salt,
+        }
+
+    @classmethod
+    def from_wire(cls, obj: Mapping[str, Any]) -> ObjectKey:
+        """Decode the JSON wire form; raises ``ValueError`` naming the offending field."""
+        if not isinstance(obj, Mapping):
+            raise ValueError("key must be a JSON object")
+        unknown = set(obj) - {"chunk_hash_hex", "model_name", "kv_rank", "object_group_id", "cache_salt"}
+        if unknown:
+            raise ValueError(f"key has unknown fields: {sorted(unknown)}")
+        for field in ("chunk_hash_hex", "model_name", "kv_rank"):
+            if field not in obj:
+                raise ValueError(f"key is missing {field!r}")
+        return cls(
+            chunk_hash=parse_chunk_hash_hex(obj["chunk_hash_hex"]),
+            model_name=obj["model_name"],
+            kv_rank=obj["kv_rank"],
+            object_group_id=obj.get("object_group_id", 0),
+            cache_salt=obj.get("cache_salt", ""),
+        )
+
+
+def expand_prefix_keys(
+    chunk_hashes: Iterable[bytes],
+    model_name: str,
+    world_size: int = 1,
+    cache_salt: str = "",
+    object_group_id: int = 0,
+    local_world_size: int | None = None,
+) -> list[ObjectKey]:
+    """Expand chunk hashes to the ``world_size`` keys a prefix lookup asks for.
+
+    Chunk-major, rank-minor: all ranks of chunk 0, then chunk 1, ... Ranks are laid out
+    node-major (``local_rank = rank % local_world_size``); by default one node holds them all.
+    """
+    local = world_size if local_world_size is None else local_world_size
+    ranks = [pack_kv_rank(world_size, r, local, r % local) for r in range(world_size)]
+    return [
+        ObjectKey(h, model_name, rank, object_group_id, cache_salt)
+        for h in chunk_hashes
+        for rank in ranks
+    ]

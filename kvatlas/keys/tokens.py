@@ -1,0 +1,63 @@
+"""Token-id validation and packing shared by every key scheme.
+
+Token ids cross int32, int64 and uint32 channels between engines; a key must never depend on
+which one delivered them, so everything is normalised to uint32 after a range check (an id
+outside ``[0, 2**32)`` is an error, never a silent wrap-around).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+TOKEN_LIMIT = 1 << 32
+
+TokenArray = npt.NDArray[np.uint32]
+
+
+def _torch_to_numpy(tokens: Any) -> Any:
+    """Torch tensors are accepted without importing torch (it is an optional dependency)."""
+    module = type(tokens).__module__
+    if module.startswith("torch") and hasattr(tokens, "detach"):
+        return tokens.detach().cpu().numpy()
+    return tokens
+
+
+def as_token_array(tokens: Any) -> TokenArray:
+    """Return ``tokens`` as a 1-D ``uint32`` array, or raise ``ValueError`` naming the bad id.
+
+    Accepts lists/tuples of ints, numpy integer arrays and torch tensors. A uint32 numpy input
+    is returned as is (no copy).
+    """
+    tokens = _torch_to_numpy(tokens)
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+    else:
+        try:
+            arr = np.asarray(tokens, dtype=np.int64)
+        except OverflowError:
+            bad = next(t for t in tokens if not (0 <= int(t) < TOKEN_LIMIT))
+            raise ValueError(f"token id {bad} is outside [0, 2**32)") from None
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"token ids must be integers: {exc}") from None
+    if arr.ndim != 1:
+        raise ValueError(f"token ids must be 1-D, got shape {arr.shape}")
+    if arr.dtype == np.uint32:
+        return arr
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        if arr.size == 0:
+            return np.empty(0, dtype=np.uint32)
+        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= TOKEN_LIMIT:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"token id {bad} is outside [0, 2**32)")
+    return arr.astype(np.uint32)
+
+
+def tokens_be_bytes(tokens: TokenArray) -> bytes:
+    """Pack validated tokens as unsigned 32-bit big-endian, the hashing wire format."""
+    return tokens.astype(">u4", copy=False).tobytes()
