@@ -30,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from kvatlas.demo import run_demo
 
-        return run_demo(seed=args.seed)
+        return int(run_demo(seed=args.seed))
     module = importlib.import_module(f"kvatlas.bench.{args.bench_name}")
     return int(module.run(args))
 

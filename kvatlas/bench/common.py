@@ -60,7 +60,9 @@ def add_common_arguments(parser: argparse.ArgumentParser, repeats: int = 7) -> N
     parser.add_argument("--json", type=Path, default=None, help="also write results as JSON here")
 
 
-def report(title: str, rows: Sequence[BenchRow], json_path: Path | None, meta: dict[str, Any]) -> None:
+def report(
+    title: str, rows: Sequence[BenchRow], json_path: Path | None, meta: dict[str, Any]
+) -> None:
     table = Table(title=title)
     for column in ("case", "ours (median)", "naive reference", "speed-up", "target", "notes"):
         table.add_column(column)
@@ -73,7 +75,7 @@ def report(title: str, rows: Sequence[BenchRow], json_path: Path | None, meta: d
             row.target,
             ", ".join(f"{k}={v}" for k, v in row.extra.items()),
         )
-    Console().print(table)
+    Console(width=max(Console().width, 150)).print(table)
     if json_path is not None:
         payload = {
             "title": title,

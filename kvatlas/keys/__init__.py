@@ -1,5 +1,9 @@
-"""Cache keys: chunk hashes, ObjectKeys, namespaces, multimodal identity, request tracking."""
+"""Cache keys: chunk hashes, ObjectKeys, namespaces, multimodal identity, request tracking.
 
+Import from here; the submodules are implementation detail.
+"""
+
+from kvatlas.keys.adapters import EngineRequestView, extract_request
 from kvatlas.keys.chunk_hash import (
     DEFAULT_CHUNK_SIZE,
     NONE_HASH,
@@ -7,6 +11,9 @@ from kvatlas.keys.chunk_hash import (
     chunk_hashes,
     segment_hashes,
 )
+from kvatlas.keys.extra_keys import MMItem
+from kvatlas.keys.mm_substitution import PlaceholderSpan, apply_mm_hashes_to_token_ids
+from kvatlas.keys.mm_values import mm_hash_to_token_values, mm_hash_values
 from kvatlas.keys.namespace import BlendNamespace
 from kvatlas.keys.object_key import (
     ObjectKey,
@@ -15,17 +22,40 @@ from kvatlas.keys.object_key import (
     parse_chunk_hash_hex,
     unpack_kv_rank,
 )
+from kvatlas.keys.scheme import (
+    SCHEME_BLAKE3,
+    SCHEME_BLAKE3_X1,
+    SCHEMES,
+    KeyScheme,
+    KeySchemeMismatch,
+)
 from kvatlas.keys.tokens import as_token_array
+from kvatlas.keys.tracker import MM_BYPASS_GUARD, BypassGuard, RequestTracker
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
+    "MM_BYPASS_GUARD",
     "NONE_HASH",
+    "SCHEMES",
+    "SCHEME_BLAKE3",
+    "SCHEME_BLAKE3_X1",
     "BlendNamespace",
+    "BypassGuard",
     "ChunkHashChain",
+    "EngineRequestView",
+    "KeyScheme",
+    "KeySchemeMismatch",
+    "MMItem",
     "ObjectKey",
+    "PlaceholderSpan",
+    "RequestTracker",
+    "apply_mm_hashes_to_token_ids",
     "as_token_array",
     "chunk_hashes",
     "expand_prefix_keys",
+    "extract_request",
+    "mm_hash_to_token_values",
+    "mm_hash_values",
     "pack_kv_rank",
     "parse_chunk_hash_hex",
     "segment_hashes",

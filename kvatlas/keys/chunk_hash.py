@@ -7,7 +7,7 @@ that differs between processes silently empties the cache.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,13 +25,29 @@ def check_chunk_size(chunk_size: int) -> int:
     return chunk_size
 
 
-def chain_hashes(packed: bytes, chunk_size: int, prev: bytes, first_chunk: int = 0) -> list[bytes]:
-    """Hash the full chunks of big-endian ``packed`` tokens from ``first_chunk`` on, after ``prev``."""
+ChunkSuffix = Callable[[int], bytes]
+"""Bytes appended to chunk ``i``'s hash input by a versioned scheme (``blake3-x1`` extra keys)."""
+
+
+def chain_hashes(
+    packed: bytes,
+    chunk_size: int,
+    prev: bytes,
+    first_chunk: int = 0,
+    suffix: ChunkSuffix | None = None,
+) -> list[bytes]:
+    """Hash the full chunks of big-endian ``packed`` tokens, numbered from ``first_chunk``.
+
+    ``packed`` starts at chunk ``first_chunk``; ``prev`` is the hash of the chunk before it.
+    """
     step = 4 * chunk_size
     view = memoryview(packed)
     out: list[bytes] = []
-    for start in range(first_chunk * step, len(packed) - step + 1, step):
-        prev = blake3(prev + view[start : start + step]).digest()
+    for i, start in enumerate(range(0, len(packed) - step + 1, step), first_chunk):
+        data = prev + view[start : start + step]
+        if suffix is not None:
+            data += suffix(i)
+        prev = blake3(data).digest()
         out.append(prev)
     return out
 
@@ -44,7 +60,9 @@ def chunk_hashes(token_ids: Any, chunk_size: int = DEFAULT_CHUNK_SIZE) -> list[b
     return chain_hashes(tokens_be_bytes(tokens[:usable]), chunk_size, NONE_HASH)
 
 
-def segment_hashes(segments: Sequence[Any], chunk_size: int = DEFAULT_CHUNK_SIZE) -> list[list[bytes]]:
+def segment_hashes(
+    segments: Sequence[Any], chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> list[list[bytes]]:
     """Hash each caller-given segment as its own chain (no chaining across segments).
 
     For blend-style stores of independent documents: a document gets the same hashes wherever
@@ -59,11 +77,15 @@ class ChunkHashChain:
 
     ``update(tokens)`` returns the hashes of all full chunks of ``tokens``. The cached prefix is
     compared (one memcmp) rather than trusted, so a caller that edits earlier tokens gets a
-    correct chain recomputed from the first changed chunk.
+    correct chain recomputed from the first changed chunk. ``suffix`` (a scheme's per-chunk
+    extra keys) is fixed for the chain's lifetime: one chain per request.
     """
 
-    def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+    def __init__(
+        self, chunk_size: int = DEFAULT_CHUNK_SIZE, suffix: ChunkSuffix | None = None
+    ) -> None:
         self.chunk_size = check_chunk_size(chunk_size)
+        self._suffix = suffix
         self._tokens: TokenArray = np.empty(0, dtype=np.uint32)
         self._hashes: list[bytes] = []
         self.chunks_hashed = 0
@@ -81,7 +103,7 @@ class ChunkHashChain:
         if n_full > keep:
             prev = self._hashes[-1] if keep else NONE_HASH
             packed = tokens_be_bytes(tokens[keep * c : n_full * c])
-            new = chain_hashes(packed, c, prev)
+            new = chain_hashes(packed, c, prev, keep, self._suffix)
             self._hashes.extend(new)
             self.chunks_hashed += len(new)
         self._tokens = tokens[: n_full * c].copy()

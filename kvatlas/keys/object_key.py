@@ -90,7 +90,9 @@ class ObjectKey:
             or not isinstance(self.object_group_id, int)
             or self.object_group_id < 0
         ):
-            raise ValueError(f"object_group_id must be an integer >= 0, got {self.object_group_id!r}")
+            raise ValueError(
+                f"object_group_id must be an integer >= 0, got {self.object_group_id!r}"
+            )
         check_cache_salt(self.cache_salt)
 
     @property
@@ -111,7 +113,13 @@ class ObjectKey:
         """Decode the JSON wire form; raises ``ValueError`` naming the offending field."""
         if not isinstance(obj, Mapping):
             raise ValueError("key must be a JSON object")
-        unknown = set(obj) - {"chunk_hash_hex", "model_name", "kv_rank", "object_group_id", "cache_salt"}
+        unknown = set(obj) - {
+            "chunk_hash_hex",
+            "model_name",
+            "kv_rank",
+            "object_group_id",
+            "cache_salt",
+        }
         if unknown:
             raise ValueError(f"key has unknown fields: {sorted(unknown)}")
         for field in ("chunk_hash_hex", "model_name", "kv_rank"):
