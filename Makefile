@@ -26,6 +26,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 pytest: $(STAMP)
+	scripts/ensure-redis.sh
 	$(BIN)/python -m pytest -q
 
 test: lint typecheck pytest

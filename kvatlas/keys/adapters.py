@@ -60,6 +60,10 @@ def detect_engine(request: Any) -> str:
         return "sglang"
     if _get(request, "multimodal_hashes") is not None or _get(request, "multimodal_positions"):
         return "trtllm"
+    if any(_get(request, n) is not None for n in ("lora_task_id", "py_request_id")) or (
+        _get(request, "prompt_token_ids") is None and callable(getattr(request, "get_tokens", None))
+    ):
+        return "trtllm"
     return "vllm"
 
 
@@ -153,11 +157,15 @@ def trtllm_hash_identifier(words: Any) -> str:
 def extract_trtllm(request: Any) -> EngineRequestView:
     """TensorRT-LLM: ``multimodal_hashes`` / ``multimodal_positions`` / ``multimodal_lengths``."""
     prompt = _get(request, "prompt_token_ids")
+    generated = _get(request, "output_token_ids") or ()
     if prompt is None and callable(getattr(request, "get_tokens", None)):
-        prompt = request.get_tokens(0)
+        # get_tokens(beam) is prompt + generated; prompt_len says where the prompt ends.
+        everything = list(request.get_tokens(0))
+        cut = _get(request, "prompt_len") or _get(request, "orig_prompt_len") or len(everything)
+        prompt, generated = everything[:cut], everything[cut:]
     view = EngineRequestView(
         prompt_token_ids=prompt,
-        output_token_ids=_get(request, "output_token_ids") or (),
+        output_token_ids=generated,
         request_id=str(_get(request, "request_id", "") or _get(request, "py_request_id", "") or ""),
     )
     hashes = _get(request, "multimodal_hashes") or ()

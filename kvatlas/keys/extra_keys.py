@@ -36,6 +36,9 @@ class MMItem:
 
     @classmethod
     def of(cls, identifier: object, offset: int, length: int) -> MMItem:
+        """``None`` is refused: ``str(None)`` would be one identity shared by every unhashed item."""
+        if identifier is None:
+            raise ValueError("a multimodal item needs an identifier, got None")
         return cls(str(identifier), PlaceholderSpan(offset, length))
 
 

@@ -56,7 +56,9 @@ MM_BYPASS_GUARD = BypassGuard()
 
 
 def _span_problems(items: Sequence[MMItem], prompt_len: int) -> list[str]:
-    problems = []
+    problems = [
+        f"item at {it.span.offset} has an empty identifier" for it in items if not it.identifier
+    ]
     ordered = sorted(items, key=lambda item: item.span.offset)
     for item in ordered:
         if item.span.end > prompt_len:
@@ -106,7 +108,8 @@ class RequestTracker:
         self._prompt: TokenArray = prompt.astype(np.uint32)
         self._prompt.setflags(write=False)
         self._generated: list[int] = []
-        self._chain = self.scheme.new_chain(self.items, self.request_keys or None)
+        extra = self.request_keys if self.scheme.carries_extra_keys else None
+        self._chain = self.scheme.new_chain(self.items, extra)
         self._chain_lock = threading.Lock()
 
     @classmethod
