@@ -1,4 +1,4 @@
-"""The ``kvatlas`` command: ``demo`` and ``bench NAME`` (more subcommands arrive with their layers)."""
+"""The ``kvatlas`` command: ``coordinator``, ``demo`` and ``bench NAME``."""
 
 from __future__ import annotations
 
@@ -8,11 +8,20 @@ import sys
 from collections.abc import Sequence
 
 from kvatlas.bench import BENCHMARKS
+from kvatlas.coordinator.config import add_arguments as add_coordinator_arguments
+from kvatlas.coordinator.config import config_from_args
 
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvatlas", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    coordinator = sub.add_parser(
+        "coordinator",
+        help="run the coordinator service (every flag also as KVATLAS_<NAME>)",
+        description="The fleet's key directory and blend index over HTTP.",
+    )
+    add_coordinator_arguments(coordinator)
 
     demo = sub.add_parser("demo", help="run the embedded demo")
     demo.add_argument("--seed", type=int, default=0)
@@ -26,7 +35,16 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "coordinator":
+        from kvatlas.coordinator.server import run_coordinator
+
+        try:
+            config = config_from_args(args)
+        except ValueError as exc:
+            parser.error(str(exc))
+        return run_coordinator(config)
     if args.command == "demo":
         from kvatlas.demo import run_demo
 

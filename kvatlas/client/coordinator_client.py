@@ -1,0 +1,164 @@
+"""CoordinatorClient: registration with a heartbeat thread, prefix lookups, stats.
+
+Unlike the blend client this one raises :class:`CoordinatorError` on failure: registration
+and routing decisions want to know that the coordinator could not answer.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+import numpy as np
+
+from kvatlas.keys import ObjectKey
+
+log = logging.getLogger("kvatlas.client")
+
+
+class CoordinatorError(RuntimeError):
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def auth_headers(token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def encode_tokens_b64(token_ids: Any) -> str:
+    """Query tokens as base64 of little-endian uint32 (the wire form of blend lookups)."""
+    return base64.b64encode(np.asarray(token_ids, dtype="<u4").tobytes()).decode("ascii")
+
+
+class CoordinatorClient:
+    def __init__(self, url: str, *, token: str | None = None, timeout: float = 5.0) -> None:
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=auth_headers(token))
+        self.instance_id: str | None = None
+        self._registration: dict[str, Any] = {}
+        self._heartbeat_stop = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
+        self.heartbeat_failures = 0
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise CoordinatorError(f"{method} {path}: {exc}") from exc
+        if response.status_code >= 400:
+            try:
+                detail = response.json().get("detail", response.text)
+            except ValueError:
+                detail = response.text
+            raise CoordinatorError(
+                f"{method} {path}: {response.status_code} {detail}", response.status_code
+            )
+        return response.json()
+
+    # ------------------------------------------------------------------ instances
+
+    def register(
+        self,
+        instance_id: str | None = None,
+        *,
+        ip: str = "",
+        http_port: int | None = None,
+        metadata: dict[str, Any] | None = None,
+        p2p_advertised_url: str | None = None,
+    ) -> str:
+        body = {
+            "instance_id": instance_id,
+            "ip": ip,
+            "http_port": http_port,
+            "metadata": metadata or {},
+            "p2p_advertised_url": p2p_advertised_url,
+        }
+        reply = self._call("POST", "/instances", json=body)
+        self.instance_id = str(reply["instance_id"])
+        self._registration = body | {"instance_id": self.instance_id}
+        return self.instance_id
+
+    def heartbeat(self) -> None:
+        """One heartbeat; re-registers (same id) when the coordinator forgot the instance."""
+        if self.instance_id is None:
+            raise CoordinatorError("register() first")
+        try:
+            self._call("PUT", f"/instances/{self.instance_id}/heartbeat")
+        except CoordinatorError as exc:
+            if exc.status != 404:
+                raise
+            log.warning("coordinator forgot instance %s; re-registering", self.instance_id)
+            self._call("POST", "/instances", json=self._registration)
+
+    def start_heartbeat(self, interval: float = 5.0) -> None:
+        if self._heartbeat_thread is not None:
+            return
+        self._heartbeat_stop.clear()
+
+        def loop() -> None:
+            while not self._heartbeat_stop.wait(interval):
+                try:
+                    self.heartbeat()
+                except CoordinatorError as exc:
+                    self.heartbeat_failures += 1
+                    log.warning("heartbeat failed: %s", exc)
+
+        self._heartbeat_thread = threading.Thread(
+            target=loop, name="kvatlas-heartbeat", daemon=True
+        )
+        self._heartbeat_thread.start()
+
+    def stop_heartbeat(self) -> None:
+        self._heartbeat_stop.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout=5)
+            self._heartbeat_thread = None
+
+    def deregister(self) -> None:
+        self.stop_heartbeat()
+        if self.instance_id is not None:
+            self._call("DELETE", f"/instances/{self.instance_id}")
+
+    # ------------------------------------------------------------------ lookups
+
+    def lookup_keys(self, keys: Sequence[ObjectKey]) -> dict[str, Any]:
+        reply: dict[str, Any] = self._call(
+            "POST", "/directory/lookup", json={"keys": [k.to_wire() for k in keys]}
+        )
+        return reply
+
+    def lookup_tokens(
+        self, token_ids: Any, model_name: str, world_size: int = 1, cache_salt: str = ""
+    ) -> dict[str, Any]:
+        """Prefix lookup; ``reply["prefix"]`` is the per-holder leading-chunk summary."""
+        body = {
+            "tokens_b64": encode_tokens_b64(token_ids),
+            "model_name": model_name,
+            "world_size": world_size,
+            "cache_salt": cache_salt,
+        }
+        reply: dict[str, Any] = self._call("POST", "/directory/lookup", json=body)
+        return reply
+
+    def stats(self) -> dict[str, Any]:
+        reply: dict[str, Any] = self._call("GET", "/directory/stats")
+        return reply
+
+    def health(self) -> dict[str, Any]:
+        reply: dict[str, Any] = self._call("GET", "/healthz")
+        return reply
+
+    def close(self) -> None:
+        self.stop_heartbeat()
+        self._http.close()
+
+    def __enter__(self) -> CoordinatorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""The coordinator service: HTTP API, CLI, instances, auth, metrics, snapshots, transports."""

@@ -1,0 +1,99 @@
+"""Instance registry: registration, heartbeats, timeouts.
+
+An instance that misses heartbeats for ``instance_timeout`` seconds is fenced (its L1
+placements dropped: its process memory is presumed gone) and forgotten, so its next heartbeat
+gets 404 and it re-registers. L2 placements stay: their bytes outlive the process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class InstanceRecord:
+    instance_id: str
+    ip: str = ""
+    http_port: int | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    p2p_advertised_url: str | None = None
+    mq_port: int | None = None
+    registered_at: float = 0.0
+    last_heartbeat: float = 0.0
+
+    def to_wire(self, now: float) -> dict[str, Any]:
+        return {
+            "instance_id": self.instance_id,
+            "ip": self.ip,
+            "http_port": self.http_port,
+            "metadata": self.metadata,
+            "p2p_advertised_url": self.p2p_advertised_url,
+            "mq_port": self.mq_port,
+            "registered_at": self.registered_at,
+            "last_heartbeat_age_s": round(now - self.last_heartbeat, 3),
+        }
+
+
+class InstanceRegistry:
+    def __init__(
+        self,
+        timeout_s: float,
+        on_fence: Callable[[str], object],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self._on_fence = on_fence
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._records: dict[str, InstanceRecord] = {}
+        self.expired_total = 0
+
+    def register(self, instance_id: str | None, **fields: Any) -> tuple[str, bool]:
+        """Returns ``(instance_id, re_registered)``; the coordinator assigns an id if none."""
+        now = self._clock()
+        with self._lock:
+            if not instance_id:
+                instance_id = f"inst-{uuid.uuid4().hex[:16]}"
+            existing = self._records.get(instance_id)
+            record = InstanceRecord(instance_id, registered_at=time.time(), last_heartbeat=now)
+            for name, value in fields.items():
+                setattr(record, name, value)
+            self._records[instance_id] = record
+            return instance_id, existing is not None
+
+    def heartbeat(self, instance_id: str) -> bool:
+        with self._lock:
+            record = self._records.get(instance_id)
+            if record is None:
+                return False
+            record.last_heartbeat = self._clock()
+            return True
+
+    def deregister(self, instance_id: str) -> bool:
+        with self._lock:
+            return self._records.pop(instance_id, None) is not None
+
+    def known(self, instance_id: str) -> bool:
+        with self._lock:
+            return instance_id in self._records
+
+    def expire(self) -> list[str]:
+        """Fence and forget every instance whose heartbeats stopped; returns their ids."""
+        now = self._clock()
+        with self._lock:
+            dead = [i for i, r in self._records.items() if now - r.last_heartbeat > self.timeout_s]
+            for instance_id in dead:
+                del self._records[instance_id]
+            self.expired_total += len(dead)
+        for instance_id in dead:
+            self._on_fence(instance_id)
+        return dead
+
+    def snapshot(self) -> tuple[float, list[InstanceRecord]]:
+        with self._lock:
+            return self._clock(), list(self._records.values())

@@ -1,0 +1,120 @@
+"""Prometheus metrics of the coordinator (coordinator.md §5), on a registry per service.
+
+Counters and histograms are updated on the request path; gauges that mirror directory state
+(keys, index contents, bytes, gaps, lag) are read at scrape time by a collector, so the hot
+path never pays for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+
+
+class _StateCollector(Collector):
+    def __init__(self, read_state: Callable[[], dict[str, Any]]) -> None:
+        self._read_state = read_state
+
+    def collect(self) -> Iterator[Any]:
+        state = self._read_state()
+        directory = state["directory"]
+        yield _gauge("kvatlas_directory_keys", "keys in the directory", directory["keys"])
+        yield _gauge("kvatlas_directory_chunks", "distinct chunk hashes", directory["chunks"])
+        yield _gauge("kvatlas_directory_placements", "live placements", directory["placements"])
+        by_tier = GaugeMetricFamily("kvatlas_directory_bytes", "bytes per tier", labels=["tier"])
+        for tier, value in sorted(directory.get("bytes_by_tier", {}).items()):
+            by_tier.add_metric([tier], value)
+        yield by_tier
+        l1 = GaugeMetricFamily(
+            "kvatlas_instance_l1_keys", "L1 placements per instance", labels=["instance_id"]
+        )
+        for inst, value in sorted(directory.get("l1_placements_by_instance", {}).items()):
+            l1.add_metric([inst], value)
+        yield l1
+        blend = directory.get("blend", {})
+        yield _gauge(
+            "kvatlas_blend_enabled", "blend lookup enabled", int(bool(blend.get("enabled")))
+        )
+        for name, value in sorted(blend.items()):
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                yield _gauge(f"kvatlas_blend_index_{name}", f"blend index {name}", value)
+        gaps = CounterMetricFamily(
+            "kvatlas_event_gaps", "seq gaps per emitter", labels=["instance_id"]
+        )
+        lag = GaugeMetricFamily(
+            "kvatlas_ingest_lag_seconds", "emitter ts to apply", labels=["instance_id"]
+        )
+        for inst, emitter in sorted(state["emitters"].items()):
+            gaps.add_metric([inst], emitter["gaps"])
+            if emitter.get("lag_s") is not None:
+                lag.add_metric([inst], emitter["lag_s"])
+        yield gaps
+        yield lag
+        yield _gauge("kvatlas_instances_alive", "registered instances", state["instances_alive"])
+        bypass = CounterMetricFamily(
+            "kvatlas_mm_bypass",
+            "requests refused a key (no usable multimodal identity)",
+            labels=["reason"],
+        )
+        for reason, value in sorted(state.get("mm_bypass", {}).items()):
+            bypass.add_metric([reason], value)
+        yield bypass
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+class CoordinatorMetrics:
+    def __init__(self, read_state: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.batches = Counter(
+            "kvatlas_event_batches",
+            "event batches by outcome",
+            ["instance_id", "outcome"],
+            registry=r,
+        )
+        self.entries = Counter("kvatlas_event_entries", "event entries applied", registry=r)
+        self.rejected = Counter(
+            "kvatlas_event_rejected_bodies", "event bodies rejected (4xx)", registry=r
+        )
+        self.lookup_latency = Histogram(
+            "kvatlas_lookup_seconds",
+            "prefix lookup latency",
+            ["form"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.blend_latency = Histogram(
+            "kvatlas_blend_lookup_seconds",
+            "blend lookup latency",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.blend_matches = Counter("kvatlas_blend_matches", "blend matches returned", registry=r)
+        self.snapshot_duration = Gauge(
+            "kvatlas_snapshot_duration_seconds", "last snapshot duration", registry=r
+        )
+        self.snapshot_pause = Gauge(
+            "kvatlas_snapshot_pause_seconds", "last snapshot's longest lock hold", registry=r
+        )
+        self.snapshots = Counter("kvatlas_snapshots", "snapshots written", registry=r)
+        self.snapshot_failures = Counter(
+            "kvatlas_snapshot_failures", "snapshots that failed", registry=r
+        )
+        self.instances_expired = Counter(
+            "kvatlas_instances_expired", "instances fenced on timeout", registry=r
+        )
+        self.stream_errors = Counter(
+            "kvatlas_stream_errors", "Redis stream read/decode errors", ["kind"], registry=r
+        )
+        r.register(_StateCollector(read_state))

@@ -1,0 +1,679 @@
+"""Compiled (numba) kernels behind :class:`kvatlas.directory.blend_index.BlendIndex`.
+
+All state lives in plain numpy arrays owned by the index; these functions only read and write
+them while the caller holds the index lock. Layout (ids are dense, recycled through free lists):
+
+- contents: ``c_fp`` (uint64 fingerprint), ``c_addr`` (address of the content's read-only
+  uint32 token array, kept alive by the index's Python list; 0 = free slot), ``c_first``
+  (first occupant, -1 = none).
+- content table: open addressing, linear probing, ``int32`` content ids (-1 = empty), deleted
+  by backward shift so there are no tombstones and no entry is ever evicted (complete recall).
+- filter: blocked Bloom filter, one uint64 word per key, 3 bits set; only ever gains bits
+  between rebuilds, so it has false positives but never false negatives.
+- occupants: ``o_hash`` (32 bytes) + ``o_hlen``, ``o_off`` (token_offset), ``o_next`` (chain of
+  the content's occupants), ``o_ns0`` (inline first claim, -1 = none), ``o_nclaims``.
+- extra claims (an occupant claimed by a second namespace): an open-addressed int64 set of
+  ``occupant << 32 | namespace``.
+
+The fingerprint is a polynomial hash mod the Mersenne prime 2^61-1 at a per-process secret
+random base: for two different windows the collision probability is at most 255/2^61 whatever
+the content, so collisions cannot be constructed without the base (mod 2^64 they can: a
+Thue-Morse pattern over tokens {0, 2^31} collides for every odd base).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+from numba import types
+from numba.extending import intrinsic
+
+MERSENNE61 = (1 << 61) - 1
+_P = np.uint64(MERSENNE61)
+_M31 = np.uint64((1 << 31) - 1)
+_M30 = np.uint64((1 << 30) - 1)
+_MIX1 = np.uint64(0x9E3779B97F4A7C15)
+_MIX2 = np.uint64(0xC2B2AE3D27D4EB4F)
+_U0 = np.uint64(0)
+_U1 = np.uint64(1)
+
+
+@intrinsic
+def _u32_ptr(typingctx: Any, addr: Any) -> Any:
+    """Reinterpret an integer address as ``uint32*``: lets the scan verify against the token
+    arrays shared with the directory (one array per content, never copied)."""
+    sig = types.CPointer(types.uint32)(addr)  # type: ignore[no-untyped-call]
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return sig, codegen
+
+
+_jit = numba.njit(cache=True, nogil=True)
+
+
+@_jit
+def mulmod61(a: Any, b: Any) -> Any:
+    """(a * b) mod 2^61-1 for a, b < 2^61 with 64-bit arithmetic only."""
+    a = np.uint64(a)
+    b = np.uint64(b)
+    au = a >> np.uint64(31)
+    ad = a & _M31
+    bu = b >> np.uint64(31)
+    bd = b & _M31
+    mid = ad * bu + au * bd
+    midu = mid >> np.uint64(30)
+    midd = mid & _M30
+    x = au * bu * np.uint64(2) + midu + (midd << np.uint64(31)) + ad * bd
+    x = (x >> np.uint64(61)) + (x & _P)
+    if x >= _P:
+        x -= _P
+    return x
+
+
+@_jit
+def powmod61(base: Any, exp: Any) -> Any:
+    result = _U1
+    b = np.uint64(base)
+    e = exp
+    while e > 0:
+        if e & 1:
+            result = mulmod61(result, b)
+        b = mulmod61(b, b)
+        e >>= 1
+    return result
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _mm_lazy(a: Any, b: Any) -> Any:
+    """(a * b) mod 2^61-1 for a, b < 2^61, left in [0, 2^61 + 4) (no final compare: SIMD)."""
+    au = a >> np.uint64(31)
+    ad = a & _M31
+    bu = b >> np.uint64(31)
+    bd = b & _M31
+    mid = ad * bu + au * bd
+    x = au * bu * np.uint64(2) + (mid >> np.uint64(30)) + ((mid & _M30) << np.uint64(31)) + ad * bd
+    return (x >> np.uint64(61)) + (x & _P)
+
+
+@_jit
+def fingerprint(tokens: Any, start: Any, length: Any, base: Any, fmask: Any) -> Any:
+    """Polynomial hash of ``tokens[start:start+length]``, masked to the configured bits.
+
+    Four Horner chains over the window's quarters run interleaved (one serial chain is
+    latency-bound at ≈9 ns/token; adds and removals hash every chunk) and are then joined:
+    h = ((h0·B^q + h1)·B^q + h2)·B^q + h3 after a head of ``length % 4`` tokens."""
+    b = np.uint64(base)
+    q = length // 4
+    head = length - 4 * q
+    h = _U0
+    for i in range(start, start + head):
+        h = mulmod61(h, b) + np.uint64(tokens[i])
+        if h >= _P:
+            h -= _P
+    if q > 0:
+        s0 = start + head
+        h0 = _U0
+        h1 = _U0
+        h2 = _U0
+        h3 = _U0
+        for i in range(q):
+            h0 = _fold(_mm_lazy(h0, b) + np.uint64(tokens[s0 + i]))
+            h1 = _fold(_mm_lazy(h1, b) + np.uint64(tokens[s0 + q + i]))
+            h2 = _fold(_mm_lazy(h2, b) + np.uint64(tokens[s0 + 2 * q + i]))
+            h3 = _fold(_mm_lazy(h3, b) + np.uint64(tokens[s0 + 3 * q + i]))
+        bq = powmod61(b, q)
+        h = _fold(_mm_lazy(h, bq) + h0)
+        h = _fold(_mm_lazy(h, bq) + h1)
+        h = _fold(_mm_lazy(h, bq) + h2)
+        h = _fold(_mm_lazy(h, bq) + h3)
+    return h & np.uint64(fmask)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _fold(x: Any) -> Any:
+    """Reduce x < 2^63 to [0, 2^61-1)."""
+    x = (x >> np.uint64(61)) + (x & _P)
+    x = (x >> np.uint64(61)) + (x & _P)
+    return x - _P if x >= _P else x
+
+
+@_jit
+def _mix(fp: Any) -> Any:
+    return (fp ^ (fp >> np.uint64(29))) * _MIX1
+
+
+@_jit
+def _bloom_mask(mixed: Any) -> Any:
+    return (
+        (_U1 << (mixed & np.uint64(63)))
+        | (_U1 << ((mixed >> np.uint64(6)) & np.uint64(63)))
+        | (_U1 << ((mixed >> np.uint64(12)) & np.uint64(63)))
+    )
+
+
+@_jit
+def _bloom_word(mixed: Any, fshift: Any) -> Any:
+    return np.int64(mixed >> np.uint64(fshift))
+
+
+@_jit
+def _filter_shift(filt: Any) -> Any:
+    """Words are addressed by the top bits of the mixed fingerprint (filter has >= 2 words)."""
+    bits = 0
+    n = filt.shape[0]
+    while n > 1:
+        n >>= 1
+        bits += 1
+    return 64 - bits
+
+
+@_jit
+def _table_home(fp: Any, tmask: Any) -> Any:
+    return np.int64(((fp * _MIX2) >> np.uint64(20)) & np.uint64(tmask))
+
+
+@_jit
+def _claim_key(occ: Any, ns: Any) -> Any:
+    return (np.int64(occ) << 32) | np.int64(ns)
+
+
+@_jit
+def _claim_home(key: Any, emask: Any) -> Any:
+    return np.int64(((np.uint64(key) * _MIX1) >> np.uint64(24)) & np.uint64(emask))
+
+
+@_jit
+def extra_contains(extra: Any, key: Any) -> Any:
+    emask = extra.shape[0] - 1
+    slot = _claim_home(key, emask)
+    while True:
+        k = extra[slot]
+        if k == -1:
+            return False
+        if k == key:
+            return True
+        slot = (slot + 1) & emask
+
+
+@_jit
+def extra_insert(extra: Any, key: Any) -> Any:
+    """Insert; False if already present. Caller keeps load <= 1/2 (so a free slot exists)."""
+    emask = extra.shape[0] - 1
+    slot = _claim_home(key, emask)
+    while True:
+        k = extra[slot]
+        if k == -1:
+            extra[slot] = key
+            return True
+        if k == key:
+            return False
+        slot = (slot + 1) & emask
+
+
+@_jit
+def extra_delete(extra: Any, key: Any) -> Any:
+    """Delete by backward shift (no tombstones): keeps every other key reachable."""
+    emask = extra.shape[0] - 1
+    slot = _claim_home(key, emask)
+    while True:
+        k = extra[slot]
+        if k == -1:
+            return False
+        if k == key:
+            break
+        slot = (slot + 1) & emask
+    hole = slot
+    j = slot
+    while True:
+        j = (j + 1) & emask
+        k = extra[j]
+        if k == -1:
+            break
+        home = _claim_home(k, emask)
+        # move k into the hole unless its home lies cyclically in (hole, j]
+        if (j > hole and (home <= hole or home > j)) or (j < hole and home <= hole and home > j):
+            extra[hole] = k
+            hole = j
+    extra[hole] = -1
+    return True
+
+
+@_jit
+def extra_rehash(old: Any, new: Any) -> None:
+    for i in range(old.shape[0]):
+        if old[i] != -1:
+            extra_insert(new, old[i])
+
+
+@_jit
+def _claimed(o: Any, ns: Any, o_ns0: Any, o_nclaims: Any, extra: Any) -> Any:
+    """Namespace membership: the cheap test that runs before any token comparison."""
+    if o_ns0[o] == ns:
+        return True
+    inline = 1 if o_ns0[o] >= 0 else 0
+    if o_nclaims[o] > inline:
+        return extra_contains(extra, _claim_key(o, ns))
+    return False
+
+
+@_jit
+def _equal_at(q: Any, pos: Any, addr: Any, chunk: Any) -> Any:
+    p: Any = _u32_ptr(addr)  # type: ignore[call-arg]
+    for k in range(chunk):  # noqa: SIM110 (numba: no generator expressions)
+        if q[pos + k] != p[k]:
+            return False
+    return True
+
+
+@_jit
+def find_content(tokens: Any, fp: Any, chunk: Any, table: Any, c_fp: Any, c_addr: Any) -> Any:
+    """Return (content id or -1, table slot where it is or where it would be inserted).
+
+    Entries are identified by (fingerprint, content): a colliding fingerprint with different
+    tokens is a different entry, never an alias.
+    """
+    tmask = table.shape[0] - 1
+    slot = _table_home(fp, tmask)
+    while True:
+        cid = table[slot]
+        if cid == -1:
+            return -1, slot
+        if c_fp[cid] == fp and _equal_at(tokens, 0, c_addr[cid], chunk):
+            return cid, slot
+        slot = (slot + 1) & tmask
+
+
+@_jit
+def table_delete(table: Any, slot: Any, c_fp: Any) -> None:
+    """Backward-shift delete at ``slot``: no tombstones, no entry becomes unreachable."""
+    tmask = table.shape[0] - 1
+    hole = slot
+    j = slot
+    while True:
+        j = (j + 1) & tmask
+        cid = table[j]
+        if cid == -1:
+            break
+        home = _table_home(c_fp[cid], tmask)
+        if (j > hole and (home <= hole or home > j)) or (j < hole and home <= hole and home > j):
+            table[hole] = cid
+            hole = j
+    table[hole] = -1
+
+
+@_jit
+def rebuild(table: Any, filt: Any, c_fp: Any, c_addr: Any, hwm: Any) -> None:
+    """Re-insert every live content into fresh (all -1 / all 0) table and filter arrays."""
+    tmask = table.shape[0] - 1
+    fshift = _filter_shift(filt)
+    for cid in range(hwm):
+        if c_addr[cid] == 0:
+            continue
+        fp = c_fp[cid]
+        slot = _table_home(fp, tmask)
+        while table[slot] != -1:
+            slot = (slot + 1) & tmask
+        table[slot] = cid
+        mixed = _mix(fp)
+        filt[_bloom_word(mixed, fshift)] |= _bloom_mask(mixed)
+
+
+@_jit
+def find_occupant(c_first: Any, cid: Any, o_next: Any, o_hash: Any, o_hlen: Any, h: Any) -> Any:
+    o = c_first[cid]
+    n = len(h)
+    while o != -1:
+        if o_hlen[o] == n:
+            same = True
+            for k in range(n):
+                if o_hash[o, k] != h[k]:
+                    same = False
+                    break
+            if same:
+                return o
+        o = o_next[o]
+    return -1
+
+
+@_jit
+def add_entry(
+    tokens: Any,
+    h: Any,
+    offset: Any,
+    ns: Any,
+    new_cid: Any,
+    new_occ: Any,
+    base: Any,
+    fmask: Any,
+    table: Any,
+    filt: Any,
+    c_fp: Any,
+    c_addr: Any,
+    c_first: Any,
+    o_hash: Any,
+    o_hlen: Any,
+    o_off: Any,
+    o_next: Any,
+    o_ns0: Any,
+    o_nclaims: Any,
+    extra: Any,
+) -> Any:
+    """Add (content, chunk_hash) with a claim for ``ns``; idempotent.
+
+    Returns (flags, content id, occupant id); flags: 1 new content (``new_cid`` used, the
+    caller must keep ``tokens`` alive), 2 new occupant (``new_occ`` used), 4 new claim,
+    8 the claim went to the extra set.
+    """
+    chunk = tokens.shape[0]
+    fp = fingerprint(tokens, 0, chunk, base, fmask)
+    cid, slot = find_content(tokens, fp, chunk, table, c_fp, c_addr)
+    flags = 0
+    if cid == -1:
+        cid = new_cid
+        flags |= 1
+        c_fp[cid] = fp
+        c_addr[cid] = tokens.ctypes.data
+        c_first[cid] = -1
+        table[slot] = cid
+        fshift = _filter_shift(filt)
+        mixed = _mix(fp)
+        filt[_bloom_word(mixed, fshift)] |= _bloom_mask(mixed)
+        o = -1
+    else:
+        o = find_occupant(c_first, cid, o_next, o_hash, o_hlen, h)
+    if o == -1:
+        o = new_occ
+        flags |= 2
+        n = len(h)
+        for k in range(n):
+            o_hash[o, k] = h[k]
+        for k in range(n, o_hash.shape[1]):
+            o_hash[o, k] = 0
+        o_hlen[o] = n
+        o_next[o] = c_first[cid]
+        c_first[cid] = o
+        o_ns0[o] = -1
+        o_nclaims[o] = 0
+    o_off[o] = offset
+    if o_ns0[o] == ns:
+        return flags, cid, o
+    if o_ns0[o] == -1:
+        # the inline slot is free: the claim may already live in the extra set
+        if o_nclaims[o] > 0 and extra_contains(extra, _claim_key(o, ns)):
+            return flags, cid, o
+        o_ns0[o] = ns
+        o_nclaims[o] += 1
+        return flags | 4, cid, o
+    if extra_insert(extra, _claim_key(o, ns)):
+        o_nclaims[o] += 1
+        return flags | 4 | 8, cid, o
+    return flags, cid, o
+
+
+@_jit
+def locate(
+    tokens: Any,
+    h: Any,
+    base: Any,
+    fmask: Any,
+    table: Any,
+    c_fp: Any,
+    c_addr: Any,
+    c_first: Any,
+    o_next: Any,
+    o_hash: Any,
+    o_hlen: Any,
+) -> Any:
+    """(content id, table slot, occupant id) of (tokens, chunk_hash); -1 ids when unknown."""
+    chunk = tokens.shape[0]
+    fp = fingerprint(tokens, 0, chunk, base, fmask)
+    cid, slot = find_content(tokens, fp, chunk, table, c_fp, c_addr)
+    if cid == -1:
+        return -1, slot, -1
+    return cid, slot, find_occupant(c_first, cid, o_next, o_hash, o_hlen, h)
+
+
+@_jit
+def drop_claim(o: Any, ns: Any, o_ns0: Any, o_nclaims: Any, extra: Any) -> Any:
+    """Drop ``ns``'s claim on occupant ``o``: 0 not claimed, 1 inline claim, 2 extra claim."""
+    if o_ns0[o] == ns:
+        o_ns0[o] = -1
+        o_nclaims[o] -= 1
+        return 1
+    if extra_delete(extra, _claim_key(o, ns)):
+        o_nclaims[o] -= 1
+        return 2
+    return 0
+
+
+@_jit
+def unlink_occupant(
+    cid: Any, slot: Any, o: Any, table: Any, c_fp: Any, c_addr: Any, c_first: Any, o_next: Any
+) -> Any:
+    """Unlink occupant ``o`` from its content; drop the content with its last occupant.
+
+    Returns True when the content entry went (the caller releases its token array)."""
+    prev = -1
+    cur = c_first[cid]
+    while cur != o:
+        prev = cur
+        cur = o_next[cur]
+    if prev == -1:
+        c_first[cid] = o_next[o]
+    else:
+        o_next[prev] = o_next[o]
+    o_next[o] = -1
+    if c_first[cid] != -1:
+        return False
+    table_delete(table, slot, c_fp)
+    c_addr[cid] = 0
+    return True
+
+
+LANES = 16
+"""Independent rolling-hash chains advanced together: the per-window recurrence is a serial
+dependency, so one chain is latency-bound (≈6 ns/token); 16 chains over 16 sub-ranges of the
+query compile to SIMD and run at ≈1.5 ns/token."""
+
+_2P = np.uint64(2 * MERSENNE61)
+
+
+@_jit
+def _lane_roll(qt: Any, h: Any, blk: Any, chunk: Any, b: Any, bp: Any, out: Any) -> None:
+    """out[i, j] = fingerprint of the window starting at lane j's origin + i."""
+    for i in range(blk):
+        oi = out[i]
+        tin = qt[i + chunk]
+        tout = qt[i]
+        for j in range(LANES):
+            oi[j] = h[j]
+            x = _mm_lazy(h[j], b) + np.uint64(tin[j]) + (_2P - _mm_lazy(np.uint64(tout[j]), bp))
+            x = (x >> np.uint64(61)) + (x & _P)
+            x = (x >> np.uint64(61)) + (x & _P)
+            h[j] = x - _P if x >= _P else x
+
+
+@_jit
+def window_fingerprints(q: Any, start: Any, n: Any, chunk: Any, base: Any, base_pow: Any) -> Any:
+    """Unmasked fingerprints of the ``n`` windows starting at ``start``, as a (blk, LANES)
+    array: window ``start + j * blk + i`` is at ``[i, j]`` (entries past ``n`` are junk)."""
+    blk = (n + LANES - 1) // LANES
+    m = q.shape[0]
+    rows = blk + chunk
+    qt = np.empty((rows, LANES), np.uint32)
+    # windows before ``start + n`` read only real tokens; clamped reads feed junk windows only
+    for r in range(rows):
+        row = qt[r]
+        for j in range(LANES):
+            row[j] = q[min(start + j * blk + r, m - 1)]
+    h = np.zeros(LANES, np.uint64)
+    b = np.uint64(base)
+    for j in range(LANES):
+        h[j] = fingerprint(qt[:, j], 0, chunk, base, MERSENNE61)
+    out = np.empty((blk, LANES), np.uint64)
+    _lane_roll(qt, h, blk, chunk, b, np.uint64(base_pow), out)
+    return out
+
+
+@_jit
+def _filter_pass(
+    fps: Any, start: Any, stop: Any, stride: Any, um: Any, filt: Any, cand_pos: Any, cand_fp: Any
+) -> Any:
+    """Window starts whose masked fingerprint passes the Bloom filter, written per lane:
+    lane j's candidates (ascending) at ``cand[j * blk : j * blk + counts[j]]``."""
+    fshift = _filter_shift(filt)
+    blk = fps.shape[0]
+    counts = np.zeros(LANES, np.int64)
+    for i in range(blk):
+        row = fps[i]
+        for j in range(LANES):
+            fp = row[j] & um
+            mixed = _mix(fp)
+            bm = _bloom_mask(mixed)
+            if (filt[_bloom_word(mixed, fshift)] & bm) == bm:
+                p = start + j * blk + i
+                if p < stop and (stride == 1 or p % stride == 0):
+                    k = j * blk + counts[j]
+                    cand_pos[k] = p
+                    cand_fp[k] = fp
+                    counts[j] += 1
+    return counts
+
+
+@_jit
+def scan(
+    q: Any,
+    start: Any,
+    stop: Any,
+    stride: Any,
+    chunk: Any,
+    ns: Any,
+    base: Any,
+    base_pow: Any,
+    fmask: Any,
+    table: Any,
+    filt: Any,
+    c_fp: Any,
+    c_addr: Any,
+    c_first: Any,
+    o_next: Any,
+    o_ns0: Any,
+    o_nclaims: Any,
+    extra: Any,
+) -> Any:
+    """Rolling fingerprint → Bloom filter → table → namespace → token verification.
+
+    Probes the window starts ``p`` in ``[start, stop)`` with ``p % stride == 0``. Returns
+    (positions, occupants) of verified, claimed hits, ascending, each occupant at most once
+    (its first occurrence). The namespace test precedes the token comparison.
+    """
+    um = np.uint64(fmask)
+    n = stop - start
+    if n <= 0:
+        return np.empty(0, np.int64), np.empty(0, np.int32)
+    if stride * 2 < chunk:
+        fps = window_fingerprints(q, start, n, chunk, base, base_pow)
+        blk = fps.shape[0]
+        cand_pos = np.empty(blk * LANES, np.int64)
+        cand_fp = np.empty(blk * LANES, np.uint64)
+        counts = _filter_pass(fps, start, stop, stride, um, filt, cand_pos, cand_fp)
+        n_c = 0
+        for j in range(LANES):  # compact the lanes in order: candidates stay ascending
+            for k in range(j * blk, j * blk + counts[j]):
+                cand_pos[n_c] = cand_pos[k]
+                cand_fp[n_c] = cand_fp[k]
+                n_c += 1
+    else:
+        cand_pos = np.empty(n, np.int64)
+        cand_fp = np.empty(n, np.uint64)
+        # sparse probes: hashing each probed window directly costs <= 2 passes over q
+        fshift = _filter_shift(filt)
+        n_c = 0
+        first = ((start + stride - 1) // stride) * stride
+        for p in range(first, stop, stride):
+            fp = fingerprint(q, p, chunk, base, fmask)
+            mixed = _mix(fp)
+            bm = _bloom_mask(mixed)
+            if (filt[_bloom_word(mixed, fshift)] & bm) == bm:
+                cand_pos[n_c] = p
+                cand_fp[n_c] = fp
+                n_c += 1
+    out_pos = np.empty(64, np.int64)
+    out_occ = np.empty(64, np.int32)
+    n_out = 0
+    seen = np.full(64, -1, np.int32)  # open-addressed set of emitted occupants
+    n_seen = 0
+    tmask = table.shape[0] - 1
+    for c in range(n_c):
+        pos = cand_pos[c]
+        fp = cand_fp[c]
+        slot = _table_home(fp, tmask)
+        while True:
+            cid = table[slot]
+            if cid == -1:
+                break
+            slot = (slot + 1) & tmask
+            if c_fp[cid] != fp:
+                continue
+            verified = -1  # unknown until a claimed, not yet emitted occupant needs it
+            o = c_first[cid]
+            while o != -1:
+                if _claimed(o, ns, o_ns0, o_nclaims, extra):
+                    smask = seen.shape[0] - 1
+                    s = (o * 0x9E3779B1) & smask
+                    dup = False
+                    while seen[s] != -1:
+                        if seen[s] == o:
+                            dup = True
+                            break
+                        s = (s + 1) & smask
+                    if not dup:
+                        if verified == -1:
+                            verified = 1 if _equal_at(q, pos, c_addr[cid], chunk) else 0
+                        if verified == 0:
+                            break
+                        seen[s] = o
+                        n_seen += 1
+                        if n_out == out_pos.shape[0]:
+                            out_pos = np.concatenate((out_pos, np.empty_like(out_pos)))
+                            out_occ = np.concatenate((out_occ, np.empty_like(out_occ)))
+                        out_pos[n_out] = pos
+                        out_occ[n_out] = o
+                        n_out += 1
+                        if 2 * n_seen > seen.shape[0]:
+                            seen = _grow_seen(seen)
+                o = o_next[o]
+    return out_pos[:n_out], out_occ[:n_out]
+
+
+@_jit
+def _grow_seen(old: Any) -> Any:
+    seen = np.full(old.shape[0] * 2, -1, np.int32)
+    smask = seen.shape[0] - 1
+    for i in range(old.shape[0]):
+        v = old[i]
+        if v != -1:
+            s = (v * 0x9E3779B1) & smask
+            while seen[s] != -1:
+                s = (s + 1) & smask
+            seen[s] = v
+    return seen
+
+
+@_jit
+def rolling_floor(q: Any, chunk: Any, base: Any, base_pow: Any) -> Any:
+    """The floor the scan is measured against: the rolling fingerprint alone over the query
+    (same SIMD lanes as ``scan``), folded to one value so nothing is optimised away."""
+    n = q.shape[0] - chunk + 1
+    if n <= 0:
+        return 0
+    fps = window_fingerprints(q, 0, n, chunk, base, base_pow)
+    acc = np.uint64(0)
+    for i in range(fps.shape[0]):
+        for j in range(LANES):
+            acc ^= fps[i, j]
+    return np.int64(acc & np.uint64(0x7FFFFFFFFFFFFFFF))

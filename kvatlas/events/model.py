@@ -1,0 +1,168 @@
+"""Cache-event model: one batch = one emitter step (type, tier, backend) with its entries.
+
+Everything is validated on construction, so code behind the ingest gate can trust a batch and
+apply it atomically: a batch that exists is a batch that can be applied.
+Token ids are held as read-only ``uint32`` arrays (1 KiB per 256-token chunk, shared, never
+tuples of Python ints).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+
+from kvatlas.events.errors import EventValidationError
+from kvatlas.keys import ObjectKey, as_token_array
+from kvatlas.keys.tokens import TokenArray
+
+STORE: Final = "store"
+DELETE: Final = "delete"
+ACCESS: Final = "access"
+CONFIG: Final = "config"
+EVENT_TYPES: Final = frozenset({STORE, DELETE, ACCESS, CONFIG})
+TIERS: Final = frozenset({"l1", "l2"})
+UNKNOWN_OFFSET: Final = -1
+
+U64_MAX: Final = (1 << 64) - 1
+I64_MAX: Final = (1 << 63) - 1
+MAX_ID_CHARS: Final = 256
+
+
+def _int_in(name: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise EventValidationError(name, f"must be an integer in [{lo}, {hi}], got {value!r:.40}")
+    return value
+
+
+def _name(name: str, value: Any, *, required: bool) -> str:
+    if not isinstance(value, str):
+        raise EventValidationError(name, f"must be a string, got {type(value).__name__}")
+    if required and not value:
+        raise EventValidationError(name, "must be a non-empty string")
+    if len(value) > MAX_ID_CHARS or "\x00" in value:
+        raise EventValidationError(name, f"must be at most {MAX_ID_CHARS} characters, no NUL")
+    return value
+
+
+def readonly_tokens(token_ids: Any) -> TokenArray:
+    """``token_ids`` as a read-only 1-D uint32 array; a writable input is copied, never aliased."""
+    arr = as_token_array(token_ids)
+    if arr.flags.writeable:
+        arr = arr.copy() if arr.base is not None or arr is token_ids else arr
+        arr.flags.writeable = False
+    return arr
+
+
+def tokens_equal(a: TokenArray, b: TokenArray) -> bool:
+    return a is b or (a.shape == b.shape and bool(np.array_equal(a, b)))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CacheEntry:
+    """One key of a batch. ``token_offset == -1`` means unknown (never indexed, see directory)."""
+
+    key: ObjectKey
+    size_bytes: int = 0
+    token_ids: TokenArray | None = None
+    token_offset: int = UNKNOWN_OFFSET
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, ObjectKey):
+            raise EventValidationError("key", "must be an ObjectKey")
+        if self.key.object_group_id > U64_MAX:
+            raise EventValidationError("key.object_group_id", "must fit in 64 bits")
+        _int_in("size_bytes", self.size_bytes, 0, I64_MAX)
+        _int_in("token_offset", self.token_offset, UNKNOWN_OFFSET, I64_MAX)
+        tokens = self.token_ids
+        if tokens is not None:
+            try:
+                arr = readonly_tokens(tokens)
+            except ValueError as exc:
+                raise EventValidationError("token_ids", str(exc)) from None
+            # No tokens and an empty list say the same thing: content unknown.
+            object.__setattr__(self, "token_ids", arr if len(arr) else None)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CacheEntry):
+            return NotImplemented
+        a, b = self.token_ids, other.token_ids
+        same_tokens = (a is None and b is None) or (
+            a is not None and b is not None and tokens_equal(a, b)
+        )
+        return (
+            self.key == other.key
+            and self.size_bytes == other.size_bytes
+            and self.token_offset == other.token_offset
+            and same_tokens
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    """A batch of one event type on one (instance, tier, backend), ordered by ``seq``.
+
+    ``incarnation`` must grow on every emitter restart; ``seq`` starts at 1 and grows by one per
+    batch within an incarnation. ``config`` batches carry no entries, only a capacity
+    declaration (LMCache MP servers send them; they are accepted, never rejected).
+    """
+
+    instance_id: str
+    incarnation: int
+    seq: int
+    event_type: str
+    tier: str
+    backend: str = ""
+    shared: bool = False
+    ts: float = 0.0
+    entries: tuple[CacheEntry, ...] = field(default=())
+    capacity_bytes: int | None = None
+    capacity_revision: int | None = None
+
+    def __post_init__(self) -> None:
+        _name("instance_id", self.instance_id, required=True)
+        _int_in("incarnation", self.incarnation, 0, U64_MAX)
+        _int_in("seq", self.seq, 1, U64_MAX)
+        if self.event_type not in EVENT_TYPES:
+            raise EventValidationError(
+                "event_type", f"must be one of {sorted(EVENT_TYPES)}, got {self.event_type!r:.40}"
+            )
+        if self.tier not in TIERS:
+            raise EventValidationError("tier", f"must be 'l1' or 'l2', got {self.tier!r:.40}")
+        _name("backend", self.backend, required=self.event_type in (STORE, DELETE))
+        if not isinstance(self.shared, bool):
+            raise EventValidationError("shared", "must be a boolean")
+        ts = self.ts
+        if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
+            raise EventValidationError("ts", f"must be a finite number, got {ts!r:.40}")
+        object.__setattr__(self, "ts", float(ts))
+        entries = self.entries
+        if not isinstance(entries, tuple):
+            entries = tuple(entries)
+            object.__setattr__(self, "entries", entries)
+        for i, entry in enumerate(entries):
+            if not isinstance(entry, CacheEntry):
+                raise EventValidationError(f"entries[{i}]", "must be a CacheEntry")
+        self._check_config()
+
+    def _check_config(self) -> None:
+        if self.event_type == CONFIG:
+            if self.entries:
+                raise EventValidationError("entries", "a config batch carries no entries")
+            for name in ("capacity_bytes", "capacity_revision"):
+                value = getattr(self, name)
+                if value is None:
+                    raise EventValidationError(name, "is required for a config batch")
+                _int_in(name, value, 0, I64_MAX)
+        else:
+            for name in ("capacity_bytes", "capacity_revision"):
+                if getattr(self, name) is not None:
+                    raise EventValidationError(name, "is only allowed on a config batch")
+
+    @property
+    def emitter(self) -> tuple[str, int, int]:
+        return (self.instance_id, self.incarnation, self.seq)

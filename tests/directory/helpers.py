@@ -1,0 +1,61 @@
+"""Small builders shared by the directory tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvatlas.events import CacheEntry, EventBatch
+from kvatlas.keys import ObjectKey, pack_kv_rank
+
+CS = 4  # chunk size used by the directory tests
+
+
+def key(n: int, model: str = "m", salt: str = "", ws: int = 1, rank: int = 0) -> ObjectKey:
+    return ObjectKey(bytes([n]) * 32, model, pack_kv_rank(ws, rank, ws, rank), 0, salt)
+
+
+def toks(*values: int) -> np.ndarray[Any, Any]:
+    return np.array(values, dtype=np.uint32)
+
+
+def entry(k: ObjectKey, tokens: Any = None, offset: int = -1, size: int = 10) -> CacheEntry:
+    return CacheEntry(k, size, tokens, offset)
+
+
+class Emitter:
+    """Numbers batches like a real emitter: (incarnation, seq) with seq += 1 per batch."""
+
+    def __init__(self, instance_id: str = "a", incarnation: int = 1) -> None:
+        self.instance_id = instance_id
+        self.incarnation = incarnation
+        self.seq = 0
+
+    def batch(
+        self,
+        kind: str,
+        entries: list[CacheEntry] | tuple[CacheEntry, ...] = (),
+        tier: str = "l1",
+        backend: str = "dram",
+        shared: bool = False,
+        ts: float = 0.0,
+        **kw: Any,
+    ) -> EventBatch:
+        self.seq += 1
+        return EventBatch(
+            self.instance_id,
+            self.incarnation,
+            self.seq,
+            kind,
+            tier,
+            backend,
+            shared,
+            ts,
+            tuple(entries),
+            **kw,
+        )
+
+    def restart(self) -> None:
+        self.incarnation += 1
+        self.seq = 0

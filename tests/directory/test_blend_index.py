@@ -1,0 +1,337 @@
+"""Pinned behaviours of BlendIndex (blend-index.md, "Contract")."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import pytest
+
+from kvatlas.directory.blend_index import BlendIndex, BlendMatch
+from kvatlas.keys import BlendNamespace
+
+C = 8
+NS = BlendNamespace("model-a")
+
+
+def chunk(seed: int, size: int = C) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 50_000, size, dtype=np.uint32)
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def filler(n: int, seed: int = 99) -> np.ndarray:
+    # tokens >= 60_000 never occur in chunk(): filler never forms a stored window
+    return np.random.default_rng(seed).integers(60_000, 70_000, n, dtype=np.uint32)
+
+
+def test_constructor_validates() -> None:
+    for kwargs in ({"chunk_size": 0}, {"probe_stride": 0}, {"chunk_size": -1}):
+        with pytest.raises(ValueError):
+            BlendIndex(**kwargs)  # type: ignore[arg-type]
+    index = BlendIndex()
+    assert (index.chunk_size, index.probe_stride) == (256, 1)
+
+
+def test_match_at_unaligned_offsets_reports_both_positions() -> None:
+    index = BlendIndex(chunk_size=C)
+    a, b = chunk(1), chunk(2)
+    index.add(a, h(1), 512, NS)
+    index.add(b, h(2), 0, NS)
+    query = np.concatenate([filler(3), b, filler(5), a, filler(2)])
+    assert index.match(query, NS) == [
+        BlendMatch(h(2), 0, 3),
+        BlendMatch(h(1), 512, 3 + C + 5),
+    ]
+
+
+def test_results_ascending_and_first_occurrence_only() -> None:
+    index = BlendIndex(chunk_size=C)
+    a, b = chunk(1), chunk(2)
+    index.add(a, h(1), 8, NS)
+    index.add(b, h(2), 16, NS)
+    query = np.concatenate([b, filler(1), a, b, a, filler(4), b])
+    result = index.match(query, NS)
+    assert [m.cur_st for m in result] == [0, C + 1]
+    assert [m.chunk_hash for m in result] == [h(2), h(1)]
+
+
+def test_overlapping_matches_are_all_returned() -> None:
+    index = BlendIndex(chunk_size=4)
+    index.add([1, 2, 3, 4], h(1), 0, NS)
+    index.add([3, 4, 5, 6], h(2), 4, NS)
+    assert index.match([1, 2, 3, 4, 5, 6], NS) == [BlendMatch(h(1), 0, 0), BlendMatch(h(2), 4, 2)]
+
+
+@pytest.mark.parametrize("where", [0, C // 2, C - 1])
+def test_one_token_different_window_is_rejected(where: int) -> None:
+    index = BlendIndex(chunk_size=C)
+    a = chunk(1)
+    index.add(a, h(1), 0, NS)
+    near = a.copy()
+    near[where] += 1
+    assert index.match(np.concatenate([filler(3), near, filler(3)]), NS) == []
+    assert index.match(np.concatenate([near, a]), NS) == [BlendMatch(h(1), 0, C)]
+
+
+def test_add_is_idempotent_and_updates_offset() -> None:
+    index = BlendIndex(chunk_size=C)
+    a = chunk(1)
+    index.add(a, h(1), 0, NS)
+    before = index.stats()
+    index.add(a, h(1), 0, NS)
+    assert index.stats() == before
+    index.add(list(map(int, a)), h(1), 40, NS)
+    assert index.stats() == before
+    assert index.match(a, NS) == [BlendMatch(h(1), 40, 0)]
+    assert before["contents"] == before["occupants"] == before["claims"] == 1
+
+
+def test_same_content_under_two_hashes_survives_one_eviction() -> None:
+    index = BlendIndex(chunk_size=C)
+    a = chunk(1)
+    index.add(a, h(1), 0, NS)
+    index.add(a, h(2), 256, NS)
+    stats = index.stats()
+    assert (stats["contents"], stats["occupants"]) == (1, 2)
+    assert sorted(index.match(a, NS), key=lambda m: m.old_st) == [
+        BlendMatch(h(1), 0, 0),
+        BlendMatch(h(2), 256, 0),
+    ]
+    index.remove_claim(a, h(1), NS)
+    assert index.match(a, NS) == [BlendMatch(h(2), 256, 0)]
+    index.add(a, h(1), 0, NS)
+    index.remove_chunk(a, h(2))
+    assert index.match(a, NS) == [BlendMatch(h(1), 0, 0)]
+    index.remove_chunk(a, h(1))
+    assert index.match(a, NS) == []
+    assert index.stats()["contents"] == 0
+
+
+def test_stride_equal_to_chunk_matches_only_aligned_positions() -> None:
+    index = BlendIndex(chunk_size=C, probe_stride=C)
+    a, b = chunk(1), chunk(2)
+    index.add(a, h(1), 0, NS)
+    index.add(b, h(2), 0, NS)
+    query = np.concatenate([filler(3), a, filler(C - 3), b])
+    assert index.match(query, NS) == [BlendMatch(h(2), 0, 2 * C)]
+    dense = BlendIndex(chunk_size=C, probe_stride=1)
+    dense.add(a, h(1), 0, NS)
+    assert dense.match(query, NS) == [BlendMatch(h(1), 0, 3)]
+
+
+def test_stride_two_probes_even_positions() -> None:
+    index = BlendIndex(chunk_size=4, probe_stride=2)
+    index.add([1, 2, 3, 4], h(1), 0, NS)
+    assert index.match([9, 1, 2, 3, 4], NS) == []
+    assert index.match([9, 9, 1, 2, 3, 4], NS) == [BlendMatch(h(1), 0, 2)]
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        BlendNamespace("model-b"),
+        BlendNamespace("model-a", cache_salt="tenant-2"),
+        BlendNamespace("model-a", world_size=2),
+    ],
+)
+def test_namespace_scoping(other: BlendNamespace) -> None:
+    index = BlendIndex(chunk_size=C)
+    a = chunk(1)
+    index.add(a, h(1), 0, NS)
+    assert index.match(a, other) == []
+    assert index.match(a, NS) == [BlendMatch(h(1), 0, 0)]
+    index.add(a, h(1), 0, other)  # same chunk_hash, second namespace: one occupant, two claims
+    stats = index.stats()
+    assert (stats["occupants"], stats["claims"], stats["namespaces"]) == (1, 2, 2)
+    index.remove_claim(a, h(1), NS)
+    assert index.match(a, NS) == []
+    assert index.match(a, other) == [BlendMatch(h(1), 0, 0)]
+
+
+def test_own_chunk_found_behind_foreign_identical_content() -> None:
+    index = BlendIndex(chunk_size=C)
+    foreign = BlendNamespace("model-a", cache_salt="other")
+    a = chunk(1)
+    index.add(a, h(7), 100, foreign)  # stored first: heads the content's occupant chain
+    index.add(a, h(1), 0, NS)
+    index.add(a, h(8), 200, foreign)
+    assert index.match(np.concatenate([filler(2), a]), NS) == [BlendMatch(h(1), 0, 2)]
+
+
+def test_skipped_hash_does_not_consume_its_chance() -> None:
+    """One chunk_hash on two contents: the foreign one earlier in the query must not hide
+    the requester's later one."""
+    index = BlendIndex(chunk_size=C)
+    foreign = BlendNamespace("model-z")
+    a, b = chunk(1), chunk(2)
+    index.add(a, h(5), 0, foreign)
+    index.add(b, h(5), 64, NS)
+    assert index.match(np.concatenate([a, b]), NS) == [BlendMatch(h(5), 64, C)]
+
+
+def test_query_shorter_than_chunk_is_empty() -> None:
+    index = BlendIndex(chunk_size=C)
+    a = chunk(1)
+    index.add(a, h(1), 0, NS)
+    assert index.match(a[:-1], NS) == []
+    assert index.match([], NS) == []
+
+
+def test_wrong_length_content_is_ignored_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    index = BlendIndex(chunk_size=C)
+    with caplog.at_level(logging.INFO):
+        index.add(chunk(1, C - 1), h(1), 0, NS)
+        index.add(chunk(1, C + 1), h(1), 0, NS)
+    assert index.stats()["occupants"] == 0
+    assert "not indexing" in caplog.text
+    index.remove_claim(chunk(1, C - 1), h(1), NS)  # no-op, no error
+    index.remove_chunk(chunk(1, C + 1), h(1))
+
+
+def test_negative_offset_is_rejected() -> None:
+    index = BlendIndex(chunk_size=C)
+    with pytest.raises(ValueError):
+        index.add(chunk(1), h(1), -1, NS)
+    assert index.stats()["occupants"] == 0
+
+
+def test_unknown_removals_are_noops() -> None:
+    index = BlendIndex(chunk_size=C)
+    a = chunk(1)
+    index.remove_claim(a, h(1), NS)
+    index.remove_chunk(a, h(1))
+    index.add(a, h(1), 0, NS)
+    before = index.stats()
+    index.remove_claim(a, h(2), NS)
+    index.remove_claim(a, h(1), BlendNamespace("model-b"))
+    index.remove_claim(chunk(2), h(1), NS)
+    index.remove_chunk(chunk(2), h(1))
+    index.remove_chunk(a, h(2))
+    assert index.stats() == before
+    assert index.match(a, NS) == [BlendMatch(h(1), 0, 0)]
+
+
+def test_remove_chunk_drops_every_claim() -> None:
+    index = BlendIndex(chunk_size=C)
+    spaces = [BlendNamespace("model-a", cache_salt=f"t{i}") for i in range(5)]
+    a = chunk(1)
+    for ns in spaces:
+        index.add(a, h(1), 0, ns)
+    assert index.stats()["claims"] == 5
+    index.remove_chunk(a, h(1))
+    stats = index.stats()
+    assert (stats["contents"], stats["occupants"], stats["claims"], stats["namespaces"]) == (
+        0,
+        0,
+        0,
+        0,
+    )
+    assert all(index.match(a, ns) == [] for ns in spaces)
+    index.add(a, h(1), 0, spaces[3])  # ids are recycled cleanly
+    assert index.match(a, spaces[3]) == [BlendMatch(h(1), 0, 0)]
+    assert index.match(a, spaces[0]) == []
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [
+        lambda a: a,
+        lambda a: a.astype(np.int64),
+        lambda a: [int(t) for t in a],
+        lambda a: a[::-1].copy()[::-1],  # non-contiguous view
+    ],
+)
+def test_token_input_types(convert: object) -> None:
+    index = BlendIndex(chunk_size=C)
+    a = chunk(1)
+    index.add(convert(a), h(1), 3, NS)  # type: ignore[operator]
+    query = np.concatenate([filler(2), a])
+    assert index.match(convert(query), NS) == [BlendMatch(h(1), 3, 2)]  # type: ignore[operator]
+    index.remove_claim(convert(a), h(1), NS)  # type: ignore[operator]
+    assert index.match(query, NS) == []
+
+
+def test_out_of_range_tokens_raise() -> None:
+    index = BlendIndex(chunk_size=4)
+    with pytest.raises(ValueError):
+        index.add([1, 2, 3, -1], h(1), 0, NS)
+    with pytest.raises(ValueError):
+        index.match([1, 2, 3, 1 << 32], NS)
+
+
+def test_caller_array_is_never_mutated_or_aliased_when_writable() -> None:
+    index = BlendIndex(chunk_size=C)
+    a = chunk(1)
+    index.add(a, h(1), 0, NS)
+    original = a.copy()
+    a[0] += 1  # caller reuses its buffer: the index kept its own copy
+    assert index.match(original, NS) == [BlendMatch(h(1), 0, 0)]
+    assert index.match(a, NS) == []
+    assert index.stats()["token_bytes_owned"] == C * 4
+
+
+def test_read_only_array_is_shared_not_copied() -> None:
+    index = BlendIndex(chunk_size=C)
+    a = chunk(1)
+    a.setflags(write=False)
+    index.add(a, h(1), 0, NS)
+    stats = index.stats()
+    assert (stats["token_bytes_shared"], stats["token_bytes_owned"]) == (C * 4, 0)
+    index.remove_claim(a, h(1), NS)
+    assert index.stats()["token_bytes"] == 0
+
+
+def test_blend_match_is_frozen_value() -> None:
+    m = BlendMatch(h(1), 1, 2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.cur_st = 3  # type: ignore[misc]
+    assert m == BlendMatch(h(1), 1, 2)
+    assert not hasattr(m, "__dict__")
+
+
+def test_short_and_long_chunk_hashes() -> None:
+    index = BlendIndex(chunk_size=C)
+    a, b = chunk(1), chunk(2)
+    index.add(a, b"short", 0, NS)
+    index.add(b, b"x" * 32, 0, NS)
+    assert [m.chunk_hash for m in index.match(np.concatenate([a, b]), NS)] == [b"short", b"x" * 32]
+    with pytest.raises(ValueError):
+        index.add(a, b"y" * 33, 0, NS)
+
+
+def test_stats_counts_and_bytes() -> None:
+    index = BlendIndex(chunk_size=C)
+    other = BlendNamespace("model-b")
+    for i in range(10):
+        index.add(chunk(i), h(i), 0, NS)
+    index.add(chunk(0), h(100), 0, NS)
+    index.add(chunk(0), h(0), 0, other)
+    stats = index.stats()
+    assert stats["contents"] == 10
+    assert stats["occupants"] == 11
+    assert stats["claims"] == 12
+    assert stats["namespaces"] == 2
+    assert stats["token_bytes"] == 10 * C * 4
+    assert stats["index_bytes"] > 0
+    for key in ("table_slots", "filter_bits", "content_capacity", "occupant_capacity"):
+        assert stats[key] > 0
+
+
+def test_growth_keeps_everything_findable() -> None:
+    index = BlendIndex(chunk_size=4)
+    rng = np.random.default_rng(5)
+    contents = rng.integers(0, 1 << 32, (5000, 4), dtype=np.uint64).astype(np.uint32)
+    for i, c in enumerate(contents):
+        index.add(c, h(i), i, NS)
+    for i in range(0, 5000, 2):  # enough removals to trigger a filter rebuild
+        index.remove_chunk(contents[i], h(i))
+    query = contents.reshape(-1)
+    result = index.match(query, NS)
+    by_hash = {m.chunk_hash: m for m in result}
+    for i in range(1, 5000, 2):
+        assert by_hash[h(i)].cur_st == 4 * i and by_hash[h(i)].old_st == i
+    assert all(int.from_bytes(k, "big") % 2 == 1 for k in by_hash)

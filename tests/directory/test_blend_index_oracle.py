@@ -1,0 +1,278 @@
+"""BlendIndex against a brute-force oracle: random workloads, forced fingerprint collisions,
+recall at scale, concurrent writers and readers."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvatlas.directory import blend_index as blend_module
+from kvatlas.directory.blend_index import BlendIndex, BlendMatch
+from kvatlas.keys import BlendNamespace
+
+SPACES = [
+    BlendNamespace("m1"),
+    BlendNamespace("m1", cache_salt="s"),
+    BlendNamespace("m1", world_size=2),
+    BlendNamespace("m2"),
+    BlendNamespace("m2", cache_salt="s", world_size=4),
+]
+
+
+@dataclass
+class Oracle:
+    """The contract, naively: every live (content, chunk_hash) with its offset and claims."""
+
+    chunk_size: int
+    stride: int = 1
+    entries: dict[tuple[tuple[int, ...], bytes], tuple[int, set[BlendNamespace]]] = field(
+        default_factory=dict
+    )
+
+    def add(self, tokens: Sequence[int], ch: bytes, offset: int, ns: BlendNamespace) -> None:
+        if len(tokens) != self.chunk_size:
+            return
+        key = (tuple(tokens), ch)
+        claims = self.entries[key][1] if key in self.entries else set()
+        self.entries[key] = (offset, claims | {ns})
+
+    def remove_claim(self, tokens: Sequence[int], ch: bytes, ns: BlendNamespace) -> None:
+        key = (tuple(tokens), ch)
+        if key in self.entries:
+            self.entries[key][1].discard(ns)
+            if not self.entries[key][1]:
+                del self.entries[key]
+
+    def remove_chunk(self, tokens: Sequence[int], ch: bytes) -> None:
+        self.entries.pop((tuple(tokens), ch), None)
+
+    def match(self, query: Sequence[int], ns: BlendNamespace) -> list[BlendMatch]:
+        out, seen = [], set()
+        q = [int(t) for t in query]
+        for pos in range(0, len(q) - self.chunk_size + 1, self.stride):
+            window = tuple(q[pos : pos + self.chunk_size])
+            for (content, ch), (offset, claims) in sorted(self.entries.items()):
+                if content == window and ns in claims and ch not in seen:
+                    seen.add(ch)
+                    out.append(BlendMatch(ch, offset, pos))
+        return out
+
+
+def canonical(matches: list[BlendMatch]) -> list[tuple[int, bytes, int]]:
+    """Order among matches at the same cur_st is unspecified; everything else is pinned."""
+    return sorted((m.cur_st, m.chunk_hash, m.old_st) for m in matches)
+
+
+def assert_ascending(matches: list[BlendMatch]) -> None:
+    starts = [m.cur_st for m in matches]
+    assert starts == sorted(starts)
+    assert len({m.chunk_hash for m in matches}) == len(matches)
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> tuple[int, int, int | None, list[list[int]], list[tuple]]:
+    chunk_size = draw(st.integers(2, 6))
+    stride = draw(st.sampled_from([1, 1, 2, 3, chunk_size]))
+    bits = draw(st.sampled_from([None, None, 1, 3]))  # narrow fingerprints force collisions
+    vocab = draw(st.integers(2, 3))
+    token = st.integers(0, vocab - 1)
+    pool = draw(
+        st.lists(st.lists(token, min_size=chunk_size, max_size=chunk_size), min_size=1, max_size=8)
+    )
+    content = st.sampled_from(pool)
+    chash = st.sampled_from([b"a", b"b", b"c" * 32, b"d" * 32])
+    ns = st.sampled_from(SPACES)
+    op = st.one_of(
+        st.tuples(st.just("add"), content, chash, st.integers(0, 9), ns),
+        st.tuples(st.just("remove_claim"), content, chash, ns),
+        st.tuples(st.just("remove_chunk"), content, chash),
+        st.tuples(
+            st.just("match"),
+            st.lists(st.one_of(content, st.lists(token, max_size=3)), max_size=8),
+            ns,
+        ),
+    )
+    ops = draw(st.lists(op, min_size=1, max_size=40))
+    return chunk_size, stride, bits, pool, ops
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_match_equals_brute_force_oracle(
+    workload: tuple[int, int, int | None, list[list[int]], list[tuple]],
+) -> None:
+    chunk_size, stride, bits, pool, ops = workload
+    kwargs = {} if bits is None else {"_fingerprint_bits": bits}
+    index = BlendIndex(chunk_size=chunk_size, probe_stride=stride, **kwargs)  # type: ignore[arg-type]
+    oracle = Oracle(chunk_size, stride)
+    for op in ops:
+        if op[0] == "match":
+            query = [t for piece in op[1] for t in piece]
+            got = index.match(np.array(query, dtype=np.int64), op[2])
+            assert_ascending(got)
+            assert canonical(got) == canonical(oracle.match(query, op[2]))
+        else:
+            getattr(index, op[0])(*op[1:])
+            getattr(oracle, op[0])(*op[1:])
+    stats = index.stats()
+    assert stats["occupants"] == len(oracle.entries)
+    assert stats["claims"] == sum(len(c) for _, c in oracle.entries.values())
+    assert stats["contents"] == len({content for content, _ in oracle.entries})
+    for ns in SPACES:  # every live claimed chunk is found in a query made of the whole pool
+        query = [t for c in pool for t in c]
+        assert canonical(index.match(query, ns)) == canonical(oracle.match(query, ns))
+
+
+@pytest.mark.parametrize("hook", [{"_fingerprint_bits": 1}, {"_fingerprint_base": 1}])
+def test_forced_collisions_never_confuse_contents(hook: dict[str, int]) -> None:
+    """With one fingerprint bit (or base 1: the fingerprint is the token sum, so every
+    permutation collides) distinct contents share fingerprints; each must stay findable and
+    never be returned for another's text."""
+    index = BlendIndex(chunk_size=4, **hook)  # type: ignore[arg-type]
+    ns = SPACES[0]
+    contents = [[1, 2, 3, 4], [4, 3, 2, 1], [2, 1, 4, 3], [1, 2, 4, 3], [3, 4, 1, 2]]
+    for i, c in enumerate(contents):
+        index.add(c, bytes([i]), 10 * i, ns)
+    for i, c in enumerate(contents):
+        assert index.match(c, ns) == [BlendMatch(bytes([i]), 10 * i, 0)]
+    assert index.match([4, 1, 2, 3], ns) == []  # same sum, not stored
+    index.remove_chunk(contents[0], bytes([0]))  # removing one colliding entry keeps the rest
+    assert index.match(contents[0], ns) == []
+    for i, c in enumerate(contents[1:], start=1):
+        assert index.match(c, ns) == [BlendMatch(bytes([i]), 10 * i, 0)]
+    assert index.stats()["contents"] == len(contents) - 1
+
+
+def test_collision_with_near_miss_windows_returns_only_the_genuine_content() -> None:
+    index = BlendIndex(chunk_size=8, _fingerprint_base=1)
+    ns = SPACES[0]
+    genuine = np.arange(1, 9, dtype=np.uint32)
+    index.add(genuine, b"g", 0, ns)
+    rng = np.random.default_rng(3)
+    decoys = [rng.permutation(genuine) for _ in range(50)]  # same fingerprint, other order
+    decoys = [d for d in decoys if not np.array_equal(d, genuine)]
+    query = np.concatenate([*decoys, genuine, *decoys])
+    assert index.match(query, ns) == [BlendMatch(b"g", 0, 8 * len(decoys))]
+
+
+def test_default_fingerprint_is_keyed_per_instance() -> None:
+    a, b = BlendIndex(), BlendIndex()
+    assert a._base != b._base  # per-process secret: no fixed public base
+
+
+def test_full_recall_at_scale() -> None:
+    """100k stored chunks (two namespaces, shared content, repeated content), a query holding
+    a sample of them at arbitrary offsets: every one is found, nothing else."""
+    chunk_size, n = 16, 100_000
+    rng = np.random.default_rng(11)
+    contents = rng.integers(0, 1 << 20, (n, chunk_size), dtype=np.uint32)
+    contents[n // 2 :: 97] = contents[: len(contents[n // 2 :: 97])]  # repeated content
+    index = BlendIndex(chunk_size=chunk_size)
+    spaces = [SPACES[0], SPACES[1]]
+    for i in range(n):
+        index.add(contents[i], i.to_bytes(32, "little"), i * chunk_size, spaces[i % 2])
+    picked = rng.choice(n, 3000, replace=False)
+    pieces, expected = [], {}
+    pos = 0
+    for i in picked:
+        gap = rng.integers(1 << 21, 1 << 22, int(rng.integers(0, 5)), dtype=np.uint32)
+        pieces += [gap, contents[i]]
+        pos += len(gap)
+        expected.setdefault(bytes(contents[i]), pos)
+        pos += chunk_size
+    query = np.concatenate(pieces)
+    for ns_i, ns in enumerate(spaces):
+        got = {m.chunk_hash: m for m in index.match(query, ns)}
+        want = {
+            j: expected[bytes(contents[j])]
+            for j in range(n)
+            if j % 2 == ns_i and bytes(contents[j]) in expected
+        }
+        assert len(got) == len(want)
+        for j, cur in want.items():
+            m = got[j.to_bytes(32, "little")]
+            assert (m.cur_st, m.old_st) == (cur, j * chunk_size)
+
+
+def test_segmented_match_equals_single_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long query is probed in lock-sized segments; first-occurrence dedup must span them."""
+    index = BlendIndex(chunk_size=4)
+    ns = SPACES[0]
+    rng = np.random.default_rng(2)
+    pool = rng.integers(0, 6, (30, 4), dtype=np.uint32)
+    for i, c in enumerate(pool):
+        index.add(c, bytes([i]), i, ns)
+    query = rng.integers(0, 6, 3000, dtype=np.uint32)
+    whole = index.match(query, ns)
+    monkeypatch.setattr(blend_module, "_SEGMENT_WINDOWS", 7)
+    assert index.match(query, ns) == whole
+    oracle = Oracle(4)
+    for i, c in enumerate(pool):
+        oracle.add(c.tolist(), bytes([i]), i, ns)
+    assert canonical(whole) == canonical(oracle.match(query.tolist(), ns))
+
+
+def test_concurrent_add_remove_match(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(blend_module, "_SEGMENT_WINDOWS", 64)  # many lock hand-offs per query
+    chunk_size = 4
+    index = BlendIndex(chunk_size=chunk_size)
+    rng = np.random.default_rng(7)
+    pool = rng.integers(0, 5, (40, chunk_size), dtype=np.uint32)
+    query = np.concatenate([pool.reshape(-1), rng.integers(0, 5, 2000, dtype=np.uint32)])
+    oracles = [Oracle(chunk_size) for _ in range(3)]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def writer(w: int) -> None:
+        local = np.random.default_rng(100 + w)
+        try:
+            for _ in range(1500):
+                c = pool[int(local.integers(len(pool)))]
+                ch = bytes([w, int(local.integers(6))])  # disjoint chunk_hashes per writer
+                ns = SPACES[int(local.integers(3))]
+                kind = int(local.integers(4))
+                if kind < 2:
+                    index.add(c, ch, int(local.integers(100)), ns)
+                    oracles[w].add(c.tolist(), ch, 0, ns)
+                elif kind == 2:
+                    index.remove_claim(c, ch, ns)
+                    oracles[w].remove_claim(c.tolist(), ch, ns)
+                else:
+                    index.remove_chunk(c, ch)
+                    oracles[w].remove_chunk(c.tolist(), ch)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    def reader() -> None:
+        try:
+            while not stop.is_set():
+                for ns in SPACES[:3]:
+                    result = index.match(query, ns)
+                    assert_ascending(result)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    writers = [threading.Thread(target=writer, args=(w,)) for w in range(3)]
+    readers = [threading.Thread(target=reader) for _ in range(2)]
+    for t in writers + readers:
+        t.start()
+    for t in writers:
+        t.join(timeout=120)
+    stop.set()
+    for t in readers:
+        t.join(timeout=120)
+    assert not errors, errors
+    merged = Oracle(chunk_size)
+    for o in oracles:
+        merged.entries.update(o.entries)
+    for ns in SPACES[:3]:
+        got = [(m.cur_st, m.chunk_hash) for m in index.match(query, ns)]
+        want = [(m.cur_st, m.chunk_hash) for m in merged.match(query.tolist(), ns)]
+        assert sorted(got) == sorted(want)
+    assert index.stats()["occupants"] == len(merged.entries)

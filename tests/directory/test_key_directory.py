@@ -1,0 +1,161 @@
+"""Placements, reads, listing and capacity declarations of the KeyDirectory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvatlas.directory import KeyDirectory, PrefixHolder
+from kvatlas.keys import chunk_hashes, expand_prefix_keys
+from tests.directory.helpers import CS, Emitter, entry, key
+
+
+def test_placements_upsert_delete_and_sorting() -> None:
+    d = KeyDirectory(CS)
+    b, a = Emitter("b"), Emitter("a")
+    d.consume(b.batch("store", [entry(key(1), size=5)]))
+    d.consume(a.batch("store", [entry(key(1), size=6)], tier="l2", backend="fs", ts=3.0))
+    d.consume(a.batch("store", [entry(key(1), size=7)]))
+    d.consume(a.batch("store", [entry(key(1), size=8)]))  # upsert: same (instance, tier, backend)
+    (kp,) = d.lookup([key(1)])
+    assert [(p.instance_id, p.tier, p.backend, p.size_bytes) for p in kp.placements] == [
+        ("a", "l1", "dram", 8),
+        ("a", "l2", "fs", 6),
+        ("b", "l1", "dram", 5),
+    ]
+    assert d.stats()["placements"] == 3 and d.stats()["bytes_by_tier"] == {"l1": 13, "l2": 6}
+    d.consume(a.batch("delete", [entry(key(9))]))  # absent: no-op
+    d.consume(a.batch("delete", [entry(key(1))], tier="l2", backend="other"))
+    assert len(d.lookup([key(1)])[0].placements) == 3
+    d.consume(a.batch("delete", [entry(key(1))]))
+    d.consume(a.batch("delete", [entry(key(1))], tier="l2", backend="fs"))
+    d.consume(b.batch("delete", [entry(key(1))]))
+    assert d.lookup([key(1)])[0].placements == () and d.stats()["keys"] == 0
+
+
+def test_shared_backend_is_one_placement_fleet_wide_and_survives_fencing() -> None:
+    d = KeyDirectory(CS)
+    a, b = Emitter("a"), Emitter("b")
+    d.consume(a.batch("store", [entry(key(1), size=1)], tier="l2", backend="pool", shared=True))
+    d.consume(b.batch("store", [entry(key(1), size=2)], tier="l2", backend="pool", shared=True))
+    (p,) = d.lookup([key(1)])[0].placements
+    assert (p.instance_id, p.size_bytes, p.shared) == ("b", 2, True)  # last reporter wins
+    d.consume(b.batch("store", [entry(key(1))], tier="l2", backend="pool"))  # b's own, not shared
+    assert len(d.lookup([key(1)])[0].placements) == 2
+    d.fence_instance("b")
+    d.deregister("a")
+    assert len(d.lookup([key(1)])[0].placements) == 2
+    d.consume(a.batch("delete", [entry(key(1))], tier="l2", backend="pool", shared=True))
+    (left,) = d.lookup([key(1)])[0].placements
+    assert not left.shared
+
+
+def test_fencing_drops_only_that_instances_l1() -> None:
+    d = KeyDirectory(CS)
+    a, b = Emitter("a"), Emitter("b")
+    d.consume(a.batch("store", [entry(key(1)), entry(key(2))]))
+    d.consume(a.batch("store", [entry(key(2))], tier="l2", backend="fs"))
+    d.consume(b.batch("store", [entry(key(1))]))
+    assert d.stats()["l1_placements_by_instance"] == {"a": 2, "b": 1}
+    assert d.fence_instance("a") == 2
+    assert [len(kp.placements) for kp in d.lookup([key(1), key(2)])] == [1, 1]
+    assert d.stats()["l1_placements_by_instance"] == {"b": 1}
+    assert d.fence_instance("a") == 0
+
+
+def test_access_updates_recency_only() -> None:
+    d = KeyDirectory(CS)
+    a = Emitter("a")
+    d.consume(a.batch("store", [entry(key(1))], ts=1.0))
+    d.consume(a.batch("store", [entry(key(1))], tier="l2", backend="fs", ts=1.0))
+    d.consume(a.batch("access", [entry(key(1)), entry(key(7))], backend="", ts=5.0))
+    got = {p.tier: p.last_access for p in d.lookup([key(1)])[0].placements}
+    assert got == {"l1": 5.0, "l2": 1.0}
+    assert d.lookup([key(7)])[0].placements == ()
+    d.consume(a.batch("access", [entry(key(1))], backend="", ts=2.0))
+    assert {p.tier: p.last_access for p in d.lookup([key(1)])[0].placements}["l1"] == 5.0
+
+
+def test_lookup_tokens_longest_prefix_summary() -> None:
+    d = KeyDirectory(CS)
+    tokens = np.arange(5 * CS, dtype=np.uint32)
+    ks = expand_prefix_keys(chunk_hashes(tokens, CS), "m", 2)  # 5 chunks x 2 ranks
+    a, b, pool = Emitter("a"), Emitter("b"), Emitter("p")
+    d.consume(a.batch("store", [entry(k) for k in ks[:6]]))  # chunks 0-2 on both ranks
+    d.consume(a.batch("store", [entry(k) for k in ks[8:]]))  # chunk 4: not a prefix
+    d.consume(b.batch("store", [entry(k) for k in ks[:3]]))  # chunk 0, and rank 0 of chunk 1
+    d.consume(pool.batch("store", [entry(k) for k in ks], tier="l2", backend="redis", shared=True))
+    got = d.lookup_tokens([*tokens.tolist(), 1, 2], "m", 2)
+    assert got.chunks == 5 and len(got.results) == 10
+    assert got.prefix == [
+        PrefixHolder(None, "l2", "redis", True, 5),
+        PrefixHolder("a", "l1", "dram", False, 3),
+        PrefixHolder("b", "l1", "dram", False, 1),
+    ]
+    assert d.lookup_tokens(tokens, "other", 2).prefix == []
+    assert d.lookup_tokens(tokens[:3], "m").chunks == 0
+
+
+def test_list_keys_pages_cover_everything_once_under_churn() -> None:
+    d = KeyDirectory(CS)
+    a = Emitter("a")
+    keys = [key(n, rank=r, ws=2) for n in range(200) for r in (0, 1)]
+    d.consume(a.batch("store", [entry(k) for k in keys]))
+    d.consume(a.batch("store", [entry(k) for k in keys[::3]], tier="l2", backend="fs"))
+    seen = []
+    cursor = None
+    pages = 0
+    while True:
+        page = d.list_keys(cursor=cursor, limit=7)
+        seen += [kp.key for kp in page.items]
+        pages += 1
+        if pages == 5:  # churn during the listing: new and deleted keys
+            d.consume(a.batch("store", [entry(key(250)), entry(key(251))]))
+        if page.next_cursor is None:
+            break
+        cursor = page.next_cursor
+    present_throughout = set(keys)
+    assert len(seen) == len(set(seen))
+    assert present_throughout <= set(seen)
+    assert [kp.key.chunk_hash for kp in d.list_keys(limit=1000).items] == sorted(
+        kp.key.chunk_hash for kp in d.list_keys(limit=1000).items
+    )
+    l2 = d.list_keys(tier="l2", limit=1000)
+    assert {kp.key for kp in l2.items} == set(keys[::3]) and l2.next_cursor is None
+    assert d.list_keys(instance_id="nobody", limit=10).items == []
+    short = d.list_keys(backend="fs", limit=1000, max_scan=10)
+    assert short.next_cursor is not None and len(short.items) <= 10
+    with pytest.raises(ValueError):
+        d.list_keys(cursor="zz")
+
+
+def test_config_capacity_newest_revision_wins() -> None:
+    d = KeyDirectory(CS)
+    a = Emitter("a")
+
+    def cfg(em: Emitter, tier: str, n: int, rev: int) -> None:
+        d.consume(
+            em.batch("config", tier=tier, backend="", capacity_bytes=n, capacity_revision=rev)
+        )
+
+    cfg(a, "l1", 100, 1)
+    cfg(a, "l2", 500, 1)  # same revision: merged
+    assert d.capacities()["a"].capacities == {("l1", ""): 100, ("l2", ""): 500}
+    cfg(a, "l1", 50, 0)  # older revision: ignored
+    assert d.stats()["capacity_bytes_by_instance"] == {"a": 600}
+    cfg(a, "l1", 70, 2)  # newer: replaces
+    assert d.capacities()["a"].capacities == {("l1", ""): 70}
+    a.restart()
+    cfg(a, "l2", 9, 0)  # newer incarnation beats any older revision
+    assert d.capacities()["a"].capacities == {("l2", ""): 9}
+    d.deregister("a")
+    assert d.capacities() == {}
+
+
+def test_blend_lookup_chunk_size_must_match() -> None:
+    with pytest.raises(ValueError):
+        KeyDirectory(CS).enable_blend_lookup(CS + 1)
+    with pytest.raises(ValueError):
+        KeyDirectory(0)
+    with pytest.raises(TypeError):
+        KeyDirectory(CS).consume("not a batch")  # type: ignore[arg-type]

@@ -1,0 +1,229 @@
+"""The token-binding / blend-index lifecycle table of directory.md §3, row by row."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+
+import kvatlas.directory.key_directory as kd_module
+from kvatlas.directory import BlendIndex, KeyDirectory
+from kvatlas.keys import BlendNamespace
+from tests.directory.helpers import CS, Emitter, entry, key, toks
+
+NS_A = BlendNamespace("m", "", 1)
+NS_B = BlendNamespace("m", "tenant-b", 1)
+A = toks(1, 2, 3, 4)
+B = toks(5, 6, 7, 8)
+
+
+class SpyIndex(BlendIndex):
+    """A real index that also records the directory's calls (name, chunk hash, extra)."""
+
+    instances: ClassVar[list[SpyIndex]] = []
+
+    def __init__(self, chunk_size: int = 256, probe_stride: int = 1) -> None:
+        super().__init__(chunk_size, probe_stride)
+        self.calls: list[tuple[Any, ...]] = []
+        SpyIndex.instances.append(self)
+
+    def add(self, tokens: Any, chunk_hash: bytes, token_offset: int, namespace: Any) -> None:
+        self.calls.append(("add", chunk_hash[0], token_offset, namespace, id(tokens)))
+        super().add(tokens, chunk_hash, token_offset, namespace)
+
+    def remove_claim(self, tokens: Any, chunk_hash: bytes, namespace: Any) -> None:
+        self.calls.append(("remove_claim", chunk_hash[0], namespace))
+        super().remove_claim(tokens, chunk_hash, namespace)
+
+    def remove_chunk(self, tokens: Any, chunk_hash: bytes) -> None:
+        self.calls.append(("remove_chunk", chunk_hash[0]))
+        super().remove_chunk(tokens, chunk_hash)
+
+
+@pytest.fixture
+def spy(monkeypatch: pytest.MonkeyPatch) -> type[SpyIndex]:
+    SpyIndex.instances = []
+    monkeypatch.setattr(kd_module, "BlendIndex", SpyIndex)
+    return SpyIndex
+
+
+def calls(d: KeyDirectory) -> list[tuple[Any, ...]]:
+    index = d._index
+    assert isinstance(index, SpyIndex)
+    out = list(index.calls)
+    index.calls.clear()
+    return out
+
+
+def names(d: KeyDirectory) -> list[str]:
+    return [c[0] for c in calls(d)]
+
+
+def found(d: KeyDirectory, tokens: Any, ns: BlendNamespace = NS_A) -> list[tuple[int, int]]:
+    query = np.concatenate([toks(0, 0), tokens])
+    return [(m.chunk_hash[0], m.old_st) for m in d.blend_match(query, ns) if m.cur_st == 2]
+
+
+def blend_dir() -> KeyDirectory:
+    return KeyDirectory(CS, enable_blend_lookup=True)
+
+
+def test_first_content_binds_and_adds(spy: type[SpyIndex]) -> None:
+    d, em = blend_dir(), Emitter()
+    e = entry(key(1), A, 8)
+    d.consume(em.batch("store", [e]))
+    (call,) = calls(d)
+    assert call[:4] == ("add", 1, 8, NS_A)
+    assert call[4] == id(e.token_ids)  # one array per content: the binding's is the index's
+    assert d._parts[1][key(1).chunk_hash].tokens is e.token_ids
+    assert found(d, A) == [(1, 8)]
+
+
+def test_first_content_for_existing_keys_adds_every_namespace(spy: type[SpyIndex]) -> None:
+    d, em = blend_dir(), Emitter()
+    d.consume(em.batch("store", [entry(key(1)), entry(key(1, salt="tenant-b"))]))
+    assert calls(d) == []
+    d.consume(em.batch("store", [entry(key(1), A, 0)], tier="l2", backend="fs"))
+    assert sorted(c[3].cache_salt for c in calls(d)) == ["", "tenant-b"]
+    assert found(d, A, NS_A) == [(1, 0)] and found(d, A, NS_B) == [(1, 0)]
+
+
+def test_different_content_is_retired_then_readded(spy: type[SpyIndex]) -> None:
+    d, em = blend_dir(), Emitter()
+    d.consume(em.batch("store", [entry(key(1), A, 0), entry(key(1, salt="tenant-b"), A, 0)]))
+    calls(d)
+    d.consume(em.batch("store", [entry(key(1), B, 4)]))
+    got = calls(d)
+    assert got[0] == ("remove_chunk", 1)
+    assert sorted((c[0], c[2], c[3].cache_salt) for c in got[1:]) == [
+        ("add", 4, ""),
+        ("add", 4, "tenant-b"),
+    ]
+    assert found(d, A) == [] and found(d, B) == [(1, 4)] and found(d, B, NS_B) == [(1, 4)]
+
+
+def test_tokenless_store_claims_known_content_at_once(spy: type[SpyIndex]) -> None:
+    d, em = blend_dir(), Emitter()
+    d.consume(em.batch("store", [entry(key(1), A, 0)]))
+    assert found(d, A, NS_B) == []
+    calls(d)
+    d.consume(Emitter("b").batch("store", [entry(key(1, salt="tenant-b"))]))
+    assert [c[:4] for c in calls(d)] == [("add", 1, 0, NS_B)]
+    assert found(d, A, NS_B) == [(1, 0)]
+
+
+def test_tokenless_unknown_content_is_not_indexed_until_repaired(spy: type[SpyIndex]) -> None:
+    d, em = blend_dir(), Emitter()
+    d.consume(em.batch("store", [entry(key(1))]))
+    assert calls(d) == [] and found(d, A) == []
+    d.consume(em.batch("store", [entry(key(1), A, 0)]))
+    assert names(d) == ["add"] and found(d, A) == [(1, 0)]
+
+
+def test_wrong_length_content_is_bound_not_indexed(spy: type[SpyIndex]) -> None:
+    d, em = blend_dir(), Emitter()
+    d.consume(em.batch("store", [entry(key(1), toks(1, 2, 3), 0)]))
+    assert calls(d) == []
+    assert d.stats()["bound_chunks"] == 1
+    assert d.stats()["blend"]["occupants"] == 0
+
+
+def test_unknown_offset_is_bound_never_indexed_until_a_real_offset(spy: type[SpyIndex]) -> None:
+    d, em = blend_dir(), Emitter()
+    d.consume(em.batch("store", [entry(key(1), A, -1)]))
+    assert calls(d) == [] and found(d, A) == [] and d.stats()["bound_chunks"] == 1
+    d.consume(em.batch("store", [entry(key(1, salt="tenant-b"))]))
+    assert calls(d) == []  # a claim on unindexable content indexes nothing either
+    d.consume(em.batch("store", [entry(key(1), A, 12)]))
+    assert sorted(c[3].cache_salt for c in calls(d)) == ["", "tenant-b"]
+    assert found(d, A) == [(1, 12)]
+    d.consume(em.batch("store", [entry(key(1), A, -1)]))  # unknown never erases a known offset
+    assert calls(d) == [] and found(d, A) == [(1, 12)]
+
+
+def test_last_key_of_a_namespace_removes_its_claim(spy: type[SpyIndex]) -> None:
+    d, em = blend_dir(), Emitter()
+    both = [entry(key(1), A, 0), entry(key(1, salt="tenant-b"), A, 0)]
+    d.consume(em.batch("store", both))
+    calls(d)
+    d.consume(em.batch("delete", [entry(key(1, salt="tenant-b"))]))
+    assert calls(d) == [("remove_claim", 1, NS_B)]
+    assert found(d, A, NS_B) == [] and found(d, A) == [(1, 0)]
+
+
+def test_namespace_claim_stays_while_another_rank_lives(spy: type[SpyIndex]) -> None:
+    d, em = blend_dir(), Emitter()
+    ranks = [entry(key(1, ws=2, rank=r), A, 0) for r in (0, 1)]
+    d.consume(em.batch("store", ranks))
+    calls(d)
+    ns2 = BlendNamespace("m", "", 2)
+    d.consume(em.batch("delete", [ranks[0]]))
+    assert calls(d) == [] and found(d, A, ns2) == [(1, 0)]
+    d.consume(em.batch("delete", [ranks[1]]))
+    assert calls(d) == [("remove_claim", 1, ns2)]
+
+
+def test_last_placement_removes_claim_and_binding(spy: type[SpyIndex]) -> None:
+    d, em = blend_dir(), Emitter()
+    d.consume(em.batch("store", [entry(key(1), A, 0)]))
+    d.consume(em.batch("store", [entry(key(1), A, 0)], tier="l2", backend="fs"))
+    calls(d)
+    d.consume(em.batch("delete", [entry(key(1))]))
+    assert calls(d) == [] and found(d, A) == [(1, 0)]  # an L2 copy still holds it
+    d.consume(em.batch("delete", [entry(key(1))], tier="l2", backend="fs"))
+    assert calls(d) == [("remove_claim", 1, NS_A)]
+    assert d.stats()["bound_chunks"] == 0 and d.stats()["blend"]["occupants"] == 0
+    d.consume(em.batch("store", [entry(key(1))]))  # binding went with its last key
+    assert calls(d) == [] and found(d, A) == []
+
+
+@pytest.mark.parametrize("how", ["fence", "deregister", "restart"])
+def test_fence_deregister_restart_remove_lost_claims(spy: type[SpyIndex], how: str) -> None:
+    d, em = blend_dir(), Emitter("a")
+    d.consume(em.batch("store", [entry(key(1), A, 0), entry(key(2), B, 4)]))
+    d.consume(em.batch("store", [entry(key(2), B, 4)], tier="l2", backend="fs"))
+    calls(d)
+    if how == "fence":
+        assert d.fence_instance("a") == 2
+    elif how == "deregister":
+        d.deregister("a")
+    else:
+        em.restart()
+        d.consume(em.batch("access"))
+    assert calls(d) == [("remove_claim", 1, NS_A)]
+    assert found(d, A) == [] and found(d, B) == [(2, 4)]  # L2 survives fencing
+    assert [len(kp.placements) for kp in d.lookup([key(1), key(2)])] == [0, 1]
+
+
+def test_blend_off_does_nothing_and_enabling_is_not_retroactive(spy: type[SpyIndex]) -> None:
+    d, em = KeyDirectory(CS), Emitter()
+    d.consume(em.batch("store", [entry(key(1), A, 0), entry(key(2), B, 4)]))
+    assert spy.instances == [] and d.blend_match(np.concatenate([A, B]), NS_A) == []
+    assert d.stats()["blend"] == {"enabled": False}
+    d.enable_blend_lookup(CS, 1)
+    assert found(d, A) == [] and calls(d) == []
+    d.consume(em.batch("store", [entry(key(2), B, 4)]))  # a fresh report indexes it
+    assert found(d, B) == [(2, 4)] and found(d, A) == []
+
+
+def test_same_store_again_is_idempotent(spy: type[SpyIndex]) -> None:
+    d, em = blend_dir(), Emitter()
+    e = [entry(key(1), A, 0), entry(key(1, salt="tenant-b"), A.copy(), 0)]
+    d.consume(em.batch("store", e))
+    before = (d.lookup([key(1)]), d.stats())
+    calls(d)
+    d.consume(em.batch("store", e))
+    assert calls(d) == []
+    after = (d.lookup([key(1)]), d.stats())
+    assert before[0] == after[0]
+    assert (
+        before[1]["keys"] == after[1]["keys"] and before[1]["placements"] == after[1]["placements"]
+    )
+
+
+def test_blend_match_does_not_take_the_directory_lock() -> None:
+    d, em = blend_dir(), Emitter()
+    d.consume(em.batch("store", [entry(key(1), A, 0)]))
+    with d._lock:  # event application in progress
+        assert [m.old_st for m in d.blend_match(A, NS_A)] == [0]
