@@ -1,3 +1,3 @@
 """Benchmarks behind ``kvatlas bench NAME``: one module per NAME with ``add_arguments`` and ``run``."""
 
-BENCHMARKS: tuple[str, ...] = ("keys", "blend", "directory")
+BENCHMARKS: tuple[str, ...] = ("keys", "blend", "directory", "service")

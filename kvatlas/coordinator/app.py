@@ -99,6 +99,8 @@ class BodyLimit:
 
         async def tracking_send(message: Message) -> None:
             nonlocal started
+            if exceeded and not started:
+                return  # drop the app's reply to the cut-off body; the 413 below replaces it
             if message["type"] == "http.response.start":
                 started = True
             await send(message)
@@ -259,6 +261,7 @@ def create_app(service: CoordinatorService) -> FastAPI:
 
     @app.post("/directory/lookup", summary="Prefix lookup by keys or by tokens")
     async def lookup(body: LookupRequest, who: Principal = Depends(principal)) -> Response:
+        who.require("lookup")
         started = time.perf_counter()
         token_form = body.token_ids is not None or body.tokens_b64 is not None
         if (body.keys is not None) == token_form:
@@ -313,6 +316,7 @@ def create_app(service: CoordinatorService) -> FastAPI:
     async def blend_lookup(
         body: BlendLookupRequest, who: Principal = Depends(principal)
     ) -> Response:
+        who.require_salts({body.cache_salt})
         started = time.perf_counter()
         tokens = _query_tokens(body.token_ids, body.tokens_b64, config.max_query_tokens)
         enabled = service.directory.blend_enabled
@@ -325,7 +329,6 @@ def create_app(service: CoordinatorService) -> FastAPI:
             namespace = BlendNamespace(body.model_name or "", body.cache_salt, body.world_size)
         except ValueError as exc:
             raise ApiError(422, str(exc)) from None
-        who.require_salts({body.cache_salt})
         matches = await run_in_threadpool(service.directory.blend_match, tokens, namespace)
         service.metrics.blend_latency.observe(time.perf_counter() - started)
         service.metrics.blend_matches.inc(len(matches))

@@ -7,6 +7,7 @@ coordinator.md §1; ``kvatlas coordinator --help`` prints it.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -50,9 +51,12 @@ class CoordinatorConfig:
         for name in ("max_query_tokens", "max_batch_entries", "max_body_bytes", "port"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.port > 65535:
+            raise ValueError("--port must be <= 65535")
         for name in ("snapshot_interval", "instance_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0")
 
     @property
     def scheme(self) -> KeyScheme:

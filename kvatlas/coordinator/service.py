@@ -201,7 +201,7 @@ class CoordinatorService:
             row.update(emitters.pop(record.instance_id, _NO_EMITTER))
             rows.append(row)
         for inst, emitter in emitters.items():  # emitting without registration (allowed)
-            rows.append({"instance_id": inst, "alive": None, "registered": False, **emitter})
+            rows.append({"instance_id": inst, "alive": False, "registered": False, **emitter})
         rows.sort(key=lambda r: r["instance_id"])
         return rows
 

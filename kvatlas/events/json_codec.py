@@ -7,17 +7,16 @@ yields a partial result. Errors name the field, e.g. ``batches[0].entries[3].key
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 import numpy as np
 
+from kvatlas.events._json_tokens import parse_token_lists
 from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
 from kvatlas.events.model import UNKNOWN_OFFSET, CacheEntry, EventBatch
 from kvatlas.keys import ObjectKey, parse_chunk_hash_hex, unpack_kv_rank
 from kvatlas.keys.object_key import check_cache_salt, check_model_name
-
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]
 
 
 class _WireKey(msgspec.Struct, forbid_unknown_fields=True):
@@ -28,10 +27,13 @@ class _WireKey(msgspec.Struct, forbid_unknown_fields=True):
     cache_salt: str = ""
 
 
+_NULL = msgspec.Raw(b"null")
+
+
 class _WireEntry(msgspec.Struct):
     key: _WireKey
     size_bytes: int = 0
-    token_ids: list[TokenId] | None = None
+    token_ids: msgspec.Raw = _NULL  # parsed in bulk by _json_tokens
     token_offset: int = UNKNOWN_OFFSET
 
 
@@ -89,7 +91,9 @@ def _key_from_wire(wk: _WireKey, strings: dict[str, str]) -> ObjectKey:
     return key_from_parts(chunk_hash, model, wk.kv_rank, wk.object_group_id, salt)
 
 
-def _batch_from_wire(wb: _WireBatch, strings: dict[str, str]) -> EventBatch:
+def _batch_from_wire(
+    wb: _WireBatch, strings: dict[str, str], tokens_of: list[np.ndarray[Any, Any] | None]
+) -> EventBatch:
     entries = []
     for j, we in enumerate(wb.entries):
         try:
@@ -97,11 +101,7 @@ def _batch_from_wire(wb: _WireBatch, strings: dict[str, str]) -> EventBatch:
                 key = _key_from_wire(we.key, strings)
             except EventValidationError as exc:
                 raise exc.under("key") from None
-            tokens = None
-            if we.token_ids:
-                tokens = np.array(we.token_ids, dtype=np.uint32)
-                tokens.flags.writeable = False
-            entries.append(CacheEntry(key, we.size_bytes, tokens, we.token_offset))
+            entries.append(CacheEntry(key, we.size_bytes, tokens_of[j], we.token_offset))
         except EventValidationError as exc:
             raise exc.under(f"entries[{j}]") from None
     return EventBatch(
@@ -119,17 +119,59 @@ def _batch_from_wire(wb: _WireBatch, strings: dict[str, str]) -> EventBatch:
     )
 
 
+def _explain_bad_tokens(raw: bytes) -> tuple[str, str]:
+    """Slow path, errors only: which element of a rejected token list is wrong."""
+    try:
+        values = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return "", "is not valid JSON"
+    if not isinstance(values, list):
+        return "", "must be null or a list of integers in [0, 2**32)"
+    for k, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 32:
+            return f"[{k}]", f"token id {value!r:.40} is not an integer in [0, 2**32)"
+    return "", "must be a list of plain integers (no leading zeros, fractions or exponents)"
+
+
+def _tokens_per_entry(wire: _WireBody) -> list[list[np.ndarray[Any, Any] | None]]:
+    """All token lists of the body parsed at once; ``None`` for absent/null/empty lists."""
+    raws: list[bytes] = []
+    where: list[tuple[int, int]] = []
+    out: list[list[np.ndarray[Any, Any] | None]] = []
+    for i, wb in enumerate(wire.batches):
+        out.append([None] * len(wb.entries))
+        for j, we in enumerate(wb.entries):
+            raw = bytes(we.token_ids)
+            if raw != b"null":
+                raws.append(raw)
+                where.append((i, j))
+    arena, lengths, bad = parse_token_lists(raws)
+    if bad >= 0:
+        i, j = where[bad]
+        field, reason = _explain_bad_tokens(raws[bad])
+        raise EventDecodeError(f"batches[{i}].entries[{j}].token_ids{field}", reason)
+    start = 0
+    for (i, j), n in zip(where, lengths.tolist(), strict=True):
+        if n:
+            tokens = arena[start : start + n].copy()  # own memory: a chunk never pins the body
+            tokens.flags.writeable = False
+            out[i][j] = tokens
+        start += n
+    return out
+
+
 def decode_json(body: bytes | str) -> list[EventBatch]:
     """Decode ``{"batches": [...]}``; raises :class:`EventDecodeError` naming the bad field."""
     try:
         wire = _decoder.decode(body)
     except msgspec.MsgspecError as exc:
         raise decode_error_from_msgspec(exc) from None
+    tokens = _tokens_per_entry(wire)
     strings: dict[str, str] = {}
     batches = []
     for i, wb in enumerate(wire.batches):
         try:
-            batches.append(_batch_from_wire(wb, strings))
+            batches.append(_batch_from_wire(wb, strings, tokens[i]))
         except EventValidationError as exc:
             raise EventDecodeError(*_rooted(exc, f"batches[{i}]")) from None
     return batches

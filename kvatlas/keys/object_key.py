@@ -14,6 +14,8 @@ from typing import Any
 MAX_SALT_CHARS = 128
 _SALT_FORBIDDEN = frozenset("@/\\\x00")
 _HEX = frozenset("0123456789abcdefABCDEF")
+_MAX_CACHED_SHAPES = 4096
+_VALID_SHAPES: set[tuple[str, int, int, str]] = set()
 
 
 def _check_byte_field(name: str, value: int, lo: int, hi: int) -> None:
@@ -83,6 +85,15 @@ class ObjectKey:
     def __post_init__(self) -> None:
         if not isinstance(self.chunk_hash, bytes) or len(self.chunk_hash) != 32:
             raise ValueError("chunk_hash must be 32 bytes")
+        shape = (self.model_name, self.kv_rank, self.object_group_id, self.cache_salt)
+        # Millions of keys share a handful of shapes: validate each shape once (exact types
+        # only, so True never passes for 1).
+        if type(self.kv_rank) is int and type(self.object_group_id) is int:
+            try:
+                if shape in _VALID_SHAPES:
+                    return
+            except TypeError:  # unhashable field: the checks below say which
+                pass
         check_model_name(self.model_name)
         unpack_kv_rank(self.kv_rank)
         if (
@@ -94,6 +105,10 @@ class ObjectKey:
                 f"object_group_id must be an integer >= 0, got {self.object_group_id!r}"
             )
         check_cache_salt(self.cache_salt)
+        if type(self.kv_rank) is int and type(self.object_group_id) is int:
+            if len(_VALID_SHAPES) >= _MAX_CACHED_SHAPES:
+                _VALID_SHAPES.clear()
+            _VALID_SHAPES.add(shape)
 
     @property
     def world_size(self) -> int:

@@ -1,0 +1,182 @@
+"""Instance lifecycle over HTTP: register, heartbeat, deregister, listing, timeout fencing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from kvatlas.coordinator.server import BackgroundServer
+from tests.coordinator.helpers import (
+    Emitter,
+    fresh,
+    fresh_tokens,
+    lookup_tokens,
+    placements_by_key,
+    poll,
+    post_batches,
+    running,
+    wire_batch,
+)
+
+TIMEOUT = 0.3
+
+
+def _instances(client: httpx.Client) -> dict[str, dict[str, Any]]:
+    r = client.get("/instances")
+    assert r.status_code == 200, r.text
+    return {row["instance_id"]: row for row in r.json()["instances"]}
+
+
+def test_register_assigns_id_when_none(client: httpx.Client) -> None:
+    r = client.post("/instances", json={"ip": "10.0.0.1", "http_port": 8000, "metadata": {}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert isinstance(body["instance_id"], str) and body["instance_id"]
+    assert body["re_registered"] is False
+    other = client.post("/instances", json={"ip": "10.0.0.2"}).json()["instance_id"]
+    assert other != body["instance_id"]
+    assert {body["instance_id"], other} <= set(_instances(client))
+
+
+def test_register_again_is_re_registered_and_ignores_unknown_fields(client: httpx.Client) -> None:
+    inst = fresh("reg")
+    body = {
+        "instance_id": inst,
+        "ip": "10.0.0.3",
+        "http_port": 8080,
+        "metadata": {"model": "m", "gpu": 0},
+        "p2p_advertised_url": "tcp://10.0.0.3:9000",
+        "mq_port": 5555,
+        "lmcache_future_field": {"x": [1, 2]},
+        "another": 5,
+    }
+    r = client.post("/instances", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"instance_id": inst, "re_registered": False}
+    r = client.post("/instances", json=body)
+    assert r.json() == {"instance_id": inst, "re_registered": True}
+    row = _instances(client)[inst]
+    assert row["ip"] == "10.0.0.3"
+    assert row["http_port"] == 8080
+    assert row["metadata"] == {"model": "m", "gpu": 0}
+    assert row["p2p_advertised_url"] == "tcp://10.0.0.3:9000"
+    assert row["mq_port"] == 5555
+    assert row["alive"] is True
+    assert "lmcache_future_field" not in row
+
+
+def test_heartbeat_known_and_unknown(client: httpx.Client) -> None:
+    inst = fresh("hb")
+    assert client.post("/instances", json={"instance_id": inst}).status_code == 200
+    r = client.put(f"/instances/{inst}/heartbeat")
+    assert r.status_code == 200, r.text
+    r = client.put(f"/instances/{fresh('ghost')}/heartbeat")
+    assert r.status_code == 404
+    assert r.json()["detail"] == "unknown instance; re-register"
+
+
+def test_deregister_fences_l1_keeps_l2_forgets_cursor(client: httpx.Client) -> None:
+    em = Emitter(incarnation=3)
+    tokens = fresh_tokens(2)
+    assert client.post("/instances", json={"instance_id": em.instance_id}).status_code == 200
+    post_batches(client, em.store_chunks(tokens))
+    post_batches(client, em.store_chunks(tokens, tier="l2", backend="fs"))
+    assert (
+        placements_by_key(lookup_tokens(client, tokens))
+        == [{(em.instance_id, "l1", "dram"), (em.instance_id, "l2", "fs")}] * 2
+    )
+    r = client.delete(f"/instances/{em.instance_id}")
+    assert r.status_code == 200, r.text
+    assert r.json()["fenced"] == 2
+    assert placements_by_key(lookup_tokens(client, tokens)) == [{(em.instance_id, "l2", "fs")}] * 2
+    assert em.instance_id not in _instances(client)
+    assert client.put(f"/instances/{em.instance_id}/heartbeat").status_code == 404
+    # the cursor is forgotten: seq 1 of the same incarnation applies again
+    em.seq = 0
+    r = post_batches(client, em.store_chunks(tokens))
+    assert r.json() == {"applied": 1, "duplicates": 0, "stale": 0}
+    assert _instances(client)[em.instance_id]["last_seq"] == 1
+    assert (
+        placements_by_key(lookup_tokens(client, tokens))
+        == [{(em.instance_id, "l1", "dram"), (em.instance_id, "l2", "fs")}] * 2
+    )
+
+
+def test_deregister_unknown_instance_is_harmless(client: httpx.Client) -> None:
+    r = client.delete(f"/instances/{fresh('nobody')}")
+    assert r.status_code == 200, r.text
+    assert r.json()["known"] is False
+
+
+def test_instances_listing_shows_incarnation_seq_and_gaps(client: httpx.Client) -> None:
+    inst = fresh("gaps")
+    assert client.post("/instances", json={"instance_id": inst}).status_code == 200
+    row = _instances(client)[inst]
+    assert row["alive"] is True
+    assert row["gaps"] == 0
+    post_batches(client, wire_batch(inst, 11, 1), wire_batch(inst, 11, 2))
+    row = _instances(client)[inst]
+    assert (row["incarnation"], row["last_seq"], row["gaps"]) == (11, 2, 0)
+    r = post_batches(client, wire_batch(inst, 11, 5))  # seq 3 and 4 missing: a gap, applied
+    assert r.json()["applied"] == 1
+    row = _instances(client)[inst]
+    assert (row["incarnation"], row["last_seq"], row["gaps"]) == (11, 5, 1)
+    assert row["missing_batches"] == 2
+    assert "lag_s" in row
+
+
+def test_unregistered_emitter_listed(client: httpx.Client) -> None:
+    inst = fresh("unreg")
+    post_batches(client, wire_batch(inst, 2, 1))
+    row = _instances(client)[inst]
+    assert row["registered"] is False
+    assert (row["incarnation"], row["last_seq"]) == (2, 1)
+
+
+# ------------------------------------------------------------------------------------- timeout
+
+
+@pytest.fixture(scope="module")
+def timeout_server() -> Iterator[tuple[BackgroundServer, httpx.Client]]:
+    with running(instance_timeout=TIMEOUT) as pair:
+        yield pair
+
+
+def test_instance_timeout_fences_l1(timeout_server: tuple[BackgroundServer, httpx.Client]) -> None:
+    _, client = timeout_server
+    em, tokens = Emitter(), fresh_tokens(2)
+    # events first, registration last: the timeout counts from the registration
+    post_batches(client, em.store_chunks(tokens))
+    post_batches(client, em.store_chunks(tokens, tier="l2", backend="fs"))
+    assert client.post("/instances", json={"instance_id": em.instance_id}).status_code == 200
+
+    def l1_gone() -> bool:
+        return (
+            placements_by_key(lookup_tokens(client, tokens)) == [{(em.instance_id, "l2", "fs")}] * 2
+        )
+
+    assert poll(l1_gone, timeout=10.0), "L1 placements survived the instance timeout"
+    # no longer a live registration (its emitter cursor may still be listed)
+    assert _instances(client).get(em.instance_id, {}).get("alive") is not True
+    r = client.put(f"/instances/{em.instance_id}/heartbeat")
+    assert r.status_code == 404
+    assert r.json()["detail"] == "unknown instance; re-register"
+
+
+def test_heartbeats_keep_instance_alive(
+    timeout_server: tuple[BackgroundServer, httpx.Client],
+) -> None:
+    import time
+
+    _, client = timeout_server
+    em, tokens = Emitter(), fresh_tokens(1)
+    post_batches(client, em.store_chunks(tokens))
+    assert client.post("/instances", json={"instance_id": em.instance_id}).status_code == 200
+    end = time.monotonic() + 4 * TIMEOUT
+    while time.monotonic() < end:  # heartbeat pacing (well inside the timeout), not a sync
+        assert client.put(f"/instances/{em.instance_id}/heartbeat").status_code == 200
+        time.sleep(TIMEOUT / 6)
+    assert placements_by_key(lookup_tokens(client, tokens)) == [{(em.instance_id, "l1", "dram")}]

@@ -1,0 +1,79 @@
+"""The compiled JSON token-list parser agrees with a strict Python reference on every input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvatlas.events._json_tokens import parse_token_lists
+
+
+def reference(raw: bytes) -> list[int] | None:
+    """Valid iff JSON decodes to a list of plain non-negative ints < 2**32 written canonically."""
+    try:
+        values = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(values, list):
+        return None
+    if not all(type(v) is int and 0 <= v < 1 << 32 for v in values):
+        return None
+    text = raw.decode()
+    if any(c in text for c in ".eE+-"):  # json.loads accepts "1e3"/"-0" forms as ints? keep strict
+        return None
+    return values
+
+
+def check(raws: list[bytes]) -> None:
+    arena, lengths, bad = parse_token_lists(raws)
+    expected = [reference(r) for r in raws]
+    first_bad = next((j for j, e in enumerate(expected) if e is None), -1)
+    assert bad == first_bad
+    if bad == -1:
+        start = 0
+        for values, n in zip(expected, lengths.tolist(), strict=True):
+            assert values is not None
+            assert arena[start : start + n].tolist() == values
+            start += n
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, (1 << 32) - 1), max_size=40), max_size=8),
+    st.sampled_from(["", " ", "\n "]),
+)
+def test_valid_lists_round_trip(lists: list[list[int]], space: str) -> None:
+    raws = [
+        (space + "[" + ("," + space).join(map(str, values)) + space + "]" + space).encode()
+        for values in lists
+    ]
+    check(raws)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"[1.5]", b"[1e3]", b"[-1]", b"[01]", b"[4294967296]", b"[99999999999]", b"[1,]", b"[,1]",
+     b"[1 2]", b"[[1]]", b'["1"]', b"[true]", b"[1]x", b"{}", b"1", b"[", b"]", b"", b"[1,2", b"[+1]",
+     b"[18446744073709551617]"],
+)  # fmt: skip
+def test_invalid_lists_rejected(raw: bytes) -> None:
+    bad = parse_token_lists([b"[1,2]", raw])[2]
+    assert bad == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=30))
+def test_arbitrary_bytes_agree_with_reference(raw: bytes) -> None:
+    check([raw])
+
+
+def test_boundaries_and_empty() -> None:
+    arena, lengths, bad = parse_token_lists([b"[]", b"[0, 4294967295]", b" [ ] "])
+    assert bad == -1 and lengths.tolist() == [0, 2, 0]
+    assert arena[:2].tolist() == [0, 4294967295]
+    assert parse_token_lists([])[2] == -1
+    assert np.asarray(parse_token_lists([b"[7]"])[0]).dtype == np.uint32
