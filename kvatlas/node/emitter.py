@@ -19,7 +19,13 @@ GroupKey = tuple[str, str, str, bool]
 
 class BatchSink(Protocol):
     def emit(
-        self, event_type: str, tier: str, backend: str, entries: list[CacheEntry], *, shared: bool = False
+        self,
+        event_type: str,
+        tier: str,
+        backend: str,
+        entries: list[CacheEntry],
+        *,
+        shared: bool = False,
     ) -> bool: ...
 
 
