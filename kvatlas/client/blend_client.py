@@ -14,7 +14,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import numpy as np
@@ -46,6 +46,16 @@ def parse_matches(payload: Any, n_tokens: int) -> list[BlendMatch]:
             raise ValueError("match positions out of range")
         out.append(BlendMatch(bytes.fromhex(hex_hash), old_st, cur_st))
     return out
+
+
+class FleetMatcher(Protocol):
+    """What the node's unified lookup needs from a fleet matcher (HTTP or in-process)."""
+
+    def submit_match(self, request_id: str, tokens: Any, namespace: BlendNamespace) -> None: ...
+
+    def poll_match(self, request_id: str) -> list[BlendMatch] | None: ...
+
+    def take_match(self, request_id: str) -> list[BlendMatch] | None: ...
 
 
 class _Pending:

@@ -145,6 +145,11 @@ class CoordinatorClient:
         reply: dict[str, Any] = self._call("POST", "/directory/lookup", json=body)
         return reply
 
+    def instances(self) -> list[dict[str, Any]]:
+        """``GET /instances``: liveness, cursors and each instance's advertised peer URL."""
+        rows: list[dict[str, Any]] = self._call("GET", "/instances")["instances"]
+        return rows
+
     def stats(self) -> dict[str, Any]:
         reply: dict[str, Any] = self._call("GET", "/directory/stats")
         return reply

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvatlas.client.blend_client import BlendCoordinatorClient
+from kvatlas.client.blend_client import FleetMatcher
 from kvatlas.directory.blend_index import BlendIndex, BlendMatch
 from kvatlas.keys import BlendNamespace, as_token_array
 from kvatlas.node.segments import Segment, filter_prefix, merge_union, resolve_overlaps
@@ -94,7 +94,7 @@ class UnifiedBlendLookup:
     def __init__(
         self,
         local_index: BlendIndex,
-        fleet: BlendCoordinatorClient | None,
+        fleet: FleetMatcher | None,
         *,
         chunk_size: int,
         deadline_s: float = 1.0,

@@ -16,60 +16,7 @@ from hypothesis import strategies as st
 
 from kvatlas.node.kv_layout import KVLayout
 from kvatlas.node.rope import rerope_chunks, rerope_k, rope_cos_sin
-
-HIDDEN = 48
-VOCAB = 512
-
-
-# ---------------------------------------------------------------- independent oracle
-
-
-def rope_at_positions(k: np.ndarray, positions: np.ndarray, layout: KVLayout) -> np.ndarray:
-    """RoPE ``k`` ``[L, C, H, D]`` (float64) at absolute ``positions`` ``[C]``, from scratch."""
-    r = layout.head_dim if layout.rotary_dim is None else layout.rotary_dim
-    freqs = 1.0 / (layout.rope_theta ** (np.arange(0, r, 2) / r))
-    phase = np.exp(1j * np.outer(positions.astype(np.float64), freqs))[None, :, None, :]
-    out = k.copy()
-    if layout.rope_style == "neox":
-        z = (k[..., : r // 2] + 1j * k[..., r // 2 : r]) * phase
-        out[..., : r // 2], out[..., r // 2 : r] = z.real, z.imag
-    else:
-        z = (k[..., 0:r:2] + 1j * k[..., 1:r:2]) * phase
-        out[..., 0:r:2], out[..., 1:r:2] = z.real, z.imag
-    return out
-
-
-class ToyRopeModel:
-    """Layer-0 attention K/V of a RoPE model (RMSNorm -> W_k, W_v -> RoPE on K only).
-
-    Layer-0 K depends only on the token and its position, which is what makes "re-RoPE'd K ==
-    fresh K" an exact oracle. Every layer of the toy is position-only in the same way (there is
-    no attention mixing), so all layers of the chunk have a ground truth.
-    """
-
-    def __init__(self, layout: KVLayout, seed: int = 0) -> None:
-        rng = np.random.default_rng(seed)
-        L, H, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
-        self.layout = layout
-        self.embed = rng.standard_normal((VOCAB, HIDDEN))
-        self.w_k = rng.standard_normal((L, HIDDEN, H * D)) / np.sqrt(HIDDEN)
-        self.w_v = rng.standard_normal((L, HIDDEN, H * D)) / np.sqrt(HIDDEN)
-
-    def _proj(self, tokens: np.ndarray, w: np.ndarray) -> np.ndarray:
-        x = self.embed[tokens]
-        x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6)
-        k: np.ndarray = np.einsum("ch,lhd->lcd", x, w)
-        return k.reshape(w.shape[0], len(tokens), self.layout.num_kv_heads, -1)
-
-    def k_fresh(self, tokens: np.ndarray, start: int) -> np.ndarray:
-        """float64 ``[L, C, H, D]`` K of ``tokens`` placed at ``start, start+1, ...``."""
-        k = self._proj(tokens, self.w_k)
-        return rope_at_positions(k, start + np.arange(len(tokens)), self.layout)
-
-    def kv_chunk(self, tokens: np.ndarray, start: int, dtype: Any = None) -> np.ndarray:
-        """The chunk as a node stores it: ``[L, 2, C, H, D]`` in the cache dtype."""
-        kv = np.stack([self.k_fresh(tokens, start), self._proj(tokens, self.w_v)], axis=1)
-        return kv.astype(dtype or self.layout.dtype)
+from kvatlas.node.toy_model import VOCAB, ToyRopeModel, rope_at_positions  # independent oracle
 
 
 def make_layout(style: str, rotary_dim: int | None, dtype: str = "float32", **kw: Any) -> KVLayout:

@@ -1,0 +1,114 @@
+"""What a node needs to know about the rest of the fleet to fetch a chunk it does not hold:
+who holds which key (the coordinator's directory) and how to reach that holder's L1.
+
+Two implementations: over HTTP (coordinator lookup + the peers' advertised URLs from
+``GET /instances``) and in-process (the embedded fleet). Every failure is a miss, never an
+exception: fetching from the fleet is an optimisation over recomputing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvatlas.client import CoordinatorClient, CoordinatorError
+from kvatlas.keys import ObjectKey
+from kvatlas.node.peer import PeerClient
+from kvatlas.node.stored_chunk import StoredChunk
+
+log = logging.getLogger("kvatlas.node")
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    instance_id: str
+    tier: str
+    backend: str
+    shared: bool
+
+
+class PeerFetcher(Protocol):
+    def fetch(self, keys: Sequence[ObjectKey]) -> dict[ObjectKey, StoredChunk]: ...
+
+
+class FleetView(Protocol):
+    def holders(self, keys: Sequence[ObjectKey]) -> list[list[Holder]]: ...
+
+    def peer(self, instance_id: str) -> PeerFetcher | None: ...
+
+
+class HttpFleetView:
+    """Placements from ``POST /directory/lookup``; peer URLs from ``GET /instances``."""
+
+    def __init__(self, client: CoordinatorClient, *, peer_timeout: float = 2.0) -> None:
+        self._client = client
+        self._peer_timeout = peer_timeout
+        self._urls: dict[str, str] = {}
+        self._peers: dict[str, PeerClient] = {}
+        self._lock = threading.Lock()
+
+    def holders(self, keys: Sequence[ObjectKey]) -> list[list[Holder]]:
+        if not keys:
+            return []
+        try:
+            reply = self._client.lookup_keys(list(keys))
+        except CoordinatorError as exc:
+            log.debug("fleet lookup failed: %s", exc)
+            return [[] for _ in keys]
+        out = []
+        for result in reply.get("results", []):
+            out.append(
+                [
+                    Holder(p["instance_id"], p["tier"], p["backend"], bool(p["shared"]))
+                    for p in result.get("placements", [])
+                ]
+            )
+        return out if len(out) == len(keys) else [[] for _ in keys]
+
+    def peer(self, instance_id: str) -> PeerFetcher | None:
+        with self._lock:
+            known = self._peers.get(instance_id)
+        if known is not None:
+            return known
+        self._refresh_urls()
+        with self._lock:
+            url = self._urls.get(instance_id)
+            if url is None:
+                return None
+            client = self._peers.setdefault(
+                instance_id, PeerClient(url, timeout=self._peer_timeout)
+            )
+            return client
+
+    def _refresh_urls(self) -> None:
+        try:
+            rows = self._client.instances()
+        except (CoordinatorError, KeyError, TypeError) as exc:
+            log.debug("instance list unavailable: %s", exc)
+            return
+        with self._lock:
+            for row in rows:
+                url = row.get("p2p_advertised_url")
+                if url:
+                    self._urls[str(row["instance_id"])] = str(url)
+
+
+class InProcessFleetView:
+    """The embedded fleet: the directory and the other nodes live in this process."""
+
+    def __init__(
+        self,
+        holders: Callable[[Sequence[ObjectKey]], list[list[Holder]]],
+        peers: Callable[[str], PeerFetcher | None],
+    ) -> None:
+        self._holders = holders
+        self._peers = peers
+
+    def holders(self, keys: Sequence[ObjectKey]) -> list[list[Holder]]:
+        return self._holders(keys)
+
+    def peer(self, instance_id: str) -> PeerFetcher | None:
+        return self._peers(instance_id)

@@ -1,0 +1,232 @@
+"""Peer L1: nodes read each other's L1 over HTTP (the stand-in for RDMA P2P, node.md §1).
+
+Protocol: ``POST /peer/kv`` with JSON ``{"keys": [ObjectKey wire objects]}``; the reply is
+``application/octet-stream``, a msgpack array of :func:`encode_chunk` records for the listed
+keys this node holds in L1. Missing keys are simply omitted, so a sparse key set with gaps is
+one round trip.
+
+* The listed keys are pinned in L1 while the reply is assembled: a put storm on this node must
+  not evict a chunk between "listed" and "serialized" (with RDMA the peer reads the memory
+  directly, so the pin is what keeps it valid).
+* A peer answers from its L1 only and never reads its own L2: a peer fetch is meant to be a
+  cheap memory read, and a recursive fetch would hide an L2 read (and its latency) behind a
+  call the requester already budgeted as "peer L1". The requester reads shared L2 itself.
+* Serving chunks touches them in the serving L1's LRU: a chunk peers keep asking for is worth
+  keeping.
+
+:class:`PeerClient` never raises into its caller: peer data is an optimisation, so a peer that
+is down, slow, or replies with garbage costs at most ``timeout`` and yields misses.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, Final
+
+import httpx
+import msgspec
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from kvatlas.keys import ObjectKey
+from kvatlas.node.l1 import L1Cache
+from kvatlas.node.stored_chunk import ChunkDecodeError, StoredChunk, decode_chunk, encode_chunk
+
+log = logging.getLogger("kvatlas.node")
+
+PEER_KV_PATH: Final = "/peer/kv"
+MAX_KEYS_PER_REQUEST: Final = 4096
+MAX_REQUEST_BYTES: Final = 4 * 1024 * 1024  # ~4096 keys x ~250 B of JSON each, with headroom
+OCTET_STREAM: Final = "application/octet-stream"
+
+
+class _FetchRequest(msgspec.Struct, forbid_unknown_fields=True):
+    keys: list[dict[str, Any]]
+
+
+_request_decoder = msgspec.json.Decoder(_FetchRequest)
+_reply_decoder = msgspec.msgpack.Decoder(list[bytes])
+_reply_encoder = msgspec.msgpack.Encoder()
+
+
+class _BadRequest(Exception):
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """Read the body, refusing (413) past ``limit`` without buffering the excess."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise _BadRequest(400, "invalid Content-Length")
+        if int(declared) > limit:
+            raise _BadRequest(413, f"body of {declared} bytes exceeds {limit}")
+    parts: list[bytes] = []
+    seen = 0
+    async for part in request.stream():
+        seen += len(part)
+        if seen > limit:
+            raise _BadRequest(413, f"body exceeds {limit} bytes")
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _parse_keys(body: bytes, max_keys: int) -> list[ObjectKey]:
+    try:
+        parsed = _request_decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise _BadRequest(400, f"invalid request body: {exc}") from None
+    if len(parsed.keys) > max_keys:
+        raise _BadRequest(413, f"{len(parsed.keys)} keys exceed the limit of {max_keys}")
+    keys: list[ObjectKey] = []
+    for i, wire in enumerate(parsed.keys):
+        try:
+            keys.append(ObjectKey.from_wire(wire))
+        except (ValueError, TypeError) as exc:
+            raise _BadRequest(422, f"keys[{i}]: {exc}") from None
+    return list(dict.fromkeys(keys))
+
+
+def create_peer_app(
+    l1: L1Cache,
+    *,
+    encoder: Callable[[StoredChunk], bytes] = encode_chunk,
+    max_keys: int = MAX_KEYS_PER_REQUEST,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
+) -> FastAPI:
+    """The peer-serving ASGI app over ``l1``.
+
+    ``encoder`` is the per-chunk serializer (a seam for tests that need a slow one to hold a
+    transfer open). Every client error is a 4xx with a JSON ``detail``.
+    """
+    app = FastAPI(title="kvatlas peer L1", docs_url=None, redoc_url=None)
+
+    def assemble(keys: list[ObjectKey]) -> bytes:
+        # Pinned for the whole assembly: a key present when listed stays present until its
+        # bytes are in the reply, whatever other threads put meanwhile.
+        with l1.pinned(keys):
+            records = []
+            for key in keys:
+                chunk = l1.get(key)
+                if chunk is not None:
+                    records.append(encoder(chunk))
+        return _reply_encoder.encode(records)
+
+    @app.post(PEER_KV_PATH)
+    async def peer_kv(request: Request) -> Response:
+        try:
+            body = await _read_body(request, max_request_bytes)
+            keys = _parse_keys(body, max_keys)
+        except _BadRequest as exc:
+            return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+        # Encoding MB-sized chunks is CPU work: off the event loop so one transfer does not
+        # stall the others.
+        reply = await run_in_threadpool(assemble, keys)
+        return Response(reply, media_type=OCTET_STREAM)
+
+    return app
+
+
+class PeerClient:
+    """Fetch chunks from one peer's L1; failures become absent keys, never exceptions.
+
+    ``max_reply_bytes`` bounds what one reply may make this process buffer (a confused or
+    hostile peer must not be able to exhaust memory).
+    """
+
+    def __init__(self, url: str, *, timeout: float = 2.0, max_reply_bytes: int = 1 << 30) -> None:
+        self.url = url.rstrip("/")
+        self.max_reply_bytes = max_reply_bytes
+        self._client = httpx.Client(timeout=timeout)
+
+    def fetch(self, keys: Iterable[ObjectKey]) -> dict[ObjectKey, StoredChunk]:
+        wanted = list(dict.fromkeys(keys))
+        if not wanted:
+            return {}
+        try:
+            records = self._request(wanted)
+        except Exception as exc:  # peer data is optional: any failure is a miss
+            log.warning("peer %s fetch of %d keys failed: %s", self.url, len(wanted), exc)
+            return {}
+        wanted_set = set(wanted)
+        found: dict[ObjectKey, StoredChunk] = {}
+        for record in records:
+            try:
+                chunk = decode_chunk(record)
+            except ChunkDecodeError as exc:
+                log.warning("peer %s sent a corrupt chunk: %s", self.url, exc)
+                continue
+            if chunk.key in wanted_set:  # an unrequested key is never trusted into the caller
+                found[chunk.key] = chunk
+        return found
+
+    def _request(self, keys: list[ObjectKey]) -> list[bytes]:
+        body = {"keys": [k.to_wire() for k in keys]}
+        with self._client.stream("POST", self.url + PEER_KV_PATH, json=body) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}")
+            parts: list[bytes] = []
+            seen = 0
+            for part in response.iter_bytes():
+                seen += len(part)
+                if seen > self.max_reply_bytes:
+                    raise RuntimeError(f"reply exceeds {self.max_reply_bytes} bytes")
+                parts.append(part)
+        return _reply_decoder.decode(b"".join(parts))
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> PeerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PeerServer:
+    """Serve an app (normally :func:`create_peer_app`) with uvicorn in a daemon thread."""
+
+    def __init__(self, app: FastAPI, *, port: int, host: str = "127.0.0.1") -> None:
+        if port == 0:
+            raise ValueError("pick a port so peers know where to connect")
+        self.host = host
+        self.port = port
+        self.app = app
+        self._server = uvicorn.Server(
+            uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+        )
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 20.0) -> PeerServer:
+        self._thread = threading.Thread(target=self._server.run, name="kvatlas-peer", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"peer server did not start on {self.url}")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=20)
+
+    def __enter__(self) -> PeerServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

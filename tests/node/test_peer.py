@@ -1,0 +1,242 @@
+"""Peer L1 over real loopback HTTP: sparse fetch, pins during transfer, failures as misses."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import msgspec
+import numpy as np
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import Response
+
+from kvatlas.coordinator.server import free_port
+from kvatlas.keys import ObjectKey
+from kvatlas.node.l1 import L1Cache
+from kvatlas.node.peer import PEER_KV_PATH, PeerClient, PeerServer, create_peer_app
+from kvatlas.node.stored_chunk import StoredChunk, encode_chunk
+
+
+def key(i: int) -> ObjectKey:
+    return ObjectKey(i.to_bytes(32, "big"), "org/model", 1 << 24 | 1 << 8)
+
+
+def chunk(i: int, n: int = 64) -> StoredChunk:
+    kv = np.arange(n, dtype=np.float16).reshape(2, 2, n // 4) + np.float16(i)
+    return StoredChunk(key(i), kv, np.arange(i, i + 4, dtype=np.uint32), 256 * i)
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[L1Cache, PeerServer]]:
+    l1 = L1Cache(1 << 20)
+    for i in range(0, 10, 2):
+        l1.put(chunk(i))
+    with PeerServer(create_peer_app(l1), port=free_port()) as server:
+        yield l1, server
+
+
+def test_fetch_sparse_set_returns_present_keys_only(served: tuple[L1Cache, PeerServer]) -> None:
+    _, server = served
+    with PeerClient(server.url) as client:
+        found = client.fetch([key(i) for i in range(10)] + [key(4)])
+    assert set(found) == {key(i) for i in range(0, 10, 2)}
+    for i in range(0, 10, 2):
+        got = found[key(i)]
+        want = chunk(i)
+        assert np.array_equal(got.kv, want.kv) and got.kv.dtype == np.float16
+        assert got.tokens is not None and want.tokens is not None
+        assert np.array_equal(got.tokens, want.tokens) and got.token_offset == 256 * i
+
+
+def test_fetch_nothing_makes_no_request() -> None:
+    client = PeerClient(f"http://127.0.0.1:{free_port()}")
+    assert client.fetch([]) == {}
+
+
+def test_serving_touches_lru(served: tuple[L1Cache, PeerServer]) -> None:
+    l1, server = served
+    oldest = l1.keys()[0]
+    with PeerClient(server.url) as client:
+        assert set(client.fetch([oldest])) == {oldest}
+    assert l1.keys()[-1] == oldest
+
+
+def _wire(keys: list[ObjectKey]) -> dict[str, Any]:
+    return {"keys": [k.to_wire() for k in keys]}
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        (b"not json", 400),
+        (b"[]", 400),
+        (b'{"keys": 5}', 400),
+        (b'{"keys": [], "extra": 1}', 400),
+        (b'{"keys": [{"chunk_hash_hex": "zz", "model_name": "m", "kv_rank": 1}]}', 422),
+        (b'{"keys": [{"model_name": "m"}]}', 422),
+        (b'{"keys": [{"chunk_hash_hex": 1, "model_name": [], "kv_rank": "x"}]}', 422),
+        (msgspec.json.encode(_wire([key(1)] * 5000)), 413),
+        (b" " * (5 * 1024 * 1024), 413),
+    ],
+)
+def test_bad_requests_are_4xx(served: tuple[L1Cache, PeerServer], body: bytes, status: int) -> None:
+    _, server = served
+    r = httpx.post(server.url + PEER_KV_PATH, content=body, timeout=10)
+    assert r.status_code == status, r.text
+    assert "detail" in r.json()
+
+
+def test_empty_key_list_is_an_empty_reply(served: tuple[L1Cache, PeerServer]) -> None:
+    _, server = served
+    r = httpx.post(server.url + PEER_KV_PATH, json={"keys": []})
+    assert r.status_code == 200
+    assert r.headers["content-type"] == "application/octet-stream"
+    assert msgspec.msgpack.decode(r.content) == []
+    assert httpx.get(server.url + PEER_KV_PATH).status_code == 405
+
+
+def test_listed_chunks_stay_pinned_during_transfer() -> None:
+    """Hold the transfer open inside the serializer, storm the serving L1, then release.
+
+    Without pins the storm evicts every listed chunk before the serializer reaches it (the
+    test checks the storm really was that strong: the unlisted chunk and, afterwards, the
+    no-longer-pinned listed chunks go).
+    """
+    unit = chunk(0).nbytes
+    l1 = L1Cache(4 * unit)
+    listed = [key(1), key(2), key(3)]
+    for i in (1, 2, 3, 4):
+        l1.put(chunk(i))
+    in_transfer = threading.Event()
+    release = threading.Event()
+
+    def slow_encoder(c: StoredChunk) -> bytes:
+        if not in_transfer.is_set():
+            in_transfer.set()
+            assert release.wait(10), "test never released the transfer"
+        return encode_chunk(c)
+
+    result: dict[ObjectKey, StoredChunk] = {}
+    with PeerServer(create_peer_app(l1, encoder=slow_encoder), port=free_port()) as server:
+        client = PeerClient(server.url, timeout=15)
+        fetcher = threading.Thread(target=lambda: result.update(client.fetch([*listed, key(9)])))
+        fetcher.start()
+        try:
+            assert in_transfer.wait(10)
+            assert all(l1.is_pinned(k) for k in listed)
+            for i in range(100, 140):  # a put storm on the serving node
+                l1.put(chunk(i))
+            assert all(l1.contains(k) for k in listed)
+            assert not l1.contains(key(4))  # the storm evicted everything it could
+        finally:
+            release.set()
+            fetcher.join(15)
+        assert set(result) == set(listed)
+        assert not any(l1.is_pinned(k) for k in listed)  # pins end with the reply
+        for i in range(200, 210):
+            l1.put(chunk(i))
+        assert not any(l1.contains(k) for k in listed)
+        client.close()
+
+
+def test_peer_down_is_empty_and_quick() -> None:
+    client = PeerClient(f"http://127.0.0.1:{free_port()}", timeout=2.0)
+    start = time.monotonic()
+    assert client.fetch([key(1), key(2)]) == {}
+    assert time.monotonic() - start < 1.0
+    client.close()
+
+
+def test_peer_dies_between_fetches() -> None:
+    l1 = L1Cache(1 << 20)
+    l1.put(chunk(1))
+    server = PeerServer(create_peer_app(l1), port=free_port()).start()
+    client = PeerClient(server.url, timeout=2.0)
+    assert set(client.fetch([key(1)])) == {key(1)}
+    server.stop()
+    start = time.monotonic()
+    assert client.fetch([key(1)]) == {}
+    assert time.monotonic() - start < 2.5
+    client.close()
+
+
+def test_silent_peer_times_out_to_empty() -> None:
+    """A peer that accepts but never answers costs about ``timeout``, then misses."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    try:
+        client = PeerClient(f"http://127.0.0.1:{port}", timeout=0.3)
+        start = time.monotonic()
+        assert client.fetch([key(1)]) == {}
+        assert time.monotonic() - start < 2.0
+        client.close()
+    finally:
+        listener.close()
+
+
+@pytest.fixture(scope="module")
+def misbehaving() -> Iterator[tuple[PeerServer, dict[str, Response]]]:
+    """A 'peer' whose reply the test chooses."""
+    reply: dict[str, Response] = {}
+    app = FastAPI()
+
+    @app.post(PEER_KV_PATH)
+    async def peer_kv() -> Response:
+        return reply["next"]
+
+    with PeerServer(app, port=free_port()) as server:
+        yield server, reply
+
+
+def _octets(content: bytes, status: int = 200) -> Response:
+    return Response(content, status_code=status, media_type="application/octet-stream")
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        _octets(b"\xc1 definitely not msgpack"),
+        _octets(msgspec.msgpack.encode({"not": "a list"})),
+        _octets(msgspec.msgpack.encode([1, 2, 3])),
+        _octets(b""),
+        _octets(msgspec.msgpack.encode([encode_chunk(chunk(1))]), status=500),
+        _octets(msgspec.msgpack.encode([encode_chunk(chunk(1))])[:-10]),
+    ],
+)
+def test_garbage_reply_is_empty(
+    misbehaving: tuple[PeerServer, dict[str, Response]], response: Response
+) -> None:
+    server, reply = misbehaving
+    reply["next"] = response
+    with PeerClient(server.url) as client:
+        assert client.fetch([key(1)]) == {}
+
+
+def test_corrupt_and_unrequested_chunks_are_dropped(
+    misbehaving: tuple[PeerServer, dict[str, Response]],
+) -> None:
+    server, reply = misbehaving
+    corrupt = bytearray(encode_chunk(chunk(2)))
+    corrupt[-40] ^= 0xFF
+    reply["next"] = _octets(
+        msgspec.msgpack.encode([encode_chunk(chunk(1)), bytes(corrupt), encode_chunk(chunk(7))])
+    )
+    with PeerClient(server.url) as client:
+        found = client.fetch([key(1), key(2), key(3)])
+    assert set(found) == {key(1)}  # 2 corrupt, 7 never requested
+
+
+def test_oversized_reply_is_empty(misbehaving: tuple[PeerServer, dict[str, Response]]) -> None:
+    server, reply = misbehaving
+    reply["next"] = _octets(msgspec.msgpack.encode([encode_chunk(chunk(1, 4096))]))
+    with PeerClient(server.url, max_reply_bytes=1024) as client:
+        assert client.fetch([key(1)]) == {}
+    with PeerClient(server.url) as client:
+        assert set(client.fetch([key(1)])) == {key(1)}
