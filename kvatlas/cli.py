@@ -1,4 +1,4 @@
-"""The ``kvatlas`` command: ``coordinator``, ``demo`` and ``bench NAME``."""
+"""The ``kvatlas`` command: ``coordinator``, ``node``, ``demo`` and ``bench NAME``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from kvatlas.bench import BENCHMARKS
 from kvatlas.coordinator.config import add_arguments as add_coordinator_arguments
 from kvatlas.coordinator.config import config_from_args
+from kvatlas.node.config import add_arguments as add_node_arguments
+from kvatlas.node.config import config_from_args as node_config_from_args
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -22,6 +24,13 @@ def _build_parser() -> argparse.ArgumentParser:
         description="The fleet's key directory and blend index over HTTP.",
     )
     add_coordinator_arguments(coordinator)
+
+    node = sub.add_parser(
+        "node",
+        help="run a cache node (every flag also as KVATLAS_<NAME>)",
+        description="A cache node: KV tiers, peer L1, engine API, events to the coordinator.",
+    )
+    add_node_arguments(node)
 
     demo = sub.add_parser("demo", help="run the embedded demo")
     demo.add_argument("--seed", type=int, default=0)
@@ -45,6 +54,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
         return run_coordinator(config)
+    if args.command == "node":
+        from kvatlas.node.server import run_node
+
+        try:
+            node_config = node_config_from_args(args)
+        except ValueError as exc:
+            parser.error(str(exc))
+        return run_node(node_config)
     if args.command == "demo":
         from kvatlas.demo import run_demo
 

@@ -117,7 +117,11 @@ class NaiveReference:
         n = q.shape[0] - CHUNK + 1
         if n <= 0:
             return []
-        fps = kernels.window_fingerprints(q, 0, n, CHUNK, self.index._base, self.index._base_pow)
+        qt_shape, fps_shape, _ = kernels.scratch_shapes(n, CHUNK)
+        fps = kernels.window_fingerprints(
+            q, 0, n, CHUNK, self.index._base, self.index._base_pow,
+            np.empty(qt_shape, np.uint32), np.empty(fps_shape, np.uint64),
+        )  # fmt: skip
         flat = fps.T.reshape(-1)[:n]  # lane-major → position order
         survivors = np.nonzero(self.occupancy[flat & np.uint64(self.slots - 1)])[0]
         out: list[tuple[bytes, int, int]] = []
@@ -163,7 +167,11 @@ def _warm_up() -> None:
     index.remove_claim(row, b"w", OURS)
     index.add(row, b"w", 0, OURS)
     index.remove_chunk(row, b"w")
-    kernels.rolling_floor(np.zeros(2 * CHUNK, np.uint32), CHUNK, 3, 5)
+    index.add_many([(row, b"w", 0, OURS)])
+    index.remove_claims([(row, b"w", OURS)])
+    qt_shape, fps_shape, _ = kernels.scratch_shapes(CHUNK + 1, CHUNK)
+    scratch = np.empty(qt_shape, np.uint32), np.empty(fps_shape, np.uint64)
+    kernels.rolling_floor(np.zeros(2 * CHUNK, np.uint32), CHUNK, 3, 5, *scratch)
 
 
 def _bench_size(
@@ -205,8 +213,11 @@ def _bench_size(
         found = {r.chunk_hash: (r.old_st, r.cur_st) for r in index.match(q, OURS)}
         recall = sum(found.get(h) == v for h, v in expected.items()) / max(1, len(expected))
         exact = found == expected
+        qt_shape, fps_shape, _ = kernels.scratch_shapes(m, CHUNK)
+        scratch = np.empty(qt_shape, np.uint32), np.empty(fps_shape, np.uint64)
         floor_s = _timed(
-            partial(kernels.rolling_floor, q, CHUNK, index._base, index._base_pow), repeats
+            partial(kernels.rolling_floor, q, CHUNK, index._base, index._base_pow, *scratch),
+            repeats,
         )
         ours_s = _timed(partial(index.match, q, OURS), repeats)
         ref_s = None
@@ -276,6 +287,25 @@ def _bench_size(
             extra={"chunks/s": f"{len(sample) / readd_s:,.0f}", "per chunk": "time"},
         )
     )
+    # the batch API (what the directory uses: one call per event batch of 256 entries)
+    batches = [sample[lo : lo + 256] for lo in range(0, len(sample), 256)]
+    start = time.perf_counter()
+    for part in batches:
+        index.remove_claims([(w.rows[i], w.hashes[i], w.namespace(i)) for i in part])
+    remove_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for part in batches:
+        index.add_many([(w.rows[i], w.hashes[i], int(w.offsets[i]), w.namespace(i)) for i in part])
+    readd_s = time.perf_counter() - start
+    for name, seconds in (("remove_claims", remove_s), ("add_many", readd_s)):
+        rows.append(
+            BenchRow(
+                f"{name} (batches of 256) N={n:,}",
+                seconds / len(sample),
+                target="≥ 200k chunks/s",
+                extra={"chunks/s": f"{len(sample) / seconds:,.0f}", "per chunk": "time"},
+            )
+        )
     return rows
 
 

@@ -138,8 +138,12 @@ def run(args: argparse.Namespace) -> int:
     def naive() -> None:
         _consume_all(NaiveDirectory(), batches)
 
+    def ours_no_blend() -> None:
+        _consume_all(KeyDirectory(CHUNK), batches)
+
     ours_s = _median_time(ours, repeats)
     naive_s = _median_time(naive, repeats)
+    plain_s = _median_time(ours_no_blend, repeats)
     batches = []  # free the inputs before the memory pass
     mem_n = min(n, 50_000)
     ours_mem = _memory_per_chunk(lambda: KeyDirectory(CHUNK, enable_blend_lookup=True), mem_n, 1)
@@ -159,6 +163,15 @@ def run(args: argparse.Namespace) -> int:
         )
     )
 
+    rows.append(
+        BenchRow(
+            f"consume {n:,} token-bearing store entries, blend off (directory alone)",
+            plain_s,
+            naive_s,
+            "",
+            {"entries/s": f"{n / plain_s:,.0f}"},
+        )
+    )
     directory = KeyDirectory(CHUNK)
     _consume_all(directory, _workload(snap_keys, args.seed + 1))
     gc.collect()

@@ -7,7 +7,6 @@ demo and the tests use: real HTTP on loopback, real sockets, the same app.
 from __future__ import annotations
 
 import ipaddress
-import json
 import logging
 import socket
 import threading
@@ -19,6 +18,7 @@ import uvicorn
 from kvatlas.coordinator.app import create_app
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.logs import configure_logging
 
 log = logging.getLogger("kvatlas.coordinator")
 
@@ -100,27 +100,6 @@ class BackgroundServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-class JsonLogFormatter(logging.Formatter):
-    """One JSON object per line: what log shippers parse without regexes."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {
-            "ts": self.formatTime(record),
-            "level": record.levelname,
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        if record.exc_info:
-            entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
-
-
-def configure_logging(level: str) -> None:
-    handler = logging.StreamHandler()
-    handler.setFormatter(JsonLogFormatter())
-    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
 def run_coordinator(config: CoordinatorConfig) -> int:

@@ -23,6 +23,7 @@ from kvatlas.directory import KeyDirectory
 from kvatlas.directory.gate import Outcome
 from kvatlas.directory.key_directory import IngestCounts
 from kvatlas.directory.snapshot import SnapshotError, SnapshotInfo, load_snapshot, save_snapshot
+from kvatlas.directory.warm_up import warm_up_kernels
 from kvatlas.events import EventBatch
 from kvatlas.keys import MM_BYPASS_GUARD
 
@@ -58,6 +59,7 @@ class CoordinatorService:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
+        warm_up_kernels()
         self.restore()
         self._spawn("instance-sweeper", self._sweep_loop)
         if self.config.snapshot_path is not None:

@@ -10,8 +10,10 @@ them while the caller holds the index lock. Layout (ids are dense, recycled thro
   by backward shift so there are no tombstones and no entry is ever evicted (complete recall).
 - filter: blocked Bloom filter, one uint64 word per key, 3 bits set; only ever gains bits
   between rebuilds, so it has false positives but never false negatives.
-- occupants: ``o_hash`` (32 bytes) + ``o_hlen``, ``o_off`` (token_offset), ``o_next`` (chain of
-  the content's occupants), ``o_ns0`` (inline first claim, -1 = none), ``o_nclaims``.
+- occupants: ``o_i64[o] = (token_offset, address of the chunk_hash bytes)`` (the ``bytes``
+  object is kept alive by the index's Python list, shared with the caller: no copy),
+  ``o_hlen`` (hash length), ``o_i32[o] = (next occupant of the content, inline first claim
+  or -1, number of claims)`` — one row per occupant, so the namespace test reads one line.
 - extra claims (an occupant claimed by a second namespace): an open-addressed int64 set of
   ``occupant << 32 | namespace``.
 
@@ -52,7 +54,33 @@ def _u32_ptr(typingctx: Any, addr: Any) -> Any:
     return sig, codegen
 
 
+@intrinsic
+def _u8_ptr(typingctx: Any, addr: Any) -> Any:
+    """Reinterpret an integer address as ``uint8*`` (the chunk_hash ``bytes`` the index keeps)."""
+    sig = types.CPointer(types.uint8)(addr)  # type: ignore[no-untyped-call]
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return sig, codegen
+
+
+@intrinsic
+def _i64_ptr(typingctx: Any, addr: Any) -> Any:
+    """Reinterpret an integer address as ``int64*`` (reads an object's data pointer)."""
+    sig = types.CPointer(types.int64)(addr)  # type: ignore[no-untyped-call]
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return sig, codegen
+
+
 _jit = numba.njit(cache=True, nogil=True)
+_inline = numba.njit(cache=True, nogil=True, inline="always")
+
+O_OFF, O_HADDR = 0, 1  # o_i64 columns
+O_NEXT, O_NS0, O_NCLAIMS = 0, 1, 2  # o_i32 columns
 
 
 @_jit
@@ -250,12 +278,13 @@ def extra_rehash(old: Any, new: Any) -> None:
 
 
 @_jit
-def _claimed(o: Any, ns: Any, o_ns0: Any, o_nclaims: Any, extra: Any) -> Any:
+def _claimed(o: Any, ns: Any, o_i32: Any, extra: Any) -> Any:
     """Namespace membership: the cheap test that runs before any token comparison."""
-    if o_ns0[o] == ns:
+    ns0 = o_i32[o, O_NS0]
+    if ns0 == ns:
         return True
-    inline = 1 if o_ns0[o] >= 0 else 0
-    if o_nclaims[o] > inline:
+    inline = 1 if ns0 >= 0 else 0
+    if o_i32[o, O_NCLAIMS] > inline:
         return extra_contains(extra, _claim_key(o, ns))
     return False
 
@@ -323,26 +352,45 @@ def rebuild(table: Any, filt: Any, c_fp: Any, c_addr: Any, hwm: Any) -> None:
 
 
 @_jit
-def find_occupant(c_first: Any, cid: Any, o_next: Any, o_hash: Any, o_hlen: Any, h: Any) -> Any:
+def find_occupant(
+    c_first: Any, cid: Any, o_i64: Any, o_i32: Any, o_hlen: Any, h_addr: Any, n: Any
+) -> Any:
+    """The occupant of content ``cid`` whose chunk_hash equals the ``n`` bytes at ``h_addr``."""
+    h: Any = _u8_ptr(h_addr)  # type: ignore[call-arg]
     o = c_first[cid]
-    n = len(h)
     while o != -1:
         if o_hlen[o] == n:
+            p: Any = _u8_ptr(o_i64[o, O_HADDR])  # type: ignore[call-arg]
             same = True
             for k in range(n):
-                if o_hash[o, k] != h[k]:
+                if p[k] != h[k]:
                     same = False
                     break
             if same:
                 return o
-        o = o_next[o]
+        o = o_i32[o, O_NEXT]
     return -1
 
 
+ADD, REMOVE_CLAIM, REMOVE_CHUNK, SKIP = 0, 1, 2, 3
+"""Operation kinds of :func:`apply_ops` (``SKIP``: e.g. a removal for an unknown namespace)."""
+
+F_NEW_CONTENT = 1
+F_NEW_OCCUPANT = 2
+F_NEW_CLAIM = 4
+F_EXTRA_CLAIM = 8  # the added/dropped claim lives in the extra set
+F_CLAIM_DROPPED = 16
+F_OCCUPANT_GONE = 32
+F_CONTENT_GONE = 64
+F_HAD_EXTRA = 128  # remove_chunk: the occupant had extra-set claims (the caller drops them)
+
+
 @_jit
-def add_entry(
+def op_apply(
+    kind: Any,
     tokens: Any,
-    h: Any,
+    h_addr: Any,
+    h_len: Any,
     offset: Any,
     ns: Any,
     new_cid: Any,
@@ -354,27 +402,56 @@ def add_entry(
     c_fp: Any,
     c_addr: Any,
     c_first: Any,
-    o_hash: Any,
+    o_i64: Any,
+    o_i32: Any,
     o_hlen: Any,
-    o_off: Any,
-    o_next: Any,
-    o_ns0: Any,
-    o_nclaims: Any,
     extra: Any,
 ) -> Any:
-    """Add (content, chunk_hash) with a claim for ``ns``; idempotent.
+    """One add / remove_claim / remove_chunk. Returns (flags, content id, occupant id, ns0).
 
-    Returns (flags, content id, occupant id); flags: 1 new content (``new_cid`` used, the
-    caller must keep ``tokens`` alive), 2 new occupant (``new_occ`` used), 4 new claim,
-    8 the claim went to the extra set.
+    add: idempotent; ``new_cid``/``new_occ`` are used when flags say so (the caller then keeps
+    ``tokens`` and the hash bytes alive). remove_claim: drops ``ns``'s claim, the occupant with
+    its last claim, the content with its last occupant. remove_chunk: drops the occupant and
+    its inline claim (``ns0`` returned, -1 if none); its extra-set claims are flagged
+    ``F_HAD_EXTRA`` for the caller, who knows their namespaces.
     """
     chunk = tokens.shape[0]
     fp = fingerprint(tokens, 0, chunk, base, fmask)
     cid, slot = find_content(tokens, fp, chunk, table, c_fp, c_addr)
     flags = 0
+    if kind != ADD:
+        if cid == -1:
+            return 0, -1, -1, -1
+        o = find_occupant(c_first, cid, o_i64, o_i32, o_hlen, h_addr, h_len)
+        if o == -1:
+            return 0, cid, -1, -1
+        ns0 = -1
+        if kind == REMOVE_CLAIM:
+            if o_i32[o, O_NS0] == ns:
+                o_i32[o, O_NS0] = -1
+                flags = F_CLAIM_DROPPED
+            elif o_i32[o, O_NCLAIMS] > (1 if o_i32[o, O_NS0] >= 0 else 0) and extra_delete(
+                extra, _claim_key(o, ns)
+            ):
+                flags = F_CLAIM_DROPPED | F_EXTRA_CLAIM
+            else:
+                return 0, cid, o, -1
+            o_i32[o, O_NCLAIMS] -= 1
+            if o_i32[o, O_NCLAIMS] > 0:
+                return flags, cid, o, -1
+        else:
+            ns0 = o_i32[o, O_NS0]
+            if o_i32[o, O_NCLAIMS] > (1 if ns0 >= 0 else 0):
+                flags |= F_HAD_EXTRA
+            o_i32[o, O_NS0] = -1
+            o_i32[o, O_NCLAIMS] = 0
+        flags |= F_OCCUPANT_GONE
+        if unlink_occupant(cid, slot, o, table, c_fp, c_addr, c_first, o_i32):
+            flags |= F_CONTENT_GONE
+        return flags, cid, o, ns0
     if cid == -1:
         cid = new_cid
-        flags |= 1
+        flags |= F_NEW_CONTENT
         c_fp[cid] = fp
         c_addr[cid] = tokens.ctypes.data
         c_first[cid] = -1
@@ -384,75 +461,97 @@ def add_entry(
         filt[_bloom_word(mixed, fshift)] |= _bloom_mask(mixed)
         o = -1
     else:
-        o = find_occupant(c_first, cid, o_next, o_hash, o_hlen, h)
+        o = find_occupant(c_first, cid, o_i64, o_i32, o_hlen, h_addr, h_len)
     if o == -1:
         o = new_occ
-        flags |= 2
-        n = len(h)
-        for k in range(n):
-            o_hash[o, k] = h[k]
-        for k in range(n, o_hash.shape[1]):
-            o_hash[o, k] = 0
-        o_hlen[o] = n
-        o_next[o] = c_first[cid]
+        flags |= F_NEW_OCCUPANT
+        o_i64[o, O_HADDR] = h_addr
+        o_hlen[o] = h_len
+        o_i32[o, O_NEXT] = c_first[cid]
         c_first[cid] = o
-        o_ns0[o] = -1
-        o_nclaims[o] = 0
-    o_off[o] = offset
-    if o_ns0[o] == ns:
-        return flags, cid, o
-    if o_ns0[o] == -1:
+        o_i32[o, O_NS0] = -1
+        o_i32[o, O_NCLAIMS] = 0
+    o_i64[o, O_OFF] = offset
+    if o_i32[o, O_NS0] == ns:
+        return flags, cid, o, -1
+    if o_i32[o, O_NS0] == -1:
         # the inline slot is free: the claim may already live in the extra set
-        if o_nclaims[o] > 0 and extra_contains(extra, _claim_key(o, ns)):
-            return flags, cid, o
-        o_ns0[o] = ns
-        o_nclaims[o] += 1
-        return flags | 4, cid, o
+        if o_i32[o, O_NCLAIMS] > 0 and extra_contains(extra, _claim_key(o, ns)):
+            return flags, cid, o, -1
+        o_i32[o, O_NS0] = ns
+        o_i32[o, O_NCLAIMS] += 1
+        return flags | F_NEW_CLAIM, cid, o, -1
     if extra_insert(extra, _claim_key(o, ns)):
-        o_nclaims[o] += 1
-        return flags | 4 | 8, cid, o
-    return flags, cid, o
+        o_i32[o, O_NCLAIMS] += 1
+        return flags | F_NEW_CLAIM | F_EXTRA_CLAIM, cid, o, -1
+    return flags, cid, o, -1
 
 
 @_jit
-def locate(
-    tokens: Any,
-    h: Any,
+def apply_ops(
+    kinds: Any,
+    t_addr: Any,
+    h_addr: Any,
+    h_len: Any,
+    offsets: Any,
+    nss: Any,
+    chunk: Any,
+    data_off: Any,
+    new_cids: Any,
+    new_occs: Any,
     base: Any,
     fmask: Any,
     table: Any,
+    filt: Any,
     c_fp: Any,
     c_addr: Any,
     c_first: Any,
-    o_next: Any,
-    o_hash: Any,
+    o_i64: Any,
+    o_i32: Any,
     o_hlen: Any,
+    extra: Any,
+    out: Any,
 ) -> Any:
-    """(content id, table slot, occupant id) of (tokens, chunk_hash); -1 ids when unknown."""
-    chunk = tokens.shape[0]
-    fp = fingerprint(tokens, 0, chunk, base, fmask)
-    cid, slot = find_content(tokens, fp, chunk, table, c_fp, c_addr)
-    if cid == -1:
-        return -1, slot, -1
-    return cid, slot, find_occupant(c_first, cid, o_next, o_hash, o_hlen, h)
+    """:func:`op_apply` over a batch, in order, in one call (one dispatch, one lock hold).
 
-
-@_jit
-def drop_claim(o: Any, ns: Any, o_ns0: Any, o_nclaims: Any, extra: Any) -> Any:
-    """Drop ``ns``'s claim on occupant ``o``: 0 not claimed, 1 inline claim, 2 extra claim."""
-    if o_ns0[o] == ns:
-        o_ns0[o] = -1
-        o_nclaims[o] -= 1
-        return 1
-    if extra_delete(extra, _claim_key(o, ns)):
-        o_nclaims[o] -= 1
-        return 2
-    return 0
+    Tokens are C-contiguous uint32 arrays the caller keeps alive, passed as ``id(array)``: the
+    data pointer is read at ``id + data_off`` (the ndarray struct's ``data`` field, located at
+    import by the caller); with ``data_off < 0``, ``t_addr`` holds data addresses already.
+    New ids come from ``new_cids``/``new_occs`` in order; ids freed by the batch are not
+    reused within it. ``out[i] = (flags, cid, occ, ns0)``. Returns (cids used, occs used).
+    """
+    nc = 0
+    no = 0
+    for i in range(kinds.shape[0]):
+        kind = kinds[i]
+        if kind == SKIP:
+            out[i, 0] = 0
+            out[i, 1] = -1
+            out[i, 2] = -1
+            out[i, 3] = -1
+            continue
+        addr = t_addr[i] if data_off < 0 else _i64_ptr(t_addr[i] + data_off)[0]  # type: ignore[call-arg]
+        tokens = numba.carray(_u32_ptr(addr), chunk)  # type: ignore[attr-defined,call-arg]
+        new_cid = new_cids[nc] if nc < new_cids.shape[0] else -1
+        new_occ = new_occs[no] if no < new_occs.shape[0] else -1
+        flags, cid, occ, ns0 = op_apply(
+            kind, tokens, h_addr[i], h_len[i], offsets[i], nss[i], new_cid, new_occ, base,
+            fmask, table, filt, c_fp, c_addr, c_first, o_i64, o_i32, o_hlen, extra,
+        )  # fmt: skip
+        if flags & F_NEW_CONTENT:
+            nc += 1
+        if flags & F_NEW_OCCUPANT:
+            no += 1
+        out[i, 0] = flags
+        out[i, 1] = cid
+        out[i, 2] = occ
+        out[i, 3] = ns0
+    return nc, no
 
 
 @_jit
 def unlink_occupant(
-    cid: Any, slot: Any, o: Any, table: Any, c_fp: Any, c_addr: Any, c_first: Any, o_next: Any
+    cid: Any, slot: Any, o: Any, table: Any, c_fp: Any, c_addr: Any, c_first: Any, o_i32: Any
 ) -> Any:
     """Unlink occupant ``o`` from its content; drop the content with its last occupant.
 
@@ -461,12 +560,12 @@ def unlink_occupant(
     cur = c_first[cid]
     while cur != o:
         prev = cur
-        cur = o_next[cur]
+        cur = o_i32[cur, O_NEXT]
     if prev == -1:
-        c_first[cid] = o_next[o]
+        c_first[cid] = o_i32[o, O_NEXT]
     else:
-        o_next[prev] = o_next[o]
-    o_next[o] = -1
+        o_i32[prev, O_NEXT] = o_i32[o, O_NEXT]
+    o_i32[o, O_NEXT] = -1
     if c_first[cid] != -1:
         return False
     table_delete(table, slot, c_fp)
@@ -498,50 +597,144 @@ def _lane_roll(qt: Any, h: Any, blk: Any, chunk: Any, b: Any, bp: Any, out: Any)
 
 
 @_jit
-def window_fingerprints(q: Any, start: Any, n: Any, chunk: Any, base: Any, base_pow: Any) -> Any:
+def window_fingerprints(
+    q: Any, start: Any, n: Any, chunk: Any, base: Any, base_pow: Any, qt: Any, out: Any
+) -> Any:
     """Unmasked fingerprints of the ``n`` windows starting at ``start``, as a (blk, LANES)
-    array: window ``start + j * blk + i`` is at ``[i, j]`` (entries past ``n`` are junk)."""
+    view of ``out``: window ``start + j * blk + i`` is at ``[i, j]`` (entries past ``n`` are
+    junk). ``qt`` and ``out`` are caller-owned scratch (reused: no page faults per query)."""
     blk = (n + LANES - 1) // LANES
     m = q.shape[0]
     rows = blk + chunk
-    qt = np.empty((rows, LANES), np.uint32)
+    if qt.shape[0] < rows or out.shape[0] < blk or qt.shape[1] != LANES:
+        raise ValueError("scratch buffers too small (see scratch_shapes)")
+    qv = qt[:rows]
     # windows before ``start + n`` read only real tokens; clamped reads feed junk windows only
     for r in range(rows):
-        row = qt[r]
+        row = qv[r]
         for j in range(LANES):
             row[j] = q[min(start + j * blk + r, m - 1)]
     h = np.zeros(LANES, np.uint64)
-    b = np.uint64(base)
     for j in range(LANES):
-        h[j] = fingerprint(qt[:, j], 0, chunk, base, MERSENNE61)
-    out = np.empty((blk, LANES), np.uint64)
-    _lane_roll(qt, h, blk, chunk, b, np.uint64(base_pow), out)
-    return out
+        h[j] = fingerprint(qv[:, j], 0, chunk, base, MERSENNE61)
+    ov = out[:blk]
+    _lane_roll(qv, h, blk, chunk, np.uint64(base), np.uint64(base_pow), ov)
+    return ov
+
+
+def scratch_shapes(windows: int, chunk: int) -> tuple[tuple[int, int], tuple[int, int], int]:
+    """Shapes of the (qt, out) scratch and the candidate length for up to ``windows`` windows."""
+    blk = (windows + LANES - 1) // LANES
+    return (blk + chunk, LANES), (blk, LANES), max(windows, blk * LANES)
+
+
+SCAN_ROWS = 64
+"""Rows (of ``LANES`` windows) rolled per block in ``scan``: the block's fingerprints stay in
+L1 between the roll and the filter probe, so the cache is left to the filter (writing all of
+a 64k-window segment's fingerprints out and reading them back costs an extra 1 MB of traffic
+that evicts the filter from L2)."""
 
 
 @_jit
-def _filter_pass(
-    fps: Any, start: Any, stop: Any, stride: Any, um: Any, filt: Any, cand_pos: Any, cand_fp: Any
-) -> Any:
-    """Window starts whose masked fingerprint passes the Bloom filter, written per lane:
-    lane j's candidates (ascending) at ``cand[j * blk : j * blk + counts[j]]``."""
-    fshift = _filter_shift(filt)
-    blk = fps.shape[0]
-    counts = np.zeros(LANES, np.int64)
-    for i in range(blk):
-        row = fps[i]
+def _filter_block(
+    fps: Any,
+    r: Any,
+    i0: Any,
+    blk: Any,
+    start: Any,
+    stop: Any,
+    stride: Any,
+    um: Any,
+    filt: Any,
+    fshift: Any,
+    hits: Any,
+    cand_pos: Any,
+    cand_fp: Any,
+    counts: Any,
+) -> None:
+    """Bloom-test rows ``[0, r)`` of a rolled block (rows ``i0 + ii`` of the lane layout):
+    the test is branch-free per row (16 independent filter loads in flight), candidates are
+    appended per lane so each lane's stay ascending."""
+    for ii in range(r):
+        row = fps[ii]
+        anyhit: Any = 0
         for j in range(LANES):
-            fp = row[j] & um
-            mixed = _mix(fp)
+            mixed = _mix(row[j] & um)
             bm = _bloom_mask(mixed)
-            if (filt[_bloom_word(mixed, fshift)] & bm) == bm:
-                p = start + j * blk + i
-                if p < stop and (stride == 1 or p % stride == 0):
-                    k = j * blk + counts[j]
-                    cand_pos[k] = p
-                    cand_fp[k] = fp
-                    counts[j] += 1
-    return counts
+            hit = np.int64((filt[np.int64(mixed >> np.uint64(fshift))] & bm) == bm)
+            hits[j] = hit
+            anyhit |= hit
+        if anyhit:
+            for j in range(LANES):
+                if hits[j]:
+                    p = start + j * blk + i0 + ii
+                    if p < stop and (stride == 1 or p % stride == 0):
+                        k = j * blk + counts[j]
+                        cand_pos[k] = p
+                        cand_fp[k] = row[j] & um
+                        counts[j] += 1
+
+
+@_jit
+def _dense_candidates(
+    q: Any,
+    start: Any,
+    stop: Any,
+    stride: Any,
+    chunk: Any,
+    base: Any,
+    base_pow: Any,
+    um: Any,
+    filt: Any,
+    qt: Any,
+    fps_buf: Any,
+    cand_pos: Any,
+    cand_fp: Any,
+) -> Any:
+    """Rolling fingerprints fused with the filter probe, ``SCAN_ROWS`` rows at a time.
+    Candidates (ascending) land in ``cand_pos/cand_fp[:n]``; returns ``n``."""
+    n = stop - start
+    blk = (n + LANES - 1) // LANES
+    m = q.shape[0]
+    rows = blk + chunk
+    if qt.shape[0] < rows or fps_buf.shape[0] < SCAN_ROWS or qt.shape[1] != LANES:
+        raise ValueError("scratch buffers too small (see scan_scratch_shapes)")
+    if cand_pos.shape[0] < blk * LANES or cand_fp.shape[0] < blk * LANES:
+        raise ValueError("scratch buffers too small (see scan_scratch_shapes)")
+    qv = qt[:rows]
+    # windows before ``stop`` read only real tokens; clamped reads feed junk windows only
+    for r in range(rows):
+        row = qv[r]
+        for j in range(LANES):
+            row[j] = q[min(start + j * blk + r, m - 1)]
+    h = np.zeros(LANES, np.uint64)
+    for j in range(LANES):
+        h[j] = fingerprint(qv[:, j], 0, chunk, base, MERSENNE61)
+    b = np.uint64(base)
+    bp = np.uint64(base_pow)
+    fshift = _filter_shift(filt)
+    counts = np.zeros(LANES, np.int64)
+    hits = np.zeros(LANES, np.int64)
+    for i0 in range(0, blk, SCAN_ROWS):
+        r = min(SCAN_ROWS, blk - i0)
+        _lane_roll(qv[i0:], h, r, chunk, b, bp, fps_buf)
+        _filter_block(
+            fps_buf, r, i0, blk, start, stop, stride, um, filt, fshift, hits, cand_pos, cand_fp,
+            counts,
+        )  # fmt: skip
+    n_c = 0
+    for j in range(LANES):  # compact the lanes in order: candidates stay ascending
+        for k in range(j * blk, j * blk + counts[j]):
+            cand_pos[n_c] = cand_pos[k]
+            cand_fp[n_c] = cand_fp[k]
+            n_c += 1
+    return n_c
+
+
+def scan_scratch_shapes(windows: int, chunk: int) -> tuple[tuple[int, int], tuple[int, int], int]:
+    """Shapes of ``scan``'s (qt, block) scratch and its candidate length for ``windows``."""
+    blk = (windows + LANES - 1) // LANES
+    return (blk + chunk, LANES), (SCAN_ROWS, LANES), max(windows, blk * LANES)
 
 
 @_jit
@@ -560,10 +753,12 @@ def scan(
     c_fp: Any,
     c_addr: Any,
     c_first: Any,
-    o_next: Any,
-    o_ns0: Any,
-    o_nclaims: Any,
+    o_i32: Any,
     extra: Any,
+    qt: Any,
+    fps_buf: Any,
+    cand_pos: Any,
+    cand_fp: Any,
 ) -> Any:
     """Rolling fingerprint → Bloom filter → table → namespace → token verification.
 
@@ -576,21 +771,14 @@ def scan(
     if n <= 0:
         return np.empty(0, np.int64), np.empty(0, np.int32)
     if stride * 2 < chunk:
-        fps = window_fingerprints(q, start, n, chunk, base, base_pow)
-        blk = fps.shape[0]
-        cand_pos = np.empty(blk * LANES, np.int64)
-        cand_fp = np.empty(blk * LANES, np.uint64)
-        counts = _filter_pass(fps, start, stop, stride, um, filt, cand_pos, cand_fp)
-        n_c = 0
-        for j in range(LANES):  # compact the lanes in order: candidates stay ascending
-            for k in range(j * blk, j * blk + counts[j]):
-                cand_pos[n_c] = cand_pos[k]
-                cand_fp[n_c] = cand_fp[k]
-                n_c += 1
+        n_c = _dense_candidates(
+            q, start, stop, stride, chunk, base, base_pow, um, filt, qt, fps_buf, cand_pos,
+            cand_fp,
+        )  # fmt: skip
     else:
-        cand_pos = np.empty(n, np.int64)
-        cand_fp = np.empty(n, np.uint64)
         # sparse probes: hashing each probed window directly costs <= 2 passes over q
+        if cand_pos.shape[0] < n or cand_fp.shape[0] < n:
+            raise ValueError("scratch buffers too small (see scan_scratch_shapes)")
         fshift = _filter_shift(filt)
         n_c = 0
         first = ((start + stride - 1) // stride) * stride
@@ -622,7 +810,7 @@ def scan(
             verified = -1  # unknown until a claimed, not yet emitted occupant needs it
             o = c_first[cid]
             while o != -1:
-                if _claimed(o, ns, o_ns0, o_nclaims, extra):
+                if _claimed(o, ns, o_i32, extra):
                     smask = seen.shape[0] - 1
                     s = (o * 0x9E3779B1) & smask
                     dup = False
@@ -646,7 +834,7 @@ def scan(
                         n_out += 1
                         if 2 * n_seen > seen.shape[0]:
                             seen = _grow_seen(seen)
-                o = o_next[o]
+                o = o_i32[o, O_NEXT]
     return out_pos[:n_out], out_occ[:n_out]
 
 
@@ -665,13 +853,13 @@ def _grow_seen(old: Any) -> Any:
 
 
 @_jit
-def rolling_floor(q: Any, chunk: Any, base: Any, base_pow: Any) -> Any:
+def rolling_floor(q: Any, chunk: Any, base: Any, base_pow: Any, qt: Any, fps_buf: Any) -> Any:
     """The floor the scan is measured against: the rolling fingerprint alone over the query
     (same SIMD lanes as ``scan``), folded to one value so nothing is optimised away."""
     n = q.shape[0] - chunk + 1
     if n <= 0:
         return 0
-    fps = window_fingerprints(q, 0, n, chunk, base, base_pow)
+    fps = window_fingerprints(q, 0, n, chunk, base, base_pow, qt, fps_buf)
     acc = np.uint64(0)
     for i in range(fps.shape[0]):
         for j in range(LANES):

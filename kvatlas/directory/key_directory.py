@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvatlas.directory.blend_index import BlendIndex, BlendMatch
+from kvatlas.directory.blend_index import BlendIndex, BlendMatch, BlendOp
 from kvatlas.directory.gate import Admission, EmitterCursor, IngestGate, Outcome
 from kvatlas.directory.records import (
     CapacityDeclaration,
@@ -148,6 +148,7 @@ class KeyDirectory:
         self._l1_chunks: dict[str, set[bytes]] = {}  # instance -> chunks with its own L1 copies
         self._capacities: dict[str, CapacityDeclaration] = {}
         self._index: BlendIndex | None = None
+        self._index_ops: list[BlendOp] = []  # index writes of the operation in progress
         self._probe_stride = 1
         self._cow: _CowJournal | None = None
         self._n_keys = 0
@@ -185,7 +186,10 @@ class KeyDirectory:
             admission = self._gate.admit(batch)
             self._outcomes[admission.outcome] += 1
             if admission.outcome is Outcome.APPLIED:
-                self._apply_admitted(batch, admission)
+                try:
+                    self._apply_admitted(batch, admission)
+                finally:
+                    self._flush_index()
             return admission.outcome
 
     def consume_many(self, batches: Iterable[EventBatch]) -> IngestCounts:
@@ -198,12 +202,18 @@ class KeyDirectory:
         """Drop every L1 placement ``instance_id`` reported (its process memory is gone);
         L2 and shared placements survive. Returns the number of placements dropped."""
         with self._lock:
-            return self._fence_locked(instance_id)
+            try:
+                return self._fence_locked(instance_id)
+            finally:
+                self._flush_index()
 
     def deregister(self, instance_id: str) -> int:
         """Fence the instance and forget its cursor and capacity declaration."""
         with self._lock:
-            dropped = self._fence_locked(instance_id)
+            try:
+                dropped = self._fence_locked(instance_id)
+            finally:
+                self._flush_index()
             self._gate.forget(instance_id)
             self._capacities.pop(instance_id, None)
             return dropped
@@ -224,6 +234,19 @@ class KeyDirectory:
         elif kind == CONFIG:
             self._apply_config(batch)
         self._gate.commit(batch, admission)
+
+    def _flush_index(self) -> None:
+        """Apply the index writes collected while applying one batch (or fence), in order, as
+        one index batch: one index lock hold and one compiled call instead of one per write.
+        Still under the directory lock, so the order directory → index is unchanged; a
+        concurrent ``blend_match`` sees the index before or after the whole batch, never
+        half of it (in particular never between a ``remove_chunk`` and its re-``add``s)."""
+        ops = self._index_ops
+        if ops:
+            self._index_ops = []
+            index = self._index
+            if index is not None:
+                index.apply(ops)
 
     def _shape(self, key: ObjectKey) -> KeyShape:
         parts = (key.model_name, key.kv_rank, key.object_group_id, key.cache_salt)
@@ -250,6 +273,7 @@ class KeyDirectory:
         own_l1 = tier == "l1" and not shared
         by_size: dict[int, Placement] = {}
         index = self._index
+        ops = self._index_ops
         for entry, shape in zip(batch.entries, shapes, strict=True):
             p = by_size.get(entry.size_bytes)
             if p is None:
@@ -293,7 +317,7 @@ class KeyDirectory:
                 log.debug("store without tokens for unbound chunk %s: not indexed", h.hex())
             if new_claim and not reindexed and chunk.indexed and index is not None:
                 assert chunk.tokens is not None
-                index.add(chunk.tokens, h, chunk.token_offset, shape.namespace)
+                ops.append(("add", chunk.tokens, h, chunk.token_offset, shape.namespace))
 
     def _indexable(self, tokens: TokenArray | None, offset: int) -> bool:
         # offset -1 is never indexed: a match without its stored position would be re-RoPEd
@@ -315,16 +339,16 @@ class KeyDirectory:
         else:
             if chunk.indexed and index is not None and old is not None:
                 # Retire the old content before the new one appears: no window in which a match
-                # returns new content at the old position.
-                index.remove_chunk(old, h)
+                # returns new content at the old position (both go in one index batch).
+                self._index_ops.append(("remove_chunk", old, h))
             chunk.indexed = False
             chunk.tokens, chunk.token_offset = tokens, offset
             if len(tokens) != self.chunk_size:
                 log.info("chunk %s bound with %d tokens (not indexed)", h.hex(), len(tokens))
         if index is None or not self._indexable(chunk.tokens, chunk.token_offset):
             return False
-        for ns in chunk.namespaces():
-            index.add(chunk.tokens, h, chunk.token_offset, ns)
+        bound, offset = chunk.tokens, chunk.token_offset
+        self._index_ops += [("add", bound, h, offset, ns) for ns in chunk.namespaces()]
         chunk.indexed = True
         return True
 
@@ -404,7 +428,7 @@ class KeyDirectory:
             before = chunk.namespaces()
             chunk.keys = tuple(kept)
             for ns in before - chunk.namespaces():
-                index.remove_claim(chunk.tokens, h, ns)
+                self._index_ops.append(("remove_claim", chunk.tokens, h, ns))
         chunk.keys = tuple(kept)
         if not kept:
             chunk.indexed = False
@@ -664,11 +688,15 @@ class KeyDirectory:
         index = self._index
         assert index is not None
         for part in self._parts:
+            ops: list[BlendOp] = []
             for h, chunk in part.items():
                 if self._indexable(chunk.tokens, chunk.token_offset):
-                    for ns in chunk.namespaces():
-                        index.add(chunk.tokens, h, chunk.token_offset, ns)
+                    ops += [
+                        ("add", chunk.tokens, h, chunk.token_offset, ns)
+                        for ns in chunk.namespaces()
+                    ]
                     chunk.indexed = True
+            index.apply(ops)
 
 
 def _find(keys: KeyTuple, shape: KeyShape) -> int:

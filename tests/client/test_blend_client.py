@@ -57,14 +57,14 @@ def coordinator() -> Iterator[BackgroundServer]:
 
 def test_matches_from_real_coordinator(coordinator: BackgroundServer) -> None:
     query = [7, 7, 7, *range(1000, 1000 + 2 * CHUNK), 9]
-    with BlendCoordinatorClient(coordinator.url) as client:
+    with BlendCoordinatorClient(coordinator.url, request_timeout=20) as client:
         client.submit_match("r1", query, NS)
-        result, _ = poll_until_done(client, "r1", budget=5)
+        result, _ = poll_until_done(client, "r1", budget=25)
         assert [(m.old_st, m.cur_st) for m in result] == [(0, 3), (CHUNK, 3 + CHUNK)]
         assert client.take_match("r1") == result
         assert client.pending_count() == 0
         client.submit_match("r2", query, BlendNamespace("other-model"))
-        assert poll_until_done(client, "r2", budget=5)[0] == []
+        assert poll_until_done(client, "r2", budget=25)[0] == []
 
 
 def test_maybe_create_empty_url() -> None:

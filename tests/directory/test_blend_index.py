@@ -335,3 +335,104 @@ def test_growth_keeps_everything_findable() -> None:
     for i in range(1, 5000, 2):
         assert by_hash[h(i)].cur_st == 4 * i and by_hash[h(i)].old_st == i
     assert all(int.from_bytes(k, "big") % 2 == 1 for k in by_hash)
+
+
+# ---------------------------------------------------------------- batched writes (apply)
+
+
+def test_add_many_equals_repeated_add() -> None:
+    other = BlendNamespace("model-b")
+    items = [(chunk(i % 7), h(i % 9), 8 * i, NS if i % 3 else other) for i in range(40)]
+    one, many = BlendIndex(chunk_size=C), BlendIndex(chunk_size=C)
+
+    def counts(index: BlendIndex) -> list[int]:  # capacities may differ (batches pre-grow)
+        stats = index.stats()
+        return [stats[k] for k in ("contents", "occupants", "claims", "namespaces", "token_bytes")]
+
+    for item in items:
+        one.add(*item)
+    many.add_many(items)
+    assert counts(one) == counts(many)
+    query = np.concatenate([chunk(i) for i in range(7)])
+    for ns in (NS, other):
+        assert one.match(query, ns) == many.match(query, ns)
+    removals = [(chunk(i % 7), h(i % 9), NS) for i in range(0, 40, 2)]
+    for item in removals:
+        one.remove_claim(*item)
+    many.remove_claims(removals)
+    assert counts(one) == counts(many)
+    for ns in (NS, other):
+        assert one.match(query, ns) == many.match(query, ns)
+
+
+def test_apply_mixed_ops_in_order() -> None:
+    index = BlendIndex(chunk_size=C)
+    a, b = chunk(1), chunk(2)
+    index.apply(
+        [
+            ("add", a, h(1), 0, NS),
+            ("remove_chunk", a, h(1)),  # same batch: removed again
+            ("add", b, h(1), 16, NS),  # re-stored with new content
+            ("remove_claim", a, h(1), NS),  # unknown by now: no-op
+            ("add", a, h(2), 24, NS),
+        ]
+    )
+    assert index.match(np.concatenate([a, b]), NS) == [
+        BlendMatch(h(2), 24, 0),
+        BlendMatch(h(1), 16, C),
+    ]
+    stats = index.stats()
+    assert (stats["contents"], stats["occupants"], stats["claims"], stats["namespaces"]) == (
+        2,
+        2,
+        2,
+        1,
+    )
+    index.apply([])  # empty batch: nothing happens
+    assert index.stats() == stats
+
+
+def test_apply_validates_every_op_before_changing_anything() -> None:
+    index = BlendIndex(chunk_size=C)
+    index.add(chunk(1), h(1), 0, NS)
+    before = index.stats()
+    with pytest.raises(ValueError):
+        index.apply([("remove_chunk", chunk(1), h(1)), ("add", chunk(2), h(2), -1, NS)])
+    with pytest.raises(ValueError):
+        index.apply([("remove_chunk", chunk(1), h(1)), ("replace", chunk(2), h(2))])
+    with pytest.raises(ValueError):
+        index.apply([("remove_chunk", chunk(1), h(1)), ("add", chunk(2), b"x" * 33, 0, NS)])
+    assert index.stats() == before
+    assert index.match(chunk(1), NS) == [BlendMatch(h(1), 0, 0)]
+
+
+def test_apply_ignores_wrong_length_content_and_copies_writable_arrays() -> None:
+    index = BlendIndex(chunk_size=C)
+    a = chunk(1)
+    index.apply([("add", chunk(3, C - 1), h(3), 0, NS), ("add", a, h(1), 0, NS)])
+    a[0] += 1  # the caller's writable buffer: the index kept a copy
+    assert index.stats()["occupants"] == 1
+    assert index.stats()["token_bytes_owned"] == C * 4
+    assert index.match(chunk(1), NS) == [BlendMatch(h(1), 0, 0)]
+
+
+def test_apply_namespace_claims_across_one_batch() -> None:
+    index = BlendIndex(chunk_size=C)
+    other = BlendNamespace("model-b")
+    a = chunk(1)
+    index.apply(
+        [
+            ("remove_claim", a, h(1), other),  # namespace unknown yet: no-op
+            ("add", a, h(1), 0, NS),
+            ("add", a, h(1), 0, other),  # second claim: the extra set
+            ("remove_claim", a, h(1), NS),
+            ("add", a, h(1), 4, NS),
+        ]
+    )
+    stats = index.stats()
+    assert (stats["occupants"], stats["claims"], stats["namespaces"]) == (1, 2, 2)
+    assert index.match(a, NS) == [BlendMatch(h(1), 4, 0)]
+    index.apply([("remove_chunk", a, h(1)), ("add", chunk(2), h(5), 0, other)])
+    stats = index.stats()
+    assert (stats["occupants"], stats["claims"], stats["namespaces"]) == (1, 1, 1)
+    assert index.match(a, NS) == [] and index.match(a, other) == []

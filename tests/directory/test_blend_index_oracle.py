@@ -276,3 +276,78 @@ def test_concurrent_add_remove_match(monkeypatch: pytest.MonkeyPatch) -> None:
         want = [(m.cur_st, m.chunk_hash) for m in merged.match(query.tolist(), ns)]
         assert sorted(got) == sorted(want)
     assert index.stats()["occupants"] == len(merged.entries)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.lists(st.integers(1, 6), min_size=1, max_size=10))
+def test_batched_writes_equal_the_oracle(
+    workload: tuple[int, int, int | None, list[list[int]], list[tuple]], cuts: list[int]
+) -> None:
+    """The same ops as the single-call oracle test, writes grouped into ``apply`` batches."""
+    chunk_size, stride, bits, pool, ops = workload
+    kwargs = {} if bits is None else {"_fingerprint_bits": bits}
+    index = BlendIndex(chunk_size=chunk_size, probe_stride=stride, **kwargs)  # type: ignore[arg-type]
+    oracle = Oracle(chunk_size, stride)
+    pending: list[tuple] = []
+    sizes = iter(cuts * 40)
+    size = next(sizes)
+    for op in ops:
+        if op[0] == "match":
+            index.apply(pending)
+            pending = []
+            query = [t for piece in op[1] for t in piece]
+            got = index.match(np.array(query, dtype=np.int64), op[2])
+            assert_ascending(got)
+            assert canonical(got) == canonical(oracle.match(query, op[2]))
+            continue
+        pending.append(op)
+        getattr(oracle, op[0])(*op[1:])
+        if len(pending) >= size:
+            index.apply(pending)
+            pending, size = [], next(sizes)
+    index.apply(pending)
+    stats = index.stats()
+    assert stats["occupants"] == len(oracle.entries)
+    assert stats["claims"] == sum(len(c) for _, c in oracle.entries.values())
+    assert stats["contents"] == len({content for content, _ in oracle.entries})
+    assert stats["namespaces"] == len({ns for _, c in oracle.entries.values() for ns in c})
+    for ns in SPACES:
+        query = [t for c in pool for t in c]
+        assert canonical(index.match(query, ns)) == canonical(oracle.match(query, ns))
+
+
+def test_restore_as_one_batch_has_no_window() -> None:
+    """A reader never sees a re-stored chunk between its ``remove_chunk`` and its re-``add``:
+    exactly one of the two contents is matchable at every moment."""
+    index = BlendIndex(chunk_size=4)
+    ns = SPACES[0]
+    a, b = [1, 2, 3, 4], [5, 6, 7, 8]
+    index.add(a, b"h", 0, ns)
+    query = np.array(a + b, dtype=np.uint32)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def writer() -> None:
+        try:
+            cur, new = a, b
+            for i in range(3000):
+                index.apply([("remove_chunk", cur, b"h"), ("add", new, b"h", i, ns)])
+                cur, new = new, cur
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+        finally:
+            done.set()
+
+    def reader() -> None:
+        try:
+            while not done.is_set():
+                assert len(index.match(query, ns)) == 1
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors

@@ -40,6 +40,18 @@ class SpyIndex(BlendIndex):
         self.calls.append(("remove_chunk", chunk_hash[0]))
         super().remove_chunk(tokens, chunk_hash)
 
+    def apply(self, ops: Any) -> None:
+        """The directory's batched writes, recorded per op exactly as the single calls are."""
+        ops = list(ops)
+        for op in ops:
+            if op[0] == "add":
+                self.calls.append(("add", op[2][0], op[3], op[4], id(op[1])))
+            elif op[0] == "remove_claim":
+                self.calls.append(("remove_claim", op[2][0], op[3]))
+            else:
+                self.calls.append(("remove_chunk", op[2][0]))
+        super().apply(ops)
+
 
 @pytest.fixture
 def spy(monkeypatch: pytest.MonkeyPatch) -> type[SpyIndex]:

@@ -1,0 +1,117 @@
+"""``kvatlas node``: a cache node process — L1/L2, peer L1 and engine API over HTTP, events to
+the coordinator, fleet blend lookups — built from :class:`NodeConfig`."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import uvicorn
+
+from kvatlas.client import (
+    BlendCoordinatorClient,
+    CoordinatorClient,
+    CoordinatorError,
+    EventSink,
+    HttpTransport,
+    RedisStreamTransport,
+)
+from kvatlas.client.event_sink import Transport
+from kvatlas.directory.warm_up import warm_up_kernels
+from kvatlas.keys import KeySchemeMismatch
+from kvatlas.logs import configure_logging
+from kvatlas.node.cache_node import CacheNode
+from kvatlas.node.config import NodeConfig
+from kvatlas.node.fleet_view import HttpFleetView
+from kvatlas.node.http_api import create_node_app
+from kvatlas.node.l2 import FsL2, L2Backend, RedisL2
+
+log = logging.getLogger("kvatlas.node")
+
+
+class NodeProcess:
+    """Everything one node process owns, wired from its config (and torn down in reverse)."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.coordinator: CoordinatorClient | None = None
+        self.sink: EventSink | None = None
+        fleet: HttpFleetView | None = None
+        matcher: BlendCoordinatorClient | None = None
+        instance_id = config.instance_id or None
+        advertised = config.advertised_url or f"http://{config.host}:{config.port}"
+        if config.coordinator_url:
+            token = config.coordinator_token or None
+            self.coordinator = CoordinatorClient(config.coordinator_url, token=token)
+            health = self.coordinator.health()
+            config.scheme.check_compatible(
+                str(health.get("key_scheme")), int(health.get("chunk_size", -1))
+            )
+            instance_id = self.coordinator.register(
+                instance_id, ip=config.host, http_port=config.port, p2p_advertised_url=advertised,
+                metadata={"model_name": config.model_name, "kv_rank": config.kv_rank},
+            )  # fmt: skip
+            self.coordinator.start_heartbeat()
+        config.warn_if_half_configured()
+        if config.fleet_enabled and self.coordinator is not None:
+            transport: Transport
+            if config.event_transport == "redis":
+                transport = RedisStreamTransport(config.redis_url, config.event_stream)
+            else:
+                transport = HttpTransport(
+                    config.coordinator_url, token=config.coordinator_token or None
+                )
+            assert instance_id is not None
+            self.sink = EventSink(instance_id, transport)
+            fleet = HttpFleetView(self.coordinator)
+            matcher = BlendCoordinatorClient(
+                config.coordinator_url,
+                request_timeout=config.coordinator_blend_timeout,
+                token=config.coordinator_token or None,
+            )
+        l2: L2Backend | None = None
+        if config.l2 == "fs":
+            l2 = FsL2(config.l2_path / (instance_id or "node"))
+        elif config.l2 == "redis":
+            l2 = RedisL2(config.l2_redis_url)
+        self.node = CacheNode(
+            config,
+            instance_id=instance_id,
+            l2=l2,
+            sink=self.sink,
+            fleet=fleet,
+            fleet_matcher=matcher,
+        )
+        self.app = create_node_app(self.node)
+
+    def close(self) -> None:
+        self.node.close()
+        if self.sink is not None:
+            self.sink.close()
+        if self.coordinator is not None:
+            try:
+                self.coordinator.deregister()
+            except CoordinatorError as exc:
+                log.warning("deregistration failed: %s", exc)
+            self.coordinator.close()
+
+
+def run_node(config: NodeConfig) -> int:
+    configure_logging(config.log_level)
+    warm_up_kernels()
+    try:
+        process = NodeProcess(config)
+    except (KeySchemeMismatch, CoordinatorError) as exc:
+        log.error("refusing to start: %s", exc)
+        return 2
+    log.info(
+        "kvatlas node %s on http://%s:%d (fleet %s, l2 %s)",
+        process.node.instance_id, config.host, config.port,
+        "on" if config.fleet_enabled else "off", config.l2,
+    )  # fmt: skip
+    kwargs: dict[str, Any] = {"log_level": config.log_level}
+    try:
+        uvicorn.run(process.app, host=config.host, port=config.port, **kwargs)
+    finally:
+        process.close()
+    return 0
