@@ -32,8 +32,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     add_node_arguments(node)
 
-    demo = sub.add_parser("demo", help="run the embedded demo")
+    demo = sub.add_parser("demo", help="run the fleet demo (RAG workload over 2 nodes)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--processes", action="store_true", help="real processes over HTTP")
+    demo.add_argument("--documents", type=int, default=24)
+    demo.add_argument("--queries", type=int, default=40)
+    demo.add_argument("--keys", action="store_true", help="show multimodal-safe keys instead")
 
     bench = sub.add_parser("bench", help="run a benchmark (median of repeats, ratio to naive)")
     bench_sub = bench.add_subparsers(dest="bench_name", required=True)
@@ -63,9 +67,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(str(exc))
         return run_node(node_config)
     if args.command == "demo":
-        from kvatlas.demo import run_demo
+        if args.keys:
+            from kvatlas.demo.keys import run_demo
 
-        return int(run_demo(seed=args.seed))
+            return int(run_demo(seed=args.seed))
+        from kvatlas.demo.fleet import run_fleet_demo
+
+        return run_fleet_demo(
+            seed=args.seed, processes=args.processes, documents=args.documents, queries=args.queries
+        )
     module = importlib.import_module(f"kvatlas.bench.{args.bench_name}")
     return int(module.run(args))
 

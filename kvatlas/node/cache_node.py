@@ -106,6 +106,7 @@ class CacheNode:
             allow_trim=config.allow_trim,
         )
         self._presence: dict[ObjectKey, _Presence] = {}
+        self._tiers_by_hash: dict[bytes, Counter[str]] = {}
         self._lock = threading.Lock()
         self.counters: Counter[str] = Counter()
 
@@ -239,14 +240,22 @@ class CacheNode:
                     self.index.add(
                         tokens, key.chunk_hash, chunk.token_offset, self.namespace(key.cache_salt)
                     )
-            record.tiers.add(tier)
+            if tier not in record.tiers:
+                record.tiers.add(tier)
+                self._tiers_by_hash.setdefault(key.chunk_hash, Counter())[tier] += 1
 
     def _lose(self, key: ObjectKey, tier: str) -> None:
         with self._lock:
             record = self._presence.get(key)
             if record is None:
                 return
+            if tier not in record.tiers:
+                return
             record.tiers.discard(tier)
+            by_hash = self._tiers_by_hash[key.chunk_hash]
+            by_hash[tier] -= 1
+            if by_hash.total() <= 0:
+                del self._tiers_by_hash[key.chunk_hash]
             if record.tiers:
                 return
             del self._presence[key]

@@ -47,6 +47,7 @@ class NodeConfig:
     l2_path: Path = Path("kvatlas-l2")
     l2_redis_url: str = ""
     l2_write: str = "through"
+    l2_shared: bool = False  # --l2 fs on a directory every node mounts: a fleet-wide pool
     coordinator_url: str = ""
     coordinator_event_reporting: bool = False
     coordinator_blend_timeout: float = 1.0

@@ -89,7 +89,12 @@ class EmbeddedFleet:
             instance_id = config.instance_id or f"node-{i}"
             l2: L2Backend | None = None
             if config.l2 == "fs" and l2_root is not None:
-                l2 = FsL2(l2_root / instance_id)
+                shared = config.l2_shared
+                l2 = FsL2(
+                    l2_root if shared else l2_root / instance_id,
+                    "fs-shared" if shared else "fs",
+                    shared=shared,
+                )
             sink = EventSink(instance_id, InProcessTransport(self.directory.consume))
             node = CacheNode(
                 config, instance_id=instance_id, l2=l2, sink=sink, fleet=view, fleet_matcher=matcher

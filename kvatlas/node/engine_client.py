@@ -59,6 +59,17 @@ class NodeEngineClient:
             ]
         )
 
+    def retrieve(
+        self, tokens: Any, *, cache_salt: str = "", request_id: str = ""
+    ) -> tuple[list[Any], dict[str, int]]:
+        """Prefix retrieval: the KV of the leading chunks any tier has, and where each came from."""
+        reply = self._call(
+            "/engine/retrieve", tokens=tokens, cache_salt=cache_salt, request_id=request_id
+        )
+        flat = np.frombuffer(reply["kv"], dtype=self.layout.numpy_dtype())
+        chunks = list(flat.reshape((-1, *self.layout.shape))) if flat.size else []
+        return chunks, dict(reply["sources"])
+
     def blend_lookup(
         self, tokens: Any, request_id: str, *, prefix_len: int = 0, cache_salt: str = ""
     ) -> list[Segment] | None:

@@ -160,6 +160,15 @@ def create_node_app(node: CacheNode) -> FastAPI:
         hit = await run_in_threadpool(node.lookup, tracker)
         return _reply({"hit_tokens": hit, "cacheable": tracker.cacheable})
 
+    @app.post("/engine/retrieve")
+    async def retrieve(request: Request) -> Response:
+        call = await call_of(request)
+        tracker = tracker_for(call)
+        got = await run_in_threadpool(node.retrieve, tracker)
+        trackers.drop(call.request_id)
+        kv = b"".join(np.ascontiguousarray(k).tobytes() for k in got.kv)
+        return _reply({"hit_tokens": got.hit_tokens, "kv": kv, "sources": dict(got.sources)})
+
     @app.post("/engine/blend-lookup")
     async def blend_lookup(request: Request) -> Response:
         call = await call_of(request)

@@ -92,13 +92,22 @@ class FsL2:
     the final name. A file that is corrupt anyway (disk fault, foreign writer) is a miss and is
     removed. Temp files left by a crash are swept at start-up once older than
     ``stale_temp_seconds`` (young ones may belong to a live writer sharing the directory).
+
+    ``shared=True`` declares ``root`` a fleet-wide pool (a directory every node mounts): its
+    placements are then the pool's, not this node's, and survive the node.
     """
 
-    shared = False
-
-    def __init__(self, root: Path, name: str = "fs", *, stale_temp_seconds: float = 3600.0) -> None:
+    def __init__(
+        self,
+        root: Path,
+        name: str = "fs",
+        *,
+        shared: bool = False,
+        stale_temp_seconds: float = 3600.0,
+    ) -> None:
         self.root = Path(root)
         self.name = name
+        self.shared = shared
         self.root.mkdir(parents=True, exist_ok=True)
         self._sweep_temp(stale_temp_seconds)
 

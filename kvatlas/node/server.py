@@ -70,7 +70,9 @@ class NodeProcess:
                 token=config.coordinator_token or None,
             )
         l2: L2Backend | None = None
-        if config.l2 == "fs":
+        if config.l2 == "fs" and config.l2_shared:
+            l2 = FsL2(config.l2_path, "fs-shared", shared=True)
+        elif config.l2 == "fs":
             l2 = FsL2(config.l2_path / (instance_id or "node"))
         elif config.l2 == "redis":
             l2 = RedisL2(config.l2_redis_url)

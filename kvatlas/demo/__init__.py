@@ -1,0 +1,1 @@
+"""``kvatlas demo``: the embedded fleet playing a RAG workload (``--keys``: multimodal keys)."""
