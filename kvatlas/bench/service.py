@@ -4,13 +4,14 @@ reference service) and blend-lookup throughput/latency with concurrent clients."
 from __future__ import annotations
 
 import argparse
-import asyncio
+import json
 import os
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -18,6 +19,7 @@ import numpy as np
 from rich.progress import Progress
 
 from kvatlas.bench.common import BenchRow, add_common_arguments, report
+from kvatlas.bench.loadgen import build_post, run_load
 from kvatlas.client.coordinator_client import encode_tokens_b64
 from kvatlas.events import CacheEntry, EventBatch, encode_json, encode_msgpack
 from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
@@ -42,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lookup-seconds", type=float, default=5.0, help="duration of the lookup load"
     )
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
+    parser.add_argument(
+        "--only", choices=("ingest", "lookup"), default=None, help="run one part only"
+    )
 
 
 def _spawn(args: list[str], port: int) -> subprocess.Popen[bytes]:
@@ -114,156 +119,132 @@ def _post_all(
         return time.perf_counter() - start
 
 
-async def _lookup_load(url: str, bodies: list[bytes], clients: int, seconds: float) -> list[float]:
-    latencies: list[float] = []
-    deadline = time.perf_counter() + seconds
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as client:
+COORDINATOR = [
+    "-m",
+    "kvatlas.cli",
+    "coordinator",
+    "--enable-blend-lookup",
+    "--log-level",
+    "warning",
+]
 
-        async def worker(k: int) -> None:
-            i = k
-            while time.perf_counter() < deadline:
-                body = bodies[i % len(bodies)]
-                start = time.perf_counter()
-                response = await client.post(
-                    "/directory/blend-lookup",
-                    content=body,
-                    headers={"Content-Type": "application/json"},
+
+@contextmanager
+def _service(args: list[str]) -> Iterator[str]:
+    port = _free_port()
+    proc = _spawn(
+        [*args, "--port", str(port)] if args[:3] == COORDINATOR[:3] else [*args, str(port)], port
+    )
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def _bench_ingest(
+    args: argparse.Namespace, rng: np.random.Generator, progress: Progress
+) -> list[BenchRow]:
+    task = progress.add_task("ingestion over HTTP", total=args.repeats * 3)
+    batches, _ = _store_batches(rng, args.entries, args.batch_entries, "node-0")
+    bodies = {
+        "json": _bodies(batches, args.batches_per_post, encode_json),
+        "msgpack": _bodies(batches, args.batches_per_post, encode_msgpack),
+    }
+    ctypes = {"json": "application/json", "msgpack": "application/msgpack"}
+    warm, _ = _store_batches(rng, 64, 64, "warm-up")
+    warmups = {"json": encode_json(warm), "msgpack": encode_msgpack(warm)}
+    times: dict[str, list[float]] = {"json": [], "msgpack": [], "naive": []}
+    for _ in range(args.repeats):
+        for fmt in ("json", "msgpack"):
+            with _service(COORDINATOR) as url:
+                times[fmt].append(_post_all(url, bodies[fmt], ctypes[fmt], warmups[fmt]))
+            progress.advance(task)
+        with _service(["-m", "kvatlas.bench.naive_service"]) as url:
+            times["naive"].append(_post_all(url, bodies["json"], ctypes["json"], warmups["json"]))
+        progress.advance(task)
+    naive_s = statistics.median(times["naive"])
+    rows = []
+    for fmt in ("json", "msgpack"):
+        ours = statistics.median(times[fmt])
+        extra = {
+            "entries_per_s": f"{args.entries / ours:,.0f}",
+            "naive_entries_per_s": f"{args.entries / naive_s:,.0f}",
+        }
+        rows.append(
+            BenchRow(
+                f"ingest {args.entries} token-bearing entries, {fmt} (blend on)",
+                ours,
+                naive_s,
+                "≥ 100k entries/s",
+                extra,
+            )
+        )
+    return rows
+
+
+def _rag_query(
+    rng: np.random.Generator, index_tokens: np.ndarray[Any, Any], length: int
+) -> np.ndarray[Any, Any]:
+    """≈50% cached chunks at random, non-aligned offsets, the rest new text."""
+    parts, total = [], 0
+    while total < length:
+        if rng.random() < 0.5:
+            part = index_tokens[int(rng.integers(len(index_tokens)))]
+        else:
+            part = rng.integers(0, 150_000, int(rng.integers(1, CHUNK)), dtype=np.uint32)
+        parts.append(part)
+        total += len(part)
+    return np.concatenate(parts)[:length]
+
+
+def _bench_lookup(
+    args: argparse.Namespace, rng: np.random.Generator, progress: Progress
+) -> list[BenchRow]:
+    task = progress.add_task("blend lookups over HTTP", total=2)
+    with _service([*COORDINATOR, "--max-body-bytes", str(1 << 30)]) as url:
+        port = int(url.rsplit(":", 1)[1])
+        index_batches, index_tokens = _store_batches(rng, args.index_chunks, 1024, "node-1")
+        _post_all(url, _bodies(index_batches, 4, encode_msgpack), "application/msgpack")
+        progress.advance(task)
+        requests = []
+        for _ in range(64):
+            payload = {
+                "tokens_b64": encode_tokens_b64(_rag_query(rng, index_tokens, args.query_tokens)),
+                "model_name": MODEL,
+            }
+            requests.append(
+                build_post(
+                    "127.0.0.1", port, "/directory/blend-lookup", json.dumps(payload).encode()
                 )
-                response.raise_for_status()
-                latencies.append(time.perf_counter() - start)
-                i += clients
-
-        await asyncio.gather(*(worker(k) for k in range(clients)))
-    return latencies
+            )
+        run_load("127.0.0.1", port, requests[:8], args.clients, 0.5)  # warm-up
+        latencies = sorted(run_load("127.0.0.1", port, requests, args.clients, args.lookup_seconds))
+        progress.advance(task)
+    p50 = latencies[len(latencies) // 2]
+    p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
+    extra = {
+        "req_per_s": f"{len(latencies) / args.lookup_seconds:,.0f}",
+        "p50_ms": f"{p50 * 1e3:.2f}",
+        "p99_ms": f"{p99 * 1e3:.2f}",
+    }
+    case = (
+        f"blend-lookup {args.query_tokens} tok, {args.clients} clients, {args.index_chunks} chunks"
+    )
+    return [BenchRow(case, p50, None, "≥ 1,000 req/s, p99 ≤ 20 ms", extra)]
 
 
 def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.entries, args.index_chunks, args.lookup_seconds = 10_000, 10_000, 2.0
     rng = np.random.default_rng(args.seed)
-    rows: list[BenchRow] = []
     meta: dict[str, Any] = vars(args).copy()
     meta.pop("json", None)
-
+    rows: list[BenchRow] = []
     with Progress(transient=True) as progress:
-        task = progress.add_task("ingestion over HTTP", total=args.repeats * 3 + 2)
-        batches, _ = _store_batches(rng, args.entries, args.batch_entries, "node-0")
-        json_bodies = _bodies(batches, args.batches_per_post, encode_json)
-        msgpack_bodies = _bodies(batches, args.batches_per_post, encode_msgpack)
-        warm, _ = _store_batches(rng, 64, 64, "warm-up")
-        warmups = {"json": encode_json(warm), "msgpack": encode_msgpack(warm)}
-        times: dict[str, list[float]] = {"json": [], "msgpack": [], "naive": []}
-        for _ in range(args.repeats):
-            for fmt, bodies, ctype in (
-                ("json", json_bodies, "application/json"),
-                ("msgpack", msgpack_bodies, "application/msgpack"),
-            ):
-                port = _free_port()
-                proc = _spawn(
-                    [
-                        "-m",
-                        "kvatlas.cli",
-                        "coordinator",
-                        "--port",
-                        str(port),
-                        "--enable-blend-lookup",
-                    ],
-                    port,
-                )
-                try:
-                    times[fmt].append(
-                        _post_all(f"http://127.0.0.1:{port}", bodies, ctype, warmups[fmt])
-                    )
-                finally:
-                    proc.terminate()
-                    proc.wait()
-                progress.advance(task)
-            port = _free_port()
-            proc = _spawn(["-m", "kvatlas.bench.naive_service", str(port)], port)
-            try:
-                times["naive"].append(
-                    _post_all(
-                        f"http://127.0.0.1:{port}", json_bodies, "application/json", warmups["json"]
-                    )
-                )
-            finally:
-                proc.terminate()
-                proc.wait()
-            progress.advance(task)
-        naive_s = statistics.median(times["naive"])
-        for fmt in ("json", "msgpack"):
-            ours = statistics.median(times[fmt])
-            rows.append(
-                BenchRow(
-                    f"ingest {args.entries} token-bearing entries, {fmt} (blend on)",
-                    ours,
-                    naive_s,
-                    "≥ 100k entries/s",
-                    {
-                        "entries_per_s": f"{args.entries / ours:,.0f}",
-                        "naive_entries_per_s": f"{args.entries / naive_s:,.0f}",
-                    },
-                )
-            )
-
-        # Blend lookup under load: index populated, 8 concurrent clients, 32k-token RAG queries.
-        port = _free_port()
-        proc = _spawn(
-            [
-                "-m",
-                "kvatlas.cli",
-                "coordinator",
-                "--port",
-                str(port),
-                "--enable-blend-lookup",
-                "--max-body-bytes",
-                str(1 << 30),
-            ],
-            port,
-        )
-        try:
-            url = f"http://127.0.0.1:{port}"
-            index_batches, index_tokens = _store_batches(rng, args.index_chunks, 1024, "node-1")
-            _post_all(url, _bodies(index_batches, 4, encode_msgpack), "application/msgpack")
-            progress.advance(task)
-            bodies = []
-            for _ in range(64):
-                parts, length = [], 0
-                while length < args.query_tokens:
-                    if rng.random() < 0.5:
-                        part = index_tokens[int(rng.integers(len(index_tokens)))]
-                    else:
-                        part = rng.integers(
-                            0, 150_000, int(rng.integers(1, CHUNK)), dtype=np.uint32
-                        )
-                    parts.append(part)
-                    length += len(part)
-                query = np.concatenate(parts)[: args.query_tokens]
-                payload = {"tokens_b64": encode_tokens_b64(query), "model_name": MODEL}
-                bodies.append(httpx.Request("POST", url, json=payload).content)
-            asyncio.run(_lookup_load(url, bodies[:8], args.clients, 0.5))  # warm-up
-            latencies = asyncio.run(_lookup_load(url, bodies, args.clients, args.lookup_seconds))
-            progress.advance(task)
-        finally:
-            proc.terminate()
-            proc.wait()
-    latencies.sort()
-    p50 = latencies[len(latencies) // 2]
-    p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
-    rps = len(latencies) / args.lookup_seconds
-    rows.append(
-        BenchRow(
-            f"blend-lookup {args.query_tokens} tok, {args.clients} clients, {args.index_chunks} chunks",
-            p50,
-            None,
-            "≥ 1,000 req/s, p99 ≤ 20 ms",
-            {
-                "req_per_s": f"{rps:,.0f}",
-                "p50_ms": f"{p50 * 1e3:.2f}",
-                "p99_ms": f"{p99 * 1e3:.2f}",
-            },
-        )
-    )
+        if args.only in (None, "ingest"):
+            rows += _bench_ingest(args, rng, progress)
+        if args.only in (None, "lookup"):
+            rows += _bench_lookup(args, rng, progress)
     report("kvatlas bench service", rows, args.json, meta)
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -104,6 +105,9 @@ class BackgroundServer:
 
 def run_coordinator(config: CoordinatorConfig) -> int:
     configure_logging(config.log_level)
+    # The event loop and the match threads share the GIL; the default 5 ms switch interval
+    # lets one request's Python work stall the others' responses (p99). 1 ms keeps them fair.
+    sys.setswitchinterval(0.001)
     announce_security(config)
     service = CoordinatorService(config)
     service.start()

@@ -20,6 +20,9 @@ from kvatlas.keys.object_key import check_cache_salt, check_model_name
 
 
 class _WireKey(msgspec.Struct, forbid_unknown_fields=True):
+    """Unknown *key* fields are refused (elsewhere they are ignored): a field we do not know
+    may be part of the key's identity, and dropping it would merge distinct keys — wrong KV."""
+
     chunk_hash_hex: str
     model_name: str
     kv_rank: int

@@ -125,7 +125,11 @@ class ObjectKey:
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any]) -> ObjectKey:
-        """Decode the JSON wire form; raises ``ValueError`` naming the offending field."""
+        """Decode the JSON wire form; raises ``ValueError`` naming the offending field.
+
+        Unknown fields are refused: one may carry identity we would otherwise drop, merging
+        two different keys into one (wrong KV is worse than a rejected request).
+        """
         if not isinstance(obj, Mapping):
             raise ValueError("key must be a JSON object")
         unknown = set(obj) - {
