@@ -79,3 +79,23 @@ def test_in_process_transport_and_monotonic_incarnation() -> None:
     assert second.flush()
     second.close()
     assert wait_for(lambda: directory.stats()["keys"] == 1)  # the restart fenced the old L1 copy
+
+
+def test_emitter_restarted_twice_within_a_second_is_fenced_each_time() -> None:
+    """Nanosecond incarnations grow across quick restarts; each restart fences the previous
+    incarnation's L1 copies, and a late batch from an older incarnation is stale."""
+    directory = KeyDirectory(CHUNK)
+    sinks = []
+    for i in range(3):
+        sink = EventSink("quick", InProcessTransport(directory.consume))
+        sink.emit("store", "l1", "dram", [entry(10 + i)])
+        assert sink.flush()
+        sinks.append(sink)
+    assert sinks[0].incarnation < sinks[1].incarnation < sinks[2].incarnation
+    assert sinks[2].incarnation - sinks[0].incarnation < 1_000_000_000
+    assert directory.stats()["keys"] == 1  # only the newest incarnation's copy is live
+    sinks[0].emit("store", "l1", "dram", [entry(20)])  # a late batch from a dead incarnation
+    assert sinks[0].flush()
+    assert directory.stats()["keys"] == 1 and directory.stats()["batches"]["stale"] == 1
+    for sink in sinks:
+        sink.close()
