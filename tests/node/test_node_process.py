@@ -1,0 +1,72 @@
+"""The node process wiring: scheme/chunk-size mismatch refused, the gating rule, registration."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.server import BackgroundServer, free_port
+from kvatlas.keys import KeySchemeMismatch
+from kvatlas.node.config import NodeConfig
+from kvatlas.node.server import NodeProcess
+
+
+def node_config(tmp_path: Path, url: str, **kw: object) -> NodeConfig:
+    base: dict[str, object] = dict(
+        model_name="m", num_layers=1, num_kv_heads=1, head_dim=8, chunk_size=16, dtype="float32",
+        l2="fs", l2_path=tmp_path, coordinator_url=url, port=free_port(),
+    )  # fmt: skip
+    base.update(kw)
+    return NodeConfig(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def coordinator() -> BackgroundServer:
+    with BackgroundServer(
+        CoordinatorConfig(port=free_port(), chunk_size=16, enable_blend_lookup=True)
+    ) as s:
+        yield s  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("mismatch", [{"chunk_size": 32}, {"hash_scheme": "blake3-x1"}])
+def test_refuses_to_start_on_scheme_or_chunk_size_mismatch(
+    coordinator: BackgroundServer, tmp_path: Path, mismatch: dict[str, object]
+) -> None:
+    with pytest.raises(KeySchemeMismatch):
+        NodeProcess(node_config(tmp_path, coordinator.url, **mismatch))
+
+
+def test_url_without_event_reporting_is_not_configured(
+    coordinator: BackgroundServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvatlas.node"):
+        process = NodeProcess(
+            node_config(tmp_path, coordinator.url, coordinator_event_reporting=False)
+        )
+    try:
+        assert (
+            process.sink is None and process.node.fleet is None and process.node.blend.fleet is None
+        )
+        assert "treated as not configured" in caplog.text
+    finally:
+        process.close()
+
+
+def test_reporting_node_registers_and_advertises_its_peer_url(
+    coordinator: BackgroundServer, tmp_path: Path
+) -> None:
+    config = node_config(
+        tmp_path, coordinator.url, coordinator_event_reporting=True, instance_id="n1"
+    )
+    process = NodeProcess(config)
+    try:
+        rows = {r["instance_id"]: r for r in coordinator.service.instances_view()}
+        assert rows["n1"]["p2p_advertised_url"] == f"http://127.0.0.1:{config.port}"
+        assert process.sink is not None and process.node.blend.fleet is not None
+    finally:
+        process.close()
+    rows = {r["instance_id"]: r for r in coordinator.service.instances_view()}
+    assert "n1" not in rows  # deregistered on close
