@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
+from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args
 from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme
 
 DEFAULT_PORT = 9300
@@ -90,68 +90,14 @@ _HELP = {
 }
 
 
-def _env_name(field: str) -> str:
-    return "KVATLAS_" + field.upper()
-
-
-def _parse_bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"not a boolean: {text!r}")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = CoordinatorConfig()
-    for f in fields(CoordinatorConfig):
-        flag = "--" + f.name.replace("_", "-")
-        env = _env_name(f.name)
-        default = getattr(defaults, f.name)
-        help_text = f"{_HELP[f.name]} [env {env}; default {default}]"
-        if f.type in (bool, "bool"):
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
-        else:
-            parser.add_argument(flag, default=None, metavar=f.name.upper(), help=help_text)
+    add_dataclass_arguments(parser, CoordinatorConfig, _HELP)
 
 
 def config_from_args(
     args: argparse.Namespace, environ: Mapping[str, str] | None = None
 ) -> CoordinatorConfig:
-    """Merge parsed flags over ``KVATLAS_*`` variables over defaults, converting types once."""
-    env = os.environ if environ is None else environ
-    defaults = CoordinatorConfig()
-    values: dict[str, object] = {}
-    for f in fields(CoordinatorConfig):
-        raw = getattr(args, f.name, None)
-        if raw is None and _env_name(f.name) in env:
-            raw = env[_env_name(f.name)]
-        if raw is None:
-            continue
-        default = getattr(defaults, f.name)
-        try:
-            values[f.name] = _convert(f.name, raw, default)
-        except ValueError as exc:
-            raise ValueError(f"--{f.name.replace('_', '-')}: {exc}") from None
-    return CoordinatorConfig(**values)  # type: ignore[arg-type]
-
-
-def _convert(name: str, raw: object, default: object) -> object:
-    if isinstance(raw, bool):
-        return raw
-    text = str(raw)
-    if isinstance(default, bool):
-        return _parse_bool(text)
-    if isinstance(default, int):
-        return int(text)
-    if isinstance(default, float):
-        return float(text)
-    if name in ("snapshot_path", "auth_token_file"):
-        return Path(text) if text else None
-    return text or None if name in ("redis_url", "consumer_group") else text
+    return dataclass_from_args(CoordinatorConfig, args, environ)
 
 
 def parse_config(

@@ -8,26 +8,19 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import socket
 import sys
-import threading
-import time
-from typing import Any
 
 import uvicorn
 
+from kvatlas.asgi_thread import ThreadedServer, free_port
 from kvatlas.coordinator.app import create_app
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.logs import configure_logging
 
+__all__ = ["BackgroundServer", "announce_security", "free_port", "run_coordinator"]
+
 log = logging.getLogger("kvatlas.coordinator")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _is_loopback(host: str) -> bool:
@@ -53,47 +46,27 @@ def announce_security(config: CoordinatorConfig) -> None:
 
 
 class BackgroundServer:
-    """The coordinator served by uvicorn in a daemon thread (``with`` it, or start/stop)."""
+    """The coordinator (service + HTTP) in this process, served in a daemon thread."""
 
-    def __init__(self, config: CoordinatorConfig, **uvicorn_kwargs: Any) -> None:
-        if config.port == 0:
-            raise ValueError("pick a port (free_port()) so clients know where to connect")
+    def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
         self.service = CoordinatorService(config)
         self.app = create_app(self.service)
-        self._server = uvicorn.Server(
-            uvicorn.Config(
-                self.app,
-                host=config.host,
-                port=config.port,
-                log_level="warning",
-                lifespan="off",
-                **uvicorn_kwargs,
-            )
+        self._http = ThreadedServer(
+            self.app, port=config.port, host=config.host, name="coordinator"
         )
-        self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        return f"http://{self.config.host}:{self.config.port}"
+        return self._http.url
 
     def start(self, timeout: float = 20.0) -> BackgroundServer:
         self.service.start()
-        self._thread = threading.Thread(
-            target=self._server.run, name="kvatlas-uvicorn", daemon=True
-        )
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"coordinator did not start on {self.url}")
-            time.sleep(0.01)
+        self._http.start(timeout)
         return self
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=20)
+        self._http.stop()
         self.service.stop()
 
     def __enter__(self) -> BackgroundServer:

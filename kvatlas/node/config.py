@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
+from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args
 from kvatlas.keys import SCHEMES, KeyScheme, pack_kv_rank
 from kvatlas.node.kv_layout import KVLayout
 
@@ -122,55 +122,25 @@ class NodeConfig:
             )
 
 
-def _env(name: str) -> str:
-    return "KVATLAS_" + name.upper()
+_HELP = {
+    "hash_scheme": f"key scheme ({' or '.join(SCHEMES)})",
+    "l2": f"L2 tier: {', '.join(L2_KINDS)}",
+    "l2_write": "write L2 on every store (through) or when L1 evicts (evict)",
+    "coordinator_event_reporting": "report cache events (required for fleet matching)",
+    "coordinator_blend_timeout": "seconds a blend lookup waits for the fleet leg",
+    "event_transport": f"how events travel: {', '.join(EVENT_TRANSPORTS)}",
+    "advertised_url": "URL peers use for this node's L1 (default http://host:port)",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = NodeConfig()
-    for f in fields(NodeConfig):
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        help_text = f"[env {_env(f.name)}; default {default}]"
-        if f.name == "hash_scheme":
-            help_text = f"key scheme ({' or '.join(SCHEMES)}) {help_text}"
-        if isinstance(default, bool):
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
-        else:
-            parser.add_argument(flag, default=None, help=help_text)
+    add_dataclass_arguments(parser, NodeConfig, _HELP)
 
 
 def config_from_args(
     args: argparse.Namespace, environ: Mapping[str, str] | None = None
 ) -> NodeConfig:
-    env = os.environ if environ is None else environ
-    defaults = NodeConfig()
-    values: dict[str, object] = {}
-    for f in fields(NodeConfig):
-        raw = getattr(args, f.name, None)
-        if raw is None and _env(f.name) in env:
-            raw = env[_env(f.name)]
-        if raw is None:
-            continue
-        default = getattr(defaults, f.name)
-        try:
-            if isinstance(raw, bool):
-                values[f.name] = raw
-            elif isinstance(default, bool):
-                values[f.name] = str(raw).strip().lower() in ("1", "true", "yes", "on")
-            elif isinstance(default, int):
-                values[f.name] = int(raw)
-            elif isinstance(default, float):
-                values[f.name] = float(raw)
-            elif isinstance(default, Path):
-                values[f.name] = Path(str(raw))
-            else:
-                values[f.name] = str(raw)
-        except ValueError:
-            raise ValueError(f"--{f.name.replace('_', '-')}: invalid value {raw!r}") from None
-    return NodeConfig(**values)  # type: ignore[arg-type]
+    return dataclass_from_args(NodeConfig, args, environ)
 
 
 def parse_node_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> NodeConfig:

@@ -21,18 +21,16 @@ is down, slow, or replies with garbage costs at most ``timeout`` and yields miss
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 import httpx
 import msgspec
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from kvatlas.asgi_thread import ThreadedServer
 from kvatlas.keys import ObjectKey
 from kvatlas.node.l1 import L1Cache
 from kvatlas.node.stored_chunk import ChunkDecodeError, StoredChunk, decode_chunk, encode_chunk
@@ -192,38 +190,16 @@ class PeerClient:
         self.close()
 
 
-class PeerServer:
+class PeerServer(ThreadedServer):
     """Serve an app (normally :func:`create_peer_app`) with uvicorn in a daemon thread."""
 
     def __init__(self, app: FastAPI, *, port: int, host: str = "127.0.0.1") -> None:
-        if port == 0:
-            raise ValueError("pick a port so peers know where to connect")
-        self.host = host
-        self.port = port
+        super().__init__(app, port=port, host=host, name="peer")
         self.app = app
-        self._server = uvicorn.Server(
-            uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
-        )
-        self._thread: threading.Thread | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self, timeout: float = 20.0) -> PeerServer:
-        self._thread = threading.Thread(target=self._server.run, name="kvatlas-peer", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"peer server did not start on {self.url}")
-            time.sleep(0.01)
+    def start(self, timeout: float = 20.0) -> PeerServer:  # type: ignore[override]
+        super().start(timeout)
         return self
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=20)
 
     def __enter__(self) -> PeerServer:
         return self.start()
