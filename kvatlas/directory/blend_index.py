@@ -30,8 +30,10 @@ import operator
 import secrets
 import sys
 import threading
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -76,7 +78,20 @@ def _array_data_offset() -> int:
     return -1  # pragma: no cover
 
 
+def _list_items_offset() -> int:
+    """Offset of a ``list``'s item-array pointer from its ``id`` (-1 if not found). Used only
+    to prefetch the chunk_hash slots a match is about to read."""
+    probe: list[object] = [None, None]
+    want = id(probe[0])
+    for off in range(8, 64, 8):
+        items = ctypes.c_int64.from_address(id(probe) + off).value
+        if items > 4096 and ctypes.c_int64.from_address(items).value == want:
+            return off
+    return -1  # pragma: no cover
+
+
 _BYTES_OFF = _bytes_data_offset()
+_LIST_OFF = _list_items_offset()
 _ARRAY_OFF = _array_data_offset()
 _ADD, _REMOVE_CLAIM, _REMOVE_CHUNK, _SKIP = _k.ADD, _k.REMOVE_CLAIM, _k.REMOVE_CHUNK, _k.SKIP
 _KINDS = {"add": _ADD, "remove_claim": _REMOVE_CLAIM, "remove_chunk": _REMOVE_CHUNK}
@@ -104,6 +119,16 @@ def _make_match(chunk_hash: bytes, old_st: int, cur_st: int) -> BlendMatch:
     _set_old(m, old_st)
     _set_cur(m, cur_st)
     return m
+
+
+def _make_matches(hashes: list[bytes], offsets: list[int], starts: list[int]) -> list[BlendMatch]:
+    """``[_make_match(h, o, s) ...]`` field by field: each step is one C-level ``map``, no
+    Python frame per match."""
+    out: list[BlendMatch] = list(map(_new_object, repeat(BlendMatch, len(hashes))))
+    deque(map(_set_hash, out, hashes), 0)
+    deque(map(_set_old, out, offsets), 0)
+    deque(map(_set_cur, out, starts), 0)
+    return out
 
 
 def _shareable(arr: npt.NDArray[np.uint32]) -> bool:
@@ -358,21 +383,30 @@ class BlendIndex:
                 ns = self._ns_ids.get(namespace)
                 if ns is None:
                     continue
-                pos, occ = _k.scan(
+                names = self._o_hashes
+                items = (
+                    ctypes.c_int64.from_address(id(names) + _LIST_OFF).value if _LIST_OFF > 0 else 0
+                )
+                pos, occ, off = _k.scan(
                     q, start, stop, stride, chunk, ns, self._base, self._base_pow, self._fmask,
                     self._table, self._filt, self._c_fp, self._c_addr, self._c_first,
-                    self._o_i32, self._extra, qt, fps_buf, cand_pos, cand_fp,
+                    self._o_i32, self._o_i64, self._extra, qt, fps_buf, cand_pos, cand_fp,
+                    items, _BYTES_OFF,
                 )  # fmt: skip
                 if pos.shape[0] == 0:
                     continue
-                names = self._o_hashes
-                hashes = [names[o] for o in occ.tolist()]
-                offsets = self._o_i64[occ, _k.O_OFF].tolist()
-            for p, h, off in zip(pos.tolist(), hashes, offsets, strict=True):
+                hashes = list(map(names.__getitem__, occ.tolist()))
+            fresh = set(hashes)
+            if len(fresh) == len(hashes) and seen.isdisjoint(fresh):
+                # the common case: every chunk_hash is new — no per-hit bookkeeping
+                out += _make_matches(hashes, off.tolist(), pos.tolist())  # type: ignore[arg-type]
+                seen |= fresh  # type: ignore[arg-type]
+                continue
+            for p, h, o in zip(pos.tolist(), hashes, off.tolist(), strict=True):
                 if h not in seen:
                     assert h is not None
                     seen.add(h)
-                    out.append(_make_match(h, off, p))
+                    out.append(_make_match(h, o, p))
         return out
 
     def stats(self) -> dict[str, int]:
@@ -577,9 +611,9 @@ class BlendIndex:
     def _scratch_for(self, windows: int) -> tuple[Any, Any, Any, Any]:
         """Per-thread scan buffers, kept between queries: fresh large arrays cost page
         faults (≈40 µs per 64k windows), more than the filter pass itself."""
+        qt_shape, fps_shape, n_cand = _k.scan_scratch_shapes(windows, self.chunk_size)
         cached = getattr(self._scratch, "buffers", None)
-        if cached is None or cached[2].shape[0] < windows or cached[0].shape[0] < windows:
-            qt_shape, fps_shape, n_cand = _k.scan_scratch_shapes(windows, self.chunk_size)
+        if cached is None or cached[2].shape[0] < n_cand or cached[0].shape[0] < qt_shape[0]:
             cached = (
                 np.empty(qt_shape, np.uint32),
                 np.empty(fps_shape, np.uint64),

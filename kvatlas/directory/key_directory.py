@@ -21,25 +21,31 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvatlas.directory.blend_index import BlendIndex, BlendMatch, BlendOp
 from kvatlas.directory.gate import Admission, EmitterCursor, IngestGate, Outcome
 from kvatlas.directory.records import (
+    INDEXED,
+    KEYS,
+    OFFSET,
+    TOKENS,
     CapacityDeclaration,
-    Chunk,
     KeyPage,
     KeyPlacements,
     KeyShape,
     Placement,
+    PlacementRow,
     Placements,
     PrefixHolder,
+    Record,
     TokenLookup,
     pack_placements,
     placements_of,
+    row_ident,
 )
-from kvatlas.events import ACCESS, CONFIG, DELETE, STORE, UNKNOWN_OFFSET, EventBatch
+from kvatlas.events import ACCESS, CONFIG, DELETE, STORE, UNKNOWN_OFFSET, CacheEntry, EventBatch
 from kvatlas.events.model import tokens_equal
 from kvatlas.keys import (
     DEFAULT_CHUNK_SIZE,
@@ -54,9 +60,10 @@ from kvatlas.keys.tokens import TokenArray
 log = logging.getLogger(__name__)
 
 PARTS = 256
-KeyTuple = tuple[Any, ...]  # flat (KeyShape, Placements, KeyShape, Placements, ...)
-SavedChunk = tuple[TokenArray | None, int, KeyTuple]
+KeyTuple = tuple[Any, ...]  # flat (shape id, Placements, shape id, Placements, ...)
+SavedChunk = Record  # a record is immutable: the saved state is the record itself
 HashChunks = Callable[[Any, int], list[bytes]]
+ShapeParts = tuple[str, int, int, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +78,7 @@ class IngestCounts:
 class _CowJournal:
     """Copy-on-write record of a snapshot in progress.
 
-    Before the first change to a chunk whose partition has not been captured yet, its state at
+    Before the first change to a chunk whose partition has not been captured yet, its record at
     snapshot start is saved here (``None`` = it did not exist). Capturing a partition therefore
     yields exactly the snapshot-start state, however long the capture of the others takes.
     """
@@ -82,12 +89,12 @@ class _CowJournal:
         self.done = [False] * PARTS
         self.saved: list[dict[bytes, SavedChunk | None]] = [{} for _ in range(PARTS)]
 
-    def save(self, h: bytes, chunk: Chunk | None) -> None:
+    def save(self, h: bytes, rec: Record | None) -> None:
         p = h[0]
         if not self.done[p]:
             saved = self.saved[p]
             if h not in saved:
-                saved[h] = None if chunk is None else (chunk.tokens, chunk.token_offset, chunk.keys)
+                saved[h] = rec
 
 
 @dataclass(slots=True)
@@ -101,29 +108,32 @@ class RestoredCounts:
     l1_chunks: dict[str, set[bytes]]
 
     @classmethod
-    def scan(cls, parts: list[dict[bytes, Chunk]]) -> RestoredCounts:
+    def scan(cls, parts: list[dict[bytes, Record]]) -> RestoredCounts:
         out = cls(0, 0, Counter(), Counter(), {})
         for part in parts:
-            for h, chunk in part.items():
-                keys = chunk.keys
-                out.keys += len(keys) >> 1
-                for pls in keys[1::2]:
+            for h, rec in part.items():
+                out.keys += (len(rec) - KEYS) >> 1
+                for pls in rec[KEYS + 1 :: 2]:
                     for p in placements_of(pls):
                         out.placements += 1
-                        out.bytes_by_tier[p.tier] += p.size_bytes
-                        if p.tier == "l1" and not p.shared:
-                            out.l1_placements[p.instance_id] += 1
-                            out.l1_chunks.setdefault(p.instance_id, set()).add(h)
+                        out.bytes_by_tier[p[2]] += p[4]
+                        if p[2] == "l1" and not p[5]:
+                            out.l1_placements[p[0]] += 1
+                            out.l1_chunks.setdefault(p[0], set()).add(h)
         return out
 
 
 @dataclass(frozen=True, slots=True)
 class DirectoryState:
-    """Everything a snapshot holds besides the chunks (small, copied under the lock)."""
+    """Everything a snapshot holds besides the chunks (small, copied under the lock).
+
+    ``shapes`` is the directory's shape table (append-only: every shape id a captured record
+    holds indexes it, also when read after the lock is released)."""
 
     chunk_size: int
     cursors: dict[str, EmitterCursor]
     capacities: dict[str, CapacityDeclaration]
+    shapes: list[KeyShape] = field(default_factory=list)
 
 
 class KeyDirectory:
@@ -143,8 +153,9 @@ class KeyDirectory:
         self._hash_chunks = hash_chunks
         self._lock = threading.Lock()
         self._gate = IngestGate()
-        self._parts: list[dict[bytes, Chunk]] = [{} for _ in range(PARTS)]
-        self._shapes: dict[tuple[str, int, int, str], KeyShape] = {}
+        self._parts: list[dict[bytes, Record]] = [{} for _ in range(PARTS)]
+        self._shapes: dict[ShapeParts, int] = {}  # interned shapes: parts -> shape id
+        self._shape_list: list[KeyShape] = []  # shape id -> shape (append-only)
         self._l1_chunks: dict[str, set[bytes]] = {}  # instance -> chunks with its own L1 copies
         self._capacities: dict[str, CapacityDeclaration] = {}
         self._index: BlendIndex | None = None
@@ -221,16 +232,17 @@ class KeyDirectory:
     def _apply_admitted(self, batch: EventBatch, admission: Admission) -> None:
         # Everything below operates on a validated batch and cannot fail halfway: shapes are
         # resolved first, and placement/binding updates raise on nothing valid input can hold.
-        shapes = [self._shape(e.key) for e in batch.entries]
+        kind = batch.event_type
+        sids = self._sids(batch) if kind == STORE else None
         if admission.fence_first:
             self._fence_locked(batch.instance_id)
-        kind = batch.event_type
         if kind == STORE:
-            self._apply_store(batch, shapes)
+            assert sids is not None
+            self._apply_store(batch, sids)
         elif kind == DELETE:
-            self._apply_delete(batch, shapes)
+            self._apply_delete(batch)
         elif kind == ACCESS:
-            self._apply_access(batch, shapes)
+            self._apply_access(batch)
         elif kind == CONFIG:
             self._apply_config(batch)
         self._gate.commit(batch, admission)
@@ -248,158 +260,253 @@ class KeyDirectory:
             if index is not None:
                 index.apply(ops)
 
-    def _shape(self, key: ObjectKey) -> KeyShape:
-        parts = (key.model_name, key.kv_rank, key.object_group_id, key.cache_salt)
-        shape = self._shapes.get(parts)
-        if shape is None:
-            ns = BlendNamespace(key.model_name, key.cache_salt, key.world_size)
-            shape = self._shapes[parts] = KeyShape(*parts, ns)
-        return shape
+    def _sids(self, batch: EventBatch) -> list[int]:
+        """Interned shape id of every entry's key (new shapes are interned)."""
+        get = self._shapes.get
+        sids = []
+        last: ShapeParts | None = None
+        sid: int | None = -1
+        for entry in batch.entries:
+            k = entry.key
+            parts = (k.model_name, k.kv_rank, k.object_group_id, k.cache_salt)
+            if parts != last:  # a batch is mostly one shape: skip the lookup for repeats
+                sid = get(parts)
+                if sid is None:
+                    sid = self._intern(k)
+                last = parts
+            sids.append(sid)
+        return sids  # type: ignore[return-value]
 
-    def _touch(self, h: bytes, chunk: Chunk | None) -> None:
+    def _intern(self, key: ObjectKey) -> int:
+        parts = (key.model_name, key.kv_rank, key.object_group_id, key.cache_salt)
+        sid = self._shapes.get(parts)
+        if sid is None:
+            ns = BlendNamespace(key.model_name, key.cache_salt, key.world_size)
+            sid = self._shapes[parts] = len(self._shape_list)
+            self._shape_list.append(KeyShape(*parts, ns))
+        return sid
+
+    def _sid_of(self, key: ObjectKey) -> int | None:
+        """The key's shape id, ``None`` if no key of that shape was ever stored."""
+        return self._shapes.get((key.model_name, key.kv_rank, key.object_group_id, key.cache_salt))
+
+    def _namespaces(self, keys: KeyTuple) -> set[BlendNamespace]:
+        shapes = self._shape_list
+        if len(keys) == 2:
+            return {shapes[keys[0]].namespace}
+        return {shapes[s].namespace for s in keys[0::2]}
+
+    def _touch(self, h: bytes, rec: Record | None) -> None:
         cow = self._cow
         if cow is not None:
-            cow.save(h, chunk)
+            cow.save(h, rec)
 
-    def _count(self, p: Placement, sign: int) -> None:
+    def _count(self, p: PlacementRow, sign: int) -> None:
         self._n_placements += sign
-        self._bytes_by_tier[p.tier] += sign * p.size_bytes
-        if p.tier == "l1" and not p.shared:
-            self._l1_placements[p.instance_id] += sign
+        self._bytes_by_tier[p[2]] += sign * p[4]
+        if p[2] == "l1" and not p[5]:
+            self._l1_placements[p[0]] += sign
 
-    def _apply_store(self, batch: EventBatch, shapes: list[KeyShape]) -> None:
-        inst, tier, backend, shared = batch.instance_id, batch.tier, batch.backend, batch.shared
-        ident = (tier, backend, None if shared else inst)
+    def _apply_store(self, batch: EventBatch, sids: list[int]) -> None:
+        entries = batch.entries
+        if not entries:
+            return
+        inst, inc, tier, backend = batch.instance_id, batch.incarnation, batch.tier, batch.backend
+        shared, ts = batch.shared, batch.ts
         own_l1 = tier == "l1" and not shared
-        by_size: dict[int, Placement] = {}
+        l1set: set[bytes] | None = None
+        if own_l1:
+            l1set = self._l1_chunks.get(inst)
+            if l1set is None:
+                l1set = self._l1_chunks[inst] = set()
+        by_size: dict[int, PlacementRow] = {}
+        parts = self._parts
+        cow = self._cow
         index = self._index
         ops = self._index_ops
-        for entry, shape in zip(batch.entries, shapes, strict=True):
-            p = by_size.get(entry.size_bytes)
+        shapes = self._shape_list
+        chunk_size = self.chunk_size
+        debug = log.isEnabledFor(logging.DEBUG)
+        # Every placement added or replaced here has this batch's tier and (for own copies)
+        # instance: the counters move by one sum per batch instead of per entry.
+        n_keys = n_pl = n_bytes = 0
+        for entry, sid in zip(entries, sids, strict=True):
+            size = entry.size_bytes
+            p = by_size.get(size)
             if p is None:
-                p = by_size[entry.size_bytes] = Placement(
-                    inst, batch.incarnation, tier, backend, entry.size_bytes, shared, batch.ts
-                )
+                p = by_size[size] = (inst, inc, tier, backend, size, shared, ts)
             h = entry.key.chunk_hash
-            part = self._parts[h[0]]
-            chunk = part.get(h)
-            if self._cow is not None:
-                self._cow.save(h, chunk)
-            new_claim = False
-            if chunk is None:
-                chunk = part[h] = Chunk(None, UNKNOWN_OFFSET, (shape, p))
-                keys = chunk.keys
-                i = -2  # a new key, already inserted
+            part = parts[h[0]]
+            rec = part.get(h)
+            if cow is not None:
+                cow.save(h, rec)
+            if rec is None:  # a new chunk: the common case, without the general bookkeeping
+                n_keys += 1
+                n_pl += 1
+                n_bytes += size
+                tokens = entry.token_ids
+                offset = entry.token_offset
+                if tokens is None:
+                    part[h] = (None, UNKNOWN_OFFSET, False, sid, p)
+                    if debug:
+                        log.debug("store without tokens for unbound chunk %s: not indexed", h.hex())
+                elif len(tokens) != chunk_size:
+                    log.info("chunk %s bound with %d tokens (not indexed)", h.hex(), len(tokens))
+                    part[h] = (tokens, offset, False, sid, p)
+                elif index is None or offset == UNKNOWN_OFFSET:
+                    part[h] = (tokens, offset, False, sid, p)
+                else:
+                    part[h] = (tokens, offset, True, sid, p)
+                    ops.append(("add", tokens, h, offset, shapes[sid].namespace))
             else:
-                keys = chunk.keys
-                i = _find(keys, shape)
-            if i < 0:
-                if i == -1:
-                    new_claim = chunk.indexed and shape.namespace not in chunk.namespaces()
-                    chunk.keys = (*keys, shape, p)
-                self._n_keys += 1
-                self._count(p, 1)
-            else:
-                old = placements_of(keys[i + 1])
-                kept = [q for q in old if q.ident != ident]
-                for q in old:
-                    if q.ident == ident:
-                        self._count(q, -1)
-                kept.append(p)
-                self._count(p, 1)
-                chunk.keys = (*keys[: i + 1], pack_placements(kept), *keys[i + 2 :])
-            if own_l1:
-                self._l1_chunks.setdefault(inst, set()).add(h)
-            reindexed = False
-            if entry.token_ids is not None:
-                reindexed = self._bind(h, chunk, entry.token_ids, entry.token_offset)
-            elif chunk.tokens is None:
-                log.debug("store without tokens for unbound chunk %s: not indexed", h.hex())
-            if new_claim and not reindexed and chunk.indexed and index is not None:
-                assert chunk.tokens is not None
-                ops.append(("add", chunk.tokens, h, chunk.token_offset, shape.namespace))
+                dk, dp, db = self._store_existing(h, part, rec, sid, p, entry, debug)
+                n_keys += dk
+                n_pl += dp
+                n_bytes += db
+            if l1set is not None:
+                l1set.add(h)
+        self._n_keys += n_keys
+        self._n_placements += n_pl
+        self._bytes_by_tier[tier] += n_bytes
+        if own_l1:
+            self._l1_placements[inst] += n_pl
+
+    def _store_existing(
+        self,
+        h: bytes,
+        part: dict[bytes, Record],
+        rec: Record,
+        sid: int,
+        p: PlacementRow,
+        entry: CacheEntry,
+        debug: bool,
+    ) -> tuple[int, int, int]:
+        """Store into a known chunk; returns the (keys, placements, bytes) deltas."""
+        ident = row_ident(p)
+        keys = rec[KEYS:]
+        i = _find(keys, sid)
+        tokens, offset, indexed = rec[TOKENS], rec[OFFSET], rec[INDEXED]
+        new_claim = False
+        if i < 0:
+            new_claim = indexed and self._shape_list[sid].namespace not in self._namespaces(keys)
+            keys = (*keys, sid, p)
+            dk, dp, db = 1, 1, p[4]
+        else:
+            old = placements_of(keys[i + 1])
+            kept = []
+            dk, dp, db = 0, 1, p[4]
+            for q in old:
+                if row_ident(q) == ident:
+                    dp -= 1
+                    db -= q[4]
+                else:
+                    kept.append(q)
+            kept.append(p)
+            keys = (*keys[: i + 1], pack_placements(kept), *keys[i + 2 :])
+        reindexed = False
+        if entry.token_ids is not None:
+            tokens, offset, indexed, reindexed = self._bind(
+                h, tokens, offset, indexed, keys, entry.token_ids, entry.token_offset
+            )
+        elif tokens is None and debug:
+            log.debug("store without tokens for unbound chunk %s: not indexed", h.hex())
+        if new_claim and not reindexed and indexed and self._index is not None:
+            assert tokens is not None
+            ns = self._shape_list[sid].namespace
+            self._index_ops.append(("add", tokens, h, offset, ns))
+        part[h] = (tokens, offset, indexed, *keys)
+        return dk, dp, db
 
     def _indexable(self, tokens: TokenArray | None, offset: int) -> bool:
         # offset -1 is never indexed: a match without its stored position would be re-RoPEd
         # from the wrong place, i.e. wrong KV, which is worse than a miss.
         return tokens is not None and offset != UNKNOWN_OFFSET and len(tokens) == self.chunk_size
 
-    def _bind(self, h: bytes, chunk: Chunk, tokens: TokenArray, offset: int) -> bool:
-        """Bind ``tokens`` to the chunk and bring the index in line; True if it (re)added
-        every namespace of the chunk."""
+    def _bind(
+        self,
+        h: bytes,
+        old: TokenArray | None,
+        old_offset: int,
+        indexed: bool,
+        keys: KeyTuple,
+        tokens: TokenArray,
+        offset: int,
+    ) -> tuple[TokenArray | None, int, bool, bool]:
+        """Bind ``tokens`` to the chunk and bring the index in line. Returns the chunk's new
+        ``(tokens, token_offset, indexed)`` and whether it (re)added every namespace."""
         index = self._index
-        old = chunk.tokens
         if old is not None and tokens_equal(old, tokens):
-            if offset == UNKNOWN_OFFSET or offset == chunk.token_offset:
-                if chunk.indexed or index is None:
-                    return False
+            if offset in (UNKNOWN_OFFSET, old_offset):
+                if indexed or index is None:
+                    return old, old_offset, indexed, False
                 # bound before blend was on: this fresh report of the content indexes it
-            else:
-                chunk.token_offset = offset
+                offset = old_offset
+            bound = old
         else:
-            if chunk.indexed and index is not None and old is not None:
+            if indexed and index is not None and old is not None:
                 # Retire the old content before the new one appears: no window in which a match
                 # returns new content at the old position (both go in one index batch).
                 self._index_ops.append(("remove_chunk", old, h))
-            chunk.indexed = False
-            chunk.tokens, chunk.token_offset = tokens, offset
+            indexed = False
+            bound = tokens
             if len(tokens) != self.chunk_size:
                 log.info("chunk %s bound with %d tokens (not indexed)", h.hex(), len(tokens))
-        if index is None or not self._indexable(chunk.tokens, chunk.token_offset):
-            return False
-        bound, offset = chunk.tokens, chunk.token_offset
-        self._index_ops += [("add", bound, h, offset, ns) for ns in chunk.namespaces()]
-        chunk.indexed = True
-        return True
+        if index is None or not self._indexable(bound, offset):
+            return bound, offset, indexed, False
+        self._index_ops += [("add", bound, h, offset, ns) for ns in self._namespaces(keys)]
+        return bound, offset, True, True
 
-    def _apply_delete(self, batch: EventBatch, shapes: list[KeyShape]) -> None:
+    def _apply_delete(self, batch: EventBatch) -> None:
         ident = (batch.tier, batch.backend, None if batch.shared else batch.instance_id)
         own_l1 = batch.tier == "l1" and not batch.shared
-        for entry, shape in zip(batch.entries, shapes, strict=True):
+        for entry in batch.entries:
             h = entry.key.chunk_hash
-            chunk = self._parts[h[0]].get(h)
-            if chunk is None:
+            rec = self._parts[h[0]].get(h)
+            if rec is None:
                 continue
-            i = _find(chunk.keys, shape)
+            sid = self._sid_of(entry.key)
+            i = -1 if sid is None else _find(rec[KEYS:], sid)
             if i < 0:
                 continue
-            old = placements_of(chunk.keys[i + 1])
-            kept = [q for q in old if q.ident != ident]
+            old = placements_of(rec[KEYS + i + 1])
+            kept = [q for q in old if row_ident(q) != ident]
             if len(kept) == len(old):
                 continue
-            self._touch(h, chunk)
+            self._touch(h, rec)
             for q in old:
-                if q.ident == ident:
+                if row_ident(q) == ident:
                     self._count(q, -1)
-            new = list(chunk.keys)
+            new = list(rec[KEYS:])
             new[i + 1] = pack_placements(kept)
-            self._rewrite(h, chunk, new)
+            self._rewrite(h, rec, new)
             if own_l1:
                 self._forget_l1_if_gone(batch.instance_id, h)
 
-    def _apply_access(self, batch: EventBatch, shapes: list[KeyShape]) -> None:
+    def _apply_access(self, batch: EventBatch) -> None:
         tier, backend, ts = batch.tier, batch.backend, batch.ts
 
-        def hit(p: Placement) -> bool:
-            if p.tier != tier or (backend and p.backend != backend) or p.last_access >= ts:
+        def hit(p: PlacementRow) -> bool:
+            if p[2] != tier or (backend and p[3] != backend) or p[6] >= ts:
                 return False
-            return (
-                p.shared if batch.shared else (not p.shared and p.instance_id == batch.instance_id)
-            )
+            return p[5] if batch.shared else (not p[5] and p[0] == batch.instance_id)
 
-        for entry, shape in zip(batch.entries, shapes, strict=True):
+        for entry in batch.entries:
             h = entry.key.chunk_hash
-            chunk = self._parts[h[0]].get(h)
-            i = -1 if chunk is None else _find(chunk.keys, shape)
-            if chunk is None or i < 0:
+            part = self._parts[h[0]]
+            rec = part.get(h)
+            if rec is None:
                 continue
-            old = placements_of(chunk.keys[i + 1])
+            sid = self._sid_of(entry.key)
+            i = -1 if sid is None else _find(rec[KEYS:], sid)
+            if i < 0:
+                continue
+            j = KEYS + i + 1
+            old = placements_of(rec[j])
             if not any(hit(p) for p in old):
                 continue
-            self._touch(h, chunk)
-            new = [_with_access(p, ts) if hit(p) else p for p in old]
-            keys = chunk.keys
-            chunk.keys = (*keys[: i + 1], pack_placements(new), *keys[i + 2 :])
+            self._touch(h, rec)
+            new = [(*p[:6], ts) if hit(p) else p for p in old]
+            part[h] = (*rec[:j], pack_placements(new), *rec[j + 1 :])  # type: ignore[arg-type]
 
     def _apply_config(self, batch: EventBatch) -> None:
         assert batch.capacity_bytes is not None and batch.capacity_revision is not None
@@ -414,7 +521,7 @@ class KeyDirectory:
             return
         self._capacities[batch.instance_id] = CapacityDeclaration(*version, caps)
 
-    def _rewrite(self, h: bytes, chunk: Chunk, new: list[Any]) -> None:
+    def _rewrite(self, h: bytes, rec: Record, new: list[Any]) -> None:
         """Set a chunk's keys (``None`` placements = key gone), keeping key counts, namespace
         claims and the chunk's existence in line. The caller has already touched the chunk."""
         kept: list[Any] = []
@@ -423,23 +530,22 @@ class KeyDirectory:
                 self._n_keys -= 1
             else:
                 kept += (new[j], new[j + 1])
-        index = self._index
-        if chunk.indexed and index is not None and chunk.tokens is not None:
-            before = chunk.namespaces()
-            chunk.keys = tuple(kept)
-            for ns in before - chunk.namespaces():
-                self._index_ops.append(("remove_claim", chunk.tokens, h, ns))
-        chunk.keys = tuple(kept)
-        if not kept:
-            chunk.indexed = False
+        tokens = rec[TOKENS]
+        if rec[INDEXED] and self._index is not None and tokens is not None:
+            gone = self._namespaces(rec[KEYS:]) - self._namespaces(tuple(kept))
+            for ns in gone:
+                self._index_ops.append(("remove_claim", tokens, h, ns))
+        if kept:
+            self._parts[h[0]][h] = (tokens, rec[OFFSET], rec[INDEXED], *kept)
+        else:
             del self._parts[h[0]][h]
 
     def _forget_l1_if_gone(self, inst: str, h: bytes) -> None:
-        chunk = self._parts[h[0]].get(h)
-        if chunk is not None:
-            for pls in chunk.keys[1::2]:
+        rec = self._parts[h[0]].get(h)
+        if rec is not None:
+            for pls in rec[KEYS + 1 :: 2]:
                 for p in placements_of(pls):
-                    if p.tier == "l1" and not p.shared and p.instance_id == inst:
+                    if p[2] == "l1" and not p[5] and p[0] == inst:
                         return
         hs = self._l1_chunks.get(inst)
         if hs is not None:
@@ -450,22 +556,22 @@ class KeyDirectory:
     def _fence_locked(self, inst: str) -> int:
         dropped = 0
         for h in self._l1_chunks.pop(inst, ()):
-            chunk = self._parts[h[0]].get(h)
-            if chunk is None:
+            rec = self._parts[h[0]].get(h)
+            if rec is None:
                 continue
-            self._touch(h, chunk)
+            self._touch(h, rec)
             new: list[Any] = []
-            for j in range(0, len(chunk.keys), 2):
-                old = placements_of(chunk.keys[j + 1])
+            for j in range(KEYS, len(rec), 2):
+                old = placements_of(rec[j + 1])
                 kept = []
                 for p in old:
-                    if p.tier == "l1" and not p.shared and p.instance_id == inst:
+                    if p[2] == "l1" and not p[5] and p[0] == inst:
                         self._count(p, -1)
                         dropped += 1
                     else:
                         kept.append(p)
-                new += (chunk.keys[j], pack_placements(kept))
-            self._rewrite(h, chunk, new)
+                new += (rec[j], pack_placements(kept))
+            self._rewrite(h, rec, new)
         self._l1_placements.pop(inst, None)
         return dropped
 
@@ -473,14 +579,14 @@ class KeyDirectory:
 
     def _placements_locked(self, key: ObjectKey) -> tuple[Placement, ...]:
         h = key.chunk_hash
-        chunk = self._parts[h[0]].get(h)
-        if chunk is None:
+        rec = self._parts[h[0]].get(h)
+        if rec is None:
             return ()
-        shape = self._shapes.get((key.model_name, key.kv_rank, key.object_group_id, key.cache_salt))
-        i = -1 if shape is None else _find(chunk.keys, shape)
+        sid = self._sid_of(key)
+        i = -1 if sid is None else _find(rec[KEYS:], sid)
         if i < 0:
             return ()
-        return tuple(sorted(placements_of(chunk.keys[i + 1]), key=Placement.sort_key))
+        return _public(rec[KEYS + i + 1])
 
     def lookup(self, keys: Sequence[ObjectKey]) -> list[KeyPlacements]:
         """Placements per key, sorted by (instance, tier, backend); absent keys get ``()``."""
@@ -560,10 +666,11 @@ class KeyDirectory:
             for part_no in range(start[0] if start else 0, PARTS):
                 part = self._parts[part_no]
                 order = sorted(h for h in part if start is None or h >= start)
+                shapes = self._shape_list
                 for h in order:
-                    chunk = part[h]
+                    rec = part[h]
                     pairs = sorted(
-                        zip(chunk.keys[0::2], chunk.keys[1::2], strict=True),
+                        zip([shapes[s] for s in rec[KEYS::2]], rec[KEYS + 1 :: 2], strict=True),
                         key=lambda kv: kv[0].parts,
                     )
                     first = skip if h == start else 0
@@ -572,10 +679,9 @@ class KeyDirectory:
                             return KeyPage(items, f"{h.hex()}:{n}")
                         scanned += 1
                         shape, pls = pairs[n]
-                        found = placements_of(pls)
+                        found = _public(pls)
                         if any(wanted(p) for p in found):
-                            ordered = tuple(sorted(found, key=Placement.sort_key))
-                            items.append(KeyPlacements(shape.key(h), ordered))
+                            items.append(KeyPlacements(shape.key(h), found))
                 start = None
         return KeyPage(items, None)
 
@@ -600,7 +706,7 @@ class KeyDirectory:
                 "keys": self._n_keys,
                 "chunks": sum(len(p) for p in self._parts),
                 "bound_chunks": sum(
-                    1 for p in self._parts for c in p.values() if c.tokens is not None
+                    1 for p in self._parts for r in p.values() if r[TOKENS] is not None
                 ),
                 "placements": self._n_placements,
                 "l1_placements_by_instance": dict(+self._l1_placements),
@@ -624,29 +730,33 @@ class KeyDirectory:
             if self._cow is not None:
                 raise RuntimeError("a snapshot is already being taken")
             self._cow = _CowJournal()
-            return DirectoryState(self.chunk_size, self._gate.cursors(), dict(self._capacities))
+            return DirectoryState(
+                self.chunk_size, self._gate.cursors(), dict(self._capacities), self._shape_list
+            )
 
-    def _snapshot_part(
-        self, part_no: int
-    ) -> tuple[list[tuple[bytes, TokenArray | None, int, KeyTuple]], float]:
-        """The snapshot-start state of one partition and how long the lock was held for it."""
+    def _snapshot_part(self, part_no: int) -> tuple[list[tuple[bytes, Record]], float]:
+        """The snapshot-start records of one partition and how long the lock was held for it
+        (shape ids index :attr:`DirectoryState.shapes` of the snapshot)."""
         with self._lock:
             held_from = time.perf_counter()
             cow = self._cow
             assert cow is not None
             saved = cow.saved[part_no]
             part = self._parts[part_no]
-            rows = []
-            for h, c in part.items():
-                if h in saved:
-                    st = saved[h]
-                    if st is not None:
-                        rows.append((h, *st))
-                else:
-                    rows.append((h, c.tokens, c.token_offset, c.keys))
-            for h, st in saved.items():
-                if st is not None and h not in part:
-                    rows.append((h, *st))
+            if saved:
+                rows = []
+                for h, rec in part.items():
+                    if h in saved:
+                        st = saved[h]
+                        if st is not None:
+                            rows.append((h, st))
+                    else:
+                        rows.append((h, rec))
+                for h, st in saved.items():
+                    if st is not None and h not in part:
+                        rows.append((h, st))
+            else:
+                rows = list(part.items())  # records are immutable: no copy of their contents
             cow.done[part_no] = True
             saved.clear()
             return rows, time.perf_counter() - held_from
@@ -657,13 +767,14 @@ class KeyDirectory:
 
     def _install(
         self,
-        parts: list[dict[bytes, Chunk]],
-        shapes: dict[tuple[str, int, int, str], KeyShape],
+        parts: list[dict[bytes, Record]],
+        shapes: dict[ShapeParts, int],
         state: DirectoryState,
         derived: RestoredCounts | None = None,
     ) -> None:
         """Replace all state with restored chunks; the index is rebuilt from the bindings.
-        ``derived`` (counters and L1 sets computed column-wise by the loader) saves a pass."""
+        Records' shape ids index ``state.shapes`` (interned by ``shapes``). ``derived``
+        (counters and L1 sets computed column-wise by the loader) saves a pass."""
         if state.chunk_size != self.chunk_size:
             raise ValueError(
                 f"snapshot chunk_size {state.chunk_size} != directory chunk_size {self.chunk_size}"
@@ -676,6 +787,7 @@ class KeyDirectory:
             if self._cow is not None:
                 raise RuntimeError("cannot restore while a snapshot is being taken")
             self._parts, self._shapes, self._l1_chunks = parts, shapes, l1
+            self._shape_list = state.shapes
             self._n_keys, self._n_placements = n_keys, n_pl
             self._l1_placements, self._bytes_by_tier = l1_count, by_tier
             self._gate.restore(state.cursors)
@@ -689,26 +801,35 @@ class KeyDirectory:
         assert index is not None
         for part in self._parts:
             ops: list[BlendOp] = []
-            for h, chunk in part.items():
-                if self._indexable(chunk.tokens, chunk.token_offset):
-                    ops += [
-                        ("add", chunk.tokens, h, chunk.token_offset, ns)
-                        for ns in chunk.namespaces()
-                    ]
-                    chunk.indexed = True
+            for h, rec in part.items():
+                tokens, offset = rec[TOKENS], rec[OFFSET]
+                if self._indexable(tokens, offset):
+                    ops += [("add", tokens, h, offset, ns) for ns in self._namespaces(rec[KEYS:])]
+                    part[h] = (tokens, offset, True, *rec[KEYS:])  # same key: no resize
             index.apply(ops)
 
 
-def _find(keys: KeyTuple, shape: KeyShape) -> int:
-    """Position of ``shape`` in a flat key tuple (shapes are interned: identity suffices)."""
-    for i in range(0, len(keys), 2):
-        if keys[i] is shape:
+def _find(keys: KeyTuple, sid: int) -> int:
+    """Position of shape id ``sid`` in a flat key tuple (``-1`` if absent)."""
+    if keys[0] == sid:
+        return 0
+    for i in range(2, len(keys), 2):
+        if keys[i] == sid:
             return i
     return -1
 
 
-def _with_access(p: Placement, ts: float) -> Placement:
-    return Placement(p.instance_id, p.incarnation, p.tier, p.backend, p.size_bytes, p.shared, ts)
+def _public(pls: Placements) -> tuple[Placement, ...]:
+    """One key's placement rows as :class:`Placement` values, sorted by (instance, tier,
+    backend)."""
+    if type(pls[0]) is not tuple:
+        return (Placement(*pls),)  # type: ignore[arg-type]
+    rows = sorted(pls, key=_row_order)  # type: ignore[arg-type]
+    return tuple(Placement(*row) for row in rows)
+
+
+def _row_order(row: PlacementRow) -> tuple[str, str, str]:
+    return (row[0], row[2], row[3])
 
 
 def _parse_cursor(cursor: str | None) -> tuple[bytes | None, int]:

@@ -1,10 +1,18 @@
 """Directory records: what lookups return (placements, prefix summaries, pages) and the
 compact per-chunk state behind them.
 
-Per-chunk state is deliberately lean (the directory holds millions of chunks): a chunk's keys
-are a flat immutable tuple ``(shape, placements, shape, placements, ...)`` where a *shape* is
-the interned non-hash part of an ObjectKey, and ``placements`` is one :class:`Placement` or a
-tuple of them. Immutable values let snapshots copy-on-write at chunk granularity.
+Per-chunk state is deliberately lean (the directory holds millions of chunks) and invisible to
+the cyclic garbage collector: a chunk is one flat immutable tuple, its *record*::
+
+    (tokens, token_offset, indexed, shape_id, placements, shape_id, placements, ...)
+
+``shape_id`` is the directory's interned id of the non-hash part of an ObjectKey (a
+:class:`KeyShape`), and ``placements`` is one :class:`PlacementRow` (a plain tuple with the
+fields of :class:`Placement`, in order) or a tuple of them. Every element is an int, str,
+float, bool, ``None``, a numpy array or a tuple of those, so CPython untracks each record at its
+first collection: a directory of millions of chunks adds nothing to full-collection pauses
+(with one class instance per chunk, each full collection walked them all). Immutable values
+also let snapshots copy-on-write at chunk granularity: a change replaces the record.
 """
 
 from __future__ import annotations
@@ -13,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvatlas.keys import BlendNamespace, ObjectKey
-from kvatlas.keys.tokens import TokenArray
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,17 +44,29 @@ class Placement:
         return (self.instance_id, self.tier, self.backend)
 
 
-Placements = Placement | tuple[Placement, ...]
+# (instance_id, incarnation, tier, backend, size_bytes, shared, last_access): a Placement's
+# fields as a plain tuple (GC-untrackable); ``Placement(*row)`` turns it into the public value.
+PlacementRow = tuple[str, int, str, str, int, bool, float]
+Placements = PlacementRow | tuple[PlacementRow, ...]
+Record = tuple[Any, ...]  # see the module docstring
+TOKENS, OFFSET, INDEXED, KEYS = 0, 1, 2, 3  # record fields; keys are record[KEYS:]
 
 
-def placements_of(value: Placements) -> tuple[Placement, ...]:
-    return (value,) if isinstance(value, Placement) else value
+def placements_of(value: Placements) -> tuple[PlacementRow, ...]:
+    """The rows of one key's ``placements`` slot (one row, or a tuple of rows)."""
+    return value if type(value[0]) is tuple else (value,)  # type: ignore[return-value]
 
 
-def pack_placements(items: tuple[Placement, ...] | list[Placement]) -> Placements | None:
+def pack_placements(items: list[PlacementRow]) -> Placements | None:
+    """The ``placements`` slot for ``items`` (``None`` if empty: the key is gone)."""
     if not items:
         return None
     return items[0] if len(items) == 1 else tuple(items)
+
+
+def row_ident(row: PlacementRow) -> tuple[str, str, str | None]:
+    """:attr:`Placement.ident` of a row."""
+    return (row[2], row[3], None if row[5] else row[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,33 +85,6 @@ class KeyShape:
 
     def key(self, chunk_hash: bytes) -> ObjectKey:
         return ObjectKey(chunk_hash, *self.parts)
-
-
-class Chunk:
-    """State of one chunk hash: its token binding and its keys (see module docstring).
-
-    ``indexed`` says whether the content is in the blend index, claimed by exactly the
-    namespaces of ``keys``.
-    """
-
-    __slots__ = ("indexed", "keys", "token_offset", "tokens")
-
-    def __init__(
-        self,
-        tokens: TokenArray | None = None,
-        token_offset: int = -1,
-        keys: tuple[Any, ...] = (),
-    ) -> None:
-        self.tokens = tokens
-        self.token_offset = token_offset
-        self.keys = keys
-        self.indexed = False
-
-    def namespaces(self) -> set[BlendNamespace]:
-        keys = self.keys
-        if len(keys) == 2:
-            return {keys[0].namespace}
-        return {s.namespace for s in keys[0::2]}
 
 
 @dataclass(frozen=True, slots=True)

@@ -436,3 +436,45 @@ def test_apply_namespace_claims_across_one_batch() -> None:
     stats = index.stats()
     assert (stats["occupants"], stats["claims"], stats["namespaces"]) == (1, 1, 1)
     assert index.match(a, NS) == [] and index.match(a, other) == []
+
+
+@pytest.mark.parametrize("where", [0, 63, 64, 99])
+def test_near_miss_rejected_in_every_comparison_block(where: int) -> None:
+    """Tokens are compared in blocks of 64: a difference in any block, including a partial
+    last one (chunk_size 100), rejects the window."""
+    size = 100
+    index = BlendIndex(chunk_size=size)
+    a = chunk(1, size)
+    index.add(a, h(1), 0, NS)
+    near = a.copy()
+    near[where] ^= 1
+    assert index.match(np.concatenate([filler(5), near, filler(5)]), NS) == []
+    assert index.match(np.concatenate([near, filler(1), a]), NS) == [BlendMatch(h(1), 0, size + 1)]
+
+
+def test_many_hits_in_one_query_are_all_returned_in_order() -> None:
+    """More hits (and candidates) than any initial buffer size, every content claimed by
+    two occupants: all are resolved, ascending, one per chunk_hash."""
+    index = BlendIndex(chunk_size=C)
+    contents = [chunk(1000 + i) for i in range(300)]
+    for i, c in enumerate(contents):
+        index.add(c, h(2 * i), 8 * i, NS)
+        index.add(c, h(2 * i + 1), 8 * i + 1, NS)
+    query = np.concatenate([np.concatenate([c, filler(1, seed=i)]) for i, c in enumerate(contents)])
+    got = index.match(query, NS)
+    assert sorted((m.cur_st, m.chunk_hash, m.old_st) for m in got) == [
+        ((C + 1) * i, h(2 * i + k), 8 * i + k) for i in range(300) for k in (0, 1)
+    ]
+    assert [m.cur_st for m in got] == sorted(m.cur_st for m in got)
+
+
+def test_scan_buffers_are_kept_between_queries() -> None:
+    """Per-thread scratch is reused (fresh large arrays cost page faults on every query)."""
+    index = BlendIndex(chunk_size=C)
+    index.add(chunk(1), h(1), 0, NS)
+    query = filler(100_000)
+    index.match(query, NS)
+    first = index._scratch.buffers
+    index.match(query, NS)
+    index.match(query[:5_000], NS)
+    assert index._scratch.buffers is first

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
 from kvatlas.directory import KeyDirectory, PrefixHolder
 from kvatlas.keys import chunk_hashes, expand_prefix_keys
-from tests.directory.helpers import CS, Emitter, entry, key
+from tests.directory.helpers import CS, Emitter, entry, key, toks
 
 
 def test_placements_upsert_delete_and_sorting() -> None:
@@ -159,3 +161,17 @@ def test_blend_lookup_chunk_size_must_match() -> None:
         KeyDirectory(0)
     with pytest.raises(TypeError):
         KeyDirectory(CS).consume("not a batch")  # type: ignore[arg-type]
+
+
+def test_chunk_records_are_invisible_to_the_cyclic_gc() -> None:
+    """Millions of chunks must not lengthen full-collection pauses: a record holds only
+    untracked values (ints, strs, arrays, tuples of those), so CPython untracks it."""
+    d, em = KeyDirectory(CS, enable_blend_lookup=True), Emitter()
+    d.consume(em.batch("store", [entry(key(n), toks(n, n, n, n), 4 * n) for n in range(1, 9)]))
+    d.consume(em.batch("store", [entry(key(n, rank=1, ws=2)) for n in range(1, 5)], tier="l2"))
+    d.consume(em.batch("access", [entry(key(1))], ts=5.0))
+    gc.collect()  # untracks the placement rows, then (next pass) the records holding them
+    gc.collect()
+    records = [r for part in d._parts for r in part.values()]
+    assert len(records) == 8 and not any(gc.is_tracked(r) for r in records)
+    assert d.lookup([key(1)])[0].placements[0].last_access == 5.0

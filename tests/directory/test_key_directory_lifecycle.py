@@ -88,7 +88,7 @@ def test_first_content_binds_and_adds(spy: type[SpyIndex]) -> None:
     (call,) = calls(d)
     assert call[:4] == ("add", 1, 8, NS_A)
     assert call[4] == id(e.token_ids)  # one array per content: the binding's is the index's
-    assert d._parts[1][key(1).chunk_hash].tokens is e.token_ids
+    assert d._parts[1][key(1).chunk_hash][0] is e.token_ids  # record: (tokens, offset, ...)
     assert found(d, A) == [(1, 8)]
 
 

@@ -44,7 +44,7 @@ def test_round_trip_restores_everything_and_rebuilds_the_index(tmp_path: Path) -
     plain = KeyDirectory(CS)
     load_snapshot(plain, path)
     assert plain.blend_match(toks(7, 7, 7, 7), NS) == [] and state(plain) == state(d)
-    tokens = plain._parts[key(7).chunk_hash[0]][key(7).chunk_hash].tokens
+    tokens = plain._parts[key(7).chunk_hash[0]][key(7).chunk_hash][0]  # the record's tokens
     assert tokens is not None and tokens.dtype == np.uint32 and not tokens.flags.writeable
 
 
