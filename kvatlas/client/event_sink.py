@@ -175,7 +175,7 @@ class EventSink:
                 entries=tuple(entries),
                 **extra,
             )
-            if len(self._outbox) >= self.max_outbox:
+            if len(self._outbox) + self._in_flight >= self.max_outbox:  # in-flight counts too
                 self.dropped_batches += 1
                 log.warning(
                     "event outbox full (%d): batch seq %d dropped", self.max_outbox, batch.seq
