@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -35,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--batch-entries", type=int, default=256, help="entries per batch")
     parser.add_argument("--batches-per-post", type=int, default=4, help="batches per POST body")
+    parser.add_argument(
+        "--emitters", type=int, default=2, help="concurrent emitters (one connection each)"
+    )
     parser.add_argument(
         "--index-chunks", type=int, default=100_000, help="chunks indexed for lookups"
     )
@@ -107,16 +111,27 @@ def _post_all(
 ) -> float:
     """Post every body in order; the optional warm-up (another emitter) loads compiled kernels
     before the clock starts, so a fresh process's one-off JIT cache load is not counted."""
-    with httpx.Client(base_url=url, timeout=120) as client:
-        if warmup is not None:
-            client.post(
-                "/events", content=warmup, headers={"Content-Type": content_type}
-            ).raise_for_status()
-        start = time.perf_counter()
-        for body in bodies:
-            response = client.post("/events", content=body, headers={"Content-Type": content_type})
-            response.raise_for_status()
-        return time.perf_counter() - start
+    return _post_streams(url, [bodies], content_type, warmup)
+
+
+def _post_streams(
+    url: str, streams: list[list[bytes]], content_type: str, warmup: bytes | None = None
+) -> float:
+    """One connection per emitter, each posting its own bodies in order (as a fleet's emitters
+    do); returns the wall time until every stream was applied."""
+    headers = {"Content-Type": content_type}
+    if warmup is not None:
+        httpx.post(f"{url}/events", content=warmup, headers=headers, timeout=120).raise_for_status()
+
+    def post(bodies: list[bytes]) -> None:
+        with httpx.Client(base_url=url, timeout=120) as client:
+            for body in bodies:
+                client.post("/events", content=body, headers=headers).raise_for_status()
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=len(streams)) as pool:
+        list(pool.map(post, streams))
+    return time.perf_counter() - start
 
 
 COORDINATOR = [
@@ -146,10 +161,14 @@ def _bench_ingest(
     args: argparse.Namespace, rng: np.random.Generator, progress: Progress
 ) -> list[BenchRow]:
     task = progress.add_task("ingestion over HTTP", total=args.repeats * 3)
-    batches, _ = _store_batches(rng, args.entries, args.batch_entries, "node-0")
+    per_emitter = args.entries // args.emitters
+    emitters = [
+        _store_batches(rng, per_emitter, args.batch_entries, f"node-{e}")[0]
+        for e in range(args.emitters)
+    ]
     bodies = {
-        "json": _bodies(batches, args.batches_per_post, encode_json),
-        "msgpack": _bodies(batches, args.batches_per_post, encode_msgpack),
+        "json": [_bodies(b, args.batches_per_post, encode_json) for b in emitters],
+        "msgpack": [_bodies(b, args.batches_per_post, encode_msgpack) for b in emitters],
     }
     ctypes = {"json": "application/json", "msgpack": "application/msgpack"}
     warm, _ = _store_batches(rng, 64, 64, "warm-up")
@@ -158,22 +177,24 @@ def _bench_ingest(
     for _ in range(args.repeats):
         for fmt in ("json", "msgpack"):
             with _service(COORDINATOR) as url:
-                times[fmt].append(_post_all(url, bodies[fmt], ctypes[fmt], warmups[fmt]))
+                times[fmt].append(_post_streams(url, bodies[fmt], ctypes[fmt], warmups[fmt]))
             progress.advance(task)
         with _service(["-m", "kvatlas.bench.naive_service"]) as url:
-            times["naive"].append(_post_all(url, bodies["json"], ctypes["json"], warmups["json"]))
+            times["naive"].append(
+                _post_streams(url, bodies["json"], ctypes["json"], warmups["json"])
+            )
         progress.advance(task)
     naive_s = statistics.median(times["naive"])
     rows = []
     for fmt in ("json", "msgpack"):
         ours = statistics.median(times[fmt])
         extra = {
-            "entries_per_s": f"{args.entries / ours:,.0f}",
-            "naive_entries_per_s": f"{args.entries / naive_s:,.0f}",
+            "entries_per_s": f"{per_emitter * args.emitters / ours:,.0f}",
+            "naive_entries_per_s": f"{per_emitter * args.emitters / naive_s:,.0f}",
         }
         rows.append(
             BenchRow(
-                f"ingest {args.entries} token-bearing entries, {fmt} (blend on)",
+                f"ingest {per_emitter * args.emitters} token-bearing entries, {fmt}, {args.emitters} emitters (blend on)",
                 ours,
                 naive_s,
                 "≥ 100k entries/s",
