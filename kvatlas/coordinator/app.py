@@ -22,9 +22,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvatlas.coordinator._base64 import b64decode_strict
+from kvatlas.coordinator.asgi import (
+    ApiError,
+    BlendFastPath,
+    BodyLimit,
+    MsgspecJSONResponse,
+    error_response,
+    json_encoder,
+)
 from kvatlas.coordinator.auth import ANONYMOUS_ADMIN, AuthError, Principal
 from kvatlas.coordinator.schemas import (
     EVENTS_BODY_SCHEMA,
@@ -40,131 +47,6 @@ from kvatlas.keys import BlendNamespace, ObjectKey, as_token_array
 log = logging.getLogger("kvatlas.coordinator")
 
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
-_json = msgspec.json.Encoder()
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, detail: str, **extra: Any) -> None:
-        super().__init__(detail)
-        self.status = status
-        self.detail = detail
-        self.extra = extra
-
-
-class MsgspecJSONResponse(Response):
-    media_type = "application/json"
-
-    def render(self, content: Any) -> bytes:
-        return _json.encode(content)
-
-
-def _error(status: int, detail: str, **extra: Any) -> Response:
-    return MsgspecJSONResponse({"detail": detail, **extra}, status_code=status)
-
-
-class BodyLimit:
-    """Refuse bodies over ``max_bytes`` with 413, by Content-Length or while streaming."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    await _error(400, "invalid Content-Length")(scope, receive, send)
-                    return
-                if declared > self.max_bytes:
-                    await _error(413, f"body of {declared} bytes exceeds {self.max_bytes}")(
-                        scope, receive, send
-                    )
-                    return
-        seen = 0
-        exceeded = False
-        started = False
-
-        async def limited_receive() -> Message:
-            nonlocal seen, exceeded
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    exceeded = True
-                    return {"type": "http.disconnect"}
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if exceeded and not started:
-                return  # drop the app's reply to the cut-off body; the 413 below replaces it
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except Exception:
-            if not exceeded or started:
-                raise
-        if exceeded and not started:
-            await _error(413, f"body exceeds {self.max_bytes} bytes")(scope, receive, send)
-
-
-class BlendFastPath:
-    """``POST /directory/blend-lookup`` answered at the ASGI layer, skipping routing and
-    dependency injection: the service's hottest request costs ~1 ms of Python in the framework
-    otherwise, on a GIL it shares with matching. Same handler, same errors, same reply as the
-    FastAPI route (which stays for the OpenAPI schema)."""
-
-    PATH = "/directory/blend-lookup"
-
-    def __init__(self, app: ASGIApp, handler: Any, pool: Any, auth: Any) -> None:
-        self.app = app
-        self.handler = handler
-        self.pool = pool
-        self.auth = auth
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != self.PATH or scope["method"] != "POST":
-            await self.app(scope, receive, send)
-            return
-        chunks = []
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        status, headers = 200, [(b"content-type", b"application/json")]
-        try:
-            who = ANONYMOUS_ADMIN
-            if self.auth is not None:
-                authorization = next(
-                    (v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"),
-                    None,
-                )
-                who = self.auth.authenticate(authorization)
-            loop = asyncio.get_running_loop()
-            payload, enabled = await loop.run_in_executor(
-                self.pool, self.handler, b"".join(chunks), who
-            )
-            headers.append((b"x-kvatlas-blend", b"enabled" if enabled else b"disabled"))
-        except ApiError as exc:
-            status, payload = exc.status, _json.encode({"detail": exc.detail, **exc.extra})
-        except AuthError as exc:
-            status, payload = exc.status, _json.encode({"detail": exc.message})
-            if exc.status == 401:
-                headers.append((b"www-authenticate", b"Bearer"))
-        headers.append((b"content-length", str(len(payload)).encode()))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": payload})
 
 
 def _placement_wire(p: Placement) -> dict[str, Any]:
@@ -276,12 +158,12 @@ def create_app(service: CoordinatorService) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> Response:
-        return _error(exc.status, exc.detail, **exc.extra)
+        return error_response(exc.status, exc.detail, **exc.extra)
 
     @app.exception_handler(AuthError)
     async def _auth_error(_: Request, exc: AuthError) -> Response:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-        response = _error(exc.status, exc.message)
+        response = error_response(exc.status, exc.message)
         if headers:
             response.headers.update(headers)
         return response
@@ -298,7 +180,7 @@ def create_app(service: CoordinatorService) -> FastAPI:
         ]
         first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
         where = ".".join(str(p) for p in first["loc"] if p != "body")
-        return _error(
+        return error_response(
             422, f"{where}: {first['msg']}" if where else str(first["msg"]), errors=errors
         )
 
@@ -416,13 +298,13 @@ def create_app(service: CoordinatorService) -> FastAPI:
         if len(tokens) and not body.model_name:
             raise ApiError(422, "model_name is required with non-empty tokens")
         if not len(tokens):
-            return _json.encode({"matches": [], "blend_enabled": enabled}), enabled
+            return json_encoder.encode({"matches": [], "blend_enabled": enabled}), enabled
         try:
             namespace = BlendNamespace(body.model_name or "", body.cache_salt, body.world_size)
         except ValueError as exc:
             raise ApiError(422, str(exc)) from None
         matches = service.directory.blend_match(tokens, namespace)
-        reply = _json.encode(
+        reply = json_encoder.encode(
             {
                 "matches": [
                     {"chunk_hash": m.chunk_hash.hex(), "old_st": m.old_st, "cur_st": m.cur_st}
