@@ -200,11 +200,13 @@ def play(
 
 
 def report(tally: Tally, mode: str, console: Console) -> None:
-    table = Table(title=f"where reused chunks came from ({mode})")
-    table.add_column("path / tier")
+    table = Table(title="where reused chunks came from", min_width=60)
+    table.add_column("path")
+    table.add_column("tier")
     table.add_column("chunks", justify="right")
     for name, count in sorted(tally.sources.items()):
-        table.add_row(name.replace("_", " "), str(count))
+        path, tier = name.split(" ", 1)
+        table.add_row(path, tier.replace("_", " "), str(count))
     console.print(table)
     reused = tally.prefix_tokens + tally.blend_tokens
     console.print(
