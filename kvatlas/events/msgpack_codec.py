@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 
 from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
-from kvatlas.events.json_codec import key_from_parts
+from kvatlas.events.json_codec import decode_json, key_from_parts
 from kvatlas.events.model import UNKNOWN_OFFSET, CacheEntry, EventBatch
 from kvatlas.keys.tokens import TokenArray
 
@@ -123,12 +123,20 @@ def _batch_from_packed(pb: _PackedBatch, strings: dict[str, str]) -> EventBatch:
 
 
 def decode_msgpack(body: bytes) -> list[EventBatch]:
-    """Decode a compact body; any malformed input raises only :class:`EventDecodeError`."""
+    """Decode a compact body; any malformed input raises only :class:`EventDecodeError`.
+
+    Liberal in what it accepts: a msgpack body shaped like the JSON body (entries as maps with
+    a ``key`` map, ``token_ids`` as a list or as little-endian uint32 bytes) is decoded too.
+    """
     try:
         wire = _decoder.decode(body)
     except msgspec.MsgspecError as exc:
         err = decode_error_from_msgspec(exc)
-        raise EventDecodeError(_name_entry_fields(err.field), err.reason) from None
+        compact_error = EventDecodeError(_name_entry_fields(err.field), err.reason)
+        json_shaped = _json_shaped(body)
+        if json_shaped is None:
+            raise compact_error from None
+        return decode_json(json_shaped)
     except (RecursionError, MemoryError, OverflowError) as exc:
         raise EventDecodeError("body", f"undecodable msgpack: {type(exc).__name__}") from None
     if wire.v != FORMAT_VERSION:
@@ -142,6 +150,26 @@ def decode_msgpack(body: bytes) -> list[EventBatch]:
             moved = exc.under(f"batches[{i}]")
             raise EventDecodeError(moved.field, moved.reason) from None
     return batches
+
+
+def _json_shaped(body: bytes) -> bytes | None:
+    """The JSON text of a msgpack body that mirrors the JSON wire form, else ``None``."""
+    try:
+        doc = msgspec.msgpack.decode(body)
+        batches = doc["batches"]
+        entries = [e for batch in batches for e in batch.get("entries", ())]
+        if not entries or not all(isinstance(e, dict) for e in entries):
+            return None
+        for batch in batches:
+            for entry in batch.get("entries", ()):
+                tokens = entry.get("token_ids")
+                if isinstance(tokens, bytes):
+                    if len(tokens) % 4:
+                        return None
+                    entry["token_ids"] = np.frombuffer(tokens, dtype=_LE_U32).tolist()
+        return msgspec.json.encode(doc)
+    except Exception:  # anything unexpected: not JSON-shaped; the compact error stands
+        return None
 
 
 def _pack_batch(batch: EventBatch) -> dict[str, Any]:

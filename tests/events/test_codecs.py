@@ -3,6 +3,7 @@ import json
 import random
 
 import msgspec
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -195,3 +196,18 @@ def test_msgpack_decoder_fuzz_mutations() -> None:
         decoded_ok += 1
         assert all(isinstance(b, EventBatch) for b in out)
     assert decoded_ok < 3000
+
+
+def test_msgpack_shaped_like_the_json_body_is_accepted() -> None:
+    """Liberal: a producer that msgpack-encodes the JSON body (tokens as a list or as LE uint32
+    bytes) is understood; it decodes to the same batches as the JSON form."""
+    body = _json_body()
+    as_list = msgspec.msgpack.encode(body)
+    with_bytes = json.loads(json.dumps(body))
+    for batch in with_bytes["batches"]:
+        for entry in batch["entries"]:
+            if entry.get("token_ids"):
+                entry["token_ids"] = np.asarray(entry["token_ids"], dtype="<u4").tobytes()
+    expected = decode_json(json.dumps(body))
+    assert decode_msgpack(as_list) == expected
+    assert decode_msgpack(msgspec.msgpack.encode(with_bytes)) == expected
