@@ -40,7 +40,7 @@ from kvatlas.coordinator.schemas import (
     RegisterRequest,
 )
 from kvatlas.coordinator.service import SERVING, CoordinatorService
-from kvatlas.directory.records import KeyPlacements, Placement, PrefixHolder
+from kvatlas.directory.records import KeyPlacements, Placement, PrefixHolder, prefix_summary
 from kvatlas.events import EventDecodeError, EventValidationError, decode_json, decode_msgpack
 from kvatlas.keys import BlendNamespace, ObjectKey, as_token_array
 
@@ -73,25 +73,6 @@ def _prefix_wire(h: PrefixHolder) -> dict[str, Any]:
         "shared": h.shared,
         "chunks": h.chunks,
     }
-
-
-def _prefix_of_keys(results: list[KeyPlacements]) -> list[dict[str, Any]]:
-    """Keys form: for each holder, how many leading keys it holds."""
-    counts: dict[tuple[str | None, str, str, bool], int] = {}
-    alive: set[tuple[str | None, str, str, bool]] | None = None
-    for kp in results:
-        here = {
-            (None if p.shared else p.instance_id, p.tier, p.backend, p.shared)
-            for p in kp.placements
-        }
-        alive = here if alive is None else alive & here
-        if not alive:
-            break
-        for holder in alive:
-            counts[holder] = counts.get(holder, 0) + 1
-    rows = [PrefixHolder(*holder, chunks=n) for holder, n in counts.items()]
-    rows.sort(key=lambda s: (-s.chunks, s.instance_id or "", s.tier, s.backend))
-    return [_prefix_wire(r) for r in rows]
 
 
 def decode_tokens_b64(text: str, max_tokens: int) -> np.ndarray[Any, Any]:
@@ -241,7 +222,7 @@ def create_app(service: CoordinatorService) -> FastAPI:
                 {
                     "chunks": len({k.chunk_hash for k in keys}),
                     "results": [_key_placements_wire(kp) for kp in results],
-                    "prefix": _prefix_of_keys(results),
+                    "prefix": [_prefix_wire(h) for h in prefix_summary(results)],
                 }
             )
         tokens = _query_tokens(body.token_ids, body.tokens_b64, config.max_query_tokens)

@@ -38,11 +38,11 @@ from kvatlas.directory.records import (
     Placement,
     PlacementRow,
     Placements,
-    PrefixHolder,
     Record,
     TokenLookup,
     pack_placements,
     placements_of,
+    prefix_summary,
     row_ident,
 )
 from kvatlas.events import ACCESS, CONFIG, DELETE, STORE, UNKNOWN_OFFSET, CacheEntry, EventBatch
@@ -290,6 +290,16 @@ class KeyDirectory:
         """The key's shape id, ``None`` if no key of that shape was ever stored."""
         return self._shapes.get((key.model_name, key.kv_rank, key.object_group_id, key.cache_salt))
 
+    def _locate(self, key: ObjectKey) -> tuple[Record, int] | None:
+        """The key's chunk record and the index of the key's placements in it (if stored)."""
+        h = key.chunk_hash
+        rec = self._parts[h[0]].get(h)
+        if rec is None:
+            return None
+        sid = self._sid_of(key)
+        i = -1 if sid is None else _find(rec[KEYS:], sid)
+        return None if i < 0 else (rec, KEYS + i + 1)
+
     def _namespaces(self, keys: KeyTuple) -> set[BlendNamespace]:
         shapes = self._shape_list
         if len(keys) == 2:
@@ -460,15 +470,12 @@ class KeyDirectory:
         ident = (batch.tier, batch.backend, None if batch.shared else batch.instance_id)
         own_l1 = batch.tier == "l1" and not batch.shared
         for entry in batch.entries:
+            found = self._locate(entry.key)
+            if found is None:
+                continue
+            rec, j = found
             h = entry.key.chunk_hash
-            rec = self._parts[h[0]].get(h)
-            if rec is None:
-                continue
-            sid = self._sid_of(entry.key)
-            i = -1 if sid is None else _find(rec[KEYS:], sid)
-            if i < 0:
-                continue
-            old = placements_of(rec[KEYS + i + 1])
+            old = placements_of(rec[j])
             kept = [q for q in old if row_ident(q) != ident]
             if len(kept) == len(old):
                 continue
@@ -477,7 +484,7 @@ class KeyDirectory:
                 if row_ident(q) == ident:
                     self._count(q, -1)
             new = list(rec[KEYS:])
-            new[i + 1] = pack_placements(kept)
+            new[j - KEYS] = pack_placements(kept)
             self._rewrite(h, rec, new)
             if own_l1:
                 self._forget_l1_if_gone(batch.instance_id, h)
@@ -491,16 +498,12 @@ class KeyDirectory:
             return p[5] if batch.shared else (not p[5] and p[0] == batch.instance_id)
 
         for entry in batch.entries:
+            found = self._locate(entry.key)
+            if found is None:
+                continue
+            rec, j = found
             h = entry.key.chunk_hash
             part = self._parts[h[0]]
-            rec = part.get(h)
-            if rec is None:
-                continue
-            sid = self._sid_of(entry.key)
-            i = -1 if sid is None else _find(rec[KEYS:], sid)
-            if i < 0:
-                continue
-            j = KEYS + i + 1
             old = placements_of(rec[j])
             if not any(hit(p) for p in old):
                 continue
@@ -578,15 +581,8 @@ class KeyDirectory:
     # ------------------------------------------------------------------ reads
 
     def _placements_locked(self, key: ObjectKey) -> tuple[Placement, ...]:
-        h = key.chunk_hash
-        rec = self._parts[h[0]].get(h)
-        if rec is None:
-            return ()
-        sid = self._sid_of(key)
-        i = -1 if sid is None else _find(rec[KEYS:], sid)
-        if i < 0:
-            return ()
-        return _public(rec[KEYS + i + 1])
+        found = self._locate(key)
+        return () if found is None else _public(found[0][found[1]])
 
     def lookup(self, keys: Sequence[ObjectKey]) -> list[KeyPlacements]:
         """Placements per key, sorted by (instance, tier, backend); absent keys get ``()``."""
@@ -608,23 +604,7 @@ class KeyDirectory:
         keys = expand_prefix_keys(hashes, model_name, world_size, cache_salt, object_group_id)
         with self._lock:
             results = [KeyPlacements(k, self._placements_locked(k)) for k in keys]
-        prefix: dict[tuple[str | None, str, str, bool], int] = {}
-        alive: set[tuple[str | None, str, str, bool]] | None = None
-        for c in range(len(hashes)):
-            held: set[tuple[str | None, str, str, bool]] | None = None
-            for r in results[c * world_size : (c + 1) * world_size]:
-                here = {
-                    (None if p.shared else p.instance_id, p.tier, p.backend, p.shared)
-                    for p in r.placements
-                }
-                held = here if held is None else held & here
-            alive = (held or set()) if alive is None else alive & (held or set())
-            if not alive:
-                break
-            for holder in alive:
-                prefix[holder] = prefix.get(holder, 0) + 1
-        summary = [PrefixHolder(*holder, chunks=n) for holder, n in prefix.items()]
-        summary.sort(key=lambda s: (-s.chunks, s.instance_id or "", s.tier, s.backend))
+        summary = prefix_summary(results, world_size)
         return TokenLookup(len(hashes), results, summary)
 
     def blend_match(self, tokens: Any, namespace: BlendNamespace) -> list[BlendMatch]:

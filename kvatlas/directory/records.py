@@ -129,3 +129,29 @@ class CapacityDeclaration:
     incarnation: int
     revision: int
     capacities: dict[tuple[str, str], int]  # (tier, backend) -> bytes
+
+
+Holder = tuple["str | None", str, str, bool]
+
+
+def prefix_summary(results: list[KeyPlacements], world_size: int = 1) -> list[PrefixHolder]:
+    """For each holder (instance, or shared pool), how many *leading* chunks it holds on every
+    one of the ``world_size`` ranks; ``results`` are chunk-major, rank-minor. Longest first."""
+    counts: dict[Holder, int] = {}
+    alive: set[Holder] | None = None
+    for c in range(len(results) // world_size):
+        held: set[Holder] | None = None
+        for r in results[c * world_size : (c + 1) * world_size]:
+            here = {
+                (None if p.shared else p.instance_id, p.tier, p.backend, p.shared)
+                for p in r.placements
+            }
+            held = here if held is None else held & here
+        alive = (held or set()) if alive is None else alive & (held or set())
+        if not alive:
+            break
+        for holder in alive:
+            counts[holder] = counts.get(holder, 0) + 1
+    summary = [PrefixHolder(*holder, chunks=n) for holder, n in counts.items()]
+    summary.sort(key=lambda h: (-h.chunks, h.instance_id or "", h.tier, h.backend))
+    return summary
