@@ -11,11 +11,7 @@ from pathlib import Path
 
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from kvatlas.asgi_thread import free_port
 
 
 class RedisServer:
@@ -27,7 +23,7 @@ class RedisServer:
             pytest.fail("redis-server not found: `make test` installs it (scripts/ensure-redis.sh)")
         self.binary = binary
         self.workdir = workdir
-        self.port = _free_port()
+        self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

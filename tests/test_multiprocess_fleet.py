@@ -7,10 +7,8 @@ at q. Then A is killed: B's retrieval reports misses and completes.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from kvatlas.coordinator.server import free_port
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.node.toy_model import ToyRopeModel
+from kvatlas.processes import spawn_service
 from tests.conftest import wait_for
 
 C = 16
@@ -33,23 +32,7 @@ NODE_FLAGS = [
 
 
 def spawn(args: list[str], health_url: str) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvatlas.cli", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=dict(os.environ),
-    )
-
-    def up() -> bool:
-        try:
-            return httpx.get(health_url, timeout=0.5).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    if not wait_for(up, timeout=60):
-        proc.kill()
-        raise RuntimeError(f"{args[0]} did not start")
-    return proc
+    return spawn_service(["-m", "kvatlas.cli", *args], health_url.removesuffix("/healthz"))
 
 
 @pytest.fixture

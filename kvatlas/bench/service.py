@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,11 +16,13 @@ import httpx
 import numpy as np
 from rich.progress import Progress
 
+from kvatlas.asgi_thread import free_port
 from kvatlas.bench.common import BenchRow, add_common_arguments, report
 from kvatlas.bench.loadgen import build_post, run_load
 from kvatlas.client.coordinator_client import encode_tokens_b64
 from kvatlas.events import CacheEntry, EventBatch, encode_json, encode_msgpack
 from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
+from kvatlas.processes import spawn_service, stop
 
 CHUNK = 256
 MODEL = "bench-model"
@@ -51,32 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--only", choices=("ingest", "lookup"), default=None, help="run one part only"
     )
-
-
-def _spawn(args: list[str], port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        [sys.executable, *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=dict(os.environ),
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=0.5).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"service on port {port} did not start")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _store_batches(
@@ -146,15 +119,14 @@ COORDINATOR = [
 
 @contextmanager
 def _service(args: list[str]) -> Iterator[str]:
-    port = _free_port()
-    proc = _spawn(
-        [*args, "--port", str(port)] if args[:3] == COORDINATOR[:3] else [*args, str(port)], port
-    )
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    port_args = ["--port", str(port)] if args[:3] == COORDINATOR[:3] else [str(port)]
+    proc = spawn_service([*args, *port_args], url)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
-        proc.terminate()
-        proc.wait()
+        stop([proc])
 
 
 def _bench_ingest(

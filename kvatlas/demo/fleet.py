@@ -12,11 +12,8 @@ processes over HTTP on loopback, same workload.
 
 from __future__ import annotations
 
-import os
-import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -32,12 +29,14 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvatlas.asgi_thread import free_port
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.embedded import EmbeddedFleet
 from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.node.kv_layout import KVLayout
 from kvatlas.node.segments import Segment
 from kvatlas.node.toy_model import ToyRopeModel
+from kvatlas.processes import spawn_service, stop
 
 C = 64
 LAYOUT_FLAGS: dict[str, Any] = dict(
@@ -243,17 +242,9 @@ def run_embedded(seed: int, documents: int, queries: int, console: Console) -> T
             )
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
 def _processes(tmp: Path) -> Iterator[tuple[str, list[str]]]:
-    coord_port = _free_port()
+    coord_port = free_port()
     coordinator = f"http://127.0.0.1:{coord_port}"
     chunk_bytes = NodeConfig(**LAYOUT_FLAGS).layout.chunk_bytes
     commands = [
@@ -270,7 +261,7 @@ def _processes(tmp: Path) -> Iterator[tuple[str, list[str]]]:
     ]
     urls = []
     for name in ("node-a", "node-b"):
-        port = _free_port()
+        port = free_port()
         urls.append(f"http://127.0.0.1:{port}")
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in LAYOUT_FLAGS.items()]
         commands.append(
@@ -281,27 +272,10 @@ def _processes(tmp: Path) -> Iterator[tuple[str, list[str]]]:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for command, url in zip(commands, [coordinator, *urls], strict=True):
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "kvatlas.cli", *command], env=dict(os.environ)
-                )
-            )
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(f"{url}/healthz", timeout=0.5).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{command[0]} did not start")
-                time.sleep(0.05)
+            procs.append(spawn_service(["-m", "kvatlas.cli", *command], url, quiet=False))
         yield coordinator, urls
     finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            proc.wait(timeout=30)
+        stop(procs)
 
 
 def run_processes(seed: int, documents: int, queries: int, console: Console) -> Tally:

@@ -3,10 +3,8 @@ mid-stream (snapshot + replay equals an oracle), restart Redis (ingestion resume
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ from kvatlas.directory import KeyDirectory
 from kvatlas.events import CacheEntry, EventBatch
 from kvatlas.events.stream_format import encode_stream_fields
 from kvatlas.keys import BlendNamespace, ObjectKey, chunk_hashes, pack_kv_rank
+from kvatlas.processes import spawn_service
 from tests.conftest import RedisServer, wait_for
 
 CHUNK = 16
@@ -139,29 +138,9 @@ class CoordinatorProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvatlas.cli",
-                "coordinator",
-                "--port",
-                str(self.port),
-                *self.args,
-            ],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+        self.proc = spawn_service(
+            ["-m", "kvatlas.cli", "coordinator", "--port", str(self.port), *self.args], self.url
         )
-
-        def up() -> bool:
-            try:
-                return httpx.get(f"{self.url}/healthz", timeout=0.5).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        assert wait_for(up, timeout=60), "coordinator process did not come up"
 
     def ready(self) -> bool:
         try:
