@@ -34,8 +34,9 @@ from kvatlas.coordinator.asgi import (
 )
 from kvatlas.coordinator.auth import ANONYMOUS_ADMIN, AuthError, Principal
 from kvatlas.coordinator.schemas import (
+    BLEND_LOOKUP_BODY_SCHEMA,
     EVENTS_BODY_SCHEMA,
-    BlendLookupRequest,
+    BlendLookupBody,
     LookupRequest,
     RegisterRequest,
 )
@@ -106,21 +107,7 @@ def _query_tokens(
         raise ApiError(422, f"token_ids: {exc}") from None
 
 
-class _BlendBody(msgspec.Struct):
-    tokens_b64: str | None = None
-    token_ids: list[int] | None = None
-    model_name: str | None = None
-    world_size: int = 1
-    cache_salt: str = ""
-
-
-_blend_body_decoder = msgspec.json.Decoder(_BlendBody)
-BLEND_LOOKUP_BODY_SCHEMA: dict[str, Any] = {
-    "requestBody": {
-        "required": True,
-        "content": {"application/json": {"schema": BlendLookupRequest.model_json_schema()}},
-    }
-}
+_blend_body_decoder = msgspec.json.Decoder(BlendLookupBody)
 
 
 def create_app(service: CoordinatorService) -> FastAPI:
@@ -258,9 +245,8 @@ def create_app(service: CoordinatorService) -> FastAPI:
         openapi_extra=BLEND_LOOKUP_BODY_SCHEMA,
     )
     async def blend_lookup(request: Request, who: Principal = Depends(principal)) -> Response:
-        # The service's hot path: one hop to a match thread does everything after reading the
-        # body (msgspec decode straight from bytes, base64, validation, match, reply), so the
-        # event loop only moves bytes. The schema above still documents the body.
+        # Normally answered before routing by BlendFastPath (asgi.py) with the same handler;
+        # this route documents the body in /openapi.json.
         body = await request.body()
         loop = asyncio.get_running_loop()
         payload, enabled = await loop.run_in_executor(match_pool, blend_lookup_sync, body, who)

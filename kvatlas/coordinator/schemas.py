@@ -8,8 +8,9 @@ messages that name the field.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -37,16 +38,31 @@ class LookupRequest(BaseModel):
     object_group_id: int = 0
 
 
-class BlendLookupRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class BlendLookupBody(msgspec.Struct):
+    """The hot path's body: decoded by msgspec straight from bytes (no dict, no pydantic)."""
 
-    tokens_b64: str | None = Field(
-        default=None, description="base64 of the query token ids as little-endian uint32"
-    )
-    token_ids: list[int] | None = Field(default=None, description="alternative to tokens_b64")
+    tokens_b64: Annotated[
+        str | None,
+        msgspec.Meta(description="base64 of the query token ids as little-endian uint32"),
+    ] = None
+    token_ids: Annotated[
+        list[int] | None, msgspec.Meta(description="alternative to tokens_b64")
+    ] = None
     model_name: str | None = None
     world_size: int = 1
     cache_salt: str = ""
+
+
+BLEND_LOOKUP_BODY_SCHEMA: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": msgspec.json.schema_components([BlendLookupBody])[1]["BlendLookupBody"]
+            }
+        },
+    }
+}
 
 
 class RegisterRequest(BaseModel):
