@@ -72,6 +72,17 @@ def segment_hashes(
     return [chunk_hashes(segment, chunk_size) for segment in segments]
 
 
+def _immutable(arr: TokenArray) -> bool:
+    """No writable array or buffer behind ``arr`` (the tracker's tokens): safe to keep a view
+    instead of copying the whole prompt on every update."""
+    base: object = arr
+    while isinstance(base, np.ndarray):
+        if base.flags.writeable:
+            return False
+        base = base.base
+    return base is None or isinstance(base, bytes)
+
+
 class ChunkHashChain:
     """Incremental per-request hasher: extending a sequence extends, never recomputes, its chain.
 
@@ -106,7 +117,8 @@ class ChunkHashChain:
             new = chain_hashes(packed, c, prev, keep, self._suffix)
             self._hashes.extend(new)
             self.chunks_hashed += len(new)
-        self._tokens = tokens[: n_full * c].copy()
+        kept = tokens[: n_full * c]
+        self._tokens = kept if _immutable(kept) else kept.copy()
         return list(self._hashes)
 
     def _reusable_chunks(self, tokens: TokenArray, n_full: int) -> int:

@@ -105,9 +105,9 @@ class RequestTracker:
             apply_mm_hashes_to_token_ids(
                 prompt, [it.identifier for it in self.items], [it.span for it in self.items]
             )
-        self._prompt: TokenArray = prompt.astype(np.uint32)
-        self._prompt.setflags(write=False)
-        self._generated: list[int] = []
+        self._prompt_len = len(prompt)
+        self._tokens: TokenArray = prompt.astype(np.uint32)  # adjusted prompt + generated
+        self._tokens.setflags(write=False)
         extra = self.request_keys if self.scheme.carries_extra_keys else None
         self._chain = self.scheme.new_chain(self.items, extra)
         self._chain_lock = threading.Lock()
@@ -144,17 +144,18 @@ class RequestTracker:
 
     @property
     def prompt_len(self) -> int:
-        return len(self._prompt)
+        return self._prompt_len
 
     def append_generated(self, token_ids: Iterable[int]) -> None:
         """Generated tokens are appended untouched (they carry no placeholders)."""
-        self._generated.extend(int(t) for t in as_token_array(list(token_ids)))
+        new = as_token_array(list(token_ids))
+        if len(new):
+            self._tokens = np.concatenate([self._tokens, new])
+            self._tokens.setflags(write=False)
 
     def get_token_ids(self) -> TokenArray:
         """The adjusted prompt followed by generated tokens: the only token source for keys."""
-        if not self._generated:
-            return self._prompt
-        return np.concatenate([self._prompt, np.asarray(self._generated, dtype=np.uint32)])
+        return self._tokens
 
     def chunk_hashes(self, num_tokens: int | None = None) -> list[bytes]:
         """Chain hashes of the full chunks of the first ``num_tokens`` tokens ([] if uncacheable)."""

@@ -169,3 +169,15 @@ def test_identical_in_fresh_subprocess() -> None:
 
     here = f"{chunk_hashes(list(range(1000)), 256)[-1].hex()}\n{mm_hash_to_token_values(('img', 7), 20)}\n"
     assert runs == {here}
+
+
+def test_incremental_chain_is_not_fooled_by_a_read_only_view_of_a_writable_buffer() -> None:
+    """The chain keeps a view only of truly immutable tokens; a read-only view whose buffer
+    is later edited must still be re-verified against a private copy."""
+    buffer = np.arange(4 * 16, dtype=np.uint32)
+    view = buffer[:]
+    view.setflags(write=False)
+    chain = ChunkHashChain(16)
+    chain.update(view)
+    buffer[20] = 777_777  # edits chunk 1 behind the view's back
+    assert chain.update(view) == chunk_hashes(buffer, 16)
