@@ -14,7 +14,7 @@ import numpy as np
 
 from kvatlas.events._json_tokens import parse_token_lists
 from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
-from kvatlas.events.model import UNKNOWN_OFFSET, CacheEntry, EventBatch
+from kvatlas.events.model import UNKNOWN_OFFSET, CacheEntry, EventBatch, batch_header
 from kvatlas.keys import ObjectKey, parse_chunk_hash_hex, unpack_kv_rank
 from kvatlas.keys.object_key import check_cache_salt, check_model_name
 
@@ -187,29 +187,16 @@ def _rooted(exc: EventValidationError, prefix: str) -> tuple[str, str]:
 
 def batch_to_wire(batch: EventBatch) -> dict[str, Any]:
     """The JSON-ready dict of one batch (LMCache field names)."""
-    out: dict[str, Any] = {
-        "instance_id": batch.instance_id,
-        "incarnation": batch.incarnation,
-        "seq": batch.seq,
-        "event_type": batch.event_type,
-        "tier": batch.tier,
-        "backend": batch.backend,
-        "shared": batch.shared,
-        "ts": batch.ts,
-        "entries": [
-            {
-                "key": e.key.to_wire(),
-                "size_bytes": e.size_bytes,
-                "token_ids": None if e.token_ids is None else e.token_ids.tolist(),
-                "token_offset": e.token_offset,
-            }
-            for e in batch.entries
-        ],
-    }
-    if batch.capacity_bytes is not None:
-        out["capacity_bytes"] = batch.capacity_bytes
-        out["capacity_revision"] = batch.capacity_revision
-    return out
+    entries = [
+        {
+            "key": e.key.to_wire(),
+            "size_bytes": e.size_bytes,
+            "token_ids": None if e.token_ids is None else e.token_ids.tolist(),
+            "token_offset": e.token_offset,
+        }
+        for e in batch.entries
+    ]
+    return {**batch_header(batch), "entries": entries}
 
 
 def encode_json(batches: list[EventBatch] | tuple[EventBatch, ...]) -> bytes:

@@ -166,3 +166,21 @@ class EventBatch:
     @property
     def emitter(self) -> tuple[str, int, int]:
         return (self.instance_id, self.incarnation, self.seq)
+
+
+def batch_header(batch: EventBatch) -> dict[str, Any]:
+    """The wire fields of a batch besides its entries (shared by the JSON and msgpack codecs)."""
+    out: dict[str, Any] = {
+        "instance_id": batch.instance_id,
+        "incarnation": batch.incarnation,
+        "seq": batch.seq,
+        "event_type": batch.event_type,
+        "tier": batch.tier,
+        "backend": batch.backend,
+        "shared": batch.shared,
+        "ts": batch.ts,
+    }
+    if batch.capacity_bytes is not None:
+        out["capacity_bytes"] = batch.capacity_bytes
+        out["capacity_revision"] = batch.capacity_revision
+    return out

@@ -16,7 +16,7 @@ import numpy as np
 
 from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
 from kvatlas.events.json_codec import decode_json, key_from_parts
-from kvatlas.events.model import UNKNOWN_OFFSET, CacheEntry, EventBatch
+from kvatlas.events.model import UNKNOWN_OFFSET, CacheEntry, EventBatch, batch_header
 from kvatlas.keys.tokens import TokenArray
 
 FORMAT_VERSION = 1
@@ -200,22 +200,7 @@ def _pack_batch(batch: EventBatch) -> dict[str, Any]:
                 ref,
             )
         )
-    out: dict[str, Any] = {
-        "instance_id": batch.instance_id,
-        "incarnation": batch.incarnation,
-        "seq": batch.seq,
-        "event_type": batch.event_type,
-        "tier": batch.tier,
-        "backend": batch.backend,
-        "shared": batch.shared,
-        "ts": batch.ts,
-        "contents": contents,
-        "entries": entries,
-    }
-    if batch.capacity_bytes is not None:
-        out["capacity_bytes"] = batch.capacity_bytes
-        out["capacity_revision"] = batch.capacity_revision
-    return out
+    return {**batch_header(batch), "contents": contents, "entries": entries}
 
 
 def encode_msgpack(batches: list[EventBatch] | tuple[EventBatch, ...]) -> bytes:
