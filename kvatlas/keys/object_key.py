@@ -41,11 +41,6 @@ def unpack_kv_rank(kv_rank: int) -> tuple[int, int, int, int]:
     return fields
 
 
-def world_size_of(kv_rank: int) -> int:
-    """The top byte of ``kv_rank``: how many shards the stored KV was split into."""
-    return unpack_kv_rank(kv_rank)[0]
-
-
 def check_model_name(model_name: str) -> str:
     if not isinstance(model_name, str) or not model_name:
         raise ValueError("model_name must be a non-empty string")

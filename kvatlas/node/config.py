@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,9 +141,3 @@ def config_from_args(
     args: argparse.Namespace, environ: Mapping[str, str] | None = None
 ) -> NodeConfig:
     return dataclass_from_args(NodeConfig, args, environ)
-
-
-def parse_node_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> NodeConfig:
-    parser = argparse.ArgumentParser(prog="kvatlas node")
-    add_arguments(parser)
-    return config_from_args(parser.parse_args(argv), environ)
