@@ -20,8 +20,7 @@ import httpx
 import numpy as np
 
 from kvatlas.client.coordinator_client import auth_headers, encode_tokens_b64
-from kvatlas.directory.blend_index import BlendMatch
-from kvatlas.keys import BlendNamespace
+from kvatlas.keys import BlendMatch, BlendNamespace
 
 log = logging.getLogger("kvatlas.client.blend")
 

@@ -27,7 +27,6 @@ from kvatlas.coordinator._base64 import b64decode_strict
 from kvatlas.coordinator.asgi import (
     ApiError,
     BlendFastPath,
-    BodyLimit,
     MsgspecJSONResponse,
     error_response,
     json_encoder,
@@ -44,6 +43,7 @@ from kvatlas.coordinator.service import SERVING, CoordinatorService
 from kvatlas.directory.records import KeyPlacements, Placement, PrefixHolder, prefix_summary
 from kvatlas.events import EventDecodeError, EventValidationError, decode_json, decode_msgpack
 from kvatlas.keys import BlendNamespace, ObjectKey, as_token_array
+from kvatlas.web import BodyLimit
 
 log = logging.getLogger("kvatlas.coordinator")
 

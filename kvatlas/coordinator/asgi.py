@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 from fastapi.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvatlas.coordinator.auth import ANONYMOUS_ADMIN, AuthError
 
@@ -32,60 +32,6 @@ class MsgspecJSONResponse(Response):
 
 def error_response(status: int, detail: str, **extra: Any) -> Response:
     return MsgspecJSONResponse({"detail": detail, **extra}, status_code=status)
-
-
-class BodyLimit:
-    """Refuse bodies over ``max_bytes`` with 413, by Content-Length or while streaming."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    await error_response(400, "invalid Content-Length")(scope, receive, send)
-                    return
-                if declared > self.max_bytes:
-                    await error_response(413, f"body of {declared} bytes exceeds {self.max_bytes}")(
-                        scope, receive, send
-                    )
-                    return
-        seen = 0
-        exceeded = False
-        started = False
-
-        async def limited_receive() -> Message:
-            nonlocal seen, exceeded
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    exceeded = True
-                    return {"type": "http.disconnect"}
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if exceeded and not started:
-                return  # drop the app's reply to the cut-off body; the 413 below replaces it
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except Exception:
-            if not exceeded or started:
-                raise
-        if exceeded and not started:
-            await error_response(413, f"body exceeds {self.max_bytes} bytes")(scope, receive, send)
 
 
 class BlendFastPath:

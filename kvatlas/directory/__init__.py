@@ -1,6 +1,12 @@
 """Key directory: ingest gate, placements, token bindings, blend index, snapshots."""
 
-from kvatlas.directory.blend_index import BlendIndex, BlendMatch
+from kvatlas.directory.blend_index import (
+    AddOp,
+    BlendIndex,
+    BlendOp,
+    RemoveChunkOp,
+    RemoveClaimOp,
+)
 from kvatlas.directory.gate import Admission, EmitterCursor, GapRecord, IngestGate, Outcome
 from kvatlas.directory.key_directory import IngestCounts, KeyDirectory
 from kvatlas.directory.records import (
@@ -12,11 +18,14 @@ from kvatlas.directory.records import (
     TokenLookup,
 )
 from kvatlas.directory.snapshot import SnapshotInfo, load_snapshot, save_snapshot
+from kvatlas.keys import BlendMatch
 
 __all__ = [
+    "AddOp",
     "Admission",
     "BlendIndex",
     "BlendMatch",
+    "BlendOp",
     "CapacityDeclaration",
     "EmitterCursor",
     "GapRecord",
@@ -28,6 +37,8 @@ __all__ = [
     "Outcome",
     "Placement",
     "PrefixHolder",
+    "RemoveChunkOp",
+    "RemoveClaimOp",
     "SnapshotInfo",
     "TokenLookup",
     "load_snapshot",

@@ -32,15 +32,14 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 from itertools import repeat
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from kvatlas.directory import _blend_kernels as _k
-from kvatlas.keys import BlendNamespace, as_token_array
+from kvatlas.keys import BlendMatch, BlendNamespace, as_token_array
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +49,33 @@ _SEGMENT_WINDOWS = 65536
 """Window starts probed per lock acquisition in ``match``: bounds how long one query can hold
 the lock (≈0.3 ms) so a 1M-token query never stalls ingestion behind it."""
 
-BlendOp = tuple[Any, ...]
-"""One write of :meth:`BlendIndex.apply`: ``("add", tokens, chunk_hash, token_offset,
-namespace)``, ``("remove_claim", tokens, chunk_hash, namespace)`` or ``("remove_chunk",
-tokens, chunk_hash)`` — the arguments of the method of the same name."""
+
+class AddOp(NamedTuple):
+    """Index ``chunk_hash`` (stored at ``token_offset``) as matchable for ``namespace``."""
+
+    tokens: Any
+    chunk_hash: bytes
+    token_offset: int
+    namespace: BlendNamespace
+
+
+class RemoveClaimOp(NamedTuple):
+    """Drop ``namespace``'s claim on the chunk; the occupant goes with its last claim."""
+
+    tokens: Any
+    chunk_hash: bytes
+    namespace: BlendNamespace
+
+
+class RemoveChunkOp(NamedTuple):
+    """Drop the chunk's occupant and all its claims (re-stored with new content)."""
+
+    tokens: Any
+    chunk_hash: bytes
+
+
+BlendOp = AddOp | RemoveClaimOp | RemoveChunkOp
+"""One write of :meth:`BlendIndex.apply`: the arguments of the method of the same name."""
 
 
 def _bytes_data_offset() -> int:
@@ -94,16 +116,7 @@ _BYTES_OFF = _bytes_data_offset()
 _LIST_OFF = _list_items_offset()
 _ARRAY_OFF = _array_data_offset()
 _ADD, _REMOVE_CLAIM, _REMOVE_CHUNK, _SKIP = _k.ADD, _k.REMOVE_CLAIM, _k.REMOVE_CHUNK, _k.SKIP
-_KINDS = {"add": _ADD, "remove_claim": _REMOVE_CLAIM, "remove_chunk": _REMOVE_CHUNK}
-
-
-@dataclass(frozen=True, slots=True)
-class BlendMatch:
-    """A cached chunk found in a query: re-RoPE its KV from ``old_st`` to ``cur_st``."""
-
-    chunk_hash: bytes
-    old_st: int
-    cur_st: int
+_KINDS: dict[type, int] = {AddOp: _ADD, RemoveClaimOp: _REMOVE_CLAIM, RemoveChunkOp: _REMOVE_CHUNK}
 
 
 _set_hash = BlendMatch.__dict__["chunk_hash"].__set__
@@ -310,19 +323,17 @@ class BlendIndex:
         owned: list[bool] = []
         chunk = self.chunk_size
         for op in ops:
-            kind = _KINDS.get(op[0])
+            kind = _KINDS.get(type(op))
             if kind is None:
-                raise ValueError(f"unknown blend index op {op[0]!r}")
-            if kind == _ADD:
-                _, tokens, chunk_hash, offset, namespace = op
+                raise ValueError(f"not a blend index op: {op!r}")
+            tokens, chunk_hash = op.tokens, op.chunk_hash
+            offset, namespace = 0, None
+            if isinstance(op, AddOp):
+                offset, namespace = op.token_offset, op.namespace
                 if type(offset) is not int or not 0 <= offset < 1 << 63:
                     offset = _offset(offset)
-            elif kind == _REMOVE_CLAIM:
-                _, tokens, chunk_hash, namespace = op
-                offset = 0
-            else:
-                _, tokens, chunk_hash = op
-                offset, namespace = 0, None
+            elif isinstance(op, RemoveClaimOp):
+                namespace = op.namespace
             if type(tokens) is np.ndarray and tokens.dtype is _U32 and tokens.ndim == 1:
                 arr = tokens  # the directory's arrays: no re-validation on the ingest path
             else:
@@ -355,11 +366,11 @@ class BlendIndex:
 
     def add_many(self, items: Iterable[tuple[Any, bytes, int, BlendNamespace]]) -> None:
         """``add`` for each ``(tokens, chunk_hash, token_offset, namespace)``, as one batch."""
-        self.apply([("add", *item) for item in items])
+        self.apply([AddOp(*item) for item in items])
 
     def remove_claims(self, items: Iterable[tuple[Any, bytes, BlendNamespace]]) -> None:
         """``remove_claim`` for each ``(tokens, chunk_hash, namespace)``, as one batch."""
-        self.apply([("remove_claim", *item) for item in items])
+        self.apply([RemoveClaimOp(*item) for item in items])
 
     # ------------------------------------------------------------------ reads
 

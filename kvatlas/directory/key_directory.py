@@ -24,7 +24,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvatlas.directory.blend_index import BlendIndex, BlendMatch, BlendOp
+from kvatlas.directory.blend_index import (
+    AddOp,
+    BlendIndex,
+    BlendOp,
+    RemoveChunkOp,
+    RemoveClaimOp,
+)
 from kvatlas.directory.gate import Admission, EmitterCursor, IngestGate, Outcome
 from kvatlas.directory.records import (
     INDEXED,
@@ -49,6 +55,7 @@ from kvatlas.events import ACCESS, CONFIG, DELETE, STORE, UNKNOWN_OFFSET, CacheE
 from kvatlas.events.model import tokens_equal
 from kvatlas.keys import (
     DEFAULT_CHUNK_SIZE,
+    BlendMatch,
     BlendNamespace,
     ObjectKey,
     as_token_array,
@@ -367,7 +374,7 @@ class KeyDirectory:
                     part[h] = (tokens, offset, False, sid, p)
                 else:
                     part[h] = (tokens, offset, True, sid, p)
-                    ops.append(("add", tokens, h, offset, shapes[sid].namespace))
+                    ops.append(AddOp(tokens, h, offset, shapes[sid].namespace))
             else:
                 dk, dp, db = self._store_existing(h, part, rec, sid, p, entry, debug)
                 n_keys += dk
@@ -423,7 +430,7 @@ class KeyDirectory:
         if new_claim and not reindexed and indexed and self._index is not None:
             assert tokens is not None
             ns = self._shape_list[sid].namespace
-            self._index_ops.append(("add", tokens, h, offset, ns))
+            self._index_ops.append(AddOp(tokens, h, offset, ns))
         part[h] = (tokens, offset, indexed, *keys)
         return dk, dp, db
 
@@ -456,14 +463,14 @@ class KeyDirectory:
             if indexed and index is not None and old is not None:
                 # Retire the old content before the new one appears: no window in which a match
                 # returns new content at the old position (both go in one index batch).
-                self._index_ops.append(("remove_chunk", old, h))
+                self._index_ops.append(RemoveChunkOp(old, h))
             indexed = False
             bound = tokens
             if len(tokens) != self.chunk_size:
                 log.info("chunk %s bound with %d tokens (not indexed)", h.hex(), len(tokens))
         if index is None or not self._indexable(bound, offset):
             return bound, offset, indexed, False
-        self._index_ops += [("add", bound, h, offset, ns) for ns in self._namespaces(keys)]
+        self._index_ops += [AddOp(bound, h, offset, ns) for ns in self._namespaces(keys)]
         return bound, offset, True, True
 
     def _apply_delete(self, batch: EventBatch) -> None:
@@ -537,7 +544,7 @@ class KeyDirectory:
         if rec[INDEXED] and self._index is not None and tokens is not None:
             gone = self._namespaces(rec[KEYS:]) - self._namespaces(tuple(kept))
             for ns in gone:
-                self._index_ops.append(("remove_claim", tokens, h, ns))
+                self._index_ops.append(RemoveClaimOp(tokens, h, ns))
         if kept:
             self._parts[h[0]][h] = (tokens, rec[OFFSET], rec[INDEXED], *kept)
         else:
@@ -784,7 +791,7 @@ class KeyDirectory:
             for h, rec in part.items():
                 tokens, offset = rec[TOKENS], rec[OFFSET]
                 if self._indexable(tokens, offset):
-                    ops += [("add", tokens, h, offset, ns) for ns in self._namespaces(rec[KEYS:])]
+                    ops += [AddOp(tokens, h, offset, ns) for ns in self._namespaces(rec[KEYS:])]
                     part[h] = (tokens, offset, True, *rec[KEYS:])  # same key: no resize
             index.apply(ops)
 

@@ -14,7 +14,7 @@ from kvatlas.keys.chunk_hash import (
 from kvatlas.keys.extra_keys import MMItem
 from kvatlas.keys.mm_substitution import PlaceholderSpan, apply_mm_hashes_to_token_ids
 from kvatlas.keys.mm_values import mm_hash_to_token_values, mm_hash_values
-from kvatlas.keys.namespace import BlendNamespace
+from kvatlas.keys.namespace import BlendMatch, BlendNamespace
 from kvatlas.keys.object_key import (
     ObjectKey,
     expand_prefix_keys,
@@ -39,6 +39,7 @@ __all__ = [
     "SCHEMES",
     "SCHEME_BLAKE3",
     "SCHEME_BLAKE3_X1",
+    "BlendMatch",
     "BlendNamespace",
     "BypassGuard",
     "ChunkHashChain",

@@ -1,4 +1,5 @@
-"""BlendNamespace: the scope within which a stored chunk may be served to a requester.
+"""BlendNamespace: the scope within which a stored chunk may be served to a requester; and
+BlendMatch, what a fragment lookup finds in it.
 
 Another model's KV is not interchangeable, another tenant's salt is isolated by design and
 another parallel layout shards heads differently, so a fragment match is only ever served
@@ -28,3 +29,12 @@ class BlendNamespace:
     @classmethod
     def from_object_key(cls, key: ObjectKey) -> BlendNamespace:
         return cls(key.model_name, key.cache_salt, key.world_size)
+
+
+@dataclass(frozen=True, slots=True)
+class BlendMatch:
+    """A cached chunk found in a query: re-RoPE its KV from ``old_st`` to ``cur_st``."""
+
+    chunk_hash: bytes
+    old_st: int
+    cur_st: int

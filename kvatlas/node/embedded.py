@@ -15,8 +15,7 @@ from typing import Any
 
 from kvatlas.client import EventSink, InProcessTransport
 from kvatlas.directory import KeyDirectory
-from kvatlas.directory.blend_index import BlendMatch
-from kvatlas.keys import BlendNamespace, ObjectKey
+from kvatlas.keys import BlendMatch, BlendNamespace, ObjectKey
 from kvatlas.node.cache_node import CacheNode
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.fleet_view import Holder, InProcessFleetView, PeerFetcher

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final, Literal
 
-from kvatlas.directory.blend_index import BlendMatch
+from kvatlas.keys import BlendMatch
 
 Source = Literal["local", "fleet", "both"]
 SOURCES: Final = ("local", "fleet", "both")

@@ -8,7 +8,13 @@ import logging
 import numpy as np
 import pytest
 
-from kvatlas.directory.blend_index import BlendIndex, BlendMatch
+from kvatlas.directory.blend_index import (
+    AddOp,
+    BlendIndex,
+    BlendMatch,
+    RemoveChunkOp,
+    RemoveClaimOp,
+)
 from kvatlas.keys import BlendNamespace
 
 C = 8
@@ -370,11 +376,11 @@ def test_apply_mixed_ops_in_order() -> None:
     a, b = chunk(1), chunk(2)
     index.apply(
         [
-            ("add", a, h(1), 0, NS),
-            ("remove_chunk", a, h(1)),  # same batch: removed again
-            ("add", b, h(1), 16, NS),  # re-stored with new content
-            ("remove_claim", a, h(1), NS),  # unknown by now: no-op
-            ("add", a, h(2), 24, NS),
+            AddOp(a, h(1), 0, NS),
+            RemoveChunkOp(a, h(1)),  # same batch: removed again
+            AddOp(b, h(1), 16, NS),  # re-stored with new content
+            RemoveClaimOp(a, h(1), NS),  # unknown by now: no-op
+            AddOp(a, h(2), 24, NS),
         ]
     )
     assert index.match(np.concatenate([a, b]), NS) == [
@@ -397,11 +403,11 @@ def test_apply_validates_every_op_before_changing_anything() -> None:
     index.add(chunk(1), h(1), 0, NS)
     before = index.stats()
     with pytest.raises(ValueError):
-        index.apply([("remove_chunk", chunk(1), h(1)), ("add", chunk(2), h(2), -1, NS)])
+        index.apply([RemoveChunkOp(chunk(1), h(1)), AddOp(chunk(2), h(2), -1, NS)])
     with pytest.raises(ValueError):
-        index.apply([("remove_chunk", chunk(1), h(1)), ("replace", chunk(2), h(2))])
+        index.apply([RemoveChunkOp(chunk(1), h(1)), ("replace", chunk(2), h(2))])  # type: ignore[list-item]
     with pytest.raises(ValueError):
-        index.apply([("remove_chunk", chunk(1), h(1)), ("add", chunk(2), b"x" * 33, 0, NS)])
+        index.apply([RemoveChunkOp(chunk(1), h(1)), AddOp(chunk(2), b"x" * 33, 0, NS)])
     assert index.stats() == before
     assert index.match(chunk(1), NS) == [BlendMatch(h(1), 0, 0)]
 
@@ -409,7 +415,7 @@ def test_apply_validates_every_op_before_changing_anything() -> None:
 def test_apply_ignores_wrong_length_content_and_copies_writable_arrays() -> None:
     index = BlendIndex(chunk_size=C)
     a = chunk(1)
-    index.apply([("add", chunk(3, C - 1), h(3), 0, NS), ("add", a, h(1), 0, NS)])
+    index.apply([AddOp(chunk(3, C - 1), h(3), 0, NS), AddOp(a, h(1), 0, NS)])
     a[0] += 1  # the caller's writable buffer: the index kept a copy
     assert index.stats()["occupants"] == 1
     assert index.stats()["token_bytes_owned"] == C * 4
@@ -422,17 +428,17 @@ def test_apply_namespace_claims_across_one_batch() -> None:
     a = chunk(1)
     index.apply(
         [
-            ("remove_claim", a, h(1), other),  # namespace unknown yet: no-op
-            ("add", a, h(1), 0, NS),
-            ("add", a, h(1), 0, other),  # second claim: the extra set
-            ("remove_claim", a, h(1), NS),
-            ("add", a, h(1), 4, NS),
+            RemoveClaimOp(a, h(1), other),  # namespace unknown yet: no-op
+            AddOp(a, h(1), 0, NS),
+            AddOp(a, h(1), 0, other),  # second claim: the extra set
+            RemoveClaimOp(a, h(1), NS),
+            AddOp(a, h(1), 4, NS),
         ]
     )
     stats = index.stats()
     assert (stats["occupants"], stats["claims"], stats["namespaces"]) == (1, 2, 2)
     assert index.match(a, NS) == [BlendMatch(h(1), 4, 0)]
-    index.apply([("remove_chunk", a, h(1)), ("add", chunk(2), h(5), 0, other)])
+    index.apply([RemoveChunkOp(a, h(1)), AddOp(chunk(2), h(5), 0, other)])
     stats = index.stats()
     assert (stats["occupants"], stats["claims"], stats["namespaces"]) == (1, 1, 1)
     assert index.match(a, NS) == [] and index.match(a, other) == []

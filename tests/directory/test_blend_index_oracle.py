@@ -13,8 +13,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvatlas.directory import blend_index as blend_module
-from kvatlas.directory.blend_index import BlendIndex, BlendMatch
+from kvatlas.directory.blend_index import (
+    AddOp,
+    BlendIndex,
+    BlendMatch,
+    BlendOp,
+    RemoveChunkOp,
+    RemoveClaimOp,
+)
 from kvatlas.keys import BlendNamespace
+
+OPS = {"add": AddOp, "remove_claim": RemoveClaimOp, "remove_chunk": RemoveChunkOp}
 
 SPACES = [
     BlendNamespace("m1"),
@@ -288,7 +297,7 @@ def test_batched_writes_equal_the_oracle(
     kwargs = {} if bits is None else {"_fingerprint_bits": bits}
     index = BlendIndex(chunk_size=chunk_size, probe_stride=stride, **kwargs)  # type: ignore[arg-type]
     oracle = Oracle(chunk_size, stride)
-    pending: list[tuple] = []
+    pending: list[BlendOp] = []
     sizes = iter(cuts * 40)
     size = next(sizes)
     for op in ops:
@@ -300,7 +309,7 @@ def test_batched_writes_equal_the_oracle(
             assert_ascending(got)
             assert canonical(got) == canonical(oracle.match(query, op[2]))
             continue
-        pending.append(op)
+        pending.append(OPS[op[0]](*op[1:]))
         getattr(oracle, op[0])(*op[1:])
         if len(pending) >= size:
             index.apply(pending)
@@ -331,7 +340,7 @@ def test_restore_as_one_batch_has_no_window() -> None:
         try:
             cur, new = a, b
             for i in range(3000):
-                index.apply([("remove_chunk", cur, b"h"), ("add", new, b"h", i, ns)])
+                index.apply([RemoveChunkOp(cur, b"h"), AddOp(new, b"h", i, ns)])
                 cur, new = new, cur
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvatlas.directory.key_directory as kd_module
-from kvatlas.directory import BlendIndex, KeyDirectory
+from kvatlas.directory import AddOp, BlendIndex, KeyDirectory, RemoveChunkOp, RemoveClaimOp
 from kvatlas.keys import BlendNamespace
 from tests.directory.helpers import CS, Emitter, entry, key, toks
 
@@ -44,12 +44,15 @@ class SpyIndex(BlendIndex):
         """The directory's batched writes, recorded per op exactly as the single calls are."""
         ops = list(ops)
         for op in ops:
-            if op[0] == "add":
-                self.calls.append(("add", op[2][0], op[3], op[4], id(op[1])))
-            elif op[0] == "remove_claim":
-                self.calls.append(("remove_claim", op[2][0], op[3]))
+            if isinstance(op, AddOp):
+                self.calls.append(
+                    ("add", op.chunk_hash[0], op.token_offset, op.namespace, id(op.tokens))
+                )
+            elif isinstance(op, RemoveClaimOp):
+                self.calls.append(("remove_claim", op.chunk_hash[0], op.namespace))
             else:
-                self.calls.append(("remove_chunk", op[2][0]))
+                assert isinstance(op, RemoveChunkOp)
+                self.calls.append(("remove_chunk", op.chunk_hash[0]))
         super().apply(ops)
 
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvatlas.directory.blend_index import BlendMatch
+from kvatlas.keys import BlendMatch
 from kvatlas.node.segments import (
     Candidate,
     Placement,

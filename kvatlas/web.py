@@ -1,0 +1,134 @@
+"""HTTP plumbing shared by the coordinator and the node: every ``KvatlasError`` becomes the
+same reply (its ``status``, a JSON ``detail`` and its ``extra`` fields) and every body is read
+under a byte limit (413 past it, by Content-Length or while streaming, without buffering the
+excess). Routes raise errors from :mod:`kvatlas.errors`; nothing else maps them to statuses."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvatlas.errors import InvalidInput, KvatlasError, PayloadTooLarge, Unauthorized
+
+json_encoder = msgspec.json.Encoder()
+
+
+class MsgspecJSONResponse(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return json_encoder.encode(content)
+
+
+def error_payload(exc: KvatlasError) -> dict[str, Any]:
+    """The wire body of an error: ``detail`` plus the error's ``extra`` fields."""
+    return {"detail": exc.detail, **exc.extra}
+
+
+def error_headers(exc: KvatlasError) -> list[tuple[bytes, bytes]]:
+    """Headers an error's reply must carry (a 401 names the scheme it expects)."""
+    return [(b"www-authenticate", b"Bearer")] if isinstance(exc, Unauthorized) else []
+
+
+def error_response(exc: KvatlasError) -> Response:
+    response = MsgspecJSONResponse(error_payload(exc), status_code=exc.status)
+    for name, value in error_headers(exc):
+        response.headers[name.decode()] = value.decode()
+    return response
+
+
+def install_error_handler(app: FastAPI) -> None:
+    """Reply to every ``KvatlasError`` a route raises with :func:`error_response`."""
+
+    async def _handler(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, KvatlasError)
+        return error_response(exc)
+
+    app.add_exception_handler(KvatlasError, _handler)
+
+
+def check_declared_length(value: bytes | str | None, max_bytes: int) -> None:
+    """Refuse a Content-Length that is not a number or announces more than ``max_bytes``."""
+    if value is None:
+        return
+    text = value.decode("latin-1") if isinstance(value, bytes) else value
+    try:
+        declared = int(text)
+    except ValueError:
+        raise InvalidInput("invalid Content-Length") from None
+    if declared < 0:
+        raise InvalidInput("invalid Content-Length")
+    if declared > max_bytes:
+        raise PayloadTooLarge(f"body of {declared} bytes exceeds {max_bytes}")
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The whole body of ``request``, refused with ``PayloadTooLarge`` past ``max_bytes``."""
+    check_declared_length(request.headers.get("content-length"), max_bytes)
+    return await _collect(request.stream(), max_bytes)
+
+
+async def _collect(parts: AsyncIterator[bytes], max_bytes: int) -> bytes:
+    out: list[bytes] = []
+    seen = 0
+    async for part in parts:
+        seen += len(part)
+        if seen > max_bytes:
+            raise PayloadTooLarge(f"body exceeds {max_bytes} bytes")
+        out.append(part)
+    return b"".join(out)
+
+
+class BodyLimit:
+    """ASGI middleware: refuse bodies over ``max_bytes`` with 413, by Content-Length or while
+    streaming (the app sees a disconnect, its reply is replaced by the 413)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
+        try:
+            check_declared_length(declared, self.max_bytes)
+        except KvatlasError as exc:
+            await error_response(exc)(scope, receive, send)
+            return
+        seen = 0
+        exceeded = False
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal seen, exceeded
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    exceeded = True
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if exceeded and not started:
+                return  # drop the app's reply to the cut-off body; the 413 below replaces it
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except Exception:
+            if not exceeded or started:
+                raise
+        if exceeded and not started:
+            too_large = PayloadTooLarge(f"body exceeds {self.max_bytes} bytes")
+            await error_response(too_large)(scope, receive, send)
