@@ -40,6 +40,7 @@ from kvatlas.coordinator.schemas import (
     RegisterRequest,
 )
 from kvatlas.coordinator.service import SERVING, CoordinatorService
+from kvatlas.directory import page_keys
 from kvatlas.directory.records import KeyPlacements, Placement, PrefixHolder, prefix_summary
 from kvatlas.events import EventDecodeError, EventValidationError, decode_json, decode_msgpack
 from kvatlas.keys import BlendNamespace, ObjectKey, as_token_array
@@ -305,33 +306,19 @@ def create_app(service: CoordinatorService) -> FastAPI:
         who.require("admin")
 
         def page() -> dict[str, Any]:
-            next_cursor = cursor
-            skip = 0 if cursor else offset
-            items: list[KeyPlacements] = []
-            while True:
-                want = min(10_000, skip) if skip else limit - len(items)
-                got = service.directory.list_keys(
-                    tier=tier,
-                    instance_id=instance_id,
-                    backend=backend,
-                    cursor=next_cursor,
-                    limit=want,
-                )
-                next_cursor = got.next_cursor
-                if skip:
-                    taken = min(skip, len(got.items))
-                    skip -= taken
-                    items.extend(got.items[taken:])
-                else:
-                    items.extend(got.items)
-                if next_cursor is None or (not skip and len(items) >= limit):
-                    break
+            got = page_keys(
+                service.directory,
+                tier=tier,
+                instance_id=instance_id,
+                backend=backend,
+                offset=offset,
+                limit=limit,
+                cursor=cursor,
+            )
             return {
-                "keys": [_key_placements_wire(kp) for kp in items[:limit]],
-                "next_cursor": next_cursor,
-                "next_offset": (offset + len(items))
-                if next_cursor is not None and not cursor
-                else None,
+                "keys": [_key_placements_wire(kp) for kp in got.items],
+                "next_cursor": got.next_cursor,
+                "next_offset": got.next_offset,
             }
 
         try:

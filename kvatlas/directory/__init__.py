@@ -8,7 +8,7 @@ from kvatlas.directory.blend_index import (
     RemoveClaimOp,
 )
 from kvatlas.directory.gate import Admission, EmitterCursor, GapRecord, IngestGate, Outcome
-from kvatlas.directory.key_directory import IngestCounts, KeyDirectory
+from kvatlas.directory.key_directory import IngestCounts, KeyDirectory, page_keys
 from kvatlas.directory.records import (
     CapacityDeclaration,
     KeyPage,
@@ -42,5 +42,6 @@ __all__ = [
     "SnapshotInfo",
     "TokenLookup",
     "load_snapshot",
+    "page_keys",
     "save_snapshot",
 ]

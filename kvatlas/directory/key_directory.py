@@ -796,6 +796,40 @@ class KeyDirectory:
             index.apply(ops)
 
 
+def page_keys(
+    directory: KeyDirectory,
+    *,
+    tier: str | None = None,
+    instance_id: str | None = None,
+    backend: str | None = None,
+    offset: int = 0,
+    limit: int = 100,
+    cursor: str | None = None,
+) -> KeyPage:
+    """A page of ``limit`` keys from ``cursor``, or (without a cursor) after skipping ``offset``
+    keys: LMCache's offset pagination over the cursor listing. ``next_offset`` is set only for
+    an offset listing that goes on. Raises ``ValueError`` on a malformed cursor."""
+    next_cursor = cursor
+    skip = 0 if cursor else offset
+    items: list[KeyPlacements] = []
+    while True:
+        want = min(10_000, skip) if skip else limit - len(items)
+        got = directory.list_keys(
+            tier=tier, instance_id=instance_id, backend=backend, cursor=next_cursor, limit=want
+        )
+        next_cursor = got.next_cursor
+        if skip:
+            taken = min(skip, len(got.items))
+            skip -= taken
+            items.extend(got.items[taken:])
+        else:
+            items.extend(got.items)
+        if next_cursor is None or (not skip and len(items) >= limit):
+            break
+    next_offset = offset + len(items) if next_cursor is not None and not cursor else None
+    return KeyPage(items[:limit], next_cursor, next_offset)
+
+
 def _find(keys: KeyTuple, sid: int) -> int:
     """Position of shape id ``sid`` in a flat key tuple (``-1`` if absent)."""
     if keys[0] == sid:

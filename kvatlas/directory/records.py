@@ -120,6 +120,8 @@ class KeyPage:
 
     items: list[KeyPlacements]
     next_cursor: str | None
+    next_offset: int | None = None
+    """Set by :func:`page_keys` when the listing was asked by offset and goes on."""
 
 
 @dataclass(frozen=True, slots=True)
