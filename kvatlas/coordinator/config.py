@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args
+from kvatlas.events import EVENT_TRANSPORTS
 from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme
 
 DEFAULT_PORT = 9300
-TRANSPORTS = ("http", "redis")
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,8 @@ class CoordinatorConfig:
         KeyScheme(self.hash_scheme, self.chunk_size)  # validates both
         if self.blend_probe_stride < 1:
             raise ValueError("--blend-probe-stride must be >= 1")
-        if self.event_transport not in TRANSPORTS:
-            raise ValueError(f"--event-transport must be one of {', '.join(TRANSPORTS)}")
+        if self.event_transport not in EVENT_TRANSPORTS:
+            raise ValueError(f"--event-transport must be one of {', '.join(EVENT_TRANSPORTS)}")
         if self.event_transport == "redis" and not self.redis_url:
             raise ValueError("--event-transport redis needs --redis-url")
         for name in ("max_query_tokens", "max_batch_entries", "max_body_bytes", "port"):

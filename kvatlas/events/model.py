@@ -24,6 +24,8 @@ ACCESS: Final = "access"
 CONFIG: Final = "config"
 EVENT_TYPES: Final = frozenset({STORE, DELETE, ACCESS, CONFIG})
 TIERS: Final = frozenset({"l1", "l2"})
+EVENT_TRANSPORTS: Final = ("http", "redis")
+"""How batches travel from nodes to the coordinator (``--event-transport`` of both)."""
 UNKNOWN_OFFSET: Final = -1
 
 U64_MAX: Final = (1 << 64) - 1

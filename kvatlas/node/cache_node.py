@@ -1,5 +1,9 @@
-"""CacheNode: the engine-facing cache (node.md §6) — store, prefix lookup and retrieval, blend
-lookup and blend retrieval with re-RoPE — always keyed through the request tracker.
+"""CacheNode: the engine-facing cache — store, prefix lookup and retrieval, blend lookup and
+blend retrieval with re-RoPE — always keyed through the request tracker (``docs/node.md``).
+
+Orchestration only: tier membership and the local index live in :mod:`kvatlas.node.presence`,
+reads across tiers in :mod:`kvatlas.node.tiered_fetch`, the blend lookup in
+:mod:`kvatlas.node.unified_lookup`; this module stores, reports events and verifies.
 
 Every key-carrying path takes its tokens from :class:`~kvatlas.keys.RequestTracker`; an
 uncacheable tracker (multimodal items without identity) gets no lookup and no store.
@@ -15,31 +19,33 @@ Safety rules that go beyond "the hash matched":
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from kvatlas.client.blend_client import FleetMatcher
-from kvatlas.directory.blend_index import BlendIndex
-from kvatlas.events import CacheEntry
+from kvatlas.directory import BlendIndex
+from kvatlas.errors import Unprocessable
+from kvatlas.events import ACCESS, DELETE, STORE, CacheEntry
 from kvatlas.keys import BlendNamespace, MMItem, ObjectKey, RequestTracker
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.emitter import BatchSink, EventEmitter
 from kvatlas.node.fleet_view import FleetView
 from kvatlas.node.l1 import L1Cache
 from kvatlas.node.l2 import L2Backend, L2Unavailable
+from kvatlas.node.presence import L1, L2, Presence, Tier
 from kvatlas.node.rope import rerope_k
-from kvatlas.node.segments import Placement, Segment
+from kvatlas.node.segments import Segment
 from kvatlas.node.stored_chunk import StoredChunk
-from kvatlas.node.token_cache import TokenCache
+from kvatlas.node.tiered_fetch import TieredFetch
+from kvatlas.node.token_cache import TokenCache, TokenCacheStats
 from kvatlas.node.unified_lookup import LookupResult, UnifiedBlendLookup
 
-log = logging.getLogger("kvatlas.node")
+log = logging.getLogger(__name__)
 
 L1_BACKEND = "dram"
 TOKEN_AXIS = 2  # [layers, 2, tokens, heads, head_dim]
@@ -67,11 +73,28 @@ class BlendRetrieval:
         return sum(seg.length for seg, _ in self.parts)
 
 
-@dataclass
-class _Presence:
-    tiers: set[str]
-    tokens: Any
-    token_offset: int
+@dataclass(frozen=True, slots=True)
+class NodeStats:
+    """A node's state at one instant. ``local_index`` is the local blend index's stats;
+    ``counters`` the node's event counters (a counter appears once it was first counted)."""
+
+    instance_id: str
+    l1_chunks: int
+    l1_bytes: int
+    local_index: Mapping[str, int]
+    token_cache: TokenCacheStats
+    counters: Mapping[str, int]
+
+    def to_wire(self) -> dict[str, Any]:
+        """The engine API's ``/engine/stats`` reply: the counters flat beside the fields."""
+        return {
+            "instance_id": self.instance_id,
+            "l1_chunks": self.l1_chunks,
+            "l1_bytes": self.l1_bytes,
+            "local_index": dict(self.local_index),
+            "token_cache": {"chunks": self.token_cache.chunks, "misses": self.token_cache.misses},
+            **self.counters,
+        }
 
 
 class CacheNode:
@@ -95,20 +118,27 @@ class CacheNode:
         self.fleet = fleet
         self.emitter = EventEmitter(sink) if sink is not None else None
         self.token_cache = TokenCache(config.token_cache_chunks)
+        self.counters: Counter[str] = Counter()
         self.index = BlendIndex(config.chunk_size)
+        self.presence = Presence(self.index, self.namespace)
+        self.tiers = TieredFetch(
+            self.l1,
+            l2,
+            fleet,
+            instance_id=self.instance_id,
+            layout=self.layout,
+            on_l1_hit=self._l1_accessed,
+            counters=self.counters,
+        )
         self.blend = UnifiedBlendLookup(
             self.index,
             fleet_matcher,
             chunk_size=config.chunk_size,
             deadline_s=config.coordinator_blend_timeout,
             prefer_cheaper=config.prefer_cheaper,
-            cost_of=self._cost_of,
+            cost_of=self.presence.cost_of,
             allow_trim=config.allow_trim,
         )
-        self._presence: dict[ObjectKey, _Presence] = {}
-        self._tiers_by_hash: dict[bytes, Counter[str]] = {}
-        self._lock = threading.Lock()
-        self.counters: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ keys
 
@@ -167,21 +197,21 @@ class CacheNode:
     def _check_kv(self, kv: Any) -> None:
         shape = tuple(kv.shape)
         if shape != self.layout.shape:
-            raise ValueError(
+            raise Unprocessable(
                 f"KV chunk shape {shape} does not match the layout {self.layout.shape}"
             )
 
     def _put_l1(self, chunk: StoredChunk) -> None:
         if self.l1.contains(chunk.key):
-            self.l1.get(chunk.key)  # touch
-            self._record("access", "l1", L1_BACKEND, CacheEntry(chunk.key, 0))
+            self.l1.get(chunk.key)  # moves it to the LRU's recent end
+            self._l1_accessed(chunk.key)
             return
         rejected = self.l1.put(chunk)
         if any(r is chunk for r in rejected):
             self.counters["l1_rejected"] += 1
         else:
-            self._gain(chunk, "l1")
-            self._record("store", "l1", L1_BACKEND, self._entry(chunk))
+            self._gain(chunk, L1)
+            self._record(STORE, L1, L1_BACKEND, self._entry(chunk))
         if self.l2 is not None and self.config.l2_write == "through":
             self._put_l2(chunk)
 
@@ -195,14 +225,22 @@ class CacheNode:
             self.counters["l2_write_failures"] += 1
             log.warning("L2 write failed for %s: %s", chunk.key.chunk_hash.hex()[:16], exc)
             return
-        self._gain(chunk, "l2")
-        self._record("store", "l2", self.l2.name, self._entry(chunk), shared=self.l2.shared)
+        self._gain(chunk, L2)
+        self._record(STORE, L2, self.l2.name, self._entry(chunk), shared=self.l2.shared)
 
     def _on_l1_evict(self, chunk: StoredChunk) -> None:
-        self._record("delete", "l1", L1_BACKEND, CacheEntry(chunk.key, chunk.nbytes))
+        self._record(DELETE, L1, L1_BACKEND, CacheEntry(chunk.key, chunk.nbytes))
         if self.l2 is not None and self.config.l2_write == "evict":
             self._put_l2(chunk)
-        self._lose(chunk.key, "l1")
+        self.presence.lose(chunk.key, L1)
+
+    def _l1_accessed(self, key: ObjectKey) -> None:
+        self._record(ACCESS, L1, L1_BACKEND, CacheEntry(key, 0))
+
+    def _gain(self, chunk: StoredChunk, tier: Tier) -> None:
+        if chunk.tokens is not None:
+            self.token_cache.remember(chunk.key.chunk_hash, chunk.tokens, chunk.token_offset)
+        self.presence.gain(chunk, tier)
 
     def _entry(self, chunk: StoredChunk) -> CacheEntry:
         tokens, offset = chunk.tokens, chunk.token_offset
@@ -220,110 +258,6 @@ class CacheNode:
         if self.emitter is not None:
             self.emitter.record(event_type, tier, backend, entry, shared=shared)
 
-    # The local matcher indexes what this node can serve itself (its L1 and its own L2 writes).
-
-    def _gain(self, chunk: StoredChunk, tier: str) -> None:
-        key = chunk.key
-        tokens = chunk.tokens
-        if tokens is not None:
-            self.token_cache.remember(key.chunk_hash, tokens, chunk.token_offset)
-        with self._lock:
-            record = self._presence.get(key)
-            if record is None:
-                record = self._presence[key] = _Presence(set(), tokens, chunk.token_offset)
-                indexable = (
-                    tokens is not None
-                    and len(tokens) == self.chunk_size
-                    and chunk.token_offset >= 0
-                )
-                if indexable:
-                    self.index.add(
-                        tokens, key.chunk_hash, chunk.token_offset, self.namespace(key.cache_salt)
-                    )
-            if tier not in record.tiers:
-                record.tiers.add(tier)
-                self._tiers_by_hash.setdefault(key.chunk_hash, Counter())[tier] += 1
-
-    def _lose(self, key: ObjectKey, tier: str) -> None:
-        with self._lock:
-            record = self._presence.get(key)
-            if record is None:
-                return
-            if tier not in record.tiers:
-                return
-            record.tiers.discard(tier)
-            by_hash = self._tiers_by_hash[key.chunk_hash]
-            by_hash[tier] -= 1
-            if by_hash.total() <= 0:
-                del self._tiers_by_hash[key.chunk_hash]
-            if record.tiers:
-                return
-            del self._presence[key]
-            if record.tokens is not None and record.token_offset >= 0:
-                self.index.remove_claim(
-                    record.tokens, key.chunk_hash, self.namespace(key.cache_salt)
-                )
-
-    def _cost_of(self, segment: Segment) -> int:
-        with self._lock:
-            record = (
-                next(
-                    (r for k, r in self._presence.items() if k.chunk_hash == segment.chunk_hash),
-                    None,
-                )
-                if len(self._presence) < 64
-                else None
-            )
-        if record is None:
-            return int(Placement.PEER_L1 if segment.source == "fleet" else Placement.UNKNOWN)
-        return int(Placement.LOCAL_L1 if "l1" in record.tiers else Placement.SHARED_L2)
-
-    # ------------------------------------------------------------------ fetch (all tiers)
-
-    def _fetch(self, keys: Sequence[ObjectKey]) -> dict[ObjectKey, tuple[StoredChunk, str]]:
-        """One batched step across local L1, local/shared L2 and peer L1s; absent = miss."""
-        found: dict[ObjectKey, tuple[StoredChunk, str]] = {}
-        missing: list[ObjectKey] = []
-        for key in keys:
-            chunk = self.l1.get(key)
-            if chunk is not None:
-                found[key] = (chunk, "local_l1")
-                self._record("access", "l1", L1_BACKEND, CacheEntry(key, 0))
-            else:
-                missing.append(key)
-        if missing and self.l2 is not None:
-            got = self.l2.get_many(missing)
-            for key, chunk in got.items():
-                if self._usable(chunk):
-                    found[key] = (chunk, "l2")
-            missing = [k for k in missing if k not in found]
-        if missing and self.fleet is not None:
-            holders = self.fleet.holders(missing)
-            by_peer: dict[str, list[ObjectKey]] = {}
-            for key, placements in zip(missing, holders, strict=False):
-                for holder in placements:
-                    if (
-                        holder.tier == "l1"
-                        and not holder.shared
-                        and holder.instance_id != self.instance_id
-                    ):
-                        by_peer.setdefault(holder.instance_id, []).append(key)
-                        break
-            for instance_id, peer_keys in by_peer.items():
-                peer = self.fleet.peer(instance_id)
-                if peer is None:
-                    continue
-                for key, chunk in peer.fetch(peer_keys).items():
-                    if key in peer_keys and self._usable(chunk):
-                        found[key] = (chunk, "peer_l1")
-        return found
-
-    def _usable(self, chunk: StoredChunk) -> bool:
-        ok = tuple(chunk.kv.shape) == self.layout.shape and chunk.kv_dtype == self.layout.dtype
-        if not ok:
-            self.counters["fetched_wrong_layout"] += 1
-        return ok
-
     # ------------------------------------------------------------------ prefix path
 
     def lookup(self, tracker: RequestTracker) -> int:
@@ -331,19 +265,7 @@ class CacheNode:
         if not tracker.cacheable:
             return 0
         keys = [self.key(h, tracker.cache_salt) for h in tracker.chunk_hashes()]
-        hit = 0
-        for key in keys:
-            if self.l1.contains(key) or (self.l2 is not None and self.l2.contains(key)):
-                hit += 1
-            else:
-                break
-        if hit < len(keys) and self.fleet is not None:
-            rest = keys[hit:]
-            for placements in self.fleet.holders(rest):
-                if not any(h.instance_id != self.instance_id or h.shared for h in placements):
-                    break
-                hit += 1
-        return hit * self.chunk_size
+        return self.tiers.prefix_hits(keys) * self.chunk_size
 
     def retrieve(self, tracker: RequestTracker, num_tokens: int | None = None) -> Retrieved:
         """KV of the leading chunks (stops at the first chunk no tier has)."""
@@ -351,15 +273,15 @@ class CacheNode:
             return Retrieved([], 0)
         hashes = tracker.chunk_hashes(num_tokens)
         keys = [self.key(h, tracker.cache_salt) for h in hashes]
-        found = self._fetch(keys)
+        found = self.tiers.fetch(keys)
         kv: list[Any] = []
         sources: Counter[str] = Counter()
         for key in keys:
             got = found.get(key)
             if got is None:
                 break
-            kv.append(got[0].kv)
-            sources[got[1]] += 1
+            kv.append(got.chunk.kv)
+            sources[got.source] += 1
         self.counters["prefix_chunks_retrieved"] += len(kv)
         return Retrieved(kv, len(kv) * self.chunk_size, sources)
 
@@ -385,14 +307,14 @@ class CacheNode:
         request's positions; a segment that cannot be served is a counted miss."""
         tokens = tracker.get_token_ids()
         keys = [self.key(s.chunk_hash, tracker.cache_salt) for s in segments]
-        found = self._fetch(keys) if tracker.cacheable else {}
+        found = self.tiers.fetch(keys) if tracker.cacheable else {}
         parts: list[tuple[Segment, Any]] = []
         misses: list[Segment] = []
         sources: Counter[str] = Counter()
         c = self.chunk_size
         for seg, key in zip(segments, keys, strict=True):
             got = found.get(key)
-            chunk = got[0] if got else None
+            chunk = got.chunk if got else None
             start = seg.chunk_cur_st
             window = tokens[start : start + c]
             if (
@@ -409,7 +331,7 @@ class CacheNode:
                 kv = kv[:, :, seg.kv_slice]
             parts.append((seg, kv))
             assert got is not None
-            sources[got[1]] += 1
+            sources[got.source] += 1
         self.counters["segments_reused"] += len(parts)
         self.counters["segment_misses"] += len(misses)
         return BlendRetrieval(parts, misses, sources)
@@ -420,15 +342,15 @@ class CacheNode:
         if self.emitter is not None:
             self.emitter.flush()
 
-    def stats(self) -> dict[str, Any]:
-        return {
-            "instance_id": self.instance_id,
-            "l1_chunks": len(self.l1),
-            "l1_bytes": self.l1.used_bytes,
-            "local_index": self.index.stats(),
-            "token_cache": {"chunks": len(self.token_cache), "misses": self.token_cache.misses},
-            **dict(self.counters),
-        }
+    def stats(self) -> NodeStats:
+        return NodeStats(
+            instance_id=self.instance_id,
+            l1_chunks=len(self.l1),
+            l1_bytes=self.l1.used_bytes,
+            local_index=self.index.stats(),
+            token_cache=self.token_cache.stats(),
+            counters=dict(self.counters),
+        )
 
     def close(self) -> None:
         if self.emitter is not None:

@@ -1,6 +1,10 @@
-"""Cache-node configuration: ``kvatlas node`` flags, each also ``KVATLAS_<NAME>``.
+"""Cache-node configuration: ``kvatlas node`` flags, each also ``KVATLAS_<NAME>``, each
+described by ``kvatlas node --help`` (flags and gating: ``docs/node.md``).
 
-Gating rule (node.md §2): fleet matching needs a coordinator URL **and** event reporting. A URL
+Precedence: command line > environment > default. A flag that names the same concept as a
+coordinator flag has the same name (``--enable-blend-lookup``, ``--event-transport``).
+
+Gating rule: fleet matching needs a coordinator URL **and** event reporting. A URL
 without event reporting is treated as "not configured" with a warning: the coordinator would
 hold none of this node's state, and every fleet query would be a wasted round trip.
 """
@@ -9,19 +13,21 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args
-from kvatlas.keys import SCHEMES, KeyScheme, pack_kv_rank
-from kvatlas.node.kv_layout import KVLayout
+from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args, env_name
+from kvatlas.events import EVENT_TRANSPORTS
+from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme, pack_kv_rank
+from kvatlas.node.kv_layout import KV_DTYPES, ROPE_STYLES, KVLayout
 
-log = logging.getLogger("kvatlas.node")
+log = logging.getLogger(__name__)
 
 L2_KINDS = ("fs", "redis", "none")
 L2_WRITE_POLICIES = ("through", "evict")
-EVENT_TRANSPORTS = ("http", "redis")
+_OLD_BLEND_FLAG = "enable_blend"  # the node's spelling before it matched the coordinator's
 
 
 @dataclass(frozen=True)
@@ -30,7 +36,7 @@ class NodeConfig:
     num_layers: int = 2
     num_kv_heads: int = 2
     head_dim: int = 64
-    chunk_size: int = 256
+    chunk_size: int = DEFAULT_CHUNK_SIZE
     dtype: str = "float16"
     rope_style: str = "neox"
     rotary_dim: int = 0  # 0 = head_dim
@@ -55,7 +61,7 @@ class NodeConfig:
     event_transport: str = "http"
     redis_url: str = ""
     event_stream: str = "kvatlas:events"
-    enable_blend: bool = True
+    enable_blend_lookup: bool = True
     allow_trim: bool = False
     prefer_cheaper: bool = True
     token_cache_chunks: int = 100_000
@@ -123,21 +129,67 @@ class NodeConfig:
 
 
 _HELP = {
-    "hash_scheme": f"key scheme ({' or '.join(SCHEMES)})",
+    "model_name": "model name; part of every key (nodes of different models never share KV)",
+    "num_layers": "KV layout: transformer layers",
+    "num_kv_heads": "KV layout: KV heads per layer (on this rank)",
+    "head_dim": "KV layout: dims per head",
+    "chunk_size": "tokens per chunk; must equal the coordinator's --chunk-size",
+    "dtype": f"KV cache dtype: {', '.join(KV_DTYPES)}",
+    "rope_style": f"RoPE pairing for re-RoPE: {' or '.join(ROPE_STYLES)}",
+    "rotary_dim": "leading dims of each head that RoPE rotates (0 = all of head_dim)",
+    "rope_theta": "RoPE frequency base",
+    "hash_scheme": f"key scheme ({' or '.join(SCHEMES)}); must equal the coordinator's",
+    "world_size": "tensor-parallel world size (packed into every key's kv_rank)",
+    "rank": "this node's tensor-parallel rank",
+    "instance_id": "instance id (empty = assigned by the coordinator, or generated without one)",
+    "host": "bind address of the peer L1 and engine API (loopback by default)",
+    "port": "bind port of the peer L1 and engine API",
+    "advertised_url": "URL peers use for this node's L1 (default http://host:port)",
+    "l1_bytes": "L1 (node memory) budget in bytes",
     "l2": f"L2 tier: {', '.join(L2_KINDS)}",
+    "l2_path": "directory of the fs L2 (a per-instance subdirectory unless --l2-shared)",
+    "l2_redis_url": "Redis URL of the redis L2, e.g. redis://127.0.0.1:6379/0",
     "l2_write": "write L2 on every store (through) or when L1 evicts (evict)",
+    "l2_shared": "the fs L2 directory is mounted by every node: a fleet-wide pool",
+    "coordinator_url": "coordinator base URL (empty = no fleet: local tiers and matcher only)",
     "coordinator_event_reporting": "report cache events (required for fleet matching)",
     "coordinator_blend_timeout": "seconds a blend lookup waits for the fleet leg",
+    "coordinator_token": "bearer token for the coordinator (empty = none)",
     "event_transport": f"how events travel: {', '.join(EVENT_TRANSPORTS)}",
-    "advertised_url": "URL peers use for this node's L1 (default http://host:port)",
+    "redis_url": "Redis URL for the redis event transport",
+    "event_stream": "Redis Stream name carrying event batches (the redis transport)",
+    "enable_blend_lookup": (
+        "blend (fragment) lookup; the coordinator's flag of the same name; the node accepts "
+        "it but currently always answers blend lookups"
+    ),
+    "allow_trim": "trim a blend match that straddles the prefix boundary instead of dropping it",
+    "prefer_cheaper": "among overlapping blend matches prefer the cheaper copy (local L1 first)",
+    "token_cache_chunks": "chunks whose tokens are kept to stamp later events (0 = none)",
+    "log_level": "log level (debug, info, warning, error)",
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every :class:`NodeConfig` field as a flag, plus the hidden ``--[no-]enable-blend``
+    (the node's old spelling of ``--[no-]enable-blend-lookup``; existing command lines keep
+    working)."""
     add_dataclass_arguments(parser, NodeConfig, _HELP)
+    parser.add_argument(
+        "--" + _OLD_BLEND_FLAG.replace("_", "-"),
+        dest="enable_blend_lookup",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=argparse.SUPPRESS,
+    )
 
 
 def config_from_args(
     args: argparse.Namespace, environ: Mapping[str, str] | None = None
 ) -> NodeConfig:
-    return dataclass_from_args(NodeConfig, args, environ)
+    """Flags over ``KVATLAS_*`` over defaults; ``KVATLAS_ENABLE_BLEND`` (the old spelling)
+    counts when ``KVATLAS_ENABLE_BLEND_LOOKUP`` is not set."""
+    env = os.environ if environ is None else environ
+    old, new = env_name(_OLD_BLEND_FLAG), env_name("enable_blend_lookup")
+    if old in env and new not in env:
+        env = {**env, new: env[old]}
+    return dataclass_from_args(NodeConfig, args, env)

@@ -2,8 +2,12 @@
 multi-process demo and tests) that run in another process.
 
 Engine calls carry msgpack bodies (tokens as little-endian uint32 bytes, KV as raw bytes in the
-layout's dtype). Blend lookups are poll-able: the node keeps each request's tracker for a
-while, so the keys of every call come from the same tracker (the single injection point).
+layout's dtype) and get msgpack replies, errors included: a :class:`~kvatlas.errors.KvatlasError`
+replies its own ``status`` with :func:`kvatlas.web.error_payload`; a call the node cannot make
+sense of (any other ``ValueError``) is :class:`~kvatlas.errors.Unprocessable`. The peer route
+keeps its JSON errors (:mod:`kvatlas.node.peer`). Blend lookups are poll-able: the node keeps
+each request's tracker for a while, so the keys of every call come from the same tracker (the
+single injection point). See ``docs/node.md``.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -19,10 +24,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from kvatlas.errors import KvatlasError, Unprocessable
 from kvatlas.keys import MMItem, RequestTracker
 from kvatlas.node.cache_node import CacheNode
 from kvatlas.node.peer import create_peer_app
-from kvatlas.node.segments import Segment
+from kvatlas.node.segments import FetchCost, Segment
+from kvatlas.web import error_payload
 
 MSGPACK = "application/msgpack"
 _encoder = msgspec.msgpack.Encoder()
@@ -68,7 +75,7 @@ def segment_from_wire(obj: dict[str, Any]) -> Segment:
         int(obj["cur_st"]),
         int(obj["length"]),
         obj["source"],
-        int(obj.get("cost", 3)),
+        int(obj.get("cost", FetchCost.UNKNOWN)),
         int(obj.get("trim", 0)),
     )
 
@@ -82,7 +89,7 @@ class _Trackers:
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, tuple[float, RequestTracker]] = OrderedDict()
 
-    def get_or_create(self, request_id: str, make: Any) -> RequestTracker:
+    def get_or_create(self, request_id: str, make: Callable[[], RequestTracker]) -> RequestTracker:
         now = time.monotonic()
         with self._lock:
             while self._entries:
@@ -93,7 +100,7 @@ class _Trackers:
             found = self._entries.get(request_id)
             if found is not None:
                 return found[1]
-            tracker: RequestTracker = make()
+            tracker = make()
             if request_id:
                 self._entries[request_id] = (now, tracker)
             return tracker
@@ -107,6 +114,10 @@ def _reply(payload: Any, status: int = 200) -> Response:
     return Response(_encoder.encode(payload), status_code=status, media_type=MSGPACK)
 
 
+def _error_reply(exc: KvatlasError) -> Response:
+    return _reply(error_payload(exc), exc.status)
+
+
 def create_node_app(node: CacheNode) -> FastAPI:
     app = create_peer_app(node.l1)
     app.title = "kvatlas cache node"
@@ -117,11 +128,11 @@ def create_node_app(node: CacheNode) -> FastAPI:
         try:
             return _decoder.decode(await request.body())
         except msgspec.MsgspecError as exc:
-            raise _BadCall(f"malformed engine call: {exc}") from None
+            raise Unprocessable(f"malformed engine call: {exc}") from None
 
     def tracker_for(call: EngineCall) -> RequestTracker:
         if len(call.tokens) % 4:
-            raise _BadCall("tokens must be little-endian uint32 bytes")
+            raise Unprocessable("tokens must be little-endian uint32 bytes")
 
         def make() -> RequestTracker:
             tokens = np.frombuffer(call.tokens, dtype="<u4")
@@ -135,11 +146,14 @@ def create_node_app(node: CacheNode) -> FastAPI:
 
         return trackers.get_or_create(call.request_id, make)
 
-    @app.exception_handler(Exception)
-    async def _bad(_: Request, exc: Exception) -> Response:
-        if isinstance(exc, (_BadCall, ValueError)):
-            return _reply({"detail": str(exc)}, 422)
-        raise exc
+    @app.exception_handler(KvatlasError)
+    async def _refused(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, KvatlasError)
+        return _error_reply(exc)
+
+    @app.exception_handler(ValueError)
+    async def _unprocessable(_: Request, exc: Exception) -> Response:
+        return _error_reply(Unprocessable(str(exc)))
 
     @app.post("/engine/store")
     async def store(request: Request) -> Response:
@@ -147,7 +161,7 @@ def create_node_app(node: CacheNode) -> FastAPI:
         tracker = tracker_for(call)
         kv = np.frombuffer(call.kv, dtype=layout.numpy_dtype())
         if kv.size != call.n_chunks * int(np.prod(layout.shape)):
-            raise _BadCall("kv bytes do not match n_chunks x the node's KV layout")
+            raise Unprocessable("kv bytes do not match n_chunks x the node's KV layout")
         chunks = list(kv.reshape((call.n_chunks, *layout.shape)))
         stored = await run_in_threadpool(node.store, tracker, chunks, first_chunk=call.first_chunk)
         trackers.drop(call.request_id)
@@ -208,14 +222,10 @@ def create_node_app(node: CacheNode) -> FastAPI:
 
     @app.get("/engine/stats")
     async def stats() -> Response:
-        return _reply(node.stats())
+        return _reply(node.stats().to_wire())
 
     @app.get("/healthz")
     async def healthz() -> Response:
         return _reply({"status": "ok", "instance_id": node.instance_id, **node.scheme.describe()})
 
     return app
-
-
-class _BadCall(Exception):
-    pass

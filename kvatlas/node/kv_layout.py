@@ -17,17 +17,21 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from kvatlas.checks import is_plain_int
+from kvatlas.keys import DEFAULT_CHUNK_SIZE
+
 ROPE_STYLES: Final = ("neox", "gptj")
 """``neox``: rotate-half (pairs ``(j, j + r/2)``); ``gptj``: interleaved (pairs ``(2j, 2j+1)``)."""
 
 KV_DTYPES: Final = ("float16", "bfloat16", "float32")
+"""The cache dtypes a chunk may hold."""
 
-_ITEMSIZE: Final = {"float16": 2, "bfloat16": 2, "float32": 4}
+KV_ITEMSIZE: Final = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
 def _check_positive_int(name: str, value: object) -> None:
     # bool is an int subclass; KVLayout(num_layers=True) is a bug, not a 1-layer model.
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    if not is_plain_int(value) or value <= 0:
         raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
 
 
@@ -42,7 +46,7 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    chunk_size: int = 256
+    chunk_size: int = DEFAULT_CHUNK_SIZE
     dtype: str = "float16"
     rotary_dim: int | None = None
     rope_style: str = "neox"
@@ -91,7 +95,7 @@ class KVLayout:
 
     @property
     def itemsize(self) -> int:
-        return _ITEMSIZE[self.dtype]
+        return KV_ITEMSIZE[self.dtype]
 
     @property
     def chunk_bytes(self) -> int:

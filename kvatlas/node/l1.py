@@ -3,7 +3,7 @@
 Bytes, because chunk sizes differ by model (layers x heads x head_dim x dtype) and the thing
 that runs out is memory. The budget is hard: ``used_bytes <= capacity_bytes`` always holds.
 
-Pinning exists for peer transfers (node.md §1): a peer lists the keys it wants and this node
+Pinning exists for peer transfers (``docs/node.md``): a peer lists the keys it wants and this node
 must not evict them between "I have it" and "here are its bytes". Pins are counted per key (two
 overlapping transfers may pin the same key) and only hold off *eviction*; an explicit
 :meth:`L1Cache.remove` still removes a pinned key, because removal is a correctness decision
@@ -34,10 +34,11 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
+from kvatlas.checks import is_plain_int
 from kvatlas.keys import ObjectKey
 from kvatlas.node.stored_chunk import StoredChunk
 
-log = logging.getLogger("kvatlas.node")
+log = logging.getLogger(__name__)
 
 
 class L1Cache:
@@ -49,7 +50,7 @@ class L1Cache:
         *,
         on_evict: Callable[[StoredChunk], None] | None = None,
     ) -> None:
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+        if not is_plain_int(capacity_bytes):
             raise TypeError("capacity_bytes must be an int")
         if capacity_bytes < 0:
             raise ValueError("capacity_bytes must be >= 0")

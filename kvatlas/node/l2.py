@@ -26,17 +26,20 @@ from typing import Any, Final, Protocol, runtime_checkable
 import blake3
 import msgspec
 
+from kvatlas.errors import Unavailable
 from kvatlas.keys import ObjectKey
 from kvatlas.node.stored_chunk import ChunkDecodeError, StoredChunk, decode_chunk, encode_chunk
 
-log = logging.getLogger("kvatlas.node")
+log = logging.getLogger(__name__)
 
 _key_json = msgspec.json.Encoder(order="sorted")
 _MGET_BATCH: Final = 64  # bounds one reply's size: values are MB-sized chunks
 
 
-class L2Unavailable(RuntimeError):
-    """An L2 write (put/delete) could not be applied: the backend is down, full or failing."""
+class L2Unavailable(Unavailable):
+    """An L2 write (put/delete) could not be applied: the backend is down, full or failing.
+
+    An :class:`~kvatlas.errors.Unavailable` (so still a ``RuntimeError``)."""
 
 
 def key_digest(key: ObjectKey) -> str:

@@ -1,4 +1,4 @@
-"""Peer L1: nodes read each other's L1 over HTTP (the stand-in for RDMA P2P, node.md §1).
+"""Peer L1: nodes read each other's L1 over HTTP (the stand-in for RDMA P2P, ``docs/node.md``).
 
 Protocol: ``POST /peer/kv`` with JSON ``{"keys": [ObjectKey wire objects]}``; the reply is
 ``application/octet-stream``, a msgpack array of :func:`encode_chunk` records for the listed
@@ -27,15 +27,17 @@ from typing import Any, Final
 import httpx
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from kvatlas.asgi_thread import ThreadedServer
+from kvatlas.errors import InvalidInput, KvatlasError, PayloadTooLarge, Unprocessable
 from kvatlas.keys import ObjectKey
 from kvatlas.node.l1 import L1Cache
 from kvatlas.node.stored_chunk import ChunkDecodeError, StoredChunk, decode_chunk, encode_chunk
+from kvatlas.web import error_response, read_body
 
-log = logging.getLogger("kvatlas.node")
+log = logging.getLogger(__name__)
 
 PEER_KV_PATH: Final = "/peer/kv"
 MAX_KEYS_PER_REQUEST: Final = 4096
@@ -52,44 +54,20 @@ _reply_decoder = msgspec.msgpack.Decoder(list[bytes])
 _reply_encoder = msgspec.msgpack.Encoder()
 
 
-class _BadRequest(Exception):
-    def __init__(self, status: int, detail: str) -> None:
-        super().__init__(detail)
-        self.status = status
-        self.detail = detail
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """Read the body, refusing (413) past ``limit`` without buffering the excess."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise _BadRequest(400, "invalid Content-Length")
-        if int(declared) > limit:
-            raise _BadRequest(413, f"body of {declared} bytes exceeds {limit}")
-    parts: list[bytes] = []
-    seen = 0
-    async for part in request.stream():
-        seen += len(part)
-        if seen > limit:
-            raise _BadRequest(413, f"body exceeds {limit} bytes")
-        parts.append(part)
-    return b"".join(parts)
-
-
 def _parse_keys(body: bytes, max_keys: int) -> list[ObjectKey]:
+    """The distinct keys of a fetch request, in order; refusals are :mod:`kvatlas.errors`."""
     try:
         parsed = _request_decoder.decode(body)
     except msgspec.DecodeError as exc:
-        raise _BadRequest(400, f"invalid request body: {exc}") from None
+        raise InvalidInput(f"invalid request body: {exc}") from None
     if len(parsed.keys) > max_keys:
-        raise _BadRequest(413, f"{len(parsed.keys)} keys exceed the limit of {max_keys}")
+        raise PayloadTooLarge(f"{len(parsed.keys)} keys exceed the limit of {max_keys}")
     keys: list[ObjectKey] = []
     for i, wire in enumerate(parsed.keys):
         try:
             keys.append(ObjectKey.from_wire(wire))
         except (ValueError, TypeError) as exc:
-            raise _BadRequest(422, f"keys[{i}]: {exc}") from None
+            raise Unprocessable(f"keys[{i}]: {exc}") from None
     return list(dict.fromkeys(keys))
 
 
@@ -103,7 +81,9 @@ def create_peer_app(
     """The peer-serving ASGI app over ``l1``.
 
     ``encoder`` is the per-chunk serializer (a seam for tests that need a slow one to hold a
-    transfer open). Every client error is a 4xx with a JSON ``detail``.
+    transfer open). Every client error is a 4xx with a JSON ``detail``, the reply
+    :func:`kvatlas.web.error_response` makes for the error (answered here, so an app that
+    mounts this route with handlers of its own still replies JSON on it).
     """
     app = FastAPI(title="kvatlas peer L1", docs_url=None, redoc_url=None)
 
@@ -121,10 +101,9 @@ def create_peer_app(
     @app.post(PEER_KV_PATH)
     async def peer_kv(request: Request) -> Response:
         try:
-            body = await _read_body(request, max_request_bytes)
-            keys = _parse_keys(body, max_keys)
-        except _BadRequest as exc:
-            return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+            keys = _parse_keys(await read_body(request, max_request_bytes), max_keys)
+        except KvatlasError as exc:
+            return error_response(exc)
         # Encoding MB-sized chunks is CPU work: off the event loop so one transfer does not
         # stall the others.
         reply = await run_in_threadpool(assemble, keys)

@@ -2,7 +2,7 @@
 
 A blend lookup yields raw matches ("chunk X occurs at request position p") from two legs: the
 node's own fragment index and the coordinator's. This module turns them into the segments a
-request will actually reuse (node.md §4, steps 3–5):
+request will actually reuse (the blend lookup in ``docs/node.md``):
 
 1. :func:`merge_union` — the **union** of both legs. The fleet index is best-effort (a dropped
    flush or an evicted token binding can hide a chunk this node holds), so recall must never be
@@ -31,10 +31,11 @@ Source = Literal["local", "fleet", "both"]
 SOURCES: Final = ("local", "fleet", "both")
 
 
-class Placement(IntEnum):
+class FetchCost(IntEnum):
     """Where a chunk's KV would be fetched from, cheapest first (lower = cheaper).
 
-    Used as a segment's ``cost`` rank; any int works, these are the conventional values."""
+    Used as a segment's ``cost`` rank; any int works, these are the conventional values. (Not
+    to be confused with :class:`kvatlas.directory.Placement`, a record of who holds a key.)"""
 
     LOCAL_L1 = 0
     PEER_L1 = 1
@@ -70,7 +71,7 @@ class Segment:
     rotation by :attr:`delta` ``= chunk_cur_st − old_st`` where :attr:`chunk_cur_st`
     ``= cur_st − trim`` is where the whole chunk would start in the request.
 
-    ``cost`` ranks where the KV would come from (:class:`Placement`; lower = cheaper); it only
+    ``cost`` ranks where the KV would come from (:class:`FetchCost`; lower = cheaper); it only
     matters to ``resolve_overlaps(prefer_cheaper=True)`` and to tie-breaks.
     """
 
@@ -79,7 +80,7 @@ class Segment:
     cur_st: int
     length: int
     source: Source
-    cost: int = Placement.UNKNOWN
+    cost: int = FetchCost.UNKNOWN
     trim: int = 0
 
     def __post_init__(self) -> None:

@@ -26,7 +26,7 @@ from kvatlas.node.fleet_view import HttpFleetView
 from kvatlas.node.http_api import create_node_app
 from kvatlas.node.l2 import FsL2, L2Backend, RedisL2
 
-log = logging.getLogger("kvatlas.node")
+log = logging.getLogger(__name__)
 
 
 class NodeProcess:

@@ -35,24 +35,26 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from kvatlas.checks import is_plain_int
+from kvatlas.errors import InvalidInput
 from kvatlas.keys import ObjectKey, as_token_array
+from kvatlas.node.kv_layout import KV_DTYPES, KV_ITEMSIZE
 
 MAGIC: Final = b"KVAC"
 VERSION: Final = 1
-KV_DTYPE_NAMES: Final = ("float16", "bfloat16", "float32")
-"""The cache dtypes a chunk may hold (node.md §1)."""
 
 _PREFIX = struct.Struct("<4sBBI")  # magic, version, flags, header_len
 _DIGEST_BYTES: Final = 16
 _ALIGN: Final = 16  # KV bytes start 16-byte aligned within the record: cheap, SIMD-friendly views
 _MAX_HEADER_BYTES: Final = 64 * 1024
 _MAX_RANK: Final = 16
-_ITEMSIZE: Final = {"float16": 2, "bfloat16": 2, "float32": 4}
 _STORAGE_DTYPE: Final = {"float16": "<f2", "bfloat16": "<u2", "float32": "<f4"}
 
 
-class ChunkDecodeError(ValueError):
-    """The bytes are not a complete, intact encoded chunk (torn, corrupt or foreign)."""
+class ChunkDecodeError(InvalidInput):
+    """The bytes are not a complete, intact encoded chunk (torn, corrupt or foreign).
+
+    An :class:`~kvatlas.errors.InvalidInput` (so still a ``ValueError``)."""
 
 
 class _Header(msgspec.Struct, forbid_unknown_fields=True):
@@ -91,9 +93,9 @@ def _kv_dtype_name(kv: Any, declared: str) -> str:
             name = "bfloat16"
     else:
         raise TypeError(f"kv must be a numpy array or a torch tensor, got {type(kv).__name__}")
-    if name not in KV_DTYPE_NAMES:
+    if name not in KV_DTYPES:
         hint = " (raw bf16 bit patterns need kv_dtype='bfloat16')" if name == "uint16" else ""
-        raise ValueError(f"kv dtype must be one of {KV_DTYPE_NAMES}, got {name}{hint}")
+        raise ValueError(f"kv dtype must be one of {KV_DTYPES}, got {name}{hint}")
     if declared and declared != name:
         raise ValueError(f"kv_dtype={declared!r} does not match the array's dtype {name}")
     return name
@@ -127,7 +129,7 @@ class StoredChunk:
         if self.tokens is not None:
             object.__setattr__(self, "tokens", as_token_array(self.tokens))
         offset = self.token_offset
-        if isinstance(offset, bool) or not isinstance(offset, int) or offset < -1:
+        if not is_plain_int(offset) or offset < -1:
             raise ValueError(f"token_offset must be an int >= -1, got {offset!r}")
 
     @property
@@ -240,7 +242,7 @@ def decode_chunk(data: bytes | bytearray | memoryview) -> StoredChunk:
     except (msgspec.DecodeError, ValueError, TypeError) as exc:
         raise ChunkDecodeError(f"bad chunk header: {exc}") from None
     shape = tuple(header.shape)
-    if header.dtype not in KV_DTYPE_NAMES:
+    if header.dtype not in KV_DTYPES:
         raise ChunkDecodeError(f"unknown kv dtype {header.dtype!r}")
     if len(shape) > _MAX_RANK or any(d < 0 for d in shape):
         raise ChunkDecodeError(f"bad kv shape {shape}")
@@ -248,7 +250,7 @@ def decode_chunk(data: bytes | bytearray | memoryview) -> StoredChunk:
         raise ChunkDecodeError("bad token count or offset")
     start = _PREFIX.size + header_len
     start += -start % _ALIGN
-    kv_len = math.prod(shape) * _ITEMSIZE[header.dtype]
+    kv_len = math.prod(shape) * KV_ITEMSIZE[header.dtype]
     tok_len = max(header.n_tokens, 0) * 4
     if start + kv_len + tok_len != len(body):
         raise ChunkDecodeError("record length does not match its header")

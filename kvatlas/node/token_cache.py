@@ -10,8 +10,15 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from kvatlas.keys.tokens import TokenArray
+
+
+@dataclass(frozen=True, slots=True)
+class TokenCacheStats:
+    chunks: int
+    misses: int
 
 
 class TokenCache:
@@ -42,3 +49,7 @@ class TokenCache:
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
+
+    def stats(self) -> TokenCacheStats:
+        with self._lock:
+            return TokenCacheStats(len(self._entries), self.misses)

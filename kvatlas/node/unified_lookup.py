@@ -1,6 +1,6 @@
 """UnifiedBlendLookup: the node's blend lookup — local matcher ∪ fleet index, never worse.
 
-What an engine calls for a blend request (node.md §4):
+What an engine calls for a blend request (``docs/node.md``):
 
 1. :meth:`UnifiedBlendLookup.start` submits the coordinator query (it runs on the fleet
    client's pool) and then runs the local matcher, so both legs proceed in parallel; it starts
@@ -29,11 +29,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvatlas.client.blend_client import FleetMatcher
-from kvatlas.directory.blend_index import BlendIndex
+from kvatlas.directory import BlendIndex
 from kvatlas.keys import BlendMatch, BlendNamespace, as_token_array
 from kvatlas.node.segments import Segment, filter_prefix, merge_union, resolve_overlaps
 
-log = logging.getLogger("kvatlas.node.lookup")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +78,8 @@ class UnifiedBlendLookup:
     ``allow_trim``: whether a match straddling the prefix boundary may be trimmed to its part
     after the boundary (the retrieval path must then slice ``Segment.kv_slice``); off by
     default, because a data plane that ignores ``trim`` would place KV at the wrong positions.
-    ``cost_of`` ranks each candidate's placement (``Placement``) for ``prefer_cheaper`` and
-    tie-breaks; without it every segment is ``Placement.UNKNOWN``.
+    ``cost_of`` ranks each candidate's fetch cost (:class:`~kvatlas.node.segments.FetchCost`)
+    for ``prefer_cheaper`` and tie-breaks; without it every segment is ``FetchCost.UNKNOWN``.
 
     Memory stays flat: a lookup is forgotten when ``poll`` returns its final result or on
     ``cancel``; lookups abandoned without either expire after ``result_ttl`` and at most

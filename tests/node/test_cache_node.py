@@ -11,6 +11,7 @@ import pytest
 from kvatlas.keys import MMItem
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.embedded import EmbeddedFleet
+from kvatlas.node.segments import FetchCost
 from kvatlas.node.toy_model import ToyRopeModel
 
 C = 16
@@ -180,3 +181,32 @@ def test_multimodal_requests_keyed_by_image(fleet: EmbeddedFleet) -> None:
     assert b.lookup(dog) == C  # only the text chunk before the image is shared
     cat_again = b.tracker(token_ids=seq, mm_items=[MMItem.of("cat", C, 2 * C)])
     assert b.lookup(cat_again) == 4 * C
+
+
+def test_local_l1_ranks_cheapest_with_many_chunks_held(tmp_path: Path) -> None:
+    """With 1,000 chunks held, a chunk in this node's own L1 still ranks as local L1.
+
+    The query's first window is held by node-1 itself (local L1) and its overlapping shifted
+    window only by node-0 (a peer L1). Placement-aware overlap resolution must keep the local
+    copy: the peer copy costs a transfer."""
+    big = config(l1_bytes=1 << 24)
+    with EmbeddedFleet([big, big], l2_root=tmp_path) as fleet:
+        a, b = fleet.nodes["node-0"], fleet.nodes["node-1"]
+        model = ToyRopeModel(b.layout)
+        rng = np.random.default_rng(6)
+        filler = tokens(rng, 1000 * C)
+        zeros = np.zeros(b.layout.shape, dtype=b.layout.numpy_dtype())
+        assert b.store(b.tracker(token_ids=filler), [zeros] * 1000) == 1000
+        shift = 5
+        text = tokens(rng, C + shift)
+        mine, theirs = text[:C], text[shift : shift + C]
+        b.store(b.tracker(token_ids=mine), model.kv_chunks(mine))
+        a.store(a.tracker(token_ids=theirs), model.kv_chunks(theirs))
+        fleet.settle()
+        query = np.concatenate([tokens(rng, 3), text])
+        tq = b.tracker(token_ids=query, request_id="many")
+        result = b.blend_lookup(tq)
+        assert result is not None and result.fleet_used
+        assert [(s.cur_st, s.cost) for s in result.segments] == [(3, FetchCost.LOCAL_L1)]
+        retrieval = b.blend_retrieve(tq, result.segments)
+        assert retrieval.sources == {"local_l1": 1}

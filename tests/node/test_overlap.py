@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvatlas.keys import BlendMatch
 from kvatlas.node.segments import (
     Candidate,
-    Placement,
+    FetchCost,
     Segment,
     filter_prefix,
     merge_union,
@@ -51,7 +51,7 @@ def check_invariants(out: list[Segment], candidates: list[Segment]) -> None:
         assert not disjoint([*out, dropped]), f"{dropped} fits but was dropped"
 
 
-def segment(start: int, length: int, cost: int = Placement.UNKNOWN, h: int = 0) -> Segment:
+def segment(start: int, length: int, cost: int = FetchCost.UNKNOWN, h: int = 0) -> Segment:
     return Segment(HASHES[h], 0, start, length, "local", cost=cost)
 
 
@@ -62,7 +62,7 @@ equal_length_sets = st.integers(1, 6).flatmap(
             st.builds(
                 lambda start, cost, h: segment(start, size, cost, h),
                 st.integers(0, 30),
-                st.sampled_from(list(Placement)),
+                st.sampled_from(list(FetchCost)),
                 st.integers(0, 3),
             ),
             max_size=9,
@@ -75,7 +75,7 @@ mixed_length_sets = st.lists(
         segment,
         st.integers(0, 30),
         st.integers(1, 8),
-        st.sampled_from(list(Placement)),
+        st.sampled_from(list(FetchCost)),
         st.integers(0, 3),
     ),
     max_size=9,
@@ -132,11 +132,11 @@ def test_result_does_not_depend_on_input_order(
 
 
 def test_earlier_start_wins_then_longer_then_cheaper_then_hash() -> None:
-    a, b = segment(0, 4, Placement.SHARED_L2), segment(2, 4, Placement.LOCAL_L1)
+    a, b = segment(0, 4, FetchCost.SHARED_L2), segment(2, 4, FetchCost.LOCAL_L1)
     assert resolve_overlaps([b, a]) == [a]
     long, short = segment(5, 4), segment(5, 2)
     assert resolve_overlaps([short, long]) == [long]
-    cheap, dear = segment(5, 4, Placement.PEER_L1, h=3), segment(5, 4, Placement.SHARED_L2, h=0)
+    cheap, dear = segment(5, 4, FetchCost.PEER_L1, h=3), segment(5, 4, FetchCost.SHARED_L2, h=0)
     assert resolve_overlaps([dear, cheap]) == [cheap]
     assert resolve_overlaps([segment(5, 4, h=2), segment(5, 4, h=1)]) == [segment(5, 4, h=1)]
 
@@ -144,27 +144,27 @@ def test_earlier_start_wins_then_longer_then_cheaper_then_hash() -> None:
 def test_prefer_cheaper_picks_cheapest_overlapping_the_leftmost() -> None:
     C = 4
     dear, cheap, after = (
-        segment(0, C, Placement.SHARED_L2),
-        segment(2, C, Placement.LOCAL_L1),
-        segment(6, C, Placement.SHARED_L2),
+        segment(0, C, FetchCost.SHARED_L2),
+        segment(2, C, FetchCost.LOCAL_L1),
+        segment(6, C, FetchCost.SHARED_L2),
     )
-    assert resolve_overlaps([dear, cheap, after]) == [dear, segment(6, C, Placement.SHARED_L2)]
+    assert resolve_overlaps([dear, cheap, after]) == [dear, segment(6, C, FetchCost.SHARED_L2)]
     assert resolve_overlaps([dear, cheap, after], prefer_cheaper=True) == [cheap, after]
 
 
 def test_prefer_cheaper_half_bound_is_tight() -> None:
     C = 4
-    left = segment(0, C, Placement.SHARED_L2)
-    middle = segment(C - 1, C, Placement.LOCAL_L1)
-    right = segment(C, C, Placement.SHARED_L2)
+    left = segment(0, C, FetchCost.SHARED_L2)
+    middle = segment(C - 1, C, FetchCost.LOCAL_L1)
+    right = segment(C, C, FetchCost.SHARED_L2)
     assert resolve_overlaps([left, middle, right]) == [left, right]
     assert resolve_overlaps([left, middle, right], prefer_cheaper=True) == [middle]
 
 
 def test_prefer_cheaper_fill_pass_keeps_short_segment_before_the_pick() -> None:
-    trimmed = Segment(HASHES[0], 0, 20, 2, "local", Placement.SHARED_L2, trim=14)  # [20, 22)
-    whole = segment(20, 16, Placement.SHARED_L2, h=1)  # [20, 36): the leftmost-greedy pick
-    cheap = segment(23, 16, Placement.LOCAL_L1, h=2)  # [23, 39): overlaps `whole` only
+    trimmed = Segment(HASHES[0], 0, 20, 2, "local", FetchCost.SHARED_L2, trim=14)  # [20, 22)
+    whole = segment(20, 16, FetchCost.SHARED_L2, h=1)  # [20, 36): the leftmost-greedy pick
+    cheap = segment(23, 16, FetchCost.LOCAL_L1, h=2)  # [23, 39): overlaps `whole` only
     out = resolve_overlaps([trimmed, whole, cheap], prefer_cheaper=True)
     assert out == [trimmed, cheap]
 
@@ -238,8 +238,8 @@ def test_segment_validation() -> None:
         Segment(HASHES[0], 0, 1, 4, "local", trim=2)  # chunk would start before position 0
     with pytest.raises(ValueError):
         Segment(HASHES[0], 0, 0, 4, "peer")  # type: ignore[arg-type]
-    assert Segment(HASHES[0], 0, 0, 4, "both").cost == Placement.UNKNOWN
-    assert Placement.LOCAL_L1 < Placement.PEER_L1 < Placement.SHARED_L2 < Placement.UNKNOWN
+    assert Segment(HASHES[0], 0, 0, 4, "both").cost == FetchCost.UNKNOWN
+    assert FetchCost.LOCAL_L1 < FetchCost.PEER_L1 < FetchCost.SHARED_L2 < FetchCost.UNKNOWN
 
 
 # ---------------------------------------------------------------- merge_union

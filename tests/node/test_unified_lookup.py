@@ -21,7 +21,7 @@ from kvatlas.coordinator.server import BackgroundServer, free_port
 from kvatlas.directory.blend_index import BlendIndex
 from kvatlas.events import CacheEntry, EventBatch
 from kvatlas.keys import BlendNamespace, ObjectKey, chunk_hashes, pack_kv_rank
-from kvatlas.node.segments import Placement, Segment
+from kvatlas.node.segments import FetchCost, Segment
 from kvatlas.node.unified_lookup import LookupResult, UnifiedBlendLookup
 from tests.conftest import wait_for
 
@@ -354,7 +354,7 @@ def test_cost_of_and_prefer_cheaper(
     handler.matches = [{"chunk_hash": "cd" * 32, "old_st": 0, "cur_st": 37}]
 
     def cost_of(s: Segment) -> int:
-        return Placement.SHARED_L2 if s.source == "fleet" else Placement.LOCAL_L1
+        return FetchCost.SHARED_L2 if s.source == "fleet" else FetchCost.LOCAL_L1
 
     with BlendCoordinatorClient(url) as client:
         plain = run(UnifiedBlendLookup(local_index, client, chunk_size=CHUNK, cost_of=cost_of))
@@ -364,14 +364,14 @@ def test_cost_of_and_prefer_cheaper(
             )
         )
     assert [(s.cur_st, s.cost) for s in plain.segments] == [
-        (37, Placement.SHARED_L2),
-        (56, Placement.LOCAL_L1),
-        (72, Placement.LOCAL_L1),
+        (37, FetchCost.SHARED_L2),
+        (56, FetchCost.LOCAL_L1),
+        (72, FetchCost.LOCAL_L1),
     ]
     assert [(s.cur_st, s.cost) for s in cheaper.segments] == [
-        (40, Placement.LOCAL_L1),
-        (56, Placement.LOCAL_L1),
-        (72, Placement.LOCAL_L1),
+        (40, FetchCost.LOCAL_L1),
+        (56, FetchCost.LOCAL_L1),
+        (72, FetchCost.LOCAL_L1),
     ]
 
 
