@@ -15,6 +15,7 @@ import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvatlas.errors import InvalidInput, Unavailable
 from kvatlas.keys import ObjectKey
 from kvatlas.node.l2 import FsL2, L2Backend, L2Unavailable, RedisL2, key_digest
 from kvatlas.node.stored_chunk import ChunkDecodeError, StoredChunk, decode_chunk, encode_chunk
@@ -110,6 +111,12 @@ def test_codec_rejects_garbage(garbage: bytes) -> None:
     with pytest.raises(ChunkDecodeError):
         decode_chunk(garbage)
     assert issubclass(ChunkDecodeError, ValueError)
+
+
+def test_node_errors_are_in_the_error_tree() -> None:
+    assert issubclass(ChunkDecodeError, InvalidInput) and ChunkDecodeError.status == 400
+    assert issubclass(L2Unavailable, Unavailable) and issubclass(L2Unavailable, RuntimeError)
+    assert L2Unavailable.status == 503
 
 
 def test_torch_tensors_are_accepted_and_bf16_round_trips_bit_exactly() -> None:

@@ -1,0 +1,86 @@
+"""Node flags: every one described by ``kvatlas node --help``, the same names as the
+coordinator's for the same concept, the old ``--enable-blend`` spelling still accepted."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import pkgutil
+
+import pytest
+
+import kvatlas.node
+from kvatlas.cli import _build_parser
+from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.events import EVENT_TRANSPORTS
+from kvatlas.keys import DEFAULT_CHUNK_SIZE
+from kvatlas.node.config import NodeConfig, add_arguments, config_from_args
+
+
+def node_args(*argv: str) -> argparse.Namespace:
+    return _build_parser().parse_args(["node", *argv])
+
+
+def test_every_flag_has_help() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    described = [a for a in parser._actions if a.help not in (None, argparse.SUPPRESS)]
+    for action in described:
+        if action.dest == "help":
+            continue
+        assert action.help is not None and not action.help.startswith("["), action.dest
+    fields = set(NodeConfig.__dataclass_fields__)
+    assert fields == {a.dest for a in described} - {"help"}
+
+
+def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        node_args("--help")
+    out = capsys.readouterr().out
+    for name in NodeConfig.__dataclass_fields__:
+        assert "--" + name.replace("_", "-") in out
+    assert "--enable-blend " not in out and "--enable-blend," not in out  # the alias is hidden
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "expected"),
+    [
+        ((), {}, True),
+        (("--no-enable-blend-lookup",), {}, False),
+        (("--no-enable-blend",), {}, False),  # the old spelling
+        (("--enable-blend",), {"KVATLAS_ENABLE_BLEND_LOOKUP": "0"}, True),
+        ((), {"KVATLAS_ENABLE_BLEND": "0"}, False),  # the old variable
+        ((), {"KVATLAS_ENABLE_BLEND": "0", "KVATLAS_ENABLE_BLEND_LOOKUP": "1"}, True),
+    ],
+)
+def test_enable_blend_lookup_and_its_old_spelling(
+    argv: tuple[str, ...], environ: dict[str, str], expected: bool
+) -> None:
+    assert config_from_args(node_args(*argv), environ).enable_blend_lookup is expected
+
+
+def test_shared_names_and_defaults() -> None:
+    assert NodeConfig().chunk_size == DEFAULT_CHUNK_SIZE == CoordinatorConfig().chunk_size
+    for transport in EVENT_TRANSPORTS:
+        NodeConfig(event_transport=transport, redis_url="redis://x")
+        CoordinatorConfig(event_transport=transport, redis_url="redis://x")
+    for config in (NodeConfig, CoordinatorConfig):
+        with pytest.raises(ValueError, match="--event-transport must be one of http, redis"):
+            config(event_transport="carrier-pigeon")
+
+
+def test_every_node_logger_is_under_kvatlas_node(caplog: pytest.LogCaptureFixture) -> None:
+    """Modules log under their own name, so ``kvatlas.node`` still catches them all."""
+    names = [m.name for m in pkgutil.iter_modules(kvatlas.node.__path__)]
+    loggers = []
+    for name in names:
+        module = __import__(f"kvatlas.node.{name}", fromlist=["log"])
+        log = getattr(module, "log", None)
+        if log is not None:
+            assert log.name in (f"kvatlas.node.{name}", "kvatlas.node")
+            loggers.append(log)
+    assert len(loggers) >= 5
+    with caplog.at_level(logging.WARNING, logger="kvatlas.node"):
+        for log in loggers:
+            log.warning("from %s", log.name)
+    assert {r.name for r in caplog.records} == {log.name for log in loggers}
