@@ -48,7 +48,6 @@ from kvatlas.node.unified_lookup import LookupResult, UnifiedBlendLookup
 log = logging.getLogger(__name__)
 
 L1_BACKEND = "dram"
-TOKEN_AXIS = 2  # [layers, 2, tokens, heads, head_dim]
 
 
 @dataclass
@@ -76,7 +75,8 @@ class BlendRetrieval:
 @dataclass(frozen=True, slots=True)
 class NodeStats:
     """A node's state at one instant. ``local_index`` is the local blend index's stats;
-    ``counters`` the node's event counters (a counter appears once it was first counted)."""
+    ``counters`` what the node counted (stores, refusals, misses, ...; a counter appears once
+    it was first counted)."""
 
     instance_id: str
     l1_chunks: int
@@ -98,6 +98,12 @@ class NodeStats:
 
 
 class CacheNode:
+    """One node's tiers, events and lookups behind the engine API (see the module docstring).
+
+    Engine calls may run concurrently (the HTTP API runs them in a thread pool): the tiers,
+    the presence map, the local index and the emitter each guard their own state; the
+    ``counters`` are best-effort."""
+
     def __init__(
         self,
         config: NodeConfig,
