@@ -106,10 +106,6 @@ class CoordinatorService:
         if self.config.snapshot_path is not None:
             self.take_snapshot()
 
-    @property
-    def stopping(self) -> threading.Event:
-        return self._stop
-
     def _spawn(self, name: str, target: Callable[[], None]) -> None:
         thread = threading.Thread(target=target, name=f"kvatlas-{name}", daemon=True)
         thread.start()
