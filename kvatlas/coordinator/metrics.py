@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvatlas.checks import is_plain_int
 from kvatlas.coordinator.views import MetricsState
 from kvatlas.coordinator.wire import directory_stats_to_wire
 
@@ -48,7 +49,7 @@ class _StateCollector(Collector):
             "kvatlas_blend_enabled", "blend lookup enabled", int(bool(blend.get("enabled")))
         )
         for name, value in sorted(blend.items()):
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if is_plain_int(value) or isinstance(value, float):
                 yield _gauge(f"kvatlas_blend_index_{name}", f"blend index {name}", value)
         gaps = CounterMetricFamily(
             "kvatlas_event_gaps", "seq gaps per emitter", labels=["instance_id"]

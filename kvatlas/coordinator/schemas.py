@@ -104,9 +104,9 @@ _MAX_CHARS = {"instance_id": MAX_ID_CHARS, "backend": MAX_ID_CHARS}
 
 
 def _field_schema(name: str, hint: Any) -> dict[str, Any]:
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if types.NoneType in typing.get_args(hint) and len(args) == 1:
-        hint = args[0]  # Optional[X]: absent and null mean the same on the wire
+    args = typing.get_args(hint)
+    if types.NoneType in args:  # Optional[X]: absent and null mean the same on the wire
+        (hint,) = (a for a in args if a is not types.NoneType)
     if hint is ObjectKey:
         return WireKey.model_json_schema()
     if typing.get_origin(hint) is tuple:  # the batch's entries
