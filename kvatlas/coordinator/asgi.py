@@ -1,51 +1,34 @@
-"""ASGI plumbing of the coordinator: JSON errors, the body-size limit, and the blend-lookup
-fast path (the service's hottest request, answered below the framework)."""
+"""ASGI plumbing of the coordinator: the blend-lookup fast path (the service's hottest request,
+answered below the framework) and the one place request-validation errors are formatted.
+
+Every error reply is rendered by :mod:`kvatlas.web` from a :mod:`kvatlas.errors` class, on the
+fast path and in the framework alike, so a status, ``detail`` or header never depends on which
+path answered. See docs/coordinator.md ("API").
+"""
 
 from __future__ import annotations
 
-import asyncio
-from typing import Any
-
-import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvatlas.coordinator.auth import ANONYMOUS_ADMIN, AuthError
-
-json_encoder = msgspec.json.Encoder()
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, detail: str, **extra: Any) -> None:
-        super().__init__(detail)
-        self.status = status
-        self.detail = detail
-        self.extra = extra
-
-
-class MsgspecJSONResponse(Response):
-    media_type = "application/json"
-
-    def render(self, content: Any) -> bytes:
-        return json_encoder.encode(content)
-
-
-def error_response(status: int, detail: str, **extra: Any) -> Response:
-    return MsgspecJSONResponse({"detail": detail, **extra}, status_code=status)
+from kvatlas.coordinator.auth import ANONYMOUS_ADMIN, TokenAuth
+from kvatlas.coordinator.blend_lookup import BLEND_HEADER, BlendLookup, blend_header_value
+from kvatlas.errors import KvatlasError, Unprocessable
+from kvatlas.web import error_headers, error_payload, error_response, json_encoder
 
 
 class BlendFastPath:
     """``POST /directory/blend-lookup`` answered at the ASGI layer, skipping routing and
-    dependency injection: the service's hottest request costs ~1 ms of Python in the framework
-    otherwise, on a GIL it shares with matching. Same handler, same errors, same reply as the
-    FastAPI route (which stays for the OpenAPI schema)."""
+    dependency injection (framework overhead on a GIL shared with matching). Same handler,
+    same errors, same reply as the FastAPI route (which stays for the OpenAPI schema)."""
 
     PATH = "/directory/blend-lookup"
 
-    def __init__(self, app: ASGIApp, handler: Any, pool: Any, auth: Any) -> None:
+    def __init__(self, app: ASGIApp, lookup: BlendLookup, auth: TokenAuth | None) -> None:
         self.app = app
-        self.handler = handler
-        self.pool = pool
+        self.lookup = lookup
         self.auth = auth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -69,17 +52,37 @@ class BlendFastPath:
                     None,
                 )
                 who = self.auth.authenticate(authorization)
-            loop = asyncio.get_running_loop()
-            payload, enabled = await loop.run_in_executor(
-                self.pool, self.handler, b"".join(chunks), who
-            )
-            headers.append((b"x-kvatlas-blend", b"enabled" if enabled else b"disabled"))
-        except ApiError as exc:
-            status, payload = exc.status, json_encoder.encode({"detail": exc.detail, **exc.extra})
-        except AuthError as exc:
-            status, payload = exc.status, json_encoder.encode({"detail": exc.message})
-            if exc.status == 401:
-                headers.append((b"www-authenticate", b"Bearer"))
+            payload, enabled = await self.lookup(b"".join(chunks), who)
+            headers.append((BLEND_HEADER.encode(), blend_header_value(enabled).encode()))
+        except KvatlasError as exc:
+            status, payload = exc.status, json_encoder.encode(error_payload(exc))
+            headers.extend(error_headers(exc))
         headers.append((b"content-length", str(len(payload)).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
+
+
+def validation_error(exc: RequestValidationError) -> Unprocessable:
+    """FastAPI's own request validation, as a 422 whose ``detail`` names the first bad field
+    (``where: what``) and whose ``errors`` lists them all."""
+    errors = [
+        {
+            "loc": list(e.get("loc", ())),
+            "msg": str(e.get("msg", "")),
+            "type": str(e.get("type", "")),
+        }
+        for e in exc.errors()
+    ]
+    first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
+    where = ".".join(str(p) for p in first["loc"] if p != "body")
+    return Unprocessable(f"{where}: {first['msg']}" if where else str(first["msg"]), errors=errors)
+
+
+def install_validation_handler(app: FastAPI) -> None:
+    """Reply to FastAPI's ``RequestValidationError`` like to any other 422."""
+
+    async def _handler(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        return error_response(validation_error(exc))
+
+    app.add_exception_handler(RequestValidationError, _handler)

@@ -12,6 +12,10 @@ Token file (JSON)::
 A lookup token without ``cache_salts`` may query every namespace; with them, a tenant cannot
 reach another tenant's KV even by guessing its salt. Tokens are compared by SHA-256 digest
 (dictionary lookup on a digest leaks nothing useful about the token through timing).
+
+Failures are :class:`kvatlas.errors.Unauthorized` (401: no or unknown token) and
+:class:`kvatlas.errors.Forbidden` (403: a known token outside its role, instances or salts).
+See docs/coordinator.md ("Security").
 """
 
 from __future__ import annotations
@@ -23,16 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvatlas.errors import Forbidden, Unauthorized
+
 ROLES = ("emit", "lookup", "admin")
-
-
-class AuthError(Exception):
-    """``status`` 401 (who are you?) or 403 (not allowed)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -44,7 +41,7 @@ class Principal:
 
     def require(self, *roles: str) -> None:
         if self.role != "admin" and self.role not in roles:
-            raise AuthError(403, f"role {self.role!r} may not do this (needs {' or '.join(roles)})")
+            raise Forbidden(f"role {self.role!r} may not do this (needs {' or '.join(roles)})")
 
     def require_instance(self, instance_id: str | None) -> None:
         """Emit tokens act only for their own instances (admin for any)."""
@@ -52,7 +49,7 @@ class Principal:
         if self.role == "admin" or self.instance_ids is None:
             return
         if instance_id is None or instance_id not in self.instance_ids:
-            raise AuthError(403, f"this token may not act for instance {instance_id!r}")
+            raise Forbidden(f"this token may not act for instance {instance_id!r}")
 
     def require_salts(self, salts: Iterable[str]) -> None:
         self.require("lookup")
@@ -60,7 +57,7 @@ class Principal:
             return
         foreign = set(salts) - self.cache_salts
         if foreign:
-            raise AuthError(403, f"this token may not query cache_salt {sorted(foreign)[0]!r}")
+            raise Forbidden(f"this token may not query cache_salt {sorted(foreign)[0]!r}")
 
 
 ANONYMOUS_ADMIN = Principal("anonymous", "admin")
@@ -108,11 +105,11 @@ class TokenAuth:
 
     def authenticate(self, authorization: str | None) -> Principal:
         if not authorization:
-            raise AuthError(401, "missing bearer token (Authorization: Bearer <token>)")
+            raise Unauthorized("missing bearer token (Authorization: Bearer <token>)")
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            raise AuthError(401, "expected Authorization: Bearer <token>")
+            raise Unauthorized("expected Authorization: Bearer <token>")
         principal = self._principals.get(_digest(token.strip()))
         if principal is None:
-            raise AuthError(401, "unknown bearer token")
+            raise Unauthorized("unknown bearer token")
         return principal

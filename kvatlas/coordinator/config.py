@@ -1,7 +1,7 @@
 """Coordinator configuration: every CLI flag, each also settable as ``KVATLAS_<NAME>``.
 
-Precedence: command line > environment > default. The flag table is the contract in
-coordinator.md §1; ``kvatlas coordinator --help`` prints it.
+Precedence: command line > environment > default. The flag table is the contract documented
+in docs/coordinator.md; ``kvatlas coordinator --help`` prints it.
 """
 
 from __future__ import annotations

@@ -2,11 +2,13 @@
 
 An instance that misses heartbeats for ``instance_timeout`` seconds is fenced (its L1
 placements dropped: its process memory is presumed gone) and forgotten, so its next heartbeat
-gets 404 and it re-registers. L2 placements stay: their bytes outlive the process.
+gets 404 and it re-registers. L2 placements stay: their bytes outlive the process. See
+docs/coordinator.md ("API": registration, liveness, fencing).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
@@ -15,28 +17,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-@dataclass
-class InstanceRecord:
-    instance_id: str
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """What an instance says about itself when it registers (``POST /instances``)."""
+
     ip: str = ""
     http_port: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     p2p_advertised_url: str | None = None
     mq_port: int | None = None
-    registered_at: float = 0.0
-    last_heartbeat: float = 0.0
 
-    def to_wire(self, now: float) -> dict[str, Any]:
-        return {
-            "instance_id": self.instance_id,
-            "ip": self.ip,
-            "http_port": self.http_port,
-            "metadata": self.metadata,
-            "p2p_advertised_url": self.p2p_advertised_url,
-            "mq_port": self.mq_port,
-            "registered_at": self.registered_at,
-            "last_heartbeat_age_s": round(now - self.last_heartbeat, 3),
-        }
+
+@dataclass(frozen=True, slots=True)
+class InstanceRecord:
+    """A registered instance; ``last_heartbeat`` is on the registry's (monotonic) clock,
+    ``registered_at`` is wall-clock time."""
+
+    instance_id: str
+    registration: Registration
+    registered_at: float
+    last_heartbeat: float
 
 
 class InstanceRegistry:
@@ -53,17 +53,16 @@ class InstanceRegistry:
         self._records: dict[str, InstanceRecord] = {}
         self.expired_total = 0
 
-    def register(self, instance_id: str | None, **fields: Any) -> tuple[str, bool]:
+    def register(self, instance_id: str | None, registration: Registration) -> tuple[str, bool]:
         """Returns ``(instance_id, re_registered)``; the coordinator assigns an id if none."""
         now = self._clock()
         with self._lock:
             if not instance_id:
                 instance_id = f"inst-{uuid.uuid4().hex[:16]}"
             existing = self._records.get(instance_id)
-            record = InstanceRecord(instance_id, registered_at=time.time(), last_heartbeat=now)
-            for name, value in fields.items():
-                setattr(record, name, value)
-            self._records[instance_id] = record
+            self._records[instance_id] = InstanceRecord(
+                instance_id, registration, registered_at=time.time(), last_heartbeat=now
+            )
             return instance_id, existing is not None
 
     def heartbeat(self, instance_id: str) -> bool:
@@ -71,7 +70,7 @@ class InstanceRegistry:
             record = self._records.get(instance_id)
             if record is None:
                 return False
-            record.last_heartbeat = self._clock()
+            self._records[instance_id] = dataclasses.replace(record, last_heartbeat=self._clock())
             return True
 
     def deregister(self, instance_id: str) -> bool:
@@ -95,5 +94,6 @@ class InstanceRegistry:
         return dead
 
     def snapshot(self) -> tuple[float, list[InstanceRecord]]:
+        """The clock now and every registered instance (immutable records)."""
         with self._lock:
             return self._clock(), list(self._records.values())

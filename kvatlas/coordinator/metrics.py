@@ -1,8 +1,9 @@
-"""Prometheus metrics of the coordinator (coordinator.md §5), on a registry per service.
+"""Prometheus metrics of the coordinator (``GET /metrics``), on a registry per service.
 
 Counters and histograms are updated on the request path; gauges that mirror directory state
 (keys, index contents, bytes, gaps, lag) are read at scrape time by a collector, so the hot
-path never pays for them.
+path never pays for them. The directory gauges mirror the fields of ``GET /directory/stats``
+(read through ``wire.directory_stats_to_wire``). See docs/coordinator.md.
 """
 
 from __future__ import annotations
@@ -14,18 +15,22 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvatlas.checks import is_plain_int
+from kvatlas.coordinator.views import MetricsState
+from kvatlas.coordinator.wire import directory_stats_to_wire
+
 _LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
 )  # fmt: skip
 
 
 class _StateCollector(Collector):
-    def __init__(self, read_state: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, read_state: Callable[[], MetricsState]) -> None:
         self._read_state = read_state
 
     def collect(self) -> Iterator[Any]:
         state = self._read_state()
-        directory = state["directory"]
+        directory = directory_stats_to_wire(state.directory)
         yield _gauge("kvatlas_directory_keys", "keys in the directory", directory["keys"])
         yield _gauge("kvatlas_directory_chunks", "distinct chunk hashes", directory["chunks"])
         yield _gauge("kvatlas_directory_placements", "live placements", directory["placements"])
@@ -44,7 +49,7 @@ class _StateCollector(Collector):
             "kvatlas_blend_enabled", "blend lookup enabled", int(bool(blend.get("enabled")))
         )
         for name, value in sorted(blend.items()):
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if is_plain_int(value) or isinstance(value, float):
                 yield _gauge(f"kvatlas_blend_index_{name}", f"blend index {name}", value)
         gaps = CounterMetricFamily(
             "kvatlas_event_gaps", "seq gaps per emitter", labels=["instance_id"]
@@ -52,19 +57,19 @@ class _StateCollector(Collector):
         lag = GaugeMetricFamily(
             "kvatlas_ingest_lag_seconds", "emitter ts to apply", labels=["instance_id"]
         )
-        for inst, emitter in sorted(state["emitters"].items()):
-            gaps.add_metric([inst], emitter["gaps"])
-            if emitter.get("lag_s") is not None:
-                lag.add_metric([inst], emitter["lag_s"])
+        for inst, emitter in sorted(state.emitters.items()):
+            gaps.add_metric([inst], emitter.gaps)
+            if emitter.lag_s is not None:
+                lag.add_metric([inst], emitter.lag_s)
         yield gaps
         yield lag
-        yield _gauge("kvatlas_instances_alive", "registered instances", state["instances_alive"])
+        yield _gauge("kvatlas_instances_alive", "registered instances", state.instances_alive)
         bypass = CounterMetricFamily(
             "kvatlas_mm_bypass",
             "requests refused a key (no usable multimodal identity)",
             labels=["reason"],
         )
-        for reason, value in sorted(state.get("mm_bypass", {}).items()):
+        for reason, value in sorted(state.mm_bypass.items()):
             bypass.add_metric([reason], value)
         yield bypass
 
@@ -74,7 +79,7 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 
 class CoordinatorMetrics:
-    def __init__(self, read_state: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, read_state: Callable[[], MetricsState]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.batches = Counter(

@@ -1,17 +1,26 @@
-"""Request bodies of the HTTP API, as pydantic models so that ``/openapi.json`` documents them.
+"""Request bodies of the HTTP API, as the models that ``/openapi.json`` documents.
 
-Field names follow LMCache's coordinator where the seeds define them, so LMCache MP servers and
-their clients can point at kvatlas unchanged. Unknown fields are ignored (be liberal in what
-you accept); semantic validation (hex, salts, token ranges) happens in the handlers with
-messages that name the field.
+Field names follow LMCache's coordinator, so LMCache MP servers and their clients can point at
+kvatlas unchanged. Unknown fields are ignored (be liberal in what you accept); semantic
+validation (hex, salts, token ranges) happens in ``query.py`` with messages that name the
+field. The events body is documented from the event model itself (``EVENTS_BODY_SCHEMA``).
+See docs/coordinator.md ("API").
 """
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
 from typing import Annotated, Any
 
 import msgspec
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
+
+from kvatlas.events import EVENT_TYPES, TIERS, UNKNOWN_OFFSET, EventBatch
+from kvatlas.events.model import I64_MAX, MAX_ID_CHARS, U64_MAX
+from kvatlas.keys import ObjectKey
 
 
 class WireKey(BaseModel):
@@ -76,6 +85,59 @@ class RegisterRequest(BaseModel):
     mq_port: int | None = None
 
 
+# ---------------------------------------------------------------------------- POST /events
+# The body is decoded by kvatlas.events (msgspec, not pydantic); its schema is generated from
+# the event model itself (field names, which are required, types, enumerations, limits), so
+# the documentation cannot drift from what the decoder accepts.
+
+_JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", bool: "boolean", float: "number"}
+_ENUMS: dict[str, frozenset[str]] = {"event_type": EVENT_TYPES, "tier": TIERS}
+_BOUNDS: dict[str, tuple[int, int]] = {
+    "incarnation": (0, U64_MAX),
+    "seq": (1, U64_MAX),
+    "capacity_bytes": (0, I64_MAX),
+    "capacity_revision": (0, I64_MAX),
+    "size_bytes": (0, I64_MAX),
+    "token_offset": (UNKNOWN_OFFSET, I64_MAX),
+}
+_MAX_CHARS = {"instance_id": MAX_ID_CHARS, "backend": MAX_ID_CHARS}
+
+
+def _field_schema(name: str, hint: Any) -> dict[str, Any]:
+    args = typing.get_args(hint)
+    if types.NoneType in args:  # Optional[X]: absent and null mean the same on the wire
+        (hint,) = (a for a in args if a is not types.NoneType)
+    if hint is ObjectKey:
+        return WireKey.model_json_schema()
+    if typing.get_origin(hint) is tuple:  # the batch's entries
+        return {"type": "array", "items": _object_schema(typing.get_args(hint)[0])}
+    if typing.get_origin(hint) is np.ndarray:  # token ids
+        return {"type": "array", "items": {"type": "integer"}}
+    out: dict[str, Any] = {"type": _JSON_TYPES[hint]}
+    if name in _ENUMS:
+        out["enum"] = sorted(_ENUMS[name])
+    if name in _BOUNDS:
+        out["minimum"], out["maximum"] = _BOUNDS[name]
+    if name in _MAX_CHARS:
+        out["maxLength"] = _MAX_CHARS[name]
+    return out
+
+
+def _object_schema(model: type) -> dict[str, Any]:
+    """A dataclass of the event model as a JSON object: its fields, required if no default."""
+    hints = typing.get_type_hints(model)
+    fields = dataclasses.fields(model)
+    return {
+        "type": "object",
+        "required": [
+            f.name
+            for f in fields
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ],
+        "properties": {f.name: _field_schema(f.name, hints[f.name]) for f in fields},
+    }
+
+
 EVENTS_BODY_SCHEMA: dict[str, Any] = {
     "requestBody": {
         "required": True,
@@ -85,50 +147,7 @@ EVENTS_BODY_SCHEMA: dict[str, Any] = {
                     "type": "object",
                     "required": ["batches"],
                     "properties": {
-                        "batches": {
-                            "type": "array",
-                            "items": {
-                                "type": "object",
-                                "required": [
-                                    "instance_id",
-                                    "incarnation",
-                                    "seq",
-                                    "event_type",
-                                    "tier",
-                                ],
-                                "properties": {
-                                    "instance_id": {"type": "string"},
-                                    "incarnation": {"type": "integer", "minimum": 0},
-                                    "seq": {"type": "integer", "minimum": 1},
-                                    "event_type": {
-                                        "type": "string",
-                                        "enum": ["store", "delete", "access", "config"],
-                                    },
-                                    "tier": {"type": "string", "enum": ["l1", "l2"]},
-                                    "backend": {"type": "string"},
-                                    "shared": {"type": "boolean"},
-                                    "ts": {"type": "number"},
-                                    "capacity_bytes": {"type": "integer", "minimum": 0},
-                                    "capacity_revision": {"type": "integer", "minimum": 0},
-                                    "entries": {
-                                        "type": "array",
-                                        "items": {
-                                            "type": "object",
-                                            "required": ["key"],
-                                            "properties": {
-                                                "key": WireKey.model_json_schema(),
-                                                "size_bytes": {"type": "integer", "minimum": 0},
-                                                "token_ids": {
-                                                    "type": "array",
-                                                    "items": {"type": "integer"},
-                                                },
-                                                "token_offset": {"type": "integer"},
-                                            },
-                                        },
-                                    },
-                                },
-                            },
-                        }
+                        "batches": {"type": "array", "items": _object_schema(EventBatch)}
                     },
                 }
             },

@@ -1,7 +1,8 @@
 """Running the coordinator: ``kvatlas coordinator`` and an in-process background server.
 
 The background server (uvicorn in a thread on a chosen or free port) is what the embedded
-demo and the tests use: real HTTP on loopback, real sockets, the same app.
+demo and the tests use: real HTTP on loopback, real sockets, the same app. See
+docs/coordinator.md.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from kvatlas.logs import configure_logging
 
 __all__ = ["BackgroundServer", "announce_security", "free_port", "run_coordinator"]
 
-log = logging.getLogger("kvatlas.coordinator")
+log = logging.getLogger(__name__)
 
 
 def _is_loopback(host: str) -> bool:

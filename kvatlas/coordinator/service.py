@@ -1,9 +1,10 @@
 """The coordinator's moving parts, independent of HTTP: directory, instances, auth, snapshots,
 the Redis Streams consumer and the background threads that tie them together.
 
-Readiness: ``restoring`` (loading the snapshot) → ``catching_up`` (Redis transport: replaying
-the stream up to its end) → ``serving``. Lookups are answered in every state; ``/readyz``
-tells a load balancer whether the answers are complete.
+Readiness (:class:`~kvatlas.coordinator.views.Readiness`) goes ``restoring`` → (Redis
+transport: ``catching_up``) → ``serving`` and never back while the service runs; lookups are
+answered in every state. Everything the service reports is an immutable view
+(:mod:`kvatlas.coordinator.views`). See docs/coordinator.md.
 """
 
 from __future__ import annotations
@@ -11,25 +12,42 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from kvatlas.coordinator.auth import TokenAuth
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.instances import InstanceRegistry
 from kvatlas.coordinator.metrics import CoordinatorMetrics
-from kvatlas.directory import KeyDirectory
-from kvatlas.directory.gate import Outcome
-from kvatlas.directory.key_directory import IngestCounts
-from kvatlas.directory.snapshot import SnapshotError, SnapshotInfo, load_snapshot, save_snapshot
+from kvatlas.coordinator.views import (
+    NO_EMITTER,
+    Deregistration,
+    EmitterView,
+    HealthView,
+    InstanceView,
+    MetricsState,
+    Readiness,
+    StatsView,
+)
+from kvatlas.directory import (
+    IngestCounts,
+    KeyDirectory,
+    KeyPage,
+    Outcome,
+    SnapshotInfo,
+    TokenLookup,
+    load_snapshot,
+    page_keys,
+    save_snapshot,
+)
+from kvatlas.directory.records import prefix_summary
+from kvatlas.directory.snapshot import SnapshotError
 from kvatlas.directory.warm_up import warm_up_kernels
+from kvatlas.errors import Unprocessable
 from kvatlas.events import EventBatch
-from kvatlas.keys import MM_BYPASS_GUARD
+from kvatlas.keys import MM_BYPASS_GUARD, ObjectKey
 
-log = logging.getLogger("kvatlas.coordinator")
-
-RESTORING, CATCHING_UP, SERVING = "restoring", "catching_up", "serving"
+log = logging.getLogger(__name__)
 
 
 class CoordinatorService:
@@ -46,7 +64,7 @@ class CoordinatorService:
         self.auth = TokenAuth.from_file(config.auth_token_file) if config.auth_token_file else None
         self.instances = InstanceRegistry(config.instance_timeout, self._fence_expired)
         self.metrics = CoordinatorMetrics(self.metrics_state)
-        self.state = RESTORING
+        self.state = Readiness.RESTORING
         self.stream_position: str | None = None
         self.last_snapshot: SnapshotInfo | None = None
         self._lag: dict[str, float] = {}
@@ -54,7 +72,6 @@ class CoordinatorService:
         self._snapshot_lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._consumer: Any = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -67,11 +84,19 @@ class CoordinatorService:
         if self.config.event_transport == "redis":
             from kvatlas.coordinator.stream_consumer import StreamConsumer
 
-            self.state = CATCHING_UP
-            self._consumer = StreamConsumer(self)
-            self._spawn("stream-consumer", self._consumer.run)
+            self.state = Readiness.CATCHING_UP
+            consumer = StreamConsumer(
+                self.config,
+                ingest=self.ingest,
+                position=self.stream_position,
+                on_position=self._set_stream_position,
+                set_readiness=self._set_state,
+                stop=self._stop,
+                errors=self.metrics.stream_errors,
+            )
+            self._spawn("stream-consumer", consumer.run)
         else:
-            self.state = SERVING
+            self.state = Readiness.SERVING
 
     def stop(self) -> None:
         self._stop.set()
@@ -81,14 +106,16 @@ class CoordinatorService:
         if self.config.snapshot_path is not None:
             self.take_snapshot()
 
-    @property
-    def stopping(self) -> threading.Event:
-        return self._stop
-
-    def _spawn(self, name: str, target: Any) -> None:
+    def _spawn(self, name: str, target: Callable[[], None]) -> None:
         thread = threading.Thread(target=target, name=f"kvatlas-{name}", daemon=True)
         thread.start()
         self._threads.append(thread)
+
+    def _set_state(self, state: Readiness) -> None:
+        self.state = state
+
+    def _set_stream_position(self, position: str) -> None:
+        self.stream_position = position
 
     # ------------------------------------------------------------------ ingestion
 
@@ -111,11 +138,48 @@ class CoordinatorService:
                 stale += 1
         return IngestCounts(applied, duplicates, stale)
 
-    def deregister(self, instance_id: str) -> int:
+    # ------------------------------------------------------------------ lookups
+
+    def lookup_keys(self, keys: Sequence[ObjectKey]) -> TokenLookup:
+        """Placements of each key, and how many leading keys each holder has."""
+        results = self.directory.lookup(list(keys))
+        return TokenLookup(len({k.chunk_hash for k in keys}), results, prefix_summary(results))
+
+    def page_keys(
+        self,
+        *,
+        tier: str | None,
+        instance_id: str | None,
+        backend: str | None,
+        offset: int,
+        limit: int,
+        cursor: str | None,
+    ) -> KeyPage:
+        """One page of the key listing; a cursor this directory never issued is refused."""
+        try:
+            return page_keys(
+                self.directory,
+                tier=tier,
+                instance_id=instance_id,
+                backend=backend,
+                offset=offset,
+                limit=limit,
+                cursor=cursor,
+            )
+        except ValueError as exc:
+            raise Unprocessable(f"cursor: {exc}") from None
+
+    # ------------------------------------------------------------------ instances
+
+    def deregister(self, instance_id: str) -> Deregistration:
+        """Forget the instance and its cursor, fence its L1 placements (L2 stays)."""
+        known = self.instances.known(instance_id) or (
+            self.directory.gap_state(instance_id) is not None
+        )
         self.instances.deregister(instance_id)
         with self._lag_lock:
             self._lag.pop(instance_id, None)
-        return self.directory.deregister(instance_id)
+        return Deregistration(instance_id, known, self.directory.deregister(instance_id))
 
     def _fence_expired(self, instance_id: str) -> None:
         dropped = self.directory.fence_instance(instance_id)
@@ -133,7 +197,7 @@ class CoordinatorService:
 
     def restore(self) -> None:
         path = self.config.snapshot_path
-        self.state = RESTORING
+        self.state = Readiness.RESTORING
         if path is None or not Path(path).exists():
             return
         try:
@@ -179,57 +243,57 @@ class CoordinatorService:
 
     # ------------------------------------------------------------------ views
 
-    def emitters_view(self) -> dict[str, dict[str, Any]]:
+    def emitters_view(self) -> dict[str, EmitterView]:
         with self._lag_lock:
             lag = dict(self._lag)
-        out = {}
-        for inst, cursor in self.directory.emitters().items():
-            out[inst] = {
-                "incarnation": cursor.incarnation,
-                "last_seq": cursor.last_seq,
-                "gaps": cursor.gaps,
-                "missing_batches": cursor.missing_batches,
-                "lag_s": lag.get(inst),
-            }
-        return out
+        return {
+            inst: EmitterView(
+                cursor.incarnation,
+                cursor.last_seq,
+                cursor.gaps,
+                cursor.missing_batches,
+                lag.get(inst),
+            )
+            for inst, cursor in self.directory.emitters().items()
+        }
 
-    def instances_view(self) -> list[dict[str, Any]]:
+    def instances_view(self) -> list[InstanceView]:
+        """Registered instances and instances that emit without registration (allowed), by
+        instance id."""
         now, records = self.instances.snapshot()
         emitters = self.emitters_view()
-        rows = []
-        for record in records:
-            row = record.to_wire(now)
-            row["alive"] = True
-            row.update(emitters.pop(record.instance_id, _NO_EMITTER))
-            rows.append(row)
-        for inst, emitter in emitters.items():  # emitting without registration (allowed)
-            rows.append({"instance_id": inst, "alive": False, "registered": False, **emitter})
-        rows.sort(key=lambda r: r["instance_id"])
+        rows = [
+            InstanceView(
+                r.instance_id,
+                r.registration,
+                r.registered_at,
+                round(now - r.last_heartbeat, 3),
+                emitters.pop(r.instance_id, NO_EMITTER),
+            )
+            for r in records
+        ]
+        rows += [InstanceView(inst, None, None, None, e) for inst, e in emitters.items()]
+        rows.sort(key=lambda r: r.instance_id)
         return rows
 
-    def metrics_state(self) -> dict[str, Any]:
-        return {
-            "directory": self.directory.stats(),
-            "emitters": self.emitters_view(),
-            "instances_alive": len(self.instances.snapshot()[1]),
-            "mm_bypass": dict(MM_BYPASS_GUARD.reasons),
-        }
+    def stats(self) -> StatsView:
+        return StatsView(
+            self.directory.stats(), self.scheme.name, len(self.instances.snapshot()[1])
+        )
 
-    def health(self) -> dict[str, Any]:
-        return {
-            "status": "ok",
-            "state": self.state,
-            **self.scheme.describe(),
-            "blend_lookup": self.directory.blend_enabled,
-            "event_transport": self.config.event_transport,
-            "stream_position": self.stream_position,
-        }
+    def metrics_state(self) -> MetricsState:
+        return MetricsState(
+            directory=self.directory.stats(),
+            emitters=self.emitters_view(),
+            instances_alive=len(self.instances.snapshot()[1]),
+            mm_bypass=dict(MM_BYPASS_GUARD.reasons),
+        )
 
-
-_NO_EMITTER = {
-    "incarnation": None,
-    "last_seq": None,
-    "gaps": 0,
-    "missing_batches": 0,
-    "lag_s": None,
-}
+    def health(self) -> HealthView:
+        return HealthView(
+            self.state,
+            self.scheme,
+            self.directory.blend_enabled,
+            self.config.event_transport,
+            self.stream_position,
+        )

@@ -4,34 +4,63 @@ Durability argument: an entry is acknowledged only after it was applied; the sna
 the last applied stream id; on start the group is rewound to that id (``XGROUP SETID``), so
 everything after the snapshot is delivered again. Entries applied after the snapshot but before
 a crash come back too, and the gate drops them as duplicates. Nothing is lost, nothing is
-applied twice. Each coordinator replica uses its own group and so builds the full view.
+applied twice. Each coordinator replica uses its own group and so builds the full view. See
+docs/coordinator.md ("Durability and transports").
+
+The consumer knows nothing of the service that runs it: it is handed an ingest function, a
+callback for the last applied stream id, a readiness setter and a stop event.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
-from typing import TYPE_CHECKING, Any
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from kvatlas.events import EventDecodeError, EventValidationError
+from prometheus_client import Counter
+
+from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.views import Readiness
+from kvatlas.events import EventBatch, EventDecodeError, EventValidationError
 from kvatlas.events.stream_format import decode_stream_fields
 
-if TYPE_CHECKING:
-    from kvatlas.coordinator.service import CoordinatorService
-
-log = logging.getLogger("kvatlas.coordinator.stream")
+log = logging.getLogger(__name__)
 
 READ_COUNT = 256
 BLOCK_MS = 500
 
 
 class StreamConsumer:
-    def __init__(self, service: CoordinatorService) -> None:
+    """Consumes ``config.event_stream`` from ``position`` (the snapshot's stream id; ``None``
+    = from the beginning) until ``stop`` is set.
+
+    ``ingest`` applies decoded batches; ``on_position`` is told each entry id once the entry
+    is applied (the snapshot records it); ``set_readiness(SERVING)`` is called once, when the
+    consumer first reaches the end of the stream; ``errors`` counts failures by kind
+    (``redis``, ``decode``, ``internal``)."""
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        *,
+        ingest: Callable[[Sequence[EventBatch]], object],
+        position: str | None,
+        on_position: Callable[[str], None],
+        set_readiness: Callable[[Readiness], None],
+        stop: threading.Event,
+        errors: Counter,
+    ) -> None:
         import redis
 
         self._redis_mod = redis
-        self.service = service
-        config = service.config
+        self._ingest = ingest
+        self._on_position = on_position
+        self._set_readiness = set_readiness
+        self._stop = stop
+        self._errors = errors
+        self.position = position
         self.stream = config.event_stream
         self.group = config.group_name
         self.consumer = f"{socket.gethostname()}-{config.port}"
@@ -40,10 +69,11 @@ class StreamConsumer:
         )
         self.applied_entries = 0
         self.bad_entries = 0
+        self._caught_up = False
 
     def _prepare_group(self) -> None:
-        """Create the group, or rewind it, to the snapshot's stream position ("0" = everything)."""
-        start = self.service.stream_position or "0"
+        """Create the group, or rewind it, to the last applied position ("0" = everything)."""
+        start = self.position or "0"
         try:
             self.client.xgroup_create(self.stream, self.group, id=start, mkstream=True)
         except self._redis_mod.ResponseError as exc:
@@ -55,26 +85,27 @@ class StreamConsumer:
     def run(self) -> None:
         backoff = 0.2
         prepared = False
-        stop = self.service.stopping
+        stop = self._stop
         while not stop.is_set():
             try:
                 if not prepared:
                     self._prepare_group()
                     prepared = True
                 caught_up = self._read_once()
-                if caught_up and self.service.state != "serving":
-                    self.service.state = "serving"
-                    log.info("caught up with %s at %s", self.stream, self.service.stream_position)
+                if caught_up and not self._caught_up:
+                    self._caught_up = True
+                    self._set_readiness(Readiness.SERVING)
+                    log.info("caught up with %s at %s", self.stream, self.position)
                 backoff = 0.2
             except self._redis_mod.RedisError as exc:
-                self.service.metrics.stream_errors.labels("redis").inc()
+                self._errors.labels("redis").inc()
                 log.warning("redis stream unavailable (%s); retrying in %.1f s", exc, backoff)
                 # A restarted Redis may have lost the group (NOGROUP): prepare it again.
                 prepared = prepared and "NOGROUP" not in str(exc)
                 stop.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
             except Exception:  # a bug: keep the transport alive, the entry stays pending
-                self.service.metrics.stream_errors.labels("internal").inc()
+                self._errors.labels("internal").inc()
                 log.exception("stream consumer error; retrying")
                 stop.wait(backoff)
 
@@ -96,10 +127,11 @@ class StreamConsumer:
         except (EventDecodeError, EventValidationError) as exc:
             # A malformed entry can never become valid: skip it rather than block the stream.
             self.bad_entries += 1
-            self.service.metrics.stream_errors.labels("decode").inc()
+            self._errors.labels("decode").inc()
             log.error("stream entry %s rejected: %s", entry_id.decode(), exc)
         else:
-            self.service.ingest(batches)
+            self._ingest(batches)
             self.applied_entries += 1
-        self.service.stream_position = entry_id.decode()
+        self.position = entry_id.decode()
+        self._on_position(self.position)
         self.client.xack(self.stream, self.group, entry_id)

@@ -3,7 +3,9 @@ who holds which key (the coordinator's directory) and how to reach that holder's
 
 Two implementations: over HTTP (coordinator lookup + the peers' advertised URLs from
 ``GET /instances``) and in-process (the embedded fleet). Every failure is a miss, never an
-exception: fetching from the fleet is an optimisation over recomputing.
+exception: fetching from the fleet is an optimisation over recomputing. Coordinator replies are
+read with :mod:`kvatlas.coordinator.wire`, the module that writes them (docs/node.md,
+docs/coordinator.md).
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvatlas.client import CoordinatorClient, CoordinatorError
+from kvatlas.coordinator.wire import instance_from_wire, lookup_from_wire
 from kvatlas.keys import ObjectKey
 from kvatlas.node.peer import PeerClient
 from kvatlas.node.stored_chunk import StoredChunk
 
-log = logging.getLogger("kvatlas.node")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,19 +57,16 @@ class HttpFleetView:
         if not keys:
             return []
         try:
-            reply = self._client.lookup_keys(list(keys))
-        except CoordinatorError as exc:
+            found = lookup_from_wire(self._client.lookup_keys(list(keys)))
+        except (CoordinatorError, ValueError) as exc:
             log.debug("fleet lookup failed: %s", exc)
             return [[] for _ in keys]
-        out = []
-        for result in reply.get("results", []):
-            out.append(
-                [
-                    Holder(p["instance_id"], p["tier"], p["backend"], bool(p["shared"]))
-                    for p in result.get("placements", [])
-                ]
-            )
-        return out if len(out) == len(keys) else [[] for _ in keys]
+        if len(found.results) != len(keys):
+            return [[] for _ in keys]
+        return [
+            [Holder(p.instance_id, p.tier, p.backend, p.shared) for p in kp.placements]
+            for kp in found.results
+        ]
 
     def peer(self, instance_id: str) -> PeerFetcher | None:
         with self._lock:
@@ -85,15 +85,15 @@ class HttpFleetView:
 
     def _refresh_urls(self) -> None:
         try:
-            rows = self._client.instances()
-        except (CoordinatorError, KeyError, TypeError) as exc:
+            views = [instance_from_wire(row) for row in self._client.instances()]
+        except (CoordinatorError, KeyError, TypeError, ValueError) as exc:
             log.debug("instance list unavailable: %s", exc)
             return
         with self._lock:
-            for row in rows:
-                url = row.get("p2p_advertised_url")
-                if url:
-                    self._urls[str(row["instance_id"])] = str(url)
+            for view in views:
+                reg = view.registration
+                if reg is not None and reg.p2p_advertised_url:
+                    self._urls[view.instance_id] = reg.p2p_advertised_url
 
 
 class InProcessFleetView:

@@ -61,8 +61,8 @@ def test_drops_beyond_the_bound_are_counted_and_visible_as_a_gap() -> None:
         cursor = server.service.directory.gap_state("node-b")
         assert cursor is not None and cursor.gaps == 1
         assert cursor.missing_batches == sink.dropped_batches
-        rows = {r["instance_id"]: r for r in server.service.instances_view()}
-        assert rows["node-b"]["gaps"] == 1
+        rows = {r.instance_id: r for r in server.service.instances_view()}
+        assert rows["node-b"].emitter.gaps == 1
     sink.close(timeout=0.5)
 
 

@@ -63,10 +63,12 @@ def test_reporting_node_registers_and_advertises_its_peer_url(
     )
     process = NodeProcess(config)
     try:
-        rows = {r["instance_id"]: r for r in coordinator.service.instances_view()}
-        assert rows["n1"]["p2p_advertised_url"] == f"http://127.0.0.1:{config.port}"
+        rows = {r.instance_id: r for r in coordinator.service.instances_view()}
+        registration = rows["n1"].registration
+        assert registration is not None
+        assert registration.p2p_advertised_url == f"http://127.0.0.1:{config.port}"
         assert process.sink is not None and process.node.blend.fleet is not None
     finally:
         process.close()
-    rows = {r["instance_id"]: r for r in coordinator.service.instances_view()}
+    rows = {r.instance_id: r for r in coordinator.service.instances_view()}
     assert "n1" not in rows  # deregistered on close

@@ -1,0 +1,198 @@
+"""Request validation: from a request body to the typed query the service answers, or an error
+from :mod:`kvatlas.errors` that names what was wrong (422) or which limit was exceeded (413).
+
+Size limits are checked before the expensive step they protect (a base64 text is measured
+before it is decoded, a key list before its keys are parsed), so an oversized query costs no
+more than reading it. See docs/coordinator.md ("API").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from kvatlas.coordinator._base64 import b64decode_strict
+from kvatlas.coordinator.instances import Registration
+from kvatlas.coordinator.schemas import BlendLookupBody, LookupRequest, RegisterRequest
+from kvatlas.errors import PayloadTooLarge, Unprocessable
+from kvatlas.events import (
+    EventBatch,
+    EventDecodeError,
+    EventValidationError,
+    decode_json,
+    decode_msgpack,
+)
+from kvatlas.keys import BlendNamespace, ObjectKey, as_token_array
+
+MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+MAX_INSTANCE_ID_CHARS = 256
+
+TokenArray = npt.NDArray[np.uint32]
+
+
+# ---------------------------------------------------------------------------- events
+
+
+def decode_events(body: bytes, content_type: str, max_entries: int) -> list[EventBatch]:
+    """The batches of a ``POST /events`` body (msgpack or JSON by ``content_type``), all valid
+    and together at most ``max_entries`` entries, or an error (nothing is half-decoded)."""
+    media = content_type.split(";")[0].strip().lower()
+    decode = decode_msgpack if media in MSGPACK_TYPES else decode_json
+    try:
+        batches = decode(body)
+    except (EventDecodeError, EventValidationError) as exc:
+        raise Unprocessable(str(exc), field=exc.field) from None
+    entries = sum(len(b.entries) for b in batches)
+    if entries > max_entries:
+        raise PayloadTooLarge(f"{entries} entries exceed --max-batch-entries {max_entries}")
+    return batches
+
+
+# ---------------------------------------------------------------------------- query tokens
+
+
+def decode_tokens_b64(text: str, max_tokens: int) -> TokenArray:
+    """``tokens_b64`` (strict padded base64 of little-endian uint32) as a token array; the
+    length is checked before decoding."""
+    if len(text) // 4 * 3 > 4 * max_tokens + 3:  # refuse before decoding
+        raise PayloadTooLarge(f"query exceeds --max-query-tokens {max_tokens}")
+    raw = b64decode_strict(text)
+    if raw is None:
+        raise Unprocessable("tokens_b64 is not valid base64")
+    if len(raw) % 4:
+        raise Unprocessable(f"tokens_b64 decodes to {len(raw)} bytes, not a multiple of 4 (uint32)")
+    if len(raw) // 4 > max_tokens:
+        raise PayloadTooLarge(
+            f"query of {len(raw) // 4} tokens exceeds --max-query-tokens {max_tokens}"
+        )
+    tokens: TokenArray = raw.view("<u4").astype(np.uint32, copy=False)
+    return tokens
+
+
+def query_tokens(
+    token_ids: list[int] | None, tokens_b64: str | None, max_tokens: int
+) -> TokenArray:
+    """The query tokens of a body that gives ``token_ids`` or ``tokens_b64`` (or neither: no
+    tokens), at most ``max_tokens`` of them."""
+    if token_ids is not None and tokens_b64 is not None:
+        raise Unprocessable("give token_ids or tokens_b64, not both")
+    if tokens_b64 is not None:
+        return decode_tokens_b64(tokens_b64, max_tokens)
+    ids = token_ids or []
+    if len(ids) > max_tokens:
+        raise PayloadTooLarge(f"query of {len(ids)} tokens exceeds --max-query-tokens {max_tokens}")
+    try:
+        return as_token_array(ids)
+    except ValueError as exc:
+        raise Unprocessable(f"token_ids: {exc}") from None
+
+
+# ---------------------------------------------------------------------------- prefix lookup
+
+
+@dataclass(frozen=True, slots=True)
+class KeysQuery:
+    """``POST /directory/lookup`` by keys."""
+
+    keys: list[ObjectKey]
+    form: ClassVar[str] = "keys"
+
+    @property
+    def salts(self) -> set[str]:
+        return {k.cache_salt for k in self.keys}
+
+
+@dataclass(frozen=True, slots=True)
+class TokensQuery:
+    """``POST /directory/lookup`` by tokens: the prefix chunks of ``tokens`` in a namespace."""
+
+    tokens: TokenArray
+    model_name: str
+    world_size: int
+    cache_salt: str
+    object_group_id: int
+    form: ClassVar[str] = "tokens"
+
+    @property
+    def salts(self) -> set[str]:
+        return {self.cache_salt}
+
+
+def lookup_query(body: LookupRequest, max_tokens: int) -> KeysQuery | TokensQuery:
+    """Exactly one form: ``keys``, or ``token_ids``/``tokens_b64`` with ``model_name``; at
+    most ``max_tokens`` keys or tokens."""
+    token_form = body.token_ids is not None or body.tokens_b64 is not None
+    if (body.keys is not None) == token_form:
+        raise Unprocessable("give exactly one form: keys, or token_ids/tokens_b64 with model_name")
+    if body.keys is not None:
+        if len(body.keys) > max_tokens:
+            raise PayloadTooLarge(f"{len(body.keys)} keys exceed the query limit")
+        try:
+            return KeysQuery([ObjectKey.from_wire(k.model_dump()) for k in body.keys])
+        except ValueError as exc:
+            raise Unprocessable(f"keys: {exc}") from None
+    tokens = query_tokens(body.token_ids, body.tokens_b64, max_tokens)
+    if not body.model_name:
+        raise Unprocessable("model_name is required with token_ids")
+    try:
+        BlendNamespace(body.model_name, body.cache_salt, body.world_size)
+        if body.object_group_id < 0:
+            raise ValueError("object_group_id must be >= 0")
+    except ValueError as exc:
+        raise Unprocessable(str(exc)) from None
+    return TokensQuery(
+        tokens, body.model_name, body.world_size, body.cache_salt, body.object_group_id
+    )
+
+
+# ---------------------------------------------------------------------------- blend lookup
+
+_blend_body_decoder = msgspec.json.Decoder(BlendLookupBody)
+
+
+def decode_blend_body(raw: bytes) -> BlendLookupBody:
+    """The blend-lookup body, decoded straight from bytes (the hot path: no dict, no model)."""
+    try:
+        return _blend_body_decoder.decode(raw)
+    except msgspec.MsgspecError as exc:
+        raise Unprocessable(f"body: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class BlendQuery:
+    """Fragments of ``tokens`` to find in ``namespace``."""
+
+    tokens: TokenArray
+    namespace: BlendNamespace
+
+
+def blend_query(body: BlendLookupBody, max_tokens: int) -> BlendQuery | None:
+    """The query of a blend-lookup body; ``None`` for an empty query (nothing to match)."""
+    tokens = query_tokens(body.token_ids, body.tokens_b64, max_tokens)
+    if len(tokens) and not body.model_name:
+        raise Unprocessable("model_name is required with non-empty tokens")
+    if not len(tokens):
+        return None
+    try:
+        namespace = BlendNamespace(body.model_name or "", body.cache_salt, body.world_size)
+    except ValueError as exc:
+        raise Unprocessable(str(exc)) from None
+    return BlendQuery(tokens, namespace)
+
+
+# ---------------------------------------------------------------------------- instances
+
+
+def registration(body: RegisterRequest) -> tuple[str | None, Registration]:
+    """The instance id asked for (``None``: the coordinator assigns one) and what the instance
+    says about itself."""
+    if body.instance_id is not None and not (0 < len(body.instance_id) <= MAX_INSTANCE_ID_CHARS):
+        raise Unprocessable(f"instance_id must be 1..{MAX_INSTANCE_ID_CHARS} characters")
+    metadata: dict[str, Any] = body.metadata
+    return body.instance_id, Registration(
+        body.ip, body.http_port, metadata, body.p2p_advertised_url, body.mq_port
+    )

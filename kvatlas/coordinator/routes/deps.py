@@ -1,0 +1,40 @@
+"""What a route may ask FastAPI for: the service (the typed context every route works on), the
+blend-lookup handler, and the caller (:class:`~kvatlas.coordinator.auth.Principal`; 401 when
+auth is on and the bearer token is missing or unknown).
+
+``app.py`` puts the service and the handler on ``app.state`` (``service``, ``blend_lookup``).
+All are ``async``: a sync dependency would cost every request a thread-pool round trip.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from kvatlas.coordinator.auth import ANONYMOUS_ADMIN, Principal
+from kvatlas.coordinator.blend_lookup import BlendLookup
+from kvatlas.coordinator.service import CoordinatorService
+
+
+async def _service(request: Request) -> CoordinatorService:
+    service: CoordinatorService = request.app.state.service
+    return service
+
+
+async def _blend(request: Request) -> BlendLookup:
+    blend: BlendLookup = request.app.state.blend_lookup
+    return blend
+
+
+async def _principal(request: Request) -> Principal:
+    auth = request.app.state.service.auth
+    if auth is None:
+        return ANONYMOUS_ADMIN
+    who: Principal = auth.authenticate(request.headers.get("authorization"))
+    return who
+
+
+Service = Annotated[CoordinatorService, Depends(_service)]
+Blend = Annotated[BlendLookup, Depends(_blend)]
+Caller = Annotated[Principal, Depends(_principal)]

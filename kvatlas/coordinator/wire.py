@@ -1,0 +1,316 @@
+"""The JSON form of every coordinator reply, written once: ``*_to_wire`` builds a reply from
+the service's typed values, ``*_from_wire`` reads one back (what a client such as
+:mod:`kvatlas.node.fleet_view` uses), side by side so the two cannot drift apart.
+
+Field names and their order are the wire contract (LMCache-compatible where it defines them;
+docs/coordinator.md "API", docs/directory.md); the golden-reply tests pin every byte. A
+``*_from_wire`` raises ``ValueError`` on a reply that is not of this form (missing field,
+wrong type), never returns a half-read value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvatlas.checks import is_plain_int
+from kvatlas.coordinator.instances import Registration
+from kvatlas.coordinator.views import (
+    Deregistration,
+    EmitterView,
+    HealthView,
+    InstanceView,
+    Readiness,
+    StatsView,
+)
+from kvatlas.directory import (
+    IngestCounts,
+    KeyPage,
+    KeyPlacements,
+    Placement,
+    PrefixHolder,
+    TokenLookup,
+)
+from kvatlas.keys import BlendMatch, ObjectKey
+
+# ---------------------------------------------------------------------------- reading helpers
+
+
+def _get(obj: Any, name: str) -> Any:
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"expected an object with {name!r}, got {type(obj).__name__}")
+    if name not in obj:
+        raise ValueError(f"reply has no {name!r}")
+    return obj[name]
+
+
+def _str(obj: Any, name: str) -> str:
+    value = _get(obj, name)
+    if not isinstance(value, str):
+        raise ValueError(f"{name} is not a string")
+    return value
+
+
+def _int(obj: Any, name: str) -> int:
+    value = _get(obj, name)
+    if not is_plain_int(value):
+        raise ValueError(f"{name} is not an integer")
+    return value
+
+
+def _bool(obj: Any, name: str) -> bool:
+    value = _get(obj, name)
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} is not a boolean")
+    return value
+
+
+def _float(obj: Any, name: str) -> float:
+    value = _get(obj, name)
+    if not (is_plain_int(value) or isinstance(value, float)):
+        raise ValueError(f"{name} is not a number")
+    return float(value)
+
+
+def _optional(read: Any, obj: Any, name: str) -> Any:
+    return None if _get(obj, name) is None else read(obj, name)
+
+
+def _list(obj: Any, name: str) -> list[Any]:
+    value = _get(obj, name)
+    if not isinstance(value, list):
+        raise ValueError(f"{name} is not a list")
+    return value
+
+
+# ---------------------------------------------------------------------------- placements
+
+
+def placement_to_wire(p: Placement) -> dict[str, Any]:
+    return {
+        "instance_id": p.instance_id,
+        "incarnation": p.incarnation,
+        "tier": p.tier,
+        "backend": p.backend,
+        "size_bytes": p.size_bytes,
+        "shared": p.shared,
+        "last_access": p.last_access,
+    }
+
+
+def placement_from_wire(obj: Any) -> Placement:
+    return Placement(
+        _str(obj, "instance_id"),
+        _int(obj, "incarnation"),
+        _str(obj, "tier"),
+        _str(obj, "backend"),
+        _int(obj, "size_bytes"),
+        _bool(obj, "shared"),
+        _float(obj, "last_access"),
+    )
+
+
+def key_placements_to_wire(kp: KeyPlacements) -> dict[str, Any]:
+    return {"key": kp.key.to_wire(), "placements": [placement_to_wire(p) for p in kp.placements]}
+
+
+def key_placements_from_wire(obj: Any) -> KeyPlacements:
+    key = _get(obj, "key")
+    if not isinstance(key, dict):
+        raise ValueError("key is not an object")
+    placements = tuple(placement_from_wire(p) for p in _list(obj, "placements"))
+    return KeyPlacements(ObjectKey.from_wire(key), placements)
+
+
+def prefix_to_wire(h: PrefixHolder) -> dict[str, Any]:
+    return {
+        "instance_id": h.instance_id,
+        "tier": h.tier,
+        "backend": h.backend,
+        "shared": h.shared,
+        "chunks": h.chunks,
+    }
+
+
+def prefix_from_wire(obj: Any) -> PrefixHolder:
+    return PrefixHolder(
+        _optional(_str, obj, "instance_id"),
+        _str(obj, "tier"),
+        _str(obj, "backend"),
+        _bool(obj, "shared"),
+        _int(obj, "chunks"),
+    )
+
+
+def lookup_to_wire(found: TokenLookup) -> dict[str, Any]:
+    """``POST /directory/lookup`` (both forms): chunks asked, placements per key, prefix."""
+    return {
+        "chunks": found.chunks,
+        "results": [key_placements_to_wire(kp) for kp in found.results],
+        "prefix": [prefix_to_wire(h) for h in found.prefix],
+    }
+
+
+def lookup_from_wire(obj: Any) -> TokenLookup:
+    return TokenLookup(
+        _int(obj, "chunks"),
+        [key_placements_from_wire(r) for r in _list(obj, "results")],
+        [prefix_from_wire(h) for h in _list(obj, "prefix")],
+    )
+
+
+def key_page_to_wire(page: KeyPage) -> dict[str, Any]:
+    """``GET /directory/keys``: one page and how to ask for the next (``None`` at the end)."""
+    return {
+        "keys": [key_placements_to_wire(kp) for kp in page.items],
+        "next_cursor": page.next_cursor,
+        "next_offset": page.next_offset,
+    }
+
+
+def key_page_from_wire(obj: Any) -> KeyPage:
+    return KeyPage(
+        [key_placements_from_wire(k) for k in _list(obj, "keys")],
+        _optional(_str, obj, "next_cursor"),
+        _optional(_int, obj, "next_offset"),
+    )
+
+
+def blend_to_wire(matches: Sequence[BlendMatch], enabled: bool) -> dict[str, Any]:
+    """``POST /directory/blend-lookup``; read back by ``kvatlas.client.blend_client`` (which
+    must not import the directory, so it keeps its own strict parser)."""
+    return {
+        "matches": [
+            {"chunk_hash": m.chunk_hash.hex(), "old_st": m.old_st, "cur_st": m.cur_st}
+            for m in matches
+        ],
+        "blend_enabled": enabled,
+    }
+
+
+# ---------------------------------------------------------------------------- statistics
+
+
+def directory_stats_to_wire(stats: dict[str, Any]) -> dict[str, Any]:
+    """The directory's statistics as ``/directory/stats`` (and the metrics gauges) show them:
+    the one place they become JSON."""
+    return dict(stats)
+
+
+def stats_to_wire(view: StatsView) -> dict[str, Any]:
+    """``GET /directory/stats``: the directory's statistics, then the service's own."""
+    return {
+        **directory_stats_to_wire(view.directory),
+        "key_scheme": view.key_scheme,
+        "instances_alive": view.instances_alive,
+    }
+
+
+# ---------------------------------------------------------------------------- instances
+
+
+def emitter_to_wire(e: EmitterView) -> dict[str, Any]:
+    return {
+        "incarnation": e.incarnation,
+        "last_seq": e.last_seq,
+        "gaps": e.gaps,
+        "missing_batches": e.missing_batches,
+        "lag_s": e.lag_s,
+    }
+
+
+def emitter_from_wire(obj: Any) -> EmitterView:
+    return EmitterView(
+        _optional(_int, obj, "incarnation"),
+        _optional(_int, obj, "last_seq"),
+        _int(obj, "gaps"),
+        _int(obj, "missing_batches"),
+        _optional(_float, obj, "lag_s"),
+    )
+
+
+def instance_to_wire(view: InstanceView) -> dict[str, Any]:
+    """One ``GET /instances`` row: registration fields (if registered), liveness, cursor."""
+    reg = view.registration
+    if reg is None:
+        row: dict[str, Any] = {"instance_id": view.instance_id, "alive": False, "registered": False}
+    else:
+        row = {
+            "instance_id": view.instance_id,
+            "ip": reg.ip,
+            "http_port": reg.http_port,
+            "metadata": reg.metadata,
+            "p2p_advertised_url": reg.p2p_advertised_url,
+            "mq_port": reg.mq_port,
+            "registered_at": view.registered_at,
+            "last_heartbeat_age_s": view.last_heartbeat_age_s,
+            "alive": True,
+        }
+    row.update(emitter_to_wire(view.emitter))
+    return row
+
+
+def instance_from_wire(obj: Any) -> InstanceView:
+    emitter = emitter_from_wire(obj)
+    if not _bool(obj, "alive"):
+        return InstanceView(_str(obj, "instance_id"), None, None, None, emitter)
+    metadata = _get(obj, "metadata")
+    if not isinstance(metadata, dict):
+        raise ValueError("metadata is not an object")
+    registration = Registration(
+        _str(obj, "ip"),
+        _optional(_int, obj, "http_port"),
+        metadata,
+        _optional(_str, obj, "p2p_advertised_url"),
+        _optional(_int, obj, "mq_port"),
+    )
+    return InstanceView(
+        _str(obj, "instance_id"),
+        registration,
+        _float(obj, "registered_at"),
+        _float(obj, "last_heartbeat_age_s"),
+        emitter,
+    )
+
+
+def instances_to_wire(views: Sequence[InstanceView]) -> dict[str, Any]:
+    return {"instances": [instance_to_wire(v) for v in views]}
+
+
+def instances_from_wire(obj: Any) -> list[InstanceView]:
+    return [instance_from_wire(row) for row in _list(obj, "instances")]
+
+
+def registered_to_wire(instance_id: str, re_registered: bool) -> dict[str, Any]:
+    return {"instance_id": instance_id, "re_registered": re_registered}
+
+
+def heartbeat_to_wire(instance_id: str) -> dict[str, Any]:
+    return {"instance_id": instance_id, "ok": True}
+
+
+def deregistration_to_wire(d: Deregistration) -> dict[str, Any]:
+    return {"instance_id": d.instance_id, "known": d.known, "fenced": d.fenced}
+
+
+# ---------------------------------------------------------------------------- events, health
+
+
+def ingest_counts_to_wire(counts: IngestCounts) -> dict[str, Any]:
+    """``POST /events``: batches applied, dropped as duplicates, refused as stale."""
+    return {"applied": counts.applied, "duplicates": counts.duplicates, "stale": counts.stale}
+
+
+def health_to_wire(h: HealthView) -> dict[str, Any]:
+    return {
+        "status": "ok",
+        "state": h.state.value,
+        **h.scheme.describe(),
+        "blend_lookup": h.blend_lookup,
+        "event_transport": h.event_transport,
+        "stream_position": h.stream_position,
+    }
+
+
+def readiness_to_wire(state: Readiness) -> dict[str, Any]:
+    return {"ready": state is Readiness.SERVING, "state": state.value}

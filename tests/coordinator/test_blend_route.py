@@ -1,0 +1,66 @@
+"""The documented ``POST /directory/blend-lookup`` route (normally pre-empted by the ASGI fast
+path) answers exactly like the fast path: same handler, same bytes, same errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from kvatlas.asgi_thread import ThreadedServer, free_port
+from kvatlas.coordinator.app import create_app
+from kvatlas.coordinator.asgi import BlendFastPath
+from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.events import CacheEntry, EventBatch
+from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
+
+TOKENS = list(range(100, 108))
+
+
+def _app(fast_path: bool) -> FastAPI:
+    service = CoordinatorService(CoordinatorConfig(chunk_size=4, enable_blend_lookup=True))
+    key = ObjectKey(chunk_hashes(TOKENS, 4)[0], "m", pack_kv_rank(1, 0, 1, 0))
+    entry = CacheEntry(key, 10, TOKENS[:4], 0)
+    service.ingest([EventBatch("a", 1, 1, "store", "l1", "dram", entries=(entry,))])
+    app = create_app(service)
+    if not fast_path:
+        app.user_middleware = [m for m in app.user_middleware if m.cls is not BlendFastPath]
+    return app
+
+
+@pytest.fixture(scope="module")
+def clients() -> Iterator[tuple[httpx.Client, httpx.Client]]:
+    servers = [ThreadedServer(_app(fast), port=free_port()) for fast in (True, False)]
+    for server in servers:
+        server.start()
+    try:
+        with (
+            httpx.Client(base_url=servers[0].url) as fast,
+            httpx.Client(base_url=servers[1].url) as routed,
+        ):
+            yield fast, routed
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"token_ids": [7, *TOKENS], "model_name": "m"},
+        {"token_ids": []},
+        {"token_ids": [1]},
+        {"token_ids": [1], "tokens_b64": "AQAAAA==", "model_name": "m"},
+        {"token_ids": [1], "model_name": "m", "world_size": 0},
+        [1],
+    ],
+)
+def test_route_and_fast_path_reply_alike(
+    clients: tuple[httpx.Client, httpx.Client], body: object
+) -> None:
+    fast, routed = (c.post("/directory/blend-lookup", json=body) for c in clients)
+    assert (routed.status_code, routed.content) == (fast.status_code, fast.content)
+    assert routed.headers.get("x-kvatlas-blend") == fast.headers.get("x-kvatlas-blend")

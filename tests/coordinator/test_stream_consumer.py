@@ -1,0 +1,78 @@
+"""The Redis Streams consumer through its seams (ingest, position, readiness, stop, errors),
+without Redis and without a service: entries are applied in order, each position is reported
+after its entry is applied and before it is acknowledged, a malformed entry is skipped and
+counted, and readiness becomes ``serving`` once, at the end of the stream."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter
+
+from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.stream_consumer import StreamConsumer
+from kvatlas.coordinator.views import Readiness
+from kvatlas.events import EventBatch
+from kvatlas.events.stream_format import encode_stream_fields
+
+
+class FakeRedis:
+    """Serves the given replies to XREADGROUP, then an empty stream; records calls."""
+
+    def __init__(self, replies: list[Any], log: list[tuple[str, Any]]) -> None:
+        self.replies = replies
+        self.log = log
+
+    def xgroup_create(self, stream: str, group: str, id: str, mkstream: bool) -> None:
+        self.log.append(("group", id))
+
+    def xreadgroup(self, *args: Any, **kwargs: Any) -> Any:
+        return self.replies.pop(0) if self.replies else []
+
+    def xack(self, stream: str, group: str, entry_id: bytes) -> None:
+        self.log.append(("ack", entry_id.decode()))
+
+
+def test_consumer_applies_reports_and_becomes_ready() -> None:
+    log: list[tuple[str, Any]] = []
+    stop = threading.Event()
+    registry = CollectorRegistry()
+    errors = Counter("errors", "stream errors", ["kind"], registry=registry)
+
+    def ingest(batches: Sequence[EventBatch]) -> None:
+        log.append(("ingest", [b.seq for b in batches]))
+
+    def set_readiness(state: Readiness) -> None:
+        log.append(("ready", state))
+        stop.set()
+
+    good = encode_stream_fields([EventBatch("a", 1, 1, "access", "l1", "dram")])
+    bad = {b"fmt": b"json", b"data": b"{not json"}
+    consumer = StreamConsumer(
+        CoordinatorConfig(event_transport="redis", redis_url="redis://127.0.0.1:1/0"),
+        ingest=ingest,
+        position="5-0",
+        on_position=lambda position: log.append(("position", position)),
+        set_readiness=set_readiness,
+        stop=stop,
+        errors=errors,
+    )
+    consumer.client = FakeRedis([[("s", [(b"6-0", good), (b"7-0", bad)])]], log)  # type: ignore[assignment]
+    thread = threading.Thread(target=consumer.run)
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert log == [
+        ("group", "5-0"),  # rewound to the position it was given
+        ("ingest", [1]),
+        ("position", "6-0"),
+        ("ack", "6-0"),
+        ("position", "7-0"),  # skipped, never blocks the stream
+        ("ack", "7-0"),
+        ("ready", Readiness.SERVING),
+    ]
+    assert consumer.position == "7-0"
+    assert (consumer.applied_entries, consumer.bad_entries) == (1, 1)
+    assert registry.get_sample_value("errors_total", {"kind": "decode"}) == 1
