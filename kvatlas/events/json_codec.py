@@ -11,8 +11,8 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
-from kvatlas.events._json_tokens import parse_token_lists
 from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
 from kvatlas.events.model import UNKNOWN_OFFSET, CacheEntry, EventBatch, batch_header
 from kvatlas.keys import ObjectKey, parse_chunk_hash_hex, unpack_kv_rank
@@ -60,6 +60,19 @@ class _WireBody(msgspec.Struct):
 
 _decoder = msgspec.json.Decoder(_WireBody)
 _encoder = msgspec.json.Encoder()
+
+
+def _parse_token_lists(
+    raws: list[bytes],
+) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.int64], int]:
+    """Stand-in for the numba parser until its first use: imports it (so ``import
+    kvatlas.events`` loads no numba), rebinds this module's name to it and calls it. Later
+    calls go straight to the parser, with no stand-in in between."""
+    global _parse_token_lists
+    from kvatlas.events._json_tokens import parse_token_lists
+
+    _parse_token_lists = parse_token_lists
+    return parse_token_lists(raws)
 
 
 def key_from_parts(
@@ -148,7 +161,7 @@ def _tokens_per_entry(wire: _WireBody) -> list[list[np.ndarray[Any, Any] | None]
             if raw != b"null":
                 raws.append(raw)
                 where.append((i, j))
-    arena, lengths, bad = parse_token_lists(raws)
+    arena, lengths, bad = _parse_token_lists(raws)
     if bad >= 0:
         i, j = where[bad]
         field, reason = _explain_bad_tokens(raws[bad])

@@ -16,10 +16,19 @@ from collections import OrderedDict
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.keys._sha256_lanes import counter_block_words
-
 VALUE_MASK = 0x7FFFFFFF
 _VALUES_PER_BLOCK = 8
+
+
+def _counter_block_words(seed: bytes, first: int, n_blocks: int) -> npt.NDArray[np.uint32]:
+    """Stand-in for the numba kernel until its first use: imports it (so ``import kvatlas.keys``
+    loads no numba), rebinds this module's name to it and calls it. Later calls go straight to
+    the kernel, with no stand-in in between."""
+    global _counter_block_words
+    from kvatlas.keys._sha256_lanes import counter_block_words
+
+    _counter_block_words = counter_block_words
+    return counter_block_words(seed, first, n_blocks)
 
 
 def identifier_seed(identifier: object) -> bytes:
@@ -52,7 +61,7 @@ class _ValueCache:
         have = 0 if cached is None else len(cached)
         first_block = have // _VALUES_PER_BLOCK
         n_blocks = -(-length // _VALUES_PER_BLOCK) - first_block
-        fresh = counter_block_words(identifier_seed(key), first_block, n_blocks) & np.uint32(
+        fresh = _counter_block_words(identifier_seed(key), first_block, n_blocks) & np.uint32(
             VALUE_MASK
         )
         if cached is not None:
