@@ -19,18 +19,22 @@ from typing import Any, Protocol
 import httpx
 
 from kvatlas.client.coordinator_client import auth_headers
+from kvatlas.errors import InvalidInput, Unavailable
 from kvatlas.events import CacheEntry, EventBatch, encode_json, encode_msgpack
 from kvatlas.events.stream_format import encode_stream_fields
 
 log = logging.getLogger("kvatlas.client.events")
 
 
-class TransientSendError(RuntimeError):
+class TransientSendError(Unavailable):
     """Worth retrying: the receiver is down, slow or overloaded."""
 
 
-class PermanentSendError(RuntimeError):
-    """Retrying cannot help (rejected as malformed or forbidden): drop and count."""
+class PermanentSendError(InvalidInput):
+    """Retrying cannot help (rejected as malformed or forbidden): drop and count.
+
+    An ``InvalidInput`` (and so a ``ValueError``, no longer a ``RuntimeError``): the receiver
+    refused what was sent."""
 
 
 class Transport(Protocol):
