@@ -18,7 +18,7 @@ import numpy as np
 from kvatlas.errors import Unavailable
 from kvatlas.keys import ObjectKey
 
-log = logging.getLogger("kvatlas.client")
+log = logging.getLogger(__name__)
 
 
 class CoordinatorError(Unavailable):

@@ -23,7 +23,7 @@ from kvatlas.errors import InvalidInput, Unavailable
 from kvatlas.events import CacheEntry, EventBatch, encode_json, encode_msgpack
 from kvatlas.events.stream_format import encode_stream_fields
 
-log = logging.getLogger("kvatlas.client.events")
+log = logging.getLogger(__name__)
 
 
 class TransientSendError(Unavailable):

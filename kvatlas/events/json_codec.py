@@ -13,6 +13,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from kvatlas.checks import is_plain_int
 from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
 from kvatlas.events.model import UNKNOWN_OFFSET, CacheEntry, EventBatch, batch_header
 from kvatlas.keys import ObjectKey, parse_chunk_hash_hex, unpack_kv_rank
@@ -144,7 +145,7 @@ def _explain_bad_tokens(raw: bytes) -> tuple[str, str]:
     if not isinstance(values, list):
         return "", "must be null or a list of integers in [0, 2**32)"
     for k, value in enumerate(values):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 32:
+        if not is_plain_int(value) or not 0 <= value < 1 << 32:
             return f"[{k}]", f"token id {value!r:.40} is not an integer in [0, 2**32)"
     return "", "must be a list of plain integers (no leading zeros, fractions or exponents)"
 

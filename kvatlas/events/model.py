@@ -14,6 +14,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from kvatlas.checks import is_plain_int
 from kvatlas.events.errors import EventValidationError
 from kvatlas.keys import ObjectKey, as_token_array
 from kvatlas.keys.tokens import TokenArray
@@ -32,7 +33,7 @@ MAX_ID_CHARS: Final = 256
 
 
 def _int_in(name: str, value: Any, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+    if not is_plain_int(value) or not lo <= value <= hi:
         raise EventValidationError(name, f"must be an integer in [{lo}, {hi}], got {value!r:.40}")
     return value
 

@@ -16,6 +16,8 @@ from collections import OrderedDict
 import numpy as np
 import numpy.typing as npt
 
+from kvatlas.checks import is_plain_int
+
 VALUE_MASK = 0x7FFFFFFF
 _VALUES_PER_BLOCK = 8
 
@@ -94,7 +96,7 @@ _CACHE = _ValueCache(max_values=4 << 20)
 
 def mm_hash_values(identifier: object, length: int) -> npt.NDArray[np.uint32]:
     """The contract's values as a read-only ``uint32`` array (the fast path used internally)."""
-    if isinstance(length, bool) or not isinstance(length, int):
+    if not is_plain_int(length):
         raise ValueError(f"length must be an integer, got {length!r}")
     if length < 0:
         raise ValueError(f"length must be >= 0, got {length}")

@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvatlas.checks import is_plain_int
+
 TOKEN_LIMIT = 1 << 32
 
 TokenArray = npt.NDArray[np.uint32]
@@ -30,7 +32,7 @@ def _torch_to_numpy(tokens: Any) -> Any:
 def _from_python_ints(arr: npt.NDArray[np.object_]) -> npt.NDArray[np.int64]:
     """Mixed or huge Python ints arrive as an object array: check each one, then convert."""
     for t in arr.ravel():
-        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+        if not (is_plain_int(t) or isinstance(t, np.integer)):
             raise ValueError(f"token ids must be integers, got {t!r:.40}")
         if not 0 <= int(t) < TOKEN_LIMIT:
             raise ValueError(f"token id {t} is outside [0, 2**32)")
