@@ -16,8 +16,13 @@ import numpy.typing as npt
 from kvatlas.checks import is_plain_int
 from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
 from kvatlas.events.model import UNKNOWN_OFFSET, CacheEntry, EventBatch, batch_header
-from kvatlas.keys import ObjectKey, parse_chunk_hash_hex, unpack_kv_rank
-from kvatlas.keys.object_key import check_cache_salt, check_model_name
+from kvatlas.keys import (
+    ObjectKey,
+    check_cache_salt,
+    check_model_name,
+    parse_chunk_hash_hex,
+    unpack_kv_rank,
+)
 
 
 class _WireKey(msgspec.Struct, forbid_unknown_fields=True):

@@ -16,8 +16,7 @@ import numpy as np
 
 from kvatlas.checks import is_plain_int
 from kvatlas.events.errors import EventValidationError
-from kvatlas.keys import ObjectKey, as_token_array
-from kvatlas.keys.tokens import TokenArray
+from kvatlas.keys import ObjectKey, TokenArray, as_token_array
 
 STORE: Final = "store"
 DELETE: Final = "delete"

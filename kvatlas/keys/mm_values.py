@@ -3,8 +3,8 @@
 Contract (bit-identical to LMCache): ``seed = SHA-256(str(identifier))``; block ``c`` is
 ``SHA-256(seed || c as u64 big-endian)``, cut into eight big-endian words masked to 31 bits
 (values must stay positive when token ids travel as int32). Values differ per position: one
-value repeated over a span carries one value's entropy, and the historic 16-bit variant
-collided at ~300 same-shape images.
+value repeated over a span carries one value's entropy, and a 16-bit variant collides within
+a few hundred same-shape images (the birthday bound). See docs/keys.md.
 """
 
 from __future__ import annotations
@@ -111,4 +111,5 @@ def mm_hash_to_token_values(identifier: object, length: int) -> tuple[int, ...]:
 
 
 def clear_value_cache() -> None:
+    """Forget every cached identity's values (tests and benchmarks that measure the cold path)."""
     _CACHE.clear()

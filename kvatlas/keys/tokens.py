@@ -47,7 +47,7 @@ def as_token_array(tokens: Any) -> TokenArray:
     """
     tokens = _torch_to_numpy(tokens)
     if isinstance(tokens, (list, tuple)) and _UINT32_ARRAY_CODE:
-        try:  # array('I') range-checks every element in C: 3x faster than np.asarray(list)
+        try:  # array('I') range-checks every element in C, faster than np.asarray(list)
             return np.frombuffer(array(_UINT32_ARRAY_CODE, tokens), dtype=np.uint32)
         except (OverflowError, TypeError):
             pass  # fall through for a precise error message

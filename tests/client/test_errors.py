@@ -21,6 +21,7 @@ from kvatlas.client import (
     HttpTransport,
     InProcessTransport,
     PermanentSendError,
+    SinkStats,
     TransientSendError,
 )
 from kvatlas.errors import InvalidInput, KvatlasError, Unavailable
@@ -121,6 +122,9 @@ def test_permanent_errors_are_dropped_and_counted_not_retried() -> None:
     assert sink.emit("store", "l1", "dram", [_batch().entries[0]])
     assert sink.flush(timeout=10)
     assert (sink.rejected_batches, sink.retries, sink.sent_batches) == (1, 0, 0)
+    assert sink.stats() == SinkStats(
+        seq=1, pending=0, sent_batches=0, dropped_batches=0, rejected_batches=1, retries=0
+    )
     sink.close(timeout=1)
 
 
