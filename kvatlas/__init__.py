@@ -3,7 +3,7 @@
 The packages form layers, each importing only those below it (README.md, "Layout"):
 keys → events → directory → coordinator → client → node, with ``errors``, ``checks``, ``web``,
 ``config_flags``, ``asgi_thread``, ``logs`` and ``processes`` shared underneath and ``bench``,
-``demo`` and ``cli`` on top; ``tests/test_layering.py`` holds them to it.
+``demo`` and ``cli`` on top; ``tests/test_package_structure.py`` holds them to it.
 ``__version__`` is the one place the version is written (pyproject.toml reads it).
 """
 
