@@ -1,3 +1,12 @@
-"""kvatlas: where every cached KV chunk of an LLM serving fleet lives."""
+"""kvatlas: where every cached KV chunk of an LLM serving fleet lives.
+
+The packages form layers, each importing only those below it (README.md, "Layout"):
+keys → events → directory → coordinator → client → node, with ``errors``, ``checks``, ``web``,
+``config_flags``, ``asgi_thread``, ``logs`` and ``processes`` shared underneath and ``bench``,
+``demo`` and ``cli`` on top; ``tests/test_package_structure.py`` holds them to it.
+``__version__`` is the one place the version is written (pyproject.toml reads it).
+"""
 
 __version__ = "0.1.0"
+
+__all__ = ["__version__"]

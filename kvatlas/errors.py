@@ -6,7 +6,8 @@
     │   │   └── EventValidationError (kvatlas.events) ── EventDecodeError
     │   ├── PayloadTooLarge          over a configured limit (413)
     │   ├── ChunkDecodeError         (kvatlas.node) a stored/fetched chunk is torn or foreign
-    │   └── SnapshotError            (kvatlas.directory) a snapshot file is unusable
+    │   ├── SnapshotError            (kvatlas.directory) a snapshot file is unusable
+    │   └── PermanentSendError       (kvatlas.client) the receiver refused a batch: drop it
     ├── Unauthorized                 no or unknown credentials (401)
     ├── Forbidden                    credentials that may not do this (403)
     ├── NotFound                     the named thing does not exist (here) (404)
@@ -15,10 +16,9 @@
     └── Unavailable                  a dependency is down or overloaded; retrying may help
         │                            (503; also a RuntimeError)
         ├── L2Unavailable            (kvatlas.node)
-        ├── TransientSendError       (kvatlas.client)
-        └── CoordinatorError         (kvatlas.client)
-
-``PermanentSendError`` (kvatlas.client) is an ``InvalidInput``: the receiver refused the batch.
+        ├── TransientSendError       (kvatlas.client) worth retrying the delivery
+        └── CoordinatorError         (kvatlas.client) no answer, or a refusal, from the
+                                     coordinator (``reply_status`` says which)
 
 Each class carries the HTTP status it maps to (``status``) and keyword ``extra`` fields that a
 reply adds beside ``detail``; :mod:`kvatlas.web` turns any ``KvatlasError`` into a reply, for

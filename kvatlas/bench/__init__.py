@@ -1,3 +1,10 @@
-"""Benchmarks behind ``kvatlas bench NAME``: one module per NAME with ``add_arguments`` and ``run``."""
+"""Benchmarks behind ``kvatlas bench NAME``: one module per NAME with ``add_arguments`` and ``run``.
+
+Each reports medians and the ratio to a naive reference measured in the same run
+(``common``); the figures and the commands that produce them are in docs/performance.md. The
+CLI finds each module by its name in ``BENCHMARKS``, the one name this package exports.
+"""
 
 BENCHMARKS: tuple[str, ...] = ("keys", "blend", "directory", "service")
+
+__all__ = ["BENCHMARKS"]

@@ -31,7 +31,7 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> f
     return statistics.median(samples)
 
 
-@dataclass
+@dataclass(frozen=True)
 class BenchRow:
     """One measured case: ours vs the naive reference, in the same run."""
 

@@ -17,10 +17,10 @@ from kvatlas.keys import (
     MMItem,
     RequestTracker,
     chunk_hashes,
+    clear_value_cache,
     mm_hash_to_token_values,
     mm_hash_values,
 )
-from kvatlas.keys.mm_values import clear_value_cache
 
 
 def naive_chunk_hashes(tokens: list[int], chunk_size: int) -> list[bytes]:

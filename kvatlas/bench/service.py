@@ -19,7 +19,7 @@ from rich.progress import Progress
 from kvatlas.asgi_thread import free_port
 from kvatlas.bench.common import BenchRow, add_common_arguments, report
 from kvatlas.bench.loadgen import build_post, run_load
-from kvatlas.client.coordinator_client import encode_tokens_b64
+from kvatlas.client import encode_tokens_b64
 from kvatlas.events import CacheEntry, EventBatch, encode_json, encode_msgpack
 from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
 from kvatlas.processes import spawn_service, stop

@@ -1,14 +1,24 @@
-"""Clients of the coordinator, used by cache nodes and routers (never server internals)."""
+"""Clients of the coordinator, used by cache nodes and routers (docs/coordinator.md, "Clients").
 
-from kvatlas.client.blend_client import BlendCoordinatorClient
-from kvatlas.client.coordinator_client import CoordinatorClient, CoordinatorError
+They speak HTTP (or Redis Streams) and never import server internals: importing this package
+loads neither the directory nor numba, so a router pays only for httpx and msgspec.
+"""
+
+from kvatlas.client.blend_client import BlendCoordinatorClient, FleetMatcher
+from kvatlas.client.coordinator_client import (
+    CoordinatorClient,
+    CoordinatorError,
+    encode_tokens_b64,
+)
 from kvatlas.client.event_sink import (
     EventSink,
     HttpTransport,
     InProcessTransport,
     PermanentSendError,
     RedisStreamTransport,
+    SinkStats,
     TransientSendError,
+    Transport,
 )
 
 __all__ = [
@@ -16,9 +26,13 @@ __all__ = [
     "CoordinatorClient",
     "CoordinatorError",
     "EventSink",
+    "FleetMatcher",
     "HttpTransport",
     "InProcessTransport",
     "PermanentSendError",
     "RedisStreamTransport",
+    "SinkStats",
     "TransientSendError",
+    "Transport",
+    "encode_tokens_b64",
 ]

@@ -19,10 +19,11 @@ from typing import Any, Protocol
 import httpx
 import numpy as np
 
+from kvatlas.checks import is_plain_int
 from kvatlas.client.coordinator_client import auth_headers, encode_tokens_b64
 from kvatlas.keys import BlendMatch, BlendNamespace
 
-log = logging.getLogger("kvatlas.client.blend")
+log = logging.getLogger(__name__)
 
 _EMPTY: list[BlendMatch] = []
 
@@ -38,9 +39,8 @@ def parse_matches(payload: Any, n_tokens: int) -> list[BlendMatch]:
         hex_hash, old_st, cur_st = m.get("chunk_hash"), m.get("old_st"), m.get("cur_st")
         if not isinstance(hex_hash, str) or len(hex_hash) != 64:
             raise ValueError("match chunk_hash is not 64 hex characters")
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (old_st, cur_st)):
+        if not (is_plain_int(old_st) and is_plain_int(cur_st)):
             raise ValueError("match positions are not integers")
-        assert isinstance(old_st, int) and isinstance(cur_st, int)
         if old_st < 0 or not 0 <= cur_st < n_tokens:
             raise ValueError("match positions out of range")
         out.append(BlendMatch(bytes.fromhex(hex_hash), old_st, cur_st))

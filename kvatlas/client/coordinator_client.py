@@ -15,15 +15,22 @@ from typing import Any
 import httpx
 import numpy as np
 
+from kvatlas.errors import Unavailable
 from kvatlas.keys import ObjectKey
 
-log = logging.getLogger("kvatlas.client")
+log = logging.getLogger(__name__)
 
 
-class CoordinatorError(RuntimeError):
-    def __init__(self, message: str, status: int | None = None) -> None:
+class CoordinatorError(Unavailable):
+    """The coordinator could not answer, or refused (an ``Unavailable``, so a ``RuntimeError``).
+
+    ``reply_status`` is the HTTP status the coordinator replied with (``None`` when no reply
+    arrived); ``status`` is, as for every ``KvatlasError``, what this error maps to (503).
+    """
+
+    def __init__(self, message: str, reply_status: int | None = None) -> None:
         super().__init__(message)
-        self.status = status
+        self.reply_status = reply_status
 
 
 def auth_headers(token: str | None) -> dict[str, str]:
@@ -90,7 +97,7 @@ class CoordinatorClient:
         try:
             self._call("PUT", f"/instances/{self.instance_id}/heartbeat")
         except CoordinatorError as exc:
-            if exc.status != 404:
+            if exc.reply_status != 404:
                 raise
             log.warning("coordinator forgot instance %s; re-registering", self.instance_id)
             self._call("POST", "/instances", json=self._registration)

@@ -14,23 +14,49 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
 
 from kvatlas.client.coordinator_client import auth_headers
-from kvatlas.events import CacheEntry, EventBatch, encode_json, encode_msgpack
-from kvatlas.events.stream_format import encode_stream_fields
+from kvatlas.errors import InvalidInput, Unavailable
+from kvatlas.events import (
+    CacheEntry,
+    EventBatch,
+    encode_json,
+    encode_msgpack,
+    encode_stream_fields,
+)
 
-log = logging.getLogger("kvatlas.client.events")
+log = logging.getLogger(__name__)
 
 
-class TransientSendError(RuntimeError):
+class TransientSendError(Unavailable):
     """Worth retrying: the receiver is down, slow or overloaded."""
 
 
-class PermanentSendError(RuntimeError):
-    """Retrying cannot help (rejected as malformed or forbidden): drop and count."""
+class PermanentSendError(InvalidInput):
+    """Retrying cannot help (rejected as malformed or forbidden): drop and count.
+
+    An ``InvalidInput`` (and so a ``ValueError``, no longer a ``RuntimeError``): the receiver
+    refused what was sent."""
+
+
+@dataclass(frozen=True, slots=True)
+class SinkStats:
+    """One consistent reading of an :class:`EventSink`'s counters."""
+
+    seq: int
+    """The last sequence number stamped (delivered, queued or dropped)."""
+    pending: int
+    """Batches queued or in flight."""
+    sent_batches: int
+    dropped_batches: int
+    """Dropped on a full outbox or at close: the coordinator sees them as a gap."""
+    rejected_batches: int
+    """Refused by the receiver (:class:`PermanentSendError`): dropped, never retried."""
+    retries: int
 
 
 class Transport(Protocol):
@@ -250,13 +276,13 @@ class EventSink:
         self._thread.join(timeout=timeout + self.backoff_max)
         self.transport.close()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> SinkStats:
         with self._cond:
-            return {
-                "seq": self._seq,
-                "pending": len(self._outbox) + self._in_flight,
-                "sent_batches": self.sent_batches,
-                "dropped_batches": self.dropped_batches,
-                "rejected_batches": self.rejected_batches,
-                "retries": self.retries,
-            }
+            return SinkStats(
+                seq=self._seq,
+                pending=len(self._outbox) + self._in_flight,
+                sent_batches=self.sent_batches,
+                dropped_batches=self.dropped_batches,
+                rejected_batches=self.rejected_batches,
+                retries=self.retries,
+            )

@@ -1,4 +1,8 @@
-"""The embedded demo: multimodal-safe keys at work (the fleet demo arrives with the cache node)."""
+"""``kvatlas demo --keys``: multimodal-safe keys at work (docs/keys.md, "Running").
+
+One prompt with two different images, and the same image twice: the image chunks differ, the
+text before them is shared, and the same image gives the same keys.
+"""
 
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ def run_demo(seed: int = 0) -> int:
         "text + dog.png": "sha256:dog-photo",
         "text + cat.png again": "sha256:cat-photo",
     }
-    RequestTracker(prompt, [MMItem.of("warm-up", offset, length)]).chunk_hashes()  # JIT load
+    RequestTracker(prompt, [MMItem.of("warm-up", offset, length)]).chunk_hashes()  # load kernels
     start = time.perf_counter()
     keys = {
         name: RequestTracker(prompt, [MMItem.of(image, offset, length)]).chunk_hashes()

@@ -1,4 +1,10 @@
-"""Cache events: the batch/entry model and its wire codecs (JSON, compact msgpack)."""
+"""Cache events: the batch/entry model and its wire codecs (JSON, compact msgpack, and the
+Redis Streams entry that carries either).
+
+A batch that exists is valid; a decoder returns every batch of a body or raises
+:class:`EventDecodeError` naming the field (docs/directory.md). Importing this package loads no
+numba: the JSON token-list parser compiles or loads on its first use.
+"""
 
 from kvatlas.events.errors import EventDecodeError, EventValidationError
 from kvatlas.events.json_codec import decode_json, encode_json
@@ -14,8 +20,10 @@ from kvatlas.events.model import (
     CacheEntry,
     EventBatch,
     readonly_tokens,
+    tokens_equal,
 )
 from kvatlas.events.msgpack_codec import decode_msgpack, encode_msgpack
+from kvatlas.events.stream_format import decode_stream_fields, encode_stream_fields
 
 __all__ = [
     "ACCESS",
@@ -32,7 +40,10 @@ __all__ = [
     "EventValidationError",
     "decode_json",
     "decode_msgpack",
+    "decode_stream_fields",
     "encode_json",
     "encode_msgpack",
+    "encode_stream_fields",
     "readonly_tokens",
+    "tokens_equal",
 ]

@@ -2,8 +2,11 @@
 
 msgspec hands each entry's ``token_ids`` over as raw JSON text (``msgspec.Raw``, no Python int
 per token); this kernel parses them all into one uint32 arena, validating strictly: only
-non-negative integers below 2**32, no fractions, exponents or leading zeros. It is the
-difference between ~9 µs and ~3 µs per 256-token entry, which is most of the JSON ingest cost.
+non-negative integers below 2**32, no fractions, exponents or leading zeros. Token lists are
+most of a JSON body, so this pass is most of the JSON ingest cost (docs/performance.md).
+
+This module imports numba: ``json_codec`` imports it on first use only, so that importing
+``kvatlas.events`` (and every client) stays free of numba. Keep it that way.
 """
 
 from __future__ import annotations

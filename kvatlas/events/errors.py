@@ -1,4 +1,8 @@
-"""Event errors that name the offending field, so a 4xx reply can say exactly what was wrong."""
+"""Event errors that name the offending field, so a 422 reply can say exactly what was wrong.
+
+Both are :class:`kvatlas.errors.Unprocessable` (and so still ``ValueError``): the reply built
+from one carries ``detail`` and the ``field`` path (see :mod:`kvatlas.errors`).
+"""
 
 from __future__ import annotations
 
@@ -6,14 +10,16 @@ import re
 
 import msgspec
 
+from kvatlas.errors import Unprocessable
 
-class EventValidationError(ValueError):
+
+class EventValidationError(Unprocessable):
     """An event (batch or entry) breaks a field rule; ``field`` is a dotted/indexed path."""
 
     def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}" if field else message, field=field)
         self.field = field
         self.reason = message
-        super().__init__(f"{field}: {message}" if field else message)
 
     def under(self, prefix: str) -> EventValidationError:
         """The same error, re-rooted below ``prefix`` (e.g. ``batches[2]``)."""

@@ -11,12 +11,18 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
-from kvatlas.events._json_tokens import parse_token_lists
+from kvatlas.checks import is_plain_int
 from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
 from kvatlas.events.model import UNKNOWN_OFFSET, CacheEntry, EventBatch, batch_header
-from kvatlas.keys import ObjectKey, parse_chunk_hash_hex, unpack_kv_rank
-from kvatlas.keys.object_key import check_cache_salt, check_model_name
+from kvatlas.keys import (
+    ObjectKey,
+    check_cache_salt,
+    check_model_name,
+    parse_chunk_hash_hex,
+    unpack_kv_rank,
+)
 
 
 class _WireKey(msgspec.Struct, forbid_unknown_fields=True):
@@ -60,6 +66,19 @@ class _WireBody(msgspec.Struct):
 
 _decoder = msgspec.json.Decoder(_WireBody)
 _encoder = msgspec.json.Encoder()
+
+
+def _parse_token_lists(
+    raws: list[bytes],
+) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.int64], int]:
+    """Stand-in for the numba parser until its first use: imports it (so ``import
+    kvatlas.events`` loads no numba), rebinds this module's name to it and calls it. Later
+    calls go straight to the parser, with no stand-in in between."""
+    global _parse_token_lists
+    from kvatlas.events._json_tokens import parse_token_lists
+
+    _parse_token_lists = parse_token_lists
+    return parse_token_lists(raws)
 
 
 def key_from_parts(
@@ -131,7 +150,7 @@ def _explain_bad_tokens(raw: bytes) -> tuple[str, str]:
     if not isinstance(values, list):
         return "", "must be null or a list of integers in [0, 2**32)"
     for k, value in enumerate(values):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 32:
+        if not is_plain_int(value) or not 0 <= value < 1 << 32:
             return f"[{k}]", f"token id {value!r:.40} is not an integer in [0, 2**32)"
     return "", "must be a list of plain integers (no leading zeros, fractions or exponents)"
 
@@ -148,7 +167,7 @@ def _tokens_per_entry(wire: _WireBody) -> list[list[np.ndarray[Any, Any] | None]
             if raw != b"null":
                 raws.append(raw)
                 where.append((i, j))
-    arena, lengths, bad = parse_token_lists(raws)
+    arena, lengths, bad = _parse_token_lists(raws)
     if bad >= 0:
         i, j = where[bad]
         field, reason = _explain_bad_tokens(raws[bad])

@@ -14,9 +14,9 @@ from typing import Any, Final
 
 import numpy as np
 
+from kvatlas.checks import is_plain_int
 from kvatlas.events.errors import EventValidationError
-from kvatlas.keys import ObjectKey, as_token_array
-from kvatlas.keys.tokens import TokenArray
+from kvatlas.keys import ObjectKey, TokenArray, as_token_array
 
 STORE: Final = "store"
 DELETE: Final = "delete"
@@ -34,7 +34,7 @@ MAX_ID_CHARS: Final = 256
 
 
 def _int_in(name: str, value: Any, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+    if not is_plain_int(value) or not lo <= value <= hi:
         raise EventValidationError(name, f"must be an integer in [{lo}, {hi}], got {value!r:.40}")
     return value
 

@@ -17,7 +17,7 @@ import numpy as np
 from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
 from kvatlas.events.json_codec import decode_json, key_from_parts
 from kvatlas.events.model import UNKNOWN_OFFSET, CacheEntry, EventBatch, batch_header
-from kvatlas.keys.tokens import TokenArray
+from kvatlas.keys import TokenArray
 
 FORMAT_VERSION = 1
 

@@ -1,6 +1,8 @@
 """Cache keys: chunk hashes, ObjectKeys, namespaces, multimodal identity, request tracking.
 
-Import from here; the submodules are implementation detail.
+Everything else in kvatlas keys by what this package produces, so its guarantees (docs/keys.md)
+are the fleet's. Import from here; the submodules are implementation detail. Importing it loads
+no numba: the multimodal-values kernel compiles or loads on its first use.
 """
 
 from kvatlas.keys.adapters import EngineRequestView, extract_request
@@ -13,10 +15,12 @@ from kvatlas.keys.chunk_hash import (
 )
 from kvatlas.keys.extra_keys import MMItem
 from kvatlas.keys.mm_substitution import PlaceholderSpan, apply_mm_hashes_to_token_ids
-from kvatlas.keys.mm_values import mm_hash_to_token_values, mm_hash_values
+from kvatlas.keys.mm_values import clear_value_cache, mm_hash_to_token_values, mm_hash_values
 from kvatlas.keys.namespace import BlendMatch, BlendNamespace
 from kvatlas.keys.object_key import (
     ObjectKey,
+    check_cache_salt,
+    check_model_name,
     expand_prefix_keys,
     pack_kv_rank,
     parse_chunk_hash_hex,
@@ -29,7 +33,7 @@ from kvatlas.keys.scheme import (
     KeyScheme,
     KeySchemeMismatch,
 )
-from kvatlas.keys.tokens import as_token_array
+from kvatlas.keys.tokens import TokenArray, as_token_array
 from kvatlas.keys.tracker import MM_BYPASS_GUARD, BypassGuard, RequestTracker
 
 __all__ = [
@@ -50,9 +54,13 @@ __all__ = [
     "ObjectKey",
     "PlaceholderSpan",
     "RequestTracker",
+    "TokenArray",
     "apply_mm_hashes_to_token_ids",
     "as_token_array",
+    "check_cache_salt",
+    "check_model_name",
     "chunk_hashes",
+    "clear_value_cache",
     "expand_prefix_keys",
     "extract_request",
     "mm_hash_to_token_values",

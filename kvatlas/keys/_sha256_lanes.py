@@ -1,10 +1,13 @@
 """SHA-256 of many single-block messages ``seed || counter``, computed lane-parallel with numba.
 
 ``mm_hash_to_token_values`` needs one SHA-256 per 8 output values; calling hashlib per block
-costs ~0.5 µs of Python each. Every message is 40 bytes (32-byte seed + 8-byte big-endian
+pays a Python call per block. Every message is 40 bytes (32-byte seed + 8-byte big-endian
 counter), i.e. exactly one padded 64-byte block, so blocks are independent: the kernel runs
 the compression function over a tile of counters at once (the inner loop is over lanes, which
 LLVM vectorises). Bit-exactness against hashlib is pinned by the tests.
+
+This module imports numba: ``mm_values`` imports it on first use only, so that importing
+``kvatlas.keys`` (and every client) stays free of numba. Keep it that way.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 from blake3 import blake3
 
+from kvatlas.checks import is_plain_int
 from kvatlas.keys.tokens import TokenArray, as_token_array, tokens_be_bytes
 
 DEFAULT_CHUNK_SIZE = 256
@@ -20,7 +21,7 @@ NONE_HASH: bytes = blake3(bytes(12)).digest()
 
 
 def check_chunk_size(chunk_size: int) -> int:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+    if not is_plain_int(chunk_size) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     return chunk_size
 

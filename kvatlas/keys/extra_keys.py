@@ -19,6 +19,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from kvatlas.checks import is_plain_int
 from kvatlas.keys.chunk_hash import ChunkSuffix
 from kvatlas.keys.mm_substitution import PlaceholderSpan
 
@@ -52,7 +53,7 @@ def encode_request_keys(request_keys: RequestKeys) -> bytes:
     parts = [b"R", struct.pack(">I", len(request_keys))]
     for name in sorted(request_keys):
         value = request_keys[name]
-        if isinstance(value, bool) or not isinstance(value, (str, int)):
+        if not (isinstance(value, str) or is_plain_int(value)):
             raise ValueError(f"request key {name!r} must be a str or int, got {value!r}")
         parts.append(_text(str(name)))
         parts.append(b"s" + _text(value) if isinstance(value, str) else b"i" + _text(str(value)))

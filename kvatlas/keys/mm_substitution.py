@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from kvatlas.checks import is_plain_int
 from kvatlas.keys.mm_values import mm_hash_values
 
 T = TypeVar("T")
@@ -31,7 +32,7 @@ class PlaceholderSpan:
     def __post_init__(self) -> None:
         for name in ("offset", "length"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_plain_int(value) or value < 0:
                 raise ValueError(f"placeholder {name} must be an integer >= 0, got {value!r}")
 
     @property

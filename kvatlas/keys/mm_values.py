@@ -3,8 +3,8 @@
 Contract (bit-identical to LMCache): ``seed = SHA-256(str(identifier))``; block ``c`` is
 ``SHA-256(seed || c as u64 big-endian)``, cut into eight big-endian words masked to 31 bits
 (values must stay positive when token ids travel as int32). Values differ per position: one
-value repeated over a span carries one value's entropy, and the historic 16-bit variant
-collided at ~300 same-shape images.
+value repeated over a span carries one value's entropy, and a 16-bit variant collides within
+a few hundred same-shape images (the birthday bound). See docs/keys.md.
 """
 
 from __future__ import annotations
@@ -16,10 +16,21 @@ from collections import OrderedDict
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.keys._sha256_lanes import counter_block_words
+from kvatlas.checks import is_plain_int
 
 VALUE_MASK = 0x7FFFFFFF
 _VALUES_PER_BLOCK = 8
+
+
+def _counter_block_words(seed: bytes, first: int, n_blocks: int) -> npt.NDArray[np.uint32]:
+    """Stand-in for the numba kernel until its first use: imports it (so ``import kvatlas.keys``
+    loads no numba), rebinds this module's name to it and calls it. Later calls go straight to
+    the kernel, with no stand-in in between."""
+    global _counter_block_words
+    from kvatlas.keys._sha256_lanes import counter_block_words
+
+    _counter_block_words = counter_block_words
+    return counter_block_words(seed, first, n_blocks)
 
 
 def identifier_seed(identifier: object) -> bytes:
@@ -52,7 +63,7 @@ class _ValueCache:
         have = 0 if cached is None else len(cached)
         first_block = have // _VALUES_PER_BLOCK
         n_blocks = -(-length // _VALUES_PER_BLOCK) - first_block
-        fresh = counter_block_words(identifier_seed(key), first_block, n_blocks) & np.uint32(
+        fresh = _counter_block_words(identifier_seed(key), first_block, n_blocks) & np.uint32(
             VALUE_MASK
         )
         if cached is not None:
@@ -85,7 +96,7 @@ _CACHE = _ValueCache(max_values=4 << 20)
 
 def mm_hash_values(identifier: object, length: int) -> npt.NDArray[np.uint32]:
     """The contract's values as a read-only ``uint32`` array (the fast path used internally)."""
-    if isinstance(length, bool) or not isinstance(length, int):
+    if not is_plain_int(length):
         raise ValueError(f"length must be an integer, got {length!r}")
     if length < 0:
         raise ValueError(f"length must be >= 0, got {length}")
@@ -100,4 +111,5 @@ def mm_hash_to_token_values(identifier: object, length: int) -> tuple[int, ...]:
 
 
 def clear_value_cache() -> None:
+    """Forget every cached identity's values (tests and benchmarks that measure the cold path)."""
     _CACHE.clear()

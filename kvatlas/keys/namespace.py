@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvatlas.checks import is_plain_int
 from kvatlas.keys.object_key import ObjectKey, check_cache_salt, check_model_name
 
 
@@ -23,7 +24,7 @@ class BlendNamespace:
         check_model_name(self.model_name)
         check_cache_salt(self.cache_salt)
         ws = self.world_size
-        if isinstance(ws, bool) or not isinstance(ws, int) or not 1 <= ws <= 255:
+        if not is_plain_int(ws) or not 1 <= ws <= 255:
             raise ValueError(f"world_size must be an integer in [1, 255], got {ws!r}")
 
     @classmethod

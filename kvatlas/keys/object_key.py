@@ -11,6 +11,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvatlas.checks import is_plain_int
+
 MAX_SALT_CHARS = 128
 _SALT_FORBIDDEN = frozenset("@/\\\x00")
 _HEX = frozenset("0123456789abcdefABCDEF")
@@ -19,7 +21,7 @@ _VALID_SHAPES: set[tuple[str, int, int, str]] = set()
 
 
 def _check_byte_field(name: str, value: int, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+    if not is_plain_int(value) or not lo <= value <= hi:
         raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
 
 
@@ -34,7 +36,7 @@ def pack_kv_rank(world_size: int, global_rank: int, local_world_size: int, local
 
 def unpack_kv_rank(kv_rank: int) -> tuple[int, int, int, int]:
     """Inverse of :func:`pack_kv_rank`; validates the unpacked fields the same way."""
-    if isinstance(kv_rank, bool) or not isinstance(kv_rank, int) or not 0 <= kv_rank < 1 << 32:
+    if not is_plain_int(kv_rank) or not 0 <= kv_rank < 1 << 32:
         raise ValueError(f"kv_rank must be an unsigned 32-bit integer, got {kv_rank!r}")
     fields = (kv_rank >> 24, (kv_rank >> 16) & 0xFF, (kv_rank >> 8) & 0xFF, kv_rank & 0xFF)
     pack_kv_rank(*fields)
@@ -91,11 +93,7 @@ class ObjectKey:
                 pass
         check_model_name(self.model_name)
         unpack_kv_rank(self.kv_rank)
-        if (
-            isinstance(self.object_group_id, bool)
-            or not isinstance(self.object_group_id, int)
-            or self.object_group_id < 0
-        ):
+        if not is_plain_int(self.object_group_id) or self.object_group_id < 0:
             raise ValueError(
                 f"object_group_id must be an integer >= 0, got {self.object_group_id!r}"
             )

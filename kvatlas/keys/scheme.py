@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvatlas.errors import Conflict
 from kvatlas.keys.chunk_hash import DEFAULT_CHUNK_SIZE, ChunkHashChain, check_chunk_size
 from kvatlas.keys.extra_keys import MMItem, RequestKeys, x1_chunk_suffix_fn
 
@@ -19,8 +20,9 @@ SCHEME_BLAKE3_X1 = "blake3-x1"
 SCHEMES = (SCHEME_BLAKE3, SCHEME_BLAKE3_X1)
 
 
-class KeySchemeMismatch(RuntimeError):
-    """Two components would compute different keys for the same tokens."""
+class KeySchemeMismatch(Conflict):
+    """Two components would compute different keys for the same tokens (a ``Conflict``, so
+    still a ``RuntimeError``)."""
 
 
 @dataclass(frozen=True, slots=True)

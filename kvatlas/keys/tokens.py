@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvatlas.checks import is_plain_int
+
 TOKEN_LIMIT = 1 << 32
 
 TokenArray = npt.NDArray[np.uint32]
@@ -30,7 +32,7 @@ def _torch_to_numpy(tokens: Any) -> Any:
 def _from_python_ints(arr: npt.NDArray[np.object_]) -> npt.NDArray[np.int64]:
     """Mixed or huge Python ints arrive as an object array: check each one, then convert."""
     for t in arr.ravel():
-        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+        if not (is_plain_int(t) or isinstance(t, np.integer)):
             raise ValueError(f"token ids must be integers, got {t!r:.40}")
         if not 0 <= int(t) < TOKEN_LIMIT:
             raise ValueError(f"token id {t} is outside [0, 2**32)")
@@ -45,7 +47,7 @@ def as_token_array(tokens: Any) -> TokenArray:
     """
     tokens = _torch_to_numpy(tokens)
     if isinstance(tokens, (list, tuple)) and _UINT32_ARRAY_CODE:
-        try:  # array('I') range-checks every element in C: 3x faster than np.asarray(list)
+        try:  # array('I') range-checks every element in C, faster than np.asarray(list)
             return np.frombuffer(array(_UINT32_ARRAY_CODE, tokens), dtype=np.uint32)
         except (OverflowError, TypeError):
             pass  # fall through for a precise error message

@@ -1,8 +1,10 @@
 import numpy as np
 import pytest
 
-from kvatlas.events import CacheEntry, EventBatch, EventValidationError
+from kvatlas.errors import Unprocessable
+from kvatlas.events import CacheEntry, EventBatch, EventDecodeError, EventValidationError
 from kvatlas.keys import ObjectKey
+from kvatlas.web import error_payload
 
 KEY = ObjectKey(bytes(32), "m", 1 << 24 | 1 << 8)
 
@@ -89,3 +91,18 @@ def test_entry_equality_compares_tokens() -> None:
     assert CacheEntry(KEY, 1, [1, 2], 0) == CacheEntry(KEY, 1, np.array([1, 2]), 0)
     assert CacheEntry(KEY, 1, [1, 2], 0) != CacheEntry(KEY, 1, [1, 3], 0)
     assert CacheEntry(KEY, 1, None, 0) != CacheEntry(KEY, 1, [1], 0)
+
+
+def test_event_errors_are_unprocessable_and_carry_the_field() -> None:
+    """422 with ``field`` beside ``detail``: what the coordinator replies for a bad batch."""
+    with pytest.raises(EventValidationError) as info:
+        batch(seq=0)
+    exc = info.value
+    assert isinstance(exc, Unprocessable) and isinstance(exc, ValueError)
+    assert exc.status == 422
+    assert error_payload(exc) == {"detail": str(exc), "field": "seq"}
+    moved = exc.under("batches[3]")
+    assert (moved.field, moved.reason) == ("batches[3].seq", exc.reason)
+    assert error_payload(moved)["field"] == "batches[3].seq"
+    decode_error = EventDecodeError("body", "not msgpack")
+    assert isinstance(decode_error, EventValidationError) and decode_error.status == 422

@@ -1,4 +1,5 @@
-"""Chunk hashes: the spec's vectors bit-exactly, chaining, incremental extension, determinism."""
+"""Chunk hashes: bit-exact against known LMCache vectors (formula in docs/keys.md), chaining,
+incremental extension, determinism."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ VECTOR_C4 = "6309ed506b8721905753f5c73c070bb21c3aafbd9b474b1e231f41368b71123c"
 
 
 def naive_chunk_hashes(tokens: list[int], chunk_size: int) -> list[bytes]:
-    """Oracle: per-token big-endian packing, straight from the spec's formula."""
+    """Oracle: per-token big-endian packing, straight from the formula in docs/keys.md."""
     out, prev = [], NONE_HASH
     for i in range(len(tokens) // chunk_size):
         chunk = tokens[i * chunk_size : (i + 1) * chunk_size]

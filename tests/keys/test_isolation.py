@@ -23,9 +23,9 @@ from kvatlas.keys import (
     MMItem,
     RequestTracker,
     chunk_hashes,
+    clear_value_cache,
     mm_hash_to_token_values,
 )
-from kvatlas.keys.mm_values import clear_value_cache
 
 SCHEME_NAMES = ("blake3", "blake3-x1")
 PLACEHOLDER = 151655  # what an engine writes into every image span, whatever the image

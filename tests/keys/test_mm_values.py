@@ -10,9 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvatlas.keys import mm_hash_to_token_values, mm_hash_values
+from kvatlas.keys import clear_value_cache, mm_hash_to_token_values, mm_hash_values
 from kvatlas.keys._sha256_lanes import counter_block_words
-from kvatlas.keys.mm_values import clear_value_cache
 
 
 def reference_values(identifier: object, length: int) -> tuple[int, ...]:

@@ -1,0 +1,160 @@
+"""Client errors sit in the kvatlas error tree and keep telling retryable from permanent:
+a 5xx/408/429 or no answer is Unavailable (retry), any other 4xx is InvalidInput (drop)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+
+from kvatlas.asgi_thread import free_port
+from kvatlas.client import (
+    CoordinatorClient,
+    CoordinatorError,
+    EventSink,
+    HttpTransport,
+    InProcessTransport,
+    PermanentSendError,
+    SinkStats,
+    TransientSendError,
+)
+from kvatlas.errors import InvalidInput, KvatlasError, Unavailable
+from kvatlas.events import CacheEntry, EventBatch
+from kvatlas.keys import ObjectKey, pack_kv_rank
+
+
+class _Scripted(BaseHTTPRequestHandler):
+    """Answers ``(method, path)`` from ``replies`` (default 200 ``{}``) and records requests."""
+
+    replies: ClassVar[dict[tuple[str, str], tuple[int, dict[str, Any]]]] = {}
+    seen: ClassVar[list[tuple[str, str]]] = []
+
+    def _answer(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        type(self).seen.append((self.command, self.path))
+        status, payload = type(self).replies.get((self.command, self.path), (200, {}))
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        with contextlib.suppress(OSError):
+            self.wfile.write(body)
+
+    do_GET = do_POST = do_PUT = do_DELETE = _answer
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def scripted() -> Iterator[tuple[str, type[_Scripted]]]:
+    handler = type("Handler", (_Scripted,), {"replies": {}, "seen": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    server.shutdown()
+    server.server_close()
+
+
+def _batch() -> EventBatch:
+    key = ObjectKey(bytes(32), "m", pack_kv_rank(1, 0, 1, 0))
+    entry = CacheEntry(key, 1, np.arange(4, dtype=np.uint32), 0)
+    return EventBatch("node", 1, 1, "store", "l1", "dram", entries=(entry,))
+
+
+def test_error_classes_in_the_tree() -> None:
+    assert issubclass(TransientSendError, Unavailable)
+    assert issubclass(TransientSendError, RuntimeError)
+    assert issubclass(CoordinatorError, Unavailable)
+    assert issubclass(CoordinatorError, RuntimeError)
+    assert issubclass(PermanentSendError, InvalidInput)
+    assert issubclass(PermanentSendError, ValueError)
+    assert (TransientSendError.status, CoordinatorError.status) == (503, 503)
+    assert PermanentSendError.status == 400
+
+
+@pytest.mark.parametrize(
+    ("status", "error"),
+    [
+        (503, TransientSendError),
+        (500, TransientSendError),
+        (429, TransientSendError),
+        (408, TransientSendError),
+        (422, PermanentSendError),
+        (403, PermanentSendError),
+    ],
+)
+def test_http_transport_sorts_replies(
+    scripted: tuple[str, type[_Scripted]], status: int, error: type[KvatlasError]
+) -> None:
+    url, handler = scripted
+    handler.replies[("POST", "/events")] = (status, {"detail": "no"})
+    transport = HttpTransport(url, timeout=5.0)
+    try:
+        with pytest.raises(error, match=f"status {status}"):
+            transport.send([_batch()])
+    finally:
+        transport.close()
+
+
+def test_http_transport_unreachable_is_transient() -> None:
+    transport = HttpTransport(f"http://127.0.0.1:{free_port()}", timeout=2.0)
+    try:
+        with pytest.raises(TransientSendError):
+            transport.send([_batch()])
+    finally:
+        transport.close()
+
+
+def test_permanent_errors_are_dropped_and_counted_not_retried() -> None:
+    def refuse(batch: EventBatch) -> None:
+        raise PermanentSendError("status 422: bad batch")
+
+    sink = EventSink("node", InProcessTransport(refuse), incarnation=1, backoff_max=0.05)
+    assert sink.emit("store", "l1", "dram", [_batch().entries[0]])
+    assert sink.flush(timeout=10)
+    assert (sink.rejected_batches, sink.retries, sink.sent_batches) == (1, 0, 0)
+    assert sink.stats() == SinkStats(
+        seq=1, pending=0, sent_batches=0, dropped_batches=0, rejected_batches=1, retries=0
+    )
+    sink.close(timeout=1)
+
+
+def test_coordinator_error_keeps_the_reply_status(scripted: tuple[str, type[_Scripted]]) -> None:
+    url, handler = scripted
+    handler.replies[("GET", "/directory/stats")] = (409, {"detail": "busy"})
+    client = CoordinatorClient(url, timeout=5.0)
+    with client, pytest.raises(CoordinatorError) as info:
+        client.stats()
+    assert info.value.reply_status == 409
+    assert info.value.status == 503  # what the error maps to in kvatlas's own replies
+    assert "409 busy" in str(info.value)
+
+
+def test_coordinator_unreachable_has_no_reply_status() -> None:
+    client = CoordinatorClient(f"http://127.0.0.1:{free_port()}", timeout=2.0)
+    with client, pytest.raises(CoordinatorError) as info:
+        client.health()
+    assert info.value.reply_status is None
+
+
+def test_heartbeat_re_registers_after_404(scripted: tuple[str, type[_Scripted]]) -> None:
+    url, handler = scripted
+    handler.replies[("POST", "/instances")] = (200, {"instance_id": "node-7"})
+    with CoordinatorClient(url, timeout=5.0) as client:
+        assert client.register("node-7") == "node-7"
+        handler.replies[("PUT", "/instances/node-7/heartbeat")] = (404, {"detail": "unknown"})
+        client.heartbeat()  # a forgotten instance registers again, no error
+        assert handler.seen[-2:] == [("PUT", "/instances/node-7/heartbeat"), ("POST", "/instances")]
+        handler.replies[("PUT", "/instances/node-7/heartbeat")] = (500, {"detail": "down"})
+        with pytest.raises(CoordinatorError) as info:
+            client.heartbeat()
+        assert info.value.reply_status == 500

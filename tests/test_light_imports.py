@@ -1,0 +1,41 @@
+"""What a router or a cache node pays to import the light packages: no numba, no llvmlite.
+
+The compiled kernels of ``kvatlas.keys`` (multimodal values) and ``kvatlas.events`` (JSON token
+lists) load on their first use; a process that only talks to the coordinator never compiles or
+loads them. Each case runs in a fresh interpreter, since this one has long loaded numba.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("numba", "llvmlite")
+
+
+def _loaded_after(code: str) -> list[str]:
+    probe = f"import sys\n{code}\nprint(' '.join(m for m in {HEAVY!r} if m in sys.modules))"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    return done.stdout.split()
+
+
+@pytest.mark.parametrize(
+    "imports",
+    ["import kvatlas.client", "import kvatlas.keys, kvatlas.events", "import kvatlas.errors"],
+)
+def test_light_packages_import_without_numba(imports: str) -> None:
+    assert _loaded_after(imports) == []
+
+
+def test_kernels_load_on_first_use() -> None:
+    """The laziness is real: the first call that needs a kernel brings numba in (and works)."""
+    values = "from kvatlas.keys import mm_hash_values\nassert len(mm_hash_values('img', 9)) == 9"
+    assert _loaded_after(values) == list(HEAVY)
+    decode = (
+        "from kvatlas.events import decode_json\nassert decode_json(b'{\"batches\": []}') == []"
+    )
+    assert _loaded_after(decode) == list(HEAVY)

@@ -1,0 +1,259 @@
+"""The shape of the package, read from the source with ``ast`` (nothing is imported):
+
+* layers: keys → events → directory → coordinator → client → node; a package imports only
+  its own layer and those below it, never one above (function-level imports count too);
+* shared modules (errors, checks, web, ...) sit underneath and import no layered package;
+  bench, demo and cli sit on top and nothing imports them;
+* no import cycle between modules (module-level imports; ``TYPE_CHECKING`` blocks excluded);
+* every package says what it exports (a docstring and ``__all__``), and the version is
+  written once.
+
+The rules name packages, not files, so a package can be reorganised freely inside itself.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import kvatlas
+
+ROOT = Path(kvatlas.__file__).parent
+
+LAYERS = ("keys", "events", "directory", "coordinator", "client", "node")
+SHARED = (
+    "kvatlas",  # the root package: __version__ only
+    "errors",
+    "checks",
+    "web",
+    "config_flags",
+    "asgi_thread",
+    "logs",
+    "processes",
+)
+TOP = ("bench", "demo", "cli")
+# Below its place in the order, but still out of bounds: a client never imports server
+# internals (and must stay light: no directory, hence no numba kernels).
+FORBIDDEN = {"client": ("directory", "coordinator")}
+
+# Known gaps in packages still being restructured (issue 8). The tests fail on any new gap AND
+# on an entry here that was fixed: delete the entry then.
+PENDING_EXPORTS = {"kvatlas.coordinator", "kvatlas.node"}  # no docstring + __all__ yet
+PENDING_VERSION = {"kvatlas/coordinator/app.py"}  # writes the version instead of reading it
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str  # dotted module name
+    target: str  # dotted module name (a submodule when the import names one)
+    line: int
+    module_level: bool  # runs when the importer is imported (not in a function, not typing-only)
+
+
+def module_name(path: Path) -> str:
+    parts = ("kvatlas", *path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _targets(node: ast.Import | ast.ImportFrom, importer: str) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if node.level:  # relative: resolve against the importer's package
+        package = (
+            importer if MODULES[importer].name == "__init__.py" else importer.rpartition(".")[0]
+        )
+        for _ in range(node.level - 1):
+            package = package.rpartition(".")[0]
+        base = f"{package}.{node.module}" if node.module else package
+    else:
+        base = node.module or ""
+    # `from kvatlas.directory import gate` imports the submodule; `import X` names it directly.
+    return [
+        f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base
+        for alias in node.names
+    ]
+
+
+def imports_of(module: str) -> list[Import]:
+    tree = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
+    found: list[Import] = []
+
+    def visit(node: ast.AST, module_level: bool) -> None:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            for target in _targets(node, module):
+                if target == "kvatlas" or target.startswith("kvatlas."):
+                    found.append(Import(module, target, node.lineno, module_level))
+            return
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            module_level = False
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                visit(child, False)
+            for child in node.orelse:
+                visit(child, module_level)
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child, module_level)
+
+    visit(tree, True)
+    return found
+
+
+ALL_IMPORTS = [imp for module in MODULES for imp in imports_of(module)]
+
+
+def unit(module: str) -> str:
+    """The layered unit a module belongs to: ``kvatlas.directory.gate`` → ``directory``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "kvatlas"
+
+
+def rank(name: str) -> int:
+    if name in SHARED:
+        return -1
+    if name in TOP:
+        return len(LAYERS)
+    return LAYERS.index(name)
+
+
+def test_every_package_and_module_has_a_place() -> None:
+    units = {unit(m) for m in MODULES}
+    unplaced = sorted(units - set(LAYERS) - set(SHARED) - set(TOP))
+    assert not unplaced, f"place these in LAYERS, SHARED or TOP of {__file__}: {unplaced}"
+
+
+def test_no_package_imports_a_higher_layer() -> None:
+    bad = [
+        f"{i.importer} (line {i.line}) imports {i.target}"
+        for i in ALL_IMPORTS
+        if unit(i.importer) in LAYERS and rank(unit(i.target)) > rank(unit(i.importer))
+    ]
+    assert not bad, "layering: " + "; ".join(bad)
+
+
+def test_shared_modules_import_no_layered_package() -> None:
+    bad = [
+        f"{i.importer} (line {i.line}) imports {i.target}"
+        for i in ALL_IMPORTS
+        if unit(i.importer) in SHARED and unit(i.target) not in SHARED
+    ]
+    assert not bad, "shared modules sit underneath every layer: " + "; ".join(bad)
+
+
+def test_nothing_imports_the_top() -> None:
+    bad = [
+        f"{i.importer} (line {i.line}) imports {i.target}"
+        for i in ALL_IMPORTS
+        if unit(i.target) in TOP and unit(i.importer) not in TOP
+    ]
+    assert not bad, "bench, demo and cli are entry points, not libraries: " + "; ".join(bad)
+
+
+def test_forbidden_imports_below_the_order() -> None:
+    bad = [
+        f"{i.importer} (line {i.line}) imports {i.target}"
+        for i in ALL_IMPORTS
+        if unit(i.target) in FORBIDDEN.get(unit(i.importer), ())
+    ]
+    assert not bad, "; ".join(bad)
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in edges[v]:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            connect(v)
+    return found
+
+
+def test_cycle_finder_finds_cycles() -> None:
+    edges: dict[str, set[str]] = defaultdict(set, {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}})
+    assert _cycles(edges) == [["a", "b", "c"]]
+    assert _cycles(defaultdict(set, {"a": {"b"}, "b": set()})) == []
+
+
+def test_no_import_cycle_between_modules() -> None:
+    edges: dict[str, set[str]] = defaultdict(set)
+    for i in ALL_IMPORTS:
+        if i.module_level and i.target != i.importer:
+            edges[i.importer].add(i.target)
+    assert _cycles(edges) == [], "module-level import cycles"
+
+
+def test_every_package_says_what_it_exports() -> None:
+    missing = []
+    for module, path in MODULES.items():
+        if path.name != "__init__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        has_all = any(
+            isinstance(node, ast.Assign | ast.AnnAssign)
+            and any(
+                isinstance(t, ast.Name) and t.id == "__all__"
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            )
+            for node in tree.body
+        )
+        if not ast.get_docstring(tree) or not has_all:
+            missing.append(module)
+    assert set(missing) <= PENDING_EXPORTS, (
+        f"packages without a docstring or __all__: {sorted(set(missing) - PENDING_EXPORTS)}"
+    )
+    assert set(missing) == PENDING_EXPORTS, (
+        f"fixed, delete from PENDING_EXPORTS: {sorted(PENDING_EXPORTS - set(missing))}"
+    )
+
+
+def test_the_version_is_written_once() -> None:
+    assert importlib.metadata.version("kvatlas") == kvatlas.__version__
+    repeated = [
+        str(path.relative_to(ROOT.parent))
+        for path in MODULES.values()
+        if path.name != "__init__.py" or path.parent != ROOT
+        if f'"{kvatlas.__version__}"' in path.read_text()
+    ]
+    assert set(repeated) <= PENDING_VERSION, (
+        f"read kvatlas.__version__ instead of repeating it: {sorted(set(repeated) - PENDING_VERSION)}"
+    )
+    assert set(repeated) == PENDING_VERSION, (
+        f"fixed, delete from PENDING_VERSION: {sorted(PENDING_VERSION - set(repeated))}"
+    )
