@@ -10,7 +10,41 @@ Layers, each importing only those below it (docs/coordinator.md):
   ``stream_consumer`` (Redis Streams), ``views`` (what the service reports), ``instances``,
   ``auth``, ``metrics``, ``config``, ``schemas``.
 
-This package re-exports nothing: ``kvatlas coordinator --help`` imports only ``config``, and
-must not load the web stack. Import ``kvatlas.coordinator.server.BackgroundServer``,
-``kvatlas.coordinator.config.CoordinatorConfig`` and ``kvatlas.coordinator.wire``.
+The exports below load on first use: ``kvatlas coordinator --help`` imports only ``config`` and
+must not load the web stack or the compiled kernels.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvatlas.coordinator.app import create_app
+    from kvatlas.coordinator.config import CoordinatorConfig
+    from kvatlas.coordinator.server import BackgroundServer
+    from kvatlas.coordinator.service import CoordinatorService
+    from kvatlas.coordinator.views import Readiness
+
+_EXPORTS = {
+    "BackgroundServer": "server",
+    "CoordinatorConfig": "config",
+    "CoordinatorService": "service",
+    "Readiness": "views",
+    "create_app": "app",
+}
+__all__ = [
+    "BackgroundServer",
+    "CoordinatorConfig",
+    "CoordinatorService",
+    "Readiness",
+    "create_app",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
