@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from kvatlas.directory.blend_index import BlendIndex
+from kvatlas.directory.blend import BlendIndex
 from kvatlas.events import CacheEntry, EventBatch, decode_json, encode_json
 from kvatlas.keys import BlendNamespace, ObjectKey, pack_kv_rank
 

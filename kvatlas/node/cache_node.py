@@ -19,13 +19,13 @@ import threading
 import uuid
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from kvatlas.client.blend_client import FleetMatcher
-from kvatlas.directory.blend_index import BlendIndex
+from kvatlas.directory import BlendIndex
 from kvatlas.events import CacheEntry
 from kvatlas.keys import BlendNamespace, MMItem, ObjectKey, RequestTracker
 from kvatlas.node.config import NodeConfig
@@ -425,7 +425,7 @@ class CacheNode:
             "instance_id": self.instance_id,
             "l1_chunks": len(self.l1),
             "l1_bytes": self.l1.used_bytes,
-            "local_index": self.index.stats(),
+            "local_index": asdict(self.index.stats()),
             "token_cache": {"chunks": len(self.token_cache), "misses": self.token_cache.misses},
             **dict(self.counters),
         }

@@ -18,7 +18,7 @@ import pytest
 from kvatlas.client import BlendCoordinatorClient
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.server import BackgroundServer, free_port
-from kvatlas.directory.blend_index import BlendIndex
+from kvatlas.directory import BlendIndex
 from kvatlas.events import CacheEntry, EventBatch
 from kvatlas.keys import BlendNamespace, ObjectKey, chunk_hashes, pack_kv_rank
 from kvatlas.node.segments import Placement, Segment
