@@ -5,7 +5,7 @@ Python work per hit and per op. Three shortcuts remove most of it:
 
 - ``bytes_address(h)``: the kernels read a chunk_hash through its ``bytes`` object's payload
   address, so the index keeps the caller's ``bytes`` by reference (no copy per occupant).
-- ``array_handles(arrays)``: a write batch hands the kernel each token array's ``id``; the
+- ``array_handle(s)``: a write batch hands the kernel each token array's ``id``; the
   kernel reads the ndarray's data pointer itself at ``ARRAY_DATA_OFFSET`` instead of Python
   asking ``arr.ctypes.data`` per op.
 - ``list_items_address(names)``: the scan prefetches the slots of the occupant → chunk_hash
@@ -89,12 +89,18 @@ def bytes_address(raw: bytes) -> int:
     return id(raw) + BYTES_DATA_OFFSET
 
 
-def array_handles(arrays: list[npt.NDArray[Any]]) -> npt.NDArray[np.int64]:
+def array_handle(array: npt.NDArray[Any]) -> int:
+    """What the write kernel reads the array through (pass ``ARRAY_DATA_OFFSET`` with it):
+    its ``id``, or its data address when the offset was not located."""
+    return id(array) if ARRAY_DATA_OFFSET >= 0 else int(array.ctypes.data)
+
+
+def array_handles(arrays: list[npt.NDArray[Any]]) -> list[int]:
     """What the write kernel reads the arrays through (pass ``ARRAY_DATA_OFFSET`` with it):
     ``id``s, or the data addresses when the offset was not located."""
     if ARRAY_DATA_OFFSET >= 0:
-        return np.array(list(map(id, arrays)), np.int64)
-    return np.array([a.ctypes.data for a in arrays], np.int64)  # pragma: no cover
+        return list(map(id, arrays))
+    return [a.ctypes.data for a in arrays]  # pragma: no cover
 
 
 def list_items_address(items: list[Any]) -> int:

@@ -151,7 +151,8 @@ class BlendIndex:
         (so a ``remove_chunk`` followed by re-``add``s of a re-stored chunk has no window).
         Every op is validated before anything changes: an invalid op raises and applies none.
         """
-        batch = Batch()
+        batch = Batch([], [], [], [], [], [])
+        kinds, arrays, hashes, offsets, spaces, owned = batch
         chunk = self.chunk_size
         for op in ops:
             kind = _KINDS.get(type(op))
@@ -179,21 +180,21 @@ class BlendIndex:
                 continue
             if type(chunk_hash) is not bytes or len(chunk_hash) > _HASH_WIDTH:
                 chunk_hash = _hash_bytes(chunk_hash)
-            owned = False
+            own = False
             if kind == kernels.ADD:
-                owned = not _shareable(arr)
-                if owned:
+                own = not _shareable(arr)
+                if own:
                     arr = np.array(arr, dtype=np.uint32, order="C", copy=True)
                     arr.setflags(write=False)
             elif not arr.flags.c_contiguous:
                 arr = np.ascontiguousarray(arr)
-            batch.kinds.append(kind)
-            batch.tokens.append(arr)
-            batch.hashes.append(chunk_hash)
-            batch.offsets.append(offset)
-            batch.namespaces.append(namespace)
-            batch.owned.append(owned)
-        if batch.kinds:
+            kinds.append(kind)
+            arrays.append(arr)
+            hashes.append(chunk_hash)
+            offsets.append(offset)
+            spaces.append(namespace)
+            owned.append(own)
+        if kinds:
             with self._lock:
                 self._state.apply(batch)
 
@@ -223,7 +224,7 @@ class BlendIndex:
                 names = state.hashes
                 pos, occ, off = kernels.scan(
                     q, start, stop, stride, chunk, ns, self._base, self._base_pow, self._fmask,
-                    state.arrays, scratch, _cpython.list_items_address(names),
+                    state.kernel_arrays, scratch, _cpython.list_items_address(names),
                     _cpython.BYTES_DATA_OFFSET,
                 )  # fmt: skip
                 if pos.shape[0] == 0:
@@ -271,12 +272,12 @@ class BlendIndex:
 
     # ------------------------------------------------------------------ internals
 
-    def _scratch_for(self, windows: int) -> kernels.ScanScratch:
-        """Per-thread scan buffers, kept between queries: fresh large arrays cost page
-        faults, more than the filter pass itself."""
-        cached: kernels.ScanScratch | None = getattr(self._scratch, "buffers", None)
-        if cached is None or not cached.fits(windows, self.chunk_size):
-            cached = kernels.ScanScratch.for_windows(windows, self.chunk_size)
+    def _scratch_for(self, windows: int) -> tuple[Any, ...]:
+        """Per-thread scan buffers (a ``ScanScratch`` as the plain tuple the scan takes), kept
+        between queries: fresh large arrays cost page faults, more than the filter pass."""
+        cached: tuple[Any, ...] | None = getattr(self._scratch, "buffers", None)
+        if cached is None or not kernels.ScanScratch(*cached).fits(windows, self.chunk_size):
+            cached = tuple(kernels.ScanScratch.for_windows(windows, self.chunk_size))
             self._scratch.buffers = cached
         return cached
 

@@ -17,17 +17,28 @@ class NamespaceIds:
         self._claims: list[int] = []
         self._free: list[int] = []
         self._unclaimed: set[int] = set()  # ids to check at the end of the write
+        # the last namespace object looked up (writers and readers mostly repeat one): its
+        # id without hashing it again
+        self._last: BlendNamespace | None = None
+        self._last_id = -1
 
     def __len__(self) -> int:
         return len(self._ids)
 
     def get(self, namespace: BlendNamespace) -> int | None:
         """The namespace's id, ``None`` if it holds no claim."""
-        return self._ids.get(namespace)
+        if namespace is self._last:
+            return self._last_id
+        ns = self._ids.get(namespace)
+        if ns is not None:
+            self._last, self._last_id = namespace, ns
+        return ns
 
     def register(self, namespace: BlendNamespace) -> int:
         """The namespace's id, new if need be (released at the end of the write unless it
         gains a claim by then)."""
+        if namespace is self._last:
+            return self._last_id
         ns = self._ids.get(namespace)
         if ns is None:
             if self._free:
@@ -40,6 +51,7 @@ class NamespaceIds:
                 self._claims.append(0)
             self._ids[namespace] = ns
             self._unclaimed.add(ns)
+        self._last, self._last_id = namespace, ns
         return ns
 
     def claim(self, ns: int) -> None:
@@ -52,10 +64,14 @@ class NamespaceIds:
 
     def end_write(self) -> None:
         """Release the ids of namespaces left without claims."""
+        if not self._unclaimed:
+            return
         for ns in self._unclaimed:
             namespace = self._names[ns]
             if self._claims[ns] == 0 and namespace is not None:
                 del self._ids[namespace]
                 self._names[ns] = None
                 self._free.append(ns)
+                if ns == self._last_id:
+                    self._last = None
         self._unclaimed.clear()

@@ -9,13 +9,13 @@ followed by the bookkeeping the kernel reports for each op, so the two never dis
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from kvatlas.directory.blend import _cpython, kernels
+from kvatlas.directory.blend._cpython import array_handle, bytes_address
 from kvatlas.directory.blend.namespaces import NamespaceIds
 from kvatlas.keys import BlendNamespace
 
@@ -25,17 +25,17 @@ MIN_CAPACITY = 1024
 Tokens = npt.NDArray[np.uint32]
 
 
-@dataclass(slots=True)
-class Batch:
-    """Validated ops, in order: chunk-sized C-contiguous token arrays, exact ``bytes``
-    hashes, non-negative offsets. ``owned``: the array is the index's own copy."""
+class Batch(NamedTuple):
+    """Validated ops, one list entry each, in order: chunk-sized C-contiguous token arrays
+    (``owned``: the index's own copy), exact ``bytes`` hashes of at most 32 bytes,
+    non-negative offsets (0 unless an add), namespaces (``None`` for a remove_chunk)."""
 
-    kinds: list[int] = field(default_factory=list)
-    tokens: list[Tokens] = field(default_factory=list)
-    hashes: list[bytes] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
-    namespaces: list[BlendNamespace | None] = field(default_factory=list)
-    owned: list[bool] = field(default_factory=list)
+    kinds: list[int]
+    tokens: list[Tokens]
+    hashes: list[bytes]
+    offsets: list[int]
+    namespaces: list[BlendNamespace | None]
+    owned: list[bool]
 
 
 class IndexState:
@@ -43,14 +43,13 @@ class IndexState:
         self.chunk_size = chunk_size
         self.base = base
         self.fmask = fmask
-        self.arrays = kernels.BlendArrays.empty(MIN_CAPACITY)
+        self._arrays = kernels.BlendArrays.empty(MIN_CAPACITY)
+        self.kernel_arrays = tuple(self._arrays)  # what the kernels take
         self.namespaces = NamespaceIds()
         self.tokens: list[Tokens | None] = []  # per content id: the array c_addr points into
         self.hashes: list[bytes | None] = []  # per occupant id: the bytes o_i64 points into
         self.owned: set[int] = set()  # content ids whose array is the index's own copy
         self.extra_claims: dict[int, set[int]] = {}  # occupant -> its extra-set namespaces
-        self._c_free: list[int] = []
-        self._o_free: list[int] = []
         self.contents = 0
         self.occupants = 0
         self.claims = 0
@@ -58,55 +57,93 @@ class IndexState:
         self.n_extra = 0
         self._stale = 0  # contents removed since the filter was last rebuilt
 
+    @property
+    def arrays(self) -> kernels.BlendArrays:
+        return self._arrays
+
+    @arrays.setter
+    def arrays(self, arrays: kernels.BlendArrays) -> None:
+        self._arrays = arrays
+        self.kernel_arrays = tuple(arrays)
+
     def apply(self, batch: Batch) -> None:
-        kinds = batch.kinds
-        nss: list[int] = []
-        n_add = 0
-        last: BlendNamespace | None = None  # batches are mostly one namespace: skip its hash
-        last_ns = -1
-        for i, namespace in enumerate(batch.namespaces):
-            if kinds[i] == kernels.ADD:
-                assert namespace is not None
-                if namespace is not last:
-                    last, last_ns = namespace, self.namespaces.register(namespace)
-                nss.append(last_ns)
-                n_add += 1
-            elif kinds[i] == kernels.REMOVE_CLAIM:
-                assert namespace is not None
-                ns = self.namespaces.get(namespace)
-                if ns is None:
-                    kinds[i] = kernels.SKIP  # a namespace without claims has nothing to drop
-                    ns = -1
-                nss.append(ns)
-            else:
-                nss.append(-1)
-        new_cids = self._content_ids(n_add)
-        new_occs = self._occupant_ids(n_add)
-        while 2 * (self.n_extra + n_add) > self.arrays.claims.shape[0]:
-            self._grow_claims()
-        hashes = batch.hashes
-        ops = kernels.OpBatch(
-            np.array(kinds, np.int8),
-            _cpython.array_handles(batch.tokens),
-            np.array(list(map(_cpython.bytes_address, hashes)), np.int64),
-            np.array(list(map(len, hashes)), np.int64),
-            np.array(batch.offsets, np.int64),
-            np.array(nss, np.int64),
-        )
-        out = np.empty((len(kinds), 4), np.int64)
-        used_c, used_o = kernels.apply_ops(
-            ops, self.chunk_size, _cpython.ARRAY_DATA_OFFSET, new_cids, new_occs, self.base,
-            self.fmask, self.arrays, out,
-        )  # fmt: skip
-        _take_ids(self._c_free, int(used_c), self.tokens)
-        _take_ids(self._o_free, int(used_o), self.hashes)
-        tokens, owned = batch.tokens, batch.owned
-        for i, (flags, cid, occ, ns0) in enumerate(out.tolist()):
-            if flags:
-                self._settle(kinds[i], flags, cid, occ, nss[i], ns0, tokens[i], owned[i], hashes[i])
+        """Apply the batch in order (see :func:`kernels.apply_ops`), then release the
+        namespace ids left without claims and shed the filter bits of removed contents."""
+        if len(batch.kinds) == 1:
+            kinds, tokens, hashes, offsets, spaces, owned = batch
+            self._apply_one(kinds[0], tokens[0], hashes[0], offsets[0], spaces[0], owned[0])
+        else:
+            self._apply_batch(batch)
         self.namespaces.end_write()
         if self._stale > self.contents // 2 + MIN_CAPACITY:
             self.rebuild()  # the filter only ever gains bits: shed removed contents' bits
+
+    def _apply_one(
+        self,
+        kind: int,
+        tokens: Tokens,
+        h: bytes,
+        offset: int,
+        namespace: BlendNamespace | None,
+        owned: bool,
+    ) -> None:
+        """A batch of one, passed to the kernel as scalars (no op arrays to build)."""
+        add = kind == kernels.ADD
+        ns = self._namespace_id(kind, namespace)
+        if ns < 0 and kind == kernels.REMOVE_CLAIM:
+            return  # a namespace without claims has nothing to drop
+        if add and not self._has_room(1):
+            self._make_room(1)
+        flags, cid, occ, ns0 = kernels.apply_op(
+            kind, array_handle(tokens), bytes_address(h), len(h), offset, ns,
+            self.chunk_size, _cpython.ARRAY_DATA_OFFSET, self.base, self.fmask,
+            self.kernel_arrays,
+        )  # fmt: skip
+        if flags:
+            self._settle(kind, flags, cid, occ, ns, ns0, tokens, owned, h)
+
+    def _apply_batch(self, batch: Batch) -> None:
+        kinds, tokens, hashes, offsets, spaces, owned = batch
+        nss: list[int] = []
+        last: BlendNamespace | None = None  # batches are mostly one namespace: skip its hash
+        last_ns = -1
+        for i, namespace in enumerate(spaces):
+            if namespace is not last or last_ns < 0:  # an id, once known, is stable in a batch
+                last, last_ns = namespace, self._namespace_id(kinds[i], namespace)
+            if last_ns < 0 and kinds[i] == kernels.REMOVE_CLAIM:
+                kinds[i] = kernels.SKIP  # a namespace without claims has nothing to drop
+            nss.append(last_ns)
+        n_add = kinds.count(kernels.ADD)
+        if not self._has_room(n_add):
+            self._make_room(n_add)
+        ops = np.array(
+            [
+                kinds,
+                _cpython.array_handles(tokens),
+                list(map(_cpython.bytes_address, hashes)),
+                list(map(len, hashes)),
+                offsets,
+                nss,
+            ],
+            np.int64,
+        )
+        out = np.empty((len(kinds), 4), np.int64)
+        kernels.apply_ops(
+            ops, self.chunk_size, _cpython.ARRAY_DATA_OFFSET, self.base, self.fmask,
+            self.kernel_arrays, out,
+        )  # fmt: skip
+        for i, (flags, cid, occ, ns0) in enumerate(out.tolist()):
+            if flags:
+                self._settle(kinds[i], flags, cid, occ, nss[i], ns0, tokens[i], owned[i], hashes[i])
+
+    def _namespace_id(self, kind: int, namespace: BlendNamespace | None) -> int:
+        """The op's namespace id: registered for an add, -1 if it has none."""
+        if namespace is None:
+            return -1
+        if kind == kernels.ADD:
+            return self.namespaces.register(namespace)
+        ns = self.namespaces.get(namespace)
+        return -1 if ns is None else ns
 
     def _settle(
         self,
@@ -123,13 +160,19 @@ class IndexState:
         """Python-side bookkeeping of one applied op (kernel ``flags``): the references that
         keep token arrays and hashes alive, counters, free lists, namespace claims."""
         if flags & kernels.F_NEW_CONTENT:
-            self.tokens[cid] = tokens
+            if cid == len(self.tokens):
+                self.tokens.append(tokens)
+            else:
+                self.tokens[cid] = tokens
             if owned:
                 self.owned.add(cid)
                 self.owned_bytes += tokens.nbytes
             self.contents += 1
         if flags & kernels.F_NEW_OCCUPANT:
-            self.hashes[occ] = h
+            if occ == len(self.hashes):
+                self.hashes.append(h)
+            else:
+                self.hashes[occ] = h
             self.occupants += 1
         if flags & kernels.F_NEW_CLAIM:
             self.namespaces.claim(ns)
@@ -150,7 +193,6 @@ class IndexState:
                 self._release_claim(other)
         if flags & kernels.F_OCCUPANT_GONE:
             self.hashes[occ] = None
-            self._o_free.append(occ)
             self.occupants -= 1
         if flags & kernels.F_CONTENT_GONE:
             gone = self.tokens[cid]
@@ -158,7 +200,6 @@ class IndexState:
                 self.owned.discard(cid)
                 self.owned_bytes -= gone.nbytes
             self.tokens[cid] = None
-            self._c_free.append(cid)
             self.contents -= 1
             self._stale += 1
 
@@ -173,23 +214,28 @@ class IndexState:
             del self.extra_claims[occ]
         self.n_extra -= 1
 
-    def _content_ids(self, n: int) -> npt.NDArray[np.int32]:
-        """Ids for up to ``n`` new contents: free ones (last first), then fresh ones."""
-        free = self._c_free
-        f = min(n, len(free))
-        hwm = len(self.tokens)
-        while hwm + n - f > self.arrays.content_capacity:
+    def _has_room(self, n_add: int) -> bool:
+        """Room for ``n_add`` adds (a new content, occupant and extra claim each) without
+        counting free ids: the cheap check."""
+        arrays = self._arrays
+        return bool(
+            len(self.tokens) + n_add <= arrays.c_fp.shape[0]
+            and len(self.hashes) + n_add <= arrays.o_hlen.shape[0]
+            and 2 * (self.n_extra + n_add) <= arrays.claims.shape[0]
+        )
+
+    def _make_room(self, n_add: int) -> None:
+        """Grow what ``n_add`` adds need, counting free ids (but not ids the batch frees: they
+        are not reused within it)."""
+        fresh = n_add - min(n_add, len(self.tokens) - self.contents)
+        while len(self.tokens) + fresh > self.arrays.content_capacity:
             self.arrays = self.arrays.with_content_capacity(2 * self.arrays.content_capacity)
             self.rebuild()
-        return np.array([*free[len(free) - f :][::-1], *range(hwm, hwm + n - f)], np.int32)
-
-    def _occupant_ids(self, n: int) -> npt.NDArray[np.int32]:
-        free = self._o_free
-        f = min(n, len(free))
-        hwm = len(self.hashes)
-        while hwm + n - f > self.arrays.occupant_capacity:
+        fresh = n_add - min(n_add, len(self.hashes) - self.occupants)
+        while len(self.hashes) + fresh > self.arrays.occupant_capacity:
             self.arrays = self.arrays.with_occupant_capacity(2 * self.arrays.occupant_capacity)
-        return np.array([*free[len(free) - f :][::-1], *range(hwm, hwm + n - f)], np.int32)
+        while 2 * (self.n_extra + n_add) > self.arrays.claims.shape[0]:
+            self._grow_claims()
 
     def _grow_claims(self) -> None:
         new = np.full(2 * self.arrays.claims.shape[0], -1, np.int64)
@@ -199,14 +245,5 @@ class IndexState:
     def rebuild(self) -> None:
         """Fresh table and filter holding exactly the live contents."""
         self.arrays = self.arrays.with_empty_lookup()
-        kernels.rebuild(self.arrays, len(self.tokens))
+        kernels.rebuild(self.kernel_arrays)
         self._stale = 0
-
-
-def _take_ids(free: list[int], used: int, slots: list[Any]) -> None:
-    """Retire the first ``used`` ids handed out: free ones leave the free list, fresh ones
-    get a (placeholder) slot that ``_settle`` fills."""
-    f = min(used, len(free))
-    if f:
-        del free[len(free) - f :]
-    slots.extend([None] * (used - f))

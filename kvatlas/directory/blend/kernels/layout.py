@@ -1,7 +1,7 @@
 """The index's state as the kernels see it: plain numpy arrays, grouped in :class:`BlendArrays`.
 
 The arrays are owned by the index and read or written by the kernels only while the caller
-holds the index lock. Ids are dense and recycled through the index's free lists.
+holds the index lock.
 
 - contents: ``c_fp`` (uint64 fingerprint), ``c_addr`` (address of the content's read-only
   uint32 token array, kept alive by the index; 0 = free id), ``c_first`` (first occupant,
@@ -13,6 +13,8 @@ holds the index lock. Ids are dense and recycled through the index's free lists.
   ``o_hlen`` (hash length), ``o_i32[o] = (next occupant of the content, inline first claim or
   -1, number of claims)``: one row per occupant, so the namespace test reads one cache line.
 - ``claims``: the extra-claim set (see ``table.py``), load <= 1/2.
+- ``ids``: the id allocator (``IDS_*``): ids are dense, freed ones are reused (last freed
+  first) and a free id's ``c_first`` / ``O_NEXT`` links it to the next free one.
 """
 
 from __future__ import annotations
@@ -26,9 +28,17 @@ O_OFF, O_HADDR = 0, 1
 """Columns of ``o_i64``."""
 O_NEXT, O_NS0, O_NCLAIMS = 0, 1, 2
 """Columns of ``o_i32``."""
+IDS_FREE_CONTENT, IDS_CONTENTS, IDS_FREE_OCCUPANT, IDS_OCCUPANTS = 0, 1, 2, 3
+"""Entries of ``ids``: head of the free content ids (-1 = none; linked through ``c_first``),
+content ids ever used (the high-water mark); the same for occupants (linked through
+``o_i32[:, O_NEXT]``)."""
 
 
 class BlendArrays(NamedTuple):
+    """The arrays by name. Kernel entry points take them as a plain ``tuple(arrays)`` and
+    name them again inside (``BlendArrays(*arrays)``): numba types a plain tuple argument in
+    a fraction of the time a named one takes, a cost paid on every call."""
+
     table: npt.NDArray[np.int32]
     filt: npt.NDArray[np.uint64]
     c_fp: npt.NDArray[np.uint64]
@@ -38,6 +48,7 @@ class BlendArrays(NamedTuple):
     o_i32: npt.NDArray[np.int32]
     o_hlen: npt.NDArray[np.uint8]
     claims: npt.NDArray[np.int64]
+    ids: npt.NDArray[np.int64]
 
     @classmethod
     def empty(cls, capacity: int) -> BlendArrays:
@@ -51,6 +62,7 @@ class BlendArrays(NamedTuple):
             o_i32=np.zeros((capacity, 3), np.int32),  # rows are initialised on first use
             o_hlen=np.zeros(capacity, np.uint8),
             claims=np.full(16, -1, np.int64),
+            ids=np.array([-1, 0, -1, 0], np.int64),
         )
 
     @property
@@ -60,6 +72,15 @@ class BlendArrays(NamedTuple):
     @property
     def occupant_capacity(self) -> int:
         return int(self.o_i64.shape[0])
+
+    @property
+    def content_ids(self) -> int:
+        """Content ids ever used: live and free ones."""
+        return int(self.ids[IDS_CONTENTS])
+
+    @property
+    def occupant_ids(self) -> int:
+        return int(self.ids[IDS_OCCUPANTS])
 
     def with_empty_lookup(self) -> BlendArrays:
         """Fresh (empty) table and filter sized for the content capacity: to be rebuilt."""

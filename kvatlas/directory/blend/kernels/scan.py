@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvatlas.directory.blend.kernels.filter import bloom_mask, may_contain, mix, word_shift
-from kvatlas.directory.blend.kernels.layout import O_HADDR, O_NEXT, O_OFF
+from kvatlas.directory.blend.kernels.layout import O_HADDR, O_NEXT, O_OFF, BlendArrays
 from kvatlas.directory.blend.kernels.modhash import (
     LANES,
     fingerprint,
@@ -71,17 +71,19 @@ def scan(
     base: Any,
     base_pow: Any,
     fmask: Any,
-    s: Any,
-    scratch: Any,
+    arrays: Any,
+    buffers: Any,
     names_items: Any,
     hash_data_off: Any,
 ) -> Any:
     """Hits of namespace ``ns`` among the probed windows of ``q[start:stop + chunk - 1]``.
 
-    ``s`` is the index's ``BlendArrays``, ``scratch`` a :class:`ScanScratch` that fits
-    ``stop - start`` windows. Returns (positions, occupants, stored offsets). ``names_items``
+    ``arrays`` is the index's ``BlendArrays``, ``buffers`` a :class:`ScanScratch` that fits
+    ``stop - start`` windows, both as plain tuples. Returns (positions, occupants, stored offsets). ``names_items``
     (address of the caller's occupant → chunk_hash list items) and ``hash_data_off`` only
     steer prefetches of what the caller reads next."""
+    s = BlendArrays(*arrays)
+    scratch = ScanScratch(*buffers)
     n = stop - start
     if n <= 0:
         return np.empty(0, np.int64), np.empty(0, np.int32), np.empty(0, np.int64)

@@ -1,20 +1,28 @@
 """The write kernel: a batch of add / remove_claim / remove_chunk ops, applied in order.
 
 Every write of the index goes through :func:`apply_ops`; it reports per op what changed
-(``F_*`` flags of ``occupants.py``) so the caller can keep the Python references that hold
-token arrays and chunk_hash bytes alive, its counters and its free lists in step.
+(``F_*`` flags of ``occupants.py``) and which ids, so the caller can keep the Python references
+that hold token arrays and chunk_hash bytes alive, and its counters, in step.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import numba
-import numpy as np
-import numpy.typing as npt
 
 from kvatlas.directory.blend.kernels.filter import filter_add
-from kvatlas.directory.blend.kernels.layout import O_NCLAIMS, O_NS0, O_OFF
+from kvatlas.directory.blend.kernels.layout import (
+    IDS_CONTENTS,
+    IDS_FREE_CONTENT,
+    IDS_FREE_OCCUPANT,
+    IDS_OCCUPANTS,
+    O_NCLAIMS,
+    O_NEXT,
+    O_NS0,
+    O_OFF,
+    BlendArrays,
+)
 from kvatlas.directory.blend.kernels.modhash import fingerprint
 from kvatlas.directory.blend.kernels.occupants import (
     F_CONTENT_GONE,
@@ -34,75 +42,116 @@ ADD, REMOVE_CLAIM, REMOVE_CHUNK, SKIP = 0, 1, 2, 3
 """Op kinds (``SKIP``: nothing to do, e.g. a removal for a namespace without claims)."""
 
 
-class OpBatch(NamedTuple):
-    """One row per op, in order."""
-
-    kinds: npt.NDArray[np.int8]
-    tokens: npt.NDArray[np.int64]
-    """``id`` of the op's C-contiguous uint32 token array (its data pointer is read at
-    ``id + data_off``), or, with ``data_off < 0``, the data address itself."""
-    hashes: npt.NDArray[np.int64]
-    """Address of the chunk_hash payload."""
-    hash_lens: npt.NDArray[np.int64]
-    offsets: npt.NDArray[np.int64]
-    namespaces: npt.NDArray[np.int64]
-    """Namespace id (-1 for ``REMOVE_CHUNK``)."""
+OP_KIND, OP_TOKENS, OP_HASH, OP_HASH_LEN, OP_OFFSET, OP_NS = range(6)
+"""Rows of the ``(6, k)`` int64 op array :func:`apply_ops` takes, one column per op:
+kind; the token array (``id`` of a C-contiguous uint32 array, its data pointer read at
+``id + data_off``, or with ``data_off < 0`` the data address itself); address and length of
+the chunk_hash payload; token offset; namespace id (-1 for ``REMOVE_CHUNK``)."""
 
 
 @jit
 def apply_ops(
-    ops: Any,
-    chunk: Any,
-    data_off: Any,
-    new_cids: Any,
-    new_occs: Any,
-    base: Any,
-    fmask: Any,
-    s: Any,
-    out: Any,
-) -> Any:
-    """Apply ``ops`` (an :class:`OpBatch`) to ``s`` (a ``BlendArrays``) in order.
+    ops: Any, chunk: Any, data_off: Any, base: Any, fmask: Any, arrays: Any, out: Any
+) -> None:
+    """Apply ``ops`` (see ``OP_*``) to ``arrays`` (a ``BlendArrays`` as a plain tuple) in order.
 
-    New ids come from ``new_cids``/``new_occs`` in order (the caller provides one of each per
-    add); ids freed by the batch are not reused within it. ``out[i] = (flags, content id,
-    occupant id, ns0)`` where ``ns0`` is the inline claim a ``REMOVE_CHUNK`` dropped (-1 if
-    none; its extra-set claims are the caller's to drop: it knows their namespaces). Returns
-    (content ids used, occupant ids used)."""
-    nc = 0
-    no = 0
-    for i in range(ops.kinds.shape[0]):
-        kind = ops.kinds[i]
-        out[i, 0] = 0
-        out[i, 1] = -1
-        out[i, 2] = -1
-        out[i, 3] = -1
-        if kind == SKIP:
-            continue
-        addr = ops.tokens[i]
-        if data_off >= 0:
-            addr = i64_ptr(addr + data_off)[0]  # type: ignore[call-arg]
-        tokens = numba.carray(u32_ptr(addr), chunk)  # type: ignore[attr-defined,call-arg]
-        fp = fingerprint(tokens, 0, chunk, base, fmask)
-        cid, slot = find_content(tokens, fp, chunk, s.table, s.c_fp, s.c_addr)
-        if kind == ADD:
-            flags, cid, occ = _add(
-                tokens, fp, cid, slot, ops.hashes[i], ops.hash_lens[i], ops.offsets[i],
-                ops.namespaces[i], new_cids[nc], new_occs[no], s,
-            )  # fmt: skip
-            if flags & F_NEW_CONTENT:
-                nc += 1
-            if flags & F_NEW_OCCUPANT:
-                no += 1
-            ns0 = -1
-        else:
-            flags, occ, ns0 = _remove(
-                kind, cid, slot, ops.hashes[i], ops.hash_lens[i], ops.namespaces[i], s
-            )
+    ``out[i] = (flags, content id, occupant id, ns0)`` where ``ns0`` is the inline claim a
+    ``REMOVE_CHUNK`` dropped (-1 if none; its extra-set claims are the caller's to drop: it
+    knows their namespaces). New entries take free ids (``s.ids``), but ids freed by the batch
+    are released only at its end, never reused within it. The caller keeps the capacity for
+    one new content and occupant per add."""
+    s = BlendArrays(*arrays)
+    for i in range(ops.shape[1]):
+        flags, cid, occ, ns0 = _apply(
+            ops[OP_KIND, i], ops[OP_TOKENS, i], ops[OP_HASH, i], ops[OP_HASH_LEN, i],
+            ops[OP_OFFSET, i], ops[OP_NS, i], chunk, data_off, base, fmask, s,
+        )  # fmt: skip
         out[i, 0] = flags
         out[i, 1] = cid
         out[i, 2] = occ
         out[i, 3] = ns0
-    return nc, no
+    for i in range(ops.shape[1]):
+        _release_ids(out[i, 0], out[i, 1], out[i, 2], s)
+
+
+@jit
+def apply_op(
+    kind: Any,
+    tokens: Any,
+    h_addr: Any,
+    h_len: Any,
+    offset: Any,
+    ns: Any,
+    chunk: Any,
+    data_off: Any,
+    base: Any,
+    fmask: Any,
+    arrays: Any,
+) -> Any:
+    """:func:`apply_ops` for a batch of one op, passed as scalars (no op arrays to build for
+    the common single write); returns its ``out`` row."""
+    s = BlendArrays(*arrays)
+    flags, cid, occ, ns0 = _apply(
+        kind, tokens, h_addr, h_len, offset, ns, chunk, data_off, base, fmask, s
+    )
+    _release_ids(flags, cid, occ, s)
+    return flags, cid, occ, ns0
+
+
+@jit
+def _apply(
+    kind: Any,
+    tokens: Any,
+    h_addr: Any,
+    h_len: Any,
+    offset: Any,
+    ns: Any,
+    chunk: Any,
+    data_off: Any,
+    base: Any,
+    fmask: Any,
+    s: Any,
+) -> Any:
+    """One op (the arguments of one ``ops`` column); returns its ``out`` row."""
+    if kind == SKIP:
+        return 0, -1, -1, -1
+    addr = tokens if data_off < 0 else i64_ptr(tokens + data_off)[0]  # type: ignore[call-arg]
+    arr = numba.carray(u32_ptr(addr), chunk)  # type: ignore[attr-defined,call-arg]
+    fp = fingerprint(arr, 0, chunk, base, fmask)
+    cid, slot = find_content(arr, fp, chunk, s.table, s.c_fp, s.c_addr)
+    if kind == ADD:
+        flags, cid, occ = _add(arr, fp, cid, slot, h_addr, h_len, offset, ns, s)
+        return flags, cid, occ, -1
+    flags, occ, ns0 = _remove(kind, cid, slot, h_addr, h_len, ns, s)
+    return flags, cid, occ, ns0
+
+
+@jit
+def _release_ids(flags: Any, cid: Any, occ: Any, s: Any) -> None:
+    """Free the ids an op's ``flags`` say it removed."""
+    if flags & F_OCCUPANT_GONE:
+        _release_id(s.ids, IDS_FREE_OCCUPANT, s.o_i32[:, O_NEXT], occ)
+    if flags & F_CONTENT_GONE:
+        _release_id(s.ids, IDS_FREE_CONTENT, s.c_first, cid)
+
+
+@jit
+def _take_id(ids: Any, free: Any, fresh: Any, links: Any) -> Any:
+    """A free id (the head of the list at ``ids[free]``, linked through ``links``), else the
+    next fresh one (``ids[fresh]``)."""
+    i = ids[free]
+    if i == -1:
+        i = ids[fresh]
+        ids[fresh] += 1
+    else:
+        ids[free] = links[i]
+    return i
+
+
+@jit
+def _release_id(ids: Any, free: Any, links: Any, i: Any) -> None:
+    links[i] = ids[free]
+    ids[free] = i
 
 
 @jit
@@ -115,15 +164,13 @@ def _add(
     h_len: Any,
     offset: Any,
     ns: Any,
-    new_cid: Any,
-    new_occ: Any,
     s: Any,
 ) -> Any:
     """Idempotent; re-adding updates the offset. Returns (flags, content id, occupant id)."""
     flags = 0
     o = -1
     if cid == -1:
-        cid = new_cid
+        cid = _take_id(s.ids, IDS_FREE_CONTENT, IDS_CONTENTS, s.c_first)
         flags |= F_NEW_CONTENT
         s.c_fp[cid] = fp
         s.c_addr[cid] = tokens.ctypes.data
@@ -133,7 +180,7 @@ def _add(
     else:
         o = find_occupant(s.c_first, cid, s.o_i64, s.o_i32, s.o_hlen, h_addr, h_len)
     if o == -1:
-        o = new_occ
+        o = _take_id(s.ids, IDS_FREE_OCCUPANT, IDS_OCCUPANTS, s.o_i32[:, O_NEXT])
         flags |= F_NEW_OCCUPANT
         link_occupant(cid, o, h_addr, h_len, s.c_first, s.o_i64, s.o_i32, s.o_hlen)
     s.o_i64[o, O_OFF] = offset
@@ -167,9 +214,11 @@ def _remove(kind: Any, cid: Any, slot: Any, h_addr: Any, h_len: Any, ns: Any, s:
 
 
 @jit
-def rebuild(s: Any, hwm: Any) -> None:
-    """Re-insert contents ``[0, hwm)`` into ``s``'s fresh (empty) table and filter."""
-    for cid in range(hwm):
+def rebuild(arrays: Any) -> None:
+    """Re-insert every live content into the fresh (empty) table and filter of ``arrays`` (a
+    ``BlendArrays`` as a plain tuple)."""
+    s = BlendArrays(*arrays)
+    for cid in range(s.ids[IDS_CONTENTS]):
         if s.c_addr[cid] != 0:
             fp = s.c_fp[cid]
             content_reinsert(s.table, fp, cid)
