@@ -37,8 +37,9 @@ import numpy.typing as npt
 
 from kvatlas.checks import is_plain_int
 from kvatlas.directory.blend import _cpython, kernels
+from kvatlas.directory.blend.kernels import ADD, REMOVE_CHUNK, REMOVE_CLAIM
 from kvatlas.directory.blend.ops import AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp
-from kvatlas.directory.blend.state import Batch, IndexState
+from kvatlas.directory.blend.state import IndexState
 from kvatlas.keys import BlendMatch, BlendNamespace, as_token_array
 
 log = logging.getLogger(__name__)
@@ -48,9 +49,9 @@ _SEGMENT_WINDOWS = 65536
 """Window starts probed per lock acquisition in ``match``: bounds how long one query holds
 the lock, so a 1M-token query never stalls ingestion behind it."""
 _KINDS: dict[type, int] = {
-    AddOp: kernels.ADD,
-    RemoveClaimOp: kernels.REMOVE_CLAIM,
-    RemoveChunkOp: kernels.REMOVE_CHUNK,
+    AddOp: ADD,
+    RemoveClaimOp: REMOVE_CLAIM,
+    RemoveChunkOp: REMOVE_CHUNK,
 }
 _U32 = np.dtype(np.uint32)
 
@@ -151,8 +152,12 @@ class BlendIndex:
         (so a ``remove_chunk`` followed by re-``add``s of a re-stored chunk has no window).
         Every op is validated before anything changes: an invalid op raises and applies none.
         """
-        batch = Batch([], [], [], [], [], [])
-        kinds, arrays, hashes, offsets, spaces, owned = batch
+        kinds: list[int] = []
+        arrays: list[npt.NDArray[np.uint32]] = []
+        hashes: list[bytes] = []
+        offsets: list[int] = []
+        spaces: list[BlendNamespace | None] = []
+        owned: list[bool] = []
         chunk = self.chunk_size
         for op in ops:
             kind = _KINDS.get(type(op))
@@ -171,7 +176,7 @@ class BlendIndex:
             else:
                 arr = as_token_array(tokens)
             if arr.shape[0] != chunk:
-                if kind == kernels.ADD:
+                if kind == ADD:
                     log.info(
                         "blend index: not indexing %d-token content (chunk_size %d)",
                         arr.shape[0],
@@ -181,7 +186,7 @@ class BlendIndex:
             if type(chunk_hash) is not bytes or len(chunk_hash) > _HASH_WIDTH:
                 chunk_hash = _hash_bytes(chunk_hash)
             own = False
-            if kind == kernels.ADD:
+            if kind == ADD:
                 own = not _shareable(arr)
                 if own:
                     arr = np.array(arr, dtype=np.uint32, order="C", copy=True)
@@ -196,7 +201,7 @@ class BlendIndex:
             owned.append(own)
         if kinds:
             with self._lock:
-                self._state.apply(batch)
+                self._state.apply(kinds, arrays, hashes, offsets, spaces, owned)
 
     # ------------------------------------------------------------------ reads
 
@@ -285,9 +290,10 @@ class BlendIndex:
 def _shareable(arr: npt.NDArray[np.uint32]) -> bool:
     """Keep a caller's array only if nobody can change it under us and it pins no larger
     buffer (a read-only view of a 1M-token request must not keep the whole request alive)."""
-    if arr.flags.writeable or not arr.flags.c_contiguous:
+    flags = arr.flags
+    if flags.writeable or not flags.c_contiguous:
         return False
-    if arr.flags.owndata:
+    if flags.owndata:
         return True
     base = arr.base
     return isinstance(base, bytes) and len(base) == arr.nbytes

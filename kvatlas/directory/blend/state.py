@@ -9,13 +9,12 @@ followed by the bookkeeping the kernel reports for each op, so the two never dis
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 import numpy.typing as npt
 
 from kvatlas.directory.blend import _cpython, kernels
 from kvatlas.directory.blend._cpython import array_handle, bytes_address
+from kvatlas.directory.blend.kernels import ADD, REMOVE_CHUNK, REMOVE_CLAIM, SKIP
 from kvatlas.directory.blend.namespaces import NamespaceIds
 from kvatlas.keys import BlendNamespace
 
@@ -23,19 +22,6 @@ MIN_CAPACITY = 1024
 """Initial content and occupant capacity; both double when full."""
 
 Tokens = npt.NDArray[np.uint32]
-
-
-class Batch(NamedTuple):
-    """Validated ops, one list entry each, in order: chunk-sized C-contiguous token arrays
-    (``owned``: the index's own copy), exact ``bytes`` hashes of at most 32 bytes,
-    non-negative offsets (0 unless an add), namespaces (``None`` for a remove_chunk)."""
-
-    kinds: list[int]
-    tokens: list[Tokens]
-    hashes: list[bytes]
-    offsets: list[int]
-    namespaces: list[BlendNamespace | None]
-    owned: list[bool]
 
 
 class IndexState:
@@ -66,54 +52,60 @@ class IndexState:
         self._arrays = arrays
         self.kernel_arrays = tuple(arrays)
 
-    def apply(self, batch: Batch) -> None:
-        """Apply the batch in order (see :func:`kernels.apply_ops`), then release the
-        namespace ids left without claims and shed the filter bits of removed contents."""
-        if len(batch.kinds) == 1:
-            kinds, tokens, hashes, offsets, spaces, owned = batch
-            self._apply_one(kinds[0], tokens[0], hashes[0], offsets[0], spaces[0], owned[0])
+    def apply(
+        self,
+        kinds: list[int],
+        tokens: list[Tokens],
+        hashes: list[bytes],
+        offsets: list[int],
+        namespaces: list[BlendNamespace | None],
+        owned: list[bool],
+    ) -> None:
+        """Apply validated ops in order (see :func:`kernels.apply_ops`), then release the
+        namespace ids left without claims and shed the filter bits of removed contents.
+
+        One list entry per op: chunk-sized C-contiguous token arrays (``owned``: the index's
+        own copy), exact ``bytes`` hashes of at most 32 bytes, non-negative offsets (0 unless
+        an add), namespaces (``None`` for a remove_chunk)."""
+        if len(kinds) == 1:  # a single write: scalar arguments, no op arrays to build
+            kind = kinds[0]
+            ns = self._namespace_id(kind, namespaces[0])
+            if ns >= 0 or kind != REMOVE_CLAIM:  # else: no claims, nothing to drop
+                if kind == ADD and not self._has_room(1):
+                    self._make_room(1)
+                h = hashes[0]
+                flags, cid, occ, ns0 = kernels.apply_op(
+                    kind, array_handle(tokens[0]), bytes_address(h), len(h), offsets[0], ns,
+                    self.chunk_size, _cpython.ARRAY_DATA_OFFSET, self.base, self.fmask,
+                    self.kernel_arrays,
+                )  # fmt: skip
+                if flags:
+                    self._settle(kind, flags, cid, occ, ns, ns0, tokens[0], owned[0], h)
         else:
-            self._apply_batch(batch)
+            self._apply_batch(kinds, tokens, hashes, offsets, namespaces, owned)
         self.namespaces.end_write()
         if self._stale > self.contents // 2 + MIN_CAPACITY:
             self.rebuild()  # the filter only ever gains bits: shed removed contents' bits
 
-    def _apply_one(
+    def _apply_batch(
         self,
-        kind: int,
-        tokens: Tokens,
-        h: bytes,
-        offset: int,
-        namespace: BlendNamespace | None,
-        owned: bool,
+        kinds: list[int],
+        tokens: list[Tokens],
+        hashes: list[bytes],
+        offsets: list[int],
+        spaces: list[BlendNamespace | None],
+        owned: list[bool],
     ) -> None:
-        """A batch of one, passed to the kernel as scalars (no op arrays to build)."""
-        add = kind == kernels.ADD
-        ns = self._namespace_id(kind, namespace)
-        if ns < 0 and kind == kernels.REMOVE_CLAIM:
-            return  # a namespace without claims has nothing to drop
-        if add and not self._has_room(1):
-            self._make_room(1)
-        flags, cid, occ, ns0 = kernels.apply_op(
-            kind, array_handle(tokens), bytes_address(h), len(h), offset, ns,
-            self.chunk_size, _cpython.ARRAY_DATA_OFFSET, self.base, self.fmask,
-            self.kernel_arrays,
-        )  # fmt: skip
-        if flags:
-            self._settle(kind, flags, cid, occ, ns, ns0, tokens, owned, h)
-
-    def _apply_batch(self, batch: Batch) -> None:
-        kinds, tokens, hashes, offsets, spaces, owned = batch
         nss: list[int] = []
         last: BlendNamespace | None = None  # batches are mostly one namespace: skip its hash
         last_ns = -1
         for i, namespace in enumerate(spaces):
             if namespace is not last or last_ns < 0:  # an id, once known, is stable in a batch
                 last, last_ns = namespace, self._namespace_id(kinds[i], namespace)
-            if last_ns < 0 and kinds[i] == kernels.REMOVE_CLAIM:
-                kinds[i] = kernels.SKIP  # a namespace without claims has nothing to drop
+            if last_ns < 0 and kinds[i] == REMOVE_CLAIM:
+                kinds[i] = SKIP  # a namespace without claims has nothing to drop
             nss.append(last_ns)
-        n_add = kinds.count(kernels.ADD)
+        n_add = kinds.count(ADD)
         if not self._has_room(n_add):
             self._make_room(n_add)
         ops = np.array(
@@ -140,7 +132,7 @@ class IndexState:
         """The op's namespace id: registered for an add, -1 if it has none."""
         if namespace is None:
             return -1
-        if kind == kernels.ADD:
+        if kind == ADD:
             return self.namespaces.register(namespace)
         ns = self.namespaces.get(namespace)
         return -1 if ns is None else ns
@@ -184,7 +176,7 @@ class IndexState:
             self._release_claim(ns)
             if flags & kernels.F_EXTRA_CLAIM:
                 self._forget_extra(occ, ns)
-        if kind == kernels.REMOVE_CHUNK:
+        if kind == REMOVE_CHUNK:
             if ns0 >= 0:
                 self._release_claim(ns0)
             for other in self.extra_claims.pop(occ, ()):
