@@ -1,13 +1,13 @@
 """Direct use of CPython object layouts on the blend index's hot paths, checked at import.
 
 Why this exists: once the kernels are compiled, what a lookup or an ingest batch costs is the
-Python work per hit and per op. Three shortcuts remove most of it:
+Python work per hit and per op. These shortcuts remove most of it:
 
 - ``bytes_address(h)``: the kernels read a chunk_hash through its ``bytes`` object's payload
   address, so the index keeps the caller's ``bytes`` by reference (no copy per occupant).
-- ``array_handle(s)``: a write batch hands the kernel each token array's ``id``; the
-  kernel reads the ndarray's data pointer itself at ``ARRAY_DATA_OFFSET`` instead of Python
-  asking ``arr.ctypes.data`` per op.
+- ``array_handle`` / ``array_handles``: a write hands the kernel each token array's ``id``;
+  the kernel reads the ndarray's data pointer itself at ``ARRAY_DATA_OFFSET`` instead of
+  Python asking ``arr.ctypes.data`` per op.
 - ``list_items_address(names)``: the scan prefetches the slots of the occupant → chunk_hash
   list that the caller reads for each hit.
 - ``make_match`` / ``make_matches``: :class:`BlendMatch` values built by writing their slots
@@ -143,7 +143,8 @@ def make_matches(hashes: list[bytes], offsets: list[int], starts: list[int]) -> 
     return out
 
 
-def _check_fast_match() -> None:
+def check_fast_match() -> None:
+    """Raise ``RuntimeError`` unless the fast construction is valid for ``BlendMatch``."""
     names = [f.name for f in dataclasses.fields(BlendMatch)]
     if names != ["chunk_hash", "old_st", "cur_st"] or hasattr(BlendMatch, "__post_init__"):
         raise RuntimeError("BlendMatch changed shape: the fast construction is invalid")
@@ -152,4 +153,4 @@ def _check_fast_match() -> None:
         raise RuntimeError("fast BlendMatch construction differs from BlendMatch(...)")
 
 
-_check_fast_match()
+check_fast_match()

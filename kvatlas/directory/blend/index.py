@@ -216,7 +216,7 @@ class BlendIndex:
         if n_starts <= 0:
             return []
         seg = max(1, _SEGMENT_WINDOWS // stride) * stride
-        scratch = self._scratch_for(min(seg, n_starts))
+        scratch = tuple(self._scratch_for(min(seg, n_starts)))  # the scan takes plain tuples
         state = self._state
         out: list[BlendMatch] = []
         seen: set[bytes] = set()
@@ -277,12 +277,12 @@ class BlendIndex:
 
     # ------------------------------------------------------------------ internals
 
-    def _scratch_for(self, windows: int) -> tuple[Any, ...]:
-        """Per-thread scan buffers (a ``ScanScratch`` as the plain tuple the scan takes), kept
-        between queries: fresh large arrays cost page faults, more than the filter pass."""
-        cached: tuple[Any, ...] | None = getattr(self._scratch, "buffers", None)
-        if cached is None or not kernels.ScanScratch(*cached).fits(windows, self.chunk_size):
-            cached = tuple(kernels.ScanScratch.for_windows(windows, self.chunk_size))
+    def _scratch_for(self, windows: int) -> kernels.ScanScratch:
+        """Per-thread scan buffers, kept between queries: fresh large arrays cost page
+        faults, more than the filter pass itself."""
+        cached: kernels.ScanScratch | None = getattr(self._scratch, "buffers", None)
+        if cached is None or not cached.fits(windows, self.chunk_size):
+            cached = kernels.ScanScratch.for_windows(windows, self.chunk_size)
             self._scratch.buffers = cached
         return cached
 

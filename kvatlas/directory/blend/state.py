@@ -109,7 +109,7 @@ class IndexState:
         if not self._has_room(n_add):
             self._make_room(n_add)
         ops = np.array(
-            [
+            [  # the rows of kernels.writes.OP_*, in order
                 kinds,
                 _cpython.array_handles(tokens),
                 list(map(_cpython.bytes_address, hashes)),

@@ -73,15 +73,6 @@ class BlendArrays(NamedTuple):
     def occupant_capacity(self) -> int:
         return int(self.o_i64.shape[0])
 
-    @property
-    def content_ids(self) -> int:
-        """Content ids ever used: live and free ones."""
-        return int(self.ids[IDS_CONTENTS])
-
-    @property
-    def occupant_ids(self) -> int:
-        return int(self.ids[IDS_OCCUPANTS])
-
     def with_empty_lookup(self) -> BlendArrays:
         """Fresh (empty) table and filter sized for the content capacity: to be rebuilt."""
         table, filt = _lookup(self.content_capacity)
