@@ -79,31 +79,33 @@ def scan(
     """Hits of namespace ``ns`` among the probed windows of ``q[start:stop + chunk - 1]``.
 
     ``arrays`` is the index's ``BlendArrays``, ``buffers`` a :class:`ScanScratch` that fits
-    ``stop - start`` windows, both as plain tuples. Returns (positions, occupants, stored offsets). ``names_items``
-    (address of the caller's occupant → chunk_hash list items) and ``hash_data_off`` only
-    steer prefetches of what the caller reads next."""
+    ``stop - start`` windows, both as plain tuples (see ``BlendArrays``). Returns (positions,
+    occupants, stored offsets). ``names_items`` (address of the caller's occupant →
+    chunk_hash list items) and ``hash_data_off`` only steer prefetches of what the caller
+    reads next."""
     s = BlendArrays(*arrays)
     scratch = ScanScratch(*buffers)
+    # arrays are read through locals named once, never through a field inside a loop (each
+    # field read costs a reference count update)
+    filt, cand_pos, cand_fp = s.filt, scratch.cand_pos, scratch.cand_fp
     n = stop - start
     if n <= 0:
         return np.empty(0, np.int64), np.empty(0, np.int32), np.empty(0, np.int64)
-    if scratch.cand_pos.shape[0] < n or scratch.cand_fp.shape[0] < n:
+    if cand_pos.shape[0] < n or cand_fp.shape[0] < n:
         raise ValueError("scan scratch too small (see ScanScratch.for_windows)")
     if stride * 2 < chunk:
         n_c = _dense_candidates(q, start, stop, stride, chunk, base, base_pow, fmask, s, scratch)
     else:
         # sparse probes: hashing each probed window directly costs <= 2 passes over q
-        fshift = word_shift(s.filt)
+        fshift = word_shift(filt)
         n_c = 0
         for p in range(((start + stride - 1) // stride) * stride, stop, stride):
             fp = fingerprint(q, p, chunk, base, fmask)
-            if may_contain(s.filt, fp, fshift):
-                scratch.cand_pos[n_c] = p
-                scratch.cand_fp[n_c] = fp
+            if may_contain(filt, fp, fshift):
+                cand_pos[n_c] = p
+                cand_fp[n_c] = fp
                 n_c += 1
-    return _resolve(
-        q, n_c, scratch.cand_pos, scratch.cand_fp, chunk, ns, s, names_items, hash_data_off
-    )
+    return _resolve(q, n_c, cand_pos, cand_fp, chunk, ns, s, names_items, hash_data_off)
 
 
 @jit
@@ -121,12 +123,12 @@ def _dense_candidates(
 ) -> Any:
     """Rolling fingerprints fused with the filter test, ``SCAN_ROWS`` rows at a time.
     Candidates (ascending) land in ``scratch.cand_pos/cand_fp[:n]``; returns ``n``."""
+    filt, qt, block = s.filt, scratch.qt, scratch.block
+    cand_pos, cand_fp = scratch.cand_pos, scratch.cand_fp
     blk = (stop - start + LANES - 1) // LANES
     rows = blk + chunk
-    qt, block = scratch.qt, scratch.block
     if qt.shape[0] < rows or block.shape[0] < SCAN_ROWS or qt.shape[1] != LANES:
         raise ValueError("scan scratch too small (see ScanScratch.for_windows)")
-    cand_pos, cand_fp = scratch.cand_pos, scratch.cand_fp
     if cand_pos.shape[0] < blk * LANES or cand_fp.shape[0] < blk * LANES:
         raise ValueError("scan scratch too small (see ScanScratch.for_windows)")
     qv = lane_load(q, start, blk, rows, qt)
@@ -134,7 +136,6 @@ def _dense_candidates(
     b_pow = np.uint64(base_pow)
     h = lane_init(qv, chunk, b)
     um = np.uint64(fmask)
-    filt = s.filt
     fshift = np.uint64(word_shift(filt))
     counts = np.zeros(LANES, np.int64)
     hits = np.zeros(LANES, np.int64)

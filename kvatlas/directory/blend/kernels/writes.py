@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import numba
+import numpy as np
 
 from kvatlas.directory.blend.kernels.filter import filter_add
 from kvatlas.directory.blend.kernels.layout import (
@@ -57,21 +58,81 @@ def apply_ops(
 
     ``out[i] = (flags, content id, occupant id, ns0)`` where ``ns0`` is the inline claim a
     ``REMOVE_CHUNK`` dropped (-1 if none; its extra-set claims are the caller's to drop: it
-    knows their namespaces). New entries take free ids (``s.ids``), but ids freed by the batch
+    knows their namespaces). New entries take free ids (``ids``), but ids freed by the batch
     are released only at its end, never reused within it. The caller keeps the capacity for
-    one new content and occupant per add."""
+    one new content and occupant per add.
+
+    add: idempotent, re-adding updates the offset. remove_claim: drops the namespace's claim,
+    the occupant with its last claim, the content with its last occupant. remove_chunk: drops
+    the occupant with all its claims, the content with its last occupant."""
     s = BlendArrays(*arrays)
-    for i in range(ops.shape[1]):
-        flags, cid, occ, ns0 = _apply(
-            ops[OP_KIND, i], ops[OP_TOKENS, i], ops[OP_HASH, i], ops[OP_HASH_LEN, i],
-            ops[OP_OFFSET, i], ops[OP_NS, i], chunk, data_off, base, fmask, s,
-        )  # fmt: skip
-        out[i, 0] = flags
+    # the arrays as locals, named once: a field read inside the loop would cost a reference
+    # count update on every use
+    table, filt, c_fp, c_addr, c_first = s.table, s.filt, s.c_fp, s.c_addr, s.c_first
+    o_i64, o_i32, o_hlen, claims, ids = s.o_i64, s.o_i32, s.o_hlen, s.claims, s.ids
+    o_links = o_i32[:, O_NEXT]
+    n = ops.shape[1]
+    for i in range(n):
+        out[i, 0] = 0
+        out[i, 1] = -1
+        out[i, 2] = -1
+        out[i, 3] = -1
+        kind = ops[OP_KIND, i]
+        if kind == SKIP:
+            continue
+        addr = ops[OP_TOKENS, i]
+        if data_off >= 0:
+            addr = i64_ptr(addr + data_off)[0]  # type: ignore[call-arg]
+        tokens = numba.carray(u32_ptr(addr), chunk)  # type: ignore[attr-defined,call-arg]
+        h_addr, h_len, ns = ops[OP_HASH, i], ops[OP_HASH_LEN, i], ops[OP_NS, i]
+        fp = fingerprint(tokens, 0, chunk, base, fmask)
+        cid, slot = find_content(tokens, fp, chunk, table, c_fp, c_addr)
         out[i, 1] = cid
-        out[i, 2] = occ
-        out[i, 3] = ns0
-    for i in range(ops.shape[1]):
-        _release_ids(out[i, 0], out[i, 1], out[i, 2], s)
+        flags = 0
+        o = -1
+        if kind == ADD:
+            if cid == -1:
+                cid = _take_id(ids, IDS_FREE_CONTENT, IDS_CONTENTS, c_first)
+                out[i, 1] = cid
+                flags = F_NEW_CONTENT
+                c_fp[cid] = fp
+                c_addr[cid] = addr
+                c_first[cid] = -1
+                table[slot] = cid
+                filter_add(filt, fp)
+            else:
+                o = find_occupant(c_first, cid, o_i64, o_i32, o_hlen, h_addr, h_len)
+            if o == -1:
+                o = _take_id(ids, IDS_FREE_OCCUPANT, IDS_OCCUPANTS, o_links)
+                flags |= F_NEW_OCCUPANT
+                link_occupant(cid, o, h_addr, h_len, c_first, o_i64, o_i32, o_hlen)
+            o_i64[o, O_OFF] = ops[OP_OFFSET, i]
+            out[i, 0] = flags | add_claim(o, ns, o_i32, claims)
+            out[i, 2] = o
+            continue
+        if cid != -1:
+            o = find_occupant(c_first, cid, o_i64, o_i32, o_hlen, h_addr, h_len)
+        if o == -1:
+            continue
+        out[i, 2] = o
+        if kind == REMOVE_CLAIM:
+            flags = drop_claim(o, ns, o_i32, claims)
+            if flags == 0 or o_i32[o, O_NCLAIMS] > 0:
+                out[i, 0] = flags
+                continue
+        else:
+            out[i, 3] = o_i32[o, O_NS0]
+            o_i32[o, O_NS0] = -1
+            o_i32[o, O_NCLAIMS] = 0
+        flags |= F_OCCUPANT_GONE
+        if unlink_occupant(cid, slot, o, table, c_fp, c_addr, c_first, o_i32):
+            flags |= F_CONTENT_GONE
+        out[i, 0] = flags
+    for i in range(n):
+        if out[i, 0] & F_OCCUPANT_GONE:
+            _release_id(ids, IDS_FREE_OCCUPANT, o_links, out[i, 2])
+        if out[i, 0] & F_CONTENT_GONE:
+            _release_id(ids, IDS_FREE_CONTENT, c_first, out[i, 1])
 
 
 @jit
@@ -88,51 +149,18 @@ def apply_op(
     fmask: Any,
     arrays: Any,
 ) -> Any:
-    """:func:`apply_ops` for a batch of one op, passed as scalars (no op arrays to build for
-    the common single write); returns its ``out`` row."""
-    s = BlendArrays(*arrays)
-    flags, cid, occ, ns0 = _apply(
-        kind, tokens, h_addr, h_len, offset, ns, chunk, data_off, base, fmask, s
-    )
-    _release_ids(flags, cid, occ, s)
-    return flags, cid, occ, ns0
-
-
-@jit
-def _apply(
-    kind: Any,
-    tokens: Any,
-    h_addr: Any,
-    h_len: Any,
-    offset: Any,
-    ns: Any,
-    chunk: Any,
-    data_off: Any,
-    base: Any,
-    fmask: Any,
-    s: Any,
-) -> Any:
-    """One op (the arguments of one ``ops`` column); returns its ``out`` row."""
-    if kind == SKIP:
-        return 0, -1, -1, -1
-    addr = tokens if data_off < 0 else i64_ptr(tokens + data_off)[0]  # type: ignore[call-arg]
-    arr = numba.carray(u32_ptr(addr), chunk)  # type: ignore[attr-defined,call-arg]
-    fp = fingerprint(arr, 0, chunk, base, fmask)
-    cid, slot = find_content(arr, fp, chunk, s.table, s.c_fp, s.c_addr)
-    if kind == ADD:
-        flags, cid, occ = _add(arr, fp, cid, slot, h_addr, h_len, offset, ns, s)
-        return flags, cid, occ, -1
-    flags, occ, ns0 = _remove(kind, cid, slot, h_addr, h_len, ns, s)
-    return flags, cid, occ, ns0
-
-
-@jit
-def _release_ids(flags: Any, cid: Any, occ: Any, s: Any) -> None:
-    """Free the ids an op's ``flags`` say it removed."""
-    if flags & F_OCCUPANT_GONE:
-        _release_id(s.ids, IDS_FREE_OCCUPANT, s.o_i32[:, O_NEXT], occ)
-    if flags & F_CONTENT_GONE:
-        _release_id(s.ids, IDS_FREE_CONTENT, s.c_first, cid)
+    """:func:`apply_ops` for a batch of one op passed as scalars (the common single write:
+    no op arrays for the caller to build); returns its ``out`` row."""
+    ops = np.empty((6, 1), np.int64)
+    ops[OP_KIND, 0] = kind
+    ops[OP_TOKENS, 0] = tokens
+    ops[OP_HASH, 0] = h_addr
+    ops[OP_HASH_LEN, 0] = h_len
+    ops[OP_OFFSET, 0] = offset
+    ops[OP_NS, 0] = ns
+    out = np.empty((1, 4), np.int64)
+    apply_ops(ops, chunk, data_off, base, fmask, arrays, out)
+    return out[0, 0], out[0, 1], out[0, 2], out[0, 3]
 
 
 @jit
@@ -155,71 +183,12 @@ def _release_id(ids: Any, free: Any, links: Any, i: Any) -> None:
 
 
 @jit
-def _add(
-    tokens: Any,
-    fp: Any,
-    cid: Any,
-    slot: Any,
-    h_addr: Any,
-    h_len: Any,
-    offset: Any,
-    ns: Any,
-    s: Any,
-) -> Any:
-    """Idempotent; re-adding updates the offset. Returns (flags, content id, occupant id)."""
-    flags = 0
-    o = -1
-    if cid == -1:
-        cid = _take_id(s.ids, IDS_FREE_CONTENT, IDS_CONTENTS, s.c_first)
-        flags |= F_NEW_CONTENT
-        s.c_fp[cid] = fp
-        s.c_addr[cid] = tokens.ctypes.data
-        s.c_first[cid] = -1
-        s.table[slot] = cid
-        filter_add(s.filt, fp)
-    else:
-        o = find_occupant(s.c_first, cid, s.o_i64, s.o_i32, s.o_hlen, h_addr, h_len)
-    if o == -1:
-        o = _take_id(s.ids, IDS_FREE_OCCUPANT, IDS_OCCUPANTS, s.o_i32[:, O_NEXT])
-        flags |= F_NEW_OCCUPANT
-        link_occupant(cid, o, h_addr, h_len, s.c_first, s.o_i64, s.o_i32, s.o_hlen)
-    s.o_i64[o, O_OFF] = offset
-    return flags | add_claim(o, ns, s.o_i32, s.claims), cid, o
-
-
-@jit
-def _remove(kind: Any, cid: Any, slot: Any, h_addr: Any, h_len: Any, ns: Any, s: Any) -> Any:
-    """remove_claim drops ``ns``'s claim, the occupant with its last claim, the content with
-    its last occupant; remove_chunk drops the occupant with all its claims. Returns (flags,
-    occupant id, dropped inline claim)."""
-    if cid == -1:
-        return 0, -1, -1
-    o = find_occupant(s.c_first, cid, s.o_i64, s.o_i32, s.o_hlen, h_addr, h_len)
-    if o == -1:
-        return 0, -1, -1
-    ns0 = -1
-    if kind == REMOVE_CLAIM:
-        flags = drop_claim(o, ns, s.o_i32, s.claims)
-        if flags == 0 or s.o_i32[o, O_NCLAIMS] > 0:
-            return flags, o, -1
-    else:
-        flags = 0
-        ns0 = s.o_i32[o, O_NS0]
-        s.o_i32[o, O_NS0] = -1
-        s.o_i32[o, O_NCLAIMS] = 0
-    flags |= F_OCCUPANT_GONE
-    if unlink_occupant(cid, slot, o, s.table, s.c_fp, s.c_addr, s.c_first, s.o_i32):
-        flags |= F_CONTENT_GONE
-    return flags, o, ns0
-
-
-@jit
 def rebuild(arrays: Any) -> None:
     """Re-insert every live content into the fresh (empty) table and filter of ``arrays`` (a
     ``BlendArrays`` as a plain tuple)."""
     s = BlendArrays(*arrays)
+    table, filt, c_fp, c_addr = s.table, s.filt, s.c_fp, s.c_addr
     for cid in range(s.ids[IDS_CONTENTS]):
-        if s.c_addr[cid] != 0:
-            fp = s.c_fp[cid]
-            content_reinsert(s.table, fp, cid)
-            filter_add(s.filt, fp)
+        if c_addr[cid] != 0:
+            content_reinsert(table, c_fp[cid], cid)
+            filter_add(filt, c_fp[cid])
