@@ -19,6 +19,7 @@ from kvatlas.directory.blend.kernels.table import (
     content_delete,
 )
 
+# What an applied op changed: the bits of its flags (``writes.apply_ops``, ``out[i, 0]``)
 F_NEW_CONTENT = 1
 F_NEW_OCCUPANT = 2
 F_NEW_CLAIM = 4
