@@ -15,8 +15,8 @@ import numpy.typing as npt
 from rich.progress import Progress
 
 from kvatlas.bench.common import BenchRow, add_common_arguments, median_seconds, report
-from kvatlas.directory import _blend_kernels as kernels
-from kvatlas.directory.blend_index import BlendIndex
+from kvatlas.directory import BlendIndex
+from kvatlas.directory.blend import kernels
 from kvatlas.keys import BlendNamespace
 
 CHUNK = 256
@@ -40,6 +40,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--naive-max", type=int, default=1_000_000, help="largest N the naive reference runs at"
     )
+
+
+# ---------------------------------------------------------------- kernels only the bench uses
+
+
+@kernels.jit
+def _lane_roll(qt: Any, h: Any, blk: Any, chunk: Any, b: Any, b_pow: Any, out: Any) -> None:
+    """out[i, j] = fingerprint of the window starting at lane j's origin + i."""
+    for i in range(blk):
+        kernels.lane_step(h, out[i], qt[i + chunk], qt[i], b, b_pow)
+
+
+@kernels.jit
+def window_fingerprints(
+    q: Any, start: Any, n: Any, chunk: Any, base: Any, base_pow: Any, qt: Any, out: Any
+) -> Any:
+    """Unmasked fingerprints of the ``n`` windows starting at ``start``, as a (blk, LANES)
+    view of ``out``: window ``start + j * blk + i`` is at ``[i, j]`` (entries past ``n`` are
+    junk). ``qt`` and ``out`` are caller-owned scratch (see :func:`scratch_shapes`)."""
+    blk = (n + kernels.LANES - 1) // kernels.LANES
+    rows = blk + chunk
+    if qt.shape[0] < rows or out.shape[0] < blk or qt.shape[1] != kernels.LANES:
+        raise ValueError("scratch buffers too small (see scratch_shapes)")
+    qv = kernels.lane_load(q, start, blk, rows, qt)
+    b = np.uint64(base)
+    h = kernels.lane_init(qv, chunk, b)
+    ov = out[:blk]
+    _lane_roll(qv, h, blk, chunk, b, np.uint64(base_pow), ov)
+    return ov
+
+
+def scratch_shapes(windows: int, chunk: int) -> tuple[tuple[int, int], tuple[int, int], int]:
+    """Shapes of the (qt, out) scratch and the candidate length for up to ``windows`` windows."""
+    lanes = kernels.LANES
+    blk = (windows + lanes - 1) // lanes
+    return (blk + chunk, lanes), (blk, lanes), max(windows, blk * lanes)
+
+
+@kernels.jit
+def rolling_floor(q: Any, chunk: Any, base: Any, base_pow: Any, qt: Any, fps_buf: Any) -> Any:
+    """The floor the scan is measured against: the rolling fingerprint alone over the query
+    (same SIMD lanes as the scan), folded to one value so nothing is optimised away."""
+    n = q.shape[0] - chunk + 1
+    if n <= 0:
+        return 0
+    fps = window_fingerprints(q, 0, n, chunk, base, base_pow, qt, fps_buf)
+    acc = np.uint64(0)
+    for i in range(fps.shape[0]):
+        for j in range(kernels.LANES):
+            acc ^= fps[i, j]
+    return np.int64(acc & np.uint64(0x7FFFFFFFFFFFFFFF))
+
+
+# ---------------------------------------------------------------- workloads
 
 
 @dataclass
@@ -117,8 +171,8 @@ class NaiveReference:
         n = q.shape[0] - CHUNK + 1
         if n <= 0:
             return []
-        qt_shape, fps_shape, _ = kernels.scratch_shapes(n, CHUNK)
-        fps = kernels.window_fingerprints(
+        qt_shape, fps_shape, _ = scratch_shapes(n, CHUNK)
+        fps = window_fingerprints(
             q, 0, n, CHUNK, self.index._base, self.index._base_pow,
             np.empty(qt_shape, np.uint32), np.empty(fps_shape, np.uint64),
         )  # fmt: skip
@@ -169,9 +223,9 @@ def _warm_up() -> None:
     index.remove_chunk(row, b"w")
     index.add_many([(row, b"w", 0, OURS)])
     index.remove_claims([(row, b"w", OURS)])
-    qt_shape, fps_shape, _ = kernels.scratch_shapes(CHUNK + 1, CHUNK)
+    qt_shape, fps_shape, _ = scratch_shapes(CHUNK + 1, CHUNK)
     scratch = np.empty(qt_shape, np.uint32), np.empty(fps_shape, np.uint64)
-    kernels.rolling_floor(np.zeros(2 * CHUNK, np.uint32), CHUNK, 3, 5, *scratch)
+    rolling_floor(np.zeros(2 * CHUNK, np.uint32), CHUNK, 3, 5, *scratch)
 
 
 def _bench_size(
@@ -186,7 +240,7 @@ def _bench_size(
     w = make_workload(n, rng)
     index, build_s = _build(w, progress)
     stats = index.stats()
-    per_chunk = stats["index_bytes"] / stats["occupants"]
+    per_chunk = stats.index_bytes / stats.occupants
     rows.append(
         BenchRow(
             f"add N={n:,}",
@@ -202,8 +256,8 @@ def _bench_size(
             target="≤ 128 B/chunk",
             extra={
                 "index B/chunk": f"{per_chunk:.1f}",
-                "token B/chunk": f"{stats['token_bytes'] / stats['contents']:.0f}",
-                "shared tokens": stats["token_bytes_shared"] == stats["token_bytes"],
+                "token B/chunk": f"{stats.token_bytes / stats.contents:.0f}",
+                "shared tokens": stats.token_bytes_shared == stats.token_bytes,
             },
         )
     )
@@ -213,10 +267,10 @@ def _bench_size(
         found = {r.chunk_hash: (r.old_st, r.cur_st) for r in index.match(q, OURS)}
         recall = sum(found.get(h) == v for h, v in expected.items()) / max(1, len(expected))
         exact = found == expected
-        qt_shape, fps_shape, _ = kernels.scratch_shapes(m, CHUNK)
+        qt_shape, fps_shape, _ = scratch_shapes(m, CHUNK)
         scratch = np.empty(qt_shape, np.uint32), np.empty(fps_shape, np.uint64)
         floor_s = _timed(
-            partial(kernels.rolling_floor, q, CHUNK, index._base, index._base_pow, *scratch),
+            partial(rolling_floor, q, CHUNK, index._base, index._base_pow, *scratch),
             repeats,
         )
         ours_s = _timed(partial(index.match, q, OURS), repeats)

@@ -1,9 +1,10 @@
 """Key directory: ingest gate, placements, token bindings, blend index, snapshots."""
 
-from kvatlas.directory.blend_index import (
+from kvatlas.directory.blend import (
     AddOp,
     BlendIndex,
     BlendOp,
+    BlendStats,
     RemoveChunkOp,
     RemoveClaimOp,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "BlendIndex",
     "BlendMatch",
     "BlendOp",
+    "BlendStats",
     "CapacityDeclaration",
     "EmitterCursor",
     "GapRecord",

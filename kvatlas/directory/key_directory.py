@@ -21,10 +21,10 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvatlas.directory.blend_index import (
+from kvatlas.directory.blend import (
     AddOp,
     BlendIndex,
     BlendOp,
@@ -706,7 +706,9 @@ class KeyDirectory:
                 },
             }
             index = self._index
-        out["blend"] = {"enabled": False} if index is None else {"enabled": True, **index.stats()}
+        out["blend"] = (
+            {"enabled": False} if index is None else {"enabled": True, **asdict(index.stats())}
+        )
         return out
 
     # ------------------------------------------------------------------ snapshot support

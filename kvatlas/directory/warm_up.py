@@ -11,11 +11,11 @@ import time
 
 import numpy as np
 
-from kvatlas.directory.blend_index import BlendIndex
+from kvatlas.directory.blend import AddOp, BlendIndex, RemoveChunkOp
 from kvatlas.events import CacheEntry, EventBatch, decode_json, encode_json
 from kvatlas.keys import BlendNamespace, ObjectKey, pack_kv_rank
 
-log = logging.getLogger("kvatlas")
+log = logging.getLogger(__name__)
 
 
 def warm_up_kernels() -> float:
@@ -23,7 +23,11 @@ def warm_up_kernels() -> float:
     started = time.perf_counter()
     namespace = BlendNamespace("warm-up")
     index = BlendIndex(chunk_size=2)
-    index.add([1, 2], bytes(32), 0, namespace)
+    index.add([1, 2], bytes(32), 0, namespace)  # a single write
+    spaces = [BlendNamespace("warm-up", cache_salt=str(i)) for i in range(9)]
+    index.apply(  # a batch, growing the extra-claim set, then dropping its claims
+        [AddOp([3, 4], bytes(32), 0, ns) for ns in spaces] + [RemoveChunkOp([3, 4], bytes(32))]
+    )
     index.match([0, 1, 2, 3], namespace)
     tokens = np.array([1, 2], dtype=np.uint32)
     entry = CacheEntry(ObjectKey(bytes(32), "warm-up", pack_kv_rank(1, 0, 1, 0)), 0, tokens, 0)

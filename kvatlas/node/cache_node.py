@@ -22,13 +22,13 @@ import logging
 import uuid
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from kvatlas.client.blend_client import FleetMatcher
-from kvatlas.directory import BlendIndex
+from kvatlas.directory import BlendIndex, BlendStats
 from kvatlas.errors import Unprocessable
 from kvatlas.events import ACCESS, DELETE, STORE, CacheEntry
 from kvatlas.keys import BlendNamespace, MMItem, ObjectKey, RequestTracker
@@ -81,7 +81,7 @@ class NodeStats:
     instance_id: str
     l1_chunks: int
     l1_bytes: int
-    local_index: Mapping[str, int]
+    local_index: BlendStats
     token_cache: TokenCacheStats
     counters: Mapping[str, int]
 
@@ -91,7 +91,7 @@ class NodeStats:
             "instance_id": self.instance_id,
             "l1_chunks": self.l1_chunks,
             "l1_bytes": self.l1_bytes,
-            "local_index": dict(self.local_index),
+            "local_index": asdict(self.local_index),
             "token_cache": {"chunks": self.token_cache.chunks, "misses": self.token_cache.misses},
             **self.counters,
         }

@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import pytest
 
-from kvatlas.directory.blend_index import (
+from kvatlas.directory import (
     AddOp,
     BlendIndex,
     BlendMatch,
@@ -93,7 +93,7 @@ def test_add_is_idempotent_and_updates_offset() -> None:
     index.add(list(map(int, a)), h(1), 40, NS)
     assert index.stats() == before
     assert index.match(a, NS) == [BlendMatch(h(1), 40, 0)]
-    assert before["contents"] == before["occupants"] == before["claims"] == 1
+    assert before.contents == before.occupants == before.claims == 1
 
 
 def test_same_content_under_two_hashes_survives_one_eviction() -> None:
@@ -102,7 +102,7 @@ def test_same_content_under_two_hashes_survives_one_eviction() -> None:
     index.add(a, h(1), 0, NS)
     index.add(a, h(2), 256, NS)
     stats = index.stats()
-    assert (stats["contents"], stats["occupants"]) == (1, 2)
+    assert (stats.contents, stats.occupants) == (1, 2)
     assert sorted(index.match(a, NS), key=lambda m: m.old_st) == [
         BlendMatch(h(1), 0, 0),
         BlendMatch(h(2), 256, 0),
@@ -114,7 +114,7 @@ def test_same_content_under_two_hashes_survives_one_eviction() -> None:
     assert index.match(a, NS) == [BlendMatch(h(1), 0, 0)]
     index.remove_chunk(a, h(1))
     assert index.match(a, NS) == []
-    assert index.stats()["contents"] == 0
+    assert index.stats().contents == 0
 
 
 def test_stride_equal_to_chunk_matches_only_aligned_positions() -> None:
@@ -152,7 +152,7 @@ def test_namespace_scoping(other: BlendNamespace) -> None:
     assert index.match(a, NS) == [BlendMatch(h(1), 0, 0)]
     index.add(a, h(1), 0, other)  # same chunk_hash, second namespace: one occupant, two claims
     stats = index.stats()
-    assert (stats["occupants"], stats["claims"], stats["namespaces"]) == (1, 2, 2)
+    assert (stats.occupants, stats.claims, stats.namespaces) == (1, 2, 2)
     index.remove_claim(a, h(1), NS)
     assert index.match(a, NS) == []
     assert index.match(a, other) == [BlendMatch(h(1), 0, 0)]
@@ -192,7 +192,7 @@ def test_wrong_length_content_is_ignored_and_logged(caplog: pytest.LogCaptureFix
     with caplog.at_level(logging.INFO):
         index.add(chunk(1, C - 1), h(1), 0, NS)
         index.add(chunk(1, C + 1), h(1), 0, NS)
-    assert index.stats()["occupants"] == 0
+    assert index.stats().occupants == 0
     assert "not indexing" in caplog.text
     index.remove_claim(chunk(1, C - 1), h(1), NS)  # no-op, no error
     index.remove_chunk(chunk(1, C + 1), h(1))
@@ -202,7 +202,7 @@ def test_negative_offset_is_rejected() -> None:
     index = BlendIndex(chunk_size=C)
     with pytest.raises(ValueError):
         index.add(chunk(1), h(1), -1, NS)
-    assert index.stats()["occupants"] == 0
+    assert index.stats().occupants == 0
 
 
 def test_unknown_removals_are_noops() -> None:
@@ -227,10 +227,10 @@ def test_remove_chunk_drops_every_claim() -> None:
     a = chunk(1)
     for ns in spaces:
         index.add(a, h(1), 0, ns)
-    assert index.stats()["claims"] == 5
+    assert index.stats().claims == 5
     index.remove_chunk(a, h(1))
     stats = index.stats()
-    assert (stats["contents"], stats["occupants"], stats["claims"], stats["namespaces"]) == (
+    assert (stats.contents, stats.occupants, stats.claims, stats.namespaces) == (
         0,
         0,
         0,
@@ -277,7 +277,7 @@ def test_caller_array_is_never_mutated_or_aliased_when_writable() -> None:
     a[0] += 1  # caller reuses its buffer: the index kept its own copy
     assert index.match(original, NS) == [BlendMatch(h(1), 0, 0)]
     assert index.match(a, NS) == []
-    assert index.stats()["token_bytes_owned"] == C * 4
+    assert index.stats().token_bytes_owned == C * 4
 
 
 def test_read_only_array_is_shared_not_copied() -> None:
@@ -286,9 +286,9 @@ def test_read_only_array_is_shared_not_copied() -> None:
     a.setflags(write=False)
     index.add(a, h(1), 0, NS)
     stats = index.stats()
-    assert (stats["token_bytes_shared"], stats["token_bytes_owned"]) == (C * 4, 0)
+    assert (stats.token_bytes_shared, stats.token_bytes_owned) == (C * 4, 0)
     index.remove_claim(a, h(1), NS)
-    assert index.stats()["token_bytes"] == 0
+    assert index.stats().token_bytes == 0
 
 
 def test_blend_match_is_frozen_value() -> None:
@@ -317,14 +317,14 @@ def test_stats_counts_and_bytes() -> None:
     index.add(chunk(0), h(100), 0, NS)
     index.add(chunk(0), h(0), 0, other)
     stats = index.stats()
-    assert stats["contents"] == 10
-    assert stats["occupants"] == 11
-    assert stats["claims"] == 12
-    assert stats["namespaces"] == 2
-    assert stats["token_bytes"] == 10 * C * 4
-    assert stats["index_bytes"] > 0
+    assert stats.contents == 10
+    assert stats.occupants == 11
+    assert stats.claims == 12
+    assert stats.namespaces == 2
+    assert stats.token_bytes == 10 * C * 4
+    assert stats.index_bytes > 0
     for key in ("table_slots", "filter_bits", "content_capacity", "occupant_capacity"):
-        assert stats[key] > 0
+        assert getattr(stats, key) > 0
 
 
 def test_growth_keeps_everything_findable() -> None:
@@ -353,7 +353,10 @@ def test_add_many_equals_repeated_add() -> None:
 
     def counts(index: BlendIndex) -> list[int]:  # capacities may differ (batches pre-grow)
         stats = index.stats()
-        return [stats[k] for k in ("contents", "occupants", "claims", "namespaces", "token_bytes")]
+        return [
+            getattr(stats, k)
+            for k in ("contents", "occupants", "claims", "namespaces", "token_bytes")
+        ]
 
     for item in items:
         one.add(*item)
@@ -388,7 +391,7 @@ def test_apply_mixed_ops_in_order() -> None:
         BlendMatch(h(1), 16, C),
     ]
     stats = index.stats()
-    assert (stats["contents"], stats["occupants"], stats["claims"], stats["namespaces"]) == (
+    assert (stats.contents, stats.occupants, stats.claims, stats.namespaces) == (
         2,
         2,
         2,
@@ -417,8 +420,8 @@ def test_apply_ignores_wrong_length_content_and_copies_writable_arrays() -> None
     a = chunk(1)
     index.apply([AddOp(chunk(3, C - 1), h(3), 0, NS), AddOp(a, h(1), 0, NS)])
     a[0] += 1  # the caller's writable buffer: the index kept a copy
-    assert index.stats()["occupants"] == 1
-    assert index.stats()["token_bytes_owned"] == C * 4
+    assert index.stats().occupants == 1
+    assert index.stats().token_bytes_owned == C * 4
     assert index.match(chunk(1), NS) == [BlendMatch(h(1), 0, 0)]
 
 
@@ -436,11 +439,11 @@ def test_apply_namespace_claims_across_one_batch() -> None:
         ]
     )
     stats = index.stats()
-    assert (stats["occupants"], stats["claims"], stats["namespaces"]) == (1, 2, 2)
+    assert (stats.occupants, stats.claims, stats.namespaces) == (1, 2, 2)
     assert index.match(a, NS) == [BlendMatch(h(1), 4, 0)]
     index.apply([RemoveChunkOp(a, h(1)), AddOp(chunk(2), h(5), 0, other)])
     stats = index.stats()
-    assert (stats["occupants"], stats["claims"], stats["namespaces"]) == (1, 1, 1)
+    assert (stats.occupants, stats.claims, stats.namespaces) == (1, 1, 1)
     assert index.match(a, NS) == [] and index.match(a, other) == []
 
 

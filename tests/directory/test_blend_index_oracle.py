@@ -12,8 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvatlas.directory import blend_index as blend_module
-from kvatlas.directory.blend_index import (
+from kvatlas.directory import (
     AddOp,
     BlendIndex,
     BlendMatch,
@@ -21,6 +20,7 @@ from kvatlas.directory.blend_index import (
     RemoveChunkOp,
     RemoveClaimOp,
 )
+from kvatlas.directory.blend import index as blend_module
 from kvatlas.keys import BlendNamespace
 
 OPS = {"add": AddOp, "remove_claim": RemoveClaimOp, "remove_chunk": RemoveChunkOp}
@@ -130,9 +130,9 @@ def test_match_equals_brute_force_oracle(
             getattr(index, op[0])(*op[1:])
             getattr(oracle, op[0])(*op[1:])
     stats = index.stats()
-    assert stats["occupants"] == len(oracle.entries)
-    assert stats["claims"] == sum(len(c) for _, c in oracle.entries.values())
-    assert stats["contents"] == len({content for content, _ in oracle.entries})
+    assert stats.occupants == len(oracle.entries)
+    assert stats.claims == sum(len(c) for _, c in oracle.entries.values())
+    assert stats.contents == len({content for content, _ in oracle.entries})
     for ns in SPACES:  # every live claimed chunk is found in a query made of the whole pool
         query = [t for c in pool for t in c]
         assert canonical(index.match(query, ns)) == canonical(oracle.match(query, ns))
@@ -155,7 +155,7 @@ def test_forced_collisions_never_confuse_contents(hook: dict[str, int]) -> None:
     assert index.match(contents[0], ns) == []
     for i, c in enumerate(contents[1:], start=1):
         assert index.match(c, ns) == [BlendMatch(bytes([i]), 10 * i, 0)]
-    assert index.stats()["contents"] == len(contents) - 1
+    assert index.stats().contents == len(contents) - 1
 
 
 def test_collision_with_near_miss_windows_returns_only_the_genuine_content() -> None:
@@ -284,7 +284,7 @@ def test_concurrent_add_remove_match(monkeypatch: pytest.MonkeyPatch) -> None:
         got = [(m.cur_st, m.chunk_hash) for m in index.match(query, ns)]
         want = [(m.cur_st, m.chunk_hash) for m in merged.match(query.tolist(), ns)]
         assert sorted(got) == sorted(want)
-    assert index.stats()["occupants"] == len(merged.entries)
+    assert index.stats().occupants == len(merged.entries)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -316,10 +316,10 @@ def test_batched_writes_equal_the_oracle(
             pending, size = [], next(sizes)
     index.apply(pending)
     stats = index.stats()
-    assert stats["occupants"] == len(oracle.entries)
-    assert stats["claims"] == sum(len(c) for _, c in oracle.entries.values())
-    assert stats["contents"] == len({content for content, _ in oracle.entries})
-    assert stats["namespaces"] == len({ns for _, c in oracle.entries.values() for ns in c})
+    assert stats.occupants == len(oracle.entries)
+    assert stats.claims == sum(len(c) for _, c in oracle.entries.values())
+    assert stats.contents == len({content for content, _ in oracle.entries})
+    assert stats.namespaces == len({ns for _, c in oracle.entries.values() for ns in c})
     for ns in SPACES:
         query = [t for c in pool for t in c]
         assert canonical(index.match(query, ns)) == canonical(oracle.match(query, ns))

@@ -1,0 +1,156 @@
+"""Direct use of CPython object layouts on the blend index's hot paths, checked at import.
+
+Why this exists: once the kernels are compiled, what a lookup or an ingest batch costs is the
+Python work per hit and per op. These shortcuts remove most of it:
+
+- ``bytes_address(h)``: the kernels read a chunk_hash through its ``bytes`` object's payload
+  address, so the index keeps the caller's ``bytes`` by reference (no copy per occupant).
+- ``array_handle`` / ``array_handles``: a write hands the kernel each token array's ``id``;
+  the kernel reads the ndarray's data pointer itself at ``ARRAY_DATA_OFFSET`` instead of
+  Python asking ``arr.ctypes.data`` per op.
+- ``list_items_address(names)``: the scan prefetches the slots of the occupant → chunk_hash
+  list that the caller reads for each hit.
+- ``make_match`` / ``make_matches``: :class:`BlendMatch` values built by writing their slots
+  directly, without the frozen-dataclass ``__init__`` (which dominates per-hit cost).
+
+Guarantees: every offset is located on a live probe object at import and verified by reading
+a known value back. Without the ``bytes`` offset the index cannot work, so failing to locate
+it raises ``RuntimeError`` at import; the ndarray and list offsets fall back (data addresses
+computed in Python; no prefetch). The fast construction is checked at import to produce a
+value equal to ``BlendMatch(...)``, and refused loudly if ``BlendMatch`` stops being a plain
+slotted dataclass (e.g. gains a ``__post_init__`` the shortcut would skip). Tested in
+``tests/directory/test_blend_cpython.py``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from collections import deque
+from collections.abc import Callable
+from itertools import repeat
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvatlas.keys import BlendMatch
+
+
+def find_field(obj: object, holds: Callable[[int], bool]) -> int:
+    """Offset from ``id(obj)`` of the first 8-byte field (offsets 8..56) whose value
+    satisfies ``holds``; -1 if none does."""
+    for off in range(8, 64, 8):
+        if holds(ctypes.c_int64.from_address(id(obj) + off).value):
+            return off
+    return -1
+
+
+def _bytes_data_offset() -> int:
+    """Offset of a ``bytes`` object's payload from its ``id`` (the object header size)."""
+    offsets = set()
+    for probe in (b"kvatlas-blend-probe", bytes(range(32))):
+        addr = ctypes.cast(ctypes.c_char_p(probe), ctypes.c_void_p).value
+        if addr is None:  # pragma: no cover - not CPython
+            raise RuntimeError("cannot locate the payload of bytes objects")
+        off = addr - id(probe)
+        if ctypes.string_at(id(probe) + off, len(probe)) != probe:  # pragma: no cover
+            raise RuntimeError("cannot locate the payload of bytes objects")
+        offsets.add(off)
+    if len(offsets) != 1:  # pragma: no cover - not CPython
+        raise RuntimeError("bytes payload offset is not constant")
+    return offsets.pop()
+
+
+def _array_data_offset() -> int:
+    """Offset of an ndarray's ``data`` pointer field from its ``id`` (-1: not found)."""
+    probe = np.zeros(4, np.uint32)
+    return find_field(probe, lambda value: value == probe.ctypes.data)
+
+
+def _list_items_offset() -> int:
+    """Offset of a ``list``'s item-array pointer from its ``id`` (-1: not found)."""
+    probe: list[object] = [None, None]
+    first = id(probe[0])
+    # fields before ob_item are a type pointer and a small size: only plausible addresses
+    # are dereferenced
+    return find_field(
+        probe, lambda value: value > 4096 and ctypes.c_int64.from_address(value).value == first
+    )
+
+
+BYTES_DATA_OFFSET = _bytes_data_offset()
+ARRAY_DATA_OFFSET = _array_data_offset()
+LIST_ITEMS_OFFSET = _list_items_offset()
+
+
+def bytes_address(raw: bytes) -> int:
+    """Address of the payload of ``raw`` (an exact ``bytes``; valid while it is alive)."""
+    return id(raw) + BYTES_DATA_OFFSET
+
+
+def array_handle(array: npt.NDArray[Any]) -> int:
+    """What the write kernel reads the array through (pass ``ARRAY_DATA_OFFSET`` with it):
+    its ``id``, or its data address when the offset was not located."""
+    return id(array) if ARRAY_DATA_OFFSET >= 0 else int(array.ctypes.data)
+
+
+def array_handles(arrays: list[npt.NDArray[Any]]) -> list[int]:
+    """What the write kernel reads the arrays through (pass ``ARRAY_DATA_OFFSET`` with it):
+    ``id``s, or the data addresses when the offset was not located."""
+    if ARRAY_DATA_OFFSET >= 0:
+        return list(map(id, arrays))
+    return [a.ctypes.data for a in arrays]  # pragma: no cover
+
+
+def list_items_address(items: list[Any]) -> int:
+    """Address of ``items``' item array (valid until it is resized), 0 if not located."""
+    if LIST_ITEMS_OFFSET < 0:
+        return 0  # pragma: no cover
+    return int(ctypes.c_int64.from_address(id(items) + LIST_ITEMS_OFFSET).value)
+
+
+def _slot_setter(name: str) -> Callable[[BlendMatch, Any], None]:
+    descriptor = vars(BlendMatch).get(name)
+    if type(descriptor).__name__ != "member_descriptor":
+        raise RuntimeError(f"BlendMatch.{name} is not a slot: the fast construction is invalid")
+    setter: Callable[[BlendMatch, Any], None] = descriptor.__set__  # type: ignore[union-attr]
+    return setter
+
+
+_new_object = object.__new__
+_set_hash = _slot_setter("chunk_hash")
+_set_old = _slot_setter("old_st")
+_set_cur = _slot_setter("cur_st")
+
+
+def make_match(chunk_hash: bytes, old_st: int, cur_st: int) -> BlendMatch:
+    """``BlendMatch(chunk_hash, old_st, cur_st)``, without the dataclass ``__init__``."""
+    m: BlendMatch = _new_object(BlendMatch)
+    _set_hash(m, chunk_hash)
+    _set_old(m, old_st)
+    _set_cur(m, cur_st)
+    return m
+
+
+def make_matches(hashes: list[bytes], offsets: list[int], starts: list[int]) -> list[BlendMatch]:
+    """``[make_match(h, o, s) ...]`` field by field: each step is one C-level ``map``, no
+    Python frame per match."""
+    out: list[BlendMatch] = list(map(_new_object, repeat(BlendMatch, len(hashes))))
+    deque(map(_set_hash, out, hashes), 0)
+    deque(map(_set_old, out, offsets), 0)
+    deque(map(_set_cur, out, starts), 0)
+    return out
+
+
+def check_fast_match() -> None:
+    """Raise ``RuntimeError`` unless the fast construction is valid for ``BlendMatch``."""
+    names = [f.name for f in dataclasses.fields(BlendMatch)]
+    if names != ["chunk_hash", "old_st", "cur_st"] or hasattr(BlendMatch, "__post_init__"):
+        raise RuntimeError("BlendMatch changed shape: the fast construction is invalid")
+    want = BlendMatch(b"probe", 1, 2)
+    if make_match(b"probe", 1, 2) != want or make_matches([b"probe"], [1], [2]) != [want]:
+        raise RuntimeError("fast BlendMatch construction differs from BlendMatch(...)")
+
+
+check_fast_match()

@@ -1,0 +1,320 @@
+"""BlendIndex: the fragment (CacheBlend) index — which cached chunks occur anywhere in a query.
+
+A derived view of the directory's token bindings (docs/blend-index.md). Guarantees:
+
+- Complete recall: an open-addressed table with no eviction (backward-shift deletion, no
+  tombstones) plus a Bloom filter that never has false negatives; every live claimed chunk
+  whose content occurs at a probed position is returned.
+- No wrong KV: entries are identified by (fingerprint, content); tokens are compared before
+  an occupant is attached and before any match is returned. Hashes are for discovery only.
+- No constructible collisions: the fingerprint is keyed (a per-process secret base mod
+  2^61-1, see ``kernels/modhash.py``) and never leaves the process.
+- Namespace pruning first: a candidate's claims are checked before its tokens are compared.
+- One write path: every write is a batch of typed ops (``ops.py``) applied by :meth:`apply`,
+  atomically; ``add``, ``remove_claim``, ``remove_chunk``, ``add_many`` and ``remove_claims``
+  are batches of one kind.
+
+Memory: tokens are not copied when the caller hands in a read-only, self-owned ``uint32``
+array (what the directory does): the index keeps a reference and its address, so the directory
+binding and the index share one array per content. Anything else is copied once. Chunk hashes
+are kept the same way: a reference to the caller's ``bytes`` (the directory's dict key), read by
+the kernels through its address.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import secrets
+import sys
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvatlas.checks import is_plain_int
+from kvatlas.directory.blend import _cpython, kernels
+from kvatlas.directory.blend.kernels import ADD, REMOVE_CHUNK, REMOVE_CLAIM
+from kvatlas.directory.blend.ops import AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp
+from kvatlas.directory.blend.state import IndexState
+from kvatlas.keys import BlendMatch, BlendNamespace, as_token_array
+
+log = logging.getLogger(__name__)
+
+_HASH_WIDTH = 32
+_SEGMENT_WINDOWS = 65536
+"""Window starts probed per lock acquisition in ``match``: bounds how long one query holds
+the lock, so a 1M-token query never stalls ingestion behind it."""
+_KINDS: dict[type, int] = {
+    AddOp: ADD,
+    RemoveClaimOp: REMOVE_CLAIM,
+    RemoveChunkOp: REMOVE_CHUNK,
+}
+_U32 = np.dtype(np.uint32)
+
+
+@dataclass(frozen=True, slots=True)
+class BlendStats:
+    """Counts, capacities and bytes of a :class:`BlendIndex`.
+
+    ``index_bytes`` excludes token arrays (``token_bytes``: ``token_bytes_owned`` = copies the
+    index made, ``token_bytes_shared`` = the callers' arrays it references) but includes the
+    chunk_hash payloads the index references."""
+
+    contents: int
+    occupants: int
+    claims: int
+    namespaces: int
+    content_capacity: int
+    occupant_capacity: int
+    table_slots: int
+    filter_bits: int
+    extra_claim_slots: int
+    index_bytes: int
+    token_bytes: int
+    token_bytes_owned: int
+    token_bytes_shared: int
+
+
+class BlendIndex:
+    """Fragment index over chunk contents; see the module docstring for its guarantees.
+
+    Concurrency: one lock guards all state. ``match`` takes it once per segment of
+    ``_SEGMENT_WINDOWS`` window starts rather than for the whole query: each segment is probed
+    against a consistent state, and writers get the lock between segments, so a long query
+    delays a write by at most one segment. A chunk removed while a query runs may or may not
+    be returned, exactly as if the removal happened before or after it.
+    """
+
+    def __init__(
+        self,
+        chunk_size: int = 256,
+        probe_stride: int = 1,
+        *,
+        _fingerprint_bits: int = 61,
+        _fingerprint_base: int | None = None,
+    ) -> None:
+        for name, value in (("chunk_size", chunk_size), ("probe_stride", probe_stride)):
+            if not is_plain_int(value) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not 1 <= _fingerprint_bits <= 61:
+            raise ValueError("_fingerprint_bits must be in [1, 61]")
+        self.chunk_size = chunk_size
+        self.probe_stride = probe_stride
+        p = kernels.MERSENNE61
+        base = secrets.randbelow(p - 3) + 2 if _fingerprint_base is None else _fingerprint_base
+        if not 1 <= base < p:
+            raise ValueError("_fingerprint_base must be in [1, 2^61-1)")
+        # The base is secret and per process: fingerprints are internal, never on the wire.
+        self._base = base
+        self._base_pow = pow(base, chunk_size, p)
+        self._fmask = (1 << _fingerprint_bits) - 1
+        self._lock = threading.Lock()
+        self._scratch = threading.local()
+        self._state = IndexState(chunk_size, base, self._fmask)
+
+    # ------------------------------------------------------------------ writes
+
+    def add(
+        self, tokens: Any, chunk_hash: bytes, token_offset: int, namespace: BlendNamespace
+    ) -> None:
+        """Index ``chunk_hash`` (stored at ``token_offset``) as matchable for ``namespace``.
+
+        Idempotent; re-adding updates the offset. Offset -1 (unknown) is rejected: a match
+        without a stored position would re-RoPE from the wrong source (wrong KV). Content
+        that is not ``chunk_size`` tokens long is not indexed (logged)."""
+        self.apply((AddOp(tokens, chunk_hash, token_offset, namespace),))
+
+    def remove_claim(self, tokens: Any, chunk_hash: bytes, namespace: BlendNamespace) -> None:
+        """Drop ``namespace``'s claim; the occupant goes with its last claim. Unknown: no-op."""
+        self.apply((RemoveClaimOp(tokens, chunk_hash, namespace),))
+
+    def remove_chunk(self, tokens: Any, chunk_hash: bytes) -> None:
+        """Drop the occupant and all its claims at once (chunk_hash re-stored with new content)."""
+        self.apply((RemoveChunkOp(tokens, chunk_hash),))
+
+    def add_many(self, items: Iterable[tuple[Any, bytes, int, BlendNamespace]]) -> None:
+        """``add`` for each ``(tokens, chunk_hash, token_offset, namespace)``, as one batch."""
+        self.apply([AddOp(*item) for item in items])
+
+    def remove_claims(self, items: Iterable[tuple[Any, bytes, BlendNamespace]]) -> None:
+        """``remove_claim`` for each ``(tokens, chunk_hash, namespace)``, as one batch."""
+        self.apply([RemoveClaimOp(*item) for item in items])
+
+    def apply(self, ops: Iterable[BlendOp]) -> None:
+        """Apply writes in order, atomically: one lock hold and one compiled call for all.
+
+        Each op has the effect of the method it names (see :data:`BlendOp`), in sequence; a
+        concurrent ``match`` sees the state before the batch or after it, never in between
+        (so a ``remove_chunk`` followed by re-``add``s of a re-stored chunk has no window).
+        Every op is validated before anything changes: an invalid op raises and applies none.
+        """
+        kinds: list[int] = []
+        arrays: list[npt.NDArray[np.uint32]] = []
+        hashes: list[bytes] = []
+        offsets: list[int] = []
+        spaces: list[BlendNamespace | None] = []
+        owned: list[bool] = []
+        chunk = self.chunk_size
+        for op in ops:
+            kind = _KINDS.get(type(op))
+            if kind is None:
+                raise ValueError(f"not a blend index op: {op!r}")
+            tokens, chunk_hash = op.tokens, op.chunk_hash
+            offset, namespace = 0, None
+            if isinstance(op, AddOp):
+                offset, namespace = op.token_offset, op.namespace
+                if type(offset) is not int or not 0 <= offset < 1 << 63:
+                    offset = _offset(offset)
+            elif isinstance(op, RemoveClaimOp):
+                namespace = op.namespace
+            if type(tokens) is np.ndarray and tokens.dtype is _U32 and tokens.ndim == 1:
+                arr = tokens  # the directory's arrays: no re-validation on the ingest path
+            else:
+                arr = as_token_array(tokens)
+            if arr.shape[0] != chunk:
+                if kind == ADD:
+                    log.info(
+                        "blend index: not indexing %d-token content (chunk_size %d)",
+                        arr.shape[0],
+                        chunk,
+                    )
+                continue
+            if type(chunk_hash) is not bytes or len(chunk_hash) > _HASH_WIDTH:
+                chunk_hash = _hash_bytes(chunk_hash)
+            own = False
+            if kind == ADD:
+                own = not _shareable(arr)
+                if own:
+                    arr = np.array(arr, dtype=np.uint32, order="C", copy=True)
+                    arr.setflags(write=False)
+            elif not arr.flags.c_contiguous:
+                arr = np.ascontiguousarray(arr)
+            kinds.append(kind)
+            arrays.append(arr)
+            hashes.append(chunk_hash)
+            offsets.append(offset)
+            spaces.append(namespace)
+            owned.append(own)
+        if kinds:
+            with self._lock:
+                self._state.apply(kinds, arrays, hashes, offsets, spaces, owned)
+
+    # ------------------------------------------------------------------ reads
+
+    def match(self, tokens: Any, namespace: BlendNamespace) -> list[BlendMatch]:
+        """Chunks of ``namespace`` whose content occurs in ``tokens`` at a probed position.
+
+        Ascending by ``cur_st``, at most one per chunk_hash (its first verified, claimed
+        occurrence); matches may overlap."""
+        q = np.ascontiguousarray(_tokens(tokens))
+        chunk, stride = self.chunk_size, self.probe_stride
+        n_starts = q.shape[0] - chunk + 1
+        if n_starts <= 0:
+            return []
+        seg = max(1, _SEGMENT_WINDOWS // stride) * stride
+        scratch = tuple(self._scratch_for(min(seg, n_starts)))  # the scan takes plain tuples
+        state = self._state
+        out: list[BlendMatch] = []
+        seen: set[bytes] = set()
+        for start in range(0, n_starts, seg):
+            stop = min(start + seg, n_starts)
+            with self._lock:
+                ns = state.namespaces.get(namespace)
+                if ns is None:
+                    continue
+                names = state.hashes
+                pos, occ, off = kernels.scan(
+                    q, start, stop, stride, chunk, ns, self._base, self._base_pow, self._fmask,
+                    state.kernel_arrays, scratch, _cpython.list_items_address(names),
+                    _cpython.BYTES_DATA_OFFSET,
+                )  # fmt: skip
+                if pos.shape[0] == 0:
+                    continue
+                hashes = list(map(names.__getitem__, occ.tolist()))
+            fresh = set(hashes)
+            if len(fresh) == len(hashes) and seen.isdisjoint(fresh):
+                # the common case: every chunk_hash is new — no per-hit bookkeeping
+                out += _cpython.make_matches(hashes, off.tolist(), pos.tolist())  # type: ignore[arg-type]
+                seen |= fresh  # type: ignore[arg-type]
+                continue
+            for p, h, o in zip(pos.tolist(), hashes, off.tolist(), strict=True):
+                if h not in seen:
+                    assert h is not None
+                    seen.add(h)
+                    out.append(_cpython.make_match(h, o, p))
+        return out
+
+    def stats(self) -> BlendStats:
+        """Counts, table sizes and bytes (see :class:`BlendStats`)."""
+        with self._lock:
+            state = self._state
+            arrays = state.arrays
+            index_bytes = sum(a.nbytes for a in arrays) + 8 * len(state.tokens)
+            index_bytes += 8 * len(state.hashes) + _HASH_WIDTH * state.occupants
+            index_bytes += sum(
+                100 + sys.getsizeof(s) for s in state.extra_claims.values()
+            )  # dict entry + set: multi-namespace occupants only
+            token_bytes = state.contents * self.chunk_size * 4
+            return BlendStats(
+                contents=state.contents,
+                occupants=state.occupants,
+                claims=state.claims,
+                namespaces=len(state.namespaces),
+                content_capacity=arrays.content_capacity,
+                occupant_capacity=arrays.occupant_capacity,
+                table_slots=int(arrays.table.shape[0]),
+                filter_bits=int(arrays.filt.shape[0]) * 64,
+                extra_claim_slots=int(arrays.claims.shape[0]),
+                index_bytes=int(index_bytes),
+                token_bytes=token_bytes,
+                token_bytes_owned=state.owned_bytes,
+                token_bytes_shared=token_bytes - state.owned_bytes,
+            )
+
+    # ------------------------------------------------------------------ internals
+
+    def _scratch_for(self, windows: int) -> kernels.ScanScratch:
+        """Per-thread scan buffers, kept between queries: fresh large arrays cost page
+        faults, more than the filter pass itself."""
+        cached: kernels.ScanScratch | None = getattr(self._scratch, "buffers", None)
+        if cached is None or not cached.fits(windows, self.chunk_size):
+            cached = kernels.ScanScratch.for_windows(windows, self.chunk_size)
+            self._scratch.buffers = cached
+        return cached
+
+
+def _shareable(arr: npt.NDArray[np.uint32]) -> bool:
+    """Keep a caller's array only if nobody can change it under us and it pins no larger
+    buffer (a read-only view of a 1M-token request must not keep the whole request alive)."""
+    flags = arr.flags
+    if flags.writeable or not flags.c_contiguous:
+        return False
+    if flags.owndata:
+        return True
+    base = arr.base
+    return isinstance(base, bytes) and len(base) == arr.nbytes
+
+
+def _hash_bytes(chunk_hash: Any) -> bytes:
+    """The chunk hash as an exact ``bytes`` object (kept by reference, read by address)."""
+    raw = chunk_hash if type(chunk_hash) is bytes else bytes(chunk_hash)
+    if len(raw) > _HASH_WIDTH:
+        raise ValueError(f"chunk_hash must be at most {_HASH_WIDTH} bytes, got {len(raw)}")
+    return raw
+
+
+def _tokens(tokens: Any) -> npt.NDArray[np.uint32]:
+    if type(tokens) is np.ndarray and tokens.dtype == np.uint32 and tokens.ndim == 1:
+        return tokens  # a caller's array: skip re-validation on the serving path
+    return as_token_array(tokens)
+
+
+def _offset(token_offset: Any) -> int:
+    offset = operator.index(token_offset)
+    if not 0 <= offset < 1 << 63:
+        raise ValueError(f"token_offset must be >= 0, got {offset}")
+    return offset

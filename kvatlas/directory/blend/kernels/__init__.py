@@ -1,0 +1,69 @@
+"""Compiled (numba) kernels of the blend index; all state is in ``layout.BlendArrays``.
+
+One module per structure: ``modhash`` (the keyed mod 2^61-1 fingerprint and its rolling
+lanes), ``table`` (open addressing with one backward-shift delete), ``filter`` (the Bloom
+filter), ``occupants`` (chunk hashes and their namespace claims), ``writes`` (the one write
+kernel) and ``scan`` (the match kernel). ``pointers`` holds the raw-memory intrinsics they
+share. Kernels run only while the caller holds the index lock.
+"""
+
+from kvatlas.directory.blend.kernels.layout import BlendArrays
+from kvatlas.directory.blend.kernels.modhash import (
+    LANES,
+    MERSENNE61,
+    fingerprint,
+    lane_init,
+    lane_load,
+    lane_step,
+)
+from kvatlas.directory.blend.kernels.occupants import (
+    F_CLAIM_DROPPED,
+    F_CONTENT_GONE,
+    F_EXTRA_CLAIM,
+    F_NEW_CLAIM,
+    F_NEW_CONTENT,
+    F_NEW_OCCUPANT,
+    F_OCCUPANT_GONE,
+    drop_extra_claim,
+)
+from kvatlas.directory.blend.kernels.pointers import jit
+from kvatlas.directory.blend.kernels.scan import ScanScratch, scan
+from kvatlas.directory.blend.kernels.table import claims_rehash
+from kvatlas.directory.blend.kernels.writes import (
+    ADD,
+    REMOVE_CHUNK,
+    REMOVE_CLAIM,
+    SKIP,
+    apply_op,
+    apply_ops,
+    rebuild,
+)
+
+__all__ = [
+    "ADD",
+    "F_CLAIM_DROPPED",
+    "F_CONTENT_GONE",
+    "F_EXTRA_CLAIM",
+    "F_NEW_CLAIM",
+    "F_NEW_CONTENT",
+    "F_NEW_OCCUPANT",
+    "F_OCCUPANT_GONE",
+    "LANES",
+    "MERSENNE61",
+    "REMOVE_CHUNK",
+    "REMOVE_CLAIM",
+    "SKIP",
+    "BlendArrays",
+    "ScanScratch",
+    "apply_op",
+    "apply_ops",
+    "claims_rehash",
+    "drop_extra_claim",
+    "fingerprint",
+    "jit",
+    "lane_init",
+    "lane_load",
+    "lane_step",
+    "rebuild",
+    "scan",
+]

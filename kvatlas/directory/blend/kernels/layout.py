@@ -1,0 +1,105 @@
+"""The index's state as the kernels see it: plain numpy arrays, grouped in :class:`BlendArrays`.
+
+The arrays are owned by the index and read or written by the kernels only while the caller
+holds the index lock.
+
+- contents: ``c_fp`` (uint64 fingerprint), ``c_addr`` (address of the content's read-only
+  uint32 token array, kept alive by the index; 0 = free id), ``c_first`` (first occupant,
+  -1 = none).
+- ``table``: the content table (see ``table.py``), 2 slots per content id (load <= 1/2).
+- ``filt``: the content filter (see ``filter.py``), 16 bits per content id.
+- occupants (one chunk_hash stored with one content): ``o_i64[o] = (token_offset, address of
+  the chunk_hash bytes)`` (kept alive by the index, shared with the caller: no copy),
+  ``o_hlen`` (hash length), ``o_i32[o] = (next occupant of the content, inline first claim or
+  -1, number of claims)``: one row per occupant, so the namespace test reads one cache line.
+- ``claims``: the extra-claim set (see ``table.py``), load <= 1/2.
+- ``ids``: the id allocator (``IDS_*``): ids are dense, freed ones are reused (last freed
+  first) and a free id's ``c_first`` / ``O_NEXT`` links it to the next free one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+O_OFF, O_HADDR = 0, 1
+"""Columns of ``o_i64``."""
+O_NEXT, O_NS0, O_NCLAIMS = 0, 1, 2
+"""Columns of ``o_i32``."""
+IDS_FREE_CONTENT, IDS_CONTENTS, IDS_FREE_OCCUPANT, IDS_OCCUPANTS = 0, 1, 2, 3
+"""Entries of ``ids``: head of the free content ids (-1 = none; linked through ``c_first``),
+content ids ever used (the high-water mark); the same for occupants (linked through
+``o_i32[:, O_NEXT]``)."""
+
+
+class BlendArrays(NamedTuple):
+    """The arrays by name. Kernel entry points take them as a plain ``tuple(arrays)`` and
+    name them again inside (``BlendArrays(*arrays)``): numba types a plain tuple argument in
+    a fraction of the time a named one takes, a cost paid on every call."""
+
+    table: npt.NDArray[np.int32]
+    filt: npt.NDArray[np.uint64]
+    c_fp: npt.NDArray[np.uint64]
+    c_addr: npt.NDArray[np.int64]
+    c_first: npt.NDArray[np.int32]
+    o_i64: npt.NDArray[np.int64]
+    o_i32: npt.NDArray[np.int32]
+    o_hlen: npt.NDArray[np.uint8]
+    claims: npt.NDArray[np.int64]
+    ids: npt.NDArray[np.int64]
+
+    @classmethod
+    def empty(cls, capacity: int) -> BlendArrays:
+        """Room for ``capacity`` contents and occupants (a power of two >= 8)."""
+        return cls(
+            *_lookup(capacity),
+            c_fp=np.zeros(capacity, np.uint64),
+            c_addr=np.zeros(capacity, np.int64),
+            c_first=np.full(capacity, -1, np.int32),
+            o_i64=np.zeros((capacity, 2), np.int64),
+            o_i32=np.zeros((capacity, 3), np.int32),  # rows are initialised on first use
+            o_hlen=np.zeros(capacity, np.uint8),
+            claims=np.full(16, -1, np.int64),
+            ids=np.array([-1, 0, -1, 0], np.int64),
+        )
+
+    @property
+    def content_capacity(self) -> int:
+        return int(self.c_fp.shape[0])
+
+    @property
+    def occupant_capacity(self) -> int:
+        return int(self.o_i64.shape[0])
+
+    def with_empty_lookup(self) -> BlendArrays:
+        """Fresh (empty) table and filter sized for the content capacity: to be rebuilt."""
+        table, filt = _lookup(self.content_capacity)
+        return self._replace(table=table, filt=filt)
+
+    def with_content_capacity(self, capacity: int) -> BlendArrays:
+        """Content arrays grown to ``capacity``, table and filter empty: to be rebuilt."""
+        return self._replace(
+            c_fp=_resized(self.c_fp, capacity, 0),
+            c_addr=_resized(self.c_addr, capacity, 0),
+            c_first=_resized(self.c_first, capacity, -1),
+        ).with_empty_lookup()
+
+    def with_occupant_capacity(self, capacity: int) -> BlendArrays:
+        return self._replace(
+            o_i64=_resized(self.o_i64, capacity, 0),
+            o_i32=_resized(self.o_i32, capacity, 0),
+            o_hlen=_resized(self.o_hlen, capacity, 0),
+        )
+
+
+def _lookup(capacity: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.uint64]]:
+    """An empty table (2 slots per content id) and filter (16 bits per content id)."""
+    return np.full(2 * capacity, -1, np.int32), np.zeros(max(2, capacity // 4), np.uint64)
+
+
+def _resized(arr: npt.NDArray[Any], capacity: int, fill: int) -> npt.NDArray[Any]:
+    out = np.full((capacity, *arr.shape[1:]), fill, dtype=arr.dtype)
+    out[: arr.shape[0]] = arr
+    return out

@@ -1,0 +1,151 @@
+"""The keyed fingerprint: a polynomial hash mod the Mersenne prime 2^61-1, direct and rolling.
+
+``fingerprint(w) = Σ w[i]·B^(len-1-i) mod 2^61-1`` at a per-process secret random base ``B``:
+two different windows of ``len`` tokens collide for at most ``len - 1`` of the 2^61-1 bases
+(their difference is a nonzero polynomial in ``B``), so collisions cannot be constructed
+without knowing ``B``. Mod 2^64 they can: a Thue-Morse pattern over tokens {0, 2^31} collides
+for every odd base.
+
+The modular step is written once (:func:`horner`, :func:`roll`); every reduction ends in the
+canonical residue, so the direct :func:`fingerprint` and the rolling lanes of the scan agree bit
+for bit, whatever order their reductions run in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvatlas.directory.blend.kernels.pointers import inline, jit
+
+MERSENNE61 = (1 << 61) - 1
+_P = np.uint64(MERSENNE61)
+_2P = np.uint64(2 * MERSENNE61)
+_M31 = np.uint64((1 << 31) - 1)
+_M30 = np.uint64((1 << 30) - 1)
+_U0 = np.uint64(0)
+_U1 = np.uint64(1)
+
+LANES = 16
+"""Independent rolling-hash chains advanced together. The per-window recurrence is a serial
+dependency, so one chain is latency-bound; 16 chains over 16 sub-ranges of a query compile to
+SIMD (see docs/performance.md)."""
+
+
+@inline
+def mul_lazy(a: Any, b: Any) -> Any:
+    """(a * b) mod 2^61-1 for a, b < 2^61, left in [0, 2^61 + 4) (no final compare: SIMD).
+
+    The high halves are masked to 31 bits (a no-op for these inputs: they are < 2^30 + 1) so
+    the compiler can see every product is 32x32 -> 64 bits: one ``vpmuludq`` each instead of
+    a 3-uop ``vpmullq``."""
+    au = (a >> np.uint64(31)) & _M31
+    ad = a & _M31
+    bu = (b >> np.uint64(31)) & _M31
+    bd = b & _M31
+    mid = ad * bu + au * bd
+    x = (au + au) * bu + (mid >> np.uint64(30)) + ((mid & _M30) << np.uint64(31)) + ad * bd
+    return (x >> np.uint64(61)) + (x & _P)
+
+
+@inline
+def fold(x: Any) -> Any:
+    """Reduce x < 2^63 to the canonical residue in [0, 2^61-1)."""
+    x = (x >> np.uint64(61)) + (x & _P)
+    x = (x >> np.uint64(61)) + (x & _P)
+    return x - _P if x >= _P else x
+
+
+@inline
+def horner(h: Any, b: Any, t: Any) -> Any:
+    """One Horner step: ``h·b + t`` for residues ``h``, ``b`` and ``t < 2^61``."""
+    return fold(mul_lazy(h, b) + np.uint64(t))
+
+
+@inline
+def roll(h: Any, t_in: Any, t_out: Any, b: Any, b_pow: Any) -> Any:
+    """Slide a window one token: ``h·b + t_in - t_out·b^len`` (``b_pow = b^len``)."""
+    return fold(mul_lazy(h, b) + np.uint64(t_in) + (_2P - mul_lazy(np.uint64(t_out), b_pow)))
+
+
+@jit
+def powmod61(base: Any, exp: Any) -> Any:
+    result = _U1
+    b = np.uint64(base)
+    e = exp
+    while e > 0:
+        if e & 1:
+            result = fold(mul_lazy(result, b))
+        b = fold(mul_lazy(b, b))
+        e >>= 1
+    return result
+
+
+@jit
+def fingerprint(tokens: Any, start: Any, length: Any, base: Any, fmask: Any) -> Any:
+    """Fingerprint of ``tokens[start:start+length]``, masked to the configured bits.
+
+    Four Horner chains over the window's quarters run interleaved (one serial chain is
+    latency-bound; every add and removal hashes its chunk) and are then joined:
+    h = ((h0·B^q + h1)·B^q + h2)·B^q + h3 after a head of ``length % 4`` tokens."""
+    b = np.uint64(base)
+    q = length // 4
+    head = length - 4 * q
+    h = _U0
+    for i in range(start, start + head):
+        h = horner(h, b, tokens[i])
+    if q > 0:
+        s0 = start + head
+        h0 = _U0
+        h1 = _U0
+        h2 = _U0
+        h3 = _U0
+        for i in range(q):
+            h0 = horner(h0, b, tokens[s0 + i])
+            h1 = horner(h1, b, tokens[s0 + q + i])
+            h2 = horner(h2, b, tokens[s0 + 2 * q + i])
+            h3 = horner(h3, b, tokens[s0 + 3 * q + i])
+        bq = powmod61(b, q)
+        h = horner(h, bq, h0)
+        h = horner(h, bq, h1)
+        h = horner(h, bq, h2)
+        h = horner(h, bq, h3)
+    return h & np.uint64(fmask)
+
+
+@jit
+def lane_load(q: Any, start: Any, blk: Any, rows: Any, qt: Any) -> Any:
+    """Transpose ``q`` into ``qt[:rows]`` for the lanes: lane ``j`` reads the tokens from
+    ``start + j * blk``, so window ``start + j * blk + i`` starts at row ``i`` of column ``j``.
+    Reads past the end of ``q`` are clamped: they feed only windows at or past ``start + n``
+    (junk the caller discards). Returns the ``qt[:rows]`` view."""
+    m = q.shape[0]
+    qv = qt[:rows]
+    for r in range(rows):
+        row = qv[r]
+        for j in range(LANES):
+            row[j] = q[min(start + j * blk + r, m - 1)]
+    return qv
+
+
+@jit
+def lane_init(qt: Any, chunk: Any, b: Any) -> Any:
+    """Fingerprints of the first window of every lane (rows ``[0, chunk)`` of ``qt``): one
+    Horner chain per lane, all lanes in one SIMD loop (cheaper than 16 :func:`fingerprint`
+    calls, a fixed cost per segment that would dominate short queries)."""
+    h = np.zeros(LANES, np.uint64)
+    for i in range(chunk):
+        row = qt[i]
+        for j in range(LANES):
+            h[j] = horner(h[j], b, row[j])
+    return h
+
+
+@inline
+def lane_step(h: Any, out: Any, t_in: Any, t_out: Any, b: Any, b_pow: Any) -> None:
+    """Emit the lanes' current fingerprints into ``out`` and slide every lane one token
+    (``t_in``/``t_out``: the rows of tokens entering and leaving). One SIMD loop."""
+    for j in range(LANES):
+        out[j] = h[j]
+        h[j] = roll(h[j], t_in[j], t_out[j], b, b_pow)

@@ -1,0 +1,140 @@
+"""Occupants (one chunk_hash stored with one content) and their namespace claims.
+
+A content's occupants form a singly linked chain from ``c_first``. An occupant's first claim
+is kept inline (``O_NS0``), further ones in the extra-claim set; ``O_NCLAIMS`` counts both, so
+the common single-claim occupant never touches the set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvatlas.directory.blend.kernels.layout import O_HADDR, O_NCLAIMS, O_NEXT, O_NS0
+from kvatlas.directory.blend.kernels.pointers import jit, u8_ptr
+from kvatlas.directory.blend.kernels.table import (
+    claim_key,
+    claims_contains,
+    claims_delete,
+    claims_insert,
+    content_delete,
+)
+
+# What an applied op changed: the bits of its flags (``writes.apply_ops``, ``out[i, 0]``)
+F_NEW_CONTENT = 1
+F_NEW_OCCUPANT = 2
+F_NEW_CLAIM = 4
+F_EXTRA_CLAIM = 8
+"""The added or dropped claim lives in the extra-claim set."""
+F_CLAIM_DROPPED = 16
+F_OCCUPANT_GONE = 32
+F_CONTENT_GONE = 64
+
+
+@jit
+def claimed(o: Any, ns: Any, o_i32: Any, claims: Any) -> Any:
+    """Namespace membership: the cheap test that runs before any token comparison."""
+    ns0 = o_i32[o, O_NS0]
+    if ns0 == ns:
+        return True
+    inline = 1 if ns0 >= 0 else 0
+    if o_i32[o, O_NCLAIMS] > inline:
+        return claims_contains(claims, claim_key(o, ns))
+    return False
+
+
+@jit
+def add_claim(o: Any, ns: Any, o_i32: Any, claims: Any) -> Any:
+    """Claim ``o`` for ``ns``; flags ``F_NEW_CLAIM`` (+ ``F_EXTRA_CLAIM``), 0 if it was."""
+    ns0 = o_i32[o, O_NS0]
+    if ns0 == ns:
+        return 0
+    if ns0 == -1:
+        # the inline slot is free: the claim may already live in the extra set
+        if o_i32[o, O_NCLAIMS] > 0 and claims_contains(claims, claim_key(o, ns)):
+            return 0
+        o_i32[o, O_NS0] = ns
+        o_i32[o, O_NCLAIMS] += 1
+        return F_NEW_CLAIM
+    if claims_insert(claims, claim_key(o, ns)):
+        o_i32[o, O_NCLAIMS] += 1
+        return F_NEW_CLAIM | F_EXTRA_CLAIM
+    return 0
+
+
+@jit
+def drop_claim(o: Any, ns: Any, o_i32: Any, claims: Any) -> Any:
+    """Drop ``ns``'s claim on ``o``; flags ``F_CLAIM_DROPPED`` (+ ``F_EXTRA_CLAIM``), 0 if
+    there was none."""
+    ns0 = o_i32[o, O_NS0]
+    if ns0 == ns:
+        o_i32[o, O_NS0] = -1
+        flags = F_CLAIM_DROPPED
+    elif o_i32[o, O_NCLAIMS] > (1 if ns0 >= 0 else 0) and claims_delete(claims, claim_key(o, ns)):
+        flags = F_CLAIM_DROPPED | F_EXTRA_CLAIM
+    else:
+        return 0
+    o_i32[o, O_NCLAIMS] -= 1
+    return flags
+
+
+@jit
+def find_occupant(
+    c_first: Any, cid: Any, o_i64: Any, o_i32: Any, o_hlen: Any, h_addr: Any, n: Any
+) -> Any:
+    """The occupant of content ``cid`` whose chunk_hash equals the ``n`` bytes at ``h_addr``."""
+    h: Any = u8_ptr(h_addr)  # type: ignore[call-arg]
+    o = c_first[cid]
+    while o != -1:
+        if o_hlen[o] == n:
+            p: Any = u8_ptr(o_i64[o, O_HADDR])  # type: ignore[call-arg]
+            same = True
+            for k in range(n):
+                if p[k] != h[k]:
+                    same = False
+                    break
+            if same:
+                return o
+        o = o_i32[o, O_NEXT]
+    return -1
+
+
+@jit
+def link_occupant(
+    cid: Any, o: Any, h_addr: Any, h_len: Any, c_first: Any, o_i64: Any, o_i32: Any, o_hlen: Any
+) -> None:
+    """Make ``o`` (a free id) an unclaimed occupant of ``cid``, head of its chain."""
+    o_i64[o, O_HADDR] = h_addr
+    o_hlen[o] = h_len
+    o_i32[o, O_NEXT] = c_first[cid]
+    o_i32[o, O_NS0] = -1
+    o_i32[o, O_NCLAIMS] = 0
+    c_first[cid] = o
+
+
+@jit
+def unlink_occupant(
+    cid: Any, slot: Any, o: Any, table: Any, c_fp: Any, c_addr: Any, c_first: Any, o_i32: Any
+) -> Any:
+    """Unlink occupant ``o`` from its content (at table ``slot``); drop the content with its
+    last occupant. True when the content went (the caller releases its token array)."""
+    prev = -1
+    cur = c_first[cid]
+    while cur != o:
+        prev = cur
+        cur = o_i32[cur, O_NEXT]
+    if prev == -1:
+        c_first[cid] = o_i32[o, O_NEXT]
+    else:
+        o_i32[prev, O_NEXT] = o_i32[o, O_NEXT]
+    o_i32[o, O_NEXT] = -1
+    if c_first[cid] != -1:
+        return False
+    content_delete(table, slot, c_fp)
+    c_addr[cid] = 0
+    return True
+
+
+@jit
+def drop_extra_claim(o: Any, ns: Any, claims: Any) -> Any:
+    """Drop an extra-set claim a remove_chunk left behind (the caller knows its namespace)."""
+    return claims_delete(claims, claim_key(o, ns))

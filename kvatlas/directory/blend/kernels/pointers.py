@@ -1,0 +1,88 @@
+"""Raw memory access for the kernels: integer addresses read as typed pointers, and prefetch.
+
+The index keeps token arrays and chunk_hash ``bytes`` by reference (shared with the
+directory, never copied) and hands the kernels their addresses; these intrinsics turn such an
+address back into a pointer. A prefetch is a hint only: it never faults and never changes a
+value, so a wrong address costs speed, never correctness.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+jit = numba.njit(cache=True, nogil=True)
+"""How every kernel is compiled: cached on disk, GIL released."""
+
+inline = numba.njit(cache=True, nogil=True, inline="always")
+"""For the small helpers of the hot loops: inlined at numba IR level so loops stay SIMD."""
+
+
+def _pointer_cast(item: Any) -> Any:
+    """An intrinsic reinterpreting an integer address as a pointer to ``item``."""
+
+    def cast(typingctx: Any, addr: Any) -> Any:
+        sig = types.CPointer(item)(addr)  # type: ignore[no-untyped-call]
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+        return sig, codegen
+
+    cast.__name__ = cast.__qualname__ = f"{item}_ptr"
+    return intrinsic(cast)
+
+
+u32_ptr = _pointer_cast(types.uint32)
+"""``uint32*`` at an address: a token array shared with the directory."""
+u8_ptr = _pointer_cast(types.uint8)
+"""``uint8*`` at an address: the payload of a chunk_hash ``bytes`` the index keeps."""
+i64_ptr = _pointer_cast(types.int64)
+"""``int64*`` at an address: a field of a Python object (an ndarray's data pointer)."""
+
+
+def _emit_prefetch(builder: Any, ptr: Any) -> None:
+    """``llvm.prefetch(ptr, read, locality 3 = all cache levels, data)``."""
+    i8p = ir.IntType(8).as_pointer()
+    i32 = ir.IntType(32)
+    fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+    fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+        builder.module, fnty, "llvm.prefetch.p0"
+    )
+    builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
+
+
+@intrinsic
+def prefetch(typingctx: Any, arr: Any, idx: Any) -> Any:
+    """Prefetch ``arr[idx]`` (1-D array, no bounds check: a hint only). Lets a kernel request
+    the memory of many items before it needs any, so their cache misses overlap instead of
+    forming one serial chain per item."""
+    sig = types.void(arr, idx)  # type: ignore[no-untyped-call]
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(  # type: ignore[no-untyped-call]
+            context, builder, aryty, ary, [args[1]], wraparound=False, boundscheck=False
+        )
+        _emit_prefetch(builder, builder.bitcast(ptr, ir.IntType(8).as_pointer()))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def prefetch_addr(typingctx: Any, addr: Any) -> Any:
+    """:func:`prefetch` of a raw address (a token array's data, a row of a 2-D array)."""
+    sig = types.void(addr)  # type: ignore[no-untyped-call]
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        _emit_prefetch(builder, builder.inttoptr(args[0], ir.IntType(8).as_pointer()))
+        return context.get_dummy_value()
+
+    return sig, codegen

@@ -1,0 +1,194 @@
+"""The write kernel: a batch of add / remove_claim / remove_chunk ops, applied in order.
+
+Every write of the index goes through :func:`apply_ops`; it reports per op what changed
+(``F_*`` flags of ``occupants.py``) and which ids, so the caller can keep the Python references
+that hold token arrays and chunk_hash bytes alive, and its counters, in step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+
+from kvatlas.directory.blend.kernels.filter import filter_add
+from kvatlas.directory.blend.kernels.layout import (
+    IDS_CONTENTS,
+    IDS_FREE_CONTENT,
+    IDS_FREE_OCCUPANT,
+    IDS_OCCUPANTS,
+    O_NCLAIMS,
+    O_NEXT,
+    O_NS0,
+    O_OFF,
+    BlendArrays,
+)
+from kvatlas.directory.blend.kernels.modhash import fingerprint
+from kvatlas.directory.blend.kernels.occupants import (
+    F_CONTENT_GONE,
+    F_NEW_CONTENT,
+    F_NEW_OCCUPANT,
+    F_OCCUPANT_GONE,
+    add_claim,
+    drop_claim,
+    find_occupant,
+    link_occupant,
+    unlink_occupant,
+)
+from kvatlas.directory.blend.kernels.pointers import i64_ptr, jit, u32_ptr
+from kvatlas.directory.blend.kernels.table import content_reinsert, find_content
+
+ADD, REMOVE_CLAIM, REMOVE_CHUNK, SKIP = 0, 1, 2, 3
+"""Op kinds (``SKIP``: nothing to do, e.g. a removal for a namespace without claims)."""
+
+
+OP_KIND, OP_TOKENS, OP_HASH, OP_HASH_LEN, OP_OFFSET, OP_NS = range(6)
+"""Rows of the ``(6, k)`` int64 op array :func:`apply_ops` takes, one column per op:
+kind; the token array (``id`` of a C-contiguous uint32 array, its data pointer read at
+``id + data_off``, or with ``data_off < 0`` the data address itself); address and length of
+the chunk_hash payload; token offset; namespace id (-1 for ``REMOVE_CHUNK``)."""
+
+
+@jit
+def apply_ops(
+    ops: Any, chunk: Any, data_off: Any, base: Any, fmask: Any, arrays: Any, out: Any
+) -> None:
+    """Apply ``ops`` (see ``OP_*``) to ``arrays`` (a ``BlendArrays`` as a plain tuple) in order.
+
+    ``out[i] = (flags, content id, occupant id, ns0)`` where ``ns0`` is the inline claim a
+    ``REMOVE_CHUNK`` dropped (-1 if none; its extra-set claims are the caller's to drop: it
+    knows their namespaces). New entries take free ids (``ids``), but ids freed by the batch
+    are released only at its end, never reused within it. The caller keeps the capacity for
+    one new content and occupant per add.
+
+    add: idempotent, re-adding updates the offset. remove_claim: drops the namespace's claim,
+    the occupant with its last claim, the content with its last occupant. remove_chunk: drops
+    the occupant with all its claims, the content with its last occupant."""
+    s = BlendArrays(*arrays)
+    # the arrays as locals, named once: a field read inside the loop would cost a reference
+    # count update on every use
+    table, filt, c_fp, c_addr, c_first = s.table, s.filt, s.c_fp, s.c_addr, s.c_first
+    o_i64, o_i32, o_hlen, claims, ids = s.o_i64, s.o_i32, s.o_hlen, s.claims, s.ids
+    o_links = o_i32[:, O_NEXT]
+    n = ops.shape[1]
+    for i in range(n):
+        out[i, 0] = 0
+        out[i, 1] = -1
+        out[i, 2] = -1
+        out[i, 3] = -1
+        kind = ops[OP_KIND, i]
+        if kind == SKIP:
+            continue
+        addr = ops[OP_TOKENS, i]
+        if data_off >= 0:
+            addr = i64_ptr(addr + data_off)[0]  # type: ignore[call-arg]
+        tokens = numba.carray(u32_ptr(addr), chunk)  # type: ignore[attr-defined,call-arg]
+        h_addr, h_len, ns = ops[OP_HASH, i], ops[OP_HASH_LEN, i], ops[OP_NS, i]
+        fp = fingerprint(tokens, 0, chunk, base, fmask)
+        cid, slot = find_content(tokens, fp, chunk, table, c_fp, c_addr)
+        out[i, 1] = cid
+        flags = 0
+        o = -1
+        if kind == ADD:
+            if cid == -1:
+                cid = _take_id(ids, IDS_FREE_CONTENT, IDS_CONTENTS, c_first)
+                out[i, 1] = cid
+                flags = F_NEW_CONTENT
+                c_fp[cid] = fp
+                c_addr[cid] = addr
+                c_first[cid] = -1
+                table[slot] = cid
+                filter_add(filt, fp)
+            else:
+                o = find_occupant(c_first, cid, o_i64, o_i32, o_hlen, h_addr, h_len)
+            if o == -1:
+                o = _take_id(ids, IDS_FREE_OCCUPANT, IDS_OCCUPANTS, o_links)
+                flags |= F_NEW_OCCUPANT
+                link_occupant(cid, o, h_addr, h_len, c_first, o_i64, o_i32, o_hlen)
+            o_i64[o, O_OFF] = ops[OP_OFFSET, i]
+            out[i, 0] = flags | add_claim(o, ns, o_i32, claims)
+            out[i, 2] = o
+            continue
+        if cid != -1:
+            o = find_occupant(c_first, cid, o_i64, o_i32, o_hlen, h_addr, h_len)
+        if o == -1:
+            continue
+        out[i, 2] = o
+        if kind == REMOVE_CLAIM:
+            flags = drop_claim(o, ns, o_i32, claims)
+            if flags == 0 or o_i32[o, O_NCLAIMS] > 0:
+                out[i, 0] = flags
+                continue
+        else:
+            out[i, 3] = o_i32[o, O_NS0]
+            o_i32[o, O_NS0] = -1
+            o_i32[o, O_NCLAIMS] = 0
+        flags |= F_OCCUPANT_GONE
+        if unlink_occupant(cid, slot, o, table, c_fp, c_addr, c_first, o_i32):
+            flags |= F_CONTENT_GONE
+        out[i, 0] = flags
+    for i in range(n):
+        if out[i, 0] & F_OCCUPANT_GONE:
+            _release_id(ids, IDS_FREE_OCCUPANT, o_links, out[i, 2])
+        if out[i, 0] & F_CONTENT_GONE:
+            _release_id(ids, IDS_FREE_CONTENT, c_first, out[i, 1])
+
+
+@jit
+def apply_op(
+    kind: Any,
+    tokens: Any,
+    h_addr: Any,
+    h_len: Any,
+    offset: Any,
+    ns: Any,
+    chunk: Any,
+    data_off: Any,
+    base: Any,
+    fmask: Any,
+    arrays: Any,
+) -> Any:
+    """:func:`apply_ops` for a batch of one op passed as scalars (the common single write:
+    no op arrays for the caller to build); returns its ``out`` row."""
+    ops = np.empty((6, 1), np.int64)
+    ops[OP_KIND, 0] = kind
+    ops[OP_TOKENS, 0] = tokens
+    ops[OP_HASH, 0] = h_addr
+    ops[OP_HASH_LEN, 0] = h_len
+    ops[OP_OFFSET, 0] = offset
+    ops[OP_NS, 0] = ns
+    out = np.empty((1, 4), np.int64)
+    apply_ops(ops, chunk, data_off, base, fmask, arrays, out)
+    return out[0, 0], out[0, 1], out[0, 2], out[0, 3]
+
+
+@jit
+def _take_id(ids: Any, free: Any, fresh: Any, links: Any) -> Any:
+    """A free id (the head of the list at ``ids[free]``, linked through ``links``), else the
+    next fresh one (``ids[fresh]``)."""
+    i = ids[free]
+    if i == -1:
+        i = ids[fresh]
+        ids[fresh] += 1
+    else:
+        ids[free] = links[i]
+    return i
+
+
+@jit
+def _release_id(ids: Any, free: Any, links: Any, i: Any) -> None:
+    links[i] = ids[free]
+    ids[free] = i
+
+
+@jit
+def rebuild(arrays: Any) -> None:
+    """Re-insert every live content into the fresh (empty) table and filter of ``arrays`` (a
+    ``BlendArrays`` as a plain tuple)."""
+    s = BlendArrays(*arrays)
+    table, filt, c_fp, c_addr = s.table, s.filt, s.c_fp, s.c_addr
+    for cid in range(s.ids[IDS_CONTENTS]):
+        if c_addr[cid] != 0:
+            content_reinsert(table, c_fp[cid], cid)
+            filter_add(filt, c_fp[cid])

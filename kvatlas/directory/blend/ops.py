@@ -1,0 +1,39 @@
+"""The writes of a blend index, as typed values: what :meth:`BlendIndex.apply` takes.
+
+Each op has exactly the effect of the method of the same name; a batch of them is applied in
+order and atomically (see ``index.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from kvatlas.keys import BlendNamespace
+
+
+class AddOp(NamedTuple):
+    """Index ``chunk_hash`` (stored at ``token_offset``) as matchable for ``namespace``."""
+
+    tokens: Any
+    chunk_hash: bytes
+    token_offset: int
+    namespace: BlendNamespace
+
+
+class RemoveClaimOp(NamedTuple):
+    """Drop ``namespace``'s claim on the chunk; the occupant goes with its last claim."""
+
+    tokens: Any
+    chunk_hash: bytes
+    namespace: BlendNamespace
+
+
+class RemoveChunkOp(NamedTuple):
+    """Drop the chunk's occupant and all its claims (re-stored with new content)."""
+
+    tokens: Any
+    chunk_hash: bytes
+
+
+BlendOp = AddOp | RemoveClaimOp | RemoveChunkOp
+"""One write of :meth:`BlendIndex.apply`: the arguments of the method of the same name."""

@@ -1,0 +1,241 @@
+"""The blend index's state, and the one way it changes: :meth:`IndexState.apply`.
+
+State is the kernels' arrays (``kernels.BlendArrays``) plus what Python holds for them: the
+token arrays and chunk_hash ``bytes`` whose addresses those arrays store (kept alive here, by
+reference), free id lists, counters and namespace ids. A batch of writes is one compiled call
+followed by the bookkeeping the kernel reports for each op, so the two never disagree once
+``apply`` returns. Not thread-safe: :class:`BlendIndex` holds its lock around every use.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from kvatlas.directory.blend import _cpython, kernels
+from kvatlas.directory.blend._cpython import array_handle, bytes_address
+from kvatlas.directory.blend.kernels import ADD, REMOVE_CHUNK, REMOVE_CLAIM, SKIP
+from kvatlas.directory.blend.namespaces import NamespaceIds
+from kvatlas.keys import BlendNamespace
+
+MIN_CAPACITY = 1024
+"""Initial content and occupant capacity; both double when full."""
+
+Tokens = npt.NDArray[np.uint32]
+
+
+class IndexState:
+    def __init__(self, chunk_size: int, base: int, fmask: int) -> None:
+        self.chunk_size = chunk_size
+        self.base = base
+        self.fmask = fmask
+        self._arrays = kernels.BlendArrays.empty(MIN_CAPACITY)
+        self.kernel_arrays = tuple(self._arrays)  # what the kernels take
+        self.namespaces = NamespaceIds()
+        self.tokens: list[Tokens | None] = []  # per content id: the array c_addr points into
+        self.hashes: list[bytes | None] = []  # per occupant id: the bytes o_i64 points into
+        self.owned: set[int] = set()  # content ids whose array is the index's own copy
+        self.extra_claims: dict[int, set[int]] = {}  # occupant -> its extra-set namespaces
+        self.contents = 0
+        self.occupants = 0
+        self.claims = 0
+        self.owned_bytes = 0
+        self.n_extra = 0
+        self._stale = 0  # contents removed since the filter was last rebuilt
+
+    @property
+    def arrays(self) -> kernels.BlendArrays:
+        return self._arrays
+
+    @arrays.setter
+    def arrays(self, arrays: kernels.BlendArrays) -> None:
+        self._arrays = arrays
+        self.kernel_arrays = tuple(arrays)
+
+    def apply(
+        self,
+        kinds: list[int],
+        tokens: list[Tokens],
+        hashes: list[bytes],
+        offsets: list[int],
+        namespaces: list[BlendNamespace | None],
+        owned: list[bool],
+    ) -> None:
+        """Apply validated ops in order (see :func:`kernels.apply_ops`), then release the
+        namespace ids left without claims and shed the filter bits of removed contents.
+
+        One list entry per op: chunk-sized C-contiguous token arrays (``owned``: the index's
+        own copy), exact ``bytes`` hashes of at most 32 bytes, non-negative offsets (0 unless
+        an add), namespaces (``None`` for a remove_chunk)."""
+        if len(kinds) == 1:  # a single write: scalar arguments, no op arrays to build
+            kind = kinds[0]
+            ns = self._namespace_id(kind, namespaces[0])
+            if ns >= 0 or kind != REMOVE_CLAIM:  # else: no claims, nothing to drop
+                if kind == ADD and not self._has_room(1):
+                    self._make_room(1)
+                h = hashes[0]
+                flags, cid, occ, ns0 = kernels.apply_op(
+                    kind, array_handle(tokens[0]), bytes_address(h), len(h), offsets[0], ns,
+                    self.chunk_size, _cpython.ARRAY_DATA_OFFSET, self.base, self.fmask,
+                    self.kernel_arrays,
+                )  # fmt: skip
+                if flags:
+                    self._settle(kind, flags, cid, occ, ns, ns0, tokens[0], owned[0], h)
+        else:
+            self._apply_batch(kinds, tokens, hashes, offsets, namespaces, owned)
+        self.namespaces.end_write()
+        if self._stale > self.contents // 2 + MIN_CAPACITY:
+            self.rebuild()  # the filter only ever gains bits: shed removed contents' bits
+
+    def _apply_batch(
+        self,
+        kinds: list[int],
+        tokens: list[Tokens],
+        hashes: list[bytes],
+        offsets: list[int],
+        spaces: list[BlendNamespace | None],
+        owned: list[bool],
+    ) -> None:
+        nss: list[int] = []
+        last: BlendNamespace | None = None  # batches are mostly one namespace: skip its hash
+        last_ns = -1
+        for i, namespace in enumerate(spaces):
+            if namespace is not last or last_ns < 0:  # an id, once known, is stable in a batch
+                last, last_ns = namespace, self._namespace_id(kinds[i], namespace)
+            if last_ns < 0 and kinds[i] == REMOVE_CLAIM:
+                kinds[i] = SKIP  # a namespace without claims has nothing to drop
+            nss.append(last_ns)
+        n_add = kinds.count(ADD)
+        if not self._has_room(n_add):
+            self._make_room(n_add)
+        ops = np.array(
+            [  # the rows of kernels.writes.OP_*, in order
+                kinds,
+                _cpython.array_handles(tokens),
+                list(map(_cpython.bytes_address, hashes)),
+                list(map(len, hashes)),
+                offsets,
+                nss,
+            ],
+            np.int64,
+        )
+        out = np.empty((len(kinds), 4), np.int64)
+        kernels.apply_ops(
+            ops, self.chunk_size, _cpython.ARRAY_DATA_OFFSET, self.base, self.fmask,
+            self.kernel_arrays, out,
+        )  # fmt: skip
+        for i, (flags, cid, occ, ns0) in enumerate(out.tolist()):
+            if flags:
+                self._settle(kinds[i], flags, cid, occ, nss[i], ns0, tokens[i], owned[i], hashes[i])
+
+    def _namespace_id(self, kind: int, namespace: BlendNamespace | None) -> int:
+        """The op's namespace id: registered for an add, -1 if it has none."""
+        if namespace is None:
+            return -1
+        if kind == ADD:
+            return self.namespaces.register(namespace)
+        ns = self.namespaces.get(namespace)
+        return -1 if ns is None else ns
+
+    def _settle(
+        self,
+        kind: int,
+        flags: int,
+        cid: int,
+        occ: int,
+        ns: int,
+        ns0: int,
+        tokens: Tokens,
+        owned: bool,
+        h: bytes,
+    ) -> None:
+        """Python-side bookkeeping of one applied op (kernel ``flags``): the references that
+        keep token arrays and hashes alive, counters, free lists, namespace claims."""
+        if flags & kernels.F_NEW_CONTENT:
+            if cid == len(self.tokens):
+                self.tokens.append(tokens)
+            else:
+                self.tokens[cid] = tokens
+            if owned:
+                self.owned.add(cid)
+                self.owned_bytes += tokens.nbytes
+            self.contents += 1
+        if flags & kernels.F_NEW_OCCUPANT:
+            if occ == len(self.hashes):
+                self.hashes.append(h)
+            else:
+                self.hashes[occ] = h
+            self.occupants += 1
+        if flags & kernels.F_NEW_CLAIM:
+            self.namespaces.claim(ns)
+            self.claims += 1
+            if flags & kernels.F_EXTRA_CLAIM:
+                self.extra_claims.setdefault(occ, set()).add(ns)
+                self.n_extra += 1
+        if flags & kernels.F_CLAIM_DROPPED:
+            self._release_claim(ns)
+            if flags & kernels.F_EXTRA_CLAIM:
+                self._forget_extra(occ, ns)
+        if kind == REMOVE_CHUNK:
+            if ns0 >= 0:
+                self._release_claim(ns0)
+            for other in self.extra_claims.pop(occ, ()):
+                kernels.drop_extra_claim(occ, other, self.arrays.claims)
+                self.n_extra -= 1
+                self._release_claim(other)
+        if flags & kernels.F_OCCUPANT_GONE:
+            self.hashes[occ] = None
+            self.occupants -= 1
+        if flags & kernels.F_CONTENT_GONE:
+            gone = self.tokens[cid]
+            if cid in self.owned and gone is not None:
+                self.owned.discard(cid)
+                self.owned_bytes -= gone.nbytes
+            self.tokens[cid] = None
+            self.contents -= 1
+            self._stale += 1
+
+    def _release_claim(self, ns: int) -> None:
+        self.claims -= 1
+        self.namespaces.release(ns)
+
+    def _forget_extra(self, occ: int, ns: int) -> None:
+        claims = self.extra_claims[occ]
+        claims.discard(ns)
+        if not claims:
+            del self.extra_claims[occ]
+        self.n_extra -= 1
+
+    def _has_room(self, n_add: int) -> bool:
+        """Room for ``n_add`` adds (a new content, occupant and extra claim each) without
+        counting free ids: the cheap check."""
+        arrays = self._arrays
+        return bool(
+            len(self.tokens) + n_add <= arrays.c_fp.shape[0]
+            and len(self.hashes) + n_add <= arrays.o_hlen.shape[0]
+            and 2 * (self.n_extra + n_add) <= arrays.claims.shape[0]
+        )
+
+    def _make_room(self, n_add: int) -> None:
+        """Grow what ``n_add`` adds need, counting free ids (but not ids the batch frees: they
+        are not reused within it)."""
+        fresh = n_add - min(n_add, len(self.tokens) - self.contents)
+        while len(self.tokens) + fresh > self.arrays.content_capacity:
+            self.arrays = self.arrays.with_content_capacity(2 * self.arrays.content_capacity)
+            self.rebuild()
+        fresh = n_add - min(n_add, len(self.hashes) - self.occupants)
+        while len(self.hashes) + fresh > self.arrays.occupant_capacity:
+            self.arrays = self.arrays.with_occupant_capacity(2 * self.arrays.occupant_capacity)
+        while 2 * (self.n_extra + n_add) > self.arrays.claims.shape[0]:
+            self._grow_claims()
+
+    def _grow_claims(self) -> None:
+        new = np.full(2 * self.arrays.claims.shape[0], -1, np.int64)
+        kernels.claims_rehash(self.arrays.claims, new)
+        self.arrays = self.arrays._replace(claims=new)
+
+    def rebuild(self) -> None:
+        """Fresh table and filter holding exactly the live contents."""
+        self.arrays = self.arrays.with_empty_lookup()
+        kernels.rebuild(self.kernel_arrays)
+        self._stale = 0

@@ -1,0 +1,87 @@
+"""The blend index kernels against plain-Python references: the keyed fingerprint (direct
+and rolling), the extra-claim set's open addressing with its backward-shift delete, and the
+id allocator."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvatlas.bench.blend import scratch_shapes, window_fingerprints
+from kvatlas.directory import BlendIndex
+from kvatlas.directory.blend import kernels
+from kvatlas.directory.blend.kernels import table
+from kvatlas.keys import BlendNamespace
+
+P = kernels.MERSENNE61
+
+
+def reference_fingerprint(window: list[int], base: int) -> int:
+    h = 0
+    for t in window:
+        h = (h * base + t) % P
+    return h
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 4, 5, 7, 8, 255, 256, 257])
+def test_fingerprint_equals_the_polynomial(length: int) -> None:
+    rng = np.random.default_rng(length)
+    tokens = rng.integers(0, 1 << 32, length + 9, dtype=np.uint64).astype(np.uint32)
+    for base in (1, 2, P - 1, int(rng.integers(2, P - 1))):
+        for start in (0, 9):
+            window = tokens[start : start + length].tolist()
+            want = reference_fingerprint(window, base)
+            assert kernels.fingerprint(tokens, start, length, base, P) == want
+            assert kernels.fingerprint(tokens, start, length, base, 7) == want & 7
+
+
+@pytest.mark.parametrize(("n", "chunk"), [(1, 4), (17, 4), (100, 16), (1000, 256)])
+def test_rolling_lanes_equal_the_direct_fingerprint(n: int, chunk: int) -> None:
+    rng = np.random.default_rng(n)
+    q = rng.integers(0, 1 << 32, n + chunk - 1, dtype=np.uint64).astype(np.uint32)
+    base = int(rng.integers(2, P - 1))
+    qt_shape, out_shape, _ = scratch_shapes(n, chunk)
+    fps = window_fingerprints(
+        q, 0, n, chunk, base, pow(base, chunk, P), np.empty(qt_shape, np.uint32),
+        np.empty(out_shape, np.uint64),
+    )  # fmt: skip
+    rolled = fps.T.reshape(-1)[:n]  # lane-major -> window order
+    direct = [kernels.fingerprint(q, p, chunk, base, P) for p in range(n)]
+    assert rolled.tolist() == direct
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 40)), max_size=120))
+def test_claim_set_equals_a_python_set(ops: list[tuple[bool, int]]) -> None:
+    """Small table, keys crowded into few homes: long probe runs, wrap-around, and every
+    delete shifting entries back; every key stays findable."""
+    claims = np.full(64, -1, np.int64)
+    want: set[int] = set()
+    for insert, k in ops:
+        key = int(table.claim_key(k % 5, k))
+        if insert and len(want) < 32:  # the index keeps the load <= 1/2
+            assert table.claims_insert(claims, key) == (key not in want)
+            want.add(key)
+        elif not insert:
+            assert table.claims_delete(claims, key) == (key in want)
+            want.discard(key)
+        assert {int(k) for k in claims if k != -1} == want
+        assert all(table.claims_contains(claims, k) for k in want)
+
+
+def test_freed_ids_are_reused() -> None:
+    index = BlendIndex(chunk_size=4)
+    ns = BlendNamespace("m")
+    contents = np.arange(4 * 1500, dtype=np.uint32).reshape(-1, 4)
+    for round_ in range(3):
+        index.add_many(
+            [(c, bytes([round_]) + i.to_bytes(4, "big"), 0, ns) for i, c in enumerate(contents)]
+        )
+        index.remove_claims(
+            [(c, bytes([round_]) + i.to_bytes(4, "big"), ns) for i, c in enumerate(contents)]
+        )
+    stats = index.stats()
+    assert (stats.contents, stats.occupants) == (0, 0)
+    assert (stats.content_capacity, stats.occupant_capacity) == (2048, 2048)
