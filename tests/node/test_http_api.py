@@ -4,6 +4,7 @@ shape."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -63,7 +64,7 @@ def test_store_then_stats_shape(client: httpx.Client, node: CacheNode) -> None:
     assert stats["l1_bytes"] == 2 * CONFIG.layout.chunk_bytes
     assert stats["token_cache"] == {"chunks": 2, "misses": 0}
     assert stats["chunks_stored"] == 2  # counters sit flat beside the fields
-    assert stats["local_index"] == dict(node.index.stats())
+    assert stats["local_index"] == dataclasses.asdict(node.index.stats())
     typed = node.stats()
     assert isinstance(typed, NodeStats) and typed.to_wire() == stats
     with pytest.raises(AttributeError):
