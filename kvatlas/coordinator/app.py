@@ -39,7 +39,7 @@ from kvatlas.coordinator.schemas import (
     LookupRequest,
     RegisterRequest,
 )
-from kvatlas.coordinator.service import SERVING, CoordinatorService
+from kvatlas.coordinator.service import SERVING, CoordinatorService, directory_stats_wire
 from kvatlas.directory import page_keys
 from kvatlas.directory.records import KeyPlacements, Placement, PrefixHolder, prefix_summary
 from kvatlas.events import EventDecodeError, EventValidationError, decode_json, decode_msgpack
@@ -288,7 +288,7 @@ def create_app(service: CoordinatorService) -> FastAPI:
     @app.get("/directory/stats", summary="Directory statistics")
     async def stats(who: Principal = Depends(principal)) -> Response:
         who.require("lookup")
-        data = await run_in_threadpool(service.directory.stats)
+        data = directory_stats_wire(await run_in_threadpool(service.directory.stats))
         data["key_scheme"] = service.scheme.name
         data["instances_alive"] = len(service.instances.snapshot()[1])
         return MsgspecJSONResponse(data)

@@ -8,6 +8,7 @@ tells a load balancer whether the answers are complete.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -19,7 +20,7 @@ from kvatlas.coordinator.auth import TokenAuth
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.instances import InstanceRegistry
 from kvatlas.coordinator.metrics import CoordinatorMetrics
-from kvatlas.directory import KeyDirectory
+from kvatlas.directory import DirectoryStats, KeyDirectory
 from kvatlas.directory.gate import Outcome
 from kvatlas.directory.key_directory import IngestCounts
 from kvatlas.directory.snapshot import SnapshotError, SnapshotInfo, load_snapshot, save_snapshot
@@ -209,7 +210,7 @@ class CoordinatorService:
 
     def metrics_state(self) -> dict[str, Any]:
         return {
-            "directory": self.directory.stats(),
+            "directory": directory_stats_wire(self.directory.stats()),
             "emitters": self.emitters_view(),
             "instances_alive": len(self.instances.snapshot()[1]),
             "mm_bypass": dict(MM_BYPASS_GUARD.reasons),
@@ -224,6 +225,15 @@ class CoordinatorService:
             "event_transport": self.config.event_transport,
             "stream_position": self.stream_position,
         }
+
+
+def directory_stats_wire(stats: DirectoryStats) -> dict[str, Any]:
+    """``GET /directory/stats``'s body: the stats' fields, ``blend`` as ``{"enabled": ...}``
+    plus the index's stats while blend lookup is on."""
+    out = dataclasses.asdict(stats)
+    blend = out["blend"]
+    out["blend"] = {"enabled": False} if blend is None else {"enabled": True, **blend}
+    return out
 
 
 _NO_EMITTER = {
