@@ -164,7 +164,7 @@ class KeyDirectory:
         # resolved first, and placement/binding updates raise on nothing valid input can hold.
         kind = batch.event_type
         chunks = self._chunks
-        sids = chunks.shapes.intern_all([e.key for e in batch.entries]) if kind == STORE else []
+        sids = chunks.shapes.intern_all(batch.entries) if kind == STORE else []
         if admission.fence_first:
             chunks.fence(batch.instance_id)
         if kind == STORE:

@@ -13,9 +13,10 @@ them through the functions below (see docs/directory.md).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain, repeat
+from operator import itemgetter
 from typing import Any, Final
 
 from kvatlas.keys import ObjectKey
@@ -148,32 +149,14 @@ def rows_from_columns(*columns: list[Any]) -> list[PlacementRow]:
     return list(zip(*columns, strict=True))
 
 
-def row_instance(row: PlacementRow) -> str:
-    return row[_INSTANCE]
-
-
-def row_incarnation(row: PlacementRow) -> int:
-    return row[_INCARNATION]
-
-
-def row_tier(row: PlacementRow) -> str:
-    return row[_TIER]
-
-
-def row_backend(row: PlacementRow) -> str:
-    return row[_BACKEND]
-
-
-def row_size(row: PlacementRow) -> int:
-    return row[_SIZE]
-
-
-def row_shared(row: PlacementRow) -> bool:
-    return row[_SHARED]
-
-
-def row_last_access(row: PlacementRow) -> float:
-    return row[_ACCESS]
+# Field getters (C-level: they sit in per-placement loops).
+row_instance: Callable[[PlacementRow], str] = itemgetter(_INSTANCE)
+row_incarnation: Callable[[PlacementRow], int] = itemgetter(_INCARNATION)
+row_tier: Callable[[PlacementRow], str] = itemgetter(_TIER)
+row_backend: Callable[[PlacementRow], str] = itemgetter(_BACKEND)
+row_size: Callable[[PlacementRow], int] = itemgetter(_SIZE)
+row_shared: Callable[[PlacementRow], bool] = itemgetter(_SHARED)
+row_last_access: Callable[[PlacementRow], float] = itemgetter(_ACCESS)
 
 
 def row_ident(row: PlacementRow) -> tuple[str, str, str | None]:
@@ -215,8 +198,7 @@ def public_placements(pls: Placements) -> tuple[Placement, ...]:
     return tuple(Placement(*row) for row in rows)
 
 
-def _row_order(row: PlacementRow) -> tuple[str, str, str]:
-    return (row[_INSTANCE], row[_TIER], row[_BACKEND])
+_row_order = itemgetter(_INSTANCE, _TIER, _BACKEND)
 
 
 # ------------------------------------------------------------------ chunk records
@@ -257,16 +239,11 @@ def records_from_columns(
     return list(zip(tokens, offsets, flags, shape_ids, placements, strict=True))
 
 
-def record_tokens(rec: Record) -> TokenArray | None:
-    return rec[_TOKENS]  # type: ignore[no-any-return]
-
-
-def record_offset(rec: Record) -> int:
-    return rec[_OFFSET]  # type: ignore[no-any-return]
-
-
-def record_indexed(rec: Record) -> bool:
-    return rec[_INDEXED]  # type: ignore[no-any-return]
+# The record's binding: its content (``None``: unknown), stored offset, and whether the blend
+# index holds it (C-level getters: the snapshot writer maps them over every chunk).
+record_tokens: Callable[[Record], TokenArray | None] = itemgetter(_TOKENS)
+record_offset: Callable[[Record], int] = itemgetter(_OFFSET)
+record_indexed: Callable[[Record], bool] = itemgetter(_INDEXED)
 
 
 def key_count(rec: Record) -> int:
@@ -283,9 +260,11 @@ def placement_groups(rec: Record) -> tuple[Placements, ...]:
     return rec[_KEYS + 1 :: 2]
 
 
-def record_keys(rec: Record) -> Iterator[KeyPair]:
+def record_keys(rec: Record) -> Sequence[KeyPair]:
     """(shape id, placements) of each key, in record order."""
-    return zip(rec[_KEYS::2], rec[_KEYS + 1 :: 2], strict=True)
+    if len(rec) == _KEYS + 2:  # one key: most chunks
+        return ((rec[_KEYS], rec[_KEYS + 1]),)
+    return [(rec[i], rec[i + 1]) for i in range(_KEYS, len(rec), 2)]
 
 
 def find_key(rec: Record, shape_id: int) -> int:

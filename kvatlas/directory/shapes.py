@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvatlas.events import CacheEntry
 from kvatlas.keys import BlendNamespace, ObjectKey
 
 ShapeParts = tuple[str, int, int, str]  # (model_name, kv_rank, object_group_id, cache_salt)
@@ -65,14 +66,15 @@ class ShapeTable:
             self._shapes.append(KeyShape(*parts, ns))
         return sid
 
-    def intern_all(self, keys: Iterable[ObjectKey]) -> list[int]:
-        """:meth:`intern` of every key, in order (a batch is mostly one shape: repeats of the
-        previous key's shape skip the lookup)."""
+    def intern_all(self, entries: Iterable[CacheEntry]) -> list[int]:
+        """:meth:`intern` of every entry's key, in order (a batch is mostly one shape: repeats
+        of the previous entry's shape skip the lookup)."""
         get = self._ids.get
         sids = []
         last: ShapeParts | None = None
         sid: int | None = -1
-        for k in keys:
+        for entry in entries:
+            k = entry.key
             parts = (k.model_name, k.kv_rank, k.object_group_id, k.cache_salt)
             if parts != last:
                 sid = get(parts)

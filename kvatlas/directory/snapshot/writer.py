@@ -22,7 +22,6 @@ from kvatlas.directory.key_directory import KeyDirectory
 from kvatlas.directory.records import (
     PlacementRow,
     Record,
-    key_count,
     placements_of,
     record_keys,
     record_offset,
@@ -100,34 +99,34 @@ class _Columns:
         return i
 
     def add(self, records: list[tuple[bytes, Record]]) -> None:
+        recs = [rec for _, rec in records]
+        self.hashes += [h for h, _ in records]
+        self.offsets += map(record_offset, recs)
+        tokens = list(map(record_tokens, recs))
+        self.token_lens += [0 if t is None else len(t) for t in tokens]
+        self.arena += [t for t in tokens if t is not None]
         shape_ids, pl_ids, pls = self.shape_ids, self.pl_ids, self.pls
-        key_shapes, key_pl_counts, key_pls = self.key_shapes, self.key_pl_counts, self.key_pls
-        for h, rec in records:
-            self.hashes.append(h)
-            self.offsets.append(record_offset(rec))
-            tokens = record_tokens(rec)
-            if tokens is None:
-                self.token_lens.append(0)
-            else:
-                self.token_lens.append(len(tokens))
-                self.arena.append(tokens)
-            self.key_counts.append(key_count(rec))
-            for sid, group in record_keys(rec):
+        add_count, add_shape = self.key_counts.append, self.key_shapes.append
+        add_pl_count, add_pl = self.key_pl_counts.append, self.key_pls.append
+        for rec in recs:
+            keys = record_keys(rec)
+            add_count(len(keys))
+            for sid, group in keys:
                 ref = shape_ids.get(sid)
                 if ref is None:
                     shape = self.table[sid]
                     ref = shape_ids[sid] = len(self.shapes)
                     model, salt = self.ref(shape.model_name), self.ref(shape.cache_salt)
                     self.shapes.append((model, shape.kv_rank, shape.object_group_id, salt))
-                key_shapes.append(ref)
+                add_shape(ref)
                 rows = placements_of(group)
-                key_pl_counts.append(len(rows))
+                add_pl_count(len(rows))
                 for p in rows:  # rows are shared (one per batch and size): store each once
                     pid = pl_ids.get(id(p))
                     if pid is None:
                         pid = pl_ids[id(p)] = len(pls)
                         pls.append(p)
-                    key_pls.append(pid)
+                    add_pl(pid)
 
     def header(self, state: DirectoryState, stream_position: str | None) -> Header:
         pls = self.pls
