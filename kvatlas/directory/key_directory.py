@@ -62,7 +62,8 @@ class IngestCounts:
 
 @dataclass(frozen=True, slots=True)
 class DirectoryStats:
-    """A consistent view of the directory's counters (taken under its lock)."""
+    """The directory's counters, taken together under its lock (``blend`` right after, under
+    the index's lock). The coordinator maps them to ``GET /directory/stats``."""
 
     chunk_size: int
     keys: int
