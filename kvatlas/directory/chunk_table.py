@@ -34,7 +34,6 @@ from kvatlas.directory.records import (
     key_count,
     l1_owner,
     make_record,
-    new_record,
     pack_placements,
     placement_groups,
     placement_row,
@@ -184,7 +183,6 @@ class ChunkTable:
         ops = self._ops
         shapes = self.shapes.shapes
         chunk_size = self.chunk_size
-        record = new_record
         debug = log.isEnabledFor(logging.DEBUG)
         # Every placement added or replaced here has this batch's tier and (for own copies)
         # instance: the counters move by one sum per batch instead of per entry.
@@ -200,22 +198,24 @@ class ChunkTable:
             if journal is not None:
                 journal.save(h, rec)
             if rec is None:  # a new chunk: the common case, without the general bookkeeping
+                # (records are built inline here, as records.new_record builds them: the call
+                # would be a measurable share of consuming a new chunk)
                 n_keys += 1
                 n_pl += 1
                 n_bytes += size
                 tokens = entry.token_ids
                 offset = entry.token_offset
                 if tokens is None:
-                    part[h] = record(None, UNKNOWN_OFFSET, False, sid, p)
+                    part[h] = (None, UNKNOWN_OFFSET, False, sid, p)
                     if debug:
                         log.debug("store without tokens for unbound chunk %s: not indexed", h.hex())
                 elif len(tokens) != chunk_size:
                     log.info("chunk %s bound with %d tokens (not indexed)", h.hex(), len(tokens))
-                    part[h] = record(tokens, offset, False, sid, p)
+                    part[h] = (tokens, offset, False, sid, p)
                 elif not indexing or offset == UNKNOWN_OFFSET:
-                    part[h] = record(tokens, offset, False, sid, p)
+                    part[h] = (tokens, offset, False, sid, p)
                 else:
-                    part[h] = record(tokens, offset, True, sid, p)
+                    part[h] = (tokens, offset, True, sid, p)
                     ops.append(AddOp(tokens, h, offset, shapes[sid].namespace))
             else:
                 dk, dp, db = self._store_existing(h, part, rec, sid, p, entry, debug)

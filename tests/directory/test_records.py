@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvatlas.directory import KeyDirectory
 from kvatlas.directory.records import (
     Placement,
     find_key,
@@ -27,7 +28,7 @@ from kvatlas.directory.records import (
 )
 from kvatlas.directory.shapes import ShapeTable
 from kvatlas.keys import BlendNamespace
-from tests.directory.helpers import entry, key, toks
+from tests.directory.helpers import CS, Emitter, captured, entry, key, toks
 
 A = placement_row("a", 1, "l1", "dram", 10, False, 0.0)
 B = placement_row("b", 2, "l2", "fs", 20, False, 1.0)
@@ -76,3 +77,11 @@ def test_shape_table_interns_once_and_ids_stay() -> None:
         BlendNamespace("m", "", 2),
     }
     assert table.namespaces([1]) == {BlendNamespace("m", "t", 1)}
+
+
+def test_consume_builds_new_chunks_as_new_record_does() -> None:
+    d, em = KeyDirectory(CS, enable_blend_lookup=True), Emitter("a")
+    e = entry(key(1), toks(1, 2, 3, 4), 8, size=12)
+    d.consume(em.batch("store", [e], ts=2.5))
+    row = placement_row("a", 1, "l1", "dram", 12, False, 2.5)
+    assert captured(d)[key(1).chunk_hash] == new_record(e.token_ids, 8, True, 0, row)
