@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
 
 from kvatlas.coordinator.instances import Registration
+from kvatlas.directory import DirectoryStats
 from kvatlas.keys import KeyScheme
 
 
@@ -69,8 +69,8 @@ class HealthView:
 class StatsView:
     """``GET /directory/stats``: the directory's statistics and what only the service knows."""
 
-    directory: dict[str, Any]
-    """What ``KeyDirectory.stats()`` returns; mapped by ``wire.directory_stats_wire``."""
+    directory: DirectoryStats
+    """Mapped to JSON by ``wire.directory_stats_to_wire``."""
     key_scheme: str
     instances_alive: int
 
@@ -79,8 +79,8 @@ class StatsView:
 class MetricsState:
     """What the Prometheus collector reads at scrape time (see ``metrics.py``)."""
 
-    directory: dict[str, Any]
-    """What ``KeyDirectory.stats()`` returns (the gauges mirror ``/directory/stats``)."""
+    directory: DirectoryStats
+    """The gauges mirror ``/directory/stats``."""
     emitters: dict[str, EmitterView]
     instances_alive: int
     mm_bypass: dict[str, int]

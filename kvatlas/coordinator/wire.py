@@ -10,6 +10,7 @@ wrong type), never returns a half-read value.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from kvatlas.coordinator.views import (
     StatsView,
 )
 from kvatlas.directory import (
+    DirectoryStats,
     IngestCounts,
     KeyPage,
     KeyPlacements,
@@ -191,10 +193,14 @@ def blend_to_wire(matches: Sequence[BlendMatch], enabled: bool) -> dict[str, Any
 # ---------------------------------------------------------------------------- statistics
 
 
-def directory_stats_to_wire(stats: dict[str, Any]) -> dict[str, Any]:
+def directory_stats_to_wire(stats: DirectoryStats) -> dict[str, Any]:
     """The directory's statistics as ``/directory/stats`` (and the metrics gauges) show them:
-    the one place they become JSON."""
-    return dict(stats)
+    the one place they become JSON. ``blend`` is ``{"enabled": false}`` while blend lookup is
+    off, else ``{"enabled": true}`` followed by the index's statistics."""
+    out = dataclasses.asdict(stats)
+    blend = out["blend"]
+    out["blend"] = {"enabled": False} if blend is None else {"enabled": True, **blend}
+    return out
 
 
 def stats_to_wire(view: StatsView) -> dict[str, Any]:

@@ -8,8 +8,10 @@ from kvatlas.directory.blend import (
     RemoveChunkOp,
     RemoveClaimOp,
 )
+from kvatlas.directory.capture import Capture, CapturedPart, DirectoryState, Restored
 from kvatlas.directory.gate import Admission, EmitterCursor, GapRecord, IngestGate, Outcome
-from kvatlas.directory.key_directory import IngestCounts, KeyDirectory, page_keys
+from kvatlas.directory.key_directory import DirectoryStats, IngestCounts, KeyDirectory
+from kvatlas.directory.listing import page_keys
 from kvatlas.directory.records import (
     CapacityDeclaration,
     KeyPage,
@@ -18,7 +20,7 @@ from kvatlas.directory.records import (
     PrefixHolder,
     TokenLookup,
 )
-from kvatlas.directory.snapshot import SnapshotInfo, load_snapshot, save_snapshot
+from kvatlas.directory.snapshot import SnapshotError, SnapshotInfo, load_snapshot, save_snapshot
 from kvatlas.keys import BlendMatch
 
 __all__ = [
@@ -29,6 +31,10 @@ __all__ = [
     "BlendOp",
     "BlendStats",
     "CapacityDeclaration",
+    "Capture",
+    "CapturedPart",
+    "DirectoryState",
+    "DirectoryStats",
     "EmitterCursor",
     "GapRecord",
     "IngestCounts",
@@ -41,6 +47,8 @@ __all__ = [
     "PrefixHolder",
     "RemoveChunkOp",
     "RemoveClaimOp",
+    "Restored",
+    "SnapshotError",
     "SnapshotInfo",
     "TokenLookup",
     "load_snapshot",

@@ -2,25 +2,25 @@
 compact per-chunk state behind them.
 
 Per-chunk state is deliberately lean (the directory holds millions of chunks) and invisible to
-the cyclic garbage collector: a chunk is one flat immutable tuple, its *record*::
-
-    (tokens, token_offset, indexed, shape_id, placements, shape_id, placements, ...)
-
-``shape_id`` is the directory's interned id of the non-hash part of an ObjectKey (a
-:class:`KeyShape`), and ``placements`` is one :class:`PlacementRow` (a plain tuple with the
-fields of :class:`Placement`, in order) or a tuple of them. Every element is an int, str,
+the cyclic garbage collector: a chunk is one flat immutable tuple, its *record*, and each copy
+of a key is one flat tuple, its *placement row*. Every element of either is an int, str,
 float, bool, ``None``, a numpy array or a tuple of those, so CPython untracks each record at its
-first collection: a directory of millions of chunks adds nothing to full-collection pauses
-(with one class instance per chunk, each full collection walked them all). Immutable values
-also let snapshots copy-on-write at chunk granularity: a change replaces the record.
+first collection: a directory of millions of chunks adds nothing to full-collection pauses.
+Immutable values also let snapshots copy-on-write at chunk granularity: a change replaces the
+record. The layout of both tuples is private to this module: everything else builds and reads
+them through the functions below (see docs/directory.md).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from itertools import chain, repeat
+from operator import itemgetter
+from typing import Any, Final
 
-from kvatlas.keys import BlendNamespace, ObjectKey
+from kvatlas.keys import ObjectKey
+from kvatlas.keys.tokens import TokenArray
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,49 +42,6 @@ class Placement:
 
     def sort_key(self) -> tuple[str, str, str]:
         return (self.instance_id, self.tier, self.backend)
-
-
-# (instance_id, incarnation, tier, backend, size_bytes, shared, last_access): a Placement's
-# fields as a plain tuple (GC-untrackable); ``Placement(*row)`` turns it into the public value.
-PlacementRow = tuple[str, int, str, str, int, bool, float]
-Placements = PlacementRow | tuple[PlacementRow, ...]
-Record = tuple[Any, ...]  # see the module docstring
-TOKENS, OFFSET, INDEXED, KEYS = 0, 1, 2, 3  # record fields; keys are record[KEYS:]
-
-
-def placements_of(value: Placements) -> tuple[PlacementRow, ...]:
-    """The rows of one key's ``placements`` slot (one row, or a tuple of rows)."""
-    return value if type(value[0]) is tuple else (value,)  # type: ignore[return-value]
-
-
-def pack_placements(items: list[PlacementRow]) -> Placements | None:
-    """The ``placements`` slot for ``items`` (``None`` if empty: the key is gone)."""
-    if not items:
-        return None
-    return items[0] if len(items) == 1 else tuple(items)
-
-
-def row_ident(row: PlacementRow) -> tuple[str, str, str | None]:
-    """:attr:`Placement.ident` of a row."""
-    return (row[2], row[3], None if row[5] else row[0])
-
-
-@dataclass(frozen=True, slots=True)
-class KeyShape:
-    """The part of an ObjectKey besides its chunk hash; interned, shared by many keys."""
-
-    model_name: str
-    kv_rank: int
-    object_group_id: int
-    cache_salt: str
-    namespace: BlendNamespace = field(compare=False)
-
-    @property
-    def parts(self) -> tuple[str, int, int, str]:
-        return (self.model_name, self.kv_rank, self.object_group_id, self.cache_salt)
-
-    def key(self, chunk_hash: bytes) -> ObjectKey:
-        return ObjectKey(chunk_hash, *self.parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,3 +114,189 @@ def prefix_summary(results: list[KeyPlacements], world_size: int = 1) -> list[Pr
     summary = [PrefixHolder(*holder, chunks=n) for holder, n in counts.items()]
     summary.sort(key=lambda h: (-h.chunks, h.instance_id or "", h.tier, h.backend))
     return summary
+
+
+# ------------------------------------------------------------------ placement rows
+
+# A Placement's fields, in order, as a plain tuple: ``Placement(*row)`` is the public value.
+PlacementRow = tuple[str, int, str, str, int, bool, float]
+Placements = PlacementRow | tuple[PlacementRow, ...]
+"""One key's copies: a single row, or a tuple of rows (never empty)."""
+
+_INSTANCE: Final = 0  # row fields, in Placement's field order
+_INCARNATION: Final = 1
+_TIER: Final = 2
+_BACKEND: Final = 3
+_SIZE: Final = 4
+_SHARED: Final = 5
+_ACCESS: Final = 6
+
+
+def placement_row(
+    instance_id: str,
+    incarnation: int,
+    tier: str,
+    backend: str,
+    size_bytes: int,
+    shared: bool,
+    last_access: float,
+) -> PlacementRow:
+    return (instance_id, incarnation, tier, backend, size_bytes, shared, last_access)
+
+
+def rows_from_columns(*columns: list[Any]) -> list[PlacementRow]:
+    """Rows zipped from one list per :class:`Placement` field, in field order."""
+    return list(zip(*columns, strict=True))
+
+
+# Field getters (C-level: they sit in per-placement loops).
+row_instance: Callable[[PlacementRow], str] = itemgetter(_INSTANCE)
+row_incarnation: Callable[[PlacementRow], int] = itemgetter(_INCARNATION)
+row_tier: Callable[[PlacementRow], str] = itemgetter(_TIER)
+row_backend: Callable[[PlacementRow], str] = itemgetter(_BACKEND)
+row_size: Callable[[PlacementRow], int] = itemgetter(_SIZE)
+row_shared: Callable[[PlacementRow], bool] = itemgetter(_SHARED)
+row_last_access: Callable[[PlacementRow], float] = itemgetter(_ACCESS)
+
+
+def row_ident(row: PlacementRow) -> tuple[str, str, str | None]:
+    """:attr:`Placement.ident` of a row."""
+    return (row[_TIER], row[_BACKEND], None if row[_SHARED] else row[_INSTANCE])
+
+
+def l1_owner(row: PlacementRow) -> str | None:
+    """The instance whose own L1 memory holds this copy (``None``: L2 or shared); fencing
+    that instance drops the copy."""
+    return row[_INSTANCE] if row[_TIER] == "l1" and not row[_SHARED] else None
+
+
+def accessed_at(row: PlacementRow, ts: float) -> PlacementRow:
+    """The row with ``last_access`` set to ``ts``."""
+    return (*row[:_ACCESS], ts)  # type: ignore[return-value]
+
+
+def placements_of(value: Placements) -> tuple[PlacementRow, ...]:
+    """The rows of one key's ``placements`` slot (one row, or a tuple of rows)."""
+    return value if type(value[0]) is tuple else (value,)  # type: ignore[return-value]
+
+
+def group_placements(rows: Sequence[PlacementRow]) -> Placements:
+    """The ``placements`` slot for one or more ``rows``."""
+    return rows[0] if len(rows) == 1 else tuple(rows)
+
+
+def pack_placements(rows: Sequence[PlacementRow]) -> Placements | None:
+    """The ``placements`` slot for ``rows`` (``None`` if empty: the key is gone)."""
+    return group_placements(rows) if rows else None
+
+
+def public_placements(pls: Placements) -> tuple[Placement, ...]:
+    """One key's rows as :class:`Placement` values, sorted by (instance, tier, backend)."""
+    if type(pls[0]) is not tuple:
+        return (Placement(*pls),)  # type: ignore[arg-type]
+    rows = sorted(pls, key=_row_order)  # type: ignore[arg-type]
+    return tuple(Placement(*row) for row in rows)
+
+
+_row_order = itemgetter(_INSTANCE, _TIER, _BACKEND)
+
+
+# ------------------------------------------------------------------ chunk records
+
+Record = tuple[Any, ...]
+"""``(tokens, token_offset, indexed, shape_id, placements, shape_id, placements, ...)``:
+the chunk's bound content (``None``: unknown) and its stored offset, whether the blend index
+holds it, then one (interned :class:`KeyShape` id, :data:`Placements`) pair per key."""
+KeyPair = tuple[int, Placements]
+_TOKENS: Final = 0  # record fields; the keys follow from _KEYS on, in (shape id, placements) pairs
+_OFFSET: Final = 1
+_INDEXED: Final = 2
+_KEYS: Final = 3
+
+
+def new_record(
+    tokens: TokenArray | None, offset: int, indexed: bool, shape_id: int, placements: Placements
+) -> Record:
+    """The record of a chunk with one key."""
+    return (tokens, offset, indexed, shape_id, placements)
+
+
+def make_record(
+    tokens: TokenArray | None, offset: int, indexed: bool, keys: Iterable[KeyPair]
+) -> Record:
+    """A record with the given (shape id, placements) pairs."""
+    return (tokens, offset, indexed, *chain.from_iterable(keys))
+
+
+def records_from_columns(
+    tokens: list[TokenArray | None],
+    offsets: list[int],
+    shape_ids: list[int],
+    placements: Iterable[Placements],
+) -> list[Record]:
+    """Unindexed one-key records zipped from columns (the snapshot loader's fast path)."""
+    flags = repeat(False, len(tokens))
+    return list(zip(tokens, offsets, flags, shape_ids, placements, strict=True))
+
+
+# The record's binding: its content (``None``: unknown), stored offset, and whether the blend
+# index holds it (C-level getters: the snapshot writer maps them over every chunk).
+record_tokens: Callable[[Record], TokenArray | None] = itemgetter(_TOKENS)
+record_offset: Callable[[Record], int] = itemgetter(_OFFSET)
+record_indexed: Callable[[Record], bool] = itemgetter(_INDEXED)
+
+
+def key_count(rec: Record) -> int:
+    return (len(rec) - _KEYS) >> 1
+
+
+def shape_ids(rec: Record) -> tuple[int, ...]:
+    """The shape id of each key, in record order."""
+    return rec[_KEYS::2]
+
+
+def placement_groups(rec: Record) -> tuple[Placements, ...]:
+    """The placements of each key, in record order."""
+    return rec[_KEYS + 1 :: 2]
+
+
+def record_keys(rec: Record) -> Sequence[KeyPair]:
+    """(shape id, placements) of each key, in record order."""
+    if len(rec) == _KEYS + 2:  # one key: most chunks
+        return ((rec[_KEYS], rec[_KEYS + 1]),)
+    return [(rec[i], rec[i + 1]) for i in range(_KEYS, len(rec), 2)]
+
+
+def find_key(rec: Record, shape_id: int) -> int:
+    """The position of the key with ``shape_id`` among the record's keys (``-1``: absent)."""
+    if rec[_KEYS] == shape_id:
+        return 0
+    for i in range(_KEYS + 2, len(rec), 2):
+        if rec[i] == shape_id:
+            return (i - _KEYS) >> 1
+    return -1
+
+
+def placements_at(rec: Record, k: int) -> Placements:
+    """The placements of key ``k`` (a position from :func:`find_key`)."""
+    return rec[_KEYS + 2 * k + 1]  # type: ignore[no-any-return]
+
+
+def with_placements_at(rec: Record, k: int, placements: Placements) -> Record:
+    j = _KEYS + 2 * k + 1
+    return (*rec[:j], placements, *rec[j + 1 :])
+
+
+def with_key(rec: Record, shape_id: int, placements: Placements) -> Record:
+    """The record with one more key."""
+    return (*rec, shape_id, placements)
+
+
+def rebound(rec: Record, tokens: TokenArray | None, offset: int, indexed: bool) -> Record:
+    """The record with its binding (content, offset, indexed) replaced, keys unchanged."""
+    return (tokens, offset, indexed, *rec[_KEYS:])
+
+
+def bound_count(records: Iterable[Record]) -> int:
+    """How many of ``records`` have known content."""
+    return sum(1 for rec in records if rec[_TOKENS] is not None)

@@ -35,8 +35,8 @@ def test_outbox_delivers_everything_once_after_coordinator_outage() -> None:
     with BackgroundServer(config) as server:
         assert sink.flush(timeout=20)
         stats = server.service.directory.stats()
-        assert stats["keys"] == 30
-        assert stats["batches"] == {"applied": 30, "duplicate": 0, "stale": 0}
+        assert stats.keys == 30
+        assert stats.batches == {"applied": 30, "duplicate": 0, "stale": 0}
         assert server.service.directory.gap_state("node-a").gaps == 0  # type: ignore[union-attr]
     sink.close(timeout=0.5)
 
@@ -77,7 +77,7 @@ def test_in_process_transport_and_monotonic_incarnation() -> None:
     second.emit("store", "l1", "dram", [entry(2)])
     assert second.flush()
     second.close()
-    assert wait_for(lambda: directory.stats()["keys"] == 1)  # the restart fenced the old L1 copy
+    assert wait_for(lambda: directory.stats().keys == 1)  # the restart fenced the old L1 copy
 
 
 def test_emitter_restarted_twice_within_a_second_is_fenced_each_time() -> None:
@@ -92,9 +92,9 @@ def test_emitter_restarted_twice_within_a_second_is_fenced_each_time() -> None:
         sinks.append(sink)
     assert sinks[0].incarnation < sinks[1].incarnation < sinks[2].incarnation
     assert sinks[2].incarnation - sinks[0].incarnation < 1_000_000_000
-    assert directory.stats()["keys"] == 1  # only the newest incarnation's copy is live
+    assert directory.stats().keys == 1  # only the newest incarnation's copy is live
     sinks[0].emit("store", "l1", "dram", [entry(20)])  # a late batch from a dead incarnation
     assert sinks[0].flush()
-    assert directory.stats()["keys"] == 1 and directory.stats()["batches"]["stale"] == 1
+    assert directory.stats().keys == 1 and directory.stats().batches["stale"] == 1
     for sink in sinks:
         sink.close()

@@ -242,7 +242,7 @@ def test_redis_restart_ingestion_resumes(
     with BackgroundServer(config) as server:
         directory = server.service.directory
         xadd_all(redis_client, stream_name, batches[:half])
-        assert wait_for(lambda: directory.stats()["batches"]["applied"] == half, timeout=30)
+        assert wait_for(lambda: directory.stats().batches["applied"] == half, timeout=30)
         redis_server.restart()
         # An emitter keeps going through the restart: its sink retries until Redis is back.
         sink = EventSink(

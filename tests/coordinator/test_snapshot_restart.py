@@ -39,7 +39,7 @@ def test_restart_restores_snapshot_and_outbox_fills_the_gap(tmp_path: Path) -> N
         directory = server.service.directory
         assert server.service.state == "serving"
         assert sink.flush(20)
-        assert directory.stats()["keys"] == 40
+        assert directory.stats().keys == 40
         cursor = directory.gap_state("node")
         assert cursor is not None and (cursor.incarnation, cursor.last_seq, cursor.gaps) == (
             9,

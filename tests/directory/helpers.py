@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 
+from kvatlas.directory import KeyDirectory
+from kvatlas.directory.records import Record
 from kvatlas.events import CacheEntry, EventBatch
 from kvatlas.keys import ObjectKey, pack_kv_rank
 
@@ -59,3 +61,9 @@ class Emitter:
     def restart(self) -> None:
         self.incarnation += 1
         self.seq = 0
+
+
+def captured(d: KeyDirectory) -> dict[bytes, Record]:
+    """Every chunk's record, through a capture (records are immutable: the live ones)."""
+    with d.capture() as capture:
+        return {h: rec for part in capture.parts() for h, rec in part.records}

@@ -121,8 +121,8 @@ def check(d: KeyDirectory, m: Model) -> None:
         }
         assert got == set(m.placements.get(kp.key, {}).values()), kp.key
     stats = d.stats()
-    assert stats["keys"] == len(m.placements)
-    assert stats["placements"] == sum(len(p) for p in m.placements.values())
+    assert stats.keys == len(m.placements)
+    assert stats.placements == sum(len(p) for p in m.placements.values())
     cursors = d.emitters()
     assert {
         i: (c.incarnation, c.last_seq, c.gaps, c.missing_batches) for i, c in cursors.items()

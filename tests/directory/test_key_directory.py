@@ -9,7 +9,7 @@ import pytest
 
 from kvatlas.directory import KeyDirectory, PrefixHolder
 from kvatlas.keys import chunk_hashes, expand_prefix_keys
-from tests.directory.helpers import CS, Emitter, entry, key, toks
+from tests.directory.helpers import CS, Emitter, captured, entry, key, toks
 
 
 def test_placements_upsert_delete_and_sorting() -> None:
@@ -25,14 +25,14 @@ def test_placements_upsert_delete_and_sorting() -> None:
         ("a", "l2", "fs", 6),
         ("b", "l1", "dram", 5),
     ]
-    assert d.stats()["placements"] == 3 and d.stats()["bytes_by_tier"] == {"l1": 13, "l2": 6}
+    assert d.stats().placements == 3 and d.stats().bytes_by_tier == {"l1": 13, "l2": 6}
     d.consume(a.batch("delete", [entry(key(9))]))  # absent: no-op
     d.consume(a.batch("delete", [entry(key(1))], tier="l2", backend="other"))
     assert len(d.lookup([key(1)])[0].placements) == 3
     d.consume(a.batch("delete", [entry(key(1))]))
     d.consume(a.batch("delete", [entry(key(1))], tier="l2", backend="fs"))
     d.consume(b.batch("delete", [entry(key(1))]))
-    assert d.lookup([key(1)])[0].placements == () and d.stats()["keys"] == 0
+    assert d.lookup([key(1)])[0].placements == () and d.stats().keys == 0
 
 
 def test_shared_backend_is_one_placement_fleet_wide_and_survives_fencing() -> None:
@@ -58,10 +58,10 @@ def test_fencing_drops_only_that_instances_l1() -> None:
     d.consume(a.batch("store", [entry(key(1)), entry(key(2))]))
     d.consume(a.batch("store", [entry(key(2))], tier="l2", backend="fs"))
     d.consume(b.batch("store", [entry(key(1))]))
-    assert d.stats()["l1_placements_by_instance"] == {"a": 2, "b": 1}
+    assert d.stats().l1_placements_by_instance == {"a": 2, "b": 1}
     assert d.fence_instance("a") == 2
     assert [len(kp.placements) for kp in d.lookup([key(1), key(2)])] == [1, 1]
-    assert d.stats()["l1_placements_by_instance"] == {"b": 1}
+    assert d.stats().l1_placements_by_instance == {"b": 1}
     assert d.fence_instance("a") == 0
 
 
@@ -144,7 +144,7 @@ def test_config_capacity_newest_revision_wins() -> None:
     cfg(a, "l2", 500, 1)  # same revision: merged
     assert d.capacities()["a"].capacities == {("l1", ""): 100, ("l2", ""): 500}
     cfg(a, "l1", 50, 0)  # older revision: ignored
-    assert d.stats()["capacity_bytes_by_instance"] == {"a": 600}
+    assert d.stats().capacity_bytes_by_instance == {"a": 600}
     cfg(a, "l1", 70, 2)  # newer: replaces
     assert d.capacities()["a"].capacities == {("l1", ""): 70}
     a.restart()
@@ -172,6 +172,6 @@ def test_chunk_records_are_invisible_to_the_cyclic_gc() -> None:
     d.consume(em.batch("access", [entry(key(1))], ts=5.0))
     gc.collect()  # untracks the placement rows, then (next pass) the records holding them
     gc.collect()
-    records = [r for part in d._parts for r in part.values()]
+    records = list(captured(d).values())
     assert len(records) == 8 and not any(gc.is_tracked(r) for r in records)
     assert d.lookup([key(1)])[0].placements[0].last_access == 5.0

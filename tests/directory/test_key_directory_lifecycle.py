@@ -1,16 +1,17 @@
-"""The token-binding / blend-index lifecycle table of directory.md §3, row by row."""
+"""The token-binding / blend-index lifecycle table (docs/directory.md), row by row."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any, ClassVar
 
 import numpy as np
 import pytest
 
-import kvatlas.directory.key_directory as kd_module
 from kvatlas.directory import AddOp, BlendIndex, KeyDirectory, RemoveChunkOp, RemoveClaimOp
+from kvatlas.directory.records import record_tokens
 from kvatlas.keys import BlendNamespace
-from tests.directory.helpers import CS, Emitter, entry, key, toks
+from tests.directory.helpers import CS, Emitter, captured, entry, key, toks
 
 NS_A = BlendNamespace("m", "", 1)
 NS_B = BlendNamespace("m", "tenant-b", 1)
@@ -57,15 +58,15 @@ class SpyIndex(BlendIndex):
 
 
 @pytest.fixture
-def spy(monkeypatch: pytest.MonkeyPatch) -> type[SpyIndex]:
+def spy() -> type[SpyIndex]:
     SpyIndex.instances = []
-    monkeypatch.setattr(kd_module, "BlendIndex", SpyIndex)
     return SpyIndex
 
 
 def calls(d: KeyDirectory) -> list[tuple[Any, ...]]:
-    index = d._index
-    assert isinstance(index, SpyIndex)
+    """The index writes since the last call (each test builds one directory with a spy)."""
+    assert d.blend_enabled
+    (index,) = SpyIndex.instances
     out = list(index.calls)
     index.calls.clear()
     return out
@@ -81,7 +82,13 @@ def found(d: KeyDirectory, tokens: Any, ns: BlendNamespace = NS_A) -> list[tuple
 
 
 def blend_dir() -> KeyDirectory:
-    return KeyDirectory(CS, enable_blend_lookup=True)
+    return KeyDirectory(CS, enable_blend_lookup=True, blend_index_factory=SpyIndex)
+
+
+def blend_stat(d: KeyDirectory, name: str) -> Any:
+    stats = d.stats().blend
+    assert stats is not None
+    return stats[name] if isinstance(stats, dict) else getattr(stats, name)
 
 
 def test_first_content_binds_and_adds(spy: type[SpyIndex]) -> None:
@@ -91,7 +98,7 @@ def test_first_content_binds_and_adds(spy: type[SpyIndex]) -> None:
     (call,) = calls(d)
     assert call[:4] == ("add", 1, 8, NS_A)
     assert call[4] == id(e.token_ids)  # one array per content: the binding's is the index's
-    assert d._parts[1][key(1).chunk_hash][0] is e.token_ids  # record: (tokens, offset, ...)
+    assert record_tokens(captured(d)[key(1).chunk_hash]) is e.token_ids
     assert found(d, A) == [(1, 8)]
 
 
@@ -140,14 +147,14 @@ def test_wrong_length_content_is_bound_not_indexed(spy: type[SpyIndex]) -> None:
     d, em = blend_dir(), Emitter()
     d.consume(em.batch("store", [entry(key(1), toks(1, 2, 3), 0)]))
     assert calls(d) == []
-    assert d.stats()["bound_chunks"] == 1
-    assert d.stats()["blend"]["occupants"] == 0
+    assert d.stats().bound_chunks == 1
+    assert blend_stat(d, "occupants") == 0
 
 
 def test_unknown_offset_is_bound_never_indexed_until_a_real_offset(spy: type[SpyIndex]) -> None:
     d, em = blend_dir(), Emitter()
     d.consume(em.batch("store", [entry(key(1), A, -1)]))
-    assert calls(d) == [] and found(d, A) == [] and d.stats()["bound_chunks"] == 1
+    assert calls(d) == [] and found(d, A) == [] and d.stats().bound_chunks == 1
     d.consume(em.batch("store", [entry(key(1, salt="tenant-b"))]))
     assert calls(d) == []  # a claim on unindexable content indexes nothing either
     d.consume(em.batch("store", [entry(key(1), A, 12)]))
@@ -188,7 +195,7 @@ def test_last_placement_removes_claim_and_binding(spy: type[SpyIndex]) -> None:
     assert calls(d) == [] and found(d, A) == [(1, 0)]  # an L2 copy still holds it
     d.consume(em.batch("delete", [entry(key(1))], tier="l2", backend="fs"))
     assert calls(d) == [("remove_claim", 1, NS_A)]
-    assert d.stats()["bound_chunks"] == 0 and d.stats()["blend"]["occupants"] == 0
+    assert d.stats().bound_chunks == 0 and blend_stat(d, "occupants") == 0
     d.consume(em.batch("store", [entry(key(1))]))  # binding went with its last key
     assert calls(d) == [] and found(d, A) == []
 
@@ -212,10 +219,10 @@ def test_fence_deregister_restart_remove_lost_claims(spy: type[SpyIndex], how: s
 
 
 def test_blend_off_does_nothing_and_enabling_is_not_retroactive(spy: type[SpyIndex]) -> None:
-    d, em = KeyDirectory(CS), Emitter()
+    d, em = KeyDirectory(CS, blend_index_factory=SpyIndex), Emitter()
     d.consume(em.batch("store", [entry(key(1), A, 0), entry(key(2), B, 4)]))
     assert spy.instances == [] and d.blend_match(np.concatenate([A, B]), NS_A) == []
-    assert d.stats()["blend"] == {"enabled": False}
+    assert d.stats().blend is None
     d.enable_blend_lookup(CS, 1)
     assert found(d, A) == [] and calls(d) == []
     d.consume(em.batch("store", [entry(key(2), B, 4)]))  # a fresh report indexes it
@@ -232,13 +239,32 @@ def test_same_store_again_is_idempotent(spy: type[SpyIndex]) -> None:
     assert calls(d) == []
     after = (d.lookup([key(1)]), d.stats())
     assert before[0] == after[0]
-    assert (
-        before[1]["keys"] == after[1]["keys"] and before[1]["placements"] == after[1]["placements"]
-    )
+    assert before[1].keys == after[1].keys and before[1].placements == after[1].placements
 
 
 def test_blend_match_does_not_take_the_directory_lock() -> None:
-    d, em = blend_dir(), Emitter()
+    applying, release = threading.Event(), threading.Event()
+    timed_out: list[bool] = []
+    hold = False
+
+    class HoldingIndex(BlendIndex):
+        """Holds a batch's index writes (so the directory lock) until released."""
+
+        def apply(self, ops: Any) -> None:
+            if hold:
+                applying.set()
+                timed_out.append(not release.wait(30))
+            super().apply(ops)
+
+    d, em = KeyDirectory(CS, enable_blend_lookup=True, blend_index_factory=HoldingIndex), Emitter()
     d.consume(em.batch("store", [entry(key(1), A, 0)]))
-    with d._lock:  # event application in progress
+    hold = True
+    worker = threading.Thread(target=d.consume, args=(em.batch("store", [entry(key(2), B, 4)]),))
+    worker.start()
+    try:
+        assert applying.wait(30)  # event application in progress, directory lock held
         assert [m.old_st for m in d.blend_match(A, NS_A)] == [0]
+    finally:
+        release.set()
+        worker.join()
+    assert timed_out == [False]  # blend_match answered while the directory lock was held

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from kvatlas.directory import KeyDirectory, load_snapshot, save_snapshot
+from kvatlas.directory.records import Record, record_tokens
 from kvatlas.directory.snapshot import SnapshotError
 from kvatlas.keys import BlendNamespace
-from tests.directory.helpers import CS, Emitter, entry, key, toks
+from tests.directory.helpers import CS, Emitter, captured, entry, key, toks
 
 NS = BlendNamespace("m")
 
@@ -44,30 +45,30 @@ def test_round_trip_restores_everything_and_rebuilds_the_index(tmp_path: Path) -
     plain = KeyDirectory(CS)
     load_snapshot(plain, path)
     assert plain.blend_match(toks(7, 7, 7, 7), NS) == [] and state(plain) == state(d)
-    tokens = plain._parts[key(7).chunk_hash[0]][key(7).chunk_hash][0]  # the record's tokens
+    tokens = record_tokens(captured(plain)[key(7).chunk_hash])
     assert tokens is not None and tokens.dtype == np.uint32 and not tokens.flags.writeable
 
 
 def test_changes_during_a_snapshot_do_not_leak_into_it(tmp_path: Path) -> None:
     d, em = populated()
     before = state(d)
-    d._snapshot_begin()
-    rows = []
-    for part in range(128):
-        rows += d._snapshot_part(part)[0]
-    # meanwhile ingestion continues: deletes, re-stores with new content, new keys
-    d.consume(em.batch("delete", [entry(key(n)) for n in range(1, 60)]))
-    d.consume(em.batch("store", [entry(key(n), toks(1, 1, 1, n), 0) for n in range(60, 90)]))
-    d.consume(em.batch("store", [entry(key(n)) for n in range(40, 60)], tier="l2", backend="x"))
-    for part in range(128, 256):
-        rows += d._snapshot_part(part)[0]
-    d._snapshot_end()
+    rows: list[tuple[bytes, Record]] = []
+    with d.capture() as capture:
+        parts = capture.parts()
+        for _ in range(128):
+            rows += next(parts).records
+        # meanwhile ingestion continues: deletes, re-stores with new content, new keys
+        d.consume(em.batch("delete", [entry(key(n)) for n in range(1, 60)]))
+        d.consume(em.batch("store", [entry(key(n), toks(1, 1, 1, n), 0) for n in range(60, 90)]))
+        d.consume(em.batch("store", [entry(key(n)) for n in range(40, 60)], tier="l2", backend="x"))
+        for part in parts:
+            rows += part.records
     assert len(rows) == 59
-    assert {h for h, *_ in rows} == {key(n).chunk_hash for n in range(1, 60)}
+    assert {h for h, _ in rows} == {key(n).chunk_hash for n in range(1, 60)}
     # and a real save started before the changes equals the state before them
     d2, _ = populated()
-    d2._snapshot_begin()
-    d2._snapshot_end()
+    with d2.capture():
+        pass
     assert state(d2) == before
 
 
@@ -87,12 +88,8 @@ def test_atomic_write_leaves_no_temp_and_keeps_old_file_on_failure(tmp_path: Pat
     with pytest.raises(OSError):
         save_snapshot(d, tmp_path / "missing-dir" / "s.snap")
     assert path.read_bytes() == good
-    with pytest.raises(RuntimeError):
-        d._snapshot_begin()
-        try:
-            save_snapshot(d, path)
-        finally:
-            d._snapshot_end()
+    with pytest.raises(RuntimeError), d.capture():
+        save_snapshot(d, path)
 
 
 @pytest.mark.parametrize("damage", ["magic", "truncate", "header", "arena"])

@@ -111,8 +111,8 @@ def test_l2_serves_after_l1_eviction_and_events_follow(tmp_path: Path) -> None:
         assert len(node.l1) == 2
         solo.settle()
         stats = solo.directory.stats()
-        assert stats["l1_placements_by_instance"] == {"node-0": 2}
-        assert stats["bytes_by_tier"]["l2"] == 3 * chunk_bytes  # the three evicted chunks
+        assert stats.l1_placements_by_instance == {"node-0": 2}
+        assert stats.bytes_by_tier["l2"] == 3 * chunk_bytes  # the three evicted chunks
         got = node.retrieve(tr)
         assert got.hit_tokens == 5 * C and got.sources["l2"] == 3
         for i, kv in enumerate(got.kv):
@@ -166,7 +166,7 @@ def test_uncacheable_request_is_never_stored_or_looked_up(fleet: EmbeddedFleet) 
     result = a.blend_lookup(broken)
     assert result is not None and result.segments == ()
     fleet.settle()
-    assert fleet.directory.stats()["keys"] == 0
+    assert fleet.directory.stats().keys == 0
 
 
 def test_multimodal_requests_keyed_by_image(fleet: EmbeddedFleet) -> None:

@@ -1,0 +1,145 @@
+"""Capture and install: the directory's whole state out (for a snapshot) and back in.
+
+A :class:`Capture` yields every partition exactly as it was when the capture started, however
+much the directory changes meanwhile (copy-on-write: a change preserves the capture-start
+record of a chunk whose partition is not captured yet). The directory lock is held for one
+partition at a time, never for the whole directory, and ingestion goes on in between. One
+capture at a time per directory; :meth:`KeyDirectory.install` is refused while one is open.
+See docs/directory.md.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import TracebackType
+
+from kvatlas.directory.chunk_table import PARTS, ChunkCounts, ChunkTable, Partition
+from kvatlas.directory.gate import EmitterCursor
+from kvatlas.directory.records import CapacityDeclaration, Record
+from kvatlas.directory.shapes import ShapeTable
+from kvatlas.errors import Conflict
+
+
+@dataclass(frozen=True, slots=True)
+class DirectoryState:
+    """Everything a snapshot holds besides the chunks (small, copied under the lock)."""
+
+    chunk_size: int
+    cursors: dict[str, EmitterCursor]
+    capacities: dict[str, CapacityDeclaration]
+
+
+@dataclass(frozen=True, slots=True)
+class CapturedPart:
+    """One partition's records at capture start, as (chunk hash, record) pairs in no
+    particular order, and how long the directory lock was held to take them."""
+
+    records: list[tuple[bytes, Record]]
+    lock_held_s: float
+
+
+class Capture:
+    """A copy-on-write capture in progress; use it as a context manager (closing it ends the
+    copy-on-write). ``state`` is the small state at capture start; ``shapes`` is the shape
+    table every captured record's shape ids index (append-only: safe to read unlocked).
+
+    Created by :meth:`KeyDirectory.capture` while it holds ``lock``; raises
+    :class:`~kvatlas.errors.Conflict` if another capture of ``chunks`` is open."""
+
+    def __init__(self, lock: threading.Lock, chunks: ChunkTable, state: DirectoryState) -> None:
+        if chunks.journal is not None:
+            raise Conflict("a snapshot is already being taken")
+        self._journal = chunks.journal = CowJournal()
+        self.state = state
+        self.shapes: ShapeTable = chunks.shapes
+        self._lock = lock
+        self._chunks = chunks
+        self._open = True
+        self._iterated = False
+
+    def parts(self) -> Iterator[CapturedPart]:
+        """Every partition, in partition order (once per capture)."""
+        if self._iterated or not self._open:
+            raise Conflict("a capture's partitions can be taken once, while it is open")
+        self._iterated = True
+        for part_no in range(PARTS):
+            with self._lock:
+                if not self._open:
+                    raise Conflict("the capture was closed")
+                held_from = time.perf_counter()
+                records = self._journal.take(part_no, self._chunks.parts[part_no])
+                held = time.perf_counter() - held_from
+            yield CapturedPart(records, held)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._open:
+                self._open = False
+                self._chunks.journal = None
+
+    def __enter__(self) -> Capture:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class CowJournal:
+    """The capture-start records of chunks changed since, for partitions not captured yet
+    (``None``: the chunk did not exist)."""
+
+    __slots__ = ("done", "saved")
+
+    def __init__(self) -> None:
+        self.done = [False] * PARTS
+        self.saved: list[dict[bytes, Record | None]] = [{} for _ in range(PARTS)]
+
+    def save(self, h: bytes, rec: Record | None) -> None:
+        p = h[0]
+        if not self.done[p]:
+            saved = self.saved[p]
+            if h not in saved:
+                saved[h] = rec
+
+    def take(self, part_no: int, part: Partition) -> list[tuple[bytes, Record]]:
+        """Partition ``part_no`` as it was at capture start; later changes to it are no
+        longer journaled. Records are immutable: no copy of their contents."""
+        saved = self.saved[part_no]
+        if saved:
+            rows = []
+            for h, rec in part.items():
+                if h in saved:
+                    old = saved[h]
+                    if old is not None:
+                        rows.append((h, old))
+                else:
+                    rows.append((h, rec))
+            rows += [(h, old) for h, old in saved.items() if old is not None and h not in part]
+        else:
+            rows = list(part.items())
+        self.done[part_no] = True
+        saved.clear()
+        return rows
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """Directory state rebuilt from a snapshot, for :meth:`KeyDirectory.install`.
+
+    ``parts`` are :data:`~kvatlas.directory.chunk_table.PARTS` dicts, each chunk in partition
+    ``hash[0]``, its records unindexed and their shape ids indexing ``shapes``. ``counts``, if
+    given, must equal ``ChunkCounts.scan(parts)`` (a loader that can compute them faster than
+    that pass passes them; ``None``: install scans)."""
+
+    state: DirectoryState
+    shapes: ShapeTable
+    parts: list[Partition]
+    counts: ChunkCounts | None = None

@@ -1,0 +1,96 @@
+"""Key shapes: the part of an ObjectKey besides its chunk hash, interned once per directory.
+
+A shape id, once handed out, names the same shape for as long as its table lives: the table
+only grows. That is what lets a snapshot capture read shape ids after releasing the directory
+lock, and lets the snapshot loader build a table the directory adopts as is (see
+docs/directory.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvatlas.events import CacheEntry
+from kvatlas.keys import BlendNamespace, ObjectKey
+
+ShapeParts = tuple[str, int, int, str]  # (model_name, kv_rank, object_group_id, cache_salt)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyShape:
+    """The part of an ObjectKey besides its chunk hash; interned, shared by many keys."""
+
+    model_name: str
+    kv_rank: int
+    object_group_id: int
+    cache_salt: str
+    namespace: BlendNamespace = field(compare=False)
+
+    @property
+    def parts(self) -> ShapeParts:
+        return (self.model_name, self.kv_rank, self.object_group_id, self.cache_salt)
+
+    def key(self, chunk_hash: bytes) -> ObjectKey:
+        return ObjectKey(chunk_hash, *self.parts)
+
+
+class ShapeTable:
+    """Shape id → :class:`KeyShape`, append-only. Not thread-safe on its own (the directory's
+    lock covers interning; reading ids already handed out needs no lock)."""
+
+    __slots__ = ("_ids", "_shapes")
+
+    def __init__(self) -> None:
+        self._ids: dict[ShapeParts, int] = {}
+        self._shapes: list[KeyShape] = []
+
+    @property
+    def shapes(self) -> Sequence[KeyShape]:
+        """Shape id → shape (read-only view, for hot loops that index it directly)."""
+        return self._shapes
+
+    def __len__(self) -> int:
+        return len(self._shapes)
+
+    def __getitem__(self, shape_id: int) -> KeyShape:
+        return self._shapes[shape_id]
+
+    def intern(self, key: ObjectKey) -> int:
+        """The id of ``key``'s shape, interning it if new."""
+        parts = (key.model_name, key.kv_rank, key.object_group_id, key.cache_salt)
+        sid = self._ids.get(parts)
+        if sid is None:
+            ns = BlendNamespace(key.model_name, key.cache_salt, key.world_size)
+            sid = self._ids[parts] = len(self._shapes)
+            self._shapes.append(KeyShape(*parts, ns))
+        return sid
+
+    def intern_all(self, entries: Iterable[CacheEntry]) -> list[int]:
+        """:meth:`intern` of every entry's key, in order (a batch is mostly one shape: repeats
+        of the previous entry's shape skip the lookup)."""
+        get = self._ids.get
+        sids = []
+        last: ShapeParts | None = None
+        sid: int | None = -1
+        for entry in entries:
+            k = entry.key
+            parts = (k.model_name, k.kv_rank, k.object_group_id, k.cache_salt)
+            if parts != last:
+                sid = get(parts)
+                if sid is None:
+                    sid = self.intern(k)
+                last = parts
+            sids.append(sid)
+        return sids  # type: ignore[return-value]
+
+    def id_of(self, key: ObjectKey) -> int | None:
+        """``key``'s shape id, ``None`` if no key of that shape was ever interned."""
+        return self._ids.get((key.model_name, key.kv_rank, key.object_group_id, key.cache_salt))
+
+    def namespaces(self, shape_ids: Sequence[int]) -> set[BlendNamespace]:
+        """The blend namespaces of these shapes."""
+        shapes = self._shapes
+        if len(shape_ids) == 1:
+            return {shapes[shape_ids[0]].namespace}
+        return {shapes[s].namespace for s in shape_ids}

@@ -1,0 +1,106 @@
+"""The snapshot file format, shared by the writer and the reader.
+
+``MAGIC | u64 header length | msgpack header | token arena``. ``MAGIC`` names the format and
+``Header.version`` its revision: a reader refuses anything else. The header is columnar:
+string, shape and placement tables, then one column per field of the chunks, keys and
+placements, each the raw little-endian bytes of the dtype :data:`COLUMNS` gives it. The token
+arena follows: the token ids of every chunk with known content, as little-endian uint32, in the
+header's chunk order. See docs/directory.md.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvatlas.errors import InvalidInput
+
+MAGIC = b"KVATSNP1"
+VERSION = 1
+PREFIX = struct.Struct("<8sQ")  # magic, header length
+TIERS = ("l1", "l2")  # pl_tier codes
+HASH_BYTES = 32  # chunk_hashes: the chunks' hashes, concatenated
+
+COLUMNS: dict[str, str] = {
+    # placements, each referenced by index from key_pls
+    "pl_instance": "<u4",  # string refs
+    "pl_incarnation": "<u8",
+    "pl_tier": "u1",  # index into TIERS
+    "pl_backend": "<u4",  # string refs
+    "pl_size": "<i8",
+    "pl_shared": "u1",
+    "pl_access": "<f8",
+    # chunks, in file order
+    "chunk_offsets": "<i8",
+    "chunk_token_lens": "<u4",  # 0 = content unknown
+    "chunk_key_counts": "<u4",
+    # keys, chunk-major
+    "key_shapes": "<u4",  # shape refs
+    "key_pl_counts": "<u4",
+    "key_pls": "<u4",  # placement refs, key-major
+}
+
+
+class SnapshotError(InvalidInput):
+    """The snapshot file is not a valid kvatlas snapshot (truncated, corrupt, foreign)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInfo:
+    path: str
+    chunks: int
+    keys: int
+    bytes: int
+    seconds: float
+    max_pause_s: float  # longest single hold of the directory lock (0 for restore)
+    stream_position: str | None
+
+
+CursorRow = tuple[str, int, int, int, int, tuple[int, int, int] | None]
+CapacityRow = tuple[str, int, int, list[tuple[str, str, int]]]
+
+
+class Header(msgspec.Struct):
+    """The msgpack header; field order is part of the format."""
+
+    version: int
+    chunk_size: int
+    stream_position: str | None
+    strings: list[str]
+    shapes: list[tuple[int, int, int, int]]  # model string, kv_rank, group id, salt string
+    pl_instance: bytes
+    pl_incarnation: bytes
+    pl_tier: bytes
+    pl_backend: bytes
+    pl_size: bytes
+    pl_shared: bytes
+    pl_access: bytes
+    chunk_hashes: bytes
+    chunk_offsets: bytes
+    chunk_token_lens: bytes
+    chunk_key_counts: bytes
+    key_shapes: bytes
+    key_pl_counts: bytes
+    key_pls: bytes
+    cursors: list[CursorRow]  # instance, incarnation, last seq, gaps, missing, last gap
+    capacities: list[CapacityRow]  # instance, incarnation, revision, (tier, backend, bytes)
+    arena_tokens: int
+
+
+def encode_column(name: str, values: list[Any]) -> bytes:
+    return np.array(values, dtype=COLUMNS[name]).tobytes()
+
+
+def decode_column(header: Header, name: str) -> np.ndarray[Any, Any]:
+    """Column ``name`` of ``header`` as a read-only array (no copy)."""
+    dtype = np.dtype(COLUMNS[name])
+    raw: bytes = getattr(header, name)
+    if len(raw) % dtype.itemsize:
+        raise SnapshotError(
+            f"column {name} has a length that is not a multiple of {dtype.itemsize}"
+        )
+    return np.frombuffer(raw, dtype=dtype)

@@ -1,0 +1,344 @@
+"""Reading snapshots: all or nothing, column-wise.
+
+:func:`load_snapshot` either installs the whole snapshot or raises :class:`SnapshotError` and
+leaves the directory as it was: every column is checked against the others before anything is
+built. Restore works column-wise: vectorised checks, records zipped from columns (a Python loop
+only for chunks with several keys or placements), partitions built from the file's partition
+order, counters and L1 sets computed from the columns instead of a pass over the records. Token
+ids are scattered straight from the file into one private read-only array per content. See
+docs/directory.md.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import pairwise
+from operator import methodcaller
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvatlas.directory.capture import DirectoryState, Restored
+from kvatlas.directory.chunk_table import PARTS, ChunkCounts, Partition
+from kvatlas.directory.gate import EmitterCursor, GapRecord
+from kvatlas.directory.key_directory import KeyDirectory
+from kvatlas.directory.records import (
+    CapacityDeclaration,
+    KeyPair,
+    PlacementRow,
+    Record,
+    group_placements,
+    make_record,
+    record_offset,
+    record_tokens,
+    records_from_columns,
+    rows_from_columns,
+)
+from kvatlas.directory.shapes import ShapeTable
+from kvatlas.directory.snapshot.format import (
+    HASH_BYTES,
+    MAGIC,
+    PREFIX,
+    TIERS,
+    VERSION,
+    Header,
+    SnapshotError,
+    SnapshotInfo,
+    decode_column,
+)
+from kvatlas.keys import ObjectKey
+
+_READ_ONLY = methodcaller("setflags", write=False)
+_preadv: Callable[[int, list[Any], int], int] | None = getattr(os, "preadv", None)
+try:
+    _IOV_MAX = max(1, min(int(os.sysconf("SC_IOV_MAX")), 1024))
+except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
+    _IOV_MAX = 16
+
+
+def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> SnapshotInfo:
+    """Replace ``directory``'s state with the snapshot at ``path``; rebuild the blend index
+    from the restored bindings if blend lookup is on. Raises :class:`SnapshotError`."""
+    started = time.perf_counter()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        prefix = f.read(PREFIX.size)
+        if len(prefix) < PREFIX.size:
+            raise SnapshotError("file too short for a snapshot")
+        magic, header_len = PREFIX.unpack(prefix)
+        if magic != MAGIC:
+            raise SnapshotError("not a kvatlas snapshot (bad magic)")
+        body = PREFIX.size + header_len
+        if body > size:
+            raise SnapshotError("truncated snapshot header")
+        raw_header = f.read(header_len)
+        if len(raw_header) != header_len:
+            raise SnapshotError("truncated snapshot header")
+        try:
+            header = msgspec.msgpack.decode(raw_header, type=Header)
+        except msgspec.MsgspecError as exc:
+            raise SnapshotError(f"corrupt snapshot header: {exc}") from None
+        del raw_header
+        if header.version != VERSION:
+            raise SnapshotError(f"unsupported snapshot version {header.version}")
+        if size - body != 4 * header.arena_tokens:
+            raise SnapshotError("token arena length does not match the header")
+        columns = _columns(header)
+        # The GC stays on: records are untracked at their first young collection, so
+        # collecting as they are built costs less than one pass over all of them at the end.
+        tokens = _read_tokens(f, body, columns.lens)
+        shapes, parts, hashes = _build(header, columns, tokens)
+        del tokens
+        state = DirectoryState(header.chunk_size, _cursors(header), _capacities(header))
+        counts = _counts(header, columns, hashes)
+        directory.install(Restored(state, shapes, parts, counts))
+    return SnapshotInfo(
+        str(path),
+        len(hashes),
+        len(columns.key_shapes),
+        size,
+        time.perf_counter() - started,
+        0.0,
+        header.stream_position,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Columns:
+    """The chunk and key columns of a header, checked for consistency."""
+
+    offsets: np.ndarray[Any, Any]
+    lens: np.ndarray[Any, Any]
+    counts: np.ndarray[Any, Any]
+    key_shapes: np.ndarray[Any, Any]
+    key_pl_counts: np.ndarray[Any, Any]
+    key_pls: np.ndarray[Any, Any]
+
+
+def _columns(header: Header) -> _Columns:
+    offsets = decode_column(header, "chunk_offsets")
+    lens = decode_column(header, "chunk_token_lens")
+    counts = decode_column(header, "chunk_key_counts")
+    key_shapes = decode_column(header, "key_shapes")
+    key_pl_counts = decode_column(header, "key_pl_counts")
+    key_pls = decode_column(header, "key_pls")
+    n = len(offsets)
+    n_pls = len(decode_column(header, "pl_instance"))
+    if (
+        len(header.chunk_hashes) != HASH_BYTES * n
+        or len(lens) != n
+        or len(counts) != n
+        or int(counts.sum(dtype=np.int64)) != len(key_shapes)
+        or len(key_pl_counts) != len(key_shapes)
+        or int(key_pl_counts.sum(dtype=np.int64)) != len(key_pls)
+        or int(lens.sum(dtype=np.int64)) != header.arena_tokens
+        or (n and (int(offsets.min()) < -1 or int(counts.min()) < 1))
+        or (len(key_shapes) and int(key_shapes.max()) >= len(header.shapes))
+        or (len(key_pl_counts) and int(key_pl_counts.min()) < 1)
+        or (len(key_pls) and int(key_pls.max()) >= n_pls)
+    ):
+        raise SnapshotError("inconsistent snapshot columns")
+    return _Columns(offsets, lens, counts, key_shapes, key_pl_counts, key_pls)
+
+
+def _read_tokens(f: io.BufferedReader, start: int, lens: np.ndarray[Any, Any]) -> list[Any]:
+    """One private read-only array per bound chunk (``None`` for unknown content), filled
+    straight from the file: scatter reads (``preadv``, up to ``IOV_MAX`` arrays per call) put
+    the arena into the final arrays with no intermediate buffer.
+
+    Each content owns its memory, rather than being a view into one arena buffer: a view would
+    pin the whole arena for as long as any restored chunk lives (L2 placements can live for
+    days), and the blend index could not share it (it copies arrays that pin a larger buffer),
+    doubling token memory."""
+    lens_list = lens.tolist()
+    empty, u32 = np.empty, np.uint32
+    if not lens_list:
+        return []
+    first = lens_list[0]
+    if first and lens_list.count(first) == len(lens_list):  # all bound, one length: common
+        arrays = [empty(first, u32) for _ in lens_list]
+        out: list[Any] = arrays
+    else:
+        out = [empty(n, u32) if n else None for n in lens_list]
+        arrays = [a for a in out if a is not None]
+    fd = f.fileno()
+    ends = np.cumsum(lens[lens > 0], dtype=np.int64)  # token end of each array
+    step = _IOV_MAX if _preadv is not None else 1
+    done = 0  # tokens read so far
+    for i in range(0, len(arrays), step):
+        group = arrays[i : i + step]
+        want = 4 * (int(ends[i + len(group) - 1]) - done)
+        got = _preadv(fd, group, start + 4 * done) if _preadv is not None else 0
+        if got != want:  # short read (huge group) or no preadv: fill array by array
+            pos = start + 4 * done
+            for a in group:
+                _fill(f, a, pos)
+                pos += a.nbytes
+        done += want // 4
+    if sys.byteorder != "little":  # pragma: no cover - the arena is little-endian
+        for a in arrays:
+            a.byteswap(inplace=True)
+    deque(map(_READ_ONLY, arrays), maxlen=0)
+    return out
+
+
+def _fill(f: io.BufferedReader, a: np.ndarray[Any, Any], pos: int) -> None:
+    view = a.data.cast("B")
+    f.seek(pos)
+    filled = 0
+    while filled < len(view):
+        got = f.readinto(view[filled:])
+        if not got:
+            raise SnapshotError("truncated snapshot token arena")
+        filled += got
+
+
+def _shapes(header: Header) -> tuple[list[int], ShapeTable]:
+    """Snapshot shape id -> directory shape id, and the directory's shape table."""
+    strings = header.strings
+    table = ShapeTable()
+    try:
+        ids = [
+            table.intern(ObjectKey(bytes(32), strings[model], kv_rank, group, strings[salt]))
+            for model, kv_rank, group, salt in header.shapes
+        ]
+    except (ValueError, IndexError) as exc:
+        raise SnapshotError(f"invalid key shape in snapshot: {exc}") from None
+    return ids, table
+
+
+def _placements(header: Header) -> list[PlacementRow]:
+    names = ("pl_instance", "pl_incarnation", "pl_tier", "pl_backend", "pl_size")
+    instance, incarnation, tier, backend, size = (decode_column(header, n) for n in names)
+    shared, access = decode_column(header, "pl_shared"), decode_column(header, "pl_access")
+    n = len(instance)
+    if any(len(c) != n for c in (incarnation, tier, backend, size, shared, access)):
+        raise SnapshotError("placement columns differ in length")
+    if not n:
+        return []
+    strings = header.strings
+    if (
+        int(max(instance.max(), backend.max())) >= len(strings)
+        or int(tier.max()) >= len(TIERS)
+        or int(size.min()) < 0
+    ):
+        raise SnapshotError("placement column out of range")
+    table = np.empty(len(strings), dtype=object)
+    table[:] = strings
+    tiers = np.empty(len(TIERS), dtype=object)
+    tiers[:] = TIERS
+    return rows_from_columns(
+        table[instance].tolist(),
+        incarnation.tolist(),
+        tiers[tier].tolist(),
+        table[backend].tolist(),
+        size.tolist(),
+        (shared != 0).tolist(),
+        access.tolist(),
+    )
+
+
+def _build(
+    header: Header, cols: _Columns, tokens: list[Any]
+) -> tuple[ShapeTable, list[Partition], list[bytes]]:
+    """The shape table, the partitions of records, and every chunk's hash."""
+    snap_to_sid, table = _shapes(header)
+    pls = _placements(header)
+    raw = header.chunk_hashes
+    hashes: list[bytes] = np.frombuffer(raw, dtype=f"V{HASH_BYTES}").tolist()  # exact bytes
+    # Column-wise: each chunk's first key, that key's first placement, its shape id.
+    counts = cols.counts.astype(np.int64)
+    kpc = cols.key_pl_counts.astype(np.int64)
+    first_key = np.cumsum(counts) - counts
+    first_ref = (np.cumsum(kpc) - kpc)[first_key]
+    sids = np.asarray(snap_to_sid, dtype=np.int64)[cols.key_shapes]
+    simple = (counts == 1) & (kpc[first_key] == 1)  # one key, one placement: most chunks
+    records = records_from_columns(
+        tokens,
+        cols.offsets.tolist(),
+        sids[first_key].tolist(),
+        map(pls.__getitem__, cols.key_pls[first_ref].tolist()),
+    )
+    if not simple.all():
+        ksh, kpl, kpc_list = sids.tolist(), cols.key_pls.tolist(), kpc.tolist()
+        fk, fr = first_key.tolist(), (np.cumsum(kpc) - kpc).tolist()
+        counts_list = cols.counts.tolist()
+        for c in np.flatnonzero(~simple).tolist():
+            keys: list[KeyPair] = []
+            for k in range(fk[c], fk[c] + counts_list[c]):
+                m = fr[k]
+                keys.append((ksh[k], group_placements([pls[x] for x in kpl[m : m + kpc_list[k]]])))
+            rec = records[c]
+            records[c] = make_record(record_tokens(rec), record_offset(rec), False, keys)
+    return table, _partitions(raw, hashes, records), hashes
+
+
+def _partitions(raw: bytes, hashes: list[bytes], records: list[Record]) -> list[Partition]:
+    n = len(hashes)
+    parts: list[Partition]
+    first = np.frombuffer(raw, dtype=np.uint8)[::HASH_BYTES]
+    if n and bool((first[1:] >= first[:-1]).all()):  # as written: in partition order
+        bounds = np.searchsorted(first, np.arange(PARTS + 1)).tolist()
+        parts = [
+            dict(zip(hashes[lo:hi], records[lo:hi], strict=True)) for lo, hi in pairwise(bounds)
+        ]
+    else:
+        parts = [{} for _ in range(PARTS)]
+        for h, rec in zip(hashes, records, strict=True):
+            parts[h[0]][h] = rec
+    if sum(len(p) for p in parts) != n:
+        raise SnapshotError("duplicate chunk hashes in snapshot")
+    return parts
+
+
+def _cursors(header: Header) -> dict[str, EmitterCursor]:
+    out = {}
+    for name, inc, last_seq, gaps, missing, last in header.cursors:
+        gap = None if last is None else GapRecord(*last)
+        out[name] = EmitterCursor(inc, last_seq, gaps, missing, gap)
+    return out
+
+
+def _capacities(header: Header) -> dict[str, CapacityDeclaration]:
+    return {
+        inst: CapacityDeclaration(inc, rev, {(t, b): n for t, b, n in caps})
+        for inst, inc, rev, caps in header.capacities
+    }
+
+
+def _counts(header: Header, cols: _Columns, hashes: list[bytes]) -> ChunkCounts:
+    """:class:`ChunkCounts` computed column-wise (no pass over the records); the L1 sets hold
+    the same hash objects as the partitions."""
+    strings = header.strings
+    refs = cols.key_pls.astype(np.int64)
+    tier = decode_column(header, "pl_tier")[refs]
+    size = decode_column(header, "pl_size")[refs]
+    shared = decode_column(header, "pl_shared")[refs]
+    instance = decode_column(header, "pl_instance")[refs]
+    chunk_of_key = np.repeat(np.arange(len(cols.counts)), cols.counts)
+    chunk_of_ref = np.repeat(chunk_of_key, cols.key_pl_counts)
+    by_tier: Counter[str] = Counter()
+    for t, name in enumerate(TIERS):
+        mask = tier == t
+        if mask.any():
+            by_tier[name] = int(size[mask].sum())
+    own_l1 = (tier == TIERS.index("l1")) & (shared == 0)
+    l1_counts: Counter[str] = Counter()
+    l1_chunks: dict[str, set[bytes]] = {}
+    per_instance = np.bincount(instance[own_l1], minlength=len(strings))
+    for inst in np.flatnonzero(per_instance).tolist():
+        mask = own_l1 & (instance == inst)
+        l1_counts[strings[inst]] = int(per_instance[inst])
+        chunks = chunk_of_ref[mask]
+        if len(chunks) == len(hashes) and bool((chunks == np.arange(len(hashes))).all()):
+            l1_chunks[strings[inst]] = set(hashes)  # one copy of every chunk: no indexing
+        else:
+            l1_chunks[strings[inst]] = set(map(hashes.__getitem__, chunks.tolist()))
+    return ChunkCounts(len(cols.key_shapes), len(refs), l1_counts, by_tier, l1_chunks)

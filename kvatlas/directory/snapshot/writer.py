@@ -1,0 +1,192 @@
+"""Writing snapshots: consistent, atomic, and with the directory lock held one partition at a time.
+
+The snapshot is the directory as it was when :func:`save_snapshot` started its capture (see
+:mod:`kvatlas.directory.capture`); serialisation and I/O run outside the directory lock. The
+file is written as temp file + fsync + rename + directory fsync, so a crash leaves the previous
+snapshot intact. The blend index is not stored (a restore rebuilds it from the bindings).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvatlas.directory.capture import DirectoryState
+from kvatlas.directory.gate import EmitterCursor
+from kvatlas.directory.key_directory import KeyDirectory
+from kvatlas.directory.records import (
+    PlacementRow,
+    Record,
+    placements_of,
+    record_keys,
+    record_offset,
+    record_tokens,
+    row_backend,
+    row_incarnation,
+    row_instance,
+    row_last_access,
+    row_shared,
+    row_size,
+    row_tier,
+)
+from kvatlas.directory.shapes import ShapeTable
+from kvatlas.directory.snapshot.format import (
+    MAGIC,
+    PREFIX,
+    TIERS,
+    VERSION,
+    CursorRow,
+    Header,
+    SnapshotInfo,
+    encode_column,
+)
+
+
+def save_snapshot(
+    directory: KeyDirectory, path: str | os.PathLike[str], *, stream_position: str | None = None
+) -> SnapshotInfo:
+    """Write a consistent snapshot of ``directory`` to ``path`` (atomically)."""
+    started = time.perf_counter()
+    max_pause = 0.0
+    with directory.capture() as capture:
+        columns = _Columns(capture.shapes)
+        for part in capture.parts():
+            max_pause = max(max_pause, part.lock_held_s)
+            columns.add(part.records)
+    header = columns.header(capture.state, stream_position)
+    size = _write_atomically(Path(path), msgspec.msgpack.encode(header), columns.arena)
+    return SnapshotInfo(
+        str(path),
+        len(columns.hashes),
+        len(columns.key_shapes),
+        size,
+        time.perf_counter() - started,
+        max_pause,
+        stream_position,
+    )
+
+
+class _Columns:
+    """The header's tables and columns, accumulated chunk by chunk."""
+
+    def __init__(self, shapes: ShapeTable) -> None:
+        self.table = shapes
+        self.strings: list[str] = []
+        self.string_ids: dict[str, int] = {}
+        self.shape_ids: dict[int, int] = {}  # directory shape id -> snapshot shape id
+        self.shapes: list[tuple[int, int, int, int]] = []
+        self.pl_ids: dict[int, int] = {}  # id(row) -> snapshot placement id
+        self.pls: list[PlacementRow] = []
+        self.hashes: list[bytes] = []
+        self.offsets: list[int] = []
+        self.token_lens: list[int] = []
+        self.arena: list[np.ndarray[Any, Any]] = []
+        self.key_counts: list[int] = []
+        self.key_shapes: list[int] = []
+        self.key_pl_counts: list[int] = []
+        self.key_pls: list[int] = []
+
+    def ref(self, s: str) -> int:
+        i = self.string_ids.get(s)
+        if i is None:
+            i = self.string_ids[s] = len(self.strings)
+            self.strings.append(s)
+        return i
+
+    def add(self, records: list[tuple[bytes, Record]]) -> None:
+        recs = [rec for _, rec in records]
+        self.hashes += [h for h, _ in records]
+        self.offsets += map(record_offset, recs)
+        tokens = list(map(record_tokens, recs))
+        self.token_lens += [0 if t is None else len(t) for t in tokens]
+        self.arena += [t for t in tokens if t is not None]
+        shape_ids, pl_ids, pls = self.shape_ids, self.pl_ids, self.pls
+        add_count, add_shape = self.key_counts.append, self.key_shapes.append
+        add_pl_count, add_pl = self.key_pl_counts.append, self.key_pls.append
+        for rec in recs:
+            keys = record_keys(rec)
+            add_count(len(keys))
+            for sid, group in keys:
+                ref = shape_ids.get(sid)
+                if ref is None:
+                    shape = self.table[sid]
+                    ref = shape_ids[sid] = len(self.shapes)
+                    model, salt = self.ref(shape.model_name), self.ref(shape.cache_salt)
+                    self.shapes.append((model, shape.kv_rank, shape.object_group_id, salt))
+                add_shape(ref)
+                rows = placements_of(group)
+                add_pl_count(len(rows))
+                for p in rows:  # rows are shared (one per batch and size): store each once
+                    pid = pl_ids.get(id(p))
+                    if pid is None:
+                        pid = pl_ids[id(p)] = len(pls)
+                        pls.append(p)
+                    add_pl(pid)
+
+    def header(self, state: DirectoryState, stream_position: str | None) -> Header:
+        pls = self.pls
+        instances = [self.ref(row_instance(p)) for p in pls]  # before backends: string order
+        backends = [self.ref(row_backend(p)) for p in pls]
+        return Header(
+            version=VERSION,
+            chunk_size=state.chunk_size,
+            stream_position=stream_position,
+            strings=self.strings,
+            shapes=self.shapes,
+            pl_instance=encode_column("pl_instance", instances),
+            pl_incarnation=encode_column("pl_incarnation", [row_incarnation(p) for p in pls]),
+            pl_tier=encode_column("pl_tier", [TIERS.index(row_tier(p)) for p in pls]),
+            pl_backend=encode_column("pl_backend", backends),
+            pl_size=encode_column("pl_size", [row_size(p) for p in pls]),
+            pl_shared=encode_column("pl_shared", [row_shared(p) for p in pls]),
+            pl_access=encode_column("pl_access", [row_last_access(p) for p in pls]),
+            chunk_hashes=b"".join(self.hashes),
+            chunk_offsets=encode_column("chunk_offsets", self.offsets),
+            chunk_token_lens=encode_column("chunk_token_lens", self.token_lens),
+            chunk_key_counts=encode_column("chunk_key_counts", self.key_counts),
+            key_shapes=encode_column("key_shapes", self.key_shapes),
+            key_pl_counts=encode_column("key_pl_counts", self.key_pl_counts),
+            key_pls=encode_column("key_pls", self.key_pls),
+            cursors=[_cursor_row(name, c) for name, c in state.cursors.items()],
+            capacities=[
+                (inst, d.incarnation, d.revision, [(t, b, n) for (t, b), n in d.capacities.items()])
+                for inst, d in state.capacities.items()
+            ],
+            arena_tokens=sum(self.token_lens),
+        )
+
+
+def _cursor_row(name: str, c: EmitterCursor) -> CursorRow:
+    gap = c.last_gap
+    last = None if gap is None else (gap.incarnation, gap.after_seq, gap.seq)
+    return (name, c.incarnation, c.last_seq, c.gaps, c.missing_batches, last)
+
+
+def _write_atomically(path: Path, header: bytes, arena: list[np.ndarray[Any, Any]]) -> int:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(PREFIX.pack(MAGIC, len(header)))
+            f.write(header)
+            for start in range(0, len(arena), 4096):
+                block = arena[start : start + 4096]
+                if block:
+                    f.write(np.concatenate(block).astype("<u4", copy=False).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+            size = f.tell()
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return size
