@@ -4,6 +4,7 @@ with ``ValueError`` instead of being half-read."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -20,7 +21,14 @@ from kvatlas.coordinator.views import (
     Readiness,
     StatsView,
 )
-from kvatlas.directory import KeyPage, KeyPlacements, Placement, PrefixHolder, TokenLookup
+from kvatlas.directory import (
+    KeyDirectory,
+    KeyPage,
+    KeyPlacements,
+    Placement,
+    PrefixHolder,
+    TokenLookup,
+)
 from kvatlas.keys import BlendMatch, KeyScheme, ObjectKey, pack_kv_rank
 
 KEY = ObjectKey(bytes(range(32)), "m", pack_kv_rank(1, 0, 1, 0), 3, "salt")
@@ -123,11 +131,19 @@ def test_instance_rows_registered_and_not() -> None:
 
 
 def test_stats_are_the_directory_stats_then_the_service_fields() -> None:
-    directory = {"chunk_size": 4, "keys": 2, "blend": {"enabled": False}}
+    directory = KeyDirectory(chunk_size=4).stats()
     out = wire.stats_to_wire(StatsView(directory, "blake3", 3))
-    assert list(out) == ["chunk_size", "keys", "blend", "key_scheme", "instances_alive"]
+    fields = [f.name for f in dataclasses.fields(directory)]
+    assert list(out) == [*fields, "key_scheme", "instances_alive"]
+    assert out["chunk_size"] == 4 and out["blend"] == {"enabled": False}
     assert out["key_scheme"] == "blake3" and out["instances_alive"] == 3
-    assert directory == {"chunk_size": 4, "keys": 2, "blend": {"enabled": False}}  # not mutated
+
+
+def test_directory_stats_with_blend_on_carry_the_index_stats() -> None:
+    directory = KeyDirectory(chunk_size=4, enable_blend_lookup=True).stats()
+    out = wire.directory_stats_to_wire(directory)
+    assert directory.blend is not None
+    assert out["blend"] == {"enabled": True, **dataclasses.asdict(directory.blend)}
 
 
 def test_health_and_readiness() -> None:
