@@ -36,11 +36,11 @@ class TransientSendError(Unavailable):
     """Worth retrying: the receiver is down, slow or overloaded."""
 
 
-class PermanentSendError(InvalidInput):
+class PermanentSendError(InvalidInput, RuntimeError):
     """Retrying cannot help (rejected as malformed or forbidden): drop and count.
 
-    An ``InvalidInput`` (and so a ``ValueError``, no longer a ``RuntimeError``): the receiver
-    refused what was sent."""
+    An ``InvalidInput`` (the receiver refused what was sent), and still the ``RuntimeError``
+    it always was, for callers that catch it as one."""
 
 
 @dataclass(frozen=True, slots=True)

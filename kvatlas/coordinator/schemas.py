@@ -18,8 +18,13 @@ import msgspec
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvatlas.events import EVENT_TYPES, TIERS, UNKNOWN_OFFSET, EventBatch
-from kvatlas.events.model import I64_MAX, MAX_ID_CHARS, U64_MAX
+from kvatlas.events import (
+    EVENT_TYPES,
+    INT_BOUNDS,
+    MAX_ID_CHARS,
+    TIERS,
+    EventBatch,
+)
 from kvatlas.keys import ObjectKey
 
 
@@ -92,14 +97,6 @@ class RegisterRequest(BaseModel):
 
 _JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", bool: "boolean", float: "number"}
 _ENUMS: dict[str, frozenset[str]] = {"event_type": EVENT_TYPES, "tier": TIERS}
-_BOUNDS: dict[str, tuple[int, int]] = {
-    "incarnation": (0, U64_MAX),
-    "seq": (1, U64_MAX),
-    "capacity_bytes": (0, I64_MAX),
-    "capacity_revision": (0, I64_MAX),
-    "size_bytes": (0, I64_MAX),
-    "token_offset": (UNKNOWN_OFFSET, I64_MAX),
-}
 _MAX_CHARS = {"instance_id": MAX_ID_CHARS, "backend": MAX_ID_CHARS}
 
 
@@ -116,8 +113,8 @@ def _field_schema(name: str, hint: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"type": _JSON_TYPES[hint]}
     if name in _ENUMS:
         out["enum"] = sorted(_ENUMS[name])
-    if name in _BOUNDS:
-        out["minimum"], out["maximum"] = _BOUNDS[name]
+    if name in INT_BOUNDS:
+        out["minimum"], out["maximum"] = INT_BOUNDS[name]
     if name in _MAX_CHARS:
         out["maxLength"] = _MAX_CHARS[name]
     return out

@@ -34,15 +34,15 @@ from kvatlas.directory import (
     KeyDirectory,
     KeyPage,
     Outcome,
+    SnapshotError,
     SnapshotInfo,
     TokenLookup,
     load_snapshot,
     page_keys,
+    prefix_summary,
     save_snapshot,
+    warm_up_kernels,
 )
-from kvatlas.directory.records import prefix_summary
-from kvatlas.directory.snapshot import SnapshotError
-from kvatlas.directory.warm_up import warm_up_kernels
 from kvatlas.errors import Unprocessable
 from kvatlas.events import EventBatch
 from kvatlas.keys import MM_BYPASS_GUARD, ObjectKey

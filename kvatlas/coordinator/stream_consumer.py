@@ -23,8 +23,7 @@ from prometheus_client import Counter
 
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.views import Readiness
-from kvatlas.events import EventBatch, EventDecodeError, EventValidationError
-from kvatlas.events.stream_format import decode_stream_fields
+from kvatlas.events import EventBatch, EventDecodeError, EventValidationError, decode_stream_fields
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""Key directory: ingest gate, placements, token bindings, blend index, snapshots."""
+"""Key directory: ingest gate, placements, token bindings, blend index, snapshots
+(docs/directory.md, docs/blend-index.md)."""
 
 from kvatlas.directory.blend import (
     AddOp,
@@ -19,8 +20,10 @@ from kvatlas.directory.records import (
     Placement,
     PrefixHolder,
     TokenLookup,
+    prefix_summary,
 )
 from kvatlas.directory.snapshot import SnapshotError, SnapshotInfo, load_snapshot, save_snapshot
+from kvatlas.directory.warm_up import warm_up_kernels
 from kvatlas.keys import BlendMatch
 
 __all__ = [
@@ -53,5 +56,7 @@ __all__ = [
     "TokenLookup",
     "load_snapshot",
     "page_keys",
+    "prefix_summary",
     "save_snapshot",
+    "warm_up_kernels",
 ]

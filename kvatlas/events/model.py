@@ -32,8 +32,19 @@ U64_MAX: Final = (1 << 64) - 1
 I64_MAX: Final = (1 << 63) - 1
 MAX_ID_CHARS: Final = 256
 
+INT_BOUNDS: Final[dict[str, tuple[int, int]]] = {
+    "incarnation": (0, U64_MAX),
+    "seq": (1, U64_MAX),
+    "capacity_bytes": (0, I64_MAX),
+    "capacity_revision": (0, I64_MAX),
+    "size_bytes": (0, I64_MAX),
+    "token_offset": (UNKNOWN_OFFSET, I64_MAX),
+}
+"""The inclusive range of every integer field the model checks (the events schema shows them)."""
 
-def _int_in(name: str, value: Any, lo: int, hi: int) -> int:
+
+def _int_in(name: str, value: Any) -> int:
+    lo, hi = INT_BOUNDS[name]
     if not is_plain_int(value) or not lo <= value <= hi:
         raise EventValidationError(name, f"must be an integer in [{lo}, {hi}], got {value!r:.40}")
     return value
@@ -76,8 +87,8 @@ class CacheEntry:
             raise EventValidationError("key", "must be an ObjectKey")
         if self.key.object_group_id > U64_MAX:
             raise EventValidationError("key.object_group_id", "must fit in 64 bits")
-        _int_in("size_bytes", self.size_bytes, 0, I64_MAX)
-        _int_in("token_offset", self.token_offset, UNKNOWN_OFFSET, I64_MAX)
+        _int_in("size_bytes", self.size_bytes)
+        _int_in("token_offset", self.token_offset)
         tokens = self.token_ids
         if tokens is not None:
             try:
@@ -127,8 +138,8 @@ class EventBatch:
 
     def __post_init__(self) -> None:
         _name("instance_id", self.instance_id, required=True)
-        _int_in("incarnation", self.incarnation, 0, U64_MAX)
-        _int_in("seq", self.seq, 1, U64_MAX)
+        _int_in("incarnation", self.incarnation)
+        _int_in("seq", self.seq)
         if self.event_type not in EVENT_TYPES:
             raise EventValidationError(
                 "event_type", f"must be one of {sorted(EVENT_TYPES)}, got {self.event_type!r:.40}"
@@ -159,7 +170,7 @@ class EventBatch:
                 value = getattr(self, name)
                 if value is None:
                     raise EventValidationError(name, "is required for a config batch")
-                _int_in(name, value, 0, I64_MAX)
+                _int_in(name, value)
         else:
             for name in ("capacity_bytes", "capacity_revision"):
                 if getattr(self, name) is not None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from kvatlas.client.blend_client import FleetMatcher
+from kvatlas.client import FleetMatcher
 from kvatlas.directory import BlendIndex, BlendStats
 from kvatlas.errors import Unprocessable
 from kvatlas.events import ACCESS, DELETE, STORE, CacheEntry

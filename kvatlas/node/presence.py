@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from kvatlas.directory import BlendIndex
-from kvatlas.keys import BlendNamespace, ObjectKey
-from kvatlas.keys.tokens import TokenArray
+from kvatlas.keys import BlendNamespace, ObjectKey, TokenArray
 from kvatlas.node.segments import FetchCost, Segment
 from kvatlas.node.stored_chunk import StoredChunk
 

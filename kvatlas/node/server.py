@@ -15,9 +15,9 @@ from kvatlas.client import (
     EventSink,
     HttpTransport,
     RedisStreamTransport,
+    Transport,
 )
-from kvatlas.client.event_sink import Transport
-from kvatlas.directory.warm_up import warm_up_kernels
+from kvatlas.directory import warm_up_kernels
 from kvatlas.keys import KeySchemeMismatch
 from kvatlas.logs import configure_logging
 from kvatlas.node.cache_node import CacheNode

@@ -12,7 +12,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvatlas.keys.tokens import TokenArray
+from kvatlas.keys import TokenArray
 
 
 @dataclass(frozen=True, slots=True)

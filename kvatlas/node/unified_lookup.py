@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvatlas.client.blend_client import FleetMatcher
+from kvatlas.client import FleetMatcher
 from kvatlas.directory import BlendIndex
 from kvatlas.keys import BlendMatch, BlendNamespace, as_token_array
 from kvatlas.node.segments import Segment, filter_prefix, merge_union, resolve_overlaps

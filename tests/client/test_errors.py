@@ -77,6 +77,7 @@ def test_error_classes_in_the_tree() -> None:
     assert issubclass(CoordinatorError, RuntimeError)
     assert issubclass(PermanentSendError, InvalidInput)
     assert issubclass(PermanentSendError, ValueError)
+    assert issubclass(PermanentSendError, RuntimeError)  # what it was before the tree
     assert (TransientSendError.status, CoordinatorError.status) == (503, 503)
     assert PermanentSendError.status == 400
 
