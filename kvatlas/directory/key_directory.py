@@ -22,11 +22,10 @@ from typing import Any
 
 from kvatlas.checks import is_plain_int
 from kvatlas.directory import listing
-from kvatlas.directory.blend import BlendIndex
+from kvatlas.directory.blend import BlendIndex, BlendStats
 from kvatlas.directory.capture import Capture, DirectoryState, Restored
 from kvatlas.directory.chunk_table import ChunkCounts, ChunkTable
 from kvatlas.directory.gate import Admission, EmitterCursor, IngestGate, Outcome
-from kvatlas.directory.listing import page_keys
 from kvatlas.directory.records import (
     CapacityDeclaration,
     KeyPage,
@@ -76,7 +75,7 @@ class DirectoryStats:
     emitters: int
     gaps: int
     capacity_bytes_by_instance: dict[str, int]
-    blend: object | None  # the blend index's stats; None while blend lookup is off
+    blend: BlendStats | None  # the blend index's stats; None while blend lookup is off
 
 
 class KeyDirectory:
@@ -324,4 +323,4 @@ class KeyDirectory:
                 self._chunks.reindex(self._index.apply)
 
 
-__all__ = ["DirectoryStats", "IngestCounts", "KeyDirectory", "page_keys"]
+__all__ = ["DirectoryStats", "IngestCounts", "KeyDirectory"]

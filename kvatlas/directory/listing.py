@@ -9,7 +9,7 @@ Redis SCAN does). :func:`page_keys` adds offset pagination on top. See docs/dire
 from __future__ import annotations
 
 import threading
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from kvatlas.directory.chunk_table import PARTS, ChunkTable
 from kvatlas.directory.records import (
@@ -20,6 +20,9 @@ from kvatlas.directory.records import (
     record_keys,
 )
 from kvatlas.errors import InvalidInput
+
+if TYPE_CHECKING:
+    from kvatlas.directory.key_directory import KeyDirectory
 
 
 def list_keys(
@@ -72,21 +75,8 @@ def list_keys(
     return KeyPage(items, None)
 
 
-class KeyLister(Protocol):
-    def list_keys(
-        self,
-        *,
-        tier: str | None = None,
-        instance_id: str | None = None,
-        backend: str | None = None,
-        cursor: str | None = None,
-        limit: int = 100,
-        max_scan: int | None = None,
-    ) -> KeyPage: ...
-
-
 def page_keys(
-    directory: KeyLister,
+    directory: KeyDirectory,
     *,
     tier: str | None = None,
     instance_id: str | None = None,
