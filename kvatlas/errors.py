@@ -8,6 +8,7 @@
     │   ├── ChunkDecodeError         (kvatlas.node) a stored/fetched chunk is torn or foreign
     │   ├── SnapshotError            (kvatlas.directory) a snapshot file is unusable
     │   └── PermanentSendError       (kvatlas.client) the receiver refused a batch: drop it
+    │                                (also still a RuntimeError)
     ├── Unauthorized                 no or unknown credentials (401)
     ├── Forbidden                    credentials that may not do this (403)
     ├── NotFound                     the named thing does not exist (here) (404)
@@ -17,8 +18,9 @@
         │                            (503; also a RuntimeError)
         ├── L2Unavailable            (kvatlas.node)
         ├── TransientSendError       (kvatlas.client) worth retrying the delivery
-        └── CoordinatorError         (kvatlas.client) no answer, or a refusal, from the
-                                     coordinator (``reply_status`` says which)
+        ├── CoordinatorError         (kvatlas.client) no answer, or a refusal, from the
+        │                            coordinator (``reply_status`` says which)
+        └── EngineCallError          (kvatlas.node) the same for a node's engine API
 
 Each class carries the HTTP status it maps to (``status``) and keyword ``extra`` fields that a
 reply adds beside ``detail``; :mod:`kvatlas.web` turns any ``KvatlasError`` into a reply, for

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from kvatlas.node.cache_node import BlendRetrieval, CacheNode, NodeStats, Retrieved
     from kvatlas.node.config import NodeConfig
     from kvatlas.node.embedded import EmbeddedFleet
-    from kvatlas.node.engine_client import NodeEngineClient
+    from kvatlas.node.engine_client import EngineCallError, NodeEngineClient
     from kvatlas.node.kv_layout import KVLayout
     from kvatlas.node.rope import rerope_chunks, rerope_k
     from kvatlas.node.segments import FetchCost, Segment
@@ -28,6 +28,7 @@ _EXPORTS = {
     "CacheNode": "cache_node",
     "ChunkDecodeError": "stored_chunk",
     "EmbeddedFleet": "embedded",
+    "EngineCallError": "engine_client",
     "FetchCost": "segments",
     "KVLayout": "kv_layout",
     "LookupResult": "unified_lookup",
@@ -48,6 +49,7 @@ __all__ = [
     "CacheNode",
     "ChunkDecodeError",
     "EmbeddedFleet",
+    "EngineCallError",
     "FetchCost",
     "KVLayout",
     "LookupResult",

@@ -10,12 +10,23 @@ import httpx
 import msgspec
 import numpy as np
 
+from kvatlas.errors import Unavailable
 from kvatlas.keys import MMItem
 from kvatlas.node.http_api import MSGPACK, segment_from_wire, segment_to_wire
 from kvatlas.node.kv_layout import KVLayout
 from kvatlas.node.segments import Segment
 
 _encoder = msgspec.msgpack.Encoder()
+
+
+class EngineCallError(Unavailable):
+    """The node refused or failed an engine call (an ``Unavailable``, so a ``RuntimeError`` as
+    before); ``reply_status`` is the node's HTTP status, as for the coordinator client's
+    ``CoordinatorError``."""
+
+    def __init__(self, message: str, reply_status: int) -> None:
+        super().__init__(message)
+        self.reply_status = reply_status
 
 
 class NodeEngineClient:
@@ -38,7 +49,7 @@ class NodeEngineClient:
         )
         payload = msgspec.msgpack.decode(response.content)
         if response.status_code != 200:
-            raise RuntimeError(f"{path}: {response.status_code} {payload}")
+            raise EngineCallError(f"{path}: {response.status_code} {payload}", response.status_code)
         return payload
 
     def store(self, tokens: Any, kv_chunks: Sequence[Any], *, cache_salt: str = "", request_id: str = "",

@@ -18,9 +18,12 @@ from kvatlas.node.fleet_view import FleetView
 from kvatlas.node.kv_layout import KVLayout
 from kvatlas.node.l1 import L1Cache
 from kvatlas.node.l2 import L2Backend
+from kvatlas.node.presence import L1 as TIER_L1
 from kvatlas.node.stored_chunk import StoredChunk
 
-Source = Literal["local_l1", "l2", "peer_l1"]
+FetchSource = Literal["local_l1", "l2", "peer_l1"]
+"""Where a fetched chunk came from (not :data:`kvatlas.node.segments.Source`: which lookup
+leg found a match)."""
 LOCAL_L1: Final = "local_l1"
 L2: Final = "l2"
 PEER_L1: Final = "peer_l1"
@@ -30,7 +33,7 @@ class Fetched(NamedTuple):
     """A chunk found by :meth:`TieredFetch.fetch` and the tier it came from."""
 
     chunk: StoredChunk
-    source: Source
+    source: FetchSource
 
 
 class TieredFetch:
@@ -108,7 +111,7 @@ class TieredFetch:
         for key, holders in zip(keys, self.fleet.holders(keys), strict=False):
             for holder in holders:
                 if (
-                    holder.tier == "l1"
+                    holder.tier == TIER_L1
                     and not holder.shared
                     and holder.instance_id != self.instance_id
                 ):
