@@ -30,12 +30,14 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvatlas.asgi_thread import free_port
-from kvatlas.node.config import NodeConfig
-from kvatlas.node.embedded import EmbeddedFleet
-from kvatlas.node.engine_client import NodeEngineClient
-from kvatlas.node.kv_layout import KVLayout
-from kvatlas.node.segments import Segment
-from kvatlas.node.toy_model import ToyRopeModel
+from kvatlas.node import (
+    EmbeddedFleet,
+    KVLayout,
+    NodeConfig,
+    NodeEngineClient,
+    Segment,
+    ToyRopeModel,
+)
 from kvatlas.processes import spawn_service, stop
 
 C = 64
