@@ -174,11 +174,11 @@ class BlendIndex:
                 arr = tokens  # the directory's arrays: no re-validation on the ingest path
             else:
                 arr = as_token_array(tokens)
-            if arr.shape[0] != chunk:
+            if len(arr) != chunk:  # arr is 1-D
                 if kind == ADD:
                     log.info(
                         "blend index: not indexing %d-token content (chunk_size %d)",
-                        arr.shape[0],
+                        len(arr),
                         chunk,
                     )
                 continue
