@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvatlas.directory.blend import AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp
+from kvatlas.directory.blend.ops import new_add_op
 from kvatlas.directory.records import (
     KeyPair,
     Placement,
@@ -216,7 +217,7 @@ class ChunkTable:
                     part[h] = (tokens, offset, False, sid, p)
                 else:
                     part[h] = (tokens, offset, True, sid, p)
-                    ops.append(AddOp(tokens, h, offset, shapes[sid].namespace))
+                    ops.append(new_add_op((tokens, h, offset, shapes[sid].namespace)))
             else:
                 dk, dp, db = self._store_existing(h, part, rec, sid, p, entry, debug)
                 n_keys += dk

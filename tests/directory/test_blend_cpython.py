@@ -36,6 +36,9 @@ def test_fast_matches_equal_blend_matches() -> None:
 def test_located_offsets_read_back() -> None:
     raw = b"a chunk hash, kept by reference"
     assert ctypes.string_at(_cpython.bytes_address(raw), len(raw)) == raw
+    raws = [raw, b"", b"x" * 32]
+    assert _cpython.bytes_addresses(raws) == [_cpython.bytes_address(r) for r in raws]
+    assert _cpython.bytes_addresses([]) == []
     arr = np.arange(8, dtype=np.uint32)
     assert _cpython.ARRAY_DATA_OFFSET >= 0  # CPython + numpy: located, no fallback
     data = ctypes.c_int64.from_address(_cpython.array_handle(arr) + _cpython.ARRAY_DATA_OFFSET)

@@ -15,6 +15,7 @@ from kvatlas.directory import (
     RemoveChunkOp,
     RemoveClaimOp,
 )
+from kvatlas.directory.blend.ops import new_add_op
 from kvatlas.keys import BlendNamespace
 
 C = 8
@@ -399,6 +400,29 @@ def test_apply_mixed_ops_in_order() -> None:
     )
     index.apply([])  # empty batch: nothing happens
     assert index.stats() == stats
+
+
+def test_new_add_op_is_an_add_op() -> None:
+    a, ns = chunk(1), BlendNamespace("model-c")
+    op = new_add_op((a, h(1), 7, ns))
+    assert type(op) is AddOp
+    assert op == AddOp(a, h(1), 7, ns)
+    assert (op.tokens, op.chunk_hash, op.token_offset, op.namespace) == (a, h(1), 7, ns)
+    index, same = BlendIndex(chunk_size=C), BlendIndex(chunk_size=C)
+    index.apply([op])
+    same.apply([AddOp(a, h(1), 7, ns)])
+    assert index.stats() == same.stats()
+    assert index.match(a, ns) == same.match(a, ns) == [BlendMatch(h(1), 7, 0)]
+
+
+def test_apply_rejects_subclasses_of_the_op_types() -> None:
+    class Add(AddOp):
+        pass
+
+    index = BlendIndex(chunk_size=C)
+    with pytest.raises(ValueError):
+        index.apply([Add(chunk(1), h(1), 0, NS)])
+    assert index.stats().occupants == 0
 
 
 def test_apply_validates_every_op_before_changing_anything() -> None:

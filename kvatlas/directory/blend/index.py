@@ -48,11 +48,6 @@ _HASH_WIDTH = 32
 _SEGMENT_WINDOWS = 65536
 """Window starts probed per lock acquisition in ``match``: bounds how long one query holds
 the lock, so a 1M-token query never stalls ingestion behind it."""
-_KINDS: dict[type, int] = {
-    AddOp: ADD,
-    RemoveClaimOp: REMOVE_CLAIM,
-    RemoveChunkOp: REMOVE_CHUNK,
-}
 _U32 = np.dtype(np.uint32)
 
 
@@ -159,27 +154,31 @@ class BlendIndex:
         spaces: list[BlendNamespace | None] = []
         owned: list[bool] = []
         chunk = self.chunk_size
+        namespace: BlendNamespace | None
         for op in ops:
-            kind = _KINDS.get(type(op))
-            if kind is None:
-                raise ValueError(f"not a blend index op: {op!r}")
-            tokens, chunk_hash = op.tokens, op.chunk_hash
-            offset, namespace = 0, None
-            if isinstance(op, AddOp):
-                offset, namespace = op.token_offset, op.namespace
+            # exact types, the common one first: a subclass could change what the fields mean
+            if type(op) is AddOp:
+                tokens, chunk_hash, offset, namespace = op
+                kind = ADD
                 if type(offset) is not int or not 0 <= offset < 1 << 63:
                     offset = _offset(offset)
-            elif isinstance(op, RemoveClaimOp):
-                namespace = op.namespace
+            elif type(op) is RemoveClaimOp:
+                tokens, chunk_hash, namespace = op
+                kind, offset = REMOVE_CLAIM, 0
+            elif type(op) is RemoveChunkOp:
+                tokens, chunk_hash = op
+                kind, offset, namespace = REMOVE_CHUNK, 0, None
+            else:
+                raise ValueError(f"not a blend index op: {op!r}")
             if type(tokens) is np.ndarray and tokens.dtype is _U32 and tokens.ndim == 1:
                 arr = tokens  # the directory's arrays: no re-validation on the ingest path
             else:
                 arr = as_token_array(tokens)
-            if arr.shape[0] != chunk:
+            if len(arr) != chunk:  # arr is 1-D
                 if kind == ADD:
                     log.info(
                         "blend index: not indexing %d-token content (chunk_size %d)",
-                        arr.shape[0],
+                        len(arr),
                         chunk,
                     )
                 continue

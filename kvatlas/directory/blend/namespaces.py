@@ -14,7 +14,9 @@ class NamespaceIds:
     def __init__(self) -> None:
         self._ids: dict[BlendNamespace, int] = {}
         self._names: list[BlendNamespace | None] = []
-        self._claims: list[int] = []
+        self.claims: list[int] = []
+        """Per id, its namespace's claims: a new claim adds 1 here (the index's per-op path,
+        without a call); a dropped one goes through :meth:`release`."""
         self._free: list[int] = []
         self._unclaimed: set[int] = set()  # ids to check at the end of the write
         # the last namespace object looked up (writers and readers mostly repeat one): its
@@ -44,22 +46,19 @@ class NamespaceIds:
             if self._free:
                 ns = self._free.pop()
                 self._names[ns] = namespace
-                self._claims[ns] = 0
+                self.claims[ns] = 0
             else:
                 ns = len(self._names)
                 self._names.append(namespace)
-                self._claims.append(0)
+                self.claims.append(0)
             self._ids[namespace] = ns
             self._unclaimed.add(ns)
         self._last, self._last_id = namespace, ns
         return ns
 
-    def claim(self, ns: int) -> None:
-        self._claims[ns] += 1
-
     def release(self, ns: int) -> None:
-        self._claims[ns] -= 1
-        if self._claims[ns] == 0:
+        self.claims[ns] -= 1
+        if self.claims[ns] == 0:
             self._unclaimed.add(ns)
 
     def end_write(self) -> None:
@@ -68,7 +67,7 @@ class NamespaceIds:
             return
         for ns in self._unclaimed:
             namespace = self._names[ns]
-            if self._claims[ns] == 0 and namespace is not None:
+            if self.claims[ns] == 0 and namespace is not None:
                 del self._ids[namespace]
                 self._names[ns] = None
                 self._free.append(ns)

@@ -6,6 +6,8 @@ order and atomically (see ``index.py``).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from kvatlas.keys import BlendNamespace
@@ -37,3 +39,10 @@ class RemoveChunkOp(NamedTuple):
 
 BlendOp = AddOp | RemoveClaimOp | RemoveChunkOp
 """One write of :meth:`BlendIndex.apply`: the arguments of the method of the same name."""
+
+new_add_op: Callable[[tuple[Any, bytes, int, BlendNamespace]], AddOp] = functools.partial(
+    tuple.__new__, AddOp
+)
+"""``new_add_op((tokens, chunk_hash, token_offset, namespace))`` is the same value as
+``AddOp(tokens, chunk_hash, token_offset, namespace)``, built by a C-level call instead of
+the Python-level ``AddOp.__new__``: for loops that queue an add per entry."""

@@ -14,7 +14,19 @@ import numpy.typing as npt
 
 from kvatlas.directory.blend import _cpython, kernels
 from kvatlas.directory.blend._cpython import array_handle, bytes_address
-from kvatlas.directory.blend.kernels import ADD, REMOVE_CHUNK, REMOVE_CLAIM, SKIP
+from kvatlas.directory.blend.kernels import (
+    ADD,
+    F_CLAIM_DROPPED,
+    F_CONTENT_GONE,
+    F_EXTRA_CLAIM,
+    F_NEW_CLAIM,
+    F_NEW_CONTENT,
+    F_NEW_OCCUPANT,
+    F_OCCUPANT_GONE,
+    REMOVE_CHUNK,
+    REMOVE_CLAIM,
+    SKIP,
+)
 from kvatlas.directory.blend.namespaces import NamespaceIds
 from kvatlas.keys import BlendNamespace
 
@@ -80,7 +92,7 @@ class IndexState:
                     self.kernel_arrays,
                 )  # fmt: skip
                 if flags:
-                    self._settle(kind, flags, cid, occ, ns, ns0, tokens[0], owned[0], h)
+                    self._settle(kinds, [[flags, cid, occ, ns0]], [ns], tokens, owned, hashes)
         else:
             self._apply_batch(kinds, tokens, hashes, offsets, namespaces, owned)
         self.namespaces.end_write()
@@ -112,7 +124,7 @@ class IndexState:
             [  # the rows of kernels.writes.OP_*, in order
                 kinds,
                 _cpython.array_handles(tokens),
-                list(map(_cpython.bytes_address, hashes)),
+                _cpython.bytes_addresses(hashes),
                 list(map(len, hashes)),
                 offsets,
                 nss,
@@ -124,9 +136,7 @@ class IndexState:
             ops, self.chunk_size, _cpython.ARRAY_DATA_OFFSET, self.base, self.fmask,
             self.kernel_arrays, out,
         )  # fmt: skip
-        for i, (flags, cid, occ, ns0) in enumerate(out.tolist()):
-            if flags:
-                self._settle(kinds[i], flags, cid, occ, nss[i], ns0, tokens[i], owned[i], hashes[i])
+        self._settle(kinds, out.tolist(), nss, tokens, owned, hashes)
 
     def _namespace_id(self, kind: int, namespace: BlendNamespace | None) -> int:
         """The op's namespace id: registered for an add, -1 if it has none."""
@@ -139,65 +149,75 @@ class IndexState:
 
     def _settle(
         self,
-        kind: int,
-        flags: int,
-        cid: int,
-        occ: int,
-        ns: int,
-        ns0: int,
-        tokens: Tokens,
-        owned: bool,
-        h: bytes,
+        kinds: list[int],
+        results: list[list[int]],
+        nss: list[int],
+        tokens: list[Tokens],
+        owned: list[bool],
+        hashes: list[bytes],
     ) -> None:
-        """Python-side bookkeeping of one applied op (kernel ``flags``): the references that
-        keep token arrays and hashes alive, counters, free lists, namespace claims."""
-        if flags & kernels.F_NEW_CONTENT:
-            if cid == len(self.tokens):
-                self.tokens.append(tokens)
-            else:
-                self.tokens[cid] = tokens
-            if owned:
-                self.owned.add(cid)
-                self.owned_bytes += tokens.nbytes
-            self.contents += 1
-        if flags & kernels.F_NEW_OCCUPANT:
-            if occ == len(self.hashes):
-                self.hashes.append(h)
-            else:
-                self.hashes[occ] = h
-            self.occupants += 1
-        if flags & kernels.F_NEW_CLAIM:
-            self.namespaces.claim(ns)
-            self.claims += 1
-            if flags & kernels.F_EXTRA_CLAIM:
-                self.extra_claims.setdefault(occ, set()).add(ns)
-                self.n_extra += 1
-        if flags & kernels.F_CLAIM_DROPPED:
-            self._release_claim(ns)
-            if flags & kernels.F_EXTRA_CLAIM:
-                self._forget_extra(occ, ns)
-        if kind == REMOVE_CHUNK:
-            if ns0 >= 0:
-                self._release_claim(ns0)
-            for other in self.extra_claims.pop(occ, ()):
-                kernels.drop_extra_claim(occ, other, self.arrays.claims)
-                self.n_extra -= 1
-                self._release_claim(other)
-        if flags & kernels.F_OCCUPANT_GONE:
-            self.hashes[occ] = None
-            self.occupants -= 1
-        if flags & kernels.F_CONTENT_GONE:
-            gone = self.tokens[cid]
-            if cid in self.owned and gone is not None:
-                self.owned.discard(cid)
-                self.owned_bytes -= gone.nbytes
-            self.tokens[cid] = None
-            self.contents -= 1
-            self._stale += 1
-
-    def _release_claim(self, ns: int) -> None:
-        self.claims -= 1
-        self.namespaces.release(ns)
+        """Python-side bookkeeping of applied ops (per op, the kernel's ``(flags, content id,
+        occupant id, ns0)``): the references that keep token arrays and hashes alive,
+        counters, free lists, namespace claims. One loop for the batch: per op, only what its
+        flags name."""
+        live_tokens, live_hashes, extra_claims = self.tokens, self.hashes, self.extra_claims
+        namespaces = self.namespaces
+        ns_claims = namespaces.claims
+        contents = occupants = claims = 0  # changes, added to the counters at the end
+        for i, (flags, cid, occ, ns0) in enumerate(results):
+            if not flags:
+                continue
+            ns = nss[i]
+            if flags & F_NEW_CONTENT:
+                arr = tokens[i]
+                if cid == len(live_tokens):
+                    live_tokens.append(arr)
+                else:
+                    live_tokens[cid] = arr
+                if owned[i]:
+                    self.owned.add(cid)
+                    self.owned_bytes += arr.nbytes
+                contents += 1
+            if flags & F_NEW_OCCUPANT:
+                if occ == len(live_hashes):
+                    live_hashes.append(hashes[i])
+                else:
+                    live_hashes[occ] = hashes[i]
+                occupants += 1
+            if flags & F_NEW_CLAIM:
+                ns_claims[ns] += 1
+                claims += 1
+                if flags & F_EXTRA_CLAIM:
+                    extra_claims.setdefault(occ, set()).add(ns)
+                    self.n_extra += 1
+            if flags & F_CLAIM_DROPPED:
+                namespaces.release(ns)
+                claims -= 1
+                if flags & F_EXTRA_CLAIM:
+                    self._forget_extra(occ, ns)
+            if kinds[i] == REMOVE_CHUNK:
+                if ns0 >= 0:
+                    namespaces.release(ns0)
+                    claims -= 1
+                for other in extra_claims.pop(occ, ()):
+                    kernels.drop_extra_claim(occ, other, self.arrays.claims)
+                    self.n_extra -= 1
+                    namespaces.release(other)
+                    claims -= 1
+            if flags & F_OCCUPANT_GONE:
+                live_hashes[occ] = None
+                occupants -= 1
+            if flags & F_CONTENT_GONE:
+                gone = live_tokens[cid]
+                if cid in self.owned and gone is not None:
+                    self.owned.discard(cid)
+                    self.owned_bytes -= gone.nbytes
+                live_tokens[cid] = None
+                contents -= 1
+                self._stale += 1
+        self.contents += contents
+        self.occupants += occupants
+        self.claims += claims
 
     def _forget_extra(self, occ: int, ns: int) -> None:
         claims = self.extra_claims[occ]
