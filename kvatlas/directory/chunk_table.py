@@ -21,8 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvatlas.directory.blend import AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp
-from kvatlas.directory.blend.ops import new_add_op
+from kvatlas.directory.blend import AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp, new_add_op
 from kvatlas.directory.records import (
     KeyPair,
     Placement,

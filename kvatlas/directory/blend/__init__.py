@@ -7,6 +7,14 @@ the compiled kernels, one module per structure.
 """
 
 from kvatlas.directory.blend.index import BlendIndex, BlendStats
-from kvatlas.directory.blend.ops import AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp
+from kvatlas.directory.blend.ops import AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp, new_add_op
 
-__all__ = ["AddOp", "BlendIndex", "BlendOp", "BlendStats", "RemoveChunkOp", "RemoveClaimOp"]
+__all__ = [
+    "AddOp",
+    "BlendIndex",
+    "BlendOp",
+    "BlendStats",
+    "RemoveChunkOp",
+    "RemoveClaimOp",
+    "new_add_op",
+]
