@@ -12,11 +12,12 @@ import httpx
 import msgspec
 import numpy as np
 import pytest
+from fastapi import FastAPI
 
 from kvatlas.asgi_thread import free_port
 from kvatlas.node.cache_node import CacheNode, NodeStats
 from kvatlas.node.config import NodeConfig
-from kvatlas.node.http_api import MSGPACK, create_node_app
+from kvatlas.node.http_api import MSGPACK, _Identity, _Trackers, create_node_app
 from kvatlas.node.peer import PEER_KV_PATH, PeerServer
 
 C = 16
@@ -34,9 +35,14 @@ def node() -> Iterator[CacheNode]:
 
 
 @pytest.fixture
-def client(node: CacheNode) -> Iterator[httpx.Client]:
+def app(node: CacheNode) -> FastAPI:
+    return create_node_app(node)
+
+
+@pytest.fixture
+def client(app: FastAPI) -> Iterator[httpx.Client]:
     with (
-        PeerServer(create_node_app(node), port=free_port()) as server,
+        PeerServer(app, port=free_port()) as server,
         httpx.Client(base_url=server.url, timeout=30) as c,
     ):
         yield c
@@ -92,3 +98,104 @@ def test_peer_route_keeps_json_errors(client: httpx.Client) -> None:
     assert r.status_code == 400 and "detail" in r.json()
     r = client.post(PEER_KV_PATH, content=b'{"keys": [{"model_name": "m"}]}')
     assert r.status_code == 422 and "detail" in r.json()
+
+
+def kv_of(n_chunks: int, value: float) -> np.ndarray:
+    return np.full((n_chunks, *CONFIG.layout.shape), value, dtype=np.float32)
+
+
+def retrieved(client: httpx.Client, toks: bytes, request_id: str) -> tuple[int, np.ndarray]:
+    status, got = call(client, "/engine/retrieve", tokens=toks, request_id=request_id)
+    assert status == 200
+    kv = np.frombuffer(got["kv"], dtype=np.float32).reshape((-1, *CONFIG.layout.shape))
+    return got["hit_tokens"], kv
+
+
+def test_reused_request_id_never_keys_one_prompt_with_another(client: httpx.Client) -> None:
+    """Issue 10 item 1: two requests that share an id (A for P1, B for P2) each store their KV
+    under their own prompt's keys; a retrieve of P1 never returns B's KV."""
+    p1, p2 = tokens(2 * C), (np.arange(2 * C, dtype="<u4") + 1000).tobytes()
+    kv_a, kv_b = kv_of(2, 1.0), kv_of(2, 2.0)
+    assert call(client, "/engine/lookup", tokens=p1, request_id="r")[1]["hit_tokens"] == 0
+    assert call(client, "/engine/lookup", tokens=p2, request_id="r")[1]["hit_tokens"] == 0
+    status, reply = call(
+        client, "/engine/store", tokens=p2, request_id="r", kv=kv_b.tobytes(), n_chunks=2
+    )
+    assert (status, reply["stored"]) == (200, 2)
+    status, reply = call(
+        client, "/engine/store", tokens=p1, request_id="r", kv=kv_a.tobytes(), n_chunks=2
+    )
+    assert (status, reply["stored"]) == (200, 2)
+    hit, kv = retrieved(client, p1, "x")
+    assert hit == 0 or (hit == 2 * C and np.array_equal(kv, kv_a)), "P1 was served B's KV"
+    hit, kv = retrieved(client, p2, "y")
+    assert hit == 2 * C and np.array_equal(kv, kv_b)
+
+
+def test_reused_id_after_an_aborted_request_starts_a_new_tracker(client: httpx.Client) -> None:
+    p1, p2 = tokens(2 * C), (np.arange(2 * C, dtype="<u4") + 7).tobytes()
+    call(client, "/engine/lookup", tokens=p1, request_id="r")  # A is aborted after its lookup
+    call(client, "/engine/lookup", tokens=p2, request_id="r")
+    call(client, "/engine/store", tokens=p2, request_id="r", kv=kv_of(2, 3.0).tobytes(), n_chunks=2)
+    assert retrieved(client, p1, "x")[0] == 0
+    hit, kv = retrieved(client, p2, "y")
+    assert hit == 2 * C and np.array_equal(kv, kv_of(2, 3.0))
+
+
+def test_generated_tokens_extend_the_tracker(client: httpx.Client) -> None:
+    """A later call whose tokens extend the held prompt (+ generated) continues the request:
+    the generated tokens are appended, so chunks they complete are stored and keyed."""
+    prompt = np.arange(C + C // 2, dtype="<u4")
+    full = np.concatenate([prompt, np.arange(C // 2, dtype="<u4") + 500])
+    call(client, "/engine/lookup", tokens=prompt.tobytes(), request_id="g")
+    status, reply = call(
+        client, "/engine/store", tokens=full.tobytes(), request_id="g",
+        kv=kv_of(2, 4.0).tobytes(), n_chunks=2,
+    )  # fmt: skip
+    assert (status, reply["stored"]) == (200, 2)
+    hit, kv = retrieved(client, full.tobytes(), "x")
+    assert hit == 2 * C and np.array_equal(kv, kv_of(2, 4.0))
+
+
+def test_trackers_are_dropped_at_end_of_request(
+    client: httpx.Client, node: CacheNode, app: FastAPI
+) -> None:
+    held = app.state.engine_trackers
+    p = tokens(2 * C)
+    call(client, "/engine/lookup", tokens=p, request_id="a")
+    assert len(held) == 1
+    call(client, "/engine/store", tokens=p, request_id="a", kv=kv_of(2, 1.0).tobytes(), n_chunks=2)
+    call(client, "/engine/blend-lookup", tokens=p, request_id="b")
+    call(client, "/engine/lookup", tokens=p, request_id="c")
+    assert len(held) == 2
+    status, _ = call(client, "/engine/blend-retrieve", tokens=p, request_id="b", segments=[])
+    assert status == 200
+    call(client, "/engine/retrieve", tokens=p, request_id="c")
+    assert len(held) == 0 and node.blend.pending_count() == 0
+
+
+def test_held_trackers_stay_bounded_and_a_replaced_one_is_not_dropped_for_its_successor() -> None:
+    now = [0.0]
+    cancelled: list[str] = []
+    held = _Trackers(ttl=10.0, max_entries=2, clock=lambda: now[0], on_forget=cancelled.append)
+    node = CacheNode(CONFIG, instance_id="n1")
+    try:
+
+        def ident(toks: list[int]) -> tuple[_Identity, Any]:
+            arr = np.array(toks, dtype="<u4")
+            return _Identity(arr, (), ""), lambda: node.tracker(token_ids=arr)
+
+        t1, b1 = held.get_or_create("r", *ident([1, 2, 3]))
+        t2, b2 = held.get_or_create("r", *ident([9, 9]))  # reused id, other tokens
+        assert t2 is not t1 and b2 != b1 and cancelled == [b1] and held.replaced == 1
+        held.drop("r", t1)  # the replaced request ends: its successor stays
+        assert held.get_or_create("r", *ident([9, 9, 4]))[0] is t2  # generation continues
+        assert list(t2.get_token_ids()) == [9, 9, 4]
+        held.get_or_create("s", *ident([1]))
+        held.get_or_create("t", *ident([1]))
+        assert len(held) == 2  # "r" evicted beyond max_entries
+        now[0] = 11.0
+        held.get_or_create("u", *ident([1]))
+        assert len(held) == 1  # "s" and "t" expired
+    finally:
+        node.close()
