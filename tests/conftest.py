@@ -12,6 +12,18 @@ from pathlib import Path
 import pytest
 
 from kvatlas.asgi_thread import free_port
+from tests.torch_support import torch_import_error, torch_status
+
+
+def pytest_report_header() -> str:
+    """Say up front whether the torch-path tests run (they never skip silently)."""
+    return torch_status()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Repeat a missing torch at the end, where ``pytest -q`` (no header) still shows it."""
+    if torch_import_error() is not None:
+        terminalreporter.write_line(f"warning: {torch_status()}", yellow=True, bold=True)
 
 
 class RedisServer:

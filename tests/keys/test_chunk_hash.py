@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvatlas.keys import NONE_HASH, ChunkHashChain, chunk_hashes, segment_hashes
+from tests.torch_support import require_torch
 
 VECTOR_600 = [
     "084547b6c40ed5b05ba8cd0305db5bf74d5617673948d9ed193ab7d6cbc484d4",
@@ -50,7 +51,7 @@ def test_vector_600_tokens_any_container(tokens: object) -> None:
 
 
 def test_vector_torch_tensor() -> None:
-    torch = pytest.importorskip("torch")
+    torch = require_torch()
     assert [h.hex() for h in chunk_hashes(torch.arange(600), 256)] == VECTOR_600
 
 

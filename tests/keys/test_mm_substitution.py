@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kvatlas.keys import PlaceholderSpan, apply_mm_hashes_to_token_ids, mm_hash_to_token_values
+from tests.torch_support import require_torch
 
 P = 7  # placeholder token id
 
@@ -113,7 +114,7 @@ def test_wide_enough_arrays_accepted(dtype: type) -> None:
 
 
 def test_torch_tensor_in_place() -> None:
-    torch = pytest.importorskip("torch")
+    torch = require_torch()
     tokens = torch.full((20,), P, dtype=torch.int64)
     out = apply_mm_hashes_to_token_ids(tokens, ["img"], [(3, 5)])
     assert out is tokens

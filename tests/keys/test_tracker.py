@@ -27,6 +27,7 @@ from kvatlas.keys import (
     pack_kv_rank,
     unpack_kv_rank,
 )
+from tests.torch_support import require_torch
 
 SCHEME_NAMES = ("blake3", "blake3-x1")
 PLACEHOLDER = 32000
@@ -114,7 +115,7 @@ def test_tracker_does_not_mutate_the_callers_prompt(make: Any, scheme_name: str)
 
 
 def test_tracker_does_not_mutate_a_torch_prompt() -> None:
-    torch = pytest.importorskip("torch")
+    torch = require_torch()
     prompt = image_prompt()
     for dtype in (torch.int64, torch.int32):
         tensor = torch.tensor(prompt, dtype=dtype)

@@ -20,6 +20,7 @@ from kvatlas.keys import ObjectKey
 from kvatlas.node.l2 import FsL2, L2Backend, L2Unavailable, RedisL2, key_digest
 from kvatlas.node.stored_chunk import ChunkDecodeError, StoredChunk, decode_chunk, encode_chunk
 from tests.conftest import RedisServer, wait_for
+from tests.torch_support import require_torch
 
 KV_SHAPE = (2, 2, 4, 2, 8)  # [layers, K/V, chunk_size, kv_heads, head_dim]
 
@@ -120,7 +121,7 @@ def test_node_errors_are_in_the_error_tree() -> None:
 
 
 def test_torch_tensors_are_accepted_and_bf16_round_trips_bit_exactly() -> None:
-    torch = pytest.importorskip("torch")
+    torch = require_torch()
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         t = torch.randn(*KV_SHAPE, generator=g).to(dtype)

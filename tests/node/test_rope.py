@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from kvatlas.node.kv_layout import KVLayout
 from kvatlas.node.rope import rerope_chunks, rerope_k, rope_cos_sin
 from kvatlas.node.toy_model import VOCAB, ToyRopeModel, rope_at_positions  # independent oracle
+from tests.torch_support import require_torch
 
 
 def make_layout(style: str, rotary_dim: int | None, dtype: str = "float32", **kw: Any) -> KVLayout:
@@ -266,7 +267,7 @@ def test_numpy_bfloat16_is_a_clear_error_without_ml_dtypes() -> None:
 
 
 def test_torch_and_numpy_agree() -> None:
-    torch = pytest.importorskip("torch")
+    torch = require_torch()
     for dtype, tol in (("float32", 1e-6), ("float16", 1e-3)):
         for style in STYLES:
             layout = make_layout(style, 32, dtype)
@@ -315,7 +316,7 @@ def test_bf16_single_rotation_beats_two_roundings() -> None:
     Asserting <= 0.9 and <= 0.8 leaves room for the rounding-error distribution; over ~1M
     elements (seeded) the statistical spread of the ratios is < 1%.
     """
-    torch = pytest.importorskip("torch")
+    torch = require_torch()
     layout = make_layout("neox", None, "bfloat16", num_kv_heads=4, head_dim=128, chunk_size=128)
     model = ToyRopeModel(layout, seed=7)
     err: dict[str, list[float]] = {"single_fresh": [], "two_fresh": [], "single_x": [], "two_x": []}
