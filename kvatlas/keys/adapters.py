@@ -2,8 +2,10 @@
 
 Written against duck-typed objects shaped like vLLM, SGLang and TensorRT-LLM requests, so no
 engine is a dependency. Keys never depend on an engine's own block hashes or block size.
-Anything that makes identity unusable is collected in ``problems``; the tracker then refuses to
-key the request (the multimodal bypass guard) instead of keying it by placeholders alone.
+Anything that makes identity unusable is collected in ``problems`` (each starting with a stable
+reason, the bypass guard's counter key); the tracker then refuses to key the request (the
+multimodal bypass guard) instead of keying it by placeholders alone, and also refuses spans
+that are empty or do not fit the prompt.
 """
 
 from __future__ import annotations
@@ -45,12 +47,12 @@ def _usable_identifier(value: Any) -> bool:
 def _add_item(view: EngineRequestView, identifier: Any, position: Any, what: str) -> None:
     view.has_multimodal = True
     if not _usable_identifier(identifier):
-        view.problems.append(f"{what}: missing identifier")
+        view.problems.append(f"missing identifier: {what}")
         return
     try:
         span = as_span(position)
     except (ValueError, KeyError, TypeError) as exc:
-        view.problems.append(f"{what}: unusable position ({exc})")
+        view.problems.append(f"unusable placeholder position: {what} ({exc})")
         return
     view.items.append(MMItem(str(identifier), span))
 
@@ -99,13 +101,15 @@ def extract_vllm(request: Any) -> EngineRequestView:
             _add_item(view, identifier, position, f"mm_positions[{i}]")
         if len(hashes) > len(positions):
             view.has_multimodal = True
-            view.problems.append("mm_hashes without matching mm_positions")
+            view.problems.append(
+                "unusable placeholder position: mm_hashes without matching mm_positions"
+            )
     lora = _get(request, "lora_request")
     if lora is not None:
         name = _get(lora, "lora_name") or _get(lora, "name")
         view.request_keys["lora"] = str(name) if name else int(_get(lora, "lora_int_id", 0))
     if view.prompt_token_ids is None:
-        view.problems.append("no prompt_token_ids (prompt embeddings have no token identity)")
+        view.problems.append("no prompt token ids: prompt embeddings have no token identity")
     return view
 
 
@@ -123,14 +127,16 @@ def extract_sglang(req: Any) -> EngineRequestView:
         identifier = _get(item, "hash")
         if not offsets:
             view.has_multimodal = True
-            view.problems.append(f"mm_items[{i}]: no offsets")
+            view.problems.append(f"unusable placeholder position: mm_items[{i}] has no offsets")
             continue
         for k, pair in enumerate(offsets):
             try:
                 start, end_inclusive = int(pair[0]), int(pair[1])
             except (TypeError, ValueError, IndexError):
                 view.has_multimodal = True
-                view.problems.append(f"mm_items[{i}].offsets[{k}]: not a (start, end) pair")
+                view.problems.append(
+                    f"unusable placeholder position: mm_items[{i}].offsets[{k}] is not a (start, end) pair"
+                )
                 continue
             # One item may hold several images under one hash: number the ranges so each
             # range gets its own values (the item hash already covers the whole set).
@@ -175,7 +181,7 @@ def extract_trtllm(request: Any) -> EngineRequestView:
         what = f"multimodal item {i}"
         if i >= len(positions) or i >= len(lengths):
             view.has_multimodal = True
-            view.problems.append(f"{what}: missing position or length")
+            view.problems.append(f"unusable placeholder position: {what} has no position or length")
             continue
         identifier = None
         if i < len(hashes) and hashes[i] is not None:
@@ -183,7 +189,7 @@ def extract_trtllm(request: Any) -> EngineRequestView:
                 identifier = trtllm_hash_identifier(hashes[i])
             except (TypeError, ValueError) as exc:
                 view.has_multimodal = True
-                view.problems.append(f"{what}: unusable hash ({exc})")
+                view.problems.append(f"missing identifier: {what} has an unusable hash ({exc})")
                 continue
         _add_item(view, identifier, (positions[i], lengths[i]), what)
     lora = _get(request, "lora_task_id")

@@ -56,20 +56,27 @@ MM_BYPASS_GUARD = BypassGuard()
 
 
 def _span_problems(items: Sequence[MMItem], prompt_len: int) -> list[str]:
-    problems = [
-        f"item at {it.span.offset} has an empty identifier" for it in items if not it.identifier
-    ]
+    """Why these items cannot be keyed; each reason starts with a stable kind (the counter key).
+
+    An empty span (length 0) writes nothing into the tokens, so "cat" and "dog" there would
+    key alike; a span not inside ``[0, prompt_len)`` was written for another prompt.
+    """
+    problems = [f"empty identifier: item at {it.span.offset}" for it in items if not it.identifier]
     ordered = sorted(items, key=lambda item: item.span.offset)
     for item in ordered:
-        if item.span.end > prompt_len:
+        if item.span.length == 0:
             problems.append(
-                f"placeholder span [{item.span.offset}, {item.span.end}) of {item.identifier!r} "
-                f"does not fit the {prompt_len}-token prompt"
+                f"empty placeholder span: {item.identifier!r} at {item.span.offset} has length 0"
+            )
+        elif item.span.end > prompt_len:
+            problems.append(
+                f"placeholder span outside the prompt: [{item.span.offset}, {item.span.end}) "
+                f"of {item.identifier!r} does not fit the {prompt_len}-token prompt"
             )
     for left, right in itertools.pairwise(ordered):
         if right.span.offset < left.span.end:
             problems.append(
-                f"placeholder spans of {left.identifier!r} and {right.identifier!r} overlap"
+                f"overlapping placeholder spans: {left.identifier!r} and {right.identifier!r}"
             )
     return problems
 
@@ -97,7 +104,7 @@ class RequestTracker:
         prompt = as_token_array(prompt_token_ids).astype(np.int64)
         issues = list(problems) + _span_problems(self.items, len(prompt))
         if self.request_keys and not self.scheme.carries_extra_keys:
-            issues.append(f"request-level keys {sorted(self.request_keys)} need scheme blake3-x1")
+            issues.append(f"request keys need blake3-x1: {sorted(self.request_keys)}")
         self.uncacheable_reason: str | None = "; ".join(issues) if issues else None
         if self.uncacheable_reason is not None:
             guard.refuse(request_id, self.uncacheable_reason)

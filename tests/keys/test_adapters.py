@@ -350,6 +350,8 @@ BROKEN: dict[str, Any] = {
     "vllm-span-past-prompt": lambda: vllm_new(spans=[(20, 40), (120, 25)]),
     "vllm-span-starts-past-prompt": lambda: vllm_new(spans=[(20, 40), (500, 4)]),
     "vllm-overlapping": lambda: vllm_new(spans=[(20, 40), (50, 25)]),
+    "vllm-empty-span": lambda: vllm_new(spans=[(20, 40), (72, 0)]),
+    "vllm-empty-span-at-prompt-end": lambda: vllm_new(spans=[(20, 40), (128, 0)]),
     "vllm-no-prompt-ids": lambda: VllmRequest(
         "v", None, [MultiModalFeatureSpec("img", PlaceholderRange(0, 4))]
     ),
@@ -366,6 +368,12 @@ BROKEN: dict[str, Any] = {
     "legacy-span-past-prompt": lambda: vllm_legacy(
         positions=[PlaceholderRange(20, 40), {"offset": 110, "length": 25}]
     ),
+    "legacy-empty-span": lambda: vllm_legacy(
+        positions=[PlaceholderRange(20, 40), {"offset": 72, "length": 0}]
+    ),
+    "legacy-span-beyond-prompt": lambda: vllm_legacy(
+        positions=[PlaceholderRange(20, 40), PlaceholderRange(300, 2)]
+    ),
     # SGLang
     "sglang-none-hash": lambda: sglang([(None, [(20, 59)])]),
     "sglang-no-offsets": lambda: sglang([(0x11, [(20, 59)]), (0x22, [])]),
@@ -373,6 +381,9 @@ BROKEN: dict[str, Any] = {
     "sglang-bad-pair": lambda: sglang([(0x11, [(20,)])]),
     "sglang-reversed-pair": lambda: sglang([(0x11, [(59, 20)])]),
     "sglang-past-prompt": lambda: sglang([(0x11, [(100, 140)])]),
+    "sglang-beyond-prompt": lambda: sglang([(0x11, [(200, 210)])]),
+    "sglang-empty-range": lambda: sglang([(0x11, [(20, 59)]), (0x22, [(72, 71)])]),
+    "sglang-empty-range-of-several": lambda: sglang([(0x11, [(20, 59), (72, 71)])]),
     "sglang-overlapping": lambda: sglang([(0x11, [(20, 59)]), (0x22, [(50, 70)])]),
     # TensorRT-LLM
     "trtllm-seven-words": lambda: trtllm(hashes=[WORDS_1[:7], WORDS_2]),
@@ -381,6 +392,8 @@ BROKEN: dict[str, Any] = {
     "trtllm-missing-length": lambda: trtllm(lengths=[40]),
     "trtllm-past-prompt": lambda: trtllm(positions=[20, 110]),
     "trtllm-overlapping": lambda: trtllm(positions=[20, 50]),
+    "trtllm-empty-span": lambda: trtllm(lengths=[40, 0]),
+    "trtllm-beyond-prompt": lambda: trtllm(positions=[20, 400]),
     "trtllm-garbage-word": lambda: trtllm(hashes=[["x"] * 8, WORDS_2]),
 }
 
@@ -400,3 +413,52 @@ def test_broken_requests_trip_the_bypass_guard(
     assert t.prefix_keys("m") == [] and t.prefix_keys("m", world_size=2) == []
     assert guard.count == 1
     assert "uncacheable" in caplog.text
+
+
+EMPTY_SPAN_REQUESTS: dict[str, Any] = {
+    "vllm": lambda ident: vllm_new(ids=["img-one", ident], spans=[(20, 40), (72, 0)]),
+    "vllm-legacy": lambda ident: vllm_legacy(
+        hashes=["img-one", ident], positions=[PlaceholderRange(20, 40), PlaceholderRange(72, 0)]
+    ),
+    "sglang": lambda ident: sglang([(0x11, [(20, 59)]), (ident, [(72, 71)])]),
+    "trtllm": lambda ident: trtllm(
+        hashes=[WORDS_1, [ident] * 8], positions=[20, 72], lengths=[40, 0]
+    ),
+}
+
+
+@pytest.mark.parametrize("engine", sorted(EMPTY_SPAN_REQUESTS))
+@pytest.mark.parametrize("scheme_name", SCHEME_NAMES)
+def test_empty_span_items_from_every_engine_are_refused_and_counted(
+    engine: str, scheme_name: str
+) -> None:
+    """Two requests differing only in an item whose span is empty must not share keys: both
+    are refused, and the guard counts them under one reason."""
+    guard = BypassGuard()
+    scheme = KeyScheme(scheme_name, C)
+    first, second = (
+        RequestTracker.from_request(EMPTY_SPAN_REQUESTS[engine](ident), scheme=scheme, guard=guard)
+        for ident in (1, 2)
+    )
+    assert not first.cacheable and not second.cacheable
+    assert first.chunk_hashes() == second.chunk_hashes() == []
+    assert guard.reasons == {"empty placeholder span": 2}
+
+
+def test_every_broken_request_is_counted_under_a_stable_reason() -> None:
+    """The guard's counter is keyed by reason kind: no item index, offset or identifier in it,
+    so the metric stays a small fixed set however many requests are refused."""
+    guard = BypassGuard()
+    for make in BROKEN.values():
+        RequestTracker.from_request(make(), scheme=KeyScheme("blake3-x1", C), guard=guard)
+    assert guard.count == len(BROKEN)
+    assert set(guard.reasons) <= {
+        "empty identifier",
+        "missing identifier",
+        "unusable placeholder position",
+        "empty placeholder span",
+        "placeholder span outside the prompt",
+        "overlapping placeholder spans",
+        "no prompt token ids",
+        "request keys need blake3-x1",
+    }, guard.reasons

@@ -134,6 +134,11 @@ BROKEN_ITEMS = {
     "overlapping-spans": [MMItem.of("a", 20, 20), MMItem.of("b", 30, 20)],
     "overlap-given-out-of-order": [MMItem.of("b", 30, 20), MMItem.of("a", 20, 20)],
     "one-good-one-past-the-end": [MMItem.of("a", 0, 10), MMItem.of("b", 75, 10)],
+    "empty-span": [MMItem.of("cat", 20, 0)],
+    "empty-span-on-a-chunk-boundary": [MMItem.of("cat", 32, 0)],
+    "empty-span-at-prompt-end": [MMItem.of("cat", 80, 0)],
+    "empty-span-past-prompt": [MMItem.of("cat", 90, 0)],
+    "one-good-one-empty": [MMItem.of("a", 20, 40), MMItem.of("b", 64, 0)],
 }
 
 
@@ -203,13 +208,39 @@ def test_bypass_guard_counts_adapter_problems(
     assert ok.cacheable and guard.count == 1  # a good request is not counted
 
 
+@pytest.mark.parametrize("offset", [20, 32, 80])
+@pytest.mark.parametrize("scheme_name", SCHEME_NAMES)
+def test_empty_span_items_are_refused_not_keyed_alike(offset: int, scheme_name: str) -> None:
+    """An item with an empty span leaves no trace in the tokens: "cat" and "dog" would share
+    keys (with each other and with the text-only prompt), so the request must be refused."""
+    guard = BypassGuard()
+    scheme = KeyScheme(scheme_name, C)
+    cat = RequestTracker(image_prompt(), [MMItem.of("cat", offset, 0)], scheme=scheme, guard=guard)
+    dog = RequestTracker(image_prompt(), [MMItem.of("dog", offset, 0)], scheme=scheme, guard=guard)
+    assert not cat.cacheable and not dog.cacheable
+    assert cat.chunk_hashes() == dog.chunk_hashes() == []
+    assert guard.reasons == {"empty placeholder span": 2}
+
+
+@pytest.mark.parametrize("scheme_name", SCHEME_NAMES)
+def test_out_of_range_span_is_counted_by_reason(scheme_name: str) -> None:
+    guard = BypassGuard()
+    scheme = KeyScheme(scheme_name, C)
+    for offset, length in [(60, 40), (80, 4), (500, 1)]:
+        t = RequestTracker(
+            image_prompt(), [MMItem.of("img", offset, length)], scheme=scheme, guard=guard
+        )
+        assert not t.cacheable
+    assert guard.reasons == {"placeholder span outside the prompt": 3}
+
+
 def test_bypass_guard_counts_by_reason() -> None:
     guard = BypassGuard()
     for _ in range(3):
-        guard.refuse("r", "placeholder span: does not fit")
+        guard.refuse("r", "placeholder span outside the prompt: [60, 100)")
     guard.refuse("r", "other: x")
     assert guard.count == 4
-    assert guard.reasons["placeholder span"] == 3
+    assert guard.reasons["placeholder span outside the prompt"] == 3
 
 
 @pytest.mark.parametrize("lora", ["adapter-a", 7])
@@ -336,9 +367,9 @@ def prompts_with_spans(draw: st.DrawFn, valid: bool = True) -> tuple[list[int], 
     for k in range(0, len(cuts) - 1, 2):
         if valid or draw(st.booleans()):
             lo, hi = cuts[k], cuts[k + 1]
-        else:  # possibly overlapping or running past the end
+        else:  # possibly overlapping, empty, running past or lying beyond the end
             lo = draw(st.integers(0, n + 4))
-            hi = lo + draw(st.integers(1, n + 4))
+            hi = lo + draw(st.integers(0, n + 4))
         items.append(MMItem.of(draw(st.text(min_size=1, max_size=6)), lo, hi - lo))
     if draw(st.booleans()):
         items.reverse()
@@ -366,7 +397,7 @@ def test_tracker_matches_brute_force_substitution(
 def spans_valid(prompt_len: int, items: list[MMItem]) -> bool:
     owner = [-1] * prompt_len
     for k, item in enumerate(items):
-        if item.span.end > prompt_len:
+        if item.span.length == 0 or item.span.end > prompt_len:
             return False
         for p in range(item.span.offset, item.span.end):
             if owner[p] != -1:
