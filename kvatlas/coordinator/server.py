@@ -12,13 +12,12 @@ import ipaddress
 import logging
 import sys
 
-import uvicorn
-
 from kvatlas.asgi_thread import ThreadedServer, free_port
 from kvatlas.coordinator.app import create_app
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.logs import configure_logging
+from kvatlas.serving import serve
 
 __all__ = ["BackgroundServer", "announce_security", "free_port", "run_coordinator"]
 
@@ -97,7 +96,7 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     # decoding scans only what requests allocate.
     gc.freeze()
     try:
-        uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+        serve(app, host=config.host, port=config.port, log_level=config.log_level)
     finally:
         service.stop()
     return 0

@@ -6,8 +6,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import uvicorn
-
 from kvatlas.client import (
     BlendCoordinatorClient,
     CoordinatorClient,
@@ -25,6 +23,7 @@ from kvatlas.node.config import NodeConfig
 from kvatlas.node.fleet_view import HttpFleetView
 from kvatlas.node.http_api import create_node_app
 from kvatlas.node.l2 import FsL2, L2Backend, RedisL2
+from kvatlas.serving import serve
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +112,7 @@ def run_node(config: NodeConfig) -> int:
     )  # fmt: skip
     kwargs: dict[str, Any] = {"log_level": config.log_level}
     try:
-        uvicorn.run(process.app, host=config.host, port=config.port, **kwargs)
+        serve(process.app, host=config.host, port=config.port, **kwargs)
     finally:
         process.close()
     return 0
