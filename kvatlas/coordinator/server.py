@@ -12,12 +12,11 @@ import ipaddress
 import logging
 import sys
 
-from kvatlas.asgi_thread import ThreadedServer, free_port
+from kvatlas.asgi_thread import ThreadedServer, free_port, serve
 from kvatlas.coordinator.app import create_app
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.logs import configure_logging
-from kvatlas.serving import serve
 
 __all__ = ["BackgroundServer", "announce_security", "free_port", "run_coordinator"]
 

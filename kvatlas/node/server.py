@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kvatlas.asgi_thread import serve
 from kvatlas.client import (
     BlendCoordinatorClient,
     CoordinatorClient,
@@ -23,7 +24,6 @@ from kvatlas.node.config import NodeConfig
 from kvatlas.node.fleet_view import HttpFleetView
 from kvatlas.node.http_api import create_node_app
 from kvatlas.node.l2 import FsL2, L2Backend, RedisL2
-from kvatlas.serving import serve
 
 log = logging.getLogger(__name__)
 
