@@ -1,17 +1,48 @@
-"""Serve an ASGI app with uvicorn in a daemon thread: real sockets on loopback, same app.
+"""Serve an ASGI app with uvicorn: in a daemon thread (real sockets on loopback, same app), or
+in the foreground of a service process until SIGINT or SIGTERM.
 
-What the embedded services, the demo and the tests use to run a coordinator or a node's peer
-API next to the code that talks to it.
+The thread is what the embedded services, the demo and the tests use to run a coordinator or a
+node's peer API next to the code that talks to it. :func:`serve` is what ``kvatlas
+coordinator`` and ``kvatlas node`` run: it *returns* after the graceful shutdown for either
+signal, so the caller's shutdown work runs — the coordinator's shutdown snapshot, the node's
+outbox flush and deregistration (docs/coordinator.md, docs/node.md). SIGTERM is what systemd
+and Kubernetes send. uvicorn catches both signals and afterwards re-raises the one it caught
+with the handler installed before it started: the default SIGTERM handler kills the process on
+the spot (exit 143, no ``finally``); the one :func:`serve` installs only records it.
 """
 
 from __future__ import annotations
 
+import logging
+import signal
 import socket
 import threading
 import time
 from typing import Any
 
 import uvicorn
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def serve(app: Any, *, host: str, port: int, **kwargs: Any) -> None:
+    """``uvicorn.run(app, ...)`` that returns normally after a graceful shutdown on SIGINT or
+    SIGTERM (the previous handlers are back in place when it returns)."""
+    received: list[int] = []
+
+    def remember(signum: int, _frame: object) -> None:
+        received.append(signum)
+
+    previous = {sig: signal.signal(sig, remember) for sig in SHUTDOWN_SIGNALS}
+    try:
+        uvicorn.run(app, host=host, port=port, **kwargs)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received:
+        log.info("%s received: shut down", signal.Signals(received[0]).name)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -12,9 +12,7 @@ import ipaddress
 import logging
 import sys
 
-import uvicorn
-
-from kvatlas.asgi_thread import ThreadedServer, free_port
+from kvatlas.asgi_thread import ThreadedServer, free_port, serve
 from kvatlas.coordinator.app import create_app
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.service import CoordinatorService
@@ -97,7 +95,7 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     # decoding scans only what requests allocate.
     gc.freeze()
     try:
-        uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+        serve(app, host=config.host, port=config.port, log_level=config.log_level)
     finally:
         service.stop()
     return 0

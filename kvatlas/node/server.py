@@ -6,8 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import uvicorn
-
+from kvatlas.asgi_thread import serve
 from kvatlas.client import (
     BlendCoordinatorClient,
     CoordinatorClient,
@@ -113,7 +112,7 @@ def run_node(config: NodeConfig) -> int:
     )  # fmt: skip
     kwargs: dict[str, Any] = {"log_level": config.log_level}
     try:
-        uvicorn.run(process.app, host=config.host, port=config.port, **kwargs)
+        serve(process.app, host=config.host, port=config.port, **kwargs)
     finally:
         process.close()
     return 0
