@@ -37,7 +37,12 @@ def _parse_lists(buf, starts, ends, arena, lengths):  # type: ignore[no-untyped-
         i += 1
         while i < n and _is_space(buf[i]):
             i += 1
-        if i < n and buf[i] == 93:  # ']'
+        if i < n and buf[i] == 93:  # ']': the empty list, then nothing but white space
+            i += 1
+            while i < n and _is_space(buf[i]):
+                i += 1
+            if i != n:
+                return j
             lengths[j] = 0
             continue
         ok = False

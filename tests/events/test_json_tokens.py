@@ -77,3 +77,11 @@ def test_boundaries_and_empty() -> None:
     assert arena[:2].tolist() == [0, 4294967295]
     assert parse_token_lists([])[2] == -1
     assert np.asarray(parse_token_lists([b"[7]"])[0]).dtype == np.uint32
+
+
+@pytest.mark.parametrize("raw", [b"[]\x00", b"[] x", b"[]]", b"[],", b"[ ] 1"])
+def test_nothing_but_white_space_after_an_empty_list(raw: bytes) -> None:
+    """Found by the property test above: the empty-list branch skipped the trailing check."""
+    check([raw])
+    assert parse_token_lists([raw])[2] == 0
+    assert parse_token_lists([b"[1]", raw])[2] == 1
