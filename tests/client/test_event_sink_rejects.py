@@ -194,3 +194,26 @@ def test_422_without_a_field_is_bisected_to_the_bad_batch(scripted: list[Scripte
     stats = sink.stats()
     assert stats.quarantined_batches == 2 and stats.sent_batches == 6
     sink.close(timeout=0.5)
+
+
+def test_node_stats_show_the_sinks_counters(scripted: list[Scripted]) -> None:
+    """What the sink counted (auth refusals included) shows in the node's ``/engine/stats``."""
+    from kvatlas.node import CacheNode, NodeConfig
+
+    server = Scripted([401])
+    scripted.append(server)
+    sink, gate = _sink(server, "node-stats")
+    config = NodeConfig(
+        model_name="toy", num_layers=1, num_kv_heads=1, head_dim=8, chunk_size=CHUNK,
+        dtype="float32", l1_bytes=1 << 20, l2="none",
+    )  # fmt: skip
+    node = CacheNode(config, instance_id="node-stats", sink=sink)
+    try:
+        sink.emit("store", "l1", "dram", [entry(1)])
+        gate.set()
+        assert sink.flush(timeout=20)
+        wire = node.stats().to_wire()["event_sink"]
+        assert wire["auth_failures"] == 1 and wire["sent_batches"] == 1
+        assert wire["quarantined_batches"] == 0 and wire["splits"] == 0
+    finally:
+        node.close()
