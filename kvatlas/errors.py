@@ -7,7 +7,8 @@
     │   ├── PayloadTooLarge          over a configured limit (413)
     │   ├── ChunkDecodeError         (kvatlas.node) a stored/fetched chunk is torn or foreign
     │   ├── SnapshotError            (kvatlas.directory) a snapshot file is unusable
-    │   └── PermanentSendError       (kvatlas.client) the receiver refused a batch: drop it
+    │   └── PermanentSendError       (kvatlas.client) the receiver refused a batch: quarantine it
+    │       └── SendTooLargeError    (kvatlas.client) 413: halve the send
     │                                (also still a RuntimeError)
     ├── Unauthorized                 no or unknown credentials (401)
     ├── Forbidden                    credentials that may not do this (403)
@@ -18,6 +19,7 @@
         │                            (503; also a RuntimeError)
         ├── L2Unavailable            (kvatlas.node)
         ├── TransientSendError       (kvatlas.client) worth retrying the delivery
+        │   └── AuthSendError        (kvatlas.client) 401/403: retried with backoff, counted
         ├── CoordinatorError         (kvatlas.client) no answer, or a refusal, from the
         │                            coordinator (``reply_status`` says which)
         └── EngineCallError          (kvatlas.node) the same for a node's engine API

@@ -11,17 +11,20 @@ from kvatlas.client.coordinator_client import (
     encode_tokens_b64,
 )
 from kvatlas.client.event_sink import (
+    AuthSendError,
     EventSink,
     HttpTransport,
     InProcessTransport,
     PermanentSendError,
     RedisStreamTransport,
+    SendTooLargeError,
     SinkStats,
     TransientSendError,
     Transport,
 )
 
 __all__ = [
+    "AuthSendError",
     "BlendCoordinatorClient",
     "CoordinatorClient",
     "CoordinatorError",
@@ -31,6 +34,7 @@ __all__ = [
     "InProcessTransport",
     "PermanentSendError",
     "RedisStreamTransport",
+    "SendTooLargeError",
     "SinkStats",
     "TransientSendError",
     "Transport",

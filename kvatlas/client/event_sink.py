@@ -10,6 +10,7 @@ reports it (placements may be missing — visible, not silent).
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections import deque
@@ -36,11 +37,39 @@ class TransientSendError(Unavailable):
     """Worth retrying: the receiver is down, slow or overloaded."""
 
 
-class PermanentSendError(InvalidInput, RuntimeError):
-    """Retrying cannot help (rejected as malformed or forbidden): drop and count.
+class AuthSendError(TransientSendError):
+    """The receiver refused our credentials (401/403): retried with backoff, since a token
+    rotation or an ACL fix on the coordinator makes the same batches acceptable again."""
 
-    An ``InvalidInput`` (the receiver refused what was sent), and still the ``RuntimeError``
-    it always was, for callers that catch it as one."""
+
+class PermanentSendError(InvalidInput, RuntimeError):
+    """Retrying cannot help (the receiver refused what was sent as malformed).
+
+    ``batch_index`` is the position in the send of the batch the receiver named (a 422 whose
+    ``field`` starts ``batches[i]``), if it named one. An ``InvalidInput``, and still the
+    ``RuntimeError`` it always was, for callers that catch it as one."""
+
+    def __init__(self, detail: str = "", *, batch_index: int | None = None) -> None:
+        super().__init__(detail)
+        self.batch_index = batch_index
+
+
+class SendTooLargeError(PermanentSendError):
+    """The receiver refused the send as too large (413): send fewer batches at a time."""
+
+
+_BATCH_FIELD = re.compile(r"^batches\[(\d+)\]")
+
+
+def _batch_index(response: httpx.Response) -> int | None:
+    """The ``i`` of a 422 reply whose ``field`` is ``batches[i]...`` (see docs/coordinator.md)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    field = body.get("field") if isinstance(body, dict) else None
+    match = _BATCH_FIELD.match(field) if isinstance(field, str) else None
+    return int(match.group(1)) if match else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +83,20 @@ class SinkStats:
     sent_batches: int
     dropped_batches: int
     """Dropped on a full outbox or at close: the coordinator sees them as a gap."""
-    rejected_batches: int
-    """Refused by the receiver (:class:`PermanentSendError`): dropped, never retried."""
+    quarantined_batches: int
+    """Refused by the receiver (:class:`PermanentSendError`), one batch at a time, while the
+    rest of the send was delivered: never retried; the coordinator sees each as a gap."""
     retries: int
+    """Failed attempts that were retried (including :attr:`auth_failures`)."""
+    auth_failures: int
+    """Sends refused with 401/403: retried with backoff, never dropped."""
+    splits: int
+    """Sends halved because the receiver said too large (413) or refused one batch unnamed."""
+
+    @property
+    def rejected_batches(self) -> int:
+        """The older name of :attr:`quarantined_batches`."""
+        return self.quarantined_batches
 
 
 class Transport(Protocol):
@@ -76,11 +116,14 @@ class HttpTransport:
             base_url=url.rstrip("/"), timeout=timeout, headers=auth_headers(token)
         )
 
-    def send(self, batches: Sequence[EventBatch]) -> None:
+    def encode(self, batches: Sequence[EventBatch]) -> tuple[bytes, str]:
+        """The body and content type of one ``POST /events``."""
         if self.fmt == "msgpack":
-            body, content_type = encode_msgpack(list(batches)), "application/msgpack"
-        else:
-            body, content_type = encode_json(list(batches)), "application/json"
+            return encode_msgpack(list(batches)), "application/msgpack"
+        return encode_json(list(batches)), "application/json"
+
+    def send(self, batches: Sequence[EventBatch]) -> None:
+        body, content_type = self.encode(batches)
         try:
             response = self._http.post(
                 "/events", content=body, headers={"Content-Type": content_type}
@@ -89,8 +132,13 @@ class HttpTransport:
             raise TransientSendError(str(exc)) from exc
         if response.status_code >= 500 or response.status_code in (408, 429):
             raise TransientSendError(f"status {response.status_code}")
+        text = f"status {response.status_code}: {response.text[:200]}"
+        if response.status_code in (401, 403):
+            raise AuthSendError(text)
+        if response.status_code == 413:
+            raise SendTooLargeError(text)
         if response.status_code >= 400:
-            raise PermanentSendError(f"status {response.status_code}: {response.text[:200]}")
+            raise PermanentSendError(text, batch_index=_batch_index(response))
 
     def close(self) -> None:
         self._http.close()
@@ -133,8 +181,14 @@ class InProcessTransport:
         self._consume = consume
 
     def send(self, batches: Sequence[EventBatch]) -> None:
-        for batch in batches:
-            self._consume(batch)
+        for i, batch in enumerate(batches):
+            try:
+                self._consume(batch)
+            except PermanentSendError as exc:
+                if exc.batch_index is not None:
+                    raise
+                # Name the refused batch: those before it were consumed, so none is resent.
+                raise PermanentSendError(exc.detail, batch_index=i) from exc
 
     def close(self) -> None:
         pass
@@ -169,7 +223,9 @@ class EventSink:
         self._closed = False
         self.sent_batches = 0
         self.dropped_batches = 0
-        self.rejected_batches = 0
+        self.quarantined_batches = 0
+        self.auth_failures = 0
+        self.splits = 0
         self.retries = 0
         self._thread = threading.Thread(
             target=self._run, name=f"kvatlas-sink-{instance_id}", daemon=True
@@ -212,6 +268,11 @@ class EventSink:
             return True
 
     @property
+    def rejected_batches(self) -> int:
+        """The older name of :attr:`quarantined_batches`."""
+        return self.quarantined_batches
+
+    @property
     def pending(self) -> int:
         with self._cond:
             return len(self._outbox) + self._in_flight
@@ -240,30 +301,62 @@ class EventSink:
                     for _ in range(min(self.max_batches_per_send, len(self._outbox)))
                 ]
                 self._in_flight = len(batch_list)
-            delivered = False
-            while not delivered:
-                try:
-                    self.transport.send(batch_list)
-                    delivered = True
-                    self.sent_batches += len(batch_list)
-                    backoff = self.backoff_initial
-                except PermanentSendError as exc:
-                    delivered = True
-                    self.rejected_batches += len(batch_list)
-                    log.error("coordinator rejected %d batches: %s", len(batch_list), exc)
-                except Exception as exc:
-                    self.retries += 1
-                    log.debug("event delivery failed (%s); retry in %.2f s", exc, backoff)
-                    with self._cond:
-                        if self._closed:  # closing gave up waiting: count, don't hang
-                            self.dropped_batches += len(batch_list)
-                            delivered = True
-                            continue
-                        self._cond.wait(backoff)
-                    backoff = min(backoff * 2, self.backoff_max)
+            backoff = self._deliver(batch_list, backoff)
             with self._cond:
                 self._in_flight = 0
                 self._cond.notify_all()
+
+    def _deliver(self, batch_list: list[EventBatch], backoff: float) -> float:
+        """Deliver one send, in order: a refused batch is quarantined and the rest delivered,
+        a send too large is halved, anything else is retried with backoff. Returns the
+        backoff for the next send."""
+        parts: deque[list[EventBatch]] = deque([batch_list])
+        while parts:
+            part = parts.popleft()
+            try:
+                self.transport.send(part)
+            except PermanentSendError as exc:
+                index = exc.batch_index
+                if isinstance(exc, SendTooLargeError) or index is None or index >= len(part):
+                    if len(part) == 1:
+                        self._quarantine(part[0], exc)
+                    else:  # halve it: too large, or which batch is bad is unknown (bisect)
+                        half = len(part) // 2
+                        parts.extendleft([part[half:], part[:half]])
+                        with self._cond:
+                            self.splits += 1
+                    continue
+                self._quarantine(part[index], exc)
+                parts.extendleft([p for p in (part[index + 1 :], part[:index]) if p])
+                continue
+            except Exception as exc:
+                with self._cond:
+                    self.retries += 1
+                    if isinstance(exc, AuthSendError):
+                        self.auth_failures += 1
+                        log.warning("coordinator refused our credentials (%s); retrying", exc)
+                    else:
+                        log.debug("event delivery failed (%s); retry in %.2f s", exc, backoff)
+                    if self._closed:  # closing gave up waiting: count, don't hang
+                        self.dropped_batches += sum(len(p) for p in (part, *parts))
+                        return backoff
+                    self._cond.wait(backoff)
+                backoff = min(backoff * 2, self.backoff_max)
+                parts.appendleft(part)
+                continue
+            with self._cond:
+                self.sent_batches += len(part)
+                self._in_flight -= len(part)
+            backoff = self.backoff_initial
+        return backoff
+
+    def _quarantine(self, batch: EventBatch, exc: Exception) -> None:
+        """Set aside one batch the receiver refused: counted and logged; its seq is never
+        delivered, so the coordinator reports it as a gap."""
+        with self._cond:
+            self.quarantined_batches += 1
+            self._in_flight -= 1
+        log.error("coordinator refused batch seq %d (quarantined, a gap): %s", batch.seq, exc)
 
     def close(self, timeout: float = 5.0) -> None:
         """Deliver what is queued (up to ``timeout``), then stop; undelivered batches are counted as dropped."""
@@ -283,6 +376,8 @@ class EventSink:
                 pending=len(self._outbox) + self._in_flight,
                 sent_batches=self.sent_batches,
                 dropped_batches=self.dropped_batches,
-                rejected_batches=self.rejected_batches,
+                quarantined_batches=self.quarantined_batches,
                 retries=self.retries,
+                auth_failures=self.auth_failures,
+                splits=self.splits,
             )

@@ -22,7 +22,7 @@ import logging
 import uuid
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any
 
 import numpy as np
@@ -84,6 +84,9 @@ class NodeStats:
     local_index: BlendStats
     token_cache: TokenCacheStats
     counters: Mapping[str, int]
+    event_sink: Mapping[str, int] | None = None
+    """The event sink's counters (sent, dropped, quarantined, auth failures, splits, ...), if
+    the sink keeps any (see docs/node.md)."""
 
     def to_wire(self) -> dict[str, Any]:
         """The engine API's ``/engine/stats`` reply: the counters flat beside the fields."""
@@ -93,6 +96,7 @@ class NodeStats:
             "l1_bytes": self.l1_bytes,
             "local_index": asdict(self.local_index),
             "token_cache": {"chunks": self.token_cache.chunks, "misses": self.token_cache.misses},
+            **({"event_sink": dict(self.event_sink)} if self.event_sink is not None else {}),
             **self.counters,
         }
 
@@ -123,6 +127,7 @@ class CacheNode:
         self.l2 = l2
         self.fleet = fleet
         self.emitter = EventEmitter(sink) if sink is not None else None
+        self._sink = sink
         self.token_cache = TokenCache(config.token_cache_chunks)
         self.counters: Counter[str] = Counter()
         self.index = BlendIndex(config.chunk_size)
@@ -356,7 +361,14 @@ class CacheNode:
             local_index=self.index.stats(),
             token_cache=self.token_cache.stats(),
             counters=dict(self.counters),
+            event_sink=self._sink_stats(),
         )
+
+    def _sink_stats(self) -> dict[str, int] | None:
+        """The sink's own counters, when it keeps them (an :class:`~kvatlas.client.EventSink`)."""
+        read = getattr(self._sink, "stats", None)
+        stats = read() if callable(read) else None
+        return asdict(stats) if is_dataclass(stats) and not isinstance(stats, type) else None
 
     def close(self) -> None:
         if self.emitter is not None:

@@ -15,12 +15,14 @@ import pytest
 
 from kvatlas.asgi_thread import free_port
 from kvatlas.client import (
+    AuthSendError,
     CoordinatorClient,
     CoordinatorError,
     EventSink,
     HttpTransport,
     InProcessTransport,
     PermanentSendError,
+    SendTooLargeError,
     SinkStats,
     TransientSendError,
 )
@@ -90,7 +92,9 @@ def test_error_classes_in_the_tree() -> None:
         (429, TransientSendError),
         (408, TransientSendError),
         (422, PermanentSendError),
-        (403, PermanentSendError),
+        (413, SendTooLargeError),
+        (401, AuthSendError),
+        (403, AuthSendError),
     ],
 )
 def test_http_transport_sorts_replies(
@@ -124,7 +128,14 @@ def test_permanent_errors_are_dropped_and_counted_not_retried() -> None:
     assert sink.flush(timeout=10)
     assert (sink.rejected_batches, sink.retries, sink.sent_batches) == (1, 0, 0)
     assert sink.stats() == SinkStats(
-        seq=1, pending=0, sent_batches=0, dropped_batches=0, rejected_batches=1, retries=0
+        seq=1,
+        pending=0,
+        sent_batches=0,
+        dropped_batches=0,
+        quarantined_batches=1,
+        retries=0,
+        auth_failures=0,
+        splits=0,
     )
     sink.close(timeout=1)
 
