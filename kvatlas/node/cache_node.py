@@ -14,6 +14,8 @@ Safety rules that go beyond "the hash matched":
   tokens at the segment's position (a stale or foreign chunk becomes a miss, never wrong KV);
 * re-RoPE starts from the fetched chunk's own ``token_offset`` (where its KV was computed),
   not from an index's idea of it; a chunk with unknown offset is a miss.
+* a segment whose used part ``[trim, trim + length)`` does not lie inside the chunk (segments
+  also arrive over the engine API) is a miss, never a part shorter than the span it claims.
 """
 
 from __future__ import annotations
@@ -330,6 +332,7 @@ class CacheNode:
             window = tokens[start : start + c]
             if (
                 chunk is None
+                or seg.trim + seg.length > c  # its used part must lie inside the chunk
                 or chunk.tokens is None
                 or chunk.token_offset < 0
                 or len(window) != c
