@@ -49,6 +49,13 @@ def check_coordinator_compatible(config: NodeConfig, health: dict[str, Any]) -> 
             f"{config.event_transport}, the coordinator at {config.coordinator_url} uses "
             f"--event-transport {theirs}; it would never see this node's chunks"
         )
+    stream = health.get("event_stream")
+    if config.event_transport == "redis" and stream is not None and stream != config.event_stream:
+        raise TransportMismatch(
+            f"event stream mismatch: this node writes --event-stream {config.event_stream}, "
+            f"the coordinator at {config.coordinator_url} reads --event-stream {stream}; "
+            "it would never see this node's chunks"
+        )
     if config.enable_blend_lookup and health.get("blend_lookup") is False:
         log.warning(
             "blend lookup mismatch: this node has --enable-blend-lookup on, the coordinator at "

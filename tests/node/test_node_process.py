@@ -14,7 +14,7 @@ from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.server import BackgroundServer, free_port
 from kvatlas.keys import KeySchemeMismatch
 from kvatlas.node.config import NodeConfig
-from kvatlas.node.server import NodeProcess
+from kvatlas.node.server import NodeProcess, TransportMismatch, check_coordinator_compatible
 
 
 def node_config(tmp_path: Path, url: str, **kw: object) -> NodeConfig:
@@ -64,6 +64,17 @@ def test_node_on_redis_refuses_a_coordinator_on_http(
     text = out.decode()
     assert proc.returncode != 0, text
     assert "event transport mismatch" in text and "redis" in text and "http" in text, text
+
+
+def test_node_refuses_a_coordinator_reading_another_stream(tmp_path: Path) -> None:
+    config = node_config(
+        tmp_path, "http://127.0.0.1:1", coordinator_event_reporting=True,
+        event_transport="redis", redis_url="redis://127.0.0.1:1/0", event_stream="a",
+    )  # fmt: skip
+    health = {"key_scheme": "blake3", "chunk_size": 16, "event_transport": "redis"}
+    with pytest.raises(TransportMismatch, match=r"--event-stream a.*--event-stream b"):
+        check_coordinator_compatible(config, {**health, "event_stream": "b"})
+    check_coordinator_compatible(config, {**health, "event_stream": "a"})
 
 
 def test_blend_lookup_off_at_the_coordinator_is_warned_about(
