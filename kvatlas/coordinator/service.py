@@ -296,4 +296,5 @@ class CoordinatorService:
             self.directory.blend_enabled,
             self.config.event_transport,
             self.stream_position,
+            self.config.event_stream if self.config.event_transport == "redis" else None,
         )

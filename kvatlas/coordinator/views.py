@@ -63,6 +63,8 @@ class HealthView:
     blend_lookup: bool
     event_transport: str
     stream_position: str | None
+    event_stream: str | None = None
+    """The Redis Stream the coordinator reads (the redis transport only)."""
 
 
 @dataclass(frozen=True, slots=True)

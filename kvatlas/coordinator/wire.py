@@ -315,6 +315,7 @@ def health_to_wire(h: HealthView) -> dict[str, Any]:
         "blend_lookup": h.blend_lookup,
         "event_transport": h.event_transport,
         "stream_position": h.stream_position,
+        "event_stream": h.event_stream,
     }
 
 

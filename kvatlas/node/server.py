@@ -17,6 +17,7 @@ from kvatlas.client import (
     Transport,
 )
 from kvatlas.directory import warm_up_kernels
+from kvatlas.errors import Conflict
 from kvatlas.keys import KeySchemeMismatch
 from kvatlas.logs import configure_logging
 from kvatlas.node.cache_node import CacheNode
@@ -26,6 +27,41 @@ from kvatlas.node.http_api import create_node_app
 from kvatlas.node.l2 import FsL2, L2Backend, RedisL2
 
 log = logging.getLogger(__name__)
+
+
+class TransportMismatch(Conflict):
+    """The node would report events where its coordinator does not read them."""
+
+
+def check_coordinator_compatible(config: NodeConfig, health: dict[str, Any]) -> None:
+    """Compare this node's configuration with the coordinator's ``/healthz`` (``docs/node.md``).
+
+    Refuses (raises) on a key scheme, chunk size or, for a reporting node, event transport
+    mismatch; warns when the node answers blend lookups but the coordinator has them off.
+    """
+    config.scheme.check_compatible(str(health.get("key_scheme")), int(health.get("chunk_size", -1)))
+    if not config.fleet_enabled:
+        return
+    theirs = health.get("event_transport")
+    if theirs is not None and theirs != config.event_transport:
+        raise TransportMismatch(
+            f"event transport mismatch: this node uses --event-transport "
+            f"{config.event_transport}, the coordinator at {config.coordinator_url} uses "
+            f"--event-transport {theirs}; it would never see this node's chunks"
+        )
+    stream = health.get("event_stream")
+    if config.event_transport == "redis" and stream is not None and stream != config.event_stream:
+        raise TransportMismatch(
+            f"event stream mismatch: this node writes --event-stream {config.event_stream}, "
+            f"the coordinator at {config.coordinator_url} reads --event-stream {stream}; "
+            "it would never see this node's chunks"
+        )
+    if config.enable_blend_lookup and health.get("blend_lookup") is False:
+        log.warning(
+            "blend lookup mismatch: this node has --enable-blend-lookup on, the coordinator at "
+            "%s has it off; every fleet leg of a blend lookup will answer empty",
+            config.coordinator_url,
+        )
 
 
 class NodeProcess:
@@ -42,10 +78,11 @@ class NodeProcess:
         if config.coordinator_url:
             token = config.coordinator_token or None
             self.coordinator = CoordinatorClient(config.coordinator_url, token=token)
-            health = self.coordinator.health()
-            config.scheme.check_compatible(
-                str(health.get("key_scheme")), int(health.get("chunk_size", -1))
-            )
+            try:
+                check_coordinator_compatible(config, self.coordinator.health())
+            except Conflict:
+                self.coordinator.close()
+                raise
             instance_id = self.coordinator.register(
                 instance_id, ip=config.host, http_port=config.port, p2p_advertised_url=advertised,
                 metadata={"model_name": config.model_name, "kv_rank": config.kv_rank},
@@ -102,7 +139,7 @@ def run_node(config: NodeConfig) -> int:
     warm_up_kernels()
     try:
         process = NodeProcess(config)
-    except (KeySchemeMismatch, CoordinatorError) as exc:
+    except (KeySchemeMismatch, TransportMismatch, CoordinatorError) as exc:
         log.error("refusing to start: %s", exc)
         return 2
     log.info(

@@ -147,10 +147,13 @@ def test_directory_stats_with_blend_on_carry_the_index_stats() -> None:
 
 
 def test_health_and_readiness() -> None:
-    health = HealthView(Readiness.CATCHING_UP, KeyScheme("blake3", 4), True, "redis", "1-0")
+    health = HealthView(
+        Readiness.CATCHING_UP, KeyScheme("blake3", 4), True, "redis", "1-0", "kv:events"
+    )
     assert msgspec.json.encode(wire.health_to_wire(health)) == (
         b'{"status":"ok","state":"catching_up","key_scheme":"blake3","chunk_size":4,'
-        b'"blend_lookup":true,"event_transport":"redis","stream_position":"1-0"}'
+        b'"blend_lookup":true,"event_transport":"redis","stream_position":"1-0",'
+        b'"event_stream":"kv:events"}'
     )
     assert wire.readiness_to_wire(Readiness.SERVING) == {"ready": True, "state": "serving"}
     assert wire.readiness_to_wire(Readiness.RESTORING) == {"ready": False, "state": "restoring"}

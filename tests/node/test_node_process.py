@@ -1,8 +1,11 @@
-"""The node process wiring: scheme/chunk-size mismatch refused, the gating rule, registration."""
+"""The node process wiring: scheme/chunk-size/event-transport mismatch refused, blend lookup
+off at the coordinator warned about, the gating rule, registration."""
 
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,7 @@ from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.server import BackgroundServer, free_port
 from kvatlas.keys import KeySchemeMismatch
 from kvatlas.node.config import NodeConfig
-from kvatlas.node.server import NodeProcess
+from kvatlas.node.server import NodeProcess, TransportMismatch, check_coordinator_compatible
 
 
 def node_config(tmp_path: Path, url: str, **kw: object) -> NodeConfig:
@@ -37,6 +40,59 @@ def test_refuses_to_start_on_scheme_or_chunk_size_mismatch(
 ) -> None:
     with pytest.raises(KeySchemeMismatch):
         NodeProcess(node_config(tmp_path, coordinator.url, **mismatch))
+
+
+def test_node_on_redis_refuses_a_coordinator_on_http(
+    coordinator: BackgroundServer, tmp_path: Path
+) -> None:
+    """A real node process whose events would go to a Redis stream the coordinator never reads
+    exits non-zero before serving, naming both transports."""
+    args = [
+        sys.executable, "-m", "kvatlas.cli", "node", "--model-name", "m", "--num-layers", "1",
+        "--num-kv-heads", "1", "--head-dim", "8", "--chunk-size", "16", "--dtype", "float32",
+        "--l2", "none", "--port", str(free_port()), "--coordinator-url", coordinator.url,
+        "--coordinator-event-reporting", "--event-transport", "redis",
+        "--redis-url", "redis://127.0.0.1:1/0",
+    ]  # fmt: skip
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out, _ = proc.communicate(timeout=120)  # a wide bound: today's bug is "serves forever"
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"node kept running despite the transport mismatch:\n{out.decode()}")
+    text = out.decode()
+    assert proc.returncode != 0, text
+    assert "event transport mismatch" in text and "redis" in text and "http" in text, text
+
+
+def test_node_refuses_a_coordinator_reading_another_stream(tmp_path: Path) -> None:
+    config = node_config(
+        tmp_path, "http://127.0.0.1:1", coordinator_event_reporting=True,
+        event_transport="redis", redis_url="redis://127.0.0.1:1/0", event_stream="a",
+    )  # fmt: skip
+    health = {"key_scheme": "blake3", "chunk_size": 16, "event_transport": "redis"}
+    with pytest.raises(TransportMismatch, match=r"--event-stream a.*--event-stream b"):
+        check_coordinator_compatible(config, {**health, "event_stream": "b"})
+    check_coordinator_compatible(config, {**health, "event_stream": "a"})
+
+
+def test_blend_lookup_off_at_the_coordinator_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with (
+        BackgroundServer(
+            CoordinatorConfig(port=free_port(), chunk_size=16, enable_blend_lookup=False)
+        ) as off,
+        caplog.at_level(logging.WARNING, logger="kvatlas.node"),
+    ):
+        process = NodeProcess(node_config(tmp_path, off.url, coordinator_event_reporting=True))
+        process.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any(
+        "blend lookup" in m and "enable-blend-lookup" in m and "off" in m and "on" in m
+        for m in warnings
+    ), warnings
 
 
 def test_url_without_event_reporting_is_not_configured(
