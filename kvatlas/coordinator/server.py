@@ -11,6 +11,8 @@ import gc
 import ipaddress
 import logging
 import sys
+import time
+from collections.abc import Callable
 
 from kvatlas.asgi_thread import ThreadedServer, free_port, serve
 from kvatlas.coordinator.app import create_app
@@ -48,9 +50,12 @@ def announce_security(config: CoordinatorConfig) -> None:
 class BackgroundServer:
     """The coordinator (service + HTTP) in this process, served in a daemon thread."""
 
-    def __init__(self, config: CoordinatorConfig) -> None:
+    def __init__(
+        self, config: CoordinatorConfig, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """``clock`` times instance heartbeats (tests inject a fake one)."""
         self.config = config
-        self.service = CoordinatorService(config)
+        self.service = CoordinatorService(config, clock)
         self.app = create_app(self.service)
         self._http = ThreadedServer(
             self.app, port=config.port, host=config.host, name="coordinator"

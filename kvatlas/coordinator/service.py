@@ -51,7 +51,9 @@ log = logging.getLogger(__name__)
 
 
 class CoordinatorService:
-    def __init__(self, config: CoordinatorConfig) -> None:
+    def __init__(
+        self, config: CoordinatorConfig, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.config = config
         self.scheme = config.scheme
         scheme = self.scheme
@@ -62,7 +64,7 @@ class CoordinatorService:
             hash_chunks=lambda tokens, _chunk_size: scheme.chunk_hashes(tokens),
         )
         self.auth = TokenAuth.from_file(config.auth_token_file) if config.auth_token_file else None
-        self.instances = InstanceRegistry(config.instance_timeout, self._fence_expired)
+        self.instances = InstanceRegistry(config.instance_timeout, self._fence_expired, clock)
         self.metrics = CoordinatorMetrics(self.metrics_state)
         self.state = Readiness.RESTORING
         self.stream_position: str | None = None

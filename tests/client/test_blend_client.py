@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -77,12 +77,13 @@ def test_maybe_create_empty_url() -> None:
 
 class _Misbehaving(BaseHTTPRequestHandler):
     mode = "garbage"
+    release: ClassVar[threading.Event]  # a "slow" reply stalls until teardown sets it
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         mode = type(self).mode
         if mode == "slow":
-            time.sleep(1.5)
+            type(self).release.wait(timeout=60)
         status, body = {
             "garbage": (200, b"\x00not json"),
             "wrong-shape": (
@@ -111,11 +112,12 @@ class _Misbehaving(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def misbehaving() -> Iterator[tuple[str, type[_Misbehaving]]]:
-    handler = type("Handler", (_Misbehaving,), {})
+    handler = type("Handler", (_Misbehaving,), {"release": threading.Event()})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    handler.release.set()
     server.shutdown()
     server.server_close()
 
@@ -128,11 +130,10 @@ def test_failures_become_empty_within_budget(
     handler.mode = mode
     with BlendCoordinatorClient(url, request_timeout=0.3) as client:
         client.submit_match("r", list(range(64)), NS)
-        result, elapsed = poll_until_done(client, "r", budget=2.0)
+        # the stall lasts until teardown: an answer within the budget came from the
+        # request_timeout, however loaded the machine
+        result, _ = poll_until_done(client, "r", budget=30.0)
         assert result == []
-        assert (
-            elapsed < 1.0
-        )  # the request_timeout (0.3 s) plus scheduling slack, never the 1.5 s stall
 
 
 def test_server_down_is_empty() -> None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import base64
 import itertools
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -183,11 +184,13 @@ def assert_error(r: httpx.Response, *statuses: int) -> dict[str, Any]:
 
 
 @contextmanager
-def running(**config: Any) -> Iterator[tuple[BackgroundServer, httpx.Client]]:
-    """A coordinator on a free loopback port, and a client for it."""
+def running(
+    clock: Callable[[], float] = time.monotonic, **config: Any
+) -> Iterator[tuple[BackgroundServer, httpx.Client]]:
+    """A coordinator on a free loopback port, and a client for it (``clock`` times heartbeats)."""
     config.setdefault("chunk_size", CS)
     with (
-        BackgroundServer(CoordinatorConfig(port=free_port(), **config)) as server,
+        BackgroundServer(CoordinatorConfig(port=free_port(), **config), clock) as server,
         httpx.Client(base_url=server.url, timeout=30.0) as client,
     ):
         yield server, client
@@ -195,7 +198,6 @@ def running(**config: Any) -> Iterator[tuple[BackgroundServer, httpx.Client]]:
 
 def poll(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> bool:
     """Poll ``predicate`` until it is truthy or the deadline passes (no fixed sleeps)."""
-    import time
 
     deadline = time.monotonic() + timeout
     while True:

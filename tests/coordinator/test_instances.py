@@ -139,19 +139,33 @@ def test_unregistered_emitter_listed(client: httpx.Client) -> None:
 # ------------------------------------------------------------------------------------- timeout
 
 
-@pytest.fixture(scope="module")
-def timeout_server() -> Iterator[tuple[BackgroundServer, httpx.Client]]:
-    with running(instance_timeout=TIMEOUT) as pair:
-        yield pair
+class FakeClock:
+    """The registry's heartbeat clock, advanced by the test: no wall-clock races."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
-def test_instance_timeout_fences_l1(timeout_server: tuple[BackgroundServer, httpx.Client]) -> None:
-    _, client = timeout_server
+@pytest.fixture
+def timeout_server() -> Iterator[tuple[BackgroundServer, httpx.Client, FakeClock]]:
+    clock = FakeClock()
+    with running(clock=clock, instance_timeout=TIMEOUT) as (server, client):
+        yield server, client, clock
+
+
+def test_instance_timeout_fences_l1(
+    timeout_server: tuple[BackgroundServer, httpx.Client, FakeClock],
+) -> None:
+    _, client, clock = timeout_server
     em, tokens = Emitter(), fresh_tokens(2)
     # events first, registration last: the timeout counts from the registration
     post_batches(client, em.store_chunks(tokens))
     post_batches(client, em.store_chunks(tokens, tier="l2", backend="fs"))
     assert client.post("/instances", json={"instance_id": em.instance_id}).status_code == 200
+    clock.now += 2 * TIMEOUT  # heartbeats stop; the background sweep fences it
 
     def l1_gone() -> bool:
         return (
@@ -167,16 +181,16 @@ def test_instance_timeout_fences_l1(timeout_server: tuple[BackgroundServer, http
 
 
 def test_heartbeats_keep_instance_alive(
-    timeout_server: tuple[BackgroundServer, httpx.Client],
+    timeout_server: tuple[BackgroundServer, httpx.Client, FakeClock],
 ) -> None:
-    import time
-
-    _, client = timeout_server
+    server, client, clock = timeout_server
     em, tokens = Emitter(), fresh_tokens(1)
     post_batches(client, em.store_chunks(tokens))
     assert client.post("/instances", json={"instance_id": em.instance_id}).status_code == 200
-    end = time.monotonic() + 4 * TIMEOUT
-    while time.monotonic() < end:  # heartbeat pacing (well inside the timeout), not a sync
+    for _ in range(8):  # four timeouts' worth of fake time, a heartbeat every half timeout
+        clock.now += TIMEOUT / 2
         assert client.put(f"/instances/{em.instance_id}/heartbeat").status_code == 200
-        time.sleep(TIMEOUT / 6)
+        assert server.service.instances.expire() == []
     assert placements_by_key(lookup_tokens(client, tokens)) == [{(em.instance_id, "l1", "dram")}]
+    clock.now += 2 * TIMEOUT  # once they stop, the background sweep fences it
+    assert poll(lambda: not server.service.instances.known(em.instance_id), timeout=10.0)

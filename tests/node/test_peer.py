@@ -145,10 +145,10 @@ def test_listed_chunks_stay_pinned_during_transfer() -> None:
 
 
 def test_peer_down_is_empty_and_quick() -> None:
-    client = PeerClient(f"http://127.0.0.1:{free_port()}", timeout=2.0)
+    client = PeerClient(f"http://127.0.0.1:{free_port()}", timeout=60.0)
     start = time.monotonic()
     assert client.fetch([key(1), key(2)]) == {}
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 30.0  # refused at once: never waits out the timeout
     client.close()
 
 
@@ -156,12 +156,12 @@ def test_peer_dies_between_fetches() -> None:
     l1 = L1Cache(1 << 20)
     l1.put(chunk(1))
     server = PeerServer(create_peer_app(l1), port=free_port()).start()
-    client = PeerClient(server.url, timeout=2.0)
+    client = PeerClient(server.url, timeout=60.0)
     assert set(client.fetch([key(1)])) == {key(1)}
     server.stop()
     start = time.monotonic()
     assert client.fetch([key(1)]) == {}
-    assert time.monotonic() - start < 2.5
+    assert time.monotonic() - start < 30.0  # refused at once: never waits out the timeout
     client.close()
 
 
@@ -175,7 +175,7 @@ def test_silent_peer_times_out_to_empty() -> None:
         client = PeerClient(f"http://127.0.0.1:{port}", timeout=0.3)
         start = time.monotonic()
         assert client.fetch([key(1)]) == {}
-        assert time.monotonic() - start < 2.0
+        assert time.monotonic() - start < 30.0  # the 0.3 s timeout ends it, not a hang
         client.close()
     finally:
         listener.close()

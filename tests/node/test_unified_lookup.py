@@ -138,7 +138,7 @@ class FakeClock:
 
 
 def finish(
-    lookup: UnifiedBlendLookup, request_id: str, prefix_len: int = 0, budget: float = 5.0
+    lookup: UnifiedBlendLookup, request_id: str, prefix_len: int = 0, budget: float = 30.0
 ) -> LookupResult:
     """Poll like an engine would, until the final result (bounded by ``budget``)."""
     deadline = time.monotonic() + budget
@@ -239,8 +239,11 @@ def test_degrades_to_exactly_local_only(
     url = _fleet_url(mode, request, fake)
     expected = local_only(local_index, prefix_len)
     assert expected.segments  # the comparison below is not vacuous
-    with BlendCoordinatorClient(url, request_timeout=5.0) as client:
-        lookup = UnifiedBlendLookup(local_index, client, chunk_size=CHUNK, deadline_s=0.3)
+    # Only the slow leg may hit the deadline: it never answers (gate held), while the others
+    # get a deadline far beyond any scheduling delay, so "timed out" means "was slow".
+    deadline_s = 0.3 if mode == "slow" else 30.0
+    with BlendCoordinatorClient(url, request_timeout=60.0) as client:
+        lookup = UnifiedBlendLookup(local_index, client, chunk_size=CHUNK, deadline_s=deadline_s)
         started = time.monotonic()
         result = run(lookup, prefix_len)
         elapsed = time.monotonic() - started
@@ -248,7 +251,8 @@ def test_degrades_to_exactly_local_only(
     assert result.fleet_matches == 0
     assert result.fleet_timed_out == (mode == "slow")
     assert result.fleet_used == (mode != "slow")
-    assert elapsed < 3.0  # bounded by the 0.3 s deadline, never the 5 s client timeout
+    if mode == "slow":  # the lookup deadline governs, never the (much longer) client timeout
+        assert elapsed < 20.0
 
 
 def test_closed_fleet_client_degrades(local_index: BlendIndex) -> None:
