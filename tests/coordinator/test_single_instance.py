@@ -43,7 +43,8 @@ def test_second_coordinator_is_refused_and_leaves_the_snapshot_alone(tmp_path: P
     keys = [ObjectKey(chunk_hashes(r, C)[0], "m", pack_kv_rank(1, 0, 1, 0)) for r in rows]
     sink = EventSink("emitter", HttpTransport(url), backoff_max=0.2)
     try:
-        sink.emit("store", "l1", "dram", [CacheEntry(k, 64, r, 0) for k, r in zip(keys, rows)])
+        batch = [CacheEntry(k, 64, r, 0) for k, r in zip(keys, rows, strict=True)]
+        sink.emit("store", "l1", "dram", batch)
         assert sink.flush(30)
         assert httpx.get(f"{url}/directory/stats").json()["keys"] == 3
 
