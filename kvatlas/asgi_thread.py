@@ -27,9 +27,29 @@ log = logging.getLogger(__name__)
 SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def serve(app: Any, *, host: str, port: int, **kwargs: Any) -> None:
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port``, bound *before* a service does any start-up work,
+    so a second instance on a port in use stops before it touches shared state. Raises
+    :class:`OSError` with a message naming the address when it cannot bind."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(
+    app: Any, *, host: str, port: int, sock: socket.socket | None = None, **kwargs: Any
+) -> None:
     """``uvicorn.run(app, ...)`` that returns normally after a graceful shutdown on SIGINT or
-    SIGTERM (the previous handlers are back in place when it returns)."""
+    SIGTERM (the previous handlers are back in place when it returns). With ``sock`` (from
+    :func:`bind_listener`) uvicorn serves on that already-bound socket."""
     received: list[int] = []
 
     def remember(signum: int, _frame: object) -> None:
@@ -37,7 +57,10 @@ def serve(app: Any, *, host: str, port: int, **kwargs: Any) -> None:
 
     previous = {sig: signal.signal(sig, remember) for sig in SHUTDOWN_SIGNALS}
     try:
-        uvicorn.run(app, host=host, port=port, **kwargs)
+        if sock is None:
+            uvicorn.run(app, host=host, port=port, **kwargs)
+        else:
+            uvicorn.Server(uvicorn.Config(app, host=host, port=port, **kwargs)).run(sockets=[sock])
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

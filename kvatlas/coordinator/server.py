@@ -7,14 +7,17 @@ docs/coordinator.md.
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import ipaddress
 import logging
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import IO
 
-from kvatlas.asgi_thread import ThreadedServer, free_port, serve
+from kvatlas.asgi_thread import ThreadedServer, bind_listener, free_port, serve
 from kvatlas.coordinator.app import create_app
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.service import CoordinatorService
@@ -45,6 +48,23 @@ def announce_security(config: CoordinatorConfig) -> None:
             "and query every namespace; use --auth-token-file",
             config.host,
         )
+
+
+def lock_snapshot_path(path: Path) -> IO[str]:
+    """Hold an exclusive ``flock`` on ``<path>.lock`` for as long as the returned file stays
+    open (the process's lifetime), so two coordinators never share one snapshot file.
+    Raises :class:`OSError` naming the lock file when another process holds it."""
+    lock_path = path.with_name(path.name + ".lock")
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(lock_path, "a")  # noqa: SIM115 - held open until the process exits
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        handle.close()
+        raise OSError(
+            exc.errno, f"snapshot {path} is in use by another coordinator (lock {lock_path} held)"
+        ) from exc
+    return handle
 
 
 class BackgroundServer:
@@ -87,6 +107,20 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     # lets one request's Python work stall the others' responses (p99). 1 ms keeps them fair.
     sys.setswitchinterval(0.001)
     announce_security(config)
+    # Claim the port and the snapshot file before restoring, joining the Redis consumer group
+    # or serving: a second coordinator with the same flags must not take batches from the live
+    # one nor overwrite its snapshot on the way out (docs/coordinator.md).
+    try:
+        sock = bind_listener(config.host, config.port)
+    except OSError as exc:
+        log.error("%s; is another coordinator running? not starting", exc.strerror)
+        return 1
+    try:
+        lock = None if config.snapshot_path is None else lock_snapshot_path(config.snapshot_path)
+    except OSError as exc:
+        sock.close()
+        log.error("%s; not starting", exc.strerror)
+        return 1
     service = CoordinatorService(config)
     service.start()
     log.info(
@@ -100,7 +134,10 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     # decoding scans only what requests allocate.
     gc.freeze()
     try:
-        serve(app, host=config.host, port=config.port, log_level=config.log_level)
+        serve(app, host=config.host, port=config.port, sock=sock, log_level=config.log_level)
     finally:
         service.stop()
+        sock.close()
+        if lock is not None:
+            lock.close()
     return 0
