@@ -120,8 +120,17 @@ def key_placements_from_wire(obj: Any) -> KeyPlacements:
     key = _get(obj, "key")
     if not isinstance(key, dict):
         raise ValueError("key is not an object")
-    placements = tuple(placement_from_wire(p) for p in _list(obj, "placements"))
-    return KeyPlacements(ObjectKey.from_wire(key), placements)
+    return KeyPlacements(ObjectKey.from_wire(key), _placements_from_wire(obj))
+
+
+def _placements_from_wire(obj: Any) -> tuple[Placement, ...]:
+    return tuple(placement_from_wire(p) for p in _list(obj, "placements"))
+
+
+def lookup_placements_from_wire(obj: Any) -> list[tuple[Placement, ...]]:
+    """Only the placements of each result of a keys-form lookup, in request order: for a
+    caller that knows the keys it asked for (the keys are not parsed again)."""
+    return [_placements_from_wire(r) for r in _list(obj, "results")]
 
 
 def prefix_to_wire(h: PrefixHolder) -> dict[str, Any]:

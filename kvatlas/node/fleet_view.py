@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvatlas.client import CoordinatorClient, CoordinatorError
-from kvatlas.coordinator.wire import instance_from_wire, lookup_from_wire
+from kvatlas.coordinator.wire import instance_from_wire, lookup_placements_from_wire
 from kvatlas.keys import ObjectKey
 from kvatlas.node.peer import PeerClient
 from kvatlas.node.stored_chunk import StoredChunk
@@ -57,16 +57,13 @@ class HttpFleetView:
         if not keys:
             return []
         try:
-            found = lookup_from_wire(self._client.lookup_keys(list(keys)))
+            found = lookup_placements_from_wire(self._client.lookup_keys(list(keys)))
         except (CoordinatorError, ValueError) as exc:
             log.debug("fleet lookup failed: %s", exc)
             return [[] for _ in keys]
-        if len(found.results) != len(keys):
+        if len(found) != len(keys):
             return [[] for _ in keys]
-        return [
-            [Holder(p.instance_id, p.tier, p.backend, p.shared) for p in kp.placements]
-            for kp in found.results
-        ]
+        return [[Holder(p.instance_id, p.tier, p.backend, p.shared) for p in pls] for pls in found]
 
     def peer(self, instance_id: str) -> PeerFetcher | None:
         with self._lock:

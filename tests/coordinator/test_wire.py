@@ -210,3 +210,11 @@ def test_bad_key_in_reply_is_refused() -> None:
     row["key"]["chunk_hash_hex"] = "zz"
     with pytest.raises(ValueError):
         wire.key_placements_from_wire(row)
+
+
+def test_lookup_placements_are_the_results_placements_in_order() -> None:
+    found = TokenLookup(2, [KP, KeyPlacements(KEY, ())], PREFIX)
+    body = json.loads(json.dumps(wire.lookup_to_wire(found)))
+    assert wire.lookup_placements_from_wire(body) == [KP.placements, ()]
+    with pytest.raises(ValueError):
+        wire.lookup_placements_from_wire({"results": [{"key": {}}]})  # no placements
