@@ -71,11 +71,11 @@ def window_fingerprints(
     return ov
 
 
-def scratch_shapes(windows: int, chunk: int) -> tuple[tuple[int, int], tuple[int, int], int]:
-    """Shapes of the (qt, out) scratch and the candidate length for up to ``windows`` windows."""
+def scratch_shapes(windows: int, chunk: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Shapes of the (qt, out) scratch for up to ``windows`` windows."""
     lanes = kernels.LANES
     blk = (windows + lanes - 1) // lanes
-    return (blk + chunk, lanes), (blk, lanes), max(windows, blk * lanes)
+    return (blk + chunk, lanes), (blk, lanes)
 
 
 @kernels.jit
@@ -171,7 +171,7 @@ class NaiveReference:
         n = q.shape[0] - CHUNK + 1
         if n <= 0:
             return []
-        qt_shape, fps_shape, _ = scratch_shapes(n, CHUNK)
+        qt_shape, fps_shape = scratch_shapes(n, CHUNK)
         fps = window_fingerprints(
             q, 0, n, CHUNK, self.index._base, self.index._base_pow,
             np.empty(qt_shape, np.uint32), np.empty(fps_shape, np.uint64),
@@ -223,7 +223,7 @@ def _warm_up() -> None:
     index.remove_chunk(row, b"w")
     index.add_many([(row, b"w", 0, OURS)])
     index.remove_claims([(row, b"w", OURS)])
-    qt_shape, fps_shape, _ = scratch_shapes(CHUNK + 1, CHUNK)
+    qt_shape, fps_shape = scratch_shapes(CHUNK + 1, CHUNK)
     scratch = np.empty(qt_shape, np.uint32), np.empty(fps_shape, np.uint64)
     rolling_floor(np.zeros(2 * CHUNK, np.uint32), CHUNK, 3, 5, *scratch)
 
@@ -267,7 +267,7 @@ def _bench_size(
         found = {r.chunk_hash: (r.old_st, r.cur_st) for r in index.match(q, OURS)}
         recall = sum(found.get(h) == v for h, v in expected.items()) / max(1, len(expected))
         exact = found == expected
-        qt_shape, fps_shape, _ = scratch_shapes(m, CHUNK)
+        qt_shape, fps_shape = scratch_shapes(m, CHUNK)
         scratch = np.empty(qt_shape, np.uint32), np.empty(fps_shape, np.uint64)
         floor_s = _timed(
             partial(rolling_floor, q, CHUNK, index._base, index._base_pow, *scratch),

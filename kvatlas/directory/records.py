@@ -40,9 +40,6 @@ class Placement:
         """Shared pools hold one copy per (tier, backend) fleet-wide; others one per instance."""
         return (self.tier, self.backend, None if self.shared else self.instance_id)
 
-    def sort_key(self) -> tuple[str, str, str]:
-        return (self.instance_id, self.tier, self.backend)
-
 
 @dataclass(frozen=True, slots=True)
 class KeyPlacements:

@@ -42,7 +42,7 @@ def test_rolling_lanes_equal_the_direct_fingerprint(n: int, chunk: int) -> None:
     rng = np.random.default_rng(n)
     q = rng.integers(0, 1 << 32, n + chunk - 1, dtype=np.uint64).astype(np.uint32)
     base = int(rng.integers(2, P - 1))
-    qt_shape, out_shape, _ = scratch_shapes(n, chunk)
+    qt_shape, out_shape = scratch_shapes(n, chunk)
     fps = window_fingerprints(
         q, 0, n, chunk, base, pow(base, chunk, P), np.empty(qt_shape, np.uint32),
         np.empty(out_shape, np.uint64),

@@ -257,7 +257,8 @@ def _build(
     counts = cols.counts.astype(np.int64)
     kpc = cols.key_pl_counts.astype(np.int64)
     first_key = np.cumsum(counts) - counts
-    first_ref = (np.cumsum(kpc) - kpc)[first_key]
+    key_first_ref = np.cumsum(kpc) - kpc  # each key's first placement reference
+    first_ref = key_first_ref[first_key]
     sids = np.asarray(snap_to_sid, dtype=np.int64)[cols.key_shapes]
     simple = (counts == 1) & (kpc[first_key] == 1)  # one key, one placement: most chunks
     records = records_from_columns(
@@ -268,7 +269,7 @@ def _build(
     )
     if not simple.all():
         ksh, kpl, kpc_list = sids.tolist(), cols.key_pls.tolist(), kpc.tolist()
-        fk, fr = first_key.tolist(), (np.cumsum(kpc) - kpc).tolist()
+        fk, fr = first_key.tolist(), key_first_ref.tolist()
         counts_list = cols.counts.tolist()
         for c in np.flatnonzero(~simple).tolist():
             keys: list[KeyPair] = []
