@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvatlas.coordinator.auth import ANONYMOUS_ADMIN, TokenAuth
-from kvatlas.coordinator.blend_lookup import BLEND_HEADER, BlendLookup, blend_header_value
+from kvatlas.coordinator.blend_lookup import BLEND_HEADERS, BlendLookup
 from kvatlas.errors import KvatlasError, Unprocessable
 from kvatlas.web import error_headers, error_payload, error_response, json_encoder
 
@@ -53,7 +53,7 @@ class BlendFastPath:
                 )
                 who = self.auth.authenticate(authorization)
             payload, enabled = await self.lookup(b"".join(chunks), who)
-            headers.append((BLEND_HEADER.encode(), blend_header_value(enabled).encode()))
+            headers.append(BLEND_HEADERS[enabled])
         except KvatlasError as exc:
             status, payload = exc.status, json_encoder.encode(error_payload(exc))
             headers.extend(error_headers(exc))

@@ -25,6 +25,12 @@ def blend_header_value(enabled: bool) -> str:
     return "enabled" if enabled else "disabled"
 
 
+BLEND_HEADERS: dict[bool, tuple[bytes, bytes]] = {
+    on: (BLEND_HEADER.encode(), blend_header_value(on).encode()) for on in (False, True)
+}
+"""The header as raw ASGI bytes, built once (the fast path sends it on every reply)."""
+
+
 class BlendLookup:
     """Answers blend lookups for ``service`` on ``pool`` (sized to the cores by the app)."""
 

@@ -13,7 +13,6 @@ from typing import Any, ClassVar
 
 import msgspec
 import numpy as np
-import numpy.typing as npt
 
 from kvatlas.coordinator._base64 import b64decode_strict
 from kvatlas.coordinator.instances import Registration
@@ -21,18 +20,13 @@ from kvatlas.coordinator.schemas import BlendLookupBody, LookupRequest, Register
 from kvatlas.errors import PayloadTooLarge, Unprocessable
 from kvatlas.events import (
     EventBatch,
-    EventDecodeError,
-    EventValidationError,
     decode_json,
     decode_msgpack,
 )
-from kvatlas.keys import BlendNamespace, ObjectKey, as_token_array
+from kvatlas.keys import BlendNamespace, ObjectKey, TokenArray, as_token_array
 
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 MAX_INSTANCE_ID_CHARS = 256
-
-TokenArray = npt.NDArray[np.uint32]
-
 
 # ---------------------------------------------------------------------------- events
 
@@ -42,10 +36,7 @@ def decode_events(body: bytes, content_type: str, max_entries: int) -> list[Even
     and together at most ``max_entries`` entries, or an error (nothing is half-decoded)."""
     media = content_type.split(";")[0].strip().lower()
     decode = decode_msgpack if media in MSGPACK_TYPES else decode_json
-    try:
-        batches = decode(body)
-    except (EventDecodeError, EventValidationError) as exc:
-        raise Unprocessable(str(exc), field=exc.field) from None
+    batches = decode(body)  # an EventValidationError is the 422 reply itself (detail + field)
     entries = sum(len(b.entries) for b in batches)
     if entries > max_entries:
         raise PayloadTooLarge(f"{entries} entries exceed --max-batch-entries {max_entries}")
@@ -173,12 +164,12 @@ class BlendQuery:
 def blend_query(body: BlendLookupBody, max_tokens: int) -> BlendQuery | None:
     """The query of a blend-lookup body; ``None`` for an empty query (nothing to match)."""
     tokens = query_tokens(body.token_ids, body.tokens_b64, max_tokens)
-    if len(tokens) and not body.model_name:
-        raise Unprocessable("model_name is required with non-empty tokens")
     if not len(tokens):
         return None
+    if not body.model_name:
+        raise Unprocessable("model_name is required with non-empty tokens")
     try:
-        namespace = BlendNamespace(body.model_name or "", body.cache_salt, body.world_size)
+        namespace = BlendNamespace(body.model_name, body.cache_salt, body.world_size)
     except ValueError as exc:
         raise Unprocessable(str(exc)) from None
     return BlendQuery(tokens, namespace)

@@ -144,7 +144,7 @@ class CoordinatorService:
 
     def lookup_keys(self, keys: Sequence[ObjectKey]) -> TokenLookup:
         """Placements of each key, and how many leading keys each holder has."""
-        results = self.directory.lookup(list(keys))
+        results = self.directory.lookup(keys)
         return TokenLookup(len({k.chunk_hash for k in keys}), results, prefix_summary(results))
 
     def page_keys(
