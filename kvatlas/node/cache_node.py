@@ -97,7 +97,7 @@ class NodeStats:
             "l1_chunks": self.l1_chunks,
             "l1_bytes": self.l1_bytes,
             "local_index": asdict(self.local_index),
-            "token_cache": {"chunks": self.token_cache.chunks, "misses": self.token_cache.misses},
+            "token_cache": asdict(self.token_cache),
             **({"event_sink": dict(self.event_sink)} if self.event_sink is not None else {}),
             **self.counters,
         }

@@ -83,8 +83,9 @@ class TieredFetch:
                 peer = self.fleet.peer(instance_id)
                 if peer is None:
                     continue
+                asked = set(peer_keys)
                 for key, chunk in peer.fetch(peer_keys).items():
-                    if key in peer_keys and self._usable(chunk):
+                    if key in asked and self._usable(chunk):
                         found[key] = Fetched(chunk, PEER_L1)
         return found
 

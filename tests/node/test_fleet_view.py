@@ -77,7 +77,8 @@ class FakeClient:
         {},
         {"results": []},
         {"chunks": 3, "results": [], "prefix": []},  # fewer results than keys
-        {"chunks": 3, "results": [{"key": {}, "placements": []}] * 3, "prefix": []},
+        # a malformed placement row: accepting it would give holders instead of misses
+        {"results": [{"placements": [{"instance_id": "a", "tier": 1}]}] * 3},
         [],
     ],
 )
