@@ -27,6 +27,7 @@ LAYERS = ("keys", "events", "directory", "coordinator", "client", "node")
 SHARED = (
     "kvatlas",  # the root package: __version__ only
     "errors",
+    "auth",
     "checks",
     "web",
     "config_flags",

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvatlas.coordinator.auth import ANONYMOUS_ADMIN, TokenAuth
+from kvatlas.auth import ANONYMOUS_ADMIN, TokenAuth
 from kvatlas.coordinator.blend_lookup import BLEND_HEADERS, BlendLookup
 from kvatlas.errors import KvatlasError, Unprocessable
 from kvatlas.web import error_headers, error_payload, error_response, json_encoder

@@ -11,7 +11,7 @@ import asyncio
 import time
 from concurrent.futures import Executor
 
-from kvatlas.coordinator.auth import Principal
+from kvatlas.auth import Principal
 from kvatlas.coordinator.query import blend_query, decode_blend_body
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.coordinator.wire import blend_to_wire

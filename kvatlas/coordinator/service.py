@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvatlas.coordinator.auth import TokenAuth
+from kvatlas.auth import TokenAuth
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.instances import InstanceRegistry
 from kvatlas.coordinator.metrics import CoordinatorMetrics

@@ -251,7 +251,7 @@ def test_admin_can_do_everything(c: httpx.Client, stored: dict[str, list[int]]) 
 
 
 def test_bad_token_file_refused(tmp_path: Path) -> None:
-    from kvatlas.coordinator.auth import TokenAuth
+    from kvatlas.auth import TokenAuth
 
     for doc in (
         "not json",

@@ -1,5 +1,5 @@
 """What a route may ask FastAPI for: the service (the typed context every route works on), the
-blend-lookup handler, and the caller (:class:`~kvatlas.coordinator.auth.Principal`; 401 when
+blend-lookup handler, and the caller (:class:`~kvatlas.auth.Principal`; 401 when
 auth is on and the bearer token is missing or unknown).
 
 ``app.py`` puts the service and the handler on ``app.state`` (``service``, ``blend_lookup``).
@@ -12,7 +12,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from kvatlas.coordinator.auth import ANONYMOUS_ADMIN, Principal
+from kvatlas.auth import ANONYMOUS_ADMIN, Principal
 from kvatlas.coordinator.blend_lookup import BlendLookup
 from kvatlas.coordinator.service import CoordinatorService
 

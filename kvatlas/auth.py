@@ -1,0 +1,189 @@
+"""Bearer-token auth shared by the coordinator and the cache node.
+
+A token carries a set of **roles**, each with its bindings:
+
+========  =====================================================  ==========================
+role      may                                                    bound to
+========  =====================================================  ==========================
+emit      register, heartbeat, post events for an instance       ``instance_ids``, ``cache_salts``
+lookup    query the directory (prefix, keys, blend)               ``cache_salts``
+engine    call a node's engine API (store, lookup, retrieve)      ``cache_salts``
+peer      call a node's peer API (fetch KV for a fleet member)    nothing
+admin     everything (listings, deregistering anyone)             nothing
+========  =====================================================  ==========================
+
+An absent binding means "any"; ``[]`` means none. A node runs with one token holding
+``["emit", "lookup"]`` for its own instance and its tenants' salts: no admin token is needed
+anywhere in a fleet.
+
+Token file (JSON)::
+
+    {"tokens": [
+        {"token": "<32+ chars>", "roles": ["emit", "lookup"], "instance_ids": ["node-a"],
+         "cache_salts": ["tenant-a"]},
+        {"token": "<32+ chars>", "roles": ["engine"], "cache_salts": ["tenant-a"]},
+        {"token": "<32+ chars>", "roles": ["peer"]},
+        {"token": "<32+ chars>", "role": "admin"}
+    ]}
+
+``"role": "x"`` is accepted as ``"roles": ["x"]``. Tokens are compared by SHA-256 digest
+(a dictionary lookup on a digest leaks nothing useful about the token through timing).
+
+Failures are :class:`kvatlas.errors.Unauthorized` (401: no or unknown token) and
+:class:`kvatlas.errors.Forbidden` (403: a known token outside its roles, instances or salts).
+Threat model: ``docs/security.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvatlas.errors import Forbidden, Unauthorized
+
+log = logging.getLogger(__name__)
+
+ROLES = ("emit", "lookup", "engine", "peer", "admin")
+SALT_BOUND_ROLES = ("emit", "lookup", "engine")
+MIN_TOKEN_CHARS = 8  # refused below this
+RECOMMENDED_TOKEN_CHARS = 32  # warned below this
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: a token's name, roles and bindings (``None`` = unbound, i.e. any)."""
+
+    name: str
+    roles: frozenset[str]
+    instance_ids: frozenset[str] | None = None
+    cache_salts: frozenset[str] | None = None
+
+    @property
+    def is_admin(self) -> bool:
+        return "admin" in self.roles
+
+    def may(self, *roles: str) -> bool:
+        return self.is_admin or not self.roles.isdisjoint(roles)
+
+    def require(self, *roles: str) -> None:
+        if not self.may(*roles):
+            held = ", ".join(sorted(self.roles)) or "none"
+            raise Forbidden(f"roles [{held}] may not do this (needs {' or '.join(roles)})")
+
+    def require_instance(self, instance_id: str | None) -> None:
+        """Emit tokens act only for their own instances (admin for any)."""
+        self.require("emit")
+        if self.is_admin or self.instance_ids is None:
+            return
+        if instance_id is None or instance_id not in self.instance_ids:
+            raise Forbidden(f"this token may not act for instance {instance_id!r}")
+
+    def require_salts(self, salts: Iterable[str], role: str = "lookup") -> None:
+        """``role`` may be used for every salt in ``salts`` (each a tenant's namespace)."""
+        self.require(role)
+        foreign = self.foreign_salts(salts)
+        if foreign:
+            raise Forbidden(f"this token may not use cache_salt {sorted(foreign)[0]!r}")
+
+    def foreign_salts(self, salts: Iterable[str]) -> set[str]:
+        """The salts of ``salts`` outside this token's binding (empty for admin/unbound)."""
+        if self.is_admin or self.cache_salts is None:
+            return set()
+        return set(salts) - self.cache_salts
+
+    @property
+    def sees_everything(self) -> bool:
+        """Global figures (every tenant's) are for admin and salt-unbound tokens only."""
+        return self.is_admin or self.cache_salts is None
+
+
+ANONYMOUS_ADMIN = Principal("anonymous", frozenset({"admin"}))
+
+
+def token_digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8")).digest()
+
+
+def parse_bearer(authorization: str | None) -> str:
+    """The token of an ``Authorization: Bearer <token>`` header (401 otherwise)."""
+    if not authorization:
+        raise Unauthorized("missing bearer token (Authorization: Bearer <token>)")
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthorized("expected Authorization: Bearer <token>")
+    return token.strip()
+
+
+def _string_list(entry: Mapping[str, Any], field: str, where: str) -> frozenset[str] | None:
+    value = entry.get(field)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{where}.{field} must be a list of strings")
+    return frozenset(value)
+
+
+def principal_from_entry(entry: Any, where: str, name: str) -> tuple[str, Principal]:
+    """One token-file entry → ``(token, principal)`` (named ``name`` unless the entry names
+    itself); ``ValueError`` naming ``where``."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} must be an object")
+    token = entry.get("token")
+    if not isinstance(token, str) or len(token) < MIN_TOKEN_CHARS:
+        raise ValueError(f"{where}.token must be a string of >= {MIN_TOKEN_CHARS} characters")
+    if len(token) < RECOMMENDED_TOKEN_CHARS:
+        log.warning("%s.token is shorter than %d characters", where, RECOMMENDED_TOKEN_CHARS)
+    single, several = entry.get("role"), entry.get("roles")
+    if several is None:
+        several = [single] if single is not None else None
+    elif single is not None:
+        raise ValueError(f"{where}: give 'role' or 'roles', not both")
+    if (
+        not isinstance(several, list)
+        or not several
+        or not all(isinstance(r, str) and r in ROLES for r in several)
+    ):
+        raise ValueError(f"{where}.roles must be a non-empty list of {', '.join(ROLES)}")
+    principal = Principal(
+        name=str(entry.get("name") or name),
+        roles=frozenset(several),
+        instance_ids=_string_list(entry, "instance_ids", where),
+        cache_salts=_string_list(entry, "cache_salts", where),
+    )
+    return token, principal
+
+
+class TokenAuth:
+    """The principals of one token file, looked up by the digest of a bearer token."""
+
+    def __init__(self, principals: dict[bytes, Principal]) -> None:
+        self._principals = principals
+
+    @classmethod
+    def from_tokens(cls, entries: Iterable[tuple[str, Principal]]) -> TokenAuth:
+        return cls({token_digest(token): who for token, who in entries})
+
+    @classmethod
+    def from_file(cls, path: Path) -> TokenAuth:
+        try:
+            doc: Any = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read auth token file {path}: {exc}") from None
+        entries = doc.get("tokens") if isinstance(doc, dict) else doc
+        if not isinstance(entries, list) or not entries:
+            raise ValueError(f"{path}: expected {{'tokens': [...]}} with at least one token")
+        return cls.from_tokens(
+            principal_from_entry(entry, f"{path}: tokens[{i}]", f"token-{i}")
+            for i, entry in enumerate(entries)
+        )
+
+    def authenticate(self, authorization: str | None) -> Principal:
+        principal = self._principals.get(token_digest(parse_bearer(authorization)))
+        if principal is None:
+            raise Unauthorized("unknown bearer token")
+        return principal

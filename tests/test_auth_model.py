@@ -1,0 +1,87 @@
+"""The shared token model (kvatlas/auth.py): roles as a set, bindings per token."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvatlas.auth import ANONYMOUS_ADMIN, TokenAuth
+from kvatlas.errors import Forbidden, Unauthorized
+
+NODE = "n" * 32
+ENGINE = "e" * 32
+PEER = "p" * 32
+
+
+def _auth(tmp_path: Path) -> TokenAuth:
+    path = tmp_path / "tokens.json"
+    path.write_text(
+        json.dumps(
+            {
+                "tokens": [
+                    {
+                        "token": NODE,
+                        "roles": ["emit", "lookup"],
+                        "instance_ids": ["node-a"],
+                        "cache_salts": ["t1"],
+                    },
+                    {"token": ENGINE, "roles": ["engine"], "cache_salts": ["t1"]},
+                    {"token": PEER, "role": "peer"},
+                ]
+            }
+        )
+    )
+    return TokenAuth.from_file(path)
+
+
+def test_roles_and_bindings(tmp_path: Path) -> None:
+    auth = _auth(tmp_path)
+    node = auth.authenticate(f"Bearer {NODE}")
+    node.require_instance("node-a")
+    node.require_salts(["t1"])
+    node.require_salts(["t1"], role="emit")
+    with pytest.raises(Forbidden):
+        node.require_instance("node-b")
+    with pytest.raises(Forbidden):
+        node.require_salts(["t2"])
+    with pytest.raises(Forbidden):
+        node.require("admin")
+    with pytest.raises(Forbidden):
+        node.require_salts(["t1"], role="engine")
+    assert not node.sees_everything
+    engine = auth.authenticate(f"bearer {ENGINE}")
+    engine.require_salts(["t1"], role="engine")
+    with pytest.raises(Forbidden):
+        engine.require_salts(["t1"])  # lookup is not engine
+    peer = auth.authenticate(f"Bearer {PEER}")
+    peer.require("peer")
+    with pytest.raises(Forbidden):
+        peer.require("engine")
+    assert ANONYMOUS_ADMIN.may("emit", "peer") and ANONYMOUS_ADMIN.sees_everything
+
+
+def test_unknown_and_malformed_tokens(tmp_path: Path) -> None:
+    auth = _auth(tmp_path)
+    for header in (None, "", "Basic abc", "Bearer ", f"Bearer {NODE}x"):
+        with pytest.raises(Unauthorized):
+            auth.authenticate(header)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"token": "x" * 32, "roles": []},
+        {"token": "x" * 32, "roles": ["root"]},
+        {"token": "x" * 32, "role": "admin", "roles": ["admin"]},
+        {"token": "x" * 32, "roles": "admin"},
+        {"token": "x" * 32, "roles": ["lookup"], "cache_salts": "t1"},
+        {"token": "short", "roles": ["admin"]},
+    ],
+)
+def test_bad_entries_refused(tmp_path: Path, entry: dict[str, object]) -> None:
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"tokens": [entry]}))
+    with pytest.raises(ValueError):
+        TokenAuth.from_file(path)
