@@ -202,7 +202,7 @@ class CacheNode:
             chunk_tokens = np.array(tokens[i * c : (i + 1) * c], dtype=np.uint32)
             chunk_tokens.flags.writeable = False
             key = self.key(hashes[i], tracker.cache_salt)
-            self._put_l1(StoredChunk(key, kv, chunk_tokens, i * c))
+            self._put_l1(StoredChunk(key, kv, chunk_tokens, i * c, self.layout.dtype))
             stored += 1
         self.counters["chunks_stored"] += stored
         return stored

@@ -21,7 +21,8 @@ from pathlib import Path
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args, env_name
 from kvatlas.events import EVENT_TRANSPORTS
 from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme, pack_kv_rank
-from kvatlas.node.kv_layout import KV_DTYPES, ROPE_STYLES, KVLayout
+from kvatlas.node.kv_dtype import KV_DTYPES
+from kvatlas.node.kv_layout import ROPE_STYLES, KVLayout
 
 log = logging.getLogger(__name__)
 

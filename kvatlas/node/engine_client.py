@@ -13,6 +13,7 @@ import numpy as np
 from kvatlas.errors import Unavailable
 from kvatlas.keys import MMItem
 from kvatlas.node.http_api import MSGPACK, segment_from_wire, segment_to_wire
+from kvatlas.node.kv_dtype import to_numpy
 from kvatlas.node.kv_layout import KVLayout
 from kvatlas.node.segments import Segment
 
@@ -55,7 +56,8 @@ class NodeEngineClient:
     def store(self, tokens: Any, kv_chunks: Sequence[Any], *, cache_salt: str = "", request_id: str = "",
               mm_items: Sequence[MMItem] = ()) -> int:  # fmt: skip
         kv = b"".join(
-            np.ascontiguousarray(k, dtype=self.layout.numpy_dtype()).tobytes() for k in kv_chunks
+            np.ascontiguousarray(to_numpy(k), dtype=self.layout.numpy_dtype()).tobytes()
+            for k in kv_chunks
         )
         reply = self._call(
             "/engine/store", tokens=tokens, kv=kv, n_chunks=len(kv_chunks), cache_salt=cache_salt,

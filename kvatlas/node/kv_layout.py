@@ -19,14 +19,11 @@ import numpy.typing as npt
 
 from kvatlas.checks import is_plain_int
 from kvatlas.keys import DEFAULT_CHUNK_SIZE
+from kvatlas.node import kv_dtype
+from kvatlas.node.kv_dtype import KV_DTYPES, KV_ITEMSIZE
 
 ROPE_STYLES: Final = ("neox", "gptj")
 """``neox``: rotate-half (pairs ``(j, j + r/2)``); ``gptj``: interleaved (pairs ``(2j, 2j+1)``)."""
-
-KV_DTYPES: Final = ("float16", "bfloat16", "float32")
-"""The cache dtypes a chunk may hold."""
-
-KV_ITEMSIZE: Final = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -113,29 +110,9 @@ class KVLayout:
         return np.asarray(float(self.rope_theta) ** -exponents, dtype=np.float64)
 
     def numpy_dtype(self) -> np.dtype[Any]:
-        """The numpy dtype of this layout's chunks.
-
-        numpy has no bfloat16. If ``ml_dtypes`` happens to be importable its ``bfloat16`` is
-        used (re-RoPE itself is dtype-generic); kvatlas does not depend on it, so otherwise
-        bf16 chunks are torch-only and this raises rather than silently widening to float32
-        (which would double every byte budget and break bit-exact round trips).
-        """
-        if self.dtype != "bfloat16":
-            return np.dtype(self.dtype)
-        try:
-            import ml_dtypes  # optional; not a kvatlas dependency
-        except ImportError:
-            raise TypeError(
-                "bfloat16 KV needs torch (numpy has no bfloat16; install ml_dtypes for a numpy "
-                "bfloat16, or use dtype='float16'/'float32')"
-            ) from None
-        bf16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
-        return bf16
+        """The numpy dtype of this layout's chunks (bfloat16: ``ml_dtypes.bfloat16``)."""
+        return kv_dtype.numpy_dtype(self.dtype)
 
     def torch_dtype(self) -> Any:
         """The ``torch.dtype`` of this layout's chunks (imports torch; only call when needed)."""
-        import torch
-
-        return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[
-            self.dtype
-        ]
+        return kv_dtype.torch_dtype(self.dtype)

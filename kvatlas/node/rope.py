@@ -23,8 +23,10 @@ than fp16's own rounding. In float64 the angle is exact to ~1e-10 rad; cos/sin a
 to fp32 (values in [-1, 1], error ~6e-8). The cost is one length-``rotary_dim/2`` vector per
 chunk.
 
-Arrays: numpy by default; torch tensors are detected by type (torch is never imported here --
-if a tensor exists, torch is already loaded) and rotated with the same code on their device.
+Arrays: numpy by default -- bf16 included, as ``ml_dtypes.bfloat16`` arrays, so re-RoPE needs
+no torch: K is widened to fp32, rotated and cast back to bf16 once, the same arithmetic as the
+torch path. torch tensors are detected by type (torch is never imported here -- if a tensor
+exists, torch is already loaded) and rotated with the same code on their device.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any, Literal, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
+from kvatlas.node.kv_dtype import dtype_name
 from kvatlas.node.kv_layout import KVLayout
 
 KVArray: TypeAlias = Any
@@ -55,13 +58,7 @@ def _backend_of(x: object) -> _Backend:
     raise TypeError(f"KV must be a numpy.ndarray or torch.Tensor, got {type(x).__name__}")
 
 
-def _dtype_name(x: KVArray, backend: _Backend) -> str:
-    if backend == "numpy":
-        return str(x.dtype.name)
-    return str(x.dtype).removeprefix("torch.")
-
-
-def _check_chunk(kv: KVArray, layout: KVLayout, backend: _Backend, what: str = "kv") -> None:
+def _check_chunk(kv: KVArray, layout: KVLayout, what: str = "kv") -> None:
     shape = tuple(kv.shape)
     L, two, C, H, D = layout.shape
     if (
@@ -76,7 +73,7 @@ def _check_chunk(kv: KVArray, layout: KVLayout, backend: _Backend, what: str = "
             f"{what} shape {shape} does not fit layout {layout.shape} "
             f"([num_layers, 2 (K,V), tokens <= chunk_size, num_kv_heads, head_dim])"
         )
-    dtype = _dtype_name(kv, backend)
+    dtype = dtype_name(kv)
     if dtype != layout.dtype:
         # A mismatch means the bytes are being read under the wrong layout: refuse, since the
         # rotation would "work" and hand the engine garbage.
@@ -193,11 +190,11 @@ def rerope_k(
     old = _position("old_st", old_st)
     cur = _position("cur_st", cur_st)
     backend = _backend_of(kv)
-    _check_chunk(kv, layout, backend)
+    _check_chunk(kv, layout)
     if out is not None and out is not kv:
         if _backend_of(out) != backend:
             raise TypeError("out must be the same array type as kv")
-        _check_chunk(out, layout, backend, "out")
+        _check_chunk(out, layout, "out")
         if tuple(out.shape) != tuple(kv.shape):
             raise ValueError(f"out shape {tuple(out.shape)} != kv shape {tuple(kv.shape)}")
         if backend == "torch" and out.device != kv.device:
@@ -235,8 +232,8 @@ def rerope_chunks(
         except TypeError:
             raise TypeError(f"deltas[{i}] must be an int, got {d!r}") from None
     backends = [_backend_of(kv) for kv in chunks]
-    for i, (kv, backend) in enumerate(zip(chunks, backends, strict=True)):
-        _check_chunk(kv, layout, backend, f"chunks[{i}]")
+    for i, kv in enumerate(chunks):
+        _check_chunk(kv, layout, f"chunks[{i}]")
     moving = [i for i, d in enumerate(ds) if d != 0]
     results: list[KVArray] = list(chunks)
     if not moving:

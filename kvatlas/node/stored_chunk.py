@@ -14,13 +14,11 @@ The trailing digest covers the whole record, so a torn write (truncation) or a f
 anywhere is a :class:`ChunkDecodeError`, never a silently wrong KV: wrong KV does not fail
 loudly downstream, it just makes the model attend to garbage.
 
-**bfloat16**: numpy has no bfloat16 and kvatlas does not depend on ``ml_dtypes``. A bf16 chunk
-(a torch ``bfloat16`` tensor, an ``ml_dtypes.bfloat16`` array, or raw ``uint16`` bit patterns
-declared with ``kv_dtype="bfloat16"``) is stored as its raw 16-bit patterns under the dtype name
-``"bfloat16"``. Decoding yields an ``ml_dtypes.bfloat16`` array when ``ml_dtypes`` happens to be
-importable, else a ``uint16`` array of the bit patterns with ``chunk.kv_dtype == "bfloat16"``;
-callers get real bf16 values with :meth:`StoredChunk.torch_kv` (a zero-copy torch view).
-Widening to float32 instead would double every byte budget and break bit-exact round trips.
+**bfloat16** is stored as its raw 16-bit patterns under the dtype name ``"bfloat16"`` and
+decodes to an ``ml_dtypes.bfloat16`` array, like every bf16 chunk (:mod:`kvatlas.node.kv_dtype`:
+torch ``bfloat16`` tensors, ``ml_dtypes`` arrays and ``uint16`` bit patterns declared with
+``kv_dtype="bfloat16"`` are all accepted). Widening to float32 instead would double every byte
+budget and break bit-exact round trips.
 """
 
 from __future__ import annotations
@@ -38,7 +36,15 @@ import numpy.typing as npt
 from kvatlas.checks import is_plain_int
 from kvatlas.errors import InvalidInput
 from kvatlas.keys import ObjectKey, as_token_array
-from kvatlas.node.kv_layout import KV_DTYPES, KV_ITEMSIZE
+from kvatlas.node.kv_dtype import (
+    KV_DTYPES,
+    KV_ITEMSIZE,
+    is_torch,
+    numpy_dtype,
+    resolve,
+    to_numpy,
+    to_torch,
+)
 
 MAGIC: Final = b"KVAC"
 VERSION: Final = 1
@@ -49,6 +55,7 @@ _ALIGN: Final = 16  # KV bytes start 16-byte aligned within the record: cheap, S
 _MAX_HEADER_BYTES: Final = 64 * 1024
 _MAX_RANK: Final = 16
 _STORAGE_DTYPE: Final = {"float16": "<f2", "bfloat16": "<u2", "float32": "<f4"}
+"""Each dtype's little-endian storage unit (bf16 as its bit patterns)."""
 
 
 class ChunkDecodeError(InvalidInput):
@@ -69,38 +76,6 @@ _header_encoder = msgspec.msgpack.Encoder()
 _header_decoder = msgspec.msgpack.Decoder(_Header)
 
 
-def _is_torch(x: object) -> bool:
-    """Recognise torch tensors without importing torch (an optional dependency)."""
-    return type(x).__module__.startswith("torch") and hasattr(x, "element_size")
-
-
-def _ml_dtypes_bf16() -> np.dtype[Any] | None:
-    try:
-        import ml_dtypes  # optional; not a kvatlas dependency
-    except ImportError:
-        return None
-    bf16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
-    return bf16
-
-
-def _kv_dtype_name(kv: Any, declared: str) -> str:
-    """The cache dtype name of ``kv``; ``declared`` only matters for raw bf16 bit patterns."""
-    if _is_torch(kv):
-        name = str(kv.dtype).removeprefix("torch.")
-    elif isinstance(kv, np.ndarray):
-        name = kv.dtype.name
-        if name == "uint16" and declared == "bfloat16":
-            name = "bfloat16"
-    else:
-        raise TypeError(f"kv must be a numpy array or a torch tensor, got {type(kv).__name__}")
-    if name not in KV_DTYPES:
-        hint = " (raw bf16 bit patterns need kv_dtype='bfloat16')" if name == "uint16" else ""
-        raise ValueError(f"kv dtype must be one of {KV_DTYPES}, got {name}{hint}")
-    if declared and declared != name:
-        raise ValueError(f"kv_dtype={declared!r} does not match the array's dtype {name}")
-    return name
-
-
 @dataclass(frozen=True, slots=True, eq=False)
 class StoredChunk:
     """A chunk's KV plus what the fleet needs to index and reuse it.
@@ -111,7 +86,8 @@ class StoredChunk:
     ``tokens`` are the chunk's token ids and ``token_offset`` its position in the sequence it was
     stored with -- the coordinator indexes content from them; ``-1`` means unknown and is never
     indexed (a wrong position would re-RoPE to wrong KV). ``kv_dtype`` is filled in from ``kv``;
-    pass it only to declare ``uint16`` bit patterns as ``"bfloat16"``.
+    pass it only to declare ``uint16`` bit patterns as ``"bfloat16"`` (``kv`` then becomes
+    their ``ml_dtypes.bfloat16`` view).
 
     Equality is identity (``eq=False``): array equality is elementwise, not a bool.
     """
@@ -125,7 +101,9 @@ class StoredChunk:
     def __post_init__(self) -> None:
         if not isinstance(self.key, ObjectKey):
             raise TypeError(f"key must be an ObjectKey, got {type(self.key).__name__}")
-        object.__setattr__(self, "kv_dtype", _kv_dtype_name(self.kv, self.kv_dtype))
+        kv, name = resolve(self.kv, self.kv_dtype)
+        object.__setattr__(self, "kv", kv)
+        object.__setattr__(self, "kv_dtype", name)
         if self.tokens is not None:
             object.__setattr__(self, "tokens", as_token_array(self.tokens))
         offset = self.token_offset
@@ -135,7 +113,7 @@ class StoredChunk:
     @property
     def nbytes(self) -> int:
         """Bytes of KV held (what L1 budgets against; tokens are noise next to KV)."""
-        if _is_torch(self.kv):
+        if is_torch(self.kv):
             return int(self.kv.numel()) * int(self.kv.element_size())
         return int(self.kv.nbytes)
 
@@ -144,35 +122,18 @@ class StoredChunk:
         return tuple(int(d) for d in self.kv.shape)
 
     def numpy_kv(self) -> np.ndarray[Any, Any]:
-        """``kv`` as a C-contiguous numpy array (bf16 torch tensors become uint16 bit patterns)."""
-        kv = self.kv
-        if _is_torch(kv):
-            import torch
-
-            kv = kv.detach().cpu().contiguous()
-            if kv.dtype == torch.bfloat16:
-                return np.asarray(kv.view(torch.int16).numpy().view(np.uint16))
-            return np.asarray(kv.numpy())
+        """``kv`` as a C-contiguous numpy array (a view of a contiguous CPU tensor)."""
+        arr = to_numpy(self.kv)
         # not np.ascontiguousarray: it promotes a 0-d array to 1-d, and the codec keeps rank
-        arr: np.ndarray[Any, Any] = kv if kv.flags.c_contiguous else kv.copy(order="C")
-        return arr
+        return arr if arr.flags.c_contiguous else arr.copy(order="C")
 
     def torch_kv(self) -> Any:
-        """``kv`` as a torch tensor of the chunk's real dtype (bf16 bit patterns reinterpreted).
+        """``kv`` as a torch tensor of the chunk's dtype (imports torch; only call when wanted).
 
-        Imports torch; only call when torch is wanted. Shares memory with ``kv`` when possible
-        (a read-only decoded array is copied first: torch tensors are always writable).
+        Shares memory with ``kv`` when possible (a read-only decoded array is copied first:
+        torch tensors are always writable).
         """
-        import torch
-
-        if _is_torch(self.kv):
-            return self.kv
-        arr = self.numpy_kv()
-        if not arr.flags.writeable:
-            arr = arr.copy()
-        if self.kv_dtype == "bfloat16":
-            return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(arr)
+        return self.kv if is_torch(self.kv) else to_torch(self.numpy_kv())
 
 
 def _storage_view(chunk: StoredChunk) -> np.ndarray[Any, Any]:
@@ -209,12 +170,11 @@ def encode_chunk(chunk: StoredChunk) -> bytes:
     return b"".join((head, kv_bytes, tokens, hasher.digest(_DIGEST_BYTES)))
 
 
-def _decode_kv(dtype: str, shape: tuple[int, ...], raw: memoryview) -> tuple[Any, str]:
-    arr = np.frombuffer(raw, dtype=_STORAGE_DTYPE[dtype]).reshape(shape)
-    if dtype == "bfloat16":
-        bf16 = _ml_dtypes_bf16()
-        return (arr.view(bf16) if bf16 is not None else arr), "bfloat16"
-    return arr.astype(dtype, copy=False), ""
+def _decode_kv(dtype: str, shape: tuple[int, ...], raw: memoryview) -> np.ndarray[Any, Any]:
+    """The KV bytes as a (read-only) array of ``dtype``: a view on little-endian machines."""
+    stored = np.frombuffer(raw, dtype=_STORAGE_DTYPE[dtype]).reshape(shape)
+    native = stored.astype(stored.dtype.newbyteorder("="), copy=False)
+    return native.view(numpy_dtype(dtype))
 
 
 def decode_chunk(data: bytes | bytearray | memoryview) -> StoredChunk:
@@ -254,12 +214,12 @@ def decode_chunk(data: bytes | bytearray | memoryview) -> StoredChunk:
     tok_len = max(header.n_tokens, 0) * 4
     if start + kv_len + tok_len != len(body):
         raise ChunkDecodeError("record length does not match its header")
-    kv, declared = _decode_kv(header.dtype, shape, body[start : start + kv_len])
+    kv = _decode_kv(header.dtype, shape, body[start : start + kv_len])
     tokens = None
     if header.n_tokens >= 0:
         raw_tokens = np.frombuffer(body[start + kv_len :], dtype="<u4")
         tokens = raw_tokens.astype(np.uint32, copy=False)
     try:
-        return StoredChunk(key, kv, tokens, header.token_offset, declared)
+        return StoredChunk(key, kv, tokens, header.token_offset)
     except (ValueError, TypeError) as exc:
         raise ChunkDecodeError(f"bad chunk: {exc}") from None

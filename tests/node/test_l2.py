@@ -134,14 +134,9 @@ def test_torch_tensors_are_accepted_and_bf16_round_trips_bit_exactly() -> None:
         assert restored.dtype == dtype
         assert torch.equal(restored, t)
         assert back.tokens is not None and back.tokens.tolist() == [1, 2, 3]
-    # bf16 without ml_dtypes: carried as uint16 bit patterns, still labelled bfloat16
+    # bf16 decodes to a real numpy bfloat16 (ml_dtypes), with or without torch
     back = decode_chunk(encode_chunk(StoredChunk(key(1), t.to(torch.bfloat16))))
-    try:
-        import ml_dtypes  # noqa: F401
-    except ImportError:
-        assert back.kv.dtype == np.uint16
-    else:
-        assert back.kv.dtype.name == "bfloat16"
+    assert back.kv.dtype.name == "bfloat16"
     # and re-encoding a decoded bf16 chunk keeps the label (L1 -> L2 after a peer fetch)
     assert decode_chunk(encode_chunk(back)).kv_dtype == "bfloat16"
 

@@ -252,17 +252,6 @@ def test_layout_facts() -> None:
     np.testing.assert_allclose(inv, 500_000.0 ** (-np.arange(16) * 2 / 32), rtol=1e-15)
 
 
-def test_numpy_bfloat16_is_a_clear_error_without_ml_dtypes() -> None:
-    try:
-        import ml_dtypes  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        pytest.skip("ml_dtypes installed: numpy bfloat16 is available")
-    with pytest.raises(TypeError, match="bfloat16 KV needs torch"):
-        KVLayout(2, 2, 64, dtype="bfloat16").numpy_dtype()
-
-
 # ---------------------------------------------------------------- torch path
 
 
