@@ -30,10 +30,27 @@ class EngineCallError(Unavailable):
 
 
 class NodeEngineClient:
-    def __init__(self, url: str, layout: KVLayout, *, timeout: float = 30.0) -> None:
+    """``token``: the engine bearer token (a node with auth on needs one, bound to the salts
+    this engine uses)."""
+
+    def __init__(
+        self, url: str, layout: KVLayout, *, timeout: float = 30.0, token: str | None = None
+    ) -> None:
         self.url = url.rstrip("/")
         self.layout = layout
-        self._http = httpx.Client(base_url=self.url, timeout=timeout)
+        headers = {"Accept": MSGPACK}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
+
+    def _payload(self, path: str, response: httpx.Response) -> Any:
+        try:
+            payload = msgspec.msgpack.decode(response.content)
+        except msgspec.DecodeError:
+            payload = response.text
+        if response.status_code != 200:
+            raise EngineCallError(f"{path}: {response.status_code} {payload}", response.status_code)
+        return payload
 
     def _call(self, path: str, **fields: Any) -> Any:
         tokens = fields.pop("tokens", None)
@@ -47,10 +64,7 @@ class NodeEngineClient:
         response = self._http.post(
             path, content=_encoder.encode(fields), headers={"Content-Type": MSGPACK}
         )
-        payload = msgspec.msgpack.decode(response.content)
-        if response.status_code != 200:
-            raise EngineCallError(f"{path}: {response.status_code} {payload}", response.status_code)
-        return payload
+        return self._payload(path, response)
 
     def store(self, tokens: Any, kv_chunks: Sequence[Any], *, cache_salt: str = "", request_id: str = "",
               mm_items: Sequence[MMItem] = ()) -> int:  # fmt: skip
@@ -115,7 +129,7 @@ class NodeEngineClient:
         }
 
     def stats(self) -> dict[str, Any]:
-        return dict(msgspec.msgpack.decode(self._http.get("/engine/stats").content))
+        return dict(self._payload("/engine/stats", self._http.get("/engine/stats")))
 
     def close(self) -> None:
         self._http.close()

@@ -15,9 +15,11 @@ import pytest
 from fastapi import FastAPI
 
 from kvatlas.asgi_thread import free_port
+from kvatlas.auth import ANONYMOUS_ADMIN
 from kvatlas.node.cache_node import CacheNode, NodeStats
 from kvatlas.node.config import NodeConfig
-from kvatlas.node.http_api import MSGPACK, _Identity, _Trackers, create_node_app
+from kvatlas.node.engine_trackers import Identity, Trackers
+from kvatlas.node.http_api import MSGPACK, create_node_app
 from kvatlas.node.peer import PEER_KV_PATH, PeerServer
 
 C = 16
@@ -72,7 +74,12 @@ def test_store_then_stats_shape(client: httpx.Client, node: CacheNode) -> None:
     assert stats["chunks_stored"] == 2  # counters sit flat beside the fields
     assert stats["local_index"] == dataclasses.asdict(node.index.stats())
     typed = node.stats()
+    trackers = stats.pop("trackers")  # the engine API's own figures, beside the node's
     assert isinstance(typed, NodeStats) and typed.to_wire() == stats
+    assert trackers == {
+        "held": 0, "bytes": 0, "memory_budget": CONFIG.tracker_memory_bytes, "replaced": 0,
+        "expired": 0, "evicted": 0, "not_kept": 0,
+    }  # fmt: skip
     with pytest.raises(AttributeError):
         typed.l1_chunks = 0  # type: ignore[misc]
 
@@ -177,25 +184,27 @@ def test_trackers_are_dropped_at_end_of_request(
 def test_held_trackers_stay_bounded_and_a_replaced_one_is_not_dropped_for_its_successor() -> None:
     now = [0.0]
     cancelled: list[str] = []
-    held = _Trackers(ttl=10.0, max_entries=2, clock=lambda: now[0], on_forget=cancelled.append)
+    held = Trackers(ttl=10.0, max_entries=2, clock=lambda: now[0], on_forget=cancelled.append)
     node = CacheNode(CONFIG, instance_id="n1")
     try:
 
-        def ident(toks: list[int]) -> tuple[_Identity, Any]:
+        def ident(toks: list[int]) -> tuple[Identity, Any]:
             arr = np.array(toks, dtype="<u4")
-            return _Identity(arr, (), ""), lambda: node.tracker(token_ids=arr)
+            return Identity(arr, (), ""), lambda: node.tracker(token_ids=arr)
 
-        t1, b1 = held.get_or_create("r", *ident([1, 2, 3]))
-        t2, b2 = held.get_or_create("r", *ident([9, 9]))  # reused id, other tokens
+        t1, b1 = held.get_or_create(ANONYMOUS_ADMIN, "r", *ident([1, 2, 3]))
+        t2, b2 = held.get_or_create(ANONYMOUS_ADMIN, "r", *ident([9, 9]))  # reused id, other tokens
         assert t2 is not t1 and b2 != b1 and cancelled == [b1] and held.replaced == 1
-        held.drop("r", t1)  # the replaced request ends: its successor stays
-        assert held.get_or_create("r", *ident([9, 9, 4]))[0] is t2  # generation continues
+        held.drop(ANONYMOUS_ADMIN, "r", t1)  # the replaced request ends: its successor stays
+        assert (
+            held.get_or_create(ANONYMOUS_ADMIN, "r", *ident([9, 9, 4]))[0] is t2
+        )  # generation continues
         assert list(t2.get_token_ids()) == [9, 9, 4]
-        held.get_or_create("s", *ident([1]))
-        held.get_or_create("t", *ident([1]))
+        held.get_or_create(ANONYMOUS_ADMIN, "s", *ident([1]))
+        held.get_or_create(ANONYMOUS_ADMIN, "t", *ident([1]))
         assert len(held) == 2  # "r" evicted beyond max_entries
         now[0] = 11.0
-        held.get_or_create("u", *ident([1]))
+        held.get_or_create(ANONYMOUS_ADMIN, "u", *ident([1]))
         assert len(held) == 1  # "s" and "t" expired
     finally:
         node.close()
