@@ -77,12 +77,15 @@ class NodeEngineClient:
         )  # fmt: skip
         return int(reply["stored"])
 
-    def lookup(self, tokens: Any, *, cache_salt: str = "", mm_items: Sequence[MMItem] = ()) -> int:
-        return int(
-            self._call("/engine/lookup", tokens=tokens, cache_salt=cache_salt, mm_items=mm_items)[
-                "hit_tokens"
-            ]
-        )
+    def lookup(
+        self, tokens: Any, *, cache_salt: str = "", request_id: str = "",
+        mm_items: Sequence[MMItem] = (),
+    ) -> int:  # fmt: skip
+        reply = self._call(
+            "/engine/lookup", tokens=tokens, cache_salt=cache_salt, request_id=request_id,
+            mm_items=mm_items,
+        )  # fmt: skip
+        return int(reply["hit_tokens"])
 
     def retrieve(
         self, tokens: Any, *, cache_salt: str = "", request_id: str = ""
@@ -133,3 +136,9 @@ class NodeEngineClient:
 
     def close(self) -> None:
         self._http.close()
+
+    def __enter__(self) -> NodeEngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
