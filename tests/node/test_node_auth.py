@@ -24,10 +24,11 @@ from kvatlas.asgi_thread import free_port
 from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
 from kvatlas.node.config import NodeConfig, add_arguments, config_from_args
 from kvatlas.node.engine_client import EngineCallError, NodeEngineClient
-from kvatlas.node.peer import PEER_KV_PATH, chunk_tokens_digest
+from kvatlas.node.peer import PEER_KV_PATH, PeerClient, chunk_tokens_digest
 from kvatlas.node.server import announce_security
 from kvatlas.node.stored_chunk import decode_chunk
 from kvatlas.processes import spawn_service
+from tests.conftest import wait_for
 
 C = 16
 MODEL = ["--model-name", "toy", "--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8",
@@ -316,3 +317,71 @@ def test_routable_bind_without_auth_is_warned_about(
     with caplog.at_level(logging.INFO, logger="kvatlas.node"):
         announce_security(NodeConfig())  # loopback: no warning
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+# ---------------------------------------------------------------------------- peers
+
+
+def test_peer_client_sends_its_token(node: Node) -> None:
+    p = prompt(7)
+    with node.engine(ENGINE_A) as a:
+        assert a.store(p, kv(1, 7.0), cache_salt="tenant-a") == 1
+    key = ObjectKey(chunk_hashes(p, C)[0], "toy", pack_kv_rank(1, 0, 1, 0), 0, "tenant-a")
+    with PeerClient(node.peer_url) as anonymous:
+        assert anonymous.fetch([key]) == {}  # 401: a miss, never an error
+    with PeerClient(node.peer_url, token=PEER) as peer:
+        got = peer.fetch([key], {key: p[:C]})
+    assert np.all(got[key].kv == 7.0) and np.array_equal(got[key].tokens, p[:C])
+
+
+def test_fleet_with_auth_on_everywhere_serves_peer_kv(tmp_path: Path) -> None:
+    """Two nodes with auth on and a peer token in a private file: B retrieves the chunks A
+    holds from A's L1 (prefix and blend), authenticated as a peer; the engine APIs listen
+    apart from the peer APIs."""
+    coord_port = free_port()
+    coord_url = f"http://127.0.0.1:{coord_port}"
+    tokens = token_file(tmp_path)
+    peer_token = write_private(tmp_path / "peer.token", PEER)
+    procs = [
+        spawn_service(
+            ["-m", "kvatlas.cli", "coordinator", "--port", str(coord_port), "--chunk-size",
+             str(C), "--enable-blend-lookup", "--log-level", "warning"],
+            coord_url,
+        )
+    ]  # fmt: skip
+    nodes: dict[str, Node] = {}
+    try:
+        for name in ("node-a", "node-b"):
+            peer_port, engine_port = free_port(), free_port()
+            args = [
+                "-m", "kvatlas.cli", "node", *MODEL, "--port", str(peer_port),
+                "--engine-port", str(engine_port), "--auth-token-file", str(tokens),
+                "--peer-token-file", str(peer_token), "--instance-id", name,
+                "--coordinator-url", coord_url, "--coordinator-event-reporting",
+                "--coordinator-blend-timeout", "20", "--log-level", "warning",
+            ]  # fmt: skip
+            procs.append(spawn_service(args, f"http://127.0.0.1:{peer_port}"))
+            nodes[name] = Node(procs[-1], peer_port, engine_port)
+        p = prompt(8, 3)
+        with nodes["node-a"].engine(ENGINE_A) as a, nodes["node-b"].engine(ENGINE_A) as b:
+            assert a.store(p, kv(3, 8.0), cache_salt="tenant-a") == 3
+            assert wait_for(lambda: b.lookup(p, cache_salt="tenant-a") == 3 * C, timeout=30)
+            got, sources = b.retrieve(p, cache_salt="tenant-a")
+            assert sources == {"peer_l1": 3} and all(np.all(k == 8.0) for k in got)
+            answers: list[Any] = []
+            assert wait_for(
+                lambda: (
+                    answers.append(b.blend_lookup(p, "blend", cache_salt="tenant-a"))
+                    or answers[-1] is not None
+                ),
+                timeout=30,
+            )
+            segments = answers[-1]
+            assert len(segments) == 3 and {s.source for s in segments} == {"fleet"}
+            reply = b.blend_retrieve(p, "blend", segments, cache_salt="tenant-a")
+            assert reply["misses"] == [] and reply["sources"] == {"peer_l1": 3}
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=60)
