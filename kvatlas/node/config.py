@@ -107,6 +107,8 @@ class NodeConfig:
             0 < self.engine_port <= 65535 and self.engine_port != self.port
         ):
             raise ValueError("--engine-port must be in [1, 65535] and differ from --port")
+        if self.engine_host and self.engine_port is None:
+            raise ValueError("--engine-host needs --engine-port (a listener of its own)")
         for name in ("max_query_tokens", "tracker_memory_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")

@@ -31,7 +31,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
-from kvatlas.errors import KvatlasError, NotFound, PayloadTooLarge, Unprocessable
+from kvatlas.errors import Forbidden, KvatlasError, NotFound, PayloadTooLarge, Unprocessable
 from kvatlas.keys import MMItem, RequestTracker
 from kvatlas.node.cache_node import CacheNode
 from kvatlas.node.engine_trackers import Identity, Trackers
@@ -305,8 +305,12 @@ def create_node_app(node: CacheNode, *, auth: TokenAuth | None = None) -> FastAP
 
     @app.get("/engine/stats")
     async def stats(request: Request) -> Response:
+        msgpack = "application/json" not in request.headers.get("accept", "")
+        if not request.state.principal.sees_everything:  # every tenant's figures
+            refused = Forbidden("node stats are for admin and salt-unbound engine tokens")
+            return _error_reply(refused, msgpack)
         wire = {**node.stats().to_wire(), "trackers": asdict(trackers.stats())}
-        return _reply(wire, "application/json" not in request.headers.get("accept", ""))
+        return _reply(wire, msgpack)
 
     @app.get("/healthz")
     async def healthz() -> Response:

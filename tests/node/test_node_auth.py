@@ -129,6 +129,13 @@ def test_engine_api_needs_an_engine_token(
     assert msgspec.msgpack.decode(r.content)["detail"]
 
 
+def test_node_stats_are_for_salt_unbound_tokens(node: Node) -> None:
+    with node.engine(ENGINE_A) as a, pytest.raises(EngineCallError) as refused:
+        a.stats()
+    assert refused.value.reply_status == 403
+    assert node.stats()["instance_id"]  # admin
+
+
 def test_engine_token_is_bound_to_its_salts(node: Node) -> None:
     with node.engine(ENGINE_B) as b:
         with pytest.raises(EngineCallError) as refused:
