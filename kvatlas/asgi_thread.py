@@ -45,11 +45,16 @@ def bind_listener(host: str, port: int) -> socket.socket:
 
 
 def serve(
-    app: Any, *, host: str, port: int, sock: socket.socket | None = None, **kwargs: Any
+    app: Any,
+    *,
+    host: str,
+    port: int,
+    sock: socket.socket | list[socket.socket] | None = None,
+    **kwargs: Any,
 ) -> None:
     """``uvicorn.run(app, ...)`` that returns normally after a graceful shutdown on SIGINT or
     SIGTERM (the previous handlers are back in place when it returns). With ``sock`` (from
-    :func:`bind_listener`) uvicorn serves on that already-bound socket."""
+    :func:`bind_listener`; or several) uvicorn serves on those already-bound sockets."""
     received: list[int] = []
 
     def remember(signum: int, _frame: object) -> None:
@@ -60,7 +65,8 @@ def serve(
         if sock is None:
             uvicorn.run(app, host=host, port=port, **kwargs)
         else:
-            uvicorn.Server(uvicorn.Config(app, host=host, port=port, **kwargs)).run(sockets=[sock])
+            socks = sock if isinstance(sock, list) else [sock]
+            uvicorn.Server(uvicorn.Config(app, host=host, port=port, **kwargs)).run(sockets=socks)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -5,6 +5,7 @@ excess). Routes raise errors from :mod:`kvatlas.errors`; nothing else maps them 
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,6 +24,16 @@ class MsgspecJSONResponse(Response):
 
     def render(self, content: Any) -> bytes:
         return json_encoder.encode(content)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address reaches this machine only (what a service warns about)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def error_payload(exc: KvatlasError) -> dict[str, Any]:

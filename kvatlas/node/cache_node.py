@@ -319,17 +319,21 @@ class CacheNode:
         """Fetch every segment in one batched step, verify its tokens, re-RoPE it to the
         request's positions; a segment that cannot be served is a counted miss."""
         tokens = tracker.get_token_ids()
+        c = self.chunk_size
         keys = [self.key(s.chunk_hash, tracker.cache_salt) for s in segments]
-        found = self.tiers.fetch(keys) if tracker.cacheable else {}
+        windows = [tokens[s.chunk_cur_st : s.chunk_cur_st + c] for s in segments]
+        found = (
+            self.tiers.fetch(keys, dict(zip(keys, windows, strict=True)))
+            if tracker.cacheable
+            else {}
+        )
         parts: list[tuple[Segment, Any]] = []
         misses: list[Segment] = []
         sources: Counter[str] = Counter()
-        c = self.chunk_size
-        for seg, key in zip(segments, keys, strict=True):
+        for seg, key, window in zip(segments, keys, windows, strict=True):
             got = found.get(key)
             chunk = got.chunk if got else None
             start = seg.chunk_cur_st
-            window = tokens[start : start + c]
             if (
                 chunk is None
                 or seg.trim + seg.length > c  # its used part must lie inside the chunk

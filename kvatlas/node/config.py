@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvatlas.auth import TokenAuth
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args, env_name
 from kvatlas.events import EVENT_TRANSPORTS
 from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme, pack_kv_rank
@@ -25,6 +26,8 @@ from kvatlas.node.kv_dtype import KV_DTYPES
 from kvatlas.node.kv_layout import ROPE_STYLES, KVLayout
 
 log = logging.getLogger(__name__)
+
+MIN_SECRET_CHARS = 32
 
 L2_KINDS = ("fs", "redis", "none")
 L2_WRITE_POLICIES = ("through", "evict")
@@ -59,6 +62,7 @@ class NodeConfig:
     coordinator_event_reporting: bool = False
     coordinator_blend_timeout: float = 1.0
     coordinator_token: str = ""
+    coordinator_token_file: Path | None = None
     event_transport: str = "http"
     redis_url: str = ""
     event_stream: str = "kvatlas:events"
@@ -66,6 +70,14 @@ class NodeConfig:
     allow_trim: bool = False
     prefer_cheaper: bool = True
     token_cache_chunks: int = 100_000
+    auth_token_file: Path | None = None
+    engine_host: str = ""
+    engine_port: int | None = None
+    peer_token: str = ""
+    peer_token_file: Path | None = None
+    max_query_tokens: int = 128 * 1024
+    max_body_bytes: int = 0  # 0 = derived from the layout (see max_store_bytes)
+    tracker_memory_bytes: int = 64 * 1024 * 1024
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -92,6 +104,24 @@ class NodeConfig:
             raise ValueError("--coordinator-blend-timeout must be in (0, 3600) seconds")
         if not 0 <= self.port <= 65535:
             raise ValueError("--port must be in [0, 65535]")
+        if self.engine_port is not None and not (
+            0 < self.engine_port <= 65535 and self.engine_port != self.port
+        ):
+            raise ValueError("--engine-port must be in [1, 65535] and differ from --port")
+        if self.engine_host and self.engine_port is None:
+            raise ValueError("--engine-host needs --engine-port (a listener of its own)")
+        for name in ("max_query_tokens", "tracker_memory_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        if self.max_body_bytes < 0:
+            raise ValueError("--max-body-bytes must be >= 0 (0 = derived from the layout)")
+        for name in ("coordinator_token", "peer_token"):
+            if getattr(self, name) and getattr(self, name + "_file") is not None:
+                raise ValueError(f"give --{name.replace('_', '-')}-file or the token, not both")
+            check_secret(getattr(self, name), "--" + name.replace("_", "-"))
+        self.coordinator_bearer()  # refuses an unreadable, exposed or short token file now
+        self.peer_bearer()
+        self.auth()
 
     @property
     def layout(self) -> KVLayout:
@@ -105,6 +135,39 @@ class NodeConfig:
             rope_style=self.rope_style,
             rope_theta=self.rope_theta,
         )
+
+    @property
+    def max_call_bytes(self) -> int:
+        """Largest engine call without KV (lookup, retrieve, blend-*): the tokens of a
+        ``max_query_tokens`` request as uint32, a segment (~256 B) per chunk, 64 KiB of fields."""
+        return (
+            self.max_query_tokens * 4 + self.max_query_tokens // self.chunk_size * 256 + (64 * 1024)
+        )
+
+    @property
+    def max_store_bytes(self) -> int:
+        """Largest ``/engine/store`` body: ``--max-body-bytes``, or by default one request's
+        KV for ``max_query_tokens`` tokens (whole chunks) on top of :attr:`max_call_bytes`."""
+        if self.max_body_bytes:
+            return self.max_body_bytes
+        chunks = -(-self.max_query_tokens // self.chunk_size)
+        return self.max_call_bytes + chunks * self.layout.chunk_bytes
+
+    def auth(self) -> TokenAuth | None:
+        """The engine/peer API's tokens (``--auth-token-file``; ``None`` = no auth). The file
+        holds every token: refused when group or others may read it, as a token file is."""
+        if self.auth_token_file is None:
+            return None
+        check_private(self.auth_token_file, "--auth-token-file")
+        return TokenAuth.from_file(self.auth_token_file)
+
+    def coordinator_bearer(self) -> str | None:
+        """The coordinator token: ``--coordinator-token-file``, else the flag or environment."""
+        return _secret(self.coordinator_token, self.coordinator_token_file, "coordinator")
+
+    def peer_bearer(self) -> str | None:
+        """The token this node sends on ``/peer/*`` calls to other nodes."""
+        return _secret(self.peer_token, self.peer_token_file, "peer")
 
     @property
     def scheme(self) -> KeyScheme:
@@ -127,6 +190,44 @@ class NodeConfig:
                 "chunks); matching locally only",
                 self.coordinator_url,
             )
+
+
+def check_secret(token: str, what: str) -> str:
+    """Refuse a token shorter than ``MIN_SECRET_CHARS`` (an empty one means "none")."""
+    if token and len(token) < MIN_SECRET_CHARS:
+        raise ValueError(f"{what}: a token must have >= {MIN_SECRET_CHARS} characters")
+    return token
+
+
+def check_private(path: Path, what: str) -> None:
+    """Refuse a secrets file that group or others may access (``chmod 600`` it)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        raise ValueError(f"{what}: cannot read {path}: {exc.strerror}") from None
+    if mode & 0o077:
+        raise ValueError(
+            f"{what}: {path} is accessible to group or others (mode {mode & 0o777:o}); chmod 600 it"
+        )
+
+
+def read_secret_file(path: Path, what: str) -> str:
+    """The token in ``path`` (surrounding whitespace stripped); refused when the file is
+    accessible to group or others or the token is too short."""
+    check_private(path, what)
+    try:
+        text = path.read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"{what}: cannot read {path}: {exc.strerror}") from None
+    if not text:
+        raise ValueError(f"{what}: {path} is empty")
+    return check_secret(text, f"{what} {path}")
+
+
+def _secret(value: str, path: Path | None, name: str) -> str | None:
+    if path is not None:
+        return read_secret_file(path, f"--{name}-token-file")
+    return value or None
 
 
 _HELP = {
@@ -155,7 +256,11 @@ _HELP = {
     "coordinator_url": "coordinator base URL (empty = no fleet: local tiers and matcher only)",
     "coordinator_event_reporting": "report cache events (required for fleet matching)",
     "coordinator_blend_timeout": "seconds a blend lookup waits for the fleet leg",
-    "coordinator_token": "bearer token for the coordinator (empty = none)",
+    "coordinator_token": (
+        "bearer token for the coordinator (empty = none); visible in the process list as a "
+        "flag: prefer --coordinator-token-file or the environment"
+    ),
+    "coordinator_token_file": "file holding the coordinator token (mode 600, >= 32 characters)",
     "event_transport": f"how events travel: {', '.join(EVENT_TRANSPORTS)}",
     "redis_url": "Redis URL for the redis event transport",
     "event_stream": "Redis Stream name carrying event batches (the redis transport)",
@@ -166,6 +271,19 @@ _HELP = {
     "allow_trim": "trim a blend match that straddles the prefix boundary instead of dropping it",
     "prefer_cheaper": "among overlapping blend matches prefer the cheaper copy (local L1 first)",
     "token_cache_chunks": "chunks whose tokens are kept to stamp later events (0 = none)",
+    "auth_token_file": (
+        "JSON token file (the coordinator's format): /engine/* needs an engine token bound to "
+        "the call's cache_salt, /peer/* a peer token (default: no auth)"
+    ),
+    "engine_host": "bind address of the engine API when --engine-port is given (default --host)",
+    "engine_port": "serve /engine/* only on this port and /peer/* only on --port (default: both)",
+    "peer_token": "bearer token sent on /peer/* calls to other nodes (prefer the file or env)",
+    "peer_token_file": "file holding the peer token (mode 600, >= 32 characters)",
+    "max_query_tokens": "largest request, in tokens, the engine API accepts",
+    "max_body_bytes": (
+        "largest /engine/store body in bytes (0 = one request's KV for --max-query-tokens tokens)"
+    ),
+    "tracker_memory_bytes": "memory budget of the request trackers kept between engine calls",
     "log_level": "log level (debug, info, warning, error)",
 }
 
@@ -190,6 +308,12 @@ def config_from_args(
     """Flags over ``KVATLAS_*`` over defaults; ``KVATLAS_ENABLE_BLEND`` (the old spelling)
     counts when ``KVATLAS_ENABLE_BLEND_LOOKUP`` is not set."""
     env = os.environ if environ is None else environ
+    for name in ("coordinator_token", "peer_token"):
+        if getattr(args, name, None):
+            log.warning(
+                "--%s on the command line shows in the process list; use --%s-file or %s",
+                name.replace("_", "-"), name.replace("_", "-"), env_name(name),
+            )  # fmt: skip
     old, new = env_name(_OLD_BLEND_FLAG), env_name("enable_blend_lookup")
     if old in env and new not in env:
         env = {**env, new: env[old]}

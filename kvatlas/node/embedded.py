@@ -9,7 +9,7 @@ other node's L1 (pinned while copied). What ``make demo`` runs and most node tes
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,10 @@ class InProcessPeer:
     def __init__(self, l1: L1Cache) -> None:
         self._l1 = l1
 
-    def fetch(self, keys: Sequence[ObjectKey]) -> dict[ObjectKey, StoredChunk]:
+    def fetch(
+        self, keys: Sequence[ObjectKey], tokens: Mapping[ObjectKey, Any] | None = None
+    ) -> dict[ObjectKey, StoredChunk]:
+        """``tokens`` is unused: in one process the chunks keep their own token ids."""
         with self._l1.pinned(keys):
             found = {k: self._l1.get(k) for k in keys}
         return {k: c for k, c in found.items() if c is not None}

@@ -31,10 +31,27 @@ class EngineCallError(Unavailable):
 
 
 class NodeEngineClient:
-    def __init__(self, url: str, layout: KVLayout, *, timeout: float = 30.0) -> None:
+    """``token``: the engine bearer token (a node with auth on needs one, bound to the salts
+    this engine uses)."""
+
+    def __init__(
+        self, url: str, layout: KVLayout, *, timeout: float = 30.0, token: str | None = None
+    ) -> None:
         self.url = url.rstrip("/")
         self.layout = layout
-        self._http = httpx.Client(base_url=self.url, timeout=timeout)
+        headers = {"Accept": MSGPACK}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
+
+    def _payload(self, path: str, response: httpx.Response) -> Any:
+        try:
+            payload = msgspec.msgpack.decode(response.content)
+        except msgspec.DecodeError:
+            payload = response.text
+        if response.status_code != 200:
+            raise EngineCallError(f"{path}: {response.status_code} {payload}", response.status_code)
+        return payload
 
     def _call(self, path: str, **fields: Any) -> Any:
         tokens = fields.pop("tokens", None)
@@ -48,10 +65,7 @@ class NodeEngineClient:
         response = self._http.post(
             path, content=_encoder.encode(fields), headers={"Content-Type": MSGPACK}
         )
-        payload = msgspec.msgpack.decode(response.content)
-        if response.status_code != 200:
-            raise EngineCallError(f"{path}: {response.status_code} {payload}", response.status_code)
-        return payload
+        return self._payload(path, response)
 
     def store(self, tokens: Any, kv_chunks: Sequence[Any], *, cache_salt: str = "", request_id: str = "",
               mm_items: Sequence[MMItem] = ()) -> int:  # fmt: skip
@@ -65,12 +79,15 @@ class NodeEngineClient:
         )  # fmt: skip
         return int(reply["stored"])
 
-    def lookup(self, tokens: Any, *, cache_salt: str = "", mm_items: Sequence[MMItem] = ()) -> int:
-        return int(
-            self._call("/engine/lookup", tokens=tokens, cache_salt=cache_salt, mm_items=mm_items)[
-                "hit_tokens"
-            ]
-        )
+    def lookup(
+        self, tokens: Any, *, cache_salt: str = "", request_id: str = "",
+        mm_items: Sequence[MMItem] = (),
+    ) -> int:  # fmt: skip
+        reply = self._call(
+            "/engine/lookup", tokens=tokens, cache_salt=cache_salt, request_id=request_id,
+            mm_items=mm_items,
+        )  # fmt: skip
+        return int(reply["hit_tokens"])
 
     def retrieve(
         self, tokens: Any, *, cache_salt: str = "", request_id: str = ""
@@ -117,7 +134,13 @@ class NodeEngineClient:
         }
 
     def stats(self) -> dict[str, Any]:
-        return dict(msgspec.msgpack.decode(self._http.get("/engine/stats").content))
+        return dict(self._payload("/engine/stats", self._http.get("/engine/stats")))
 
     def close(self) -> None:
         self._http.close()
+
+    def __enter__(self) -> NodeEngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvatlas.client import CoordinatorClient, CoordinatorError
 from kvatlas.coordinator.wire import instance_from_wire, lookup_placements_from_wire
@@ -34,7 +34,12 @@ class Holder:
 
 
 class PeerFetcher(Protocol):
-    def fetch(self, keys: Sequence[ObjectKey]) -> dict[ObjectKey, StoredChunk]: ...
+    def fetch(
+        self, keys: Sequence[ObjectKey], tokens: Mapping[ObjectKey, Any] | None = None
+    ) -> dict[ObjectKey, StoredChunk]:
+        """The chunks of ``keys`` the peer holds; ``tokens``: the requester's own token ids
+        per key, attached to a chunk whose token digest matches (``kvatlas.node.peer``)."""
+        ...
 
 
 class FleetView(Protocol):
@@ -46,9 +51,17 @@ class FleetView(Protocol):
 class HttpFleetView:
     """Placements from ``POST /directory/lookup``; peer URLs from ``GET /instances``."""
 
-    def __init__(self, client: CoordinatorClient, *, peer_timeout: float = 2.0) -> None:
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        *,
+        peer_timeout: float = 2.0,
+        peer_token: str | None = None,
+    ) -> None:
+        """``peer_token`` is sent on every ``/peer/*`` call (peers with auth on need it)."""
         self._client = client
         self._peer_timeout = peer_timeout
+        self._peer_token = peer_token
         self._urls: dict[str, str] = {}
         self._peers: dict[str, PeerClient] = {}
         self._lock = threading.Lock()
@@ -76,7 +89,7 @@ class HttpFleetView:
             if url is None:
                 return None
             client = self._peers.setdefault(
-                instance_id, PeerClient(url, timeout=self._peer_timeout)
+                instance_id, PeerClient(url, timeout=self._peer_timeout, token=self._peer_token)
             )
             return client
 

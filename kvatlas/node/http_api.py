@@ -2,55 +2,65 @@
 multi-process demo and tests) that run in another process.
 
 Engine calls carry msgpack bodies (tokens as little-endian uint32 bytes, KV as raw bytes in the
-layout's dtype) and get msgpack replies, errors included: a :class:`~kvatlas.errors.KvatlasError`
-replies its own ``status`` with :func:`kvatlas.web.error_payload`; a call the node cannot make
-sense of (any other ``ValueError``) is :class:`~kvatlas.errors.Unprocessable`. The peer route
-keeps its JSON errors (:mod:`kvatlas.node.peer`). Blend lookups are poll-able: the node keeps
-each request's tracker for a while, so the keys of every call come from the same tracker (the
-single injection point).
+layout's dtype) and get msgpack replies; a call sent as JSON (bytes as base64) gets JSON. Every
+bad input is a 4xx with a ``detail`` in the call's format (:func:`kvatlas.web.error_payload`):
+a :class:`~kvatlas.errors.KvatlasError` replies its own ``status``; any other ``ValueError`` a
+call provokes is :class:`~kvatlas.errors.Unprocessable`. The peer route keeps its JSON errors
+(:mod:`kvatlas.node.peer`).
 
-A ``request_id`` names a tracker, it does not define the request: a call continues the held
-tracker only if its MM items and salt are the same and its tokens extend the held ones
-(generated tokens, appended); any other call under that id replaces the tracker with one built
-from its own tokens and cancels the old one's pending blend lookup (never refused: every call
-is keyed by its own tokens). Trackers are dropped at the end of a request, after a TTL and
-beyond a bound. See ``docs/node.md`` ("Request ids over the engine API").
+:class:`ApiGate` sees each request before its body is read: with ``--engine-port`` it serves
+``/engine/*`` only on that listener and ``/peer/*`` only on the other; with auth it needs an
+``engine`` token on ``/engine/*`` (the call's ``cache_salt`` inside its binding) and a ``peer``
+token on ``/peer/*``. Bodies are read under a limit (``NodeConfig.max_call_bytes``, store:
+``max_store_bytes``). Blend lookups are poll-able: the node keeps each request's tracker for a
+while (:mod:`kvatlas.node.engine_trackers`, bound to the calling principal), so the keys of
+every call come from the same tracker (the single injection point). See ``docs/node.md``.
 """
 
 from __future__ import annotations
 
-import itertools
-import logging
-import threading
-import time
-from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from typing import Any, Final
 
 import msgspec
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvatlas.errors import KvatlasError, Unprocessable
+from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
+from kvatlas.errors import Forbidden, KvatlasError, NotFound, PayloadTooLarge, Unprocessable
 from kvatlas.keys import MMItem, RequestTracker
 from kvatlas.node.cache_node import CacheNode
+from kvatlas.node.engine_trackers import Identity, Trackers
 from kvatlas.node.peer import create_peer_app
 from kvatlas.node.segments import FetchCost, Segment
-from kvatlas.web import error_payload
+from kvatlas.web import error_headers, error_payload, error_response, read_body
 
-log = logging.getLogger(__name__)
-
-MSGPACK = "application/msgpack"
-_encoder = msgspec.msgpack.Encoder()
+MSGPACK: Final = "application/msgpack"
+ENGINE_PREFIX: Final = "/engine/"
+PEER_PREFIX: Final = "/peer/"
+_OFF_LOOP_BYTES: Final = 1 << 20  # bodies above this are decoded in the thread pool
+_msgpack_encoder = msgspec.msgpack.Encoder()
+_json_encoder = msgspec.json.Encoder()
 
 
 class WireItem(msgspec.Struct):
     identifier: str
     offset: int
     length: int
+
+
+class WireSegment(msgspec.Struct):
+    chunk_hash: str
+    old_st: int
+    cur_st: int
+    length: int
+    source: str
+    cost: int = int(FetchCost.UNKNOWN)
+    trim: int = 0
 
 
 class EngineCall(msgspec.Struct):
@@ -62,10 +72,15 @@ class EngineCall(msgspec.Struct):
     kv: bytes = b""
     n_chunks: int = 0
     first_chunk: int = 0
-    segments: list[dict[str, Any]] = []
+    segments: list[WireSegment] = []
 
 
-_decoder = msgspec.msgpack.Decoder(EngineCall)
+_msgpack_decoder = msgspec.msgpack.Decoder(EngineCall)
+_json_decoder = msgspec.json.Decoder(EngineCall)
+
+
+def _decode_call(body: bytes, msgpack: bool) -> EngineCall:
+    return _msgpack_decoder.decode(body) if msgpack else _json_decoder.decode(body)
 
 
 def segment_to_wire(seg: Segment) -> dict[str, Any]:
@@ -81,142 +96,135 @@ def segment_to_wire(seg: Segment) -> dict[str, Any]:
 
 
 def segment_from_wire(obj: dict[str, Any]) -> Segment:
+    """A segment of a reply (the engine client's side; the node parses :class:`WireSegment`)."""
+    return _segment(msgspec.convert(obj, WireSegment))
+
+
+def _segment(wire: WireSegment) -> Segment:
     return Segment(
-        bytes.fromhex(obj["chunk_hash"]),
-        int(obj["old_st"]),
-        int(obj["cur_st"]),
-        int(obj["length"]),
-        obj["source"],
-        int(obj.get("cost", FetchCost.UNKNOWN)),
-        int(obj.get("trim", 0)),
+        bytes.fromhex(wire.chunk_hash), wire.old_st, wire.cur_st, wire.length,
+        wire.source, wire.cost, wire.trim,  # type: ignore[arg-type]  # checked by Segment
+    )  # fmt: skip
+
+
+def _wants_msgpack(headers: Any) -> bool:
+    """Whether a request speaks msgpack (its body or the reply it accepts); else JSON."""
+    return MSGPACK in headers.get("content-type", "") or MSGPACK in headers.get("accept", "")
+
+
+def _reply(payload: Any, msgpack: bool, status: int = 200) -> Response:
+    if msgpack:
+        return Response(_msgpack_encoder.encode(payload), status_code=status, media_type=MSGPACK)
+    return Response(
+        _json_encoder.encode(payload), status_code=status, media_type="application/json"
     )
 
 
-@dataclass(frozen=True)
-class _Identity:
-    """What a call says its request is: raw tokens (prompt + generated so far), items, salt."""
-
-    tokens: np.ndarray[Any, np.dtype[np.uint32]]
-    items: tuple[tuple[str, int, int], ...]
-    cache_salt: str
-
-    def continues(self, held: _Identity) -> bool:
-        """Same items and salt, and these tokens are ``held``'s followed by zero or more others."""
-        n = len(held.tokens)
-        return (
-            self.items == held.items
-            and self.cache_salt == held.cache_salt
-            and len(self.tokens) >= n
-            and bool(np.array_equal(self.tokens[:n], held.tokens))
-        )
+def _error_reply(exc: KvatlasError, msgpack: bool) -> Response:
+    if not msgpack:
+        return error_response(exc)
+    response = _reply(error_payload(exc), True, exc.status)
+    for name, value in error_headers(exc):
+        response.headers[name.decode()] = value.decode()
+    return response
 
 
-@dataclass
-class _Entry:
-    born: float
-    tracker: RequestTracker
-    identity: _Identity
-    blend_id: str
+class ApiGate:
+    """ASGI middleware, before any body is read: which listener serves a path (with a
+    separate ``engine_port``) and who calls it (``auth``; none = everyone is admin). The
+    principal goes to ``request.state.principal``."""
+
+    def __init__(self, app: ASGIApp, auth: TokenAuth | None, engine_port: int | None) -> None:
+        self.app = app
+        self.auth = auth
+        self.engine_port = engine_port
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        role = "engine" if path.startswith(ENGINE_PREFIX) else None
+        role = "peer" if path.startswith(PEER_PREFIX) else role
+        if scope["type"] != "http" or role is None:
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        try:
+            who = self._admit(scope, role, headers.get("authorization"))
+        except KvatlasError as exc:
+            msgpack = role == "engine" and _wants_msgpack(headers)
+            await _error_reply(exc, msgpack)(scope, receive, send)
+            return
+        scope.setdefault("state", {})["principal"] = who
+        await self.app(scope, receive, send)
+
+    def _admit(self, scope: Scope, role: str, authorization: str | None) -> Principal:
+        if self.engine_port is not None:
+            port = (scope.get("server") or (None, None))[1]
+            if (port == self.engine_port) != (role == "engine"):
+                raise NotFound(f"{scope['path']} is not served on this listener")
+        who = ANONYMOUS_ADMIN if self.auth is None else self.auth.authenticate(authorization)
+        who.require(role)
+        return who
 
 
-class _Trackers:
-    """Trackers of in-flight requests by ``request_id``, each with the identity it was built
-    from. A call continues the held tracker only if its identity extends it (same items and
-    salt, tokens = held tokens + generated ones, which are appended); any other call under the
-    same id replaces it, so a reused id never keys one prompt with another's tokens. Entries
-    are dropped at the end of a request (store, retrieve, blend-retrieve), after ``ttl``, and
-    beyond ``max_entries`` (oldest first): memory stays bounded for aborted requests too.
-    ``on_forget`` gets the blend id of each tracker replaced, expired or evicted."""
-
-    def __init__(
-        self,
-        ttl: float = 120.0,
-        max_entries: int = 10_000,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-        on_forget: Callable[[str], object] = lambda blend_id: None,
-    ) -> None:
-        self.ttl = ttl
-        self.max_entries = max_entries
-        self.replaced = 0
-        self._clock = clock
-        self._on_forget = on_forget
-        self._serial = itertools.count()
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._entries)
-
-    def get_or_create(
-        self, request_id: str, identity: _Identity, make: Callable[[], RequestTracker]
-    ) -> tuple[RequestTracker, str]:
-        """The tracker for this call and the id its blend lookup is polled under (unique per
-        tracker, so a replaced request's pending lookup is never answered to its successor)."""
-        now = self._clock()
-        stale: list[str] = []
-        with self._lock:
-            while self._entries:
-                rid, oldest = next(iter(self._entries.items()))
-                if now - oldest.born <= self.ttl and len(self._entries) < self.max_entries:
-                    break
-                del self._entries[rid]
-                stale.append(oldest.blend_id)
-            found = self._entries.get(request_id)
-            if found is not None and identity.continues(found.identity):
-                extra = identity.tokens[len(found.identity.tokens) :]
-                if len(extra):
-                    found.tracker.append_generated(extra.tolist())
-                    found.identity = identity
-                return found.tracker, found.blend_id
-            if found is not None:
-                self.replaced += 1
-                stale.append(found.blend_id)
-                del self._entries[request_id]
-                log.info("request id %r reused for other tokens: new tracker", request_id)
-            tracker = make()
-            blend_id = f"{request_id}#{next(self._serial)}"
-            if request_id:
-                self._entries[request_id] = _Entry(now, tracker, identity, blend_id)
-        for old in stale:
-            self._on_forget(old)
-        return tracker, blend_id
-
-    def drop(self, request_id: str, tracker: RequestTracker) -> None:
-        """End of request: forget ``tracker`` (not a newer one that replaced it)."""
-        with self._lock:
-            found = self._entries.get(request_id)
-            if found is not None and found.tracker is tracker:
-                del self._entries[request_id]
+Handler = Callable[[EngineCall, Principal], Awaitable[Any]]
 
 
-def _reply(payload: Any, status: int = 200) -> Response:
-    return Response(_encoder.encode(payload), status_code=status, media_type=MSGPACK)
-
-
-def _error_reply(exc: KvatlasError) -> Response:
-    return _reply(error_payload(exc), exc.status)
-
-
-def create_node_app(node: CacheNode) -> FastAPI:
+def create_node_app(node: CacheNode, *, auth: TokenAuth | None = None) -> FastAPI:
+    """The node's app: the peer route (:func:`create_peer_app`) and the engine API, behind an
+    :class:`ApiGate` with ``auth`` and the node config's ``engine_port`` and limits."""
+    config = node.config
     app = create_peer_app(node.l1)
     app.title = "kvatlas cache node"
-    trackers = _Trackers(on_forget=node.blend.cancel)
+    app.add_middleware(ApiGate, auth=auth, engine_port=config.engine_port)
+    trackers = Trackers(
+        memory_bytes=config.tracker_memory_bytes,
+        chunk_size=config.chunk_size,
+        on_forget=node.blend.cancel,
+    )
     app.state.engine_trackers = trackers
     layout = node.layout
 
-    async def call_of(request: Request) -> EngineCall:
+    def engine_call(path: str, max_bytes: int) -> Callable[[Handler], Handler]:
+        """Register ``handler`` at ``path``: body read under ``max_bytes`` and decoded in the
+        call's format; every refusal is a 4xx reply in that format."""
+
+        def register(handler: Handler) -> Handler:
+            async def route(request: Request) -> Response:
+                msgpack = _wants_msgpack(request.headers)
+                try:
+                    body = await read_body(request, max_bytes)
+                    call = await _decode(body, msgpack)
+                    return _reply(await handler(call, request.state.principal), msgpack)
+                except KvatlasError as exc:
+                    return _error_reply(exc, msgpack)
+                except ValueError as exc:  # a field the node could not make sense of
+                    return _error_reply(Unprocessable(str(exc)), msgpack)
+
+            app.add_api_route(path, route, methods=["POST"], include_in_schema=False)
+            return handler
+
+        return register
+
+    async def _decode(body: bytes, msgpack: bool) -> EngineCall:
         try:
-            return _decoder.decode(await request.body())
+            if len(body) > _OFF_LOOP_BYTES:
+                return await run_in_threadpool(_decode_call, body, msgpack)
+            return _decode_call(body, msgpack)
         except msgspec.MsgspecError as exc:
             raise Unprocessable(f"malformed engine call: {exc}") from None
 
-    def tracker_for(call: EngineCall) -> tuple[RequestTracker, str]:
+    def tracker_for(call: EngineCall, who: Principal) -> tuple[RequestTracker, str]:
+        who.require_salts([call.cache_salt], role="engine")
         if len(call.tokens) % 4:
             raise Unprocessable("tokens must be little-endian uint32 bytes")
+        if len(call.tokens) // 4 > config.max_query_tokens:
+            raise PayloadTooLarge(
+                f"{len(call.tokens) // 4} tokens exceed --max-query-tokens {config.max_query_tokens}"
+            )
+        if min(call.prefix_len, call.first_chunk, call.n_chunks) < 0:
+            raise Unprocessable("prefix_len, first_chunk and n_chunks must be >= 0")
         tokens = np.frombuffer(call.tokens, dtype="<u4")
-        identity = _Identity(
+        identity = Identity(
             tokens,
             tuple((i.identifier, i.offset, i.length) for i in call.mm_items),
             call.cache_salt,
@@ -231,89 +239,83 @@ def create_node_app(node: CacheNode) -> FastAPI:
                 request_id=call.request_id,
             )
 
-        return trackers.get_or_create(call.request_id, identity, make)
+        return trackers.get_or_create(who, call.request_id, identity, make)
 
-    @app.exception_handler(KvatlasError)
-    async def _refused(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, KvatlasError)
-        return _error_reply(exc)
-
-    @app.exception_handler(ValueError)
-    async def _unprocessable(_: Request, exc: Exception) -> Response:
-        return _error_reply(Unprocessable(str(exc)))
-
-    @app.post("/engine/store")
-    async def store(request: Request) -> Response:
-        call = await call_of(request)
-        tracker, _ = tracker_for(call)
+    @engine_call("/engine/store", config.max_store_bytes)
+    async def store(call: EngineCall, who: Principal) -> Any:
+        tracker, _ = tracker_for(call, who)
         kv = np.frombuffer(call.kv, dtype=layout.numpy_dtype())
         if kv.size != call.n_chunks * int(np.prod(layout.shape)):
             raise Unprocessable("kv bytes do not match n_chunks x the node's KV layout")
         chunks = list(kv.reshape((call.n_chunks, *layout.shape)))
         stored = await run_in_threadpool(node.store, tracker, chunks, first_chunk=call.first_chunk)
-        trackers.drop(call.request_id, tracker)
-        return _reply({"stored": stored, "cacheable": tracker.cacheable})
+        trackers.drop(who, call.request_id, tracker)
+        return {"stored": stored, "cacheable": tracker.cacheable}
 
-    @app.post("/engine/lookup")
-    async def lookup(request: Request) -> Response:
-        call = await call_of(request)
-        tracker, _ = tracker_for(call)
+    @engine_call("/engine/lookup", config.max_call_bytes)
+    async def lookup(call: EngineCall, who: Principal) -> Any:
+        tracker, _ = tracker_for(call, who)
         hit = await run_in_threadpool(node.lookup, tracker)
-        return _reply({"hit_tokens": hit, "cacheable": tracker.cacheable})
+        return {"hit_tokens": hit, "cacheable": tracker.cacheable}
 
-    @app.post("/engine/retrieve")
-    async def retrieve(request: Request) -> Response:
-        call = await call_of(request)
-        tracker, _ = tracker_for(call)
+    @engine_call("/engine/retrieve", config.max_call_bytes)
+    async def retrieve(call: EngineCall, who: Principal) -> Any:
+        tracker, _ = tracker_for(call, who)
         got = await run_in_threadpool(node.retrieve, tracker)
-        trackers.drop(call.request_id, tracker)
+        trackers.drop(who, call.request_id, tracker)
         kv = b"".join(np.ascontiguousarray(k).tobytes() for k in got.kv)
-        return _reply({"hit_tokens": got.hit_tokens, "kv": kv, "sources": dict(got.sources)})
+        return {"hit_tokens": got.hit_tokens, "kv": kv, "sources": dict(got.sources)}
 
-    @app.post("/engine/blend-lookup")
-    async def blend_lookup(request: Request) -> Response:
-        call = await call_of(request)
-        tracker, blend_id = tracker_for(call)
+    @engine_call("/engine/blend-lookup", config.max_call_bytes)
+    async def blend_lookup(call: EngineCall, who: Principal) -> Any:
+        tracker, blend_id = tracker_for(call, who)
         result = await run_in_threadpool(
             node.blend_lookup, tracker, prefix_len=call.prefix_len, request_id=blend_id
         )
         if result is None:
-            return _reply({"pending": True})
-        return _reply(
-            {
-                "pending": False,
-                "segments": [segment_to_wire(s) for s in result.segments],
-                "local_matches": result.local_matches,
-                "fleet_matches": result.fleet_matches,
-                "fleet_used": result.fleet_used,
-            }
-        )
+            return {"pending": True}
+        return {
+            "pending": False,
+            "segments": [segment_to_wire(s) for s in result.segments],
+            "local_matches": result.local_matches,
+            "fleet_matches": result.fleet_matches,
+            "fleet_used": result.fleet_used,
+        }
 
-    @app.post("/engine/blend-retrieve")
-    async def blend_retrieve(request: Request) -> Response:
-        call = await call_of(request)
-        tracker, blend_id = tracker_for(call)
-        segments = [segment_from_wire(s) for s in call.segments]
+    @engine_call("/engine/blend-retrieve", config.max_call_bytes)
+    async def blend_retrieve(call: EngineCall, who: Principal) -> Any:
+        segments = []
+        for i, wire in enumerate(call.segments):
+            try:
+                segments.append(_segment(wire))
+            except ValueError as exc:
+                raise Unprocessable(f"segments[{i}]: {exc}") from None
+        tracker, blend_id = tracker_for(call, who)
         got = await run_in_threadpool(node.blend_retrieve, tracker, segments)
-        trackers.drop(call.request_id, tracker)
+        trackers.drop(who, call.request_id, tracker)
         node.blend.cancel(blend_id)  # a lookup never polled to its end is not kept to its TTL
-        return _reply(
-            {
-                "parts": [
-                    {**segment_to_wire(seg), "kv": np.ascontiguousarray(kv).tobytes()}
-                    for seg, kv in got.parts
-                ],
-                "misses": [segment_to_wire(s) for s in got.misses],
-                "sources": dict(got.sources),
-            }
-        )
+        return {
+            "parts": [
+                {**segment_to_wire(seg), "kv": np.ascontiguousarray(kv).tobytes()}
+                for seg, kv in got.parts
+            ],
+            "misses": [segment_to_wire(s) for s in got.misses],
+            "sources": dict(got.sources),
+        }
 
     @app.get("/engine/stats")
-    async def stats() -> Response:
-        return _reply(node.stats().to_wire())
+    async def stats(request: Request) -> Response:
+        msgpack = "application/json" not in request.headers.get("accept", "")
+        if not request.state.principal.sees_everything:  # every tenant's figures
+            refused = Forbidden("node stats are for admin and salt-unbound engine tokens")
+            return _error_reply(refused, msgpack)
+        wire = {**node.stats().to_wire(), "trackers": asdict(trackers.stats())}
+        return _reply(wire, msgpack)
 
     @app.get("/healthz")
     async def healthz() -> Response:
-        return _reply({"status": "ok", "instance_id": node.instance_id, **node.scheme.describe()})
+        return _reply(
+            {"status": "ok", "instance_id": node.instance_id, **node.scheme.describe()}, True
+        )
 
     return app

@@ -1,9 +1,16 @@
 """Peer L1: nodes read each other's L1 over HTTP (the stand-in for RDMA P2P, ``docs/node.md``).
 
-Protocol: ``POST /peer/kv`` with JSON ``{"keys": [ObjectKey wire objects]}``; the reply is
-``application/octet-stream``, a msgpack array of :func:`encode_chunk` records for the listed
-keys this node holds in L1. Missing keys are simply omitted, so a sparse key set with gaps is
-one round trip.
+Protocol: ``POST /peer/kv`` with JSON ``{"keys": [ObjectKey wire objects]}`` (and, when the
+serving node has auth on, ``Authorization: Bearer <peer token>``); the reply is
+``application/octet-stream``, a msgpack array with one :class:`PeerRecord` ``[chunk,
+token_digest]`` per listed key this node holds in L1. Missing keys are simply omitted, so a
+sparse key set with gaps is one round trip.
+
+* A reply never carries token ids (they are a tenant's prompt): ``chunk`` is the
+  :func:`encode_chunk` record of the chunk *without* its tokens, ``token_digest`` is
+  :func:`chunk_tokens_digest` of its tokens (``b""`` when it has none). The requester compares
+  the digest with the digest of its own request's tokens at that position and attaches those
+  tokens only on a match.
 
 * The listed keys are pinned in L1 while the reply is assembled: a put storm on this node must
   not evict a chunk between "listed" and "serialized" (with RDMA the peer reads the memory
@@ -21,11 +28,14 @@ is down, slow, or replies with garbage costs at most ``timeout`` and yields miss
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Any, Final
 
+import blake3
 import httpx
 import msgspec
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
@@ -49,8 +59,26 @@ class _FetchRequest(msgspec.Struct, forbid_unknown_fields=True):
     keys: list[dict[str, Any]]
 
 
+class PeerRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One chunk of a ``/peer/kv`` reply: its record without token ids, and their digest."""
+
+    chunk: bytes
+    token_digest: bytes
+
+
+def chunk_tokens_digest(tokens: Any) -> bytes:
+    """blake3 (32 bytes) of a chunk's token ids as little-endian uint32 bytes."""
+    return blake3.blake3(np.asarray(tokens, dtype="<u4").tobytes()).digest()
+
+
+def peer_record(chunk: StoredChunk, encoder: Callable[[StoredChunk], bytes]) -> PeerRecord:
+    if chunk.tokens is None:
+        return PeerRecord(encoder(chunk), b"")
+    return PeerRecord(encoder(replace(chunk, tokens=None)), chunk_tokens_digest(chunk.tokens))
+
+
 _request_decoder = msgspec.json.Decoder(_FetchRequest)
-_reply_decoder = msgspec.msgpack.Decoder(list[bytes])
+_reply_decoder = msgspec.msgpack.Decoder(list[PeerRecord])
 _reply_encoder = msgspec.msgpack.Encoder()
 
 
@@ -95,7 +123,7 @@ def create_peer_app(
             for key in keys:
                 chunk = l1.get(key)
                 if chunk is not None:
-                    records.append(encoder(chunk))
+                    records.append(peer_record(chunk, encoder))
         return _reply_encoder.encode(records)
 
     @app.post(PEER_KV_PATH)
@@ -119,12 +147,25 @@ class PeerClient:
     hostile peer must not be able to exhaust memory).
     """
 
-    def __init__(self, url: str, *, timeout: float = 2.0, max_reply_bytes: int = 1 << 30) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = 2.0,
+        max_reply_bytes: int = 1 << 30,
+        token: str | None = None,
+    ) -> None:
+        """``token``: the peer bearer token sent on every call (a peer with auth needs one)."""
         self.url = url.rstrip("/")
         self.max_reply_bytes = max_reply_bytes
-        self._client = httpx.Client(timeout=timeout)
+        headers = {"Authorization": f"Bearer {token}"} if token else None
+        self._client = httpx.Client(timeout=timeout, headers=headers)
 
-    def fetch(self, keys: Iterable[ObjectKey]) -> dict[ObjectKey, StoredChunk]:
+    def fetch(
+        self, keys: Iterable[ObjectKey], tokens: Mapping[ObjectKey, Any] | None = None
+    ) -> dict[ObjectKey, StoredChunk]:
+        """The chunks of ``keys`` the peer holds. A chunk arrives without token ids; it carries
+        the requester's own ``tokens[key]`` when their digest equals the reply's."""
         wanted = list(dict.fromkeys(keys))
         if not wanted:
             return {}
@@ -137,15 +178,19 @@ class PeerClient:
         found: dict[ObjectKey, StoredChunk] = {}
         for record in records:
             try:
-                chunk = decode_chunk(record)
+                chunk = decode_chunk(record.chunk)
             except ChunkDecodeError as exc:
                 log.warning("peer %s sent a corrupt chunk: %s", self.url, exc)
                 continue
-            if chunk.key in wanted_set:  # an unrequested key is never trusted into the caller
-                found[chunk.key] = chunk
+            if chunk.key not in wanted_set:  # an unrequested key is never trusted into the caller
+                continue
+            mine = None if tokens is None else tokens.get(chunk.key)
+            if mine is not None and record.token_digest == chunk_tokens_digest(mine):
+                chunk = replace(chunk, tokens=mine)
+            found[chunk.key] = chunk
         return found
 
-    def _request(self, keys: list[ObjectKey]) -> list[bytes]:
+    def _request(self, keys: list[ObjectKey]) -> list[PeerRecord]:
         body = {"keys": [k.to_wire() for k in keys]}
         with self._client.stream("POST", self.url + PEER_KV_PATH, json=body) as response:
             if response.status_code != 200:

@@ -1,12 +1,16 @@
 """``kvatlas node``: a cache node process — L1/L2, peer L1 and engine API over HTTP, events to
-the coordinator, fleet blend lookups — built from :class:`NodeConfig`."""
+the coordinator, fleet blend lookups — built from :class:`NodeConfig`.
+
+The listeners are bound before any start-up work: ``--host/--port`` (peer API, and the engine
+API unless ``--engine-port`` gives it a listener of its own). Secrets come from files or the
+environment (``docs/security.md``)."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from kvatlas.asgi_thread import serve
+from kvatlas.asgi_thread import bind_listener, serve
 from kvatlas.client import (
     BlendCoordinatorClient,
     CoordinatorClient,
@@ -25,6 +29,7 @@ from kvatlas.node.config import NodeConfig
 from kvatlas.node.fleet_view import HttpFleetView
 from kvatlas.node.http_api import create_node_app
 from kvatlas.node.l2 import FsL2, L2Backend, RedisL2
+from kvatlas.web import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +80,8 @@ class NodeProcess:
         matcher: BlendCoordinatorClient | None = None
         instance_id = config.instance_id or None
         advertised = config.advertised_url or f"http://{config.host}:{config.port}"
+        token = config.coordinator_bearer()
         if config.coordinator_url:
-            token = config.coordinator_token or None
             self.coordinator = CoordinatorClient(config.coordinator_url, token=token)
             try:
                 check_coordinator_compatible(config, self.coordinator.health())
@@ -94,16 +99,14 @@ class NodeProcess:
             if config.event_transport == "redis":
                 transport = RedisStreamTransport(config.redis_url, config.event_stream)
             else:
-                transport = HttpTransport(
-                    config.coordinator_url, token=config.coordinator_token or None
-                )
+                transport = HttpTransport(config.coordinator_url, token=token)
             assert instance_id is not None
             self.sink = EventSink(instance_id, transport)
-            fleet = HttpFleetView(self.coordinator)
+            fleet = HttpFleetView(self.coordinator, peer_token=config.peer_bearer())
             matcher = BlendCoordinatorClient(
                 config.coordinator_url,
                 request_timeout=config.coordinator_blend_timeout,
-                token=config.coordinator_token or None,
+                token=token,
             )
         l2: L2Backend | None = None
         if config.l2 == "fs" and config.l2_shared:
@@ -120,7 +123,7 @@ class NodeProcess:
             fleet=fleet,
             fleet_matcher=matcher,
         )
-        self.app = create_node_app(self.node)
+        self.app = create_node_app(self.node, auth=config.auth())
 
     def close(self) -> None:
         self.node.close()
@@ -134,22 +137,55 @@ class NodeProcess:
             self.coordinator.close()
 
 
+def listeners(config: NodeConfig) -> list[tuple[str, int, str]]:
+    """``(host, port, what it serves)`` of each listener the node binds."""
+    if config.engine_port is None:
+        return [(config.host, config.port, "peer and engine APIs")]
+    engine_host = config.engine_host or config.host
+    return [(config.host, config.port, "peer API"), (engine_host, config.engine_port, "engine API")]
+
+
+def announce_security(config: NodeConfig) -> None:
+    """Log how the node's APIs are protected; WARNING for a routable address without auth."""
+    if config.auth_token_file is not None:
+        log.info("auth enabled (tokens from %s)", config.auth_token_file)
+        return
+    for host, port, what in listeners(config):
+        if is_loopback(host):
+            log.info("auth disabled: %s bound to loopback %s:%d only", what, host, port)
+        else:
+            log.warning(
+                "auth disabled and the %s bound to %s:%d: anyone who can reach this port can "
+                "read and store every tenant's KV; use --auth-token-file",
+                what, host, port,
+            )  # fmt: skip
+
+
 def run_node(config: NodeConfig) -> int:
     configure_logging(config.log_level)
+    announce_security(config)
+    try:
+        socks = [bind_listener(host, port) for host, port, _ in listeners(config)]
+    except OSError as exc:
+        log.error("refusing to start: %s", exc)
+        return 2
     warm_up_kernels()
     try:
         process = NodeProcess(config)
     except (KeySchemeMismatch, TransportMismatch, CoordinatorError) as exc:
         log.error("refusing to start: %s", exc)
+        for sock in socks:
+            sock.close()
         return 2
     log.info(
-        "kvatlas node %s on http://%s:%d (fleet %s, l2 %s)",
-        process.node.instance_id, config.host, config.port,
+        "kvatlas node %s on %s (fleet %s, l2 %s)",
+        process.node.instance_id,
+        ", ".join(f"http://{h}:{p} ({what})" for h, p, what in listeners(config)),
         "on" if config.fleet_enabled else "off", config.l2,
     )  # fmt: skip
     kwargs: dict[str, Any] = {"log_level": config.log_level}
     try:
-        serve(process.app, host=config.host, port=config.port, **kwargs)
+        serve(process.app, host=config.host, port=config.port, sock=socks, **kwargs)
     finally:
         process.close()
     return 0

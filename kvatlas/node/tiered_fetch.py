@@ -10,8 +10,8 @@ they hold in an unshared L1, one batch per peer. See ``docs/node.md``.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
-from typing import Final, Literal, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, Literal, NamedTuple
 
 from kvatlas.keys import ObjectKey
 from kvatlas.node.fleet_view import FleetView
@@ -62,8 +62,12 @@ class TieredFetch:
         self._on_l1_hit = on_l1_hit
         self._counters = counters
 
-    def fetch(self, keys: Sequence[ObjectKey]) -> dict[ObjectKey, Fetched]:
-        """One batched step: local L1, then this node's L2, then peer L1s; absent = miss."""
+    def fetch(
+        self, keys: Sequence[ObjectKey], tokens: Mapping[ObjectKey, Any] | None = None
+    ) -> dict[ObjectKey, Fetched]:
+        """One batched step: local L1, then this node's L2, then peer L1s; absent = miss.
+        ``tokens`` (the request's token ids per key) go to the peers, whose replies carry
+        only a digest of a chunk's tokens (:mod:`kvatlas.node.peer`)."""
         found: dict[ObjectKey, Fetched] = {}
         missing: list[ObjectKey] = []
         for key in keys:
@@ -84,7 +88,7 @@ class TieredFetch:
                 if peer is None:
                     continue
                 asked = set(peer_keys)
-                for key, chunk in peer.fetch(peer_keys).items():
+                for key, chunk in peer.fetch(peer_keys, tokens).items():
                     if key in asked and self._usable(chunk):
                         found[key] = Fetched(chunk, PEER_L1)
         return found

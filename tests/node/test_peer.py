@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import blake3
 import httpx
 import msgspec
 import numpy as np
@@ -18,8 +19,14 @@ from fastapi.responses import Response
 from kvatlas.coordinator.server import free_port
 from kvatlas.keys import ObjectKey
 from kvatlas.node.l1 import L1Cache
-from kvatlas.node.peer import PEER_KV_PATH, PeerClient, PeerServer, create_peer_app
-from kvatlas.node.stored_chunk import StoredChunk, encode_chunk
+from kvatlas.node.peer import (
+    PEER_KV_PATH,
+    PeerClient,
+    PeerServer,
+    chunk_tokens_digest,
+    create_peer_app,
+)
+from kvatlas.node.stored_chunk import StoredChunk, decode_chunk, encode_chunk
 
 
 def key(i: int) -> ObjectKey:
@@ -42,15 +49,34 @@ def served() -> Iterator[tuple[L1Cache, PeerServer]]:
 
 def test_fetch_sparse_set_returns_present_keys_only(served: tuple[L1Cache, PeerServer]) -> None:
     _, server = served
+    mine = {key(i): chunk(i).tokens for i in range(10)}
+    mine[key(6)] = np.arange(4, dtype=np.uint32) + 99  # not the tokens the peer holds
     with PeerClient(server.url) as client:
-        found = client.fetch([key(i) for i in range(10)] + [key(4)])
+        found = client.fetch([key(i) for i in range(10)] + [key(4)], mine)
     assert set(found) == {key(i) for i in range(0, 10, 2)}
     for i in range(0, 10, 2):
         got = found[key(i)]
         want = chunk(i)
         assert np.array_equal(got.kv, want.kv) and got.kv.dtype == np.float16
-        assert got.tokens is not None and want.tokens is not None
-        assert np.array_equal(got.tokens, want.tokens) and got.token_offset == 256 * i
+        assert got.token_offset == 256 * i
+        if i == 6:  # the digest disagrees with the requester's tokens: none attached
+            assert got.tokens is None
+        else:
+            assert got.tokens is not None and want.tokens is not None
+            assert np.array_equal(got.tokens, want.tokens)
+
+
+def test_reply_never_carries_token_ids(served: tuple[L1Cache, PeerServer]) -> None:
+    """Issue 16 item 2: a peer reply holds each chunk without its token ids (a tenant's
+    prompt) and only their digest."""
+    _, server = served
+    r = httpx.post(server.url + PEER_KV_PATH, json=_wire([key(2)]))
+    [(record, digest)] = msgspec.msgpack.decode(r.content)
+    assert decode_chunk(record).tokens is None
+    assert digest == chunk_tokens_digest(chunk(2).tokens)
+    assert digest == blake3.blake3(np.arange(2, 6, dtype="<u4").tobytes()).digest()
+    with PeerClient(server.url) as client:
+        assert client.fetch([key(2)])[key(2)].tokens is None  # no tokens of its own to match
 
 
 def test_fetch_nothing_makes_no_request() -> None:
@@ -201,6 +227,11 @@ def _octets(content: bytes, status: int = 200) -> Response:
     return Response(content, status_code=status, media_type="application/octet-stream")
 
 
+def _records(*encoded: bytes) -> bytes:
+    """A peer reply of these chunk records (no token digests)."""
+    return msgspec.msgpack.encode([[record, b""] for record in encoded])
+
+
 @pytest.mark.parametrize(
     "response",
     [
@@ -208,8 +239,9 @@ def _octets(content: bytes, status: int = 200) -> Response:
         _octets(msgspec.msgpack.encode({"not": "a list"})),
         _octets(msgspec.msgpack.encode([1, 2, 3])),
         _octets(b""),
-        _octets(msgspec.msgpack.encode([encode_chunk(chunk(1))]), status=500),
-        _octets(msgspec.msgpack.encode([encode_chunk(chunk(1))])[:-10]),
+        _octets(_records(encode_chunk(chunk(1))), status=500),
+        _octets(_records(encode_chunk(chunk(1)))[:-10]),
+        _octets(msgspec.msgpack.encode([encode_chunk(chunk(1))])),  # the old reply format
     ],
 )
 def test_garbage_reply_is_empty(
@@ -228,7 +260,7 @@ def test_corrupt_and_unrequested_chunks_are_dropped(
     corrupt = bytearray(encode_chunk(chunk(2)))
     corrupt[-40] ^= 0xFF
     reply["next"] = _octets(
-        msgspec.msgpack.encode([encode_chunk(chunk(1)), bytes(corrupt), encode_chunk(chunk(7))])
+        _records(encode_chunk(chunk(1)), bytes(corrupt), encode_chunk(chunk(7)))
     )
     with PeerClient(server.url) as client:
         found = client.fetch([key(1), key(2), key(3)])
@@ -237,7 +269,7 @@ def test_corrupt_and_unrequested_chunks_are_dropped(
 
 def test_oversized_reply_is_empty(misbehaving: tuple[PeerServer, dict[str, Response]]) -> None:
     server, reply = misbehaving
-    reply["next"] = _octets(msgspec.msgpack.encode([encode_chunk(chunk(1, 4096))]))
+    reply["next"] = _octets(_records(encode_chunk(chunk(1, 4096))))
     with PeerClient(server.url, max_reply_bytes=1024) as client:
         assert client.fetch([key(1)]) == {}
     with PeerClient(server.url) as client:

@@ -5,9 +5,9 @@ and chunks of a foreign layout never handed out. The fleet is a duck-typed fake 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -53,7 +53,9 @@ class Peer:
         self.chunks = chunks
         self.asked: list[list[ObjectKey]] = []
 
-    def fetch(self, keys: Sequence[ObjectKey]) -> dict[ObjectKey, StoredChunk]:
+    def fetch(
+        self, keys: Sequence[ObjectKey], tokens: Mapping[ObjectKey, Any] | None = None
+    ) -> dict[ObjectKey, StoredChunk]:
         self.asked.append(list(keys))
         return {k: self.chunks[k] for k in keys if k in self.chunks}
 
