@@ -20,7 +20,7 @@ from pathlib import Path
 
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args, env_name
 from kvatlas.events import EVENT_TRANSPORTS
-from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme, pack_kv_rank
+from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme, check_instance_id, pack_kv_rank
 from kvatlas.node.kv_layout import KV_DTYPES, ROPE_STYLES, KVLayout
 
 log = logging.getLogger(__name__)
@@ -66,11 +66,15 @@ class NodeConfig:
     prefer_cheaper: bool = True
     token_cache_chunks: int = 100_000
     log_level: str = "info"
+    peer_fetch_deadline: float = 2.0
+    fleet_refresh_interval: float = 10.0
 
     def __post_init__(self) -> None:
         self.layout  # noqa: B018 - validates the KV layout fields
         KeyScheme(self.hash_scheme, self.chunk_size)
         pack_kv_rank(self.world_size, self.rank, self.world_size, self.rank)
+        if self.instance_id:
+            check_instance_id(self.instance_id)
         if self.l2 not in L2_KINDS:
             raise ValueError(f"--l2 must be one of {', '.join(L2_KINDS)}")
         if self.l2 == "redis" and not self.l2_redis_url:
@@ -166,6 +170,8 @@ _HELP = {
     "prefer_cheaper": "among overlapping blend matches prefer the cheaper copy (local L1 first)",
     "token_cache_chunks": "chunks whose tokens are kept to stamp later events (0 = none)",
     "log_level": "log level (debug, info, warning, error)",
+    "peer_fetch_deadline": "seconds one fetch from a peer may take in all, however it drips",
+    "fleet_refresh_interval": "seconds between re-reads of the coordinator's instance list",
 }
 
 

@@ -24,7 +24,7 @@ from kvatlas.node.cache_node import CacheNode
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.fleet_view import HttpFleetView
 from kvatlas.node.http_api import create_node_app
-from kvatlas.node.l2 import FsL2, L2Backend, RedisL2
+from kvatlas.node.l2 import FsL2, L2Backend, RedisL2, instance_dir
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,12 @@ class NodeProcess:
                 )
             assert instance_id is not None
             self.sink = EventSink(instance_id, transport)
-            fleet = HttpFleetView(self.coordinator)
+            fleet = HttpFleetView(
+                self.coordinator,
+                layout=config.layout,
+                peer_deadline=config.peer_fetch_deadline,
+                refresh_interval=config.fleet_refresh_interval,
+            )
             matcher = BlendCoordinatorClient(
                 config.coordinator_url,
                 request_timeout=config.coordinator_blend_timeout,
@@ -109,7 +114,7 @@ class NodeProcess:
         if config.l2 == "fs" and config.l2_shared:
             l2 = FsL2(config.l2_path, "fs-shared", shared=True)
         elif config.l2 == "fs":
-            l2 = FsL2(config.l2_path / (instance_id or "node"))
+            l2 = FsL2(instance_dir(config.l2_path, instance_id or "node"))
         elif config.l2 == "redis":
             l2 = RedisL2(config.l2_redis_url)
         self.node = CacheNode(

@@ -30,17 +30,21 @@ PEER_L1: Final = "peer_l1"
 
 
 class Fetched(NamedTuple):
-    """A chunk found by :meth:`TieredFetch.fetch` and the tier it came from."""
+    """A chunk found by :meth:`TieredFetch.fetch`, the tier it came from, who served it (the
+    peer's instance id, the L2 backend's name, or this node's id) and, from a peer, the digest
+    of its tokens (a peer sends no token ids)."""
 
     chunk: StoredChunk
     source: FetchSource
+    origin: str
+    tokens_digest: bytes | None = None
 
 
 class TieredFetch:
     """Reads through this node's tiers and the fleet's, in cost order.
 
     ``on_l1_hit`` is called for each key served from local L1 (the node reports it as an
-    access); ``counters`` is where ``fetched_wrong_layout`` is counted.
+    access); ``counters`` is where ``fetched_wrong_layout`` and peer failures are counted.
     """
 
     def __init__(
@@ -69,14 +73,14 @@ class TieredFetch:
         for key in keys:
             chunk = self.l1.get(key)
             if chunk is not None:
-                found[key] = Fetched(chunk, LOCAL_L1)
+                found[key] = Fetched(chunk, LOCAL_L1, self.instance_id)
                 self._on_l1_hit(key)
             else:
                 missing.append(key)
         if missing and self.l2 is not None:
             for key, chunk in self.l2.get_many(missing).items():
                 if self._usable(chunk):
-                    found[key] = Fetched(chunk, L2)
+                    found[key] = Fetched(chunk, L2, self.l2.name)
             missing = [k for k in missing if k not in found]
         if missing and self.fleet is not None:
             for instance_id, peer_keys in self._peer_batches(missing).items():
@@ -84,9 +88,14 @@ class TieredFetch:
                 if peer is None:
                     continue
                 asked = set(peer_keys)
-                for key, chunk in peer.fetch(peer_keys).items():
+                reply = peer.fetch(peer_keys)
+                if reply.failure:
+                    self._counters[f"peer_fetch_{reply.failure}"] += 1
+                if reply.dropped:
+                    self._counters["peer_records_dropped"] += reply.dropped
+                for key, (chunk, digest) in reply.chunks.items():
                     if key in asked and self._usable(chunk):
-                        found[key] = Fetched(chunk, PEER_L1)
+                        found[key] = Fetched(chunk, PEER_L1, instance_id, digest)
         return found
 
     def prefix_hits(self, keys: Sequence[ObjectKey]) -> int:

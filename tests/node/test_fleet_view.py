@@ -15,10 +15,16 @@ from kvatlas.coordinator.server import BackgroundServer, free_port
 from kvatlas.events import CacheEntry, EventBatch
 from kvatlas.keys import ObjectKey, pack_kv_rank
 from kvatlas.node.fleet_view import Holder, HttpFleetView
+from kvatlas.node.kv_layout import KVLayout
 from kvatlas.node.peer import PeerClient
 
 RANK = pack_kv_rank(1, 0, 1, 0)
 KEYS = [ObjectKey(bytes([i]) * 32, "m", RANK) for i in range(1, 4)]
+LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, chunk_size=4, dtype="float32")
+
+
+def view_of(client: Any, **kw: Any) -> HttpFleetView:
+    return HttpFleetView(client, layout=LAYOUT, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +42,7 @@ def coordinator() -> Iterator[BackgroundServer]:
 
 def test_holders_from_a_real_coordinator(coordinator: BackgroundServer) -> None:
     with CoordinatorClient(coordinator.url) as client:
-        holders = HttpFleetView(client).holders(KEYS)
+        holders = view_of(client).holders(KEYS)
     assert [sorted(h, key=lambda x: x.instance_id) for h in holders] == [
         [Holder("a", "l1", "dram", False), Holder("b", "l2", "redis", True)],
         [Holder("a", "l1", "dram", False)],
@@ -47,7 +53,7 @@ def test_holders_from_a_real_coordinator(coordinator: BackgroundServer) -> None:
 def test_peer_from_the_instance_listing(coordinator: BackgroundServer) -> None:
     with CoordinatorClient(coordinator.url) as client:
         client.register("peer-x", p2p_advertised_url="http://127.0.0.1:1")
-        view = HttpFleetView(client)
+        view = view_of(client, refresh_interval=0.0)
         peer = view.peer("peer-x")
         assert isinstance(peer, PeerClient) and peer.url == "http://127.0.0.1:1"
         assert view.peer("a") is None  # emits, never registered: no URL
@@ -83,7 +89,7 @@ class FakeClient:
     ],
 )
 def test_bad_lookup_reply_is_a_miss(reply: Any) -> None:
-    view = HttpFleetView(FakeClient(lookup=reply))  # type: ignore[arg-type]
+    view = view_of(FakeClient(lookup=reply))
     assert view.holders(KEYS) == [[], [], []]
 
 
@@ -91,5 +97,5 @@ def test_bad_lookup_reply_is_a_miss(reply: Any) -> None:
     "rows", [CoordinatorError("down"), [{"instance_id": "x"}], [None], KeyError("instances")]
 )
 def test_bad_instance_listing_is_no_peer(rows: Any) -> None:
-    view = HttpFleetView(FakeClient(instances=rows))  # type: ignore[arg-type]
+    view = view_of(FakeClient(instances=rows))
     assert view.peer("x") is None
