@@ -18,8 +18,8 @@ from fastapi.responses import Response
 
 from kvatlas.coordinator.server import free_port
 from kvatlas.keys import ObjectKey
-from kvatlas.node.l1 import L1Cache
 from kvatlas.node.chunk_digest import tokens_digest
+from kvatlas.node.l1 import L1Cache
 from kvatlas.node.peer import PEER_KV_PATH, PeerClient, PeerServer, create_peer_app
 from kvatlas.node.stored_chunk import StoredChunk, encode_chunk
 
