@@ -95,6 +95,8 @@ class NodeConfig:
             raise ValueError("--coordinator-blend-timeout must be in (0, 3600) seconds")
         if not 0 <= self.port <= 65535:
             raise ValueError("--port must be in [0, 65535]")
+        if not 0 < self.peer_fetch_deadline < 3600:
+            raise ValueError("--peer-fetch-deadline must be in (0, 3600) seconds")
 
     @property
     def layout(self) -> KVLayout:

@@ -287,17 +287,9 @@ def test_corrupt_and_unrequested_chunks_are_dropped(
     server, reply = misbehaving
     corrupt = bytearray(encode_chunk(chunk(2)))
     corrupt[-40] ^= 0xFF
-    bad_digest = msgspec.msgpack.encode(
-        [{"chunk": encode_chunk(chunk(3)), "tokens_digest": b"short"}]
-    )
-    reply["next"] = _octets(
-        msgspec.msgpack.encode(
-            [
-                *msgspec.msgpack.decode(records(chunk(1), bytes(corrupt), chunk(7))),
-                *msgspec.msgpack.decode(bad_digest),
-            ]
-        )
-    )
+    entries = msgspec.msgpack.decode(records(chunk(1), bytes(corrupt), chunk(7)))
+    entries.append({"chunk": encode_chunk(chunk(3)), "tokens_digest": b"short"})
+    reply["next"] = _octets(msgspec.msgpack.encode(entries))
     with client_for(server.url) as client:
         got = client.fetch([key(1), key(2), key(3)])
     assert set(got.chunks) == {key(1)}  # 2 corrupt, 7 never requested, 3's digest malformed
