@@ -7,8 +7,8 @@ before it is parsed. Here every socket operation (connect, TLS, each write and r
 bytes included) gets only what is left of one deadline, and the body lands in one buffer,
 refused as soon as it would exceed the bound (at once when ``Content-Length`` says so).
 
-The buffer is ``numpy.empty`` sized from ``Content-Length``, or from the bound when the peer
-streams without one: pages the reply never reaches are never touched, so they cost no memory.
+The buffer is sized from ``Content-Length`` (a kvatlas peer always sends it); a reply streamed
+without one grows its buffer by doubling, never past the bound.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 import typing
 from collections.abc import Iterable, Mapping
 from contextvars import ContextVar
-from typing import Final
+from typing import Any, Final
 
 import httpcore
 import numpy as np
@@ -30,6 +30,8 @@ DEADLINE: Final = "deadline"
 TOO_LARGE: Final = "too_large"
 REFUSED: Final = "refused"
 UNREACHABLE: Final = "unreachable"
+
+FIRST_BUFFER_BYTES: Final = 16 << 20
 
 _deadline: ContextVar[float] = ContextVar("kvatlas_http_deadline", default=math.inf)
 
@@ -118,20 +120,32 @@ def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
     return None
 
 
+def _allocate(nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    try:
+        return np.empty(nbytes, dtype=np.uint8)
+    except MemoryError:
+        raise CallFailed(TOO_LARGE, f"cannot hold a {nbytes}-byte reply") from None
+
+
 def _read_body(response: httpcore.Response, max_bytes: int) -> memoryview:
+    """The body in one buffer: sized by ``Content-Length``, or (a streamed reply) grown by
+    doubling from :data:`FIRST_BUFFER_BYTES` up to ``max_bytes``."""
     length = _content_length(response.headers)
     if length is not None and length > max_bytes:
         raise CallFailed(TOO_LARGE, f"a {length}-byte reply exceeds the bound of {max_bytes}")
-    buffer = np.empty(max_bytes if length is None else length, dtype=np.uint8)
-    view = buffer.data
+    buffer = _allocate(length if length is not None else min(max_bytes, FIRST_BUFFER_BYTES))
     filled = 0
     for part in response.iter_stream():
         end = filled + len(part)
-        if end > len(view):
-            raise CallFailed(TOO_LARGE, f"the reply exceeds the bound of {max_bytes} bytes")
-        view[filled:end] = part
+        if end > len(buffer):
+            if length is not None or end > max_bytes:
+                raise CallFailed(TOO_LARGE, f"the reply exceeds the bound of {max_bytes} bytes")
+            grown = _allocate(min(max_bytes, max(end, 2 * len(buffer))))
+            grown[:filled] = buffer[:filled]
+            buffer = grown
+        buffer[filled:end] = np.frombuffer(part, dtype=np.uint8)
         filled = end
-    return view[:filled].toreadonly()
+    return buffer.data[:filled].toreadonly()
 
 
 class BoundedClient:

@@ -34,6 +34,7 @@ from kvatlas.client import CoordinatorClient, HttpTransport
 from kvatlas.coordinator.server import free_port
 from kvatlas.events import CacheEntry, EventBatch
 from kvatlas.keys import KeyScheme, ObjectKey, RequestTracker, pack_kv_rank
+from kvatlas.node import bounded_http
 from kvatlas.node.chunk_digest import tokens_digest
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.engine_client import NodeEngineClient
@@ -246,6 +247,27 @@ def test_a_peer_reply_is_read_into_one_buffer_and_decoded_in_place(
     kv1, kv2 = (got.chunks[key(i)].chunk.kv for i in (1, 2))
     assert not kv1.flags.owndata and not kv1.flags.writeable
     assert _buffer_of(kv1) is _buffer_of(kv2)
+
+
+def test_a_streamed_reply_within_the_bound_grows_its_buffer(
+    hostile: Callable[..., HostilePeer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without ``Content-Length`` the buffer starts small and grows (never past the bound)."""
+    monkeypatch.setattr(bounded_http, "FIRST_BUFFER_BYTES", 1000)
+
+    def chunked(peer: HostilePeer, conn: socket.socket, keys: list[ObjectKey]) -> None:
+        body = msgspec.msgpack.encode([record(forged_kv(k), b"d" * 32) for k in keys])
+        peer.send(conn, b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for i in range(0, len(body), 777):
+            part = body[i : i + 777]
+            peer.send(conn, b"%x\r\n" % len(part) + part + b"\r\n")
+        peer.send(conn, b"0\r\n\r\n")
+
+    peer = hostile(chunked)
+    with client_for(peer.url) as client:
+        got = client.fetch([key(1), key(2), key(3)])
+    assert not got.failure and set(got.chunks) == {key(1), key(2), key(3)}
+    np.testing.assert_array_equal(got.chunks[key(3)].chunk.kv, forged_kv(key(3)).kv)
 
 
 def _buffer_of(array: Any) -> Any:
