@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 ROLES = ("emit", "lookup", "engine", "peer", "admin")
 SALT_BOUND_ROLES = ("emit", "lookup", "engine")
+_SALT_VERBS = {"lookup": "query", "emit": "store for"}
 MIN_TOKEN_CHARS = 8  # refused below this
 RECOMMENDED_TOKEN_CHARS = 32  # warned below this
 
@@ -88,7 +89,8 @@ class Principal:
         self.require(role)
         foreign = self.foreign_salts(salts)
         if foreign:
-            raise Forbidden(f"this token may not use cache_salt {sorted(foreign)[0]!r}")
+            verb = _SALT_VERBS.get(role, "use")
+            raise Forbidden(f"this token may not {verb} cache_salt {sorted(foreign)[0]!r}")
 
     def foreign_salts(self, salts: Iterable[str]) -> set[str]:
         """The salts of ``salts`` outside this token's binding (empty for admin/unbound)."""

@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 
 from kvatlas.errors import Unavailable
-from kvatlas.keys import ObjectKey
+from kvatlas.keys import ObjectKey, check_instance_id
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,10 @@ class CoordinatorClient:
             "p2p_advertised_url": p2p_advertised_url,
         }
         reply = self._call("POST", "/instances", json=body)
-        self.instance_id = str(reply["instance_id"])
+        try:  # it names a directory under the node's L2 root: never trust it unchecked
+            self.instance_id = check_instance_id(reply["instance_id"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CoordinatorError(f"POST /instances: unusable instance id: {exc}") from None
         self._registration = body | {"instance_id": self.instance_id}
         return self.instance_id
 

@@ -23,10 +23,9 @@ from kvatlas.events import (
     decode_json,
     decode_msgpack,
 )
-from kvatlas.keys import BlendNamespace, ObjectKey, TokenArray, as_token_array
+from kvatlas.keys import BlendNamespace, ObjectKey, TokenArray, as_token_array, check_instance_id
 
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
-MAX_INSTANCE_ID_CHARS = 256
 
 # ---------------------------------------------------------------------------- events
 
@@ -181,8 +180,11 @@ def blend_query(body: BlendLookupBody, max_tokens: int) -> BlendQuery | None:
 def registration(body: RegisterRequest) -> tuple[str | None, Registration]:
     """The instance id asked for (``None``: the coordinator assigns one) and what the instance
     says about itself."""
-    if body.instance_id is not None and not (0 < len(body.instance_id) <= MAX_INSTANCE_ID_CHARS):
-        raise Unprocessable(f"instance_id must be 1..{MAX_INSTANCE_ID_CHARS} characters")
+    if body.instance_id is not None:
+        try:
+            check_instance_id(body.instance_id)
+        except ValueError as exc:
+            raise Unprocessable(str(exc)) from None
     metadata: dict[str, Any] = body.metadata
     return body.instance_id, Registration(
         body.ip, body.http_port, metadata, body.p2p_advertised_url, body.mq_port

@@ -20,6 +20,7 @@ from kvatlas.keys.namespace import BlendMatch, BlendNamespace
 from kvatlas.keys.object_key import (
     ObjectKey,
     check_cache_salt,
+    check_instance_id,
     check_model_name,
     expand_prefix_keys,
     pack_kv_rank,
@@ -58,6 +59,7 @@ __all__ = [
     "apply_mm_hashes_to_token_ids",
     "as_token_array",
     "check_cache_salt",
+    "check_instance_id",
     "check_model_name",
     "chunk_hashes",
     "clear_value_cache",

@@ -14,6 +14,7 @@ from typing import Any
 from kvatlas.checks import is_plain_int
 
 MAX_SALT_CHARS = 128
+MAX_INSTANCE_ID_CHARS = 128
 _SALT_FORBIDDEN = frozenset("@/\\\x00")
 _HEX = frozenset("0123456789abcdefABCDEF")
 _MAX_CACHED_SHAPES = 4096
@@ -51,15 +52,30 @@ def check_model_name(model_name: str) -> str:
     return model_name
 
 
-def check_cache_salt(cache_salt: str) -> str:
-    if not isinstance(cache_salt, str):
-        raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-    if len(cache_salt) > MAX_SALT_CHARS:
-        raise ValueError(f"cache_salt longer than {MAX_SALT_CHARS} characters")
-    bad = _SALT_FORBIDDEN.intersection(cache_salt)
+def _check_path_safe(field: str, value: str, max_chars: int) -> str:
+    """The salt rule: a string of at most ``max_chars`` characters, none of ``@ / \\ NUL``."""
+    if not isinstance(value, str):
+        raise ValueError(f"{field} must be a string, got {type(value).__name__}")
+    if len(value) > max_chars:
+        raise ValueError(f"{field} longer than {max_chars} characters")
+    bad = _SALT_FORBIDDEN.intersection(value)
     if bad:
-        raise ValueError(f"cache_salt must not contain any of @ / \\ NUL (found {sorted(bad)!r})")
-    return cache_salt
+        raise ValueError(f"{field} must not contain any of @ / \\ NUL (found {sorted(bad)!r})")
+    return value
+
+
+def check_cache_salt(cache_salt: str) -> str:
+    return _check_path_safe("cache_salt", cache_salt, MAX_SALT_CHARS)
+
+
+def check_instance_id(instance_id: str) -> str:
+    """An instance id names a directory (``--l2-path/<id>``) and is joined into event topics
+    (``kv@<id>@<model>``), so it follows the salt rule, is non-empty and is neither ``.`` nor
+    ``..`` (``../escaped`` must never become a path outside the L2 root)."""
+    _check_path_safe("instance_id", instance_id, MAX_INSTANCE_ID_CHARS)
+    if instance_id in ("", ".", ".."):
+        raise ValueError(f"instance_id must be a name other than '', . and .., got {instance_id!r}")
+    return instance_id
 
 
 def parse_chunk_hash_hex(text: str) -> bytes:

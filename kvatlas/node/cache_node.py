@@ -10,8 +10,11 @@ uncacheable tracker (multimodal items without identity) gets no lookup and no st
 
 Safety rules that go beyond "the hash matched":
 
-* a chunk fetched for a blend segment is used only if its stored tokens equal the request's
-  tokens at the segment's position (a stale or foreign chunk becomes a miss, never wrong KV);
+* every retrieval, prefix and blend, uses a fetched chunk (from any tier, a peer or an L2 pool)
+  only if its key is the requested key and its tokens equal the request's tokens at that
+  position (:mod:`kvatlas.node.chunk_digest`; a peer proves it with a digest): a stale,
+  foreign or forged chunk becomes a miss counted by cause (``rejected_*``) and a warning at
+  most once a minute per source, never wrong KV;
 * re-RoPE starts from the fetched chunk's own ``token_offset`` (where its KV was computed),
   not from an index's idea of it; a chunk with unknown offset is a miss.
 * a segment whose used part ``[trim, trim + length)`` does not lie inside the chunk (segments
@@ -33,7 +36,16 @@ from kvatlas.client import FleetMatcher
 from kvatlas.directory import BlendIndex, BlendStats
 from kvatlas.errors import Unprocessable
 from kvatlas.events import ACCESS, DELETE, STORE, CacheEntry
-from kvatlas.keys import BlendNamespace, MMItem, ObjectKey, RequestTracker
+from kvatlas.keys import (
+    BlendNamespace,
+    MMItem,
+    ObjectKey,
+    RequestTracker,
+    TokenArray,
+    check_instance_id,
+)
+from kvatlas.logs import Throttle
+from kvatlas.node.chunk_digest import rejection
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.emitter import BatchSink, EventEmitter
 from kvatlas.node.fleet_view import FleetView
@@ -43,7 +55,7 @@ from kvatlas.node.presence import L1, L2, Presence, Tier
 from kvatlas.node.rope import rerope_k
 from kvatlas.node.segments import Segment
 from kvatlas.node.stored_chunk import StoredChunk
-from kvatlas.node.tiered_fetch import TieredFetch
+from kvatlas.node.tiered_fetch import Fetched, TieredFetch
 from kvatlas.node.token_cache import TokenCache, TokenCacheStats
 from kvatlas.node.unified_lookup import LookupResult, UnifiedBlendLookup
 
@@ -121,7 +133,9 @@ class CacheNode:
         fleet_matcher: FleetMatcher | None = None,
     ) -> None:
         self.config = config
-        self.instance_id = instance_id or config.instance_id or f"node-{uuid.uuid4().hex[:12]}"
+        self.instance_id = check_instance_id(
+            instance_id or config.instance_id or f"node-{uuid.uuid4().hex[:12]}"
+        )
         self.layout = config.layout
         self.scheme = config.scheme
         self.chunk_size = config.chunk_size
@@ -132,6 +146,7 @@ class CacheNode:
         self._sink = sink
         self.token_cache = TokenCache(config.token_cache_chunks)
         self.counters: Counter[str] = Counter()
+        self._rejection_warnings = Throttle(60.0)
         self.index = BlendIndex(config.chunk_size)
         self.presence = Presence(self.index, self.namespace)
         self.tiers = TieredFetch(
@@ -281,22 +296,40 @@ class CacheNode:
         return self.tiers.prefix_hits(keys) * self.chunk_size
 
     def retrieve(self, tracker: RequestTracker, num_tokens: int | None = None) -> Retrieved:
-        """KV of the leading chunks (stops at the first chunk no tier has)."""
+        """KV of the leading chunks (stops at the first chunk no tier has, or whose tokens
+        are not the request's)."""
         if not tracker.cacheable:
             return Retrieved([], 0)
         hashes = tracker.chunk_hashes(num_tokens)
+        tokens = tracker.get_token_ids()
         keys = [self.key(h, tracker.cache_salt) for h in hashes]
         found = self.tiers.fetch(keys)
         kv: list[Any] = []
         sources: Counter[str] = Counter()
-        for key in keys:
+        c = self.chunk_size
+        for i, key in enumerate(keys):
             got = found.get(key)
-            if got is None:
+            if got is None or not self._verified(key, got, tokens[i * c : (i + 1) * c]):
                 break
             kv.append(got.chunk.kv)
             sources[got.source] += 1
         self.counters["prefix_chunks_retrieved"] += len(kv)
         return Retrieved(kv, len(kv) * self.chunk_size, sources)
+
+    def _verified(self, key: ObjectKey, got: Fetched, window: TokenArray) -> bool:
+        """Whether ``got`` may serve ``key`` where the request's tokens are ``window``; a
+        refusal is counted by cause and warned about at most once a minute per source."""
+        cause = rejection(key, got.chunk, got.tokens_digest, window)
+        if cause is None:
+            return True
+        self.counters[cause] += 1
+        if self._rejection_warnings(f"{got.source}:{got.origin}"):
+            log.warning(
+                "%s from %s %s refused (%s); further refusals from it are counted, "
+                "not logged, for a minute",
+                key.chunk_hash.hex()[:16], got.source, got.origin, cause,
+            )  # fmt: skip
+        return False
 
     # ------------------------------------------------------------------ blend path
 
@@ -316,39 +349,33 @@ class CacheNode:
     def blend_retrieve(
         self, tracker: RequestTracker, segments: Sequence[Segment]
     ) -> BlendRetrieval:
-        """Fetch every segment in one batched step, verify its tokens, re-RoPE it to the
-        request's positions; a segment that cannot be served is a counted miss."""
+        """Fetch every segment in one batched step, verify its key and tokens, re-RoPE it to
+        the request's positions; a segment that cannot be served is a counted miss."""
         tokens = tracker.get_token_ids()
-        c = self.chunk_size
         keys = [self.key(s.chunk_hash, tracker.cache_salt) for s in segments]
-        windows = [tokens[s.chunk_cur_st : s.chunk_cur_st + c] for s in segments]
-        found = (
-            self.tiers.fetch(keys, dict(zip(keys, windows, strict=True)))
-            if tracker.cacheable
-            else {}
-        )
+        found = self.tiers.fetch(keys) if tracker.cacheable else {}
         parts: list[tuple[Segment, Any]] = []
         misses: list[Segment] = []
         sources: Counter[str] = Counter()
-        for seg, key, window in zip(segments, keys, windows, strict=True):
+        c = self.chunk_size
+        for seg, key in zip(segments, keys, strict=True):
             got = found.get(key)
-            chunk = got.chunk if got else None
             start = seg.chunk_cur_st
+            window = tokens[start : start + c]
             if (
-                chunk is None
+                got is None
                 or seg.trim + seg.length > c  # its used part must lie inside the chunk
-                or chunk.tokens is None
-                or chunk.token_offset < 0
+                or got.chunk.token_offset < 0
                 or len(window) != c
-                or not np.array_equal(chunk.tokens, window)
+                or not self._verified(key, got, window)
             ):
                 misses.append(seg)
                 continue
+            chunk = got.chunk
             kv = rerope_k(chunk.kv, self.layout, chunk.token_offset, start)
             if seg.trim or seg.length != c:
                 kv = kv[:, :, seg.kv_slice]
             parts.append((seg, kv))
-            assert got is not None
             sources[got.source] += 1
         self.counters["segments_reused"] += len(parts)
         self.counters["segment_misses"] += len(misses)

@@ -21,7 +21,7 @@ from pathlib import Path
 from kvatlas.auth import TokenAuth
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args, env_name
 from kvatlas.events import EVENT_TRANSPORTS
-from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme, pack_kv_rank
+from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme, check_instance_id, pack_kv_rank
 from kvatlas.node.kv_dtype import KV_DTYPES
 from kvatlas.node.kv_layout import ROPE_STYLES, KVLayout
 
@@ -78,12 +78,16 @@ class NodeConfig:
     max_query_tokens: int = 128 * 1024
     max_body_bytes: int = 0  # 0 = derived from the layout (see max_store_bytes)
     tracker_memory_bytes: int = 64 * 1024 * 1024
+    peer_fetch_deadline: float = 2.0
+    fleet_refresh_interval: float = 10.0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
         self.layout  # noqa: B018 - validates the KV layout fields
         KeyScheme(self.hash_scheme, self.chunk_size)
         pack_kv_rank(self.world_size, self.rank, self.world_size, self.rank)
+        if self.instance_id:
+            check_instance_id(self.instance_id)
         if self.l2 not in L2_KINDS:
             raise ValueError(f"--l2 must be one of {', '.join(L2_KINDS)}")
         if self.l2 == "redis" and not self.l2_redis_url:
@@ -122,6 +126,8 @@ class NodeConfig:
         self.coordinator_bearer()  # refuses an unreadable, exposed or short token file now
         self.peer_bearer()
         self.auth()
+        if not 0 < self.peer_fetch_deadline < 3600:
+            raise ValueError("--peer-fetch-deadline must be in (0, 3600) seconds")
 
     @property
     def layout(self) -> KVLayout:
@@ -284,6 +290,8 @@ _HELP = {
         "largest /engine/store body in bytes (0 = one request's KV for --max-query-tokens tokens)"
     ),
     "tracker_memory_bytes": "memory budget of the request trackers kept between engine calls",
+    "peer_fetch_deadline": "seconds one fetch from a peer may take in all, however it drips",
+    "fleet_refresh_interval": "seconds between re-reads of the coordinator's instance list",
     "log_level": "log level (debug, info, warning, error)",
 }
 

@@ -9,7 +9,7 @@ other node's L1 (pinned while copied). What ``make demo`` runs and most node tes
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +20,8 @@ from kvatlas.node.cache_node import CacheNode
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.fleet_view import Holder, InProcessFleetView, PeerFetcher
 from kvatlas.node.l1 import L1Cache
-from kvatlas.node.l2 import FsL2, L2Backend
-from kvatlas.node.stored_chunk import StoredChunk
+from kvatlas.node.l2 import FsL2, L2Backend, instance_dir
+from kvatlas.node.peer import PeerChunk, PeerReply
 
 
 class InProcessBlendClient:
@@ -52,13 +52,10 @@ class InProcessPeer:
     def __init__(self, l1: L1Cache) -> None:
         self._l1 = l1
 
-    def fetch(
-        self, keys: Sequence[ObjectKey], tokens: Mapping[ObjectKey, Any] | None = None
-    ) -> dict[ObjectKey, StoredChunk]:
-        """``tokens`` is unused: in one process the chunks keep their own token ids."""
+    def fetch(self, keys: Sequence[ObjectKey]) -> PeerReply:
         with self._l1.pinned(keys):
             found = {k: self._l1.get(k) for k in keys}
-        return {k: c for k, c in found.items() if c is not None}
+        return PeerReply({k: PeerChunk(c, None) for k, c in found.items() if c is not None})
 
 
 class EmbeddedFleet:
@@ -93,7 +90,7 @@ class EmbeddedFleet:
             if config.l2 == "fs" and l2_root is not None:
                 shared = config.l2_shared
                 l2 = FsL2(
-                    l2_root if shared else l2_root / instance_id,
+                    l2_root if shared else instance_dir(l2_root, instance_id),
                     "fs-shared" if shared else "fs",
                     shared=shared,
                 )

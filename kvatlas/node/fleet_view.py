@@ -6,21 +6,27 @@ Two implementations: over HTTP (coordinator lookup + the peers' advertised URLs 
 exception: fetching from the fleet is an optimisation over recomputing. Coordinator replies are
 read with :mod:`kvatlas.coordinator.wire`, the module that writes them (docs/node.md,
 docs/coordinator.md).
+
+The HTTP view keeps the instance list it last read and re-reads it at most once every
+``refresh_interval`` seconds, whatever asks: a placement naming an instance that has no URL
+(it emits without registering, or left) is a miss until the next due refresh, never a fresh
+download of the whole list per retrieval.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from kvatlas.client import CoordinatorClient, CoordinatorError
 from kvatlas.coordinator.wire import instance_from_wire, lookup_placements_from_wire
 from kvatlas.keys import ObjectKey
-from kvatlas.node.peer import PeerClient
-from kvatlas.node.stored_chunk import StoredChunk
+from kvatlas.node.kv_layout import KVLayout
+from kvatlas.node.peer import PeerClient, PeerReply, max_chunk_bytes
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +40,7 @@ class Holder:
 
 
 class PeerFetcher(Protocol):
-    def fetch(
-        self, keys: Sequence[ObjectKey], tokens: Mapping[ObjectKey, Any] | None = None
-    ) -> dict[ObjectKey, StoredChunk]:
-        """The chunks of ``keys`` the peer holds; ``tokens``: the requester's own token ids
-        per key, attached to a chunk whose token digest matches (``kvatlas.node.peer``)."""
-        ...
+    def fetch(self, keys: Sequence[ObjectKey]) -> PeerReply: ...
 
 
 class FleetView(Protocol):
@@ -49,22 +50,32 @@ class FleetView(Protocol):
 
 
 class HttpFleetView:
-    """Placements from ``POST /directory/lookup``; peer URLs from ``GET /instances``."""
+    """Placements from ``POST /directory/lookup``; peer URLs from ``GET /instances``, cached
+    (module docstring). Peers are reached with ``peer_token`` under ``peer_deadline`` per
+    fetch, replies bounded by ``layout`` (:class:`~kvatlas.node.peer.PeerClient`)."""
 
     def __init__(
         self,
         client: CoordinatorClient,
         *,
-        peer_timeout: float = 2.0,
+        layout: KVLayout,
+        peer_deadline: float = 2.0,
         peer_token: str | None = None,
+        refresh_interval: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``peer_token`` is sent on every ``/peer/*`` call (peers with auth on need it)."""
         self._client = client
-        self._peer_timeout = peer_timeout
+        self._max_chunk_bytes = max_chunk_bytes(layout)
+        self._peer_deadline = peer_deadline
         self._peer_token = peer_token
+        self._refresh_interval = refresh_interval
+        self._clock = clock
+        self._refreshed_at: float | None = None
         self._urls: dict[str, str] = {}
         self._peers: dict[str, PeerClient] = {}
         self._lock = threading.Lock()
+        self.refreshes = 0
+        """``GET /instances`` calls made so far."""
 
     def holders(self, keys: Sequence[ObjectKey]) -> list[list[Holder]]:
         if not keys:
@@ -79,31 +90,53 @@ class HttpFleetView:
         return [[Holder(p.instance_id, p.tier, p.backend, p.shared) for p in pls] for pls in found]
 
     def peer(self, instance_id: str) -> PeerFetcher | None:
+        if self._refresh_due():
+            self._refresh()
         with self._lock:
-            known = self._peers.get(instance_id)
-        if known is not None:
-            return known
-        self._refresh_urls()
-        with self._lock:
+            client = self._peers.get(instance_id)
             url = self._urls.get(instance_id)
-            if url is None:
-                return None
-            client = self._peers.setdefault(
-                instance_id, PeerClient(url, timeout=self._peer_timeout, token=self._peer_token)
-            )
+            if client is None and url is not None:
+                client = self._peers[instance_id] = PeerClient(
+                    url, max_chunk_bytes=self._max_chunk_bytes,
+                    deadline=self._peer_deadline, token=self._peer_token,
+                )  # fmt: skip
             return client
 
-    def _refresh_urls(self) -> None:
+    def _refresh_due(self) -> bool:
+        """Claims the refresh when one is due, so concurrent callers make one call."""
+        now = self._clock()
+        with self._lock:
+            if self._refreshed_at is not None and now - self._refreshed_at < self._refresh_interval:
+                return False
+            self._refreshed_at = now
+            return True
+
+    def _refresh(self) -> None:
+        """Re-read the instance list (peer clients are made on first use; a moved or departed
+        peer's client is closed). A failed read keeps what is known until the next due one."""
+        self.refreshes += 1
         try:
             views = [instance_from_wire(row) for row in self._client.instances()]
         except (CoordinatorError, KeyError, TypeError, ValueError) as exc:
             log.debug("instance list unavailable: %s", exc)
             return
+        urls = {
+            v.instance_id: v.registration.p2p_advertised_url.rstrip("/")
+            for v in views
+            if v.registration is not None and v.registration.p2p_advertised_url
+        }
         with self._lock:
-            for view in views:
-                reg = view.registration
-                if reg is not None and reg.p2p_advertised_url:
-                    self._urls[view.instance_id] = reg.p2p_advertised_url
+            self._urls = urls
+            moved = [i for i, c in self._peers.items() if urls.get(i) != c.url]
+            gone = [self._peers.pop(i) for i in moved]
+        for client in gone:
+            client.close()
+
+    def close(self) -> None:
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for client in peers:
+            client.close()
 
 
 class InProcessFleetView:

@@ -26,8 +26,8 @@ from typing import Any, Final, Protocol, runtime_checkable
 import blake3
 import msgspec
 
-from kvatlas.errors import Unavailable
-from kvatlas.keys import ObjectKey
+from kvatlas.errors import InvalidInput, Unavailable
+from kvatlas.keys import ObjectKey, check_instance_id
 from kvatlas.node.stored_chunk import ChunkDecodeError, StoredChunk, decode_chunk, encode_chunk
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,22 @@ def key_digest(key: ObjectKey) -> str:
     differ in any field never share a file or a Redis key.
     """
     return blake3.blake3(_key_json.encode(key.to_wire())).hexdigest()
+
+
+def instance_dir(root: Path, instance_id: str) -> Path:
+    """The fs L2 directory of one instance under ``root``: ``instance_id`` must be a valid
+    id (:func:`~kvatlas.keys.check_instance_id`) and the resolved path (symlinks followed)
+    must lie strictly inside the resolved ``root``, or :class:`~kvatlas.errors.InvalidInput`
+    (an id is a name, never a way out of the L2 root)."""
+    try:
+        check_instance_id(instance_id)
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from None
+    base = Path(root).resolve()
+    path = (base / instance_id).resolve()
+    if path == base or not path.is_relative_to(base):
+        raise InvalidInput(f"instance directory {path} is not inside the L2 root {base}")
+    return path
 
 
 @runtime_checkable

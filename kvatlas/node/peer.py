@@ -1,17 +1,13 @@
 """Peer L1: nodes read each other's L1 over HTTP (the stand-in for RDMA P2P, ``docs/node.md``).
 
-Protocol: ``POST /peer/kv`` with JSON ``{"keys": [ObjectKey wire objects]}`` (and, when the
-serving node has auth on, ``Authorization: Bearer <peer token>``); the reply is
-``application/octet-stream``, a msgpack array with one :class:`PeerRecord` ``[chunk,
-token_digest]`` per listed key this node holds in L1. Missing keys are simply omitted, so a
-sparse key set with gaps is one round trip.
+Protocol: ``POST /peer/kv`` with JSON ``{"keys": [ObjectKey wire objects]}``; the reply is
+``application/octet-stream``, a msgpack array of one map per listed key this node holds in L1:
+``{"chunk": <encode_chunk bytes, without token ids>, "tokens_digest": <32 bytes | nil>}``.
+Missing keys are simply omitted, so a sparse key set with gaps is one round trip.
 
-* A reply never carries token ids (they are a tenant's prompt): ``chunk`` is the
-  :func:`encode_chunk` record of the chunk *without* its tokens, ``token_digest`` is
-  :func:`chunk_tokens_digest` of its tokens (``b""`` when it has none). The requester compares
-  the digest with the digest of its own request's tokens at that position and attaches those
-  tokens only on a match.
-
+* Token ids never leave the node: they would hand one tenant's prompt to whoever asks. The
+  reply carries :func:`~kvatlas.node.chunk_digest.tokens_digest` of them instead, and the
+  requester compares it with the digest of its own request's tokens at that position.
 * The listed keys are pinned in L1 while the reply is assembled: a put storm on this node must
   not evict a chunk between "listed" and "serialized" (with RDMA the peer reads the memory
   directly, so the pin is what keeps it valid).
@@ -22,20 +18,20 @@ sparse key set with gaps is one round trip.
   keeping.
 
 :class:`PeerClient` never raises into its caller: peer data is an optimisation, so a peer that
-is down, slow, or replies with garbage costs at most ``timeout`` and yields misses.
+is down, slow, hostile or replies with garbage costs at most ``deadline`` (for the whole call,
+however slowly it drips) and a reply no larger than the keys asked for can fill
+(:mod:`kvatlas.node.bounded_http`), and yields misses with the cause in
+:attr:`PeerReply.failure`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import replace
-from typing import Any, Final
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, NamedTuple
 
-import blake3
-import httpx
 import msgspec
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
@@ -43,6 +39,10 @@ from starlette.concurrency import run_in_threadpool
 from kvatlas.asgi_thread import ThreadedServer
 from kvatlas.errors import InvalidInput, KvatlasError, PayloadTooLarge, Unprocessable
 from kvatlas.keys import ObjectKey
+from kvatlas.logs import Throttle
+from kvatlas.node.bounded_http import BoundedClient, CallFailed
+from kvatlas.node.chunk_digest import TOKENS_DIGEST_BYTES, tokens_digest
+from kvatlas.node.kv_layout import KVLayout
 from kvatlas.node.l1 import L1Cache
 from kvatlas.node.stored_chunk import ChunkDecodeError, StoredChunk, decode_chunk, encode_chunk
 from kvatlas.web import error_response, read_body
@@ -53,33 +53,45 @@ PEER_KV_PATH: Final = "/peer/kv"
 MAX_KEYS_PER_REQUEST: Final = 4096
 MAX_REQUEST_BYTES: Final = 4 * 1024 * 1024  # ~4096 keys x ~250 B of JSON each, with headroom
 OCTET_STREAM: Final = "application/octet-stream"
+RECORD_OVERHEAD: Final = 512
+"""Bytes of one reply record beyond its KV, tokens and key: chunk header and checksum, the
+digest, msgpack framing (a real record uses about half)."""
+BAD_REPLY: Final = "bad_reply"
+"""A :attr:`PeerReply.failure`: the reply was not a msgpack array of records."""
 
 
 class _FetchRequest(msgspec.Struct, forbid_unknown_fields=True):
     keys: list[dict[str, Any]]
 
 
-class PeerRecord(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    """One chunk of a ``/peer/kv`` reply: its record without token ids, and their digest."""
-
-    chunk: bytes
-    token_digest: bytes
+class _Record(msgspec.Struct):
+    chunk: memoryview  # decoded as a view into the reply buffer: no copy
+    tokens_digest: bytes | None = None
 
 
-def chunk_tokens_digest(tokens: Any) -> bytes:
-    """blake3 (32 bytes) of a chunk's token ids as little-endian uint32 bytes."""
-    return blake3.blake3(np.asarray(tokens, dtype="<u4").tobytes()).digest()
+class PeerChunk(NamedTuple):
+    """A chunk a peer sent and the digest of its tokens (the chunk itself carries none)."""
+
+    chunk: StoredChunk
+    tokens_digest: bytes | None
 
 
-def peer_record(chunk: StoredChunk, encoder: Callable[[StoredChunk], bytes]) -> PeerRecord:
-    if chunk.tokens is None:
-        return PeerRecord(encoder(chunk), b"")
-    return PeerRecord(encoder(replace(chunk, tokens=None)), chunk_tokens_digest(chunk.tokens))
+@dataclass(frozen=True, slots=True)
+class PeerReply:
+    """What one fetch from one peer yielded. ``failure`` says why nothing came back (a
+    :mod:`~kvatlas.node.bounded_http` cause or :data:`BAD_REPLY`; empty when the call
+    succeeded); ``dropped`` counts records refused from a good reply (corrupt, not asked for,
+    malformed digest)."""
+
+    chunks: dict[ObjectKey, PeerChunk] = field(default_factory=dict)
+    failure: str = ""
+    dropped: int = 0
 
 
 _request_decoder = msgspec.json.Decoder(_FetchRequest)
-_reply_decoder = msgspec.msgpack.Decoder(list[PeerRecord])
+_reply_decoder = msgspec.msgpack.Decoder(list[_Record])
 _reply_encoder = msgspec.msgpack.Encoder()
+_key_encoder = msgspec.msgpack.Encoder()
 
 
 def _parse_keys(body: bytes, max_keys: int) -> list[ObjectKey]:
@@ -97,6 +109,13 @@ def _parse_keys(body: bytes, max_keys: int) -> list[ObjectKey]:
         except (ValueError, TypeError) as exc:
             raise Unprocessable(f"keys[{i}]: {exc}") from None
     return list(dict.fromkeys(keys))
+
+
+def _reply_record(chunk: StoredChunk, encoder: Callable[[StoredChunk], bytes]) -> _Record:
+    """The chunk without its token ids, and their digest."""
+    bare = StoredChunk(chunk.key, chunk.kv, None, chunk.token_offset, chunk.kv_dtype)
+    digest = None if chunk.tokens is None else tokens_digest(chunk.tokens)
+    return _Record(memoryview(encoder(bare)), digest)
 
 
 def create_peer_app(
@@ -123,7 +142,7 @@ def create_peer_app(
             for key in keys:
                 chunk = l1.get(key)
                 if chunk is not None:
-                    records.append(peer_record(chunk, encoder))
+                    records.append(_reply_record(chunk, encoder))
         return _reply_encoder.encode(records)
 
     @app.post(PEER_KV_PATH)
@@ -140,69 +159,86 @@ def create_peer_app(
     return app
 
 
+def max_chunk_bytes(layout: KVLayout) -> int:
+    """The most KV and token bytes one chunk of ``layout`` can take in a reply."""
+    return layout.chunk_bytes + 4 * layout.chunk_size
+
+
 class PeerClient:
     """Fetch chunks from one peer's L1; failures become absent keys, never exceptions.
 
-    ``max_reply_bytes`` bounds what one reply may make this process buffer (a confused or
-    hostile peer must not be able to exhaust memory).
+    ``max_chunk_bytes`` (:func:`max_chunk_bytes` of the node's layout) bounds each chunk of a
+    reply, so a reply may be at most about ``len(keys) * max_chunk_bytes``: more is refused as
+    it streams in. ``deadline`` bounds the whole call. ``token`` is sent as
+    ``Authorization: Bearer`` on every call (a peer token, when the fleet runs with auth).
+    Failures are logged at most once a minute per client (one client per peer).
     """
 
     def __init__(
         self,
         url: str,
         *,
-        timeout: float = 2.0,
-        max_reply_bytes: int = 1 << 30,
+        max_chunk_bytes: int,
+        deadline: float = 2.0,
         token: str | None = None,
+        throttle: Throttle | None = None,
     ) -> None:
-        """``token``: the peer bearer token sent on every call (a peer with auth needs one)."""
         self.url = url.rstrip("/")
-        self.max_reply_bytes = max_reply_bytes
-        headers = {"Authorization": f"Bearer {token}"} if token else None
-        self._client = httpx.Client(timeout=timeout, headers=headers)
+        self.max_chunk_bytes = max_chunk_bytes
+        self.deadline = deadline
+        self._headers = {"content-type": "application/json"}
+        if token:
+            self._headers["authorization"] = f"Bearer {token}"
+        self._client = BoundedClient()
+        self._throttle = throttle or Throttle(60.0)
 
-    def fetch(
-        self, keys: Iterable[ObjectKey], tokens: Mapping[ObjectKey, Any] | None = None
-    ) -> dict[ObjectKey, StoredChunk]:
-        """The chunks of ``keys`` the peer holds. A chunk arrives without token ids; it carries
-        the requester's own ``tokens[key]`` when their digest equals the reply's."""
+    def reply_bound(self, keys: Sequence[ObjectKey]) -> int:
+        """The most bytes a reply to a request for ``keys`` may take."""
+        per_chunk = self.max_chunk_bytes + RECORD_OVERHEAD
+        return 16 + sum(per_chunk + len(_key_encoder.encode(k.to_wire())) for k in keys)
+
+    def fetch(self, keys: Iterable[ObjectKey]) -> PeerReply:
         wanted = list(dict.fromkeys(keys))
         if not wanted:
-            return {}
+            return PeerReply()
+        body = msgspec.json.encode({"keys": [k.to_wire() for k in wanted]})
         try:
-            records = self._request(wanted)
-        except Exception as exc:  # peer data is optional: any failure is a miss
-            log.warning("peer %s fetch of %d keys failed: %s", self.url, len(wanted), exc)
-            return {}
-        wanted_set = set(wanted)
-        found: dict[ObjectKey, StoredChunk] = {}
+            reply = self._client.post(
+                self.url + PEER_KV_PATH, body, headers=self._headers,
+                deadline_s=self.deadline, max_reply_bytes=self.reply_bound(wanted),
+            )  # fmt: skip
+            records = _reply_decoder.decode(reply)
+        except CallFailed as exc:
+            self._warn("fetch of %d keys failed (%s): %s", len(wanted), exc.cause, exc)
+            return PeerReply(failure=exc.cause)
+        except msgspec.DecodeError as exc:
+            self._warn("sent a malformed reply: %s", exc)
+            return PeerReply(failure=BAD_REPLY)
+        return self._accept(records, set(wanted))
+
+    def _accept(self, records: list[_Record], wanted: set[ObjectKey]) -> PeerReply:
+        found: dict[ObjectKey, PeerChunk] = {}
+        dropped = 0
         for record in records:
+            digest = record.tokens_digest
             try:
                 chunk = decode_chunk(record.chunk)
             except ChunkDecodeError as exc:
-                log.warning("peer %s sent a corrupt chunk: %s", self.url, exc)
+                self._warn("sent a corrupt chunk: %s", exc)
+                dropped += 1
                 continue
-            if chunk.key not in wanted_set:  # an unrequested key is never trusted into the caller
+            # an unrequested key is never trusted into the caller
+            if chunk.key not in wanted or (
+                digest is not None and len(digest) != TOKENS_DIGEST_BYTES
+            ):
+                dropped += 1
                 continue
-            mine = None if tokens is None else tokens.get(chunk.key)
-            if mine is not None and record.token_digest == chunk_tokens_digest(mine):
-                chunk = replace(chunk, tokens=mine)
-            found[chunk.key] = chunk
-        return found
+            found[chunk.key] = PeerChunk(chunk, digest)
+        return PeerReply(found, dropped=dropped)
 
-    def _request(self, keys: list[ObjectKey]) -> list[PeerRecord]:
-        body = {"keys": [k.to_wire() for k in keys]}
-        with self._client.stream("POST", self.url + PEER_KV_PATH, json=body) as response:
-            if response.status_code != 200:
-                raise RuntimeError(f"HTTP {response.status_code}")
-            parts: list[bytes] = []
-            seen = 0
-            for part in response.iter_bytes():
-                seen += len(part)
-                if seen > self.max_reply_bytes:
-                    raise RuntimeError(f"reply exceeds {self.max_reply_bytes} bytes")
-                parts.append(part)
-        return _reply_decoder.decode(b"".join(parts))
+    def _warn(self, message: str, *args: object) -> None:
+        if self._throttle(self.url):
+            log.warning("peer %s " + message, self.url, *args)
 
     def close(self) -> None:
         self._client.close()

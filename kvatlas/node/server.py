@@ -28,7 +28,7 @@ from kvatlas.node.cache_node import CacheNode
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.fleet_view import HttpFleetView
 from kvatlas.node.http_api import create_node_app
-from kvatlas.node.l2 import FsL2, L2Backend, RedisL2
+from kvatlas.node.l2 import FsL2, L2Backend, RedisL2, instance_dir
 from kvatlas.web import is_loopback
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,13 @@ class NodeProcess:
                 transport = HttpTransport(config.coordinator_url, token=token)
             assert instance_id is not None
             self.sink = EventSink(instance_id, transport)
-            fleet = HttpFleetView(self.coordinator, peer_token=config.peer_bearer())
+            fleet = HttpFleetView(
+                self.coordinator,
+                layout=config.layout,
+                peer_deadline=config.peer_fetch_deadline,
+                refresh_interval=config.fleet_refresh_interval,
+                peer_token=config.peer_bearer(),
+            )
             matcher = BlendCoordinatorClient(
                 config.coordinator_url,
                 request_timeout=config.coordinator_blend_timeout,
@@ -112,7 +118,7 @@ class NodeProcess:
         if config.l2 == "fs" and config.l2_shared:
             l2 = FsL2(config.l2_path, "fs-shared", shared=True)
         elif config.l2 == "fs":
-            l2 = FsL2(config.l2_path / (instance_id or "node"))
+            l2 = FsL2(instance_dir(config.l2_path, instance_id or "node"))
         elif config.l2 == "redis":
             l2 = RedisL2(config.l2_redis_url)
         self.node = CacheNode(

@@ -10,8 +10,8 @@ they hold in an unshared L1, one batch per peer. See ``docs/node.md``.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final, Literal, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Final, Literal, NamedTuple
 
 from kvatlas.keys import ObjectKey
 from kvatlas.node.fleet_view import FleetView
@@ -30,17 +30,21 @@ PEER_L1: Final = "peer_l1"
 
 
 class Fetched(NamedTuple):
-    """A chunk found by :meth:`TieredFetch.fetch` and the tier it came from."""
+    """A chunk found by :meth:`TieredFetch.fetch`, the tier it came from, who served it (the
+    peer's instance id, the L2 backend's name, or this node's id) and, from a peer, the digest
+    of its tokens (a peer sends no token ids)."""
 
     chunk: StoredChunk
     source: FetchSource
+    origin: str
+    tokens_digest: bytes | None = None
 
 
 class TieredFetch:
     """Reads through this node's tiers and the fleet's, in cost order.
 
     ``on_l1_hit`` is called for each key served from local L1 (the node reports it as an
-    access); ``counters`` is where ``fetched_wrong_layout`` is counted.
+    access); ``counters`` is where ``fetched_wrong_layout`` and peer failures are counted.
     """
 
     def __init__(
@@ -62,25 +66,21 @@ class TieredFetch:
         self._on_l1_hit = on_l1_hit
         self._counters = counters
 
-    def fetch(
-        self, keys: Sequence[ObjectKey], tokens: Mapping[ObjectKey, Any] | None = None
-    ) -> dict[ObjectKey, Fetched]:
-        """One batched step: local L1, then this node's L2, then peer L1s; absent = miss.
-        ``tokens`` (the request's token ids per key) go to the peers, whose replies carry
-        only a digest of a chunk's tokens (:mod:`kvatlas.node.peer`)."""
+    def fetch(self, keys: Sequence[ObjectKey]) -> dict[ObjectKey, Fetched]:
+        """One batched step: local L1, then this node's L2, then peer L1s; absent = miss."""
         found: dict[ObjectKey, Fetched] = {}
         missing: list[ObjectKey] = []
         for key in keys:
             chunk = self.l1.get(key)
             if chunk is not None:
-                found[key] = Fetched(chunk, LOCAL_L1)
+                found[key] = Fetched(chunk, LOCAL_L1, self.instance_id)
                 self._on_l1_hit(key)
             else:
                 missing.append(key)
         if missing and self.l2 is not None:
             for key, chunk in self.l2.get_many(missing).items():
                 if self._usable(chunk):
-                    found[key] = Fetched(chunk, L2)
+                    found[key] = Fetched(chunk, L2, self.l2.name)
             missing = [k for k in missing if k not in found]
         if missing and self.fleet is not None:
             for instance_id, peer_keys in self._peer_batches(missing).items():
@@ -88,9 +88,14 @@ class TieredFetch:
                 if peer is None:
                     continue
                 asked = set(peer_keys)
-                for key, chunk in peer.fetch(peer_keys, tokens).items():
+                reply = peer.fetch(peer_keys)
+                if reply.failure:
+                    self._counters[f"peer_fetch_{reply.failure}"] += 1
+                if reply.dropped:
+                    self._counters["peer_records_dropped"] += reply.dropped
+                for key, (chunk, digest) in reply.chunks.items():
                     if key in asked and self._usable(chunk):
-                        found[key] = Fetched(chunk, PEER_L1)
+                        found[key] = Fetched(chunk, PEER_L1, instance_id, digest)
         return found
 
     def prefix_hits(self, keys: Sequence[ObjectKey]) -> int:

@@ -11,14 +11,23 @@ import pytest
 
 from kvatlas.client import CoordinatorClient, CoordinatorError
 from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.instances import Registration
 from kvatlas.coordinator.server import BackgroundServer, free_port
+from kvatlas.coordinator.views import NO_EMITTER, InstanceView
+from kvatlas.coordinator.wire import instance_to_wire
 from kvatlas.events import CacheEntry, EventBatch
 from kvatlas.keys import ObjectKey, pack_kv_rank
 from kvatlas.node.fleet_view import Holder, HttpFleetView
+from kvatlas.node.kv_layout import KVLayout
 from kvatlas.node.peer import PeerClient
 
 RANK = pack_kv_rank(1, 0, 1, 0)
 KEYS = [ObjectKey(bytes([i]) * 32, "m", RANK) for i in range(1, 4)]
+LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, chunk_size=4, dtype="float32")
+
+
+def view_of(client: Any, **kw: Any) -> HttpFleetView:
+    return HttpFleetView(client, layout=LAYOUT, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +45,7 @@ def coordinator() -> Iterator[BackgroundServer]:
 
 def test_holders_from_a_real_coordinator(coordinator: BackgroundServer) -> None:
     with CoordinatorClient(coordinator.url) as client:
-        holders = HttpFleetView(client).holders(KEYS)
+        holders = view_of(client).holders(KEYS)
     assert [sorted(h, key=lambda x: x.instance_id) for h in holders] == [
         [Holder("a", "l1", "dram", False), Holder("b", "l2", "redis", True)],
         [Holder("a", "l1", "dram", False)],
@@ -47,7 +56,7 @@ def test_holders_from_a_real_coordinator(coordinator: BackgroundServer) -> None:
 def test_peer_from_the_instance_listing(coordinator: BackgroundServer) -> None:
     with CoordinatorClient(coordinator.url) as client:
         client.register("peer-x", p2p_advertised_url="http://127.0.0.1:1")
-        view = HttpFleetView(client)
+        view = view_of(client, refresh_interval=0.0)
         peer = view.peer("peer-x")
         assert isinstance(peer, PeerClient) and peer.url == "http://127.0.0.1:1"
         assert view.peer("a") is None  # emits, never registered: no URL
@@ -83,7 +92,7 @@ class FakeClient:
     ],
 )
 def test_bad_lookup_reply_is_a_miss(reply: Any) -> None:
-    view = HttpFleetView(FakeClient(lookup=reply))  # type: ignore[arg-type]
+    view = view_of(FakeClient(lookup=reply))
     assert view.holders(KEYS) == [[], [], []]
 
 
@@ -91,5 +100,53 @@ def test_bad_lookup_reply_is_a_miss(reply: Any) -> None:
     "rows", [CoordinatorError("down"), [{"instance_id": "x"}], [None], KeyError("instances")]
 )
 def test_bad_instance_listing_is_no_peer(rows: Any) -> None:
-    view = HttpFleetView(FakeClient(instances=rows))  # type: ignore[arg-type]
+    view = view_of(FakeClient(instances=rows))
     assert view.peer("x") is None
+
+
+class ListingClient:
+    """Counts ``instances()`` calls; the listing is whatever ``rows`` holds at the time."""
+
+    def __init__(self, rows: list[dict[str, Any]]) -> None:
+        self.rows = rows
+        self.listings = 0
+
+    def instances(self) -> list[dict[str, Any]]:
+        self.listings += 1
+        return self.rows
+
+
+def _row(instance_id: str, url: str | None) -> dict[str, Any]:
+    """A ``GET /instances`` row as the coordinator writes it."""
+    view = InstanceView(instance_id, Registration(p2p_advertised_url=url), 0.0, 0.0, NO_EMITTER)
+    return instance_to_wire(view)
+
+
+def test_unknown_instances_list_the_fleet_at_most_once_per_interval() -> None:
+    now = [0.0]
+    client = ListingClient([_row("a", "http://127.0.0.1:1")])
+    view = view_of(client, refresh_interval=30.0, clock=lambda: now[0])
+    for _ in range(100):
+        assert view.peer("ghost") is None  # a placement naming an instance without a URL
+    assert isinstance(view.peer("a"), PeerClient)
+    assert client.listings == 1
+    now[0] = 29.9
+    assert view.peer("ghost") is None and client.listings == 1
+    now[0] = 30.0
+    assert view.peer("ghost") is None and client.listings == 2
+
+
+def test_a_refresh_follows_moved_and_departed_peers() -> None:
+    now = [0.0]
+    client = ListingClient([_row("a", "http://127.0.0.1:1/"), _row("b", "http://127.0.0.1:2")])
+    view = view_of(client, refresh_interval=10.0, clock=lambda: now[0])
+    first = view.peer("a")
+    assert isinstance(first, PeerClient) and first.url == "http://127.0.0.1:1"
+    assert view.peer("a") is first  # cached, same client
+    client.rows = [_row("a", "http://127.0.0.1:3"), _row("c", None)]
+    now[0] = 10.0
+    moved = view.peer("a")
+    assert isinstance(moved, PeerClient) and moved.url == "http://127.0.0.1:3"
+    assert view.peer("b") is None and view.peer("c") is None
+    assert client.listings == 2
+    view.close()

@@ -22,9 +22,10 @@ import pytest
 
 from kvatlas.asgi_thread import free_port
 from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
+from kvatlas.node.chunk_digest import tokens_digest
 from kvatlas.node.config import NodeConfig, add_arguments, config_from_args
 from kvatlas.node.engine_client import EngineCallError, NodeEngineClient
-from kvatlas.node.peer import PEER_KV_PATH, PeerClient, chunk_tokens_digest
+from kvatlas.node.peer import PEER_KV_PATH, PeerClient, max_chunk_bytes
 from kvatlas.node.server import announce_security
 from kvatlas.node.stored_chunk import decode_chunk
 from kvatlas.processes import spawn_service
@@ -178,10 +179,10 @@ def test_peer_reply_carries_a_token_digest_not_token_ids(node: Node) -> None:
         headers={"authorization": f"Bearer {PEER}"},
     )
     assert r.status_code == 200
-    [(record, digest)] = msgspec.msgpack.decode(r.content)
-    chunk = decode_chunk(record)
+    [record] = msgspec.msgpack.decode(r.content)
+    chunk = decode_chunk(record["chunk"])
     assert chunk.key == key and chunk.tokens is None and chunk.token_offset == 0
-    assert digest == chunk_tokens_digest(p[:C])
+    assert record["tokens_digest"] == tokens_digest(p[:C])
     assert p[:C].astype("<u4").tobytes() not in r.content  # no token ids anywhere in it
 
 
@@ -334,11 +335,13 @@ def test_peer_client_sends_its_token(node: Node) -> None:
     with node.engine(ENGINE_A) as a:
         assert a.store(p, kv(1, 7.0), cache_salt="tenant-a") == 1
     key = ObjectKey(chunk_hashes(p, C)[0], "toy", pack_kv_rank(1, 0, 1, 0), 0, "tenant-a")
-    with PeerClient(node.peer_url) as anonymous:
-        assert anonymous.fetch([key]) == {}  # 401: a miss, never an error
-    with PeerClient(node.peer_url, token=PEER) as peer:
-        got = peer.fetch([key], {key: p[:C]})
-    assert np.all(got[key].kv == 7.0) and np.array_equal(got[key].tokens, p[:C])
+    bound = max_chunk_bytes(LAYOUT)
+    with PeerClient(node.peer_url, max_chunk_bytes=bound) as anonymous:
+        refused = anonymous.fetch([key])  # 401: a miss, never an error
+    assert refused.chunks == {} and refused.failure
+    with PeerClient(node.peer_url, max_chunk_bytes=bound, token=PEER) as peer:
+        got = peer.fetch([key]).chunks[key]
+    assert np.all(got.chunk.kv == 7.0) and got.tokens_digest == tokens_digest(p[:C])
 
 
 def test_fleet_with_auth_on_everywhere_serves_peer_kv(tmp_path: Path) -> None:

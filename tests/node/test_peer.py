@@ -1,4 +1,5 @@
-"""Peer L1 over real loopback HTTP: sparse fetch, pins during transfer, failures as misses."""
+"""Peer L1 over real loopback HTTP: sparse fetch, pins during transfer, failures as misses,
+token ids never sent (a digest instead). Hostile peers (drip, oversize): test_fetch_security."""
 
 from __future__ import annotations
 
@@ -8,25 +9,38 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import blake3
 import httpx
 import msgspec
 import numpy as np
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from kvatlas.coordinator.server import free_port
 from kvatlas.keys import ObjectKey
+from kvatlas.node.chunk_digest import tokens_digest
 from kvatlas.node.l1 import L1Cache
-from kvatlas.node.peer import (
-    PEER_KV_PATH,
-    PeerClient,
-    PeerServer,
-    chunk_tokens_digest,
-    create_peer_app,
-)
-from kvatlas.node.stored_chunk import StoredChunk, decode_chunk, encode_chunk
+from kvatlas.node.peer import PEER_KV_PATH, PeerClient, PeerServer, create_peer_app
+from kvatlas.node.stored_chunk import StoredChunk, encode_chunk
+
+CHUNK_BYTES = 64 * 2 + 4 * 4  # KV and tokens of chunk(i)
+
+
+def client_for(url: str, **kw: Any) -> PeerClient:
+    return PeerClient(url, **{"max_chunk_bytes": CHUNK_BYTES, **kw})
+
+
+def records(*chunks: StoredChunk | bytes) -> bytes:
+    """A reply as a peer sends it: each chunk without tokens, with their digest."""
+    out = []
+    for c in chunks:
+        if isinstance(c, bytes):
+            out.append({"chunk": c, "tokens_digest": None})
+            continue
+        assert c.tokens is not None
+        bare = StoredChunk(c.key, c.kv, None, c.token_offset)
+        out.append({"chunk": encode_chunk(bare), "tokens_digest": tokens_digest(c.tokens)})
+    return msgspec.msgpack.encode(out)
 
 
 def key(i: int) -> ObjectKey:
@@ -49,46 +63,59 @@ def served() -> Iterator[tuple[L1Cache, PeerServer]]:
 
 def test_fetch_sparse_set_returns_present_keys_only(served: tuple[L1Cache, PeerServer]) -> None:
     _, server = served
-    mine = {key(i): chunk(i).tokens for i in range(10)}
-    mine[key(6)] = np.arange(4, dtype=np.uint32) + 99  # not the tokens the peer holds
-    with PeerClient(server.url) as client:
-        found = client.fetch([key(i) for i in range(10)] + [key(4)], mine)
-    assert set(found) == {key(i) for i in range(0, 10, 2)}
+    with client_for(server.url) as client:
+        reply = client.fetch([key(i) for i in range(10)] + [key(4)])
+    found = reply.chunks
+    assert set(found) == {key(i) for i in range(0, 10, 2)} and not reply.failure
     for i in range(0, 10, 2):
-        got = found[key(i)]
+        got, digest = found[key(i)]
         want = chunk(i)
         assert np.array_equal(got.kv, want.kv) and got.kv.dtype == np.float16
         assert got.token_offset == 256 * i
-        if i == 6:  # the digest disagrees with the requester's tokens: none attached
-            assert got.tokens is None
-        else:
-            assert got.tokens is not None and want.tokens is not None
-            assert np.array_equal(got.tokens, want.tokens)
+        # the prompt's token ids never leave the peer: only their digest does
+        assert want.tokens is not None and got.tokens is None
+        assert digest == tokens_digest(want.tokens)
 
 
-def test_reply_never_carries_token_ids(served: tuple[L1Cache, PeerServer]) -> None:
-    """Issue 16 item 2: a peer reply holds each chunk without its token ids (a tenant's
-    prompt) and only their digest."""
+def test_reply_carries_no_token_ids(served: tuple[L1Cache, PeerServer]) -> None:
     _, server = served
+    want = chunk(2)
+    assert want.tokens is not None
     r = httpx.post(server.url + PEER_KV_PATH, json=_wire([key(2)]))
-    [(record, digest)] = msgspec.msgpack.decode(r.content)
-    assert decode_chunk(record).tokens is None
-    assert digest == chunk_tokens_digest(chunk(2).tokens)
-    assert digest == blake3.blake3(np.arange(2, 6, dtype="<u4").tobytes()).digest()
-    with PeerClient(server.url) as client:
-        assert client.fetch([key(2)])[key(2)].tokens is None  # no tokens of its own to match
+    assert r.status_code == 200
+    assert want.tokens.astype("<u4").tobytes() not in r.content
+    assert msgspec.msgpack.decode(r.content)[0]["tokens_digest"] == tokens_digest(want.tokens)
+
+
+def test_peer_token_is_sent_on_every_call() -> None:
+    seen: list[str | None] = []
+    app = FastAPI()
+
+    @app.post(PEER_KV_PATH)
+    async def peer_kv(request: Request) -> Response:
+        seen.append(request.headers.get("authorization"))
+        return _octets(records(chunk(1)))
+
+    with PeerServer(app, port=free_port()) as server:
+        with client_for(server.url, token="peer-secret") as client:
+            assert set(client.fetch([key(1)]).chunks) == {key(1)}
+            assert set(client.fetch([key(1)]).chunks) == {key(1)}
+        with client_for(server.url) as client:
+            client.fetch([key(1)])
+    assert seen == ["Bearer peer-secret", "Bearer peer-secret", None]
 
 
 def test_fetch_nothing_makes_no_request() -> None:
-    client = PeerClient(f"http://127.0.0.1:{free_port()}")
-    assert client.fetch([]) == {}
+    client = client_for(f"http://127.0.0.1:{free_port()}")
+    reply = client.fetch([])
+    assert reply.chunks == {} and not reply.failure
 
 
 def test_serving_touches_lru(served: tuple[L1Cache, PeerServer]) -> None:
     l1, server = served
     oldest = l1.keys()[0]
-    with PeerClient(server.url) as client:
-        assert set(client.fetch([oldest])) == {oldest}
+    with client_for(server.url) as client:
+        assert set(client.fetch([oldest]).chunks) == {oldest}
     assert l1.keys()[-1] == oldest
 
 
@@ -147,10 +174,12 @@ def test_listed_chunks_stay_pinned_during_transfer() -> None:
             assert release.wait(10), "test never released the transfer"
         return encode_chunk(c)
 
-    result: dict[ObjectKey, StoredChunk] = {}
+    result: dict[ObjectKey, object] = {}
     with PeerServer(create_peer_app(l1, encoder=slow_encoder), port=free_port()) as server:
-        client = PeerClient(server.url, timeout=15)
-        fetcher = threading.Thread(target=lambda: result.update(client.fetch([*listed, key(9)])))
+        client = client_for(server.url, deadline=15)
+        fetcher = threading.Thread(
+            target=lambda: result.update(client.fetch([*listed, key(9)]).chunks)
+        )
         fetcher.start()
         try:
             assert in_transfer.wait(10)
@@ -171,9 +200,10 @@ def test_listed_chunks_stay_pinned_during_transfer() -> None:
 
 
 def test_peer_down_is_empty_and_quick() -> None:
-    client = PeerClient(f"http://127.0.0.1:{free_port()}", timeout=60.0)
+    client = client_for(f"http://127.0.0.1:{free_port()}", deadline=60.0)
     start = time.monotonic()
-    assert client.fetch([key(1), key(2)]) == {}
+    reply = client.fetch([key(1), key(2)])
+    assert reply.chunks == {} and reply.failure == "unreachable"
     assert time.monotonic() - start < 30.0  # refused at once: never waits out the timeout
     client.close()
 
@@ -182,25 +212,27 @@ def test_peer_dies_between_fetches() -> None:
     l1 = L1Cache(1 << 20)
     l1.put(chunk(1))
     server = PeerServer(create_peer_app(l1), port=free_port()).start()
-    client = PeerClient(server.url, timeout=60.0)
-    assert set(client.fetch([key(1)])) == {key(1)}
+    client = client_for(server.url, deadline=60.0)
+    assert set(client.fetch([key(1)]).chunks) == {key(1)}
     server.stop()
     start = time.monotonic()
-    assert client.fetch([key(1)]) == {}
+    reply = client.fetch([key(1)])
+    assert reply.chunks == {} and reply.failure == "unreachable"
     assert time.monotonic() - start < 30.0  # refused at once: never waits out the timeout
     client.close()
 
 
 def test_silent_peer_times_out_to_empty() -> None:
-    """A peer that accepts but never answers costs about ``timeout``, then misses."""
+    """A peer that accepts but never answers costs about ``deadline``, then misses."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
     port = listener.getsockname()[1]
     try:
-        client = PeerClient(f"http://127.0.0.1:{port}", timeout=0.3)
+        client = client_for(f"http://127.0.0.1:{port}", deadline=0.3)
         start = time.monotonic()
-        assert client.fetch([key(1)]) == {}
+        reply = client.fetch([key(1)])
+        assert reply.chunks == {} and reply.failure == "deadline"
         # the client's 0.3 s timeout ends it (httpx's own default would take 5 s): a wide
         # margin over 0.3 s that still tells the two apart
         assert time.monotonic() - start < 4.0
@@ -227,11 +259,6 @@ def _octets(content: bytes, status: int = 200) -> Response:
     return Response(content, status_code=status, media_type="application/octet-stream")
 
 
-def _records(*encoded: bytes) -> bytes:
-    """A peer reply of these chunk records (no token digests)."""
-    return msgspec.msgpack.encode([[record, b""] for record in encoded])
-
-
 @pytest.mark.parametrize(
     "response",
     [
@@ -239,9 +266,9 @@ def _records(*encoded: bytes) -> bytes:
         _octets(msgspec.msgpack.encode({"not": "a list"})),
         _octets(msgspec.msgpack.encode([1, 2, 3])),
         _octets(b""),
-        _octets(_records(encode_chunk(chunk(1))), status=500),
-        _octets(_records(encode_chunk(chunk(1)))[:-10]),
-        _octets(msgspec.msgpack.encode([encode_chunk(chunk(1))])),  # the old reply format
+        _octets(msgspec.msgpack.encode([encode_chunk(chunk(1))])),  # records without a map
+        _octets(records(chunk(1)), status=500),
+        _octets(records(chunk(1))[:-10]),
     ],
 )
 def test_garbage_reply_is_empty(
@@ -249,8 +276,9 @@ def test_garbage_reply_is_empty(
 ) -> None:
     server, reply = misbehaving
     reply["next"] = response
-    with PeerClient(server.url) as client:
-        assert client.fetch([key(1)]) == {}
+    with client_for(server.url) as client:
+        got = client.fetch([key(1)])
+    assert got.chunks == {} and got.failure in ("bad_reply", "refused")
 
 
 def test_corrupt_and_unrequested_chunks_are_dropped(
@@ -259,18 +287,20 @@ def test_corrupt_and_unrequested_chunks_are_dropped(
     server, reply = misbehaving
     corrupt = bytearray(encode_chunk(chunk(2)))
     corrupt[-40] ^= 0xFF
-    reply["next"] = _octets(
-        _records(encode_chunk(chunk(1)), bytes(corrupt), encode_chunk(chunk(7)))
-    )
-    with PeerClient(server.url) as client:
-        found = client.fetch([key(1), key(2), key(3)])
-    assert set(found) == {key(1)}  # 2 corrupt, 7 never requested
+    entries = msgspec.msgpack.decode(records(chunk(1), bytes(corrupt), chunk(7)))
+    entries.append({"chunk": encode_chunk(chunk(3)), "tokens_digest": b"short"})
+    reply["next"] = _octets(msgspec.msgpack.encode(entries))
+    with client_for(server.url) as client:
+        got = client.fetch([key(1), key(2), key(3)])
+    assert set(got.chunks) == {key(1)}  # 2 corrupt, 7 never requested, 3's digest malformed
+    assert got.dropped == 3 and not got.failure
 
 
 def test_oversized_reply_is_empty(misbehaving: tuple[PeerServer, dict[str, Response]]) -> None:
     server, reply = misbehaving
-    reply["next"] = _octets(_records(encode_chunk(chunk(1, 4096))))
-    with PeerClient(server.url, max_reply_bytes=1024) as client:
-        assert client.fetch([key(1)]) == {}
-    with PeerClient(server.url) as client:
-        assert set(client.fetch([key(1)])) == {key(1)}
+    reply["next"] = _octets(records(chunk(1, 4096)))
+    with client_for(server.url) as client:
+        got = client.fetch([key(1)])
+    assert got.chunks == {} and got.failure == "too_large"
+    with client_for(server.url, max_chunk_bytes=4096 * 2 + 16) as client:
+        assert set(client.fetch([key(1)]).chunks) == {key(1)}

@@ -5,9 +5,9 @@ and chunks of a foreign layout never handed out. The fleet is a duck-typed fake 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -15,6 +15,7 @@ from kvatlas.keys import ObjectKey
 from kvatlas.node.kv_layout import KVLayout
 from kvatlas.node.l1 import L1Cache
 from kvatlas.node.l2 import FsL2
+from kvatlas.node.peer import PeerChunk, PeerReply
 from kvatlas.node.stored_chunk import StoredChunk
 from kvatlas.node.tiered_fetch import Fetched, TieredFetch
 
@@ -53,11 +54,16 @@ class Peer:
         self.chunks = chunks
         self.asked: list[list[ObjectKey]] = []
 
-    def fetch(
-        self, keys: Sequence[ObjectKey], tokens: Mapping[ObjectKey, Any] | None = None
-    ) -> dict[ObjectKey, StoredChunk]:
+    def fetch(self, keys: Sequence[ObjectKey]) -> PeerReply:
         self.asked.append(list(keys))
-        return {k: self.chunks[k] for k in keys if k in self.chunks}
+        return PeerReply(
+            {k: PeerChunk(self.chunks[k], b"d" * 32) for k in keys if k in self.chunks}
+        )
+
+
+class FailingPeer:
+    def fetch(self, keys: Sequence[ObjectKey]) -> PeerReply:
+        return PeerReply(failure="deadline", dropped=2)
 
 
 def test_cost_order_peer_batches_and_wrong_layout(tmp_path: Path) -> None:
@@ -71,23 +77,29 @@ def test_cost_order_peer_batches_and_wrong_layout(tmp_path: Path) -> None:
         key(2): [Holder("me", "l1", "dram", False), Holder("p", "l1", "dram", False)],
         key(3): [Holder("p", "l1", "dram", False)],
         key(4): [Holder("p", "l2", "fs", False), Holder("q", "l1", "dram", True)],
+        key(5): [Holder("bad", "l1", "dram", False)],
     }
-    fleet = Fleet(holders, {"p": peer})
+    fleet = Fleet(holders, {"p": peer, "bad": FailingPeer()})  # type: ignore[dict-item]
     hits: list[ObjectKey] = []
     counters: Counter[str] = Counter()
     tiers = TieredFetch(
         l1, l2, fleet, instance_id="me", layout=LAYOUT, on_l1_hit=hits.append, counters=counters
     )
-    found = tiers.fetch([key(i) for i in range(5)])
+    found = tiers.fetch([key(i) for i in range(6)])
     assert {k: f.source for k, f in found.items()} == {
         key(0): "local_l1",
         key(1): "l2",
         key(2): "peer_l1",
     }
-    assert isinstance(found[key(2)], Fetched) and found[key(2)].chunk is peer.chunks[key(2)]
+    assert found[key(2)] == Fetched(peer.chunks[key(2)], "peer_l1", "p", b"d" * 32)
+    assert found[key(1)].origin == "fs" and found[key(0)].origin == "me"
     assert hits == [key(0)]
     assert peer.asked == [[key(2), key(3)]]  # one batch; never an L2 or a shared holder
-    assert counters == {"fetched_wrong_layout": 1}
+    assert counters == {
+        "fetched_wrong_layout": 1,
+        "peer_fetch_deadline": 1,  # a failed peer call is counted by cause
+        "peer_records_dropped": 2,
+    }
 
 
 def test_prefix_hits(tmp_path: Path) -> None:
