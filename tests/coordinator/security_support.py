@@ -3,6 +3,7 @@ the server's memory, read from /proc (real processes, no wall-clock asserts)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -64,10 +65,9 @@ def raw_request(
     head += ["Content-Type: application/json"]
     head += [f"{k}: {v}" for k, v in (headers or {}).items()]
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as conn:
-        try:
+        # refused and closed before the whole body was sent: read the reply below
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             conn.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + body)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # refused and closed before the body was sent: read the reply below
         reply = b""
         try:
             while b"\r\n\r\n" not in reply:

@@ -140,7 +140,9 @@ def test_lookup_body_is_parsed_like_before(tmp_path: Path) -> None:
     """The lookup body is parsed by the route on a worker thread: bad JSON and bad fields
     are still a 422 naming the field."""
     with running() as (_, c):
-        r = c.post("/directory/lookup", content=b"{not json", headers={"content-type": "application/json"})
+        r = c.post(
+            "/directory/lookup", content=b"{not json", headers={"content-type": "application/json"}
+        )
         assert r.status_code == 422 and r.json()["detail"]
         r = c.post("/directory/lookup", json={"token_ids": "abc", "model_name": "m"})
         assert r.status_code == 422 and r.json()["detail"].startswith("token_ids")
