@@ -217,7 +217,8 @@ class CoordinatorService:
         self.instances.deregister(instance_id)
         with self._lag_lock:
             self._lag.pop(instance_id, None)
-            self._last_emit.setdefault(instance_id, self._clock())  # its series expire later
+            if known:  # its metric series expire with the departed (forget_departed)
+                self._last_emit.setdefault(instance_id, self._clock())
         return Deregistration(instance_id, known, self.directory.deregister(instance_id))
 
     def _fence_expired(self, instance_id: str) -> None:
