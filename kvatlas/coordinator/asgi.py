@@ -66,12 +66,16 @@ ROUTE_ROLES: dict[tuple[str, str], Access] = {
     ("GET", "/instances"): Access(("lookup", "emit")),
     ("PUT", "/instances/{instance_id}/heartbeat"): Access(("emit",), max_body=_NO_BODY),
     ("DELETE", "/instances/{instance_id}"): Access(("emit",), max_body=_NO_BODY),
+    # LMCache 0.5.7's capacity view and chunk-size check (docs/coordinator.md, conformance)
+    ("GET", "/instances/usage"): Access(("lookup",), every_tenant=True),
+    ("GET", "/instances/{instance_id}/usage"): Access(("lookup",), every_tenant=True),
+    ("PUT", "/config/chunk-size"): Access(("emit",), max_body=_NO_BODY),
     ("GET", "/healthz"): OPEN,
     ("GET", "/readyz"): OPEN,
 }
 """Every route's access, checked from the headers alone. The routes check the bindings that
 need the body (instances, salts) themselves. A route missing here needs any valid token (and
-``tests/coordinator/test_security_routes.py`` fails until it is listed)."""
+``tests/coordinator/test_security_exposure.py`` fails until it is listed)."""
 METRICS_PATH = "/metrics"
 DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 _METRICS = Access(("lookup",), every_tenant=True)
@@ -82,11 +86,8 @@ def route_template(method: str, path: str) -> tuple[str, str]:
     method = "GET" if method == "HEAD" else method
     parts = path.split("/")
     if len(parts) in (3, 4) and parts[1] == "instances" and parts[2]:
-        if len(parts) == 3 and method == "DELETE":
-            return method, "/instances/{instance_id}"
-        if len(parts) == 4 and parts[3] == "heartbeat":
-            return method, "/instances/{instance_id}/heartbeat"
-    return method, path
+        parts[2] = "{instance_id}"
+    return method, "/".join(parts)
 
 
 def bearer_header(scope: Scope) -> str | None:
@@ -128,7 +129,9 @@ class Authenticate:
             return OPEN if self.public_metrics else _METRICS
         if path in DOCS_PATHS:
             return OPEN if self.public_docs else ANY_TOKEN
-        return ROUTE_ROLES.get(route_template(method, path), ANY_TOKEN)
+        method = "GET" if method == "HEAD" else method
+        exact = ROUTE_ROLES.get((method, path))
+        return exact or ROUTE_ROLES.get(route_template(method, path), ANY_TOKEN)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
