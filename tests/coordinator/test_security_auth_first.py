@@ -6,14 +6,18 @@ legitimate request, derived from the other limits. Against a real coordinator pr
 from __future__ import annotations
 
 import base64
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 
 from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.routes import directory as directory_routes
 from kvatlas.coordinator.server import free_port
 from kvatlas.processes import stop
 from tests.coordinator.helpers import CS, Emitter, fresh, fresh_tokens, running
@@ -146,3 +150,30 @@ def test_lookup_body_is_parsed_like_before(tmp_path: Path) -> None:
         assert r.status_code == 422 and r.json()["detail"]
         r = c.post("/directory/lookup", json={"token_ids": "abc", "model_name": "m"})
         assert r.status_code == 422 and r.json()["detail"].startswith("token_ids")
+
+
+def test_lookup_body_is_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a lookup body is being parsed, /healthz answers: the parse holds until it has
+    (a parse on the event loop would block /healthz, and the parse would give up after
+    30 s with a failed request)."""
+    parsing, answered = threading.Event(), threading.Event()
+    real = directory_routes.decode_lookup_body
+
+    def held(raw: bytes) -> Any:
+        parsing.set()
+        if not answered.wait(30):
+            raise AssertionError("/healthz did not answer while a lookup body was parsed")
+        return real(raw)
+
+    monkeypatch.setattr(directory_routes, "decode_lookup_body", held)
+    with (
+        running() as (server, c),
+        httpx.Client(base_url=server.url, timeout=30) as other,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        body = {"token_ids": fresh_tokens(2), "model_name": "m"}
+        reply = pool.submit(c.post, "/directory/lookup", json=body)
+        assert parsing.wait(30)
+        assert other.get("/healthz").status_code == 200
+        answered.set()
+        assert reply.result().status_code == 200
