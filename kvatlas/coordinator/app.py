@@ -4,7 +4,8 @@ validation in ``query.py``, replies in ``wire.py``). See docs/coordinator.md ("A
 Every error is a 4xx with a JSON ``detail`` that says what was wrong (rendered by
 :mod:`kvatlas.web` from :mod:`kvatlas.errors`); a 5xx is a bug. Work that scales with the
 request (decoding, applying, hashing, matching) runs in worker threads, never on the event
-loop, so one large request cannot stall the others.
+loop, so one large request cannot stall the others; with auth on, no body is read before
+the caller's token and roles were checked (``asgi.Authenticate``, docs/security.md).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import FastAPI
 
 from kvatlas import __version__
-from kvatlas.coordinator.asgi import BlendFastPath, install_validation_handler
+from kvatlas.coordinator.asgi import Authenticate, BlendFastPath, install_validation_handler
 from kvatlas.coordinator.blend_lookup import BlendLookup
 from kvatlas.coordinator.routes import ROUTERS
 from kvatlas.coordinator.service import CoordinatorService
@@ -40,6 +41,13 @@ def create_app(service: CoordinatorService) -> FastAPI:
     install_validation_handler(app)
     for router in ROUTERS:
         app.include_router(router)
+    config = service.config
     app.add_middleware(BlendFastPath, lookup=blend, auth=service.auth)
-    app.add_middleware(BodyLimit, max_bytes=service.config.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=config.body_limit)
+    app.add_middleware(  # outermost: no body byte is read before the token was checked
+        Authenticate,
+        auth=service.auth,
+        public_metrics=config.metrics_public,
+        public_docs=config.docs_public,
+    )
     return app

@@ -1,5 +1,10 @@
-"""ASGI plumbing of the coordinator: the blend-lookup fast path (the service's hottest request,
-answered below the framework) and the one place request-validation errors are formatted.
+"""ASGI plumbing of the coordinator: authentication before anything else (:class:`Authenticate`),
+the blend-lookup fast path (the service's hottest request, answered below the framework) and
+the one place request-validation errors are formatted.
+
+Invariant: with auth on, no byte of a request body is read before the bearer token in its
+headers was checked against the route's roles (:data:`ROUTE_ROLES`): an unauthenticated
+client can make the coordinator read headers, nothing more. See docs/security.md.
 
 Every error reply is rendered by :mod:`kvatlas.web` from a :mod:`kvatlas.errors` class, on the
 fast path and in the framework alike, so a status, ``detail`` or header never depends on which
@@ -8,15 +13,143 @@ path answered. See docs/coordinator.md ("API").
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvatlas.auth import ANONYMOUS_ADMIN, TokenAuth
+from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
 from kvatlas.coordinator.blend_lookup import BLEND_HEADERS, BlendLookup
-from kvatlas.errors import KvatlasError, Unprocessable
-from kvatlas.web import error_headers, error_payload, error_response, json_encoder
+from kvatlas.coordinator.query import field_errors
+from kvatlas.errors import Forbidden, KvatlasError, Unprocessable
+from kvatlas.web import BodyLimit, error_headers, error_payload, error_response, json_encoder
+
+PRINCIPAL = "kvatlas.principal"
+"""The scope key under which :class:`Authenticate` leaves the caller for the routes."""
+
+REGISTRATION_BODY_BYTES = 64 * 1024
+"""``POST /instances`` bodies: the registration fields, bounded far below ``--max-body-bytes``
+(``query.MAX_METADATA_BYTES`` of metadata and a few short strings)."""
+_NO_BODY = 4096  # heartbeat, deregister: nothing to read beyond what a client may send empty
+
+
+@dataclass(frozen=True, slots=True)
+class Access:
+    """Who may call a route: ``open`` (no token), else a token holding one of ``roles`` (none
+    listed: any valid token); ``every_tenant``: a token that sees every tenant's figures."""
+
+    roles: tuple[str, ...] = ()
+    open: bool = False
+    every_tenant: bool = False
+    max_body: int | None = None  # a tighter body limit than --max-body-bytes
+
+    def check(self, who: Principal) -> None:
+        if self.roles:
+            who.require(*self.roles)
+        if self.every_tenant and not who.sees_everything:
+            raise Forbidden(
+                "this reply covers every tenant: needs a token not bound to cache_salts"
+            )
+
+
+OPEN = Access(open=True)
+ANY_TOKEN = Access()
+ROUTE_ROLES: dict[tuple[str, str], Access] = {
+    ("POST", "/events"): Access(("emit",)),
+    ("POST", "/directory/lookup"): Access(("lookup",)),
+    ("POST", "/directory/blend-lookup"): Access(("lookup",)),
+    ("GET", "/directory/stats"): Access(("lookup",)),
+    ("GET", "/directory/keys"): Access(("admin",)),
+    ("POST", "/instances"): Access(("emit",), max_body=REGISTRATION_BODY_BYTES),
+    ("GET", "/instances"): Access(("lookup", "emit")),
+    ("PUT", "/instances/{instance_id}/heartbeat"): Access(("emit",), max_body=_NO_BODY),
+    ("DELETE", "/instances/{instance_id}"): Access(("emit",), max_body=_NO_BODY),
+    # LMCache 0.5.7's capacity view and chunk-size check (docs/coordinator.md, conformance)
+    ("GET", "/instances/usage"): Access(("lookup",), every_tenant=True),
+    ("GET", "/instances/{instance_id}/usage"): Access(("lookup",), every_tenant=True),
+    ("PUT", "/config/chunk-size"): Access(("emit",), max_body=_NO_BODY),
+    ("GET", "/healthz"): OPEN,
+    ("GET", "/readyz"): OPEN,
+}
+"""Every route's access, checked from the headers alone. The routes check the bindings that
+need the body (instances, salts) themselves. A route missing here needs any valid token (and
+``tests/coordinator/test_security_exposure.py`` fails until it is listed)."""
+METRICS_PATH = "/metrics"
+DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+_METRICS = Access(("lookup",), every_tenant=True)
+
+
+def route_template(method: str, path: str) -> tuple[str, str]:
+    """``(method, path)`` with an instance id replaced by ``{instance_id}`` (HEAD as GET)."""
+    method = "GET" if method == "HEAD" else method
+    parts = path.split("/")
+    if len(parts) in (3, 4) and parts[1] == "instances" and parts[2]:
+        parts[2] = "{instance_id}"
+    return method, "/".join(parts)
+
+
+def bearer_header(scope: Scope) -> str | None:
+    return next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+
+
+def principal_of(scope: Scope, auth: TokenAuth | None) -> Principal:
+    """The caller :class:`Authenticate` found, or (an app mounted without it) the bearer
+    token's principal; 401 when auth is on and the token is missing or unknown."""
+    who: Principal | None = scope.get(PRINCIPAL)
+    if who is not None:
+        return who
+    return ANONYMOUS_ADMIN if auth is None else auth.authenticate(bearer_header(scope))
+
+
+async def refuse(exc: KvatlasError, scope: Scope, receive: Receive, send: Send) -> None:
+    """Reply with ``exc`` without reading the body, and close the connection: the rest of an
+    unauthenticated body is never read, not even to discard it."""
+    response = error_response(exc)
+    response.headers["connection"] = "close"
+    await response(scope, receive, send)
+
+
+class Authenticate:
+    """ASGI middleware, outermost: the token and the route's roles are checked from the
+    headers; a refusal (401/403) is sent without reading the body. The caller is left in the
+    scope (:data:`PRINCIPAL`) for the routes and the fast path."""
+
+    def __init__(
+        self, app: ASGIApp, auth: TokenAuth | None, public_metrics: bool, public_docs: bool
+    ) -> None:
+        self.app = app
+        self.auth = auth
+        self.public_metrics = public_metrics
+        self.public_docs = public_docs
+
+    def access(self, method: str, path: str) -> Access:
+        if path == METRICS_PATH:
+            return OPEN if self.public_metrics else _METRICS
+        if path in DOCS_PATHS:
+            return OPEN if self.public_docs else ANY_TOKEN
+        method = "GET" if method == "HEAD" else method
+        exact = ROUTE_ROLES.get((method, path))
+        return exact or ROUTE_ROLES.get(route_template(method, path), ANY_TOKEN)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        access = self.access(scope["method"], scope["path"])
+        if self.auth is None:
+            scope[PRINCIPAL] = ANONYMOUS_ADMIN
+        elif not access.open:
+            try:
+                who = self.auth.authenticate(bearer_header(scope))
+                access.check(who)
+            except KvatlasError as exc:
+                await refuse(exc, scope, receive, send)
+                return
+            scope[PRINCIPAL] = who
+        app = self.app if access.max_body is None else BodyLimit(self.app, access.max_body)
+        await app(scope, receive, send)
 
 
 class BlendFastPath:
@@ -35,6 +168,11 @@ class BlendFastPath:
         if scope["type"] != "http" or scope["path"] != self.PATH or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
+        try:
+            who = principal_of(scope, self.auth)  # before reading the body
+        except KvatlasError as exc:
+            await refuse(exc, scope, receive, send)
+            return
         chunks = []
         while True:
             message = await receive()
@@ -45,13 +183,6 @@ class BlendFastPath:
                 break
         status, headers = 200, [(b"content-type", b"application/json")]
         try:
-            who = ANONYMOUS_ADMIN
-            if self.auth is not None:
-                authorization = next(
-                    (v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"),
-                    None,
-                )
-                who = self.auth.authenticate(authorization)
             payload, enabled = await self.lookup(b"".join(chunks), who)
             headers.append(BLEND_HEADERS[enabled])
         except KvatlasError as exc:
@@ -65,17 +196,7 @@ class BlendFastPath:
 def validation_error(exc: RequestValidationError) -> Unprocessable:
     """FastAPI's own request validation, as a 422 whose ``detail`` names the first bad field
     (``where: what``) and whose ``errors`` lists them all."""
-    errors = [
-        {
-            "loc": list(e.get("loc", ())),
-            "msg": str(e.get("msg", "")),
-            "type": str(e.get("type", "")),
-        }
-        for e in exc.errors()
-    ]
-    first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
-    where = ".".join(str(p) for p in first["loc"] if p != "body")
-    return Unprocessable(f"{where}: {first['msg']}" if where else str(first["msg"]), errors=errors)
+    return field_errors(exc.errors())
 
 
 def install_validation_handler(app: FastAPI) -> None:

@@ -18,6 +18,24 @@ from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme
 
 DEFAULT_PORT = 9300
 
+QUERY_ENVELOPE_BYTES = 64 * 1024
+"""A lookup body's JSON beside its tokens: field names, model name, salt, whitespace."""
+ENTRY_ENVELOPE_BYTES = 768
+"""One event entry's JSON beside its token ids: the key (64 hex digits, a model name of up to
+256 and a salt of up to 128 characters, ``kv_rank``, group), size, offset, field names."""
+TOKEN_JSON_BYTES = 11
+"""One token id in a JSON list at worst: ten digits and a comma."""
+
+
+def largest_request_bytes(max_query_tokens: int, max_batch_entries: int, chunk_size: int) -> int:
+    """The default ``--max-body-bytes``: the larger of a full-context lookup (``tokens_b64`` of
+    ``max_query_tokens`` uint32s: 4 base64 characters per 3 bytes) and a full ``POST /events``
+    body (``max_batch_entries`` token-bearing entries of ``chunk_size`` tokens, in JSON).
+    Documented in docs/coordinator.md ("Limits")."""
+    query = 4 * -(-4 * max_query_tokens // 3) + QUERY_ENVELOPE_BYTES
+    batch = max_batch_entries * (ENTRY_ENVELOPE_BYTES + TOKEN_JSON_BYTES * chunk_size)
+    return max(query, batch)
+
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
@@ -36,9 +54,13 @@ class CoordinatorConfig:
     instance_timeout: float = 30.0
     auth_token_file: Path | None = None
     max_query_tokens: int = 2 * 1024 * 1024
-    max_batch_entries: int = 100_000
-    max_body_bytes: int = 256 * 1024 * 1024
+    max_batch_entries: int = 32_768
+    max_body_bytes: int | None = None  # None: derived from the other limits (body_limit)
     log_level: str = "info"
+    max_instances: int = 10_000
+    emitter_retention: float = 3600.0
+    public_metrics: bool | None = None  # None: public exactly when auth is off
+    public_docs: bool | None = None
 
     def __post_init__(self) -> None:
         KeyScheme(self.hash_scheme, self.chunk_size)  # validates both
@@ -48,12 +70,14 @@ class CoordinatorConfig:
             raise ValueError(f"--event-transport must be one of {', '.join(EVENT_TRANSPORTS)}")
         if self.event_transport == "redis" and not self.redis_url:
             raise ValueError("--event-transport redis needs --redis-url")
-        for name in ("max_query_tokens", "max_batch_entries", "max_body_bytes", "port"):
+        for name in ("max_query_tokens", "max_batch_entries", "max_instances", "port"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.port > 65535:
             raise ValueError("--port must be <= 65535")
-        for name in ("snapshot_interval", "instance_timeout"):
+        if self.max_body_bytes is not None and self.max_body_bytes < 1:
+            raise ValueError("--max-body-bytes must be >= 1")
+        for name in ("snapshot_interval", "instance_timeout", "emitter_retention"):
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0")
@@ -61,6 +85,24 @@ class CoordinatorConfig:
     @property
     def scheme(self) -> KeyScheme:
         return KeyScheme(self.hash_scheme, self.chunk_size)
+
+    @property
+    def body_limit(self) -> int:
+        """``--max-body-bytes``, or by default the largest legitimate request (see
+        :func:`largest_request_bytes`)."""
+        if self.max_body_bytes is not None:
+            return self.max_body_bytes
+        return largest_request_bytes(self.max_query_tokens, self.max_batch_entries, self.chunk_size)
+
+    @property
+    def metrics_public(self) -> bool:
+        return (
+            (self.auth_token_file is None) if self.public_metrics is None else self.public_metrics
+        )
+
+    @property
+    def docs_public(self) -> bool:
+        return (self.auth_token_file is None) if self.public_docs is None else self.public_docs
 
     @property
     def group_name(self) -> str:
@@ -82,11 +124,17 @@ _HELP = {
     "snapshot_path": "durable directory snapshot file (restored at start-up)",
     "snapshot_interval": "seconds between periodic snapshots",
     "instance_timeout": "seconds without heartbeat before an instance's L1 is fenced",
-    "auth_token_file": "JSON token file enabling bearer-token auth (roles emit/lookup/admin)",
+    "auth_token_file": "JSON token file enabling bearer-token auth (docs/security.md)",
     "max_query_tokens": "largest lookup / blend-lookup query, in tokens",
     "max_batch_entries": "most entries in one POST /events body",
-    "max_body_bytes": "largest request body, in bytes",
+    "max_body_bytes": "largest request body, in bytes (default: derived from the two limits "
+    "above and --chunk-size, see docs/coordinator.md)",
     "log_level": "log level (debug, info, warning, error)",
+    "max_instances": "most registered instances, and most emitters the directory tracks",
+    "emitter_retention": "seconds after which an unregistered, silent emitter is forgotten "
+    "(its cursor and metric series)",
+    "public_metrics": "serve /metrics without a token (default: only when auth is off)",
+    "public_docs": "serve /docs and /openapi.json without a token (default: only when auth is off)",
 }
 
 

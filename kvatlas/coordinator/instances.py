@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvatlas.errors import Conflict
+
 
 @dataclass(frozen=True, slots=True)
 class Registration:
@@ -31,12 +33,14 @@ class Registration:
 @dataclass(frozen=True, slots=True)
 class InstanceRecord:
     """A registered instance; ``last_heartbeat`` is on the registry's (monotonic) clock,
-    ``registered_at`` is wall-clock time."""
+    ``registered_at`` is wall-clock time; ``cache_salts`` are the salts the registering token
+    may store for (``None``: any), i.e. the tenants whose nodes may fetch from this one."""
 
     instance_id: str
     registration: Registration
     registered_at: float
     last_heartbeat: float
+    cache_salts: frozenset[str] | None = None
 
 
 class InstanceRegistry:
@@ -45,23 +49,37 @@ class InstanceRegistry:
         timeout_s: float,
         on_fence: Callable[[str], object],
         clock: Callable[[], float] = time.monotonic,
+        max_instances: int | None = None,
     ) -> None:
         self.timeout_s = timeout_s
+        self.max_instances = max_instances
         self._on_fence = on_fence
         self._clock = clock
         self._lock = threading.Lock()
         self._records: dict[str, InstanceRecord] = {}
         self.expired_total = 0
 
-    def register(self, instance_id: str | None, registration: Registration) -> tuple[str, bool]:
-        """Returns ``(instance_id, re_registered)``; the coordinator assigns an id if none."""
+    def register(
+        self,
+        instance_id: str | None,
+        registration: Registration,
+        cache_salts: frozenset[str] | None = None,
+    ) -> tuple[str, bool]:
+        """Returns ``(instance_id, re_registered)``; the coordinator assigns an id if none.
+        A new instance beyond ``max_instances`` is refused (:class:`Conflict`, 409)."""
         now = self._clock()
         with self._lock:
             if not instance_id:
                 instance_id = f"inst-{uuid.uuid4().hex[:16]}"
             existing = self._records.get(instance_id)
+            cap = self.max_instances
+            if existing is None and cap is not None and len(self._records) >= cap:
+                raise Conflict(
+                    f"{len(self._records)} instances registered (--max-instances): "
+                    "deregister one first"
+                )
             self._records[instance_id] = InstanceRecord(
-                instance_id, registration, registered_at=time.time(), last_heartbeat=now
+                instance_id, registration, time.time(), now, cache_salts
             )
             return instance_id, existing is not None
 

@@ -8,6 +8,7 @@ path never pays for them. The directory gauges mirror the fields of ``GET /direc
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,6 +19,7 @@ from prometheus_client.registry import Collector
 from kvatlas.checks import is_plain_int
 from kvatlas.coordinator.views import MetricsState
 from kvatlas.coordinator.wire import directory_stats_to_wire
+from kvatlas.directory import Outcome
 
 _LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -122,4 +124,16 @@ class CoordinatorMetrics:
         self.stream_errors = Counter(
             "kvatlas_stream_errors", "Redis stream read/decode errors", ["kind"], registry=r
         )
+        self.stream_rejected = Counter(
+            "kvatlas_stream_rejected_entries",
+            "Redis stream entries refused by the gate checks (never applied), by reason",
+            ["reason"],
+            registry=r,
+        )
         r.register(_StateCollector(read_state))
+
+    def forget_instance(self, instance_id: str) -> None:
+        """Drop an instance's labelled series (it departed: cardinality must not grow)."""
+        for outcome in Outcome:
+            with contextlib.suppress(KeyError):  # never counted with this outcome
+                self.batches.remove(instance_id, outcome.value)

@@ -8,11 +8,14 @@ more than reading it. See docs/coordinator.md ("API").
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import msgspec
 import numpy as np
+import pydantic
 
 from kvatlas.coordinator._base64 import b64decode_strict
 from kvatlas.coordinator.instances import Registration
@@ -26,6 +29,9 @@ from kvatlas.events import (
 from kvatlas.keys import BlendNamespace, ObjectKey, TokenArray, as_token_array, check_instance_id
 
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+MAX_ADDRESS_CHARS = 256  # ip, p2p_advertised_url
+MAX_METADATA_BYTES = 16 * 1024  # registration metadata, as JSON
+_HOST_PORT = re.compile(r"(?:[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(?::(?P<port>[0-9]{1,5}))?")
 
 # ---------------------------------------------------------------------------- events
 
@@ -36,10 +42,20 @@ def decode_events(body: bytes, content_type: str, max_entries: int) -> list[Even
     media = content_type.split(";")[0].strip().lower()
     decode = decode_msgpack if media in MSGPACK_TYPES else decode_json
     batches = decode(body)  # an EventValidationError is the 422 reply itself (detail + field)
+    check_entry_count(batches, max_entries)
+    return batches
+
+
+def check_entry_count(batches: Sequence[EventBatch], max_entries: int) -> None:
+    """One request (or Redis stream entry) holds at most ``max_entries`` entries (413)."""
     entries = sum(len(b.entries) for b in batches)
     if entries > max_entries:
         raise PayloadTooLarge(f"{entries} entries exceed --max-batch-entries {max_entries}")
-    return batches
+
+
+def batch_salts(batches: Sequence[EventBatch]) -> set[str]:
+    """The cache salts of every key the batches carry (an emit token must hold them all)."""
+    return {entry.key.cache_salt for batch in batches for entry in batch.entries}
 
 
 # ---------------------------------------------------------------------------- query tokens
@@ -82,6 +98,39 @@ def query_tokens(
 
 
 # ---------------------------------------------------------------------------- prefix lookup
+
+
+def decode_lookup_body(raw: bytes) -> LookupRequest:
+    """``POST /directory/lookup``'s body (called on a worker thread: it may be large); a 422
+    names the first bad field as FastAPI's own validation would."""
+    try:
+        doc = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise field_errors(
+            [{"loc": (), "msg": f"JSON decode error: {exc}", "type": "json_invalid"}]
+        ) from None
+    try:  # validated from Python objects, as FastAPI does: the same messages as before
+        return LookupRequest.model_validate(doc)
+    except pydantic.ValidationError as exc:
+        raise field_errors(exc.errors(), ("body",)) from None
+
+
+def field_errors(
+    errors: Sequence[Mapping[str, Any]], prefix: tuple[str, ...] = ()
+) -> Unprocessable:
+    """A model's validation errors as one 422 whose ``detail`` names the first bad field
+    (``where: what``) and whose ``errors`` lists them all (``prefix`` leads every ``loc``)."""
+    listed = [
+        {
+            "loc": [*prefix, *e.get("loc", ())],
+            "msg": str(e.get("msg", "")),
+            "type": str(e.get("type", "")),
+        }
+        for e in errors
+    ]
+    first = listed[0] if listed else {"loc": [], "msg": "invalid request"}
+    where = ".".join(str(p) for p in first["loc"] if p != "body")
+    return Unprocessable(f"{where}: {first['msg']}" if where else str(first["msg"]), errors=listed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,13 +228,45 @@ def blend_query(body: BlendLookupBody, max_tokens: int) -> BlendQuery | None:
 
 def registration(body: RegisterRequest) -> tuple[str | None, Registration]:
     """The instance id asked for (``None``: the coordinator assigns one) and what the instance
-    says about itself."""
+    says about itself, each field within its size limit (``metadata`` 413, the rest 422)."""
     if body.instance_id is not None:
         try:
             check_instance_id(body.instance_id)
         except ValueError as exc:
             raise Unprocessable(str(exc)) from None
+    if len(body.ip) > MAX_ADDRESS_CHARS:
+        raise Unprocessable(f"ip must be at most {MAX_ADDRESS_CHARS} characters")
     metadata: dict[str, Any] = body.metadata
+    size = len(msgspec.json.encode(metadata))
+    if size > MAX_METADATA_BYTES:
+        raise PayloadTooLarge(f"metadata of {size} bytes (JSON) exceeds {MAX_METADATA_BYTES}")
     return body.instance_id, Registration(
-        body.ip, body.http_port, metadata, body.p2p_advertised_url, body.mq_port
+        body.ip, body.http_port, metadata, peer_url(body.p2p_advertised_url), body.mq_port
     )
+
+
+def peer_url(url: str | None) -> str | None:
+    """``p2p_advertised_url`` as other nodes will fetch KV from it: ``http(s)://host[:port]``,
+    or LMCache's ``host:port``, or empty. Anything else (another scheme, userinfo, a path,
+    query or fragment) is refused with 422: a URL is where peers send requests, so it must not
+    smuggle credentials or point into another service's API."""
+    if not url:
+        return url
+    if len(url) > MAX_ADDRESS_CHARS:
+        raise Unprocessable(f"p2p_advertised_url must be at most {MAX_ADDRESS_CHARS} characters")
+    scheme, has_scheme, rest = url.partition("://")
+    if not has_scheme:
+        scheme, rest = "", url
+    elif scheme.lower() not in ("http", "https"):
+        raise Unprocessable(f"p2p_advertised_url: scheme must be http or https, not {scheme!r}")
+    if "@" in rest:
+        raise Unprocessable("p2p_advertised_url must not carry userinfo (user:password@)")
+    match = _HOST_PORT.fullmatch(rest.removesuffix("/"))
+    if match is None:
+        raise Unprocessable(
+            "p2p_advertised_url must be http(s)://host[:port] (no path, query or fragment)"
+        )
+    port = match.group("port")
+    if port is not None and not 0 < int(port) <= 65535:
+        raise Unprocessable("p2p_advertised_url: port must be in 1..65535")
+    return url

@@ -52,6 +52,37 @@ class LookupRequest(BaseModel):
     object_group_id: int = 0
 
 
+def _inline_defs(schema: dict[str, Any]) -> dict[str, Any]:
+    """A pydantic schema with its ``$defs`` references replaced by the definitions (a request
+    body documented through ``openapi_extra`` has no components to refer to)."""
+    defs = schema.pop("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return walk(defs[ref.removeprefix("#/$defs/")])
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    inlined: dict[str, Any] = walk(schema)
+    return inlined
+
+
+LOOKUP_BODY_SCHEMA: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": _inline_defs(LookupRequest.model_json_schema())}
+        },
+    }
+}
+"""``POST /directory/lookup``'s body, documented here because the route parses it itself (on a
+worker thread: a lookup body may be large)."""
+
+
 class BlendLookupBody(msgspec.Struct):
     """The hot path's body: decoded by msgspec straight from bytes (no dict, no pydantic)."""
 

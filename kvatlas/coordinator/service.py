@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvatlas.auth import TokenAuth
+from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
 from kvatlas.coordinator.config import CoordinatorConfig
-from kvatlas.coordinator.instances import InstanceRegistry
+from kvatlas.coordinator.instances import InstanceRecord, InstanceRegistry, Registration
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.views import (
     NO_EMITTER,
@@ -43,7 +43,7 @@ from kvatlas.directory import (
     save_snapshot,
     warm_up_kernels,
 )
-from kvatlas.errors import Unprocessable
+from kvatlas.errors import Conflict, Forbidden, Unprocessable
 from kvatlas.events import EventBatch
 from kvatlas.keys import MM_BYPASS_GUARD, ObjectKey
 
@@ -64,8 +64,13 @@ class CoordinatorService:
             hash_chunks=lambda tokens, _chunk_size: scheme.chunk_hashes(tokens),
         )
         self.auth = TokenAuth.from_file(config.auth_token_file) if config.auth_token_file else None
-        self.instances = InstanceRegistry(config.instance_timeout, self._fence_expired, clock)
+        self.instances = InstanceRegistry(
+            config.instance_timeout, self._fence_expired, clock, config.max_instances
+        )
         self.metrics = CoordinatorMetrics(self.metrics_state)
+        self._clock = clock
+        self._last_emit: dict[str, float] = {}  # instance -> clock() of its last batch
+        self._next_departure_sweep = 0.0
         self.state = Readiness.RESTORING
         self.stream_position: str | None = None
         self.last_snapshot: SnapshotInfo | None = None
@@ -95,6 +100,7 @@ class CoordinatorService:
                 set_readiness=self._set_state,
                 stop=self._stop,
                 errors=self.metrics.stream_errors,
+                rejected=self.metrics.stream_rejected,
             )
             self._spawn("stream-consumer", consumer.run)
         else:
@@ -122,9 +128,15 @@ class CoordinatorService:
     # ------------------------------------------------------------------ ingestion
 
     def ingest(self, batches: Sequence[EventBatch]) -> IngestCounts:
-        """Apply decoded batches through the gate (each atomically) and account for them."""
+        """Apply decoded batches through the gate (each atomically) and account for them;
+        every transport comes through here, so every one gets :meth:`admit_emitters`."""
+        self.admit_emitters(batches)
         applied = duplicates = stale = 0
         now = time.time()
+        seen = self._clock()
+        with self._lag_lock:
+            for batch in batches:
+                self._last_emit[batch.instance_id] = seen
         for batch in batches:
             outcome = self.directory.consume(batch)
             self.metrics.batches.labels(batch.instance_id, outcome.value).inc()
@@ -139,6 +151,30 @@ class CoordinatorService:
             else:
                 stale += 1
         return IngestCounts(applied, duplicates, stale)
+
+    def admit_emitters(self, batches: Sequence[EventBatch]) -> None:
+        """Refuse the whole request before anything is applied when it would add an emitter
+        the directory does not track yet and (auth on) the instance is not registered
+        (:class:`Forbidden`; a sink retries after it registered), or there is no room under
+        ``--max-instances`` emitters (:class:`Conflict`). Known emitters pass: their cursor
+        exists already, so nothing grows (and a replay after a restart is not refused)."""
+        directory = self.directory
+        new = {b.instance_id for b in batches if directory.gap_state(b.instance_id) is None}
+        if not new:
+            return
+        if self.auth is not None:
+            for instance_id in sorted(new):
+                if not self.instances.known(instance_id):
+                    raise Forbidden(
+                        f"instance {instance_id!r} is not registered: register "
+                        "(POST /instances) before emitting"
+                    )
+        tracked = len(directory.emitters())
+        if tracked + len(new) > self.config.max_instances:
+            raise Conflict(
+                f"{tracked} emitters tracked; {len(new)} more would exceed --max-instances "
+                f"{self.config.max_instances}"
+            )
 
     # ------------------------------------------------------------------ lookups
 
@@ -181,6 +217,8 @@ class CoordinatorService:
         self.instances.deregister(instance_id)
         with self._lag_lock:
             self._lag.pop(instance_id, None)
+            if known:  # its metric series expire with the departed (forget_departed)
+                self._last_emit.setdefault(instance_id, self._clock())
         return Deregistration(instance_id, known, self.directory.deregister(instance_id))
 
     def _fence_expired(self, instance_id: str) -> None:
@@ -194,6 +232,36 @@ class CoordinatorService:
         period = min(1.0, self.config.instance_timeout / 4)
         while not self._stop.wait(period):
             self.instances.expire()
+            self.forget_departed()
+
+    def forget_departed(self) -> list[str]:
+        """Forget every instance that is not registered and sent no batch for
+        ``--emitter-retention`` seconds: its cursor (L1 fenced), lag and metric series, so
+        departed emitters cannot accumulate. Runs at most every ``retention / 8`` seconds;
+        returns the ids forgotten."""
+        now = self._clock()
+        retention = self.config.emitter_retention
+        if now < self._next_departure_sweep:
+            return []
+        self._next_departure_sweep = now + retention / 8
+        registered = {r.instance_id for r in self.instances.snapshot()[1]}
+        with self._lag_lock:
+            for instance_id in self.directory.emitters():  # e.g. restored from a snapshot
+                self._last_emit.setdefault(instance_id, now)
+            departed = [
+                i
+                for i, seen in self._last_emit.items()
+                if i not in registered and now - seen > retention
+            ]
+            for instance_id in departed:
+                del self._last_emit[instance_id]
+                self._lag.pop(instance_id, None)
+        for instance_id in departed:
+            self.directory.deregister(instance_id)
+            self.metrics.forget_instance(instance_id)
+        if departed:
+            log.info("forgot %d departed emitters (cursors, metric series)", len(departed))
+        return departed
 
     # ------------------------------------------------------------------ snapshots
 
@@ -259,10 +327,14 @@ class CoordinatorService:
             for inst, cursor in self.directory.emitters().items()
         }
 
-    def instances_view(self) -> list[InstanceView]:
+    def instances_view(self, who: Principal = ANONYMOUS_ADMIN) -> list[InstanceView]:
         """Registered instances and instances that emit without registration (allowed), by
-        instance id."""
+        instance id. A token bound to cache salts sees only its own instances in full and,
+        of the others, those registered for one of its salts with just what a peer needs
+        (id, liveness, ``p2p_advertised_url``): no metadata, addresses or cursors."""
         now, records = self.instances.snapshot()
+        if not who.sees_everything:
+            return self._scoped_instances(who, now, records)
         emitters = self.emitters_view()
         rows = [
             InstanceView(
@@ -275,6 +347,26 @@ class CoordinatorService:
             for r in records
         ]
         rows += [InstanceView(inst, None, None, None, e) for inst, e in emitters.items()]
+        rows.sort(key=lambda r: r.instance_id)
+        return rows
+
+    def _scoped_instances(
+        self, who: Principal, now: float, records: list[InstanceRecord]
+    ) -> list[InstanceView]:
+        own = who.instance_ids or frozenset()
+        salts = who.cache_salts or frozenset()
+        emitters = self.emitters_view() if own else {}
+        rows = []
+        for r in records:
+            age = round(now - r.last_heartbeat, 3)
+            if r.instance_id in own:
+                emitter = emitters.get(r.instance_id, NO_EMITTER)
+                rows.append(
+                    InstanceView(r.instance_id, r.registration, r.registered_at, age, emitter)
+                )
+            elif r.cache_salts is None or not r.cache_salts.isdisjoint(salts):
+                peer = Registration(p2p_advertised_url=r.registration.p2p_advertised_url)
+                rows.append(InstanceView(r.instance_id, peer, r.registered_at, age, NO_EMITTER))
         rows.sort(key=lambda r: r.instance_id)
         return rows
 

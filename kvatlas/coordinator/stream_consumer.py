@@ -22,13 +22,24 @@ from typing import Any
 from prometheus_client import Counter
 
 from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.query import check_entry_count
 from kvatlas.coordinator.views import Readiness
+from kvatlas.errors import Conflict, Forbidden, InvalidInput, KvatlasError
 from kvatlas.events import EventBatch, EventDecodeError, EventValidationError, decode_stream_fields
 
 log = logging.getLogger(__name__)
 
 READ_COUNT = 256
 BLOCK_MS = 500
+
+
+def rejection_reason(exc: KvatlasError) -> str:
+    """The ``reason`` label of a refused stream entry."""
+    if isinstance(exc, Forbidden):
+        return "unregistered"
+    if isinstance(exc, Conflict):
+        return "emitter_cap"
+    return "too_large" if exc.status == 413 else "invalid"
 
 
 class StreamConsumer:
@@ -38,7 +49,10 @@ class StreamConsumer:
     ``ingest`` applies decoded batches; ``on_position`` is told each entry id once the entry
     is applied (the snapshot records it); ``set_readiness(SERVING)`` is called once, when the
     consumer first reaches the end of the stream; ``errors`` counts failures by kind
-    (``redis``, ``decode``, ``internal``)."""
+    (``redis``, ``decode``, ``internal``). Every entry passes the checks a ``POST /events``
+    body passes (``--max-batch-entries``; the service's emitter admission inside ``ingest``):
+    a producer with stream access cannot do more than an emitter over HTTP. A refused entry
+    is counted in ``rejected`` by reason, acknowledged and never applied."""
 
     def __init__(
         self,
@@ -50,6 +64,7 @@ class StreamConsumer:
         set_readiness: Callable[[Readiness], None],
         stop: threading.Event,
         errors: Counter,
+        rejected: Counter,
     ) -> None:
         import redis
 
@@ -59,6 +74,8 @@ class StreamConsumer:
         self._set_readiness = set_readiness
         self._stop = stop
         self._errors = errors
+        self._rejected = rejected
+        self.max_entries = config.max_batch_entries
         self.position = position
         self.stream = config.event_stream
         self.group = config.group_name
@@ -68,6 +85,7 @@ class StreamConsumer:
         )
         self.applied_entries = 0
         self.bad_entries = 0
+        self.rejected_entries = 0
         self._caught_up = False
 
     def _prepare_group(self) -> None:
@@ -129,8 +147,15 @@ class StreamConsumer:
             self._errors.labels("decode").inc()
             log.error("stream entry %s rejected: %s", entry_id.decode(), exc)
         else:
-            self._ingest(batches)
-            self.applied_entries += 1
+            try:
+                check_entry_count(batches, self.max_entries)
+                self._ingest(batches)
+            except (InvalidInput, Forbidden, Conflict) as exc:
+                self.rejected_entries += 1
+                self._rejected.labels(rejection_reason(exc)).inc()
+                log.warning("stream entry %s refused: %s", entry_id.decode(), exc.detail)
+            else:
+                self.applied_entries += 1
         self.position = entry_id.decode()
         self._on_position(self.position)
         self.client.xack(self.stream, self.group, entry_id)

@@ -66,6 +66,8 @@ def stored(c: httpx.Client) -> dict[str, list[int]]:
     out = {}
     for salt in (SALT_A, SALT_B):
         em, tokens = Emitter(), fresh_tokens(1)
+        r = c.post("/instances", json={"instance_id": em.instance_id}, headers=_h(ADMIN))
+        assert r.status_code == 200, r.text  # with auth on, only registered instances emit
         r = c.post(
             "/events", json={"batches": [em.store_chunks(tokens, salt=salt)]}, headers=_h(ADMIN)
         )
@@ -109,7 +111,7 @@ def test_401_without_or_with_bad_token(c: httpx.Client, headers: dict[str, str])
 
 
 def test_open_endpoints_need_no_token(c: httpx.Client) -> None:
-    for path in ("/healthz", "/readyz", "/openapi.json", "/docs", "/metrics"):
+    for path in ("/healthz", "/readyz"):  # /metrics and the docs: test_security_exposure.py
         assert c.get(path).status_code == 200, path
 
 
@@ -165,6 +167,8 @@ def test_emit_token_cannot_blend_lookup_even_empty(c: httpx.Client) -> None:
 
 
 def test_unbound_emit_token_any_instance(c: httpx.Client) -> None:
+    r = c.post("/instances", json={"instance_id": "node-z"}, headers=_h(EMIT_ANY))
+    assert r.status_code == 200, r.text
     r = c.post("/events", json={"batches": [wire_batch("node-z", 1, 1)]}, headers=_h(EMIT_ANY))
     assert r.status_code == 200, r.text
 
@@ -231,12 +235,15 @@ def test_lookup_token_bound_to_salt(c: httpx.Client, stored: dict[str, list[int]
 
 def test_lookup_token_can_read_stats_and_instances(c: httpx.Client) -> None:
     for token in (LOOKUP_A, LOOKUP_ALL):
-        assert c.get("/directory/stats", headers=_h(token)).status_code == 200
         assert c.get("/instances", headers=_h(token)).status_code == 200
+    assert c.get("/directory/stats", headers=_h(LOOKUP_ALL)).status_code == 200
+    # global figures are every tenant's: not for a salt-bound token (test_security_exposure)
+    assert c.get("/directory/stats", headers=_h(LOOKUP_A)).status_code == 403
 
 
 def test_admin_can_do_everything(c: httpx.Client, stored: dict[str, list[int]]) -> None:
     h = _h(ADMIN)
+    assert c.post("/instances", json={"instance_id": "node-admin"}, headers=h).status_code == 200
     for method, path, body in _requests("node-admin"):
         r = c.request(method, path, json=body, headers=h)
         assert r.status_code == 200, (method, path, r.status_code, r.text)

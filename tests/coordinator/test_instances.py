@@ -48,7 +48,7 @@ def test_register_again_is_re_registered_and_ignores_unknown_fields(client: http
         "ip": "10.0.0.3",
         "http_port": 8080,
         "metadata": {"model": "m", "gpu": 0},
-        "p2p_advertised_url": "tcp://10.0.0.3:9000",
+        "p2p_advertised_url": "http://10.0.0.3:9000",
         "mq_port": 5555,
         "lmcache_future_field": {"x": [1, 2]},
         "another": 5,
@@ -62,7 +62,7 @@ def test_register_again_is_re_registered_and_ignores_unknown_fields(client: http
     assert row["ip"] == "10.0.0.3"
     assert row["http_port"] == 8080
     assert row["metadata"] == {"model": "m", "gpu": 0}
-    assert row["p2p_advertised_url"] == "tcp://10.0.0.3:9000"
+    assert row["p2p_advertised_url"] == "http://10.0.0.3:9000"
     assert row["mq_port"] == 5555
     assert row["alive"] is True
     assert "lmcache_future_field" not in row

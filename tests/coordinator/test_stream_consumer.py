@@ -40,6 +40,7 @@ def test_consumer_applies_reports_and_becomes_ready() -> None:
     stop = threading.Event()
     registry = CollectorRegistry()
     errors = Counter("errors", "stream errors", ["kind"], registry=registry)
+    rejected = Counter("rejected", "stream entries refused", ["reason"], registry=registry)
 
     def ingest(batches: Sequence[EventBatch]) -> None:
         log.append(("ingest", [b.seq for b in batches]))
@@ -58,6 +59,7 @@ def test_consumer_applies_reports_and_becomes_ready() -> None:
         set_readiness=set_readiness,
         stop=stop,
         errors=errors,
+        rejected=rejected,
     )
     consumer.client = FakeRedis([[("s", [(b"6-0", good), (b"7-0", bad)])]], log)  # type: ignore[assignment]
     thread = threading.Thread(target=consumer.run)

@@ -1,6 +1,7 @@
 """What a route may ask FastAPI for: the service (the typed context every route works on), the
-blend-lookup handler, and the caller (:class:`~kvatlas.auth.Principal`; 401 when
-auth is on and the bearer token is missing or unknown).
+blend-lookup handler, and the caller (:class:`~kvatlas.auth.Principal`, found from the
+headers by ``asgi.Authenticate`` before the body was read; 401 when auth is on and the bearer
+token is missing or unknown).
 
 ``app.py`` puts the service and the handler on ``app.state`` (``service``, ``blend_lookup``).
 All are ``async``: a sync dependency would cost every request a thread-pool round trip.
@@ -12,7 +13,8 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from kvatlas.auth import ANONYMOUS_ADMIN, Principal
+from kvatlas.auth import Principal
+from kvatlas.coordinator.asgi import principal_of
 from kvatlas.coordinator.blend_lookup import BlendLookup
 from kvatlas.coordinator.service import CoordinatorService
 
@@ -28,11 +30,7 @@ async def _blend(request: Request) -> BlendLookup:
 
 
 async def _principal(request: Request) -> Principal:
-    auth = request.app.state.service.auth
-    if auth is None:
-        return ANONYMOUS_ADMIN
-    who: Principal = auth.authenticate(request.headers.get("authorization"))
-    return who
+    return principal_of(request.scope, request.app.state.service.auth)
 
 
 Service = Annotated[CoordinatorService, Depends(_service)]

@@ -12,20 +12,27 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from kvatlas.coordinator.blend_lookup import BLEND_HEADER, blend_header_value
-from kvatlas.coordinator.query import KeysQuery, lookup_query
+from kvatlas.coordinator.query import KeysQuery, decode_lookup_body, lookup_query
 from kvatlas.coordinator.routes.deps import Blend, Caller, Service
-from kvatlas.coordinator.schemas import BLEND_LOOKUP_BODY_SCHEMA, LookupRequest
+from kvatlas.coordinator.schemas import BLEND_LOOKUP_BODY_SCHEMA, LOOKUP_BODY_SCHEMA
 from kvatlas.coordinator.wire import key_page_to_wire, lookup_to_wire, stats_to_wire
+from kvatlas.errors import Forbidden
 from kvatlas.web import MsgspecJSONResponse
 
 router = APIRouter()
 
 
-@router.post("/directory/lookup", summary="Prefix lookup by keys or by tokens")
-async def lookup(body: LookupRequest, service: Service, who: Caller) -> Response:
+@router.post(
+    "/directory/lookup",
+    summary="Prefix lookup by keys or by tokens",
+    openapi_extra=LOOKUP_BODY_SCHEMA,
+)
+async def lookup(request: Request, service: Service, who: Caller) -> Response:
     who.require("lookup")
     started = time.perf_counter()
-    query = lookup_query(body, service.config.max_query_tokens)
+    # A body may be ~100 MB: it is parsed on a worker thread, never on the event loop.
+    body = await run_in_threadpool(decode_lookup_body, await request.body())
+    query = await run_in_threadpool(lookup_query, body, service.config.max_query_tokens)
     who.require_salts(query.salts)
     if isinstance(query, KeysQuery):
         found = await run_in_threadpool(service.lookup_keys, query.keys)
@@ -58,6 +65,10 @@ async def blend_lookup(request: Request, blend: Blend, who: Caller) -> Response:
 @router.get("/directory/stats", summary="Directory statistics")
 async def stats(service: Service, who: Caller) -> Response:
     who.require("lookup")
+    if not who.sees_everything:  # per-salt figures are not kept (docs/security.md)
+        raise Forbidden(
+            "directory statistics cover every tenant: needs a token not bound to cache_salts"
+        )
     return MsgspecJSONResponse(stats_to_wire(await run_in_threadpool(service.stats)))
 
 

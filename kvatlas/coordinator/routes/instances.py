@@ -1,5 +1,6 @@
 """Instance routes: register, heartbeat, deregister (fences L1, forgets the cursor) and the
-listing with liveness, cursors, gaps and lag. See docs/coordinator.md.
+listing with liveness, cursors, gaps and lag (scoped to the caller's tenants when its token is
+bound to cache salts). See docs/coordinator.md and docs/security.md.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ router = APIRouter()
 async def register(body: RegisterRequest, service: Service, who: Caller) -> Response:
     who.require_instance(body.instance_id)
     asked, fields = registration(body)
-    instance_id, again = service.instances.register(asked, fields)
+    salts = None if who.is_admin else who.cache_salts
+    instance_id, again = service.instances.register(asked, fields, salts)
     return MsgspecJSONResponse(registered_to_wire(instance_id, again))
 
 
@@ -49,4 +51,4 @@ async def deregister(instance_id: str, service: Service, who: Caller) -> Respons
 @router.get("/instances", summary="Instances with liveness, cursors, gaps and lag")
 async def instances(service: Service, who: Caller) -> Response:
     who.require("lookup", "emit")
-    return MsgspecJSONResponse(instances_to_wire(service.instances_view()))
+    return MsgspecJSONResponse(instances_to_wire(service.instances_view(who)))
