@@ -7,7 +7,10 @@ in docs/coordinator.md; ``kvatlas coordinator --help`` prints it.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
+import os
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +34,8 @@ class CoordinatorConfig:
     redis_url: str | None = None
     event_stream: str = "kvatlas:events"
     consumer_group: str | None = None
+    replica_id: str | None = None
+    consumer_heartbeat: float = 10.0
     snapshot_path: Path | None = None
     snapshot_interval: float = 60.0
     instance_timeout: float = 30.0
@@ -53,7 +58,7 @@ class CoordinatorConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.port > 65535:
             raise ValueError("--port must be <= 65535")
-        for name in ("snapshot_interval", "instance_timeout"):
+        for name in ("snapshot_interval", "instance_timeout", "consumer_heartbeat"):
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0")
@@ -63,9 +68,20 @@ class CoordinatorConfig:
         return KeyScheme(self.hash_scheme, self.chunk_size)
 
     @property
+    def resolved_replica_id(self) -> str:
+        """``--replica-id``, else this host's name and a hash of the snapshot path: stable
+        across restarts, distinct across hosts, never derived from the bind address."""
+        return self.replica_id or default_replica_id(socket.gethostname(), self.snapshot_path)
+
+    @property
     def group_name(self) -> str:
         """Each replica needs its own consumer group to build the full view."""
-        return self.consumer_group or f"kvatlas-coordinator-{self.host}-{self.port}"
+        return self.consumer_group or f"kvatlas-{self.resolved_replica_id}"
+
+
+def default_replica_id(hostname: str, snapshot_path: Path | None) -> str:
+    where = "" if snapshot_path is None else os.path.abspath(snapshot_path)
+    return f"{hostname}-{hashlib.sha256(where.encode()).hexdigest()[:12]}"
 
 
 _HELP = {
@@ -78,7 +94,10 @@ _HELP = {
     "event_transport": "how events arrive: http (POST /events) or redis (Redis Streams)",
     "redis_url": "Redis URL for the redis transport, e.g. redis://127.0.0.1:6379/0",
     "event_stream": "Redis Stream name carrying event batches",
-    "consumer_group": "Redis consumer group (default: one per host:port, i.e. per replica)",
+    "consumer_group": "Redis consumer group (default: kvatlas-<replica id>, one per replica)",
+    "replica_id": "this replica's id (default: host name + hash of the snapshot path)",
+    "consumer_heartbeat": "seconds: a live replica's consumer talks to Redis several times "
+    "within it; start-up refuses a group with a consumer seen within it",
     "snapshot_path": "durable directory snapshot file (restored at start-up)",
     "snapshot_interval": "seconds between periodic snapshots",
     "instance_timeout": "seconds without heartbeat before an instance's L1 is fenced",
