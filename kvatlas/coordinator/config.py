@@ -96,8 +96,9 @@ _HELP = {
     "event_stream": "Redis Stream name carrying event batches",
     "consumer_group": "Redis consumer group (default: kvatlas-<replica id>, one per replica)",
     "replica_id": "this replica's id (default: host name + hash of the snapshot path)",
-    "consumer_heartbeat": "seconds: a live replica's consumer talks to Redis several times "
-    "within it; start-up refuses a group with a consumer seen within it",
+    "consumer_heartbeat": "seconds: a replica's consumer shows itself to Redis several times per "
+    "interval; start-up refuses a group whose consumer is seen again within it (a live twin) "
+    "and takes over one idle past it (a crashed replica's)",
     "snapshot_path": "durable directory snapshot file (restored at start-up)",
     "snapshot_interval": "seconds between periodic snapshots",
     "instance_timeout": "seconds without heartbeat before an instance's L1 is fenced",

@@ -124,6 +124,11 @@ class BackgroundServer:
         sock, self._lock = claim_replica(self.config)
         try:
             self.service.start()
+        except BaseException:  # nothing to snapshot: it never started
+            sock.close()
+            self._release()
+            raise
+        try:
             self._http.start(timeout, sock)
         except BaseException:
             self.stop()
@@ -133,6 +138,9 @@ class BackgroundServer:
     def stop(self) -> None:
         self._http.stop()
         self.service.stop()
+        self._release()
+
+    def _release(self) -> None:
         if self._lock is not None:
             self._lock.close()
             self._lock = None
@@ -150,7 +158,8 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     # lets one request's Python work stall the others' responses (p99). 1 ms keeps them fair.
     sys.setswitchinterval(0.001)
     announce_security(config)
-    log.info("replica %s, consumer group %s", config.resolved_replica_id, config.group_name)
+    if config.event_transport == "redis":
+        log.info("replica %s, consumer group %s", config.resolved_replica_id, config.group_name)
     # Claim the port, the snapshot file and the consumer group before restoring, joining the
     # group or serving: a second coordinator with the same flags or replica id must not take
     # batches from the live one nor overwrite its snapshot on the way out (docs/coordinator.md).
