@@ -66,18 +66,16 @@ def test_group_name_comes_from_the_replica_id(
         and a.group_name == f"kvatlas-{a.resolved_replica_id}"
     )
     # stable across restarts and bind addresses; a relative path names the same file
-    assert CoordinatorConfig(
-        host="0.0.0.0", port=9400, snapshot_path=Path("a.snap")
-    ).group_name == (a.group_name)
+    same_file = CoordinatorConfig(host="0.0.0.0", port=9400, snapshot_path=Path("a.snap"))
+    assert same_file.group_name == a.group_name
     # two replicas on one host with their own snapshot files are two replicas
     assert CoordinatorConfig(snapshot_path=tmp_path / "b.snap").group_name != a.group_name
     explicit = CoordinatorConfig(replica_id="r1", snapshot_path=tmp_path / "a.snap")
     assert (explicit.resolved_replica_id, explicit.group_name) == ("r1", "kvatlas-r1")
     assert CoordinatorConfig(replica_id="r1", consumer_group="g").group_name == "g"
     assert parse_config([], {"KVATLAS_REPLICA_ID": "r9"}).group_name == "kvatlas-r9"
-    assert parse_config(["--replica-id", "r8"], {"KVATLAS_REPLICA_ID": "r9"}).group_name == (
-        "kvatlas-r8"
-    )
+    flag_wins = parse_config(["--replica-id", "r8"], {"KVATLAS_REPLICA_ID": "r9"})
+    assert flag_wins.group_name == "kvatlas-r8"
     assert parse_config(["--consumer-heartbeat", "2.5"]).consumer_heartbeat == 2.5
     with pytest.raises(ValueError, match="consumer-heartbeat"):
         CoordinatorConfig(consumer_heartbeat=0)
