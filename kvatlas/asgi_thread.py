@@ -98,9 +98,13 @@ class ThreadedServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 20.0) -> None:
+    def start(self, timeout: float = 20.0, sock: socket.socket | None = None) -> None:
+        """Serve in a daemon thread (on ``sock`` from :func:`bind_listener` when given)."""
         self._thread = threading.Thread(
-            target=self._server.run, name=f"kvatlas-{self.name}", daemon=True
+            target=self._server.run,
+            kwargs={} if sock is None else {"sockets": [sock]},
+            name=f"kvatlas-{self.name}",
+            daemon=True,
         )
         self._thread.start()
         deadline = time.monotonic() + timeout

@@ -7,7 +7,10 @@ in docs/coordinator.md; ``kvatlas coordinator --help`` prints it.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
+import os
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +52,8 @@ class CoordinatorConfig:
     redis_url: str | None = None
     event_stream: str = "kvatlas:events"
     consumer_group: str | None = None
+    replica_id: str | None = None
+    consumer_heartbeat: float = 10.0
     snapshot_path: Path | None = None
     snapshot_interval: float = 60.0
     instance_timeout: float = 30.0
@@ -77,7 +82,12 @@ class CoordinatorConfig:
             raise ValueError("--port must be <= 65535")
         if self.max_body_bytes is not None and self.max_body_bytes < 1:
             raise ValueError("--max-body-bytes must be >= 1")
-        for name in ("snapshot_interval", "instance_timeout", "emitter_retention"):
+        for name in (
+            "snapshot_interval",
+            "instance_timeout",
+            "emitter_retention",
+            "consumer_heartbeat",
+        ):
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0")
@@ -105,9 +115,20 @@ class CoordinatorConfig:
         return (self.auth_token_file is None) if self.public_docs is None else self.public_docs
 
     @property
+    def resolved_replica_id(self) -> str:
+        """``--replica-id``, else this host's name and a hash of the snapshot path: stable
+        across restarts, distinct across hosts, never derived from the bind address."""
+        return self.replica_id or default_replica_id(socket.gethostname(), self.snapshot_path)
+
+    @property
     def group_name(self) -> str:
         """Each replica needs its own consumer group to build the full view."""
-        return self.consumer_group or f"kvatlas-coordinator-{self.host}-{self.port}"
+        return self.consumer_group or f"kvatlas-{self.resolved_replica_id}"
+
+
+def default_replica_id(hostname: str, snapshot_path: Path | None) -> str:
+    where = "" if snapshot_path is None else os.path.abspath(snapshot_path)
+    return f"{hostname}-{hashlib.sha256(where.encode()).hexdigest()[:12]}"
 
 
 _HELP = {
@@ -120,7 +141,11 @@ _HELP = {
     "event_transport": "how events arrive: http (POST /events) or redis (Redis Streams)",
     "redis_url": "Redis URL for the redis transport, e.g. redis://127.0.0.1:6379/0",
     "event_stream": "Redis Stream name carrying event batches",
-    "consumer_group": "Redis consumer group (default: one per host:port, i.e. per replica)",
+    "consumer_group": "Redis consumer group (default: kvatlas-<replica id>, one per replica)",
+    "replica_id": "this replica's id (default: host name + hash of the snapshot path)",
+    "consumer_heartbeat": "seconds: a replica's consumer shows itself to Redis several times per "
+    "interval; start-up refuses a group whose consumer is seen again within it (a live twin) "
+    "and takes over one idle past it (a crashed replica's)",
     "snapshot_path": "durable directory snapshot file (restored at start-up)",
     "snapshot_interval": "seconds between periodic snapshots",
     "instance_timeout": "seconds without heartbeat before an instance's L1 is fenced",

@@ -11,6 +11,7 @@ import fcntl
 import gc
 import ipaddress
 import logging
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -21,9 +22,16 @@ from kvatlas.asgi_thread import ThreadedServer, bind_listener, free_port, serve
 from kvatlas.coordinator.app import create_app
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.errors import KvatlasError
 from kvatlas.logs import configure_logging
 
-__all__ = ["BackgroundServer", "announce_security", "free_port", "run_coordinator"]
+__all__ = [
+    "BackgroundServer",
+    "announce_security",
+    "claim_replica",
+    "free_port",
+    "run_coordinator",
+]
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +75,34 @@ def lock_snapshot_path(path: Path) -> IO[str]:
     return handle
 
 
+def claim_replica(config: CoordinatorConfig) -> tuple[socket.socket, IO[str] | None]:
+    """Before any start-up work: bind the port, lock the snapshot path and (Redis transport)
+    check that no live replica consumes this replica's group, so a second coordinator with the
+    same flags or replica id stops before it restores, joins the group or writes a snapshot.
+    Returns the listening socket and the held lock; raises :class:`OSError` (port, lock),
+    :class:`~kvatlas.errors.Conflict` (group held) or :class:`~kvatlas.errors.Unavailable`
+    (Redis cannot tell), having released what it took."""
+    sock = bind_listener(config.host, config.port)
+    lock = None
+    try:
+        if config.snapshot_path is not None:
+            lock = lock_snapshot_path(config.snapshot_path)
+        if config.event_transport == "redis":
+            from kvatlas.coordinator.stream_consumer import refuse_held_group
+
+            refuse_held_group(config)
+    except BaseException:
+        sock.close()
+        if lock is not None:
+            lock.close()
+        raise
+    return sock, lock
+
+
 class BackgroundServer:
-    """The coordinator (service + HTTP) in this process, served in a daemon thread."""
+    """The coordinator (service + HTTP) in this process, served in a daemon thread. It claims
+    its port, snapshot lock and consumer group like ``kvatlas coordinator`` does
+    (:func:`claim_replica`), and releases them on :meth:`stop`."""
 
     def __init__(
         self, config: CoordinatorConfig, clock: Callable[[], float] = time.monotonic
@@ -80,19 +114,36 @@ class BackgroundServer:
         self._http = ThreadedServer(
             self.app, port=config.port, host=config.host, name="coordinator"
         )
+        self._lock: IO[str] | None = None
 
     @property
     def url(self) -> str:
         return self._http.url
 
     def start(self, timeout: float = 20.0) -> BackgroundServer:
-        self.service.start()
-        self._http.start(timeout)
+        sock, self._lock = claim_replica(self.config)
+        try:
+            self.service.start()
+        except BaseException:  # nothing to snapshot: it never started
+            sock.close()
+            self._release()
+            raise
+        try:
+            self._http.start(timeout, sock)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def stop(self) -> None:
         self._http.stop()
         self.service.stop()
+        self._release()
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     def __enter__(self) -> BackgroundServer:
         return self.start()
@@ -107,26 +158,26 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     # lets one request's Python work stall the others' responses (p99). 1 ms keeps them fair.
     sys.setswitchinterval(0.001)
     announce_security(config)
-    # Claim the port and the snapshot file before restoring, joining the Redis consumer group
-    # or serving: a second coordinator with the same flags must not take batches from the live
-    # one nor overwrite its snapshot on the way out (docs/coordinator.md).
+    if config.event_transport == "redis":
+        log.info("replica %s, consumer group %s", config.resolved_replica_id, config.group_name)
+    # Claim the port, the snapshot file and the consumer group before restoring, joining the
+    # group or serving: a second coordinator with the same flags or replica id must not take
+    # batches from the live one nor overwrite its snapshot on the way out (docs/coordinator.md).
     try:
-        sock = bind_listener(config.host, config.port)
+        sock, lock = claim_replica(config)
     except OSError as exc:
-        log.error("%s; is another coordinator running? not starting", exc.strerror)
+        log.error("%s; is another coordinator running? not starting", exc.strerror or exc)
         return 1
-    try:
-        lock = None if config.snapshot_path is None else lock_snapshot_path(config.snapshot_path)
-    except OSError as exc:
-        sock.close()
-        log.error("%s; not starting", exc.strerror)
+    except KvatlasError as exc:
+        log.error("%s; not starting", exc)
         return 1
     service = CoordinatorService(config)
     service.start()
     log.info(
-        "kvatlas coordinator on http://%s:%d (scheme %s/%d, blend %s, transport %s)",
+        "kvatlas coordinator on http://%s:%d (scheme %s/%d, blend %s, transport %s, replica %s)",
         config.host, config.port, config.hash_scheme, config.chunk_size,
         "on" if config.enable_blend_lookup else "off", config.event_transport,
+        config.resolved_replica_id,
     )  # fmt: skip
     app = create_app(service)
     # Everything allocated so far (framework, routes, compiled kernels) lives for the whole

@@ -384,11 +384,14 @@ class CoordinatorService:
         )
 
     def health(self) -> HealthView:
+        redis = self.config.event_transport == "redis"
         return HealthView(
             self.state,
             self.scheme,
             self.directory.blend_enabled,
             self.config.event_transport,
             self.stream_position,
-            self.config.event_stream if self.config.event_transport == "redis" else None,
+            self.config.event_stream if redis else None,
+            self.config.resolved_replica_id,
+            self.config.group_name if redis else None,
         )

@@ -7,6 +7,13 @@ a crash come back too, and the gate drops them as duplicates. Nothing is lost, n
 applied twice. Each coordinator replica uses its own group and so builds the full view. See
 docs/coordinator.md ("Durability and transports").
 
+One live consumer per group: a replica's consumer shows itself to Redis
+``TOUCHES_PER_HEARTBEAT`` times per ``--consumer-heartbeat``, and a replica refuses to join a
+group whose consumer is seen again while it watches (:func:`ensure_group_free`, at start-up
+and again just before joining). A consumer idle past the heartbeat is a crashed replica's: it
+is removed on joining. A clean stop removes its own consumer (the group's position, not the
+consumer, carries the progress), so a restart never waits.
+
 The consumer knows nothing of the service that runs it: it is handed an ingest function, a
 callback for the last applied stream id, a readiness setter and a stop event.
 """
@@ -14,8 +21,12 @@ callback for the last applied stream id, a readiness setter and a stop event.
 from __future__ import annotations
 
 import logging
+import math
+import os
+import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,13 +35,113 @@ from prometheus_client import Counter
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.query import check_entry_count
 from kvatlas.coordinator.views import Readiness
-from kvatlas.errors import Conflict, Forbidden, InvalidInput, KvatlasError
+from kvatlas.errors import Conflict, Forbidden, InvalidInput, KvatlasError, Unavailable
 from kvatlas.events import EventBatch, EventDecodeError, EventValidationError, decode_stream_fields
 
 log = logging.getLogger(__name__)
 
 READ_COUNT = 256
 BLOCK_MS = 500
+TOUCHES_PER_HEARTBEAT = 4
+"""A live consumer shows itself to Redis this often per heartbeat, idle stream or busy: a
+read of its own pending entries (``XREADGROUP ... 0``), which refreshes the consumer's idle
+time on every Redis version (a blocking read that returns nothing does not before 7.2). Its
+blocking read waits at most one such period, and a long apply stops to show itself too."""
+
+
+_CLOCK_SLACK_MS = 5
+"""Rounding between Redis's clock and its idle times (both in ms): a consumer whose last-seen
+time moved by more than this was seen again."""
+
+
+class GroupHeld(Conflict):
+    """Another live replica consumes the group this replica would join."""
+
+
+def group_consumers(client: Any, stream: str, group: str) -> list[tuple[str, int]]:
+    """``(name, idle ms)`` of each consumer of ``group`` (none when group or stream is new)."""
+    return _observe(client, stream, group)[1]
+
+
+def _observe(client: Any, stream: str, group: str) -> tuple[int, list[tuple[str, int]]]:
+    """Redis's clock (ms) and each consumer's ``(name, idle ms)``, read in one transaction so
+    that ``clock - idle`` is the time Redis last saw the consumer."""
+    import redis
+
+    pipe = client.pipeline(transaction=True)
+    pipe.time()
+    pipe.xinfo_consumers(stream, group)
+    try:
+        (seconds, micros), rows = pipe.execute()
+    except redis.ResponseError as exc:
+        if "NOGROUP" in str(exc) or "no such key" in str(exc):
+            return 0, []
+        raise
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    return now_ms, [(_text(row["name"]), int(row["idle"])) for row in rows]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def ensure_group_free(
+    client: Any,
+    stream: str,
+    group: str,
+    heartbeat_s: float,
+    *,
+    own: str | None = None,
+    sleep: Callable[[float], object] = time.sleep,
+) -> None:
+    """Return once no consumer of ``group`` but ``own`` is live; :class:`GroupHeld`, naming
+    the group and the consumer, when one is.
+
+    A consumer idle past ``heartbeat_s`` is dead. One seen within it is watched (a poll every
+    tenth of the heartbeat): seen again, it is live (a replica shows itself several times per
+    heartbeat); idle past the heartbeat without being seen, it was a crashed replica, whose
+    successor may take the group over — at most one heartbeat after the crash."""
+    limit_ms = heartbeat_s * 1000
+    first_seen: dict[str, int] = {}
+    while True:
+        now_ms, rows = _observe(client, stream, group)
+        recent = {name: now_ms - idle for name, idle in rows if name != own and idle < limit_ms}
+        if not recent:
+            return
+        if recent.keys() - first_seen.keys():
+            log.info(
+                "consumer(s) %s of group %s seen within the heartbeat: watching whether they "
+                "are alive (up to %g s)", ", ".join(sorted(recent)), group, heartbeat_s,
+            )  # fmt: skip
+        for name, seen_ms in recent.items():
+            if seen_ms > first_seen.setdefault(name, seen_ms) + _CLOCK_SLACK_MS:
+                raise GroupHeld(
+                    f"consumer group {group!r} on stream {stream!r} is held by live consumer "
+                    f"{name!r} (it keeps reading, within --consumer-heartbeat {heartbeat_s:g} "
+                    "s): another replica with this replica id is running; give each replica "
+                    "its own --replica-id",
+                    group=group,
+                    consumer=name,
+                )
+        sleep(heartbeat_s / 10)
+
+
+def refuse_held_group(config: CoordinatorConfig) -> None:
+    """The start-up check, before restoring or consuming: :class:`GroupHeld` when another
+    live replica consumes ``config.group_name``; :class:`Unavailable` when Redis cannot tell."""
+    import redis
+
+    client = redis.Redis.from_url(
+        config.redis_url or "", socket_timeout=5, socket_connect_timeout=5
+    )
+    try:
+        ensure_group_free(client, config.event_stream, config.group_name, config.consumer_heartbeat)
+    except redis.RedisError as exc:
+        raise Unavailable(
+            f"cannot check that consumer group {config.group_name!r} is free: redis: {exc}"
+        ) from exc
+    finally:
+        client.close()
 
 
 def rejection_reason(exc: KvatlasError) -> str:
@@ -49,10 +160,12 @@ class StreamConsumer:
     ``ingest`` applies decoded batches; ``on_position`` is told each entry id once the entry
     is applied (the snapshot records it); ``set_readiness(SERVING)`` is called once, when the
     consumer first reaches the end of the stream; ``errors`` counts failures by kind
-    (``redis``, ``decode``, ``internal``). Every entry passes the checks a ``POST /events``
-    body passes (``--max-batch-entries``; the service's emitter admission inside ``ingest``):
-    a producer with stream access cannot do more than an emitter over HTTP. A refused entry
-    is counted in ``rejected`` by reason, acknowledged and never applied."""
+    (``redis``, ``decode``, ``internal``, ``group_held``: another live replica joined the group
+    first, and this one stops consuming rather than share it). Every entry passes the checks a
+    ``POST /events`` body passes (``--max-batch-entries``; the service's emitter admission
+    inside ``ingest``): a producer with stream access cannot do more than an emitter over
+    HTTP. A refused entry is counted in ``rejected`` by reason, acknowledged and never
+    applied."""
 
     def __init__(
         self,
@@ -79,17 +192,27 @@ class StreamConsumer:
         self.position = position
         self.stream = config.event_stream
         self.group = config.group_name
-        self.consumer = f"{socket.gethostname()}-{config.port}"
+        self.heartbeat_s = config.consumer_heartbeat
+        self._touch_s = config.consumer_heartbeat / TOUCHES_PER_HEARTBEAT
+        self._block_ms = max(1, min(BLOCK_MS, int(self._touch_s * 1000)))
+        # One name per process run: a second replica with this group is never taken for us.
+        self.consumer = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.client = redis.Redis.from_url(
-            config.redis_url or "", socket_timeout=BLOCK_MS / 1000 + 5, socket_connect_timeout=5
+            config.redis_url or "",
+            socket_timeout=self._block_ms / 1000 + 5,
+            socket_connect_timeout=5,
         )
         self.applied_entries = 0
         self.bad_entries = 0
         self.rejected_entries = 0
         self._caught_up = False
+        self._shown_at = -math.inf
 
     def _prepare_group(self) -> None:
-        """Create the group, or rewind it, to the last applied position ("0" = everything)."""
+        """Create the group, or rewind it, to the last applied position ("0" = everything);
+        :class:`GroupHeld` if another live replica consumes it; dead consumers are removed
+        (what they read unacknowledged lies after the rewound position: it comes again)."""
+        ensure_group_free(self.client, self.stream, self.group, self.heartbeat_s, own=self.consumer)
         start = self.position or "0"
         try:
             self.client.xgroup_create(self.stream, self.group, id=start, mkstream=True)
@@ -97,23 +220,35 @@ class StreamConsumer:
             if "BUSYGROUP" not in str(exc):
                 raise
             self.client.xgroup_setid(self.stream, self.group, id=start)
-        log.info("consuming %s as group %s from %s", self.stream, self.group, start)
+        self._show_alive(now=True)  # from here on this replica holds the group
+        for name, idle_ms in group_consumers(self.client, self.stream, self.group):
+            if name != self.consumer and idle_ms >= self.heartbeat_s * 1000:
+                self.client.xgroup_delconsumer(self.stream, self.group, name)
+                log.info("removed dead consumer %s (idle %d ms) of %s", name, idle_ms, self.group)
+        log.info(
+            "consuming %s as group %s (consumer %s) from %s",
+            self.stream, self.group, self.consumer, start,
+        )  # fmt: skip
 
     def run(self) -> None:
         backoff = 0.2
-        prepared = False
+        prepared = joined = False
         stop = self._stop
         while not stop.is_set():
             try:
                 if not prepared:
                     self._prepare_group()
-                    prepared = True
+                    prepared = joined = True
                 caught_up = self._read_once()
                 if caught_up and not self._caught_up:
                     self._caught_up = True
                     self._set_readiness(Readiness.SERVING)
                     log.info("caught up with %s at %s", self.stream, self.position)
                 backoff = 0.2
+            except GroupHeld as exc:  # joined by another replica while this one restored
+                self._errors.labels("group_held").inc()
+                log.error("not consuming: %s", exc)
+                return
             except self._redis_mod.RedisError as exc:
                 self._errors.labels("redis").inc()
                 log.warning("redis stream unavailable (%s); retrying in %.1f s", exc, backoff)
@@ -125,17 +260,34 @@ class StreamConsumer:
                 self._errors.labels("internal").inc()
                 log.exception("stream consumer error; retrying")
                 stop.wait(backoff)
+        if joined:
+            self._leave()
+
+    def _leave(self) -> None:
+        """A clean stop removes this consumer, so the replica may restart at once."""
+        try:
+            self.client.xgroup_delconsumer(self.stream, self.group, self.consumer)
+        except self._redis_mod.RedisError as exc:
+            log.warning("could not remove consumer %s (%s): it expires as dead", self.consumer, exc)
+
+    def _show_alive(self, now: bool = False) -> None:
+        """Refresh this consumer's idle time in Redis, at most once per touch period."""
+        if now or time.monotonic() - self._shown_at >= self._touch_s:
+            self.client.xreadgroup(self.group, self.consumer, {self.stream: "0"}, count=1)
+            self._shown_at = time.monotonic()
 
     def _read_once(self) -> bool:
         """Read, apply and acknowledge one batch of entries; True when the stream had no more."""
+        self._show_alive()
         reply: Any = self.client.xreadgroup(
-            self.group, self.consumer, {self.stream: ">"}, count=READ_COUNT, block=BLOCK_MS
+            self.group, self.consumer, {self.stream: ">"}, count=READ_COUNT, block=self._block_ms
         )
         if not reply:
             return True
         _, entries = reply[0]
         for entry_id, fields in entries:
             self._apply(entry_id, fields)
+            self._show_alive()
         return len(entries) < READ_COUNT
 
     def _apply(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:

@@ -65,6 +65,10 @@ class HealthView:
     stream_position: str | None
     event_stream: str | None = None
     """The Redis Stream the coordinator reads (the redis transport only)."""
+    replica_id: str | None = None
+    """This replica's id (``--replica-id`` or derived; docs/coordinator.md "Replicas")."""
+    consumer_group: str | None = None
+    """Its Redis consumer group (the redis transport only)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -325,6 +325,8 @@ def health_to_wire(h: HealthView) -> dict[str, Any]:
         "event_transport": h.event_transport,
         "stream_position": h.stream_position,
         "event_stream": h.event_stream,
+        "replica_id": h.replica_id,
+        "consumer_group": h.consumer_group,
     }
 
 

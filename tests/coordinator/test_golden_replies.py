@@ -217,11 +217,11 @@ def _openapi(c: httpx.Client) -> Iterator[tuple[str, httpx.Response]]:
 
 def _record_all(tmp_path: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    with running(enable_blend_lookup=True) as (_, c):
+    with running(enable_blend_lookup=True, replica_id="golden") as (_, c):
         out.update((name, _reply(r)) for name, r in _open_scenario(c))
         out.update((name, _reply(r)) for name, r in _openapi(c))
     limits = {"max_query_tokens": 10, "max_batch_entries": 2, "max_body_bytes": 4096}
-    with running(enable_blend_lookup=True, **limits) as (_, c):
+    with running(enable_blend_lookup=True, replica_id="golden", **limits) as (_, c):
         out.update((name, _reply(r)) for name, r in _limited_scenario(c))
     tokens = tmp_path / "tokens.json"
     tokens.write_text(
@@ -235,7 +235,7 @@ def _record_all(tmp_path: Path) -> dict[str, Any]:
             }
         )
     )
-    with running(auth_token_file=tokens) as (_, c):
+    with running(auth_token_file=tokens, replica_id="golden") as (_, c):
         out.update((name, _reply(r)) for name, r in _auth_scenario(c))
     return out
 

@@ -24,12 +24,30 @@ class FakeRedis:
     def __init__(self, replies: list[Any], log: list[tuple[str, Any]]) -> None:
         self.replies = replies
         self.log = log
+        self.queued: list[Any] = []
 
     def xgroup_create(self, stream: str, group: str, id: str, mkstream: bool) -> None:
         self.log.append(("group", id))
 
-    def xreadgroup(self, *args: Any, **kwargs: Any) -> Any:
+    def xreadgroup(self, group: str, consumer: str, streams: dict[str, str], **kw: Any) -> Any:
+        if ">" not in streams.values():  # a read of its own pending entries: showing itself
+            return []
         return self.replies.pop(0) if self.replies else []
+
+    def pipeline(self, transaction: bool) -> Any:
+        return self
+
+    def time(self) -> None:
+        self.queued = [(0, 0)]
+
+    def xinfo_consumers(self, stream: str, group: str) -> None:
+        self.queued.append([])  # no other replica consumes the group
+
+    def execute(self) -> list[Any]:
+        return self.queued
+
+    def xgroup_delconsumer(self, stream: str, group: str, consumer: str) -> int:
+        return 0
 
     def xack(self, stream: str, group: str, entry_id: bytes) -> None:
         self.log.append(("ack", entry_id.decode()))

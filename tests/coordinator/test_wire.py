@@ -148,12 +148,20 @@ def test_directory_stats_with_blend_on_carry_the_index_stats() -> None:
 
 def test_health_and_readiness() -> None:
     health = HealthView(
-        Readiness.CATCHING_UP, KeyScheme("blake3", 4), True, "redis", "1-0", "kv:events"
+        Readiness.CATCHING_UP,
+        KeyScheme("blake3", 4),
+        True,
+        "redis",
+        "1-0",
+        "kv:events",
+        "host-1a2b",
+        "kvatlas-host-1a2b",
     )
     assert msgspec.json.encode(wire.health_to_wire(health)) == (
         b'{"status":"ok","state":"catching_up","key_scheme":"blake3","chunk_size":4,'
         b'"blend_lookup":true,"event_transport":"redis","stream_position":"1-0",'
-        b'"event_stream":"kv:events"}'
+        b'"event_stream":"kv:events","replica_id":"host-1a2b",'
+        b'"consumer_group":"kvatlas-host-1a2b"}'
     )
     assert wire.readiness_to_wire(Readiness.SERVING) == {"ready": True, "state": "serving"}
     assert wire.readiness_to_wire(Readiness.RESTORING) == {"ready": False, "state": "restoring"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -337,9 +338,42 @@ def _dead_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def test_redis_unreachable_reads_miss_writes_raise() -> None:
-    l2 = RedisL2(f"redis://127.0.0.1:{_dead_port()}/0")
-    start = time.monotonic()
+class DroppingServer:
+    """A "Redis" that accepts every connection and closes it at once (a server going down),
+    counting the connections: the cost of a dead L2 in attempts, not in wall-clock time."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.listener.getsockname()[1])
+        self.accepted = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            self.accepted += 1
+            conn.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.fixture
+def backoff_sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Every sleep redis-py's retry takes between attempts (RedisL2 must take none)."""
+    import redis.retry
+
+    sleeps: list[float] = []
+    monkeypatch.setattr(redis.retry, "sleep", sleeps.append)
+    return sleeps
+
+
+def _dead_l2_calls(l2: RedisL2) -> int:
+    """Every operation against an unreachable L2: reads miss, writes raise. Returns the count."""
     assert l2.get(key(1)) is None
     assert l2.get_many([key(1), key(2)]) == {}
     assert l2.contains(key(1)) is False
@@ -347,22 +381,42 @@ def test_redis_unreachable_reads_miss_writes_raise() -> None:
         l2.put(chunk(1))
     with pytest.raises(L2Unavailable):
         l2.delete(key(1))
-    assert time.monotonic() - start < 5
+    return 5
+
+
+def test_redis_unreachable_reads_miss_writes_raise(backoff_sleeps: list[float]) -> None:
+    l2 = RedisL2(f"redis://127.0.0.1:{_dead_port()}/0")
+    _dead_l2_calls(l2)
+    assert backoff_sleeps == []  # a dead L2 costs a refused connect per attempt, no waiting
     l2.close()
 
 
-def test_redis_restart(redis_server: RedisServer, redis_l2: RedisL2) -> None:
+def test_a_dead_l2_costs_at_most_two_attempts_per_call(backoff_sleeps: list[float]) -> None:
+    """One immediate retry (it replaces a connection a Redis restart killed), never a loop."""
+    server = DroppingServer()
+    try:
+        l2 = RedisL2(f"redis://127.0.0.1:{server.port}/0")
+        calls = _dead_l2_calls(l2)
+        l2.close()
+        assert calls <= server.accepted <= 2 * calls
+        assert backoff_sleeps == []
+    finally:
+        server.close()
+
+
+def test_redis_restart(
+    redis_server: RedisServer, redis_l2: RedisL2, backoff_sleeps: list[float]
+) -> None:
     redis_l2.put(chunk(1))
     assert redis_l2.get(key(1)) is not None
     redis_server.stop()
     try:
-        start = time.monotonic()
         assert redis_l2.get(key(1)) is None
         assert redis_l2.get_many([key(1)]) == {}
         assert redis_l2.contains(key(1)) is False
         with pytest.raises(L2Unavailable):
             redis_l2.put(chunk(2))
-        assert time.monotonic() - start < 5  # a dead L2 costs milliseconds, not a hang
+        assert backoff_sleeps == []  # a dead L2 costs milliseconds, not a hang
     finally:
         redis_server.start()
     # the same RedisL2 object recovers on its own (AOF kept key 1 across the restart)
