@@ -90,7 +90,7 @@ class ValueRatios:
         return cls(
             _ratio(v.prefix_hit_tokens, v.query_tokens),
             _ratio(v.fragment_hit_tokens, v.query_tokens),
-            _ratio(v.regret_tokens, v.recomputed_tokens),
+            _ratio(min(v.regret_tokens, v.recomputed_tokens), v.recomputed_tokens),
         )
 
 

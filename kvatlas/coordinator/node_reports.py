@@ -1,6 +1,7 @@
 """What nodes report about the value of the cache (``PUT /instances/{id}/report``), summed
-over the fleet: query tokens, prefix and fragment hit tokens, tokens recomputed, and the
-**regret** — tokens recomputed although the directory listed them on another instance.
+over the fleet: query tokens, prefix and fragment hit tokens, and the **regret** — tokens
+recomputed although the directory listed them on another instance. Tokens recomputed are
+derived (query − prefix hits − fragment hits), so every reported counter only ever grows.
 
 A report carries a node's *cumulative* counters since it started (``boot``) plus its tier
 gauges, so a lost or repeated report changes nothing: the fleet totals grow by the difference
@@ -30,8 +31,11 @@ class ValueCounters:
     query_tokens: int = 0
     prefix_hit_tokens: int = 0
     fragment_hit_tokens: int = 0
-    recomputed_tokens: int = 0
     regret_tokens: int = 0
+
+    @property
+    def recomputed_tokens(self) -> int:
+        return max(0, self.query_tokens - self.prefix_hit_tokens - self.fragment_hit_tokens)
 
     def minus(self, earlier: ValueCounters) -> ValueCounters:
         """Growth since ``earlier``; a counter that went down restarted, so it counts whole."""

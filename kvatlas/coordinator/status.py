@@ -148,6 +148,7 @@ def status_to_wire(view: StatusView) -> dict[str, Any]:
     """``GET /status.json``: the view as plain JSON (field names as in the dataclasses)."""
     wire = dataclasses.asdict(view)
     wire["readiness"] = view.readiness.value
+    wire["value"]["recomputed_tokens"] = view.value.recomputed_tokens
     return wire
 
 

@@ -30,8 +30,8 @@ def _html(text: str, csp: str | None = None) -> HTMLResponse:
     return HTMLResponse(text, headers=headers)
 
 
-@router.get("/", summary="Status page (HTML)", response_class=HTMLResponse)
-@router.get("/status", summary="Status page (HTML)", response_class=HTMLResponse)
+@router.get("/", include_in_schema=False)
+@router.get("/status", include_in_schema=False)
 async def status_page(service: Service) -> Response:
     if service.auth is not None:  # the open shell: no data without a token
         return _html(*page(None))
@@ -39,7 +39,7 @@ async def status_page(service: Service) -> Response:
     return _html(*page(body))
 
 
-@router.get("/status/fragment", summary="Status page body (HTML)", response_class=HTMLResponse)
+@router.get("/status/fragment", include_in_schema=False)
 async def status_fragment(service: Service) -> Response:
     return _html(render_body(await run_in_threadpool(service.status.view)))
 
