@@ -116,12 +116,17 @@ def _spark(points: Sequence[float | None]) -> str:
         y = (1 - min(max(v, 0.0), 1.0)) * (_SPARK_H - 2) + 1
         lines[-1].append(f"{x:.1f},{y:.1f}")
     shapes = "".join(
-        f'<polyline points="{" ".join(p if len(p) > 1 else p * 2)}"/>' for p in lines if p
+        f'<polyline points="{" ".join(p)}"/>' if len(p) > 1 else _dot(p[0]) for p in lines if p
     )
     return (
         f'<svg viewBox="0 0 {_SPARK_W} {_SPARK_H}" preserveAspectRatio="none" role="img" '
         f'aria-label="last hour, per minute">{shapes}</svg>'
     )
+
+
+def _dot(point: str) -> str:
+    x, y = point.split(",")
+    return f'<circle cx="{x}" cy="{y}" r="2"/>'
 
 
 def _bar(used: int, capacity: int) -> str:
@@ -167,8 +172,10 @@ def _traffic(view: StatusView) -> str:
                 ("events/s", _e(_rate(t.events_per_s))),
                 ("lookups/s", _e(_rate(t.lookups_per_s))),
                 ("blend lookups/s", _e(_rate(t.blend_lookups_per_s))),
-                ("lookup p50 / p99", _e(f"≤{_secs(t.lookup_p50_s)} / ≤{_secs(t.lookup_p99_s)}")),
-                ("blend p50 / p99", _e(f"≤{_secs(t.blend_p50_s)} / ≤{_secs(t.blend_p99_s)}")),
+                ("lookup p50", _e(f"≤{_secs(t.lookup_p50_s)}")),
+                ("lookup p99", _e(f"≤{_secs(t.lookup_p99_s)}")),
+                ("blend p50", _e(f"≤{_secs(t.blend_p50_s)}")),
+                ("blend p99", _e(f"≤{_secs(t.blend_p99_s)}")),
             ]
         ),
         "traffic",
@@ -185,7 +192,9 @@ def _directory(view: StatusView) -> str:
         ("with known tokens", _e(_num(d.bound_chunks))),
         ("bytes per chunk", _e(_bytes(total_bytes / d.placements) if d.placements else "–")),
     ]
-    rows += [(f"{tier} bytes", _e(_bytes(n))) for tier, n in sorted(d.bytes_by_tier.items())]
+    rows += [
+        (f"{tier.upper()} bytes", _e(_bytes(n))) for tier, n in sorted(d.bytes_by_tier.items())
+    ]
     return _card("Directory", _kv(rows), "directory")
 
 
@@ -243,7 +252,7 @@ def _fleet_row(row: FleetRow) -> str:
         f"<td>{_e(row.backend or '–')}</td>",
         f"<td>{_e(_secs(row.heartbeat_age_s))}</td>",
         f"<td>{_e(_secs(row.event_age_s))}</td>",
-        f"<td>{_e('–' if em.incarnation is None else em.incarnation)}</td>",
+        _incarnation(em.incarnation),
         f"<td>{_e(_num(em.gaps))}</td>",
         f"<td>{_e(_secs(em.lag_s))}</td>",
         f"<td>{'–' if tiers is None else _bar(tiers.l1_bytes, tiers.l1_capacity_bytes)}</td>",
@@ -252,6 +261,13 @@ def _fleet_row(row: FleetRow) -> str:
         f"<td>{_e(_num(row.l1_placements))}</td>",
     ]
     return f"<tr>{''.join(cells)}</tr>"
+
+
+def _incarnation(value: int | None) -> str:
+    """The last 6 digits (an incarnation is a start time in ns); the whole on hover."""
+    if value is None:
+        return "<td>–</td>"
+    return f'<td title="{_e(value)}">…{_e(str(value)[-6:])}</td>'
 
 
 def _fleet(view: StatusView) -> str:
