@@ -169,6 +169,11 @@ class _OperatorCollector(Collector):
                 value=getattr(value, field.name),
             )
         registered = {v.instance_id: v.alive for v in source.service.instances_view()}
+        yield CounterMetricFamily(
+            "kvatlas_blend_false_probes",
+            "blend index probes the filter let through that no content had",
+            value=source.service.directory.blend_false_probes,
+        )
         fenced = sum(1 for alive in registered.values() if not alive)
         yield GaugeMetricFamily("kvatlas_instances_fenced", "emitters not registered", fenced)
         age = GaugeMetricFamily(
