@@ -138,16 +138,19 @@ def test_status_page_in_headless_chromium(tmp_path: Path) -> None:
 
 
 def test_status_page_reads_without_javascript(tmp_path: Path) -> None:
-    """Chromium with JavaScript off: the server-rendered page shows the fleet."""
+    """Chromium with JavaScript off: the server-rendered page shows the fleet and the value."""
     chromium = require_chromium()
     with serving_demo("--documents", "4", "--queries", "3") as (proc, url):
-        dom = subprocess.run(
-            [
-                chromium, "--headless=new", "--no-sandbox", "--disable-gpu",
-                f"--user-data-dir={tmp_path / 'profile'}", "--blink-settings=scriptEnabled=false",
-                "--dump-dom", f"{url}/status",
-            ],
-            capture_output=True, text=True, timeout=120, check=True,
-        ).stdout  # fmt: skip
-        assert 'id="fleet"' in dom and "node-0" in dom and "prefix hit rate" in dom
+        browser = Browser(chromium, tmp_path / "profile")
+        try:
+            browser.call("Emulation.setScriptExecutionDisabled", value=True)
+            browser.navigate(f"{url}/status")
+            root = browser.call("DOM.getDocument")["root"]["nodeId"]
+            dom = browser.call("DOM.getOuterHTML", nodeId=root)["outerHTML"]
+            browser.screenshot(tmp_path / "no-js.png")
+            assert browser.problems == [], browser.problems
+        finally:
+            browser.close()
+        assert 'id="fleet"' in dom and "node-0" in dom and "node-1" in dom
+        assert 'id="prefix-ratio"' in dom and "rendered " in dom  # the script never ran
         assert interrupt(proc) == 0

@@ -167,10 +167,12 @@ class History:
         )
 
     def sparklines(self, now: float) -> Sparklines:
-        """One point per minute of the last hour: the ratios of that minute's growth."""
+        """One point per minute of the last hour (of the history's life, when younger): the
+        ratios of that minute's growth."""
         samples = self.samples()
+        minutes = 1 if not samples else int((now - samples[0].at) // MINUTE_S) + 1
         points: list[ValueRatios] = []
-        for i in range(SPARK_POINTS, 0, -1):
+        for i in range(min(SPARK_POINTS, minutes), 0, -1):
             start = _at_or_before(samples, now - i * MINUTE_S)
             end = _at_or_before(samples, now - (i - 1) * MINUTE_S)
             if start is None or end is None or end is start:

@@ -160,7 +160,7 @@ def _value(view: StatusView) -> str:
         f"{_e(_num(v.recomputed_tokens))} recomputed, {_e(_num(v.regret_tokens))} of them held "
         "by another instance</div>"
     )
-    return _card("Value (last hour per minute)", inner, "value")
+    return _card("Value (per minute, last hour)", inner, "value")
 
 
 def _traffic(view: StatusView) -> str:
