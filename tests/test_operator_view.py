@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import redis
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -23,7 +24,7 @@ from kvatlas.coordinator.server import BackgroundServer
 from kvatlas.errors import Unprocessable
 from kvatlas.node import EmbeddedFleet, NodeConfig, NodeEngineClient
 from kvatlas.processes import spawn_service, stop
-from tests.conftest import wait_for
+from tests.conftest import RedisServer, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 C = 16
@@ -303,3 +304,21 @@ def test_dashboard_and_alerts_name_only_exported_metrics(fleet: Fleet) -> None:
     exported = _exported(coordinator())
     exported |= _exported(httpx.get(f"{fleet.node_peer}/metrics", headers=bearer(ADMIN)).text)
     assert sorted(referenced - exported) == []
+
+
+def test_the_coordinator_exports_the_event_streams_length(redis_server: RedisServer) -> None:
+    stream = f"kvatlas:test-length-{free_port()}"
+    client = redis.Redis.from_url(redis_server.url)
+    for i in range(3):  # not batches: refused by the consumer, but they are in the stream
+        client.xadd(stream, {"junk": str(i)})
+    config = CoordinatorConfig(
+        port=free_port(), event_transport="redis", redis_url=redis_server.url,
+        event_stream=stream, log_level="warning",
+    )  # fmt: skip
+    with BackgroundServer(config) as server:
+        metrics = httpx.get(f"{server.url}/metrics").text
+        page = httpx.get(f"{server.url}/status").text
+    client.delete(stream)
+    client.close()
+    assert "kvatlas_event_stream_length 3.0" in metrics
+    assert "<dt>stream length</dt><dd>3</dd>" in page

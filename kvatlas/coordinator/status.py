@@ -71,6 +71,8 @@ class StatusView:
     sparklines: Sparklines
     snapshot: SnapshotStatus | None
     snapshot_path: str | None
+    event_transport: str
+    stream_length: int | None  # the redis transport's stream
 
 
 class StatusSource:
@@ -82,6 +84,7 @@ class StatusSource:
         self.reports = NodeReports()
         self.history = History(self._sample, service.clock)
         self.last_snapshot_at: float | None = None
+        self._redis: Any = None  # a client of its own for XLEN (the redis transport only)
         service.metrics.registry.register(_OperatorCollector(self))
 
     def tick(self) -> None:
@@ -97,6 +100,23 @@ class StatusSource:
             read_buckets(m.blend_latency),
             self.reports.totals(),
         )
+
+    def stream_length(self) -> int | None:
+        """Entries in the event stream (``XLEN``; the redis transport only), ``None`` when
+        there is no stream or Redis does not answer within a second."""
+        config = self.service.config
+        if config.event_transport != "redis" or not config.redis_url:
+            return None
+        import redis
+
+        if self._redis is None:
+            self._redis = redis.Redis.from_url(
+                config.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0
+            )
+        try:
+            return int(self._redis.xlen(config.event_stream))
+        except redis.RedisError:
+            return None
 
     def snapshot_status(self) -> SnapshotStatus | None:
         info, at = self.service.last_snapshot, self.last_snapshot_at
@@ -127,6 +147,7 @@ class StatusSource:
         directory = service.directory.stats()
         now = service.clock()
         value = self.reports.totals()
+        path = service.config.snapshot_path
         return StatusView(
             version=__version__,
             readiness=service.state,
@@ -138,9 +159,9 @@ class StatusSource:
             ratios=ValueRatios.of(value),
             sparklines=self.history.sparklines(now),
             snapshot=self.snapshot_status(),
-            snapshot_path=str(service.config.snapshot_path)
-            if service.config.snapshot_path
-            else None,
+            snapshot_path=None if path is None else str(path),
+            event_transport=service.config.event_transport,
+            stream_length=self.stream_length(),
         )
 
 
@@ -192,6 +213,11 @@ class _OperatorCollector(Collector):
                 if registered.get(inst):
                     family.add_metric([inst], getattr(tiers, tier_field.name))
             yield family
+        length = source.stream_length()
+        if length is not None:
+            yield GaugeMetricFamily(
+                "kvatlas_event_stream_length", "entries in the Redis event stream", length
+            )
         snapshot = source.snapshot_status()
         if snapshot is not None:
             yield GaugeMetricFamily(

@@ -219,6 +219,9 @@ def _service(view: StatusView) -> str:
     pill = f'<span class="pill {"ok" if ok else "warn"}" id="readiness">{_e(view.readiness.value)}</span>'
     snap = view.snapshot
     rows = [("readiness", pill), ("key scheme", _e(view.key_scheme)), ("version", _e(view.version))]
+    rows.append(("events via", _e(view.event_transport)))
+    if view.stream_length is not None:
+        rows.append(("stream length", _e(_num(view.stream_length))))
     if snap is None:
         where = view.snapshot_path or "no --snapshot-path"
         rows.append(("last snapshot", f'<span class="muted">none yet ({_e(where)})</span>'))
