@@ -7,6 +7,7 @@ Set ``KVATLAS_STATUS_SCREENSHOT=path.png`` to keep the screenshot (docs/img/stat
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -20,6 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvatlas.asgi_thread import free_port
+from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.server import BackgroundServer
 from tests.browser_support import Browser, require_chromium
 from tests.conftest import wait_for
 
@@ -154,3 +158,35 @@ def test_status_page_reads_without_javascript(tmp_path: Path) -> None:
         assert 'id="fleet"' in dom and "node-0" in dom and "node-1" in dom
         assert 'id="prefix-ratio"' in dom and "rendered " in dom  # the script never ran
         assert interrupt(proc) == 0
+
+
+def test_with_auth_the_page_asks_for_a_token_and_keeps_it_in_the_tab(tmp_path: Path) -> None:
+    chromium = require_chromium()
+    admin = "admin-" + "a" * 32
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps({"tokens": [{"token": admin, "roles": ["admin"]}]}))
+    tokens.chmod(0o600)
+    config = CoordinatorConfig(port=free_port(), auth_token_file=tokens, log_level="warning")
+    with BackgroundServer(config) as server:
+        reply = httpx.post(
+            f"{server.url}/instances",
+            json={"instance_id": "node-secret"},
+            headers={"Authorization": f"Bearer {admin}"},
+        )
+        assert reply.status_code == 200
+        browser = Browser(chromium, tmp_path / "profile")
+        try:
+            browser.navigate(f"{server.url}/")
+            assert browser.evaluate("document.querySelectorAll('#login input').length") == 1
+            assert "node-secret" not in browser.evaluate("document.body.textContent")
+            browser.evaluate(
+                f"document.querySelector('#login input').value = '{admin}';"
+                "document.getElementById('login').requestSubmit()"
+            )
+            browser.wait_for(lambda: browser.evaluate("!!document.getElementById('fleet')"), 30)
+            assert "node-secret" in browser.evaluate("document.getElementById('fleet').textContent")
+            assert browser.evaluate("sessionStorage.getItem('kvatlas.token')") == admin
+            assert browser.evaluate("document.getElementById('logout').hidden") is False
+            assert browser.problems == [], browser.problems
+        finally:
+            browser.close()
