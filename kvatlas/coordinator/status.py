@@ -10,14 +10,15 @@ but the status routes and the scrape. See docs/operator.md.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvatlas import __version__
+from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.history import (
     History,
     Sample,
@@ -27,12 +28,30 @@ from kvatlas.coordinator.history import (
     read_buckets,
     read_counter,
 )
+from kvatlas.coordinator.instances import InstanceRegistry
+from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.node_reports import NodeReports, TierGauges, ValueCounters
-from kvatlas.coordinator.views import EmitterView, Readiness
-from kvatlas.directory import DirectoryStats
+from kvatlas.coordinator.views import EmitterView, InstanceView, Readiness
+from kvatlas.directory import DirectoryStats, KeyDirectory, SnapshotInfo
+from kvatlas.keys import KeyScheme
 
-if TYPE_CHECKING:
-    from kvatlas.coordinator.service import CoordinatorService
+
+class CoordinatorParts(Protocol):
+    """What the status source reads of the coordinator service (``service.py``, which owns
+    the source: a protocol, not an import, keeps the two modules out of a cycle)."""
+
+    config: CoordinatorConfig
+    metrics: CoordinatorMetrics
+    directory: KeyDirectory
+    instances: InstanceRegistry
+    scheme: KeyScheme
+    state: Readiness
+    last_snapshot: SnapshotInfo | None
+    clock: Callable[[], float]
+
+    def event_ages(self) -> dict[str, float]: ...
+
+    def instances_view(self) -> list[InstanceView]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +98,7 @@ class StatusSource:
     """Samples the service's counters into a :class:`History` (``tick``, from the service's
     sweeper thread), builds :class:`StatusView` values and exports the operator's series."""
 
-    def __init__(self, service: CoordinatorService) -> None:
+    def __init__(self, service: CoordinatorParts) -> None:
         self.service = service
         self.reports = NodeReports()
         self.history = History(self._sample, service.clock)
