@@ -72,7 +72,8 @@ ROUTE_ROLES: dict[tuple[str, str], Access] = {
     ("PUT", "/config/chunk-size"): Access(("emit",), max_body=_NO_BODY),
     ("GET", "/healthz"): OPEN,
     ("GET", "/readyz"): OPEN,
-    # the status page (docs/operator.md): an open shell; its data needs what /metrics needs
+    # the status page (docs/operator.md): an open shell; its data needs a token that sees every
+    # tenant (as /metrics does without --public-metrics, which does not open these)
     ("GET", "/"): OPEN,
     ("GET", "/status"): OPEN,
     ("GET", "/status/fragment"): Access(("lookup",), every_tenant=True),
