@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 	fi
 
 demo: $(STAMP)
-	$(BIN)/kvatlas demo
+	$(BIN)/kvatlas demo --serve
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvatlas tests
@@ -36,6 +36,7 @@ typecheck: $(STAMP)
 
 pytest: $(STAMP)
 	scripts/ensure-redis.sh
+	scripts/ensure-chromium.sh
 	$(BIN)/python -m pytest -q
 
 test: lint typecheck pytest

@@ -38,6 +38,11 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--documents", type=int, default=24)
     demo.add_argument("--queries", type=int, default=40)
     demo.add_argument("--keys", action="store_true", help="show multimodal-safe keys instead")
+    demo.add_argument(
+        "--serve",
+        action="store_true",
+        help="then print the status page URL and keep the fleet up until Ctrl-C",
+    )
 
     bench = sub.add_parser("bench", help="run a benchmark (median of repeats, ratio to naive)")
     bench_sub = bench.add_subparsers(dest="bench_name", required=True)
@@ -74,7 +79,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvatlas.demo.fleet import run_fleet_demo
 
         return run_fleet_demo(
-            seed=args.seed, processes=args.processes, documents=args.documents, queries=args.queries
+            seed=args.seed,
+            processes=args.processes,
+            documents=args.documents,
+            queries=args.queries,
+            serve_page=args.serve,
         )
     module = importlib.import_module(f"kvatlas.bench.{args.bench_name}")
     return int(module.run(args))

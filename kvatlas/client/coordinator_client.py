@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
@@ -51,8 +51,16 @@ class CoordinatorClient:
         self._heartbeat_stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         self.heartbeat_failures = 0
+        self.failures = 0  # every call that raised CoordinatorError (node /metrics)
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            return self._call_once(method, path, **kwargs)
+        except CoordinatorError:
+            self.failures += 1
+            raise
+
+    def _call_once(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
@@ -105,7 +113,17 @@ class CoordinatorClient:
             log.warning("coordinator forgot instance %s; re-registering", self.instance_id)
             self._call("POST", "/instances", json=self._registration)
 
-    def start_heartbeat(self, interval: float = 5.0) -> None:
+    def report(self, body: dict[str, Any]) -> None:
+        """``PUT /instances/{id}/report``: this node's value counters and tiers."""
+        if self.instance_id is None:
+            raise CoordinatorError("register() first")
+        self._call("PUT", f"/instances/{self.instance_id}/report", json=body)
+
+    def start_heartbeat(
+        self, interval: float = 5.0, report: Callable[[], dict[str, Any]] | None = None
+    ) -> None:
+        """Heartbeat every ``interval`` seconds; with ``report``, send its value report
+        after each heartbeat (cumulative counters: a lost one is repaired by the next)."""
         if self._heartbeat_thread is not None:
             return
         self._heartbeat_stop.clear()
@@ -114,6 +132,8 @@ class CoordinatorClient:
             while not self._heartbeat_stop.wait(interval):
                 try:
                     self.heartbeat()
+                    if report is not None:
+                        self.report(report())
                 except CoordinatorError as exc:
                     self.heartbeat_failures += 1
                     log.warning("heartbeat failed: %s", exc)

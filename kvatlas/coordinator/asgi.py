@@ -72,6 +72,13 @@ ROUTE_ROLES: dict[tuple[str, str], Access] = {
     ("PUT", "/config/chunk-size"): Access(("emit",), max_body=_NO_BODY),
     ("GET", "/healthz"): OPEN,
     ("GET", "/readyz"): OPEN,
+    # the status page (docs/operator.md): an open shell; its data needs a token that sees every
+    # tenant (as /metrics does without --public-metrics, which does not open these)
+    ("GET", "/"): OPEN,
+    ("GET", "/status"): OPEN,
+    ("GET", "/status/fragment"): Access(("lookup",), every_tenant=True),
+    ("GET", "/status.json"): Access(("lookup",), every_tenant=True),
+    ("PUT", "/instances/{instance_id}/report"): Access(("emit",), max_body=_NO_BODY),
 }
 """Every route's access, checked from the headers alone. The routes check the bindings that
 need the body (instances, salts) themselves. A route missing here needs any valid token (and

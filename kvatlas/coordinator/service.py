@@ -19,6 +19,7 @@ from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.instances import InstanceRecord, InstanceRegistry, Registration
 from kvatlas.coordinator.metrics import CoordinatorMetrics
+from kvatlas.coordinator.status import StatusSource
 from kvatlas.coordinator.views import (
     NO_EMITTER,
     Deregistration,
@@ -68,7 +69,7 @@ class CoordinatorService:
             config.instance_timeout, self._fence_expired, clock, config.max_instances
         )
         self.metrics = CoordinatorMetrics(self.metrics_state)
-        self._clock = clock
+        self._clock = self.clock = clock
         self._last_emit: dict[str, float] = {}  # instance -> clock() of its last batch
         self._next_departure_sweep = 0.0
         self.state = Readiness.RESTORING
@@ -79,6 +80,7 @@ class CoordinatorService:
         self._snapshot_lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self.status = StatusSource(self)  # the status page, node reports, operator series
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -233,6 +235,7 @@ class CoordinatorService:
         while not self._stop.wait(period):
             self.instances.expire()
             self.forget_departed()
+            self.status.tick()
 
     def forget_departed(self) -> list[str]:
         """Forget every instance that is not registered and sent no batch for
@@ -297,7 +300,7 @@ class CoordinatorService:
                 self.metrics.snapshot_failures.inc()
                 log.error("snapshot to %s failed: %s", path, exc)
                 return None
-        self.last_snapshot = info
+        self.last_snapshot, self.status.last_snapshot_at = info, self._clock()
         self.metrics.snapshots.inc()
         self.metrics.snapshot_duration.set(info.seconds)
         self.metrics.snapshot_pause.set(info.max_pause_s)
@@ -312,6 +315,12 @@ class CoordinatorService:
             self.take_snapshot()
 
     # ------------------------------------------------------------------ views
+
+    def event_ages(self) -> dict[str, float]:
+        """Seconds since each emitter's last batch (on the service clock)."""
+        now = self._clock()
+        with self._lag_lock:
+            return {inst: now - seen for inst, seen in self._last_emit.items()}
 
     def emitters_view(self) -> dict[str, EmitterView]:
         with self._lag_lock:

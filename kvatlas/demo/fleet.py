@@ -17,8 +17,8 @@ import subprocess
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,6 +30,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvatlas.asgi_thread import free_port
+from kvatlas.demo import serve
 from kvatlas.node import (
     EmbeddedFleet,
     KVLayout,
@@ -223,8 +224,16 @@ def report(tally: Tally, mode: str, console: Console) -> None:
     )
 
 
-def run_embedded(seed: int, documents: int, queries: int, console: Console) -> Tally:
-    with tempfile.TemporaryDirectory() as tmp:
+Done = Callable[[Tally, "str | None"], None]
+"""Called with the tally while the fleet is still up, and the coordinator's URL when it has
+one (``--serve``: :func:`kvatlas.demo.serve.hold` waits there for Ctrl-C)."""
+
+
+def run_embedded(
+    seed: int, documents: int, queries: int, console: Console, done: Done | None = None
+) -> Tally:
+    """``done`` given: the fleet runs around a coordinator service (its status page)."""
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         chunk_bytes = NodeConfig(**LAYOUT_FLAGS).layout.chunk_bytes
         configs = [
             NodeConfig(
@@ -232,16 +241,31 @@ def run_embedded(seed: int, documents: int, queries: int, console: Console) -> T
             )
             for _ in range(2)
         ]
-        with EmbeddedFleet(configs, l2_root=Path(tmp)) as fleet:
-            nodes: list[DemoNode] = [EmbeddedNode(name, fleet) for name in fleet.nodes]
-            return play(
-                nodes,
-                configs[0].layout,
-                seed=seed,
-                documents=documents,
-                queries=queries,
-                settle=fleet.settle,
+        server = None if done is None else stack.enter_context(serve.coordinator(C))
+        if server is None:
+            fleet = stack.enter_context(EmbeddedFleet(configs, l2_root=Path(tmp)))
+        else:
+            service = server.service
+            served = EmbeddedFleet(
+                configs,
+                l2_root=Path(tmp),
+                directory=service.directory,
+                consume=lambda batch: service.ingest([batch]),
             )
+            fleet = stack.enter_context(served)
+            stack.enter_context(serve.registered(fleet, server))
+        nodes: list[DemoNode] = [EmbeddedNode(name, fleet) for name in fleet.nodes]
+        tally = play(
+            nodes,
+            configs[0].layout,
+            seed=seed,
+            documents=documents,
+            queries=queries,
+            settle=fleet.settle,
+        )
+        if done is not None:
+            done(tally, None if server is None else server.url)
+        return tally
 
 
 @contextmanager
@@ -280,7 +304,9 @@ def _processes(tmp: Path) -> Iterator[tuple[str, list[str]]]:
         stop(procs)
 
 
-def run_processes(seed: int, documents: int, queries: int, console: Console) -> Tally:
+def run_processes(
+    seed: int, documents: int, queries: int, console: Console, done: Done | None = None
+) -> Tally:
     layout = NodeConfig(**LAYOUT_FLAGS).layout
     with tempfile.TemporaryDirectory() as tmp, _processes(Path(tmp)) as (coordinator, urls):
         clients = [NodeEngineClient(url, layout) for url in urls]
@@ -298,17 +324,27 @@ def run_processes(seed: int, documents: int, queries: int, console: Console) -> 
                 time.sleep(0.1)
 
         try:
-            return play(
+            tally = play(
                 nodes, layout, seed=seed, documents=documents, queries=queries, settle=settle
             )
+            if done is not None:
+                done(tally, coordinator)
+            return tally
         finally:
             for c in clients:
                 c.close()
 
 
 def run_fleet_demo(
-    *, seed: int = 0, processes: bool = False, documents: int = 24, queries: int = 40
+    *,
+    seed: int = 0,
+    processes: bool = False,
+    documents: int = 24,
+    queries: int = 40,
+    serve_page: bool = False,
 ) -> int:
+    """``serve_page``: after the report, print the status page URL and keep the fleet up
+    until Ctrl-C."""
     console = Console(width=max(Console().width, 120))
     mode = (
         "coordinator + 2 node processes over HTTP"
@@ -317,8 +353,16 @@ def run_fleet_demo(
     )
     console.print(f"[bold]kvatlas fleet demo[/bold] — {mode}; chunk size {C}, toy RoPE model")
     started = time.perf_counter()
-    tally = (run_processes if processes else run_embedded)(seed, documents, queries, console)
-    report(tally, mode, console)
-    console.print(f"done in {time.perf_counter() - started:.1f} s")
+
+    def done(tally: Tally, url: str | None) -> None:
+        report(tally, mode, console)
+        console.print(f"done in {time.perf_counter() - started:.1f} s")
+        if url is not None:
+            serve.hold(url, console)
+
+    run = run_processes if processes else run_embedded
+    tally = run(seed, documents, queries, console, done if serve_page else None)
+    if not serve_page:
+        done(tally, None)
     ok = tally.max_error < 1e-3 and tally.blend_tokens > 0
     return 0 if ok else 1

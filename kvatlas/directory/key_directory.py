@@ -111,6 +111,12 @@ class KeyDirectory:
     def blend_enabled(self) -> bool:
         return self._index is not None
 
+    @property
+    def blend_false_probes(self) -> int:
+        """Probes the blend index's filter let through for nothing (0 while blend is off)."""
+        index = self._index
+        return 0 if index is None else index.false_probes
+
     def enable_blend_lookup(self, chunk_size: int | None = None, probe_stride: int = 1) -> None:
         """Start indexing content from now on (not retroactive: older chunks stay unindexed
         until a later token-bearing store, or a restore with blend on, binds them again)."""

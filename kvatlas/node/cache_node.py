@@ -24,9 +24,10 @@ Safety rules that go beyond "the hash matched":
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any
 
@@ -51,6 +52,7 @@ from kvatlas.node.emitter import BatchSink, EventEmitter
 from kvatlas.node.fleet_view import FleetView
 from kvatlas.node.l1 import L1Cache
 from kvatlas.node.l2 import L2Backend, L2Unavailable
+from kvatlas.node.metrics import NodeTimings, hit_tokens
 from kvatlas.node.presence import L1, L2, Presence, Tier
 from kvatlas.node.rope import rerope_k
 from kvatlas.node.segments import Segment
@@ -149,6 +151,9 @@ class CacheNode:
         self._rejection_warnings = Throttle(60.0)
         self.index = BlendIndex(config.chunk_size)
         self.presence = Presence(self.index, self.namespace)
+        self.timings = NodeTimings()  # fetch and re-RoPE histograms (node /metrics)
+        self.timings.watch(self.scrape)
+        self.coordinator_failures: Callable[[], int] = lambda: 0  # set by the node process
         self.tiers = TieredFetch(
             self.l1,
             l2,
@@ -157,6 +162,7 @@ class CacheNode:
             layout=self.layout,
             on_l1_hit=self._l1_accessed,
             counters=self.counters,
+            observe=self.timings.observe_fetch,
         )
         self.blend = UnifiedBlendLookup(
             self.index,
@@ -253,10 +259,13 @@ class CacheNode:
             self.counters["l2_write_failures"] += 1
             log.warning("L2 write failed for %s: %s", chunk.key.chunk_hash.hex()[:16], exc)
             return
+        self.counters["l2_chunks_written"] += 1
+        self.counters["l2_bytes_written"] += chunk.nbytes
         self._gain(chunk, L2)
         self._record(STORE, L2, self.l2.name, self._entry(chunk), shared=self.l2.shared)
 
     def _on_l1_evict(self, chunk: StoredChunk) -> None:
+        self.counters["l1_evictions"] += 1
         self._record(DELETE, L1, L1_BACKEND, CacheEntry(chunk.key, chunk.nbytes))
         if self.l2 is not None and self.config.l2_write == "evict":
             self._put_l2(chunk)
@@ -292,6 +301,7 @@ class CacheNode:
         """Prefix hit length in tokens: leading chunks retrievable from any tier."""
         if not tracker.cacheable:
             return 0
+        self.counters["lookups_prefix"] += 1
         keys = [self.key(h, tracker.cache_salt) for h in tracker.chunk_hashes()]
         return self.tiers.prefix_hits(keys) * self.chunk_size
 
@@ -303,7 +313,8 @@ class CacheNode:
         hashes = tracker.chunk_hashes(num_tokens)
         tokens = tracker.get_token_ids()
         keys = [self.key(h, tracker.cache_salt) for h in hashes]
-        found = self.tiers.fetch(keys)
+        listed: set[ObjectKey] = set()  # keys the directory lists on another instance
+        found = self.tiers.fetch(keys, listed)
         kv: list[Any] = []
         sources: Counter[str] = Counter()
         c = self.chunk_size
@@ -314,6 +325,8 @@ class CacheNode:
             kv.append(got.chunk.kv)
             sources[got.source] += 1
         self.counters["prefix_chunks_retrieved"] += len(kv)
+        self._count_value(len(tokens) if num_tokens is None else min(num_tokens, len(tokens)),
+                          len(kv) * self.chunk_size, sum(k in listed for k in keys[len(kv):]))  # fmt: skip
         return Retrieved(kv, len(kv) * self.chunk_size, sources)
 
     def _verified(self, key: ObjectKey, got: Fetched, window: TokenArray) -> bool:
@@ -343,6 +356,7 @@ class CacheNode:
         try:
             return self.blend.poll(rid, prefix_len)
         except KeyError:
+            self.counters["lookups_blend"] += 1
             self.blend.start(rid, tracker.get_token_ids(), self.namespace(tracker.cache_salt))
             return self.blend.poll(rid, prefix_len)
 
@@ -362,24 +376,56 @@ class CacheNode:
             got = found.get(key)
             start = seg.chunk_cur_st
             window = tokens[start : start + c]
-            if (
-                got is None
-                or seg.trim + seg.length > c  # its used part must lie inside the chunk
-                or got.chunk.token_offset < 0
-                or len(window) != c
-                or not self._verified(key, got, window)
-            ):
+            cause = _segment_miss(seg, got, c, len(window))
+            if cause is None and got is not None and not self._verified(key, got, window):
+                cause = "rejected"
+            if cause is not None or got is None:
+                self.counters[f"segment_miss_{cause}"] += 1
                 misses.append(seg)
                 continue
             chunk = got.chunk
+            started = time.perf_counter()
             kv = rerope_k(chunk.kv, self.layout, chunk.token_offset, start)
+            self.timings.rerope_seconds.observe(time.perf_counter() - started)
             if seg.trim or seg.length != c:
                 kv = kv[:, :, seg.kv_slice]
             parts.append((seg, kv))
             sources[got.source] += 1
         self.counters["segments_reused"] += len(parts)
         self.counters["segment_misses"] += len(misses)
+        self.counters[hit_tokens("fragment")] += sum(seg.length for seg, _ in parts)
         return BlendRetrieval(parts, misses, sources)
+
+    # ------------------------------------------------------------------ operator's view
+
+    def _count_value(self, query: int, prefix_hit: int, regret_chunks: int) -> None:
+        """One retrieval's tokens: asked, served from the prefix, and recomputed although the
+        directory listed them on another instance (capped at what was recomputed)."""
+        self.counters["query_tokens"] += query
+        self.counters[hit_tokens("prefix")] += prefix_hit
+        self.counters["regret_tokens"] += min(regret_chunks * self.chunk_size, query - prefix_hit)
+
+    def scrape(self) -> dict[str, Any]:
+        """What the node's ``/metrics`` and value report read (see ``node/metrics.py``)."""
+        return {
+            "counters": dict(self.counters),
+            "l1_bytes": self.l1.used_bytes,
+            "l1_capacity_bytes": self.l1.capacity_bytes,
+            "l1_chunks": len(self.l1),
+            "outbox": self._sink_stats(),
+            "coordinator_failures": self.coordinator_failures(),
+        }
+
+    def tier_gauges(self) -> dict[str, int]:
+        """The tiers as a value report carries them: L1 now; L2 as written by this node
+        (an L2 may be shared and evicts on its own: its size is not this node's to know)."""
+        return {
+            "l1_bytes": self.l1.used_bytes,
+            "l1_capacity_bytes": self.l1.capacity_bytes,
+            "l1_chunks": len(self.l1),
+            "l2_bytes": self.counters["l2_bytes_written"],
+            "l2_chunks": self.counters["l2_chunks_written"],
+        }
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -409,3 +455,14 @@ class CacheNode:
             self.emitter.close()
         if self.l2 is not None:
             self.l2.close()
+
+
+def _segment_miss(seg: Segment, got: Fetched | None, chunk_size: int, window: int) -> str | None:
+    """Why a blend segment cannot be served from ``got`` before verification, or ``None``."""
+    if got is None:
+        return "not_found"
+    if seg.trim + seg.length > chunk_size:  # its used part must lie inside the chunk
+        return "outside_chunk"
+    if got.chunk.token_offset < 0:
+        return "unknown_offset"
+    return "short_window" if window != chunk_size else None

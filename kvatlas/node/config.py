@@ -80,6 +80,7 @@ class NodeConfig:
     tracker_memory_bytes: int = 64 * 1024 * 1024
     peer_fetch_deadline: float = 2.0
     fleet_refresh_interval: float = 10.0
+    public_metrics: bool | None = None  # None: public exactly when auth is off
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -158,6 +159,13 @@ class NodeConfig:
             return self.max_body_bytes
         chunks = -(-self.max_query_tokens // self.chunk_size)
         return self.max_call_bytes + chunks * self.layout.chunk_bytes
+
+    @property
+    def metrics_public(self) -> bool:
+        """Whether ``/metrics`` needs no token (else an admin token), as on the coordinator."""
+        if self.public_metrics is None:
+            return self.auth_token_file is None
+        return self.public_metrics
 
     def auth(self) -> TokenAuth | None:
         """The engine/peer API's tokens (``--auth-token-file``; ``None`` = no auth). The file
@@ -292,6 +300,7 @@ _HELP = {
     "tracker_memory_bytes": "memory budget of the request trackers kept between engine calls",
     "peer_fetch_deadline": "seconds one fetch from a peer may take in all, however it drips",
     "fleet_refresh_interval": "seconds between re-reads of the coordinator's instance list",
+    "public_metrics": "serve /metrics without a token (default: only when auth is off)",
     "log_level": "log level (debug, info, warning, error)",
 }
 

@@ -9,12 +9,13 @@ other node's L1 (pinned while copied). What ``make demo`` runs and most node tes
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvatlas.client import EventSink, InProcessTransport
 from kvatlas.directory import KeyDirectory
+from kvatlas.events import EventBatch
 from kvatlas.keys import BlendMatch, BlendNamespace, ObjectKey
 from kvatlas.node.cache_node import CacheNode
 from kvatlas.node.config import NodeConfig
@@ -66,7 +67,11 @@ class EmbeddedFleet:
         l2_root: Path | None = None,
         enable_blend_lookup: bool = True,
         fleet_blend: bool = True,
+        directory: KeyDirectory | None = None,
+        consume: Callable[[EventBatch], object] | None = None,
     ) -> None:
+        """``directory`` and ``consume``: a directory to use and how batches reach it (a
+        coordinator service's, so its status page shows this fleet); default: a new one."""
         if not configs:
             raise ValueError("an embedded fleet needs at least one node")
         chunk_size = configs[0].chunk_size
@@ -75,7 +80,7 @@ class EmbeddedFleet:
         ):
             raise ValueError("all nodes of a fleet must share chunk size and key scheme")
         scheme = configs[0].scheme
-        self.directory = KeyDirectory(
+        self.directory = directory or KeyDirectory(
             chunk_size,
             enable_blend_lookup=enable_blend_lookup,
             hash_chunks=lambda tokens, _c: scheme.chunk_hashes(tokens),
@@ -94,7 +99,7 @@ class EmbeddedFleet:
                     "fs-shared" if shared else "fs",
                     shared=shared,
                 )
-            sink = EventSink(instance_id, InProcessTransport(self.directory.consume))
+            sink = EventSink(instance_id, InProcessTransport(consume or self.directory.consume))
             node = CacheNode(
                 config, instance_id=instance_id, l2=l2, sink=sink, fleet=view, fleet_matcher=matcher
             )

@@ -27,6 +27,7 @@ import msgspec
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -42,6 +43,7 @@ from kvatlas.web import error_headers, error_payload, error_response, read_body
 MSGPACK: Final = "application/msgpack"
 ENGINE_PREFIX: Final = "/engine/"
 PEER_PREFIX: Final = "/peer/"
+METRICS_PATH: Final = "/metrics"
 _OFF_LOOP_BYTES: Final = 1 << 20  # bodies above this are decoded in the thread pool
 _msgpack_encoder = msgspec.msgpack.Encoder()
 _json_encoder = msgspec.json.Encoder()
@@ -134,15 +136,23 @@ class ApiGate:
     separate ``engine_port``) and who calls it (``auth``; none = everyone is admin). The
     principal goes to ``request.state.principal``."""
 
-    def __init__(self, app: ASGIApp, auth: TokenAuth | None, engine_port: int | None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        auth: TokenAuth | None,
+        engine_port: int | None,
+        public_metrics: bool = True,
+    ) -> None:
         self.app = app
         self.auth = auth
         self.engine_port = engine_port
+        self.public_metrics = public_metrics  # else /metrics needs an admin token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         role = "engine" if path.startswith(ENGINE_PREFIX) else None
         role = "peer" if path.startswith(PEER_PREFIX) else role
+        role = "admin" if path == METRICS_PATH and not self.public_metrics else role
         if scope["type"] != "http" or role is None:
             await self.app(scope, receive, send)
             return
@@ -175,7 +185,9 @@ def create_node_app(node: CacheNode, *, auth: TokenAuth | None = None) -> FastAP
     config = node.config
     app = create_peer_app(node.l1)
     app.title = "kvatlas cache node"
-    app.add_middleware(ApiGate, auth=auth, engine_port=config.engine_port)
+    app.add_middleware(
+        ApiGate, auth=auth, engine_port=config.engine_port, public_metrics=config.metrics_public
+    )
     trackers = Trackers(
         memory_bytes=config.tracker_memory_bytes,
         chunk_size=config.chunk_size,
@@ -311,6 +323,11 @@ def create_node_app(node: CacheNode, *, auth: TokenAuth | None = None) -> FastAP
             return _error_reply(refused, msgpack)
         wire = {**node.stats().to_wire(), "trackers": asdict(trackers.stats())}
         return _reply(wire, msgpack)
+
+    @app.get(METRICS_PATH)
+    async def metrics() -> Response:
+        data = await run_in_threadpool(generate_latest, node.timings.registry)
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz")
     async def healthz() -> Response:

@@ -29,6 +29,7 @@ from kvatlas.node.config import NodeConfig
 from kvatlas.node.fleet_view import HttpFleetView
 from kvatlas.node.http_api import create_node_app
 from kvatlas.node.l2 import FsL2, L2Backend, RedisL2, instance_dir
+from kvatlas.node.metrics import new_boot, value_report
 from kvatlas.web import is_loopback
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,6 @@ class NodeProcess:
                 instance_id, ip=config.host, http_port=config.port, p2p_advertised_url=advertised,
                 metadata={"model_name": config.model_name, "kv_rank": config.kv_rank},
             )  # fmt: skip
-            self.coordinator.start_heartbeat()
         config.warn_if_half_configured()
         if config.fleet_enabled and self.coordinator is not None:
             transport: Transport
@@ -130,6 +130,21 @@ class NodeProcess:
             fleet_matcher=matcher,
         )
         self.app = create_node_app(self.node, auth=config.auth())
+        if self.coordinator is not None:
+            self._report_value(self.coordinator, matcher)
+
+    def _report_value(
+        self, coordinator: CoordinatorClient, matcher: BlendCoordinatorClient | None
+    ) -> None:
+        """Count coordinator call failures on the node's /metrics, and send the value report
+        (regret, hit and query tokens, tiers) with every heartbeat."""
+        node, boot = self.node, new_boot()
+        self.node.coordinator_failures = lambda: (
+            coordinator.failures + (matcher.failures if matcher is not None else 0)
+        )
+        coordinator.start_heartbeat(
+            report=lambda: value_report(boot, node.counters, node.tier_gauges())
+        )
 
     def close(self) -> None:
         self.node.close()

@@ -9,6 +9,7 @@ they hold in an unshared L1, one batch per peer. See ``docs/node.md``.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Final, Literal, NamedTuple
@@ -57,6 +58,7 @@ class TieredFetch:
         layout: KVLayout,
         on_l1_hit: Callable[[ObjectKey], None],
         counters: Counter[str],
+        observe: Callable[[str, float], None] = lambda _source, _seconds: None,
     ) -> None:
         self.l1 = l1
         self.l2 = l2
@@ -65,10 +67,15 @@ class TieredFetch:
         self.layout = layout
         self._on_l1_hit = on_l1_hit
         self._counters = counters
+        self._observe = observe  # (source, seconds) of each batched step
 
-    def fetch(self, keys: Sequence[ObjectKey]) -> dict[ObjectKey, Fetched]:
-        """One batched step: local L1, then this node's L2, then peer L1s; absent = miss."""
+    def fetch(
+        self, keys: Sequence[ObjectKey], listed: set[ObjectKey] | None = None
+    ) -> dict[ObjectKey, Fetched]:
+        """One batched step: local L1, then this node's L2, then peer L1s; absent = miss.
+        ``listed`` collects the keys the fleet listed on another instance."""
         found: dict[ObjectKey, Fetched] = {}
+        started = time.perf_counter()
         missing: list[ObjectKey] = []
         for key in keys:
             chunk = self.l1.get(key)
@@ -77,18 +84,23 @@ class TieredFetch:
                 self._on_l1_hit(key)
             else:
                 missing.append(key)
+        self._observe(LOCAL_L1, time.perf_counter() - started)
         if missing and self.l2 is not None:
+            started = time.perf_counter()
             for key, chunk in self.l2.get_many(missing).items():
                 if self._usable(chunk):
                     found[key] = Fetched(chunk, L2, self.l2.name)
             missing = [k for k in missing if k not in found]
+            self._observe(L2, time.perf_counter() - started)
         if missing and self.fleet is not None:
-            for instance_id, peer_keys in self._peer_batches(missing).items():
+            for instance_id, peer_keys in self._peer_batches(missing, listed).items():
                 peer = self.fleet.peer(instance_id)
                 if peer is None:
                     continue
                 asked = set(peer_keys)
+                started = time.perf_counter()
                 reply = peer.fetch(peer_keys)
+                self._observe(PEER_L1, time.perf_counter() - started)
                 if reply.failure:
                     self._counters[f"peer_fetch_{reply.failure}"] += 1
                 if reply.dropped:
@@ -114,11 +126,15 @@ class TieredFetch:
                 hit += 1
         return hit
 
-    def _peer_batches(self, keys: Sequence[ObjectKey]) -> dict[str, list[ObjectKey]]:
+    def _peer_batches(
+        self, keys: Sequence[ObjectKey], listed: set[ObjectKey] | None
+    ) -> dict[str, list[ObjectKey]]:
         """Per peer, the keys to ask it for: its first unshared L1 placement of each key."""
         batches: dict[str, list[ObjectKey]] = {}
         assert self.fleet is not None
         for key, holders in zip(keys, self.fleet.holders(keys), strict=False):
+            if listed is not None and any(h.instance_id != self.instance_id for h in holders):
+                listed.add(key)
             for holder in holders:
                 if (
                     holder.tier == TIER_L1

@@ -108,6 +108,8 @@ class BlendIndex:
         self._base_pow = pow(base, chunk_size, p)
         self._fmask = (1 << _fingerprint_bits) - 1
         self._lock = threading.Lock()
+        self.false_probes = 0
+        """Windows the filter let through that no content had (a counter: ``/metrics``)."""
         self._scratch = threading.local()
         self._state = IndexState(chunk_size, base, self._fmask)
 
@@ -226,11 +228,12 @@ class BlendIndex:
                 if ns is None:
                     continue
                 names = state.hashes
-                pos, occ, off = kernels.scan(
+                pos, occ, off, false_probes = kernels.scan(
                     q, start, stop, stride, chunk, ns, self._base, self._base_pow, self._fmask,
                     state.kernel_arrays, scratch, _cpython.list_items_address(names),
                     _cpython.BYTES_DATA_OFFSET,
                 )  # fmt: skip
+                self.false_probes += false_probes
                 if pos.shape[0] == 0:
                     continue
                 hashes = list(map(names.__getitem__, occ.tolist()))

@@ -80,7 +80,8 @@ def scan(
 
     ``arrays`` is the index's ``BlendArrays``, ``buffers`` a :class:`ScanScratch` that fits
     ``stop - start`` windows, both as plain tuples (see ``BlendArrays``). Returns (positions,
-    occupants, stored offsets). ``names_items`` (address of the caller's occupant →
+    occupants, stored offsets, false-positive probes: windows the filter passed whose
+    fingerprint no content has). ``names_items`` (address of the caller's occupant →
     chunk_hash list items) and ``hash_data_off`` only steer prefetches of what the caller
     reads next."""
     s = BlendArrays(*arrays)
@@ -90,7 +91,7 @@ def scan(
     filt, cand_pos, cand_fp = s.filt, scratch.cand_pos, scratch.cand_fp
     n = stop - start
     if n <= 0:
-        return np.empty(0, np.int64), np.empty(0, np.int32), np.empty(0, np.int64)
+        return np.empty(0, np.int64), np.empty(0, np.int32), np.empty(0, np.int64), 0
     if cand_pos.shape[0] < n or cand_fp.shape[0] < n:
         raise ValueError("scan scratch too small (see ScanScratch.for_windows)")
     if stride * 2 < chunk:
@@ -249,7 +250,8 @@ def _resolve(
     prefetches per level: table slots, the run's fingerprints, content heads, occupant rows
     and token lines), so the cache misses of all candidates overlap instead of costing one
     serial chain per candidate; the decisions are then taken in candidate order, exactly as
-    a one-candidate-at-a-time walk would. Returns (positions, occupants, stored offsets)."""
+    a one-candidate-at-a-time walk would. Returns (positions, occupants, stored offsets,
+    false-positive probes)."""
     table, c_fp, c_addr, c_first = s.table, s.c_fp, s.c_addr, s.c_first
     o_i32, o_i64, claims = s.o_i32, s.o_i64, s.claims
     tmask = table.shape[0] - 1
@@ -274,9 +276,11 @@ def _resolve(
     pair_c = np.empty(n_run, np.int64)
     pair_cid = np.empty(n_run, np.int64)
     n_p = 0
+    n_false = 0  # candidates whose fingerprint no content has: the filter's false positives
     for c in range(n_c):
         fp = cand_fp[c]
         slot = slots[c]
+        n_before = n_p
         while True:
             cid = table[slot]
             if cid == -1:
@@ -288,6 +292,8 @@ def _resolve(
                 n_p += 1
                 prefetch(c_first, cid)  # type: ignore[call-arg]
                 prefetch(c_addr, cid)  # type: ignore[call-arg]
+        if n_p == n_before:
+            n_false += 1
     o_base = o_i32.ctypes.data
     o_row = o_i32.strides[0]
     o64_base = o_i64.ctypes.data
@@ -349,4 +355,4 @@ def _resolve(
         # and the chunk_hash object's header (refcount, cached hash)
         prefetch_addr(names_items + 8 * o)  # type: ignore[call-arg]
         prefetch_addr(o_i64[o, O_HADDR] - hash_data_off)  # type: ignore[call-arg]
-    return out_pos[:n_out], out_occ[:n_out], out_off
+    return out_pos[:n_out], out_occ[:n_out], out_off, n_false

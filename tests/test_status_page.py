@@ -1,0 +1,192 @@
+"""The status page as an operator sees it: ``kvatlas demo --serve`` (a real coordinator and two
+node processes, real traffic) rendered by headless Chromium at 1280×800, with an instance
+whose name is markup; and ``--serve`` stopping cleanly on Ctrl-C.
+
+Set ``KVATLAS_STATUS_SCREENSHOT=path.png`` to keep the screenshot (docs/img/status.png).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvatlas.asgi_thread import free_port
+from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.server import BackgroundServer
+from tests.browser_support import Browser, require_chromium
+from tests.conftest import wait_for
+
+EVIL_ID = "<img src=x onerror=alert(1)>"
+EVIL_BACKEND = "<script>alert(1)</script>"
+URL_LINE = re.compile(r"status page: (http://[\d.:]+)/")
+
+
+@contextmanager
+def serving_demo(*flags: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """``kvatlas demo --serve`` in its own process; yields it and the coordinator's URL."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvatlas.cli", "demo", "--serve", "--seed", "1", *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"},
+    )
+    assert proc.stdout is not None
+    lines = []
+    try:
+        for line in proc.stdout:  # ends when the demo exits without serving
+            lines.append(line)
+            found = URL_LINE.search(line)
+            if found:
+                yield proc, found.group(1)
+                break
+        else:
+            pytest.fail("demo --serve exited without a status page URL:\n" + "".join(lines))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=60)
+
+
+def interrupt(proc: subprocess.Popen[str]) -> int:
+    proc.send_signal(signal.SIGINT)
+    return proc.wait(timeout=60)
+
+
+def test_demo_serve_keeps_the_embedded_fleet_up_until_ctrl_c() -> None:
+    with serving_demo("--documents", "4", "--queries", "3") as (proc, url):
+        page = httpx.get(f"{url}/", timeout=30)
+        assert page.status_code == 200
+        assert "kvatlas coordinator" in page.text
+        assert "node-0" in page.text and "node-1" in page.text
+        # the pulse reports what the nodes did: query tokens arrive in the view
+        assert wait_for(
+            lambda: httpx.get(f"{url}/status.json").json()["value"]["query_tokens"] > 0, 30
+        )
+        assert interrupt(proc) == 0
+
+
+def test_status_page_in_headless_chromium(tmp_path: Path) -> None:
+    chromium = require_chromium()
+    with serving_demo("--processes", "--documents", "6", "--queries", "6") as (proc, url):
+        # bad input: an instance id and a backend that are markup (the id rule allows both)
+        reply = httpx.post(
+            f"{url}/instances",
+            json={"instance_id": EVIL_ID, "metadata": {"backend": EVIL_BACKEND}},
+        )
+        assert reply.status_code == 200, reply.text
+
+        # the nodes report with every heartbeat (5 s): wait until both did
+        def reported() -> bool:
+            fleet = httpx.get(f"{url}/status.json").json()["fleet"]
+            return sum(1 for row in fleet if row["tiers"] is not None) >= 2
+
+        assert wait_for(reported, 60, interval=0.5)
+        browser = Browser(chromium, tmp_path / "profile")
+        try:
+            browser.navigate(f"{url}/")
+            # the script replaces the server-rendered body every few seconds
+            browser.wait_for(
+                lambda: browser.evaluate(
+                    "document.getElementById('updated').textContent"
+                ).startswith("updated"),
+                30,
+            )
+            shot = browser.screenshot(tmp_path / "status.png")
+            assert shot.stat().st_size > 10_000
+            keep = os.environ.get("KVATLAS_STATUS_SCREENSHOT")
+            if keep:
+                shutil.copy(shot, keep)
+            ids = browser.evaluate(
+                "[...document.querySelectorAll('#fleet td.id')].map(td => td.textContent)"
+            )
+            assert {"node-a", "node-b", EVIL_ID} <= set(ids)
+            backends = browser.evaluate(
+                "[...document.querySelectorAll('#fleet tbody tr')].map(tr => tr.cells[2].textContent)"
+            )
+            assert EVIL_BACKEND in backends
+            # rendered as text: no element came out of the markup, nothing ran
+            assert (
+                browser.evaluate("document.querySelectorAll('#status img, #status script').length")
+                == 0
+            )
+            assert browser.evaluate("document.getElementById('readiness').textContent") == "serving"
+            for ratio in ("prefix", "fragment", "regret"):
+                text = browser.evaluate(f"document.getElementById('{ratio}-ratio').textContent")
+                assert re.fullmatch(r"\d+\.\d%", text), (ratio, text)
+            prefix = float(
+                browser.evaluate("document.getElementById('prefix-ratio').textContent")[:-1]
+            )
+            assert prefix > 0  # the demo's queries reuse cached prefixes
+            traffic = browser.evaluate("document.getElementById('traffic').textContent")
+            assert "lookups/s" in traffic and "blend p99" in traffic
+            bars = browser.evaluate("document.querySelectorAll('#fleet .bar').length")
+            assert bars >= 2  # L1 of both nodes against capacity
+            assert browser.evaluate("document.querySelectorAll('#value svg').length") == 3
+            assert browser.problems == [], browser.problems
+            assert browser.console == []
+        finally:
+            browser.close()
+        assert interrupt(proc) == 0
+
+
+def test_status_page_reads_without_javascript(tmp_path: Path) -> None:
+    """Chromium with JavaScript off: the server-rendered page shows the fleet and the value."""
+    chromium = require_chromium()
+    with serving_demo("--documents", "4", "--queries", "3") as (proc, url):
+        browser = Browser(chromium, tmp_path / "profile")
+        try:
+            browser.call("Emulation.setScriptExecutionDisabled", value=True)
+            browser.navigate(f"{url}/status")
+            root = browser.call("DOM.getDocument")["root"]["nodeId"]
+            dom = browser.call("DOM.getOuterHTML", nodeId=root)["outerHTML"]
+            browser.screenshot(tmp_path / "no-js.png")
+            assert browser.problems == [], browser.problems
+        finally:
+            browser.close()
+        assert 'id="fleet"' in dom and "node-0" in dom and "node-1" in dom
+        assert 'id="prefix-ratio"' in dom and "rendered " in dom  # the script never ran
+        assert interrupt(proc) == 0
+
+
+def test_with_auth_the_page_asks_for_a_token_and_keeps_it_in_the_tab(tmp_path: Path) -> None:
+    chromium = require_chromium()
+    admin = "admin-" + "a" * 32
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps({"tokens": [{"token": admin, "roles": ["admin"]}]}))
+    tokens.chmod(0o600)
+    config = CoordinatorConfig(port=free_port(), auth_token_file=tokens, log_level="warning")
+    with BackgroundServer(config) as server:
+        reply = httpx.post(
+            f"{server.url}/instances",
+            json={"instance_id": "node-secret"},
+            headers={"Authorization": f"Bearer {admin}"},
+        )
+        assert reply.status_code == 200
+        browser = Browser(chromium, tmp_path / "profile")
+        try:
+            browser.navigate(f"{server.url}/")
+            assert browser.evaluate("document.querySelectorAll('#login input').length") == 1
+            assert "node-secret" not in browser.evaluate("document.body.textContent")
+            browser.evaluate(
+                f"document.querySelector('#login input').value = '{admin}';"
+                "document.getElementById('login').requestSubmit()"
+            )
+            browser.wait_for(lambda: browser.evaluate("!!document.getElementById('fleet')"), 30)
+            assert "node-secret" in browser.evaluate("document.getElementById('fleet').textContent")
+            assert browser.evaluate("sessionStorage.getItem('kvatlas.token')") == admin
+            assert browser.evaluate("document.getElementById('logout').hidden") is False
+            assert browser.problems == [], browser.problems
+        finally:
+            browser.close()
