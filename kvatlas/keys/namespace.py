@@ -1,5 +1,7 @@
-"""BlendNamespace: the scope within which a stored chunk may be served to a requester; and
-BlendMatch, what a fragment lookup finds in it.
+"""BlendNamespace: the scope within which a stored chunk may be served to a requester;
+BlendMatch, what a fragment lookup finds in it; and :func:`leftmost_greedy`, the one rule by
+which overlapping matches become the coverage a request reuses (the node's blend lookup and
+the coordinator's route scoring both resolve matches with it).
 
 Another model's KV is not interchangeable, another tenant's salt is isolated by design and
 another parallel layout shards heads differently, so a fragment match is only ever served
@@ -8,7 +10,9 @@ inside the namespace that stored it. ``object_group_id`` is deliberately not par
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvatlas.checks import is_plain_int
 from kvatlas.keys.object_key import ObjectKey, check_cache_salt, check_model_name
@@ -39,3 +43,23 @@ class BlendMatch:
     chunk_hash: bytes
     old_st: int
     cur_st: int
+
+
+T = TypeVar("T")
+
+
+def leftmost_greedy(
+    ordered: Iterable[T], start: Callable[[T], int], end: Callable[[T], int]
+) -> list[T]:
+    """The items of ``ordered`` (already in leftmost order: by start, ties in the caller's
+    preference) that start at or after the end of the last one kept: pairwise disjoint and
+    maximal. For equal-length items (whole chunks) it keeps the most items, hence covers the
+    most tokens: the earliest start is then also the earliest end, the classic optimal
+    interval-scheduling greedy."""
+    kept: list[T] = []
+    frontier = -1
+    for item in ordered:
+        if start(item) >= frontier:
+            kept.append(item)
+            frontier = end(item)
+    return kept

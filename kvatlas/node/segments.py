@@ -23,9 +23,10 @@ import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from operator import attrgetter
 from typing import Final, Literal
 
-from kvatlas.keys import BlendMatch
+from kvatlas.keys import BlendMatch, leftmost_greedy
 
 Source = Literal["local", "fleet", "both"]
 SOURCES: Final = ("local", "fleet", "both")
@@ -215,14 +216,12 @@ def resolve_overlaps(
     """
     ordered = sorted(candidates, key=_leftmost_key)
     if not prefer_cheaper:
-        kept: list[Segment] = []
-        frontier = -1
-        for s in ordered:
-            if s.cur_st >= frontier:
-                kept.append(s)
-                frontier = s.end
-        return kept
+        return leftmost_greedy(ordered, _start, _end)
     return _resolve_cheaper(ordered)
+
+
+_start = attrgetter("cur_st")
+_end = attrgetter("end")
 
 
 def _resolve_cheaper(ordered: Sequence[Segment]) -> list[Segment]:
