@@ -2,7 +2,7 @@
 
 Per request, not per instance: **one** blend match (the fragments) and **one** prefix walk
 (the query's chunk hashes, looked up in growing windows until no candidate holds the next
-chunk); each key's placements become a :class:`~kvatlas.coordinator.scoring.Reach` once, and
+chunk); each chunk's placements become one :class:`~kvatlas.coordinator.scoring.Access`, and
 :mod:`kvatlas.coordinator.scoring` scores every candidate from those. Runs on the match pool,
 never on the event loop. Validation and errors are the blend lookup's (same body fields, same
 messages), plus ``instances`` and ``weights``. See docs/route-scoring.md.
@@ -21,10 +21,9 @@ from kvatlas.auth import Principal
 from kvatlas.coordinator.query import BlendQuery, blend_query, decode_query_body
 from kvatlas.coordinator.schemas import RouteScoreBody
 from kvatlas.coordinator.scoring import (
-    ChunkReach,
+    Access,
     Fragment,
     InstanceScore,
-    Reach,
     Weights,
     cover_fragments,
     instance_score,
@@ -38,7 +37,7 @@ from kvatlas.errors import PayloadTooLarge, Unprocessable
 from kvatlas.keys import KeyScheme, check_instance_id, expand_prefix_keys
 from kvatlas.web import json_encoder
 
-FIRST_WINDOW = 32
+FIRST_WINDOW = 16
 """Chunks the prefix walk looks up at first; each further window is twice the last."""
 
 _body_decoder = msgspec.json.Decoder(RouteScoreBody)
@@ -97,36 +96,29 @@ def score_routes(
     tokens, ns = query.tokens, query.namespace
     matches = directory.blend_match(tokens, ns)
 
-    def reaches(hashes: Sequence[bytes]) -> list[ChunkReach]:
+    def access(hashes: Sequence[bytes], reach: frozenset[str] | None) -> list[Access]:
         keys = expand_prefix_keys(hashes, ns.model_name, ns.world_size, ns.cache_salt)
-        found = [Reach.of(kp.placements, weights) for kp in directory.lookup(keys)]
+        found = [kp.placements for kp in directory.lookup(keys)]
         ws = ns.world_size
-        return [found[c * ws : (c + 1) * ws] for c in range(len(hashes))]
+        return [Access.of(found[c * ws : (c + 1) * ws], reach, weights) for c in range(len(hashes))]
 
     hashes = scheme.chunk_hashes(tokens)
 
-    def prefix_chunks() -> Iterator[ChunkReach]:
+    def prefix_chunks() -> Iterator[Access]:
         start, window = 0, FIRST_WINDOW
         while start < len(hashes):
-            yield from reaches(hashes[start : start + window])
+            yield from access(hashes[start : start + window], None)
             start, window = start + window, 2 * window
 
-    prefix = walk_prefix(candidates, prefix_chunks(), weights)
-    shortest = min(len(p) for p in prefix.values()) * size
+    prefix = walk_prefix(candidates, prefix_chunks())
+    prefix_tokens = {i: len(classes) * size for i, classes in prefix.items()}
+    shortest = min(prefix_tokens.values())
     late = [m for m in matches if m.cur_st >= shortest]  # inside every prefix: no fragment
     distinct = list(dict.fromkeys(m.chunk_hash for m in late))
-    by_hash = dict(zip(distinct, reaches(distinct), strict=True))
+    by_hash = dict(zip(distinct, access(distinct, peers), strict=True))
     fragments: list[Fragment] = [(m.cur_st, by_hash[m.chunk_hash]) for m in late]
-    return rank_scores(
-        instance_score(
-            i,
-            prefix[i],
-            cover_fragments(i, len(prefix[i]) * size, fragments, size, peers, weights),
-            size,
-            weights,
-        )
-        for i in candidates
-    )
+    covered = cover_fragments(candidates, prefix_tokens, fragments, size, weights)
+    return rank_scores(instance_score(i, prefix[i], covered[i], size, weights) for i in candidates)
 
 
 class RouteScoring:

@@ -2,8 +2,9 @@
 blend matches to one score per candidate instance (spec kv-events §4, docs/route-scoring.md).
 
 Pure and per request: :mod:`kvatlas.coordinator.route_score` does the one blend match and the
-one prefix walk and hands the placements here as :class:`Reach` values (one per key, built
-once, shared by every candidate), so the per-instance work is a pass over small tuples.
+one prefix walk and hands the placements here; each chunk becomes one :class:`Access` (built
+once, shared by every candidate), so the per-instance work is a dictionary lookup per chunk,
+and candidates that hold none of the fragments share one coverage pass.
 
 Every copy an instance can use scores as one of :data:`TIER_CLASSES`: its own copies by their
 tier (:data:`OWN_TIER_CLASS`: engine GPU memory ``gpu``, node DRAM and engine CPU memory
@@ -18,7 +19,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import TYPE_CHECKING, Final
 
 from kvatlas.keys import leftmost_greedy
@@ -49,6 +49,12 @@ class Weights:
 
     by_class: tuple[float, ...]
     fragment: float
+    rank: tuple[int, ...] = ()
+    """Each class's place in the preference order (higher is better), derived."""
+
+    def __post_init__(self) -> None:
+        order = sorted(range(len(self.by_class)), key=self.preference)
+        object.__setattr__(self, "rank", tuple(order.index(c) for c in range(len(order))))
 
     @classmethod
     def of(cls, overrides: Mapping[str, float] | None, fragment: float) -> Weights:
@@ -69,88 +75,96 @@ class Weights:
         """Higher is better: the weight, then the class order (gpu before l1 before l2)."""
         return (self.by_class[c], -c)
 
+    def better(self, a: Class | None, b: Class | None) -> Class | None:
+        """The preferred of two ways to use a copy (``None``: no way)."""
+        if a is None:
+            return b
+        return a if b is None or self.rank[a] > self.rank[b] else b
+
+    def worse(self, a: Class | None, b: Class | None) -> Class | None:
+        """What a chunk needing both counts as (``None`` if either is out of reach)."""
+        if a is None or b is None:
+            return None
+        return a if self.rank[a] < self.rank[b] else b
+
 
 @dataclass(frozen=True, slots=True)
-class Reach:
-    """Who can use one key without recompute, and how: each instance's best own class, the
-    best shared-pool class, and the instances whose own L1 holds it (what peers fetch)."""
+class Access:
+    """Who can use one chunk of the query (every rank of it) and in which class: each of
+    ``named`` (``None``: it cannot), and ``others`` for every other instance. Built once per
+    chunk, so asking for one instance is one dictionary lookup."""
 
-    own: dict[str, Class]
-    shared: Class | None
-    l1_holders: frozenset[str]
+    named: dict[str, Class | None]
+    others: Class | None
+
+    def class_for(self, instance_id: str) -> Class | None:
+        return self.named.get(instance_id, self.others)
 
     @classmethod
-    def of(cls, placements: Iterable[Placement], weights: Weights) -> Reach:
-        own: dict[str, Class] = {}
-        shared: Class | None = None
-        holders = []
-        pref = weights.preference
-        for p in placements:
-            if p.shared:
-                if shared is None or pref(SHARED_CLASS) > pref(shared):
-                    shared = SHARED_CLASS
-                continue
-            c = OWN_TIER_CLASS.get(p.tier, L2)
-            old = own.get(p.instance_id)
-            if old is None or pref(c) > pref(old):
-                own[p.instance_id] = c
-            if p.tier in PEER_TIERS:
-                holders.append(p.instance_id)
-        return cls(own, shared, frozenset(holders))
-
-    def best_for(
-        self, instance_id: str, peers: frozenset[str] | None, weights: Weights
-    ) -> Class | None:
-        """The best class ``instance_id`` can use this key in (``None``: it cannot); peer L1
-        counts only when ``peers`` (the live instances) is given."""
-        pref = weights.preference
-        best = self.own.get(instance_id)
-        shared = self.shared
-        if shared is not None and (best is None or pref(shared) > pref(best)):
-            best = shared
-        if (
-            peers is not None
-            and (best is None or pref(PEER) > pref(best))
-            and any(h != instance_id and h in peers for h in self.l1_holders)
-        ):
-            best = PEER
-        return best
+    def of(
+        cls, ranks: Sequence[Sequence[Placement]], peers: frozenset[str] | None, weights: Weights
+    ) -> Access:
+        """From each rank's placements: own copies by tier, shared pools, and (``peers``
+        given: fragments) a live peer's L1; a chunk counts as its worst rank."""
+        per_rank = [
+            _rank_access(placements, peers, weights) if placements else NOBODY
+            for placements in ranks
+        ]
+        if len(per_rank) == 1:
+            return per_rank[0]
+        worse = weights.worse
+        names = set().union(*(a.named for a in per_rank))
+        named: dict[str, Class | None] = {}
+        for instance_id in names:
+            c: Class | None = per_rank[0].class_for(instance_id)
+            for a in per_rank[1:]:
+                c = worse(c, a.class_for(instance_id))
+            named[instance_id] = c
+        others = per_rank[0].others
+        for a in per_rank[1:]:
+            others = worse(others, a.others)
+        return cls(named, others)
 
 
-ChunkReach = Sequence[Reach]
-"""One chunk of the query: the reach of each rank's key (``world_size`` of them)."""
+NOBODY: Final = Access({}, None)
+"""A key no one holds."""
 
 
-def chunk_class(
-    instance_id: str, ranks: ChunkReach, peers: frozenset[str] | None, weights: Weights
-) -> Class | None:
-    """The class one instance can use a whole chunk in: every rank's key is needed, so the
-    worst rank counts (``None``: some rank is out of reach)."""
-    worst: Class | None = None
-    pref = weights.preference
-    for reach in ranks:
-        best = reach.best_for(instance_id, peers, weights)
-        if best is None:
-            return None
-        if worst is None or pref(best) < pref(worst):
-            worst = best
-    return worst
+def _rank_access(
+    placements: Sequence[Placement], peers: frozenset[str] | None, weights: Weights
+) -> Access:
+    """One key: each owner's best own class, anyone's best shared or peer class."""
+    better = weights.better
+    own: dict[str, Class | None] = {}
+    shared: Class | None = None
+    holders: list[str] = []
+    for p in placements:
+        if p.shared:
+            shared = better(shared, SHARED_CLASS)
+            continue
+        own[p.instance_id] = better(own.get(p.instance_id), OWN_TIER_CLASS.get(p.tier, L2))
+        if peers is not None and p.tier in PEER_TIERS and p.instance_id in peers:
+            holders.append(p.instance_id)
+    others = better(shared, PEER) if holders else shared
+    named: dict[str, Class | None] = {}
+    for instance_id, c in own.items():
+        peer = any(h != instance_id for h in holders)
+        named[instance_id] = better(better(c, shared), PEER if peer else None)
+    return Access(named, others)
 
 
-def walk_prefix(
-    candidates: Sequence[str], chunks: Iterable[ChunkReach], weights: Weights
-) -> dict[str, list[Class]]:
+def walk_prefix(candidates: Sequence[str], chunks: Iterable[Access]) -> dict[str, list[Class]]:
     """One walk over the query's leading chunks for every candidate at once: each one's
     classes of the leading chunks it can load from its own tiers or a shared pool. The walk
     stops at the first chunk no candidate can load (``chunks`` may be lazy)."""
     out: dict[str, list[Class]] = {i: [] for i in candidates}
     live = list(out)
-    for ranks in chunks:
+    for access in chunks:
         if not live:
             break
         still = []
         for instance_id in live:
-            c = chunk_class(instance_id, ranks, None, weights)
+            c = access.class_for(instance_id)
             if c is not None:
                 out[instance_id].append(c)
                 still.append(instance_id)
@@ -158,34 +172,71 @@ def walk_prefix(
     return out
 
 
-Fragment = tuple[int, ChunkReach]
-"""A blend match: where it starts in the query, and its chunk's reach."""
+Fragment = tuple[int, Access]
+"""A blend match: where it starts in the query, and who can fetch its chunk."""
 
 
 def cover_fragments(
-    instance_id: str,
-    prefix_tokens: int,
+    candidates: Sequence[str],
+    prefix_tokens: Mapping[str, int],
     fragments: Sequence[Fragment],
     chunk_size: int,
-    peers: frozenset[str],
     weights: Weights,
+) -> dict[str, list[Class]]:
+    """Each candidate's classes of the matches it reuses after its prefix: those at or after
+    its ``prefix_tokens`` it can fetch (own tiers, shared pools, a live peer's L1), made
+    disjoint leftmost-greedy as the node resolves them; at equal starts the better class
+    wins. ``fragments`` are in query order.
+
+    Matches are merged by start once; each start gets the class any instance would have
+    (``others``) and, for the instances some match there names, their own. Candidates no
+    match names share one pass per prefix length."""
+    better = weights.better
+    starts: list[int] = []
+    others: list[Class | None] = []
+    own: dict[str, dict[int, Class | None]] = {}
+    here: set[str] = set()  # the instances named at the current start
+    for start, access in fragments:
+        if not starts or starts[-1] != start:
+            starts.append(start)
+            others.append(None)
+            here = set()
+        k = len(starts) - 1
+        for instance_id in here - access.named.keys():
+            own[instance_id][k] = better(own[instance_id][k], access.others)
+        for instance_id, c in access.named.items():
+            mine = own.setdefault(instance_id, {})
+            mine[k] = better(mine[k] if instance_id in here else others[k], c)
+            here.add(instance_id)
+        others[k] = better(others[k], access.others)
+    generic: dict[int, list[Class]] = {}
+    out: dict[str, list[Class]] = {}
+    for instance_id in candidates:
+        p = prefix_tokens[instance_id]
+        if instance_id not in own:
+            if p not in generic:
+                generic[p] = _cover(starts, others, p, chunk_size)
+            out[instance_id] = generic[p]
+        else:
+            classes = list(others)
+            for k, c in own[instance_id].items():
+                classes[k] = c
+            out[instance_id] = _cover(starts, classes, p, chunk_size)
+    return out
+
+
+def _cover(
+    starts: Sequence[int], classes: Sequence[Class | None], prefix_tokens: int, chunk_size: int
 ) -> list[Class]:
-    """The classes of the matches one instance reuses after its prefix: those at or after
-    ``prefix_tokens`` it can fetch (own tiers, shared pools, a live peer's L1), made disjoint
-    leftmost-greedy as the node resolves them; at equal starts the better class wins."""
-    usable = []
-    for start, ranks in fragments:
-        if start >= prefix_tokens:
-            c = chunk_class(instance_id, ranks, peers, weights)
-            if c is not None:
-                usable.append((start, c))
-    w = weights.by_class
-    usable.sort(key=lambda sc: (sc[0], -w[sc[1]], sc[1]))
-    kept = leftmost_greedy(usable, _start, lambda sc: sc[0] + chunk_size)
-    return [c for _, c in kept]
-
-
-_start = itemgetter(0)
+    """The classes of the chunks kept at ``starts`` (one candidate's ``classes``)."""
+    usable = [
+        k
+        for k, (s, c) in enumerate(zip(starts, classes, strict=True))
+        if s >= prefix_tokens and c is not None
+    ]
+    at = [starts[k] for k in usable]
+    kept = leftmost_greedy(at, [s + chunk_size for s in at])
+    return [classes[usable[j]] for j in kept]  # type: ignore[misc]
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,9 +10,8 @@ inside the namespace that stored it. ``object_group_id`` is deliberately not par
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 from kvatlas.checks import is_plain_int
 from kvatlas.keys.object_key import ObjectKey, check_cache_salt, check_model_name
@@ -45,21 +44,16 @@ class BlendMatch:
     cur_st: int
 
 
-T = TypeVar("T")
-
-
-def leftmost_greedy(
-    ordered: Iterable[T], start: Callable[[T], int], end: Callable[[T], int]
-) -> list[T]:
-    """The items of ``ordered`` (already in leftmost order: by start, ties in the caller's
-    preference) that start at or after the end of the last one kept: pairwise disjoint and
-    maximal. For equal-length items (whole chunks) it keeps the most items, hence covers the
-    most tokens: the earliest start is then also the earliest end, the classic optimal
-    interval-scheduling greedy."""
-    kept: list[T] = []
+def leftmost_greedy(starts: Sequence[int], ends: Sequence[int]) -> list[int]:
+    """Of intervals ``[starts[k], ends[k])`` already in leftmost order (by start, ties in the
+    caller's preference), the indices of those that start at or after the end of the last one
+    kept: pairwise disjoint and maximal. For equal-length intervals (whole chunks) it keeps the
+    most, hence covers the most tokens: the earliest start is then also the earliest end, the
+    classic optimal interval-scheduling greedy."""
+    kept: list[int] = []
     frontier = -1
-    for item in ordered:
-        if start(item) >= frontier:
-            kept.append(item)
-            frontier = end(item)
+    for k, (start, end) in enumerate(zip(starts, ends, strict=True)):
+        if start >= frontier:
+            kept.append(k)
+            frontier = end
     return kept

@@ -23,7 +23,6 @@ import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from operator import attrgetter
 from typing import Final, Literal
 
 from kvatlas.keys import BlendMatch, leftmost_greedy
@@ -216,12 +215,9 @@ def resolve_overlaps(
     """
     ordered = sorted(candidates, key=_leftmost_key)
     if not prefer_cheaper:
-        return leftmost_greedy(ordered, _start, _end)
+        kept = leftmost_greedy([s.cur_st for s in ordered], [s.end for s in ordered])
+        return [ordered[k] for k in kept]
     return _resolve_cheaper(ordered)
-
-
-_start = attrgetter("cur_st")
-_end = attrgetter("end")
 
 
 def _resolve_cheaper(ordered: Sequence[Segment]) -> list[Segment]:
