@@ -134,22 +134,28 @@ def _rank_access(
     placements: Sequence[Placement], peers: frozenset[str] | None, weights: Weights
 ) -> Access:
     """One key: each owner's best own class, anyone's best shared or peer class."""
-    better = weights.better
-    own: dict[str, Class | None] = {}
+    rank = weights.rank
+    own: dict[str, Class] = {}
     shared: Class | None = None
     holders: list[str] = []
     for p in placements:
         if p.shared:
-            shared = better(shared, SHARED_CLASS)
+            shared = SHARED_CLASS
             continue
-        own[p.instance_id] = better(own.get(p.instance_id), OWN_TIER_CLASS.get(p.tier, L2))
+        c = OWN_TIER_CLASS.get(p.tier, L2)
+        old = own.get(p.instance_id)
+        if old is None or rank[c] > rank[old]:
+            own[p.instance_id] = c
         if peers is not None and p.tier in PEER_TIERS and p.instance_id in peers:
             holders.append(p.instance_id)
+    better = weights.better
     others = better(shared, PEER) if holders else shared
     named: dict[str, Class | None] = {}
     for instance_id, c in own.items():
-        peer = any(h != instance_id for h in holders)
-        named[instance_id] = better(better(c, shared), PEER if peer else None)
+        best = c if shared is None or rank[c] > rank[shared] else shared
+        if holders and rank[PEER] > rank[best] and any(h != instance_id for h in holders):
+            best = PEER
+        named[instance_id] = best
     return Access(named, others)
 
 
