@@ -119,6 +119,8 @@ def test_client_and_cli_read_the_same_ranking(
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.index(a) < out.index(b) < out.index(c)
+    assert main(["route", "--url", server.url, "--tokens-file", str(tokens)]) == 1  # no model
+    assert "model_name is required" in capsys.readouterr().err
 
 
 def test_fenced_instance_drops_out_and_its_l1_with_it(
