@@ -32,7 +32,9 @@ from tests.coordinator.helpers import (
     fresh,
     fresh_tokens,
     post_batches,
+    running,
 )
+from tests.coordinator.security_support import bearer, token, write_tokens
 
 ZERO = {"gpu": 0, "l1": 0, "l2": 0, "peer": 0}
 
@@ -217,3 +219,30 @@ def test_engine_tiers_through_the_consume_path(
         ("pod-a", 2 * CS, 0, weight * 2 * CS, {**ZERO, score_class: 2 * CS}),
         ("node-b", 0, 0, 0.0, ZERO),  # an engine's memory is not a peer's L1
     ]
+
+
+def test_auth_role_and_salt(tmp_path: Path) -> None:
+    """Role ``lookup`` is checked from the headers (ROUTE_ROLES); a salt-bound token scores
+    only its salts."""
+    emit, lookup_a = token("emit"), token("lookup-a")
+    tokens = write_tokens(
+        tmp_path / "tokens.json",
+        {"token": emit, "roles": ["emit"]},
+        {"token": lookup_a, "roles": ["lookup"], "cache_salts": ["a"]},
+    )
+    body = {"token_ids": [1, 2, 3, 4], "model_name": "m", "instances": ["x"]}
+    with running(auth_token_file=tokens) as (_, c):
+        assert_error(c.post("/route/score", json=body), 401)
+        assert (
+            "lookup"
+            in assert_error(c.post("/route/score", json=body, headers=bearer(emit)), 403)["detail"]
+        )
+        foreign = {**body, "cache_salt": "b"}
+        assert (
+            "b"
+            in assert_error(c.post("/route/score", json=foreign, headers=bearer(lookup_a)), 403)[
+                "detail"
+            ]
+        )
+        own = c.post("/route/score", json={**body, "cache_salt": "a"}, headers=bearer(lookup_a))
+        assert own.status_code == 200 and own.json()["query_tokens"] == 4
