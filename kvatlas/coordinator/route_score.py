@@ -11,6 +11,7 @@ messages), plus ``instances`` and ``weights``. See docs/route-scoring.md.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -133,6 +134,7 @@ class RouteScoring:
         return await loop.run_in_executor(self.pool, self.answer, raw, who)
 
     def answer(self, raw: bytes, who: Principal) -> bytes:
+        started = time.perf_counter()
         service = self.service
         config = service.config
         body = decode_query_body(_body_decoder, raw)
@@ -147,4 +149,6 @@ class RouteScoring:
         scores = score_routes(
             service.directory, service.scheme, asked.query, candidates, peers, asked.weights
         )
-        return json_encoder.encode(route_scores_to_wire(scores, asked.query_tokens))
+        reply = json_encoder.encode(route_scores_to_wire(scores, asked.query_tokens))
+        service.metrics.route_latency.observe(time.perf_counter() - started)
+        return reply

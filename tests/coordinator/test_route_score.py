@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvatlas.auth import ANONYMOUS_ADMIN
 from kvatlas.cli import main
@@ -137,6 +138,21 @@ def test_fenced_instance_drops_out_and_its_l1_with_it(
         (b, 0, 8, 0.85 * 0.8 * 8, {**ZERO, "l1": 8}),
         (c, 0, 8, 0.85 * 0.6 * 8, {**ZERO, "peer": 8}),
     ]
+
+
+def test_scoring_latency_is_a_metric(client: httpx.Client) -> None:
+    def count() -> float:
+        families = text_string_to_metric_families(client.get("/metrics").text)
+        return sum(
+            s.value
+            for f in families
+            for s in f.samples
+            if s.name == "kvatlas_route_score_seconds_count"
+        )
+
+    before = count()
+    assert client.post("/route/score", json={"token_ids": [1], "model_name": "m"}).is_success
+    assert count() == before + 1
 
 
 def test_empty_query_scores_zero(client: httpx.Client) -> None:
