@@ -1,4 +1,4 @@
-"""The ``kvatlas`` command: ``coordinator``, ``node``, ``demo`` and ``bench NAME``."""
+"""The ``kvatlas`` command: ``coordinator``, ``node``, ``route``, ``demo`` and ``bench NAME``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import sys
 from collections.abc import Sequence
 
 from kvatlas.bench import BENCHMARKS
+from kvatlas.client.route_client import ROUTE_HELP, RouteCommand, run_route_command
+from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args
 from kvatlas.coordinator.config import add_arguments as add_coordinator_arguments
 from kvatlas.coordinator.config import config_from_args
 from kvatlas.node.config import add_arguments as add_node_arguments
@@ -31,6 +33,13 @@ def _build_parser() -> argparse.ArgumentParser:
         description="A cache node: KV tiers, peer L1, engine API, events to the coordinator.",
     )
     add_node_arguments(node)
+
+    route = sub.add_parser(
+        "route",
+        help="score instances for a query (POST /route/score) and print the table",
+        description="Which instance should serve this query: prefix and fragment coverage by tier.",
+    )
+    add_dataclass_arguments(route, RouteCommand, ROUTE_HELP)
 
     demo = sub.add_parser("demo", help="run the fleet demo (RAG workload over 2 nodes)")
     demo.add_argument("--seed", type=int, default=0)
@@ -71,6 +80,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
         return run_node(node_config)
+    if args.command == "route":
+        try:
+            return run_route_command(dataclass_from_args(RouteCommand, args))
+        except (ValueError, OSError) as exc:
+            parser.error(str(exc))
     if args.command == "demo":
         if args.keys:
             from kvatlas.demo.keys import run_demo

@@ -22,6 +22,7 @@ from kvatlas.client.event_sink import (
     TransientSendError,
     Transport,
 )
+from kvatlas.client.route_client import RouteClient, RouteScore, RouteScores
 
 __all__ = [
     "AuthSendError",
@@ -34,6 +35,9 @@ __all__ = [
     "InProcessTransport",
     "PermanentSendError",
     "RedisStreamTransport",
+    "RouteClient",
+    "RouteScore",
+    "RouteScores",
     "SendTooLargeError",
     "SinkStats",
     "TransientSendError",

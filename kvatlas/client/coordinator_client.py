@@ -42,6 +42,26 @@ def encode_tokens_b64(token_ids: Any) -> str:
     return base64.b64encode(np.asarray(token_ids, dtype="<u4").tobytes()).decode("ascii")
 
 
+def call_json(http: httpx.Client, method: str, path: str, **kwargs: Any) -> Any:
+    """One request's JSON reply, or :class:`CoordinatorError` with the reply's ``detail``."""
+    try:
+        response = http.request(method, path, **kwargs)
+    except httpx.HTTPError as exc:
+        raise CoordinatorError(f"{method} {path}: {exc}") from exc
+    if response.status_code >= 400:
+        try:
+            detail = response.json().get("detail", response.text)
+        except ValueError:
+            detail = response.text
+        raise CoordinatorError(
+            f"{method} {path}: {response.status_code} {detail}", response.status_code
+        )
+    try:
+        return response.json()
+    except ValueError as exc:
+        raise CoordinatorError(f"{method} {path}: reply is not JSON: {exc}") from None
+
+
 class CoordinatorClient:
     def __init__(self, url: str, *, token: str | None = None, timeout: float = 5.0) -> None:
         self.url = url.rstrip("/")
@@ -55,25 +75,10 @@ class CoordinatorClient:
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
-            return self._call_once(method, path, **kwargs)
+            return call_json(self._http, method, path, **kwargs)
         except CoordinatorError:
             self.failures += 1
             raise
-
-    def _call_once(self, method: str, path: str, **kwargs: Any) -> Any:
-        try:
-            response = self._http.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise CoordinatorError(f"{method} {path}: {exc}") from exc
-        if response.status_code >= 400:
-            try:
-                detail = response.json().get("detail", response.text)
-            except ValueError:
-                detail = response.text
-            raise CoordinatorError(
-                f"{method} {path}: {response.status_code} {detail}", response.status_code
-            )
-        return response.json()
 
     # ------------------------------------------------------------------ instances
 

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from kvatlas import __version__
 from kvatlas.coordinator.asgi import Authenticate, BlendFastPath, install_validation_handler
 from kvatlas.coordinator.blend_lookup import BlendLookup
+from kvatlas.coordinator.route_score import RouteScoring
 from kvatlas.coordinator.routes import ROUTERS
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.web import BodyLimit, install_error_handler
@@ -37,6 +38,7 @@ def create_app(service: CoordinatorService) -> FastAPI:
     blend = BlendLookup(service, match_pool)
     app.state.service = service  # what routes/deps.py hands to the routes
     app.state.blend_lookup = blend
+    app.state.route_scoring = RouteScoring(service, match_pool)
     install_error_handler(app)
     install_validation_handler(app)
     for router in ROUTERS:

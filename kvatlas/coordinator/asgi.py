@@ -60,6 +60,7 @@ ROUTE_ROLES: dict[tuple[str, str], Access] = {
     ("POST", "/events"): Access(("emit",)),
     ("POST", "/directory/lookup"): Access(("lookup",)),
     ("POST", "/directory/blend-lookup"): Access(("lookup",)),
+    ("POST", "/route/score"): Access(("lookup",)),
     ("GET", "/directory/stats"): Access(("lookup",)),
     ("GET", "/directory/keys"): Access(("admin",)),
     ("POST", "/instances"): Access(("emit",), max_body=REGISTRATION_BODY_BYTES),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args
+from kvatlas.coordinator.scoring import DEFAULT_FRAGMENT_WEIGHT
 from kvatlas.events import EVENT_TRANSPORTS
 from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme
 
@@ -66,6 +67,7 @@ class CoordinatorConfig:
     emitter_retention: float = 3600.0
     public_metrics: bool | None = None  # None: public exactly when auth is off
     public_docs: bool | None = None
+    fragment_weight: float = DEFAULT_FRAGMENT_WEIGHT
 
     def __post_init__(self) -> None:
         KeyScheme(self.hash_scheme, self.chunk_size)  # validates both
@@ -82,6 +84,8 @@ class CoordinatorConfig:
             raise ValueError("--port must be <= 65535")
         if self.max_body_bytes is not None and self.max_body_bytes < 1:
             raise ValueError("--max-body-bytes must be >= 1")
+        if not math.isfinite(self.fragment_weight) or self.fragment_weight < 0:
+            raise ValueError("--fragment-weight must be a finite number >= 0")
         for name in (
             "snapshot_interval",
             "instance_timeout",
@@ -160,6 +164,8 @@ _HELP = {
     "(its cursor and metric series)",
     "public_metrics": "serve /metrics without a token (default: only when auth is off)",
     "public_docs": "serve /docs and /openapi.json without a token (default: only when auth is off)",
+    "fragment_weight": "route scoring: share at which fragment (blend) tokens count "
+    "(docs/route-scoring.md)",
 }
 
 

@@ -108,6 +108,12 @@ class CoordinatorMetrics:
             registry=r,
         )
         self.blend_matches = Counter("kvatlas_blend_matches", "blend matches returned", registry=r)
+        self.route_latency = Histogram(
+            "kvatlas_route_score_seconds",
+            "route scoring latency (POST /route/score)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.snapshot_duration = Gauge(
             "kvatlas_snapshot_duration_seconds", "last snapshot duration", registry=r
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import msgspec
 import numpy as np
@@ -190,13 +190,19 @@ def lookup_query(body: LookupRequest, max_tokens: int) -> KeysQuery | TokensQuer
 
 # ---------------------------------------------------------------------------- blend lookup
 
+S = TypeVar("S", bound=BlendLookupBody)
 _blend_body_decoder = msgspec.json.Decoder(BlendLookupBody)
 
 
 def decode_blend_body(raw: bytes) -> BlendLookupBody:
     """The blend-lookup body, decoded straight from bytes (the hot path: no dict, no model)."""
+    return decode_query_body(_blend_body_decoder, raw)
+
+
+def decode_query_body(decoder: msgspec.json.Decoder[S], raw: bytes) -> S:
+    """A token-query body (blend lookup, route scoring) from bytes, or a 422 naming the field."""
     try:
-        return _blend_body_decoder.decode(raw)
+        return decoder.decode(raw)
     except msgspec.MsgspecError as exc:
         raise Unprocessable(f"body: {exc}") from None
 

@@ -110,6 +110,31 @@ BLEND_LOOKUP_BODY_SCHEMA: dict[str, Any] = {
 }
 
 
+class RouteScoreBody(BlendLookupBody):
+    """``POST /route/score``: a blend-lookup body, plus whom to score and how."""
+
+    instances: Annotated[
+        list[str] | None,
+        msgspec.Meta(description="instance ids to score (default: every live instance)"),
+    ] = None
+    weights: Annotated[
+        dict[str, float] | None,
+        msgspec.Meta(description="tier weights to override: gpu, l1, l2, peer"),
+    ] = None
+
+
+ROUTE_SCORE_BODY_SCHEMA: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": msgspec.json.schema_components([RouteScoreBody])[1]["RouteScoreBody"]
+            }
+        },
+    }
+}
+
+
 class RegisterRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvatlas.checks import is_plain_int
 from kvatlas.coordinator.instances import Registration
+from kvatlas.coordinator.scoring import InstanceScore
 from kvatlas.coordinator.views import (
     Deregistration,
     EmitterView,
@@ -196,6 +197,23 @@ def blend_to_wire(matches: Sequence[BlendMatch], enabled: bool) -> dict[str, Any
             for m in matches
         ],
         "blend_enabled": enabled,
+    }
+
+
+def route_scores_to_wire(scores: Sequence[InstanceScore], query_tokens: int) -> dict[str, Any]:
+    """``POST /route/score``, best first; read back by ``kvatlas.client.route_client``."""
+    return {
+        "instances": [
+            {
+                "instance_id": s.instance_id,
+                "prefix_tokens": s.prefix_tokens,
+                "fragment_tokens": s.fragment_tokens,
+                "score": s.score,
+                "by_tier": s.by_tier,
+            }
+            for s in scores
+        ],
+        "query_tokens": query_tokens,
     }
 
 

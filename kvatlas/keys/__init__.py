@@ -16,7 +16,7 @@ from kvatlas.keys.chunk_hash import (
 from kvatlas.keys.extra_keys import MMItem
 from kvatlas.keys.mm_substitution import PlaceholderSpan, apply_mm_hashes_to_token_ids
 from kvatlas.keys.mm_values import clear_value_cache, mm_hash_to_token_values, mm_hash_values
-from kvatlas.keys.namespace import BlendMatch, BlendNamespace
+from kvatlas.keys.namespace import BlendMatch, BlendNamespace, leftmost_greedy
 from kvatlas.keys.object_key import (
     ObjectKey,
     check_cache_salt,
@@ -65,6 +65,7 @@ __all__ = [
     "clear_value_cache",
     "expand_prefix_keys",
     "extract_request",
+    "leftmost_greedy",
     "mm_hash_to_token_values",
     "mm_hash_values",
     "pack_kv_rank",

@@ -1,5 +1,7 @@
-"""BlendNamespace: the scope within which a stored chunk may be served to a requester; and
-BlendMatch, what a fragment lookup finds in it.
+"""BlendNamespace: the scope within which a stored chunk may be served to a requester;
+BlendMatch, what a fragment lookup finds in it; and :func:`leftmost_greedy`, the one rule by
+which overlapping matches become the coverage a request reuses (the node's blend lookup and
+the coordinator's route scoring both resolve matches with it).
 
 Another model's KV is not interchangeable, another tenant's salt is isolated by design and
 another parallel layout shards heads differently, so a fragment match is only ever served
@@ -8,6 +10,7 @@ inside the namespace that stored it. ``object_group_id`` is deliberately not par
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvatlas.checks import is_plain_int
@@ -39,3 +42,18 @@ class BlendMatch:
     chunk_hash: bytes
     old_st: int
     cur_st: int
+
+
+def leftmost_greedy(starts: Sequence[int], ends: Sequence[int]) -> list[int]:
+    """Of intervals ``[starts[k], ends[k])`` already in leftmost order (by start, ties in the
+    caller's preference), the indices of those that start at or after the end of the last one
+    kept: pairwise disjoint and maximal. For equal-length intervals (whole chunks) it keeps the
+    most, hence covers the most tokens: the earliest start is then also the earliest end, the
+    classic optimal interval-scheduling greedy."""
+    kept: list[int] = []
+    frontier = -1
+    for k, (start, end) in enumerate(zip(starts, ends, strict=True)):
+        if start >= frontier:
+            kept.append(k)
+            frontier = end
+    return kept

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final, Literal
 
-from kvatlas.keys import BlendMatch
+from kvatlas.keys import BlendMatch, leftmost_greedy
 
 Source = Literal["local", "fleet", "both"]
 SOURCES: Final = ("local", "fleet", "both")
@@ -215,13 +215,8 @@ def resolve_overlaps(
     """
     ordered = sorted(candidates, key=_leftmost_key)
     if not prefer_cheaper:
-        kept: list[Segment] = []
-        frontier = -1
-        for s in ordered:
-            if s.cur_st >= frontier:
-                kept.append(s)
-                frontier = s.end
-        return kept
+        kept = leftmost_greedy([s.cur_st for s in ordered], [s.end for s in ordered])
+        return [ordered[k] for k in kept]
     return _resolve_cheaper(ordered)
 
 

@@ -4,8 +4,15 @@ reply) and holds no logic of its own. ``app.py`` mounts them in the order of :da
 which is the order ``/openapi.json`` lists them in. See docs/coordinator.md ("API").
 """
 
-from kvatlas.coordinator.routes import directory, events, instances, ops, status
+from kvatlas.coordinator.routes import directory, events, instances, ops, route, status
 
-ROUTERS = (events.router, directory.router, instances.router, ops.router, status.router)
+ROUTERS = (
+    events.router,
+    directory.router,
+    route.router,
+    instances.router,
+    ops.router,
+    status.router,
+)
 
 __all__ = ["ROUTERS"]

@@ -3,7 +3,8 @@ blend-lookup handler, and the caller (:class:`~kvatlas.auth.Principal`, found fr
 headers by ``asgi.Authenticate`` before the body was read; 401 when auth is on and the bearer
 token is missing or unknown).
 
-``app.py`` puts the service and the handler on ``app.state`` (``service``, ``blend_lookup``).
+``app.py`` puts the service and the handlers on ``app.state`` (``service``, ``blend_lookup``,
+``route_scoring``).
 All are ``async``: a sync dependency would cost every request a thread-pool round trip.
 """
 
@@ -16,6 +17,7 @@ from fastapi import Depends, Request
 from kvatlas.auth import Principal
 from kvatlas.coordinator.asgi import principal_of
 from kvatlas.coordinator.blend_lookup import BlendLookup
+from kvatlas.coordinator.route_score import RouteScoring
 from kvatlas.coordinator.service import CoordinatorService
 
 
@@ -29,10 +31,16 @@ async def _blend(request: Request) -> BlendLookup:
     return blend
 
 
+async def _routes(request: Request) -> RouteScoring:
+    scoring: RouteScoring = request.app.state.route_scoring
+    return scoring
+
+
 async def _principal(request: Request) -> Principal:
     return principal_of(request.scope, request.app.state.service.auth)
 
 
 Service = Annotated[CoordinatorService, Depends(_service)]
 Blend = Annotated[BlendLookup, Depends(_blend)]
+Routes = Annotated[RouteScoring, Depends(_routes)]
 Caller = Annotated[Principal, Depends(_principal)]

@@ -1,0 +1,204 @@
+"""RouteClient: ask the coordinator which instance should serve a query (``POST /route/score``,
+docs/route-scoring.md), and the ``kvatlas route`` command that prints the answer as a table.
+
+Light like every client: httpx and numpy, no directory, no numba. The reply is parsed strictly
+(a malformed row is an error, never a half-read score); failures raise
+:class:`~kvatlas.client.coordinator_client.CoordinatorError` as the coordinator client does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvatlas.checks import is_plain_int
+from kvatlas.client.coordinator_client import (
+    CoordinatorError,
+    auth_headers,
+    call_json,
+    encode_tokens_b64,
+)
+
+TIER_NAMES = ("gpu", "l1", "l2", "peer")
+"""The ``by_tier`` keys of a reply (the coordinator's tier classes)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouteScore:
+    """One instance's row: the prefix it loads without recompute, the fragment tokens it can
+    fetch after that prefix, tokens per tier class, and the weighted score."""
+
+    instance_id: str
+    prefix_tokens: int
+    fragment_tokens: int
+    score: float
+    by_tier: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class RouteScores:
+    """The reply: rows best first, and how many tokens the query had."""
+
+    instances: list[RouteScore]
+    query_tokens: int
+
+    @property
+    def best(self) -> str | None:
+        return self.instances[0].instance_id if self.instances else None
+
+
+def _count(obj: Mapping[str, Any], name: str) -> int:
+    value = obj.get(name)
+    if not is_plain_int(value) or value < 0:
+        raise ValueError(f"{name} is not a count")
+    return int(value)
+
+
+def parse_route_scores(payload: Any) -> RouteScores:
+    """A ``POST /route/score`` reply, or ``ValueError`` naming what is wrong with it."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("instances"), list):
+        raise ValueError("reply has no 'instances' list")
+    rows = []
+    for row in payload["instances"]:
+        if not isinstance(row, dict) or not isinstance(row.get("instance_id"), str):
+            raise ValueError("row has no instance_id")
+        score = row.get("score")
+        if isinstance(score, bool) or not isinstance(score, int | float):
+            raise ValueError("score is not a number")
+        by_tier = row.get("by_tier")
+        if not isinstance(by_tier, dict) or set(by_tier) != set(TIER_NAMES):
+            raise ValueError(f"by_tier must have exactly {TIER_NAMES}")
+        rows.append(
+            RouteScore(
+                row["instance_id"],
+                _count(row, "prefix_tokens"),
+                _count(row, "fragment_tokens"),
+                float(score),
+                {name: _count(by_tier, name) for name in TIER_NAMES},
+            )
+        )
+    return RouteScores(rows, _count(payload, "query_tokens"))
+
+
+class RouteClient:
+    """``score()`` a query against the fleet; one persistent connection."""
+
+    def __init__(self, url: str, *, token: str | None = None, timeout: float = 5.0) -> None:
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=auth_headers(token))
+
+    def score(
+        self,
+        token_ids: Any,
+        model_name: str,
+        *,
+        world_size: int = 1,
+        cache_salt: str = "",
+        instances: Sequence[str] | None = None,
+        weights: Mapping[str, float] | None = None,
+    ) -> RouteScores:
+        """Every candidate (``instances``, default every live instance), best first."""
+        body: dict[str, Any] = {
+            "tokens_b64": encode_tokens_b64(token_ids),
+            "model_name": model_name,
+            "world_size": world_size,
+            "cache_salt": cache_salt,
+        }
+        if instances is not None:
+            body["instances"] = list(instances)
+        if weights is not None:
+            body["weights"] = dict(weights)
+        reply = call_json(self._http, "POST", "/route/score", json=body)
+        try:
+            return parse_route_scores(reply)
+        except ValueError as exc:
+            raise CoordinatorError(f"POST /route/score: malformed reply: {exc}") from None
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> RouteClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------- kvatlas route
+
+
+@dataclass(frozen=True)
+class RouteCommand:
+    """``kvatlas route``'s flags (each also ``KVATLAS_<NAME>``)."""
+
+    url: str = "http://127.0.0.1:9300"
+    tokens_file: Path | None = None
+    model: str = ""
+    cache_salt: str = ""
+    world_size: int = 1
+    instances: str = ""
+    coordinator_token: str = ""
+
+
+ROUTE_HELP = {
+    "url": "coordinator URL",
+    "tokens_file": "the query's token ids: a JSON list, or integers separated by spaces/commas",
+    "model": "model name the query's KV was computed with",
+    "cache_salt": "the query's cache salt (tenant)",
+    "world_size": "tensor-parallel world size of the query's KV",
+    "instances": "comma-separated instance ids to score (default: every live instance)",
+    "coordinator_token": "bearer token with the lookup role",
+}
+
+
+def read_tokens(path: Path) -> list[int]:
+    """Token ids from a file: a JSON list, or integers separated by whitespace or commas."""
+    text = path.read_text()
+    if text.lstrip().startswith("["):
+        ids = json.loads(text)
+    else:
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    if not isinstance(ids, list) or not all(is_plain_int(t) for t in ids):
+        raise ValueError(f"{path}: not a list of integer token ids")
+    return ids
+
+
+def run_route_command(cmd: RouteCommand) -> int:
+    """Score the query of ``--tokens-file`` and print the table (exit 1 on a refusal)."""
+    from rich.console import Console  # the table only: not loaded by the client
+    from rich.table import Table
+
+    if cmd.tokens_file is None:
+        raise ValueError("--tokens-file is required")
+    tokens = read_tokens(cmd.tokens_file)
+    instances = [i for i in cmd.instances.split(",") if i] or None
+    with RouteClient(cmd.url, token=cmd.coordinator_token or None) as client:
+        try:
+            scores = client.score(
+                tokens,
+                cmd.model,
+                world_size=cmd.world_size,
+                cache_salt=cmd.cache_salt,
+                instances=instances,
+            )
+        except CoordinatorError as exc:
+            Console(stderr=True).print(f"[red]{exc}[/red]")
+            return 1
+    table = Table(title=f"route scores, {scores.query_tokens} query tokens (best first)")
+    for column in ("instance", "score", "prefix", "fragments", *TIER_NAMES):
+        table.add_column(column, justify="left" if column == "instance" else "right")
+    for row in scores.instances:
+        table.add_row(
+            row.instance_id,
+            f"{row.score:,.1f}",
+            str(row.prefix_tokens),
+            str(row.fragment_tokens),
+            *(str(row.by_tier[name]) for name in TIER_NAMES),
+        )
+    Console().print(table)
+    return 0

@@ -1,0 +1,154 @@
+"""``POST /route/score`` from body bytes to reply bytes: which instance should serve a query.
+
+Per request, not per instance: **one** blend match (the fragments) and **one** prefix walk
+(the query's chunk hashes, looked up in growing windows until no candidate holds the next
+chunk); each chunk's placements become one :class:`~kvatlas.coordinator.scoring.Access`, and
+:mod:`kvatlas.coordinator.scoring` scores every candidate from those. Runs on the match pool,
+never on the event loop. Validation and errors are the blend lookup's (same body fields, same
+messages), plus ``instances`` and ``weights``. See docs/route-scoring.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import msgspec
+
+from kvatlas.auth import Principal
+from kvatlas.coordinator.query import BlendQuery, blend_query, decode_query_body
+from kvatlas.coordinator.schemas import RouteScoreBody
+from kvatlas.coordinator.scoring import (
+    Access,
+    Fragment,
+    InstanceScore,
+    Weights,
+    cover_fragments,
+    instance_score,
+    rank_scores,
+    walk_prefix,
+)
+from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.coordinator.wire import route_scores_to_wire
+from kvatlas.directory import KeyDirectory
+from kvatlas.errors import PayloadTooLarge, Unprocessable
+from kvatlas.keys import KeyScheme, check_instance_id, expand_prefix_keys
+from kvatlas.web import json_encoder
+
+FIRST_WINDOW = 16
+"""Chunks the prefix walk looks up at first; each further window is twice the last."""
+
+_body_decoder = msgspec.json.Decoder(RouteScoreBody)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteQuery:
+    """A validated scoring request; ``query`` is ``None`` for an empty query (nothing to
+    reuse: every candidate scores 0)."""
+
+    query: BlendQuery | None
+    query_tokens: int
+    instances: list[str] | None
+    weights: Weights
+
+
+def route_query(
+    body: RouteScoreBody, max_tokens: int, max_instances: int, fragment: float
+) -> RouteQuery:
+    """The tokens and namespace as the blend lookup validates them; ``instances`` (valid ids,
+    at most ``max_instances``, duplicates dropped) and ``weights`` (known tiers, finite ≥ 0)."""
+    query = blend_query(body, max_tokens)
+    instances = body.instances
+    if instances is not None:
+        if len(instances) > max_instances:
+            raise PayloadTooLarge(
+                f"{len(instances)} instances exceed --max-instances {max_instances}"
+            )
+        for i, instance_id in enumerate(instances):
+            try:
+                check_instance_id(instance_id)
+            except ValueError as exc:
+                raise Unprocessable(f"instances[{i}]: {exc}") from None
+        instances = list(dict.fromkeys(instances))
+    try:
+        weights = Weights.of(body.weights, fragment)
+    except ValueError as exc:
+        raise Unprocessable(str(exc)) from None
+    n = 0 if query is None else len(query.tokens)
+    return RouteQuery(query, n, instances, weights)
+
+
+def score_routes(
+    directory: KeyDirectory,
+    scheme: KeyScheme,
+    query: BlendQuery | None,
+    candidates: Sequence[str],
+    peers: frozenset[str],
+    weights: Weights,
+) -> list[InstanceScore]:
+    """Every candidate's score for ``query``, best first; ``peers`` are the live instances
+    whose L1 others may fetch from."""
+    size = directory.chunk_size
+    if query is None or not candidates:
+        return rank_scores(instance_score(i, (), (), size, weights) for i in candidates)
+    tokens, ns = query.tokens, query.namespace
+    matches = directory.blend_match(tokens, ns)
+
+    def access(hashes: Sequence[bytes], reach: frozenset[str] | None) -> list[Access]:
+        keys = expand_prefix_keys(hashes, ns.model_name, ns.world_size, ns.cache_salt)
+        found = [kp.placements for kp in directory.lookup(keys)]
+        ws = ns.world_size
+        return [Access.of(found[c * ws : (c + 1) * ws], reach, weights) for c in range(len(hashes))]
+
+    hashes = scheme.chunk_hashes(tokens)
+
+    def prefix_chunks() -> Iterator[Access]:
+        start, window = 0, FIRST_WINDOW
+        while start < len(hashes):
+            yield from access(hashes[start : start + window], None)
+            start, window = start + window, 2 * window
+
+    prefix = walk_prefix(candidates, prefix_chunks())
+    prefix_tokens = {i: len(classes) * size for i, classes in prefix.items()}
+    shortest = min(prefix_tokens.values())
+    late = [m for m in matches if m.cur_st >= shortest]  # inside every prefix: no fragment
+    distinct = list(dict.fromkeys(m.chunk_hash for m in late))
+    by_hash = dict(zip(distinct, access(distinct, peers), strict=True))
+    fragments: list[Fragment] = [(m.cur_st, by_hash[m.chunk_hash]) for m in late]
+    covered = cover_fragments(candidates, prefix_tokens, fragments, size, weights)
+    return rank_scores(instance_score(i, prefix[i], covered[i], size, weights) for i in candidates)
+
+
+class RouteScoring:
+    """Answers ``POST /route/score`` for ``service`` on ``pool`` (the blend lookup's pool)."""
+
+    def __init__(self, service: CoordinatorService, pool: Executor) -> None:
+        self.service = service
+        self.pool = pool
+
+    async def __call__(self, raw: bytes, who: Principal) -> bytes:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, self.answer, raw, who)
+
+    def answer(self, raw: bytes, who: Principal) -> bytes:
+        started = time.perf_counter()
+        service = self.service
+        config = service.config
+        body = decode_query_body(_body_decoder, raw)
+        who.require_salts({body.cache_salt})
+        asked = route_query(
+            body, config.max_query_tokens, config.max_instances, config.fragment_weight
+        )
+        alive = [v.instance_id for v in service.instances_view(who) if v.alive]
+        candidates = alive if asked.instances is None else asked.instances
+        _, records = service.instances.snapshot()
+        peers = frozenset(r.instance_id for r in records)
+        scores = score_routes(
+            service.directory, service.scheme, asked.query, candidates, peers, asked.weights
+        )
+        reply = json_encoder.encode(route_scores_to_wire(scores, asked.query_tokens))
+        service.metrics.route_latency.observe(time.perf_counter() - started)
+        return reply
