@@ -31,11 +31,11 @@ class Registration:
 @dataclass(frozen=True, slots=True)
 class InstanceRecord:
     """A registered instance; ``last_heartbeat`` is on the registry's (monotonic) clock,
-    ``registered_at`` is wall-clock time."""
+    ``registration_time`` is wall-clock time."""
 
     instance_id: str
     registration: Registration
-    registered_at: float
+    registration_time: float
     last_heartbeat: float
 
 
@@ -58,10 +58,10 @@ class InstanceRegistry:
         now = self._clock()
         with self._lock:
             if not instance_id:
-                instance_id = f"inst-{uuid.uuid4().hex[:16]}"
+                instance_id = f"mp-{uuid.uuid4().hex}"  # LMCache's form
             existing = self._records.get(instance_id)
             self._records[instance_id] = InstanceRecord(
-                instance_id, registration, registered_at=time.time(), last_heartbeat=now
+                instance_id, registration, registration_time=time.time(), last_heartbeat=now
             )
             return instance_id, existing is not None
 

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvatlas.auth import TokenAuth
@@ -23,13 +24,16 @@ from kvatlas.coordinator.views import (
     NO_EMITTER,
     Deregistration,
     EmitterView,
+    FleetUsage,
     HealthView,
+    InstanceUsage,
     InstanceView,
     MetricsState,
     Readiness,
     StatsView,
 )
 from kvatlas.directory import (
+    DirectoryUsage,
     IngestCounts,
     KeyDirectory,
     KeyPage,
@@ -43,11 +47,20 @@ from kvatlas.directory import (
     save_snapshot,
     warm_up_kernels,
 )
-from kvatlas.errors import Unprocessable
+from kvatlas.errors import Conflict, Unprocessable
 from kvatlas.events import EventBatch
 from kvatlas.keys import MM_BYPASS_GUARD, ObjectKey
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Delivery:
+    """How one emitter's batches arrive (in memory: restarts at zero with the process)."""
+
+    last_event: float  # the service clock when its last batch was applied
+    delay_s: float | None = None  # wall clock at apply minus the batch's ts
+    events_dropped: int = 0
 
 
 class CoordinatorService:
@@ -65,12 +78,13 @@ class CoordinatorService:
         )
         self.auth = TokenAuth.from_file(config.auth_token_file) if config.auth_token_file else None
         self.instances = InstanceRegistry(config.instance_timeout, self._fence_expired, clock)
+        self._clock = clock
         self.metrics = CoordinatorMetrics(self.metrics_state)
         self.state = Readiness.RESTORING
         self.stream_position: str | None = None
         self.last_snapshot: SnapshotInfo | None = None
-        self._lag: dict[str, float] = {}
-        self._lag_lock = threading.Lock()
+        self._delivery: dict[str, _Delivery] = {}
+        self._delivery_lock = threading.Lock()
         self._snapshot_lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -124,21 +138,29 @@ class CoordinatorService:
     def ingest(self, batches: Sequence[EventBatch]) -> IngestCounts:
         """Apply decoded batches through the gate (each atomically) and account for them."""
         applied = duplicates = stale = 0
-        now = time.time()
+        now, tick = time.time(), self._clock()
         for batch in batches:
             outcome = self.directory.consume(batch)
             self.metrics.batches.labels(batch.instance_id, outcome.value).inc()
             if outcome is Outcome.APPLIED:
                 applied += 1
                 self.metrics.entries.inc(len(batch.entries))
-                if batch.ts > 0:
-                    with self._lag_lock:
-                        self._lag[batch.instance_id] = max(0.0, now - batch.ts)
+                self._delivered(batch, now, tick)
             elif outcome is Outcome.DUPLICATE:
                 duplicates += 1
             else:
                 stale += 1
         return IngestCounts(applied, duplicates, stale)
+
+    def _delivered(self, batch: EventBatch, now: float, tick: float) -> None:
+        with self._delivery_lock:
+            d = self._delivery.get(batch.instance_id)
+            if d is None:
+                d = self._delivery[batch.instance_id] = _Delivery(tick)
+            d.last_event = tick
+            if batch.ts > 0:
+                d.delay_s = max(0.0, now - batch.ts)
+            d.events_dropped += batch.dropped_events
 
     # ------------------------------------------------------------------ lookups
 
@@ -179,8 +201,8 @@ class CoordinatorService:
             self.directory.gap_state(instance_id) is not None
         )
         self.instances.deregister(instance_id)
-        with self._lag_lock:
-            self._lag.pop(instance_id, None)
+        with self._delivery_lock:
+            self._delivery.pop(instance_id, None)
         return Deregistration(instance_id, known, self.directory.deregister(instance_id))
 
     def _fence_expired(self, instance_id: str) -> None:
@@ -246,18 +268,25 @@ class CoordinatorService:
     # ------------------------------------------------------------------ views
 
     def emitters_view(self) -> dict[str, EmitterView]:
-        with self._lag_lock:
-            lag = dict(self._lag)
-        return {
-            inst: EmitterView(
+        tick = self._clock()
+        with self._delivery_lock:
+            delivery = {
+                inst: (d.last_event, d.delay_s, d.events_dropped)
+                for inst, d in self._delivery.items()
+            }
+        views = {}
+        for inst, cursor in self.directory.emitters().items():
+            last, delay, dropped = delivery.get(inst, (None, None, 0))
+            views[inst] = EmitterView(
                 cursor.incarnation,
                 cursor.last_seq,
                 cursor.gaps,
                 cursor.missing_batches,
-                lag.get(inst),
+                dropped,
+                None if last is None else round(max(0.0, tick - last), 3),
+                delay,
             )
-            for inst, cursor in self.directory.emitters().items()
-        }
+        return views
 
     def instances_view(self) -> list[InstanceView]:
         """Registered instances and instances that emit without registration (allowed), by
@@ -268,7 +297,7 @@ class CoordinatorService:
             InstanceView(
                 r.instance_id,
                 r.registration,
-                r.registered_at,
+                r.registration_time,
                 round(now - r.last_heartbeat, 3),
                 emitters.pop(r.instance_id, NO_EMITTER),
             )
@@ -277,6 +306,30 @@ class CoordinatorService:
         rows += [InstanceView(inst, None, None, None, e) for inst, e in emitters.items()]
         rows.sort(key=lambda r: r.instance_id)
         return rows
+
+    def usage(self) -> FleetUsage:
+        """Capacity and used bytes per instance module and per shared pool."""
+        found = self.directory.usage()
+        registered = {r.instance_id for r in self.instances.snapshot()[1]}
+        owners = {m.instance_id for m in found.modules if m.instance_id is not None}
+        ids = sorted(registered | found.declared | owners)
+        return FleetUsage(
+            tuple(_instance_usage(i, found, i in registered) for i in ids),
+            tuple(m for m in found.modules if m.instance_id is None),
+        )
+
+    def instance_usage(self, instance_id: str) -> InstanceUsage:
+        registered = self.instances.known(instance_id)
+        return _instance_usage(instance_id, self.directory.usage(), registered)
+
+    def check_chunk_size(self, chunk_size: int | None) -> None:
+        """Refuse (409) an instance whose chunk size is not the fleet's: its keys would never
+        match (LMCache 0.5.7: ``chunk_size`` on registration, ``PUT /config/chunk-size``)."""
+        if chunk_size is not None and chunk_size != self.config.chunk_size:
+            raise Conflict(
+                f"chunk_size {chunk_size} conflicts with the coordinator's --chunk-size "
+                f"{self.config.chunk_size}"
+            )
 
     def stats(self) -> StatsView:
         return StatsView(
@@ -300,3 +353,8 @@ class CoordinatorService:
             self.stream_position,
             self.config.event_stream if self.config.event_transport == "redis" else None,
         )
+
+
+def _instance_usage(instance_id: str, usage: DirectoryUsage, registered: bool) -> InstanceUsage:
+    modules = tuple(m for m in usage.modules if m.instance_id == instance_id)
+    return InstanceUsage(instance_id, registered, instance_id in usage.declared, modules)

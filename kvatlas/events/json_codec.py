@@ -58,6 +58,7 @@ class _WireBatch(msgspec.Struct):
     entries: list[_WireEntry] = []
     capacity_bytes: int | None = None
     capacity_revision: int | None = None
+    dropped_events: int = 0
 
 
 class _WireBody(msgspec.Struct):
@@ -138,6 +139,7 @@ def _batch_from_wire(
         entries=tuple(entries),
         capacity_bytes=wb.capacity_bytes,
         capacity_revision=wb.capacity_revision,
+        dropped_events=wb.dropped_events,
     )
 
 

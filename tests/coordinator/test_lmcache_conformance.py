@@ -59,7 +59,8 @@ def _json_type(value: Any) -> str:
 
 
 def shape_problems(want: Any, got: Any, where: str = "$") -> list[str]:
-    """Every field of ``want`` present in ``got`` with the same JSON type (lists pairwise)."""
+    """Every field of ``want`` present in ``got`` with the same JSON type; each item of a
+    list has the shape of some item of kvatlas's list (counts and order: :func:`semantic`)."""
     if _json_type(want) != _json_type(got):
         return [f"{where}: LMCache {_json_type(want)} {want!r:.60}, kvatlas {got!r:.60}"]
     if isinstance(want, dict):
@@ -70,8 +71,15 @@ def shape_problems(want: Any, got: Any, where: str = "$") -> list[str]:
             else:
                 out += shape_problems(value, got[name], f"{where}.{name}")
         return out
-    if isinstance(want, list):
-        return [p for i, (w, g) in enumerate(zip(want, got)) for p in shape_problems(w, g, f"{where}[{i}]")]  # fmt: skip
+    if isinstance(want, list):  # each item has the shape of some item (order: semantic())
+        out = []
+        for i, item in enumerate(want):
+            tries = [shape_problems(item, g, f"{where}[{i}]") for g in got]
+            if not tries:
+                out.append(f"{where}[{i}]: missing (kvatlas answers no items)")
+            elif all(tries):
+                out += min(tries, key=len)
+        return out
     return []
 
 
@@ -115,10 +123,9 @@ def semantic(method: str, path: str, reply: Any) -> Any:
         return reply["instance_id"], reply["re_registered"]
     if route == "/instances":
         return sorted(r["instance_id"] for r in reply["instances"])
-    if route == "/instances/usage":
-        return [_usage(r) for r in reply["instances"]], _modules(
-            {"modules": reply["shared_modules"]}
-        )
+    if route == "/instances/usage":  # by id: where an assigned (random) id sorts is not semantic
+        rows = sorted(_usage(r) for r in reply["instances"])
+        return rows, _modules({"modules": reply["shared_modules"]})
     if route.endswith("/usage"):
         return _usage(reply)
     if route == "/healthz":
@@ -192,11 +199,11 @@ def check(exchange: dict[str, Any], r: httpx.Response, ids: dict[str, str]) -> l
         return [] if not r.content else [f"body: LMCache none, kvatlas {r.text:.100}"]
     got = r.json()
     asked = exchange["body"]
-    if path == "/instances" and method == "POST" and isinstance(asked, dict):
-        if not asked.get("instance_id"):  # an id the coordinator assigns
-            if not ASSIGNED_ID.match(str(got.get("instance_id"))):
-                return [f"assigned instance_id {got.get('instance_id')!r} is not mp-<32 hex>"]
-            ids[want["instance_id"]] = got["instance_id"]
+    assigns = isinstance(asked, dict) and not asked.get("instance_id")
+    if path == "/instances" and method == "POST" and assigns:
+        if not ASSIGNED_ID.match(str(got.get("instance_id"))):
+            return [f"assigned instance_id {got.get('instance_id')!r} is not mp-<32 hex>"]
+        ids[want["instance_id"]] = got["instance_id"]
     want = _rename(want, ids)
     problems = shape_problems(want, got)
     if problems:

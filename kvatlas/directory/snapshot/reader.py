@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
 from kvatlas.directory.capture import DirectoryState, Restored
 from kvatlas.directory.chunk_table import PARTS, ChunkCounts, Partition
@@ -32,6 +33,7 @@ from kvatlas.directory.key_directory import KeyDirectory
 from kvatlas.directory.records import (
     CapacityDeclaration,
     KeyPair,
+    Module,
     PlacementRow,
     Record,
     group_placements,
@@ -342,4 +344,42 @@ def _counts(header: Header, cols: _Columns, hashes: list[bytes]) -> ChunkCounts:
             l1_chunks[strings[inst]] = set(hashes)  # one copy of every chunk: no indexing
         else:
             l1_chunks[strings[inst]] = set(map(hashes.__getitem__, chunks.tolist()))
-    return ChunkCounts(len(cols.key_shapes), len(refs), l1_counts, by_tier, l1_chunks)
+    module_placements, module_bytes = _module_counts(header, refs, instance, tier, shared, size)
+    return ChunkCounts(
+        len(cols.key_shapes),
+        len(refs),
+        l1_counts,
+        by_tier,
+        l1_chunks,
+        module_placements,
+        module_bytes,
+    )
+
+
+def _module_counts(
+    header: Header,
+    refs: npt.NDArray[np.int64],
+    instance: npt.NDArray[Any],
+    tier: npt.NDArray[Any],
+    shared: npt.NDArray[Any],
+    size: npt.NDArray[Any],
+) -> tuple[Counter[Module], Counter[Module]]:
+    """Placements and bytes per module, grouped column-wise (owner -1: a shared pool)."""
+    strings = header.strings
+    backend = decode_column(header, "pl_backend")[refs]
+    owner = np.where(shared != 0, -1, instance.astype(np.int64))
+    rows = np.stack([owner, tier.astype(np.int64), backend.astype(np.int64)], axis=1)
+    placements: Counter[Module] = Counter()
+    used: Counter[Module] = Counter()
+    if not len(rows):
+        return placements, used
+    groups, which = np.unique(rows, axis=0, return_inverse=True)
+    which = which.reshape(-1)
+    n = np.bincount(which, minlength=len(groups))
+    b = np.zeros(len(groups), dtype=np.int64)
+    np.add.at(b, which, size.astype(np.int64))
+    for (o, t, k), count, nbytes in zip(groups.tolist(), n.tolist(), b.tolist(), strict=True):
+        module = (None if o < 0 else strings[o], TIERS[t], strings[k])
+        placements[module] = count
+        used[module] = nbytes
+    return placements, used
