@@ -65,7 +65,7 @@ class CoordinatorClient:
             raise CoordinatorError(
                 f"{method} {path}: {response.status_code} {detail}", response.status_code
             )
-        return response.json()
+        return response.json() if response.content else None  # 204: no body
 
     # ------------------------------------------------------------------ instances
 
@@ -77,14 +77,21 @@ class CoordinatorClient:
         http_port: int | None = None,
         metadata: dict[str, Any] | None = None,
         p2p_advertised_url: str | None = None,
+        chunk_size: int | None = None,
     ) -> str:
-        body = {
-            "instance_id": instance_id,
+        """Register (``instance_id`` ``None``: the coordinator assigns one). The body is what
+        LMCache's coordinator accepts too: its defaults (``""``) for what is not given, and
+        ``chunk_size`` (a 0.5.7 coordinator refuses a conflicting one with 409)."""
+        body: dict[str, Any] = {
+            "instance_id": instance_id or "",
             "ip": ip,
-            "http_port": http_port,
             "metadata": metadata or {},
-            "p2p_advertised_url": p2p_advertised_url,
+            "p2p_advertised_url": p2p_advertised_url or "",
         }
+        if http_port is not None:
+            body["http_port"] = http_port
+        if chunk_size is not None:
+            body["chunk_size"] = chunk_size
         reply = self._call("POST", "/instances", json=body)
         self.instance_id = str(reply["instance_id"])
         self._registration = body | {"instance_id": self.instance_id}
@@ -142,9 +149,10 @@ class CoordinatorClient:
     def lookup_tokens(
         self, token_ids: Any, model_name: str, world_size: int = 1, cache_salt: str = ""
     ) -> dict[str, Any]:
-        """Prefix lookup; ``reply["prefix"]`` is the per-holder leading-chunk summary."""
+        """Prefix lookup; ``reply["prefix"]`` is the per-holder leading-chunk summary (kvatlas
+        only). Tokens go as ``token_ids``, the form LMCache's coordinator reads too."""
         body = {
-            "tokens_b64": encode_tokens_b64(token_ids),
+            "token_ids": np.asarray(token_ids, dtype=np.uint32).tolist(),
             "model_name": model_name,
             "world_size": world_size,
             "cache_salt": cache_salt,

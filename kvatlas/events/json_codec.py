@@ -207,12 +207,13 @@ def _rooted(exc: EventValidationError, prefix: str) -> tuple[str, str]:
 
 
 def batch_to_wire(batch: EventBatch) -> dict[str, Any]:
-    """The JSON-ready dict of one batch (LMCache field names)."""
+    """The JSON-ready dict of one batch (LMCache's field names and defaults: no tokens is
+    ``[]``, which both decoders read as unknown content)."""
     entries = [
         {
             "key": e.key.to_wire(),
             "size_bytes": e.size_bytes,
-            "token_ids": None if e.token_ids is None else e.token_ids.tolist(),
+            "token_ids": [] if e.token_ids is None else e.token_ids.tolist(),  # [] as LMCache
             "token_offset": e.token_offset,
         }
         for e in batch.entries

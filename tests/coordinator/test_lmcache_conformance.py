@@ -29,16 +29,10 @@ from kvatlas.asgi_thread import free_port
 from kvatlas.processes import spawn_service, stop
 from tests.conftest import RedisServer, wait_for
 from tests.coordinator.helpers import assert_error, fresh, post_batches, running
+from tests.coordinator.lmcache_goldens import DATA, GOLDENS, load, shape_problems
 
-DATA = Path(__file__).with_name("data")
-GOLDENS = sorted(DATA.glob("lmcache-*-coordinator.json"))
 OUT_OF_SCOPE = ("/quota", "/cache/pins", "/cache/prefetches", "/cache/delete")
 ASSIGNED_ID = re.compile(r"^mp-[0-9a-f]{32}$")
-
-
-def load(path: Path) -> dict[str, Any]:
-    doc: dict[str, Any] = json.loads(path.read_text())
-    return doc
 
 
 def out_of_scope(path: str) -> bool:
@@ -46,45 +40,6 @@ def out_of_scope(path: str) -> bool:
 
 
 # --------------------------------------------------------------------------- comparison
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    return "object"
-
-
-def shape_problems(want: Any, got: Any, where: str = "$") -> list[str]:
-    """Every field of ``want`` present in ``got`` with the same JSON type; each item of a
-    list has the shape of some item of kvatlas's list (counts and order: :func:`semantic`)."""
-    if _json_type(want) != _json_type(got):
-        return [f"{where}: LMCache {_json_type(want)} {want!r:.60}, kvatlas {got!r:.60}"]
-    if isinstance(want, dict):
-        out = []
-        for name, value in want.items():
-            if name not in got:
-                out.append(f"{where}.{name}: missing (LMCache {value!r:.60})")
-            else:
-                out += shape_problems(value, got[name], f"{where}.{name}")
-        return out
-    if isinstance(want, list):  # each item has the shape of some item (order: semantic())
-        out = []
-        for i, item in enumerate(want):
-            tries = [shape_problems(item, g, f"{where}[{i}]") for g in got]
-            if not tries:
-                out.append(f"{where}[{i}]: missing (kvatlas answers no items)")
-            elif all(tries):
-                out += min(tries, key=len)
-        return out
-    return []
 
 
 def _holders(result: dict[str, Any]) -> list[str]:
