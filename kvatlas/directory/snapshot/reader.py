@@ -364,22 +364,26 @@ def _module_counts(
     shared: npt.NDArray[Any],
     size: npt.NDArray[Any],
 ) -> tuple[Counter[Module], Counter[Module]]:
-    """Placements and bytes per module, grouped column-wise (owner -1: a shared pool)."""
+    """Placements and bytes per module, grouped column-wise: one int64 per placement
+    (owner + 1, 0 for a shared pool; tier; backend), sorted once, summed per run."""
     strings = header.strings
-    backend = decode_column(header, "pl_backend")[refs]
-    owner = np.where(shared != 0, -1, instance.astype(np.int64))
-    rows = np.stack([owner, tier.astype(np.int64), backend.astype(np.int64)], axis=1)
+    n_strings = len(strings)
+    backend = decode_column(header, "pl_backend")[refs].astype(np.int64)
+    owner = np.where(shared != 0, 0, instance.astype(np.int64) + 1)
+    key = (owner * len(TIERS) + tier.astype(np.int64)) * n_strings + backend
     placements: Counter[Module] = Counter()
     used: Counter[Module] = Counter()
-    if not len(rows):
+    if not len(key):
         return placements, used
-    groups, which = np.unique(rows, axis=0, return_inverse=True)
-    which = which.reshape(-1)
-    n = np.bincount(which, minlength=len(groups))
-    b = np.zeros(len(groups), dtype=np.int64)
-    np.add.at(b, which, size.astype(np.int64))
-    for (o, t, k), count, nbytes in zip(groups.tolist(), n.tolist(), b.tolist(), strict=True):
-        module = (None if o < 0 else strings[o], TIERS[t], strings[k])
-        placements[module] = count
+    order = np.argsort(key, kind="stable")
+    key = key[order]
+    starts = np.concatenate(([0], np.flatnonzero(key[1:] != key[:-1]) + 1))
+    counts = np.diff(np.append(starts, len(key)))
+    sums = np.add.reduceat(size[order].astype(np.int64), starts)
+    for k, n, nbytes in zip(key[starts].tolist(), counts.tolist(), sums.tolist(), strict=True):
+        rest, b = divmod(k, n_strings)
+        o, t = divmod(rest, len(TIERS))
+        module = (None if o == 0 else strings[o - 1], TIERS[t], strings[b])
+        placements[module] = n
         used[module] = nbytes
     return placements, used
