@@ -419,3 +419,36 @@ def test_lmcache_event_bodies_through_redis_streams_apply_the_same(
         directory = server.service.directory
         assert wait_for(lambda: sum(directory.stats().batches.values()) == len(EVENT_BODIES) - 1)
         assert _state(client) == want
+
+
+def test_usage_of_instances_and_shared_pools() -> None:
+    with running(chunk_size=16) as (_, client):
+        (config,) = _golden_body(
+            "CONFIG batch: capacity declaration (what an MP server posts at registration)"
+        )["batches"]
+        pool = {**config, "seq": 2, "tier": "l2", "backend": "fs", "shared": True}
+        pool.update(capacity_bytes=8192)
+        (l2,) = _golden_body("shared L2 store")["batches"]
+        assert post_batches(client, config, pool, {**l2, "seq": 3}).json()["applied"] == 3
+        post_batches(client, _store_batch("mp-b", seq=1))  # emits without registering
+        usage = client.get("/instances/usage").json()
+        rows = {r["instance_id"]: r for r in usage["instances"]}
+        assert sorted(rows) == ["mp-a", "mp-b"]
+        assert rows["mp-a"]["declared_capacity"] and not rows["mp-a"]["registered"]
+        assert rows["mp-a"]["modules"] == [
+            {"tier": "l1", "backend": "dram", "shared": False, "used_bytes": 0,
+             "capacity_bytes": 1 << 30, "usage_ratio": 0.0},
+        ]  # fmt: skip
+        assert rows["mp-b"]["modules"][0]["used_bytes"] == 6 * 4096
+        assert rows["mp-b"]["modules"][0]["usage_ratio"] is None  # no capacity declared
+        assert usage["shared_modules"] == [
+            {"tier": "l2", "backend": "fs", "shared": True, "used_bytes": 4096,
+             "capacity_bytes": 8192, "usage_ratio": 0.5},
+        ]  # fmt: skip
+        one = client.get("/instances/mp-b/usage").json()
+        assert one == rows["mp-b"]
+        nobody = client.get("/instances/nobody/usage")
+        assert nobody.status_code == 200  # LMCache's shape for an instance it does not know
+        assert nobody.json() == {
+            "instance_id": "nobody", "registered": False, "declared_capacity": False, "modules": []
+        }  # fmt: skip
