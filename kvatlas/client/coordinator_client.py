@@ -43,7 +43,8 @@ def encode_tokens_b64(token_ids: Any) -> str:
 
 
 def call_json(http: httpx.Client, method: str, path: str, **kwargs: Any) -> Any:
-    """One request's JSON reply, or :class:`CoordinatorError` with the reply's ``detail``."""
+    """One request's JSON reply (``None`` for an empty one), or :class:`CoordinatorError` with
+    the reply's ``detail``."""
     try:
         response = http.request(method, path, **kwargs)
     except httpx.HTTPError as exc:
@@ -56,6 +57,8 @@ def call_json(http: httpx.Client, method: str, path: str, **kwargs: Any) -> Any:
         raise CoordinatorError(
             f"{method} {path}: {response.status_code} {detail}", response.status_code
         )
+    if not response.content:
+        return None  # 204 (LMCache's DELETE /instances/{id})
     try:
         return response.json()
     except ValueError as exc:
@@ -90,14 +93,21 @@ class CoordinatorClient:
         http_port: int | None = None,
         metadata: dict[str, Any] | None = None,
         p2p_advertised_url: str | None = None,
+        chunk_size: int | None = None,
     ) -> str:
-        body = {
-            "instance_id": instance_id,
+        """Register (``instance_id`` ``None``: the coordinator assigns one). The body is what
+        LMCache's coordinator accepts too: its defaults (``""``) for what is not given, and
+        ``chunk_size`` (a 0.5.7 coordinator refuses a conflicting one with 409)."""
+        body: dict[str, Any] = {
+            "instance_id": instance_id or "",
             "ip": ip,
-            "http_port": http_port,
             "metadata": metadata or {},
-            "p2p_advertised_url": p2p_advertised_url,
+            "p2p_advertised_url": p2p_advertised_url or "",
         }
+        if http_port is not None:
+            body["http_port"] = http_port
+        if chunk_size is not None:
+            body["chunk_size"] = chunk_size
         reply = self._call("POST", "/instances", json=body)
         try:  # it names a directory under the node's L2 root: never trust it unchecked
             self.instance_id = check_instance_id(reply["instance_id"])
@@ -170,9 +180,10 @@ class CoordinatorClient:
     def lookup_tokens(
         self, token_ids: Any, model_name: str, world_size: int = 1, cache_salt: str = ""
     ) -> dict[str, Any]:
-        """Prefix lookup; ``reply["prefix"]`` is the per-holder leading-chunk summary."""
+        """Prefix lookup; ``reply["prefix"]`` is the per-holder leading-chunk summary (kvatlas
+        only). Tokens go as ``token_ids``, the form LMCache's coordinator reads too."""
         body = {
-            "tokens_b64": encode_tokens_b64(token_ids),
+            "token_ids": np.asarray(token_ids, dtype=np.uint32).tolist(),
             "model_name": model_name,
             "world_size": world_size,
             "cache_salt": cache_salt,

@@ -33,12 +33,12 @@ class Registration:
 @dataclass(frozen=True, slots=True)
 class InstanceRecord:
     """A registered instance; ``last_heartbeat`` is on the registry's (monotonic) clock,
-    ``registered_at`` is wall-clock time; ``cache_salts`` are the salts the registering token
-    may store for (``None``: any), i.e. the tenants whose nodes may fetch from this one."""
+    ``registration_time`` is wall-clock time; ``cache_salts`` are the salts the registering
+    token may store for (``None``: any), i.e. the tenants whose nodes may fetch from this one."""
 
     instance_id: str
     registration: Registration
-    registered_at: float
+    registration_time: float
     last_heartbeat: float
     cache_salts: frozenset[str] | None = None
 
@@ -70,7 +70,7 @@ class InstanceRegistry:
         now = self._clock()
         with self._lock:
             if not instance_id:
-                instance_id = f"inst-{uuid.uuid4().hex[:16]}"
+                instance_id = f"mp-{uuid.uuid4().hex}"  # LMCache's form
             existing = self._records.get(instance_id)
             cap = self.max_instances
             if existing is None and cap is not None and len(self._records) >= cap:
@@ -79,7 +79,11 @@ class InstanceRegistry:
                     "deregister one first"
                 )
             self._records[instance_id] = InstanceRecord(
-                instance_id, registration, time.time(), now, cache_salts
+                instance_id,
+                registration,
+                registration_time=time.time(),
+                last_heartbeat=now,
+                cache_salts=cache_salts,
             )
             return instance_id, existing is not None
 

@@ -61,8 +61,8 @@ class _StateCollector(Collector):
         )
         for inst, emitter in sorted(state.emitters.items()):
             gaps.add_metric([inst], emitter.gaps)
-            if emitter.lag_s is not None:
-                lag.add_metric([inst], emitter.lag_s)
+            if emitter.event_delivery_delay_seconds is not None:
+                lag.add_metric([inst], emitter.event_delivery_delay_seconds)
         yield gaps
         yield lag
         yield _gauge("kvatlas_instances_alive", "registered instances", state.instances_alive)

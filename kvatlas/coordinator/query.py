@@ -163,18 +163,24 @@ class TokensQuery:
 
 def lookup_query(body: LookupRequest, max_tokens: int) -> KeysQuery | TokensQuery:
     """Exactly one form: ``keys``, or ``token_ids``/``tokens_b64`` with ``model_name``; at
-    most ``max_tokens`` keys or tokens."""
-    token_form = body.token_ids is not None or body.tokens_b64 is not None
-    if (body.keys is not None) == token_form:
+    most ``max_tokens`` keys or tokens. An empty list beside the other form is LMCache's
+    default for the form not used: absent."""
+    keys, token_ids = body.keys, body.token_ids
+    if keys == [] and (token_ids or body.tokens_b64 is not None):
+        keys = None
+    if token_ids == [] and keys:
+        token_ids = None
+    token_form = token_ids is not None or body.tokens_b64 is not None
+    if (keys is not None) == token_form:
         raise Unprocessable("give exactly one form: keys, or token_ids/tokens_b64 with model_name")
-    if body.keys is not None:
-        if len(body.keys) > max_tokens:
-            raise PayloadTooLarge(f"{len(body.keys)} keys exceed the query limit")
+    if keys is not None:
+        if len(keys) > max_tokens:
+            raise PayloadTooLarge(f"{len(keys)} keys exceed the query limit")
         try:
-            return KeysQuery([ObjectKey.from_wire(k.model_dump()) for k in body.keys])
+            return KeysQuery([ObjectKey.from_wire(k.model_dump()) for k in keys])
         except ValueError as exc:
             raise Unprocessable(f"keys: {exc}") from None
-    tokens = query_tokens(body.token_ids, body.tokens_b64, max_tokens)
+    tokens = query_tokens(token_ids, body.tokens_b64, max_tokens)
     if not body.model_name:
         raise Unprocessable("model_name is required with token_ids")
     try:
@@ -233,21 +239,28 @@ def blend_query(body: BlendLookupBody, max_tokens: int) -> BlendQuery | None:
 
 
 def registration(body: RegisterRequest) -> tuple[str | None, Registration]:
-    """The instance id asked for (``None``: the coordinator assigns one) and what the instance
-    says about itself, each field within its size limit (``metadata`` 413, the rest 422)."""
-    if body.instance_id is not None:
+    """The instance id asked for (``None`` or ``""``: the coordinator assigns one) and what
+    the instance says about itself (LMCache's defaults ``""`` and ``0`` are absent), each field
+    within its size limit (``metadata`` 413, the rest 422)."""
+    if body.instance_id:
         try:
             check_instance_id(body.instance_id)
         except ValueError as exc:
             raise Unprocessable(str(exc)) from None
     if len(body.ip) > MAX_ADDRESS_CHARS:
         raise Unprocessable(f"ip must be at most {MAX_ADDRESS_CHARS} characters")
+    if body.chunk_size is not None and body.chunk_size < 1:
+        raise Unprocessable(f"chunk_size must be >= 1, got {body.chunk_size}")
     metadata: dict[str, Any] = body.metadata
     size = len(msgspec.json.encode(metadata))
     if size > MAX_METADATA_BYTES:
         raise PayloadTooLarge(f"metadata of {size} bytes (JSON) exceeds {MAX_METADATA_BYTES}")
-    return body.instance_id, Registration(
-        body.ip, body.http_port, metadata, peer_url(body.p2p_advertised_url), body.mq_port
+    return body.instance_id or None, Registration(
+        body.ip,
+        body.http_port,
+        metadata,
+        peer_url(body.p2p_advertised_url) or None,
+        body.mq_port or None,
     )
 
 

@@ -136,6 +136,9 @@ ROUTE_SCORE_BODY_SCHEMA: dict[str, Any] = {
 
 
 class RegisterRequest(BaseModel):
+    """LMCache's defaults mean "absent": ``instance_id: ""`` (the coordinator assigns one),
+    ``p2p_advertised_url: ""``, ``mq_port: 0``, ``chunk_size: null``."""
+
     model_config = ConfigDict(extra="ignore")
 
     instance_id: str | None = None
@@ -144,6 +147,15 @@ class RegisterRequest(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     p2p_advertised_url: str | None = None
     mq_port: int | None = None
+    chunk_size: int | None = Field(None, description="the instance's chunk size (409 if not ours)")
+
+
+class ChunkSizeRequest(BaseModel):
+    """``PUT /config/chunk-size`` (LMCache 0.5.7): the chunk size an instance runs with."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    chunk_size: int
 
 
 # ---------------------------------------------------------------------------- POST /events

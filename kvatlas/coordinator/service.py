@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
@@ -51,6 +52,15 @@ from kvatlas.keys import MM_BYPASS_GUARD, ObjectKey
 log = logging.getLogger(__name__)
 
 
+@dataclass(slots=True)
+class _Delivery:
+    """How one emitter's batches arrive (in memory: restarts at zero with the process)."""
+
+    last_event: float  # the service clock when its last batch was applied
+    delay_s: float | None = None  # wall clock at apply minus the batch's ts
+    events_dropped: int = 0
+
+
 class CoordinatorService:
     def __init__(
         self, config: CoordinatorConfig, clock: Callable[[], float] = time.monotonic
@@ -70,13 +80,13 @@ class CoordinatorService:
         )
         self.metrics = CoordinatorMetrics(self.metrics_state)
         self._clock = self.clock = clock
-        self._last_emit: dict[str, float] = {}  # instance -> clock() of its last batch
+        self._last_emit: dict[str, float] = {}  # instance -> clock() of its last batch (any)
         self._next_departure_sweep = 0.0
         self.state = Readiness.RESTORING
         self.stream_position: str | None = None
         self.last_snapshot: SnapshotInfo | None = None
-        self._lag: dict[str, float] = {}
-        self._lag_lock = threading.Lock()
+        self._delivery: dict[str, _Delivery] = {}  # of applied batches
+        self._delivery_lock = threading.Lock()  # guards _delivery and _last_emit
         self._snapshot_lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -134,20 +144,17 @@ class CoordinatorService:
         every transport comes through here, so every one gets :meth:`admit_emitters`."""
         self.admit_emitters(batches)
         applied = duplicates = stale = 0
-        now = time.time()
-        seen = self._clock()
-        with self._lag_lock:
+        now, tick = time.time(), self._clock()
+        with self._delivery_lock:
             for batch in batches:
-                self._last_emit[batch.instance_id] = seen
+                self._last_emit[batch.instance_id] = tick
         for batch in batches:
             outcome = self.directory.consume(batch)
             self.metrics.batches.labels(batch.instance_id, outcome.value).inc()
             if outcome is Outcome.APPLIED:
                 applied += 1
                 self.metrics.entries.inc(len(batch.entries))
-                if batch.ts > 0:
-                    with self._lag_lock:
-                        self._lag[batch.instance_id] = max(0.0, now - batch.ts)
+                self._delivered(batch, now, tick)
             elif outcome is Outcome.DUPLICATE:
                 duplicates += 1
             else:
@@ -177,6 +184,16 @@ class CoordinatorService:
                 f"{tracked} emitters tracked; {len(new)} more would exceed --max-instances "
                 f"{self.config.max_instances}"
             )
+
+    def _delivered(self, batch: EventBatch, now: float, tick: float) -> None:
+        with self._delivery_lock:
+            d = self._delivery.get(batch.instance_id)
+            if d is None:
+                d = self._delivery[batch.instance_id] = _Delivery(tick)
+            d.last_event = tick
+            if batch.ts > 0:
+                d.delay_s = max(0.0, now - batch.ts)
+            d.events_dropped += batch.dropped_events
 
     # ------------------------------------------------------------------ lookups
 
@@ -217,8 +234,8 @@ class CoordinatorService:
             self.directory.gap_state(instance_id) is not None
         )
         self.instances.deregister(instance_id)
-        with self._lag_lock:
-            self._lag.pop(instance_id, None)
+        with self._delivery_lock:
+            self._delivery.pop(instance_id, None)
             if known:  # its metric series expire with the departed (forget_departed)
                 self._last_emit.setdefault(instance_id, self._clock())
         return Deregistration(instance_id, known, self.directory.deregister(instance_id))
@@ -248,7 +265,7 @@ class CoordinatorService:
             return []
         self._next_departure_sweep = now + retention / 8
         registered = {r.instance_id for r in self.instances.snapshot()[1]}
-        with self._lag_lock:
+        with self._delivery_lock:
             for instance_id in self.directory.emitters():  # e.g. restored from a snapshot
                 self._last_emit.setdefault(instance_id, now)
             departed = [
@@ -258,7 +275,7 @@ class CoordinatorService:
             ]
             for instance_id in departed:
                 del self._last_emit[instance_id]
-                self._lag.pop(instance_id, None)
+                self._delivery.pop(instance_id, None)
         for instance_id in departed:
             self.directory.deregister(instance_id)
             self.metrics.forget_instance(instance_id)
@@ -319,22 +336,29 @@ class CoordinatorService:
     def event_ages(self) -> dict[str, float]:
         """Seconds since each emitter's last batch (on the service clock)."""
         now = self._clock()
-        with self._lag_lock:
+        with self._delivery_lock:
             return {inst: now - seen for inst, seen in self._last_emit.items()}
 
     def emitters_view(self) -> dict[str, EmitterView]:
-        with self._lag_lock:
-            lag = dict(self._lag)
-        return {
-            inst: EmitterView(
+        tick = self._clock()
+        with self._delivery_lock:
+            delivery = {
+                inst: (d.last_event, d.delay_s, d.events_dropped)
+                for inst, d in self._delivery.items()
+            }
+        views = {}
+        for inst, cursor in self.directory.emitters().items():
+            last, delay, dropped = delivery.get(inst, (None, None, 0))
+            views[inst] = EmitterView(
                 cursor.incarnation,
                 cursor.last_seq,
                 cursor.gaps,
                 cursor.missing_batches,
-                lag.get(inst),
+                dropped,
+                None if last is None else round(max(0.0, tick - last), 3),
+                delay,
             )
-            for inst, cursor in self.directory.emitters().items()
-        }
+        return views
 
     def instances_view(self, who: Principal = ANONYMOUS_ADMIN) -> list[InstanceView]:
         """Registered instances and instances that emit without registration (allowed), by
@@ -349,7 +373,7 @@ class CoordinatorService:
             InstanceView(
                 r.instance_id,
                 r.registration,
-                r.registered_at,
+                r.registration_time,
                 round(now - r.last_heartbeat, 3),
                 emitters.pop(r.instance_id, NO_EMITTER),
             )
@@ -371,13 +395,22 @@ class CoordinatorService:
             if r.instance_id in own:
                 emitter = emitters.get(r.instance_id, NO_EMITTER)
                 rows.append(
-                    InstanceView(r.instance_id, r.registration, r.registered_at, age, emitter)
+                    InstanceView(r.instance_id, r.registration, r.registration_time, age, emitter)
                 )
             elif r.cache_salts is None or not r.cache_salts.isdisjoint(salts):
                 peer = Registration(p2p_advertised_url=r.registration.p2p_advertised_url)
-                rows.append(InstanceView(r.instance_id, peer, r.registered_at, age, NO_EMITTER))
+                rows.append(InstanceView(r.instance_id, peer, r.registration_time, age, NO_EMITTER))
         rows.sort(key=lambda r: r.instance_id)
         return rows
+
+    def check_chunk_size(self, chunk_size: int | None) -> None:
+        """Refuse (409) an instance whose chunk size is not the fleet's: its keys would never
+        match (LMCache 0.5.7: ``chunk_size`` on registration, ``PUT /config/chunk-size``)."""
+        if chunk_size is not None and chunk_size != self.config.chunk_size:
+            raise Conflict(
+                f"chunk_size {chunk_size} conflicts with the coordinator's --chunk-size "
+                f"{self.config.chunk_size}"
+            )
 
     def stats(self) -> StatsView:
         return StatsView(

@@ -257,7 +257,7 @@ def _fleet_row(row: FleetRow) -> str:
         f"<td>{_e(_secs(row.event_age_s))}</td>",
         _incarnation(em.incarnation),
         f"<td>{_e(_num(em.gaps))}</td>",
-        f"<td>{_e(_secs(em.lag_s))}</td>",
+        f"<td>{_e(_secs(em.event_delivery_delay_seconds))}</td>",
         f"<td>{'–' if tiers is None else _bar(tiers.l1_bytes, tiers.l1_capacity_bytes)}</td>",
         f"<td>{'–' if tiers is None else _bar(tiers.l2_bytes, tiers.l2_capacity_bytes)}</td>",
         f"<td>{_e(chunks)}</td>",

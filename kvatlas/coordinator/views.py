@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from kvatlas.coordinator.instances import Registration
-from kvatlas.directory import DirectoryStats
+from kvatlas.directory import DirectoryStats, ModuleUsage
 from kvatlas.keys import KeyScheme
 
 
@@ -26,13 +26,17 @@ class Readiness(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class EmitterView:
-    """Where one emitter's batches stand (``None``: it never emitted) and its ingest lag."""
+    """Where one emitter's batches stand (``None``: it never emitted) and how its events
+    arrive: events it said it dropped, seconds since its last applied batch, and the delay
+    from its batch's ``ts`` to applying it (LMCache 0.5.7's per-emitter fields)."""
 
     incarnation: int | None = None
     last_seq: int | None = None
     gaps: int = 0
     missing_batches: int = 0
-    lag_s: float | None = None
+    events_dropped: int = 0
+    seconds_since_last_event: float | None = None
+    event_delivery_delay_seconds: float | None = None
 
 
 NO_EMITTER = EmitterView()
@@ -45,7 +49,7 @@ class InstanceView:
 
     instance_id: str
     registration: Registration | None
-    registered_at: float | None
+    registration_time: float | None
     last_heartbeat_age_s: float | None
     emitter: EmitterView
 
@@ -100,3 +104,22 @@ class Deregistration:
     instance_id: str
     known: bool
     fenced: int
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceUsage:
+    """One instance's own modules (used bytes beside declared capacity)."""
+
+    instance_id: str
+    registered: bool
+    declared_capacity: bool
+    modules: tuple[ModuleUsage, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FleetUsage:
+    """``GET /instances/usage``: every instance known by registration, declaration or copies,
+    by id, and the shared pools."""
+
+    instances: tuple[InstanceUsage, ...]
+    shared_modules: tuple[ModuleUsage, ...]

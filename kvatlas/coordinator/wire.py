@@ -3,9 +3,11 @@ the service's typed values, ``*_from_wire`` reads one back (what a client such a
 :mod:`kvatlas.node.fleet_view` uses), side by side so the two cannot drift apart.
 
 Field names and their order are the wire contract (LMCache-compatible where it defines them;
-docs/coordinator.md "API", docs/directory.md); the golden-reply tests pin every byte. A
-``*_from_wire`` raises ``ValueError`` on a reply that is not of this form (missing field,
-wrong type), never returns a half-read value.
+docs/coordinator.md "API", docs/directory.md); the golden-reply tests pin every byte, the
+LMCache conformance test every field LMCache's coordinator answers. A ``*_from_wire`` raises
+``ValueError`` on a reply that is not of this form (missing field, wrong type), never returns
+a half-read value; it also reads LMCache's replies where they overlap (fields only kvatlas
+sends are optional there).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from kvatlas.checks import is_plain_int
 from kvatlas.coordinator.instances import Registration
 from kvatlas.coordinator.scoring import InstanceScore
 from kvatlas.coordinator.views import (
-    Deregistration,
     EmitterView,
     HealthView,
     InstanceView,
@@ -79,6 +80,21 @@ def _optional(read: Any, obj: Any, name: str) -> Any:
     return None if _get(obj, name) is None else read(obj, name)
 
 
+def _opt_int(obj: Any, name: str) -> int | None:
+    value: int | None = _optional(_int, obj, name)
+    return value
+
+
+def _opt_float(obj: Any, name: str) -> float | None:
+    value: float | None = _optional(_float, obj, name)
+    return value
+
+
+def _if_sent(read: Any, obj: Any, name: str, default: Any) -> Any:
+    """A field only kvatlas sends: ``default`` when an LMCache reply lacks it."""
+    return read(obj, name) if isinstance(obj, Mapping) and name in obj else default
+
+
 def _list(obj: Any, name: str) -> list[Any]:
     value = _get(obj, name)
     if not isinstance(value, list):
@@ -109,12 +125,36 @@ def placement_from_wire(obj: Any) -> Placement:
         _str(obj, "backend"),
         _int(obj, "size_bytes"),
         _bool(obj, "shared"),
-        _float(obj, "last_access"),
+        _if_sent(_float, obj, "last_access", 0.0),
     )
+
+
+ACCESS_COUNT_UNTRACKED = 0
+"""LMCache's per-key ``access_count``: kvatlas records when a copy was last accessed
+(``last_access``), not how often (docs/coordinator.md, "Differences from LMCache")."""
 
 
 def key_placements_to_wire(kp: KeyPlacements) -> dict[str, Any]:
     return {"key": kp.key.to_wire(), "placements": [placement_to_wire(p) for p in kp.placements]}
+
+
+def lookup_result_to_wire(kp: KeyPlacements) -> dict[str, Any]:
+    """One result of a lookup: the key, its placements and its chunk's content (``[]``:
+    unknown), as LMCache answers it."""
+    return {
+        **key_placements_to_wire(kp),
+        "token_ids": [] if kp.content is None else kp.content.tolist(),
+        "access_count": ACCESS_COUNT_UNTRACKED,
+    }
+
+
+def key_entry_to_wire(kp: KeyPlacements) -> dict[str, Any]:
+    """One key of a listing: the key, its placements and how many tokens its chunk binds."""
+    return {
+        **key_placements_to_wire(kp),
+        "num_tokens": 0 if kp.content is None else len(kp.content),
+        "access_count": ACCESS_COUNT_UNTRACKED,
+    }
 
 
 def key_placements_from_wire(obj: Any) -> KeyPlacements:
@@ -158,7 +198,7 @@ def lookup_to_wire(found: TokenLookup) -> dict[str, Any]:
     """``POST /directory/lookup`` (both forms): chunks asked, placements per key, prefix."""
     return {
         "chunks": found.chunks,
-        "results": [key_placements_to_wire(kp) for kp in found.results],
+        "results": [lookup_result_to_wire(kp) for kp in found.results],
         "prefix": [prefix_to_wire(h) for h in found.prefix],
     }
 
@@ -172,9 +212,11 @@ def lookup_from_wire(obj: Any) -> TokenLookup:
 
 
 def key_page_to_wire(page: KeyPage) -> dict[str, Any]:
-    """``GET /directory/keys``: one page and how to ask for the next (``None`` at the end)."""
+    """``GET /directory/keys``: how many keys match, one page and how to ask for the next
+    (``None`` at the end)."""
     return {
-        "keys": [key_placements_to_wire(kp) for kp in page.items],
+        "total": page.total,
+        "keys": [key_entry_to_wire(kp) for kp in page.items],
         "next_cursor": page.next_cursor,
         "next_offset": page.next_offset,
     }
@@ -184,7 +226,8 @@ def key_page_from_wire(obj: Any) -> KeyPage:
     return KeyPage(
         [key_placements_from_wire(k) for k in _list(obj, "keys")],
         _optional(_str, obj, "next_cursor"),
-        _optional(_int, obj, "next_offset"),
+        _opt_int(obj, "next_offset"),
+        _if_sent(_opt_int, obj, "total", None),
     )
 
 
@@ -230,13 +273,40 @@ def directory_stats_to_wire(stats: DirectoryStats) -> dict[str, Any]:
     return out
 
 
-def stats_to_wire(view: StatsView) -> dict[str, Any]:
-    """``GET /directory/stats``: the directory's statistics, then the service's own."""
+def _lmcache_stats(stats: DirectoryStats) -> dict[str, Any]:
+    """The statistics under LMCache's names (its coordinator's ``/directory/stats``)."""
     return {
+        "num_keys": stats.keys,
+        "num_placements": stats.placements,
+        "l1_keys_by_instance": stats.l1_placements_by_instance,
+        "l1_count": stats.placements_by_tier.get("l1", 0),
+        "l1_size_bytes": stats.bytes_by_tier.get("l1", 0),
+        "l2_count": stats.placements_by_tier.get("l2", 0),
+        "l2_size_bytes": stats.bytes_by_tier.get("l2", 0),
+    }
+
+
+def stats_to_wire(view: StatsView) -> dict[str, Any]:
+    """``GET /directory/stats``: LMCache's fields, the directory's statistics, then the
+    service's own. ``blend`` carries LMCache's ``num_*`` and ``table_size`` too."""
+    out = {
+        **_lmcache_stats(view.directory),
         **directory_stats_to_wire(view.directory),
         "key_scheme": view.key_scheme,
         "instances_alive": view.instances_alive,
     }
+    blend = view.directory.blend
+    if blend is not None:
+        out["blend"] = {
+            "enabled": True,
+            "num_contents": blend.contents,
+            "num_chunks": blend.occupants,
+            "num_claims": blend.claims,
+            "num_namespaces": blend.namespaces,
+            "table_size": blend.table_slots,
+            **out["blend"],
+        }
+    return out
 
 
 # ---------------------------------------------------------------------------- instances
@@ -248,22 +318,27 @@ def emitter_to_wire(e: EmitterView) -> dict[str, Any]:
         "last_seq": e.last_seq,
         "gaps": e.gaps,
         "missing_batches": e.missing_batches,
-        "lag_s": e.lag_s,
+        "events_dropped": e.events_dropped,
+        "seconds_since_last_event": e.seconds_since_last_event,
+        "event_delivery_delay_seconds": e.event_delivery_delay_seconds,
     }
 
 
 def emitter_from_wire(obj: Any) -> EmitterView:
     return EmitterView(
-        _optional(_int, obj, "incarnation"),
-        _optional(_int, obj, "last_seq"),
-        _int(obj, "gaps"),
-        _int(obj, "missing_batches"),
-        _optional(_float, obj, "lag_s"),
+        _if_sent(_opt_int, obj, "incarnation", None),
+        _if_sent(_opt_int, obj, "last_seq", None),
+        _if_sent(_int, obj, "gaps", 0),
+        _if_sent(_int, obj, "missing_batches", 0),
+        _if_sent(_int, obj, "events_dropped", 0),
+        _if_sent(_opt_float, obj, "seconds_since_last_event", None),
+        _if_sent(_opt_float, obj, "event_delivery_delay_seconds", None),
     )
 
 
 def instance_to_wire(view: InstanceView) -> dict[str, Any]:
-    """One ``GET /instances`` row: registration fields (if registered), liveness, cursor."""
+    """One ``GET /instances`` row: registration fields (if registered), liveness, cursor.
+    An absent peer URL or message-queue port is ``""`` / ``0``, as LMCache answers them."""
     reg = view.registration
     if reg is None:
         row: dict[str, Any] = {"instance_id": view.instance_id, "alive": False, "registered": False}
@@ -273,9 +348,9 @@ def instance_to_wire(view: InstanceView) -> dict[str, Any]:
             "ip": reg.ip,
             "http_port": reg.http_port,
             "metadata": reg.metadata,
-            "p2p_advertised_url": reg.p2p_advertised_url,
-            "mq_port": reg.mq_port,
-            "registered_at": view.registered_at,
+            "p2p_advertised_url": reg.p2p_advertised_url or "",
+            "mq_port": reg.mq_port or 0,
+            "registration_time": view.registration_time,
             "last_heartbeat_age_s": view.last_heartbeat_age_s,
             "alive": True,
         }
@@ -284,24 +359,26 @@ def instance_to_wire(view: InstanceView) -> dict[str, Any]:
 
 
 def instance_from_wire(obj: Any) -> InstanceView:
+    """A row of kvatlas's or LMCache's ``GET /instances`` (LMCache lists registered
+    instances only, without liveness or cursor fields)."""
     emitter = emitter_from_wire(obj)
-    if not _bool(obj, "alive"):
+    if not _if_sent(_bool, obj, "alive", True):
         return InstanceView(_str(obj, "instance_id"), None, None, None, emitter)
     metadata = _get(obj, "metadata")
     if not isinstance(metadata, dict):
         raise ValueError("metadata is not an object")
     registration = Registration(
         _str(obj, "ip"),
-        _optional(_int, obj, "http_port"),
+        _opt_int(obj, "http_port"),
         metadata,
-        _optional(_str, obj, "p2p_advertised_url"),
-        _optional(_int, obj, "mq_port"),
+        _optional(_str, obj, "p2p_advertised_url") or None,
+        _opt_int(obj, "mq_port") or None,
     )
     return InstanceView(
         _str(obj, "instance_id"),
         registration,
-        _float(obj, "registered_at"),
-        _float(obj, "last_heartbeat_age_s"),
+        _float(obj, "registration_time"),
+        _if_sent(_float, obj, "last_heartbeat_age_s", None),
         emitter,
     )
 
@@ -322,8 +399,9 @@ def heartbeat_to_wire(instance_id: str) -> dict[str, Any]:
     return {"instance_id": instance_id, "ok": True}
 
 
-def deregistration_to_wire(d: Deregistration) -> dict[str, Any]:
-    return {"instance_id": d.instance_id, "known": d.known, "fenced": d.fenced}
+def chunk_size_to_wire(chunk_size: int) -> dict[str, Any]:
+    """``PUT /config/chunk-size``: the fleet's chunk size (the one the coordinator has)."""
+    return {"chunk_size": chunk_size}
 
 
 # ---------------------------------------------------------------------------- events, health
@@ -336,7 +414,7 @@ def ingest_counts_to_wire(counts: IngestCounts) -> dict[str, Any]:
 
 def health_to_wire(h: HealthView) -> dict[str, Any]:
     return {
-        "status": "ok",
+        "status": "healthy",
         "state": h.state.value,
         **h.scheme.describe(),
         "blend_lookup": h.blend_lookup,

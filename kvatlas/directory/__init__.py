@@ -11,7 +11,13 @@ from kvatlas.directory.blend import (
 )
 from kvatlas.directory.capture import Capture, CapturedPart, DirectoryState, Restored
 from kvatlas.directory.gate import Admission, EmitterCursor, GapRecord, IngestGate, Outcome
-from kvatlas.directory.key_directory import DirectoryStats, IngestCounts, KeyDirectory
+from kvatlas.directory.key_directory import (
+    DirectoryStats,
+    DirectoryUsage,
+    IngestCounts,
+    KeyDirectory,
+    ModuleUsage,
+)
 from kvatlas.directory.listing import page_keys
 from kvatlas.directory.records import (
     CapacityDeclaration,
@@ -38,6 +44,7 @@ __all__ = [
     "CapturedPart",
     "DirectoryState",
     "DirectoryStats",
+    "DirectoryUsage",
     "EmitterCursor",
     "GapRecord",
     "IngestCounts",
@@ -45,6 +52,7 @@ __all__ = [
     "KeyDirectory",
     "KeyPage",
     "KeyPlacements",
+    "ModuleUsage",
     "Outcome",
     "Placement",
     "PrefixHolder",

@@ -24,6 +24,8 @@ from typing import Protocol
 from kvatlas.directory.blend import AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp, new_add_op
 from kvatlas.directory.records import (
     KeyPair,
+    KeyPlacements,
+    Module,
     Placement,
     PlacementRow,
     Placements,
@@ -49,6 +51,7 @@ from kvatlas.directory.records import (
     row_ident,
     row_instance,
     row_last_access,
+    row_module,
     row_shared,
     row_size,
     row_tier,
@@ -71,14 +74,17 @@ Partition = dict[bytes, Record]  # chunk hash -> record; a chunk lives in partit
 
 @dataclass(slots=True)
 class ChunkCounts:
-    """What follows from the records: key and placement counts, bytes per tier, and per
-    instance its own L1 placements and the chunks holding them (what fencing visits)."""
+    """What follows from the records: key and placement counts, bytes per tier, per
+    instance its own L1 placements and the chunks holding them (what fencing visits), and
+    placements and bytes per :data:`~kvatlas.directory.records.Module` (usage)."""
 
     keys: int = 0
     placements: int = 0
     l1_placements: Counter[str] = field(default_factory=Counter)
     bytes_by_tier: Counter[str] = field(default_factory=Counter)
     l1_chunks: dict[str, set[bytes]] = field(default_factory=dict)
+    module_placements: Counter[Module] = field(default_factory=Counter)
+    module_bytes: Counter[Module] = field(default_factory=Counter)
 
     @classmethod
     def scan(cls, parts: list[Partition]) -> ChunkCounts:
@@ -91,6 +97,8 @@ class ChunkCounts:
                     for p in placements_of(pls):
                         out.placements += 1
                         out.bytes_by_tier[row_tier(p)] += row_size(p)
+                        out.module_placements[row_module(p)] += 1
+                        out.module_bytes[row_module(p)] += row_size(p)
                         owner = l1_owner(p)
                         if owner is not None:
                             out.l1_placements[owner] += 1
@@ -160,6 +168,13 @@ class ChunkTable:
         found = self.locate(key)
         return () if found is None else public_placements(placements_at(*found))
 
+    def key_placements(self, key: ObjectKey) -> KeyPlacements:
+        """The key's placements and its chunk's bound content."""
+        found = self.locate(key)
+        if found is None:
+            return KeyPlacements(key, ())
+        return KeyPlacements(key, public_placements(placements_at(*found)), record_tokens(found[0]))
+
     # ------------------------------------------------------------------ changes
 
     def store(self, batch: EventBatch, sids: list[int]) -> None:
@@ -227,6 +242,9 @@ class ChunkTable:
         counts.keys += n_keys
         counts.placements += n_pl
         counts.bytes_by_tier[tier] += n_bytes
+        module = (None if shared else inst, tier, backend)
+        counts.module_placements[module] += n_pl
+        counts.module_bytes[module] += n_bytes
         if own_l1:
             counts.l1_placements[inst] += n_pl
 
@@ -401,6 +419,9 @@ class ChunkTable:
         counts = self.counts
         counts.placements += sign
         counts.bytes_by_tier[row_tier(p)] += sign * row_size(p)
+        module = row_module(p)
+        counts.module_placements[module] += sign
+        counts.module_bytes[module] += sign * row_size(p)
         owner = l1_owner(p)
         if owner is not None:
             counts.l1_placements[owner] += sign

@@ -86,8 +86,9 @@ class IngestGate:
             cur = self._cursors[batch.instance_id] = EmitterCursor(batch.incarnation, 0)
         elif admission.fence_first:
             cur.incarnation, cur.last_seq = batch.incarnation, 0
-        if admission.missing:
+        if admission.missing or batch.dropped_events:  # events the emitter dropped: a gap too
             cur.gaps += 1
+        if admission.missing:
             cur.missing_batches += admission.missing
             cur.last_gap = GapRecord(batch.incarnation, cur.last_seq, batch.seq)
         cur.last_seq = batch.seq

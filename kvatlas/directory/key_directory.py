@@ -71,11 +71,33 @@ class DirectoryStats:
     placements: int
     l1_placements_by_instance: dict[str, int]  # own L1 copies (what fencing drops)
     bytes_by_tier: dict[str, int]
+    placements_by_tier: dict[str, int]
     batches: dict[str, int]  # Outcome value -> batches
     emitters: int
     gaps: int
     capacity_bytes_by_instance: dict[str, int]
     blend: BlendStats | None  # the blend index's stats; None while blend lookup is off
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleUsage:
+    """Copies in one module: an instance's own (tier, backend), or a shared pool
+    (``instance_id`` ``None``), with the capacity declared for it (0: none declared)."""
+
+    instance_id: str | None
+    tier: str
+    backend: str
+    placements: int
+    used_bytes: int
+    capacity_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class DirectoryUsage:
+    """Every non-empty or declared module, and which instances declared capacity."""
+
+    modules: list[ModuleUsage]
+    declared: frozenset[str]
 
 
 class KeyDirectory:
@@ -99,6 +121,7 @@ class KeyDirectory:
         self._gate = IngestGate()
         self._chunks = ChunkTable(chunk_size)
         self._capacities: dict[str, CapacityDeclaration] = {}
+        self._shared_pools: set[tuple[str, str]] = set()  # (tier, backend) declared shared
         self._index: BlendIndex | None = None
         self._probe_stride = 1
         self._outcomes: Counter[str] = Counter()
@@ -199,6 +222,8 @@ class KeyDirectory:
         version = (batch.incarnation, batch.capacity_revision)
         cur = self._capacities.get(batch.instance_id)
         where = (batch.tier, batch.backend)
+        if batch.shared:
+            self._shared_pools.add(where)
         if cur is None or version > (cur.incarnation, cur.revision):
             caps = {where: batch.capacity_bytes}
         elif version == (cur.incarnation, cur.revision):
@@ -212,8 +237,8 @@ class KeyDirectory:
     def lookup(self, keys: Sequence[ObjectKey]) -> list[KeyPlacements]:
         """Placements per key, sorted by (instance, tier, backend); absent keys get ``()``."""
         with self._lock:
-            placements = self._chunks.placements
-            return [KeyPlacements(k, placements(k)) for k in keys]
+            find = self._chunks.key_placements
+            return [find(k) for k in keys]
 
     def lookup_tokens(
         self,
@@ -259,6 +284,14 @@ class KeyDirectory:
             max_scan=max_scan,
         )
 
+    def count_keys(
+        self, *, tier: str | None = None, instance_id: str | None = None, backend: str | None = None
+    ) -> int:
+        """How many keys have a placement matching every given filter."""
+        return listing.count_keys(
+            self._chunks, self._lock, tier=tier, instance_id=instance_id, backend=backend
+        )
+
     def gap_state(self, instance_id: str) -> EmitterCursor | None:
         """The emitter's cursor with its gap counters (``None`` if unknown)."""
         with self._lock:
@@ -285,6 +318,7 @@ class KeyDirectory:
                 placements=counts.placements,
                 l1_placements_by_instance=dict(+counts.l1_placements),
                 bytes_by_tier=dict(counts.bytes_by_tier),
+                placements_by_tier=_by_tier(counts.module_placements),
                 batches={o.value: self._outcomes[o] for o in Outcome},
                 emitters=len(cursors),
                 gaps=sum(c.gaps for c in cursors.values()),
@@ -297,6 +331,28 @@ class KeyDirectory:
         if index is None:
             return stats
         return dataclasses.replace(stats, blend=index.stats())
+
+    def usage(self) -> DirectoryUsage:
+        """Used bytes per module (from placements) beside declared capacities (from config
+        batches); a (tier, backend) declared shared, or holding shared copies, is a pool."""
+        with self._lock:
+            counts = self._chunks.counts
+            placements = +counts.module_placements
+            used = counts.module_bytes
+            declarations = dict(self._capacities)
+            pools = self._shared_pools | {(t, b) for i, t, b in placements if i is None}
+        capacity: dict[tuple[str | None, str, str], int] = {}
+        for inst, declared in declarations.items():
+            for (tier, backend), n in declared.capacities.items():
+                module = (
+                    (None, tier, backend) if (tier, backend) in pools else (inst, tier, backend)
+                )
+                capacity[module] = max(n, capacity.get(module, 0))
+        modules = [
+            ModuleUsage(*m, placements.get(m, 0), used.get(m, 0), capacity.get(m, 0))
+            for m in sorted(placements.keys() | capacity.keys(), key=lambda m: (m[0] or "", m[1:]))
+        ]
+        return DirectoryUsage(modules, frozenset(declarations))
 
     # ------------------------------------------------------------------ capture and install
 
@@ -324,9 +380,17 @@ class KeyDirectory:
             self._chunks.restore(restored.shapes, restored.parts, counts)
             self._gate.restore(state.cursors)
             self._capacities = dict(state.capacities)
+            self._shared_pools = set()
             if self._index is not None:
                 self._index = self._new_index(self.chunk_size, self._probe_stride)
                 self._chunks.reindex(self._index.apply)
 
 
-__all__ = ["DirectoryStats", "IngestCounts", "KeyDirectory"]
+def _by_tier(module_counts: Counter[tuple[str | None, str, str]]) -> dict[str, int]:
+    out: Counter[str] = Counter()
+    for (_, tier, _), n in module_counts.items():
+        out[tier] += n
+    return dict(+out)
+
+
+__all__ = ["DirectoryStats", "DirectoryUsage", "IngestCounts", "KeyDirectory", "ModuleUsage"]

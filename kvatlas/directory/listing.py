@@ -16,8 +16,13 @@ from kvatlas.directory.records import (
     KeyPage,
     KeyPlacements,
     Placement,
+    placements_of,
     public_placements,
     record_keys,
+    record_tokens,
+    row_backend,
+    row_instance,
+    row_tier,
 )
 from kvatlas.errors import InvalidInput
 
@@ -70,9 +75,37 @@ def list_keys(
                     shape, pls = pairs[n]
                     found = public_placements(pls)
                     if any(wanted(p) for p in found):
-                        items.append(KeyPlacements(shape.key(h), found))
+                        items.append(KeyPlacements(shape.key(h), found, record_tokens(part[h])))
             start = None
     return KeyPage(items, None)
+
+
+def count_keys(
+    chunks: ChunkTable,
+    lock: threading.Lock,
+    *,
+    tier: str | None = None,
+    instance_id: str | None = None,
+    backend: str | None = None,
+) -> int:
+    """How many keys have a placement matching every given filter (the ``total`` of a
+    listing). Without filters it is a counter; with one, a pass that holds ``lock`` for one
+    partition at a time, so ingestion is never stalled behind a whole scan."""
+    if tier is None and instance_id is None and backend is None:
+        with lock:
+            return chunks.counts.keys
+    total = 0
+    for part_no in range(PARTS):
+        with lock:
+            for rec in chunks.parts[part_no].values():
+                for _, pls in record_keys(rec):
+                    total += any(
+                        (tier is None or row_tier(p) == tier)
+                        and (backend is None or row_backend(p) == backend)
+                        and (instance_id is None or row_instance(p) == instance_id)
+                        for p in placements_of(pls)
+                    )
+    return total
 
 
 def page_keys(
@@ -107,7 +140,8 @@ def page_keys(
         if next_cursor is None or (not skip and len(items) >= limit):
             break
     next_offset = offset + len(items) if next_cursor is not None and not cursor else None
-    return KeyPage(items[:limit], next_cursor, next_offset)
+    total = directory.count_keys(tier=tier, instance_id=instance_id, backend=backend)
+    return KeyPage(items[:limit], next_cursor, next_offset, total)
 
 
 def _parse_cursor(cursor: str | None) -> tuple[bytes | None, int]:

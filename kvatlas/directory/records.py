@@ -14,7 +14,7 @@ them through the functions below (see docs/directory.md).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain, repeat
 from operator import itemgetter
 from typing import Any, Final
@@ -43,8 +43,12 @@ class Placement:
 
 @dataclass(frozen=True, slots=True)
 class KeyPlacements:
+    """A key's placements; ``content`` is its chunk's bound token ids (``None``: unknown),
+    set by lookups and listings (not part of equality)."""
+
     key: ObjectKey
     placements: tuple[Placement, ...]
+    content: TokenArray | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +80,8 @@ class KeyPage:
     next_cursor: str | None
     next_offset: int | None = None
     """Set by :func:`page_keys` when the listing was asked by offset and goes on."""
+    total: int | None = None
+    """Set by :func:`page_keys`: how many keys match the listing's filters."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +165,14 @@ row_last_access: Callable[[PlacementRow], float] = itemgetter(_ACCESS)
 def row_ident(row: PlacementRow) -> tuple[str, str, str | None]:
     """:attr:`Placement.ident` of a row."""
     return (row[_TIER], row[_BACKEND], None if row[_SHARED] else row[_INSTANCE])
+
+
+Module = tuple["str | None", str, str]
+"""Where copies live: (owning instance, or ``None`` for a shared pool; tier; backend)."""
+
+
+def row_module(row: PlacementRow) -> Module:
+    return (None if row[_SHARED] else row[_INSTANCE], row[_TIER], row[_BACKEND])
 
 
 def l1_owner(row: PlacementRow) -> str | None:

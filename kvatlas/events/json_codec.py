@@ -58,6 +58,7 @@ class _WireBatch(msgspec.Struct):
     entries: list[_WireEntry] = []
     capacity_bytes: int | None = None
     capacity_revision: int | None = None
+    dropped_events: int = 0
 
 
 class _WireBody(msgspec.Struct):
@@ -138,6 +139,7 @@ def _batch_from_wire(
         entries=tuple(entries),
         capacity_bytes=wb.capacity_bytes,
         capacity_revision=wb.capacity_revision,
+        dropped_events=wb.dropped_events,
     )
 
 
@@ -205,12 +207,13 @@ def _rooted(exc: EventValidationError, prefix: str) -> tuple[str, str]:
 
 
 def batch_to_wire(batch: EventBatch) -> dict[str, Any]:
-    """The JSON-ready dict of one batch (LMCache field names)."""
+    """The JSON-ready dict of one batch (LMCache's field names and defaults: no tokens is
+    ``[]``, which both decoders read as unknown content)."""
     entries = [
         {
             "key": e.key.to_wire(),
             "size_bytes": e.size_bytes,
-            "token_ids": None if e.token_ids is None else e.token_ids.tolist(),
+            "token_ids": [] if e.token_ids is None else e.token_ids.tolist(),  # [] as LMCache
             "token_offset": e.token_offset,
         }
         for e in batch.entries

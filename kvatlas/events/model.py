@@ -39,6 +39,7 @@ INT_BOUNDS: Final[dict[str, tuple[int, int]]] = {
     "capacity_revision": (0, I64_MAX),
     "size_bytes": (0, I64_MAX),
     "token_offset": (UNKNOWN_OFFSET, I64_MAX),
+    "dropped_events": (0, I64_MAX),
 }
 """The inclusive range of every integer field the model checks (the events schema shows them)."""
 
@@ -122,6 +123,12 @@ class EventBatch:
     ``incarnation`` must grow on every emitter restart; ``seq`` starts at 1 and grows by one per
     batch within an incarnation. ``config`` batches carry no entries, only a capacity
     declaration (LMCache MP servers send them; they are accepted, never rejected).
+    ``dropped_events``: events the emitter dropped (e.g. a full queue) since its previous batch;
+    the coordinator counts them and shows a gap for the emitter (LMCache 0.5.7).
+
+    LMCache's pydantic models send every default: ``capacity_bytes: 0`` and
+    ``capacity_revision: 0`` on a batch that is not a config batch mean "absent" (stored as
+    ``None``); any other value there is still refused.
     """
 
     instance_id: str
@@ -135,6 +142,7 @@ class EventBatch:
     entries: tuple[CacheEntry, ...] = field(default=())
     capacity_bytes: int | None = None
     capacity_revision: int | None = None
+    dropped_events: int = 0
 
     def __post_init__(self) -> None:
         _name("instance_id", self.instance_id, required=True)
@@ -160,6 +168,7 @@ class EventBatch:
         for i, entry in enumerate(entries):
             if not isinstance(entry, CacheEntry):
                 raise EventValidationError(f"entries[{i}]", "must be a CacheEntry")
+        _int_in("dropped_events", self.dropped_events)
         self._check_config()
 
     def _check_config(self) -> None:
@@ -173,7 +182,10 @@ class EventBatch:
                 _int_in(name, value)
         else:
             for name in ("capacity_bytes", "capacity_revision"):
-                if getattr(self, name) is not None:
+                value = getattr(self, name)
+                if is_plain_int(value) and value == 0:  # LMCache's default: absent
+                    object.__setattr__(self, name, None)
+                elif value is not None:
                     raise EventValidationError(name, "is only allowed on a config batch")
 
     @property
@@ -196,4 +208,6 @@ def batch_header(batch: EventBatch) -> dict[str, Any]:
     if batch.capacity_bytes is not None:
         out["capacity_bytes"] = batch.capacity_bytes
         out["capacity_revision"] = batch.capacity_revision
+    if batch.dropped_events:
+        out["dropped_events"] = batch.dropped_events
     return out

@@ -44,7 +44,17 @@ def check_coordinator_compatible(config: NodeConfig, health: dict[str, Any]) -> 
 
     Refuses (raises) on a key scheme, chunk size or, for a reporting node, event transport
     mismatch; warns when the node answers blend lookups but the coordinator has them off.
+    LMCache's coordinator states none of these (``{"status": "healthy"}``): then the chunk
+    size is checked at registration (LMCache 0.5.7 refuses a conflicting one) and the rest
+    is the operator's to match (docs/coordinator.md, "Running kvatlas under LMCache MP servers").
     """
+    if "key_scheme" not in health:
+        log.warning(
+            "the coordinator at %s does not state its key scheme (LMCache's coordinator?): "
+            "make sure it runs with --chunk-size %d and that this node's %s keys are its keys",
+            config.coordinator_url, config.chunk_size, config.scheme.name,
+        )  # fmt: skip
+        return
     config.scheme.check_compatible(str(health.get("key_scheme")), int(health.get("chunk_size", -1)))
     if not config.fleet_enabled:
         return
@@ -82,16 +92,21 @@ class NodeProcess:
         instance_id = config.instance_id or None
         advertised = config.advertised_url or f"http://{config.host}:{config.port}"
         token = config.coordinator_bearer()
+        event_format = "msgpack"
         if config.coordinator_url:
             self.coordinator = CoordinatorClient(config.coordinator_url, token=token)
+            health = self.coordinator.health()
+            if "key_scheme" not in health:  # LMCache's coordinator: events as JSON only
+                event_format = "json"
             try:
-                check_coordinator_compatible(config, self.coordinator.health())
+                check_coordinator_compatible(config, health)
             except Conflict:
                 self.coordinator.close()
                 raise
             instance_id = self.coordinator.register(
                 instance_id, ip=config.host, http_port=config.port, p2p_advertised_url=advertised,
                 metadata={"model_name": config.model_name, "kv_rank": config.kv_rank},
+                chunk_size=config.chunk_size,
             )  # fmt: skip
         config.warn_if_half_configured()
         if config.fleet_enabled and self.coordinator is not None:
@@ -99,7 +114,7 @@ class NodeProcess:
             if config.event_transport == "redis":
                 transport = RedisStreamTransport(config.redis_url, config.event_stream)
             else:
-                transport = HttpTransport(config.coordinator_url, token=token)
+                transport = HttpTransport(config.coordinator_url, fmt=event_format, token=token)
             assert instance_id is not None
             self.sink = EventSink(instance_id, transport)
             fleet = HttpFleetView(

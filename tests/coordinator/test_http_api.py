@@ -365,7 +365,7 @@ def test_healthz_reports_scheme(client: httpx.Client) -> None:
     r = client.get("/healthz")
     assert r.status_code == 200
     body = r.json()
-    assert body["status"] == "ok"
+    assert body["status"] == "healthy"  # LMCache's word
     assert body["key_scheme"] == "blake3"
     assert body["chunk_size"] == CS
     assert body["blend_lookup"] is True

@@ -425,7 +425,6 @@ def test_body_at_limit_is_accepted(limited: tuple[BackgroundServer, httpx.Client
 @pytest.mark.parametrize(
     "body",
     [
-        {"instance_id": ""},
         {"instance_id": "x" * 257},
         {"instance_id": 5},
         {"metadata": "not a dict"},

@@ -89,8 +89,7 @@ def test_deregister_fences_l1_keeps_l2_forgets_cursor(client: httpx.Client) -> N
         == [{(em.instance_id, "l1", "dram"), (em.instance_id, "l2", "fs")}] * 2
     )
     r = client.delete(f"/instances/{em.instance_id}")
-    assert r.status_code == 200, r.text
-    assert r.json()["fenced"] == 2
+    assert (r.status_code, r.content) == (204, b""), r.text  # as LMCache answers it
     assert placements_by_key(lookup_tokens(client, tokens)) == [{(em.instance_id, "l2", "fs")}] * 2
     assert em.instance_id not in _instances(client)
     assert client.put(f"/instances/{em.instance_id}/heartbeat").status_code == 404
@@ -107,8 +106,7 @@ def test_deregister_fences_l1_keeps_l2_forgets_cursor(client: httpx.Client) -> N
 
 def test_deregister_unknown_instance_is_harmless(client: httpx.Client) -> None:
     r = client.delete(f"/instances/{fresh('nobody')}")
-    assert r.status_code == 200, r.text
-    assert r.json()["known"] is False
+    assert (r.status_code, r.content) == (204, b""), r.text  # as LMCache answers it
 
 
 def test_instances_listing_shows_incarnation_seq_and_gaps(client: httpx.Client) -> None:
@@ -125,7 +123,9 @@ def test_instances_listing_shows_incarnation_seq_and_gaps(client: httpx.Client) 
     row = _instances(client)[inst]
     assert (row["incarnation"], row["last_seq"], row["gaps"]) == (11, 5, 1)
     assert row["missing_batches"] == 2
-    assert "lag_s" in row
+    assert row["events_dropped"] == 0
+    assert row["seconds_since_last_event"] >= 0
+    assert "event_delivery_delay_seconds" in row
 
 
 def test_unregistered_emitter_listed(client: httpx.Client) -> None:

@@ -196,7 +196,7 @@ def test_emitter_flood_is_capped() -> None:
         r = c.post("/instances", json={"instance_id": "reg-over"})
         assert "max-instances" in assert_error(r, 409)["detail"]
         assert c.post("/instances", json={"instance_id": "reg-0"}).status_code == 200  # again
-        assert c.delete("/instances/reg-0").status_code == 200
+        assert c.delete("/instances/reg-0").status_code == 204
         assert c.post("/instances", json={"instance_id": "reg-over"}).status_code == 200
 
 
@@ -218,7 +218,7 @@ def test_departed_emitters_are_forgotten() -> None:
                 assert c.post("/instances", json={"instance_id": inst}).status_code == 200
             r = c.post("/events", json={"batches": [wire_batch(inst, 1, 1)]})
             assert r.status_code == 200, r.text
-        assert c.delete("/instances/leaver").status_code == 200
+        assert c.delete("/instances/leaver").status_code == 204
         assert _series(c.get("/metrics").text) == {"quiet", "leaver", "stayer"}
         clock.now += 30
         assert server.service.forget_departed() == []

@@ -40,7 +40,9 @@ PREFIX = [
     PrefixHolder("node-a", "l1", "dram", False, 1),
 ]
 REGISTRATION = Registration("10.0.0.1", 8000, {"gpu": 0}, "http://10.0.0.1:8001", 5555)
-REGISTERED = InstanceView("node-a", REGISTRATION, 1700000000.25, 0.5, EmitterView(2, 7, 1, 3, 0.01))
+REGISTERED = InstanceView(
+    "node-a", REGISTRATION, 1700000000.25, 0.5, EmitterView(2, 7, 1, 3, 4, 2.5, 0.01)
+)
 UNREGISTERED = InstanceView("node-b", None, None, None, EmitterView(1, 1))
 
 
@@ -62,7 +64,7 @@ def _json_round_trip(obj: Any) -> Any:
         (TokenLookup(0, [], []), wire.lookup_to_wire, wire.lookup_from_wire),
         (KeyPage([KP], "c1", None), wire.key_page_to_wire, wire.key_page_from_wire),
         (KeyPage([], None, 7), wire.key_page_to_wire, wire.key_page_from_wire),
-        (EmitterView(1, 2, 3, 4, 0.5), wire.emitter_to_wire, wire.emitter_from_wire),
+        (EmitterView(1, 2, 3, 4, 5, 1.5, 0.5), wire.emitter_to_wire, wire.emitter_from_wire),
         (NO_EMITTER, wire.emitter_to_wire, wire.emitter_from_wire),
         (REGISTERED, wire.instance_to_wire, wire.instance_from_wire),
         (UNREGISTERED, wire.instance_to_wire, wire.instance_from_wire),
@@ -96,7 +98,19 @@ def test_placement_fields_in_wire_order() -> None:
         "chunks",
     ]
     assert list(wire.lookup_to_wire(TokenLookup(0, [], []))) == ["chunks", "results", "prefix"]
-    assert list(wire.key_page_to_wire(KeyPage([], None))) == ["keys", "next_cursor", "next_offset"]
+    assert list(wire.key_page_to_wire(KeyPage([], None))) == [
+        "total",
+        "keys",
+        "next_cursor",
+        "next_offset",
+    ]
+    assert list(wire.lookup_result_to_wire(KP)) == [
+        "key",
+        "placements",
+        "token_ids",
+        "access_count",
+    ]
+    assert list(wire.key_entry_to_wire(KP)) == ["key", "placements", "num_tokens", "access_count"]
 
 
 def test_instance_rows_registered_and_not() -> None:
@@ -107,14 +121,16 @@ def test_instance_rows_registered_and_not() -> None:
         "metadata",
         "p2p_advertised_url",
         "mq_port",
-        "registered_at",
+        "registration_time",
         "last_heartbeat_age_s",
         "alive",
         "incarnation",
         "last_seq",
         "gaps",
         "missing_batches",
-        "lag_s",
+        "events_dropped",
+        "seconds_since_last_event",
+        "event_delivery_delay_seconds",
     ]
     row = wire.instance_to_wire(UNREGISTERED)
     assert row == {
@@ -125,16 +141,20 @@ def test_instance_rows_registered_and_not() -> None:
         "last_seq": 1,
         "gaps": 0,
         "missing_batches": 0,
-        "lag_s": None,
+        "events_dropped": 0,
+        "seconds_since_last_event": None,
+        "event_delivery_delay_seconds": None,
     }
     assert REGISTERED.alive and not UNREGISTERED.alive
 
 
-def test_stats_are_the_directory_stats_then_the_service_fields() -> None:
+def test_stats_are_lmcache_fields_then_the_directory_stats_then_the_service_fields() -> None:
     directory = KeyDirectory(chunk_size=4).stats()
     out = wire.stats_to_wire(StatsView(directory, "blake3", 3))
     fields = [f.name for f in dataclasses.fields(directory)]
-    assert list(out) == [*fields, "key_scheme", "instances_alive"]
+    lmcache = ["num_keys", "num_placements", "l1_keys_by_instance"]
+    lmcache += ["l1_count", "l1_size_bytes", "l2_count", "l2_size_bytes"]
+    assert list(out) == [*lmcache, *fields, "key_scheme", "instances_alive"]
     assert out["chunk_size"] == 4 and out["blend"] == {"enabled": False}
     assert out["key_scheme"] == "blake3" and out["instances_alive"] == 3
 
@@ -144,6 +164,16 @@ def test_directory_stats_with_blend_on_carry_the_index_stats() -> None:
     out = wire.directory_stats_to_wire(directory)
     assert directory.blend is not None
     assert out["blend"] == {"enabled": True, **dataclasses.asdict(directory.blend)}
+    lmcache = wire.stats_to_wire(StatsView(directory, "blake3", 0))["blend"]
+    assert lmcache == {
+        "enabled": True,
+        "num_contents": directory.blend.contents,
+        "num_chunks": directory.blend.occupants,
+        "num_claims": directory.blend.claims,
+        "num_namespaces": directory.blend.namespaces,
+        "table_size": directory.blend.table_slots,
+        **dataclasses.asdict(directory.blend),
+    }
 
 
 def test_health_and_readiness() -> None:
@@ -158,7 +188,7 @@ def test_health_and_readiness() -> None:
         "kvatlas-host-1a2b",
     )
     assert msgspec.json.encode(wire.health_to_wire(health)) == (
-        b'{"status":"ok","state":"catching_up","key_scheme":"blake3","chunk_size":4,'
+        b'{"status":"healthy","state":"catching_up","key_scheme":"blake3","chunk_size":4,'
         b'"blend_lookup":true,"event_transport":"redis","stream_position":"1-0",'
         b'"event_stream":"kv:events","replica_id":"host-1a2b",'
         b'"consumer_group":"kvatlas-host-1a2b"}'

@@ -129,6 +129,31 @@ def check(d: KeyDirectory, m: Model) -> None:
     } == m.cursors
     listed = {kp.key for kp in d.list_keys(limit=10_000).items}
     assert listed == set(m.placements)
+    for kp in d.lookup(KEYS):  # the bound content comes with a stored key, none without
+        bound = m.bindings.get(kp.key.chunk_hash) if kp.key in m.placements else None
+        assert (None if kp.content is None else tuple(kp.content.tolist())) == (
+            None if bound is None else bound[0]
+        ), kp.key
+    check_usage(d, m)
+
+
+def check_usage(d: KeyDirectory, m: Model) -> None:
+    """Placements and bytes per module, per tier, and filtered key counts, against the model."""
+    want: dict[tuple[Any, ...], tuple[int, int]] = {}
+    for pls in m.placements.values():
+        for (tier, backend, owner), row in pls.items():
+            n, used = want.get((owner, tier, backend), (0, 0))
+            want[(owner, tier, backend)] = (n + 1, used + row[4])
+    got = {
+        (u.instance_id, u.tier, u.backend): (u.placements, u.used_bytes) for u in d.usage().modules
+    }
+    assert got == want
+    by_tier = d.stats().placements_by_tier
+    assert by_tier == {t: sum(n for (_, tt, _), (n, _) in want.items() if tt == t) for t in by_tier}
+    for tier, backend, _ in PLACES:
+        held = {k for k, pls in m.placements.items() if any(i[:2] == (tier, backend) for i in pls)}
+        assert d.count_keys(tier=tier, backend=backend) == len(held)
+    assert d.count_keys() == len(m.placements)
     spaces = {BlendNamespace.from_object_key(k) for k in KEYS}
     for content in CONTENTS[:3]:
         for ns in spaces:

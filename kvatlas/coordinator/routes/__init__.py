@@ -4,13 +4,24 @@ reply) and holds no logic of its own. ``app.py`` mounts them in the order of :da
 which is the order ``/openapi.json`` lists them in. See docs/coordinator.md ("API").
 """
 
-from kvatlas.coordinator.routes import directory, events, instances, ops, route, status
+from kvatlas.coordinator.routes import (
+    config,
+    directory,
+    events,
+    instances,
+    ops,
+    route,
+    status,
+    usage,
+)
 
 ROUTERS = (
     events.router,
     directory.router,
     route.router,
+    usage.router,  # before instances: /instances/usage is not /instances/{instance_id}
     instances.router,
+    config.router,
     ops.router,
     status.router,
 )

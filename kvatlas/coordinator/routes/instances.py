@@ -12,12 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from kvatlas.coordinator.query import registration
 from kvatlas.coordinator.routes.deps import Caller, Service
 from kvatlas.coordinator.schemas import RegisterRequest
-from kvatlas.coordinator.wire import (
-    deregistration_to_wire,
-    heartbeat_to_wire,
-    instances_to_wire,
-    registered_to_wire,
-)
+from kvatlas.coordinator.wire import heartbeat_to_wire, instances_to_wire, registered_to_wire
 from kvatlas.errors import NotFound
 from kvatlas.web import MsgspecJSONResponse
 
@@ -28,6 +23,7 @@ router = APIRouter()
 async def register(body: RegisterRequest, service: Service, who: Caller) -> Response:
     who.require_instance(body.instance_id)
     asked, fields = registration(body)
+    service.check_chunk_size(body.chunk_size)
     salts = None if who.is_admin else who.cache_salts
     instance_id, again = service.instances.register(asked, fields, salts)
     return MsgspecJSONResponse(registered_to_wire(instance_id, again))
@@ -41,11 +37,15 @@ async def heartbeat(instance_id: str, service: Service, who: Caller) -> Response
     return MsgspecJSONResponse(heartbeat_to_wire(instance_id))
 
 
-@router.delete("/instances/{instance_id}", summary="Deregister: fence L1, forget the cursor")
+@router.delete(
+    "/instances/{instance_id}",
+    status_code=204,
+    summary="Deregister: fence L1, forget the cursor (204, also for an unknown id)",
+)
 async def deregister(instance_id: str, service: Service, who: Caller) -> Response:
     who.require_instance(instance_id)
-    gone = await run_in_threadpool(service.deregister, instance_id)
-    return MsgspecJSONResponse(deregistration_to_wire(gone))
+    await run_in_threadpool(service.deregister, instance_id)
+    return Response(status_code=204)
 
 
 @router.get("/instances", summary="Instances with liveness, cursors, gaps and lag")

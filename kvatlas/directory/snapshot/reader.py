@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
 from kvatlas.directory.capture import DirectoryState, Restored
 from kvatlas.directory.chunk_table import PARTS, ChunkCounts, Partition
@@ -32,6 +33,7 @@ from kvatlas.directory.key_directory import KeyDirectory
 from kvatlas.directory.records import (
     CapacityDeclaration,
     KeyPair,
+    Module,
     PlacementRow,
     Record,
     group_placements,
@@ -342,4 +344,46 @@ def _counts(header: Header, cols: _Columns, hashes: list[bytes]) -> ChunkCounts:
             l1_chunks[strings[inst]] = set(hashes)  # one copy of every chunk: no indexing
         else:
             l1_chunks[strings[inst]] = set(map(hashes.__getitem__, chunks.tolist()))
-    return ChunkCounts(len(cols.key_shapes), len(refs), l1_counts, by_tier, l1_chunks)
+    module_placements, module_bytes = _module_counts(header, refs, instance, tier, shared, size)
+    return ChunkCounts(
+        len(cols.key_shapes),
+        len(refs),
+        l1_counts,
+        by_tier,
+        l1_chunks,
+        module_placements,
+        module_bytes,
+    )
+
+
+def _module_counts(
+    header: Header,
+    refs: npt.NDArray[np.int64],
+    instance: npt.NDArray[Any],
+    tier: npt.NDArray[Any],
+    shared: npt.NDArray[Any],
+    size: npt.NDArray[Any],
+) -> tuple[Counter[Module], Counter[Module]]:
+    """Placements and bytes per module, grouped column-wise: one int64 per placement
+    (owner + 1, 0 for a shared pool; tier; backend), sorted once, summed per run."""
+    strings = header.strings
+    n_strings = len(strings)
+    backend = decode_column(header, "pl_backend")[refs].astype(np.int64)
+    owner = np.where(shared != 0, 0, instance.astype(np.int64) + 1)
+    key = (owner * len(TIERS) + tier.astype(np.int64)) * n_strings + backend
+    placements: Counter[Module] = Counter()
+    used: Counter[Module] = Counter()
+    if not len(key):
+        return placements, used
+    order = np.argsort(key, kind="stable")
+    key = key[order]
+    starts = np.concatenate(([0], np.flatnonzero(key[1:] != key[:-1]) + 1))
+    counts = np.diff(np.append(starts, len(key)))
+    sums = np.add.reduceat(size[order].astype(np.int64), starts)
+    for k, n, nbytes in zip(key[starts].tolist(), counts.tolist(), sums.tolist(), strict=True):
+        rest, b = divmod(k, n_strings)
+        o, t = divmod(rest, len(TIERS))
+        module = (None if o == 0 else strings[o - 1], TIERS[t], strings[b])
+        placements[module] = n
+        used[module] = nbytes
+    return placements, used
