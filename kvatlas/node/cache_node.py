@@ -57,7 +57,7 @@ from kvatlas.node.config import NodeConfig
 from kvatlas.node.emitter import BatchSink, EventEmitter
 from kvatlas.node.fleet_view import FleetView
 from kvatlas.node.l1 import L1Cache
-from kvatlas.node.l2 import L2Backend, L2Unavailable
+from kvatlas.node.l2 import FsL2, L2Backend, L2Unavailable
 from kvatlas.node.presence import L1, L2, Presence, Tier
 from kvatlas.node.rope import rerope_k
 from kvatlas.node.segments import Segment
@@ -186,6 +186,8 @@ class CacheNode:
         )
         if l2 is not None:  # last: reports what a private L2 already holds, watches losses
             l2.attach(self._adopt_l2, self._on_l2_lost)
+            if isinstance(l2, FsL2) and l2.corrupt_deleted:  # found by the rescan, keys unknown
+                self.counters["l2_corrupt_deleted"] += l2.corrupt_deleted
 
     # ------------------------------------------------------------------ keys
 
