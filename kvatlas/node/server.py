@@ -111,7 +111,7 @@ class Registrar:
                 if step != logged_step:
                     log.warning(
                         "coordinator %s not reachable (attempt %d: %s); serving local tiers, "
-                        "retrying every %.1f s at most",
+                        "retrying every %.3g s at most",
                         self.config.coordinator_url, self.attempts, exc, step,
                     )  # fmt: skip
                     logged_step = step
