@@ -225,9 +225,7 @@ class PeerClient:
         per_chunk = self.max_chunk_bytes + RECORD_OVERHEAD
         return 16 + sum(per_chunk + len(_key_encoder.encode(k.to_wire())) for k in keys)
 
-    def fetch(
-        self, keys: Iterable[ObjectKey], tiers: Sequence[str] = DEFAULT_TIERS
-    ) -> PeerReply:
+    def fetch(self, keys: Iterable[ObjectKey], tiers: Sequence[str] = DEFAULT_TIERS) -> PeerReply:
         """The chunks the peer holds in ``tiers`` (see the module docstring)."""
         wanted = list(dict.fromkeys(keys))
         if not wanted:

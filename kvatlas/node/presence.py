@@ -101,8 +101,7 @@ class Presence:
         """A snapshot of every held key: its tiers, tokens (if known) and token offset."""
         with self._lock:
             return [
-                (key, frozenset(h.tiers), h.tokens, h.token_offset)
-                for key, h in self._held.items()
+                (key, frozenset(h.tiers), h.tokens, h.token_offset) for key, h in self._held.items()
             ]
 
     def tiers_of(self, chunk_hash: bytes) -> frozenset[Tier]:
