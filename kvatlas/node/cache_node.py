@@ -440,6 +440,8 @@ class CacheNode:
         """Send a ``store`` event for every placement this node holds (tokens attached when
         known), e.g. after registering with a coordinator that was down; returns how many.
         Under the report lock: no delete sent before it is contradicted by a store after."""
+        if self.emitter is None:
+            return 0
         n = 0
         nbytes = self.layout.chunk_bytes
         with self._report_lock:

@@ -346,14 +346,14 @@ class FsL2:
         with self._write_lock:
             try:
                 path.unlink()
+                existed = True
             except FileNotFoundError:
-                return False
+                existed = False
             except OSError as exc:
                 raise L2Unavailable(f"fs L2 delete of {path} failed: {exc}") from exc
-            finally:
-                with self._lock:
-                    self._used -= self._lru.pop(key, 0)
-        return True
+            with self._lock:
+                self._used -= self._lru.pop(key, 0)
+        return existed
 
     def contains(self, key: ObjectKey) -> bool:
         """Existence only (no read): a corrupt file still counts until a ``get`` drops it."""
