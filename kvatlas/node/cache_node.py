@@ -260,8 +260,9 @@ class CacheNode:
             self.counters["l1_rejected"] += 1
         else:
             with self._report_lock:
-                self._gain(chunk, L1)
-                self._record(STORE, L1, L1_BACKEND, self._entry(chunk))
+                if self.l1.contains(chunk.key):  # else evicted already, its delete sent
+                    self._gain(chunk, L1)
+                    self._record(STORE, L1, L1_BACKEND, self._entry(chunk))
         if self.l2 is not None and self.config.l2_write == "through":
             self._put_l2(chunk)
 
@@ -276,8 +277,10 @@ class CacheNode:
             log.warning("L2 write failed for %s: %s", chunk.key.chunk_hash.hex()[:16], exc)
             return
         with self._report_lock:
-            self._gain(chunk, L2)
-            self._record(STORE, L2, self.l2.name, self._entry(chunk), shared=self.l2.shared)
+            # a loss between the write and here found nothing to report: no store then
+            if self.l2.contains(chunk.key):
+                self._gain(chunk, L2)
+                self._record(STORE, L2, self.l2.name, self._entry(chunk), shared=self.l2.shared)
 
     def _on_l1_evict(self, chunk: StoredChunk) -> None:
         if self.l2 is not None and self.config.l2_write == "evict":

@@ -332,3 +332,26 @@ def test_redis_eviction_under_maxmemory_reaches_the_coordinator_as_deletes(
         node.close()
         sink.close()
         raw.close()
+
+
+class EvictedRightAfterWrite(FsL2):
+    """An fs L2 that loses each chunk the moment it is written (another writer's eviction
+    racing this one): the loss is reported before the node records its store."""
+
+    def put(self, chunk: StoredChunk) -> None:
+        super().put(chunk)
+        self.delete(chunk.key)
+        self._report([chunk.key], "evicted")
+
+
+def test_a_chunk_lost_between_write_and_report_is_no_ghost(tmp_path: Path) -> None:
+    n = InProcessNode(EvictedRightAfterWrite(tmp_path / "n1"))
+    try:
+        tokens = prompt(8, 3)
+        keys = keys_of(n.node, tokens)
+        n.node.store(n.node.tracker(token_ids=tokens), kv_chunks(CFG, 3))
+        assert n.placements(keys, "l2") == set()  # no store event for bytes already gone
+        assert n.placements(keys, "l1") == set(keys)
+        assert [p for p in n.node.inventory() if p.tier == "l2"] == []
+    finally:
+        n.close()
