@@ -19,17 +19,24 @@ Safety rules that go beyond "the hash matched":
   not from an index's idea of it; a chunk with unknown offset is a miss.
 * a segment whose used part ``[trim, trim + length)`` does not lie inside the chunk (segments
   also arrive over the engine API) is a miss, never a part shorter than the span it claims.
+
+Honest reporting: a tier change and its event happen together under one lock, so a re-report
+of the inventory (:meth:`CacheNode.report_inventory`, after a late registration) can never
+re-announce a chunk whose delete was already sent; a chunk that leaves L2 on its own (evicted
+for the cap, corrupt, expired) is a ``delete`` event, and a restart reports what the private
+fs L2 really holds (``kvatlas.node.l2``).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, is_dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -51,7 +58,7 @@ from kvatlas.node.config import NodeConfig
 from kvatlas.node.emitter import BatchSink, EventEmitter
 from kvatlas.node.fleet_view import FleetView
 from kvatlas.node.l1 import L1Cache
-from kvatlas.node.l2 import L2Backend, L2Unavailable
+from kvatlas.node.l2 import FsL2, L2Backend, L2Unavailable
 from kvatlas.node.metrics import NodeTimings, hit_tokens
 from kvatlas.node.presence import L1, L2, Presence, Tier
 from kvatlas.node.rope import rerope_k
@@ -64,6 +71,15 @@ from kvatlas.node.unified_lookup import LookupResult, UnifiedBlendLookup
 log = logging.getLogger(__name__)
 
 L1_BACKEND = "dram"
+
+
+class HeldPlacement(NamedTuple):
+    """One placement this node holds: ``backend`` is ``"dram"`` for L1, the L2 backend's name
+    for L2 (a shared pool's placements are listed too: ``node.l2.shared`` says so)."""
+
+    key: ObjectKey
+    tier: Tier
+    backend: str
 
 
 @dataclass
@@ -148,6 +164,7 @@ class CacheNode:
         self._sink = sink
         self.token_cache = TokenCache(config.token_cache_chunks)
         self.counters: Counter[str] = Counter()
+        self._report_lock = threading.RLock()  # a tier change and its event, together
         self._rejection_warnings = Throttle(60.0)
         self.index = BlendIndex(config.chunk_size)
         self.presence = Presence(self.index, self.namespace)
@@ -173,6 +190,10 @@ class CacheNode:
             cost_of=self.presence.cost_of,
             allow_trim=config.allow_trim,
         )
+        if l2 is not None:  # last: reports what a private L2 already holds, watches losses
+            l2.attach(self._adopt_l2, self._on_l2_lost)
+            if isinstance(l2, FsL2) and l2.corrupt_deleted:  # found by the rescan, keys unknown
+                self.counters["l2_corrupt_deleted"] += l2.corrupt_deleted
 
     # ------------------------------------------------------------------ keys
 
@@ -244,8 +265,10 @@ class CacheNode:
         if any(r is chunk for r in rejected):
             self.counters["l1_rejected"] += 1
         else:
-            self._gain(chunk, L1)
-            self._record(STORE, L1, L1_BACKEND, self._entry(chunk))
+            with self._report_lock:
+                if self.l1.contains(chunk.key):  # else evicted already, its delete sent
+                    self._gain(chunk, L1)
+                    self._record(STORE, L1, L1_BACKEND, self._entry(chunk))
         if self.l2 is not None and self.config.l2_write == "through":
             self._put_l2(chunk)
 
@@ -261,15 +284,38 @@ class CacheNode:
             return
         self.counters["l2_chunks_written"] += 1
         self.counters["l2_bytes_written"] += chunk.nbytes
-        self._gain(chunk, L2)
-        self._record(STORE, L2, self.l2.name, self._entry(chunk), shared=self.l2.shared)
+        with self._report_lock:
+            # a loss between the write and here found nothing to report: no store then
+            if self.l2.contains(chunk.key):
+                self._gain(chunk, L2)
+                self._record(STORE, L2, self.l2.name, self._entry(chunk), shared=self.l2.shared)
 
     def _on_l1_evict(self, chunk: StoredChunk) -> None:
         self.counters["l1_evictions"] += 1
-        self._record(DELETE, L1, L1_BACKEND, CacheEntry(chunk.key, chunk.nbytes))
         if self.l2 is not None and self.config.l2_write == "evict":
             self._put_l2(chunk)
-        self.presence.lose(chunk.key, L1)
+        with self._report_lock:
+            self._record(DELETE, L1, L1_BACKEND, CacheEntry(chunk.key, chunk.nbytes))
+            self.presence.lose(chunk.key, L1)
+
+    def _adopt_l2(self, chunk: StoredChunk) -> None:
+        """A chunk the private L2 already held at start-up (a restart): held and reported."""
+        assert self.l2 is not None
+        with self._report_lock:
+            self._gain(chunk, L2)
+            self._record(STORE, L2, self.l2.name, self._entry(chunk), shared=self.l2.shared)
+        self.counters["l2_rescanned"] += 1
+
+    def _on_l2_lost(self, key: ObjectKey, cause: str) -> None:
+        """``key`` left L2 without the node deleting it (``kvatlas.node.l2`` causes): counted
+        as ``l2_<cause>`` and, if this node held it there, reported as a delete."""
+        assert self.l2 is not None
+        self.counters[f"l2_{cause}"] += 1
+        with self._report_lock:
+            if L2 not in self.presence.tiers_of_key(key):
+                return
+            self._record(DELETE, L2, self.l2.name, CacheEntry(key, 0), shared=self.l2.shared)
+            self.presence.lose(key, L2)
 
     def _l1_accessed(self, key: ObjectKey) -> None:
         self._record(ACCESS, L1, L1_BACKEND, CacheEntry(key, 0))
@@ -395,6 +441,38 @@ class CacheNode:
         self.counters["segment_misses"] += len(misses)
         self.counters[hit_tokens("fragment")] += sum(seg.length for seg, _ in parts)
         return BlendRetrieval(parts, misses, sources)
+
+    # ------------------------------------------------------------------ inventory
+
+    def inventory(self) -> list[HeldPlacement]:
+        """Every placement this node holds, one per (key, tier) (a consistent snapshot)."""
+        l2_backend = self.l2.name if self.l2 is not None else ""
+        backend = {L1: L1_BACKEND, L2: l2_backend}
+        return [
+            HeldPlacement(key, tier, backend[tier])
+            for key, tiers, _tokens, _offset in self.presence.holdings()
+            for tier in sorted(tiers)
+        ]
+
+    def report_inventory(self) -> int:
+        """Send a ``store`` event for every placement this node holds (tokens attached when
+        known), e.g. after registering with a coordinator that was down; returns how many.
+        Under the report lock: no delete sent before it is contradicted by a store after."""
+        if self.emitter is None:
+            return 0
+        n = 0
+        nbytes = self.layout.chunk_bytes
+        with self._report_lock:
+            for key, tiers, tokens, offset in self.presence.holdings():
+                entry = CacheEntry(key, nbytes, tokens, offset if tokens is not None else -1)
+                if L1 in tiers:
+                    self._record(STORE, L1, L1_BACKEND, entry)
+                    n += 1
+                if L2 in tiers and self.l2 is not None:
+                    self._record(STORE, L2, self.l2.name, entry, shared=self.l2.shared)
+                    n += 1
+        self.counters["inventory_reported"] += n
+        return n
 
     # ------------------------------------------------------------------ operator's view
 

@@ -31,7 +31,11 @@ MIN_SECRET_CHARS = 32
 
 L2_KINDS = ("fs", "redis", "none")
 L2_WRITE_POLICIES = ("through", "evict")
-_OLD_BLEND_FLAG = "enable_blend"  # the node's spelling before it matched the coordinator's
+_OLD_BLEND_FLAG = "enable_blend"
+DEFAULT_L2_MAX_BYTES = 64 << 30
+"""A cap by default, because a write-through L2 that nothing bounds fills its disk; 64 GiB is
+about 2,000 chunks of an 8B model at 256 tokens (fp16): worth having, small beside a data
+disk. ``--l2-max-bytes 0`` lifts it (for a volume bounded otherwise)."""  # the node's spelling before it matched the coordinator's
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,10 @@ class NodeConfig:
     peer_fetch_deadline: float = 2.0
     fleet_refresh_interval: float = 10.0
     public_metrics: bool | None = None  # None: public exactly when auth is off
+    l2_max_bytes: int = DEFAULT_L2_MAX_BYTES  # private fs L2 only; 0 = no cap
+    l2_redis_ttl: int = 0  # seconds; 0 = values never expire
+    l2_redis_sweep_interval: float = 30.0
+    coordinator_retry_max: float = 30.0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -129,6 +137,11 @@ class NodeConfig:
         self.auth()
         if not 0 < self.peer_fetch_deadline < 3600:
             raise ValueError("--peer-fetch-deadline must be in (0, 3600) seconds")
+        if self.l2_max_bytes < 0 or self.l2_redis_ttl < 0:
+            raise ValueError("--l2-max-bytes and --l2-redis-ttl must be >= 0 (0 = none)")
+        for name in ("l2_redis_sweep_interval", "coordinator_retry_max"):
+            if not 0 < getattr(self, name) <= 3600:
+                raise ValueError(f"--{name.replace('_', '-')} must be in (0, 3600] seconds")
 
     @property
     def layout(self) -> KVLayout:
@@ -301,6 +314,18 @@ _HELP = {
     "peer_fetch_deadline": "seconds one fetch from a peer may take in all, however it drips",
     "fleet_refresh_interval": "seconds between re-reads of the coordinator's instance list",
     "public_metrics": "serve /metrics without a token (default: only when auth is off)",
+    "l2_max_bytes": (
+        "byte cap of a private fs L2: least recently used chunks are evicted (and reported) "
+        "beyond it; 0 = no cap; a shared pool (--l2-shared) is capped by whoever provisions it"
+    ),
+    "l2_redis_ttl": "seconds a chunk written to the redis L2 lives (0 = no expiry)",
+    "l2_redis_sweep_interval": (
+        "seconds between checks that this node's redis L2 keys still exist (expired or evicted "
+        "keys are reported as deletes; keyspace notifications are used too when on)"
+    ),
+    "coordinator_retry_max": (
+        "longest wait, in seconds, between attempts to reach a coordinator that is not up yet"
+    ),
     "log_level": "log level (debug, info, warning, error)",
 }
 

@@ -23,6 +23,7 @@ from kvatlas.node.fleet_view import Holder, InProcessFleetView, PeerFetcher
 from kvatlas.node.l1 import L1Cache
 from kvatlas.node.l2 import FsL2, L2Backend, instance_dir
 from kvatlas.node.peer import PeerChunk, PeerReply
+from kvatlas.node.stored_chunk import StoredChunk
 
 
 class InProcessBlendClient:
@@ -48,14 +49,21 @@ class InProcessBlendClient:
 
 
 class InProcessPeer:
-    """Reads another node's L1 the way the HTTP peer does: L1 only, pinned while copied."""
+    """Reads another node's tiers the way the HTTP peer does: L1 pinned while copied, its
+    private L2 only when asked for ``"l2"``."""
 
-    def __init__(self, l1: L1Cache) -> None:
+    def __init__(self, l1: L1Cache, l2: L2Backend | None = None) -> None:
         self._l1 = l1
+        self._l2 = l2 if l2 is not None and not l2.shared else None
 
-    def fetch(self, keys: Sequence[ObjectKey]) -> PeerReply:
-        with self._l1.pinned(keys):
-            found = {k: self._l1.get(k) for k in keys}
+    def fetch(self, keys: Sequence[ObjectKey], tiers: Sequence[str] = ("l1",)) -> PeerReply:
+        found: dict[ObjectKey, StoredChunk | None] = {}
+        if "l1" in tiers:
+            with self._l1.pinned(keys):
+                found = {k: self._l1.get(k) for k in keys}
+        missing = [k for k in keys if found.get(k) is None]
+        if "l2" in tiers and self._l2 is not None and missing:
+            found.update(self._l2.get_many(missing))
         return PeerReply({k: PeerChunk(c, None) for k, c in found.items() if c is not None})
 
 
@@ -114,7 +122,7 @@ class EmbeddedFleet:
 
     def _peer(self, instance_id: str) -> PeerFetcher | None:
         node = self.nodes.get(instance_id)
-        return None if node is None else InProcessPeer(node.l1)
+        return None if node is None else InProcessPeer(node.l1, node.l2)
 
     def settle(self, timeout: float = 10.0) -> bool:
         """Deliver every pending event so the directory reflects what the nodes did."""

@@ -40,7 +40,9 @@ class Holder:
 
 
 class PeerFetcher(Protocol):
-    def fetch(self, keys: Sequence[ObjectKey]) -> PeerReply: ...
+    def fetch(self, keys: Sequence[ObjectKey], tiers: Sequence[str] = ...) -> PeerReply:
+        """The chunks the peer holds in ``tiers`` (default its L1; ``"l2"``: its private L2)."""
+        ...
 
 
 class FleetView(Protocol):

@@ -183,7 +183,7 @@ def create_node_app(node: CacheNode, *, auth: TokenAuth | None = None) -> FastAP
     """The node's app: the peer route (:func:`create_peer_app`) and the engine API, behind an
     :class:`ApiGate` with ``auth`` and the node config's ``engine_port`` and limits."""
     config = node.config
-    app = create_peer_app(node.l1)
+    app = create_peer_app(node.l1, l2=node.l2)
     app.title = "kvatlas cache node"
     app.add_middleware(
         ApiGate, auth=auth, engine_port=config.engine_port, public_metrics=config.metrics_public

@@ -1,7 +1,10 @@
-"""Peer L1: nodes read each other's L1 over HTTP (the stand-in for RDMA P2P, ``docs/node.md``).
+"""Peer reads: nodes read each other's L1 (and, on request, private L2) over HTTP (the
+stand-in for RDMA P2P, ``docs/node.md``).
 
-Protocol: ``POST /peer/kv`` with JSON ``{"keys": [ObjectKey wire objects]}``; the reply is
-``application/octet-stream``, a msgpack array of one map per listed key this node holds in L1:
+Protocol: ``POST /peer/kv`` with JSON ``{"keys": [ObjectKey wire objects], "tiers": ["l1"]}``
+(``tiers`` optional, default ``["l1"]``; any non-empty subset of ``"l1"``, ``"l2"``); the reply
+is ``application/octet-stream``, a msgpack array of one map per listed key this node holds in
+one of the asked tiers (L1 first):
 ``{"chunk": <encode_chunk bytes, without token ids>, "tokens_digest": <32 bytes | nil>}``.
 Missing keys are simply omitted, so a sparse key set with gaps is one round trip.
 
@@ -11,9 +14,11 @@ Missing keys are simply omitted, so a sparse key set with gaps is one round trip
 * The listed keys are pinned in L1 while the reply is assembled: a put storm on this node must
   not evict a chunk between "listed" and "serialized" (with RDMA the peer reads the memory
   directly, so the pin is what keeps it valid).
-* A peer answers from its L1 only and never reads its own L2: a peer fetch is meant to be a
-  cheap memory read, and a recursive fetch would hide an L2 read (and its latency) behind a
-  call the requester already budgeted as "peer L1". The requester reads shared L2 itself.
+* A peer reads its *private* L2 only when asked (``"l2"`` in ``tiers``): a placement in a
+  node's private L2 is otherwise a promise no one can keep. A plain fetch stays a cheap memory
+  read (the requester asks for L2 separately, after cheaper sources, so an L2 read is never
+  hidden behind a call budgeted as "peer L1"). A shared pool is never served: the requester
+  reads it itself.
 * Serving chunks touches them in the serving L1's LRU: a chunk peers keep asking for is worth
   keeping.
 
@@ -44,6 +49,7 @@ from kvatlas.node.bounded_http import BoundedClient, CallFailed
 from kvatlas.node.chunk_digest import TOKENS_DIGEST_BYTES, tokens_digest
 from kvatlas.node.kv_layout import KVLayout
 from kvatlas.node.l1 import L1Cache
+from kvatlas.node.l2 import L2Backend
 from kvatlas.node.stored_chunk import ChunkDecodeError, StoredChunk, decode_chunk, encode_chunk
 from kvatlas.web import error_response, read_body
 
@@ -60,8 +66,14 @@ BAD_REPLY: Final = "bad_reply"
 """A :attr:`PeerReply.failure`: the reply was not a msgpack array of records."""
 
 
+PEER_TIERS: Final = ("l1", "l2")
+"""The tiers a ``/peer/kv`` request may name."""
+DEFAULT_TIERS: Final = ("l1",)
+
+
 class _FetchRequest(msgspec.Struct, forbid_unknown_fields=True):
     keys: list[dict[str, Any]]
+    tiers: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_TIERS))
 
 
 class _Record(msgspec.Struct):
@@ -94,12 +106,16 @@ _reply_encoder = msgspec.msgpack.Encoder()
 _key_encoder = msgspec.msgpack.Encoder()
 
 
-def _parse_keys(body: bytes, max_keys: int) -> list[ObjectKey]:
-    """The distinct keys of a fetch request, in order; refusals are :mod:`kvatlas.errors`."""
+def _parse_request(body: bytes, max_keys: int) -> tuple[list[ObjectKey], frozenset[str]]:
+    """The distinct keys of a fetch request, in order, and the tiers asked for; refusals are
+    :mod:`kvatlas.errors`."""
     try:
         parsed = _request_decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise InvalidInput(f"invalid request body: {exc}") from None
+    tiers = frozenset(parsed.tiers)
+    if not tiers or not tiers <= set(PEER_TIERS):
+        raise Unprocessable(f"tiers must be a non-empty subset of {list(PEER_TIERS)}")
     if len(parsed.keys) > max_keys:
         raise PayloadTooLarge(f"{len(parsed.keys)} keys exceed the limit of {max_keys}")
     keys: list[ObjectKey] = []
@@ -108,7 +124,7 @@ def _parse_keys(body: bytes, max_keys: int) -> list[ObjectKey]:
             keys.append(ObjectKey.from_wire(wire))
         except (ValueError, TypeError) as exc:
             raise Unprocessable(f"keys[{i}]: {exc}") from None
-    return list(dict.fromkeys(keys))
+    return list(dict.fromkeys(keys)), tiers
 
 
 def _reply_record(chunk: StoredChunk, encoder: Callable[[StoredChunk], bytes]) -> _Record:
@@ -121,11 +137,13 @@ def _reply_record(chunk: StoredChunk, encoder: Callable[[StoredChunk], bytes]) -
 def create_peer_app(
     l1: L1Cache,
     *,
+    l2: L2Backend | None = None,
     encoder: Callable[[StoredChunk], bytes] = encode_chunk,
     max_keys: int = MAX_KEYS_PER_REQUEST,
     max_request_bytes: int = MAX_REQUEST_BYTES,
 ) -> FastAPI:
-    """The peer-serving ASGI app over ``l1``.
+    """The peer-serving ASGI app over ``l1`` and, when it is private, ``l2`` (served only to
+    requests that ask for ``"l2"``).
 
     ``encoder`` is the per-chunk serializer (a seam for tests that need a slow one to hold a
     transfer open). Every client error is a 4xx with a JSON ``detail``, the reply
@@ -134,26 +152,36 @@ def create_peer_app(
     """
     app = FastAPI(title="kvatlas peer L1", docs_url=None, redoc_url=None)
 
-    def assemble(keys: list[ObjectKey]) -> bytes:
-        # Pinned for the whole assembly: a key present when listed stays present until its
-        # bytes are in the reply, whatever other threads put meanwhile.
-        with l1.pinned(keys):
-            records = []
-            for key in keys:
-                chunk = l1.get(key)
-                if chunk is not None:
-                    records.append(_reply_record(chunk, encoder))
+    private_l2 = l2 if l2 is not None and not l2.shared else None
+
+    def assemble(keys: list[ObjectKey], tiers: frozenset[str]) -> bytes:
+        records = []
+        missing = keys
+        if "l1" in tiers:
+            # Pinned for the whole assembly: a key present when listed stays present until
+            # its bytes are in the reply, whatever other threads put meanwhile.
+            missing = []
+            with l1.pinned(keys):
+                for key in keys:
+                    chunk = l1.get(key)
+                    if chunk is not None:
+                        records.append(_reply_record(chunk, encoder))
+                    else:
+                        missing.append(key)
+        if "l2" in tiers and private_l2 is not None and missing:
+            for chunk in private_l2.get_many(missing).values():
+                records.append(_reply_record(chunk, encoder))
         return _reply_encoder.encode(records)
 
     @app.post(PEER_KV_PATH)
     async def peer_kv(request: Request) -> Response:
         try:
-            keys = _parse_keys(await read_body(request, max_request_bytes), max_keys)
+            keys, tiers = _parse_request(await read_body(request, max_request_bytes), max_keys)
         except KvatlasError as exc:
             return error_response(exc)
-        # Encoding MB-sized chunks is CPU work: off the event loop so one transfer does not
-        # stall the others.
-        reply = await run_in_threadpool(assemble, keys)
+        # Encoding MB-sized chunks (and reading L2) is blocking work: off the event loop so
+        # one transfer does not stall the others.
+        reply = await run_in_threadpool(assemble, keys, tiers)
         return Response(reply, media_type=OCTET_STREAM)
 
     return app
@@ -197,11 +225,15 @@ class PeerClient:
         per_chunk = self.max_chunk_bytes + RECORD_OVERHEAD
         return 16 + sum(per_chunk + len(_key_encoder.encode(k.to_wire())) for k in keys)
 
-    def fetch(self, keys: Iterable[ObjectKey]) -> PeerReply:
+    def fetch(self, keys: Iterable[ObjectKey], tiers: Sequence[str] = DEFAULT_TIERS) -> PeerReply:
+        """The chunks the peer holds in ``tiers`` (see the module docstring)."""
         wanted = list(dict.fromkeys(keys))
         if not wanted:
             return PeerReply()
-        body = msgspec.json.encode({"keys": [k.to_wire() for k in wanted]})
+        request: dict[str, Any] = {"keys": [k.to_wire() for k in wanted]}
+        if tuple(tiers) != DEFAULT_TIERS:  # the default stays the bare form older peers read
+            request["tiers"] = list(tiers)
+        body = msgspec.json.encode(request)
         try:
             reply = self._client.post(
                 self.url + PEER_KV_PATH, body, headers=self._headers,

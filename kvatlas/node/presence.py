@@ -91,6 +91,19 @@ class Presence:
                     held.tokens, key.chunk_hash, self._namespace(key.cache_salt)
                 )
 
+    def tiers_of_key(self, key: ObjectKey) -> frozenset[Tier]:
+        """The tiers of this node holding ``key``."""
+        with self._lock:
+            held = self._held.get(key)
+            return frozenset(held.tiers) if held is not None else frozenset()
+
+    def holdings(self) -> list[tuple[ObjectKey, frozenset[Tier], TokenArray | None, int]]:
+        """A snapshot of every held key: its tiers, tokens (if known) and token offset."""
+        with self._lock:
+            return [
+                (key, frozenset(h.tiers), h.tokens, h.token_offset) for key, h in self._held.items()
+            ]
+
     def tiers_of(self, chunk_hash: bytes) -> frozenset[Tier]:
         """The tiers of this node holding some key with ``chunk_hash`` (any salt or rank)."""
         with self._lock:

@@ -3,11 +3,24 @@ the coordinator, fleet blend lookups — built from :class:`NodeConfig`.
 
 The listeners are bound before any start-up work: ``--host/--port`` (peer API, and the engine
 API unless ``--engine-port`` gives it a listener of its own). Secrets come from files or the
-environment (``docs/security.md``)."""
+environment (``docs/security.md``).
+
+Start order does not matter: a coordinator that cannot be reached at start-up is retried in
+the background (:class:`Registrar`) while the node serves its local tiers; events queue in the
+sink's outbox meanwhile. The compatibility check still runs at first contact, and a mismatch
+then still stops the node (exit 2). After a late registration the node re-reports what it
+holds (:meth:`~kvatlas.node.cache_node.CacheNode.report_inventory`)."""
 
 from __future__ import annotations
 
 import logging
+import os
+import random
+import signal
+import threading
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from kvatlas.asgi_thread import bind_listener, serve
@@ -25,7 +38,7 @@ from kvatlas.errors import Conflict
 from kvatlas.keys import KeySchemeMismatch
 from kvatlas.logs import configure_logging
 from kvatlas.node.cache_node import CacheNode
-from kvatlas.node.config import NodeConfig
+from kvatlas.node.config import DEFAULT_L2_MAX_BYTES, NodeConfig
 from kvatlas.node.fleet_view import HttpFleetView
 from kvatlas.node.http_api import create_node_app
 from kvatlas.node.l2 import FsL2, L2Backend, RedisL2, instance_dir
@@ -37,6 +50,103 @@ log = logging.getLogger(__name__)
 
 class TransportMismatch(Conflict):
     """The node would report events where its coordinator does not read them."""
+
+
+class Registrar:
+    """Reaches a coordinator that was not up at start-up: first contact (``/healthz`` and
+    :func:`check_coordinator_compatible`), registration under ``instance_id``, heartbeats,
+    then ``on_registered``. Attempts back off exponentially from ``initial`` up to
+    ``retry_max`` seconds, jittered (each wait is 50-100% of the step) so a fleet restarted
+    together does not knock in step; each new step is logged once (not every attempt), and
+    attempts are counted in ``attempts``. A mismatch found at first contact stops the retries
+    and goes to ``on_fatal``."""
+
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        config: NodeConfig,
+        instance_id: str,
+        *,
+        on_registered: Callable[[], object],
+        on_fatal: Callable[[Conflict], object],
+        initial: float = 0.1,
+        retry_max: float = 30.0,
+        jitter: Callable[[], float] = random.random,
+        counters: Counter[str] | None = None,
+    ) -> None:
+        self.client = client
+        self.config = config
+        self.instance_id = instance_id
+        self._on_registered = on_registered
+        self._on_fatal = on_fatal
+        self.initial = initial
+        self.retry_max = retry_max
+        self._jitter = jitter
+        self.attempts = 0
+        self.counters: Counter[str] = Counter() if counters is None else counters
+        self.started = False
+        self.registered = threading.Event()
+        self.fatal: Conflict | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvatlas-registrar", daemon=True)
+
+    def start(self) -> Registrar:
+        self.started = True
+        self._thread.start()
+        return self
+
+    def attempt(self) -> None:
+        """One try: raises :class:`CoordinatorError` (retry) or ``Conflict`` (a mismatch)."""
+        self.attempts += 1
+        check_coordinator_compatible(self.config, self.client.health())
+        register(self.client, self.config, self.instance_id)
+
+    def _run(self) -> None:
+        step = self.initial
+        logged_step = 0.0
+        while not self._stop.is_set():
+            try:
+                self.attempt()
+            except CoordinatorError as exc:
+                self.counters["coordinator_contact_failures"] += 1
+                if step != logged_step:
+                    log.warning(
+                        "coordinator %s not reachable (attempt %d: %s); serving local tiers, "
+                        "retrying every %.3g s at most",
+                        self.config.coordinator_url, self.attempts, exc, step,
+                    )  # fmt: skip
+                    logged_step = step
+                self._stop.wait(step * (0.5 + self._jitter() / 2))
+                step = min(step * 2, self.retry_max)
+                continue
+            except Conflict as exc:
+                self.fatal = exc
+                log.error("stopping: %s", exc)
+                self._on_fatal(exc)
+                return
+            log.info(
+                "registered with %s as %s after %d attempts",
+                self.config.coordinator_url, self.instance_id, self.attempts,
+            )  # fmt: skip
+            self.registered.set()
+            self._on_registered()
+            return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+
+def register(client: CoordinatorClient, config: NodeConfig, instance_id: str | None) -> str:
+    """Register (``instance_id`` ``None``: the coordinator assigns one); the caller starts the
+    heartbeats."""
+    advertised = config.advertised_url or f"http://{config.host}:{config.port}"
+    return client.register(
+        instance_id, ip=config.host, http_port=config.port, p2p_advertised_url=advertised,
+        metadata={"model_name": config.model_name, "kv_rank": config.kv_rank},
+        chunk_size=config.chunk_size,
+    )  # fmt: skip
 
 
 def check_coordinator_compatible(config: NodeConfig, health: dict[str, Any]) -> None:
@@ -81,33 +191,58 @@ def check_coordinator_compatible(config: NodeConfig, health: dict[str, Any]) -> 
 
 
 class NodeProcess:
-    """Everything one node process owns, wired from its config (and torn down in reverse)."""
+    """Everything one node process owns, wired from its config (and torn down in reverse).
 
-    def __init__(self, config: NodeConfig) -> None:
+    A coordinator that answers at start-up is checked and registered with at once (a mismatch
+    raises); one that does not is left to a :class:`Registrar` (module docstring), whose
+    mismatch goes to ``on_fatal``; it starts at once, or with ``start=False`` at
+    :meth:`start` (``run_node`` starts it once the server is up and handles signals)."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        *,
+        on_fatal: Callable[[Conflict], object] | None = None,
+        start: bool = True,
+    ) -> None:
         self.config = config
         self.coordinator: CoordinatorClient | None = None
+        self.registrar: Registrar | None = None
         self.sink: EventSink | None = None
         fleet: HttpFleetView | None = None
         matcher: BlendCoordinatorClient | None = None
         instance_id = config.instance_id or None
-        advertised = config.advertised_url or f"http://{config.host}:{config.port}"
         token = config.coordinator_bearer()
         event_format = "msgpack"
+        deferred = False
         if config.coordinator_url:
             self.coordinator = CoordinatorClient(config.coordinator_url, token=token)
-            health = self.coordinator.health()
-            if "key_scheme" not in health:  # LMCache's coordinator: events as JSON only
-                event_format = "json"
             try:
-                check_coordinator_compatible(config, health)
-            except Conflict:
-                self.coordinator.close()
-                raise
-            instance_id = self.coordinator.register(
-                instance_id, ip=config.host, http_port=config.port, p2p_advertised_url=advertised,
-                metadata={"model_name": config.model_name, "kv_rank": config.kv_rank},
-                chunk_size=config.chunk_size,
-            )  # fmt: skip
+                health = self.coordinator.health()
+            except CoordinatorError as exc:
+                if exc.reply_status is not None and exc.reply_status < 500:
+                    self.coordinator.close()  # it answered, and said no: not "not up yet"
+                    raise
+                deferred = True
+                if instance_id is None:  # events and the L2 directory need an id now
+                    instance_id = f"node-{uuid.uuid4().hex[:12]}"
+                    log.warning(
+                        "no --instance-id and the coordinator cannot assign one yet: using %s "
+                        "(give a stable --instance-id so a restart finds its L2)", instance_id,
+                    )  # fmt: skip
+                log.warning(
+                    "coordinator %s not reachable at start-up (%s): serving local tiers, "
+                    "registering in the background", config.coordinator_url, exc,
+                )  # fmt: skip
+            else:
+                if "key_scheme" not in health:  # LMCache's coordinator: events as JSON only
+                    event_format = "json"
+                try:
+                    check_coordinator_compatible(config, health)
+                    instance_id = register(self.coordinator, config, instance_id)
+                except (Conflict, CoordinatorError):
+                    self.coordinator.close()
+                    raise
         config.warn_if_half_configured()
         if config.fleet_enabled and self.coordinator is not None:
             transport: Transport
@@ -129,39 +264,59 @@ class NodeProcess:
                 request_timeout=config.coordinator_blend_timeout,
                 token=token,
             )
-        l2: L2Backend | None = None
-        if config.l2 == "fs" and config.l2_shared:
-            l2 = FsL2(config.l2_path, "fs-shared", shared=True)
-        elif config.l2 == "fs":
-            l2 = FsL2(instance_dir(config.l2_path, instance_id or "node"))
-        elif config.l2 == "redis":
-            l2 = RedisL2(config.l2_redis_url)
         self.node = CacheNode(
             config,
             instance_id=instance_id,
-            l2=l2,
+            l2=open_l2(config, instance_id or "node"),
             sink=self.sink,
             fleet=fleet,
             fleet_matcher=matcher,
         )
         self.app = create_node_app(self.node, auth=config.auth())
         if self.coordinator is not None:
-            self._report_value(self.coordinator, matcher)
+            start_heartbeat = self._value_reporting(self.coordinator, matcher)
+            if not deferred:
+                start_heartbeat()
+        if deferred:
+            assert self.coordinator is not None and instance_id is not None
+            node = self.node
 
-    def _report_value(
+            def registered() -> None:
+                start_heartbeat()
+                node.report_inventory()
+
+            self.registrar = Registrar(
+                self.coordinator, config, instance_id,
+                on_registered=registered,
+                on_fatal=on_fatal or (lambda exc: None),
+                retry_max=config.coordinator_retry_max,
+                counters=self.node.counters,
+            )  # fmt: skip
+            if start:
+                self.start()
+
+    def start(self) -> None:
+        """Start reaching the coordinator in the background, if it was not up at start-up."""
+        if self.registrar is not None and not self.registrar.started:
+            self.registrar.start()
+
+    def _value_reporting(
         self, coordinator: CoordinatorClient, matcher: BlendCoordinatorClient | None
-    ) -> None:
-        """Count coordinator call failures on the node's /metrics, and send the value report
-        (regret, hit and query tokens, tiers) with every heartbeat."""
+    ) -> Callable[[], None]:
+        """Count coordinator call failures on the node's /metrics; returns what starts the
+        heartbeats (once registered), each followed by the value report (regret, hit and
+        query tokens, tiers)."""
         node, boot = self.node, new_boot()
         self.node.coordinator_failures = lambda: (
             coordinator.failures + (matcher.failures if matcher is not None else 0)
         )
-        coordinator.start_heartbeat(
+        return lambda: coordinator.start_heartbeat(
             report=lambda: value_report(boot, node.counters, node.tier_gauges())
         )
 
     def close(self) -> None:
+        if self.registrar is not None:
+            self.registrar.stop()
         self.node.close()
         if self.sink is not None:
             self.sink.close()
@@ -171,6 +326,58 @@ class NodeProcess:
             except CoordinatorError as exc:
                 log.warning("deregistration failed: %s", exc)
             self.coordinator.close()
+
+
+def open_l2(config: NodeConfig, instance_id: str) -> L2Backend | None:
+    """The L2 backend ``config`` names: a shared fs pool (uncapped here), a private fs L2
+    under ``--l2-path/<instance id>`` capped at ``--l2-max-bytes``, or Redis."""
+    if config.l2 == "fs" and config.l2_shared:
+        if config.l2_max_bytes not in (0, DEFAULT_L2_MAX_BYTES):
+            log.warning(
+                "--l2-max-bytes does not apply to a shared pool (--l2-shared): cap the pool "
+                "where it is provisioned (a quota, a size-limited volume)"
+            )
+        return FsL2(config.l2_path, "fs-shared", shared=True)
+    if config.l2 == "fs":
+        return FsL2(instance_dir(config.l2_path, instance_id), max_bytes=config.l2_max_bytes)
+    if config.l2 == "redis":
+        return RedisL2(
+            config.l2_redis_url,
+            ttl_seconds=config.l2_redis_ttl or None,
+            sweep_interval=config.l2_redis_sweep_interval,
+        )
+    return None
+
+
+class OnServing:
+    """ASGI wrapper calling ``hook`` once the server completed start-up (lifespan): by then
+    it serves and handles SIGTERM, so a background task may stop it with one."""
+
+    def __init__(self, app: Any, hook: Callable[[], object]) -> None:
+        self.app = app
+        self._hook = hook
+
+    async def __call__(
+        self,
+        scope: MutableMapping[str, Any],
+        receive: Callable[[], Awaitable[MutableMapping[str, Any]]],
+        send: Callable[[MutableMapping[str, Any]], Awaitable[None]],
+    ) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_then_hook(message: MutableMapping[str, Any]) -> None:
+            await send(message)
+            if message["type"] == "lifespan.startup.complete":
+                self._hook()
+
+        await self.app(scope, receive, send_then_hook)
+
+
+def stop_this_process(_exc: Conflict) -> None:
+    """Ask the running server to shut down (as SIGTERM would): a mismatch found late."""
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def listeners(config: NodeConfig) -> list[tuple[str, int, str]]:
@@ -207,7 +414,7 @@ def run_node(config: NodeConfig) -> int:
         return 2
     warm_up_kernels()
     try:
-        process = NodeProcess(config)
+        process = NodeProcess(config, on_fatal=stop_this_process, start=False)
     except (KeySchemeMismatch, TransportMismatch, CoordinatorError) as exc:
         log.error("refusing to start: %s", exc)
         for sock in socks:
@@ -221,7 +428,11 @@ def run_node(config: NodeConfig) -> int:
     )  # fmt: skip
     kwargs: dict[str, Any] = {"log_level": config.log_level}
     try:
-        serve(process.app, host=config.host, port=config.port, sock=socks, **kwargs)
+        app = OnServing(process.app, process.start)
+        serve(app, host=config.host, port=config.port, sock=socks, **kwargs)
     finally:
         process.close()
+    if process.registrar is not None and process.registrar.fatal is not None:
+        log.error("refused to keep running: %s", process.registrar.fatal)
+        return 2
     return 0

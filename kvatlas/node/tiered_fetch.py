@@ -1,10 +1,14 @@
-"""Tiered fetch: find chunks across local L1, this node's L2 and the peers' L1s, cheapest first.
+"""Tiered fetch: find chunks across the tiers a node can read, cheapest first -- local L1, then
+the peers' L1s, then L2 (this node's own, then the peers' private L2s; a shared pool is this
+node's own L2 when it mounts one).
 
 A key no tier can serve is absent from the answer: a miss, never an error (every tier below
 L1 is an optimisation over recomputing). A chunk whose shape or dtype is not this node's
 layout is never handed out (it is counted as ``fetched_wrong_layout``): wrong KV does not fail
 loudly, it makes the model attend to garbage. Peers are asked only for keys the fleet says
-they hold in an unshared L1, one batch per peer. See ``docs/node.md``.
+they hold in an unshared tier, one batch per peer and tier. A prefix lookup counts only
+copies this node can fetch: its own tiers, a peer that has a URL and did not just fail, a
+shared pool it mounts. See ``docs/node.md``.
 """
 
 from __future__ import annotations
@@ -15,19 +19,25 @@ from collections.abc import Callable, Sequence
 from typing import Final, Literal, NamedTuple
 
 from kvatlas.keys import ObjectKey
-from kvatlas.node.fleet_view import FleetView
+from kvatlas.node.fleet_view import FleetView, Holder
 from kvatlas.node.kv_layout import KVLayout
 from kvatlas.node.l1 import L1Cache
 from kvatlas.node.l2 import L2Backend
 from kvatlas.node.presence import L1 as TIER_L1
+from kvatlas.node.presence import L2 as TIER_L2
+from kvatlas.node.presence import Tier
 from kvatlas.node.stored_chunk import StoredChunk
 
-FetchSource = Literal["local_l1", "l2", "peer_l1"]
+FetchSource = Literal["local_l1", "l2", "peer_l1", "peer_l2"]
 """Where a fetched chunk came from (not :data:`kvatlas.node.segments.Source`: which lookup
 leg found a match)."""
 LOCAL_L1: Final = "local_l1"
 L2: Final = "l2"
 PEER_L1: Final = "peer_l1"
+PEER_L2: Final = "peer_l2"
+_PEER_SOURCE: Final[dict[Tier, FetchSource]] = {TIER_L1: PEER_L1, TIER_L2: PEER_L2}
+_DOWN_CAUSES: Final = frozenset({"unreachable", "refused", "deadline"})
+"""Peer fetch failures after which the peer's copies do not count for a while."""
 
 
 class Fetched(NamedTuple):
@@ -45,7 +55,9 @@ class TieredFetch:
     """Reads through this node's tiers and the fleet's, in cost order.
 
     ``on_l1_hit`` is called for each key served from local L1 (the node reports it as an
-    access); ``counters`` is where ``fetched_wrong_layout`` and peer failures are counted.
+    access); ``counters`` is where ``fetched_wrong_layout`` and peer failures are counted. A
+    peer whose fetch failed for want of a connection (``unreachable``, ``refused``,
+    ``deadline``) does not count in :meth:`prefix_hits` for ``down_for`` seconds.
     """
 
     def __init__(
@@ -58,6 +70,8 @@ class TieredFetch:
         layout: KVLayout,
         on_l1_hit: Callable[[ObjectKey], None],
         counters: Counter[str],
+        down_for: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
         observe: Callable[[str, float], None] = lambda _source, _seconds: None,
     ) -> None:
         self.l1 = l1
@@ -67,15 +81,18 @@ class TieredFetch:
         self.layout = layout
         self._on_l1_hit = on_l1_hit
         self._counters = counters
+        self._down_for = down_for
+        self._clock = clock
+        self._failed_at: dict[str, float] = {}
         self._observe = observe  # (source, seconds) of each batched step
 
     def fetch(
         self, keys: Sequence[ObjectKey], listed: set[ObjectKey] | None = None
     ) -> dict[ObjectKey, Fetched]:
-        """One batched step: local L1, then this node's L2, then peer L1s; absent = miss.
-        ``listed`` collects the keys the fleet listed on another instance."""
-        found: dict[ObjectKey, Fetched] = {}
+        """One batched step: local L1, peer L1s, own L2, peer private L2s; absent = miss.
+        ``listed`` collects the keys the fleet listed on another instance (regret)."""
         started = time.perf_counter()
+        found: dict[ObjectKey, Fetched] = {}
         missing: list[ObjectKey] = []
         for key in keys:
             chunk = self.l1.get(key)
@@ -85,34 +102,31 @@ class TieredFetch:
             else:
                 missing.append(key)
         self._observe(LOCAL_L1, time.perf_counter() - started)
+        holders: dict[ObjectKey, list[Holder]] = {}
+        failed: set[str] = set()  # peers that failed in this call are not asked again
+        if missing and self.fleet is not None:
+            holders = dict(zip(missing, self.fleet.holders(missing), strict=False))
+            if listed is not None:
+                listed.update(
+                    k
+                    for k, hs in holders.items()
+                    if any(h.instance_id != self.instance_id for h in hs)
+                )
+            missing = self._from_peers(missing, holders, TIER_L1, found, failed)
         if missing and self.l2 is not None:
             started = time.perf_counter()
             for key, chunk in self.l2.get_many(missing).items():
                 if self._usable(chunk):
                     found[key] = Fetched(chunk, L2, self.l2.name)
-            missing = [k for k in missing if k not in found]
             self._observe(L2, time.perf_counter() - started)
-        if missing and self.fleet is not None:
-            for instance_id, peer_keys in self._peer_batches(missing, listed).items():
-                peer = self.fleet.peer(instance_id)
-                if peer is None:
-                    continue
-                asked = set(peer_keys)
-                started = time.perf_counter()
-                reply = peer.fetch(peer_keys)
-                self._observe(PEER_L1, time.perf_counter() - started)
-                if reply.failure:
-                    self._counters[f"peer_fetch_{reply.failure}"] += 1
-                if reply.dropped:
-                    self._counters["peer_records_dropped"] += reply.dropped
-                for key, (chunk, digest) in reply.chunks.items():
-                    if key in asked and self._usable(chunk):
-                        found[key] = Fetched(chunk, PEER_L1, instance_id, digest)
+            missing = [k for k in missing if k not in found]
+        if missing and holders:
+            self._from_peers(missing, holders, TIER_L2, found, failed)
         return found
 
     def prefix_hits(self, keys: Sequence[ObjectKey]) -> int:
-        """How many leading ``keys`` some tier can serve: this node's L1 or L2, then (for the
-        rest) any holder the fleet knows other than this node's unshared tiers."""
+        """How many leading ``keys`` this node can fetch: from its own L1 or L2, then (for the
+        rest) from a holder the fleet knows that :meth:`_fetchable` accepts."""
         hit = 0
         for key in keys:
             if self.l1.contains(key) or (self.l2 is not None and self.l2.contains(key)):
@@ -121,23 +135,72 @@ class TieredFetch:
                 break
         if hit < len(keys) and self.fleet is not None:
             for holders in self.fleet.holders(keys[hit:]):
-                if not any(h.instance_id != self.instance_id or h.shared for h in holders):
+                if not any(self._fetchable(h) for h in holders):
                     break
                 hit += 1
         return hit
 
-    def _peer_batches(
-        self, keys: Sequence[ObjectKey], listed: set[ObjectKey] | None
-    ) -> dict[str, list[ObjectKey]]:
-        """Per peer, the keys to ask it for: its first unshared L1 placement of each key."""
-        batches: dict[str, list[ObjectKey]] = {}
+    def _fetchable(self, holder: Holder) -> bool:
+        """A shared placement in the pool this node mounts, or an unshared L1/L2 placement of
+        a peer that has a URL and did not just fail (this node's own placements were checked
+        against its tiers already)."""
+        if holder.shared:
+            return self.l2 is not None and self.l2.shared and holder.backend == self.l2.name
+        if holder.instance_id == self.instance_id or holder.tier not in _PEER_SOURCE:
+            return False
+        return self._reachable(holder.instance_id)
+
+    def _reachable(self, instance_id: str) -> bool:
+        failed = self._failed_at.get(instance_id)
+        if failed is not None and self._clock() - failed < self._down_for:
+            return False
         assert self.fleet is not None
-        for key, holders in zip(keys, self.fleet.holders(keys), strict=False):
-            if listed is not None and any(h.instance_id != self.instance_id for h in holders):
-                listed.add(key)
-            for holder in holders:
+        return self.fleet.peer(instance_id) is not None
+
+    def _from_peers(
+        self,
+        keys: list[ObjectKey],
+        holders: dict[ObjectKey, list[Holder]],
+        tier: Tier,
+        found: dict[ObjectKey, Fetched],
+        failed: set[str],
+    ) -> list[ObjectKey]:
+        """Ask each peer holding some of ``keys`` in its unshared ``tier`` for them (one batch
+        per peer, skipping those in ``failed``); adds what came to ``found`` and returns the
+        keys still missing."""
+        assert self.fleet is not None
+        source = _PEER_SOURCE[tier]
+        for instance_id, peer_keys in self._peer_batches(keys, holders, tier).items():
+            peer = None if instance_id in failed else self.fleet.peer(instance_id)
+            if peer is None:
+                continue
+            asked = set(peer_keys)
+            started = time.perf_counter()
+            reply = peer.fetch(peer_keys, (tier,))
+            self._observe(source, time.perf_counter() - started)
+            if reply.failure:
+                failed.add(instance_id)
+                self._counters[f"peer_fetch_{reply.failure}"] += 1
+                if reply.failure in _DOWN_CAUSES:
+                    self._failed_at[instance_id] = self._clock()
+            else:
+                self._failed_at.pop(instance_id, None)
+            if reply.dropped:
+                self._counters["peer_records_dropped"] += reply.dropped
+            for key, (chunk, digest) in reply.chunks.items():
+                if key in asked and key not in found and self._usable(chunk):
+                    found[key] = Fetched(chunk, source, instance_id, digest)
+        return [k for k in keys if k not in found]
+
+    def _peer_batches(
+        self, keys: Sequence[ObjectKey], holders: dict[ObjectKey, list[Holder]], tier: Tier
+    ) -> dict[str, list[ObjectKey]]:
+        """Per peer, the keys to ask it for: its first unshared ``tier`` placement of each."""
+        batches: dict[str, list[ObjectKey]] = {}
+        for key in keys:
+            for holder in holders.get(key, ()):
                 if (
-                    holder.tier == TIER_L1
+                    holder.tier == tier
                     and not holder.shared
                     and holder.instance_id != self.instance_id
                 ):

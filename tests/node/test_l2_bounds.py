@@ -1,0 +1,357 @@
+"""Node storage is bounded and honest (issue 11, convergence.md §4): the fs L2 byte cap evicts
+least-recently-used chunks and reports each as a delete; a restart rescans the private fs L2
+and reports what is really there; corrupt or partial files are deleted, counted, never served;
+Redis L2 expirations and evictions (keyspace notifications, else the sweep) reach a real
+coordinator as deletes."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from kvatlas.client import CoordinatorClient, EventSink, HttpTransport, InProcessTransport
+from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.server import BackgroundServer, free_port
+from kvatlas.coordinator.wire import lookup_placements_from_wire
+from kvatlas.directory import KeyDirectory
+from kvatlas.keys import ObjectKey
+from kvatlas.node.cache_node import CacheNode, HeldPlacement
+from kvatlas.node.config import NodeConfig
+from kvatlas.node.l2 import FsL2, FsL2Stats, L2Unavailable, RedisL2
+from kvatlas.node.stored_chunk import StoredChunk, encode_chunk
+from tests.conftest import RedisServer, wait_for
+
+C = 16
+
+
+def config(**kw: object) -> NodeConfig:
+    base: dict[str, object] = dict(
+        model_name="toy", num_layers=1, num_kv_heads=1, head_dim=8, chunk_size=C,
+        dtype="float32", l2="none",
+    )  # fmt: skip
+    base.update(kw)
+    return NodeConfig(**base)  # type: ignore[arg-type]
+
+
+CFG = config()
+
+
+def prompt(seed: int, chunks: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 30_000, chunks * C).astype(np.uint32)
+
+
+def kv_chunks(cfg: NodeConfig, n: int) -> list[np.ndarray]:
+    return [np.full(cfg.layout.shape, i, dtype=np.float32) for i in range(n)]
+
+
+def keys_of(node: CacheNode, tokens: np.ndarray) -> list[ObjectKey]:
+    return [node.key(h, "") for h in node.tracker(token_ids=tokens).chunk_hashes()]
+
+
+def encoded_size(node: CacheNode) -> int:
+    """Bytes of one stored chunk file of ``node``'s layout (all chunks here have one size)."""
+    tokens = np.zeros(C, dtype=np.uint32)
+    sample = StoredChunk(node.key(b"\0" * 32, ""), kv_chunks(node.config, 1)[0], tokens, 0)
+    return len(encode_chunk(sample))
+
+
+class InProcessNode:
+    """A CacheNode whose events go to a real directory in this process."""
+
+    def __init__(self, l2: FsL2, cfg: NodeConfig = CFG, instance_id: str = "n1") -> None:
+        self.directory = KeyDirectory(C)
+        self.sink = EventSink(instance_id, InProcessTransport(self.directory.consume))
+        self.node = CacheNode(cfg, instance_id=instance_id, l2=l2, sink=self.sink)
+
+    def placements(self, keys: list[ObjectKey], tier: str) -> set[ObjectKey]:
+        self.node.flush_events()
+        assert self.sink.flush(30)
+        return {
+            kp.key
+            for kp in self.directory.lookup(keys)
+            if any(p.tier == tier and p.instance_id == "n1" for p in kp.placements)
+        }
+
+    def close(self) -> None:
+        self.node.close()
+        self.sink.close()
+
+
+def key(i: int) -> ObjectKey:
+    return ObjectKey(i.to_bytes(32, "big"), "m", 1 << 24 | 1 << 8)
+
+
+def chunk(i: int) -> StoredChunk:
+    return StoredChunk(key(i), np.full(8, i, dtype=np.float32), np.arange(4, dtype=np.uint32), 0)
+
+
+# -- fs: cap and LRU ---------------------------------------------------------------------
+
+
+def test_fs_cap_evicts_least_recently_used_first_and_reports_each(tmp_path: Path) -> None:
+    size = len(encode_chunk(chunk(0)))
+    lost: list[tuple[ObjectKey, str]] = []
+    l2 = FsL2(tmp_path, max_bytes=3 * size)
+    l2.attach(lambda c: None, lambda k, cause: lost.append((k, cause)))
+    for i in range(3):
+        l2.put(chunk(i))
+    assert lost == []
+    assert l2.get(key(0)) is not None  # a read makes 0 the most recently used
+    l2.put(chunk(3))
+    assert lost == [(key(1), "evicted")]
+    l2.put(chunk(2))  # a rewrite is a use too
+    l2.put(chunk(4))
+    assert lost == [(key(1), "evicted"), (key(0), "evicted")]
+    on_disk = list(tmp_path.glob("*/*.kvc"))
+    assert len(on_disk) == 3 and sum(p.stat().st_size for p in on_disk) <= 3 * size
+    assert {k for k in map(key, range(5)) if l2.contains(k)} == {key(2), key(3), key(4)}
+    assert l2.stats() == FsL2Stats(3, 3 * size, 3 * size, evicted=2, corrupt_deleted=0)
+    big = StoredChunk(key(9), np.zeros(4 * size, dtype=np.uint8).view(np.float32))
+    with pytest.raises(L2Unavailable, match="larger than the cap"):
+        l2.put(big)
+    assert not l2.contains(key(9)) and len(lost) == 2
+
+
+def test_fs_cap_is_for_private_l2_only() -> None:
+    with pytest.raises(ValueError, match="private"):
+        FsL2(Path("/nonexistent-never-created"), shared=True, max_bytes=1)
+    with pytest.raises(ValueError, match="l2-max-bytes"):
+        config(l2_max_bytes=-1)
+
+
+def test_node_over_its_l2_cap_reports_each_eviction_as_a_delete(tmp_path: Path) -> None:
+    probe = CacheNode(CFG, instance_id="probe")
+    size = encoded_size(probe)
+    l2 = FsL2(tmp_path / "n1", max_bytes=5 * size)
+    n = InProcessNode(l2)
+    try:
+        tokens = prompt(1, 8)
+        assert n.node.store(n.node.tracker(token_ids=tokens), kv_chunks(CFG, 8)) == 8
+        keys = keys_of(n.node, tokens)
+        on_disk = {k for k in keys if l2.contains(k)}
+        assert on_disk == set(keys[3:])  # the five most recent
+        assert n.placements(keys, "l2") == on_disk  # the directory agrees: 3 deletes arrived
+        assert n.placements(keys, "l1") == set(keys)  # L1 is not touched
+        assert n.node.counters["l2_evicted"] == 3
+        assert {p for p in n.node.inventory() if p.tier == "l2"} == {
+            HeldPlacement(k, "l2", "fs") for k in on_disk
+        }
+    finally:
+        n.close()
+
+
+# -- fs: restart rescan, corrupt files ------------------------------------------------------
+
+
+def test_restart_rescans_l2_reports_what_is_there_and_deletes_corrupt_files(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "n1"
+    first = InProcessNode(FsL2(root))
+    tokens = prompt(2, 6)
+    keys = keys_of(first.node, tokens)
+    first.node.store(first.node.tracker(token_ids=tokens), kv_chunks(CFG, 6))
+    first.close()
+    l2 = FsL2(root)
+    truncated, bad_header = l2.path_for(keys[2]), l2.path_for(keys[4])
+    truncated.write_bytes(truncated.read_bytes()[:-40])  # a partial write
+    data = bytearray(bad_header.read_bytes())
+    data[:4] = b"XXXX"
+    bad_header.write_bytes(bytes(data))
+    garbage = root / "ab" / ("ab" + "0" * 62 + ".kvc")
+    garbage.parent.mkdir(exist_ok=True)
+    garbage.write_bytes(b"not a chunk")
+    misnamed = root / keys[0].chunk_hash.hex()[:2] / "misnamed.kvc"
+    misnamed.parent.mkdir(exist_ok=True)
+    misnamed.write_bytes(l2.path_for(keys[0]).read_bytes())  # a good chunk under a wrong name
+
+    second = InProcessNode(FsL2(root))  # the restart: new process, empty directory
+    try:
+        good = {keys[0], keys[1], keys[3], keys[5]}
+        assert second.placements(keys, "l2") == good  # store events for what is really there
+        assert second.placements(keys, "l1") == set()
+        assert second.node.counters["l2_corrupt_deleted"] == 4
+        assert second.node.counters["l2_rescanned"] == 4
+        for gone in (truncated, bad_header, garbage, misnamed):
+            assert not gone.exists()
+        assert {p.key for p in second.node.inventory()} == good
+        got = second.node.retrieve(second.node.tracker(token_ids=tokens))
+        assert got.hit_tokens == 2 * C and got.sources == {"l2": 2}  # stops at the hole
+        for i, kv in enumerate(got.kv):
+            np.testing.assert_array_equal(kv, kv_chunks(CFG, 6)[i])
+        assert second.node.l2 is not None
+        assert isinstance(second.node.l2, FsL2)
+        assert second.node.l2.stats().files == 4
+    finally:
+        second.close()
+
+
+def test_a_lower_cap_after_restart_evicts_the_oldest_files_and_reports_them(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "n1"
+    first = InProcessNode(FsL2(root))
+    tokens = prompt(3, 4)
+    keys = keys_of(first.node, tokens)
+    first.node.store(first.node.tracker(token_ids=tokens), kv_chunks(CFG, 4))
+    first.close()
+    l2 = FsL2(root)
+    for i, k in enumerate(keys):  # keys[0] newest ... keys[3] oldest
+        t = 1_000_000 - i * 10
+        os.utime(l2.path_for(k), (t, t))
+    second = InProcessNode(FsL2(root, max_bytes=2 * encoded_size(first.node)))
+    try:
+        assert second.placements(keys, "l2") == {keys[0], keys[1]}
+        assert not l2.path_for(keys[3]).exists() and not l2.path_for(keys[2]).exists()
+        assert second.node.counters["l2_evicted"] == 2
+    finally:
+        second.close()
+
+
+def test_a_corrupt_file_found_by_a_read_is_deleted_counted_and_reported(tmp_path: Path) -> None:
+    n = InProcessNode(FsL2(tmp_path / "n1"))
+    try:
+        tokens = prompt(4, 2)
+        keys = keys_of(n.node, tokens)
+        n.node.store(n.node.tracker(token_ids=tokens), kv_chunks(CFG, 2))
+        n.node.l1.remove(keys[0])
+        assert n.node.l2 is not None and isinstance(n.node.l2, FsL2)
+        path = n.node.l2.path_for(keys[0])
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+        got = n.node.retrieve(n.node.tracker(token_ids=tokens))
+        assert got.hit_tokens == 0  # never served
+        assert not path.exists()
+        assert n.node.counters["l2_corrupt_deleted"] == 1
+        assert n.placements(keys, "l2") == {keys[1]}
+    finally:
+        n.close()
+
+
+# -- redis: TTL and eviction reach a real coordinator -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def coordinator() -> Iterator[BackgroundServer]:
+    with BackgroundServer(CoordinatorConfig(port=free_port(), chunk_size=C)) as server:
+        yield server
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of this test alone: its CONFIG may be changed."""
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+def redis_node(
+    coordinator: BackgroundServer, l2: RedisL2, cfg: NodeConfig, instance_id: str
+) -> tuple[CacheNode, EventSink]:
+    sink = EventSink(instance_id, HttpTransport(coordinator.url))
+    return CacheNode(cfg, instance_id=instance_id, l2=l2, sink=sink), sink
+
+
+def coordinator_holds(
+    coordinator: BackgroundServer, keys: list[ObjectKey], instance_id: str, tier: str
+) -> set[ObjectKey]:
+    with CoordinatorClient(coordinator.url) as client:
+        placements = lookup_placements_from_wire(client.lookup_keys(keys))
+    return {
+        k
+        for k, pls in zip(keys, placements, strict=True)
+        if any(p.instance_id == instance_id and p.tier == tier for p in pls)
+    }
+
+
+@pytest.mark.parametrize("notifications", [True, False], ids=["keyspace-events", "sweep"])
+def test_redis_ttl_expiry_reaches_the_coordinator_as_deletes(
+    coordinator: BackgroundServer, private_redis: RedisServer, notifications: bool
+) -> None:
+    raw = redis.Redis.from_url(private_redis.url)
+    raw.config_set("notify-keyspace-events", "Ex" if notifications else "")
+    raw.close()
+    l2 = RedisL2(
+        private_redis.url, prefix=f"t:{uuid.uuid4().hex}:", ttl_seconds=1,
+        sweep_interval=3600 if notifications else 0.2,  # notifications alone must do it
+    )  # fmt: skip
+    instance = f"ttl-{uuid.uuid4().hex[:8]}"
+    node, sink = redis_node(coordinator, l2, CFG, instance)
+    try:
+        tokens = prompt(5, 3)
+        keys = keys_of(node, tokens)
+        node.store(node.tracker(token_ids=tokens), kv_chunks(CFG, 3))
+        assert wait_for(lambda: l2.notifications == notifications, timeout=30)
+        assert wait_for(
+            lambda: coordinator_holds(coordinator, keys, instance, "l2") == set(), timeout=60
+        )
+        assert coordinator_holds(coordinator, keys, instance, "l1") == set(keys)
+        cause = "l2_expired" if notifications else "l2_vanished"
+        assert node.counters[cause] == 3
+        assert [p for p in node.inventory() if p.tier == "l2"] == []
+    finally:
+        node.close()
+        sink.close()
+
+
+def test_redis_eviction_under_maxmemory_reaches_the_coordinator_as_deletes(
+    coordinator: BackgroundServer, private_redis: RedisServer
+) -> None:
+    cfg = config(num_layers=2, num_kv_heads=4, head_dim=64)  # 64 KiB of KV per chunk
+    raw = redis.Redis.from_url(private_redis.url)
+    raw.config_set("notify-keyspace-events", "Ee")
+    raw.config_set("maxmemory-policy", "allkeys-lru")
+    raw.config_set("maxmemory", int(raw.info("memory")["used_memory"]) + 1_000_000)
+    l2 = RedisL2(private_redis.url, prefix=f"t:{uuid.uuid4().hex}:", sweep_interval=3600)
+    instance = f"evict-{uuid.uuid4().hex[:8]}"
+    node, sink = redis_node(coordinator, l2, cfg, instance)
+    try:
+        assert wait_for(lambda: l2.notifications, timeout=30)
+        tokens = prompt(6, 40)  # ~2.6 MB: well past the cap
+        keys = keys_of(node, tokens)
+        node.store(node.tracker(token_ids=tokens), kv_chunks(cfg, 40))
+
+        def in_redis() -> set[ObjectKey]:
+            return {k for k in keys if raw.exists(l2.redis_key(k))}
+
+        assert len(in_redis()) < len(keys)  # Redis did evict
+        assert wait_for(
+            lambda: coordinator_holds(coordinator, keys, instance, "l2") == in_redis(),
+            timeout=60,
+        )
+        assert node.counters["l2_evicted"] == len(keys) - len(in_redis())
+    finally:
+        node.close()
+        sink.close()
+        raw.close()
+
+
+class EvictedRightAfterWrite(FsL2):
+    """An fs L2 that loses each chunk the moment it is written (another writer's eviction
+    racing this one): the loss is reported before the node records its store."""
+
+    def put(self, chunk: StoredChunk) -> None:
+        super().put(chunk)
+        self.delete(chunk.key)
+        self._report([chunk.key], "evicted")
+
+
+def test_a_chunk_lost_between_write_and_report_is_no_ghost(tmp_path: Path) -> None:
+    n = InProcessNode(EvictedRightAfterWrite(tmp_path / "n1"))
+    try:
+        tokens = prompt(8, 3)
+        keys = keys_of(n.node, tokens)
+        n.node.store(n.node.tracker(token_ids=tokens), kv_chunks(CFG, 3))
+        assert n.placements(keys, "l2") == set()  # no store event for bytes already gone
+        assert n.placements(keys, "l1") == set(keys)
+        assert [p for p in n.node.inventory() if p.tier == "l2"] == []
+    finally:
+        n.close()
