@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args
 from kvatlas.events import EVENT_TRANSPORTS
-from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme
+from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme, check_model_name
 
 DEFAULT_PORT = 9300
 
@@ -39,6 +39,14 @@ class CoordinatorConfig:
     max_batch_entries: int = 100_000
     max_body_bytes: int = 256 * 1024 * 1024
     log_level: str = "info"
+    kv_events_subscribe: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_topic_prefix: str = "kv@"
+    kv_events_model: str | None = None
+    kv_events_max_blocks: int = 1_000_000
+    kv_events_publish: str | None = None
+    kv_events_replay_bind: str | None = None
+    kv_events_replay_size: int = 10_000
 
     def __post_init__(self) -> None:
         KeyScheme(self.hash_scheme, self.chunk_size)  # validates both
@@ -57,6 +65,32 @@ class CoordinatorConfig:
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0")
+        self._check_kv_events()
+
+    def _check_kv_events(self) -> None:
+        for name in ("kv_events_max_blocks", "kv_events_replay_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        replay = self.kv_events_replay_endpoints
+        if replay and len(replay) != len(self.kv_events_endpoints):
+            raise ValueError(
+                "--kv-events-replay pairs one replay endpoint (or an empty one) with each "
+                "--kv-events-subscribe endpoint, by position"
+            )
+        if self.kv_events_replay_bind and not self.kv_events_publish:
+            raise ValueError("--kv-events-replay-bind needs --kv-events-publish")
+        if self.kv_events_model is not None:
+            check_model_name(self.kv_events_model)
+
+    @property
+    def kv_events_endpoints(self) -> tuple[str, ...]:
+        """``--kv-events-subscribe``, split at commas."""
+        return _endpoints(self.kv_events_subscribe)
+
+    @property
+    def kv_events_replay_endpoints(self) -> tuple[str | None, ...]:
+        """``--kv-events-replay`` by position (an empty item: that publisher has none)."""
+        return tuple(e or None for e in _endpoints(self.kv_events_replay, keep_empty=True))
 
     @property
     def scheme(self) -> KeyScheme:
@@ -66,6 +100,11 @@ class CoordinatorConfig:
     def group_name(self) -> str:
         """Each replica needs its own consumer group to build the full view."""
         return self.consumer_group or f"kvatlas-coordinator-{self.host}-{self.port}"
+
+
+def _endpoints(text: str | None, *, keep_empty: bool = False) -> tuple[str, ...]:
+    items = [e.strip() for e in (text or "").split(",")] if text else []
+    return tuple(e for e in items if e or keep_empty)
 
 
 _HELP = {
@@ -87,6 +126,16 @@ _HELP = {
     "max_batch_entries": "most entries in one POST /events body",
     "max_body_bytes": "largest request body, in bytes",
     "log_level": "log level (debug, info, warning, error)",
+    "kv_events_subscribe": "vLLM KV event publishers to subscribe to (ZMQ), e.g. "
+    "tcp://engine-a:5557,tcp://engine-b:5557",
+    "kv_events_replay": "their replay (ROUTER) endpoints, by position; an empty item: none",
+    "kv_events_topic_prefix": "topic filter for --kv-events-subscribe",
+    "kv_events_model": "model name for engine topics that carry none (kv@<engine>)",
+    "kv_events_max_blocks": "most vLLM blocks tracked (all engines); the oldest go first",
+    "kv_events_publish": "publish node placements as vLLM KV events on this ZMQ endpoint, "
+    "e.g. tcp://*:5560",
+    "kv_events_replay_bind": "replay (ROUTER) endpoint for the published events",
+    "kv_events_replay_size": "published messages kept for replay",
 }
 
 

@@ -72,6 +72,13 @@ class _StateCollector(Collector):
         for reason, value in sorted(state.mm_bypass.items()):
             bypass.add_metric([reason], value)
         yield bypass
+        for side, counts in sorted((state.kv_events or {}).items()):
+            family = CounterMetricFamily(
+                f"kvatlas_kv_events_{side}", f"vLLM KV events ({side})", labels=["counter"]
+            )
+            for name, value in counts.items():
+                family.add_metric([name], value)
+            yield family
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -18,6 +18,7 @@ from pathlib import Path
 from kvatlas.auth import TokenAuth
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.instances import InstanceRegistry
+from kvatlas.coordinator.kv_events.links import KvEventsLinks
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.views import (
     NO_EMITTER,
@@ -74,6 +75,7 @@ class CoordinatorService:
         self._snapshot_lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self.kv_events = KvEventsLinks.from_config(config, self.directory, self.ingest, self._stop)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -81,6 +83,8 @@ class CoordinatorService:
         warm_up_kernels()
         self.restore()
         self._spawn("instance-sweeper", self._sweep_loop)
+        for name, run in self.kv_events.start():
+            self._spawn(name, run)
         if self.config.snapshot_path is not None:
             self._spawn("snapshotter", self._snapshot_loop)
         if self.config.event_transport == "redis":
@@ -289,6 +293,7 @@ class CoordinatorService:
             emitters=self.emitters_view(),
             instances_alive=len(self.instances.snapshot()[1]),
             mm_bypass=dict(MM_BYPASS_GUARD.reasons),
+            kv_events=self.kv_events.stats(),
         )
 
     def health(self) -> HealthView:
@@ -299,4 +304,5 @@ class CoordinatorService:
             self.config.event_transport,
             self.stream_position,
             self.config.event_stream if self.config.event_transport == "redis" else None,
+            self.kv_events.stats(),
         )

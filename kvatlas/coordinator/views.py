@@ -65,6 +65,8 @@ class HealthView:
     stream_position: str | None
     event_stream: str | None = None
     """The Redis Stream the coordinator reads (the redis transport only)."""
+    kv_events: dict[str, dict[str, int]] | None = None
+    """vLLM KV-event counters (``subscriber``, ``publisher``); only when configured."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +88,8 @@ class MetricsState:
     emitters: dict[str, EmitterView]
     instances_alive: int
     mm_bypass: dict[str, int]
+    kv_events: dict[str, dict[str, int]] | None = None
+    """As in :class:`HealthView`."""
 
 
 @dataclass(frozen=True, slots=True)

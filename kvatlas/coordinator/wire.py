@@ -317,7 +317,7 @@ def ingest_counts_to_wire(counts: IngestCounts) -> dict[str, Any]:
 
 
 def health_to_wire(h: HealthView) -> dict[str, Any]:
-    return {
+    out = {
         "status": "ok",
         "state": h.state.value,
         **h.scheme.describe(),
@@ -326,6 +326,9 @@ def health_to_wire(h: HealthView) -> dict[str, Any]:
         "stream_position": h.stream_position,
         "event_stream": h.event_stream,
     }
+    if h.kv_events is not None:
+        out["kv_events"] = h.kv_events
+    return out
 
 
 def readiness_to_wire(state: Readiness) -> dict[str, Any]:

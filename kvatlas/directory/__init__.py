@@ -11,7 +11,12 @@ from kvatlas.directory.blend import (
 )
 from kvatlas.directory.capture import Capture, CapturedPart, DirectoryState, Restored
 from kvatlas.directory.gate import Admission, EmitterCursor, GapRecord, IngestGate, Outcome
-from kvatlas.directory.key_directory import DirectoryStats, IngestCounts, KeyDirectory
+from kvatlas.directory.key_directory import (
+    DirectoryStats,
+    IngestCounts,
+    KeyDirectory,
+    PlacementObserver,
+)
 from kvatlas.directory.listing import page_keys
 from kvatlas.directory.records import (
     CapacityDeclaration,
@@ -47,6 +52,7 @@ __all__ = [
     "KeyPlacements",
     "Outcome",
     "Placement",
+    "PlacementObserver",
     "PrefixHolder",
     "RemoveChunkOp",
     "RemoveClaimOp",

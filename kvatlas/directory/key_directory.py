@@ -18,7 +18,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kvatlas.checks import is_plain_int
 from kvatlas.directory import listing
@@ -78,6 +78,15 @@ class DirectoryStats:
     blend: BlendStats | None  # the blend index's stats; None while blend lookup is off
 
 
+class PlacementObserver(Protocol):
+    """Told, under the directory lock and so in apply order, about every applied batch and
+    every fence (the vLLM KV-events publisher); must only queue, never block or raise."""
+
+    def applied(self, batch: EventBatch, fenced_first: bool) -> None: ...
+
+    def fenced(self, instance_id: str) -> None: ...
+
+
 class KeyDirectory:
     """ObjectKey → placements, chunk hash → token binding, fed by gated event batches."""
 
@@ -102,6 +111,7 @@ class KeyDirectory:
         self._index: BlendIndex | None = None
         self._probe_stride = 1
         self._outcomes: Counter[str] = Counter()
+        self.observer: PlacementObserver | None = None
         if enable_blend_lookup:
             self.enable_blend_lookup(chunk_size, blend_probe_stride)
 
@@ -137,6 +147,8 @@ class KeyDirectory:
                     self._apply_admitted(batch, admission)
                 finally:
                     self._flush_index()
+                if self.observer is not None:
+                    self.observer.applied(batch, admission.fence_first)
             return admission.outcome
 
     def fence_instance(self, instance_id: str) -> int:
@@ -147,6 +159,8 @@ class KeyDirectory:
                 return self._chunks.fence(instance_id)
             finally:
                 self._flush_index()
+                if self.observer is not None:
+                    self.observer.fenced(instance_id)
 
     def deregister(self, instance_id: str) -> int:
         """Fence the instance and forget its cursor and capacity declaration."""
@@ -155,6 +169,8 @@ class KeyDirectory:
                 dropped = self._chunks.fence(instance_id)
             finally:
                 self._flush_index()
+                if self.observer is not None:
+                    self.observer.fenced(instance_id)
             self._gate.forget(instance_id)
             self._capacities.pop(instance_id, None)
             return dropped
@@ -323,4 +339,4 @@ class KeyDirectory:
                 self._chunks.reindex(self._index.apply)
 
 
-__all__ = ["DirectoryStats", "IngestCounts", "KeyDirectory"]
+__all__ = ["DirectoryStats", "IngestCounts", "KeyDirectory", "PlacementObserver"]

@@ -1,0 +1,78 @@
+"""The vLLM KV-event links a coordinator runs, built from its configuration: a subscriber
+(``--kv-events-subscribe``), a publisher (``--kv-events-publish``), both or neither."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.kv_events.publisher import KvEventsPublisher
+from kvatlas.coordinator.kv_events.subscriber import (
+    Ingest,
+    KvEventsSubscriber,
+    SubscriberSettings,
+)
+from kvatlas.directory import KeyDirectory
+
+
+class KvEventsLinks:
+    def __init__(
+        self, subscriber: KvEventsSubscriber | None, publisher: KvEventsPublisher | None
+    ) -> None:
+        self.subscriber = subscriber
+        self.publisher = publisher
+
+    @classmethod
+    def from_config(
+        cls,
+        config: CoordinatorConfig,
+        directory: KeyDirectory,
+        ingest: Ingest,
+        stop: threading.Event,
+    ) -> KvEventsLinks:
+        """Engine batches go through ``ingest`` and the directory's fence, like any batch;
+        the publisher observes the directory from now on (nothing applied is missed)."""
+        subscriber = publisher = None
+        endpoints = config.kv_events_endpoints
+        if endpoints:
+            replay = config.kv_events_replay_endpoints or (None,) * len(endpoints)
+            settings = SubscriberSettings(
+                endpoints,
+                replay,
+                config.kv_events_topic_prefix,
+                config.kv_events_model,
+                config.kv_events_max_blocks,
+            )
+            subscriber = KvEventsSubscriber(
+                settings, config.scheme, ingest=ingest, clear=directory.fence_instance, stop=stop
+            )
+        if config.kv_events_publish:
+            publisher = KvEventsPublisher(
+                config.kv_events_publish,
+                config.kv_events_replay_bind,
+                config.kv_events_replay_size,
+                directory,
+                stop,
+            )
+            directory.observer = publisher
+        return cls(subscriber, publisher)
+
+    def start(self) -> list[tuple[str, Callable[[], None]]]:
+        """Bind the publisher's sockets (raises if taken) and name the threads to run."""
+        threads: list[tuple[str, Callable[[], None]]] = []
+        if self.publisher is not None:
+            self.publisher.open()
+            threads.append(("kv-events-out", self.publisher.run))
+        if self.subscriber is not None:
+            threads.append(("kv-events-in", self.subscriber.run))
+        return threads
+
+    def stats(self) -> dict[str, dict[str, int]] | None:
+        """The counters of each link that runs; ``None`` when neither does."""
+        out: dict[str, dict[str, int]] = {}
+        if self.subscriber is not None:
+            out["subscriber"] = self.subscriber.stats()
+        if self.publisher is not None:
+            out["publisher"] = self.publisher.stats()
+        return out or None
