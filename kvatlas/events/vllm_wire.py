@@ -63,6 +63,14 @@ class KVEventBatch(msgspec.Struct):
     data_parallel_rank: int | None = None
 
 
+class TopicBatch(KVEventBatch):
+    """What kvatlas publishes: a ``KVEventBatch`` that also names its topic. One kvatlas
+    publisher speaks for many instances, and a replay reply is only ``(seq, payload)``, so
+    the payload says whose it is; decoders of ``KVEventBatch`` ignore the extra field."""
+
+    kvatlas_topic: str = ""
+
+
 # The older array encoding: the same structs (``isinstance`` holds), laid out as arrays.
 class _ArrayBlockStored(BlockStored, array_like=True, tag="BlockStored"):
     pass
@@ -176,6 +184,7 @@ __all__ = [
     "BlockStored",
     "KVEvent",
     "KVEventBatch",
+    "TopicBatch",
     "VllmWireError",
     "decode_batch",
     "encode_batch",

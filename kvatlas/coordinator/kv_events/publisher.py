@@ -34,7 +34,7 @@ from kvatlas.events.vllm_wire import (
     BlockRemoved,
     BlockStored,
     KVEvent,
-    KVEventBatch,
+    TopicBatch,
     VllmWireError,
     encode_batch,
     pack_seq,
@@ -157,7 +157,7 @@ class KvEventsPublisher:
     def _send(self, topic: str, events: list[KVEvent], ts: float) -> None:
         seq = self._seq
         self._seq += 1
-        payload = encode_batch(KVEventBatch(ts, events))
+        payload = encode_batch(TopicBatch(ts, events, kvatlas_topic=topic))
         self._pub.send_multipart([topic.encode(), pack_seq(seq), payload])
         self._ring.append((seq, payload))
         self.counts["messages"] += 1
