@@ -4,11 +4,14 @@ the bounded map, AllBlocksCleared, and bad batches refused whole."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import numpy as np
 import pytest
 
 from kvatlas.coordinator.kv_events import BadBatch, Cleared, Rekeyer
+from kvatlas.directory import load_snapshot, save_snapshot
 from kvatlas.events import EventBatch
 from kvatlas.events.vllm_wire import (
     AllBlocksCleared,
@@ -199,3 +202,17 @@ def test_cleared_is_an_op_in_order() -> None:
     assert [type(op).__name__ for op in ops] == ["EventBatch", "Cleared", "EventBatch"]
     assert isinstance(ops[1], Cleared) and ops[1].instance_id == "pod-a"
     assert [op.seq for op in ops if isinstance(op, EventBatch)] == [1, 2]
+
+
+def test_engine_tiers_survive_a_snapshot_and_are_fenced_after_it(tmp_path: Path) -> None:
+    rekeyer, directory = fed(chunk_size=16)
+    cpu = msgspec.structs.replace(TEXT_MORE, medium="CPU")
+    apply(rekeyer, directory, "pod-a", "llama", batch(TEXT, cpu))
+    save_snapshot(directory, tmp_path / "d.snap")
+    _, restored = fed(chunk_size=16)
+    load_snapshot(restored, tmp_path / "d.snap")
+    assert holders(restored, TOKENS) == {("pod-a", "gpu"): 2}
+    assert restored.stats().bytes_by_tier.keys() >= {"gpu", "engine-cpu"}
+    assert restored.stats().l1_placements_by_instance == {"pod-a": 4}
+    assert restored.fence_instance("pod-a") == 4
+    assert restored.stats().keys == 0

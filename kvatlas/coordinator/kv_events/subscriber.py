@@ -168,7 +168,10 @@ class KvEventsSubscriber:
             self.counts["duplicates"] += 1
             return
         parsed = self._parse(topic, payload)
-        if parsed is None:
+        if parsed is None:  # counted; a jump before it is still a gap (of unknown instance)
+            if last is not None and seq > last + 1:
+                self.counts["gaps"] += 1
+                self.counts["missing_batches"] += seq - last - 1
             link.last_seq = seq
             return
         instance, model, batch = parsed
