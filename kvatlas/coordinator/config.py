@@ -43,7 +43,7 @@ class CoordinatorConfig:
     kv_events_replay: str | None = None
     kv_events_topic_prefix: str = "kv@"
     kv_events_model: str | None = None
-    kv_events_max_blocks: int = 1_000_000
+    kv_events_max_blocks: int = 500_000
     kv_events_publish: str | None = None
     kv_events_replay_bind: str | None = None
     kv_events_replay_size: int = 10_000

@@ -216,3 +216,12 @@ def test_engine_tiers_survive_a_snapshot_and_are_fenced_after_it(tmp_path: Path)
     assert restored.stats().l1_placements_by_instance == {"pod-a": 4}
     assert restored.fence_instance("pod-a") == 4
     assert restored.stats().keys == 0
+
+
+def test_any_extra_key_value_is_an_identity_and_a_bad_ts_refuses_the_batch() -> None:
+    rekeyer, _ = fed("blake3-x1", chunk_size=16)
+    odd = msgspec.structs.replace(TEXT, extra_keys=[[{1: b"\x00"}, 7, None], [["a", 1.5]]])
+    (op,) = rekeyer.translate("pod-a", "llama", batch(odd))
+    assert isinstance(op, EventBatch) and len(op.entries) == 2
+    with pytest.raises(BadBatch):
+        rekeyer.translate("pod-a", "llama", KVEventBatch(float("nan"), [TEXT]))

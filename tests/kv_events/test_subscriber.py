@@ -119,6 +119,7 @@ def test_bad_input_is_counted_and_the_subscriber_goes_on(engine: FakeEngine) -> 
     out_of_range = msgspec.msgpack.decode(golden("current-int-hashes"))
     out_of_range["events"][0]["token_ids"][3] = 1 << 33
     unknown = {"ts": 1.0, "events": [{"type": "BlockTeleported"}]}
+    rank = {"ts": 1.0, "events": [], "data_parallel_rank": 1 << 40}
     try:
         engine.send_until(0, b"\xc1\xc1", lambda: s.sub.stats()["rejected_malformed"] >= 1)
         t = b"kv@pod-a@llama"
@@ -128,14 +129,15 @@ def test_bad_input_is_counted_and_the_subscriber_goes_on(engine: FakeEngine) -> 
         engine.pub.send_multipart(
             [b"kv@a/b@llama", b"\x00" * 7 + b"\x05", golden("current-stored")]
         )
-        for seq, body in enumerate((unknown, flood, huge, out_of_range), start=1):
+        for seq, body in enumerate((unknown, flood, huge, out_of_range, rank), start=1):
             engine.send(seq, msgspec.msgpack.encode(body))
         engine.send(9, golden("current-stored"))
         assert wait_for(lambda: s.sub.stats()["batches"] == 1)
         stats = s.sub.stats()
         want = {"rejected_malformed": 1, "rejected_frames": 3, "rejected_topic": 1,
                 "rejected_unknown_event": 1, "rejected_too_many_blocks": 1,
-                "rejected_block_size": 1, "rejected_token_range": 1, "errors": 0}  # fmt: skip
+                "rejected_block_size": 1, "rejected_token_range": 1, "rejected_invalid": 1,
+                "errors": 0}  # fmt: skip
         assert {k: stats[k] for k in want} == want
         assert holders(s) == {("pod-a", "gpu"): 2}
         assert s.thread.is_alive()

@@ -114,6 +114,7 @@ def test_the_encoder_writes_the_current_encoding_a_plain_decoder_reads() -> None
         (msgspec.msgpack.encode({"ts": 1.0, "events": [{"type": "BlockRemoved"}]}), "invalid"),
         (msgspec.msgpack.encode({"ts": "x", "events": []}), "invalid"),
         (msgspec.msgpack.encode(7), "invalid"),
+        (msgspec.msgpack.encode({"ts": 1.0, "events": [], "data_parallel_rank": "x"}), "invalid"),
     ],
 )
 def test_bad_payloads_raise_a_counted_kind(payload: bytes, kind: str) -> None:

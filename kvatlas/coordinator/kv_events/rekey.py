@@ -18,6 +18,7 @@ a bad batch changes nothing and yields nothing. See docs/kv-events.md.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
@@ -38,14 +39,13 @@ from kvatlas.events.vllm_wire import (
 from kvatlas.keys import NONE_HASH, KeyScheme, MMItem, ObjectKey, pack_kv_rank
 from kvatlas.keys.chunk_hash import chain_hashes
 from kvatlas.keys.extra_keys import x1_chunk_suffix_fn
-from kvatlas.keys.tokens import TokenArray, tokens_be_bytes
+from kvatlas.keys.tokens import tokens_be_bytes
 
 GPU_TIER: Final = "gpu"
 CPU_TIER: Final = "engine-cpu"
 ENGINE_BACKEND: Final = "vllm"
 ENGINE_RANK: Final = pack_kv_rank(1, 0, 1, 0)
 _MAX_TOKEN: Final = (1 << 32) - 1
-_EMPTY: Final[TokenArray] = np.empty(0, dtype=np.uint32)
 
 
 def engine_tier(medium: str | None) -> str:
@@ -73,19 +73,32 @@ Op = EventBatch | Cleared
 
 @dataclass(frozen=True, slots=True)
 class ChainPoint:
-    """Where an engine's token chain stands after one block."""
+    """Where an engine's token chain stands after one block. Inside a partial chunk a point
+    holds only its own block (``packed``, ``items``) and links to the point before it, so a
+    block costs its own tokens, not the whole partial chunk."""
 
     prev: bytes  # hash of the last complete chunk (NONE_HASH before the first)
     n_chunks: int  # complete chunks so far
-    tail: TokenArray  # tokens after the last chunk boundary (fewer than chunk_size)
-    tail_blocks: tuple[BlockHash, ...]  # the blocks holding them
-    tail_items: tuple[MMItem, ...]  # their extra keys, as items with absolute spans
+    fill: int  # tokens after the last chunk boundary (fewer than chunk_size)
+    back: ChainPoint | None  # the point before this one in the partial chunk
+    block: BlockHash | None
+    packed: bytes  # this block's tokens, big-endian uint32 (only while fill > 0)
+    items: tuple[MMItem, ...]  # this block's extra keys, as items with absolute spans
     lora: str | int | None  # the chain's adapter
     plain: bool  # no extra keys and no adapter anywhere in the chain
     keyable: bool  # False: the scheme cannot carry what the chain holds
 
+    def partial(self) -> list[ChainPoint]:
+        """The points of the partial chunk up to this one, oldest first."""
+        out: list[ChainPoint] = []
+        p: ChainPoint | None = self
+        while p is not None and p.fill:
+            out.append(p)
+            p = p.back
+        return out[::-1]
 
-START: Final = ChainPoint(NONE_HASH, 0, _EMPTY, (), (), None, True, True)
+
+START: Final = ChainPoint(NONE_HASH, 0, 0, None, None, b"", (), None, True, True)
 
 
 @dataclass(slots=True)
@@ -118,8 +131,9 @@ class _Pending:
 
 
 def _identity(value: Any) -> str:
-    """One extra key as an item identifier: strings as they are, anything else canonically."""
-    return value if isinstance(value, str) else msgspec.json.encode(value).decode()
+    """One extra key as an item identifier: a string as it is, anything else (any value
+    msgpack decodes to) as ``m:`` + the hex of its msgpack encoding."""
+    return value if isinstance(value, str) else "m:" + msgspec.msgpack.encode(value).hex()
 
 
 class Rekeyer:
@@ -181,6 +195,8 @@ class Rekeyer:
         return list(self._batches(pending, batch.ts))
 
     def _validate(self, batch: KVEventBatch) -> None:
+        if not math.isfinite(batch.ts):
+            raise BadBatch("invalid", f"ts must be a finite number, got {batch.ts}")
         chunk_size, blocks = self.chunk_size, 0
         for i, event in enumerate(batch.events):
             if isinstance(event, AllBlocksCleared):
@@ -233,57 +249,60 @@ class Rekeyer:
         tokens = np.asarray(event.token_ids, dtype=np.uint32)
         lora = event.lora_name if event.lora_name is not None else event.lora_id
         extras = event.extra_keys or [None] * len(event.block_hashes)
+        packed = tokens_be_bytes(tokens)
+        step = 4 * size
         for i, h in enumerate(event.block_hashes):
             before = point
-            point = self._advance(point, h, tokens[i * size : (i + 1) * size], extras[i], lora)
+            own = packed[i * step : (i + 1) * step]
+            point, chunk = self._advance(point, h, own, extras[i], lora)
             block = _Block(point, tier)
             self._remember(state, h, block, pending)
             self.counts["blocks_stored"] += 1
-            if point.tail_blocks:  # the chunk is still partial
+            if chunk is None:  # the chunk is still partial
                 continue
             key = self._key(point, model)
             if key is None:
                 continue
             block.key = key
-            for b in before.tail_blocks:
-                held = state.blocks.get(b)
+            for p in before.partial():
+                held = state.blocks.get(p.block) if p.block is not None else None
                 if held is not None:
                     held.key = key
-            chunk = np.concatenate((before.tail, tokens[i * size : (i + 1) * size]))
+            tokens_of = np.frombuffer(chunk, dtype=">u4").astype(np.uint32) if point.plain else None
             offset = (point.n_chunks - 1) * self.chunk_size
-            entry = CacheEntry(key, 0, chunk if point.plain else None, offset)
-            pending.add(state.instance_id, STORE, tier, entry)
+            pending.add(state.instance_id, STORE, tier, CacheEntry(key, 0, tokens_of, offset))
             self.counts["chunks_stored"] += 1
 
     def _advance(
         self,
         point: ChainPoint,
         h: BlockHash,
-        tokens: TokenArray,
+        packed: bytes,
         extra: list[Any] | None,
         lora: str | int | None,
-    ) -> ChainPoint:
-        """The chain after one more block: extends the tail, and hashes it when it fills."""
-        start = point.n_chunks * self.chunk_size + len(point.tail)
-        items = point.tail_items + tuple(
-            MMItem.of(_identity(v), start, len(tokens)) for v in (extra or ())
-        )
-        first_block = point is START
-        same_lora = lora == point.lora or first_block
+    ) -> tuple[ChainPoint, bytes | None]:
+        """The chain after one more block, and the chunk it completed (``None``: partial)."""
+        n = len(packed) // 4
+        start = point.n_chunks * self.chunk_size + point.fill
+        items = tuple(MMItem.of(_identity(v), start, n) for v in (extra or ()))
+        same_lora = lora == point.lora or point is START
         plain = point.plain and not items and lora is None
         keyable = point.keyable and same_lora and (plain or self.scheme.carries_extra_keys)
-        tail = np.concatenate((point.tail, tokens)) if len(point.tail) else tokens
-        blocks = (*point.tail_blocks, h)
-        if len(tail) < self.chunk_size:
-            return ChainPoint(point.prev, point.n_chunks, tail, blocks, items,
-                              lora, plain, keyable)  # fmt: skip
+        fill = point.fill + n
+        if fill < self.chunk_size:
+            back = point if point.fill else None
+            return ChainPoint(point.prev, point.n_chunks, fill, back, h, packed, items,
+                              lora, plain, keyable), None  # fmt: skip
+        earlier = point.partial()
+        chunk = b"".join([p.packed for p in earlier] + [packed])
         suffix = None
         if self.scheme.carries_extra_keys:
+            all_items = [it for p in earlier for it in p.items] + list(items)
             request = {"lora": lora} if lora is not None else None
-            suffix = x1_chunk_suffix_fn(self.chunk_size, items, request)
-        prev = chain_hashes(tokens_be_bytes(tail), self.chunk_size, point.prev,
-                            point.n_chunks, suffix)[0]  # fmt: skip
-        return ChainPoint(prev, point.n_chunks + 1, _EMPTY, (), (), lora, plain, keyable)
+            suffix = x1_chunk_suffix_fn(self.chunk_size, all_items, request)
+        prev = chain_hashes(chunk, self.chunk_size, point.prev, point.n_chunks, suffix)[0]
+        done = ChainPoint(prev, point.n_chunks + 1, 0, None, h, b"", (), lora, plain, keyable)
+        return done, chunk
 
     def _key(self, point: ChainPoint, model: str) -> ObjectKey | None:
         if not point.keyable:

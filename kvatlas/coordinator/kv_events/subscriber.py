@@ -51,6 +51,7 @@ COUNTERS: Final = (
 )  # fmt: skip
 """Every counter, created at zero (``/metrics`` and ``/healthz`` show them all)."""
 
+MAX_DP_RANK: Final = 1 << 16
 Ingest = Callable[[Sequence[EventBatch]], object]
 Clear = Callable[[str], int]
 
@@ -61,7 +62,7 @@ class SubscriberSettings:
     replay_endpoints: tuple[str | None, ...]  # paired by position; None = no replay
     topic_prefix: str = "kv@"
     default_model: str | None = None
-    max_blocks: int = 1_000_000
+    max_blocks: int = 500_000
     replay_timeout: float = 2.0
 
 
@@ -210,7 +211,11 @@ class KvEventsSubscriber:
         except VllmWireError as exc:
             self._reject(exc.kind, f"{topic}: {exc.reason}")
             return None
-        return engine_instance(emitter, batch.data_parallel_rank), model, batch
+        rank = batch.data_parallel_rank
+        if rank is not None and not 0 <= rank < MAX_DP_RANK:
+            self._reject("invalid", f"{topic}: data_parallel_rank {rank} out of range")
+            return None
+        return engine_instance(emitter, rank), model, batch
 
     def _apply(self, instance: str, model: str, batch: KVEventBatch) -> None:
         try:
