@@ -14,6 +14,7 @@ from kvatlas.coordinator.kv_events.subscriber import (
     SubscriberSettings,
 )
 from kvatlas.directory import KeyDirectory
+from kvatlas.errors import Unavailable
 
 
 class KvEventsLinks:
@@ -59,12 +60,22 @@ class KvEventsLinks:
         return cls(subscriber, publisher)
 
     def start(self) -> list[tuple[str, Callable[[], None]]]:
-        """Bind the publisher's sockets (raises if taken) and name the threads to run."""
+        """Open the sockets and name the threads to run; an endpoint that cannot be bound or
+        connected raises :class:`~kvatlas.errors.Unavailable` naming the flag."""
+        import zmq
+
         threads: list[tuple[str, Callable[[], None]]] = []
         if self.publisher is not None:
-            self.publisher.open()
+            try:
+                self.publisher.open()
+            except zmq.ZMQError as exc:
+                raise Unavailable(f"--kv-events-publish / --kv-events-replay-bind: {exc}") from None
             threads.append(("kv-events-out", self.publisher.run))
         if self.subscriber is not None:
+            try:
+                self.subscriber.open()
+            except zmq.ZMQError as exc:
+                raise Unavailable(f"--kv-events-subscribe: {exc}") from None
             threads.append(("kv-events-in", self.subscriber.run))
         return threads
 

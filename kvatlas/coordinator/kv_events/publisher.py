@@ -116,13 +116,17 @@ class KvEventsPublisher:
         import zmq
 
         self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.bind(self.endpoint)
-        if self.replay_endpoint is not None:
-            self._router = self._ctx.socket(zmq.ROUTER)
-            self._router.setsockopt(zmq.LINGER, 0)
-            self._router.bind(self.replay_endpoint)
+        try:
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.bind(self.endpoint)
+            if self.replay_endpoint is not None:
+                self._router = self._ctx.socket(zmq.ROUTER)
+                self._router.setsockopt(zmq.LINGER, 0)
+                self._router.bind(self.replay_endpoint)
+        except zmq.ZMQError:
+            self._close()
+            raise
         self._queue.put(_RESYNC)
 
     def run(self) -> None:
@@ -140,11 +144,16 @@ class KvEventsPublisher:
                     self.counts["errors"] += 1
                     log.exception("kv events publisher: unexpected error")
         finally:
-            for sock in (self._pub, self._router):
-                if sock is not None:
-                    sock.close(0)
-            if self._ctx is not None:
-                self._ctx.term()
+            self._close()
+
+    def _close(self) -> None:
+        for sock in (self._pub, self._router):
+            if sock is not None:
+                sock.close(0)
+        self._pub = self._router = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
 
     def _handle(self, item: _Item) -> None:
         if isinstance(item, EventBatch):

@@ -102,6 +102,8 @@ class KvEventsSubscriber:
         ]
         self.counts: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self._ctx: zmq.Context[Any] | None = None
+        self._poller: zmq.Poller | None = None
+        self._socks: dict[Any, _Link] = {}
 
     # ------------------------------------------------------------------ reporting
 
@@ -115,20 +117,33 @@ class KvEventsSubscriber:
 
     # ------------------------------------------------------------------ the loop
 
-    def run(self) -> None:
+    def open(self) -> None:
+        """Create the SUB sockets and connect them (a bad endpoint raises ``zmq.ZMQError``
+        here, at start-up, not later in the thread)."""
         import zmq
 
         self._ctx = ctx = zmq.Context()
-        poller = zmq.Poller()
-        socks: dict[Any, _Link] = {}
+        self._poller = poller = zmq.Poller()
         try:
             for link in self._links:
                 sock = ctx.socket(zmq.SUB)
+                self._socks[sock] = link
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SUBSCRIBE, self.settings.topic_prefix.encode())
                 sock.connect(link.endpoint)
                 poller.register(sock, zmq.POLLIN)
-                socks[sock] = link
+        except zmq.ZMQError:
+            self._close()
+            raise
+
+    def run(self) -> None:
+        import zmq
+
+        if self._ctx is None:
+            self.open()
+        poller, socks = self._poller, self._socks
+        assert poller is not None
+        try:
             while not self._stop.is_set():
                 for sock, _ in poller.poll(100):
                     for _ in range(1000):  # bounded: every socket gets its turn
@@ -138,12 +153,18 @@ class KvEventsSubscriber:
                             break
                         self.handle(socks[sock], frames)
         finally:
-            for link in self._links:
-                if link.dealer is not None:
-                    link.dealer.close(0)
-            for sock in socks:
-                sock.close(0)
-            ctx.term()
+            self._close()
+
+    def _close(self) -> None:
+        for link in self._links:
+            if link.dealer is not None:
+                link.dealer.close(0)
+                link.dealer = None
+        for sock in self._socks:
+            sock.close(0)
+        self._socks.clear()
+        if self._ctx is not None:
+            self._ctx.term()
 
     def handle(self, link: _Link, frames: Sequence[bytes]) -> None:
         """One live message; never raises (a bug is counted as ``errors`` and logged)."""
