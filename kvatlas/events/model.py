@@ -26,6 +26,8 @@ EVENT_TYPES: Final = frozenset({STORE, DELETE, ACCESS, CONFIG})
 TIERS: Final = frozenset({"l1", "l2", "gpu", "engine-cpu"})
 """Where a copy sits: a node's DRAM (l1) or storage (l2), or an engine's own memory (gpu, and
 engine-cpu for its CPU offload; learned from its vLLM KV events, docs/kv-events.md)."""
+ENGINE_TIERS: Final = frozenset({"gpu", "engine-cpu"})
+"""Engine memory: seen by lookups and routers, never fetchable by a node."""
 VOLATILE_TIERS: Final = frozenset({"l1", "gpu", "engine-cpu"})
 """Process memory: an instance's own copies there are dropped when it is fenced."""
 EVENT_TRANSPORTS: Final = ("http", "redis")

@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Final, Literal, NamedTuple
 
+from kvatlas.events import ENGINE_TIERS
 from kvatlas.keys import ObjectKey
 from kvatlas.node.fleet_view import FleetView
 from kvatlas.node.kv_layout import KVLayout
@@ -100,7 +101,8 @@ class TieredFetch:
 
     def prefix_hits(self, keys: Sequence[ObjectKey]) -> int:
         """How many leading ``keys`` some tier can serve: this node's L1 or L2, then (for the
-        rest) any holder the fleet knows other than this node's unshared tiers."""
+        rest) any holder the fleet knows other than this node's unshared tiers and engine
+        memory (an engine's GPU or CPU offload serves that engine only)."""
         hit = 0
         for key in keys:
             if self.l1.contains(key) or (self.l2 is not None and self.l2.contains(key)):
@@ -109,7 +111,10 @@ class TieredFetch:
                 break
         if hit < len(keys) and self.fleet is not None:
             for holders in self.fleet.holders(keys[hit:]):
-                if not any(h.instance_id != self.instance_id or h.shared for h in holders):
+                if not any(
+                    (h.instance_id != self.instance_id or h.shared) and h.tier not in ENGINE_TIERS
+                    for h in holders
+                ):
                     break
                 hit += 1
         return hit
