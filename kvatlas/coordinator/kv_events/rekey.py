@@ -105,7 +105,9 @@ START: Final = ChainPoint(NONE_HASH, 0, 0, None, None, b"", (), None, True, True
 class _Block:
     point: ChainPoint
     tier: str
-    key: ObjectKey | None = None  # the chunk this block completed or belongs to, once keyed
+    # The chunks holding this block, once keyed: one per continuation (requests that share a
+    # block inside a chunk and then diverge make two chunks, both gone with the block).
+    keys: tuple[ObjectKey, ...] = ()
 
 
 @dataclass(slots=True)
@@ -263,11 +265,10 @@ class Rekeyer:
             key = self._key(point, model)
             if key is None:
                 continue
-            block.key = key
-            for p in before.partial():
-                held = state.blocks.get(p.block) if p.block is not None else None
-                if held is not None:
-                    held.key = key
+            for b in (*before.partial(), point):
+                held = state.blocks.get(b.block) if b.block is not None else None
+                if held is not None and key not in held.keys:
+                    held.keys += (key,)
             tokens_of = np.frombuffer(chunk, dtype=">u4").astype(np.uint32) if point.plain else None
             offset = (point.n_chunks - 1) * self.chunk_size
             pending.add(state.instance_id, STORE, tier, CacheEntry(key, 0, tokens_of, offset))
@@ -311,8 +312,11 @@ class Rekeyer:
         return ObjectKey(point.prev, model, ENGINE_RANK)
 
     def _remember(self, state: EngineState, h: BlockHash, block: _Block, pending: _Pending) -> None:
-        if state.blocks.pop(h, None) is None:
+        old = state.blocks.pop(h, None)
+        if old is None:
             self.total_blocks += 1
+        else:  # stored again: same hash, same prefix, so the same chunks hold it
+            block.keys = old.keys
         state.blocks[h] = block
         while self.total_blocks > self.max_blocks:
             self._evict_one(state, pending)
@@ -324,8 +328,8 @@ class Rekeyer:
         _, block = victim.blocks.popitem(last=False)
         self.total_blocks -= 1
         self.counts["evicted_blocks"] += 1
-        if block.key is not None:
-            pending.add(victim.instance_id, DELETE, block.tier, CacheEntry(block.key))
+        for key in block.keys:
+            pending.add(victim.instance_id, DELETE, block.tier, CacheEntry(key))
 
     def _removed(self, state: EngineState, event: BlockRemoved, pending: _Pending) -> None:
         tier = engine_tier(event.medium)
@@ -335,8 +339,8 @@ class Rekeyer:
                 self.counts["unknown_removed_blocks"] += 1
                 continue
             self.counts["blocks_removed"] += 1
-            if block.key is not None:
-                pending.add(state.instance_id, DELETE, tier, CacheEntry(block.key))
+            for key in block.keys:
+                pending.add(state.instance_id, DELETE, tier, CacheEntry(key))
                 self.counts["chunks_removed"] += 1
             if block.tier == tier:
                 del state.blocks[h]
