@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 
 from kvatlas.checks import is_plain_int
 from kvatlas.coordinator.views import MetricsState
-from kvatlas.coordinator.wire import directory_stats_to_wire
+from kvatlas.coordinator.wire import directory_stats_to_wire, kv_events_to_wire
 
 _LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -72,7 +72,8 @@ class _StateCollector(Collector):
         for reason, value in sorted(state.mm_bypass.items()):
             bypass.add_metric([reason], value)
         yield bypass
-        for side, counts in sorted((state.kv_events or {}).items()):
+        kv_events = {} if state.kv_events is None else kv_events_to_wire(state.kv_events)
+        for side, counts in kv_events.items():
             family = CounterMetricFamily(
                 f"kvatlas_kv_events_{side}", f"vLLM KV events ({side})", labels=["counter"]
             )

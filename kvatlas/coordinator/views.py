@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from kvatlas.coordinator.instances import Registration
 from kvatlas.directory import DirectoryStats
 from kvatlas.keys import KeyScheme
+
+if TYPE_CHECKING:  # the KV-event links load only where they run
+    from kvatlas.coordinator.kv_events.stats import KvEventsStats
 
 
 class Readiness(StrEnum):
@@ -65,8 +69,8 @@ class HealthView:
     stream_position: str | None
     event_stream: str | None = None
     """The Redis Stream the coordinator reads (the redis transport only)."""
-    kv_events: dict[str, dict[str, int]] | None = None
-    """vLLM KV-event counters (``subscriber``, ``publisher``); only when configured."""
+    kv_events: KvEventsStats | None = None
+    """vLLM KV-event counters; only when a link is configured."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +92,7 @@ class MetricsState:
     emitters: dict[str, EmitterView]
     instances_alive: int
     mm_bypass: dict[str, int]
-    kv_events: dict[str, dict[str, int]] | None = None
+    kv_events: KvEventsStats | None = None
     """As in :class:`HealthView`."""
 
 

@@ -126,7 +126,7 @@ def test_a_router_sees_exactly_the_directory_placements(published: Published) ->
     assert late.view() == early.view()
     early.close()
     late.close()
-    assert p.pub.stats()["errors"] == 0
+    assert p.pub.stats().errors == 0
 
 
 def test_placements_restored_before_start_are_published_once() -> None:
@@ -141,7 +141,7 @@ def test_placements_restored_before_start_are_published_once() -> None:
     ctx: zmq.Context[Any] = zmq.Context()
     view = RouterView(ctx, pub.endpoint, replay)
     try:
-        assert wait_for(lambda: pub.stats()["messages"] == 1)
+        assert wait_for(lambda: pub.stats().messages == 1)
         view.replay()
         assert view.pump() == expected(directory) != {}
     finally:

@@ -4,13 +4,14 @@ the bounded map, AllBlocksCleared, and bad batches refused whole."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import msgspec
 import numpy as np
 import pytest
 
-from kvatlas.coordinator.kv_events import BadBatch, Cleared, Rekeyer
+from kvatlas.coordinator.kv_events import BadBatch, Cleared, Rekeyer, SubscriberStats
 from kvatlas.directory import load_snapshot, save_snapshot
 from kvatlas.events import EventBatch
 from kvatlas.events.vllm_wire import (
@@ -225,3 +226,19 @@ def test_any_extra_key_value_is_an_identity_and_a_bad_ts_refuses_the_batch() -> 
     assert isinstance(op, EventBatch) and len(op.entries) == 2
     with pytest.raises(BadBatch):
         rekeyer.translate("pod-a", "llama", KVEventBatch(float("nan"), [TEXT]))
+
+
+def test_every_rekeyer_counter_is_a_reported_field() -> None:
+    names = {f.name for f in dataclasses.fields(SubscriberStats)}
+    counted = {
+        "clears", "blocks_stored", "blocks_removed", "chunks_stored", "chunks_removed",
+        "unknown_parents", "unknown_removed_blocks", "unindexable_chunks",
+        "other_group_blocks", "evicted_blocks",
+    }  # fmt: skip
+    assert counted <= names
+    rekeyer, directory = fed(chunk_size=16, max_blocks=3)
+    apply(rekeyer, directory, "p", "m", batch(TEXT, BlockRemoved([b"?" * 32])))
+    apply(rekeyer, directory, "p", "m", batch(TEXT_MORE, BlockRemoved([HASHES[3]])))
+    apply(rekeyer, directory, "p", "m", batch(msgspec.structs.replace(TEXT, group_idx=3)))
+    apply(rekeyer, directory, "p", "m", batch(AllBlocksCleared()))
+    assert set(rekeyer.counts) <= names

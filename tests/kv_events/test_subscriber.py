@@ -33,16 +33,16 @@ def removed(*hashes: bytes) -> bytes:
 def test_a_live_stream_in_both_encodings(engine: FakeEngine) -> None:
     s = Subscribed([engine.endpoint], [None])
     try:
-        engine.send_until(0, golden("current-stored"), lambda: s.sub.stats()["batches"] == 1)
+        engine.send_until(0, golden("current-stored"), lambda: s.sub.stats().batches == 1)
         assert holders(s) == {("pod-a", "gpu"): 2}  # blocks 2-3 (LoRA + image): un-indexable
         engine.send(1, golden("legacy-array-cleared"))
         assert wait_for(lambda: holders(s) == {})
         engine.send(2, golden("legacy-array-int-hashes"))
         assert wait_for(lambda: holders(s) == {("pod-a", "gpu"): 2})
         engine.send(3, golden("current-removed"))  # block 3: never stored since the clear
-        assert wait_for(lambda: s.sub.stats()["batches"] == 4)
+        assert wait_for(lambda: s.sub.stats().batches == 4)
         stats = s.sub.stats()
-        assert (stats["unknown_removed_blocks"], stats["clears"], stats["gaps"]) == (1, 1, 0)
+        assert (stats.unknown_removed_blocks, stats.clears, stats.gaps) == (1, 1, 0)
         cursor = s.directory.gap_state("pod-a")
         assert cursor is not None and cursor.gaps == 0
     finally:
@@ -52,10 +52,10 @@ def test_a_live_stream_in_both_encodings(engine: FakeEngine) -> None:
 def test_a_gap_without_replay_is_visible_at_the_gate(engine: FakeEngine) -> None:
     s = Subscribed([engine.endpoint], [None])
     try:
-        engine.send_until(0, golden("current-stored"), lambda: s.sub.stats()["batches"] == 1)
+        engine.send_until(0, golden("current-stored"), lambda: s.sub.stats().batches == 1)
         engine.send(5, removed(HASHES[1]))
-        assert wait_for(lambda: s.sub.stats()["batches"] == 2)
-        assert (s.sub.stats()["gaps"], s.sub.stats()["missing_batches"]) == (1, 4)
+        assert wait_for(lambda: s.sub.stats().batches == 2)
+        assert (s.sub.stats().gaps, s.sub.stats().missing_batches) == (1, 4)
         cursor = s.directory.gap_state("pod-a")
         assert cursor is not None and (cursor.gaps, cursor.missing_batches) == (1, 4)
         assert holders(s) == {("pod-a", "gpu"): 1}
@@ -66,12 +66,12 @@ def test_a_gap_without_replay_is_visible_at_the_gate(engine: FakeEngine) -> None
 def test_a_gap_is_recovered_through_replay(engine: FakeEngine) -> None:
     s = Subscribed([engine.endpoint], [engine.replay_endpoint])
     try:
-        engine.send_until(0, golden("current-stored"), lambda: s.sub.stats()["batches"] == 1)
+        engine.send_until(0, golden("current-stored"), lambda: s.sub.stats().batches == 1)
         engine.record(1, removed(HASHES[1]))  # lost on the way: only the ring has it
         engine.send(2, removed(b"\x01" * 32))
-        assert wait_for(lambda: s.sub.stats()["batches"] == 3)
+        assert wait_for(lambda: s.sub.stats().batches == 3)
         stats = s.sub.stats()
-        assert (stats["gaps"], stats["replayed_batches"], stats["replay_failures"]) == (0, 1, 0)
+        assert (stats.gaps, stats.replayed_batches, stats.replay_failures) == (0, 1, 0)
         assert engine.requests == [1]
         assert holders(s) == {("pod-a", "gpu"): 1}  # the replayed removal was applied
         cursor = s.directory.gap_state("pod-a")
@@ -85,9 +85,9 @@ def test_a_late_join_catches_up_through_replay(engine: FakeEngine) -> None:
     engine.record(1, removed(HASHES[1]))
     s = Subscribed([engine.endpoint], [engine.replay_endpoint])
     try:
-        engine.send_until(2, removed(b"\x01" * 32), lambda: s.sub.stats()["batches"] == 3)
+        engine.send_until(2, removed(b"\x01" * 32), lambda: s.sub.stats().batches == 3)
         assert holders(s) == {("pod-a", "gpu"): 1}
-        assert s.sub.stats()["gaps"] == 0 and s.sub.stats()["replayed_batches"] == 2
+        assert s.sub.stats().gaps == 0 and s.sub.stats().replayed_batches == 2
     finally:
         s.close()
 
@@ -95,14 +95,14 @@ def test_a_late_join_catches_up_through_replay(engine: FakeEngine) -> None:
 def test_an_engine_restart_fences_what_it_held(engine: FakeEngine) -> None:
     s = Subscribed([engine.endpoint], [None])
     try:
-        engine.send_until(0, golden("current-stored"), lambda: s.sub.stats()["batches"] == 1)
+        engine.send_until(0, golden("current-stored"), lambda: s.sub.stats().batches == 1)
         engine.send(1, removed(b"\x01" * 32))
-        assert wait_for(lambda: s.sub.stats()["batches"] == 2)
+        assert wait_for(lambda: s.sub.stats().batches == 2)
         raw = msgspec.msgpack.decode(golden("current-int-hashes"))
         raw["events"][0]["token_ids"] = [7] * 32
         engine.send(0, msgspec.msgpack.encode(raw))  # seq back to 0: a new engine process
-        assert wait_for(lambda: s.sub.stats()["batches"] == 3)
-        assert s.sub.stats()["engine_restarts"] == 1
+        assert wait_for(lambda: s.sub.stats().batches == 3)
+        assert s.sub.stats().engine_restarts == 1
         assert holders(s) == {}
         assert s.directory.stats().keys == 2
     finally:
@@ -121,7 +121,7 @@ def test_bad_input_is_counted_and_the_subscriber_goes_on(engine: FakeEngine) -> 
     unknown = {"ts": 1.0, "events": [{"type": "BlockTeleported"}]}
     rank = {"ts": 1.0, "events": [], "data_parallel_rank": 1 << 40}
     try:
-        engine.send_until(0, b"\xc1\xc1", lambda: s.sub.stats()["rejected_malformed"] >= 1)
+        engine.send_until(0, b"\xc1\xc1", lambda: s.sub.stats().rejected_malformed >= 1)
         t = b"kv@pod-a@llama"
         engine.pub.send_multipart([t, b"\x00" * 8])  # two frames
         engine.pub.send_multipart([t, b"\x00" * 8, b"x", b"y"])  # four frames
@@ -132,13 +132,13 @@ def test_bad_input_is_counted_and_the_subscriber_goes_on(engine: FakeEngine) -> 
         for seq, body in enumerate((unknown, flood, huge, out_of_range, rank), start=1):
             engine.send(seq, msgspec.msgpack.encode(body))
         engine.send(9, golden("current-stored"))
-        assert wait_for(lambda: s.sub.stats()["batches"] == 1)
+        assert wait_for(lambda: s.sub.stats().batches == 1)
         stats = s.sub.stats()
         want = {"rejected_malformed": 1, "rejected_frames": 3, "rejected_topic": 1,
                 "rejected_unknown_event": 1, "rejected_too_many_blocks": 1,
                 "rejected_block_size": 1, "rejected_token_range": 1, "rejected_invalid": 1,
                 "errors": 0}  # fmt: skip
-        assert {k: stats[k] for k in want} == want
+        assert {k: getattr(stats, k) for k in want} == want
         assert holders(s) == {("pod-a", "gpu"): 2}
         assert s.thread.is_alive()
     finally:

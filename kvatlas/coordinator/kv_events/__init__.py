@@ -14,24 +14,26 @@ from kvatlas.coordinator.kv_events.rekey import (
     Rekeyer,
     engine_tier,
 )
+from kvatlas.coordinator.kv_events.stats import KvEventsStats, PublisherStats, SubscriberStats
 from kvatlas.coordinator.kv_events.subscriber import (
-    COUNTERS,
     KvEventsSubscriber,
     SubscriberSettings,
     engine_instance,
 )
 
 __all__ = [
-    "COUNTERS",
     "CPU_TIER",
     "ENGINE_BACKEND",
     "GPU_TIER",
     "BadBatch",
     "Cleared",
     "KvEventsPublisher",
+    "KvEventsStats",
     "KvEventsSubscriber",
+    "PublisherStats",
     "Rekeyer",
     "SubscriberSettings",
+    "SubscriberStats",
     "engine_instance",
     "engine_tier",
     "node_topic",

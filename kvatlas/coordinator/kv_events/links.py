@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.kv_events.publisher import KvEventsPublisher
+from kvatlas.coordinator.kv_events.stats import KvEventsStats
 from kvatlas.coordinator.kv_events.subscriber import (
     Ingest,
     KvEventsSubscriber,
@@ -79,11 +80,11 @@ class KvEventsLinks:
             threads.append(("kv-events-in", self.subscriber.run))
         return threads
 
-    def stats(self) -> dict[str, dict[str, int]] | None:
+    def stats(self) -> KvEventsStats | None:
         """The counters of each link that runs; ``None`` when neither does."""
-        out: dict[str, dict[str, int]] = {}
-        if self.subscriber is not None:
-            out["subscriber"] = self.subscriber.stats()
-        if self.publisher is not None:
-            out["publisher"] = self.publisher.stats()
-        return out or None
+        if self.subscriber is None and self.publisher is None:
+            return None
+        return KvEventsStats(
+            None if self.subscriber is None else self.subscriber.stats(),
+            None if self.publisher is None else self.publisher.stats(),
+        )

@@ -27,6 +27,7 @@ from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
+from kvatlas.coordinator.kv_events.stats import PublisherStats, view, zeroed
 from kvatlas.events import DELETE, STORE, EventBatch
 from kvatlas.events.vllm_wire import (
     REPLAY_END_SEQ,
@@ -47,8 +48,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NODE_TIERS: Final = ("l1", "l2")
-PUBLISHER_COUNTERS: Final = ("messages", "blocks_stored", "blocks_removed", "clears",
-                             "replay_requests", "replayed_messages", "errors")  # fmt: skip
 
 
 def node_topic(instance_id: str, model: str, backend: str, shared: bool) -> str:
@@ -64,8 +63,12 @@ class _Fence:
     instance_id: str
 
 
-_RESYNC: Final = object()  # publish every node placement (at start)
-_Item = EventBatch | _Fence | object
+@dataclass(frozen=True, slots=True)
+class _Resync:
+    """Publish every node placement (once, at start)."""
+
+
+_Item = EventBatch | _Fence | _Resync
 
 
 class KvEventsPublisher:
@@ -86,7 +89,7 @@ class KvEventsPublisher:
         self._ring: deque[tuple[int, bytes]] = deque(maxlen=replay_size)
         self._seq = 0
         self._models: defaultdict[str, set[str]] = defaultdict(set)  # instance -> its topics
-        self.counts: Counter[str] = Counter(dict.fromkeys(PUBLISHER_COUNTERS, 0))
+        self.counts: Counter[str] = zeroed(PublisherStats)
         self._ctx: Any = None
         self._pub: Any = None
         self._router: Any = None
@@ -103,11 +106,8 @@ class KvEventsPublisher:
     def fenced(self, instance_id: str) -> None:
         self._queue.put(_Fence(instance_id))
 
-    def stats(self) -> dict[str, int]:
-        out = {name: self.counts[name] for name in PUBLISHER_COUNTERS}
-        out["seq"] = self._seq
-        out["queued"] = self._queue.qsize()
-        return out
+    def stats(self) -> PublisherStats:
+        return view(PublisherStats, self.counts, seq=self._seq, queued=self._queue.qsize())
 
     # ------------------------------------------------------------------ sockets and loop
 
@@ -127,7 +127,7 @@ class KvEventsPublisher:
         except zmq.ZMQError:
             self._close()
             raise
-        self._queue.put(_RESYNC)
+        self._queue.put(_Resync())
 
     def run(self) -> None:
         try:

@@ -23,7 +23,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import msgspec
 import numpy as np
@@ -118,18 +118,27 @@ class EngineState:
     blocks: OrderedDict[BlockHash, _Block] = field(default_factory=OrderedDict)
 
 
+class _Change(NamedTuple):
+    """Entries of one kind (store / delete) for one engine tier, becoming one batch."""
+
+    instance_id: str
+    kind: str
+    tier: str
+    entries: list[CacheEntry]
+
+
 @dataclass(slots=True)
 class _Pending:
     """Ops collected while translating one batch (adjacent same-kind changes merged)."""
 
-    ops: list[tuple[str, str, str, list[CacheEntry]] | Cleared] = field(default_factory=list)
+    ops: list[_Change | Cleared] = field(default_factory=list)
 
     def add(self, instance_id: str, kind: str, tier: str, entry: CacheEntry) -> None:
         last = self.ops[-1] if self.ops else None
-        if isinstance(last, tuple) and last[:3] == (instance_id, kind, tier):
-            last[3].append(entry)
+        if isinstance(last, _Change) and last[:3] == (instance_id, kind, tier):
+            last.entries.append(entry)
         else:
-            self.ops.append((instance_id, kind, tier, [entry]))
+            self.ops.append(_Change(instance_id, kind, tier, [entry]))
 
 
 def _identity(value: Any) -> str:

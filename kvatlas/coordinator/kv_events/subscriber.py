@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from kvatlas.coordinator.kv_events.rekey import BadBatch, Cleared, Rekeyer
+from kvatlas.coordinator.kv_events.stats import REJECT_KINDS, SubscriberStats, view, zeroed
 from kvatlas.events import EventBatch
 from kvatlas.events.vllm_wire import (
     REPLAY_END_SEQ,
@@ -37,19 +38,6 @@ if TYPE_CHECKING:
     import zmq
 
 log = logging.getLogger(__name__)
-
-REJECT_KINDS: Final = (
-    "frames", "topic", "malformed", "unknown_event", "invalid", "block_size", "token_range",
-    "too_many_blocks",
-)  # fmt: skip
-COUNTERS: Final = (
-    "batches", "duplicates", "engine_restarts", "gaps", "missing_batches", "replayed_batches",
-    "replay_failures", "clears", "blocks_stored", "blocks_removed", "chunks_stored",
-    "chunks_removed", "unknown_parents", "unknown_removed_blocks", "unindexable_chunks",
-    "other_group_blocks", "evicted_blocks", "errors",
-    *(f"rejected_{kind}" for kind in REJECT_KINDS),
-)  # fmt: skip
-"""Every counter, created at zero (``/metrics`` and ``/healthz`` show them all)."""
 
 MAX_DP_RANK: Final = 1 << 16
 Ingest = Callable[[Sequence[EventBatch]], object]
@@ -100,20 +88,19 @@ class KvEventsSubscriber:
         self._links = [
             _Link(e, r) for e, r in zip(settings.endpoints, settings.replay_endpoints, strict=True)
         ]
-        self.counts: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
+        self.counts: Counter[str] = zeroed(SubscriberStats)
         self._ctx: zmq.Context[Any] | None = None
         self._poller: zmq.Poller | None = None
         self._socks: dict[Any, _Link] = {}
 
     # ------------------------------------------------------------------ reporting
 
-    def stats(self) -> dict[str, int]:
-        """Every counter (by name, in a fixed order), plus engines and tracked blocks."""
-        counts = self.rekeyer.counts
-        out = {name: self.counts[name] + counts[name] for name in COUNTERS}
-        out["engines"] = len(self.rekeyer.engines)
-        out["tracked_blocks"] = self.rekeyer.total_blocks
-        return out
+    def stats(self) -> SubscriberStats:
+        rekeyer = self.rekeyer
+        return view(
+            SubscriberStats, self.counts, rekeyer.counts,
+            engines=len(rekeyer.engines), tracked_blocks=rekeyer.total_blocks,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ the loop
 
@@ -259,6 +246,7 @@ class KvEventsSubscriber:
             self._ingest(run)
 
     def _reject(self, kind: str, message: str) -> None:
+        assert kind in REJECT_KINDS, kind
         self.counts[f"rejected_{kind}"] += 1
         log.warning("kv events: rejected (%s): %s", kind, message)
 
