@@ -39,7 +39,7 @@ from kvatlas.events.vllm_wire import (
 from kvatlas.keys import NONE_HASH, KeyScheme, MMItem, ObjectKey, pack_kv_rank
 from kvatlas.keys.chunk_hash import chain_hashes
 from kvatlas.keys.extra_keys import x1_chunk_suffix_fn
-from kvatlas.keys.tokens import tokens_be_bytes
+from kvatlas.keys.tokens import TokenArray, tokens_be_bytes
 
 GPU_TIER: Final = "gpu"
 CPU_TIER: Final = "engine-cpu"
@@ -141,6 +141,17 @@ class _Pending:
             self.ops.append(_Change(instance_id, kind, tier, [entry]))
 
 
+def _token_array(token_ids: list[int], i: int) -> TokenArray:
+    """``token_ids`` as uint32, or :class:`BadBatch` (``token_range``) if any is outside."""
+    try:
+        arr = np.asarray(token_ids)
+    except (OverflowError, ValueError):
+        arr = np.asarray([-1])
+    if arr.dtype.kind not in "iu" or (len(arr) and (arr.min() < 0 or arr.max() > _MAX_TOKEN)):
+        raise BadBatch("token_range", f"events[{i}]: token id outside [0, 2^32)")
+    return arr.astype(np.uint32)
+
+
 def _identity(value: Any) -> str:
     """One extra key as an item identifier: a string as it is, anything else (any value
     msgpack decodes to) as ``m:`` + the hex of its msgpack encoding."""
@@ -191,12 +202,12 @@ class Rekeyer:
     def translate(self, instance_id: str, model: str, batch: KVEventBatch) -> list[Op]:
         """The ops one engine batch means, in order; :class:`BadBatch` (nothing changed) if
         any event of it is invalid."""
-        self._validate(batch)
+        tokens = self._validate(batch)
         state = self.engine(instance_id)
         pending = _Pending()
-        for event in batch.events:
+        for i, event in enumerate(batch.events):
             if isinstance(event, BlockStored):
-                self._stored(state, model, event, pending)
+                self._stored(state, model, event, tokens[i], pending)
             elif isinstance(event, BlockRemoved):
                 self._removed(state, event, pending)
             else:
@@ -205,7 +216,9 @@ class Rekeyer:
                 self.counts["clears"] += 1
         return list(self._batches(pending, batch.ts))
 
-    def _validate(self, batch: KVEventBatch) -> None:
+    def _validate(self, batch: KVEventBatch) -> dict[int, TokenArray]:
+        """Check everything that could fail later; returns each stored event's token ids."""
+        tokens: dict[int, TokenArray] = {}
         if not math.isfinite(batch.ts):
             raise BadBatch("invalid", f"ts must be a finite number, got {batch.ts}")
         chunk_size, blocks = self.chunk_size, 0
@@ -232,16 +245,21 @@ class Rekeyer:
             if event.extra_keys is not None and len(event.extra_keys) != n:
                 raise BadBatch("invalid", f"events[{i}]: extra_keys for {len(event.extra_keys)}"
                                f" of {n} blocks")  # fmt: skip
-            if min(event.token_ids) < 0 or max(event.token_ids) > _MAX_TOKEN:
-                raise BadBatch("token_range", f"events[{i}]: token id outside [0, 2^32)")
+            tokens[i] = _token_array(event.token_ids, i)
         if blocks > self.max_blocks:
             raise BadBatch(
                 "too_many_blocks", f"{blocks} blocks in one batch (--kv-events-max-blocks "
                 f"{self.max_blocks})"
             )  # fmt: skip
+        return tokens
 
     def _stored(
-        self, state: EngineState, model: str, event: BlockStored, pending: _Pending
+        self,
+        state: EngineState,
+        model: str,
+        event: BlockStored,
+        tokens: TokenArray,
+        pending: _Pending,
     ) -> None:
         if event.group_idx not in (None, 0):
             self.counts["other_group_blocks"] += len(event.block_hashes)
@@ -257,7 +275,6 @@ class Rekeyer:
             point = parent.point
         tier = engine_tier(event.medium)
         size = event.block_size
-        tokens = np.asarray(event.token_ids, dtype=np.uint32)
         lora = event.lora_name if event.lora_name is not None else event.lora_id
         extras = event.extra_keys or [None] * len(event.block_hashes)
         packed = tokens_be_bytes(tokens)
