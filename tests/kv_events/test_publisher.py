@@ -149,3 +149,35 @@ def test_placements_restored_before_start_are_published_once() -> None:
         stop.set()
         thread.join(timeout=5)
         ctx.term()
+
+
+def test_random_node_traffic_keeps_the_router_view_exact(published: Published) -> None:
+    """Seeded random stores, deletes (own, shared), fences, restarts and deregistrations:
+    after each burst the router's view equals the directory's node placements."""
+    p = published
+    rng = np.random.default_rng(7)
+    view = p.router()
+    incarnations = {"n1": 1, "n2": 1, "n3": 1}
+    for burst in range(6):
+        for _ in range(40):
+            inst = str(rng.choice(list(incarnations)))
+            roll = rng.random()
+            if roll < 0.05:
+                p.directory.fence_instance(inst)
+                continue
+            if roll < 0.08:
+                p.directory.deregister(inst)
+                p.seqs.pop(inst, None)
+                continue
+            if roll < 0.11:
+                incarnations[inst] += 1
+                p.seqs[inst] = 0
+            kind = "delete" if rng.random() < 0.35 else "store"
+            tier, backend, shared = [("l1", "dram", False), ("l2", "disk", False),
+                                     ("l2", "s3", True)][int(rng.integers(0, 3))]  # fmt: skip
+            picked = [entry(int(i), str(rng.choice(["m", "m2"])))
+                      for i in rng.choice(8, int(rng.integers(1, 4)), replace=False)]  # fmt: skip
+            p.emit(inst, kind, tier, backend, picked, shared=shared,
+                   incarnation=incarnations[inst])  # fmt: skip
+        assert sees(view, p.directory), f"burst {burst}"
+    view.close()
