@@ -115,11 +115,13 @@ class Subscribed:
     """A subscriber thread feeding a directory through the coordinator's two calls."""
 
     def __init__(self, endpoints: list[str], replay: list[str | None], chunk_size: int = 16,
-                 scheme: str = "blake3", max_blocks: int = 1000) -> None:  # fmt: skip
+                 scheme: str = "blake3", max_blocks: int = 1000,
+                 replay_timeout: float = 2.0) -> None:  # fmt: skip
         _, self.directory = fed(scheme, chunk_size)
         directory = self.directory
         self.stop = threading.Event()
-        settings = SubscriberSettings(tuple(endpoints), tuple(replay), max_blocks=max_blocks)
+        settings = SubscriberSettings(tuple(endpoints), tuple(replay), max_blocks=max_blocks,
+                                      replay_timeout=replay_timeout)  # fmt: skip
         self.sub = KvEventsSubscriber(
             settings, KeyScheme(scheme, chunk_size),
             ingest=lambda batches: [directory.consume(b) for b in batches],

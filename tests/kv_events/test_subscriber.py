@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
+from kvatlas.coordinator.server import free_port
 from kvatlas.events.vllm_wire import BlockRemoved, KVEventBatch, encode_batch
 from tests.conftest import wait_for
 from tests.kv_events.helpers import HASHES, TOKENS, FakeEngine, Subscribed, golden
@@ -141,5 +142,26 @@ def test_bad_input_is_counted_and_the_subscriber_goes_on(engine: FakeEngine) -> 
         assert {k: getattr(stats, k) for k in want} == want
         assert holders(s) == {("pod-a", "gpu"): 2}
         assert s.thread.is_alive()
+    finally:
+        s.close()
+
+
+def test_a_dead_replay_endpoint_leaves_a_visible_gap_and_is_not_asked_again_at_once(
+    engine: FakeEngine,
+) -> None:
+    dead = f"tcp://127.0.0.1:{free_port()}"  # nothing listens: no answer
+    s = Subscribed([engine.endpoint], [dead], replay_timeout=0.2)
+    try:
+        engine.send_until(0, golden("current-stored"), lambda: s.sub.stats().batches == 1)
+        stats = s.sub.stats()
+        assert (stats.replay_failures, stats.gaps) == (0, 0)  # seq 0: nothing to catch up on
+        engine.send(3, removed(b"\x01" * 32))
+        assert wait_for(lambda: s.sub.stats().batches == 2)
+        engine.send(6, removed(b"\x02" * 32))
+        assert wait_for(lambda: s.sub.stats().batches == 3)
+        stats = s.sub.stats()
+        assert (stats.replay_failures, stats.gaps, stats.missing_batches) == (1, 2, 4)
+        cursor = s.directory.gap_state("pod-a")
+        assert cursor is not None and (cursor.gaps, cursor.missing_batches) == (2, 4)
     finally:
         s.close()

@@ -28,7 +28,7 @@ from typing import Any, Final, NamedTuple
 import msgspec
 import numpy as np
 
-from kvatlas.events import DELETE, STORE, CacheEntry, EventBatch
+from kvatlas.events import ACCESS, DELETE, STORE, CacheEntry, EventBatch
 from kvatlas.events.vllm_wire import (
     AllBlocksCleared,
     BlockHash,
@@ -189,9 +189,14 @@ class Rekeyer:
         state.incarnation += 1
         state.seq = 0
 
-    def skip(self, instance_id: str, missing: int) -> None:
-        """``missing`` engine batches are lost: the next batch shows the gap at the gate."""
-        self.engine(instance_id).seq += missing
+    def marker(self, instance_id: str, missing: int = 0) -> EventBatch:
+        """An empty batch that tells the gate now what happened: ``missing`` engine batches
+        lost (a gap at the gate), or (after :meth:`restart`) a new incarnation (the old one's
+        placements fenced). It changes no placement and is never re-published."""
+        state = self.engine(instance_id)
+        state.seq += missing + 1
+        return EventBatch(instance_id, state.incarnation, state.seq, ACCESS, GPU_TIER,
+                          ENGINE_BACKEND, ts=time.time())  # fmt: skip
 
     def _forget_blocks(self, state: EngineState) -> None:
         self.total_blocks -= len(state.blocks)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ class SubscriberSettings:
     default_model: str | None = None
     max_blocks: int = 500_000
     replay_timeout: float = 2.0
+    replay_backoff: float = 30.0
 
 
 def engine_instance(emitter: str, dp_rank: int | None) -> str:
@@ -68,6 +70,7 @@ class _Link:
     replay: str | None
     last_seq: int | None = None
     dealer: Any = None  # the replay socket, opened on first use
+    replay_after: float = 0.0  # monotonic time before which no replay is asked (after a failure)
 
 
 class KvEventsSubscriber:
@@ -188,7 +191,13 @@ class KvEventsSubscriber:
             self.counts["engine_restarts"] += 1
             log.warning("kv events: %s restarted (seq %d after %d)", instance, seq, last)
             self.rekeyer.restart(instance)
-        elif live and link.replay is not None and seq > (-1 if last is None else last) + 1:
+            self._ingest([self.rekeyer.marker(instance)])
+        elif (
+            live
+            and link.replay is not None
+            and seq > (-1 if last is None else last) + 1
+            and time.monotonic() >= link.replay_after
+        ):
             # Catch up first (the batches before the first one seen count as history, not gap).
             self._replay(link, topic, 0 if last is None else last + 1, seq)
         last = link.last_seq
@@ -196,7 +205,7 @@ class KvEventsSubscriber:
             missing = seq - last - 1
             self.counts["gaps"] += 1
             self.counts["missing_batches"] += missing
-            self.rekeyer.skip(instance, missing)
+            self._ingest([self.rekeyer.marker(instance, missing)])
             log.warning("kv events: %s lost %d batches (seq %d..%d)", instance, missing,
                         last + 1, seq - 1)  # fmt: skip
         link.last_seq = seq
@@ -230,7 +239,7 @@ class KvEventsSubscriber:
             ops = self.rekeyer.translate(instance, model, batch)
         except BadBatch as exc:
             self._reject(exc.kind, f"{instance}: {exc}")
-            self.rekeyer.skip(instance, 1)  # a batch lost: a gap at the gate
+            self._ingest([self.rekeyer.marker(instance, 1)])  # a batch lost: a gap at the gate
             return
         self.counts["batches"] += 1
         run: list[EventBatch] = []
@@ -281,8 +290,11 @@ class KvEventsSubscriber:
             if start <= seq < end and (link.last_seq is None or seq > link.last_seq):
                 self.counts["replayed_batches"] += 1
                 self._message(link, topic, seq, frames[1], live=False)
-        # No end marker in time: drop the socket so a late reply cannot be taken for the next.
+        # No end marker in time: drop the socket so a late reply cannot be taken for the next,
+        # and ask again only after a while (a dead replay endpoint must not stall every gap).
         self.counts["replay_failures"] += 1
-        log.warning("kv events: replay from %s timed out", link.replay)
+        log.warning("kv events: replay from %s timed out; gaps stay gaps for %.0f s",
+                    link.replay, self.settings.replay_backoff)  # fmt: skip
         dealer.close(0)
         link.dealer = None
+        link.replay_after = time.monotonic() + self.settings.replay_backoff
