@@ -165,3 +165,16 @@ def test_a_dead_replay_endpoint_leaves_a_visible_gap_and_is_not_asked_again_at_o
         assert cursor is not None and (cursor.gaps, cursor.missing_batches) == (2, 4)
     finally:
         s.close()
+
+
+def test_a_flood_of_bad_input_is_logged_sparsely(caplog: pytest.LogCaptureFixture) -> None:
+    s = Subscribed(["tcp://127.0.0.1:1"], [None])  # never delivers: messages handed in directly
+    link = s.sub._links[0]
+    try:
+        with caplog.at_level("WARNING", logger="kvatlas.coordinator.kv_events.subscriber"):
+            for seq in range(1000):
+                s.sub.handle(link, [b"kv@pod-a@llama", seq.to_bytes(8, "big"), b"\xc1"])
+        assert s.sub.stats().rejected_malformed == 1000
+        assert 10 < len(caplog.records) <= 20
+    finally:
+        s.close()

@@ -255,9 +255,14 @@ class KvEventsSubscriber:
             self._ingest(run)
 
     def _reject(self, kind: str, message: str) -> None:
+        """Count; log the first ten of a kind, then the 16th, 32nd, 64th, ... (a flood of bad
+        input must not become a flood of log lines)."""
         assert kind in REJECT_KINDS, kind
-        self.counts[f"rejected_{kind}"] += 1
-        log.warning("kv events: rejected (%s): %s", kind, message)
+        name = f"rejected_{kind}"
+        self.counts[name] += 1
+        n = self.counts[name]
+        if n <= 10 or n & (n - 1) == 0:
+            log.warning("kv events: rejected (%s, #%d): %s", kind, n, message)
 
     # ------------------------------------------------------------------ replay
 
