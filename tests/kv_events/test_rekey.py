@@ -242,3 +242,18 @@ def test_every_rekeyer_counter_is_a_reported_field() -> None:
     apply(rekeyer, directory, "p", "m", batch(msgspec.structs.replace(TEXT, group_idx=3)))
     apply(rekeyer, directory, "p", "m", batch(AllBlocksCleared()))
     assert set(rekeyer.counts) <= names
+
+
+def test_a_gpu_eviction_leaves_the_cpu_offload_copy() -> None:
+    rekeyer, directory = fed(chunk_size=32)
+    apply(rekeyer, directory, "pod-a", "llama", batch(TEXT))  # GPU
+    apply(rekeyer, directory, "pod-a", "llama", batch(msgspec.structs.replace(TEXT, medium="CPU")))
+    found = directory.lookup_tokens(TOKENS, "llama")
+    assert sorted((h.tier, h.chunks) for h in found.prefix) == [("engine-cpu", 1), ("gpu", 1)]
+    apply(rekeyer, directory, "pod-a", "llama", batch(BlockRemoved([HASHES[0]], "GPU")))
+    assert holders(directory, TOKENS) == {("pod-a", "engine-cpu"): 1}
+    apply(rekeyer, directory, "pod-a", "llama", batch(BlockRemoved([HASHES[0]], "GPU")))  # again
+    assert rekeyer.counts["unknown_removed_blocks"] == 1
+    apply(rekeyer, directory, "pod-a", "llama", batch(BlockRemoved([HASHES[1]], "CPU")))
+    assert holders(directory, TOKENS) == {}
+    assert rekeyer.total_blocks == 2  # block 0 still on CPU, block 1 still on GPU

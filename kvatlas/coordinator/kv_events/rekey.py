@@ -104,10 +104,11 @@ START: Final = ChainPoint(NONE_HASH, 0, 0, None, None, b"", (), None, True, True
 @dataclass(slots=True)
 class _Block:
     point: ChainPoint
-    tier: str
-    # The chunks holding this block, once keyed: one per continuation (requests that share a
-    # block inside a chunk and then diverge make two chunks, both gone with the block).
-    keys: tuple[ObjectKey, ...] = ()
+    tiers: set[str]  # where the engine holds it (GPU, and maybe its CPU offload too)
+    # The chunks holding this block, each with the tier it was placed in: one per
+    # continuation (requests that share a block inside a chunk and then diverge make two
+    # chunks, both gone with the block) and per tier.
+    keys: tuple[tuple[ObjectKey, str], ...] = ()
 
 
 @dataclass(slots=True)
@@ -288,18 +289,18 @@ class Rekeyer:
             before = point
             own = packed[i * step : (i + 1) * step]
             point, chunk = self._advance(point, h, own, extras[i], lora)
-            block = _Block(point, tier)
-            self._remember(state, h, block, pending)
+            self._remember(state, h, point, tier, pending)
             self.counts["blocks_stored"] += 1
             if chunk is None:  # the chunk is still partial
                 continue
             key = self._key(point, model)
             if key is None:
                 continue
+            placed = (key, tier)
             for b in (*before.partial(), point):
                 held = state.blocks.get(b.block) if b.block is not None else None
-                if held is not None and key not in held.keys:
-                    held.keys += (key,)
+                if held is not None and placed not in held.keys:
+                    held.keys += (placed,)
             tokens_of = np.frombuffer(chunk, dtype=">u4").astype(np.uint32) if point.plain else None
             offset = (point.n_chunks - 1) * self.chunk_size
             pending.add(state.instance_id, STORE, tier, CacheEntry(key, 0, tokens_of, offset))
@@ -342,12 +343,15 @@ class Rekeyer:
             return None
         return ObjectKey(point.prev, model, ENGINE_RANK)
 
-    def _remember(self, state: EngineState, h: BlockHash, block: _Block, pending: _Pending) -> None:
-        old = state.blocks.pop(h, None)
-        if old is None:
+    def _remember(
+        self, state: EngineState, h: BlockHash, point: ChainPoint, tier: str, pending: _Pending
+    ) -> None:
+        block = state.blocks.pop(h, None)
+        if block is None:
             self.total_blocks += 1
-        else:  # stored again: same hash, same prefix, so the same chunks hold it
-            block.keys = old.keys
+            block = _Block(point, {tier})
+        else:  # stored again (same hash: same prefix, same chunks), maybe in another medium
+            block.tiers.add(tier)
         state.blocks[h] = block
         while self.total_blocks > self.max_blocks:
             self._evict_one(state, pending)
@@ -359,21 +363,29 @@ class Rekeyer:
         _, block = victim.blocks.popitem(last=False)
         self.total_blocks -= 1
         self.counts["evicted_blocks"] += 1
-        for key in block.keys:
-            pending.add(victim.instance_id, DELETE, block.tier, CacheEntry(key))
+        for key, tier in block.keys:
+            pending.add(victim.instance_id, DELETE, tier, CacheEntry(key))
 
     def _removed(self, state: EngineState, event: BlockRemoved, pending: _Pending) -> None:
         tier = engine_tier(event.medium)
         for h in event.block_hashes:
             block = state.blocks.get(h)
-            if block is None:
+            if block is None or tier not in block.tiers:
                 self.counts["unknown_removed_blocks"] += 1
                 continue
             self.counts["blocks_removed"] += 1
-            for key in block.keys:
-                pending.add(state.instance_id, DELETE, tier, CacheEntry(key))
-                self.counts["chunks_removed"] += 1
-            if block.tier == tier:
+            # The chunks placed in this tier are incomplete there now; copies in another tier
+            # (the CPU offload of an evicted GPU block) stay.
+            kept = []
+            for key, placed_in in block.keys:
+                if placed_in == tier:
+                    pending.add(state.instance_id, DELETE, tier, CacheEntry(key))
+                    self.counts["chunks_removed"] += 1
+                else:
+                    kept.append((key, placed_in))
+            block.keys = tuple(kept)
+            block.tiers.discard(tier)
+            if not block.tiers:
                 del state.blocks[h]
                 self.total_blocks -= 1
 
