@@ -14,6 +14,7 @@ from pathlib import Path
 
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args
 from kvatlas.events import EVENT_TRANSPORTS
+from kvatlas.events.vllm_wire import ENCODINGS
 from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme, check_model_name
 
 DEFAULT_PORT = 9300
@@ -47,6 +48,7 @@ class CoordinatorConfig:
     kv_events_publish: str | None = None
     kv_events_replay_bind: str | None = None
     kv_events_replay_size: int = 10_000
+    kv_events_publish_encoding: str = "map"
 
     def __post_init__(self) -> None:
         KeyScheme(self.hash_scheme, self.chunk_size)  # validates both
@@ -81,6 +83,8 @@ class CoordinatorConfig:
             raise ValueError("--kv-events-replay-bind needs --kv-events-publish")
         if self.kv_events_model is not None:
             check_model_name(self.kv_events_model)
+        if self.kv_events_publish_encoding not in ENCODINGS:
+            raise ValueError(f"--kv-events-publish-encoding must be one of {', '.join(ENCODINGS)}")
 
     @property
     def kv_events_endpoints(self) -> tuple[str, ...]:
@@ -136,6 +140,8 @@ _HELP = {
     "e.g. tcp://*:5560",
     "kv_events_replay_bind": "replay (ROUTER) endpoint for the published events",
     "kv_events_replay_size": "published messages kept for replay",
+    "kv_events_publish_encoding": "map (current vLLM: maps with a type tag) or array (structs as "
+    "arrays, for routers decoding vLLM's array_like structs)",
 }
 
 

@@ -90,6 +90,21 @@ class _ArrayKVEventBatch(msgspec.Struct, array_like=True):
     data_parallel_rank: int | None = None
 
 
+class _ArrayTopicBatch(_ArrayKVEventBatch):
+    kvatlas_topic: str = ""
+
+
+_TO_ARRAY: Final[dict[type, type]] = {
+    BlockStored: _ArrayBlockStored,
+    BlockRemoved: _ArrayBlockRemoved,
+    AllBlocksCleared: _ArrayAllBlocksCleared,
+}
+_FROM_ARRAY: Final[dict[type, type]] = {v: k for k, v in _TO_ARRAY.items()}
+ENCODINGS: Final = ("map", "array")
+"""``map``: current vLLM per the spec (structs as maps, ``type`` tag); ``array``: structs as
+arrays ``[tag, field, ...]`` (what vLLM's ``array_like`` structs and their decoders use)."""
+
+
 _MAP_DECODER: Final = msgspec.msgpack.Decoder(KVEventBatch)
 _ARRAY_DECODER: Final = msgspec.msgpack.Decoder(_ArrayKVEventBatch)
 _RAW_DECODER: Final = msgspec.msgpack.Decoder()
@@ -147,9 +162,27 @@ def _unknown_tag_or(payload: bytes, array: bool, kind: str = "invalid") -> str:
     return kind
 
 
-def encode_batch(batch: KVEventBatch) -> bytes:
-    """The current encoding (maps with a ``type`` tag)."""
-    return _ENCODER.encode(batch)
+def _as_layout(event: KVEvent, array: bool) -> KVEvent:
+    """The same event in the array or the map layout (decoded events keep their wire's)."""
+    table = _TO_ARRAY if array else _FROM_ARRAY
+    cls = table.get(type(event))
+    return event if cls is None else cls(**msgspec.structs.asdict(event))
+
+
+def encode_batch(batch: KVEventBatch, encoding: str = "map") -> bytes:
+    """The current encoding (maps with a ``type`` tag), or ``array``; a :class:`TopicBatch`
+    keeps its topic (the array encoding as a trailing element, ignored by decoders)."""
+    if encoding not in ENCODINGS:
+        raise ValueError(f"encoding must be one of {ENCODINGS}, got {encoding!r}")
+    array = encoding == "array"
+    events: list[Any] = [_as_layout(e, array) for e in batch.events]
+    if not array:
+        return _ENCODER.encode(msgspec.structs.replace(batch, events=events))
+    if isinstance(batch, TopicBatch):
+        return _ENCODER.encode(
+            _ArrayTopicBatch(batch.ts, events, batch.data_parallel_rank, batch.kvatlas_topic)
+        )
+    return _ENCODER.encode(_ArrayKVEventBatch(batch.ts, events, batch.data_parallel_rank))
 
 
 def pack_seq(seq: int) -> bytes:
@@ -176,6 +209,7 @@ def split_topic(topic: str) -> tuple[str, str | None]:
 
 
 __all__ = [
+    "ENCODINGS",
     "EVENT_TAGS",
     "REPLAY_END_SEQ",
     "AllBlocksCleared",

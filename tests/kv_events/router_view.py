@@ -13,6 +13,20 @@ import zmq
 State = dict[str, dict[str, set[bytes]]]  # topic -> medium -> block hashes
 
 
+_ARRAY_FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                    "medium", "lora_name"),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}  # fmt: skip
+
+
+def _event_map(event: list[Any]) -> dict[str, Any]:
+    """An array-encoded event (``[tag, field, ...]``) as the map a router's code reads."""
+    names = _ARRAY_FIELDS[event[0]]
+    return {"type": event[0], **dict(zip(names, event[1:], strict=False))}
+
+
 class RouterView:
     def __init__(self, ctx: zmq.Context[Any], endpoint: str, replay: str | None) -> None:
         self.sub = ctx.socket(zmq.SUB)
@@ -31,6 +45,7 @@ class RouterView:
         )
         self.token_ids: dict[bytes, list[int]] = {}
         self.block_sizes: set[int] = set()
+        self.encodings: set[str] = set()
 
     def replay(self) -> None:
         """Ask for everything from the next seq this view needs."""
@@ -59,6 +74,11 @@ class RouterView:
 
     def _apply(self, topic: str, payload: bytes) -> None:
         batch = msgspec.msgpack.decode(payload)
+        if isinstance(batch, list):  # the array encoding: [ts, events, dp rank, topic]
+            self.encodings.add("array")
+            batch = {"events": [_event_map(e) for e in batch[1]], "kvatlas_topic": batch[3]}
+        else:
+            self.encodings.add("map")
         topic = topic or batch["kvatlas_topic"]  # a replayed message: its payload names it
         for event in batch["events"]:
             kind = event["type"]

@@ -27,6 +27,7 @@ def test_endpoints_are_split_and_replay_is_paired_by_position() -> None:
         (["--kv-events-max-blocks", "0"], "--kv-events-max-blocks"),
         (["--kv-events-replay-size", "0"], "--kv-events-replay-size"),
         (["--kv-events-model", "a@b"], "@"),
+        (["--kv-events-publish-encoding", "json"], "--kv-events-publish-encoding"),
     ],
 )  # fmt: skip
 def test_bad_flags_are_refused(argv: list[str], message: str) -> None:

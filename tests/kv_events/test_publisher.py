@@ -44,17 +44,20 @@ def expected(directory: KeyDirectory) -> State:
 
 
 class Published:
-    def __init__(self, ring: int = 10_000) -> None:
+    def __init__(self, ring: int = 10_000, encoding: str = "map") -> None:
         self.directory = KeyDirectory(C)
         self.endpoint, self.replay = free_endpoint(), free_endpoint()
         self.stop = threading.Event()
-        self.pub = KvEventsPublisher(self.endpoint, self.replay, ring, self.directory, self.stop)
+        self.pub = KvEventsPublisher(
+            self.endpoint, self.replay, ring, self.directory, self.stop, encoding
+        )
         self.directory.observer = self.pub
         self.pub.open()
         self.thread = threading.Thread(target=self.pub.run, daemon=True)
         self.thread.start()
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.seqs: dict[str, int] = {}
+        self.encoding = encoding
 
     def router(self) -> RouterView:
         view = RouterView(self.ctx, self.endpoint, self.replay)
@@ -74,9 +77,9 @@ class Published:
         self.ctx.term()
 
 
-@pytest.fixture
-def published() -> Iterator[Published]:
-    p = Published()
+@pytest.fixture(params=["map", "array"])
+def published(request: pytest.FixtureRequest) -> Iterator[Published]:
+    p = Published(encoding=request.param)
     yield p
     p.close()
 
@@ -124,6 +127,7 @@ def test_a_router_sees_exactly_the_directory_placements(published: Published) ->
     late = p.router()
     assert sees(late, p.directory)
     assert late.view() == early.view()
+    assert early.encodings == late.encodings == {p.encoding}
     early.close()
     late.close()
     assert p.pub.stats().errors == 0

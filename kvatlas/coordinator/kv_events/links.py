@@ -56,6 +56,7 @@ class KvEventsLinks:
                 config.kv_events_replay_size,
                 directory,
                 stop,
+                config.kv_events_publish_encoding,
             )
             directory.observer = publisher
         return cls(subscriber, publisher)

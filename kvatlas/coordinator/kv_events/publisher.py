@@ -79,8 +79,10 @@ class KvEventsPublisher:
         replay_size: int,
         directory: KeyDirectory,
         stop: threading.Event,
+        encoding: str = "map",
     ) -> None:
         self.endpoint = endpoint
+        self.encoding = encoding
         self.replay_endpoint = replay_endpoint
         self.chunk_size = directory.chunk_size
         self._directory = directory
@@ -166,7 +168,7 @@ class KvEventsPublisher:
     def _send(self, topic: str, events: list[KVEvent], ts: float) -> None:
         seq = self._seq
         self._seq += 1
-        payload = encode_batch(TopicBatch(ts, events, kvatlas_topic=topic))
+        payload = encode_batch(TopicBatch(ts, events, kvatlas_topic=topic), self.encoding)
         self._pub.send_multipart([topic.encode(), pack_seq(seq), payload])
         self._ring.append((seq, payload))
         self.counts["messages"] += 1
