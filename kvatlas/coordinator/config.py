@@ -18,7 +18,8 @@ from pathlib import Path
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args
 from kvatlas.coordinator.scoring import DEFAULT_FRAGMENT_WEIGHT
 from kvatlas.events import EVENT_TRANSPORTS
-from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme
+from kvatlas.events.vllm_wire import ENCODINGS
+from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme, check_model_name
 
 DEFAULT_PORT = 9300
 
@@ -68,6 +69,15 @@ class CoordinatorConfig:
     public_metrics: bool | None = None  # None: public exactly when auth is off
     public_docs: bool | None = None
     fragment_weight: float = DEFAULT_FRAGMENT_WEIGHT
+    kv_events_subscribe: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_topic_prefix: str = "kv@"
+    kv_events_model: str | None = None
+    kv_events_max_blocks: int = 500_000
+    kv_events_publish: str | None = None
+    kv_events_replay_bind: str | None = None
+    kv_events_replay_size: int = 10_000
+    kv_events_publish_encoding: str = "map"
 
     def __post_init__(self) -> None:
         KeyScheme(self.hash_scheme, self.chunk_size)  # validates both
@@ -95,6 +105,34 @@ class CoordinatorConfig:
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0")
+        self._check_kv_events()
+
+    def _check_kv_events(self) -> None:
+        for name in ("kv_events_max_blocks", "kv_events_replay_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        replay = self.kv_events_replay_endpoints
+        if replay and len(replay) != len(self.kv_events_endpoints):
+            raise ValueError(
+                "--kv-events-replay pairs one replay endpoint (or an empty one) with each "
+                "--kv-events-subscribe endpoint, by position"
+            )
+        if self.kv_events_replay_bind and not self.kv_events_publish:
+            raise ValueError("--kv-events-replay-bind needs --kv-events-publish")
+        if self.kv_events_model is not None:
+            check_model_name(self.kv_events_model)
+        if self.kv_events_publish_encoding not in ENCODINGS:
+            raise ValueError(f"--kv-events-publish-encoding must be one of {', '.join(ENCODINGS)}")
+
+    @property
+    def kv_events_endpoints(self) -> tuple[str, ...]:
+        """``--kv-events-subscribe``, split at commas."""
+        return _endpoints(self.kv_events_subscribe)
+
+    @property
+    def kv_events_replay_endpoints(self) -> tuple[str | None, ...]:
+        """``--kv-events-replay`` by position (an empty item: that publisher has none)."""
+        return tuple(e or None for e in _endpoints(self.kv_events_replay, keep_empty=True))
 
     @property
     def scheme(self) -> KeyScheme:
@@ -135,6 +173,11 @@ def default_replica_id(hostname: str, snapshot_path: Path | None) -> str:
     return f"{hostname}-{hashlib.sha256(where.encode()).hexdigest()[:12]}"
 
 
+def _endpoints(text: str | None, *, keep_empty: bool = False) -> tuple[str, ...]:
+    items = [e.strip() for e in (text or "").split(",")] if text else []
+    return tuple(e for e in items if e or keep_empty)
+
+
 _HELP = {
     "host": "bind address (loopback by default)",
     "port": "bind port",
@@ -166,6 +209,18 @@ _HELP = {
     "public_docs": "serve /docs and /openapi.json without a token (default: only when auth is off)",
     "fragment_weight": "route scoring: share at which fragment (blend) tokens count "
     "(docs/route-scoring.md)",
+    "kv_events_subscribe": "vLLM KV event publishers to subscribe to (ZMQ), e.g. "
+    "tcp://engine-a:5557,tcp://engine-b:5557",
+    "kv_events_replay": "their replay (ROUTER) endpoints, by position; an empty item: none",
+    "kv_events_topic_prefix": "topic filter for --kv-events-subscribe",
+    "kv_events_model": "model name for engine topics that carry none (kv@<engine>)",
+    "kv_events_max_blocks": "most vLLM blocks tracked (all engines); the oldest go first",
+    "kv_events_publish": "publish node placements as vLLM KV events on this ZMQ endpoint, "
+    "e.g. tcp://*:5560",
+    "kv_events_replay_bind": "replay (ROUTER) endpoint for the published events",
+    "kv_events_replay_size": "published messages kept for replay",
+    "kv_events_publish_encoding": "map (current vLLM: maps with a type tag) or array (structs as "
+    "arrays, for routers decoding vLLM's array_like structs)",
 }
 
 

@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 
 from kvatlas.checks import is_plain_int
 from kvatlas.coordinator.views import MetricsState
-from kvatlas.coordinator.wire import directory_stats_to_wire
+from kvatlas.coordinator.wire import directory_stats_to_wire, kv_events_to_wire
 from kvatlas.directory import Outcome
 
 _LATENCY_BUCKETS = (
@@ -74,6 +74,14 @@ class _StateCollector(Collector):
         for reason, value in sorted(state.mm_bypass.items()):
             bypass.add_metric([reason], value)
         yield bypass
+        kv_events = {} if state.kv_events is None else kv_events_to_wire(state.kv_events)
+        for side, counts in kv_events.items():
+            family = CounterMetricFamily(
+                f"kvatlas_kv_events_{side}", f"vLLM KV events ({side})", labels=["counter"]
+            )
+            for name, value in counts.items():
+                family.add_metric([name], value)
+            yield family
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

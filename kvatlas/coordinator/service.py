@@ -19,6 +19,7 @@ from pathlib import Path
 from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.instances import InstanceRecord, InstanceRegistry, Registration
+from kvatlas.coordinator.kv_events.links import KvEventsLinks
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.status import StatusSource
 from kvatlas.coordinator.views import (
@@ -91,6 +92,7 @@ class CoordinatorService:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.status = StatusSource(self)  # the status page, node reports, operator series
+        self.kv_events = KvEventsLinks.from_config(config, self.directory, self.ingest, self._stop)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -98,6 +100,8 @@ class CoordinatorService:
         warm_up_kernels()
         self.restore()
         self._spawn("instance-sweeper", self._sweep_loop)
+        for name, run in self.kv_events.start():
+            self._spawn(name, run)
         if self.config.snapshot_path is not None:
             self._spawn("snapshotter", self._snapshot_loop)
         if self.config.event_transport == "redis":
@@ -423,6 +427,7 @@ class CoordinatorService:
             emitters=self.emitters_view(),
             instances_alive=len(self.instances.snapshot()[1]),
             mm_bypass=dict(MM_BYPASS_GUARD.reasons),
+            kv_events=self.kv_events.stats(),
         )
 
     def health(self) -> HealthView:
@@ -436,4 +441,5 @@ class CoordinatorService:
             self.config.event_stream if redis else None,
             self.config.resolved_replica_id,
             self.config.group_name if redis else None,
+            self.kv_events.stats(),
         )

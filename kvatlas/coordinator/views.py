@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from kvatlas.coordinator.instances import Registration
 from kvatlas.directory import DirectoryStats, ModuleUsage
 from kvatlas.keys import KeyScheme
+
+if TYPE_CHECKING:  # the KV-event links load only where they run
+    from kvatlas.coordinator.kv_events.stats import KvEventsStats
 
 
 class Readiness(StrEnum):
@@ -73,6 +77,8 @@ class HealthView:
     """This replica's id (``--replica-id`` or derived; docs/coordinator.md "Replicas")."""
     consumer_group: str | None = None
     """Its Redis consumer group (the redis transport only)."""
+    kv_events: KvEventsStats | None = None
+    """vLLM KV-event counters; only when a link is configured."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +100,8 @@ class MetricsState:
     emitters: dict[str, EmitterView]
     instances_alive: int
     mm_bypass: dict[str, int]
+    kv_events: KvEventsStats | None = None
+    """As in :class:`HealthView`."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvatlas.checks import is_plain_int
 from kvatlas.coordinator.instances import Registration
@@ -36,6 +36,9 @@ from kvatlas.directory import (
     TokenLookup,
 )
 from kvatlas.keys import BlendMatch, ObjectKey
+
+if TYPE_CHECKING:
+    from kvatlas.coordinator.kv_events.stats import KvEventsStats
 
 # ---------------------------------------------------------------------------- reading helpers
 
@@ -413,7 +416,7 @@ def ingest_counts_to_wire(counts: IngestCounts) -> dict[str, Any]:
 
 
 def health_to_wire(h: HealthView) -> dict[str, Any]:
-    return {
+    out = {
         "status": "healthy",
         "state": h.state.value,
         **h.scheme.describe(),
@@ -424,6 +427,15 @@ def health_to_wire(h: HealthView) -> dict[str, Any]:
         "replica_id": h.replica_id,
         "consumer_group": h.consumer_group,
     }
+    if h.kv_events is not None:
+        out["kv_events"] = kv_events_to_wire(h.kv_events)
+    return out
+
+
+def kv_events_to_wire(stats: KvEventsStats) -> dict[str, Any]:
+    """``{"subscriber": {...}, "publisher": {...}}``, each side only when it runs."""
+    sides = {"subscriber": stats.subscriber, "publisher": stats.publisher}
+    return {name: dataclasses.asdict(side) for name, side in sides.items() if side is not None}
 
 
 def readiness_to_wire(state: Readiness) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from kvatlas.directory.key_directory import (
     IngestCounts,
     KeyDirectory,
     ModuleUsage,
+    PlacementObserver,
 )
 from kvatlas.directory.listing import page_keys
 from kvatlas.directory.records import (
@@ -55,6 +56,7 @@ __all__ = [
     "ModuleUsage",
     "Outcome",
     "Placement",
+    "PlacementObserver",
     "PrefixHolder",
     "RemoveChunkOp",
     "RemoveClaimOp",

@@ -61,7 +61,7 @@ from kvatlas.directory.records import (
 )
 from kvatlas.directory.shapes import ShapeTable
 from kvatlas.errors import Conflict
-from kvatlas.events import UNKNOWN_OFFSET, CacheEntry, EventBatch
+from kvatlas.events import UNKNOWN_OFFSET, VOLATILE_TIERS, CacheEntry, EventBatch
 from kvatlas.events.model import tokens_equal
 from kvatlas.keys import BlendNamespace, ObjectKey
 from kvatlas.keys.tokens import TokenArray
@@ -185,7 +185,7 @@ class ChunkTable:
         inst, inc, tier, backend = batch.instance_id, batch.incarnation, batch.tier, batch.backend
         shared, ts = batch.shared, batch.ts
         counts = self.counts
-        own_l1 = tier == "l1" and not shared
+        own_l1 = tier in VOLATILE_TIERS and not shared
         l1set: set[bytes] | None = None
         if own_l1:
             l1set = counts.l1_chunks.get(inst)
@@ -334,7 +334,7 @@ class ChunkTable:
     def delete(self, batch: EventBatch) -> None:
         """Apply a ``delete`` batch."""
         ident = (batch.tier, batch.backend, None if batch.shared else batch.instance_id)
-        own_l1 = batch.tier == "l1" and not batch.shared
+        own_l1 = batch.tier in VOLATILE_TIERS and not batch.shared
         for entry in batch.entries:
             found = self.locate(entry.key)
             if found is None:

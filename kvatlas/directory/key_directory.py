@@ -18,7 +18,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kvatlas.checks import is_plain_int
 from kvatlas.directory import listing
@@ -100,6 +100,15 @@ class DirectoryUsage:
     declared: frozenset[str]
 
 
+class PlacementObserver(Protocol):
+    """Told, under the directory lock and so in apply order, about every applied batch and
+    every fence (the vLLM KV-events publisher); must only queue, never block or raise."""
+
+    def applied(self, batch: EventBatch, fenced_first: bool) -> None: ...
+
+    def fenced(self, instance_id: str) -> None: ...
+
+
 class KeyDirectory:
     """ObjectKey → placements, chunk hash → token binding, fed by gated event batches."""
 
@@ -125,6 +134,7 @@ class KeyDirectory:
         self._index: BlendIndex | None = None
         self._probe_stride = 1
         self._outcomes: Counter[str] = Counter()
+        self.observer: PlacementObserver | None = None
         if enable_blend_lookup:
             self.enable_blend_lookup(chunk_size, blend_probe_stride)
 
@@ -166,6 +176,8 @@ class KeyDirectory:
                     self._apply_admitted(batch, admission)
                 finally:
                     self._flush_index()
+                if self.observer is not None:
+                    self.observer.applied(batch, admission.fence_first)
             return admission.outcome
 
     def fence_instance(self, instance_id: str) -> int:
@@ -176,6 +188,8 @@ class KeyDirectory:
                 return self._chunks.fence(instance_id)
             finally:
                 self._flush_index()
+                if self.observer is not None:
+                    self.observer.fenced(instance_id)
 
     def deregister(self, instance_id: str) -> int:
         """Fence the instance and forget its cursor and capacity declaration."""
@@ -184,6 +198,8 @@ class KeyDirectory:
                 dropped = self._chunks.fence(instance_id)
             finally:
                 self._flush_index()
+                if self.observer is not None:
+                    self.observer.fenced(instance_id)
             self._gate.forget(instance_id)
             self._capacities.pop(instance_id, None)
             return dropped
@@ -393,4 +409,11 @@ def _by_tier(module_counts: Counter[tuple[str | None, str, str]]) -> dict[str, i
     return dict(+out)
 
 
-__all__ = ["DirectoryStats", "DirectoryUsage", "IngestCounts", "KeyDirectory", "ModuleUsage"]
+__all__ = [
+    "DirectoryStats",
+    "DirectoryUsage",
+    "IngestCounts",
+    "KeyDirectory",
+    "ModuleUsage",
+    "PlacementObserver",
+]

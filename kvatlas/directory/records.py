@@ -19,6 +19,7 @@ from itertools import chain, repeat
 from operator import itemgetter
 from typing import Any, Final
 
+from kvatlas.events import VOLATILE_TIERS
 from kvatlas.keys import ObjectKey
 from kvatlas.keys.tokens import TokenArray
 
@@ -176,9 +177,9 @@ def row_module(row: PlacementRow) -> Module:
 
 
 def l1_owner(row: PlacementRow) -> str | None:
-    """The instance whose own L1 memory holds this copy (``None``: L2 or shared); fencing
-    that instance drops the copy."""
-    return row[_INSTANCE] if row[_TIER] == "l1" and not row[_SHARED] else None
+    """The instance whose own process memory (L1, or an engine's GPU / CPU offload) holds
+    this copy (``None``: L2 or shared); fencing that instance drops the copy."""
+    return row[_INSTANCE] if row[_TIER] in VOLATILE_TIERS and not row[_SHARED] else None
 
 
 def accessed_at(row: PlacementRow, ts: float) -> PlacementRow:

@@ -23,7 +23,13 @@ DELETE: Final = "delete"
 ACCESS: Final = "access"
 CONFIG: Final = "config"
 EVENT_TYPES: Final = frozenset({STORE, DELETE, ACCESS, CONFIG})
-TIERS: Final = frozenset({"l1", "l2"})
+TIERS: Final = frozenset({"l1", "l2", "gpu", "engine-cpu"})
+"""Where a copy sits: a node's DRAM (l1) or storage (l2), or an engine's own memory (gpu, and
+engine-cpu for its CPU offload; learned from its vLLM KV events, docs/kv-events.md)."""
+ENGINE_TIERS: Final = frozenset({"gpu", "engine-cpu"})
+"""Engine memory: seen by lookups and routers, never fetchable by a node."""
+VOLATILE_TIERS: Final = frozenset({"l1", "gpu", "engine-cpu"})
+"""Process memory: an instance's own copies there are dropped when it is fenced."""
 EVENT_TRANSPORTS: Final = ("http", "redis")
 """How batches travel from nodes to the coordinator (``--event-transport`` of both)."""
 UNKNOWN_OFFSET: Final = -1
@@ -153,7 +159,9 @@ class EventBatch:
                 "event_type", f"must be one of {sorted(EVENT_TYPES)}, got {self.event_type!r:.40}"
             )
         if self.tier not in TIERS:
-            raise EventValidationError("tier", f"must be 'l1' or 'l2', got {self.tier!r:.40}")
+            raise EventValidationError(
+                "tier", f"must be one of {sorted(TIERS)}, got {self.tier!r:.40}"
+            )
         _name("backend", self.backend, required=self.event_type in (STORE, DELETE))
         if not isinstance(self.shared, bool):
             raise EventValidationError("shared", "must be a boolean")

@@ -164,3 +164,20 @@ def test_a_peer_that_just_failed_does_not_count_for_prefix_hits() -> None:
     assert tiers.prefix_hits([key(1)]) == 0  # unreachable: not counted
     now[0] = 11.0
     assert tiers.prefix_hits([key(1)]) == 1  # tried again after down_for
+
+
+def test_engine_memory_is_no_fleet_hit_for_a_node() -> None:
+    """An engine's GPU / CPU-offload copy (learned from vLLM KV events) is nothing a node can
+    fetch: counting it would promise tokens the node then cannot load."""
+    l1 = L1Cache(1 << 20)
+    l1.put(chunk(0))
+    holders: dict[ObjectKey, list[Holder]] = {
+        key(1): [Holder("pod-a", "gpu", "vllm", False)],
+        key(2): [Holder("pod-a", "engine-cpu", "vllm", False), Holder("p", "l1", "dram", False)],
+    }
+    tiers = TieredFetch(
+        l1, None, Fleet(holders, {"p": FailingPeer()}), instance_id="me", layout=LAYOUT,
+        on_l1_hit=lambda _: None, counters=Counter(),
+    )  # fmt: skip
+    assert tiers.prefix_hits([key(0), key(1)]) == 1
+    assert tiers.prefix_hits([key(2)]) == 1

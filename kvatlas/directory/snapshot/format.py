@@ -22,7 +22,7 @@ from kvatlas.errors import InvalidInput
 MAGIC = b"KVATSNP1"
 VERSION = 1
 PREFIX = struct.Struct("<8sQ")  # magic, header length
-TIERS = ("l1", "l2")  # pl_tier codes
+TIERS = ("l1", "l2", "gpu", "engine-cpu")  # pl_tier codes (append only)
 HASH_BYTES = 32  # chunk_hashes: the chunks' hashes, concatenated
 
 COLUMNS: dict[str, str] = {

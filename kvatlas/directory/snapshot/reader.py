@@ -55,6 +55,7 @@ from kvatlas.directory.snapshot.format import (
     SnapshotInfo,
     decode_column,
 )
+from kvatlas.events import VOLATILE_TIERS
 from kvatlas.keys import ObjectKey
 
 _READ_ONLY = methodcaller("setflags", write=False)
@@ -332,7 +333,8 @@ def _counts(header: Header, cols: _Columns, hashes: list[bytes]) -> ChunkCounts:
         mask = tier == t
         if mask.any():
             by_tier[name] = int(size[mask].sum())
-    own_l1 = (tier == TIERS.index("l1")) & (shared == 0)
+    volatile = [TIERS.index(t) for t in VOLATILE_TIERS]
+    own_l1 = np.isin(tier, volatile) & (shared == 0)
     l1_counts: Counter[str] = Counter()
     l1_chunks: dict[str, set[bytes]] = {}
     per_instance = np.bincount(instance[own_l1], minlength=len(strings))

@@ -1,0 +1,131 @@
+"""vLLM KV events in: decode + re-key engine batches into kvatlas chunks, with and without the
+directory apply, vs a naive re-keyer; bytes per tracked block; the directory's consume rate for
+node batches with and without a publisher observing it."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import threading
+import tracemalloc
+
+import numpy as np
+
+from kvatlas.bench.common import BenchRow, add_common_arguments, median_seconds, report
+from kvatlas.coordinator.kv_events import Cleared, KvEventsPublisher, Rekeyer
+from kvatlas.directory import KeyDirectory
+from kvatlas.events import CacheEntry, EventBatch
+from kvatlas.events.vllm_wire import BlockStored, KVEventBatch, decode_batch, encode_batch
+from kvatlas.keys import KeyScheme, ObjectKey, chunk_hashes, pack_kv_rank
+
+
+def naive_rekey(payloads: list[bytes], chunk_size: int) -> int:
+    """The first code one would write: every block remembers its whole token prefix; a stored
+    event hashes its parent's prefix plus its tokens from the start."""
+    prefixes: dict[bytes | int, list[int]] = {}
+    chunks = 0
+    for payload in payloads:
+        for event in decode_batch(payload).events:
+            assert isinstance(event, BlockStored)
+            parent = event.parent_block_hash
+            tokens = [] if parent is None else list(prefixes[parent])
+            for i, h in enumerate(event.block_hashes):
+                tokens += event.token_ids[i * event.block_size : (i + 1) * event.block_size]
+                prefixes[h] = list(tokens)
+            chunks += len(chunk_hashes(np.asarray(tokens, np.uint32), chunk_size))
+    return chunks
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser, repeats=5)
+    parser.add_argument("--requests", type=int, default=400, help="engine batches (requests)")
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per request")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--chunk-size", type=int, default=256)
+    parser.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.requests, args.repeats = 50, 3
+    rng = np.random.default_rng(args.seed)
+    b, c, r = args.block_size, args.chunk_size, args.repeats
+    n_blocks = args.tokens // b
+    payloads = []
+    for _ in range(args.requests):
+        tokens = rng.integers(0, 150_000, n_blocks * b).tolist()
+        hashes: list[bytes | int] = [rng.bytes(32) for _ in range(n_blocks)]
+        stored = BlockStored(hashes, None, tokens, b, medium="GPU")
+        payloads.append(encode_batch(KVEventBatch(1.0, [stored], 0)))
+    blocks = args.requests * n_blocks
+    scheme = KeyScheme("blake3", c)
+
+    def rekey() -> Rekeyer:
+        rekeyer = Rekeyer(scheme, blocks + 1)
+        for payload in payloads:
+            rekeyer.translate("pod-a", "m", decode_batch(payload))
+        return rekeyer
+
+    def rekey_and_apply() -> None:
+        directory = KeyDirectory(c, enable_blend_lookup=True)
+        rekeyer = Rekeyer(scheme, blocks + 1)
+        for payload in payloads:
+            for op in rekeyer.translate("pod-a", "m", decode_batch(payload)):
+                assert not isinstance(op, Cleared)
+                directory.consume(op)
+
+    assert rekey().counts["chunks_stored"] == naive_rekey(payloads, c)
+    naive_s = median_seconds(lambda: naive_rekey(payloads, c), r)
+    rows = [
+        BenchRow(
+            f"decode + re-key, per block ({blocks} blocks)",
+            median_seconds(rekey, r) / blocks,
+            naive_s / blocks,
+            "",
+            {"blocks": blocks},
+        ),
+        BenchRow(
+            "decode + re-key + directory apply (blend on), per block",
+            median_seconds(rekey_and_apply, r) / blocks,
+        ),
+    ]
+    gc.collect()
+    tracemalloc.start()
+    kept = rekey()
+    gc.collect()
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    per_block = round(held / kept.total_blocks)
+    rows.append(BenchRow("re-key alone, block map kept", 0.0, extra={"bytes_per_block": per_block}))
+    rows += _observer_rows(rng, c, r)
+    meta = {"requests": args.requests, "tokens": args.tokens, "block_size": b,
+            "chunk_size": c, "repeats": r, "seed": args.seed}  # fmt: skip
+    report("kvatlas bench kv_events", rows, args.json, meta)
+    return 0
+
+
+def _observer_rows(rng: np.random.Generator, c: int, r: int) -> list[BenchRow]:
+    """The HTTP/Redis ingest path's cost of the publisher hook: consume the same node batches
+    into a directory without and with a publisher observing it (its thread not running, so
+    only the hook and the queue are measured)."""
+    rows_tokens = rng.integers(0, 150_000, (256, c)).astype(np.uint32)
+    rank = pack_kv_rank(1, 0, 1, 0)
+    entries = tuple(
+        CacheEntry(ObjectKey(chunk_hashes(t, c)[0], "m", rank), 1024, t, 0) for t in rows_tokens
+    )
+    batches = [EventBatch("node-1", 1, s, "store", "l1", "dram", entries=entries)
+               for s in range(1, 201)]  # fmt: skip
+
+    def consume(observed: bool) -> None:
+        directory = KeyDirectory(c)
+        if observed:
+            pub = KvEventsPublisher("inproc://bench", None, 10, directory, threading.Event())
+            directory.observer = pub
+        for batch in batches:
+            directory.consume(batch)
+
+    n = len(batches) * len(entries)
+    plain = median_seconds(lambda: consume(False), r) / n
+    observed = median_seconds(lambda: consume(True), r) / n
+    return [BenchRow("consume node entries, publisher observing (ref: none), per entry",
+                     observed, plain, "≈ 1×")]  # fmt: skip

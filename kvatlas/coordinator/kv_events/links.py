@@ -1,0 +1,91 @@
+"""The vLLM KV-event links a coordinator runs, built from its configuration: a subscriber
+(``--kv-events-subscribe``), a publisher (``--kv-events-publish``), both or neither."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.kv_events.publisher import KvEventsPublisher
+from kvatlas.coordinator.kv_events.stats import KvEventsStats
+from kvatlas.coordinator.kv_events.subscriber import (
+    Ingest,
+    KvEventsSubscriber,
+    SubscriberSettings,
+)
+from kvatlas.directory import KeyDirectory
+from kvatlas.errors import Unavailable
+
+
+class KvEventsLinks:
+    def __init__(
+        self, subscriber: KvEventsSubscriber | None, publisher: KvEventsPublisher | None
+    ) -> None:
+        self.subscriber = subscriber
+        self.publisher = publisher
+
+    @classmethod
+    def from_config(
+        cls,
+        config: CoordinatorConfig,
+        directory: KeyDirectory,
+        ingest: Ingest,
+        stop: threading.Event,
+    ) -> KvEventsLinks:
+        """Engine batches go through ``ingest`` and the directory's fence, like any batch;
+        the publisher observes the directory from now on (nothing applied is missed)."""
+        subscriber = publisher = None
+        endpoints = config.kv_events_endpoints
+        if endpoints:
+            replay = config.kv_events_replay_endpoints or (None,) * len(endpoints)
+            settings = SubscriberSettings(
+                endpoints,
+                replay,
+                config.kv_events_topic_prefix,
+                config.kv_events_model,
+                config.kv_events_max_blocks,
+            )
+            subscriber = KvEventsSubscriber(
+                settings, config.scheme, ingest=ingest, clear=directory.fence_instance, stop=stop
+            )
+        if config.kv_events_publish:
+            publisher = KvEventsPublisher(
+                config.kv_events_publish,
+                config.kv_events_replay_bind,
+                config.kv_events_replay_size,
+                directory,
+                stop,
+                config.kv_events_publish_encoding,
+            )
+            directory.observer = publisher
+        return cls(subscriber, publisher)
+
+    def start(self) -> list[tuple[str, Callable[[], None]]]:
+        """Open the sockets and name the threads to run; an endpoint that cannot be bound or
+        connected raises :class:`~kvatlas.errors.Unavailable` naming the flag."""
+        import zmq
+
+        threads: list[tuple[str, Callable[[], None]]] = []
+        if self.publisher is not None:
+            try:
+                self.publisher.open()
+            except zmq.ZMQError as exc:
+                raise Unavailable(f"--kv-events-publish / --kv-events-replay-bind: {exc}") from None
+            threads.append(("kv-events-out", self.publisher.run))
+        if self.subscriber is not None:
+            try:
+                self.subscriber.open()
+            except zmq.ZMQError as exc:
+                raise Unavailable(f"--kv-events-subscribe: {exc}") from None
+            threads.append(("kv-events-in", self.subscriber.run))
+        return threads
+
+    def stats(self) -> KvEventsStats | None:
+        """The counters of each link that runs; ``None`` when neither does."""
+        if self.subscriber is None and self.publisher is None:
+            return None
+        return KvEventsStats(
+            None if self.subscriber is None else self.subscriber.stats(),
+            None if self.publisher is None else self.publisher.stats(),
+        )

@@ -1,0 +1,279 @@
+"""Out: the directory's node placements, re-published as vLLM KV events for routers.
+
+The directory tells the publisher (its observer, called under the directory lock, so in apply
+order) about every admitted batch and every fence; the publisher only queues them. Its thread
+turns them into ``KVEventBatch`` messages (current encoding) on a PUB socket:
+
+* topic ``kv@<instance>@<model>``, or ``kv@pool:<backend>@<model>`` for a shared pool;
+* medium ``kvatlas-l1`` / ``kvatlas-l2-<backend>``; block hashes = the 32-byte chunk hashes;
+  ``block_size`` = the chunk size; ``token_ids`` when the batch carried them;
+* a fence (timeout, restart, deregistration) → ``AllBlocksCleared`` on the instance's topics,
+  then its surviving own L2 copies again as ``BlockStored`` (a router's clear drops every
+  medium of the topic); at start every L1/L2 placement is published once.
+
+Engine-sourced batches (tiers ``gpu``/``engine-cpu``) are never echoed. Seqs count from 0 per
+publisher; the last ``--kv-events-replay-size`` messages are kept for a ROUTER replay socket
+(request: the start seq; replies ``(seq, payload)``…, then ``(-1, b"")``). See
+docs/kv-events.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter, defaultdict, deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+from kvatlas.coordinator.kv_events.stats import PublisherStats, view, zeroed
+from kvatlas.events import DELETE, STORE, EventBatch
+from kvatlas.events.vllm_wire import (
+    REPLAY_END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    TopicBatch,
+    VllmWireError,
+    encode_batch,
+    pack_seq,
+    unpack_seq,
+)
+
+if TYPE_CHECKING:
+    from kvatlas.directory import KeyDirectory
+
+log = logging.getLogger(__name__)
+
+NODE_TIERS: Final = ("l1", "l2")
+
+
+def node_topic(instance_id: str, model: str, backend: str, shared: bool) -> str:
+    return f"kv@pool:{backend}@{model}" if shared else f"kv@{instance_id}@{model}"
+
+
+def node_medium(tier: str, backend: str) -> str:
+    return "kvatlas-l1" if tier == "l1" else f"kvatlas-l2-{backend}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Fence:
+    instance_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Resync:
+    """Publish every node placement (once, at start)."""
+
+
+_Item = EventBatch | _Fence | _Resync
+
+
+class KvEventsPublisher:
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None,
+        replay_size: int,
+        directory: KeyDirectory,
+        stop: threading.Event,
+        encoding: str = "map",
+    ) -> None:
+        self.endpoint = endpoint
+        self.encoding = encoding
+        self.replay_endpoint = replay_endpoint
+        self.chunk_size = directory.chunk_size
+        self._directory = directory
+        self._stop = stop
+        self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
+        self._ring: deque[tuple[int, bytes]] = deque(maxlen=replay_size)
+        self._seq = 0
+        self._models: defaultdict[str, set[str]] = defaultdict(set)  # instance -> its topics
+        self.counts: Counter[str] = zeroed(PublisherStats)
+        self._ctx: Any = None
+        self._pub: Any = None
+        self._router: Any = None
+
+    # ------------------------------------------------------------------ directory observer
+
+    def applied(self, batch: EventBatch, fenced_first: bool) -> None:
+        """Called under the directory lock: only queue."""
+        if fenced_first:
+            self._queue.put(_Fence(batch.instance_id))
+        if batch.event_type in (STORE, DELETE) and batch.tier in NODE_TIERS:
+            self._queue.put(batch)
+
+    def fenced(self, instance_id: str) -> None:
+        self._queue.put(_Fence(instance_id))
+
+    def stats(self) -> PublisherStats:
+        return view(PublisherStats, self.counts, seq=self._seq, queued=self._queue.qsize())
+
+    # ------------------------------------------------------------------ sockets and loop
+
+    def open(self) -> None:
+        """Bind the sockets (raises if an endpoint is taken) and queue the initial resync."""
+        import zmq
+
+        self._ctx = zmq.Context()
+        try:
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.bind(self.endpoint)
+            if self.replay_endpoint is not None:
+                self._router = self._ctx.socket(zmq.ROUTER)
+                self._router.setsockopt(zmq.LINGER, 0)
+                self._router.bind(self.replay_endpoint)
+        except zmq.ZMQError:
+            self._close()
+            raise
+        self._queue.put(_Resync())
+
+    def run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    item = self._queue.get(timeout=0.02)
+                except queue.Empty:
+                    item = None
+                try:
+                    if item is not None:
+                        self._handle(item)
+                    self._serve_replay()
+                except Exception:  # the publisher outlives any one bad item
+                    self.counts["errors"] += 1
+                    log.exception("kv events publisher: unexpected error")
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        for sock in (self._pub, self._router):
+            if sock is not None:
+                sock.close(0)
+        self._pub = self._router = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def _handle(self, item: _Item) -> None:
+        if isinstance(item, EventBatch):
+            self._publish_batch(item)
+        elif isinstance(item, _Fence):
+            self._publish_fence(item.instance_id)
+        else:
+            self._republish(None)
+
+    def _send(self, topic: str, events: list[KVEvent], ts: float) -> None:
+        seq = self._seq
+        self._seq += 1
+        payload = encode_batch(TopicBatch(ts, events, kvatlas_topic=topic), self.encoding)
+        self._pub.send_multipart([topic.encode(), pack_seq(seq), payload])
+        self._ring.append((seq, payload))
+        self.counts["messages"] += 1
+
+    # ------------------------------------------------------------------ placements → events
+
+    def _publish_batch(self, batch: EventBatch) -> None:
+        medium = node_medium(batch.tier, batch.backend)
+        by_model: defaultdict[str, list[Any]] = defaultdict(list)
+        for entry in batch.entries:
+            by_model[entry.key.model_name].append(entry)
+        ts = batch.ts or time.time()
+        for model, entries in by_model.items():
+            topic = node_topic(batch.instance_id, model, batch.backend, batch.shared)
+            if not batch.shared:
+                self._models[batch.instance_id].add(model)
+            hashes = list(dict.fromkeys(e.key.chunk_hash for e in entries))
+            if batch.event_type == DELETE:
+                self._send(topic, [BlockRemoved(hashes, medium)], ts)
+                self.counts["blocks_removed"] += len(hashes)
+                continue
+            with_tokens = [e for e in entries if e.token_ids is not None
+                           and len(e.token_ids) == self.chunk_size]  # fmt: skip
+            tokened = {e.key.chunk_hash for e in with_tokens}
+            events: list[KVEvent] = []
+            if with_tokens:
+                firsts: dict[bytes, Any] = {}
+                for e in with_tokens:
+                    firsts.setdefault(e.key.chunk_hash, e)
+                events.append(self._stored(list(firsts), medium, list(firsts.values())))
+            rest = [h for h in hashes if h not in tokened]
+            if rest:
+                events.append(self._stored(rest, medium, []))
+            self._send(topic, events, ts)
+            self.counts["blocks_stored"] += len(hashes)
+
+    def _stored(self, hashes: list[bytes], medium: str, entries: list[Any]) -> BlockStored:
+        tokens: list[int] = []
+        for e in entries:
+            tokens += e.token_ids.tolist()
+        return BlockStored(list(hashes), None, tokens, self.chunk_size, medium=medium)
+
+    def _publish_fence(self, instance_id: str) -> None:
+        models = self._models.pop(instance_id, None)
+        if not models:  # never published (an engine, or a node without placements)
+            return
+        ts = time.time()
+        for model in sorted(models):
+            self._send(f"kv@{instance_id}@{model}", [AllBlocksCleared()], ts)
+            self.counts["clears"] += 1
+        self._republish(instance_id)
+
+    def _republish(self, instance_id: str | None) -> None:
+        """Publish the node placements now in the directory: every one (``None``), or the
+        own L2 copies of one instance (those survive its fence)."""
+        groups: defaultdict[tuple[str, str, str, bool, str], list[bytes]] = defaultdict(list)
+        cursor: str | None = None
+        while True:
+            page = self._directory.list_keys(
+                instance_id=instance_id, tier="l2" if instance_id else None,
+                cursor=cursor, limit=1000,
+            )  # fmt: skip
+            for item in page.items:
+                for p in item.placements:
+                    if p.tier not in NODE_TIERS or (instance_id and p.shared):
+                        continue
+                    if instance_id is not None and p.instance_id != instance_id:
+                        continue
+                    ident = (p.instance_id, item.key.model_name, p.backend, p.shared, p.tier)
+                    groups[ident].append(item.key.chunk_hash)
+            cursor = page.next_cursor
+            if cursor is None:
+                break
+        ts = time.time()
+        for (inst, model, backend, shared, tier), hashes in groups.items():
+            if not shared:
+                self._models[inst].add(model)
+            unique = list(dict.fromkeys(hashes))
+            medium = node_medium(tier, backend)
+            self._send(node_topic(inst, model, backend, shared),
+                       [self._stored(unique, medium, [])], ts)  # fmt: skip
+            self.counts["blocks_stored"] += len(unique)
+
+    # ------------------------------------------------------------------ replay
+
+    def _serve_replay(self) -> None:
+        router = self._router
+        if router is None:
+            return
+        while router.poll(0):
+            frames = router.recv_multipart()
+            identity, rest = frames[0], frames[1:]
+            envelope = [identity, b""] if rest[:1] == [b""] else [identity]
+            if rest[:1] == [b""]:
+                rest = rest[1:]
+            self.counts["replay_requests"] += 1
+            try:
+                start = unpack_seq(rest[0]) if len(rest) == 1 else None
+            except VllmWireError:
+                start = None
+            if start is not None:
+                for seq, payload in list(self._ring):
+                    if seq >= start:
+                        router.send_multipart([*envelope, pack_seq(seq), payload])
+                        self.counts["replayed_messages"] += 1
+            else:
+                log.warning("kv events publisher: bad replay request of %d frames", len(rest))
+            router.send_multipart([*envelope, pack_seq(REPLAY_END_SEQ), b""])

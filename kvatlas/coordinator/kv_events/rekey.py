@@ -1,0 +1,404 @@
+"""Re-keying vLLM blocks into kvatlas chunks: engine events in, gated event batches out.
+
+vLLM names a block by its own hash and says which block came before it; kvatlas names a chunk
+by the chain hash of its tokens (``kvatlas.keys``). Per engine this keeps, for every block it
+has seen stored, where the engine's token chain stands after that block (:class:`ChainPoint`:
+the last complete chunk's hash and the tokens since), so a child block continues its parent's
+chain, and a chunk is keyed once its last block arrives (``chunk_size`` is a multiple of
+``block_size``; a partial chunk waits in the point). A block whose parent was never seen is
+counted and skipped: its chain cannot be known, and a guess would name other tokens' KV.
+
+Extra keys (multimodal identities, a LoRA adapter) change the KV without changing the token
+ids. Under ``blake3-x1`` they enter the chunk hash (each block's identities as an item spanning
+that block, the adapter as the request key ``lora``); under ``blake3`` such a chain is counted
+un-indexable. Either way such a chunk never gets a text-only key, and its tokens are never
+offered to the blend index. Translation validates a whole batch before changing anything:
+a bad batch changes nothing and yields nothing. See docs/kv-events.md.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Final, NamedTuple
+
+import msgspec
+import numpy as np
+
+from kvatlas.events import ACCESS, DELETE, STORE, CacheEntry, EventBatch
+from kvatlas.events.vllm_wire import (
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
+from kvatlas.keys import NONE_HASH, KeyScheme, MMItem, ObjectKey, pack_kv_rank
+from kvatlas.keys.chunk_hash import chain_hashes
+from kvatlas.keys.extra_keys import x1_chunk_suffix_fn
+from kvatlas.keys.tokens import TokenArray, tokens_be_bytes
+
+GPU_TIER: Final = "gpu"
+CPU_TIER: Final = "engine-cpu"
+ENGINE_BACKEND: Final = "vllm"
+ENGINE_RANK: Final = pack_kv_rank(1, 0, 1, 0)
+_MAX_TOKEN: Final = (1 << 32) - 1
+
+
+def engine_tier(medium: str | None) -> str:
+    """``CPU`` (any case) → ``engine-cpu``; GPU, unset or anything else → ``gpu``."""
+    return CPU_TIER if medium is not None and medium.lower() == "cpu" else GPU_TIER
+
+
+class BadBatch(ValueError):
+    """A batch that cannot be applied as a whole; ``kind`` is the counter it lands in."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True, slots=True)
+class Cleared:
+    """``AllBlocksCleared``: drop every placement of the engine (the directory's fence)."""
+
+    instance_id: str
+
+
+Op = EventBatch | Cleared
+
+
+@dataclass(frozen=True, slots=True)
+class ChainPoint:
+    """Where an engine's token chain stands after one block. Inside a partial chunk a point
+    holds only its own block (``packed``, ``items``) and links to the point before it, so a
+    block costs its own tokens, not the whole partial chunk."""
+
+    prev: bytes  # hash of the last complete chunk (NONE_HASH before the first)
+    n_chunks: int  # complete chunks so far
+    fill: int  # tokens after the last chunk boundary (fewer than chunk_size)
+    back: ChainPoint | None  # the point before this one in the partial chunk
+    block: BlockHash | None
+    packed: bytes  # this block's tokens, big-endian uint32 (only while fill > 0)
+    items: tuple[MMItem, ...]  # this block's extra keys, as items with absolute spans
+    lora: str | int | None  # the chain's adapter
+    plain: bool  # no extra keys and no adapter anywhere in the chain
+    keyable: bool  # False: the scheme cannot carry what the chain holds
+
+    def partial(self) -> list[ChainPoint]:
+        """The points of the partial chunk up to this one, oldest first."""
+        out: list[ChainPoint] = []
+        p: ChainPoint | None = self
+        while p is not None and p.fill:
+            out.append(p)
+            p = p.back
+        return out[::-1]
+
+
+START: Final = ChainPoint(NONE_HASH, 0, 0, None, None, b"", (), None, True, True)
+
+
+@dataclass(slots=True)
+class _Block:
+    point: ChainPoint
+    tiers: set[str]  # where the engine holds it (GPU, and maybe its CPU offload too)
+    # The chunks holding this block, each with the tier it was placed in: one per
+    # continuation (requests that share a block inside a chunk and then diverge make two
+    # chunks, both gone with the block) and per tier.
+    keys: tuple[tuple[ObjectKey, str], ...] = ()
+
+
+@dataclass(slots=True)
+class EngineState:
+    instance_id: str
+    incarnation: int
+    seq: int = 0  # last kvatlas seq handed out
+    blocks: OrderedDict[BlockHash, _Block] = field(default_factory=OrderedDict)
+
+
+class _Change(NamedTuple):
+    """Entries of one kind (store / delete) for one engine tier, becoming one batch."""
+
+    instance_id: str
+    kind: str
+    tier: str
+    entries: list[CacheEntry]
+
+
+@dataclass(slots=True)
+class _Pending:
+    """Ops collected while translating one batch (adjacent same-kind changes merged)."""
+
+    ops: list[_Change | Cleared] = field(default_factory=list)
+
+    def add(self, instance_id: str, kind: str, tier: str, entry: CacheEntry) -> None:
+        last = self.ops[-1] if self.ops else None
+        if isinstance(last, _Change) and last[:3] == (instance_id, kind, tier):
+            last.entries.append(entry)
+        else:
+            self.ops.append(_Change(instance_id, kind, tier, [entry]))
+
+
+def _token_array(token_ids: list[int], i: int) -> TokenArray:
+    """``token_ids`` as uint32, or :class:`BadBatch` (``token_range``) if any is outside."""
+    try:
+        arr = np.asarray(token_ids)
+    except (OverflowError, ValueError):
+        arr = np.asarray([-1])
+    if arr.dtype.kind not in "iu" or (len(arr) and (arr.min() < 0 or arr.max() > _MAX_TOKEN)):
+        raise BadBatch("token_range", f"events[{i}]: token id outside [0, 2^32)")
+    return arr.astype(np.uint32)
+
+
+def _identity(value: Any) -> str:
+    """One extra key as an item identifier: a string as it is, anything else (any value
+    msgpack decodes to) as ``m:`` + the hex of its msgpack encoding."""
+    return value if isinstance(value, str) else "m:" + msgspec.msgpack.encode(value).hex()
+
+
+class Rekeyer:
+    """Per-engine block maps, bounded in total by ``max_blocks`` (oldest blocks go first;
+    their chunks' placements are removed with them: the directory forgets a copy rather than
+    keep one it can no longer take back)."""
+
+    def __init__(self, scheme: KeyScheme, max_blocks: int) -> None:
+        self.scheme = scheme
+        self.chunk_size = scheme.chunk_size
+        self.max_blocks = max_blocks
+        self.engines: dict[str, EngineState] = {}
+        self.total_blocks = 0
+        self.counts: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ engine lifecycle
+
+    def engine(self, instance_id: str) -> EngineState:
+        state = self.engines.get(instance_id)
+        if state is None:
+            # Above any incarnation an earlier run of this coordinator used (snapshot cursors).
+            incarnation = time.time_ns() // 1000
+            state = self.engines[instance_id] = EngineState(instance_id, incarnation)
+        return state
+
+    def restart(self, instance_id: str) -> None:
+        """The engine restarted (its seq went back): forget its blocks; the next batch opens a
+        new incarnation, which fences the old one's placements."""
+        state = self.engine(instance_id)
+        self._forget_blocks(state)
+        state.incarnation += 1
+        state.seq = 0
+
+    def marker(self, instance_id: str, missing: int = 0) -> EventBatch:
+        """An empty batch that tells the gate now what happened: ``missing`` engine batches
+        lost (a gap at the gate), or (after :meth:`restart`) a new incarnation (the old one's
+        placements fenced). It changes no placement and is never re-published."""
+        state = self.engine(instance_id)
+        state.seq += missing + 1
+        return EventBatch(instance_id, state.incarnation, state.seq, ACCESS, GPU_TIER,
+                          ENGINE_BACKEND, ts=time.time())  # fmt: skip
+
+    def _forget_blocks(self, state: EngineState) -> None:
+        self.total_blocks -= len(state.blocks)
+        state.blocks.clear()
+
+    # ------------------------------------------------------------------ translation
+
+    def translate(self, instance_id: str, model: str, batch: KVEventBatch) -> list[Op]:
+        """The ops one engine batch means, in order; :class:`BadBatch` (nothing changed) if
+        any event of it is invalid."""
+        tokens = self._validate(batch)
+        state = self.engine(instance_id)
+        pending = _Pending()
+        for i, event in enumerate(batch.events):
+            if isinstance(event, BlockStored):
+                self._stored(state, model, event, tokens[i], pending)
+            elif isinstance(event, BlockRemoved):
+                self._removed(state, event, pending)
+            else:
+                self._forget_blocks(state)
+                pending.ops.append(Cleared(instance_id))
+                self.counts["clears"] += 1
+        return list(self._batches(pending, batch.ts))
+
+    def _validate(self, batch: KVEventBatch) -> dict[int, TokenArray]:
+        """Check everything that could fail later; returns each stored event's token ids."""
+        tokens: dict[int, TokenArray] = {}
+        if not math.isfinite(batch.ts):
+            raise BadBatch("invalid", f"ts must be a finite number, got {batch.ts}")
+        chunk_size, blocks = self.chunk_size, 0
+        for i, event in enumerate(batch.events):
+            if isinstance(event, AllBlocksCleared):
+                continue
+            blocks += len(event.block_hashes)
+            for h in event.block_hashes:
+                if isinstance(h, bytes) and not 0 < len(h) <= 64:
+                    raise BadBatch("invalid", f"events[{i}]: block hash of {len(h)} bytes")
+            if not isinstance(event, BlockStored):
+                continue
+            n, size = len(event.block_hashes), event.block_size
+            if size < 1 or size > chunk_size or chunk_size % size:
+                raise BadBatch(
+                    "block_size",
+                    f"events[{i}]: block_size {size} does not divide chunk size {chunk_size}",
+                )
+            if n == 0 or len(event.token_ids) != n * size:
+                raise BadBatch(
+                    "invalid",
+                    f"events[{i}]: {len(event.token_ids)} token ids for {n} blocks of {size}",
+                )
+            if event.extra_keys is not None and len(event.extra_keys) != n:
+                raise BadBatch("invalid", f"events[{i}]: extra_keys for {len(event.extra_keys)}"
+                               f" of {n} blocks")  # fmt: skip
+            tokens[i] = _token_array(event.token_ids, i)
+        if blocks > self.max_blocks:
+            raise BadBatch(
+                "too_many_blocks", f"{blocks} blocks in one batch (--kv-events-max-blocks "
+                f"{self.max_blocks})"
+            )  # fmt: skip
+        return tokens
+
+    def _stored(
+        self,
+        state: EngineState,
+        model: str,
+        event: BlockStored,
+        tokens: TokenArray,
+        pending: _Pending,
+    ) -> None:
+        if event.group_idx not in (None, 0):
+            self.counts["other_group_blocks"] += len(event.block_hashes)
+            return
+        if event.parent_block_hash is None:
+            point = START
+        else:
+            parent = state.blocks.get(event.parent_block_hash)
+            if parent is None:
+                self.counts["unknown_parents"] += 1
+                return
+            state.blocks.move_to_end(event.parent_block_hash)
+            point = parent.point
+        tier = engine_tier(event.medium)
+        size = event.block_size
+        lora = event.lora_name if event.lora_name is not None else event.lora_id
+        extras = event.extra_keys or [None] * len(event.block_hashes)
+        packed = tokens_be_bytes(tokens)
+        step = 4 * size
+        for i, h in enumerate(event.block_hashes):
+            before = point
+            own = packed[i * step : (i + 1) * step]
+            point, chunk = self._advance(point, h, own, extras[i], lora)
+            self._remember(state, h, point, tier, pending)
+            self.counts["blocks_stored"] += 1
+            if chunk is None:  # the chunk is still partial
+                continue
+            key = self._key(point, model)
+            if key is None:
+                continue
+            placed = (key, tier)
+            for b in (*before.partial(), point):
+                held = state.blocks.get(b.block) if b.block is not None else None
+                if held is not None and placed not in held.keys:
+                    held.keys += (placed,)
+            tokens_of = np.frombuffer(chunk, dtype=">u4").astype(np.uint32) if point.plain else None
+            offset = (point.n_chunks - 1) * self.chunk_size
+            pending.add(state.instance_id, STORE, tier, CacheEntry(key, 0, tokens_of, offset))
+            self.counts["chunks_stored"] += 1
+
+    def _advance(
+        self,
+        point: ChainPoint,
+        h: BlockHash,
+        packed: bytes,
+        extra: list[Any] | None,
+        lora: str | int | None,
+    ) -> tuple[ChainPoint, bytes | None]:
+        """The chain after one more block, and the chunk it completed (``None``: partial)."""
+        n = len(packed) // 4
+        start = point.n_chunks * self.chunk_size + point.fill
+        items = tuple(MMItem.of(_identity(v), start, n) for v in (extra or ()))
+        same_lora = lora == point.lora or point is START
+        plain = point.plain and not items and lora is None
+        keyable = point.keyable and same_lora and (plain or self.scheme.carries_extra_keys)
+        fill = point.fill + n
+        if fill < self.chunk_size:
+            back = point if point.fill else None
+            return ChainPoint(point.prev, point.n_chunks, fill, back, h, packed, items,
+                              lora, plain, keyable), None  # fmt: skip
+        earlier = point.partial()
+        chunk = b"".join([p.packed for p in earlier] + [packed])
+        suffix = None
+        if self.scheme.carries_extra_keys:
+            all_items = [it for p in earlier for it in p.items] + list(items)
+            request = {"lora": lora} if lora is not None else None
+            suffix = x1_chunk_suffix_fn(self.chunk_size, all_items, request)
+        prev = chain_hashes(chunk, self.chunk_size, point.prev, point.n_chunks, suffix)[0]
+        done = ChainPoint(prev, point.n_chunks + 1, 0, None, h, b"", (), lora, plain, keyable)
+        return done, chunk
+
+    def _key(self, point: ChainPoint, model: str) -> ObjectKey | None:
+        if not point.keyable:
+            self.counts["unindexable_chunks"] += 1
+            return None
+        return ObjectKey(point.prev, model, ENGINE_RANK)
+
+    def _remember(
+        self, state: EngineState, h: BlockHash, point: ChainPoint, tier: str, pending: _Pending
+    ) -> None:
+        block = state.blocks.pop(h, None)
+        if block is None:
+            self.total_blocks += 1
+            block = _Block(point, {tier})
+        else:  # stored again (same hash: same prefix, same chunks), maybe in another medium
+            block.tiers.add(tier)
+        state.blocks[h] = block
+        while self.total_blocks > self.max_blocks:
+            self._evict_one(state, pending)
+
+    def _evict_one(self, preferred: EngineState, pending: _Pending) -> None:
+        victim = preferred
+        if len(preferred.blocks) <= 1:
+            victim = max(self.engines.values(), key=lambda s: len(s.blocks))
+        _, block = victim.blocks.popitem(last=False)
+        self.total_blocks -= 1
+        self.counts["evicted_blocks"] += 1
+        for key, tier in block.keys:
+            pending.add(victim.instance_id, DELETE, tier, CacheEntry(key))
+
+    def _removed(self, state: EngineState, event: BlockRemoved, pending: _Pending) -> None:
+        tier = engine_tier(event.medium)
+        for h in event.block_hashes:
+            block = state.blocks.get(h)
+            if block is None or tier not in block.tiers:
+                self.counts["unknown_removed_blocks"] += 1
+                continue
+            self.counts["blocks_removed"] += 1
+            # The chunks placed in this tier are incomplete there now; copies in another tier
+            # (the CPU offload of an evicted GPU block) stay.
+            kept = []
+            for key, placed_in in block.keys:
+                if placed_in == tier:
+                    pending.add(state.instance_id, DELETE, tier, CacheEntry(key))
+                    self.counts["chunks_removed"] += 1
+                else:
+                    kept.append((key, placed_in))
+            block.keys = tuple(kept)
+            block.tiers.discard(tier)
+            if not block.tiers:
+                del state.blocks[h]
+                self.total_blocks -= 1
+
+    def _batches(self, pending: _Pending, ts: float) -> Iterator[Op]:
+        ts = ts if ts > 0 else time.time()
+        for op in pending.ops:
+            if isinstance(op, Cleared):
+                yield op
+                continue
+            instance_id, kind, tier, entries = op
+            state = self.engines[instance_id]
+            state.seq += 1
+            yield EventBatch(
+                instance_id, state.incarnation, state.seq, kind, tier, ENGINE_BACKEND,
+                ts=ts, entries=tuple(entries),
+            )  # fmt: skip

@@ -1,0 +1,305 @@
+"""In: vLLM engines' KV events, subscribed over ZMQ and applied to the directory.
+
+One thread polls a SUB socket per ``--kv-events-subscribe`` endpoint. Each message is checked
+(three frames, topic, seq, payload), decoded (:mod:`kvatlas.events.vllm_wire`), re-keyed
+(:mod:`.rekey`) and applied through the same calls as HTTP and Redis batches: the service's
+``ingest`` and the directory's fence for ``AllBlocksCleared``. A seq jump is a gap: with a
+replay endpoint (``--kv-events-replay``, same position in the list) the missing batches are
+asked for (DEALER → the engine's ROUTER) and applied first; what stays missing shows as a gap
+of the engine's instance at the gate (``GET /instances``). A seq going back is an engine
+restart (a new incarnation). Bad input is counted and logged, never raised; a bad batch
+changes nothing. See docs/kv-events.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+from kvatlas.coordinator.kv_events.rekey import BadBatch, Cleared, Rekeyer
+from kvatlas.coordinator.kv_events.stats import REJECT_KINDS, SubscriberStats, view, zeroed
+from kvatlas.events import EventBatch
+from kvatlas.events.vllm_wire import (
+    REPLAY_END_SEQ,
+    KVEventBatch,
+    VllmWireError,
+    decode_batch,
+    pack_seq,
+    split_topic,
+    unpack_seq,
+)
+from kvatlas.keys import KeyScheme, check_instance_id, check_model_name
+
+if TYPE_CHECKING:
+    import zmq
+
+log = logging.getLogger(__name__)
+
+MAX_DP_RANK: Final = 1 << 16
+Ingest = Callable[[Sequence[EventBatch]], object]
+Clear = Callable[[str], int]
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriberSettings:
+    endpoints: tuple[str, ...]
+    replay_endpoints: tuple[str | None, ...]  # paired by position; None = no replay
+    topic_prefix: str = "kv@"
+    default_model: str | None = None
+    max_blocks: int = 500_000
+    replay_timeout: float = 2.0
+    replay_backoff: float = 30.0
+
+
+def engine_instance(emitter: str, dp_rank: int | None) -> str:
+    """The instance id of an engine: its emitter name, ``:dp<rank>`` added for ranks above 0
+    (``@`` cannot be part of an instance id: it separates the topic's fields)."""
+    return emitter if not dp_rank else f"{emitter}:dp{dp_rank}"
+
+
+@dataclass(slots=True)
+class _Link:
+    """One publisher: its endpoints and where its seq stands."""
+
+    endpoint: str
+    replay: str | None
+    last_seq: int | None = None
+    dealer: Any = None  # the replay socket, opened on first use
+    replay_after: float = 0.0  # monotonic time before which no replay is asked (after a failure)
+
+
+class KvEventsSubscriber:
+    def __init__(
+        self,
+        settings: SubscriberSettings,
+        scheme: KeyScheme,
+        *,
+        ingest: Ingest,
+        clear: Clear,
+        stop: threading.Event,
+    ) -> None:
+        self.settings = settings
+        self.rekeyer = Rekeyer(scheme, settings.max_blocks)
+        self._ingest = ingest
+        self._clear = clear
+        self._stop = stop
+        self._links = [
+            _Link(e, r) for e, r in zip(settings.endpoints, settings.replay_endpoints, strict=True)
+        ]
+        self.counts: Counter[str] = zeroed(SubscriberStats)
+        self._ctx: zmq.Context[Any] | None = None
+        self._poller: zmq.Poller | None = None
+        self._socks: dict[Any, _Link] = {}
+
+    # ------------------------------------------------------------------ reporting
+
+    def stats(self) -> SubscriberStats:
+        rekeyer = self.rekeyer
+        return view(
+            SubscriberStats, self.counts, rekeyer.counts,
+            engines=len(rekeyer.engines), tracked_blocks=rekeyer.total_blocks,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ the loop
+
+    def open(self) -> None:
+        """Create the SUB sockets and connect them (a bad endpoint raises ``zmq.ZMQError``
+        here, at start-up, not later in the thread)."""
+        import zmq
+
+        self._ctx = ctx = zmq.Context()
+        self._poller = poller = zmq.Poller()
+        try:
+            for link in self._links:
+                sock = ctx.socket(zmq.SUB)
+                self._socks[sock] = link
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SUBSCRIBE, self.settings.topic_prefix.encode())
+                sock.connect(link.endpoint)
+                poller.register(sock, zmq.POLLIN)
+        except zmq.ZMQError:
+            self._close()
+            raise
+
+    def run(self) -> None:
+        import zmq
+
+        if self._ctx is None:
+            self.open()
+        poller, socks = self._poller, self._socks
+        assert poller is not None
+        try:
+            while not self._stop.is_set():
+                for sock, _ in poller.poll(100):
+                    for _ in range(1000):  # bounded: every socket gets its turn
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self.handle(socks[sock], frames)
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        for link in self._links:
+            if link.dealer is not None:
+                link.dealer.close(0)
+                link.dealer = None
+        for sock in self._socks:
+            sock.close(0)
+        self._socks.clear()
+        if self._ctx is not None:
+            self._ctx.term()
+
+    def handle(self, link: _Link, frames: Sequence[bytes]) -> None:
+        """One live message; never raises (a bug is counted as ``errors`` and logged)."""
+        try:
+            if len(frames) != 3:
+                self._reject("frames", f"{len(frames)} frames from {link.endpoint}")
+                return
+            topic_frame, seq_frame, payload = frames
+            try:
+                seq = unpack_seq(seq_frame)
+                topic = topic_frame.decode("utf-8")
+            except (VllmWireError, UnicodeDecodeError) as exc:
+                self._reject("frames", f"{link.endpoint}: {exc}")
+                return
+            self._message(link, topic, seq, payload, live=True)
+        except Exception:  # never let one message stop the subscriber
+            self.counts["errors"] += 1
+            log.exception("kv events: unexpected error on a message from %s", link.endpoint)
+
+    def _message(self, link: _Link, topic: str, seq: int, payload: bytes, *, live: bool) -> None:
+        last = link.last_seq
+        if last is not None and seq == last:
+            self.counts["duplicates"] += 1
+            return
+        parsed = self._parse(topic, payload)
+        if parsed is None:  # counted; a jump before it is still a gap (of unknown instance)
+            if last is not None and seq > last + 1:
+                self.counts["gaps"] += 1
+                self.counts["missing_batches"] += seq - last - 1
+            link.last_seq = seq
+            return
+        instance, model, batch = parsed
+        if last is not None and seq < last:
+            self.counts["engine_restarts"] += 1
+            log.warning("kv events: %s restarted (seq %d after %d)", instance, seq, last)
+            self.rekeyer.restart(instance)
+            self._ingest([self.rekeyer.marker(instance)])
+        elif (
+            live
+            and link.replay is not None
+            and seq > (-1 if last is None else last) + 1
+            and time.monotonic() >= link.replay_after
+        ):
+            # Catch up first (the batches before the first one seen count as history, not gap).
+            self._replay(link, topic, 0 if last is None else last + 1, seq)
+        last = link.last_seq
+        if last is not None and seq > last + 1:
+            missing = seq - last - 1
+            self.counts["gaps"] += 1
+            self.counts["missing_batches"] += missing
+            self._ingest([self.rekeyer.marker(instance, missing)])
+            log.warning("kv events: %s lost %d batches (seq %d..%d)", instance, missing,
+                        last + 1, seq - 1)  # fmt: skip
+        link.last_seq = seq
+        self._apply(instance, model, batch)
+
+    def _parse(self, topic: str, payload: bytes) -> tuple[str, str, KVEventBatch] | None:
+        prefix = self.settings.topic_prefix
+        emitter, model = split_topic(topic) if topic.startswith(prefix) else ("", None)
+        model = model or self.settings.default_model
+        try:
+            check_instance_id(emitter)
+            check_model_name(model or "")
+        except ValueError as exc:
+            self._reject("topic", f"topic {topic!r:.80}: {exc} (--kv-events-model sets a "
+                         "default model)")  # fmt: skip
+            return None
+        assert model is not None
+        try:
+            batch = decode_batch(payload)
+        except VllmWireError as exc:
+            self._reject(exc.kind, f"{topic}: {exc.reason}")
+            return None
+        rank = batch.data_parallel_rank
+        if rank is not None and not 0 <= rank < MAX_DP_RANK:
+            self._reject("invalid", f"{topic}: data_parallel_rank {rank} out of range")
+            return None
+        return engine_instance(emitter, rank), model, batch
+
+    def _apply(self, instance: str, model: str, batch: KVEventBatch) -> None:
+        try:
+            ops = self.rekeyer.translate(instance, model, batch)
+        except BadBatch as exc:
+            self._reject(exc.kind, f"{instance}: {exc}")
+            self._ingest([self.rekeyer.marker(instance, 1)])  # a batch lost: a gap at the gate
+            return
+        self.counts["batches"] += 1
+        run: list[EventBatch] = []
+        for op in ops:
+            if isinstance(op, Cleared):
+                if run:
+                    self._ingest(run)
+                    run = []
+                self._clear(op.instance_id)
+            else:
+                run.append(op)
+        if run:
+            self._ingest(run)
+
+    def _reject(self, kind: str, message: str) -> None:
+        """Count; log the first ten of a kind, then the 16th, 32nd, 64th, ... (a flood of bad
+        input must not become a flood of log lines)."""
+        assert kind in REJECT_KINDS, kind
+        name = f"rejected_{kind}"
+        self.counts[name] += 1
+        n = self.counts[name]
+        if n <= 10 or n & (n - 1) == 0:
+            log.warning("kv events: rejected (%s, #%d): %s", kind, n, message)
+
+    # ------------------------------------------------------------------ replay
+
+    def _replay(self, link: _Link, topic: str, start: int, end: int) -> None:
+        """Ask the publisher's replay socket for ``start``..``end - 1`` and apply them."""
+        import zmq
+
+        assert self._ctx is not None and link.replay is not None
+        if link.dealer is None:
+            link.dealer = self._ctx.socket(zmq.DEALER)
+            link.dealer.setsockopt(zmq.LINGER, 0)
+            link.dealer.connect(link.replay)
+        dealer = link.dealer
+        dealer.send_multipart([b"", pack_seq(start)])
+        timeout_ms = int(self.settings.replay_timeout * 1000)
+        while dealer.poll(timeout_ms):
+            frames = dealer.recv_multipart()
+            if frames and frames[0] == b"" and len(frames) == 3:
+                frames = frames[1:]
+            if len(frames) != 2:
+                self._reject("frames", f"replay reply of {len(frames)} frames")
+                continue
+            try:
+                seq = unpack_seq(frames[0])
+            except VllmWireError as exc:
+                self._reject("frames", f"replay: {exc}")
+                continue
+            if seq == REPLAY_END_SEQ:
+                return
+            if start <= seq < end and (link.last_seq is None or seq > link.last_seq):
+                self.counts["replayed_batches"] += 1
+                self._message(link, topic, seq, frames[1], live=False)
+        # No end marker in time: drop the socket so a late reply cannot be taken for the next,
+        # and ask again only after a while (a dead replay endpoint must not stall every gap).
+        self.counts["replay_failures"] += 1
+        log.warning("kv events: replay from %s timed out; gaps stay gaps for %.0f s",
+                    link.replay, self.settings.replay_backoff)  # fmt: skip
+        dealer.close(0)
+        link.dealer = None
+        link.replay_after = time.monotonic() + self.settings.replay_backoff

@@ -1,0 +1,93 @@
+"""A real ``kvatlas coordinator`` process between a vLLM-like engine and a router (loopback):
+engine events in (lookups, blend, ``GET /instances``, ``/healthz`` and ``/metrics`` see the
+engine like a node), node placements out (a router's plain pyzmq view), docs/kv-events.md."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import zmq
+
+from kvatlas.client import EventSink, HttpTransport
+from kvatlas.coordinator.server import free_port
+from kvatlas.events import CacheEntry
+from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
+from kvatlas.processes import spawn_service, stop
+from tests.conftest import wait_for
+from tests.kv_events.helpers import TOKENS, FakeEngine, golden
+from tests.kv_events.router_view import RouterView
+
+C = 16
+
+
+@pytest.fixture
+def engine() -> Iterator[FakeEngine]:
+    e = FakeEngine()
+    yield e
+    e.close()
+
+
+def test_engine_in_and_node_placements_out(engine: FakeEngine) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    out, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    proc = spawn_service(
+        ["-m", "kvatlas.cli", "coordinator", "--port", str(port), "--chunk-size", str(C),
+         "--enable-blend-lookup",
+         "--kv-events-subscribe", engine.endpoint, "--kv-events-replay", engine.replay_endpoint,
+         "--kv-events-publish", out, "--kv-events-replay-bind", replay],
+        url,
+    )  # fmt: skip
+    ctx: zmq.Context[Any] = zmq.Context()
+    sink = EventSink("node-1", HttpTransport(url), backoff_max=0.2)
+    router = RouterView(ctx, out, replay)
+    try:
+
+        def engine_batches() -> int:
+            kv = httpx.get(f"{url}/healthz").json().get("kv_events", {})
+            return int(kv.get("subscriber", {}).get("batches", 0))
+
+        # In: the engine's golden batch, as the coordinator's lookups see it.
+        engine.send_until(0, golden("legacy-array-stored"), lambda: engine_batches() == 1)
+        found = httpx.post(
+            f"{url}/directory/lookup", json={"token_ids": TOKENS, "model_name": "llama"}
+        ).json()
+        assert [(h["instance_id"], h["tier"], h["chunks"]) for h in found["prefix"]] == [
+            ("pod-a", "gpu", 2)
+        ]
+        blend = httpx.post(
+            f"{url}/directory/blend-lookup",
+            json={"token_ids": [1, 2, 3, *TOKENS[16:32]], "model_name": "llama"},
+        ).json()
+        assert [(m["old_st"], m["cur_st"]) for m in blend["matches"]] == [(16, 3)]
+        instances = {i["instance_id"]: i for i in httpx.get(f"{url}/instances").json()["instances"]}
+        assert "pod-a" in instances
+        engine.send(1, golden("current-cleared"))
+        assert wait_for(lambda: engine_batches() == 2)
+        found = httpx.post(
+            f"{url}/directory/lookup", json={"token_ids": TOKENS, "model_name": "llama"}
+        ).json()
+        assert found["prefix"] == []
+        health = httpx.get(f"{url}/healthz").json()
+        assert list(health)[-1] == "kv_events"
+        assert health["kv_events"]["subscriber"]["clears"] == 1
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'kvatlas_kv_events_subscriber_total{counter="clears"} 1.0' in metrics
+
+        # Out: a node's placement, as a router sees it; the engine's never.
+        row = np.arange(C, dtype=np.uint32)
+        key = ObjectKey(chunk_hashes(row, C)[0], "m", pack_kv_rank(1, 0, 1, 0))
+        sink.emit("store", "l1", "dram", [CacheEntry(key, 64, row, 0)])
+        assert sink.flush(30)
+        want = {"kv@node-1@m": {"kvatlas-l1": {key.chunk_hash}}}
+        router.replay()
+        assert wait_for(lambda: router.pump() == want, timeout=15)
+    finally:
+        router.close()
+        sink.close(timeout=1)
+        stop([proc])
+        ctx.term()

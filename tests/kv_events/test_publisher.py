@@ -1,0 +1,187 @@
+"""The publisher on real ZMQ sockets: a router's view (plain pyzmq SUB + untyped msgspec)
+equals the directory's node placements, through stores, deletes, shared pools, fences and
+restarts, without echoing engine-sourced placements, and again after a late join with replay
+(docs/kv-events.md)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from kvatlas.coordinator.kv_events import KvEventsPublisher
+from kvatlas.coordinator.server import free_port
+from kvatlas.directory import KeyDirectory
+from kvatlas.events import CacheEntry, EventBatch
+from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
+from tests.conftest import wait_for
+from tests.kv_events.router_view import RouterView, State
+
+C = 16
+RANK = pack_kv_rank(1, 0, 1, 0)
+
+
+def free_endpoint() -> str:
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+def expected(directory: KeyDirectory) -> State:
+    """The directory's node placements as a router must see them."""
+    out: dict[str, dict[str, set[bytes]]] = {}
+    for item in directory.list_keys(limit=10_000).items:
+        for p in item.placements:
+            if p.tier not in ("l1", "l2"):
+                continue
+            model = item.key.model_name
+            topic = f"kv@pool:{p.backend}@{model}" if p.shared else f"kv@{p.instance_id}@{model}"
+            medium = "kvatlas-l1" if p.tier == "l1" else f"kvatlas-l2-{p.backend}"
+            out.setdefault(topic, {}).setdefault(medium, set()).add(item.key.chunk_hash)
+    return out
+
+
+class Published:
+    def __init__(self, ring: int = 10_000, encoding: str = "map") -> None:
+        self.directory = KeyDirectory(C)
+        self.endpoint, self.replay = free_endpoint(), free_endpoint()
+        self.stop = threading.Event()
+        self.pub = KvEventsPublisher(
+            self.endpoint, self.replay, ring, self.directory, self.stop, encoding
+        )
+        self.directory.observer = self.pub
+        self.pub.open()
+        self.thread = threading.Thread(target=self.pub.run, daemon=True)
+        self.thread.start()
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.seqs: dict[str, int] = {}
+        self.encoding = encoding
+
+    def router(self) -> RouterView:
+        view = RouterView(self.ctx, self.endpoint, self.replay)
+        view.replay()  # what was published before this SUB's subscription took hold
+        return view
+
+    def emit(self, instance: str, kind: str, tier: str, backend: str, entries: list[CacheEntry],
+             *, shared: bool = False, incarnation: int = 1) -> None:  # fmt: skip
+        seq = self.seqs[instance] = self.seqs.get(instance, 0) + 1
+        batch = EventBatch(instance, incarnation, seq, kind, tier, backend, shared,
+                           ts=1.0, entries=tuple(entries))  # fmt: skip
+        assert self.directory.consume(batch).value == "applied"
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        self.ctx.term()
+
+
+@pytest.fixture(params=["map", "array"])
+def published(request: pytest.FixtureRequest) -> Iterator[Published]:
+    p = Published(encoding=request.param)
+    yield p
+    p.close()
+
+
+ROWS = np.arange(8 * C, dtype=np.uint32).reshape(8, C) + 5
+
+
+def entry(i: int, model: str = "m", *, tokens: bool = True) -> CacheEntry:
+    key = ObjectKey(chunk_hashes(ROWS[i], C)[0], model, RANK)
+    return CacheEntry(key, 64, ROWS[i] if tokens else None, 0)
+
+
+def sees(view: RouterView, directory: KeyDirectory) -> bool:
+    return wait_for(lambda: view.pump() == expected(directory), timeout=10)
+
+
+def test_a_router_sees_exactly_the_directory_placements(published: Published) -> None:
+    p = published
+    early = p.router()
+    p.emit("node-1", "store", "l1", "dram", [entry(0), entry(1), entry(2, tokens=False)])
+    p.emit("node-1", "store", "l2", "disk", [entry(3), entry(4, "other")])
+    p.emit("node-2", "store", "l2", "s3", [entry(5)], shared=True)
+    p.emit("node-2", "store", "l1", "dram", [entry(0)])
+    p.emit("node-1", "delete", "l1", "dram", [entry(1)])
+    p.emit("pod-a", "store", "gpu", "vllm", [entry(6)])  # engine-sourced: never echoed
+    assert sees(early, p.directory)
+    assert set(early.view()) == {"kv@node-1@m", "kv@node-1@other", "kv@pool:s3@m", "kv@node-2@m"}
+    assert early.view()["kv@node-1@m"] == {
+        "kvatlas-l1": {entry(0).key.chunk_hash, entry(2).key.chunk_hash},
+        "kvatlas-l2-disk": {entry(3).key.chunk_hash},
+    }
+    assert early.block_sizes == {C}
+    assert early.token_ids[entry(0).key.chunk_hash] == ROWS[0].tolist()
+    assert entry(2).key.chunk_hash not in early.token_ids
+
+    # A fence clears the instance's topics; its own L2 copies are published again.
+    p.directory.fence_instance("node-1")
+    assert sees(early, p.directory)
+    assert early.view()["kv@node-1@m"] == {"kvatlas-l2-disk": {entry(3).key.chunk_hash}}
+    # A restart (new incarnation) fences first, then stores.
+    p.emit("node-2", "store", "l1", "dram", [entry(7)], incarnation=2)
+    assert sees(early, p.directory)
+    assert early.view()["kv@node-2@m"] == {"kvatlas-l1": {entry(7).key.chunk_hash}}
+
+    late = p.router()
+    assert sees(late, p.directory)
+    assert late.view() == early.view()
+    assert early.encodings == late.encodings == {p.encoding}
+    early.close()
+    late.close()
+    assert p.pub.stats().errors == 0
+
+
+def test_placements_restored_before_start_are_published_once() -> None:
+    directory = KeyDirectory(C)
+    directory.consume(EventBatch("node-1", 1, 1, "store", "l2", "disk", entries=(entry(0),)))
+    stop = threading.Event()
+    pub = KvEventsPublisher(free_endpoint(), replay := free_endpoint(), 100, directory, stop)
+    directory.observer = pub
+    pub.open()
+    thread = threading.Thread(target=pub.run, daemon=True)
+    thread.start()
+    ctx: zmq.Context[Any] = zmq.Context()
+    view = RouterView(ctx, pub.endpoint, replay)
+    try:
+        assert wait_for(lambda: pub.stats().messages == 1)
+        view.replay()
+        assert view.pump() == expected(directory) != {}
+    finally:
+        view.close()
+        stop.set()
+        thread.join(timeout=5)
+        ctx.term()
+
+
+def test_random_node_traffic_keeps_the_router_view_exact(published: Published) -> None:
+    """Seeded random stores, deletes (own, shared), fences, restarts and deregistrations:
+    after each burst the router's view equals the directory's node placements."""
+    p = published
+    rng = np.random.default_rng(7)
+    view = p.router()
+    incarnations = {"n1": 1, "n2": 1, "n3": 1}
+    for burst in range(6):
+        for _ in range(40):
+            inst = str(rng.choice(list(incarnations)))
+            roll = rng.random()
+            if roll < 0.05:
+                p.directory.fence_instance(inst)
+                continue
+            if roll < 0.08:
+                p.directory.deregister(inst)
+                p.seqs.pop(inst, None)
+                continue
+            if roll < 0.11:
+                incarnations[inst] += 1
+                p.seqs[inst] = 0
+            kind = "delete" if rng.random() < 0.35 else "store"
+            tier, backend, shared = [("l1", "dram", False), ("l2", "disk", False),
+                                     ("l2", "s3", True)][int(rng.integers(0, 3))]  # fmt: skip
+            picked = [entry(int(i), str(rng.choice(["m", "m2"])))
+                      for i in rng.choice(8, int(rng.integers(1, 4)), replace=False)]  # fmt: skip
+            p.emit(inst, kind, tier, backend, picked, shared=shared,
+                   incarnation=incarnations[inst])  # fmt: skip
+        assert sees(view, p.directory), f"burst {burst}"
+    view.close()

@@ -1,0 +1,259 @@
+"""Re-keying vLLM blocks into kvatlas chunks (docs/kv-events.md): chunks from token chains,
+partial chunks held, unknown parents counted, MM/LoRA under both schemes, BlockRemoved through
+the bounded map, AllBlocksCleared, and bad batches refused whole."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from kvatlas.coordinator.kv_events import BadBatch, Cleared, Rekeyer, SubscriberStats
+from kvatlas.directory import load_snapshot, save_snapshot
+from kvatlas.events import EventBatch
+from kvatlas.events.vllm_wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
+from kvatlas.keys import BlendNamespace, KeyScheme, chunk_hashes
+from tests.kv_events.helpers import HASHES, TOKENS, apply, fed, golden_batch
+
+TEXT = BlockStored(HASHES[:2], None, TOKENS[:32], 16, medium="GPU")
+TEXT_MORE = BlockStored(HASHES[2:], HASHES[1], TOKENS[32:], 16, medium="GPU")
+
+
+def batch(*events: object, dp: int | None = None) -> KVEventBatch:
+    return KVEventBatch(1.0, list(events), dp)  # type: ignore[arg-type]
+
+
+def holders(directory: object, tokens: list[int], model: str = "llama") -> dict[str, int]:
+    found = directory.lookup_tokens(tokens, model)  # type: ignore[attr-defined]
+    return {(h.instance_id, h.tier): h.chunks for h in found.prefix}
+
+
+@pytest.mark.parametrize("name", ["current-stored", "legacy-array-stored"])
+def test_golden_blocks_become_chunks_a_prefix_lookup_finds(name: str) -> None:
+    rekeyer, directory = fed(chunk_size=32)
+    apply(rekeyer, directory, "pod-a", "llama", golden_batch(name))
+    # Blocks 0-1 (text, GPU) are chunk 0; blocks 2-3 carry a LoRA and an image: not under blake3.
+    assert holders(directory, TOKENS) == {("pod-a", "gpu"): 1}
+    assert rekeyer.counts["unindexable_chunks"] == 1
+    key = directory.lookup_tokens(TOKENS[:32], "llama").results[0].key
+    assert key.chunk_hash == chunk_hashes(np.array(TOKENS[:32]), 32)[0]
+
+
+def test_a_partial_chunk_waits_for_its_last_block() -> None:
+    rekeyer, directory = fed(chunk_size=64)
+    apply(rekeyer, directory, "pod-a", "llama", batch(TEXT))
+    assert holders(directory, TOKENS) == {}
+    apply(rekeyer, directory, "pod-a", "llama", batch(TEXT_MORE))
+    assert holders(directory, TOKENS) == {("pod-a", "gpu"): 1}
+    # Removing any block of the chunk removes the chunk.
+    apply(rekeyer, directory, "pod-a", "llama", batch(BlockRemoved([HASHES[0]], "GPU")))
+    assert holders(directory, TOKENS) == {}
+
+
+def test_cpu_medium_is_the_engine_cpu_tier_and_removal_follows_the_medium() -> None:
+    rekeyer, directory = fed(chunk_size=16)
+    cpu = BlockStored(HASHES[:2], None, TOKENS[:32], 16, medium="CPU")
+    apply(rekeyer, directory, "pod-a", "llama", batch(cpu))
+    assert holders(directory, TOKENS) == {("pod-a", "engine-cpu"): 2}
+    apply(rekeyer, directory, "pod-a", "llama", batch(BlockRemoved([HASHES[1]], "CPU")))
+    assert holders(directory, TOKENS) == {("pod-a", "engine-cpu"): 1}
+
+
+def test_an_unknown_parent_is_counted_and_never_guessed() -> None:
+    rekeyer, directory = fed(chunk_size=16)
+    apply(rekeyer, directory, "pod-a", "llama", batch(TEXT_MORE))
+    assert rekeyer.counts["unknown_parents"] == 1
+    assert directory.stats().keys == 0
+
+
+def test_all_blocks_cleared_drops_the_engine_and_its_block_map() -> None:
+    rekeyer, directory = fed(chunk_size=16)
+    apply(rekeyer, directory, "pod-a", "llama", batch(TEXT))
+    apply(rekeyer, directory, "pod-b", "llama", batch(TEXT))
+    apply(rekeyer, directory, "pod-a", "llama", golden_batch("current-cleared"))
+    assert holders(directory, TOKENS) == {("pod-b", "gpu"): 2}
+    apply(rekeyer, directory, "pod-a", "llama", batch(TEXT_MORE))  # its parent is gone
+    assert rekeyer.counts["unknown_parents"] == 1
+
+
+def test_int_hashes_work_like_byte_hashes() -> None:
+    rekeyer, directory = fed(chunk_size=16)
+    apply(rekeyer, directory, "pod-a", "llama", golden_batch("current-int-hashes"))
+    assert holders(directory, TOKENS) == {("pod-a", "gpu"): 2}
+    apply(rekeyer, directory, "pod-a", "llama", batch(BlockRemoved([-42], "GPU")))
+    assert holders(directory, TOKENS) == {("pod-a", "gpu"): 1}
+
+
+def test_engine_text_chunks_feed_the_blend_index() -> None:
+    rekeyer, directory = fed(chunk_size=16, blend=True)
+    apply(rekeyer, directory, "pod-a", "llama", batch(TEXT))
+    query = [7] * 5 + TOKENS[16:32] + [9] * 3
+    matches = directory.blend_match(np.array(query, dtype=np.uint32), BlendNamespace("llama"))
+    assert [(m.cur_st, m.old_st) for m in matches] == [(5, 16)]
+
+
+def mm_and_lora(scheme: str) -> tuple[Rekeyer, object, list[EventBatch]]:
+    rekeyer, directory = fed(scheme, chunk_size=16, blend=True)
+    ops = []
+    for instance, event in (
+        ("text", TEXT),
+        ("image", msgspec.structs.replace(TEXT, extra_keys=[["img-1"], None])),
+        ("lora", msgspec.structs.replace(TEXT, lora_name="adapter-a")),
+    ):
+        for op in rekeyer.translate(instance, "llama", batch(event)):
+            assert isinstance(op, EventBatch)
+            directory.consume(op)
+            ops.append(op)
+    return rekeyer, directory, ops
+
+
+def test_mm_and_lora_chains_are_unindexable_under_blake3() -> None:
+    rekeyer, directory, _ = mm_and_lora("blake3")
+    assert holders(directory, TOKENS) == {("text", "gpu"): 2}
+    assert rekeyer.counts["unindexable_chunks"] == 4  # image: both chunks (the chain); lora: 2
+
+
+def test_mm_and_lora_get_their_own_keys_under_blake3_x1() -> None:
+    _rekeyer, directory, ops = mm_and_lora("blake3-x1")
+    keys = {op.instance_id: [e.key.chunk_hash for e in op.entries] for op in ops}
+    text, image, lora = keys["text"], keys["image"], keys["lora"]
+    assert text == KeyScheme("blake3-x1", 16).chunk_hashes(TOKENS[:32])
+    assert len(set(text) | set(image) | set(lora)) == 6  # never a text key
+    assert holders(directory, TOKENS) == {("text", "gpu"): 2}
+    # LoRA under x1: the same key a node computes for the adapter; tokens never offered to blend.
+    assert lora == KeyScheme("blake3-x1", 16).chunk_hashes(TOKENS[:32], (), {"lora": "adapter-a"})
+    assert all(e.token_ids is None for op in ops if op.instance_id != "text" for e in op.entries)
+
+
+def test_a_lora_appearing_mid_chain_is_never_keyed() -> None:
+    rekeyer, _ = fed("blake3-x1", chunk_size=16)
+    rekeyer.translate("pod-a", "llama", batch(TEXT))
+    ops = rekeyer.translate(
+        "pod-a", "llama", batch(msgspec.structs.replace(TEXT_MORE, lora_name="x"))
+    )
+    assert ops == [] and rekeyer.counts["unindexable_chunks"] == 2
+
+
+def test_other_kv_cache_groups_are_skipped_and_counted() -> None:
+    rekeyer, _ = fed(chunk_size=16)
+    assert rekeyer.translate("p", "m", batch(msgspec.structs.replace(TEXT, group_idx=1))) == []
+    assert rekeyer.counts["other_group_blocks"] == 2
+
+
+@pytest.mark.parametrize(
+    ("event", "kind"),
+    [
+        (msgspec.structs.replace(TEXT, block_size=0), "block_size"),
+        (msgspec.structs.replace(TEXT, block_size=12), "block_size"),
+        (msgspec.structs.replace(TEXT, block_size=1 << 40), "block_size"),
+        (msgspec.structs.replace(TEXT, token_ids=[-1, *TOKENS[1:32]]), "token_range"),
+        (msgspec.structs.replace(TEXT, token_ids=[1 << 32, *TOKENS[1:32]]), "token_range"),
+        (msgspec.structs.replace(TEXT, token_ids=TOKENS[:31]), "invalid"),
+        (msgspec.structs.replace(TEXT, extra_keys=[None]), "invalid"),
+        (msgspec.structs.replace(TEXT, block_hashes=[b"", b"x"]), "invalid"),
+        (BlockStored([], None, [], 16), "invalid"),
+    ],
+)
+def test_a_bad_event_refuses_the_whole_batch(event: BlockStored, kind: str) -> None:
+    rekeyer, _directory = fed(chunk_size=16)
+    with pytest.raises(BadBatch) as err:
+        rekeyer.translate("pod-a", "llama", batch(TEXT, AllBlocksCleared(), event))
+    assert err.value.kind == kind
+    assert rekeyer.engines == {} and rekeyer.total_blocks == 0
+
+
+def test_a_flood_beyond_max_blocks_is_refused_whole() -> None:
+    rekeyer, _ = fed(chunk_size=16, max_blocks=3)
+    with pytest.raises(BadBatch) as err:
+        rekeyer.translate("pod-a", "llama", batch(TEXT, TEXT_MORE))
+    assert err.value.kind == "too_many_blocks" and rekeyer.total_blocks == 0
+
+
+def test_the_block_map_is_bounded_and_evicted_chunks_leave_the_directory() -> None:
+    rekeyer, directory = fed(chunk_size=16, max_blocks=3)
+    apply(rekeyer, directory, "pod-a", "llama", batch(TEXT))
+    apply(rekeyer, directory, "pod-a", "llama", batch(TEXT_MORE))
+    assert rekeyer.total_blocks == 3 and rekeyer.counts["evicted_blocks"] == 1
+    # Block 0 went first, and its chunk with it: the prefix now starts with nothing.
+    assert holders(directory, TOKENS) == {}
+    assert directory.stats().keys == 3
+
+
+def test_a_restart_opens_a_new_incarnation_that_fences_the_old_one() -> None:
+    rekeyer, directory = fed(chunk_size=16)
+    apply(rekeyer, directory, "pod-a", "llama", batch(TEXT, TEXT_MORE))
+    rekeyer.restart("pod-a")
+    apply(rekeyer, directory, "pod-a", "llama", batch(msgspec.structs.replace(TEXT_MORE,
+          parent_block_hash=None, token_ids=[5] * 32)))  # fmt: skip
+    assert holders(directory, TOKENS) == {}
+    assert directory.stats().keys == 2
+
+
+def test_cleared_is_an_op_in_order() -> None:
+    rekeyer, _ = fed(chunk_size=16)
+    ops = rekeyer.translate("pod-a", "llama", batch(TEXT, AllBlocksCleared(), TEXT))
+    assert [type(op).__name__ for op in ops] == ["EventBatch", "Cleared", "EventBatch"]
+    assert isinstance(ops[1], Cleared) and ops[1].instance_id == "pod-a"
+    assert [op.seq for op in ops if isinstance(op, EventBatch)] == [1, 2]
+
+
+def test_engine_tiers_survive_a_snapshot_and_are_fenced_after_it(tmp_path: Path) -> None:
+    rekeyer, directory = fed(chunk_size=16)
+    cpu = msgspec.structs.replace(TEXT_MORE, medium="CPU")
+    apply(rekeyer, directory, "pod-a", "llama", batch(TEXT, cpu))
+    save_snapshot(directory, tmp_path / "d.snap")
+    _, restored = fed(chunk_size=16)
+    load_snapshot(restored, tmp_path / "d.snap")
+    assert holders(restored, TOKENS) == {("pod-a", "gpu"): 2}
+    assert restored.stats().bytes_by_tier.keys() >= {"gpu", "engine-cpu"}
+    assert restored.stats().l1_placements_by_instance == {"pod-a": 4}
+    assert restored.fence_instance("pod-a") == 4
+    assert restored.stats().keys == 0
+
+
+def test_any_extra_key_value_is_an_identity_and_a_bad_ts_refuses_the_batch() -> None:
+    rekeyer, _ = fed("blake3-x1", chunk_size=16)
+    odd = msgspec.structs.replace(TEXT, extra_keys=[[{1: b"\x00"}, 7, None], [["a", 1.5]]])
+    (op,) = rekeyer.translate("pod-a", "llama", batch(odd))
+    assert isinstance(op, EventBatch) and len(op.entries) == 2
+    with pytest.raises(BadBatch):
+        rekeyer.translate("pod-a", "llama", KVEventBatch(float("nan"), [TEXT]))
+
+
+def test_every_rekeyer_counter_is_a_reported_field() -> None:
+    names = {f.name for f in dataclasses.fields(SubscriberStats)}
+    counted = {
+        "clears", "blocks_stored", "blocks_removed", "chunks_stored", "chunks_removed",
+        "unknown_parents", "unknown_removed_blocks", "unindexable_chunks",
+        "other_group_blocks", "evicted_blocks",
+    }  # fmt: skip
+    assert counted <= names
+    rekeyer, directory = fed(chunk_size=16, max_blocks=3)
+    apply(rekeyer, directory, "p", "m", batch(TEXT, BlockRemoved([b"?" * 32])))
+    apply(rekeyer, directory, "p", "m", batch(TEXT_MORE, BlockRemoved([HASHES[3]])))
+    apply(rekeyer, directory, "p", "m", batch(msgspec.structs.replace(TEXT, group_idx=3)))
+    apply(rekeyer, directory, "p", "m", batch(AllBlocksCleared()))
+    assert set(rekeyer.counts) <= names
+
+
+def test_a_gpu_eviction_leaves_the_cpu_offload_copy() -> None:
+    rekeyer, directory = fed(chunk_size=32)
+    apply(rekeyer, directory, "pod-a", "llama", batch(TEXT))  # GPU
+    apply(rekeyer, directory, "pod-a", "llama", batch(msgspec.structs.replace(TEXT, medium="CPU")))
+    found = directory.lookup_tokens(TOKENS, "llama")
+    assert sorted((h.tier, h.chunks) for h in found.prefix) == [("engine-cpu", 1), ("gpu", 1)]
+    apply(rekeyer, directory, "pod-a", "llama", batch(BlockRemoved([HASHES[0]], "GPU")))
+    assert holders(directory, TOKENS) == {("pod-a", "engine-cpu"): 1}
+    apply(rekeyer, directory, "pod-a", "llama", batch(BlockRemoved([HASHES[0]], "GPU")))  # again
+    assert rekeyer.counts["unknown_removed_blocks"] == 1
+    apply(rekeyer, directory, "pod-a", "llama", batch(BlockRemoved([HASHES[1]], "CPU")))
+    assert holders(directory, TOKENS) == {}
+    assert rekeyer.total_blocks == 2  # block 0 still on CPU, block 1 still on GPU
