@@ -23,7 +23,7 @@ from kvatlas.client import (
 from kvatlas.directory import warm_up_kernels
 from kvatlas.errors import Conflict
 from kvatlas.keys import KeySchemeMismatch
-from kvatlas.logs import configure_logging
+from kvatlas.logs import configure_logging, uvicorn_log_options
 from kvatlas.node.cache_node import CacheNode
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.fleet_view import HttpFleetView
@@ -116,9 +116,9 @@ class NodeProcess:
             )
         l2: L2Backend | None = None
         if config.l2 == "fs" and config.l2_shared:
-            l2 = FsL2(config.l2_path, "fs-shared", shared=True)
+            l2 = FsL2(config.l2_dir, "fs-shared", shared=True)
         elif config.l2 == "fs":
-            l2 = FsL2(instance_dir(config.l2_path, instance_id or "node"))
+            l2 = FsL2(instance_dir(config.l2_dir, instance_id or "node"))
         elif config.l2 == "redis":
             l2 = RedisL2(config.l2_redis_url)
         self.node = CacheNode(
@@ -183,7 +183,7 @@ def announce_security(config: NodeConfig) -> None:
 
 
 def run_node(config: NodeConfig) -> int:
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, config.log_format)
     announce_security(config)
     try:
         socks = [bind_listener(host, port) for host, port, _ in listeners(config)]
@@ -202,9 +202,10 @@ def run_node(config: NodeConfig) -> int:
         "kvatlas node %s on %s (fleet %s, l2 %s)",
         process.node.instance_id,
         ", ".join(f"http://{h}:{p} ({what})" for h, p, what in listeners(config)),
-        "on" if config.fleet_enabled else "off", config.l2,
+        "on" if config.fleet_enabled else "off",
+        f"fs in {config.l2_dir}" if config.l2 == "fs" else config.l2,
     )  # fmt: skip
-    kwargs: dict[str, Any] = {"log_level": config.log_level}
+    kwargs = uvicorn_log_options(config.log_level, config.access_log)
     try:
         serve(process.app, host=config.host, port=config.port, sock=socks, **kwargs)
     finally:
