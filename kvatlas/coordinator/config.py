@@ -192,6 +192,10 @@ def config_from_args(
 def parse_config(
     argv: Sequence[str], environ: Mapping[str, str] | None = None
 ) -> CoordinatorConfig:
-    parser = argparse.ArgumentParser(prog="kvatlas coordinator")
+    parser = argparse.ArgumentParser(prog="kvatlas coordinator", exit_on_error=False)
     add_arguments(parser)
-    return config_from_args(parser.parse_args(argv), environ)
+    try:
+        args = parser.parse_args(argv)
+    except argparse.ArgumentError as exc:  # a value outside a flag's choices, say
+        raise ValueError(str(exc)) from None
+    return config_from_args(args, environ)

@@ -91,7 +91,10 @@ class NodeProcess:
                 raise
             instance_id = self.coordinator.register(
                 instance_id, ip=config.host, http_port=config.port, p2p_advertised_url=advertised,
-                metadata={"model_name": config.model_name, "kv_rank": config.kv_rank},
+                metadata={
+                    "model_name": config.model_name, "kv_rank": config.kv_rank,
+                    "mode": "fleet" if config.fleet_enabled else "lookup only",
+                },
             )  # fmt: skip
         config.warn_if_half_configured()
         if config.fleet_enabled and self.coordinator is not None:
