@@ -39,7 +39,14 @@ SHAPES = shapes(FLEET.read_text())
 def _isolated() -> list[str]:
     probe = ["unshare", "--net", "--map-root-user", "true"]
     if shutil.which("unshare") and subprocess.run(probe, capture_output=True).returncode == 0:
-        return ["unshare", "--net", "--map-root-user", "bash", "-c", 'ip link set lo up && exec "$0" "$@"']
+        return [
+            "unshare",
+            "--net",
+            "--map-root-user",
+            "bash",
+            "-c",
+            'ip link set lo up && exec "$0" "$@"',
+        ]
     return []
 
 

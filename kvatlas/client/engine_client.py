@@ -85,11 +85,12 @@ class EngineLayout(msgspec.Struct, frozen=True):
         return (self.num_layers, 2, self.chunk_size, self.num_kv_heads, self.head_dim)
 
     def numpy_dtype(self) -> np.dtype[Any]:
-        if self.dtype == "bfloat16":
-            import ml_dtypes
+        if self.dtype != "bfloat16":
+            return np.dtype(self.dtype)
+        import ml_dtypes
 
-            return np.dtype(ml_dtypes.bfloat16)
-        return np.dtype(self.dtype)
+        bfloat16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+        return bfloat16
 
 
 class ChunkLayout(Protocol):

@@ -187,9 +187,37 @@ def key_page_from_wire(obj: Any) -> KeyPage:
     )
 
 
-def blend_to_wire(matches: Sequence[BlendMatch], enabled: bool) -> dict[str, Any]:
+def blend_to_wire(
+    matches: Sequence[BlendMatch],
+    enabled: bool,
+    placements: Sequence[Sequence[tuple[int, Sequence[Placement]]]] | None = None,
+) -> dict[str, Any]:
     """``POST /directory/blend-lookup``; read back by ``kvatlas.client.blend_client`` (which
-    must not import the directory, so it keeps its own strict parser)."""
+    must not import the directory, so it keeps its own strict parser). With ``placements``
+    (``?with_placements=true``; one list per match) each match says who holds it."""
+    if placements is not None:
+        return {
+            "matches": [
+                {
+                    "chunk_hash": m.chunk_hash.hex(),
+                    "old_st": m.old_st,
+                    "cur_st": m.cur_st,
+                    "placements": [
+                        {
+                            "instance_id": p.instance_id,
+                            "tier": p.tier,
+                            "backend": p.backend,
+                            "shared": p.shared,
+                            "kv_rank": kv_rank,
+                        }
+                        for kv_rank, held in holders
+                        for p in held
+                    ],
+                }
+                for m, holders in zip(matches, placements, strict=True)
+            ],
+            "blend_enabled": enabled,
+        }
     return {
         "matches": [
             {"chunk_hash": m.chunk_hash.hex(), "old_st": m.old_st, "cur_st": m.cur_st}
