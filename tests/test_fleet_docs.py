@@ -1,5 +1,6 @@
-"""docs/fleet.md runs: each shape's ``fleet-test`` blocks, verbatim and in order, in one bash
-shell against real services on loopback (Redis, coordinator, nodes, a snippet as the engine).
+"""The docs run: each shape's ``fleet-test`` blocks of docs/fleet.md, and the engine API's
+``doc-test`` blocks of docs/node.md, verbatim and in order, one bash shell per section, against
+real services on loopback (Redis, coordinator, nodes, a snippet as the engine).
 
 Each shape runs in a network namespace of its own when the machine allows one (``unshare
 --net``), so the documented ports never collide with anything else running here; otherwise on
@@ -18,22 +19,30 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FLEET = ROOT / "docs" / "fleet.md"
-_BLOCK = re.compile(r"^```bash fleet-test\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+DOCS = ROOT / "docs"
 _PRELUDE = "set -euo pipefail\ntrap 'kill $(jobs -p) 2>/dev/null; wait' EXIT\n"
 
 
-def shapes(text: str) -> dict[str, list[str]]:
-    """Heading of each ``## `` section → its ``fleet-test`` blocks."""
+_SHOWN = re.compile(r"^# \{(?!.*\.\.\.).*$")
+"""A comment showing a reply line in full (no ``...``): the run must print exactly that line."""
+
+
+def sections(text: str, tag: str) -> dict[str, list[str]]:
+    """Heading of each ``## `` section → its ``bash <tag>`` blocks."""
+    block = re.compile(rf"^```bash {tag}\n(.*?)^```$", re.MULTILINE | re.DOTALL)
     found: dict[str, list[str]] = {}
     for section in re.split(r"^## ", text, flags=re.MULTILINE)[1:]:
-        blocks = _BLOCK.findall(section)
+        blocks = block.findall(section)
         if blocks:
             found[section.splitlines()[0]] = blocks
     return found
 
 
-SHAPES = shapes(FLEET.read_text())
+SHAPES = sections((DOCS / "fleet.md").read_text(), "fleet-test")
+ENGINE_API = sections((DOCS / "node.md").read_text(), "doc-test")
+RUNS = {f"fleet.md {k}": v for k, v in SHAPES.items()} | {
+    f"node.md {k}": v for k, v in ENGINE_API.items()
+}
 
 
 def _isolated() -> list[str]:
@@ -50,14 +59,15 @@ def _isolated() -> list[str]:
     return []
 
 
-def test_the_page_has_the_runnable_shapes() -> None:
+def test_the_pages_have_their_runnable_sections() -> None:
     assert [name.split(".")[0] for name in SHAPES] == ["1", "2"]
+    assert list(ENGINE_API) == ["Engine API"]
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_fleet_shape_runs_verbatim(shape: str, tmp_path: Path) -> None:
-    script = tmp_path / "shape.sh"
-    script.write_text(_PRELUDE + "\n".join(SHAPES[shape]))
+@pytest.mark.parametrize("section", list(RUNS))
+def test_doc_section_runs_verbatim(section: str, tmp_path: Path) -> None:
+    script = tmp_path / "section.sh"
+    script.write_text(_PRELUDE + "\n".join(RUNS[section]))
     env = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
@@ -77,4 +87,7 @@ def test_fleet_shape_runs_verbatim(shape: str, tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, f"docs/fleet.md, shape {shape!r} failed:\n{out[-6000:]}"
+    assert proc.returncode == 0, f"docs/{section!r} failed:\n{out[-6000:]}"
+    shown = [line[2:] for line in "\n".join(RUNS[section]).splitlines() if _SHOWN.match(line)]
+    missing = [line for line in shown if line not in out.splitlines()]
+    assert not missing, f"docs/{section!r} shows output it does not print: {missing}\n{out[-6000:]}"
