@@ -277,9 +277,12 @@ def create_node_app(node: CacheNode, *, auth: TokenAuth | None = None) -> FastAP
         """Store the KV of a request's chunks: `tokens`, `kv` (`n_chunks` chunks in the node's
         layout from chunk `first_chunk`), `cache_salt`, `mm_items`. Reply `{stored, cacheable}`."""
         tracker, _ = tracker_for(call, who)
+        if len(call.kv) != call.n_chunks * layout.chunk_bytes:
+            raise Unprocessable(
+                f"kv bytes do not match n_chunks x the node's KV layout: {len(call.kv)} bytes, "
+                f"expected {call.n_chunks} x {layout.chunk_bytes} (GET /engine/layout)"
+            )
         kv = np.frombuffer(call.kv, dtype=layout.numpy_dtype())
-        if kv.size != call.n_chunks * int(np.prod(layout.shape)):
-            raise Unprocessable("kv bytes do not match n_chunks x the node's KV layout")
         chunks = list(kv.reshape((call.n_chunks, *layout.shape)))
         stored = await run_in_threadpool(node.store, tracker, chunks, first_chunk=call.first_chunk)
         trackers.drop(who, call.request_id, tracker)
