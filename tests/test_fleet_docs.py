@@ -40,9 +40,12 @@ def sections(text: str, tag: str) -> dict[str, list[str]]:
 
 SHAPES = sections((DOCS / "fleet.md").read_text(), "fleet-test")
 ENGINE_API = sections((DOCS / "node.md").read_text(), "doc-test")
-RUNS = {f"fleet.md {k}": v for k, v in SHAPES.items()} | {
-    f"node.md {k}": v for k, v in ENGINE_API.items()
-}
+LOOKUPS = sections((DOCS / "coordinator.md").read_text(), "doc-test")
+RUNS = (
+    {f"fleet.md {k}": v for k, v in SHAPES.items()}
+    | {f"node.md {k}": v for k, v in ENGINE_API.items()}
+    | {f"coordinator.md {k}": v for k, v in LOOKUPS.items()}
+)
 
 
 def _isolated() -> list[str]:
@@ -62,6 +65,7 @@ def _isolated() -> list[str]:
 def test_the_pages_have_their_runnable_sections() -> None:
     assert [name.split(".")[0] for name in SHAPES] == ["1", "2"]
     assert list(ENGINE_API) == ["Engine API"]
+    assert list(LOOKUPS) == ["Lookups by key, `kv_rank`, holders of blend matches"]
 
 
 @pytest.mark.parametrize("section", list(RUNS))
