@@ -1,7 +1,10 @@
 # Everything a fresh clone needs: `make demo` and `make test` create .venv and install on first use.
+# `make demo` installs the package alone (no torch, no test tools); `make test` adds the dev extras
+# and torch.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+DEMO_STAMP := $(VENV)/.demo-stamp
 STAMP := $(VENV)/.installed-stamp
 # The CPU build of torch lies on the CI machines' disk; torch stays an optional extra of the package
 # (README.md, "Quick start").
@@ -9,9 +12,13 @@ TORCH_PIN ?= torch==2.13.0
 
 .PHONY: demo test lint typecheck pytest bench clean
 
-$(STAMP): pyproject.toml
+$(DEMO_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e .
+	touch $(DEMO_STAMP)
+
+$(STAMP): $(DEMO_STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	@# torch: under CI=true a failed install fails the build; locally it warns. Either way the
 	@# stamp is written only once torch installed, so the next `make` retries the install.
@@ -24,7 +31,7 @@ $(STAMP): pyproject.toml
 		esac; \
 	fi
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/kvatlas demo --serve
 
 lint: $(STAMP)

@@ -1,4 +1,5 @@
-"""The ``kvatlas`` command: ``coordinator``, ``node``, ``route``, ``demo`` and ``bench NAME``."""
+"""The ``kvatlas`` command: ``coordinator``, ``node``, ``route``, ``demo``, ``keys`` and ``bench
+NAME``."""
 
 from __future__ import annotations
 
@@ -7,30 +8,46 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from kvatlas import __version__
 from kvatlas.bench import BENCHMARKS
 from kvatlas.client.route_client import ROUTE_HELP, RouteCommand, run_route_command
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args
 from kvatlas.coordinator.config import add_arguments as add_coordinator_arguments
 from kvatlas.coordinator.config import config_from_args
+from kvatlas.keys import pack_kv_rank
 from kvatlas.node.config import add_arguments as add_node_arguments
 from kvatlas.node.config import config_from_args as node_config_from_args
 
+DESCRIPTION = (
+    "kvatlas: where every cached KV chunk of an LLM serving fleet lives. Run a coordinator "
+    "(the fleet's directory), cache nodes (KV tiers and an engine API), the demo, a key "
+    "helper or a benchmark; 'kvatlas COMMAND --help' explains each command's flags."
+)
+
+
+def _plain(doc: str | None) -> str:
+    """A docstring's first paragraph as plain text (no reST backticks, one line)."""
+    first = (doc or "").strip().split("\n\n")[0]
+    return " ".join(first.replace("``", "").split())
+
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvatlas", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="kvatlas", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"kvatlas {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     coordinator = sub.add_parser(
         "coordinator",
         help="run the coordinator service (every flag also as KVATLAS_<NAME>)",
-        description="The fleet's key directory and blend index over HTTP.",
+        description="The fleet's key directory and blend index over HTTP (docs/coordinator.md).",
     )
     add_coordinator_arguments(coordinator)
 
     node = sub.add_parser(
         "node",
         help="run a cache node (every flag also as KVATLAS_<NAME>)",
-        description="A cache node: KV tiers, peer L1, engine API, events to the coordinator.",
+        description="A cache node: KV tiers, peer L1, engine API, events to the coordinator "
+        "(docs/node.md).",
     )
     add_node_arguments(node)
 
@@ -41,11 +58,16 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     add_dataclass_arguments(route, RouteCommand, ROUTE_HELP)
 
-    demo = sub.add_parser("demo", help="run the fleet demo (RAG workload over 2 nodes)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo = sub.add_parser(
+        "demo",
+        help="run the fleet demo (RAG workload over 2 nodes)",
+        description="A RAG workload over a coordinator and two cache nodes, in one process "
+        "(default) or real processes over HTTP; --keys shows multimodal-safe keys instead.",
+    )
+    demo.add_argument("--seed", type=int, default=0, help="random seed of the workload")
     demo.add_argument("--processes", action="store_true", help="real processes over HTTP")
-    demo.add_argument("--documents", type=int, default=24)
-    demo.add_argument("--queries", type=int, default=40)
+    demo.add_argument("--documents", type=int, default=24, help="documents in the corpus")
+    demo.add_argument("--queries", type=int, default=40, help="queries, each over a few documents")
     demo.add_argument("--keys", action="store_true", help="show multimodal-safe keys instead")
     demo.add_argument(
         "--serve",
@@ -53,24 +75,54 @@ def _build_parser() -> argparse.ArgumentParser:
         help="then print the status page URL and keep the fleet up until Ctrl-C",
     )
 
+    keys = sub.add_parser(
+        "keys", help="key helpers (docs/keys.md)", description="Helpers for kvatlas keys."
+    )
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True, metavar="HELPER")
+    kv_rank = keys_sub.add_parser(
+        "kv-rank",
+        help="print the packed kv_rank of a tensor-parallel rank (a key's kv_rank field)",
+        description="Print world_size<<24 | rank<<16 | world_size<<8 | rank: the kv_rank "
+        "that a node with --world-size and --rank puts in its keys.",
+    )
+    kv_rank.add_argument("--world-size", type=int, default=1, help="tensor-parallel world size")
+    kv_rank.add_argument("--rank", type=int, default=0, help="the tensor-parallel rank")
+
     bench = sub.add_parser("bench", help="run a benchmark (median of repeats, ratio to naive)")
-    bench_sub = bench.add_subparsers(dest="bench_name", required=True)
+    bench_sub = bench.add_subparsers(dest="bench_name", required=True, metavar="NAME")
     for name in BENCHMARKS:
         module = importlib.import_module(f"kvatlas.bench.{name}")
-        module.add_arguments(bench_sub.add_parser(name, help=module.__doc__))
+        doc = _plain(module.__doc__)
+        module.add_arguments(bench_sub.add_parser(name, help=doc, description=doc))
+    return parser
+
+
+def subcommand_parser(
+    parser: argparse.ArgumentParser, names: Sequence[str]
+) -> argparse.ArgumentParser:
+    """The parser of ``kvatlas NAMES...`` (the deepest one ``names`` reaches)."""
+    for name in names:
+        actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not actions or name not in actions[0].choices:
+            break
+        parser = actions[0].choices[name]
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    names = [args.command, getattr(args, "bench_name", None) or getattr(args, "keys_command", "")]
+    own = subcommand_parser(parser, [n for n in names if n])
+    if extra:  # argument errors name the subcommand's usage, not the top level's
+        own.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "coordinator":
         from kvatlas.coordinator.server import run_coordinator
 
         try:
             config = config_from_args(args)
         except ValueError as exc:
-            parser.error(str(exc))
+            own.error(str(exc))
         return run_coordinator(config)
     if args.command == "node":
         from kvatlas.node.server import run_node
@@ -78,13 +130,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             node_config = node_config_from_args(args)
         except ValueError as exc:
-            parser.error(str(exc))
+            own.error(str(exc))
         return run_node(node_config)
     if args.command == "route":
         try:
             return run_route_command(dataclass_from_args(RouteCommand, args))
         except (ValueError, OSError) as exc:
             parser.error(str(exc))
+    if args.command == "keys":
+        try:
+            print(pack_kv_rank(args.world_size, args.rank, args.world_size, args.rank))
+        except ValueError as exc:
+            own.error(str(exc))
+        return 0
     if args.command == "demo":
         if args.keys:
             from kvatlas.demo.keys import run_demo

@@ -11,7 +11,7 @@ import argparse
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,9 +48,14 @@ def _base_type(annotation: Any) -> tuple[Any, bool]:
 
 
 def add_dataclass_arguments(
-    parser: argparse.ArgumentParser, cls: type, help_texts: Mapping[str, str]
+    parser: argparse.ArgumentParser,
+    cls: type,
+    help_texts: Mapping[str, str],
+    choices: Mapping[str, Sequence[str]] | None = None,
 ) -> None:
+    """One flag per field; a field in ``choices`` shows them as ``{a,b}`` and refuses others."""
     hints = typing.get_type_hints(cls)
+    choices = choices or {}
     for f in fields(cls):
         default = f.default if f.default is not MISSING else None
         help_text = (
@@ -62,6 +67,10 @@ def add_dataclass_arguments(
                 action=argparse.BooleanOptionalAction,
                 default=None,
                 help=help_text,
+            )
+        elif f.name in choices:
+            parser.add_argument(
+                flag_name(f.name), default=None, choices=choices[f.name], help=help_text
             )
         else:
             parser.add_argument(

@@ -39,3 +39,16 @@ def test_kernels_load_on_first_use() -> None:
         "from kvatlas.events import decode_json\nassert decode_json(b'{\"batches\": []}') == []"
     )
     assert _loaded_after(decode) == list(HEAVY)
+
+
+def test_the_engine_client_loads_no_server_stack() -> None:
+    """``kvatlas.client`` (with its EngineClient) loads neither torch, ml_dtypes nor the web
+    framework: an engine process pays for httpx, msgspec and numpy only."""
+    probe = (
+        "import sys\nimport kvatlas.client\n"
+        "print(' '.join(m for m in ('torch', 'ml_dtypes', 'fastapi', 'starlette') if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.split() == []

@@ -152,3 +152,49 @@ def test_status_line_names_the_outcome(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch_status().endswith("will FAIL (CI is set)")
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(__version__="9.9"))
     assert torch_status() == "torch: 9.9"
+
+
+# ------------------------------------------------------------------ make demo installs no torch
+
+RECORDING_PYTHON = """#!/bin/sh
+# Stands in for .venv/bin/python and .venv/bin/kvatlas: records every call, installs nothing.
+echo "$(basename "$0") $*" >> "$CALLS"
+exit 0
+"""
+
+
+def test_make_demo_installs_the_package_alone_without_torch(tmp_path: Path) -> None:
+    """`make demo` in a fresh clone: pip installs the package without extras (no torch, no
+    test tools), then runs the demo; `make test`'s install adds the dev extras and torch."""
+    make = shutil.which("make")
+    if make is None:
+        if ci_enabled():
+            pytest.fail("make not found (CI must run the Makefile checks)")
+        pytest.skip("make not found")
+    shutil.copy(REPO / "Makefile", tmp_path / "Makefile")
+    (tmp_path / "pyproject.toml").write_text("")
+    for name in ("python", "kvatlas"):
+        tool = tmp_path / ".venv" / "bin" / name
+        tool.parent.mkdir(parents=True, exist_ok=True)
+        tool.write_text(RECORDING_PYTHON)
+        tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
+    calls = tmp_path / "calls.log"
+    env = {k: v for k, v in os.environ.items() if k not in {"MAKEFLAGS", "MFLAGS", "MAKELEVEL"}}
+    env["CALLS"] = str(calls)
+    demo = subprocess.run(
+        [make, "--no-print-directory", "demo"], cwd=tmp_path, env=env, capture_output=True,
+        text=True, timeout=60,
+    )  # fmt: skip
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    installs = [line for line in calls.read_text().splitlines() if " install " in line]
+    assert installs and all("torch" not in line and "[" not in line for line in installs), installs
+    assert "python -m pip install --quiet -e ." in installs
+    assert calls.read_text().splitlines()[-1] == "kvatlas demo --serve"
+    calls.unlink()
+    test_install = subprocess.run(
+        [make, "--no-print-directory", ".venv/.installed-stamp"], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert test_install.returncode == 0, test_install.stdout + test_install.stderr
+    added = calls.read_text()
+    assert "-e .[dev]" in added and "torch==" in added

@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, repeats=21)
     parser.add_argument("--tokens", type=int, default=131072, help="prompt length to hash")
     parser.add_argument("--mm-values", type=int, default=1 << 20, help="values to derive")
-    parser.add_argument("--chunk-size", type=int, default=256)
+    parser.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -40,8 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, repeats=5)
     parser.add_argument("--requests", type=int, default=400, help="engine batches (requests)")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per request")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--chunk-size", type=int, default=256)
+    parser.add_argument("--block-size", type=int, default=16, help="vLLM block size, tokens")
+    parser.add_argument("--chunk-size", type=int, default=256, help="kvatlas chunk size, tokens")
     parser.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
 
 

@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, repeats=3)
     parser.add_argument("--chunks", type=int, default=100_000, help="chunks in the directory")
     parser.add_argument("--instances", type=int, default=16, help="live instances to score")
-    parser.add_argument("--query-tokens", type=int, default=32_768)
+    parser.add_argument("--query-tokens", type=int, default=32_768, help="tokens per query")
     parser.add_argument("--calls", type=int, default=400, help="timed scoring calls per repeat")
     parser.add_argument("--clients", type=int, default=8, help="concurrent HTTP clients")
     parser.add_argument("--seconds", type=float, default=5.0, help="duration of the HTTP load")

@@ -41,7 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--index-chunks", type=int, default=100_000, help="chunks indexed for lookups"
     )
-    parser.add_argument("--query-tokens", type=int, default=32_768)
+    parser.add_argument(
+        "--query-tokens", type=int, default=32_768, help="tokens per blend-lookup query"
+    )
     parser.add_argument("--clients", type=int, default=8, help="concurrent blend-lookup clients")
     parser.add_argument(
         "--lookup-seconds", type=float, default=5.0, help="duration of the lookup load"

@@ -1,4 +1,5 @@
-"""Clients of the coordinator, used by cache nodes and routers (docs/coordinator.md, "Clients").
+"""Clients of the coordinator, used by cache nodes and routers (docs/coordinator.md, "Clients"),
+and an engine's client of a cache node (:class:`EngineClient`, docs/node.md "Engine API").
 
 They speak HTTP (or Redis Streams) and never import server internals: importing this package
 loads neither the directory nor numba, so a router pays only for httpx and msgspec.
@@ -10,6 +11,7 @@ from kvatlas.client.coordinator_client import (
     CoordinatorError,
     encode_tokens_b64,
 )
+from kvatlas.client.engine_client import EngineCallError, EngineClient, EngineLayout
 from kvatlas.client.event_sink import (
     AuthSendError,
     EventSink,
@@ -29,6 +31,9 @@ __all__ = [
     "BlendCoordinatorClient",
     "CoordinatorClient",
     "CoordinatorError",
+    "EngineCallError",
+    "EngineClient",
+    "EngineLayout",
     "EventSink",
     "FleetMatcher",
     "HttpTransport",

@@ -21,7 +21,7 @@ from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
-from kvatlas.coordinator.blend_lookup import BLEND_HEADERS, BlendLookup
+from kvatlas.coordinator.blend_lookup import BLEND_HEADERS, BlendLookup, wants_placements
 from kvatlas.coordinator.query import field_errors
 from kvatlas.errors import Forbidden, KvatlasError, Unprocessable
 from kvatlas.web import BodyLimit, error_headers, error_payload, error_response, json_encoder
@@ -191,7 +191,8 @@ class BlendFastPath:
                 break
         status, headers = 200, [(b"content-type", b"application/json")]
         try:
-            payload, enabled = await self.lookup(b"".join(chunks), who)
+            placements = wants_placements(scope.get("query_string", b""))
+            payload, enabled = await self.lookup(b"".join(chunks), who, placements)
             headers.append(BLEND_HEADERS[enabled])
         except KvatlasError as exc:
             status, payload = exc.status, json_encoder.encode(error_payload(exc))

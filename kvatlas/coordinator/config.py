@@ -20,6 +20,7 @@ from kvatlas.coordinator.scoring import DEFAULT_FRAGMENT_WEIGHT
 from kvatlas.events import EVENT_TRANSPORTS
 from kvatlas.events.vllm_wire import ENCODINGS
 from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme, check_model_name
+from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
 
 DEFAULT_PORT = 9300
 
@@ -48,7 +49,7 @@ class CoordinatorConfig:
     port: int = DEFAULT_PORT
     chunk_size: int = DEFAULT_CHUNK_SIZE
     hash_scheme: str = "blake3"
-    enable_blend_lookup: bool = False
+    enable_blend_lookup: bool = True
     blend_probe_stride: int = 1
     event_transport: str = "http"
     redis_url: str | None = None
@@ -78,6 +79,8 @@ class CoordinatorConfig:
     kv_events_replay_bind: str | None = None
     kv_events_replay_size: int = 10_000
     kv_events_publish_encoding: str = "map"
+    log_format: str = "json"
+    access_log: bool = False
 
     def __post_init__(self) -> None:
         KeyScheme(self.hash_scheme, self.chunk_size)  # validates both
@@ -182,10 +185,13 @@ _HELP = {
     "host": "bind address (loopback by default)",
     "port": "bind port",
     "chunk_size": "fleet chunk size in tokens (the blend match window)",
-    "hash_scheme": f"key scheme: {' or '.join(SCHEMES)}",
-    "enable_blend_lookup": "index chunk content for fragment (blend) lookup",
+    "hash_scheme": "key scheme (chunk hash); every node's must equal it",
+    "enable_blend_lookup": (
+        "index chunk content for fragment (blend) lookup (LMCache's default, off: "
+        "--no-enable-blend-lookup)"
+    ),
     "blend_probe_stride": "query positions between blend probes (1 = every offset)",
-    "event_transport": "how events arrive: http (POST /events) or redis (Redis Streams)",
+    "event_transport": "how events arrive: POST /events (http) or Redis Streams (redis)",
     "redis_url": "Redis URL for the redis transport, e.g. redis://127.0.0.1:6379/0",
     "event_stream": "Redis Stream name carrying event batches",
     "consumer_group": "Redis consumer group (default: kvatlas-<replica id>, one per replica)",
@@ -201,7 +207,9 @@ _HELP = {
     "max_batch_entries": "most entries in one POST /events body",
     "max_body_bytes": "largest request body, in bytes (default: derived from the two limits "
     "above and --chunk-size, see docs/coordinator.md)",
-    "log_level": "log level (debug, info, warning, error)",
+    "log_level": "log level",
+    "log_format": "log lines as JSON objects (json) or plain text for humans (text)",
+    "access_log": "log one line per HTTP request",
     "max_instances": "most registered instances, and most emitters the directory tracks",
     "emitter_retention": "seconds after which an unregistered, silent emitter is forgotten "
     "(its cursor and metric series)",
@@ -224,8 +232,17 @@ _HELP = {
 }
 
 
+_CHOICES = {
+    "hash_scheme": SCHEMES,
+    "event_transport": EVENT_TRANSPORTS,
+    "log_level": LOG_LEVELS,
+    "log_format": LOG_FORMATS,
+    "kv_events_publish_encoding": ENCODINGS,
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_dataclass_arguments(parser, CoordinatorConfig, _HELP)
+    add_dataclass_arguments(parser, CoordinatorConfig, _HELP, _CHOICES)
 
 
 def config_from_args(
@@ -237,6 +254,10 @@ def config_from_args(
 def parse_config(
     argv: Sequence[str], environ: Mapping[str, str] | None = None
 ) -> CoordinatorConfig:
-    parser = argparse.ArgumentParser(prog="kvatlas coordinator")
+    parser = argparse.ArgumentParser(prog="kvatlas coordinator", exit_on_error=False)
     add_arguments(parser)
-    return config_from_args(parser.parse_args(argv), environ)
+    try:
+        args = parser.parse_args(argv)
+    except argparse.ArgumentError as exc:  # a value outside a flag's choices, say
+        raise ValueError(str(exc)) from None
+    return config_from_args(args, environ)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -32,7 +33,6 @@ from kvatlas.coordinator.scoring import (
     walk_prefix,
 )
 from kvatlas.coordinator.service import CoordinatorService
-from kvatlas.coordinator.wire import route_scores_to_wire
 from kvatlas.directory import KeyDirectory
 from kvatlas.errors import PayloadTooLarge, Unprocessable
 from kvatlas.keys import KeyScheme, check_instance_id, expand_prefix_keys
@@ -152,3 +152,20 @@ class RouteScoring:
         reply = json_encoder.encode(route_scores_to_wire(scores, asked.query_tokens))
         service.metrics.route_latency.observe(time.perf_counter() - started)
         return reply
+
+
+def route_scores_to_wire(scores: Sequence[InstanceScore], query_tokens: int) -> dict[str, Any]:
+    """``POST /route/score``, best first; read back by ``kvatlas.client.route_client``."""
+    return {
+        "instances": [
+            {
+                "instance_id": s.instance_id,
+                "prefix_tokens": s.prefix_tokens,
+                "fragment_tokens": s.fragment_tokens,
+                "score": s.score,
+                "by_tier": s.by_tier,
+            }
+            for s in scores
+        ],
+        "query_tokens": query_tokens,
+    }

@@ -106,7 +106,16 @@ BLEND_LOOKUP_BODY_SCHEMA: dict[str, Any] = {
                 "schema": msgspec.json.schema_components([BlendLookupBody])[1]["BlendLookupBody"]
             }
         },
-    }
+    },
+    "parameters": [
+        {
+            "name": "with_placements",
+            "in": "query",
+            "required": False,
+            "description": "true: each match lists the instances holding it (`placements`)",
+            "schema": {"type": "boolean", "default": False},
+        }
+    ],
 }
 
 

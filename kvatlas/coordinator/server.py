@@ -23,7 +23,7 @@ from kvatlas.coordinator.app import create_app
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.errors import KvatlasError
-from kvatlas.logs import configure_logging
+from kvatlas.logs import configure_logging, uvicorn_log_options
 
 __all__ = [
     "BackgroundServer",
@@ -153,7 +153,7 @@ class BackgroundServer:
 
 
 def run_coordinator(config: CoordinatorConfig) -> int:
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, config.log_format)
     # The event loop and the match threads share the GIL; the default 5 ms switch interval
     # lets one request's Python work stall the others' responses (p99). 1 ms keeps them fair.
     sys.setswitchinterval(0.001)
@@ -185,7 +185,8 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     # decoding scans only what requests allocate.
     gc.freeze()
     try:
-        serve(app, host=config.host, port=config.port, sock=sock, log_level=config.log_level)
+        options = uvicorn_log_options(config.log_level, config.access_log)
+        serve(app, host=config.host, port=config.port, sock=sock, **options)
     finally:
         service.stop()
         sock.close()

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 from kvatlas.checks import is_plain_int
 from kvatlas.coordinator.instances import Registration
-from kvatlas.coordinator.scoring import InstanceScore
 from kvatlas.coordinator.views import (
     EmitterView,
     HealthView,
@@ -234,32 +233,43 @@ def key_page_from_wire(obj: Any) -> KeyPage:
     )
 
 
-def blend_to_wire(matches: Sequence[BlendMatch], enabled: bool) -> dict[str, Any]:
+def blend_to_wire(
+    matches: Sequence[BlendMatch],
+    enabled: bool,
+    placements: Sequence[Sequence[tuple[int, Sequence[Placement]]]] | None = None,
+) -> dict[str, Any]:
     """``POST /directory/blend-lookup``; read back by ``kvatlas.client.blend_client`` (which
-    must not import the directory, so it keeps its own strict parser)."""
+    must not import the directory, so it keeps its own strict parser). With ``placements``
+    (``?with_placements=true``; one list per match) each match says who holds it."""
+    if placements is not None:
+        return {
+            "matches": [
+                {
+                    "chunk_hash": m.chunk_hash.hex(),
+                    "old_st": m.old_st,
+                    "cur_st": m.cur_st,
+                    "placements": [
+                        {
+                            "instance_id": p.instance_id,
+                            "tier": p.tier,
+                            "backend": p.backend,
+                            "shared": p.shared,
+                            "kv_rank": kv_rank,
+                        }
+                        for kv_rank, held in holders
+                        for p in held
+                    ],
+                }
+                for m, holders in zip(matches, placements, strict=True)
+            ],
+            "blend_enabled": enabled,
+        }
     return {
         "matches": [
             {"chunk_hash": m.chunk_hash.hex(), "old_st": m.old_st, "cur_st": m.cur_st}
             for m in matches
         ],
         "blend_enabled": enabled,
-    }
-
-
-def route_scores_to_wire(scores: Sequence[InstanceScore], query_tokens: int) -> dict[str, Any]:
-    """``POST /route/score``, best first; read back by ``kvatlas.client.route_client``."""
-    return {
-        "instances": [
-            {
-                "instance_id": s.instance_id,
-                "prefix_tokens": s.prefix_tokens,
-                "fragment_tokens": s.fragment_tokens,
-                "score": s.score,
-                "by_tier": s.by_tier,
-            }
-            for s in scores
-        ],
-        "query_tokens": query_tokens,
     }
 
 
@@ -400,14 +410,6 @@ def registered_to_wire(instance_id: str, re_registered: bool) -> dict[str, Any]:
 
 def heartbeat_to_wire(instance_id: str) -> dict[str, Any]:
     return {"instance_id": instance_id, "ok": True}
-
-
-def chunk_size_to_wire(chunk_size: int) -> dict[str, Any]:
-    """``PUT /config/chunk-size``: the fleet's chunk size (the one the coordinator has)."""
-    return {"chunk_size": chunk_size}
-
-
-# ---------------------------------------------------------------------------- events, health
 
 
 def ingest_counts_to_wire(counts: IngestCounts) -> dict[str, Any]:

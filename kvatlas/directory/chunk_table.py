@@ -175,6 +175,21 @@ class ChunkTable:
             return KeyPlacements(key, ())
         return KeyPlacements(key, public_placements(placements_at(*found)), record_tokens(found[0]))
 
+    def chunk_placements(
+        self, h: bytes, namespace: BlendNamespace
+    ) -> list[tuple[int, tuple[Placement, ...]]]:
+        """``(kv_rank, placements)`` of each key of chunk ``h`` in ``namespace`` (any rank or
+        group): who holds a blend match."""
+        rec = self.parts[h[0]].get(h)
+        if rec is None:
+            return []
+        shapes = self.shapes.shapes
+        return [
+            (shapes[sid].kv_rank, public_placements(pls))
+            for sid, pls in record_keys(rec)
+            if shapes[sid].namespace == namespace
+        ]
+
     # ------------------------------------------------------------------ changes
 
     def store(self, batch: EventBatch, sids: list[int]) -> None:

@@ -30,6 +30,7 @@ from kvatlas.directory.records import (
     CapacityDeclaration,
     KeyPage,
     KeyPlacements,
+    Placement,
     TokenLookup,
     bound_count,
     prefix_summary,
@@ -276,6 +277,13 @@ class KeyDirectory:
         """Fragment lookup; ``[]`` while blend is off. Takes only the index lock."""
         index = self._index
         return [] if index is None else index.match(tokens, namespace)
+
+    def match_placements(
+        self, matches: Sequence[BlendMatch], namespace: BlendNamespace
+    ) -> list[list[tuple[int, tuple[Placement, ...]]]]:
+        """For each blend match, ``(kv_rank, placements)`` of its keys in ``namespace``."""
+        with self._lock:
+            return [self._chunks.chunk_placements(m.chunk_hash, namespace) for m in matches]
 
     def list_keys(
         self,

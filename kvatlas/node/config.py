@@ -22,6 +22,7 @@ from kvatlas.auth import TokenAuth
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args, env_name
 from kvatlas.events import EVENT_TRANSPORTS
 from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme, check_instance_id, pack_kv_rank
+from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
 from kvatlas.node.kv_dtype import KV_DTYPES
 from kvatlas.node.kv_layout import ROPE_STYLES, KVLayout
 
@@ -58,7 +59,7 @@ class NodeConfig:
     advertised_url: str = ""
     l1_bytes: int = 1 << 30
     l2: str = "fs"
-    l2_path: Path = Path("kvatlas-l2")
+    l2_path: Path | None = None  # None = default_l2_path()
     l2_redis_url: str = ""
     l2_write: str = "through"
     l2_shared: bool = False  # --l2 fs on a directory every node mounts: a fleet-wide pool
@@ -90,6 +91,8 @@ class NodeConfig:
     l2_redis_sweep_interval: float = 30.0
     coordinator_retry_max: float = 30.0
     log_level: str = "info"
+    log_format: str = "json"
+    access_log: bool = False
 
     def __post_init__(self) -> None:
         self.layout  # noqa: B018 - validates the KV layout fields
@@ -157,6 +160,11 @@ class NodeConfig:
         )
 
     @property
+    def l2_dir(self) -> Path:
+        """``--l2-path``, else :func:`default_l2_path`."""
+        return default_l2_path() if self.l2_path is None else self.l2_path
+
+    @property
     def max_call_bytes(self) -> int:
         """Largest engine call without KV (lookup, retrieve, blend-*): the tokens of a
         ``max_query_tokens`` request as uint32, a segment (~256 B) per chunk, 64 KiB of fields."""
@@ -219,6 +227,14 @@ class NodeConfig:
             )
 
 
+def default_l2_path(environ: Mapping[str, str] | None = None) -> Path:
+    """The per-user cache directory: ``$XDG_CACHE_HOME/kvatlas/l2``, else
+    ``~/.cache/kvatlas/l2``."""
+    env = os.environ if environ is None else environ
+    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvatlas" / "l2"
+
+
 def check_secret(token: str, what: str) -> str:
     """Refuse a token shorter than ``MIN_SECRET_CHARS`` (an empty one means "none")."""
     if token and len(token) < MIN_SECRET_CHARS:
@@ -259,24 +275,30 @@ def _secret(value: str, path: Path | None, name: str) -> str | None:
 
 _HELP = {
     "model_name": "model name; part of every key (nodes of different models never share KV)",
-    "num_layers": "KV layout: transformer layers",
+    "num_layers": "KV layout: transformer layers (the model's num_hidden_layers)",
     "num_kv_heads": "KV layout: KV heads per layer (on this rank)",
     "head_dim": "KV layout: dims per head",
     "chunk_size": "tokens per chunk; must equal the coordinator's --chunk-size",
-    "dtype": f"KV cache dtype: {', '.join(KV_DTYPES)}",
-    "rope_style": f"RoPE pairing for re-RoPE: {' or '.join(ROPE_STYLES)}",
+    "dtype": "KV cache dtype (the engine's KV cache dtype)",
+    "rope_style": "RoPE pairing for re-RoPE: rotate-half (neox) or interleaved (gptj)",
     "rotary_dim": "leading dims of each head that RoPE rotates (0 = all of head_dim)",
     "rope_theta": "RoPE frequency base",
-    "hash_scheme": f"key scheme ({' or '.join(SCHEMES)}); must equal the coordinator's",
+    "hash_scheme": "key scheme (chunk hash); must equal the coordinator's",
     "world_size": "tensor-parallel world size (packed into every key's kv_rank)",
     "rank": "this node's tensor-parallel rank",
-    "instance_id": "instance id (empty = assigned by the coordinator, or generated without one)",
+    "instance_id": (
+        "instance id (empty = assigned by the coordinator, or generated without one: a new id, "
+        "hence a new L2 subdirectory, on every start; set it to keep a node's L2 across restarts)"
+    ),
     "host": "bind address of the peer L1 and engine API (loopback by default)",
     "port": "bind port of the peer L1 and engine API",
     "advertised_url": "URL peers use for this node's L1 (default http://host:port)",
     "l1_bytes": "L1 (node memory) budget in bytes",
-    "l2": f"L2 tier: {', '.join(L2_KINDS)}",
-    "l2_path": "directory of the fs L2 (a per-instance subdirectory unless --l2-shared)",
+    "l2": "L2 tier: a directory (fs), a Redis (redis) or none",
+    "l2_path": (
+        "directory of the fs L2 (a per-instance subdirectory unless --l2-shared; default "
+        "$XDG_CACHE_HOME/kvatlas/l2 or ~/.cache/kvatlas/l2)"
+    ),
     "l2_redis_url": "Redis URL of the redis L2, e.g. redis://127.0.0.1:6379/0",
     "l2_write": "write L2 on every store (through) or when L1 evicts (evict)",
     "l2_shared": "the fs L2 directory is mounted by every node: a fleet-wide pool",
@@ -288,7 +310,7 @@ _HELP = {
         "flag: prefer --coordinator-token-file or the environment"
     ),
     "coordinator_token_file": "file holding the coordinator token (mode 600, >= 32 characters)",
-    "event_transport": f"how events travel: {', '.join(EVENT_TRANSPORTS)}",
+    "event_transport": "how events travel: POST /events (http) or Redis Streams (redis)",
     "redis_url": "Redis URL for the redis event transport",
     "event_stream": "Redis Stream name carrying event batches (the redis transport)",
     "enable_blend_lookup": (
@@ -326,7 +348,20 @@ _HELP = {
     "coordinator_retry_max": (
         "longest wait, in seconds, between attempts to reach a coordinator that is not up yet"
     ),
-    "log_level": "log level (debug, info, warning, error)",
+    "log_level": "log level",
+    "log_format": "log lines as JSON objects (json) or plain text for humans (text)",
+    "access_log": "log one line per HTTP request (engine calls included)",
+}
+
+_CHOICES = {
+    "dtype": KV_DTYPES,
+    "rope_style": ROPE_STYLES,
+    "hash_scheme": SCHEMES,
+    "l2": L2_KINDS,
+    "l2_write": L2_WRITE_POLICIES,
+    "event_transport": EVENT_TRANSPORTS,
+    "log_level": LOG_LEVELS,
+    "log_format": LOG_FORMATS,
 }
 
 
@@ -334,7 +369,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Every :class:`NodeConfig` field as a flag, plus the hidden ``--[no-]enable-blend``
     (the node's old spelling of ``--[no-]enable-blend-lookup``; existing command lines keep
     working)."""
-    add_dataclass_arguments(parser, NodeConfig, _HELP)
+    add_dataclass_arguments(parser, NodeConfig, _HELP, _CHOICES)
     parser.add_argument(
         "--" + _OLD_BLEND_FLAG.replace("_", "-"),
         dest="enable_blend_lookup",

@@ -26,55 +26,40 @@ from typing import Any, Final
 import msgspec
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
+from kvatlas.client.engine_client import MSGPACK, EngineCall, EngineLayout, WireSegment
 from kvatlas.errors import Forbidden, KvatlasError, NotFound, PayloadTooLarge, Unprocessable
 from kvatlas.keys import MMItem, RequestTracker
 from kvatlas.node.cache_node import CacheNode
 from kvatlas.node.engine_trackers import Identity, Trackers
 from kvatlas.node.peer import create_peer_app
-from kvatlas.node.segments import FetchCost, Segment
+from kvatlas.node.segments import Segment
 from kvatlas.web import error_headers, error_payload, error_response, read_body
 
-MSGPACK: Final = "application/msgpack"
 ENGINE_PREFIX: Final = "/engine/"
 PEER_PREFIX: Final = "/peer/"
 METRICS_PATH: Final = "/metrics"
 _OFF_LOOP_BYTES: Final = 1 << 20  # bodies above this are decoded in the thread pool
 _msgpack_encoder = msgspec.msgpack.Encoder()
+(_CALL_SCHEMA, _LAYOUT_SCHEMA), _SCHEMAS = msgspec.json.schema_components(
+    [EngineCall, EngineLayout], ref_template="#/components/schemas/{name}"
+)
+_REQUEST_BODY: Final = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": _CALL_SCHEMA},
+            MSGPACK: {"schema": _CALL_SCHEMA},
+        },
+    }
+}
 _json_encoder = msgspec.json.Encoder()
-
-
-class WireItem(msgspec.Struct):
-    identifier: str
-    offset: int
-    length: int
-
-
-class WireSegment(msgspec.Struct):
-    chunk_hash: str
-    old_st: int
-    cur_st: int
-    length: int
-    source: str
-    cost: int = int(FetchCost.UNKNOWN)
-    trim: int = 0
-
-
-class EngineCall(msgspec.Struct):
-    tokens: bytes = b""
-    cache_salt: str = ""
-    request_id: str = ""
-    prefix_len: int = 0
-    mm_items: list[WireItem] = []
-    kv: bytes = b""
-    n_chunks: int = 0
-    first_chunk: int = 0
-    segments: list[WireSegment] = []
 
 
 _msgpack_decoder = msgspec.msgpack.Decoder(EngineCall)
@@ -179,6 +164,24 @@ class ApiGate:
 Handler = Callable[[EngineCall, Principal], Awaitable[Any]]
 
 
+def _publish_openapi(app: FastAPI) -> None:
+    """``/docs`` (Swagger UI) and an ``/openapi.json`` that carries the engine calls' body
+    schemas (the routes read raw bodies; their schemas come from the msgspec structs)."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(_SCHEMAS)
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} API")
+
+
 def create_node_app(node: CacheNode, *, auth: TokenAuth | None = None) -> FastAPI:
     """The node's app: the peer route (:func:`create_peer_app`) and the engine API, behind an
     :class:`ApiGate` with ``auth`` and the node config's ``engine_port`` and limits."""
@@ -188,6 +191,15 @@ def create_node_app(node: CacheNode, *, auth: TokenAuth | None = None) -> FastAP
     app.add_middleware(
         ApiGate, auth=auth, engine_port=config.engine_port, public_metrics=config.metrics_public
     )
+    _publish_openapi(app)
+    layout_reply = EngineLayout(
+        model_name=config.model_name, hash_scheme=config.hash_scheme,
+        chunk_size=config.chunk_size, num_layers=config.num_layers,
+        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=config.dtype,
+        rotary_dim=config.rotary_dim or config.head_dim, rope_style=config.rope_style,
+        rope_theta=config.rope_theta, world_size=config.world_size, rank=config.rank,
+        kv_rank=config.kv_rank,
+    )  # fmt: skip
     trackers = Trackers(
         memory_bytes=config.tracker_memory_bytes,
         chunk_size=config.chunk_size,
@@ -212,7 +224,14 @@ def create_node_app(node: CacheNode, *, auth: TokenAuth | None = None) -> FastAP
                 except ValueError as exc:  # a field the node could not make sense of
                     return _error_reply(Unprocessable(str(exc)), msgpack)
 
-            app.add_api_route(path, route, methods=["POST"], include_in_schema=False)
+            app.add_api_route(
+                path,
+                route,
+                methods=["POST"],
+                summary=(handler.__doc__ or "").strip().split("\n")[0],
+                description=(handler.__doc__ or "").strip(),
+                openapi_extra=_REQUEST_BODY,
+            )
             return handler
 
         return register
@@ -255,10 +274,15 @@ def create_node_app(node: CacheNode, *, auth: TokenAuth | None = None) -> FastAP
 
     @engine_call("/engine/store", config.max_store_bytes)
     async def store(call: EngineCall, who: Principal) -> Any:
+        """Store the KV of a request's chunks: `tokens`, `kv` (`n_chunks` chunks in the node's
+        layout from chunk `first_chunk`), `cache_salt`, `mm_items`. Reply `{stored, cacheable}`."""
         tracker, _ = tracker_for(call, who)
+        if len(call.kv) != call.n_chunks * layout.chunk_bytes:
+            raise Unprocessable(
+                f"kv bytes do not match n_chunks x the node's KV layout: {len(call.kv)} bytes, "
+                f"expected {call.n_chunks} x {layout.chunk_bytes} (GET /engine/layout)"
+            )
         kv = np.frombuffer(call.kv, dtype=layout.numpy_dtype())
-        if kv.size != call.n_chunks * int(np.prod(layout.shape)):
-            raise Unprocessable("kv bytes do not match n_chunks x the node's KV layout")
         chunks = list(kv.reshape((call.n_chunks, *layout.shape)))
         stored = await run_in_threadpool(node.store, tracker, chunks, first_chunk=call.first_chunk)
         trackers.drop(who, call.request_id, tracker)
@@ -266,12 +290,16 @@ def create_node_app(node: CacheNode, *, auth: TokenAuth | None = None) -> FastAP
 
     @engine_call("/engine/lookup", config.max_call_bytes)
     async def lookup(call: EngineCall, who: Principal) -> Any:
+        """Prefix lookup: how many leading tokens of `tokens` a tier or a peer holds. Reply
+        `{hit_tokens, cacheable}`."""
         tracker, _ = tracker_for(call, who)
         hit = await run_in_threadpool(node.lookup, tracker)
         return {"hit_tokens": hit, "cacheable": tracker.cacheable}
 
     @engine_call("/engine/retrieve", config.max_call_bytes)
     async def retrieve(call: EngineCall, who: Principal) -> Any:
+        """Prefix retrieval: the KV of the leading chunks held anywhere. Reply `{hit_tokens,
+        kv, sources}` (`kv`: the chunks in the node's layout, back to back)."""
         tracker, _ = tracker_for(call, who)
         got = await run_in_threadpool(node.retrieve, tracker)
         trackers.drop(who, call.request_id, tracker)
@@ -280,6 +308,9 @@ def create_node_app(node: CacheNode, *, auth: TokenAuth | None = None) -> FastAP
 
     @engine_call("/engine/blend-lookup", config.max_call_bytes)
     async def blend_lookup(call: EngineCall, who: Principal) -> Any:
+        """Blend lookup: cached chunks anywhere in `tokens` after `prefix_len`. Reply
+        `{pending: true}` (poll again with the same `request_id`) or `{pending: false,
+        segments, local_matches, fleet_matches, fleet_used}`."""
         tracker, blend_id = tracker_for(call, who)
         result = await run_in_threadpool(
             node.blend_lookup, tracker, prefix_len=call.prefix_len, request_id=blend_id
@@ -296,6 +327,8 @@ def create_node_app(node: CacheNode, *, auth: TokenAuth | None = None) -> FastAP
 
     @engine_call("/engine/blend-retrieve", config.max_call_bytes)
     async def blend_retrieve(call: EngineCall, who: Principal) -> Any:
+        """Blend retrieval of `segments` (from a blend lookup): KV re-RoPE'd to each segment's
+        `cur_st`. Reply `{parts: [segment + kv], misses, sources}`."""
         segments = []
         for i, wire in enumerate(call.segments):
             try:
@@ -314,6 +347,16 @@ def create_node_app(node: CacheNode, *, auth: TokenAuth | None = None) -> FastAP
             "misses": [segment_to_wire(s) for s in got.misses],
             "sources": dict(got.sources),
         }
+
+    @app.get(
+        "/engine/layout",
+        summary="The node's KV layout and key scheme (what EngineClient reads)",
+        openapi_extra={
+            "responses": {"200": {"content": {"application/json": {"schema": _LAYOUT_SCHEMA}}}}
+        },
+    )
+    async def engine_layout(request: Request) -> Response:
+        return _reply(layout_reply, _wants_msgpack(request.headers))
 
     @app.get("/engine/stats")
     async def stats(request: Request) -> Response:

@@ -36,7 +36,7 @@ from kvatlas.client import (
 from kvatlas.directory import warm_up_kernels
 from kvatlas.errors import Conflict
 from kvatlas.keys import KeySchemeMismatch
-from kvatlas.logs import configure_logging
+from kvatlas.logs import configure_logging, uvicorn_log_options
 from kvatlas.node.cache_node import CacheNode
 from kvatlas.node.config import DEFAULT_L2_MAX_BYTES, NodeConfig
 from kvatlas.node.fleet_view import HttpFleetView
@@ -144,7 +144,10 @@ def register(client: CoordinatorClient, config: NodeConfig, instance_id: str | N
     advertised = config.advertised_url or f"http://{config.host}:{config.port}"
     return client.register(
         instance_id, ip=config.host, http_port=config.port, p2p_advertised_url=advertised,
-        metadata={"model_name": config.model_name, "kv_rank": config.kv_rank},
+        metadata={
+            "model_name": config.model_name, "kv_rank": config.kv_rank,
+            "mode": "fleet" if config.fleet_enabled else "lookup only",
+        },
         chunk_size=config.chunk_size,
     )  # fmt: skip
 
@@ -337,9 +340,9 @@ def open_l2(config: NodeConfig, instance_id: str) -> L2Backend | None:
                 "--l2-max-bytes does not apply to a shared pool (--l2-shared): cap the pool "
                 "where it is provisioned (a quota, a size-limited volume)"
             )
-        return FsL2(config.l2_path, "fs-shared", shared=True)
+        return FsL2(config.l2_dir, "fs-shared", shared=True)
     if config.l2 == "fs":
-        return FsL2(instance_dir(config.l2_path, instance_id), max_bytes=config.l2_max_bytes)
+        return FsL2(instance_dir(config.l2_dir, instance_id), max_bytes=config.l2_max_bytes)
     if config.l2 == "redis":
         return RedisL2(
             config.l2_redis_url,
@@ -405,7 +408,7 @@ def announce_security(config: NodeConfig) -> None:
 
 
 def run_node(config: NodeConfig) -> int:
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, config.log_format)
     announce_security(config)
     try:
         socks = [bind_listener(host, port) for host, port, _ in listeners(config)]
@@ -424,9 +427,10 @@ def run_node(config: NodeConfig) -> int:
         "kvatlas node %s on %s (fleet %s, l2 %s)",
         process.node.instance_id,
         ", ".join(f"http://{h}:{p} ({what})" for h, p, what in listeners(config)),
-        "on" if config.fleet_enabled else "off", config.l2,
+        "on" if config.fleet_enabled else "off",
+        f"fs in {config.l2_dir}" if config.l2 == "fs" else config.l2,
     )  # fmt: skip
-    kwargs: dict[str, Any] = {"log_level": config.log_level}
+    kwargs = uvicorn_log_options(config.log_level, config.access_log)
     try:
         app = OnServing(process.app, process.start)
         serve(app, host=config.host, port=config.port, sock=socks, **kwargs)

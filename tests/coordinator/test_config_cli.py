@@ -49,7 +49,7 @@ def test_defaults() -> None:
         256,
         "blake3",
     )
-    assert cfg.enable_blend_lookup is False
+    assert cfg.enable_blend_lookup is True  # blend is what kvatlas is for (issue 15)
     assert cfg.blend_probe_stride == 1
     assert cfg.event_transport == "http"
     assert cfg.event_stream == "kvatlas:events"

@@ -239,7 +239,8 @@ def _record_all(tmp_path: Path) -> dict[str, Any]:
             }
         )
     )
-    with running(auth_token_file=tokens, replica_id="golden") as (_, c):
+    # blend pinned off: this scenario records the disabled-blend replies (LMCache's default)
+    with running(auth_token_file=tokens, replica_id="golden", enable_blend_lookup=False) as (_, c):
         out.update((name, _reply(r)) for name, r in _auth_scenario(c))
     return out
 

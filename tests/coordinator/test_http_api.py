@@ -275,7 +275,7 @@ def test_blend_lookup_namespace_isolation(client: httpx.Client) -> None:
 
 
 def test_blend_lookup_disabled_says_so() -> None:
-    with running() as (_, client):
+    with running(enable_blend_lookup=False) as (_, client):  # LMCache's default; ours is on
         em, tokens = Emitter(), fresh_tokens(1)
         post_batches(client, em.store_chunks(tokens))
         r = _blend(client, [1, *tokens])

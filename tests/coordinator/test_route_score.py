@@ -23,7 +23,6 @@ from kvatlas.coordinator.route_score import RouteScoring
 from kvatlas.coordinator.server import BackgroundServer
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.events import CacheEntry, EventBatch
-from kvatlas.events import model as event_model
 from kvatlas.keys import ObjectKey, chunk_hashes
 from tests.coordinator.helpers import (
     CS,
@@ -212,12 +211,9 @@ def test_bad_instances_and_weights(
 
 
 @pytest.mark.parametrize(("tier", "score_class"), [("gpu", "gpu"), ("engine-cpu", "l1")])
-def test_engine_tiers_through_the_consume_path(
-    monkeypatch: pytest.MonkeyPatch, tier: str, score_class: str
-) -> None:
+def test_engine_tiers_through_the_consume_path(tier: str, score_class: str) -> None:
     """Engines' placements (issue 12 item 1: tier ``gpu``, ``engine-cpu`` for medium CPU) go
     through the same ``consume`` as nodes'; they score by the tier mapping, nothing else."""
-    monkeypatch.setattr(event_model, "TIERS", event_model.TIERS | {tier})
     service = CoordinatorService(CoordinatorConfig(chunk_size=CS, enable_blend_lookup=True))
     tokens = list(range(10, 10 + 2 * CS))
     entries = tuple(

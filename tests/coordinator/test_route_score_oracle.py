@@ -27,7 +27,6 @@ from kvatlas.coordinator.route_score import RouteScoring
 from kvatlas.coordinator.scoring import DEFAULT_WEIGHTS, TIER_CLASSES
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.events import CacheEntry, EventBatch
-from kvatlas.events import model as event_model
 from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
 
 C = 4
@@ -37,12 +36,6 @@ INSTANCES = ("i0", "i1", "i2", "i3")  # i3 emits but never registers: scored, ne
 WHERE = (("l1", False), ("l2", False), ("gpu", False), ("l2", True))
 OWN_CLASS = {"gpu": "gpu", "l1": "l1", "l2": "l2"}
 FRAGMENT_WEIGHT = 0.85
-
-
-@pytest.fixture(autouse=True)
-def gpu_tier(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Engines' tier ``gpu`` through the ordinary event path, before kvevents lands it."""
-    monkeypatch.setattr(event_model, "TIERS", event_model.TIERS | {"gpu"})
 
 
 @dataclass
@@ -124,8 +117,10 @@ def build_service(fleet: Fleet) -> CoordinatorService:
 
 
 def live_copies(fleet: Fleet, h: bytes, r: int) -> set[tuple[str, str, bool]]:
+    """Fencing drops the instance's process memory: its own L1 and its engine (GPU) copies."""
     copies = fleet.held.get((h, r), set())
-    return {c for c in copies if not (c[0] == fleet.fenced and c[1] == "l1" and not c[2])}
+    volatile = ("l1", "gpu")
+    return {c for c in copies if not (c[0] == fleet.fenced and c[1] in volatile and not c[2])}
 
 
 def best(options: list[str], w: dict[str, float]) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import pkgutil
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +15,7 @@ from kvatlas.cli import _build_parser
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.events import EVENT_TRANSPORTS
 from kvatlas.keys import DEFAULT_CHUNK_SIZE
-from kvatlas.node.config import NodeConfig, add_arguments, config_from_args
+from kvatlas.node.config import NodeConfig, add_arguments, config_from_args, default_l2_path
 
 
 def node_args(*argv: str) -> argparse.Namespace:
@@ -84,3 +85,15 @@ def test_every_node_logger_is_under_kvatlas_node(caplog: pytest.LogCaptureFixtur
         for log in loggers:
             log.warning("from %s", log.name)
     assert {r.name for r in caplog.records} == {log.name for log in loggers}
+
+
+def test_l2_path_defaults_to_the_per_user_cache_directory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Not a directory relative to wherever the node was started (issue 15 item 5)."""
+    assert default_l2_path({"XDG_CACHE_HOME": "/x/cache"}) == Path("/x/cache/kvatlas/l2")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert default_l2_path({}) == tmp_path / ".cache" / "kvatlas" / "l2"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert NodeConfig().l2_dir == tmp_path / "xdg" / "kvatlas" / "l2"
+    assert NodeConfig(l2_path=Path("here")).l2_dir == Path("here")

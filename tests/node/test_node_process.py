@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvatlas.coordinator.config import CoordinatorConfig
@@ -107,6 +108,25 @@ def test_url_without_event_reporting_is_not_configured(
             process.sink is None and process.node.fleet is None and process.node.blend.fleet is None
         )
         assert "treated as not configured" in caplog.text
+    finally:
+        process.close()
+
+
+@pytest.mark.parametrize(("reporting", "mode"), [(False, "lookup only"), (True, "fleet")])
+def test_instances_say_whether_a_node_reports_events(
+    coordinator: BackgroundServer, tmp_path: Path, reporting: bool, mode: str
+) -> None:
+    """A node with a coordinator URL but no event reporting registers (it is alive) but holds
+    nothing the coordinator knows of: GET /instances says "lookup only"."""
+    config = node_config(
+        tmp_path, coordinator.url, coordinator_event_reporting=reporting, instance_id="n2"
+    )
+    process = NodeProcess(config)
+    try:
+        listed = httpx.get(f"{coordinator.url}/instances").json()["instances"]
+        rows = {r["instance_id"]: r for r in listed}
+        assert rows["n2"]["alive"] is True
+        assert rows["n2"]["metadata"]["mode"] == mode
     finally:
         process.close()
 

@@ -1,0 +1,95 @@
+"""The engine API for someone without kvatlas installed: JSON calls with KV as base64 round-trip
+bit-exactly, the node publishes its OpenAPI (with the engine calls' body schemas) and /docs,
+``GET /engine/layout`` describes the KV, and ``kvatlas.client.EngineClient`` needs only the URL."""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import pytest
+
+from kvatlas.asgi_thread import free_port
+from kvatlas.client import EngineClient, EngineLayout
+from kvatlas.processes import spawn_service, stop
+
+C = 16
+SHAPE = (1, 2, C, 2, 8)
+
+
+@pytest.fixture(scope="module")
+def node_url() -> Iterator[str]:
+    port = free_port()
+    args = [
+        "-m", "kvatlas.cli", "node", "--port", str(port), "--model-name", "toy",
+        "--num-layers", "1", "--num-kv-heads", "2", "--head-dim", "8", "--chunk-size", str(C),
+        "--dtype", "bfloat16", "--l2", "none", "--log-level", "warning",
+    ]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    proc: subprocess.Popen[bytes] = spawn_service(args, url, timeout=120)
+    try:
+        yield url
+    finally:
+        stop([proc])
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def test_json_store_and_retrieve_round_trip_kv_as_base64(node_url: str) -> None:
+    tokens = np.arange(7000, 7000 + 2 * C, dtype="<u4")
+    kv = np.random.default_rng(1).integers(0, 1 << 16, size=(2, *SHAPE), dtype="<u2")  # bf16 bits
+    stored = httpx.post(
+        f"{node_url}/engine/store",
+        json={"tokens": _b64(tokens.tobytes()), "kv": _b64(kv.tobytes()), "n_chunks": 2},
+    )
+    assert stored.status_code == 200 and stored.headers["content-type"] == "application/json"
+    assert stored.json() == {"stored": 2, "cacheable": True}
+    got = httpx.post(f"{node_url}/engine/retrieve", json={"tokens": _b64(tokens.tobytes())})
+    assert got.status_code == 200 and got.json()["hit_tokens"] == 2 * C
+    assert base64.b64decode(got.json()["kv"]) == kv.tobytes()  # bit-exact, NaN patterns included
+
+
+def test_json_errors_are_json(node_url: str) -> None:
+    r = httpx.post(f"{node_url}/engine/store", json={"tokens": _b64(b"\0" * 4 * C), "kv": "AAAA"})
+    assert r.status_code == 422 and r.headers["content-type"] == "application/json"
+    assert "kv bytes do not match" in r.json()["detail"]
+
+
+def test_openapi_declares_every_engine_call_with_its_body(node_url: str) -> None:
+    spec = httpx.get(f"{node_url}/openapi.json").json()
+    calls = ("store", "lookup", "retrieve", "blend-lookup", "blend-retrieve")
+    for call in calls:
+        body = spec["paths"][f"/engine/{call}"]["post"]["requestBody"]["content"]
+        assert set(body) == {"application/json", "application/msgpack"}
+        assert body["application/json"]["schema"] == {"$ref": "#/components/schemas/EngineCall"}
+    call_schema = spec["components"]["schemas"]["EngineCall"]
+    assert call_schema["properties"]["kv"]["contentEncoding"] == "base64"
+    assert "WireSegment" in spec["components"]["schemas"]
+    assert "/engine/layout" in spec["paths"]
+    docs = httpx.get(f"{node_url}/docs")
+    assert docs.status_code == 200 and "/openapi.json" in docs.text
+
+
+def test_engine_client_reads_the_layout_from_the_node(node_url: str) -> None:
+    layout = httpx.get(f"{node_url}/engine/layout").json()
+    assert layout["kv_rank"] == 16777472 and layout["rotary_dim"] == 8
+    with EngineClient(node_url) as client:
+        assert isinstance(client.layout, EngineLayout)
+        assert client.layout.shape == SHAPE and str(client.layout.numpy_dtype()) == "bfloat16"
+        tokens = np.arange(9000, 9000 + C)
+        kv = np.full((1, *SHAPE), 1.5, dtype=client.layout.numpy_dtype())
+        assert client.store(tokens, kv) == 1
+        chunks, sources = client.retrieve(tokens)
+        assert len(chunks) == 1 and np.array_equal(chunks[0], kv[0]) and sources
+        segments = None
+        query = np.concatenate([np.arange(100, 104), tokens])
+        while segments is None:
+            segments = client.blend_segments(query, "r")
+        assert [(s.cur_st, s.old_st) for s in segments] == [(4, 0)]
+        parts = client.blend_parts(query, "r", segments)["parts"]
+        assert parts[0][1].shape == SHAPE
