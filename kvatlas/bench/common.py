@@ -95,7 +95,9 @@ def add_common_arguments(parser: argparse.ArgumentParser, repeats: int = 7) -> N
     )
 
 
-def report(title: str, rows: Sequence[BenchRow], args: argparse.Namespace, meta: dict[str, Any]) -> None:
+def report(
+    title: str, rows: Sequence[BenchRow], args: argparse.Namespace, meta: dict[str, Any]
+) -> None:
     table = Table(title=title)
     for column in ("case", "ours (median)", "naive reference", "speed-up", "target", "notes"):
         table.add_column(column)
@@ -131,7 +133,10 @@ def plot(title: str, rows: Sequence[BenchRow], path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("warning: --plot needs matplotlib (pip install 'kvatlas[plot]'); no chart", file=sys.stderr)
+        print(
+            "warning: --plot needs matplotlib (pip install 'kvatlas[plot]'); no chart",
+            file=sys.stderr,
+        )
         return
     timed = [r for r in rows if r.ours_s]
     if not timed:
@@ -147,7 +152,9 @@ def plot(title: str, rows: Sequence[BenchRow], path: Path) -> None:
         height,
         label="naive reference",
     )
-    ax.set_yticks(ys, [f"{r.case} {'✔' if r.met else '✘' if r.met is False else ''}" for r in timed])
+    ax.set_yticks(
+        ys, [f"{r.case} {'✔' if r.met else '✘' if r.met is False else ''}" for r in timed]
+    )
     ax.invert_yaxis()
     ax.set_xscale("log")
     ax.set_xlabel("seconds (median, log scale)")

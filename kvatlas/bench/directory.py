@@ -12,8 +12,9 @@ import threading
 import time
 import tracemalloc
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -24,6 +25,7 @@ from kvatlas.keys import ObjectKey, pack_kv_rank
 
 CHUNK = 256
 BATCH = 256
+_T = TypeVar("_T")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,11 +130,12 @@ class StallProbe(threading.Thread):
         self.join()
 
 
-def probe_stall(directory: KeyDirectory, section: Callable[[], object], seed: int) -> float:
-    """The longest stall a concurrent ingesting thread observes while ``section`` runs."""
+def probe_stall(directory: KeyDirectory, section: Callable[[], _T], seed: int) -> tuple[float, _T]:
+    """The longest stall a concurrent ingesting thread observes while ``section`` runs, and
+    what ``section`` returned."""
     with StallProbe(directory, seed) as probe:
-        section()
-    return probe.longest
+        result = section()
+    return probe.longest, result
 
 
 def _median_time(fn: Callable[[], object], repeats: int) -> float:
@@ -232,14 +235,14 @@ def run(args: argparse.Namespace) -> int:
         infos: list[SnapshotInfo] = []
         stalls, idle = [], []
         for _ in range(repeats):
-            idle.append(probe_stall(directory, lambda: time.sleep(1.0), args.seed))
-            stalls.append(
-                probe_stall(
-                    directory,
-                    lambda: infos.append(save_snapshot(directory, path, stream_position="0-0")),
-                    args.seed,
-                )
+            idle.append(probe_stall(directory, partial(time.sleep, 1.0), args.seed)[0])
+            stall, info = probe_stall(
+                directory,
+                partial(save_snapshot, directory, path, stream_position="0-0"),
+                args.seed,
             )
+            stalls.append(stall)
+            infos.append(info)
         stall = statistics.median(stalls)
         total = statistics.median(i.seconds for i in infos)
         rows.append(

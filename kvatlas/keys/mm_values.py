@@ -113,7 +113,7 @@ def mm_hash_to_token_values(identifier: object, length: int) -> tuple[int, ...]:
     (``tuple(array.tolist())`` allocates every int into a list and then copies it, ≈30% more).
     """
     values = mm_hash_values(identifier, length)
-    return struct.unpack(f"={len(values)}I", values)
+    return struct.unpack(f"={len(values)}I", values.data)
 
 
 def clear_value_cache() -> None:
