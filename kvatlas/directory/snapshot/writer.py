@@ -4,6 +4,10 @@ The snapshot is the directory as it was when :func:`save_snapshot` started its c
 :mod:`kvatlas.directory.capture`); serialisation and I/O run outside the directory lock. The
 file is written as temp file + fsync + rename + directory fsync, so a crash leaves the previous
 snapshot intact. The blend index is not stored (a restore rebuilds it from the bindings).
+
+Ingestion goes on while a snapshot is written, on other threads that need the GIL: no single
+call here converts or copies a whole column at once (:data:`_SLICE` items at a time), so a
+concurrent client waits for a slice, not for a column of a million keys.
 """
 
 from __future__ import annotations
@@ -45,6 +49,26 @@ from kvatlas.directory.snapshot.format import (
     SnapshotInfo,
     encode_column,
 )
+
+
+_SLICE = 1 << 15  # items per GIL-holding conversion or copy (≈1 ms at most)
+
+
+def _column(name: str, values: list[Any]) -> bytes:
+    """``encode_column`` a slice at a time: the same bytes, in calls that each hold the GIL
+    briefly (the final join is one memcpy)."""
+    if len(values) <= _SLICE:
+        return encode_column(name, values)
+    return b"".join(
+        [encode_column(name, values[i : i + _SLICE]) for i in range(0, len(values), _SLICE)]
+    )
+
+
+def _join(parts: list[bytes]) -> bytes:
+    """``b"".join(parts)`` in slices, as :func:`_column`."""
+    if len(parts) <= _SLICE:
+        return b"".join(parts)
+    return b"".join([b"".join(parts[i : i + _SLICE]) for i in range(0, len(parts), _SLICE)])
 
 
 def save_snapshot(
@@ -138,20 +162,20 @@ class _Columns:
             stream_position=stream_position,
             strings=self.strings,
             shapes=self.shapes,
-            pl_instance=encode_column("pl_instance", instances),
-            pl_incarnation=encode_column("pl_incarnation", [row_incarnation(p) for p in pls]),
-            pl_tier=encode_column("pl_tier", [TIERS.index(row_tier(p)) for p in pls]),
-            pl_backend=encode_column("pl_backend", backends),
-            pl_size=encode_column("pl_size", [row_size(p) for p in pls]),
-            pl_shared=encode_column("pl_shared", [row_shared(p) for p in pls]),
-            pl_access=encode_column("pl_access", [row_last_access(p) for p in pls]),
-            chunk_hashes=b"".join(self.hashes),
-            chunk_offsets=encode_column("chunk_offsets", self.offsets),
-            chunk_token_lens=encode_column("chunk_token_lens", self.token_lens),
-            chunk_key_counts=encode_column("chunk_key_counts", self.key_counts),
-            key_shapes=encode_column("key_shapes", self.key_shapes),
-            key_pl_counts=encode_column("key_pl_counts", self.key_pl_counts),
-            key_pls=encode_column("key_pls", self.key_pls),
+            pl_instance=_column("pl_instance", instances),
+            pl_incarnation=_column("pl_incarnation", [row_incarnation(p) for p in pls]),
+            pl_tier=_column("pl_tier", [TIERS.index(row_tier(p)) for p in pls]),
+            pl_backend=_column("pl_backend", backends),
+            pl_size=_column("pl_size", [row_size(p) for p in pls]),
+            pl_shared=_column("pl_shared", [row_shared(p) for p in pls]),
+            pl_access=_column("pl_access", [row_last_access(p) for p in pls]),
+            chunk_hashes=_join(self.hashes),
+            chunk_offsets=_column("chunk_offsets", self.offsets),
+            chunk_token_lens=_column("chunk_token_lens", self.token_lens),
+            chunk_key_counts=_column("chunk_key_counts", self.key_counts),
+            key_shapes=_column("key_shapes", self.key_shapes),
+            key_pl_counts=_column("key_pl_counts", self.key_pl_counts),
+            key_pls=_column("key_pls", self.key_pls),
             cursors=[_cursor_row(name, c) for name, c in state.cursors.items()],
             capacities=[
                 (inst, d.incarnation, d.revision, [(t, b, n) for (t, b), n in d.capacities.items()])
@@ -167,16 +191,18 @@ def _cursor_row(name: str, c: EmitterCursor) -> CursorRow:
     return (name, c.incarnation, c.last_seq, c.gaps, c.missing_batches, last)
 
 
+_ARENA_BLOCK = 256  # token arrays per concatenation (256 chunks of 256 tokens: 256 KiB)
+
+
 def _write_atomically(path: Path, header: bytes, arena: list[np.ndarray[Any, Any]]) -> int:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
     try:
         with open(tmp, "wb") as f:
             f.write(PREFIX.pack(MAGIC, len(header)))
             f.write(header)
-            for start in range(0, len(arena), 4096):
-                block = arena[start : start + 4096]
-                if block:
-                    f.write(np.concatenate(block).astype("<u4", copy=False).tobytes())
+            for start in range(0, len(arena), _ARENA_BLOCK):
+                block = arena[start : start + _ARENA_BLOCK]
+                f.write(np.concatenate(block).astype("<u4", copy=False))  # write drops the GIL
             f.flush()
             os.fsync(f.fileno())
             size = f.tell()
