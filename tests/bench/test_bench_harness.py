@@ -79,7 +79,7 @@ def test_a_configuration_that_makes_a_row_meaningless_is_refused(
 def test_bench_keys_places_every_image_inside_the_prompt(tokens: int) -> None:
     items = keys.image_items(tokens)
     assert items
-    assert all(0 <= it.span.offset and it.span.offset + it.span.length <= tokens for it in items)
+    assert all(it.span.offset >= 0 and it.span.offset + it.span.length <= tokens for it in items)
 
 
 def test_naive_chunk_hash_is_the_contract() -> None:

@@ -50,7 +50,6 @@ from kvatlas.directory.snapshot.format import (
     encode_column,
 )
 
-
 _SLICE = 1 << 15  # items per GIL-holding conversion or copy (≈1 ms at most)
 
 
