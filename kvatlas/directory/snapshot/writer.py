@@ -201,7 +201,7 @@ def _write_atomically(path: Path, header: bytes, arena: list[np.ndarray[Any, Any
             f.write(header)
             for start in range(0, len(arena), _ARENA_BLOCK):
                 block = arena[start : start + _ARENA_BLOCK]
-                f.write(np.concatenate(block).astype("<u4", copy=False))  # write drops the GIL
+                f.write(np.concatenate(block).astype("<u4", copy=False).data)  # drops the GIL
             f.flush()
             os.fsync(f.fileno())
             size = f.tell()
