@@ -41,3 +41,22 @@ def test_file_bytes_do_not_depend_on_the_slice_size(
     assert sliced.read_bytes() == whole.read_bytes()
     restored = KeyDirectory(16, enable_blend_lookup=True)
     assert load_snapshot(restored, sliced).keys == 300
+
+
+@pytest.mark.parametrize("size", [0, 1, 255, 256, 65535, 65536, 65537, 300_000])
+def test_header_pieces_are_exactly_the_msgpack_encoding(size: int) -> None:
+    import msgspec
+
+    from kvatlas.directory.snapshot.format import Header
+
+    blob = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    header = Header(
+        1, 256, "1-0", ["m"], [(0, 1, 0, 0)],
+        blob, b"", b"\x01", blob[: size // 2], b"", b"", blob,
+        blob * 2, b"", b"", b"", b"", b"", blob,
+        [("node", 1, 2, 0, 0, None)], [], 0,
+    )  # fmt: skip
+    pieces = writer.header_pieces(header)
+    assert b"".join(pieces) == msgspec.msgpack.encode(header)
+    if size > writer._LARGE:
+        assert any(piece is blob for piece in pieces)  # written in place, not copied

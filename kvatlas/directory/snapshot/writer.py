@@ -6,8 +6,10 @@ file is written as temp file + fsync + rename + directory fsync, so a crash leav
 snapshot intact. The blend index is not stored (a restore rebuilds it from the bindings).
 
 Ingestion goes on while a snapshot is written, on other threads that need the GIL: no single
-call here converts or copies a whole column at once (:data:`_SLICE` items at a time), so a
-concurrent client waits for a slice, not for a column of a million keys.
+call here converts or copies a whole column at once (:data:`_SLICE` items at a time), and the
+header's large byte columns are written from where they are instead of being copied into one
+msgpack buffer (:func:`header_pieces`), so a concurrent client waits for a slice, not for a
+column of a million keys.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def save_snapshot(
             max_pause = max(max_pause, part.lock_held_s)
             columns.add(part.records)
     header = columns.header(capture.state, stream_position)
-    size = _write_atomically(Path(path), msgspec.msgpack.encode(header), columns.arena)
+    size = _write_atomically(Path(path), header_pieces(header), columns.arena)
     return SnapshotInfo(
         str(path),
         len(columns.hashes),
@@ -193,12 +195,41 @@ def _cursor_row(name: str, c: EmitterCursor) -> CursorRow:
 _ARENA_BLOCK = 256  # token arrays per concatenation (256 chunks of 256 tokens: 256 KiB)
 
 
-def _write_atomically(path: Path, header: bytes, arena: list[np.ndarray[Any, Any]]) -> int:
+_LARGE = 1 << 16  # byte fields longer than this are written in place (msgpack bin32)
+_MARKER_BYTES = 16
+
+
+def header_pieces(header: Header) -> list[bytes]:
+    """``msgspec.msgpack.encode(header)`` as pieces whose concatenation is exactly that
+    encoding, with every large byte field a piece of its own (not copied: one encode call
+    would hold the GIL for a copy of every column). The large fields are encoded as unique
+    16-byte markers, then each marker's ``bin8`` is replaced by the field's ``bin32``."""
+    markers: dict[str, bytes] = {}
+    for name in header.__struct_fields__:
+        value = getattr(header, name)
+        if isinstance(value, bytes) and len(value) > _LARGE:
+            markers[name] = os.urandom(_MARKER_BYTES)
+    encoded = msgspec.msgpack.encode(msgspec.structs.replace(header, **markers))
+    pieces, pos = [], 0
+    for name, marker in markers.items():  # field order: the markers appear in this order
+        tagged = b"\xc4" + bytes([_MARKER_BYTES]) + marker  # bin8 of the marker
+        at = encoded.find(tagged, pos)
+        if at < 0 or encoded.find(tagged, at + 1) >= 0:  # not found or not unique (~2^-128)
+            return [msgspec.msgpack.encode(header)]
+        field: bytes = getattr(header, name)
+        pieces += [encoded[pos:at], b"\xc6" + len(field).to_bytes(4, "big"), field]
+        pos = at + len(tagged)
+    pieces.append(encoded[pos:])
+    return pieces
+
+
+def _write_atomically(path: Path, header: list[bytes], arena: list[np.ndarray[Any, Any]]) -> int:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
     try:
         with open(tmp, "wb") as f:
-            f.write(PREFIX.pack(MAGIC, len(header)))
-            f.write(header)
+            f.write(PREFIX.pack(MAGIC, sum(map(len, header))))
+            for piece in header:
+                f.write(piece)  # a large piece is written without a copy, the GIL released
             for start in range(0, len(arena), _ARENA_BLOCK):
                 block = arena[start : start + _ARENA_BLOCK]
                 f.write(np.concatenate(block).astype("<u4", copy=False).data)  # drops the GIL
