@@ -8,7 +8,7 @@ snapshot intact. The blend index is not stored (a restore rebuilds it from the b
 Ingestion goes on while a snapshot is written, on other threads that need the GIL: no single
 call here converts or copies a whole column at once (:data:`_SLICE` items at a time), and the
 header's large byte columns are written from where they are instead of being copied into one
-msgpack buffer (:func:`header_pieces`), so a concurrent client waits for a slice, not for a
+msgpack buffer (:class:`HeaderPieces`), so a concurrent client waits for a slice, not for a
 column of a million keys.
 """
 
@@ -55,21 +55,64 @@ from kvatlas.directory.snapshot.format import (
 _SLICE = 1 << 15  # items per GIL-holding conversion or copy (≈1 ms at most)
 
 
-def _column(name: str, values: list[Any]) -> bytes:
+_LARGE = 1 << 16  # byte fields longer than this are written in place (msgpack bin32)
+_MARKER_BYTES = 16
+
+
+def _column_slices(name: str, values: list[Any]) -> list[bytes]:
     """``encode_column`` a slice at a time: the same bytes, in calls that each hold the GIL
-    briefly (the final join is one memcpy)."""
-    if len(values) <= _SLICE:
-        return encode_column(name, values)
-    return b"".join(
-        [encode_column(name, values[i : i + _SLICE]) for i in range(0, len(values), _SLICE)]
-    )
+    briefly."""
+    return [encode_column(name, values[i : i + _SLICE]) for i in range(0, len(values), _SLICE)]
 
 
-def _join(parts: list[bytes]) -> bytes:
-    """``b"".join(parts)`` in slices, as :func:`_column`."""
-    if len(parts) <= _SLICE:
-        return b"".join(parts)
-    return b"".join([b"".join(parts[i : i + _SLICE]) for i in range(0, len(parts), _SLICE)])
+def _join_slices(parts: list[bytes]) -> list[bytes]:
+    """``b"".join(parts)`` a slice at a time."""
+    return [b"".join(parts[i : i + _SLICE]) for i in range(0, len(parts), _SLICE)]
+
+
+class HeaderPieces:
+    """The header's large byte fields kept as pieces: :meth:`field` stands in a unique 16-byte
+    marker for a large field; :meth:`encode` encodes the header and puts each field's pieces
+    where its marker's ``bin8`` was, behind a ``bin32`` head. The pieces concatenate to exactly
+    ``msgspec.msgpack.encode`` of the header with the fields joined (tests), but no call copies
+    every column into one buffer while holding the GIL, and the file is written piece by piece
+    (the GIL released during each write)."""
+
+    def __init__(self) -> None:
+        self.fields: dict[bytes, list[bytes]] = {}
+
+    def field(self, pieces: list[bytes]) -> bytes:
+        if sum(map(len, pieces)) <= _LARGE:
+            return b"".join(pieces)
+        marker = os.urandom(_MARKER_BYTES)
+        self.fields[marker] = pieces
+        return marker
+
+    def encode(self, header: Header) -> list[bytes]:
+        encoded = msgspec.msgpack.encode(header)
+        found = []
+        for marker, pieces in self.fields.items():
+            tagged = b"\xc4" + bytes([_MARKER_BYTES]) + marker  # bin8 of the marker
+            at = encoded.find(tagged)
+            if at < 0 or encoded.find(tagged, at + 1) >= 0:  # not unique: ~2^-128
+                return [msgspec.msgpack.encode(self.joined(header))]
+            found.append((at, len(tagged), pieces))
+        out, pos = [], 0
+        for at, length, pieces in sorted(found, key=lambda f: f[0]):
+            out += [encoded[pos:at], b"\xc6" + sum(map(len, pieces)).to_bytes(4, "big")]
+            out += pieces
+            pos = at + length
+        out.append(encoded[pos:])
+        return out
+
+    def joined(self, header: Header) -> Header:
+        """``header`` with every marker replaced by its field's bytes."""
+        fields = {
+            name: b"".join(self.fields[value])
+            for name in header.__struct_fields__
+            if isinstance(value := getattr(header, name), bytes) and value in self.fields
+        }
+        return msgspec.structs.replace(header, **fields)
 
 
 def save_snapshot(
@@ -84,7 +127,7 @@ def save_snapshot(
             max_pause = max(max_pause, part.lock_held_s)
             columns.add(part.records)
     header = columns.header(capture.state, stream_position)
-    size = _write_atomically(Path(path), header_pieces(header), columns.arena)
+    size = _write_atomically(Path(path), columns.pieces.encode(header), columns.arena)
     return SnapshotInfo(
         str(path),
         len(columns.hashes),
@@ -115,6 +158,10 @@ class _Columns:
         self.key_shapes: list[int] = []
         self.key_pl_counts: list[int] = []
         self.key_pls: list[int] = []
+        self.pieces = HeaderPieces()
+
+    def column(self, name: str, values: list[Any]) -> bytes:
+        return self.pieces.field(_column_slices(name, values))
 
     def ref(self, s: str) -> int:
         i = self.string_ids.get(s)
@@ -163,20 +210,20 @@ class _Columns:
             stream_position=stream_position,
             strings=self.strings,
             shapes=self.shapes,
-            pl_instance=_column("pl_instance", instances),
-            pl_incarnation=_column("pl_incarnation", [row_incarnation(p) for p in pls]),
-            pl_tier=_column("pl_tier", [TIERS.index(row_tier(p)) for p in pls]),
-            pl_backend=_column("pl_backend", backends),
-            pl_size=_column("pl_size", [row_size(p) for p in pls]),
-            pl_shared=_column("pl_shared", [row_shared(p) for p in pls]),
-            pl_access=_column("pl_access", [row_last_access(p) for p in pls]),
-            chunk_hashes=_join(self.hashes),
-            chunk_offsets=_column("chunk_offsets", self.offsets),
-            chunk_token_lens=_column("chunk_token_lens", self.token_lens),
-            chunk_key_counts=_column("chunk_key_counts", self.key_counts),
-            key_shapes=_column("key_shapes", self.key_shapes),
-            key_pl_counts=_column("key_pl_counts", self.key_pl_counts),
-            key_pls=_column("key_pls", self.key_pls),
+            pl_instance=self.column("pl_instance", instances),
+            pl_incarnation=self.column("pl_incarnation", [row_incarnation(p) for p in pls]),
+            pl_tier=self.column("pl_tier", [TIERS.index(row_tier(p)) for p in pls]),
+            pl_backend=self.column("pl_backend", backends),
+            pl_size=self.column("pl_size", [row_size(p) for p in pls]),
+            pl_shared=self.column("pl_shared", [row_shared(p) for p in pls]),
+            pl_access=self.column("pl_access", [row_last_access(p) for p in pls]),
+            chunk_hashes=self.pieces.field(_join_slices(self.hashes)),
+            chunk_offsets=self.column("chunk_offsets", self.offsets),
+            chunk_token_lens=self.column("chunk_token_lens", self.token_lens),
+            chunk_key_counts=self.column("chunk_key_counts", self.key_counts),
+            key_shapes=self.column("key_shapes", self.key_shapes),
+            key_pl_counts=self.column("key_pl_counts", self.key_pl_counts),
+            key_pls=self.column("key_pls", self.key_pls),
             cursors=[_cursor_row(name, c) for name, c in state.cursors.items()],
             capacities=[
                 (inst, d.incarnation, d.revision, [(t, b, n) for (t, b), n in d.capacities.items()])
@@ -193,34 +240,6 @@ def _cursor_row(name: str, c: EmitterCursor) -> CursorRow:
 
 
 _ARENA_BLOCK = 256  # token arrays per concatenation (256 chunks of 256 tokens: 256 KiB)
-
-
-_LARGE = 1 << 16  # byte fields longer than this are written in place (msgpack bin32)
-_MARKER_BYTES = 16
-
-
-def header_pieces(header: Header) -> list[bytes]:
-    """``msgspec.msgpack.encode(header)`` as pieces whose concatenation is exactly that
-    encoding, with every large byte field a piece of its own (not copied: one encode call
-    would hold the GIL for a copy of every column). The large fields are encoded as unique
-    16-byte markers, then each marker's ``bin8`` is replaced by the field's ``bin32``."""
-    markers: dict[str, bytes] = {}
-    for name in header.__struct_fields__:
-        value = getattr(header, name)
-        if isinstance(value, bytes) and len(value) > _LARGE:
-            markers[name] = os.urandom(_MARKER_BYTES)
-    encoded = msgspec.msgpack.encode(msgspec.structs.replace(header, **markers))
-    pieces, pos = [], 0
-    for name, marker in markers.items():  # field order: the markers appear in this order
-        tagged = b"\xc4" + bytes([_MARKER_BYTES]) + marker  # bin8 of the marker
-        at = encoded.find(tagged, pos)
-        if at < 0 or encoded.find(tagged, at + 1) >= 0:  # not found or not unique (~2^-128)
-            return [msgspec.msgpack.encode(header)]
-        field: bytes = getattr(header, name)
-        pieces += [encoded[pos:at], b"\xc6" + len(field).to_bytes(4, "big"), field]
-        pos = at + len(tagged)
-    pieces.append(encoded[pos:])
-    return pieces
 
 
 def _write_atomically(path: Path, header: list[bytes], arena: list[np.ndarray[Any, Any]]) -> int:
