@@ -70,10 +70,19 @@ def _join_slices(parts: list[bytes]) -> list[bytes]:
     return [b"".join(parts[i : i + _SLICE]) for i in range(0, len(parts), _SLICE)]
 
 
+def _bin_head(size: int) -> bytes:
+    """msgpack's head of a ``size``-byte bin (the smallest form, as every encoder writes)."""
+    if size < 1 << 8:
+        return b"\xc4" + size.to_bytes(1, "big")
+    if size < 1 << 16:
+        return b"\xc5" + size.to_bytes(2, "big")
+    return b"\xc6" + size.to_bytes(4, "big")
+
+
 class HeaderPieces:
     """The header's large byte fields kept as pieces: :meth:`field` stands in a unique 16-byte
     marker for a large field; :meth:`encode` encodes the header and puts each field's pieces
-    where its marker's ``bin8`` was, behind a ``bin32`` head. The pieces concatenate to exactly
+    where its marker's ``bin8`` was, behind the field's own bin head. The pieces concatenate to exactly
     ``msgspec.msgpack.encode`` of the header with the fields joined (tests), but no call copies
     every column into one buffer while holding the GIL, and the file is written piece by piece
     (the GIL released during each write)."""
@@ -99,7 +108,7 @@ class HeaderPieces:
             found.append((at, len(tagged), pieces))
         out, pos = [], 0
         for at, length, pieces in sorted(found, key=lambda f: f[0]):
-            out += [encoded[pos:at], b"\xc6" + sum(map(len, pieces)).to_bytes(4, "big")]
+            out += [encoded[pos:at], _bin_head(sum(map(len, pieces)))]
             out += pieces
             pos = at + length
         out.append(encoded[pos:])
