@@ -48,7 +48,13 @@ pytest: $(STAMP)
 
 test: lint typecheck pytest
 
+# wrk (the C load generator of `bench service`) from the distribution's packages; without it the
+# benchmark falls back to its Python load generator and says so. matplotlib for `--plot`.
 bench: $(STAMP)
+	command -v wrk >/dev/null 2>&1 || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get install -y -qq wrk || echo "warning: wrk not installed: bench service falls back to its Python load generator" >&2; }
+	$(BIN)/python -m pip install --quiet -e '.[plot]'
 	$(BIN)/kvatlas bench keys
 
 clean:

@@ -1,7 +1,10 @@
-"""Shared benchmark plumbing: medians over repeats, ratio columns, rich tables, JSON output.
+"""Shared benchmark plumbing: medians over repeats, ratio columns, target verdicts, rich tables,
+JSON output and an optional chart.
 
 Machines here are shared and noisy, so every benchmark reports medians and the ratio to a naive
-reference measured in the same run; absolute times drift, ratios hold.
+reference measured in the same run; absolute times drift, ratios hold. Every row with a target
+says whether it met it (✔/✘); a configuration that would make a row meaningless is refused
+(:func:`refuse`) instead of printing a figure that measures nothing.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -17,6 +21,8 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+
+REFUSED = 2  # exit status of a refused configuration (as for an argument error)
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
@@ -33,17 +39,25 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> f
 
 @dataclass(frozen=True)
 class BenchRow:
-    """One measured case: ours vs the naive reference, in the same run."""
+    """One measured case: ours vs the naive reference, in the same run.
+
+    ``ours_s`` is a time; a row that measures something else (bytes, a rate) leaves it ``None``
+    and says what it measured in ``shown``. ``met`` is the verdict on ``target`` (``None``: the
+    row has no target)."""
 
     case: str
-    ours_s: float
+    ours_s: float | None
     reference_s: float | None = None
     target: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    met: bool | None = None
+    shown: str = ""
 
     @property
     def ratio(self) -> float | None:
-        return None if not self.reference_s else self.reference_s / self.ours_s
+        if not self.reference_s or not self.ours_s:
+            return None
+        return self.reference_s / self.ours_s
 
 
 def format_seconds(seconds: float) -> str:
@@ -54,14 +68,35 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds * 1e6:.1f} µs"
 
 
+def verdict(row: BenchRow) -> str:
+    if not row.target:
+        return "-"
+    if row.met is None:
+        return row.target
+    return f"{row.target} {'✔' if row.met else '✘'}"
+
+
+def refuse(benchmark: str, reason: str) -> int:
+    """Say why a configuration is refused; the caller returns the status."""
+    print(f"kvatlas bench {benchmark}: refused: {reason}", file=sys.stderr)
+    return REFUSED
+
+
 def add_common_arguments(parser: argparse.ArgumentParser, repeats: int = 7) -> None:
     parser.add_argument("--seed", type=int, default=0, help="workload seed (deterministic)")
     parser.add_argument("--repeats", type=int, default=repeats, help="timed repeats per case")
     parser.add_argument("--json", type=Path, default=None, help="also write results as JSON here")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="also draw the timed rows (ours vs reference) into this PNG (needs matplotlib: "
+        "pip install 'kvatlas[plot]')",
+    )
 
 
 def report(
-    title: str, rows: Sequence[BenchRow], json_path: Path | None, meta: dict[str, Any]
+    title: str, rows: Sequence[BenchRow], args: argparse.Namespace, meta: dict[str, Any]
 ) -> None:
     table = Table(title=title)
     for column in ("case", "ours (median)", "naive reference", "speed-up", "target", "notes"):
@@ -69,17 +104,62 @@ def report(
     for row in rows:
         table.add_row(
             row.case,
-            format_seconds(row.ours_s),
+            row.shown or (format_seconds(row.ours_s) if row.ours_s is not None else "-"),
             format_seconds(row.reference_s) if row.reference_s else "-",
             f"{row.ratio:.1f}×" if row.ratio else "-",
-            row.target,
+            verdict(row),
             ", ".join(f"{k}={v}" for k, v in row.extra.items()),
         )
     Console(width=max(Console().width, 150)).print(table)
-    if json_path is not None:
+    judged = [r for r in rows if r.met is not None]
+    print(f"targets met: {sum(bool(r.met) for r in judged)}/{len(judged)}")
+    if args.json is not None:
         payload = {
             "title": title,
             "meta": meta,
             "rows": [asdict(r) | {"ratio": r.ratio} for r in rows],
         }
-        json_path.write_text(json.dumps(payload, indent=2))
+        args.json.write_text(json.dumps(payload, indent=2))
+    if args.plot is not None:
+        plot(title, rows, args.plot)
+
+
+def plot(title: str, rows: Sequence[BenchRow], path: Path) -> None:
+    """A horizontal bar chart of every timed row: ours and, where measured, the reference
+    (log scale: the rows span microseconds to seconds)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(
+            "warning: --plot needs matplotlib (pip install 'kvatlas[plot]'); no chart",
+            file=sys.stderr,
+        )
+        return
+    timed = [r for r in rows if r.ours_s]
+    if not timed:
+        print("warning: no timed rows to plot", file=sys.stderr)
+        return
+    height = 0.4
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.45 * len(timed)))
+    ys = list(range(len(timed)))
+    ax.barh([y - height / 2 for y in ys], [r.ours_s or 0 for r in timed], height, label="kvatlas")
+    ax.barh(
+        [y + height / 2 for y in ys],
+        [r.reference_s or 0 for r in timed],
+        height,
+        label="naive reference",
+    )
+    ax.set_yticks(
+        ys, [f"{r.case} {'✔' if r.met else '✘' if r.met is False else ''}" for r in timed]
+    )
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("seconds (median, log scale)")
+    ax.set_title(title)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

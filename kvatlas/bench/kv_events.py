@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     rows += _observer_rows(rng, c, r)
     meta = {"requests": args.requests, "tokens": args.tokens, "block_size": b,
             "chunk_size": c, "repeats": r, "seed": args.seed}  # fmt: skip
-    report("kvatlas bench kv_events", rows, args.json, meta)
+    report("kvatlas bench kv_events", rows, args, meta)
     return 0
 
 

@@ -4,6 +4,12 @@ The snapshot is the directory as it was when :func:`save_snapshot` started its c
 :mod:`kvatlas.directory.capture`); serialisation and I/O run outside the directory lock. The
 file is written as temp file + fsync + rename + directory fsync, so a crash leaves the previous
 snapshot intact. The blend index is not stored (a restore rebuilds it from the bindings).
+
+Ingestion goes on while a snapshot is written, on other threads that need the GIL: no single
+call here converts or copies a whole column at once (:data:`_SLICE` items at a time), and the
+header's large byte columns are written from where they are instead of being copied into one
+msgpack buffer (:class:`HeaderPieces`), so a concurrent client waits for a slice, not for a
+column of a million keys.
 """
 
 from __future__ import annotations
@@ -46,6 +52,77 @@ from kvatlas.directory.snapshot.format import (
     encode_column,
 )
 
+_SLICE = 1 << 15  # items per GIL-holding conversion or copy (≈1 ms at most)
+
+
+_LARGE = 1 << 16  # byte fields longer than this are written in place (msgpack bin32)
+_MARKER_BYTES = 16
+
+
+def _column_slices(name: str, values: list[Any]) -> list[bytes]:
+    """``encode_column`` a slice at a time: the same bytes, in calls that each hold the GIL
+    briefly."""
+    return [encode_column(name, values[i : i + _SLICE]) for i in range(0, len(values), _SLICE)]
+
+
+def _join_slices(parts: list[bytes]) -> list[bytes]:
+    """``b"".join(parts)`` a slice at a time."""
+    return [b"".join(parts[i : i + _SLICE]) for i in range(0, len(parts), _SLICE)]
+
+
+def _bin_head(size: int) -> bytes:
+    """msgpack's head of a ``size``-byte bin (the smallest form, as every encoder writes)."""
+    if size < 1 << 8:
+        return b"\xc4" + size.to_bytes(1, "big")
+    if size < 1 << 16:
+        return b"\xc5" + size.to_bytes(2, "big")
+    return b"\xc6" + size.to_bytes(4, "big")
+
+
+class HeaderPieces:
+    """The header's large byte fields kept as pieces: :meth:`field` stands in a unique 16-byte
+    marker for a large field; :meth:`encode` encodes the header and puts each field's pieces
+    where its marker's ``bin8`` was, behind the field's own bin head. The pieces concatenate to exactly
+    ``msgspec.msgpack.encode`` of the header with the fields joined (tests), but no call copies
+    every column into one buffer while holding the GIL, and the file is written piece by piece
+    (the GIL released during each write)."""
+
+    def __init__(self) -> None:
+        self.fields: dict[bytes, list[bytes]] = {}
+
+    def field(self, pieces: list[bytes]) -> bytes:
+        if sum(map(len, pieces)) <= _LARGE:
+            return b"".join(pieces)
+        marker = os.urandom(_MARKER_BYTES)
+        self.fields[marker] = pieces
+        return marker
+
+    def encode(self, header: Header) -> list[bytes]:
+        encoded = msgspec.msgpack.encode(header)
+        found = []
+        for marker, pieces in self.fields.items():
+            tagged = b"\xc4" + bytes([_MARKER_BYTES]) + marker  # bin8 of the marker
+            at = encoded.find(tagged)
+            if at < 0 or encoded.find(tagged, at + 1) >= 0:  # not unique: ~2^-128
+                return [msgspec.msgpack.encode(self.joined(header))]
+            found.append((at, len(tagged), pieces))
+        out, pos = [], 0
+        for at, length, pieces in sorted(found, key=lambda f: f[0]):
+            out += [encoded[pos:at], _bin_head(sum(map(len, pieces)))]
+            out += pieces
+            pos = at + length
+        out.append(encoded[pos:])
+        return out
+
+    def joined(self, header: Header) -> Header:
+        """``header`` with every marker replaced by its field's bytes."""
+        fields = {
+            name: b"".join(self.fields[value])
+            for name in header.__struct_fields__
+            if isinstance(value := getattr(header, name), bytes) and value in self.fields
+        }
+        return msgspec.structs.replace(header, **fields)
+
 
 def save_snapshot(
     directory: KeyDirectory, path: str | os.PathLike[str], *, stream_position: str | None = None
@@ -59,7 +136,7 @@ def save_snapshot(
             max_pause = max(max_pause, part.lock_held_s)
             columns.add(part.records)
     header = columns.header(capture.state, stream_position)
-    size = _write_atomically(Path(path), msgspec.msgpack.encode(header), columns.arena)
+    size = _write_atomically(Path(path), columns.pieces.encode(header), columns.arena)
     return SnapshotInfo(
         str(path),
         len(columns.hashes),
@@ -90,6 +167,10 @@ class _Columns:
         self.key_shapes: list[int] = []
         self.key_pl_counts: list[int] = []
         self.key_pls: list[int] = []
+        self.pieces = HeaderPieces()
+
+    def column(self, name: str, values: list[Any]) -> bytes:
+        return self.pieces.field(_column_slices(name, values))
 
     def ref(self, s: str) -> int:
         i = self.string_ids.get(s)
@@ -138,20 +219,20 @@ class _Columns:
             stream_position=stream_position,
             strings=self.strings,
             shapes=self.shapes,
-            pl_instance=encode_column("pl_instance", instances),
-            pl_incarnation=encode_column("pl_incarnation", [row_incarnation(p) for p in pls]),
-            pl_tier=encode_column("pl_tier", [TIERS.index(row_tier(p)) for p in pls]),
-            pl_backend=encode_column("pl_backend", backends),
-            pl_size=encode_column("pl_size", [row_size(p) for p in pls]),
-            pl_shared=encode_column("pl_shared", [row_shared(p) for p in pls]),
-            pl_access=encode_column("pl_access", [row_last_access(p) for p in pls]),
-            chunk_hashes=b"".join(self.hashes),
-            chunk_offsets=encode_column("chunk_offsets", self.offsets),
-            chunk_token_lens=encode_column("chunk_token_lens", self.token_lens),
-            chunk_key_counts=encode_column("chunk_key_counts", self.key_counts),
-            key_shapes=encode_column("key_shapes", self.key_shapes),
-            key_pl_counts=encode_column("key_pl_counts", self.key_pl_counts),
-            key_pls=encode_column("key_pls", self.key_pls),
+            pl_instance=self.column("pl_instance", instances),
+            pl_incarnation=self.column("pl_incarnation", [row_incarnation(p) for p in pls]),
+            pl_tier=self.column("pl_tier", [TIERS.index(row_tier(p)) for p in pls]),
+            pl_backend=self.column("pl_backend", backends),
+            pl_size=self.column("pl_size", [row_size(p) for p in pls]),
+            pl_shared=self.column("pl_shared", [row_shared(p) for p in pls]),
+            pl_access=self.column("pl_access", [row_last_access(p) for p in pls]),
+            chunk_hashes=self.pieces.field(_join_slices(self.hashes)),
+            chunk_offsets=self.column("chunk_offsets", self.offsets),
+            chunk_token_lens=self.column("chunk_token_lens", self.token_lens),
+            chunk_key_counts=self.column("chunk_key_counts", self.key_counts),
+            key_shapes=self.column("key_shapes", self.key_shapes),
+            key_pl_counts=self.column("key_pl_counts", self.key_pl_counts),
+            key_pls=self.column("key_pls", self.key_pls),
             cursors=[_cursor_row(name, c) for name, c in state.cursors.items()],
             capacities=[
                 (inst, d.incarnation, d.revision, [(t, b, n) for (t, b), n in d.capacities.items()])
@@ -167,16 +248,19 @@ def _cursor_row(name: str, c: EmitterCursor) -> CursorRow:
     return (name, c.incarnation, c.last_seq, c.gaps, c.missing_batches, last)
 
 
-def _write_atomically(path: Path, header: bytes, arena: list[np.ndarray[Any, Any]]) -> int:
+_ARENA_BLOCK = 256  # token arrays per concatenation (256 chunks of 256 tokens: 256 KiB)
+
+
+def _write_atomically(path: Path, header: list[bytes], arena: list[np.ndarray[Any, Any]]) -> int:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
     try:
         with open(tmp, "wb") as f:
-            f.write(PREFIX.pack(MAGIC, len(header)))
-            f.write(header)
-            for start in range(0, len(arena), 4096):
-                block = arena[start : start + 4096]
-                if block:
-                    f.write(np.concatenate(block).astype("<u4", copy=False).tobytes())
+            f.write(PREFIX.pack(MAGIC, sum(map(len, header))))
+            for piece in header:
+                f.write(piece)  # a large piece is written without a copy, the GIL released
+            for start in range(0, len(arena), _ARENA_BLOCK):
+                block = arena[start : start + _ARENA_BLOCK]
+                f.write(np.concatenate(block).astype("<u4", copy=False).data)  # drops the GIL
             f.flush()
             os.fsync(f.fileno())
             size = f.tell()

@@ -1,0 +1,127 @@
+"""The server's own CPU time (utime + stime of its process, all threads) and the C load
+generator ``wrk`` with a fallback: what ``bench service`` measures a service with.
+
+The load generator shares the machine's cores with the server, so requests/s says as much about
+the client as about the server; CPU seconds of the server process per operation do not.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvatlas.bench.loadgen import run_load
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of process ``pid`` (every thread), from ``/proc/<pid>/stat``."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()  # the name may hold spaces and parentheses
+    return (int(fields[11]) + int(fields[12])) / _TICKS  # fields 14 and 15 of proc(5)
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    requests: int
+    seconds: float
+    p50_s: float
+    p99_s: float
+    server_cpu_s: float
+    generator: str  # "wrk" or "python"
+
+    @property
+    def per_request_cpu_s(self) -> float:
+        return self.server_cpu_s / max(1, self.requests)
+
+
+_WRK_SCRIPT = """
+local bodies = {}
+for line in io.lines("%(bodies)s") do bodies[#bodies + 1] = line end
+local i = 0
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+request = function()
+  i = i + 1
+  return wrk.format(nil, "%(path)s", nil, bodies[(i %% #bodies) + 1])
+end
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("KVATLAS %%d %%d %%d %%d %%d\\n", summary.requests, summary.duration,
+    math.floor(latency:percentile(50)), math.floor(latency:percentile(99)), e.status + e.connect + e.read + e.write + e.timeout))
+end
+"""
+_RESULT = re.compile(r"^KVATLAS (\d+) (\d+) (\d+) (\d+) (\d+)$", re.M)
+
+
+def wrk_path() -> str | None:
+    return shutil.which("wrk")
+
+
+def run_wrk(
+    url: str, path: str, bodies: list[bytes], connections: int, seconds: float, pid: int
+) -> LoadResult:
+    """``wrk`` (2 threads, ``connections`` connections) posting ``bodies`` round robin."""
+    wrk = wrk_path()
+    if wrk is None:
+        raise RuntimeError("wrk is not installed")
+    if any(b"\n" in body for body in bodies):
+        raise ValueError("wrk bodies are read one per line: a body holds a newline")
+    with tempfile.TemporaryDirectory() as tmp:
+        body_file = Path(tmp) / "bodies.txt"
+        body_file.write_bytes(b"\n".join(bodies) + b"\n")
+        script = Path(tmp) / "post.lua"
+        script.write_text(_WRK_SCRIPT % {"bodies": body_file, "path": path})
+        cpu0 = process_cpu_seconds(pid)
+        done = subprocess.run(
+            [
+                wrk,
+                "-t2",
+                f"-c{connections}",
+                f"-d{max(1, round(seconds))}s",
+                "-s",
+                str(script),
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=seconds + 60,
+        )
+        cpu = process_cpu_seconds(pid) - cpu0
+    out = done.stdout
+    if done.returncode != 0:
+        raise RuntimeError(f"wrk failed ({done.returncode}): {done.stderr or out}")
+    match = _RESULT.search(out)
+    if match is None:
+        raise RuntimeError(f"wrk printed no result:\n{out}")
+    requests, duration_us, p50_us, p99_us, errors = map(int, match.groups())
+    if errors:
+        raise RuntimeError(f"wrk saw {errors} errors (non-2xx, connect, read, write, timeout)")
+    return LoadResult(requests, duration_us / 1e6, p50_us / 1e6, p99_us / 1e6, cpu, "wrk")
+
+
+def run_python_load(
+    host: str, port: int, requests: list[bytes], clients: int, seconds: float, pid: int
+) -> LoadResult:
+    """The Python load generator (``loadgen``), the fallback without ``wrk``."""
+    cpu0 = process_cpu_seconds(pid)
+    latencies = sorted(run_load(host, port, requests, clients, seconds))
+    cpu = process_cpu_seconds(pid) - cpu0
+    p50 = latencies[len(latencies) // 2]
+    p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
+    return LoadResult(len(latencies), seconds, p50, p99, cpu, "python")
+
+
+def warn_no_wrk() -> None:
+    print(
+        "warning: wrk not found (make bench installs it): lookups use the Python load "
+        "generator, which takes more of the shared CPU from the server",
+        file=sys.stderr,
+    )

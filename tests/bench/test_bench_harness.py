@@ -1,0 +1,115 @@
+"""The benchmark harness itself: verdicts, refused configurations, exit codes, server CPU.
+
+No test here asserts a duration: benchmarks measure, tests check that what they print means
+what it says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvatlas.bench import blend, common, keys, service
+from kvatlas.bench.server_cpu import process_cpu_seconds
+from kvatlas.cli import _build_parser as build_parser
+from kvatlas.directory import BlendIndex
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["bench", *argv])
+
+
+def test_target_column_says_met_or_missed() -> None:
+    assert common.verdict(common.BenchRow("a", 1e-3, target="≤ 2 ms", met=True)) == "≤ 2 ms ✔"
+    assert common.verdict(common.BenchRow("a", 3e-3, target="≤ 2 ms", met=False)) == "≤ 2 ms ✘"
+    assert common.verdict(common.BenchRow("a", 3e-3)) == "-"
+
+
+def test_rows_that_measure_no_time_print_their_unit_not_a_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = [
+        common.BenchRow("bytes", None, target="≤ 128 B/chunk", met=True, shown="93.0 B/chunk"),
+        common.BenchRow("time", 2e-3, 4e-3, target="≤ 1 ms", met=False),
+    ]
+    args = argparse.Namespace(json=tmp_path / "out.json", plot=None)
+    common.report("t", rows, args, {})
+    out = capsys.readouterr().out
+    assert "93.0 B/chunk" in out and "0.0 µs" not in out
+    assert "targets met: 1/2" in out
+    saved = json.loads((tmp_path / "out.json").read_text())
+    assert [r["met"] for r in saved["rows"]] == [True, False]
+    assert saved["rows"][1]["ratio"] == pytest.approx(2.0)
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    rows = [common.BenchRow("a", 1e-3, 5e-3, target="≤ 2 ms", met=True)]
+    common.report("t", rows, argparse.Namespace(json=None, plot=tmp_path / "c.png"), {})
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("keys", "--tokens", "300"),
+        ("blend", "--sizes", "10000", "--queries", "100"),
+        ("blend", "--sizes", "50", "--queries", "8192"),
+        ("directory", "--entries", "10"),
+        ("service", "--query-tokens", "100"),
+        ("service", "--entries", "100", "--batch-entries", "256"),
+    ],
+)
+def test_a_configuration_that_makes_a_row_meaningless_is_refused(
+    argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    module = {"keys": keys, "blend": blend, "service": service}.get(argv[0])
+    if module is None:
+        from kvatlas.bench import directory as module
+    assert module.run(_args(*argv)) == common.REFUSED
+    assert "refused:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tokens", [16384, 4096, 131072])
+def test_bench_keys_places_every_image_inside_the_prompt(tokens: int) -> None:
+    items = keys.image_items(tokens)
+    assert items
+    assert all(it.span.offset >= 0 and it.span.offset + it.span.length <= tokens for it in items)
+
+
+def test_naive_chunk_hash_is_the_contract() -> None:
+    from kvatlas.keys import chunk_hashes
+
+    tokens = np.arange(1000, dtype=np.uint32) * 7919
+    assert keys.naive_chunk_hashes(tokens.tolist(), 256) == chunk_hashes(tokens, 256)
+
+
+SMALL_BLEND = ("blend", "--sizes", "1000", "--queries", "2048", "--repeats", "1")
+
+
+def test_bench_blend_exits_zero_when_every_answer_is_right() -> None:
+    assert blend.run(_args(*SMALL_BLEND, "--naive-max", "0")) == 0
+
+
+def test_bench_blend_exits_nonzero_when_recall_fails(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real_match = BlendIndex.match
+
+    def lossy(self: BlendIndex, *args: object, **kwargs: object) -> object:
+        return real_match(self, *args, **kwargs)[1:]  # type: ignore[arg-type]
+
+    monkeypatch.setattr(BlendIndex, "match", lossy)
+    assert blend.run(_args(*SMALL_BLEND, "--naive-max", "0")) == 1
+    assert "FAILED: match rag" in capsys.readouterr().err
+
+
+def test_server_cpu_counts_this_process_cpu_time() -> None:
+    before = process_cpu_seconds(os.getpid())
+    sum(i * i for i in range(3_000_000))  # CPU work, not a sleep
+    assert process_cpu_seconds(os.getpid()) > before
