@@ -59,6 +59,7 @@ from kvatlas.directory.records import (
 from kvatlas.directory.shapes import ShapeTable
 from kvatlas.errors import Conflict
 from kvatlas.events import UNKNOWN_OFFSET, CacheEntry, EventBatch
+from kvatlas.events.inventory import Digest, element, empty_digest, shape_tag
 from kvatlas.events.model import tokens_equal
 from kvatlas.keys import BlendNamespace, ObjectKey
 from kvatlas.keys.tokens import TokenArray
@@ -71,14 +72,24 @@ Partition = dict[bytes, Record]  # chunk hash -> record; a chunk lives in partit
 
 @dataclass(slots=True)
 class ChunkCounts:
-    """What follows from the records: key and placement counts, bytes per tier, and per
-    instance its own L1 placements and the chunks holding them (what fencing visits)."""
+    """What follows from the records: key and placement counts, bytes per tier, per
+    instance its own L1 placements and the chunks holding them (what fencing visits), and
+    the inventory digest of every (instance, tier)'s own placements (see
+    :mod:`kvatlas.events.inventory`; filled by :meth:`ChunkTable.rebuild_digests`)."""
 
     keys: int = 0
     placements: int = 0
     l1_placements: Counter[str] = field(default_factory=Counter)
     bytes_by_tier: Counter[str] = field(default_factory=Counter)
     l1_chunks: dict[str, set[bytes]] = field(default_factory=dict)
+    digests: dict[tuple[str, str], Digest] = field(default_factory=dict)
+
+    def digest_for(self, inst: str, tier: str) -> Digest:
+        """The (mutable) root digest of ``inst``'s own placements on ``tier``."""
+        d = self.digests.get((inst, tier))
+        if d is None:
+            d = self.digests[(inst, tier)] = empty_digest()
+        return d
 
     @classmethod
     def scan(cls, parts: list[Partition]) -> ChunkCounts:
@@ -116,6 +127,7 @@ class ChunkTable:
         self.indexing = False  # whether changes queue blend-index writes
         self.journal: ChangeJournal | None = None  # set while a capture is in progress
         self._ops: list[BlendOp] = []
+        self._tags: dict[tuple[int, str, str], bytes] = {}  # (shape id, tier, backend) -> tag
 
     # ------------------------------------------------------------------ restore
 
@@ -125,6 +137,34 @@ class ChunkTable:
         if self.journal is not None:
             raise Conflict("cannot restore while a snapshot is being taken")
         self.shapes, self.parts, self.counts = shapes, parts, counts
+        self._tags = {}
+        self.rebuild_digests()
+
+    def rebuild_digests(self) -> None:
+        """Recompute every (instance, tier) digest by one pass over the records."""
+        digests: dict[tuple[str, str], Digest] = {}
+        tag = self._tag
+        for part in self.parts:
+            for h, rec in part.items():
+                for sid, pls in record_keys(rec):
+                    for p in placements_of(pls):
+                        if not row_shared(p):
+                            where = (row_instance(p), row_tier(p))
+                            d = digests.get(where)
+                            if d is None:
+                                d = digests[where] = empty_digest()
+                            d[h[0]] ^= element(h, tag(sid, row_tier(p), row_backend(p)))
+        self.counts.digests = digests
+
+    def _tag(self, sid: int, tier: str, backend: str) -> bytes:
+        t = self._tags.get((sid, tier, backend))
+        if t is None:
+            t = self._tags[(sid, tier, backend)] = shape_tag(*self.shapes[sid].parts, tier, backend)
+        return t
+
+    def _xor(self, inst: str, tier: str, h: bytes, sid: int, backend: str) -> None:
+        """Add or remove (the same thing) one own placement in its digest."""
+        self.counts.digest_for(inst, tier)[h[0]] ^= element(h, self._tag(sid, tier, backend))
 
     def reindex(self, apply: Callable[[list[BlendOp]], None]) -> None:
         """Add every indexable chunk to the index (``apply``, one call per partition)."""
@@ -184,6 +224,9 @@ class ChunkTable:
         shapes = self.shapes.shapes
         chunk_size = self.chunk_size
         debug = log.isEnabledFor(logging.DEBUG)
+        dig = None if shared else counts.digest_for(inst, tier)
+        tag = b""
+        tag_sid = -1
         # Every placement added or replaced here has this batch's tier and (for own copies)
         # instance: the counters move by one sum per batch instead of per entry.
         n_keys = n_pl = n_bytes = 0
@@ -197,6 +240,8 @@ class ChunkTable:
             rec = part.get(h)
             if journal is not None:
                 journal.save(h, rec)
+            if dig is not None and sid != tag_sid:
+                tag, tag_sid = self._tag(sid, tier, backend), sid
             if rec is None:  # a new chunk: the common case, without the general bookkeeping
                 # (records are built inline here, as records.new_record builds them: the call
                 # would be a measurable share of consuming a new chunk)
@@ -217,11 +262,15 @@ class ChunkTable:
                 else:
                     part[h] = (tokens, offset, True, sid, p)
                     ops.append(new_add_op((tokens, h, offset, shapes[sid].namespace)))
+                if dig is not None:
+                    dig[h[0]] ^= element(h, tag)
             else:
                 dk, dp, db = self._store_existing(h, part, rec, sid, p, entry, debug)
                 n_keys += dk
                 n_pl += dp
                 n_bytes += db
+                if dig is not None and dp:  # a new own copy (a replaced one is the same element)
+                    dig[h[0]] ^= element(h, tag)
             if l1set is not None:
                 l1set.add(h)
         counts.keys += n_keys
@@ -331,6 +380,8 @@ class ChunkTable:
             for q in old:
                 if row_ident(q) == ident:
                     self._count(q, -1)
+            if not batch.shared:
+                self._xor(batch.instance_id, batch.tier, h, record_keys(rec)[k][0], batch.backend)
             keys: list[tuple[int, Placements | None]] = list(record_keys(rec))
             keys[k] = (keys[k][0], pack_placements(kept))
             self._rewrite(h, rec, keys)
@@ -384,7 +435,78 @@ class ChunkTable:
                 keys.append((sid, pack_placements(kept)))
             self._rewrite(h, rec, keys)
         counts.l1_placements.pop(inst, None)
+        counts.digests.pop((inst, "l1"), None)
         return dropped
+
+    def resync(self, batch: EventBatch, sids: list[int]) -> int:
+        """Apply a ``resync`` batch: the reporter's own placements on the batch's tier under
+        its prefixes become exactly the listed ones (the others are removed, whatever their
+        backend; the listed ones are stored). Returns how many placements were removed."""
+        inst, tier, backend = batch.instance_id, batch.tier, batch.backend
+        prefixes = batch.prefix_bytes
+        listed: dict[bytes, set[int]] = {}
+        for entry, sid in zip(batch.entries, sids, strict=True):
+            listed.setdefault(entry.key.chunk_hash, set()).add(sid)
+
+        def doomed(h: bytes, sid: int, p: PlacementRow) -> bool:
+            if row_instance(p) != inst or row_tier(p) != tier or row_shared(p):
+                return False
+            return row_backend(p) != backend or sid not in listed.get(h, ())
+
+        removed = 0
+        for b in sorted({p[0] for p in prefixes}):
+            part = self.parts[b]
+            stale = [
+                h
+                for h, rec in part.items()
+                if (h[:1] in prefixes or h[:2] in prefixes)
+                and any(
+                    doomed(h, sid, p) for sid, pls in record_keys(rec) for p in placements_of(pls)
+                )
+            ]
+            for h in stale:
+                removed += self._drop_where(h, part[h], doomed)
+        self.store(batch, sids)
+        return removed
+
+    def _drop_where(
+        self, h: bytes, rec: Record, doomed: Callable[[bytes, int, PlacementRow], bool]
+    ) -> int:
+        """Remove the chunk's placements ``doomed(h, shape id, row)`` selects."""
+        self._preserve(h, rec)
+        keys: list[tuple[int, Placements | None]] = []
+        owners: set[str] = set()
+        dropped = 0
+        for sid, pls in record_keys(rec):
+            kept = []
+            for p in placements_of(pls):
+                if doomed(h, sid, p):
+                    self._count(p, -1)
+                    self._xor(row_instance(p), row_tier(p), h, sid, row_backend(p))
+                    owner = l1_owner(p)
+                    if owner is not None:
+                        owners.add(owner)
+                    dropped += 1
+                else:
+                    kept.append(p)
+            keys.append((sid, pack_placements(kept)))
+        self._rewrite(h, rec, keys)
+        for owner in owners:
+            self._forget_l1_if_gone(owner, h)
+        return dropped
+
+    def digest_of_prefix(self, inst: str, tier: str, prefix: bytes) -> Digest:
+        """The digest of ``inst``'s own placements on ``tier`` under a one-byte ``prefix``
+        (computed from that partition: 1/256 of the directory)."""
+        out = empty_digest()
+        for h, rec in self.parts[prefix[0]].items():
+            if not h.startswith(prefix):
+                continue
+            for sid, pls in record_keys(rec):
+                for p in placements_of(pls):
+                    if row_instance(p) == inst and row_tier(p) == tier and not row_shared(p):
+                        out[h[1]] ^= element(h, self._tag(sid, tier, row_backend(p)))
+        return out
 
     # ------------------------------------------------------------------ bookkeeping
 

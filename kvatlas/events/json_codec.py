@@ -58,6 +58,7 @@ class _WireBatch(msgspec.Struct):
     entries: list[_WireEntry] = []
     capacity_bytes: int | None = None
     capacity_revision: int | None = None
+    prefixes: list[str] | None = None
 
 
 class _WireBody(msgspec.Struct):
@@ -138,6 +139,7 @@ def _batch_from_wire(
         entries=tuple(entries),
         capacity_bytes=wb.capacity_bytes,
         capacity_revision=wb.capacity_revision,
+        prefixes=None if wb.prefixes is None else tuple(wb.prefixes),
     )
 
 

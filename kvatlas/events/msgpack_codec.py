@@ -57,6 +57,7 @@ class _PackedBatch(msgspec.Struct, omit_defaults=True):
     entries: list[_PackedEntry] = []
     capacity_bytes: int | None = None
     capacity_revision: int | None = None
+    prefixes: list[str] | None = None
 
 
 class _PackedBody(msgspec.Struct):
@@ -119,6 +120,7 @@ def _batch_from_packed(pb: _PackedBatch, strings: dict[str, str]) -> EventBatch:
         entries=tuple(entries),
         capacity_bytes=pb.capacity_bytes,
         capacity_revision=pb.capacity_revision,
+        prefixes=None if pb.prefixes is None else tuple(pb.prefixes),
     )
 
 

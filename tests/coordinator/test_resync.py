@@ -1,0 +1,165 @@
+"""Resync by inventory digests (convergence.md §3): the directory's digests follow its
+placements exactly, a ``resync`` batch replaces exactly its prefixes, and over HTTP a node that
+was fenced, or a coordinator that restarted, converges through a digest exchange."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from kvatlas.directory import KeyDirectory, load_snapshot, save_snapshot
+from kvatlas.events import (
+    DELETE,
+    RESYNC,
+    STORE,
+    CacheEntry,
+    EventBatch,
+    EventValidationError,
+    decode_json,
+    decode_msgpack,
+    encode_json,
+    encode_msgpack,
+)
+from kvatlas.events.inventory import digest_of, placement_element
+from kvatlas.keys import ObjectKey, pack_kv_rank
+from tests.directory.helpers import Emitter, toks
+
+Own = dict[tuple[str, str], dict[ObjectKey, str]]  # (instance, tier) -> key -> backend
+
+
+def hkey(first: int, n: int, salt: str = "") -> ObjectKey:
+    h = bytes([first, n % 256, n // 256]) + bytes(29)
+    return ObjectKey(h, "m", pack_kv_rank(1, 0, 1, 0), 0, salt)
+
+
+def expected(own: Own, inst: str, tier: str) -> list[int]:
+    held = own.get((inst, tier), {})
+    return digest_of(b"", ((k.chunk_hash, placement_element(k, tier, b)) for k, b in held.items()))
+
+
+def test_digests_follow_store_delete_fence_resync_and_restore(tmp_path: Path) -> None:
+    rng = random.Random(7)
+    d = KeyDirectory(4)
+    emitters = {i: Emitter(i) for i in ("a", "b")}
+    own: Own = {}
+    keys = [hkey(rng.randrange(4), n, salt=rng.choice(["", "s"])) for n in range(60)]
+    where = [("l1", "dram"), ("l2", "fs")]
+    for step in range(400):
+        inst = rng.choice(["a", "b"])
+        tier, backend = rng.choice(where)
+        em = emitters[inst]
+        held = own.setdefault((inst, tier), {})
+        op = rng.random()
+        if op < 0.5:
+            ks = rng.sample(keys, 5)
+            d.consume(em.batch(STORE, [CacheEntry(k, 8) for k in ks], tier, backend))
+            held.update({k: backend for k in ks})
+        elif op < 0.8:
+            ks = rng.sample(keys, 5)
+            d.consume(em.batch(DELETE, [CacheEntry(k, 8) for k in ks], tier, backend))
+            for k in ks:
+                held.pop(k, None)
+        elif op < 0.85:
+            d.fence_instance(inst)
+            own.pop((inst, "l1"), None)
+        elif op < 0.95:
+            first = rng.randrange(4)
+            listed = [k for k in rng.sample(keys, 8) if k.chunk_hash[0] == first]
+            batch = em.batch(
+                RESYNC, [CacheEntry(k, 8) for k in listed], tier, backend, prefixes=(f"{first:02x}",)
+            )
+            d.consume(batch)
+            for k in [k for k in held if k.chunk_hash[0] == first]:
+                del held[k]
+            held.update({k: backend for k in listed})
+        else:  # a shared pool copy never counts in anyone's digest
+            d.consume(em.batch(STORE, [CacheEntry(rng.choice(keys), 8)], "l2", "pool", True))
+        for i in ("a", "b"):
+            for t, _ in where:
+                assert d.digest(i, t) == expected(own, i, t), (step, i, t)
+    path = tmp_path / "snap"
+    save_snapshot(d, path)
+    restored = KeyDirectory(4)
+    load_snapshot(restored, path)
+    for i in ("a", "b"):
+        for t, _ in where:
+            assert restored.digest(i, t) == expected(own, i, t)
+    # the one-byte prefix digest is the root bucket split by the second byte
+    for first in range(4):
+        sub = d.digest("a", "l1", bytes([first]))
+        root = 0
+        for b in sub:
+            root ^= b
+        assert root == d.digest("a", "l1")[first]
+
+
+def test_resync_replaces_exactly_its_prefixes_and_keeps_the_index_consistent() -> None:
+    d = KeyDirectory(4, enable_blend_lookup=True)
+    a, b = Emitter("a"), Emitter("b")
+    inside, ghost, outside, other = hkey(1, 1), hkey(1, 2), hkey(2, 1), hkey(1, 3)
+    content = toks(1, 2, 3, 4)
+    d.consume(a.batch(STORE, [CacheEntry(inside, 8), CacheEntry(ghost, 8, content, 0)]))
+    d.consume(a.batch(STORE, [CacheEntry(outside, 8)]))
+    d.consume(a.batch(STORE, [CacheEntry(ghost, 8)], "l2", "fs"))  # another tier: untouched
+    d.consume(b.batch(STORE, [CacheEntry(ghost, 8)]))  # another instance: untouched
+    d.consume(a.batch(STORE, [CacheEntry(other, 8)], "l1", "pool", True))  # shared: untouched
+    assert d.blend_match(content, ghost_ns()) != []
+    new = hkey(1, 4)
+    d.consume(
+        a.batch(
+            RESYNC,
+            [CacheEntry(inside, 8), CacheEntry(new, 8, toks(5, 6, 7, 8), 0)],
+            prefixes=("01",),
+        )
+    )
+    holders = {
+        k: {(p.instance_id, p.tier, p.shared) for p in r.placements}
+        for k, r in zip(
+            (inside, ghost, outside, other, new),
+            d.lookup([inside, ghost, outside, other, new]),
+            strict=True,
+        )
+    }
+    assert holders[inside] == {("a", "l1", False)}
+    assert holders[ghost] == {("a", "l2", False), ("b", "l1", False)}
+    assert holders[outside] == {("a", "l1", False)}
+    assert holders[other] == {("a", "l1", True)}
+    assert holders[new] == {("a", "l1", False)}
+    assert d.stats().l1_placements_by_instance == {"a": 3, "b": 1}
+    assert d.blend_match(toks(5, 6, 7, 8), ghost_ns()) != []
+    # the ghost's content is still held by b and a's L2: still matchable
+    assert d.blend_match(content, ghost_ns()) != []
+    d.fence_instance("a")
+    assert d.stats().l1_placements_by_instance == {"b": 1}
+    assert d.digest("a", "l1") == [0] * 256
+
+
+def ghost_ns():  # type: ignore[no-untyped-def]
+    from kvatlas.keys import BlendNamespace
+
+    return BlendNamespace("m", "", 1)
+
+
+def test_resync_batch_validation_and_codecs() -> None:
+    k = hkey(0xAB, 1)
+    batch = EventBatch("a", 1, 1, RESYNC, "l1", "dram", entries=(CacheEntry(k, 3),),
+                       prefixes=("ab", "cd01"))  # fmt: skip
+    for encode, decode in ((encode_json, decode_json), (encode_msgpack, decode_msgpack)):
+        (back,) = decode(encode([batch]))
+        assert back == batch and back.prefixes == ("ab", "cd01")
+    bad = [
+        dict(prefixes=None),
+        dict(prefixes=()),
+        dict(prefixes=("abc",)),
+        dict(prefixes=("zz",)),
+        dict(prefixes=("cd",)),  # the entry lies outside
+    ]
+    for kw in bad:
+        with pytest.raises(EventValidationError):
+            EventBatch("a", 1, 1, RESYNC, "l1", "dram", entries=(CacheEntry(k, 3),), **kw)
+    with pytest.raises(EventValidationError, match="prefixes"):
+        EventBatch("a", 1, 1, STORE, "l1", "dram", prefixes=("ab",))
+    with pytest.raises(EventValidationError, match="backend"):
+        EventBatch("a", 1, 1, RESYNC, "l1", "", prefixes=("ab",))
