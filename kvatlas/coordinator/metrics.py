@@ -122,4 +122,10 @@ class CoordinatorMetrics:
         self.stream_errors = Counter(
             "kvatlas_stream_errors", "Redis stream read/decode errors", ["kind"], registry=r
         )
+        self.digest_exchanges = Counter(
+            "kvatlas_digest_exchanges", "inventory digest exchanges", ["result"], registry=r
+        )
+        self.stream_trims = Counter(
+            "kvatlas_stream_trimmed_entries", "stream entries trimmed by MINID", registry=r
+        )
         r.register(_StateCollector(read_state))

@@ -44,7 +44,8 @@ from kvatlas.directory import (
     warm_up_kernels,
 )
 from kvatlas.errors import Unprocessable
-from kvatlas.events import EventBatch
+from kvatlas.events import RESYNC, EventBatch
+from kvatlas.events.inventory import Digest, differing
 from kvatlas.keys import MM_BYPASS_GUARD, ObjectKey
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,8 @@ class CoordinatorService:
         self.instances = InstanceRegistry(config.instance_timeout, self._fence_expired, clock)
         self.metrics = CoordinatorMetrics(self.metrics_state)
         self.state = Readiness.RESTORING
+        self._clock = clock
+        self._resyncing_since: float | None = None
         self.stream_position: str | None = None
         self.last_snapshot: SnapshotInfo | None = None
         self._lag: dict[str, float] = {}
@@ -80,6 +83,7 @@ class CoordinatorService:
     def start(self) -> None:
         warm_up_kernels()
         self.restore()
+        self.instances.expire()  # restored instances silent for too long: fenced, not ghosts
         self._spawn("instance-sweeper", self._sweep_loop)
         if self.config.snapshot_path is not None:
             self._spawn("snapshotter", self._snapshot_loop)
@@ -114,7 +118,25 @@ class CoordinatorService:
         self._threads.append(thread)
 
     def _set_state(self, state: Readiness) -> None:
+        if state is Readiness.RESYNCING:
+            self._resyncing_since = self._clock()
+            self.instances.owe_all()
+        elif state is Readiness.SERVING and self._resyncing_since is not None:
+            return  # resyncing ends when the instances have resynced (see _check_resynced)
         self.state = state
+
+    def _check_resynced(self) -> None:
+        """``resyncing`` → ``serving`` once every live instance completed a digest exchange
+        since, or after twice the instance timeout (an instance that never exchanges — an
+        old node — must not keep the replica unready forever)."""
+        since = self._resyncing_since
+        if since is None:
+            return
+        elapsed = self._clock() - since
+        if not self.instances.owing() or elapsed > 2 * self.config.instance_timeout:
+            self._resyncing_since = None
+            self.state = Readiness.SERVING
+            log.info("resync finished after %.1f s: serving", elapsed)
 
     def _set_stream_position(self, position: str) -> None:
         self.stream_position = position
@@ -130,6 +152,8 @@ class CoordinatorService:
             self.metrics.batches.labels(batch.instance_id, outcome.value).inc()
             if outcome is Outcome.APPLIED:
                 applied += 1
+                if batch.event_type == RESYNC:
+                    self.instances.digest_done(batch.instance_id)
                 self.metrics.entries.inc(len(batch.entries))
                 if batch.ts > 0:
                     with self._lag_lock:
@@ -194,6 +218,27 @@ class CoordinatorService:
         period = min(1.0, self.config.instance_timeout / 4)
         while not self._stop.wait(period):
             self.instances.expire()
+            self._check_resynced()
+
+    # ------------------------------------------------------------------ resync
+
+    def compare_digests(
+        self, instance_id: str, theirs: dict[str, dict[bytes, Digest]]
+    ) -> dict[str, list[bytes]]:
+        """The child prefixes whose buckets differ between the instance's digests and this
+        directory's view of it, per tier; no difference anywhere completes the instance's
+        digest exchange (so does applying its resync batches)."""
+        out: dict[str, list[bytes]] = {}
+        for tier, by_prefix in theirs.items():
+            out[tier] = [
+                p
+                for prefix, digest in sorted(by_prefix.items())
+                for p in differing(prefix, self.directory.digest(instance_id, tier, prefix), digest)
+            ]
+        if not any(out.values()):
+            self.instances.digest_done(instance_id)
+        self.metrics.digest_exchanges.labels("match" if not any(out.values()) else "differ").inc()
+        return out
 
     # ------------------------------------------------------------------ snapshots
 
@@ -208,6 +253,8 @@ class CoordinatorService:
             log.error("snapshot %s could not be restored (%s); starting empty", path, exc)
             return
         self.stream_position = info.stream_position
+        if info.instances is not None:
+            self.instances.restore(info.instances)
         rate = info.keys / info.seconds if info.seconds else float("inf")
         log.info(
             "restored %d keys / %d chunks from %s in %.3f s (%.0f keys/s), stream position %s",
@@ -224,7 +271,9 @@ class CoordinatorService:
         with self._snapshot_lock:
             position = self.stream_position
             try:
-                info = save_snapshot(self.directory, path, stream_position=position)
+                info = save_snapshot(
+                    self.directory, path, stream_position=position, instances=self.instances.rows()
+                )
             except OSError as exc:
                 self.metrics.snapshot_failures.inc()
                 log.error("snapshot to %s failed: %s", path, exc)

@@ -22,7 +22,13 @@ from kvatlas.directory.records import (
     TokenLookup,
     prefix_summary,
 )
-from kvatlas.directory.snapshot import SnapshotError, SnapshotInfo, load_snapshot, save_snapshot
+from kvatlas.directory.snapshot import (
+    InstanceRow,
+    SnapshotError,
+    SnapshotInfo,
+    load_snapshot,
+    save_snapshot,
+)
 from kvatlas.directory.warm_up import warm_up_kernels
 from kvatlas.keys import BlendMatch
 
@@ -42,6 +48,7 @@ __all__ = [
     "GapRecord",
     "IngestCounts",
     "IngestGate",
+    "InstanceRow",
     "KeyDirectory",
     "KeyPage",
     "KeyPlacements",

@@ -128,6 +128,7 @@ class ChunkTable:
         self.journal: ChangeJournal | None = None  # set while a capture is in progress
         self._ops: list[BlendOp] = []
         self._tags: dict[tuple[int, str, str], bytes] = {}  # (shape id, tier, backend) -> tag
+        self.digested = bytearray(b"\x01" * PARTS)  # partitions counted in counts.digests
 
     # ------------------------------------------------------------------ restore
 
@@ -138,23 +139,27 @@ class ChunkTable:
             raise Conflict("cannot restore while a snapshot is being taken")
         self.shapes, self.parts, self.counts = shapes, parts, counts
         self._tags = {}
-        self.rebuild_digests()
+        self.counts.digests = {}
+        self.digested = bytearray(PARTS)  # digests are built partition by partition, later
 
-    def rebuild_digests(self) -> None:
-        """Recompute every (instance, tier) digest by one pass over the records."""
-        digests: dict[tuple[str, str], Digest] = {}
+    def digest_partition(self, b: int) -> None:
+        """Add partition ``b``'s own placements to the digests (once, after a restore: the
+        restore itself stays one pass over columns, and building the digests holds the lock
+        one partition at a time)."""
+        if self.digested[b]:
+            return
+        digests = self.counts.digests
         tag = self._tag
-        for part in self.parts:
-            for h, rec in part.items():
-                for sid, pls in record_keys(rec):
-                    for p in placements_of(pls):
-                        if not row_shared(p):
-                            where = (row_instance(p), row_tier(p))
-                            d = digests.get(where)
-                            if d is None:
-                                d = digests[where] = empty_digest()
-                            d[h[0]] ^= element(h, tag(sid, row_tier(p), row_backend(p)))
-        self.counts.digests = digests
+        for h, rec in self.parts[b].items():
+            for sid, pls in record_keys(rec):
+                for p in placements_of(pls):
+                    if not row_shared(p):
+                        where = (row_instance(p), row_tier(p))
+                        d = digests.get(where)
+                        if d is None:
+                            d = digests[where] = empty_digest()
+                        d[b] ^= element(h, tag(sid, row_tier(p), row_backend(p)))
+        self.digested[b] = 1
 
     def _tag(self, sid: int, tier: str, backend: str) -> bytes:
         t = self._tags.get((sid, tier, backend))
@@ -164,7 +169,8 @@ class ChunkTable:
 
     def _xor(self, inst: str, tier: str, h: bytes, sid: int, backend: str) -> None:
         """Add or remove (the same thing) one own placement in its digest."""
-        self.counts.digest_for(inst, tier)[h[0]] ^= element(h, self._tag(sid, tier, backend))
+        if self.digested[h[0]]:
+            self.counts.digest_for(inst, tier)[h[0]] ^= element(h, self._tag(sid, tier, backend))
 
     def reindex(self, apply: Callable[[list[BlendOp]], None]) -> None:
         """Add every indexable chunk to the index (``apply``, one call per partition)."""
@@ -225,6 +231,7 @@ class ChunkTable:
         chunk_size = self.chunk_size
         debug = log.isEnabledFor(logging.DEBUG)
         dig = None if shared else counts.digest_for(inst, tier)
+        digested = self.digested
         tag = b""
         tag_sid = -1
         # Every placement added or replaced here has this batch's tier and (for own copies)
@@ -262,15 +269,15 @@ class ChunkTable:
                 else:
                     part[h] = (tokens, offset, True, sid, p)
                     ops.append(new_add_op((tokens, h, offset, shapes[sid].namespace)))
-                if dig is not None:
+                if dig is not None and digested[h[0]]:
                     dig[h[0]] ^= element(h, tag)
             else:
                 dk, dp, db = self._store_existing(h, part, rec, sid, p, entry, debug)
                 n_keys += dk
                 n_pl += dp
                 n_bytes += db
-                if dig is not None and dp:  # a new own copy (a replaced one is the same element)
-                    dig[h[0]] ^= element(h, tag)
+                if dig is not None and dp and digested[h[0]]:  # a new own copy (a replaced
+                    dig[h[0]] ^= element(h, tag)  # one is the same element)
             if l1set is not None:
                 l1set.add(h)
         counts.keys += n_keys

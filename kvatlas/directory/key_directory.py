@@ -260,6 +260,11 @@ class KeyDirectory:
         """The inventory digest of the instance's own placements on ``tier``: the root digest
         (kept up to date as placements change), or a one-byte prefix's (computed from one
         partition on demand). See :mod:`kvatlas.events.inventory`."""
+        chunks = self._chunks
+        for b in range(len(chunks.digested)):  # after a restore: built on first use
+            if not chunks.digested[b]:
+                with self._lock:
+                    chunks.digest_partition(b)
         with self._lock:
             if not prefix:
                 return list(self._chunks.counts.digests.get((instance_id, tier), empty_digest()))

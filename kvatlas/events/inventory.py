@@ -46,9 +46,7 @@ def element(chunk_hash: bytes, tag: bytes) -> int:
 
 def placement_element(key: ObjectKey, tier: str, backend: str) -> int:
     """:func:`element` of ``(key, tier, backend)``."""
-    tag = shape_tag(
-        key.model_name, key.kv_rank, key.object_group_id, key.cache_salt, tier, backend
-    )
+    tag = shape_tag(key.model_name, key.kv_rank, key.object_group_id, key.cache_salt, tier, backend)
     return element(key.chunk_hash, tag)
 
 

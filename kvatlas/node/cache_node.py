@@ -49,6 +49,7 @@ from kvatlas.node.chunk_digest import rejection
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.emitter import BatchSink, EventEmitter
 from kvatlas.node.fleet_view import FleetView
+from kvatlas.node.inventory import DigestExchange, NodeInventory, ResyncDriver, resync_sender
 from kvatlas.node.l1 import L1Cache
 from kvatlas.node.l2 import L2Backend, L2Unavailable
 from kvatlas.node.presence import L1, L2, Presence, Tier
@@ -145,6 +146,7 @@ class CacheNode:
         self.emitter = EventEmitter(sink) if sink is not None else None
         self._sink = sink
         self.token_cache = TokenCache(config.token_cache_chunks)
+        self.own = NodeInventory()  # what this node reported holding (its digests, resync)
         self.counters: Counter[str] = Counter()
         self._rejection_warnings = Throttle(60.0)
         self.index = BlendIndex(config.chunk_size)
@@ -283,6 +285,12 @@ class CacheNode:
     def _record(
         self, event_type: str, tier: str, backend: str, entry: CacheEntry, *, shared: bool = False
     ) -> None:
+        # The inventory changes before the event is recorded: a resync listing (taken while
+        # nothing is recorded) is never older than an event queued ahead of it.
+        if not shared and event_type == STORE:
+            self.own.add(tier, backend, entry)
+        elif not shared and event_type == DELETE:
+            self.own.remove(tier, backend, entry.key)
         if self.emitter is not None:
             self.emitter.record(event_type, tier, backend, entry, shared=shared)
 
@@ -380,6 +388,39 @@ class CacheNode:
         self.counters["segments_reused"] += len(parts)
         self.counters["segment_misses"] += len(misses)
         return BlendRetrieval(parts, misses, sources)
+
+    # ------------------------------------------------------------------ resync
+
+    def inventory(self) -> list[tuple[ObjectKey, str, str]]:
+        """``(key, tier, backend)`` of every placement this node holds on its own tiers."""
+        return self.own.placements()
+
+    def resync_driver(
+        self, exchange: DigestExchange, *, interval: float, settle: Any = None, lost: Any = None
+    ) -> ResyncDriver | None:
+        """A digest-exchange driver over this node's own tiers (``None`` without an event
+        sink: nothing to resync through)."""
+        emitter = self.emitter
+        if emitter is None:
+            return None
+        backends = {L1: L1_BACKEND}
+        if self.l2 is not None and not self.l2.shared:
+            backends[L2] = self.l2.name
+
+        def settled() -> None:
+            emitter.flush()
+            if settle is not None:
+                settle()
+
+        return ResyncDriver(
+            self.own,
+            backends,
+            exchange=exchange,
+            barrier=lambda act: emitter.barrier(lambda sink: act(resync_sender(sink))),
+            settle=settled,
+            lost=lost or (lambda: 0),
+            interval=interval,
+        )
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -28,6 +28,7 @@ from kvatlas.node.cache_node import CacheNode
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.fleet_view import HttpFleetView
 from kvatlas.node.http_api import create_node_app
+from kvatlas.node.inventory import ResyncDriver
 from kvatlas.node.l2 import FsL2, L2Backend, RedisL2, instance_dir
 from kvatlas.web import is_loopback
 
@@ -97,7 +98,9 @@ class NodeProcess:
         if config.fleet_enabled and self.coordinator is not None:
             transport: Transport
             if config.event_transport == "redis":
-                transport = RedisStreamTransport(config.redis_url, config.event_stream)
+                transport = RedisStreamTransport(
+                    config.redis_url, config.event_stream, maxlen=config.stream_max_len
+                )
             else:
                 transport = HttpTransport(config.coordinator_url, token=token)
             assert instance_id is not None
@@ -130,8 +133,34 @@ class NodeProcess:
             fleet_matcher=matcher,
         )
         self.app = create_node_app(self.node, auth=config.auth())
+        self.resync = self._start_resync()
+
+    def _start_resync(self) -> ResyncDriver | None:
+        """Digest exchanges: now (the node just registered), every ``--digest-interval``, after
+        every re-registration, on the coordinator's hint and after the sink lost batches."""
+        coordinator, sink = self.coordinator, self.sink
+        if coordinator is None or sink is None:
+            return None
+
+        def lost() -> int:
+            stats = sink.stats()
+            return stats.dropped_batches + stats.quarantined_batches
+
+        driver = self.node.resync_driver(
+            coordinator.exchange_digests,
+            interval=self.config.digest_interval,
+            settle=lambda: sink.flush(timeout=5.0),
+            lost=lost,
+        )
+        if driver is not None:
+            coordinator.on_resync = driver.wanted.set
+            driver.wanted.set()
+            driver.start()
+        return driver
 
     def close(self) -> None:
+        if self.resync is not None:
+            self.resync.stop()
         self.node.close()
         if self.sink is not None:
             self.sink.close()

@@ -5,10 +5,17 @@ was fenced, or a coordinator that restarted, converges through a digest exchange
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import httpx
+import numpy as np
 import pytest
 
+from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.server import BackgroundServer, free_port
 from kvatlas.directory import KeyDirectory, load_snapshot, save_snapshot
 from kvatlas.events import (
     DELETE,
@@ -24,6 +31,9 @@ from kvatlas.events import (
 )
 from kvatlas.events.inventory import digest_of, placement_element
 from kvatlas.keys import ObjectKey, pack_kv_rank
+from kvatlas.node.config import NodeConfig
+from kvatlas.node.server import NodeProcess
+from tests.coordinator.helpers import CS, hashes, poll, running, wire_batch, wire_entry, wire_key
 from tests.directory.helpers import Emitter, toks
 
 Own = dict[tuple[str, str], dict[ObjectKey, str]]  # (instance, tier) -> key -> backend
@@ -68,7 +78,11 @@ def test_digests_follow_store_delete_fence_resync_and_restore(tmp_path: Path) ->
             first = rng.randrange(4)
             listed = [k for k in rng.sample(keys, 8) if k.chunk_hash[0] == first]
             batch = em.batch(
-                RESYNC, [CacheEntry(k, 8) for k in listed], tier, backend, prefixes=(f"{first:02x}",)
+                RESYNC,
+                [CacheEntry(k, 8) for k in listed],
+                tier,
+                backend,
+                prefixes=(f"{first:02x}",),
             )
             d.consume(batch)
             for k in [k for k in held if k.chunk_hash[0] == first]:
@@ -163,3 +177,129 @@ def test_resync_batch_validation_and_codecs() -> None:
         EventBatch("a", 1, 1, STORE, "l1", "dram", prefixes=("ab",))
     with pytest.raises(EventValidationError, match="backend"):
         EventBatch("a", 1, 1, RESYNC, "l1", "", prefixes=("ab",))
+
+
+# ---------------------------------------------------------------------------- over HTTP
+
+
+class FakeClock:
+    """The coordinator's heartbeat clock, moved by the test (no wall-clock waits)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def node_config(tmp_path: Path, url: str, **kw: object) -> NodeConfig:
+    base: dict[str, object] = dict(
+        model_name="m", num_layers=1, num_kv_heads=1, head_dim=8, chunk_size=CS, dtype="float32",
+        l2="none", coordinator_url=url, port=free_port(), coordinator_event_reporting=True,
+        instance_id="n1",
+    )  # fmt: skip
+    base.update(kw)
+    return NodeConfig(**base)  # type: ignore[arg-type]
+
+
+def store_chunks(process: NodeProcess, first_token: int, n: int) -> list[bytes]:
+    """Store ``n`` chunks in the node's L1 and deliver the events; returns their hashes."""
+    node = process.node
+    tracker = node.tracker(token_ids=list(range(first_token, first_token + n * CS)))
+    kv = np.zeros(node.layout.shape, dtype=node.layout.numpy_dtype())
+    assert node.store(tracker, [kv] * n) == n
+    node.flush_events()
+    assert process.sink is not None and process.sink.flush(10)
+    return list(tracker.chunk_hashes())
+
+
+def l1_holders(client: httpx.Client, hashes: list[bytes]) -> list[set[str]]:
+    keys = [wire_key(h) for h in hashes]
+    reply = client.post("/directory/lookup", json={"keys": keys}).json()
+    return [
+        {p["instance_id"] for p in r["placements"] if p["tier"] == "l1"} for r in reply["results"]
+    ]
+
+
+def visible(client: httpx.Client, hashes: list[bytes]) -> bool:
+    return all(h == {"n1"} for h in l1_holders(client, hashes))
+
+
+def test_a_node_fenced_by_timeout_re_registers_and_its_chunks_become_visible_again(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock()
+    with running(clock, instance_timeout=30.0) as (server, client):
+        process = NodeProcess(node_config(tmp_path, server.url))
+        try:
+            assert process.coordinator is not None
+            process.coordinator.stop_heartbeat()  # the test heartbeats by hand
+            hashes = store_chunks(process, 100, 3)
+            assert poll(lambda: visible(client, hashes))
+            clock.now += 31  # heartbeats missed (the node paused, its memory kept)
+            assert server.service.instances.expire() == ["n1"]
+            assert l1_holders(client, hashes) == [set()] * 3  # fenced
+            process.coordinator.heartbeat()  # 404 -> re-registers
+            assert poll(lambda: visible(client, hashes)), l1_holders(client, hashes)
+        finally:
+            process.close()
+
+
+@contextmanager
+def coordinator_at(port: int, **config: Any) -> Iterator[tuple[BackgroundServer, httpx.Client]]:
+    """A coordinator on ``port`` (a restarted one must be found where the node looks)."""
+    with (
+        BackgroundServer(CoordinatorConfig(port=port, chunk_size=CS, **config)) as server,
+        httpx.Client(base_url=server.url, timeout=30.0) as client,
+    ):
+        yield server, client
+
+
+def test_coordinator_restart_on_http_converges_through_digests(tmp_path: Path) -> None:
+    snap = tmp_path / "dir.snap"
+    port = free_port()
+    with coordinator_at(port, snapshot_path=snap) as (server, client):
+        process = NodeProcess(node_config(tmp_path, server.url))
+        assert process.coordinator is not None
+        process.coordinator.stop_heartbeat()
+        before = store_chunks(process, 100, 2)
+        assert poll(lambda: visible(client, before))
+        assert server.service.take_snapshot() is not None
+        kept = snap.read_bytes()
+        after = store_chunks(process, 500, 3)  # applied, then lost with the process
+        assert poll(lambda: visible(client, after))
+    snap.write_bytes(kept)  # a crash: the snapshot taken at stop never happened
+    try:
+        with coordinator_at(port, snapshot_path=snap) as (server, client):
+            assert visible(client, before) and not visible(client, after)
+            process.coordinator.heartbeat()  # the reply asks for a digest exchange
+            assert poll(lambda: visible(client, before + after)), l1_holders(client, after)
+            assert not server.service.instances.owing()
+    finally:
+        process.close()
+
+
+def test_instances_silent_past_the_timeout_after_a_restart_are_fenced(tmp_path: Path) -> None:
+    snap = tmp_path / "dir.snap"
+    h = hashes(list(range(40, 40 + CS)))[0]
+    with running(snapshot_path=snap) as (server, client):
+        client.post("/instances", json={"instance_id": "ghost"}).raise_for_status()
+        batch = wire_batch("ghost", 1, 1, entries=[wire_entry(wire_key(h))])
+        client.post("/events", json={"batches": [batch]}).raise_for_status()
+    clock = FakeClock()
+    with running(clock, snapshot_path=snap, instance_timeout=30.0) as (server, client):
+        assert l1_holders(client, [h]) == [{"ghost"}]  # restored, not yet timed out
+        clock.now += 31  # the ghost died while the coordinator was down: never heard again
+        server.service.instances.expire()
+        assert l1_holders(client, [h]) == [set()]
+        assert "ghost" not in {r.instance_id for r in server.service.instances_view() if r.alive}
+
+
+def test_a_snapshot_without_a_registry_still_loads(tmp_path: Path) -> None:
+    d = KeyDirectory(4)
+    d.consume(Emitter("a").batch(STORE, [CacheEntry(hkey(1, 1), 8)]))
+    info = save_snapshot(d, tmp_path / "s")  # no registry, as before it was saved
+    restored = KeyDirectory(4)
+    assert load_snapshot(restored, tmp_path / "s").instances is None
+    assert restored.digest("a", "l1") == d.digest("a", "l1") != [0] * 256
+    assert info.instances is None

@@ -4,8 +4,8 @@ reply) and holds no logic of its own. ``app.py`` mounts them in the order of :da
 which is the order ``/openapi.json`` lists them in. See docs/coordinator.md ("API").
 """
 
-from kvatlas.coordinator.routes import directory, events, instances, ops
+from kvatlas.coordinator.routes import directory, events, instances, ops, resync
 
-ROUTERS = (events.router, directory.router, instances.router, ops.router)
+ROUTERS = (events.router, directory.router, instances.router, resync.router, ops.router)
 
 __all__ = ["ROUTERS"]
