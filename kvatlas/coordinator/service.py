@@ -19,6 +19,7 @@ from kvatlas.auth import TokenAuth
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.instances import InstanceRegistry
 from kvatlas.coordinator.metrics import CoordinatorMetrics
+from kvatlas.coordinator.retention import StreamRetention
 from kvatlas.coordinator.views import (
     NO_EMITTER,
     Deregistration,
@@ -43,7 +44,7 @@ from kvatlas.directory import (
     save_snapshot,
     warm_up_kernels,
 )
-from kvatlas.errors import Unprocessable
+from kvatlas.errors import Unavailable, Unprocessable
 from kvatlas.events import RESYNC, EventBatch
 from kvatlas.events.inventory import Digest, differing
 from kvatlas.keys import MM_BYPASS_GUARD, ObjectKey
@@ -70,7 +71,10 @@ class CoordinatorService:
         self.state = Readiness.RESTORING
         self._clock = clock
         self._resyncing_since: float | None = None
+        self._retention: StreamRetention | None = None
+        self._trim_checked = False
         self.stream_position: str | None = None
+        self._restored_position: str | None = None
         self.last_snapshot: SnapshotInfo | None = None
         self._lag: dict[str, float] = {}
         self._lag_lock = threading.Lock()
@@ -88,8 +92,17 @@ class CoordinatorService:
         if self.config.snapshot_path is not None:
             self._spawn("snapshotter", self._snapshot_loop)
         if self.config.event_transport == "redis":
+            import redis
+
             from kvatlas.coordinator.stream_consumer import StreamConsumer
 
+            client = redis.Redis.from_url(
+                self.config.redis_url or "", socket_timeout=5, socket_connect_timeout=5
+            )
+            # The replica's key in the retention registry: its consumer group (one per replica).
+            self._retention = StreamRetention(
+                client, self.config.event_stream, self.config.group_name
+            )
             self.state = Readiness.CATCHING_UP
             consumer = StreamConsumer(
                 self.config,
@@ -118,12 +131,32 @@ class CoordinatorService:
         self._threads.append(thread)
 
     def _set_state(self, state: Readiness) -> None:
+        if state is Readiness.SERVING and not self._trim_checked:
+            self._trim_checked = True  # caught up: was anything after the snapshot trimmed?
+            if self._behind_trim():
+                state = Readiness.RESYNCING
         if state is Readiness.RESYNCING:
             self._resyncing_since = self._clock()
             self.instances.owe_all()
         elif state is Readiness.SERVING and self._resyncing_since is not None:
             return  # resyncing ends when the instances have resynced (see _check_resynced)
         self.state = state
+
+    def _behind_trim(self) -> bool:
+        retention = self._retention
+        if retention is None:
+            return False
+        try:
+            behind = retention.trimmed_after(self._restored_position)
+        except Unavailable as exc:  # Redis unreachable right now: replay is all we can do
+            log.warning("could not tell whether the stream was trimmed: %s", exc)
+            return False
+        if behind:
+            log.warning(
+                "entries of %s after position %s were trimmed: rebuilding through resync",
+                self.config.event_stream, self._restored_position,
+            )  # fmt: skip
+        return behind
 
     def _check_resynced(self) -> None:
         """``resyncing`` → ``serving`` once every live instance completed a digest exchange
@@ -252,7 +285,7 @@ class CoordinatorService:
         except (SnapshotError, OSError) as exc:
             log.error("snapshot %s could not be restored (%s); starting empty", path, exc)
             return
-        self.stream_position = info.stream_position
+        self.stream_position = self._restored_position = info.stream_position
         if info.instances is not None:
             self.instances.restore(info.instances)
         rate = info.keys / info.seconds if info.seconds else float("inf")
@@ -279,6 +312,7 @@ class CoordinatorService:
                 log.error("snapshot to %s failed: %s", path, exc)
                 return None
         self.last_snapshot = info
+        self._retain(position)
         self.metrics.snapshots.inc()
         self.metrics.snapshot_duration.set(info.seconds)
         self.metrics.snapshot_pause.set(info.max_pause_s)
@@ -287,6 +321,18 @@ class CoordinatorService:
             info.keys, info.seconds, info.max_pause_s * 1e3,
         )  # fmt: skip
         return info
+
+    def _retain(self, position: str | None) -> None:
+        """Record what this replica's snapshot covers, and trim what no replica needs."""
+        retention = self._retention
+        if retention is None or position is None:
+            return
+        try:
+            retention.record(position)
+            self.metrics.stream_trims.inc(retention.trim())
+        except Unavailable as exc:  # Redis down: the next snapshot records and trims
+            self.metrics.stream_errors.labels("retention").inc()
+            log.warning("stream retention skipped: %s", exc)
 
     def _snapshot_loop(self) -> None:
         while not self._stop.wait(self.config.snapshot_interval):
