@@ -5,6 +5,6 @@ Each reports medians and the ratio to a naive reference measured in the same run
 CLI finds each module by its name in ``BENCHMARKS``, the one name this package exports.
 """
 
-BENCHMARKS: tuple[str, ...] = ("keys", "blend", "directory", "service")
+BENCHMARKS: tuple[str, ...] = ("keys", "blend", "directory", "service", "resync")
 
 __all__ = ["BENCHMARKS"]
