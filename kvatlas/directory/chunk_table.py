@@ -59,7 +59,7 @@ from kvatlas.directory.records import (
 from kvatlas.directory.shapes import ShapeTable
 from kvatlas.errors import Conflict
 from kvatlas.events import UNKNOWN_OFFSET, CacheEntry, EventBatch
-from kvatlas.events.inventory import Digest, element, empty_digest, shape_tag
+from kvatlas.events.inventory import Digest, element, empty_digest, shape_tag, tag_multiplier
 from kvatlas.events.model import tokens_equal
 from kvatlas.keys import BlendNamespace, ObjectKey
 from kvatlas.keys.tokens import TokenArray
@@ -127,7 +127,8 @@ class ChunkTable:
         self.indexing = False  # whether changes queue blend-index writes
         self.journal: ChangeJournal | None = None  # set while a capture is in progress
         self._ops: list[BlendOp] = []
-        self._tags: dict[tuple[int, str, str], bytes] = {}  # (shape id, tier, backend) -> tag
+        # (shape id, tier, backend) -> the inventory element's multiplier
+        self._tags: dict[tuple[int, str, str], int] = {}
         self.digested = bytearray(b"\x01" * PARTS)  # partitions counted in counts.digests
 
     # ------------------------------------------------------------------ restore
@@ -161,10 +162,11 @@ class ChunkTable:
                         d[b] ^= element(h, tag(sid, row_tier(p), row_backend(p)))
         self.digested[b] = 1
 
-    def _tag(self, sid: int, tier: str, backend: str) -> bytes:
+    def _tag(self, sid: int, tier: str, backend: str) -> int:
         t = self._tags.get((sid, tier, backend))
         if t is None:
-            t = self._tags[(sid, tier, backend)] = shape_tag(*self.shapes[sid].parts, tier, backend)
+            tag = shape_tag(*self.shapes[sid].parts, tier, backend)
+            t = self._tags[(sid, tier, backend)] = tag_multiplier(tag)
         return t
 
     def _xor(self, inst: str, tier: str, h: bytes, sid: int, backend: str) -> None:
@@ -232,7 +234,7 @@ class ChunkTable:
         debug = log.isEnabledFor(logging.DEBUG)
         dig = None if shared else counts.digest_for(inst, tier)
         digested = self.digested
-        tag = b""
+        tag = 0
         tag_sid = -1
         # Every placement added or replaced here has this batch's tier and (for own copies)
         # instance: the counters move by one sum per batch instead of per entry.
