@@ -63,6 +63,7 @@ class InstanceRegistry:
         self._lock = threading.Lock()
         self._records: dict[str, InstanceRecord] = {}
         self._owing: set[str] = set()  # instances that owe a digest exchange
+        self.owe_on_register = False  # a registration owes one too (a replica resyncing)
         self.expired_total = 0
 
     def register(self, instance_id: str | None, registration: Registration) -> tuple[str, bool]:
@@ -75,6 +76,8 @@ class InstanceRegistry:
             self._records[instance_id] = InstanceRecord(
                 instance_id, registration, registered_at=time.time(), last_heartbeat=now
             )
+            if self.owe_on_register:
+                self._owing.add(instance_id)
             return instance_id, existing is not None
 
     def heartbeat(self, instance_id: str) -> bool:

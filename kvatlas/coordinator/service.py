@@ -71,12 +71,14 @@ class CoordinatorService:
         self.state = Readiness.RESTORING
         self._clock = clock
         self._resyncing_since: float | None = None
+        self._resync_known = 0  # registered instances when resyncing began
         self._retention: StreamRetention | None = None
         self._trim_checked = False
         self.stream_position: str | None = None
         self._restored_position: str | None = None
         self.last_snapshot: SnapshotInfo | None = None
         self._lag: dict[str, float] = {}
+        self._gaps_seen: dict[str, int] = {}  # gap count at each instance's last exchange
         self._lag_lock = threading.Lock()
         self._snapshot_lock = threading.Lock()
         self._stop = threading.Event()
@@ -137,7 +139,9 @@ class CoordinatorService:
                 state = Readiness.RESYNCING
         if state is Readiness.RESYNCING:
             self._resyncing_since = self._clock()
+            self._resync_known = len(self.instances.snapshot()[1])
             self.instances.owe_all()
+            self.instances.owe_on_register = True
         elif state is Readiness.SERVING and self._resyncing_since is not None:
             return  # resyncing ends when the instances have resynced (see _check_resynced)
         self.state = state
@@ -161,13 +165,18 @@ class CoordinatorService:
     def _check_resynced(self) -> None:
         """``resyncing`` → ``serving`` once every live instance completed a digest exchange
         since, or after twice the instance timeout (an instance that never exchanges — an
-        old node — must not keep the replica unready forever)."""
+        old node — must not keep the replica unready forever). A replica that knew no
+        instance (no snapshot registry) first waits one instance timeout for the live ones to
+        register: their heartbeats get 404, they re-register and exchange."""
         since = self._resyncing_since
         if since is None:
             return
         elapsed = self._clock() - since
-        if not self.instances.owing() or elapsed > 2 * self.config.instance_timeout:
+        timeout = self.config.instance_timeout
+        waited = self._resync_known > 0 or elapsed > timeout
+        if (waited and not self.instances.owing()) or elapsed > 2 * timeout:
             self._resyncing_since = None
+            self.instances.owe_on_register = False
             self.state = Readiness.SERVING
             log.info("resync finished after %.1f s: serving", elapsed)
 
@@ -238,6 +247,7 @@ class CoordinatorService:
         self.instances.deregister(instance_id)
         with self._lag_lock:
             self._lag.pop(instance_id, None)
+            self._gaps_seen.pop(instance_id, None)
         return Deregistration(instance_id, known, self.directory.deregister(instance_id))
 
     def _fence_expired(self, instance_id: str) -> None:
@@ -255,12 +265,26 @@ class CoordinatorService:
 
     # ------------------------------------------------------------------ resync
 
+    def wants_digest(self, instance_id: str) -> bool:
+        """Whether the instance should exchange digests now: it owes one (restored, or this
+        replica is resyncing), or its batches showed a gap since its last exchange."""
+        if self.instances.wants_digest(instance_id):
+            return True
+        cursor = self.directory.gap_state(instance_id)
+        with self._lag_lock:
+            seen = self._gaps_seen.get(instance_id, 0)
+        return cursor is not None and cursor.gaps > seen
+
     def compare_digests(
         self, instance_id: str, theirs: dict[str, dict[bytes, Digest]]
     ) -> dict[str, list[bytes]]:
         """The child prefixes whose buckets differ between the instance's digests and this
         directory's view of it, per tier; no difference anywhere completes the instance's
         digest exchange (so does applying its resync batches)."""
+        cursor = self.directory.gap_state(instance_id)
+        if cursor is not None:  # gaps up to now are what this exchange repairs
+            with self._lag_lock:
+                self._gaps_seen[instance_id] = cursor.gaps
         out: dict[str, list[bytes]] = {}
         for tier, by_prefix in theirs.items():
             out[tier] = [

@@ -306,3 +306,45 @@ def test_a_snapshot_without_a_registry_still_loads(tmp_path: Path) -> None:
     assert load_snapshot(restored, tmp_path / "s").instances is None
     assert restored.digest("a", "l1") == d.digest("a", "l1") != [0] * 256
     assert info.instances is None
+
+
+def test_the_digest_route_validates_and_a_gap_asks_for_an_exchange() -> None:
+    zero = "00" * 2048
+    with running() as (_, client):
+        client.post("/instances", json={"instance_id": "g"}).raise_for_status()
+        assert client.put("/instances/g/heartbeat").json() == {"instance_id": "g", "ok": True}
+        url = "/instances/g/digest"
+        for bad in (
+            {"tiers": {"l3": {"": zero}}},
+            {"tiers": {"l1": {"": zero[:-2]}}},
+            {"tiers": {"l1": {"abcd": zero}}},
+            {"tiers": {"l1": {"": "zz" * 2048}}},
+            {"tiers": []},
+        ):
+            assert client.post(url, json=bad).status_code == 422, bad
+        reply = client.post(url, json={"tiers": {"l1": {"": zero}, "l2": {"": zero}}})
+        assert reply.json() == {"instance_id": "g", "tiers": {"l1": [], "l2": []}}
+        h = hashes(list(range(60, 60 + CS)))[0]
+        entry = wire_entry(wire_key(h))
+        for seq in (1, 3):  # seq 2 never arrives: a gap
+            batch = wire_batch("g", 1, seq, entries=[entry])
+            client.post("/events", json={"batches": [batch]}).raise_for_status()
+        assert client.put("/instances/g/heartbeat").json()["resync"] is True
+        reply = client.post(url, json={"tiers": {"l1": {"": zero}}}).json()
+        assert reply["tiers"]["l1"] == [h[:1].hex()]  # the coordinator holds what g does not
+        assert "resync" not in client.put("/instances/g/heartbeat").json()  # gap seen
+
+
+def test_an_emit_token_may_only_exchange_its_own_digests(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(
+        '{"tokens": [{"token": "emit-token-for-a-0123456789", "roles": ["emit"],'
+        ' "instance_ids": ["a"]}]}'
+    )
+    tokens.chmod(0o600)
+    with running(auth_token_file=tokens) as (_, client):
+        body = {"tiers": {"l1": {"": "00" * 2048}}}
+        headers = {"Authorization": "Bearer emit-token-for-a-0123456789"}
+        assert client.post("/instances/a/digest", json=body, headers=headers).status_code == 200
+        assert client.post("/instances/b/digest", json=body, headers=headers).status_code == 403
+        assert client.post("/instances/a/digest", json=body).status_code == 401

@@ -37,7 +37,7 @@ async def heartbeat(instance_id: str, service: Service, who: Caller) -> Response
     if not service.instances.heartbeat(instance_id):
         raise NotFound("unknown instance; re-register")
     return MsgspecJSONResponse(
-        heartbeat_to_wire(instance_id, resync=service.instances.wants_digest(instance_id))
+        heartbeat_to_wire(instance_id, resync=service.wants_digest(instance_id))
     )
 
 
