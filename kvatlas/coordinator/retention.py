@@ -46,6 +46,14 @@ class StreamRetention:
         self.replica = replica
         self.key = f"{stream}:replicas"
 
+    @classmethod
+    def connect(cls, redis_url: str, stream: str, replica: str) -> StreamRetention:
+        """A retention over a new client of ``redis_url`` (connects lazily)."""
+        import redis
+
+        client = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+        return cls(client, stream, replica)
+
     def record(self, position: str) -> None:
         """This replica's last durable snapshot covers the stream up to ``position``."""
         self._call("hset", self.key, self.replica, position)

@@ -94,16 +94,11 @@ class CoordinatorService:
         if self.config.snapshot_path is not None:
             self._spawn("snapshotter", self._snapshot_loop)
         if self.config.event_transport == "redis":
-            import redis
-
             from kvatlas.coordinator.stream_consumer import StreamConsumer
 
-            client = redis.Redis.from_url(
-                self.config.redis_url or "", socket_timeout=5, socket_connect_timeout=5
-            )
             # The replica's key in the retention registry: its consumer group (one per replica).
-            self._retention = StreamRetention(
-                client, self.config.event_stream, self.config.group_name
+            self._retention = StreamRetention.connect(
+                self.config.redis_url or "", self.config.event_stream, self.config.group_name
             )
             self.state = Readiness.CATCHING_UP
             consumer = StreamConsumer(

@@ -75,7 +75,8 @@ class ChunkCounts:
     """What follows from the records: key and placement counts, bytes per tier, per
     instance its own L1 placements and the chunks holding them (what fencing visits), and
     the inventory digest of every (instance, tier)'s own placements (see
-    :mod:`kvatlas.events.inventory`; filled by :meth:`ChunkTable.rebuild_digests`)."""
+    :mod:`kvatlas.events.inventory`; after a restore, built by
+    :meth:`ChunkTable.digest_partition`)."""
 
     keys: int = 0
     placements: int = 0
