@@ -70,7 +70,7 @@ InstanceRow = tuple[str, float, float, bytes]
 registration as the coordinator encoded it (opaque here)."""
 
 
-class Header(msgspec.Struct):
+class Header(msgspec.Struct, omit_defaults=True):
     """The msgpack header; field order is part of the format."""
 
     version: int
