@@ -19,7 +19,9 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
+
+import numpy as np
 
 from kvatlas.directory.blend import AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp, new_add_op
 from kvatlas.directory.records import (
@@ -59,7 +61,7 @@ from kvatlas.directory.records import (
 from kvatlas.directory.shapes import ShapeTable
 from kvatlas.errors import Conflict
 from kvatlas.events import UNKNOWN_OFFSET, CacheEntry, EventBatch
-from kvatlas.events.inventory import Digest, element, empty_digest, shape_tag, tag_multiplier
+from kvatlas.events.inventory import element, shape_tag, tag_multiplier, xor_elements
 from kvatlas.events.model import tokens_equal
 from kvatlas.keys import BlendNamespace, ObjectKey
 from kvatlas.keys.tokens import TokenArray
@@ -68,6 +70,7 @@ log = logging.getLogger(__name__)
 
 PARTS = 256
 Partition = dict[bytes, Record]  # chunk hash -> record; a chunk lives in partition hash[0]
+DigestArray = np.ndarray[Any, Any]  # 256 uint64 buckets (kvatlas.events.inventory)
 
 
 @dataclass(slots=True)
@@ -83,13 +86,13 @@ class ChunkCounts:
     l1_placements: Counter[str] = field(default_factory=Counter)
     bytes_by_tier: Counter[str] = field(default_factory=Counter)
     l1_chunks: dict[str, set[bytes]] = field(default_factory=dict)
-    digests: dict[tuple[str, str], Digest] = field(default_factory=dict)
+    digests: dict[tuple[str, str], DigestArray] = field(default_factory=dict)
 
-    def digest_for(self, inst: str, tier: str) -> Digest:
+    def digest_for(self, inst: str, tier: str) -> DigestArray:
         """The (mutable) root digest of ``inst``'s own placements on ``tier``."""
         d = self.digests.get((inst, tier))
         if d is None:
-            d = self.digests[(inst, tier)] = empty_digest()
+            d = self.digests[(inst, tier)] = np.zeros(PARTS, dtype=np.uint64)
         return d
 
     @classmethod
@@ -150,17 +153,17 @@ class ChunkTable:
         one partition at a time)."""
         if self.digested[b]:
             return
-        digests = self.counts.digests
+        acc: dict[tuple[str, str], int] = {}
         tag = self._tag
         for h, rec in self.parts[b].items():
             for sid, pls in record_keys(rec):
                 for p in placements_of(pls):
                     if not row_shared(p):
                         where = (row_instance(p), row_tier(p))
-                        d = digests.get(where)
-                        if d is None:
-                            d = digests[where] = empty_digest()
-                        d[b] ^= element(h, tag(sid, row_tier(p), row_backend(p)))
+                        e = element(h, tag(sid, row_tier(p), row_backend(p)))
+                        acc[where] = acc.get(where, 0) ^ e
+        for (inst, tier), value in acc.items():
+            self.counts.digest_for(inst, tier)[b] ^= np.uint64(value)
         self.digested[b] = 1
 
     def _tag(self, sid: int, tier: str, backend: str) -> int:
@@ -173,7 +176,8 @@ class ChunkTable:
     def _xor(self, inst: str, tier: str, h: bytes, sid: int, backend: str) -> None:
         """Add or remove (the same thing) one own placement in its digest."""
         if self.digested[h[0]]:
-            self.counts.digest_for(inst, tier)[h[0]] ^= element(h, self._tag(sid, tier, backend))
+            e = np.uint64(element(h, self._tag(sid, tier, backend)))
+            self.counts.digest_for(inst, tier)[h[0]] ^= e
 
     def reindex(self, apply: Callable[[list[BlendOp]], None]) -> None:
         """Add every indexable chunk to the index (``apply``, one call per partition)."""
@@ -233,9 +237,12 @@ class ChunkTable:
         shapes = self.shapes.shapes
         chunk_size = self.chunk_size
         debug = log.isEnabledFor(logging.DEBUG)
+        # New own copies, by tag multiplier: their elements go into the digest after the loop,
+        # in one vectorised step per multiplier (a batch is mostly one shape).
         dig = None if shared else counts.digest_for(inst, tier)
         digested = self.digested
-        tag = 0
+        pending: dict[int, list[bytes]] = {}
+        new_own: list[bytes] | None = None
         tag_sid = -1
         # Every placement added or replaced here has this batch's tier and (for own copies)
         # instance: the counters move by one sum per batch instead of per entry.
@@ -251,7 +258,8 @@ class ChunkTable:
             if journal is not None:
                 journal.save(h, rec)
             if dig is not None and sid != tag_sid:
-                tag, tag_sid = self._tag(sid, tier, backend), sid
+                new_own = pending.setdefault(self._tag(sid, tier, backend), [])
+                tag_sid = sid
             if rec is None:  # a new chunk: the common case, without the general bookkeeping
                 # (records are built inline here, as records.new_record builds them: the call
                 # would be a measurable share of consuming a new chunk)
@@ -272,17 +280,21 @@ class ChunkTable:
                 else:
                     part[h] = (tokens, offset, True, sid, p)
                     ops.append(new_add_op((tokens, h, offset, shapes[sid].namespace)))
-                if dig is not None and digested[h[0]]:
-                    dig[h[0]] ^= element(h, tag)
+                if new_own is not None and digested[h[0]]:
+                    new_own.append(h)
             else:
                 dk, dp, db = self._store_existing(h, part, rec, sid, p, entry, debug)
                 n_keys += dk
                 n_pl += dp
                 n_bytes += db
-                if dig is not None and dp and digested[h[0]]:  # a new own copy (a replaced
-                    dig[h[0]] ^= element(h, tag)  # one is the same element)
+                if new_own is not None and dp and digested[h[0]]:  # a new own copy (a
+                    new_own.append(h)  # replaced one has the same element)
             if l1set is not None:
                 l1set.add(h)
+        if dig is not None:
+            for multiplier, hs in pending.items():
+                if hs:
+                    xor_elements(dig, hs, multiplier)
         counts.keys += n_keys
         counts.placements += n_pl
         counts.bytes_by_tier[tier] += n_bytes
@@ -505,10 +517,10 @@ class ChunkTable:
             self._forget_l1_if_gone(owner, h)
         return dropped
 
-    def digest_of_prefix(self, inst: str, tier: str, prefix: bytes) -> Digest:
+    def digest_of_prefix(self, inst: str, tier: str, prefix: bytes) -> list[int]:
         """The digest of ``inst``'s own placements on ``tier`` under a one-byte ``prefix``
         (computed from that partition: 1/256 of the directory)."""
-        out = empty_digest()
+        out = [0] * PARTS
         for h, rec in self.parts[prefix[0]].items():
             if not h.startswith(prefix):
                 continue

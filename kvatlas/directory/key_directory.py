@@ -267,7 +267,8 @@ class KeyDirectory:
                     chunks.digest_partition(b)
         with self._lock:
             if not prefix:
-                return list(self._chunks.counts.digests.get((instance_id, tier), empty_digest()))
+                root = self._chunks.counts.digests.get((instance_id, tier))
+                return empty_digest() if root is None else [int(b) for b in root.tolist()]
             if len(prefix) != 1:
                 raise InvalidInput("a digest prefix is empty or one byte")
             return self._chunks.digest_of_prefix(instance_id, tier, prefix)

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from functools import lru_cache
-from typing import Final
+from typing import Any, Final
 
+import numpy as np
 from blake3 import blake3
 
 from kvatlas.keys import ObjectKey
@@ -68,6 +69,17 @@ def placement_element(key: ObjectKey, tier: str, backend: str) -> int:
     """:func:`element` of ``(key, tier, backend)``."""
     m = _multiplier(key.model_name, key.kv_rank, key.object_group_id, key.cache_salt, tier, backend)
     return element(key.chunk_hash, m)
+
+
+def xor_elements(digest: np.ndarray[Any, Any], chunk_hashes: list[bytes], multiplier: int) -> None:
+    """XOR the elements of ``chunk_hashes`` (one tag, ``multiplier``) into ``digest`` (256
+    ``uint64``), in one vectorised step: the directory's ingest path calls this once per batch
+    instead of computing an element per entry in Python."""
+    raw = b"".join(chunk_hashes)
+    first = np.frombuffer(raw, dtype="<u8")[::4]  # each hash's first 8 bytes, little-endian
+    np.bitwise_xor.at(
+        digest, np.frombuffer(raw, dtype=np.uint8)[::32], first * np.uint64(multiplier)
+    )
 
 
 def empty_digest() -> Digest:
@@ -131,4 +143,5 @@ __all__ = [
     "placement_element",
     "shape_tag",
     "tag_multiplier",
+    "xor_elements",
 ]
