@@ -419,6 +419,7 @@ class CacheNode:
             barrier=lambda act: emitter.barrier(lambda sink: act(resync_sender(sink))),
             settle=settled,
             lost=lost or (lambda: 0),
+            tokens_of=self.token_cache.peek,
             interval=interval,
         )
 

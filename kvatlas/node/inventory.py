@@ -34,10 +34,15 @@ from kvatlas.keys import ObjectKey
 log = logging.getLogger(__name__)
 
 Held = dict[ObjectKey, tuple[str, CacheEntry, int]]  # key -> (backend, entry, element)
+TokensOf = Callable[[bytes], "tuple[Any, int] | None"]  # chunk hash -> (tokens, offset)
 
 
 class NodeInventory:
-    """Own placements per tier (by first chunk-hash byte) and their root digests."""
+    """Own placements per tier (by first chunk-hash byte) and their root digests.
+
+    Entries are kept without token ids (an L2 may hold millions of chunks; their tokens would
+    be a KiB each): a listing adds them from ``tokens_of`` (the node's bounded token cache)
+    where it still knows them."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -58,6 +63,8 @@ class NodeInventory:
         with self._lock:
             bucket = self._tier(tier)[b]
             old = bucket.get(key)
+            if entry.token_ids is not None:
+                entry = CacheEntry(key, entry.size_bytes, None, entry.token_offset)
             if old is not None and old[0] == backend:
                 bucket[key] = (backend, entry, old[2])
                 return
@@ -95,13 +102,22 @@ class NodeInventory:
         with self._lock:
             return len(self._tier(tier)[prefix[0]])
 
-    def listing(self, tier: str, prefixes: Iterable[bytes]) -> list[CacheEntry]:
-        """Every entry of ``tier`` under one of ``prefixes`` (one or two bytes)."""
+    def listing(
+        self, tier: str, prefixes: Iterable[bytes], tokens_of: TokensOf | None = None
+    ) -> list[CacheEntry]:
+        """Every entry of ``tier`` under one of ``prefixes`` (one or two bytes), with its
+        tokens where ``tokens_of`` knows them."""
         out: list[CacheEntry] = []
         with self._lock:
             held = self._tier(tier)
             for p in prefixes:
                 out += [e for k, (_, e, _) in held[p[0]].items() if k.chunk_hash.startswith(p)]
+        if tokens_of is None:
+            return out
+        for i, e in enumerate(out):
+            known = tokens_of(e.key.chunk_hash)
+            if known is not None:
+                out[i] = CacheEntry(e.key, e.size_bytes, known[0], known[1])
         return out
 
     def placements(self) -> list[tuple[ObjectKey, str, str]]:
@@ -143,7 +159,8 @@ class ResyncDriver:
     node records no event, with ``send`` queueing one resync batch behind everything recorded;
     ``settle`` waits until what was recorded has been delivered (best effort); ``lost``
     returns how many batches the sink dropped or had refused so far (a growing count is a
-    gap: exchange now)."""
+    gap: exchange now); ``tokens_of`` adds known token ids to listed entries (a chunk the
+    coordinator had dropped is then indexed again for blend lookup)."""
 
     def __init__(
         self,
@@ -154,6 +171,7 @@ class ResyncDriver:
         barrier: Callable[[Callable[[SendResync], None]], None],
         settle: Callable[[], object] = lambda: None,
         lost: Callable[[], int] = lambda: 0,
+        tokens_of: TokensOf | None = None,
         interval: float = 30.0,
         refine_above: int = 64,
         max_entries: int = 1000,
@@ -164,6 +182,7 @@ class ResyncDriver:
         self._barrier = barrier
         self._settle = settle
         self._lost = lost
+        self._tokens_of = tokens_of
         self.interval = interval
         self.refine_above = refine_above
         self.max_entries = max_entries
@@ -228,7 +247,7 @@ class ResyncDriver:
         group: list[str] = []
         entries: list[CacheEntry] = []
         for p in sorted(set(prefixes)):
-            listed = self.inventory.listing(tier, [p])
+            listed = self.inventory.listing(tier, [p], self._tokens_of)
             if group and len(entries) + len(listed) > self.max_entries:
                 yield tuple(group), entries
                 group, entries = [], []

@@ -16,7 +16,7 @@ from kvatlas.client import EventSink, InProcessTransport
 from kvatlas.directory import KeyDirectory
 from kvatlas.events import DELETE, RESYNC, STORE, CacheEntry, EventBatch
 from kvatlas.events.inventory import differing, digest_from_hex
-from kvatlas.keys import ObjectKey, pack_kv_rank
+from kvatlas.keys import BlendNamespace, ObjectKey, pack_kv_rank
 from kvatlas.node.cache_node import CacheNode
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.inventory import NodeInventory, ResyncDriver, SendResync
@@ -153,3 +153,21 @@ def test_every_trigger_starts_an_exchange() -> None:
         assert wait_for(lambda: driver.exchanges == 2)
     finally:
         driver.stop()
+
+
+def test_the_inventory_keeps_no_tokens_and_a_listing_takes_them_from_the_token_cache() -> None:
+    inv, coord = NodeInventory(), Coordinator()
+    coord.directory.enable_blend_lookup()
+    content = np.arange(10, 10 + CS, dtype=np.uint32)
+    content.flags.writeable = False
+    k = key(7)
+    inv.add("l1", "dram", CacheEntry(k, 10, content, 0))
+    assert inv.listing("l1", [k.chunk_hash[:1]])[0].token_ids is None  # memory stays bounded
+    known = {k.chunk_hash: (content, 0)}
+    driver = ResyncDriver(
+        inv, {"l1": "dram"}, exchange=coord.exchange, barrier=coord.barrier,
+        tokens_of=known.get, interval=3600,
+    )  # fmt: skip
+    assert driver.run_once().entries == 1
+    ns = BlendNamespace("m", "", 1)
+    assert [m.chunk_hash for m in coord.directory.blend_match(content, ns)] == [k.chunk_hash]
