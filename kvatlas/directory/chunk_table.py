@@ -134,6 +134,7 @@ class ChunkTable:
         # (shape id, tier, backend) -> the inventory element's multiplier
         self._tags: dict[tuple[int, str, str], int] = {}
         self.digested = bytearray(b"\x01" * PARTS)  # partitions counted in counts.digests
+        self._all_digested = True
 
     # ------------------------------------------------------------------ restore
 
@@ -146,6 +147,7 @@ class ChunkTable:
         self._tags = {}
         self.counts.digests = {}
         self.digested = bytearray(PARTS)  # digests are built partition by partition, later
+        self._all_digested = False
 
     def digest_partition(self, b: int) -> None:
         """Add partition ``b``'s own placements to the digests (once, after a restore: the
@@ -165,6 +167,7 @@ class ChunkTable:
         for (inst, tier), value in acc.items():
             self.counts.digest_for(inst, tier)[b] ^= np.uint64(value)
         self.digested[b] = 1
+        self._all_digested = all(self.digested)
 
     def _tag(self, sid: int, tier: str, backend: str) -> int:
         t = self._tags.get((sid, tier, backend))
@@ -240,7 +243,6 @@ class ChunkTable:
         # New own copies, by tag multiplier: their elements go into the digest after the loop,
         # in one vectorised step per multiplier (a batch is mostly one shape).
         dig = None if shared else counts.digest_for(inst, tier)
-        digested = self.digested
         pending: dict[int, list[bytes]] = {}
         new_own: list[bytes] | None = None
         tag_sid = -1
@@ -280,21 +282,22 @@ class ChunkTable:
                 else:
                     part[h] = (tokens, offset, True, sid, p)
                     ops.append(new_add_op((tokens, h, offset, shapes[sid].namespace)))
-                if new_own is not None and digested[h[0]]:
+                if new_own is not None:
                     new_own.append(h)
             else:
                 dk, dp, db = self._store_existing(h, part, rec, sid, p, entry, debug)
                 n_keys += dk
                 n_pl += dp
                 n_bytes += db
-                if new_own is not None and dp and digested[h[0]]:  # a new own copy (a
-                    new_own.append(h)  # replaced one has the same element)
+                if new_own is not None and dp:  # a new own copy (a replaced one has the
+                    new_own.append(h)  # same element)
             if l1set is not None:
                 l1set.add(h)
         if dig is not None:
+            kept = None if self._all_digested else np.frombuffer(self.digested, dtype=np.uint8)
             for multiplier, hs in pending.items():
                 if hs:
-                    xor_elements(dig, hs, multiplier)
+                    xor_elements(dig, hs, multiplier, kept)
         counts.keys += n_keys
         counts.placements += n_pl
         counts.bytes_by_tier[tier] += n_bytes

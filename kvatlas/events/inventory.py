@@ -71,15 +71,24 @@ def placement_element(key: ObjectKey, tier: str, backend: str) -> int:
     return element(key.chunk_hash, m)
 
 
-def xor_elements(digest: np.ndarray[Any, Any], chunk_hashes: list[bytes], multiplier: int) -> None:
+def xor_elements(
+    digest: np.ndarray[Any, Any],
+    chunk_hashes: list[bytes],
+    multiplier: int,
+    buckets_kept: np.ndarray[Any, Any] | None = None,
+) -> None:
     """XOR the elements of ``chunk_hashes`` (one tag, ``multiplier``) into ``digest`` (256
-    ``uint64``), in one vectorised step: the directory's ingest path calls this once per batch
-    instead of computing an element per entry in Python."""
+    ``uint64``) in one vectorised step — the directory's ingest path calls this once per batch
+    instead of computing an element per entry in Python. With ``buckets_kept`` (256 flags),
+    only hashes whose bucket is flagged count."""
     raw = b"".join(chunk_hashes)
+    buckets = np.frombuffer(raw, dtype=np.uint8)[::32]
     first = np.frombuffer(raw, dtype="<u8")[::4]  # each hash's first 8 bytes, little-endian
-    np.bitwise_xor.at(
-        digest, np.frombuffer(raw, dtype=np.uint8)[::32], first * np.uint64(multiplier)
-    )
+    elements = first * np.uint64(multiplier)
+    if buckets_kept is not None:
+        keep = buckets_kept[buckets].astype(bool)
+        buckets, elements = buckets[keep], elements[keep]
+    np.bitwise_xor.at(digest, buckets, elements)
 
 
 def empty_digest() -> Digest:

@@ -100,6 +100,11 @@ def test_digests_follow_store_delete_fence_resync_and_restore(tmp_path: Path) ->
     save_snapshot(d, path)
     restored = KeyDirectory(4)
     load_snapshot(restored, path)
+    # changes before the digests are first built (lazily, after a restore) are counted once
+    extra = hkey(9, 999)
+    restored.consume(Emitter("a", incarnation=2).batch(STORE, [CacheEntry(extra, 8)], "l2", "fs"))
+    own.setdefault(("a", "l2"), {})[extra] = "fs"
+    own.pop(("a", "l1"), None)  # the new incarnation fenced a's L1 first
     for i in ("a", "b"):
         for t, _ in where:
             assert restored.digest(i, t) == expected(own, i, t)
