@@ -4,9 +4,9 @@ they differ without listing everything (docs/coordinator.md, "Resync").
 A placement ``(key, tier, backend)`` contributes one 64-bit *element*: the first 8 bytes of its
 chunk hash (itself a blake3 hash) times an odd multiplier, the first 8 bytes of ``blake3`` of
 everything else of the placement (model, rank, group, salt, tier, backend), modulo 2^64. For one
-tag the map is a bijection; different tags mix differently (no XOR-linear cancellation). It
-costs one multiplication per placement on the directory's ingest path, where a blake3 call per
-placement cost ten times as much (docs/coordinator.md, "Resync"). A *bucket* is the XOR of the elements of the
+tag the map is a bijection; different tags mix differently (no XOR-linear cancellation). The
+directory's ingest path computes them vectorised, once per batch (:func:`xor_elements`); a
+blake3 call per placement cost ten times as much. A *bucket* is the XOR of the elements of the
 placements whose chunk hash starts with the bucket's *prefix*. The digest of a prefix is the
 256 buckets of its children (prefix + one byte): the root digest (prefix ``b""``) has one bucket
 per first byte of the chunk hash, the digest of a one-byte prefix one per second byte. XOR makes
@@ -131,18 +131,12 @@ def check_prefix(text: str) -> bytes:
     return bytes.fromhex(text)
 
 
-def covers(prefixes: Iterable[bytes], chunk_hash: bytes) -> bool:
-    """Whether ``chunk_hash`` starts with one of ``prefixes``."""
-    return any(chunk_hash.startswith(p) for p in prefixes)
-
-
 __all__ = [
     "BUCKETS",
     "DIGEST_BYTES",
     "MAX_PREFIX_BYTES",
     "Digest",
     "check_prefix",
-    "covers",
     "differing",
     "digest_from_hex",
     "digest_of",
