@@ -268,6 +268,7 @@ class ResyncDriver:
 
         last_run = float("-inf")
         lost_seen = self._lost()
+        streak = 0  # failed exchanges in a row
         while not self._stop.is_set():
             self.wanted.wait(min(1.0, self.interval))
             if self._stop.is_set():
@@ -280,11 +281,13 @@ class ResyncDriver:
             try:
                 self.run_once()
                 lost_seen = lost
-            except Exception as exc:  # the coordinator may be down: try again after a pause
+                streak = 0
+            except Exception as exc:  # the coordinator may be down: try again, backing off
                 self.failures += 1
-                log.warning("digest exchange failed: %s", exc)
+                streak += 1
+                log.warning("digest exchange failed (%d in a row): %s", streak, exc)
                 self.wanted.set()
-                self._stop.wait(min(5.0, self.interval))
+                self._stop.wait(min(self.interval, 0.5 * 2**streak))
             last_run = time.monotonic()
 
     def stop(self) -> None:
