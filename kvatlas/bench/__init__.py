@@ -5,6 +5,14 @@ Each reports medians and the ratio to a naive reference measured in the same run
 CLI finds each module by its name in ``BENCHMARKS``, the one name this package exports.
 """
 
-BENCHMARKS: tuple[str, ...] = ("keys", "blend", "directory", "service", "route", "kv_events")
+BENCHMARKS: tuple[str, ...] = (
+    "keys",
+    "blend",
+    "directory",
+    "service",
+    "route",
+    "kv_events",
+    "resync",
+)
 
 __all__ = ["BENCHMARKS"]

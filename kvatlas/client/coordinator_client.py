@@ -75,6 +75,14 @@ class CoordinatorClient:
         self._heartbeat_thread: threading.Thread | None = None
         self.heartbeat_failures = 0
         self.failures = 0  # every call that raised CoordinatorError (node /metrics)
+        self.on_resync: Callable[[], object] | None = None
+        """Called after every (re-)registration and when a heartbeat reply asks for a digest
+        exchange (``resync: true``; see docs/coordinator.md, "Resync")."""
+
+    def _want_resync(self) -> None:
+        hook = self.on_resync
+        if hook is not None:
+            hook()
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
@@ -114,6 +122,7 @@ class CoordinatorClient:
         except (KeyError, TypeError, ValueError) as exc:
             raise CoordinatorError(f"POST /instances: unusable instance id: {exc}") from None
         self._registration = body | {"instance_id": self.instance_id}
+        self._want_resync()
         return self.instance_id
 
     def heartbeat(self) -> None:
@@ -121,12 +130,16 @@ class CoordinatorClient:
         if self.instance_id is None:
             raise CoordinatorError("register() first")
         try:
-            self._call("PUT", f"/instances/{self.instance_id}/heartbeat")
+            reply = self._call("PUT", f"/instances/{self.instance_id}/heartbeat")
         except CoordinatorError as exc:
             if exc.reply_status != 404:
                 raise
             log.warning("coordinator forgot instance %s; re-registering", self.instance_id)
             self._call("POST", "/instances", json=self._registration)
+            self._want_resync()
+            return
+        if isinstance(reply, dict) and reply.get("resync") is True:
+            self._want_resync()
 
     def report(self, body: dict[str, Any]) -> None:
         """``PUT /instances/{id}/report``: this node's value counters and tiers."""
@@ -163,6 +176,18 @@ class CoordinatorClient:
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=5)
             self._heartbeat_thread = None
+
+    def exchange_digests(self, tiers: dict[str, dict[str, str]]) -> dict[str, list[str]]:
+        """``POST /instances/{id}/digest``: digests (hex) by tier and prefix hex → the child
+        prefixes whose buckets differ, by tier."""
+        if self.instance_id is None:
+            raise CoordinatorError("register() first")
+        reply = self._call("POST", f"/instances/{self.instance_id}/digest", json={"tiers": tiers})
+        try:
+            out = {str(t): [str(p) for p in ps] for t, ps in reply["tiers"].items()}
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise CoordinatorError(f"digest reply unusable: {exc!r}") from None
+        return out
 
     def deregister(self) -> None:
         self.stop_heartbeat()

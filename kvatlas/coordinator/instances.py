@@ -1,14 +1,23 @@
-"""Instance registry: registration, heartbeats, timeouts.
+"""Instance registry: registration, heartbeats, timeouts, and who still owes a digest exchange.
 
 An instance that misses heartbeats for ``instance_timeout`` seconds is fenced (its L1
 placements dropped: its process memory is presumed gone) and forgotten, so its next heartbeat
-gets 404 and it re-registers. L2 placements stay: their bytes outlive the process. See
-docs/coordinator.md ("API": registration, liveness, fencing).
+gets 404 and it re-registers. L2 placements stay: their bytes outlive the process.
+
+The registry is part of the snapshot (:meth:`InstanceRegistry.rows`, :meth:`restore`): after a
+restart every instance keeps the time it was last heard of, so one that died while the
+coordinator was down is fenced by the first sweep instead of staying a ghost. Every restored or
+instance, and every instance registered when a replica learns its stream position was trimmed
+(:meth:`owe_all`), *owes a digest exchange* (:meth:`wants_digest`) until it completes one
+(:meth:`digest_done`); heartbeat replies carry that hint (a node exchanges digests after each
+(re-)registration of its own accord). See docs/coordinator.md ("API":
+registration, liveness, fencing; "Resync").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 import uuid
@@ -16,7 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvatlas.directory import InstanceRow
 from kvatlas.errors import Conflict
+
+_SALTS = "_cache_salts"
+"""The snapshot row's key for the registering token's salts (beside the registration)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +70,8 @@ class InstanceRegistry:
         self._clock = clock
         self._lock = threading.Lock()
         self._records: dict[str, InstanceRecord] = {}
+        self._owing: set[str] = set()  # instances that owe a digest exchange
+        self.owe_on_register = False  # a registration owes one too (a replica resyncing)
         self.expired_total = 0
 
     def register(
@@ -85,6 +100,8 @@ class InstanceRegistry:
                 last_heartbeat=now,
                 cache_salts=cache_salts,
             )
+            if self.owe_on_register:
+                self._owing.add(instance_id)
             return instance_id, existing is not None
 
     def heartbeat(self, instance_id: str) -> bool:
@@ -97,6 +114,7 @@ class InstanceRegistry:
 
     def deregister(self, instance_id: str) -> bool:
         with self._lock:
+            self._owing.discard(instance_id)
             return self._records.pop(instance_id, None) is not None
 
     def known(self, instance_id: str) -> bool:
@@ -110,6 +128,7 @@ class InstanceRegistry:
             dead = [i for i, r in self._records.items() if now - r.last_heartbeat > self.timeout_s]
             for instance_id in dead:
                 del self._records[instance_id]
+                self._owing.discard(instance_id)
             self.expired_total += len(dead)
         for instance_id in dead:
             self._on_fence(instance_id)
@@ -119,3 +138,71 @@ class InstanceRegistry:
         """The clock now and every registered instance (immutable records)."""
         with self._lock:
             return self._clock(), list(self._records.values())
+
+    # ------------------------------------------------------------------ digest exchanges
+
+    def wants_digest(self, instance_id: str) -> bool:
+        """Whether the instance owes a digest exchange (restored, or (re-)registered since)."""
+        with self._lock:
+            return instance_id in self._owing
+
+    def owe_all(self) -> None:
+        """Every registered instance owes a digest exchange from now on."""
+        with self._lock:
+            self._owing = set(self._records)
+
+    def digest_done(self, instance_id: str) -> None:
+        with self._lock:
+            self._owing.discard(instance_id)
+
+    def owing(self) -> set[str]:
+        """Registered instances that still owe a digest exchange."""
+        with self._lock:
+            return set(self._owing)
+
+    # ------------------------------------------------------------------ snapshot
+
+    def rows(self) -> list[InstanceRow]:
+        """Every registered instance as a snapshot row: ``(instance_id, registration_time,
+        last heard of (wall clock), registration and the registering token's salts as
+        JSON)``."""
+        now, wall = self._clock(), time.time()
+        with self._lock:
+            records = list(self._records.values())
+        return [
+            (
+                r.instance_id,
+                r.registration_time,
+                wall - (now - r.last_heartbeat),
+                json.dumps(
+                    {
+                        **dataclasses.asdict(r.registration),
+                        _SALTS: None if r.cache_salts is None else sorted(r.cache_salts),
+                    }
+                ).encode(),
+            )
+            for r in records
+        ]
+
+    def restore(self, rows: list[InstanceRow]) -> None:
+        """Adopt a snapshot's rows: each instance keeps how long ago it was last heard of
+        (downtime included), so :meth:`expire` fences those silent for too long; every
+        restored instance owes a digest exchange."""
+        now, wall = self._clock(), time.time()
+        records = {}
+        for instance_id, registration_time, last_heard, blob in rows:
+            salts: frozenset[str] | None = frozenset()  # unreadable: bound to no tenant
+            try:
+                fields = json.loads(blob)
+                raw = fields.pop(_SALTS, None)
+                salts = None if raw is None else frozenset(raw)
+                registration = Registration(**fields)
+            except (ValueError, TypeError, AttributeError):
+                registration = Registration()
+            age = max(0.0, wall - last_heard)
+            records[instance_id] = InstanceRecord(
+                instance_id, registration, registration_time, now - age, salts
+            )
+        with self._lock:
+            self._records = records
+            self._owing = set(records)

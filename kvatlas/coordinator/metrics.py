@@ -144,6 +144,12 @@ class CoordinatorMetrics:
             ["reason"],
             registry=r,
         )
+        self.digest_exchanges = Counter(
+            "kvatlas_digest_exchanges", "inventory digest exchanges", ["result"], registry=r
+        )
+        self.stream_trims = Counter(
+            "kvatlas_stream_trimmed_entries", "stream entries trimmed by MINID", registry=r
+        )
         r.register(_StateCollector(read_state))
 
     def forget_instance(self, instance_id: str) -> None:

@@ -183,6 +183,8 @@ def _field_schema(name: str, hint: Any) -> dict[str, Any]:
         (hint,) = (a for a in args if a is not types.NoneType)
     if hint is ObjectKey:
         return WireKey.model_json_schema()
+    if typing.get_origin(hint) is tuple and typing.get_args(hint)[0] is str:  # resync prefixes
+        return {"type": "array", "items": {"type": "string", "pattern": "^([0-9a-fA-F]{2}){1,2}$"}}
     if typing.get_origin(hint) is tuple:  # the batch's entries
         return {"type": "array", "items": _object_schema(typing.get_args(hint)[0])}
     if typing.get_origin(hint) is np.ndarray:  # token ids

@@ -21,6 +21,7 @@ from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.instances import InstanceRecord, InstanceRegistry, Registration
 from kvatlas.coordinator.kv_events.links import KvEventsLinks
 from kvatlas.coordinator.metrics import CoordinatorMetrics
+from kvatlas.coordinator.retention import StreamRetention
 from kvatlas.coordinator.status import StatusSource
 from kvatlas.coordinator.views import (
     NO_EMITTER,
@@ -46,8 +47,9 @@ from kvatlas.directory import (
     save_snapshot,
     warm_up_kernels,
 )
-from kvatlas.errors import Conflict, Forbidden, Unprocessable
-from kvatlas.events import EventBatch
+from kvatlas.errors import Conflict, Forbidden, Unavailable, Unprocessable
+from kvatlas.events import RESYNC, EventBatch
+from kvatlas.events.inventory import Digest, differing
 from kvatlas.keys import MM_BYPASS_GUARD, ObjectKey
 
 log = logging.getLogger(__name__)
@@ -84,10 +86,17 @@ class CoordinatorService:
         self._last_emit: dict[str, float] = {}  # instance -> clock() of its last batch (any)
         self._next_departure_sweep = 0.0
         self.state = Readiness.RESTORING
+        self._clock = clock
+        self._resyncing_since: float | None = None
+        self._resync_known = 0  # registered instances when resyncing began
+        self._retention: StreamRetention | None = None
+        self._trim_checked = False
         self.stream_position: str | None = None
+        self._restored_position: str | None = None
         self.last_snapshot: SnapshotInfo | None = None
         self._delivery: dict[str, _Delivery] = {}  # of applied batches
-        self._delivery_lock = threading.Lock()  # guards _delivery and _last_emit
+        self._delivery_lock = threading.Lock()  # guards _delivery, _last_emit, _gaps_seen
+        self._gaps_seen: dict[str, int] = {}  # gap count at each instance's last exchange
         self._snapshot_lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -99,6 +108,7 @@ class CoordinatorService:
     def start(self) -> None:
         warm_up_kernels()
         self.restore()
+        self.instances.expire()  # restored instances silent for too long: fenced, not ghosts
         self._spawn("instance-sweeper", self._sweep_loop)
         for name, run in self.kv_events.start():
             self._spawn(name, run)
@@ -107,6 +117,10 @@ class CoordinatorService:
         if self.config.event_transport == "redis":
             from kvatlas.coordinator.stream_consumer import StreamConsumer
 
+            # The replica's key in the retention registry: its consumer group (one per replica).
+            self._retention = StreamRetention.connect(
+                self.config.redis_url or "", self.config.event_stream, self.config.group_name
+            )
             self.state = Readiness.CATCHING_UP
             consumer = StreamConsumer(
                 self.config,
@@ -136,7 +150,52 @@ class CoordinatorService:
         self._threads.append(thread)
 
     def _set_state(self, state: Readiness) -> None:
+        if state is Readiness.SERVING and not self._trim_checked:
+            self._trim_checked = True  # caught up: was anything after the snapshot trimmed?
+            if self._behind_trim():
+                state = Readiness.RESYNCING
+        if state is Readiness.RESYNCING:
+            self._resyncing_since = self._clock()
+            self._resync_known = len(self.instances.snapshot()[1])
+            self.instances.owe_all()
+            self.instances.owe_on_register = True
+        elif state is Readiness.SERVING and self._resyncing_since is not None:
+            return  # resyncing ends when the instances have resynced (see _check_resynced)
         self.state = state
+
+    def _behind_trim(self) -> bool:
+        retention = self._retention
+        if retention is None:
+            return False
+        try:
+            behind = retention.trimmed_after(self._restored_position)
+        except Unavailable as exc:  # Redis unreachable right now: replay is all we can do
+            log.warning("could not tell whether the stream was trimmed: %s", exc)
+            return False
+        if behind:
+            log.warning(
+                "entries of %s after position %s were trimmed: rebuilding through resync",
+                self.config.event_stream, self._restored_position,
+            )  # fmt: skip
+        return behind
+
+    def _check_resynced(self) -> None:
+        """``resyncing`` → ``serving`` once every live instance completed a digest exchange
+        since, or after twice the instance timeout (an instance that never exchanges — an
+        old node — must not keep the replica unready forever). A replica that knew no
+        instance (no snapshot registry) first waits one instance timeout for the live ones to
+        register: their heartbeats get 404, they re-register and exchange."""
+        since = self._resyncing_since
+        if since is None:
+            return
+        elapsed = self._clock() - since
+        timeout = self.config.instance_timeout
+        waited = self._resync_known > 0 or elapsed > timeout
+        if (waited and not self.instances.owing()) or elapsed > 2 * timeout:
+            self._resyncing_since = None
+            self.instances.owe_on_register = False
+            self.state = Readiness.SERVING
+            log.info("resync finished after %.1f s: serving", elapsed)
 
     def _set_stream_position(self, position: str) -> None:
         self.stream_position = position
@@ -157,6 +216,8 @@ class CoordinatorService:
             self.metrics.batches.labels(batch.instance_id, outcome.value).inc()
             if outcome is Outcome.APPLIED:
                 applied += 1
+                if batch.event_type == RESYNC:
+                    self.instances.digest_done(batch.instance_id)
                 self.metrics.entries.inc(len(batch.entries))
                 self._delivered(batch, now, tick)
             elif outcome is Outcome.DUPLICATE:
@@ -242,6 +303,7 @@ class CoordinatorService:
             self._delivery.pop(instance_id, None)
             if known:  # its metric series expire with the departed (forget_departed)
                 self._last_emit.setdefault(instance_id, self._clock())
+            self._gaps_seen.pop(instance_id, None)
         return Deregistration(instance_id, known, self.directory.deregister(instance_id))
 
     def _fence_expired(self, instance_id: str) -> None:
@@ -257,6 +319,7 @@ class CoordinatorService:
             self.instances.expire()
             self.forget_departed()
             self.status.tick()
+            self._check_resynced()
 
     def forget_departed(self) -> list[str]:
         """Forget every instance that is not registered and sent no batch for
@@ -287,6 +350,40 @@ class CoordinatorService:
             log.info("forgot %d departed emitters (cursors, metric series)", len(departed))
         return departed
 
+    # ------------------------------------------------------------------ resync
+
+    def wants_digest(self, instance_id: str) -> bool:
+        """Whether the instance should exchange digests now: it owes one (restored, or this
+        replica is resyncing), or its batches showed a gap since its last exchange."""
+        if self.instances.wants_digest(instance_id):
+            return True
+        cursor = self.directory.gap_state(instance_id)
+        with self._delivery_lock:
+            seen = self._gaps_seen.get(instance_id, 0)
+        return cursor is not None and cursor.gaps > seen
+
+    def compare_digests(
+        self, instance_id: str, theirs: dict[str, dict[bytes, Digest]]
+    ) -> dict[str, list[bytes]]:
+        """The child prefixes whose buckets differ between the instance's digests and this
+        directory's view of it, per tier; no difference anywhere completes the instance's
+        digest exchange (so does applying its resync batches)."""
+        cursor = self.directory.gap_state(instance_id)
+        if cursor is not None:  # gaps up to now are what this exchange repairs
+            with self._delivery_lock:
+                self._gaps_seen[instance_id] = cursor.gaps
+        out: dict[str, list[bytes]] = {}
+        for tier, by_prefix in theirs.items():
+            out[tier] = [
+                p
+                for prefix, digest in sorted(by_prefix.items())
+                for p in differing(prefix, self.directory.digest(instance_id, tier, prefix), digest)
+            ]
+        if not any(out.values()):
+            self.instances.digest_done(instance_id)
+        self.metrics.digest_exchanges.labels("match" if not any(out.values()) else "differ").inc()
+        return out
+
     # ------------------------------------------------------------------ snapshots
 
     def restore(self) -> None:
@@ -299,7 +396,9 @@ class CoordinatorService:
         except (SnapshotError, OSError) as exc:
             log.error("snapshot %s could not be restored (%s); starting empty", path, exc)
             return
-        self.stream_position = info.stream_position
+        self.stream_position = self._restored_position = info.stream_position
+        if info.instances is not None:
+            self.instances.restore(info.instances)
         rate = info.keys / info.seconds if info.seconds else float("inf")
         log.info(
             "restored %d keys / %d chunks from %s in %.3f s (%.0f keys/s), stream position %s",
@@ -316,12 +415,15 @@ class CoordinatorService:
         with self._snapshot_lock:
             position = self.stream_position
             try:
-                info = save_snapshot(self.directory, path, stream_position=position)
+                info = save_snapshot(
+                    self.directory, path, stream_position=position, instances=self.instances.rows()
+                )
             except OSError as exc:
                 self.metrics.snapshot_failures.inc()
                 log.error("snapshot to %s failed: %s", path, exc)
                 return None
         self.last_snapshot, self.status.last_snapshot_at = info, self._clock()
+        self._retain(position)
         self.metrics.snapshots.inc()
         self.metrics.snapshot_duration.set(info.seconds)
         self.metrics.snapshot_pause.set(info.max_pause_s)
@@ -330,6 +432,18 @@ class CoordinatorService:
             info.keys, info.seconds, info.max_pause_s * 1e3,
         )  # fmt: skip
         return info
+
+    def _retain(self, position: str | None) -> None:
+        """Record what this replica's snapshot covers, and trim what no replica needs."""
+        retention = self._retention
+        if retention is None or position is None:
+            return
+        try:
+            retention.record(position)
+            self.metrics.stream_trims.inc(retention.trim())
+        except Unavailable as exc:  # Redis down: the next snapshot records and trims
+            self.metrics.stream_errors.labels("retention").inc()
+            log.warning("stream retention skipped: %s", exc)
 
     def _snapshot_loop(self) -> None:
         while not self._stop.wait(self.config.snapshot_interval):

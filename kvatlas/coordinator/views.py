@@ -20,11 +20,15 @@ if TYPE_CHECKING:  # the KV-event links load only where they run
 
 class Readiness(StrEnum):
     """``restoring`` (loading the snapshot) → ``catching_up`` (Redis transport: replaying the
-    stream up to its end) → ``serving``. Lookups are answered in every state; ``/readyz`` tells
-    a load balancer whether the answers are complete. The values are the wire form."""
+    stream up to its end) → ``serving``. A replica whose stream position was trimmed away goes
+    ``resyncing`` instead of ``serving`` after catching up, until every live instance has
+    completed a digest exchange (or twice the instance timeout passed). Lookups are answered in
+    every state; ``/readyz`` tells a load balancer whether the answers are complete. The values
+    are the wire form."""
 
     RESTORING = "restoring"
     CATCHING_UP = "catching_up"
+    RESYNCING = "resyncing"
     SERVING = "serving"
 
 

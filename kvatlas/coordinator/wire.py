@@ -408,8 +408,12 @@ def registered_to_wire(instance_id: str, re_registered: bool) -> dict[str, Any]:
     return {"instance_id": instance_id, "re_registered": re_registered}
 
 
-def heartbeat_to_wire(instance_id: str) -> dict[str, Any]:
-    return {"instance_id": instance_id, "ok": True}
+def heartbeat_to_wire(instance_id: str, *, resync: bool = False) -> dict[str, Any]:
+    """``resync: true`` (only when set) asks the instance for a digest exchange."""
+    out: dict[str, Any] = {"instance_id": instance_id, "ok": True}
+    if resync:
+        out["resync"] = True
+    return out
 
 
 def ingest_counts_to_wire(counts: IngestCounts) -> dict[str, Any]:

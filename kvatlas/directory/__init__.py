@@ -29,7 +29,13 @@ from kvatlas.directory.records import (
     TokenLookup,
     prefix_summary,
 )
-from kvatlas.directory.snapshot import SnapshotError, SnapshotInfo, load_snapshot, save_snapshot
+from kvatlas.directory.snapshot import (
+    InstanceRow,
+    SnapshotError,
+    SnapshotInfo,
+    load_snapshot,
+    save_snapshot,
+)
 from kvatlas.directory.warm_up import warm_up_kernels
 from kvatlas.keys import BlendMatch
 
@@ -50,6 +56,7 @@ __all__ = [
     "GapRecord",
     "IngestCounts",
     "IngestGate",
+    "InstanceRow",
     "KeyDirectory",
     "KeyPage",
     "KeyPlacements",

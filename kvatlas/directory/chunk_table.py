@@ -19,7 +19,9 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
+
+import numpy as np
 
 from kvatlas.directory.blend import AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp, new_add_op
 from kvatlas.directory.records import (
@@ -62,6 +64,7 @@ from kvatlas.directory.records import (
 from kvatlas.directory.shapes import ShapeTable
 from kvatlas.errors import Conflict
 from kvatlas.events import UNKNOWN_OFFSET, VOLATILE_TIERS, CacheEntry, EventBatch
+from kvatlas.events.inventory import element, shape_tag, tag_multiplier, xor_elements
 from kvatlas.events.model import tokens_equal
 from kvatlas.keys import BlendNamespace, ObjectKey
 from kvatlas.keys.tokens import TokenArray
@@ -70,13 +73,16 @@ log = logging.getLogger(__name__)
 
 PARTS = 256
 Partition = dict[bytes, Record]  # chunk hash -> record; a chunk lives in partition hash[0]
+DigestArray = np.ndarray[Any, Any]  # 256 uint64 buckets (kvatlas.events.inventory)
 
 
 @dataclass(slots=True)
 class ChunkCounts:
     """What follows from the records: key and placement counts, bytes per tier, per
     instance its own L1 placements and the chunks holding them (what fencing visits), and
-    placements and bytes per :data:`~kvatlas.directory.records.Module` (usage)."""
+    placements and bytes per :data:`~kvatlas.directory.records.Module` (usage), and the inventory digest of every (instance, tier)'s own placements (see
+    :mod:`kvatlas.events.inventory`; after a restore, built by
+    :meth:`ChunkTable.digest_partition`)."""
 
     keys: int = 0
     placements: int = 0
@@ -85,6 +91,14 @@ class ChunkCounts:
     l1_chunks: dict[str, set[bytes]] = field(default_factory=dict)
     module_placements: Counter[Module] = field(default_factory=Counter)
     module_bytes: Counter[Module] = field(default_factory=Counter)
+    digests: dict[tuple[str, str], DigestArray] = field(default_factory=dict)
+
+    def digest_for(self, inst: str, tier: str) -> DigestArray:
+        """The (mutable) root digest of ``inst``'s own placements on ``tier``."""
+        d = self.digests.get((inst, tier))
+        if d is None:
+            d = self.digests[(inst, tier)] = np.zeros(PARTS, dtype=np.uint64)
+        return d
 
     @classmethod
     def scan(cls, parts: list[Partition]) -> ChunkCounts:
@@ -124,6 +138,10 @@ class ChunkTable:
         self.indexing = False  # whether changes queue blend-index writes
         self.journal: ChangeJournal | None = None  # set while a capture is in progress
         self._ops: list[BlendOp] = []
+        # (shape id, tier, backend) -> the inventory element's multiplier
+        self._tags: dict[tuple[int, str, str], int] = {}
+        self.digested = bytearray(b"\x01" * PARTS)  # partitions counted in counts.digests
+        self._all_digested = True
 
     # ------------------------------------------------------------------ restore
 
@@ -133,6 +151,43 @@ class ChunkTable:
         if self.journal is not None:
             raise Conflict("cannot restore while a snapshot is being taken")
         self.shapes, self.parts, self.counts = shapes, parts, counts
+        self._tags = {}
+        self.counts.digests = {}
+        self.digested = bytearray(PARTS)  # digests are built partition by partition, later
+        self._all_digested = False
+
+    def digest_partition(self, b: int) -> None:
+        """Add partition ``b``'s own placements to the digests (once, after a restore: the
+        restore itself stays one pass over columns, and building the digests holds the lock
+        one partition at a time)."""
+        if self.digested[b]:
+            return
+        acc: dict[tuple[str, str], int] = {}
+        tag = self._tag
+        for h, rec in self.parts[b].items():
+            for sid, pls in record_keys(rec):
+                for p in placements_of(pls):
+                    if not row_shared(p):
+                        where = (row_instance(p), row_tier(p))
+                        e = element(h, tag(sid, row_tier(p), row_backend(p)))
+                        acc[where] = acc.get(where, 0) ^ e
+        for (inst, tier), value in acc.items():
+            self.counts.digest_for(inst, tier)[b] ^= np.uint64(value)
+        self.digested[b] = 1
+        self._all_digested = all(self.digested)
+
+    def _tag(self, sid: int, tier: str, backend: str) -> int:
+        t = self._tags.get((sid, tier, backend))
+        if t is None:
+            tag = shape_tag(*self.shapes[sid].parts, tier, backend)
+            t = self._tags[(sid, tier, backend)] = tag_multiplier(tag)
+        return t
+
+    def _xor(self, inst: str, tier: str, h: bytes, sid: int, backend: str) -> None:
+        """Add or remove (the same thing) one own placement in its digest."""
+        if self.digested[h[0]]:
+            e = np.uint64(element(h, self._tag(sid, tier, backend)))
+            self.counts.digest_for(inst, tier)[h[0]] ^= e
 
     def reindex(self, apply: Callable[[list[BlendOp]], None]) -> None:
         """Add every indexable chunk to the index (``apply``, one call per partition)."""
@@ -214,6 +269,12 @@ class ChunkTable:
         shapes = self.shapes.shapes
         chunk_size = self.chunk_size
         debug = log.isEnabledFor(logging.DEBUG)
+        # New own copies, by tag multiplier: their elements go into the digest after the loop,
+        # in one vectorised step per multiplier (a batch is mostly one shape).
+        dig = None if shared else counts.digest_for(inst, tier)
+        pending: dict[int, list[bytes]] = {}
+        new_own: list[bytes] | None = None
+        tag_sid = -1
         # Every placement added or replaced here has this batch's tier and (for own copies)
         # instance: the counters move by one sum per batch instead of per entry.
         n_keys = n_pl = n_bytes = 0
@@ -227,6 +288,9 @@ class ChunkTable:
             rec = part.get(h)
             if journal is not None:
                 journal.save(h, rec)
+            if dig is not None and sid != tag_sid:
+                new_own = pending.setdefault(self._tag(sid, tier, backend), [])
+                tag_sid = sid
             if rec is None:  # a new chunk: the common case, without the general bookkeeping
                 # (records are built inline here, as records.new_record builds them: the call
                 # would be a measurable share of consuming a new chunk)
@@ -247,13 +311,22 @@ class ChunkTable:
                 else:
                     part[h] = (tokens, offset, True, sid, p)
                     ops.append(new_add_op((tokens, h, offset, shapes[sid].namespace)))
+                if new_own is not None:
+                    new_own.append(h)
             else:
                 dk, dp, db = self._store_existing(h, part, rec, sid, p, entry, debug)
                 n_keys += dk
                 n_pl += dp
                 n_bytes += db
+                if new_own is not None and dp:  # a new own copy (a replaced one has the
+                    new_own.append(h)  # same element)
             if l1set is not None:
                 l1set.add(h)
+        if dig is not None:
+            kept = None if self._all_digested else np.frombuffer(self.digested, dtype=np.uint8)
+            for multiplier, hs in pending.items():
+                if hs:
+                    xor_elements(dig, hs, multiplier, kept)
         counts.keys += n_keys
         counts.placements += n_pl
         counts.bytes_by_tier[tier] += n_bytes
@@ -364,6 +437,8 @@ class ChunkTable:
             for q in old:
                 if row_ident(q) == ident:
                     self._count(q, -1)
+            if not batch.shared:
+                self._xor(batch.instance_id, batch.tier, h, record_keys(rec)[k][0], batch.backend)
             keys: list[tuple[int, Placements | None]] = list(record_keys(rec))
             keys[k] = (keys[k][0], pack_placements(kept))
             self._rewrite(h, rec, keys)
@@ -417,7 +492,78 @@ class ChunkTable:
                 keys.append((sid, pack_placements(kept)))
             self._rewrite(h, rec, keys)
         counts.l1_placements.pop(inst, None)
+        counts.digests.pop((inst, "l1"), None)
         return dropped
+
+    def resync(self, batch: EventBatch, sids: list[int]) -> int:
+        """Apply a ``resync`` batch: the reporter's own placements on the batch's tier under
+        its prefixes become exactly the listed ones (the others are removed, whatever their
+        backend; the listed ones are stored). Returns how many placements were removed."""
+        inst, tier, backend = batch.instance_id, batch.tier, batch.backend
+        prefixes = batch.prefix_bytes
+        listed: dict[bytes, set[int]] = {}
+        for entry, sid in zip(batch.entries, sids, strict=True):
+            listed.setdefault(entry.key.chunk_hash, set()).add(sid)
+
+        def doomed(h: bytes, sid: int, p: PlacementRow) -> bool:
+            if row_instance(p) != inst or row_tier(p) != tier or row_shared(p):
+                return False
+            return row_backend(p) != backend or sid not in listed.get(h, ())
+
+        removed = 0
+        for b in sorted({p[0] for p in prefixes}):
+            part = self.parts[b]
+            stale = [
+                h
+                for h, rec in part.items()
+                if (h[:1] in prefixes or h[:2] in prefixes)
+                and any(
+                    doomed(h, sid, p) for sid, pls in record_keys(rec) for p in placements_of(pls)
+                )
+            ]
+            for h in stale:
+                removed += self._drop_where(h, part[h], doomed)
+        self.store(batch, sids)
+        return removed
+
+    def _drop_where(
+        self, h: bytes, rec: Record, doomed: Callable[[bytes, int, PlacementRow], bool]
+    ) -> int:
+        """Remove the chunk's placements ``doomed(h, shape id, row)`` selects."""
+        self._preserve(h, rec)
+        keys: list[tuple[int, Placements | None]] = []
+        owners: set[str] = set()
+        dropped = 0
+        for sid, pls in record_keys(rec):
+            kept = []
+            for p in placements_of(pls):
+                if doomed(h, sid, p):
+                    self._count(p, -1)
+                    self._xor(row_instance(p), row_tier(p), h, sid, row_backend(p))
+                    owner = l1_owner(p)
+                    if owner is not None:
+                        owners.add(owner)
+                    dropped += 1
+                else:
+                    kept.append(p)
+            keys.append((sid, pack_placements(kept)))
+        self._rewrite(h, rec, keys)
+        for owner in owners:
+            self._forget_l1_if_gone(owner, h)
+        return dropped
+
+    def digest_of_prefix(self, inst: str, tier: str, prefix: bytes) -> list[int]:
+        """The digest of ``inst``'s own placements on ``tier`` under a one-byte ``prefix``
+        (computed from that partition: 1/256 of the directory)."""
+        out = [0] * PARTS
+        for h, rec in self.parts[prefix[0]].items():
+            if not h.startswith(prefix):
+                continue
+            for sid, pls in record_keys(rec):
+                for p in placements_of(pls):
+                    if row_instance(p) == inst and row_tier(p) == tier and not row_shared(p):
+                        out[h[1]] ^= element(h, self._tag(sid, tier, row_backend(p)))
+        return out
 
     # ------------------------------------------------------------------ bookkeeping
 

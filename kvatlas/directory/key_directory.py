@@ -36,7 +36,8 @@ from kvatlas.directory.records import (
     prefix_summary,
 )
 from kvatlas.errors import InvalidInput
-from kvatlas.events import ACCESS, CONFIG, DELETE, STORE, EventBatch
+from kvatlas.events import ACCESS, CONFIG, DELETE, RESYNC, STORE, EventBatch
+from kvatlas.events.inventory import Digest, empty_digest
 from kvatlas.keys import (
     DEFAULT_CHUNK_SIZE,
     BlendMatch,
@@ -210,7 +211,7 @@ class KeyDirectory:
         # resolved first, and placement/binding updates raise on nothing valid input can hold.
         kind = batch.event_type
         chunks = self._chunks
-        sids = chunks.shapes.intern_all(batch.entries) if kind == STORE else []
+        sids = chunks.shapes.intern_all(batch.entries) if kind in (STORE, RESYNC) else []
         if admission.fence_first:
             chunks.fence(batch.instance_id)
         if kind == STORE:
@@ -221,6 +222,8 @@ class KeyDirectory:
             chunks.access(batch)
         elif kind == CONFIG:
             self._apply_config(batch)
+        elif kind == RESYNC:
+            chunks.resync(batch, sids)
         self._gate.commit(batch, admission)
 
     def _flush_index(self) -> None:
@@ -315,6 +318,23 @@ class KeyDirectory:
         return listing.count_keys(
             self._chunks, self._lock, tier=tier, instance_id=instance_id, backend=backend
         )
+
+    def digest(self, instance_id: str, tier: str, prefix: bytes = b"") -> Digest:
+        """The inventory digest of the instance's own placements on ``tier``: the root digest
+        (kept up to date as placements change), or a one-byte prefix's (computed from one
+        partition on demand). See :mod:`kvatlas.events.inventory`."""
+        chunks = self._chunks
+        for b in range(len(chunks.digested)):  # after a restore: built on first use
+            if not chunks.digested[b]:
+                with self._lock:
+                    chunks.digest_partition(b)
+        with self._lock:
+            if not prefix:
+                root = self._chunks.counts.digests.get((instance_id, tier))
+                return empty_digest() if root is None else [int(b) for b in root.tolist()]
+            if len(prefix) != 1:
+                raise InvalidInput("a digest prefix is empty or one byte")
+            return self._chunks.digest_of_prefix(instance_id, tier, prefix)
 
     def gap_state(self, instance_id: str) -> EmitterCursor | None:
         """The emitter's cursor with its gap counters (``None`` if unknown)."""

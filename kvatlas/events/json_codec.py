@@ -59,6 +59,7 @@ class _WireBatch(msgspec.Struct):
     capacity_bytes: int | None = None
     capacity_revision: int | None = None
     dropped_events: int = 0
+    prefixes: list[str] | None = None
 
 
 class _WireBody(msgspec.Struct):
@@ -140,6 +141,7 @@ def _batch_from_wire(
         capacity_bytes=wb.capacity_bytes,
         capacity_revision=wb.capacity_revision,
         dropped_events=wb.dropped_events,
+        prefixes=None if wb.prefixes is None else tuple(wb.prefixes),
     )
 
 

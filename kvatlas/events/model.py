@@ -16,13 +16,15 @@ import numpy as np
 
 from kvatlas.checks import is_plain_int
 from kvatlas.events.errors import EventValidationError
+from kvatlas.events.inventory import BUCKETS, check_prefix
 from kvatlas.keys import ObjectKey, TokenArray, as_token_array
 
 STORE: Final = "store"
 DELETE: Final = "delete"
 ACCESS: Final = "access"
 CONFIG: Final = "config"
-EVENT_TYPES: Final = frozenset({STORE, DELETE, ACCESS, CONFIG})
+RESYNC: Final = "resync"
+EVENT_TYPES: Final = frozenset({STORE, DELETE, ACCESS, CONFIG, RESYNC})
 TIERS: Final = frozenset({"l1", "l2", "gpu", "engine-cpu"})
 """Where a copy sits: a node's DRAM (l1) or storage (l2), or an engine's own memory (gpu, and
 engine-cpu for its CPU offload; learned from its vLLM KV events, docs/kv-events.md)."""
@@ -37,6 +39,7 @@ UNKNOWN_OFFSET: Final = -1
 U64_MAX: Final = (1 << 64) - 1
 I64_MAX: Final = (1 << 63) - 1
 MAX_ID_CHARS: Final = 256
+MAX_PREFIXES: Final = BUCKETS * BUCKETS
 
 INT_BOUNDS: Final[dict[str, tuple[int, int]]] = {
     "incarnation": (0, U64_MAX),
@@ -135,6 +138,10 @@ class EventBatch:
     LMCache's pydantic models send every default: ``capacity_bytes: 0`` and
     ``capacity_revision: 0`` on a batch that is not a config batch mean "absent" (stored as
     ``None``); any other value there is still refused.
+
+    ``resync`` batches list every placement the emitter holds on its own (not shared) ``tier``
+    whose chunk hash starts with one of ``prefixes`` (hex of 1 or 2 bytes, see
+    :mod:`kvatlas.events.inventory`); the directory replaces its view of exactly those.
     """
 
     instance_id: str
@@ -149,6 +156,7 @@ class EventBatch:
     capacity_bytes: int | None = None
     capacity_revision: int | None = None
     dropped_events: int = 0
+    prefixes: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         _name("instance_id", self.instance_id, required=True)
@@ -162,7 +170,7 @@ class EventBatch:
             raise EventValidationError(
                 "tier", f"must be one of {sorted(TIERS)}, got {self.tier!r:.40}"
             )
-        _name("backend", self.backend, required=self.event_type in (STORE, DELETE))
+        _name("backend", self.backend, required=self.event_type in (STORE, DELETE, RESYNC))
         if not isinstance(self.shared, bool):
             raise EventValidationError("shared", "must be a boolean")
         ts = self.ts
@@ -178,6 +186,7 @@ class EventBatch:
                 raise EventValidationError(f"entries[{i}]", "must be a CacheEntry")
         _int_in("dropped_events", self.dropped_events)
         self._check_config()
+        self._check_resync()
 
     def _check_config(self) -> None:
         if self.event_type == CONFIG:
@@ -195,6 +204,37 @@ class EventBatch:
                     object.__setattr__(self, name, None)
                 elif value is not None:
                     raise EventValidationError(name, "is only allowed on a config batch")
+
+    def _check_resync(self) -> None:
+        prefixes = self.prefixes
+        if self.event_type != RESYNC:
+            if prefixes is not None:
+                raise EventValidationError("prefixes", "is only allowed on a resync batch")
+            return
+        if self.shared:
+            raise EventValidationError("shared", "a resync batch lists the emitter's own copies")
+        if prefixes is None or not prefixes:
+            raise EventValidationError("prefixes", "a resync batch names at least one prefix")
+        if not isinstance(prefixes, tuple):
+            prefixes = tuple(prefixes)
+            object.__setattr__(self, "prefixes", prefixes)
+        if len(prefixes) > MAX_PREFIXES:
+            raise EventValidationError("prefixes", f"at most {MAX_PREFIXES} prefixes")
+        try:
+            raw = self.prefix_bytes
+        except ValueError as exc:
+            raise EventValidationError("prefixes", str(exc)) from None
+        for i, entry in enumerate(self.entries):
+            h = entry.key.chunk_hash
+            if h[:1] not in raw and h[:2] not in raw:
+                raise EventValidationError(
+                    f"entries[{i}].key", "chunk hash outside the batch's prefixes"
+                )
+
+    @property
+    def prefix_bytes(self) -> frozenset[bytes]:
+        """A resync batch's prefixes as bytes (empty for other types)."""
+        return frozenset(check_prefix(p) for p in self.prefixes or ())
 
     @property
     def emitter(self) -> tuple[str, int, int]:
@@ -218,4 +258,6 @@ def batch_header(batch: EventBatch) -> dict[str, Any]:
         out["capacity_revision"] = batch.capacity_revision
     if batch.dropped_events:
         out["dropped_events"] = batch.dropped_events
+    if batch.prefixes is not None:
+        out["prefixes"] = list(batch.prefixes)
     return out

@@ -58,6 +58,7 @@ class _PackedBatch(msgspec.Struct, omit_defaults=True):
     capacity_bytes: int | None = None
     capacity_revision: int | None = None
     dropped_events: int = 0
+    prefixes: list[str] | None = None
 
 
 class _PackedBody(msgspec.Struct):
@@ -121,6 +122,7 @@ def _batch_from_packed(pb: _PackedBatch, strings: dict[str, str]) -> EventBatch:
         capacity_bytes=pb.capacity_bytes,
         capacity_revision=pb.capacity_revision,
         dropped_events=pb.dropped_events,
+        prefixes=None if pb.prefixes is None else tuple(pb.prefixes),
     )
 
 

@@ -57,6 +57,7 @@ from kvatlas.node.chunk_digest import rejection
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.emitter import BatchSink, EventEmitter
 from kvatlas.node.fleet_view import FleetView
+from kvatlas.node.inventory import DigestExchange, NodeInventory, ResyncDriver, resync_sender
 from kvatlas.node.l1 import L1Cache
 from kvatlas.node.l2 import FsL2, L2Backend, L2Unavailable
 from kvatlas.node.metrics import NodeTimings, hit_tokens
@@ -163,6 +164,7 @@ class CacheNode:
         self.emitter = EventEmitter(sink) if sink is not None else None
         self._sink = sink
         self.token_cache = TokenCache(config.token_cache_chunks)
+        self.own = NodeInventory()  # what this node reported holding (its digests, resync)
         self.counters: Counter[str] = Counter()
         self._report_lock = threading.RLock()  # a tier change and its event, together
         self._rejection_warnings = Throttle(60.0)
@@ -338,6 +340,12 @@ class CacheNode:
     def _record(
         self, event_type: str, tier: str, backend: str, entry: CacheEntry, *, shared: bool = False
     ) -> None:
+        # The inventory changes before the event is recorded: a resync listing (taken while
+        # nothing is recorded) is never older than an event queued ahead of it.
+        if not shared and event_type == STORE:
+            self.own.add(tier, backend, entry)
+        elif not shared and event_type == DELETE:
+            self.own.remove(tier, backend, entry.key)
         if self.emitter is not None:
             self.emitter.record(event_type, tier, backend, entry, shared=shared)
 
@@ -504,6 +512,36 @@ class CacheNode:
             "l2_bytes": self.counters["l2_bytes_written"],
             "l2_chunks": self.counters["l2_chunks_written"],
         }
+
+    # ------------------------------------------------------------------ resync
+
+    def resync_driver(
+        self, exchange: DigestExchange, *, interval: float, settle: Any = None, lost: Any = None
+    ) -> ResyncDriver | None:
+        """A digest-exchange driver over this node's own tiers (``None`` without an event
+        sink: nothing to resync through)."""
+        emitter = self.emitter
+        if emitter is None:
+            return None
+        backends = {L1: L1_BACKEND}
+        if self.l2 is not None and not self.l2.shared:
+            backends[L2] = self.l2.name
+
+        def settled() -> None:
+            emitter.flush()
+            if settle is not None:
+                settle()
+
+        return ResyncDriver(
+            self.own,
+            backends,
+            exchange=exchange,
+            barrier=lambda act: emitter.barrier(lambda sink: act(resync_sender(sink))),
+            settle=settled,
+            lost=lost or (lambda: 0),
+            tokens_of=self.token_cache.peek,
+            interval=interval,
+        )
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -71,6 +71,8 @@ class NodeConfig:
     event_transport: str = "http"
     redis_url: str = ""
     event_stream: str = "kvatlas:events"
+    stream_max_len: int = 10_000_000
+    digest_interval: float = 30.0
     enable_blend_lookup: bool = True
     allow_trim: bool = False
     prefer_cheaper: bool = True
@@ -138,6 +140,10 @@ class NodeConfig:
         self.coordinator_bearer()  # refuses an unreadable, exposed or short token file now
         self.peer_bearer()
         self.auth()
+        if self.stream_max_len < 1:
+            raise ValueError("--stream-max-len must be >= 1")
+        if not 0 < self.digest_interval < 86400:
+            raise ValueError("--digest-interval must be in (0, 86400) seconds")
         if not 0 < self.peer_fetch_deadline < 3600:
             raise ValueError("--peer-fetch-deadline must be in (0, 3600) seconds")
         if self.l2_max_bytes < 0 or self.l2_redis_ttl < 0:
@@ -313,6 +319,8 @@ _HELP = {
     "event_transport": "how events travel: POST /events (http) or Redis Streams (redis)",
     "redis_url": "Redis URL for the redis event transport",
     "event_stream": "Redis Stream name carrying event batches (the redis transport)",
+    "stream_max_len": "approximate cap (MAXLEN ~) on the event stream's entries, per XADD",
+    "digest_interval": "seconds between inventory digest exchanges with the coordinator",
     "enable_blend_lookup": (
         "blend (fragment) lookup; the coordinator's flag of the same name; the node accepts "
         "it but currently always answers blend lookups"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvatlas.events import CacheEntry
 
@@ -26,6 +26,7 @@ class BatchSink(Protocol):
         entries: list[CacheEntry],
         *,
         shared: bool = False,
+        **extra: Any,
     ) -> bool: ...
 
 
@@ -73,6 +74,14 @@ class EventEmitter:
         with self._lock:
             if self._group is not None:
                 self._hand_over_locked([self._take_locked()])
+
+    def barrier(self, action: Callable[[BatchSink], None]) -> None:
+        """Hand the open batch to the sink, then run ``action(sink)`` while no event can be
+        recorded: what ``action`` emits goes out behind everything recorded before."""
+        with self._lock:
+            if self._group is not None:
+                self._hand_over_locked([self._take_locked()])
+            action(self._sink)
 
     def _take_locked(self) -> tuple[GroupKey, list[CacheEntry]]:
         assert self._group is not None

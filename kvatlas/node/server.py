@@ -41,6 +41,7 @@ from kvatlas.node.cache_node import CacheNode
 from kvatlas.node.config import DEFAULT_L2_MAX_BYTES, NodeConfig
 from kvatlas.node.fleet_view import HttpFleetView
 from kvatlas.node.http_api import create_node_app
+from kvatlas.node.inventory import ResyncDriver
 from kvatlas.node.l2 import FsL2, L2Backend, RedisL2, instance_dir
 from kvatlas.node.metrics import new_boot, value_report
 from kvatlas.web import is_loopback
@@ -250,7 +251,9 @@ class NodeProcess:
         if config.fleet_enabled and self.coordinator is not None:
             transport: Transport
             if config.event_transport == "redis":
-                transport = RedisStreamTransport(config.redis_url, config.event_stream)
+                transport = RedisStreamTransport(
+                    config.redis_url, config.event_stream, maxlen=config.stream_max_len
+                )
             else:
                 transport = HttpTransport(config.coordinator_url, fmt=event_format, token=token)
             assert instance_id is not None
@@ -298,6 +301,8 @@ class NodeProcess:
             if start:
                 self.start()
 
+        self.resync = self._start_resync()
+
     def start(self) -> None:
         """Start reaching the coordinator in the background, if it was not up at start-up."""
         if self.registrar is not None and not self.registrar.started:
@@ -317,7 +322,32 @@ class NodeProcess:
             report=lambda: value_report(boot, node.counters, node.tier_gauges())
         )
 
+    def _start_resync(self) -> ResyncDriver | None:
+        """Digest exchanges: now (the node just registered), every ``--digest-interval``, after
+        every re-registration, on the coordinator's hint and after the sink lost batches."""
+        coordinator, sink = self.coordinator, self.sink
+        if coordinator is None or sink is None:
+            return None
+
+        def lost() -> int:
+            stats = sink.stats()
+            return stats.dropped_batches + stats.quarantined_batches
+
+        driver = self.node.resync_driver(
+            coordinator.exchange_digests,
+            interval=self.config.digest_interval,
+            settle=lambda: sink.flush(timeout=5.0),
+            lost=lost,
+        )
+        if driver is not None:
+            coordinator.on_resync = driver.wanted.set
+            driver.wanted.set()
+            driver.start()
+        return driver
+
     def close(self) -> None:
+        if self.resync is not None:
+            self.resync.stop()
         if self.registrar is not None:
             self.registrar.stop()
         self.node.close()

@@ -36,6 +36,11 @@ class TokenCache:
             while len(self._entries) > self.max_chunks:
                 self._entries.popitem(last=False)
 
+    def peek(self, chunk_hash: bytes) -> tuple[TokenArray, int] | None:
+        """Like :meth:`lookup`, without counting or refreshing (for resync listings)."""
+        with self._lock:
+            return self._entries.get(chunk_hash)
+
     def lookup(self, chunk_hash: bytes) -> tuple[TokenArray, int] | None:
         with self._lock:
             found = self._entries.get(chunk_hash)

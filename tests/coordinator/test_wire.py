@@ -198,7 +198,7 @@ def test_health_and_readiness() -> None:
 
 
 def test_readiness_values_are_the_wire_strings() -> None:
-    assert [r.value for r in Readiness] == ["restoring", "catching_up", "serving"]
+    assert [r.value for r in Readiness] == ["restoring", "catching_up", "resyncing", "serving"]
     assert Readiness.SERVING == "serving"
 
 

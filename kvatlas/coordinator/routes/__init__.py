@@ -10,6 +10,7 @@ from kvatlas.coordinator.routes import (
     events,
     instances,
     ops,
+    resync,
     route,
     status,
     usage,
@@ -21,6 +22,7 @@ ROUTERS = (
     route.router,
     usage.router,  # before instances: /instances/usage is not /instances/{instance_id}
     instances.router,
+    resync.router,
     config.router,
     ops.router,
     status.router,

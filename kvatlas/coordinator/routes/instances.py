@@ -34,7 +34,9 @@ async def heartbeat(instance_id: str, service: Service, who: Caller) -> Response
     who.require_instance(instance_id)
     if not service.instances.heartbeat(instance_id):
         raise NotFound("unknown instance; re-register")
-    return MsgspecJSONResponse(heartbeat_to_wire(instance_id))
+    return MsgspecJSONResponse(
+        heartbeat_to_wire(instance_id, resync=service.wants_digest(instance_id))
+    )
 
 
 @router.delete(

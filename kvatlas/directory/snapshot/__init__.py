@@ -6,8 +6,8 @@ directory lock held one partition at a time), and a restore installs all of it o
 :mod:`.reader` the two directions. See docs/directory.md.
 """
 
-from kvatlas.directory.snapshot.format import SnapshotError, SnapshotInfo
+from kvatlas.directory.snapshot.format import InstanceRow, SnapshotError, SnapshotInfo
 from kvatlas.directory.snapshot.reader import load_snapshot
 from kvatlas.directory.snapshot.writer import save_snapshot
 
-__all__ = ["SnapshotError", "SnapshotInfo", "load_snapshot", "save_snapshot"]
+__all__ = ["InstanceRow", "SnapshotError", "SnapshotInfo", "load_snapshot", "save_snapshot"]

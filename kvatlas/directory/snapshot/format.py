@@ -58,13 +58,19 @@ class SnapshotInfo:
     seconds: float
     max_pause_s: float  # longest single hold of the directory lock (0 for restore)
     stream_position: str | None
+    instances: list[InstanceRow] | None = None
+    """The coordinator's instance registry as saved (``None``: a snapshot from before it was
+    saved, or saved without one)."""
 
 
 CursorRow = tuple[str, int, int, int, int, tuple[int, int, int] | None]
 CapacityRow = tuple[str, int, int, list[tuple[str, str, int]]]
+InstanceRow = tuple[str, float, float, bytes]
+"""A registered instance: id, registered at, last heard of (both wall clock), and its
+registration as the coordinator encoded it (opaque here)."""
 
 
-class Header(msgspec.Struct):
+class Header(msgspec.Struct, omit_defaults=True):
     """The msgpack header; field order is part of the format."""
 
     version: int
@@ -89,6 +95,7 @@ class Header(msgspec.Struct):
     cursors: list[CursorRow]  # instance, incarnation, last seq, gaps, missing, last gap
     capacities: list[CapacityRow]  # instance, incarnation, revision, (tier, backend, bytes)
     arena_tokens: int
+    instances: list[InstanceRow] | None = None  # absent in snapshots written before it existed
 
 
 def encode_column(name: str, values: list[Any]) -> bytes:

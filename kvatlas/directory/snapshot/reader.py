@@ -110,6 +110,7 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
         time.perf_counter() - started,
         0.0,
         header.stream_position,
+        header.instances,
     )
 
 

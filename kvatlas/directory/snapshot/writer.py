@@ -48,6 +48,7 @@ from kvatlas.directory.snapshot.format import (
     VERSION,
     CursorRow,
     Header,
+    InstanceRow,
     SnapshotInfo,
     encode_column,
 )
@@ -125,9 +126,14 @@ class HeaderPieces:
 
 
 def save_snapshot(
-    directory: KeyDirectory, path: str | os.PathLike[str], *, stream_position: str | None = None
+    directory: KeyDirectory,
+    path: str | os.PathLike[str],
+    *,
+    stream_position: str | None = None,
+    instances: list[InstanceRow] | None = None,
 ) -> SnapshotInfo:
-    """Write a consistent snapshot of ``directory`` to ``path`` (atomically)."""
+    """Write a consistent snapshot of ``directory`` (and the coordinator's instance registry,
+    if given) to ``path`` (atomically)."""
     started = time.perf_counter()
     max_pause = 0.0
     with directory.capture() as capture:
@@ -136,6 +142,7 @@ def save_snapshot(
             max_pause = max(max_pause, part.lock_held_s)
             columns.add(part.records)
     header = columns.header(capture.state, stream_position)
+    header.instances = instances
     size = _write_atomically(Path(path), columns.pieces.encode(header), columns.arena)
     return SnapshotInfo(
         str(path),
@@ -145,6 +152,7 @@ def save_snapshot(
         time.perf_counter() - started,
         max_pause,
         stream_position,
+        instances,
     )
 
 

@@ -1,0 +1,105 @@
+"""Stream retention (convergence.md §2): the event stream keeps what some replica still needs,
+and no more.
+
+Each replica with durable snapshots records, in the Redis hash ``<stream>:replicas`` (field:
+its consumer group, value: a stream id), the position its last snapshot covers; after each
+snapshot it trims the stream by ``MINID`` to the smallest recorded position — the oldest entry
+any registered replica would replay after a restart. Emitters cap the stream on their side with
+an approximate ``MAXLEN`` (``--stream-max-len``), so a replica that stays away for too long
+cannot make the stream grow without bound: when it comes back, the entries after its snapshot
+may be gone (:meth:`StreamRetention.trimmed_after`), and it rebuilds through resync instead of
+replay (readiness ``resyncing``).
+
+A replica without snapshots does not register (a restart replays nothing it kept; it always
+relies on resync after a trim). A replica retired for good must have its field removed
+(``HDEL <stream>:replicas <group>``), or it holds trimming back (the MAXLEN cap still bounds
+the stream).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvatlas.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+
+def parse_id(entry_id: str | bytes) -> tuple[int, int]:
+    """A stream id ``ms-seq`` as a comparable pair (``ValueError`` if it is not one)."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class StreamRetention:
+    """The replica registry and the ``MINID`` trimmer of one stream, for one replica."""
+
+    def __init__(self, client: Any, stream: str, replica: str) -> None:
+        """``client`` is a ``redis.Redis``; its errors surface as :class:`Unavailable`."""
+        import redis
+
+        self._errors = redis.RedisError
+        self.client = client
+        self.stream = stream
+        self.replica = replica
+        self.key = f"{stream}:replicas"
+
+    @classmethod
+    def connect(cls, redis_url: str, stream: str, replica: str) -> StreamRetention:
+        """A retention over a new client of ``redis_url`` (connects lazily)."""
+        import redis
+
+        client = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+        return cls(client, stream, replica)
+
+    def record(self, position: str) -> None:
+        """This replica's last durable snapshot covers the stream up to ``position``."""
+        self._call("hset", self.key, self.replica, position)
+
+    def needed(self) -> str | None:
+        """The oldest position a registered replica still needs (``None``: none registered)."""
+        positions: dict[bytes, bytes] = self._call("hgetall", self.key)
+        valid = []
+        for replica, pos in positions.items():
+            try:
+                valid.append((parse_id(pos), pos.decode()))
+            except ValueError:
+                log.warning("ignoring %s in %s: bad stream id %r", replica, self.key, pos)
+        return min(valid)[1] if valid else None
+
+    def trim(self) -> int:
+        """Trim the stream by ``MINID`` to :meth:`needed`; returns the entries removed."""
+        oldest = self.needed()
+        if oldest is None:
+            return 0
+        removed: int = self._call("xtrim", self.stream, minid=oldest, approximate=False)
+        if removed:
+            log.info("trimmed %d entries of %s before %s", removed, self.stream, oldest)
+        return removed
+
+    def trimmed_after(self, position: str | None) -> bool:
+        """Whether entries after ``position`` (``None``: the beginning) may have been trimmed
+        away, i.e. replaying from there could miss some. Conservative: the stream's first entry
+        lying after ``position`` counts (our own trimming always keeps ``position`` itself), so
+        does an empty stream whose last id lies after it. Redis 7.0 records no id for trims
+        (``max-deleted-entry-id`` stays ``0-0``), hence the comparison with what is left."""
+        info: dict[Any, Any] = self._call("xinfo_stream", self.stream)
+        length = int(info.get("length", 0))
+        if position is None:
+            added = info.get("entries-added")  # Redis >= 7
+            return added is not None and int(added) > length
+        if length == 0:
+            return parse_id(info.get("last-generated-id") or "0-0") > parse_id(position)
+        first = info.get("first-entry")
+        return first is not None and parse_id(first[0]) > parse_id(position)
+
+    def _call(self, command: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return getattr(self.client, command)(*args, **kwargs)
+        except self._errors as exc:
+            raise Unavailable(f"redis {command} on {self.stream}: {exc}") from exc
+
+
+__all__ = ["StreamRetention", "parse_id"]

@@ -1,0 +1,167 @@
+"""Stream retention (convergence.md §2) on a real Redis: the stream is trimmed by ``MINID`` to
+the slowest registered replica's snapshot position, emitters cap it with ``MAXLEN``, and a
+replica whose position was trimmed away says ``resyncing`` until the nodes resynced it."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import redis
+
+from kvatlas.client import EventSink, RedisStreamTransport
+from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.server import BackgroundServer, free_port
+from kvatlas.events import STORE, CacheEntry
+from kvatlas.keys import ObjectKey, pack_kv_rank
+from kvatlas.node.config import NodeConfig
+from kvatlas.node.server import NodeProcess
+from tests.conftest import RedisServer
+from tests.coordinator.helpers import CS, poll, wire_key
+
+_names = itertools.count()
+
+
+@pytest.fixture
+def stream() -> str:
+    return f"retention-{next(_names)}"
+
+
+@pytest.fixture
+def rclient(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+@contextmanager
+def replica(
+    redis_server: RedisServer, stream: str, group: str, snap: Path, port: int = 0, **kw: Any
+) -> Iterator[tuple[BackgroundServer, httpx.Client]]:
+    config = CoordinatorConfig(
+        port=port or free_port(), chunk_size=CS, event_transport="redis",
+        redis_url=redis_server.url, event_stream=stream, consumer_group=group,
+        snapshot_path=snap, **kw,
+    )  # fmt: skip
+    with (
+        BackgroundServer(config) as server,
+        httpx.Client(base_url=server.url, timeout=30.0) as client,
+    ):
+        yield server, client
+
+
+def key(n: int) -> ObjectKey:
+    return ObjectKey(bytes([n]) * 32, "m", pack_kv_rank(1, 0, 1, 0))
+
+
+def applied(server: BackgroundServer, n: int) -> bool:
+    return server.service.directory.stats().batches.get("applied", 0) >= n
+
+
+def test_the_stream_is_trimmed_to_the_slowest_replicas_snapshot_position(
+    redis_server: RedisServer, rclient: redis.Redis, stream: str, tmp_path: Path
+) -> None:
+    sink = EventSink("e1", RedisStreamTransport(redis_server.url, stream), incarnation=1)
+    try:
+        with replica(redis_server, stream, "fast", tmp_path / "fast") as (fast, _):
+            with replica(redis_server, stream, "slow", tmp_path / "slow") as (slow, _):
+                for n in range(5):
+                    sink.emit(STORE, "l1", "dram", [CacheEntry(key(n), 1)])
+                assert sink.flush(10)
+                assert poll(lambda: applied(slow, 5) and applied(fast, 5))
+                slow_info = slow.service.take_snapshot()
+                assert slow_info is not None
+            slow_position = slow.service.stream_position  # its stop() snapshot: same position
+            assert slow_position is not None
+            for n in range(5, 10):
+                sink.emit(STORE, "l1", "dram", [CacheEntry(key(n), 1)])
+            assert sink.flush(10)
+            assert poll(lambda: applied(fast, 10))
+            assert fast.service.take_snapshot() is not None
+            registry = rclient.hgetall(f"{stream}:replicas")
+            assert registry == {
+                b"slow": slow_position.encode(),
+                b"fast": fast.service.stream_position.encode(),  # type: ignore[union-attr]
+            }
+            ids = [entry_id.decode() for entry_id, _ in rclient.xrange(stream)]
+            # trimmed up to, not past, what the slow replica will replay after a restart
+            assert ids[0] == slow_position and len(ids) > 1
+            # the slow replica retired: the next snapshot trims to the fast one's position
+            rclient.hdel(f"{stream}:replicas", "slow")
+            assert fast.service.take_snapshot() is not None
+            assert [i.decode() for i, _ in rclient.xrange(stream)] == [ids[-1]]
+    finally:
+        sink.close()
+
+
+def test_emitters_cap_the_stream_with_an_approximate_maxlen(
+    redis_server: RedisServer, rclient: redis.Redis, stream: str
+) -> None:
+    sink = EventSink(
+        "e1", RedisStreamTransport(redis_server.url, stream, maxlen=100), incarnation=1
+    )
+    try:
+        for n in range(1000):
+            sink.emit(STORE, "l1", "dram", [CacheEntry(key(n % 256), 1)])
+            assert sink.flush(30)  # one stream entry per batch
+    finally:
+        sink.close()
+    assert rclient.xlen(stream) < 1000  # approximate: whole macro nodes go, never too many
+
+
+def node_config(url: str, redis_url: str, stream: str) -> NodeConfig:
+    return NodeConfig(
+        model_name="m", num_layers=1, num_kv_heads=1, head_dim=8, chunk_size=CS, dtype="float32",
+        l2="none", coordinator_url=url, port=free_port(), coordinator_event_reporting=True,
+        instance_id="n1", event_transport="redis", redis_url=redis_url, event_stream=stream,
+    )  # fmt: skip
+
+
+def store(process: NodeProcess, first_token: int, n: int) -> list[bytes]:
+    node = process.node
+    tracker = node.tracker(token_ids=list(range(first_token, first_token + n * CS)))
+    kv = np.zeros(node.layout.shape, dtype=node.layout.numpy_dtype())
+    assert node.store(tracker, [kv] * n) == n
+    node.flush_events()
+    assert process.sink is not None and process.sink.flush(10)
+    return list(tracker.chunk_hashes())
+
+
+def visible(client: httpx.Client, hashes: list[bytes]) -> bool:
+    reply = client.post("/directory/lookup", json={"keys": [wire_key(h) for h in hashes]})
+    return all(
+        {p["instance_id"] for p in r["placements"]} == {"n1"} for r in reply.json()["results"]
+    )
+
+
+def test_a_replica_behind_the_trim_says_resyncing_then_converges(
+    redis_server: RedisServer, rclient: redis.Redis, stream: str, tmp_path: Path
+) -> None:
+    snap, port = tmp_path / "b", free_port()
+    with replica(redis_server, stream, "b", snap, port) as (server, client):
+        process = NodeProcess(node_config(server.url, redis_server.url, stream))
+        assert process.coordinator is not None
+        process.coordinator.stop_heartbeat()  # the test heartbeats by hand
+        first = store(process, 100, 2)
+        assert poll(lambda: visible(client, first))
+    try:
+        # while the replica is down: more chunks, and the stream is cut past its position
+        lost = store(process, 300, 2)
+        last = store(process, 700, 1)
+        newest = rclient.xrevrange(stream, count=1)[0][0]
+        rclient.xtrim(stream, minid=newest, approximate=False)
+        with replica(redis_server, stream, "b", snap, port) as (server, client):
+            assert poll(lambda: server.service.state != "catching_up")
+            assert client.get("/readyz").json() == {"ready": False, "state": "resyncing"}
+            assert poll(lambda: visible(client, last)) and not visible(client, lost)
+            process.coordinator.heartbeat()  # the reply asks for a digest exchange
+            assert poll(lambda: visible(client, first + lost + last))
+            assert poll(lambda: client.get("/readyz").status_code == 200)
+    finally:
+        process.close()
