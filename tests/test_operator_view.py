@@ -23,6 +23,8 @@ from kvatlas.coordinator.node_reports import NodeReport, NodeReports, ValueCount
 from kvatlas.coordinator.server import BackgroundServer
 from kvatlas.errors import Unprocessable
 from kvatlas.node import EmbeddedFleet, NodeConfig, NodeEngineClient
+from kvatlas.node.embedded import InProcessPeer
+from kvatlas.node.peer import PeerReply
 from kvatlas.processes import spawn_service, stop
 from tests.conftest import RedisServer, wait_for
 
@@ -87,8 +89,10 @@ def test_a_bad_report_is_refused(body: object) -> None:
         NodeReport.from_wire(body)
 
 
-def test_regret_counts_what_another_instance_held_but_was_recomputed(tmp_path: Path) -> None:
-    """node-0's chunks sit in its private L2 (listed, but no peer can fetch them): node-1
+def test_regret_counts_what_another_instance_held_but_was_recomputed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """node-0's chunks sit in its private L2 (listed), but its peer API is down: node-1
     recomputes the same prompt, and every token of it is regret."""
     flags = dict(model_name="toy", num_layers=1, num_kv_heads=1, head_dim=8, chunk_size=C,
                  dtype="float32", l2="fs", l2_write="evict")  # fmt: skip
@@ -100,6 +104,8 @@ def test_regret_counts_what_another_instance_held_but_was_recomputed(tmp_path: P
         kv = [np.ones(LAYOUT.shape, np.float32)] * 3
         assert first.store(first.tracker(token_ids=tokens), kv) == 3
         fleet.settle()
+        down = PeerReply(failure="unreachable")
+        monkeypatch.setattr(InProcessPeer, "fetch", lambda *_a, **_k: down)
         got = second.retrieve(second.tracker(token_ids=tokens))
         assert got.hit_tokens == 0
         assert second.counters["regret_tokens"] == 3 * C

@@ -13,18 +13,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
 from kvatlas.coordinator.config import CoordinatorConfig
-from kvatlas.coordinator.instances import InstanceRecord, InstanceRegistry, Registration
+from kvatlas.coordinator.emitters import EmitterBook, admit, emitter_views, instance_views
+from kvatlas.coordinator.instances import InstanceRegistry
 from kvatlas.coordinator.kv_events.links import KvEventsLinks
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.retention import StreamRetention
 from kvatlas.coordinator.status import StatusSource
 from kvatlas.coordinator.views import (
-    NO_EMITTER,
     Deregistration,
     EmitterView,
     HealthView,
@@ -47,21 +46,12 @@ from kvatlas.directory import (
     save_snapshot,
     warm_up_kernels,
 )
-from kvatlas.errors import Conflict, Forbidden, Unavailable, Unprocessable
+from kvatlas.errors import Conflict, Unavailable, Unprocessable
 from kvatlas.events import RESYNC, EventBatch
 from kvatlas.events.inventory import Digest, differing
 from kvatlas.keys import MM_BYPASS_GUARD, ObjectKey
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Delivery:
-    """How one emitter's batches arrive (in memory: restarts at zero with the process)."""
-
-    last_event: float  # the service clock when its last batch was applied
-    delay_s: float | None = None  # wall clock at apply minus the batch's ts
-    events_dropped: int = 0
 
 
 class CoordinatorService:
@@ -83,10 +73,9 @@ class CoordinatorService:
         )
         self.metrics = CoordinatorMetrics(self.metrics_state)
         self._clock = self.clock = clock
-        self._last_emit: dict[str, float] = {}  # instance -> clock() of its last batch (any)
+        self.emitters = EmitterBook()
         self._next_departure_sweep = 0.0
         self.state = Readiness.RESTORING
-        self._clock = clock
         self._resyncing_since: float | None = None
         self._resync_known = 0  # registered instances when resyncing began
         self._retention: StreamRetention | None = None
@@ -94,9 +83,6 @@ class CoordinatorService:
         self.stream_position: str | None = None
         self._restored_position: str | None = None
         self.last_snapshot: SnapshotInfo | None = None
-        self._delivery: dict[str, _Delivery] = {}  # of applied batches
-        self._delivery_lock = threading.Lock()  # guards _delivery, _last_emit, _gaps_seen
-        self._gaps_seen: dict[str, int] = {}  # gap count at each instance's last exchange
         self._snapshot_lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -208,9 +194,7 @@ class CoordinatorService:
         self.admit_emitters(batches)
         applied = duplicates = stale = 0
         now, tick = time.time(), self._clock()
-        with self._delivery_lock:
-            for batch in batches:
-                self._last_emit[batch.instance_id] = tick
+        self.emitters.received(batches, tick)
         for batch in batches:
             outcome = self.directory.consume(batch)
             self.metrics.batches.labels(batch.instance_id, outcome.value).inc()
@@ -219,7 +203,7 @@ class CoordinatorService:
                 if batch.event_type == RESYNC:
                     self.instances.digest_done(batch.instance_id)
                 self.metrics.entries.inc(len(batch.entries))
-                self._delivered(batch, now, tick)
+                self.emitters.applied(batch, now, tick)
             elif outcome is Outcome.DUPLICATE:
                 duplicates += 1
             else:
@@ -228,37 +212,12 @@ class CoordinatorService:
 
     def admit_emitters(self, batches: Sequence[EventBatch]) -> None:
         """Refuse the whole request before anything is applied when it would add an emitter
-        the directory does not track yet and (auth on) the instance is not registered
-        (:class:`Forbidden`; a sink retries after it registered), or there is no room under
-        ``--max-instances`` emitters (:class:`Conflict`). Known emitters pass: their cursor
-        exists already, so nothing grows (and a replay after a restart is not refused)."""
+        the directory cannot take (:func:`~kvatlas.coordinator.emitters.admit`)."""
         directory = self.directory
         new = {b.instance_id for b in batches if directory.gap_state(b.instance_id) is None}
-        if not new:
-            return
-        if self.auth is not None:
-            for instance_id in sorted(new):
-                if not self.instances.known(instance_id):
-                    raise Forbidden(
-                        f"instance {instance_id!r} is not registered: register "
-                        "(POST /instances) before emitting"
-                    )
-        tracked = len(directory.emitters())
-        if tracked + len(new) > self.config.max_instances:
-            raise Conflict(
-                f"{tracked} emitters tracked; {len(new)} more would exceed --max-instances "
-                f"{self.config.max_instances}"
-            )
-
-    def _delivered(self, batch: EventBatch, now: float, tick: float) -> None:
-        with self._delivery_lock:
-            d = self._delivery.get(batch.instance_id)
-            if d is None:
-                d = self._delivery[batch.instance_id] = _Delivery(tick)
-            d.last_event = tick
-            if batch.ts > 0:
-                d.delay_s = max(0.0, now - batch.ts)
-            d.events_dropped += batch.dropped_events
+        if new:
+            registered = self.instances.known if self.auth is not None else None
+            admit(new, len(directory.emitters()), registered, self.config.max_instances)
 
     # ------------------------------------------------------------------ lookups
 
@@ -299,11 +258,7 @@ class CoordinatorService:
             self.directory.gap_state(instance_id) is not None
         )
         self.instances.deregister(instance_id)
-        with self._delivery_lock:
-            self._delivery.pop(instance_id, None)
-            if known:  # its metric series expire with the departed (forget_departed)
-                self._last_emit.setdefault(instance_id, self._clock())
-            self._gaps_seen.pop(instance_id, None)
+        self.emitters.deregistered(instance_id, known, self._clock())
         return Deregistration(instance_id, known, self.directory.deregister(instance_id))
 
     def _fence_expired(self, instance_id: str) -> None:
@@ -332,17 +287,7 @@ class CoordinatorService:
             return []
         self._next_departure_sweep = now + retention / 8
         registered = {r.instance_id for r in self.instances.snapshot()[1]}
-        with self._delivery_lock:
-            for instance_id in self.directory.emitters():  # e.g. restored from a snapshot
-                self._last_emit.setdefault(instance_id, now)
-            departed = [
-                i
-                for i, seen in self._last_emit.items()
-                if i not in registered and now - seen > retention
-            ]
-            for instance_id in departed:
-                del self._last_emit[instance_id]
-                self._delivery.pop(instance_id, None)
+        departed = self.emitters.departed(self.directory.emitters(), registered, now, retention)
         for instance_id in departed:
             self.directory.deregister(instance_id)
             self.metrics.forget_instance(instance_id)
@@ -358,9 +303,7 @@ class CoordinatorService:
         if self.instances.wants_digest(instance_id):
             return True
         cursor = self.directory.gap_state(instance_id)
-        with self._delivery_lock:
-            seen = self._gaps_seen.get(instance_id, 0)
-        return cursor is not None and cursor.gaps > seen
+        return cursor is not None and cursor.gaps > self.emitters.gaps_seen(instance_id)
 
     def compare_digests(
         self, instance_id: str, theirs: dict[str, dict[bytes, Digest]]
@@ -370,8 +313,7 @@ class CoordinatorService:
         digest exchange (so does applying its resync batches)."""
         cursor = self.directory.gap_state(instance_id)
         if cursor is not None:  # gaps up to now are what this exchange repairs
-            with self._delivery_lock:
-                self._gaps_seen[instance_id] = cursor.gaps
+            self.emitters.exchanged(instance_id, cursor.gaps)
         out: dict[str, list[bytes]] = {}
         for tier, by_prefix in theirs.items():
             out[tier] = [
@@ -453,73 +395,16 @@ class CoordinatorService:
 
     def event_ages(self) -> dict[str, float]:
         """Seconds since each emitter's last batch (on the service clock)."""
-        now = self._clock()
-        with self._delivery_lock:
-            return {inst: now - seen for inst, seen in self._last_emit.items()}
+        return self.emitters.ages(self._clock())
 
     def emitters_view(self) -> dict[str, EmitterView]:
-        tick = self._clock()
-        with self._delivery_lock:
-            delivery = {
-                inst: (d.last_event, d.delay_s, d.events_dropped)
-                for inst, d in self._delivery.items()
-            }
-        views = {}
-        for inst, cursor in self.directory.emitters().items():
-            last, delay, dropped = delivery.get(inst, (None, None, 0))
-            views[inst] = EmitterView(
-                cursor.incarnation,
-                cursor.last_seq,
-                cursor.gaps,
-                cursor.missing_batches,
-                dropped,
-                None if last is None else round(max(0.0, tick - last), 3),
-                delay,
-            )
-        return views
+        return emitter_views(self.directory.emitters(), self.emitters.deliveries(), self._clock())
 
     def instances_view(self, who: Principal = ANONYMOUS_ADMIN) -> list[InstanceView]:
         """Registered instances and instances that emit without registration (allowed), by
-        instance id. A token bound to cache salts sees only its own instances in full and,
-        of the others, those registered for one of its salts with just what a peer needs
-        (id, liveness, ``p2p_advertised_url``): no metadata, addresses or cursors."""
+        instance id, as ``who`` may see them (:func:`~kvatlas.coordinator.emitters.instance_views`)."""
         now, records = self.instances.snapshot()
-        if not who.sees_everything:
-            return self._scoped_instances(who, now, records)
-        emitters = self.emitters_view()
-        rows = [
-            InstanceView(
-                r.instance_id,
-                r.registration,
-                r.registration_time,
-                round(now - r.last_heartbeat, 3),
-                emitters.pop(r.instance_id, NO_EMITTER),
-            )
-            for r in records
-        ]
-        rows += [InstanceView(inst, None, None, None, e) for inst, e in emitters.items()]
-        rows.sort(key=lambda r: r.instance_id)
-        return rows
-
-    def _scoped_instances(
-        self, who: Principal, now: float, records: list[InstanceRecord]
-    ) -> list[InstanceView]:
-        own = who.instance_ids or frozenset()
-        salts = who.cache_salts or frozenset()
-        emitters = self.emitters_view() if own else {}
-        rows = []
-        for r in records:
-            age = round(now - r.last_heartbeat, 3)
-            if r.instance_id in own:
-                emitter = emitters.get(r.instance_id, NO_EMITTER)
-                rows.append(
-                    InstanceView(r.instance_id, r.registration, r.registration_time, age, emitter)
-                )
-            elif r.cache_salts is None or not r.cache_salts.isdisjoint(salts):
-                peer = Registration(p2p_advertised_url=r.registration.p2p_advertised_url)
-                rows.append(InstanceView(r.instance_id, peer, r.registration_time, age, NO_EMITTER))
-        rows.sort(key=lambda r: r.instance_id)
-        return rows
+        return instance_views(records, now, self.emitters_view, who)
 
     def check_chunk_size(self, chunk_size: int | None) -> None:
         """Refuse (409) an instance whose chunk size is not the fleet's: its keys would never

@@ -270,8 +270,12 @@ class Workload:
 
 
 @pytest.fixture
-def stream(request: pytest.FixtureRequest) -> str:
-    return f"kvatlas:replicas:{request.node.name}"
+def stream(request: pytest.FixtureRequest, rclient: redis.Redis) -> str:
+    """The test's stream. The oracles read it whole, so a reader registered at ``0-0`` keeps
+    the replicas' retention (``MINID`` to the slowest registered reader) from trimming it."""
+    name = f"kvatlas:replicas:{request.node.name}"
+    rclient.hset(f"{name}:replicas", "test-oracle", "0-0")
+    return name
 
 
 @pytest.fixture
