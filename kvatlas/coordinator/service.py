@@ -101,7 +101,9 @@ class CoordinatorService:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.status = StatusSource(self)  # the status page, node reports, operator series
-        self.kv_events = KvEventsLinks.from_config(config, self.directory, self.ingest, self._stop)
+        self.kv_events = KvEventsLinks.from_config(
+            config, self.directory, self.ingest_engine_batches, self._stop
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -205,7 +207,16 @@ class CoordinatorService:
     def ingest(self, batches: Sequence[EventBatch]) -> IngestCounts:
         """Apply decoded batches through the gate (each atomically) and account for them;
         every transport comes through here, so every one gets :meth:`admit_emitters`."""
-        self.admit_emitters(batches)
+        return self._ingest(batches, registered=True)
+
+    def ingest_engine_batches(self, batches: Sequence[EventBatch]) -> IngestCounts:
+        """:meth:`ingest` for batches re-keyed from vLLM KV events: their engines come from the
+        operator's ``--kv-events-subscribe`` endpoints and cannot register, so (auth on) they
+        are admitted unregistered; ``--max-instances`` still bounds them."""
+        return self._ingest(batches, registered=False)
+
+    def _ingest(self, batches: Sequence[EventBatch], *, registered: bool) -> IngestCounts:
+        self.admit_emitters(batches, registered=registered)
         applied = duplicates = stale = 0
         now, tick = time.time(), self._clock()
         with self._delivery_lock:
@@ -226,17 +237,19 @@ class CoordinatorService:
                 stale += 1
         return IngestCounts(applied, duplicates, stale)
 
-    def admit_emitters(self, batches: Sequence[EventBatch]) -> None:
+    def admit_emitters(self, batches: Sequence[EventBatch], *, registered: bool = True) -> None:
         """Refuse the whole request before anything is applied when it would add an emitter
         the directory does not track yet and (auth on) the instance is not registered
         (:class:`Forbidden`; a sink retries after it registered), or there is no room under
         ``--max-instances`` emitters (:class:`Conflict`). Known emitters pass: their cursor
-        exists already, so nothing grows (and a replay after a restart is not refused)."""
+        exists already, so nothing grows (and a replay after a restart is not refused).
+        ``registered=False`` (engines, :meth:`ingest_engine_batches`) skips the registration
+        check only."""
         directory = self.directory
         new = {b.instance_id for b in batches if directory.gap_state(b.instance_id) is None}
         if not new:
             return
-        if self.auth is not None:
+        if self.auth is not None and registered:
             for instance_id in sorted(new):
                 if not self.instances.known(instance_id):
                     raise Forbidden(
