@@ -9,6 +9,7 @@ answered in every state. Everything the service reports is an immutable view
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -101,9 +102,8 @@ class CoordinatorService:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.status = StatusSource(self)  # the status page, node reports, operator series
-        self.kv_events = KvEventsLinks.from_config(
-            config, self.directory, self.ingest_engine_batches, self._stop
-        )
+        engines = functools.partial(self.ingest, registered=False)  # they cannot register
+        self.kv_events = KvEventsLinks.from_config(config, self.directory, engines, self._stop)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -204,18 +204,10 @@ class CoordinatorService:
 
     # ------------------------------------------------------------------ ingestion
 
-    def ingest(self, batches: Sequence[EventBatch]) -> IngestCounts:
+    def ingest(self, batches: Sequence[EventBatch], *, registered: bool = True) -> IngestCounts:
         """Apply decoded batches through the gate (each atomically) and account for them;
-        every transport comes through here, so every one gets :meth:`admit_emitters`."""
-        return self._ingest(batches, registered=True)
-
-    def ingest_engine_batches(self, batches: Sequence[EventBatch]) -> IngestCounts:
-        """:meth:`ingest` for batches re-keyed from vLLM KV events: their engines come from the
-        operator's ``--kv-events-subscribe`` endpoints and cannot register, so (auth on) they
-        are admitted unregistered; ``--max-instances`` still bounds them."""
-        return self._ingest(batches, registered=False)
-
-    def _ingest(self, batches: Sequence[EventBatch], *, registered: bool) -> IngestCounts:
+        every transport comes through here, so every one gets :meth:`admit_emitters`
+        (``registered=False``: vLLM engines, from endpoints the operator named)."""
         self.admit_emitters(batches, registered=registered)
         applied = duplicates = stale = 0
         now, tick = time.time(), self._clock()
@@ -243,8 +235,7 @@ class CoordinatorService:
         (:class:`Forbidden`; a sink retries after it registered), or there is no room under
         ``--max-instances`` emitters (:class:`Conflict`). Known emitters pass: their cursor
         exists already, so nothing grows (and a replay after a restart is not refused).
-        ``registered=False`` (engines, :meth:`ingest_engine_batches`) skips the registration
-        check only."""
+        ``registered=False`` skips the registration check only."""
         directory = self.directory
         new = {b.instance_id for b in batches if directory.gap_state(b.instance_id) is None}
         if not new:
