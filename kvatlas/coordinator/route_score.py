@@ -142,8 +142,12 @@ class RouteScoring:
         asked = route_query(
             body, config.max_query_tokens, config.max_instances, config.fragment_weight
         )
-        alive = [v.instance_id for v in service.instances_view(who) if v.alive]
-        candidates = alive if asked.instances is None else asked.instances
+        if asked.instances is None:  # live instances the caller sees, and every engine
+            alive = [v.instance_id for v in service.instances_view(who) if v.alive]
+            engines = sorted(service.kv_events.engines())
+            candidates = list(dict.fromkeys([*alive, *engines]))
+        else:
+            candidates = asked.instances
         _, records = service.instances.snapshot()
         peers = frozenset(r.instance_id for r in records)
         scores = score_routes(

@@ -9,6 +9,7 @@ answered in every state. Everything the service reports is an immutable view
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -87,7 +88,8 @@ class CoordinatorService:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.status = StatusSource(self)  # the status page, node reports, operator series
-        self.kv_events = KvEventsLinks.from_config(config, self.directory, self.ingest, self._stop)
+        engines = functools.partial(self.ingest, registered=False)  # they cannot register
+        self.kv_events = KvEventsLinks.from_config(config, self.directory, engines, self._stop)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -188,10 +190,11 @@ class CoordinatorService:
 
     # ------------------------------------------------------------------ ingestion
 
-    def ingest(self, batches: Sequence[EventBatch]) -> IngestCounts:
+    def ingest(self, batches: Sequence[EventBatch], *, registered: bool = True) -> IngestCounts:
         """Apply decoded batches through the gate (each atomically) and account for them;
-        every transport comes through here, so every one gets :meth:`admit_emitters`."""
-        self.admit_emitters(batches)
+        every transport comes through here, so every one gets :meth:`admit_emitters`
+        (``registered=False``: vLLM engines, from endpoints the operator named)."""
+        self.admit_emitters(batches, registered=registered)
         applied = duplicates = stale = 0
         now, tick = time.time(), self._clock()
         self.emitters.received(batches, tick)
@@ -210,14 +213,15 @@ class CoordinatorService:
                 stale += 1
         return IngestCounts(applied, duplicates, stale)
 
-    def admit_emitters(self, batches: Sequence[EventBatch]) -> None:
+    def admit_emitters(self, batches: Sequence[EventBatch], *, registered: bool = True) -> None:
         """Refuse the whole request before anything is applied when it would add an emitter
-        the directory cannot take (:func:`~kvatlas.coordinator.emitters.admit`)."""
+        the directory cannot take (:func:`~kvatlas.coordinator.emitters.admit`);
+        ``registered=False`` skips the registration check only."""
         directory = self.directory
         new = {b.instance_id for b in batches if directory.gap_state(b.instance_id) is None}
         if new:
-            registered = self.instances.known if self.auth is not None else None
-            admit(new, len(directory.emitters()), registered, self.config.max_instances)
+            known = self.instances.known if self.auth is not None and registered else None
+            admit(new, len(directory.emitters()), known, self.config.max_instances)
 
     # ------------------------------------------------------------------ lookups
 

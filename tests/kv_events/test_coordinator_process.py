@@ -66,6 +66,13 @@ def test_engine_in_and_node_placements_out(engine: FakeEngine) -> None:
         assert [(m["old_st"], m["cur_st"]) for m in blend["matches"]] == [(16, 3)]
         instances = {i["instance_id"]: i for i in httpx.get(f"{url}/instances").json()["instances"]}
         assert "pod-a" in instances
+        # an engine is a route candidate by default, like a live node
+        scores = httpx.post(
+            f"{url}/route/score", json={"token_ids": TOKENS, "model_name": "llama"}
+        ).json()
+        assert [(s["instance_id"], s["prefix_tokens"]) for s in scores["instances"]] == [
+            ("pod-a", 32)
+        ]
         engine.send(1, golden("current-cleared"))
         assert wait_for(lambda: engine_batches() == 2)
         found = httpx.post(

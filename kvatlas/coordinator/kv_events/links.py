@@ -81,6 +81,10 @@ class KvEventsLinks:
             threads.append(("kv-events-in", self.subscriber.run))
         return threads
 
+    def engines(self) -> frozenset[str]:
+        """The engine instances learned from KV events (none without a subscriber)."""
+        return frozenset() if self.subscriber is None else self.subscriber.engine_ids
+
     def stats(self) -> KvEventsStats | None:
         """The counters of each link that runs; ``None`` when neither does."""
         if self.subscriber is None and self.publisher is None:

@@ -92,6 +92,9 @@ class KvEventsSubscriber:
             _Link(e, r) for e, r in zip(settings.endpoints, settings.replay_endpoints, strict=True)
         ]
         self.counts: Counter[str] = zeroed(SubscriberStats)
+        self.engine_ids: frozenset[str] = frozenset()
+        """Every engine instance that had a batch applied (kept after ``AllBlocksCleared``: the
+        engine still serves); replaced, never mutated, so other threads may read it."""
         self._ctx: zmq.Context[Any] | None = None
         self._poller: zmq.Poller | None = None
         self._socks: dict[Any, _Link] = {}
@@ -242,6 +245,8 @@ class KvEventsSubscriber:
             self._ingest([self.rekeyer.marker(instance, 1)])  # a batch lost: a gap at the gate
             return
         self.counts["batches"] += 1
+        if instance not in self.engine_ids:
+            self.engine_ids = self.engine_ids | {instance}
         run: list[EventBatch] = []
         for op in ops:
             if isinstance(op, Cleared):
