@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import fcntl
 import gc
-import ipaddress
 import logging
 import socket
 import sys
@@ -24,6 +23,7 @@ from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.errors import KvatlasError
 from kvatlas.logs import configure_logging, uvicorn_log_options
+from kvatlas.web import is_loopback
 
 __all__ = [
     "BackgroundServer",
@@ -36,19 +36,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def announce_security(config: CoordinatorConfig) -> None:
     if config.auth_token_file is not None:
         log.info("auth enabled (tokens from %s)", config.auth_token_file)
-    elif _is_loopback(config.host):
+    elif is_loopback(config.host):
         log.info("auth disabled: bound to loopback %s only", config.host)
     else:
         log.warning(
