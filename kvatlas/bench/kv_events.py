@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     held = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     per_block = round(held / kept.total_blocks)
-    rows.append(BenchRow("re-key alone, block map kept", 0.0, extra={"bytes_per_block": per_block}))
+    rows.append(BenchRow("block map, bytes per tracked block", None, shown=f"{per_block} B/block"))
     rows += _observer_rows(rng, c, r)
     meta = {"requests": args.requests, "tokens": args.tokens, "block_size": b,
             "chunk_size": c, "repeats": r, "seed": args.seed}  # fmt: skip
