@@ -70,6 +70,7 @@ class Registrar:
         *,
         on_registered: Callable[[], object],
         on_fatal: Callable[[Conflict], object],
+        on_health: Callable[[dict[str, Any]], object] = lambda _health: None,
         initial: float = 0.1,
         retry_max: float = 30.0,
         jitter: Callable[[], float] = random.random,
@@ -80,6 +81,7 @@ class Registrar:
         self.instance_id = instance_id
         self._on_registered = on_registered
         self._on_fatal = on_fatal
+        self._on_health = on_health
         self.initial = initial
         self.retry_max = retry_max
         self._jitter = jitter
@@ -99,7 +101,9 @@ class Registrar:
     def attempt(self) -> None:
         """One try: raises :class:`CoordinatorError` (retry) or ``Conflict`` (a mismatch)."""
         self.attempts += 1
-        check_coordinator_compatible(self.config, self.client.health())
+        health = self.client.health()
+        check_coordinator_compatible(self.config, health)
+        self._on_health(health)
         register(self.client, self.config, self.instance_id)
 
     def _run(self) -> None:
@@ -109,6 +113,12 @@ class Registrar:
             try:
                 self.attempt()
             except CoordinatorError as exc:
+                status = exc.reply_status
+                if status is not None and 400 <= status < 500:  # it answered, and said no
+                    self.fatal = Conflict(f"the coordinator refused this node: {exc}")
+                    log.error("stopping: %s", self.fatal)
+                    self._on_fatal(self.fatal)
+                    return
                 self.counters["coordinator_contact_failures"] += 1
                 if step != logged_step:
                     log.warning(
@@ -137,6 +147,18 @@ class Registrar:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+
+
+def states_key_scheme(health: dict[str, Any]) -> bool:
+    """Whether a coordinator's ``/healthz`` states its key scheme (LMCache's does not)."""
+    return "key_scheme" in health
+
+
+def follow_coordinator_format(transport: HttpTransport, health: dict[str, Any]) -> None:
+    """Events as JSON to a coordinator that does not state its key scheme (LMCache's reads
+    JSON events only); msgpack, the default, to kvatlas's."""
+    if not states_key_scheme(health):
+        transport.fmt = "json"
 
 
 def register(client: CoordinatorClient, config: NodeConfig, instance_id: str | None) -> str:
@@ -239,7 +261,7 @@ class NodeProcess:
                     "registering in the background", config.coordinator_url, exc,
                 )  # fmt: skip
             else:
-                if "key_scheme" not in health:  # LMCache's coordinator: events as JSON only
+                if not states_key_scheme(health):  # LMCache's coordinator: JSON events only
                     event_format = "json"
                 try:
                     check_coordinator_compatible(config, health)
@@ -248,8 +270,8 @@ class NodeProcess:
                     self.coordinator.close()
                     raise
         config.warn_if_half_configured()
+        transport: Transport | None = None
         if config.fleet_enabled and self.coordinator is not None:
-            transport: Transport
             if config.event_transport == "redis":
                 transport = RedisStreamTransport(
                     config.redis_url, config.event_stream, maxlen=config.stream_max_len
@@ -291,17 +313,24 @@ class NodeProcess:
                 start_heartbeat()
                 node.report_inventory()
 
+            events = transport
+
+            def reached(health: dict[str, Any]) -> None:
+                if isinstance(events, HttpTransport):
+                    follow_coordinator_format(events, health)
+
             self.registrar = Registrar(
                 self.coordinator, config, instance_id,
                 on_registered=registered,
                 on_fatal=on_fatal or (lambda exc: None),
+                on_health=reached,
                 retry_max=config.coordinator_retry_max,
                 counters=self.node.counters,
             )  # fmt: skip
             if start:
                 self.start()
 
-        self.resync = self._start_resync()
+        self.resync = self._start_resync(now=not deferred)
 
     def start(self) -> None:
         """Start reaching the coordinator in the background, if it was not up at start-up."""
@@ -322,9 +351,10 @@ class NodeProcess:
             report=lambda: value_report(boot, node.counters, node.tier_gauges())
         )
 
-    def _start_resync(self) -> ResyncDriver | None:
-        """Digest exchanges: now (the node just registered), every ``--digest-interval``, after
-        every re-registration, on the coordinator's hint and after the sink lost batches."""
+    def _start_resync(self, *, now: bool) -> ResyncDriver | None:
+        """Digest exchanges: ``now`` (the node just registered; a deferred registration asks
+        for one itself), every ``--digest-interval``, after every re-registration, on the
+        coordinator's hint and after the sink lost batches."""
         coordinator, sink = self.coordinator, self.sink
         if coordinator is None or sink is None:
             return None
@@ -341,7 +371,8 @@ class NodeProcess:
         )
         if driver is not None:
             coordinator.on_resync = driver.wanted.set
-            driver.wanted.set()
+            if now:
+                driver.wanted.set()
             driver.start()
         return driver
 

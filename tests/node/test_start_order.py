@@ -14,13 +14,14 @@ import httpx
 import numpy as np
 import pytest
 
-from kvatlas.client import CoordinatorClient
+from kvatlas.client import CoordinatorClient, CoordinatorError, HttpTransport
 from kvatlas.coordinator.server import free_port
 from kvatlas.coordinator.wire import lookup_placements_from_wire
+from kvatlas.errors import Conflict
 from kvatlas.keys import KeyScheme, ObjectKey, RequestTracker
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.engine_client import NodeEngineClient
-from kvatlas.node.server import Registrar
+from kvatlas.node.server import Registrar, follow_coordinator_format
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import is_healthy, spawn_service, stop
 from tests.conftest import wait_for
@@ -152,3 +153,59 @@ def test_registrar_backs_off_capped_and_logs_once_per_step(
     assert ["0.01 s" in warnings[0], "0.02 s" in warnings[1], "0.04 s" in warnings[2]] == [True] * 3
     assert registrar.counters["coordinator_contact_failures"] == registrar.attempts
     assert not registered and not registrar.registered.is_set()
+
+
+class _Refusing:
+    """A coordinator that answers, and says no (401: a bad token)."""
+
+    def health(self) -> dict[str, object]:
+        raise CoordinatorError("GET /healthz: 401 unknown bearer token", 401)
+
+
+class _LMCacheLike:
+    """A coordinator that answers like LMCache's: no key scheme in /healthz."""
+
+    def __init__(self) -> None:
+        self.registered = False
+
+    def health(self) -> dict[str, object]:
+        return {"status": "healthy"}
+
+    def register(self, instance_id: str | None, **_fields: object) -> str:
+        self.registered = True
+        return instance_id or "n1"
+
+
+def test_a_refusal_reached_late_stops_the_node_like_one_at_start() -> None:
+    """A coordinator reached only after start-up that answers 4xx (bad token, refused id or
+    chunk size) is a mismatch, as at start (exit 2), not "not up yet" retried for ever."""
+    fatal: list[Conflict] = []
+    registrar = Registrar(
+        _Refusing(), CONFIG, "n1", on_registered=lambda: None,  # type: ignore[arg-type]
+        on_fatal=fatal.append, initial=0.01, retry_max=0.02, jitter=lambda: 0.0,
+    )  # fmt: skip
+    registrar.start()
+    try:
+        assert wait_for(lambda: bool(fatal), timeout=30), "a 401 was retried, never refused"
+    finally:
+        registrar.stop()
+    assert "401" in str(fatal[0]) and registrar.fatal is fatal[0]
+    assert registrar.attempts == 1
+
+
+def test_a_late_lmcache_coordinator_gets_json_events() -> None:
+    """The event format follows the coordinator's /healthz when it is first reached late too:
+    LMCache's coordinator reads JSON events only."""
+    seen: list[dict[str, object]] = []
+    client = _LMCacheLike()
+    registrar = Registrar(
+        client, CONFIG, "n1", on_registered=lambda: None,  # type: ignore[arg-type]
+        on_fatal=lambda exc: None, on_health=seen.append,
+    )  # fmt: skip
+    registrar.attempt()
+    assert client.registered and seen == [{"status": "healthy"}]
+    transport = HttpTransport("http://127.0.0.1:1")
+    follow_coordinator_format(transport, {"status": "healthy"})
+    assert transport.fmt == "json"
+    follow_coordinator_format(transport, {"key_scheme": "blake3", "chunk_size": 16})
+    assert transport.fmt == "json"  # never back: one coordinator per node
