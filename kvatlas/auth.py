@@ -49,7 +49,6 @@ from kvatlas.errors import Forbidden, Unauthorized
 log = logging.getLogger(__name__)
 
 ROLES = ("emit", "lookup", "engine", "peer", "admin")
-SALT_BOUND_ROLES = ("emit", "lookup", "engine")
 _SALT_VERBS = {"lookup": "query", "emit": "store for"}
 MIN_TOKEN_CHARS = 8  # refused below this
 RECOMMENDED_TOKEN_CHARS = 32  # warned below this

@@ -20,18 +20,28 @@ from kvatlas.keys import KeyScheme, ObjectKey, chunk_hashes, pack_kv_rank
 
 
 def naive_rekey(payloads: list[bytes], chunk_size: int) -> int:
-    """The first code one would write: every block remembers its whole token prefix; a stored
-    event hashes its parent's prefix plus its tokens from the start."""
-    prefixes: dict[bytes | int, list[int]] = {}
+    """The first code one would write: every block remembers its parent and its own tokens; a
+    stored event rebuilds its parent's prefix and hashes it, plus its tokens, from the start."""
+    blocks: dict[bytes | int, tuple[bytes | int | None, list[int]]] = {}
+
+    def prefix(h: bytes | int | None) -> list[int]:
+        pieces = []
+        while h is not None:
+            h, own = blocks[h]
+            pieces.append(own)
+        return [t for own in reversed(pieces) for t in own]
+
     chunks = 0
     for payload in payloads:
         for event in decode_batch(payload).events:
             assert isinstance(event, BlockStored)
-            parent = event.parent_block_hash
-            tokens = [] if parent is None else list(prefixes[parent])
+            tokens = prefix(event.parent_block_hash)
+            previous, size = event.parent_block_hash, event.block_size
             for i, h in enumerate(event.block_hashes):
-                tokens += event.token_ids[i * event.block_size : (i + 1) * event.block_size]
-                prefixes[h] = list(tokens)
+                own = event.token_ids[i * size : (i + 1) * size]
+                blocks[h] = (previous, own)
+                tokens += own
+                previous = h
             chunks += len(chunk_hashes(np.asarray(tokens, np.uint32), chunk_size))
     return chunks
 

@@ -17,6 +17,7 @@ import httpx
 import msgspec
 import numpy as np
 
+from kvatlas.client.coordinator_client import auth_headers
 from kvatlas.errors import Unavailable
 from kvatlas.keys import MMItem
 
@@ -126,9 +127,7 @@ class EngineClient:
         token: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
-        headers = {"Accept": MSGPACK}
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
+        headers = {"Accept": MSGPACK, **auth_headers(token)}
         self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
         self.layout: ChunkLayout = self.node_layout() if layout is None else layout
 

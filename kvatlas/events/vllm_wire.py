@@ -144,22 +144,22 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     return KVEventBatch(legacy.ts, list(legacy.events), legacy.data_parallel_rank)
 
 
-def _unknown_tag_or(payload: bytes, array: bool, kind: str = "invalid") -> str:
-    """``unknown_event`` when some event's tag is not one of :data:`EVENT_TAGS`, else ``kind``
+def _unknown_tag_or(payload: bytes, array: bool) -> str:
+    """``unknown_event`` when some event's tag is not one of :data:`EVENT_TAGS`, else ``invalid``
     (only on the error path: a second, untyped decode of a payload that is valid msgpack)."""
     raw = _RAW_DECODER.decode(payload)
     events = raw[1] if array and isinstance(raw, list) and len(raw) > 1 else None
     if not array and isinstance(raw, dict):
         events = raw.get("events")
     if not isinstance(events, list):
-        return kind
+        return "invalid"
     for event in events:
         tag = event.get("type") if isinstance(event, dict) else None
         if isinstance(event, list) and event:
             tag = event[0]
         if isinstance(tag, str) and tag not in EVENT_TAGS:
             return "unknown_event"
-    return kind
+    return "invalid"
 
 
 def _as_layout(event: KVEvent, array: bool) -> KVEvent:

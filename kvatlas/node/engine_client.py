@@ -11,7 +11,7 @@ import msgspec
 
 from kvatlas.client.engine_client import EngineCallError, EngineClient, WireSegment
 from kvatlas.keys import MMItem
-from kvatlas.node.http_api import segment_from_wire, segment_to_wire
+from kvatlas.node.http_api import segment_of, segment_to_wire
 from kvatlas.node.kv_dtype import to_numpy
 from kvatlas.node.kv_layout import KVLayout
 from kvatlas.node.segments import Segment
@@ -36,7 +36,7 @@ class NodeEngineClient(EngineClient):
         self, tokens: Any, request_id: str, *, prefix_len: int = 0, cache_salt: str = ""
     ) -> list[Segment] | None:
         wire = self.blend_segments(tokens, request_id, prefix_len=prefix_len, cache_salt=cache_salt)
-        return None if wire is None else [segment_from_wire(msgspec.to_builtins(s)) for s in wire]
+        return None if wire is None else [segment_of(s) for s in wire]
 
     def blend_retrieve(
         self, tokens: Any, request_id: str, segments: Sequence[Segment], *, cache_salt: str = ""
@@ -44,7 +44,7 @@ class NodeEngineClient(EngineClient):
         wire = [msgspec.convert(segment_to_wire(s), WireSegment) for s in segments]
         got = self.blend_parts(tokens, request_id, wire, cache_salt=cache_salt)
         return {
-            "parts": [(segment_from_wire(msgspec.to_builtins(s)), kv) for s, kv in got["parts"]],
-            "misses": [segment_from_wire(msgspec.to_builtins(s)) for s in got["misses"]],
+            "parts": [(segment_of(s), kv) for s, kv in got["parts"]],
+            "misses": [segment_of(s) for s in got["misses"]],
             "sources": got["sources"],
         }

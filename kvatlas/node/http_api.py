@@ -82,12 +82,8 @@ def segment_to_wire(seg: Segment) -> dict[str, Any]:
     }
 
 
-def segment_from_wire(obj: dict[str, Any]) -> Segment:
-    """A segment of a reply (the engine client's side; the node parses :class:`WireSegment`)."""
-    return _segment(msgspec.convert(obj, WireSegment))
-
-
-def _segment(wire: WireSegment) -> Segment:
+def segment_of(wire: WireSegment) -> Segment:
+    """A decoded wire segment as the node's :class:`Segment`."""
     return Segment(
         bytes.fromhex(wire.chunk_hash), wire.old_st, wire.cur_st, wire.length,
         wire.source, wire.cost, wire.trim,  # type: ignore[arg-type]  # checked by Segment
@@ -332,7 +328,7 @@ def create_node_app(node: CacheNode, *, auth: TokenAuth | None = None) -> FastAP
         segments = []
         for i, wire in enumerate(call.segments):
             try:
-                segments.append(_segment(wire))
+                segments.append(segment_of(wire))
             except ValueError as exc:
                 raise Unprocessable(f"segments[{i}]: {exc}") from None
         tracker, blend_id = tracker_for(call, who)

@@ -109,9 +109,7 @@ def test_lookups_during_ingestion() -> None:
             ]
         )
         assert errors == []
-        batches = -(-len(contents) // BATCH)
         assert server.service.directory.stats().keys == posted[0] == len(contents)
-        assert len(latencies) >= batches  # by construction: not a throughput figure
         latencies.sort()
         p99 = latencies[int(len(latencies) * 0.99) - 1]
         print(
