@@ -95,6 +95,28 @@ async def _collect(parts: AsyncIterator[bytes], max_bytes: int) -> bytes:
     return b"".join(out)
 
 
+async def receive_body(receive: Receive, max_bytes: int) -> bytes | None:
+    """The whole body from an ASGI ``receive`` (``None`` if the client disconnected), refused
+    with ``PayloadTooLarge`` past ``max_bytes`` (as :class:`BodyLimit` does). A body that came
+    in one message is returned as is; pieces are joined once."""
+    pieces: list[bytes] = []
+    seen = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        piece: bytes = message.get("body", b"")
+        seen += len(piece)
+        if seen > max_bytes:
+            raise PayloadTooLarge(f"body exceeds {max_bytes} bytes")
+        if not message.get("more_body", False):
+            if not pieces:
+                return piece
+            pieces.append(piece)
+            return b"".join(pieces)
+        pieces.append(piece)
+
+
 class BodyLimit:
     """ASGI middleware: refuse bodies over ``max_bytes`` with 413, by Content-Length or while
     streaming (the app sees a disconnect, its reply is replaced by the 413)."""

@@ -3,20 +3,30 @@ validation in ``query.py``, replies in ``wire.py``). See docs/coordinator.md ("A
 
 Every error is a 4xx with a JSON ``detail`` that says what was wrong (rendered by
 :mod:`kvatlas.web` from :mod:`kvatlas.errors`); a 5xx is a bug. Work that scales with the
-request (decoding, applying, hashing, matching) runs in worker threads, never on the event
-loop, so one large request cannot stall the others; with auth on, no body is read before
-the caller's token and roles were checked (``asgi.Authenticate``, docs/security.md).
+request (decoding, applying, hashing, matching) runs in worker threads, not on the event loop,
+so one large request cannot stall the others (a blend lookup of bounded size excepted:
+``blend_lookup.INLINE_BODY_BYTES``); with auth on, no body is read before the caller's token
+and roles were checked (``asgi.Gate``, docs/security.md).
 """
 
 from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
 
 from kvatlas import __version__
-from kvatlas.coordinator.asgi import Authenticate, BlendFastPath, install_validation_handler
+from kvatlas.coordinator import blend_lookup
+from kvatlas.coordinator.asgi import (
+    Authenticate,
+    FastPaths,
+    FastRoute,
+    Gate,
+    install_validation_handler,
+)
 from kvatlas.coordinator.blend_lookup import BlendLookup
 from kvatlas.coordinator.route_score import RouteScoring
 from kvatlas.coordinator.routes import ROUTERS
@@ -24,14 +34,36 @@ from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.web import BodyLimit, install_error_handler
 
 
-def create_app(service: CoordinatorService) -> FastAPI:
-    app = FastAPI(
+class CoordinatorApp(FastAPI):
+    """The coordinator's FastAPI app behind :class:`~kvatlas.coordinator.asgi.FastPaths`:
+    requests to :attr:`fast_routes` are answered before FastAPI sees them (its telemetry
+    check, its middleware stack, routing); a second fast route is one more entry."""
+
+    def __init__(self, gate: Gate, body_limit: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fast_routes: dict[tuple[str, str], FastRoute] = {}
+        self.front = FastPaths(self.framework, self.fast_routes, gate, body_limit)
+
+    async def framework(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """FastAPI itself: everything the fast paths do not answer."""
+        await super().__call__(scope, receive, send)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.front(scope, receive, send)
+
+
+def create_app(service: CoordinatorService) -> CoordinatorApp:
+    config = service.config
+    gate = Gate(service.auth, config.metrics_public, config.docs_public)
+    app = CoordinatorApp(
+        gate,
+        config.body_limit,
         title="kvatlas coordinator",
         version=__version__,
         description="Where every cached KV chunk of the fleet lives: prefix and blend lookup.",
     )
-    # Matching runs off the event loop on as many threads as there are cores: more threads
-    # would only contend for the GIL between the compiled (nogil) scans and add latency.
+    # Long queries are matched off the event loop on as many threads as there are cores: more
+    # threads would only contend for the GIL between the compiled (nogil) scans.
     match_pool = ThreadPoolExecutor(
         max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="kvatlas-match"
     )
@@ -43,13 +75,8 @@ def create_app(service: CoordinatorService) -> FastAPI:
     install_validation_handler(app)
     for router in ROUTERS:
         app.include_router(router)
-    config = service.config
-    app.add_middleware(BlendFastPath, lookup=blend, auth=service.auth)
+    app.fast_routes[("POST", blend_lookup.PATH)] = blend.fast_route
     app.add_middleware(BodyLimit, max_bytes=config.body_limit)
-    app.add_middleware(  # outermost: no body byte is read before the token was checked
-        Authenticate,
-        auth=service.auth,
-        public_metrics=config.metrics_public,
-        public_docs=config.docs_public,
-    )
+    # outermost in the framework: no body byte is read before the token was checked
+    app.add_middleware(Authenticate, gate=gate)
     return app

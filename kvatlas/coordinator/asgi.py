@@ -1,6 +1,7 @@
-"""ASGI plumbing of the coordinator: authentication before anything else (:class:`Authenticate`),
-the blend-lookup fast path (the service's hottest request, answered below the framework) and
-the one place request-validation errors are formatted.
+"""ASGI plumbing of the coordinator: authentication before anything else (:class:`Gate`, applied
+by :class:`Authenticate` in the framework and by :class:`FastPaths` in front of it), the fast
+paths (the service's hottest requests, answered in front of the framework's whole middleware
+stack) and the one place request-validation errors are formatted.
 
 Invariant: with auth on, no byte of a request body is read before the bearer token in its
 headers was checked against the route's roles (:data:`ROUTE_ROLES`): an unauthenticated
@@ -13,6 +14,7 @@ path answered. See docs/coordinator.md ("API").
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -21,10 +23,17 @@ from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
-from kvatlas.coordinator.blend_lookup import BLEND_HEADERS, BlendLookup, wants_placements
 from kvatlas.coordinator.query import field_errors
 from kvatlas.errors import Forbidden, KvatlasError, Unprocessable
-from kvatlas.web import BodyLimit, error_headers, error_payload, error_response, json_encoder
+from kvatlas.web import (
+    BodyLimit,
+    check_declared_length,
+    error_headers,
+    error_payload,
+    error_response,
+    json_encoder,
+    receive_body,
+)
 
 PRINCIPAL = "kvatlas.principal"
 """The scope key under which :class:`Authenticate` leaves the caller for the routes."""
@@ -119,15 +128,11 @@ async def refuse(exc: KvatlasError, scope: Scope, receive: Receive, send: Send) 
     await response(scope, receive, send)
 
 
-class Authenticate:
-    """ASGI middleware, outermost: the token and the route's roles are checked from the
-    headers; a refusal (401/403) is sent without reading the body. The caller is left in the
-    scope (:data:`PRINCIPAL`) for the routes and the fast path."""
+class Gate:
+    """Who may make a request, from its headers alone: the route's :class:`Access` and the
+    bearer token (checked against the route's roles) when auth is on."""
 
-    def __init__(
-        self, app: ASGIApp, auth: TokenAuth | None, public_metrics: bool, public_docs: bool
-    ) -> None:
-        self.app = app
+    def __init__(self, auth: TokenAuth | None, public_metrics: bool, public_docs: bool) -> None:
         self.auth = auth
         self.public_metrics = public_metrics
         self.public_docs = public_docs
@@ -141,59 +146,108 @@ class Authenticate:
         exact = ROUTE_ROLES.get((method, path))
         return exact or ROUTE_ROLES.get(route_template(method, path), ANY_TOKEN)
 
+    def admit(self, scope: Scope) -> tuple[Access, Principal | None]:
+        """The route's access and the caller (``None``: an open route with auth on), or the
+        refusal (401/403) as a :class:`~kvatlas.errors.KvatlasError`."""
+        access = self.access(scope["method"], scope["path"])
+        if self.auth is None:
+            return access, ANONYMOUS_ADMIN
+        if access.open:
+            return access, None
+        who = self.auth.authenticate(bearer_header(scope))
+        access.check(who)
+        return access, who
+
+
+class Authenticate:
+    """ASGI middleware, outermost in the framework: the :class:`Gate` is applied from the
+    headers; a refusal (401/403) is sent without reading the body. The caller is left in the
+    scope (:data:`PRINCIPAL`) for the routes."""
+
+    def __init__(self, app: ASGIApp, gate: Gate) -> None:
+        self.app = app
+        self.gate = gate
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        access = self.access(scope["method"], scope["path"])
-        if self.auth is None:
-            scope[PRINCIPAL] = ANONYMOUS_ADMIN
-        elif not access.open:
-            try:
-                who = self.auth.authenticate(bearer_header(scope))
-                access.check(who)
-            except KvatlasError as exc:
-                await refuse(exc, scope, receive, send)
-                return
+        try:
+            access, who = self.gate.admit(scope)
+        except KvatlasError as exc:
+            await refuse(exc, scope, receive, send)
+            return
+        if who is not None:
             scope[PRINCIPAL] = who
         app = self.app if access.max_body is None else BodyLimit(self.app, access.max_body)
         await app(scope, receive, send)
 
 
-class BlendFastPath:
-    """``POST /directory/blend-lookup`` answered at the ASGI layer, skipping routing and
-    dependency injection (framework overhead on a GIL shared with matching). Same handler,
-    same errors, same reply as the FastAPI route (which stays for the OpenAPI schema)."""
+@dataclass(frozen=True, slots=True)
+class FastReply:
+    """What a fast route answers: a JSON body and its extra headers."""
 
-    PATH = "/directory/blend-lookup"
+    payload: bytes
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    status: int = 200
 
-    def __init__(self, app: ASGIApp, lookup: BlendLookup, auth: TokenAuth | None) -> None:
+
+FastRoute = Callable[[bytes, Principal, Scope], Awaitable[FastReply]]
+"""A request answered by :class:`FastPaths`: the whole body (read under its limits, after the
+caller was admitted), the caller and the ASGI scope to the reply; a
+:class:`~kvatlas.errors.KvatlasError` becomes the error reply."""
+
+_JSON = (b"content-type", b"application/json")
+
+
+class FastPaths:
+    """The outermost ASGI layer: requests to ``routes`` (``(method, path)``) are answered here,
+    in front of the framework's whole middleware stack (its error, telemetry and body-limit
+    middlewares, :class:`Authenticate`, :class:`~kvatlas.web.BodyLimit`, routing, dependency
+    injection: ≈30 µs of Python per request, docs/performance.md). Everything else goes to
+    ``app``. The same :class:`Gate` runs first, the same body limits (the route's
+    :class:`Access` ``max_body``, then ``max_body``) and the same error replies
+    (:mod:`kvatlas.web`): which layer answered is invisible on the wire."""
+
+    def __init__(
+        self, app: ASGIApp, routes: Mapping[tuple[str, str], FastRoute], gate: Gate, max_body: int
+    ) -> None:
         self.app = app
-        self.lookup = lookup
-        self.auth = auth
+        self.routes = routes
+        self.gate = gate
+        self.max_body = max_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != self.PATH or scope["method"] != "POST":
+        route = (
+            self.routes.get((scope["method"], scope["path"])) if scope["type"] == "http" else None
+        )
+        if route is None:
             await self.app(scope, receive, send)
             return
         try:
-            who = principal_of(scope, self.auth)  # before reading the body
+            access, who = self.gate.admit(scope)  # before reading the body
         except KvatlasError as exc:
             await refuse(exc, scope, receive, send)
             return
-        chunks = []
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        status, headers = 200, [(b"content-type", b"application/json")]
+        if who is None:  # an open route is the framework's business
+            await self.app(scope, receive, send)
+            return
+        limits = [n for n in (access.max_body, self.max_body) if n is not None]
         try:
-            placements = wants_placements(scope.get("query_string", b""))
-            payload, enabled = await self.lookup(b"".join(chunks), who, placements)
-            headers.append(BLEND_HEADERS[enabled])
+            declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+            for limit in limits:
+                check_declared_length(declared, limit)
+        except KvatlasError as exc:
+            await error_response(exc)(scope, receive, send)
+            return
+        headers = [_JSON]
+        try:
+            body = await receive_body(receive, min(limits))
+            if body is None:  # the client is gone
+                return
+            reply = await route(body, who, scope)
+            status, payload = reply.status, reply.payload
+            headers.extend(reply.headers)
         except KvatlasError as exc:
             status, payload = exc.status, json_encoder.encode(error_payload(exc))
             headers.extend(error_headers(exc))

@@ -1,5 +1,6 @@
-"""The documented ``POST /directory/blend-lookup`` route (normally pre-empted by the ASGI fast
-path) answers exactly like the fast path: same handler, same bytes, same errors."""
+"""The documented ``POST /directory/blend-lookup`` route (normally pre-empted by the fast path
+in front of the framework) answers exactly like the fast path: same handler, same bytes, same
+errors."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from fastapi import FastAPI
 
 from kvatlas.asgi_thread import ThreadedServer, free_port
 from kvatlas.coordinator.app import create_app
-from kvatlas.coordinator.asgi import BlendFastPath
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.events import CacheEntry, EventBatch
@@ -27,7 +27,7 @@ def _app(fast_path: bool) -> FastAPI:
     service.ingest([EventBatch("a", 1, 1, "store", "l1", "dram", entries=(entry,))])
     app = create_app(service)
     if not fast_path:
-        app.user_middleware = [m for m in app.user_middleware if m.cls is not BlendFastPath]
+        app.fast_routes.clear()
     return app
 
 

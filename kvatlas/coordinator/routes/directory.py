@@ -55,7 +55,7 @@ async def lookup(request: Request, service: Service, who: Caller) -> Response:
     openapi_extra=BLEND_LOOKUP_BODY_SCHEMA,
 )
 async def blend_lookup(request: Request, blend: Blend, who: Caller) -> Response:
-    # Normally answered before routing by BlendFastPath (asgi.py) with the same handler;
+    # Normally answered in front of the framework by asgi.FastPaths with the same handler;
     # this route documents the body in /openapi.json.
     placements = wants_placements(request.scope.get("query_string", b""))
     payload, enabled = await blend(await request.body(), who, placements)
