@@ -19,7 +19,6 @@ from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
 from kvatlas import __version__
-from kvatlas.coordinator import blend_lookup
 from kvatlas.coordinator.asgi import (
     Authenticate,
     FastPaths,
@@ -27,7 +26,7 @@ from kvatlas.coordinator.asgi import (
     Gate,
     install_validation_handler,
 )
-from kvatlas.coordinator.blend_lookup import BlendLookup
+from kvatlas.coordinator.blend_lookup import BLEND_LOOKUP_PATH, BlendLookup
 from kvatlas.coordinator.route_score import RouteScoring
 from kvatlas.coordinator.routes import ROUTERS
 from kvatlas.coordinator.service import CoordinatorService
@@ -75,7 +74,7 @@ def create_app(service: CoordinatorService) -> CoordinatorApp:
     install_validation_handler(app)
     for router in ROUTERS:
         app.include_router(router)
-    app.fast_routes[("POST", blend_lookup.PATH)] = blend.fast_route
+    app.fast_routes[("POST", BLEND_LOOKUP_PATH)] = blend.fast_route
     app.add_middleware(BodyLimit, max_bytes=config.body_limit)
     # outermost in the framework: no body byte is read before the token was checked
     app.add_middleware(Authenticate, gate=gate)

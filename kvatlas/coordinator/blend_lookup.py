@@ -25,7 +25,7 @@ from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.coordinator.wire import blend_to_wire
 from kvatlas.web import json_encoder
 
-PATH = "/directory/blend-lookup"
+BLEND_LOOKUP_PATH = "/directory/blend-lookup"
 WITH_PLACEMENTS = "with_placements"
 """Query parameter: ``true`` (or ``1``) adds the holders of each match to the reply."""
 INLINE_BODY_BYTES = 256 * 1024

@@ -280,21 +280,21 @@ def _decode_wire(raw: bytes) -> Any:
 def _split_tokens_b64(raw: bytes, max_tokens: int) -> tuple[bytes, npt.NDArray[np.uint8]] | None:
     """The body without the member at the first ``"tokens_b64"`` of ``raw``, and that member's
     string decoded; ``None`` unless the key is a member of the top-level object (the members
-    before it are an object of their own, without ``tokens_b64``), its value a string of valid
-    base64 (so no escapes) and what follows it completes the object."""
+    before it are an object of their own), its value a string of valid base64 (so without
+    escapes) and what follows it completes the object. The caller checks that the rest holds
+    no other ``tokens_b64``."""
     key = raw.find(_TOKENS_B64_KEY)
     if key < 0:
         return None
     head = raw[:key].strip(_JSON_SPACE)  # "{" or "{<members>,"
-    members = head[1:-1]
     if head == b"{":
         members = b""
-    elif not (head[:1] == b"{" and head[-1:] == b"," and members.strip(_JSON_SPACE)):
-        return None
-    else:
-        before = _decode_wire(b"{" + members + b"}")
-        if before is None or len(before.tokens_b64):
+    elif head[:1] == b"{" and head[-1:] == b"," and head[1:-1].strip(_JSON_SPACE):
+        members = head[1:-1]  # must be an object's members of their own: the key is then at
+        if _decode_wire(b"{" + members + b"}") is None:  # the top level, not inside a string
             return None
+    else:
+        return None
     colon = _skip_space(raw, key + len(_TOKENS_B64_KEY))
     start = _skip_space(raw, colon + 1) + 1
     if raw[colon : colon + 1] != b":" or raw[start - 1 : start] != b'"':

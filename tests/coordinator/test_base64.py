@@ -5,10 +5,11 @@ from __future__ import annotations
 import base64
 import binascii
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvatlas.coordinator._base64 import b64decode_strict
+from kvatlas.coordinator._base64 import b64decode_strict, decode_base64
 
 
 @settings(max_examples=300, deadline=None)
@@ -48,3 +49,53 @@ def test_liberal_forms() -> None:
 def test_rejects() -> None:
     for bad in ["!!!!", "AAA", "AA=A", "A===", "AB==AAAA", "Zg=", "AB=C", "é"]:
         assert b64decode_strict(bad) is None
+
+
+def _reference(text: bytes) -> bytes | None:
+    """The accepted language spelled out: whitespace ignored, both alphabets, length a multiple
+    of 4, ``=`` only as the last one or two characters (``xx==``, ``xxx=``)."""
+    text = bytes(c for c in text if c not in b" \t\r\n")
+    body = text.rstrip(b"=")
+    if len(text) % 4 or len(text) - len(body) > 2 or b"=" in body:
+        return None
+    if len(text) - len(body) == 2 and len(body) % 4 != 2:
+        return None
+    std = body.replace(b"-", b"+").replace(b"_", b"/")
+    if any(
+        c not in b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/" for c in std
+    ):
+        return None
+    return base64.b64decode(std + b"=" * (-len(std) % 4))
+
+
+_SPECIAL = '=-_ \n!é"\\A/+'
+
+
+@settings(max_examples=1000, deadline=None)
+@given(
+    st.binary(max_size=120),
+    st.lists(st.tuples(st.integers(0, 200), st.sampled_from(_SPECIAL)), max_size=3),
+    st.booleans(),
+)
+def test_accepts_exactly_the_documented_language(
+    data: bytes, edits: list[tuple[int, str]], urlsafe: bool
+) -> None:
+    """Long texts (the main loop and the last quartet) with a few characters changed."""
+    text = (base64.urlsafe_b64encode if urlsafe else base64.b64encode)(data).decode()
+    for position, char in edits:
+        k = position % (len(text) + 1)
+        text = text[:k] + char + text[k + 1 :]
+    raw = text.encode("ascii", "replace")
+    expected = _reference(raw)
+    ours = b64decode_strict(text)
+    assert (None if ours is None else ours.tobytes()) == expected, text
+
+
+def test_the_kernel_alone_takes_no_whitespace() -> None:
+    """``decode_base64`` is the strict core the blend lookup's hot path reads the body with:
+    whitespace is for :func:`b64decode_strict` to strip."""
+    encoded = base64.b64encode(bytes(range(30)))
+    decoded = decode_base64(np.frombuffer(encoded, dtype=np.uint8))
+    assert decoded is not None and decoded.tobytes() == bytes(range(30))
+    assert decode_base64(np.frombuffer(encoded[:8] + b" " + encoded[9:], dtype=np.uint8)) is None
+    assert decode_base64(np.frombuffer(b"", dtype=np.uint8)) is not None

@@ -1,0 +1,126 @@
+"""The fast paths in front of the framework (``asgi.FastPaths``): a fast route is one entry in
+``CoordinatorApp.fast_routes`` and gets, without writing any of it, what every route gets —
+the token checked from the headers before a byte of the body is read, the body limits, errors
+rendered by ``kvatlas.web``. And a blend lookup too long to be answered on the event loop is
+matched on the pool while the loop goes on. Real HTTP on loopback."""
+
+from __future__ import annotations
+
+import base64
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from starlette.types import Scope
+
+from kvatlas.asgi_thread import ThreadedServer, free_port
+from kvatlas.auth import Principal
+from kvatlas.coordinator import blend_lookup
+from kvatlas.coordinator.app import create_app
+from kvatlas.coordinator.asgi import FastReply
+from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.errors import Unprocessable
+from tests.coordinator.helpers import assert_error, running
+from tests.coordinator.security_support import bearer, raw_request, status_of, write_tokens
+
+TOKEN = "fast-path-test-token-" + "t" * 24
+LIMIT = 4096
+
+
+@pytest.fixture(scope="module")
+def echo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, list[Any]]]:
+    """A coordinator with one more fast route, ``POST /test/echo``, registered by one line."""
+    tokens = write_tokens(
+        tmp_path_factory.mktemp("fast") / "tokens.json", {"token": TOKEN, "role": "lookup"}
+    )
+    config = CoordinatorConfig(auth_token_file=tokens, max_body_bytes=LIMIT)
+    app = create_app(CoordinatorService(config))
+    calls: list[Any] = []
+
+    async def route(body: bytes, who: Principal, scope: Scope) -> FastReply:
+        calls.append((body, who.name))
+        if body == b"bad":
+            raise Unprocessable("bad body")
+        return FastReply(b'{"length":%d}' % len(body), ((b"x-test", b"yes"),), status=201)
+
+    app.fast_routes[("POST", "/test/echo")] = route
+    server = ThreadedServer(app, port=free_port())
+    server.start()
+    yield server.port, calls
+    server.stop()
+
+
+def test_a_fast_route_answers_with_its_reply(echo: tuple[int, list[Any]]) -> None:
+    port, calls = echo
+    r = httpx.post(f"http://127.0.0.1:{port}/test/echo", content=b"abc", headers=bearer(TOKEN))
+    assert (r.status_code, r.content, r.headers["x-test"]) == (201, b'{"length":3}', "yes")
+    assert r.headers["content-type"] == "application/json"
+    assert calls[-1][0] == b"abc"
+
+
+def test_a_fast_route_error_is_rendered_like_any_other(echo: tuple[int, list[Any]]) -> None:
+    port, _ = echo
+    r = httpx.post(f"http://127.0.0.1:{port}/test/echo", content=b"bad", headers=bearer(TOKEN))
+    assert assert_error(r, 422) == {"detail": "bad body"}
+
+
+def test_a_fast_route_refuses_before_reading_the_body(echo: tuple[int, list[Any]]) -> None:
+    """20 MB announced, 2 bytes sent: the 401 comes at once and the route is never called."""
+    port, calls = echo
+    before = len(calls)
+    reply = raw_request(port, "POST", "/test/echo", declared=20_000_000, body=b"{}")
+    assert status_of(reply) == 401, reply[:300]
+    assert b"www-authenticate: bearer" in reply.lower()
+    assert len(calls) == before
+
+
+def test_a_fast_route_has_the_body_limit(echo: tuple[int, list[Any]]) -> None:
+    port, calls = echo
+    before = len(calls)
+    url = f"http://127.0.0.1:{port}/test/echo"
+    r = httpx.post(url, content=b"x" * (LIMIT + 1), headers=bearer(TOKEN))
+    assert assert_error(r, 413)["detail"] == f"body of {LIMIT + 1} bytes exceeds {LIMIT}"
+    pieces = iter([b"x" * 1000] * 5)  # no Content-Length: counted while streaming
+    r = httpx.post(url, content=pieces, headers=bearer(TOKEN))
+    assert assert_error(r, 413)["detail"] == f"body exceeds {LIMIT} bytes"
+    assert len(calls) == before
+    r = httpx.post(url, content=iter([b"x" * 1000] * 4), headers=bearer(TOKEN))
+    assert r.status_code == 201 and r.json() == {"length": 4000}
+
+
+def test_a_long_blend_query_is_matched_off_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A body over ``INLINE_BODY_BYTES`` is answered on the match pool: while it is being
+    answered, /healthz answers (on the loop it would wait, and the answer would give up)."""
+    answering, answered = threading.Event(), threading.Event()
+    real = blend_lookup.BlendLookup.answer
+
+    def held(self: blend_lookup.BlendLookup, raw: bytes, *args: Any) -> tuple[bytes, bool]:
+        if len(raw) > 1000:  # the long query, not the short one below
+            answering.set()
+            if not answered.wait(30):
+                raise AssertionError("/healthz did not answer while a long query was matched")
+        return real(self, raw, *args)
+
+    monkeypatch.setattr(blend_lookup.BlendLookup, "answer", held)
+    tokens = np.arange(blend_lookup.INLINE_BODY_BYTES // 4, dtype="<u4")  # ≈350 KB of base64
+    body = {"tokens_b64": base64.b64encode(tokens.tobytes()).decode(), "model_name": "m"}
+    with (
+        running(enable_blend_lookup=True) as (server, c),
+        httpx.Client(base_url=server.url, timeout=30) as other,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        reply = pool.submit(c.post, "/directory/blend-lookup", json=body)
+        assert answering.wait(30)
+        assert other.get("/healthz").status_code == 200
+        answered.set()
+        assert reply.result().status_code == 200
+        short = c.post("/directory/blend-lookup", json={"token_ids": [1, 2], "model_name": "m"})
+        assert short.status_code == 200
