@@ -243,6 +243,7 @@ _BlendLookupWire = msgspec.defstruct(
     ],
 )
 _blend_wire_decoder = msgspec.json.Decoder(_BlendLookupWire)
+_OTHER_FIELDS = tuple(n for n in BlendLookupBody.__struct_fields__ if n != "tokens_b64")
 _TOKENS_B64_KEY = b'"tokens_b64"'
 _JSON_SPACE = b" \t\r\n"
 
@@ -263,10 +264,8 @@ def decode_blend_lookup(
         rest, decoded = split
         wire = _decode_wire(rest)
         if wire is not None and not len(wire.tokens_b64):
-            body = BlendLookupBody(
-                None, wire.token_ids, wire.model_name, wire.world_size, wire.cache_salt
-            )
-            return body, decoded
+            fields = {name: getattr(wire, name) for name in _OTHER_FIELDS}
+            return BlendLookupBody(**fields), decoded
     return decode_blend_body(raw), None
 
 
