@@ -9,6 +9,9 @@ followed by the bookkeeping the kernel reports for each op, so the two never dis
 
 from __future__ import annotations
 
+from operator import attrgetter
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
@@ -33,7 +36,9 @@ from kvatlas.keys import BlendNamespace
 MIN_CAPACITY = 1024
 """Initial content and occupant capacity; both double when full."""
 
-Tokens = npt.NDArray[np.uint32]
+Tokens = npt.NDArray[np.unsignedinteger[Any]]
+"""A content's ids: a C-contiguous ``uint32`` or ``uint16`` array."""
+_TOKEN_BYTES = attrgetter("itemsize")
 
 
 class IndexState:
@@ -52,6 +57,7 @@ class IndexState:
         self.occupants = 0
         self.claims = 0
         self.owned_bytes = 0
+        self.token_bytes = 0  # of the live contents' arrays
         self.n_extra = 0
         self._stale = 0  # contents removed since the filter was last rebuilt
 
@@ -87,7 +93,8 @@ class IndexState:
                     self._make_room(1)
                 h = hashes[0]
                 flags, cid, occ, ns0 = kernels.apply_op(
-                    kind, array_handle(tokens[0]), bytes_address(h), len(h), offsets[0], ns,
+                    kind, array_handle(tokens[0]), tokens[0].itemsize, bytes_address(h), len(h),
+                    offsets[0], ns,
                     self.chunk_size, _cpython.ARRAY_DATA_OFFSET, self.base, self.fmask,
                     self.kernel_arrays,
                 )  # fmt: skip
@@ -128,6 +135,7 @@ class IndexState:
                 list(map(len, hashes)),
                 offsets,
                 nss,
+                list(map(_TOKEN_BYTES, tokens)),
             ],
             np.int64,
         )
@@ -177,6 +185,7 @@ class IndexState:
                 if owned[i]:
                     self.owned.add(cid)
                     self.owned_bytes += arr.nbytes
+                self.token_bytes += arr.nbytes
                 contents += 1
             if flags & F_NEW_OCCUPANT:
                 if occ == len(live_hashes):
@@ -209,9 +218,11 @@ class IndexState:
                 occupants -= 1
             if flags & F_CONTENT_GONE:
                 gone = live_tokens[cid]
-                if cid in self.owned and gone is not None:
-                    self.owned.discard(cid)
-                    self.owned_bytes -= gone.nbytes
+                if gone is not None:
+                    self.token_bytes -= gone.nbytes
+                    if cid in self.owned:
+                        self.owned.discard(cid)
+                        self.owned_bytes -= gone.nbytes
                 live_tokens[cid] = None
                 contents -= 1
                 self._stale += 1

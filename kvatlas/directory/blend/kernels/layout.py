@@ -4,8 +4,9 @@ The arrays are owned by the index and read or written by the kernels only while 
 holds the index lock.
 
 - contents: ``c_fp`` (uint64 fingerprint), ``c_addr`` (address of the content's read-only
-  uint32 token array, kept alive by the index; 0 = free id), ``c_first`` (first occupant,
-  -1 = none).
+  token array, kept alive by the index, with :data:`TOKENS_U16` set when the array is
+  ``uint16`` (every id below 2^16, see ``directory/token_store.py``), clear for ``uint32``;
+  0 = free id), ``c_first`` (first occupant, -1 = none).
 - ``table``: the content table (see ``table.py``), 2 slots per content id (load <= 1/2).
 - ``filt``: the content filter (see ``filter.py``), 16 bits per content id.
 - occupants (one chunk_hash stored with one content): ``o_i64[o] = (token_offset, address of
@@ -23,6 +24,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
+
+TOKENS_U16 = 1 << 62
+"""Tag bit of a token address (``c_addr``): the array is ``uint16``. User-space addresses stay
+far below 2^62, so the tag never collides with an address bit."""
+ADDRESS_BITS = TOKENS_U16 - 1
+"""Mask that takes the tag off a token address."""
 
 O_OFF, O_HADDR = 0, 1
 """Columns of ``o_i64``."""
