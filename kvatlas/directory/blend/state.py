@@ -34,7 +34,12 @@ from kvatlas.directory.blend.namespaces import NamespaceIds
 from kvatlas.keys import BlendNamespace
 
 MIN_CAPACITY = 1024
-"""Initial content and occupant capacity; both double when full."""
+"""Initial content and occupant capacity."""
+GROWTH = 1.125
+"""Factor by which content and occupant capacity grow when full. Their arrays are ≈50 bytes
+per id: growing by an eighth keeps the unused share of them (and so the index's bytes per
+chunk) small at every size, for an amortised copy of ≈8 bytes per id per add. The table
+grows separately, by doubling (``_make_room``)."""
 
 Tokens = npt.NDArray[np.unsignedinteger[Any]]
 """A content's ids: a C-contiguous ``uint32`` or ``uint16`` array."""
@@ -245,28 +250,42 @@ class IndexState:
             len(self.tokens) + n_add <= arrays.c_fp.shape[0]
             and len(self.hashes) + n_add <= arrays.o_hlen.shape[0]
             and 2 * (self.n_extra + n_add) <= arrays.claims.shape[0]
+            and 2 * (self.contents + n_add) <= arrays.table.shape[0]
         )
 
     def _make_room(self, n_add: int) -> None:
         """Grow what ``n_add`` adds need, counting free ids (but not ids the batch frees: they
         are not reused within it)."""
-        fresh = n_add - min(n_add, len(self.tokens) - self.contents)
-        while len(self.tokens) + fresh > self.arrays.content_capacity:
-            self.arrays = self.arrays.with_content_capacity(2 * self.arrays.content_capacity)
-            self.rebuild()
-        fresh = n_add - min(n_add, len(self.hashes) - self.occupants)
-        while len(self.hashes) + fresh > self.arrays.occupant_capacity:
-            self.arrays = self.arrays.with_occupant_capacity(2 * self.arrays.occupant_capacity)
+        need = len(self.tokens) + n_add - min(n_add, len(self.tokens) - self.contents)
+        if need > self.arrays.content_capacity:
+            self.arrays = self.arrays.with_content_capacity(
+                _grown(self.arrays.content_capacity, need)
+            )
+        need = len(self.hashes) + n_add - min(n_add, len(self.hashes) - self.occupants)
+        if need > self.arrays.occupant_capacity:
+            self.arrays = self.arrays.with_occupant_capacity(
+                _grown(self.arrays.occupant_capacity, need)
+            )
         while 2 * (self.n_extra + n_add) > self.arrays.claims.shape[0]:
             self._grow_claims()
+        slots = self.arrays.table_slots
+        while 2 * (self.contents + n_add) > slots:  # load <= 1/2 (table.py)
+            slots *= 2
+        if slots != self.arrays.table_slots:
+            self.rebuild(slots)
 
     def _grow_claims(self) -> None:
         new = np.full(2 * self.arrays.claims.shape[0], -1, np.int64)
         kernels.claims_rehash(self.arrays.claims, new)
         self.arrays = self.arrays._replace(claims=new)
 
-    def rebuild(self) -> None:
-        """Fresh table and filter holding exactly the live contents."""
-        self.arrays = self.arrays.with_empty_lookup()
+    def rebuild(self, slots: int | None = None) -> None:
+        """Fresh table and filter (``slots`` table slots; default: as many as now) holding
+        exactly the live contents."""
+        self.arrays = self.arrays.with_empty_lookup(slots)
         kernels.rebuild(self.kernel_arrays)
         self._stale = 0
+
+
+def _grown(capacity: int, need: int) -> int:
+    return max(need, int(capacity * GROWTH) + 1)
