@@ -148,9 +148,7 @@ def _narrow_arrays(src: Any, lens: Any, dst: Any, data_off: Any, fits: Any) -> N
 
 
 @jit
-def _narrow_arena(
-    arena: Any, starts: Any, lens: Any, dst: Any, data_off: Any, fits: Any
-) -> None:
+def _narrow_arena(arena: Any, starts: Any, lens: Any, dst: Any, data_off: Any, fits: Any) -> None:
     """:func:`_narrow_arrays` for rows of one arena (``dst[j] == 0``: an empty row)."""
     for j in range(starts.shape[0]):
         n = lens[j]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from kvatlas.directory import KeyDirectory
 from kvatlas.directory.records import (
-    record_stored_tokens,
     Placement,
     find_key,
     key_count,
@@ -21,6 +20,7 @@ from kvatlas.directory.records import (
     record_indexed,
     record_keys,
     record_offset,
+    record_stored_tokens,
     record_tokens,
     row_ident,
     shape_ids,
