@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from itertools import repeat
-from operator import methodcaller
+from operator import attrgetter, methodcaller
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,8 @@ COMPACT_LIMIT = 1 << 16
 _U16 = np.dtype(np.uint16)
 _U32 = np.dtype(np.uint32)
 _READ_ONLY = methodcaller("setflags", write=False)
+_DTYPE = attrgetter("dtype")
+_STRIDES = attrgetter("strides")
 
 
 def widened(stored: StoredTokens) -> TokenArray:
@@ -55,7 +57,8 @@ def same_content(a: StoredTokens, b: StoredTokens) -> bool:
 
 def stored_one(tokens: npt.NDArray[Any]) -> StoredTokens:
     """``tokens`` (validated ids) in stored form: a compact copy if every id fits, else the
-    array itself when it is a read-only, self-owned ``uint32`` array, else a copy of it."""
+    array itself when it is a read-only, C-contiguous ``uint32`` array (kept as the directory
+    always kept contents), else a ``uint32`` copy of it."""
     if tokens.dtype is _U16 and not tokens.flags.writeable and tokens.flags.owndata:
         return tokens
     if len(tokens) == 0 or int(tokens.max()) < COMPACT_LIMIT:
@@ -70,16 +73,20 @@ def stored_one(tokens: npt.NDArray[Any]) -> StoredTokens:
 
 def stored_batch(arrays: Sequence[TokenArray | None]) -> list[StoredTokens | None]:
     """:func:`stored_one` of each array (``None`` stays ``None``), one compiled pass for the
-    batch; entries that share an input array share its stored array."""
-    distinct = {id(a): a for a in arrays if a is not None}
-    if not distinct:
+    batch; entries that share an input array share its stored array. (Per entry this is an
+    allocation and a flag: the checks run as C-level maps, not as Python code per entry.)"""
+    srcs = [a for a in arrays if a is not None]
+    ids = list(map(id, srcs))
+    distinct = dict(zip(ids, srcs, strict=True))
+    if len(distinct) != len(srcs):
+        srcs = list(distinct.values())
+    if not srcs:
         return list(arrays)
-    srcs = list(distinct.values())
-    if not all(map(_plain, srcs)):  # uncommon inputs: one numpy pass each
-        stored = {key: stored_one(a) for key, a in distinct.items()}
+    if set(map(_DTYPE, srcs)) != {_U32} or set(map(_STRIDES, srcs)) != {(4,)}:
+        stored = {key: stored_one(a) for key, a in distinct.items()}  # uncommon inputs
         return [None if a is None else stored[id(a)] for a in arrays]
     lens = list(map(len, srcs))
-    outs: list[StoredTokens] = list(map(np.empty, lens, repeat(np.uint16)))
+    outs: list[StoredTokens] = list(map(np.empty, lens, repeat(_U16)))
     fits = np.empty(len(srcs), np.bool_)
     _narrow_arrays(
         np.array(array_handles(srcs), np.int64),
@@ -89,14 +96,13 @@ def stored_batch(arrays: Sequence[TokenArray | None]) -> list[StoredTokens | Non
         fits,
     )
     deque(map(_READ_ONLY, outs), maxlen=0)
-    for i in np.flatnonzero(~fits).tolist():
-        outs[i] = stored_one(srcs[i])
+    if not fits.all():
+        for i in np.flatnonzero(~fits).tolist():
+            outs[i] = stored_one(srcs[i])
+    if len(outs) == len(arrays):  # no None, no shared input: entry for entry
+        return outs  # type: ignore[return-value]
     by_id = dict(zip(distinct, outs, strict=True))
     return [None if a is None else by_id[id(a)] for a in arrays]
-
-
-def _plain(a: npt.NDArray[Any]) -> bool:
-    return a.dtype is _U32 and a.flags.c_contiguous
 
 
 def stored_from_arena(
