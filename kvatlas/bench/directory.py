@@ -207,8 +207,10 @@ def run(args: argparse.Namespace) -> int:
     n = args.entries or (20_000 if quick else 200_000)
     snap_keys = args.snapshot_keys or (100_000 if quick else 1_000_000)
     repeats = max(1, args.repeats if not quick else min(args.repeats, 2))
-    if n < BATCH or snap_keys < BATCH:
-        return refuse("directory", f"--entries and --snapshot-keys must be at least {BATCH}")
+    if min(n, snap_keys, args.memory_chunks) < BATCH:
+        return refuse(
+            "directory", f"--entries, --snapshot-keys and --memory-chunks must be at least {BATCH}"
+        )
     rows: list[BenchRow] = []
 
     batches = _workload(n, args.seed)
