@@ -111,8 +111,12 @@ def stored_from_arena(
     """Stored arrays of ``arena[starts[j]:starts[j] + lengths[j]]`` (length 0: ``None``), each
     owning its memory (never a view that would pin the arena), one compiled pass for all."""
     arena = np.ascontiguousarray(arena, dtype=np.uint32)
+    starts, lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
     lens = lengths.tolist()
-    if min(lens, default=0) < 0 or int((starts + lengths).max(initial=0)) > len(arena):
+    if len(starts) != len(lens) or (
+        len(lens)
+        and (min(lens) < 0 or int(starts.min()) < 0 or int((starts + lengths).max()) > len(arena))
+    ):
         raise ValueError("token rows outside the arena")
     present: list[StoredTokens] = list(map(np.empty, filter(None, lens), repeat(np.uint16)))
     handles = np.zeros(len(lens), np.int64)  # 0: an empty row, nothing to write

@@ -99,8 +99,9 @@ def test_a_single_id_that_does_not_fit_keeps_the_chunk_wide() -> None:
 
 def test_stored_from_arena_refuses_rows_outside_it() -> None:
     arena = np.arange(4, dtype=np.uint32)
-    with pytest.raises(ValueError):
-        stored_from_arena(arena, np.array([2], np.int64), np.array([3], np.int64))
+    for starts, lengths in (([2], [3]), ([-1], [1]), ([0], [-1]), ([0, 1], [1])):
+        with pytest.raises(ValueError):
+            stored_from_arena(arena, np.array(starts, np.int64), np.array(lengths, np.int64))
 
 
 def test_directory_answers_exact_ids_for_compact_wide_and_mixed_chunks() -> None:
