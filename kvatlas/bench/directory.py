@@ -33,6 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
     parser.add_argument("--entries", type=int, default=None, help="store entries to consume")
     parser.add_argument("--snapshot-keys", type=int, default=None, help="keys for snapshot cases")
+    parser.add_argument(
+        "--memory-chunks",
+        type=int,
+        default=10_000,
+        help="chunks in the memory row (the targets hold from 10,000 on)",
+    )
 
 
 def _workload(n: int, seed: int, instance: str = "node-0") -> list[EventBatch]:
@@ -155,6 +161,11 @@ def _consume_all(target: Any, batches: list[EventBatch]) -> None:
 
 def _memory_per_chunk(make: Callable[[], Any], n: int, seed: int) -> float:
     """Bytes retained per chunk (directory + token arrays + index) once the inputs are gone."""
+    return _retained(make, n, seed)[0]
+
+
+def _retained(make: Callable[[], _T], n: int, seed: int) -> tuple[float, _T]:
+    """Bytes retained per chunk by ``make()`` after consuming ``n`` chunks, and the target."""
     gc.collect()
     tracemalloc.start()
     try:
@@ -167,8 +178,28 @@ def _memory_per_chunk(make: Callable[[], Any], n: int, seed: int) -> float:
         used = tracemalloc.get_traced_memory()[0] - base
     finally:
         tracemalloc.stop()
-    del target
-    return used / n
+    return used / n, target
+
+
+def memory_row(n: int, seed: int) -> BenchRow:
+    """Directory bytes per chunk with blend on and off (token arrays, records, index: all
+    that stays once the inputs are gone), and the blend index's own share (its arrays and
+    references, the 32-byte hashes it reads included; ``BlendStats.index_bytes``)."""
+    on, directory = _retained(lambda: KeyDirectory(CHUNK, enable_blend_lookup=True), n, seed)
+    stats = directory.stats().blend
+    assert stats is not None
+    index = stats.index_bytes / n
+    del directory
+    off = _retained(lambda: KeyDirectory(CHUNK), n, seed)[0]
+    return BenchRow(
+        f"memory at {n:,} chunks (256 tokens, ids < 50,000)",
+        None,
+        None,
+        "≤ 1.2 KB/chunk blend on, index ≤ 128 B/chunk",
+        {"blend off B/chunk": f"{off:,.0f}", "index B/chunk": f"{index:,.1f}"},
+        met=on <= 1200 and index <= 128,
+        shown=f"{on:,.0f} B/chunk",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -176,8 +207,10 @@ def run(args: argparse.Namespace) -> int:
     n = args.entries or (20_000 if quick else 200_000)
     snap_keys = args.snapshot_keys or (100_000 if quick else 1_000_000)
     repeats = max(1, args.repeats if not quick else min(args.repeats, 2))
-    if n < BATCH or snap_keys < BATCH:
-        return refuse("directory", f"--entries and --snapshot-keys must be at least {BATCH}")
+    if min(n, snap_keys, args.memory_chunks) < BATCH:
+        return refuse(
+            "directory", f"--entries, --snapshot-keys and --memory-chunks must be at least {BATCH}"
+        )
     rows: list[BenchRow] = []
 
     batches = _workload(n, args.seed)
@@ -218,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
         )
     )
 
+    rows.append(memory_row(args.memory_chunks, 1))
     rows.append(
         BenchRow(
             f"consume {n:,} token-bearing store entries, blend off (directory alone)",

@@ -48,6 +48,7 @@ from kvatlas.directory.records import (
     record_indexed,
     record_keys,
     record_offset,
+    record_stored_tokens,
     record_tokens,
     row_backend,
     row_ident,
@@ -62,12 +63,11 @@ from kvatlas.directory.records import (
     with_placements_at,
 )
 from kvatlas.directory.shapes import ShapeTable
+from kvatlas.directory.token_store import StoredTokens, same_content, stored_batch
 from kvatlas.errors import Conflict
 from kvatlas.events import UNKNOWN_OFFSET, VOLATILE_TIERS, CacheEntry, EventBatch
 from kvatlas.events.inventory import element, shape_tag, tag_multiplier, xor_elements
-from kvatlas.events.model import tokens_equal
 from kvatlas.keys import BlendNamespace, ObjectKey
-from kvatlas.keys.tokens import TokenArray
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ class ChunkTable:
         for part in self.parts:
             ops: list[BlendOp] = []
             for h, rec in part.items():
-                tokens, offset = record_tokens(rec), record_offset(rec)
+                tokens, offset = record_stored_tokens(rec), record_offset(rec)
                 if tokens is not None and self._indexable(tokens, offset):
                     ops += [AddOp(tokens, h, offset, ns) for ns in self._namespaces(rec)]
                     part[h] = rebound(rec, tokens, offset, True)  # same key: no resize
@@ -278,7 +278,8 @@ class ChunkTable:
         # Every placement added or replaced here has this batch's tier and (for own copies)
         # instance: the counters move by one sum per batch instead of per entry.
         n_keys = n_pl = n_bytes = 0
-        for entry, sid in zip(entries, sids, strict=True):
+        stored = stored_batch([e.token_ids for e in entries])  # compact, one pass per batch
+        for entry, sid, tokens in zip(entries, sids, stored, strict=True):
             size = entry.size_bytes
             p = by_size.get(size)
             if p is None:
@@ -297,7 +298,6 @@ class ChunkTable:
                 n_keys += 1
                 n_pl += 1
                 n_bytes += size
-                tokens = entry.token_ids
                 offset = entry.token_offset
                 if tokens is None:
                     part[h] = (None, UNKNOWN_OFFSET, False, sid, p)
@@ -314,7 +314,7 @@ class ChunkTable:
                 if new_own is not None:
                     new_own.append(h)
             else:
-                dk, dp, db = self._store_existing(h, part, rec, sid, p, entry, debug)
+                dk, dp, db = self._store_existing(h, part, rec, sid, p, entry, tokens, debug)
                 n_keys += dk
                 n_pl += dp
                 n_bytes += db
@@ -344,11 +344,14 @@ class ChunkTable:
         sid: int,
         p: PlacementRow,
         entry: CacheEntry,
+        new_tokens: StoredTokens | None,
         debug: bool,
     ) -> tuple[int, int, int]:
-        """Store into a known chunk; returns the (keys, placements, bytes) deltas."""
+        """Store into a known chunk (``new_tokens``: the entry's tokens, stored); returns the
+        (keys, placements, bytes) deltas."""
         k = find_key(rec, sid)
-        tokens, offset, indexed = record_tokens(rec), record_offset(rec), record_indexed(rec)
+        tokens = record_stored_tokens(rec)
+        offset, indexed = record_offset(rec), record_indexed(rec)
         new_claim = False
         size = row_size(p)
         if k < 0:
@@ -368,9 +371,9 @@ class ChunkTable:
             kept.append(p)
             rec = with_placements_at(rec, k, group_placements(kept))
         reindexed = False
-        if entry.token_ids is not None:
+        if new_tokens is not None:
             tokens, offset, indexed, reindexed = self._bind(
-                h, tokens, offset, indexed, rec, entry.token_ids, entry.token_offset
+                h, tokens, offset, indexed, rec, new_tokens, entry.token_offset
             )
         elif tokens is None and debug:
             log.debug("store without tokens for unbound chunk %s: not indexed", h.hex())
@@ -380,7 +383,7 @@ class ChunkTable:
         part[h] = rebound(rec, tokens, offset, indexed)
         return dk, dp, db
 
-    def _indexable(self, tokens: TokenArray, offset: int) -> bool:
+    def _indexable(self, tokens: StoredTokens, offset: int) -> bool:
         # offset -1 is never indexed: a match without its stored position would be re-RoPEd
         # from the wrong place, i.e. wrong KV, which is worse than a miss.
         return offset != UNKNOWN_OFFSET and len(tokens) == self.chunk_size
@@ -388,17 +391,17 @@ class ChunkTable:
     def _bind(
         self,
         h: bytes,
-        old: TokenArray | None,
+        old: StoredTokens | None,
         old_offset: int,
         indexed: bool,
         rec: Record,
-        tokens: TokenArray,
+        tokens: StoredTokens,
         offset: int,
-    ) -> tuple[TokenArray | None, int, bool, bool]:
+    ) -> tuple[StoredTokens | None, int, bool, bool]:
         """Bind ``tokens`` to the chunk (whose keys are ``rec``'s) and queue the index writes
         that follow. Returns the chunk's new ``(tokens, token_offset, indexed)`` and whether
         it (re)added every namespace."""
-        if old is not None and tokens_equal(old, tokens):
+        if old is not None and same_content(old, tokens):
             if offset in (UNKNOWN_OFFSET, old_offset):
                 if indexed or not self.indexing:
                     return old, old_offset, indexed, False
@@ -592,7 +595,7 @@ class ChunkTable:
         claims and the chunk's existence in line. The caller has already preserved the chunk."""
         kept: list[KeyPair] = [(sid, pls) for sid, pls in keys if pls is not None]
         self.counts.keys -= len(keys) - len(kept)
-        tokens, indexed = record_tokens(rec), record_indexed(rec)
+        tokens, indexed = record_stored_tokens(rec), record_indexed(rec)
         if indexed and self.indexing and tokens is not None:
             left = self.shapes.namespaces([sid for sid, _ in kept])
             for ns in self._namespaces(rec) - left:

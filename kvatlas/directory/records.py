@@ -19,6 +19,7 @@ from itertools import chain, repeat
 from operator import itemgetter
 from typing import Any, Final
 
+from kvatlas.directory.token_store import StoredTokens, widened
 from kvatlas.events import VOLATILE_TIERS
 from kvatlas.keys import ObjectKey
 from kvatlas.keys.tokens import TokenArray
@@ -217,8 +218,9 @@ _row_order = itemgetter(_INSTANCE, _TIER, _BACKEND)
 
 Record = tuple[Any, ...]
 """``(tokens, token_offset, indexed, shape_id, placements, shape_id, placements, ...)``:
-the chunk's bound content (``None``: unknown) and its stored offset, whether the blend index
-holds it, then one (interned :class:`KeyShape` id, :data:`Placements`) pair per key."""
+the chunk's bound content (``None``: unknown; stored compactly, see
+:mod:`kvatlas.directory.token_store`) and its stored offset, whether the blend index holds
+it, then one (interned :class:`KeyShape` id, :data:`Placements`) pair per key."""
 KeyPair = tuple[int, Placements]
 _TOKENS: Final = 0  # record fields; the keys follow from _KEYS on, in (shape id, placements) pairs
 _OFFSET: Final = 1
@@ -227,21 +229,21 @@ _KEYS: Final = 3
 
 
 def new_record(
-    tokens: TokenArray | None, offset: int, indexed: bool, shape_id: int, placements: Placements
+    tokens: StoredTokens | None, offset: int, indexed: bool, shape_id: int, placements: Placements
 ) -> Record:
     """The record of a chunk with one key."""
     return (tokens, offset, indexed, shape_id, placements)
 
 
 def make_record(
-    tokens: TokenArray | None, offset: int, indexed: bool, keys: Iterable[KeyPair]
+    tokens: StoredTokens | None, offset: int, indexed: bool, keys: Iterable[KeyPair]
 ) -> Record:
     """A record with the given (shape id, placements) pairs."""
     return (tokens, offset, indexed, *chain.from_iterable(keys))
 
 
 def records_from_columns(
-    tokens: list[TokenArray | None],
+    tokens: list[StoredTokens | None],
     offsets: list[int],
     shape_ids: list[int],
     placements: Iterable[Placements],
@@ -251,11 +253,17 @@ def records_from_columns(
     return list(zip(tokens, offsets, flags, shape_ids, placements, strict=True))
 
 
-# The record's binding: its content (``None``: unknown), stored offset, and whether the blend
-# index holds it (C-level getters: the snapshot writer maps them over every chunk).
-record_tokens: Callable[[Record], TokenArray | None] = itemgetter(_TOKENS)
+# The record's binding: its content (``None``: unknown) as stored, stored offset, and whether
+# the blend index holds it (C-level getters: the snapshot writer maps them over every chunk).
+record_stored_tokens: Callable[[Record], StoredTokens | None] = itemgetter(_TOKENS)
 record_offset: Callable[[Record], int] = itemgetter(_OFFSET)
 record_indexed: Callable[[Record], bool] = itemgetter(_INDEXED)
+
+
+def record_tokens(rec: Record) -> TokenArray | None:
+    """The chunk's bound token ids as ``uint32`` (``None``: unknown): what public values carry."""
+    tokens: StoredTokens | None = rec[_TOKENS]
+    return None if tokens is None else widened(tokens)
 
 
 def key_count(rec: Record) -> int:
@@ -304,7 +312,7 @@ def with_key(rec: Record, shape_id: int, placements: Placements) -> Record:
     return (*rec, shape_id, placements)
 
 
-def rebound(rec: Record, tokens: TokenArray | None, offset: int, indexed: bool) -> Record:
+def rebound(rec: Record, tokens: StoredTokens | None, offset: int, indexed: bool) -> Record:
     """The record with its binding (content, offset, indexed) replaced, keys unchanged."""
     return (tokens, offset, indexed, *rec[_KEYS:])
 

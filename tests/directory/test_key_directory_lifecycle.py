@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvatlas.directory import AddOp, BlendIndex, KeyDirectory, RemoveChunkOp, RemoveClaimOp
-from kvatlas.directory.records import record_tokens
+from kvatlas.directory.records import record_stored_tokens, record_tokens
 from kvatlas.keys import BlendNamespace
 from tests.directory.helpers import CS, Emitter, captured, entry, key, toks
 
@@ -85,8 +85,10 @@ def test_first_content_binds_and_adds(spy: type[SpyIndex]) -> None:
     d.consume(em.batch("store", [e]))
     (call,) = calls(d)
     assert call[:4] == ("add", 1, 8, NS_A)
-    assert call[4] == id(e.token_ids)  # one array per content: the binding's is the index's
-    assert record_tokens(captured(d)[key(1).chunk_hash]) is e.token_ids
+    rec = captured(d)[key(1).chunk_hash]
+    # one array per content: the binding's (stored compactly) is the index's
+    assert call[4] == id(record_stored_tokens(rec))
+    assert np.array_equal(record_tokens(rec), e.token_ids)  # type: ignore[arg-type]
     assert found(d, A) == [(1, 8)]
 
 

@@ -20,6 +20,7 @@ from kvatlas.directory.records import (
     record_indexed,
     record_keys,
     record_offset,
+    record_stored_tokens,
     record_tokens,
     row_ident,
     shape_ids,
@@ -84,4 +85,7 @@ def test_consume_builds_new_chunks_as_new_record_does() -> None:
     e = entry(key(1), toks(1, 2, 3, 4), 8, size=12)
     d.consume(em.batch("store", [e], ts=2.5))
     row = placement_row("a", 1, "l1", "dram", 12, False, 2.5)
-    assert captured(d)[key(1).chunk_hash] == new_record(e.token_ids, 8, True, 0, row)
+    rec = captured(d)[key(1).chunk_hash]
+    stored = record_stored_tokens(rec)  # the content, stored compactly (token_store.py)
+    assert stored is not None and stored.tolist() == [1, 2, 3, 4]
+    assert rec == new_record(stored, 8, True, 0, row)

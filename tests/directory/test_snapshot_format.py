@@ -1,6 +1,6 @@
-"""The snapshot file format is fixed: a file written before the snapshot package was split
-(``data/snapshot-v1.snap``, from the directory :func:`golden_directory` builds) loads, and the
-writer still produces it byte for byte."""
+"""The snapshot file format is fixed: the writer produces ``data/snapshot-v2.snap`` (from the
+directory :func:`golden_directory` builds) byte for byte, and a version-1 file written before
+the snapshot package was split (``data/snapshot-v1.snap``, same directory) still loads."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ import dataclasses
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from kvatlas.directory import KeyDirectory, load_snapshot, save_snapshot
 from kvatlas.directory.snapshot.format import COLUMNS, MAGIC, PREFIX, VERSION, Header
 from tests.directory.helpers import CS, Emitter, entry, key, toks
 
-GOLDEN = Path(__file__).parent / "data" / "snapshot-v1.snap"
+GOLDEN = Path(__file__).parent / "data" / "snapshot-v2.snap"
+GOLDEN_V1 = Path(__file__).parent / "data" / "snapshot-v1.snap"
 POSITION = "1700000000-7"
 
 
@@ -48,9 +50,10 @@ def test_writer_output_is_unchanged_byte_for_byte(tmp_path: Path) -> None:
     assert path.read_bytes() == GOLDEN.read_bytes()
 
 
-def test_a_file_from_the_unsplit_writer_loads(tmp_path: Path) -> None:
+@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_V1], ids=["v2", "v1"])
+def test_a_file_from_the_unsplit_writer_loads(golden: Path) -> None:
     d = KeyDirectory(CS)
-    info = load_snapshot(d, GOLDEN)
+    info = load_snapshot(d, golden)
     assert (info.chunks, info.keys, info.stream_position) == (7, 9, POSITION)
     assert view(d) == view(golden_directory())
     cursor = d.gap_state("a")
@@ -59,7 +62,7 @@ def test_a_file_from_the_unsplit_writer_loads(tmp_path: Path) -> None:
 
 def test_header_layout_is_pinned() -> None:
     raw = GOLDEN.read_bytes()
-    assert MAGIC == b"KVATSNP1" and VERSION == 1 and PREFIX.format == "<8sQ"
+    assert MAGIC == b"KVATSNP1" and VERSION == 2 and PREFIX.format == "<8sQ"
     magic, header_len = PREFIX.unpack_from(raw)
     assert magic == MAGIC
     header = msgspec.msgpack.decode(raw[PREFIX.size : PREFIX.size + header_len], type=Header)
@@ -84,5 +87,6 @@ def test_header_layout_is_pinned() -> None:
         "key_shapes",
         "key_pl_counts",
         "key_pls",
+        "chunk_token_widths",
     ]
     assert sorted(COLUMNS) == sorted(c for c in columns if c != "chunk_hashes")

@@ -14,9 +14,11 @@ A derived view of the directory's token bindings (docs/blend-index.md). Guarante
   atomically; ``add``, ``remove_claim``, ``remove_chunk``, ``add_many`` and ``remove_claims``
   are batches of one kind.
 
-Memory: tokens are not copied when the caller hands in a read-only, self-owned ``uint32``
-array (what the directory does): the index keeps a reference and its address, so the directory
-binding and the index share one array per content. Anything else is copied once. Chunk hashes
+Memory: tokens are not copied when the caller hands in a read-only, self-owned ``uint32`` or
+``uint16`` array (what the directory does: ``uint16`` when every id fits, see
+``directory/token_store.py``): the index keeps a reference and its address, so the directory
+binding and the index share one array per content. Anything else is copied once (``uint16``
+stays ``uint16``, the rest becomes ``uint32``). Chunk hashes
 are kept the same way: a reference to the caller's ``bytes`` (the directory's dict key), read by
 the kernels through its address.
 """
@@ -49,6 +51,7 @@ _SEGMENT_WINDOWS = 65536
 """Window starts probed per lock acquisition in ``match``: bounds how long one query holds
 the lock, so a 1M-token query never stalls ingestion behind it."""
 _U32 = np.dtype(np.uint32)
+_U16 = np.dtype(np.uint16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +175,11 @@ class BlendIndex:
                 kind, offset, namespace = REMOVE_CHUNK, 0, None
             else:
                 raise ValueError(f"not a blend index op: {op!r}")
-            if type(tokens) is np.ndarray and tokens.dtype is _U32 and tokens.ndim == 1:
+            if (
+                type(tokens) is np.ndarray
+                and (tokens.dtype is _U16 or tokens.dtype is _U32)
+                and tokens.ndim == 1
+            ):
                 arr = tokens  # the directory's arrays: no re-validation on the ingest path
             else:
                 arr = as_token_array(tokens)
@@ -190,7 +197,7 @@ class BlendIndex:
             if kind == ADD:
                 own = not _shareable(arr)
                 if own:
-                    arr = np.array(arr, dtype=np.uint32, order="C", copy=True)
+                    arr = np.array(arr, dtype=arr.dtype, order="C", copy=True)
                     arr.setflags(write=False)
             elif not arr.flags.c_contiguous:
                 arr = np.ascontiguousarray(arr)
@@ -260,7 +267,7 @@ class BlendIndex:
             index_bytes += sum(
                 100 + sys.getsizeof(s) for s in state.extra_claims.values()
             )  # dict entry + set: multi-namespace occupants only
-            token_bytes = state.contents * self.chunk_size * 4
+            token_bytes = state.token_bytes
             return BlendStats(
                 contents=state.contents,
                 occupants=state.occupants,
@@ -289,7 +296,7 @@ class BlendIndex:
         return cached
 
 
-def _shareable(arr: npt.NDArray[np.uint32]) -> bool:
+def _shareable(arr: npt.NDArray[Any]) -> bool:
     """Keep a caller's array only if nobody can change it under us and it pins no larger
     buffer (a read-only view of a 1M-token request must not keep the whole request alive)."""
     flags = arr.flags

@@ -9,6 +9,9 @@ followed by the bookkeeping the kernel reports for each op, so the two never dis
 
 from __future__ import annotations
 
+from operator import attrgetter
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
@@ -31,9 +34,16 @@ from kvatlas.directory.blend.namespaces import NamespaceIds
 from kvatlas.keys import BlendNamespace
 
 MIN_CAPACITY = 1024
-"""Initial content and occupant capacity; both double when full."""
+"""Initial content and occupant capacity."""
+GROWTH = 1.125
+"""Factor by which content and occupant capacity grow when full. Their arrays are ≈50 bytes
+per id: growing by an eighth keeps the unused share of them (and so the index's bytes per
+chunk) small at every size, for an amortised copy of ≈8 bytes per id per add. The table
+grows separately, by doubling (``_make_room``)."""
 
-Tokens = npt.NDArray[np.uint32]
+Tokens = npt.NDArray[np.unsignedinteger[Any]]
+"""A content's ids: a C-contiguous ``uint32`` or ``uint16`` array."""
+_TOKEN_BYTES = attrgetter("itemsize")
 
 
 class IndexState:
@@ -52,6 +62,7 @@ class IndexState:
         self.occupants = 0
         self.claims = 0
         self.owned_bytes = 0
+        self.token_bytes = 0  # of the live contents' arrays
         self.n_extra = 0
         self._stale = 0  # contents removed since the filter was last rebuilt
 
@@ -87,7 +98,8 @@ class IndexState:
                     self._make_room(1)
                 h = hashes[0]
                 flags, cid, occ, ns0 = kernels.apply_op(
-                    kind, array_handle(tokens[0]), bytes_address(h), len(h), offsets[0], ns,
+                    kind, array_handle(tokens[0]), tokens[0].itemsize, bytes_address(h), len(h),
+                    offsets[0], ns,
                     self.chunk_size, _cpython.ARRAY_DATA_OFFSET, self.base, self.fmask,
                     self.kernel_arrays,
                 )  # fmt: skip
@@ -128,6 +140,7 @@ class IndexState:
                 list(map(len, hashes)),
                 offsets,
                 nss,
+                list(map(_TOKEN_BYTES, tokens)),
             ],
             np.int64,
         )
@@ -177,6 +190,7 @@ class IndexState:
                 if owned[i]:
                     self.owned.add(cid)
                     self.owned_bytes += arr.nbytes
+                self.token_bytes += arr.nbytes
                 contents += 1
             if flags & F_NEW_OCCUPANT:
                 if occ == len(live_hashes):
@@ -209,9 +223,11 @@ class IndexState:
                 occupants -= 1
             if flags & F_CONTENT_GONE:
                 gone = live_tokens[cid]
-                if cid in self.owned and gone is not None:
-                    self.owned.discard(cid)
-                    self.owned_bytes -= gone.nbytes
+                if gone is not None:
+                    self.token_bytes -= gone.nbytes
+                    if cid in self.owned:
+                        self.owned.discard(cid)
+                        self.owned_bytes -= gone.nbytes
                 live_tokens[cid] = None
                 contents -= 1
                 self._stale += 1
@@ -234,28 +250,42 @@ class IndexState:
             len(self.tokens) + n_add <= arrays.c_fp.shape[0]
             and len(self.hashes) + n_add <= arrays.o_hlen.shape[0]
             and 2 * (self.n_extra + n_add) <= arrays.claims.shape[0]
+            and 2 * (self.contents + n_add) <= arrays.table.shape[0]
         )
 
     def _make_room(self, n_add: int) -> None:
         """Grow what ``n_add`` adds need, counting free ids (but not ids the batch frees: they
         are not reused within it)."""
-        fresh = n_add - min(n_add, len(self.tokens) - self.contents)
-        while len(self.tokens) + fresh > self.arrays.content_capacity:
-            self.arrays = self.arrays.with_content_capacity(2 * self.arrays.content_capacity)
-            self.rebuild()
-        fresh = n_add - min(n_add, len(self.hashes) - self.occupants)
-        while len(self.hashes) + fresh > self.arrays.occupant_capacity:
-            self.arrays = self.arrays.with_occupant_capacity(2 * self.arrays.occupant_capacity)
+        need = len(self.tokens) + n_add - min(n_add, len(self.tokens) - self.contents)
+        if need > self.arrays.content_capacity:
+            self.arrays = self.arrays.with_content_capacity(
+                _grown(self.arrays.content_capacity, need)
+            )
+        need = len(self.hashes) + n_add - min(n_add, len(self.hashes) - self.occupants)
+        if need > self.arrays.occupant_capacity:
+            self.arrays = self.arrays.with_occupant_capacity(
+                _grown(self.arrays.occupant_capacity, need)
+            )
         while 2 * (self.n_extra + n_add) > self.arrays.claims.shape[0]:
             self._grow_claims()
+        slots = self.arrays.table_slots
+        while 2 * (self.contents + n_add) > slots:  # load <= 1/2 (table.py)
+            slots *= 2
+        if slots != self.arrays.table_slots:
+            self.rebuild(slots)
 
     def _grow_claims(self) -> None:
         new = np.full(2 * self.arrays.claims.shape[0], -1, np.int64)
         kernels.claims_rehash(self.arrays.claims, new)
         self.arrays = self.arrays._replace(claims=new)
 
-    def rebuild(self) -> None:
-        """Fresh table and filter holding exactly the live contents."""
-        self.arrays = self.arrays.with_empty_lookup()
+    def rebuild(self, slots: int | None = None) -> None:
+        """Fresh table and filter (``slots`` table slots; default: as many as now) holding
+        exactly the live contents."""
+        self.arrays = self.arrays.with_empty_lookup(slots)
         kernels.rebuild(self.kernel_arrays)
         self._stale = 0
+
+
+def _grown(capacity: int, need: int) -> int:
+    return max(need, int(capacity * GROWTH) + 1)

@@ -1,11 +1,13 @@
 """The snapshot file format, shared by the writer and the reader.
 
 ``MAGIC | u64 header length | msgpack header | token arena``. ``MAGIC`` names the format and
-``Header.version`` its revision: a reader refuses anything else. The header is columnar:
-string, shape and placement tables, then one column per field of the chunks, keys and
-placements, each the raw little-endian bytes of the dtype :data:`COLUMNS` gives it. The token
-arena follows: the token ids of every chunk with known content, as little-endian uint32, in the
-header's chunk order. See docs/directory.md.
+``Header.version`` its revision: a reader refuses any it does not know (:data:`READABLE`).
+The header is columnar: string, shape and placement tables, then one column per field of the
+chunks, keys and placements, each the raw little-endian bytes of the dtype :data:`COLUMNS`
+gives it. The token arena follows: the token ids of every chunk with known content, in the
+header's chunk order, little-endian, each chunk at its width (``chunk_token_widths``: 2 for a
+chunk the directory stores as uint16, 4 for uint32; version 1 has no widths: all 4). See
+docs/directory.md.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ import numpy as np
 from kvatlas.errors import InvalidInput
 
 MAGIC = b"KVATSNP1"
-VERSION = 1
+VERSION = 2
+"""What the writer writes. 2: tokens at their stored width (``chunk_token_widths``)."""
+READABLE = (1, 2)
+"""What the reader reads. 1: every token as uint32 (compacted on load)."""
 PREFIX = struct.Struct("<8sQ")  # magic, header length
 TIERS = ("l1", "l2", "gpu", "engine-cpu")  # pl_tier codes (append only)
 HASH_BYTES = 32  # chunk_hashes: the chunks' hashes, concatenated
@@ -38,6 +43,7 @@ COLUMNS: dict[str, str] = {
     "chunk_offsets": "<i8",
     "chunk_token_lens": "<u4",  # 0 = content unknown
     "chunk_key_counts": "<u4",
+    "chunk_token_widths": "u1",  # bytes per token in the arena: 2 or 4 (version >= 2)
     # keys, chunk-major
     "key_shapes": "<u4",  # shape refs
     "key_pl_counts": "<u4",
@@ -96,6 +102,7 @@ class Header(msgspec.Struct, omit_defaults=True):
     capacities: list[CapacityRow]  # instance, incarnation, revision, (tier, backend, bytes)
     arena_tokens: int
     instances: list[InstanceRow] | None = None  # absent in snapshots written before it existed
+    chunk_token_widths: bytes = b""  # version >= 2 (empty: every width is 4)
 
 
 def encode_column(name: str, values: list[Any]) -> bytes:

@@ -39,7 +39,7 @@ from kvatlas.directory.records import (
     group_placements,
     make_record,
     record_offset,
-    record_tokens,
+    record_stored_tokens,
     records_from_columns,
     rows_from_columns,
 )
@@ -48,17 +48,19 @@ from kvatlas.directory.snapshot.format import (
     HASH_BYTES,
     MAGIC,
     PREFIX,
+    READABLE,
     TIERS,
-    VERSION,
     Header,
     SnapshotError,
     SnapshotInfo,
     decode_column,
 )
+from kvatlas.directory.token_store import stored_batch
 from kvatlas.events import VOLATILE_TIERS
 from kvatlas.keys import ObjectKey
 
 _READ_ONLY = methodcaller("setflags", write=False)
+_U16, _U32 = np.dtype(np.uint16), np.dtype(np.uint32)
 _preadv: Callable[[int, list[Any], int], int] | None = getattr(os, "preadv", None)
 try:
     _IOV_MAX = max(1, min(int(os.sysconf("SC_IOV_MAX")), 1024))
@@ -89,14 +91,14 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
         except msgspec.MsgspecError as exc:
             raise SnapshotError(f"corrupt snapshot header: {exc}") from None
         del raw_header
-        if header.version != VERSION:
+        if header.version not in READABLE:
             raise SnapshotError(f"unsupported snapshot version {header.version}")
-        if size - body != 4 * header.arena_tokens:
-            raise SnapshotError("token arena length does not match the header")
         columns = _columns(header)
+        if size - body != int((columns.lens.astype(np.int64) * columns.widths).sum()):
+            raise SnapshotError("token arena length does not match the header")
         # The GC stays on: records are untracked at their first young collection, so
         # collecting as they are built costs less than one pass over all of them at the end.
-        tokens = _read_tokens(f, body, columns.lens)
+        tokens = _read_tokens(f, body, columns.lens, columns.widths, header.version < 2)
         shapes, parts, hashes = _build(header, columns, tokens)
         del tokens
         state = DirectoryState(header.chunk_size, _cursors(header), _capacities(header))
@@ -120,6 +122,7 @@ class _Columns:
 
     offsets: np.ndarray[Any, Any]
     lens: np.ndarray[Any, Any]
+    widths: np.ndarray[Any, Any]  # bytes per token (int64: 2 or 4)
     counts: np.ndarray[Any, Any]
     key_shapes: np.ndarray[Any, Any]
     key_pl_counts: np.ndarray[Any, Any]
@@ -135,6 +138,9 @@ def _columns(header: Header) -> _Columns:
     key_pls = decode_column(header, "key_pls")
     n = len(offsets)
     n_pls = len(decode_column(header, "pl_instance"))
+    widths = decode_column(header, "chunk_token_widths").astype(np.int64)
+    if header.version < 2 or not len(widths):  # version 1: every token is a uint32
+        widths = np.full(n, 4, np.int64)
     if (
         len(header.chunk_hashes) != HASH_BYTES * n
         or len(lens) != n
@@ -143,54 +149,64 @@ def _columns(header: Header) -> _Columns:
         or len(key_pl_counts) != len(key_shapes)
         or int(key_pl_counts.sum(dtype=np.int64)) != len(key_pls)
         or int(lens.sum(dtype=np.int64)) != header.arena_tokens
+        or len(widths) != n
+        or (n and not bool(((widths == 2) | (widths == 4)).all()))
         or (n and (int(offsets.min()) < -1 or int(counts.min()) < 1))
         or (len(key_shapes) and int(key_shapes.max()) >= len(header.shapes))
         or (len(key_pl_counts) and int(key_pl_counts.min()) < 1)
         or (len(key_pls) and int(key_pls.max()) >= n_pls)
     ):
         raise SnapshotError("inconsistent snapshot columns")
-    return _Columns(offsets, lens, counts, key_shapes, key_pl_counts, key_pls)
+    return _Columns(offsets, lens, widths, counts, key_shapes, key_pl_counts, key_pls)
 
 
-def _read_tokens(f: io.BufferedReader, start: int, lens: np.ndarray[Any, Any]) -> list[Any]:
-    """One private read-only array per bound chunk (``None`` for unknown content), filled
-    straight from the file: scatter reads (``preadv``, up to ``IOV_MAX`` arrays per call) put
-    the arena into the final arrays with no intermediate buffer.
+def _read_tokens(
+    f: io.BufferedReader,
+    start: int,
+    lens: np.ndarray[Any, Any],
+    widths: np.ndarray[Any, Any],
+    compact: bool,
+) -> list[Any]:
+    """One private read-only array per bound chunk (``None`` for unknown content), at its
+    stored width, filled straight from the file: scatter reads (``preadv``, up to ``IOV_MAX``
+    arrays per call) put the arena into the final arrays with no intermediate buffer. A
+    version-1 arena (``compact``: every width 4) is compacted as it is read, a group at a
+    time (see :mod:`kvatlas.directory.token_store`).
 
     Each content owns its memory, rather than being a view into one arena buffer: a view would
     pin the whole arena for as long as any restored chunk lives (L2 placements can live for
     days), and the blend index could not share it (it copies arrays that pin a larger buffer),
     doubling token memory."""
     lens_list = lens.tolist()
-    empty, u32 = np.empty, np.uint32
     if not lens_list:
         return []
-    first = lens_list[0]
-    if first and lens_list.count(first) == len(lens_list):  # all bound, one length: common
-        arrays = [empty(first, u32) for _ in lens_list]
-        out: list[Any] = arrays
-    else:
-        out = [empty(n, u32) if n else None for n in lens_list]
-        arrays = [a for a in out if a is not None]
+    bound = lens > 0
+    sizes = (lens[bound] * widths[bound]).tolist()  # bytes of each bound chunk
+    dtypes = [_U16 if w == 2 else _U32 for w in widths[bound].tolist()]
+    counts = lens[bound].tolist()
     fd = f.fileno()
-    ends = np.cumsum(lens[lens > 0], dtype=np.int64)  # token end of each array
     step = _IOV_MAX if _preadv is not None else 1
-    done = 0  # tokens read so far
-    for i in range(0, len(arrays), step):
-        group = arrays[i : i + step]
-        want = 4 * (int(ends[i + len(group) - 1]) - done)
-        got = _preadv(fd, group, start + 4 * done) if _preadv is not None else 0
+    arrays: list[Any] = []
+    pos = start
+    for i in range(0, len(counts), step):
+        group: list[Any] = list(map(np.empty, counts[i : i + step], dtypes[i : i + step]))
+        want = sum(sizes[i : i + step])
+        got = _preadv(fd, group, pos) if _preadv is not None else 0
         if got != want:  # short read (huge group) or no preadv: fill array by array
-            pos = start + 4 * done
+            at = pos
             for a in group:
-                _fill(f, a, pos)
-                pos += a.nbytes
-        done += want // 4
-    if sys.byteorder != "little":  # pragma: no cover - the arena is little-endian
-        for a in arrays:
-            a.byteswap(inplace=True)
-    deque(map(_READ_ONLY, arrays), maxlen=0)
-    return out
+                _fill(f, a, at)
+                at += a.nbytes
+        pos += want
+        if sys.byteorder != "little":  # pragma: no cover - the arena is little-endian
+            for a in group:
+                a.byteswap(inplace=True)
+        deque(map(_READ_ONLY, group), maxlen=0)
+        arrays += stored_batch(group) if compact else group
+    if len(arrays) == len(lens_list):  # every chunk bound: the common case
+        return arrays
+    it = iter(arrays)
+    return [next(it) if n else None for n in lens_list]
 
 
 def _fill(f: io.BufferedReader, a: np.ndarray[Any, Any], pos: int) -> None:
@@ -281,7 +297,7 @@ def _build(
                 m = fr[k]
                 keys.append((ksh[k], group_placements([pls[x] for x in kpl[m : m + kpc_list[k]]])))
             rec = records[c]
-            records[c] = make_record(record_tokens(rec), record_offset(rec), False, keys)
+            records[c] = make_record(record_stored_tokens(rec), record_offset(rec), False, keys)
     return table, _partitions(raw, hashes, records), hashes
 
 

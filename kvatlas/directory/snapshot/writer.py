@@ -15,6 +15,7 @@ column of a million keys.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from kvatlas.directory.records import (
     placements_of,
     record_keys,
     record_offset,
-    record_tokens,
+    record_stored_tokens,
     row_backend,
     row_incarnation,
     row_instance,
@@ -170,6 +171,7 @@ class _Columns:
         self.hashes: list[bytes] = []
         self.offsets: list[int] = []
         self.token_lens: list[int] = []
+        self.token_widths: list[int] = []
         self.arena: list[np.ndarray[Any, Any]] = []
         self.key_counts: list[int] = []
         self.key_shapes: list[int] = []
@@ -191,8 +193,9 @@ class _Columns:
         recs = [rec for _, rec in records]
         self.hashes += [h for h, _ in records]
         self.offsets += map(record_offset, recs)
-        tokens = list(map(record_tokens, recs))
+        tokens = list(map(record_stored_tokens, recs))
         self.token_lens += [0 if t is None else len(t) for t in tokens]
+        self.token_widths += [4 if t is None else t.itemsize for t in tokens]
         self.arena += [t for t in tokens if t is not None]
         shape_ids, pl_ids, pls = self.shape_ids, self.pl_ids, self.pls
         add_count, add_shape = self.key_counts.append, self.key_shapes.append
@@ -247,6 +250,7 @@ class _Columns:
                 for inst, d in state.capacities.items()
             ],
             arena_tokens=sum(self.token_lens),
+            chunk_token_widths=self.column("chunk_token_widths", self.token_widths),
         )
 
 
@@ -256,7 +260,7 @@ def _cursor_row(name: str, c: EmitterCursor) -> CursorRow:
     return (name, c.incarnation, c.last_seq, c.gaps, c.missing_batches, last)
 
 
-_ARENA_BLOCK = 256  # token arrays per concatenation (256 chunks of 256 tokens: 256 KiB)
+_ARENA_BLOCK = 256  # token arrays per write (256 chunks of 256 tokens: at most 256 KiB)
 
 
 def _write_atomically(path: Path, header: list[bytes], arena: list[np.ndarray[Any, Any]]) -> int:
@@ -268,7 +272,11 @@ def _write_atomically(path: Path, header: list[bytes], arena: list[np.ndarray[An
                 f.write(piece)  # a large piece is written without a copy, the GIL released
             for start in range(0, len(arena), _ARENA_BLOCK):
                 block = arena[start : start + _ARENA_BLOCK]
-                f.write(np.concatenate(block).astype("<u4", copy=False).data)  # drops the GIL
+                if sys.byteorder != "little":  # pragma: no cover - the arena is little-endian
+                    block = [a.byteswap() for a in block]
+                f.write(
+                    b"".join([a.data for a in block])
+                )  # each array at its stored width; drops the GIL
             f.flush()
             os.fsync(f.fileno())
             size = f.tell()

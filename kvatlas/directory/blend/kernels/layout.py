@@ -4,10 +4,13 @@ The arrays are owned by the index and read or written by the kernels only while 
 holds the index lock.
 
 - contents: ``c_fp`` (uint64 fingerprint), ``c_addr`` (address of the content's read-only
-  uint32 token array, kept alive by the index; 0 = free id), ``c_first`` (first occupant,
-  -1 = none).
-- ``table``: the content table (see ``table.py``), 2 slots per content id (load <= 1/2).
-- ``filt``: the content filter (see ``filter.py``), 16 bits per content id.
+  token array, kept alive by the index, with :data:`TOKENS_U16` set when the array is
+  ``uint16`` (every id below 2^16, see ``directory/token_store.py``), clear for ``uint32``;
+  0 = free id), ``c_first`` (first occupant, -1 = none).
+- ``table``: the content table (see ``table.py``), a power of two of slots sized by the live
+  contents (load <= 1/2), independent of the content capacity: content ids are its values.
+- ``filt``: the content filter (see ``filter.py``), one word per 8 table slots (16 to 32 bits
+  per live content).
 - occupants (one chunk_hash stored with one content): ``o_i64[o] = (token_offset, address of
   the chunk_hash bytes)`` (kept alive by the index, shared with the caller: no copy),
   ``o_hlen`` (hash length), ``o_i32[o] = (next occupant of the content, inline first claim or
@@ -23,6 +26,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
+
+TOKENS_U16 = 1 << 62
+"""Tag bit of a token address (``c_addr``): the array is ``uint16``. User-space addresses stay
+far below 2^62, so the tag never collides with an address bit."""
+ADDRESS_BITS = TOKENS_U16 - 1
+"""Mask that takes the tag off a token address."""
 
 O_OFF, O_HADDR = 0, 1
 """Columns of ``o_i64``."""
@@ -54,7 +63,7 @@ class BlendArrays(NamedTuple):
     def empty(cls, capacity: int) -> BlendArrays:
         """Room for ``capacity`` contents and occupants (a power of two >= 8)."""
         return cls(
-            *_lookup(capacity),
+            *_lookup(2 * capacity),
             c_fp=np.zeros(capacity, np.uint64),
             c_addr=np.zeros(capacity, np.int64),
             c_first=np.full(capacity, -1, np.int32),
@@ -73,18 +82,24 @@ class BlendArrays(NamedTuple):
     def occupant_capacity(self) -> int:
         return int(self.o_i64.shape[0])
 
-    def with_empty_lookup(self) -> BlendArrays:
-        """Fresh (empty) table and filter sized for the content capacity: to be rebuilt."""
-        table, filt = _lookup(self.content_capacity)
+    @property
+    def table_slots(self) -> int:
+        return int(self.table.shape[0])
+
+    def with_empty_lookup(self, slots: int | None = None) -> BlendArrays:
+        """Fresh (empty) table and filter of ``slots`` table slots (a power of two; default:
+        as many as now): to be rebuilt."""
+        table, filt = _lookup(self.table_slots if slots is None else slots)
         return self._replace(table=table, filt=filt)
 
     def with_content_capacity(self, capacity: int) -> BlendArrays:
-        """Content arrays grown to ``capacity``, table and filter empty: to be rebuilt."""
+        """Content arrays grown to ``capacity`` (the table and filter are unchanged: they
+        hold content ids, not positions)."""
         return self._replace(
             c_fp=_resized(self.c_fp, capacity, 0),
             c_addr=_resized(self.c_addr, capacity, 0),
             c_first=_resized(self.c_first, capacity, -1),
-        ).with_empty_lookup()
+        )
 
     def with_occupant_capacity(self, capacity: int) -> BlendArrays:
         return self._replace(
@@ -94,9 +109,10 @@ class BlendArrays(NamedTuple):
         )
 
 
-def _lookup(capacity: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.uint64]]:
-    """An empty table (2 slots per content id) and filter (16 bits per content id)."""
-    return np.full(2 * capacity, -1, np.int32), np.zeros(max(2, capacity // 4), np.uint64)
+def _lookup(slots: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.uint64]]:
+    """An empty table of ``slots`` slots and its filter (one word per 8 slots: 16 bits per
+    content at the table's highest load)."""
+    return np.full(slots, -1, np.int32), np.zeros(max(2, slots // 8), np.uint64)
 
 
 def _resized(arr: npt.NDArray[Any], capacity: int, fill: int) -> npt.NDArray[Any]:

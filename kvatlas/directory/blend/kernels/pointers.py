@@ -40,6 +40,8 @@ def _pointer_cast(item: Any) -> Any:
 
 u32_ptr = _pointer_cast(types.uint32)
 """``uint32*`` at an address: a token array shared with the directory."""
+u16_ptr = _pointer_cast(types.uint16)
+"""``uint16*`` at an address: a compact token array (every id below 2^16)."""
 u8_ptr = _pointer_cast(types.uint8)
 """``uint8*`` at an address: the payload of a chunk_hash ``bytes`` the index keeps."""
 i64_ptr = _pointer_cast(types.int64)

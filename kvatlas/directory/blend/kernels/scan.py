@@ -15,7 +15,14 @@ import numpy as np
 import numpy.typing as npt
 
 from kvatlas.directory.blend.kernels.filter import bloom_mask, may_contain, mix, word_shift
-from kvatlas.directory.blend.kernels.layout import O_HADDR, O_NEXT, O_OFF, BlendArrays
+from kvatlas.directory.blend.kernels.layout import (
+    ADDRESS_BITS,
+    O_HADDR,
+    O_NEXT,
+    O_OFF,
+    TOKENS_U16,
+    BlendArrays,
+)
 from kvatlas.directory.blend.kernels.modhash import (
     LANES,
     fingerprint,
@@ -314,7 +321,9 @@ def _resolve(
             o = o_i32[o, O_NEXT]
         if is_claimed:  # only the requester's contents are compared: fetch their tokens
             addr = c_addr[cid]
-            for line in range(0, 4 * chunk, 64):
+            size = 2 * chunk if addr & TOKENS_U16 else 4 * chunk
+            addr &= ADDRESS_BITS
+            for line in range(0, size, 64):
                 prefetch_addr(addr + line)  # type: ignore[call-arg]
     out_pos = np.empty(n_occ, np.int64)
     out_occ = np.empty(n_occ, np.int32)

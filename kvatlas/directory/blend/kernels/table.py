@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from kvatlas.directory.blend.kernels.pointers import inline, jit, u32_ptr
+from kvatlas.directory.blend.kernels.layout import ADDRESS_BITS, TOKENS_U16
+from kvatlas.directory.blend.kernels.pointers import inline, jit, u16_ptr, u32_ptr
 
 EMPTY = -1
 _MIX1 = np.uint64(0x9E3779B97F4A7C15)
@@ -60,15 +61,23 @@ def _content_home_of(c_fp: Any, cid: Any, mask: Any) -> Any:
 
 @jit
 def equal_at(q: Any, pos: Any, addr: Any, chunk: Any) -> Any:
-    """``q[pos:pos+chunk]`` equals the ``chunk`` tokens at ``addr``: compared 64 at a time
-    with an OR of XORs (SIMD, no branch per token), stopping at the first differing block."""
-    p: Any = u32_ptr(addr)  # type: ignore[call-arg]
+    """``q[pos:pos+chunk]`` equals the ``chunk`` tokens at the token address ``addr`` (either
+    width, see ``layout.TOKENS_U16``): compared 64 at a time with an OR of XORs (SIMD, no
+    branch per token), stopping at the first differing block."""
+    if addr & TOKENS_U16:
+        return _equal_to(q, pos, u16_ptr(addr & ADDRESS_BITS), chunk)  # type: ignore[call-arg]
+    return _equal_to(q, pos, u32_ptr(addr), chunk)  # type: ignore[call-arg]
+
+
+@jit
+def _equal_to(q: Any, pos: Any, p: Any, chunk: Any) -> Any:
+    """:func:`equal_at` of a typed pointer (compiled once per token width)."""
     k = 0
     while k < chunk:
         end = min(k + 64, chunk)
         diff = np.uint32(0)
         for i in range(k, end):
-            diff |= q[pos + i] ^ p[i]
+            diff |= q[pos + i] ^ np.uint32(p[i])
         if diff != 0:
             return False
         k = end

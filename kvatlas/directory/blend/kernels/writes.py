@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numba
 import numpy as np
 
 from kvatlas.directory.blend.kernels.filter import filter_add
@@ -22,6 +21,7 @@ from kvatlas.directory.blend.kernels.layout import (
     O_NEXT,
     O_NS0,
     O_OFF,
+    TOKENS_U16,
     BlendArrays,
 )
 from kvatlas.directory.blend.kernels.modhash import fingerprint
@@ -36,18 +36,19 @@ from kvatlas.directory.blend.kernels.occupants import (
     link_occupant,
     unlink_occupant,
 )
-from kvatlas.directory.blend.kernels.pointers import i64_ptr, jit, u32_ptr
+from kvatlas.directory.blend.kernels.pointers import i64_ptr, jit, u16_ptr, u32_ptr
 from kvatlas.directory.blend.kernels.table import content_reinsert, find_content
 
 ADD, REMOVE_CLAIM, REMOVE_CHUNK, SKIP = 0, 1, 2, 3
 """Op kinds (``SKIP``: nothing to do, e.g. a removal for a namespace without claims)."""
 
 
-OP_KIND, OP_TOKENS, OP_HASH, OP_HASH_LEN, OP_OFFSET, OP_NS = range(6)
-"""Rows of the ``(6, k)`` int64 op array :func:`apply_ops` takes, one column per op:
-kind; the token array (``id`` of a C-contiguous uint32 array, its data pointer read at
-``id + data_off``, or with ``data_off < 0`` the data address itself); address and length of
-the chunk_hash payload; token offset; namespace id (-1 for ``REMOVE_CHUNK``)."""
+OP_KIND, OP_TOKENS, OP_HASH, OP_HASH_LEN, OP_OFFSET, OP_NS, OP_TOKEN_BYTES = range(7)
+"""Rows of the ``(7, k)`` int64 op array :func:`apply_ops` takes, one column per op:
+kind; the token array (``id`` of a C-contiguous uint32 or uint16 array, its data pointer
+read at ``id + data_off``, or with ``data_off < 0`` the data address itself); address and
+length of the chunk_hash payload; token offset; namespace id (-1 for ``REMOVE_CHUNK``);
+bytes per token of the array (4, or 2 for uint16)."""
 
 
 @jit
@@ -71,6 +72,7 @@ def apply_ops(
     table, filt, c_fp, c_addr, c_first = s.table, s.filt, s.c_fp, s.c_addr, s.c_first
     o_i64, o_i32, o_hlen, claims, ids = s.o_i64, s.o_i32, s.o_hlen, s.claims, s.ids
     o_links = o_i32[:, O_NEXT]
+    tokens = np.empty(chunk, np.uint32)  # each op's ids, whatever width they are stored at
     n = ops.shape[1]
     for i in range(n):
         out[i, 0] = 0
@@ -83,7 +85,11 @@ def apply_ops(
         addr = ops[OP_TOKENS, i]
         if data_off >= 0:
             addr = i64_ptr(addr + data_off)[0]  # type: ignore[call-arg]
-        tokens = numba.carray(u32_ptr(addr), chunk)  # type: ignore[attr-defined,call-arg]
+        if ops[OP_TOKEN_BYTES, i] == 2:
+            _load(tokens, u16_ptr(addr), chunk)  # type: ignore[call-arg]
+            addr |= TOKENS_U16  # the token address the content keeps (layout.py)
+        else:
+            _load(tokens, u32_ptr(addr), chunk)  # type: ignore[call-arg]
         h_addr, h_len, ns = ops[OP_HASH, i], ops[OP_HASH_LEN, i], ops[OP_NS, i]
         fp = fingerprint(tokens, 0, chunk, base, fmask)
         cid, slot = find_content(tokens, fp, chunk, table, c_fp, c_addr)
@@ -139,6 +145,7 @@ def apply_ops(
 def apply_op(
     kind: Any,
     tokens: Any,
+    token_bytes: Any,
     h_addr: Any,
     h_len: Any,
     offset: Any,
@@ -151,9 +158,10 @@ def apply_op(
 ) -> Any:
     """:func:`apply_ops` for a batch of one op passed as scalars (the common single write:
     no op arrays for the caller to build); returns its ``out`` row."""
-    ops = np.empty((6, 1), np.int64)
+    ops = np.empty((7, 1), np.int64)
     ops[OP_KIND, 0] = kind
     ops[OP_TOKENS, 0] = tokens
+    ops[OP_TOKEN_BYTES, 0] = token_bytes
     ops[OP_HASH, 0] = h_addr
     ops[OP_HASH_LEN, 0] = h_len
     ops[OP_OFFSET, 0] = offset
@@ -161,6 +169,13 @@ def apply_op(
     out = np.empty((1, 4), np.int64)
     apply_ops(ops, chunk, data_off, base, fmask, arrays, out)
     return out[0, 0], out[0, 1], out[0, 2], out[0, 3]
+
+
+@jit
+def _load(out: Any, p: Any, chunk: Any) -> None:
+    """``out[:chunk]`` = the ids at the typed pointer ``p`` (compiled once per width)."""
+    for k in range(chunk):
+        out[k] = p[k]
 
 
 @jit

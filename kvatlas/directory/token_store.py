@@ -1,0 +1,173 @@
+"""Token storage: how the directory keeps a chunk's token ids — compactly, exactly.
+
+A chunk's content is kept as a read-only array that owns its memory: ``uint16`` when every id
+of the chunk is below 2^16 (vocabularies up to 65,536 tokens: half the bytes of the ``uint32``
+the wire carries, and token bytes are most of a directory's memory), else ``uint32``. The
+choice is made per chunk and is never a truncation: one id that does not fit keeps the whole
+chunk at ``uint32``. Either way the array holds the same ids; :func:`widened` gives the
+``uint32`` array that public values (lookups, listings) carry. The blend index reads both
+widths through the array's data pointer (``blend/kernels/layout.py``).
+
+Entries of one content (the ranks of a chunk) usually share one input array: they get one
+stored array, so the directory's "same object, same content" shortcut keeps working. The
+narrowing itself is one compiled pass per batch (a numpy call per chunk would cost more than
+the rest of consuming it).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from itertools import repeat
+from operator import attrgetter, methodcaller
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvatlas.directory.blend._cpython import ARRAY_DATA_OFFSET, array_handles
+from kvatlas.directory.blend.kernels.pointers import i64_ptr, jit, u16_ptr, u32_ptr
+from kvatlas.keys.tokens import TokenArray
+
+StoredTokens = npt.NDArray[np.unsignedinteger[Any]]
+"""A chunk's content as the directory keeps it: read-only ``uint16`` or ``uint32``."""
+COMPACT_LIMIT = 1 << 16
+"""Ids below this fit the compact (``uint16``) form."""
+
+_U16 = np.dtype(np.uint16)
+_U32 = np.dtype(np.uint32)
+_READ_ONLY = methodcaller("setflags", write=False)
+_DTYPE = attrgetter("dtype")
+_STRIDES = attrgetter("strides")
+
+
+def widened(stored: StoredTokens) -> TokenArray:
+    """The ids of ``stored`` as a read-only ``uint32`` array (``stored`` itself if it is one)."""
+    if stored.dtype is _U32:
+        return stored  # type: ignore[return-value]
+    out = stored.astype(np.uint32)
+    out.flags.writeable = False
+    return out
+
+
+def same_content(a: StoredTokens, b: StoredTokens) -> bool:
+    """Whether two stored arrays hold the same ids (whatever their widths)."""
+    return a is b or (a.shape == b.shape and bool(np.array_equal(a, b)))
+
+
+def stored_one(tokens: npt.NDArray[Any]) -> StoredTokens:
+    """``tokens`` (validated ids) in stored form: a compact copy if every id fits, else the
+    array itself when it is a read-only, C-contiguous ``uint32`` array (kept as the directory
+    always kept contents), else a ``uint32`` copy of it."""
+    if tokens.dtype is _U16 and not tokens.flags.writeable and tokens.flags.owndata:
+        return tokens
+    if len(tokens) == 0 or int(tokens.max()) < COMPACT_LIMIT:
+        out = np.array(tokens, dtype=np.uint16, order="C", copy=True)
+    elif tokens.dtype is _U32 and not tokens.flags.writeable and tokens.flags.c_contiguous:
+        return tokens
+    else:
+        out = np.array(tokens, dtype=np.uint32, order="C", copy=True)
+    out.flags.writeable = False
+    return out
+
+
+def stored_batch(arrays: Sequence[TokenArray | None]) -> list[StoredTokens | None]:
+    """:func:`stored_one` of each array (``None`` stays ``None``), one compiled pass for the
+    batch; entries that share an input array share its stored array. (Per entry this is an
+    allocation and a flag: the checks run as C-level maps, not as Python code per entry.)"""
+    srcs = [a for a in arrays if a is not None]
+    ids = list(map(id, srcs))
+    distinct = dict(zip(ids, srcs, strict=True))
+    if len(distinct) != len(srcs):
+        srcs = list(distinct.values())
+    if not srcs:
+        return list(arrays)
+    if set(map(_DTYPE, srcs)) != {_U32} or set(map(_STRIDES, srcs)) != {(4,)}:
+        stored = {key: stored_one(a) for key, a in distinct.items()}  # uncommon inputs
+        return [None if a is None else stored[id(a)] for a in arrays]
+    lens = list(map(len, srcs))
+    outs: list[StoredTokens] = list(map(np.empty, lens, repeat(_U16)))
+    fits = np.empty(len(srcs), np.bool_)
+    _narrow_arrays(
+        np.array(array_handles(srcs), np.int64),
+        np.array(lens, np.int64),
+        np.array(array_handles(outs), np.int64),
+        ARRAY_DATA_OFFSET,
+        fits,
+    )
+    deque(map(_READ_ONLY, outs), maxlen=0)
+    if not fits.all():
+        for i in np.flatnonzero(~fits).tolist():
+            outs[i] = stored_one(srcs[i])
+    if len(outs) == len(arrays):  # no None, no shared input: entry for entry
+        return outs  # type: ignore[return-value]
+    by_id = dict(zip(distinct, outs, strict=True))
+    return [None if a is None else by_id[id(a)] for a in arrays]
+
+
+def stored_from_arena(
+    arena: TokenArray, starts: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64]
+) -> list[StoredTokens | None]:
+    """Stored arrays of ``arena[starts[j]:starts[j] + lengths[j]]`` (length 0: ``None``), each
+    owning its memory (never a view that would pin the arena), one compiled pass for all."""
+    arena = np.ascontiguousarray(arena, dtype=np.uint32)
+    starts, lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
+    lens = lengths.tolist()
+    if len(starts) != len(lens) or (
+        len(lens)
+        and (min(lens) < 0 or int(starts.min()) < 0 or int((starts + lengths).max()) > len(arena))
+    ):
+        raise ValueError("token rows outside the arena")
+    present: list[StoredTokens] = list(map(np.empty, filter(None, lens), repeat(np.uint16)))
+    handles = np.zeros(len(lens), np.int64)  # 0: an empty row, nothing to write
+    handles[lengths > 0] = array_handles(present)
+    fits = np.empty(len(lens), np.bool_)
+    _narrow_arena(arena, starts, lengths, handles, ARRAY_DATA_OFFSET, fits)
+    deque(map(_READ_ONLY, present), maxlen=0)
+    it = iter(present)
+    outs: list[StoredTokens | None] = [next(it) if n else None for n in lens]
+    for j in np.flatnonzero(~fits & (lengths > 0)).tolist():
+        start = int(starts[j])
+        wide = arena[start : start + lens[j]].copy()
+        wide.flags.writeable = False
+        outs[j] = wide
+    return outs
+
+
+@jit
+def _data(handle: Any, data_off: Any) -> Any:
+    """The data address of an array handed over as ``array_handles`` gives it."""
+    return i64_ptr(handle + data_off)[0] if data_off >= 0 else handle  # type: ignore[call-arg]
+
+
+@jit
+def _narrow_arrays(src: Any, lens: Any, dst: Any, data_off: Any, fits: Any) -> None:
+    """Per row: ``fits[i]`` = every uint32 id of array ``src[i]`` is below 2^16, and if so
+    the ids written to the uint16 array ``dst[i]`` (both C-contiguous, ``lens[i]`` long)."""
+    for i in range(src.shape[0]):
+        n = lens[i]
+        a: Any = u32_ptr(_data(src[i], data_off))  # type: ignore[call-arg]
+        high = np.uint32(0)
+        for k in range(n):
+            high |= a[k]
+        fits[i] = high < COMPACT_LIMIT
+        if high < COMPACT_LIMIT:
+            b: Any = u16_ptr(_data(dst[i], data_off))  # type: ignore[call-arg]
+            for k in range(n):
+                b[k] = np.uint16(a[k])
+
+
+@jit
+def _narrow_arena(arena: Any, starts: Any, lens: Any, dst: Any, data_off: Any, fits: Any) -> None:
+    """:func:`_narrow_arrays` for rows of one arena (``dst[j] == 0``: an empty row)."""
+    for j in range(starts.shape[0]):
+        n = lens[j]
+        s = starts[j]
+        high = np.uint32(0)
+        for k in range(s, s + n):
+            high |= arena[k]
+        fits[j] = high < COMPACT_LIMIT
+        if high < COMPACT_LIMIT and dst[j] != 0:
+            b: Any = u16_ptr(_data(dst[j], data_off))  # type: ignore[call-arg]
+            for k in range(n):
+                b[k] = np.uint16(arena[s + k])
