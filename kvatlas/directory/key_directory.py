@@ -37,6 +37,7 @@ from kvatlas.directory.records import (
 )
 from kvatlas.errors import InvalidInput
 from kvatlas.events import ACCESS, CONFIG, DELETE, RESYNC, STORE, EventBatch
+from kvatlas.events.columns import ColumnBatch, EntryColumns
 from kvatlas.events.inventory import Digest, empty_digest
 from kvatlas.keys import (
     DEFAULT_CHUNK_SIZE,
@@ -170,17 +171,27 @@ class KeyDirectory:
         """Apply one batch through the gate: entirely or not at all."""
         if not isinstance(batch, EventBatch):
             raise TypeError(f"expected EventBatch, got {type(batch).__name__}")
+        return self.apply_columns([ColumnBatch.of(batch)])[0]
+
+    def apply_columns(self, batches: Sequence[ColumnBatch]) -> list[Outcome]:
+        """Apply batches in order through the gate, each entirely or not at all (a store
+        batch from its :class:`~kvatlas.events.columns.EntryColumns`), under one lock hold,
+        with the blend-index writes of all of them as one index batch (a concurrent match
+        sees the index before or after the whole call). Returns each batch's outcome."""
+        outcomes = []
         with self._lock:
-            admission = self._gate.admit(batch)
-            self._outcomes[admission.outcome] += 1
-            if admission.outcome is Outcome.APPLIED:
-                try:
-                    self._apply_admitted(batch, admission)
-                finally:
-                    self._flush_index()
-                if self.observer is not None:
-                    self.observer.applied(batch, admission.fence_first)
-            return admission.outcome
+            try:
+                for cb in batches:
+                    admission = self._gate.admit(cb.header)
+                    self._outcomes[admission.outcome] += 1
+                    if admission.outcome is Outcome.APPLIED:
+                        self._apply_admitted(cb, admission)
+                        if self.observer is not None:
+                            self.observer.applied(cb.batch(), admission.fence_first)
+                    outcomes.append(admission.outcome)
+            finally:
+                self._flush_index()
+        return outcomes
 
     def fence_instance(self, instance_id: str) -> int:
         """Drop every L1 placement ``instance_id`` reported (its process memory is gone);
@@ -206,16 +217,21 @@ class KeyDirectory:
             self._capacities.pop(instance_id, None)
             return dropped
 
-    def _apply_admitted(self, batch: EventBatch, admission: Admission) -> None:
+    def _apply_admitted(self, cb: ColumnBatch, admission: Admission) -> None:
         # Everything below operates on a validated batch and cannot fail halfway: shapes are
         # resolved first, and placement/binding updates raise on nothing valid input can hold.
+        batch = cb.header
         kind = batch.event_type
         chunks = self._chunks
-        sids = chunks.shapes.intern_all(batch.entries) if kind in (STORE, RESYNC) else []
+        if kind == STORE:
+            cols = cb.store_columns()
+        elif kind == RESYNC:
+            cols = EntryColumns.of_entries(batch.entries)
+        sids = chunks.shapes.intern_columns(cols) if kind in (STORE, RESYNC) else []
         if admission.fence_first:
             chunks.fence(batch.instance_id)
         if kind == STORE:
-            chunks.store(batch, sids)
+            chunks.store(batch, cols, sids)
         elif kind == DELETE:
             chunks.delete(batch)
         elif kind == ACCESS:
@@ -223,7 +239,7 @@ class KeyDirectory:
         elif kind == CONFIG:
             self._apply_config(batch)
         elif kind == RESYNC:
-            chunks.resync(batch, sids)
+            chunks.resync(batch, cols, sids)
         self._gate.commit(batch, admission)
 
     def _flush_index(self) -> None:

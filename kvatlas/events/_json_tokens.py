@@ -11,6 +11,9 @@ This module imports numba: ``json_codec`` imports it on first use only, so that 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import msgspec
 import numba
 import numpy as np
 import numpy.typing as npt
@@ -23,8 +26,9 @@ def _is_space(c: int) -> bool:  # pragma: no cover - compiled
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
 def _parse_lists(buf, starts, ends, arena, lengths):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """Parse ``buf[starts[j]:ends[j]]`` as a JSON int array into ``arena``; returns the index
-    of the first invalid list, or -1 when all are valid. ``lengths[j]`` gets each count."""
+    """Parse ``buf[starts[j]:ends[j]]`` as a JSON int array (or ``null``: length 0) into
+    ``arena``; returns the index of the first invalid list, or -1 when all are valid.
+    ``lengths[j]`` gets each count."""
     k = 0
     for j in range(len(starts)):
         i = starts[j]
@@ -32,6 +36,16 @@ def _parse_lists(buf, starts, ends, arena, lengths):  # type: ignore[no-untyped-
         first = k
         while i < n and _is_space(buf[i]):
             i += 1
+        if i + 4 <= n and buf[i] == 110 and buf[i + 1] == 117 and buf[i + 2] == 108:
+            if buf[i + 3] != 108:  # "null": no tokens, as an empty list
+                return j
+            i += 4
+            while i < n and _is_space(buf[i]):
+                i += 1
+            if i != n:
+                return j
+            lengths[j] = 0
+            continue
         if i >= n or buf[i] != 91:  # '['
             return j
         i += 1
@@ -83,13 +97,15 @@ def _parse_lists(buf, starts, ends, arena, lengths):  # type: ignore[no-untyped-
 
 
 def parse_token_lists(
-    raws: list[bytes],
+    raws: Sequence[bytes | msgspec.Raw],
 ) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.int64], int]:
-    """Parse JSON int arrays; returns ``(arena, lengths, bad)`` where ``bad`` is the index of
-    the first invalid list (-1 if none). List ``j`` occupies ``arena[offsets[j]:...]``."""
-    joined = b"".join(raws)
+    """Parse JSON int arrays (``null`` reads as empty); returns ``(arena, lengths, bad)`` where
+    ``bad`` is the index of the first invalid list (-1 if none). List ``j`` occupies
+    ``arena[offsets[j]:...]``. ``raws`` may be msgspec's ``Raw`` slices of a body: joined in
+    one copy, never converted one by one."""
+    joined = b"".join(raws)  # type: ignore[arg-type]  # Raw has the buffer protocol
     buf = np.frombuffer(joined, dtype=np.uint8)
-    sizes = np.fromiter((len(r) for r in raws), dtype=np.int64, count=len(raws))
+    sizes = np.fromiter(map(len, raws), dtype=np.int64, count=len(raws))
     ends = np.cumsum(sizes)
     starts = ends - sizes
     arena = np.empty(len(joined) // 2 + 1, dtype=np.uint32)  # a token needs >= 2 bytes ("1,")
