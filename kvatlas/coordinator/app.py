@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from kvatlas import __version__
 from kvatlas.coordinator.asgi import Authenticate, BlendFastPath, install_validation_handler
 from kvatlas.coordinator.blend_lookup import BlendLookup
+from kvatlas.coordinator.events_fast_path import EventsFastPath, EventsIngest
 from kvatlas.coordinator.route_score import RouteScoring
 from kvatlas.coordinator.routes import ROUTERS
 from kvatlas.coordinator.service import CoordinatorService
@@ -39,12 +40,16 @@ def create_app(service: CoordinatorService) -> FastAPI:
     app.state.service = service  # what routes/deps.py hands to the routes
     app.state.blend_lookup = blend
     app.state.route_scoring = RouteScoring(service, match_pool)
+    # Ingestion is serialised by the directory lock anyway: one thread decodes and applies.
+    events = EventsIngest(service, ThreadPoolExecutor(1, thread_name_prefix="kvatlas-ingest"))
+    app.state.events_ingest = events
     install_error_handler(app)
     install_validation_handler(app)
     for router in ROUTERS:
         app.include_router(router)
     config = service.config
     app.add_middleware(BlendFastPath, lookup=blend, auth=service.auth)
+    app.add_middleware(EventsFastPath, ingest=events, auth=service.auth)
     app.add_middleware(BodyLimit, max_bytes=config.body_limit)
     app.add_middleware(  # outermost: no body byte is read before the token was checked
         Authenticate,

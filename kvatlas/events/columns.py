@@ -23,7 +23,7 @@ from kvatlas.keys import ObjectKey, TokenArray
 ShapeParts = tuple[str, int, int, str]  # (model_name, kv_rank, object_group_id, cache_salt)
 Int64s = npt.NDArray[np.int64]
 _ZERO_HASH = bytes(32)
-assert I64_MAX == np.iinfo(np.int64).max  # sizes and offsets fit int64 columns exactly
+assert np.iinfo(np.int64).max == I64_MAX  # sizes and offsets fit int64 columns exactly
 
 
 @dataclass(frozen=True, slots=True, eq=False)

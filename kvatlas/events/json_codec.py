@@ -15,8 +15,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvatlas.checks import is_plain_int
-from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
 from kvatlas.events.columns import ColumnBatch, EntryColumns
+from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
 from kvatlas.events.model import STORE, UNKNOWN_OFFSET, CacheEntry, EventBatch, batch_header
 from kvatlas.keys import (
     ObjectKey,
@@ -223,7 +223,9 @@ def decode_json_columns(body: bytes | str) -> list[ColumnBatch]:
     first = 0
     for wb in wire.batches:
         n = len(wb.entries)
-        cols = _columns_from_wire(wb.entries, arena, starts[first : first + n], lengths[first : first + n])
+        cols = _columns_from_wire(
+            wb.entries, arena, starts[first : first + n], lengths[first : first + n]
+        )
         first += n
         header = _header_from_wire(wb, cols)
         if header is None or cols is None:

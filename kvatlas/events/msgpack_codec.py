@@ -14,8 +14,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
 from kvatlas.events.columns import ColumnBatch, EntryColumns
+from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
 from kvatlas.events.json_codec import decode_json, decode_json_columns, explain, key_from_parts
 from kvatlas.events.model import STORE, UNKNOWN_OFFSET, CacheEntry, EventBatch, batch_header
 from kvatlas.keys import TokenArray
