@@ -40,8 +40,9 @@ def create_app(service: CoordinatorService) -> FastAPI:
     app.state.service = service  # what routes/deps.py hands to the routes
     app.state.blend_lookup = blend
     app.state.route_scoring = RouteScoring(service, match_pool)
-    # Ingestion is serialised by the directory lock anyway: one thread decodes and applies.
-    events = EventsIngest(service, ThreadPoolExecutor(1, thread_name_prefix="kvatlas-ingest"))
+    # Applying is serialised by the directory lock; a second thread lets one body decode (the
+    # JSON token parser releases the GIL) while another applies.
+    events = EventsIngest(service, ThreadPoolExecutor(2, thread_name_prefix="kvatlas-ingest"))
     app.state.events_ingest = events
     install_error_handler(app)
     install_validation_handler(app)
