@@ -25,7 +25,7 @@ def _is_space(c: int) -> bool:  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def _digit(c: int) -> int:  # pragma: no cover - compiled
+def _digit(c):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """The digit ``c`` stands for, or -1."""
     d = np.int64(c) - 48
     return d if 0 <= d <= 9 else -1
