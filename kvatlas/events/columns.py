@@ -116,18 +116,21 @@ class EntryColumns:
         if self.token_objects is not None:
             return list(self.token_objects)
         arena = self.tokens
-        out: list[TokenArray | None] = []
-        made: dict[int, TokenArray] = {}
-        for start, n in zip(self.token_starts.tolist(), self.token_lengths.tolist(), strict=True):
-            if not n:
-                out.append(None)
-                continue
-            arr = made.get(start)
-            if arr is None or len(arr) != n:
-                arr = arena[start : start + n].copy()
-                arr.flags.writeable = False
-                made[start] = arr
-            out.append(arr)
+        starts, lengths = self.token_starts.tolist(), self.token_lengths.tolist()
+        out: list[TokenArray | None]
+        if len(set(starts)) == len(starts):  # no content shared: one comprehension
+            out = [arena[a : a + n].copy() if n else None for a, n in zip(starts, lengths)]
+        else:
+            out = []
+            made: dict[tuple[int, int], TokenArray] = {}
+            for a, n in zip(starts, lengths, strict=True):
+                arr = made.get((a, n)) if n else None
+                if n and arr is None:
+                    arr = made[(a, n)] = arena[a : a + n].copy()
+                out.append(arr)
+        for arr in out:
+            if arr is not None:
+                arr.setflags(write=False)
         return out
 
     def salts(self) -> set[str]:
