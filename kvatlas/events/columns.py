@@ -119,7 +119,9 @@ class EntryColumns:
         starts, lengths = self.token_starts.tolist(), self.token_lengths.tolist()
         out: list[TokenArray | None]
         if len(set(starts)) == len(starts):  # no content shared: one comprehension
-            out = [arena[a : a + n].copy() if n else None for a, n in zip(starts, lengths)]
+            out = [
+                arena[a : a + n].copy() if n else None for a, n in zip(starts, lengths, strict=True)
+            ]
         else:
             out = []
             made: dict[tuple[int, int], TokenArray] = {}
