@@ -37,7 +37,7 @@ from kvatlas.directory.records import (
 )
 from kvatlas.errors import InvalidInput
 from kvatlas.events import ACCESS, CONFIG, DELETE, RESYNC, STORE, EventBatch
-from kvatlas.events.columns import ColumnBatch, EntryColumns
+from kvatlas.events.columns import ColumnBatch
 from kvatlas.events.inventory import Digest, empty_digest
 from kvatlas.keys import (
     DEFAULT_CHUNK_SIZE,
@@ -174,21 +174,19 @@ class KeyDirectory:
         return self.apply_columns([ColumnBatch.of(batch)])[0]
 
     def apply_columns(self, batches: Sequence[ColumnBatch]) -> list[Outcome]:
-        """Apply batches in order through the gate, each entirely or not at all (a store
-        batch from its :class:`~kvatlas.events.columns.EntryColumns`), under one lock hold,
-        with the blend-index writes of all of them as one index batch (a concurrent match
-        sees the index before or after the whole call). Returns each batch's outcome."""
+        """Apply batches in order through the gate, each entirely or not at all, under one
+        lock hold and with one index write for all (see :meth:`_flush_index`)."""
         outcomes = []
         with self._lock:
             try:
                 for cb in batches:
                     admission = self._gate.admit(cb.header)
+                    outcomes.append(admission.outcome)
                     self._outcomes[admission.outcome] += 1
                     if admission.outcome is Outcome.APPLIED:
                         self._apply_admitted(cb, admission)
-                        if self.observer is not None:
+                        if self.observer is not None:  # objects only for it
                             self.observer.applied(cb.batch(), admission.fence_first)
-                    outcomes.append(admission.outcome)
             finally:
                 self._flush_index()
         return outcomes
@@ -218,36 +216,25 @@ class KeyDirectory:
             return dropped
 
     def _apply_admitted(self, cb: ColumnBatch, admission: Admission) -> None:
-        # Everything below operates on a validated batch and cannot fail halfway: shapes are
-        # resolved first, and placement/binding updates raise on nothing valid input can hold.
-        batch = cb.header
-        kind = batch.event_type
-        chunks = self._chunks
-        if kind == STORE:
-            cols = cb.store_columns()
-        elif kind == RESYNC:
-            cols = EntryColumns.of_entries(batch.entries)
-        sids = chunks.shapes.intern_columns(cols) if kind in (STORE, RESYNC) else []
+        # A validated batch never fails halfway: shapes first, updates raise on no valid input.
+        batch, kind, chunks = cb.header, cb.header.event_type, self._chunks
+        cols = cb.entry_columns() if kind in (STORE, RESYNC) else None
+        sids = [] if cols is None else chunks.shapes.intern_columns(cols)
         if admission.fence_first:
             chunks.fence(batch.instance_id)
-        if kind == STORE:
-            chunks.store(batch, cols, sids)
-        elif kind == DELETE:
-            chunks.delete(batch)
-        elif kind == ACCESS:
-            chunks.access(batch)
+        if cols is not None:
+            (chunks.store if kind == STORE else chunks.resync)(batch, cols, sids)
+        elif kind in (DELETE, ACCESS):
+            (chunks.delete if kind == DELETE else chunks.access)(batch)
         elif kind == CONFIG:
             self._apply_config(batch)
-        elif kind == RESYNC:
-            chunks.resync(batch, cols, sids)
         self._gate.commit(batch, admission)
 
     def _flush_index(self) -> None:
-        """Apply the index writes collected while applying one batch (or fence), in order, as
-        one index batch: one index lock hold and one compiled call instead of one per write.
-        Still under the directory lock, so the order directory → index is unchanged; a
-        concurrent ``blend_match`` sees the index before or after the whole batch, never
-        half of it (in particular never between a ``remove_chunk`` and its re-``add``s)."""
+        """Apply the index writes queued by the batches (or fence) just applied, in order, as
+        one index batch (one index lock hold, one compiled call), still under the directory
+        lock: a concurrent ``blend_match`` sees the index before or after all of them, never
+        in between (e.g. between a ``remove_chunk`` and its re-``add``s)."""
         ops = self._chunks.take_index_ops()
         index = self._index
         if ops and index is not None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.events.model import I64_MAX, STORE, U64_MAX, UNKNOWN_OFFSET, CacheEntry, EventBatch
+from kvatlas.events.model import I64_MAX, U64_MAX, UNKNOWN_OFFSET, CacheEntry, EventBatch
 from kvatlas.keys import ObjectKey, TokenArray
 
 ShapeParts = tuple[str, int, int, str]  # (model_name, kv_rank, object_group_id, cache_salt)
@@ -174,9 +174,8 @@ class ColumnBatch:
         cols = self.columns
         return len(self.header.entries) if cols is None else len(cols)
 
-    def store_columns(self) -> EntryColumns:
-        """The entries of a store batch as columns (built from the header's if need be)."""
-        assert self.header.event_type == STORE
+    def entry_columns(self) -> EntryColumns:
+        """The entries as columns (built from the header's if need be)."""
         cols = self.columns
         return EntryColumns.of_entries(self.header.entries) if cols is None else cols
 
