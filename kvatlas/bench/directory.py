@@ -20,7 +20,17 @@ import numpy as np
 
 from kvatlas.bench.common import BenchRow, add_common_arguments, format_seconds, refuse, report
 from kvatlas.directory import KeyDirectory, SnapshotInfo, load_snapshot, save_snapshot
-from kvatlas.events import CacheEntry, EventBatch
+from kvatlas.events import (
+    CacheEntry,
+    ColumnBatch,
+    EventBatch,
+    decode_json,
+    decode_json_columns,
+    decode_msgpack,
+    decode_msgpack_columns,
+    encode_json,
+    encode_msgpack,
+)
 from kvatlas.keys import ObjectKey, pack_kv_rank
 
 CHUNK = 256
@@ -202,6 +212,49 @@ def memory_row(n: int, seed: int) -> BenchRow:
     )
 
 
+def _apply_bodies(bodies: list[bytes], decode: Callable[[bytes], list[ColumnBatch]]) -> None:
+    d = KeyDirectory(CHUNK, enable_blend_lookup=True)
+    for body in bodies:
+        d.apply_columns(decode(body))
+
+
+def _consume_bodies(bodies: list[bytes], decode: Callable[[bytes], list[EventBatch]]) -> None:
+    d = KeyDirectory(CHUNK, enable_blend_lookup=True)
+    for body in bodies:
+        _consume_all(d, decode(body))
+
+
+def _body_rows(n: int, seed: int, repeats: int) -> list[BenchRow]:
+    """Wire bodies (4 batches of 256 entries each, what ``POST /events`` gets) decoded into
+    columns and applied with ``apply_columns``, against the per-entry path: decoded into
+    objects and applied batch by batch with ``consume``. Same bodies, same directory after."""
+    batches = _workload(n, seed)
+    rows = []
+    for fmt, encode, per_entry, columnar in (
+        ("JSON", encode_json, decode_json, decode_json_columns),
+        ("msgpack", encode_msgpack, decode_msgpack, decode_msgpack_columns),
+    ):
+        bodies = [encode(batches[i : i + 4]) for i in range(0, len(batches), 4)]
+        ours = partial(_apply_bodies, bodies, columnar)
+        reference = partial(_consume_bodies, bodies, per_entry)
+        ours_s = _median_time(ours, repeats)
+        ref_s = _median_time(reference, repeats)
+        rows.append(
+            BenchRow(
+                f"decode + apply {n:,} entries in {fmt} bodies, blend on: columns",
+                ours_s,
+                ref_s,
+                "",
+                {
+                    "entries/s": f"{n / ours_s:,.0f}",
+                    "µs/entry": f"{ours_s / n * 1e6:.2f}",
+                    "reference": "per-entry decode + consume",
+                },
+            )
+        )
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     quick = bool(args.quick)
     n = args.entries or (20_000 if quick else 200_000)
@@ -261,6 +314,7 @@ def run(args: argparse.Namespace) -> int:
             {"entries/s": f"{n / plain_s:,.0f}", "reference": "naive without its content index"},
         )
     )
+    rows += _body_rows(min(n, 50_000), args.seed, repeats)
     directory = KeyDirectory(CHUNK)
     _consume_all(directory, _workload(snap_keys, args.seed + 1))
     gc.collect()

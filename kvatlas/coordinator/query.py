@@ -22,11 +22,7 @@ from kvatlas.coordinator._base64 import b64decode_strict, decode_base64
 from kvatlas.coordinator.instances import Registration
 from kvatlas.coordinator.schemas import BlendLookupBody, LookupRequest, RegisterRequest
 from kvatlas.errors import PayloadTooLarge, Unprocessable
-from kvatlas.events import (
-    EventBatch,
-    decode_json,
-    decode_msgpack,
-)
+from kvatlas.events import ColumnBatch, EventBatch, decode_json_columns, decode_msgpack_columns
 from kvatlas.keys import BlendNamespace, ObjectKey, TokenArray, as_token_array, check_instance_id
 
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
@@ -37,29 +33,27 @@ _HOST_PORT = re.compile(r"(?:[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(?::(?P<port>[0-
 # ---------------------------------------------------------------------------- events
 
 
-def decode_events(body: bytes, content_type: str, max_entries: int) -> list[EventBatch]:
-    """The batches of a ``POST /events`` body (msgpack or JSON by ``content_type``), all valid
-    and together at most ``max_entries`` entries, or an error (nothing is half-decoded)."""
+def decode_events(body: bytes, content_type: str, max_entries: int) -> list[ColumnBatch]:
+    """The batches of a ``POST /events`` body (msgpack or JSON by ``content_type``; store
+    entries as columns), all valid and together at most ``max_entries`` entries, or an error
+    (nothing is half-decoded)."""
     media = content_type.split(";")[0].strip().lower()
-    decode = decode_msgpack if media in MSGPACK_TYPES else decode_json
+    decode = decode_msgpack_columns if media in MSGPACK_TYPES else decode_json_columns
     batches = decode(body)  # an EventValidationError is the 422 reply itself (detail + field)
     check_entry_count(batches, max_entries)
     return batches
 
 
-def check_entry_count(batches: Sequence[EventBatch], max_entries: int) -> None:
+def check_entry_count(batches: Sequence[ColumnBatch | EventBatch], max_entries: int) -> None:
     """One request (or Redis stream entry) holds at most ``max_entries`` entries (413)."""
-    entries = sum(len(b.entries) for b in batches)
+    entries = sum(len(b.entries) if isinstance(b, EventBatch) else b.n_entries for b in batches)
     if entries > max_entries:
         raise PayloadTooLarge(f"{entries} entries exceed --max-batch-entries {max_entries}")
 
 
-def batch_salts(batches: Sequence[EventBatch]) -> set[str]:
+def batch_salts(batches: Sequence[ColumnBatch]) -> set[str]:
     """The cache salts of every key the batches carry (an emit token must hold them all)."""
-    return {entry.key.cache_salt for batch in batches for entry in batch.entries}
-
-
-# ---------------------------------------------------------------------------- query tokens
+    return set().union(*(b.salts() for b in batches))
 
 
 def b64_too_long(chars: int, max_tokens: int) -> bool:

@@ -48,7 +48,7 @@ from kvatlas.directory import (
     warm_up_kernels,
 )
 from kvatlas.errors import Conflict, Unavailable, Unprocessable
-from kvatlas.events import RESYNC, EventBatch
+from kvatlas.events import RESYNC, ColumnBatch, EventBatch
 from kvatlas.events.inventory import Digest, differing
 from kvatlas.keys import MM_BYPASS_GUARD, ObjectKey
 
@@ -190,22 +190,24 @@ class CoordinatorService:
 
     # ------------------------------------------------------------------ ingestion
 
-    def ingest(self, batches: Sequence[EventBatch], *, registered: bool = True) -> IngestCounts:
-        """Apply decoded batches through the gate (each atomically) and account for them;
-        every transport comes through here, so every one gets :meth:`admit_emitters`
-        (``registered=False``: vLLM engines, from endpoints the operator named)."""
-        self.admit_emitters(batches, registered=registered)
+    def ingest(
+        self, batches: Sequence[EventBatch | ColumnBatch], *, registered: bool = True
+    ) -> IngestCounts:
+        """Apply batches (wire bodies as columns) through the gate, each atomically, in one
+        directory call; every transport comes here, so all get :meth:`admit_emitters`."""
+        decoded = [b if isinstance(b, ColumnBatch) else ColumnBatch.of(b) for b in batches]
+        self.admit_emitters(headers := [b.header for b in decoded], registered=registered)
         applied = duplicates = stale = 0
         now, tick = time.time(), self._clock()
-        self.emitters.received(batches, tick)
-        for batch in batches:
-            outcome = self.directory.consume(batch)
+        self.emitters.received(headers, tick)
+        for cb, outcome in zip(decoded, self.directory.apply_columns(decoded), strict=True):
+            batch = cb.header
             self.metrics.batches.labels(batch.instance_id, outcome.value).inc()
             if outcome is Outcome.APPLIED:
                 applied += 1
                 if batch.event_type == RESYNC:
                     self.instances.digest_done(batch.instance_id)
-                self.metrics.entries.inc(len(batch.entries))
+                self.metrics.entries.inc(cb.n_entries)
                 self.emitters.applied(batch, now, tick)
             elif outcome is Outcome.DUPLICATE:
                 duplicates += 1

@@ -63,9 +63,10 @@ from kvatlas.directory.records import (
     with_placements_at,
 )
 from kvatlas.directory.shapes import ShapeTable
-from kvatlas.directory.token_store import StoredTokens, same_content, stored_batch
+from kvatlas.directory.token_store import StoredTokens, same_content, stored_columns
 from kvatlas.errors import Conflict
-from kvatlas.events import UNKNOWN_OFFSET, VOLATILE_TIERS, CacheEntry, EventBatch
+from kvatlas.events import UNKNOWN_OFFSET, VOLATILE_TIERS, EventBatch
+from kvatlas.events.columns import EntryColumns
 from kvatlas.events.inventory import element, shape_tag, tag_multiplier, xor_elements
 from kvatlas.keys import BlendNamespace, ObjectKey
 
@@ -247,10 +248,10 @@ class ChunkTable:
 
     # ------------------------------------------------------------------ changes
 
-    def store(self, batch: EventBatch, sids: list[int]) -> None:
-        """Apply a ``store`` batch; ``sids`` are its entries' interned shape ids."""
-        entries = batch.entries
-        if not entries:
+    def store(self, batch: EventBatch, cols: EntryColumns, sids: list[int]) -> None:
+        """Apply a ``store`` batch (its header; the entries are ``cols``); ``sids`` are the
+        entries' interned shape ids."""
+        if not len(cols):
             return
         inst, inc, tier, backend = batch.instance_id, batch.incarnation, batch.tier, batch.backend
         shared, ts = batch.shared, batch.ts
@@ -278,13 +279,17 @@ class ChunkTable:
         # Every placement added or replaced here has this batch's tier and (for own copies)
         # instance: the counters move by one sum per batch instead of per entry.
         n_keys = n_pl = n_bytes = 0
-        stored = stored_batch([e.token_ids for e in entries])  # compact, one pass per batch
-        for entry, sid, tokens in zip(entries, sids, stored, strict=True):
-            size = entry.size_bytes
+        for h, sid, size, tokens, offset in zip(
+            cols.chunk_hashes,
+            sids,
+            cols.size_bytes.tolist(),
+            stored_columns(cols),  # compact, one pass per batch
+            cols.token_offsets.tolist(),
+            strict=True,
+        ):
             p = by_size.get(size)
             if p is None:
                 p = by_size[size] = placement_row(inst, inc, tier, backend, size, shared, ts)
-            h = entry.key.chunk_hash
             part = parts[h[0]]
             rec = part.get(h)
             if journal is not None:
@@ -298,7 +303,6 @@ class ChunkTable:
                 n_keys += 1
                 n_pl += 1
                 n_bytes += size
-                offset = entry.token_offset
                 if tokens is None:
                     part[h] = (None, UNKNOWN_OFFSET, False, sid, p)
                     if debug:
@@ -314,7 +318,7 @@ class ChunkTable:
                 if new_own is not None:
                     new_own.append(h)
             else:
-                dk, dp, db = self._store_existing(h, part, rec, sid, p, entry, tokens, debug)
+                dk, dp, db = self._store_existing(h, part, rec, sid, p, tokens, offset, debug)
                 n_keys += dk
                 n_pl += dp
                 n_bytes += db
@@ -343,8 +347,8 @@ class ChunkTable:
         rec: Record,
         sid: int,
         p: PlacementRow,
-        entry: CacheEntry,
         new_tokens: StoredTokens | None,
+        new_offset: int,
         debug: bool,
     ) -> tuple[int, int, int]:
         """Store into a known chunk (``new_tokens``: the entry's tokens, stored); returns the
@@ -373,7 +377,7 @@ class ChunkTable:
         reindexed = False
         if new_tokens is not None:
             tokens, offset, indexed, reindexed = self._bind(
-                h, tokens, offset, indexed, rec, new_tokens, entry.token_offset
+                h, tokens, offset, indexed, rec, new_tokens, new_offset
             )
         elif tokens is None and debug:
             log.debug("store without tokens for unbound chunk %s: not indexed", h.hex())
@@ -498,15 +502,15 @@ class ChunkTable:
         counts.digests.pop((inst, "l1"), None)
         return dropped
 
-    def resync(self, batch: EventBatch, sids: list[int]) -> int:
+    def resync(self, batch: EventBatch, cols: EntryColumns, sids: list[int]) -> int:
         """Apply a ``resync`` batch: the reporter's own placements on the batch's tier under
         its prefixes become exactly the listed ones (the others are removed, whatever their
         backend; the listed ones are stored). Returns how many placements were removed."""
         inst, tier, backend = batch.instance_id, batch.tier, batch.backend
         prefixes = batch.prefix_bytes
         listed: dict[bytes, set[int]] = {}
-        for entry, sid in zip(batch.entries, sids, strict=True):
-            listed.setdefault(entry.key.chunk_hash, set()).add(sid)
+        for h, sid in zip(cols.chunk_hashes, sids, strict=True):
+            listed.setdefault(h, set()).add(sid)
 
         def doomed(h: bytes, sid: int, p: PlacementRow) -> bool:
             if row_instance(p) != inst or row_tier(p) != tier or row_shared(p):
@@ -526,7 +530,7 @@ class ChunkTable:
             ]
             for h in stale:
                 removed += self._drop_where(h, part[h], doomed)
-        self.store(batch, sids)
+        self.store(batch, cols, sids)
         return removed
 
     def _drop_where(

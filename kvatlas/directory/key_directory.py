@@ -37,6 +37,7 @@ from kvatlas.directory.records import (
 )
 from kvatlas.errors import InvalidInput
 from kvatlas.events import ACCESS, CONFIG, DELETE, RESYNC, STORE, EventBatch
+from kvatlas.events.columns import ColumnBatch
 from kvatlas.events.inventory import Digest, empty_digest
 from kvatlas.keys import (
     DEFAULT_CHUNK_SIZE,
@@ -170,17 +171,25 @@ class KeyDirectory:
         """Apply one batch through the gate: entirely or not at all."""
         if not isinstance(batch, EventBatch):
             raise TypeError(f"expected EventBatch, got {type(batch).__name__}")
+        return self.apply_columns([ColumnBatch.of(batch)])[0]
+
+    def apply_columns(self, batches: Sequence[ColumnBatch]) -> list[Outcome]:
+        """Apply batches in order through the gate, each entirely or not at all, under one
+        lock hold and with one index write for all (see :meth:`_flush_index`)."""
+        outcomes = []
         with self._lock:
-            admission = self._gate.admit(batch)
-            self._outcomes[admission.outcome] += 1
-            if admission.outcome is Outcome.APPLIED:
-                try:
-                    self._apply_admitted(batch, admission)
-                finally:
-                    self._flush_index()
-                if self.observer is not None:
-                    self.observer.applied(batch, admission.fence_first)
-            return admission.outcome
+            try:
+                for cb in batches:
+                    admission = self._gate.admit(cb.header)
+                    outcomes.append(admission.outcome)
+                    self._outcomes[admission.outcome] += 1
+                    if admission.outcome is Outcome.APPLIED:
+                        self._apply_admitted(cb, admission)
+                        if self.observer is not None:  # objects only for it
+                            self.observer.applied(cb.batch(), admission.fence_first)
+            finally:
+                self._flush_index()
+        return outcomes
 
     def fence_instance(self, instance_id: str) -> int:
         """Drop every L1 placement ``instance_id`` reported (its process memory is gone);
@@ -206,32 +215,26 @@ class KeyDirectory:
             self._capacities.pop(instance_id, None)
             return dropped
 
-    def _apply_admitted(self, batch: EventBatch, admission: Admission) -> None:
-        # Everything below operates on a validated batch and cannot fail halfway: shapes are
-        # resolved first, and placement/binding updates raise on nothing valid input can hold.
-        kind = batch.event_type
-        chunks = self._chunks
-        sids = chunks.shapes.intern_all(batch.entries) if kind in (STORE, RESYNC) else []
+    def _apply_admitted(self, cb: ColumnBatch, admission: Admission) -> None:
+        # A validated batch never fails halfway: shapes first, updates raise on no valid input.
+        batch, kind, chunks = cb.header, cb.header.event_type, self._chunks
+        cols = cb.entry_columns() if kind in (STORE, RESYNC) else None
+        sids = [] if cols is None else chunks.shapes.intern_columns(cols)
         if admission.fence_first:
             chunks.fence(batch.instance_id)
-        if kind == STORE:
-            chunks.store(batch, sids)
-        elif kind == DELETE:
-            chunks.delete(batch)
-        elif kind == ACCESS:
-            chunks.access(batch)
+        if cols is not None:
+            (chunks.store if kind == STORE else chunks.resync)(batch, cols, sids)
+        elif kind in (DELETE, ACCESS):
+            (chunks.delete if kind == DELETE else chunks.access)(batch)
         elif kind == CONFIG:
             self._apply_config(batch)
-        elif kind == RESYNC:
-            chunks.resync(batch, sids)
         self._gate.commit(batch, admission)
 
     def _flush_index(self) -> None:
-        """Apply the index writes collected while applying one batch (or fence), in order, as
-        one index batch: one index lock hold and one compiled call instead of one per write.
-        Still under the directory lock, so the order directory → index is unchanged; a
-        concurrent ``blend_match`` sees the index before or after the whole batch, never
-        half of it (in particular never between a ``remove_chunk`` and its re-``add``s)."""
+        """Apply the index writes queued by the batches (or fence) just applied, in order, as
+        one index batch (one index lock hold, one compiled call), still under the directory
+        lock: a concurrent ``blend_match`` sees the index before or after all of them, never
+        in between (e.g. between a ``remove_chunk`` and its re-``add``s)."""
         ops = self._chunks.take_index_ops()
         index = self._index
         if ops and index is not None:

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvatlas.events import CacheEntry
+from kvatlas.events.columns import EntryColumns
 from kvatlas.keys import BlendNamespace, ObjectKey
 
 ShapeParts = tuple[str, int, int, str]  # (model_name, kv_rank, object_group_id, cache_salt)
@@ -83,6 +84,17 @@ class ShapeTable:
                 last = parts
             sids.append(sid)
         return sids  # type: ignore[return-value]
+
+    def intern_columns(self, cols: EntryColumns) -> list[int]:
+        """:meth:`intern` of every entry's key shape, in order: one lookup per distinct shape."""
+        get = self._ids.get
+        ids = []
+        for parts in cols.shapes:
+            sid = get(parts)
+            ids.append(self.intern(ObjectKey(bytes(32), *parts)) if sid is None else sid)
+        if len(ids) == 1:
+            return [ids[0]] * len(cols)
+        return [ids[s] for s in cols.shape_of.tolist()]
 
     def id_of(self, key: ObjectKey) -> int | None:
         """``key``'s shape id, ``None`` if no key of that shape was ever interned."""

@@ -27,6 +27,7 @@ import numpy.typing as npt
 
 from kvatlas.directory.blend._cpython import ARRAY_DATA_OFFSET, array_handles
 from kvatlas.directory.blend.kernels.pointers import i64_ptr, jit, u16_ptr, u32_ptr
+from kvatlas.events.columns import EntryColumns
 from kvatlas.keys.tokens import TokenArray
 
 StoredTokens = npt.NDArray[np.unsignedinteger[Any]]
@@ -132,6 +133,16 @@ def stored_from_arena(
         wide.flags.writeable = False
         outs[j] = wide
     return outs
+
+
+def stored_columns(cols: EntryColumns) -> list[StoredTokens | None]:
+    """Each entry's tokens of a columnar batch, stored: straight from the batch's arena when no
+    two entries share a row (the usual body), else through :meth:`EntryColumns.token_arrays`,
+    which gives entries of one content one array (and so one stored array)."""
+    starts = cols.token_starts
+    if cols.token_objects is None and len(np.unique(starts)) == len(starts):
+        return stored_from_arena(cols.tokens, starts, cols.token_lengths)
+    return stored_batch(cols.token_arrays())
 
 
 @jit

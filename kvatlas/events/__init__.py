@@ -6,8 +6,9 @@ A batch that exists is valid; a decoder returns every batch of a body or raises
 numba: the JSON token-list parser compiles or loads on its first use.
 """
 
+from kvatlas.events.columns import ColumnBatch, EntryColumns
 from kvatlas.events.errors import EventDecodeError, EventValidationError
-from kvatlas.events.json_codec import decode_json, encode_json
+from kvatlas.events.json_codec import decode_json, decode_json_columns, encode_json
 from kvatlas.events.model import (
     ACCESS,
     CONFIG,
@@ -27,7 +28,7 @@ from kvatlas.events.model import (
     readonly_tokens,
     tokens_equal,
 )
-from kvatlas.events.msgpack_codec import decode_msgpack, encode_msgpack
+from kvatlas.events.msgpack_codec import decode_msgpack, decode_msgpack_columns, encode_msgpack
 from kvatlas.events.stream_format import decode_stream_fields, encode_stream_fields
 
 __all__ = [
@@ -45,11 +46,15 @@ __all__ = [
     "UNKNOWN_OFFSET",
     "VOLATILE_TIERS",
     "CacheEntry",
+    "ColumnBatch",
+    "EntryColumns",
     "EventBatch",
     "EventDecodeError",
     "EventValidationError",
     "decode_json",
+    "decode_json_columns",
     "decode_msgpack",
+    "decode_msgpack_columns",
     "decode_stream_fields",
     "encode_json",
     "encode_msgpack",

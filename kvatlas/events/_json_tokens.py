@@ -11,6 +11,9 @@ This module imports numba: ``json_codec`` imports it on first use only, so that 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import msgspec
 import numba
 import numpy as np
 import numpy.typing as npt
@@ -22,74 +25,103 @@ def _is_space(c: int) -> bool:  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
+def _digit(c):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """The digit ``c`` stands for, or -1."""
+    d = np.int64(c) - 48
+    return d if 0 <= d <= 9 else -1
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _skip_space(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    while i < n and _is_space(buf[i]):
+        i += 1
+    return i
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
 def _parse_lists(buf, starts, ends, arena, lengths):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """Parse ``buf[starts[j]:ends[j]]`` as a JSON int array into ``arena``; returns the index
-    of the first invalid list, or -1 when all are valid. ``lengths[j]`` gets each count."""
+    """Parse ``buf[starts[j]:ends[j]]`` as a JSON int array (or ``null``: length 0) into
+    ``arena``; returns the index of the first invalid list, or -1 when all are valid.
+    ``lengths[j]`` gets each count. The common separator (a comma right after a number) is
+    checked first; a number stops as soon as it exceeds 2**32 - 1."""
     k = 0
+    cap = len(arena)
     for j in range(len(starts)):
-        i = starts[j]
         n = ends[j]
+        i = _skip_space(buf, starts[j], n)
         first = k
-        while i < n and _is_space(buf[i]):
-            i += 1
+        if i + 4 <= n and buf[i] == 110:  # "null": no tokens, as an empty list
+            if buf[i + 1] != 117 or buf[i + 2] != 108 or buf[i + 3] != 108:
+                return j
+            if _skip_space(buf, i + 4, n) != n:
+                return j
+            lengths[j] = 0
+            continue
         if i >= n or buf[i] != 91:  # '['
             return j
-        i += 1
-        while i < n and _is_space(buf[i]):
-            i += 1
+        i = _skip_space(buf, i + 1, n)
         if i < n and buf[i] == 93:  # ']': the empty list, then nothing but white space
-            i += 1
-            while i < n and _is_space(buf[i]):
-                i += 1
-            if i != n:
+            if _skip_space(buf, i + 1, n) != n:
                 return j
             lengths[j] = 0
             continue
         ok = False
         while i < n:
-            while i < n and _is_space(buf[i]):
-                i += 1
-            if i >= n or buf[i] < 48 or buf[i] > 57:
-                break
-            if buf[i] == 48 and i + 1 < n and 48 <= buf[i + 1] <= 57:
-                break  # leading zero
-            v = 0
-            digits = 0
-            while i < n and 48 <= buf[i] <= 57:
-                v = v * 10 + (buf[i] - 48)
-                digits += 1
-                i += 1
-            if digits > 10 or v > 4294967295 or k >= len(arena):
+            d = _digit(buf[i])
+            if d < 0:  # white space before a number
+                i = _skip_space(buf, i, n)
+                if i >= n:
+                    break
+                d = _digit(buf[i])
+                if d < 0:
+                    break
+            i += 1
+            v = d
+            if d == 0:
+                if i < n and _digit(buf[i]) >= 0:
+                    break  # leading zero
+            else:
+                while i < n:
+                    e = _digit(buf[i])
+                    if e < 0:
+                        break
+                    v = v * 10 + e
+                    i += 1
+                    if v > 4294967295:
+                        break
+                if v > 4294967295:
+                    break
+            if k >= cap:
                 break
             arena[k] = v
             k += 1
-            while i < n and _is_space(buf[i]):
-                i += 1
-            if i < n and buf[i] == 44:  # ','
+            if i < n and buf[i] == 44:  # ',' right after the number
                 i += 1
                 continue
-            if i < n and buf[i] == 93:
+            i = _skip_space(buf, i, n)
+            if i < n and buf[i] == 44:
+                i += 1
+                continue
+            if i < n and buf[i] == 93:  # ']'
                 i += 1
                 ok = True
             break
-        if not ok:
-            return j
-        while i < n and _is_space(buf[i]):
-            i += 1
-        if i != n:
+        if not ok or _skip_space(buf, i, n) != n:
             return j
         lengths[j] = k - first
     return -1
 
 
 def parse_token_lists(
-    raws: list[bytes],
+    raws: Sequence[bytes | msgspec.Raw],
 ) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.int64], int]:
-    """Parse JSON int arrays; returns ``(arena, lengths, bad)`` where ``bad`` is the index of
-    the first invalid list (-1 if none). List ``j`` occupies ``arena[offsets[j]:...]``."""
-    joined = b"".join(raws)
+    """Parse JSON int arrays (``null`` reads as empty); returns ``(arena, lengths, bad)`` where
+    ``bad`` is the index of the first invalid list (-1 if none). List ``j`` occupies
+    ``arena[offsets[j]:...]``. ``raws`` may be msgspec's ``Raw`` slices of a body: joined in
+    one copy, never converted one by one."""
+    joined = b"".join(raws)  # type: ignore[arg-type]  # Raw has the buffer protocol
     buf = np.frombuffer(joined, dtype=np.uint8)
-    sizes = np.fromiter((len(r) for r in raws), dtype=np.int64, count=len(raws))
+    sizes = np.fromiter(map(len, raws), dtype=np.int64, count=len(raws))
     ends = np.cumsum(sizes)
     starts = ends - sizes
     arena = np.empty(len(joined) // 2 + 1, dtype=np.uint32)  # a token needs >= 2 bytes ("1,")

@@ -7,6 +7,7 @@ yields a partial result. Errors name the field, e.g. ``batches[0].entries[3].key
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -14,8 +15,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvatlas.checks import is_plain_int
+from kvatlas.events.columns import ColumnBatch, EntryColumns
 from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
-from kvatlas.events.model import UNKNOWN_OFFSET, CacheEntry, EventBatch, batch_header
+from kvatlas.events.model import STORE, UNKNOWN_OFFSET, CacheEntry, EventBatch, batch_header
 from kvatlas.keys import (
     ObjectKey,
     check_cache_salt,
@@ -71,7 +73,7 @@ _encoder = msgspec.json.Encoder()
 
 
 def _parse_token_lists(
-    raws: list[bytes],
+    raws: Sequence[bytes | msgspec.Raw],
 ) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.int64], int]:
     """Stand-in for the numba parser until its first use: imports it (so ``import
     kvatlas.events`` loads no numba), rebinds this module's name to it and calls it. Later
@@ -201,6 +203,95 @@ def decode_json(body: bytes | str) -> list[EventBatch]:
         except EventValidationError as exc:
             raise EventDecodeError(*_rooted(exc, f"batches[{i}]")) from None
     return batches
+
+
+def decode_json_columns(body: bytes | str) -> list[ColumnBatch]:
+    """:func:`decode_json` into columns (``POST /events``): the same batches, accepted and
+    refused alike, without an object per entry. Store batches' entries become
+    :class:`EntryColumns`; any rule broken anywhere hands the body to :func:`decode_json`,
+    which names the entry and the reason (the 422 reply), so errors cannot differ."""
+    try:
+        wire = _decoder.decode(body)
+    except msgspec.MsgspecError:
+        return explain(decode_json, body)
+    raws = [we.token_ids for wb in wire.batches for we in wb.entries]
+    arena, lengths, bad = _parse_token_lists(raws)
+    if bad >= 0:
+        return explain(decode_json, body)
+    starts = np.cumsum(lengths) - lengths
+    out = []
+    first = 0
+    for wb in wire.batches:
+        n = len(wb.entries)
+        cols = _columns_from_wire(
+            wb.entries, arena, starts[first : first + n], lengths[first : first + n]
+        )
+        first += n
+        header = _header_from_wire(wb, cols)
+        if header is None or cols is None:
+            return explain(decode_json, body)
+        out.append(header)
+    return out
+
+
+def _columns_from_wire(
+    entries: list[_WireEntry],
+    arena: npt.NDArray[np.uint32],
+    starts: npt.NDArray[np.int64],
+    lengths: npt.NDArray[np.int64],
+) -> EntryColumns | None:
+    hexes = [we.key.chunk_hash_hex for we in entries]
+    if hexes and set(map(len, hexes)) != {64}:
+        return None
+    try:
+        raw = bytes.fromhex("".join(hexes))
+    except ValueError:
+        return None
+    if len(raw) != 32 * len(hexes):  # fromhex skips white space; a hash holds none
+        return None
+    keys = [we.key for we in entries]
+    return EntryColumns.checked(
+        [raw[i : i + 32] for i in range(0, len(raw), 32)],
+        [(k.model_name, k.kv_rank, k.object_group_id, k.cache_salt) for k in keys],
+        [we.size_bytes for we in entries],
+        [we.token_offset for we in entries],
+        arena,
+        starts,
+        lengths,
+    )
+
+
+def _header_from_wire(wb: _WireBatch, cols: EntryColumns | None) -> ColumnBatch | None:
+    if cols is None:
+        return None
+    store = wb.event_type == STORE
+    try:
+        header = EventBatch(
+            instance_id=wb.instance_id,
+            incarnation=wb.incarnation,
+            seq=wb.seq,
+            event_type=wb.event_type,
+            tier=wb.tier,
+            backend=wb.backend or "",
+            shared=wb.shared,
+            ts=wb.ts,
+            entries=() if store else cols.entries(),
+            capacity_bytes=wb.capacity_bytes,
+            capacity_revision=wb.capacity_revision,
+            dropped_events=wb.dropped_events,
+            prefixes=None if wb.prefixes is None else tuple(wb.prefixes),
+        )
+    except ValueError:
+        return None
+    return ColumnBatch(header, cols if store else None)
+
+
+def explain(decode: Callable[[Any], list[EventBatch]], body: bytes | str) -> list[ColumnBatch]:
+    """The per-entry decoder's verdict on a body the columnar one found a rule broken in: it
+    raises the error naming the entry (the reply). Should it accept the body after all, its
+    batches are the answer (the columnar checks must never be stricter; the differential
+    test ``tests/events/test_columns.py`` holds them to that)."""
+    return [ColumnBatch.of(b) for b in decode(body)]
 
 
 def _rooted(exc: EventValidationError, prefix: str) -> tuple[str, str]:

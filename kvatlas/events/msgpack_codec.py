@@ -14,9 +14,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from kvatlas.events.columns import ColumnBatch, EntryColumns
 from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
-from kvatlas.events.json_codec import decode_json, key_from_parts
-from kvatlas.events.model import UNKNOWN_OFFSET, CacheEntry, EventBatch, batch_header
+from kvatlas.events.json_codec import decode_json, decode_json_columns, explain, key_from_parts
+from kvatlas.events.model import STORE, UNKNOWN_OFFSET, CacheEntry, EventBatch, batch_header
 from kvatlas.keys import TokenArray
 
 FORMAT_VERSION = 1
@@ -154,6 +155,78 @@ def decode_msgpack(body: bytes) -> list[EventBatch]:
             moved = exc.under(f"batches[{i}]")
             raise EventDecodeError(moved.field, moved.reason) from None
     return batches
+
+
+def decode_msgpack_columns(body: bytes) -> list[ColumnBatch]:
+    """:func:`decode_msgpack` into columns (see :func:`~kvatlas.events.json_codec.
+    decode_json_columns`): the same batches and the same errors, no object per entry."""
+    try:
+        wire = _decoder.decode(body)
+    except msgspec.MsgspecError:
+        json_shaped = _json_shaped(body)
+        if json_shaped is not None:
+            return decode_json_columns(json_shaped)
+        return explain(decode_msgpack, body)
+    except (RecursionError, MemoryError, OverflowError):
+        return explain(decode_msgpack, body)
+    if wire.v != FORMAT_VERSION:
+        return explain(decode_msgpack, body)
+    out = []
+    for pb in wire.batches:
+        cols = _columns_from_packed(pb)
+        header = None if cols is None else _header_from_packed(pb, cols)
+        if header is None:
+            return explain(decode_msgpack, body)
+        out.append(header)
+    return out
+
+
+def _columns_from_packed(pb: _PackedBatch) -> EntryColumns | None:
+    contents, entries = pb.contents, pb.entries
+    sizes = np.fromiter(map(len, contents), dtype=np.int64, count=len(contents))
+    if (sizes % 4).any():
+        return None
+    hashes = [pe.chunk_hash for pe in entries]
+    if hashes and set(map(len, hashes)) != {32}:
+        return None
+    refs = np.fromiter((pe.content for pe in entries), dtype=np.int64, count=len(entries))
+    if len(refs) and (int(refs.min()) < -1 or int(refs.max()) >= len(contents)):
+        return None
+    lengths = np.append(sizes // 4, 0)  # ref -1 (no tokens) reads the 0 at the end
+    starts = np.append(np.cumsum(lengths[:-1]) - lengths[:-1], 0)
+    arena = np.frombuffer(b"".join(contents), dtype=_LE_U32).astype(np.uint32, copy=False)
+    return EntryColumns.checked(
+        hashes,
+        [(pe.model_name, pe.kv_rank, pe.object_group_id, pe.cache_salt) for pe in entries],
+        [pe.size_bytes for pe in entries],
+        [pe.token_offset for pe in entries],
+        arena,
+        starts[refs],
+        lengths[refs],
+    )
+
+
+def _header_from_packed(pb: _PackedBatch, cols: EntryColumns) -> ColumnBatch | None:
+    store = pb.event_type == STORE
+    try:
+        header = EventBatch(
+            instance_id=pb.instance_id,
+            incarnation=pb.incarnation,
+            seq=pb.seq,
+            event_type=pb.event_type,
+            tier=pb.tier,
+            backend=pb.backend,
+            shared=pb.shared,
+            ts=pb.ts,
+            entries=() if store else cols.entries(),
+            capacity_bytes=pb.capacity_bytes,
+            capacity_revision=pb.capacity_revision,
+            dropped_events=pb.dropped_events,
+            prefixes=None if pb.prefixes is None else tuple(pb.prefixes),
+        )
+    except ValueError:
+        return None
+    return ColumnBatch(header, cols if store else None)
 
 
 def _json_shaped(body: bytes) -> bytes | None:

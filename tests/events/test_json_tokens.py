@@ -13,11 +13,14 @@ from kvatlas.events._json_tokens import parse_token_lists
 
 
 def reference(raw: bytes) -> list[int] | None:
-    """Valid iff JSON decodes to a list of plain non-negative ints < 2**32 written canonically."""
+    """Valid iff JSON decodes to a list of plain non-negative ints < 2**32 written canonically,
+    or to ``null`` (no tokens: an empty list)."""
     try:
         values = json.loads(raw)
     except ValueError:
         return None
+    if values is None:
+        return []
     if not isinstance(values, list):
         return None
     if not all(type(v) is int and 0 <= v < 1 << 32 for v in values):
@@ -85,3 +88,8 @@ def test_nothing_but_white_space_after_an_empty_list(raw: bytes) -> None:
     check([raw])
     assert parse_token_lists([raw])[2] == 0
     assert parse_token_lists([b"[1]", raw])[2] == 1
+
+
+@pytest.mark.parametrize(("raw", "bad"), [(b" null ", -1), (b"\nnull", -1), (b"nul", 0), (b"nullx", 0), (b"null,", 0)])  # fmt: skip
+def test_null_reads_as_no_tokens(raw: bytes, bad: int) -> None:
+    assert parse_token_lists([raw])[2] == bad

@@ -1,0 +1,198 @@
+"""A batch's entries as columns: what the directory applies without one object per entry.
+
+``POST /events`` bodies decode straight into these (:mod:`kvatlas.events.column_codec`): chunk
+hashes, the distinct key shapes and a shape index per entry, sizes and token offsets as
+integer arrays, and every entry's tokens in one ``uint32`` arena (start and length per entry;
+length 0: no tokens, content unknown). Entries of one content (several ranks of a chunk) may
+share a start. Columns are built only from validated input, so they hold exactly what the
+:class:`~kvatlas.events.CacheEntry` objects of the same batch would (:meth:`EntryColumns.entries`
+builds those, for the paths that still want objects).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvatlas.events.model import I64_MAX, U64_MAX, UNKNOWN_OFFSET, CacheEntry, EventBatch
+from kvatlas.keys import ObjectKey, TokenArray
+
+ShapeParts = tuple[str, int, int, str]  # (model_name, kv_rank, object_group_id, cache_salt)
+Int64s = npt.NDArray[np.int64]
+_ZERO_HASH = bytes(32)
+assert np.iinfo(np.int64).max == I64_MAX  # sizes and offsets fit int64 columns exactly
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class EntryColumns:
+    """Entry ``j`` is ``chunk_hashes[j]`` with shape ``shapes[shape_of[j]]``, ``size_bytes[j]``,
+    ``token_offsets[j]`` and tokens ``tokens[token_starts[j]:+token_lengths[j]]`` (or
+    ``token_objects[j]`` when given)."""
+
+    chunk_hashes: list[bytes]
+    shapes: list[ShapeParts]
+    shape_of: npt.NDArray[np.intp]
+    size_bytes: Int64s
+    token_offsets: Int64s
+    tokens: TokenArray
+    token_starts: Int64s
+    token_lengths: Int64s
+    token_objects: tuple[TokenArray | None, ...] | None = None
+    """Built from objects (:meth:`of_entries`): each entry's own array, instead of the arena."""
+
+    def __len__(self) -> int:
+        return len(self.chunk_hashes)
+
+    @classmethod
+    def of_entries(cls, entries: Sequence[CacheEntry]) -> EntryColumns:
+        """The columns of validated entries (the transports that still build objects); their
+        token arrays are kept as they are (no copy: a binding shares the caller's array)."""
+        index: dict[ShapeParts, int] = {}
+        shape_of = []
+        for e in entries:
+            k = e.key
+            parts = (k.model_name, k.kv_rank, k.object_group_id, k.cache_salt)
+            shape_of.append(index.setdefault(parts, len(index)))
+        arrays = tuple(e.token_ids for e in entries)
+        return cls(
+            [e.key.chunk_hash for e in entries],
+            list(index),
+            np.array(shape_of, dtype=np.intp),
+            np.array([e.size_bytes for e in entries], dtype=np.int64),
+            np.array([e.token_offset for e in entries], dtype=np.int64),
+            np.empty(0, dtype=np.uint32),
+            np.zeros(len(arrays), dtype=np.int64),
+            np.array([0 if t is None else len(t) for t in arrays], dtype=np.int64),
+            arrays,
+        )
+
+    @classmethod
+    def checked(
+        cls,
+        chunk_hashes: list[bytes],
+        parts: list[ShapeParts],
+        size_bytes: list[int],
+        token_offsets: list[int],
+        tokens: TokenArray,
+        token_starts: Int64s,
+        token_lengths: Int64s,
+    ) -> EntryColumns | None:
+        """Columns of decoded wire entries (hashes already 32 bytes each, tokens parsed), or
+        ``None`` when any entry breaks a rule a :class:`CacheEntry` would refuse: the decoder
+        then asks the per-entry path which entry and why. Each distinct shape is checked once."""
+        index: dict[ShapeParts, int] = {}
+        shape_of = [index.setdefault(p, len(index)) for p in parts]
+        for shape in index:
+            try:
+                ObjectKey(_ZERO_HASH, *shape)
+            except (ValueError, TypeError):
+                return None
+            if shape[2] > U64_MAX:
+                return None
+        try:
+            sizes = np.array(size_bytes, dtype=np.int64)
+            offsets = np.array(token_offsets, dtype=np.int64)
+        except (OverflowError, TypeError, ValueError):
+            return None
+        if len(sizes) and (int(sizes.min()) < 0 or int(offsets.min()) < UNKNOWN_OFFSET):
+            return None  # the upper bounds are int64's (I64_MAX)
+        return cls(
+            chunk_hashes,
+            list(index),
+            np.array(shape_of, dtype=np.intp),
+            sizes,
+            offsets,
+            tokens,
+            token_starts,
+            token_lengths,
+        )
+
+    def token_arrays(self) -> list[TokenArray | None]:
+        """Each entry's tokens as its own read-only array (``None``: no tokens); entries that
+        share a start share one array. Copies: a chunk never pins the request's arena."""
+        if self.token_objects is not None:
+            return list(self.token_objects)
+        arena = self.tokens
+        starts, lengths = self.token_starts.tolist(), self.token_lengths.tolist()
+        out: list[TokenArray | None]
+        if len(set(starts)) == len(starts):  # no content shared: one comprehension
+            out = [
+                arena[a : a + n].copy() if n else None for a, n in zip(starts, lengths, strict=True)
+            ]
+        else:
+            out = []
+            made: dict[tuple[int, int], TokenArray] = {}
+            for a, n in zip(starts, lengths, strict=True):
+                arr = made.get((a, n)) if n else None
+                if n and arr is None:
+                    arr = made[(a, n)] = arena[a : a + n].copy()
+                out.append(arr)
+        for arr in out:
+            if arr is not None:
+                arr.setflags(write=False)
+        return out
+
+    def salts(self) -> set[str]:
+        """The cache salts of the entries' keys."""
+        used = np.unique(self.shape_of).tolist() if len(self) else []
+        return {self.shapes[s][3] for s in used}
+
+    def entries(self) -> tuple[CacheEntry, ...]:
+        """The same entries as objects."""
+        shapes = self.shapes
+        return tuple(
+            CacheEntry(ObjectKey(h, *shapes[s]), size, tokens, offset)
+            for h, s, size, offset, tokens in zip(
+                self.chunk_hashes,
+                self.shape_of.tolist(),
+                self.size_bytes.tolist(),
+                self.token_offsets.tolist(),
+                self.token_arrays(),
+                strict=True,
+            )
+        )
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ColumnBatch:
+    """One batch: its header (an :class:`EventBatch`, validated like any) and, for a ``store``
+    batch decoded from a wire body, its entries as :class:`EntryColumns` (then the header
+    carries no entries). Other batches carry their entries in the header (``columns`` None)."""
+
+    header: EventBatch
+    columns: EntryColumns | None = None
+
+    @classmethod
+    def of(cls, batch: EventBatch) -> ColumnBatch:
+        return cls(batch)
+
+    @property
+    def n_entries(self) -> int:
+        cols = self.columns
+        return len(self.header.entries) if cols is None else len(cols)
+
+    def entry_columns(self) -> EntryColumns:
+        """The entries as columns (built from the header's if need be)."""
+        cols = self.columns
+        return EntryColumns.of_entries(self.header.entries) if cols is None else cols
+
+    def batch(self) -> EventBatch:
+        """The batch with its entries as objects (the observer, tests)."""
+        cols = self.columns
+        if cols is None:
+            return self.header
+        h = self.header
+        return EventBatch(
+            h.instance_id, h.incarnation, h.seq, h.event_type, h.tier, h.backend, h.shared,
+            h.ts, cols.entries(), h.capacity_bytes, h.capacity_revision, h.dropped_events,
+            h.prefixes,
+        )  # fmt: skip
+
+    def salts(self) -> set[str]:
+        cols = self.columns
+        if cols is None:
+            return {e.key.cache_salt for e in self.header.entries}
+        return cols.salts()
