@@ -2,8 +2,10 @@
 the Redis Streams consumer and the background threads that tie them together.
 
 Readiness (:class:`~kvatlas.coordinator.views.Readiness`) goes ``restoring`` → (Redis
-transport: ``catching_up``) → ``serving`` and never back while the service runs; lookups are
-answered in every state. Everything the service reports is an immutable view
+transport: ``waiting_for_redis`` → ``catching_up``) → ``serving``, through ``resyncing`` when
+events may be missing (a restart from a snapshot on the HTTP transport, a trimmed or lost
+stream), which ends once the live instances exchanged digests; lookups are answered in every
+state. Everything the service reports is an immutable view
 (:mod:`kvatlas.coordinator.views`). See docs/coordinator.md.
 """
 
@@ -79,6 +81,8 @@ class CoordinatorService:
         self.state = Readiness.RESTORING
         self._resyncing_since: float | None = None
         self._resync_known = 0  # registered instances when resyncing began
+        self._replayed = False  # the stream was read to its end once (HTTP: from the start)
+        self._restored = False  # a snapshot was restored
         self._retention: StreamRetention | None = None
         self._trim_checked = False
         self.stream_position: str | None = None
@@ -122,7 +126,10 @@ class CoordinatorService:
             )
             self._spawn("stream-consumer", consumer.run)
         else:
-            self.state = Readiness.SERVING
+            self._replayed = True
+            # Events posted after the snapshot may be lost (the sinks retry only what they
+            # still hold): the restored instances re-report through digests first.
+            self._set_state(Readiness.RESYNCING if self._restored else Readiness.SERVING)
 
     def stop(self) -> None:
         self._stop.set()
@@ -138,16 +145,23 @@ class CoordinatorService:
         self._threads.append(thread)
 
     def _set_state(self, state: Readiness) -> None:
-        if state is Readiness.SERVING and not self._trim_checked:
-            self._trim_checked = True  # caught up: was anything after the snapshot trimmed?
-            if self._behind_trim():
-                state = Readiness.RESYNCING
+        """The readiness the transport reports; ``resyncing``, once begun, ends only in
+        :meth:`_check_resynced` (catching up or serving do not end it)."""
+        if state is Readiness.SERVING:
+            self._replayed = True
+            if not self._trim_checked:
+                self._trim_checked = True  # caught up: was anything after the snapshot trimmed?
+                if self._behind_trim():
+                    state = Readiness.RESYNCING
         if state is Readiness.RESYNCING:
             self._resyncing_since = self._clock()
             self._resync_known = len(self.instances.snapshot()[1])
             self.instances.owe_all()
             self.instances.owe_on_register = True
-        elif state is Readiness.SERVING and self._resyncing_since is not None:
+        elif (
+            state in (Readiness.CATCHING_UP, Readiness.SERVING)
+            and self._resyncing_since is not None
+        ):
             return  # resyncing ends when the instances have resynced (see _check_resynced)
         self.state = state
 
@@ -174,7 +188,7 @@ class CoordinatorService:
         instance (no snapshot registry) first waits one instance timeout for the live ones to
         register: their heartbeats get 404, they re-register and exchange."""
         since = self._resyncing_since
-        if since is None:
+        if since is None or not self._replayed:  # what the stream still has comes first
             return
         elapsed = self._clock() - since
         timeout = self.config.instance_timeout
@@ -342,6 +356,7 @@ class CoordinatorService:
         except (SnapshotError, OSError) as exc:
             log.error("snapshot %s could not be restored (%s); starting empty", path, exc)
             return
+        self._restored = True
         self.stream_position = self._restored_position = info.stream_position
         if info.instances is not None:
             self.instances.restore(info.instances)
@@ -384,6 +399,8 @@ class CoordinatorService:
         retention = self._retention
         if retention is None or position is None:
             return
+        if self.state in (Readiness.WAITING_FOR_REDIS, Readiness.GROUP_HELD):
+            return  # not (yet) this group's consumer: a live twin's position is not ours
         try:
             retention.record(position)
             self.metrics.stream_trims.inc(retention.trim())

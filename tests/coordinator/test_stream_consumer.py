@@ -29,6 +29,12 @@ class FakeRedis:
     def xgroup_create(self, stream: str, group: str, id: str, mkstream: bool) -> None:
         self.log.append(("group", id))
 
+    def xinfo_stream(self, stream: str) -> dict[str, Any]:
+        return {"length": 2, "last-generated-id": b"7-0"}
+
+    def xinfo_groups(self, stream: str) -> list[dict[str, Any]]:
+        return []  # a group not created yet: nothing lost (this process never joined)
+
     def xreadgroup(self, group: str, consumer: str, streams: dict[str, str], **kw: Any) -> Any:
         if ">" not in streams.values():  # a read of its own pending entries: showing itself
             return []
@@ -65,7 +71,8 @@ def test_consumer_applies_reports_and_becomes_ready() -> None:
 
     def set_readiness(state: Readiness) -> None:
         log.append(("ready", state))
-        stop.set()
+        if state is Readiness.SERVING:
+            stop.set()
 
     good = encode_stream_fields([EventBatch("a", 1, 1, "access", "l1", "dram")])
     bad = {b"fmt": b"json", b"data": b"{not json"}
@@ -86,6 +93,7 @@ def test_consumer_applies_reports_and_becomes_ready() -> None:
     assert not thread.is_alive()
     assert log == [
         ("group", "5-0"),  # rewound to the position it was given
+        ("ready", Readiness.CATCHING_UP),
         ("ingest", [1]),
         ("position", "6-0"),
         ("ack", "6-0"),
