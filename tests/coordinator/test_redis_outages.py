@@ -301,6 +301,28 @@ def test_a_node_keeps_serving_through_a_redis_outage_and_its_events_arrive(
     assert node.sink.stats().dropped_batches == 0
 
 
+def test_batches_a_node_dropped_during_the_outage_are_repaired_by_a_resync(
+    tmp_path: Path, made: list[Any]
+) -> None:
+    server = RedisServer(tmp_path)
+    made.append(server)
+    server.start()
+    coordinator = Coordinator(tmp_path, server.url, "--instance-timeout", "600")
+    made.append(coordinator)
+    coordinator.start()
+    node = NodeProcess(node_config(coordinator.url, server.url, STREAM))
+    made.append(node)
+    assert node.coordinator is not None and node.sink is not None
+    node.coordinator.stop_heartbeat()
+    assert wait_for(lambda: coordinator.readiness()["ready"])
+    server.stop()
+    node.sink.max_outbox = 2  # a small outbox: the outage overflows it
+    held = [h for first in (100, 300, 500, 700) for h in store_unflushed(node, [first] * CS)]
+    assert node.sink.stats().dropped_batches >= 2
+    server.start()
+    assert wait_for(lambda: holds(coordinator, held), timeout=60), coordinator.output()
+
+
 def store_unflushed(process: NodeProcess, tokens: list[int]) -> list[bytes]:
     node = process.node
     tracker = node.tracker(token_ids=tokens)
