@@ -24,6 +24,7 @@ from kvatlas.coordinator.emitters import EmitterBook, admit, emitter_views, inst
 from kvatlas.coordinator.instances import InstanceRegistry
 from kvatlas.coordinator.kv_events.links import KvEventsLinks
 from kvatlas.coordinator.metrics import CoordinatorMetrics
+from kvatlas.coordinator.readiness import ReadinessTracker
 from kvatlas.coordinator.retention import StreamRetention
 from kvatlas.coordinator.status import StatusSource
 from kvatlas.coordinator.views import (
@@ -78,13 +79,11 @@ class CoordinatorService:
         self._clock = self.clock = clock
         self.emitters = EmitterBook()
         self._next_departure_sweep = 0.0
-        self.state = Readiness.RESTORING
-        self._resyncing_since: float | None = None
-        self._resync_known = 0  # registered instances when resyncing began
-        self._replayed = False  # the stream was read to its end once (HTTP: from the start)
+        self.readiness = ReadinessTracker(
+            self.instances, config.instance_timeout, clock, self._behind_trim
+        )
         self._restored = False  # a snapshot was restored
         self._retention: StreamRetention | None = None
-        self._trim_checked = False
         self.stream_position: str | None = None
         self._restored_position: str | None = None
         self.last_snapshot: SnapshotInfo | None = None
@@ -113,23 +112,24 @@ class CoordinatorService:
             self._retention = StreamRetention.connect(
                 self.config.redis_url or "", self.config.event_stream, self.config.group_name
             )
-            self.state = Readiness.CATCHING_UP
+            self.readiness.set(Readiness.CATCHING_UP)
             consumer = StreamConsumer(
                 self.config,
                 ingest=self.ingest,
                 position=self.stream_position,
                 on_position=self._set_stream_position,
-                set_readiness=self._set_state,
+                set_readiness=self.readiness.set,
                 stop=self._stop,
                 errors=self.metrics.stream_errors,
                 rejected=self.metrics.stream_rejected,
             )
             self._spawn("stream-consumer", consumer.run)
         else:
-            self._replayed = True
             # Events posted after the snapshot may be lost (the sinks retry only what they
             # still hold): the restored instances re-report through digests first.
-            self._set_state(Readiness.RESYNCING if self._restored else Readiness.SERVING)
+            if self._restored:
+                self.readiness.set(Readiness.RESYNCING)
+            self.readiness.set(Readiness.SERVING)  # nothing to replay
 
     def stop(self) -> None:
         self._stop.set()
@@ -139,31 +139,14 @@ class CoordinatorService:
         if self.config.snapshot_path is not None:
             self.take_snapshot()
 
+    @property
+    def state(self) -> Readiness:
+        return self.readiness.state
+
     def _spawn(self, name: str, target: Callable[[], None]) -> None:
         thread = threading.Thread(target=target, name=f"kvatlas-{name}", daemon=True)
         thread.start()
         self._threads.append(thread)
-
-    def _set_state(self, state: Readiness) -> None:
-        """The readiness the transport reports; ``resyncing``, once begun, ends only in
-        :meth:`_check_resynced` (catching up or serving do not end it)."""
-        if state is Readiness.SERVING:
-            self._replayed = True
-            if not self._trim_checked:
-                self._trim_checked = True  # caught up: was anything after the snapshot trimmed?
-                if self._behind_trim():
-                    state = Readiness.RESYNCING
-        if state is Readiness.RESYNCING:
-            self._resyncing_since = self._clock()
-            self._resync_known = len(self.instances.snapshot()[1])
-            self.instances.owe_all()
-            self.instances.owe_on_register = True
-        elif (
-            state in (Readiness.CATCHING_UP, Readiness.SERVING)
-            and self._resyncing_since is not None
-        ):
-            return  # resyncing ends when the instances have resynced (see _check_resynced)
-        self.state = state
 
     def _behind_trim(self) -> bool:
         retention = self._retention
@@ -180,24 +163,6 @@ class CoordinatorService:
                 self.config.event_stream, self._restored_position,
             )  # fmt: skip
         return behind
-
-    def _check_resynced(self) -> None:
-        """``resyncing`` → ``serving`` once every live instance completed a digest exchange
-        since, or after twice the instance timeout (an instance that never exchanges — an
-        old node — must not keep the replica unready forever). A replica that knew no
-        instance (no snapshot registry) first waits one instance timeout for the live ones to
-        register: their heartbeats get 404, they re-register and exchange."""
-        since = self._resyncing_since
-        if since is None or not self._replayed:  # what the stream still has comes first
-            return
-        elapsed = self._clock() - since
-        timeout = self.config.instance_timeout
-        waited = self._resync_known > 0 or elapsed > timeout
-        if (waited and not self.instances.owing()) or elapsed > 2 * timeout:
-            self._resyncing_since = None
-            self.instances.owe_on_register = False
-            self.state = Readiness.SERVING
-            log.info("resync finished after %.1f s: serving", elapsed)
 
     def _set_stream_position(self, position: str) -> None:
         self.stream_position = position
@@ -292,7 +257,7 @@ class CoordinatorService:
             self.instances.expire()
             self.forget_departed()
             self.status.tick()
-            self._check_resynced()
+            self.readiness.check_resynced()
 
     def forget_departed(self) -> list[str]:
         """Forget every instance that is not registered and sent no batch for
@@ -348,7 +313,6 @@ class CoordinatorService:
 
     def restore(self) -> None:
         path = self.config.snapshot_path
-        self.state = Readiness.RESTORING
         if path is None or not Path(path).exists():
             return
         try:
