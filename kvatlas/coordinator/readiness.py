@@ -59,6 +59,8 @@ class ReadinessTracker:
                 self._resync_known = len(self._instances.snapshot()[1])
                 self._instances.owe_all()
                 self._instances.owe_on_register = True
+            elif state is Readiness.GROUP_HELD:
+                self._resyncing_since = None  # final: this replica no longer consumes
             elif self._resyncing_since is not None and state in (
                 Readiness.CATCHING_UP,
                 Readiness.SERVING,
