@@ -140,8 +140,9 @@ def ensure_group_free(
 def refuse_held_group(config: CoordinatorConfig) -> None:
     """The start-up check, before restoring or consuming: :class:`GroupHeld` when another
     live replica consumes ``config.group_name``; :class:`Unavailable` when Redis answers but
-    cannot tell. Redis not reachable at all is no reason to refuse: the replica starts, serves
-    its snapshot and makes the same check when Redis appears (:meth:`StreamConsumer.run`)."""
+    cannot tell or refuses the credentials. Redis not reachable (down, restarting, loading its
+    data) is no reason to refuse: the replica starts, serves its snapshot and makes the same
+    check when Redis appears (:meth:`StreamConsumer.run`)."""
     import redis
 
     client = redis.Redis.from_url(
@@ -149,7 +150,9 @@ def refuse_held_group(config: CoordinatorConfig) -> None:
     )
     try:
         ensure_group_free(client, config.event_stream, config.group_name, config.consumer_heartbeat)
-    except redis.ConnectionError as exc:
+    except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
+        raise Unavailable(f"redis refused this coordinator's credentials: {exc}") from exc
+    except (redis.ConnectionError, redis.TimeoutError) as exc:  # down, restarting, loading
         log.warning(
             "redis not reachable (%s): starting anyway; consumer group %s is checked and joined "
             "when redis appears", exc, config.group_name,

@@ -215,6 +215,22 @@ def test_a_twin_waiting_for_redis_stays_out_of_a_group_a_live_replica_holds(
         reader.join(timeout=5)
 
 
+def test_a_redis_that_refuses_the_credentials_still_stops_start_up(
+    tmp_path: Path, made: list[Any]
+) -> None:
+    """Not an outage to wait out: a misconfiguration, refused at once (exit 1)."""
+    server = RedisServer(tmp_path)
+    made.append(server)
+    server.start()
+    client = redis.Redis.from_url(server.url)
+    client.config_set("requirepass", "s3cret")
+    client.close()
+    coordinator = Coordinator(tmp_path, server.url)
+    done = subprocess.run(coordinator.argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "refused this coordinator's credentials" in done.stdout + done.stderr
+
+
 # ------------------------------------------------------------------ Redis restarts mid-run
 
 
