@@ -118,7 +118,7 @@ class CoordinatorService:
                 ingest=self.ingest,
                 position=self.stream_position,
                 on_position=self._set_stream_position,
-                set_readiness=self.readiness.set,
+                set_readiness=self._stream_readiness,
                 stop=self._stop,
                 errors=self.metrics.stream_errors,
                 rejected=self.metrics.stream_rejected,
@@ -163,6 +163,15 @@ class CoordinatorService:
                 self.config.event_stream, self._restored_position,
             )  # fmt: skip
         return behind
+
+    def _stream_readiness(self, state: Readiness) -> None:
+        """The consumer's readiness. ``resyncing`` from it means Redis lost events, and the
+        retention registry with them: this replica's need goes back in at once, so another
+        replica's trim cannot pass entries this one has not read before its next snapshot."""
+        if state is Readiness.RESYNCING and self._retention is not None:
+            covered = self.last_snapshot.stream_position if self.last_snapshot else None
+            self._record(self._retention, covered or self._restored_position)
+        self.readiness.set(state)
 
     def _set_stream_position(self, position: str) -> None:
         self.stream_position = position
@@ -361,16 +370,26 @@ class CoordinatorService:
     def _retain(self, position: str | None) -> None:
         """Record what this replica's snapshot covers, and trim what no replica needs."""
         retention = self._retention
-        if retention is None or position is None:
-            return
-        if self.state in (Readiness.WAITING_FOR_REDIS, Readiness.GROUP_HELD):
-            return  # not (yet) this group's consumer: a live twin's position is not ours
+        if retention is None or self.state in (Readiness.WAITING_FOR_REDIS, Readiness.GROUP_HELD):
+            return  # (redis) not (yet) this group's consumer: a live twin's position is not ours
+        if self._record(retention, position):
+            try:
+                self.metrics.stream_trims.inc(retention.trim())
+            except Unavailable as exc:  # Redis down: the next snapshot trims
+                self.metrics.stream_errors.labels("retention").inc()
+                log.warning("stream trim skipped: %s", exc)
+
+    def _record(self, retention: StreamRetention, position: str | None) -> bool:
+        """Record what this replica's snapshot covers; False if Redis did not take it."""
+        if position is None:
+            return False
         try:
             retention.record(position)
-            self.metrics.stream_trims.inc(retention.trim())
-        except Unavailable as exc:  # Redis down: the next snapshot records and trims
+        except Unavailable as exc:  # Redis down: the next snapshot records
             self.metrics.stream_errors.labels("retention").inc()
             log.warning("stream retention skipped: %s", exc)
+            return False
+        return True
 
     def _snapshot_loop(self) -> None:
         while not self._stop.wait(self.config.snapshot_interval):

@@ -275,6 +275,11 @@ def test_a_redis_restart_without_persistence_resyncs_from_the_nodes(
     node.coordinator.stop_heartbeat()  # the test heartbeats by hand
     first = store(node, 100, 2)
     assert wait_for(lambda: coordinator.readiness()["ready"] and holds(coordinator, first))
+    coordinator.stop()  # a snapshot covering `first`, then back
+    coordinator.start()
+    assert wait_for(lambda: coordinator.readiness()["ready"])
+    health = httpx.get(f"{coordinator.url}/healthz").json()
+    covered, group = health["stream_position"], health["consumer_group"]
     coordinator.signal(signal.SIGSTOP)
     # Its pending blocking read takes the next entry into its socket (applied on SIGCONT);
     # what follows stays unread in the stream, then goes with Redis.
@@ -285,6 +290,10 @@ def test_a_redis_restart_without_persistence_resyncs_from_the_nodes(
     assert wait_for(lambda: coordinator.state() == "resyncing", timeout=30), coordinator.output()
     assert holds(coordinator, first + delivered) and not holds(coordinator, lost)
     assert coordinator.metric('kvatlas_stream_errors_total{kind="lost"}') == 1
+    # its need is back in the (lost) retention registry: no other replica trims past it
+    client = redis.Redis.from_url(server.url)
+    made.append(client)
+    assert client.hget(f"{STREAM}:replicas", group) == covered.encode()
     node.coordinator.heartbeat()  # the reply asks for a digest exchange
     assert wait_for(lambda: holds(coordinator, first + lost), timeout=30), coordinator.output()
     assert wait_for(lambda: coordinator.readiness()["ready"], timeout=30), coordinator.output()
