@@ -71,25 +71,27 @@ class GroupHeld(Conflict):
 
 def group_consumers(client: Any, stream: str, group: str) -> list[tuple[str, int]]:
     """``(name, idle ms)`` of each consumer of ``group`` (none when group or stream is new)."""
-    return _observe(client, stream, group)[1]
+    return _observe(client, stream, group)[2]
 
 
-def _observe(client: Any, stream: str, group: str) -> tuple[int, list[tuple[str, int]]]:
-    """Redis's clock (ms) and each consumer's ``(name, idle ms)``, read in one transaction so
-    that ``clock - idle`` is the time Redis last saw the consumer."""
+def _observe(client: Any, stream: str, group: str) -> tuple[int, int, list[tuple[str, int]]]:
+    """Redis's clock (ms), its uptime (ms) and each consumer's ``(name, idle ms)``, read in
+    one transaction so that ``clock - idle`` is the time Redis last saw the consumer."""
     import redis
 
     pipe = client.pipeline(transaction=True)
     pipe.time()
+    pipe.info("server")
     pipe.xinfo_consumers(stream, group)
     try:
-        (seconds, micros), rows = pipe.execute()
+        (seconds, micros), server, rows = pipe.execute()
     except redis.ResponseError as exc:
         if "NOGROUP" in str(exc) or "no such key" in str(exc):
-            return 0, []
+            return 0, 0, []
         raise
     now_ms = int(seconds) * 1000 + int(micros) // 1000
-    return now_ms, [(_text(row["name"]), int(row["idle"])) for row in rows]
+    up_ms = int(server.get("uptime_in_seconds", 0)) * 1000
+    return now_ms, up_ms, [(_text(row["name"]), int(row["idle"])) for row in rows]
 
 
 def _text(value: bytes | str) -> str:
@@ -111,12 +113,17 @@ def ensure_group_free(
     A consumer idle past ``heartbeat_s`` is dead. One seen within it is watched (a poll every
     tenth of the heartbeat): seen again, it is live (a replica shows itself several times per
     heartbeat); idle past the heartbeat without being seen, it was a crashed replica, whose
-    successor may take the group over — at most one heartbeat after the crash."""
+    successor may take the group over — at most one heartbeat after the crash. Right after a
+    Redis restart every consumer looks idle for the whole outage (a live replica could not show
+    itself meanwhile): until Redis has been up for one heartbeat, all of them are watched."""
     limit_ms = heartbeat_s * 1000
     first_seen: dict[str, int] = {}
     while True:
-        now_ms, rows = _observe(client, stream, group)
-        recent = {name: now_ms - idle for name, idle in rows if name != own and idle < limit_ms}
+        now_ms, up_ms, rows = _observe(client, stream, group)
+        fresh = up_ms < limit_ms
+        recent = {
+            name: now_ms - idle for name, idle in rows if name != own and (fresh or idle < limit_ms)
+        }
         if not recent:
             return
         if recent.keys() - first_seen.keys():

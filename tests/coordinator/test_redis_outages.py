@@ -30,7 +30,7 @@ import redis
 
 from kvatlas.asgi_thread import free_port
 from kvatlas.client import EventSink, RedisStreamTransport
-from kvatlas.coordinator.stream_consumer import group_consumers
+from kvatlas.coordinator.stream_consumer import GroupHeld, ensure_group_free, group_consumers
 from kvatlas.events import STORE, CacheEntry
 from kvatlas.node.server import NodeProcess
 from kvatlas.processes import is_healthy
@@ -188,7 +188,10 @@ def test_a_twin_waiting_for_redis_stays_out_of_a_group_a_live_replica_holds(
     client = redis.Redis.from_url(server.url)
     made.append(client)
     client.xgroup_create(STREAM, "kvatlas-r1", id="0", mkstream=True)
-    client.xreadgroup("kvatlas-r1", "live-one", {STREAM: "0"}, count=1)
+    client.xadd(STREAM, {"fmt": "json", "data": "{}"})
+    # read, not yet acknowledged: the AOF keeps the consumer (one with nothing pending is
+    # not kept, and would be a race with the twin)
+    client.xreadgroup("kvatlas-r1", "live-one", {STREAM: ">"}, count=1)
     server.stop()
 
     twin = Coordinator(tmp_path, server.url, "--replica-id", "r1")
@@ -213,6 +216,31 @@ def test_a_twin_waiting_for_redis_stays_out_of_a_group_a_live_replica_holds(
     finally:
         done.set()
         reader.join(timeout=5)
+
+
+def test_right_after_a_redis_restart_a_consumer_idle_for_the_outage_is_watched(
+    tmp_path: Path, made: list[Any]
+) -> None:
+    """Restored from an RDB file, a live replica's consumer looks idle for the whole outage
+    (it could not show itself): a twin must watch it, not take the group over at once."""
+    server = RedisServer(tmp_path, persistent=False)
+    made.append(server)
+    server.start()
+    client = redis.Redis.from_url(server.url)
+    made.append(client)
+    client.xgroup_create(STREAM, "g", id="0", mkstream=True)
+    client.xadd(STREAM, {"fmt": "json", "data": "{}"})
+    client.xreadgroup("g", "live-one", {STREAM: ">"}, count=1)
+    assert wait_for(lambda: group_consumers(client, STREAM, "g")[0][1] >= 2000, timeout=30)
+    client.save()
+    server.restart()  # from dump.rdb: the consumer keeps its last-seen time
+    assert group_consumers(client, STREAM, "g")[0][1] >= 2000  # idle past the heartbeat
+
+    def live_one_reads(_seconds: float) -> None:  # the live replica is back, reading
+        client.xreadgroup("g", "live-one", {STREAM: "0"}, count=1)
+
+    with pytest.raises(GroupHeld, match="live-one"):
+        ensure_group_free(client, STREAM, "g", 2.0, sleep=live_one_reads)
 
 
 def test_a_redis_that_refuses_the_credentials_still_stops_start_up(

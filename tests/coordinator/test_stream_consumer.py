@@ -49,6 +49,9 @@ class FakeRedis:
     def time(self) -> None:
         self.queued = [(0, 0)]
 
+    def info(self, section: str) -> None:
+        self.queued.append({"uptime_in_seconds": 86400})  # up for long
+
     def xinfo_consumers(self, stream: str, group: str) -> None:
         self.queued.append([])  # no other replica consumes the group
 
