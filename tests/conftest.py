@@ -27,15 +27,17 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 class RedisServer:
-    """A throwaway redis-server process; ``restart`` keeps the port (and, with AOF, the data)."""
+    """A throwaway redis-server process; ``restart`` keeps the port and, with ``persistent``
+    (AOF, every write synced), the data; without, a restart comes back empty."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, *, persistent: bool = True) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.fail("redis-server not found: `make test` installs it (scripts/ensure-redis.sh)")
         self.binary = binary
         self.workdir = workdir
         self.port = free_port()
+        self.persistent = persistent
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -50,7 +52,7 @@ class RedisServer:
                 "--bind", "127.0.0.1",
                 "--dir", str(self.workdir),
                 "--save", "",
-                "--appendonly", "yes",
+                "--appendonly", "yes" if self.persistent else "no",
                 "--appendfsync", "always",
             ],
             stdout=subprocess.DEVNULL,

@@ -34,6 +34,7 @@ SHARED = (
     "asgi_thread",
     "logs",
     "processes",
+    "backoff",
 )
 TOP = ("bench", "demo", "cli")
 # Below its place in the order, but still out of bounds: a client never imports server

@@ -1,8 +1,9 @@
 """EventSink: stamps, queues and delivers cache-event batches with a bounded outbox.
 
 ``emit`` never blocks the serving path: it stamps ``(incarnation, seq)`` and appends to the
-outbox; a sender thread delivers in order, retrying with exponential backoff through
-coordinator restarts and network blips. Beyond ``max_outbox`` batches the newest are dropped
+outbox; a sender thread delivers in order, retrying with capped, jittered backoff
+(:class:`~kvatlas.backoff.Backoff`; one warning per new wait length) through coordinator or
+Redis restarts and network blips. Beyond ``max_outbox`` batches the newest are dropped
 and counted; their sequence numbers were already taken, so the coordinator sees the gap and
 reports it (placements may be missing — visible, not silent).
 """
@@ -20,6 +21,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from kvatlas.backoff import Backoff
 from kvatlas.client.coordinator_client import auth_headers
 from kvatlas.errors import InvalidInput, Unavailable
 from kvatlas.events import (
@@ -289,7 +291,7 @@ class EventSink:
             return True
 
     def _run(self) -> None:
-        backoff = self.backoff_initial
+        backoff = Backoff(min(self.backoff_initial, self.backoff_max), self.backoff_max)
         while True:
             with self._cond:
                 while not self._outbox and not self._closed:
@@ -301,15 +303,15 @@ class EventSink:
                     for _ in range(min(self.max_batches_per_send, len(self._outbox)))
                 ]
                 self._in_flight = len(batch_list)
-            backoff = self._deliver(batch_list, backoff)
+            self._deliver(batch_list, backoff)
             with self._cond:
                 self._in_flight = 0
                 self._cond.notify_all()
 
-    def _deliver(self, batch_list: list[EventBatch], backoff: float) -> float:
+    def _deliver(self, batch_list: list[EventBatch], backoff: Backoff) -> None:
         """Deliver one send, in order: a refused batch is quarantined and the rest delivered,
-        a send too large is halved, anything else is retried with backoff. Returns the
-        backoff for the next send."""
+        a send too large is halved, anything else is retried with ``backoff`` (reset by a
+        delivery)."""
         parts: deque[list[EventBatch]] = deque([batch_list])
         while parts:
             part = parts.popleft()
@@ -335,20 +337,22 @@ class EventSink:
                     if isinstance(exc, AuthSendError):
                         self.auth_failures += 1
                         log.warning("coordinator refused our credentials (%s); retrying", exc)
-                    else:
-                        log.debug("event delivery failed (%s); retry in %.2f s", exc, backoff)
+                    elif backoff.report():
+                        log.warning(
+                            "event delivery failed (%s); %d batches queued, retrying every "
+                            "%.3g s at most", exc, len(self._outbox) + self._in_flight,
+                            backoff.step,
+                        )  # fmt: skip
                     if self._closed:  # closing gave up waiting: count, don't hang
                         self.dropped_batches += sum(len(p) for p in (part, *parts))
-                        return backoff
-                    self._cond.wait(backoff)
-                backoff = min(backoff * 2, self.backoff_max)
+                        return
+                    self._cond.wait(backoff.next_wait())
                 parts.appendleft(part)
                 continue
             with self._cond:
                 self.sent_batches += len(part)
                 self._in_flight -= len(part)
-            backoff = self.backoff_initial
-        return backoff
+            backoff.reset()
 
     def _quarantine(self, batch: EventBatch, exc: Exception) -> None:
         """Set aside one batch the receiver refused: counted and logged; its seq is never

@@ -2,8 +2,10 @@
 the Redis Streams consumer and the background threads that tie them together.
 
 Readiness (:class:`~kvatlas.coordinator.views.Readiness`) goes ``restoring`` → (Redis
-transport: ``catching_up``) → ``serving`` and never back while the service runs; lookups are
-answered in every state. Everything the service reports is an immutable view
+transport: ``waiting_for_redis`` → ``catching_up``) → ``serving``, through ``resyncing`` when
+events may be missing (a restart from a snapshot on the HTTP transport, a trimmed or lost
+stream), which ends once the live instances exchanged digests; lookups are answered in every
+state. Everything the service reports is an immutable view
 (:mod:`kvatlas.coordinator.views`). See docs/coordinator.md.
 """
 
@@ -22,6 +24,7 @@ from kvatlas.coordinator.emitters import EmitterBook, admit, emitter_views, inst
 from kvatlas.coordinator.instances import InstanceRegistry
 from kvatlas.coordinator.kv_events.links import KvEventsLinks
 from kvatlas.coordinator.metrics import CoordinatorMetrics
+from kvatlas.coordinator.readiness import ReadinessTracker
 from kvatlas.coordinator.retention import StreamRetention
 from kvatlas.coordinator.status import StatusSource
 from kvatlas.coordinator.views import (
@@ -76,11 +79,11 @@ class CoordinatorService:
         self._clock = self.clock = clock
         self.emitters = EmitterBook()
         self._next_departure_sweep = 0.0
-        self.state = Readiness.RESTORING
-        self._resyncing_since: float | None = None
-        self._resync_known = 0  # registered instances when resyncing began
+        self.readiness = ReadinessTracker(
+            self.instances, config.instance_timeout, clock, self._behind_trim
+        )
+        self._restored = False  # a snapshot was restored
         self._retention: StreamRetention | None = None
-        self._trim_checked = False
         self.stream_position: str | None = None
         self._restored_position: str | None = None
         self.last_snapshot: SnapshotInfo | None = None
@@ -109,20 +112,24 @@ class CoordinatorService:
             self._retention = StreamRetention.connect(
                 self.config.redis_url or "", self.config.event_stream, self.config.group_name
             )
-            self.state = Readiness.CATCHING_UP
+            self.readiness.set(Readiness.CATCHING_UP)
             consumer = StreamConsumer(
                 self.config,
                 ingest=self.ingest,
                 position=self.stream_position,
                 on_position=self._set_stream_position,
-                set_readiness=self._set_state,
+                set_readiness=self._stream_readiness,
                 stop=self._stop,
                 errors=self.metrics.stream_errors,
                 rejected=self.metrics.stream_rejected,
             )
             self._spawn("stream-consumer", consumer.run)
         else:
-            self.state = Readiness.SERVING
+            # Events posted after the snapshot may be lost (the sinks retry only what they
+            # still hold): the restored instances re-report through digests first.
+            if self._restored:
+                self.readiness.set(Readiness.RESYNCING)
+            self.readiness.set(Readiness.SERVING)  # nothing to replay
 
     def stop(self) -> None:
         self._stop.set()
@@ -132,24 +139,14 @@ class CoordinatorService:
         if self.config.snapshot_path is not None:
             self.take_snapshot()
 
+    @property
+    def state(self) -> Readiness:
+        return self.readiness.state
+
     def _spawn(self, name: str, target: Callable[[], None]) -> None:
         thread = threading.Thread(target=target, name=f"kvatlas-{name}", daemon=True)
         thread.start()
         self._threads.append(thread)
-
-    def _set_state(self, state: Readiness) -> None:
-        if state is Readiness.SERVING and not self._trim_checked:
-            self._trim_checked = True  # caught up: was anything after the snapshot trimmed?
-            if self._behind_trim():
-                state = Readiness.RESYNCING
-        if state is Readiness.RESYNCING:
-            self._resyncing_since = self._clock()
-            self._resync_known = len(self.instances.snapshot()[1])
-            self.instances.owe_all()
-            self.instances.owe_on_register = True
-        elif state is Readiness.SERVING and self._resyncing_since is not None:
-            return  # resyncing ends when the instances have resynced (see _check_resynced)
-        self.state = state
 
     def _behind_trim(self) -> bool:
         retention = self._retention
@@ -167,23 +164,14 @@ class CoordinatorService:
             )  # fmt: skip
         return behind
 
-    def _check_resynced(self) -> None:
-        """``resyncing`` → ``serving`` once every live instance completed a digest exchange
-        since, or after twice the instance timeout (an instance that never exchanges — an
-        old node — must not keep the replica unready forever). A replica that knew no
-        instance (no snapshot registry) first waits one instance timeout for the live ones to
-        register: their heartbeats get 404, they re-register and exchange."""
-        since = self._resyncing_since
-        if since is None:
-            return
-        elapsed = self._clock() - since
-        timeout = self.config.instance_timeout
-        waited = self._resync_known > 0 or elapsed > timeout
-        if (waited and not self.instances.owing()) or elapsed > 2 * timeout:
-            self._resyncing_since = None
-            self.instances.owe_on_register = False
-            self.state = Readiness.SERVING
-            log.info("resync finished after %.1f s: serving", elapsed)
+    def _stream_readiness(self, state: Readiness) -> None:
+        """The consumer's readiness. ``resyncing`` from it means Redis lost events, and the
+        retention registry with them: this replica's need goes back in at once, so another
+        replica's trim cannot pass entries this one has not read before its next snapshot."""
+        if state is Readiness.RESYNCING and self._retention is not None:
+            covered = self.last_snapshot.stream_position if self.last_snapshot else None
+            self._record(self._retention, covered or self._restored_position)
+        self.readiness.set(state)
 
     def _set_stream_position(self, position: str) -> None:
         self.stream_position = position
@@ -280,7 +268,7 @@ class CoordinatorService:
             self.instances.expire()
             self.forget_departed()
             self.status.tick()
-            self._check_resynced()
+            self.readiness.check_resynced()
 
     def forget_departed(self) -> list[str]:
         """Forget every instance that is not registered and sent no batch for
@@ -336,7 +324,6 @@ class CoordinatorService:
 
     def restore(self) -> None:
         path = self.config.snapshot_path
-        self.state = Readiness.RESTORING
         if path is None or not Path(path).exists():
             return
         try:
@@ -344,6 +331,7 @@ class CoordinatorService:
         except (SnapshotError, OSError) as exc:
             log.error("snapshot %s could not be restored (%s); starting empty", path, exc)
             return
+        self._restored = True
         self.stream_position = self._restored_position = info.stream_position
         if info.instances is not None:
             self.instances.restore(info.instances)
@@ -384,14 +372,26 @@ class CoordinatorService:
     def _retain(self, position: str | None) -> None:
         """Record what this replica's snapshot covers, and trim what no replica needs."""
         retention = self._retention
-        if retention is None or position is None:
-            return
+        if retention is None or self.state in (Readiness.WAITING_FOR_REDIS, Readiness.GROUP_HELD):
+            return  # (redis) not (yet) this group's consumer: a live twin's position is not ours
+        if self._record(retention, position):
+            try:
+                self.metrics.stream_trims.inc(retention.trim())
+            except Unavailable as exc:  # Redis down: the next snapshot trims
+                self.metrics.stream_errors.labels("retention").inc()
+                log.warning("stream trim skipped: %s", exc)
+
+    def _record(self, retention: StreamRetention, position: str | None) -> bool:
+        """Record what this replica's snapshot covers; False if Redis did not take it."""
+        if position is None:
+            return False
         try:
             retention.record(position)
-            self.metrics.stream_trims.inc(retention.trim())
-        except Unavailable as exc:  # Redis down: the next snapshot records and trims
+        except Unavailable as exc:  # Redis down: the next snapshot records
             self.metrics.stream_errors.labels("retention").inc()
             log.warning("stream retention skipped: %s", exc)
+            return False
+        return True
 
     def _snapshot_loop(self) -> None:
         while not self._stop.wait(self.config.snapshot_interval):

@@ -45,9 +45,11 @@ class CoordinatorParts(Protocol):
     directory: KeyDirectory
     instances: InstanceRegistry
     scheme: KeyScheme
-    state: Readiness
     last_snapshot: SnapshotInfo | None
     clock: Callable[[], float]
+
+    @property
+    def state(self) -> Readiness: ...
 
     def event_ages(self) -> dict[str, float]: ...
 

@@ -7,6 +7,12 @@ a crash come back too, and the gate drops them as duplicates. Nothing is lost, n
 applied twice. Each coordinator replica uses its own group and so builds the full view. See
 docs/coordinator.md ("Durability and transports").
 
+Start order and Redis restarts: a replica started before Redis serves its snapshot
+(``waiting_for_redis``) and joins when Redis appears; after any Redis error it prepares the
+group again. A Redis that lost events (restarted without persistence, or from an older RDB
+file) is detected (:func:`stream_loss`) and the replica resyncs from the nodes' digests rather
+than stay silently wrong.
+
 One live consumer per group: a replica's consumer shows itself to Redis
 ``TOUCHES_PER_HEARTBEAT`` times per ``--consumer-heartbeat``, and a replica refuses to join a
 group whose consumer is seen again while it watches (:func:`ensure_group_free`, at start-up
@@ -32,8 +38,10 @@ from typing import Any
 
 from prometheus_client import Counter
 
+from kvatlas.backoff import Backoff
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.query import check_entry_count
+from kvatlas.coordinator.retention import parse_id
 from kvatlas.coordinator.views import Readiness
 from kvatlas.errors import Conflict, Forbidden, InvalidInput, KvatlasError, Unavailable
 from kvatlas.events import EventBatch, EventDecodeError, EventValidationError, decode_stream_fields
@@ -49,6 +57,9 @@ time on every Redis version (a blocking read that returns nothing does not befor
 blocking read waits at most one such period, and a long apply stops to show itself too."""
 
 
+RETRY_MAX_S = 2.0
+"""The longest wait between attempts to reach Redis (capped further by the touch period)."""
+
 _CLOCK_SLACK_MS = 5
 """Rounding between Redis's clock and its idle times (both in ms): a consumer whose last-seen
 time moved by more than this was seen again."""
@@ -60,25 +71,27 @@ class GroupHeld(Conflict):
 
 def group_consumers(client: Any, stream: str, group: str) -> list[tuple[str, int]]:
     """``(name, idle ms)`` of each consumer of ``group`` (none when group or stream is new)."""
-    return _observe(client, stream, group)[1]
+    return _observe(client, stream, group)[2]
 
 
-def _observe(client: Any, stream: str, group: str) -> tuple[int, list[tuple[str, int]]]:
-    """Redis's clock (ms) and each consumer's ``(name, idle ms)``, read in one transaction so
-    that ``clock - idle`` is the time Redis last saw the consumer."""
+def _observe(client: Any, stream: str, group: str) -> tuple[int, int, list[tuple[str, int]]]:
+    """Redis's clock (ms), its uptime (ms) and each consumer's ``(name, idle ms)``, read in
+    one transaction so that ``clock - idle`` is the time Redis last saw the consumer."""
     import redis
 
     pipe = client.pipeline(transaction=True)
     pipe.time()
+    pipe.info("server")
     pipe.xinfo_consumers(stream, group)
     try:
-        (seconds, micros), rows = pipe.execute()
+        (seconds, micros), server, rows = pipe.execute()
     except redis.ResponseError as exc:
         if "NOGROUP" in str(exc) or "no such key" in str(exc):
-            return 0, []
+            return 0, 0, []
         raise
     now_ms = int(seconds) * 1000 + int(micros) // 1000
-    return now_ms, [(_text(row["name"]), int(row["idle"])) for row in rows]
+    up_ms = int(server.get("uptime_in_seconds", 0)) * 1000
+    return now_ms, up_ms, [(_text(row["name"]), int(row["idle"])) for row in rows]
 
 
 def _text(value: bytes | str) -> str:
@@ -100,12 +113,17 @@ def ensure_group_free(
     A consumer idle past ``heartbeat_s`` is dead. One seen within it is watched (a poll every
     tenth of the heartbeat): seen again, it is live (a replica shows itself several times per
     heartbeat); idle past the heartbeat without being seen, it was a crashed replica, whose
-    successor may take the group over — at most one heartbeat after the crash."""
+    successor may take the group over — at most one heartbeat after the crash. Right after a
+    Redis restart every consumer looks idle for the whole outage (a live replica could not show
+    itself meanwhile): until Redis has been up for one heartbeat, all of them are watched."""
     limit_ms = heartbeat_s * 1000
     first_seen: dict[str, int] = {}
     while True:
-        now_ms, rows = _observe(client, stream, group)
-        recent = {name: now_ms - idle for name, idle in rows if name != own and idle < limit_ms}
+        now_ms, up_ms, rows = _observe(client, stream, group)
+        fresh = up_ms < limit_ms
+        recent = {
+            name: now_ms - idle for name, idle in rows if name != own and (fresh or idle < limit_ms)
+        }
         if not recent:
             return
         if recent.keys() - first_seen.keys():
@@ -128,7 +146,10 @@ def ensure_group_free(
 
 def refuse_held_group(config: CoordinatorConfig) -> None:
     """The start-up check, before restoring or consuming: :class:`GroupHeld` when another
-    live replica consumes ``config.group_name``; :class:`Unavailable` when Redis cannot tell."""
+    live replica consumes ``config.group_name``; :class:`Unavailable` when Redis answers but
+    cannot tell or refuses the credentials. Redis not reachable (down, restarting, loading its
+    data) is no reason to refuse: the replica starts, serves its snapshot and makes the same
+    check when Redis appears (:meth:`StreamConsumer.run`)."""
     import redis
 
     client = redis.Redis.from_url(
@@ -136,12 +157,55 @@ def refuse_held_group(config: CoordinatorConfig) -> None:
     )
     try:
         ensure_group_free(client, config.event_stream, config.group_name, config.consumer_heartbeat)
+    except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
+        raise Unavailable(f"redis refused this coordinator's credentials: {exc}") from exc
+    except (redis.ConnectionError, redis.TimeoutError) as exc:  # down, restarting, loading
+        log.warning(
+            "redis not reachable (%s): starting anyway; consumer group %s is checked and joined "
+            "when redis appears", exc, config.group_name,
+        )  # fmt: skip
     except redis.RedisError as exc:
         raise Unavailable(
             f"cannot check that consumer group {config.group_name!r} is free: redis: {exc}"
         ) from exc
     finally:
         client.close()
+
+
+def stream_loss(
+    client: Any, stream: str, group: str, position: str | None, *, joined: bool
+) -> tuple[str, str | None]:
+    """Where the group must (re)start, and why events after ``position`` (the last applied
+    id) may be gone from Redis (``None``: nothing was lost).
+
+    Redis forgot entries this replica had applied (the stream's last id lies before
+    ``position``: a restart without persistence, or from an older RDB file); the group this
+    replica had joined is gone (a restart without persistence, whatever the nodes added since);
+    or the group was delivered less than this replica applied (an older RDB file). Entries
+    added after such a loss carry ids after what Redis still has, so the group starts at the
+    smaller of ``position`` and the stream's last id: nothing still in the stream is skipped,
+    nothing applied is delivered again (the gate would drop it anyway)."""
+    import redis
+
+    if position is None:
+        return "0", None
+    try:
+        info = client.xinfo_stream(stream)
+    except redis.ResponseError as exc:
+        if "no such key" not in str(exc):
+            raise
+        return "0", "the stream is gone"
+    last = _text(info.get("last-generated-id") or b"0-0")
+    if parse_id(last) < parse_id(position):
+        return last, f"the stream ends at {last}, before the {position} this replica applied"
+    groups = {_text(g["name"]): g for g in client.xinfo_groups(stream)}
+    ours = groups.get(group)
+    if ours is None:
+        return position, "its consumer group is gone" if joined else None
+    delivered = _text(ours.get("last-delivered-id") or b"0-0")
+    if parse_id(delivered) < parse_id(position):
+        return position, f"the group was delivered up to {delivered} only"
+    return position, None
 
 
 def rejection_reason(exc: KvatlasError) -> str:
@@ -194,6 +258,9 @@ class StreamConsumer:
         self.group = config.group_name
         self.heartbeat_s = config.consumer_heartbeat
         self._touch_s = config.consumer_heartbeat / TOUCHES_PER_HEARTBEAT
+        # Back within one touch period of Redis's return: a twin watching the group after a
+        # Redis restart sees this replica alive before it would take the group over.
+        self.retry_max_s = min(RETRY_MAX_S, self._touch_s)
         self._block_ms = max(1, min(BLOCK_MS, int(self._touch_s * 1000)))
         # One name per process run: a second replica with this group is never taken for us.
         self.consumer = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
@@ -208,12 +275,23 @@ class StreamConsumer:
         self._caught_up = False
         self._shown_at = -math.inf
 
-    def _prepare_group(self) -> None:
+    def _prepare_group(self, joined: bool) -> None:
         """Create the group, or rewind it, to the last applied position ("0" = everything);
         :class:`GroupHeld` if another live replica consumes it; dead consumers are removed
-        (what they read unacknowledged lies after the rewound position: it comes again)."""
+        (what they read unacknowledged lies after the rewound position: it comes again).
+        Events Redis lost since (:func:`stream_loss`; ``joined``: this process had joined the
+        group before) turn the replica to ``resyncing``."""
         ensure_group_free(self.client, self.stream, self.group, self.heartbeat_s, own=self.consumer)
-        start = self.position or "0"
+        start, lost = stream_loss(
+            self.client, self.stream, self.group, self.position, joined=joined
+        )
+        if lost is not None:
+            self._errors.labels("lost").inc()
+            log.warning(
+                "redis lost events of %s after %s (%s): resyncing from the nodes' digests",
+                self.stream, self.position, lost,
+            )  # fmt: skip
+            self._set_readiness(Readiness.RESYNCING)
         try:
             self.client.xgroup_create(self.stream, self.group, id=start, mkstream=True)
         except self._redis_mod.ResponseError as exc:
@@ -231,35 +309,48 @@ class StreamConsumer:
         )  # fmt: skip
 
     def run(self) -> None:
-        backoff = 0.2
+        """Consume until ``stop``. Redis down (not up yet, or restarting) is waited for with
+        capped, jittered backoff (one log line per new wait length); after any Redis error the
+        group is prepared again (:meth:`_prepare_group`: the twin check, a lost group or
+        stream). Readiness: ``waiting_for_redis`` until Redis first answers, ``catching_up``
+        once joined, ``serving`` at the end of the stream, ``group_held`` if a live twin holds
+        the group."""
+        backoff = Backoff(0.1, self.retry_max_s)
         prepared = joined = False
         stop = self._stop
         while not stop.is_set():
             try:
                 if not prepared:
-                    self._prepare_group()
+                    self._prepare_group(joined)
+                    if not joined:
+                        self._set_readiness(Readiness.CATCHING_UP)
                     prepared = joined = True
+                    backoff.reset()
                 caught_up = self._read_once()
                 if caught_up and not self._caught_up:
                     self._caught_up = True
                     self._set_readiness(Readiness.SERVING)
                     log.info("caught up with %s at %s", self.stream, self.position)
-                backoff = 0.2
-            except GroupHeld as exc:  # joined by another replica while this one restored
+            except GroupHeld as exc:  # a live twin holds the group (joined while we restored)
                 self._errors.labels("group_held").inc()
+                self._set_readiness(Readiness.GROUP_HELD)
                 log.error("not consuming: %s", exc)
                 return
             except self._redis_mod.RedisError as exc:
                 self._errors.labels("redis").inc()
-                log.warning("redis stream unavailable (%s); retrying in %.1f s", exc, backoff)
-                # A restarted Redis may have lost the group (NOGROUP): prepare it again.
-                prepared = prepared and "NOGROUP" not in str(exc)
-                stop.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
+                if not joined:
+                    self._set_readiness(Readiness.WAITING_FOR_REDIS)
+                prepared = False  # Redis may have restarted: check the group and stream again
+                if backoff.report():
+                    log.warning(
+                        "redis stream %s unavailable (%s); serving what this replica holds, "
+                        "retrying every %.3g s at most", self.stream, exc, backoff.step,
+                    )  # fmt: skip
+                stop.wait(backoff.next_wait())
             except Exception:  # a bug: keep the transport alive, the entry stays pending
                 self._errors.labels("internal").inc()
                 log.exception("stream consumer error; retrying")
-                stop.wait(backoff)
+                stop.wait(backoff.next_wait())
         if joined:
             self._leave()
 

@@ -19,17 +19,22 @@ if TYPE_CHECKING:  # the KV-event links load only where they run
 
 
 class Readiness(StrEnum):
-    """``restoring`` (loading the snapshot) → ``catching_up`` (Redis transport: replaying the
-    stream up to its end) → ``serving``. A replica whose stream position was trimmed away goes
-    ``resyncing`` instead of ``serving`` after catching up, until every live instance has
-    completed a digest exchange (or twice the instance timeout passed). Lookups are answered in
-    every state; ``/readyz`` tells a load balancer whether the answers are complete. The values
-    are the wire form."""
+    """``restoring`` (loading the snapshot) → (Redis transport: ``waiting_for_redis`` while
+    Redis was never reached, then ``catching_up``: replaying the stream up to its end) →
+    ``serving``. ``resyncing`` instead of ``serving`` when events may be missing — a restart on
+    the HTTP transport from a snapshot, a stream position trimmed away, a stream or group that
+    Redis lost — until every live instance has completed a digest exchange (or twice the
+    instance timeout passed). ``group_held``: another live replica with this replica id
+    consumes the group, this one does not consume. Lookups are answered in every state;
+    ``/readyz`` tells a load balancer whether the answers are complete. The values are the
+    wire form."""
 
     RESTORING = "restoring"
+    WAITING_FOR_REDIS = "waiting_for_redis"
     CATCHING_UP = "catching_up"
     RESYNCING = "resyncing"
     SERVING = "serving"
+    GROUP_HELD = "group_held"
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from kvatlas.asgi_thread import bind_listener, serve
+from kvatlas.backoff import Backoff
 from kvatlas.client import (
     BlendCoordinatorClient,
     CoordinatorClient,
@@ -56,10 +57,9 @@ class TransportMismatch(Conflict):
 class Registrar:
     """Reaches a coordinator that was not up at start-up: first contact (``/healthz`` and
     :func:`check_coordinator_compatible`), registration under ``instance_id``, heartbeats,
-    then ``on_registered``. Attempts back off exponentially from ``initial`` up to
-    ``retry_max`` seconds, jittered (each wait is 50-100% of the step) so a fleet restarted
-    together does not knock in step; each new step is logged once (not every attempt), and
-    attempts are counted in ``attempts``. A mismatch found at first contact stops the retries
+    then ``on_registered``. Attempts back off (:class:`~kvatlas.backoff.Backoff`) from
+    ``initial`` up to ``retry_max`` seconds, jittered; each new step is logged once (not every
+    attempt), and attempts are counted in ``attempts``. A mismatch found at first contact stops the retries
     and goes to ``on_fatal``."""
 
     def __init__(
@@ -107,8 +107,7 @@ class Registrar:
         register(self.client, self.config, self.instance_id)
 
     def _run(self) -> None:
-        step = self.initial
-        logged_step = 0.0
+        backoff = Backoff(self.initial, self.retry_max, self._jitter)
         while not self._stop.is_set():
             try:
                 self.attempt()
@@ -120,15 +119,13 @@ class Registrar:
                     self._on_fatal(self.fatal)
                     return
                 self.counters["coordinator_contact_failures"] += 1
-                if step != logged_step:
+                if backoff.report():
                     log.warning(
                         "coordinator %s not reachable (attempt %d: %s); serving local tiers, "
                         "retrying every %.3g s at most",
-                        self.config.coordinator_url, self.attempts, exc, step,
+                        self.config.coordinator_url, self.attempts, exc, backoff.step,
                     )  # fmt: skip
-                    logged_step = step
-                self._stop.wait(step * (0.5 + self._jitter() / 2))
-                step = min(step * 2, self.retry_max)
+                self._stop.wait(backoff.next_wait())
                 continue
             except Conflict as exc:
                 self.fatal = exc

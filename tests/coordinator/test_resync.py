@@ -287,6 +287,33 @@ def test_coordinator_restart_on_http_converges_through_digests(tmp_path: Path) -
         process.close()
 
 
+def test_a_restart_on_http_is_not_ready_until_the_live_instances_resynced(tmp_path: Path) -> None:
+    """Restored from a snapshot, the coordinator may miss what was posted after it: ``/readyz``
+    says ``resyncing`` (503) until every live instance exchanged digests, then ``serving``; a
+    start without a snapshot has nothing to miss."""
+    snap = tmp_path / "dir.snap"
+    port = free_port()
+    with coordinator_at(port, snapshot_path=snap) as (server, client):
+        assert client.get("/readyz").json() == {"ready": True, "state": "serving"}
+        process = NodeProcess(node_config(tmp_path, server.url))
+        assert process.coordinator is not None
+        process.coordinator.stop_heartbeat()
+        before = store_chunks(process, 100, 2)
+        assert poll(lambda: visible(client, before))
+    try:
+        with coordinator_at(port, snapshot_path=snap) as (server, client):
+            assert client.get("/readyz").json() == {"ready": False, "state": "resyncing"}
+            after = store_chunks(process, 500, 1)  # events keep flowing meanwhile
+            assert poll(lambda: visible(client, after))
+            assert client.get("/readyz").status_code == 503  # no exchange yet
+            process.coordinator.heartbeat()  # the reply asks for a digest exchange
+            assert poll(lambda: client.get("/readyz").status_code == 200)
+            assert client.get("/readyz").json() == {"ready": True, "state": "serving"}
+            assert visible(client, before + after)
+    finally:
+        process.close()
+
+
 def test_instances_silent_past_the_timeout_after_a_restart_are_fenced(tmp_path: Path) -> None:
     snap = tmp_path / "dir.snap"
     h = hashes(list(range(40, 40 + CS)))[0]

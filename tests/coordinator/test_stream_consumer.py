@@ -1,7 +1,8 @@
 """The Redis Streams consumer through its seams (ingest, position, readiness, stop, errors),
 without Redis and without a service: entries are applied in order, each position is reported
 after its entry is applied and before it is acknowledged, a malformed entry is skipped and
-counted, and readiness becomes ``serving`` once, at the end of the stream."""
+counted, and readiness becomes ``serving`` once, at the end of the stream; the readiness
+tracker keeps ``resyncing`` until the digest exchanges end it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter
 
 from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.instances import InstanceRegistry, Registration
+from kvatlas.coordinator.readiness import ReadinessTracker
 from kvatlas.coordinator.stream_consumer import StreamConsumer
 from kvatlas.coordinator.views import Readiness
 from kvatlas.events import EventBatch
@@ -29,6 +32,12 @@ class FakeRedis:
     def xgroup_create(self, stream: str, group: str, id: str, mkstream: bool) -> None:
         self.log.append(("group", id))
 
+    def xinfo_stream(self, stream: str) -> dict[str, Any]:
+        return {"length": 2, "last-generated-id": b"7-0"}
+
+    def xinfo_groups(self, stream: str) -> list[dict[str, Any]]:
+        return []  # a group not created yet: nothing lost (this process never joined)
+
     def xreadgroup(self, group: str, consumer: str, streams: dict[str, str], **kw: Any) -> Any:
         if ">" not in streams.values():  # a read of its own pending entries: showing itself
             return []
@@ -39,6 +48,9 @@ class FakeRedis:
 
     def time(self) -> None:
         self.queued = [(0, 0)]
+
+    def info(self, section: str) -> None:
+        self.queued.append({"uptime_in_seconds": 86400})  # up for long
 
     def xinfo_consumers(self, stream: str, group: str) -> None:
         self.queued.append([])  # no other replica consumes the group
@@ -65,7 +77,8 @@ def test_consumer_applies_reports_and_becomes_ready() -> None:
 
     def set_readiness(state: Readiness) -> None:
         log.append(("ready", state))
-        stop.set()
+        if state is Readiness.SERVING:
+            stop.set()
 
     good = encode_stream_fields([EventBatch("a", 1, 1, "access", "l1", "dram")])
     bad = {b"fmt": b"json", b"data": b"{not json"}
@@ -86,6 +99,7 @@ def test_consumer_applies_reports_and_becomes_ready() -> None:
     assert not thread.is_alive()
     assert log == [
         ("group", "5-0"),  # rewound to the position it was given
+        ("ready", Readiness.CATCHING_UP),
         ("ingest", [1]),
         ("position", "6-0"),
         ("ack", "6-0"),
@@ -96,3 +110,29 @@ def test_consumer_applies_reports_and_becomes_ready() -> None:
     assert consumer.position == "7-0"
     assert (consumer.applied_entries, consumer.bad_entries) == (1, 1)
     assert registry.get_sample_value("errors_total", {"kind": "decode"}) == 1
+
+
+def test_resyncing_outlasts_catching_up_and_only_a_held_group_overrides_it() -> None:
+    """``ReadinessTracker``: once resyncing, a transport saying it caught up changes nothing;
+    the digest exchanges end it (after the stream was read to its end); ``group_held`` is
+    final."""
+    now = [0.0]
+    instances = InstanceRegistry(30.0, lambda _id: None, lambda: now[0])
+    instances.register("n1", Registration())
+    tracker = ReadinessTracker(instances, 30.0, lambda: now[0])
+    tracker.set(Readiness.CATCHING_UP)
+    tracker.set(Readiness.RESYNCING)  # e.g. Redis lost events while catching up
+    tracker.set(Readiness.CATCHING_UP)
+    assert (tracker.state, instances.owing()) == (Readiness.RESYNCING, {"n1"})
+    instances.digest_done("n1")
+    tracker.check_resynced()
+    assert tracker.state is Readiness.RESYNCING  # the stream was not read to its end yet
+    tracker.set(Readiness.SERVING)
+    assert tracker.state is Readiness.RESYNCING
+    tracker.check_resynced()
+    assert tracker.state is Readiness.SERVING
+    tracker.set(Readiness.RESYNCING)
+    tracker.set(Readiness.GROUP_HELD)
+    now[0] += 61  # past the time bound: still held, never serving
+    tracker.check_resynced()
+    assert tracker.state is Readiness.GROUP_HELD

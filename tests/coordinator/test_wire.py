@@ -198,7 +198,11 @@ def test_health_and_readiness() -> None:
 
 
 def test_readiness_values_are_the_wire_strings() -> None:
-    assert [r.value for r in Readiness] == ["restoring", "catching_up", "resyncing", "serving"]
+    assert [r.value for r in Readiness] == [
+        "restoring", "waiting_for_redis", "catching_up", "resyncing", "serving", "group_held",
+    ]  # fmt: skip
+    ready = [r for r in Readiness if wire.readiness_to_wire(r)["ready"]]
+    assert ready == [Readiness.SERVING]
     assert Readiness.SERVING == "serving"
 
 

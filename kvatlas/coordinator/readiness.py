@@ -1,0 +1,87 @@
+"""The coordinator's readiness (:class:`~kvatlas.coordinator.views.Readiness`) and the
+resync that ends ``resyncing``.
+
+Invariant: once ``resyncing`` began (events may be missing: a restart from a snapshot on the
+HTTP transport, a stream trimmed past this replica's position, a Redis that lost events), only
+:meth:`ReadinessTracker.check_resynced` ends it — every live instance completed a digest exchange
+since, after the stream was read to its end — never a transport reporting that it caught up.
+See docs/coordinator.md ("Readiness, start order and Redis restarts").
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from kvatlas.coordinator.instances import InstanceRegistry
+from kvatlas.coordinator.views import Readiness
+
+__all__ = ["ReadinessTracker"]
+
+log = logging.getLogger(__name__)
+
+
+class ReadinessTracker:
+    """``behind_trim()`` tells, once, when the stream is first read to its end, whether
+    entries after the restored position were trimmed away (then ``serving`` becomes
+    ``resyncing``)."""
+
+    def __init__(
+        self,
+        instances: InstanceRegistry,
+        instance_timeout: float,
+        clock: Callable[[], float],
+        behind_trim: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.state = Readiness.RESTORING
+        self._instances = instances
+        self._timeout = instance_timeout
+        self._clock = clock
+        self._behind_trim = behind_trim
+        self._lock = threading.Lock()
+        self._resyncing_since: float | None = None
+        self._resync_known = 0  # registered instances when resyncing began
+        self._replayed = False  # the stream was read to its end once (HTTP: nothing to read)
+        self._trim_checked = False
+
+    def set(self, state: Readiness) -> None:
+        """The readiness a transport reports (``serving``: it read the stream to its end)."""
+        if state is Readiness.SERVING:
+            self._replayed = True
+            if not self._trim_checked:
+                self._trim_checked = True
+                if self._behind_trim():
+                    state = Readiness.RESYNCING
+        with self._lock:
+            if state is Readiness.RESYNCING:
+                self._resyncing_since = self._clock()
+                self._resync_known = len(self._instances.snapshot()[1])
+                self._instances.owe_all()
+                self._instances.owe_on_register = True
+            elif state is Readiness.GROUP_HELD:
+                self._resyncing_since = None  # final: this replica no longer consumes
+            elif self._resyncing_since is not None and state in (
+                Readiness.CATCHING_UP,
+                Readiness.SERVING,
+            ):
+                return  # resyncing ends in check_resynced
+            self.state = state
+
+    def check_resynced(self) -> None:
+        """``resyncing`` → ``serving`` once every live instance completed a digest exchange
+        since, or after twice the instance timeout (an instance that never exchanges — an
+        old node — must not keep the replica unready forever). A replica that knew no
+        instance (no snapshot registry) first waits one instance timeout for the live ones to
+        register: their heartbeats get 404, they re-register and exchange."""
+        with self._lock:
+            since = self._resyncing_since
+            if since is None or not self._replayed:  # what the stream still has comes first
+                return
+            elapsed = self._clock() - since
+            waited = self._resync_known > 0 or elapsed > self._timeout
+            if (waited and not self._instances.owing()) or elapsed > 2 * self._timeout:
+                self._resyncing_since = None
+                self._instances.owe_on_register = False
+                self.state = Readiness.SERVING
+                log.info("resync finished after %.1f s: serving", elapsed)
