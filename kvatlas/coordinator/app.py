@@ -28,7 +28,7 @@ from kvatlas.coordinator.asgi import (
 )
 from kvatlas.coordinator.blend_lookup import BLEND_LOOKUP_PATH, BlendLookup
 from kvatlas.coordinator.events_fast_path import EVENTS_PATH, EventsIngest
-from kvatlas.coordinator.route_score import RouteScoring
+from kvatlas.coordinator.route_score import ROUTE_SCORE_PATH, RouteScoring
 from kvatlas.coordinator.routes import ROUTERS
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.web import BodyLimit, install_error_handler
@@ -70,7 +70,7 @@ def create_app(service: CoordinatorService) -> CoordinatorApp:
     blend = BlendLookup(service, match_pool)
     app.state.service = service  # what routes/deps.py hands to the routes
     app.state.blend_lookup = blend
-    app.state.route_scoring = RouteScoring(service, match_pool)
+    scoring = app.state.route_scoring = RouteScoring(service, match_pool)
     # Applying is serialised by the directory lock; a second thread lets one body decode (the
     # JSON token parser releases the GIL) while another applies.
     events = EventsIngest(service, ThreadPoolExecutor(2, thread_name_prefix="kvatlas-ingest"))
@@ -81,6 +81,7 @@ def create_app(service: CoordinatorService) -> CoordinatorApp:
         app.include_router(router)
     app.fast_routes[("POST", BLEND_LOOKUP_PATH)] = blend.fast_route
     app.fast_routes[("POST", EVENTS_PATH)] = events.fast_route
+    app.fast_routes[("POST", ROUTE_SCORE_PATH)] = scoring.fast_route
     app.add_middleware(BodyLimit, max_bytes=config.body_limit)
     # outermost in the framework: no body byte is read before the token was checked
     app.add_middleware(Authenticate, gate=gate)

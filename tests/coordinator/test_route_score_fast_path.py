@@ -1,0 +1,86 @@
+"""``POST /route/score`` answered in front of the framework (a ``fast_routes`` entry) and by its
+documented FastAPI route give the same bytes: scores, validation errors, role and salt refusals."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+from fastapi import FastAPI
+
+from kvatlas.asgi_thread import ThreadedServer, free_port
+from kvatlas.coordinator.app import create_app
+from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.service import CoordinatorService
+
+ADMIN = "admin-token-0123456789abcdef"
+EMIT = "emit-token-0123456789abcdefgh"
+SALTED = "salted-token-0123456789abcdef"
+
+
+def _app(tokens: Path, fast_path: bool) -> FastAPI:
+    config = CoordinatorConfig(chunk_size=4, enable_blend_lookup=True, auth_token_file=tokens)
+    app = create_app(CoordinatorService(config))
+    if not fast_path:
+        del app.fast_routes[("POST", "/route/score")]
+    return app
+
+
+@pytest.fixture(scope="module")
+def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[httpx.Client]]:
+    tokens = tmp_path_factory.mktemp("auth") / "tokens.json"
+    doc = {
+        "tokens": [
+            {"token": ADMIN, "roles": ["admin", "emit", "lookup"]},
+            {"token": EMIT, "roles": ["emit"]},
+            {"token": SALTED, "roles": ["lookup"], "cache_salts": ["s"]},
+        ]
+    }
+    tokens.write_text(json.dumps(doc))
+    servers = [ThreadedServer(_app(tokens, fast), port=free_port()) for fast in (True, False)]
+    for server in servers:
+        server.start()
+    try:
+        clients = [httpx.Client(base_url=s.url) for s in servers]
+        for c in clients:
+            reg = {"instance_id": "a", "ip": "127.0.0.1", "port": 1}
+            c.post("/instances", json=reg, headers=_auth(ADMIN)).raise_for_status()
+        yield clients
+        for c in clients:
+            c.close()
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def _auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+QUERY = {"token_ids": list(range(16)), "model_name": "m"}
+CASES: list[tuple[str, object, int]] = [
+    (ADMIN, QUERY, 200),
+    (ADMIN, {**QUERY, "instances": ["a", "b"]}, 200),
+    (ADMIN, {**QUERY, "weights": {"nvme": 1.0}}, 422),
+    (ADMIN, {"token_ids": [-1], "model_name": "m"}, 422),
+    (ADMIN, [1], 422),
+    (EMIT, QUERY, 403),  # no lookup role
+    (SALTED, QUERY, 403),  # another tenant's salt
+    ("wrong-token-0123456789abcdef", QUERY, 401),
+]
+
+
+@pytest.mark.parametrize(("token", "body", "status"), CASES)
+def test_fast_route_and_framework_reply_alike(
+    clients: list[httpx.Client], token: str, body: object, status: int
+) -> None:
+    fast, routed = (
+        c.post("/route/score", content=msgspec.json.encode(body), headers=_auth(token))
+        for c in clients
+    )
+    assert fast.status_code == status
+    assert (routed.status_code, routed.content) == (fast.status_code, fast.content)
