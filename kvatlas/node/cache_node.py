@@ -462,6 +462,18 @@ class CacheNode:
             for tier in sorted(tiers)
         ]
 
+    def held(self) -> list[HeldPlacement]:
+        """What this node's own tiers really hold, read from the tiers themselves (L1's
+        entries, a private fs L2's files), not from its bookkeeping: the ground truth that
+        :meth:`inventory` and the coordinator's view are checked against (``GET
+        /engine/inventory``; ``kvatlas soak``). A shared pool or a Redis L2 is not listed."""
+        in_l1 = self.l1.keys()
+        out = [HeldPlacement(key, L1, L1_BACKEND) for key in in_l1]
+        if isinstance(self.l2, FsL2) and not self.l2.shared:
+            in_l2 = self.l2.keys()
+            out += [HeldPlacement(key, L2, self.l2.name) for key in in_l2]
+        return out
+
     def report_inventory(self) -> int:
         """Send a ``store`` event for every placement this node holds (tokens attached when
         known), e.g. after registering with a coordinator that was down; returns how many.

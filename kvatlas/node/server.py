@@ -348,7 +348,8 @@ class NodeProcess:
             coordinator.failures + (matcher.failures if matcher is not None else 0)
         )
         return lambda: coordinator.start_heartbeat(
-            report=lambda: value_report(boot, node.counters, node.tier_gauges())
+            self.config.heartbeat_interval,
+            report=lambda: value_report(boot, node.counters, node.tier_gauges()),
         )
 
     def _start_resync(self, *, now: bool) -> ResyncDriver | None:

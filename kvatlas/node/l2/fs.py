@@ -159,15 +159,22 @@ class FsL2:
             )
         if not self._scanned:
             self.rescan()
-        with self._write_lock:
-            self._write(path, data)
-            if self.shared:
-                return
-            with self._lock:
-                self._used += len(data) - self._lru.pop(chunk.key, 0)
-                self._lru[chunk.key] = len(data)
-                lost = self._evict_locked(chunk.key)
-        self._report(lost, EVICTED)
+        lost: list[ObjectKey] = []
+        try:
+            with self._write_lock:
+                if not self.shared:  # room first: the disk never holds more than the cap
+                    with self._lock:
+                        lost = self._evict_locked(
+                            chunk.key, len(data) - self._lru.get(chunk.key, 0)
+                        )
+                self._write(path, data)
+                if self.shared:
+                    return
+                with self._lock:
+                    self._used += len(data) - self._lru.pop(chunk.key, 0)
+                    self._lru[chunk.key] = len(data)
+        finally:
+            self._report(lost, EVICTED)  # gone whether or not the write succeeded
 
     def _write(self, path: Path, data: bytes) -> None:
         tmp: str | None = None
@@ -190,10 +197,11 @@ class FsL2:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
 
-    def _evict_locked(self, keep: ObjectKey | None) -> list[ObjectKey]:
-        """Delete least-recently-used files (never ``keep``) until under the cap."""
+    def _evict_locked(self, keep: ObjectKey | None, incoming: int = 0) -> list[ObjectKey]:
+        """Delete least-recently-used files (never ``keep``) until ``incoming`` more bytes
+        fit under the cap."""
         lost: list[ObjectKey] = []
-        while self.max_bytes and self._used > self.max_bytes:
+        while self.max_bytes and self._used + incoming > self.max_bytes:
             victim = next((k for k in self._lru if k != keep), None)
             if victim is None:
                 break
@@ -257,6 +265,12 @@ class FsL2:
     def contains(self, key: ObjectKey) -> bool:
         """Existence only (no read): a corrupt file still counts until a ``get`` drops it."""
         return self.path_for(key).is_file()
+
+    def keys(self) -> list[ObjectKey]:
+        """The keys of a private L2's files, least recently used first (a shared pool:
+        ``[]``, its files are not this node's)."""
+        with self._lock:
+            return list(self._lru)
 
     def stats(self) -> FsL2Stats:
         with self._lock:
