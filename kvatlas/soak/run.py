@@ -88,6 +88,11 @@ class Outcome:
     converged_s: float | None
     differences: dict[str, Difference] = field(default_factory=dict)
 
+    def __str__(self) -> str:
+        if self.converged_s is not None:
+            return f"converged in {self.converged_s:.2f} s"
+        return "not converged: " + "; ".join(f"{r} {d}" for r, d in self.differences.items())
+
     def to_json(self) -> dict[str, Any]:
         return {
             **self.fault.to_json(),
@@ -196,10 +201,7 @@ class Soak:
                 time.sleep(max(0.0, t0 + fault.at - time.monotonic()))
                 outcome = self.inject(fault, workload, t0)
                 self.outcomes.append(outcome)
-                took = "never" if outcome.converged_s is None else f"{outcome.converged_s:.2f} s"
-                progress(
-                    f"{outcome.injected_at:7.1f} s  {fault.kind} {fault.target}: converged {took}"
-                )
+                progress(f"{outcome.injected_at:7.1f} s  {fault.kind} {fault.target}: {outcome}")
             time.sleep(max(0.0, t0 + self.seconds - time.monotonic()))
             workload.pause()
             quiet = time.monotonic()

@@ -97,6 +97,15 @@ class Difference:
     def agrees(self) -> bool:
         return not (self.ghosts or self.missing or self.error)
 
+    def __str__(self) -> str:
+        if self.error:
+            return f"unreadable ({self.error})"
+        shown = self.to_json(3)
+        return (
+            f"{len(self.ghosts)} ghosts {shown['ghost_examples']}, "
+            f"{len(self.missing)} missing {shown['missing_examples']}"
+        )
+
     def to_json(self, examples: int = 5) -> dict[str, Any]:
         def shown(rows: Iterable[PlacementRow]) -> list[str]:
             return [f"{h}/{t}/{b}:{d[:12]}" for d, h, t, b in sorted(rows)[:examples]]

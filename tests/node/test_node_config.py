@@ -97,3 +97,14 @@ def test_l2_path_defaults_to_the_per_user_cache_directory(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert NodeConfig().l2_dir == tmp_path / "xdg" / "kvatlas" / "l2"
     assert NodeConfig(l2_path=Path("here")).l2_dir == Path("here")
+
+
+def test_heartbeat_interval_flag_environment_and_bounds() -> None:
+    """``--heartbeat-interval`` (5 s by default; the soak runs 1 s against a 3 s timeout)."""
+    assert NodeConfig().heartbeat_interval == 5.0
+    assert config_from_args(node_args("--heartbeat-interval", "1"), {}).heartbeat_interval == 1.0
+    from_env = config_from_args(node_args(), {"KVATLAS_HEARTBEAT_INTERVAL": "2.5"})
+    assert from_env.heartbeat_interval == 2.5
+    for bad in (0.0, 3601.0):
+        with pytest.raises(ValueError, match="--heartbeat-interval"):
+            NodeConfig(heartbeat_interval=bad)
