@@ -109,8 +109,6 @@ class CoordinatorService:
             self._retention = StreamRetention.connect(
                 self.config.redis_url or "", self.config.event_stream, self.config.group_name
             )
-            if self.config.snapshot_path is not None:
-                self._spawn("retention-register", self._register_need)
             self.state = Readiness.CATCHING_UP
             consumer = StreamConsumer(
                 self.config,
@@ -123,6 +121,8 @@ class CoordinatorService:
                 rejected=self.metrics.stream_rejected,
             )
             self._spawn("stream-consumer", consumer.run)
+            if self.config.snapshot_path is not None:
+                self._spawn("retention-register", self._register_need)
         else:
             self.state = Readiness.SERVING
 
