@@ -30,11 +30,20 @@ def files_on_disk(root: Path) -> set[str]:
 
 
 def disk_bytes(root: Path) -> int:
-    """Bytes of every file under ``root`` (temp files of a write in progress included)."""
-    total = 0
+    """Bytes of the files under ``root`` (temp files of a write in progress included) that
+    all existed at one instant: a walk sees files at different times (one evicted after it
+    was counted, its replacement written before the walk reached it), so only files still
+    there, unchanged, once the walk is done are summed — never more than the directory
+    really held at the end of the walk."""
+    seen: list[tuple[Path, int]] = []
     for p in root.glob("**/*"):
         with contextlib.suppress(OSError):  # removed while we looked (an eviction)
-            total += p.stat().st_size if p.is_file() else 0
+            if p.is_file():
+                seen.append((p, p.stat().st_size))
+    total = 0
+    for p, size in seen:
+        with contextlib.suppress(OSError):
+            total += size if p.stat().st_size == size else 0
     return total
 
 
