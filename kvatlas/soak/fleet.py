@@ -28,7 +28,8 @@ STREAM = "kvatlas:soak"
 POOL = "soak-pool"  # the node on the shared pool
 PRIVATE_NODES = ("soak-n1", "soak-n2", "soak-n3")
 REPLICAS = ("soak-r1", "soak-r2")
-L2_BACKENDS = {False: "fs", True: "fs-shared"}  # the node's L2 backend names (node/server.py)
+L2_BACKENDS = {False: "fs", True: "fs-shared"}
+START_TIMEOUT_S = 180.0  # a loaded 2-core machine starting seven processes at once is slow  # the node's L2 backend names (node/server.py)
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,9 @@ class Service:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        self.proc = spawn_service(["-m", "kvatlas.cli", *self.argv], self.url, log=self.log)
+        self.proc = spawn_service(
+            ["-m", "kvatlas.cli", *self.argv], self.url, timeout=START_TIMEOUT_S, log=self.log
+        )
 
     def kill(self) -> None:
         """``kill -9``: no shutdown path runs (no flush, no deregistration)."""

@@ -189,7 +189,11 @@ class Soak:
     def run(self, progress: Any = print) -> dict[str, Any]:
         fleet = self.fleet
         started = time.monotonic()
-        fleet.start()
+        try:
+            fleet.start()
+        except BaseException:  # stop what did start (Redis, a replica) before giving up
+            fleet.stop()
+            raise
         progress(f"fleet up in {time.monotonic() - started:.1f} s under {fleet.root}")
         sampler = Sampler(fleet)
         workload = Workload({n: s.url for n, s in fleet.nodes.items()}, self.layout, self.seed)
