@@ -149,6 +149,9 @@ class Registrar:
             self._thread.join(timeout=5)
 
 
+RETRY_MAX_S = 5.0  # the longest wait between event deliveries while the receiver is down
+
+
 def states_key_scheme(health: dict[str, Any]) -> bool:
     """Whether a coordinator's ``/healthz`` states its key scheme (LMCache's does not)."""
     return "key_scheme" in health
@@ -279,7 +282,10 @@ class NodeProcess:
             else:
                 transport = HttpTransport(config.coordinator_url, fmt=event_format, token=token)
             assert instance_id is not None
-            self.sink = EventSink(instance_id, transport)
+            # Retry at least once per heartbeat (and per 5 s): after an outage (Redis, the
+            # coordinator) the directory catches up within one heartbeat, as liveness does.
+            retry_max = min(RETRY_MAX_S, config.heartbeat_interval)
+            self.sink = EventSink(instance_id, transport, backoff_max=retry_max)
             fleet = HttpFleetView(
                 self.coordinator,
                 layout=config.layout,
