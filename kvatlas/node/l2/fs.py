@@ -48,9 +48,9 @@ class FsL2:
     renamed over the final name (atomic on POSIX) and the directory is fsynced -- so a crash
     leaves either the old file, the new file or an ignored temp file, never a half file under
     the final name. A file that is corrupt anyway (disk fault, foreign writer) is a miss, is
-    removed and counted (``corrupt_deleted``). Temp files left by a crash are swept at start-up
-    once older than ``stale_temp_seconds`` (young ones may belong to a live writer sharing the
-    directory).
+    removed and counted (``corrupt_deleted``). Temp files left by a crash are swept at start-up:
+    all of them in a private L2 (its one writer is this node, starting), those older than
+    ``stale_temp_seconds`` in a shared pool (young ones may belong to another node's write).
 
     A private L2 (``shared=False``) keeps an LRU of its files (recency from reads and writes;
     after a restart, from the files' modification times) and, with ``max_bytes > 0``, a put
@@ -92,7 +92,8 @@ class FsL2:
         self._used = 0
         self._scanned = shared  # a shared pool is not this node's to track
         self.root.mkdir(parents=True, exist_ok=True)
-        self._sweep_temp(stale_temp_seconds)
+        # a private L2's one writer is this node, starting: every temp file is a dead write
+        self._sweep_temp(stale_temp_seconds if shared else 0.0)
 
     def path_for(self, key: ObjectKey) -> Path:
         digest = key_digest(key)
