@@ -1,5 +1,5 @@
-"""The ``kvatlas`` command: ``coordinator``, ``node``, ``route``, ``demo``, ``keys`` and ``bench
-NAME``."""
+"""The ``kvatlas`` command: ``coordinator``, ``node``, ``route``, ``demo``, ``keys``, ``soak``
+and ``bench NAME``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from kvatlas.coordinator.config import config_from_args
 from kvatlas.keys import pack_kv_rank
 from kvatlas.node.config import add_arguments as add_node_arguments
 from kvatlas.node.config import config_from_args as node_config_from_args
+from kvatlas.soak import add_arguments as add_soak_arguments
 
 DESCRIPTION = (
     "kvatlas: where every cached KV chunk of an LLM serving fleet lives. Run a coordinator "
@@ -88,6 +89,13 @@ def _build_parser() -> argparse.ArgumentParser:
     kv_rank.add_argument("--world-size", type=int, default=1, help="tensor-parallel world size")
     kv_rank.add_argument("--rank", type=int, default=0, help="the tensor-parallel rank")
 
+    soak = sub.add_parser(
+        "soak",
+        help="the chaos run: real fleet, seeded faults, directory vs ground truth",
+        description="The chaos run of convergence.md section 6 (docs/convergence.md).",
+    )
+    add_soak_arguments(soak)
+
     bench = sub.add_parser("bench", help="run a benchmark (median of repeats, ratio to naive)")
     bench_sub = bench.add_subparsers(dest="bench_name", required=True, metavar="NAME")
     for name in BENCHMARKS:
@@ -157,6 +165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             queries=args.queries,
             serve_page=args.serve,
         )
+    if args.command == "soak":
+        from kvatlas.soak import run as run_soak
+
+        return run_soak(args)
     module = importlib.import_module(f"kvatlas.bench.{args.bench_name}")
     return int(module.run(args))
 

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -19,11 +21,25 @@ def is_healthy(url: str) -> bool:
 
 
 def spawn_service(
-    args: list[str], url: str, *, timeout: float = 60.0, quiet: bool = True
+    args: list[str],
+    url: str,
+    *,
+    timeout: float = 60.0,
+    quiet: bool = True,
+    log: Path | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Run ``python <args>`` and return once ``<url>/healthz`` answers; kill it on timeout."""
-    out = subprocess.DEVNULL if quiet else None
-    proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=out, env=dict(os.environ))
+    """Run ``python <args>`` and return once ``<url>/healthz`` answers; kill it on timeout.
+    ``log``: append the process's output to this file (else ``quiet`` discards it)."""
+    out: Any = subprocess.DEVNULL if quiet else None
+    if log is not None:
+        with open(log, "ab") as sink:  # the child keeps its own descriptor
+            proc = subprocess.Popen(
+                [sys.executable, *args], stdout=sink, stderr=subprocess.STDOUT, env=dict(os.environ)
+            )
+    else:
+        proc = subprocess.Popen(
+            [sys.executable, *args], stdout=out, stderr=out, env=dict(os.environ)
+        )
     deadline = time.monotonic() + timeout
     while not is_healthy(url):
         if proc.poll() is not None or time.monotonic() > deadline:

@@ -231,6 +231,12 @@ class EngineClient:
     def stats(self) -> dict[str, Any]:
         return dict(self._payload("/engine/stats", self._http.get("/engine/stats")))
 
+    def inventory(self) -> list[dict[str, Any]]:
+        """``GET /engine/inventory``: ``{key, tier, backend}`` of every placement the node's
+        own tiers hold (an admin or salt-unbound engine token)."""
+        reply = self._payload("/engine/inventory", self._http.get("/engine/inventory"))
+        return list(reply["placements"])
+
     def close(self) -> None:
         self._http.close()
 

@@ -10,7 +10,9 @@ cannot make the stream grow without bound: when it comes back, the entries after
 may be gone (:meth:`StreamRetention.trimmed_after`), and it rebuilds through resync instead of
 replay (readiness ``resyncing``).
 
-A replica without snapshots does not register (a restart replays nothing it kept; it always
+A replica with snapshots registers when it starts (:meth:`StreamRetention.register`: what it
+restored, ``0-0`` without a snapshot), so it is never unprotected before its first record. A
+replica without snapshots does not register (a restart replays nothing it kept; it always
 relies on resync after a trim). A replica retired for good must have its field removed
 (``HDEL <stream>:replicas <group>``), or it holds trimming back (the MAXLEN cap still bounds
 the stream).
@@ -57,6 +59,14 @@ class StreamRetention:
     def record(self, position: str) -> None:
         """This replica's last durable snapshot covers the stream up to ``position``."""
         self._call("hset", self.key, self.replica, position)
+
+    def register(self, position: str | None) -> bool:
+        """At start-up: this replica needs the stream from ``position`` (what it restored;
+        ``None``: everything, recorded as ``0-0``) unless its previous run recorded a position
+        already (never newer than its snapshot, ``HSETNX``). Without it, a replica that dies
+        before its first snapshot records anything would have its entries trimmed by the
+        others. Returns whether a record was added."""
+        return bool(self._call("hsetnx", self.key, self.replica, position or "0-0"))
 
     def needed(self) -> str | None:
         """The oldest position a registered replica still needs (``None``: none registered)."""

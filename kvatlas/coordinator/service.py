@@ -124,6 +124,8 @@ class CoordinatorService:
                 rejected=self.metrics.stream_rejected,
             )
             self._spawn("stream-consumer", consumer.run)
+            if self.config.snapshot_path is not None:
+                self._spawn("retention-register", self._register_need)
         else:
             # Events posted after the snapshot may be lost (the sinks retry only what they
             # still hold): the restored instances re-report through digests first.
@@ -368,6 +370,20 @@ class CoordinatorService:
             info.keys, info.seconds, info.max_pause_s * 1e3,
         )  # fmt: skip
         return info
+
+    def _register_need(self) -> None:
+        """Register what this replica restored in the retention registry (retried while
+        Redis is away; see :meth:`StreamRetention.register`)."""
+        retention, wait = self._retention, 0.1
+        assert retention is not None
+        while not self._stop.is_set():
+            try:
+                retention.register(self._restored_position)
+                return
+            except Unavailable as exc:
+                log.debug("retention registration postponed: %s", exc)
+                self._stop.wait(wait)
+                wait = min(2 * wait, self.config.snapshot_interval)
 
     def _retain(self, position: str | None) -> None:
         """Record what this replica's snapshot covers, and trim what no replica needs."""

@@ -43,7 +43,7 @@ import numpy as np
 from kvatlas.client import FleetMatcher
 from kvatlas.directory import BlendIndex, BlendStats
 from kvatlas.errors import Unprocessable
-from kvatlas.events import ACCESS, DELETE, STORE, CacheEntry
+from kvatlas.events import ACCESS, CONFIG, DELETE, STORE, CacheEntry
 from kvatlas.keys import (
     BlendNamespace,
     MMItem,
@@ -192,6 +192,7 @@ class CacheNode:
             cost_of=self.presence.cost_of,
             allow_trim=config.allow_trim,
         )
+        self._announce()
         if l2 is not None:  # last: reports what a private L2 already holds, watches losses
             l2.attach(self._adopt_l2, self._on_l2_lost)
             if isinstance(l2, FsL2) and l2.corrupt_deleted:  # found by the rescan, keys unknown
@@ -291,6 +292,23 @@ class CacheNode:
             if self.l2.contains(chunk.key):
                 self._gain(chunk, L2)
                 self._record(STORE, L2, self.l2.name, self._entry(chunk), shared=self.l2.shared)
+
+    def _announce(self) -> None:
+        """This incarnation's first event: a ``config`` batch declaring L1's capacity (and a
+        capped private L2's). Every replica learns of a restart from the event channel only
+        (it may never see this node register); on this batch each fences the previous
+        incarnation's L1, even when this one then stores nothing for a while."""
+        if self.emitter is None:
+            return
+        declared = [(L1, L1_BACKEND, self.l1.capacity_bytes)]
+        if isinstance(self.l2, FsL2) and not self.l2.shared and self.l2.max_bytes:
+            declared.append((L2, self.l2.name, self.l2.max_bytes))
+
+        def declare(sink: BatchSink) -> None:
+            for tier, backend, capacity in declared:
+                sink.emit(CONFIG, tier, backend, [], capacity_bytes=capacity, capacity_revision=1)
+
+        self.emitter.barrier(declare)
 
     def _on_l1_evict(self, chunk: StoredChunk) -> None:
         self.counters["l1_evictions"] += 1
@@ -461,6 +479,18 @@ class CacheNode:
             for key, tiers, _tokens, _offset in self.presence.holdings()
             for tier in sorted(tiers)
         ]
+
+    def held(self) -> list[HeldPlacement]:
+        """What this node's own tiers really hold, read from the tiers themselves (L1's
+        entries, a private fs L2's files), not from its bookkeeping: the ground truth that
+        :meth:`inventory` and the coordinator's view are checked against (``GET
+        /engine/inventory``; ``kvatlas soak``). A shared pool or a Redis L2 is not listed."""
+        in_l1 = self.l1.keys()
+        out = [HeldPlacement(key, L1, L1_BACKEND) for key in in_l1]
+        if isinstance(self.l2, FsL2) and not self.l2.shared:
+            in_l2 = self.l2.keys()
+            out += [HeldPlacement(key, L2, self.l2.name) for key in in_l2]
+        return out
 
     def report_inventory(self) -> int:
         """Send a ``store`` event for every placement this node holds (tokens attached when

@@ -73,6 +73,7 @@ class NodeConfig:
     event_stream: str = "kvatlas:events"
     stream_max_len: int = 10_000_000
     digest_interval: float = 30.0
+    heartbeat_interval: float = 5.0
     enable_blend_lookup: bool = True
     allow_trim: bool = False
     prefer_cheaper: bool = True
@@ -148,7 +149,7 @@ class NodeConfig:
             raise ValueError("--peer-fetch-deadline must be in (0, 3600) seconds")
         if self.l2_max_bytes < 0 or self.l2_redis_ttl < 0:
             raise ValueError("--l2-max-bytes and --l2-redis-ttl must be >= 0 (0 = none)")
-        for name in ("l2_redis_sweep_interval", "coordinator_retry_max"):
+        for name in ("l2_redis_sweep_interval", "coordinator_retry_max", "heartbeat_interval"):
             if not 0 < getattr(self, name) <= 3600:
                 raise ValueError(f"--{name.replace('_', '-')} must be in (0, 3600] seconds")
 
@@ -321,6 +322,10 @@ _HELP = {
     "event_stream": "Redis Stream name carrying event batches (the redis transport)",
     "stream_max_len": "approximate cap (MAXLEN ~) on the event stream's entries, per XADD",
     "digest_interval": "seconds between inventory digest exchanges with the coordinator",
+    "heartbeat_interval": (
+        "seconds between heartbeats (each followed by the value report); keep it well under "
+        "the coordinator's --instance-timeout"
+    ),
     "enable_blend_lookup": (
         "blend (fragment) lookup; the coordinator's flag of the same name; the node accepts "
         "it but currently always answers blend lookups"

@@ -363,6 +363,17 @@ def create_node_app(node: CacheNode, *, auth: TokenAuth | None = None) -> FastAP
         wire = {**node.stats().to_wire(), "trackers": asdict(trackers.stats())}
         return _reply(wire, msgpack)
 
+    @app.get("/engine/inventory")
+    async def inventory(request: Request) -> Response:
+        """What the node's own tiers hold (``CacheNode.held``), for operators and the soak."""
+        msgpack = "application/json" not in request.headers.get("accept", "")
+        if not request.state.principal.sees_everything:  # every tenant's keys
+            refused = Forbidden("the inventory is for admin and salt-unbound engine tokens")
+            return _error_reply(refused, msgpack)
+        held = await run_in_threadpool(node.held)
+        placements = [{"key": p.key.to_wire(), "tier": p.tier, "backend": p.backend} for p in held]
+        return _reply({"instance_id": node.instance_id, "placements": placements}, msgpack)
+
     @app.get(METRICS_PATH)
     async def metrics() -> Response:
         data = await run_in_threadpool(generate_latest, node.timings.registry)

@@ -146,6 +146,9 @@ class Registrar:
             self._thread.join(timeout=5)
 
 
+RETRY_MAX_S = 5.0  # the longest wait between event deliveries while the receiver is down
+
+
 def states_key_scheme(health: dict[str, Any]) -> bool:
     """Whether a coordinator's ``/healthz`` states its key scheme (LMCache's does not)."""
     return "key_scheme" in health
@@ -276,7 +279,10 @@ class NodeProcess:
             else:
                 transport = HttpTransport(config.coordinator_url, fmt=event_format, token=token)
             assert instance_id is not None
-            self.sink = EventSink(instance_id, transport)
+            # Retry at least once per heartbeat (and per 5 s): after an outage (Redis, the
+            # coordinator) the directory catches up within one heartbeat, as liveness does.
+            retry_max = min(RETRY_MAX_S, config.heartbeat_interval)
+            self.sink = EventSink(instance_id, transport, backoff_max=retry_max)
             fleet = HttpFleetView(
                 self.coordinator,
                 layout=config.layout,
@@ -345,7 +351,8 @@ class NodeProcess:
             coordinator.failures + (matcher.failures if matcher is not None else 0)
         )
         return lambda: coordinator.start_heartbeat(
-            report=lambda: value_report(boot, node.counters, node.tier_gauges())
+            self.config.heartbeat_interval,
+            report=lambda: value_report(boot, node.counters, node.tier_gauges()),
         )
 
     def _start_resync(self, *, now: bool) -> ResyncDriver | None:

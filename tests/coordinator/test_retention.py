@@ -22,6 +22,7 @@ from kvatlas.events import STORE, CacheEntry
 from kvatlas.keys import ObjectKey, pack_kv_rank
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.server import NodeProcess
+from kvatlas.processes import spawn_service
 from tests.conftest import RedisServer
 from tests.coordinator.helpers import CS, poll, wire_key
 
@@ -165,3 +166,40 @@ def test_a_replica_behind_the_trim_says_resyncing_then_converges(
             assert poll(lambda: client.get("/readyz").status_code == 200)
     finally:
         process.close()
+
+
+def test_a_replica_that_crashed_before_its_first_snapshot_is_not_trimmed_past(
+    redis_server: RedisServer, rclient: redis.Redis, stream: str, tmp_path: Path
+) -> None:
+    """Found by ``kvatlas soak``: a replica whose first snapshot could not record its position
+    (Redis was away) had no entry in the registry, so the other replica trimmed past what it
+    had not snapshotted; killed then, it came back behind the trim and could not rebuild
+    everything by resync (nodes pinned to the other replica, shared pools). A replica now
+    registers what it restored ("0-0": nothing) when it starts, unless its previous run
+    recorded a position, so the other replica's trims keep what it still needs."""
+    port = free_port()
+    slow = spawn_service(
+        ["-m", "kvatlas.cli", "coordinator", "--port", str(port), "--chunk-size", str(CS),
+         "--event-transport", "redis", "--redis-url", redis_server.url, "--event-stream", stream,
+         "--replica-id", "slow", "--snapshot-path", str(tmp_path / "slow.snap"),
+         "--snapshot-interval", "3600", "--log-level", "warning"],
+        f"http://127.0.0.1:{port}",
+    )  # fmt: skip
+    sink = EventSink("e1", RedisStreamTransport(redis_server.url, stream), incarnation=1)
+    try:
+        with replica(redis_server, stream, "fast", tmp_path / "fast.snap") as (fast, _):
+            for n in range(5):
+                sink.emit(STORE, "l1", "dram", [CacheEntry(key(n), 1)])
+                assert sink.flush(10)  # one entry per batch
+            slow_stats = f"http://127.0.0.1:{port}/directory/stats"
+            assert poll(lambda: httpx.get(slow_stats).json()["batches"]["applied"] >= 5)
+            assert poll(lambda: applied(fast, 5))
+            slow.kill()  # kill -9 before its first snapshot
+            slow.wait(timeout=30)
+            assert fast.service.take_snapshot() is not None  # records and trims
+            assert rclient.xlen(stream) == 5  # the slow replica needs them all after a restart
+    finally:
+        sink.close()
+        if slow.poll() is None:
+            slow.kill()
+            slow.wait(timeout=30)

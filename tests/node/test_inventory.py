@@ -171,3 +171,34 @@ def test_the_inventory_keeps_no_tokens_and_a_listing_takes_them_from_the_token_c
     assert driver.run_once().entries == 1
     ns = BlendNamespace("m", "", 1)
     assert [m.chunk_hash for m in coord.directory.blend_match(content, ns)] == [k.chunk_hash]
+
+
+def test_a_restarted_node_that_stores_nothing_still_clears_its_old_l1_everywhere() -> None:
+    """Found by ``kvatlas soak``: a pool node killed and restarted (nothing in a private L2 to
+    re-report) sent no event until its next store, so a replica it does not talk to kept its
+    old L1 placements as ghosts (the replica it registers with fences it at registration, and
+    its digests then match: no resync goes on the stream). Every replica learns of a new
+    incarnation only from the stream, so the node announces itself there when it starts: a
+    ``config`` batch declaring its L1 capacity (the gate fences the old incarnation first)."""
+    directory = KeyDirectory(CS)  # a replica that sees only the node's events
+    one_chunk = 1 * 8 * 2 * CS * 4
+    first = EventSink("n", InProcessTransport(directory.consume), incarnation=1)
+    node = CacheNode(config(l1_bytes=8 * one_chunk), sink=first)
+    kv = np.zeros(node.layout.shape, dtype=node.layout.numpy_dtype())
+    node.store(node.tracker(token_ids=list(range(2 * CS))), [kv, kv])
+    node.flush_events()
+    assert first.flush(10)
+    assert directory.digest("n", "l1") != [0] * 256  # its two chunks, in L1
+    first.close()  # the process dies (its L1 with it) and starts again: a new incarnation
+    second = EventSink("n", InProcessTransport(directory.consume), incarnation=2)
+    restarted = CacheNode(config(l1_bytes=8 * one_chunk), sink=second)
+    try:
+        restarted.flush_events()
+        assert second.flush(10)
+        assert directory.digest("n", "l1") == [0] * 256  # no L1 placement of n left
+        capacity = {(u.instance_id, u.tier): u.capacity_bytes for u in directory.usage().modules}
+        assert capacity[("n", "l1")] == 8 * one_chunk
+    finally:
+        restarted.close()
+        node.close()
+        second.close()

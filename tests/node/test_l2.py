@@ -248,7 +248,9 @@ def test_fs_leftover_temp_files_are_ignored_and_stale_ones_swept(tmp_path: Path)
     os.utime(stale, (old, old))
     assert l2.get(key(2)) is None and not l2.contains(key(2))
     assert l2.get(key(1)) is not None
-    FsL2(tmp_path)  # restart: sweeps temp files older than an hour, keeps young ones
+    # a shared pool's restart sweeps temp files older than an hour, keeps young ones (another
+    # node may be writing them); a private L2 sweeps them all (test_l2_bounds.py)
+    FsL2(tmp_path, shared=True)
     assert not stale.exists() and young.exists()
     assert FsL2(tmp_path).get(key(1)) is not None
 

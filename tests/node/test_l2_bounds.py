@@ -118,6 +118,48 @@ def test_fs_cap_evicts_least_recently_used_first_and_reports_each(tmp_path: Path
     assert not l2.contains(key(9)) and len(lost) == 2
 
 
+def test_a_put_into_a_full_l2_never_puts_more_than_the_cap_on_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Room is made before the new file is written, not after (the soak sampled a private
+    L2 one file over its cap: the file landed, then the eviction ran). Checked at the moment
+    the file is renamed into place, temp file included before, final file after."""
+    size = len(encode_chunk(chunk(0)))
+    l2 = FsL2(tmp_path, max_bytes=3 * size)
+    l2.attach(lambda c: None, lambda k, cause: None)
+    seen: list[int] = []
+    real_replace = os.replace
+
+    def on_disk() -> int:
+        return sum(p.stat().st_size for p in tmp_path.glob("*/*") if p.is_file())
+
+    def replace(src: str, dst: str) -> None:
+        seen.append(on_disk())
+        real_replace(src, dst)
+        seen.append(on_disk())
+
+    monkeypatch.setattr(os, "replace", replace)
+    for i in range(6):
+        l2.put(chunk(i))
+    assert len(seen) == 12 and max(seen) <= 3 * size, (seen, 3 * size)
+    assert l2.stats().files == 3 and l2.stats().evicted == 3
+
+
+def test_a_private_l2_removes_a_crashed_writes_temp_file_at_start(tmp_path: Path) -> None:
+    """Found by ``kvatlas soak``: a node killed during an L2 write left its temp file, which
+    the restarted node kept for an hour (only temp files that old were swept): its disk held
+    one file over the cap. A private L2 has one writer, the node starting now: every temp file
+    is a dead write. A shared pool keeps young ones (other nodes may be writing them)."""
+    size = len(encode_chunk(chunk(0)))
+    for shared in (False, True):
+        root = tmp_path / ("pool" if shared else "private")
+        (root / "ab").mkdir(parents=True)
+        orphan = root / "ab" / ".tmp-crashed.part"
+        orphan.write_bytes(b"\0" * size)  # young: written just now, by a writer now dead
+        FsL2(root, shared=shared, max_bytes=0 if shared else 3 * size)
+        assert orphan.exists() is shared
+
+
 def test_fs_cap_is_for_private_l2_only() -> None:
     with pytest.raises(ValueError, match="private"):
         FsL2(Path("/nonexistent-never-created"), shared=True, max_bytes=1)

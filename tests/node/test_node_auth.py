@@ -137,6 +137,23 @@ def test_node_stats_are_for_salt_unbound_tokens(node: Node) -> None:
     assert node.stats()["instance_id"]  # admin
 
 
+def test_the_inventory_lists_what_l1_holds_for_salt_unbound_tokens_only(node: Node) -> None:
+    """``GET /engine/inventory`` (the soak's ground truth) reads the L1 itself: a store shows
+    up with its tier and backend; a salt-bound engine token may not list every tenant's keys."""
+    tokens = prompt(41)
+    with node.engine(ENGINE_A) as a:
+        assert a.store(tokens, kv(2, 1.0), cache_salt="tenant-a") == 2
+        with pytest.raises(EngineCallError) as refused:
+            a.inventory()
+    assert refused.value.reply_status == 403
+    rank = pack_kv_rank(1, 0, 1, 0)
+    stored = {ObjectKey(h, "toy", rank, 0, "tenant-a") for h in chunk_hashes(tokens, C)}
+    with node.engine(ADMIN) as admin:
+        listed = admin.inventory()
+    held = {ObjectKey.from_wire(p["key"]): (p["tier"], p["backend"]) for p in listed}
+    assert {k: held.get(k) for k in stored} == dict.fromkeys(stored, ("l1", "dram"))
+
+
 def test_engine_token_is_bound_to_its_salts(node: Node) -> None:
     with node.engine(ENGINE_B) as b:
         with pytest.raises(EngineCallError) as refused:

@@ -97,3 +97,37 @@ def test_l2_path_defaults_to_the_per_user_cache_directory(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert NodeConfig().l2_dir == tmp_path / "xdg" / "kvatlas" / "l2"
     assert NodeConfig(l2_path=Path("here")).l2_dir == Path("here")
+
+
+def test_heartbeat_interval_flag_environment_and_bounds() -> None:
+    """``--heartbeat-interval`` (5 s by default; the soak runs 1 s against a 3 s timeout)."""
+    assert NodeConfig().heartbeat_interval == 5.0
+    assert config_from_args(node_args("--heartbeat-interval", "1"), {}).heartbeat_interval == 1.0
+    from_env = config_from_args(node_args(), {"KVATLAS_HEARTBEAT_INTERVAL": "2.5"})
+    assert from_env.heartbeat_interval == 2.5
+    for bad in (0.0, 3601.0):
+        with pytest.raises(ValueError, match="--heartbeat-interval"):
+            NodeConfig(heartbeat_interval=bad)
+
+
+def test_event_delivery_retries_at_least_once_per_heartbeat() -> None:
+    """Found by ``kvatlas soak``: after a Redis restart the nodes' event sinks waited up to
+    their fixed 5 s backoff cap before delivering again, past the convergence target (twice
+    the heartbeat interval) of a fleet heartbeating every second. A node's sink now retries
+    at least once per ``--heartbeat-interval`` and per 5 s (the default: unchanged)."""
+    from kvatlas.asgi_thread import free_port
+    from kvatlas.node.server import NodeProcess
+
+    for heartbeat, retry_max in ((1.0, 1.0), (5.0, 5.0), (30.0, 5.0)):
+        config = NodeConfig(
+            model_name="m", num_layers=1, num_kv_heads=1, head_dim=8, chunk_size=16,
+            dtype="float32", l2="none", instance_id="n1", port=free_port(),
+            coordinator_url=f"http://127.0.0.1:{free_port()}",  # nobody there: deferred
+            coordinator_event_reporting=True, heartbeat_interval=heartbeat,
+        )  # fmt: skip
+        process = NodeProcess(config, start=False)
+        try:
+            assert process.sink is not None
+            assert process.sink.backoff_max == retry_max
+        finally:
+            process.close()

@@ -48,9 +48,9 @@ class FsL2:
     renamed over the final name (atomic on POSIX) and the directory is fsynced -- so a crash
     leaves either the old file, the new file or an ignored temp file, never a half file under
     the final name. A file that is corrupt anyway (disk fault, foreign writer) is a miss, is
-    removed and counted (``corrupt_deleted``). Temp files left by a crash are swept at start-up
-    once older than ``stale_temp_seconds`` (young ones may belong to a live writer sharing the
-    directory).
+    removed and counted (``corrupt_deleted``). Temp files left by a crash are swept at start-up:
+    all of them in a private L2 (its one writer is this node, starting), those older than
+    ``stale_temp_seconds`` in a shared pool (young ones may belong to another node's write).
 
     A private L2 (``shared=False``) keeps an LRU of its files (recency from reads and writes;
     after a restart, from the files' modification times) and, with ``max_bytes > 0``, a put
@@ -92,7 +92,8 @@ class FsL2:
         self._used = 0
         self._scanned = shared  # a shared pool is not this node's to track
         self.root.mkdir(parents=True, exist_ok=True)
-        self._sweep_temp(stale_temp_seconds)
+        # a private L2's one writer is this node, starting: every temp file is a dead write
+        self._sweep_temp(stale_temp_seconds if shared else 0.0)
 
     def path_for(self, key: ObjectKey) -> Path:
         digest = key_digest(key)
@@ -159,15 +160,22 @@ class FsL2:
             )
         if not self._scanned:
             self.rescan()
-        with self._write_lock:
-            self._write(path, data)
-            if self.shared:
-                return
-            with self._lock:
-                self._used += len(data) - self._lru.pop(chunk.key, 0)
-                self._lru[chunk.key] = len(data)
-                lost = self._evict_locked(chunk.key)
-        self._report(lost, EVICTED)
+        lost: list[ObjectKey] = []
+        try:
+            with self._write_lock:
+                if not self.shared:  # room first: the disk never holds more than the cap
+                    with self._lock:
+                        lost = self._evict_locked(
+                            chunk.key, len(data) - self._lru.get(chunk.key, 0)
+                        )
+                self._write(path, data)
+                if self.shared:
+                    return
+                with self._lock:
+                    self._used += len(data) - self._lru.pop(chunk.key, 0)
+                    self._lru[chunk.key] = len(data)
+        finally:
+            self._report(lost, EVICTED)  # gone whether or not the write succeeded
 
     def _write(self, path: Path, data: bytes) -> None:
         tmp: str | None = None
@@ -190,10 +198,11 @@ class FsL2:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
 
-    def _evict_locked(self, keep: ObjectKey | None) -> list[ObjectKey]:
-        """Delete least-recently-used files (never ``keep``) until under the cap."""
+    def _evict_locked(self, keep: ObjectKey | None, incoming: int = 0) -> list[ObjectKey]:
+        """Delete least-recently-used files (never ``keep``) until ``incoming`` more bytes
+        fit under the cap."""
         lost: list[ObjectKey] = []
-        while self.max_bytes and self._used > self.max_bytes:
+        while self.max_bytes and self._used + incoming > self.max_bytes:
             victim = next((k for k in self._lru if k != keep), None)
             if victim is None:
                 break
@@ -257,6 +266,12 @@ class FsL2:
     def contains(self, key: ObjectKey) -> bool:
         """Existence only (no read): a corrupt file still counts until a ``get`` drops it."""
         return self.path_for(key).is_file()
+
+    def keys(self) -> list[ObjectKey]:
+        """The keys of a private L2's files, least recently used first (a shared pool:
+        ``[]``, its files are not this node's)."""
+        with self._lock:
+            return list(self._lru)
 
     def stats(self) -> FsL2Stats:
         with self._lock:
