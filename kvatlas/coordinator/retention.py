@@ -21,8 +21,10 @@ the stream).
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
+from kvatlas.backoff import Backoff
 from kvatlas.errors import Unavailable
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,18 @@ class StreamRetention:
         others. Returns whether a record was added."""
         return bool(self._call("hsetnx", self.key, self.replica, position or "0-0"))
 
+    def register_when_reachable(self, position: str | None, stop: threading.Event) -> None:
+        """:meth:`register`, retried with :class:`~kvatlas.backoff.Backoff` while Redis is
+        away, until it succeeds or ``stop`` is set."""
+        backoff = Backoff(0.1, 2.0)
+        while not stop.is_set():
+            try:
+                self.register(position)
+                return
+            except Unavailable as exc:
+                log.debug("retention registration postponed: %s", exc)
+                stop.wait(backoff.next_wait())
+
     def needed(self) -> str | None:
         """The oldest position a registered replica still needs (``None``: none registered)."""
         positions: dict[bytes, bytes] = self._call("hgetall", self.key)
@@ -104,6 +118,21 @@ class StreamRetention:
             return parse_id(info.get("last-generated-id") or "0-0") > parse_id(position)
         first = info.get("first-entry")
         return first is not None and parse_id(first[0]) > parse_id(position)
+
+    def behind(self, position: str | None) -> bool:
+        """:meth:`trimmed_after`, logged when true; False when Redis cannot tell right now
+        (replay is then all a replica can do)."""
+        try:
+            behind = self.trimmed_after(position)
+        except Unavailable as exc:
+            log.warning("could not tell whether the stream was trimmed: %s", exc)
+            return False
+        if behind:
+            log.warning(
+                "entries of %s after position %s were trimmed: rebuilding through resync",
+                self.stream, position,
+            )  # fmt: skip
+        return behind
 
     def _call(self, command: str, *args: Any, **kwargs: Any) -> Any:
         try:

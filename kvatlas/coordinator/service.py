@@ -124,8 +124,11 @@ class CoordinatorService:
                 rejected=self.metrics.stream_rejected,
             )
             self._spawn("stream-consumer", consumer.run)
-            if self.config.snapshot_path is not None:
-                self._spawn("retention-register", self._register_need)
+            if self.config.snapshot_path is not None:  # what this replica restored
+                register = functools.partial(
+                    self._retention.register_when_reachable, self._restored_position, self._stop
+                )
+                self._spawn("retention-register", register)
         else:
             # Events posted after the snapshot may be lost (the sinks retry only what they
             # still hold): the restored instances re-report through digests first.
@@ -152,19 +155,7 @@ class CoordinatorService:
 
     def _behind_trim(self) -> bool:
         retention = self._retention
-        if retention is None:
-            return False
-        try:
-            behind = retention.trimmed_after(self._restored_position)
-        except Unavailable as exc:  # Redis unreachable right now: replay is all we can do
-            log.warning("could not tell whether the stream was trimmed: %s", exc)
-            return False
-        if behind:
-            log.warning(
-                "entries of %s after position %s were trimmed: rebuilding through resync",
-                self.config.event_stream, self._restored_position,
-            )  # fmt: skip
-        return behind
+        return retention is not None and retention.behind(self._restored_position)
 
     def _stream_readiness(self, state: Readiness) -> None:
         """The consumer's readiness. ``resyncing`` from it means Redis lost events, and the
@@ -370,20 +361,6 @@ class CoordinatorService:
             info.keys, info.seconds, info.max_pause_s * 1e3,
         )  # fmt: skip
         return info
-
-    def _register_need(self) -> None:
-        """Register what this replica restored in the retention registry (retried while
-        Redis is away; see :meth:`StreamRetention.register`)."""
-        retention, wait = self._retention, 0.1
-        assert retention is not None
-        while not self._stop.is_set():
-            try:
-                retention.register(self._restored_position)
-                return
-            except Unavailable as exc:
-                log.debug("retention registration postponed: %s", exc)
-                self._stop.wait(wait)
-                wait = min(2 * wait, self.config.snapshot_interval)
 
     def _retain(self, position: str | None) -> None:
         """Record what this replica's snapshot covers, and trim what no replica needs."""

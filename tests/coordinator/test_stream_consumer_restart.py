@@ -8,8 +8,8 @@ the read fails at the next ``XACK``, the rest of the read is dropped, and after 
 Real redis-server (append-only file, fsynced on every write), stopped from inside the first
 ``ingest`` and started again 2 s later: every entry was delivered before the stop, none
 acknowledged but the first.
-Owned by branch ``redisup`` (the coordinator surviving Redis restarts): strict xfail until its
-merge, which must turn this test green (and then drop the marker)."""
+Failed on the code before the Redis-restart work (``[1] == [1, 2, 3, 4, 5]``); the consumer now
+rewinds to its last applied id after any Redis error."""
 
 from __future__ import annotations
 
@@ -38,11 +38,6 @@ def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
     server.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="stream_consumer drops the rest of a read when Redis goes away mid-read; "
-    "fixed on branch redisup (owner of kvatlas/coordinator/stream_consumer.py)",
-)
 def test_entries_read_before_a_redis_restart_are_applied_after_it(
     own_redis: RedisServer,
 ) -> None:
