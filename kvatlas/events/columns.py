@@ -1,12 +1,12 @@
 """A batch's entries as columns: what the directory applies without one object per entry.
 
-``POST /events`` bodies decode straight into these (:mod:`kvatlas.events.column_codec`): chunk
-hashes, the distinct key shapes and a shape index per entry, sizes and token offsets as
-integer arrays, and every entry's tokens in one ``uint32`` arena (start and length per entry;
-length 0: no tokens, content unknown). Entries of one content (several ranks of a chunk) may
-share a start. Columns are built only from validated input, so they hold exactly what the
-:class:`~kvatlas.events.CacheEntry` objects of the same batch would (:meth:`EntryColumns.entries`
-builds those, for the paths that still want objects).
+``POST /events`` bodies decode straight into these (``decode_json_columns``,
+``decode_msgpack_columns``): chunk hashes, the distinct key shapes and a shape index per entry,
+sizes and token offsets as integer arrays, and every entry's tokens in one ``uint32`` arena
+(start and length per entry; length 0: no tokens, content unknown). Entries of one content
+(several ranks of a chunk) may share a start. Columns are built only from validated input, so
+they hold exactly what the :class:`~kvatlas.events.CacheEntry` objects of the same batch would
+(:meth:`EntryColumns.entries` builds those, for the paths that still want objects).
 """
 
 from __future__ import annotations

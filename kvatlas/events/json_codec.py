@@ -290,7 +290,7 @@ def explain(decode: Callable[[Any], list[EventBatch]], body: bytes | str) -> lis
     """The per-entry decoder's verdict on a body the columnar one found a rule broken in: it
     raises the error naming the entry (the reply). Should it accept the body after all, its
     batches are the answer (the columnar checks must never be stricter; the differential
-    test ``tests/events/test_columns.py`` holds them to that)."""
+    test ``tests/directory/test_columnar_ingest.py`` holds them to that)."""
     return [ColumnBatch.of(b) for b in decode(body)]
 
 
