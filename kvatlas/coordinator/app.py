@@ -27,7 +27,7 @@ from kvatlas.coordinator.asgi import (
     install_validation_handler,
 )
 from kvatlas.coordinator.blend_lookup import BLEND_LOOKUP_PATH, BlendLookup
-from kvatlas.coordinator.events_fast_path import EVENTS_PATH, EventsIngest
+from kvatlas.coordinator.events_ingest import EVENTS_PATH, EventsIngest
 from kvatlas.coordinator.route_score import ROUTE_SCORE_PATH, RouteScoring
 from kvatlas.coordinator.routes import ROUTERS
 from kvatlas.coordinator.service import CoordinatorService

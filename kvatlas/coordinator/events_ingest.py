@@ -1,9 +1,10 @@
 """``POST /events`` from body bytes to reply bytes (:class:`EventsIngest`), answered in front of
 the framework as a fast route (:class:`~kvatlas.coordinator.asgi.FastPaths`: routing and
-dependency injection cost more CPU than applying a small batch). The documented FastAPI route (``routes/events.py``, kept for the
-OpenAPI schema) calls the same handler: same checks in the same order, same errors, same
-reply. The body is decoded into columns and applied in one directory call, on one worker
-thread (one hop off the event loop for the whole request). See docs/coordinator.md.
+dependency injection cost more CPU than applying a small batch). The documented FastAPI route
+(``routes/events.py``, kept for the OpenAPI schema) calls the same handler: same checks in the
+same order, same errors, same reply. The body is decoded into columns and applied in one
+directory call, on one worker thread (one hop off the event loop for the whole request). See
+docs/coordinator.md.
 
 Order of the checks (each refuses the whole body; nothing is applied): the ``emit`` role
 (before the body is read: :class:`~kvatlas.coordinator.asgi.Gate`), the body (422
