@@ -51,11 +51,6 @@ def widened(stored: StoredTokens) -> TokenArray:
     return out
 
 
-def same_content(a: StoredTokens, b: StoredTokens) -> bool:
-    """Whether two stored arrays hold the same ids (whatever their widths)."""
-    return a is b or (a.shape == b.shape and bool(np.array_equal(a, b)))
-
-
 def stored_one(tokens: npt.NDArray[Any]) -> StoredTokens:
     """``tokens`` (validated ids) in stored form: a compact copy if every id fits, else the
     array itself when it is a read-only, C-contiguous ``uint32`` array (kept as the directory

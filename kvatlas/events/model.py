@@ -79,7 +79,9 @@ def readonly_tokens(token_ids: Any) -> TokenArray:
     return arr
 
 
-def tokens_equal(a: TokenArray, b: TokenArray) -> bool:
+def tokens_equal(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
+    """Whether two token arrays hold the same ids, whatever their widths (the directory
+    stores contents as ``uint16`` or ``uint32``: ``directory/token_store.py``)."""
     return a is b or (a.shape == b.shape and bool(np.array_equal(a, b)))
 
 
