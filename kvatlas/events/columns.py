@@ -17,7 +17,16 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.events.model import I64_MAX, U64_MAX, UNKNOWN_OFFSET, CacheEntry, EventBatch
+from kvatlas.events.model import (
+    I64_MAX,
+    STORE,
+    U64_MAX,
+    UNKNOWN_OFFSET,
+    CacheEntry,
+    EventBatch,
+    WireBatchHeader,
+    batch_from_wire,
+)
 from kvatlas.keys import ObjectKey, TokenArray
 
 ShapeParts = tuple[str, int, int, str]  # (model_name, kv_rank, object_group_id, cache_salt)
@@ -196,3 +205,15 @@ class ColumnBatch:
         if cols is None:
             return {e.key.cache_salt for e in self.header.entries}
         return cols.salts()
+
+
+def column_batch(wb: WireBatchHeader, backend: str, cols: EntryColumns) -> ColumnBatch | None:
+    """A decoded wire batch with its entries as ``cols``: a ``store`` batch keeps them as
+    columns, others carry them as objects. ``None`` when the header breaks a rule (the decoder
+    then asks the per-entry path which and why)."""
+    store = wb.event_type == STORE
+    try:
+        header = batch_from_wire(wb, () if store else cols.entries(), wb.instance_id, backend)
+    except ValueError:
+        return None
+    return ColumnBatch(header, cols if store else None)
