@@ -1,10 +1,11 @@
 """What a route may ask FastAPI for: the service (the typed context every route works on), the
-blend-lookup handler, and the caller (:class:`~kvatlas.auth.Principal`, found from the
-headers by ``asgi.Authenticate`` before the body was read; 401 when auth is on and the bearer
-token is missing or unknown).
+handlers the fast routes share with their documented routes (blend lookup, route scoring,
+events ingest), and the caller (:class:`~kvatlas.auth.Principal`, found from the headers by
+``asgi.Authenticate`` before the body was read; 401 when auth is on and the bearer token is
+missing or unknown).
 
 ``app.py`` puts the service and the handlers on ``app.state`` (``service``, ``blend_lookup``,
-``route_scoring``).
+``route_scoring``, ``events_ingest``).
 All are ``async``: a sync dependency would cost every request a thread-pool round trip.
 """
 
@@ -17,6 +18,7 @@ from fastapi import Depends, Request
 from kvatlas.auth import Principal
 from kvatlas.coordinator.asgi import principal_of
 from kvatlas.coordinator.blend_lookup import BlendLookup
+from kvatlas.coordinator.events_ingest import EventsIngest
 from kvatlas.coordinator.route_score import RouteScoring
 from kvatlas.coordinator.service import CoordinatorService
 
@@ -36,6 +38,11 @@ async def _routes(request: Request) -> RouteScoring:
     return scoring
 
 
+async def _ingest(request: Request) -> EventsIngest:
+    ingest: EventsIngest = request.app.state.events_ingest
+    return ingest
+
+
 async def _principal(request: Request) -> Principal:
     return principal_of(request.scope, request.app.state.service.auth)
 
@@ -43,4 +50,5 @@ async def _principal(request: Request) -> Principal:
 Service = Annotated[CoordinatorService, Depends(_service)]
 Blend = Annotated[BlendLookup, Depends(_blend)]
 Routes = Annotated[RouteScoring, Depends(_routes)]
+Ingest = Annotated[EventsIngest, Depends(_ingest)]
 Caller = Annotated[Principal, Depends(_principal)]

@@ -10,17 +10,16 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from kvatlas.coordinator.events_ingest import JSON_TYPE, EventsIngest
-from kvatlas.coordinator.routes.deps import Caller
+from kvatlas.coordinator.events_ingest import JSON_TYPE
+from kvatlas.coordinator.routes.deps import Caller, Ingest
 from kvatlas.coordinator.schemas import EVENTS_BODY_SCHEMA
 
 router = APIRouter()
 
 
 @router.post("/events", openapi_extra=EVENTS_BODY_SCHEMA, summary="Ingest cache-event batches")
-async def post_events(request: Request, who: Caller) -> Response:
+async def post_events(request: Request, ingest: Ingest, who: Caller) -> Response:
     who.require("emit")
     body = await request.body()
-    ingest: EventsIngest = request.app.state.events_ingest
     reply = await ingest(body, request.headers.get("content-type", JSON_TYPE), who)
     return Response(reply, media_type=JSON_TYPE)
