@@ -37,7 +37,7 @@ from kvatlas.web import BodyLimit, install_error_handler
 class CoordinatorApp(FastAPI):
     """The coordinator's FastAPI app behind :class:`~kvatlas.coordinator.asgi.FastPaths`:
     requests to :attr:`fast_routes` are answered before FastAPI sees them (its telemetry
-    check, its middleware stack, routing); a second fast route is one more entry."""
+    check, its middleware stack, routing); each fast route is one entry (``create_app``)."""
 
     def __init__(self, gate: Gate, body_limit: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
