@@ -45,16 +45,10 @@ def wants_placements(query_string: bytes) -> bool:
 
 BLEND_HEADER = "x-kvatlas-blend"
 """Reply header: ``enabled`` or ``disabled`` (whether this coordinator indexes content)."""
-
-
-def blend_header_value(enabled: bool) -> str:
-    return "enabled" if enabled else "disabled"
-
-
 BLEND_HEADERS: dict[bool, tuple[bytes, bytes]] = {
-    on: (BLEND_HEADER.encode(), blend_header_value(on).encode()) for on in (False, True)
+    on: (BLEND_HEADER.encode(), b"enabled" if on else b"disabled") for on in (False, True)
 }
-"""The header as raw ASGI bytes, built once (the fast path sends it on every reply)."""
+"""The header as raw ASGI bytes, built once (sent on every reply)."""
 
 
 class BlendLookup:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from kvatlas.coordinator.events_ingest import JSON_TYPE
+from kvatlas.coordinator.asgi import fast_reply_response
 from kvatlas.coordinator.routes.deps import Caller, Ingest
 from kvatlas.coordinator.schemas import EVENTS_BODY_SCHEMA
 
@@ -20,6 +20,4 @@ router = APIRouter()
 @router.post("/events", openapi_extra=EVENTS_BODY_SCHEMA, summary="Ingest cache-event batches")
 async def post_events(request: Request, ingest: Ingest, who: Caller) -> Response:
     who.require("emit")
-    body = await request.body()
-    reply = await ingest(body, request.headers.get("content-type", JSON_TYPE), who)
-    return Response(reply, media_type=JSON_TYPE)
+    return fast_reply_response(await ingest.fast_route(await request.body(), who, request.scope))

@@ -8,6 +8,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from kvatlas.coordinator.asgi import fast_reply_response
 from kvatlas.coordinator.routes.deps import Caller, Routes
 from kvatlas.coordinator.schemas import ROUTE_SCORE_BODY_SCHEMA
 
@@ -21,5 +22,4 @@ router = APIRouter()
 )
 async def route_score(request: Request, scoring: Routes, who: Caller) -> Response:
     who.require("lookup")
-    payload = await scoring(await request.body(), who)
-    return Response(payload, media_type="application/json")
+    return fast_reply_response(await scoring.fast_route(await request.body(), who, request.scope))
