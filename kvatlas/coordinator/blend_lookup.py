@@ -59,19 +59,17 @@ class BlendLookup:
         self.service = service
         self.pool = pool
 
-    async def __call__(
-        self, raw: bytes, who: Principal, with_placements: bool = False
-    ) -> tuple[bytes, bool]:
-        """The reply body and whether blend lookup is enabled."""
-        if len(raw) <= INLINE_BODY_BYTES:
-            return self.answer(raw, who, with_placements)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, self.answer, raw, who, with_placements)
-
     async def fast_route(self, raw: bytes, who: Principal, scope: Scope) -> FastReply:
-        """The request as ``asgi.FastPaths`` hands it over."""
+        """The request as ``asgi.FastPaths`` hands it over: answered on the event loop up to
+        :data:`INLINE_BODY_BYTES`, on the pool beyond."""
         placements = wants_placements(scope.get("query_string", b""))
-        payload, enabled = await self(raw, who, placements)
+        if len(raw) <= INLINE_BODY_BYTES:
+            payload, enabled = self.answer(raw, who, placements)
+        else:
+            loop = asyncio.get_running_loop()
+            payload, enabled = await loop.run_in_executor(
+                self.pool, self.answer, raw, who, placements
+            )
         return FastReply(payload, (BLEND_HEADERS[enabled],))
 
     def answer(
