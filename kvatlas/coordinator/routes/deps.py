@@ -33,7 +33,7 @@ async def _blend(request: Request) -> BlendLookup:
     return blend
 
 
-async def _routes(request: Request) -> RouteScoring:
+async def _scoring(request: Request) -> RouteScoring:
     scoring: RouteScoring = request.app.state.route_scoring
     return scoring
 
@@ -49,6 +49,6 @@ async def _principal(request: Request) -> Principal:
 
 Service = Annotated[CoordinatorService, Depends(_service)]
 Blend = Annotated[BlendLookup, Depends(_blend)]
-Routes = Annotated[RouteScoring, Depends(_routes)]
+Scoring = Annotated[RouteScoring, Depends(_scoring)]
 Ingest = Annotated[EventsIngest, Depends(_ingest)]
 Caller = Annotated[Principal, Depends(_principal)]
