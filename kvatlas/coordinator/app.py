@@ -27,7 +27,7 @@ from kvatlas.coordinator.asgi import (
     install_validation_handler,
 )
 from kvatlas.coordinator.blend_lookup import BLEND_LOOKUP_PATH, BlendLookup
-from kvatlas.coordinator.events_fast_path import EVENTS_PATH, EventsIngest
+from kvatlas.coordinator.events_ingest import EVENTS_PATH, EventsIngest
 from kvatlas.coordinator.route_score import ROUTE_SCORE_PATH, RouteScoring
 from kvatlas.coordinator.routes import ROUTERS
 from kvatlas.coordinator.service import CoordinatorService
@@ -37,7 +37,7 @@ from kvatlas.web import BodyLimit, install_error_handler
 class CoordinatorApp(FastAPI):
     """The coordinator's FastAPI app behind :class:`~kvatlas.coordinator.asgi.FastPaths`:
     requests to :attr:`fast_routes` are answered before FastAPI sees them (its telemetry
-    check, its middleware stack, routing); a second fast route is one more entry."""
+    check, its middleware stack, routing); each fast route is one entry (``create_app``)."""
 
     def __init__(self, gate: Gate, body_limit: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)

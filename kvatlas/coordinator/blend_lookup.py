@@ -45,16 +45,10 @@ def wants_placements(query_string: bytes) -> bool:
 
 BLEND_HEADER = "x-kvatlas-blend"
 """Reply header: ``enabled`` or ``disabled`` (whether this coordinator indexes content)."""
-
-
-def blend_header_value(enabled: bool) -> str:
-    return "enabled" if enabled else "disabled"
-
-
 BLEND_HEADERS: dict[bool, tuple[bytes, bytes]] = {
-    on: (BLEND_HEADER.encode(), blend_header_value(on).encode()) for on in (False, True)
+    on: (BLEND_HEADER.encode(), b"enabled" if on else b"disabled") for on in (False, True)
 }
-"""The header as raw ASGI bytes, built once (the fast path sends it on every reply)."""
+"""The header as raw ASGI bytes, built once (sent on every reply)."""
 
 
 class BlendLookup:
@@ -65,19 +59,17 @@ class BlendLookup:
         self.service = service
         self.pool = pool
 
-    async def __call__(
-        self, raw: bytes, who: Principal, with_placements: bool = False
-    ) -> tuple[bytes, bool]:
-        """The reply body and whether blend lookup is enabled."""
-        if len(raw) <= INLINE_BODY_BYTES:
-            return self.answer(raw, who, with_placements)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, self.answer, raw, who, with_placements)
-
     async def fast_route(self, raw: bytes, who: Principal, scope: Scope) -> FastReply:
-        """The request as ``asgi.FastPaths`` hands it over."""
+        """The request as ``asgi.FastPaths`` hands it over: answered on the event loop up to
+        :data:`INLINE_BODY_BYTES`, on the pool beyond."""
         placements = wants_placements(scope.get("query_string", b""))
-        payload, enabled = await self(raw, who, placements)
+        if len(raw) <= INLINE_BODY_BYTES:
+            payload, enabled = self.answer(raw, who, placements)
+        else:
+            loop = asyncio.get_running_loop()
+            payload, enabled = await loop.run_in_executor(
+                self.pool, self.answer, raw, who, placements
+            )
         return FastReply(payload, (BLEND_HEADERS[enabled],))
 
     def answer(

@@ -134,13 +134,10 @@ class RouteScoring:
         self.service = service
         self.pool = pool
 
-    async def __call__(self, raw: bytes, who: Principal) -> bytes:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, self.answer, raw, who)
-
     async def fast_route(self, raw: bytes, who: Principal, scope: Scope) -> FastReply:
-        """The request as ``asgi.FastPaths`` hands it over."""
-        return FastReply(await self(raw, who))
+        """The request as ``asgi.FastPaths`` hands it over, answered on the pool."""
+        loop = asyncio.get_running_loop()
+        return FastReply(await loop.run_in_executor(self.pool, self.answer, raw, who))
 
     def answer(self, raw: bytes, who: Principal) -> bytes:
         started = time.perf_counter()

@@ -63,11 +63,12 @@ from kvatlas.directory.records import (
     with_placements_at,
 )
 from kvatlas.directory.shapes import ShapeTable
-from kvatlas.directory.token_store import StoredTokens, same_content, stored_columns
+from kvatlas.directory.token_store import StoredTokens, stored_columns
 from kvatlas.errors import Conflict
 from kvatlas.events import UNKNOWN_OFFSET, VOLATILE_TIERS, EventBatch
 from kvatlas.events.columns import EntryColumns
 from kvatlas.events.inventory import element, shape_tag, tag_multiplier, xor_elements
+from kvatlas.events.model import tokens_equal
 from kvatlas.keys import BlendNamespace, ObjectKey
 
 log = logging.getLogger(__name__)
@@ -405,7 +406,7 @@ class ChunkTable:
         """Bind ``tokens`` to the chunk (whose keys are ``rec``'s) and queue the index writes
         that follow. Returns the chunk's new ``(tokens, token_offset, indexed)`` and whether
         it (re)added every namespace."""
-        if old is not None and same_content(old, tokens):
+        if old is not None and tokens_equal(old, tokens):
             if offset in (UNKNOWN_OFFSET, old_offset):
                 if indexed or not self.indexing:
                     return old, old_offset, indexed, False

@@ -8,14 +8,11 @@ docs/directory.md).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvatlas.events import CacheEntry
-from kvatlas.events.columns import EntryColumns
+from kvatlas.events.columns import EntryColumns, ShapeParts
 from kvatlas.keys import BlendNamespace, ObjectKey
-
-ShapeParts = tuple[str, int, int, str]  # (model_name, kv_rank, object_group_id, cache_salt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,24 +63,6 @@ class ShapeTable:
             sid = self._ids[parts] = len(self._shapes)
             self._shapes.append(KeyShape(*parts, ns))
         return sid
-
-    def intern_all(self, entries: Iterable[CacheEntry]) -> list[int]:
-        """:meth:`intern` of every entry's key, in order (a batch is mostly one shape: repeats
-        of the previous entry's shape skip the lookup)."""
-        get = self._ids.get
-        sids = []
-        last: ShapeParts | None = None
-        sid: int | None = -1
-        for entry in entries:
-            k = entry.key
-            parts = (k.model_name, k.kv_rank, k.object_group_id, k.cache_salt)
-            if parts != last:
-                sid = get(parts)
-                if sid is None:
-                    sid = self.intern(k)
-                last = parts
-            sids.append(sid)
-        return sids  # type: ignore[return-value]
 
     def intern_columns(self, cols: EntryColumns) -> list[int]:
         """:meth:`intern` of every entry's key shape, in order: one lookup per distinct shape."""

@@ -51,11 +51,6 @@ def widened(stored: StoredTokens) -> TokenArray:
     return out
 
 
-def same_content(a: StoredTokens, b: StoredTokens) -> bool:
-    """Whether two stored arrays hold the same ids (whatever their widths)."""
-    return a is b or (a.shape == b.shape and bool(np.array_equal(a, b)))
-
-
 def stored_one(tokens: npt.NDArray[Any]) -> StoredTokens:
     """``tokens`` (validated ids) in stored form: a compact copy if every id fits, else the
     array itself when it is a read-only, C-contiguous ``uint32`` array (kept as the directory
@@ -137,11 +132,13 @@ def stored_from_arena(
 
 def stored_columns(cols: EntryColumns) -> list[StoredTokens | None]:
     """Each entry's tokens of a columnar batch, stored: straight from the batch's arena when no
-    two entries share a row (the usual body), else through :meth:`EntryColumns.token_arrays`,
-    which gives entries of one content one array (and so one stored array)."""
-    starts = cols.token_starts
-    if cols.token_objects is None and len(np.unique(starts)) == len(starts):
-        return stored_from_arena(cols.tokens, starts, cols.token_lengths)
+    two entries share a row (the usual body; a token-less entry has no row, though its start
+    is the next entry's), else through :meth:`EntryColumns.token_arrays`, which gives entries
+    of one content one array (and so one stored array)."""
+    starts, lengths = cols.token_starts, cols.token_lengths
+    rows = starts[lengths > 0]
+    if cols.token_objects is None and len(np.unique(rows)) == len(rows):
+        return stored_from_arena(cols.tokens, starts, lengths)
     return stored_batch(cols.token_arrays())
 
 

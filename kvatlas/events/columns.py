@@ -1,12 +1,12 @@
 """A batch's entries as columns: what the directory applies without one object per entry.
 
-``POST /events`` bodies decode straight into these (:mod:`kvatlas.events.column_codec`): chunk
-hashes, the distinct key shapes and a shape index per entry, sizes and token offsets as
-integer arrays, and every entry's tokens in one ``uint32`` arena (start and length per entry;
-length 0: no tokens, content unknown). Entries of one content (several ranks of a chunk) may
-share a start. Columns are built only from validated input, so they hold exactly what the
-:class:`~kvatlas.events.CacheEntry` objects of the same batch would (:meth:`EntryColumns.entries`
-builds those, for the paths that still want objects).
+``POST /events`` bodies decode straight into these (``decode_json_columns``,
+``decode_msgpack_columns``): chunk hashes, the distinct key shapes and a shape index per entry,
+sizes and token offsets as integer arrays, and every entry's tokens in one ``uint32`` arena
+(start and length per entry; length 0: no tokens, content unknown). Entries of one content
+(several ranks of a chunk) may share a start. Columns are built only from validated input, so
+they hold exactly what the :class:`~kvatlas.events.CacheEntry` objects of the same batch would
+(:meth:`EntryColumns.entries` builds those, for the paths that still want objects).
 """
 
 from __future__ import annotations
@@ -17,7 +17,16 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.events.model import I64_MAX, U64_MAX, UNKNOWN_OFFSET, CacheEntry, EventBatch
+from kvatlas.events.model import (
+    I64_MAX,
+    STORE,
+    U64_MAX,
+    UNKNOWN_OFFSET,
+    CacheEntry,
+    EventBatch,
+    WireBatchHeader,
+    batch_from_wire,
+)
 from kvatlas.keys import ObjectKey, TokenArray
 
 ShapeParts = tuple[str, int, int, str]  # (model_name, kv_rank, object_group_id, cache_salt)
@@ -196,3 +205,15 @@ class ColumnBatch:
         if cols is None:
             return {e.key.cache_salt for e in self.header.entries}
         return cols.salts()
+
+
+def column_batch(wb: WireBatchHeader, backend: str, cols: EntryColumns) -> ColumnBatch | None:
+    """A decoded wire batch with its entries as ``cols``: a ``store`` batch keeps them as
+    columns, others carry them as objects. ``None`` when the header breaks a rule (the decoder
+    then asks the per-entry path which and why)."""
+    store = wb.event_type == STORE
+    try:
+        header = batch_from_wire(wb, () if store else cols.entries(), wb.instance_id, backend)
+    except ValueError:
+        return None
+    return ColumnBatch(header, cols if store else None)

@@ -15,9 +15,15 @@ import numpy as np
 import numpy.typing as npt
 
 from kvatlas.checks import is_plain_int
-from kvatlas.events.columns import ColumnBatch, EntryColumns
+from kvatlas.events.columns import ColumnBatch, EntryColumns, column_batch
 from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
-from kvatlas.events.model import STORE, UNKNOWN_OFFSET, CacheEntry, EventBatch, batch_header
+from kvatlas.events.model import (
+    UNKNOWN_OFFSET,
+    CacheEntry,
+    EventBatch,
+    batch_from_wire,
+    batch_header,
+)
 from kvatlas.keys import (
     ObjectKey,
     check_cache_salt,
@@ -130,20 +136,12 @@ def _batch_from_wire(
             entries.append(CacheEntry(key, we.size_bytes, tokens_of[j], we.token_offset))
         except EventValidationError as exc:
             raise exc.under(f"entries[{j}]") from None
-    return EventBatch(
-        instance_id=strings.setdefault(wb.instance_id, wb.instance_id),
-        incarnation=wb.incarnation,
-        seq=wb.seq,
-        event_type=wb.event_type,
-        tier=wb.tier,
-        backend=strings.setdefault(wb.backend or "", wb.backend or ""),
-        shared=wb.shared,
-        ts=wb.ts,
-        entries=tuple(entries),
-        capacity_bytes=wb.capacity_bytes,
-        capacity_revision=wb.capacity_revision,
-        dropped_events=wb.dropped_events,
-        prefixes=None if wb.prefixes is None else tuple(wb.prefixes),
+    backend = wb.backend or ""
+    return batch_from_wire(
+        wb,
+        tuple(entries),
+        strings.setdefault(wb.instance_id, wb.instance_id),
+        strings.setdefault(backend, backend),
     )
 
 
@@ -227,10 +225,10 @@ def decode_json_columns(body: bytes | str) -> list[ColumnBatch]:
             wb.entries, arena, starts[first : first + n], lengths[first : first + n]
         )
         first += n
-        header = _header_from_wire(wb, cols)
-        if header is None or cols is None:
+        cb = None if cols is None else column_batch(wb, wb.backend or "", cols)
+        if cb is None:
             return explain(decode_json, body)
-        out.append(header)
+        out.append(cb)
     return out
 
 
@@ -261,36 +259,11 @@ def _columns_from_wire(
     )
 
 
-def _header_from_wire(wb: _WireBatch, cols: EntryColumns | None) -> ColumnBatch | None:
-    if cols is None:
-        return None
-    store = wb.event_type == STORE
-    try:
-        header = EventBatch(
-            instance_id=wb.instance_id,
-            incarnation=wb.incarnation,
-            seq=wb.seq,
-            event_type=wb.event_type,
-            tier=wb.tier,
-            backend=wb.backend or "",
-            shared=wb.shared,
-            ts=wb.ts,
-            entries=() if store else cols.entries(),
-            capacity_bytes=wb.capacity_bytes,
-            capacity_revision=wb.capacity_revision,
-            dropped_events=wb.dropped_events,
-            prefixes=None if wb.prefixes is None else tuple(wb.prefixes),
-        )
-    except ValueError:
-        return None
-    return ColumnBatch(header, cols if store else None)
-
-
 def explain(decode: Callable[[Any], list[EventBatch]], body: bytes | str) -> list[ColumnBatch]:
     """The per-entry decoder's verdict on a body the columnar one found a rule broken in: it
     raises the error naming the entry (the reply). Should it accept the body after all, its
     batches are the answer (the columnar checks must never be stricter; the differential
-    test ``tests/events/test_columns.py`` holds them to that)."""
+    test ``tests/directory/test_columnar_ingest.py`` holds them to that)."""
     return [ColumnBatch.of(b) for b in decode(body)]
 
 

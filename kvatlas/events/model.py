@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import numpy as np
 
@@ -79,7 +79,9 @@ def readonly_tokens(token_ids: Any) -> TokenArray:
     return arr
 
 
-def tokens_equal(a: TokenArray, b: TokenArray) -> bool:
+def tokens_equal(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
+    """Whether two token arrays hold the same ids, whatever their widths (the directory
+    stores contents as ``uint16`` or ``uint32``: ``directory/token_store.py``)."""
     return a is b or (a.shape == b.shape and bool(np.array_equal(a, b)))
 
 
@@ -261,3 +263,54 @@ def batch_header(batch: EventBatch) -> dict[str, Any]:
     if batch.prefixes is not None:
         out["prefixes"] = list(batch.prefixes)
     return out
+
+
+class WireBatchHeader(Protocol):
+    """A decoded wire batch's header fields (the JSON and msgpack codecs' batch structs; the
+    backend is left out: the codecs default it differently)."""
+
+    @property
+    def instance_id(self) -> str: ...
+    @property
+    def incarnation(self) -> int: ...
+    @property
+    def seq(self) -> int: ...
+    @property
+    def event_type(self) -> str: ...
+    @property
+    def tier(self) -> str: ...
+    @property
+    def shared(self) -> bool: ...
+    @property
+    def ts(self) -> float: ...
+    @property
+    def capacity_bytes(self) -> int | None: ...
+    @property
+    def capacity_revision(self) -> int | None: ...
+    @property
+    def dropped_events(self) -> int: ...
+    @property
+    def prefixes(self) -> list[str] | None: ...
+
+
+def batch_from_wire(
+    wb: WireBatchHeader, entries: tuple[CacheEntry, ...], instance_id: str, backend: str
+) -> EventBatch:
+    """The batch of a decoded wire header (the inverse of :func:`batch_header`) with
+    ``entries``; ``instance_id`` and ``backend`` as the codec read them (interned, defaulted).
+    Raises :class:`EventValidationError` like any :class:`EventBatch`."""
+    return EventBatch(
+        instance_id=instance_id,
+        incarnation=wb.incarnation,
+        seq=wb.seq,
+        event_type=wb.event_type,
+        tier=wb.tier,
+        backend=backend,
+        shared=wb.shared,
+        ts=wb.ts,
+        entries=entries,
+        capacity_bytes=wb.capacity_bytes,
+        capacity_revision=wb.capacity_revision,
+        dropped_events=wb.dropped_events,
+        prefixes=None if wb.prefixes is None else tuple(wb.prefixes),
+    )

@@ -14,10 +14,16 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvatlas.events.columns import ColumnBatch, EntryColumns
+from kvatlas.events.columns import ColumnBatch, EntryColumns, column_batch
 from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
 from kvatlas.events.json_codec import decode_json, decode_json_columns, explain, key_from_parts
-from kvatlas.events.model import STORE, UNKNOWN_OFFSET, CacheEntry, EventBatch, batch_header
+from kvatlas.events.model import (
+    UNKNOWN_OFFSET,
+    CacheEntry,
+    EventBatch,
+    batch_from_wire,
+    batch_header,
+)
 from kvatlas.keys import TokenArray
 
 FORMAT_VERSION = 1
@@ -110,20 +116,11 @@ def _batch_from_packed(pb: _PackedBatch, strings: dict[str, str]) -> EventBatch:
             entries.append(CacheEntry(key, pe.size_bytes, tokens, pe.token_offset))
         except EventValidationError as exc:
             raise exc.under(f"entries[{j}]") from None
-    return EventBatch(
-        instance_id=strings.setdefault(pb.instance_id, pb.instance_id),
-        incarnation=pb.incarnation,
-        seq=pb.seq,
-        event_type=pb.event_type,
-        tier=pb.tier,
-        backend=strings.setdefault(pb.backend, pb.backend),
-        shared=pb.shared,
-        ts=pb.ts,
-        entries=tuple(entries),
-        capacity_bytes=pb.capacity_bytes,
-        capacity_revision=pb.capacity_revision,
-        dropped_events=pb.dropped_events,
-        prefixes=None if pb.prefixes is None else tuple(pb.prefixes),
+    return batch_from_wire(
+        pb,
+        tuple(entries),
+        strings.setdefault(pb.instance_id, pb.instance_id),
+        strings.setdefault(pb.backend, pb.backend),
     )
 
 
@@ -174,10 +171,10 @@ def decode_msgpack_columns(body: bytes) -> list[ColumnBatch]:
     out = []
     for pb in wire.batches:
         cols = _columns_from_packed(pb)
-        header = None if cols is None else _header_from_packed(pb, cols)
-        if header is None:
+        cb = None if cols is None else column_batch(pb, pb.backend, cols)
+        if cb is None:
             return explain(decode_msgpack, body)
-        out.append(header)
+        out.append(cb)
     return out
 
 
@@ -204,29 +201,6 @@ def _columns_from_packed(pb: _PackedBatch) -> EntryColumns | None:
         starts[refs],
         lengths[refs],
     )
-
-
-def _header_from_packed(pb: _PackedBatch, cols: EntryColumns) -> ColumnBatch | None:
-    store = pb.event_type == STORE
-    try:
-        header = EventBatch(
-            instance_id=pb.instance_id,
-            incarnation=pb.incarnation,
-            seq=pb.seq,
-            event_type=pb.event_type,
-            tier=pb.tier,
-            backend=pb.backend,
-            shared=pb.shared,
-            ts=pb.ts,
-            entries=() if store else cols.entries(),
-            capacity_bytes=pb.capacity_bytes,
-            capacity_revision=pb.capacity_revision,
-            dropped_events=pb.dropped_events,
-            prefixes=None if pb.prefixes is None else tuple(pb.prefixes),
-        )
-    except ValueError:
-        return None
-    return ColumnBatch(header, cols if store else None)
 
 
 def _json_shaped(body: bytes) -> bytes | None:

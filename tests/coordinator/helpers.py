@@ -16,6 +16,8 @@ from typing import Any
 import httpx
 import numpy as np
 
+from kvatlas.asgi_thread import ThreadedServer
+from kvatlas.coordinator.app import CoordinatorApp
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.server import BackgroundServer, free_port
 from kvatlas.keys import chunk_hashes, pack_kv_rank
@@ -194,6 +196,27 @@ def running(
         httpx.Client(base_url=server.url, timeout=30.0) as client,
     ):
         yield server, client
+
+
+@contextmanager
+def fast_and_routed(
+    app: Callable[[bool], CoordinatorApp],
+) -> Iterator[tuple[httpx.Client, httpx.Client]]:
+    """Clients of two servers of ``app(fast_path)``: the first answers its fast routes in front
+    of the framework, the second (``fast_path`` False) through the documented FastAPI routes;
+    a fast route must reply exactly as its documented route does."""
+    servers = [ThreadedServer(app(fast), port=free_port()) for fast in (True, False)]
+    for server in servers:
+        server.start()
+    try:
+        with (
+            httpx.Client(base_url=servers[0].url) as fast,
+            httpx.Client(base_url=servers[1].url) as routed,
+        ):
+            yield fast, routed
+    finally:
+        for server in servers:
+            server.stop()
 
 
 def poll(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> bool:

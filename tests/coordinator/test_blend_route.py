@@ -8,19 +8,18 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from fastapi import FastAPI
 
-from kvatlas.asgi_thread import ThreadedServer, free_port
-from kvatlas.coordinator.app import create_app
+from kvatlas.coordinator.app import CoordinatorApp, create_app
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.events import CacheEntry, EventBatch
 from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
+from tests.coordinator.helpers import fast_and_routed
 
 TOKENS = list(range(100, 108))
 
 
-def _app(fast_path: bool) -> FastAPI:
+def _app(fast_path: bool) -> CoordinatorApp:
     service = CoordinatorService(CoordinatorConfig(chunk_size=4, enable_blend_lookup=True))
     key = ObjectKey(chunk_hashes(TOKENS, 4)[0], "m", pack_kv_rank(1, 0, 1, 0))
     entry = CacheEntry(key, 10, TOKENS[:4], 0)
@@ -33,18 +32,8 @@ def _app(fast_path: bool) -> FastAPI:
 
 @pytest.fixture(scope="module")
 def clients() -> Iterator[tuple[httpx.Client, httpx.Client]]:
-    servers = [ThreadedServer(_app(fast), port=free_port()) for fast in (True, False)]
-    for server in servers:
-        server.start()
-    try:
-        with (
-            httpx.Client(base_url=servers[0].url) as fast,
-            httpx.Client(base_url=servers[1].url) as routed,
-        ):
-            yield fast, routed
-    finally:
-        for server in servers:
-            server.stop()
+    with fast_and_routed(_app) as both:
+        yield both
 
 
 @pytest.mark.parametrize(

@@ -7,20 +7,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import msgspec
 import pytest
-from fastapi import FastAPI
 
-from kvatlas.asgi_thread import ThreadedServer, free_port
-from kvatlas.coordinator.app import create_app
+from kvatlas.coordinator.app import CoordinatorApp, create_app
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.events import CacheEntry, EventBatch, encode_msgpack
 from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
+from tests.coordinator.helpers import fast_and_routed
 
 ADMIN = "admin-token-0123456789abcdef"
 EMIT_A = "emit-a-token-0123456789abcdef"
@@ -55,7 +55,7 @@ def _store(seq: int, n: int = 2, instance: str = "a", salt: str = "") -> dict[st
     }
 
 
-def _app(tokens: Path, fast_path: bool) -> FastAPI:
+def _app(tokens: Path, fast_path: bool) -> CoordinatorApp:
     config = CoordinatorConfig(
         chunk_size=4, enable_blend_lookup=True, auth_token_file=tokens, max_batch_entries=8
     )
@@ -66,7 +66,9 @@ def _app(tokens: Path, fast_path: bool) -> FastAPI:
 
 
 @pytest.fixture(scope="module")
-def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[httpx.Client]]:
+def clients(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[httpx.Client, httpx.Client]]:
     tokens = tmp_path_factory.mktemp("auth") / "tokens.json"
     doc = {
         "tokens": [
@@ -75,20 +77,11 @@ def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[httpx.Cli
         ]
     }
     tokens.write_text(json.dumps(doc))
-    servers = [ThreadedServer(_app(tokens, fast), port=free_port()) for fast in (True, False)]
-    for server in servers:
-        server.start()
-    try:
-        clients = [httpx.Client(base_url=s.url) for s in servers]
-        for c in clients:
+    with fast_and_routed(partial(_app, tokens)) as both:
+        for c in both:
             reg = {"instance_id": "a", "ip": "127.0.0.1", "port": 1}
             c.post("/instances", json=reg, headers=_auth(ADMIN)).raise_for_status()
-        yield clients
-        for c in clients:
-            c.close()
-    finally:
-        for server in servers:
-            server.stop()
+        yield both
 
 
 def _auth(token: str) -> dict[str, str]:
@@ -126,7 +119,7 @@ CASES: list[tuple[str, str, bytes | None]] = [
 STATUSES = [200, 200, 200, 413, 403, 403, 403, 401, 422, 422, 422, 422, 422, 200]
 
 
-def test_route_and_fast_path_reply_alike(clients: list[httpx.Client]) -> None:
+def test_route_and_fast_path_reply_alike(clients: tuple[httpx.Client, httpx.Client]) -> None:
     seen = []
     for token, content_type, body in CASES:
         if body is None:

@@ -125,6 +125,24 @@ def made(tmp_path: Path) -> Iterator[list[Any]]:
             thing.close()
 
 
+def fleet(
+    tmp_path: Path, made: list[Any], *, persistent: bool
+) -> tuple[RedisServer, Coordinator, NodeProcess]:
+    """Redis, a coordinator on it (instances live for the whole test) and a node emitting
+    through its stream, all started; the test heartbeats by hand."""
+    server = RedisServer(tmp_path, persistent=persistent)
+    made.append(server)
+    server.start()
+    coordinator = Coordinator(tmp_path, server.url, "--instance-timeout", "600")
+    made.append(coordinator)
+    coordinator.start()
+    node = NodeProcess(node_config(coordinator.url, server.url, STREAM))
+    made.append(node)
+    assert node.coordinator is not None and node.sink is not None
+    node.coordinator.stop_heartbeat()
+    return server, coordinator, node
+
+
 def visible(url: str, *ns: int) -> bool:
     """Every ``key(n)`` has a placement at the coordinator."""
     reply = httpx.post(
@@ -291,16 +309,8 @@ def test_a_redis_restart_with_persistence_loses_nothing_and_applies_nothing_twic
 def test_a_redis_restart_without_persistence_resyncs_from_the_nodes(
     tmp_path: Path, made: list[Any]
 ) -> None:
-    server = RedisServer(tmp_path, persistent=False)
-    made.append(server)
-    server.start()
-    coordinator = Coordinator(tmp_path, server.url, "--instance-timeout", "600")
-    made.append(coordinator)
-    coordinator.start()
-    node = NodeProcess(node_config(coordinator.url, server.url, STREAM))
-    made.append(node)
+    server, coordinator, node = fleet(tmp_path, made, persistent=False)
     assert node.coordinator is not None
-    node.coordinator.stop_heartbeat()  # the test heartbeats by hand
     first = store(node, 100, 2)
     assert wait_for(lambda: coordinator.readiness()["ready"] and holds(coordinator, first))
     coordinator.stop()  # a snapshot covering `first`, then back
@@ -332,16 +342,8 @@ def test_a_redis_restart_without_persistence_resyncs_from_the_nodes(
 def test_a_node_keeps_serving_through_a_redis_outage_and_its_events_arrive(
     tmp_path: Path, made: list[Any]
 ) -> None:
-    server = RedisServer(tmp_path, persistent=False)
-    made.append(server)
-    server.start()
-    coordinator = Coordinator(tmp_path, server.url, "--instance-timeout", "600")
-    made.append(coordinator)
-    coordinator.start()
-    node = NodeProcess(node_config(coordinator.url, server.url, STREAM))
-    made.append(node)
-    assert node.coordinator is not None and node.sink is not None
-    node.coordinator.stop_heartbeat()
+    server, coordinator, node = fleet(tmp_path, made, persistent=False)
+    assert node.sink is not None
     assert wait_for(lambda: coordinator.readiness()["ready"])
     server.stop()
     tracker_tokens = list(range(900, 900 + 3 * CS))
@@ -357,16 +359,8 @@ def test_a_node_keeps_serving_through_a_redis_outage_and_its_events_arrive(
 def test_batches_a_node_dropped_during_the_outage_are_repaired_by_a_resync(
     tmp_path: Path, made: list[Any]
 ) -> None:
-    server = RedisServer(tmp_path)
-    made.append(server)
-    server.start()
-    coordinator = Coordinator(tmp_path, server.url, "--instance-timeout", "600")
-    made.append(coordinator)
-    coordinator.start()
-    node = NodeProcess(node_config(coordinator.url, server.url, STREAM))
-    made.append(node)
-    assert node.coordinator is not None and node.sink is not None
-    node.coordinator.stop_heartbeat()
+    server, coordinator, node = fleet(tmp_path, made, persistent=True)
+    assert node.sink is not None
     assert wait_for(lambda: coordinator.readiness()["ready"])
     server.stop()
     node.sink.max_outbox = 2  # a small outbox: the outage overflows it

@@ -5,24 +5,24 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import httpx
 import msgspec
 import pytest
-from fastapi import FastAPI
 
-from kvatlas.asgi_thread import ThreadedServer, free_port
-from kvatlas.coordinator.app import create_app
+from kvatlas.coordinator.app import CoordinatorApp, create_app
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.service import CoordinatorService
+from tests.coordinator.helpers import fast_and_routed
 
 ADMIN = "admin-token-0123456789abcdef"
 EMIT = "emit-token-0123456789abcdefgh"
 SALTED = "salted-token-0123456789abcdef"
 
 
-def _app(tokens: Path, fast_path: bool) -> FastAPI:
+def _app(tokens: Path, fast_path: bool) -> CoordinatorApp:
     config = CoordinatorConfig(chunk_size=4, enable_blend_lookup=True, auth_token_file=tokens)
     app = create_app(CoordinatorService(config))
     if not fast_path:
@@ -31,7 +31,9 @@ def _app(tokens: Path, fast_path: bool) -> FastAPI:
 
 
 @pytest.fixture(scope="module")
-def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[httpx.Client]]:
+def clients(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[httpx.Client, httpx.Client]]:
     tokens = tmp_path_factory.mktemp("auth") / "tokens.json"
     doc = {
         "tokens": [
@@ -41,20 +43,11 @@ def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[httpx.Cli
         ]
     }
     tokens.write_text(json.dumps(doc))
-    servers = [ThreadedServer(_app(tokens, fast), port=free_port()) for fast in (True, False)]
-    for server in servers:
-        server.start()
-    try:
-        clients = [httpx.Client(base_url=s.url) for s in servers]
-        for c in clients:
+    with fast_and_routed(partial(_app, tokens)) as both:
+        for c in both:
             reg = {"instance_id": "a", "ip": "127.0.0.1", "port": 1}
             c.post("/instances", json=reg, headers=_auth(ADMIN)).raise_for_status()
-        yield clients
-        for c in clients:
-            c.close()
-    finally:
-        for server in servers:
-            server.stop()
+        yield both
 
 
 def _auth(token: str) -> dict[str, str]:
@@ -76,7 +69,7 @@ CASES: list[tuple[str, object, int]] = [
 
 @pytest.mark.parametrize(("token", "body", "status"), CASES)
 def test_fast_route_and_framework_reply_alike(
-    clients: list[httpx.Client], token: str, body: object, status: int
+    clients: tuple[httpx.Client, httpx.Client], token: str, body: object, status: int
 ) -> None:
     fast, routed = (
         c.post("/route/score", content=msgspec.json.encode(body), headers=_auth(token))

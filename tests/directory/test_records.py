@@ -28,6 +28,7 @@ from kvatlas.directory.records import (
     with_placements_at,
 )
 from kvatlas.directory.shapes import ShapeTable
+from kvatlas.events.columns import EntryColumns
 from kvatlas.keys import BlendNamespace
 from tests.directory.helpers import CS, Emitter, captured, entry, key, toks
 
@@ -68,7 +69,7 @@ def test_record_accessors_and_rebuilds() -> None:
 def test_shape_table_interns_once_and_ids_stay() -> None:
     table = ShapeTable()
     keys = [key(1), key(2), key(3, salt="t"), key(4, ws=2, rank=1), key(5, salt="t")]
-    sids = table.intern_all([entry(k) for k in keys])
+    sids = table.intern_columns(EntryColumns.of_entries([entry(k) for k in keys]))
     assert sids == [table.intern(k) for k in keys] == [0, 0, 1, 2, 1]
     assert len(table) == 3 and table.id_of(key(9, model="other")) is None
     assert table[1].key(key(3).chunk_hash) == key(3, salt="t")

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvatlas.directory import BlendIndex, KeyDirectory, load_snapshot, save_snapshot
+from kvatlas.directory import BlendIndex, KeyDirectory, load_snapshot, save_snapshot, token_store
 from kvatlas.directory.records import record_stored_tokens, record_tokens
 from kvatlas.directory.snapshot.format import PREFIX, Header
 from kvatlas.directory.token_store import (
@@ -23,6 +23,7 @@ from kvatlas.directory.token_store import (
     stored_one,
     widened,
 )
+from kvatlas.events import decode_json_columns
 from kvatlas.keys import BlendNamespace
 from tests.directory.helpers import CS, Emitter, captured, entry, key
 from tests.directory.test_blend_index_oracle import (
@@ -212,3 +213,33 @@ def test_blend_answers_with_mixed_widths_equal_the_brute_force_oracle(
             how = data.draw(st.integers(0, 2))
             getattr(index, op[0])(stored_form(tokens, how), *op[2:])
             getattr(oracle, op[0])(tokens, *op[2:])
+
+
+def test_a_body_with_token_less_entries_is_stored_straight_from_its_arena(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A token-less entry (``null``) has length 0 at the next entry's start: no shared row, so
+    the batch is still stored from its arena (not entry by entry through ``stored_batch``)."""
+    rank = key(0).kv_rank
+    entries = [
+        {
+            "key": {"chunk_hash_hex": f"{i:02x}" * 32, "model_name": "m", "kv_rank": rank},
+            "size_bytes": 1,
+            "token_ids": None if i == 1 else [i, i, BIG[i % 3], 7],
+            "token_offset": 0,
+        }
+        for i in range(4)
+    ]
+    batch = {"instance_id": "a", "incarnation": 1, "seq": 1, "event_type": "store"}
+    body = {"batches": [{**batch, "tier": "l1", "backend": "dram", "entries": entries}]}
+    cols = decode_json_columns(msgspec.json.encode(body))[0].columns
+    assert cols is not None
+
+    def per_entry(*_: Any) -> Any:
+        raise AssertionError("stored entry by entry")
+
+    monkeypatch.setattr(token_store, "stored_batch", per_entry)
+    stored = token_store.stored_columns(cols)
+    assert [None if s is None else s.tolist() for s in stored] == [
+        None if e["token_ids"] is None else e["token_ids"] for e in entries
+    ]

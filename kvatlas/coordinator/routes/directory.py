@@ -11,7 +11,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from kvatlas.coordinator.blend_lookup import BLEND_HEADER, blend_header_value, wants_placements
+from kvatlas.coordinator.asgi import fast_reply_response
 from kvatlas.coordinator.query import KeysQuery, decode_lookup_body, lookup_query
 from kvatlas.coordinator.routes.deps import Blend, Caller, Service
 from kvatlas.coordinator.schemas import BLEND_LOOKUP_BODY_SCHEMA, LOOKUP_BODY_SCHEMA
@@ -57,10 +57,7 @@ async def lookup(request: Request, service: Service, who: Caller) -> Response:
 async def blend_lookup(request: Request, blend: Blend, who: Caller) -> Response:
     # Normally answered in front of the framework by asgi.FastPaths with the same handler;
     # this route documents the body in /openapi.json.
-    placements = wants_placements(request.scope.get("query_string", b""))
-    payload, enabled = await blend(await request.body(), who, placements)
-    headers = {BLEND_HEADER: blend_header_value(enabled)}
-    return Response(payload, media_type="application/json", headers=headers)
+    return fast_reply_response(await blend.fast_route(await request.body(), who, request.scope))
 
 
 @router.get("/directory/stats", summary="Directory statistics")

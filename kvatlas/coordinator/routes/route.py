@@ -8,7 +8,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from kvatlas.coordinator.routes.deps import Caller, Routes
+from kvatlas.coordinator.asgi import fast_reply_response
+from kvatlas.coordinator.routes.deps import Caller, Scoring
 from kvatlas.coordinator.schemas import ROUTE_SCORE_BODY_SCHEMA
 
 router = APIRouter()
@@ -19,7 +20,6 @@ router = APIRouter()
     summary="Score instances for a query: prefix and fragment coverage by tier",
     openapi_extra=ROUTE_SCORE_BODY_SCHEMA,
 )
-async def route_score(request: Request, scoring: Routes, who: Caller) -> Response:
+async def route_score(request: Request, scoring: Scoring, who: Caller) -> Response:
     who.require("lookup")
-    payload = await scoring(await request.body(), who)
-    return Response(payload, media_type="application/json")
+    return fast_reply_response(await scoring.fast_route(await request.body(), who, request.scope))

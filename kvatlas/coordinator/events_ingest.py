@@ -1,9 +1,10 @@
 """``POST /events`` from body bytes to reply bytes (:class:`EventsIngest`), answered in front of
 the framework as a fast route (:class:`~kvatlas.coordinator.asgi.FastPaths`: routing and
-dependency injection cost more CPU than applying a small batch). The documented FastAPI route (``routes/events.py``, kept for the
-OpenAPI schema) calls the same handler: same checks in the same order, same errors, same
-reply. The body is decoded into columns and applied in one directory call, on one worker
-thread (one hop off the event loop for the whole request). See docs/coordinator.md.
+dependency injection cost more CPU than applying a small batch). The documented FastAPI route
+(``routes/events.py``, kept for the OpenAPI schema) calls the same handler: same checks in the
+same order, same errors, same reply. The body is decoded into columns and applied in one
+directory call, on one worker thread (one hop off the event loop for the whole request). See
+docs/coordinator.md.
 
 Order of the checks (each refuses the whole body; nothing is applied): the ``emit`` role
 (before the body is read: :class:`~kvatlas.coordinator.asgi.Gate`), the body (422
@@ -37,17 +38,15 @@ class EventsIngest:
         self.service = service
         self.pool = pool
 
-    async def __call__(self, body: bytes, content_type: str, who: Principal) -> bytes:
-        """The reply body (the ingest counts), answered on the pool."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, self.answer, body, content_type, who)
-
     async def fast_route(self, body: bytes, who: Principal, scope: Scope) -> FastReply:
-        """The route :class:`~kvatlas.coordinator.asgi.FastPaths` answers ``POST /events`` with."""
+        """The route :class:`~kvatlas.coordinator.asgi.FastPaths` answers ``POST /events`` with:
+        the ingest counts, answered on the pool."""
         content_type = next(
             (v.decode("latin-1") for k, v in scope["headers"] if k == b"content-type"), JSON_TYPE
         )
-        return FastReply(await self(body, content_type, who))
+        loop = asyncio.get_running_loop()
+        reply = await loop.run_in_executor(self.pool, self.answer, body, content_type, who)
+        return FastReply(reply)
 
     def answer(self, body: bytes, content_type: str, who: Principal) -> bytes:
         who.require("emit")
