@@ -46,7 +46,10 @@ class ReadinessTracker:
         self._trim_checked = False
 
     def set(self, state: Readiness) -> None:
-        """The readiness a transport reports (``serving``: it read the stream to its end)."""
+        """The readiness a transport reports (``serving``: it read the stream to its end;
+        ``resyncing``: it lost events, and what the stream has now must be read again)."""
+        if state is Readiness.RESYNCING:
+            self._replayed = False
         if state is Readiness.SERVING:
             self._replayed = True
             if not self._trim_checked:

@@ -291,6 +291,7 @@ class StreamConsumer:
                 "redis lost events of %s after %s (%s): resyncing from the nodes' digests",
                 self.stream, self.position, lost,
             )  # fmt: skip
+            self._caught_up = False  # the rewound group is read to its end again first
             self._set_readiness(Readiness.RESYNCING)
         try:
             self.client.xgroup_create(self.stream, self.group, id=start, mkstream=True)

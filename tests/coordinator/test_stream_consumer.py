@@ -112,6 +112,25 @@ def test_consumer_applies_reports_and_becomes_ready() -> None:
     assert registry.get_sample_value("errors_total", {"kind": "decode"}) == 1
 
 
+def test_events_lost_after_serving_wait_for_the_stream_to_be_read_again() -> None:
+    """Redis lost events after this replica had once read the stream to its end: the digest
+    exchanges alone do not end ``resyncing``; what the rewound group still has is read to its
+    end first (the consumer says ``serving`` again)."""
+    now = [0.0]
+    instances = InstanceRegistry(30.0, lambda _id: None, lambda: now[0])
+    instances.register("n1", Registration())
+    tracker = ReadinessTracker(instances, 30.0, lambda: now[0])
+    tracker.set(Readiness.SERVING)
+    tracker.set(Readiness.RESYNCING)  # the consumer found events lost and rewound its group
+    tracker.set(Readiness.CATCHING_UP)
+    instances.digest_done("n1")
+    tracker.check_resynced()
+    assert tracker.state is Readiness.RESYNCING  # the rewound stream was not read again yet
+    tracker.set(Readiness.SERVING)
+    tracker.check_resynced()
+    assert tracker.state is Readiness.SERVING
+
+
 def test_resyncing_outlasts_catching_up_and_only_a_held_group_overrides_it() -> None:
     """``ReadinessTracker``: once resyncing, a transport saying it caught up changes nothing;
     the digest exchanges end it (after the stream was read to its end); ``group_held`` is
