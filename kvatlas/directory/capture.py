@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from types import TracebackType
 
-from kvatlas.directory.chunk_table import PARTS, ChunkCounts, ChunkTable, Partition
+from kvatlas.directory.chunk_counts import PARTS, ChunkCounts, Partition
+from kvatlas.directory.chunk_table import ChunkTable
 from kvatlas.directory.gate import EmitterCursor
 from kvatlas.directory.records import CapacityDeclaration, Record
 from kvatlas.directory.shapes import ShapeTable
@@ -134,7 +135,7 @@ class CowJournal:
 class Restored:
     """Directory state rebuilt from a snapshot, for :meth:`KeyDirectory.install`.
 
-    ``parts`` are :data:`~kvatlas.directory.chunk_table.PARTS` dicts, each chunk in partition
+    ``parts`` are :data:`~kvatlas.directory.chunk_counts.PARTS` dicts, each chunk in partition
     ``hash[0]``, its records unindexed and their shape ids indexing ``shapes``. ``counts``, if
     given, must equal ``ChunkCounts.scan(parts)`` (a loader that can compute them faster than
     that pass passes them; ``None``: install scans)."""
@@ -143,3 +144,7 @@ class Restored:
     shapes: ShapeTable
     parts: list[Partition]
     counts: ChunkCounts | None = None
+
+    def counts_or_scan(self) -> ChunkCounts:
+        """``counts``, or (none given) one pass over the records."""
+        return ChunkCounts.scan(self.parts) if self.counts is None else self.counts

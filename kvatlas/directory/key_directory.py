@@ -24,7 +24,7 @@ from kvatlas.checks import is_plain_int
 from kvatlas.directory import listing
 from kvatlas.directory.blend import BlendIndex, BlendStats
 from kvatlas.directory.capture import Capture, DirectoryState, Restored
-from kvatlas.directory.chunk_table import ChunkCounts, ChunkTable
+from kvatlas.directory.chunk_table import ChunkTable
 from kvatlas.directory.gate import Admission, EmitterCursor, IngestGate, Outcome
 from kvatlas.directory.records import (
     CapacityDeclaration,
@@ -420,9 +420,7 @@ class KeyDirectory:
             raise InvalidInput(
                 f"snapshot chunk_size {state.chunk_size} != directory chunk_size {self.chunk_size}"
             )
-        counts = restored.counts
-        if counts is None:
-            counts = ChunkCounts.scan(restored.parts)
+        counts = restored.counts_or_scan()
         with self._lock:
             self._chunks.restore(restored.shapes, restored.parts, counts)
             self._gate.restore(state.cursors)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from kvatlas.directory.chunk_table import PARTS, ChunkTable
+from kvatlas.directory.chunk_counts import PARTS
+from kvatlas.directory.chunk_table import ChunkTable
 from kvatlas.directory.records import (
     KeyPage,
     KeyPlacements,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvatlas.directory import KeyDirectory, Restored, load_snapshot, save_snapshot
-from kvatlas.directory.chunk_table import PARTS, Partition
+from kvatlas.directory.chunk_counts import PARTS, Partition
 from kvatlas.directory.records import Record, record_tokens
 from kvatlas.directory.snapshot import SnapshotError
 from kvatlas.keys import BlendNamespace

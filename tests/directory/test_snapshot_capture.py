@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvatlas.directory import KeyDirectory, Restored
-from kvatlas.directory.chunk_table import PARTS, ChunkCounts, Partition
+from kvatlas.directory.chunk_counts import PARTS, ChunkCounts, Partition
 from kvatlas.errors import Conflict
 from tests.directory.helpers import CS, Emitter, entry, key, toks
 

@@ -17,7 +17,7 @@ import pytest
 
 from kvatlas.directory import KeyDirectory, Restored, load_snapshot, save_snapshot
 from kvatlas.directory.capture import Capture, CapturedPart
-from kvatlas.directory.chunk_table import PARTS, Partition
+from kvatlas.directory.chunk_counts import PARTS, Partition
 from kvatlas.keys import BlendNamespace, ObjectKey, chunk_hashes, pack_kv_rank
 from tests.directory.helpers import CS, Emitter, entry, key, toks
 

@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvatlas.directory.capture import DirectoryState, Restored
-from kvatlas.directory.chunk_table import PARTS, ChunkCounts, Partition
+from kvatlas.directory.chunk_counts import PARTS, ChunkCounts, Partition
 from kvatlas.directory.gate import EmitterCursor, GapRecord
 from kvatlas.directory.key_directory import KeyDirectory
 from kvatlas.directory.records import (

@@ -1,0 +1,80 @@
+"""Chunk counts: what follows from the chunk table's records (counters, per-instance L1
+chunk sets, bytes per tier and module, inventory digests), the partitioning of the records
+(:data:`PARTS` dicts by the first byte of the chunk hash) and the change journal a capture
+hooks into. See :mod:`kvatlas.directory.chunk_table`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvatlas.directory.records import (
+    Module,
+    Record,
+    key_count,
+    l1_owner,
+    placement_groups,
+    placements_of,
+    row_module,
+    row_size,
+    row_tier,
+)
+
+PARTS = 256
+Partition = dict[bytes, Record]  # chunk hash -> record; a chunk lives in partition hash[0]
+DigestArray = np.ndarray[Any, Any]  # 256 uint64 buckets (kvatlas.events.inventory)
+
+
+@dataclass(slots=True)
+class ChunkCounts:
+    """What follows from the records: key and placement counts, bytes per tier, per
+    instance its own L1 placements and the chunks holding them (what fencing visits), and
+    placements and bytes per :data:`~kvatlas.directory.records.Module` (usage), and the inventory digest of every (instance, tier)'s own placements (see
+    :mod:`kvatlas.events.inventory`; after a restore, built by
+    :meth:`~kvatlas.directory.chunk_table.ChunkTable.digest_partition`)."""
+
+    keys: int = 0
+    placements: int = 0
+    l1_placements: Counter[str] = field(default_factory=Counter)
+    bytes_by_tier: Counter[str] = field(default_factory=Counter)
+    l1_chunks: dict[str, set[bytes]] = field(default_factory=dict)
+    module_placements: Counter[Module] = field(default_factory=Counter)
+    module_bytes: Counter[Module] = field(default_factory=Counter)
+    digests: dict[tuple[str, str], DigestArray] = field(default_factory=dict)
+
+    def digest_for(self, inst: str, tier: str) -> DigestArray:
+        """The (mutable) root digest of ``inst``'s own placements on ``tier``."""
+        d = self.digests.get((inst, tier))
+        if d is None:
+            d = self.digests[(inst, tier)] = np.zeros(PARTS, dtype=np.uint64)
+        return d
+
+    @classmethod
+    def scan(cls, parts: list[Partition]) -> ChunkCounts:
+        """The counts of ``parts``, by one pass over every record."""
+        out = cls()
+        for part in parts:
+            for h, rec in part.items():
+                out.keys += key_count(rec)
+                for pls in placement_groups(rec):
+                    for p in placements_of(pls):
+                        out.placements += 1
+                        out.bytes_by_tier[row_tier(p)] += row_size(p)
+                        out.module_placements[row_module(p)] += 1
+                        out.module_bytes[row_module(p)] += row_size(p)
+                        owner = l1_owner(p)
+                        if owner is not None:
+                            out.l1_placements[owner] += 1
+                            out.l1_chunks.setdefault(owner, set()).add(h)
+        return out
+
+
+class ChangeJournal(Protocol):
+    """Told about every chunk about to change, with its record (``None``: absent) before the
+    change; see :class:`kvatlas.directory.capture.CowJournal`."""
+
+    def save(self, h: bytes, rec: Record | None) -> None: ...

@@ -1,0 +1,208 @@
+"""Removal rules of the chunk table: ``delete`` batches, fencing an instance's L1, the
+removal half of a ``resync``, and the bookkeeping every removal shares (counts, namespace
+claims, the L1 chunk sets, the capture's change journal). See
+:mod:`kvatlas.directory.chunk_table`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvatlas.directory.blend import BlendOp, RemoveClaimOp
+from kvatlas.directory.chunk_counts import ChangeJournal
+from kvatlas.directory.chunk_digests import InventoryDigests
+from kvatlas.directory.records import (
+    KeyPair,
+    PlacementRow,
+    Placements,
+    Record,
+    l1_owner,
+    make_record,
+    pack_placements,
+    placement_groups,
+    placements_at,
+    placements_of,
+    record_indexed,
+    record_keys,
+    record_offset,
+    record_stored_tokens,
+    row_backend,
+    row_ident,
+    row_instance,
+    row_module,
+    row_shared,
+    row_size,
+    row_tier,
+    shape_ids,
+)
+from kvatlas.events import VOLATILE_TIERS, EventBatch
+from kvatlas.events.columns import EntryColumns
+from kvatlas.keys import BlendNamespace, ObjectKey
+
+
+class RemovalRules(InventoryDigests):
+    """The removal rules of :class:`~kvatlas.directory.chunk_table.ChunkTable` (a base class:
+    it changes the table's records, counts, digests and queued index writes)."""
+
+    indexing: bool
+    journal: ChangeJournal | None
+    _ops: list[BlendOp]
+
+    def locate(self, key: ObjectKey) -> tuple[Record, int] | None:
+        raise NotImplementedError  # ChunkTable.locate
+
+    def delete(self, batch: EventBatch) -> None:
+        """Apply a ``delete`` batch."""
+        ident = (batch.tier, batch.backend, None if batch.shared else batch.instance_id)
+        own_l1 = batch.tier in VOLATILE_TIERS and not batch.shared
+        for entry in batch.entries:
+            found = self.locate(entry.key)
+            if found is None:
+                continue
+            rec, k = found
+            h = entry.key.chunk_hash
+            old = placements_of(placements_at(rec, k))
+            kept = [q for q in old if row_ident(q) != ident]
+            if len(kept) == len(old):
+                continue
+            self._preserve(h, rec)
+            for q in old:
+                if row_ident(q) == ident:
+                    self._count(q, -1)
+            if not batch.shared:
+                self._xor(batch.instance_id, batch.tier, h, record_keys(rec)[k][0], batch.backend)
+            keys: list[tuple[int, Placements | None]] = list(record_keys(rec))
+            keys[k] = (keys[k][0], pack_placements(kept))
+            self._rewrite(h, rec, keys)
+            if own_l1:
+                self._forget_l1_if_gone(batch.instance_id, h)
+
+    def fence(self, inst: str) -> int:
+        """Drop every own L1 placement of ``inst``; returns how many were dropped."""
+        dropped = 0
+        counts = self.counts
+        for h in counts.l1_chunks.pop(inst, ()):
+            rec = self.parts[h[0]].get(h)
+            if rec is None:
+                continue
+            self._preserve(h, rec)
+            keys: list[tuple[int, Placements | None]] = []
+            for sid, pls in record_keys(rec):
+                kept = []
+                for p in placements_of(pls):
+                    if l1_owner(p) == inst:
+                        self._count(p, -1)
+                        dropped += 1
+                    else:
+                        kept.append(p)
+                keys.append((sid, pack_placements(kept)))
+            self._rewrite(h, rec, keys)
+        counts.l1_placements.pop(inst, None)
+        counts.digests.pop((inst, "l1"), None)
+        return dropped
+
+    def _drop_unlisted(self, batch: EventBatch, cols: EntryColumns, sids: list[int]) -> int:
+        """The removal half of a ``resync`` batch: remove the reporter's own placements on
+        the batch's tier under its prefixes that the batch does not list (whatever their
+        backend) or lists under another backend. Returns how many were removed."""
+        inst, tier, backend = batch.instance_id, batch.tier, batch.backend
+        prefixes = batch.prefix_bytes
+        listed: dict[bytes, set[int]] = {}
+        for h, sid in zip(cols.chunk_hashes, sids, strict=True):
+            listed.setdefault(h, set()).add(sid)
+
+        def doomed(h: bytes, sid: int, p: PlacementRow) -> bool:
+            if row_instance(p) != inst or row_tier(p) != tier or row_shared(p):
+                return False
+            return row_backend(p) != backend or sid not in listed.get(h, ())
+
+        removed = 0
+        for b in sorted({p[0] for p in prefixes}):
+            part = self.parts[b]
+            stale = [
+                h
+                for h, rec in part.items()
+                if (h[:1] in prefixes or h[:2] in prefixes)
+                and any(
+                    doomed(h, sid, p) for sid, pls in record_keys(rec) for p in placements_of(pls)
+                )
+            ]
+            for h in stale:
+                removed += self._drop_where(h, part[h], doomed)
+        return removed
+
+    def _drop_where(
+        self, h: bytes, rec: Record, doomed: Callable[[bytes, int, PlacementRow], bool]
+    ) -> int:
+        """Remove the chunk's placements ``doomed(h, shape id, row)`` selects."""
+        self._preserve(h, rec)
+        keys: list[tuple[int, Placements | None]] = []
+        owners: set[str] = set()
+        dropped = 0
+        for sid, pls in record_keys(rec):
+            kept = []
+            for p in placements_of(pls):
+                if doomed(h, sid, p):
+                    self._count(p, -1)
+                    self._xor(row_instance(p), row_tier(p), h, sid, row_backend(p))
+                    owner = l1_owner(p)
+                    if owner is not None:
+                        owners.add(owner)
+                    dropped += 1
+                else:
+                    kept.append(p)
+            keys.append((sid, pack_placements(kept)))
+        self._rewrite(h, rec, keys)
+        for owner in owners:
+            self._forget_l1_if_gone(owner, h)
+        return dropped
+
+    def _preserve(self, h: bytes, rec: Record | None) -> None:
+        """Keep the capture-start record of a chunk about to change (if capturing)."""
+        journal = self.journal
+        if journal is not None:
+            journal.save(h, rec)
+
+    def _namespaces(self, rec: Record) -> set[BlendNamespace]:
+        return self.shapes.namespaces(shape_ids(rec))
+
+    def _count(self, p: PlacementRow, sign: int) -> None:
+        counts = self.counts
+        counts.placements += sign
+        counts.bytes_by_tier[row_tier(p)] += sign * row_size(p)
+        module = row_module(p)
+        counts.module_placements[module] += sign
+        counts.module_bytes[module] += sign * row_size(p)
+        owner = l1_owner(p)
+        if owner is not None:
+            counts.l1_placements[owner] += sign
+
+    def _rewrite(self, h: bytes, rec: Record, keys: list[tuple[int, Placements | None]]) -> None:
+        """Set a chunk's keys (``None`` placements = key gone), keeping key counts, namespace
+        claims and the chunk's existence in line. The caller has already preserved the chunk."""
+        kept: list[KeyPair] = [(sid, pls) for sid, pls in keys if pls is not None]
+        self.counts.keys -= len(keys) - len(kept)
+        tokens, indexed = record_stored_tokens(rec), record_indexed(rec)
+        if indexed and self.indexing and tokens is not None:
+            left = self.shapes.namespaces([sid for sid, _ in kept])
+            for ns in self._namespaces(rec) - left:
+                self._ops.append(RemoveClaimOp(tokens, h, ns))
+        part = self.parts[h[0]]
+        if kept:
+            part[h] = make_record(tokens, record_offset(rec), indexed, kept)
+        else:
+            del part[h]
+
+    def _forget_l1_if_gone(self, inst: str, h: bytes) -> None:
+        rec = self.parts[h[0]].get(h)
+        if rec is not None:
+            for pls in placement_groups(rec):
+                for p in placements_of(pls):
+                    if l1_owner(p) == inst:
+                        return
+        l1_chunks = self.counts.l1_chunks
+        hs = l1_chunks.get(inst)
+        if hs is not None:
+            hs.discard(h)
+            if not hs:
+                del l1_chunks[inst]
