@@ -49,7 +49,8 @@ class EventsIngest:
         return FastReply(reply)
 
     def answer(self, body: bytes, content_type: str, who: Principal) -> bytes:
-        who.require("emit")
+        """The reply to a body from ``who`` (whose ``emit`` role the gate checked from the
+        headers, before the body was read)."""
         service = self.service
         try:
             batches = decode_events(body, content_type, service.config.max_batch_entries)

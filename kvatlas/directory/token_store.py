@@ -135,10 +135,8 @@ def stored_columns(cols: EntryColumns) -> list[StoredTokens | None]:
     two entries share a row (the usual body; a token-less entry has no row, though its start
     is the next entry's), else through :meth:`EntryColumns.token_arrays`, which gives entries
     of one content one array (and so one stored array)."""
-    starts, lengths = cols.token_starts, cols.token_lengths
-    rows = starts[lengths > 0]
-    if cols.token_objects is None and len(np.unique(rows)) == len(rows):
-        return stored_from_arena(cols.tokens, starts, lengths)
+    if cols.token_objects is None and not cols.rows_shared():
+        return stored_from_arena(cols.tokens, cols.token_starts, cols.token_lengths)
     return stored_batch(cols.token_arrays())
 
 

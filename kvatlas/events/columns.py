@@ -119,6 +119,12 @@ class EntryColumns:
             token_lengths,
         )
 
+    def rows_shared(self) -> bool:
+        """Whether two entries with tokens share a row of the arena (one content for several
+        ranks). A token-less entry has no row, though its start is the next entry's."""
+        rows = self.token_starts[self.token_lengths > 0]
+        return len(np.unique(rows)) != len(rows)
+
     def token_arrays(self) -> list[TokenArray | None]:
         """Each entry's tokens as its own read-only array (``None``: no tokens); entries that
         share a start share one array. Copies: a chunk never pins the request's arena."""
@@ -127,7 +133,7 @@ class EntryColumns:
         arena = self.tokens
         starts, lengths = self.token_starts.tolist(), self.token_lengths.tolist()
         out: list[TokenArray | None]
-        if len(set(starts)) == len(starts):  # no content shared: one comprehension
+        if not self.rows_shared():  # no content shared: one comprehension
             out = [
                 arena[a : a + n].copy() if n else None for a, n in zip(starts, lengths, strict=True)
             ]
