@@ -16,13 +16,16 @@ import time
 from concurrent.futures import Executor
 from urllib.parse import parse_qs
 
+import numpy as np
 from starlette.types import Scope
 
 from kvatlas.auth import Principal
+from kvatlas.coordinator._blend_reply import blend_reply
 from kvatlas.coordinator.asgi import FastReply
 from kvatlas.coordinator.query import blend_query, decode_blend_lookup
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.coordinator.wire import blend_to_wire
+from kvatlas.directory import MatchColumns
 from kvatlas.web import json_encoder
 
 BLEND_LOOKUP_PATH = "/directory/blend-lookup"
@@ -81,16 +84,20 @@ class BlendLookup:
         body, decoded_b64 = decode_blend_lookup(raw, max_tokens)
         who.require_salts({body.cache_salt})
         query = blend_query(body, max_tokens, decoded_b64)
-        enabled = service.directory.blend_enabled
+        index = service.directory.blend_index
+        enabled = index is not None
         if query is None:
             return json_encoder.encode(blend_to_wire([], enabled)), enabled
-        matches = service.directory.blend_match(query.tokens, query.namespace)
-        held = (
-            service.directory.match_placements(matches, query.namespace)
-            if with_placements
-            else None
-        )
-        reply = json_encoder.encode(blend_to_wire(matches, enabled, held))
+        if index is None:
+            columns = MatchColumns([], np.empty(0, np.int64), np.empty(0, np.int64))
+        else:
+            columns = index.match_columns(query.tokens, query.namespace)
+        if with_placements:
+            matches = columns.matches()
+            held = service.directory.match_placements(matches, query.namespace)
+            reply = json_encoder.encode(blend_to_wire(matches, enabled, held))
+        else:  # the common reply, written from the columns (no object per match)
+            reply = blend_reply(columns, enabled)
         service.metrics.blend_latency.observe(time.perf_counter() - started)
-        service.metrics.blend_matches.inc(len(matches))
+        service.metrics.blend_matches.inc(len(columns.chunk_hashes))
         return reply, enabled

@@ -6,6 +6,7 @@ from kvatlas.directory.blend import (
     BlendIndex,
     BlendOp,
     BlendStats,
+    MatchColumns,
     RemoveChunkOp,
     RemoveClaimOp,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "KeyDirectory",
     "KeyPage",
     "KeyPlacements",
+    "MatchColumns",
     "ModuleUsage",
     "Outcome",
     "Placement",

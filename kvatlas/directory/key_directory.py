@@ -148,10 +148,13 @@ class KeyDirectory:
         return self._index is not None
 
     @property
+    def blend_index(self) -> BlendIndex | None:  # None while blend is off
+        return self._index
+
+    @property
     def blend_false_probes(self) -> int:
         """Probes the blend index's filter let through for nothing (0 while blend is off)."""
-        index = self._index
-        return 0 if index is None else index.false_probes
+        return 0 if self._index is None else self._index.false_probes
 
     def enable_blend_lookup(self, chunk_size: int | None = None, probe_stride: int = 1) -> None:
         """Start indexing content from now on (not retroactive: older chunks stay unindexed
@@ -281,8 +284,7 @@ class KeyDirectory:
 
     def blend_match(self, tokens: Any, namespace: BlendNamespace) -> list[BlendMatch]:
         """Fragment lookup; ``[]`` while blend is off. Takes only the index lock."""
-        index = self._index
-        return [] if index is None else index.match(tokens, namespace)
+        return [] if self._index is None else self._index.match(tokens, namespace)
 
     def match_placements(
         self, matches: Sequence[BlendMatch], namespace: BlendNamespace

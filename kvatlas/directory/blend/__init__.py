@@ -6,7 +6,7 @@ namespace ids; ``_cpython.py`` the CPython-layout shortcuts of the hot paths; ``
 the compiled kernels, one module per structure.
 """
 
-from kvatlas.directory.blend.index import BlendIndex, BlendStats
+from kvatlas.directory.blend.index import BlendIndex, BlendStats, MatchColumns
 from kvatlas.directory.blend.ops import AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp, new_add_op
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "BlendIndex",
     "BlendOp",
     "BlendStats",
+    "MatchColumns",
     "RemoveChunkOp",
     "RemoveClaimOp",
     "new_add_op",

@@ -32,7 +32,7 @@ import sys
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -75,6 +75,18 @@ class BlendStats:
     token_bytes: int
     token_bytes_owned: int
     token_bytes_shared: int
+
+
+class MatchColumns(NamedTuple):
+    """Matches as columns, in :meth:`BlendIndex.match` order: the k-th match is
+    ``BlendMatch(chunk_hashes[k], old_st[k], cur_st[k])``."""
+
+    chunk_hashes: list[bytes]
+    old_st: npt.NDArray[np.int64]
+    cur_st: npt.NDArray[np.int64]
+
+    def matches(self) -> list[BlendMatch]:
+        return _cpython.make_matches(self.chunk_hashes, self.old_st.tolist(), self.cur_st.tolist())
 
 
 class BlendIndex:
@@ -218,15 +230,20 @@ class BlendIndex:
 
         Ascending by ``cur_st``, at most one per chunk_hash (its first verified, claimed
         occurrence); matches may overlap."""
+        return self.match_columns(tokens, namespace).matches()
+
+    def match_columns(self, tokens: Any, namespace: BlendNamespace) -> MatchColumns:
+        """:meth:`match` as columns, without an object per hit (what a server encodes into
+        its reply: docs/performance.md)."""
         q = np.ascontiguousarray(_tokens(tokens))
         chunk, stride = self.chunk_size, self.probe_stride
         n_starts = q.shape[0] - chunk + 1
         if n_starts <= 0:
-            return []
+            return _no_matches()
         seg = max(1, _SEGMENT_WINDOWS // stride) * stride
         scratch = tuple(self._scratch_for(min(seg, n_starts)))  # the scan takes plain tuples
         state = self._state
-        out: list[BlendMatch] = []
+        parts: list[MatchColumns] = []
         seen: set[bytes] = set()
         for start in range(0, n_starts, seg):
             stop = min(start + seg, n_starts)
@@ -243,19 +260,23 @@ class BlendIndex:
                 self.false_probes += false_probes
                 if pos.shape[0] == 0:
                     continue
-                hashes = list(map(names.__getitem__, occ.tolist()))
+                hashes: list[bytes] = list(map(names.__getitem__, occ.tolist()))  # type: ignore[arg-type]
             fresh = set(hashes)
-            if len(fresh) == len(hashes) and seen.isdisjoint(fresh):
-                # the common case: every chunk_hash is new — no per-hit bookkeeping
-                out += _cpython.make_matches(hashes, off.tolist(), pos.tolist())  # type: ignore[arg-type]
-                seen |= fresh  # type: ignore[arg-type]
-                continue
-            for p, h, o in zip(pos.tolist(), hashes, off.tolist(), strict=True):
-                if h not in seen:
-                    assert h is not None
-                    seen.add(h)
-                    out.append(_cpython.make_match(h, o, p))
-        return out
+            if len(fresh) != len(hashes) or not seen.isdisjoint(fresh):
+                # a chunk_hash seen before (another segment, another content): its first only
+                keep = [i for i, h in enumerate(hashes) if not (h in seen or seen.add(h))]  # type: ignore[func-returns-value]
+                hashes, off, pos = [hashes[i] for i in keep], off[keep], pos[keep]
+            seen |= fresh
+            parts.append(MatchColumns(hashes, off, pos))
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            return _no_matches()
+        return MatchColumns(
+            [h for part in parts for h in part.chunk_hashes],
+            np.concatenate([part.old_st for part in parts]),
+            np.concatenate([part.cur_st for part in parts]),
+        )
 
     def stats(self) -> BlendStats:
         """Counts, table sizes and bytes (see :class:`BlendStats`)."""
@@ -294,6 +315,10 @@ class BlendIndex:
             cached = kernels.ScanScratch.for_windows(windows, self.chunk_size)
             self._scratch.buffers = cached
         return cached
+
+
+def _no_matches() -> MatchColumns:
+    return MatchColumns([], np.empty(0, np.int64), np.empty(0, np.int64))
 
 
 def _shareable(arr: npt.NDArray[Any]) -> bool:

@@ -1,0 +1,45 @@
+"""The compiled blend-lookup reply writer against the one definition of the wire shape
+(``wire.blend_to_wire`` encoded by the service's JSON encoder): byte for byte."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvatlas.coordinator._blend_reply import blend_reply
+from kvatlas.coordinator.wire import blend_to_wire
+from kvatlas.directory import BlendIndex, MatchColumns
+from kvatlas.keys import BlendMatch, BlendNamespace
+from kvatlas.web import json_encoder
+
+INT64 = st.integers(-(1 << 63), (1 << 63) - 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.binary(max_size=32), INT64, INT64), max_size=20), st.booleans())
+def test_reply_is_the_encoded_wire_shape(rows: list[tuple[bytes, int, int]], enabled: bool) -> None:
+    """Any hash of up to 32 bytes and any int64 (large values: digits from unsigned
+    arithmetic, not floats)."""
+    columns = MatchColumns(
+        [h for h, _, _ in rows],
+        np.array([o for _, o, _ in rows], np.int64),
+        np.array([c for _, _, c in rows], np.int64),
+    )
+    matches = [BlendMatch(h, o, c) for h, o, c in rows]
+    assert blend_reply(columns, enabled) == json_encoder.encode(blend_to_wire(matches, enabled))
+
+
+def test_reply_of_an_index_match() -> None:
+    """The columns an index returns (arrays and hashes as the match makes them) encode alike."""
+    index = BlendIndex(chunk_size=4)
+    ns = BlendNamespace("m")
+    for i in range(5):
+        index.add([i, i + 1, i + 2, i + 3], bytes([i]) * 32, 1000 + i, ns)
+    query = np.arange(0, 12, dtype=np.uint32)
+    columns = index.match_columns(query, ns)
+    assert len(columns.chunk_hashes) == 5
+    assert columns.matches() == index.match(query, ns)
+    assert blend_reply(columns, True) == json_encoder.encode(
+        blend_to_wire(index.match(query, ns), True)
+    )
