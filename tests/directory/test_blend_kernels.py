@@ -52,6 +52,21 @@ def test_rolling_lanes_equal_the_direct_fingerprint(n: int, chunk: int) -> None:
     assert rolled.tolist() == direct
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 3000), st.integers(0, 200), st.integers(1, 200), st.integers(0, 400))
+def test_lane_load_equals_the_clamped_transpose(m: int, start: int, blk: int, rows: int) -> None:
+    """The tiled copy and the clamped rows together are the definition, at every size: rows
+    wholly inside the query, rows past its end, tiles cut short."""
+    q = np.random.default_rng(m).integers(0, 1 << 32, m, dtype=np.uint64).astype(np.uint32)
+    qt = np.zeros((rows + 1, kernels.LANES), np.uint32)
+    got = kernels.lane_load(q, start, blk, rows, qt)
+    r, j = np.meshgrid(np.arange(rows), np.arange(kernels.LANES), indexing="ij")
+    want = q[np.minimum(start + j * blk + r, m - 1)]
+    assert got.shape == (rows, kernels.LANES)
+    assert np.array_equal(got, want)
+    assert not qt[rows].any()  # nothing written past rows
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 40)), max_size=120))
 def test_claim_set_equals_a_python_set(ops: list[tuple[bool, int]]) -> None:
