@@ -5,13 +5,17 @@ library's decoder is a visible share of the request's server time (docs/performa
 kernel decodes the standard alphabet with mandatory padding (also the URL-safe alphabet, and
 line-wrapped input) and rejects anything else: it accepts exactly what is unambiguous.
 
-Each of a quartet's four characters is looked up in its own table that holds the character's
-six bits already shifted into place, so a quartet is four loads ORed into its 24 bits; any
-character outside the alphabet sets bit 24, checked once for the whole text (a 32k-token query
-decodes in ≈50 µs instead of ≈75 µs with one shared table and a check per quartet).
+A quartet is read as one 32-bit word and decoded with two loads from a table indexed by a
+pair of characters (65,536 entries of 12 bits; the ≈4,096 valid pairs fill ≈12 KB of it, so
+it stays in L1): ≈37 µs for a 32k-token query, against ≈46 µs with four per-position tables
+(one per character, the 6 bits pre-shifted) and ≈75 µs with one shared table and a check per
+quartet. Any pair holding a character outside the alphabet maps to ``0xF000``, checked once for
+the whole text. The last quartet (padding) is decoded with the per-position tables.
 """
 
 from __future__ import annotations
+
+import sys
 
 import numba
 import numpy as np
@@ -33,26 +37,48 @@ def _tables() -> npt.NDArray[np.uint32]:
 
 
 _TABLES = _tables()
+_BAD_PAIR = 0xF000
+
+
+def _pair_table() -> npt.NDArray[np.uint16]:
+    """Two characters, as the native ``uint16`` of their two bytes, to their 12 bits."""
+    pairs = np.full(1 << 16, _BAD_PAIR, dtype=np.uint16)
+    first, second = _TABLES[0] >> 18, _TABLES[1] >> 12  # the 6 bits of each character
+    valid = np.flatnonzero(_TABLES[0] < _INVALID)
+    c0, c1 = np.meshgrid(valid, valid, indexing="ij")
+    native = np.stack([c0, c1], axis=-1).astype(np.uint8).reshape(-1).view(np.uint16)
+    pairs[native] = ((first[c0] << 6) | second[c1]).reshape(-1)
+    return pairs
+
+
+_PAIRS = _pair_table()
+_FIRST, _SECOND = (0, 16) if sys.byteorder == "little" else (16, 0)
+"""Shifts of a quartet's first and second character pair within its native 32-bit word."""
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def _decode(src, tables, out):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
-    """Returns the number of bytes written, or -1 for invalid input."""
+def _decode(src, words, pairs, tables, out):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """Returns the number of bytes written, or -1 for invalid input. ``words``: ``src``'s
+    quartets but the last, as native uint32."""
     n = len(src)
     if n % 4:
         return -1
     if n == 0:
         return 0
-    t0, t1, t2, t3 = tables[0], tables[1], tables[2], tables[3]
     seen = np.uint32(0)
+    first, second, low = np.uint32(_FIRST), np.uint32(_SECOND), np.uint32(0xFFFF)
     last = n // 4 - 1
     for q in range(last):  # every quartet but the last: no padding allowed
-        i, k = 4 * q, 3 * q
-        w = t0[src[i]] | t1[src[i + 1]] | t2[src[i + 2]] | t3[src[i + 3]]
-        seen |= w
-        out[k] = np.uint8(w >> 16)
-        out[k + 1] = np.uint8(w >> 8)
+        x = words[q]
+        a = np.uint32(pairs[(x >> first) & low])
+        b = np.uint32(pairs[(x >> second) & low])
+        seen |= a | b
+        w = (a << np.uint32(12)) | b
+        k = 3 * q
+        out[k] = np.uint8(w >> np.uint32(16))
+        out[k + 1] = np.uint8(w >> np.uint32(8))
         out[k + 2] = np.uint8(w)
+    t0, t1, t2, t3 = tables[0], tables[1], tables[2], tables[3]
     k = 3 * last
     c, d = src[n - 2], src[n - 1]  # the last quartet: "xxxx", "xxx=" or "xx=="
     w = t0[src[n - 4]] | t1[src[n - 3]]
@@ -60,7 +86,7 @@ def _decode(src, tables, out):  # type: ignore[no-untyped-def]  # pragma: no cov
         w |= t2[c] | t3[d]
     elif c != _PAD:
         w |= t2[c]
-    if (seen | w) >= _INVALID:
+    if seen >= _BAD_PAIR or w >= _INVALID:
         return -1
     tail = 3 if d != _PAD else (2 if c != _PAD else 1)
     for j in range(tail):
@@ -72,7 +98,8 @@ def decode_base64(src: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8] | None:
     """``src`` (ASCII bytes) decoded, or ``None`` unless it is padded base64 with nothing else
     in it (no whitespace: see :func:`b64decode_strict`)."""
     out = np.empty(len(src) // 4 * 3, dtype=np.uint8)
-    n = int(_decode(src, _TABLES, out))
+    words = src[: max(0, len(src) // 4 - 1) * 4].view(np.uint32)  # a view: no copy
+    n = int(_decode(src, words, _PAIRS, _TABLES, out))
     return None if n < 0 else out[:n]
 
 

@@ -99,3 +99,23 @@ def test_the_kernel_alone_takes_no_whitespace() -> None:
     assert decoded is not None and decoded.tobytes() == bytes(range(30))
     assert decode_base64(np.frombuffer(encoded[:8] + b" " + encoded[9:], dtype=np.uint8)) is None
     assert decode_base64(np.frombuffer(b"", dtype=np.uint8)) is not None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(min_size=1, max_size=64), st.integers(0, 3), st.data())
+def test_any_bad_character_anywhere_at_any_alignment(
+    data: bytes, shift: int, draw: st.DataObject
+) -> None:
+    """The kernel reads quartets as words and characters in pairs: a character outside the
+    alphabet is refused in either pair of a word, in the last quartet, wherever the text
+    starts in its buffer."""
+    text = base64.b64encode(data)
+    src = np.frombuffer(b"=" * shift + text, dtype=np.uint8)[shift:]
+    decoded = decode_base64(src)
+    assert decoded is not None and decoded.tobytes() == data
+    at = draw.draw(st.integers(0, len(text) - 1))
+    bad = draw.draw(st.sampled_from(b"!*.:@[`{\x00\x80\xff"))
+    broken = bytearray(text)
+    broken[at] = bad
+    src = np.frombuffer(b"=" * shift + bytes(broken), dtype=np.uint8)[shift:]
+    assert decode_base64(src) is None
