@@ -16,7 +16,6 @@ import time
 from concurrent.futures import Executor
 from urllib.parse import parse_qs
 
-import numpy as np
 from starlette.types import Scope
 
 from kvatlas.auth import Principal
@@ -89,7 +88,7 @@ class BlendLookup:
         if query is None:
             return json_encoder.encode(blend_to_wire([], enabled)), enabled
         if index is None:
-            columns = MatchColumns([], np.empty(0, np.int64), np.empty(0, np.int64))
+            columns = MatchColumns.empty()
         else:
             columns = index.match_columns(query.tokens, query.namespace)
         if with_placements:

@@ -85,6 +85,10 @@ class MatchColumns(NamedTuple):
     old_st: npt.NDArray[np.int64]
     cur_st: npt.NDArray[np.int64]
 
+    @classmethod
+    def empty(cls) -> MatchColumns:
+        return cls([], np.empty(0, np.int64), np.empty(0, np.int64))
+
     def matches(self) -> list[BlendMatch]:
         return _cpython.make_matches(self.chunk_hashes, self.old_st.tolist(), self.cur_st.tolist())
 
@@ -239,7 +243,7 @@ class BlendIndex:
         chunk, stride = self.chunk_size, self.probe_stride
         n_starts = q.shape[0] - chunk + 1
         if n_starts <= 0:
-            return _no_matches()
+            return MatchColumns.empty()
         seg = max(1, _SEGMENT_WINDOWS // stride) * stride
         scratch = tuple(self._scratch_for(min(seg, n_starts)))  # the scan takes plain tuples
         state = self._state
@@ -271,7 +275,7 @@ class BlendIndex:
         if len(parts) == 1:
             return parts[0]
         if not parts:
-            return _no_matches()
+            return MatchColumns.empty()
         return MatchColumns(
             [h for part in parts for h in part.chunk_hashes],
             np.concatenate([part.old_st for part in parts]),
@@ -315,10 +319,6 @@ class BlendIndex:
             cached = kernels.ScanScratch.for_windows(windows, self.chunk_size)
             self._scratch.buffers = cached
         return cached
-
-
-def _no_matches() -> MatchColumns:
-    return MatchColumns([], np.empty(0, np.int64), np.empty(0, np.int64))
 
 
 def _shareable(arr: npt.NDArray[Any]) -> bool:
