@@ -168,9 +168,7 @@ def snapshot_stall_row(
         {
             "same thread, as long, alone": format_seconds(statistics.median(alone)),
             "beside plain Python (floor)": format_seconds(statistics.median(beside)),
-            "writer CPU within one stall": format_seconds(
-                statistics.median(held)
-            ),
+            "writer CPU within one stall": format_seconds(statistics.median(held)),
             "lock hold (self-reported)": format_seconds(
                 statistics.median(i.max_pause_s for i in infos)
             ),

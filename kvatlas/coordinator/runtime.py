@@ -8,7 +8,7 @@ every thread while it walks every tracked container: ≈50 ms for the interprete
 web stack alone, plus ≈50–100 ms at 10^6 keys for the directory's large sets (the L1 chunk
 sets; its records are untracked, docs/directory.md), so such a collection is the longest stall
 a client can see. :func:`freeze_long_lived` moves everything alive at startup (restored
-directory included) out of the collector's sight (docs/coordinator.md, "Process settings").
+directory included) out of the collector's sight (docs/coordinator.md, process settings).
 """
 
 from __future__ import annotations
