@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvatlas.checks import is_plain_int
+from kvatlas.coordinator import runtime
 from kvatlas.coordinator.runtime import COLLECTIONS
 from kvatlas.coordinator.views import MetricsState
 from kvatlas.coordinator.wire import directory_stats_to_wire, kv_events_to_wire
@@ -94,6 +95,9 @@ class _CollectorStats(Collector):
     def collect(self) -> Iterator[Any]:
         yield _gauge(
             "kvatlas_gc_frozen_objects", "objects frozen (gc.freeze)", gc.get_freeze_count()
+        )
+        yield CounterMetricFamily(
+            "kvatlas_gc_freezes", "long-lived state frozen (runtime.py)", value=runtime.freezes
         )
         runs = CounterMetricFamily(
             "kvatlas_gc_collections", "collections per generation", labels=["generation"]

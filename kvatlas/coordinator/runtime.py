@@ -26,17 +26,42 @@ def set_switch_interval() -> None:
 
 
 def freeze_long_lived() -> None:
-    """``gc.freeze()``: every object tracked now leaves the collector for good (full collections
-    no longer walk it). Called once, when the coordinator is up: after the restore and the app
-    are built, before the first request. Safe because what is alive then is the process's
-    long-lived state (modules, compiled kernels, the framework, the directory and registry as
-    restored): it is never garbage, or, when a part of it is dropped later (a directory
-    replaced by a restore, a record replaced by a store), reference counting frees it — a
-    frozen object is only out of reach of the *cycle* collector. What it cannot free is a
-    frozen reference cycle that becomes garbage later, so this runs once at startup (a
-    few objects of that kind, bounded), never per request or per snapshot."""
+    """One full collection, then ``gc.freeze()``: every object tracked now leaves the
+    collector for good (full collections no longer walk it). Called once when the coordinator is
+    up (after the restore and the app are built, before the first request) and again by
+    :class:`GrowthFreeze`. Safe because what is alive then is the process's long-lived state
+    (modules, compiled kernels, the framework, the directory and the registry): when a part of
+    it is dropped later (a directory replaced by a restore, a record by a store), reference
+    counting still frees it; a frozen object is only out of reach of the *cycle* collector. What
+    stays for good is a frozen reference cycle that becomes garbage later (an open connection's
+    objects, say): a few per freeze, and there are few freezes."""
+    global freezes
     gc.collect()  # what is garbage now is freed, not frozen
     gc.freeze()
+    freezes += 1
+
+
+freezes = 0
+"""How many times :func:`freeze_long_lived` ran in this process."""
+
+
+class GrowthFreeze:
+    """Freeze again after a snapshot once the directory has doubled since the last freeze: a
+    coordinator that started small and ingested 10^6 keys has containers (the L1 chunk set of
+    each instance, partition dicts) that every full collection would otherwise walk, ≈100 ms at
+    10^6 keys. Doubling bounds the freezes to ≈log2(keys) over the process's life, and with them
+    what :func:`freeze_long_lived` may keep."""
+
+    def __init__(self, keys: int, minimum: int = 100_000) -> None:
+        self.frozen_at = max(keys, minimum // 2)
+
+    def after_snapshot(self, keys: int) -> bool:
+        """Freeze if ``keys`` (the snapshot's) is at least twice the last freeze's; True if so."""
+        if keys < 2 * self.frozen_at:
+            return False
+        freeze_long_lived()
+        self.frozen_at = keys
+        return True
 
 
 class CollectionWatch:

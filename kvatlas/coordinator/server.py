@@ -18,7 +18,12 @@ from typing import IO
 from kvatlas.asgi_thread import ThreadedServer, bind_listener, free_port, serve
 from kvatlas.coordinator.app import create_app
 from kvatlas.coordinator.config import CoordinatorConfig
-from kvatlas.coordinator.runtime import COLLECTIONS, freeze_long_lived, set_switch_interval
+from kvatlas.coordinator.runtime import (
+    COLLECTIONS,
+    GrowthFreeze,
+    freeze_long_lived,
+    set_switch_interval,
+)
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.errors import KvatlasError
 from kvatlas.logs import configure_logging, uvicorn_log_options
@@ -172,6 +177,8 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     # Everything allocated so far (framework, routes, compiled kernels, the restored directory)
     # lives for the whole process: out of the collector's sight (runtime.py says why it is safe).
     freeze_long_lived()
+    growth = GrowthFreeze(service.directory.stats().keys)
+    service.after_snapshot = lambda info: growth.after_snapshot(info.keys)
     try:
         options = uvicorn_log_options(config.log_level, config.access_log)
         serve(app, host=config.host, port=config.port, sock=sock, **options)

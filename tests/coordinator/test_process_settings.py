@@ -1,6 +1,7 @@
 """The coordinator process's interpreter settings (``coordinator/runtime.py``): after starting
-from a snapshot, what is alive is frozen out of the cyclic collector's sight, and the longest
-collection pause per generation is on ``/metrics``."""
+from a snapshot, what is alive is frozen out of the cyclic collector's sight (and again each
+time the directory doubles), and the longest collection pause per generation is on
+``/metrics``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import re
 from pathlib import Path
 
 import httpx
+import pytest
 
+from kvatlas.coordinator import runtime
 from kvatlas.coordinator.server import free_port
 from kvatlas.directory import KeyDirectory, save_snapshot
 from kvatlas.processes import spawn_service, stop
@@ -44,3 +47,15 @@ def test_a_coordinator_restored_from_a_snapshot_has_frozen_its_long_lived_state(
     assert pauses['{generation="2"}'] > 0  # the collection before the freeze was watched
     collections = _metric(text, "kvatlas_gc_collections_total")
     assert collections['{generation="2"}'] >= 1
+    assert _metric(text, "kvatlas_gc_freezes_total") == {"": 1.0}  # once, at start-up
+
+
+def test_the_long_lived_state_is_frozen_again_each_time_the_directory_doubles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    froze: list[int] = []
+    growth = runtime.GrowthFreeze(30, minimum=100)  # as if frozen at 50 keys
+    monkeypatch.setattr(runtime, "freeze_long_lived", lambda: froze.append(1))
+    after = [growth.after_snapshot(keys) for keys in (60, 99, 100, 150, 199, 250, 400, 10)]
+    assert after == [False, False, True, False, False, True, False, False]
+    assert len(froze) == 2 and growth.frozen_at == 250
