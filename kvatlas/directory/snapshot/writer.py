@@ -150,17 +150,19 @@ def save_snapshot(
     if given) to ``path`` (atomically)."""
     started = time.perf_counter()
     max_pause = 0.0
-    with directory.capture() as capture:
-        columns = _Columns(capture.shapes)
-        try:
+    columns: _Columns | None = None
+    try:
+        with directory.capture() as capture:
+            columns = _Columns(capture.shapes)
             for part in capture.parts():
                 max_pause = max(max_pause, part.lock_held_s)
                 columns.add(part.records)
-            chunks, keys = len(columns.hashes), len(columns.key_shapes)
-            header = columns.header(capture.state, stream_position)
-            header.instances = instances
-            size = _write_atomically(Path(path), columns.pieces.encode(header), columns.arena)
-        finally:
+        chunks, keys = len(columns.hashes), len(columns.key_shapes)
+        header = columns.header(capture.state, stream_position)
+        header.instances = instances
+        size = _write_atomically(Path(path), columns.pieces.encode(header), columns.arena)
+    finally:
+        if columns is not None:
             columns.release()
     return SnapshotInfo(
         str(path),
