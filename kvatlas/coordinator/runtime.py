@@ -76,6 +76,10 @@ class CollectionWatch:
         if self._callback not in gc.callbacks:
             gc.callbacks.append(self._callback)
 
+    def reset(self) -> None:
+        """Forget the pauses so far (those of start-up)."""
+        self.longest_s = [0.0] * len(self.longest_s)
+
     @property
     def installed(self) -> bool:
         return self._callback in gc.callbacks

@@ -177,6 +177,7 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     # Everything allocated so far (framework, routes, compiled kernels, the restored directory)
     # lives for the whole process: out of the collector's sight (runtime.py says why it is safe).
     freeze_long_lived()
+    COLLECTIONS.reset()  # from here on: the pauses requests can see
     growth = GrowthFreeze(service.directory.stats().keys)
     service.after_snapshot = lambda info: growth.after_snapshot(info.keys)
     try:
