@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
 import tempfile
-import threading
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -18,8 +16,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvatlas.bench.common import BenchRow, add_common_arguments, format_seconds, refuse, report
-from kvatlas.directory import KeyDirectory, SnapshotInfo, load_snapshot, save_snapshot
+from kvatlas.bench.common import BenchRow, add_common_arguments, refuse, report
+from kvatlas.bench.snapshot_stall import snapshot_stall_row
+from kvatlas.directory import KeyDirectory, load_snapshot
 from kvatlas.events import (
     CacheEntry,
     ColumnBatch,
@@ -43,6 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
     parser.add_argument("--entries", type=int, default=None, help="store entries to consume")
     parser.add_argument("--snapshot-keys", type=int, default=None, help="keys for snapshot cases")
+    parser.add_argument(
+        "--only",
+        choices=("consume", "snapshot"),
+        default=None,
+        help="run one part only: consume (rates, memory, bodies) or snapshot (stall, restore)",
+    )
     parser.add_argument(
         "--memory-chunks",
         type=int,
@@ -108,50 +113,6 @@ class NaiveDirectory:
                 binding["keys"].setdefault(ns, set()).add(e.key)
                 if self.blend and e.token_offset >= 0 and len(tokens) == CHUNK:
                     self.index.setdefault(tokens, {})[e.key.chunk_hash] = e.token_offset
-
-
-class StallProbe(threading.Thread):
-    """A concurrent ingesting client: consumes small store batches back to back and records the
-    longest gap between two consecutive completions — the stall a client observes, whatever
-    causes it (the directory lock, a GIL-holding call, a collection)."""
-
-    def __init__(self, directory: KeyDirectory, seed: int) -> None:
-        super().__init__(daemon=True)
-        self.directory = directory
-        (batch,) = _workload(8, seed, instance="probe")
-        self.entries = batch.entries
-        self.stop = threading.Event()
-        self.longest = 0.0
-        self.batches = 0
-
-    def run(self) -> None:
-        seq, last = 0, time.perf_counter()
-        while not self.stop.is_set():
-            seq += 1
-            self.directory.consume(
-                EventBatch("probe", 1, seq, "store", "l1", "dram", False, 0.0, self.entries)
-            )
-            now = time.perf_counter()
-            self.longest = max(self.longest, now - last)
-            last = now
-        self.batches = seq
-
-    def __enter__(self) -> StallProbe:
-        self.start()
-        time.sleep(0.05)  # running before the measured section starts
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.join()
-
-
-def probe_stall(directory: KeyDirectory, section: Callable[[], _T], seed: int) -> tuple[float, _T]:
-    """The longest stall a concurrent ingesting thread observes while ``section`` runs, and
-    what ``section`` returned."""
-    with StallProbe(directory, seed) as probe:
-        result = section()
-    return probe.longest, result
 
 
 def _median_time(fn: Callable[[], object], repeats: int) -> float:
@@ -265,8 +226,23 @@ def run(args: argparse.Namespace) -> int:
             "directory", f"--entries, --snapshot-keys and --memory-chunks must be at least {BATCH}"
         )
     rows: list[BenchRow] = []
+    if args.only in (None, "consume"):
+        rows += _consume_rows(n, args.memory_chunks, args.seed, repeats)
+    if args.only in (None, "snapshot"):
+        rows += _snapshot_rows(snap_keys, args.seed, repeats)
+    report(
+        "kvatlas bench directory",
+        rows,
+        args,
+        {"seed": args.seed, "repeats": repeats, "entries": n, "snapshot_keys": snap_keys},
+    )
+    return 0
 
-    batches = _workload(n, args.seed)
+
+def _consume_rows(n: int, memory_chunks: int, seed: int, repeats: int) -> list[BenchRow]:
+    """Consume rate and memory against the naive directory; decode + apply of wire bodies."""
+    rows: list[BenchRow] = []
+    batches = _workload(n, seed)
 
     def ours() -> None:
         _consume_all(KeyDirectory(CHUNK, enable_blend_lookup=True), batches)
@@ -304,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
         )
     )
 
-    rows.append(memory_row(args.memory_chunks, 1))
+    rows.append(memory_row(memory_chunks, 1))
     rows.append(
         BenchRow(
             f"consume {n:,} token-bearing store entries, blend off (directory alone)",
@@ -314,42 +290,20 @@ def run(args: argparse.Namespace) -> int:
             {"entries/s": f"{n / plain_s:,.0f}", "reference": "naive without its content index"},
         )
     )
-    rows += _body_rows(min(n, 50_000), args.seed, repeats)
+    rows += _body_rows(min(n, 50_000), seed, repeats)
+    return rows
+
+
+def _snapshot_rows(snap_keys: int, seed: int, repeats: int) -> list[BenchRow]:
+    """The snapshot stall (``bench/snapshot_stall.py``) and the restore rate, at ``snap_keys``."""
+    rows: list[BenchRow] = []
     directory = KeyDirectory(CHUNK)
-    _consume_all(directory, _workload(snap_keys, args.seed + 1))
+    _consume_all(directory, _workload(snap_keys, seed + 1))
     gc.collect()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "directory.snap"
-        infos: list[SnapshotInfo] = []
-        stalls, idle = [], []
-        for _ in range(repeats):
-            idle.append(probe_stall(directory, partial(time.sleep, 1.0), args.seed)[0])
-            stall, info = probe_stall(
-                directory,
-                partial(save_snapshot, directory, path, stream_position="0-0"),
-                args.seed,
-            )
-            stalls.append(stall)
-            infos.append(info)
-        stall = statistics.median(stalls)
-        total = statistics.median(i.seconds for i in infos)
-        rows.append(
-            BenchRow(
-                f"snapshot at {snap_keys:,} keys: longest stall a concurrent ingesting thread sees",
-                stall,
-                None,
-                "≤ 10 ms",
-                {
-                    "same thread, no snapshot (1 s)": format_seconds(statistics.median(idle)),
-                    "lock hold (self-reported)": format_seconds(
-                        statistics.median(i.max_pause_s for i in infos)
-                    ),
-                    "snapshot total": f"{total:.2f} s",
-                    "file MB": f"{os.path.getsize(path) / 1e6:,.0f}",
-                },
-                met=stall <= 10e-3,
-            )
-        )
+        (probe,) = _workload(8, seed, instance="probe")
+        rows.append(snapshot_stall_row(directory, snap_keys, path, probe.entries, repeats))
         del directory
         gc.collect()
         restore_s = []
@@ -369,10 +323,4 @@ def run(args: argparse.Namespace) -> int:
                 met=snap_keys / restore >= 1_000_000,
             )
         )
-    report(
-        "kvatlas bench directory",
-        rows,
-        args,
-        {"seed": args.seed, "repeats": repeats, "entries": n, "snapshot_keys": snap_keys},
-    )
-    return 0
+    return rows

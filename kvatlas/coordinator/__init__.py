@@ -8,7 +8,7 @@ Layers, each importing only those below it (docs/coordinator.md):
 - ``query`` validates requests (422 / 413); ``wire`` maps replies to JSON and back;
 - ``service`` (directory, instances, snapshots, background threads; independent of HTTP),
   ``stream_consumer`` (Redis Streams), ``views`` (what the service reports), ``instances``,
-  ``auth``, ``metrics``, ``config``, ``schemas``.
+  ``auth``, ``metrics``, ``config``, ``schemas``; ``runtime`` the process settings.
 
 The exports below load on first use: ``kvatlas coordinator --help`` imports only ``config`` and
 must not load the web stack or the compiled kernels.

@@ -9,6 +9,7 @@ path never pays for them. The directory gauges mirror the fields of ``GET /direc
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,6 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvatlas.checks import is_plain_int
+from kvatlas.coordinator import runtime
+from kvatlas.coordinator.runtime import COLLECTIONS
 from kvatlas.coordinator.views import MetricsState
 from kvatlas.coordinator.wire import directory_stats_to_wire, kv_events_to_wire
 from kvatlas.directory import Outcome
@@ -82,6 +85,35 @@ class _StateCollector(Collector):
             for name, value in counts.items():
                 family.add_metric([name], value)
             yield family
+
+
+class _CollectorStats(Collector):
+    """The cyclic garbage collector, process-wide (a full collection stops every thread):
+    objects frozen out of its sight, collections and (coordinator process) the longest pause
+    per generation; see ``coordinator/runtime.py``."""
+
+    def collect(self) -> Iterator[Any]:
+        yield _gauge(
+            "kvatlas_gc_frozen_objects", "objects frozen (gc.freeze)", gc.get_freeze_count()
+        )
+        yield CounterMetricFamily(
+            "kvatlas_gc_freezes", "long-lived state frozen (runtime.py)", value=runtime.freezes
+        )
+        runs = CounterMetricFamily(
+            "kvatlas_gc_collections", "collections per generation", labels=["generation"]
+        )
+        for gen, stats in enumerate(gc.get_stats()):
+            runs.add_metric([str(gen)], stats["collections"])
+        yield runs
+        if COLLECTIONS.installed:
+            longest = GaugeMetricFamily(
+                "kvatlas_gc_longest_pause_seconds",
+                "longest collection so far per generation",
+                labels=["generation"],
+            )
+            for gen, seconds in enumerate(COLLECTIONS.longest_s):
+                longest.add_metric([str(gen)], seconds)
+            yield longest
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -151,6 +183,7 @@ class CoordinatorMetrics:
             "kvatlas_stream_trimmed_entries", "stream entries trimmed by MINID", registry=r
         )
         r.register(_StateCollector(read_state))
+        r.register(_CollectorStats())
 
     def forget_instance(self, instance_id: str) -> None:
         """Drop an instance's labelled series (it departed: cardinality must not grow)."""

@@ -8,10 +8,8 @@ docs/coordinator.md.
 from __future__ import annotations
 
 import fcntl
-import gc
 import logging
 import socket
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +18,12 @@ from typing import IO
 from kvatlas.asgi_thread import ThreadedServer, bind_listener, free_port, serve
 from kvatlas.coordinator.app import create_app
 from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.runtime import (
+    COLLECTIONS,
+    GrowthFreeze,
+    freeze_long_lived,
+    set_switch_interval,
+)
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.errors import KvatlasError
 from kvatlas.logs import configure_logging, uvicorn_log_options
@@ -145,9 +149,8 @@ class BackgroundServer:
 
 def run_coordinator(config: CoordinatorConfig) -> int:
     configure_logging(config.log_level, config.log_format)
-    # The event loop and the match threads share the GIL; the default 5 ms switch interval
-    # lets one request's Python work stall the others' responses (p99). 1 ms keeps them fair.
-    sys.setswitchinterval(0.001)
+    set_switch_interval()  # runtime.py: one thread's Python work must not stall the others
+    COLLECTIONS.install()
     announce_security(config)
     if config.event_transport == "redis":
         log.info("replica %s, consumer group %s", config.resolved_replica_id, config.group_name)
@@ -171,10 +174,12 @@ def run_coordinator(config: CoordinatorConfig) -> int:
         config.resolved_replica_id,
     )  # fmt: skip
     app = create_app(service)
-    # Everything allocated so far (framework, routes, compiled kernels) lives for the whole
-    # process: move it out of the collector's sight so a full collection triggered by event
-    # decoding scans only what requests allocate.
-    gc.freeze()
+    # Everything allocated so far (framework, routes, compiled kernels, the restored directory)
+    # lives for the whole process: out of the collector's sight (runtime.py says why it is safe).
+    freeze_long_lived()
+    COLLECTIONS.reset()  # from here on: the pauses requests can see
+    growth = GrowthFreeze(service.directory.stats().keys)
+    service.after_snapshot = lambda info: growth.after_snapshot(info.keys)
     try:
         options = uvicorn_log_options(config.log_level, config.access_log)
         serve(app, host=config.host, port=config.port, sock=sock, **options)

@@ -88,6 +88,8 @@ class CoordinatorService:
         self._restored_position: str | None = None
         self.last_snapshot: SnapshotInfo | None = None
         self._snapshot_lock = threading.Lock()
+        self.after_snapshot: Callable[[SnapshotInfo], object] | None = None
+        """Called with each snapshot written (the CLI's process: ``runtime.GrowthFreeze``)."""
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.status = StatusSource(self)  # the status page, node reports, operator series
@@ -353,6 +355,8 @@ class CoordinatorService:
                 return None
         self.last_snapshot, self.status.last_snapshot_at = info, self._clock()
         self._retain(position)
+        if self.after_snapshot is not None:
+            self.after_snapshot(info)
         self.metrics.snapshots.inc()
         self.metrics.snapshot_duration.set(info.seconds)
         self.metrics.snapshot_pause.set(info.max_pause_s)

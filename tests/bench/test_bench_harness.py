@@ -114,3 +114,19 @@ def test_server_cpu_counts_this_process_cpu_time() -> None:
     before = process_cpu_seconds(os.getpid())
     sum(i * i for i in range(3_000_000))  # CPU work, not a sleep
     assert process_cpu_seconds(os.getpid()) > before
+
+
+def test_bench_directory_runs_the_snapshot_part_alone(tmp_path: Path) -> None:
+    from kvatlas.bench import directory
+
+    out = tmp_path / "d.json"
+    argv = ("directory", "--only", "snapshot", "--snapshot-keys", "256", "--repeats", "1")
+    assert directory.run(_args(*argv, "--json", str(out))) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["case"].split(":")[0] for r in rows] == [
+        "snapshot at 256 keys",
+        "restore 256 keys (blend off)",
+    ]
+    notes = rows[0]["extra"]
+    assert {"same thread, as long, alone", "beside plain Python (floor)"} <= set(notes)
+    assert notes["switch interval"] == "1.000 ms"  # the coordinator's

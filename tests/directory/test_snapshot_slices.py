@@ -1,17 +1,21 @@
-"""The writer converts and copies columns a slice at a time (so a concurrent ingesting thread
-never waits for a whole column): the file must not depend on the slice size."""
+"""The writer converts, copies and frees columns a slice at a time (so a concurrent ingesting
+thread never waits for a whole column): the file must not depend on the slice size."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvatlas.directory import KeyDirectory, load_snapshot, save_snapshot
 from kvatlas.directory.snapshot import writer
 from kvatlas.events import CacheEntry, EventBatch
 from kvatlas.keys import ObjectKey, pack_kv_rank
+from tests.directory.helpers import CS, Emitter, entry, key
 
 
 def _directory(n: int) -> KeyDirectory:
@@ -64,3 +68,79 @@ def test_header_pieces_concatenate_to_the_msgpack_encoding(size: int) -> None:
     encoded = pieces.encode(header)
     assert b"".join(encoded) == msgspec.msgpack.encode(Header(*common, *columns, *tail))
     assert (len(encoded) > 1) == (2 * size > writer._LARGE)  # large fields stay in pieces
+
+
+_ENTRY = st.tuples(
+    st.integers(1, 40),  # key
+    st.sampled_from([("m", ""), ("m", "s"), ("n", "")]),  # model, salt
+    st.none() | st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=2 * CS),  # tokens
+    st.booleans(),  # small ids (stored as uint16)
+    st.sampled_from([-1, 0, CS, 7 * CS]),  # offset
+)
+_BATCH = st.tuples(
+    st.sampled_from(["a", "b"]),
+    st.sampled_from([("l1", "dram", False), ("l2", "fs", False), ("l2", "pool", True)]),
+    st.lists(_ENTRY, max_size=12),
+)
+
+
+def _built(batches: list[tuple[str, tuple[str, str, bool], list[Any]]]) -> KeyDirectory:
+    d = KeyDirectory(CS, enable_blend_lookup=True)
+    emitters = {name: Emitter(name) for name in ("a", "b")}
+    for size, (instance, (tier, backend, shared), rows) in enumerate(batches):
+        entries = []
+        for n, (model, salt), tokens, small, offset in rows:
+            ids = (
+                None
+                if tokens is None
+                else np.array([t % 2**16 if small else t for t in tokens], np.uint32)
+            )
+            entries.append(entry(key(n, model, salt), ids, offset, size=100 + size))
+        d.consume(emitters[instance].batch("store", entries, tier, backend, shared))
+    return d
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    batches=st.lists(_BATCH, max_size=8),
+    slice_items=st.integers(1, 9),
+    arena_block=st.integers(1, 5),
+    large=st.integers(0, 300),
+)
+def test_piecewise_writer_gives_the_one_call_file(
+    tmp_path: Path,
+    batches: list[tuple[str, tuple[str, str, bool], list[Any]]],
+    slice_items: int,
+    arena_block: int,
+    large: int,
+) -> None:
+    """Any directory, any slicing: the same bytes as one call per column, one msgpack encode of
+    the whole header and one arena write (the writer before it worked in pieces)."""
+    d = _built(batches)
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in (("_SLICE", 1 << 40), ("_ARENA_BLOCK", 1 << 40), ("_LARGE", 1 << 62)):
+            mp.setattr(writer, name, value)
+        save_snapshot(d, tmp_path / "one.snap", stream_position="3-0")
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in (
+            ("_SLICE", slice_items),
+            ("_ARENA_BLOCK", arena_block),
+            ("_LARGE", large),
+        ):
+            mp.setattr(writer, name, value)
+        info = save_snapshot(d, tmp_path / "pieces.snap", stream_position="3-0")
+    assert (tmp_path / "pieces.snap").read_bytes() == (tmp_path / "one.snap").read_bytes()
+    assert info.keys == d.stats().keys
+
+
+@given(values=st.lists(st.integers()), slice_items=st.integers(1, 5), as_dict=st.booleans())
+def test_release_empties_a_column_in_slices(
+    values: list[int], slice_items: int, as_dict: bool
+) -> None:
+    column: list[int] | dict[int, int] = dict.fromkeys(values, 0) if as_dict else list(values)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(writer, "_SLICE", slice_items)
+        writer._release(column)
+    assert len(column) == 0
