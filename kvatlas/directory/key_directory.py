@@ -422,7 +422,7 @@ class KeyDirectory:
             )
         counts = restored.counts_or_scan()
         with self._lock:
-            self._chunks.restore(restored.shapes, restored.parts, counts)
+            self._chunks.restore(restored.shapes, restored.parts, counts, restored.slabs)
             self._gate.restore(state.cursors)
             self._capacities = dict(state.capacities)
             self._shared_pools = set()

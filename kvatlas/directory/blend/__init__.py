@@ -6,7 +6,7 @@ namespace ids; ``_cpython.py`` the CPython-layout shortcuts of the hot paths; ``
 the compiled kernels, one module per structure.
 """
 
-from kvatlas.directory.blend.index import BlendIndex, BlendStats
+from kvatlas.directory.blend.index import BlendIndex, BlendStats, share_slab
 from kvatlas.directory.blend.ops import AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp, new_add_op
 
 __all__ = [
@@ -17,4 +17,5 @@ __all__ = [
     "RemoveChunkOp",
     "RemoveClaimOp",
     "new_add_op",
+    "share_slab",
 ]
