@@ -143,7 +143,8 @@ class ChunkTable(RemovalRules):
     def _reclaim_step(self) -> None:
         """Once more than half of a slab's views are gone, copy its live contents out to
         arrays of their own, a bounded step at a time; then nothing refers to it and it is
-        freed. Each slab is copied out at most once (see token_store.TokenSlab)."""
+        freed. Each slab is copied out at most once (see token_store.TokenSlab). (Views the
+        index lets go of in this flush count from the next one.)"""
         r = self._reclaim
         if r is None:
             due = [s for s in self.slabs if s.mostly_dead()]
@@ -159,6 +160,7 @@ class ChunkTable(RemovalRules):
                     return
                 r.pending = list(self.parts[r.part_no])
                 r.part_no += 1
+                continue
             h = r.pending.pop()
             work += 1
             part = self.parts[h[0]]

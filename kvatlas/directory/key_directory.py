@@ -364,7 +364,7 @@ class KeyDirectory:
                 bound_chunks=sum(bound_count(p.values()) for p in chunks.parts),
                 placements=counts.placements,
                 l1_placements_by_instance=dict(+counts.l1_placements),
-                bytes_by_tier=dict(counts.bytes_by_tier),
+                bytes_by_tier=dict(+counts.bytes_by_tier),
                 placements_by_tier=_by_tier(counts.module_placements),
                 batches={o.value: self._outcomes[o] for o in Outcome},
                 emitters=len(cursors),

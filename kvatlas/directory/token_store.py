@@ -107,6 +107,9 @@ class TokenSlab:
         ends = np.cumsum(sizes)
         if (int(ends[-1]) if len(ends) else 0) != len(self.buffer):
             raise ValueError("token rows do not fill the slab")
+        if not len(lens):
+            self._other_refs = sys.getrefcount(self.buffer)
+            return []
         change = (lens[1:] != lens[:-1]) | (widths[1:] != widths[:-1])
         firsts = np.concatenate(([0], np.flatnonzero(change) + 1))
         runs = list(pairwise([*firsts.tolist(), len(lens)]))
