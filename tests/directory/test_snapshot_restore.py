@@ -241,8 +241,8 @@ def test_copying_out_is_bounded_per_change(tmp_path: Path, monkeypatch: pytest.M
 
 def test_stats_of_a_restore_after_deletes_are_the_saved_ones(tmp_path: Path) -> None:
     """A tier whose copies are all gone had a 0 left in ``bytes_by_tier`` that a restore
-    (which counts what is there) does not have; stats now leave zeros out, as for the other
-    per-instance and per-tier counts."""
+    (which counts what is there) does not have; stats now name the tiers that have
+    placements, as ``placements_by_tier`` does (a tier of 0-byte copies is still named)."""
     d, em = KeyDirectory(CS), Emitter("a")
     d.consume(em.batch("store", [entry(key(1), toks(1, 2, 3, 4), 0), entry(key(2))]))
     d.consume(em.batch("store", [entry(key(3))], tier="l2", backend="fs"))
