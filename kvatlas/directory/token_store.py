@@ -24,6 +24,7 @@ holds at most as many dead bytes as live ones.
 
 from __future__ import annotations
 
+import mmap
 import sys
 from collections import deque
 from collections.abc import Sequence
@@ -47,6 +48,7 @@ COMPACT_LIMIT = 1 << 16
 
 _U16 = np.dtype(np.uint16)
 _U32 = np.dtype(np.uint32)
+_POPULATE: int = getattr(mmap, "MAP_POPULATE", 0)
 _READ_ONLY = methodcaller("setflags", write=False)
 _DTYPE = attrgetter("dtype")
 _STRIDES = attrgetter("strides")
@@ -93,7 +95,7 @@ class TokenSlab:
     __slots__ = ("_other_refs", "buffer", "views")
 
     def __init__(self, nbytes: int) -> None:
-        self.buffer: npt.NDArray[np.uint8] = np.empty(nbytes, np.uint8)
+        self.buffer: npt.NDArray[np.uint8] = _zeroed(nbytes)
         """Filled by the caller (little-endian ids), then cut once (:meth:`cut`)."""
         self.views = 0
         self._other_refs = 0
@@ -149,6 +151,17 @@ class TokenSlab:
     def mostly_dead(self) -> bool:
         """Whether more than half of its views are gone: time to copy the rest out."""
         return 2 * self.live() < self.views
+
+
+def _zeroed(nbytes: int) -> npt.NDArray[np.uint8]:
+    """A fresh buffer of ``nbytes``: an anonymous mapping with its pages populated up front
+    where the platform can (one kernel call instead of a fault per page; numpy's own large
+    arrays ask for huge pages, whose first allocation in a process can stall for a second
+    while the kernel compacts memory), else a numpy array."""
+    if nbytes and _POPULATE:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE
+        return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), np.uint8)
+    return np.empty(nbytes, np.uint8)
 
 
 def stored_batch(arrays: Sequence[TokenArray | None]) -> list[StoredTokens | None]:

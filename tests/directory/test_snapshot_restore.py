@@ -138,6 +138,11 @@ def test_restore_is_the_saved_directory_before_and_after_more_changes(
     apply([d, restored, plain], emitters, after)  # removals, rebinds, re-stores
     assert view(restored) == view(d) == view(plain)
     assert_same_answers(restored, d)
+    save_snapshot(restored, tmp_path / "again.snap")  # views are written like arrays
+    again = KeyDirectory(CS, enable_blend_lookup=True)
+    load_snapshot(again, tmp_path / "again.snap")
+    assert view(again) == view(d)
+    assert_same_answers(again, d)
     for inst in emitters:  # fencing walks the restored per-instance L1 chunk sets
         dropped = d.fence_instance(inst)
         assert restored.fence_instance(inst) == dropped == plain.fence_instance(inst)
