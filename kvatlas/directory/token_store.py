@@ -15,7 +15,7 @@ the rest of consuming it).
 
 Restored contents are not allocated one by one: a snapshot's token section is read into one
 :class:`TokenSlab` and each chunk's content is a read-only view of it (creating views in bulk
-costs a fifth of allocating and filling an array per chunk). The blend index shares those views
+costs a quarter of allocating and filling an array per chunk). The blend index shares those views
 (``blend.share_slab``). A slab is freed once its views are gone; so that dead chunks do not keep
 it forever, the chunk table copies the live contents out to arrays of their own once more than
 half of its views are gone (:meth:`TokenSlab.mostly_dead`; ``ChunkTable`` reclaim), so a slab

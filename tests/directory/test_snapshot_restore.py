@@ -257,3 +257,18 @@ def test_stats_of_a_restore_after_deletes_are_the_saved_ones(tmp_path: Path) -> 
     load_snapshot(restored, tmp_path / "s.snap")
     assert view(restored) == view(d)
     assert d.stats().bytes_by_tier == {"l2": 10}
+
+
+def test_a_version_1_file_is_compacted_a_group_of_chunks_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tests.directory.test_snapshot_format import GOLDEN_V1, golden_directory
+
+    monkeypatch.setattr("kvatlas.directory.snapshot.reader._V1_GROUP", 2)
+    d = KeyDirectory(CS)
+    load_snapshot(d, GOLDEN_V1)
+    assert view(d) == view(golden_directory())
+    assert d._chunks.slabs == []  # contents of their own, compact where they fit
+    for rec in captured(d).values():
+        tokens = record_stored_tokens(rec)
+        assert tokens is None or (tokens.flags.owndata and tokens.dtype == np.uint16)

@@ -5,7 +5,7 @@ leaves the directory as it was: every column is checked against the others befor
 built. Restore works column-wise: vectorised checks, records zipped from columns (a Python loop
 only for chunks with several keys or placements), partitions built from the file's partition
 order, counters and L1 sets computed from the columns instead of a pass over the records. Token
-ids are scattered straight from the file into one private read-only array per content. See
+ids are read into one slab and each content is a read-only view of it (``TokenSlab``). See
 docs/directory.md.
 """
 
@@ -56,6 +56,9 @@ from kvatlas.directory.snapshot.format import (
 from kvatlas.directory.token_store import TokenSlab, stored_from_arena
 from kvatlas.events import VOLATILE_TIERS
 from kvatlas.keys import ObjectKey
+
+_V1_GROUP = 65_536
+"""Chunks of a version-1 token section read (and compacted) at a time."""
 
 
 def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> SnapshotInfo:
@@ -163,13 +166,17 @@ def _read_tokens(
     frees the slab once most of it is dead, see :mod:`kvatlas.directory.token_store`). A
     version-1 section (``compact``: every width 4) is compacted as it is read, into arrays of
     their own."""
-    if compact:
-        arena = np.empty(int(lens.sum(dtype=np.int64)), np.uint32)
-        _fill(f, arena, start)
-        if sys.byteorder != "little":  # pragma: no cover - the section is little-endian
-            arena.byteswap(inplace=True)
-        lengths = lens.astype(np.int64)
-        return stored_from_arena(arena, np.cumsum(lengths) - lengths, lengths), ()
+    if compact:  # a group of chunks at a time: no second copy of a whole uint32 section
+        lengths, out, pos = lens.astype(np.int64), [], start
+        for lo in range(0, len(lengths), _V1_GROUP):
+            group = lengths[lo : lo + _V1_GROUP]
+            arena = np.empty(int(group.sum()), np.uint32)
+            _fill(f, arena, pos)
+            pos += arena.nbytes
+            if sys.byteorder != "little":  # pragma: no cover - the section is little-endian
+                arena.byteswap(inplace=True)
+            out += stored_from_arena(arena, np.cumsum(group) - group, group)
+        return out, ()
     slab = TokenSlab(int((lens.astype(np.int64) * widths).sum()))
     _fill(f, slab.buffer, start)
     tokens = slab.cut(lens, widths)
