@@ -21,6 +21,7 @@ from kvatlas.directory.chunk_table import ChunkTable
 from kvatlas.directory.gate import EmitterCursor
 from kvatlas.directory.records import CapacityDeclaration, Record
 from kvatlas.directory.shapes import ShapeTable
+from kvatlas.directory.token_store import TokenSlab
 from kvatlas.errors import Conflict
 
 
@@ -138,12 +139,15 @@ class Restored:
     ``parts`` are :data:`~kvatlas.directory.chunk_counts.PARTS` dicts, each chunk in partition
     ``hash[0]``, its records unindexed and their shape ids indexing ``shapes``. ``counts``, if
     given, must equal ``ChunkCounts.scan(parts)`` (a loader that can compute them faster than
-    that pass passes them; ``None``: install scans)."""
+    that pass passes them; ``None``: install scans). ``slabs`` hold the records' contents
+    that are views of a token slab (see :mod:`kvatlas.directory.token_store`); the chunk
+    table frees them once they are mostly dead."""
 
     state: DirectoryState
     shapes: ShapeTable
     parts: list[Partition]
     counts: ChunkCounts | None = None
+    slabs: tuple[TokenSlab, ...] = ()
 
     def counts_or_scan(self) -> ChunkCounts:
         """``counts``, or (none given) one pass over the records."""

@@ -22,7 +22,8 @@ partition was not captured yet preserves its record (copy-on-write, see
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -58,7 +59,7 @@ from kvatlas.directory.records import (
     with_placements_at,
 )
 from kvatlas.directory.shapes import ShapeTable
-from kvatlas.directory.token_store import StoredTokens, stored_columns
+from kvatlas.directory.token_store import StoredTokens, TokenSlab, owned_copy, stored_columns
 from kvatlas.errors import Conflict
 from kvatlas.events import UNKNOWN_OFFSET, VOLATILE_TIERS, EventBatch
 from kvatlas.events.columns import EntryColumns
@@ -67,6 +68,21 @@ from kvatlas.events.model import tokens_equal
 from kvatlas.keys import BlendNamespace, ObjectKey
 
 log = logging.getLogger(__name__)
+
+_RECLAIM_WORK = 16_384
+"""Work per reclaim step (:meth:`ChunkTable.take_index_ops`): a record looked at costs 1, a
+content copied out of a slab 16, so one step copies at most 1,024 contents."""
+
+
+@dataclass(slots=True)
+class _Reclaim:
+    """Copying the live contents out of mostly dead token slabs, a bounded step per change
+    (the records are visited partition by partition, each partition's keys listed first)."""
+
+    slabs: list[TokenSlab]
+    buffers: set[int]  # ids of the slabs' buffers (kept alive by ``slabs``)
+    part_no: int = 0
+    pending: list[bytes] = field(default_factory=list)
 
 
 class ChunkTable(RemovalRules):
@@ -80,17 +96,26 @@ class ChunkTable(RemovalRules):
         self.counts = ChunkCounts()
         self.indexing = False  # whether changes queue blend-index writes
         self.journal: ChangeJournal | None = None  # set while a capture is in progress
+        self.slabs: list[TokenSlab] = []  # restored contents (see token_store.TokenSlab)
+        self._reclaim: _Reclaim | None = None
         self._ops: list[BlendOp] = []
         self._start_digests(True)
 
     # ------------------------------------------------------------------ restore
 
-    def restore(self, shapes: ShapeTable, parts: list[Partition], counts: ChunkCounts) -> None:
+    def restore(
+        self,
+        shapes: ShapeTable,
+        parts: list[Partition],
+        counts: ChunkCounts,
+        slabs: Sequence[TokenSlab] = (),
+    ) -> None:
         """Adopt restored records (unindexed; see :meth:`reindex`); their shape ids index
-        ``shapes``, ``counts`` are theirs."""
+        ``shapes``, ``counts`` are theirs, ``slabs`` hold their contents that are views."""
         if self.journal is not None:
             raise Conflict("cannot restore while a snapshot is being taken")
         self.shapes, self.parts, self.counts = shapes, parts, counts
+        self.slabs, self._reclaim = list(slabs), None
         self.counts.digests = {}
         self._start_digests(False)  # digests are built partition by partition, later
 
@@ -106,11 +131,50 @@ class ChunkTable(RemovalRules):
             apply(ops)
 
     def take_index_ops(self) -> list[BlendOp]:
-        """The index writes queued since the last call, in order."""
+        """The index writes queued since the last call, in order (after a step of freeing
+        mostly dead token slabs, whose index writes it queues)."""
+        if self.slabs or self._reclaim is not None:
+            self._reclaim_step()
         ops = self._ops
         if ops:
             self._ops = []
         return ops
+
+    def _reclaim_step(self) -> None:
+        """Once more than half of a slab's views are gone, copy its live contents out to
+        arrays of their own, a bounded step at a time; then nothing refers to it and it is
+        freed. Each slab is copied out at most once (see token_store.TokenSlab). (Views the
+        index lets go of in this flush count from the next one.)"""
+        r = self._reclaim
+        if r is None:
+            due = [s for s in self.slabs if s.mostly_dead()]
+            if not due:
+                return
+            self.slabs = [s for s in self.slabs if s not in due]
+            r = self._reclaim = _Reclaim(due, {id(s.buffer) for s in due})
+        work = 0
+        while work < _RECLAIM_WORK:
+            if not r.pending:
+                if r.part_no == PARTS:
+                    self._reclaim = None
+                    return
+                r.pending = list(self.parts[r.part_no])
+                r.part_no += 1
+                continue
+            h = r.pending.pop()
+            work += 1
+            part = self.parts[h[0]]
+            rec = part.get(h)
+            tokens = None if rec is None else record_stored_tokens(rec)
+            if rec is None or tokens is None or id(tokens.base) not in r.buffers:
+                continue
+            work += 15
+            self._preserve(h, rec)
+            owned, offset, indexed = owned_copy(tokens), record_offset(rec), record_indexed(rec)
+            if indexed and self.indexing:  # the index holds the view: move it to the copy
+                self._ops.append(RemoveChunkOp(tokens, h))
+                self._ops += [AddOp(owned, h, offset, ns) for ns in self._namespaces(rec)]
+            part[h] = rebound(rec, owned, offset, indexed)
 
     # ------------------------------------------------------------------ reads
 

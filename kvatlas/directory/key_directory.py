@@ -359,6 +359,7 @@ class KeyDirectory:
             cursors = self._gate.cursors()
             chunks = self._chunks
             counts = chunks.counts
+            by_tier = _by_tier(counts.module_placements)  # tiers with placements
             stats = DirectoryStats(
                 chunk_size=self.chunk_size,
                 keys=counts.keys,
@@ -366,8 +367,8 @@ class KeyDirectory:
                 bound_chunks=sum(bound_count(p.values()) for p in chunks.parts),
                 placements=counts.placements,
                 l1_placements_by_instance=dict(+counts.l1_placements),
-                bytes_by_tier=dict(counts.bytes_by_tier),
-                placements_by_tier=_by_tier(counts.module_placements),
+                bytes_by_tier={t: n for t, n in counts.bytes_by_tier.items() if t in by_tier},
+                placements_by_tier=by_tier,
                 batches={o.value: self._outcomes[o] for o in Outcome},
                 emitters=len(cursors),
                 gaps=sum(c.gaps for c in cursors.values()),
@@ -424,7 +425,7 @@ class KeyDirectory:
             )
         counts = restored.counts_or_scan()
         with self._lock:
-            self._chunks.restore(restored.shapes, restored.parts, counts)
+            self._chunks.restore(restored.shapes, restored.parts, counts, restored.slabs)
             self._gate.restore(state.cursors)
             self._capacities = dict(state.capacities)
             self._shared_pools = set()

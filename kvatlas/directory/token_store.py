@@ -12,19 +12,30 @@ Entries of one content (the ranks of a chunk) usually share one input array: the
 stored array, so the directory's "same object, same content" shortcut keeps working. The
 narrowing itself is one compiled pass per batch (a numpy call per chunk would cost more than
 the rest of consuming it).
+
+Restored contents are not allocated one by one: a snapshot's token section is read into one
+:class:`TokenSlab` and each chunk's content is a read-only view of it (creating views in bulk
+costs a quarter of allocating and filling an array per chunk). The blend index shares those views
+(``blend.share_slab``). A slab is freed once its views are gone; so that dead chunks do not keep
+it forever, the chunk table copies the live contents out to arrays of their own once more than
+half of its views are gone (:meth:`TokenSlab.mostly_dead`; ``ChunkTable`` reclaim), so a slab
+holds at most as many dead bytes as live ones.
 """
 
 from __future__ import annotations
 
+import mmap
+import sys
 from collections import deque
 from collections.abc import Sequence
-from itertools import repeat
+from itertools import pairwise, repeat
 from operator import attrgetter, methodcaller
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from kvatlas.directory.blend import share_slab
 from kvatlas.directory.blend._cpython import ARRAY_DATA_OFFSET, array_handles
 from kvatlas.directory.blend.kernels.pointers import i64_ptr, jit, u16_ptr, u32_ptr
 from kvatlas.events.columns import EntryColumns
@@ -37,6 +48,7 @@ COMPACT_LIMIT = 1 << 16
 
 _U16 = np.dtype(np.uint16)
 _U32 = np.dtype(np.uint32)
+_POPULATE: int = getattr(mmap, "MAP_POPULATE", 0)
 _READ_ONLY = methodcaller("setflags", write=False)
 _DTYPE = attrgetter("dtype")
 _STRIDES = attrgetter("strides")
@@ -65,6 +77,91 @@ def stored_one(tokens: npt.NDArray[Any]) -> StoredTokens:
         out = np.array(tokens, dtype=np.uint32, order="C", copy=True)
     out.flags.writeable = False
     return out
+
+
+def owned_copy(stored: StoredTokens) -> StoredTokens:
+    """``stored`` as a read-only array of its own (same ids, same width)."""
+    out = np.array(stored, dtype=stored.dtype, order="C", copy=True)
+    out.flags.writeable = False
+    return out
+
+
+class TokenSlab:
+    """Restored token ids in one buffer, each chunk's content a read-only view of it.
+
+    Each view holds one reference to :attr:`buffer`, so its reference count says how many are
+    alive (:meth:`live`) without any bookkeeping where chunks are removed or rebound."""
+
+    __slots__ = ("_other_refs", "buffer", "views")
+
+    def __init__(self, nbytes: int) -> None:
+        self.buffer: npt.NDArray[np.uint8] = _zeroed(nbytes)
+        """Filled by the caller (little-endian ids), then cut once (:meth:`cut`)."""
+        self.views = 0
+        self._other_refs = 0
+
+    def cut(self, lens: npt.NDArray[Any], widths: npt.NDArray[np.int64]) -> list[Any]:
+        """Each chunk's content (``lens[i]`` ids of ``widths[i]`` bytes, one after another in
+        the buffer; length 0: ``None``): a read-only view per run of chunks of one shape, in
+        bulk; a content whose start is not aligned to its width gets a copy of its own. The
+        buffer becomes read-only and shareable with the blend index."""
+        sizes = lens.astype(np.int64) * widths
+        ends = np.cumsum(sizes)
+        if (int(ends[-1]) if len(ends) else 0) != len(self.buffer):
+            raise ValueError("token rows do not fill the slab")
+        if not len(lens):
+            self._other_refs = sys.getrefcount(self.buffer)
+            return []
+        change = (lens[1:] != lens[:-1]) | (widths[1:] != widths[:-1])
+        firsts = np.concatenate(([0], np.flatnonzero(change) + 1))
+        runs = list(pairwise([*firsts.tolist(), len(lens)]))
+        starts = (ends - sizes)[firsts].tolist()  # the byte offset of each run
+        if sys.byteorder != "little":  # pragma: no cover - the section is little-endian
+            for (lo, hi), at in zip(runs, starts, strict=True):
+                if lens[lo] and widths[lo] > 1:
+                    dtype = _U16 if widths[lo] == 2 else _U32
+                    self.buffer[at : int(ends[hi - 1])].view(dtype).byteswap(inplace=True)
+        self.buffer.flags.writeable = False
+        out: list[Any] = []
+        views = 0
+        rows: Any = None
+        for (lo, hi), at in zip(runs, starts, strict=True):
+            length, width = int(lens[lo]), int(widths[lo])
+            if not length:
+                out += repeat(None, hi - lo)
+                continue
+            rows = self.buffer[at : at + (hi - lo) * length * width]
+            rows = rows.view(_U16 if width == 2 else _U32).reshape(hi - lo, length)
+            if at % width:
+                out.extend(map(owned_copy, rows))
+            else:
+                out.extend(rows)
+                views += hi - lo
+        del rows
+        self.views = views
+        self._other_refs = sys.getrefcount(self.buffer) - views
+        if views:
+            share_slab(self.buffer)
+        return out
+
+    def live(self) -> int:
+        """How many of its views are alive (in records, the index, or anywhere else)."""
+        return sys.getrefcount(self.buffer) - self._other_refs
+
+    def mostly_dead(self) -> bool:
+        """Whether more than half of its views are gone: time to copy the rest out."""
+        return 2 * self.live() < self.views
+
+
+def _zeroed(nbytes: int) -> npt.NDArray[np.uint8]:
+    """A fresh buffer of ``nbytes``: an anonymous mapping with its pages populated up front
+    where the platform can (one kernel call instead of a fault per page; numpy's own large
+    arrays ask for huge pages, whose first allocation in a process can stall for a second
+    while the kernel compacts memory), else a numpy array."""
+    if nbytes and _POPULATE:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE
+        return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), np.uint8)
+    return np.empty(nbytes, np.uint8)
 
 
 def stored_batch(arrays: Sequence[TokenArray | None]) -> list[StoredTokens | None]:

@@ -6,7 +6,7 @@ namespace ids; ``_cpython.py`` the CPython-layout shortcuts of the hot paths; ``
 the compiled kernels, one module per structure.
 """
 
-from kvatlas.directory.blend.index import BlendIndex, BlendStats, MatchColumns
+from kvatlas.directory.blend.index import BlendIndex, BlendStats, MatchColumns, share_slab
 from kvatlas.directory.blend.ops import AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp, new_add_op
 
 __all__ = [
@@ -18,4 +18,5 @@ __all__ = [
     "RemoveChunkOp",
     "RemoveClaimOp",
     "new_add_op",
+    "share_slab",
 ]

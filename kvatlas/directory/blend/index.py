@@ -30,6 +30,7 @@ import operator
 import secrets
 import sys
 import threading
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -52,6 +53,15 @@ _SEGMENT_WINDOWS = 65536
 the lock, so a 1M-token query never stalls ingestion behind it."""
 _U32 = np.dtype(np.uint32)
 _U16 = np.dtype(np.uint16)
+_SLABS: weakref.WeakValueDictionary[int, npt.NDArray[Any]] = weakref.WeakValueDictionary()
+"""Token slabs whose views the index keeps by reference (:func:`share_slab`), by ``id``."""
+
+
+def share_slab(slab: npt.NDArray[Any]) -> None:
+    """Let indexes keep read-only views of ``slab`` (an array that owns its memory) by
+    reference instead of copying them: its owner frees it once most of its views are gone
+    (the directory's restored token slabs, ``directory/token_store.py`` ``TokenSlab``)."""
+    _SLABS[id(slab)] = slab
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,14 +333,17 @@ class BlendIndex:
 
 def _shareable(arr: npt.NDArray[Any]) -> bool:
     """Keep a caller's array only if nobody can change it under us and it pins no larger
-    buffer (a read-only view of a 1M-token request must not keep the whole request alive)."""
+    buffer (a read-only view of a 1M-token request must not keep the whole request alive),
+    or it is a view of a shared token slab (:func:`share_slab`, whose owner frees it)."""
     flags = arr.flags
     if flags.writeable or not flags.c_contiguous:
         return False
     if flags.owndata:
         return True
     base = arr.base
-    return isinstance(base, bytes) and len(base) == arr.nbytes
+    if isinstance(base, bytes):
+        return len(base) == arr.nbytes
+    return base is not None and _SLABS.get(id(base)) is base
 
 
 def _hash_bytes(chunk_hash: Any) -> bytes:

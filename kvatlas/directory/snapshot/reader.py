@@ -5,7 +5,7 @@ leaves the directory as it was: every column is checked against the others befor
 built. Restore works column-wise: vectorised checks, records zipped from columns (a Python loop
 only for chunks with several keys or placements), partitions built from the file's partition
 order, counters and L1 sets computed from the columns instead of a pass over the records. Token
-ids are scattered straight from the file into one private read-only array per content. See
+ids are read into one slab and each content is a read-only view of it (``TokenSlab``). See
 docs/directory.md.
 """
 
@@ -15,11 +15,9 @@ import io
 import os
 import sys
 import time
-from collections import Counter, deque
-from collections.abc import Callable
+from collections import Counter
 from dataclasses import dataclass
 from itertools import pairwise
-from operator import methodcaller
 from typing import Any
 
 import msgspec
@@ -55,17 +53,12 @@ from kvatlas.directory.snapshot.format import (
     SnapshotInfo,
     decode_column,
 )
-from kvatlas.directory.token_store import stored_batch
+from kvatlas.directory.token_store import TokenSlab, stored_from_arena
 from kvatlas.events import VOLATILE_TIERS
 from kvatlas.keys import ObjectKey
 
-_READ_ONLY = methodcaller("setflags", write=False)
-_U16, _U32 = np.dtype(np.uint16), np.dtype(np.uint32)
-_preadv: Callable[[int, list[Any], int], int] | None = getattr(os, "preadv", None)
-try:
-    _IOV_MAX = max(1, min(int(os.sysconf("SC_IOV_MAX")), 1024))
-except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
-    _IOV_MAX = 16
+_V1_GROUP = 65_536
+"""Chunks of a version-1 token section read (and compacted) at a time."""
 
 
 def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> SnapshotInfo:
@@ -96,14 +89,14 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
         columns = _columns(header)
         if size - body != int((columns.lens.astype(np.int64) * columns.widths).sum()):
             raise SnapshotError("token arena length does not match the header")
+        tokens, slabs = _read_tokens(f, body, columns.lens, columns.widths, header.version < 2)
         # The GC stays on: records are untracked at their first young collection, so
         # collecting as they are built costs less than one pass over all of them at the end.
-        tokens = _read_tokens(f, body, columns.lens, columns.widths, header.version < 2)
         shapes, parts, hashes = _build(header, columns, tokens)
         del tokens
-        state = DirectoryState(header.chunk_size, _cursors(header), _capacities(header))
         counts = _counts(header, columns, hashes)
-        directory.install(Restored(state, shapes, parts, counts))
+        state = DirectoryState(header.chunk_size, _cursors(header), _capacities(header))
+        directory.install(Restored(state, shapes, parts, counts, slabs))
     return SnapshotInfo(
         str(path),
         len(hashes),
@@ -166,47 +159,28 @@ def _read_tokens(
     lens: np.ndarray[Any, Any],
     widths: np.ndarray[Any, Any],
     compact: bool,
-) -> list[Any]:
-    """One private read-only array per bound chunk (``None`` for unknown content), at its
-    stored width, filled straight from the file: scatter reads (``preadv``, up to ``IOV_MAX``
-    arrays per call) put the arena into the final arrays with no intermediate buffer. A
-    version-1 arena (``compact``: every width 4) is compacted as it is read, a group at a
-    time (see :mod:`kvatlas.directory.token_store`).
-
-    Each content owns its memory, rather than being a view into one arena buffer: a view would
-    pin the whole arena for as long as any restored chunk lives (L2 placements can live for
-    days), and the blend index could not share it (it copies arrays that pin a larger buffer),
-    doubling token memory."""
-    lens_list = lens.tolist()
-    if not lens_list:
-        return []
-    bound = lens > 0
-    sizes = (lens[bound] * widths[bound]).tolist()  # bytes of each bound chunk
-    dtypes = [_U16 if w == 2 else _U32 for w in widths[bound].tolist()]
-    counts = lens[bound].tolist()
-    fd = f.fileno()
-    step = _IOV_MAX if _preadv is not None else 1
-    arrays: list[Any] = []
-    pos = start
-    for i in range(0, len(counts), step):
-        group: list[Any] = list(map(np.empty, counts[i : i + step], dtypes[i : i + step]))
-        want = sum(sizes[i : i + step])
-        got = _preadv(fd, group, pos) if _preadv is not None else 0
-        if got != want:  # short read (huge group) or no preadv: fill array by array
-            at = pos
-            for a in group:
-                _fill(f, a, at)
-                at += a.nbytes
-        pos += want
-        if sys.byteorder != "little":  # pragma: no cover - the arena is little-endian
-            for a in group:
-                a.byteswap(inplace=True)
-        deque(map(_READ_ONLY, group), maxlen=0)
-        arrays += stored_batch(group) if compact else group
-    if len(arrays) == len(lens_list):  # every chunk bound: the common case
-        return arrays
-    it = iter(arrays)
-    return [next(it) if n else None for n in lens_list]
+) -> tuple[list[Any], tuple[TokenSlab, ...]]:
+    """Each chunk's content (``None`` for unknown content) at its stored width, and the slab
+    that holds them: the whole token section is read into one :class:`TokenSlab` and each
+    content is a read-only view of it, cut in bulk (no allocation per chunk; the chunk table
+    frees the slab once most of it is dead, see :mod:`kvatlas.directory.token_store`). A
+    version-1 section (``compact``: every width 4) is compacted as it is read, into arrays of
+    their own."""
+    if compact:  # a group of chunks at a time: no second copy of a whole uint32 section
+        lengths, out, pos = lens.astype(np.int64), [], start
+        for lo in range(0, len(lengths), _V1_GROUP):
+            group = lengths[lo : lo + _V1_GROUP]
+            arena = np.empty(int(group.sum()), np.uint32)
+            _fill(f, arena, pos)
+            pos += arena.nbytes
+            if sys.byteorder != "little":  # pragma: no cover - the section is little-endian
+                arena.byteswap(inplace=True)
+            out += stored_from_arena(arena, np.cumsum(group) - group, group)
+        return out, ()
+    slab = TokenSlab(int((lens.astype(np.int64) * widths).sum()))
+    _fill(f, slab.buffer, start)
+    tokens = slab.cut(lens, widths)
+    return tokens, (slab,) if slab.views else ()
 
 
 def _fill(f: io.BufferedReader, a: np.ndarray[Any, Any], pos: int) -> None:
@@ -281,11 +255,12 @@ def _build(
     first_ref = key_first_ref[first_key]
     sids = np.asarray(snap_to_sid, dtype=np.int64)[cols.key_shapes]
     simple = (counts == 1) & (kpc[first_key] == 1)  # one key, one placement: most chunks
+    rows = np.fromiter(pls, dtype=object, count=len(pls))  # gathered in C, not per chunk
     records = records_from_columns(
         tokens,
         cols.offsets.tolist(),
         sids[first_key].tolist(),
-        map(pls.__getitem__, cols.key_pls[first_ref].tolist()),
+        rows[cols.key_pls[first_ref]].tolist(),
     )
     if not simple.all():
         ksh, kpl, kpc_list = sids.tolist(), cols.key_pls.tolist(), kpc.tolist()
@@ -335,35 +310,50 @@ def _capacities(header: Header) -> dict[str, CapacityDeclaration]:
 
 
 def _counts(header: Header, cols: _Columns, hashes: list[bytes]) -> ChunkCounts:
-    """:class:`ChunkCounts` computed column-wise (no pass over the records); the L1 sets hold
-    the same hash objects as the partitions."""
+    """:class:`ChunkCounts` computed column-wise (no pass over the records): first how many
+    keys reference each placement row (rows are shared: one per batch and size, so there are
+    few), then everything per row; the L1 sets hold the same hash objects as the partitions."""
     strings = header.strings
-    refs = cols.key_pls.astype(np.int64)
-    tier = decode_column(header, "pl_tier")[refs]
-    size = decode_column(header, "pl_size")[refs]
-    shared = decode_column(header, "pl_shared")[refs]
-    instance = decode_column(header, "pl_instance")[refs]
-    chunk_of_key = np.repeat(np.arange(len(cols.counts)), cols.counts)
-    chunk_of_ref = np.repeat(chunk_of_key, cols.key_pl_counts)
+    tier = decode_column(header, "pl_tier").astype(np.int64)
+    size = decode_column(header, "pl_size").astype(np.int64)
+    shared = decode_column(header, "pl_shared") != 0
+    instance = decode_column(header, "pl_instance").astype(np.int64)
+    backend = decode_column(header, "pl_backend").astype(np.int64)
+    refs = cols.key_pls
+    uses = np.bincount(refs, minlength=len(tier))  # references of each placement row
+    used = np.flatnonzero(uses)
     by_tier: Counter[str] = Counter()
-    for t, name in enumerate(TIERS):
-        mask = tier == t
-        if mask.any():
-            by_tier[name] = int(size[mask].sum())
-    volatile = [TIERS.index(t) for t in VOLATILE_TIERS]
-    own_l1 = np.isin(tier, volatile) & (shared == 0)
+    for t, n_bytes in _sums(tier[used], uses[used] * size[used]):
+        by_tier[TIERS[t]] = n_bytes
+    own_l1 = np.isin(tier, [TIERS.index(t) for t in VOLATILE_TIERS]) & ~shared
     l1_counts: Counter[str] = Counter()
     l1_chunks: dict[str, set[bytes]] = {}
-    per_instance = np.bincount(instance[own_l1], minlength=len(strings))
-    for inst in np.flatnonzero(per_instance).tolist():
-        mask = own_l1 & (instance == inst)
-        l1_counts[strings[inst]] = int(per_instance[inst])
-        chunks = chunk_of_ref[mask]
-        if len(chunks) == len(hashes) and bool((chunks == np.arange(len(hashes))).all()):
-            l1_chunks[strings[inst]] = set(hashes)  # one copy of every chunk: no indexing
-        else:
-            l1_chunks[strings[inst]] = set(map(hashes.__getitem__, chunks.tolist()))
-    module_placements, module_bytes = _module_counts(header, refs, instance, tier, shared, size)
+    own_rows = np.flatnonzero(own_l1 & (uses > 0))
+    if len(own_rows):
+        ref_own = own_l1[refs]
+        ref_instance = instance[refs]
+        key_chunk = np.repeat(np.arange(len(cols.counts)), cols.counts)
+        ref_chunk = np.repeat(key_chunk, cols.key_pl_counts)
+        for inst, n in _sums(instance[own_rows], uses[own_rows]):
+            l1_counts[strings[inst]] = n
+            chunks = ref_chunk[ref_own & (ref_instance == inst)]
+            if len(chunks) == len(hashes) and bool((chunks == np.arange(len(hashes))).all()):
+                l1_chunks[strings[inst]] = set(hashes)  # one copy of every chunk: no indexing
+            else:
+                l1_chunks[strings[inst]] = set(map(hashes.__getitem__, chunks.tolist()))
+    # modules: (owner + 1, 0 for a shared pool; tier; backend) as one int64 per row
+    n_strings = len(strings)
+    owner = np.where(shared, 0, instance + 1)[used]
+    module = (owner * len(TIERS) + tier[used]) * n_strings + backend[used]
+    module_placements: Counter[Module] = Counter()
+    module_bytes: Counter[Module] = Counter()
+    placements = dict(_sums(module, uses[used]))
+    for k, n_bytes in _sums(module, uses[used] * size[used]):
+        rest, b = divmod(k, n_strings)
+        o, t = divmod(rest, len(TIERS))
+        name = (None if o == 0 else strings[o - 1], TIERS[t], strings[b])
+        module_placements[name] = placements[k]
+        module_bytes[name] = n_bytes
     return ChunkCounts(
         len(cols.key_shapes),
         len(refs),
@@ -375,34 +365,11 @@ def _counts(header: Header, cols: _Columns, hashes: list[bytes]) -> ChunkCounts:
     )
 
 
-def _module_counts(
-    header: Header,
-    refs: npt.NDArray[np.int64],
-    instance: npt.NDArray[Any],
-    tier: npt.NDArray[Any],
-    shared: npt.NDArray[Any],
-    size: npt.NDArray[Any],
-) -> tuple[Counter[Module], Counter[Module]]:
-    """Placements and bytes per module, grouped column-wise: one int64 per placement
-    (owner + 1, 0 for a shared pool; tier; backend), sorted once, summed per run."""
-    strings = header.strings
-    n_strings = len(strings)
-    backend = decode_column(header, "pl_backend")[refs].astype(np.int64)
-    owner = np.where(shared != 0, 0, instance.astype(np.int64) + 1)
-    key = (owner * len(TIERS) + tier.astype(np.int64)) * n_strings + backend
-    placements: Counter[Module] = Counter()
-    used: Counter[Module] = Counter()
-    if not len(key):
-        return placements, used
-    order = np.argsort(key, kind="stable")
-    key = key[order]
-    starts = np.concatenate(([0], np.flatnonzero(key[1:] != key[:-1]) + 1))
-    counts = np.diff(np.append(starts, len(key)))
-    sums = np.add.reduceat(size[order].astype(np.int64), starts)
-    for k, n, nbytes in zip(key[starts].tolist(), counts.tolist(), sums.tolist(), strict=True):
-        rest, b = divmod(k, n_strings)
-        o, t = divmod(rest, len(TIERS))
-        module = (None if o == 0 else strings[o - 1], TIERS[t], strings[b])
-        placements[module] = n
-        used[module] = nbytes
-    return placements, used
+def _sums(keys: npt.NDArray[np.int64], values: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
+    """``(key, sum of its values)`` for each distinct key, ascending."""
+    if not len(keys):
+        return []
+    distinct, where = np.unique(keys, return_inverse=True)
+    totals = np.zeros(len(distinct), np.int64)
+    np.add.at(totals, where, values.astype(np.int64))
+    return list(zip(distinct.tolist(), totals.tolist(), strict=True))

@@ -1,0 +1,274 @@
+"""Restore from token slabs: a restored directory is the saved one (placements, contents,
+counts, blend answers against the brute-force oracle), before and after further changes;
+contents are views of one slab, cut correctly whatever the widths and lengths; a slab is freed
+once most of its chunks are gone, and the blend index follows the copies."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import weakref
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvatlas.directory import KeyDirectory, load_snapshot, save_snapshot
+from kvatlas.directory.records import record_offset, record_stored_tokens, record_tokens, shape_ids
+from kvatlas.directory.token_store import TokenSlab
+from kvatlas.events import CacheEntry
+from kvatlas.keys import BlendNamespace
+from tests.directory.helpers import CS, Emitter, captured, entry, key, toks
+from tests.directory.test_blend_index_oracle import Oracle, canonical
+
+NAMESPACES = [BlendNamespace("m"), BlendNamespace("m", cache_salt="s"), BlendNamespace("m2")]
+BIG = (1 << 16) + 5  # keeps a chunk at uint32
+
+
+def view(d: KeyDirectory) -> tuple[object, ...]:
+    """Everything a restore must reproduce, contents included (``KeyPlacements`` equality
+    leaves them out)."""
+    items = d.list_keys(limit=100_000).items
+    contents = [(kp.key, None if kp.content is None else kp.content.tolist()) for kp in items]
+    # batch outcomes are not snapshotted; the blend index's sizes depend on its history
+    stats = dataclasses.replace(d.stats(), batches={}, blend=None)
+    return items, contents, d.emitters(), d.capacities(), stats, d.usage()
+
+
+def oracle_of(d: KeyDirectory) -> Oracle:
+    """The blend contract over ``d``'s records, naively."""
+    oracle = Oracle(CS)
+    with d.capture() as capture:
+        shapes = capture.shapes
+        for part in capture.parts():
+            for h, rec in part.records:
+                tokens = record_tokens(rec)
+                if tokens is None or record_offset(rec) < 0:
+                    continue
+                for sid in shape_ids(rec):
+                    oracle.add(tokens.tolist(), h, record_offset(rec), shapes[sid].namespace)
+    return oracle
+
+
+def queries(d: KeyDirectory) -> list[np.ndarray[Any, Any]]:
+    """Every bound content between noise, and all of them in a row."""
+    contents = [c for _, c in view(d)[1] if c is not None]
+    out = [toks(7, *c, 9) for c in contents]
+    return [*out, toks(*[t for c in contents for t in c])] if contents else [toks(1, 2, 3, 4, 5)]
+
+
+def assert_same_answers(restored: KeyDirectory, d: KeyDirectory) -> None:
+    oracle = oracle_of(d)
+    for q in queries(d):
+        for ns in NAMESPACES:
+            want = canonical(oracle.match(q.tolist(), ns))
+            assert canonical(restored.blend_match(q, ns)) == want
+            assert canonical(d.blend_match(q, ns)) == want
+
+
+token_ids = st.one_of(st.integers(0, 50), st.just(BIG))
+contents = st.one_of(
+    st.none(),
+    st.lists(token_ids, min_size=CS, max_size=CS),
+    st.lists(token_ids, min_size=1, max_size=CS + 3),  # odd lengths: unaligned wide contents
+)
+store_entries = st.lists(
+    st.tuples(
+        st.integers(1, 12),
+        st.sampled_from([("m", ""), ("m", "s"), ("m2", "")]),
+        contents,
+        st.sampled_from([-1, 0, 8]),
+    ),
+    max_size=8,
+)
+ops = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("store"),
+            st.sampled_from(["a", "b"]),
+            st.sampled_from([("l1", False), ("l2", False), ("l2", True)]),
+            store_entries,
+        ),
+        st.tuples(
+            st.just("delete"), st.sampled_from(["a", "b"]), st.just(("l1", False)), store_entries
+        ),
+    ),
+    max_size=10,
+)
+
+
+def apply(ds: list[KeyDirectory], emitters: dict[str, Emitter], program: list[Any]) -> None:
+    """The same batches into each of ``ds`` (each batch numbered once: one emitter)."""
+    for kind, inst, (tier, shared), rows in program:
+        batch = emitters[inst].batch(
+            kind,
+            [
+                CacheEntry(key(n, model, salt), 10 + n, None if t is None else toks(*t), off)
+                for n, (model, salt), t, off in rows
+            ],
+            tier=tier,
+            backend="pool" if shared else "dram",
+            shared=shared,
+        )
+        for d in ds:
+            d.consume(batch)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(before=ops, after=ops)
+def test_restore_is_the_saved_directory_before_and_after_more_changes(
+    tmp_path: Path, before: list[Any], after: list[Any]
+) -> None:
+    d = KeyDirectory(CS, enable_blend_lookup=True)
+    emitters = {"a": Emitter("a"), "b": Emitter("b")}
+    apply([d], emitters, before)
+    path = tmp_path / "s.snap"
+    save_snapshot(d, path)
+    restored, plain = KeyDirectory(CS, enable_blend_lookup=True), KeyDirectory(CS)
+    load_snapshot(restored, path)
+    load_snapshot(plain, path)
+    assert view(restored) == view(d) == view(plain)
+    assert_same_answers(restored, d)
+    apply([d, restored, plain], emitters, after)  # removals, rebinds, re-stores
+    assert view(restored) == view(d) == view(plain)
+    assert_same_answers(restored, d)
+    save_snapshot(restored, tmp_path / "again.snap")  # views are written like arrays
+    again = KeyDirectory(CS, enable_blend_lookup=True)
+    load_snapshot(again, tmp_path / "again.snap")
+    assert view(again) == view(d)
+    assert_same_answers(again, d)
+    for inst in emitters:  # fencing walks the restored per-instance L1 chunk sets
+        dropped = d.fence_instance(inst)
+        assert restored.fence_instance(inst) == dropped == plain.fence_instance(inst)
+    assert view(restored) == view(d) == view(plain)
+    assert_same_answers(restored, d)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.sampled_from([2, 4]))))
+def test_cut_gives_each_chunk_its_ids_read_only(shapes: list[tuple[int, int]]) -> None:
+    rng = np.random.default_rng(len(shapes))
+    rows = [rng.integers(0, 1 << (8 * w), n, dtype=np.uint64) for n, w in shapes]
+    raw = b"".join(r.astype(np.uint16 if w == 2 else np.uint32).tobytes() for r, (_, w) in
+                   zip(rows, shapes, strict=True))  # fmt: skip
+    slab = TokenSlab(len(raw))
+    slab.buffer[:] = np.frombuffer(raw, np.uint8)
+    lens = np.array([n for n, _ in shapes], np.uint32)
+    got = slab.cut(lens, np.array([w for _, w in shapes], np.int64))
+    assert len(got) == len(shapes)
+    out = None
+    for out, want, (n, w) in zip(got, rows, shapes, strict=True):
+        if not n:
+            assert out is None
+            continue
+        assert out.tolist() == want.tolist() and out.itemsize == w
+        assert not out.flags.writeable and out.flags.c_contiguous and out.flags.aligned
+        assert out.base is slab.buffer or out.flags.owndata  # a view, or a copy if unaligned
+    live = slab.live()
+    assert live == slab.views == sum(1 for o in got if o is not None and not o.flags.owndata)
+    del got, out
+    live = slab.live()
+    assert live == 0 and (slab.mostly_dead() or not slab.views)
+
+
+def slab_directory(tmp_path: Path, blend: bool, n: int = 40) -> tuple[KeyDirectory, Emitter]:
+    """``n`` bound, indexed chunks, restored (each content a view of one slab)."""
+    d, em = KeyDirectory(CS, enable_blend_lookup=blend), Emitter("a")
+    d.consume(em.batch("store", [entry(key(i), toks(i, i, i, BIG), 4 * i) for i in range(n)]))
+    save_snapshot(d, tmp_path / "s.snap")
+    restored = KeyDirectory(CS, enable_blend_lookup=blend)
+    load_snapshot(restored, tmp_path / "s.snap")
+    return restored, em
+
+
+def slab_views(d: KeyDirectory, buffer: Any) -> int:
+    """How many records' contents are views of ``buffer`` (``None``: freed, none)."""
+    if buffer is None:
+        return 0
+    return sum(1 for rec in captured(d).values() if record_stored_tokens(rec).base is buffer)
+
+
+@pytest.mark.parametrize("blend", [True, False], ids=["blend", "plain"])
+def test_a_mostly_dead_slab_is_freed_and_the_rest_copied_out(tmp_path: Path, blend: bool) -> None:
+    d, em = slab_directory(tmp_path, blend)
+    (slab,) = d._chunks.slabs
+    buffer = weakref.ref(slab.buffer)
+    live = slab.live()  # (before an assert's temporaries hold the buffer)
+    assert slab.views == slab_views(d, slab.buffer) == live == 40
+    if blend:
+        stats = d.stats().blend
+        assert stats is not None and stats.token_bytes_owned == 0  # the index shares the views
+    d.consume(em.batch("delete", [entry(key(i)) for i in range(20)]))  # half: not yet
+    live = slab.live()
+    assert d._chunks.slabs == [slab] and live == 20 == slab_views(d, slab.buffer)
+    d.consume(em.batch("delete", [entry(key(20))]))  # more than half: copied out at the
+    d.consume(em.batch("access", [entry(key(39))], ts=1.0))  # next change (the index let go)
+    del slab
+    gc.collect()
+    assert buffer() is None and d._chunks.slabs == []
+    for i in range(21, 40):  # the rest kept their ids, in their own arrays
+        (kp,) = d.lookup([key(i)])
+        assert kp.content is not None and kp.content.tolist() == [i, i, i, BIG]
+        if blend:
+            (m,) = d.blend_match(toks(1, i, i, i, BIG), NAMESPACES[0])
+            assert (m.chunk_hash, m.old_st, m.cur_st) == (key(i).chunk_hash, 4 * i, 1)
+    for i in range(21):
+        assert d.blend_match(toks(i, i, i, BIG), NAMESPACES[0]) == []
+    if blend:
+        stats = d.stats().blend
+        assert stats is not None and stats.contents == 19 and stats.token_bytes_owned == 0
+
+
+def test_copying_out_is_bounded_per_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvatlas.directory.chunk_table._RECLAIM_WORK", 64)  # 4 copies a step
+    d, em = slab_directory(tmp_path, True, n=200)
+    (slab,) = d._chunks.slabs
+    buffer = weakref.ref(slab.buffer)  # (a reference would count as a live view)
+    del slab
+    d.consume(em.batch("delete", [entry(key(i)) for i in range(101)]))
+    d.consume(em.batch("access", [entry(key(199))], ts=0.5))
+    left = [slab_views(d, buffer())]
+    while left[-1] and len(left) < 200:
+        d.consume(em.batch("access", [entry(key(199))], ts=len(left)))  # any change: a step
+        left.append(slab_views(d, buffer()))
+    assert left[0] < 99 and left[-1] == 0 and len(left) > 10  # many steps, each a few copies
+    assert all(a - b <= 4 for a, b in pairwise(left))
+    gc.collect()
+    assert buffer() is None and d._chunks.slabs == [] and d._chunks._reclaim is None
+    assert_same_answers(d, d)
+
+
+def test_stats_of_a_restore_after_deletes_are_the_saved_ones(tmp_path: Path) -> None:
+    """A tier whose copies are all gone had a 0 left in ``bytes_by_tier`` that a restore
+    (which counts what is there) does not have; stats now name the tiers that have
+    placements, as ``placements_by_tier`` does (a tier of 0-byte copies is still named)."""
+    d, em = KeyDirectory(CS), Emitter("a")
+    d.consume(em.batch("store", [entry(key(1), toks(1, 2, 3, 4), 0), entry(key(2))]))
+    d.consume(em.batch("store", [entry(key(3))], tier="l2", backend="fs"))
+    d.consume(em.batch("delete", [entry(key(1)), entry(key(2))]))
+    save_snapshot(d, tmp_path / "s.snap")
+    restored = KeyDirectory(CS)
+    load_snapshot(restored, tmp_path / "s.snap")
+    assert view(restored) == view(d)
+    assert d.stats().bytes_by_tier == {"l2": 10}
+
+
+def test_a_version_1_file_is_compacted_a_group_of_chunks_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tests.directory.test_snapshot_format import GOLDEN_V1, golden_directory
+
+    monkeypatch.setattr("kvatlas.directory.snapshot.reader._V1_GROUP", 2)
+    d = KeyDirectory(CS)
+    load_snapshot(d, GOLDEN_V1)
+    assert view(d) == view(golden_directory())
+    assert d._chunks.slabs == []  # contents of their own, compact where they fit
+    for rec in captured(d).values():
+        tokens = record_stored_tokens(rec)
+        assert tokens is None or (tokens.flags.owndata and tokens.dtype == np.uint16)
