@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+import kvatlas.coordinator.runtime as runtime
 from kvatlas.checks import is_plain_int
-from kvatlas.coordinator import runtime
 from kvatlas.coordinator.runtime import COLLECTIONS
 from kvatlas.coordinator.views import MetricsState
 from kvatlas.coordinator.wire import directory_stats_to_wire, kv_events_to_wire

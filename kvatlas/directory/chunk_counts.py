@@ -46,6 +46,13 @@ class ChunkCounts:
     module_bytes: Counter[Module] = field(default_factory=Counter)
     digests: dict[tuple[str, str], DigestArray] = field(default_factory=dict)
 
+    def placements_by_tier(self) -> dict[str, int]:
+        """Placements per tier, naming only the tiers that have any."""
+        out: Counter[str] = Counter()
+        for (_, tier, _), n in self.module_placements.items():
+            out[tier] += n
+        return dict(+out)
+
     def digest_for(self, inst: str, tier: str) -> DigestArray:
         """The (mutable) root digest of ``inst``'s own placements on ``tier``."""
         d = self.digests.get((inst, tier))

@@ -359,7 +359,7 @@ class KeyDirectory:
             cursors = self._gate.cursors()
             chunks = self._chunks
             counts = chunks.counts
-            by_tier = _by_tier(counts.module_placements)  # tiers with placements
+            by_tier = counts.placements_by_tier()
             stats = DirectoryStats(
                 chunk_size=self.chunk_size,
                 keys=counts.keys,
@@ -432,13 +432,6 @@ class KeyDirectory:
             if self._index is not None:
                 self._index = self._new_index(self.chunk_size, self._probe_stride)
                 self._chunks.reindex(self._index.apply)
-
-
-def _by_tier(module_counts: Counter[tuple[str | None, str, str]]) -> dict[str, int]:
-    out: Counter[str] = Counter()
-    for (_, tier, _), n in module_counts.items():
-        out[tier] += n
-    return dict(+out)
 
 
 __all__ = [
