@@ -22,11 +22,11 @@ partition was not captured yet preserves its record (copy-on-write, see
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvatlas.directory.blend import AddOp, BlendOp, RemoveChunkOp, new_add_op
+from kvatlas.directory.blend import AddColumns, AddOp, BlendOp, RemoveChunkOp
 from kvatlas.directory.chunk_counts import PARTS, ChangeJournal, ChunkCounts, Partition
 from kvatlas.directory.chunk_removals import RemovalRules
 from kvatlas.directory.records import (
@@ -57,7 +57,7 @@ from kvatlas.directory.records import (
     with_key,
     with_placements_at,
 )
-from kvatlas.directory.shapes import ShapeTable
+from kvatlas.directory.shapes import KeyShape, ShapeTable
 from kvatlas.directory.token_store import StoredTokens, stored_columns
 from kvatlas.errors import Conflict
 from kvatlas.events import UNKNOWN_OFFSET, VOLATILE_TIERS, EventBatch
@@ -183,11 +183,14 @@ class ChunkTable(RemovalRules):
         # Every placement added or replaced here has this batch's tier and (for own copies)
         # instance: the counters move by one sum per batch instead of per entry.
         n_keys = n_pl = n_bytes = 0
-        for h, sid, size, tokens, offset in zip(
+        stored = stored_columns(cols)  # compact, one pass per batch
+        added: list[int] = []  # entries whose new chunk is indexed: one AddColumns for all
+        for j, h, sid, size, tokens, offset in zip(
+            range(len(cols)),
             cols.chunk_hashes,
             sids,
             cols.size_bytes.tolist(),
-            stored_columns(cols),  # compact, one pass per batch
+            stored,
             cols.token_offsets.tolist(),
             strict=True,
         ):
@@ -218,11 +221,15 @@ class ChunkTable(RemovalRules):
                     part[h] = (tokens, offset, False, sid, p)
                 else:
                     part[h] = (tokens, offset, True, sid, p)
-                    ops.append(new_add_op((tokens, h, offset, shapes[sid].namespace)))
+                    added.append(j)
                 if new_own is not None:
                     new_own.append(h)
             else:
+                queued = len(ops)
                 dk, dp, db = self._store_existing(h, part, rec, sid, p, tokens, offset, debug)
+                if added and len(ops) > queued:  # the adds so far go first, as they happened
+                    ops.insert(queued, _add_columns(added, cols, stored, sids, shapes))
+                    added = []
                 n_keys += dk
                 n_pl += dp
                 n_bytes += db
@@ -230,6 +237,8 @@ class ChunkTable(RemovalRules):
                     new_own.append(h)  # same element)
             if l1set is not None:
                 l1set.add(h)
+        if added:
+            ops.append(_add_columns(added, cols, stored, sids, shapes))
         if dig is not None:
             kept = None if self._all_digested else np.frombuffer(self.digested, dtype=np.uint8)
             for multiplier, hs in pending.items():
@@ -363,3 +372,23 @@ class ChunkTable(RemovalRules):
             self._preserve(h, rec)
             new = [accessed_at(p, ts) if hit(p) else p for p in old]
             self.parts[h[0]][h] = with_placements_at(rec, k, group_placements(new))
+
+
+def _add_columns(
+    rows: list[int],
+    cols: EntryColumns,
+    stored: list[StoredTokens | None],
+    sids: list[int],
+    shapes: Sequence[KeyShape],
+) -> AddColumns:
+    """The index adds of entries ``rows`` of a store batch (new chunks, indexed), as columns:
+    their stored arrays, hashes, offsets and namespaces."""
+    at = np.array(rows, np.intp)
+    used, which = np.unique(np.asarray(sids, np.intp)[at], return_inverse=True)
+    return AddColumns(
+        list(map(stored.__getitem__, rows)),
+        list(map(cols.chunk_hashes.__getitem__, rows)),
+        cols.token_offsets[at],
+        [shapes[s].namespace for s in used.tolist()],
+        which,
+    )

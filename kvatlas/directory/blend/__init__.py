@@ -7,14 +7,20 @@ the compiled kernels, one module per structure.
 """
 
 from kvatlas.directory.blend.index import BlendIndex, BlendStats
-from kvatlas.directory.blend.ops import AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp, new_add_op
+from kvatlas.directory.blend.ops import (
+    AddColumns,
+    AddOp,
+    BlendOp,
+    RemoveChunkOp,
+    RemoveClaimOp,
+)
 
 __all__ = [
+    "AddColumns",
     "AddOp",
     "BlendIndex",
     "BlendOp",
     "BlendStats",
     "RemoveChunkOp",
     "RemoveClaimOp",
-    "new_add_op",
 ]
