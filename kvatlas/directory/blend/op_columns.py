@@ -47,12 +47,13 @@ Tokens = npt.NDArray[np.unsignedinteger[Any]]
 class OpColumns:
     """Op ``i``: ``kinds[i]`` of content ``tokens[i]`` (``chunk_size`` ids, ``token_bytes[i]``
     bytes each; ``owned[i]``: the index's own copy) and chunk hash ``hashes[i]`` (exact
-    ``bytes``, at most 32), offset ``offsets[i]`` (>= 0; 0 unless an add), namespace
+    ``bytes``, ``hash_lens[i]`` <= 32 long), offset ``offsets[i]`` (>= 0; 0 unless an add), namespace
     ``spaces[space_of[i]]`` (-1: none, a remove_chunk)."""
 
     kinds: npt.NDArray[np.int64]
     tokens: list[Tokens]
     hashes: list[bytes]
+    hash_lens: npt.NDArray[np.int64]
     offsets: npt.NDArray[np.int64]
     token_bytes: npt.NDArray[np.int64]
     spaces: list[BlendNamespace]
@@ -131,6 +132,7 @@ class _Singles:
             np.array(self.kinds, np.int64),
             self.tokens,
             self.hashes,
+            _lengths(self.hashes),
             np.array(self.offsets, np.int64),
             np.fromiter(map(attrgetter("itemsize"), self.tokens), np.int64, len(self.tokens)),
             list(self.spaces),
@@ -187,7 +189,10 @@ def _kept_columns(op: AddColumns, chunk: int) -> OpColumns | None:
     dtypes = set(map(_DTYPE, tokens))
     if not dtypes <= {_U16, _U32} or set(map(_NDIM, tokens)) != {1}:
         return None
-    if set(map(len, tokens)) != {chunk} or max(map(len, hashes)) > HASH_WIDTH:
+    if set(map(len, tokens)) != {chunk}:
+        return None
+    hash_lens = _lengths(hashes)
+    if int(hash_lens.max()) > HASH_WIDTH:
         return None
     if any(f & (_KEPT | _WRITEABLE) != _KEPT for f in set(map(_FLAGS, tokens))):
         return None
@@ -196,13 +201,14 @@ def _kept_columns(op: AddColumns, chunk: int) -> OpColumns | None:
     if int(which.min()) < 0 or int(which.max()) >= len(spaces):
         return None
     if len(dtypes) == 1:
-        token_bytes = np.full(n, dtypes.pop().itemsize, np.int64)
+        token_bytes = filled(n, dtypes.pop().itemsize)
     else:
         token_bytes = np.fromiter(map(attrgetter("itemsize"), tokens), np.int64, n)
     return OpColumns(
-        np.full(n, ADD, np.int64),
+        filled(n, ADD),
         tokens,
         hashes,
+        hash_lens,
         offsets.astype(np.int64),
         token_bytes,
         spaces,
@@ -221,6 +227,7 @@ def _joined(parts: list[OpColumns]) -> OpColumns:
         np.concatenate([p.kinds for p in parts]),
         [t for p in parts for t in p.tokens],
         [h for p in parts for h in p.hashes],
+        np.concatenate([p.hash_lens for p in parts]),
         np.concatenate([p.offsets for p in parts]),
         np.concatenate([p.token_bytes for p in parts]),
         spaces,
@@ -229,11 +236,19 @@ def _joined(parts: list[OpColumns]) -> OpColumns:
     )
 
 
-_EMPTY = OpColumns(
-    *(np.empty(0, np.int64), [], [], np.empty(0, np.int64), np.empty(0, np.int64), []),
-    np.empty(0, np.int64),
-    np.empty(0, np.bool_),
-)
+_NONE = np.empty(0, np.int64)
+_EMPTY = OpColumns(_NONE, [], [], _NONE, _NONE, _NONE, [], _NONE, np.empty(0, np.bool_))
+
+
+def filled(n: int, value: int) -> npt.NDArray[np.int64]:
+    """``n`` int64s of ``value`` (``np.full`` without its Python-level overhead)."""
+    out = np.empty(n, np.int64)
+    out.fill(value)
+    return out
+
+
+def _lengths(items: list[bytes]) -> npt.NDArray[np.int64]:
+    return np.fromiter(map(len, items), np.int64, len(items))
 
 
 def _shareable(arr: npt.NDArray[Any]) -> bool:

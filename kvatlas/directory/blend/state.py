@@ -43,7 +43,7 @@ from kvatlas.directory.blend.kernels.writes import (
     OP_TOKENS,
 )
 from kvatlas.directory.blend.namespaces import NamespaceIds
-from kvatlas.directory.blend.op_columns import OpColumns, Tokens, hash_addresses
+from kvatlas.directory.blend.op_columns import OpColumns, Tokens, filled, hash_addresses
 from kvatlas.keys import BlendNamespace
 
 MIN_CAPACITY = 1024
@@ -126,7 +126,7 @@ class IndexState:
             for s, namespace in enumerate(cols.spaces)
         ]
         space_of = cols.space_of
-        ns = np.full(n, -1, np.int64)
+        ns = filled(n, -1)
         present = space_of >= 0
         ns[present] = np.array(ids, np.int64)[space_of[present]]
         skip = (kinds == REMOVE_CLAIM) & (ns < 0)
@@ -140,7 +140,7 @@ class IndexState:
         ops[OP_KIND] = kinds
         ops[OP_TOKENS] = _cpython.array_handles(cols.tokens)
         ops[OP_HASH] = hash_addresses(cols.hashes, _cpython.BYTES_DATA_OFFSET)
-        ops[OP_HASH_LEN] = np.fromiter(map(len, cols.hashes), np.int64, n)
+        ops[OP_HASH_LEN] = cols.hash_lens
         ops[OP_OFFSET] = cols.offsets
         ops[OP_NS] = ns
         ops[OP_TOKEN_BYTES] = cols.token_bytes
@@ -179,10 +179,10 @@ class IndexState:
         flags = results[:, 0]
         new = flags & F_NEW_CONTENT != 0
         if new.any():
-            self._new_contents(cols, results[new, 1].tolist(), new)
+            self._new_contents(cols, results[new, 1], new)
         new = flags & F_NEW_OCCUPANT != 0
         if new.any():
-            occs = results[new, 2].tolist()
+            occs = results[new, 2]
             _put(self.hashes, occs, compress(cols.hashes, new.tolist()))
             self.occupants += len(occs)
         new = flags & F_NEW_CLAIM != 0
@@ -196,16 +196,17 @@ class IndexState:
         if rest.any():
             self._settle_removals(kinds, results, nss, np.flatnonzero(rest).tolist())
 
-    def _new_contents(self, cols: OpColumns, cids: list[int], new: npt.NDArray[np.bool_]) -> None:
+    def _new_contents(
+        self, cols: OpColumns, ids: npt.NDArray[np.int64], new: npt.NDArray[np.bool_]
+    ) -> None:
         arrays = list(compress(cols.tokens, new.tolist()))
-        _put(self.tokens, cids, arrays)
-        nbytes = sum(map(_NBYTES, arrays))
-        self.token_bytes += nbytes
-        self.contents += len(cids)
+        _put(self.tokens, ids, arrays)
+        self.token_bytes += sum(map(_NBYTES, arrays))
+        self.contents += len(arrays)
         owned = cols.owned[new]
         if owned.any():
             for k in np.flatnonzero(owned).tolist():
-                self.owned.add(cids[k])
+                self.owned.add(int(ids[k]))
                 self.owned_bytes += arrays[k].nbytes
 
     def _settle_removals(
@@ -308,13 +309,13 @@ class IndexState:
         self._stale = 0
 
 
-def _put(items: list[Any], where: list[int], values: Iterable[Any]) -> None:
+def _put(items: list[Any], where: npt.NDArray[np.int64], values: Iterable[Any]) -> None:
     """``items[where[k]] = values[k]`` for each ``k``, growing ``items`` (with ``None``) to
     the largest index first: new ids are either free ones or the next fresh ones."""
-    top = max(where) + 1
+    top = int(where.max()) + 1
     if top > len(items):
         items.extend(repeat(None, top - len(items)))
-    deque(map(items.__setitem__, where, values), 0)
+    deque(map(items.__setitem__, where.tolist(), values), 0)
 
 
 def _grown(capacity: int, need: int) -> int:
