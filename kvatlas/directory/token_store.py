@@ -17,9 +17,9 @@ the rest of consuming it).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import repeat
-from operator import attrgetter, methodcaller
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -38,9 +38,17 @@ COMPACT_LIMIT = 1 << 16
 _U16 = np.dtype(np.uint16)
 _U32 = np.dtype(np.uint32)
 _WIDTHS = (_U32, _U16)  # by "every id fits"
-_READ_ONLY = methodcaller("setflags", write=False)
+_SET_FLAGS: Callable[[StoredTokens, bool], None] = np.ndarray.setflags  # type: ignore[assignment]
+"""``setflags(write)``: numpy takes the flag positionally (its stubs say keyword-only)."""
 _DTYPE = attrgetter("dtype")
 _STRIDES = attrgetter("strides")
+
+
+def read_only(arrays: list[StoredTokens]) -> None:
+    """Make every array read-only: ``setflags(False)`` by a C-level map (the unbound method
+    with a positional flag: a third of the cost of ``methodcaller("setflags", write=False)``,
+    which is ≈0.27 µs an array)."""
+    deque(map(_SET_FLAGS, arrays, repeat(False)), maxlen=0)
 
 
 def widened(stored: StoredTokens) -> TokenArray:
@@ -92,7 +100,7 @@ def stored_batch(arrays: Sequence[TokenArray | None]) -> list[StoredTokens | Non
         ARRAY_DATA_OFFSET,
         fits,
     )
-    deque(map(_READ_ONLY, outs), maxlen=0)
+    read_only(outs)
     if not fits.all():
         for i in np.flatnonzero(~fits).tolist():
             outs[i] = stored_one(srcs[i])
@@ -126,7 +134,7 @@ def stored_from_arena(
     handles = np.zeros(len(lens), np.int64)  # 0: an empty row, nothing to write
     handles[has] = array_handles(present)
     _copy_rows(arena, starts, lengths, handles, ARRAY_DATA_OFFSET, fits)
-    deque(map(_READ_ONLY, present), maxlen=0)
+    read_only(present)
     it = iter(present)
     return [next(it) if n else None for n in lens]
 
