@@ -8,6 +8,7 @@ yields a partial result. Errors name the field, e.g. ``batches[0].entries[3].key
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 from typing import Any
 
 import msgspec
@@ -74,6 +75,11 @@ class _WireBody(msgspec.Struct):
     batches: list[_WireBatch]
 
 
+_KEY = attrgetter("key")
+_HEX = attrgetter("chunk_hash_hex")
+_SHAPE = attrgetter("model_name", "kv_rank", "object_group_id", "cache_salt")
+_SIZE = attrgetter("size_bytes")
+_OFFSET = attrgetter("token_offset")
 _decoder = msgspec.json.Decoder(_WireBody)
 _encoder = msgspec.json.Encoder()
 
@@ -289,7 +295,8 @@ def _columns_from_wire(
     starts: npt.NDArray[np.int64],
     lengths: npt.NDArray[np.int64],
 ) -> EntryColumns | None:
-    hexes = [we.key.chunk_hash_hex for we in entries]
+    keys = list(map(_KEY, entries))
+    hexes = list(map(_HEX, keys))
     if hexes and set(map(len, hexes)) != {64}:
         return None
     try:
@@ -298,12 +305,11 @@ def _columns_from_wire(
         return None
     if len(raw) != 32 * len(hexes):  # fromhex skips white space; a hash holds none
         return None
-    keys = [we.key for we in entries]
     return EntryColumns.checked(
         [raw[i : i + 32] for i in range(0, len(raw), 32)],
-        [(k.model_name, k.kv_rank, k.object_group_id, k.cache_salt) for k in keys],
-        [we.size_bytes for we in entries],
-        [we.token_offset for we in entries],
+        list(map(_SHAPE, keys)),
+        list(map(_SIZE, entries)),
+        list(map(_OFFSET, entries)),
         arena,
         starts,
         lengths,
