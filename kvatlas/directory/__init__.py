@@ -2,6 +2,7 @@
 (docs/directory.md, docs/blend-index.md)."""
 
 from kvatlas.directory.blend import (
+    AddColumns,
     AddOp,
     BlendIndex,
     BlendOp,
@@ -41,6 +42,7 @@ from kvatlas.directory.warm_up import warm_up_kernels
 from kvatlas.keys import BlendMatch
 
 __all__ = [
+    "AddColumns",
     "AddOp",
     "Admission",
     "BlendIndex",

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvatlas.directory.blend import AddOp, BlendOp, RemoveChunkOp, new_add_op
+from kvatlas.directory.blend import AddColumns, AddOp, BlendOp, RemoveChunkOp
 from kvatlas.directory.chunk_counts import PARTS, ChangeJournal, ChunkCounts, Partition
-from kvatlas.directory.chunk_removals import RemovalRules
+from kvatlas.directory.chunk_slabs import SlabReclaim
 from kvatlas.directory.records import (
     KeyPlacements,
     Placement,
@@ -58,8 +57,8 @@ from kvatlas.directory.records import (
     with_key,
     with_placements_at,
 )
-from kvatlas.directory.shapes import ShapeTable
-from kvatlas.directory.token_store import StoredTokens, TokenSlab, owned_copy, stored_columns
+from kvatlas.directory.shapes import KeyShape, ShapeTable
+from kvatlas.directory.token_store import StoredTokens, TokenSlab, stored_columns
 from kvatlas.errors import Conflict
 from kvatlas.events import UNKNOWN_OFFSET, VOLATILE_TIERS, EventBatch
 from kvatlas.events.columns import EntryColumns
@@ -69,23 +68,8 @@ from kvatlas.keys import BlendNamespace, ObjectKey
 
 log = logging.getLogger(__name__)
 
-_RECLAIM_WORK = 16_384
-"""Work per reclaim step (:meth:`ChunkTable.take_index_ops`): a record looked at costs 1, a
-content copied out of a slab 16, so one step copies at most 1,024 contents."""
 
-
-@dataclass(slots=True)
-class _Reclaim:
-    """Copying the live contents out of mostly dead token slabs, a bounded step per change
-    (the records are visited partition by partition, each partition's keys listed first)."""
-
-    slabs: list[TokenSlab]
-    buffers: set[int]  # ids of the slabs' buffers (kept alive by ``slabs``)
-    part_no: int = 0
-    pending: list[bytes] = field(default_factory=list)
-
-
-class ChunkTable(RemovalRules):
+class ChunkTable(SlabReclaim):
     """Chunk hash → record, with the counts and queued index writes that follow them (the
     removal rules and digest bookkeeping are its bases)."""
 
@@ -97,7 +81,7 @@ class ChunkTable(RemovalRules):
         self.indexing = False  # whether changes queue blend-index writes
         self.journal: ChangeJournal | None = None  # set while a capture is in progress
         self.slabs: list[TokenSlab] = []  # restored contents (see token_store.TokenSlab)
-        self._reclaim: _Reclaim | None = None
+        self._reclaim = None  # a reclaim in progress (SlabReclaim)
         self._ops: list[BlendOp] = []
         self._start_digests(True)
 
@@ -129,52 +113,6 @@ class ChunkTable(RemovalRules):
                     ops += [AddOp(tokens, h, offset, ns) for ns in self._namespaces(rec)]
                     part[h] = rebound(rec, tokens, offset, True)  # same key: no resize
             apply(ops)
-
-    def take_index_ops(self) -> list[BlendOp]:
-        """The index writes queued since the last call, in order (after a step of freeing
-        mostly dead token slabs, whose index writes it queues)."""
-        if self.slabs or self._reclaim is not None:
-            self._reclaim_step()
-        ops = self._ops
-        if ops:
-            self._ops = []
-        return ops
-
-    def _reclaim_step(self) -> None:
-        """Once more than half of a slab's views are gone, copy its live contents out to
-        arrays of their own, a bounded step at a time; then nothing refers to it and it is
-        freed. Each slab is copied out at most once (see token_store.TokenSlab). (Views the
-        index lets go of in this flush count from the next one.)"""
-        r = self._reclaim
-        if r is None:
-            due = [s for s in self.slabs if s.mostly_dead()]
-            if not due:
-                return
-            self.slabs = [s for s in self.slabs if s not in due]
-            r = self._reclaim = _Reclaim(due, {id(s.buffer) for s in due})
-        work = 0
-        while work < _RECLAIM_WORK:
-            if not r.pending:
-                if r.part_no == PARTS:
-                    self._reclaim = None
-                    return
-                r.pending = list(self.parts[r.part_no])
-                r.part_no += 1
-                continue
-            h = r.pending.pop()
-            work += 1
-            part = self.parts[h[0]]
-            rec = part.get(h)
-            tokens = None if rec is None else record_stored_tokens(rec)
-            if rec is None or tokens is None or id(tokens.base) not in r.buffers:
-                continue
-            work += 15
-            self._preserve(h, rec)
-            owned, offset, indexed = owned_copy(tokens), record_offset(rec), record_indexed(rec)
-            if indexed and self.indexing:  # the index holds the view: move it to the copy
-                self._ops.append(RemoveChunkOp(tokens, h))
-                self._ops += [AddOp(owned, h, offset, ns) for ns in self._namespaces(rec)]
-            part[h] = rebound(rec, owned, offset, indexed)
 
     # ------------------------------------------------------------------ reads
 
@@ -247,11 +185,14 @@ class ChunkTable(RemovalRules):
         # Every placement added or replaced here has this batch's tier and (for own copies)
         # instance: the counters move by one sum per batch instead of per entry.
         n_keys = n_pl = n_bytes = 0
-        for h, sid, size, tokens, offset in zip(
+        stored = stored_columns(cols)  # compact, one pass per batch
+        added: list[int] = []  # entries whose new chunk is indexed: one AddColumns for all
+        for j, h, sid, size, tokens, offset in zip(
+            range(len(cols)),
             cols.chunk_hashes,
             sids,
             cols.size_bytes.tolist(),
-            stored_columns(cols),  # compact, one pass per batch
+            stored,
             cols.token_offsets.tolist(),
             strict=True,
         ):
@@ -282,11 +223,15 @@ class ChunkTable(RemovalRules):
                     part[h] = (tokens, offset, False, sid, p)
                 else:
                     part[h] = (tokens, offset, True, sid, p)
-                    ops.append(new_add_op((tokens, h, offset, shapes[sid].namespace)))
+                    added.append(j)
                 if new_own is not None:
                     new_own.append(h)
             else:
+                queued = len(ops)
                 dk, dp, db = self._store_existing(h, part, rec, sid, p, tokens, offset, debug)
+                if added and len(ops) > queued:  # the adds so far go first, as they happened
+                    ops.insert(queued, _add_columns(added, cols, stored, sids, shapes))
+                    added = []
                 n_keys += dk
                 n_pl += dp
                 n_bytes += db
@@ -294,6 +239,8 @@ class ChunkTable(RemovalRules):
                     new_own.append(h)  # same element)
             if l1set is not None:
                 l1set.add(h)
+        if added:
+            ops.append(_add_columns(added, cols, stored, sids, shapes))
         if dig is not None:
             kept = None if self._all_digested else np.frombuffer(self.digested, dtype=np.uint8)
             for multiplier, hs in pending.items():
@@ -427,3 +374,23 @@ class ChunkTable(RemovalRules):
             self._preserve(h, rec)
             new = [accessed_at(p, ts) if hit(p) else p for p in old]
             self.parts[h[0]][h] = with_placements_at(rec, k, group_placements(new))
+
+
+def _add_columns(
+    rows: list[int],
+    cols: EntryColumns,
+    stored: list[StoredTokens | None],
+    sids: list[int],
+    shapes: Sequence[KeyShape],
+) -> AddColumns:
+    """The index adds of entries ``rows`` of a store batch (new chunks, indexed), as columns:
+    their stored arrays, hashes, offsets and namespaces."""
+    at = np.array(rows, np.intp)
+    used, which = np.unique(np.asarray(sids, np.intp)[at], return_inverse=True)
+    return AddColumns(
+        list(map(stored.__getitem__, rows)),
+        list(map(cols.chunk_hashes.__getitem__, rows)),
+        cols.token_offsets[at],
+        [shapes[s].namespace for s in used.tolist()],
+        which,
+    )

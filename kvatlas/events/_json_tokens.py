@@ -32,83 +32,87 @@ def _digit(c):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def _skip_space(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+def skip_space(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     while i < n and _is_space(buf[i]):
         i += 1
     return i
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
+def parse_array(buf, i, n, arena, k):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Parse the JSON int array at ``buf[i]`` (``i`` must point at its ``[``, ``n`` bounds
+    the text) into ``arena[k:]``; returns ``(end, k)``: the index just after its ``]`` and
+    the new fill of the arena, or ``end == -1`` when it is not a valid array of integers in
+    [0, 2**32) (or the arena is full). The common separator (a comma right after a number)
+    is checked first; a number is read to at most 10 digits (an 11th: too large)."""
+    cap = len(arena)
+    i = skip_space(buf, i + 1, n)
+    if i < n and buf[i] == 93:  # ']': the empty list
+        return i + 1, k
+    while i < n:
+        d = _digit(buf[i])
+        if d < 0:  # white space before a number
+            i = skip_space(buf, i, n)
+            if i >= n:
+                break
+            d = _digit(buf[i])
+            if d < 0:
+                break
+        i += 1
+        v = d
+        if d == 0:
+            if i < n and _digit(buf[i]) >= 0:
+                break  # leading zero
+        else:  # at most 10 digits (no overflow in int64), then one range check
+            stop = min(i + 9, n)
+            while i < stop:
+                e = _digit(buf[i])
+                if e < 0:
+                    break
+                v = v * 10 + e
+                i += 1
+            if v > 4294967295 or (i < n and _digit(buf[i]) >= 0):
+                break
+        if k >= cap:
+            break
+        arena[k] = v
+        k += 1
+        if i < n and buf[i] == 44:  # ',' right after the number
+            i += 1
+            continue
+        i = skip_space(buf, i, n)
+        if i < n and buf[i] == 44:
+            i += 1
+            continue
+        if i < n and buf[i] == 93:  # ']'
+            return i + 1, k
+        break
+    return -1, k
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
 def _parse_lists(buf, starts, ends, arena, lengths):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Parse ``buf[starts[j]:ends[j]]`` as a JSON int array (or ``null``: length 0) into
     ``arena``; returns the index of the first invalid list, or -1 when all are valid.
-    ``lengths[j]`` gets each count. The common separator (a comma right after a number) is
-    checked first; a number stops as soon as it exceeds 2**32 - 1."""
+    ``lengths[j]`` gets each count."""
     k = 0
-    cap = len(arena)
     for j in range(len(starts)):
         n = ends[j]
-        i = _skip_space(buf, starts[j], n)
-        first = k
+        i = skip_space(buf, starts[j], n)
         if i + 4 <= n and buf[i] == 110:  # "null": no tokens, as an empty list
             if buf[i + 1] != 117 or buf[i + 2] != 108 or buf[i + 3] != 108:
                 return j
-            if _skip_space(buf, i + 4, n) != n:
+            if skip_space(buf, i + 4, n) != n:
                 return j
             lengths[j] = 0
             continue
         if i >= n or buf[i] != 91:  # '['
             return j
-        i = _skip_space(buf, i + 1, n)
-        if i < n and buf[i] == 93:  # ']': the empty list, then nothing but white space
-            if _skip_space(buf, i + 1, n) != n:
-                return j
-            lengths[j] = 0
-            continue
-        ok = False
-        while i < n:
-            d = _digit(buf[i])
-            if d < 0:  # white space before a number
-                i = _skip_space(buf, i, n)
-                if i >= n:
-                    break
-                d = _digit(buf[i])
-                if d < 0:
-                    break
-            i += 1
-            v = d
-            if d == 0:
-                if i < n and _digit(buf[i]) >= 0:
-                    break  # leading zero
-            else:
-                while i < n:
-                    e = _digit(buf[i])
-                    if e < 0:
-                        break
-                    v = v * 10 + e
-                    i += 1
-                    if v > 4294967295:
-                        break
-                if v > 4294967295:
-                    break
-            if k >= cap:
-                break
-            arena[k] = v
-            k += 1
-            if i < n and buf[i] == 44:  # ',' right after the number
-                i += 1
-                continue
-            i = _skip_space(buf, i, n)
-            if i < n and buf[i] == 44:
-                i += 1
-                continue
-            if i < n and buf[i] == 93:  # ']'
-                i += 1
-                ok = True
-            break
-        if not ok or _skip_space(buf, i, n) != n:
+        end, filled = parse_array(buf, i, n, arena, k)
+        if end < 0 or skip_space(buf, end, n) != n:
             return j
-        lengths[j] = k - first
+        lengths[j] = filled - k
+        k = filled
     return -1
 
 

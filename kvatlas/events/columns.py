@@ -92,8 +92,12 @@ class EntryColumns:
         """Columns of decoded wire entries (hashes already 32 bytes each, tokens parsed), or
         ``None`` when any entry breaks a rule a :class:`CacheEntry` would refuse: the decoder
         then asks the per-entry path which entry and why. Each distinct shape is checked once."""
-        index: dict[ShapeParts, int] = {}
-        shape_of = [index.setdefault(p, len(index)) for p in parts]
+        index = dict.fromkeys(parts)  # the distinct shapes, in order (a batch has few)
+        if len(index) <= 1:
+            shape_of = np.zeros(len(parts), np.intp)
+        else:
+            ids = dict(zip(index, range(len(index)), strict=True))
+            shape_of = np.fromiter(map(ids.__getitem__, parts), np.intp, len(parts))
         for shape in index:
             try:
                 ObjectKey(_ZERO_HASH, *shape)
@@ -111,7 +115,7 @@ class EntryColumns:
         return cls(
             chunk_hashes,
             list(index),
-            np.array(shape_of, dtype=np.intp),
+            shape_of,
             sizes,
             offsets,
             tokens,
@@ -123,6 +127,8 @@ class EntryColumns:
         """Whether two entries with tokens share a row of the arena (one content for several
         ranks). A token-less entry has no row, though its start is the next entry's."""
         rows = self.token_starts[self.token_lengths > 0]
+        if len(rows) < 2 or bool((rows[1:] > rows[:-1]).all()):
+            return False  # rising starts (every decoded body's): no sort needed
         return len(np.unique(rows)) != len(rows)
 
     def token_arrays(self) -> list[TokenArray | None]:

@@ -8,6 +8,7 @@ yields a partial result. Errors name the field, e.g. ``batches[0].entries[3].key
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 from typing import Any
 
 import msgspec
@@ -74,6 +75,11 @@ class _WireBody(msgspec.Struct):
     batches: list[_WireBatch]
 
 
+_KEY = attrgetter("key")
+_HEX = attrgetter("chunk_hash_hex")
+_SHAPE = attrgetter("model_name", "kv_rank", "object_group_id", "cache_salt")
+_SIZE = attrgetter("size_bytes")
+_OFFSET = attrgetter("token_offset")
 _decoder = msgspec.json.Decoder(_WireBody)
 _encoder = msgspec.json.Encoder()
 
@@ -89,6 +95,25 @@ def _parse_token_lists(
 
     _parse_token_lists = parse_token_lists
     return parse_token_lists(raws)
+
+
+def _cut_token_lists(
+    body: bytes,
+) -> (
+    tuple[
+        npt.NDArray[np.uint8],
+        npt.NDArray[np.uint32],
+        npt.NDArray[np.int64],
+        npt.NDArray[np.int64],
+    ]
+    | None
+):
+    """Stand-in for the numba scanner until its first use (as :func:`_parse_token_lists`)."""
+    global _cut_token_lists
+    from kvatlas.events._json_cut import cut_token_lists
+
+    _cut_token_lists = cut_token_lists
+    return cut_token_lists(body)
 
 
 def key_from_parts(
@@ -207,7 +232,28 @@ def decode_json_columns(body: bytes | str) -> list[ColumnBatch]:
     """:func:`decode_json` into columns (``POST /events``): the same batches, accepted and
     refused alike, without an object per entry. Store batches' entries become
     :class:`EntryColumns`; any rule broken anywhere hands the body to :func:`decode_json`,
-    which names the entry and the reason (the 422 reply), so errors cannot differ."""
+    which names the entry and the reason (the 422 reply), so errors cannot differ.
+
+    The token lists are cut out of the body and parsed in one compiled pass
+    (``_json_cut.py``) before msgspec decodes the rest; a body that pass is not sure of is
+    decoded with the token lists as ``Raw`` slices, parsed afterwards (the same answers)."""
+    if isinstance(body, bytes):
+        cut = _cut_token_lists(body)
+        if cut is not None:
+            small, arena, lengths, counts = cut
+            try:
+                wire = _decoder.decode(small.data)
+            except msgspec.MsgspecError:
+                return explain(decode_json, body)
+            if len(wire.batches) == len(counts) and all(
+                len(wb.entries) == n for wb, n in zip(wire.batches, counts.tolist(), strict=True)
+            ):
+                return _column_batches(body, wire, arena, lengths)
+    return _decode_raw_columns(body)
+
+
+def _decode_raw_columns(body: bytes | str) -> list[ColumnBatch]:
+    """:func:`decode_json_columns` with the token lists handed over by msgspec as ``Raw``."""
     try:
         wire = _decoder.decode(body)
     except msgspec.MsgspecError:
@@ -216,6 +262,17 @@ def decode_json_columns(body: bytes | str) -> list[ColumnBatch]:
     arena, lengths, bad = _parse_token_lists(raws)
     if bad >= 0:
         return explain(decode_json, body)
+    return _column_batches(body, wire, arena, lengths)
+
+
+def _column_batches(
+    body: bytes | str,
+    wire: _WireBody,
+    arena: npt.NDArray[np.uint32],
+    lengths: npt.NDArray[np.int64],
+) -> list[ColumnBatch]:
+    """The batches of a decoded body whose entries' tokens are ``arena``, ``lengths[j]`` ids
+    each, one after the other (entries of all batches, in order)."""
     starts = np.cumsum(lengths) - lengths
     out = []
     first = 0
@@ -238,7 +295,8 @@ def _columns_from_wire(
     starts: npt.NDArray[np.int64],
     lengths: npt.NDArray[np.int64],
 ) -> EntryColumns | None:
-    hexes = [we.key.chunk_hash_hex for we in entries]
+    keys = list(map(_KEY, entries))
+    hexes = list(map(_HEX, keys))
     if hexes and set(map(len, hexes)) != {64}:
         return None
     try:
@@ -247,12 +305,11 @@ def _columns_from_wire(
         return None
     if len(raw) != 32 * len(hexes):  # fromhex skips white space; a hash holds none
         return None
-    keys = [we.key for we in entries]
     return EntryColumns.checked(
         [raw[i : i + 32] for i in range(0, len(raw), 32)],
-        [(k.model_name, k.kv_rank, k.object_group_id, k.cache_salt) for k in keys],
-        [we.size_bytes for we in entries],
-        [we.token_offset for we in entries],
+        list(map(_SHAPE, keys)),
+        list(map(_SIZE, entries)),
+        list(map(_OFFSET, entries)),
         arena,
         starts,
         lengths,

@@ -9,6 +9,7 @@ arrays are read-only views of the received bytes, so entries of one chunk share 
 from __future__ import annotations
 
 import re
+from operator import attrgetter
 from typing import Any
 
 import msgspec
@@ -49,6 +50,12 @@ class _PackedEntry(msgspec.Struct, array_like=True):
     size_bytes: int = 0
     token_offset: int = UNKNOWN_OFFSET
     content: int = -1
+
+
+_HASH = attrgetter("chunk_hash")
+_SHAPE = attrgetter("model_name", "kv_rank", "object_group_id", "cache_salt")
+_SIZE = attrgetter("size_bytes")
+_OFFSET = attrgetter("token_offset")
 
 
 class _PackedBatch(msgspec.Struct, omit_defaults=True):
@@ -183,7 +190,7 @@ def _columns_from_packed(pb: _PackedBatch) -> EntryColumns | None:
     sizes = np.fromiter(map(len, contents), dtype=np.int64, count=len(contents))
     if (sizes % 4).any():
         return None
-    hashes = [pe.chunk_hash for pe in entries]
+    hashes = list(map(_HASH, entries))
     if hashes and set(map(len, hashes)) != {32}:
         return None
     refs = np.fromiter((pe.content for pe in entries), dtype=np.int64, count=len(entries))
@@ -194,9 +201,9 @@ def _columns_from_packed(pb: _PackedBatch) -> EntryColumns | None:
     arena = np.frombuffer(b"".join(contents), dtype=_LE_U32).astype(np.uint32, copy=False)
     return EntryColumns.checked(
         hashes,
-        [(pe.model_name, pe.kv_rank, pe.object_group_id, pe.cache_salt) for pe in entries],
-        [pe.size_bytes for pe in entries],
-        [pe.token_offset for pe in entries],
+        list(map(_SHAPE, entries)),
+        list(map(_SIZE, entries)),
+        list(map(_OFFSET, entries)),
         arena,
         starts[refs],
         lengths[refs],

@@ -15,7 +15,6 @@ from kvatlas.directory import (
     RemoveChunkOp,
     RemoveClaimOp,
 )
-from kvatlas.directory.blend.ops import new_add_op
 from kvatlas.keys import BlendNamespace
 
 C = 8
@@ -400,19 +399,6 @@ def test_apply_mixed_ops_in_order() -> None:
     )
     index.apply([])  # empty batch: nothing happens
     assert index.stats() == stats
-
-
-def test_new_add_op_is_an_add_op() -> None:
-    a, ns = chunk(1), BlendNamespace("model-c")
-    op = new_add_op((a, h(1), 7, ns))
-    assert type(op) is AddOp
-    assert op == AddOp(a, h(1), 7, ns)
-    assert (op.tokens, op.chunk_hash, op.token_offset, op.namespace) == (a, h(1), 7, ns)
-    index, same = BlendIndex(chunk_size=C), BlendIndex(chunk_size=C)
-    index.apply([op])
-    same.apply([AddOp(a, h(1), 7, ns)])
-    assert index.stats() == same.stats()
-    assert index.match(a, ns) == same.match(a, ns) == [BlendMatch(h(1), 7, 0)]
 
 
 def test_apply_rejects_subclasses_of_the_op_types() -> None:

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvatlas.directory import (
+    AddColumns,
     AddOp,
     BlendIndex,
     BlendMatch,
@@ -323,6 +324,117 @@ def test_batched_writes_equal_the_oracle(
     for ns in SPACES:
         query = [t for c in pool for t in c]
         assert canonical(index.match(query, ns)) == canonical(oracle.match(query, ns))
+
+
+def _as_columns(ops: list[BlendOp], kept: bool) -> list[BlendOp]:
+    """Runs of adds as :class:`AddColumns` (``kept``: their tokens as arrays the index keeps
+    as they are, read-only and owning, the columnar fast path; else as lists, its fallback)."""
+    out: list[BlendOp] = []
+    run: list[AddOp] = []
+    for op in [*ops, None]:
+        if isinstance(op, AddOp):
+            run.append(op)
+            continue
+        if run:
+            spaces = list(dict.fromkeys(a.namespace for a in run))
+            tokens = [_kept(a.tokens) if kept else list(a.tokens) for a in run]
+            out.append(
+                AddColumns(
+                    tokens,
+                    [a.chunk_hash for a in run],
+                    np.array([a.token_offset for a in run], np.int64),
+                    spaces,
+                    np.array([spaces.index(a.namespace) for a in run]),
+                )
+            )
+            run = []
+        if op is not None:
+            out.append(op)
+    return out
+
+
+def _kept(tokens: Sequence[int]) -> np.ndarray:
+    arr = np.array(tokens, np.uint16 if max(tokens) % 2 else np.uint32)  # both widths
+    arr.flags.writeable = False
+    return arr
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.lists(st.integers(1, 12), min_size=1, max_size=10), st.booleans())
+def test_add_columns_equal_the_oracle_and_single_adds(
+    workload: tuple[int, int, int | None, list[list[int]], list[tuple]],
+    cuts: list[int],
+    kept: bool,
+) -> None:
+    """Batches whose runs of adds are :class:`AddColumns` (prepared column-wise, without
+    Python per entry, when the arrays are kept as they are) give the oracle's matches and the
+    same stats as the same ops applied as single ops."""
+    chunk_size, stride, bits, pool, ops = workload
+    kwargs = {} if bits is None else {"_fingerprint_bits": bits}
+    index = BlendIndex(chunk_size=chunk_size, probe_stride=stride, **kwargs)  # type: ignore[arg-type]
+    twin = BlendIndex(chunk_size=chunk_size, probe_stride=stride, **kwargs)  # type: ignore[arg-type]
+    oracle = Oracle(chunk_size, stride)
+    pending: list[BlendOp] = []
+    sizes = iter(cuts * 40)
+    size = next(sizes)
+
+    def flush() -> None:
+        index.apply(_as_columns(pending, kept))
+        for one in pending:
+            twin.apply([one])
+        pending.clear()
+
+    for op in ops:
+        if op[0] == "match":
+            flush()
+            query = [t for piece in op[1] for t in piece]
+            got = index.match(np.array(query, dtype=np.int64), op[2])
+            assert canonical(got) == canonical(oracle.match(query, op[2]))
+            continue
+        pending.append(OPS[op[0]](*op[1:]))
+        getattr(oracle, op[0])(*op[1:])
+        if len(pending) >= size:
+            flush()
+            size = next(sizes)
+    flush()
+    stats, twin_stats = index.stats(), twin.stats()
+    assert stats.occupants == len(oracle.entries)
+    assert stats.claims == sum(len(c) for _, c in oracle.entries.values())
+    assert stats.namespaces == len({ns for _, c in oracle.entries.values() for ns in c})
+    assert (stats.contents, stats.occupants, stats.claims, stats.namespaces) == (
+        twin_stats.contents,
+        twin_stats.occupants,
+        twin_stats.claims,
+        twin_stats.namespaces,
+    )
+    if not kept:  # lists are copied, as single adds copy them
+        assert stats.token_bytes_owned == twin_stats.token_bytes_owned
+    for ns in SPACES:
+        query = [t for c in pool for t in c]
+        assert canonical(index.match(query, ns)) == canonical(oracle.match(query, ns))
+
+
+def test_add_columns_take_the_arrays_as_they_are_or_validate_like_single_adds() -> None:
+    """Kept arrays are referenced, not copied; anything else is validated as ``AddOp``s are:
+    a wrong-length content is skipped, a negative offset or a long hash raises, and nothing
+    of a refused batch is applied."""
+    ns = SPACES[0]
+    a, b = _kept([1, 2, 3, 4]), _kept([5, 6, 7, 9])
+    index = BlendIndex(chunk_size=4)
+    index.apply([AddColumns([a, b], [b"a", b"b"], np.array([0, 4]), [ns])])
+    stats = index.stats()
+    assert (stats.contents, stats.token_bytes_owned) == (2, 0)
+    assert canonical(index.match([1, 2, 3, 4, 5, 6, 7, 9], ns)) == [(0, b"a", 0), (4, b"b", 4)]
+    index.apply([AddColumns([[1, 2, 3], [2, 2, 2, 2]], [b"c", b"d"], [1, 2], [ns])])
+    assert index.stats().contents == 3  # the 3-token content is not indexed
+    for bad in (
+        AddColumns([[3, 3, 3, 3]], [b"e"], np.array([-1]), [ns]),
+        AddColumns([_kept([3, 3, 3, 3])], [b"e" * 33], [0], [ns]),
+        AddColumns([_kept([3, 3, 3, 3])], [b"e"], [0, 1], [ns]),
+    ):
+        with pytest.raises(ValueError):
+            index.apply([AddOp([4, 4, 4, 4], b"f", 0, ns), bad])
+    assert index.stats().contents == 3
 
 
 def test_restore_as_one_batch_has_no_window() -> None:

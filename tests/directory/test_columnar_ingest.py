@@ -25,6 +25,7 @@ from kvatlas.events import (
     decode_msgpack,
     decode_msgpack_columns,
 )
+from kvatlas.events._json_cut import cut_token_lists
 from kvatlas.events.json_codec import batch_to_wire
 from kvatlas.events.msgpack_codec import FORMAT_VERSION, _pack_batch
 from kvatlas.keys import BlendNamespace, ObjectKey, pack_kv_rank
@@ -228,3 +229,131 @@ def test_entry_limit_counts_columns() -> None:
     assert sum(b.n_entries for b in decode_events(body, "application/json", 5)) == 5
     with pytest.raises(KvatlasError, match="5 entries exceed --max-batch-entries 4"):
         decode_events(body, "application/json", 4)
+
+
+class Lit(str):
+    """JSON text written as it is (a number spelled oddly, a broken value)."""
+
+
+class Twice(list):  # type: ignore[type-arg]
+    """A key written once per value: a duplicate key."""
+
+
+TOKEN_VALUES = [
+    [1, 2, 3, 4], [], None, [4294967295, 0, 7, 9], Lit("[1e3]"), Lit("[1E3,2,3,4]"),
+    Lit("[-1,2,3,4]"), Lit("[-0]"), Lit("[1.0,2,3,4]"), Lit("[4294967296,1,2,3]"),
+    Lit("[9999999999,1,2,3]"), Lit("[42949672950,1,2,3]"), Lit("[01,2,3,4]"), Lit("[1,2,3,4,]"),
+    Lit("[ 1 ,\n2,\t3 , 4 ]"), Lit("[[1],2,3,4]"), Lit('["1",2,3,4]'), Lit("[true]"),
+    Lit("null"), Lit("nul"), Lit('"x"'), Lit("{}"), Lit("[1,2,3,4"), Lit("[1 2]"),
+    Lit("[18446744073709551617]"), Twice([[1, 2, 3, 4], [5, 6, 7, 8]]), Twice([None, [1, 2]]),
+]  # fmt: skip
+DECOYS = [  # unknown fields, where a careless scanner would take names for structure
+    {"token_ids": [9, 9, 9, 9]},
+    {"entries": [{"token_ids": [9, 9, 9, 9]}], "batches": [{"entries": []}]},
+    '"token_ids":[9,9,9,9]',
+    'a \\"token_ids\\": [1] \\\\',
+    ["token_ids", {"token_ids": None}],
+    {"token_ids": [9, 9, 9, 9]},
+    [9, 9, 9, 9],
+]
+
+
+def _dump(v: Any, rnd: Any, spaced: bool, escaped: bool) -> str:
+    """JSON text of ``v`` with random white space and, now and then, a key spelled with an
+    escape (``escaped``); :class:`Lit` verbatim, :class:`Twice` as a duplicate key."""
+
+    def ws() -> str:
+        return rnd.choice(["", "", " ", "\n", "\t ", "\r\n"]) if spaced else ""
+
+    def key(k: str) -> str:
+        if escaped and rnd.random() < 0.1:
+            at = rnd.randrange(len(k))
+            return '"' + k[:at] + f"\\u{ord(k[at]):04x}" + k[at + 1 :] + '"'
+        return msgspec.json.encode(k).decode()
+
+    if isinstance(v, Lit):
+        return str(v)
+    if isinstance(v, dict):
+        items = [
+            f"{ws()}{key(k)}{ws()}:{ws()}{_dump(x, rnd, spaced, escaped)}{ws()}"
+            for k, xs in v.items()
+            for x in (xs if isinstance(xs, Twice) else [xs])
+        ]
+        return "{" + ",".join(items) + ws() + "}"
+    if isinstance(v, list):
+        return "[" + ",".join(ws() + _dump(x, rnd, spaced, escaped) + ws() for x in v) + "]"
+    return msgspec.json.encode(v).decode()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_json_token_cut_equals_per_entry_decoder(data: st.DataObject) -> None:
+    """Adversarial JSON (white space, escapes in keys and strings, decoy fields named like the
+    structure, duplicate keys, numbers with exponents, signs, fractions, past 2**32 - 1,
+    ``null``, empty lists, truncated and mutated bodies): the columnar decoder, which cuts
+    the token lists out of the body in one compiled pass where it can, gives exactly the
+    per-entry decoder's batches or its error."""
+    batches = data.draw(st.lists(batch_st(), min_size=1, max_size=3))
+    wire: dict[str, Any] = {"batches": [batch_to_wire(b) for b in batches]}
+    rnd = data.draw(st.randoms(use_true_random=True))
+    for b in wire["batches"]:
+        for e in b["entries"]:
+            if rnd.random() < 0.3:
+                e["token_ids"] = rnd.choice(TOKEN_VALUES)
+            if rnd.random() < 0.2:
+                e[rnd.choice(["x", "key2", "token_ids_"])] = rnd.choice(DECOYS)
+            if rnd.random() < 0.1:
+                e["key"]["token_ids"] = rnd.choice(DECOYS)  # refused: unknown key field
+            if rnd.random() < 0.05:
+                del e["token_ids"]
+            if rnd.random() < 0.5:  # any key order
+                items = list(e.items())
+                rnd.shuffle(items)
+                e.clear()
+                e.update(items)
+        if rnd.random() < 0.3:  # an int list under a followed name, in the wrong object
+            b[rnd.choice(["notes", "token_ids", "token_ids", "batches"])] = rnd.choice(DECOYS[-2:])
+        if rnd.random() < 0.05:
+            b["entries"] = Twice([b["entries"], b["entries"][:1]])
+    if rnd.random() < 0.1:
+        wire[rnd.choice(["extra", "token_ids", "entries"])] = rnd.choice(DECOYS)
+    if rnd.random() < 0.05:
+        wire["batches"] = Twice([wire["batches"], []])
+    text = _dump(wire, rnd, data.draw(st.booleans()), data.draw(st.booleans()))
+    body = text.encode()
+    cut = data.draw(st.sampled_from(["none"] * 6 + ["truncate", "mutate"]))
+    if cut == "truncate":
+        body = body[: data.draw(st.integers(0, len(body)))]
+    elif cut == "mutate" and body:
+        at = data.draw(st.integers(0, len(body) - 1))
+        body = body[:at] + bytes([data.draw(st.sampled_from(b'"\\[]{},: 0-e'))]) + body[at + 1 :]
+    old, old_err = _outcome(decode_json, body)
+    new, new_err = _outcome(decode_json_columns, body)
+    if old_err is not None or new_err is not None:
+        assert type(new_err) is type(old_err), (body, old_err, new_err)
+        assert new_err is not None and old_err is not None
+        assert (new_err.detail, new_err.extra) == (old_err.detail, old_err.extra)
+        return
+    assert [cb.batch() for cb in new] == old
+
+
+def test_json_token_cut_takes_plain_bodies_and_refuses_what_it_is_not_sure_of() -> None:
+    """The one-pass cut is what decodes an ordinary body (the differential test above tests
+    it, not only the Raw path), and gives up on what only the Raw path may judge."""
+    batch = EventBatch(
+        "a", 1, 1, "store", "l1", "dram", entries=(CacheEntry(KEYS[0], 1, CONTENTS[0], 0),)
+    )
+    body = msgspec.json.encode({"batches": [batch_to_wire(batch)]})
+    cut = cut_token_lists(body)
+    assert cut is not None
+    small, arena, lengths, counts = cut
+    assert b"[]" in bytes(small) and lengths.tolist() == [CHUNK] and counts.tolist() == [1]
+    assert arena[:CHUNK].tolist() == CONTENTS[0].tolist()
+    for refused in (
+        body.replace(b'"token_ids"', b'"token\\u005fids"'),
+        body.replace(b'"entries"', b'"entri\\u0065s"'),
+        body.replace(b"[0,1,2,3]", b"[0,1,2,3e0]"),
+        body.replace(b'"token_ids":[0,1,2,3]', b'"token_ids":[0,1,2,3],"token_ids":null'),
+        body[:-3],
+    ):
+        assert refused != body and cut_token_lists(refused) is None, refused

@@ -8,7 +8,14 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
-from kvatlas.directory import AddOp, BlendIndex, KeyDirectory, RemoveChunkOp, RemoveClaimOp
+from kvatlas.directory import (
+    AddColumns,
+    AddOp,
+    BlendIndex,
+    KeyDirectory,
+    RemoveChunkOp,
+    RemoveClaimOp,
+)
 from kvatlas.directory.records import record_stored_tokens, record_tokens
 from kvatlas.keys import BlendNamespace
 from tests.directory.helpers import CS, Emitter, captured, entry, key, toks
@@ -30,9 +37,10 @@ class SpyIndex(BlendIndex):
         SpyIndex.instances.append(self)
 
     def apply(self, ops: Any) -> None:
-        """Every write (the single-op methods go through ``apply`` too), recorded per op."""
+        """Every write (the single-op methods go through ``apply`` too), recorded per op (an
+        ``AddColumns`` as the adds it stands for)."""
         ops = list(ops)
-        for op in ops:
+        for op in [one for o in ops for one in (o.ops() if isinstance(o, AddColumns) else [o])]:
             if isinstance(op, AddOp):
                 self.calls.append(
                     ("add", op.chunk_hash[0], op.token_offset, op.namespace, id(op.tokens))

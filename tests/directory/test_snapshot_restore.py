@@ -226,7 +226,7 @@ def test_a_mostly_dead_slab_is_freed_and_the_rest_copied_out(tmp_path: Path, ble
 
 
 def test_copying_out_is_bounded_per_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("kvatlas.directory.chunk_table._RECLAIM_WORK", 64)  # 4 copies a step
+    monkeypatch.setattr("kvatlas.directory.chunk_slabs._RECLAIM_WORK", 64)  # 4 copies a step
     d, em = slab_directory(tmp_path, True, n=200)
     (slab,) = d._chunks.slabs
     buffer = weakref.ref(slab.buffer)  # (a reference would count as a live view)

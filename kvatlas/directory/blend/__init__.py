@@ -1,15 +1,23 @@
 """The blend (fragment) index: which cached chunks occur anywhere in a query (docs/blend-index.md).
 
 ``index.py`` is the façade (:class:`BlendIndex`: typed-op writes, ``match``, ``stats``);
-``ops.py`` the write ops; ``state.py`` the state and its one write path; ``namespaces.py``
+``ops.py`` the write ops, ``op_columns.py`` them as validated columns; ``state.py`` the state and its one write path; ``namespaces.py``
 namespace ids; ``_cpython.py`` the CPython-layout shortcuts of the hot paths; ``kernels/``
 the compiled kernels, one module per structure.
 """
 
-from kvatlas.directory.blend.index import BlendIndex, BlendStats, MatchColumns, share_slab
-from kvatlas.directory.blend.ops import AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp, new_add_op
+from kvatlas.directory.blend.index import BlendIndex, BlendStats, MatchColumns
+from kvatlas.directory.blend.op_columns import share_slab
+from kvatlas.directory.blend.ops import (
+    AddColumns,
+    AddOp,
+    BlendOp,
+    RemoveChunkOp,
+    RemoveClaimOp,
+)
 
 __all__ = [
+    "AddColumns",
     "AddOp",
     "BlendIndex",
     "BlendOp",
@@ -17,6 +25,5 @@ __all__ = [
     "MatchColumns",
     "RemoveChunkOp",
     "RemoveClaimOp",
-    "new_add_op",
     "share_slab",
 ]

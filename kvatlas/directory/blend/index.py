@@ -25,12 +25,9 @@ the kernels through its address.
 
 from __future__ import annotations
 
-import logging
-import operator
 import secrets
 import sys
 import threading
-import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -40,28 +37,14 @@ import numpy.typing as npt
 
 from kvatlas.checks import is_plain_int
 from kvatlas.directory.blend import _cpython, kernels
-from kvatlas.directory.blend.kernels import ADD, REMOVE_CHUNK, REMOVE_CLAIM
+from kvatlas.directory.blend.op_columns import HASH_WIDTH, op_columns
 from kvatlas.directory.blend.ops import AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp
 from kvatlas.directory.blend.state import IndexState
 from kvatlas.keys import BlendMatch, BlendNamespace, as_token_array
 
-log = logging.getLogger(__name__)
-
-_HASH_WIDTH = 32
 _SEGMENT_WINDOWS = 65536
 """Window starts probed per lock acquisition in ``match``: bounds how long one query holds
 the lock, so a 1M-token query never stalls ingestion behind it."""
-_U32 = np.dtype(np.uint32)
-_U16 = np.dtype(np.uint16)
-_SLABS: weakref.WeakValueDictionary[int, npt.NDArray[Any]] = weakref.WeakValueDictionary()
-"""Token slabs whose views the index keeps by reference (:func:`share_slab`), by ``id``."""
-
-
-def share_slab(slab: npt.NDArray[Any]) -> None:
-    """Let indexes keep read-only views of ``slab`` (an array that owns its memory) by
-    reference instead of copying them: its owner frees it once most of its views are gone
-    (the directory's restored token slabs, ``directory/token_store.py`` ``TokenSlab``)."""
-    _SLABS[id(slab)] = slab
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,65 +160,13 @@ class BlendIndex:
         concurrent ``match`` sees the state before the batch or after it, never in between
         (so a ``remove_chunk`` followed by re-``add``s of a re-stored chunk has no window).
         Every op is validated before anything changes: an invalid op raises and applies none.
+        An :class:`AddColumns` (many adds, as columns) is prepared without Python per entry
+        when its arrays are the kind the index keeps as they are (``op_columns.py``).
         """
-        kinds: list[int] = []
-        arrays: list[npt.NDArray[np.uint32]] = []
-        hashes: list[bytes] = []
-        offsets: list[int] = []
-        spaces: list[BlendNamespace | None] = []
-        owned: list[bool] = []
-        chunk = self.chunk_size
-        namespace: BlendNamespace | None
-        for op in ops:
-            # exact types, the common one first: a subclass could change what the fields mean
-            if type(op) is AddOp:
-                tokens, chunk_hash, offset, namespace = op
-                kind = ADD
-                if type(offset) is not int or not 0 <= offset < 1 << 63:
-                    offset = _offset(offset)
-            elif type(op) is RemoveClaimOp:
-                tokens, chunk_hash, namespace = op
-                kind, offset = REMOVE_CLAIM, 0
-            elif type(op) is RemoveChunkOp:
-                tokens, chunk_hash = op
-                kind, offset, namespace = REMOVE_CHUNK, 0, None
-            else:
-                raise ValueError(f"not a blend index op: {op!r}")
-            if (
-                type(tokens) is np.ndarray
-                and (tokens.dtype is _U16 or tokens.dtype is _U32)
-                and tokens.ndim == 1
-            ):
-                arr = tokens  # the directory's arrays: no re-validation on the ingest path
-            else:
-                arr = as_token_array(tokens)
-            if len(arr) != chunk:  # arr is 1-D
-                if kind == ADD:
-                    log.info(
-                        "blend index: not indexing %d-token content (chunk_size %d)",
-                        len(arr),
-                        chunk,
-                    )
-                continue
-            if type(chunk_hash) is not bytes or len(chunk_hash) > _HASH_WIDTH:
-                chunk_hash = _hash_bytes(chunk_hash)
-            own = False
-            if kind == ADD:
-                own = not _shareable(arr)
-                if own:
-                    arr = np.array(arr, dtype=arr.dtype, order="C", copy=True)
-                    arr.setflags(write=False)
-            elif not arr.flags.c_contiguous:
-                arr = np.ascontiguousarray(arr)
-            kinds.append(kind)
-            arrays.append(arr)
-            hashes.append(chunk_hash)
-            offsets.append(offset)
-            spaces.append(namespace)
-            owned.append(own)
-        if kinds:
+        cols = op_columns(ops, self.chunk_size)
+        if cols is not None and len(cols):
             with self._lock:
-                self._state.apply(kinds, arrays, hashes, offsets, spaces, owned)
+                self._state.apply(cols)
 
     # ------------------------------------------------------------------ reads
 
@@ -298,7 +229,7 @@ class BlendIndex:
             state = self._state
             arrays = state.arrays
             index_bytes = sum(a.nbytes for a in arrays) + 8 * len(state.tokens)
-            index_bytes += 8 * len(state.hashes) + _HASH_WIDTH * state.occupants
+            index_bytes += 8 * len(state.hashes) + HASH_WIDTH * state.occupants
             index_bytes += sum(
                 100 + sys.getsizeof(s) for s in state.extra_claims.values()
             )  # dict entry + set: multi-namespace occupants only
@@ -331,37 +262,7 @@ class BlendIndex:
         return cached
 
 
-def _shareable(arr: npt.NDArray[Any]) -> bool:
-    """Keep a caller's array only if nobody can change it under us and it pins no larger
-    buffer (a read-only view of a 1M-token request must not keep the whole request alive),
-    or it is a view of a shared token slab (:func:`share_slab`, whose owner frees it)."""
-    flags = arr.flags
-    if flags.writeable or not flags.c_contiguous:
-        return False
-    if flags.owndata:
-        return True
-    base = arr.base
-    if isinstance(base, bytes):
-        return len(base) == arr.nbytes
-    return base is not None and _SLABS.get(id(base)) is base
-
-
-def _hash_bytes(chunk_hash: Any) -> bytes:
-    """The chunk hash as an exact ``bytes`` object (kept by reference, read by address)."""
-    raw = chunk_hash if type(chunk_hash) is bytes else bytes(chunk_hash)
-    if len(raw) > _HASH_WIDTH:
-        raise ValueError(f"chunk_hash must be at most {_HASH_WIDTH} bytes, got {len(raw)}")
-    return raw
-
-
 def _tokens(tokens: Any) -> npt.NDArray[np.uint32]:
     if type(tokens) is np.ndarray and tokens.dtype == np.uint32 and tokens.ndim == 1:
         return tokens  # a caller's array: skip re-validation on the serving path
     return as_token_array(tokens)
-
-
-def _offset(token_offset: Any) -> int:
-    offset = operator.index(token_offset)
-    if not 0 <= offset < 1 << 63:
-        raise ValueError(f"token_offset must be >= 0, got {offset}")
-    return offset

@@ -6,9 +6,10 @@ order and atomically (see ``index.py``).
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from kvatlas.keys import BlendNamespace
 
@@ -37,12 +38,38 @@ class RemoveChunkOp(NamedTuple):
     chunk_hash: bytes
 
 
-BlendOp = AddOp | RemoveClaimOp | RemoveChunkOp
-"""One write of :meth:`BlendIndex.apply`: the arguments of the method of the same name."""
+class AddColumns(NamedTuple):
+    """``AddOp(tokens[j], chunk_hashes[j], token_offsets[j], namespaces[namespace_of[j]])``
+    for each ``j``, in order, as columns: what an ingest batch queues (no op object per
+    chunk). ``namespace_of`` ``None``: every entry is ``namespaces[0]``'s. When every array
+    is one the index keeps as it is (read-only, C-contiguous, owning ``uint16``/``uint32`` of
+    ``chunk_size`` ids: the directory's stored arrays), every hash an exact ``bytes`` of at
+    most 32 and every offset valid, the whole batch is prepared without Python per entry;
+    otherwise it is applied as the ``AddOp``s it stands for (same validation, same errors)."""
 
-new_add_op: Callable[[tuple[Any, bytes, int, BlendNamespace]], AddOp] = functools.partial(
-    tuple.__new__, AddOp
-)
-"""``new_add_op((tokens, chunk_hash, token_offset, namespace))`` is the same value as
-``AddOp(tokens, chunk_hash, token_offset, namespace)``, built by a C-level call instead of
-the Python-level ``AddOp.__new__``: for loops that queue an add per entry."""
+    tokens: Sequence[Any]
+    chunk_hashes: Sequence[bytes]
+    token_offsets: Any  # a sequence of ints or an integer array
+    namespaces: Sequence[BlendNamespace]
+    namespace_of: Any = None  # a sequence of ints or an integer array
+
+    def ops(self) -> list[AddOp]:
+        """The ``AddOp``s this stands for."""
+        spaces = self.namespaces
+        which = [0] * len(self.tokens) if self.namespace_of is None else _listed(self.namespace_of)
+        offsets = _listed(self.token_offsets)
+        if len({len(self.tokens), len(self.chunk_hashes), len(offsets), len(which)}) != 1:
+            raise ValueError("AddColumns: columns of different lengths")
+        return [
+            AddOp(t, h, o, spaces[s])
+            for t, h, o, s in zip(self.tokens, self.chunk_hashes, offsets, which, strict=True)
+        ]
+
+
+def _listed(values: Any) -> list[Any]:
+    return values.tolist() if isinstance(values, np.ndarray) else list(values)
+
+
+BlendOp = AddOp | RemoveClaimOp | RemoveChunkOp | AddColumns
+"""One write of :meth:`BlendIndex.apply`: the arguments of the method of the same name
+(:class:`AddColumns`: many adds)."""

@@ -9,6 +9,9 @@ followed by the bookkeeping the kernel reports for each op, so the two never dis
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterable
+from itertools import compress, repeat
 from operator import attrgetter
 from typing import Any
 
@@ -30,7 +33,17 @@ from kvatlas.directory.blend.kernels import (
     REMOVE_CLAIM,
     SKIP,
 )
+from kvatlas.directory.blend.kernels.writes import (
+    OP_HASH,
+    OP_HASH_LEN,
+    OP_KIND,
+    OP_NS,
+    OP_OFFSET,
+    OP_TOKEN_BYTES,
+    OP_TOKENS,
+)
 from kvatlas.directory.blend.namespaces import NamespaceIds
+from kvatlas.directory.blend.op_columns import OpColumns, Tokens, filled, hash_addresses
 from kvatlas.keys import BlendNamespace
 
 MIN_CAPACITY = 1024
@@ -41,9 +54,9 @@ per id: growing by an eighth keeps the unused share of them (and so the index's 
 chunk) small at every size, for an amortised copy of ≈8 bytes per id per add. The table
 grows separately, by doubling (``_make_room``)."""
 
-Tokens = npt.NDArray[np.unsignedinteger[Any]]
-"""A content's ids: a C-contiguous ``uint32`` or ``uint16`` array."""
-_TOKEN_BYTES = attrgetter("itemsize")
+_NBYTES = attrgetter("nbytes")
+_OP_BY_OP = F_EXTRA_CLAIM | F_CLAIM_DROPPED | F_OCCUPANT_GONE | F_CONTENT_GONE
+"""Flags settled op by op (:meth:`IndexState._settle`)."""
 
 
 class IndexState:
@@ -75,81 +88,68 @@ class IndexState:
         self._arrays = arrays
         self.kernel_arrays = tuple(arrays)
 
-    def apply(
-        self,
-        kinds: list[int],
-        tokens: list[Tokens],
-        hashes: list[bytes],
-        offsets: list[int],
-        namespaces: list[BlendNamespace | None],
-        owned: list[bool],
-    ) -> None:
+    def apply(self, cols: OpColumns) -> None:
         """Apply validated ops in order (see :func:`kernels.apply_ops`), then release the
-        namespace ids left without claims and shed the filter bits of removed contents.
-
-        One list entry per op: chunk-sized C-contiguous token arrays (``owned``: the index's
-        own copy), exact ``bytes`` hashes of at most 32 bytes, non-negative offsets (0 unless
-        an add), namespaces (``None`` for a remove_chunk)."""
+        namespace ids left without claims and shed the filter bits of removed contents."""
+        kinds = cols.kinds
         if len(kinds) == 1:  # a single write: scalar arguments, no op arrays to build
-            kind = kinds[0]
-            ns = self._namespace_id(kind, namespaces[0])
+            kind = int(kinds[0])
+            s = int(cols.space_of[0])
+            ns = -1 if s < 0 else self._namespace_id(kind, cols.spaces[s])
             if ns >= 0 or kind != REMOVE_CLAIM:  # else: no claims, nothing to drop
                 if kind == ADD and not self._has_room(1):
                     self._make_room(1)
-                h = hashes[0]
-                flags, cid, occ, ns0 = kernels.apply_op(
-                    kind, array_handle(tokens[0]), tokens[0].itemsize, bytes_address(h), len(h),
-                    offsets[0], ns,
+                arr, h = cols.tokens[0], cols.hashes[0]
+                out = kernels.apply_op(
+                    kind, array_handle(arr), arr.itemsize, bytes_address(h), len(h),
+                    int(cols.offsets[0]), ns,
                     self.chunk_size, _cpython.ARRAY_DATA_OFFSET, self.base, self.fmask,
                     self.kernel_arrays,
                 )  # fmt: skip
-                if flags:
-                    self._settle(kinds, [[flags, cid, occ, ns0]], [ns], tokens, owned, hashes)
-        else:
-            self._apply_batch(kinds, tokens, hashes, offsets, namespaces, owned)
+                if out[0]:
+                    self._settle(cols, kinds, np.array([out], np.int64), np.array([ns]))
+        elif len(kinds):
+            self._apply_batch(cols)
         self.namespaces.end_write()
         if self._stale > self.contents // 2 + MIN_CAPACITY:
             self.rebuild()  # the filter only ever gains bits: shed removed contents' bits
 
-    def _apply_batch(
-        self,
-        kinds: list[int],
-        tokens: list[Tokens],
-        hashes: list[bytes],
-        offsets: list[int],
-        spaces: list[BlendNamespace | None],
-        owned: list[bool],
-    ) -> None:
-        nss: list[int] = []
-        last: BlendNamespace | None = None  # batches are mostly one namespace: skip its hash
-        last_ns = -1
-        for i, namespace in enumerate(spaces):
-            if namespace is not last or last_ns < 0:  # an id, once known, is stable in a batch
-                last, last_ns = namespace, self._namespace_id(kinds[i], namespace)
-            if last_ns < 0 and kinds[i] == REMOVE_CLAIM:
-                kinds[i] = SKIP  # a namespace without claims has nothing to drop
-            nss.append(last_ns)
-        n_add = kinds.count(ADD)
+    def _apply_batch(self, cols: OpColumns) -> None:
+        kinds = cols.kinds
+        n = len(kinds)
+        adds = kinds == ADD
+        # namespace ids: registered for a namespace some add uses (an id, once known, is
+        # stable in a batch), else looked up (-1: no claims, nothing to drop)
+        added = set(np.unique(cols.space_of[adds]).tolist())
+        ids = [
+            self._namespace_id(ADD if s in added else REMOVE_CLAIM, namespace)
+            for s, namespace in enumerate(cols.spaces)
+        ]
+        space_of = cols.space_of
+        ns = filled(n, -1)
+        present = space_of >= 0
+        ns[present] = np.array(ids, np.int64)[space_of[present]]
+        skip = (kinds == REMOVE_CLAIM) & (ns < 0)
+        if skip.any():
+            kinds = kinds.copy()
+            kinds[skip] = SKIP
+        n_add = int(np.count_nonzero(adds))
         if not self._has_room(n_add):
             self._make_room(n_add)
-        ops = np.array(
-            [  # the rows of kernels.writes.OP_*, in order
-                kinds,
-                _cpython.array_handles(tokens),
-                _cpython.bytes_addresses(hashes),
-                list(map(len, hashes)),
-                offsets,
-                nss,
-                list(map(_TOKEN_BYTES, tokens)),
-            ],
-            np.int64,
-        )
-        out = np.empty((len(kinds), 4), np.int64)
+        ops = np.empty((7, n), np.int64)  # the rows of kernels.writes.OP_*, in order
+        ops[OP_KIND] = kinds
+        ops[OP_TOKENS] = _cpython.array_handles(cols.tokens)
+        ops[OP_HASH] = hash_addresses(cols.hashes, _cpython.BYTES_DATA_OFFSET)
+        ops[OP_HASH_LEN] = cols.hash_lens
+        ops[OP_OFFSET] = cols.offsets
+        ops[OP_NS] = ns
+        ops[OP_TOKEN_BYTES] = cols.token_bytes
+        out = np.empty((n, 4), np.int64)
         kernels.apply_ops(
             ops, self.chunk_size, _cpython.ARRAY_DATA_OFFSET, self.base, self.fmask,
             self.kernel_arrays, out,
         )  # fmt: skip
-        self._settle(kinds, out.tolist(), nss, tokens, owned, hashes)
+        self._settle(cols, kinds, out, ns)
 
     def _namespace_id(self, kind: int, namespace: BlendNamespace | None) -> int:
         """The op's namespace id: registered for an add, -1 if it has none."""
@@ -162,48 +162,70 @@ class IndexState:
 
     def _settle(
         self,
-        kinds: list[int],
-        results: list[list[int]],
-        nss: list[int],
-        tokens: list[Tokens],
-        owned: list[bool],
-        hashes: list[bytes],
+        cols: OpColumns,
+        kinds: npt.NDArray[np.int64],
+        results: npt.NDArray[np.int64],
+        nss: npt.NDArray[np.int64],
     ) -> None:
         """Python-side bookkeeping of applied ops (per op, the kernel's ``(flags, content id,
         occupant id, ns0)``): the references that keep token arrays and hashes alive,
-        counters, free lists, namespace claims. One loop for the batch: per op, only what its
-        flags name."""
+        counters, free lists, namespace claims.
+
+        What adds do (new contents, occupants and claims) is settled column-wise; the rest
+        (extra-set claims, drops, removals) op by op, in order, after it. That order is
+        equivalent: ids freed by a batch are not reused within it, so an id that is new in
+        a batch is new before anything can remove it, and claim counts only meet zero at the
+        end of the write (``NamespaceIds.end_write``)."""
+        flags = results[:, 0]
+        new = flags & F_NEW_CONTENT != 0
+        if new.any():
+            self._new_contents(cols, results[new, 1], new)
+        new = flags & F_NEW_OCCUPANT != 0
+        if new.any():
+            occs = results[new, 2]
+            _put(self.hashes, occs, compress(cols.hashes, new.tolist()))
+            self.occupants += len(occs)
+        new = flags & F_NEW_CLAIM != 0
+        if new.any():
+            ns_claims = self.namespaces.claims
+            counts = np.bincount(nss[new])
+            for ns in np.flatnonzero(counts).tolist():
+                ns_claims[ns] += int(counts[ns])
+            self.claims += int(np.count_nonzero(new))
+        rest = (flags & _OP_BY_OP != 0) | (kinds == REMOVE_CHUNK)
+        if rest.any():
+            self._settle_removals(kinds, results, nss, np.flatnonzero(rest).tolist())
+
+    def _new_contents(
+        self, cols: OpColumns, ids: npt.NDArray[np.int64], new: npt.NDArray[np.bool_]
+    ) -> None:
+        arrays = list(compress(cols.tokens, new.tolist()))
+        _put(self.tokens, ids, arrays)
+        self.token_bytes += sum(map(_NBYTES, arrays))
+        self.contents += len(arrays)
+        owned = cols.owned[new]
+        if owned.any():
+            for k in np.flatnonzero(owned).tolist():
+                self.owned.add(int(ids[k]))
+                self.owned_bytes += arrays[k].nbytes
+
+    def _settle_removals(
+        self,
+        kinds: npt.NDArray[np.int64],
+        results: npt.NDArray[np.int64],
+        nss: npt.NDArray[np.int64],
+        rows: list[int],
+    ) -> None:
+        """The op-by-op part of :meth:`_settle`, for ``rows`` (in order)."""
         live_tokens, live_hashes, extra_claims = self.tokens, self.hashes, self.extra_claims
         namespaces = self.namespaces
-        ns_claims = namespaces.claims
         contents = occupants = claims = 0  # changes, added to the counters at the end
-        for i, (flags, cid, occ, ns0) in enumerate(results):
-            if not flags:
-                continue
-            ns = nss[i]
-            if flags & F_NEW_CONTENT:
-                arr = tokens[i]
-                if cid == len(live_tokens):
-                    live_tokens.append(arr)
-                else:
-                    live_tokens[cid] = arr
-                if owned[i]:
-                    self.owned.add(cid)
-                    self.owned_bytes += arr.nbytes
-                self.token_bytes += arr.nbytes
-                contents += 1
-            if flags & F_NEW_OCCUPANT:
-                if occ == len(live_hashes):
-                    live_hashes.append(hashes[i])
-                else:
-                    live_hashes[occ] = hashes[i]
-                occupants += 1
-            if flags & F_NEW_CLAIM:
-                ns_claims[ns] += 1
-                claims += 1
-                if flags & F_EXTRA_CLAIM:
-                    extra_claims.setdefault(occ, set()).add(ns)
-                    self.n_extra += 1
+        for i in rows:
+            flags, cid, occ, ns0 = results[i].tolist()
+            ns = int(nss[i])
+            if flags & F_NEW_CLAIM and flags & F_EXTRA_CLAIM:
+                extra_claims.setdefault(occ, set()).add(ns)
+                self.n_extra += 1
             if flags & F_CLAIM_DROPPED:
                 namespaces.release(ns)
                 claims -= 1
@@ -285,6 +307,15 @@ class IndexState:
         self.arrays = self.arrays.with_empty_lookup(slots)
         kernels.rebuild(self.kernel_arrays)
         self._stale = 0
+
+
+def _put(items: list[Any], where: npt.NDArray[np.int64], values: Iterable[Any]) -> None:
+    """``items[where[k]] = values[k]`` for each ``k``, growing ``items`` (with ``None``) to
+    the largest index first: new ids are either free ones or the next fresh ones."""
+    top = int(where.max()) + 1
+    if top > len(items):
+        items.extend(repeat(None, top - len(items)))
+    deque(map(items.__setitem__, where.tolist(), values), 0)
 
 
 def _grown(capacity: int, need: int) -> int:

@@ -1,0 +1,300 @@
+"""A batch of index writes as validated columns: what :meth:`IndexState.apply` takes.
+
+:func:`op_columns` turns the typed ops of :meth:`BlendIndex.apply` into one
+:class:`OpColumns`. Single ops are validated one by one (tokens checked and copied unless the
+index may keep the caller's array, hashes and offsets checked; a content that is not
+``chunk_size`` tokens long is skipped, an add of one logged). An :class:`AddColumns` whose
+every column is already in the form the index keeps (the directory's stored arrays, exact
+hashes, valid offsets) is taken as it is, with C-level checks over whole columns and no Python
+per entry; any other is validated as the ``AddOp``s it stands for, so both give the same
+state and the same errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvatlas.directory.blend.kernels import ADD, REMOVE_CHUNK, REMOVE_CLAIM
+from kvatlas.directory.blend.ops import AddColumns, AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp
+from kvatlas.keys import BlendNamespace, as_token_array
+
+log = logging.getLogger(__name__)
+
+HASH_WIDTH = 32
+_U32 = np.dtype(np.uint32)
+_U16 = np.dtype(np.uint16)
+_DTYPE = attrgetter("dtype")
+_NDIM = attrgetter("ndim")
+_FLAGS = attrgetter("flags.num")
+# numpy's array flag bits (``ndarray.flags.num``)
+_C_CONTIGUOUS, _OWNDATA, _WRITEABLE = 0x1, 0x4, 0x400
+_KEPT = _C_CONTIGUOUS | _OWNDATA
+"""Flags of an array the index keeps as it is: C-contiguous, owning, not writeable."""
+
+Tokens = npt.NDArray[np.unsignedinteger[Any]]
+"""A content's ids: a C-contiguous ``uint32`` or ``uint16`` array."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class OpColumns:
+    """Op ``i``: ``kinds[i]`` of content ``tokens[i]`` (``chunk_size`` ids, ``token_bytes[i]``
+    bytes each; ``owned[i]``: the index's own copy) and chunk hash ``hashes[i]`` (exact
+    ``bytes``, ``hash_lens[i]`` <= 32 long), offset ``offsets[i]`` (>= 0; 0 unless an add), namespace
+    ``spaces[space_of[i]]`` (-1: none, a remove_chunk)."""
+
+    kinds: npt.NDArray[np.int64]
+    tokens: list[Tokens]
+    hashes: list[bytes]
+    hash_lens: npt.NDArray[np.int64]
+    offsets: npt.NDArray[np.int64]
+    token_bytes: npt.NDArray[np.int64]
+    spaces: list[BlendNamespace]
+    space_of: npt.NDArray[np.int64]
+    owned: npt.NDArray[np.bool_]
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+
+class _Singles:
+    """Single ops, validated one by one, collected as columns."""
+
+    def __init__(self, chunk: int) -> None:
+        self.chunk = chunk
+        self.kinds: list[int] = []
+        self.tokens: list[Tokens] = []
+        self.hashes: list[bytes] = []
+        self.offsets: list[int] = []
+        self.spaces: dict[BlendNamespace, int] = {}
+        self.space_of: list[int] = []
+        self.owned: list[bool] = []
+
+    def add(self, op: BlendOp) -> None:
+        # exact types, the common one first: a subclass could change what the fields mean
+        namespace: BlendNamespace | None
+        if type(op) is AddOp:
+            tokens, chunk_hash, offset, namespace = op
+            kind = ADD
+            if type(offset) is not int or not 0 <= offset < 1 << 63:
+                offset = _offset(offset)
+        elif type(op) is RemoveClaimOp:
+            tokens, chunk_hash, namespace = op
+            kind, offset = REMOVE_CLAIM, 0
+        elif type(op) is RemoveChunkOp:
+            tokens, chunk_hash = op
+            kind, offset, namespace = REMOVE_CHUNK, 0, None
+        else:
+            raise ValueError(f"not a blend index op: {op!r}")
+        if (
+            type(tokens) is np.ndarray
+            and (tokens.dtype is _U16 or tokens.dtype is _U32)
+            and tokens.ndim == 1
+        ):
+            arr = tokens  # the directory's arrays: no re-validation
+        else:
+            arr = as_token_array(tokens)
+        if len(arr) != self.chunk:  # arr is 1-D
+            if kind == ADD:
+                log.info(
+                    "blend index: not indexing %d-token content (chunk_size %d)",
+                    len(arr),
+                    self.chunk,
+                )
+            return
+        if type(chunk_hash) is not bytes or len(chunk_hash) > HASH_WIDTH:
+            chunk_hash = _hash_bytes(chunk_hash)
+        own = False
+        if kind == ADD:
+            own = not _shareable(arr)
+            if own:
+                arr = np.array(arr, dtype=arr.dtype, order="C", copy=True)
+                arr.setflags(write=False)
+        elif not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        self.kinds.append(kind)
+        self.tokens.append(arr)
+        self.hashes.append(chunk_hash)
+        self.offsets.append(offset)
+        spaces = self.spaces
+        self.space_of.append(-1 if namespace is None else spaces.setdefault(namespace, len(spaces)))
+        self.owned.append(own)
+
+    def columns(self) -> OpColumns:
+        return OpColumns(
+            np.array(self.kinds, np.int64),
+            self.tokens,
+            self.hashes,
+            _lengths(self.hashes),
+            np.array(self.offsets, np.int64),
+            np.fromiter(map(attrgetter("itemsize"), self.tokens), np.int64, len(self.tokens)),
+            list(self.spaces),
+            np.array(self.space_of, np.int64),
+            np.array(self.owned, np.bool_),
+        )
+
+
+def op_columns(ops: Iterable[BlendOp], chunk: int) -> OpColumns | None:
+    """The ops as one :class:`OpColumns`, in order (``None``: nothing to apply). Raises
+    ``ValueError`` (applying nothing) when an op is invalid."""
+    parts: list[OpColumns] = []
+    singles = _Singles(chunk)
+    for op in ops:
+        if type(op) is AddColumns:
+            whole = _kept_columns(op, chunk)
+            if whole is None:
+                for one in op.ops():
+                    singles.add(one)
+                continue
+            if singles.kinds:
+                parts.append(singles.columns())
+                singles = _Singles(chunk)
+            if len(whole):
+                parts.append(whole)
+        else:
+            singles.add(op)
+    if singles.kinds:
+        parts.append(singles.columns())
+    if len(parts) <= 1:
+        return parts[0] if parts else None
+    return _joined(parts)
+
+
+def _kept_columns(op: AddColumns, chunk: int) -> OpColumns | None:
+    """``op`` as columns if the index can keep every array as it is and every hash and offset
+    is valid as given (checked column-wise); else ``None``."""
+    tokens, hashes = list(op.tokens), list(op.chunk_hashes)
+    n = len(tokens)
+    spaces = list(op.namespaces)
+    try:
+        offsets = np.asarray(op.token_offsets)
+        which = np.zeros(n, np.int64) if op.namespace_of is None else np.asarray(op.namespace_of)
+    except (TypeError, ValueError):
+        return None
+    if not (len(hashes) == len(offsets) == len(which) == n):
+        return None
+    if n == 0:
+        return _EMPTY
+    if offsets.dtype.kind not in "iu" or which.dtype.kind not in "iu":
+        return None
+    if set(map(type, tokens)) != {np.ndarray} or set(map(type, hashes)) != {bytes}:
+        return None
+    dtypes = set(map(_DTYPE, tokens))
+    if not dtypes <= {_U16, _U32} or set(map(_NDIM, tokens)) != {1}:
+        return None
+    if set(map(len, tokens)) != {chunk}:
+        return None
+    hash_lens = _lengths(hashes)
+    if int(hash_lens.max()) > HASH_WIDTH:
+        return None
+    if any(f & (_KEPT | _WRITEABLE) != _KEPT for f in set(map(_FLAGS, tokens))):
+        return None
+    if int(offsets.min()) < 0 or int(offsets.max()) >= 1 << 63:
+        return None
+    if int(which.min()) < 0 or int(which.max()) >= len(spaces):
+        return None
+    if len(dtypes) == 1:
+        token_bytes = filled(n, dtypes.pop().itemsize)
+    else:
+        token_bytes = np.fromiter(map(attrgetter("itemsize"), tokens), np.int64, n)
+    return OpColumns(
+        filled(n, ADD),
+        tokens,
+        hashes,
+        hash_lens,
+        offsets.astype(np.int64),
+        token_bytes,
+        spaces,
+        which.astype(np.int64),
+        np.zeros(n, np.bool_),
+    )
+
+
+def _joined(parts: list[OpColumns]) -> OpColumns:
+    spaces: list[BlendNamespace] = []
+    space_of = []
+    for p in parts:
+        space_of.append(np.where(p.space_of >= 0, p.space_of + len(spaces), -1))
+        spaces += p.spaces
+    return OpColumns(
+        np.concatenate([p.kinds for p in parts]),
+        [t for p in parts for t in p.tokens],
+        [h for p in parts for h in p.hashes],
+        np.concatenate([p.hash_lens for p in parts]),
+        np.concatenate([p.offsets for p in parts]),
+        np.concatenate([p.token_bytes for p in parts]),
+        spaces,
+        np.concatenate(space_of),
+        np.concatenate([p.owned for p in parts]),
+    )
+
+
+_NONE = np.empty(0, np.int64)
+_EMPTY = OpColumns(_NONE, [], [], _NONE, _NONE, _NONE, [], _NONE, np.empty(0, np.bool_))
+
+
+def filled(n: int, value: int) -> npt.NDArray[np.int64]:
+    """``n`` int64s of ``value`` (``np.full`` without its Python-level overhead)."""
+    out = np.empty(n, np.int64)
+    out.fill(value)
+    return out
+
+
+def _lengths(items: list[bytes]) -> npt.NDArray[np.int64]:
+    return np.fromiter(map(len, items), np.int64, len(items))
+
+
+_SLABS: weakref.WeakValueDictionary[int, npt.NDArray[Any]] = weakref.WeakValueDictionary()
+"""Token slabs whose views the index keeps by reference (:func:`share_slab`), by ``id``."""
+
+
+def share_slab(slab: npt.NDArray[Any]) -> None:
+    """Let indexes keep read-only views of ``slab`` (an array that owns its memory) by
+    reference instead of copying them: its owner frees it once most of its views are gone
+    (the directory's restored token slabs, ``directory/token_store.py`` ``TokenSlab``)."""
+    _SLABS[id(slab)] = slab
+
+
+def _shareable(arr: npt.NDArray[Any]) -> bool:
+    """Keep a caller's array only if nobody can change it under us and it pins no larger
+    buffer (a read-only view of a 1M-token request must not keep the whole request alive),
+    or it is a view of a shared token slab (:func:`share_slab`, whose owner frees it)."""
+    flags = arr.flags
+    if flags.writeable or not flags.c_contiguous:
+        return False
+    if flags.owndata:
+        return True
+    base = arr.base
+    if isinstance(base, bytes):
+        return len(base) == arr.nbytes
+    return base is not None and _SLABS.get(id(base)) is base
+
+
+def _hash_bytes(chunk_hash: Any) -> bytes:
+    """The chunk hash as an exact ``bytes`` object (kept by reference, read by address)."""
+    raw = chunk_hash if type(chunk_hash) is bytes else bytes(chunk_hash)
+    if len(raw) > HASH_WIDTH:
+        raise ValueError(f"chunk_hash must be at most {HASH_WIDTH} bytes, got {len(raw)}")
+    return raw
+
+
+def _offset(token_offset: Any) -> int:
+    offset = operator.index(token_offset)
+    if not 0 <= offset < 1 << 63:
+        raise ValueError(f"token_offset must be >= 0, got {offset}")
+    return offset
+
+
+def hash_addresses(hashes: list[bytes], data_offset: int) -> npt.NDArray[np.int64]:
+    """The payload addresses of ``hashes`` (exact ``bytes``): ``id`` + the header size."""
+    out = np.fromiter(map(id, hashes), np.int64, len(hashes))
+    out += data_offset
+    return out
