@@ -105,9 +105,10 @@ class DirectoryUsage:
 
 class PlacementObserver(Protocol):
     """Told, under the directory lock and so in apply order, about every applied batch and
-    every fence (the vLLM KV-events publisher); must only queue, never block or raise."""
+    every fence (the vLLM KV-events publisher); must only queue, never block or raise (a
+    batch's entries as objects, ``ColumnBatch.batch()``, are built later, off the lock)."""
 
-    def applied(self, batch: EventBatch, fenced_first: bool) -> None: ...
+    def applied(self, batch: ColumnBatch, fenced_first: bool) -> None: ...
 
     def fenced(self, instance_id: str) -> None: ...
 
@@ -188,8 +189,8 @@ class KeyDirectory:
                     self._outcomes[admission.outcome] += 1
                     if admission.outcome is Outcome.APPLIED:
                         self._apply_admitted(cb, admission)
-                        if self.observer is not None:  # objects only for it
-                            self.observer.applied(cb.batch(), admission.fence_first)
+                        if self.observer is not None:
+                            self.observer.applied(cb, admission.fence_first)
             finally:
                 self._flush_index()
         return outcomes

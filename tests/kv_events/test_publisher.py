@@ -17,6 +17,8 @@ from kvatlas.coordinator.kv_events import KvEventsPublisher
 from kvatlas.coordinator.server import free_port
 from kvatlas.directory import KeyDirectory
 from kvatlas.events import CacheEntry, EventBatch
+from kvatlas.events.json_codec import decode_json_columns, encode_json
+from kvatlas.events.msgpack_codec import decode_msgpack_columns, encode_msgpack
 from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
 from tests.conftest import wait_for
 from tests.kv_events.router_view import RouterView, State
@@ -44,7 +46,7 @@ def expected(directory: KeyDirectory) -> State:
 
 
 class Published:
-    def __init__(self, ring: int = 10_000, encoding: str = "map") -> None:
+    def __init__(self, ring: int = 10_000, encoding: str = "map", wire: str | None = None) -> None:
         self.directory = KeyDirectory(C)
         self.endpoint, self.replay = free_endpoint(), free_endpoint()
         self.stop = threading.Event()
@@ -58,6 +60,7 @@ class Published:
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.seqs: dict[str, int] = {}
         self.encoding = encoding
+        self.wire = wire  # None: batches as objects; "msgpack"/"json": as a decoded body
 
     def router(self) -> RouterView:
         view = RouterView(self.ctx, self.endpoint, self.replay)
@@ -69,7 +72,17 @@ class Published:
         seq = self.seqs[instance] = self.seqs.get(instance, 0) + 1
         batch = EventBatch(instance, incarnation, seq, kind, tier, backend, shared,
                            ts=1.0, entries=tuple(entries))  # fmt: skip
-        assert self.directory.consume(batch).value == "applied"
+        if self.wire is None:
+            assert self.directory.consume(batch).value == "applied"
+            return
+        # As POST /events hands it over: a body decoded into columns (the observer gets
+        # the columns and builds the entries in the publisher's thread).
+        if self.wire == "msgpack":
+            decoded = decode_msgpack_columns(encode_msgpack([batch]))
+        else:
+            decoded = decode_json_columns(encode_json([batch]))
+        assert decoded[0].columns is not None or not batch.entries or kind != "store"
+        assert [o.value for o in self.directory.apply_columns(decoded)] == ["applied"]
 
     def close(self) -> None:
         self.stop.set()
@@ -97,7 +110,19 @@ def sees(view: RouterView, directory: KeyDirectory) -> bool:
 
 
 def test_a_router_sees_exactly_the_directory_placements(published: Published) -> None:
-    p = published
+    router_scenario(published)
+
+
+@pytest.mark.parametrize("wire", ["msgpack", "json"])
+def test_batches_decoded_into_columns_are_published_alike(wire: str) -> None:
+    p = Published(wire=wire)
+    try:
+        router_scenario(p)
+    finally:
+        p.close()
+
+
+def router_scenario(p: Published) -> None:
     early = p.router()
     p.emit("node-1", "store", "l1", "dram", [entry(0), entry(1), entry(2, tokens=False)])
     p.emit("node-1", "store", "l2", "disk", [entry(3), entry(4, "other")])

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from kvatlas.coordinator.kv_events.stats import PublisherStats, view, zeroed
 from kvatlas.events import DELETE, STORE, EventBatch
+from kvatlas.events.columns import ColumnBatch
 from kvatlas.events.vllm_wire import (
     REPLAY_END_SEQ,
     AllBlocksCleared,
@@ -68,7 +69,7 @@ class _Resync:
     """Publish every node placement (once, at start)."""
 
 
-_Item = EventBatch | _Fence | _Resync
+_Item = ColumnBatch | _Fence | _Resync
 
 
 class KvEventsPublisher:
@@ -98,11 +99,13 @@ class KvEventsPublisher:
 
     # ------------------------------------------------------------------ directory observer
 
-    def applied(self, batch: EventBatch, fenced_first: bool) -> None:
-        """Called under the directory lock: only queue."""
+    def applied(self, batch: ColumnBatch, fenced_first: bool) -> None:
+        """Called under the directory lock: only queue (the entries become objects in the
+        publisher's thread)."""
+        header = batch.header
         if fenced_first:
-            self._queue.put(_Fence(batch.instance_id))
-        if batch.event_type in (STORE, DELETE) and batch.tier in NODE_TIERS:
+            self._queue.put(_Fence(header.instance_id))
+        if header.event_type in (STORE, DELETE) and header.tier in NODE_TIERS:
             self._queue.put(batch)
 
     def fenced(self, instance_id: str) -> None:
@@ -158,8 +161,8 @@ class KvEventsPublisher:
             self._ctx = None
 
     def _handle(self, item: _Item) -> None:
-        if isinstance(item, EventBatch):
-            self._publish_batch(item)
+        if isinstance(item, ColumnBatch):
+            self._publish_batch(item.batch())
         elif isinstance(item, _Fence):
             self._publish_fence(item.instance_id)
         else:
