@@ -97,6 +97,7 @@ class ChunkTable(RemovalRules):
         self.indexing = False  # whether changes queue blend-index writes
         self.journal: ChangeJournal | None = None  # set while a capture is in progress
         self.slabs: list[TokenSlab] = []  # restored contents (see token_store.TokenSlab)
+        self.released: list[TokenSlab] = []  # copied out: the index must let go of them too
         self._reclaim: _Reclaim | None = None
         self._ops: list[BlendOp] = []
         self._start_digests(True)
@@ -115,7 +116,7 @@ class ChunkTable(RemovalRules):
         if self.journal is not None:
             raise Conflict("cannot restore while a snapshot is being taken")
         self.shapes, self.parts, self.counts = shapes, parts, counts
-        self.slabs, self._reclaim = list(slabs), None
+        self.slabs, self._reclaim, self.released = list(slabs), None, []
         self.counts.digests = {}
         self._start_digests(False)  # digests are built partition by partition, later
 
@@ -157,6 +158,7 @@ class ChunkTable(RemovalRules):
             if not r.pending:
                 if r.part_no == PARTS:
                     self._reclaim = None
+                    self.released += r.slabs
                     return
                 r.pending = list(self.parts[r.part_no])
                 r.part_no += 1

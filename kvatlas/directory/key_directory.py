@@ -242,6 +242,11 @@ class KeyDirectory:
         index = self._index
         if ops and index is not None:
             index.apply(ops)
+        released = self._chunks.released
+        while released:  # a content of several chunks may still be a view of the slab
+            slab = released.pop()
+            if index is not None:
+                index.copy_out(slab.buffer)
 
     def _apply_config(self, batch: EventBatch) -> None:
         assert batch.capacity_bytes is not None and batch.capacity_revision is not None
