@@ -6,11 +6,13 @@ from __future__ import annotations
 import gc
 import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvatlas.directory import KeyDirectory, load_snapshot, save_snapshot
-from tests.directory.helpers import CS, Emitter, entry, key, toks
+from kvatlas.directory.records import record_offset, record_stored_tokens, record_tokens
+from tests.directory.helpers import CS, Emitter, captured, entry, key, toks
 from tests.directory.test_snapshot_restore import BIG, NAMESPACES
 
 
@@ -39,3 +41,60 @@ def test_a_slab_is_freed_when_chunks_share_a_content(tmp_path: Path, last: int) 
     assert sorted((m.chunk_hash, m.old_st, m.cur_st) for m in got) == want
     stats = restored.stats().blend
     assert stats is not None and stats.contents == 1 and stats.token_bytes_owned == (2 if last < 1 << 16 else 4) * CS
+
+
+def restored_with_slab(tmp_path: Path, n: int = 40) -> tuple[KeyDirectory, Emitter]:
+    d, em = KeyDirectory(CS, enable_blend_lookup=True), Emitter("a")
+    d.consume(em.batch("store", [entry(key(i), toks(i, i, i, BIG), 4 * i) for i in range(n)]))
+    save_snapshot(d, tmp_path / "s.snap")
+    restored = KeyDirectory(CS, enable_blend_lookup=True)
+    load_snapshot(restored, tmp_path / "s.snap")
+    return restored, em
+
+
+def contents_of(records: dict[bytes, Any]) -> dict[bytes, tuple[int, list[int] | None]]:
+    return {
+        h: (record_offset(rec), None if (t := record_tokens(rec)) is None else t.tolist())
+        for h, rec in records.items()
+    }
+
+
+def test_a_copy_out_during_a_capture_leaves_the_capture_as_it_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("kvatlas.directory.chunk_table._RECLAIM_WORK", 64)  # 4 copies a step
+    d, em = restored_with_slab(tmp_path)
+    d.consume(em.batch("delete", [entry(key(i)) for i in range(1, 23)]))
+    d.consume(em.batch("access", [entry(key(39))], ts=0.5))  # copying starts
+    assert d._chunks._reclaim is not None
+    before = contents_of(captured(d))
+    with d.capture() as capture:
+        parts = capture.parts()
+        got = dict(next(parts).records)  # partition 0 taken; the rest not yet
+        for ts in range(1, 40):  # each change a step: the rest is copied out
+            d.consume(em.batch("access", [entry(key(39))], ts=float(ts)))
+        assert d._chunks._reclaim is None
+        for part in parts:
+            got.update(part.records)
+    assert contents_of(got) == before == contents_of(captured(d))
+    gc.collect()
+    assert d._chunks.slabs == [] and all(
+        (t := record_stored_tokens(rec)) is None or t.flags.owndata
+        for rec in captured(d).values()
+    )
+
+
+def test_installing_twice_frees_the_first_slab(tmp_path: Path) -> None:
+    d, em = restored_with_slab(tmp_path)
+    (first,) = d._chunks.slabs
+    buffer = weakref.ref(first.buffer)
+    del first
+    load_snapshot(d, tmp_path / "s.snap")
+    gc.collect()
+    assert buffer() is None and len(d._chunks.slabs) == 1
+    d.consume(em.batch("delete", [entry(key(i)) for i in range(30)]))
+    d.consume(em.batch("access", [entry(key(39))], ts=1.0))
+    assert d._chunks.slabs == []
+    for i in range(30, 40):
+        (m,) = d.blend_match(toks(i, i, i, BIG), NAMESPACES[0])
+        assert (m.chunk_hash, m.old_st) == (key(i).chunk_hash, 4 * i)
