@@ -13,7 +13,7 @@ import pytest
 from kvatlas.directory import KeyDirectory, load_snapshot, save_snapshot
 from kvatlas.directory.records import record_offset, record_stored_tokens, record_tokens
 from tests.directory.helpers import CS, Emitter, captured, entry, key, toks
-from tests.directory.test_snapshot_restore import BIG, NAMESPACES
+from tests.directory.test_snapshot_restore import BIG, NAMESPACES, slab_directory
 
 
 @pytest.mark.parametrize("last", [8, BIG], ids=["uint16", "uint32"])
@@ -40,16 +40,11 @@ def test_a_slab_is_freed_when_chunks_share_a_content(tmp_path: Path, last: int) 
     got = restored.blend_match(toks(1, 7, 7, 7, last), NAMESPACES[0])
     assert sorted((m.chunk_hash, m.old_st, m.cur_st) for m in got) == want
     stats = restored.stats().blend
-    assert stats is not None and stats.contents == 1 and stats.token_bytes_owned == (2 if last < 1 << 16 else 4) * CS
-
-
-def restored_with_slab(tmp_path: Path, n: int = 40) -> tuple[KeyDirectory, Emitter]:
-    d, em = KeyDirectory(CS, enable_blend_lookup=True), Emitter("a")
-    d.consume(em.batch("store", [entry(key(i), toks(i, i, i, BIG), 4 * i) for i in range(n)]))
-    save_snapshot(d, tmp_path / "s.snap")
-    restored = KeyDirectory(CS, enable_blend_lookup=True)
-    load_snapshot(restored, tmp_path / "s.snap")
-    return restored, em
+    assert (
+        stats is not None
+        and stats.contents == 1
+        and stats.token_bytes_owned == (2 if last < 1 << 16 else 4) * CS
+    )
 
 
 def contents_of(records: dict[bytes, Any]) -> dict[bytes, tuple[int, list[int] | None]]:
@@ -63,7 +58,7 @@ def test_a_copy_out_during_a_capture_leaves_the_capture_as_it_started(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr("kvatlas.directory.chunk_table._RECLAIM_WORK", 64)  # 4 copies a step
-    d, em = restored_with_slab(tmp_path)
+    d, em = slab_directory(tmp_path, True)
     d.consume(em.batch("delete", [entry(key(i)) for i in range(1, 23)]))
     d.consume(em.batch("access", [entry(key(39))], ts=0.5))  # copying starts
     assert d._chunks._reclaim is not None
@@ -79,13 +74,12 @@ def test_a_copy_out_during_a_capture_leaves_the_capture_as_it_started(
     assert contents_of(got) == before == contents_of(captured(d))
     gc.collect()
     assert d._chunks.slabs == [] and all(
-        (t := record_stored_tokens(rec)) is None or t.flags.owndata
-        for rec in captured(d).values()
+        (t := record_stored_tokens(rec)) is None or t.flags.owndata for rec in captured(d).values()
     )
 
 
 def test_installing_twice_frees_the_first_slab(tmp_path: Path) -> None:
-    d, em = restored_with_slab(tmp_path)
+    d, em = slab_directory(tmp_path, True)
     (first,) = d._chunks.slabs
     buffer = weakref.ref(first.buffer)
     del first
