@@ -8,7 +8,7 @@ partitions and change journal in :mod:`kvatlas.directory.chunk_counts`.
 Invariant: the counters and per-instance L1 chunk sets in
 :class:`~kvatlas.directory.chunk_counts.ChunkCounts` always equal
 what a pass over the records would compute, and every blend-index write a change implies is
-queued (:meth:`ChunkTable.take_index_ops`) in the order the changes happened, so the directory
+queued (:meth:`ChunkTable.flush_index`) in the order the changes happened, so the directory
 applies a batch's index writes as one. Changes are made under the directory's lock; a change
 either completes or raises before touching anything (the batch was validated when built).
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvatlas.directory.blend import AddOp, BlendOp, RemoveChunkOp, new_add_op
+from kvatlas.directory.blend import AddOp, BlendIndex, BlendOp, RemoveChunkOp, new_add_op
 from kvatlas.directory.chunk_counts import PARTS, ChangeJournal, ChunkCounts, Partition
 from kvatlas.directory.chunk_removals import RemovalRules
 from kvatlas.directory.records import (
@@ -70,7 +70,7 @@ from kvatlas.keys import BlendNamespace, ObjectKey
 log = logging.getLogger(__name__)
 
 _RECLAIM_WORK = 16_384
-"""Work per reclaim step (:meth:`ChunkTable.take_index_ops`): a record looked at costs 1, a
+"""Work per reclaim step (:meth:`ChunkTable.flush_index`): a record looked at costs 1, a
 content copied out of a slab 16, so one step copies at most 1,024 contents."""
 
 
@@ -131,21 +131,31 @@ class ChunkTable(RemovalRules):
                     part[h] = rebound(rec, tokens, offset, True)  # same key: no resize
             apply(ops)
 
-    def take_index_ops(self) -> list[BlendOp]:
-        """The index writes queued since the last call, in order (after a step of freeing
-        mostly dead token slabs, whose index writes it queues)."""
+    def flush_index(self, index: BlendIndex | None) -> None:
+        """Apply the index writes queued since the last call to ``index`` (if on), in order,
+        as one batch; then a step of freeing mostly dead token slabs (after the writes, so the
+        views the index let go of count), whose index writes (a remove + re-add per content
+        copied) are one more batch."""
+        self._apply_ops(index)
         if self.slabs or self._reclaim is not None:
             self._reclaim_step()
+            self._apply_ops(index)
+            released, self.released = self.released, []
+            for slab in released:  # a content of several chunks may still be a view of it
+                if index is not None:
+                    index.copy_out(slab.buffer)
+
+    def _apply_ops(self, index: BlendIndex | None) -> None:
         ops = self._ops
         if ops:
             self._ops = []
-        return ops
+            if index is not None:
+                index.apply(ops)
 
     def _reclaim_step(self) -> None:
         """Once more than half of a slab's views are gone, copy its live contents out to
         arrays of their own, a bounded step at a time; then nothing refers to it and it is
-        freed. Each slab is copied out at most once (see token_store.TokenSlab). (Views the
-        index lets go of in this flush count from the next one.)"""
+        freed. Each slab is copied out at most once (see token_store.TokenSlab)."""
         r = self._reclaim
         if r is None:
             due = [s for s in self.slabs if s.mostly_dead()]

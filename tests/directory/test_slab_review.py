@@ -92,3 +92,16 @@ def test_installing_twice_frees_the_first_slab(tmp_path: Path) -> None:
     for i in range(30, 40):
         (m,) = d.blend_match(toks(i, i, i, BIG), NAMESPACES[0])
         assert (m.chunk_hash, m.old_st) == (key(i).chunk_hash, 4 * i)
+
+
+@pytest.mark.parametrize("blend", [True, False], ids=["blend", "plain"])
+def test_a_slab_is_freed_by_the_change_that_kills_it(tmp_path: Path, blend: bool) -> None:
+    """Not at some later change: the last one may be the last for a long time (a fenced
+    fleet, a quiet stream)."""
+    d, em = slab_directory(tmp_path, blend)
+    (slab,) = d._chunks.slabs
+    buffer = weakref.ref(slab.buffer)
+    del slab
+    d.consume(em.batch("delete", [entry(key(i)) for i in range(40)]))
+    gc.collect()
+    assert d._chunks.slabs == [] and buffer() is None
