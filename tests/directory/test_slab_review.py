@@ -4,16 +4,26 @@ answers that must not change while one is copied out."""
 from __future__ import annotations
 
 import gc
+import itertools
 import weakref
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from kvatlas.directory import KeyDirectory, load_snapshot, save_snapshot
 from kvatlas.directory.records import record_offset, record_stored_tokens, record_tokens
 from tests.directory.helpers import CS, Emitter, captured, entry, key, toks
-from tests.directory.test_snapshot_restore import BIG, NAMESPACES, slab_directory
+from tests.directory.test_snapshot_restore import (
+    BIG,
+    NAMESPACES,
+    apply,
+    assert_same_answers,
+    ops,
+    slab_directory,
+    view,
+)
 
 
 @pytest.mark.parametrize("last", [8, BIG], ids=["uint16", "uint32"])
@@ -105,3 +115,48 @@ def test_a_slab_is_freed_by_the_change_that_kills_it(tmp_path: Path, blend: bool
     d.consume(em.batch("delete", [entry(key(i)) for i in range(40)]))
     gc.collect()
     assert d._chunks.slabs == [] and buffer() is None
+
+
+BASE = range(20, 60)  # restored chunks beside the random ones, some of one content
+
+
+def base_content(i: int) -> list[int]:
+    return [i % 5, 3, 3, BIG if i % 2 else 8]  # four chunks per content
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(before=ops, after=ops)
+def test_answers_hold_while_a_slab_is_copied_out_a_content_at_a_time(
+    tmp_path_factory: pytest.TempPathFactory, before: list[Any], after: list[Any]
+) -> None:
+    """Copying out one content per change (the smallest step), interleaved with stores,
+    rebinds, deletes and fencing: the restored directory answers as the saved one does,
+    and the slab is freed in the end."""
+    tmp = tmp_path_factory.mktemp("slabs")
+    d = KeyDirectory(CS, enable_blend_lookup=True)
+    emitters = {"a": Emitter("a"), "b": Emitter("b")}
+    apply([d], emitters, [("store", "b", ("l2", False), [(i, ("m", ""), base_content(i), 4 * i)
+                                                         for i in BASE])])  # fmt: skip
+    apply([d], emitters, before)
+    save_snapshot(d, tmp / "s.snap")
+    restored = KeyDirectory(CS, enable_blend_lookup=True)
+    load_snapshot(restored, tmp / "s.snap")
+    (slab,) = restored._chunks.slabs
+    buffer = weakref.ref(slab.buffer)
+    del slab
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("kvatlas.directory.chunk_table._RECLAIM_WORK", 17)  # one copy a step
+        doomed = iter(BASE)
+        for batch in [*after, *[("delete", "b", ("l2", False), [])] * 30]:
+            gone = [(i, ("m", ""), None, -1) for i in itertools.islice(doomed, 3)]
+            apply([d, restored], emitters, [batch, ("delete", "b", ("l2", False), gone)])
+            assert view(restored) == view(d)
+            assert_same_answers(restored, d)
+        dropped = d.fence_instance("a")
+        assert restored.fence_instance("a") == dropped
+        assert view(restored) == view(d)
+        assert_same_answers(restored, d)
+    gc.collect()
+    assert restored._chunks.slabs == [] and buffer() is None
