@@ -26,6 +26,16 @@ from tests.directory.test_snapshot_restore import (
 )
 
 
+def restored_of(d: KeyDirectory, tmp: Path) -> tuple[KeyDirectory, weakref.ref[Any]]:
+    """``d`` saved and restored (blend on), and a weak reference to its one slab's buffer
+    (a strong one would count as a live view)."""
+    save_snapshot(d, tmp / "s.snap")
+    restored = KeyDirectory(CS, enable_blend_lookup=True)
+    load_snapshot(restored, tmp / "s.snap")
+    (slab,) = restored._chunks.slabs
+    return restored, weakref.ref(slab.buffer)
+
+
 @pytest.mark.parametrize("last", [8, BIG], ids=["uint16", "uint32"])
 def test_a_slab_is_freed_when_chunks_share_a_content(tmp_path: Path, last: int) -> None:
     """Chunks of one content (different hashes) are one content in the blend index, kept
@@ -34,12 +44,7 @@ def test_a_slab_is_freed_when_chunks_share_a_content(tmp_path: Path, last: int) 
     d, em = KeyDirectory(CS, enable_blend_lookup=True), Emitter("a")
     n = 40
     d.consume(em.batch("store", [entry(key(i), toks(7, 7, 7, last), 4 * i) for i in range(n)]))
-    save_snapshot(d, tmp_path / "s.snap")
-    restored = KeyDirectory(CS, enable_blend_lookup=True)
-    load_snapshot(restored, tmp_path / "s.snap")
-    (slab,) = restored._chunks.slabs
-    buffer = weakref.ref(slab.buffer)
-    del slab
+    restored, buffer = restored_of(d, tmp_path)
     restored.consume(em.batch("delete", [entry(key(i)) for i in range(n // 2 + 2)]))
     restored.consume(em.batch("access", [entry(key(n - 1))], ts=1.0))
     restored.consume(em.batch("access", [entry(key(n - 1))], ts=2.0))
@@ -140,12 +145,7 @@ def test_answers_hold_while_a_slab_is_copied_out_a_content_at_a_time(
     apply([d], emitters, [("store", "b", ("l2", False), [(i, ("m", ""), base_content(i), 4 * i)
                                                          for i in BASE])])  # fmt: skip
     apply([d], emitters, before)
-    save_snapshot(d, tmp / "s.snap")
-    restored = KeyDirectory(CS, enable_blend_lookup=True)
-    load_snapshot(restored, tmp / "s.snap")
-    (slab,) = restored._chunks.slabs
-    buffer = weakref.ref(slab.buffer)
-    del slab
+    restored, buffer = restored_of(d, tmp)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("kvatlas.directory.chunk_table._RECLAIM_WORK", 17)  # one copy a step
         doomed = iter(BASE)
