@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvatlas.directory.blend import AddOp, BlendOp, RemoveChunkOp
+from kvatlas.directory.blend import AddOp, BlendIndex, RemoveChunkOp
 from kvatlas.directory.chunk_counts import PARTS, Partition
 from kvatlas.directory.chunk_removals import RemovalRules
 from kvatlas.directory.records import rebound, record_indexed, record_offset, record_stored_tokens
 from kvatlas.directory.token_store import TokenSlab, owned_copy
 
 _RECLAIM_WORK = 16_384
-"""Work per reclaim step (:meth:`ChunkTable.take_index_ops`): a record looked at costs 1, a
+"""Work per reclaim step (:meth:`ChunkTable.flush_index`): a record looked at costs 1, a
 content copied out of a slab 16, so one step copies at most 1,024 contents."""
 
 
@@ -38,23 +38,34 @@ class SlabReclaim(RemovalRules):
 
     parts: list[Partition]
     slabs: list[TokenSlab]
+    released: list[TokenSlab]
     _reclaim: _Reclaim | None
 
-    def take_index_ops(self) -> list[BlendOp]:
-        """The index writes queued since the last call, in order (after a step of freeing
-        mostly dead token slabs, whose index writes it queues)."""
+    def flush_index(self, index: BlendIndex | None) -> None:
+        """Apply the index writes queued since the last call to ``index`` (if on), in order,
+        as one batch; then a step of freeing mostly dead token slabs (after the writes, so the
+        views the index let go of count), whose index writes (a remove + re-add per content
+        copied) are one more batch."""
+        self._apply_ops(index)
         if self.slabs or self._reclaim is not None:
             self._reclaim_step()
+            self._apply_ops(index)
+            released, self.released = self.released, []
+            for slab in released:  # a content of several chunks may still be a view of it
+                if index is not None:
+                    index.copy_out(slab.buffer)
+
+    def _apply_ops(self, index: BlendIndex | None) -> None:
         ops = self._ops
         if ops:
             self._ops = []
-        return ops
+            if index is not None:
+                index.apply(ops)
 
     def _reclaim_step(self) -> None:
         """Once more than half of a slab's views are gone, copy its live contents out to
         arrays of their own, a bounded step at a time; then nothing refers to it and it is
-        freed. Each slab is copied out at most once (see token_store.TokenSlab). (Views the
-        index lets go of in this flush count from the next one.)"""
+        freed. Each slab is copied out at most once (see token_store.TokenSlab)."""
         r = self._reclaim
         if r is None:
             due = [s for s in self.slabs if s.mostly_dead()]
@@ -67,6 +78,7 @@ class SlabReclaim(RemovalRules):
             if not r.pending:
                 if r.part_no == PARTS:
                     self._reclaim = None
+                    self.released += r.slabs
                     return
                 r.pending = list(self.parts[r.part_no])
                 r.part_no += 1

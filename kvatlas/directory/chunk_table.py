@@ -8,7 +8,7 @@ partitions and change journal in :mod:`kvatlas.directory.chunk_counts`.
 Invariant: the counters and per-instance L1 chunk sets in
 :class:`~kvatlas.directory.chunk_counts.ChunkCounts` always equal
 what a pass over the records would compute, and every blend-index write a change implies is
-queued (:meth:`ChunkTable.take_index_ops`) in the order the changes happened, so the directory
+queued (:meth:`ChunkTable.flush_index`) in the order the changes happened, so the directory
 applies a batch's index writes as one. Changes are made under the directory's lock; a change
 either completes or raises before touching anything (the batch was validated when built).
 
@@ -82,6 +82,7 @@ class ChunkTable(SlabReclaim):
         self.journal: ChangeJournal | None = None  # set while a capture is in progress
         self.slabs: list[TokenSlab] = []  # restored contents (see token_store.TokenSlab)
         self._reclaim = None  # a reclaim in progress (SlabReclaim)
+        self.released: list[TokenSlab] = []  # copied out: the index must let go of them too
         self._ops: list[BlendOp] = []
         self._start_digests(True)
 
@@ -99,7 +100,7 @@ class ChunkTable(SlabReclaim):
         if self.journal is not None:
             raise Conflict("cannot restore while a snapshot is being taken")
         self.shapes, self.parts, self.counts = shapes, parts, counts
-        self.slabs, self._reclaim = list(slabs), None
+        self.slabs, self._reclaim, self.released = list(slabs), None, []
         self.counts.digests = {}
         self._start_digests(False)  # digests are built partition by partition, later
 

@@ -239,10 +239,7 @@ class KeyDirectory:
         one index batch (one index lock hold, one compiled call), still under the directory
         lock: a concurrent ``blend_match`` sees the index before or after all of them, never
         in between (e.g. between a ``remove_chunk`` and its re-``add``s)."""
-        ops = self._chunks.take_index_ops()
-        index = self._index
-        if ops and index is not None:
-            index.apply(ops)
+        self._chunks.flush_index(self._index)  # (then a step of freeing token slabs)
 
     def _apply_config(self, batch: EventBatch) -> None:
         assert batch.capacity_bytes is not None and batch.capacity_revision is not None

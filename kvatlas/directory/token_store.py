@@ -18,8 +18,9 @@ Restored contents are not allocated one by one: a snapshot's token section is re
 costs a quarter of allocating and filling an array per chunk). The blend index shares those views
 (``blend.share_slab``). A slab is freed once its views are gone; so that dead chunks do not keep
 it forever, the chunk table copies the live contents out to arrays of their own once more than
-half of its views are gone (:meth:`TokenSlab.mostly_dead`; ``ChunkTable`` reclaim), so a slab
-holds at most as many dead bytes as live ones.
+half of its views are gone (:meth:`TokenSlab.mostly_dead`; ``ChunkTable`` reclaim, and
+``BlendIndex.copy_out`` for contents the index keeps), so a slab holds at most as many dead
+contents as live ones.
 """
 
 from __future__ import annotations

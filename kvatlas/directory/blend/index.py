@@ -223,6 +223,14 @@ class BlendIndex:
             np.concatenate([part.cur_st for part in parts]),
         )
 
+    def copy_out(self, buffer: npt.NDArray[Any]) -> int:
+        """Stop sharing ``buffer`` (a token slab being freed, :func:`share_slab`): contents
+        kept as views of it get arrays of their own. (A content several chunks share is kept
+        as the first one's array: its later adds do not replace it.) Returns how many."""
+        start = buffer.ctypes.data
+        with self._lock:
+            return self._state.copy_out(start, start + buffer.nbytes)
+
     def stats(self) -> BlendStats:
         """Counts, table sizes and bytes (see :class:`BlendStats`)."""
         with self._lock:

@@ -33,6 +33,7 @@ from kvatlas.directory.blend.kernels import (
     REMOVE_CLAIM,
     SKIP,
 )
+from kvatlas.directory.blend.kernels.layout import ADDRESS_BITS, TOKENS_U16
 from kvatlas.directory.blend.kernels.writes import (
     OP_HASH,
     OP_HASH_LEN,
@@ -300,6 +301,24 @@ class IndexState:
         new = np.full(2 * self.arrays.claims.shape[0], -1, np.int64)
         kernels.claims_rehash(self.arrays.claims, new)
         self.arrays = self.arrays._replace(claims=new)
+
+    def copy_out(self, start: int, stop: int) -> int:
+        """Give each content whose ids lie in the bytes ``[start, stop)`` (a buffer being
+        freed: a token slab) an array of its own; returns how many. One vectorised pass over
+        the content addresses; Python work only per content copied."""
+        c_addr = self._arrays.c_addr
+        at = c_addr & ADDRESS_BITS
+        cids = np.flatnonzero((at >= start) & (at < stop)).tolist()
+        for cid in cids:
+            old = self.tokens[cid]
+            assert old is not None
+            own = np.array(old, dtype=old.dtype, order="C", copy=True)
+            own.setflags(write=False)
+            self.tokens[cid] = own
+            c_addr[cid] = (int(c_addr[cid]) & TOKENS_U16) | own.ctypes.data
+            self.owned.add(cid)
+            self.owned_bytes += own.nbytes
+        return len(cids)
 
     def rebuild(self, slots: int | None = None) -> None:
         """Fresh table and filter (``slots`` table slots; default: as many as now) holding
