@@ -427,8 +427,11 @@ class KeyDirectory:
             self._capacities = dict(state.capacities)
             self._shared_pools = set()
             if self._index is not None:
-                self._index = self._new_index(self.chunk_size, self._probe_stride)
-                self._chunks.reindex(self._index.apply)
+                # built whole, then published: a concurrent blend_match (index lock only)
+                # sees the old index or the complete new one, never a partial one
+                index = self._new_index(self.chunk_size, self._probe_stride)
+                self._chunks.reindex(index)
+                self._index = index
 
 
 def _by_tier(module_counts: Counter[tuple[str | None, str, str]]) -> dict[str, int]:

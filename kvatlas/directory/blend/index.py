@@ -38,7 +38,7 @@ import numpy.typing as npt
 from kvatlas.checks import is_plain_int
 from kvatlas.directory.blend import _cpython, kernels
 from kvatlas.directory.blend.op_columns import HASH_WIDTH, op_columns
-from kvatlas.directory.blend.ops import AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp
+from kvatlas.directory.blend.ops import AddColumns, AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp
 from kvatlas.directory.blend.state import IndexState
 from kvatlas.keys import BlendMatch, BlendNamespace, as_token_array
 
@@ -151,6 +151,14 @@ class BlendIndex:
         if cols is not None and len(cols):
             with self._lock:
                 self._state.apply(cols)
+
+    def build(self, adds: AddColumns) -> None:
+        """``apply([adds])`` to a fresh index, then its extra-claim set shrunk to what the
+        claims need (a batch reserves room for one per add): a bulk build — a restore's
+        rebuild — whose arrays and table are sized once for the known number of contents."""
+        self.apply((adds,))
+        with self._lock:
+            self._state.trim_claims()
 
     # ------------------------------------------------------------------ reads
 
