@@ -108,10 +108,7 @@ def fingerprint(tokens: Any, start: Any, length: Any, base: Any, fmask: Any) -> 
         tail = _U0
         for j in range(LANES):
             tail = horner(tail, b, lanes[j])
-        if head > 0:
-            h = fold(mul_lazy(h, powmod61(b, LANES * q)) + tail)
-        else:
-            h = tail
+        h = fold(mul_lazy(h, powmod61(b, LANES * q)) + tail) if head > 0 else tail
     return h & np.uint64(fmask)
 
 
