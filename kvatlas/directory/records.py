@@ -250,9 +250,11 @@ def records_from_columns(
     offsets: list[int],
     shape_ids: list[int],
     placements: Iterable[Placements],
+    indexed: list[bool] | None = None,
 ) -> list[Record]:
-    """Unindexed one-key records zipped from columns (the snapshot loader's fast path)."""
-    flags = repeat(False, len(tokens))
+    """One-key records zipped from columns (the snapshot loader's fast path); unindexed
+    unless ``indexed`` says otherwise."""
+    flags = repeat(False, len(tokens)) if indexed is None else indexed
     return list(zip(tokens, offsets, flags, shape_ids, placements, strict=True))
 
 

@@ -29,6 +29,7 @@ from kvatlas.directory.records import (
     first_shape_ids,
     indexed_records,
     key_counts,
+    record_indexed,
     record_offset,
     record_stored_tokens,
     shape_ids,
@@ -89,9 +90,15 @@ def reindex_records(
         offsets = np.concatenate((offsets, offsets[more]))
         which = np.concatenate((which, np.array(extra[1::2], np.int64)))
     index.build(AddColumns(tokens, hashes, offsets, list(spaces), which))
-    # mark the records indexed, partition by partition (same keys: no dict resizes)
-    marked = indexed_records(records)
-    cuts = np.searchsorted(rows, bounds).tolist()
+    # mark the records indexed (unless the reader built them marked), partition by
+    # partition (same keys: no dict resizes)
+    todo = ~np.fromiter(map(record_indexed, records), np.bool_, len(records))
+    if not todo.any():
+        return
+    picked = np.flatnonzero(todo).tolist()
+    marked = indexed_records(map(records.__getitem__, picked))
+    hashes = list(map(hashes.__getitem__, picked))
+    cuts = np.searchsorted(rows[todo], bounds).tolist()
     for part, lo, hi in zip(parts, cuts, cuts[1:], strict=False):
         if hi > lo:
             part.update(zip(hashes[lo:hi], marked[lo:hi], strict=True))

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from kvatlas.directory import AddColumns, BlendIndex, KeyDirectory, load_snapshot, save_snapshot
 from kvatlas.directory.records import record_indexed
+from kvatlas.directory.snapshot import reader
 from kvatlas.keys import BlendNamespace
 from tests.directory.helpers import CS, Emitter, captured, entry, key
 from tests.directory.test_blend_index_oracle import SPACES, Oracle, canonical
@@ -115,10 +117,12 @@ chunks = st.lists(
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(chunks, st.integers(0, 3))
+@given(chunks, st.integers(0, 3), st.booleans())
 def test_restore_with_blend_on_answers_as_the_live_directory(
-    tmp_path_factory: Any, spec: list[tuple[int, list[int], str, int]], seed: int
+    tmp_path_factory: Any, spec: list[tuple[int, list[int], str, int]], seed: int, marked: bool
 ) -> None:
+    """``marked``: the reader builds the records marked indexed (blend on when it reads),
+    else the rebuild marks them (blend turned on between reading and installing)."""
     rng = np.random.default_rng(seed)
     bodies = [rng.integers(0, 4, CS).astype(np.uint32) for _ in range(3)]
     live, em = KeyDirectory(CS, enable_blend_lookup=True), Emitter("a")
@@ -135,7 +139,9 @@ def test_restore_with_blend_on_answers_as_the_live_directory(
     path = Path(tmp_path_factory.mktemp("snap")) / "s.snap"
     save_snapshot(live, path, stream_position="0-0")
     restored = KeyDirectory(CS, enable_blend_lookup=True)
-    load_snapshot(restored, path)
+    build = reader._build
+    with mock.patch.object(reader, "_build", lambda *a: build(*a[:3], a[3] and marked)):
+        load_snapshot(restored, path)
     query = np.concatenate(bodies + bodies[::-1])
     for ns in NAMESPACES:
         assert canonical(restored.blend_match(query, ns)) == canonical(live.blend_match(query, ns))
