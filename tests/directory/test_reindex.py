@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvatlas.directory import AddColumns, BlendIndex, KeyDirectory, load_snapshot, save_snapshot
+from kvatlas.directory.blend import index as blend_index
 from kvatlas.directory.records import record_indexed
 from kvatlas.directory.snapshot import reader
 from kvatlas.keys import BlendNamespace
@@ -51,9 +52,12 @@ def contents(seed: int) -> list[np.ndarray[Any, Any]]:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(items, items, st.integers(0, 3))
+@given(items, items, st.integers(0, 3), st.sampled_from([1, 3, 1 << 17]))
 def test_build_equals_single_adds_also_after_removals_and_re_adds(
-    first: list[tuple[int, int, int, int]], later: list[tuple[int, int, int, int]], seed: int
+    first: list[tuple[int, int, int, int]],
+    later: list[tuple[int, int, int, int]],
+    seed: int,
+    slice_size: int,
 ) -> None:
     tokens = contents(seed)
     rows = [(tokens[c], bytes([h]) * 32, o, SPACES[s]) for c, h, o, s in first]
@@ -62,15 +66,16 @@ def test_build_equals_single_adds_also_after_removals_and_re_adds(
         single.add(t, h, o, ns)
         oracle.add(t.tolist(), h, o, ns)
     spaces = list(dict.fromkeys(ns for *_, ns in rows))
-    bulk.build(
-        AddColumns(
-            [r[0] for r in rows],
-            [r[1] for r in rows],
-            np.array([r[2] for r in rows], np.int64),
-            spaces,
-            np.array([spaces.index(r[3]) for r in rows], np.int64),
+    with mock.patch.object(blend_index, "BUILD_SLICE", slice_size):
+        bulk.build(
+            AddColumns(
+                [r[0] for r in rows],
+                [r[1] for r in rows],
+                np.array([r[2] for r in rows], np.int64),
+                spaces,
+                np.array([spaces.index(r[3]) for r in rows], np.int64),
+            )
         )
-    )
     same(single, bulk, oracle, tokens)
     # then the same removals and re-adds on both
     for c, h, o, s in later:

@@ -42,6 +42,9 @@ from kvatlas.directory.blend.ops import AddColumns, AddOp, BlendOp, RemoveChunkO
 from kvatlas.directory.blend.state import IndexState
 from kvatlas.keys import BlendMatch, BlendNamespace, as_token_array
 
+BUILD_SLICE = 1 << 17
+"""Adds per batch in :meth:`BlendIndex.build`: ≈90 bytes of op arrays each while applied."""
+
 _SEGMENT_WINDOWS = 65536
 """Window starts probed per lock acquisition in ``match``: bounds how long one query holds
 the lock, so a 1M-token query never stalls ingestion behind it."""
@@ -153,10 +156,24 @@ class BlendIndex:
                 self._state.apply(cols)
 
     def build(self, adds: AddColumns) -> None:
-        """``apply([adds])`` to a fresh index, then its extra-claim set shrunk to what the
-        claims need (a batch reserves room for one per add): a bulk build — a restore's
-        rebuild — whose arrays and table are sized once for the known number of contents."""
-        self.apply((adds,))
+        """``apply([adds])`` to a fresh index nobody queries yet (a restore's rebuild): its
+        arrays and table sized once for all the adds, applied in slices of
+        :data:`BUILD_SLICE` (bounded scratch), then the extra-claim set shrunk to what the
+        claims need (a batch reserves room for one per add)."""
+        n = len(adds.tokens)
+        with self._lock:
+            self._state.reserve(n)
+        which = adds.namespace_of
+        for lo in range(0, n, BUILD_SLICE):
+            hi = lo + BUILD_SLICE
+            part = AddColumns(
+                adds.tokens[lo:hi],
+                adds.chunk_hashes[lo:hi],
+                adds.token_offsets[lo:hi],
+                adds.namespaces,
+                None if which is None else which[lo:hi],
+            )
+            self.apply((part,))
         with self._lock:
             self._state.trim_claims()
 

@@ -295,6 +295,11 @@ class IndexState:
         if slots != self.arrays.table_slots:
             self.rebuild(slots)
 
+    def reserve(self, n_add: int) -> None:
+        """Room for ``n_add`` adds now, so that batches adding them grow nothing."""
+        if not self._has_room(n_add):
+            self._make_room(n_add)
+
     def trim_claims(self) -> None:
         """Shrink the extra-claim set to the size adding its claims one by one would have
         grown it to (a batch reserves room for one extra claim per add: after a bulk build
