@@ -5,9 +5,11 @@ one (known content of ``chunk_size`` tokens at a known offset) is added for each
 its keys are in. Done op by op that costs several µs of Python per chunk (an ``AddOp`` each,
 validated one by one, tracked by the garbage collector) and grows the index's arrays dozens of
 times. Here the bindings are read column-wise (C-level maps over the records), the adds go
-to the index as one :class:`~kvatlas.directory.blend.AddColumns` (the columnar add path: no
-Python per entry, the table and filter sized once for the known number of contents, one
-compiled call), and the records are marked indexed by C-level tuple concatenation. Only
+to the index as one :class:`~kvatlas.directory.blend.AddColumns` built at once
+(:meth:`~kvatlas.directory.blend.BlendIndex.build`: the columnar add path, no Python per
+entry, arrays and table sized once for the known number of contents), and records not yet
+marked indexed (the snapshot reader marks them when blend is on as it reads) are marked by
+C-level tuple concatenation. Only
 records with keys in several namespaces take a Python step each (one extra add per further
 namespace). Same state and answers as adding each chunk by itself
 (``tests/directory/test_reindex.py``).
