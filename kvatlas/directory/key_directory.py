@@ -427,8 +427,7 @@ class KeyDirectory:
             self._capacities = dict(state.capacities)
             self._shared_pools = set()
             if self._index is not None:
-                # built whole, then published: a concurrent blend_match (index lock only)
-                # sees the old index or the complete new one, never a partial one
+                # built whole, then published: blend_match sees the old one or all the new one
                 index = self._new_index(self.chunk_size, self._probe_stride)
                 self._chunks.reindex(index)
                 self._index = index
