@@ -22,11 +22,11 @@ partition was not captured yet preserves its record (copy-on-write, see
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from kvatlas.directory.blend import AddColumns, AddOp, BlendOp, RemoveChunkOp
+from kvatlas.directory.blend import AddColumns, AddOp, BlendIndex, BlendOp, RemoveChunkOp
 from kvatlas.directory.chunk_counts import PARTS, ChangeJournal, ChunkCounts, Partition
 from kvatlas.directory.chunk_slabs import SlabReclaim
 from kvatlas.directory.records import (
@@ -57,6 +57,7 @@ from kvatlas.directory.records import (
     with_key,
     with_placements_at,
 )
+from kvatlas.directory.reindex import reindex_records
 from kvatlas.directory.shapes import KeyShape, ShapeTable
 from kvatlas.directory.token_store import StoredTokens, TokenSlab, stored_columns
 from kvatlas.errors import Conflict
@@ -104,16 +105,10 @@ class ChunkTable(SlabReclaim):
         self.counts.digests = {}
         self._start_digests(False)  # digests are built partition by partition, later
 
-    def reindex(self, apply: Callable[[list[BlendOp]], None]) -> None:
-        """Add every indexable chunk to the index (``apply``, one call per partition)."""
-        for part in self.parts:
-            ops: list[BlendOp] = []
-            for h, rec in part.items():
-                tokens, offset = record_stored_tokens(rec), record_offset(rec)
-                if tokens is not None and self._indexable(tokens, offset):
-                    ops += [AddOp(tokens, h, offset, ns) for ns in self._namespaces(rec)]
-                    part[h] = rebound(rec, tokens, offset, True)  # same key: no resize
-            apply(ops)
+    def reindex(self, index: BlendIndex) -> None:
+        """Add every indexable chunk to ``index`` (fresh: one columnar build, see
+        :mod:`kvatlas.directory.reindex`) and mark its record indexed."""
+        reindex_records(self.parts, self.shapes, self.chunk_size, index)
 
     # ------------------------------------------------------------------ reads
 

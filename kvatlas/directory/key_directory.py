@@ -428,8 +428,10 @@ class KeyDirectory:
             self._capacities = dict(state.capacities)
             self._shared_pools = set()
             if self._index is not None:
-                self._index = self._new_index(self.chunk_size, self._probe_stride)
-                self._chunks.reindex(self._index.apply)
+                # built whole, then published: blend_match sees the old one or all the new one
+                index = self._new_index(self.chunk_size, self._probe_stride)
+                self._chunks.reindex(index)
+                self._index = index
 
 
 __all__ = [

@@ -16,8 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, repeat
-from operator import itemgetter
+from operator import add, itemgetter
 from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
 
 from kvatlas.directory.token_store import StoredTokens, widened
 from kvatlas.events import VOLATILE_TIERS
@@ -247,9 +250,11 @@ def records_from_columns(
     offsets: list[int],
     shape_ids: list[int],
     placements: Iterable[Placements],
+    indexed: list[bool] | None = None,
 ) -> list[Record]:
-    """Unindexed one-key records zipped from columns (the snapshot loader's fast path)."""
-    flags = repeat(False, len(tokens))
+    """One-key records zipped from columns (the snapshot loader's fast path); unindexed
+    unless ``indexed`` says otherwise."""
+    flags = repeat(False, len(tokens)) if indexed is None else indexed
     return list(zip(tokens, offsets, flags, shape_ids, placements, strict=True))
 
 
@@ -258,6 +263,29 @@ def records_from_columns(
 record_stored_tokens: Callable[[Record], StoredTokens | None] = itemgetter(_TOKENS)
 record_offset: Callable[[Record], int] = itemgetter(_OFFSET)
 record_indexed: Callable[[Record], bool] = itemgetter(_INDEXED)
+
+
+def first_shape_ids(records: Sequence[Record]) -> list[int]:
+    """The shape id of each record's first key (C-level: no Python per record)."""
+    return list(map(_FIRST_SHAPE, records))
+
+
+def key_counts(records: Sequence[Record]) -> npt.NDArray[np.int64]:
+    """How many keys each record has (C-level)."""
+    lengths = np.fromiter(map(len, records), np.int64, len(records))
+    return (lengths - _KEYS) >> 1
+
+
+def indexed_records(records: Iterable[Record]) -> list[Record]:
+    """``rebound(rec, its tokens, its offset, True)`` of each record, built C-level (tuple
+    concatenation of the binding and the keys): what a bulk reindex marks as indexed."""
+    records = list(records)
+    heads = zip(map(record_stored_tokens, records), map(record_offset, records), repeat(True))
+    return list(map(add, heads, map(_AFTER_BINDING, records)))
+
+
+_FIRST_SHAPE = itemgetter(_KEYS)
+_AFTER_BINDING = itemgetter(slice(_KEYS, None))
 
 
 def record_tokens(rec: Record) -> TokenArray | None:

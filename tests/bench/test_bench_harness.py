@@ -126,6 +126,7 @@ def test_bench_directory_runs_the_snapshot_part_alone(tmp_path: Path) -> None:
     assert [r["case"].split(":")[0] for r in rows] == [
         "snapshot at 256 keys",
         "restore 256 keys (blend off)",
+        "restore 256 keys (blend on",  # ": the index rebuilt)"
     ]
     notes = rows[0]["extra"]
     assert {"same thread, as long, alone", "beside plain Python (floor)"} <= set(notes)

@@ -34,11 +34,10 @@ _U32 = np.dtype(np.uint32)
 _U16 = np.dtype(np.uint16)
 _DTYPE = attrgetter("dtype")
 _NDIM = attrgetter("ndim")
+_BASE = attrgetter("base")
 _FLAGS = attrgetter("flags.num")
 # numpy's array flag bits (``ndarray.flags.num``)
 _C_CONTIGUOUS, _OWNDATA, _WRITEABLE = 0x1, 0x4, 0x400
-_KEPT = _C_CONTIGUOUS | _OWNDATA
-"""Flags of an array the index keeps as it is: C-contiguous, owning, not writeable."""
 
 Tokens = npt.NDArray[np.unsignedinteger[Any]]
 """A content's ids: a C-contiguous ``uint32`` or ``uint16`` array."""
@@ -195,7 +194,10 @@ def _kept_columns(op: AddColumns, chunk: int) -> OpColumns | None:
     hash_lens = _lengths(hashes)
     if int(hash_lens.max()) > HASH_WIDTH:
         return None
-    if any(f & (_KEPT | _WRITEABLE) != _KEPT for f in set(map(_FLAGS, tokens))):
+    flags = set(map(_FLAGS, tokens))
+    if any(f & (_C_CONTIGUOUS | _WRITEABLE) != _C_CONTIGUOUS for f in flags):
+        return None
+    if any(not f & _OWNDATA for f in flags) and not _slab_views(tokens):
         return None
     if int(offsets.min()) < 0 or int(offsets.max()) >= 1 << 63:
         return None
@@ -261,6 +263,14 @@ def share_slab(slab: npt.NDArray[Any]) -> None:
     reference instead of copying them: its owner frees it once most of its views are gone
     (the directory's restored token slabs, ``directory/token_store.py`` ``TokenSlab``)."""
     _SLABS[id(slab)] = slab
+
+
+def _slab_views(tokens: list[Tokens]) -> bool:
+    """Whether every array of ``tokens`` that does not own its memory is a view of a shared
+    token slab (a restore's contents; checked per distinct base, by C-level maps)."""
+    bases = set(map(id, map(_BASE, tokens)))
+    bases.discard(id(None))  # arrays that own their memory
+    return all(i in _SLABS for i in bases)  # a live slab and a live base with one id: the same
 
 
 def _shareable(arr: npt.NDArray[Any]) -> bool:

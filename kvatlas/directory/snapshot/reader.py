@@ -36,6 +36,7 @@ from kvatlas.directory.records import (
     Record,
     group_placements,
     make_record,
+    record_indexed,
     record_offset,
     record_stored_tokens,
     records_from_columns,
@@ -54,7 +55,7 @@ from kvatlas.directory.snapshot.format import (
     decode_column,
 )
 from kvatlas.directory.token_store import TokenSlab, stored_from_arena
-from kvatlas.events import VOLATILE_TIERS
+from kvatlas.events import UNKNOWN_OFFSET, VOLATILE_TIERS
 from kvatlas.keys import ObjectKey
 
 _V1_GROUP = 65_536
@@ -92,7 +93,10 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
         tokens, slabs = _read_tokens(f, body, columns.lens, columns.widths, header.version < 2)
         # The GC stays on: records are untracked at their first young collection, so
         # collecting as they are built costs less than one pass over all of them at the end.
-        shapes, parts, hashes = _build(header, columns, tokens)
+        # with blend on (it is never turned off), records the index will hold are built
+        # marked: the rebuild then makes no second record per chunk (directory/reindex.py)
+        blend = directory.blend_enabled and header.chunk_size == directory.chunk_size
+        shapes, parts, hashes = _build(header, columns, tokens, blend)
         del tokens
         counts = _counts(header, columns, hashes)
         state = DirectoryState(header.chunk_size, _cursors(header), _capacities(header))
@@ -240,9 +244,11 @@ def _placements(header: Header) -> list[PlacementRow]:
 
 
 def _build(
-    header: Header, cols: _Columns, tokens: list[Any]
+    header: Header, cols: _Columns, tokens: list[Any], blend: bool
 ) -> tuple[ShapeTable, list[Partition], list[bytes]]:
-    """The shape table, the partitions of records, and every chunk's hash."""
+    """The shape table, the partitions of records, and every chunk's hash; with ``blend``,
+    the records of indexable chunks (content of ``chunk_size`` tokens, a known offset) are
+    marked indexed."""
     snap_to_sid, table = _shapes(header)
     pls = _placements(header)
     raw = header.chunk_hashes
@@ -261,6 +267,7 @@ def _build(
         cols.offsets.tolist(),
         sids[first_key].tolist(),
         rows[cols.key_pls[first_ref]].tolist(),
+        _indexable(header, cols).tolist() if blend else None,
     )
     if not simple.all():
         ksh, kpl, kpc_list = sids.tolist(), cols.key_pls.tolist(), kpc.tolist()
@@ -272,8 +279,17 @@ def _build(
                 m = fr[k]
                 keys.append((ksh[k], group_placements([pls[x] for x in kpl[m : m + kpc_list[k]]])))
             rec = records[c]
-            records[c] = make_record(record_stored_tokens(rec), record_offset(rec), False, keys)
+            records[c] = make_record(
+                record_stored_tokens(rec), record_offset(rec), record_indexed(rec), keys
+            )
     return table, _partitions(raw, hashes, records), hashes
+
+
+def _indexable(header: Header, cols: _Columns) -> npt.NDArray[np.bool_]:
+    """Chunks the blend index holds: bound content of ``chunk_size`` tokens, a known offset
+    (``ChunkTable._indexable``)."""
+    out: npt.NDArray[np.bool_] = (cols.lens == header.chunk_size) & (cols.offsets != UNKNOWN_OFFSET)
+    return out
 
 
 def _partitions(raw: bytes, hashes: list[bytes], records: list[Record]) -> list[Partition]:

@@ -86,31 +86,29 @@ def powmod61(base: Any, exp: Any) -> Any:
 def fingerprint(tokens: Any, start: Any, length: Any, base: Any, fmask: Any) -> Any:
     """Fingerprint of ``tokens[start:start+length]``, masked to the configured bits.
 
-    Four Horner chains over the window's quarters run interleaved (one serial chain is
-    latency-bound; every add and removal hashes its chunk) and are then joined:
-    h = ((h0·B^q + h1)·B^q + h2)·B^q + h3 after a head of ``length % 4`` tokens."""
+    One serial Horner chain is latency-bound (every add and removal hashes its chunk, a
+    restore a million of them), so after a head of ``length % LANES`` tokens the window runs
+    as :data:`LANES` chains interleaved token by token, advanced together in one SIMD loop:
+    chain ``j`` takes tokens ``j, j + LANES, ...`` at base ``B^LANES``, and the chains are
+    joined as ``Σ h_j·B^(LANES-1-j)``, the head as ``h_head·B^(LANES·q)``."""
     b = np.uint64(base)
-    q = length // 4
-    head = length - 4 * q
+    q = length // LANES
+    head = length - LANES * q
     h = _U0
     for i in range(start, start + head):
         h = horner(h, b, tokens[i])
     if q > 0:
         s0 = start + head
-        h0 = _U0
-        h1 = _U0
-        h2 = _U0
-        h3 = _U0
-        for i in range(q):
-            h0 = horner(h0, b, tokens[s0 + i])
-            h1 = horner(h1, b, tokens[s0 + q + i])
-            h2 = horner(h2, b, tokens[s0 + 2 * q + i])
-            h3 = horner(h3, b, tokens[s0 + 3 * q + i])
-        bq = powmod61(b, q)
-        h = horner(h, bq, h0)
-        h = horner(h, bq, h1)
-        h = horner(h, bq, h2)
-        h = horner(h, bq, h3)
+        b_lanes = powmod61(b, LANES)
+        lanes = np.zeros(LANES, np.uint64)
+        for k in range(q):
+            at = s0 + k * LANES
+            for j in range(LANES):
+                lanes[j] = horner(lanes[j], b_lanes, tokens[at + j])
+        tail = _U0
+        for j in range(LANES):
+            tail = horner(tail, b, lanes[j])
+        h = fold(mul_lazy(h, powmod61(b, LANES * q)) + tail) if head > 0 else tail
     return h & np.uint64(fmask)
 
 

@@ -1,0 +1,106 @@
+"""Rebuilding the blend index from restored records, column-wise (a restore with blend on).
+
+A restore installs records the index has never seen; with blend lookup on, every indexable
+one (known content of ``chunk_size`` tokens at a known offset) is added for each namespace
+its keys are in. Done op by op that costs several µs of Python per chunk (an ``AddOp`` each,
+validated one by one, tracked by the garbage collector) and grows the index's arrays dozens of
+times. Here the bindings are read column-wise (C-level maps over the records), the adds go
+to the index as one :class:`~kvatlas.directory.blend.AddColumns` built at once
+(:meth:`~kvatlas.directory.blend.BlendIndex.build`: the columnar add path, no Python per
+entry, arrays and table sized once for the known number of contents), and records not yet
+marked indexed (the snapshot reader marks them when blend is on as it reads) are marked by
+C-level tuple concatenation. Only
+records with keys in several namespaces take a Python step each (one extra add per further
+namespace). Same state and answers as adding each chunk by itself
+(``tests/directory/test_reindex.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from itertools import compress, repeat
+from operator import is_not
+from typing import Any
+
+import numpy as np
+
+from kvatlas.directory.blend import AddColumns, BlendIndex
+from kvatlas.directory.chunk_counts import Partition
+from kvatlas.directory.records import (
+    Record,
+    first_shape_ids,
+    indexed_records,
+    key_counts,
+    record_indexed,
+    record_offset,
+    record_stored_tokens,
+    shape_ids,
+)
+from kvatlas.directory.shapes import ShapeTable
+from kvatlas.events import UNKNOWN_OFFSET
+from kvatlas.keys import BlendNamespace
+
+_size: Callable[[Any], int] = len
+
+
+def reindex_records(
+    parts: Sequence[Partition],
+    shapes: ShapeTable,
+    chunk_size: int,
+    index: BlendIndex,
+) -> None:
+    """Add every indexable chunk of ``parts`` to ``index`` (fresh: one
+    :meth:`~kvatlas.directory.blend.BlendIndex.build`) and mark its record indexed."""
+    hashes: list[bytes] = []
+    records: list[Record] = []
+    bounds = [0]
+    for part in parts:
+        hashes += part.keys()
+        records += part.values()
+        bounds.append(len(records))
+    n = len(records)
+    if not n:
+        return
+    tokens = list(map(record_stored_tokens, records))
+    offsets = np.fromiter(map(record_offset, records), np.int64, n)
+    bound = np.fromiter(map(is_not, tokens, repeat(None)), np.bool_, n)
+    lengths = np.zeros(n, np.int64)
+    lengths[bound] = np.fromiter(map(_size, compress(tokens, bound.tolist())), np.int64)
+    rows = np.flatnonzero(bound & (lengths == chunk_size) & (offsets != UNKNOWN_OFFSET))
+    if not len(rows):
+        return
+    picked = rows.tolist()
+    records = list(map(records.__getitem__, picked))
+    hashes = list(map(hashes.__getitem__, picked))
+    tokens = list(map(tokens.__getitem__, picked))
+    offsets = offsets[rows]
+    # each record's first key's namespace, by shape id; further namespaces below
+    spaces: dict[BlendNamespace, int] = {}
+    space_of_shape = np.array(
+        [spaces.setdefault(s.namespace, len(spaces)) for s in shapes.shapes], np.int64
+    )
+    which = space_of_shape[np.asarray(first_shape_ids(records), np.int64)]
+    extra: list[int] = []  # (row, namespace index) of each further namespace, flattened
+    for r in np.flatnonzero(key_counts(records) > 1).tolist():
+        first = int(which[r])
+        for s in sorted({int(space_of_shape[sid]) for sid in shape_ids(records[r])} - {first}):
+            extra += (r, s)
+    if extra:
+        more = np.array(extra[0::2], np.int64)
+        tokens += map(tokens.__getitem__, more.tolist())
+        hashes += map(hashes.__getitem__, more.tolist())
+        offsets = np.concatenate((offsets, offsets[more]))
+        which = np.concatenate((which, np.array(extra[1::2], np.int64)))
+    index.build(AddColumns(tokens, hashes, offsets, list(spaces), which))
+    # mark the records indexed (unless the reader built them marked), partition by
+    # partition (same keys: no dict resizes)
+    todo = ~np.fromiter(map(record_indexed, records), np.bool_, len(records))
+    if not todo.any():
+        return
+    picked = np.flatnonzero(todo).tolist()
+    marked = indexed_records(map(records.__getitem__, picked))
+    hashes = list(map(hashes.__getitem__, picked))
+    cuts = np.searchsorted(rows[todo], bounds).tolist()
+    for part, lo, hi in zip(parts, cuts, cuts[1:], strict=False):
+        if hi > lo:
+            part.update(zip(hashes[lo:hi], marked[lo:hi], strict=True))

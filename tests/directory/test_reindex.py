@@ -1,0 +1,188 @@
+"""The bulk rebuild of the blend index (a restore with blend on) against building it by single
+adds: same answers, same counts, also after chunks are removed and re-added."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvatlas.directory import AddColumns, BlendIndex, KeyDirectory, load_snapshot, save_snapshot
+from kvatlas.directory.blend import index as blend_index
+from kvatlas.directory.records import record_indexed
+from kvatlas.directory.snapshot import reader
+from kvatlas.keys import BlendNamespace
+from tests.directory.helpers import CS, Emitter, captured, entry, key
+from tests.directory.test_blend_index_oracle import SPACES, Oracle, canonical
+
+# shapes over three namespaces; two of them share a namespace (ranks of one world)
+SHAPES = [("m", "", 1, 0), ("m", "s", 2, 0), ("m", "s", 2, 1), ("n", "", 1, 0)]
+NAMESPACES = [BlendNamespace("m"), BlendNamespace("m", "s", 2), BlendNamespace("n")]
+# sizes from the index's own ranks: counts must match exactly, capacities may only be smaller
+COUNTS = ("contents", "occupants", "claims", "namespaces", "token_bytes", "token_bytes_shared")
+
+
+def stored(values: list[int]) -> np.ndarray[Any, Any]:
+    """A content as the directory keeps it: read-only, owning (the bulk path's kind)."""
+    a = np.array(values, np.uint16 if max(values, default=0) < 1 << 16 else np.uint32)
+    a.setflags(write=False)
+    return a
+
+
+items = st.lists(
+    st.tuples(
+        st.integers(0, 5),  # content
+        st.integers(0, 7),  # chunk hash
+        st.integers(0, 1000),  # offset
+        st.integers(0, len(SPACES) - 1),  # namespace
+    ),
+    max_size=40,
+)
+
+
+def contents(seed: int) -> list[np.ndarray[Any, Any]]:
+    rng = np.random.default_rng(seed)
+    out = [stored(rng.integers(0, 3, CS).tolist()) for _ in range(5)]
+    return [*out, stored([70_000, 1, 2, 3][:CS])]  # one uint32 content
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(items, items, st.integers(0, 3), st.sampled_from([1, 3, 1 << 17]))
+def test_build_equals_single_adds_also_after_removals_and_re_adds(
+    first: list[tuple[int, int, int, int]],
+    later: list[tuple[int, int, int, int]],
+    seed: int,
+    slice_size: int,
+) -> None:
+    tokens = contents(seed)
+    rows = [(tokens[c], bytes([h]) * 32, o, SPACES[s]) for c, h, o, s in first]
+    single, bulk, oracle = BlendIndex(CS), BlendIndex(CS), Oracle(CS)
+    for t, h, o, ns in rows:
+        single.add(t, h, o, ns)
+        oracle.add(t.tolist(), h, o, ns)
+    spaces = list(dict.fromkeys(ns for *_, ns in rows))
+    with mock.patch.object(blend_index, "BUILD_SLICE", slice_size):
+        bulk.build(
+            AddColumns(
+                [r[0] for r in rows],
+                [r[1] for r in rows],
+                np.array([r[2] for r in rows], np.int64),
+                spaces,
+                np.array([spaces.index(r[3]) for r in rows], np.int64),
+            )
+        )
+    same(single, bulk, oracle, tokens)
+    # then the same removals and re-adds on both
+    for c, h, o, s in later:
+        t, ch, ns = tokens[c], bytes([h]) * 32, SPACES[s]
+        for index in (single, bulk):
+            if o % 3 == 0:
+                index.remove_claim(t, ch, ns)
+            elif o % 3 == 1:
+                index.remove_chunk(t, ch)
+            else:
+                index.add(t, ch, o, ns)
+        if o % 3 == 0:
+            oracle.remove_claim(t.tolist(), ch, ns)
+        elif o % 3 == 1:
+            oracle.remove_chunk(t.tolist(), ch)
+        else:
+            oracle.add(t.tolist(), ch, o, ns)
+    same(single, bulk, oracle, tokens)
+
+
+def same(single: BlendIndex, bulk: BlendIndex, oracle: Oracle, tokens: list[Any]) -> None:
+    query = np.concatenate([t.astype(np.uint32) for t in tokens + tokens[::-1]])
+    for ns in SPACES:
+        want = canonical(oracle.match(query.tolist(), ns))
+        assert canonical(single.match(query, ns)) == want
+        assert canonical(bulk.match(query, ns)) == want
+    a, b = asdict(single.stats()), asdict(bulk.stats())
+    assert {k: a[k] for k in COUNTS} == {k: b[k] for k in COUNTS}
+    for k in ("table_slots", "filter_bits", "extra_claim_slots"):
+        assert b[k] == a[k], k
+    for k in ("content_capacity", "occupant_capacity", "index_bytes"):
+        assert b[k] <= a[k], k
+
+
+chunks = st.lists(
+    st.tuples(
+        st.integers(1, 30),  # chunk hash
+        st.lists(st.integers(0, len(SHAPES) - 1), min_size=1, max_size=3),  # its keys' shapes
+        st.sampled_from(["bound", "unbound", "short", "no offset"]),
+        st.integers(0, 2),  # content
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chunks, st.integers(0, 3), st.booleans())
+def test_restore_with_blend_on_answers_as_the_live_directory(
+    tmp_path_factory: Any, spec: list[tuple[int, list[int], str, int]], seed: int, marked: bool
+) -> None:
+    """``marked``: the reader builds the records marked indexed (blend on when it reads),
+    else the rebuild marks them (blend turned on between reading and installing)."""
+    rng = np.random.default_rng(seed)
+    bodies = [rng.integers(0, 4, CS).astype(np.uint32) for _ in range(3)]
+    live, em = KeyDirectory(CS, enable_blend_lookup=True), Emitter("a")
+    for n, shapes, kind, c in spec:
+        for s in shapes:
+            model, salt, ws, rank = SHAPES[s]
+            k = key(n, model, salt, ws, rank)
+            body = bodies[c] if kind != "short" else bodies[c][:-1]
+            if kind == "unbound":
+                e = entry(k)
+            else:
+                e = entry(k, body, -1 if kind == "no offset" else 4 * n)
+            live.consume(em.batch("store", [e]))
+    path = Path(tmp_path_factory.mktemp("snap")) / "s.snap"
+    save_snapshot(live, path, stream_position="0-0")
+    restored = KeyDirectory(CS, enable_blend_lookup=True)
+    build = reader._build
+    with mock.patch.object(reader, "_build", lambda *a: build(*a[:3], a[3] and marked)):
+        load_snapshot(restored, path)
+    query = np.concatenate(bodies + bodies[::-1])
+    for ns in NAMESPACES:
+        assert canonical(restored.blend_match(query, ns)) == canonical(live.blend_match(query, ns))
+    a, b = live.stats().blend, restored.stats().blend
+    assert a is not None and b is not None
+    assert {k: getattr(a, k) for k in COUNTS} == {k: getattr(b, k) for k in COUNTS}
+    # the records say what the index holds, as on the live directory
+    assert {h: record_indexed(r) for h, r in captured(restored).items()} == {
+        h: record_indexed(r) for h, r in captured(live).items()
+    }
+
+
+def test_slab_views_take_the_columnar_path_and_other_views_do_not() -> None:
+    """A restore's contents (read-only views of a shared token slab) are kept as columns,
+    with no per-op validation and no copy; views of any other buffer are not (they could pin
+    a larger request): ``_kept_columns`` is the gate of the fast path."""
+    from kvatlas.directory.blend.op_columns import _kept_columns
+    from kvatlas.directory.token_store import TokenSlab
+
+    n = 4
+    ids = np.arange(n * CS, dtype=np.uint16)
+    slab = TokenSlab(ids.nbytes)
+    slab.buffer[:] = ids.view(np.uint8)
+    views = slab.cut(np.full(n, CS, np.uint32), np.full(n, 2, np.int64))
+    hashes = [bytes([i]) * 32 for i in range(n)]
+    space = BlendNamespace("m")
+
+    def columns(tokens: list[Any]) -> Any:
+        return _kept_columns(AddColumns(tokens, hashes, np.zeros(n, np.int64), [space]), CS)
+
+    kept = columns(views)
+    assert kept is not None and all(a is b for a, b in zip(kept.tokens, views, strict=True))
+    other = ids.reshape(n, CS)  # views of an array nobody registered as a slab
+    other.setflags(write=False)
+    assert columns(list(other)) is None
+    owned = np.array(views[-1])
+    assert columns([*views[:-1], owned]) is None  # writeable: the caller could change it
+    owned.setflags(write=False)
+    assert columns([*views[:-1], owned]) is not None  # read-only owning arrays mix in
