@@ -186,3 +186,39 @@ def test_slab_views_take_the_columnar_path_and_other_views_do_not() -> None:
     assert columns([*views[:-1], owned]) is None  # writeable: the caller could change it
     owned.setflags(write=False)
     assert columns([*views[:-1], owned]) is not None  # read-only owning arrays mix in
+
+
+def test_only_views_whose_base_is_a_live_shared_slab_are_kept_by_reference() -> None:
+    """The columnar gate and the per-op one (``_shareable``) agree on every kind of view: a
+    view of a slab view is a view of the slab (numpy collapses the base chain); the slab's
+    memory reached through another object (a memoryview), or a slab no longer alive, is not
+    a shared slab: such views are refused, never kept by reference."""
+    import gc
+
+    from kvatlas.directory.blend.op_columns import _SLABS, _kept_columns, _shareable
+    from kvatlas.directory.token_store import TokenSlab
+
+    ids = np.arange(2 * CS, dtype=np.uint16)
+    slab = TokenSlab(ids.nbytes)
+    slab.buffer[:] = ids.view(np.uint8)
+    views = slab.cut(np.full(2, CS, np.uint32), np.full(2, 2, np.int64))
+    space = BlendNamespace("m")
+
+    def kept(arr: Any) -> bool:
+        op = AddColumns([arr], [bytes(32)], np.zeros(1, np.int64), [space])
+        columnar = _kept_columns(op, CS) is not None
+        assert columnar == _shareable(arr)
+        return columnar
+
+    assert kept(views[0][:]) and views[0][:].base is slab.buffer
+    through = np.frombuffer(memoryview(slab.buffer), np.uint16)[:CS]
+    assert not through.flags.writeable and not kept(through)
+    orphan = np.array(views[1])  # an unregistered owner of the same kind
+    orphan.setflags(write=False)
+    view = orphan[:]
+    del orphan
+    assert not kept(view)
+    buffer_id = id(slab.buffer)
+    del slab, views, through  # (the memoryview holds the buffer too)
+    gc.collect()
+    assert buffer_id not in _SLABS  # dead slabs leave the registry: their ids can be reused

@@ -210,3 +210,44 @@ def test_random_node_traffic_keeps_the_router_view_exact(published: Published) -
                    incarnation=incarnations[inst])  # fmt: skip
         assert sees(view, p.directory), f"burst {burst}"
     view.close()
+
+
+def test_columns_queued_for_the_publisher_still_hold_the_applied_token_ids() -> None:
+    """The observer gets the applied ColumnBatch and builds its entries later, in the
+    publisher's thread: nothing done after ``apply_columns`` returns (more bodies applied,
+    compact narrowing, index writes, entries of one content sharing an arena row) may change
+    the ids it publishes. The thread starts only after every body is applied."""
+    rng = np.random.default_rng(7)
+    directory = KeyDirectory(C)
+    directory.enable_blend_lookup()
+    stop = threading.Event()
+    pub = KvEventsPublisher(free_endpoint(), free_endpoint(), 10_000, directory, stop)
+    directory.observer = pub
+    pub.open()
+    want: dict[bytes, list[int]] = {}
+    for seq in range(1, 41):
+        high = 1 << 16 if seq % 3 else 1 << 32  # compact and full-width contents
+        rows = rng.integers(0, high, (6, C), dtype=np.uint64).astype(np.uint32)
+        entries = [CacheEntry(ObjectKey(chunk_hashes(r, C)[0], "m", RANK), 64, r, 0) for r in rows]
+        # two ranks of one content: entries sharing one token row of the body
+        other = ObjectKey(entries[0].key.chunk_hash, "m", pack_kv_rank(2, 1, 2, 1))
+        entries.append(CacheEntry(other, 64, rows[0], 0))
+        want.update((e.key.chunk_hash, e.token_ids.tolist()) for e in entries)  # type: ignore[union-attr]
+        batch = EventBatch("node-1", 1, seq, "store", "l1", "dram", ts=1.0, entries=tuple(entries))
+        body = encode_msgpack([batch]) if seq % 2 else encode_json([batch])
+        decoded = (decode_msgpack_columns if seq % 2 else decode_json_columns)(body)
+        assert decoded[0].columns is not None
+        assert [o.value for o in directory.apply_columns(decoded)] == ["applied"]
+    ctx: zmq.Context[Any] = zmq.Context()
+    view = RouterView(ctx, pub.endpoint, pub.replay_endpoint)
+    thread = threading.Thread(target=pub.run, daemon=True)
+    thread.start()
+    try:
+        view.replay()
+        assert wait_for(lambda: view.pump() and len(view.token_ids) == len(want), timeout=10)
+        assert view.token_ids == want
+    finally:
+        view.close()
+        stop.set()
+        thread.join(timeout=5)
+        ctx.term()
