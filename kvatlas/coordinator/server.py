@@ -178,7 +178,7 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     # lives for the whole process: out of the collector's sight (runtime.py says why it is safe).
     freeze_long_lived()
     COLLECTIONS.reset()  # from here on: the pauses requests can see
-    growth = GrowthFreeze(service.directory.stats().keys)
+    growth = GrowthFreeze(service.directory.key_count)
     service.after_snapshot = lambda info: growth.after_snapshot(info.keys)
     try:
         options = uvicorn_log_options(config.log_level, config.access_log)

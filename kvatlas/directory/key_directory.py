@@ -149,6 +149,12 @@ class KeyDirectory:
         return self._index is not None
 
     @property
+    def key_count(self) -> int:
+        """Keys stored (``stats().keys`` without the pass over every record)."""
+        with self._lock:
+            return self._chunks.counts.keys
+
+    @property
     def blend_index(self) -> BlendIndex | None:  # None while blend is off
         return self._index
 

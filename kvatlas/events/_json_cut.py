@@ -23,11 +23,15 @@ This module imports numba: ``json_codec`` imports it on first use only.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numba
 import numpy as np
-import numpy.typing as npt
 
 from kvatlas.events._json_tokens import parse_array, skip_space
+
+if TYPE_CHECKING:
+    from kvatlas.events.json_codec import CutTokenLists
 
 OK, FALLBACK = 0, 1
 MAX_DEPTH = 64
@@ -181,15 +185,7 @@ _NAMES = (_BATCHES_NAME, _ENTRIES_NAME, _TOKENS_NAME, np.frombuffer(b"null", np.
 
 def cut_token_lists(
     body: bytes,
-) -> (
-    tuple[
-        npt.NDArray[np.uint8],
-        npt.NDArray[np.uint32],
-        npt.NDArray[np.int64],
-        npt.NDArray[np.int64],
-    ]
-    | None
-):
+) -> CutTokenLists | None:
     """``(small body, arena, lengths, counts)``: the body with every entry's ``token_ids``
     array replaced by ``[]``, the arrays' ids one after the other in the arena, each entry
     object's count of ids (in body order; 0: absent, ``null`` or empty) and each batch

@@ -84,6 +84,13 @@ _decoder = msgspec.json.Decoder(_WireBody)
 _encoder = msgspec.json.Encoder()
 
 
+CutTokenLists = tuple[
+    npt.NDArray[np.uint8], npt.NDArray[np.uint32], npt.NDArray[np.int64], npt.NDArray[np.int64]
+]
+"""What the compiled scanner (``_json_cut.cut_token_lists``) gives: the body with its token
+lists cut out, the ids, each entry's count of ids and each batch's count of entries."""
+
+
 def _parse_token_lists(
     raws: Sequence[bytes | msgspec.Raw],
 ) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.int64], int]:
@@ -99,15 +106,7 @@ def _parse_token_lists(
 
 def _cut_token_lists(
     body: bytes,
-) -> (
-    tuple[
-        npt.NDArray[np.uint8],
-        npt.NDArray[np.uint32],
-        npt.NDArray[np.int64],
-        npt.NDArray[np.int64],
-    ]
-    | None
-):
+) -> CutTokenLists | None:
     """Stand-in for the numba scanner until its first use (as :func:`_parse_token_lists`)."""
     global _cut_token_lists
     from kvatlas.events._json_cut import cut_token_lists

@@ -272,3 +272,12 @@ def test_a_version_1_file_is_compacted_a_group_of_chunks_at_a_time(
     for rec in captured(d).values():
         tokens = record_stored_tokens(rec)
         assert tokens is None or (tokens.flags.owndata and tokens.dtype == np.uint16)
+
+
+@settings(max_examples=30, deadline=None)
+@given(program=ops)
+def test_key_count_is_the_stats_key_count(program: list[Any]) -> None:
+    """``key_count`` (read at start-up without the pass over every record) is ``stats().keys``."""
+    d = KeyDirectory(CS)
+    apply([d], {"a": Emitter("a"), "b": Emitter("b")}, program)
+    assert d.key_count == d.stats().keys
