@@ -76,6 +76,22 @@ def verdict(row: BenchRow) -> str:
     return f"{row.target} {'✔' if row.met else '✘'}"
 
 
+_STARTED = time.monotonic()
+
+
+def progress(benchmark: str, text: str) -> None:
+    """One line on stderr (stdout keeps the table): a run of many minutes says what it is doing."""
+    elapsed = time.monotonic() - _STARTED
+    print(f"kvatlas bench {benchmark} [{elapsed:7.1f} s] {text}", file=sys.stderr, flush=True)
+
+
+def finished(benchmark: str, row: BenchRow) -> BenchRow:
+    """``row``, announced by :func:`progress` as it finishes (the table comes at the end)."""
+    shown = row.shown or (format_seconds(row.ours_s) if row.ours_s is not None else "-")
+    progress(benchmark, f"done: {row.case}: {shown} {verdict(row)}".rstrip(" -"))
+    return row
+
+
 def refuse(benchmark: str, reason: str) -> int:
     """Say why a configuration is refused; the caller returns the status."""
     print(f"kvatlas bench {benchmark}: refused: {reason}", file=sys.stderr)

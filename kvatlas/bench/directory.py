@@ -16,7 +16,14 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvatlas.bench.common import BenchRow, add_common_arguments, refuse, report
+from kvatlas.bench.common import (
+    BenchRow,
+    add_common_arguments,
+    finished,
+    progress,
+    refuse,
+    report,
+)
 from kvatlas.bench.snapshot_stall import snapshot_stall_row
 from kvatlas.directory import KeyDirectory, load_snapshot
 from kvatlas.events import (
@@ -227,7 +234,11 @@ def run(args: argparse.Namespace) -> int:
         )
     rows: list[BenchRow] = []
     if args.only in (None, "consume"):
-        rows += _consume_rows(n, args.memory_chunks, args.seed, repeats)
+        progress("directory", f"consume: {n:,} entries, {repeats} repeats")
+        rows += [
+            finished("directory", r)
+            for r in _consume_rows(n, args.memory_chunks, args.seed, repeats)
+        ]
     if args.only in (None, "snapshot"):
         rows += _snapshot_rows(snap_keys, args.seed, repeats)
     report(
@@ -297,36 +308,42 @@ def _consume_rows(n: int, memory_chunks: int, seed: int, repeats: int) -> list[B
 def _snapshot_rows(snap_keys: int, seed: int, repeats: int) -> list[BenchRow]:
     """The snapshot stall (``bench/snapshot_stall.py``) and the restore rate, at ``snap_keys``."""
     rows: list[BenchRow] = []
+    progress("directory", f"building {snap_keys:,} keys")
     directory = KeyDirectory(CHUNK)
     _consume_all(directory, _workload(snap_keys, seed + 1))
     gc.collect()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "directory.snap"
         (probe,) = _workload(8, seed, instance="probe")
-        rows.append(snapshot_stall_row(directory, snap_keys, path, probe.entries, repeats))
+        row = snapshot_stall_row(directory, snap_keys, path, probe.entries, repeats)
+        rows.append(finished("directory", row))
         del directory
         gc.collect()
         for blend in (False, True):
             restore_s, cpu_s = [], []
-            for _ in range(repeats):
+            for i in range(repeats):
                 target = KeyDirectory(CHUNK, enable_blend_lookup=blend)
                 gc.collect()
                 cpu = time.process_time()
                 restore_s.append(load_snapshot(target, path).seconds)
                 cpu_s.append(time.process_time() - cpu)
                 del target
-            restore = statistics.median(restore_s)
-            rows.append(
-                BenchRow(
-                    f"restore {snap_keys:,} keys (blend {'on: the index rebuilt' if blend else 'off'})",
-                    restore,
-                    None,
-                    "≥ 1M keys/s",
-                    {
-                        "keys/s": f"{snap_keys / restore:,.0f}",
-                        "process CPU": f"{statistics.median(cpu_s):.2f} s",
-                    },
-                    met=snap_keys / restore >= 1_000_000,
+                progress(
+                    "directory",
+                    f"restore {i + 1}/{repeats} (blend {'on' if blend else 'off'}): "
+                    f"{restore_s[-1]:.2f} s, {cpu_s[-1]:.2f} s CPU",
                 )
+            restore = statistics.median(restore_s)
+            row = BenchRow(
+                f"restore {snap_keys:,} keys (blend {'on: the index rebuilt' if blend else 'off'})",
+                restore,
+                None,
+                "≥ 1M keys/s",
+                {
+                    "keys/s": f"{snap_keys / restore:,.0f}",
+                    "process CPU": f"{statistics.median(cpu_s):.2f} s",
+                },
+                met=snap_keys / restore >= 1_000_000,
             )
+            rows.append(finished("directory", row))
     return rows

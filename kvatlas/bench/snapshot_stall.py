@@ -23,7 +23,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvatlas.bench.common import BenchRow, format_seconds
+from kvatlas.bench.common import BenchRow, format_seconds, progress
 from kvatlas.coordinator.runtime import SWITCH_INTERVAL_S
 from kvatlas.directory import KeyDirectory, SnapshotInfo, save_snapshot
 from kvatlas.events import CacheEntry, EventBatch
@@ -142,7 +142,7 @@ def snapshot_stall_row(
     full: list[int] = []
     longest_gc: list[float] = []
     with switch_interval(SWITCH_INTERVAL_S):
-        for _ in range(repeats):
+        for i in range(repeats):
             with Collections() as collections:
                 probe, info = probe_stall(
                     directory, partial(save_snapshot, directory, path, stream_position="0-0"),
@@ -158,6 +158,12 @@ def snapshot_stall_row(
             )
             beside.append(
                 probe_stall(directory, partial(busy_python, info.seconds), entries)[0].longest
+            )
+            progress(
+                "directory",
+                f"snapshot {i + 1}/{repeats}: {info.seconds:.2f} s; longest stall "
+                f"{format_seconds(stalls[-1])} (alone {format_seconds(alone[-1])}, "
+                f"beside Python {format_seconds(beside[-1])})",
             )
     stall = statistics.median(stalls)
     return BenchRow(

@@ -116,12 +116,21 @@ def test_server_cpu_counts_this_process_cpu_time() -> None:
     assert process_cpu_seconds(os.getpid()) > before
 
 
-def test_bench_directory_runs_the_snapshot_part_alone(tmp_path: Path) -> None:
+def test_bench_directory_runs_the_snapshot_part_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from kvatlas.bench import directory
 
     out = tmp_path / "d.json"
     argv = ("directory", "--only", "snapshot", "--snapshot-keys", "256", "--repeats", "1")
     assert directory.run(_args(*argv, "--json", str(out))) == 0
+    # A run of many minutes says what it is doing and prints each row as it finishes, on
+    # stderr (stdout keeps the table alone).
+    err = capsys.readouterr().err
+    assert "building 256 keys" in err
+    assert "snapshot 1/1" in err
+    assert "done: snapshot at 256 keys" in err
+    assert "done: restore 256 keys (blend on" in err
     rows = json.loads(out.read_text())["rows"]
     assert [r["case"].split(":")[0] for r in rows] == [
         "snapshot at 256 keys",
