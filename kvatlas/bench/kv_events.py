@@ -13,7 +13,7 @@ import tracemalloc
 
 import numpy as np
 
-from kvatlas.bench.common import BenchRow, add_common_arguments, median_seconds, report
+from kvatlas.bench.common import BenchRow, add_common_arguments, median_seconds, refuse, report
 from kvatlas.coordinator.kv_events import Cleared, KvEventsPublisher, Rekeyer
 from kvatlas.directory import KeyDirectory
 from kvatlas.events import CacheEntry, EventBatch
@@ -24,7 +24,8 @@ from kvatlas.keys import KeyScheme, ObjectKey, chunk_hashes, pack_kv_rank
 
 def naive_rekey(payloads: list[bytes], chunk_size: int) -> int:
     """The first code one would write: every block remembers its parent and its own tokens; a
-    stored event rebuilds its parent's prefix and hashes it, plus its tokens, from the start."""
+    stored event rebuilds its parent's prefix and hashes it, plus its tokens, from the start.
+    Returns the chunks the events completed (as the re-keyer counts them)."""
     blocks: dict[bytes | int, tuple[bytes | int | None, list[int]]] = {}
 
     def prefix(h: bytes | int | None) -> list[int]:
@@ -39,14 +40,36 @@ def naive_rekey(payloads: list[bytes], chunk_size: int) -> int:
         for event in decode_batch(payload).events:
             assert isinstance(event, BlockStored)
             tokens = prefix(event.parent_block_hash)
+            done = len(tokens) // chunk_size  # chunks complete before this event
             previous, size = event.parent_block_hash, event.block_size
             for i, h in enumerate(event.block_hashes):
                 own = event.token_ids[i * size : (i + 1) * size]
                 blocks[h] = (previous, own)
                 tokens += own
                 previous = h
-            chunks += len(chunk_hashes(np.asarray(tokens, np.uint32), chunk_size))
+            chunks += len(chunk_hashes(np.asarray(tokens, np.uint32), chunk_size)) - done
     return chunks
+
+
+def engine_payloads(
+    rng: np.random.Generator, requests: int, tokens: int, block_size: int, prefill: int
+) -> list[bytes]:
+    """Each request's first ``prefill`` tokens stored as one event (no parent), then every
+    further block as an event of its own with its parent, as an engine stores them while
+    decoding (``prefill == tokens``: one event per request)."""
+    payloads = []
+    for _ in range(requests):
+        ids = rng.integers(0, 150_000, tokens).tolist()
+        hashes: list[bytes | int] = [rng.bytes(32) for _ in range(tokens // block_size)]
+        first = prefill // block_size
+        events = [BlockStored(hashes[:first], None, ids[:prefill], block_size, medium="GPU")]
+        events += [
+            BlockStored([hashes[k]], hashes[k - 1], ids[k * block_size : (k + 1) * block_size],
+                        block_size, medium="GPU")
+            for k in range(first, len(hashes))
+        ]  # fmt: skip
+        payloads += [encode_batch(KVEventBatch(1.0, [event], 0)) for event in events]
+    return payloads
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,17 +86,14 @@ def run(args: argparse.Namespace) -> int:
         args.requests, args.repeats = 50, 3
     rng = np.random.default_rng(args.seed)
     b, c, r = args.block_size, args.chunk_size, args.repeats
-    n_blocks = args.tokens // b
-    payloads = []
-    for _ in range(args.requests):
-        tokens = rng.integers(0, 150_000, n_blocks * b).tolist()
-        hashes: list[bytes | int] = [rng.bytes(32) for _ in range(n_blocks)]
-        stored = BlockStored(hashes, None, tokens, b, medium="GPU")
-        payloads.append(encode_batch(KVEventBatch(1.0, [stored], 0)))
-    blocks = args.requests * n_blocks
+    if args.tokens < 2 * c or args.tokens % c:
+        return refuse("kv_events", f"--tokens must be a multiple of --chunk-size ≥ {2 * c}")
+    tokens = args.tokens
+    payloads = engine_payloads(rng, args.requests, tokens, b, tokens)
+    blocks = args.requests * (tokens // b)
     scheme = KeyScheme("blake3", c)
 
-    def rekey() -> Rekeyer:
+    def rekey(payloads: list[bytes] = payloads) -> Rekeyer:
         rekeyer = Rekeyer(scheme, blocks + 1)
         for payload in payloads:
             rekeyer.translate("pod-a", "m", decode_batch(payload))
@@ -87,18 +107,29 @@ def run(args: argparse.Namespace) -> int:
                 assert not isinstance(op, Cleared)
                 directory.consume(op)
 
-    assert rekey().counts["chunks_stored"] == naive_rekey(payloads, c)
-    naive_s = median_seconds(lambda: naive_rekey(payloads, c), r)
+    # Decoding: half of each request prefilled at once, then one block per event (the naive
+    # code rebuilds and hashes the whole prefix for each).
+    stepped = engine_payloads(rng, args.requests, tokens, b, tokens // 2 // c * c)
+    for events in (payloads, stepped):
+        assert rekey(events).counts["chunks_stored"] == naive_rekey(events, c)
     rows = [
         BenchRow(
-            f"decode + re-key, per block ({blocks} blocks)",
+            f"decode + re-key, per block: one event per request ({blocks} blocks, no parents)",
             median_seconds(rekey, r) / blocks,
-            naive_s / blocks,
+            median_seconds(lambda: naive_rekey(payloads, c), r) / blocks,
             "",
             {"blocks": blocks},
         ),
         BenchRow(
-            "decode + re-key + directory apply (blend on), per block",
+            f"decode + re-key, per block: half prefilled, then one event per block ({blocks} "
+            "blocks)",
+            median_seconds(lambda: rekey(stepped), r) / blocks,
+            median_seconds(lambda: naive_rekey(stepped, c), r) / blocks,
+            "",
+            {"events": len(stepped)},
+        ),
+        BenchRow(
+            "decode + re-key + directory apply (blend on), per block: one event per request",
             median_seconds(rekey_and_apply, r) / blocks,
         ),
     ]

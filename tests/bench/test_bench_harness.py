@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvatlas.bench import blend, common, keys, service
+from kvatlas.bench import blend, common, keys, kv_events, service
 from kvatlas.bench.server_cpu import process_cpu_seconds
 from kvatlas.cli import _build_parser as build_parser
 from kvatlas.directory import BlendIndex
@@ -64,12 +64,13 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
         ("directory", "--entries", "10"),
         ("service", "--query-tokens", "100"),
         ("service", "--entries", "100", "--batch-entries", "256"),
+        ("kv_events", "--tokens", "300"),
     ],
 )
 def test_a_configuration_that_makes_a_row_meaningless_is_refused(
     argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    module = {"keys": keys, "blend": blend, "service": service}.get(argv[0])
+    module = {"keys": keys, "blend": blend, "service": service, "kv_events": kv_events}.get(argv[0])
     if module is None:
         from kvatlas.bench import directory as module
     assert module.run(_args(*argv)) == common.REFUSED
@@ -140,3 +141,15 @@ def test_bench_directory_runs_the_snapshot_part_alone(
     notes = rows[0]["extra"]
     assert {"same thread, as long, alone", "beside plain Python (floor)"} <= set(notes)
     assert notes["switch interval"] == "1.000 ms"  # the coordinator's
+
+
+def test_bench_kv_events_times_both_engine_workloads(tmp_path: Path) -> None:
+    """Whole requests in one event (the naive code's best case) and decoding, one block per
+    event (its worst: it rebuilds and hashes the whole prefix each time); the run checks that
+    both re-keyers count the same chunks."""
+    out = tmp_path / "k.json"
+    argv = ("kv_events", "--requests", "4", "--tokens", "1024", "--repeats", "1")
+    assert kv_events.run(_args(*argv, "--json", str(out))) == 0
+    cases = [r["case"] for r in json.loads(out.read_text())["rows"]]
+    assert any("one event per request" in c for c in cases)
+    assert any("then one event per block" in c for c in cases)

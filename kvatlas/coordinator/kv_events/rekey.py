@@ -71,44 +71,52 @@ class Cleared:
 Op = EventBatch | Cleared
 
 
-@dataclass(frozen=True, slots=True)
-class ChainPoint:
-    """Where an engine's token chain stands after one block. Inside a partial chunk a point
-    holds only its own block (``packed``, ``items``) and links to the point before it, so a
-    block costs its own tokens, not the whole partial chunk."""
+# A chain point and a block are plain tuples, not objects: CPython stops tracking a tuple of
+# atoms (bytes, int, str, bool, None and such tuples) at its first collection, so the block map
+# of text chains adds nothing to full collections. As dataclasses, the default bound
+# (--kv-events-max-blocks, 500,000) added ≈300 ms to each full collection: a stall for every
+# client. Their layouts are private to this module.
 
-    prev: bytes  # hash of the last complete chunk (NONE_HASH before the first)
-    n_chunks: int  # complete chunks so far
-    fill: int  # tokens after the last chunk boundary (fewer than chunk_size)
-    back: ChainPoint | None  # the point before this one in the partial chunk
-    block: BlockHash | None
-    packed: bytes  # this block's tokens, big-endian uint32 (only while fill > 0)
-    items: tuple[MMItem, ...]  # this block's extra keys, as items with absolute spans
-    lora: str | int | None  # the chain's adapter
-    plain: bool  # no extra keys and no adapter anywhere in the chain
-    keyable: bool  # False: the scheme cannot carry what the chain holds
+ChainPoint = tuple[
+    bytes,  # prev: hash of the last complete chunk (NONE_HASH before the first)
+    int,  # n_chunks: complete chunks so far
+    int,  # fill: tokens after the last chunk boundary (fewer than chunk_size)
+    "ChainPoint | None",  # back: the point before this one in the partial chunk
+    BlockHash | None,  # block: the block this point comes after
+    bytes,  # packed: this block's tokens, big-endian uint32 (only while fill > 0)
+    tuple[MMItem, ...],  # items: this block's extra keys, as items with absolute spans
+    str | int | None,  # lora: the chain's adapter
+    bool,  # plain: no extra keys and no adapter anywhere in the chain
+    bool,  # keyable: False: the scheme cannot carry what the chain holds
+]
+"""Where an engine's token chain stands after one block. Inside a partial chunk a point holds
+only its own block (``packed``, ``items``) and links to the point before it, so a block costs
+its own tokens, not the whole partial chunk."""
 
-    def partial(self) -> list[ChainPoint]:
-        """The points of the partial chunk up to this one, oldest first."""
-        out: list[ChainPoint] = []
-        p: ChainPoint | None = self
-        while p is not None and p.fill:
-            out.append(p)
-            p = p.back
-        return out[::-1]
+_FILL: Final = 2  # (named positions of the fields read one at a time)
+_BACK: Final = 3
+_BLOCK: Final = 4
+_PACKED: Final = 5
+_ITEMS: Final = 6
+
+START: Final[ChainPoint] = (NONE_HASH, 0, 0, None, None, b"", (), None, True, True)
+
+Placed = tuple[bytes, str, str]  # a chunk holding a block: (chunk hash, model, tier placed in)
+
+_Block = tuple[ChainPoint, tuple[str, ...], tuple[Placed, ...]]
+"""A stored block: its chain point, the tiers the engine holds it in (GPU, and maybe its CPU
+offload too), and the chunks holding it: one per continuation (requests that share a block
+inside a chunk and then diverge make two chunks, both gone with the block) and per tier."""
 
 
-START: Final = ChainPoint(NONE_HASH, 0, 0, None, None, b"", (), None, True, True)
-
-
-@dataclass(slots=True)
-class _Block:
-    point: ChainPoint
-    tiers: set[str]  # where the engine holds it (GPU, and maybe its CPU offload too)
-    # The chunks holding this block, each with the tier it was placed in: one per
-    # continuation (requests that share a block inside a chunk and then diverge make two
-    # chunks, both gone with the block) and per tier.
-    keys: tuple[tuple[ObjectKey, str], ...] = ()
+def _partial(point: ChainPoint) -> list[ChainPoint]:
+    """The points of the partial chunk up to ``point``, oldest first."""
+    out: list[ChainPoint] = []
+    p: ChainPoint | None = point
+    while p is not None and p[_FILL]:
+        out.append(p)
+        p = p[_BACK]
+    return out[::-1]
 
 
 @dataclass(slots=True)
@@ -151,6 +159,11 @@ def _token_array(token_ids: list[int], i: int) -> TokenArray:
     if arr.dtype.kind not in "iu" or (len(arr) and (arr.min() < 0 or arr.max() > _MAX_TOKEN)):
         raise BadBatch("token_range", f"events[{i}]: token id outside [0, 2^32)")
     return arr.astype(np.uint32)
+
+
+def _gone(chunk_hash: bytes, model: str) -> CacheEntry:
+    """The delete entry of an engine chunk."""
+    return CacheEntry(ObjectKey(chunk_hash, model, ENGINE_RANK))
 
 
 def _identity(value: Any) -> str:
@@ -278,32 +291,35 @@ class Rekeyer:
                 self.counts["unknown_parents"] += 1
                 return
             state.blocks.move_to_end(event.parent_block_hash)
-            point = parent.point
+            point = parent[0]
         tier = engine_tier(event.medium)
         size = event.block_size
         lora = event.lora_name if event.lora_name is not None else event.lora_id
         extras = event.extra_keys or [None] * len(event.block_hashes)
         packed = tokens_be_bytes(tokens)
         step = 4 * size
+        self.counts["blocks_stored"] += len(event.block_hashes)
         for i, h in enumerate(event.block_hashes):
             before = point
             own = packed[i * step : (i + 1) * step]
             point, chunk = self._advance(point, h, own, extras[i], lora)
             self._remember(state, h, point, tier, pending)
-            self.counts["blocks_stored"] += 1
             if chunk is None:  # the chunk is still partial
                 continue
-            key = self._key(point, model)
-            if key is None:
+            prev, n_chunks, *_, plain, keyable = point
+            if not keyable:
+                self.counts["unindexable_chunks"] += 1
                 continue
-            placed = (key, tier)
-            for b in (*before.partial(), point):
-                held = state.blocks.get(b.block) if b.block is not None else None
-                if held is not None and placed not in held.keys:
-                    held.keys += (placed,)
-            tokens_of = np.frombuffer(chunk, dtype=">u4").astype(np.uint32) if point.plain else None
-            offset = (point.n_chunks - 1) * self.chunk_size
-            pending.add(state.instance_id, STORE, tier, CacheEntry(key, 0, tokens_of, offset))
+            placed = (prev, model, tier)
+            for b in (*_partial(before), point):
+                bh = b[_BLOCK]
+                held = state.blocks.get(bh) if bh is not None else None
+                if bh is not None and held is not None and placed not in held[2]:
+                    state.blocks[bh] = (held[0], held[1], (*held[2], placed))
+            tokens_of = np.frombuffer(chunk, dtype=">u4").astype(np.uint32) if plain else None
+            offset = (n_chunks - 1) * self.chunk_size
+            entry = CacheEntry(ObjectKey(prev, model, ENGINE_RANK), 0, tokens_of, offset)
+            pending.add(state.instance_id, STORE, tier, entry)
             self.counts["chunks_stored"] += 1
 
     def _advance(
@@ -315,33 +331,30 @@ class Rekeyer:
         lora: str | int | None,
     ) -> tuple[ChainPoint, bytes | None]:
         """The chain after one more block, and the chunk it completed (``None``: partial)."""
+        prev, n_chunks, fill, _, _, _, _, point_lora, point_plain, point_keyable = point
         n = len(packed) // 4
-        start = point.n_chunks * self.chunk_size + point.fill
-        items = tuple(MMItem.of(_identity(v), start, n) for v in (extra or ()))
-        same_lora = lora == point.lora or point is START
-        plain = point.plain and not items and lora is None
-        keyable = point.keyable and same_lora and (plain or self.scheme.carries_extra_keys)
-        fill = point.fill + n
-        if fill < self.chunk_size:
-            back = point if point.fill else None
-            return ChainPoint(point.prev, point.n_chunks, fill, back, h, packed, items,
-                              lora, plain, keyable), None  # fmt: skip
-        earlier = point.partial()
-        chunk = b"".join([p.packed for p in earlier] + [packed])
+        items: tuple[MMItem, ...] = ()
+        if extra:
+            start = n_chunks * self.chunk_size + fill
+            items = tuple(MMItem.of(_identity(v), start, n) for v in extra)
+        plain = point_plain and not items and lora is None
+        keyable = (
+            point_keyable
+            and (lora == point_lora or point is START)
+            and (plain or self.scheme.carries_extra_keys)
+        )
+        if fill + n < self.chunk_size:
+            back = point if fill else None
+            return (prev, n_chunks, fill + n, back, h, packed, items, lora, plain, keyable), None
+        earlier = _partial(point)
+        chunk = b"".join([p[_PACKED] for p in earlier] + [packed])
         suffix = None
         if self.scheme.carries_extra_keys:
-            all_items = [it for p in earlier for it in p.items] + list(items)
+            all_items = [it for p in earlier for it in p[_ITEMS]] + list(items)
             request = {"lora": lora} if lora is not None else None
             suffix = x1_chunk_suffix_fn(self.chunk_size, all_items, request)
-        prev = chain_hashes(chunk, self.chunk_size, point.prev, point.n_chunks, suffix)[0]
-        done = ChainPoint(prev, point.n_chunks + 1, 0, None, h, b"", (), lora, plain, keyable)
-        return done, chunk
-
-    def _key(self, point: ChainPoint, model: str) -> ObjectKey | None:
-        if not point.keyable:
-            self.counts["unindexable_chunks"] += 1
-            return None
-        return ObjectKey(point.prev, model, ENGINE_RANK)
+        prev = chain_hashes(chunk, self.chunk_size, prev, n_chunks, suffix)[0]
+        return (prev, n_chunks + 1, 0, None, h, b"", (), lora, plain, keyable), chunk
 
     def _remember(
         self, state: EngineState, h: BlockHash, point: ChainPoint, tier: str, pending: _Pending
@@ -349,9 +362,9 @@ class Rekeyer:
         block = state.blocks.pop(h, None)
         if block is None:
             self.total_blocks += 1
-            block = _Block(point, {tier})
-        else:  # stored again (same hash: same prefix, same chunks), maybe in another medium
-            block.tiers.add(tier)
+            block = (point, (tier,), ())
+        elif tier not in block[1]:  # stored again (same hash: same prefix, same chunks)
+            block = (block[0], (*block[1], tier), block[2])  # in another medium
         state.blocks[h] = block
         while self.total_blocks > self.max_blocks:
             self._evict_one(state, pending)
@@ -363,29 +376,28 @@ class Rekeyer:
         _, block = victim.blocks.popitem(last=False)
         self.total_blocks -= 1
         self.counts["evicted_blocks"] += 1
-        for key, tier in block.keys:
-            pending.add(victim.instance_id, DELETE, tier, CacheEntry(key))
+        for chunk_hash, model, tier in block[2]:
+            pending.add(victim.instance_id, DELETE, tier, _gone(chunk_hash, model))
 
     def _removed(self, state: EngineState, event: BlockRemoved, pending: _Pending) -> None:
         tier = engine_tier(event.medium)
         for h in event.block_hashes:
             block = state.blocks.get(h)
-            if block is None or tier not in block.tiers:
+            if block is None or tier not in block[1]:
                 self.counts["unknown_removed_blocks"] += 1
                 continue
             self.counts["blocks_removed"] += 1
             # The chunks placed in this tier are incomplete there now; copies in another tier
             # (the CPU offload of an evicted GPU block) stay.
-            kept = []
-            for key, placed_in in block.keys:
+            point, tiers, placed = block
+            for chunk_hash, model, placed_in in placed:
                 if placed_in == tier:
-                    pending.add(state.instance_id, DELETE, tier, CacheEntry(key))
+                    pending.add(state.instance_id, DELETE, tier, _gone(chunk_hash, model))
                     self.counts["chunks_removed"] += 1
-                else:
-                    kept.append((key, placed_in))
-            block.keys = tuple(kept)
-            block.tiers.discard(tier)
-            if not block.tiers:
+            tiers = tuple(t for t in tiers if t != tier)
+            if tiers:
+                state.blocks[h] = (point, tiers, tuple(p for p in placed if p[2] != tier))
+            else:
                 del state.blocks[h]
                 self.total_blocks -= 1
 
