@@ -10,7 +10,7 @@ followed by the bookkeeping the kernel reports for each op, so the two never dis
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from itertools import compress, repeat
 from typing import Any
 
@@ -106,7 +106,7 @@ class IndexState:
                     self.kernel_arrays,
                 )  # fmt: skip
                 if out[0]:
-                    self._settle(cols, kinds, np.array([out], np.int64), np.array([ns]))
+                    self._settle_one(cols, kinds, out, ns)
         elif len(kinds):
             self._apply_batch(cols)
         self.namespaces.end_write()
@@ -191,9 +191,39 @@ class IndexState:
             for ns in np.flatnonzero(counts).tolist():
                 ns_claims[ns] += int(counts[ns])
             self.claims += int(np.count_nonzero(new))
-        rest = (flags & _OP_BY_OP != 0) | (kinds == REMOVE_CHUNK)
-        if rest.any():
-            self._settle_removals(kinds, results, nss, np.flatnonzero(rest).tolist())
+        rest = np.flatnonzero((flags & _OP_BY_OP != 0) | (kinds == REMOVE_CHUNK))
+        if len(rest):
+            self._settle_removals(
+                zip(kinds[rest].tolist(), results[rest].tolist(), nss[rest].tolist(), strict=True)
+            )
+
+    def _settle_one(
+        self,
+        cols: OpColumns,
+        kinds: npt.NDArray[np.int64],
+        result: tuple[int, int, int, int],
+        ns: int,
+    ) -> None:
+        """:meth:`_settle` of a single op, with scalars: a node adds and drops its claims one
+        chunk at a time, and the column-wise bookkeeping costs ≈50 µs for one op."""
+        flags, cid, occ, _ = result
+        if flags & F_NEW_CONTENT:
+            arr = cols.tokens[0]
+            _put_one(self.tokens, cid, arr)
+            self.token_bytes += int(cols.token_bytes[0]) * self.chunk_size
+            self.contents += 1
+            if cols.owned[0]:
+                self.owned.add(cid)
+                self.owned_bytes += arr.nbytes
+        if flags & F_NEW_OCCUPANT:
+            _put_one(self.hashes, occ, cols.hashes[0])
+            self.occupants += 1
+        if flags & F_NEW_CLAIM:
+            self.namespaces.claims[ns] += 1
+            self.claims += 1
+        kind = int(kinds[0])
+        if flags & _OP_BY_OP or kind == REMOVE_CHUNK:
+            self._settle_removals([(kind, result, ns)])
 
     def _new_contents(
         self, cols: OpColumns, ids: npt.NDArray[np.int64], new: npt.NDArray[np.bool_]
@@ -209,20 +239,13 @@ class IndexState:
                 self.owned.add(int(ids[k]))
                 self.owned_bytes += arrays[k].nbytes
 
-    def _settle_removals(
-        self,
-        kinds: npt.NDArray[np.int64],
-        results: npt.NDArray[np.int64],
-        nss: npt.NDArray[np.int64],
-        rows: list[int],
-    ) -> None:
-        """The op-by-op part of :meth:`_settle`, for ``rows`` (in order)."""
+    def _settle_removals(self, ops: Iterable[tuple[int, Sequence[int], int]]) -> None:
+        """The op-by-op part of :meth:`_settle`: per op (in order) its kind, the kernel's
+        result and its namespace id."""
         live_tokens, live_hashes, extra_claims = self.tokens, self.hashes, self.extra_claims
         namespaces = self.namespaces
         contents = occupants = claims = 0  # changes, added to the counters at the end
-        for i in rows:
-            flags, cid, occ, ns0 = results[i].tolist()
-            ns = int(nss[i])
+        for kind, (flags, cid, occ, ns0), ns in ops:
             if flags & F_NEW_CLAIM and flags & F_EXTRA_CLAIM:
                 extra_claims.setdefault(occ, set()).add(ns)
                 self.n_extra += 1
@@ -231,7 +254,7 @@ class IndexState:
                 claims -= 1
                 if flags & F_EXTRA_CLAIM:
                     self._forget_extra(occ, ns)
-            if kinds[i] == REMOVE_CHUNK:
+            if kind == REMOVE_CHUNK:
                 if ns0 >= 0:
                     namespaces.release(ns0)
                     claims -= 1
@@ -354,6 +377,14 @@ def _put(items: list[Any], where: npt.NDArray[np.int64], values: Iterable[Any]) 
     if top > len(items):
         items.extend(repeat(None, top - len(items)))
     deque(map(items.__setitem__, where.tolist(), values), 0)
+
+
+def _put_one(items: list[Any], at: int, value: Any) -> None:
+    """``items[at] = value``, appending when ``at`` is the next fresh id (see :func:`_put`)."""
+    if at == len(items):
+        items.append(value)
+    else:
+        items[at] = value
 
 
 def _rising(where: npt.NDArray[np.int64]) -> bool:
