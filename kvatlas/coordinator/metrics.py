@@ -23,6 +23,7 @@ from kvatlas.coordinator.runtime import COLLECTIONS
 from kvatlas.coordinator.views import MetricsState
 from kvatlas.coordinator.wire import directory_stats_to_wire, kv_events_to_wire
 from kvatlas.directory import Outcome
+from kvatlas.events import TIERS
 
 _LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -40,8 +41,9 @@ class _StateCollector(Collector):
         yield _gauge("kvatlas_directory_chunks", "distinct chunk hashes", directory["chunks"])
         yield _gauge("kvatlas_directory_placements", "live placements", directory["placements"])
         by_tier = GaugeMetricFamily("kvatlas_directory_bytes", "bytes per tier", labels=["tier"])
-        for tier, value in sorted(directory.get("bytes_by_tier", {}).items()):
-            by_tier.add_metric([tier], value)
+        stored = directory.get("bytes_by_tier", {})
+        for tier in sorted(TIERS):  # every tier, 0 when empty: a series never vanishes
+            by_tier.add_metric([tier], stored.get(tier, 0))
         yield by_tier
         l1 = GaugeMetricFamily(
             "kvatlas_instance_l1_keys", "L1 placements per instance", labels=["instance_id"]

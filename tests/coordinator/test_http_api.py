@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvatlas.events import CacheEntry, EventBatch, encode_msgpack
+from kvatlas.events import TIERS, CacheEntry, EventBatch, encode_msgpack
 from kvatlas.keys import ObjectKey
 from tests.coordinator.helpers import (
     CS,
@@ -419,6 +419,20 @@ def test_metrics_counters_and_histograms(client: httpx.Client) -> None:
         "kvatlas_instances_alive",
     ):
         assert needle in text, needle
+
+
+def test_every_tier_has_a_bytes_series_zero_when_empty(client: httpx.Client) -> None:
+    """A tier whose last copy went reads 0, not a series that vanishes (a dashboard would
+    show its last value); tiers nothing was ever placed in read 0 too."""
+    text = client.get("/metrics").text
+    tiers = {
+        sample.labels["tier"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "kvatlas_directory_bytes"
+    }
+    assert set(tiers) == set(TIERS)
+    assert tiers["engine-cpu"] == 0
 
 
 def test_metrics_gap_counter_per_emitter(client: httpx.Client) -> None:
