@@ -143,6 +143,28 @@ def report(
 def plot(title: str, rows: Sequence[BenchRow], path: Path) -> None:
     """A horizontal bar chart of every timed row: ours and, where measured, the reference
     (log scale: the rows span microseconds to seconds)."""
+    timed = [r for r in rows if r.ours_s]
+    if not timed:
+        print("warning: no timed rows to plot", file=sys.stderr)
+        return
+    labels = [f"{r.case} {'✔' if r.met else '✘' if r.met is False else ''}" for r in timed]
+    series = {
+        "kvatlas": [r.ours_s or 0.0 for r in timed],
+        "naive reference": [r.reference_s or 0.0 for r in timed],
+    }
+    bar_chart(title, labels, series, "seconds (median, log scale)", path, log=True)
+
+
+def bar_chart(
+    title: str,
+    labels: Sequence[str],
+    series: dict[str, list[float]],
+    xlabel: str,
+    path: Path,
+    log: bool = False,
+) -> None:
+    """Horizontal bars, one group per label and one bar per series, into the PNG ``path``
+    (warns and draws nothing without matplotlib)."""
     try:
         import matplotlib
 
@@ -154,26 +176,17 @@ def plot(title: str, rows: Sequence[BenchRow], path: Path) -> None:
             file=sys.stderr,
         )
         return
-    timed = [r for r in rows if r.ours_s]
-    if not timed:
-        print("warning: no timed rows to plot", file=sys.stderr)
-        return
-    height = 0.4
-    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.45 * len(timed)))
-    ys = list(range(len(timed)))
-    ax.barh([y - height / 2 for y in ys], [r.ours_s or 0 for r in timed], height, label="kvatlas")
-    ax.barh(
-        [y + height / 2 for y in ys],
-        [r.reference_s or 0 for r in timed],
-        height,
-        label="naive reference",
-    )
-    ax.set_yticks(
-        ys, [f"{r.case} {'✔' if r.met else '✘' if r.met is False else ''}" for r in timed]
-    )
+    height = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.45 * len(labels) * max(1, len(series) // 2)))
+    ys = list(range(len(labels)))
+    for k, (name, values) in enumerate(series.items()):
+        shift = (k - (len(series) - 1) / 2) * height
+        ax.barh([y + shift for y in ys], values, height, label=name)
+    ax.set_yticks(ys, list(labels))
     ax.invert_yaxis()
-    ax.set_xscale("log")
-    ax.set_xlabel("seconds (median, log scale)")
+    if log:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
     ax.set_title(title)
     ax.legend(loc="lower right")
     fig.tight_layout()

@@ -20,6 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from kvatlas.bench.common import bar_chart
 from kvatlas.directory import KeyDirectory
 from kvatlas.events import RESYNC, STORE, CacheEntry, EventBatch, encode_msgpack
 from kvatlas.events.inventory import BUCKETS, differing, digest_from_hex
@@ -35,6 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (deterministic)")
     parser.add_argument("--json", type=Path, default=None, help="also write results as JSON here")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="also draw the bytes of both cases into this PNG (needs matplotlib: "
+        "pip install 'kvatlas[plot]')",
+    )
 
 
 class _Wire:
@@ -126,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
         ("resync (digests + differing prefixes)", wire.entries, wire.digest_bytes, ours,
          ours + wire.entries * token_bytes),
     ]  # fmt: skip
-    table = Table(title=f"resync of {n:,} placements, {drifted:,} drifted ({args.drift:.2%})")
+    title = f"resync of {n:,} placements, {drifted:,} drifted ({args.drift:.2%})"
+    table = Table(title=title)
     for column in ("case", "entries", "digest bytes", "bytes (no tokens)", "bytes (with tokens)"):
         table.add_column(column, justify="right")
     for case, count, digest_bytes, plain, with_tokens in rows:
@@ -143,6 +152,11 @@ def run(args: argparse.Namespace) -> int:
         f"exchange: {report.rounds} rounds, {report.prefixes} prefixes, {report.batches} batches, "
         f"{seconds:.3f} s; converged: {converged}"
     )
+    if args.plot is not None:
+        series = {"without tokens": [r[3] for r in rows], "with tokens": [r[4] for r in rows]}
+        bar_chart(
+            title, [r[0] for r in rows], series, "bytes sent (log scale)", args.plot, log=True
+        )
     if args.json is not None:
         payload = {
             "placements": n, "drifted": drifted, "rounds": report.rounds,

@@ -153,3 +153,12 @@ def test_bench_kv_events_times_both_engine_workloads(tmp_path: Path) -> None:
     cases = [r["case"] for r in json.loads(out.read_text())["rows"]]
     assert any("one event per request" in c for c in cases)
     assert any("then one event per block" in c for c in cases)
+
+
+def test_bench_resync_draws_its_chart(tmp_path: Path) -> None:
+    """Every benchmark takes --plot; resync's rows are bytes, not times."""
+    from kvatlas.bench import resync
+
+    png = tmp_path / "r.png"
+    assert resync.run(_args("resync", "--placements", "5000", "--plot", str(png))) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
