@@ -21,6 +21,7 @@ from kvatlas.coordinator.app import CoordinatorApp
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.server import BackgroundServer, free_port
 from kvatlas.keys import chunk_hashes, pack_kv_rank
+from tests.conftest import wait_for
 
 CS = 4  # chunk size of every test server: small queries, same code paths
 RANK1 = pack_kv_rank(1, 0, 1, 0)
@@ -219,13 +220,4 @@ def fast_and_routed(
             server.stop()
 
 
-def poll(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> bool:
-    """Poll ``predicate`` until it is truthy or the deadline passes (no fixed sleeps)."""
-
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval)
+poll = wait_for  # (this package's older name for it)

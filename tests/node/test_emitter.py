@@ -66,7 +66,7 @@ def test_age_flush_without_further_events() -> None:
     sink = RecordingSink()
     emitter = EventEmitter(sink, max_entries=1000, max_delay_s=0.05)
     emitter.record("store", "l1", "dram", entry(1))
-    assert wait_for(lambda: len(sink.batches) == 1, timeout=5)
+    assert wait_for(lambda: len(sink.batches) == 1)
     emitter.close()
     assert emitter.batches_emitted == 1 and emitter.entries_emitted == 1
 

@@ -290,7 +290,7 @@ def test_defers_while_pending_then_gives_up_at_the_deadline(
             local_index, client, chunk_size=CHUNK, deadline_s=1.0, clock=clock
         )
         lookup.start("r", QUERY, NS)
-        assert wait_for(lambda: len(handler.requests) == 1, timeout=5)  # the query is in flight
+        assert wait_for(lambda: len(handler.requests) == 1)  # the query is in flight
         for now in (0.0, 0.5, 0.999):
             clock.now = now
             assert lookup.poll("r", 0) is None
@@ -303,7 +303,7 @@ def test_defers_while_pending_then_gives_up_at_the_deadline(
         # the abandoned fleet request is drained from the client once its answer arrives
         assert lookup.orphan_count() == 1
         handler.gate.set()
-        assert wait_for(lambda: lookup.orphan_count() == 0, timeout=5)
+        assert wait_for(lambda: lookup.orphan_count() == 0)
         assert client.pending_count() == 0
 
 
@@ -340,7 +340,7 @@ def test_reused_request_id_never_sees_a_stale_answer(
         clock.now = 5.0
         assert finish(lookup, "r").fleet_timed_out
         lookup.start("r", QUERY, NS)
-        assert wait_for(lambda: len(handler.requests) == 2, timeout=5)
+        assert wait_for(lambda: len(handler.requests) == 2)
         assert handler.requests[0] != handler.requests[1]
         handler.gate.set()
         assert finish(lookup, "r").fleet_used
@@ -417,7 +417,7 @@ def test_abandoned_lookups_expire_and_are_bounded(
         assert lookup.pending_count() == 5 and lookup.evicted == 15
         clock.now = 11.0
         assert lookup.pending_count() == 0 and lookup.expired == 5
-        assert wait_for(lambda: lookup.orphan_count() == 0, timeout=5)
+        assert wait_for(lambda: lookup.orphan_count() == 0)
         assert client.pending_count() == 0  # nothing left behind in the fleet client either
 
 
