@@ -74,7 +74,7 @@ Op = EventBatch | Cleared
 # A chain point and a block are plain tuples, not objects: CPython stops tracking a tuple of
 # atoms (bytes, int, str, bool, None and such tuples) at its first collection, so the block map
 # of text chains adds nothing to full collections. As dataclasses, the default bound
-# (--kv-events-max-blocks, 500,000) added ≈300 ms to each full collection: a stall for every
+# (--kv-events-max-blocks, 500,000) added ≈0.5 s to each full collection: a stall for every
 # client. Their layouts are private to this module.
 
 ChainPoint = tuple[
@@ -313,9 +313,9 @@ class Rekeyer:
             placed = (prev, model, tier)
             for b in (*_partial(before), point):
                 bh = b[_BLOCK]
-                held = state.blocks.get(bh) if bh is not None else None
-                if bh is not None and held is not None and placed not in held[2]:
-                    state.blocks[bh] = (held[0], held[1], (*held[2], placed))
+                if bh is None or (held := state.blocks.get(bh)) is None or placed in held[2]:
+                    continue
+                state.blocks[bh] = (held[0], held[1], (*held[2], placed))
             tokens_of = np.frombuffer(chunk, dtype=">u4").astype(np.uint32) if plain else None
             offset = (n_chunks - 1) * self.chunk_size
             entry = CacheEntry(ObjectKey(prev, model, ENGINE_RANK), 0, tokens_of, offset)
