@@ -139,11 +139,18 @@ def test_engine_prefix_first_fragment_node_second_other_salt_last(fleet: dict[st
             router.score(query, "toy", cache_salt=SALT_B)
         assert refused.value.reply_status == 403
 
-        # salt B: node B's copies count, the engine's (salt "") do not
+        # salt B: node B's copies count (once its node reported them: the wait above was for
+        # salt A), the engine's (salt "") do not
         with RouteClient(coord, token=TOKENS["router-b"]) as router_b:
-            salt_b: RouteScores = router_b.score(query, "toy", cache_salt=SALT_B)
-        rows = {s.instance_id: s for s in salt_b.instances}
-        assert (salt_b.best, rows["node-b"].prefix_tokens) == ("node-b", 6 * C)
+            scores: list[RouteScores] = []
+
+            def node_b_reported() -> bool:
+                scores.append(router_b.score(query, "toy", cache_salt=SALT_B))
+                rows = {s.instance_id: s for s in scores[-1].instances}
+                return (scores[-1].best, rows["node-b"].prefix_tokens) == ("node-b", 6 * C)
+
+            assert wait_for(node_b_reported, timeout=30), scores[-1]
+        rows = {s.instance_id: s for s in scores[-1].instances}
         assert (rows["pod-a"].prefix_tokens, rows["pod-a"].by_tier["gpu"]) == (0, 0)
 
         engine.send_until(1, encode_batch(KVEventBatch(2.0, [AllBlocksCleared()], 0), "map"),

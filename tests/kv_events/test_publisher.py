@@ -251,3 +251,48 @@ def test_columns_queued_for_the_publisher_still_hold_the_applied_token_ids() -> 
         stop.set()
         thread.join(timeout=5)
         ctx.term()
+
+
+def test_a_publisher_that_falls_behind_stays_bounded_and_resyncs_the_routers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Batches wait for the publisher's thread; when more entries wait than the bound, the
+    waiting batches are dropped (counted) and, once the thread catches up, every topic it
+    published is cleared and every node placement published again: the router's view ends
+    equal to the directory, deletes that were dropped included."""
+    from kvatlas.coordinator.kv_events import publisher as module
+
+    p = Published()
+    gate = threading.Event()
+    views: list[RouterView] = []
+    try:
+        views.append(view := p.router())
+        p.emit("node-1", "store", "l1", "dram", [entry(0), entry(1), entry(2)])
+        p.emit("node-2", "store", "l2", "s3", [entry(3)], shared=True)
+        assert sees(view, p.directory)
+        handle = p.pub._handle
+
+        def slow(item: Any) -> None:  # the thread is busy elsewhere (the GIL, a slow socket)
+            gate.wait()
+            handle(item)
+
+        monkeypatch.setattr(p.pub, "_handle", slow)
+        monkeypatch.setattr(module, "MAX_QUEUED_ENTRIES", 4)
+        p.emit("node-1", "delete", "l1", "dram", [entry(0), entry(1)])
+        p.emit("node-2", "delete", "l2", "s3", [entry(3)], shared=True)
+        for i in range(4, 8):
+            p.emit("node-3", "store", "l1", "dram", [entry(i)])
+        p.directory.fence_instance("node-3")
+        p.emit("node-3", "store", "l2", "disk", [entry(6)])
+        stats = p.pub.stats()
+        assert stats.dropped_batches >= 1 and stats.queued_entries <= 4
+        gate.set()
+        assert sees(view, p.directory)
+        assert p.pub.stats().overflows == 1
+        views.append(late := p.router())
+        assert sees(late, p.directory)
+    finally:
+        gate.set()
+        for v in views:
+            v.close()
+        p.close()

@@ -11,6 +11,11 @@ turns them into ``KVEventBatch`` messages (current encoding) on a PUB socket:
   then its surviving own L2 copies again as ``BlockStored`` (a router's clear drops every
   medium of the topic); at start every L1/L2 placement is published once.
 
+Bounded: at most :data:`MAX_QUEUED_ENTRIES` entries wait for the thread. Beyond that the
+waiting batches are dropped (counted) until the thread gets to the overflow, then every topic
+it published is cleared and every node placement published again (nothing a router holds can
+stay stale; the batches applied meanwhile may be published twice, which is harmless).
+
 Engine-sourced batches (tiers ``gpu``/``engine-cpu``) are never echoed. Seqs count from 0 per
 publisher; the last ``--kv-events-replay-size`` messages are kept for a ROUTER replay socket
 (request: the start seq; replies ``(seq, payload)``…, then ``(-1, b"")``). See
@@ -49,6 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NODE_TIERS: Final = ("l1", "l2")
+MAX_QUEUED_ENTRIES = 1 << 18  # entries waiting for the thread (≈256 MB of 256-token ids)
 
 
 def node_topic(instance_id: str, model: str, backend: str, shared: bool) -> str:
@@ -66,7 +72,10 @@ class _Fence:
 
 @dataclass(frozen=True, slots=True)
 class _Resync:
-    """Publish every node placement (once, at start)."""
+    """Publish every node placement: once at start; after an overflow, with every topic
+    published before cleared first."""
+
+    overflow: bool = False
 
 
 _Item = ColumnBatch | _Fence | _Resync
@@ -92,6 +101,13 @@ class KvEventsPublisher:
         self._ring: deque[tuple[int, bytes]] = deque(maxlen=replay_size)
         self._seq = 0
         self._models: defaultdict[str, set[str]] = defaultdict(set)  # instance -> its topics
+        self._pools: set[str] = set()  # shared pools' topics published
+        # entries queued (by the directory's thread) and taken (by the publisher's): each
+        # counter has one writer
+        self._put_entries = 0
+        self._taken_entries = 0
+        self._overflowed = False  # batches are dropped until the thread reaches the overflow
+        self._dropped_on_apply = 0  # (the directory's thread; self.counts is the publisher's)
         self.counts: Counter[str] = zeroed(PublisherStats)
         self._ctx: Any = None
         self._pub: Any = None
@@ -105,14 +121,28 @@ class KvEventsPublisher:
         header = batch.header
         if fenced_first:
             self._queue.put(_Fence(header.instance_id))
-        if header.event_type in (STORE, DELETE) and header.tier in NODE_TIERS:
-            self._queue.put(batch)
+        if header.event_type not in (STORE, DELETE) or header.tier not in NODE_TIERS:
+            return
+        n = batch.n_entries
+        if not self._overflowed and self._queued_entries() + n > MAX_QUEUED_ENTRIES:
+            self._overflowed = True
+            self._queue.put(_Resync(overflow=True))
+        if self._overflowed:  # the resync will publish what this batch changed
+            self._dropped_on_apply += 1
+            return
+        self._put_entries += n
+        self._queue.put(batch)
 
     def fenced(self, instance_id: str) -> None:
         self._queue.put(_Fence(instance_id))
 
+    def _queued_entries(self) -> int:
+        return self._put_entries - self._taken_entries
+
     def stats(self) -> PublisherStats:
-        return view(PublisherStats, self.counts, seq=self._seq, queued=self._queue.qsize())
+        dropped = Counter(dropped_batches=self._dropped_on_apply)
+        return view(PublisherStats, self.counts, dropped, seq=self._seq,
+                    queued=self._queue.qsize(), queued_entries=self._queued_entries())  # fmt: skip
 
     # ------------------------------------------------------------------ sockets and loop
 
@@ -162,11 +192,29 @@ class KvEventsPublisher:
 
     def _handle(self, item: _Item) -> None:
         if isinstance(item, ColumnBatch):
-            self._publish_batch(item.batch())
+            self._taken_entries += item.n_entries
+            if self._overflowed:  # queued before the overflow: the resync covers it
+                self.counts["dropped_batches"] += 1
+            else:
+                self._publish_batch(item.batch())
         elif isinstance(item, _Fence):
-            self._publish_fence(item.instance_id)
+            if not self._overflowed:  # else the resync clears every topic anyway
+                self._publish_fence(item.instance_id)
         else:
+            if item.overflow:
+                self._overflowed = False  # batches queue again from here on
+                self._clear_every_topic()
+                self.counts["overflows"] += 1
             self._republish(None)
+
+    def _clear_every_topic(self) -> None:
+        ts = time.time()
+        topics = [f"kv@{inst}@{model}" for inst, models in self._models.items() for model in models]
+        for topic in sorted(topics) + sorted(self._pools):
+            self._send(topic, [AllBlocksCleared()], ts)
+            self.counts["clears"] += 1
+        self._models.clear()
+        self._pools.clear()
 
     def _send(self, topic: str, events: list[KVEvent], ts: float) -> None:
         seq = self._seq
@@ -186,8 +234,7 @@ class KvEventsPublisher:
         ts = batch.ts or time.time()
         for model, entries in by_model.items():
             topic = node_topic(batch.instance_id, model, batch.backend, batch.shared)
-            if not batch.shared:
-                self._models[batch.instance_id].add(model)
+            self._published(batch.instance_id, model, batch.shared, topic)
             hashes = list(dict.fromkeys(e.key.chunk_hash for e in entries))
             if batch.event_type == DELETE:
                 self._send(topic, [BlockRemoved(hashes, medium)], ts)
@@ -247,13 +294,18 @@ class KvEventsPublisher:
                 break
         ts = time.time()
         for (inst, model, backend, shared, tier), hashes in groups.items():
-            if not shared:
-                self._models[inst].add(model)
+            topic = node_topic(inst, model, backend, shared)
+            self._published(inst, model, shared, topic)
             unique = list(dict.fromkeys(hashes))
-            medium = node_medium(tier, backend)
-            self._send(node_topic(inst, model, backend, shared),
-                       [self._stored(unique, medium, [])], ts)  # fmt: skip
+            self._send(topic, [self._stored(unique, node_medium(tier, backend), [])], ts)
             self.counts["blocks_stored"] += len(unique)
+
+    def _published(self, instance_id: str, model: str, shared: bool, topic: str) -> None:
+        """Remember a topic a router may hold blocks of (to clear it on a fence or overflow)."""
+        if shared:
+            self._pools.add(topic)
+        else:
+            self._models[instance_id].add(model)
 
     # ------------------------------------------------------------------ replay
 

@@ -50,8 +50,11 @@ class PublisherStats:
     replay_requests: int = 0
     replayed_messages: int = 0
     errors: int = 0
+    dropped_batches: int = 0  # waiting beyond the bound (republished by the overflow's resync)
+    overflows: int = 0
     seq: int = 0  # gauges from here on
     queued: int = 0
+    queued_entries: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +63,7 @@ class KvEventsStats:
     publisher: PublisherStats | None
 
 
-GAUGES: Final = frozenset({"engines", "tracked_blocks", "seq", "queued"})
+GAUGES: Final = frozenset({"engines", "tracked_blocks", "seq", "queued", "queued_entries"})
 REJECT_KINDS: Final = tuple(
     f.name.removeprefix("rejected_")
     for f in fields(SubscriberStats)
