@@ -18,7 +18,9 @@ the root, a batch or an entry (an escaped key may decode to one of the names fol
 seen twice in one object of those, nesting deeper than ``MAX_DEPTH``, an unterminated string or container,
 more entry or batch objects than a valid body of its size can hold.
 
-This module imports numba: ``json_codec`` imports it on first use only.
+This module imports numba: ``json_codec`` imports it on first use only. numba's on-disk cache
+of :func:`_cut` is keyed by this file alone: after a change to ``_json_tokens.parse_array``,
+which it compiles in, clear ``__pycache__/_json_cut*.nb?`` (a fresh checkout has none).
 """
 
 from __future__ import annotations
