@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numba
 import numpy as np
 
-from kvatlas.events._json_tokens import parse_array, skip_space
+from kvatlas.events._json_tokens import parse_array, skip_space, string_end
 
 if TYPE_CHECKING:
     from kvatlas.events.json_codec import CutTokenLists
@@ -86,13 +86,11 @@ def _cut(buf, out, arena, lengths, counts, names):  # type: ignore[no-untyped-de
     while i < n:
         c = buf[i]
         if c == _QUOTE:
-            j = i + 1
+            j = string_end(buf, i + 1, n)
             escaped = False
-            while j < n and buf[j] != _QUOTE:
-                if buf[j] == _BACKSLASH:
-                    escaped = True
-                    j += 1
-                j += 1
+            while j < n and buf[j] != _QUOTE:  # a backslash: skip it and what it escapes
+                escaped = True
+                j = string_end(buf, j + 2, n)
             if j >= n:
                 return FALLBACK, 0, 0, 0
             if expect_key:

@@ -110,6 +110,32 @@ def _short_number(x):  # type: ignore[no-untyped-def]  # pragma: no cover - comp
     return np.int64(bits >> np.uint64(3)), v
 
 
+_QUOTES = np.uint64(0x2222222222222222)
+_BACKSLASHES = np.uint64(0x5C5C5C5C5C5C5C5C)
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _zero_bytes(x):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """Non-zero iff a byte of ``x`` is 0; its lowest set bit marks the first such byte (a
+    borrow only reaches the bytes after it)."""
+    return (x - _ONES) & ~x & _TOPS
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def string_end(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """The index of the first ``"`` or ``\\`` at or after ``i`` (``n`` if none before ``n``),
+    eight bytes at a time."""
+    while i + 8 <= n:
+        x = _word(buf, i)  # type: ignore[call-arg]
+        stops = _zero_bytes(x ^ _QUOTES) | _zero_bytes(x ^ _BACKSLASHES)
+        if stops != 0:
+            return i + np.int64(_trailing_zeros(stops) >> np.uint64(3))  # type: ignore[call-arg]
+        i += 8
+    while i < n and buf[i] != 34 and buf[i] != 92:
+        i += 1
+    return i
+
+
 @numba.njit(cache=True, nogil=True, boundscheck=False)
 def skip_space(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     while i < n and _is_space(buf[i]):

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvatlas.events._json_tokens import parse_token_lists
+from kvatlas.events._json_tokens import parse_token_lists, string_end
 
 
 def reference(raw: bytes) -> list[int] | None:
@@ -121,3 +121,18 @@ def test_word_at_a_time_numbers_agree_with_reference(
         raw[at % len(raw)] = byte
     check([bytes(raw), b"[1,2,3,4,5,6,7,8]"])
     check([bytes(raw) + b"      "])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=40).map(lambda b: b.replace(b'"', b"a").replace(b"\\", b"b")),
+       st.binary(max_size=6), st.integers(0, 48))  # fmt: skip
+def test_string_end_finds_the_first_quote_or_backslash(
+    plain: bytes, tail: bytes, bound: int
+) -> None:
+    """The word-at-a-time string scan of the token cut: the first ``"`` or ``\\`` at or after
+    the start, never one at or past the bound, whatever bytes precede it."""
+    buf = np.frombuffer(plain + tail, np.uint8)
+    n = min(bound, len(buf))
+    for start in range(n + 1):
+        found = [i for i in range(start, n) if buf[i] in b'"\\']
+        assert string_end(buf, start, n) == (found[0] if found else n)
