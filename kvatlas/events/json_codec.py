@@ -34,7 +34,7 @@ from kvatlas.keys import (
 )
 
 
-class _WireKey(msgspec.Struct, forbid_unknown_fields=True):
+class _WireKey(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     """Unknown *key* fields are refused (elsewhere they are ignored): a field we do not know
     may be part of the key's identity, and dropping it would merge distinct keys — wrong KV."""
 
@@ -48,7 +48,10 @@ class _WireKey(msgspec.Struct, forbid_unknown_fields=True):
 _NULL = msgspec.Raw(b"null")
 
 
-class _WireEntry(msgspec.Struct):
+# Per-entry structs are not tracked by the cycle collector (``gc=False``: they hold only
+# strings, ints, ``Raw`` and each other, never a cycle): a body's thousands of them would
+# otherwise trigger young collections of their own (docs/performance.md).
+class _WireEntry(msgspec.Struct, gc=False):
     key: _WireKey
     size_bytes: int = 0
     token_ids: msgspec.Raw = _NULL  # parsed in bulk by _json_tokens

@@ -41,7 +41,7 @@ _ENTRY_FIELDS = (
 )
 
 
-class _PackedEntry(msgspec.Struct, array_like=True):
+class _PackedEntry(msgspec.Struct, array_like=True, gc=False):  # untracked: see json_codec
     chunk_hash: bytes
     model_name: str
     kv_rank: int
