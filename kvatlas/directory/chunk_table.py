@@ -168,7 +168,7 @@ class ChunkTable(SlabReclaim):
         # in one vectorised step per multiplier (a batch is mostly one shape).
         dig = None if shared else counts.digest_for(inst, tier)
         pending: dict[int, list[bytes]] = {}
-        stored = stored_columns(cols)  # compact, one pass per batch
+        stored, allocated = stored_columns(cols)  # compact, one pass per batch
         fresh = None
         if self.journal is None:  # (a capture saves each record before its first change)
             fresh = store_fresh(
@@ -177,13 +177,16 @@ class ChunkTable(SlabReclaim):
         if fresh is not None:  # every entry a new chunk: stored in bulk
             n_keys, n_pl, (n_bytes, added) = len(cols), len(cols), fresh
             if added:
-                self._ops.append(_add_columns(added, cols, stored, sids, self.shapes.shapes))
+                shapes = self.shapes.shapes
+                self._ops.append(_add_columns(added, cols, stored, sids, shapes, allocated))
             if dig is not None:
                 pending[self._tag(sids[0], tier, backend)] = cols.chunk_hashes
             if l1set is not None:
                 l1set.update(cols.chunk_hashes)
         else:
-            n_keys, n_pl, n_bytes = self._store_each(batch, cols, sids, stored, l1set, dig, pending)
+            n_keys, n_pl, n_bytes = self._store_each(
+                batch, cols, sids, stored, allocated, l1set, dig, pending
+            )
         if dig is not None:
             kept = None if self._all_digested else np.frombuffer(self.digested, dtype=np.uint8)
             for multiplier, hs in pending.items():
@@ -204,6 +207,7 @@ class ChunkTable(SlabReclaim):
         cols: EntryColumns,
         sids: list[int],
         stored: list[StoredTokens | None],
+        allocated: bool,
         l1set: set[bytes] | None,
         dig: DigestArray | None,
         pending: dict[int, list[bytes]],
@@ -269,7 +273,7 @@ class ChunkTable(SlabReclaim):
                 queued = len(ops)
                 dk, dp, db = self._store_existing(h, part, rec, sid, p, tokens, offset, debug)
                 if added and len(ops) > queued:  # the adds so far go first, as they happened
-                    ops.insert(queued, _add_columns(added, cols, stored, sids, shapes))
+                    ops.insert(queued, _add_columns(added, cols, stored, sids, shapes, allocated))
                     added = []
                 n_keys += dk
                 n_pl += dp
@@ -279,7 +283,7 @@ class ChunkTable(SlabReclaim):
             if l1set is not None:
                 l1set.add(h)
         if added:
-            ops.append(_add_columns(added, cols, stored, sids, shapes))
+            ops.append(_add_columns(added, cols, stored, sids, shapes, allocated))
         return n_keys, n_pl, n_bytes
 
     def _store_existing(
@@ -409,15 +413,20 @@ def _add_columns(
     stored: list[StoredTokens | None],
     sids: list[int],
     shapes: Sequence[KeyShape],
+    allocated: bool,
 ) -> AddColumns:
     """The index adds of entries ``rows`` of a store batch (new chunks, indexed), as columns:
-    their stored arrays, hashes, offsets and namespaces."""
-    at = np.array(rows, np.intp)
-    used, which = np.unique(np.asarray(sids, np.intp)[at], return_inverse=True)
-    return AddColumns(
-        list(map(stored.__getitem__, rows)),
-        list(map(cols.chunk_hashes.__getitem__, rows)),
-        cols.token_offsets[at],
-        [shapes[s].namespace for s in used.tolist()],
-        which,
-    )
+    their stored arrays, hashes, offsets and namespaces. ``allocated``: the stored arrays were
+    all allocated for this batch (``stored_columns``), so the adds are vouched for (a chunk's
+    indexed array is chunk-sized, its hash 32 bytes, its offset known)."""
+    if len(rows) == len(cols) and sids.count(sids[0]) == len(sids):  # every entry, one shape
+        tokens, hashes, offsets = stored, cols.chunk_hashes, cols.token_offsets
+        spaces, which = [shapes[sids[0]].namespace], None
+    else:
+        at = np.array(rows, np.intp)
+        used, which = np.unique(np.asarray(sids, np.intp)[at], return_inverse=True)
+        tokens = list(map(stored.__getitem__, rows))
+        hashes = list(map(cols.chunk_hashes.__getitem__, rows))
+        offsets = cols.token_offsets[at]
+        spaces = [shapes[s].namespace for s in used.tolist()]
+    return AddColumns(tokens, hashes, offsets, spaces, which, vouched=allocated)

@@ -256,14 +256,15 @@ def _widths(fits: npt.NDArray[np.bool_]) -> Iterable[np.dtype[Any]]:
     return map(_WIDTHS.__getitem__, fits.tolist())
 
 
-def stored_columns(cols: EntryColumns) -> list[StoredTokens | None]:
-    """Each entry's tokens of a columnar batch, stored: straight from the batch's arena when no
+def stored_columns(cols: EntryColumns) -> tuple[list[StoredTokens | None], bool]:
+    """Each entry's tokens of a columnar batch, stored, and whether every array was allocated
+    here (read-only, owning its memory, C-contiguous): straight from the batch's arena when no
     two entries share a row (the usual body; a token-less entry has no row, though its start
     is the next entry's), else through :meth:`EntryColumns.token_arrays`, which gives entries
-    of one content one array (and so one stored array)."""
+    of one content one array (and so one stored array; a caller's array may be kept)."""
     if cols.token_objects is None and not cols.rows_shared():
-        return stored_from_arena(cols.tokens, cols.token_starts, cols.token_lengths)
-    return stored_batch(cols.token_arrays())
+        return stored_from_arena(cols.tokens, cols.token_starts, cols.token_lengths), True
+    return stored_batch(cols.token_arrays()), False
 
 
 @jit
