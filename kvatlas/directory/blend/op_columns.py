@@ -17,6 +17,7 @@ import operator
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import chain
 from operator import attrgetter
 from typing import Any
 
@@ -245,8 +246,8 @@ def _joined(parts: list[OpColumns]) -> OpColumns:
         spaces += p.spaces
     return OpColumns(
         np.concatenate([p.kinds for p in parts]),
-        [t for p in parts for t in p.tokens],
-        [h for p in parts for h in p.hashes],
+        list(chain.from_iterable(p.tokens for p in parts)),
+        list(chain.from_iterable(p.hashes for p in parts)),
         np.concatenate([p.hash_lens for p in parts]),
         np.concatenate([p.offsets for p in parts]),
         np.concatenate([p.token_bytes for p in parts]),
