@@ -7,7 +7,9 @@ yields a partial result. Errors name the field, e.g. ``batches[0].entries[3].key
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 from operator import attrgetter
 from typing import Any
 
@@ -308,7 +310,7 @@ def _columns_from_wire(
     if len(raw) != 32 * len(hexes):  # fromhex skips white space; a hash holds none
         return None
     return EntryColumns.checked(
-        [raw[i : i + 32] for i in range(0, len(raw), 32)],
+        _split_hashes(raw, len(hexes)),
         list(map(_SHAPE, keys)),
         list(map(_SIZE, entries)),
         list(map(_OFFSET, entries)),
@@ -316,6 +318,22 @@ def _columns_from_wire(
         starts,
         lengths,
     )
+
+
+def _split_hashes(raw: bytes, n: int) -> list[bytes]:
+    """``raw`` cut into its ``n`` 32-byte chunk hashes (one C call for a batch of usual size)."""
+    if n > _SPLIT_MAX:
+        return [raw[i : i + 32] for i in range(0, len(raw), 32)]
+    return list(_hash_layout(n).unpack(raw))
+
+
+_SPLIT_MAX = 4096  # bounds what the cached layouts below hold
+
+
+@lru_cache(maxsize=64)
+def _hash_layout(n: int) -> struct.Struct:
+    """``n`` 32-byte chunk hashes back to back."""
+    return struct.Struct("32s" * n)
 
 
 def explain(decode: Callable[[Any], list[EventBatch]], body: bytes | str) -> list[ColumnBatch]:
