@@ -27,8 +27,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvatlas.directory.blend import AddColumns, AddOp, BlendIndex, BlendOp, RemoveChunkOp
-from kvatlas.directory.chunk_counts import PARTS, ChangeJournal, ChunkCounts, Partition
+from kvatlas.directory.chunk_counts import PARTS, ChangeJournal, ChunkCounts, DigestArray, Partition
 from kvatlas.directory.chunk_slabs import SlabReclaim
+from kvatlas.directory.fresh_chunks import store_fresh
 from kvatlas.directory.records import (
     KeyPlacements,
     Placement,
@@ -155,8 +156,7 @@ class ChunkTable(SlabReclaim):
         entries' interned shape ids."""
         if not len(cols):
             return
-        inst, inc, tier, backend = batch.instance_id, batch.incarnation, batch.tier, batch.backend
-        shared, ts = batch.shared, batch.ts
+        inst, tier, backend, shared = batch.instance_id, batch.tier, batch.backend, batch.shared
         counts = self.counts
         own_l1 = tier in VOLATILE_TIERS and not shared
         l1set: set[bytes] | None = None
@@ -164,6 +164,58 @@ class ChunkTable(SlabReclaim):
             l1set = counts.l1_chunks.get(inst)
             if l1set is None:
                 l1set = counts.l1_chunks[inst] = set()
+        # New own copies, by tag multiplier: their elements go into the digest after the loop,
+        # in one vectorised step per multiplier (a batch is mostly one shape).
+        dig = None if shared else counts.digest_for(inst, tier)
+        pending: dict[int, list[bytes]] = {}
+        stored, allocated = stored_columns(cols)  # compact, one pass per batch
+        fresh = None
+        if self.journal is None:  # (a capture saves each record before its first change)
+            fresh = store_fresh(
+                self.parts, batch, cols, sids, stored, self.chunk_size, self.indexing
+            )
+        if fresh is not None:  # every entry a new chunk: stored in bulk
+            n_keys, n_pl, (n_bytes, added) = len(cols), len(cols), fresh
+            if added:
+                shapes = self.shapes.shapes
+                self._ops.append(_add_columns(added, cols, stored, sids, shapes, allocated))
+            if dig is not None:
+                pending[self._tag(sids[0], tier, backend)] = cols.chunk_hashes
+            if l1set is not None:
+                l1set.update(cols.chunk_hashes)
+        else:
+            n_keys, n_pl, n_bytes = self._store_each(
+                batch, cols, sids, stored, allocated, l1set, dig, pending
+            )
+        if dig is not None:
+            kept = None if self._all_digested else np.frombuffer(self.digested, dtype=np.uint8)
+            for multiplier, hs in pending.items():
+                if hs:
+                    xor_elements(dig, hs, multiplier, kept)
+        counts.keys += n_keys
+        counts.placements += n_pl
+        counts.bytes_by_tier[tier] += n_bytes
+        module = (None if shared else inst, tier, backend)
+        counts.module_placements[module] += n_pl
+        counts.module_bytes[module] += n_bytes
+        if own_l1:
+            counts.l1_placements[inst] += n_pl
+
+    def _store_each(
+        self,
+        batch: EventBatch,
+        cols: EntryColumns,
+        sids: list[int],
+        stored: list[StoredTokens | None],
+        allocated: bool,
+        l1set: set[bytes] | None,
+        dig: DigestArray | None,
+        pending: dict[int, list[bytes]],
+    ) -> tuple[int, int, int]:
+        """:meth:`store`, entry by entry (any batch); returns the (keys, placements, bytes)
+        added. New own copies' hashes go to ``pending`` by tag multiplier (if ``dig``)."""
+        inst, inc, tier, backend = batch.instance_id, batch.incarnation, batch.tier, batch.backend
+        shared, ts = batch.shared, batch.ts
         by_size: dict[int, PlacementRow] = {}
         parts = self.parts
         journal = self.journal
@@ -172,16 +224,11 @@ class ChunkTable(SlabReclaim):
         shapes = self.shapes.shapes
         chunk_size = self.chunk_size
         debug = log.isEnabledFor(logging.DEBUG)
-        # New own copies, by tag multiplier: their elements go into the digest after the loop,
-        # in one vectorised step per multiplier (a batch is mostly one shape).
-        dig = None if shared else counts.digest_for(inst, tier)
-        pending: dict[int, list[bytes]] = {}
         new_own: list[bytes] | None = None
         tag_sid = -1
         # Every placement added or replaced here has this batch's tier and (for own copies)
         # instance: the counters move by one sum per batch instead of per entry.
         n_keys = n_pl = n_bytes = 0
-        stored = stored_columns(cols)  # compact, one pass per batch
         added: list[int] = []  # entries whose new chunk is indexed: one AddColumns for all
         for j, h, sid, size, tokens, offset in zip(
             range(len(cols)),
@@ -226,7 +273,7 @@ class ChunkTable(SlabReclaim):
                 queued = len(ops)
                 dk, dp, db = self._store_existing(h, part, rec, sid, p, tokens, offset, debug)
                 if added and len(ops) > queued:  # the adds so far go first, as they happened
-                    ops.insert(queued, _add_columns(added, cols, stored, sids, shapes))
+                    ops.insert(queued, _add_columns(added, cols, stored, sids, shapes, allocated))
                     added = []
                 n_keys += dk
                 n_pl += dp
@@ -236,20 +283,8 @@ class ChunkTable(SlabReclaim):
             if l1set is not None:
                 l1set.add(h)
         if added:
-            ops.append(_add_columns(added, cols, stored, sids, shapes))
-        if dig is not None:
-            kept = None if self._all_digested else np.frombuffer(self.digested, dtype=np.uint8)
-            for multiplier, hs in pending.items():
-                if hs:
-                    xor_elements(dig, hs, multiplier, kept)
-        counts.keys += n_keys
-        counts.placements += n_pl
-        counts.bytes_by_tier[tier] += n_bytes
-        module = (None if shared else inst, tier, backend)
-        counts.module_placements[module] += n_pl
-        counts.module_bytes[module] += n_bytes
-        if own_l1:
-            counts.l1_placements[inst] += n_pl
+            ops.append(_add_columns(added, cols, stored, sids, shapes, allocated))
+        return n_keys, n_pl, n_bytes
 
     def _store_existing(
         self,
@@ -378,15 +413,20 @@ def _add_columns(
     stored: list[StoredTokens | None],
     sids: list[int],
     shapes: Sequence[KeyShape],
+    allocated: bool,
 ) -> AddColumns:
     """The index adds of entries ``rows`` of a store batch (new chunks, indexed), as columns:
-    their stored arrays, hashes, offsets and namespaces."""
-    at = np.array(rows, np.intp)
-    used, which = np.unique(np.asarray(sids, np.intp)[at], return_inverse=True)
-    return AddColumns(
-        list(map(stored.__getitem__, rows)),
-        list(map(cols.chunk_hashes.__getitem__, rows)),
-        cols.token_offsets[at],
-        [shapes[s].namespace for s in used.tolist()],
-        which,
-    )
+    their stored arrays, hashes, offsets and namespaces. ``allocated``: the stored arrays were
+    all allocated for this batch (``stored_columns``), so the adds are vouched for (a chunk's
+    indexed array is chunk-sized, its hash 32 bytes, its offset known)."""
+    if len(rows) == len(cols) and sids.count(sids[0]) == len(sids):  # every entry, one shape
+        tokens, hashes, offsets = stored, cols.chunk_hashes, cols.token_offsets
+        spaces, which = [shapes[sids[0]].namespace], None
+    else:
+        at = np.array(rows, np.intp)
+        used, which = np.unique(np.asarray(sids, np.intp)[at], return_inverse=True)
+        tokens = list(map(stored.__getitem__, rows))
+        hashes = list(map(cols.chunk_hashes.__getitem__, rows))
+        offsets = cols.token_offsets[at]
+        spaces = [shapes[s].namespace for s in used.tolist()]
+    return AddColumns(tokens, hashes, offsets, spaces, which, vouched=allocated)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import mmap
 import sys
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import pairwise, repeat
 from operator import attrgetter
 from typing import Any
@@ -224,27 +224,47 @@ def stored_from_arena(
         raise ValueError("token rows outside the arena")
     fits = np.empty(len(lens), np.bool_)
     _rows_fit(arena, starts, lengths, fits)
-    has = lengths > 0
     # each row's array at its stored width, allocated by C-level maps (no Python per row)
+    every = not lens or min(lens) > 0  # no empty row (the usual batch): no mask, no None
     present: list[StoredTokens] = list(
-        map(np.empty, filter(None, lens), map(_WIDTHS.__getitem__, fits[has].tolist()))
+        map(
+            np.empty,
+            lens if every else filter(None, lens),
+            _widths(fits if every else fits[lengths > 0]),
+        )
     )
-    handles = np.zeros(len(lens), np.int64)  # 0: an empty row, nothing to write
-    handles[has] = array_handles(present)
+    if every:
+        handles = np.array(array_handles(present), np.int64)
+    else:
+        handles = np.zeros(len(lens), np.int64)  # 0: an empty row, nothing to write
+        handles[lengths > 0] = array_handles(present)
     _copy_rows(arena, starts, lengths, handles, ARRAY_DATA_OFFSET, fits)
     read_only(present)
+    if every:
+        return present  # type: ignore[return-value]
     it = iter(present)
     return [next(it) if n else None for n in lens]
 
 
-def stored_columns(cols: EntryColumns) -> list[StoredTokens | None]:
-    """Each entry's tokens of a columnar batch, stored: straight from the batch's arena when no
+def _widths(fits: npt.NDArray[np.bool_]) -> Iterable[np.dtype[Any]]:
+    """The stored dtype of each row by whether it fits ``uint16`` (one repeated dtype when
+    all rows agree: no per-row lookup)."""
+    if fits.all():
+        return repeat(_U16)
+    if not fits.any():
+        return repeat(_U32)
+    return map(_WIDTHS.__getitem__, fits.tolist())
+
+
+def stored_columns(cols: EntryColumns) -> tuple[list[StoredTokens | None], bool]:
+    """Each entry's tokens of a columnar batch, stored, and whether every array was allocated
+    here (read-only, owning its memory, C-contiguous): straight from the batch's arena when no
     two entries share a row (the usual body; a token-less entry has no row, though its start
     is the next entry's), else through :meth:`EntryColumns.token_arrays`, which gives entries
-    of one content one array (and so one stored array)."""
+    of one content one array (and so one stored array; a caller's array may be kept)."""
     if cols.token_objects is None and not cols.rows_shared():
-        return stored_from_arena(cols.tokens, cols.token_starts, cols.token_lengths)
-    return stored_batch(cols.token_arrays())
+        return stored_from_arena(cols.tokens, cols.token_starts, cols.token_lengths), True
+    return stored_batch(cols.token_arrays()), False
 
 
 @jit
@@ -272,12 +292,14 @@ def _narrow_arrays(src: Any, lens: Any, dst: Any, data_off: Any, fits: Any) -> N
 
 @jit
 def _rows_fit(arena: Any, starts: Any, lens: Any, fits: Any) -> None:
-    """``fits[j]``: every id of row ``j`` of the arena is below 2^16."""
+    """``fits[j]``: every id of row ``j`` of the arena is below 2^16 (read through a pointer:
+    no index checks in the loop, which then runs SIMD)."""
+    base = arena.ctypes.data
     for j in range(starts.shape[0]):
-        s = starts[j]
+        a: Any = u32_ptr(base + 4 * starts[j])  # type: ignore[call-arg]
         high = np.uint32(0)
-        for k in range(s, s + lens[j]):
-            high |= arena[k]
+        for k in range(lens[j]):
+            high |= a[k]
         fits[j] = high < COMPACT_LIMIT
 
 
@@ -285,16 +307,17 @@ def _rows_fit(arena: Any, starts: Any, lens: Any, fits: Any) -> None:
 def _copy_rows(arena: Any, starts: Any, lens: Any, dst: Any, data_off: Any, fits: Any) -> None:
     """Row ``j`` of the arena into the array ``dst[j]`` (``uint16`` where ``fits[j]``, else
     ``uint32``; 0: an empty row, nothing to write)."""
+    base = arena.ctypes.data
     for j in range(starts.shape[0]):
         if dst[j] == 0:
             continue
         n = lens[j]
-        s = starts[j]
+        a: Any = u32_ptr(base + 4 * starts[j])  # type: ignore[call-arg]
         if fits[j]:
             b: Any = u16_ptr(_data(dst[j], data_off))  # type: ignore[call-arg]
             for k in range(n):
-                b[k] = np.uint16(arena[s + k])
+                b[k] = np.uint16(a[k])
         else:
             w: Any = u32_ptr(_data(dst[j], data_off))  # type: ignore[call-arg]
             for k in range(n):
-                w[k] = arena[s + k]
+                w[k] = a[k]

@@ -18,7 +18,9 @@ the root, a batch or an entry (an escaped key may decode to one of the names fol
 seen twice in one object of those, nesting deeper than ``MAX_DEPTH``, an unterminated string or container,
 more entry or batch objects than a valid body of its size can hold.
 
-This module imports numba: ``json_codec`` imports it on first use only.
+This module imports numba: ``json_codec`` imports it on first use only. numba's on-disk cache
+of :func:`_cut` is keyed by this file alone: after a change to ``_json_tokens.parse_array``,
+which it compiles in, clear ``__pycache__/_json_cut*.nb?`` (a fresh checkout has none).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING
 import numba
 import numpy as np
 
-from kvatlas.events._json_tokens import parse_array, skip_space
+from kvatlas.events._json_tokens import parse_array, skip_space, string_end
 
 if TYPE_CHECKING:
     from kvatlas.events.json_codec import CutTokenLists
@@ -84,13 +86,11 @@ def _cut(buf, out, arena, lengths, counts, names):  # type: ignore[no-untyped-de
     while i < n:
         c = buf[i]
         if c == _QUOTE:
-            j = i + 1
+            j = string_end(buf, i + 1, n)
             escaped = False
-            while j < n and buf[j] != _QUOTE:
-                if buf[j] == _BACKSLASH:
-                    escaped = True
-                    j += 1
-                j += 1
+            while j < n and buf[j] != _QUOTE:  # a backslash: skip it and what it escapes
+                escaped = True
+                j = string_end(buf, j + 2, n)
             if j >= n:
                 return FALLBACK, 0, 0, 0
             if expect_key:

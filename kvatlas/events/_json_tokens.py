@@ -11,12 +11,18 @@ This module imports numba: ``json_codec`` imports it on first use only, so that 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 import numba
 import numpy as np
 import numpy.typing as npt
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -29,6 +35,105 @@ def _digit(c):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """The digit ``c`` stands for, or -1."""
     d = np.int64(c) - 48
     return d if 0 <= d <= 9 else -1
+
+
+@intrinsic
+def _trailing_zeros(typingctx: Any, x: Any) -> Any:
+    """Count of trailing zero bits of a non-zero ``uint64`` (one instruction)."""
+    sig = types.uint64(types.uint64)  # type: ignore[no-untyped-call]
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.cttz(args[0], ir.Constant(ir.IntType(1), 1))
+
+    return sig, codegen
+
+
+_ONES = np.uint64(0x0101010101010101)
+_ZEROS = np.uint64(0x3030303030303030)  # eight ASCII '0'
+_ABOVE_NINE = np.uint64(0x4646464646464646)  # 0x80 - ':' per byte: a byte > '9' sets its top bit
+_TOPS = np.uint64(0x8080808080808080)
+_LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
+_LOW_BYTES = np.uint64(0x00FF00FF00FF00FF)
+_LOW_PAIRS = np.uint64(0x0000FFFF0000FFFF)
+_U64_8, _U64_16, _U64_32, _U64_64 = np.uint64(8), np.uint64(16), np.uint64(32), np.uint64(64)
+_BY_10 = np.uint64(10 * 256 + 1)
+_BY_100 = np.uint64(100 * 65536 + 1)
+_BY_10000 = np.uint64(10000 * (1 << 32) + 1)
+
+
+@intrinsic
+def _load_word(typingctx: Any, buf: Any, i: Any) -> Any:
+    """``buf[i:i + 8]`` as one unaligned 64-bit load (no bounds check: the caller's)."""
+    sig = types.uint64(buf, i)  # type: ignore[no-untyped-call]
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(  # type: ignore[no-untyped-call]
+            context, builder, aryty, ary, [args[1]], wraparound=False, boundscheck=False
+        )
+        return builder.load(builder.bitcast(ptr, ir.IntType(64).as_pointer()), align=1)
+
+    return sig, codegen
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _assembled_word(buf, i):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """:func:`_load_word`, byte by byte (big-endian machines)."""
+    x = np.uint64(0)
+    for t in range(8):
+        x |= np.uint64(buf[i + t]) << np.uint64(8 * t)
+    return x
+
+
+_word = _load_word if sys.byteorder == "little" else _assembled_word
+"""``buf[i:i + 8]`` as a little-endian ``uint64``."""
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _short_number(x):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """``(digits, value)`` of the number that eight bytes ``x`` (little-endian) start with,
+    read without a branch per byte; ``digits`` 0 when it is not 1–7 digits followed by a
+    byte in the word, or has a leading zero (the caller then reads it byte by byte).
+    A non-digit byte is one whose top bit is set after ``- '0'`` (below '0') or ``+ 0x46``
+    (above '9'); a borrow or carry only reaches bytes after the first non-digit."""
+    stops = ((x - _ZEROS) | (x + _ABOVE_NINE)) & _TOPS
+    if stops == 0:
+        return 0, np.uint64(0)
+    bits = _trailing_zeros(stops) - np.uint64(7)  # type: ignore[call-arg]  # 8 x the digits
+    if bits == 0 or (bits > _U64_8 and (x & np.uint64(0xFF)) == np.uint64(48)):
+        return 0, np.uint64(0)
+    v = (x << (_U64_64 - bits)) & _LOW_NIBBLES  # the digits at the top, zeros before them
+    v = (v * _BY_10) >> _U64_8  # pairs of digits
+    v = ((v & _LOW_BYTES) * _BY_100) >> _U64_16  # fours
+    v = ((v & _LOW_PAIRS) * _BY_10000) >> _U64_32  # eights
+    return np.int64(bits >> np.uint64(3)), v
+
+
+_QUOTES = np.uint64(0x2222222222222222)
+_BACKSLASHES = np.uint64(0x5C5C5C5C5C5C5C5C)
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _zero_bytes(x):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """Non-zero iff a byte of ``x`` is 0; its lowest set bit marks the first such byte (a
+    borrow only reaches the bytes after it)."""
+    return (x - _ONES) & ~x & _TOPS
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def string_end(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """The index of the first ``"`` or ``\\`` at or after ``i`` (``n`` if none before ``n``),
+    eight bytes at a time."""
+    while i + 8 <= n:
+        x = _word(buf, i)  # type: ignore[call-arg]
+        stops = _zero_bytes(x ^ _QUOTES) | _zero_bytes(x ^ _BACKSLASHES)
+        if stops != 0:
+            return i + np.int64(_trailing_zeros(stops) >> np.uint64(3))  # type: ignore[call-arg]
+        i += 8
+    while i < n and buf[i] != 34 and buf[i] != 92:
+        i += 1
+    return i
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -50,6 +155,23 @@ def parse_array(buf, i, n, arena, k):  # type: ignore[no-untyped-def]  # pragma:
     if i < n and buf[i] == 93:  # ']': the empty list
         return i + 1, k
     while i < n:
+        if i + 8 <= n:  # the common number: 1-7 digits and a comma, read as one word
+            x = _word(buf, i)  # type: ignore[call-arg]
+            digits, value = _short_number(x)
+            if digits != 0 and k < cap:
+                arena[k] = value
+                k += 1
+                i += digits
+                if (x >> np.uint64(8 * digits)) & np.uint64(0xFF) == np.uint64(44):
+                    i += 1
+                    continue
+                i = skip_space(buf, i, n)
+                if i < n and buf[i] == 44:
+                    i += 1
+                    continue
+                if i < n and buf[i] == 93:  # ']'
+                    return i + 1, k
+                break
         d = _digit(buf[i])
         if d < 0:  # white space before a number
             i = skip_space(buf, i, n)

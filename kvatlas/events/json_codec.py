@@ -7,7 +7,9 @@ yields a partial result. Errors name the field, e.g. ``batches[0].entries[3].key
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 from operator import attrgetter
 from typing import Any
 
@@ -34,7 +36,7 @@ from kvatlas.keys import (
 )
 
 
-class _WireKey(msgspec.Struct, forbid_unknown_fields=True):
+class _WireKey(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     """Unknown *key* fields are refused (elsewhere they are ignored): a field we do not know
     may be part of the key's identity, and dropping it would merge distinct keys — wrong KV."""
 
@@ -48,7 +50,10 @@ class _WireKey(msgspec.Struct, forbid_unknown_fields=True):
 _NULL = msgspec.Raw(b"null")
 
 
-class _WireEntry(msgspec.Struct):
+# Per-entry structs are not tracked by the cycle collector (``gc=False``: they hold only
+# strings, ints, ``Raw`` and each other, never a cycle): a body's thousands of them would
+# otherwise trigger young collections of their own (docs/performance.md).
+class _WireEntry(msgspec.Struct, gc=False):
     key: _WireKey
     size_bytes: int = 0
     token_ids: msgspec.Raw = _NULL  # parsed in bulk by _json_tokens
@@ -305,7 +310,7 @@ def _columns_from_wire(
     if len(raw) != 32 * len(hexes):  # fromhex skips white space; a hash holds none
         return None
     return EntryColumns.checked(
-        [raw[i : i + 32] for i in range(0, len(raw), 32)],
+        _split_hashes(raw, len(hexes)),
         list(map(_SHAPE, keys)),
         list(map(_SIZE, entries)),
         list(map(_OFFSET, entries)),
@@ -313,6 +318,22 @@ def _columns_from_wire(
         starts,
         lengths,
     )
+
+
+def _split_hashes(raw: bytes, n: int) -> list[bytes]:
+    """``raw`` cut into its ``n`` 32-byte chunk hashes (one C call for a batch of usual size)."""
+    if n > _SPLIT_MAX:
+        return [raw[i : i + 32] for i in range(0, len(raw), 32)]
+    return list(_hash_layout(n).unpack(raw))
+
+
+_SPLIT_MAX = 4096  # bounds what the cached layouts below hold
+
+
+@lru_cache(maxsize=64)
+def _hash_layout(n: int) -> struct.Struct:
+    """``n`` 32-byte chunk hashes back to back."""
+    return struct.Struct("32s" * n)
 
 
 def explain(decode: Callable[[Any], list[EventBatch]], body: bytes | str) -> list[ColumnBatch]:

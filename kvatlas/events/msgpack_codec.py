@@ -41,7 +41,7 @@ _ENTRY_FIELDS = (
 )
 
 
-class _PackedEntry(msgspec.Struct, array_like=True):
+class _PackedEntry(msgspec.Struct, array_like=True, gc=False):  # untracked: see json_codec
     chunk_hash: bytes
     model_name: str
     kv_rank: int
@@ -56,6 +56,7 @@ _HASH = attrgetter("chunk_hash")
 _SHAPE = attrgetter("model_name", "kv_rank", "object_group_id", "cache_salt")
 _SIZE = attrgetter("size_bytes")
 _OFFSET = attrgetter("token_offset")
+_CONTENT = attrgetter("content")
 
 
 class _PackedBatch(msgspec.Struct, omit_defaults=True):
@@ -193,7 +194,7 @@ def _columns_from_packed(pb: _PackedBatch) -> EntryColumns | None:
     hashes = list(map(_HASH, entries))
     if hashes and set(map(len, hashes)) != {32}:
         return None
-    refs = np.fromiter((pe.content for pe in entries), dtype=np.int64, count=len(entries))
+    refs = np.fromiter(map(_CONTENT, entries), dtype=np.int64, count=len(entries))
     if len(refs) and (int(refs.min()) < -1 or int(refs.max()) >= len(contents)):
         return None
     lengths = np.append(sizes // 4, 0)  # ref -1 (no tokens) reads the 0 at the end

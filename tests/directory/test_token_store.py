@@ -239,7 +239,8 @@ def test_a_body_with_token_less_entries_is_stored_straight_from_its_arena(
         raise AssertionError("stored entry by entry")
 
     monkeypatch.setattr(token_store, "stored_batch", per_entry)
-    stored = token_store.stored_columns(cols)
+    stored, allocated = token_store.stored_columns(cols)
+    assert allocated
     assert [None if s is None else s.tolist() for s in stored] == [
         None if e["token_ids"] is None else e["token_ids"] for e in entries
     ]

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvatlas.events._json_tokens import parse_token_lists
+from kvatlas.events._json_tokens import parse_token_lists, string_end
 
 
 def reference(raw: bytes) -> list[int] | None:
@@ -93,3 +93,46 @@ def test_nothing_but_white_space_after_an_empty_list(raw: bytes) -> None:
 @pytest.mark.parametrize(("raw", "bad"), [(b" null ", -1), (b"\nnull", -1), (b"nul", 0), (b"nullx", 0), (b"null,", 0)])  # fmt: skip
 def test_null_reads_as_no_tokens(raw: bytes, bad: int) -> None:
     assert parse_token_lists([raw])[2] == bad
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(
+        st.one_of(st.integers(0, 9_999_999), st.integers(0, (1 << 32) - 1), st.integers(0, 10**12)),
+        min_size=1,
+        max_size=30,
+    ),
+    st.lists(
+        st.tuples(st.integers(0, 1 << 16), st.sampled_from(b"0123456789 ,]-+.eE\x80\xff\x00:/\t")),
+        max_size=3,
+    ),
+    st.sampled_from(["", " "]),
+)
+def test_word_at_a_time_numbers_agree_with_reference(
+    values: list[int], edits: list[tuple[int, int]], space: str
+) -> None:
+    """Lists long enough for the eight-bytes-at-a-time path (``_short_number``: 1-7 digits
+    and the byte after them read from one word), with numbers of every length up to 13
+    digits and a few bytes overwritten (leading zeros, signs, fractions, exponents, white
+    space, bytes above 0x7f, the characters either side of the digits): the same ids and
+    the same verdict as the strict reference."""
+    raw = bytearray(("[" + ("," + space).join(map(str, values)) + "]").encode())
+    for at, byte in edits:
+        raw[at % len(raw)] = byte
+    check([bytes(raw), b"[1,2,3,4,5,6,7,8]"])
+    check([bytes(raw) + b"      "])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=40).map(lambda b: b.replace(b'"', b"a").replace(b"\\", b"b")),
+       st.binary(max_size=6), st.integers(0, 48))  # fmt: skip
+def test_string_end_finds_the_first_quote_or_backslash(
+    plain: bytes, tail: bytes, bound: int
+) -> None:
+    """The word-at-a-time string scan of the token cut: the first ``"`` or ``\\`` at or after
+    the start, never one at or past the bound, whatever bytes precede it."""
+    buf = np.frombuffer(plain + tail, np.uint8)
+    n = min(bound, len(buf))
+    for start in range(n + 1):
+        found = [i for i in range(start, n) if buf[i] in b'"\\']
+        assert string_end(buf, start, n) == (found[0] if found else n)

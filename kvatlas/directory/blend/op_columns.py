@@ -17,6 +17,7 @@ import operator
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import chain
 from operator import attrgetter
 from typing import Any
 
@@ -169,7 +170,7 @@ def op_columns(ops: Iterable[BlendOp], chunk: int) -> OpColumns | None:
 
 def _kept_columns(op: AddColumns, chunk: int) -> OpColumns | None:
     """``op`` as columns if the index can keep every array as it is and every hash and offset
-    is valid as given (checked column-wise); else ``None``."""
+    is valid as given (checked column-wise, unless ``op.vouched`` says so); else ``None``."""
     tokens, hashes = list(op.tokens), list(op.chunk_hashes)
     n = len(tokens)
     spaces = list(op.namespaces)
@@ -182,6 +183,9 @@ def _kept_columns(op: AddColumns, chunk: int) -> OpColumns | None:
         return None
     if n == 0:
         return _EMPTY
+    if op.vouched:
+        dtypes = set(map(_DTYPE, tokens))
+        return _columns(tokens, dtypes, hashes, _lengths(hashes), offsets, spaces, which)
     if offsets.dtype.kind not in "iu" or which.dtype.kind not in "iu":
         return None
     if set(map(type, tokens)) != {np.ndarray} or set(map(type, hashes)) != {bytes}:
@@ -203,6 +207,20 @@ def _kept_columns(op: AddColumns, chunk: int) -> OpColumns | None:
         return None
     if int(which.min()) < 0 or int(which.max()) >= len(spaces):
         return None
+    return _columns(tokens, dtypes, hashes, hash_lens, offsets, spaces, which)
+
+
+def _columns(
+    tokens: list[Tokens],
+    dtypes: set[np.dtype[Any]],
+    hashes: list[bytes],
+    hash_lens: npt.NDArray[np.int64],
+    offsets: npt.NDArray[Any],
+    spaces: list[BlendNamespace],
+    which: npt.NDArray[Any],
+) -> OpColumns:
+    """The adds of valid columns (arrays the index keeps as they are; ``dtypes`` theirs)."""
+    n = len(tokens)
     if len(dtypes) == 1:
         token_bytes = filled(n, dtypes.pop().itemsize)
     else:
@@ -228,8 +246,8 @@ def _joined(parts: list[OpColumns]) -> OpColumns:
         spaces += p.spaces
     return OpColumns(
         np.concatenate([p.kinds for p in parts]),
-        [t for p in parts for t in p.tokens],
-        [h for p in parts for h in p.hashes],
+        list(chain.from_iterable(p.tokens for p in parts)),
+        list(chain.from_iterable(p.hashes for p in parts)),
         np.concatenate([p.hash_lens for p in parts]),
         np.concatenate([p.offsets for p in parts]),
         np.concatenate([p.token_bytes for p in parts]),

@@ -45,13 +45,18 @@ class AddColumns(NamedTuple):
     is one the index keeps as it is (read-only, C-contiguous, owning ``uint16``/``uint32`` of
     ``chunk_size`` ids: the directory's stored arrays), every hash an exact ``bytes`` of at
     most 32 and every offset valid, the whole batch is prepared without Python per entry;
-    otherwise it is applied as the ``AddOp``s it stands for (same validation, same errors)."""
+    otherwise it is applied as the ``AddOp``s it stands for (same validation, same errors).
+
+    ``vouched``: the caller guarantees all of that already (the directory, for arrays it has
+    just allocated itself): the index then takes the columns without looking at each array
+    (``op_columns.py``; a test holds the directory to it)."""
 
     tokens: Sequence[Any]
     chunk_hashes: Sequence[bytes]
     token_offsets: Any  # a sequence of ints or an integer array
     namespaces: Sequence[BlendNamespace]
     namespace_of: Any = None  # a sequence of ints or an integer array
+    vouched: bool = False
 
     def ops(self) -> list[AddOp]:
         """The ``AddOp``s this stands for."""

@@ -1,0 +1,58 @@
+"""A ``store`` batch of new chunks, stored in bulk: the usual batch (a node reports chunks it
+just computed), so the one :meth:`ChunkTable.store <kvatlas.directory.chunk_table.ChunkTable.store>`
+takes without Python code per entry.
+
+:func:`store_fresh` builds exactly the records the table's entry-by-entry loop would (the same
+tuples, placement rows shared by size, in the same partitions) with C-level maps over the
+batch's columns, and says which entries the blend index must add. It takes only batches where
+that loop would do nothing else: every entry a chunk the table does not hold, no hash twice,
+one key shape, every entry bound to a whole chunk of tokens (no log line per entry); for any
+other batch it does nothing and the loop runs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from itertools import compress
+from operator import itemgetter
+
+from kvatlas.directory.chunk_counts import Partition
+from kvatlas.directory.records import placement_row, records_from_columns
+from kvatlas.directory.token_store import StoredTokens
+from kvatlas.events import UNKNOWN_OFFSET, EventBatch
+from kvatlas.events.columns import EntryColumns
+
+_FIRST_BYTE = itemgetter(0)  # a chunk hash's partition
+
+
+def store_fresh(
+    parts: list[Partition],
+    batch: EventBatch,
+    cols: EntryColumns,
+    sids: list[int],
+    stored: list[StoredTokens | None],
+    chunk_size: int,
+    indexing: bool,
+) -> tuple[int, list[int]] | None:
+    """Store the entries ``cols`` of ``batch`` (shape ids ``sids``, tokens ``stored``) as new
+    chunks into ``parts`` if the batch qualifies (see the module docstring); returns the
+    bytes stored and the entries whose chunk is indexed (``indexing``: blend is on; offset
+    known), or ``None``, having changed nothing."""
+    hashes, n = cols.chunk_hashes, len(cols)
+    if sids.count(sids[0]) != n or not bool((cols.token_lengths == chunk_size).all()):
+        return None
+    parts_of = list(map(parts.__getitem__, map(_FIRST_BYTE, hashes)))
+    if any(map(dict.get, parts_of, hashes)) or len(set(hashes)) != n:
+        return None
+    sizes, offsets = cols.size_bytes.tolist(), cols.token_offsets.tolist()
+    b = batch
+    rows = {
+        size: placement_row(b.instance_id, b.incarnation, b.tier, b.backend, size, b.shared, b.ts)
+        for size in set(sizes)
+    }
+    indexed = list(map(UNKNOWN_OFFSET.__ne__, offsets)) if indexing else [False] * n
+    records = records_from_columns(
+        stored, offsets, sids, list(map(rows.__getitem__, sizes)), indexed
+    )
+    deque(map(dict.__setitem__, parts_of, hashes, records), maxlen=0)
+    return sum(sizes), list(compress(range(n), indexed))

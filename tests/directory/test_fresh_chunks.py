@@ -1,0 +1,162 @@
+"""The bulk store of a batch of new chunks (``fresh_chunks.store_fresh``) against the table's
+entry-by-entry loop (differential): the same batches applied to a directory that takes the
+bulk path where it can and to one that never does leave identical directories, down to the
+records themselves, the inventory digests, the L1 chunk sets and the blend index."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvatlas.directory import KeyDirectory
+from kvatlas.directory import chunk_table as table_module
+from kvatlas.directory.blend import AddColumns
+from kvatlas.directory.blend import op_columns as op_module
+from kvatlas.directory.blend.op_columns import OpColumns
+from kvatlas.events import (
+    CacheEntry,
+    EventBatch,
+    decode_json_columns,
+    decode_msgpack_columns,
+    encode_json,
+    encode_msgpack,
+)
+from kvatlas.keys import ObjectKey
+from tests.directory.helpers import captured
+from tests.directory.test_columnar_ingest import CHUNK, CONTENTS, SHAPES, _state
+
+HASHES = [bytes([i % 256, i // 256]) + bytes(29) + bytes([i % 7]) for i in range(40)]
+
+
+@st.composite
+def store_st(draw: st.DrawFn, seq: int) -> EventBatch:
+    """A store batch, mostly of the bulk path's kind (new, distinct, one shape, whole chunks),
+    sometimes not (a hash twice or already held, two shapes, no or short content)."""
+    n = draw(st.integers(1, 8))
+    hashes = draw(st.lists(st.sampled_from(HASHES), min_size=n, max_size=n))
+    shapes = draw(st.lists(st.sampled_from(SHAPES), min_size=1, max_size=2))
+    contents = draw(st.sampled_from([CONTENTS[:3], CONTENTS]))
+    entries = tuple(
+        CacheEntry(
+            ObjectKey(h, *draw(st.sampled_from(shapes))),
+            draw(st.sampled_from([0, 7, 1 << 20])),
+            draw(st.sampled_from(contents) | (st.none() if draw(st.booleans()) else st.nothing())),
+            draw(st.sampled_from([-1, 0, CHUNK, 2 * CHUNK])),
+        )
+        for h in hashes
+    )
+    return EventBatch(
+        draw(st.sampled_from(["a", "b"])),
+        1,
+        seq,
+        "store",
+        draw(st.sampled_from(["l1", "l2"])),
+        "dram",
+        draw(st.booleans()),
+        ts=float(seq),
+        entries=entries,
+    )
+
+
+def _records(d: KeyDirectory) -> dict[bytes, Any]:
+    def plain(value: Any) -> Any:
+        if isinstance(value, np.ndarray):
+            return (value.dtype.str, value.tolist(), value.flags.writeable)
+        return tuple(map(plain, value)) if isinstance(value, tuple) else value
+
+    return {h: plain(rec) for h, rec in captured(d).items()}
+
+
+def _inside(d: KeyDirectory) -> Any:
+    counts = d._chunks.counts
+    digests = {k: v.tolist() for k, v in counts.digests.items()}
+    return _records(d), digests, counts.l1_chunks, counts.keys, counts.placements
+
+
+@pytest.mark.parametrize("blend", [True, False])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_bulk_store_equals_the_loop(blend: bool, data: st.DataObject) -> None:
+    bulk = KeyDirectory(CHUNK, enable_blend_lookup=blend)
+    loop = KeyDirectory(CHUNK, enable_blend_lookup=blend)
+    for seq in range(1, data.draw(st.integers(1, 5)) + 1):
+        batch = data.draw(store_st(seq))
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(table_module, "store_fresh", lambda *args: None)
+            loop.consume(batch)
+        bulk.consume(batch)
+        assert _inside(bulk) == _inside(loop)
+        if blend:
+            assert _state(bulk) == _state(loop)
+
+
+def test_a_batch_of_new_chunks_takes_the_bulk_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The usual batch (new chunks, one shape, whole contents) is stored in bulk, a batch with
+    a chunk the table holds is not; both as the loop would (the test above)."""
+    taken = []
+    store_fresh = table_module.store_fresh
+
+    def counted(*args: Any) -> Any:
+        out = store_fresh(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(table_module, "store_fresh", counted)
+    d = KeyDirectory(CHUNK, enable_blend_lookup=True)
+    entries = [CacheEntry(ObjectKey(h, *SHAPES[0]), 1, CONTENTS[0], 0) for h in HASHES[:3]]
+    d.consume(EventBatch("a", 1, 1, "store", "l1", "dram", entries=tuple(entries)))
+    d.consume(EventBatch("a", 1, 2, "store", "l1", "dram", entries=tuple(entries[:1])))
+    assert taken == [True, False]
+
+
+@pytest.mark.parametrize("fmt", ["json", "msgpack"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_vouched_adds_pass_the_checks_they_skip(fmt: str, data: st.DataObject) -> None:
+    """The directory vouches for the index adds of a batch whose arrays it allocated itself
+    (``AddColumns.vouched``: the index then skips its column checks). Every such add, taken
+    unvouched, passes those checks and gives the same columns."""
+    vouched = []
+    kept = op_module._kept_columns
+
+    def checked(op: AddColumns, chunk: int) -> Any:
+        out = kept(op, chunk)
+        if op.vouched:
+            vouched.append(op)
+            plain = kept(op._replace(vouched=False), chunk)
+            assert plain is not None and out is not None
+            assert _fields(out) == _fields(plain)
+        return out
+
+    encode, decode = (
+        (encode_json, decode_json_columns)
+        if fmt == "json"
+        else (encode_msgpack, decode_msgpack_columns)
+    )
+    d = KeyDirectory(CHUNK, enable_blend_lookup=True)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(op_module, "_kept_columns", checked)
+        for seq in range(1, data.draw(st.integers(1, 4)) + 1):
+            d.apply_columns(decode(encode([data.draw(store_st(seq))])))
+        d.apply_columns(decode(encode([_fresh_batch(seq + 1)])))
+    assert vouched
+
+
+def _fields(cols: OpColumns) -> list[Any]:
+    """Comparable: arrays as lists, token arrays by identity (the index keeps them)."""
+    out = []
+    for name in OpColumns.__dataclass_fields__:
+        value = getattr(cols, name)
+        if name == "tokens":
+            value = list(map(id, value))
+        out.append(value.tolist() if isinstance(value, np.ndarray) else value)
+    return out
+
+
+def _fresh_batch(seq: int) -> EventBatch:
+    entries = [CacheEntry(ObjectKey(bytes([seq]) * 32, *SHAPES[1]), 5, CONTENTS[1], CHUNK)]
+    return EventBatch("c", 1, 1, "store", "l2", "disk", entries=tuple(entries))
