@@ -37,7 +37,7 @@ import numpy.typing as npt
 
 from kvatlas.checks import is_plain_int
 from kvatlas.directory.blend import _cpython, kernels
-from kvatlas.directory.blend.op_columns import HASH_WIDTH, op_columns
+from kvatlas.directory.blend.op_columns import HASH_WIDTH, op_columns, trusted_columns
 from kvatlas.directory.blend.ops import AddColumns, AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp
 from kvatlas.directory.blend.state import IndexState
 from kvatlas.keys import BlendMatch, BlendNamespace, as_token_array
@@ -171,11 +171,12 @@ class BlendIndex:
             with self._lock:
                 self._state.apply(cols)
 
-    def build(self, adds: AddColumns) -> None:
+    def build(self, adds: AddColumns, *, trusted: bool = False) -> None:
         """``apply([adds])`` to a fresh index nobody queries yet (a restore's rebuild): its
         arrays and table sized once for all the adds, applied in slices of
         :data:`BUILD_SLICE` (bounded scratch), then the extra-claim set shrunk to what the
-        claims need (a batch reserves room for one per add)."""
+        claims need (a batch reserves room for one per add). ``trusted``: the caller
+        guarantees what ``op_columns.trusted_columns`` says, so no column is checked again."""
         n = len(adds.tokens)
         with self._lock:
             self._state.reserve(n)
@@ -189,7 +190,11 @@ class BlendIndex:
                 adds.namespaces,
                 None if which is None else which[lo:hi],
             )
-            self.apply((part,))
+            if trusted:
+                with self._lock:
+                    self._state.apply(trusted_columns(part))
+            else:
+                self.apply((part,))
         with self._lock:
             self._state.trim_claims()
 

@@ -220,6 +220,34 @@ def _kept_columns(op: AddColumns, chunk: int) -> OpColumns | None:
     )
 
 
+def trusted_columns(op: AddColumns) -> OpColumns:
+    """``op`` as columns, checking nothing :func:`_kept_columns` checks: only for a caller
+    that guarantees what it would find (every array a read-only, C-contiguous 1-D ``uint16``
+    or ``uint32`` of ``chunk_size`` ids that owns its memory or is a view of a shared slab;
+    every hash an exact ``bytes`` of at most 32; every offset in [0, 2^63) and every
+    ``namespace_of`` a valid index, in integer arrays). A restore's rebuild is such a caller
+    (``directory/snapshot/reader.py``: its arrays are its own slab's views or copies, its
+    columns were checked as the file was read)."""
+    tokens, n = op.tokens, len(op.tokens)
+    dtypes = set(map(_DTYPE, tokens))
+    if len(dtypes) == 1:
+        token_bytes = filled(n, dtypes.pop().itemsize)
+    else:
+        token_bytes = np.fromiter(map(attrgetter("itemsize"), tokens), np.int64, n)
+    which = np.zeros(n, np.int64) if op.namespace_of is None else op.namespace_of
+    return OpColumns(
+        filled(n, ADD),
+        list(tokens),
+        list(op.chunk_hashes),
+        _lengths(list(op.chunk_hashes)),
+        np.asarray(op.token_offsets, np.int64),
+        token_bytes,
+        list(op.namespaces),
+        np.asarray(which, np.int64),
+        np.zeros(n, np.bool_),
+    )
+
+
 def _joined(parts: list[OpColumns]) -> OpColumns:
     spaces: list[BlendNamespace] = []
     space_of = []

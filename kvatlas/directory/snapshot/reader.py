@@ -17,13 +17,14 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
-from itertools import pairwise
+from itertools import compress, pairwise
 from typing import Any
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from kvatlas.directory.blend import AddColumns
 from kvatlas.directory.capture import DirectoryState, Restored
 from kvatlas.directory.chunk_counts import PARTS, ChunkCounts, Partition
 from kvatlas.directory.gate import EmitterCursor, GapRecord
@@ -41,7 +42,9 @@ from kvatlas.directory.records import (
     record_stored_tokens,
     records_from_columns,
     rows_from_columns,
+    shape_ids,
 )
+from kvatlas.directory.reindex import index_adds
 from kvatlas.directory.shapes import ShapeTable
 from kvatlas.directory.snapshot.format import (
     HASH_BYTES,
@@ -96,11 +99,11 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
         # with blend on (it is never turned off), records the index will hold are built
         # marked: the rebuild then makes no second record per chunk (directory/reindex.py)
         blend = directory.blend_enabled and header.chunk_size == directory.chunk_size
-        shapes, parts, hashes = _build(header, columns, tokens, blend)
+        shapes, parts, hashes, adds = _build(header, columns, tokens, blend)
         del tokens
         counts = _counts(header, columns, hashes)
         state = DirectoryState(header.chunk_size, _cursors(header), _capacities(header))
-        directory.install(Restored(state, shapes, parts, counts, slabs))
+        directory.install(Restored(state, shapes, parts, counts, slabs, adds))
     return SnapshotInfo(
         str(path),
         len(hashes),
@@ -245,10 +248,10 @@ def _placements(header: Header) -> list[PlacementRow]:
 
 def _build(
     header: Header, cols: _Columns, tokens: list[Any], blend: bool
-) -> tuple[ShapeTable, list[Partition], list[bytes]]:
-    """The shape table, the partitions of records, and every chunk's hash; with ``blend``,
-    the records of indexable chunks (content of ``chunk_size`` tokens, a known offset) are
-    marked indexed."""
+) -> tuple[ShapeTable, list[Partition], list[bytes], AddColumns | None]:
+    """The shape table, the partitions of records, every chunk's hash, and with ``blend``
+    the blend-index adds of the indexable chunks (content of ``chunk_size`` tokens, a known
+    offset), whose records are built marked indexed."""
     snap_to_sid, table = _shapes(header)
     pls = _placements(header)
     raw = header.chunk_hashes
@@ -260,14 +263,17 @@ def _build(
     key_first_ref = np.cumsum(kpc) - kpc  # each key's first placement reference
     first_ref = key_first_ref[first_key]
     sids = np.asarray(snap_to_sid, dtype=np.int64)[cols.key_shapes]
+    first_sids = sids[first_key]
     simple = (counts == 1) & (kpc[first_key] == 1)  # one key, one placement: most chunks
     rows = np.fromiter(pls, dtype=object, count=len(pls))  # gathered in C, not per chunk
+    indexable = _indexable(header, cols) if blend else None
+    marks = None if indexable is None else indexable.tolist()
     records = records_from_columns(
         tokens,
         cols.offsets.tolist(),
-        sids[first_key].tolist(),
+        first_sids.tolist(),
         rows[cols.key_pls[first_ref]].tolist(),
-        _indexable(header, cols).tolist() if blend else None,
+        marks,
     )
     if not simple.all():
         ksh, kpl, kpc_list = sids.tolist(), cols.key_pls.tolist(), kpc.tolist()
@@ -282,7 +288,19 @@ def _build(
             records[c] = make_record(
                 record_stored_tokens(rec), record_offset(rec), record_indexed(rec), keys
             )
-    return table, _partitions(raw, hashes, records), hashes
+    adds = None
+    if indexable is not None and marks is not None:
+        at = np.flatnonzero(indexable)
+        several = np.flatnonzero(counts[at] > 1).tolist()
+        adds = index_adds(
+            list(compress(tokens, marks)),
+            list(compress(hashes, marks)),
+            cols.offsets[at].astype(np.int64),
+            first_sids[at],
+            [(r, shape_ids(records[int(at[r])])) for r in several],
+            table,
+        )
+    return table, _partitions(raw, hashes, records), hashes, adds
 
 
 def _indexable(header: Header, cols: _Columns) -> npt.NDArray[np.bool_]:
