@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -115,6 +117,34 @@ def test_corrupt_snapshots_are_rejected_and_change_nothing(tmp_path: Path, damag
     before = state(target)
     with pytest.raises(SnapshotError):
         load_snapshot(target, path)
+    assert state(target) == before
+
+
+def test_a_file_cut_short_while_its_ids_are_read_is_refused_and_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The token section is read on a thread of its own while the records are built: a read
+    that fails there (the file cut short after its size was checked) fails the restore,
+    before anything is installed."""
+    from kvatlas.directory.snapshot import reader
+
+    d, _ = populated()
+    path = tmp_path / "s.snap"
+    save_snapshot(d, path)
+    fill, threads = reader._fill, []
+
+    def cut_short(f: Any, view: memoryview, pos: int) -> None:
+        threads.append(threading.current_thread())
+        with open(path, "r+b") as out:
+            out.truncate(pos + len(view) // 2)
+        fill(f, view, pos)
+
+    monkeypatch.setattr(reader, "_fill", cut_short)
+    target, _ = populated()
+    before = state(target)
+    with pytest.raises(SnapshotError, match="truncated snapshot token arena"):
+        load_snapshot(target, path)
+    assert threads and threads[0] is not threading.main_thread()  # read on its own thread
     assert state(target) == before
 
 

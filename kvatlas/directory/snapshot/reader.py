@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import os
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -93,16 +94,20 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
         columns = _columns(header)
         if size - body != int((columns.lens.astype(np.int64) * columns.widths).sum()):
             raise SnapshotError("token arena length does not match the header")
-        tokens, slabs = _read_tokens(f, body, columns.lens, columns.widths, header.version < 2)
-        # The GC stays on: records are untracked at their first young collection, so
-        # collecting as they are built costs less than one pass over all of them at the end.
-        # with blend on (it is never turned off), records the index will hold are built
-        # marked: the rebuild then makes no second record per chunk (directory/reindex.py)
-        blend = directory.blend_enabled and header.chunk_size == directory.chunk_size
-        shapes, parts, hashes, adds = _build(header, columns, tokens, blend)
-        del tokens
-        counts = _counts(header, columns, hashes)
-        state = DirectoryState(header.chunk_size, _cursors(header), _capacities(header))
+        fill = _Fill(f, body, columns.lens, columns.widths, header.version < 2)
+        try:
+            tokens, slabs = fill.contents()
+            # The GC stays on: records are untracked at their first young collection, so
+            # collecting as they are built costs less than one pass over all of them at the
+            # end. With blend on (it is never turned off), records the index will hold are
+            # built marked, and their adds built from the columns (directory/reindex.py).
+            blend = directory.blend_enabled and header.chunk_size == directory.chunk_size
+            shapes, parts, hashes, adds = _build(header, columns, tokens, blend)
+            del tokens
+            counts = _counts(header, columns, hashes)
+            state = DirectoryState(header.chunk_size, _cursors(header), _capacities(header))
+        finally:
+            fill.wait()  # the contents are read only once the whole section is in
         directory.install(Restored(state, shapes, parts, counts, slabs, adds))
     return SnapshotInfo(
         str(path),
@@ -160,38 +165,74 @@ def _columns(header: Header) -> _Columns:
     return _Columns(offsets, lens, widths, counts, key_shapes, key_pl_counts, key_pls)
 
 
-def _read_tokens(
-    f: io.BufferedReader,
-    start: int,
-    lens: np.ndarray[Any, Any],
-    widths: np.ndarray[Any, Any],
-    compact: bool,
-) -> tuple[list[Any], tuple[TokenSlab, ...]]:
-    """Each chunk's content (``None`` for unknown content) at its stored width, and the slab
-    that holds them: the whole token section is read into one :class:`TokenSlab` and each
-    content is a read-only view of it, cut in bulk (no allocation per chunk; the chunk table
-    frees the slab once most of it is dead, see :mod:`kvatlas.directory.token_store`). A
-    version-1 section (``compact``: every width 4) is compacted as it is read, into arrays of
-    their own."""
-    if compact:  # a group of chunks at a time: no second copy of a whole uint32 section
-        lengths, out, pos = lens.astype(np.int64), [], start
-        for lo in range(0, len(lengths), _V1_GROUP):
-            group = lengths[lo : lo + _V1_GROUP]
-            arena = np.empty(int(group.sum()), np.uint32)
-            _fill(f, arena, pos)
-            pos += arena.nbytes
-            if sys.byteorder != "little":  # pragma: no cover - the section is little-endian
-                arena.byteswap(inplace=True)
-            out += stored_from_arena(arena, np.cumsum(group) - group, group)
-        return out, ()
-    slab = TokenSlab(int((lens.astype(np.int64) * widths).sum()))
-    _fill(f, slab.buffer, start)
-    tokens = slab.cut(lens, widths)
-    return tokens, (slab,) if slab.views else ()
+class _Fill:
+    """The token section read into place: each chunk's content (``None`` for unknown
+    content) at its stored width, and the slab that holds them.
+
+    The whole section is read into one :class:`TokenSlab` and each content is a read-only
+    view of it, cut in bulk (no allocation per chunk; the chunk table frees the slab once
+    most of it is dead, see :mod:`kvatlas.directory.token_store`). The read runs on a thread
+    of its own: it releases the GIL while the kernel faults the slab's pages in and copies
+    the file into them, so the records are built meanwhile (views are cut before their ids
+    are in: nothing reads them before :meth:`wait`). A version-1 section (``compact``: every
+    width 4) is compacted as it is read, into arrays of their own, on the calling thread."""
+
+    def __init__(
+        self,
+        f: io.BufferedReader,
+        start: int,
+        lens: np.ndarray[Any, Any],
+        widths: np.ndarray[Any, Any],
+        compact: bool,
+    ) -> None:
+        self._f, self._start, self._lens, self._widths = f, start, lens, widths
+        self._compact = compact
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def contents(self) -> tuple[list[Any], tuple[TokenSlab, ...]]:
+        """Each chunk's content and the slabs that hold them; the ids arrive by :meth:`wait`."""
+        f, lens, widths = self._f, self._lens, self._widths
+        if self._compact:  # a group of chunks at a time: no second copy of a whole section
+            lengths, out, pos = lens.astype(np.int64), [], self._start
+            for lo in range(0, len(lengths), _V1_GROUP):
+                group = lengths[lo : lo + _V1_GROUP]
+                arena = np.empty(int(group.sum()), np.uint32)
+                _fill(f, arena.data.cast("B"), pos)
+                pos += arena.nbytes
+                if sys.byteorder != "little":  # pragma: no cover - the section is little-endian
+                    arena.byteswap(inplace=True)
+                out += stored_from_arena(arena, np.cumsum(group) - group, group)
+            return out, ()
+        slab = TokenSlab(int((lens.astype(np.int64) * widths).sum()))
+        into = slab.mapped_memory()
+        if into is None or sys.byteorder != "little":  # cut swaps the ids in place
+            _fill(f, slab.buffer.data.cast("B"), self._start)
+        else:
+            self._thread = threading.Thread(
+                target=self._read, args=(into,), name="kvatlas-restore-read", daemon=True
+            )
+            self._thread.start()
+        tokens = slab.cut(lens, widths)
+        return tokens, (slab,) if slab.views else ()
+
+    def _read(self, into: memoryview) -> None:
+        try:
+            _fill(self._f, into, self._start)
+        except BaseException as exc:  # raised by wait(), on the reading thread
+            self._error = exc
+
+    def wait(self) -> None:
+        """Return once every id is in; raises what the read raised."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            raise self._error
 
 
-def _fill(f: io.BufferedReader, a: np.ndarray[Any, Any], pos: int) -> None:
-    view = a.data.cast("B")
+def _fill(f: io.BufferedReader, view: memoryview, pos: int) -> None:
+    """``view`` filled from the file at ``pos`` (a truncated file: :class:`SnapshotError`)."""
     f.seek(pos)
     filled = 0
     while filled < len(view):
