@@ -222,3 +222,46 @@ def test_only_views_whose_base_is_a_live_shared_slab_are_kept_by_reference() -> 
     del slab, views, through  # (the memoryview holds the buffer too)
     gc.collect()
     assert buffer_id not in _SLABS  # dead slabs leave the registry: their ids can be reused
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 5), st.integers(0, 7), st.integers(0, 1 << 40)),
+        min_size=1,
+        max_size=20,
+    ),
+    st.booleans(),
+    st.integers(1, 3),
+)
+def test_trusted_columns_are_what_the_checked_path_keeps(
+    rows: list[tuple[int, int, int]], views: bool, n_spaces: int
+) -> None:
+    """What a restore hands the index unchecked (``trusted_columns``) is, column for column,
+    what the checked path (``_kept_columns``) makes of the same adds: the trust skips checks,
+    never changes an input (slab views or owning arrays, both widths, several namespaces)."""
+    from kvatlas.directory.blend.op_columns import _kept_columns, trusted_columns
+    from kvatlas.directory.token_store import TokenSlab
+
+    arrays = contents(len(rows))
+    if views:  # the same ids as views of a shared slab, as a restore cuts them
+        slab = TokenSlab(sum(a.nbytes for a in arrays))
+        slab.buffer[:] = np.concatenate([a.view(np.uint8) for a in arrays])
+        arrays = slab.cut(
+            np.full(len(arrays), CS, np.uint32), np.array([a.itemsize for a in arrays])
+        )
+    spaces = SPACES[:n_spaces]
+    op = AddColumns(
+        [arrays[c] for c, _, _ in rows],
+        [bytes([h]) * (32 - h) for _, h, _ in rows],
+        np.array([o for *_, o in rows], np.int64),
+        spaces,
+        np.array([o % n_spaces for *_, o in rows], np.int64),
+    )
+    checked, trusted = _kept_columns(op, CS), trusted_columns(op)
+    assert checked is not None
+    for name in ("kinds", "hash_lens", "offsets", "token_bytes", "space_of", "owned"):
+        assert np.array_equal(getattr(checked, name), getattr(trusted, name)), name
+    assert checked.spaces == trusted.spaces
+    assert all(a is b for a, b in zip(checked.tokens, trusted.tokens, strict=True))
+    assert all(a is b for a, b in zip(checked.hashes, trusted.hashes, strict=True))
