@@ -126,12 +126,12 @@ def test_a_file_cut_short_while_its_ids_are_read_is_refused_and_changes_nothing(
     """The token section is read on a thread of its own while the records are built: a read
     that fails there (the file cut short after its size was checked) fails the restore,
     before anything is installed."""
-    from kvatlas.directory.snapshot import reader
+    from kvatlas.directory.snapshot import token_section
 
     d, _ = populated()
     path = tmp_path / "s.snap"
     save_snapshot(d, path)
-    fill, threads = reader._fill, []
+    fill, threads = token_section.fill, []
 
     def cut_short(f: Any, view: memoryview, pos: int) -> None:
         threads.append(threading.current_thread())
@@ -139,7 +139,7 @@ def test_a_file_cut_short_while_its_ids_are_read_is_refused_and_changes_nothing(
             out.truncate(pos + len(view) // 2)
         fill(f, view, pos)
 
-    monkeypatch.setattr(reader, "_fill", cut_short)
+    monkeypatch.setattr(token_section, "fill", cut_short)
     target, _ = populated()
     before = state(target)
     with pytest.raises(SnapshotError, match="truncated snapshot token arena"):

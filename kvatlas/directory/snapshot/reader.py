@@ -11,10 +11,7 @@ docs/directory.md.
 
 from __future__ import annotations
 
-import io
 import os
-import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -25,7 +22,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.directory.blend import AddColumns
+from kvatlas.directory.blend import BlendIndex
 from kvatlas.directory.capture import DirectoryState, Restored
 from kvatlas.directory.chunk_counts import PARTS, ChunkCounts, Partition
 from kvatlas.directory.gate import EmitterCursor, GapRecord
@@ -43,7 +40,6 @@ from kvatlas.directory.records import (
     record_stored_tokens,
     records_from_columns,
     rows_from_columns,
-    shape_ids,
 )
 from kvatlas.directory.reindex import index_adds
 from kvatlas.directory.shapes import ShapeTable
@@ -58,12 +54,9 @@ from kvatlas.directory.snapshot.format import (
     SnapshotInfo,
     decode_column,
 )
-from kvatlas.directory.token_store import TokenSlab, stored_from_arena
+from kvatlas.directory.snapshot.token_section import Background, read_token_section
 from kvatlas.events import UNKNOWN_OFFSET, VOLATILE_TIERS
 from kvatlas.keys import ObjectKey
-
-_V1_GROUP = 65_536
-"""Chunks of a version-1 token section read (and compacted) at a time."""
 
 
 def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> SnapshotInfo:
@@ -94,21 +87,33 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
         columns = _columns(header)
         if size - body != int((columns.lens.astype(np.int64) * columns.widths).sum()):
             raise SnapshotError("token arena length does not match the header")
-        fill = _Fill(f, body, columns.lens, columns.widths, header.version < 2)
+        tokens, slabs, reading = read_token_section(
+            f, body, columns.lens, columns.widths, header.version < 2
+        )
+        building = None
         try:
-            tokens, slabs = fill.contents()
+            table, sids = _shapes(header, columns)
+            hashes: list[bytes] = np.frombuffer(header.chunk_hashes, f"V{HASH_BYTES}").tolist()
+            # with blend on (it is never turned off) the new index is built from the columns
+            # on a thread of its own, while the records are built here (those it holds
+            # marked indexed): its kernel runs without the GIL (token_section.py)
+            blend = _reads_blend(directory, header)
+            if blend:
+                building = _index_build(
+                    directory, header, columns, tokens, hashes, sids, table, reading
+                )
             # The GC stays on: records are untracked at their first young collection, so
             # collecting as they are built costs less than one pass over all of them at the
-            # end. With blend on (it is never turned off), records the index will hold are
-            # built marked, and their adds built from the columns (directory/reindex.py).
-            blend = directory.blend_enabled and header.chunk_size == directory.chunk_size
-            shapes, parts, hashes, adds = _build(header, columns, tokens, blend)
+            # end.
+            parts = _build(header, columns, tokens, hashes, sids, blend)
             del tokens
             counts = _counts(header, columns, hashes)
             state = DirectoryState(header.chunk_size, _cursors(header), _capacities(header))
-        finally:
-            fill.wait()  # the contents are read only once the whole section is in
-        directory.install(Restored(state, shapes, parts, counts, slabs, adds))
+        finally:  # nothing is read before the whole section is in, no thread outlives this
+            if reading is not None:
+                reading.wait()
+            index = None if building is None else building.wait()
+        directory.install(Restored(state, table, parts, counts, slabs, index))
     return SnapshotInfo(
         str(path),
         len(hashes),
@@ -165,85 +170,8 @@ def _columns(header: Header) -> _Columns:
     return _Columns(offsets, lens, widths, counts, key_shapes, key_pl_counts, key_pls)
 
 
-class _Fill:
-    """The token section read into place: each chunk's content (``None`` for unknown
-    content) at its stored width, and the slab that holds them.
-
-    The whole section is read into one :class:`TokenSlab` and each content is a read-only
-    view of it, cut in bulk (no allocation per chunk; the chunk table frees the slab once
-    most of it is dead, see :mod:`kvatlas.directory.token_store`). The read runs on a thread
-    of its own: it releases the GIL while the kernel faults the slab's pages in and copies
-    the file into them, so the records are built meanwhile (views are cut before their ids
-    are in: nothing reads them before :meth:`wait`). A version-1 section (``compact``: every
-    width 4) is compacted as it is read, into arrays of their own, on the calling thread."""
-
-    def __init__(
-        self,
-        f: io.BufferedReader,
-        start: int,
-        lens: np.ndarray[Any, Any],
-        widths: np.ndarray[Any, Any],
-        compact: bool,
-    ) -> None:
-        self._f, self._start, self._lens, self._widths = f, start, lens, widths
-        self._compact = compact
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-
-    def contents(self) -> tuple[list[Any], tuple[TokenSlab, ...]]:
-        """Each chunk's content and the slabs that hold them; the ids arrive by :meth:`wait`."""
-        f, lens, widths = self._f, self._lens, self._widths
-        if self._compact:  # a group of chunks at a time: no second copy of a whole section
-            lengths, out, pos = lens.astype(np.int64), [], self._start
-            for lo in range(0, len(lengths), _V1_GROUP):
-                group = lengths[lo : lo + _V1_GROUP]
-                arena = np.empty(int(group.sum()), np.uint32)
-                _fill(f, arena.data.cast("B"), pos)
-                pos += arena.nbytes
-                if sys.byteorder != "little":  # pragma: no cover - the section is little-endian
-                    arena.byteswap(inplace=True)
-                out += stored_from_arena(arena, np.cumsum(group) - group, group)
-            return out, ()
-        slab = TokenSlab(int((lens.astype(np.int64) * widths).sum()))
-        into = slab.mapped_memory()
-        if into is None or sys.byteorder != "little":  # cut swaps the ids in place
-            _fill(f, slab.buffer.data.cast("B"), self._start)
-        else:
-            self._thread = threading.Thread(
-                target=self._read, args=(into,), name="kvatlas-restore-read", daemon=True
-            )
-            self._thread.start()
-        tokens = slab.cut(lens, widths)
-        return tokens, (slab,) if slab.views else ()
-
-    def _read(self, into: memoryview) -> None:
-        try:
-            _fill(self._f, into, self._start)
-        except BaseException as exc:  # raised by wait(), on the reading thread
-            self._error = exc
-
-    def wait(self) -> None:
-        """Return once every id is in; raises what the read raised."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            raise self._error
-
-
-def _fill(f: io.BufferedReader, view: memoryview, pos: int) -> None:
-    """``view`` filled from the file at ``pos`` (a truncated file: :class:`SnapshotError`)."""
-    f.seek(pos)
-    filled = 0
-    while filled < len(view):
-        got = f.readinto(view[filled:])
-        if not got:
-            raise SnapshotError("truncated snapshot token arena")
-        filled += got
-
-
-def _shapes(header: Header) -> tuple[list[int], ShapeTable]:
-    """Snapshot shape id -> directory shape id, and the directory's shape table."""
+def _shapes(header: Header, cols: _Columns) -> tuple[ShapeTable, npt.NDArray[np.int64]]:
+    """The directory's shape table, and each key's shape id in it."""
     strings = header.strings
     table = ShapeTable()
     try:
@@ -253,7 +181,7 @@ def _shapes(header: Header) -> tuple[list[int], ShapeTable]:
         ]
     except (ValueError, IndexError) as exc:
         raise SnapshotError(f"invalid key shape in snapshot: {exc}") from None
-    return ids, table
+    return table, np.asarray(ids, dtype=np.int64)[cols.key_shapes]
 
 
 def _placements(header: Header) -> list[PlacementRow]:
@@ -288,33 +216,30 @@ def _placements(header: Header) -> list[PlacementRow]:
 
 
 def _build(
-    header: Header, cols: _Columns, tokens: list[Any], blend: bool
-) -> tuple[ShapeTable, list[Partition], list[bytes], AddColumns | None]:
-    """The shape table, the partitions of records, every chunk's hash, and with ``blend``
-    the blend-index adds of the indexable chunks (content of ``chunk_size`` tokens, a known
-    offset), whose records are built marked indexed."""
-    snap_to_sid, table = _shapes(header)
+    header: Header,
+    cols: _Columns,
+    tokens: list[Any],
+    hashes: list[bytes],
+    sids: npt.NDArray[np.int64],
+    blend: bool,
+) -> list[Partition]:
+    """The partitions of records (``sids``: each key's shape id); with ``blend`` the records
+    of indexable chunks (content of ``chunk_size`` tokens, a known offset) are marked indexed."""
     pls = _placements(header)
-    raw = header.chunk_hashes
-    hashes: list[bytes] = np.frombuffer(raw, dtype=f"V{HASH_BYTES}").tolist()  # exact bytes
     # Column-wise: each chunk's first key, that key's first placement, its shape id.
     counts = cols.counts.astype(np.int64)
     kpc = cols.key_pl_counts.astype(np.int64)
     first_key = np.cumsum(counts) - counts
     key_first_ref = np.cumsum(kpc) - kpc  # each key's first placement reference
     first_ref = key_first_ref[first_key]
-    sids = np.asarray(snap_to_sid, dtype=np.int64)[cols.key_shapes]
-    first_sids = sids[first_key]
     simple = (counts == 1) & (kpc[first_key] == 1)  # one key, one placement: most chunks
     rows = np.fromiter(pls, dtype=object, count=len(pls))  # gathered in C, not per chunk
-    indexable = _indexable(header, cols) if blend else None
-    marks = None if indexable is None else indexable.tolist()
     records = records_from_columns(
         tokens,
         cols.offsets.tolist(),
-        first_sids.tolist(),
+        sids[first_key].tolist(),
         rows[cols.key_pls[first_ref]].tolist(),
-        marks,
+        _indexable(header, cols).tolist() if blend else None,
     )
     if not simple.all():
         ksh, kpl, kpc_list = sids.tolist(), cols.key_pls.tolist(), kpc.tolist()
@@ -329,19 +254,59 @@ def _build(
             records[c] = make_record(
                 record_stored_tokens(rec), record_offset(rec), record_indexed(rec), keys
             )
-    adds = None
-    if indexable is not None and marks is not None:
-        at = np.flatnonzero(indexable)
-        several = np.flatnonzero(counts[at] > 1).tolist()
-        adds = index_adds(
-            list(compress(tokens, marks)),
-            list(compress(hashes, marks)),
-            cols.offsets[at].astype(np.int64),
-            first_sids[at],
-            [(r, shape_ids(records[int(at[r])])) for r in several],
-            table,
-        )
-    return table, _partitions(raw, hashes, records), hashes, adds
+    return _partitions(header.chunk_hashes, hashes, records)
+
+
+def _reads_blend(directory: KeyDirectory, header: Header) -> bool:
+    """Whether the restore builds the blend index (else ``install`` does, if blend is on)."""
+    return directory.blend_enabled and header.chunk_size == directory.chunk_size
+
+
+def _index_build(
+    directory: KeyDirectory,
+    header: Header,
+    cols: _Columns,
+    tokens: list[Any],
+    hashes: list[bytes],
+    sids: npt.NDArray[np.int64],
+    table: ShapeTable,
+    reading: Background[None] | None,
+) -> Background[BlendIndex]:
+    """A fresh index like ``directory``'s, built on a thread of its own (once ``reading``
+    is done) with the adds of the indexable chunks, from the columns: what the records
+    :func:`_build` marks indexed hold. The adds are trusted (``BlendIndex.build``): each
+    array is a view of this restore's shared slab or its own read-only copy (``TokenSlab.cut``,
+    ``stored_from_arena``), of ``chunk_size`` ids (``_indexable``), each hash 32 exact bytes,
+    each offset >= 0 (``_columns`` refuses < -1, ``_indexable`` drops -1)."""
+    current = directory.blend_index
+    assert current is not None
+    index = directory.blend_index_factory(directory.chunk_size, current.probe_stride)
+    marks = _indexable(header, cols)
+    at = np.flatnonzero(marks)
+    counts = cols.counts.astype(np.int64)
+    first_key = np.cumsum(counts) - counts
+    keys = sids.tolist()
+    several = [  # (row, every key's shape id) of the chunks with several keys
+        (r, keys[int(first_key[c]) : int(first_key[c] + counts[c])])
+        for r, c in enumerate(at.tolist())
+        if counts[c] > 1
+    ]
+    adds = index_adds(
+        list(compress(tokens, marks.tolist())),
+        list(compress(hashes, marks.tolist())),
+        cols.offsets[at].astype(np.int64),
+        sids[first_key[at]],
+        several,
+        table,
+    )
+
+    def build() -> BlendIndex:
+        if reading is not None:
+            reading.wait()
+        index.build(adds, trusted=True)
+        return index
+
+    return Background("kvatlas-restore-index", build)
 
 
 def _indexable(header: Header, cols: _Columns) -> npt.NDArray[np.bool_]:
