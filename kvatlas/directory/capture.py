@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from types import TracebackType
 
-from kvatlas.directory.blend import BlendIndex
+from kvatlas.directory.blend import AddColumns
 from kvatlas.directory.chunk_counts import PARTS, ChunkCounts, Partition
 from kvatlas.directory.chunk_table import ChunkTable
 from kvatlas.directory.gate import EmitterCursor
@@ -142,17 +142,16 @@ class Restored:
     given, must equal ``ChunkCounts.scan(parts)`` (a loader that can compute them faster than
     that pass passes them; ``None``: install scans). ``slabs`` hold the records' contents
     that are views of a token slab (see :mod:`kvatlas.directory.token_store`); the chunk
-    table frees them once they are mostly dead. ``index``, if given, is a fresh blend index
-    holding exactly the adds of the records marked indexed (a snapshot reader builds it from
-    its columns while it builds the records), published as it is; ``None``: the directory
-    rebuilds its index from the records (if blend is on)."""
+    table frees them once they are mostly dead. ``adds``, if given, are the blend-index adds
+    of every record marked indexed, in the form ``op_columns.trusted_columns`` trusts (a
+    snapshot reader builds them from its columns; ``None``: the rebuild reads the records)."""
 
     state: DirectoryState
     shapes: ShapeTable
     parts: list[Partition]
     counts: ChunkCounts | None = None
     slabs: tuple[TokenSlab, ...] = ()
-    index: BlendIndex | None = None
+    adds: AddColumns | None = None
 
     def counts_or_scan(self) -> ChunkCounts:
         """``counts``, or (none given) one pass over the records."""

@@ -105,11 +105,14 @@ class ChunkTable(SlabReclaim):
         self.counts.digests = {}
         self._start_digests(False)  # digests are built partition by partition, later
 
-    def reindex(self, index: BlendIndex) -> BlendIndex:
+    def reindex(self, index: BlendIndex, adds: AddColumns | None = None) -> None:
         """Add every indexable chunk to ``index`` (fresh: one columnar build, see
-        :mod:`kvatlas.directory.reindex`) and mark its record indexed; returns ``index``."""
-        reindex_records(self.parts, self.shapes, self.chunk_size, index)
-        return index
+        :mod:`kvatlas.directory.reindex`) and mark its record indexed. ``adds``: those adds
+        from a snapshot reader that built the records marked (``Restored.adds``; trusted)."""
+        if adds is None:
+            reindex_records(self.parts, self.shapes, self.chunk_size, index)
+        else:
+            index.build(adds, trusted=True)
 
     # ------------------------------------------------------------------ reads
 

@@ -129,7 +129,7 @@ class KeyDirectory:
             raise InvalidInput(f"chunk_size must be a positive integer, got {chunk_size!r}")
         self.chunk_size = chunk_size
         self._hash_chunks = hash_chunks
-        self.blend_index_factory = blend_index_factory  # (a restore builds one)
+        self._new_index = blend_index_factory
         self._lock = threading.Lock()
         self._gate = IngestGate()
         self._chunks = ChunkTable(chunk_size)
@@ -171,7 +171,7 @@ class KeyDirectory:
             raise InvalidInput(f"blend chunk_size {size} != directory chunk_size {self.chunk_size}")
         with self._lock:
             if self._index is None:
-                self._index = self.blend_index_factory(self.chunk_size, probe_stride)
+                self._index = self._new_index(self.chunk_size, probe_stride)
                 self._probe_stride = probe_stride
                 self._chunks.indexing = True
 
@@ -419,8 +419,8 @@ class KeyDirectory:
             return Capture(self._lock, self._chunks, state)
 
     def install(self, restored: Restored) -> None:
-        """Replace all state with ``restored``; the blend index (if on) is ``restored.index``
-        or rebuilt from the bindings. Raises :class:`~kvatlas.errors.InvalidInput` on a chunk-size mismatch and
+        """Replace all state with ``restored``; the blend index (if on) is rebuilt from the
+        bindings. Raises :class:`~kvatlas.errors.InvalidInput` on a chunk-size mismatch and
         :class:`~kvatlas.errors.Conflict` while a capture is open; then nothing changed."""
         state = restored.state
         if state.chunk_size != self.chunk_size:
@@ -433,11 +433,11 @@ class KeyDirectory:
             self._gate.restore(state.cursors)
             self._capacities = dict(state.capacities)
             self._shared_pools = set()
-            if self._index is not None:  # built whole (by the loader, or here), then
-                # published: blend_match sees the old index or all of the new one
-                self._index = restored.index or self._chunks.reindex(
-                    self.blend_index_factory(self.chunk_size, self._probe_stride)
-                )
+            if self._index is not None:
+                # built whole, then published: blend_match sees the old one or all the new one
+                index = self._new_index(self.chunk_size, self._probe_stride)
+                self._chunks.reindex(index, restored.adds)
+                self._index = index
 
 
 __all__ = [

@@ -22,7 +22,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.directory.blend import BlendIndex
+from kvatlas.directory.blend import AddColumns
 from kvatlas.directory.capture import DirectoryState, Restored
 from kvatlas.directory.chunk_counts import PARTS, ChunkCounts, Partition
 from kvatlas.directory.gate import EmitterCursor, GapRecord
@@ -54,7 +54,7 @@ from kvatlas.directory.snapshot.format import (
     SnapshotInfo,
     decode_column,
 )
-from kvatlas.directory.snapshot.token_section import Background, read_token_section
+from kvatlas.directory.snapshot.token_section import read_token_section
 from kvatlas.events import UNKNOWN_OFFSET, VOLATILE_TIERS
 from kvatlas.keys import ObjectKey
 
@@ -90,30 +90,23 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
         tokens, slabs, reading = read_token_section(
             f, body, columns.lens, columns.widths, header.version < 2
         )
-        building = None
         try:
             table, sids = _shapes(header, columns)
             hashes: list[bytes] = np.frombuffer(header.chunk_hashes, f"V{HASH_BYTES}").tolist()
-            # with blend on (it is never turned off) the new index is built from the columns
-            # on a thread of its own, while the records are built here (those it holds
-            # marked indexed): its kernel runs without the GIL (token_section.py)
+            # With blend on (it is never turned off), records the index will hold are built
+            # marked, and its adds built from the columns (directory/reindex.py). The GC
+            # stays on: records are untracked at their first young collection, so collecting
+            # as they are built costs less than one pass over all of them at the end.
             blend = _reads_blend(directory, header)
-            if blend:
-                building = _index_build(
-                    directory, header, columns, tokens, hashes, sids, table, reading
-                )
-            # The GC stays on: records are untracked at their first young collection, so
-            # collecting as they are built costs less than one pass over all of them at the
-            # end.
+            adds = _index_adds(header, columns, tokens, hashes, sids, table) if blend else None
             parts = _build(header, columns, tokens, hashes, sids, blend)
             del tokens
             counts = _counts(header, columns, hashes)
             state = DirectoryState(header.chunk_size, _cursors(header), _capacities(header))
-        finally:  # nothing is read before the whole section is in, no thread outlives this
+        finally:  # nothing reads a content before the whole section is in
             if reading is not None:
                 reading.wait()
-            index = None if building is None else building.wait()
-        directory.install(Restored(state, table, parts, counts, slabs, index))
+        directory.install(Restored(state, table, parts, counts, slabs, adds))
     return SnapshotInfo(
         str(path),
         len(hashes),
@@ -258,29 +251,27 @@ def _build(
 
 
 def _reads_blend(directory: KeyDirectory, header: Header) -> bool:
-    """Whether the restore builds the blend index (else ``install`` does, if blend is on)."""
+    """Whether the restore marks records indexed and gives ``install`` their index adds
+    (else ``install`` reads them from the records, if blend is on by then)."""
     return directory.blend_enabled and header.chunk_size == directory.chunk_size
 
 
-def _index_build(
-    directory: KeyDirectory,
+def _index_adds(
     header: Header,
     cols: _Columns,
     tokens: list[Any],
     hashes: list[bytes],
     sids: npt.NDArray[np.int64],
     table: ShapeTable,
-    reading: Background[None] | None,
-) -> Background[BlendIndex]:
-    """A fresh index like ``directory``'s, built on a thread of its own (once ``reading``
-    is done) with the adds of the indexable chunks, from the columns: what the records
-    :func:`_build` marks indexed hold. The adds are trusted (``BlendIndex.build``): each
-    array is a view of this restore's shared slab or its own read-only copy (``TokenSlab.cut``,
-    ``stored_from_arena``), of ``chunk_size`` ids (``_indexable``), each hash 32 exact bytes,
-    each offset >= 0 (``_columns`` refuses < -1, ``_indexable`` drops -1)."""
-    current = directory.blend_index
-    assert current is not None
-    index = directory.blend_index_factory(directory.chunk_size, current.probe_stride)
+) -> AddColumns:
+    """The blend-index adds of the indexable chunks, from the columns: what the records
+    :func:`_build` marks indexed hold. ``install`` builds the new index from them unchecked
+    (``BlendIndex.build(trusted=True)``), which is safe because of where they come from: each
+    array is a view of this restore's own slab (registered with ``share_slab``) or its own
+    read-only copy (``TokenSlab.cut``, ``stored_from_arena``), C-contiguous, 1-D, ``uint16``
+    or ``uint32``, of ``chunk_size`` ids (``_indexable``); each hash is 32 exact bytes (cut
+    from ``chunk_hashes``, whose length ``_columns`` checked); each offset is >= 0
+    (``_columns`` refuses < -1, ``_indexable`` drops -1); namespaces index their list."""
     marks = _indexable(header, cols)
     at = np.flatnonzero(marks)
     counts = cols.counts.astype(np.int64)
@@ -291,7 +282,7 @@ def _index_build(
         for r, c in enumerate(at.tolist())
         if counts[c] > 1
     ]
-    adds = index_adds(
+    return index_adds(
         list(compress(tokens, marks.tolist())),
         list(compress(hashes, marks.tolist())),
         cols.offsets[at].astype(np.int64),
@@ -299,14 +290,6 @@ def _index_build(
         several,
         table,
     )
-
-    def build() -> BlendIndex:
-        if reading is not None:
-            reading.wait()
-        index.build(adds, trusted=True)
-        return index
-
-    return Background("kvatlas-restore-index", build)
 
 
 def _indexable(header: Header, cols: _Columns) -> npt.NDArray[np.bool_]:
