@@ -276,11 +276,10 @@ def _index_adds(
     at = np.flatnonzero(marks)
     counts = cols.counts.astype(np.int64)
     first_key = np.cumsum(counts) - counts
-    keys = sids.tolist()
     several = [  # (row, every key's shape id) of the chunks with several keys
-        (r, keys[int(first_key[c]) : int(first_key[c] + counts[c])])
-        for r, c in enumerate(at.tolist())
-        if counts[c] > 1
+        (r, sids[first_key[c] : first_key[c] + counts[c]].tolist())
+        for r in np.flatnonzero(counts[at] > 1).tolist()
+        for c in (int(at[r]),)
     ]
     return index_adds(
         list(compress(tokens, marks.tolist())),
