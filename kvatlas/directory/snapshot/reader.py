@@ -97,9 +97,12 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
             # marked, and its adds built from the columns (directory/reindex.py). The GC
             # stays on: records are untracked at their first young collection, so collecting
             # as they are built costs less than one pass over all of them at the end.
-            blend = _reads_blend(directory, header)
-            adds = _index_adds(header, columns, tokens, hashes, sids, table) if blend else None
-            parts = _build(header, columns, tokens, hashes, sids, blend)
+            indexable = _indexable(header, columns) if _reads_blend(directory, header) else None
+            marks = adds = None
+            if indexable is not None:
+                marks = indexable.tolist()
+                adds = _index_adds(columns, indexable, marks, tokens, hashes, sids, table)
+            parts = _build(header, columns, tokens, hashes, sids, marks)
             del tokens
             counts = _counts(header, columns, hashes)
             state = DirectoryState(header.chunk_size, _cursors(header), _capacities(header))
@@ -214,10 +217,10 @@ def _build(
     tokens: list[Any],
     hashes: list[bytes],
     sids: npt.NDArray[np.int64],
-    blend: bool,
+    marks: list[bool] | None,
 ) -> list[Partition]:
-    """The partitions of records (``sids``: each key's shape id); with ``blend`` the records
-    of indexable chunks (content of ``chunk_size`` tokens, a known offset) are marked indexed."""
+    """The partitions of records (``sids``: each key's shape id), marked indexed where
+    ``marks`` says (``None``: none; see :func:`_indexable`)."""
     pls = _placements(header)
     # Column-wise: each chunk's first key, that key's first placement, its shape id.
     counts = cols.counts.astype(np.int64)
@@ -232,7 +235,7 @@ def _build(
         cols.offsets.tolist(),
         sids[first_key].tolist(),
         rows[cols.key_pls[first_ref]].tolist(),
-        _indexable(header, cols).tolist() if blend else None,
+        marks,
     )
     if not simple.all():
         ksh, kpl, kpc_list = sids.tolist(), cols.key_pls.tolist(), kpc.tolist()
@@ -257,23 +260,24 @@ def _reads_blend(directory: KeyDirectory, header: Header) -> bool:
 
 
 def _index_adds(
-    header: Header,
     cols: _Columns,
+    indexable: npt.NDArray[np.bool_],
+    marks: list[bool],
     tokens: list[Any],
     hashes: list[bytes],
     sids: npt.NDArray[np.int64],
     table: ShapeTable,
 ) -> AddColumns:
-    """The blend-index adds of the indexable chunks, from the columns: what the records
-    :func:`_build` marks indexed hold. ``install`` builds the new index from them unchecked
-    (``BlendIndex.build(trusted=True)``), which is safe because of where they come from: each
+    """The blend-index adds of the ``indexable`` chunks (``marks``: the same as a list), from
+    the columns: what the records :func:`_build` marks indexed hold. ``install`` builds the
+    new index from them unchecked (``BlendIndex.build(trusted=True)``), safe because of where
+    they come from: each
     array is a view of this restore's own slab (registered with ``share_slab``) or its own
     read-only copy (``TokenSlab.cut``, ``stored_from_arena``), C-contiguous, 1-D, ``uint16``
     or ``uint32``, of ``chunk_size`` ids (``_indexable``); each hash is 32 exact bytes (cut
     from ``chunk_hashes``, whose length ``_columns`` checked); each offset is >= 0
     (``_columns`` refuses < -1, ``_indexable`` drops -1); namespaces index their list."""
-    marks = _indexable(header, cols)
-    at = np.flatnonzero(marks)
+    at = np.flatnonzero(indexable)
     counts = cols.counts.astype(np.int64)
     first_key = np.cumsum(counts) - counts
     several = [  # (row, every key's shape id) of the chunks with several keys
@@ -282,8 +286,8 @@ def _index_adds(
         for c in (int(at[r]),)
     ]
     return index_adds(
-        list(compress(tokens, marks.tolist())),
-        list(compress(hashes, marks.tolist())),
+        list(compress(tokens, marks)),
+        list(compress(hashes, marks)),
         cols.offsets[at].astype(np.int64),
         sids[first_key[at]],
         several,
