@@ -9,6 +9,7 @@ from typing import Any
 from unittest import mock
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -265,3 +266,34 @@ def test_trusted_columns_are_what_the_checked_path_keeps(
     assert checked.spaces == trusted.spaces
     assert all(a is b for a, b in zip(checked.tokens, trusted.tokens, strict=True))
     assert all(a is b for a, b in zip(checked.hashes, trusted.hashes, strict=True))
+
+
+@pytest.mark.parametrize("then_one_more", [False, True])
+def test_build_sizes_the_extra_claims_as_single_adds_do_when_the_last_add_is_extra(
+    then_one_more: bool,
+) -> None:
+    """One chunk claimed by 9 namespaces: its first claim is inline, the other 8 go to the
+    extra-claim set (16 slots hold 8 at load 1/2). Single adds grow the set before an add
+    only when that add might not fit, so ending on the 8th extra claim leaves 16 slots (one
+    add more: 32); the bulk build must end with the same size either way (it trimmed to
+    room for one more add: 32 where single adds have 16; found by the property test above)."""
+    tokens = contents(0)
+    spaces = [BlendNamespace(f"m{i}") for i in range(9)]
+    rows = [(tokens[0], bytes(32), 4, ns) for ns in spaces]
+    if then_one_more:
+        rows.append((tokens[1], bytes([1]) * 32, 8, spaces[0]))
+    single, bulk = BlendIndex(CS), BlendIndex(CS)
+    for t, h, o, ns in rows:
+        single.add(t, h, o, ns)
+    bulk.build(
+        AddColumns(
+            [r[0] for r in rows],
+            [r[1] for r in rows],
+            np.array([r[2] for r in rows], np.int64),
+            spaces,
+            np.array([spaces.index(r[3]) for r in rows], np.int64),
+        )
+    )
+    a, b = single.stats(), bulk.stats()
+    assert a.extra_claim_slots == (32 if then_one_more else 16)
+    assert (b.claims, b.extra_claim_slots) == (a.claims, a.extra_claim_slots)

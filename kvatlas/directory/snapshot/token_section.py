@@ -37,8 +37,8 @@ class Background(Generic[T]):
         self._result: T | None = None
         self._error: BaseException | None = None
         # (the thread drops ``work``, and what it holds, once it has run)
-        self._thread = threading.Thread(target=self._run, args=(work,), name=name, daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._run, args=(work,), name=name, daemon=True)
+        self.thread.start()
 
     def _run(self, work: Callable[[], T]) -> None:
         try:
@@ -47,7 +47,7 @@ class Background(Generic[T]):
             self._error = exc
 
     def wait(self) -> T:
-        self._thread.join()
+        self.thread.join()
         if self._error is not None:
             raise self._error
         return self._result  # type: ignore[return-value]
@@ -87,7 +87,12 @@ def read_token_section(
         fill(f, slab.buffer.data.cast("B"), start)
     else:
         reading = Background("kvatlas-restore-read", lambda: fill(f, into, start))
-    tokens = slab.cut(lens, widths)
+    try:
+        tokens = slab.cut(lens, widths)
+    except BaseException:
+        if reading is not None:  # no read outlives the restore that started it
+            reading.thread.join()
+        raise
     return tokens, (slab,) if slab.views else (), reading
 
 
