@@ -148,6 +148,47 @@ def test_a_file_cut_short_while_its_ids_are_read_is_refused_and_changes_nothing(
     assert state(target) == before
 
 
+def test_contents_copied_while_the_ids_are_read_wait_for_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wide content after an odd-length compact one starts unaligned: the restore copies
+    it instead of cutting a view, and the copy must wait for the read of the ids, which runs
+    on another thread (here held back until the cut is over or waits for it; without the
+    wait, the copy held zeros)."""
+    from kvatlas.directory.snapshot import token_section
+    from kvatlas.directory.token_store import TokenSlab
+
+    d, em = KeyDirectory(CS), Emitter("a")
+    big = toks(1 << 16, 1, 2, 3)  # uint32, after 1 uint16 id: 2 bytes in
+    d.consume(em.batch("store", [entry(key(1), toks(5), 0), entry(key(2), big, 4)]))
+    save_snapshot(d, tmp_path / "s.snap")
+    ready = threading.Event()
+    fill, cut, wait = token_section.fill, TokenSlab.cut, token_section.Background.wait
+
+    def late_fill(f: Any, view: memoryview, pos: int) -> None:
+        ready.wait(10)  # (a deadline for liveness only: the outcome does not depend on it)
+        fill(f, view, pos)
+
+    def cut_then_release(self: TokenSlab, *args: Any) -> list[Any]:
+        try:
+            return cut(self, *args)
+        finally:
+            ready.set()
+
+    def waited(self: Any) -> Any:
+        ready.set()
+        return wait(self)
+
+    monkeypatch.setattr(token_section, "fill", late_fill)
+    monkeypatch.setattr(TokenSlab, "cut", cut_then_release)
+    monkeypatch.setattr(token_section.Background, "wait", waited)
+    restored = KeyDirectory(CS)
+    load_snapshot(restored, tmp_path / "s.snap")
+    a, b = restored.lookup([key(1), key(2)])
+    assert a.content is not None and a.content.tolist() == [5]
+    assert b.content is not None and b.content.tolist() == big.tolist()
+
+
 def test_chunk_size_mismatch_is_refused(tmp_path: Path) -> None:
     d, _ = populated()
     save_snapshot(d, tmp_path / "s.snap")

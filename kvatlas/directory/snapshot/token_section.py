@@ -21,7 +21,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from kvatlas.directory.snapshot.format import SnapshotError
-from kvatlas.directory.token_store import TokenSlab, stored_from_arena
+from kvatlas.directory.token_store import TokenSlab, populate, stored_from_arena
 
 V1_GROUP = 65_536
 """Chunks of a version-1 token section read (and compacted) at a time."""
@@ -86,14 +86,20 @@ def read_token_section(
     if into is None or sys.byteorder != "little":  # (cut swaps the ids in place)
         fill(f, slab.buffer.data.cast("B"), start)
     else:
-        reading = Background("kvatlas-restore-read", lambda: fill(f, into, start))
+        reading = Background("kvatlas-restore-read", lambda: populated_fill(f, into, start))
     try:
-        tokens = slab.cut(lens, widths)
+        tokens = slab.cut(lens, widths, None if reading is None else reading.wait)
     except BaseException:
         if reading is not None:  # no read outlives the restore that started it
             reading.thread.join()
         raise
     return tokens, (slab,) if slab.views else (), reading
+
+
+def populated_fill(f: io.BufferedReader, view: memoryview, pos: int) -> None:
+    """:func:`fill` of a fresh mapping: its pages faulted in first, with one kernel call."""
+    populate(view)
+    fill(f, view, pos)
 
 
 def fill(f: io.BufferedReader, view: memoryview, pos: int) -> None:
