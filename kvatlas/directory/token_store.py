@@ -25,7 +25,6 @@ contents as live ones.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import sys
 from collections import deque
@@ -193,34 +192,6 @@ def _zeroed(nbytes: int) -> npt.NDArray[np.uint8]:
         flags = mmap.MAP_PRIVATE | _ANONYMOUS
         return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), np.uint8)
     return np.empty(nbytes, np.uint8)
-
-
-def populate(view: memoryview) -> None:
-    """Fault in every page of ``view`` (writable, page-aligned: a mapping) with one kernel
-    call where the platform has one (Linux >= 5.14, ``MADV_POPULATE_WRITE``; ctypes releases
-    the GIL for it): ≈0.045 s less CPU per 512 MB than a fault per page taken by the read
-    that fills it. Elsewhere, or refused, nothing: the write faults the pages in."""
-    if _MADVISE is None or not view.nbytes:
-        return
-    pinned = ctypes.c_char.from_buffer(view)  # the address, without a copy
-    try:
-        _MADVISE(ctypes.addressof(pinned), view.nbytes, _MADV_POPULATE_WRITE)
-    finally:
-        del pinned
-
-
-def _madvise() -> Callable[[int, int, int], int] | None:
-    try:
-        call = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):  # pragma: no cover - not a POSIX libc
-        return None
-    call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    call.restype = ctypes.c_int
-    return call  # type: ignore[no-any-return]
-
-
-_MADV_POPULATE_WRITE = 23
-_MADVISE = _madvise() if sys.platform == "linux" else None
 
 
 def stored_batch(arrays: Sequence[TokenArray | None]) -> list[StoredTokens | None]:

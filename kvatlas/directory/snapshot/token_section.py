@@ -3,11 +3,14 @@
 Restore overlaps what does not need the GIL with what does: the token section is read into
 its slab (the kernel faults the pages in and copies, the GIL released) while the calling
 thread builds the records. Nothing reads a content before the read is joined
-(:meth:`Background.wait`). See docs/directory.md.
+(:meth:`Background.wait`; a content the cut copies instead of viewing waits for it too).
+See docs/directory.md.
 
-(Building the blend index on a thread of its own as well, its kernel runs without the GIL,
-was measured and left out: at load 2.5 on 2 cores it cost ≈0.25 s more CPU per 10^6 keys
-and no wall time; docs/performance.md.)
+Measured and left out (docs/performance.md, "Restore, third pass"): building the blend
+index on a thread of its own as well (its kernel runs without the GIL: +0.2 s of CPU per
+10^6 keys at load 2.5 and no wall time); faulting the pages in first with one
+``madvise(MADV_POPULATE_WRITE)`` (0.03 s less CPU, but it holds the process's memory-map
+lock while the calling thread allocates: 0.17 s more wall time).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from kvatlas.directory.snapshot.format import SnapshotError
-from kvatlas.directory.token_store import TokenSlab, populate, stored_from_arena
+from kvatlas.directory.token_store import TokenSlab, stored_from_arena
 
 V1_GROUP = 65_536
 """Chunks of a version-1 token section read (and compacted) at a time."""
@@ -86,7 +89,7 @@ def read_token_section(
     if into is None or sys.byteorder != "little":  # (cut swaps the ids in place)
         fill(f, slab.buffer.data.cast("B"), start)
     else:
-        reading = Background("kvatlas-restore-read", lambda: populated_fill(f, into, start))
+        reading = Background("kvatlas-restore-read", lambda: fill(f, into, start))
     try:
         tokens = slab.cut(lens, widths, None if reading is None else reading.wait)
     except BaseException:
@@ -94,12 +97,6 @@ def read_token_section(
             reading.thread.join()
         raise
     return tokens, (slab,) if slab.views else (), reading
-
-
-def populated_fill(f: io.BufferedReader, view: memoryview, pos: int) -> None:
-    """:func:`fill` of a fresh mapping: its pages faulted in first, with one kernel call."""
-    populate(view)
-    fill(f, view, pos)
 
 
 def fill(f: io.BufferedReader, view: memoryview, pos: int) -> None:
