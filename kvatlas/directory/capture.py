@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from types import TracebackType
 
+from kvatlas.directory.blend import AddColumns
 from kvatlas.directory.chunk_counts import PARTS, ChunkCounts, Partition
 from kvatlas.directory.chunk_table import ChunkTable
 from kvatlas.directory.gate import EmitterCursor
@@ -141,13 +142,16 @@ class Restored:
     given, must equal ``ChunkCounts.scan(parts)`` (a loader that can compute them faster than
     that pass passes them; ``None``: install scans). ``slabs`` hold the records' contents
     that are views of a token slab (see :mod:`kvatlas.directory.token_store`); the chunk
-    table frees them once they are mostly dead."""
+    table frees them once they are mostly dead. ``adds``, if given, are the blend-index adds
+    of every record marked indexed, vouched for (``AddColumns.vouched``: a snapshot reader
+    builds them from its columns; ``None``: the rebuild reads the records)."""
 
     state: DirectoryState
     shapes: ShapeTable
     parts: list[Partition]
     counts: ChunkCounts | None = None
     slabs: tuple[TokenSlab, ...] = ()
+    adds: AddColumns | None = None
 
     def counts_or_scan(self) -> ChunkCounts:
         """``counts``, or (none given) one pass over the records."""

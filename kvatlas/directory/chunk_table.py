@@ -106,10 +106,14 @@ class ChunkTable(SlabReclaim):
         self.counts.digests = {}
         self._start_digests(False)  # digests are built partition by partition, later
 
-    def reindex(self, index: BlendIndex) -> None:
+    def reindex(self, index: BlendIndex, adds: AddColumns | None = None) -> None:
         """Add every indexable chunk to ``index`` (fresh: one columnar build, see
-        :mod:`kvatlas.directory.reindex`) and mark its record indexed."""
-        reindex_records(self.parts, self.shapes, self.chunk_size, index)
+        :mod:`kvatlas.directory.reindex`) and mark its record indexed. ``adds``: those adds
+        from a snapshot reader that built the records marked (``Restored.adds``, vouched)."""
+        if adds is None:
+            reindex_records(self.parts, self.shapes, self.chunk_size, index)
+        else:
+            index.build(adds)
 
     # ------------------------------------------------------------------ reads
 

@@ -436,7 +436,7 @@ class KeyDirectory:
             if self._index is not None:
                 # built whole, then published: blend_match sees the old one or all the new one
                 index = self._new_index(self.chunk_size, self._probe_stride)
-                self._chunks.reindex(index)
+                self._chunks.reindex(index, restored.adds)
                 self._index = index
 
 

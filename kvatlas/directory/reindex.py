@@ -20,9 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from itertools import compress, repeat
 from operator import is_not
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from kvatlas.directory.blend import AddColumns, BlendIndex
 from kvatlas.directory.chunk_counts import Partition
@@ -37,6 +38,7 @@ from kvatlas.directory.records import (
     shape_ids,
 )
 from kvatlas.directory.shapes import ShapeTable
+from kvatlas.directory.token_store import StoredTokens
 from kvatlas.events import UNKNOWN_OFFSET
 from kvatlas.keys import BlendNamespace
 
@@ -72,26 +74,17 @@ def reindex_records(
     picked = rows.tolist()
     records = list(map(records.__getitem__, picked))
     hashes = list(map(hashes.__getitem__, picked))
-    tokens = list(map(tokens.__getitem__, picked))
-    offsets = offsets[rows]
-    # each record's first key's namespace, by shape id; further namespaces below
-    spaces: dict[BlendNamespace, int] = {}
-    space_of_shape = np.array(
-        [spaces.setdefault(s.namespace, len(spaces)) for s in shapes.shapes], np.int64
+    several = np.flatnonzero(key_counts(records) > 1).tolist()
+    index.build(
+        index_adds(
+            cast(list[StoredTokens], list(map(tokens.__getitem__, picked))),  # all bound
+            hashes,
+            offsets[rows],
+            np.asarray(first_shape_ids(records), np.int64),
+            [(r, shape_ids(records[r])) for r in several],
+            shapes,
+        )
     )
-    which = space_of_shape[np.asarray(first_shape_ids(records), np.int64)]
-    extra: list[int] = []  # (row, namespace index) of each further namespace, flattened
-    for r in np.flatnonzero(key_counts(records) > 1).tolist():
-        first = int(which[r])
-        for s in sorted({int(space_of_shape[sid]) for sid in shape_ids(records[r])} - {first}):
-            extra += (r, s)
-    if extra:
-        more = np.array(extra[0::2], np.int64)
-        tokens += map(tokens.__getitem__, more.tolist())
-        hashes += map(hashes.__getitem__, more.tolist())
-        offsets = np.concatenate((offsets, offsets[more]))
-        which = np.concatenate((which, np.array(extra[1::2], np.int64)))
-    index.build(AddColumns(tokens, hashes, offsets, list(spaces), which))
     # mark the records indexed (unless the reader built them marked), partition by
     # partition (same keys: no dict resizes)
     todo = ~np.fromiter(map(record_indexed, records), np.bool_, len(records))
@@ -104,3 +97,34 @@ def reindex_records(
     for part, lo, hi in zip(parts, cuts, cuts[1:], strict=False):
         if hi > lo:
             part.update(zip(hashes[lo:hi], marked[lo:hi], strict=True))
+
+
+def index_adds(
+    tokens: list[StoredTokens],
+    hashes: list[bytes],
+    offsets: npt.NDArray[np.int64],
+    first_sids: npt.NDArray[np.int64],
+    several: Sequence[tuple[int, Sequence[int]]],
+    shapes: ShapeTable,
+) -> AddColumns:
+    """The index adds of indexable chunks given as columns (``tokens``, ``hashes``,
+    ``offsets``, the shape id of each one's first key): one add per chunk for its first
+    key's namespace, then one per further namespace of the chunks in ``several`` (``(row,
+    every key's shape id)``: chunks with more than one key), in row and namespace order."""
+    spaces: dict[BlendNamespace, int] = {}
+    space_of_shape = np.array(
+        [spaces.setdefault(s.namespace, len(spaces)) for s in shapes.shapes], np.int64
+    )
+    which = space_of_shape[first_sids]
+    extra: list[int] = []  # (row, namespace index) of each further namespace, flattened
+    for r, sids in several:
+        first = int(which[r])
+        for s in sorted({int(space_of_shape[sid]) for sid in sids} - {first}):
+            extra += (r, s)
+    if extra:
+        more = np.array(extra[0::2], np.int64)
+        tokens = tokens + list(map(tokens.__getitem__, more.tolist()))
+        hashes = hashes + list(map(hashes.__getitem__, more.tolist()))
+        offsets = np.concatenate((offsets, offsets[more]))
+        which = np.concatenate((which, np.array(extra[1::2], np.int64)))
+    return AddColumns(tokens, hashes, offsets, list(spaces), which)

@@ -49,7 +49,7 @@ COMPACT_LIMIT = 1 << 16
 
 _U16 = np.dtype(np.uint16)
 _U32 = np.dtype(np.uint32)
-_POPULATE: int = getattr(mmap, "MAP_POPULATE", 0)
+_ANONYMOUS: int = getattr(mmap, "MAP_ANONYMOUS", 0)
 _WIDTHS = (_U32, _U16)  # by "every id fits"
 _SET_FLAGS: Callable[[StoredTokens, bool], None] = np.ndarray.setflags  # type: ignore[assignment]
 """``setflags(write)``: numpy takes the flag positionally (its stubs say keyword-only)."""
@@ -110,11 +110,27 @@ class TokenSlab:
         self.views = 0
         self._other_refs = 0
 
-    def cut(self, lens: npt.NDArray[Any], widths: npt.NDArray[np.int64]) -> list[Any]:
+    def mapped_memory(self) -> memoryview | None:
+        """The slab's bytes, writable, through its mapping: a view that holds no reference to
+        :attr:`buffer` (whose reference count :meth:`cut` reads), so another thread may fill
+        the slab through it while the views are cut (``None``: no mapping; fill
+        :attr:`buffer` before cutting)."""
+        base = self.buffer.base  # numpy keeps a memoryview of the mapping
+        mapping = base.obj if isinstance(base, memoryview) else base
+        return memoryview(mapping) if isinstance(mapping, mmap.mmap) else None
+
+    def cut(
+        self,
+        lens: npt.NDArray[Any],
+        widths: npt.NDArray[np.int64],
+        filled: Callable[[], object] | None = None,
+    ) -> list[Any]:
         """Each chunk's content (``lens[i]`` ids of ``widths[i]`` bytes, one after another in
         the buffer; length 0: ``None``): a read-only view per run of chunks of one shape, in
         bulk; a content whose start is not aligned to its width gets a copy of its own. The
-        buffer becomes read-only and shareable with the blend index."""
+        buffer becomes read-only and shareable with the blend index. Views need no ids yet;
+        copies do: ``filled``, if given (another thread is still filling the buffer), is
+        called before the first copy and returns once every id is in."""
         sizes = lens.astype(np.int64) * widths
         ends = np.cumsum(sizes)
         if (int(ends[-1]) if len(ends) else 0) != len(self.buffer):
@@ -143,6 +159,9 @@ class TokenSlab:
             rows = self.buffer[at : at + (hi - lo) * length * width]
             rows = rows.view(_U16 if width == 2 else _U32).reshape(hi - lo, length)
             if at % width:
+                if filled is not None:
+                    filled()
+                    filled = None
                 out.extend(map(owned_copy, rows))
             else:
                 out.extend(rows)
@@ -164,12 +183,13 @@ class TokenSlab:
 
 
 def _zeroed(nbytes: int) -> npt.NDArray[np.uint8]:
-    """A fresh buffer of ``nbytes``: an anonymous mapping with its pages populated up front
-    where the platform can (one kernel call instead of a fault per page; numpy's own large
-    arrays ask for huge pages, whose first allocation in a process can stall for a second
-    while the kernel compacts memory), else a numpy array."""
-    if nbytes and _POPULATE:
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE
+    """A fresh buffer of ``nbytes``: an anonymous mapping of small pages, faulted in by
+    whatever writes them first (the snapshot reader's read, on a thread of its own: no page
+    is touched here, so cutting views can start at once). Not numpy's own large arrays: they
+    ask for huge pages, whose first allocation in a process can stall for a second while the
+    kernel compacts memory."""
+    if nbytes and _ANONYMOUS:
+        flags = mmap.MAP_PRIVATE | _ANONYMOUS
         return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), np.uint8)
     return np.empty(nbytes, np.uint8)
 

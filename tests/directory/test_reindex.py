@@ -9,6 +9,7 @@ from typing import Any
 from unittest import mock
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -144,8 +145,8 @@ def test_restore_with_blend_on_answers_as_the_live_directory(
     path = Path(tmp_path_factory.mktemp("snap")) / "s.snap"
     save_snapshot(live, path, stream_position="0-0")
     restored = KeyDirectory(CS, enable_blend_lookup=True)
-    build = reader._build
-    with mock.patch.object(reader, "_build", lambda *a: build(*a[:3], a[3] and marked)):
+    reads = reader._reads_blend
+    with mock.patch.object(reader, "_reads_blend", lambda *a: marked and reads(*a)):
         load_snapshot(restored, path)
     query = np.concatenate(bodies + bodies[::-1])
     for ns in NAMESPACES:
@@ -222,3 +223,77 @@ def test_only_views_whose_base_is_a_live_shared_slab_are_kept_by_reference() -> 
     del slab, views, through  # (the memoryview holds the buffer too)
     gc.collect()
     assert buffer_id not in _SLABS  # dead slabs leave the registry: their ids can be reused
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 5), st.integers(0, 7), st.integers(0, 1 << 40)),
+        min_size=1,
+        max_size=20,
+    ),
+    st.booleans(),
+    st.integers(1, 3),
+)
+def test_vouched_restore_columns_are_what_the_checked_path_keeps(
+    rows: list[tuple[int, int, int]], views: bool, n_spaces: int
+) -> None:
+    """What a restore hands the index vouched for (``AddColumns.vouched``: unchecked) is,
+    column for column, what the checked path makes of the same adds: vouching skips checks,
+    never changes an input (slab views or owning arrays, both widths, several namespaces)."""
+    from kvatlas.directory.blend.op_columns import _kept_columns
+    from kvatlas.directory.token_store import TokenSlab
+
+    arrays = contents(len(rows))
+    if views:  # the same ids as views of a shared slab, as a restore cuts them
+        slab = TokenSlab(sum(a.nbytes for a in arrays))
+        slab.buffer[:] = np.concatenate([a.view(np.uint8) for a in arrays])
+        arrays = slab.cut(
+            np.full(len(arrays), CS, np.uint32), np.array([a.itemsize for a in arrays])
+        )
+    spaces = SPACES[:n_spaces]
+    op = AddColumns(
+        [arrays[c] for c, _, _ in rows],
+        [bytes([h]) * (32 - h) for _, h, _ in rows],
+        np.array([o for *_, o in rows], np.int64),
+        spaces,
+        np.array([o % n_spaces for *_, o in rows], np.int64),
+    )
+    checked, vouched = _kept_columns(op, CS), _kept_columns(op._replace(vouched=True), CS)
+    assert checked is not None and vouched is not None
+    for name in ("kinds", "hash_lens", "offsets", "token_bytes", "space_of", "owned"):
+        assert np.array_equal(getattr(checked, name), getattr(vouched, name)), name
+    assert checked.spaces == vouched.spaces
+    assert all(a is b for a, b in zip(checked.tokens, vouched.tokens, strict=True))
+    assert all(a is b for a, b in zip(checked.hashes, vouched.hashes, strict=True))
+
+
+@pytest.mark.parametrize("then_one_more", [False, True])
+def test_build_sizes_the_extra_claims_as_single_adds_do_when_the_last_add_is_extra(
+    then_one_more: bool,
+) -> None:
+    """One chunk claimed by 9 namespaces: its first claim is inline, the other 8 go to the
+    extra-claim set (16 slots hold 8 at load 1/2). Single adds grow the set before an add
+    only when that add might not fit, so ending on the 8th extra claim leaves 16 slots (one
+    add more: 32); the bulk build must end with the same size either way (it trimmed to
+    room for one more add: 32 where single adds have 16; found by the property test above)."""
+    tokens = contents(0)
+    spaces = [BlendNamespace(f"m{i}") for i in range(9)]
+    rows = [(tokens[0], bytes(32), 4, ns) for ns in spaces]
+    if then_one_more:
+        rows.append((tokens[1], bytes([1]) * 32, 8, spaces[0]))
+    single, bulk = BlendIndex(CS), BlendIndex(CS)
+    for t, h, o, ns in rows:
+        single.add(t, h, o, ns)
+    bulk.build(
+        AddColumns(
+            [r[0] for r in rows],
+            [r[1] for r in rows],
+            np.array([r[2] for r in rows], np.int64),
+            spaces,
+            np.array([spaces.index(r[3]) for r in rows], np.int64),
+        )
+    )
+    a, b = single.stats(), bulk.stats()
+    assert a.extra_claim_slots == (32 if then_one_more else 16)
+    assert (b.claims, b.extra_claim_slots) == (a.claims, a.extra_claim_slots)

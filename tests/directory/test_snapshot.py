@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -116,6 +118,75 @@ def test_corrupt_snapshots_are_rejected_and_change_nothing(tmp_path: Path, damag
     with pytest.raises(SnapshotError):
         load_snapshot(target, path)
     assert state(target) == before
+
+
+def test_a_file_cut_short_while_its_ids_are_read_is_refused_and_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The token section is read on a thread of its own while the records are built: a read
+    that fails there (the file cut short after its size was checked) fails the restore,
+    before anything is installed."""
+    from kvatlas.directory.snapshot import token_section
+
+    d, _ = populated()
+    path = tmp_path / "s.snap"
+    save_snapshot(d, path)
+    fill, threads = token_section.fill, []
+
+    def cut_short(f: Any, view: memoryview, pos: int) -> None:
+        threads.append(threading.current_thread())
+        with open(path, "r+b") as out:
+            out.truncate(pos + len(view) // 2)
+        fill(f, view, pos)
+
+    monkeypatch.setattr(token_section, "fill", cut_short)
+    target, _ = populated()
+    before = state(target)
+    with pytest.raises(SnapshotError, match="truncated snapshot token arena"):
+        load_snapshot(target, path)
+    assert threads and threads[0] is not threading.main_thread()  # read on its own thread
+    assert state(target) == before
+
+
+def test_contents_copied_while_the_ids_are_read_wait_for_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wide content after an odd-length compact one starts unaligned: the restore copies
+    it instead of cutting a view, and the copy must wait for the read of the ids, which runs
+    on another thread (here held back until the cut is over or waits for it; without the
+    wait, the copy held zeros)."""
+    from kvatlas.directory.snapshot import token_section
+    from kvatlas.directory.token_store import TokenSlab
+
+    d, em = KeyDirectory(CS), Emitter("a")
+    big = toks(1 << 16, 1, 2, 3)  # uint32, after 1 uint16 id: 2 bytes in
+    d.consume(em.batch("store", [entry(key(1), toks(5), 0), entry(key(2), big, 4)]))
+    save_snapshot(d, tmp_path / "s.snap")
+    ready = threading.Event()
+    fill, cut, wait = token_section.fill, TokenSlab.cut, token_section.Background.wait
+
+    def late_fill(f: Any, view: memoryview, pos: int) -> None:
+        ready.wait(10)  # (a deadline for liveness only: the outcome does not depend on it)
+        fill(f, view, pos)
+
+    def cut_then_release(self: TokenSlab, *args: Any) -> list[Any]:
+        try:
+            return cut(self, *args)
+        finally:
+            ready.set()
+
+    def waited(self: Any) -> Any:
+        ready.set()
+        return wait(self)
+
+    monkeypatch.setattr(token_section, "fill", late_fill)
+    monkeypatch.setattr(TokenSlab, "cut", cut_then_release)
+    monkeypatch.setattr(token_section.Background, "wait", waited)
+    restored = KeyDirectory(CS)
+    load_snapshot(restored, tmp_path / "s.snap")
+    a, b = restored.lookup([key(1), key(2)])
+    assert a.content is not None and a.content.tolist() == [5]
+    assert b.content is not None and b.content.tolist() == big.tolist()
 
 
 def test_chunk_size_mismatch_is_refused(tmp_path: Path) -> None:

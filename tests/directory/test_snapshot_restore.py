@@ -264,7 +264,7 @@ def test_a_version_1_file_is_compacted_a_group_of_chunks_at_a_time(
 ) -> None:
     from tests.directory.test_snapshot_format import GOLDEN_V1, golden_directory
 
-    monkeypatch.setattr("kvatlas.directory.snapshot.reader._V1_GROUP", 2)
+    monkeypatch.setattr("kvatlas.directory.snapshot.token_section.V1_GROUP", 2)
     d = KeyDirectory(CS)
     load_snapshot(d, GOLDEN_V1)
     assert view(d) == view(golden_directory())

@@ -30,6 +30,7 @@ import sys
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -174,24 +175,35 @@ class BlendIndex:
     def build(self, adds: AddColumns) -> None:
         """``apply([adds])`` to a fresh index nobody queries yet (a restore's rebuild): its
         arrays and table sized once for all the adds, applied in slices of
-        :data:`BUILD_SLICE` (bounded scratch), then the extra-claim set shrunk to what the
-        claims need (a batch reserves room for one per add)."""
+        :data:`BUILD_SLICE` (bounded scratch), the last add on its own, then the extra-claim
+        set shrunk to the size adding them one by one would have grown it to (a batch
+        reserves room for one per add; one by one, the set grows before an add, so its size
+        depends on how many extra claims there were before the last one). ``adds.vouched``
+        holds for every slice."""
         n = len(adds.tokens)
+        if not n:
+            return
         with self._lock:
             self._state.reserve(n)
         which = adds.namespace_of
-        for lo in range(0, n, BUILD_SLICE):
-            hi = lo + BUILD_SLICE
+        # slices of all adds but the last, then the last on its own
+        bounds = [*range(0, n - 1, BUILD_SLICE), n - 1, n]
+        before_last = 0  # extra claims before the last add
+        for lo, hi in pairwise(bounds):
+            if lo == n - 1:
+                with self._lock:
+                    before_last = self._state.n_extra
             part = AddColumns(
                 adds.tokens[lo:hi],
                 adds.chunk_hashes[lo:hi],
                 adds.token_offsets[lo:hi],
                 adds.namespaces,
                 None if which is None else which[lo:hi],
+                adds.vouched,
             )
             self.apply((part,))
         with self._lock:
-            self._state.trim_claims()
+            self._state.trim_claims(before_last + 1)
 
     # ------------------------------------------------------------------ reads
 

@@ -48,8 +48,9 @@ class AddColumns(NamedTuple):
     otherwise it is applied as the ``AddOp``s it stands for (same validation, same errors).
 
     ``vouched``: the caller guarantees all of that already (the directory, for arrays it has
-    just allocated itself): the index then takes the columns without looking at each array
-    (``op_columns.py``; a test holds the directory to it)."""
+    just allocated itself; a snapshot reader, for its own slab's views and copies): the index
+    then takes the columns without looking at each array (``op_columns.py``; tests hold both
+    callers to it)."""
 
     tokens: Sequence[Any]
     chunk_hashes: Sequence[bytes]

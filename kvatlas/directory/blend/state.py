@@ -324,12 +324,14 @@ class IndexState:
         if not self._has_room(n_add):
             self._make_room(n_add)
 
-    def trim_claims(self) -> None:
-        """Shrink the extra-claim set to the size adding its claims one by one would have
-        grown it to (a batch reserves room for one extra claim per add: after a bulk build
-        of 10^6 contents that is 16 MB of empty slots)."""
+    def trim_claims(self, room: int) -> None:
+        """Shrink the extra-claim set to the smallest size (16, doubled) with room for
+        ``room`` extra claims at load 1/2: what adding claims one by one grows it to, for
+        ``room`` = the extra claims before the last add + 1 (a batch reserves room for one
+        extra claim per add: after a bulk build of 10^6 contents that is 16 MB of empty
+        slots)."""
         slots = 16
-        while 2 * (self.n_extra + 1) > slots:
+        while 2 * room > slots:
             slots *= 2
         if slots < self.arrays.claims.shape[0]:
             new = np.full(slots, -1, np.int64)

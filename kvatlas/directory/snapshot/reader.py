@@ -11,19 +11,18 @@ docs/directory.md.
 
 from __future__ import annotations
 
-import io
 import os
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
-from itertools import pairwise
+from itertools import compress, pairwise
 from typing import Any
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from kvatlas.directory.blend import AddColumns
 from kvatlas.directory.capture import DirectoryState, Restored
 from kvatlas.directory.chunk_counts import PARTS, ChunkCounts, Partition
 from kvatlas.directory.gate import EmitterCursor, GapRecord
@@ -42,6 +41,7 @@ from kvatlas.directory.records import (
     records_from_columns,
     rows_from_columns,
 )
+from kvatlas.directory.reindex import index_adds
 from kvatlas.directory.shapes import ShapeTable
 from kvatlas.directory.snapshot.format import (
     HASH_BYTES,
@@ -54,12 +54,9 @@ from kvatlas.directory.snapshot.format import (
     SnapshotInfo,
     decode_column,
 )
-from kvatlas.directory.token_store import TokenSlab, stored_from_arena
+from kvatlas.directory.snapshot.token_section import read_token_section
 from kvatlas.events import UNKNOWN_OFFSET, VOLATILE_TIERS
 from kvatlas.keys import ObjectKey
-
-_V1_GROUP = 65_536
-"""Chunks of a version-1 token section read (and compacted) at a time."""
 
 
 def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> SnapshotInfo:
@@ -90,17 +87,29 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
         columns = _columns(header)
         if size - body != int((columns.lens.astype(np.int64) * columns.widths).sum()):
             raise SnapshotError("token arena length does not match the header")
-        tokens, slabs = _read_tokens(f, body, columns.lens, columns.widths, header.version < 2)
-        # The GC stays on: records are untracked at their first young collection, so
-        # collecting as they are built costs less than one pass over all of them at the end.
-        # with blend on (it is never turned off), records the index will hold are built
-        # marked: the rebuild then makes no second record per chunk (directory/reindex.py)
-        blend = directory.blend_enabled and header.chunk_size == directory.chunk_size
-        shapes, parts, hashes = _build(header, columns, tokens, blend)
-        del tokens
-        counts = _counts(header, columns, hashes)
-        state = DirectoryState(header.chunk_size, _cursors(header), _capacities(header))
-        directory.install(Restored(state, shapes, parts, counts, slabs))
+        tokens, slabs, reading = read_token_section(
+            f, body, columns.lens, columns.widths, header.version < 2
+        )
+        try:
+            table, sids = _shapes(header, columns)
+            hashes: list[bytes] = np.frombuffer(header.chunk_hashes, f"V{HASH_BYTES}").tolist()
+            # With blend on (it is never turned off), records the index will hold are built
+            # marked, and its adds built from the columns (directory/reindex.py). The GC
+            # stays on: records are untracked at their first young collection, so collecting
+            # as they are built costs less than one pass over all of them at the end.
+            indexable = _indexable(header, columns) if _reads_blend(directory, header) else None
+            marks = adds = None
+            if indexable is not None:
+                marks = indexable.tolist()
+                adds = _index_adds(columns, indexable, marks, tokens, hashes, sids, table)
+            parts = _build(header, columns, tokens, hashes, sids, marks)
+            del tokens
+            counts = _counts(header, columns, hashes)
+            state = DirectoryState(header.chunk_size, _cursors(header), _capacities(header))
+        finally:  # nothing reads a content before the whole section is in
+            if reading is not None:
+                reading.wait()
+        directory.install(Restored(state, table, parts, counts, slabs, adds))
     return SnapshotInfo(
         str(path),
         len(hashes),
@@ -157,49 +166,8 @@ def _columns(header: Header) -> _Columns:
     return _Columns(offsets, lens, widths, counts, key_shapes, key_pl_counts, key_pls)
 
 
-def _read_tokens(
-    f: io.BufferedReader,
-    start: int,
-    lens: np.ndarray[Any, Any],
-    widths: np.ndarray[Any, Any],
-    compact: bool,
-) -> tuple[list[Any], tuple[TokenSlab, ...]]:
-    """Each chunk's content (``None`` for unknown content) at its stored width, and the slab
-    that holds them: the whole token section is read into one :class:`TokenSlab` and each
-    content is a read-only view of it, cut in bulk (no allocation per chunk; the chunk table
-    frees the slab once most of it is dead, see :mod:`kvatlas.directory.token_store`). A
-    version-1 section (``compact``: every width 4) is compacted as it is read, into arrays of
-    their own."""
-    if compact:  # a group of chunks at a time: no second copy of a whole uint32 section
-        lengths, out, pos = lens.astype(np.int64), [], start
-        for lo in range(0, len(lengths), _V1_GROUP):
-            group = lengths[lo : lo + _V1_GROUP]
-            arena = np.empty(int(group.sum()), np.uint32)
-            _fill(f, arena, pos)
-            pos += arena.nbytes
-            if sys.byteorder != "little":  # pragma: no cover - the section is little-endian
-                arena.byteswap(inplace=True)
-            out += stored_from_arena(arena, np.cumsum(group) - group, group)
-        return out, ()
-    slab = TokenSlab(int((lens.astype(np.int64) * widths).sum()))
-    _fill(f, slab.buffer, start)
-    tokens = slab.cut(lens, widths)
-    return tokens, (slab,) if slab.views else ()
-
-
-def _fill(f: io.BufferedReader, a: np.ndarray[Any, Any], pos: int) -> None:
-    view = a.data.cast("B")
-    f.seek(pos)
-    filled = 0
-    while filled < len(view):
-        got = f.readinto(view[filled:])
-        if not got:
-            raise SnapshotError("truncated snapshot token arena")
-        filled += got
-
-
-def _shapes(header: Header) -> tuple[list[int], ShapeTable]:
-    """Snapshot shape id -> directory shape id, and the directory's shape table."""
+def _shapes(header: Header, cols: _Columns) -> tuple[ShapeTable, npt.NDArray[np.int64]]:
+    """The directory's shape table, and each key's shape id in it."""
     strings = header.strings
     table = ShapeTable()
     try:
@@ -209,7 +177,7 @@ def _shapes(header: Header) -> tuple[list[int], ShapeTable]:
         ]
     except (ValueError, IndexError) as exc:
         raise SnapshotError(f"invalid key shape in snapshot: {exc}") from None
-    return ids, table
+    return table, np.asarray(ids, dtype=np.int64)[cols.key_shapes]
 
 
 def _placements(header: Header) -> list[PlacementRow]:
@@ -244,22 +212,22 @@ def _placements(header: Header) -> list[PlacementRow]:
 
 
 def _build(
-    header: Header, cols: _Columns, tokens: list[Any], blend: bool
-) -> tuple[ShapeTable, list[Partition], list[bytes]]:
-    """The shape table, the partitions of records, and every chunk's hash; with ``blend``,
-    the records of indexable chunks (content of ``chunk_size`` tokens, a known offset) are
-    marked indexed."""
-    snap_to_sid, table = _shapes(header)
+    header: Header,
+    cols: _Columns,
+    tokens: list[Any],
+    hashes: list[bytes],
+    sids: npt.NDArray[np.int64],
+    marks: list[bool] | None,
+) -> list[Partition]:
+    """The partitions of records (``sids``: each key's shape id), marked indexed where
+    ``marks`` says (``None``: none; see :func:`_indexable`)."""
     pls = _placements(header)
-    raw = header.chunk_hashes
-    hashes: list[bytes] = np.frombuffer(raw, dtype=f"V{HASH_BYTES}").tolist()  # exact bytes
     # Column-wise: each chunk's first key, that key's first placement, its shape id.
     counts = cols.counts.astype(np.int64)
     kpc = cols.key_pl_counts.astype(np.int64)
     first_key = np.cumsum(counts) - counts
     key_first_ref = np.cumsum(kpc) - kpc  # each key's first placement reference
     first_ref = key_first_ref[first_key]
-    sids = np.asarray(snap_to_sid, dtype=np.int64)[cols.key_shapes]
     simple = (counts == 1) & (kpc[first_key] == 1)  # one key, one placement: most chunks
     rows = np.fromiter(pls, dtype=object, count=len(pls))  # gathered in C, not per chunk
     records = records_from_columns(
@@ -267,7 +235,7 @@ def _build(
         cols.offsets.tolist(),
         sids[first_key].tolist(),
         rows[cols.key_pls[first_ref]].tolist(),
-        _indexable(header, cols).tolist() if blend else None,
+        marks,
     )
     if not simple.all():
         ksh, kpl, kpc_list = sids.tolist(), cols.key_pls.tolist(), kpc.tolist()
@@ -282,7 +250,50 @@ def _build(
             records[c] = make_record(
                 record_stored_tokens(rec), record_offset(rec), record_indexed(rec), keys
             )
-    return table, _partitions(raw, hashes, records), hashes
+    return _partitions(header.chunk_hashes, hashes, records)
+
+
+def _reads_blend(directory: KeyDirectory, header: Header) -> bool:
+    """Whether the restore marks records indexed and gives ``install`` their index adds
+    (else ``install`` reads them from the records, if blend is on by then)."""
+    return directory.blend_enabled and header.chunk_size == directory.chunk_size
+
+
+def _index_adds(
+    cols: _Columns,
+    indexable: npt.NDArray[np.bool_],
+    marks: list[bool],
+    tokens: list[Any],
+    hashes: list[bytes],
+    sids: npt.NDArray[np.int64],
+    table: ShapeTable,
+) -> AddColumns:
+    """The blend-index adds of the ``indexable`` chunks (``marks``: the same as a list), from
+    the columns: what the records :func:`_build` marks indexed hold, vouched for (the index
+    takes them without looking at each array: ``AddColumns.vouched``), safe because of where
+    they come from: each
+    array is a view of this restore's own slab (registered with ``share_slab``) or its own
+    read-only copy (``TokenSlab.cut``, ``stored_from_arena``), C-contiguous, 1-D, ``uint16``
+    or ``uint32``, of ``chunk_size`` ids (``_indexable``); each hash is 32 exact bytes (cut
+    from ``chunk_hashes``, whose length ``_columns`` checked); each offset is >= 0
+    (``_columns`` refuses < -1, ``_indexable`` drops -1); namespaces index their list."""
+    at = np.flatnonzero(indexable)
+    counts = cols.counts.astype(np.int64)
+    first_key = np.cumsum(counts) - counts
+    several = [  # (row, every key's shape id) of the chunks with several keys
+        (r, sids[first_key[c] : first_key[c] + counts[c]].tolist())
+        for r in np.flatnonzero(counts[at] > 1).tolist()
+        for c in (int(at[r]),)
+    ]
+    adds = index_adds(
+        list(compress(tokens, marks)),
+        list(compress(hashes, marks)),
+        cols.offsets[at].astype(np.int64),
+        sids[first_key[at]],
+        several,
+        table,
+    )
+    return adds._replace(vouched=True)
 
 
 def _indexable(header: Header, cols: _Columns) -> npt.NDArray[np.bool_]:

@@ -1,0 +1,110 @@
+"""A snapshot's token section read into place, on a thread of its own.
+
+Restore overlaps what does not need the GIL with what does: the token section is read into
+its slab (the kernel faults the pages in and copies, the GIL released) while the calling
+thread builds the records. Nothing reads a content before the read is joined
+(:meth:`Background.wait`; a content the cut copies instead of viewing waits for it too).
+See docs/directory.md.
+
+Measured and left out (docs/performance.md, "Restore, third pass"): building the blend
+index on a thread of its own as well (its kernel runs without the GIL: +0.2 s of CPU per
+10^6 keys at load 2.5 and no wall time); faulting the pages in first with one
+``madvise(MADV_POPULATE_WRITE)`` (0.03 s less CPU, but it holds the process's memory-map
+lock while the calling thread allocates: 0.17 s more wall time).
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from kvatlas.directory.snapshot.format import SnapshotError
+from kvatlas.directory.token_store import TokenSlab, stored_from_arena
+
+V1_GROUP = 65_536
+"""Chunks of a version-1 token section read (and compacted) at a time."""
+
+T = TypeVar("T")
+
+
+class Background(Generic[T]):
+    """``work()`` on a daemon thread of its own; :meth:`wait` gives its result or raises what
+    it raised (any number of threads may wait)."""
+
+    def __init__(self, name: str, work: Callable[[], T]) -> None:
+        self._result: T | None = None
+        self._error: BaseException | None = None
+        # (the thread drops ``work``, and what it holds, once it has run)
+        self.thread = threading.Thread(target=self._run, args=(work,), name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self, work: Callable[[], T]) -> None:
+        try:
+            self._result = work()
+        except BaseException as exc:  # raised by wait(), on the waiting thread
+            self._error = exc
+
+    def wait(self) -> T:
+        self.thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result  # type: ignore[return-value]
+
+
+def read_token_section(
+    f: io.BufferedReader,
+    start: int,
+    lens: np.ndarray[Any, Any],
+    widths: np.ndarray[Any, Any],
+    compact: bool,
+) -> tuple[list[Any], tuple[TokenSlab, ...], Background[None] | None]:
+    """Each chunk's content (``None`` for unknown content) at its stored width, the slab
+    that holds them, and the read still under way (``None``: done).
+
+    The whole section is read into one :class:`TokenSlab` and each content is a read-only
+    view of it, cut in bulk (no allocation per chunk; the chunk table frees the slab once
+    most of it is dead, see :mod:`kvatlas.directory.token_store`). The read runs on a thread
+    of its own (it releases the GIL), so the views are cut before their ids are in: wait for
+    the read before anything reads them. A version-1 section (``compact``: every width 4) is
+    compacted as it is read, into arrays of their own, on the calling thread."""
+    if compact:  # a group of chunks at a time: no second copy of a whole uint32 section
+        lengths, out, pos = lens.astype(np.int64), [], start
+        for lo in range(0, len(lengths), V1_GROUP):
+            group = lengths[lo : lo + V1_GROUP]
+            arena = np.empty(int(group.sum()), np.uint32)
+            fill(f, arena.data.cast("B"), pos)
+            pos += arena.nbytes
+            if sys.byteorder != "little":  # pragma: no cover - the section is little-endian
+                arena.byteswap(inplace=True)
+            out += stored_from_arena(arena, np.cumsum(group) - group, group)
+        return out, (), None
+    slab = TokenSlab(int((lens.astype(np.int64) * widths).sum()))
+    into = slab.mapped_memory()
+    reading = None
+    if into is None or sys.byteorder != "little":  # (cut swaps the ids in place)
+        fill(f, slab.buffer.data.cast("B"), start)
+    else:
+        reading = Background("kvatlas-restore-read", lambda: fill(f, into, start))
+    try:
+        tokens = slab.cut(lens, widths, None if reading is None else reading.wait)
+    except BaseException:
+        if reading is not None:  # no read outlives the restore that started it
+            reading.thread.join()
+        raise
+    return tokens, (slab,) if slab.views else (), reading
+
+
+def fill(f: io.BufferedReader, view: memoryview, pos: int) -> None:
+    """``view`` filled from the file at ``pos`` (a truncated file: :class:`SnapshotError`)."""
+    f.seek(pos)
+    filled = 0
+    while filled < len(view):
+        got = f.readinto(view[filled:])
+        if not got:
+            raise SnapshotError("truncated snapshot token arena")
+        filled += got
