@@ -5,6 +5,7 @@ records themselves, the inventory digests, the L1 chunk sets and the blend index
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -160,3 +161,60 @@ def _fields(cols: OpColumns) -> list[Any]:
 def _fresh_batch(seq: int) -> EventBatch:
     entries = [CacheEntry(ObjectKey(bytes([seq]) * 32, *SHAPES[1]), 5, CONTENTS[1], CHUNK)]
     return EventBatch("c", 1, 1, "store", "l2", "disk", entries=tuple(entries))
+
+
+WIDE = [np.arange(CHUNK, dtype=np.uint32) + (1 << 16) + 3 * i for i in range(2)]  # uint32 stored
+
+
+@pytest.mark.parametrize("fmt", ["json", "msgpack"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_bulk_store_of_decoded_bodies_equals_the_loop(fmt: str, data: st.DataObject) -> None:
+    """The same differential as :func:`test_bulk_store_equals_the_loop`, for bodies decoded to
+    columns (the wire's path: arrays allocated from the body's arena, adds vouched for), with
+    contents of both stored widths."""
+    encode, decode = (
+        (encode_json, decode_json_columns)
+        if fmt == "json"
+        else (encode_msgpack, decode_msgpack_columns)
+    )
+    bulk = KeyDirectory(CHUNK, enable_blend_lookup=True)
+    loop = KeyDirectory(CHUNK, enable_blend_lookup=True)
+    for seq in range(1, data.draw(st.integers(1, 4)) + 1):
+        batch = data.draw(store_st(seq))
+        if data.draw(st.booleans()):  # the same batch with wide contents where it had any
+            wide = data.draw(st.sampled_from(WIDE))
+            entries = tuple(
+                e if e.token_ids is None or len(e.token_ids) != CHUNK
+                else replace(e, token_ids=wide)  # fmt: skip
+                for e in batch.entries
+            )
+            batch = replace(batch, entries=entries)
+        body = encode([batch])
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(table_module, "store_fresh", lambda *args: None)
+            loop.apply_columns(decode(body))
+        bulk.apply_columns(decode(body))
+        assert _inside(bulk) == _inside(loop)
+        assert _state(bulk) == _state(loop)
+
+
+def test_a_capture_open_during_a_bulk_store_keeps_the_records_at_its_start() -> None:
+    """A capture in progress when a batch of new chunks arrives: the partitions it has not
+    taken yet are taken as they were at its start (the bulk store must not bypass the
+    copy-on-write journal), and the batch is in the directory afterwards."""
+    d = KeyDirectory(CHUNK, enable_blend_lookup=True)
+    first = [CacheEntry(ObjectKey(bytes([200, 1]) + bytes(30), *SHAPES[0]), 1, CONTENTS[0], 0)]
+    d.consume(EventBatch("a", 1, 1, "store", "l1", "dram", entries=tuple(first)))
+    new = [
+        CacheEntry(ObjectKey(bytes([200 + i, 2]) + bytes(30), *SHAPES[0]), 1, CONTENTS[1], CHUNK)
+        for i in range(3)
+    ]
+    with d.capture() as capture:
+        parts = capture.parts()
+        taken = dict(next(parts).records)  # partition 0 only
+        d.consume(EventBatch("a", 1, 2, "store", "l1", "dram", entries=tuple(new)))
+        for part in parts:
+            taken.update(part.records)
+    assert set(taken) == {first[0].key.chunk_hash}
+    assert set(captured(d)) == {first[0].key.chunk_hash} | {e.key.chunk_hash for e in new}
