@@ -136,3 +136,58 @@ def test_string_end_finds_the_first_quote_or_backslash(
     for start in range(n + 1):
         found = [i for i in range(start, n) if buf[i] in b'"\\']
         assert string_end(buf, start, n) == (found[0] if found else n)
+
+
+def _listed(tokens: np.ndarray | None) -> list[int] | None:
+    return None if tokens is None else tokens.tolist()
+
+
+def _body_with_tokens(text: bytes) -> bytes:
+    """A one-entry store body whose ``token_ids`` is ``text`` as written, the list the body's
+    last value (its numbers end a few bytes before the end of the buffer)."""
+    import msgspec
+
+    from kvatlas.events import CacheEntry, EventBatch, encode_json
+    from kvatlas.keys import ObjectKey, pack_kv_rank
+
+    entry = CacheEntry(ObjectKey(bytes(32), "m", pack_kv_rank(1, 0, 1, 0)), 1, np.arange(4, dtype=np.uint32), 0)
+    body = encode_json([EventBatch("a", 1, 1, "store", "l1", "dram", entries=(entry,))])
+    wire = msgspec.json.decode(body)
+    wire["batches"][0]["entries"][0].pop("token_ids")
+    out = msgspec.json.encode(wire)
+    assert out.endswith(b"}]}]}")
+    return out[:-5] + b',"token_ids":' + text + b"}]}]}"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 10**11), min_size=1, max_size=12),
+    st.lists(st.tuples(st.integers(0, 200), st.sampled_from(b"0 -+.eE:,]")), max_size=2),
+    st.integers(0, 8),
+)
+def test_whole_body_token_cut_agrees_with_the_per_entry_decoder(
+    values: list[int], edits: list[tuple[int, int]], cut: int
+) -> None:
+    """Bodies decoded by the one-pass cut (``_json_cut``: numbers read eight bytes at a time
+    within the whole body) against the per-entry decoder: numbers of every length, a few bytes
+    overwritten, and bodies cut short by up to 8 bytes (a number at the very end of the
+    buffer): the same tokens or the same error."""
+    from kvatlas.errors import KvatlasError
+    from kvatlas.events import decode_json, decode_json_columns
+
+    text = bytearray(("[" + ",".join(map(str, values)) + "]").encode())
+    for at, byte in edits:
+        text[at % len(text)] = byte
+    body = _body_with_tokens(bytes(text))
+    body = body[: len(body) - cut]
+    outcomes = []
+    for decode in (decode_json, decode_json_columns):
+        try:
+            batches = decode(body)
+        except KvatlasError as exc:
+            outcomes.append((type(exc), exc.detail))
+            continue
+        if decode is decode_json_columns:
+            batches = [cb.batch() for cb in batches]
+        outcomes.append([[_listed(e.token_ids) for e in b.entries] for b in batches])
+    assert outcomes[0] == outcomes[1]
