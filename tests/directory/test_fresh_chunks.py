@@ -185,8 +185,9 @@ def test_bulk_store_of_decoded_bodies_equals_the_loop(fmt: str, data: st.DataObj
         if data.draw(st.booleans()):  # the same batch with wide contents where it had any
             wide = data.draw(st.sampled_from(WIDE))
             entries = tuple(
-                e if e.token_ids is None or len(e.token_ids) != CHUNK
-                else replace(e, token_ids=wide)  # fmt: skip
+                e
+                if e.token_ids is None or len(e.token_ids) != CHUNK
+                else replace(e, token_ids=wide)
                 for e in batch.entries
             )
             batch = replace(batch, entries=entries)

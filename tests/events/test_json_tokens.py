@@ -150,7 +150,9 @@ def _body_with_tokens(text: bytes) -> bytes:
     from kvatlas.events import CacheEntry, EventBatch, encode_json
     from kvatlas.keys import ObjectKey, pack_kv_rank
 
-    entry = CacheEntry(ObjectKey(bytes(32), "m", pack_kv_rank(1, 0, 1, 0)), 1, np.arange(4, dtype=np.uint32), 0)
+    entry = CacheEntry(
+        ObjectKey(bytes(32), "m", pack_kv_rank(1, 0, 1, 0)), 1, np.arange(4, dtype=np.uint32), 0
+    )
     body = encode_json([EventBatch("a", 1, 1, "store", "l1", "dram", entries=(entry,))])
     wire = msgspec.json.decode(body)
     wire["batches"][0]["entries"][0].pop("token_ids")
