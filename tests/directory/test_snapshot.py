@@ -189,6 +189,39 @@ def test_contents_copied_while_the_ids_are_read_wait_for_them(
     assert b.content is not None and b.content.tolist() == big.tolist()
 
 
+def test_the_index_rebuilt_from_the_readers_adds_sees_the_ids_read_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With blend on, the reader builds the records and the index adds (views of a slab not
+    filled yet) while the ids are read on another thread; here the read starts only once
+    the reader waits for it, so anything that looked at a content before (the adds, the
+    records, the index build) would have seen zeros: every answer must be the saved one."""
+    from kvatlas.directory.snapshot import token_section
+
+    d, _ = populated()
+    path = tmp_path / "s.snap"
+    save_snapshot(d, path)
+    waiting = threading.Event()
+    fill, wait = token_section.fill, token_section.Background.wait
+
+    def held_fill(f: Any, view: memoryview, pos: int) -> None:
+        waiting.wait(10)  # (a deadline for liveness only: the outcome does not depend on it)
+        fill(f, view, pos)
+
+    def waited(self: Any) -> Any:
+        waiting.set()
+        return wait(self)
+
+    monkeypatch.setattr(token_section, "fill", held_fill)
+    monkeypatch.setattr(token_section.Background, "wait", waited)
+    restored = KeyDirectory(CS, enable_blend_lookup=True)
+    load_snapshot(restored, path)
+    assert state(restored) == state(d)
+    for n in range(1, 40):
+        assert [m.old_st for m in restored.blend_match(toks(n, n, n, n), NS)] == [4 * n]
+    assert restored.blend_match(toks(0, 0, 0, 0), NS) == []
+
+
 def test_chunk_size_mismatch_is_refused(tmp_path: Path) -> None:
     d, _ = populated()
     save_snapshot(d, tmp_path / "s.snap")
