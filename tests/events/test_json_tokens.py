@@ -193,3 +193,20 @@ def test_whole_body_token_cut_agrees_with_the_per_entry_decoder(
             batches = [cb.batch() for cb in batches]
         outcomes.append([[_listed(e.token_ids) for e in b.entries] for b in batches])
     assert outcomes[0] == outcomes[1]
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.lists(st.sampled_from(b"0123456789") | st.integers(0, 255), min_size=8, max_size=8))
+def test_short_number_of_any_word_against_the_bytes(word: list[int]) -> None:
+    """``_short_number`` (the bit trick behind the word-at-a-time numbers) on any eight bytes,
+    digits or not (bytes above 0x7f, either side of the digits): 1-7 leading digits without a
+    leading zero give their count and value, anything else 0 (read byte by byte)."""
+    from kvatlas.events._json_tokens import _short_number
+
+    raw = bytes(word)
+    digits = next((i for i, c in enumerate(raw) if not 48 <= c <= 57), 8)
+    expected = (0, 0)
+    if 1 <= digits <= 7 and not (digits > 1 and raw[0] == 48):
+        expected = (digits, int(raw[:digits]))
+    got = _short_number(np.uint64(int.from_bytes(raw, "little")))
+    assert (int(got[0]), int(got[1])) == expected
