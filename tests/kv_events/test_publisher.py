@@ -296,3 +296,42 @@ def test_a_publisher_that_falls_behind_stays_bounded_and_resyncs_the_routers(
         for v in views:
             v.close()
         p.close()
+
+
+def test_copies_stored_after_a_fence_during_an_overflow_stay_published(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fence while the queue is over its bound, then copies of the fenced instance stored
+    again (their batches dropped: the overflow's resync publishes them). The resync runs
+    before the fence would (the fence waits behind it), so the fence's clear must not follow
+    it: the router's view ends equal to the directory, the copies stored after the fence
+    included."""
+    from kvatlas.coordinator.kv_events import publisher as module
+
+    p = Published()
+    gate = threading.Event()
+    views: list[RouterView] = []
+    try:
+        views.append(view := p.router())
+        p.emit("node-1", "store", "l1", "dram", [entry(0)])
+        assert sees(view, p.directory)
+        handle = p.pub._handle
+
+        def slow(item: Any) -> None:  # the thread is busy elsewhere
+            gate.wait()
+            handle(item)
+
+        monkeypatch.setattr(p.pub, "_handle", slow)
+        monkeypatch.setattr(module, "MAX_QUEUED_ENTRIES", 2)
+        p.emit("node-1", "store", "l1", "dram", [entry(1), entry(2), entry(3)])  # overflows
+        p.directory.fence_instance("node-1")
+        p.emit("node-1", "store", "l1", "dram", [entry(4)])  # after the fence: dropped
+        assert p.pub.stats().dropped_batches == 2
+        gate.set()
+        assert sees(view, p.directory)
+        assert expected(p.directory)["kv@node-1@m"]["kvatlas-l1"] == {entry(4).key.chunk_hash}
+    finally:
+        gate.set()
+        for v in views:
+            v.close()
+        p.close()

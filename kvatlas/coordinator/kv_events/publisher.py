@@ -14,7 +14,8 @@ turns them into ``KVEventBatch`` messages (current encoding) on a PUB socket:
 Bounded: at most :data:`MAX_QUEUED_ENTRIES` entries wait for the thread. Beyond that the
 waiting batches are dropped (counted) until the thread gets to the overflow, then every topic
 it published is cleared and every node placement published again (nothing a router holds can
-stay stale; the batches applied meanwhile may be published twice, which is harmless).
+stay stale; the batches applied meanwhile may be published twice, which is harmless; a fence
+meanwhile is in the resync too, so it is not queued).
 
 Engine-sourced batches (tiers ``gpu``/``engine-cpu``) are never echoed. Seqs count from 0 per
 publisher; the last ``--kv-events-replay-size`` messages are kept for a ROUTER replay socket
@@ -120,7 +121,7 @@ class KvEventsPublisher:
         publisher's thread)."""
         header = batch.header
         if fenced_first:
-            self._queue.put(_Fence(header.instance_id))
+            self.fenced(header.instance_id)
         if header.event_type not in (STORE, DELETE) or header.tier not in NODE_TIERS:
             return
         n = batch.n_entries
@@ -134,7 +135,11 @@ class KvEventsPublisher:
         self._queue.put(batch)
 
     def fenced(self, instance_id: str) -> None:
-        self._queue.put(_Fence(instance_id))
+        # Over the bound, the overflow's resync (waiting in the queue) reads the directory
+        # after this fence, and clears every topic first: the fence is in it. Queued behind
+        # the resync, its clear would remove what batches dropped after it stored.
+        if not self._overflowed:
+            self._queue.put(_Fence(instance_id))
 
     def _queued_entries(self) -> int:
         return self._put_entries - self._taken_entries
