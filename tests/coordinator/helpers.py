@@ -21,7 +21,6 @@ from kvatlas.coordinator.app import CoordinatorApp
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.server import BackgroundServer, free_port
 from kvatlas.keys import chunk_hashes, pack_kv_rank
-from tests.conftest import wait_for
 
 CS = 4  # chunk size of every test server: small queries, same code paths
 RANK1 = pack_kv_rank(1, 0, 1, 0)
@@ -218,6 +217,3 @@ def fast_and_routed(
     finally:
         for server in servers:
             server.stop()
-
-
-poll = wait_for  # (this package's older name for it)

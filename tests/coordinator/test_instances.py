@@ -9,13 +9,13 @@ import httpx
 import pytest
 
 from kvatlas.coordinator.server import BackgroundServer
+from tests.conftest import wait_for
 from tests.coordinator.helpers import (
     Emitter,
     fresh,
     fresh_tokens,
     lookup_tokens,
     placements_by_key,
-    poll,
     post_batches,
     running,
     wire_batch,
@@ -172,7 +172,7 @@ def test_instance_timeout_fences_l1(
             placements_by_key(lookup_tokens(client, tokens)) == [{(em.instance_id, "l2", "fs")}] * 2
         )
 
-    assert poll(l1_gone, timeout=10.0), "L1 placements survived the instance timeout"
+    assert wait_for(l1_gone, timeout=10.0), "L1 placements survived the instance timeout"
     # no longer a live registration (its emitter cursor may still be listed)
     assert _instances(client).get(em.instance_id, {}).get("alive") is not True
     r = client.put(f"/instances/{em.instance_id}/heartbeat")
@@ -193,4 +193,4 @@ def test_heartbeats_keep_instance_alive(
         assert server.service.instances.expire() == []
     assert placements_by_key(lookup_tokens(client, tokens)) == [{(em.instance_id, "l1", "dram")}]
     clock.now += 2 * TIMEOUT  # once they stop, the background sweep fences it
-    assert poll(lambda: not server.service.instances.known(em.instance_id), timeout=10.0)
+    assert wait_for(lambda: not server.service.instances.known(em.instance_id), timeout=10.0)

@@ -34,7 +34,15 @@ from kvatlas.events.inventory import digest_of, placement_element
 from kvatlas.keys import ObjectKey, pack_kv_rank
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.server import NodeProcess
-from tests.coordinator.helpers import CS, hashes, poll, running, wire_batch, wire_entry, wire_key
+from tests.conftest import wait_for
+from tests.coordinator.helpers import (
+    CS,
+    hashes,
+    running,
+    wire_batch,
+    wire_entry,
+    wire_key,
+)
 from tests.directory.helpers import Emitter, toks
 
 Own = dict[tuple[str, str], dict[ObjectKey, str]]  # (instance, tier) -> key -> backend
@@ -243,12 +251,12 @@ def test_a_node_fenced_by_timeout_re_registers_and_its_chunks_become_visible_aga
             assert process.coordinator is not None
             process.coordinator.stop_heartbeat()  # the test heartbeats by hand
             hashes = store_chunks(process, 100, 3)
-            assert poll(lambda: visible(client, hashes))
+            assert wait_for(lambda: visible(client, hashes))
             clock.now += 31  # heartbeats missed (the node paused, its memory kept)
             assert server.service.instances.expire() == ["n1"]
             assert l1_holders(client, hashes) == [set()] * 3  # fenced
             process.coordinator.heartbeat()  # 404 -> re-registers
-            assert poll(lambda: visible(client, hashes)), l1_holders(client, hashes)
+            assert wait_for(lambda: visible(client, hashes)), l1_holders(client, hashes)
         finally:
             process.close()
 
@@ -271,17 +279,17 @@ def test_coordinator_restart_on_http_converges_through_digests(tmp_path: Path) -
         assert process.coordinator is not None
         process.coordinator.stop_heartbeat()
         before = store_chunks(process, 100, 2)
-        assert poll(lambda: visible(client, before))
+        assert wait_for(lambda: visible(client, before))
         assert server.service.take_snapshot() is not None
         kept = snap.read_bytes()
         after = store_chunks(process, 500, 3)  # applied, then lost with the process
-        assert poll(lambda: visible(client, after))
+        assert wait_for(lambda: visible(client, after))
     snap.write_bytes(kept)  # a crash: the snapshot taken at stop never happened
     try:
         with coordinator_at(port, snapshot_path=snap) as (server, client):
             assert visible(client, before) and not visible(client, after)
             process.coordinator.heartbeat()  # the reply asks for a digest exchange
-            assert poll(lambda: visible(client, before + after)), l1_holders(client, after)
+            assert wait_for(lambda: visible(client, before + after)), l1_holders(client, after)
             assert not server.service.instances.owing()
     finally:
         process.close()
@@ -299,15 +307,15 @@ def test_a_restart_on_http_is_not_ready_until_the_live_instances_resynced(tmp_pa
         assert process.coordinator is not None
         process.coordinator.stop_heartbeat()
         before = store_chunks(process, 100, 2)
-        assert poll(lambda: visible(client, before))
+        assert wait_for(lambda: visible(client, before))
     try:
         with coordinator_at(port, snapshot_path=snap) as (server, client):
             assert client.get("/readyz").json() == {"ready": False, "state": "resyncing"}
             after = store_chunks(process, 500, 1)  # events keep flowing meanwhile
-            assert poll(lambda: visible(client, after))
+            assert wait_for(lambda: visible(client, after))
             assert client.get("/readyz").status_code == 503  # no exchange yet
             process.coordinator.heartbeat()  # the reply asks for a digest exchange
-            assert poll(lambda: client.get("/readyz").status_code == 200)
+            assert wait_for(lambda: client.get("/readyz").status_code == 200)
             assert client.get("/readyz").json() == {"ready": True, "state": "serving"}
             assert visible(client, before + after)
     finally:

@@ -23,8 +23,8 @@ from kvatlas.keys import ObjectKey, pack_kv_rank
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.server import NodeProcess
 from kvatlas.processes import spawn_service
-from tests.conftest import RedisServer
-from tests.coordinator.helpers import CS, poll, wire_key
+from tests.conftest import RedisServer, wait_for
+from tests.coordinator.helpers import CS, wire_key
 
 _names = itertools.count()
 
@@ -75,7 +75,7 @@ def test_the_stream_is_trimmed_to_the_slowest_replicas_snapshot_position(
                 for n in range(5):
                     sink.emit(STORE, "l1", "dram", [CacheEntry(key(n), 1)])
                 assert sink.flush(10)
-                assert poll(lambda: applied(slow, 5) and applied(fast, 5))
+                assert wait_for(lambda: applied(slow, 5) and applied(fast, 5))
                 slow_info = slow.service.take_snapshot()
                 assert slow_info is not None
             slow_position = slow.service.stream_position  # its stop() snapshot: same position
@@ -83,7 +83,7 @@ def test_the_stream_is_trimmed_to_the_slowest_replicas_snapshot_position(
             for n in range(5, 10):
                 sink.emit(STORE, "l1", "dram", [CacheEntry(key(n), 1)])
             assert sink.flush(10)
-            assert poll(lambda: applied(fast, 10))
+            assert wait_for(lambda: applied(fast, 10))
             assert fast.service.take_snapshot() is not None
             registry = rclient.hgetall(f"{stream}:replicas")
             assert registry == {
@@ -150,7 +150,7 @@ def test_a_replica_behind_the_trim_says_resyncing_then_converges(
         assert process.coordinator is not None
         process.coordinator.stop_heartbeat()  # the test heartbeats by hand
         first = store(process, 100, 2)
-        assert poll(lambda: visible(client, first))
+        assert wait_for(lambda: visible(client, first))
     try:
         # while the replica is down: more chunks, and the stream is cut past its position
         lost = store(process, 300, 2)
@@ -158,12 +158,12 @@ def test_a_replica_behind_the_trim_says_resyncing_then_converges(
         newest = rclient.xrevrange(stream, count=1)[0][0]
         rclient.xtrim(stream, minid=newest, approximate=False)
         with replica(redis_server, stream, "b", snap, port) as (server, client):
-            assert poll(lambda: server.service.state != "catching_up")
+            assert wait_for(lambda: server.service.state != "catching_up")
             assert client.get("/readyz").json() == {"ready": False, "state": "resyncing"}
-            assert poll(lambda: visible(client, last)) and not visible(client, lost)
+            assert wait_for(lambda: visible(client, last)) and not visible(client, lost)
             process.coordinator.heartbeat()  # the reply asks for a digest exchange
-            assert poll(lambda: visible(client, first + lost + last))
-            assert poll(lambda: client.get("/readyz").status_code == 200)
+            assert wait_for(lambda: visible(client, first + lost + last))
+            assert wait_for(lambda: client.get("/readyz").status_code == 200)
     finally:
         process.close()
 
@@ -192,8 +192,8 @@ def test_a_replica_that_crashed_before_its_first_snapshot_is_not_trimmed_past(
                 sink.emit(STORE, "l1", "dram", [CacheEntry(key(n), 1)])
                 assert sink.flush(10)  # one entry per batch
             slow_stats = f"http://127.0.0.1:{port}/directory/stats"
-            assert poll(lambda: httpx.get(slow_stats).json()["batches"]["applied"] >= 5)
-            assert poll(lambda: applied(fast, 5))
+            assert wait_for(lambda: httpx.get(slow_stats).json()["batches"]["applied"] >= 5)
+            assert wait_for(lambda: applied(fast, 5))
             slow.kill()  # kill -9 before its first snapshot
             slow.wait(timeout=30)
             assert fast.service.take_snapshot() is not None  # records and trims

@@ -14,12 +14,12 @@ import httpx
 import pytest
 
 from kvatlas.coordinator.server import BackgroundServer
+from tests.conftest import wait_for
 from tests.coordinator.helpers import (
     Emitter,
     assert_error,
     fresh,
     fresh_tokens,
-    poll,
     running,
     wire_batch,
     wire_entry,
@@ -228,7 +228,7 @@ def test_departed_emitters_are_forgotten() -> None:
             server.service.forget_departed()
             return _series(c.get("/metrics").text) == {"stayer"}
 
-        assert poll(forgotten)
+        assert wait_for(forgotten)
         rows = {r["instance_id"]: r for r in c.get("/instances").json()["instances"]}
         assert set(rows) == {"stayer"} and rows["stayer"]["last_seq"] == 1
         assert c.get("/directory/stats").json()["emitters"] == 1
