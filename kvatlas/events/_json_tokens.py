@@ -155,46 +155,36 @@ def parse_array(buf, i, n, arena, k):  # type: ignore[no-untyped-def]  # pragma:
     if i < n and buf[i] == 93:  # ']': the empty list
         return i + 1, k
     while i < n:
-        if i + 8 <= n:  # the common number: 1-7 digits and a comma, read as one word
-            x = _word(buf, i)  # type: ignore[call-arg]
-            digits, value = _short_number(x)
-            if digits != 0 and k < cap:
-                arena[k] = value
-                k += 1
-                i += digits
-                if (x >> np.uint64(8 * digits)) & np.uint64(0xFF) == np.uint64(44):
-                    i += 1
-                    continue
-                i = skip_space(buf, i, n)
-                if i < n and buf[i] == 44:
-                    i += 1
-                    continue
-                if i < n and buf[i] == 93:  # ']'
-                    return i + 1, k
-                break
-        d = _digit(buf[i])
-        if d < 0:  # white space before a number
-            i = skip_space(buf, i, n)
-            if i >= n:
-                break
+        digits, v = 0, 0
+        if i + 8 <= n:  # the common number: 1-7 digits and the byte after, read as one word
+            digits, word = _short_number(_word(buf, i))  # type: ignore[call-arg]
+            v = np.int64(word)  # (int64: mixed with uint64, numba would compute in float64)
+        if digits != 0:
+            i += digits
+        else:  # byte by byte
             d = _digit(buf[i])
-            if d < 0:
-                break
-        i += 1
-        v = d
-        if d == 0:
-            if i < n and _digit(buf[i]) >= 0:
-                break  # leading zero
-        else:  # at most 10 digits (no overflow in int64), then one range check
-            stop = min(i + 9, n)
-            while i < stop:
-                e = _digit(buf[i])
-                if e < 0:
+            if d < 0:  # white space before a number
+                i = skip_space(buf, i, n)
+                if i >= n:
                     break
-                v = v * 10 + e
-                i += 1
-            if v > 4294967295 or (i < n and _digit(buf[i]) >= 0):
-                break
+                d = _digit(buf[i])
+                if d < 0:
+                    break
+            i += 1
+            v = d
+            if d == 0:
+                if i < n and _digit(buf[i]) >= 0:
+                    break  # leading zero
+            else:  # at most 10 digits (no overflow in int64), then one range check
+                stop = min(i + 9, n)
+                while i < stop:
+                    e = _digit(buf[i])
+                    if e < 0:
+                        break
+                    v = v * 10 + e
+                    i += 1
+                if v > 4294967295 or (i < n and _digit(buf[i]) >= 0):
+                    break
         if k >= cap:
             break
         arena[k] = v
