@@ -66,17 +66,8 @@ def test_build_equals_single_adds_also_after_removals_and_re_adds(
     for t, h, o, ns in rows:
         single.add(t, h, o, ns)
         oracle.add(t.tolist(), h, o, ns)
-    spaces = list(dict.fromkeys(ns for *_, ns in rows))
     with mock.patch.object(blend_index, "BUILD_SLICE", slice_size):
-        bulk.build(
-            AddColumns(
-                [r[0] for r in rows],
-                [r[1] for r in rows],
-                np.array([r[2] for r in rows], np.int64),
-                spaces,
-                np.array([spaces.index(r[3]) for r in rows], np.int64),
-            )
-        )
+        bulk.build(_columns(rows))
     same(single, bulk, oracle, tokens)
     # then the same removals and re-adds on both
     for c, h, o, s in later:
@@ -95,6 +86,18 @@ def test_build_equals_single_adds_also_after_removals_and_re_adds(
         else:
             oracle.add(t.tolist(), ch, o, ns)
     same(single, bulk, oracle, tokens)
+
+
+def _columns(rows: list[tuple[Any, bytes, int, BlendNamespace]]) -> AddColumns:
+    """``rows`` (tokens, hash, offset, namespace) as one ``AddColumns``."""
+    spaces = list(dict.fromkeys(ns for *_, ns in rows))
+    return AddColumns(
+        [r[0] for r in rows],
+        [r[1] for r in rows],
+        np.array([r[2] for r in rows], np.int64),
+        spaces,
+        np.array([spaces.index(r[3]) for r in rows], np.int64),
+    )
 
 
 def same(single: BlendIndex, bulk: BlendIndex, oracle: Oracle, tokens: list[Any]) -> None:
@@ -285,15 +288,7 @@ def test_build_sizes_the_extra_claims_as_single_adds_do_when_the_last_add_is_ext
     single, bulk = BlendIndex(CS), BlendIndex(CS)
     for t, h, o, ns in rows:
         single.add(t, h, o, ns)
-    bulk.build(
-        AddColumns(
-            [r[0] for r in rows],
-            [r[1] for r in rows],
-            np.array([r[2] for r in rows], np.int64),
-            spaces,
-            np.array([spaces.index(r[3]) for r in rows], np.int64),
-        )
-    )
+    bulk.build(_columns(rows))
     a, b = single.stats(), bulk.stats()
     assert a.extra_claim_slots == (32 if then_one_more else 16)
     assert (b.claims, b.extra_claim_slots) == (a.claims, a.extra_claim_slots)
