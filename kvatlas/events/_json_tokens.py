@@ -155,7 +155,7 @@ def parse_array(buf, i, n, arena, k):  # type: ignore[no-untyped-def]  # pragma:
     if i < n and buf[i] == 93:  # ']': the empty list
         return i + 1, k
     while i < n:
-        digits, v = 0, 0
+        digits, v = 0, np.int64(0)
         if i + 8 <= n:  # the common number: 1-7 digits and the byte after, read as one word
             digits, word = _short_number(_word(buf, i))  # type: ignore[call-arg]
             v = np.int64(word)  # (int64: mixed with uint64, numba would compute in float64)
