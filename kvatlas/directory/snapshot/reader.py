@@ -129,7 +129,8 @@ class _Columns:
     offsets: np.ndarray[Any, Any]
     lens: np.ndarray[Any, Any]
     widths: np.ndarray[Any, Any]  # bytes per token (int64: 2 or 4)
-    counts: np.ndarray[Any, Any]
+    counts: np.ndarray[Any, Any]  # keys per chunk (int64)
+    first_key: np.ndarray[Any, Any]  # each chunk's first key (int64)
     key_shapes: np.ndarray[Any, Any]
     key_pl_counts: np.ndarray[Any, Any]
     key_pls: np.ndarray[Any, Any]
@@ -163,7 +164,9 @@ def _columns(header: Header) -> _Columns:
         or (len(key_pls) and int(key_pls.max()) >= n_pls)
     ):
         raise SnapshotError("inconsistent snapshot columns")
-    return _Columns(offsets, lens, widths, counts, key_shapes, key_pl_counts, key_pls)
+    counts = counts.astype(np.int64)
+    first_key = np.cumsum(counts) - counts
+    return _Columns(offsets, lens, widths, counts, first_key, key_shapes, key_pl_counts, key_pls)
 
 
 def _shapes(header: Header, cols: _Columns) -> tuple[ShapeTable, npt.NDArray[np.int64]]:
@@ -223,9 +226,8 @@ def _build(
     ``marks`` says (``None``: none; see :func:`_indexable`)."""
     pls = _placements(header)
     # Column-wise: each chunk's first key, that key's first placement, its shape id.
-    counts = cols.counts.astype(np.int64)
+    counts, first_key = cols.counts, cols.first_key
     kpc = cols.key_pl_counts.astype(np.int64)
-    first_key = np.cumsum(counts) - counts
     key_first_ref = np.cumsum(kpc) - kpc  # each key's first placement reference
     first_ref = key_first_ref[first_key]
     simple = (counts == 1) & (kpc[first_key] == 1)  # one key, one placement: most chunks
@@ -278,8 +280,7 @@ def _index_adds(
     from ``chunk_hashes``, whose length ``_columns`` checked); each offset is >= 0
     (``_columns`` refuses < -1, ``_indexable`` drops -1); namespaces index their list."""
     at = np.flatnonzero(indexable)
-    counts = cols.counts.astype(np.int64)
-    first_key = np.cumsum(counts) - counts
+    counts, first_key = cols.counts, cols.first_key
     several = [  # (row, every key's shape id) of the chunks with several keys
         (r, sids[first_key[c] : first_key[c] + counts[c]].tolist())
         for r in np.flatnonzero(counts[at] > 1).tolist()
