@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -163,7 +164,7 @@ def test_contents_copied_while_the_ids_are_read_wait_for_them(
     d.consume(em.batch("store", [entry(key(1), toks(5), 0), entry(key(2), big, 4)]))
     save_snapshot(d, tmp_path / "s.snap")
     ready = threading.Event()
-    fill, cut, wait = token_section.fill, TokenSlab.cut, token_section.Background.wait
+    fill, cut, wait = token_section.fill, TokenSlab.cut, Future.result
 
     def late_fill(f: Any, view: memoryview, pos: int) -> None:
         ready.wait(10)  # (a deadline for liveness only: the outcome does not depend on it)
@@ -175,13 +176,13 @@ def test_contents_copied_while_the_ids_are_read_wait_for_them(
         finally:
             ready.set()
 
-    def waited(self: Any) -> Any:
+    def waited(self: Any, *args: Any) -> Any:
         ready.set()
-        return wait(self)
+        return wait(self, *args)
 
     monkeypatch.setattr(token_section, "fill", late_fill)
     monkeypatch.setattr(TokenSlab, "cut", cut_then_release)
-    monkeypatch.setattr(token_section.Background, "wait", waited)
+    monkeypatch.setattr(Future, "result", waited)  # the read, waited for
     restored = KeyDirectory(CS)
     load_snapshot(restored, tmp_path / "s.snap")
     a, b = restored.lookup([key(1), key(2)])
@@ -202,18 +203,18 @@ def test_the_index_rebuilt_from_the_readers_adds_sees_the_ids_read_last(
     path = tmp_path / "s.snap"
     save_snapshot(d, path)
     waiting = threading.Event()
-    fill, wait = token_section.fill, token_section.Background.wait
+    fill, wait = token_section.fill, Future.result
 
     def held_fill(f: Any, view: memoryview, pos: int) -> None:
         waiting.wait(10)  # (a deadline for liveness only: the outcome does not depend on it)
         fill(f, view, pos)
 
-    def waited(self: Any) -> Any:
+    def waited(self: Any, *args: Any) -> Any:
         waiting.set()
-        return wait(self)
+        return wait(self, *args)
 
     monkeypatch.setattr(token_section, "fill", held_fill)
-    monkeypatch.setattr(token_section.Background, "wait", waited)
+    monkeypatch.setattr(Future, "result", waited)  # the read, waited for
     restored = KeyDirectory(CS, enable_blend_lookup=True)
     load_snapshot(restored, path)
     assert state(restored) == state(d)

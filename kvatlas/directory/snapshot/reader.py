@@ -108,7 +108,7 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
             state = DirectoryState(header.chunk_size, _cursors(header), _capacities(header))
         finally:  # nothing reads a content before the whole section is in
             if reading is not None:
-                reading.wait()
+                reading.result()
         directory.install(Restored(state, table, parts, counts, slabs, adds))
     return SnapshotInfo(
         str(path),

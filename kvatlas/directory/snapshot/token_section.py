@@ -3,7 +3,7 @@
 Restore overlaps what does not need the GIL with what does: the token section is read into
 its slab (the kernel faults the pages in and copies, the GIL released) while the calling
 thread builds the records. Nothing reads a content before the read is joined
-(:meth:`Background.wait`; a content the cut copies instead of viewing waits for it too).
+(the returned ``Future``; a content the cut copies instead of viewing waits for it too).
 See docs/directory.md.
 
 Measured and left out (docs/performance.md, "Restore, third pass"): building the blend
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import io
 import sys
-import threading
-from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -29,32 +29,6 @@ from kvatlas.directory.token_store import TokenSlab, stored_from_arena
 V1_GROUP = 65_536
 """Chunks of a version-1 token section read (and compacted) at a time."""
 
-T = TypeVar("T")
-
-
-class Background(Generic[T]):
-    """``work()`` on a daemon thread of its own; :meth:`wait` gives its result or raises what
-    it raised (any number of threads may wait)."""
-
-    def __init__(self, name: str, work: Callable[[], T]) -> None:
-        self._result: T | None = None
-        self._error: BaseException | None = None
-        # (the thread drops ``work``, and what it holds, once it has run)
-        self.thread = threading.Thread(target=self._run, args=(work,), name=name, daemon=True)
-        self.thread.start()
-
-    def _run(self, work: Callable[[], T]) -> None:
-        try:
-            self._result = work()
-        except BaseException as exc:  # raised by wait(), on the waiting thread
-            self._error = exc
-
-    def wait(self) -> T:
-        self.thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._result  # type: ignore[return-value]
-
 
 def read_token_section(
     f: io.BufferedReader,
@@ -62,7 +36,7 @@ def read_token_section(
     lens: np.ndarray[Any, Any],
     widths: np.ndarray[Any, Any],
     compact: bool,
-) -> tuple[list[Any], tuple[TokenSlab, ...], Background[None] | None]:
+) -> tuple[list[Any], tuple[TokenSlab, ...], Future[None] | None]:
     """Each chunk's content (``None`` for unknown content) at its stored width, the slab
     that holds them, and the read still under way (``None``: done).
 
@@ -89,12 +63,14 @@ def read_token_section(
     if into is None or sys.byteorder != "little":  # (cut swaps the ids in place)
         fill(f, slab.buffer.data.cast("B"), start)
     else:
-        reading = Background("kvatlas-restore-read", lambda: fill(f, into, start))
+        pool = ThreadPoolExecutor(1, thread_name_prefix="kvatlas-restore-read")
+        reading = pool.submit(fill, f, into, start)
+        pool.shutdown(wait=False)  # (the read still runs; the thread ends with it)
     try:
-        tokens = slab.cut(lens, widths, None if reading is None else reading.wait)
+        tokens = slab.cut(lens, widths, None if reading is None else reading.result)
     except BaseException:
         if reading is not None:  # no read outlives the restore that started it
-            reading.thread.join()
+            futures.wait([reading])
         raise
     return tokens, (slab,) if slab.views else (), reading
 
