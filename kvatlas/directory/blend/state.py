@@ -144,7 +144,8 @@ class IndexState:
         ops[OP_NS] = ns
         ops[OP_TOKEN_BYTES] = cols.token_bytes
         out = np.empty((n, 4), np.int64)
-        kernels.apply_ops(
+        apply = kernels.apply_ops if n < kernels.RELEASE_OPS else kernels.apply_ops_releasing
+        apply(
             ops, self.chunk_size, _cpython.ARRAY_DATA_OFFSET, self.base, self.fmask,
             self.kernel_arrays, out,
         )  # fmt: skip

@@ -31,11 +31,13 @@ from kvatlas.directory.blend.kernels.scan import ScanScratch, scan
 from kvatlas.directory.blend.kernels.table import claims_rehash
 from kvatlas.directory.blend.kernels.writes import (
     ADD,
+    RELEASE_OPS,
     REMOVE_CHUNK,
     REMOVE_CLAIM,
     SKIP,
     apply_op,
     apply_ops,
+    apply_ops_releasing,
     rebuild,
 )
 
@@ -50,6 +52,7 @@ __all__ = [
     "F_OCCUPANT_GONE",
     "LANES",
     "MERSENNE61",
+    "RELEASE_OPS",
     "REMOVE_CHUNK",
     "REMOVE_CLAIM",
     "SKIP",
@@ -57,6 +60,7 @@ __all__ = [
     "ScanScratch",
     "apply_op",
     "apply_ops",
+    "apply_ops_releasing",
     "claims_rehash",
     "drop_extra_claim",
     "fingerprint",

@@ -16,10 +16,18 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-jit = numba.njit(cache=True, nogil=True)
-"""How every kernel is compiled: cached on disk, GIL released."""
+jit = numba.njit(cache=True)
+"""How a kernel is compiled: cached on disk, the GIL held for the call. A call of
+microseconds that released the GIL would starve other threads: each release wakes a thread
+waiting for the GIL, the caller takes it back first, and the waiter sleeps again with its
+switch interval restarted (a snapshot beside a thread ingesting small batches took 10–200×
+its time; docs/directory.md, "Threads and the GIL")."""
 
-inline = numba.njit(cache=True, nogil=True, inline="always")
+releasing = numba.njit(cache=True, nogil=True)
+"""For kernels whose calls are long (a match over a query, a table rebuilt, a batch of
+thousands of writes): the GIL released for the call, so other threads run meanwhile."""
+
+inline = numba.njit(cache=True, inline="always")
 """For the small helpers of the hot loops: inlined at numba IR level so loops stay SIMD."""
 
 

@@ -31,7 +31,7 @@ from kvatlas.directory.blend.kernels.modhash import (
     lane_step,
 )
 from kvatlas.directory.blend.kernels.occupants import claimed
-from kvatlas.directory.blend.kernels.pointers import jit, prefetch, prefetch_addr
+from kvatlas.directory.blend.kernels.pointers import jit, prefetch, prefetch_addr, releasing
 from kvatlas.directory.blend.kernels.table import content_home, equal_at
 
 SCAN_ROWS = 64
@@ -67,7 +67,7 @@ class ScanScratch(NamedTuple):
         return bool(self.qt.shape[0] >= blk + chunk and self.cand_pos.shape[0] >= blk * LANES)
 
 
-@jit
+@releasing
 def scan(
     q: Any,
     start: Any,

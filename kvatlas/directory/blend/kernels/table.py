@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvatlas.directory.blend.kernels.layout import ADDRESS_BITS, TOKENS_U16
-from kvatlas.directory.blend.kernels.pointers import inline, jit, u16_ptr, u32_ptr
+from kvatlas.directory.blend.kernels.pointers import inline, jit, releasing, u16_ptr, u32_ptr
 
 EMPTY = -1
 _MIX1 = np.uint64(0x9E3779B97F4A7C15)
@@ -169,7 +169,7 @@ def claims_delete(claims: Any, key: Any) -> Any:
     return present
 
 
-@jit
+@releasing
 def claims_rehash(old: Any, new: Any) -> None:
     for i in range(old.shape[0]):
         if old[i] != EMPTY:

@@ -41,6 +41,7 @@ from kvatlas.directory.blend.kernels.pointers import (
     inline,
     jit,
     prefetch_addr,
+    releasing,
     u16_ptr,
     u32_ptr,
 )
@@ -150,6 +151,19 @@ def apply_ops(
             _release_id(ids, IDS_FREE_CONTENT, c_first, out[i, 1])
 
 
+RELEASE_OPS = 4096
+"""Batches of at least this many ops are applied with the GIL released (milliseconds of work:
+a waiting thread gets in); smaller ones hold it (see ``pointers.jit``)."""
+
+
+@releasing
+def apply_ops_releasing(
+    ops: Any, chunk: Any, data_off: Any, base: Any, fmask: Any, arrays: Any, out: Any
+) -> None:
+    """:func:`apply_ops`, the GIL released for the call."""
+    apply_ops(ops, chunk, data_off, base, fmask, arrays, out)
+
+
 @jit
 def apply_op(
     kind: Any,
@@ -223,7 +237,7 @@ def _release_id(ids: Any, free: Any, links: Any, i: Any) -> None:
     ids[free] = i
 
 
-@jit
+@releasing
 def rebuild(arrays: Any) -> None:
     """Re-insert every live content into the fresh (empty) table and filter of ``arrays`` (a
     ``BlendArrays`` as a plain tuple)."""

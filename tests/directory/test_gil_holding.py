@@ -1,0 +1,116 @@
+"""Ingestion never releases the GIL for microseconds.
+
+A thread waiting for the GIL is woken each time the holder releases it; if the holder takes
+it back before the waiter runs, the waiter sleeps again with its switch interval restarted.
+A thread that releases the GIL for a few microseconds per batch (a ``nogil`` kernel of one
+small batch) so starves every other thread: a snapshot beside a thread consuming small
+batches took 10–200× its time. These tests count the waiter's wake-ups (its voluntary context
+switches) while this thread consumes, with a switch interval so long that only a release can
+wake it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+
+import numpy as np
+
+from kvatlas.directory import KeyDirectory
+from kvatlas.directory.blend import BlendIndex
+from kvatlas.events import CacheEntry, EventBatch
+from kvatlas.keys import BlendNamespace, ObjectKey, pack_kv_rank
+
+CHUNK = 256
+_RANK = pack_kv_rank(1, 0, 1, 0)
+NS = BlendNamespace("model")
+
+
+def _wakeups() -> int:
+    """This thread's voluntary context switches so far (the times it went to sleep)."""
+    with open("/proc/thread-self/status") as f:
+        for line in f:
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches in /proc")
+
+
+@contextmanager
+def _gil_waiter() -> Iterator[list[int]]:
+    """A thread waiting for the GIL while the body runs, with a switch interval so long that
+    only a release lets it in; each time it gets in, it gives the GIL back and waits again.
+    The list yielded holds, after the body, how often it went to sleep meanwhile (a few times
+    when nothing released the GIL; at least once per release it saw otherwise)."""
+    ready, go, stop = threading.Event(), threading.Event(), threading.Event()
+    slept: list[int] = []
+
+    def wait_for_the_gil() -> None:
+        before = _wakeups()
+        ready.set()
+        go.wait()
+        while not stop.is_set():  # runs only while holding the GIL: after a release
+            time.sleep(0.0005)  # give it back, then wait for the next release
+        slept.append(_wakeups() - before)
+
+    waiter = threading.Thread(target=wait_for_the_gil, daemon=True)
+    waiter.start()
+    ready.wait()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        go.set()
+        yield slept
+    finally:
+        stop.set()
+        sys.setswitchinterval(interval)
+        waiter.join()
+
+
+def _batches(n: int, per_batch: int, seed: int) -> list[EventBatch]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for b in range(n):
+        entries = []
+        for i in range(per_batch):
+            tokens = rng.integers(0, 50_000, CHUNK, dtype=np.uint32)
+            tokens.flags.writeable = False
+            key = ObjectKey(rng.bytes(32), "model", _RANK)
+            entries.append(CacheEntry(key, 65536, tokens, (b * per_batch + i) * CHUNK))
+        out.append(EventBatch("probe", 1, b + 1, "store", "l1", "dram", False, 0.0, tuple(entries)))
+    return out
+
+
+def _consumed(batches: list[EventBatch]) -> KeyDirectory:
+    d = KeyDirectory(CHUNK, enable_blend_lookup=True)
+    for b in batches:
+        d.consume(b)
+    return d
+
+
+def test_consuming_small_batches_never_releases_the_gil() -> None:
+    _consumed(_batches(4, 8, seed=1))  # compiled and warm
+    new = _batches(200, 8, seed=2)  # new chunks, then the same 8 stored again and again
+    again = [replace(new[0], seq=200 + i) for i in range(1, 201)]
+    with _gil_waiter() as woken:
+        d = _consumed(new + again)
+    assert d.stats().keys == 200 * 8
+    assert woken[0] < 20  # a release per batch wakes it ≈200–400 times
+
+
+def test_single_blend_writes_never_release_the_gil() -> None:
+    rng = np.random.default_rng(3)
+    chunks = [(rng.integers(0, 50_000, CHUNK, dtype=np.uint32), rng.bytes(32)) for _ in range(400)]
+    index = BlendIndex(chunk_size=CHUNK)
+    index.add(chunks[0][0], chunks[0][1], 0, NS)  # compiled and warm
+    index.remove_claim(chunks[0][0], chunks[0][1], NS)
+    with _gil_waiter() as woken:
+        for tokens, h in chunks:
+            index.add(tokens, h, 0, NS)
+        for tokens, h in chunks[::2]:
+            index.remove_claim(tokens, h, NS)
+    assert index.stats().claims == 200
+    assert woken[0] < 20  # a release per write wakes it ≈600 times
