@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 import kvatlas.coordinator.runtime as runtime
 from kvatlas.checks import is_plain_int
+from kvatlas.coordinator.kv_events.stats import GAUGES as KV_EVENTS_GAUGES
 from kvatlas.coordinator.runtime import COLLECTIONS
 from kvatlas.coordinator.views import MetricsState
 from kvatlas.coordinator.wire import directory_stats_to_wire, kv_events_to_wire
@@ -80,13 +81,18 @@ class _StateCollector(Collector):
             bypass.add_metric([reason], value)
         yield bypass
         kv_events = {} if state.kv_events is None else kv_events_to_wire(state.kv_events)
-        for side, counts in kv_events.items():
+        for side, values in kv_events.items():
             family = CounterMetricFamily(
                 f"kvatlas_kv_events_{side}", f"vLLM KV events ({side})", labels=["counter"]
             )
-            for name, value in counts.items():
-                family.add_metric([name], value)
+            for name, value in values.items():
+                if name not in KV_EVENTS_GAUGES:
+                    family.add_metric([name], value)
             yield family
+            for name in sorted(KV_EVENTS_GAUGES & values.keys()):  # these can go down
+                yield _gauge(
+                    f"kvatlas_kv_events_{side}_{name}", f"vLLM KV events ({side})", values[name]
+                )
 
 
 class _CollectorStats(Collector):

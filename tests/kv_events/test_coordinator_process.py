@@ -84,6 +84,10 @@ def test_engine_in_and_node_placements_out(engine: FakeEngine) -> None:
         assert health["kv_events"]["subscriber"]["clears"] == 1
         metrics = httpx.get(f"{url}/metrics").text
         assert 'kvatlas_kv_events_subscriber_total{counter="clears"} 1.0' in metrics
+        # what can go down is a gauge of its own, never a counter (rate() would misread it)
+        assert "# TYPE kvatlas_kv_events_subscriber_engines gauge" in metrics
+        assert "kvatlas_kv_events_subscriber_engines 1.0" in metrics
+        assert 'counter="engines"' not in metrics and 'counter="tracked_blocks"' not in metrics
 
         # Out: a node's placement, as a router sees it; the engine's never.
         row = np.arange(C, dtype=np.uint32)
