@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -129,14 +130,16 @@ def fleet(
     tmp_path: Path, made: list[Any], *, persistent: bool
 ) -> tuple[RedisServer, Coordinator, NodeProcess]:
     """Redis, a coordinator on it (instances live for the whole test) and a node emitting
-    through its stream, all started; the test heartbeats by hand."""
+    through its stream, all started; the test heartbeats and exchanges digests by hand."""
     server = RedisServer(tmp_path, persistent=persistent)
     made.append(server)
     server.start()
     coordinator = Coordinator(tmp_path, server.url, "--instance-timeout", "600")
     made.append(coordinator)
     coordinator.start()
-    node = NodeProcess(node_config(coordinator.url, server.url, STREAM))
+    # nor digest exchanges on a timer: one after a loss would repair it before the test looks
+    config = replace(node_config(coordinator.url, server.url, STREAM), digest_interval=3600.0)
+    node = NodeProcess(config)
     made.append(node)
     assert node.coordinator is not None and node.sink is not None
     node.coordinator.stop_heartbeat()
