@@ -170,6 +170,9 @@ def test_cut_gives_each_chunk_its_ids_read_only(shapes: list[tuple[int, int]]) -
         assert out.tolist() == want.tolist() and out.itemsize == w
         assert not out.flags.writeable and out.flags.c_contiguous and out.flags.aligned
         assert out.base is slab.buffer or out.flags.owndata  # a view, or a copy if unaligned
+        if not out.flags.owndata:  # nor can a reader make a view writable
+            with pytest.raises(ValueError):
+                out.flags.writeable = True
     live = slab.live()
     assert live == slab.views == sum(1 for o in got if o is not None and not o.flags.owndata)
     del got, out
