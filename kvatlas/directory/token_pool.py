@@ -41,7 +41,12 @@ from kvatlas.directory.token_store import (
 from kvatlas.events.columns import EntryColumns
 
 SLAB_BYTES = 4 << 20
-"""A pool slab's size (a batch larger than that gets a slab of its own size)."""
+"""The largest pool slab (a batch larger than that gets a slab of its own size)."""
+MIN_SLAB_BYTES = 256 << 10
+"""The smallest: a new slab is an eighth of the slabs held (between the two), so the one being
+filled wastes at most ≈1/8 of the pooled bytes in a small directory, and big directories
+have few slabs to look after."""
+_PAGE = 4096
 
 _U16 = np.dtype(np.uint16)
 _U32 = np.dtype(np.uint32)
@@ -55,9 +60,23 @@ class TokenPool:
 
     def __init__(self, slabs: list[TokenSlab], slab_bytes: int | None = None) -> None:
         self.slabs = slabs
-        self.slab_bytes = SLAB_BYTES if slab_bytes is None else slab_bytes
+        self.slab_bytes = slab_bytes
+        """Every new slab's size (at least); ``None``: sized by what is held (see
+        :data:`MIN_SLAB_BYTES`)."""
         self.slab: TokenSlab | None = None
         self.used = 0
+
+    def _new_slab(self, needed: int) -> TokenSlab:
+        """A new slab to fill, of at least ``needed`` bytes, appended to :attr:`slabs`."""
+        size = self.slab_bytes
+        if size is None:
+            held = sum(len(s.buffer) for s in self.slabs)  # (once per new slab)
+            size = min(SLAB_BYTES, max(MIN_SLAB_BYTES, held // 8, needed))
+            size = -(-size // _PAGE) * _PAGE  # whole pages: what is mapped is counted
+        slab = TokenSlab.pooled(max(size, needed))
+        self.slabs.append(slab)
+        self.slab = slab
+        return slab
 
     def stored_columns(
         self, cols: EntryColumns, held: Sequence[bool] | None = None
@@ -128,9 +147,7 @@ class TokenPool:
             used += int(ends[k - 1])
         if k < n:
             first = int(dst[k])
-            slab = TokenSlab.pooled(max(self.slab_bytes, total - first))
-            self.slabs.append(slab)
-            self.slab = slab
+            slab = self._new_slab(total - first)
             dst[k:] += slab.buffer.ctypes.data - first
             pieces.append((slab, 0, k, n))
             used = total - first
