@@ -19,7 +19,9 @@ get an array of their own (``token_store.stored_from_arena`` / ``stored_batch``)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from itertools import pairwise, repeat
+from operator import is_not
 from typing import Any
 
 import numpy as np
@@ -39,6 +41,7 @@ from kvatlas.directory.token_store import (
     stored_from_arena,
 )
 from kvatlas.events.columns import EntryColumns
+from kvatlas.keys.tokens import TokenArray
 
 SLAB_BYTES = 4 << 20
 """The largest pool slab (a batch larger than that gets a slab of its own size)."""
@@ -48,6 +51,7 @@ filled wastes at most ≈1/8 of the pooled bytes in a small directory, and big d
 have few slabs to look after."""
 _PAGE = 4096
 
+_PRESENT = partial(is_not, None)  # an entry's tokens, not None (C-level in a filter)
 _U16 = np.dtype(np.uint16)
 _U32 = np.dtype(np.uint32)
 
@@ -99,9 +103,10 @@ class TokenPool:
                 out[i] = stored
             return out, True
         arrays = cols.token_arrays()
-        srcs = [a for a in arrays if a is not None]
+        srcs: list[TokenArray] = list(filter(_PRESENT, arrays))  # type: ignore[arg-type]
         distinct = dict(zip(map(id, srcs), srcs, strict=True))
-        srcs = list(distinct.values())
+        if len(distinct) != len(srcs):
+            srcs = list(distinct.values())
         if (
             held is not None
             or set(map(DTYPE_OF, srcs)) - {_U32}
