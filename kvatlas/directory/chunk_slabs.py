@@ -1,4 +1,4 @@
-"""Freeing token slabs (restored or pooled): a base class of :class:`~kvatlas.directory.chunk_table.ChunkTable`.
+"""Freeing restored token slabs: a base class of :class:`~kvatlas.directory.chunk_table.ChunkTable`.
 
 A restore cuts every chunk's content as a read-only view of one slab
 (:class:`~kvatlas.directory.token_store.TokenSlab`). Once more than half of a slab's views are
@@ -14,12 +14,8 @@ from kvatlas.directory.blend import AddOp, BlendIndex, RemoveChunkOp
 from kvatlas.directory.chunk_counts import PARTS, Partition
 from kvatlas.directory.chunk_removals import RemovalRules
 from kvatlas.directory.records import rebound, record_indexed, record_offset, record_stored_tokens
-from kvatlas.directory.token_pool import TokenPool
 from kvatlas.directory.token_store import TokenSlab, owned_copy
 
-_CHECKS = 64
-"""Slabs looked at per change flush (round robin): bounded work however large the directory
-(64 pool slabs hold ≈256 MB of contents)."""
 _RECLAIM_WORK = 16_384
 """Work per reclaim step (:meth:`ChunkTable.flush_index`): a record looked at costs 1, a
 content copied out of a slab 16, so one step copies at most 1,024 contents."""
@@ -42,10 +38,8 @@ class SlabReclaim(RemovalRules):
 
     parts: list[Partition]
     slabs: list[TokenSlab]
-    pool: TokenPool
     released: list[TokenSlab]
     _reclaim: _Reclaim | None
-    _checked: int = 0  # where the next look for mostly dead slabs starts (_due_slabs)
 
     def flush_index(self, index: BlendIndex | None) -> None:
         """Apply the index writes queued since the last call to ``index`` (if on), in order,
@@ -68,26 +62,16 @@ class SlabReclaim(RemovalRules):
             if index is not None:
                 index.apply(ops)
 
-    def _due_slabs(self) -> list[TokenSlab]:
-        """Up to :data:`_CHECKS` slabs, round robin from the last call, that are mostly dead
-        (the slab the pool is filling never is: its views are still being handed out)."""
-        slabs, filling = self.slabs, self.pool.slab
-        if len(slabs) > _CHECKS:
-            at = self._checked % len(slabs)
-            self._checked = at + _CHECKS
-            slabs = (slabs[at:] + slabs[:at])[:_CHECKS]
-        return [s for s in slabs if s is not filling and s.mostly_dead()]
-
     def _reclaim_step(self) -> None:
         """Once more than half of a slab's views are gone, copy its live contents out to
         arrays of their own, a bounded step at a time; then nothing refers to it and it is
         freed. Each slab is copied out at most once (see token_store.TokenSlab)."""
         r = self._reclaim
         if r is None:
-            due = self._due_slabs()
+            due = [s for s in self.slabs if s.mostly_dead()]
             if not due:
                 return
-            self.slabs[:] = [s for s in self.slabs if s not in due]  # (the pool's list too)
+            self.slabs = [s for s in self.slabs if s not in due]
             r = self._reclaim = _Reclaim(due, {id(s.buffer) for s in due})
         work = 0
         while work < _RECLAIM_WORK:

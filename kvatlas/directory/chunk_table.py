@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from operator import itemgetter
 
 import numpy as np
 
@@ -61,8 +60,7 @@ from kvatlas.directory.records import (
 )
 from kvatlas.directory.reindex import reindex_records
 from kvatlas.directory.shapes import KeyShape, ShapeTable
-from kvatlas.directory.token_pool import TokenPool
-from kvatlas.directory.token_store import StoredTokens, TokenSlab
+from kvatlas.directory.token_store import StoredTokens, TokenSlab, stored_columns
 from kvatlas.errors import Conflict
 from kvatlas.events import UNKNOWN_OFFSET, VOLATILE_TIERS, EventBatch
 from kvatlas.events.columns import EntryColumns
@@ -71,7 +69,6 @@ from kvatlas.events.model import tokens_equal
 from kvatlas.keys import BlendNamespace, ObjectKey
 
 log = logging.getLogger(__name__)
-_FIRST_BYTE = itemgetter(0)  # a chunk hash's partition
 
 
 class ChunkTable(SlabReclaim):
@@ -85,8 +82,7 @@ class ChunkTable(SlabReclaim):
         self.counts = ChunkCounts()
         self.indexing = False  # whether changes queue blend-index writes
         self.journal: ChangeJournal | None = None  # set while a capture is in progress
-        self.slabs: list[TokenSlab] = []  # contents that are views (see token_store.TokenSlab)
-        self.pool = TokenPool(self.slabs)  # where new chunks' contents go (its slabs: above)
+        self.slabs: list[TokenSlab] = []  # restored contents (see token_store.TokenSlab)
         self._reclaim = None  # a reclaim in progress (SlabReclaim)
         self.released: list[TokenSlab] = []  # copied out: the index must let go of them too
         self._ops: list[BlendOp] = []
@@ -107,7 +103,6 @@ class ChunkTable(SlabReclaim):
             raise Conflict("cannot restore while a snapshot is being taken")
         self.shapes, self.parts, self.counts = shapes, parts, counts
         self.slabs, self._reclaim, self.released = list(slabs), None, []
-        self.pool = TokenPool(self.slabs)
         self.counts.digests = {}
         self._start_digests(False)  # digests are built partition by partition, later
 
@@ -177,13 +172,12 @@ class ChunkTable(SlabReclaim):
         # in one vectorised step per multiplier (a batch is mostly one shape).
         dig = None if shared else counts.digest_for(inst, tier)
         pending: dict[int, list[bytes]] = {}
-        parts_of = list(map(self.parts.__getitem__, map(_FIRST_BYTE, cols.chunk_hashes)))
-        held = list(map(dict.get, parts_of, cols.chunk_hashes))
-        held_rows = [rec is not None for rec in held] if any(held) else None
-        stored, allocated = self.pool.stored_columns(cols, held_rows)  # one pass per batch
+        stored, allocated = stored_columns(cols)  # compact, one pass per batch
         fresh = None
-        if self.journal is None and held_rows is None:  # (a capture saves each record first)
-            fresh = store_fresh(parts_of, batch, cols, sids, stored, self.chunk_size, self.indexing)
+        if self.journal is None:  # (a capture saves each record before its first change)
+            fresh = store_fresh(
+                self.parts, batch, cols, sids, stored, self.chunk_size, self.indexing
+            )
         if fresh is not None:  # every entry a new chunk: stored in bulk
             n_keys, n_pl, (n_bytes, added) = len(cols), len(cols), fresh
             if added:

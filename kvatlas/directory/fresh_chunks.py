@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from itertools import compress
+from operator import itemgetter
 
 from kvatlas.directory.chunk_counts import Partition
 from kvatlas.directory.records import placement_row, records_from_columns
@@ -21,9 +22,11 @@ from kvatlas.directory.token_store import StoredTokens
 from kvatlas.events import UNKNOWN_OFFSET, EventBatch
 from kvatlas.events.columns import EntryColumns
 
+_FIRST_BYTE = itemgetter(0)  # a chunk hash's partition
+
 
 def store_fresh(
-    parts_of: list[Partition],
+    parts: list[Partition],
     batch: EventBatch,
     cols: EntryColumns,
     sids: list[int],
@@ -32,14 +35,14 @@ def store_fresh(
     indexing: bool,
 ) -> tuple[int, list[int]] | None:
     """Store the entries ``cols`` of ``batch`` (shape ids ``sids``, tokens ``stored``) as new
-    chunks, entry ``j`` into the partition ``parts_of[j]``, none of which holds its chunk (the
-    caller looked), if the batch qualifies (see the module docstring); returns the bytes
-    stored and the entries whose chunk is indexed (``indexing``: blend is on; offset known),
-    or ``None``, having changed nothing."""
+    chunks into ``parts`` if the batch qualifies (see the module docstring); returns the
+    bytes stored and the entries whose chunk is indexed (``indexing``: blend is on; offset
+    known), or ``None``, having changed nothing."""
     hashes, n = cols.chunk_hashes, len(cols)
     if sids.count(sids[0]) != n or not bool((cols.token_lengths == chunk_size).all()):
         return None
-    if len(set(hashes)) != n:
+    parts_of = list(map(parts.__getitem__, map(_FIRST_BYTE, hashes)))
+    if any(map(dict.get, parts_of, hashes)) or len(set(hashes)) != n:
         return None
     sizes, offsets = cols.size_bytes.tolist(), cols.token_offsets.tolist()
     b = batch

@@ -41,6 +41,7 @@ import numpy.typing as npt
 from kvatlas.directory.blend import share_slab
 from kvatlas.directory.blend._cpython import ARRAY_DATA_OFFSET, array_handles
 from kvatlas.directory.blend.kernels.pointers import i64_ptr, jit, u16_ptr, u32_ptr
+from kvatlas.events.columns import EntryColumns
 from kvatlas.keys.tokens import TokenArray
 
 StoredTokens = npt.NDArray[np.unsignedinteger[Any]]
@@ -54,8 +55,8 @@ _ANONYMOUS: int = getattr(mmap, "MAP_ANONYMOUS", 0)
 _WIDTHS = (_U32, _U16)  # by "every id fits"
 _SET_FLAGS: Callable[[StoredTokens, bool], None] = np.ndarray.setflags  # type: ignore[assignment]
 """``setflags(write)``: numpy takes the flag positionally (its stubs say keyword-only)."""
-DTYPE_OF = attrgetter("dtype")
-STRIDES_OF = attrgetter("strides")
+_DTYPE = attrgetter("dtype")
+_STRIDES = attrgetter("strides")
 
 
 def read_only(arrays: list[StoredTokens]) -> None:
@@ -110,19 +111,6 @@ class TokenSlab:
         """Filled by the caller (little-endian ids), then cut once (:meth:`cut`)."""
         self.views = 0
         self._other_refs = 0
-
-    @classmethod
-    def pooled(cls, nbytes: int) -> TokenSlab:
-        """An empty slab that a :class:`~kvatlas.directory.token_pool.TokenPool` fills batch
-        by batch instead: its pages populated at once, read-only from the start (rows are
-        written through their addresses, then handed out as views, counted in :attr:`views`) and
-        shareable with the blend index."""
-        slab = cls.__new__(cls)
-        slab.buffer = _sealed(_zeroed(nbytes, populate=True))
-        slab.views = 0
-        slab._other_refs = sys.getrefcount(slab.buffer)
-        share_slab(slab.buffer)
-        return slab
 
     def mapped_memory(self) -> memoryview | None:
         """The slab's bytes, writable, through its mapping: a view that holds no reference to
@@ -196,19 +184,17 @@ class TokenSlab:
         return 2 * self.live() < self.views
 
 
-def _zeroed(nbytes: int, populate: bool = False) -> npt.NDArray[np.uint8]:
+def _zeroed(nbytes: int) -> npt.NDArray[np.uint8]:
     """A fresh buffer of ``nbytes``: an anonymous mapping of small pages, faulted in by
     whatever writes them first (the snapshot reader's read, on a thread of its own: no page
-    is touched here, so cutting views can start at once), or by the kernel in one call
-    (``populate``: a pool's slab, see :mod:`kvatlas.directory.token_pool`). Not huge pages
-    (numpy's own large arrays ask for them): their first allocation can stall while the kernel
-    compacts memory, and on these VMs a fresh huge page often costs more than its 512 small
-    ones (docs/performance.md). Traced by ``tracemalloc`` like numpy's own memory, so memory
-    measurements see it."""
+    is touched here, so cutting views can start at once). Not numpy's own large arrays: they
+    ask for huge pages, whose first allocation in a process can stall for a second while the
+    kernel compacts memory (and on these VMs a fresh huge page often costs more than its 512
+    small ones: docs/performance.md). Traced by ``tracemalloc`` as numpy's own memory is, so
+    memory measurements see it."""
     if not (nbytes and _ANONYMOUS):
         return np.empty(nbytes, np.uint8)
-    flags = mmap.MAP_PRIVATE | _ANONYMOUS | (_POPULATE if populate else 0)
-    mapping = mmap.mmap(-1, nbytes, flags=flags)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | _ANONYMOUS)
     buffer = np.frombuffer(mapping, np.uint8)
     address = buffer.ctypes.data
     if _track(_TRACE_DOMAIN, address, nbytes) == 0:  # tracing: forget it when it is freed
@@ -216,26 +202,25 @@ def _zeroed(nbytes: int, populate: bool = False) -> npt.NDArray[np.uint8]:
     return buffer
 
 
+_TRACE_DOMAIN = 0x6B76  # the tracemalloc domain of token slabs ("kv")
+_track = ctypes.pythonapi.PyTraceMalloc_Track
+_track.argtypes, _track.restype = [ctypes.c_uint, ctypes.c_size_t, ctypes.c_size_t], ctypes.c_int
+_untrack = ctypes.pythonapi.PyTraceMalloc_Untrack
+_untrack.argtypes, _untrack.restype = [ctypes.c_uint, ctypes.c_size_t], ctypes.c_int
+
+
 def _sealed(buffer: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
-    """``buffer``'s bytes as an array that nobody can make writable, nor any view of it:
+    """``buffer``'s bytes as an array that nobody can make writable, nor any view of it.
     numpy lets a view be flipped back to writable when its final base (here the mapping)
     hands out a writable buffer, whatever the flags of the arrays in between, so a mapped
-    buffer is re-read through a read-only ``memoryview`` of its mapping. (Its owner still
-    writes it: through addresses, or :meth:`TokenSlab.mapped_memory`.)"""
+    buffer is re-read through a read-only ``memoryview`` of its mapping (a reader who
+    flipped a content's view could change what the index and every lookup see)."""
     base = buffer.base
     mapping = base.obj if isinstance(base, memoryview) else base
     if isinstance(mapping, mmap.mmap):
         return np.frombuffer(memoryview(mapping).toreadonly(), np.uint8)
     buffer.flags.writeable = False  # owns its memory: its views cannot be made writable
     return buffer
-
-
-_POPULATE: int = getattr(mmap, "MAP_POPULATE", 0)
-_TRACE_DOMAIN = 0x6B76  # tracemalloc domain of token slabs ("kv")
-_track = ctypes.pythonapi.PyTraceMalloc_Track
-_track.argtypes, _track.restype = [ctypes.c_uint, ctypes.c_size_t, ctypes.c_size_t], ctypes.c_int
-_untrack = ctypes.pythonapi.PyTraceMalloc_Untrack
-_untrack.argtypes, _untrack.restype = [ctypes.c_uint, ctypes.c_size_t], ctypes.c_int
 
 
 def stored_batch(arrays: Sequence[TokenArray | None]) -> list[StoredTokens | None]:
@@ -249,7 +234,7 @@ def stored_batch(arrays: Sequence[TokenArray | None]) -> list[StoredTokens | Non
         srcs = list(distinct.values())
     if not srcs:
         return list(arrays)
-    if set(map(DTYPE_OF, srcs)) != {_U32} or set(map(STRIDES_OF, srcs)) != {(4,)}:
+    if set(map(_DTYPE, srcs)) != {_U32} or set(map(_STRIDES, srcs)) != {(4,)}:
         stored = {key: stored_one(a) for key, a in distinct.items()}  # uncommon inputs
         return [None if a is None else stored[id(a)] for a in arrays]
     lens = list(map(len, srcs))
@@ -280,11 +265,14 @@ def stored_from_arena(
     (which rows fit ``uint16``, then the copies into arrays of the width each needs)."""
     arena = np.ascontiguousarray(arena, dtype=np.uint32)
     starts, lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
-    check_rows(arena, starts, lengths)
     lens = lengths.tolist()
-    src = arena_rows(arena, starts)
+    if len(starts) != len(lens) or (
+        len(lens)
+        and (min(lens) < 0 or int(starts.min()) < 0 or int((starts + lengths).max()) > len(arena))
+    ):
+        raise ValueError("token rows outside the arena")
     fits = np.empty(len(lens), np.bool_)
-    rows_fit(src, -1, lengths, fits)
+    _rows_fit(arena, starts, lengths, fits)
     # each row's array at its stored width, allocated by C-level maps (no Python per row)
     every = not lens or min(lens) > 0  # no empty row (the usual batch): no mask, no None
     present: list[StoredTokens] = list(
@@ -299,34 +287,12 @@ def stored_from_arena(
     else:
         handles = np.zeros(len(lens), np.int64)  # 0: an empty row, nothing to write
         handles[lengths > 0] = array_handles(present)
-    copy_rows(src, -1, lengths, handles, ARRAY_DATA_OFFSET, fits)
+    _copy_rows(arena, starts, lengths, handles, ARRAY_DATA_OFFSET, fits)
     read_only(present)
     if every:
         return present  # type: ignore[return-value]
     it = iter(present)
     return [next(it) if n else None for n in lens]
-
-
-def check_rows(
-    arena: TokenArray, starts: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64]
-) -> None:
-    """Raise ``ValueError`` unless every row ``arena[starts[j]:starts[j] + lengths[j]]`` lies
-    inside the arena (what the row kernels may read)."""
-    if len(starts) != len(lengths) or (
-        len(lengths)
-        and (
-            int(lengths.min()) < 0
-            or int(starts.min()) < 0
-            or int((starts + lengths).max()) > len(arena)
-        )
-    ):
-        raise ValueError("token rows outside the arena")
-
-
-def arena_rows(arena: TokenArray, starts: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-    """The address of each row of ``arena`` (a C-contiguous ``uint32`` array) starting at
-    ``starts``: what the row kernels read with ``src_off`` -1 (valid while it is alive)."""
-    return starts * 4 + arena.ctypes.data
 
 
 def _widths(fits: npt.NDArray[np.bool_]) -> Iterable[np.dtype[Any]]:
@@ -337,6 +303,17 @@ def _widths(fits: npt.NDArray[np.bool_]) -> Iterable[np.dtype[Any]]:
     if not fits.any():
         return repeat(_U32)
     return map(_WIDTHS.__getitem__, fits.tolist())
+
+
+def stored_columns(cols: EntryColumns) -> tuple[list[StoredTokens | None], bool]:
+    """Each entry's tokens of a columnar batch, stored, and whether every array was allocated
+    here (read-only, owning its memory, C-contiguous): straight from the batch's arena when no
+    two entries share a row (the usual body; a token-less entry has no row, though its start
+    is the next entry's), else through :meth:`EntryColumns.token_arrays`, which gives entries
+    of one content one array (and so one stored array; a caller's array may be kept)."""
+    if cols.token_objects is None and not cols.rows_shared():
+        return stored_from_arena(cols.tokens, cols.token_starts, cols.token_lengths), True
+    return stored_batch(cols.token_arrays()), False
 
 
 @jit
@@ -363,36 +340,33 @@ def _narrow_arrays(src: Any, lens: Any, dst: Any, data_off: Any, fits: Any) -> N
 
 
 @jit
-def rows_fit(src: Any, src_off: Any, lens: Any, fits: Any) -> None:
-    """``fits[j]``: every uint32 id of row ``j`` (``lens[j]`` ids at ``_data(src[j],
-    src_off)``) is below 2^16 (read through a pointer: no index checks in the loop, which then
-    runs SIMD)."""
-    for j in range(src.shape[0]):
-        n = lens[j]
-        if n == 0:
-            fits[j] = True
-            continue
-        a: Any = u32_ptr(_data(src[j], src_off))  # type: ignore[call-arg]
+def _rows_fit(arena: Any, starts: Any, lens: Any, fits: Any) -> None:
+    """``fits[j]``: every id of row ``j`` of the arena is below 2^16 (read through a pointer:
+    no index checks in the loop, which then runs SIMD)."""
+    base = arena.ctypes.data
+    for j in range(starts.shape[0]):
+        a: Any = u32_ptr(base + 4 * starts[j])  # type: ignore[call-arg]
         high = np.uint32(0)
-        for k in range(n):
+        for k in range(lens[j]):
             high |= a[k]
         fits[j] = high < COMPACT_LIMIT
 
 
 @jit
-def copy_rows(src: Any, src_off: Any, lens: Any, dst: Any, dst_off: Any, fits: Any) -> None:
-    """Row ``j`` (``lens[j]`` uint32 ids at ``_data(src[j], src_off)``) to ``_data(dst[j],
-    dst_off)``: ``uint16`` where ``fits[j]``, else ``uint32`` (``dst[j]`` 0: nothing to write)."""
-    for j in range(src.shape[0]):
+def _copy_rows(arena: Any, starts: Any, lens: Any, dst: Any, data_off: Any, fits: Any) -> None:
+    """Row ``j`` of the arena into the array ``dst[j]`` (``uint16`` where ``fits[j]``, else
+    ``uint32``; 0: an empty row, nothing to write)."""
+    base = arena.ctypes.data
+    for j in range(starts.shape[0]):
         if dst[j] == 0:
             continue
         n = lens[j]
-        a: Any = u32_ptr(_data(src[j], src_off))  # type: ignore[call-arg]
+        a: Any = u32_ptr(base + 4 * starts[j])  # type: ignore[call-arg]
         if fits[j]:
-            b: Any = u16_ptr(_data(dst[j], dst_off))  # type: ignore[call-arg]
+            b: Any = u16_ptr(_data(dst[j], data_off))  # type: ignore[call-arg]
             for k in range(n):
                 b[k] = np.uint16(a[k])
         else:
-            w: Any = u32_ptr(_data(dst[j], dst_off))  # type: ignore[call-arg]
+            w: Any = u32_ptr(_data(dst[j], data_off))  # type: ignore[call-arg]
             for k in range(n):
                 w[k] = a[k]

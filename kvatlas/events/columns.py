@@ -11,11 +11,8 @@ they hold exactly what the :class:`~kvatlas.events.CacheEntry` objects of the sa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import repeat
-from operator import attrgetter, is_
-from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -33,25 +30,9 @@ from kvatlas.events.model import (
 from kvatlas.keys import ObjectKey, TokenArray
 
 ShapeParts = tuple[str, int, int, str]  # (model_name, kv_rank, object_group_id, cache_salt)
-_KEY = attrgetter("key")
-_SHAPE_PARTS: Callable[[ObjectKey], ShapeParts] = attrgetter(
-    "model_name", "kv_rank", "object_group_id", "cache_salt"
-)
-_CHUNK_HASH = attrgetter("chunk_hash")
-_SIZE = attrgetter("size_bytes")
-_OFFSET = attrgetter("token_offset")
-_TOKEN_IDS = attrgetter("token_ids")
 Int64s = npt.NDArray[np.int64]
 _ZERO_HASH = bytes(32)
 assert np.iinfo(np.int64).max == I64_MAX  # sizes and offsets fit int64 columns exactly
-
-
-def _lengths(arrays: tuple[TokenArray | None, ...]) -> Int64s:
-    """Each array's length (``None``: 0), C-level when no entry is token-less."""
-    if not any(map(is_, arrays, repeat(None))):
-        present = cast("tuple[TokenArray, ...]", arrays)
-        return np.fromiter(map(len, present), np.int64, len(arrays))
-    return np.array([0 if a is None else len(a) for a in arrays], dtype=np.int64)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -78,25 +59,22 @@ class EntryColumns:
     def of_entries(cls, entries: Sequence[CacheEntry]) -> EntryColumns:
         """The columns of validated entries (the transports that still build objects); their
         token arrays are kept as they are (no copy: a binding shares the caller's array)."""
-        n = len(entries)
-        keys = list(map(_KEY, entries))
-        parts = list(map(_SHAPE_PARTS, keys))  # (C-level maps: no Python per entry)
-        index = dict.fromkeys(parts)  # the distinct shapes, in order (a batch has few)
-        if len(index) == 1:
-            shape_of = np.zeros(n, np.intp)
-        else:
-            ids = dict(zip(index, range(len(index)), strict=True))
-            shape_of = np.fromiter(map(ids.__getitem__, parts), np.intp, n)
-        arrays = tuple(map(_TOKEN_IDS, entries))
+        index: dict[ShapeParts, int] = {}
+        shape_of = []
+        for e in entries:
+            k = e.key
+            parts = (k.model_name, k.kv_rank, k.object_group_id, k.cache_salt)
+            shape_of.append(index.setdefault(parts, len(index)))
+        arrays = tuple(e.token_ids for e in entries)
         return cls(
-            list(map(_CHUNK_HASH, keys)),
+            [e.key.chunk_hash for e in entries],
             list(index),
-            shape_of,
-            np.fromiter(map(_SIZE, entries), np.int64, n),
-            np.fromiter(map(_OFFSET, entries), np.int64, n),
+            np.array(shape_of, dtype=np.intp),
+            np.array([e.size_bytes for e in entries], dtype=np.int64),
+            np.array([e.token_offset for e in entries], dtype=np.int64),
             np.empty(0, dtype=np.uint32),
-            np.zeros(n, dtype=np.int64),
-            _lengths(arrays),
+            np.zeros(len(arrays), dtype=np.int64),
+            np.array([0 if t is None else len(t) for t in arrays], dtype=np.int64),
             arrays,
         )
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvatlas.directory import BlendIndex, KeyDirectory, load_snapshot, save_snapshot, token_pool
+from kvatlas.directory import BlendIndex, KeyDirectory, load_snapshot, save_snapshot, token_store
 from kvatlas.directory.records import record_stored_tokens, record_tokens
 from kvatlas.directory.snapshot.format import PREFIX, Header
 from kvatlas.directory.token_store import (
@@ -238,8 +238,8 @@ def test_a_body_with_token_less_entries_is_stored_straight_from_its_arena(
     def per_entry(*_: Any) -> Any:
         raise AssertionError("stored entry by entry")
 
-    monkeypatch.setattr(token_pool, "stored_batch", per_entry)
-    stored, allocated = token_pool.TokenPool([]).stored_columns(cols)
+    monkeypatch.setattr(token_store, "stored_batch", per_entry)
+    stored, allocated = token_store.stored_columns(cols)
     assert allocated
     assert [None if s is None else s.tolist() for s in stored] == [
         None if e["token_ids"] is None else e["token_ids"] for e in entries
