@@ -227,16 +227,22 @@ def stored_batch(arrays: Sequence[TokenArray | None]) -> list[StoredTokens | Non
     """:func:`stored_one` of each array (``None`` stays ``None``), one compiled pass for the
     batch; entries that share an input array share its stored array. (Per entry this is an
     allocation and a flag: the checks run as C-level maps, not as Python code per entry.)"""
+    return _stored_batch(arrays)[0]
+
+
+def _stored_batch(arrays: Sequence[TokenArray | None]) -> tuple[list[StoredTokens | None], bool]:
+    """:func:`stored_batch`, and whether every stored array was allocated here (every
+    content fit ``uint16``: no caller's array kept)."""
     srcs = [a for a in arrays if a is not None]
     ids = list(map(id, srcs))
     distinct = dict(zip(ids, srcs, strict=True))
     if len(distinct) != len(srcs):
         srcs = list(distinct.values())
     if not srcs:
-        return list(arrays)
+        return list(arrays), True
     if set(map(_DTYPE, srcs)) != {_U32} or set(map(_STRIDES, srcs)) != {(4,)}:
         stored = {key: stored_one(a) for key, a in distinct.items()}  # uncommon inputs
-        return [None if a is None else stored[id(a)] for a in arrays]
+        return [None if a is None else stored[id(a)] for a in arrays], False
     lens = list(map(len, srcs))
     outs: list[StoredTokens] = list(map(np.empty, lens, repeat(_U16)))
     fits = np.empty(len(srcs), np.bool_)
@@ -248,13 +254,14 @@ def stored_batch(arrays: Sequence[TokenArray | None]) -> list[StoredTokens | Non
         fits,
     )
     read_only(outs)
-    if not fits.all():
+    allocated = bool(fits.all())
+    if not allocated:
         for i in np.flatnonzero(~fits).tolist():
             outs[i] = stored_one(srcs[i])
     if len(outs) == len(arrays):  # no None, no shared input: entry for entry
-        return outs  # type: ignore[return-value]
+        return outs, allocated  # type: ignore[return-value]
     by_id = dict(zip(distinct, outs, strict=True))
-    return [None if a is None else by_id[id(a)] for a in arrays]
+    return [None if a is None else by_id[id(a)] for a in arrays], allocated
 
 
 def stored_from_arena(
@@ -310,10 +317,11 @@ def stored_columns(cols: EntryColumns) -> tuple[list[StoredTokens | None], bool]
     here (read-only, owning its memory, C-contiguous): straight from the batch's arena when no
     two entries share a row (the usual body; a token-less entry has no row, though its start
     is the next entry's), else through :meth:`EntryColumns.token_arrays`, which gives entries
-    of one content one array (and so one stored array; a caller's array may be kept)."""
+    of one content one array (and so one stored array; a caller's array may be kept: then
+    not every array was allocated here)."""
     if cols.token_objects is None and not cols.rows_shared():
         return stored_from_arena(cols.tokens, cols.token_starts, cols.token_lengths), True
-    return stored_batch(cols.token_arrays()), False
+    return _stored_batch(cols.token_arrays())
 
 
 @jit
