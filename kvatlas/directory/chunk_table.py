@@ -422,7 +422,7 @@ def _add_columns(
     """The index adds of entries ``rows`` of a store batch (new chunks, indexed), as columns:
     their stored arrays, hashes, offsets and namespaces. ``allocated``: the stored arrays were
     all allocated for this batch (``stored_columns``), so the adds are vouched for (a chunk's
-    indexed array is chunk-sized, its hash 32 bytes, its offset known)."""
+    indexed array is chunk-sized, its hash 32 exact bytes, its offset known)."""
     if len(rows) == len(cols) and sids.count(sids[0]) == len(sids):  # every entry, one shape
         tokens, hashes, offsets = stored, cols.chunk_hashes, cols.token_offsets
         spaces, which = [shapes[sids[0]].namespace], None
@@ -433,4 +433,7 @@ def _add_columns(
         hashes = list(map(cols.chunk_hashes.__getitem__, rows))
         offsets = cols.token_offsets[at]
         spaces = [shapes[s].namespace for s in used.tolist()]
-    return AddColumns(tokens, hashes, offsets, spaces, which, vouched=allocated)
+    # entries built from objects: a key's hash may be a ``bytes`` subclass, which the index
+    # would keep by reference unchecked (decoded bodies' hashes are exact ``bytes``)
+    exact = cols.token_objects is None or set(map(type, hashes)) == {bytes}
+    return AddColumns(tokens, hashes, offsets, spaces, which, vouched=allocated and exact)

@@ -50,9 +50,13 @@ def store_fresh(
         size: placement_row(b.instance_id, b.incarnation, b.tier, b.backend, size, b.shared, b.ts)
         for size in set(sizes)
     }
-    indexed = list(map(UNKNOWN_OFFSET.__ne__, offsets)) if indexing else [False] * n
-    records = records_from_columns(
-        stored, offsets, sids, list(map(rows.__getitem__, sizes)), indexed
-    )
+    # (one placement row, every offset known: the usual batch, without a lookup per entry)
+    placements = [*rows.values()] * n if len(rows) == 1 else list(map(rows.__getitem__, sizes))
+    every = indexing and int(cols.token_offsets.min()) != UNKNOWN_OFFSET
+    if every:
+        indexed = [True] * n
+    else:
+        indexed = list(map(UNKNOWN_OFFSET.__ne__, offsets)) if indexing else [False] * n
+    records = records_from_columns(stored, offsets, sids, placements, indexed)
     deque(map(dict.__setitem__, parts_of, hashes, records), maxlen=0)
-    return sum(sizes), list(compress(range(n), indexed))
+    return sum(sizes), list(range(n)) if every else list(compress(range(n), indexed))

@@ -25,8 +25,10 @@ contents as live ones.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import sys
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import pairwise, repeat
@@ -147,7 +149,7 @@ class TokenSlab:
                 if lens[lo] and widths[lo] > 1:
                     dtype = _U16 if widths[lo] == 2 else _U32
                     self.buffer[at : int(ends[hi - 1])].view(dtype).byteswap(inplace=True)
-        self.buffer.flags.writeable = False
+        self.buffer = _sealed(self.buffer)
         out: list[Any] = []
         views = 0
         rows: Any = None
@@ -187,27 +189,60 @@ def _zeroed(nbytes: int) -> npt.NDArray[np.uint8]:
     whatever writes them first (the snapshot reader's read, on a thread of its own: no page
     is touched here, so cutting views can start at once). Not numpy's own large arrays: they
     ask for huge pages, whose first allocation in a process can stall for a second while the
-    kernel compacts memory."""
-    if nbytes and _ANONYMOUS:
-        flags = mmap.MAP_PRIVATE | _ANONYMOUS
-        return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), np.uint8)
-    return np.empty(nbytes, np.uint8)
+    kernel compacts memory (and on these VMs a fresh huge page often costs more than its 512
+    small ones: docs/performance.md). Traced by ``tracemalloc`` as numpy's own memory is, so
+    memory measurements see it."""
+    if not (nbytes and _ANONYMOUS):
+        return np.empty(nbytes, np.uint8)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | _ANONYMOUS)
+    buffer = np.frombuffer(mapping, np.uint8)
+    address = buffer.ctypes.data
+    if _track(_TRACE_DOMAIN, address, nbytes) == 0:  # tracing: forget it when it is freed
+        weakref.finalize(mapping, _untrack, _TRACE_DOMAIN, address)
+    return buffer
+
+
+_TRACE_DOMAIN = 0x6B76  # the tracemalloc domain of token slabs ("kv")
+_track = ctypes.pythonapi.PyTraceMalloc_Track
+_track.argtypes, _track.restype = [ctypes.c_uint, ctypes.c_size_t, ctypes.c_size_t], ctypes.c_int
+_untrack = ctypes.pythonapi.PyTraceMalloc_Untrack
+_untrack.argtypes, _untrack.restype = [ctypes.c_uint, ctypes.c_size_t], ctypes.c_int
+
+
+def _sealed(buffer: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
+    """``buffer``'s bytes as an array that nobody can make writable, nor any view of it.
+    numpy lets a view be flipped back to writable when its final base (here the mapping)
+    hands out a writable buffer, whatever the flags of the arrays in between, so a mapped
+    buffer is re-read through a read-only ``memoryview`` of its mapping (a reader who
+    flipped a content's view could change what the index and every lookup see)."""
+    base = buffer.base
+    mapping = base.obj if isinstance(base, memoryview) else base
+    if isinstance(mapping, mmap.mmap):
+        return np.frombuffer(memoryview(mapping).toreadonly(), np.uint8)
+    buffer.flags.writeable = False  # owns its memory: its views cannot be made writable
+    return buffer
 
 
 def stored_batch(arrays: Sequence[TokenArray | None]) -> list[StoredTokens | None]:
     """:func:`stored_one` of each array (``None`` stays ``None``), one compiled pass for the
     batch; entries that share an input array share its stored array. (Per entry this is an
     allocation and a flag: the checks run as C-level maps, not as Python code per entry.)"""
+    return _stored_batch(arrays)[0]
+
+
+def _stored_batch(arrays: Sequence[TokenArray | None]) -> tuple[list[StoredTokens | None], bool]:
+    """:func:`stored_batch`, and whether every stored array was allocated here (every
+    content fit ``uint16``: no caller's array kept)."""
     srcs = [a for a in arrays if a is not None]
     ids = list(map(id, srcs))
     distinct = dict(zip(ids, srcs, strict=True))
     if len(distinct) != len(srcs):
         srcs = list(distinct.values())
     if not srcs:
-        return list(arrays)
+        return list(arrays), True
     if set(map(_DTYPE, srcs)) != {_U32} or set(map(_STRIDES, srcs)) != {(4,)}:
         stored = {key: stored_one(a) for key, a in distinct.items()}  # uncommon inputs
-        return [None if a is None else stored[id(a)] for a in arrays]
+        return [None if a is None else stored[id(a)] for a in arrays], False
     lens = list(map(len, srcs))
     outs: list[StoredTokens] = list(map(np.empty, lens, repeat(_U16)))
     fits = np.empty(len(srcs), np.bool_)
@@ -219,13 +254,14 @@ def stored_batch(arrays: Sequence[TokenArray | None]) -> list[StoredTokens | Non
         fits,
     )
     read_only(outs)
-    if not fits.all():
+    allocated = bool(fits.all())
+    if not allocated:
         for i in np.flatnonzero(~fits).tolist():
             outs[i] = stored_one(srcs[i])
     if len(outs) == len(arrays):  # no None, no shared input: entry for entry
-        return outs  # type: ignore[return-value]
+        return outs, allocated  # type: ignore[return-value]
     by_id = dict(zip(distinct, outs, strict=True))
-    return [None if a is None else by_id[id(a)] for a in arrays]
+    return [None if a is None else by_id[id(a)] for a in arrays], allocated
 
 
 def stored_from_arena(
@@ -281,10 +317,11 @@ def stored_columns(cols: EntryColumns) -> tuple[list[StoredTokens | None], bool]
     here (read-only, owning its memory, C-contiguous): straight from the batch's arena when no
     two entries share a row (the usual body; a token-less entry has no row, though its start
     is the next entry's), else through :meth:`EntryColumns.token_arrays`, which gives entries
-    of one content one array (and so one stored array; a caller's array may be kept)."""
+    of one content one array (and so one stored array; a caller's array may be kept: then
+    not every array was allocated here)."""
     if cols.token_objects is None and not cols.rows_shared():
         return stored_from_arena(cols.tokens, cols.token_starts, cols.token_lengths), True
-    return stored_batch(cols.token_arrays()), False
+    return _stored_batch(cols.token_arrays())
 
 
 @jit

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvatlas.bench import blend, common, keys, kv_events, service
-from kvatlas.bench.server_cpu import process_cpu_seconds
+from kvatlas.bench.server_cpu import process_cpu_seconds, process_minor_faults
 from kvatlas.cli import _build_parser as build_parser
 from kvatlas.directory import BlendIndex
 
@@ -115,6 +116,15 @@ def test_server_cpu_counts_this_process_cpu_time() -> None:
     before = process_cpu_seconds(os.getpid())
     sum(i * i for i in range(3_000_000))  # CPU work, not a sleep
     assert process_cpu_seconds(os.getpid()) > before
+
+
+def test_server_minor_faults_count_this_process_touching_fresh_pages() -> None:
+    """Each first touch of a page of a fresh mapping is a minor fault of the process."""
+    before = process_minor_faults(os.getpid())
+    with mmap.mmap(-1, 256 * mmap.PAGESIZE) as fresh:
+        for at in range(0, len(fresh), mmap.PAGESIZE):
+            fresh[at] = 1
+    assert process_minor_faults(os.getpid()) - before >= 256
 
 
 def test_bench_directory_runs_the_snapshot_part_alone(

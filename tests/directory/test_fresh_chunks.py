@@ -5,6 +5,7 @@ records themselves, the inventory digests, the L1 chunk sets and the blend index
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -20,6 +21,7 @@ from kvatlas.directory.blend import op_columns as op_module
 from kvatlas.directory.blend.op_columns import OpColumns
 from kvatlas.events import (
     CacheEntry,
+    ColumnBatch,
     EventBatch,
     decode_json_columns,
     decode_msgpack_columns,
@@ -114,13 +116,14 @@ def test_a_batch_of_new_chunks_takes_the_bulk_path(monkeypatch: pytest.MonkeyPat
     assert taken == [True, False]
 
 
-@pytest.mark.parametrize("fmt", ["json", "msgpack"])
+@pytest.mark.parametrize("fmt", ["json", "msgpack", "objects"])
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_vouched_adds_pass_the_checks_they_skip(fmt: str, data: st.DataObject) -> None:
     """The directory vouches for the index adds of a batch whose arrays it allocated itself
     (``AddColumns.vouched``: the index then skips its column checks). Every such add, taken
-    unvouched, passes those checks and gives the same columns."""
+    unvouched, passes those checks and gives the same columns. ``objects``: batches of
+    entry objects (``consume``, the Redis stream's and in-process path)."""
     vouched = []
     kept = op_module._kept_columns
 
@@ -133,17 +136,18 @@ def test_vouched_adds_pass_the_checks_they_skip(fmt: str, data: st.DataObject) -
             assert _fields(out) == _fields(plain)
         return out
 
-    encode, decode = (
-        (encode_json, decode_json_columns)
-        if fmt == "json"
-        else (encode_msgpack, decode_msgpack_columns)
-    )
+    codec: dict[str, Callable[[EventBatch], list[ColumnBatch]]] = {
+        "json": lambda b: decode_json_columns(encode_json([b])),
+        "msgpack": lambda b: decode_msgpack_columns(encode_msgpack([b])),
+        "objects": lambda b: [ColumnBatch.of(b)],
+    }
+    columns = codec[fmt]
     d = KeyDirectory(CHUNK, enable_blend_lookup=True)
     with pytest.MonkeyPatch.context() as m:
         m.setattr(op_module, "_kept_columns", checked)
         for seq in range(1, data.draw(st.integers(1, 4)) + 1):
-            d.apply_columns(decode(encode([data.draw(store_st(seq))])))
-        d.apply_columns(decode(encode([_fresh_batch(seq + 1)])))
+            d.apply_columns(columns(data.draw(store_st(seq))))
+        d.apply_columns(columns(_fresh_batch(seq + 1)))
     assert vouched
 
 
@@ -219,3 +223,31 @@ def test_a_capture_open_during_a_bulk_store_keeps_the_records_at_its_start() -> 
             taken.update(part.records)
     assert set(taken) == {first[0].key.chunk_hash}
     assert set(captured(d)) == {first[0].key.chunk_hash} | {e.key.chunk_hash for e in new}
+
+
+class _Hash(bytes):
+    """A ``bytes`` subclass: a valid chunk hash for an ObjectKey, not an exact ``bytes``."""
+
+
+def test_adds_of_hashes_that_are_not_exact_bytes_are_not_vouched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The index keeps a vouched add's hashes by reference, unchecked; entry objects may carry
+    a ``bytes`` subclass, so their adds are checked (and the hashes copied to exact bytes)."""
+    seen: list[bool] = []
+    kept = op_module._kept_columns
+
+    def checked(op: AddColumns, chunk: int) -> Any:
+        seen.append(op.vouched)
+        return kept(op, chunk)
+
+    monkeypatch.setattr(op_module, "_kept_columns", checked)
+    d = KeyDirectory(CHUNK, enable_blend_lookup=True)
+    for seq, make in enumerate((bytes, _Hash), start=1):
+        key = ObjectKey(make(bytes([seq]) * 32), *SHAPES[0])
+        entries = (CacheEntry(key, 1, CONTENTS[seq - 1], 0),)
+        d.consume(EventBatch("a", 1, seq, "store", "l1", "dram", entries=entries))
+    assert seen == [True, False]
+    namespace = d._chunks.shapes.shapes[0].namespace
+    (m,) = d.blend_match(np.concatenate([[7], CONTENTS[1]]).astype(np.uint32), namespace)
+    assert type(m.chunk_hash) is bytes and m.chunk_hash == bytes([2]) * 32

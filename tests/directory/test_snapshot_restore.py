@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import tracemalloc
 import weakref
 from itertools import pairwise
 from pathlib import Path
@@ -150,6 +151,21 @@ def test_restore_is_the_saved_directory_before_and_after_more_changes(
     assert_same_answers(restored, d)
 
 
+def test_a_slab_is_seen_by_tracemalloc_until_it_is_freed() -> None:
+    """Memory measurements (``bench directory``, tracemalloc) count a restore's slab (an
+    anonymous mapping, which the allocators tracemalloc hooks never see)."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        slab = TokenSlab(1 << 20)
+        assert tracemalloc.get_traced_memory()[0] - before >= 1 << 20
+        del slab
+        gc.collect()
+        assert tracemalloc.get_traced_memory()[0] - before < 1 << 16
+    finally:
+        tracemalloc.stop()
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 5), st.sampled_from([2, 4]))))
 def test_cut_gives_each_chunk_its_ids_read_only(shapes: list[tuple[int, int]]) -> None:
@@ -170,6 +186,9 @@ def test_cut_gives_each_chunk_its_ids_read_only(shapes: list[tuple[int, int]]) -
         assert out.tolist() == want.tolist() and out.itemsize == w
         assert not out.flags.writeable and out.flags.c_contiguous and out.flags.aligned
         assert out.base is slab.buffer or out.flags.owndata  # a view, or a copy if unaligned
+        if not out.flags.owndata:  # nor can a reader make a view writable
+            with pytest.raises(ValueError):
+                out.flags.writeable = True
     live = slab.live()
     assert live == slab.views == sum(1 for o in got if o is not None and not o.flags.owndata)
     del got, out

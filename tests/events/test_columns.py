@@ -1,0 +1,37 @@
+"""Entry columns built from objects (``EntryColumns.of_entries``, C-level maps) against the
+obvious loop over the entries."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvatlas.events import CacheEntry
+from kvatlas.events.columns import EntryColumns
+from tests.events.strategies import entries, object_keys
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(entries(), max_size=12), st.lists(object_keys(), min_size=1, max_size=3))
+def test_columns_of_entries_are_the_loops(es: list[CacheEntry], shapes: list[object]) -> None:
+    """Every column as a loop over the entries computes it; shapes numbered in order of first
+    appearance (entries repeat a few key shapes, as batches do)."""
+    es = es + [CacheEntry(k, 1, e.token_ids, e.token_offset) for k in shapes for e in es[:3]]
+    cols = EntryColumns.of_entries(es)
+    index: dict[tuple[str, int, int, str], int] = {}
+    for e in es:
+        k = e.key
+        index.setdefault((k.model_name, k.kv_rank, k.object_group_id, k.cache_salt), len(index))
+    assert cols.shapes == list(index)
+    assert cols.chunk_hashes == [e.key.chunk_hash for e in es]
+    assert [cols.shapes[s] for s in cols.shape_of.tolist()] == [
+        (e.key.model_name, e.key.kv_rank, e.key.object_group_id, e.key.cache_salt) for e in es
+    ]
+    assert cols.size_bytes.tolist() == [e.size_bytes for e in es]
+    assert cols.token_offsets.tolist() == [e.token_offset for e in es]
+    assert cols.token_lengths.tolist() == [
+        0 if e.token_ids is None else len(e.token_ids) for e in es
+    ]
+    assert cols.token_objects is not None
+    assert all(a is e.token_ids for a, e in zip(cols.token_objects, es, strict=True))
+    assert cols.entries() == tuple(es)
