@@ -43,6 +43,12 @@ content ids ever used (the high-water mark); the same for occupants (linked thro
 ``o_i32[:, O_NEXT]``)."""
 
 
+CTX_CHUNK, CTX_DATA_OFF, CTX_BASE, CTX_FMASK, CTX_ARRAYS = range(5)
+"""Entries of a write context (:func:`write_context`): the write kernel's scalar arguments,
+then from ``CTX_ARRAYS`` on, per field of :class:`BlendArrays` in order, its data address and
+its number of rows."""
+
+
 class BlendArrays(NamedTuple):
     """The arrays by name. Kernel entry points take them as a plain ``tuple(arrays)`` and
     name them again inside (``BlendArrays(*arrays)``): numba types a plain tuple argument in
@@ -107,6 +113,23 @@ class BlendArrays(NamedTuple):
             o_i32=_resized(self.o_i32, capacity, 0),
             o_hlen=_resized(self.o_hlen, capacity, 0),
         )
+
+
+def write_context(
+    arrays: BlendArrays, chunk: int, data_off: int, base: int, fmask: int
+) -> npt.NDArray[np.int64]:
+    """``arrays`` and the write kernel's scalars as one int64 array of addresses and sizes
+    (``CTX_*``): a single write passes its address, one integer, where passing the arrays
+    would cost numba ≈0.1 µs of unboxing each on every call (``writes.apply_op``). Valid
+    while ``arrays`` live unchanged: the index makes a new one whenever it replaces them."""
+    ctx = np.empty(CTX_ARRAYS + 2 * len(arrays), np.int64)
+    ctx[:CTX_ARRAYS] = chunk, data_off, base, fmask
+    for k, field in enumerate(BlendArrays._fields):
+        arr: npt.NDArray[Any] = getattr(arrays, field)
+        assert arr.flags.c_contiguous
+        ctx[CTX_ARRAYS + 2 * k] = arr.ctypes.data
+        ctx[CTX_ARRAYS + 2 * k + 1] = arr.shape[0]
+    return ctx
 
 
 def _lookup(slots: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.uint64]]:
