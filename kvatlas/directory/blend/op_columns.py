@@ -24,7 +24,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvatlas.directory.blend import _cpython
 from kvatlas.directory.blend.kernels import ADD, REMOVE_CHUNK, REMOVE_CLAIM
+from kvatlas.directory.blend.kernels.objects import KEPT_VIEWS, NOT_KEPT, hash_lengths, kept_arrays
 from kvatlas.directory.blend.ops import AddColumns, AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp
 from kvatlas.keys import BlendNamespace, as_token_array
 
@@ -194,10 +196,50 @@ def _kept_columns(op: AddColumns, chunk: int) -> OpColumns | None:
     if n == 0:
         return _EMPTY
     if op.vouched:
-        dtypes = set(map(_DTYPE, tokens))
-        return _columns(tokens, dtypes, hashes, _lengths(hashes), offsets, spaces, which)
+        return _columns(tokens, _widths(tokens), hashes, _lengths(hashes), offsets, spaces, which)
     if offsets.dtype.kind not in "iu" or which.dtype.kind not in "iu":
         return None
+    checked = checked_objects(tokens, hashes, chunk)
+    if checked is None:
+        return None
+    if int(offsets.min()) < 0 or int(offsets.max()) >= 1 << 63:
+        return None
+    if int(which.min()) < 0 or int(which.max()) >= len(spaces):
+        return None
+    return _columns(*checked, offsets, spaces, which)
+
+
+Checked = tuple[list[Tokens], npt.NDArray[np.int64], list[bytes], npt.NDArray[np.int64]]
+"""Columns an add batch's objects passed the checks with: ``(tokens, bytes per id of each,
+hashes, length of each)``."""
+
+
+def checked_objects(tokens: list[Any], hashes: list[Any], chunk: int) -> Checked | None:
+    """The arrays and hashes with their widths and lengths if every array is one the index
+    keeps as it is (read-only, C-contiguous, an exact ``ndarray`` of ``chunk`` ``uint16`` or
+    ``uint32`` ids, owning its memory or a view of a shared slab) and every hash an exact
+    ``bytes`` of at most 32; else ``None``. Compiled (``kernels/objects.py``) where the
+    CPython layout was located, else :func:`checked_in_python` (the reference: tests hold
+    the two to each other)."""
+    layout = _cpython.OBJECT_LAYOUT
+    if layout is None:  # pragma: no cover - not CPython + numpy
+        return checked_in_python(tokens, hashes, chunk)
+    n = len(tokens)
+    widths = np.empty(n, np.int64)
+    handles = np.fromiter(map(id, tokens), np.int64, n)
+    at = tuple(layout)
+    verdict = kept_arrays(handles, chunk, at, id(np.ndarray), id(_U16), id(_U32), widths)
+    if verdict == NOT_KEPT or (verdict == KEPT_VIEWS and not _slab_views(tokens)):
+        return None
+    lengths = np.empty(n, np.int64)
+    handles = np.fromiter(map(id, hashes), np.int64, n)
+    if not hash_lengths(handles, at, id(bytes), HASH_WIDTH, lengths):
+        return None
+    return tokens, widths, hashes, lengths
+
+
+def checked_in_python(tokens: list[Any], hashes: list[Any], chunk: int) -> Checked | None:
+    """:func:`checked_objects` by attribute reads (when no layout was located)."""
     if set(map(type, tokens)) != {np.ndarray} or set(map(type, hashes)) != {bytes}:
         return None
     dtypes = set(map(_DTYPE, tokens))
@@ -213,28 +255,28 @@ def _kept_columns(op: AddColumns, chunk: int) -> OpColumns | None:
         return None
     if any(not f & _OWNDATA for f in flags) and not _slab_views(tokens):
         return None
-    if int(offsets.min()) < 0 or int(offsets.max()) >= 1 << 63:
-        return None
-    if int(which.min()) < 0 or int(which.max()) >= len(spaces):
-        return None
-    return _columns(tokens, dtypes, hashes, hash_lens, offsets, spaces, which)
+    return tokens, _widths(tokens), hashes, hash_lens
+
+
+def _widths(tokens: list[Tokens]) -> npt.NDArray[np.int64]:
+    """Bytes per id of each array (``uint16`` or ``uint32``)."""
+    dtypes = set(map(_DTYPE, tokens))
+    if len(dtypes) == 1:
+        return filled(len(tokens), dtypes.pop().itemsize)
+    return np.fromiter(map(attrgetter("itemsize"), tokens), np.int64, len(tokens))
 
 
 def _columns(
     tokens: list[Tokens],
-    dtypes: set[np.dtype[Any]],
+    token_bytes: npt.NDArray[np.int64],
     hashes: list[bytes],
     hash_lens: npt.NDArray[np.int64],
     offsets: npt.NDArray[Any],
     spaces: list[BlendNamespace],
     which: npt.NDArray[Any],
 ) -> OpColumns:
-    """The adds of valid columns (arrays the index keeps as they are; ``dtypes`` theirs)."""
+    """The adds of valid columns (arrays the index keeps as they are)."""
     n = len(tokens)
-    if len(dtypes) == 1:
-        token_bytes = filled(n, dtypes.pop().itemsize)
-    else:
-        token_bytes = np.fromiter(map(attrgetter("itemsize"), tokens), np.int64, n)
     return OpColumns(
         filled(n, ADD),
         tokens,

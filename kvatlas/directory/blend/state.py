@@ -139,7 +139,10 @@ class IndexState:
         adds = kinds == ADD
         # namespace ids: registered for a namespace some add uses (an id, once known, is
         # stable in a batch), else looked up (-1: no claims, nothing to drop)
-        added = set(np.unique(cols.space_of[adds]).tolist())
+        if len(cols.spaces) == 1:  # one namespace (an ingest batch): no unique to take
+            added = {0} if adds.any() else set()
+        else:
+            added = set(np.unique(cols.space_of[adds]).tolist())
         ids = [
             self._namespace_id(ADD if s in added else REMOVE_CLAIM, namespace)
             for s, namespace in enumerate(cols.spaces)
