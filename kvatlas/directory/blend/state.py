@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import compress, repeat
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -51,6 +51,8 @@ from kvatlas.directory.blend.op_columns import (
     hash_addresses,
 )
 from kvatlas.keys import BlendNamespace
+
+_T = TypeVar("_T")
 
 MIN_CAPACITY = 1024
 """Initial content and occupant capacity."""
@@ -205,7 +207,7 @@ class IndexState:
         new = flags & F_NEW_OCCUPANT != 0
         if new.any():
             occs = results[new, 2]
-            _put(self.hashes, occs, compress(cols.hashes, new.tolist()))
+            _put(self.hashes, occs, _chosen(cols.hashes, new))
             self.occupants += len(occs)
         new = flags & F_NEW_CLAIM != 0
         if new.any():
@@ -245,7 +247,7 @@ class IndexState:
     def _new_contents(
         self, cols: OpColumns, ids: npt.NDArray[np.int64], new: npt.NDArray[np.bool_]
     ) -> None:
-        arrays = list(compress(cols.tokens, new.tolist()))
+        arrays = _chosen(cols.tokens, new)
         _put(self.tokens, ids, arrays)
         # every array holds chunk_size ids (op_columns): no visit to each array object
         self.token_bytes += int(cols.token_bytes[new].sum()) * self.chunk_size
@@ -396,6 +398,12 @@ def _put(items: list[Any], where: npt.NDArray[np.int64], values: Iterable[Any]) 
     if top > len(items):
         items.extend(repeat(None, top - len(items)))
     deque(map(items.__setitem__, where.tolist(), values), 0)
+
+
+def _chosen(items: list[_T], mask: npt.NDArray[np.bool_]) -> list[_T]:
+    """``items`` where ``mask`` is set: ``items`` itself when it is set everywhere (an ingest
+    batch of new chunks), without a pass over them."""
+    return items if mask.all() else list(compress(items, mask.tolist()))
 
 
 def _put_one(items: list[Any], at: int, value: Any) -> None:
