@@ -176,7 +176,8 @@ class BlendIndex:
         (so a ``remove_chunk`` followed by re-``add``s of a re-stored chunk has no window).
         Every op is validated before anything changes: an invalid op raises and applies none.
         An :class:`AddColumns` (many adds, as columns) is prepared without Python per entry
-        when its arrays are the kind the index keeps as they are (``op_columns.py``).
+        when its arrays are the kind the index keeps as they are (``op_columns.py``); a list
+        or tuple of one other op is applied with scalars (``IndexState.apply_one``).
         """
         if type(ops) in (tuple, list) and len(ops) == 1:  # type: ignore[arg-type]
             (op,) = ops
