@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from kvatlas.directory.blend import AddOp, BlendIndex, RemoveChunkOp
+from kvatlas.directory.blend import AddColumns, AddOp, BlendIndex, RemoveChunkOp
 from kvatlas.directory.token_store import stored_batch, stored_from_arena
 from kvatlas.events import CacheEntry, EventBatch, decode_json, encode_json
 from kvatlas.keys import BlendNamespace, ObjectKey, pack_kv_rank
@@ -34,6 +34,7 @@ def warm_up_kernels() -> float:
     (compact,) = stored_batch([tokens])  # the directory's token storage
     stored_from_arena(tokens, np.zeros(1, np.int64), np.ones(1, np.int64))
     index.add(compact, bytes(31), 0, namespace)  # a uint16 content, shared
+    index.apply([AddColumns([compact], [bytes(30)], [0], [namespace])])  # checked columns
     entry = CacheEntry(ObjectKey(bytes(32), "warm-up", pack_kv_rank(1, 0, 1, 0)), 0, tokens, 0)
     decode_json(encode_json([EventBatch("warm-up", 1, 1, "store", "l1", "dram", entries=(entry,))]))
     elapsed = time.perf_counter() - started

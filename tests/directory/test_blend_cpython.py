@@ -9,8 +9,10 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvatlas.directory.blend import _cpython
+from kvatlas.directory.blend import _cpython, op_columns
 from kvatlas.keys import BlendMatch
 
 CASES = [(b"", 0, 0), (b"x" * 32, 5, 7), (bytes(range(32)), 1 << 40, 3), (b"\x00short", 256, 1)]
@@ -59,3 +61,73 @@ def test_fast_construction_is_refused_if_blend_match_changes(
     monkeypatch.setattr(BlendMatch, "__post_init__", lambda self: None, raising=False)
     with pytest.raises(RuntimeError):
         _cpython.check_fast_match()
+
+
+def _token_object(kind: str, chunk: int, dtype: str, writeable: bool) -> object:
+    """One of the objects an add batch may hold for a content (``kind``)."""
+    if kind == "list":
+        return list(range(chunk))
+    if kind == "subclass":  # an ndarray, but not exactly
+        arr: np.ndarray = np.zeros(chunk, dtype).view(np.recarray)
+    elif kind == "2-D":
+        arr = np.zeros((chunk, 1), dtype)
+    elif kind == "short":
+        arr = np.zeros(chunk - 1, dtype)
+    elif kind == "strided":
+        arr = np.zeros(2 * chunk, dtype)[::2]
+    elif kind == "view":  # contiguous, not owning: kept only as a view of a shared slab
+        arr = np.zeros(2 * chunk, dtype)[:chunk]
+    elif kind == "swapped":  # an equal-width dtype of the other byte order
+        arr = np.zeros(chunk, np.dtype(dtype).newbyteorder())
+    else:
+        arr = np.zeros(chunk, dtype)
+    arr.flags.writeable = writeable
+    return arr
+
+
+TOKEN_KINDS = ["array"] * 6 + ["list", "subclass", "2-D", "short", "strided", "view", "swapped"]
+HASH_OBJECTS = [b"", b"x", b"y" * 32, b"z" * 33, bytearray(b"w"), "text", 7]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(TOKEN_KINDS),
+            st.sampled_from(["uint16", "uint32", "uint8", "int64", "float32"]),
+            st.booleans(),
+            st.sampled_from(HASH_OBJECTS[:3] * 4 + HASH_OBJECTS[3:]),
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    st.sampled_from([1, 4, 256]),
+)
+def test_compiled_column_check_equals_the_python_one(
+    entries: list[tuple[str, str, bool, object]], chunk: int
+) -> None:
+    """``checked_objects`` (objects read through their CPython layout, compiled) decides as
+    ``checked_in_python`` does and gives the same widths and lengths, on every kind of object
+    an add batch may hold: exact arrays of each width and of other dtypes, read-only or not,
+    views, strided, 2-D, short, a subclass, a swapped byte order, lists, non-bytes hashes."""
+    assert _cpython.OBJECT_LAYOUT is not None  # CPython + numpy: located
+    tokens = [_token_object(kind, chunk, dtype, w) for kind, dtype, w, _ in entries]
+    hashes = [h for *_, h in entries]
+    fast = op_columns.checked_objects(tokens, hashes, chunk)
+    slow = op_columns.checked_in_python(tokens, hashes, chunk)
+    if slow is None:
+        assert fast is None
+        return
+    assert fast is not None
+    assert fast[0] is tokens and fast[2] is hashes
+    assert fast[1].tolist() == slow[1].tolist() and fast[3].tolist() == slow[3].tolist()
+
+
+def test_column_check_keeps_views_of_shared_slabs_only() -> None:
+    slab = np.zeros(16, np.uint16)
+    view = slab[4:8]
+    view.flags.writeable = False
+    assert op_columns.checked_objects([view], [b"h"], 4) is None
+    op_columns.share_slab(slab)
+    checked = op_columns.checked_objects([view], [b"h"], 4)
+    assert checked is not None and checked[1].tolist() == [2]

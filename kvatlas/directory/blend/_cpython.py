@@ -30,7 +30,7 @@ import operator
 from collections import deque
 from collections.abc import Callable
 from itertools import repeat
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -83,6 +83,52 @@ def _list_items_offset() -> int:
 BYTES_DATA_OFFSET = _bytes_data_offset()
 ARRAY_DATA_OFFSET = _array_data_offset()
 LIST_ITEMS_OFFSET = _list_items_offset()
+
+
+class ObjectLayout(NamedTuple):
+    """Offsets from an object's ``id`` that the column check of an add batch reads
+    (``kernels/objects.py``): any object's type pointer; a ``bytes``' length; an ndarray's
+    ``nd`` (int32), ``dimensions`` pointer, ``descr`` (its dtype) and ``flags`` (int32)."""
+
+    ob_type: int
+    size: int
+    nd: int
+    dimensions: int
+    descr: int
+    flags: int
+
+
+def _object_layout() -> ObjectLayout | None:
+    """numpy's array fields after ``data`` (nd, dimensions, strides, base, descr, flags) and
+    the object header, each read back on probes of every kind the check meets; ``None`` (the
+    check falls back to Python) when one does not read back."""
+    if ARRAY_DATA_OFFSET < 0:  # pragma: no cover - not CPython + numpy
+        return None
+    d = ARRAY_DATA_OFFSET
+    layout = ObjectLayout(8, 16, d + 8, d + 16, d + 40, d + 48)
+    grid = np.zeros((6, 4), np.uint16)
+    frozen = np.zeros(7, np.uint32)
+    frozen.setflags(write=False)
+    i64, i32 = ctypes.c_int64.from_address, ctypes.c_int32.from_address
+    for a in (frozen, grid, grid[1:3], grid.T, np.zeros(9, np.int64)[::2]):
+        at = id(a)
+        if (
+            i64(at + layout.ob_type).value != id(np.ndarray)
+            or i32(at + layout.nd).value != a.ndim
+            or i64(i64(at + layout.dimensions).value).value != a.shape[0]
+            or i64(at + layout.descr).value != id(a.dtype)
+            or i32(at + layout.flags).value != a.flags.num
+        ):
+            return None  # pragma: no cover - another numpy layout
+    for raw in (b"", b"x" * 33):
+        if i64(id(raw) + layout.ob_type).value != id(bytes):
+            return None  # pragma: no cover - another object header
+        if i64(id(raw) + layout.size).value != len(raw):
+            return None  # pragma: no cover - another bytes layout
+    return layout
+
+
+OBJECT_LAYOUT = _object_layout()
 
 
 def bytes_address(raw: bytes) -> int:

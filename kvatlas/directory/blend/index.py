@@ -12,7 +12,9 @@ A derived view of the directory's token bindings (docs/blend-index.md). Guarante
 - Namespace pruning first: a candidate's claims are checked before its tokens are compared.
 - One write path: every write is a batch of typed ops (``ops.py``) applied by :meth:`apply`,
   atomically; ``add``, ``remove_claim``, ``remove_chunk``, ``add_many`` and ``remove_claims``
-  are batches of one kind.
+  are batches of one kind. A batch of one op (what a node writes, one chunk at a time) is
+  validated and applied with scalars (``op_columns.single_op``, ``kernels.apply_op``):
+  the same checks, errors and state as its column form.
 
 Memory: tokens are not copied when the caller hands in a read-only, self-owned ``uint32`` or
 ``uint16`` array (what the directory does: ``uint16`` when every id fits, see
@@ -38,8 +40,15 @@ import numpy.typing as npt
 
 from kvatlas.checks import is_plain_int
 from kvatlas.directory.blend import _cpython, kernels
-from kvatlas.directory.blend.op_columns import HASH_WIDTH, op_columns
-from kvatlas.directory.blend.ops import AddColumns, AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp
+from kvatlas.directory.blend.kernels import ADD, REMOVE_CHUNK, REMOVE_CLAIM
+from kvatlas.directory.blend.op_columns import (
+    HASH_WIDTH,
+    SingleOp,
+    checked_op,
+    op_columns,
+    single_op,
+)
+from kvatlas.directory.blend.ops import AddColumns, AddOp, BlendOp, RemoveClaimOp
 from kvatlas.directory.blend.state import IndexState
 from kvatlas.keys import BlendMatch, BlendNamespace, as_token_array
 
@@ -139,15 +148,17 @@ class BlendIndex:
         Idempotent; re-adding updates the offset. Offset -1 (unknown) is rejected: a match
         without a stored position would re-RoPE from the wrong source (wrong KV). Content
         that is not ``chunk_size`` tokens long is not indexed (logged)."""
-        self.apply((AddOp(tokens, chunk_hash, token_offset, namespace),))
+        self._apply_one(
+            single_op(ADD, tokens, chunk_hash, token_offset, namespace, self.chunk_size)
+        )
 
     def remove_claim(self, tokens: Any, chunk_hash: bytes, namespace: BlendNamespace) -> None:
         """Drop ``namespace``'s claim; the occupant goes with its last claim. Unknown: no-op."""
-        self.apply((RemoveClaimOp(tokens, chunk_hash, namespace),))
+        self._apply_one(single_op(REMOVE_CLAIM, tokens, chunk_hash, 0, namespace, self.chunk_size))
 
     def remove_chunk(self, tokens: Any, chunk_hash: bytes) -> None:
         """Drop the occupant and all its claims at once (chunk_hash re-stored with new content)."""
-        self.apply((RemoveChunkOp(tokens, chunk_hash),))
+        self._apply_one(single_op(REMOVE_CHUNK, tokens, chunk_hash, 0, None, self.chunk_size))
 
     def add_many(self, items: Iterable[tuple[Any, bytes, int, BlendNamespace]]) -> None:
         """``add`` for each ``(tokens, chunk_hash, token_offset, namespace)``, as one batch."""
@@ -165,12 +176,24 @@ class BlendIndex:
         (so a ``remove_chunk`` followed by re-``add``s of a re-stored chunk has no window).
         Every op is validated before anything changes: an invalid op raises and applies none.
         An :class:`AddColumns` (many adds, as columns) is prepared without Python per entry
-        when its arrays are the kind the index keeps as they are (``op_columns.py``).
+        when its arrays are the kind the index keeps as they are (``op_columns.py``); a list
+        or tuple of one other op is applied with scalars (``IndexState.apply_one``).
         """
+        if type(ops) in (tuple, list) and len(ops) == 1:  # type: ignore[arg-type]
+            (op,) = ops
+            if type(op) is not AddColumns:
+                self._apply_one(checked_op(op, self.chunk_size))
+                return
         cols = op_columns(ops, self.chunk_size)
         if cols is not None and len(cols):
             with self._lock:
                 self._state.apply(cols)
+
+    def _apply_one(self, op: SingleOp | None) -> None:
+        """A batch of one op, validated (``None``: nothing to apply), applied with scalars."""
+        if op is not None:
+            with self._lock:
+                self._state.apply_one(op)
 
     def build(self, adds: AddColumns) -> None:
         """``apply([adds])`` to a fresh index nobody queries yet (a restore's rebuild): its

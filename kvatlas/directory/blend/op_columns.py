@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import operator
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
@@ -24,7 +24,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvatlas.directory.blend import _cpython
 from kvatlas.directory.blend.kernels import ADD, REMOVE_CHUNK, REMOVE_CLAIM
+from kvatlas.directory.blend.kernels.objects import KEPT_VIEWS, NOT_KEPT, hash_lengths, kept_arrays
 from kvatlas.directory.blend.ops import AddColumns, AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp
 from kvatlas.keys import BlendNamespace, as_token_array
 
@@ -65,104 +67,114 @@ class OpColumns:
         return len(self.hashes)
 
 
-class _Singles:
-    """Single ops, validated one by one, collected as columns."""
+SingleOp = tuple[int, Tokens, bytes, int, BlendNamespace | None, bool]
+"""One validated write, what an :class:`OpColumns` holds per op: ``(kind, tokens, chunk_hash,
+offset, namespace, owned)`` (``namespace`` ``None``: a remove_chunk). A plain tuple: a named
+one costs more to make than the rest of a single write's validation."""
 
-    def __init__(self, chunk: int) -> None:
-        self.chunk = chunk
-        self.kinds: list[int] = []
-        self.tokens: list[Tokens] = []
-        self.hashes: list[bytes] = []
-        self.offsets: list[int] = []
-        self.spaces: dict[BlendNamespace, int] = {}
-        self.space_of: list[int] = []
-        self.owned: list[bool] = []
 
-    def add(self, op: BlendOp) -> None:
-        # exact types, the common one first: a subclass could change what the fields mean
-        namespace: BlendNamespace | None
-        if type(op) is AddOp:
-            tokens, chunk_hash, offset, namespace = op
-            kind = ADD
-            if type(offset) is not int or not 0 <= offset < 1 << 63:
-                offset = _offset(offset)
-        elif type(op) is RemoveClaimOp:
-            tokens, chunk_hash, namespace = op
-            kind, offset = REMOVE_CLAIM, 0
-        elif type(op) is RemoveChunkOp:
-            tokens, chunk_hash = op
-            kind, offset, namespace = REMOVE_CHUNK, 0, None
-        else:
-            raise ValueError(f"not a blend index op: {op!r}")
-        if (
-            type(tokens) is np.ndarray
-            and (tokens.dtype is _U16 or tokens.dtype is _U32)
-            and tokens.ndim == 1
-        ):
-            arr = tokens  # the directory's arrays: no re-validation
-        else:
-            arr = as_token_array(tokens)
-        if len(arr) != self.chunk:  # arr is 1-D
-            if kind == ADD:
-                log.info(
-                    "blend index: not indexing %d-token content (chunk_size %d)",
-                    len(arr),
-                    self.chunk,
-                )
-            return
-        if type(chunk_hash) is not bytes or len(chunk_hash) > HASH_WIDTH:
-            chunk_hash = _hash_bytes(chunk_hash)
-        own = False
+def single_op(
+    kind: int,
+    tokens: Any,
+    chunk_hash: Any,
+    offset: Any,
+    namespace: BlendNamespace | None,
+    chunk: int,
+) -> SingleOp | None:
+    """The write ``kind`` with these arguments, validated (``offset`` is an add's; ``namespace``
+    ``None`` for a remove_chunk); ``None`` when content not ``chunk`` tokens long makes it a
+    no-op. Raises ``ValueError`` when an argument is invalid."""
+    if kind == ADD:
+        if type(offset) is not int or not 0 <= offset < 1 << 63:
+            offset = _offset(offset)
+    else:
+        offset = 0
+    if (
+        type(tokens) is np.ndarray
+        and (tokens.dtype is _U16 or tokens.dtype is _U32)
+        and tokens.ndim == 1
+    ):
+        arr = tokens  # the directory's arrays: no re-validation
+    else:
+        arr = as_token_array(tokens)
+    if len(arr) != chunk:  # arr is 1-D
         if kind == ADD:
-            own = not _shareable(arr)
-            if own:
-                arr = np.array(arr, dtype=arr.dtype, order="C", copy=True)
-                arr.setflags(write=False)
-        elif not arr.flags.c_contiguous:
-            arr = np.ascontiguousarray(arr)
-        self.kinds.append(kind)
-        self.tokens.append(arr)
-        self.hashes.append(chunk_hash)
-        self.offsets.append(offset)
-        spaces = self.spaces
-        self.space_of.append(-1 if namespace is None else spaces.setdefault(namespace, len(spaces)))
-        self.owned.append(own)
+            log.info("blend index: not indexing %d-token content (chunk_size %d)", len(arr), chunk)
+        return None
+    if type(chunk_hash) is not bytes or len(chunk_hash) > HASH_WIDTH:
+        chunk_hash = _hash_bytes(chunk_hash)
+    own = False
+    if kind == ADD:
+        own = not _shareable(arr)
+        if own:
+            arr = np.array(arr, dtype=arr.dtype, order="C", copy=True)
+            arr.setflags(write=False)
+    elif not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    return kind, arr, chunk_hash, offset, namespace, own
 
-    def columns(self) -> OpColumns:
-        return OpColumns(
-            np.array(self.kinds, np.int64),
-            self.tokens,
-            self.hashes,
-            _lengths(self.hashes),
-            np.array(self.offsets, np.int64),
-            np.fromiter(map(attrgetter("itemsize"), self.tokens), np.int64, len(self.tokens)),
-            list(self.spaces),
-            np.array(self.space_of, np.int64),
-            np.array(self.owned, np.bool_),
-        )
+
+def checked_op(op: BlendOp, chunk: int) -> SingleOp | None:
+    """:func:`single_op` of a typed op (not an :class:`AddColumns`)."""
+    # exact types, the common one first: a subclass could change what the fields mean
+    if type(op) is AddOp:
+        tokens, chunk_hash, offset, namespace = op
+        return single_op(ADD, tokens, chunk_hash, offset, namespace, chunk)
+    if type(op) is RemoveClaimOp:
+        tokens, chunk_hash, namespace = op
+        return single_op(REMOVE_CLAIM, tokens, chunk_hash, 0, namespace, chunk)
+    if type(op) is RemoveChunkOp:
+        tokens, chunk_hash = op
+        return single_op(REMOVE_CHUNK, tokens, chunk_hash, 0, None, chunk)
+    raise ValueError(f"not a blend index op: {op!r}")
+
+
+def _singles(ops: list[SingleOp]) -> OpColumns:
+    """Validated single ops as columns."""
+    kinds, tokens, hashes, offsets, namespaces, owned = zip(*ops, strict=True)
+    spaces: dict[BlendNamespace, int] = {}
+    by_id = {id(None): -1}  # a namespace hashes once per object, not once per op
+    space_of = []
+    for ns in namespaces:
+        s = by_id.get(id(ns))
+        if s is None:
+            s = by_id[id(ns)] = spaces.setdefault(ns, len(spaces))
+        space_of.append(s)
+    return OpColumns(
+        np.array(kinds, np.int64),
+        list(tokens),
+        list(hashes),
+        _lengths(hashes),
+        np.array(offsets, np.int64),
+        np.fromiter(map(attrgetter("itemsize"), tokens), np.int64, len(tokens)),
+        list(spaces),
+        np.array(space_of, np.int64),
+        np.array(owned, np.bool_),
+    )
 
 
 def op_columns(ops: Iterable[BlendOp], chunk: int) -> OpColumns | None:
     """The ops as one :class:`OpColumns`, in order (``None``: nothing to apply). Raises
     ``ValueError`` (applying nothing) when an op is invalid."""
     parts: list[OpColumns] = []
-    singles = _Singles(chunk)
+    singles: list[SingleOp] = []
     for op in ops:
         if type(op) is AddColumns:
             whole = _kept_columns(op, chunk)
             if whole is None:
-                for one in op.ops():
-                    singles.add(one)
+                singles += filter(None, [checked_op(one, chunk) for one in op.ops()])
                 continue
-            if singles.kinds:
-                parts.append(singles.columns())
-                singles = _Singles(chunk)
+            if singles:
+                parts.append(_singles(singles))
+                singles = []
             if len(whole):
                 parts.append(whole)
         else:
-            singles.add(op)
-    if singles.kinds:
-        parts.append(singles.columns())
+            one = checked_op(op, chunk)
+            if one is not None:
+                singles.append(one)
+    if singles:
+        parts.append(_singles(singles))
     if len(parts) <= 1:
         return parts[0] if parts else None
     return _joined(parts)
@@ -184,10 +196,50 @@ def _kept_columns(op: AddColumns, chunk: int) -> OpColumns | None:
     if n == 0:
         return _EMPTY
     if op.vouched:
-        dtypes = set(map(_DTYPE, tokens))
-        return _columns(tokens, dtypes, hashes, _lengths(hashes), offsets, spaces, which)
+        return _columns(tokens, _widths(tokens), hashes, _lengths(hashes), offsets, spaces, which)
     if offsets.dtype.kind not in "iu" or which.dtype.kind not in "iu":
         return None
+    checked = checked_objects(tokens, hashes, chunk)
+    if checked is None:
+        return None
+    if int(offsets.min()) < 0 or int(offsets.max()) >= 1 << 63:
+        return None
+    if int(which.min()) < 0 or int(which.max()) >= len(spaces):
+        return None
+    return _columns(*checked, offsets, spaces, which)
+
+
+Checked = tuple[list[Tokens], npt.NDArray[np.int64], list[bytes], npt.NDArray[np.int64]]
+"""Columns an add batch's objects passed the checks with: ``(tokens, bytes per id of each,
+hashes, length of each)``."""
+
+
+def checked_objects(tokens: list[Any], hashes: list[Any], chunk: int) -> Checked | None:
+    """The arrays and hashes with their widths and lengths if every array is one the index
+    keeps as it is (read-only, C-contiguous, an exact ``ndarray`` of ``chunk`` ``uint16`` or
+    ``uint32`` ids, owning its memory or a view of a shared slab) and every hash an exact
+    ``bytes`` of at most 32; else ``None``. Compiled (``kernels/objects.py``) where the
+    CPython layout was located, else :func:`checked_in_python` (the reference: tests hold
+    the two to each other)."""
+    layout = _cpython.OBJECT_LAYOUT
+    if layout is None:  # pragma: no cover - not CPython + numpy
+        return checked_in_python(tokens, hashes, chunk)
+    n = len(tokens)
+    widths = np.empty(n, np.int64)
+    handles = np.fromiter(map(id, tokens), np.int64, n)
+    at = tuple(layout)
+    verdict = kept_arrays(handles, chunk, at, id(np.ndarray), id(_U16), id(_U32), widths)
+    if verdict == NOT_KEPT or (verdict == KEPT_VIEWS and not _slab_views(tokens)):
+        return None
+    lengths = np.empty(n, np.int64)
+    handles = np.fromiter(map(id, hashes), np.int64, n)
+    if not hash_lengths(handles, at, id(bytes), HASH_WIDTH, lengths):
+        return None
+    return tokens, widths, hashes, lengths
+
+
+def checked_in_python(tokens: list[Any], hashes: list[Any], chunk: int) -> Checked | None:
+    """:func:`checked_objects` by attribute reads (when no layout was located)."""
     if set(map(type, tokens)) != {np.ndarray} or set(map(type, hashes)) != {bytes}:
         return None
     dtypes = set(map(_DTYPE, tokens))
@@ -203,28 +255,28 @@ def _kept_columns(op: AddColumns, chunk: int) -> OpColumns | None:
         return None
     if any(not f & _OWNDATA for f in flags) and not _slab_views(tokens):
         return None
-    if int(offsets.min()) < 0 or int(offsets.max()) >= 1 << 63:
-        return None
-    if int(which.min()) < 0 or int(which.max()) >= len(spaces):
-        return None
-    return _columns(tokens, dtypes, hashes, hash_lens, offsets, spaces, which)
+    return tokens, _widths(tokens), hashes, hash_lens
+
+
+def _widths(tokens: list[Tokens]) -> npt.NDArray[np.int64]:
+    """Bytes per id of each array (``uint16`` or ``uint32``)."""
+    dtypes = set(map(_DTYPE, tokens))
+    if len(dtypes) == 1:
+        return filled(len(tokens), dtypes.pop().itemsize)
+    return np.fromiter(map(attrgetter("itemsize"), tokens), np.int64, len(tokens))
 
 
 def _columns(
     tokens: list[Tokens],
-    dtypes: set[np.dtype[Any]],
+    token_bytes: npt.NDArray[np.int64],
     hashes: list[bytes],
     hash_lens: npt.NDArray[np.int64],
     offsets: npt.NDArray[Any],
     spaces: list[BlendNamespace],
     which: npt.NDArray[Any],
 ) -> OpColumns:
-    """The adds of valid columns (arrays the index keeps as they are; ``dtypes`` theirs)."""
+    """The adds of valid columns (arrays the index keeps as they are)."""
     n = len(tokens)
-    if len(dtypes) == 1:
-        token_bytes = filled(n, dtypes.pop().itemsize)
-    else:
-        token_bytes = np.fromiter(map(attrgetter("itemsize"), tokens), np.int64, n)
     return OpColumns(
         filled(n, ADD),
         tokens,
@@ -268,7 +320,7 @@ def filled(n: int, value: int) -> npt.NDArray[np.int64]:
     return out
 
 
-def _lengths(items: list[bytes]) -> npt.NDArray[np.int64]:
+def _lengths(items: Sequence[bytes]) -> npt.NDArray[np.int64]:
     return np.fromiter(map(len, items), np.int64, len(items))
 
 
@@ -295,10 +347,10 @@ def _shareable(arr: npt.NDArray[Any]) -> bool:
     """Keep a caller's array only if nobody can change it under us and it pins no larger
     buffer (a read-only view of a 1M-token request must not keep the whole request alive),
     or it is a view of a shared token slab (:func:`share_slab`, whose owner frees it)."""
-    flags = arr.flags
-    if flags.writeable or not flags.c_contiguous:
+    flags = arr.flags.num
+    if flags & (_C_CONTIGUOUS | _WRITEABLE) != _C_CONTIGUOUS:
         return False
-    if flags.owndata:
+    if flags & _OWNDATA:
         return True
     base = arr.base
     if isinstance(base, bytes):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import compress, repeat
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -32,7 +32,7 @@ from kvatlas.directory.blend.kernels import (
     REMOVE_CLAIM,
     SKIP,
 )
-from kvatlas.directory.blend.kernels.layout import ADDRESS_BITS, TOKENS_U16
+from kvatlas.directory.blend.kernels.layout import ADDRESS_BITS, TOKENS_U16, write_context
 from kvatlas.directory.blend.kernels.writes import (
     OP_HASH,
     OP_HASH_LEN,
@@ -43,8 +43,16 @@ from kvatlas.directory.blend.kernels.writes import (
     OP_TOKENS,
 )
 from kvatlas.directory.blend.namespaces import NamespaceIds
-from kvatlas.directory.blend.op_columns import OpColumns, Tokens, filled, hash_addresses
+from kvatlas.directory.blend.op_columns import (
+    OpColumns,
+    SingleOp,
+    Tokens,
+    filled,
+    hash_addresses,
+)
 from kvatlas.keys import BlendNamespace
+
+_T = TypeVar("_T")
 
 MIN_CAPACITY = 1024
 """Initial content and occupant capacity."""
@@ -63,8 +71,7 @@ class IndexState:
         self.chunk_size = chunk_size
         self.base = base
         self.fmask = fmask
-        self._arrays = kernels.BlendArrays.empty(MIN_CAPACITY)
-        self.kernel_arrays = tuple(self._arrays)  # what the kernels take
+        self.arrays = kernels.BlendArrays.empty(MIN_CAPACITY)
         self.namespaces = NamespaceIds()
         self.tokens: list[Tokens | None] = []  # per content id: the array c_addr points into
         self.hashes: list[bytes | None] = []  # per occupant id: the bytes o_i64 points into
@@ -85,30 +92,45 @@ class IndexState:
     @arrays.setter
     def arrays(self, arrays: kernels.BlendArrays) -> None:
         self._arrays = arrays
-        self.kernel_arrays = tuple(arrays)
+        self.kernel_arrays = tuple(arrays)  # what the kernels take
+        # the same arrays as one address (single writes), kept alive with them
+        self._context = write_context(
+            arrays, self.chunk_size, _cpython.ARRAY_DATA_OFFSET, self.base, self.fmask
+        )
+        self._context_address = int(self._context.ctypes.data)
+        # capacities as plain ints, for the check every add makes (_has_room)
+        self._room = (
+            arrays.content_capacity,
+            arrays.occupant_capacity,
+            int(arrays.claims.shape[0]) // 2,
+            arrays.table_slots // 2,
+        )
+
+    def apply_one(self, op: SingleOp) -> None:
+        """Apply one validated op: :meth:`apply` with scalars (a node adds and drops its
+        claims one chunk at a time, where building op columns would cost more than the
+        write itself)."""
+        kind, arr, chunk_hash, offset, namespace, _ = op
+        ns = -1 if namespace is None else self._namespace_id(kind, namespace)
+        if ns >= 0 or kind != REMOVE_CLAIM:  # else: no claims, nothing to drop
+            if kind == ADD and not self._has_room(1):
+                self._make_room(1)
+            result = kernels.apply_op(
+                kind, array_handle(arr), arr.itemsize, bytes_address(chunk_hash),
+                len(chunk_hash), offset, ns, self._context_address,
+            )  # fmt: skip
+            if result[0]:
+                self._settle_one(op, result, ns)
+        self._end_write()
 
     def apply(self, cols: OpColumns) -> None:
         """Apply validated ops in order (see :func:`kernels.apply_ops`), then release the
         namespace ids left without claims and shed the filter bits of removed contents."""
-        kinds = cols.kinds
-        if len(kinds) == 1:  # a single write: scalar arguments, no op arrays to build
-            kind = int(kinds[0])
-            s = int(cols.space_of[0])
-            ns = -1 if s < 0 else self._namespace_id(kind, cols.spaces[s])
-            if ns >= 0 or kind != REMOVE_CLAIM:  # else: no claims, nothing to drop
-                if kind == ADD and not self._has_room(1):
-                    self._make_room(1)
-                arr, h = cols.tokens[0], cols.hashes[0]
-                out = kernels.apply_op(
-                    kind, array_handle(arr), arr.itemsize, bytes_address(h), len(h),
-                    int(cols.offsets[0]), ns,
-                    self.chunk_size, _cpython.ARRAY_DATA_OFFSET, self.base, self.fmask,
-                    self.kernel_arrays,
-                )  # fmt: skip
-                if out[0]:
-                    self._settle_one(cols, kinds, out, ns)
-        elif len(kinds):
+        if len(cols):
             self._apply_batch(cols)
+        self._end_write()
+
+    def _end_write(self) -> None:
         self.namespaces.end_write()
         if self._stale > self.contents // 2 + MIN_CAPACITY:
             self.rebuild()  # the filter only ever gains bits: shed removed contents' bits
@@ -119,7 +141,10 @@ class IndexState:
         adds = kinds == ADD
         # namespace ids: registered for a namespace some add uses (an id, once known, is
         # stable in a batch), else looked up (-1: no claims, nothing to drop)
-        added = set(np.unique(cols.space_of[adds]).tolist())
+        if len(cols.spaces) == 1:  # one namespace (an ingest batch): no unique to take
+            added = {0} if adds.any() else set()
+        else:
+            added = set(np.unique(cols.space_of[adds]).tolist())
         ids = [
             self._namespace_id(ADD if s in added else REMOVE_CLAIM, namespace)
             for s, namespace in enumerate(cols.spaces)
@@ -183,7 +208,7 @@ class IndexState:
         new = flags & F_NEW_OCCUPANT != 0
         if new.any():
             occs = results[new, 2]
-            _put(self.hashes, occs, compress(cols.hashes, new.tolist()))
+            _put(self.hashes, occs, _chosen(cols.hashes, new))
             self.occupants += len(occs)
         new = flags & F_NEW_CLAIM != 0
         if new.any():
@@ -198,38 +223,32 @@ class IndexState:
                 zip(kinds[rest].tolist(), results[rest].tolist(), nss[rest].tolist(), strict=True)
             )
 
-    def _settle_one(
-        self,
-        cols: OpColumns,
-        kinds: npt.NDArray[np.int64],
-        result: tuple[int, int, int, int],
-        ns: int,
-    ) -> None:
-        """:meth:`_settle` of a single op, with scalars: a node adds and drops its claims one
-        chunk at a time, and the column-wise bookkeeping costs ≈50 µs for one op."""
+    def _settle_one(self, op: SingleOp, result: tuple[int, int, int, int], ns: int) -> None:
+        """:meth:`_settle` of a single op, with scalars (the column-wise bookkeeping costs
+        ≈50 µs for one op)."""
         flags, cid, occ, _ = result
         if flags & F_NEW_CONTENT:
-            arr = cols.tokens[0]
+            arr = op[1]
             _put_one(self.tokens, cid, arr)
-            self.token_bytes += int(cols.token_bytes[0]) * self.chunk_size
+            self.token_bytes += arr.nbytes
             self.contents += 1
-            if cols.owned[0]:
+            if op[5]:
                 self.owned.add(cid)
                 self.owned_bytes += arr.nbytes
         if flags & F_NEW_OCCUPANT:
-            _put_one(self.hashes, occ, cols.hashes[0])
+            _put_one(self.hashes, occ, op[2])
             self.occupants += 1
         if flags & F_NEW_CLAIM:
             self.namespaces.claims[ns] += 1
             self.claims += 1
-        kind = int(kinds[0])
+        kind = op[0]
         if flags & _OP_BY_OP or kind == REMOVE_CHUNK:
             self._settle_removals([(kind, result, ns)])
 
     def _new_contents(
         self, cols: OpColumns, ids: npt.NDArray[np.int64], new: npt.NDArray[np.bool_]
     ) -> None:
-        arrays = list(compress(cols.tokens, new.tolist()))
+        arrays = _chosen(cols.tokens, new)
         _put(self.tokens, ids, arrays)
         # every array holds chunk_size ids (op_columns): no visit to each array object
         self.token_bytes += int(cols.token_bytes[new].sum()) * self.chunk_size
@@ -291,12 +310,12 @@ class IndexState:
     def _has_room(self, n_add: int) -> bool:
         """Room for ``n_add`` adds (a new content, occupant and extra claim each) without
         counting free ids: the cheap check."""
-        arrays = self._arrays
-        return bool(
-            len(self.tokens) + n_add <= arrays.c_fp.shape[0]
-            and len(self.hashes) + n_add <= arrays.o_hlen.shape[0]
-            and 2 * (self.n_extra + n_add) <= arrays.claims.shape[0]
-            and 2 * (self.contents + n_add) <= arrays.table.shape[0]
+        contents, occupants, extra, live = self._room
+        return (
+            len(self.tokens) + n_add <= contents
+            and len(self.hashes) + n_add <= occupants
+            and self.n_extra + n_add <= extra
+            and self.contents + n_add <= live
         )
 
     def _make_room(self, n_add: int) -> None:
@@ -380,6 +399,12 @@ def _put(items: list[Any], where: npt.NDArray[np.int64], values: Iterable[Any]) 
     if top > len(items):
         items.extend(repeat(None, top - len(items)))
     deque(map(items.__setitem__, where.tolist(), values), 0)
+
+
+def _chosen(items: list[_T], mask: npt.NDArray[np.bool_]) -> list[_T]:
+    """``items`` where ``mask`` is set: ``items`` itself when it is set everywhere (an ingest
+    batch of new chunks), without a pass over them."""
+    return items if mask.all() else list(compress(items, mask.tolist()))
 
 
 def _put_one(items: list[Any], at: int, value: Any) -> None:

@@ -43,6 +43,12 @@ content ids ever used (the high-water mark); the same for occupants (linked thro
 ``o_i32[:, O_NEXT]``)."""
 
 
+CTX_CHUNK, CTX_DATA_OFF, CTX_BASE, CTX_FMASK, CTX_ARRAYS = range(5)
+"""Entries of a write context (:func:`write_context`): the write kernel's scalar arguments,
+then from ``CTX_ARRAYS`` on, per field of :class:`BlendArrays` in order, its data address and
+its number of rows."""
+
+
 class BlendArrays(NamedTuple):
     """The arrays by name. Kernel entry points take them as a plain ``tuple(arrays)`` and
     name them again inside (``BlendArrays(*arrays)``): numba types a plain tuple argument in
@@ -109,6 +115,23 @@ class BlendArrays(NamedTuple):
         )
 
 
+def write_context(
+    arrays: BlendArrays, chunk: int, data_off: int, base: int, fmask: int
+) -> npt.NDArray[np.int64]:
+    """``arrays`` and the write kernel's scalars as one int64 array of addresses and sizes
+    (``CTX_*``): a single write passes its address, one integer, where passing the arrays
+    would cost numba ≈0.1 µs of unboxing each on every call (``writes.apply_op``). Valid
+    while ``arrays`` live unchanged: the index makes a new one whenever it replaces them."""
+    ctx = np.empty(CTX_ARRAYS + 2 * len(arrays), np.int64)
+    ctx[:CTX_ARRAYS] = chunk, data_off, base, fmask
+    for k, field in enumerate(BlendArrays._fields):
+        arr: npt.NDArray[Any] = getattr(arrays, field)
+        assert arr.flags.c_contiguous
+        ctx[CTX_ARRAYS + 2 * k] = arr.ctypes.data
+        ctx[CTX_ARRAYS + 2 * k + 1] = arr.shape[0]
+    return ctx
+
+
 def _lookup(slots: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.uint64]]:
     """An empty table of ``slots`` slots and its filter (one word per 8 slots: 16 bits per
     content at the table's highest load)."""
@@ -116,6 +139,7 @@ def _lookup(slots: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.uint64]]:
 
 
 def _resized(arr: npt.NDArray[Any], capacity: int, fill: int) -> npt.NDArray[Any]:
-    out = np.full((capacity, *arr.shape[1:]), fill, dtype=arr.dtype)
+    out = np.empty((capacity, *arr.shape[1:]), dtype=arr.dtype)
     out[: arr.shape[0]] = arr
+    out[arr.shape[0] :] = fill  # each byte written once (np.full then a copy: twice)
     return out

@@ -54,6 +54,10 @@ u8_ptr = _pointer_cast(types.uint8)
 """``uint8*`` at an address: the payload of a chunk_hash ``bytes`` the index keeps."""
 i64_ptr = _pointer_cast(types.int64)
 """``int64*`` at an address: a field of a Python object (an ndarray's data pointer)."""
+i32_ptr = _pointer_cast(types.int32)
+"""``int32*`` at an address: an index array seen through a write context (``writes.py``)."""
+u64_ptr = _pointer_cast(types.uint64)
+"""``uint64*`` at an address: an index array seen through a write context (``writes.py``)."""
 
 
 def _emit_prefetch(builder: Any, ptr: Any) -> None:

@@ -10,9 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from numba.np.numpy_support import carray
 
 from kvatlas.directory.blend.kernels.filter import filter_add
 from kvatlas.directory.blend.kernels.layout import (
+    CTX_ARRAYS,
+    CTX_BASE,
+    CTX_CHUNK,
+    CTX_DATA_OFF,
+    CTX_FMASK,
     IDS_CONTENTS,
     IDS_FREE_CONTENT,
     IDS_FREE_OCCUPANT,
@@ -37,13 +43,16 @@ from kvatlas.directory.blend.kernels.occupants import (
     unlink_occupant,
 )
 from kvatlas.directory.blend.kernels.pointers import (
+    i32_ptr,
     i64_ptr,
     inline,
     jit,
     prefetch_addr,
     releasing,
+    u8_ptr,
     u16_ptr,
     u32_ptr,
+    u64_ptr,
 )
 from kvatlas.directory.blend.kernels.table import content_reinsert, find_content
 
@@ -173,14 +182,13 @@ def apply_op(
     h_len: Any,
     offset: Any,
     ns: Any,
-    chunk: Any,
-    data_off: Any,
-    base: Any,
-    fmask: Any,
-    arrays: Any,
+    ctx: Any,
 ) -> Any:
     """:func:`apply_ops` for a batch of one op passed as scalars (the common single write:
-    no op arrays for the caller to build); returns its ``out`` row."""
+    no op arrays for the caller to build), on the arrays of the write context at address
+    ``ctx`` (``layout.write_context``: one integer to pass instead of ten arrays); returns
+    its ``out`` row."""
+    c = i64_ptr(ctx)  # type: ignore[call-arg]
     ops = np.empty((7, 1), np.int64)
     ops[OP_KIND, 0] = kind
     ops[OP_TOKENS, 0] = tokens
@@ -190,8 +198,27 @@ def apply_op(
     ops[OP_OFFSET, 0] = offset
     ops[OP_NS, 0] = ns
     out = np.empty((1, 4), np.int64)
-    apply_ops(ops, chunk, data_off, base, fmask, arrays, out)
+    arrays = _arrays_at(c)
+    apply_ops(ops, c[CTX_CHUNK], c[CTX_DATA_OFF], c[CTX_BASE], c[CTX_FMASK], arrays, out)
     return out[0, 0], out[0, 1], out[0, 2], out[0, 3]
+
+
+@inline
+def _arrays_at(c: Any) -> Any:
+    """The ``BlendArrays`` tuple a write context (``c``: its ``int64*``) describes."""
+    a = CTX_ARRAYS
+    return (
+        carray(i32_ptr(c[a]), c[a + 1]),  # type: ignore[call-arg]
+        carray(u64_ptr(c[a + 2]), c[a + 3]),  # type: ignore[call-arg]
+        carray(u64_ptr(c[a + 4]), c[a + 5]),  # type: ignore[call-arg]
+        carray(i64_ptr(c[a + 6]), c[a + 7]),  # type: ignore[call-arg]
+        carray(i32_ptr(c[a + 8]), c[a + 9]),  # type: ignore[call-arg]
+        carray(i64_ptr(c[a + 10]), (c[a + 11], 2)),  # type: ignore[call-arg]
+        carray(i32_ptr(c[a + 12]), (c[a + 13], 3)),  # type: ignore[call-arg]
+        carray(u8_ptr(c[a + 14]), c[a + 15]),  # type: ignore[call-arg]
+        carray(i64_ptr(c[a + 16]), c[a + 17]),  # type: ignore[call-arg]
+        carray(i64_ptr(c[a + 18]), c[a + 19]),  # type: ignore[call-arg]
+    )
 
 
 _AHEAD_OBJECT, _AHEAD_DATA = 16, 8
