@@ -22,7 +22,7 @@ import numpy as np
 
 from kvatlas.directory import KeyDirectory
 from kvatlas.directory.blend import BlendIndex
-from kvatlas.events import CacheEntry, EventBatch
+from kvatlas.events import CacheEntry, EventBatch, decode_json, decode_json_columns, encode_json
 from kvatlas.keys import BlendNamespace, ObjectKey, pack_kv_rank
 
 CHUNK = 256
@@ -116,3 +116,33 @@ def test_single_blend_writes_never_release_the_gil() -> None:
             index.remove_claim(tokens, h, NS)
     assert index.stats().claims == 1000
     assert woken[0] < 20  # a release per write wakes it hundreds of times
+
+
+def test_short_blend_matches_never_release_the_gil() -> None:
+    """What a lookup of a prompt of a few chunks does: its scan takes microseconds."""
+    rng = np.random.default_rng(4)
+    chunks = [(rng.integers(0, 50_000, CHUNK, dtype=np.uint32), rng.bytes(32)) for _ in range(64)]
+    index = BlendIndex(chunk_size=CHUNK)
+    for tokens, h in chunks:
+        index.add(tokens, h, 0, NS)
+    query = np.concatenate([chunks[3][0], chunks[9][0]])  # 257 windows
+    for _ in range(4):  # compiled and warm
+        assert len(index.match(query, NS)) == 2
+    with _gil_waiter() as woken:
+        for _ in range(400):
+            index.match(query, NS)
+    assert woken[0] < 20  # a release per match wakes it ≈400 times
+
+
+def test_decoding_small_json_bodies_never_releases_the_gil() -> None:
+    """What a stream consumer does per stream entry (a JSON body of a few entries), and the
+    coordinator per ``POST /events`` body."""
+    body = encode_json(_batches(1, 8, seed=5))
+    for _ in range(4):  # compiled and warm
+        decode_json(body)
+        decode_json_columns(body)
+    with _gil_waiter() as woken:
+        for _ in range(200):
+            decode_json(body)
+            decode_json_columns(body)
+    assert woken[0] < 20  # a release per body wakes it ≈400 times
