@@ -125,9 +125,9 @@ def test_short_blend_matches_never_release_the_gil() -> None:
     index = BlendIndex(chunk_size=CHUNK)
     for tokens, h in chunks:
         index.add(tokens, h, 0, NS)
-    query = np.concatenate([chunks[3][0], chunks[9][0]])  # 257 windows
+    query = np.concatenate([chunks[3][0], chunks[9][0][:40]])  # 41 windows, < 500 ids
     for _ in range(4):  # compiled and warm
-        assert len(index.match(query, NS)) == 2
+        assert len(index.match(query, NS)) == 1
     with _gil_waiter() as woken:
         for _ in range(400):
             index.match(query, NS)
