@@ -72,7 +72,7 @@ def _token_object(kind: str, chunk: int, dtype: str, writeable: bool) -> object:
     elif kind == "2-D":
         arr = np.zeros((chunk, 1), dtype)
     elif kind == "0-D":
-        arr = np.array(chunk, dtype)
+        arr = np.array(1, dtype)
     elif kind == "short":
         arr = np.zeros(chunk - 1, dtype)
     elif kind == "strided":
