@@ -72,7 +72,7 @@ def create_app(service: CoordinatorService) -> CoordinatorApp:
     app.state.blend_lookup = blend
     scoring = app.state.route_scoring = RouteScoring(service, match_pool)
     # Applying is serialised by the directory lock; a second thread lets one body decode (the
-    # JSON token parser releases the GIL) while another applies.
+    # JSON token parser releases the GIL on a large body) while another applies.
     events = EventsIngest(service, ThreadPoolExecutor(2, thread_name_prefix="kvatlas-ingest"))
     app.state.events_ingest = events
     install_error_handler(app)

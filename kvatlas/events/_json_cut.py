@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numba
 import numpy as np
 
-from kvatlas.events._json_tokens import parse_array, skip_space, string_end
+from kvatlas.events._json_tokens import RELEASE_BYTES, parse_array, skip_space, string_end
 
 if TYPE_CHECKING:
     from kvatlas.events.json_codec import CutTokenLists
@@ -71,7 +71,7 @@ def _key_of(buf, a, b, role, names):  # type: ignore[no-untyped-def]  # pragma: 
     return _NO_KEY
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit(cache=True, boundscheck=False)
 def _cut(buf, out, arena, lengths, counts, names):  # type: ignore[no-untyped-def]  # pragma: no cover
     """See :func:`cut_token_lists`; returns ``(status, out length, entries, batches)``."""
     n = len(buf)
@@ -180,6 +180,12 @@ def _cut(buf, out, arena, lengths, counts, names):  # type: ignore[no-untyped-de
     return OK, o, n_entries, n_batches
 
 
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _cut_releasing(buf, out, arena, lengths, counts, names):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """:func:`_cut`, the GIL released for the call (a large body: ``RELEASE_BYTES``)."""
+    return _cut(buf, out, arena, lengths, counts, names)
+
+
 _NAMES = (_BATCHES_NAME, _ENTRIES_NAME, _TOKENS_NAME, np.frombuffer(b"null", np.uint8))
 
 
@@ -199,7 +205,8 @@ def cut_token_lists(
     # are refused here (FALLBACK), the Raw path decides
     lengths = np.empty(n // 64 + 16, np.int64)
     counts = np.empty(n // 64 + 16, np.int64)
-    status, m, n_entries, n_batches = _cut(buf, out, arena, lengths, counts, _NAMES)
+    cut = _cut_releasing if n >= RELEASE_BYTES else _cut
+    status, m, n_entries, n_batches = cut(buf, out, arena, lengths, counts, _NAMES)
     if status != OK:
         return None
     return out[:m], arena, lengths[:n_entries], counts[:n_batches]

@@ -202,7 +202,14 @@ def parse_array(buf, i, n, arena, k):  # type: ignore[no-untyped-def]  # pragma:
     return -1, k
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+RELEASE_BYTES = 1 << 18
+"""Bodies of at least this many bytes are parsed with the GIL released (a quarter of a
+millisecond and more: another thread runs meanwhile, e.g. one body decoded while another is
+applied); smaller ones, what a node sends per batch, hold it: a release every few
+microseconds starves every other thread (docs/performance.md, "Threads and the GIL")."""
+
+
+@numba.njit(cache=True, boundscheck=False)
 def _parse_lists(buf, starts, ends, arena, lengths):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Parse ``buf[starts[j]:ends[j]]`` as a JSON int array (or ``null``: length 0) into
     ``arena``; returns the index of the first invalid list, or -1 when all are valid.
@@ -228,6 +235,12 @@ def _parse_lists(buf, starts, ends, arena, lengths):  # type: ignore[no-untyped-
     return -1
 
 
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _parse_lists_releasing(buf, starts, ends, arena, lengths):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """:func:`_parse_lists`, the GIL released for the call."""
+    return _parse_lists(buf, starts, ends, arena, lengths)
+
+
 def parse_token_lists(
     raws: Sequence[bytes | msgspec.Raw],
 ) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.int64], int]:
@@ -242,5 +255,6 @@ def parse_token_lists(
     starts = ends - sizes
     arena = np.empty(len(joined) // 2 + 1, dtype=np.uint32)  # a token needs >= 2 bytes ("1,")
     lengths = np.zeros(len(raws), dtype=np.int64)
-    bad = int(_parse_lists(buf, starts, ends, arena, lengths)) if raws else -1
+    parse = _parse_lists_releasing if len(buf) >= RELEASE_BYTES else _parse_lists
+    bad = int(parse(buf, starts, ends, arena, lengths)) if raws else -1
     return arena, lengths, bad

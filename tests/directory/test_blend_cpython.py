@@ -71,6 +71,8 @@ def _token_object(kind: str, chunk: int, dtype: str, writeable: bool) -> object:
         arr: np.ndarray = np.zeros(chunk, dtype).view(np.recarray)
     elif kind == "2-D":
         arr = np.zeros((chunk, 1), dtype)
+    elif kind == "0-D":
+        arr = np.array(1, dtype)
     elif kind == "short":
         arr = np.zeros(chunk - 1, dtype)
     elif kind == "strided":
@@ -85,8 +87,21 @@ def _token_object(kind: str, chunk: int, dtype: str, writeable: bool) -> object:
     return arr
 
 
-TOKEN_KINDS = ["array"] * 6 + ["list", "subclass", "2-D", "short", "strided", "view", "swapped"]
-HASH_OBJECTS = [b"", b"x", b"y" * 32, b"z" * 33, bytearray(b"w"), "text", 7]
+class _Bytes(bytes):
+    """A ``bytes`` subclass: its length and payload are whatever it says."""
+
+
+TOKEN_KINDS = ["array"] * 6 + [
+    "list",
+    "subclass",
+    "2-D",
+    "0-D",
+    "short",
+    "strided",
+    "view",
+    "swapped",
+]
+HASH_OBJECTS = [b"", b"x", b"y" * 32, b"z" * 33, bytearray(b"w"), "text", 7, _Bytes(b"v")]
 
 
 @settings(max_examples=400, deadline=None)
@@ -109,7 +124,8 @@ def test_compiled_column_check_equals_the_python_one(
     """``checked_objects`` (objects read through their CPython layout, compiled) decides as
     ``checked_in_python`` does and gives the same widths and lengths, on every kind of object
     an add batch may hold: exact arrays of each width and of other dtypes, read-only or not,
-    views, strided, 2-D, short, a subclass, a swapped byte order, lists, non-bytes hashes."""
+    views, strided, 2-D, 0-D, short, a subclass, a swapped byte order, lists, hashes that are
+    not exact ``bytes``."""
     assert _cpython.OBJECT_LAYOUT is not None  # CPython + numpy: located
     tokens = [_token_object(kind, chunk, dtype, w) for kind, dtype, w, _ in entries]
     hashes = [h for *_, h in entries]

@@ -146,3 +146,43 @@ def test_a_batch_of_one_op_takes_the_single_path(monkeypatch: pytest.MonkeyPatch
     index.apply(iter([op]))
     index.apply([op, op])
     assert calls == ["apply_one", "apply_one", "apply", "apply"]
+
+
+def test_single_writes_equal_the_column_path_through_growth_and_rebuilds() -> None:
+    """The write context (the arrays' addresses and sizes) must be made again whenever the
+    index replaces an array: contents and occupants grown past their first capacity, the
+    table doubled, the extra-claim set grown, the table and filter rebuilt after removals.
+    (The workloads above stay within the first capacity.) Thousands of single writes, each
+    also applied through the column path: the same state at every stage, the same matches."""
+    rng = np.random.default_rng(7)
+    chunk, n = 4, 3000
+    contents = [rng.integers(0, 1 << 20, chunk, dtype=np.uint32) for _ in range(n)]
+    hashes = [i.to_bytes(4, "little") for i in range(n)]
+    base = {"_fingerprint_base": 1_000_003}
+    single = BlendIndex(chunk_size=chunk, **base)
+    columns = BlendIndex(chunk_size=chunk, **base)
+
+    def both(op: BlendOp) -> None:
+        _single(single, op)
+        columns.apply(iter([op]))
+
+    for i in range(n):  # contents, occupants and the table grow; extra claims from the 2nd
+        for ns in SPACES[: 1 + i % len(SPACES)]:
+            both(AddOp(contents[i], hashes[i], i, ns))
+    before = single.stats()
+    assert before.content_capacity > 1024 and before.table_slots > 2048
+    assert _state(single) == _state(columns)
+    for i in range(0, n, 2):  # enough removed contents to rebuild table and filter
+        both(RemoveChunkOp(contents[i], hashes[i]))
+    for i in range(1, n, 4):
+        both(RemoveClaimOp(contents[i], hashes[i], SPACES[0]))
+    assert _state(single) == _state(columns)
+    for i in range(0, n, 2):  # free ids reused
+        both(AddOp(contents[i], hashes[i], i + 1, SPACES[1]))
+    assert _state(single) == _state(columns)
+    for i in range(0, n, 7):
+        for ns in SPACES:
+            assert canonical(single.match(contents[i], ns)) == canonical(
+                columns.match(contents[i], ns)
+            )
+    assert len(single.match(contents[0], SPACES[1])) == 1

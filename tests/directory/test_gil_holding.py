@@ -1,4 +1,4 @@
-"""Ingestion never releases the GIL for microseconds.
+"""Ingestion and short lookups never release the GIL for microseconds.
 
 A thread waiting for the GIL is woken each time the holder releases it; if the holder takes
 it back before the waiter runs, the waiter sleeps again with its switch interval restarted.
@@ -19,10 +19,11 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 import numpy as np
+import pytest
 
 from kvatlas.directory import KeyDirectory
 from kvatlas.directory.blend import BlendIndex
-from kvatlas.events import CacheEntry, EventBatch
+from kvatlas.events import CacheEntry, EventBatch, decode_json, decode_json_columns, encode_json
 from kvatlas.keys import BlendNamespace, ObjectKey, pack_kv_rank
 
 CHUNK = 256
@@ -116,3 +117,63 @@ def test_single_blend_writes_never_release_the_gil() -> None:
             index.remove_claim(tokens, h, NS)
     assert index.stats().claims == 1000
     assert woken[0] < 20  # a release per write wakes it hundreds of times
+
+
+def test_short_blend_matches_never_release_the_gil() -> None:
+    """What a lookup of a prompt of a few chunks does: its scan takes microseconds."""
+    rng = np.random.default_rng(4)
+    chunks = [(rng.integers(0, 50_000, CHUNK, dtype=np.uint32), rng.bytes(32)) for _ in range(64)]
+    index = BlendIndex(chunk_size=CHUNK)
+    for tokens, h in chunks:
+        index.add(tokens, h, 0, NS)
+    query = np.concatenate([chunks[3][0], chunks[9][0][:40]])  # 41 windows, < 500 ids
+    for _ in range(4):  # compiled and warm
+        assert len(index.match(query, NS)) == 1
+    with _gil_waiter() as woken:
+        for _ in range(400):
+            index.match(query, NS)
+    assert woken[0] < 20  # a release per match woke it 204 times
+
+
+def test_decoding_small_json_bodies_never_releases_the_gil() -> None:
+    """What a stream consumer does per stream entry (a JSON body: here of one chunk, fewer
+    ids than numpy's own calls release the GIL for), and the coordinator per ``POST /events``
+    body."""
+    body = encode_json(_batches(1, 1, seed=5))
+    for _ in range(4):  # compiled and warm
+        decode_json(body)
+        decode_json_columns(body)
+    with _gil_waiter() as woken:
+        for _ in range(200):
+            decode_json(body)
+            decode_json_columns(body)
+    assert woken[0] < 20  # a release per body woke it 45 times
+
+
+def test_the_kernels_that_release_the_gil_give_the_same_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The releasing variants (long scans, large bodies) are the same kernels behind another
+    entry point: with every call taking them, the same matches and the same decoded bodies."""
+    from kvatlas.directory.blend import kernels
+    from kvatlas.events import _json_cut, _json_tokens
+
+    rng = np.random.default_rng(6)
+    chunks = [(rng.integers(0, 50_000, CHUNK, dtype=np.uint32), rng.bytes(32)) for _ in range(16)]
+    index = BlendIndex(chunk_size=CHUNK)
+    for tokens, h in chunks:
+        index.add(tokens, h, 0, NS)
+    query = np.concatenate(
+        [chunks[5][0], rng.integers(0, 50_000, 77, dtype=np.uint32), chunks[2][0]]
+    )
+    body = encode_json(_batches(2, 3, seed=7))
+    holding = index.match(query, NS), decode_json(body), decode_json_columns(body)
+    monkeypatch.setattr(kernels, "RELEASE_WINDOWS", 0)
+    monkeypatch.setattr(_json_tokens, "RELEASE_BYTES", 0)
+    monkeypatch.setattr(_json_cut, "RELEASE_BYTES", 0)
+    releasing = index.match(query, NS), decode_json(body), decode_json_columns(body)
+    assert len(holding[0]) == 2 and releasing[0] == holding[0]
+    assert releasing[1] == holding[1]
+    assert [c.entry_columns().entries() for c in releasing[2]] == [
+        c.entry_columns().entries() for c in holding[2]
+    ]

@@ -257,7 +257,9 @@ class BlendIndex:
                 if ns is None:
                     continue
                 names = state.hashes
-                pos, occ, off, false_probes = kernels.scan(
+                long = stop - start >= kernels.RELEASE_WINDOWS
+                scan = kernels.scan_releasing if long else kernels.scan
+                pos, occ, off, false_probes = scan(
                     q, start, stop, stride, chunk, ns, self._base, self._base_pow, self._fmask,
                     state.kernel_arrays, scratch, _cpython.list_items_address(names),
                     _cpython.BYTES_DATA_OFFSET,

@@ -26,7 +26,15 @@ import numpy.typing as npt
 
 from kvatlas.directory.blend import _cpython
 from kvatlas.directory.blend.kernels import ADD, REMOVE_CHUNK, REMOVE_CLAIM
-from kvatlas.directory.blend.kernels.objects import KEPT_VIEWS, NOT_KEPT, hash_lengths, kept_arrays
+from kvatlas.directory.blend.kernels.objects import (
+    C_CONTIGUOUS,
+    KEPT_VIEWS,
+    NOT_KEPT,
+    OWNDATA,
+    WRITEABLE,
+    hash_lengths,
+    kept_arrays,
+)
 from kvatlas.directory.blend.ops import AddColumns, AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp
 from kvatlas.keys import BlendNamespace, as_token_array
 
@@ -39,8 +47,6 @@ _DTYPE = attrgetter("dtype")
 _NDIM = attrgetter("ndim")
 _BASE = attrgetter("base")
 _FLAGS = attrgetter("flags.num")
-# numpy's array flag bits (``ndarray.flags.num``)
-_C_CONTIGUOUS, _OWNDATA, _WRITEABLE = 0x1, 0x4, 0x400
 
 Tokens = npt.NDArray[np.unsignedinteger[Any]]
 """A content's ids: a C-contiguous ``uint32`` or ``uint16`` array."""
@@ -251,9 +257,9 @@ def checked_in_python(tokens: list[Any], hashes: list[Any], chunk: int) -> Check
     if int(hash_lens.max()) > HASH_WIDTH:
         return None
     flags = set(map(_FLAGS, tokens))
-    if any(f & (_C_CONTIGUOUS | _WRITEABLE) != _C_CONTIGUOUS for f in flags):
+    if any(f & (C_CONTIGUOUS | WRITEABLE) != C_CONTIGUOUS for f in flags):
         return None
-    if any(not f & _OWNDATA for f in flags) and not _slab_views(tokens):
+    if any(not f & OWNDATA for f in flags) and not _slab_views(tokens):
         return None
     return tokens, _widths(tokens), hashes, hash_lens
 
@@ -348,9 +354,9 @@ def _shareable(arr: npt.NDArray[Any]) -> bool:
     buffer (a read-only view of a 1M-token request must not keep the whole request alive),
     or it is a view of a shared token slab (:func:`share_slab`, whose owner frees it)."""
     flags = arr.flags.num
-    if flags & (_C_CONTIGUOUS | _WRITEABLE) != _C_CONTIGUOUS:
+    if flags & (C_CONTIGUOUS | WRITEABLE) != C_CONTIGUOUS:
         return False
-    if flags & _OWNDATA:
+    if flags & OWNDATA:
         return True
     base = arr.base
     if isinstance(base, bytes):

@@ -27,7 +27,7 @@ from kvatlas.directory.blend.kernels.occupants import (
     drop_extra_claim,
 )
 from kvatlas.directory.blend.kernels.pointers import jit
-from kvatlas.directory.blend.kernels.scan import ScanScratch, scan
+from kvatlas.directory.blend.kernels.scan import RELEASE_WINDOWS, ScanScratch, scan, scan_releasing
 from kvatlas.directory.blend.kernels.table import claims_rehash
 from kvatlas.directory.blend.kernels.writes import (
     ADD,
@@ -53,6 +53,7 @@ __all__ = [
     "LANES",
     "MERSENNE61",
     "RELEASE_OPS",
+    "RELEASE_WINDOWS",
     "REMOVE_CHUNK",
     "REMOVE_CLAIM",
     "SKIP",
@@ -70,4 +71,5 @@ __all__ = [
     "lane_step",
     "rebuild",
     "scan",
+    "scan_releasing",
 ]

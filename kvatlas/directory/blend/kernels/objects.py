@@ -18,7 +18,7 @@ NOT_KEPT, KEPT, KEPT_VIEWS = -1, 0, 1
 """:func:`kept_arrays` verdicts: some array is not kept as it is; every one is and owns its
 memory; every one is, but some are views (the caller checks their bases)."""
 
-_C_CONTIGUOUS, _OWNDATA, _WRITEABLE = 0x1, 0x4, 0x400
+C_CONTIGUOUS, OWNDATA, WRITEABLE = 0x1, 0x4, 0x400
 """numpy's array flag bits (``ndarray.flags.num``)."""
 
 
@@ -47,9 +47,9 @@ def kept_arrays(
         else:
             return NOT_KEPT
         f = i32_ptr(at + flags)[0]  # type: ignore[call-arg]
-        if f & (_C_CONTIGUOUS | _WRITEABLE) != _C_CONTIGUOUS:
+        if f & (C_CONTIGUOUS | WRITEABLE) != C_CONTIGUOUS:
             return NOT_KEPT
-        if not f & _OWNDATA:
+        if not f & OWNDATA:
             verdict = KEPT_VIEWS
     return verdict
 

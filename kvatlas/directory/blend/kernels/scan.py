@@ -67,7 +67,7 @@ class ScanScratch(NamedTuple):
         return bool(self.qt.shape[0] >= blk + chunk and self.cand_pos.shape[0] >= blk * LANES)
 
 
-@releasing
+@jit
 def scan(
     q: Any,
     start: Any,
@@ -114,6 +114,35 @@ def scan(
                 cand_fp[n_c] = fp
                 n_c += 1
     return _resolve(q, n_c, cand_pos, cand_fp, chunk, ns, s, names_items, hash_data_off)
+
+
+RELEASE_WINDOWS = 16384
+"""Scans of at least this many windows run with the GIL released (:func:`scan_releasing`:
+a long query's segment, a millisecond or so); shorter ones, a lookup of a prompt of a few
+chunks, hold it (see ``pointers.jit``)."""
+
+
+@releasing
+def scan_releasing(
+    q: Any,
+    start: Any,
+    stop: Any,
+    stride: Any,
+    chunk: Any,
+    ns: Any,
+    base: Any,
+    base_pow: Any,
+    fmask: Any,
+    arrays: Any,
+    buffers: Any,
+    names_items: Any,
+    hash_data_off: Any,
+) -> Any:
+    """:func:`scan`, the GIL released for the call."""
+    return scan(
+        q, start, stop, stride, chunk, ns, base, base_pow, fmask, arrays, buffers, names_items,
+        hash_data_off,
+    )  # fmt: skip
 
 
 @jit
