@@ -24,7 +24,7 @@ switch interval restarted (a snapshot beside a thread ingesting small batches to
 its time; docs/directory.md, "Threads and the GIL")."""
 
 releasing = numba.njit(cache=True, nogil=True)
-"""For kernels whose calls are long (a match over a query, a table rebuilt, a batch of
+"""For kernels whose calls are long (a long query's scan, a table rebuilt, a batch of
 thousands of writes): the GIL released for the call, so other threads run meanwhile."""
 
 inline = numba.njit(cache=True, inline="always")
