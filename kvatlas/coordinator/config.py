@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args
+from kvatlas.coordinator.kv_events.subscriber import LinkSpec
 from kvatlas.coordinator.scoring import DEFAULT_FRAGMENT_WEIGHT
 from kvatlas.events import EVENT_TRANSPORTS
-from kvatlas.events.vllm_wire import ENCODINGS
+from kvatlas.events.vllm_wire import DEFAULT_ENCODING, ENCODINGS
 from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme, check_model_name
 from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
 
@@ -71,14 +72,16 @@ class CoordinatorConfig:
     public_docs: bool | None = None
     fragment_weight: float = DEFAULT_FRAGMENT_WEIGHT
     kv_events_subscribe: str | None = None
+    kv_events_bind: str | None = None
     kv_events_replay: str | None = None
+    kv_events_max_engines_per_endpoint: int = 1
     kv_events_topic_prefix: str = "kv@"
     kv_events_model: str | None = None
     kv_events_max_blocks: int = 500_000
     kv_events_publish: str | None = None
     kv_events_replay_bind: str | None = None
     kv_events_replay_size: int = 10_000
-    kv_events_publish_encoding: str = "map"
+    kv_events_publish_encoding: str = DEFAULT_ENCODING
     log_format: str = "json"
     access_log: bool = False
 
@@ -111,15 +114,21 @@ class CoordinatorConfig:
         self._check_kv_events()
 
     def _check_kv_events(self) -> None:
-        for name in ("kv_events_max_blocks", "kv_events_replay_size"):
+        for name in (
+            "kv_events_max_blocks",
+            "kv_events_replay_size",
+            "kv_events_max_engines_per_endpoint",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         replay = self.kv_events_replay_endpoints
-        if replay and len(replay) != len(self.kv_events_endpoints):
+        n_links = len(self.kv_events_endpoints) + len(_endpoints(self.kv_events_bind))
+        if replay and len(replay) != n_links:
             raise ValueError(
                 "--kv-events-replay pairs one replay endpoint (or an empty one) with each "
-                "--kv-events-subscribe endpoint, by position"
+                "--kv-events-subscribe endpoint, then each --kv-events-bind one, by position"
             )
+        self.kv_events_links  # noqa: B018 (parses every item: a bad engine id raises here)
         if self.kv_events_replay_bind and not self.kv_events_publish:
             raise ValueError("--kv-events-replay-bind needs --kv-events-publish")
         if self.kv_events_model is not None:
@@ -131,6 +140,22 @@ class CoordinatorConfig:
     def kv_events_endpoints(self) -> tuple[str, ...]:
         """``--kv-events-subscribe``, split at commas."""
         return _endpoints(self.kv_events_subscribe)
+
+    @property
+    def kv_events_links(self) -> tuple[LinkSpec, ...]:
+        """Every subscribed (connected) then bound endpoint, each with its replay endpoint."""
+        items = [(e, False) for e in self.kv_events_endpoints]
+        items += [(e, True) for e in _endpoints(self.kv_events_bind)]
+        replay = self.kv_events_replay_endpoints or (None,) * len(items)
+        try:
+            return tuple(
+                LinkSpec.parse(item, bind=bind, replay=r)
+                for (item, bind), r in zip(items, replay, strict=True)
+            )
+        except ValueError as exc:
+            raise ValueError(
+                f"--kv-events-subscribe / --kv-events-bind ENGINE=ENDPOINT: {exc}"
+            ) from None
 
     @property
     def kv_events_replay_endpoints(self) -> tuple[str | None, ...]:
@@ -217,9 +242,14 @@ _HELP = {
     "public_docs": "serve /docs and /openapi.json without a token (default: only when auth is off)",
     "fragment_weight": "route scoring: share at which fragment (blend) tokens count "
     "(docs/route-scoring.md)",
-    "kv_events_subscribe": "vLLM KV event publishers to subscribe to (ZMQ), e.g. "
-    "tcp://engine-a:5557,tcp://engine-b:5557",
-    "kv_events_replay": "their replay (ROUTER) endpoints, by position; an empty item: none",
+    "kv_events_subscribe": "vLLM KV event publishers to connect to (ZMQ; vLLM binds when its "
+    "endpoint has a wildcard), [ENGINE=]ENDPOINT, e.g. pod-a=tcp://engine-a:5557,tcp://engine-b:5557",
+    "kv_events_bind": "endpoints to bind for vLLM KV event publishers that connect (a vLLM "
+    "endpoint with a host address), [ENGINE=]ENDPOINT, e.g. pod-a=tcp://127.0.0.1:5557",
+    "kv_events_replay": "the publishers' replay (ROUTER) endpoints, by position (the "
+    "--kv-events-subscribe ones, then the --kv-events-bind ones); an empty item: none",
+    "kv_events_max_engines_per_endpoint": "most engines an endpoint without ENGINE= may speak "
+    "for (topics naming more are refused and counted)",
     "kv_events_topic_prefix": "topic filter for --kv-events-subscribe",
     "kv_events_model": "model name for engine topics that carry none (kv@<engine>)",
     "kv_events_max_blocks": "most vLLM blocks tracked (all engines); the oldest go first",
@@ -227,8 +257,9 @@ _HELP = {
     "e.g. tcp://*:5560",
     "kv_events_replay_bind": "replay (ROUTER) endpoint for the published events",
     "kv_events_replay_size": "published messages kept for replay",
-    "kv_events_publish_encoding": "map (current vLLM: maps with a type tag) or array (structs as "
-    "arrays, for routers decoding vLLM's array_like structs)",
+    "kv_events_publish_encoding": "vllm (exactly what vLLM emits: the batch an array, events maps "
+    "tagged by type), array (older vLLM releases: every struct an array) or map (the batch a map "
+    "too; no vLLM release emits it)",
 }
 
 

@@ -15,7 +15,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
@@ -93,8 +93,10 @@ class CoordinatorService:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.status = StatusSource(self)  # the status page, node reports, operator series
-        engines = functools.partial(self.ingest, registered=False)  # they cannot register
-        self.kv_events = KvEventsLinks.from_config(config, self.directory, engines, self._stop)
+        engines = functools.partial(self.ingest, engine=True)  # they cannot register
+        self.kv_events = KvEventsLinks.from_config(
+            config, self.directory, engines, self._stop, is_node=self.instances.known
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -174,12 +176,15 @@ class CoordinatorService:
     # ------------------------------------------------------------------ ingestion
 
     def ingest(
-        self, batches: Sequence[EventBatch | ColumnBatch], *, registered: bool = True
+        self, batches: Sequence[EventBatch | ColumnBatch], *, engine: bool = False
     ) -> IngestCounts:
         """Apply batches (wire bodies as columns) through the gate, each atomically, in one
-        directory call; every transport comes here, so all get :meth:`admit_emitters`."""
+        directory call; every transport comes here, so all get :meth:`admit_emitters` but the
+        KV-event subscriber's (``engine``: engines are capped per endpoint, not here)."""
         decoded = [b if isinstance(b, ColumnBatch) else ColumnBatch.of(b) for b in batches]
-        self.admit_emitters(headers := [b.header for b in decoded], registered=registered)
+        headers = [b.header for b in decoded]
+        if not engine:
+            self.admit_emitters(headers)
         applied = duplicates = stale = 0
         now, tick = time.time(), self._clock()
         self.emitters.received(headers, tick)
@@ -198,15 +203,25 @@ class CoordinatorService:
                 stale += 1
         return IngestCounts(applied, duplicates, stale)
 
-    def admit_emitters(self, batches: Sequence[EventBatch], *, registered: bool = True) -> None:
+    def admit_emitters(self, batches: Sequence[EventBatch]) -> None:
         """Refuse the whole request before anything is applied when it would add an emitter
-        the directory cannot take (:func:`~kvatlas.coordinator.emitters.admit`);
-        ``registered=False`` skips the registration check only."""
+        the directory cannot take (:func:`~kvatlas.coordinator.emitters.admit`); engines do
+        not count against nodes' capacity, and no node may emit as an engine."""
         directory = self.directory
         new = {b.instance_id for b in batches if directory.gap_state(b.instance_id) is None}
         if new:
-            known = self.instances.known if self.auth is not None and registered else None
-            admit(new, len(directory.emitters()), known, self.config.max_instances)
+            self.check_node_ids(new)
+            known = self.instances.known if self.auth is not None else None
+            engines = sum(directory.gap_state(e) is not None for e in self.kv_events.engines())
+            admit(new, len(directory.emitters()) - engines, known, self.config.max_instances)
+
+    def check_node_ids(self, instance_ids: Iterable[str]) -> None:
+        """Engine ids are their own namespace: a node (or its emitter) under one is refused."""
+        for instance_id in sorted(instance_ids):
+            if self.kv_events.is_engine(instance_id):
+                raise Conflict(
+                    f"{instance_id!r} is a vLLM engine's id (KV events): nodes use other ids"
+                )
 
     # ------------------------------------------------------------------ lookups
 

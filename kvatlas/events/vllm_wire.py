@@ -1,13 +1,16 @@
 """vLLM's ``KVEventBatch`` wire: the event format engines publish and routers consume over ZMQ.
 
-Frames are ``[topic (utf-8), seq (8-byte big-endian, signed), payload (msgpack)]``. Two payload
-encodings exist and both decode into the same structs:
+Frames are ``[topic (utf-8), seq (8-byte big-endian, signed), payload (msgpack)]``. Three payload
+encodings exist and all decode into the same structs:
 
-* current vLLM: structs as msgpack maps, each event tagged by a ``type`` field;
-* older releases: structs as arrays ``[tag, field, ...]`` (the batch ``[ts, events, dp_rank]``).
+* ``vllm``: what vLLM itself emits (checked with vLLM 0.33.0's own publisher): the batch an array
+  ``[ts, events, data_parallel_rank]``, each event a map tagged by ``type``, defaulted fields
+  omitted (vLLM's ``omit_defaults``) except the ones vLLM declares without a default;
+* ``array``: older releases, every struct an array ``[tag, field, ...]``;
+* ``map``: the batch a map too; no vLLM release emits it, it is accepted and kept as an option.
 
-Block hashes are 32-byte strings (current) or 64-bit integers (older); unknown trailing fields
-are ignored in both encodings. :func:`encode_batch` writes the current encoding. Decoding never
+Block hashes are 32-byte strings or 64-bit integers (older); unknown and newer fields are ignored
+in every encoding. :func:`encode_batch` writes ``vllm`` unless told otherwise. Decoding never
 lets a msgspec error out: it raises :class:`VllmWireError` with a ``reason`` the subscriber
 counts (``malformed``, ``unknown_event``, ``invalid``). See docs/kv-events.md.
 """
@@ -30,7 +33,9 @@ REPLAY_END_SEQ: Final = -1
 _SEQ = struct.Struct(">q")
 
 
-class BlockStored(msgspec.Struct, tag=True, tag_field="type"):
+class _OlderBlockStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
+    """The fields of the older releases (their array layout has exactly these)."""
+
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
     token_ids: list[int]
@@ -44,10 +49,24 @@ class BlockStored(msgspec.Struct, tag=True, tag_field="type"):
     kv_cache_spec_sliding_window: int | None = None
 
 
-class BlockRemoved(msgspec.Struct, tag=True, tag_field="type"):
+class BlockStored(_OlderBlockStored, tag="BlockStored"):
+    # added by vLLM 0.33 (kvatlas neither reads nor writes them; decoded, they survive a
+    # re-encode in vLLM's layout, and with them its map header is vLLM's byte for byte)
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class _OlderBlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
     block_hashes: list[BlockHash]
     medium: str | None = None
     group_idx: int | None = None
+
+
+class BlockRemoved(_OlderBlockRemoved, tag="BlockRemoved"):
+    locality: str | None = None  # vLLM 0.33, as above
+    ownership: str | None = None
 
 
 class AllBlocksCleared(msgspec.Struct, tag=True, tag_field="type"):
@@ -71,12 +90,43 @@ class TopicBatch(KVEventBatch):
     kvatlas_topic: str = ""
 
 
-# The older array encoding: the same structs (``isinstance`` holds), laid out as arrays.
-class _ArrayBlockStored(BlockStored, array_like=True, tag="BlockStored"):
+# vLLM's own layout: the batch an array, the events maps; vLLM omits defaulted fields but declares
+# ``lora_id``, ``medium`` and ``lora_name`` (``medium`` of a removal) without defaults, so those
+# are always written (its decoder refuses an event without them).
+class _VllmBlockStored(BlockStored, omit_defaults=True, tag="BlockStored"):
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class _VllmBlockRemoved(BlockRemoved, omit_defaults=True, tag="BlockRemoved"):
+    medium: str | None
+
+
+class _VllmAllBlocksCleared(AllBlocksCleared, omit_defaults=True, tag="AllBlocksCleared"):
     pass
 
 
-class _ArrayBlockRemoved(BlockRemoved, array_like=True, tag="BlockRemoved"):
+class _VllmKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    ts: float
+    events: list[_VllmBlockStored | _VllmBlockRemoved | _VllmAllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+class _VllmInBatch(msgspec.Struct, array_like=True):
+    """What the ``vllm`` layout decodes into (events as the lenient structs above)."""
+
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
+
+
+# The older array encoding: the older releases' fields, laid out as arrays.
+class _ArrayBlockStored(_OlderBlockStored, array_like=True, tag="BlockStored"):
+    pass
+
+
+class _ArrayBlockRemoved(_OlderBlockRemoved, array_like=True, tag="BlockRemoved"):
     pass
 
 
@@ -94,18 +144,29 @@ class _ArrayTopicBatch(_ArrayKVEventBatch):
     kvatlas_topic: str = ""
 
 
-_TO_ARRAY: Final[dict[type, type]] = {
-    BlockStored: _ArrayBlockStored,
-    BlockRemoved: _ArrayBlockRemoved,
-    AllBlocksCleared: _ArrayAllBlocksCleared,
+_LAYOUTS: Final[dict[str, dict[type, type]]] = {
+    "vllm": {
+        BlockStored: _VllmBlockStored,
+        BlockRemoved: _VllmBlockRemoved,
+        AllBlocksCleared: _VllmAllBlocksCleared,
+    },
+    "array": {
+        BlockStored: _ArrayBlockStored,
+        BlockRemoved: _ArrayBlockRemoved,
+        AllBlocksCleared: _ArrayAllBlocksCleared,
+    },
 }
-_FROM_ARRAY: Final[dict[type, type]] = {v: k for k, v in _TO_ARRAY.items()}
-ENCODINGS: Final = ("map", "array")
-"""``map``: current vLLM per the spec (structs as maps, ``type`` tag); ``array``: structs as
-arrays ``[tag, field, ...]`` (what vLLM's ``array_like`` structs and their decoders use)."""
+_BASE: Final[dict[type, type]] = {
+    cls: base for table in _LAYOUTS.values() for base, cls in table.items()
+}
+ENCODINGS: Final = ("vllm", "map", "array")
+"""``vllm``: exactly what vLLM emits (the default everywhere); ``map``: the batch as a map too
+(no vLLM release emits it); ``array``: every struct an array (older vLLM releases)."""
+DEFAULT_ENCODING: Final = "vllm"
 
 
 _MAP_DECODER: Final = msgspec.msgpack.Decoder(KVEventBatch)
+_VLLM_DECODER: Final = msgspec.msgpack.Decoder(_VllmInBatch)
 _ARRAY_DECODER: Final = msgspec.msgpack.Decoder(_ArrayKVEventBatch)
 _RAW_DECODER: Final = msgspec.msgpack.Decoder()
 _ENCODER: Final = msgspec.msgpack.Encoder()
@@ -129,19 +190,25 @@ def _is_array(payload: bytes) -> bool:
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
-    """Decode either encoding into :class:`KVEventBatch`, or raise :class:`VllmWireError`."""
+    """Decode any of the three encodings into :class:`KVEventBatch`, or raise
+    :class:`VllmWireError`. A top-level array is vLLM's layout (events as maps) or, when its
+    events are arrays, the older one."""
     if not payload:
         raise VllmWireError("malformed", "empty payload")
     array = _is_array(payload)
     try:
         if not array:
             return _MAP_DECODER.decode(payload)
-        legacy = _ARRAY_DECODER.decode(payload)
+        try:
+            batch: _VllmInBatch | _ArrayKVEventBatch = _VLLM_DECODER.decode(payload)
+        except msgspec.ValidationError:
+            batch = _ARRAY_DECODER.decode(payload)
     except msgspec.ValidationError as exc:  # well-formed msgpack, not a KVEventBatch
         raise VllmWireError(_unknown_tag_or(payload, array), str(exc)) from None
     except msgspec.DecodeError as exc:
         raise VllmWireError("malformed", str(exc)) from None
-    return KVEventBatch(legacy.ts, list(legacy.events), legacy.data_parallel_rank)
+    events = [_as_layout(e, None) for e in batch.events]
+    return KVEventBatch(batch.ts, events, batch.data_parallel_rank)
 
 
 def _unknown_tag_or(payload: bytes, array: bool) -> str:
@@ -162,21 +229,27 @@ def _unknown_tag_or(payload: bytes, array: bool) -> str:
     return "invalid"
 
 
-def _as_layout(event: KVEvent, array: bool) -> KVEvent:
-    """The same event in the array or the map layout (decoded events keep their wire's)."""
-    table = _TO_ARRAY if array else _FROM_ARRAY
-    cls = table.get(type(event))
-    return event if cls is None else cls(**msgspec.structs.asdict(event))
+def _as_layout(event: msgspec.Struct, encoding: str | None) -> Any:
+    """The same event as the struct of ``encoding``'s layout (``None``: the plain structs)."""
+    cls: Any = _BASE.get(type(event), type(event))
+    if encoding in _LAYOUTS:
+        cls = _LAYOUTS[encoding][cls]
+    if type(event) is cls:
+        return event
+    fields = event.__struct_fields__  # the older layout has fewer: the rest keep defaults
+    return cls(**{name: getattr(event, name) for name in cls.__struct_fields__ if name in fields})
 
 
-def encode_batch(batch: KVEventBatch, encoding: str = "map") -> bytes:
-    """The current encoding (maps with a ``type`` tag), or ``array``; a :class:`TopicBatch`
-    keeps its topic (the array encoding as a trailing element, ignored by decoders)."""
+def encode_batch(batch: KVEventBatch, encoding: str = DEFAULT_ENCODING) -> bytes:
+    """``vllm`` (byte for byte what vLLM's own encoder writes), ``map`` or ``array``. A
+    :class:`TopicBatch` keeps its topic in ``map`` and ``array`` (a trailing element there,
+    ignored by decoders); in ``vllm`` the topic travels only in the frames, as vLLM's does."""
     if encoding not in ENCODINGS:
         raise ValueError(f"encoding must be one of {ENCODINGS}, got {encoding!r}")
-    array = encoding == "array"
-    events: list[Any] = [_as_layout(e, array) for e in batch.events]
-    if not array:
+    events: list[Any] = [_as_layout(e, encoding) for e in batch.events]
+    if encoding == "vllm":
+        return _ENCODER.encode(_VllmKVEventBatch(batch.ts, events, batch.data_parallel_rank))
+    if encoding == "map":
         return _ENCODER.encode(msgspec.structs.replace(batch, events=events))
     if isinstance(batch, TopicBatch):
         return _ENCODER.encode(
@@ -209,6 +282,7 @@ def split_topic(topic: str) -> tuple[str, str | None]:
 
 
 __all__ = [
+    "DEFAULT_ENCODING",
     "ENCODINGS",
     "EVENT_TAGS",
     "REPLAY_END_SEQ",

@@ -8,7 +8,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvatlas.coordinator.kv_events import Cleared, KvEventsSubscriber, Rekeyer, SubscriberSettings
+from kvatlas.coordinator.kv_events import (
+    Cleared,
+    KvEventsSubscriber,
+    LinkSpec,
+    Rekeyer,
+    SubscriberSettings,
+)
 from kvatlas.directory import KeyDirectory
 from kvatlas.events.vllm_wire import KVEventBatch, decode_batch, pack_seq, unpack_seq
 from kvatlas.keys import KeyScheme
@@ -120,8 +126,8 @@ class Subscribed:
         _, self.directory = fed(scheme, chunk_size)
         directory = self.directory
         self.stop = threading.Event()
-        settings = SubscriberSettings(tuple(endpoints), tuple(replay), max_blocks=max_blocks,
-                                      replay_timeout=replay_timeout)  # fmt: skip
+        links = tuple(LinkSpec(e, r) for e, r in zip(endpoints, replay, strict=True))
+        settings = SubscriberSettings(links, max_blocks=max_blocks, replay_timeout=replay_timeout)
         self.sub = KvEventsSubscriber(
             settings, KeyScheme(scheme, chunk_size),
             ingest=lambda batches: [directory.consume(b) for b in batches],

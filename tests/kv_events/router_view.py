@@ -48,16 +48,18 @@ class RouterView:
         self.encodings: set[str] = set()
 
     def replay(self) -> None:
-        """Ask for everything from the next seq this view needs."""
+        """Ask for everything from the next seq this view needs (vLLM's replay answers
+        ``topic, seq, payload``; the older one ``seq, payload``, the payload naming its topic)."""
         assert self.dealer is not None
         self.dealer.send_multipart([b"", struct.pack(">q", self.next_seq)])
         while True:
             assert self.dealer.poll(5000), "no replay answer"
-            _, seq_frame, payload = self.dealer.recv_multipart()
-            seq = struct.unpack(">q", seq_frame)[0]
+            frames = self.dealer.recv_multipart()[1:]
+            topic = frames[0].decode() if len(frames) == 3 else ""
+            seq = struct.unpack(">q", frames[-2])[0]
             if seq == -1:
                 break
-            self.pending.setdefault(seq, ("", payload))
+            self.pending.setdefault(seq, (topic, frames[-1]))
 
     def pump(self) -> State:
         """Take what arrived, apply it in seq order, and return the view."""
@@ -74,7 +76,10 @@ class RouterView:
 
     def _apply(self, topic: str, payload: bytes) -> None:
         batch = msgspec.msgpack.decode(payload)
-        if isinstance(batch, list):  # the array encoding: [ts, events, dp rank, topic]
+        if isinstance(batch, list) and all(isinstance(e, dict) for e in batch[1]):
+            self.encodings.add("vllm")  # [ts, events as maps, dp rank]
+            batch = {"events": batch[1]}
+        elif isinstance(batch, list):  # the older encoding: [ts, events, dp rank, topic]
             self.encodings.add("array")
             batch = {"events": [_event_map(e) for e in batch[1]], "kvatlas_topic": batch[3]}
         else:

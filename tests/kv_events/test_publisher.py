@@ -46,7 +46,7 @@ def expected(directory: KeyDirectory) -> State:
 
 
 class Published:
-    def __init__(self, ring: int = 10_000, encoding: str = "map", wire: str | None = None) -> None:
+    def __init__(self, ring: int = 10_000, encoding: str = "vllm", wire: str | None = None) -> None:
         self.directory = KeyDirectory(C)
         self.endpoint, self.replay = free_endpoint(), free_endpoint()
         self.stop = threading.Event()
@@ -90,7 +90,7 @@ class Published:
         self.ctx.term()
 
 
-@pytest.fixture(params=["map", "array"])
+@pytest.fixture(params=["vllm", "map", "array"])
 def published(request: pytest.FixtureRequest) -> Iterator[Published]:
     p = Published(encoding=request.param)
     yield p

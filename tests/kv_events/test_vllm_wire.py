@@ -1,5 +1,6 @@
 """vLLM's KVEventBatch wire: every golden payload decodes to the meaning ``index.json`` gives it,
-in both encodings; bad payloads raise a counted kind, never a msgspec error (docs/kv-events.md)."""
+in all three encodings; the default encoding is vLLM's own, byte for byte; bad payloads raise a
+counted kind, never a msgspec error (docs/kv-events.md). vLLM's own code: test_vllm_interop.py."""
 
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ TOKENS = list(range(1000, 1064))
 
 def meaning(case: dict[str, Any]) -> list[Any]:
     """The events ``index.json`` describes, as the structs the decoder must produce."""
-    text = case["meaning"]
-    if text.startswith("two BlockStored"):
+    text = case["meaning"].removesuffix(" (vLLM's own structs)")
+    if text.startswith(("two BlockStored", "as current-stored")):
         return [
             BlockStored(HASHES[:2], None, TOKENS[:32], 16, medium="GPU", group_idx=0,
                         kv_cache_spec_kind="full_attention"),
@@ -86,7 +87,9 @@ def test_unknown_trailing_fields_are_ignored_in_both_encodings() -> None:
     )
 
 
-def test_the_encoder_writes_the_current_encoding_a_plain_decoder_reads() -> None:
+def test_the_default_encoding_is_vllms_a_plain_decoder_reads() -> None:
+    """vLLM's layout: the batch an array ``[ts, events, dp]`` , each event
+    a map tagged by ``type`` that always carries the fields vLLM declares without a default."""
     batch = KVEventBatch(
         1.5,
         [BlockStored(HASHES[:1], None, TOKENS[:16], 16, medium="kvatlas-l1"),
@@ -94,13 +97,33 @@ def test_the_encoder_writes_the_current_encoding_a_plain_decoder_reads() -> None
     )  # fmt: skip
     payload = encode_batch(batch)
     plain = msgspec.msgpack.decode(payload)
-    assert [e["type"] for e in plain["events"]] == [
-        "BlockStored",
-        "BlockRemoved",
-        "AllBlocksCleared",
-    ]
-    assert plain["events"][0]["block_hashes"] == HASHES[:1]
+    assert isinstance(plain, list) and plain[0] == 1.5 and plain[2] is None
+    assert plain[1] == [
+        {"type": "BlockStored", "block_hashes": HASHES[:1], "parent_block_hash": None,
+         "token_ids": TOKENS[:16], "block_size": 16, "lora_id": None, "medium": "kvatlas-l1",
+         "lora_name": None},
+        {"type": "BlockRemoved", "block_hashes": HASHES[1:2], "medium": "kvatlas-l1"},
+        {"type": "AllBlocksCleared"},
+    ]  # fmt: skip
     assert decode_batch(payload) == batch
+    assert msgspec.msgpack.decode(encode_batch(batch, "map"))["events"][2] == {
+        "type": "AllBlocksCleared"
+    }
+
+
+def test_a_vllm_batch_with_array_events_is_the_older_layout() -> None:
+    """A top-level array whose events are arrays decodes as the older layout, mixed never."""
+    older = decode_batch(golden_bytes("legacy-array-stored"))
+    assert older == decode_batch(golden_bytes("vllm-0.33.0-stored"))
+    raw = msgspec.msgpack.decode(golden_bytes("vllm-0.33.0-removed"))
+    raw[1].append(["BlockRemoved", [HASHES[0]], "GPU"])
+    with pytest.raises(VllmWireError) as err:
+        decode_batch(msgspec.msgpack.encode(raw))
+    assert err.value.kind == "invalid"
+
+
+def golden_bytes(name: str) -> bytes:
+    return (GOLDEN / f"{name}.msgpack").read_bytes()
 
 
 @pytest.mark.parametrize(
@@ -140,22 +163,21 @@ def test_topics() -> None:
 
 @pytest.mark.parametrize("case", INDEX, ids=[c["file"] for c in INDEX])
 def test_the_encoder_reproduces_every_golden_payload(case: dict[str, Any]) -> None:
-    """Both encodings, byte for byte: what kvatlas publishes is what vLLM would."""
+    """vLLM's and the older layout byte for byte: what kvatlas publishes is what vLLM would."""
     payload = (GOLDEN / case["file"]).read_bytes()
-    encoding = "array" if case["encoding"] == "legacy-array" else "map"
-    if encoding == "map":  # vLLM omits some defaulted fields in the map encoding
-        assert decode_batch(encode_batch(decode_batch(payload))) == decode_batch(payload)
+    encoding = {"legacy-array": "array", "current": "map"}.get(case["encoding"], "vllm")
+    if encoding == "map":  # no vLLM wrote these: the meaning survives, the bytes need not
+        assert decode_batch(encode_batch(decode_batch(payload), "map")) == decode_batch(payload)
     else:
-        assert encode_batch(decode_batch(payload), "array") == payload
+        assert encode_batch(decode_batch(payload), encoding) == payload
 
 
-def test_either_encoding_of_a_decoded_batch_is_that_encoding() -> None:
-    legacy = decode_batch((GOLDEN / "legacy-array-stored.msgpack").read_bytes())
-    current = (GOLDEN / "current-stored.msgpack").read_bytes()
-    assert isinstance(msgspec.msgpack.decode(encode_batch(legacy))["events"][0], dict)
-    assert (
-        encode_batch(decode_batch(current), "array")
-        == (GOLDEN / "legacy-array-stored.msgpack").read_bytes()
-    )
+def test_any_encoding_of_a_decoded_batch_is_that_encoding() -> None:
+    stored = ("current-stored", "legacy-array-stored", "vllm-0.33.0-stored")
+    for name in stored:
+        batch = decode_batch(golden_bytes(name))
+        assert isinstance(msgspec.msgpack.decode(encode_batch(batch, "map"))["events"][0], dict)
+        assert encode_batch(batch, "array") == golden_bytes("legacy-array-stored")
+        assert encode_batch(batch) == golden_bytes("vllm-0.33.0-stored")
     with pytest.raises(ValueError, match="encoding"):
-        encode_batch(legacy, "yaml")
+        encode_batch(batch, "yaml")

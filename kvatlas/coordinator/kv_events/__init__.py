@@ -17,6 +17,7 @@ from kvatlas.coordinator.kv_events.rekey import (
 from kvatlas.coordinator.kv_events.stats import KvEventsStats, PublisherStats, SubscriberStats
 from kvatlas.coordinator.kv_events.subscriber import (
     KvEventsSubscriber,
+    LinkSpec,
     SubscriberSettings,
     engine_instance,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "KvEventsPublisher",
     "KvEventsStats",
     "KvEventsSubscriber",
+    "LinkSpec",
     "PublisherStats",
     "Rekeyer",
     "SubscriberSettings",

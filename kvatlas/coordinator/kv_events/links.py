@@ -32,23 +32,24 @@ class KvEventsLinks:
         directory: KeyDirectory,
         ingest: Ingest,
         stop: threading.Event,
+        is_node: Callable[[str], bool] = lambda _: False,
     ) -> KvEventsLinks:
         """Engine batches go through ``ingest`` and the directory's fence, like any batch;
         the publisher observes the directory from now on (nothing applied is missed)."""
         subscriber = publisher = None
-        endpoints = config.kv_events_endpoints
-        if endpoints:
-            replay = config.kv_events_replay_endpoints or (None,) * len(endpoints)
+        links = config.kv_events_links
+        if links:
             settings = SubscriberSettings(
-                endpoints,
-                replay,
+                links,
                 config.kv_events_topic_prefix,
                 config.kv_events_model,
                 config.kv_events_max_blocks,
+                max_engines_per_endpoint=config.kv_events_max_engines_per_endpoint,
             )
             subscriber = KvEventsSubscriber(
-                settings, config.scheme, ingest=ingest, clear=directory.fence_instance, stop=stop
-            )
+                settings, config.scheme, ingest=ingest, clear=directory.fence_instance, stop=stop,
+                is_node=is_node,
+            )  # fmt: skip
         if config.kv_events_publish:
             publisher = KvEventsPublisher(
                 config.kv_events_publish,
@@ -77,13 +78,23 @@ class KvEventsLinks:
             try:
                 self.subscriber.open()
             except zmq.ZMQError as exc:
-                raise Unavailable(f"--kv-events-subscribe: {exc}") from None
+                raise Unavailable(f"--kv-events-subscribe / --kv-events-bind: {exc}") from None
             threads.append(("kv-events-in", self.subscriber.run))
         return threads
 
     def engines(self) -> frozenset[str]:
         """The engine instances learned from KV events (none without a subscriber)."""
         return frozenset() if self.subscriber is None else self.subscriber.engine_ids
+
+    def is_engine(self, instance_id: str) -> bool:
+        """Whether ``instance_id`` is an engine's: learned from KV events, or named for an
+        endpoint (``ENGINE=ENDPOINT``, with any data-parallel rank). Engine ids are their own
+        namespace: no node may register under one."""
+        sub = self.subscriber
+        if sub is None:
+            return False
+        named = {link.engine for link in sub.settings.links}
+        return instance_id in sub.engine_ids or instance_id.split(":dp")[0] in named
 
     def stats(self) -> KvEventsStats | None:
         """The counters of each link that runs; ``None`` when neither does."""

@@ -2,7 +2,8 @@
 
 The directory tells the publisher (its observer, called under the directory lock, so in apply
 order) about every admitted batch and every fence; the publisher only queues them. Its thread
-turns them into ``KVEventBatch`` messages (current encoding) on a PUB socket:
+turns them into ``KVEventBatch`` messages (vLLM's own encoding unless configured otherwise) on
+a PUB socket:
 
 * topic ``kv@<instance>@<model>``, or ``kv@pool:<backend>@<model>`` for a shared pool;
 * medium ``kvatlas-l1`` / ``kvatlas-l2-<backend>``; block hashes = the 32-byte chunk hashes;
@@ -19,8 +20,9 @@ meanwhile is in the resync too, so it is not queued).
 
 Engine-sourced batches (tiers ``gpu``/``engine-cpu``) are never echoed. Seqs count from 0 per
 publisher; the last ``--kv-events-replay-size`` messages are kept for a ROUTER replay socket
-(request: the start seq; replies ``(seq, payload)``…, then ``(-1, b"")``). See
-docs/kv-events.md.
+(request: the start seq; replies ``(topic, seq, payload)``…, then ``(b"", -1, b"")`` as vLLM's
+own replay socket answers; with the older encodings, ``(seq, payload)``…, then ``(-1, b"")``,
+the payload naming its topic). See docs/kv-events.md.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from kvatlas.coordinator.kv_events.stats import PublisherStats, view, zeroed
 from kvatlas.events import DELETE, STORE, EventBatch
 from kvatlas.events.columns import ColumnBatch
 from kvatlas.events.vllm_wire import (
+    DEFAULT_ENCODING,
     REPLAY_END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
@@ -90,7 +93,7 @@ class KvEventsPublisher:
         replay_size: int,
         directory: KeyDirectory,
         stop: threading.Event,
-        encoding: str = "map",
+        encoding: str = DEFAULT_ENCODING,
     ) -> None:
         self.endpoint = endpoint
         self.encoding = encoding
@@ -99,7 +102,7 @@ class KvEventsPublisher:
         self._directory = directory
         self._stop = stop
         self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
-        self._ring: deque[tuple[int, bytes]] = deque(maxlen=replay_size)
+        self._ring: deque[tuple[bytes, int, bytes]] = deque(maxlen=replay_size)
         self._seq = 0
         self._models: defaultdict[str, set[str]] = defaultdict(set)  # instance -> its topics
         self._pools: set[str] = set()  # shared pools' topics published
@@ -226,7 +229,7 @@ class KvEventsPublisher:
         self._seq += 1
         payload = encode_batch(TopicBatch(ts, events, kvatlas_topic=topic), self.encoding)
         self._pub.send_multipart([topic.encode(), pack_seq(seq), payload])
-        self._ring.append((seq, payload))
+        self._ring.append((topic.encode(), seq, payload))
         self.counts["messages"] += 1
 
     # ------------------------------------------------------------------ placements → events
@@ -329,11 +332,15 @@ class KvEventsPublisher:
                 start = unpack_seq(rest[0]) if len(rest) == 1 else None
             except VllmWireError:
                 start = None
+            # vLLM's replay names each message's topic; the older one left it to the payload
+            topics = self.encoding == DEFAULT_ENCODING
             if start is not None:
-                for seq, payload in list(self._ring):
+                for topic, seq, payload in list(self._ring):
                     if seq >= start:
-                        router.send_multipart([*envelope, pack_seq(seq), payload])
+                        head = [*envelope, topic] if topics else envelope
+                        router.send_multipart([*head, pack_seq(seq), payload])
                         self.counts["replayed_messages"] += 1
             else:
                 log.warning("kv events publisher: bad replay request of %d frames", len(rest))
-            router.send_multipart([*envelope, pack_seq(REPLAY_END_SEQ), b""])
+            head = [*envelope, b""] if topics else envelope
+            router.send_multipart([*head, pack_seq(REPLAY_END_SEQ), b""])

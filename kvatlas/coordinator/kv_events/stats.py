@@ -30,7 +30,9 @@ class SubscriberStats:
     evicted_blocks: int = 0  # beyond --kv-events-max-blocks
     errors: int = 0  # unexpected exceptions (logged)
     rejected_frames: int = 0
-    rejected_topic: int = 0
+    rejected_topic: int = 0  # no engine or model in it
+    rejected_foreign: int = 0  # names a node, another endpoint's engine, or not this one's
+    rejected_engine_cap: int = 0  # one engine more than the endpoint may speak for
     rejected_malformed: int = 0
     rejected_unknown_event: int = 0
     rejected_invalid: int = 0

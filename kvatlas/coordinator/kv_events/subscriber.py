@@ -1,14 +1,20 @@
 """In: vLLM engines' KV events, subscribed over ZMQ and applied to the directory.
 
-One thread polls a SUB socket per ``--kv-events-subscribe`` endpoint. Each message is checked
-(three frames, topic, seq, payload), decoded (:mod:`kvatlas.events.vllm_wire`), re-keyed
-(:mod:`.rekey`) and applied through the same calls as HTTP and Redis batches: the service's
-``ingest`` and the directory's fence for ``AllBlocksCleared``. A seq jump is a gap: with a
-replay endpoint (``--kv-events-replay``, same position in the list) the missing batches are
-asked for (DEALER → the engine's ROUTER) and applied first; what stays missing shows as a gap
-of the engine's instance at the gate (``GET /instances``). A seq going back is an engine
-restart (a new incarnation). Bad input is counted and logged, never raised; a bad batch
-changes nothing. See docs/kv-events.md.
+One thread polls a SUB socket per endpoint: connected (``--kv-events-subscribe``, to a vLLM
+publisher that binds) or bound (``--kv-events-bind``, for a vLLM publisher that connects). An
+endpoint speaks for the engine the operator named for it (``ENGINE=ENDPOINT``; its topics may
+then be vLLM's default empty one) or, unnamed, for the engines its topics name, at most
+``--kv-events-max-engines-per-endpoint``; a topic naming a registered node, another endpoint's
+engine or one engine too many is refused and counted. Each message is checked (three frames,
+topic, seq, payload), decoded (:mod:`kvatlas.events.vllm_wire`), re-keyed (:mod:`.rekey`) and
+applied through the same calls as HTTP and Redis batches: the service's ``ingest`` and the
+directory's fence for ``AllBlocksCleared``. Seqs are followed per endpoint and topic. A seq jump
+is a gap: with a replay endpoint (``--kv-events-replay``, same position in the list) the missing
+batches are asked for (DEALER → the engine's ROUTER; vLLM's reply frames ``topic, seq, payload``
+or the older ``seq, payload``) and applied first; what stays missing shows as a gap of the
+engine's instance at the gate (``GET /instances``). A seq going back is an engine restart (a
+new incarnation). Bad input is counted and logged, never raised; a bad batch changes nothing.
+See docs/kv-events.md.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from kvatlas.coordinator.kv_events.rekey import BadBatch, Cleared, Rekeyer
@@ -46,14 +52,35 @@ Clear = Callable[[str], int]
 
 
 @dataclass(frozen=True, slots=True)
+class LinkSpec:
+    """One endpoint: where, connected or bound, the engine it speaks for (``None``: the ones
+    its topics name) and its publisher's replay endpoint."""
+
+    endpoint: str
+    replay: str | None = None
+    bind: bool = False
+    engine: str | None = None
+
+    @classmethod
+    def parse(cls, item: str, *, bind: bool = False, replay: str | None = None) -> LinkSpec:
+        """``[ENGINE=]ENDPOINT`` (an endpoint has no ``=``); a bad engine id raises
+        ``ValueError``."""
+        engine, sep, endpoint = item.partition("=")
+        if not sep:
+            return cls(item, replay, bind)
+        check_instance_id(engine)
+        return cls(endpoint, replay, bind, engine)
+
+
+@dataclass(frozen=True, slots=True)
 class SubscriberSettings:
-    endpoints: tuple[str, ...]
-    replay_endpoints: tuple[str | None, ...]  # paired by position; None = no replay
+    links: tuple[LinkSpec, ...]
     topic_prefix: str = "kv@"
     default_model: str | None = None
     max_blocks: int = 500_000
     replay_timeout: float = 2.0
     replay_backoff: float = 30.0
+    max_engines_per_endpoint: int = 1  # engine instances (an engine's dp ranks count apart)
 
 
 def engine_instance(emitter: str, dp_rank: int | None) -> str:
@@ -64,13 +91,17 @@ def engine_instance(emitter: str, dp_rank: int | None) -> str:
 
 @dataclass(slots=True)
 class _Link:
-    """One publisher: its endpoints and where its seq stands."""
+    """One endpoint: its settings, the engines it spoke for and where each topic's seq stands."""
 
-    endpoint: str
-    replay: str | None
-    last_seq: int | None = None
+    spec: LinkSpec
+    seqs: dict[str, int] = field(default_factory=dict)  # topic -> last seq
+    instances: set[str] = field(default_factory=set)  # the engines it speaks for
     dealer: Any = None  # the replay socket, opened on first use
     replay_after: float = 0.0  # monotonic time before which no replay is asked (after a failure)
+
+    @property
+    def endpoint(self) -> str:
+        return self.spec.endpoint
 
 
 class KvEventsSubscriber:
@@ -82,15 +113,16 @@ class KvEventsSubscriber:
         ingest: Ingest,
         clear: Clear,
         stop: threading.Event,
+        is_node: Callable[[str], bool] = lambda _: False,
     ) -> None:
         self.settings = settings
         self.rekeyer = Rekeyer(scheme, settings.max_blocks)
         self._ingest = ingest
         self._clear = clear
         self._stop = stop
-        self._links = [
-            _Link(e, r) for e, r in zip(settings.endpoints, settings.replay_endpoints, strict=True)
-        ]
+        self._is_node = is_node
+        self._links = [_Link(spec) for spec in settings.links]
+        self._owners: dict[str, str] = {}  # engine instance -> the endpoint that speaks for it
         self.counts: Counter[str] = zeroed(SubscriberStats)
         self.engine_ids: frozenset[str] = frozenset()
         """Every engine instance that had a batch applied (kept after ``AllBlocksCleared``: the
@@ -122,8 +154,13 @@ class KvEventsSubscriber:
                 sock = ctx.socket(zmq.SUB)
                 self._socks[sock] = link
                 sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SUBSCRIBE, self.settings.topic_prefix.encode())
-                sock.connect(link.endpoint)
+                # a named endpoint also takes vLLM's default topic, the empty one
+                wanted = "" if link.spec.engine else self.settings.topic_prefix
+                sock.setsockopt(zmq.SUBSCRIBE, wanted.encode())
+                if link.spec.bind:
+                    sock.bind(link.endpoint)
+                else:
+                    sock.connect(link.endpoint)
                 poller.register(sock, zmq.POLLIN)
         except zmq.ZMQError:
             self._close()
@@ -178,16 +215,17 @@ class KvEventsSubscriber:
             log.exception("kv events: unexpected error on a message from %s", link.endpoint)
 
     def _message(self, link: _Link, topic: str, seq: int, payload: bytes, *, live: bool) -> None:
-        last = link.last_seq
+        last = link.seqs.get(topic)
         if last is not None and seq == last:
             self.counts["duplicates"] += 1
             return
-        parsed = self._parse(topic, payload)
+        parsed = self._parse(link, topic, payload)
         if parsed is None:  # counted; a jump before it is still a gap (of unknown instance)
             if last is not None and seq > last + 1:
                 self.counts["gaps"] += 1
                 self.counts["missing_batches"] += seq - last - 1
-            link.last_seq = seq
+            if last is not None:  # (a refused topic never gets an entry: the map stays bounded)
+                link.seqs[topic] = seq
             return
         instance, model, batch = parsed
         if last is not None and seq < last:
@@ -197,13 +235,13 @@ class KvEventsSubscriber:
             self._ingest([self.rekeyer.marker(instance)])
         elif (
             live
-            and link.replay is not None
+            and link.spec.replay is not None
             and seq > (-1 if last is None else last) + 1
             and time.monotonic() >= link.replay_after
         ):
             # Catch up first (the batches before the first one seen count as history, not gap).
             self._replay(link, topic, 0 if last is None else last + 1, seq)
-        last = link.last_seq
+        last = link.seqs.get(topic)
         if last is not None and seq > last + 1:
             missing = seq - last - 1
             self.counts["gaps"] += 1
@@ -211,12 +249,22 @@ class KvEventsSubscriber:
             self._ingest([self.rekeyer.marker(instance, missing)])
             log.warning("kv events: %s lost %d batches (seq %d..%d)", instance, missing,
                         last + 1, seq - 1)  # fmt: skip
-        link.last_seq = seq
+        link.seqs[topic] = seq
         self._apply(instance, model, batch)
 
-    def _parse(self, topic: str, payload: bytes) -> tuple[str, str, KVEventBatch] | None:
-        prefix = self.settings.topic_prefix
-        emitter, model = split_topic(topic) if topic.startswith(prefix) else ("", None)
+    def _emitter(self, link: _Link, topic: str) -> tuple[str, str | None]:
+        """The engine and model a topic names on this endpoint (``""``: none)."""
+        named = link.spec.engine
+        if named is not None and topic == "":
+            return named, None
+        if not topic.startswith(self.settings.topic_prefix):
+            return "", None
+        return split_topic(topic)
+
+    def _parse(
+        self, link: _Link, topic: str, payload: bytes
+    ) -> tuple[str, str, KVEventBatch] | None:
+        emitter, model = self._emitter(link, topic)
         model = model or self.settings.default_model
         try:
             check_instance_id(emitter)
@@ -226,6 +274,11 @@ class KvEventsSubscriber:
                          "default model)")  # fmt: skip
             return None
         assert model is not None
+        named = link.spec.engine
+        if named is not None and emitter != named:
+            self._reject("foreign", f"{link.endpoint}: topic {topic!r:.80} names {emitter!r}; "
+                         f"this endpoint speaks for {named!r}")  # fmt: skip
+            return None
         try:
             batch = decode_batch(payload)
         except VllmWireError as exc:
@@ -235,7 +288,31 @@ class KvEventsSubscriber:
         if rank is not None and not 0 <= rank < MAX_DP_RANK:
             self._reject("invalid", f"{topic}: data_parallel_rank {rank} out of range")
             return None
-        return engine_instance(emitter, rank), model, batch
+        instance = engine_instance(emitter, rank)
+        return (instance, model, batch) if self._may_speak(link, instance) else None
+
+    def _may_speak(self, link: _Link, instance: str) -> bool:
+        """Whether this endpoint may speak for engine ``instance``: not a registered node, not
+        another endpoint's engine, not one engine more than its cap (counted when refused)."""
+        if instance in link.instances:
+            return True
+        owner = self._owners.get(instance)
+        if owner is not None:
+            why = f"{instance!r} is the engine of {owner}"
+        elif self._is_node(instance):
+            why = f"{instance!r} is a registered node"
+        elif len(link.instances) >= self.settings.max_engines_per_endpoint:
+            self._reject("engine_cap", f"{link.endpoint}: {instance!r} would be engine "
+                         f"{len(link.instances) + 1} of this endpoint "
+                         f"(--kv-events-max-engines-per-endpoint "
+                         f"{self.settings.max_engines_per_endpoint})")  # fmt: skip
+            return False
+        else:
+            link.instances.add(instance)
+            self._owners[instance] = link.endpoint
+            return True
+        self._reject("foreign", f"{link.endpoint}: {why}")
+        return False
 
     def _apply(self, instance: str, model: str, batch: KVEventBatch) -> None:
         try:
@@ -275,36 +352,44 @@ class KvEventsSubscriber:
         """Ask the publisher's replay socket for ``start``..``end - 1`` and apply them."""
         import zmq
 
-        assert self._ctx is not None and link.replay is not None
+        replay = link.spec.replay
+        assert self._ctx is not None and replay is not None
         if link.dealer is None:
             link.dealer = self._ctx.socket(zmq.DEALER)
             link.dealer.setsockopt(zmq.LINGER, 0)
-            link.dealer.connect(link.replay)
+            link.dealer.connect(replay)
         dealer = link.dealer
         dealer.send_multipart([b"", pack_seq(start)])
         timeout_ms = int(self.settings.replay_timeout * 1000)
         while dealer.poll(timeout_ms):
             frames = dealer.recv_multipart()
-            if frames and frames[0] == b"" and len(frames) == 3:
+            if frames[:1] == [b""]:
                 frames = frames[1:]
-            if len(frames) != 2:
+            # vLLM's replies: topic, seq, payload; the older ones: seq, payload
+            if len(frames) not in (2, 3):
                 self._reject("frames", f"replay reply of {len(frames)} frames")
                 continue
             try:
-                seq = unpack_seq(frames[0])
-            except VllmWireError as exc:
+                seq = unpack_seq(frames[-2])
+                named = frames[0].decode("utf-8") if len(frames) == 3 else topic
+            except (VllmWireError, UnicodeDecodeError) as exc:
                 self._reject("frames", f"replay: {exc}")
                 continue
             if seq == REPLAY_END_SEQ:
                 return
-            if start <= seq < end and (link.last_seq is None or seq > link.last_seq):
+            last = link.seqs.get(topic)
+            if named != topic:  # a publisher replays its one topic; another one is not ours
+                self._reject(
+                    "foreign", f"replay from {replay}: topic {named!r:.80}, asked {topic!r:.80}"
+                )
+            elif start <= seq < end and (last is None or seq > last):
                 self.counts["replayed_batches"] += 1
-                self._message(link, topic, seq, frames[1], live=False)
+                self._message(link, topic, seq, frames[-1], live=False)
         # No end marker in time: drop the socket so a late reply cannot be taken for the next,
         # and ask again only after a while (a dead replay endpoint must not stall every gap).
         self.counts["replay_failures"] += 1
         log.warning("kv events: replay from %s timed out; gaps stay gaps for %.0f s",
-                    link.replay, self.settings.replay_backoff)  # fmt: skip
+                    replay, self.settings.replay_backoff)  # fmt: skip
         dealer.close(0)
         link.dealer = None
         link.replay_after = time.monotonic() + self.settings.replay_backoff

@@ -24,6 +24,8 @@ async def register(body: RegisterRequest, service: Service, who: Caller) -> Resp
     who.require_instance(body.instance_id)
     asked, fields = registration(body)
     service.check_chunk_size(body.chunk_size)
+    if asked:
+        service.check_node_ids([asked])
     salts = None if who.is_admin else who.cache_salts
     instance_id, again = service.instances.register(asked, fields, salts)
     return MsgspecJSONResponse(registered_to_wire(instance_id, again))
