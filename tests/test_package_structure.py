@@ -40,7 +40,10 @@ TOP = ("bench", "demo", "soak", "cli")
 # Below its place in the order, but still out of bounds: a client never imports server
 # internals (and must stay light: no directory, hence no numba kernels). The vLLM connector
 # runs inside an engine and reaches its node through the client only.
-FORBIDDEN = {"client": ("directory", "coordinator"), "connector": ("directory", "coordinator", "node")}
+FORBIDDEN = {
+    "client": ("directory", "coordinator"),
+    "connector": ("directory", "coordinator", "node"),
+}
 
 # Known gaps in packages still being restructured (issue 8). The tests fail on any new gap AND
 # on an entry here that was fixed: delete the entry then.
