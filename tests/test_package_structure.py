@@ -1,6 +1,6 @@
 """The shape of the package, read from the source with ``ast`` (nothing is imported):
 
-* layers: keys → events → directory → coordinator → client → node; a package imports only
+* layers: keys → events → directory → coordinator → client → node → connector; a package imports only
   its own layer and those below it, never one above (function-level imports count too);
 * shared modules (errors, checks, web, ...) sit underneath and import no layered package;
   bench, demo, soak and cli sit on top and nothing imports them;
@@ -23,7 +23,7 @@ import kvatlas
 
 ROOT = Path(kvatlas.__file__).parent
 
-LAYERS = ("keys", "events", "directory", "coordinator", "client", "node")
+LAYERS = ("keys", "events", "directory", "coordinator", "client", "node", "connector")
 SHARED = (
     "kvatlas",  # the root package: __version__ only
     "errors",
@@ -38,8 +38,12 @@ SHARED = (
 )
 TOP = ("bench", "demo", "soak", "cli")
 # Below its place in the order, but still out of bounds: a client never imports server
-# internals (and must stay light: no directory, hence no numba kernels).
-FORBIDDEN = {"client": ("directory", "coordinator")}
+# internals (and must stay light: no directory, hence no numba kernels). The vLLM connector
+# runs inside an engine and reaches its node through the client only.
+FORBIDDEN = {
+    "client": ("directory", "coordinator"),
+    "connector": ("directory", "coordinator", "node"),
+}
 
 # Known gaps in packages still being restructured (issue 8). The tests fail on any new gap AND
 # on an entry here that was fixed: delete the entry then.

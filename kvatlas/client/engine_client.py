@@ -161,13 +161,14 @@ class EngineClient:
         return self._payload(path, response)
 
     def store(self, tokens: Any, kv_chunks: Sequence[Any], *, cache_salt: str = "", request_id: str = "",
-              mm_items: Sequence[MMItem] = ()) -> int:  # fmt: skip
-        """Store the KV of the request's leading chunks; returns how many were stored."""
+              mm_items: Sequence[MMItem] = (), first_chunk: int = 0) -> int:  # fmt: skip
+        """Store the KV of the request's chunks ``first_chunk, first_chunk + 1, ...`` (``tokens``
+        from the request's start); returns how many were stored."""
         dtype = self.layout.numpy_dtype()
         kv = b"".join(np.ascontiguousarray(k, dtype=dtype).tobytes() for k in kv_chunks)
         reply = self._call(
             "/engine/store", tokens=tokens, kv=kv, n_chunks=len(kv_chunks), cache_salt=cache_salt,
-            request_id=request_id, mm_items=mm_items,
+            request_id=request_id, mm_items=mm_items, first_chunk=first_chunk,
         )  # fmt: skip
         return int(reply["stored"])
 
@@ -183,24 +184,27 @@ class EngineClient:
         return int(reply["hit_tokens"])
 
     def retrieve(
-        self, tokens: Any, *, cache_salt: str = "", request_id: str = ""
-    ) -> tuple[list[Any], dict[str, int]]:
+        self, tokens: Any, *, cache_salt: str = "", request_id: str = "",
+        mm_items: Sequence[MMItem] = (),
+    ) -> tuple[list[Any], dict[str, int]]:  # fmt: skip
         """Prefix retrieval: the KV of the leading chunks any tier has, and where each came from."""
         reply = self._call(
-            "/engine/retrieve", tokens=tokens, cache_salt=cache_salt, request_id=request_id
-        )
+            "/engine/retrieve", tokens=tokens, cache_salt=cache_salt, request_id=request_id,
+            mm_items=mm_items,
+        )  # fmt: skip
         flat = np.frombuffer(reply["kv"], dtype=self.layout.numpy_dtype())
         chunks = list(flat.reshape((-1, *self.layout.shape))) if flat.size else []
         return chunks, dict(reply["sources"])
 
     def blend_segments(
-        self, tokens: Any, request_id: str, *, prefix_len: int = 0, cache_salt: str = ""
-    ) -> list[WireSegment] | None:
+        self, tokens: Any, request_id: str, *, prefix_len: int = 0, cache_salt: str = "",
+        mm_items: Sequence[MMItem] = (),
+    ) -> list[WireSegment] | None:  # fmt: skip
         """Blend lookup: the segments to reuse, or ``None`` while the fleet leg is pending
         (call again with the same ``request_id``)."""
         reply = self._call(
             "/engine/blend-lookup", tokens=tokens, request_id=request_id, prefix_len=prefix_len,
-            cache_salt=cache_salt,
+            cache_salt=cache_salt, mm_items=mm_items,
         )  # fmt: skip
         if reply["pending"]:
             return None
@@ -208,13 +212,13 @@ class EngineClient:
 
     def blend_parts(
         self, tokens: Any, request_id: str, segments: Sequence[WireSegment], *,
-        cache_salt: str = "",
+        cache_salt: str = "", mm_items: Sequence[MMItem] = (),
     ) -> dict[str, Any]:  # fmt: skip
         """Blend retrieval: ``parts`` (segment, KV re-RoPE'd to ``cur_st``: the layout's shape
         with ``length`` tokens), ``misses`` and ``sources``."""
         reply = self._call(
             "/engine/blend-retrieve", tokens=tokens, request_id=request_id, cache_salt=cache_salt,
-            segments=[msgspec.to_builtins(s) for s in segments],
+            segments=[msgspec.to_builtins(s) for s in segments], mm_items=mm_items,
         )  # fmt: skip
         shape = self.layout.shape
         parts = []

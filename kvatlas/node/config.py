@@ -17,12 +17,15 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
+from typing import Final
 
 from kvatlas.auth import TokenAuth
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args, env_name
 from kvatlas.events import EVENT_TRANSPORTS
 from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme, check_instance_id, pack_kv_rank
 from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
+from kvatlas.node.hf_config import read_hf_config
 from kvatlas.node.kv_dtype import KV_DTYPES
 from kvatlas.node.kv_layout import ROPE_STYLES, KVLayout
 
@@ -42,14 +45,17 @@ disk. ``--l2-max-bytes 0`` lifts it (for a volume bounded otherwise)."""  # the 
 @dataclass(frozen=True)
 class NodeConfig:
     model_name: str = "model"
-    num_layers: int = 2
-    num_kv_heads: int = 2
-    head_dim: int = 64
+    # The layout fields: None = not given; filled in by __post_init__ from --hf-config,
+    # else from LAYOUT_DEFAULTS (after construction they always hold the resolved values).
+    hf_config: Path | None = None
+    num_layers: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
     chunk_size: int = DEFAULT_CHUNK_SIZE
-    dtype: str = "float16"
-    rope_style: str = "neox"
-    rotary_dim: int = 0  # 0 = head_dim
-    rope_theta: float = 10000.0
+    dtype: str | None = None
+    rope_style: str | None = None
+    rotary_dim: int | None = None  # 0 = head_dim
+    rope_theta: float | None = None
     hash_scheme: str = "blake3"
     world_size: int = 1
     rank: int = 0
@@ -98,6 +104,8 @@ class NodeConfig:
     access_log: bool = False
 
     def __post_init__(self) -> None:
+        for name, value in resolve_layout_fields(self).items():
+            object.__setattr__(self, name, value)
         self.layout  # noqa: B018 - validates the KV layout fields
         KeyScheme(self.hash_scheme, self.chunk_size)
         pack_kv_rank(self.world_size, self.rank, self.world_size, self.rank)
@@ -155,6 +163,9 @@ class NodeConfig:
 
     @property
     def layout(self) -> KVLayout:
+        assert self.num_layers is not None and self.num_kv_heads is not None
+        assert self.head_dim is not None and self.dtype is not None
+        assert self.rope_style is not None and self.rope_theta is not None
         return KVLayout(
             num_layers=self.num_layers,
             num_kv_heads=self.num_kv_heads,
@@ -234,6 +245,44 @@ class NodeConfig:
             )
 
 
+LAYOUT_DEFAULTS: Final[Mapping[str, object]] = MappingProxyType({
+    "num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "dtype": "float16",
+    "rope_style": "neox", "rotary_dim": 0, "rope_theta": 10000.0,
+})  # fmt: skip
+"""The layout of a node given neither layout flags nor ``--hf-config`` (a small test model)."""
+
+
+def resolve_layout_fields(config: NodeConfig) -> dict[str, object]:
+    """The layout fields' values: each flag given, else ``--hf-config``'s value, else the
+    default. With ``--hf-config``, a flag that contradicts the file is refused, and a field
+    the file does not state must be given as a flag (never a default: a wrong layout fails
+    silently)."""
+    given = {name: getattr(config, name) for name in LAYOUT_DEFAULTS}
+    if config.hf_config is None:
+        return {n: LAYOUT_DEFAULTS[n] if v is None else v for n, v in given.items()}
+    hf = read_hf_config(config.hf_config)
+    stated: dict[str, object] = {
+        "num_layers": hf.num_layers, "num_kv_heads": hf.kv_heads_per_rank(config.world_size),
+        "head_dim": hf.head_dim, "dtype": hf.dtype, "rope_style": hf.rope_style,
+        "rotary_dim": hf.rotary_dim or 0, "rope_theta": hf.rope_theta,
+    }  # fmt: skip
+    resolved: dict[str, object] = {}
+    for name, value in given.items():
+        flag = "--" + name.replace("_", "-")
+        if stated[name] is None and value is None:
+            raise ValueError(
+                f"--hf-config {config.hf_config} does not state the {name} "
+                f"(model_type {hf.model_type!r}); give {flag}"
+            )
+        if stated[name] is not None and value is not None and value != stated[name]:
+            raise ValueError(
+                f"{flag} {value} contradicts --hf-config {config.hf_config}, which gives "
+                f"{stated[name]}; drop the flag or fix the file"
+            )
+        resolved[name] = stated[name] if value is None else value
+    return resolved
+
+
 def default_l2_path(environ: Mapping[str, str] | None = None) -> Path:
     """The per-user cache directory: ``$XDG_CACHE_HOME/kvatlas/l2``, else
     ``~/.cache/kvatlas/l2``."""
@@ -282,14 +331,21 @@ def _secret(value: str, path: Path | None, name: str) -> str | None:
 
 _HELP = {
     "model_name": "model name; part of every key (nodes of different models never share KV)",
-    "num_layers": "KV layout: transformer layers (the model's num_hidden_layers)",
-    "num_kv_heads": "KV layout: KV heads per layer (on this rank)",
-    "head_dim": "KV layout: dims per head",
+    "hf_config": (
+        "a Hugging Face config.json (or its directory): the KV layout flags below default to "
+        "what it states; a flag that contradicts it is refused, one it does not state must "
+        "be given"
+    ),
+    "num_layers": "KV layout: transformer layers (the model's num_hidden_layers; default 2)",
+    "num_kv_heads": "KV layout: KV heads per layer (on this rank; default 2)",
+    "head_dim": "KV layout: dims per head (default 64)",
     "chunk_size": "tokens per chunk; must equal the coordinator's --chunk-size",
-    "dtype": "KV cache dtype (the engine's KV cache dtype)",
-    "rope_style": "RoPE pairing for re-RoPE: rotate-half (neox) or interleaved (gptj)",
-    "rotary_dim": "leading dims of each head that RoPE rotates (0 = all of head_dim)",
-    "rope_theta": "RoPE frequency base",
+    "dtype": "KV cache dtype (the engine's KV cache dtype; default float16)",
+    "rope_style": (
+        "RoPE pairing for re-RoPE: rotate-half (neox) or interleaved (gptj) (default neox)"
+    ),
+    "rotary_dim": "leading dims of each head that RoPE rotates (0 = all of head_dim, the default)",
+    "rope_theta": "RoPE frequency base (default 10000)",
     "hash_scheme": "key scheme (chunk hash); must equal the coordinator's",
     "world_size": "tensor-parallel world size (packed into every key's kv_rank)",
     "rank": "this node's tensor-parallel rank",

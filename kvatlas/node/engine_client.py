@@ -26,10 +26,10 @@ class NodeEngineClient(EngineClient):
         super().__init__(url, layout, timeout=timeout, token=token)
 
     def store(self, tokens: Any, kv_chunks: Sequence[Any], *, cache_salt: str = "", request_id: str = "",
-              mm_items: Sequence[MMItem] = ()) -> int:  # fmt: skip
+              mm_items: Sequence[MMItem] = (), first_chunk: int = 0) -> int:  # fmt: skip
         return super().store(
             tokens, [to_numpy(k) for k in kv_chunks], cache_salt=cache_salt,
-            request_id=request_id, mm_items=mm_items,
+            request_id=request_id, mm_items=mm_items, first_chunk=first_chunk,
         )  # fmt: skip
 
     def blend_lookup(

@@ -188,12 +188,13 @@ def create_node_app(node: CacheNode, *, auth: TokenAuth | None = None) -> FastAP
         ApiGate, auth=auth, engine_port=config.engine_port, public_metrics=config.metrics_public
     )
     _publish_openapi(app)
+    layout = config.layout
     layout_reply = EngineLayout(
         model_name=config.model_name, hash_scheme=config.hash_scheme,
-        chunk_size=config.chunk_size, num_layers=config.num_layers,
-        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=config.dtype,
-        rotary_dim=config.rotary_dim or config.head_dim, rope_style=config.rope_style,
-        rope_theta=config.rope_theta, world_size=config.world_size, rank=config.rank,
+        chunk_size=layout.chunk_size, num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=layout.dtype,
+        rotary_dim=layout.rope_dim, rope_style=layout.rope_style,
+        rope_theta=layout.rope_theta, world_size=config.world_size, rank=config.rank,
         kv_rank=config.kv_rank,
     )  # fmt: skip
     trackers = Trackers(

@@ -1,0 +1,179 @@
+"""``KvatlasConnector``: vLLM's ``KVConnectorBase_V1`` backed by a kvatlas cache node.
+
+vLLM builds one instance per role: in the scheduler process it answers how many tokens the
+node can supply and plans each step's loads and stores (:mod:`.scheduler_side`); in each
+worker it moves KV between the paged cache and the node (:mod:`.worker_side`). Both refuse
+to start on a cache or layout they cannot serve exactly (hybrid groups, MLA, quantized or
+packed caches, tensor or pipeline parallelism, a node whose layout differs from vLLM's):
+a wrong layout would not fail, it would load wrong KV.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, MLAAttentionSpec
+
+from kvatlas.client import EngineLayout
+from kvatlas.connector.metadata import KvatlasConnectorMetadata
+from kvatlas.connector.node_link import NodeLink
+from kvatlas.connector.pages import dtype_name
+from kvatlas.connector.scheduler_side import SchedulerSide
+from kvatlas.connector.settings import ConnectorSettings
+from kvatlas.connector.worker_side import WorkerSide
+from kvatlas.errors import InvalidInput
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+def check_cache(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> FullAttentionSpec:
+    """vLLM's KV cache, if this connector can serve it exactly; else a refusal naming why."""
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise InvalidInput(
+            "kvatlas connector: tensor and pipeline parallelism are not supported "
+            f"(tp={parallel.tensor_parallel_size}, pp={parallel.pipeline_parallel_size})"
+        )
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise InvalidInput(
+            f"kvatlas connector: {len(groups)} KV cache groups (a hybrid model); one "
+            "full-attention group is supported"
+        )
+    spec = groups[0].kv_cache_spec
+    if not isinstance(spec, FullAttentionSpec) or isinstance(spec, MLAAttentionSpec):
+        raise InvalidInput(
+            f"kvatlas connector: {type(spec).__name__} is not supported (full attention only)"
+        )
+    packed = (spec.num_head_slots, spec.state_content_bytes, spec.page_size_padded)
+    if (
+        spec.kv_quant_mode != KVQuantMode.NONE
+        or packed != (None, None, None)
+        or spec.tokens_per_state != 1
+    ):
+        raise InvalidInput(
+            "kvatlas connector: quantized, packed or padded KV caches are not supported"
+        )
+    if spec.head_size_v != spec.head_size:
+        raise InvalidInput("kvatlas connector: K and V head sizes differ")
+    return spec
+
+
+def check_layout(layout: EngineLayout, spec: FullAttentionSpec, num_layers: int) -> None:
+    """The node's layout must be vLLM's cache, field for field."""
+    ours = {
+        "num_layers": num_layers, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_size,
+        "dtype": dtype_name(spec.dtype), "world_size": 1,
+    }  # fmt: skip
+    theirs = {name: getattr(layout, name) for name in ours}
+    if ours != theirs:
+        raise InvalidInput(
+            f"kvatlas connector: vLLM's KV cache {ours} is not the node's layout {theirs}"
+        )
+    if layout.chunk_size % spec.block_size:
+        raise InvalidInput(
+            f"kvatlas connector: the node's chunk_size {layout.chunk_size} is not a multiple of "
+            f"vLLM's block_size {spec.block_size}"
+        )
+
+
+class KvatlasConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        settings = ConnectorSettings.from_extra_config(
+            self._kv_transfer_config.kv_connector_extra_config
+        )
+        spec = check_cache(vllm_config, kv_cache_config)
+        self._node = NodeLink(settings)
+        layout = self._node.layout()  # the node must be up: its layout decides everything
+        check_layout(layout, spec, len(kv_cache_config.kv_cache_groups[0].layer_names))
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self._node, layout.chunk_size, blend=settings.blend)
+        else:
+            self._worker = WorkerSide(self._node, layout, spec.block_size, settings.kv_packing)
+        log.info("kvatlas connector (%s) on node %s: %s", role.name, settings.node_url, layout)
+
+    @property
+    def scheduler(self) -> SchedulerSide:
+        assert self._scheduler is not None, "a scheduler-side call on the worker's connector"
+        return self._scheduler
+
+    @property
+    def worker(self) -> WorkerSide:
+        assert self._worker is not None, "a worker-side call on the scheduler's connector"
+        return self._worker
+
+    def _meta(self) -> KvatlasConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvatlasConnectorMetadata)
+        return meta
+
+    # -- worker side ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        self.worker.save_kv_layer(self._meta(), layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        self.worker.wait_for_save(meta if isinstance(meta, KvatlasConnectorMetadata) else None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        self._node.close()
+
+    # -- scheduler side ------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)

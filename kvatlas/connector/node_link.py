@@ -1,0 +1,73 @@
+"""The connector's line to its node: one :class:`EngineClient`, opened lazily.
+
+A KV cache that is down must never stop an engine from serving: a failed call is a miss
+(nothing loaded, nothing stored), counted by cause and logged at most once a minute, and an
+unreachable node is left alone for ``retry_s`` before the next attempt, so a scheduler step
+does not wait on a dead node again and again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import TypeVar
+
+import httpx
+
+from kvatlas.client import EngineCallError, EngineClient, EngineLayout
+from kvatlas.connector.settings import ConnectorSettings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_WARN_EVERY_S = 60.0
+
+
+class NodeLink:
+    def __init__(self, settings: ConnectorSettings) -> None:
+        self.settings = settings
+        self.failures: Counter[str] = Counter()
+        self._client: EngineClient | None = None
+        self._down_until = 0.0
+        self._warned_at = -_WARN_EVERY_S
+
+    def client(self) -> EngineClient:
+        """The client (reads the node's layout on first contact); raises when unreachable."""
+        if self._client is None:
+            self._client = EngineClient(
+                self.settings.node_url, timeout=self.settings.timeout_s, token=self.settings.token
+            )
+        return self._client
+
+    def layout(self) -> EngineLayout:
+        layout = self.client().layout
+        assert isinstance(layout, EngineLayout)
+        return layout
+
+    def call(self, what: str, fn: Callable[[EngineClient], T], fallback: T) -> T:
+        """``fn(client)``, or ``fallback`` when the node fails (counted as ``what``)."""
+        if time.monotonic() < self._down_until:
+            self.failures[f"{what}_skipped_node_down"] += 1
+            return fallback
+        try:
+            return fn(self.client())
+        except (httpx.HTTPError, EngineCallError) as exc:
+            unreachable = isinstance(exc, httpx.TransportError)
+            if unreachable:
+                self._down_until = time.monotonic() + self.settings.retry_s
+            self.failures[what] += 1
+            now = time.monotonic()
+            if now - self._warned_at >= _WARN_EVERY_S:
+                self._warned_at = now
+                log.warning(
+                    "kvatlas node %s: %s failed (%s); treated as a miss%s (failures so far: %s)",
+                    self.settings.node_url, what, exc,
+                    f", node left alone for {self.settings.retry_s:g} s" if unreachable else "",
+                    dict(self.failures),
+                )  # fmt: skip
+            return fallback
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()

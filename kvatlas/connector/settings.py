@@ -1,0 +1,106 @@
+"""The connector's settings: vLLM's ``kv_connector_extra_config``, checked once at start-up.
+
+Unknown keys are refused (a typo such as ``"blnd": true`` would otherwise silently run
+without the feature it names). The engine token never travels in the JSON config (it would
+show in the process list): it comes from ``token_file`` (mode 600) or ``KVATLAS_ENGINE_TOKEN``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from kvatlas.errors import InvalidInput
+
+KV_PACKINGS: Final = ("split_last", "split_tokens")
+"""How a backend packs K and V in one page cell ``[B, H, N, C]`` (``C`` = K dims + V dims):
+``split_last``: a token's K then its V on the last axis (FlashAttention, FlexAttention);
+``split_tokens``: per (block, head), the block's K rows then its V rows (vLLM's CPU backend)."""
+BACKEND_PACKINGS: Final = {
+    "FLASH_ATTN": "split_last",
+    "FLEX_ATTENTION": "split_last",
+    "CPU_ATTN": "split_tokens",
+}
+TOKEN_ENV: Final = "KVATLAS_ENGINE_TOKEN"
+_KEYS: Final = ("node_url", "token_file", "blend", "kv_packing", "timeout_s", "retry_s")
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """``node_url``: the node's engine API; ``token``: its engine token (``None``: no auth);
+    ``blend``: reuse fragments after the prefix (re-RoPE'd; see docs/vllm.md for what that
+    changes); ``kv_packing``: ``None`` = from the attention backend; ``timeout_s``: one node
+    call; ``retry_s``: how long an unreachable node is left alone before the next attempt."""
+
+    node_url: str
+    token: str | None = None
+    blend: bool = False
+    kv_packing: str | None = None
+    timeout_s: float = 30.0
+    retry_s: float = 5.0
+
+    @classmethod
+    def from_extra_config(
+        cls, extra: Mapping[str, object], environ: Mapping[str, str] | None = None
+    ) -> ConnectorSettings:
+        env = os.environ if environ is None else environ
+        unknown = sorted(set(extra) - set(_KEYS))
+        if unknown:
+            raise InvalidInput(
+                f"kv_connector_extra_config: unknown keys {unknown} (known: {list(_KEYS)})"
+            )
+        url = extra.get("node_url")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise InvalidInput(
+                f"kv_connector_extra_config.node_url must be the node's http(s) URL, got {url!r}"
+            )
+        blend = extra.get("blend", False)
+        if not isinstance(blend, bool):
+            raise InvalidInput(
+                f"kv_connector_extra_config.blend must be true or false, got {blend!r}"
+            )
+        packing = extra.get("kv_packing")
+        if packing is not None and packing not in KV_PACKINGS:
+            raise InvalidInput(
+                f"kv_connector_extra_config.kv_packing must be one of {KV_PACKINGS}, got {packing!r}"
+            )
+        numbers = {}
+        for name, default in (("timeout_s", 30.0), ("retry_s", 5.0)):
+            value = extra.get(name, default)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not 0 < value <= 3600
+            ):
+                raise InvalidInput(
+                    f"kv_connector_extra_config.{name} must be seconds in (0, 3600], got {value!r}"
+                )
+            numbers[name] = float(value)
+        token_file = extra.get("token_file")
+        if token_file is not None and not isinstance(token_file, str):
+            raise InvalidInput(
+                f"kv_connector_extra_config.token_file must be a path, got {token_file!r}"
+            )
+        token = _read_token(Path(token_file)) if token_file else env.get(TOKEN_ENV) or None
+        return cls(url.rstrip("/"), token, blend, packing, numbers["timeout_s"], numbers["retry_s"])
+
+
+def _read_token(path: Path) -> str:
+    """The token in ``path``: refused when group or others may read it (as the node's own
+    token files are) or when it is empty."""
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text().strip()
+    except OSError as exc:
+        raise InvalidInput(f"token_file: cannot read {path}: {exc.strerror}") from None
+    if mode & 0o077:
+        raise InvalidInput(
+            f"token_file: {path} is accessible to group or others (mode {mode & 0o777:o}); "
+            "chmod 600 it"
+        )
+    if not text:
+        raise InvalidInput(f"token_file: {path} is empty")
+    return text

@@ -1,0 +1,223 @@
+"""Drives :class:`KvatlasConnector` the way vLLM 0.33 does, with vLLM's own classes.
+
+Scheduler side, per new request (``vllm/v1/core/sched/scheduler.py``, ``schedule()``):
+``get_num_new_matched_tokens(request, block_aligned_local_hit)`` → blocks allocated →
+``update_state_after_alloc(request, KVCacheBlocks, num_external_tokens)`` → per step
+``build_connector_meta(SchedulerOutput)`` → at the end ``request_finished(request, block_ids)``.
+Worker side, per step (``vllm/v1/worker/kv_connector_model_runner_mixin.py`` and the attention
+hook ``maybe_transfer_kv_layer``): ``bind_connector_metadata`` → ``start_load_kv`` (before the
+forward when the step has sync loads) → per attention layer ``wait_for_layer_load``, the layer
+writes its new KV, ``save_kv_layer`` → ``wait_for_save`` → ``get_transfer_results`` →
+``get_block_ids_with_load_errors`` → ``clear_connector_metadata``.
+
+The "model" is the toy RoPE model (``kvatlas.node.toy_model``): every layer's K/V depends only
+on the token and its position, so the exact KV of any token at any position is known.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from vllm import SamplingParams
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import Request
+
+from kvatlas.connector import KvatlasConnector
+from kvatlas.connector.pages import kv_planes
+from kvatlas.node.toy_model import ToyRopeModel
+from tests.conftest import wait_for
+
+BLOCK = 8
+NUM_BLOCKS = 64
+
+
+def layer_names(n: int) -> list[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in range(n)]
+
+
+def make_request(
+    rid: str, tokens: Sequence[int], *, salt: str | None = None,
+    images: Sequence[tuple[str, int, int]] = (),
+) -> Request:  # fmt: skip
+    mm = [
+        MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
+                              mm_position=PlaceholderRange(offset=offset, length=length))
+        for ident, offset, length in images
+    ]  # fmt: skip
+    return Request(
+        rid, [int(t) for t in tokens], SamplingParams(max_tokens=1), None,
+        cache_salt=salt, mm_features=mm or None,
+    )  # fmt: skip
+
+
+@dataclass
+class Engine:
+    """One vLLM engine: a scheduler-side and a worker-side connector, a paged CPU cache."""
+
+    scheduler: KvatlasConnector
+    worker: KvatlasConnector
+    pages: dict[str, torch.Tensor]
+    model: ToyRopeModel
+    packing: str
+    free: list[int] = field(default_factory=lambda: list(range(NUM_BLOCKS))[::-1])  # never reused
+    load_errors: list[set[int]] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, node_url: str, model: ToyRopeModel, *, packing: str = "split_tokens",
+              blend: bool = False, **extra: object) -> Engine:  # fmt: skip
+        lay = model.layout
+        kv_config = KVTransferConfig(
+            kv_connector="KvatlasConnector", kv_connector_module_path="kvatlas.connector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"node_url": node_url, "blend": blend, "kv_packing": packing, **extra},
+        )  # fmt: skip
+        vllm_config = VllmConfig(
+            cache_config=CacheConfig(block_size=BLOCK), kv_transfer_config=kv_config,
+            device_config=DeviceConfig(device="cpu"),
+        )  # fmt: skip
+        names = layer_names(lay.num_layers)
+        spec = FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=lay.num_kv_heads, head_size=lay.head_dim,
+            dtype=getattr(torch, lay.dtype),
+        )  # fmt: skip
+        cache_config = KVCacheConfig(
+            num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)],
+        )  # fmt: skip
+        sched = KVConnectorFactory.create_connector(
+            vllm_config, KVConnectorRole.SCHEDULER, cache_config
+        )
+        worker = KVConnectorFactory.create_connector(
+            vllm_config, KVConnectorRole.WORKER, cache_config
+        )
+        assert isinstance(sched, KvatlasConnector) and isinstance(worker, KvatlasConnector)
+        pages = {
+            n: torch.full((NUM_BLOCKS, lay.num_kv_heads, BLOCK, 2 * lay.head_dim), float("nan"),
+                          dtype=spec.dtype)
+            for n in names
+        }  # fmt: skip
+        worker.register_kv_caches(pages)
+        return cls(sched, worker, pages, model, packing)
+
+    # -- the scheduler's side of one request -----------------------------------------
+
+    def match(self, request: Request) -> int:
+        """``get_num_new_matched_tokens``, asked again while it answers ``None`` (a pending
+        blend lookup), as vLLM's scheduler does on its next steps."""
+        answers: list[tuple[int | None, bool]] = []
+        asked = wait_for(
+            lambda: (
+                answers.append(self.scheduler.get_num_new_matched_tokens(request, 0))
+                or answers[-1][0] is not None
+            ),
+            timeout=30,
+        )
+        matched, is_async = answers[-1]
+        assert asked and matched is not None and is_async is False
+        return matched
+
+    def run(self, request: Request, *, budget: int = 1 << 30) -> RunResult:
+        """Schedule ``request`` from nothing computed to its whole prompt, ``budget`` tokens
+        per step (chunked prefill), each step run through the worker; then finish it."""
+        matched = self.match(request)
+        n_blocks = -(-request.num_tokens // BLOCK)
+        block_ids = [self.free.pop() for _ in range(n_blocks)]
+        blocks = KVCacheBlocks((tuple(KVCacheBlock(b) for b in block_ids),))
+        self.scheduler.update_state_after_alloc(request, blocks, matched)
+        computed, first = matched, True
+        loaded_rows: dict[str, torch.Tensor] = {}
+        while computed < request.num_tokens:
+            step = min(budget, request.num_tokens - computed)
+            rid = request.request_id
+            if first:
+                request.num_computed_tokens = computed  # as the scheduler sets it
+                new = [NewRequestData.from_request(request, (block_ids,))]
+                cached = CachedRequestData.make_empty()
+            else:
+                new = []
+                cached = CachedRequestData(
+                    req_ids=[rid], resumed_req_ids=set(), new_token_ids=[[]], all_token_ids={},
+                    new_block_ids=[None], num_computed_tokens=[computed], num_output_tokens=[0],
+                )  # fmt: skip
+            out = SchedulerOutput(
+                scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+                num_scheduled_tokens={rid: step}, total_num_scheduled_tokens=step,
+                scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+                finished_req_ids=set(), free_encoder_mm_hashes=[],
+                has_sync_kv_loads=first and matched > 0,
+            )  # fmt: skip
+            out.kv_connector_metadata = self.scheduler.build_connector_meta(out)
+            rows = self._worker_step(out, request, block_ids, computed, step)
+            if first:
+                loaded_rows = rows
+            computed += step
+            first = False
+        finished = self.scheduler.request_finished(request, block_ids)
+        assert finished == (False, None)
+        return RunResult(matched, block_ids, loaded_rows)
+
+    # -- the worker's side of one step ------------------------------------------------
+
+    def _worker_step(
+        self, out: SchedulerOutput, request: Request, block_ids: list[int], start: int, n: int
+    ) -> dict[str, torch.Tensor]:
+        """One forward: returns each layer's K and V rows ``[0, start)`` as the layer saw them
+        (what the connector loaded) before computing tokens ``[start, start + n)``."""
+        w = self.worker
+        assert out.kv_connector_metadata is not None
+        w.bind_connector_metadata(out.kv_connector_metadata)
+        if out.has_sync_kv_loads:
+            w.start_load_kv(None)  # type: ignore[arg-type]
+        tokens = np.asarray(request.all_token_ids[start : start + n], dtype=np.int64)
+        kv = self.model.kv_chunk(tokens, start)  # [L, 2, n, H, D]: the layers' new KV
+        seen = {}
+        for layer, name in enumerate(self.pages):
+            w.wait_for_layer_load(name)
+            seen[name] = self.rows(name, block_ids, 0, start)
+            self.write(name, block_ids, start, torch.from_numpy(kv[layer]))
+            w.save_kv_layer(name, self.pages[name], None)  # type: ignore[arg-type]
+        if not out.has_sync_kv_loads:
+            w.start_load_kv(None)  # type: ignore[arg-type]
+        w.wait_for_save()
+        w.get_transfer_results(out.finished_req_ids)
+        self.load_errors.append(w.get_block_ids_with_load_errors())
+        w.clear_connector_metadata()
+        return seen
+
+    def rows(self, name: str, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        """``[2, end - start, H, D]``: K and V of tokens ``[start, end)`` in the paged cache."""
+        k, v = kv_planes(self.pages[name], self.packing, self.model.layout.head_dim)
+        t = torch.arange(start, end)
+        b, r = torch.as_tensor(block_ids)[t // BLOCK], t % BLOCK
+        return torch.stack([k[b, :, r], v[b, :, r]])
+
+    def write(self, name: str, block_ids: list[int], start: int, kv: torch.Tensor) -> None:
+        k, v = kv_planes(self.pages[name], self.packing, self.model.layout.head_dim)
+        t = torch.arange(start, start + kv.shape[1])
+        b, r = torch.as_tensor(block_ids)[t // BLOCK], t % BLOCK
+        k[b, :, r], v[b, :, r] = kv[0], kv[1]
+
+    def close(self) -> None:
+        self.scheduler.shutdown()
+        self.worker.shutdown()
+
+
+@dataclass
+class RunResult:
+    matched: int
+    block_ids: list[int]
+    loaded: dict[str, torch.Tensor]  # per layer [2, matched, H, D] as the first forward saw it
+
+    def stack(self) -> Any:
+        return torch.stack(list(self.loaded.values()))  # [L, 2, matched, H, D]

@@ -1,0 +1,221 @@
+"""kvatlas as vLLM's KV connector, driven in vLLM's call order (tests/connector/harness.py)
+with vLLM 0.33's own classes, against real node and coordinator processes over HTTP.
+
+Under ``CI=true`` these run (``tests/vllm_support.py``): vLLM is installed by ``make test``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import pytest
+
+from kvatlas.coordinator.server import free_port
+from kvatlas.node.config import NodeConfig
+from kvatlas.node.rope import rerope_k
+from kvatlas.node.toy_model import ToyRopeModel
+from kvatlas.processes import spawn_service, stop
+from tests.conftest import wait_for
+from tests.vllm_support import require_vllm
+
+C = 16
+TINY_LLAMA = {  # the engine's model: what both the nodes (--hf-config) and the engine read
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+    "rope_theta": 10000.0, "torch_dtype": "float32", "vocab_size": 512,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    require_vllm("vllm.distributed.kv_transfer.kv_connector.v1.base")
+    tmp = tmp_path_factory.mktemp("fleet")
+    (tmp / "config.json").write_text(json.dumps(TINY_LLAMA))
+    coord = f"http://127.0.0.1:{free_port()}"
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        procs.append(spawn_service(
+            ["-m", "kvatlas.cli", "coordinator", "--port", coord.rsplit(":", 1)[1],
+             "--chunk-size", str(C), "--enable-blend-lookup", "--log-level", "warning"], coord,
+        ))  # fmt: skip
+        urls = {}
+        for name in ("a", "b"):
+            port = free_port()
+            urls[name] = f"http://127.0.0.1:{port}"
+            procs.append(spawn_service(
+                ["-m", "kvatlas.cli", "node", "--port", str(port), "--instance-id", f"node-{name}",
+                 "--hf-config", str(tmp), "--model-name", "tiny", "--chunk-size", str(C),
+                 "--l2", "none", "--coordinator-url", coord, "--coordinator-event-reporting",
+                 "--coordinator-blend-timeout", "20", "--log-level", "warning"], urls[name],
+            ))  # fmt: skip
+        yield {"coordinator": coord, "hf_config": str(tmp), **urls}
+    finally:
+        stop(procs)
+
+
+@pytest.fixture(scope="module")
+def model() -> ToyRopeModel:
+    layout = NodeConfig(
+        model_name="tiny", num_layers=2, num_kv_heads=2, head_dim=16, chunk_size=C, dtype="float32"
+    ).layout
+    return ToyRopeModel(layout, seed=3)
+
+
+def tokens(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 500, n)
+
+
+def fresh(model: ToyRopeModel, toks: np.ndarray, start: int = 0) -> np.ndarray:
+    return model.kv_chunk(np.asarray(toks), start)  # [L, 2, T, H, D]
+
+
+def coordinator_keys(fleet: dict[str, str]) -> int:
+    return int(httpx.get(f"{fleet['coordinator']}/directory/stats").json()["keys"])
+
+
+def test_cold_request_stores_and_same_prefix_loads_bit_exactly(
+    fleet: dict[str, str], model: ToyRopeModel
+) -> None:
+    from tests.connector.harness import Engine, make_request
+
+    engine = Engine.start(fleet["a"], model)
+    prefix = tokens(1, 2 * C)
+    cold = engine.run(make_request("cold", [*prefix, *tokens(2, 9)]), budget=12)  # chunked prefill
+    assert cold.matched == 0 and engine.load_errors == [set()] * 4
+    stats = engine.worker.worker.stats()
+    assert stats["chunks_saved"] == 2 and stats["node_failures"] == {}
+    warm = engine.run(make_request("warm", [*prefix, *tokens(3, 5)]))
+    assert warm.matched == 2 * C
+    assert set(warm.block_ids).isdisjoint(cold.block_ids)
+    loaded = warm.stack().numpy()
+    want = fresh(model, prefix)
+    assert loaded.dtype == want.dtype and np.array_equal(loaded, want)  # bit for bit
+    assert engine.load_errors[-1] == set()
+    # a prompt of exactly the stored chunks: vLLM must still compute its last token
+    whole = engine.run(make_request("whole", list(prefix)))
+    assert whole.matched == 2 * C - 1
+    engine.close()
+
+
+def test_packing_split_last_round_trips(fleet: dict[str, str], model: ToyRopeModel) -> None:
+    """The other K/V packing (FlashAttention's cell layout): store and load through it."""
+    from tests.connector.harness import Engine, make_request
+
+    engine = Engine.start(fleet["a"], model, packing="split_last")
+    prompt = [*tokens(10, C), *tokens(11, 3)]
+    assert engine.run(make_request("p1", prompt)).matched == 0
+    again = engine.run(make_request("p2", prompt))
+    assert again.matched == C and np.array_equal(again.stack().numpy(), fresh(model, prompt[:C]))
+    engine.close()
+
+
+def test_fragment_reuse_with_rerope(fleet: dict[str, str], model: ToyRopeModel) -> None:
+    """CacheBlend-style: a chunk stored at 2C continues another request's prefix at C. Its K
+    arrives re-RoPE'd to its new position: equal to the toy model's K computed fresh there
+    (a brute-force RoPE at absolute positions) and to the node's own re-RoPE of the stored
+    chunk; V is position-free and equal bit for bit. Nothing from the fragment on is stored."""
+    from tests.connector.harness import Engine, make_request
+
+    engine = Engine.start(fleet["a"], model, blend=True)
+    system, doc1, doc2 = tokens(20, C), tokens(21, C), tokens(22, C)
+    engine.run(make_request("rag-1", [*system, *doc1, *doc2, *tokens(23, 4)]))
+    query = [*system, *doc2, *tokens(24, 6)]
+    got = engine.run(make_request("rag-2", query))
+    assert got.matched == 2 * C
+    loaded = got.stack().numpy()
+    assert np.array_equal(loaded[:, :, :C], fresh(model, system))  # the exact prefix
+    moved = loaded[:, :, C:]
+    np.testing.assert_allclose(moved[:, 0], fresh(model, doc2, C)[:, 0], atol=1e-5)
+    assert np.array_equal(moved[:, 1], fresh(model, doc2, 2 * C)[:, 1])
+    stored = fresh(model, doc2, 2 * C)  # the chunk as stored: [L, 2, C, H, D]
+    by_node = rerope_k(stored, model.layout, old_st=2 * C, cur_st=C)
+    np.testing.assert_allclose(moved[:, 0], np.asarray(by_node)[:, 0], atol=1e-6)
+    # approximate KV never reaches the node under an exact key: only the system chunk is held
+    plain = Engine.start(fleet["a"], model)
+    assert plain.match(make_request("probe", query)) == C
+    plain.close()
+    engine.close()
+
+
+def test_fragment_after_a_gap_is_not_claimed(fleet: dict[str, str], model: ToyRopeModel) -> None:
+    """vLLM computes every token after its computed prefix: a fragment behind uncached tokens
+    cannot be used (claimed tokens are one contiguous run)."""
+    from tests.connector.harness import Engine, make_request
+
+    engine = Engine.start(fleet["a"], model, blend=True)
+    doc = tokens(30, C)
+    engine.run(make_request("g1", [*doc, *tokens(31, 2)]))
+    gap = engine.run(make_request("g2", [*tokens(32, 5), *doc, *tokens(33, 2)]))
+    assert gap.matched == 0
+    engine.close()
+
+
+def test_prefix_stored_by_another_node(fleet: dict[str, str], model: ToyRopeModel) -> None:
+    """Engine A stores through node A; engine B, on node B, finds the prefix through the
+    fleet (coordinator) and loads it from node A's L1 (peer), bit for bit."""
+    from tests.connector.harness import Engine, make_request
+
+    on_a, on_b = Engine.start(fleet["a"], model), Engine.start(fleet["b"], model)
+    prefix = tokens(40, 3 * C)
+    before = coordinator_keys(fleet)
+    on_a.run(make_request("x1", [*prefix, *tokens(41, 3)]))
+    assert wait_for(lambda: coordinator_keys(fleet) >= before + 3, timeout=20)
+    got = on_b.run(make_request("x2", [*prefix, *tokens(42, 7)]))
+    assert got.matched == 3 * C
+    assert np.array_equal(got.stack().numpy(), fresh(model, prefix))
+    stats = httpx.get(f"{fleet['b']}/engine/stats", headers={"Accept": "application/json"}).json()
+    assert stats["l1_chunks"] == 0  # node B holds none of it: the KV came through the fleet
+    on_a.close()
+    on_b.close()
+
+
+def test_other_salt_or_image_does_not_hit(fleet: dict[str, str], model: ToyRopeModel) -> None:
+    """Negative controls: the same token ids under another cache salt, or with another image
+    in a placeholder span (or an image where the stored request had none), match nothing."""
+    from tests.connector.harness import Engine, make_request
+
+    engine = Engine.start(fleet["a"], model, blend=True)
+    prompt = [*tokens(50, 2 * C), *tokens(51, 3)]
+    engine.run(make_request("s1", prompt, salt="tenant-a", images=[("img-1", 4, 6)]))
+
+    def matched(**kw: object) -> int | None:
+        return engine.match(make_request("probe", prompt, **kw))  # type: ignore[arg-type]
+
+    assert matched(salt="tenant-a", images=[("img-1", 4, 6)]) == 2 * C  # the positive control
+    assert matched(salt="tenant-b", images=[("img-1", 4, 6)]) == 0
+    assert matched(salt=None, images=[("img-1", 4, 6)]) == 0
+    assert matched(salt="tenant-a", images=[("img-2", 4, 6)]) == 0
+    assert matched(salt="tenant-a") == 0
+    engine.close()
+
+
+def test_a_node_that_lost_the_chunks_is_a_load_error(
+    fleet: dict[str, str], model: ToyRopeModel
+) -> None:
+    """Between the scheduler's lookup and the worker's load the node can lose a chunk: the
+    rows are not faked, their blocks are reported and vLLM recomputes them."""
+    from tests.connector.harness import Engine, make_request
+
+    engine = Engine.start(fleet["a"], model)
+    prompt = [*tokens(60, 2 * C), *tokens(61, 3)]
+    engine.run(make_request("l1", prompt))
+    port = free_port()  # a node outside the fleet: it cannot have them
+    lone = spawn_service(
+        ["-m", "kvatlas.cli", "node", "--port", str(port), "--hf-config", fleet["hf_config"],
+         "--model-name", "tiny", "--chunk-size", str(C), "--l2", "none", "--log-level", "warning"],
+        f"http://127.0.0.1:{port}",
+    )  # fmt: skip
+    other = Engine.start(f"http://127.0.0.1:{port}", model)
+    # A's scheduler plans the load, a worker whose node lacks the chunks carries it out
+    mixed = Engine(engine.scheduler, other.worker, other.pages, model, "split_tokens")
+    got = mixed.run(make_request("l2", [*prompt[: 2 * C], *tokens(62, 3)]))
+    assert got.matched == 2 * C
+    assert mixed.load_errors[0] == set(got.block_ids[: 2 * C // 8])  # every loaded block
+    assert np.isnan(got.stack().numpy()).all()  # nothing faked into them
+    engine.close()
+    other.close()
+    stop([lone])
