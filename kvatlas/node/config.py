@@ -25,6 +25,7 @@ from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme, check_instance_
 from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
 from kvatlas.node.kv_dtype import KV_DTYPES
 from kvatlas.node.kv_layout import ROPE_STYLES, KVLayout
+from kvatlas.node.peer_credentials import PeerSecret
 
 log = logging.getLogger(__name__)
 
@@ -208,8 +209,14 @@ class NodeConfig:
         return _secret(self.coordinator_token, self.coordinator_token_file, "coordinator")
 
     def peer_bearer(self) -> str | None:
-        """The token this node sends on ``/peer/*`` calls to other nodes."""
+        """The fleet's peer secret (``--peer-token-file``, the flag or the environment)."""
         return _secret(self.peer_token, self.peer_token_file, "peer")
+
+    def peer_secret(self) -> PeerSecret | None:
+        """What this node derives its peer credentials and URL signature from (``None``:
+        it sends no credential and signs nothing; ``kvatlas/node/peer_credentials.py``)."""
+        secret = self.peer_bearer()
+        return PeerSecret(secret) if secret else None
 
     @property
     def scheme(self) -> KeyScheme:

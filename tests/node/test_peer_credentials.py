@@ -43,6 +43,7 @@ C = 16
 MODEL = "toy"
 RANK = pack_kv_rank(1, 0, 1, 0)
 SALT = "tenant-t"
+VICTIM_SALT = "tenant-victim"  # a tenant the attacker's token is not bound to
 LAYOUT = NodeConfig(
     model_name=MODEL, num_layers=1, num_kv_heads=1, head_dim=8, chunk_size=C, dtype="float32"
 ).layout
@@ -64,7 +65,7 @@ class CapturingPeer:
         peer = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - the http.server hook
+            def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("content-length") or 0))
                 peer.requests.append((self.path, self.headers.get("authorization")))
                 body = b"\x90"  # msgpack: an empty array
@@ -177,7 +178,7 @@ def _fleet(tmp: Path, *, legacy: bool) -> Iterator[Fleet]:
         tmp / "coordinator-tokens.json",
         *(
             {"token": tok, "roles": ["emit", "lookup"], "instance_ids": [name],
-             "cache_salts": [SALT]}
+             "cache_salts": [SALT] if name == "evil" else [SALT, VICTIM_SALT]}
             for name, tok in COORD_TOKENS.items()
         ),
     )  # fmt: skip
@@ -224,7 +225,7 @@ def test_an_emit_token_cannot_harvest_a_peer_credential(
     fleet = legacy_fleet
     a, b = fleet.start_node("node-a"), fleet.start_node("node-b")
     victim = prompt(1)  # another tenant's prompt, in A's L1
-    store(a, victim, salt="tenant-victim")
+    store(a, victim, salt=VICTIM_SALT)
     bait = prompt(2)
     fleet.claim("evil", capture.url, keys_of(bait))  # no node signed this URL
 
@@ -232,7 +233,7 @@ def test_an_emit_token_cannot_harvest_a_peer_credential(
 
     assert kv == []
     for credential in capture.credentials:  # what the attacker got: useless at A
-        r = peer_kv(fleet.urls["node-a"], credential, keys_of(victim, "tenant-victim"))
+        r = peer_kv(fleet.urls["node-a"], credential, keys_of(victim, VICTIM_SALT))
         assert r.status_code == 401, (r.status_code, credential)
     assert capture.credentials == []  # and it got nothing to try
     assert capture.requests == []  # not even a request: the URL is not a node's
@@ -291,3 +292,67 @@ def test_a_legitimate_peer_fetch_works_across_a_node_restart(fleet: Fleet) -> No
     assert b.retrieve(second, cache_salt=SALT)[1] == {"peer_l1": 3}
     counters = b.stats()
     assert not {k: v for k, v in counters.items() if k.startswith("peer_fetch_")}, counters
+
+
+# ---------------------------------------------------------------- the pieces, in one process
+
+
+def test_credentials_and_url_signatures_are_bound_to_their_instance() -> None:
+    from kvatlas.node.peer_credentials import PeerSecret
+
+    secret, other = PeerSecret(PEER_SECRET), PeerSecret("another-fleet-" + "o" * 32)
+    assert secret.accepts(secret.credential("node-a"), "node-a")
+    assert not secret.accepts(secret.credential("node-a"), "node-b")
+    assert not secret.accepts(other.credential("node-a"), "node-a")
+    assert not secret.accepts(PEER_SECRET, "node-a")  # the secret itself is no credential
+    url = "http://10.0.0.1:9400"
+    signature = secret.sign_url("node-a", url)
+    assert secret.url_signed("node-a", url + "/", signature)
+    assert not secret.url_signed("node-b", url, signature)  # another instance's URL
+    assert not secret.url_signed("node-a", "http://10.0.0.2:9400", signature)
+    assert not secret.url_signed("node-a", url, other.sign_url("node-a", url))
+    assert not secret.url_signed("node-a", url, None)
+    # the signature is shown to salt-bound tokens: it must open nothing
+    assert not secret.accepts(signature, "node-a")
+
+
+def test_the_coordinator_lists_a_signature_and_the_view_checks_it() -> None:
+    """Over a real coordinator (loopback HTTP): a node registered with an assigned id gets a
+    signed URL too; a URL signed for another instance, unsigned, or signed with another
+    secret is no peer (counted); a malformed signature is refused at registration (422)."""
+    from kvatlas.coordinator.config import CoordinatorConfig
+    from kvatlas.coordinator.server import BackgroundServer
+    from kvatlas.node.fleet_view import HttpFleetView
+    from kvatlas.node.peer_credentials import PeerSecret
+    from kvatlas.node.server import register
+
+    secret = PeerSecret(PEER_SECRET)
+    config = NodeConfig(
+        model_name=MODEL, num_layers=1, num_kv_heads=1, head_dim=8, chunk_size=C,
+        dtype="float32", port=9401, peer_token=PEER_SECRET,
+    )  # fmt: skip
+    with (
+        BackgroundServer(CoordinatorConfig(port=free_port(), chunk_size=C)) as server,
+        CoordinatorClient(server.url) as node,
+        CoordinatorClient(server.url) as others,
+    ):
+        assigned = register(node, config, None)  # the coordinator names it, then it signs
+        url = "http://127.0.0.1:9"
+        others.register("other-id", p2p_advertised_url=url,
+                        p2p_url_signature=secret.sign_url("node-x", url))  # fmt: skip
+        others.register("unsigned", p2p_advertised_url=url)
+        others.register("foreign", p2p_advertised_url=url,
+                        p2p_url_signature=PeerSecret("x" * 40).sign_url("foreign", url))  # fmt: skip
+        r = httpx.post(
+            f"{server.url}/instances",
+            json={"instance_id": "bad", "p2p_advertised_url": url, "p2p_url_signature": "zz"},
+        )
+        assert r.status_code == 422 and "p2p_url_signature" in r.text
+        view = HttpFleetView(others, layout=LAYOUT, peer_secret=secret, refresh_interval=0.0)
+        peer = view.peer(assigned)
+        assert peer is not None and peer.url == "http://127.0.0.1:9401"
+        assert [view.peer(i) for i in ("other-id", "unsigned", "foreign")] == [None] * 3
+        assert view.counters["peer_url_unverified"] == 3
+        # without a secret a node sends no credential, so any listed URL will do (as before)
+        plain = HttpFleetView(others, layout=LAYOUT, refresh_interval=0.0)
+        assert plain.peer("unsigned") is not None
