@@ -58,9 +58,7 @@ class PeerHealth:
             backoff = self._backoff.get(instance_id)
             if backoff is None:
                 self._make_room(now)
-                backoff = self._backoff[instance_id] = Backoff(
-                    self.initial, self.cap, self._jitter
-                )
+                backoff = self._backoff[instance_id] = Backoff(self.initial, self.cap, self._jitter)
             tell = backoff.report()
             wait = backoff.next_wait()
             self._until[instance_id] = now + wait

@@ -97,7 +97,9 @@ class Silent:
             try:
                 conn.recv(65536)
                 if self.drip:
-                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\n")  # within the reply bound
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\n"
+                    )  # within the reply bound
                 for _ in range(1200):  # a minute, unless the client hangs up or we stop
                     if self._stop.wait(0.05):
                         return
@@ -227,9 +229,9 @@ def test_a_peer_that_answers_again_is_forgotten() -> None:
     health.succeeded("p")
     assert not health.down("p") and len(health) == 0
     health.failed("p", "refused")  # a new outage starts from the initial step again
-    now[0] = 3.9
+    now[0] = 3.8
     assert health.down("p")
-    now[0] = 4.0
+    now[0] = 3.9
     assert not health.down("p")
     # bounded: a flood of failing ids never grows the memory past max_peers
     for i in range(10):
