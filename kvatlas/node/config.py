@@ -346,8 +346,9 @@ _HELP = {
     ),
     "engine_host": "bind address of the engine API when --engine-port is given (default --host)",
     "engine_port": "serve /engine/* only on this port and /peer/* only on --port (default: both)",
-    "peer_token": "bearer token sent on /peer/* calls to other nodes (prefer the file or env)",
-    "peer_token_file": "file holding the peer token (mode 600, >= 32 characters)",
+    "peer_token": "the fleet's peer secret (prefer the file or env): each /peer/* call sends a "
+    "credential derived from it for its target; it also signs this node's advertised URL",
+    "peer_token_file": "file holding the fleet's peer secret (mode 600, >= 32 characters)",
     "max_query_tokens": "largest request, in tokens, the engine API accepts",
     "max_body_bytes": (
         "largest /engine/store body in bytes (0 = one request's KV for --max-query-tokens tokens)"

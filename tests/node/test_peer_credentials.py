@@ -273,6 +273,10 @@ def test_a_credential_captured_by_one_peer_is_useless_against_another(
     for name in ("node-a", "node-b"):  # each node's own credential opens it
         r = peer_kv(fleet.urls[name], f"Bearer {secret.credential(name)}", keys_of(theirs))
         assert r.status_code == 200 and r.content != b"\x90", (name, r.status_code)
+        # the bare secret opens nothing where the auth file does not list it (the new setup)
+        assert (
+            peer_kv(fleet.urls[name], f"Bearer {PEER_SECRET}", keys_of(theirs)).status_code == 401
+        )
 
 
 def test_a_legitimate_peer_fetch_works_across_a_node_restart(fleet: Fleet) -> None:
@@ -356,3 +360,34 @@ def test_the_coordinator_lists_a_signature_and_the_view_checks_it() -> None:
         # without a secret a node sends no credential, so any listed URL will do (as before)
         plain = HttpFleetView(others, layout=LAYOUT, refresh_interval=0.0)
         assert plain.peer("unsigned") is not None
+
+
+def test_a_signature_survives_a_coordinator_snapshot() -> None:
+    from kvatlas.coordinator.instances import InstanceRegistry, Registration
+
+    signed = Registration(p2p_advertised_url="http://10.0.0.1:9400", p2p_url_signature="ab" * 32)
+    registry = InstanceRegistry(30.0, on_fence=lambda _: None)
+    registry.register("node-a", signed)
+    restored = InstanceRegistry(30.0, on_fence=lambda _: None)
+    restored.restore(registry.rows())
+    [record] = restored.snapshot()[1]
+    assert record.registration == signed
+
+
+def test_a_node_warns_while_its_auth_file_accepts_the_bare_secret(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvatlas.node.server import warn_if_shared_peer_token
+
+    secret = tmp_path / "peer-secret"
+    secret.write_text(PEER_SECRET)
+    secret.chmod(0o600)
+    for legacy in (True, False):
+        entries: list[dict[str, Any]] = [{"token": ENGINE, "roles": ["engine"]}]
+        if legacy:
+            entries.append({"token": PEER_SECRET, "roles": ["peer"]})
+        auth = write_tokens(tmp_path / f"auth-{legacy}.json", *entries)
+        config = NodeConfig(auth_token_file=auth, peer_token_file=secret)
+        caplog.clear()
+        warn_if_shared_peer_token(config)
+        assert ("lists the peer secret" in caplog.text) is legacy
