@@ -149,7 +149,8 @@ def instance_views(
 ) -> list[InstanceView]:
     """Registered instances and emitters without registration, by instance id. A token bound
     to cache salts sees only its own instances in full and, of the others, those registered
-    for one of its salts with just what a peer needs (id, liveness, ``p2p_advertised_url``):
+    for one of its salts with just what a peer needs (id, liveness, ``p2p_advertised_url`` and
+    its signature):
     no metadata, addresses or cursors."""
     rows: list[InstanceView] = []
     if who.sees_everything:
@@ -173,7 +174,10 @@ def instance_views(
                     InstanceView(r.instance_id, r.registration, r.registration_time, age, emitter)
                 )
             elif r.cache_salts is None or not r.cache_salts.isdisjoint(salts):
-                peer = Registration(p2p_advertised_url=r.registration.p2p_advertised_url)
+                peer = Registration(
+                    p2p_advertised_url=r.registration.p2p_advertised_url,
+                    p2p_url_signature=r.registration.p2p_url_signature,
+                )
                 rows.append(InstanceView(r.instance_id, peer, r.registration_time, age, NO_EMITTER))
     rows.sort(key=lambda r: r.instance_id)
     return rows

@@ -41,6 +41,9 @@ class Registration:
     metadata: dict[str, Any] = field(default_factory=dict)
     p2p_advertised_url: str | None = None
     mq_port: int | None = None
+    p2p_url_signature: str | None = None
+    """The node's proof that it holds the fleet's peer secret, for this id and URL (opaque
+    here: nodes check it, ``kvatlas/node/peer_credentials.py``)."""
 
 
 @dataclass(frozen=True, slots=True)

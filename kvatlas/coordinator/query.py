@@ -28,6 +28,8 @@ from kvatlas.keys import BlendNamespace, ObjectKey, TokenArray, as_token_array, 
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 MAX_ADDRESS_CHARS = 256  # ip, p2p_advertised_url
 MAX_METADATA_BYTES = 16 * 1024  # registration metadata, as JSON
+MAX_SIGNATURE_CHARS = 128  # p2p_url_signature: hex (a node's is 64)
+_HEX = re.compile(r"[0-9A-Fa-f]*")
 _HOST_PORT = re.compile(r"(?:[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(?::(?P<port>[0-9]{1,5}))?")
 
 # ---------------------------------------------------------------------------- events
@@ -356,13 +358,27 @@ def registration(body: RegisterRequest) -> tuple[str | None, Registration]:
     size = len(msgspec.json.encode(metadata))
     if size > MAX_METADATA_BYTES:
         raise PayloadTooLarge(f"metadata of {size} bytes (JSON) exceeds {MAX_METADATA_BYTES}")
+    url = peer_url(body.p2p_advertised_url) or None
     return body.instance_id or None, Registration(
         body.ip,
         body.http_port,
         metadata,
-        peer_url(body.p2p_advertised_url) or None,
+        url,
         body.mq_port or None,
+        url_signature(body.p2p_url_signature) if url else None,
     )
+
+
+def url_signature(signature: str | None) -> str | None:
+    """``p2p_url_signature``: hex of at most ``MAX_SIGNATURE_CHARS`` (else 422), or absent.
+    The coordinator keeps and lists it; the nodes verify it (docs/security.md)."""
+    if not signature:
+        return None
+    if len(signature) > MAX_SIGNATURE_CHARS or not _HEX.fullmatch(signature):
+        raise Unprocessable(
+            f"p2p_url_signature must be hex of at most {MAX_SIGNATURE_CHARS} characters"
+        )
+    return signature
 
 
 def peer_url(url: str | None) -> str | None:

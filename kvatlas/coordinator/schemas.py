@@ -157,6 +157,9 @@ class RegisterRequest(BaseModel):
     p2p_advertised_url: str | None = None
     mq_port: int | None = None
     chunk_size: int | None = Field(None, description="the instance's chunk size (409 if not ours)")
+    p2p_url_signature: str | None = Field(
+        None, description="kvatlas nodes: their peer secret's signature of id and URL (hex)"
+    )
 
 
 class ChunkSizeRequest(BaseModel):

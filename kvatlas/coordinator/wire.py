@@ -367,6 +367,8 @@ def instance_to_wire(view: InstanceView) -> dict[str, Any]:
             "last_heartbeat_age_s": view.last_heartbeat_age_s,
             "alive": True,
         }
+        if reg.p2p_url_signature:  # kvatlas nodes only: LMCache's rows stay as they are
+            row["p2p_url_signature"] = reg.p2p_url_signature
     row.update(emitter_to_wire(view.emitter))
     return row
 
@@ -386,6 +388,7 @@ def instance_from_wire(obj: Any) -> InstanceView:
         metadata,
         _optional(_str, obj, "p2p_advertised_url") or None,
         _opt_int(obj, "mq_port") or None,
+        _if_sent(_str, obj, "p2p_url_signature", None) or None,
     )
     return InstanceView(
         _str(obj, "instance_id"),

@@ -28,6 +28,7 @@ from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
 from kvatlas.node.hf_config import read_hf_config
 from kvatlas.node.kv_dtype import KV_DTYPES
 from kvatlas.node.kv_layout import ROPE_STYLES, KVLayout
+from kvatlas.node.peer_credentials import PeerSecret
 
 log = logging.getLogger(__name__)
 
@@ -219,8 +220,14 @@ class NodeConfig:
         return _secret(self.coordinator_token, self.coordinator_token_file, "coordinator")
 
     def peer_bearer(self) -> str | None:
-        """The token this node sends on ``/peer/*`` calls to other nodes."""
+        """The fleet's peer secret (``--peer-token-file``, the flag or the environment)."""
         return _secret(self.peer_token, self.peer_token_file, "peer")
+
+    def peer_secret(self) -> PeerSecret | None:
+        """What this node derives its peer credentials and URL signature from (``None``:
+        it sends no credential and signs nothing; ``kvatlas/node/peer_credentials.py``)."""
+        secret = self.peer_bearer()
+        return PeerSecret(secret) if secret else None
 
     @property
     def scheme(self) -> KeyScheme:
@@ -395,8 +402,9 @@ _HELP = {
     ),
     "engine_host": "bind address of the engine API when --engine-port is given (default --host)",
     "engine_port": "serve /engine/* only on this port and /peer/* only on --port (default: both)",
-    "peer_token": "bearer token sent on /peer/* calls to other nodes (prefer the file or env)",
-    "peer_token_file": "file holding the peer token (mode 600, >= 32 characters)",
+    "peer_token": "the fleet's peer secret (prefer the file or env): each /peer/* call sends a "
+    "credential derived from it for its target; it also signs this node's advertised URL",
+    "peer_token_file": "file holding the fleet's peer secret (mode 600, >= 32 characters)",
     "max_query_tokens": "largest request, in tokens, the engine API accepts",
     "max_body_bytes": (
         "largest /engine/store body in bytes (0 = one request's KV for --max-query-tokens tokens)"

@@ -11,6 +11,11 @@ The HTTP view keeps the instance list it last read and re-reads it at most once 
 ``refresh_interval`` seconds, whatever asks: a placement naming an instance that has no URL
 (it emits without registering, or left) is a miss until the next due refresh, never a fresh
 download of the whole list per retrieval.
+
+With the fleet's peer secret, a listed URL is used only when its signature verifies (a node
+registered it, :mod:`kvatlas.node.peer_credentials`), and each peer gets the credential
+derived for it: nothing is ever sent to a URL that a caller without the secret registered
+(counted ``peer_url_unverified`` when a placement names such an instance).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -25,8 +31,10 @@ from typing import Protocol
 from kvatlas.client import CoordinatorClient, CoordinatorError
 from kvatlas.coordinator.wire import instance_from_wire, lookup_placements_from_wire
 from kvatlas.keys import ObjectKey
+from kvatlas.logs import Throttle
 from kvatlas.node.kv_layout import KVLayout
 from kvatlas.node.peer import PeerClient, PeerReply, max_chunk_bytes
+from kvatlas.node.peer_credentials import PeerSecret
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +61,10 @@ class FleetView(Protocol):
 
 class HttpFleetView:
     """Placements from ``POST /directory/lookup``; peer URLs from ``GET /instances``, cached
-    (module docstring). Peers are reached with ``peer_token`` under ``peer_deadline`` per
-    fetch, replies bounded by ``layout`` (:class:`~kvatlas.node.peer.PeerClient`)."""
+    (module docstring). Peers are reached under ``peer_deadline`` per fetch, replies bounded
+    by ``layout`` (:class:`~kvatlas.node.peer.PeerClient`); with ``peer_secret`` only at
+    signed URLs, each with its own credential. Refusals are counted in ``counters`` (the node
+    process points it at the node's)."""
 
     def __init__(
         self,
@@ -62,20 +72,23 @@ class HttpFleetView:
         *,
         layout: KVLayout,
         peer_deadline: float = 2.0,
-        peer_token: str | None = None,
+        peer_secret: PeerSecret | None = None,
         refresh_interval: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._client = client
         self._max_chunk_bytes = max_chunk_bytes(layout)
         self._peer_deadline = peer_deadline
-        self._peer_token = peer_token
+        self._secret = peer_secret
         self._refresh_interval = refresh_interval
         self._clock = clock
         self._refreshed_at: float | None = None
         self._urls: dict[str, str] = {}
+        self._unverified: dict[str, str] = {}  # instance id -> a URL no node signed
         self._peers: dict[str, PeerClient] = {}
         self._lock = threading.Lock()
+        self._warnings = Throttle(60.0)
+        self.counters: Counter[str] = Counter()
         self.refreshes = 0
         """``GET /instances`` calls made so far."""
 
@@ -98,11 +111,21 @@ class HttpFleetView:
             client = self._peers.get(instance_id)
             url = self._urls.get(instance_id)
             if client is None and url is not None:
+                token = None if self._secret is None else self._secret.credential(instance_id)
                 client = self._peers[instance_id] = PeerClient(
                     url, max_chunk_bytes=self._max_chunk_bytes,
-                    deadline=self._peer_deadline, token=self._peer_token,
+                    deadline=self._peer_deadline, token=token,
                 )  # fmt: skip
-            return client
+            unverified = self._unverified.get(instance_id) if client is None else None
+        if unverified is not None:
+            self.counters["peer_url_unverified"] += 1
+            if self._warnings(instance_id):
+                log.warning(
+                    "instance %s advertises %s without a valid signature of the fleet's peer "
+                    "secret (registered by a caller that is not a node, or a node with another "
+                    "or no --peer-token-file): not contacted", instance_id, unverified,
+                )  # fmt: skip
+        return client
 
     def _refresh_due(self) -> bool:
         """Claims the refresh when one is due, so concurrent callers make one call."""
@@ -122,13 +145,21 @@ class HttpFleetView:
         except (CoordinatorError, KeyError, TypeError, ValueError) as exc:
             log.debug("instance list unavailable: %s", exc)
             return
-        urls = {
-            v.instance_id: v.registration.p2p_advertised_url.rstrip("/")
-            for v in views
-            if v.registration is not None and v.registration.p2p_advertised_url
-        }
+        urls: dict[str, str] = {}
+        unverified: dict[str, str] = {}
+        for v in views:
+            reg = v.registration
+            if reg is None or not reg.p2p_advertised_url:
+                continue
+            url = reg.p2p_advertised_url.rstrip("/")
+            secret = self._secret
+            if secret is None or secret.url_signed(v.instance_id, url, reg.p2p_url_signature):
+                urls[v.instance_id] = url
+            else:
+                unverified[v.instance_id] = url
         with self._lock:
             self._urls = urls
+            self._unverified = unverified
             moved = [i for i, c in self._peers.items() if urls.get(i) != c.url]
             gone = [self._peers.pop(i) for i in moved]
         for client in gone:

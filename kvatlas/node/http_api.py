@@ -10,8 +10,9 @@ call provokes is :class:`~kvatlas.errors.Unprocessable`. The peer route keeps it
 
 :class:`ApiGate` sees each request before its body is read: with ``--engine-port`` it serves
 ``/engine/*`` only on that listener and ``/peer/*`` only on the other; with auth it needs an
-``engine`` token on ``/engine/*`` (the call's ``cache_salt`` inside its binding) and a ``peer``
-token on ``/peer/*``. Bodies are read under a limit (``NodeConfig.max_call_bytes``, store:
+``engine`` token on ``/engine/*`` (the call's ``cache_salt`` inside its binding) and on
+``/peer/*`` this node's own peer credential (derived from the fleet's peer secret for this
+instance, :mod:`kvatlas.node.peer_credentials`) or a ``peer`` token of the auth file. Bodies are read under a limit (``NodeConfig.max_call_bytes``, store:
 ``max_store_bytes``). Blend lookups are poll-able: the node keeps each request's tracker for a
 while (:mod:`kvatlas.node.engine_trackers`, bound to the calling principal), so the keys of
 every call come from the same tracker (the single injection point). See ``docs/node.md``.
@@ -32,13 +33,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
+from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth, parse_bearer
 from kvatlas.client.engine_client import MSGPACK, EngineCall, EngineLayout, WireSegment
 from kvatlas.errors import Forbidden, KvatlasError, NotFound, PayloadTooLarge, Unprocessable
 from kvatlas.keys import MMItem, RequestTracker
 from kvatlas.node.cache_node import CacheNode
 from kvatlas.node.engine_trackers import Identity, Trackers
 from kvatlas.node.peer import create_peer_app
+from kvatlas.node.peer_credentials import PeerSecret
 from kvatlas.node.segments import Segment
 from kvatlas.web import error_headers, error_payload, error_response, read_body
 
@@ -47,6 +49,8 @@ PEER_PREFIX: Final = "/peer/"
 METRICS_PATH: Final = "/metrics"
 _OFF_LOOP_BYTES: Final = 1 << 20  # bodies above this are decoded in the thread pool
 _msgpack_encoder = msgspec.msgpack.Encoder()
+PEER_NODE: Final = Principal("peer-node", frozenset({"peer"}))
+"""Who presents this node's own peer credential: another node of the fleet."""
 (_CALL_SCHEMA, _LAYOUT_SCHEMA), _SCHEMAS = msgspec.json.schema_components(
     [EngineCall, EngineLayout], ref_template="#/components/schemas/{name}"
 )
@@ -114,8 +118,9 @@ def _error_reply(exc: KvatlasError, msgpack: bool) -> Response:
 
 class ApiGate:
     """ASGI middleware, before any body is read: which listener serves a path (with a
-    separate ``engine_port``) and who calls it (``auth``; none = everyone is admin). The
-    principal goes to ``request.state.principal``."""
+    separate ``engine_port``) and who calls it (``auth``; none = everyone is admin; on
+    ``/peer/*`` also ``peer_secret``'s credential for ``instance_id()``). The principal goes
+    to ``request.state.principal``."""
 
     def __init__(
         self,
@@ -123,11 +128,15 @@ class ApiGate:
         auth: TokenAuth | None,
         engine_port: int | None,
         public_metrics: bool = True,
+        peer_secret: PeerSecret | None = None,
+        instance_id: Callable[[], str] = lambda: "",
     ) -> None:
         self.app = app
         self.auth = auth
         self.engine_port = engine_port
         self.public_metrics = public_metrics  # else /metrics needs an admin token
+        self.peer_secret = peer_secret
+        self.instance_id = instance_id
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
@@ -152,7 +161,16 @@ class ApiGate:
             port = (scope.get("server") or (None, None))[1]
             if (port == self.engine_port) != (role == "engine"):
                 raise NotFound(f"{scope['path']} is not served on this listener")
-        who = ANONYMOUS_ADMIN if self.auth is None else self.auth.authenticate(authorization)
+        if self.auth is None:
+            return ANONYMOUS_ADMIN
+        secret = self.peer_secret
+        if (
+            role == "peer"
+            and secret is not None
+            and secret.accepts(parse_bearer(authorization), self.instance_id())
+        ):
+            return PEER_NODE
+        who = self.auth.authenticate(authorization)
         who.require(role)
         return who
 
@@ -178,15 +196,19 @@ def _publish_openapi(app: FastAPI) -> None:
         return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} API")
 
 
-def create_node_app(node: CacheNode, *, auth: TokenAuth | None = None) -> FastAPI:
+def create_node_app(
+    node: CacheNode, *, auth: TokenAuth | None = None, peer_secret: PeerSecret | None = None
+) -> FastAPI:
     """The node's app: the peer route (:func:`create_peer_app`) and the engine API, behind an
-    :class:`ApiGate` with ``auth`` and the node config's ``engine_port`` and limits."""
+    :class:`ApiGate` with ``auth``, ``peer_secret`` and the node config's ``engine_port`` and
+    limits."""
     config = node.config
     app = create_peer_app(node.l1, l2=node.l2)
     app.title = "kvatlas cache node"
     app.add_middleware(
-        ApiGate, auth=auth, engine_port=config.engine_port, public_metrics=config.metrics_public
-    )
+        ApiGate, auth=auth, engine_port=config.engine_port, public_metrics=config.metrics_public,
+        peer_secret=peer_secret, instance_id=lambda: node.instance_id,
+    )  # fmt: skip
     _publish_openapi(app)
     layout = config.layout
     layout_reply = EngineLayout(

@@ -198,7 +198,8 @@ class PeerClient:
     ``max_chunk_bytes`` (:func:`max_chunk_bytes` of the node's layout) bounds each chunk of a
     reply, so a reply may be at most about ``len(keys) * max_chunk_bytes``: more is refused as
     it streams in. ``deadline`` bounds the whole call. ``token`` is sent as
-    ``Authorization: Bearer`` on every call (a peer token, when the fleet runs with auth).
+    ``Authorization: Bearer`` on every call (the credential derived for this peer,
+    :mod:`kvatlas.node.peer_credentials`, when the fleet runs with auth).
     Failures are logged at most once a minute per client (one client per peer).
     """
 

@@ -35,7 +35,7 @@ from kvatlas.client import (
     Transport,
 )
 from kvatlas.directory import warm_up_kernels
-from kvatlas.errors import Conflict
+from kvatlas.errors import Conflict, KvatlasError
 from kvatlas.keys import KeySchemeMismatch
 from kvatlas.logs import configure_logging, uvicorn_log_options
 from kvatlas.node.cache_node import CacheNode
@@ -163,16 +163,29 @@ def follow_coordinator_format(transport: HttpTransport, health: dict[str, Any]) 
 
 def register(client: CoordinatorClient, config: NodeConfig, instance_id: str | None) -> str:
     """Register (``instance_id`` ``None``: the coordinator assigns one); the caller starts the
-    heartbeats."""
+    heartbeats. With a peer secret the advertised URL goes with its signature for this id
+    (``peer_credentials``): peers call no URL without one. An assigned id is learned first,
+    then registered again, signed."""
     advertised = config.advertised_url or f"http://{config.host}:{config.port}"
-    return client.register(
-        instance_id, ip=config.host, http_port=config.port, p2p_advertised_url=advertised,
-        metadata={
-            "model_name": config.model_name, "kv_rank": config.kv_rank,
-            "mode": "fleet" if config.fleet_enabled else "lookup only",
-        },
-        chunk_size=config.chunk_size,
-    )  # fmt: skip
+    secret = config.peer_secret()
+
+    def once(asked: str | None) -> str:
+        signature = None
+        if secret is not None and asked is not None:
+            signature = secret.sign_url(asked, advertised)
+        return client.register(
+            asked, ip=config.host, http_port=config.port, p2p_advertised_url=advertised,
+            metadata={
+                "model_name": config.model_name, "kv_rank": config.kv_rank,
+                "mode": "fleet" if config.fleet_enabled else "lookup only",
+            },
+            chunk_size=config.chunk_size, p2p_url_signature=signature,
+        )  # fmt: skip
+
+    assigned = once(instance_id)
+    if secret is not None and instance_id is None:
+        once(assigned)
+    return assigned
 
 
 def check_coordinator_compatible(config: NodeConfig, health: dict[str, Any]) -> None:
@@ -288,7 +301,7 @@ class NodeProcess:
                 layout=config.layout,
                 peer_deadline=config.peer_fetch_deadline,
                 refresh_interval=config.fleet_refresh_interval,
-                peer_token=config.peer_bearer(),
+                peer_secret=config.peer_secret(),
             )
             matcher = BlendCoordinatorClient(
                 config.coordinator_url,
@@ -303,7 +316,9 @@ class NodeProcess:
             fleet=fleet,
             fleet_matcher=matcher,
         )
-        self.app = create_node_app(self.node, auth=config.auth())
+        if fleet is not None:
+            fleet.counters = self.node.counters  # URL refusals beside the node's counters
+        self.app = create_node_app(self.node, auth=config.auth(), peer_secret=config.peer_secret())
         if self.coordinator is not None:
             start_heartbeat = self._value_reporting(self.coordinator, matcher)
             if not deferred:
@@ -460,6 +475,7 @@ def announce_security(config: NodeConfig) -> None:
     """Log how the node's APIs are protected; WARNING for a routable address without auth."""
     if config.auth_token_file is not None:
         log.info("auth enabled (tokens from %s)", config.auth_token_file)
+        warn_if_shared_peer_token(config)
         return
     for host, port, what in listeners(config):
         if is_loopback(host):
@@ -470,6 +486,26 @@ def announce_security(config: NodeConfig) -> None:
                 "read and store every tenant's KV; use --auth-token-file",
                 what, host, port,
             )  # fmt: skip
+
+
+def warn_if_shared_peer_token(config: NodeConfig) -> None:
+    """The setup before per-peer credentials listed the peer secret itself as a ``peer``
+    token in every node's auth file. Still accepted (nodes not yet upgraded send it), but
+    then anything that captures it opens this node: warn until it is removed."""
+    secret, auth = config.peer_bearer(), config.auth()
+    if not secret or auth is None:
+        return
+    try:
+        who = auth.authenticate(f"Bearer {secret}")
+    except KvatlasError:
+        return
+    if who.may("peer"):
+        log.warning(
+            "%s lists the peer secret (--peer-token-file) as a token: any holder of it opens "
+            "this node's /peer/kv. Nodes now send a credential derived per target; remove "
+            "that entry once every node of the fleet runs this version (docs/security.md)",
+            config.auth_token_file,
+        )
 
 
 def run_node(config: NodeConfig) -> int:

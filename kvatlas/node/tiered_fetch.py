@@ -6,9 +6,12 @@ A key no tier can serve is absent from the answer: a miss, never an error (every
 L1 is an optimisation over recomputing). A chunk whose shape or dtype is not this node's
 layout is never handed out (it is counted as ``fetched_wrong_layout``): wrong KV does not fail
 loudly, it makes the model attend to garbage. Peers are asked only for keys the fleet says
-they hold in an unshared tier, one batch per peer and tier. A prefix lookup counts only
-copies this node can fetch: its own tiers, a peer that has a URL and did not just fail, a
-shared pool it mounts. See ``docs/node.md``.
+they hold in an unshared tier, one batch per peer and tier; a key the first holder listed
+does not serve (a ghost placement, a peer without a URL, down or failing) is asked of its
+next holder in that tier before any slower tier is read. A peer that failed for want of a
+connection is skipped while :class:`~kvatlas.node.peer_health.PeerHealth` has it down. A
+prefix lookup counts only copies this node can fetch: its own tiers, a peer that has a URL
+and is not down, a shared pool it mounts. See ``docs/node.md``.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from collections.abc import Callable, Sequence
 from typing import Final, Literal, NamedTuple
 
 from kvatlas.keys import ObjectKey
-from kvatlas.node.fleet_view import FleetView, Holder
+from kvatlas.node.fleet_view import FleetView, Holder, PeerFetcher
 from kvatlas.node.kv_layout import KVLayout
 from kvatlas.node.l1 import L1Cache
 from kvatlas.node.l2 import L2Backend
+from kvatlas.node.peer_health import PeerHealth
 from kvatlas.node.presence import L1 as TIER_L1
 from kvatlas.node.presence import L2 as TIER_L2
 from kvatlas.node.presence import Tier
@@ -55,9 +59,12 @@ class TieredFetch:
     """Reads through this node's tiers and the fleet's, in cost order.
 
     ``on_l1_hit`` is called for each key served from local L1 (the node reports it as an
-    access); ``counters`` is where ``fetched_wrong_layout`` and peer failures are counted. A
-    peer whose fetch failed for want of a connection (``unreachable``, ``refused``,
-    ``deadline``) does not count in :meth:`prefix_hits` for ``down_for`` seconds.
+    access); ``counters`` is where ``fetched_wrong_layout``, peer failures
+    (``peer_fetch_<cause>``), peers skipped while down (``peer_skipped_down``) and keys served
+    by a holder other than the first listed (``peer_fallback_hits``) are counted. A peer whose
+    fetch failed for want of a connection (``unreachable``, ``refused``, ``deadline``) is down
+    in ``health`` (by default from ``down_for`` seconds, doubling while it keeps failing): not
+    asked and not counted in :meth:`prefix_hits` meanwhile.
     """
 
     def __init__(
@@ -73,6 +80,7 @@ class TieredFetch:
         down_for: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         observe: Callable[[str, float], None] = lambda _source, _seconds: None,
+        health: PeerHealth | None = None,
     ) -> None:
         self.l1 = l1
         self.l2 = l2
@@ -81,9 +89,7 @@ class TieredFetch:
         self.layout = layout
         self._on_l1_hit = on_l1_hit
         self._counters = counters
-        self._down_for = down_for
-        self._clock = clock
-        self._failed_at: dict[str, float] = {}
+        self.health = PeerHealth(down_for, clock=clock) if health is None else health
         self._observe = observe  # (source, seconds) of each batched step
 
     def fetch(
@@ -103,7 +109,7 @@ class TieredFetch:
                 missing.append(key)
         self._observe(LOCAL_L1, time.perf_counter() - started)
         holders: dict[ObjectKey, list[Holder]] = {}
-        failed: set[str] = set()  # peers that failed in this call are not asked again
+        failed: set[str] = set()  # peers that failed, were down or had no URL: not asked again
         if missing and self.fleet is not None:
             holders = dict(zip(missing, self.fleet.holders(missing), strict=False))
             if listed is not None:
@@ -151,8 +157,7 @@ class TieredFetch:
         return self._reachable(holder.instance_id)
 
     def _reachable(self, instance_id: str) -> bool:
-        failed = self._failed_at.get(instance_id)
-        if failed is not None and self._clock() - failed < self._down_for:
+        if self.health.down(instance_id):
             return False
         assert self.fleet is not None
         return self.fleet.peer(instance_id) is not None
@@ -165,48 +170,106 @@ class TieredFetch:
         found: dict[ObjectKey, Fetched],
         failed: set[str],
     ) -> list[ObjectKey]:
-        """Ask each peer holding some of ``keys`` in its unshared ``tier`` for them (one batch
-        per peer, skipping those in ``failed``); adds what came to ``found`` and returns the
-        keys still missing."""
-        assert self.fleet is not None
+        """Ask the peers holding ``keys`` in their unshared ``tier``: each key of its first
+        usable holder (one batch per peer), then what is still missing of its next holder,
+        until every holder was tried; peers in ``failed`` are passed over, and join it when
+        they fail or are down. Adds what came to ``found``; returns the keys still missing."""
         source = _PEER_SOURCE[tier]
-        for instance_id, peer_keys in self._peer_batches(keys, holders, tier).items():
-            peer = None if instance_id in failed else self.fleet.peer(instance_id)
-            if peer is None:
-                continue
-            asked = set(peer_keys)
-            started = time.perf_counter()
-            reply = peer.fetch(peer_keys, (tier,))
-            self._observe(source, time.perf_counter() - started)
-            if reply.failure:
-                failed.add(instance_id)
-                self._counters[f"peer_fetch_{reply.failure}"] += 1
-                if reply.failure in _DOWN_CAUSES:
-                    self._failed_at[instance_id] = self._clock()
-            else:
-                self._failed_at.pop(instance_id, None)
-            if reply.dropped:
-                self._counters["peer_records_dropped"] += reply.dropped
-            for key, (chunk, digest) in reply.chunks.items():
-                if key in asked and key not in found and self._usable(chunk):
-                    found[key] = Fetched(chunk, source, instance_id, digest)
-        return [k for k in keys if k not in found]
+        asked: dict[ObjectKey, int] = {}  # how many of the key's holders were tried
+        missing = keys
+        while missing:
+            batches = self._peer_batches(missing, holders, tier, asked, failed)
+            if not batches:
+                break
+            for instance_id, (peer, peer_keys, later) in batches.items():
+                self._ask(instance_id, peer, peer_keys, later, tier, source, found, failed)
+            missing = [k for k in missing if k not in found]
+        return missing
+
+    def _ask(
+        self,
+        instance_id: str,
+        peer: PeerFetcher,
+        keys: list[ObjectKey],
+        later: set[ObjectKey],
+        tier: Tier,
+        source: FetchSource,
+        found: dict[ObjectKey, Fetched],
+        failed: set[str],
+    ) -> None:
+        """One batch to one peer; ``later``: its keys it was not the first holder of."""
+        started = time.perf_counter()
+        reply = peer.fetch(keys, (tier,))
+        self._observe(source, time.perf_counter() - started)
+        if reply.failure:
+            failed.add(instance_id)
+            self._counters[f"peer_fetch_{reply.failure}"] += 1
+            if reply.failure in _DOWN_CAUSES:
+                self.health.failed(instance_id, reply.failure)
+        else:
+            self.health.succeeded(instance_id)
+        if reply.dropped:
+            self._counters["peer_records_dropped"] += reply.dropped
+        wanted = set(keys)
+        for key, (chunk, digest) in reply.chunks.items():
+            if key in wanted and key not in found and self._usable(chunk):
+                found[key] = Fetched(chunk, source, instance_id, digest)
+                if key in later:
+                    self._counters["peer_fallback_hits"] += 1
 
     def _peer_batches(
-        self, keys: Sequence[ObjectKey], holders: dict[ObjectKey, list[Holder]], tier: Tier
-    ) -> dict[str, list[ObjectKey]]:
-        """Per peer, the keys to ask it for: its first unshared ``tier`` placement of each."""
-        batches: dict[str, list[ObjectKey]] = {}
+        self,
+        keys: Sequence[ObjectKey],
+        holders: dict[ObjectKey, list[Holder]],
+        tier: Tier,
+        asked: dict[ObjectKey, int],
+        failed: set[str],
+    ) -> dict[str, tuple[PeerFetcher, list[ObjectKey], set[ObjectKey]]]:
+        """Per peer, the keys to ask it for now: for each key its next unshared ``tier``
+        placement (past the ``asked[key]`` tried before) whose peer is usable, i.e. not in
+        ``failed``, not down (then added to ``failed``, counted once per call) and with a
+        URL (else added to ``failed``). With each peer, the keys it is not the first holder
+        of."""
+        assert self.fleet is not None
+        batches: dict[str, tuple[PeerFetcher, list[ObjectKey], set[ObjectKey]]] = {}
         for key in keys:
-            for holder in holders.get(key, ()):
-                if (
-                    holder.tier == tier
-                    and not holder.shared
-                    and holder.instance_id != self.instance_id
-                ):
-                    batches.setdefault(holder.instance_id, []).append(key)
-                    break
+            candidates = list(
+                dict.fromkeys(
+                    h.instance_id
+                    for h in holders.get(key, ())
+                    if h.tier == tier and not h.shared and h.instance_id != self.instance_id
+                )
+            )
+            start = asked.get(key, 0)
+            for n, instance_id in enumerate(candidates[start:], start=start):
+                asked[key] = n + 1
+                if instance_id in batches:
+                    peer = batches[instance_id][0]
+                else:
+                    usable = self._usable_peer(instance_id, failed)
+                    if usable is None:
+                        continue
+                    peer = usable
+                    batches[instance_id] = (peer, [], set())
+                batches[instance_id][1].append(key)
+                if n > 0:
+                    batches[instance_id][2].add(key)
+                break
         return batches
+
+    def _usable_peer(self, instance_id: str, failed: set[str]) -> PeerFetcher | None:
+        """The peer to ask, or ``None`` (then in ``failed`` for the rest of the call)."""
+        if instance_id in failed:
+            return None
+        if self.health.down(instance_id):
+            failed.add(instance_id)
+            self._counters["peer_skipped_down"] += 1
+            return None
+        assert self.fleet is not None
+        peer = self.fleet.peer(instance_id)
+        if peer is None:
+            failed.add(instance_id)
+        return peer
 
     def _usable(self, chunk: StoredChunk) -> bool:
         ok = tuple(chunk.kv.shape) == self.layout.shape and chunk.kv_dtype == self.layout.dtype
