@@ -183,6 +183,10 @@ class TokenAuth:
             for i, entry in enumerate(entries)
         )
 
+    def bound_salts(self) -> frozenset[str]:
+        """Every cache salt some token is bound to: the tenants' (what must stay theirs)."""
+        return frozenset(s for who in self._principals.values() for s in who.cache_salts or ())
+
     def authenticate(self, authorization: str | None) -> Principal:
         principal = self._principals.get(token_digest(parse_bearer(authorization)))
         if principal is None:

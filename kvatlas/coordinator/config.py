@@ -16,11 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args
+from kvatlas.coordinator.kv_events.exposure import StreamExposure
 from kvatlas.coordinator.kv_events.subscriber import LinkSpec
 from kvatlas.coordinator.scoring import DEFAULT_FRAGMENT_WEIGHT
 from kvatlas.events import EVENT_TRANSPORTS
 from kvatlas.events.vllm_wire import DEFAULT_ENCODING, ENCODINGS
-from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme, check_model_name
+from kvatlas.keys import (
+    DEFAULT_CHUNK_SIZE,
+    SCHEMES,
+    KeyScheme,
+    check_cache_salt,
+    check_model_name,
+)
 from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
 
 DEFAULT_PORT = 9300
@@ -82,6 +89,10 @@ class CoordinatorConfig:
     kv_events_replay_bind: str | None = None
     kv_events_replay_size: int = 10_000
     kv_events_publish_encoding: str = DEFAULT_ENCODING
+    kv_events_publish_salts: str | None = None
+    kv_events_curve_certificate: Path | None = None
+    kv_events_curve_clients: Path | None = None
+    kv_events_publish_unauthenticated: bool = False
     log_format: str = "json"
     access_log: bool = False
 
@@ -135,11 +146,24 @@ class CoordinatorConfig:
             check_model_name(self.kv_events_model)
         if self.kv_events_publish_encoding not in ENCODINGS:
             raise ValueError(f"--kv-events-publish-encoding must be one of {', '.join(ENCODINGS)}")
+        for salt in self.kv_events_salts or ():
+            check_cache_salt(salt)
+        StreamExposure.choose(
+            None, frozenset(), self.kv_events_curve_certificate, self.kv_events_curve_clients
+        )  # the pair's rule; the salts' default needs the token file (the service's)
 
     @property
     def kv_events_endpoints(self) -> tuple[str, ...]:
         """``--kv-events-subscribe``, split at commas."""
         return _endpoints(self.kv_events_subscribe)
+
+    @property
+    def kv_events_salts(self) -> tuple[str, ...] | None:
+        """``--kv-events-publish-salts``: ``None`` when not given; an empty item is the
+        unsalted namespace (``--kv-events-publish-salts ,tenant-a``)."""
+        if self.kv_events_publish_salts is None:
+            return None
+        return tuple(s.strip() for s in self.kv_events_publish_salts.split(","))
 
     @property
     def kv_events_links(self) -> tuple[LinkSpec, ...]:
@@ -257,6 +281,15 @@ _HELP = {
     "e.g. tcp://*:5560",
     "kv_events_replay_bind": "replay (ROUTER) endpoint for the published events",
     "kv_events_replay_size": "published messages kept for replay",
+    "kv_events_publish_salts": "cache salts whose node placements are published, comma-separated "
+    "(an empty item: the unsalted namespace); default: the unsalted one unless a token is bound "
+    "to it, never a bound tenant's",
+    "kv_events_curve_certificate": "zmq.auth secret certificate: the published stream and its "
+    "replay socket become CurveZMQ servers (with --kv-events-curve-clients)",
+    "kv_events_curve_clients": "directory of the routers' zmq.auth public certificates allowed to "
+    "subscribe and replay",
+    "kv_events_publish_unauthenticated": "with auth on, allow the published stream beyond "
+    "loopback without CurveZMQ (it carries prompts' token ids)",
     "kv_events_publish_encoding": "vllm (exactly what vLLM emits: the batch an array, events maps "
     "tagged by type), array (older vLLM releases: every struct an array) or map (the batch a map "
     "too; no vLLM release emits it)",

@@ -95,8 +95,9 @@ class CoordinatorService:
         self.status = StatusSource(self)  # the status page, node reports, operator series
         engines = functools.partial(self.ingest, engine=True)  # they cannot register
         self.kv_events = KvEventsLinks.from_config(
-            config, self.directory, engines, self._stop, is_node=self.instances.known
-        )
+            config, self.directory, engines, self._stop, is_node=self.instances.known,
+            bound_salts=None if self.auth is None else self.auth.bound_salts(),
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -268,8 +268,7 @@ def test_data_parallel_ranks_and_a_publisher_that_connects(kv_events: ModuleType
 
         def everyone() -> bool:
             return all(
-                coordinator.holders(prompt(seed, 2)) == {holder: 1}
-                for seed, holder in want.items()
+                coordinator.holders(prompt(seed, 2)) == {holder: 1} for seed, holder in want.items()
             )
 
         for _ in range(100):  # a PUB drops what it sends before the subscription took hold
@@ -353,7 +352,12 @@ def test_vllms_decoder_reads_what_the_coordinator_publishes(kv_events: ModuleTyp
     try:
         rows = np.array([prompt(30 + i, 2) for i in range(3)], dtype=np.uint32)
         keys = [ObjectKey(chunk_hashes(r, CHUNK)[0], "m", pack_kv_rank(1, 0, 1, 0)) for r in rows]
-        sink.emit("store", "l1", "dram", [CacheEntry(k, 64, r, 0) for k, r in zip(keys, rows)])
+        sink.emit(
+            "store",
+            "l1",
+            "dram",
+            [CacheEntry(k, 64, r, 0) for k, r in zip(keys, rows, strict=True)],
+        )
         sink.emit("delete", "l1", "dram", [CacheEntry(keys[2], 64, None, 0)])
         assert sink.flush(30)
         want = {"kv@node-1@m": {k.chunk_hash for k in keys[:2]}}

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable
 
 from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.kv_events.exposure import StreamExposure
 from kvatlas.coordinator.kv_events.publisher import KvEventsPublisher
 from kvatlas.coordinator.kv_events.stats import KvEventsStats
 from kvatlas.coordinator.kv_events.subscriber import (
@@ -33,9 +34,13 @@ class KvEventsLinks:
         ingest: Ingest,
         stop: threading.Event,
         is_node: Callable[[str], bool] = lambda _: False,
+        bound_salts: frozenset[str] | None = None,
     ) -> KvEventsLinks:
         """Engine batches go through ``ingest`` and the directory's fence, like any batch;
-        the publisher observes the directory from now on (nothing applied is missed)."""
+        the publisher observes the directory from now on (nothing applied is missed).
+        ``bound_salts``: the salts tokens are bound to (``None``: auth is off); the stream
+        shows none of them unless the operator lists them, and with auth on it stays on this
+        host unless authenticated (:mod:`.exposure`; a ``ValueError`` says why)."""
         subscriber = publisher = None
         links = config.kv_events_links
         if links:
@@ -51,6 +56,17 @@ class KvEventsLinks:
                 is_node=is_node,
             )  # fmt: skip
         if config.kv_events_publish:
+            exposure = StreamExposure.choose(
+                config.kv_events_salts,
+                bound_salts or frozenset(),
+                config.kv_events_curve_certificate,
+                config.kv_events_curve_clients,
+            )
+            exposure.check_endpoints(
+                [e for e in (config.kv_events_publish, config.kv_events_replay_bind) if e],
+                auth_on=bound_salts is not None,
+                allow_open=config.kv_events_publish_unauthenticated,
+            )
             publisher = KvEventsPublisher(
                 config.kv_events_publish,
                 config.kv_events_replay_bind,
@@ -58,6 +74,7 @@ class KvEventsLinks:
                 directory,
                 stop,
                 config.kv_events_publish_encoding,
+                exposure,
             )
             directory.observer = publisher
         return cls(subscriber, publisher)

@@ -18,7 +18,8 @@ it published is cleared and every node placement published again (nothing a rout
 stay stale; the batches applied meanwhile may be published twice, which is harmless; a fence
 meanwhile is in the resync too, so it is not queued).
 
-Engine-sourced batches (tiers ``gpu``/``engine-cpu``) are never echoed. Seqs count from 0 per
+Engine-sourced batches (tiers ``gpu``/``engine-cpu``) are never echoed; placements under a cache
+salt the stream may not show (:mod:`.exposure`) are never published (``withheld_entries``). Seqs count from 0 per
 publisher; the last ``--kv-events-replay-size`` messages are kept for a ROUTER replay socket
 (request: the start seq; replies ``(topic, seq, payload)``…, then ``(b"", -1, b"")`` as vLLM's
 own replay socket answers; with the older encodings, ``(seq, payload)``…, then ``(-1, b"")``,
@@ -35,6 +36,7 @@ from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
+from kvatlas.coordinator.kv_events.exposure import StreamExposure
 from kvatlas.coordinator.kv_events.stats import PublisherStats, view, zeroed
 from kvatlas.events import DELETE, STORE, EventBatch
 from kvatlas.events.columns import ColumnBatch
@@ -94,8 +96,10 @@ class KvEventsPublisher:
         directory: KeyDirectory,
         stop: threading.Event,
         encoding: str = DEFAULT_ENCODING,
+        exposure: StreamExposure | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.exposure = exposure or StreamExposure()
         self.encoding = encoding
         self.replay_endpoint = replay_endpoint
         self.chunk_size = directory.chunk_size
@@ -116,6 +120,7 @@ class KvEventsPublisher:
         self._ctx: Any = None
         self._pub: Any = None
         self._router: Any = None
+        self._authenticator: Any = None
 
     # ------------------------------------------------------------------ directory observer
 
@@ -160,12 +165,15 @@ class KvEventsPublisher:
 
         self._ctx = zmq.Context()
         try:
+            self._authenticator = self.exposure.start(self._ctx)
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.LINGER, 0)
+            self.exposure.secure(self._pub)
             self._pub.bind(self.endpoint)
             if self.replay_endpoint is not None:
                 self._router = self._ctx.socket(zmq.ROUTER)
                 self._router.setsockopt(zmq.LINGER, 0)
+                self.exposure.secure(self._router)
                 self._router.bind(self.replay_endpoint)
         except zmq.ZMQError:
             self._close()
@@ -194,6 +202,9 @@ class KvEventsPublisher:
             if sock is not None:
                 sock.close(0)
         self._pub = self._router = None
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -237,8 +248,12 @@ class KvEventsPublisher:
     def _publish_batch(self, batch: EventBatch) -> None:
         medium = node_medium(batch.tier, batch.backend)
         by_model: defaultdict[str, list[Any]] = defaultdict(list)
+        shown = self.exposure.salts
         for entry in batch.entries:
-            by_model[entry.key.model_name].append(entry)
+            if entry.key.cache_salt in shown:
+                by_model[entry.key.model_name].append(entry)
+            else:
+                self.counts["withheld_entries"] += 1
         ts = batch.ts or time.time()
         for model, entries in by_model.items():
             topic = node_topic(batch.instance_id, model, batch.backend, batch.shared)
@@ -290,6 +305,8 @@ class KvEventsPublisher:
                 cursor=cursor, limit=1000,
             )  # fmt: skip
             for item in page.items:
+                if item.key.cache_salt not in self.exposure.salts:
+                    continue
                 for p in item.placements:
                     if p.tier not in NODE_TIERS or (instance_id and p.shared):
                         continue

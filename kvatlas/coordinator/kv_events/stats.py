@@ -54,6 +54,7 @@ class PublisherStats:
     errors: int = 0
     dropped_batches: int = 0  # waiting beyond the bound (republished by the overflow's resync)
     overflows: int = 0
+    withheld_entries: int = 0  # under a cache salt the stream may not show
     seq: int = 0  # gauges from here on
     queued: int = 0
     queued_entries: int = 0
