@@ -15,7 +15,6 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import blake3
@@ -186,7 +185,9 @@ def test_unsigned_entry_cannot_store_or_delete_for_a_node(fleet: Fleet) -> None:
     assert fleet.placements("victim-1") == {("11", VICTIM_SALT, inc)}
     assert fleet.rejected().get("unsigned", 0.0) == before + 2
     # the victim's own next batch is still in sequence: nothing of the forgery was applied
-    r = fleet.emit(victim_token("victim-1"), _wire("victim-1", inc, 2, "store", 0x12, salt=VICTIM_SALT))
+    r = fleet.emit(
+        victim_token("victim-1"), _wire("victim-1", inc, 2, "store", 0x12, salt=VICTIM_SALT)
+    )
     assert r.json()["applied"] == 1, r.text
 
 
@@ -207,9 +208,7 @@ def test_node_a_cannot_store_under_a_foreign_salt(fleet: Fleet) -> None:
     applied either."""
     before = fleet.rejected().get("forbidden", 0.0)
     inc = time.time_ns()
-    store = _batch(
-        "node-a", inc, 1, "store", _key(0x21, ATTACKER_SALT), _key(0x22, VICTIM_SALT)
-    )
+    store = _batch("node-a", inc, 1, "store", _key(0x21, ATTACKER_SALT), _key(0x22, VICTIM_SALT))
     fleet.xadd(signed(encode_stream_fields([store]), fleet.stream, ATTACKER))
     assert fleet.placements("node-a") == set()
     assert fleet.rejected().get("forbidden", 0.0) == before + 1
