@@ -33,6 +33,7 @@ from kvatlas.events import (
     encode_stream_fields,
 )
 from kvatlas.events.stream_format import sign_stream_fields
+from kvatlas.redis_clients import redis_client
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ class RedisStreamTransport:
         import redis
 
         self._errors = redis.RedisError
-        self._redis = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+        self._redis = redis_client(redis_url, socket_timeout=5)
         self.stream = stream
         self.fmt = fmt
         self.maxlen = maxlen

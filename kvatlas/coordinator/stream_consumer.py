@@ -55,6 +55,7 @@ from kvatlas.errors import (
     Unavailable,
 )
 from kvatlas.events import EventBatch, EventDecodeError, EventValidationError, decode_stream_fields
+from kvatlas.redis_clients import redis_client
 
 log = logging.getLogger(__name__)
 
@@ -162,9 +163,7 @@ def refuse_held_group(config: CoordinatorConfig) -> None:
     check when Redis appears (:meth:`StreamConsumer.run`)."""
     import redis
 
-    client = redis.Redis.from_url(
-        config.redis_url or "", socket_timeout=5, socket_connect_timeout=5
-    )
+    client = redis_client(config.redis_url or "", socket_timeout=5)
     try:
         ensure_group_free(client, config.event_stream, config.group_name, config.consumer_heartbeat)
     except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
@@ -284,11 +283,7 @@ class StreamConsumer:
         self._block_ms = max(1, min(BLOCK_MS, int(self._touch_s * 1000)))
         # One name per process run: a second replica with this group is never taken for us.
         self.consumer = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-        self.client = redis.Redis.from_url(
-            config.redis_url or "",
-            socket_timeout=self._block_ms / 1000 + 5,
-            socket_connect_timeout=5,
-        )
+        self.client = redis_client(config.redis_url or "", socket_timeout=self._block_ms / 1000 + 5)
         self.applied_entries = 0
         self.bad_entries = 0
         self.rejected_entries = 0
