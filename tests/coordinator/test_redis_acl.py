@@ -73,35 +73,15 @@ class Fleet:
         self.procs[name] = spawn_service(["-m", "kvatlas.cli", *args], http_url, log=log)
 
     def coordinator(self, replica: int, port: int, tokens: Path) -> None:
-        self.spawn(
-            f"coord-{replica}",
-            [
-                "coordinator",
-                "--port",
-                str(port),
-                "--chunk-size",
-                str(C),
-                "--event-transport",
-                "redis",
-                "--redis-url",
-                self.url(f"kvatlas-coord-{replica}"),
-                "--replica-id",
-                f"r{replica}",
-                "--consumer-heartbeat",
-                "2",
-                "--snapshot-path",
-                str(self.root / f"r{replica}.snap"),
-                "--snapshot-interval",
-                "0.3",
-                "--auth-token-file",
-                str(tokens),
-                "--log-level",
-                "info",
-                "--log-format",
-                "text",
-            ],  # fmt: skip
-            f"http://127.0.0.1:{port}",
-        )
+        args = [
+            "coordinator", "--port", str(port), "--chunk-size", str(C),
+            "--event-transport", "redis", "--redis-url", self.url(f"kvatlas-coord-{replica}"),
+            "--replica-id", f"r{replica}", "--consumer-heartbeat", "2",
+            "--snapshot-path", str(self.root / f"r{replica}.snap"),
+            "--snapshot-interval", "0.3", "--auth-token-file", str(tokens),
+            "--log-level", "info", "--log-format", "text",
+        ]  # fmt: skip
+        self.spawn(f"coord-{replica}", args, f"http://127.0.0.1:{port}")
 
     def stop(self, name: str) -> None:
         proc = self.procs.pop(name)
@@ -175,27 +155,12 @@ def test_fleet_runs_under_the_documented_acl_file(fleet: Fleet) -> None:
     c1, c2 = f"http://127.0.0.1:{p1}", f"http://127.0.0.1:{p2}"
     fleet.coordinator(1, p1, tokens)
     fleet.coordinator(2, p2, tokens)
-    fleet.spawn(
-        "node",
-        [
-            "node",
-            "--port",
-            str(pn),
-            "--instance-id",
-            "node-1",
-            "--coordinator-url",
-            c1,
-            "--coordinator-event-reporting",
-            "--coordinator-token-file",
-            str(node_token),
-            "--event-transport",
-            "redis",
-            "--redis-url",
-            fleet.url("kvatlas-emit"),
-            *NODE_FLAGS,
-        ],  # fmt: skip
-        f"http://127.0.0.1:{pn}",
-    )
+    node = [
+        "node", "--port", str(pn), "--instance-id", "node-1", "--coordinator-url", c1,
+        "--coordinator-event-reporting", "--coordinator-token-file", str(node_token),
+        "--event-transport", "redis", "--redis-url", fleet.url("kvatlas-emit"), *NODE_FLAGS,
+    ]  # fmt: skip
+    fleet.spawn("node", node, f"http://127.0.0.1:{pn}")
     engine = NodeEngineClient(f"http://127.0.0.1:{pn}", LAYOUT)
     model = ToyRopeModel(LAYOUT)
     rng = np.random.default_rng(7)
