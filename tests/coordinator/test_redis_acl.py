@@ -196,6 +196,10 @@ def test_fleet_runs_under_the_documented_acl_file(fleet: Fleet) -> None:
             assert _metric(url, "kvatlas_stream_rejected_entries_total") == {}, url
         acl_log: list[Any] = admin.acl_log()  # type: ignore[assignment]
         assert acl_log == [], acl_log  # no command, key or auth refused
+        # and nothing granted beyond what the roles issued: every command the file grants
+        # the emit and coordinator users was called during this run
+        called = {name.removeprefix("cmdstat_") for name in admin.info("commandstats")}
+        assert _granted() <= called, _granted() - called
     finally:
         engine.close()
         admin.close()
@@ -204,6 +208,12 @@ def test_fleet_runs_under_the_documented_acl_file(fleet: Fleet) -> None:
     for log in fleet.logs:
         text = log.read_text()
         assert "NOPERM" not in text and "no permissions" not in text, (log.name, text[-3000:])
+
+
+def _granted() -> set[str]:
+    """The commands ``deploy/redis/users.acl`` grants its emit and coordinator users."""
+    lines = [line for line in ACL_FILE.read_text().splitlines() if "kvatlas-admin" not in line]
+    return set(re.findall(r" \+([a-z|]+)", "\n".join(lines)))
 
 
 def _trims(url: str) -> float:
