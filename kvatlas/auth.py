@@ -29,6 +29,10 @@ Token file (JSON)::
 ``"role": "x"`` is accepted as ``"roles": ["x"]``. Tokens are compared by SHA-256 digest
 (a dictionary lookup on a digest leaks nothing useful about the token through timing).
 
+A token also yields a **stream key** (:func:`stream_key`): the key its holder signs Redis
+stream entries with, so that the coordinator attributes each entry to the token's principal
+(the stream carries no bearer token; ``kvatlas.events.stream_format`` computes the MAC).
+
 Failures are :class:`kvatlas.errors.Unauthorized` (401: no or unknown token) and
 :class:`kvatlas.errors.Forbidden` (403: a known token outside its roles, instances or salts).
 Threat model: ``docs/security.md``.
@@ -40,9 +44,11 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import blake3
 
 from kvatlas.errors import Forbidden, Unauthorized
 
@@ -105,6 +111,27 @@ class Principal:
 
 ANONYMOUS_ADMIN = Principal("anonymous", frozenset({"admin"}))
 
+STREAM_KEY_ID_CONTEXT = "kvatlas stream entry key id v1"
+STREAM_MAC_KEY_CONTEXT = "kvatlas stream entry MAC key v1"
+
+
+@dataclass(frozen=True)
+class StreamKey:
+    """What the holder of a token signs stream entries with: ``key_id`` (16 hex digits, sent
+    with each entry so the coordinator finds the key) and ``secret`` (32 bytes, never sent).
+    Both are BLAKE3 key derivations of the token under their own contexts: neither reveals
+    the token or the other (docs/security.md, "Redis transport")."""
+
+    key_id: bytes
+    secret: bytes = field(repr=False)
+
+
+def stream_key(token: str) -> StreamKey:
+    raw = token.encode("utf-8")
+    key_id = blake3.blake3(raw, derive_key_context=STREAM_KEY_ID_CONTEXT).digest()[:8]
+    secret = blake3.blake3(raw, derive_key_context=STREAM_MAC_KEY_CONTEXT).digest()
+    return StreamKey(key_id.hex().encode(), secret)
+
 
 def token_digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8")).digest()
@@ -162,12 +189,24 @@ def principal_from_entry(entry: Any, where: str, name: str) -> tuple[str, Princi
 class TokenAuth:
     """The principals of one token file, looked up by the digest of a bearer token."""
 
-    def __init__(self, principals: dict[bytes, Principal]) -> None:
+    def __init__(
+        self,
+        principals: dict[bytes, Principal],
+        stream_keys: Mapping[bytes, tuple[StreamKey, Principal]] | None = None,
+    ) -> None:
         self._principals = principals
+        self._stream_keys = dict(stream_keys or {})
 
     @classmethod
     def from_tokens(cls, entries: Iterable[tuple[str, Principal]]) -> TokenAuth:
-        return cls({token_digest(token): who for token, who in entries})
+        pairs = list(entries)
+        keys: dict[bytes, tuple[StreamKey, Principal]] = {}
+        for token, who in pairs:
+            key = stream_key(token)
+            if key.key_id in keys and keys[key.key_id][0] != key:  # 2^-64: never, but say so
+                raise ValueError(f"two tokens share stream key id {key.key_id.decode()}")
+            keys[key.key_id] = (key, who)
+        return cls({token_digest(token): who for token, who in pairs}, keys)
 
     @classmethod
     def from_file(cls, path: Path) -> TokenAuth:
@@ -192,3 +231,8 @@ class TokenAuth:
         if principal is None:
             raise Unauthorized("unknown bearer token")
         return principal
+
+    def stream_signer(self, key_id: bytes) -> tuple[StreamKey, Principal] | None:
+        """The stream key with id ``key_id`` and the principal of its token (``None``: no
+        token of this file derives it)."""
+        return self._stream_keys.get(key_id)

@@ -35,6 +35,7 @@ SHARED = (
     "logs",
     "processes",
     "backoff",
+    "redis_clients",
 )
 TOP = ("bench", "demo", "soak", "cli")
 # Below its place in the order, but still out of bounds: a client never imports server

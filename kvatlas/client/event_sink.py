@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from kvatlas.auth import stream_key
 from kvatlas.backoff import Backoff
 from kvatlas.client.coordinator_client import auth_headers
 from kvatlas.errors import InvalidInput, Unavailable
@@ -31,6 +32,8 @@ from kvatlas.events import (
     encode_msgpack,
     encode_stream_fields,
 )
+from kvatlas.events.stream_format import sign_stream_fields
+from kvatlas.redis_clients import redis_client
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +150,9 @@ class HttpTransport:
 
 
 class RedisStreamTransport:
-    """``XADD`` one stream entry per delivery (see ``kvatlas.events.stream_format``)."""
+    """``XADD`` one stream entry per delivery (see ``kvatlas.events.stream_format``), signed
+    with the key of ``token`` (the node's coordinator token) when one is given: a coordinator
+    with auth on applies only entries signed by a token that may act for their instance."""
 
     def __init__(
         self,
@@ -156,17 +161,21 @@ class RedisStreamTransport:
         *,
         fmt: str = "msgpack",
         maxlen: int | None = None,
+        token: str | None = None,
     ) -> None:
         import redis
 
         self._errors = redis.RedisError
-        self._redis = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+        self._redis = redis_client(redis_url, socket_timeout=5)
         self.stream = stream
         self.fmt = fmt
         self.maxlen = maxlen
+        self._key = stream_key(token) if token else None
 
     def send(self, batches: Sequence[EventBatch]) -> None:
         fields: Any = encode_stream_fields(list(batches), self.fmt)
+        if self._key is not None:
+            fields = sign_stream_fields(fields, self.stream, self._key.key_id, self._key.secret)
         try:
             self._redis.xadd(self.stream, fields, maxlen=self.maxlen, approximate=True)
         except self._errors as exc:

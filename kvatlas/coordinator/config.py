@@ -75,6 +75,7 @@ class CoordinatorConfig:
     log_level: str = "info"
     max_instances: int = 10_000
     emitter_retention: float = 3600.0
+    max_clock_skew: float = 300.0
     public_metrics: bool | None = None  # None: public exactly when auth is off
     public_docs: bool | None = None
     fragment_weight: float = DEFAULT_FRAGMENT_WEIGHT
@@ -118,6 +119,7 @@ class CoordinatorConfig:
             "instance_timeout",
             "emitter_retention",
             "consumer_heartbeat",
+            "max_clock_skew",
         ):
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
@@ -262,6 +264,8 @@ _HELP = {
     "max_instances": "most registered instances, and most emitters the directory tracks",
     "emitter_retention": "seconds after which an unregistered, silent emitter is forgotten "
     "(its cursor and metric series)",
+    "max_clock_skew": "seconds an emitter's clock may run ahead of this one: a batch whose "
+    "incarnation (a start time in ns) lies further ahead is refused (docs/security.md)",
     "public_metrics": "serve /metrics without a token (default: only when auth is off)",
     "public_docs": "serve /docs and /openapi.json without a token (default: only when auth is off)",
     "fragment_weight": "route scoring: share at which fragment (blend) tokens count "

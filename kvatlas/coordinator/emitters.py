@@ -15,7 +15,7 @@ from kvatlas.auth import Principal
 from kvatlas.coordinator.instances import InstanceRecord, Registration
 from kvatlas.coordinator.views import NO_EMITTER, EmitterView, InstanceView
 from kvatlas.directory import EmitterCursor
-from kvatlas.errors import Conflict, Forbidden
+from kvatlas.errors import Conflict, Forbidden, Unprocessable
 from kvatlas.events import EventBatch
 
 
@@ -118,6 +118,27 @@ def admit(new: set[str], tracked: int, registered: Callable[[str], bool] | None,
         raise Conflict(
             f"{tracked} emitters tracked; {len(new)} more would exceed --max-instances {cap}"
         )
+
+
+class IncarnationAhead(Unprocessable):
+    """A batch whose incarnation no restart of its emitter can reach yet."""
+
+
+def check_incarnations(batches: Sequence[EventBatch], ceiling: int) -> None:
+    """Refuse (:class:`IncarnationAhead`, naming the batch) an incarnation above ``ceiling``:
+    the coordinator's clock in ns plus ``--max-clock-skew``. An incarnation is a start time
+    in ns or a boot counter (docs/directory.md), never later than the emitter's own clock;
+    one beyond it would fence the emitter's real incarnation and leave every later batch of
+    it stale — a lock-out until deregistration, for 2^63-1. One bound for every transport."""
+    for i, batch in enumerate(batches):
+        if batch.incarnation > ceiling:
+            ahead_s = (batch.incarnation - ceiling) / 1e9
+            raise IncarnationAhead(
+                f"instance {batch.instance_id!r}: incarnation {batch.incarnation} lies "
+                f"{ahead_s:.3g} s beyond this coordinator's clock + --max-clock-skew (an "
+                "incarnation is the emitter's start time in ns, or a boot counter)",
+                field=f"batches[{i}].incarnation",
+            )
 
 
 def emitter_views(

@@ -8,8 +8,9 @@ docs/coordinator.md.
 
 Order of the checks (each refuses the whole body; nothing is applied): the ``emit`` role
 (before the body is read: :class:`~kvatlas.coordinator.asgi.Gate`), the body (422
-naming the field, 413 past ``--max-batch-entries``), each batch's instance, the keys' salts,
-then the service's emitter admission.
+naming the field, 413 past ``--max-batch-entries``), each batch's instance, the keys' salts
+(:func:`~kvatlas.coordinator.query.check_emit`, shared with signed stream entries), then the
+service's incarnation bound and emitter admission.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from starlette.types import Scope
 
 from kvatlas.auth import Principal
 from kvatlas.coordinator.asgi import FastReply
-from kvatlas.coordinator.query import batch_salts, decode_events
+from kvatlas.coordinator.query import check_emit, decode_events
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.coordinator.wire import ingest_counts_to_wire
 from kvatlas.errors import InvalidInput
@@ -57,8 +58,10 @@ class EventsIngest:
         except InvalidInput:
             service.metrics.rejected.inc()
             raise
-        for batch in batches:
-            who.require_instance(batch.header.instance_id)
-        if not who.sees_everything:  # an emit token stores only under its own salts
-            who.require_salts(batch_salts(batches), role="emit")
-        return json_encoder.encode(ingest_counts_to_wire(service.ingest(batches)))
+        check_emit(who, batches)
+        try:
+            counts = service.ingest(batches)
+        except InvalidInput:  # an incarnation no restart of the emitter can reach
+            service.metrics.rejected.inc()
+            raise
+        return json_encoder.encode(ingest_counts_to_wire(counts))

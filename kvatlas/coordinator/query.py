@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import pydantic
 
+from kvatlas.auth import Principal
 from kvatlas.coordinator._base64 import b64decode_strict, decode_base64
 from kvatlas.coordinator.instances import Registration
 from kvatlas.coordinator.schemas import BlendLookupBody, LookupRequest, RegisterRequest
@@ -56,6 +57,16 @@ def check_entry_count(batches: Sequence[ColumnBatch | EventBatch], max_entries: 
 def batch_salts(batches: Sequence[ColumnBatch]) -> set[str]:
     """The cache salts of every key the batches carry (an emit token must hold them all)."""
     return set().union(*(b.salts() for b in batches))
+
+
+def check_emit(who: Principal, batches: Sequence[ColumnBatch]) -> None:
+    """``who`` may post every batch: each names one of its instances, every key one of its
+    salts (:class:`~kvatlas.errors.Forbidden` otherwise). One rule for ``POST /events`` and
+    signed stream entries."""
+    for batch in batches:
+        who.require_instance(batch.header.instance_id)
+    if not who.sees_everything:  # an emit token stores only under its own salts
+        who.require_salts(batch_salts(batches), role="emit")
 
 
 def b64_too_long(chars: int, max_tokens: int) -> bool:

@@ -26,6 +26,7 @@ from typing import Any
 
 from kvatlas.backoff import Backoff
 from kvatlas.errors import Unavailable
+from kvatlas.redis_clients import redis_client
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +54,7 @@ class StreamRetention:
     @classmethod
     def connect(cls, redis_url: str, stream: str, replica: str) -> StreamRetention:
         """A retention over a new client of ``redis_url`` (connects lazily)."""
-        import redis
-
-        client = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
-        return cls(client, stream, replica)
+        return cls(redis_client(redis_url, socket_timeout=5), stream, replica)
 
     def record(self, position: str) -> None:
         """This replica's last durable snapshot covers the stream up to ``position``."""

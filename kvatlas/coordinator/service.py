@@ -15,18 +15,26 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
 from kvatlas.coordinator.config import CoordinatorConfig
-from kvatlas.coordinator.emitters import EmitterBook, admit, emitter_views, instance_views
+from kvatlas.coordinator.emitters import (
+    EmitterBook,
+    admit,
+    check_incarnations,
+    emitter_views,
+    instance_views,
+)
 from kvatlas.coordinator.instances import InstanceRegistry
 from kvatlas.coordinator.kv_events.links import KvEventsLinks
 from kvatlas.coordinator.metrics import CoordinatorMetrics
+from kvatlas.coordinator.query import check_emit
 from kvatlas.coordinator.readiness import ReadinessTracker
 from kvatlas.coordinator.retention import StreamRetention
 from kvatlas.coordinator.status import StatusSource
+from kvatlas.coordinator.stream_auth import entry_principal
 from kvatlas.coordinator.views import (
     Deregistration,
     EmitterView,
@@ -120,7 +128,8 @@ class CoordinatorService:
             self.readiness.set(Readiness.CATCHING_UP)
             consumer = StreamConsumer(
                 self.config,
-                ingest=self.ingest,
+                attribute=self.stream_principal,
+                ingest=self.ingest_as,
                 position=self.stream_position,
                 on_position=self._set_stream_position,
                 set_readiness=self._stream_readiness,
@@ -177,15 +186,22 @@ class CoordinatorService:
     # ------------------------------------------------------------------ ingestion
 
     def ingest(
-        self, batches: Sequence[EventBatch | ColumnBatch], *, engine: bool = False
+        self,
+        batches: Sequence[EventBatch | ColumnBatch],
+        *,
+        registered: bool = True,
+        engine: bool = False,
     ) -> IngestCounts:
         """Apply batches (wire bodies as columns) through the gate, each atomically, in one
-        directory call; every transport comes here, so all get :meth:`admit_emitters` but the
-        KV-event subscriber's (``engine``: engines are capped per endpoint, not here)."""
+        directory call; every transport comes here, so all get the incarnation bound
+        (:func:`~kvatlas.coordinator.emitters.check_incarnations`) and, but the KV-event
+        subscriber's (``engine``: engines are capped per endpoint, not here),
+        :meth:`admit_emitters`."""
         decoded = [b if isinstance(b, ColumnBatch) else ColumnBatch.of(b) for b in batches]
         headers = [b.header for b in decoded]
+        check_incarnations(headers, time.time_ns() + int(self.config.max_clock_skew * 1e9))
         if not engine:
-            self.admit_emitters(headers)
+            self.admit_emitters(headers, registered=registered)
         applied = duplicates = stale = 0
         now, tick = time.time(), self._clock()
         self.emitters.received(headers, tick)
@@ -204,15 +220,32 @@ class CoordinatorService:
                 stale += 1
         return IngestCounts(applied, duplicates, stale)
 
-    def admit_emitters(self, batches: Sequence[EventBatch]) -> None:
+    def stream_principal(self, fields: Mapping[bytes, bytes]) -> Principal | None:
+        """Who a stream entry speaks for (``None``: auth off, trusted); refuses unsigned and
+        badly signed entries (:func:`~kvatlas.coordinator.stream_auth.entry_principal`)."""
+        return entry_principal(self.auth, fields, self.config.event_stream)
+
+    def ingest_as(self, who: Principal | None, batches: Sequence[EventBatch]) -> IngestCounts:
+        """Apply a stream entry's batches as ``who`` (:meth:`stream_principal`): the checks
+        of ``POST /events`` (its instances, its salts). A signed entry stands for a
+        registration: a replica that never saw the node register (it registered with
+        another one) admits its entries all the same."""
+        if who is None:
+            return self.ingest(batches)
+        columns = [ColumnBatch.of(b) for b in batches]
+        check_emit(who, columns)
+        return self.ingest(columns, registered=False)
+
+    def admit_emitters(self, batches: Sequence[EventBatch], *, registered: bool = True) -> None:
         """Refuse the whole request before anything is applied when it would add an emitter
         the directory cannot take (:func:`~kvatlas.coordinator.emitters.admit`); engines do
-        not count against nodes' capacity, and no node may emit as an engine."""
+        not count against nodes' capacity, and no node may emit as an engine;
+        ``registered=False`` skips the registration check only."""
         directory = self.directory
         new = {b.instance_id for b in batches if directory.gap_state(b.instance_id) is None}
         if new:
             self.check_node_ids(new)
-            known = self.instances.known if self.auth is not None else None
+            known = self.instances.known if self.auth is not None and registered else None
             engines = sum(directory.gap_state(e) is not None for e in self.kv_events.engines())
             admit(new, len(directory.emitters()) - engines, known, self.config.max_instances)
 

@@ -34,6 +34,7 @@ from kvatlas.coordinator.node_reports import NodeReports, TierGauges, ValueCount
 from kvatlas.coordinator.views import EmitterView, InstanceView, Readiness
 from kvatlas.directory import DirectoryStats, KeyDirectory, SnapshotInfo
 from kvatlas.keys import KeyScheme
+from kvatlas.redis_clients import redis_client
 
 
 class CoordinatorParts(Protocol):
@@ -131,7 +132,7 @@ class StatusSource:
         import redis
 
         if self._redis is None:
-            self._redis = redis.Redis.from_url(
+            self._redis = redis_client(
                 config.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0
             )
         try:

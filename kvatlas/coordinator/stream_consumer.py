@@ -33,18 +33,29 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import Counter
 
+from kvatlas.auth import Principal
 from kvatlas.backoff import Backoff
 from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.emitters import IncarnationAhead
 from kvatlas.coordinator.query import check_entry_count
 from kvatlas.coordinator.retention import parse_id
+from kvatlas.coordinator.stream_auth import UnsignedEntry
 from kvatlas.coordinator.views import Readiness
-from kvatlas.errors import Conflict, Forbidden, InvalidInput, KvatlasError, Unavailable
+from kvatlas.errors import (
+    Conflict,
+    Forbidden,
+    InvalidInput,
+    KvatlasError,
+    Unauthorized,
+    Unavailable,
+)
 from kvatlas.events import EventBatch, EventDecodeError, EventValidationError, decode_stream_fields
+from kvatlas.redis_clients import redis_client
 
 log = logging.getLogger(__name__)
 
@@ -152,9 +163,7 @@ def refuse_held_group(config: CoordinatorConfig) -> None:
     check when Redis appears (:meth:`StreamConsumer.run`)."""
     import redis
 
-    client = redis.Redis.from_url(
-        config.redis_url or "", socket_timeout=5, socket_connect_timeout=5
-    )
+    client = redis_client(config.redis_url or "", socket_timeout=5)
     try:
         ensure_group_free(client, config.event_stream, config.group_name, config.consumer_heartbeat)
     except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
@@ -209,9 +218,15 @@ def stream_loss(
 
 
 def rejection_reason(exc: KvatlasError) -> str:
-    """The ``reason`` label of a refused stream entry."""
-    if isinstance(exc, Forbidden):
-        return "unregistered"
+    """The ``reason`` label of a refused stream entry (docs/security.md, "Redis transport")."""
+    if isinstance(exc, UnsignedEntry):
+        return "unsigned"
+    if isinstance(exc, Unauthorized):
+        return "bad_signature"
+    if isinstance(exc, IncarnationAhead):
+        return "incarnation_ahead"
+    if isinstance(exc, Forbidden):  # an instance or salt outside the signer's, unregistered
+        return "forbidden"
     if isinstance(exc, Conflict):
         return "emitter_cap"
     return "too_large" if exc.status == 413 else "invalid"
@@ -221,21 +236,24 @@ class StreamConsumer:
     """Consumes ``config.event_stream`` from ``position`` (the snapshot's stream id; ``None``
     = from the beginning) until ``stop`` is set.
 
-    ``ingest`` applies decoded batches; ``on_position`` is told each entry id once the entry
-    is applied (the snapshot records it); ``set_readiness(SERVING)`` is called once, when the
+    ``attribute`` says who an entry's raw fields speak for (a principal; ``None`` with auth
+    off), before anything is decoded, or refuses it (unsigned, bad signature); ``ingest``
+    applies the decoded batches as that principal; ``on_position`` is told each entry id
+    once the entry is applied (the snapshot records it); ``set_readiness(SERVING)`` is called once, when the
     consumer first reaches the end of the stream; ``errors`` counts failures by kind
     (``redis``, ``decode``, ``internal``, ``group_held``: another live replica joined the group
     first, and this one stops consuming rather than share it). Every entry passes the checks a
-    ``POST /events`` body passes (``--max-batch-entries``; the service's emitter admission
-    inside ``ingest``): a producer with stream access cannot do more than an emitter over
-    HTTP. A refused entry is counted in ``rejected`` by reason, acknowledged and never
-    applied."""
+    ``POST /events`` body passes (``--max-batch-entries``; the signer's instances and salts,
+    the incarnation bound and the emitter admission inside ``ingest``): a producer with
+    stream access cannot do more than the emitter whose key it holds over HTTP. A refused
+    entry is counted in ``rejected`` by reason, acknowledged and never applied."""
 
     def __init__(
         self,
         config: CoordinatorConfig,
         *,
-        ingest: Callable[[Sequence[EventBatch]], object],
+        attribute: Callable[[Mapping[bytes, bytes]], Principal | None],
+        ingest: Callable[[Principal | None, Sequence[EventBatch]], object],
         position: str | None,
         on_position: Callable[[str], None],
         set_readiness: Callable[[Readiness], None],
@@ -246,6 +264,7 @@ class StreamConsumer:
         import redis
 
         self._redis_mod = redis
+        self._attribute = attribute
         self._ingest = ingest
         self._on_position = on_position
         self._set_readiness = set_readiness
@@ -264,11 +283,7 @@ class StreamConsumer:
         self._block_ms = max(1, min(BLOCK_MS, int(self._touch_s * 1000)))
         # One name per process run: a second replica with this group is never taken for us.
         self.consumer = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-        self.client = redis.Redis.from_url(
-            config.redis_url or "",
-            socket_timeout=self._block_ms / 1000 + 5,
-            socket_connect_timeout=5,
-        )
+        self.client = redis_client(config.redis_url or "", socket_timeout=self._block_ms / 1000 + 5)
         self.applied_entries = 0
         self.bad_entries = 0
         self.rejected_entries = 0
@@ -362,6 +377,11 @@ class StreamConsumer:
         except self._redis_mod.RedisError as exc:
             log.warning("could not remove consumer %s (%s): it expires as dead", self.consumer, exc)
 
+    def _refuse(self, entry_id: bytes, exc: KvatlasError) -> None:
+        self.rejected_entries += 1
+        self._rejected.labels(rejection_reason(exc)).inc()
+        log.warning("stream entry %s refused: %s", entry_id.decode(), exc.detail)
+
     def _show_alive(self, now: bool = False) -> None:
         """Refresh this consumer's idle time in Redis, at most once per touch period."""
         if now or time.monotonic() - self._shown_at >= self._touch_s:
@@ -384,7 +404,10 @@ class StreamConsumer:
 
     def _apply(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         try:
+            who = self._attribute(fields)  # the MAC before any decoding
             batches = decode_stream_fields(fields)
+        except Unauthorized as exc:
+            self._refuse(entry_id, exc)
         except (EventDecodeError, EventValidationError) as exc:
             # A malformed entry can never become valid: skip it rather than block the stream.
             self.bad_entries += 1
@@ -393,11 +416,9 @@ class StreamConsumer:
         else:
             try:
                 check_entry_count(batches, self.max_entries)
-                self._ingest(batches)
+                self._ingest(who, batches)
             except (InvalidInput, Forbidden, Conflict) as exc:
-                self.rejected_entries += 1
-                self._rejected.labels(rejection_reason(exc)).inc()
-                log.warning("stream entry %s refused: %s", entry_id.decode(), exc.detail)
+                self._refuse(entry_id, exc)
             else:
                 self.applied_entries += 1
         self.position = entry_id.decode()

@@ -287,8 +287,9 @@ class NodeProcess:
         if config.fleet_enabled and self.coordinator is not None:
             if config.event_transport == "redis":
                 transport = RedisStreamTransport(
-                    config.redis_url, config.event_stream, maxlen=config.stream_max_len
-                )
+                    config.redis_url, config.event_stream, maxlen=config.stream_max_len,
+                    token=token,
+                )  # fmt: skip
             else:
                 transport = HttpTransport(config.coordinator_url, fmt=event_format, token=token)
             assert instance_id is not None

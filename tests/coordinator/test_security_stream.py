@@ -1,6 +1,7 @@
 """Issue 16 item 10: a producer with access to the Redis stream gets no more than an emitter
-over HTTP. Entries over --max-batch-entries, and (auth on) entries from instances that are not
-registered, are refused, counted by reason in /metrics and never applied. Real redis-server."""
+over HTTP. Entries over --max-batch-entries, and (auth on) unsigned entries or entries for an
+instance the signer may not act for (issue 25 item 7), are refused, counted by reason in
+/metrics and never applied. Real redis-server."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ from pathlib import Path
 
 import redis
 
+from kvatlas.auth import stream_key
 from kvatlas.events import CacheEntry, EventBatch
-from kvatlas.events.stream_format import encode_stream_fields
+from kvatlas.events.stream_format import encode_stream_fields, sign_stream_fields
 from kvatlas.keys import ObjectKey, pack_kv_rank
 from tests.conftest import RedisServer, wait_for
 from tests.coordinator.helpers import fresh, running
-from tests.coordinator.security_support import ADMIN, bearer, write_tokens
+from tests.coordinator.security_support import ADMIN, bearer, token, write_tokens
+
+NODE_S = token("node-s")
 
 
 def _store(inst: str, seq: int, n: int, tag: int) -> EventBatch:
@@ -32,7 +36,16 @@ def _rejected(metrics: str) -> dict[str, float]:
 
 def test_stream_entries_pass_the_same_gate(redis_server: RedisServer, tmp_path: Path) -> None:
     stream = fresh("security-stream")
-    tokens = write_tokens(tmp_path / "t.json", {"token": ADMIN, "role": "admin"})
+    tokens = write_tokens(
+        tmp_path / "t.json",
+        {"token": ADMIN, "role": "admin"},
+        {"token": NODE_S, "roles": ["emit"], "instance_ids": ["node-s"]},
+    )
+    key = stream_key(NODE_S)
+
+    def signed(batch: EventBatch) -> dict[bytes, bytes]:
+        return sign_stream_fields(encode_stream_fields([batch]), stream, key.key_id, key.secret)
+
     with running(
         event_transport="redis",
         redis_url=redis_server.url,
@@ -41,16 +54,18 @@ def test_stream_entries_pass_the_same_gate(redis_server: RedisServer, tmp_path: 
         max_batch_entries=4,
     ) as (_, c):
         h = bearer(ADMIN)
-        assert c.post("/instances", json={"instance_id": "node-s"}, headers=h).status_code == 200
+        reg = c.post("/instances", json={"instance_id": "node-s"}, headers=bearer(NODE_S))
+        assert reg.status_code == 200
         r = redis.Redis.from_url(redis_server.url)
-        r.xadd(stream, encode_stream_fields([_store("node-s", 1, 5, 1)]))  # over the limit
-        r.xadd(stream, encode_stream_fields([_store("intruder", 1, 1, 2)]))  # not registered
-        r.xadd(stream, encode_stream_fields([_store("node-s", 2, 4, 3)]))  # fine
+        r.xadd(stream, signed(_store("node-s", 1, 5, 1)))  # type: ignore[arg-type]  # too large
+        r.xadd(stream, encode_stream_fields([_store("intruder", 1, 1, 2)]))  # unsigned
+        r.xadd(stream, signed(_store("intruder", 1, 1, 4)))  # type: ignore[arg-type]  # not node-s
+        r.xadd(stream, signed(_store("node-s", 2, 4, 3)))  # type: ignore[arg-type]  # fine
         assert wait_for(lambda: c.get("/directory/stats", headers=h).json()["keys"] == 4)
         assert wait_for(
             lambda: (
                 _rejected(c.get("/metrics", headers=h).text)
-                == {"too_large": 1.0, "unregistered": 1.0}
+                == {"too_large": 1.0, "unsigned": 1.0, "forbidden": 1.0}
             )
         ), c.get("/metrics", headers=h).text
         rows = {row["instance_id"] for row in c.get("/instances", headers=h).json()["instances"]}

@@ -72,7 +72,7 @@ def test_consumer_applies_reports_and_becomes_ready() -> None:
     errors = Counter("errors", "stream errors", ["kind"], registry=registry)
     rejected = Counter("rejected", "stream entries refused", ["reason"], registry=registry)
 
-    def ingest(batches: Sequence[EventBatch]) -> None:
+    def ingest(_who: object, batches: Sequence[EventBatch]) -> None:
         log.append(("ingest", [b.seq for b in batches]))
 
     def set_readiness(state: Readiness) -> None:
@@ -84,6 +84,7 @@ def test_consumer_applies_reports_and_becomes_ready() -> None:
     bad = {b"fmt": b"json", b"data": b"{not json"}
     consumer = StreamConsumer(
         CoordinatorConfig(event_transport="redis", redis_url="redis://127.0.0.1:1/0"),
+        attribute=lambda fields: None,
         ingest=ingest,
         position="5-0",
         on_position=lambda position: log.append(("position", position)),

@@ -50,7 +50,7 @@ def test_entries_read_before_a_redis_restart_are_applied_after_it(
     stop = threading.Event()
     registry = CollectorRegistry()
 
-    def ingest(batches: Sequence[EventBatch]) -> None:
+    def ingest(_who: object, batches: Sequence[EventBatch]) -> None:
         applied.extend(b.seq for b in batches)
         if len(applied) == 1:  # all five were delivered by one read; Redis goes away now,
             own_redis.stop()  # for longer than the client's own retries, then comes back
@@ -61,7 +61,7 @@ def test_entries_read_before_a_redis_restart_are_applied_after_it(
             event_transport="redis", redis_url=own_redis.url, event_stream=STREAM,
             consumer_heartbeat=1.0,
         ),
-        ingest=ingest, position=None, on_position=lambda position: None,
+        attribute=lambda fields: None, ingest=ingest, position=None, on_position=lambda position: None,
         set_readiness=lambda state: None, stop=stop,
         errors=Counter("errors", "stream errors", ["kind"], registry=registry),
         rejected=Counter("rejected", "refused entries", ["reason"], registry=registry),
