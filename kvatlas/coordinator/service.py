@@ -15,22 +15,16 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
 from kvatlas.coordinator.config import CoordinatorConfig
-from kvatlas.coordinator.emitters import (
-    EmitterBook,
-    admit,
-    check_incarnations,
-    emitter_views,
-    instance_views,
-)
+from kvatlas.coordinator.emitters import EmitterBook, emitter_views, instance_views
+from kvatlas.coordinator.ingestion import Ingestion
 from kvatlas.coordinator.instances import InstanceRegistry
 from kvatlas.coordinator.kv_events.links import KvEventsLinks
 from kvatlas.coordinator.metrics import CoordinatorMetrics
-from kvatlas.coordinator.query import check_emit
 from kvatlas.coordinator.readiness import ReadinessTracker
 from kvatlas.coordinator.retention import StreamRetention
 from kvatlas.coordinator.status import StatusSource
@@ -48,7 +42,6 @@ from kvatlas.directory import (
     IngestCounts,
     KeyDirectory,
     KeyPage,
-    Outcome,
     SnapshotError,
     SnapshotInfo,
     TokenLookup,
@@ -59,7 +52,7 @@ from kvatlas.directory import (
     warm_up_kernels,
 )
 from kvatlas.errors import Conflict, Unavailable, Unprocessable
-from kvatlas.events import RESYNC, ColumnBatch, EventBatch
+from kvatlas.events import ColumnBatch, EventBatch
 from kvatlas.events.inventory import Digest, differing
 from kvatlas.keys import MM_BYPASS_GUARD, ObjectKey
 
@@ -101,8 +94,11 @@ class CoordinatorService:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.status = StatusSource(self)  # the status page, node reports, operator series
+        self.ingestion = Ingestion(
+            config, self.directory, self.instances, self.emitters, self.metrics, self.auth, clock
+        )
         engines = functools.partial(self.ingest, engine=True)  # they cannot register
-        self.kv_events = KvEventsLinks.from_config(
+        self.kv_events = self.ingestion.kv_events = KvEventsLinks.from_config(
             config, self.directory, engines, self._stop, is_node=self.instances.known,
             bound_salts=None if self.auth is None else self.auth.bound_salts(),
         )  # fmt: skip
@@ -128,8 +124,10 @@ class CoordinatorService:
             self.readiness.set(Readiness.CATCHING_UP)
             consumer = StreamConsumer(
                 self.config,
-                attribute=self.stream_principal,
-                ingest=self.ingest_as,
+                attribute=lambda fields: entry_principal(
+                    self.auth, fields, self.config.event_stream
+                ),
+                ingest=self.ingestion.ingest_as,
                 position=self.stream_position,
                 on_position=self._set_stream_position,
                 set_readiness=self._stream_readiness,
@@ -192,70 +190,8 @@ class CoordinatorService:
         registered: bool = True,
         engine: bool = False,
     ) -> IngestCounts:
-        """Apply batches (wire bodies as columns) through the gate, each atomically, in one
-        directory call; every transport comes here, so all get the incarnation bound
-        (:func:`~kvatlas.coordinator.emitters.check_incarnations`) and, but the KV-event
-        subscriber's (``engine``: engines are capped per endpoint, not here),
-        :meth:`admit_emitters`."""
-        decoded = [b if isinstance(b, ColumnBatch) else ColumnBatch.of(b) for b in batches]
-        headers = [b.header for b in decoded]
-        check_incarnations(headers, time.time_ns() + int(self.config.max_clock_skew * 1e9))
-        if not engine:
-            self.admit_emitters(headers, registered=registered)
-        applied = duplicates = stale = 0
-        now, tick = time.time(), self._clock()
-        self.emitters.received(headers, tick)
-        for cb, outcome in zip(decoded, self.directory.apply_columns(decoded), strict=True):
-            batch = cb.header
-            self.metrics.batches.labels(batch.instance_id, outcome.value).inc()
-            if outcome is Outcome.APPLIED:
-                applied += 1
-                if batch.event_type == RESYNC:
-                    self.instances.digest_done(batch.instance_id)
-                self.metrics.entries.inc(cb.n_entries)
-                self.emitters.applied(batch, now, tick)
-            elif outcome is Outcome.DUPLICATE:
-                duplicates += 1
-            else:
-                stale += 1
-        return IngestCounts(applied, duplicates, stale)
-
-    def stream_principal(self, fields: Mapping[bytes, bytes]) -> Principal | None:
-        """Who a stream entry speaks for (``None``: auth off, trusted); refuses unsigned and
-        badly signed entries (:func:`~kvatlas.coordinator.stream_auth.entry_principal`)."""
-        return entry_principal(self.auth, fields, self.config.event_stream)
-
-    def ingest_as(self, who: Principal | None, batches: Sequence[EventBatch]) -> IngestCounts:
-        """Apply a stream entry's batches as ``who`` (:meth:`stream_principal`): the checks
-        of ``POST /events`` (its instances, its salts). A signed entry stands for a
-        registration: a replica that never saw the node register (it registered with
-        another one) admits its entries all the same."""
-        if who is None:
-            return self.ingest(batches)
-        columns = [ColumnBatch.of(b) for b in batches]
-        check_emit(who, columns)
-        return self.ingest(columns, registered=False)
-
-    def admit_emitters(self, batches: Sequence[EventBatch], *, registered: bool = True) -> None:
-        """Refuse the whole request before anything is applied when it would add an emitter
-        the directory cannot take (:func:`~kvatlas.coordinator.emitters.admit`); engines do
-        not count against nodes' capacity, and no node may emit as an engine;
-        ``registered=False`` skips the registration check only."""
-        directory = self.directory
-        new = {b.instance_id for b in batches if directory.gap_state(b.instance_id) is None}
-        if new:
-            self.check_node_ids(new)
-            known = self.instances.known if self.auth is not None and registered else None
-            engines = sum(directory.gap_state(e) is not None for e in self.kv_events.engines())
-            admit(new, len(directory.emitters()) - engines, known, self.config.max_instances)
-
-    def check_node_ids(self, instance_ids: Iterable[str]) -> None:
-        """Engine ids are their own namespace: a node (or its emitter) under one is refused."""
-        for instance_id in sorted(instance_ids):
-            if self.kv_events.is_engine(instance_id):
-                raise Conflict(
-                    f"{instance_id!r} is a vLLM engine's id (KV events): nodes use other ids"
-                )
+        """Every transport's batches (:meth:`Ingestion.ingest`)."""
+        return self.ingestion.ingest(batches, registered=registered, engine=engine)
 
     # ------------------------------------------------------------------ lookups
 

@@ -18,13 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvatlas.checks import is_plain_int
 from kvatlas.coordinator.instances import Registration
-from kvatlas.coordinator.views import (
-    EmitterView,
-    HealthView,
-    InstanceView,
-    Readiness,
-    StatsView,
-)
+from kvatlas.coordinator.views import EmitterView, HealthView, InstanceView, Readiness, StatsView
 from kvatlas.directory import (
     DirectoryStats,
     IngestCounts,

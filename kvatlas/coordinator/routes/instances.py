@@ -9,6 +9,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from kvatlas.coordinator.ingestion import refuse_engine_ids
 from kvatlas.coordinator.query import registration
 from kvatlas.coordinator.routes.deps import Caller, Service
 from kvatlas.coordinator.schemas import RegisterRequest
@@ -24,8 +25,7 @@ async def register(body: RegisterRequest, service: Service, who: Caller) -> Resp
     who.require_instance(body.instance_id)
     asked, fields = registration(body)
     service.check_chunk_size(body.chunk_size)
-    if asked:
-        service.check_node_ids([asked])
+    refuse_engine_ids([asked] if asked else [], service.kv_events.is_engine)
     salts = None if who.is_admin else who.cache_salts
     instance_id, again = service.instances.register(asked, fields, salts)
     return MsgspecJSONResponse(registered_to_wire(instance_id, again))

@@ -1,0 +1,105 @@
+"""Ingestion: every transport's batches (``POST /events``, the Redis stream, vLLM KV events)
+through one admission and the gate.
+
+Admission is decided for the whole request before anything is applied — the incarnation bound
+(:func:`~kvatlas.coordinator.emitters.check_incarnations`), the engine namespace and the
+emitter cap (:func:`~kvatlas.coordinator.emitters.admit`) — so a refused request changes
+nothing; then each batch goes through the gate atomically. Engines (the KV-event subscriber's
+batches) are capped per endpoint, never against nodes' capacity. See docs/coordinator.md.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from kvatlas.auth import Principal, TokenAuth
+from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.emitters import EmitterBook, admit, check_incarnations
+from kvatlas.coordinator.instances import InstanceRegistry
+from kvatlas.coordinator.kv_events.links import KvEventsLinks
+from kvatlas.coordinator.metrics import CoordinatorMetrics
+from kvatlas.coordinator.query import check_emit
+from kvatlas.directory import IngestCounts, KeyDirectory, Outcome
+from kvatlas.errors import Conflict
+from kvatlas.events import RESYNC, ColumnBatch, EventBatch
+
+
+def refuse_engine_ids(instance_ids: Iterable[str], is_engine: Callable[[str], bool]) -> None:
+    """Engine ids are their own namespace: a node (or its emitter) under one is refused."""
+    for instance_id in sorted(instance_ids):
+        if is_engine(instance_id):
+            raise Conflict(
+                f"{instance_id!r} is a vLLM engine's id (KV events): nodes use other ids"
+            )
+
+
+@dataclass(slots=True)
+class Ingestion:
+    config: CoordinatorConfig
+    directory: KeyDirectory
+    instances: InstanceRegistry
+    emitters: EmitterBook
+    metrics: CoordinatorMetrics
+    auth: TokenAuth | None
+    clock: Callable[[], float]
+    kv_events: KvEventsLinks | None = None  # set once the links exist (they ingest through us)
+
+    def ingest(
+        self,
+        batches: Sequence[EventBatch | ColumnBatch],
+        *,
+        registered: bool = True,
+        engine: bool = False,
+    ) -> IngestCounts:
+        """Apply batches (wire bodies as columns) through the gate, each atomically, in one
+        directory call, after the request's admission (``registered=False``: no
+        registration check; ``engine``: the KV-event subscriber's, capped per endpoint)."""
+        decoded = [b if isinstance(b, ColumnBatch) else ColumnBatch.of(b) for b in batches]
+        headers = [b.header for b in decoded]
+        check_incarnations(headers, time.time_ns() + int(self.config.max_clock_skew * 1e9))
+        if not engine:
+            self._admit(headers, registered)
+        applied = duplicates = stale = 0
+        now, tick = time.time(), self.clock()
+        self.emitters.received(headers, tick)
+        for cb, outcome in zip(decoded, self.directory.apply_columns(decoded), strict=True):
+            batch = cb.header
+            self.metrics.batches.labels(batch.instance_id, outcome.value).inc()
+            if outcome is Outcome.APPLIED:
+                applied += 1
+                if batch.event_type == RESYNC:
+                    self.instances.digest_done(batch.instance_id)
+                self.metrics.entries.inc(cb.n_entries)
+                self.emitters.applied(batch, now, tick)
+            elif outcome is Outcome.DUPLICATE:
+                duplicates += 1
+            else:
+                stale += 1
+        return IngestCounts(applied, duplicates, stale)
+
+    def ingest_as(self, who: Principal | None, batches: Sequence[EventBatch]) -> IngestCounts:
+        """Apply a stream entry's batches as ``who`` (its signer; ``None``: auth off): the
+        checks of ``POST /events`` (its instances, its salts). A signed entry stands for a
+        registration: a replica that never saw the node register (it registered with
+        another one) admits its entries all the same."""
+        if who is None:
+            return self.ingest(batches)
+        columns = [ColumnBatch.of(b) for b in batches]
+        check_emit(who, columns)
+        return self.ingest(columns, registered=False)
+
+    def _admit(self, batches: Sequence[EventBatch], registered: bool) -> None:
+        """Refuse the whole request when it would add an emitter under an engine's id, or one
+        the directory cannot take; engines do not count against nodes' capacity."""
+        directory = self.directory
+        new = {b.instance_id for b in batches if directory.gap_state(b.instance_id) is None}
+        if not new:
+            return
+        engines = 0
+        if self.kv_events is not None:
+            refuse_engine_ids(new, self.kv_events.is_engine)
+            engines = sum(directory.gap_state(e) is not None for e in self.kv_events.engines())
+        known = self.instances.known if self.auth is not None and registered else None
+        admit(new, len(directory.emitters()) - engines, known, self.config.max_instances)
