@@ -42,8 +42,13 @@ def error_payload(exc: KvatlasError) -> dict[str, Any]:
 
 
 def error_headers(exc: KvatlasError) -> list[tuple[bytes, bytes]]:
-    """Headers an error's reply must carry (a 401 names the scheme it expects)."""
-    return [(b"www-authenticate", b"Bearer")] if isinstance(exc, Unauthorized) else []
+    """Headers an error's reply must carry: a 401 names the scheme it expects; a 413 closes
+    the connection (the rest of the body is never read, not even to discard it)."""
+    if isinstance(exc, Unauthorized):
+        return [(b"www-authenticate", b"Bearer")]
+    if isinstance(exc, PayloadTooLarge):
+        return [(b"connection", b"close")]
+    return []
 
 
 def error_response(exc: KvatlasError) -> Response:

@@ -19,6 +19,7 @@ import numpy.typing as npt
 import pydantic
 
 from kvatlas.coordinator._base64 import b64decode_strict, decode_base64
+from kvatlas.coordinator.config import QUERY_ENVELOPE_BYTES
 from kvatlas.coordinator.instances import Registration
 from kvatlas.coordinator.schemas import BlendLookupBody, LookupRequest, RegisterRequest
 from kvatlas.errors import PayloadTooLarge, Unprocessable
@@ -112,15 +113,75 @@ def query_tokens(
 # ---------------------------------------------------------------------------- prefix lookup
 
 
-def decode_lookup_body(raw: bytes) -> LookupRequest:
-    """``POST /directory/lookup``'s body (called on a worker thread: it may be large); a 422
-    names the first bad field as FastAPI's own validation would."""
+class _LookupShape(msgspec.Struct):
+    """A lookup body's fields that may be large, as raw JSON (scanned, not decoded)."""
+
+    keys: msgspec.Raw = msgspec.Raw()
+    token_ids: msgspec.Raw = msgspec.Raw()
+    tokens_b64: msgspec.Raw = msgspec.Raw()
+
+
+_lookup_shape_decoder = msgspec.json.Decoder(_LookupShape)
+
+
+_COUNT_SLICE = 1 << 20
+
+
+def _items(raw: msgspec.Raw, separator: int) -> int:
+    """At most how many items the JSON array ``raw`` holds: one more than its ``separator``
+    bytes (``,`` between token ids, ``{`` opening each key); 0 when it is not an array.
+    Counted in place, a slice at a time (no copy of the body)."""
+    view = np.frombuffer(raw, dtype=np.uint8)
+    if not len(view) or view[0] != ord("["):
+        return 0
+    found = sum(
+        int(np.count_nonzero(view[i : i + _COUNT_SLICE] == separator))
+        for i in range(0, len(view), _COUNT_SLICE)
+    )
+    return found + 1 if separator == ord(",") else found
+
+
+def check_lookup_size(raw: bytes, max_tokens: int, max_keys: int) -> None:
+    """Refuse (413) a ``POST /directory/lookup`` body whose token list or key list is longer
+    than its limit, or whose other fields exceed a lookup's envelope, from the body's bytes:
+    before a Python object per token or key exists. Malformed JSON is a 422 worded as the
+    full decoder would word it."""
+    try:
+        shape = _lookup_shape_decoder.decode(raw)
+    except msgspec.ValidationError:  # not an object: the model's own message
+        try:
+            LookupRequest.model_validate([])
+        except pydantic.ValidationError as exc:
+            raise field_errors(exc.errors(), ("body",)) from None
+        raise
+    except msgspec.DecodeError as exc:
+        raise _json_invalid(exc) from None
+    large = len(shape.keys) + len(shape.token_ids) + len(shape.tokens_b64)
+    if len(raw) - large > QUERY_ENVELOPE_BYTES:  # another field, or a field given twice
+        raise PayloadTooLarge(
+            f"lookup fields beside keys, token_ids and tokens_b64 exceed {QUERY_ENVELOPE_BYTES} bytes"
+        )
+    tokens = _items(shape.token_ids, ord(","))
+    if tokens > max_tokens:
+        raise PayloadTooLarge(f"query of {tokens} tokens exceeds --max-query-tokens {max_tokens}")
+    keys = _items(shape.keys, ord("{"))
+    if keys > max_keys:
+        raise PayloadTooLarge(f"{keys} keys exceed the query limit")
+
+
+def _json_invalid(exc: msgspec.DecodeError) -> Unprocessable:
+    return field_errors([{"loc": (), "msg": f"JSON decode error: {exc}", "type": "json_invalid"}])
+
+
+def decode_lookup_body(raw: bytes, max_tokens: int, max_keys: int) -> LookupRequest:
+    """``POST /directory/lookup``'s body (called on a worker thread: it may be large), sized
+    up from its bytes first (:func:`check_lookup_size`); a 422 names the first bad field as
+    FastAPI's own validation would."""
+    check_lookup_size(raw, max_tokens, max_keys)
     try:
         doc = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
-        raise field_errors(
-            [{"loc": (), "msg": f"JSON decode error: {exc}", "type": "json_invalid"}]
-        ) from None
+        raise _json_invalid(exc) from None
     try:  # validated from Python objects, as FastAPI does: the same messages as before
         return LookupRequest.model_validate(doc)
     except pydantic.ValidationError as exc:
@@ -173,9 +234,9 @@ class TokensQuery:
         return {self.cache_salt}
 
 
-def lookup_query(body: LookupRequest, max_tokens: int) -> KeysQuery | TokensQuery:
+def lookup_query(body: LookupRequest, max_tokens: int, max_keys: int) -> KeysQuery | TokensQuery:
     """Exactly one form: ``keys``, or ``token_ids``/``tokens_b64`` with ``model_name``; at
-    most ``max_tokens`` keys or tokens. An empty list beside the other form is LMCache's
+    most ``max_keys`` keys or ``max_tokens`` tokens. An empty list beside the other form is LMCache's
     default for the form not used: absent."""
     keys, token_ids = body.keys, body.token_ids
     if keys == [] and (token_ids or body.tokens_b64 is not None):
@@ -186,7 +247,7 @@ def lookup_query(body: LookupRequest, max_tokens: int) -> KeysQuery | TokensQuer
     if (keys is not None) == token_form:
         raise Unprocessable("give exactly one form: keys, or token_ids/tokens_b64 with model_name")
     if keys is not None:
-        if len(keys) > max_tokens:
+        if len(keys) > max_keys:
             raise PayloadTooLarge(f"{len(keys)} keys exceed the query limit")
         try:
             return KeysQuery([ObjectKey.from_wire(k.model_dump()) for k in keys])
@@ -242,6 +303,16 @@ _TOKENS_B64_KEY = b'"tokens_b64"'
 _JSON_SPACE = b" \t\r\n"
 
 
+def check_item_count(raw: bytes, max_tokens: int, beside: int = QUERY_ENVELOPE_BYTES) -> None:
+    """Refuse (413) a token-query body that holds more list items than ``max_tokens`` tokens
+    and ``beside`` other ones, from its bytes and before anything is decoded: each item of a
+    JSON list after the first costs a comma. Only a body longer than that many bytes is
+    counted (a blend lookup's usual body costs nothing)."""
+    bound = max_tokens + beside
+    if len(raw) > bound and raw.count(b",") > bound:
+        raise PayloadTooLarge(f"query holds more than --max-query-tokens {max_tokens} tokens")
+
+
 def decode_blend_lookup(
     raw: bytes, max_tokens: int
 ) -> tuple[BlendLookupBody, npt.NDArray[np.uint8] | None]:
@@ -252,7 +323,10 @@ def decode_blend_lookup(
     where it lies and the decoder sees the rest of the body. Done for a top-level
     ``"tokens_b64": "<valid base64 within the limit>"`` given once; anything else (escapes,
     whitespace, another type, invalid base64, too long, the key twice, malformed JSON) takes
-    :func:`decode_blend_body`'s path, so every reply, error or not, is the same as there."""
+    :func:`decode_blend_body`'s path, so every reply, error or not, is the same as there.
+    A body of more list items than the query may hold is refused first
+    (:func:`check_item_count`)."""
+    check_item_count(raw, max_tokens)
     split = _split_tokens_b64(raw, max_tokens)
     if split is not None:
         rest, decoded = split
