@@ -20,6 +20,12 @@ from kvatlas.coordinator.scoring import DEFAULT_FRAGMENT_WEIGHT
 from kvatlas.events import EVENT_TRANSPORTS, TIERS
 from kvatlas.events.inventory import BUCKETS, DIGEST_BYTES
 from kvatlas.events.vllm_wire import ENCODINGS
+from kvatlas.http_guard import (
+    BODY_TIMEOUT_HELP,
+    HEADER_TIMEOUT_HELP,
+    MAX_CONNECTIONS_HELP,
+    HttpLimits,
+)
 from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme, check_model_name
 from kvatlas.keys.object_key import MAX_INSTANCE_ID_CHARS
 from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
@@ -106,9 +112,13 @@ class CoordinatorConfig:
     kv_events_publish_encoding: str = "map"
     log_format: str = "json"
     access_log: bool = False
+    http_header_timeout_s: float = 10.0
+    http_body_timeout_s: float = 30.0
+    http_max_connections: int | None = None  # None: below the file limit (http_guard)
 
     def __post_init__(self) -> None:
         KeyScheme(self.hash_scheme, self.chunk_size)  # validates both
+        self.http_limits  # noqa: B018 - validates the three --http-* limits
         if self.blend_probe_stride < 1:
             raise ValueError("--blend-probe-stride must be >= 1")
         if self.event_transport not in EVENT_TRANSPORTS:
@@ -173,6 +183,12 @@ class CoordinatorConfig:
         if self.max_body_bytes is not None:
             return self.max_body_bytes
         return largest_request_bytes(self.max_query_tokens, self.max_batch_entries, self.chunk_size)
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(
+            self.http_header_timeout_s, self.http_body_timeout_s, self.http_max_connections
+        )
 
     @property
     def max_lookup_keys(self) -> int:
@@ -277,6 +293,9 @@ _HELP = {
     "max_body_bytes": "ceiling on every request body, in bytes (each route's own limit is its "
     "largest legitimate body, derived from the limits above and --chunk-size; "
     "docs/coordinator.md)",
+    "http_header_timeout_s": HEADER_TIMEOUT_HELP,
+    "http_body_timeout_s": BODY_TIMEOUT_HELP,
+    "http_max_connections": MAX_CONNECTIONS_HELP,
     "log_level": "log level",
     "log_format": "log lines as JSON objects (json) or plain text for humans (text)",
     "access_log": "log one line per HTTP request",

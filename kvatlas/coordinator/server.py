@@ -107,7 +107,12 @@ class BackgroundServer:
         self.service = CoordinatorService(config, clock)
         self.app = create_app(self.service)
         self._http = ThreadedServer(
-            self.app, port=config.port, host=config.host, name="coordinator"
+            self.app,
+            port=config.port,
+            host=config.host,
+            name="coordinator",
+            limits=config.http_limits,
+            on_refused=self.service.metrics.http_refused.count,
         )
         self._lock: IO[str] | None = None
 
@@ -182,7 +187,15 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     service.after_snapshot = lambda info: growth.after_snapshot(info.keys)
     try:
         options = uvicorn_log_options(config.log_level, config.access_log)
-        serve(app, host=config.host, port=config.port, sock=sock, **options)
+        serve(
+            app,
+            host=config.host,
+            port=config.port,
+            sock=sock,
+            limits=config.http_limits,
+            on_refused=service.metrics.http_refused.count,
+            **options,
+        )
     finally:
         service.stop()
         sock.close()

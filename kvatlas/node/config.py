@@ -21,6 +21,12 @@ from pathlib import Path
 from kvatlas.auth import TokenAuth
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args, env_name
 from kvatlas.events import EVENT_TRANSPORTS
+from kvatlas.http_guard import (
+    BODY_TIMEOUT_HELP,
+    HEADER_TIMEOUT_HELP,
+    MAX_CONNECTIONS_HELP,
+    HttpLimits,
+)
 from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme, check_instance_id, pack_kv_rank
 from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
 from kvatlas.node.kv_dtype import KV_DTYPES
@@ -96,9 +102,13 @@ class NodeConfig:
     log_level: str = "info"
     log_format: str = "json"
     access_log: bool = False
+    http_header_timeout_s: float = 10.0
+    http_body_timeout_s: float = 30.0
+    http_max_connections: int | None = None  # None: below the file limit (http_guard)
 
     def __post_init__(self) -> None:
         self.layout  # noqa: B018 - validates the KV layout fields
+        self.http_limits  # noqa: B018 - validates the three --http-* limits
         KeyScheme(self.hash_scheme, self.chunk_size)
         pack_kv_rank(self.world_size, self.rank, self.world_size, self.rank)
         if self.instance_id:
@@ -152,6 +162,12 @@ class NodeConfig:
         for name in ("l2_redis_sweep_interval", "coordinator_retry_max", "heartbeat_interval"):
             if not 0 < getattr(self, name) <= 3600:
                 raise ValueError(f"--{name.replace('_', '-')} must be in (0, 3600] seconds")
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(
+            self.http_header_timeout_s, self.http_body_timeout_s, self.http_max_connections
+        )
 
     @property
     def layout(self) -> KVLayout:
@@ -364,6 +380,9 @@ _HELP = {
     "log_level": "log level",
     "log_format": "log lines as JSON objects (json) or plain text for humans (text)",
     "access_log": "log one line per HTTP request (engine calls included)",
+    "http_header_timeout_s": HEADER_TIMEOUT_HELP,
+    "http_body_timeout_s": BODY_TIMEOUT_HELP,
+    "http_max_connections": MAX_CONNECTIONS_HELP,
 }
 
 _CHOICES = {
