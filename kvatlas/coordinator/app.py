@@ -31,6 +31,7 @@ from kvatlas.coordinator.events_ingest import EVENTS_PATH, EventsIngest
 from kvatlas.coordinator.route_score import ROUTE_SCORE_PATH, RouteScoring
 from kvatlas.coordinator.routes import ROUTERS
 from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.http_guard import OnRefused
 from kvatlas.web import install_error_handler
 
 
@@ -39,10 +40,10 @@ class CoordinatorApp(FastAPI):
     requests to :attr:`fast_routes` are answered before FastAPI sees them (its telemetry
     check, its middleware stack, routing); each fast route is one entry (``create_app``)."""
 
-    def __init__(self, gate: Gate, **kwargs: Any) -> None:
+    def __init__(self, gate: Gate, on_refused: OnRefused, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.fast_routes: dict[tuple[str, str], FastRoute] = {}
-        self.front = FastPaths(self.framework, self.fast_routes, gate)
+        self.front = FastPaths(self.framework, self.fast_routes, gate, on_refused)
 
     async def framework(self, scope: Scope, receive: Receive, send: Send) -> None:
         """FastAPI itself: everything the fast paths do not answer."""
@@ -55,8 +56,10 @@ class CoordinatorApp(FastAPI):
 def create_app(service: CoordinatorService) -> CoordinatorApp:
     config = service.config
     gate = Gate(service.auth, config.metrics_public, config.docs_public, config.route_bodies)
+    refused = service.metrics.http_refused.count
     app = CoordinatorApp(
         gate,
+        refused,
         title="kvatlas coordinator",
         version=__version__,
         description="Where every cached KV chunk of the fleet lives: prefix and blend lookup.",
@@ -74,7 +77,7 @@ def create_app(service: CoordinatorService) -> CoordinatorApp:
     # JSON token parser releases the GIL on a large body) while another applies.
     events = EventsIngest(service, ThreadPoolExecutor(2, thread_name_prefix="kvatlas-ingest"))
     app.state.events_ingest = events
-    install_error_handler(app)
+    install_error_handler(app, refused)
     install_validation_handler(app)
     for router in ROUTERS:
         app.include_router(router)

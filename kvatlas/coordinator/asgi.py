@@ -27,6 +27,7 @@ from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
 from kvatlas.coordinator.config import CoordinatorConfig, RouteBodies
 from kvatlas.coordinator.query import field_errors
 from kvatlas.errors import Forbidden, KvatlasError, Unprocessable
+from kvatlas.http_guard import OnRefused
 from kvatlas.web import (
     BodyLimit,
     check_declared_length,
@@ -34,6 +35,7 @@ from kvatlas.web import (
     error_payload,
     error_response,
     json_encoder,
+    nested_too_deep,
     receive_body,
 )
 
@@ -259,11 +261,16 @@ class FastPaths:
     (:mod:`kvatlas.web`): which layer answered is invisible on the wire."""
 
     def __init__(
-        self, app: ASGIApp, routes: Mapping[tuple[str, str], FastRoute], gate: Gate
+        self,
+        app: ASGIApp,
+        routes: Mapping[tuple[str, str], FastRoute],
+        gate: Gate,
+        on_refused: OnRefused = lambda _reason: None,
     ) -> None:
         self.app = app
         self.routes = routes
         self.gate = gate
+        self.on_refused = on_refused  # counts bodies nested too deeply
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = (
@@ -294,9 +301,10 @@ class FastPaths:
             reply = await route(body, who, scope)
             status, payload = reply.status, reply.payload
             headers.extend(reply.headers)
-        except KvatlasError as exc:
-            status, payload = exc.status, json_encoder.encode(error_payload(exc))
-            headers.extend(error_headers(exc))
+        except (KvatlasError, RecursionError) as raised:
+            error = raised if isinstance(raised, KvatlasError) else nested_too_deep(self.on_refused)
+            status, payload = error.status, json_encoder.encode(error_payload(error))
+            headers.extend(error_headers(error))
         headers.append((b"content-length", str(len(payload)).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})

@@ -40,7 +40,14 @@ from kvatlas.node.cache_node import CacheNode
 from kvatlas.node.engine_trackers import Identity, Trackers
 from kvatlas.node.peer import create_peer_app
 from kvatlas.node.segments import Segment
-from kvatlas.web import error_headers, error_payload, error_response, read_body
+from kvatlas.web import (
+    error_headers,
+    error_payload,
+    error_response,
+    install_nesting_handler,
+    nested_too_deep,
+    read_body,
+)
 
 ENGINE_PREFIX: Final = "/engine/"
 PEER_PREFIX: Final = "/peer/"
@@ -184,6 +191,8 @@ def create_node_app(node: CacheNode, *, auth: TokenAuth | None = None) -> FastAP
     config = node.config
     app = create_peer_app(node.l1, l2=node.l2)
     app.title = "kvatlas cache node"
+    refused = node.timings.http_refused.count
+    install_nesting_handler(app, refused)
     app.add_middleware(
         ApiGate, auth=auth, engine_port=config.engine_port, public_metrics=config.metrics_public
     )
@@ -219,6 +228,8 @@ def create_node_app(node: CacheNode, *, auth: TokenAuth | None = None) -> FastAP
                     return _error_reply(exc, msgpack)
                 except ValueError as exc:  # a field the node could not make sense of
                     return _error_reply(Unprocessable(str(exc)), msgpack)
+                except RecursionError:  # a body nested deeper than the decoder follows
+                    return _error_reply(nested_too_deep(refused), msgpack)
 
             app.add_api_route(
                 path,
