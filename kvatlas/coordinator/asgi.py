@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
+from kvatlas.auth import ANONYMOUS_ADMIN, DOCS_PATHS, Principal, TokenAuth
 from kvatlas.coordinator.config import CoordinatorConfig, RouteBodies
 from kvatlas.coordinator.query import field_errors
 from kvatlas.errors import Forbidden, KvatlasError, Unprocessable
@@ -122,7 +122,6 @@ any valid token and takes a small body (``tests/coordinator/test_security_exposu
 until it is listed)."""
 ROUTE_TABLE: dict[tuple[str, str], Route] = {route.key: route for route in ROUTES}
 METRICS_PATH = "/metrics"
-DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 _METRICS = Access(("lookup",), every_tenant=True)
 
 

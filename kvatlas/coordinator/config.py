@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvatlas.auth import public_unless_auth
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args
 from kvatlas.coordinator.scoring import DEFAULT_FRAGMENT_WEIGHT
 from kvatlas.events import EVENT_TRANSPORTS, TIERS
@@ -202,13 +203,11 @@ class CoordinatorConfig:
 
     @property
     def metrics_public(self) -> bool:
-        return (
-            (self.auth_token_file is None) if self.public_metrics is None else self.public_metrics
-        )
+        return public_unless_auth(self.auth_token_file is not None, self.public_metrics)
 
     @property
     def docs_public(self) -> bool:
-        return (self.auth_token_file is None) if self.public_docs is None else self.public_docs
+        return public_unless_auth(self.auth_token_file is not None, self.public_docs)
 
     @property
     def resolved_replica_id(self) -> str:

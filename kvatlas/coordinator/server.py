@@ -10,12 +10,14 @@ from __future__ import annotations
 import fcntl
 import logging
 import socket
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
 from kvatlas.asgi_thread import ThreadedServer, bind_listener, free_port, serve
+from kvatlas.auth import TokenAuth
 from kvatlas.coordinator.app import create_app
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.runtime import (
@@ -157,6 +159,13 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     set_switch_interval()  # runtime.py: one thread's Python work must not stall the others
     COLLECTIONS.install()
     announce_security(config)
+    if config.auth_token_file is not None:
+        try:  # the rule of kvatlas/auth.py: a private file, tokens of 32+ characters
+            TokenAuth.from_file(config.auth_token_file)
+        except ValueError as exc:
+            log.error("refusing to start: %s", exc)
+            print(f"kvatlas coordinator: refusing to start: {exc}", file=sys.stderr)
+            return 2
     if config.event_transport == "redis":
         log.info("replica %s, consumer group %s", config.resolved_replica_id, config.group_name)
     # Claim the port, the snapshot file and the consumer group before restoring, joining the

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvatlas.auth import TokenAuth
+from kvatlas.auth import TokenAuth, check_secret, public_unless_auth, read_secret_file
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args, env_name
 from kvatlas.events import EVENT_TRANSPORTS
 from kvatlas.http_guard import (
@@ -33,8 +33,6 @@ from kvatlas.node.kv_dtype import KV_DTYPES
 from kvatlas.node.kv_layout import ROPE_STYLES, KVLayout
 
 log = logging.getLogger(__name__)
-
-MIN_SECRET_CHARS = 32
 
 L2_KINDS = ("fs", "redis", "none")
 L2_WRITE_POLICIES = ("through", "evict")
@@ -95,6 +93,7 @@ class NodeConfig:
     peer_fetch_deadline: float = 2.0
     fleet_refresh_interval: float = 10.0
     public_metrics: bool | None = None  # None: public exactly when auth is off
+    public_docs: bool | None = None
     l2_max_bytes: int = DEFAULT_L2_MAX_BYTES  # private fs L2 only; 0 = no cap
     l2_redis_ttl: int = 0  # seconds; 0 = values never expire
     l2_redis_sweep_interval: float = 30.0
@@ -207,16 +206,18 @@ class NodeConfig:
     @property
     def metrics_public(self) -> bool:
         """Whether ``/metrics`` needs no token (else an admin token), as on the coordinator."""
-        if self.public_metrics is None:
-            return self.auth_token_file is None
-        return self.public_metrics
+        return public_unless_auth(self.auth_token_file is not None, self.public_metrics)
+
+    @property
+    def docs_public(self) -> bool:
+        """Whether ``/docs`` and ``/openapi.json`` need no token (else any valid one)."""
+        return public_unless_auth(self.auth_token_file is not None, self.public_docs)
 
     def auth(self) -> TokenAuth | None:
-        """The engine/peer API's tokens (``--auth-token-file``; ``None`` = no auth). The file
-        holds every token: refused when group or others may read it, as a token file is."""
+        """The engine/peer API's tokens (``--auth-token-file``; ``None`` = no auth), by the
+        coordinator's rule (:meth:`~kvatlas.auth.TokenAuth.from_file`)."""
         if self.auth_token_file is None:
             return None
-        check_private(self.auth_token_file, "--auth-token-file")
         return TokenAuth.from_file(self.auth_token_file)
 
     def coordinator_bearer(self) -> str | None:
@@ -256,38 +257,6 @@ def default_l2_path(environ: Mapping[str, str] | None = None) -> Path:
     env = os.environ if environ is None else environ
     base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "kvatlas" / "l2"
-
-
-def check_secret(token: str, what: str) -> str:
-    """Refuse a token shorter than ``MIN_SECRET_CHARS`` (an empty one means "none")."""
-    if token and len(token) < MIN_SECRET_CHARS:
-        raise ValueError(f"{what}: a token must have >= {MIN_SECRET_CHARS} characters")
-    return token
-
-
-def check_private(path: Path, what: str) -> None:
-    """Refuse a secrets file that group or others may access (``chmod 600`` it)."""
-    try:
-        mode = path.stat().st_mode
-    except OSError as exc:
-        raise ValueError(f"{what}: cannot read {path}: {exc.strerror}") from None
-    if mode & 0o077:
-        raise ValueError(
-            f"{what}: {path} is accessible to group or others (mode {mode & 0o777:o}); chmod 600 it"
-        )
-
-
-def read_secret_file(path: Path, what: str) -> str:
-    """The token in ``path`` (surrounding whitespace stripped); refused when the file is
-    accessible to group or others or the token is too short."""
-    check_private(path, what)
-    try:
-        text = path.read_text().strip()
-    except OSError as exc:
-        raise ValueError(f"{what}: cannot read {path}: {exc.strerror}") from None
-    if not text:
-        raise ValueError(f"{what}: {path} is empty")
-    return check_secret(text, f"{what} {path}")
 
 
 def _secret(value: str, path: Path | None, name: str) -> str | None:
@@ -365,6 +334,7 @@ _HELP = {
     "peer_fetch_deadline": "seconds one fetch from a peer may take in all, however it drips",
     "fleet_refresh_interval": "seconds between re-reads of the coordinator's instance list",
     "public_metrics": "serve /metrics without a token (default: only when auth is off)",
+    "public_docs": "serve /docs and /openapi.json without a token (default: only when auth is off)",
     "l2_max_bytes": (
         "byte cap of a private fs L2: least recently used chunks are evicted (and reported) "
         "beyond it; 0 = no cap; a shared pool (--l2-shared) is capped by whoever provisions it"

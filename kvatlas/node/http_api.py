@@ -32,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
+from kvatlas.auth import ANONYMOUS_ADMIN, DOCS_PATHS, Principal, TokenAuth
 from kvatlas.client.engine_client import MSGPACK, EngineCall, EngineLayout, WireSegment
 from kvatlas.errors import Forbidden, KvatlasError, NotFound, PayloadTooLarge, Unprocessable
 from kvatlas.keys import MMItem, RequestTracker
@@ -52,6 +52,7 @@ from kvatlas.web import (
 ENGINE_PREFIX: Final = "/engine/"
 PEER_PREFIX: Final = "/peer/"
 METRICS_PATH: Final = "/metrics"
+_ANY_TOKEN: Final = ""  # ApiGate: a valid token of any role
 _OFF_LOOP_BYTES: Final = 1 << 20  # bodies above this are decoded in the thread pool
 _msgpack_encoder = msgspec.msgpack.Encoder()
 (_CALL_SCHEMA, _LAYOUT_SCHEMA), _SCHEMAS = msgspec.json.schema_components(
@@ -130,17 +131,20 @@ class ApiGate:
         auth: TokenAuth | None,
         engine_port: int | None,
         public_metrics: bool = True,
+        public_docs: bool = True,
     ) -> None:
         self.app = app
         self.auth = auth
         self.engine_port = engine_port
         self.public_metrics = public_metrics  # else /metrics needs an admin token
+        self.public_docs = public_docs  # else /docs and /openapi.json need any valid token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         role = "engine" if path.startswith(ENGINE_PREFIX) else None
         role = "peer" if path.startswith(PEER_PREFIX) else role
         role = "admin" if path == METRICS_PATH and not self.public_metrics else role
+        role = _ANY_TOKEN if path in DOCS_PATHS and not self.public_docs else role
         if scope["type"] != "http" or role is None:
             await self.app(scope, receive, send)
             return
@@ -155,12 +159,13 @@ class ApiGate:
         await self.app(scope, receive, send)
 
     def _admit(self, scope: Scope, role: str, authorization: str | None) -> Principal:
-        if self.engine_port is not None:
+        if self.engine_port is not None and role in ("engine", "peer"):
             port = (scope.get("server") or (None, None))[1]
             if (port == self.engine_port) != (role == "engine"):
                 raise NotFound(f"{scope['path']} is not served on this listener")
         who = ANONYMOUS_ADMIN if self.auth is None else self.auth.authenticate(authorization)
-        who.require(role)
+        if role != _ANY_TOKEN:
+            who.require(role)
         return who
 
 
@@ -194,7 +199,11 @@ def create_node_app(node: CacheNode, *, auth: TokenAuth | None = None) -> FastAP
     refused = node.timings.http_refused.count
     install_nesting_handler(app, refused)
     app.add_middleware(
-        ApiGate, auth=auth, engine_port=config.engine_port, public_metrics=config.metrics_public
+        ApiGate,
+        auth=auth,
+        engine_port=config.engine_port,
+        public_metrics=config.metrics_public,
+        public_docs=config.docs_public,
     )
     _publish_openapi(app)
     layout_reply = EngineLayout(
