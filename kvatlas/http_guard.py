@@ -123,6 +123,7 @@ def guarded_protocol(limits: HttpLimits, on_refused: OnRefused) -> type[asyncio.
 
     class GuardedHTTP(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         _timer: asyncio.TimerHandle | None = None
+        _timer_body = False  # whether the armed timer is the body timer
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -185,5 +186,4 @@ def guarded_protocol(limits: HttpLimits, on_refused: OnRefused) -> type[asyncio.
                 transport.write(_TIMEOUT_REPLY % (len(detail), detail))
                 transport.close()
 
-    GuardedHTTP._timer_body = False
     return GuardedHTTP

@@ -19,6 +19,7 @@ import numpy.typing as npt
 import pydantic
 
 from kvatlas.coordinator._base64 import b64decode_strict, decode_base64
+from kvatlas.coordinator.body_size import check_item_count, lookup_size
 from kvatlas.coordinator.config import QUERY_ENVELOPE_BYTES
 from kvatlas.coordinator.instances import Registration
 from kvatlas.coordinator.schemas import BlendLookupBody, LookupRequest, RegisterRequest
@@ -113,41 +114,13 @@ def query_tokens(
 # ---------------------------------------------------------------------------- prefix lookup
 
 
-class _LookupShape(msgspec.Struct):
-    """A lookup body's fields that may be large, as raw JSON (scanned, not decoded)."""
-
-    keys: msgspec.Raw = msgspec.Raw()
-    token_ids: msgspec.Raw = msgspec.Raw()
-    tokens_b64: msgspec.Raw = msgspec.Raw()
-
-
-_lookup_shape_decoder = msgspec.json.Decoder(_LookupShape)
-
-
-_COUNT_SLICE = 1 << 20
-
-
-def _items(raw: msgspec.Raw, separator: int) -> int:
-    """At most how many items the JSON array ``raw`` holds: one more than its ``separator``
-    bytes (``,`` between token ids, ``{`` opening each key); 0 when it is not an array.
-    Counted in place, a slice at a time (no copy of the body)."""
-    view = np.frombuffer(raw, dtype=np.uint8)
-    if not len(view) or view[0] != ord("["):
-        return 0
-    found = sum(
-        int(np.count_nonzero(view[i : i + _COUNT_SLICE] == separator))
-        for i in range(0, len(view), _COUNT_SLICE)
-    )
-    return found + 1 if separator == ord(",") else found
-
-
 def check_lookup_size(raw: bytes, max_tokens: int, max_keys: int) -> None:
     """Refuse (413) a ``POST /directory/lookup`` body whose token list or key list is longer
     than its limit, or whose other fields exceed a lookup's envelope, from the body's bytes:
     before a Python object per token or key exists. Malformed JSON is a 422 worded as the
     full decoder would word it."""
     try:
-        shape = _lookup_shape_decoder.decode(raw)
+        size = lookup_size(raw)
     except msgspec.ValidationError:  # not an object: the model's own message
         try:
             LookupRequest.model_validate([])
@@ -156,17 +129,16 @@ def check_lookup_size(raw: bytes, max_tokens: int, max_keys: int) -> None:
         raise
     except msgspec.DecodeError as exc:
         raise _json_invalid(exc) from None
-    large = len(shape.keys) + len(shape.token_ids) + len(shape.tokens_b64)
-    if len(raw) - large > QUERY_ENVELOPE_BYTES:  # another field, or a field given twice
+    if size.other_bytes > QUERY_ENVELOPE_BYTES:  # another field, or a field given twice
         raise PayloadTooLarge(
             f"lookup fields beside keys, token_ids and tokens_b64 exceed {QUERY_ENVELOPE_BYTES} bytes"
         )
-    tokens = _items(shape.token_ids, ord(","))
-    if tokens > max_tokens:
-        raise PayloadTooLarge(f"query of {tokens} tokens exceeds --max-query-tokens {max_tokens}")
-    keys = _items(shape.keys, ord("{"))
-    if keys > max_keys:
-        raise PayloadTooLarge(f"{keys} keys exceed the query limit")
+    if size.tokens > max_tokens:
+        raise PayloadTooLarge(
+            f"query of {size.tokens} tokens exceeds --max-query-tokens {max_tokens}"
+        )
+    if size.keys > max_keys:
+        raise PayloadTooLarge(f"{size.keys} keys exceed the query limit")
 
 
 def _json_invalid(exc: msgspec.DecodeError) -> Unprocessable:
@@ -301,16 +273,6 @@ _blend_wire_decoder = msgspec.json.Decoder(_BlendLookupWire)
 _OTHER_FIELDS = tuple(n for n in BlendLookupBody.__struct_fields__ if n != "tokens_b64")
 _TOKENS_B64_KEY = b'"tokens_b64"'
 _JSON_SPACE = b" \t\r\n"
-
-
-def check_item_count(raw: bytes, max_tokens: int, beside: int = QUERY_ENVELOPE_BYTES) -> None:
-    """Refuse (413) a token-query body that holds more list items than ``max_tokens`` tokens
-    and ``beside`` other ones, from its bytes and before anything is decoded: each item of a
-    JSON list after the first costs a comma. Only a body longer than that many bytes is
-    counted (a blend lookup's usual body costs nothing)."""
-    bound = max_tokens + beside
-    if len(raw) > bound and raw.count(b",") > bound:
-        raise PayloadTooLarge(f"query holds more than --max-query-tokens {max_tokens} tokens")
 
 
 def decode_blend_lookup(

@@ -22,8 +22,9 @@ from starlette.types import Scope
 
 from kvatlas.auth import Principal
 from kvatlas.coordinator.asgi import FastReply
+from kvatlas.coordinator.body_size import check_item_count
 from kvatlas.coordinator.config import QUERY_ENVELOPE_BYTES
-from kvatlas.coordinator.query import BlendQuery, blend_query, check_item_count, decode_query_body
+from kvatlas.coordinator.query import BlendQuery, blend_query, decode_query_body
 from kvatlas.coordinator.schemas import RouteScoreBody
 from kvatlas.coordinator.scoring import (
     Access,
