@@ -2,7 +2,7 @@
 ``/directory/lookup`` of a coordinator with default limits; prints the time to the reply, the
 worst ``/healthz`` latency another client saw meanwhile and the server's peak RSS growth.
 
-    PYTHONPATH=<checkout> python scripts/attack_lookup_flood.py [--chunked]
+    PYTHONPATH=<checkout> python scripts/attack_lookup_flood.py [--chunked] [--mib 21]
 
 Run it against two checkouts to compare (numbers in the report of the change, not in tests).
 """
@@ -66,6 +66,7 @@ def attack(port: int, total: int, chunked: bool) -> tuple[float, bytes, int]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--chunked", action="store_true")
+    parser.add_argument("--mib", type=int, default=110, help="body size (21: within the limit)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tokens = Path(tmp) / "tokens.json"
@@ -93,7 +94,7 @@ def main() -> None:
             before = peak_rss(proc.pid)
             poller = threading.Thread(target=poll)
             poller.start()
-            seconds, status, sent = attack(port, 110 * MIB, args.chunked)
+            seconds, status, sent = attack(port, args.mib * MIB, args.chunked)
             time.sleep(0.5)
             done.set()
             poller.join()

@@ -20,7 +20,7 @@ import pydantic
 
 from kvatlas.coordinator._base64 import b64decode_strict, decode_base64
 from kvatlas.coordinator.body_size import check_item_count, lookup_size
-from kvatlas.coordinator.config import QUERY_ENVELOPE_BYTES
+from kvatlas.coordinator.config import KEY_JSON_BYTES, QUERY_ENVELOPE_BYTES
 from kvatlas.coordinator.instances import Registration
 from kvatlas.coordinator.schemas import BlendLookupBody, LookupRequest, RegisterRequest
 from kvatlas.errors import PayloadTooLarge, Unprocessable
@@ -119,8 +119,10 @@ def check_lookup_size(raw: bytes, max_tokens: int, max_keys: int) -> None:
     than its limit, or whose other fields exceed a lookup's envelope, from the body's bytes:
     before a Python object per token or key exists. Malformed JSON is a 422 worded as the
     full decoder would word it."""
+    # a first bound at memchr speed: no legitimate lookup holds more commas than this
+    check_item_count(raw, max_tokens, QUERY_ENVELOPE_BYTES + max_keys * KEY_JSON_BYTES)
     try:
-        size = lookup_size(raw)
+        size = lookup_size(raw)  # then the fields' own counts (a scan of the body)
     except msgspec.ValidationError:  # not an object: the model's own message
         try:
             LookupRequest.model_validate([])
