@@ -22,6 +22,8 @@ from typing import Any
 
 import uvicorn
 
+from kvatlas.http_guard import HttpLimits, OnRefused, guarded_protocol
+
 log = logging.getLogger(__name__)
 
 SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -50,11 +52,16 @@ def serve(
     host: str,
     port: int,
     sock: socket.socket | list[socket.socket] | None = None,
+    limits: HttpLimits | None = None,
+    on_refused: OnRefused = lambda _reason: None,
     **kwargs: Any,
 ) -> None:
     """``uvicorn.run(app, ...)`` that returns normally after a graceful shutdown on SIGINT or
     SIGTERM (the previous handlers are back in place when it returns). With ``sock`` (from
-    :func:`bind_listener`; or several) uvicorn serves on those already-bound sockets."""
+    :func:`bind_listener`; or several) uvicorn serves on those already-bound sockets; with
+    ``limits``, under them (:mod:`kvatlas.http_guard`; ``on_refused`` counts)."""
+    if limits is not None:
+        kwargs["http"] = guarded_protocol(limits, on_refused)
     received: list[int] = []
 
     def remember(signum: int, _frame: object) -> None:
@@ -82,16 +89,24 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class ThreadedServer:
     def __init__(
-        self, app: Any, *, port: int, host: str = "127.0.0.1", name: str = "server"
+        self,
+        app: Any,
+        *,
+        port: int,
+        host: str = "127.0.0.1",
+        name: str = "server",
+        limits: HttpLimits | None = None,
+        on_refused: OnRefused = lambda _reason: None,
     ) -> None:
         if port == 0:
             raise ValueError("pick a port (free_port()) so clients know where to connect")
         self.host = host
         self.port = port
         self.name = name
-        self._server = uvicorn.Server(
-            uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
-        )
+        options: dict[str, Any] = {"log_level": "warning", "lifespan": "off"}
+        if limits is not None:
+            options["http"] = guarded_protocol(limits, on_refused)
+        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, **options))
         self._thread: threading.Thread | None = None
 
     @property

@@ -33,6 +33,11 @@ A token also yields a **stream key** (:func:`stream_key`): the key its holder si
 stream entries with, so that the coordinator attributes each entry to the token's principal
 (the stream carries no bearer token; ``kvatlas.events.stream_format`` computes the MAC).
 
+One rule for both services (:func:`check_private`, :data:`MIN_TOKEN_CHARS`,
+:data:`DOCS_PATHS`, :func:`public_unless_auth`): a file holding secrets that group or others
+may access is refused, a token shorter than 32 characters is refused, and what auth leaves
+public (metrics, API docs) is decided the same way on the coordinator and the node.
+
 Failures are :class:`kvatlas.errors.Unauthorized` (401: no or unknown token) and
 :class:`kvatlas.errors.Forbidden` (403: a known token outside its roles, instances or salts).
 Threat model: ``docs/security.md``.
@@ -56,8 +61,50 @@ log = logging.getLogger(__name__)
 
 ROLES = ("emit", "lookup", "engine", "peer", "admin")
 _SALT_VERBS = {"lookup": "query", "emit": "store for"}
-MIN_TOKEN_CHARS = 8  # refused below this
-RECOMMENDED_TOKEN_CHARS = 32  # warned below this
+MIN_TOKEN_CHARS = 32
+"""Shortest token either service accepts (in a token file, a token file of its own, the
+environment or a flag): below it a token is refused, not warned about."""
+DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+"""A service's API documentation: with auth on, any valid token reads it unless
+``--public-docs``."""
+
+
+def public_unless_auth(auth_on: bool, public: bool | None) -> bool:
+    """``--public-metrics`` / ``--public-docs``: the flag when given, else public exactly
+    when auth is off."""
+    return (not auth_on) if public is None else public
+
+
+def check_private(path: Path, what: str) -> None:
+    """Refuse a secrets file that group or others may access (``chmod 600`` it)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        raise ValueError(f"{what}: cannot read {path}: {exc.strerror}") from None
+    if mode & 0o077:
+        raise ValueError(
+            f"{what}: {path} is accessible to group or others (mode {mode & 0o777:o}); chmod 600 it"
+        )
+
+
+def check_secret(token: str, what: str) -> str:
+    """Refuse a token shorter than :data:`MIN_TOKEN_CHARS` (an empty one means "none")."""
+    if token and len(token) < MIN_TOKEN_CHARS:
+        raise ValueError(f"{what}: a token must have >= {MIN_TOKEN_CHARS} characters")
+    return token
+
+
+def read_secret_file(path: Path, what: str) -> str:
+    """The token in ``path`` (surrounding whitespace stripped); refused when the file is
+    accessible to group or others or the token is too short."""
+    check_private(path, what)
+    try:
+        text = path.read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"{what}: cannot read {path}: {exc.strerror}") from None
+    if not text:
+        raise ValueError(f"{what}: {path} is empty")
+    return check_secret(text, f"{what} {path}")
 
 
 @dataclass(frozen=True)
@@ -164,8 +211,6 @@ def principal_from_entry(entry: Any, where: str, name: str) -> tuple[str, Princi
     token = entry.get("token")
     if not isinstance(token, str) or len(token) < MIN_TOKEN_CHARS:
         raise ValueError(f"{where}.token must be a string of >= {MIN_TOKEN_CHARS} characters")
-    if len(token) < RECOMMENDED_TOKEN_CHARS:
-        log.warning("%s.token is shorter than %d characters", where, RECOMMENDED_TOKEN_CHARS)
     single, several = entry.get("role"), entry.get("roles")
     if several is None:
         several = [single] if single is not None else None
@@ -210,6 +255,9 @@ class TokenAuth:
 
     @classmethod
     def from_file(cls, path: Path) -> TokenAuth:
+        """The tokens of ``path`` (``--auth-token-file``), refused when the file is not
+        private to its owner (:func:`check_private`) or a token is too short."""
+        check_private(path, "--auth-token-file")
         try:
             doc: Any = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:

@@ -1,7 +1,8 @@
 """HTTP plumbing shared by the coordinator and the node: every ``KvatlasError`` becomes the
 same reply (its ``status``, a JSON ``detail`` and its ``extra`` fields) and every body is read
 under a byte limit (413 past it, by Content-Length or while streaming, without buffering the
-excess). Routes raise errors from :mod:`kvatlas.errors`; nothing else maps them to statuses."""
+excess). Routes raise errors from :mod:`kvatlas.errors`; nothing else maps them to statuses.
+A body nested deeper than the decoders follow is a 422 and counted, never a 500."""
 
 from __future__ import annotations
 
@@ -14,7 +15,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvatlas.errors import InvalidInput, KvatlasError, PayloadTooLarge, Unauthorized
+from kvatlas.errors import (
+    InvalidInput,
+    KvatlasError,
+    PayloadTooLarge,
+    Unauthorized,
+    Unprocessable,
+)
+from kvatlas.http_guard import OnRefused
 
 json_encoder = msgspec.json.Encoder()
 
@@ -42,8 +50,13 @@ def error_payload(exc: KvatlasError) -> dict[str, Any]:
 
 
 def error_headers(exc: KvatlasError) -> list[tuple[bytes, bytes]]:
-    """Headers an error's reply must carry (a 401 names the scheme it expects)."""
-    return [(b"www-authenticate", b"Bearer")] if isinstance(exc, Unauthorized) else []
+    """Headers an error's reply must carry: a 401 names the scheme it expects; a 413 closes
+    the connection (the rest of the body is never read, not even to discard it)."""
+    if isinstance(exc, Unauthorized):
+        return [(b"www-authenticate", b"Bearer")]
+    if isinstance(exc, PayloadTooLarge):
+        return [(b"connection", b"close")]
+    return []
 
 
 def error_response(exc: KvatlasError) -> Response:
@@ -53,14 +66,39 @@ def error_response(exc: KvatlasError) -> Response:
     return response
 
 
-def install_error_handler(app: FastAPI) -> None:
-    """Reply to every ``KvatlasError`` a route raises with :func:`error_response`."""
+def install_error_handler(app: FastAPI, on_refused: OnRefused = lambda _reason: None) -> None:
+    """Reply to every ``KvatlasError`` a route raises with :func:`error_response`, and to a
+    body nested too deeply with :func:`nested_too_deep` (:func:`install_nesting_handler`)."""
 
     async def _handler(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, KvatlasError)
         return error_response(exc)
 
     app.add_exception_handler(KvatlasError, _handler)
+    install_nesting_handler(app, on_refused)
+
+
+NESTED_TOO_DEEP = "nested_too_deep"
+"""The reason (``kvatlas_http_refused_total``) of a body nested deeper than a decoder follows."""
+
+
+def nested_too_deep(on_refused: OnRefused) -> Unprocessable:
+    """The reply to a body nested deeper than the decoders follow (msgspec, like ``json``,
+    gives up with a ``RecursionError`` after about a thousand levels; no legitimate body of
+    any route nests more than a few): a 422, counted with ``on_refused``, never a 500 with a
+    traceback."""
+    on_refused(NESTED_TOO_DEEP)
+    return Unprocessable("request body nests too deeply")
+
+
+def install_nesting_handler(app: FastAPI, on_refused: OnRefused) -> None:
+    """Reply to a ``RecursionError`` a route raises (decoding a deeply nested body) with
+    :func:`nested_too_deep`."""
+
+    async def _handler(_: Request, exc: Exception) -> Response:
+        return error_response(nested_too_deep(on_refused))
+
+    app.add_exception_handler(RecursionError, _handler)
 
 
 def check_declared_length(value: bytes | str | None, max_bytes: int) -> None:

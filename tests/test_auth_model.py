@@ -33,6 +33,7 @@ def _auth(tmp_path: Path) -> TokenAuth:
             }
         )
     )
+    path.chmod(0o600)
     return TokenAuth.from_file(path)
 
 
@@ -83,5 +84,6 @@ def test_unknown_and_malformed_tokens(tmp_path: Path) -> None:
 def test_bad_entries_refused(tmp_path: Path, entry: dict[str, object]) -> None:
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"tokens": [entry]}))
+    path.chmod(0o600)  # refused for the entry, not for the file's mode
     with pytest.raises(ValueError):
         TokenAuth.from_file(path)

@@ -30,6 +30,7 @@ SHARED = (
     "auth",
     "checks",
     "web",
+    "http_guard",
     "config_flags",
     "asgi_thread",
     "logs",

@@ -31,7 +31,8 @@ from kvatlas.coordinator.events_ingest import EVENTS_PATH, EventsIngest
 from kvatlas.coordinator.route_score import ROUTE_SCORE_PATH, RouteScoring
 from kvatlas.coordinator.routes import ROUTERS
 from kvatlas.coordinator.service import CoordinatorService
-from kvatlas.web import BodyLimit, install_error_handler
+from kvatlas.http_guard import OnRefused
+from kvatlas.web import install_error_handler
 
 
 class CoordinatorApp(FastAPI):
@@ -39,10 +40,10 @@ class CoordinatorApp(FastAPI):
     requests to :attr:`fast_routes` are answered before FastAPI sees them (its telemetry
     check, its middleware stack, routing); each fast route is one entry (``create_app``)."""
 
-    def __init__(self, gate: Gate, body_limit: int, **kwargs: Any) -> None:
+    def __init__(self, gate: Gate, on_refused: OnRefused, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.fast_routes: dict[tuple[str, str], FastRoute] = {}
-        self.front = FastPaths(self.framework, self.fast_routes, gate, body_limit)
+        self.front = FastPaths(self.framework, self.fast_routes, gate, on_refused)
 
     async def framework(self, scope: Scope, receive: Receive, send: Send) -> None:
         """FastAPI itself: everything the fast paths do not answer."""
@@ -54,10 +55,11 @@ class CoordinatorApp(FastAPI):
 
 def create_app(service: CoordinatorService) -> CoordinatorApp:
     config = service.config
-    gate = Gate(service.auth, config.metrics_public, config.docs_public)
+    gate = Gate(service.auth, config.metrics_public, config.docs_public, config.route_bodies)
+    refused = service.metrics.http_refused.count
     app = CoordinatorApp(
         gate,
-        config.body_limit,
+        refused,
         title="kvatlas coordinator",
         version=__version__,
         description="Where every cached KV chunk of the fleet lives: prefix and blend lookup.",
@@ -75,14 +77,14 @@ def create_app(service: CoordinatorService) -> CoordinatorApp:
     # JSON token parser releases the GIL on a large body) while another applies.
     events = EventsIngest(service, ThreadPoolExecutor(2, thread_name_prefix="kvatlas-ingest"))
     app.state.events_ingest = events
-    install_error_handler(app)
+    install_error_handler(app, refused)
     install_validation_handler(app)
     for router in ROUTERS:
         app.include_router(router)
     app.fast_routes[("POST", BLEND_LOOKUP_PATH)] = blend.fast_route
     app.fast_routes[("POST", EVENTS_PATH)] = events.fast_route
     app.fast_routes[("POST", ROUTE_SCORE_PATH)] = scoring.fast_route
-    app.add_middleware(BodyLimit, max_bytes=config.body_limit)
-    # outermost in the framework: no body byte is read before the token was checked
+    # outermost in the framework: no body byte is read before the token was checked, and
+    # then at most the route's own limit (asgi.ROUTES)
     app.add_middleware(Authenticate, gate=gate)
     return app

@@ -4,8 +4,9 @@ paths (the service's hottest requests, answered in front of the framework's whol
 stack) and the one place request-validation errors are formatted.
 
 Invariant: with auth on, no byte of a request body is read before the bearer token in its
-headers was checked against the route's roles (:data:`ROUTE_ROLES`): an unauthenticated
-client can make the coordinator read headers, nothing more. See docs/security.md.
+headers was checked against the route's roles (:data:`ROUTES`): an unauthenticated
+client can make the coordinator read headers, nothing more. No route reads more body than its
+own largest legitimate body (:class:`Route`). See docs/security.md.
 
 Every error reply is rendered by :mod:`kvatlas.web` from a :mod:`kvatlas.errors` class, on the
 fast path and in the framework alike, so a status, ``detail`` or header never depends on which
@@ -22,9 +23,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
+from kvatlas.auth import ANONYMOUS_ADMIN, DOCS_PATHS, Principal, TokenAuth
+from kvatlas.coordinator.config import CoordinatorConfig, RouteBodies
 from kvatlas.coordinator.query import field_errors
 from kvatlas.errors import Forbidden, KvatlasError, Unprocessable
+from kvatlas.http_guard import OnRefused
 from kvatlas.web import (
     BodyLimit,
     check_declared_length,
@@ -32,16 +35,12 @@ from kvatlas.web import (
     error_payload,
     error_response,
     json_encoder,
+    nested_too_deep,
     receive_body,
 )
 
 PRINCIPAL = "kvatlas.principal"
 """The scope key under which :class:`Authenticate` leaves the caller for the routes."""
-
-REGISTRATION_BODY_BYTES = 64 * 1024
-"""``POST /instances`` bodies: the registration fields, bounded far below ``--max-body-bytes``
-(``query.MAX_METADATA_BYTES`` of metadata and a few short strings)."""
-_NO_BODY = 4096  # heartbeat, deregister: nothing to read beyond what a client may send empty
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +51,6 @@ class Access:
     roles: tuple[str, ...] = ()
     open: bool = False
     every_tenant: bool = False
-    max_body: int | None = None  # a tighter body limit than --max-body-bytes
 
     def check(self, who: Principal) -> None:
         if self.roles:
@@ -63,39 +61,74 @@ class Access:
             )
 
 
+BodyOf = Callable[[RouteBodies], int]
+"""Which of the config's :class:`~kvatlas.coordinator.config.RouteBodies` a route takes."""
+
+
+def _small(bodies: RouteBodies) -> int:
+    return bodies.small
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One route of the coordinator, in one entry: method, path (an instance id as
+    ``{instance_id}``), who may call it, and its body limit: the largest legitimate body of
+    *this* route (``body`` picks it from the config's :class:`RouteBodies`; 413 past it, by
+    Content-Length or while streaming, before the route sees a byte)."""
+
+    method: str
+    path: str
+    access: Access
+    body: BodyOf = _small
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.method, self.path
+
+
 OPEN = Access(open=True)
 ANY_TOKEN = Access()
-ROUTE_ROLES: dict[tuple[str, str], Access] = {
-    ("POST", "/events"): Access(("emit",)),
-    ("POST", "/directory/lookup"): Access(("lookup",)),
-    ("POST", "/directory/blend-lookup"): Access(("lookup",)),
-    ("POST", "/route/score"): Access(("lookup",)),
-    ("GET", "/directory/stats"): Access(("lookup",)),
-    ("GET", "/directory/keys"): Access(("admin",)),
-    ("POST", "/instances"): Access(("emit",), max_body=REGISTRATION_BODY_BYTES),
-    ("GET", "/instances"): Access(("lookup", "emit")),
-    ("PUT", "/instances/{instance_id}/heartbeat"): Access(("emit",), max_body=_NO_BODY),
-    ("DELETE", "/instances/{instance_id}"): Access(("emit",), max_body=_NO_BODY),
+_EMIT, _LOOKUP = Access(("emit",)), Access(("lookup",))
+_EVERY_TENANT = Access(("lookup",), every_tenant=True)
+ROUTES: tuple[Route, ...] = (
+    Route("POST", "/events", _EMIT, lambda b: b.events),
+    Route("POST", "/directory/lookup", _LOOKUP, lambda b: b.lookup),
+    Route("POST", "/directory/blend-lookup", _LOOKUP, lambda b: b.blend_lookup),
+    Route("POST", "/route/score", _LOOKUP, lambda b: b.route_score),
+    Route("GET", "/directory/stats", _LOOKUP),
+    Route("GET", "/directory/keys", Access(("admin",))),
+    Route("POST", "/instances", _EMIT, lambda b: b.registration),
+    Route("GET", "/instances", Access(("lookup", "emit"))),
+    Route("PUT", "/instances/{instance_id}/heartbeat", _EMIT),
+    Route("DELETE", "/instances/{instance_id}", _EMIT),
+    Route("POST", "/instances/{instance_id}/digest", _EMIT, lambda b: b.digest),
     # LMCache 0.5.7's capacity view and chunk-size check (docs/coordinator.md, conformance)
-    ("GET", "/instances/usage"): Access(("lookup",), every_tenant=True),
-    ("GET", "/instances/{instance_id}/usage"): Access(("lookup",), every_tenant=True),
-    ("PUT", "/config/chunk-size"): Access(("emit",), max_body=_NO_BODY),
-    ("GET", "/healthz"): OPEN,
-    ("GET", "/readyz"): OPEN,
+    Route("GET", "/instances/usage", _EVERY_TENANT),
+    Route("GET", "/instances/{instance_id}/usage", _EVERY_TENANT),
+    Route("PUT", "/config/chunk-size", _EMIT),
+    Route("GET", "/healthz", OPEN),
+    Route("GET", "/readyz", OPEN),
     # the status page (docs/operator.md): an open shell; its data needs a token that sees every
     # tenant (as /metrics does without --public-metrics, which does not open these)
-    ("GET", "/"): OPEN,
-    ("GET", "/status"): OPEN,
-    ("GET", "/status/fragment"): Access(("lookup",), every_tenant=True),
-    ("GET", "/status.json"): Access(("lookup",), every_tenant=True),
-    ("PUT", "/instances/{instance_id}/report"): Access(("emit",), max_body=_NO_BODY),
-}
-"""Every route's access, checked from the headers alone. The routes check the bindings that
-need the body (instances, salts) themselves. A route missing here needs any valid token (and
-``tests/coordinator/test_security_exposure.py`` fails until it is listed)."""
+    Route("GET", "/", OPEN),
+    Route("GET", "/status", OPEN),
+    Route("GET", "/status/fragment", _EVERY_TENANT),
+    Route("GET", "/status.json", _EVERY_TENANT),
+    Route("PUT", "/instances/{instance_id}/report", _EMIT),
+)
+"""Every route: its access, checked from the headers alone, and its body limit. The routes
+check the bindings that need the body (instances, salts) themselves. A route missing here needs
+any valid token and takes a small body (``tests/coordinator/test_security_exposure.py`` fails
+until it is listed)."""
+ROUTE_TABLE: dict[tuple[str, str], Route] = {route.key: route for route in ROUTES}
 METRICS_PATH = "/metrics"
-DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 _METRICS = Access(("lookup",), every_tenant=True)
+
+
+def route_body_limit(method: str, path: str, config: CoordinatorConfig) -> int:
+    """The body limit of the request ``method path`` under ``config`` (what :class:`Gate`
+    applies)."""
+    return Gate(None, True, True, config.route_bodies).route(method, path)[1]
 
 
 def route_template(method: str, path: str) -> tuple[str, str]:
@@ -129,40 +162,50 @@ async def refuse(exc: KvatlasError, scope: Scope, receive: Receive, send: Send) 
 
 
 class Gate:
-    """Who may make a request, from its headers alone: the route's :class:`Access` and the
-    bearer token (checked against the route's roles) when auth is on."""
+    """Who may make a request and how much body it may send, from its headers alone: the
+    route's entry in :data:`ROUTES` (its :class:`Access`, its body limit under ``bodies``) and
+    the bearer token (checked against the route's roles) when auth is on."""
 
-    def __init__(self, auth: TokenAuth | None, public_metrics: bool, public_docs: bool) -> None:
+    def __init__(
+        self, auth: TokenAuth | None, public_metrics: bool, public_docs: bool, bodies: RouteBodies
+    ) -> None:
         self.auth = auth
         self.public_metrics = public_metrics
         self.public_docs = public_docs
+        self.bodies = bodies
+        self._limits = {key: route.body(bodies) for key, route in ROUTE_TABLE.items()}
 
-    def access(self, method: str, path: str) -> Access:
+    def route(self, method: str, path: str) -> tuple[Access, int]:
+        """The access and body limit of ``method path`` (a route outside the table: any valid
+        token, a small body)."""
         if path == METRICS_PATH:
-            return OPEN if self.public_metrics else _METRICS
+            return (OPEN if self.public_metrics else _METRICS), self.bodies.small
         if path in DOCS_PATHS:
-            return OPEN if self.public_docs else ANY_TOKEN
+            return (OPEN if self.public_docs else ANY_TOKEN), self.bodies.small
         method = "GET" if method == "HEAD" else method
-        exact = ROUTE_ROLES.get((method, path))
-        return exact or ROUTE_ROLES.get(route_template(method, path), ANY_TOKEN)
+        route = ROUTE_TABLE.get((method, path)) or ROUTE_TABLE.get(route_template(method, path))
+        if route is None:
+            return ANY_TOKEN, self.bodies.small
+        return route.access, self._limits[route.key]
 
-    def admit(self, scope: Scope) -> tuple[Access, Principal | None]:
-        """The route's access and the caller (``None``: an open route with auth on), or the
-        refusal (401/403) as a :class:`~kvatlas.errors.KvatlasError`."""
-        access = self.access(scope["method"], scope["path"])
+    def admit(self, scope: Scope) -> tuple[Principal | None, int]:
+        """The caller (``None``: an open route with auth on) and the route's body limit, or
+        the refusal (401/403) as a :class:`~kvatlas.errors.KvatlasError`."""
+        access, max_body = self.route(scope["method"], scope["path"])
         if self.auth is None:
-            return access, ANONYMOUS_ADMIN
+            return ANONYMOUS_ADMIN, max_body
         if access.open:
-            return access, None
+            return None, max_body
         who = self.auth.authenticate(bearer_header(scope))
         access.check(who)
-        return access, who
+        return who, max_body
 
 
 class Authenticate:
     """ASGI middleware, outermost in the framework: the :class:`Gate` is applied from the
-    headers; a refusal (401/403) is sent without reading the body. The caller is left in the
-    scope (:data:`PRINCIPAL`) for the routes."""
+    headers; a refusal (401/403) is sent without reading the body; the body is read under the
+    route's limit (:class:`~kvatlas.web.BodyLimit`). The caller is left in the scope
+    (:data:`PRINCIPAL`) for the routes."""
 
     def __init__(self, app: ASGIApp, gate: Gate) -> None:
         self.app = app
@@ -173,14 +216,13 @@ class Authenticate:
             await self.app(scope, receive, send)
             return
         try:
-            access, who = self.gate.admit(scope)
+            who, max_body = self.gate.admit(scope)
         except KvatlasError as exc:
             await refuse(exc, scope, receive, send)
             return
         if who is not None:
             scope[PRINCIPAL] = who
-        app = self.app if access.max_body is None else BodyLimit(self.app, access.max_body)
-        await app(scope, receive, send)
+        await BodyLimit(self.app, max_body)(scope, receive, send)
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,17 +255,21 @@ class FastPaths:
     in front of the framework's whole middleware stack (its error, telemetry and body-limit
     middlewares, :class:`Authenticate`, :class:`~kvatlas.web.BodyLimit`: ≈10 µs of Python per
     request; routing and dependency injection far more, docs/performance.md). Everything else
-    goes to ``app``. The same :class:`Gate` runs first, the same body limits (the route's
-    :class:`Access` ``max_body``, then ``max_body``) and the same error replies
+    goes to ``app``. The same :class:`Gate` runs first, the same body limit (the route's) and
+    the same error replies
     (:mod:`kvatlas.web`): which layer answered is invisible on the wire."""
 
     def __init__(
-        self, app: ASGIApp, routes: Mapping[tuple[str, str], FastRoute], gate: Gate, max_body: int
+        self,
+        app: ASGIApp,
+        routes: Mapping[tuple[str, str], FastRoute],
+        gate: Gate,
+        on_refused: OnRefused = lambda _reason: None,
     ) -> None:
         self.app = app
         self.routes = routes
         self.gate = gate
-        self.max_body = max_body
+        self.on_refused = on_refused  # counts bodies nested too deeply
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = (
@@ -233,32 +279,31 @@ class FastPaths:
             await self.app(scope, receive, send)
             return
         try:
-            access, who = self.gate.admit(scope)  # before reading the body
+            who, max_body = self.gate.admit(scope)  # before reading the body
         except KvatlasError as exc:
             await refuse(exc, scope, receive, send)
             return
         if who is None:  # an open route is the framework's business
             await self.app(scope, receive, send)
             return
-        limits = [n for n in (access.max_body, self.max_body) if n is not None]
         try:
             declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-            for limit in limits:
-                check_declared_length(declared, limit)
+            check_declared_length(declared, max_body)
         except KvatlasError as exc:
             await error_response(exc)(scope, receive, send)
             return
         headers = [_JSON]
         try:
-            body = await receive_body(receive, min(limits))
+            body = await receive_body(receive, max_body)
             if body is None:  # the client is gone
                 return
             reply = await route(body, who, scope)
             status, payload = reply.status, reply.payload
             headers.extend(reply.headers)
-        except KvatlasError as exc:
-            status, payload = exc.status, json_encoder.encode(error_payload(exc))
-            headers.extend(error_headers(exc))
+        except (KvatlasError, RecursionError) as raised:
+            error = raised if isinstance(raised, KvatlasError) else nested_too_deep(self.on_refused)
+            status, payload = error.status, json_encoder.encode(error_payload(error))
+            headers.extend(error_headers(error))
         headers.append((b"content-length", str(len(payload)).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})

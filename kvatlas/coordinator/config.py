@@ -15,12 +15,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvatlas.auth import public_unless_auth
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args
 from kvatlas.coordinator.kv_events.exposure import StreamExposure
 from kvatlas.coordinator.kv_events.subscriber import LinkSpec
 from kvatlas.coordinator.scoring import DEFAULT_FRAGMENT_WEIGHT
-from kvatlas.events import EVENT_TRANSPORTS
+from kvatlas.events import EVENT_TRANSPORTS, TIERS
+from kvatlas.events.inventory import BUCKETS, DIGEST_BYTES
 from kvatlas.events.vllm_wire import DEFAULT_ENCODING, ENCODINGS
+from kvatlas.http_guard import (
+    BODY_TIMEOUT_HELP,
+    HEADER_TIMEOUT_HELP,
+    MAX_CONNECTIONS_HELP,
+    HttpLimits,
+)
 from kvatlas.keys import (
     DEFAULT_CHUNK_SIZE,
     SCHEMES,
@@ -28,6 +36,7 @@ from kvatlas.keys import (
     check_cache_salt,
     check_model_name,
 )
+from kvatlas.keys.object_key import MAX_INSTANCE_ID_CHARS
 from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
 
 DEFAULT_PORT = 9300
@@ -37,18 +46,41 @@ QUERY_ENVELOPE_BYTES = 64 * 1024
 ENTRY_ENVELOPE_BYTES = 768
 """One event entry's JSON beside its token ids: the key (64 hex digits, a model name of up to
 256 and a salt of up to 128 characters, ``kv_rank``, group), size, offset, field names."""
+KEY_JSON_BYTES = ENTRY_ENVELOPE_BYTES
+"""One key of a keys-form lookup in JSON, at most (the key part of an entry's envelope)."""
 TOKEN_JSON_BYTES = 11
 """One token id in a JSON list at worst: ten digits and a comma."""
+INSTANCE_ID_JSON_BYTES = 4 + MAX_INSTANCE_ID_CHARS
+"""One instance id in a JSON list: the id, its quotes, a comma and a space."""
+REGISTRATION_BODY_BYTES = 64 * 1024
+"""``POST /instances``: the registration fields (16 KiB of metadata, a few short strings)."""
+SMALL_BODY_BYTES = 4096
+"""Routes whose body is a field or two (heartbeat, deregister, chunk size, a node's value
+report) or none at all."""
+
+
+def token_query_bytes(max_tokens: int) -> int:
+    """The largest body naming ``max_tokens`` tokens: as JSON ids (11 bytes each at worst)
+    or as ``tokens_b64`` (4 base64 characters per 3 bytes of uint32s), plus the envelope."""
+    ids = TOKEN_JSON_BYTES * max_tokens
+    b64 = 4 * -(-4 * max_tokens // 3)
+    return max(ids, b64) + QUERY_ENVELOPE_BYTES
+
+
+def events_body_bytes(max_batch_entries: int, chunk_size: int) -> int:
+    """The largest ``POST /events`` body: ``max_batch_entries`` token-bearing entries of
+    ``chunk_size`` tokens, in JSON (msgpack is smaller)."""
+    return max_batch_entries * (ENTRY_ENVELOPE_BYTES + TOKEN_JSON_BYTES * chunk_size)
 
 
 def largest_request_bytes(max_query_tokens: int, max_batch_entries: int, chunk_size: int) -> int:
     """The default ``--max-body-bytes``: the larger of a full-context lookup (``tokens_b64`` of
     ``max_query_tokens`` uint32s: 4 base64 characters per 3 bytes) and a full ``POST /events``
     body (``max_batch_entries`` token-bearing entries of ``chunk_size`` tokens, in JSON).
+    Each route has its own, smaller limit (:class:`RouteBodies`); this one caps them all.
     Documented in docs/coordinator.md ("Limits")."""
     query = 4 * -(-4 * max_query_tokens // 3) + QUERY_ENVELOPE_BYTES
-    batch = max_batch_entries * (ENTRY_ENVELOPE_BYTES + TOKEN_JSON_BYTES * chunk_size)
-    return max(query, batch)
+    return max(query, events_body_bytes(max_batch_entries, chunk_size))
 
 
 @dataclass(frozen=True)
@@ -96,9 +128,13 @@ class CoordinatorConfig:
     kv_events_publish_unauthenticated: bool = False
     log_format: str = "json"
     access_log: bool = False
+    http_header_timeout_s: float = 10.0
+    http_body_timeout_s: float = 30.0
+    http_max_connections: int | None = None  # None: below the file limit (http_guard)
 
     def __post_init__(self) -> None:
         KeyScheme(self.hash_scheme, self.chunk_size)  # validates both
+        self.http_limits  # noqa: B018 - validates the three --http-* limits
         if self.blend_probe_stride < 1:
             raise ValueError("--blend-probe-stride must be >= 1")
         if self.event_transport not in EVENT_TRANSPORTS:
@@ -201,14 +237,28 @@ class CoordinatorConfig:
         return largest_request_bytes(self.max_query_tokens, self.max_batch_entries, self.chunk_size)
 
     @property
-    def metrics_public(self) -> bool:
-        return (
-            (self.auth_token_file is None) if self.public_metrics is None else self.public_metrics
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(
+            self.http_header_timeout_s, self.http_body_timeout_s, self.http_max_connections
         )
 
     @property
+    def max_lookup_keys(self) -> int:
+        """Most keys in a keys-form lookup: the chunks of a ``--max-query-tokens`` query."""
+        return -(-self.max_query_tokens // self.chunk_size)
+
+    @property
+    def route_bodies(self) -> RouteBodies:
+        """The largest legitimate body of each kind of route, under this config."""
+        return RouteBodies.of(self)
+
+    @property
+    def metrics_public(self) -> bool:
+        return public_unless_auth(self.auth_token_file is not None, self.public_metrics)
+
+    @property
     def docs_public(self) -> bool:
-        return (self.auth_token_file is None) if self.public_docs is None else self.public_docs
+        return public_unless_auth(self.auth_token_file is not None, self.public_docs)
 
     @property
     def resolved_replica_id(self) -> str:
@@ -220,6 +270,40 @@ class CoordinatorConfig:
     def group_name(self) -> str:
         """Each replica needs its own consumer group to build the full view."""
         return self.consumer_group or f"kvatlas-{self.resolved_replica_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class RouteBodies:
+    """The largest legitimate body of each kind of coordinator route, in bytes, derived from
+    the limits of the route itself (``--max-query-tokens``, ``--max-batch-entries``,
+    ``--chunk-size``, ``--max-instances``) and capped by ``--max-body-bytes`` when given. The
+    route table (``asgi.ROUTES``) names which one each route takes."""
+
+    events: int
+    lookup: int
+    blend_lookup: int
+    route_score: int
+    digest: int
+    registration: int
+    small: int
+
+    @classmethod
+    def of(cls, config: CoordinatorConfig) -> RouteBodies:
+        query = token_query_bytes(config.max_query_tokens)
+        keys = config.max_lookup_keys * KEY_JSON_BYTES + QUERY_ENVELOPE_BYTES
+        instances = config.max_instances * INSTANCE_ID_JSON_BYTES
+        digests = len(TIERS) * (BUCKETS + 1) * (2 * DIGEST_BYTES + 16) + 1024
+        sizes = {
+            "events": events_body_bytes(config.max_batch_entries, config.chunk_size),
+            "lookup": max(query, keys),
+            "blend_lookup": query,
+            "route_score": query + instances,
+            "digest": digests,
+            "registration": REGISTRATION_BODY_BYTES,
+            "small": SMALL_BODY_BYTES,
+        }
+        cap = config.max_body_bytes
+        return cls(**{k: v if cap is None else min(v, cap) for k, v in sizes.items()})
 
 
 def default_replica_id(hostname: str, snapshot_path: Path | None) -> str:
@@ -256,8 +340,12 @@ _HELP = {
     "auth_token_file": "JSON token file enabling bearer-token auth (docs/security.md)",
     "max_query_tokens": "largest lookup / blend-lookup query, in tokens",
     "max_batch_entries": "most entries in one POST /events body",
-    "max_body_bytes": "largest request body, in bytes (default: derived from the two limits "
-    "above and --chunk-size, see docs/coordinator.md)",
+    "max_body_bytes": "ceiling on every request body, in bytes (each route's own limit is its "
+    "largest legitimate body, derived from the limits above and --chunk-size; "
+    "docs/coordinator.md)",
+    "http_header_timeout_s": HEADER_TIMEOUT_HELP,
+    "http_body_timeout_s": BODY_TIMEOUT_HELP,
+    "http_max_connections": MAX_CONNECTIONS_HELP,
     "log_level": "log level",
     "log_format": "log lines as JSON objects (json) or plain text for humans (text)",
     "access_log": "log one line per HTTP request",

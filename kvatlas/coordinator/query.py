@@ -20,6 +20,8 @@ import pydantic
 
 from kvatlas.auth import Principal
 from kvatlas.coordinator._base64 import b64decode_strict, decode_base64
+from kvatlas.coordinator.body_size import check_item_count, lookup_size
+from kvatlas.coordinator.config import KEY_JSON_BYTES, QUERY_ENVELOPE_BYTES
 from kvatlas.coordinator.instances import Registration
 from kvatlas.coordinator.schemas import BlendLookupBody, LookupRequest, RegisterRequest
 from kvatlas.errors import PayloadTooLarge, Unprocessable
@@ -125,15 +127,48 @@ def query_tokens(
 # ---------------------------------------------------------------------------- prefix lookup
 
 
-def decode_lookup_body(raw: bytes) -> LookupRequest:
-    """``POST /directory/lookup``'s body (called on a worker thread: it may be large); a 422
-    names the first bad field as FastAPI's own validation would."""
+def check_lookup_size(raw: bytes, max_tokens: int, max_keys: int) -> None:
+    """Refuse (413) a ``POST /directory/lookup`` body whose token list or key list is longer
+    than its limit, or whose other fields exceed a lookup's envelope, from the body's bytes:
+    before a Python object per token or key exists. Malformed JSON is a 422 worded as the
+    full decoder would word it."""
+    # a first bound at memchr speed: no legitimate lookup holds more commas than this
+    check_item_count(raw, max_tokens, QUERY_ENVELOPE_BYTES + max_keys * KEY_JSON_BYTES)
+    try:
+        size = lookup_size(raw)  # then the fields' own counts (a scan of the body)
+    except msgspec.ValidationError:  # not an object: the model's own message
+        try:
+            LookupRequest.model_validate([])
+        except pydantic.ValidationError as exc:
+            raise field_errors(exc.errors(), ("body",)) from None
+        raise
+    except msgspec.DecodeError as exc:
+        raise _json_invalid(exc) from None
+    if size.other_bytes > QUERY_ENVELOPE_BYTES:  # another field, or a field given twice
+        raise PayloadTooLarge(
+            f"lookup fields beside keys, token_ids and tokens_b64 exceed {QUERY_ENVELOPE_BYTES} bytes"
+        )
+    if size.tokens > max_tokens:
+        raise PayloadTooLarge(
+            f"query of {size.tokens} tokens exceeds --max-query-tokens {max_tokens}"
+        )
+    if size.keys > max_keys:
+        raise PayloadTooLarge(f"{size.keys} keys exceed the query limit")
+
+
+def _json_invalid(exc: msgspec.DecodeError) -> Unprocessable:
+    return field_errors([{"loc": (), "msg": f"JSON decode error: {exc}", "type": "json_invalid"}])
+
+
+def decode_lookup_body(raw: bytes, max_tokens: int, max_keys: int) -> LookupRequest:
+    """``POST /directory/lookup``'s body (called on a worker thread: it may be large), sized
+    up from its bytes first (:func:`check_lookup_size`); a 422 names the first bad field as
+    FastAPI's own validation would."""
+    check_lookup_size(raw, max_tokens, max_keys)
     try:
         doc = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
-        raise field_errors(
-            [{"loc": (), "msg": f"JSON decode error: {exc}", "type": "json_invalid"}]
-        ) from None
+        raise _json_invalid(exc) from None
     try:  # validated from Python objects, as FastAPI does: the same messages as before
         return LookupRequest.model_validate(doc)
     except pydantic.ValidationError as exc:
@@ -186,9 +221,9 @@ class TokensQuery:
         return {self.cache_salt}
 
 
-def lookup_query(body: LookupRequest, max_tokens: int) -> KeysQuery | TokensQuery:
+def lookup_query(body: LookupRequest, max_tokens: int, max_keys: int) -> KeysQuery | TokensQuery:
     """Exactly one form: ``keys``, or ``token_ids``/``tokens_b64`` with ``model_name``; at
-    most ``max_tokens`` keys or tokens. An empty list beside the other form is LMCache's
+    most ``max_keys`` keys or ``max_tokens`` tokens. An empty list beside the other form is LMCache's
     default for the form not used: absent."""
     keys, token_ids = body.keys, body.token_ids
     if keys == [] and (token_ids or body.tokens_b64 is not None):
@@ -199,7 +234,7 @@ def lookup_query(body: LookupRequest, max_tokens: int) -> KeysQuery | TokensQuer
     if (keys is not None) == token_form:
         raise Unprocessable("give exactly one form: keys, or token_ids/tokens_b64 with model_name")
     if keys is not None:
-        if len(keys) > max_tokens:
+        if len(keys) > max_keys:
             raise PayloadTooLarge(f"{len(keys)} keys exceed the query limit")
         try:
             return KeysQuery([ObjectKey.from_wire(k.model_dump()) for k in keys])
@@ -265,7 +300,10 @@ def decode_blend_lookup(
     where it lies and the decoder sees the rest of the body. Done for a top-level
     ``"tokens_b64": "<valid base64 within the limit>"`` given once; anything else (escapes,
     whitespace, another type, invalid base64, too long, the key twice, malformed JSON) takes
-    :func:`decode_blend_body`'s path, so every reply, error or not, is the same as there."""
+    :func:`decode_blend_body`'s path, so every reply, error or not, is the same as there.
+    A body of more list items than the query may hold is refused first
+    (:func:`check_item_count`)."""
+    check_item_count(raw, max_tokens)
     split = _split_tokens_b64(raw, max_tokens)
     if split is not None:
         rest, decoded = split

@@ -22,6 +22,8 @@ from starlette.types import Scope
 
 from kvatlas.auth import Principal
 from kvatlas.coordinator.asgi import FastReply
+from kvatlas.coordinator.body_size import check_item_count
+from kvatlas.coordinator.config import QUERY_ENVELOPE_BYTES
 from kvatlas.coordinator.query import BlendQuery, blend_query, decode_query_body
 from kvatlas.coordinator.schemas import RouteScoreBody
 from kvatlas.coordinator.scoring import (
@@ -143,6 +145,7 @@ class RouteScoring:
         started = time.perf_counter()
         service = self.service
         config = service.config
+        check_item_count(raw, config.max_query_tokens, QUERY_ENVELOPE_BYTES + config.max_instances)
         body = decode_query_body(_body_decoder, raw)
         who.require_salts({body.cache_salt})
         asked = route_query(

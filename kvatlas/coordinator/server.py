@@ -10,12 +10,14 @@ from __future__ import annotations
 import fcntl
 import logging
 import socket
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
 from kvatlas.asgi_thread import ThreadedServer, bind_listener, free_port, serve
+from kvatlas.auth import TokenAuth
 from kvatlas.coordinator.app import create_app
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.runtime import (
@@ -107,7 +109,12 @@ class BackgroundServer:
         self.service = CoordinatorService(config, clock)
         self.app = create_app(self.service)
         self._http = ThreadedServer(
-            self.app, port=config.port, host=config.host, name="coordinator"
+            self.app,
+            port=config.port,
+            host=config.host,
+            name="coordinator",
+            limits=config.http_limits,
+            on_refused=self.service.metrics.http_refused.count,
         )
         self._lock: IO[str] | None = None
 
@@ -152,6 +159,13 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     set_switch_interval()  # runtime.py: one thread's Python work must not stall the others
     COLLECTIONS.install()
     announce_security(config)
+    if config.auth_token_file is not None:
+        try:  # the rule of kvatlas/auth.py: a private file, tokens of 32+ characters
+            TokenAuth.from_file(config.auth_token_file)
+        except ValueError as exc:
+            log.error("refusing to start: %s", exc)
+            print(f"kvatlas coordinator: refusing to start: {exc}", file=sys.stderr)
+            return 2
     if config.event_transport == "redis":
         log.info("replica %s, consumer group %s", config.resolved_replica_id, config.group_name)
     # Claim the port, the snapshot file and the consumer group before restoring, joining the
@@ -182,7 +196,15 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     service.after_snapshot = lambda info: growth.after_snapshot(info.keys)
     try:
         options = uvicorn_log_options(config.log_level, config.access_log)
-        serve(app, host=config.host, port=config.port, sock=sock, **options)
+        serve(
+            app,
+            host=config.host,
+            port=config.port,
+            sock=sock,
+            limits=config.http_limits,
+            on_refused=service.metrics.http_refused.count,
+            **options,
+        )
     finally:
         service.stop()
         sock.close()

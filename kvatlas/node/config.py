@@ -20,9 +20,15 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Final
 
-from kvatlas.auth import TokenAuth
+from kvatlas.auth import TokenAuth, check_secret, public_unless_auth, read_secret_file
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args, env_name
 from kvatlas.events import EVENT_TRANSPORTS
+from kvatlas.http_guard import (
+    BODY_TIMEOUT_HELP,
+    HEADER_TIMEOUT_HELP,
+    MAX_CONNECTIONS_HELP,
+    HttpLimits,
+)
 from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme, check_instance_id, pack_kv_rank
 from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
 from kvatlas.node.hf_config import read_hf_config
@@ -31,8 +37,6 @@ from kvatlas.node.kv_layout import ROPE_STYLES, KVLayout
 from kvatlas.node.peer_credentials import PeerSecret
 
 log = logging.getLogger(__name__)
-
-MIN_SECRET_CHARS = 32
 
 L2_KINDS = ("fs", "redis", "none")
 L2_WRITE_POLICIES = ("through", "evict")
@@ -96,6 +100,7 @@ class NodeConfig:
     peer_fetch_deadline: float = 2.0
     fleet_refresh_interval: float = 10.0
     public_metrics: bool | None = None  # None: public exactly when auth is off
+    public_docs: bool | None = None
     l2_max_bytes: int = DEFAULT_L2_MAX_BYTES  # private fs L2 only; 0 = no cap
     l2_redis_ttl: int = 0  # seconds; 0 = values never expire
     l2_redis_sweep_interval: float = 30.0
@@ -103,11 +108,15 @@ class NodeConfig:
     log_level: str = "info"
     log_format: str = "json"
     access_log: bool = False
+    http_header_timeout_s: float = 10.0
+    http_body_timeout_s: float = 30.0
+    http_max_connections: int | None = None  # None: below the file limit (http_guard)
 
     def __post_init__(self) -> None:
         for name, value in resolve_layout_fields(self).items():
             object.__setattr__(self, name, value)
         self.layout  # noqa: B018 - validates the KV layout fields
+        self.http_limits  # noqa: B018 - validates the three --http-* limits
         KeyScheme(self.hash_scheme, self.chunk_size)
         pack_kv_rank(self.world_size, self.rank, self.world_size, self.rank)
         if self.instance_id:
@@ -163,6 +172,12 @@ class NodeConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be in (0, 3600] seconds")
 
     @property
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(
+            self.http_header_timeout_s, self.http_body_timeout_s, self.http_max_connections
+        )
+
+    @property
     def layout(self) -> KVLayout:
         assert self.num_layers is not None and self.num_kv_heads is not None
         assert self.head_dim is not None and self.dtype is not None
@@ -203,16 +218,18 @@ class NodeConfig:
     @property
     def metrics_public(self) -> bool:
         """Whether ``/metrics`` needs no token (else an admin token), as on the coordinator."""
-        if self.public_metrics is None:
-            return self.auth_token_file is None
-        return self.public_metrics
+        return public_unless_auth(self.auth_token_file is not None, self.public_metrics)
+
+    @property
+    def docs_public(self) -> bool:
+        """Whether ``/docs`` and ``/openapi.json`` need no token (else any valid one)."""
+        return public_unless_auth(self.auth_token_file is not None, self.public_docs)
 
     def auth(self) -> TokenAuth | None:
-        """The engine/peer API's tokens (``--auth-token-file``; ``None`` = no auth). The file
-        holds every token: refused when group or others may read it, as a token file is."""
+        """The engine/peer API's tokens (``--auth-token-file``; ``None`` = no auth), by the
+        coordinator's rule (:meth:`~kvatlas.auth.TokenAuth.from_file`)."""
         if self.auth_token_file is None:
             return None
-        check_private(self.auth_token_file, "--auth-token-file")
         return TokenAuth.from_file(self.auth_token_file)
 
     def coordinator_bearer(self) -> str | None:
@@ -298,38 +315,6 @@ def default_l2_path(environ: Mapping[str, str] | None = None) -> Path:
     return Path(base) / "kvatlas" / "l2"
 
 
-def check_secret(token: str, what: str) -> str:
-    """Refuse a token shorter than ``MIN_SECRET_CHARS`` (an empty one means "none")."""
-    if token and len(token) < MIN_SECRET_CHARS:
-        raise ValueError(f"{what}: a token must have >= {MIN_SECRET_CHARS} characters")
-    return token
-
-
-def check_private(path: Path, what: str) -> None:
-    """Refuse a secrets file that group or others may access (``chmod 600`` it)."""
-    try:
-        mode = path.stat().st_mode
-    except OSError as exc:
-        raise ValueError(f"{what}: cannot read {path}: {exc.strerror}") from None
-    if mode & 0o077:
-        raise ValueError(
-            f"{what}: {path} is accessible to group or others (mode {mode & 0o777:o}); chmod 600 it"
-        )
-
-
-def read_secret_file(path: Path, what: str) -> str:
-    """The token in ``path`` (surrounding whitespace stripped); refused when the file is
-    accessible to group or others or the token is too short."""
-    check_private(path, what)
-    try:
-        text = path.read_text().strip()
-    except OSError as exc:
-        raise ValueError(f"{what}: cannot read {path}: {exc.strerror}") from None
-    if not text:
-        raise ValueError(f"{what}: {path} is empty")
-    return check_secret(text, f"{what} {path}")
-
-
 def _secret(value: str, path: Path | None, name: str) -> str | None:
     if path is not None:
         return read_secret_file(path, f"--{name}-token-file")
@@ -413,6 +398,7 @@ _HELP = {
     "peer_fetch_deadline": "seconds one fetch from a peer may take in all, however it drips",
     "fleet_refresh_interval": "seconds between re-reads of the coordinator's instance list",
     "public_metrics": "serve /metrics without a token (default: only when auth is off)",
+    "public_docs": "serve /docs and /openapi.json without a token (default: only when auth is off)",
     "l2_max_bytes": (
         "byte cap of a private fs L2: least recently used chunks are evicted (and reported) "
         "beyond it; 0 = no cap; a shared pool (--l2-shared) is capped by whoever provisions it"
@@ -428,6 +414,9 @@ _HELP = {
     "log_level": "log level",
     "log_format": "log lines as JSON objects (json) or plain text for humans (text)",
     "access_log": "log one line per HTTP request (engine calls included)",
+    "http_header_timeout_s": HEADER_TIMEOUT_HELP,
+    "http_body_timeout_s": BODY_TIMEOUT_HELP,
+    "http_max_connections": MAX_CONNECTIONS_HELP,
 }
 
 _CHOICES = {

@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth, parse_bearer
+from kvatlas.auth import ANONYMOUS_ADMIN, DOCS_PATHS, Principal, TokenAuth, parse_bearer
 from kvatlas.client.engine_client import MSGPACK, EngineCall, EngineLayout, WireSegment
 from kvatlas.errors import Forbidden, KvatlasError, NotFound, PayloadTooLarge, Unprocessable
 from kvatlas.keys import MMItem, RequestTracker
@@ -42,11 +42,19 @@ from kvatlas.node.engine_trackers import Identity, Trackers
 from kvatlas.node.peer import create_peer_app
 from kvatlas.node.peer_credentials import PeerSecret
 from kvatlas.node.segments import Segment
-from kvatlas.web import error_headers, error_payload, error_response, read_body
+from kvatlas.web import (
+    error_headers,
+    error_payload,
+    error_response,
+    install_nesting_handler,
+    nested_too_deep,
+    read_body,
+)
 
 ENGINE_PREFIX: Final = "/engine/"
 PEER_PREFIX: Final = "/peer/"
 METRICS_PATH: Final = "/metrics"
+_ANY_TOKEN: Final = ""  # ApiGate: a valid token of any role
 _OFF_LOOP_BYTES: Final = 1 << 20  # bodies above this are decoded in the thread pool
 _msgpack_encoder = msgspec.msgpack.Encoder()
 PEER_NODE: Final = Principal("peer-node", frozenset({"peer"}))
@@ -130,6 +138,7 @@ class ApiGate:
         public_metrics: bool = True,
         peer_secret: PeerSecret | None = None,
         instance_id: Callable[[], str] = lambda: "",
+        public_docs: bool = True,
     ) -> None:
         self.app = app
         self.auth = auth
@@ -137,12 +146,14 @@ class ApiGate:
         self.public_metrics = public_metrics  # else /metrics needs an admin token
         self.peer_secret = peer_secret
         self.instance_id = instance_id
+        self.public_docs = public_docs  # else /docs and /openapi.json need any valid token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         role = "engine" if path.startswith(ENGINE_PREFIX) else None
         role = "peer" if path.startswith(PEER_PREFIX) else role
         role = "admin" if path == METRICS_PATH and not self.public_metrics else role
+        role = _ANY_TOKEN if path in DOCS_PATHS and not self.public_docs else role
         if scope["type"] != "http" or role is None:
             await self.app(scope, receive, send)
             return
@@ -157,7 +168,7 @@ class ApiGate:
         await self.app(scope, receive, send)
 
     def _admit(self, scope: Scope, role: str, authorization: str | None) -> Principal:
-        if self.engine_port is not None:
+        if self.engine_port is not None and role in ("engine", "peer"):
             port = (scope.get("server") or (None, None))[1]
             if (port == self.engine_port) != (role == "engine"):
                 raise NotFound(f"{scope['path']} is not served on this listener")
@@ -171,7 +182,8 @@ class ApiGate:
         ):
             return PEER_NODE
         who = self.auth.authenticate(authorization)
-        who.require(role)
+        if role != _ANY_TOKEN:
+            who.require(role)
         return who
 
 
@@ -205,9 +217,12 @@ def create_node_app(
     config = node.config
     app = create_peer_app(node.l1, l2=node.l2)
     app.title = "kvatlas cache node"
+    refused = node.timings.http_refused.count
+    install_nesting_handler(app, refused)
     app.add_middleware(
         ApiGate, auth=auth, engine_port=config.engine_port, public_metrics=config.metrics_public,
-        peer_secret=peer_secret, instance_id=lambda: node.instance_id,
+        public_docs=config.docs_public, peer_secret=peer_secret,
+        instance_id=lambda: node.instance_id,
     )  # fmt: skip
     _publish_openapi(app)
     layout = config.layout
@@ -242,6 +257,8 @@ def create_node_app(
                     return _error_reply(exc, msgpack)
                 except ValueError as exc:  # a field the node could not make sense of
                     return _error_reply(Unprocessable(str(exc)), msgpack)
+                except RecursionError:  # a body nested deeper than the decoder follows
+                    return _error_reply(nested_too_deep(refused), msgpack)
 
             app.add_api_route(
                 path,

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvatlas.http_guard import HttpRefusals
 from kvatlas.keys import MM_BYPASS_GUARD
 
 _SECONDS = (
@@ -74,6 +75,8 @@ class NodeTimings:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.http_refused = HttpRefusals()
+        self.registry.register(self.http_refused)
         self.fetch_seconds = Histogram(
             "kvatlas_node_fetch_seconds",
             "chunk fetch latency by source (one batched step per source)",

@@ -535,7 +535,15 @@ def run_node(config: NodeConfig) -> int:
     kwargs = uvicorn_log_options(config.log_level, config.access_log)
     try:
         app = OnServing(process.app, process.start)
-        serve(app, host=config.host, port=config.port, sock=socks, **kwargs)
+        serve(
+            app,
+            host=config.host,
+            port=config.port,
+            sock=socks,
+            limits=config.http_limits,
+            on_refused=process.node.timings.http_refused.count,
+            **kwargs,
+        )
     finally:
         process.close()
     if process.registrar is not None and process.registrar.fatal is not None:

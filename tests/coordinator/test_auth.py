@@ -21,11 +21,11 @@ from tests.coordinator.helpers import (
     wire_batch,
 )
 
-EMIT_X = "emit-token-for-x"
-EMIT_ANY = "emit-token-for-any"
-LOOKUP_A = "lookup-token-salt-a"
-LOOKUP_ALL = "lookup-token-all-salts"
-ADMIN = "admin-token-0000"
+EMIT_X = "emit-token-for-x-0123456789abcdef0123456789abcdef"
+EMIT_ANY = "emit-token-for-any-0123456789abcdef0123456789abcdef"
+LOOKUP_A = "lookup-token-salt-a-0123456789abcdef0123456789abcdef"
+LOOKUP_ALL = "lookup-token-all-salts-0123456789abcdef0123456789abcdef"
+ADMIN = "admin-token-0000-0123456789abcdef0123456789abcdef"
 SALT_A, SALT_B = "tenant-a", "tenant-b"
 
 
@@ -51,6 +51,7 @@ def auth_server(
             }
         )
     )
+    path.chmod(0o600)
     with running(auth_token_file=path, enable_blend_lookup=True) as pair:
         yield pair
 

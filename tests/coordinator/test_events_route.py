@@ -22,8 +22,8 @@ from kvatlas.events import CacheEntry, EventBatch, encode_msgpack
 from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
 from tests.coordinator.helpers import fast_and_routed
 
-ADMIN = "admin-token-0123456789abcdef"
-EMIT_A = "emit-a-token-0123456789abcdef"
+ADMIN = "admin-token-0123456789abcdef0123456789"
+EMIT_A = "emit-a-token-0123456789abcdef0123456789"
 RANK = pack_kv_rank(1, 0, 1, 0)
 
 
@@ -77,6 +77,7 @@ def clients(
         ]
     }
     tokens.write_text(json.dumps(doc))
+    tokens.chmod(0o600)
     with fast_and_routed(partial(_app, tokens)) as both:
         for c in both:
             reg = {"instance_id": "a", "ip": "127.0.0.1", "port": 1}

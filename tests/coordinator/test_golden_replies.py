@@ -31,7 +31,7 @@ _HEADERS = ("content-type", "www-authenticate", "x-kvatlas-blend")
 _OPENAPI_VOLATILE = ("/events",)  # its body schema is generated from the event model
 
 TOKENS = list(range(1000, 1012))  # three chunks of 4
-ADMIN, EMIT, LOOKUP = "golden-admin-token", "golden-emit-token", "golden-lookup-token"
+ADMIN, EMIT, LOOKUP = (f"golden-{role}-token-{'x' * 32}" for role in ("admin", "emit", "lookup"))
 
 
 def _reply(r: httpx.Response) -> dict[str, Any]:
@@ -239,6 +239,7 @@ def _record_all(tmp_path: Path) -> dict[str, Any]:
             }
         )
     )
+    tokens.chmod(0o600)
     # blend pinned off: this scenario records the disabled-blend replies (LMCache's default)
     with running(auth_token_file=tokens, replica_id="golden", enable_blend_lookup=False) as (_, c):
         out.update((name, _reply(r)) for name, r in _auth_scenario(c))

@@ -378,13 +378,13 @@ def test_the_digest_route_validates_and_a_gap_asks_for_an_exchange() -> None:
 def test_an_emit_token_may_only_exchange_its_own_digests(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens.json"
     tokens.write_text(
-        '{"tokens": [{"token": "emit-token-for-a-0123456789", "roles": ["emit"],'
+        '{"tokens": [{"token": "emit-token-for-a-0123456789abcdef0123456789", "roles": ["emit"],'
         ' "instance_ids": ["a"]}]}'
     )
     tokens.chmod(0o600)
     with running(auth_token_file=tokens) as (_, client):
         body = {"tiers": {"l1": {"": "00" * 2048}}}
-        headers = {"Authorization": "Bearer emit-token-for-a-0123456789"}
+        headers = {"Authorization": "Bearer emit-token-for-a-0123456789abcdef0123456789"}
         assert client.post("/instances/a/digest", json=body, headers=headers).status_code == 200
         assert client.post("/instances/b/digest", json=body, headers=headers).status_code == 403
         assert client.post("/instances/a/digest", json=body).status_code == 401

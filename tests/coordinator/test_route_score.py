@@ -234,7 +234,7 @@ def test_engine_tiers_through_the_consume_path(tier: str, score_class: str) -> N
 
 
 def test_auth_role_and_salt(tmp_path: Path) -> None:
-    """Role ``lookup`` is checked from the headers (ROUTE_ROLES); a salt-bound token scores
+    """Role ``lookup`` is checked from the headers (asgi.ROUTES); a salt-bound token scores
     only its salts."""
     emit, lookup_a = token("emit"), token("lookup-a")
     tokens = write_tokens(

@@ -17,9 +17,9 @@ from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.service import CoordinatorService
 from tests.coordinator.helpers import fast_and_routed
 
-ADMIN = "admin-token-0123456789abcdef"
-EMIT = "emit-token-0123456789abcdefgh"
-SALTED = "salted-token-0123456789abcdef"
+ADMIN = "admin-token-0123456789abcdef0123456789"
+EMIT = "emit-token-0123456789abcdefgh0123456789"
+SALTED = "salted-token-0123456789abcdef0123456789"
 
 
 def _app(tokens: Path, fast_path: bool) -> CoordinatorApp:
@@ -43,6 +43,7 @@ def clients(
         ]
     }
     tokens.write_text(json.dumps(doc))
+    tokens.chmod(0o600)
     with fast_and_routed(partial(_app, tokens)) as both:
         for c in both:
             reg = {"instance_id": "a", "ip": "127.0.0.1", "port": 1}

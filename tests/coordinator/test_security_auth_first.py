@@ -159,11 +159,11 @@ def test_lookup_body_is_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPatc
     parsing, answered = threading.Event(), threading.Event()
     real = directory_routes.decode_lookup_body
 
-    def held(raw: bytes) -> Any:
+    def held(raw: bytes, *limits: int) -> Any:
         parsing.set()
         if not answered.wait(30):
             raise AssertionError("/healthz did not answer while a lookup body was parsed")
-        return real(raw)
+        return real(raw, *limits)
 
     monkeypatch.setattr(directory_routes, "decode_lookup_body", held)
     with (

@@ -30,9 +30,16 @@ router = APIRouter()
 async def lookup(request: Request, service: Service, who: Caller) -> Response:
     who.require("lookup")
     started = time.perf_counter()
-    # A body may be ~100 MB: it is parsed on a worker thread, never on the event loop.
-    body = await run_in_threadpool(decode_lookup_body, await request.body())
-    query = await run_in_threadpool(lookup_query, body, service.config.max_query_tokens)
+    # A body may be tens of MB (asgi.ROUTES): it is parsed on a worker thread, never on the
+    # event loop, and sized up from its bytes before a token is decoded.
+    config = service.config
+    raw = await request.body()
+    body = await run_in_threadpool(
+        decode_lookup_body, raw, config.max_query_tokens, config.max_lookup_keys
+    )
+    query = await run_in_threadpool(
+        lookup_query, body, config.max_query_tokens, config.max_lookup_keys
+    )
     who.require_salts(query.salts)
     if isinstance(query, KeysQuery):
         found = await run_in_threadpool(service.lookup_keys, query.keys)

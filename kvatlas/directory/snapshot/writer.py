@@ -3,7 +3,7 @@
 The snapshot is the directory as it was when :func:`save_snapshot` started its capture (see
 :mod:`kvatlas.directory.capture`); serialisation and I/O run outside the directory lock. The
 file is written as temp file + fsync + rename + directory fsync, so a crash leaves the previous
-snapshot intact. The blend index is not stored (a restore rebuilds it from the bindings).
+snapshot intact. It is created mode 0600 (it holds every tenant's token ids; docs/security.md). The blend index is not stored (a restore rebuilds it from the bindings).
 
 Ingestion goes on while a snapshot is written, on other threads that need the GIL: no single
 call here converts, copies, sums or frees a whole column at once (:data:`_SLICE` items at a
@@ -296,7 +296,8 @@ _ARENA_BLOCK = 256  # token arrays per write (256 chunks of 256 tokens: at most 
 def _write_atomically(path: Path, header: list[bytes], arena: list[np.ndarray[Any, Any]]) -> int:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
     try:
-        with open(tmp, "wb") as f:
+        # 0600 from creation on: the file holds every tenant's token ids (docs/security.md)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
             f.write(PREFIX.pack(MAGIC, sum(map(len, header))))
             for piece in header:
                 f.write(piece)  # a large piece is written without a copy, the GIL released

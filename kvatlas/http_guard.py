@@ -1,0 +1,189 @@
+"""What a client may hold of a service's HTTP server, for the coordinator and the node alike:
+at most ``max_connections`` open connections (a connection beyond is closed as soon as it is
+accepted), at most ``header_timeout_s`` to send a request's headers (counted from the
+connection, or from the previous reply on a kept-alive one: a client dripping header bytes is
+closed all the same), and at most ``body_timeout_s`` between two pieces of a request's body
+(then a 408 and the connection is closed). nginx's ``client_header_timeout`` and
+``client_body_timeout`` mean the same.
+
+Invariant: however many clients connect and however slowly they send, the process keeps file
+descriptors for its own work (the snapshot, Redis, L2 files, peers): the default cap is the
+process's file limit (``RLIMIT_NOFILE``) less a reserve. See docs/security.md.
+
+The limits are uvicorn's HTTP protocol class (``uvicorn.Config(http=...)``) with three
+timers, whichever parser uvicorn picked (httptools or h11): both keep the request being
+answered as ``cycle``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import resource
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+RESERVED_FDS = 64
+"""File descriptors kept out of the connection cap at least (an eighth of the limit when
+that is more): the listeners, the snapshot, Redis and peer connections, L2 files, logs."""
+REFUSALS = ("over_cap", "header_timeout", "body_timeout", "nested_too_deep")
+"""Why the HTTP layer refused a connection or a request (the label of
+``kvatlas_http_refused_total``): the guard's three, and a body nested deeper than the
+decoders follow (:mod:`kvatlas.web`)."""
+
+
+def default_max_connections(file_limit: int | None = None) -> int:
+    """The connection cap below the process's file limit (soft ``RLIMIT_NOFILE``, or
+    ``file_limit``): the limit less :data:`RESERVED_FDS` or an eighth of it."""
+    if file_limit is None:
+        file_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if file_limit == resource.RLIM_INFINITY:
+            file_limit = 1 << 20
+    return max(1, file_limit - max(RESERVED_FDS, file_limit // 8))
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """``--http-header-timeout-s``, ``--http-body-timeout-s``, ``--http-max-connections``
+    (``None``: :func:`default_max_connections`)."""
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("header_timeout_s", "body_timeout_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"--http-{name.replace('_', '-')} must be a finite number > 0")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError("--http-max-connections must be >= 1")
+
+    @property
+    def connection_cap(self) -> int:
+        if self.max_connections is None:
+            return default_max_connections()
+        return self.max_connections
+
+
+HEADER_TIMEOUT_HELP = (
+    "seconds a client has to send a request's headers, from connecting or from the previous "
+    "reply; then the connection is closed"
+)
+BODY_TIMEOUT_HELP = (
+    "longest wait, in seconds, for the next piece of a request body; then 408 and the "
+    "connection is closed"
+)
+MAX_CONNECTIONS_HELP = (
+    "most open HTTP connections; one more is closed when accepted (default: the file limit, "
+    "RLIMIT_NOFILE, less an eighth and at least 64)"
+)
+
+OnRefused = Callable[[str], object]
+"""Called with the reason (one of :data:`REFUSALS`) of each connection the guard closes."""
+
+
+class HttpRefusals(Collector):
+    """``kvatlas_http_refused_total{reason}`` on a service's registry: :meth:`count` is the
+    guard's (and the nesting check's) :data:`OnRefused`. Every reason is exported from the
+    start (0), so a series never appears out of nowhere."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+
+    def count(self, reason: str) -> None:
+        self.counts[reason] += 1
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "kvatlas_http_refused",
+            "connections and requests the HTTP layer refused, by reason",
+            labels=["reason"],
+        )
+        for reason in REFUSALS:
+            family.add_metric([reason], self.counts[reason])
+        yield family
+
+
+_TIMEOUT_REPLY = (
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+    b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
+)
+
+
+def guarded_protocol(limits: HttpLimits, on_refused: OnRefused) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol class with ``limits`` applied; ``on_refused`` counts."""
+    cap = limits.connection_cap
+
+    class GuardedHTTP(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
+        _timer: asyncio.TimerHandle | None = None
+        _timer_body = False  # whether the armed timer is the body timer
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > cap:
+                on_refused("over_cap")
+                transport.abort()
+                return
+            self._watch()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._stop_watching()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._watch()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._watch()  # the next request's headers
+
+        def _stop_watching(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+        def _watch(self) -> None:
+            """(Re-)arm the one timer this connection's state calls for: the header timer
+            while no request is being answered (armed once: a drip does not reset it), the
+            body timer while a request's body is incomplete (reset by every piece)."""
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete:
+                if self._timer is None or self._timer_body:
+                    self._arm(limits.header_timeout_s, body=False)
+            elif cycle.more_body and not cycle.response_started:
+                self._arm(limits.body_timeout_s, body=True)
+            else:
+                self._stop_watching()
+
+        def _arm(self, seconds: float, *, body: bool) -> None:
+            self._stop_watching()
+            self._timer_body = body
+            self._timer = self.loop.call_later(seconds, self._expired)
+
+        def _expired(self) -> None:
+            self._timer = None
+            transport = self.transport
+            if transport is None or transport.is_closing():
+                return
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete:
+                on_refused("header_timeout")
+                transport.close()
+            elif cycle.more_body and not cycle.response_started:
+                if self.flow.read_paused:  # the app has not read what came: not the client
+                    self._arm(limits.body_timeout_s, body=True)
+                    return
+                on_refused("body_timeout")
+                detail = b'{"detail":"request body not received in time"}'
+                transport.write(_TIMEOUT_REPLY % (len(detail), detail))
+                transport.close()
+
+    return GuardedHTTP

@@ -1,0 +1,183 @@
+"""Issue 25 item 9, coordinator and node: half-open connections are closed after the header
+timeout (also when they drip header bytes), a stalled body after the body timeout (408), a
+connection beyond the cap as soon as it is accepted, and with connections at the cap the
+coordinator's snapshots keep being written (the cap stays below the process's file limit).
+Real processes, real sockets; small counts (a cap of 50, 60 connections) prove the mechanism.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvatlas.asgi_thread import free_port
+from kvatlas.processes import spawn_service, stop
+
+HANG = 30.0  # a hang detector on a loaded machine, never a latency assertion
+NODE = ["--model-name", "toy", "--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8",
+        "--chunk-size", "16", "--dtype", "float32", "--l2", "none"]  # fmt: skip
+Spawn = tuple[Callable[..., tuple[subprocess.Popen[bytes], int]], str]
+
+
+def _spawn(service: str, *flags: str, prelude: str = "") -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    extra = NODE if service == "node" else ["--chunk-size", "16"]
+    code = f"{prelude}import sys; from kvatlas.cli import main; sys.exit(main())"
+    args = ["-c", code, service, "--port", str(port), "--log-level", "warning", *extra, *flags]
+    return spawn_service(args, f"http://127.0.0.1:{port}"), port
+
+
+@pytest.fixture(params=["coordinator", "node"])
+def service(request: pytest.FixtureRequest) -> Iterator[Spawn]:
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(*flags: str) -> tuple[subprocess.Popen[bytes], int]:
+        proc, port = _spawn(request.param, *flags)
+        procs.append(proc)
+        return proc, port
+
+    yield spawn, request.param
+    stop(procs)
+
+
+def _connect(port: int) -> socket.socket:
+    conn = socket.create_connection(("127.0.0.1", port), timeout=HANG)
+    conn.setblocking(False)
+    return conn
+
+
+def _closed_by_server(conn: socket.socket) -> bool:
+    """Whether the server closed ``conn`` (EOF or reset); what it sent before is read."""
+    try:
+        while conn.recv(65536):
+            pass
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:  # reset
+        return True
+
+
+def _wait_closed(conns: list[socket.socket], drip: list[socket.socket] | None = None) -> int:
+    """Poll until every connection of ``conns`` was closed by the server (or the hang
+    detector's deadline); ``drip``: send one header byte on each of these per round.
+    Returns how many were closed."""
+    deadline = time.monotonic() + HANG
+    closed: set[int] = set()
+    while len(closed) < len(conns) and time.monotonic() < deadline:
+        for i, conn in enumerate(conns):
+            if i not in closed and _closed_by_server(conn):
+                closed.add(i)
+            elif i not in closed and drip is not None and conn in drip:
+                with contextlib.suppress(OSError):
+                    conn.send(b"x")
+        time.sleep(0.1)
+    return len(closed)
+
+
+def _refused(port: int, reason: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=HANG).text
+    found = re.search(rf'kvatlas_http_refused_total{{reason="{reason}"}} (\S+)', text)
+    assert found, text[-500:]
+    return float(found.group(1))
+
+
+def _healthy_within(port: int) -> None:
+    deadline = time.monotonic() + HANG
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                return
+        assert time.monotonic() < deadline, "the service did not answer again"
+        time.sleep(0.1)
+
+
+def test_half_open_connections_are_closed_after_the_header_timeout(service: Spawn) -> None:
+    """20 connections that send nothing and 20 that drip header bytes (one every 0.1 s): all
+    closed by the server after the 1 s header timeout, counted, and the service answers."""
+    _, port = service[0]("--http-header-timeout-s", "1")
+    silent = [_connect(port) for _ in range(20)]
+    dripping = [_connect(port) for _ in range(20)]
+    for conn in dripping:
+        conn.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+    assert _wait_closed(silent + dripping, drip=dripping) == 40
+    _healthy_within(port)
+    assert _refused(port, "header_timeout") >= 40
+    for conn in silent + dripping:
+        conn.close()
+
+
+def test_stalled_body_gets_408_after_the_body_timeout(service: Spawn) -> None:
+    """A body announced as 1000 bytes of which 13 come: 408 after the 1 s body timeout and
+    the connection closed (before: held for as long as the client likes)."""
+    spawn, name = service
+    _, port = spawn("--http-body-timeout-s", "1")
+    path = "/events" if name == "coordinator" else "/engine/lookup"
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=HANG) as conn:
+        conn.sendall(f'{head}Content-Length: 1000\r\n\r\n{{"batches": ['.encode())
+        reply = b""
+        with contextlib.suppress(ConnectionResetError):
+            while part := conn.recv(65536):
+                reply += part
+    assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
+    assert _refused(port, "body_timeout") >= 1
+
+
+def test_connections_beyond_the_cap_are_closed_at_once(service: Spawn) -> None:
+    """A cap of 50 and 60 connections: the 10 beyond are closed when accepted, the 50 stay
+    (until the header timeout, 30 s here); once ours are gone the service answers."""
+    _, port = service[0]("--http-max-connections", "50", "--http-header-timeout-s", "30")
+    conns = [_connect(port) for _ in range(60)]
+    deadline = time.monotonic() + HANG
+    closed: list[socket.socket] = []
+    while len(closed) < 10 and time.monotonic() < deadline:
+        closed = [c for c in conns if _closed_by_server(c)]
+        time.sleep(0.1)
+    time.sleep(0.5)  # none more: the others are held
+    assert len([c for c in conns if _closed_by_server(c)]) == 10
+    for conn in conns:
+        conn.close()
+    _healthy_within(port)
+    assert _refused(port, "over_cap") >= 10
+
+
+def test_snapshots_keep_working_with_connections_at_the_cap(tmp_path: Path) -> None:
+    """A coordinator whose file limit is 128 (the default cap is then 64) and 150 idle
+    connections: snapshots every 0.2 s go on being written, none fails with "Too many open
+    files" (without the cap, the connections take every descriptor)."""
+    snap = tmp_path / "d.snap"
+    prelude = "import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128)); "
+    proc, port = _spawn(
+        "coordinator", "--snapshot-path", str(snap), "--snapshot-interval", "0.2",
+        "--http-header-timeout-s", "60", prelude=prelude,
+    )  # fmt: skip
+    try:
+        conns = [_connect(port) for _ in range(150)]
+        written = snap.stat().st_mtime_ns if snap.exists() else 0
+        seen = 0
+        deadline = time.monotonic() + HANG
+        while seen < 3 and time.monotonic() < deadline:
+            now = snap.stat().st_mtime_ns if snap.exists() else 0
+            if now != written:
+                seen, written = seen + 1, now
+            time.sleep(0.1)
+        for conn in conns:
+            conn.close()
+        _healthy_within(port)
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=HANG).text
+        assert "kvatlas_snapshot_failures_total 0.0" in text, re.findall(
+            r"kvatlas_snap\S+ \S+", text
+        )
+        assert seen == 3
+        assert _refused(port, "over_cap") >= 150 - 64 - 5
+    finally:
+        stop([proc])
