@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from kvatlas.coordinator.ingestion import refuse_engine_ids
-from kvatlas.coordinator.query import registration
+from kvatlas.coordinator.registration import registration
 from kvatlas.coordinator.routes.deps import Caller, Service
 from kvatlas.coordinator.schemas import RegisterRequest
 from kvatlas.coordinator.wire import heartbeat_to_wire, instances_to_wire, registered_to_wire
