@@ -43,6 +43,8 @@ class SimRequest:
     num_computed: int = 0
     num_cached_tokens: int | None = None  # set at first admission (usage.cached_tokens)
     looked_up: bool = False  # the cache was consulted since the last (re)admission
+    gpu_hit_blocks: int = 0  # what that lookup found
+    cpu_hit_blocks: int = 0
     ready_s: float = 0.0  # CPU-tier blocks loaded by then
     first_token_s: float | None = None
     finished_s: float | None = None
@@ -152,26 +154,29 @@ class EngineCore:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.popleft()
             if not req.looked_up:
-                self._admit(req, now_s)
+                self._lookup(req, now_s)
             if req.ready_s > now_s:  # still loading from the CPU tier
                 skipped.append(req)
                 continue
             n = min(req.num_tokens - req.num_computed, budget)
             need = self.blocks_needed(req.num_computed + n) - len(req.block_ids)
             got = self.pool.allocate(need) if need > 0 else []
-            if got is None:
+            if got is None:  # hold nothing while waiting (what it reused stays cached)
+                self._reset(req)
                 self.waiting.appendleft(req)
                 break
             req.block_ids += got
+            if req.num_cached_tokens is None:
+                self._admitted(req)
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
         self.waiting.extendleft(reversed(skipped))
         return self._run(scheduled)
 
-    def _admit(self, req: SimRequest, now_s: float) -> None:
-        """First admission: reuse the cached prefix (GPU, then CPU), as vLLM's
-        ``get_computed_blocks`` and its offloading connector's lookup."""
+    def _lookup(self, req: SimRequest, now_s: float) -> None:
+        """Reuse the cached prefix (GPU, then CPU), as vLLM's ``get_computed_blocks`` and its
+        offloading connector's lookup; the CPU blocks load into fresh GPU blocks."""
         bs = self.block_size
         self._extend_hashes(req)
         limit = (req.num_tokens - 1) // bs  # never reuse the whole prompt
@@ -191,13 +196,16 @@ class EngineCore:
         else:
             cpu = 0
         req.num_computed = (len(gpu) + cpu) * bs
+        req.gpu_hit_blocks, req.cpu_hit_blocks = len(gpu), cpu
         req.looked_up = True
-        if req.num_cached_tokens is not None:  # re-admitted after a preemption
-            return
+
+    def _admitted(self, req: SimRequest) -> None:
+        """First scheduled: what it reused is what ``usage.cached_tokens`` reports."""
+        bs = self.block_size
         req.num_cached_tokens = req.num_computed
         self.counts.prefix_queries += len(req.prompt)
-        self.counts.prefix_hits += len(gpu) * bs
-        self.counts.cpu_hit_tokens += cpu * bs
+        self.counts.prefix_hits += req.gpu_hit_blocks * bs
+        self.counts.cpu_hit_tokens += req.cpu_hit_blocks * bs
         self.counts.prompt_tokens += len(req.prompt)
         self.counts.computed_prompt_tokens += len(req.prompt) - req.num_computed
 
@@ -222,13 +230,17 @@ class EngineCore:
             if r is req:
                 del scheduled[i]
                 break
+        self._reset(req)
+        self.waiting.appendleft(req)
+        self.counts.preemptions += 1
+
+    def _reset(self, req: SimRequest) -> None:
+        """Back to nothing computed and no blocks held; the next admission looks up again."""
         self._free(req)
         req.num_computed = 0
         req.cached_blocks = 0
         req.ready_s = 0.0
         req.looked_up = False
-        self.waiting.appendleft(req)
-        self.counts.preemptions += 1
 
     def _free(self, req: SimRequest) -> None:
         self.pool.release(req.block_ids)
