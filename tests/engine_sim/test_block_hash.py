@@ -30,7 +30,7 @@ def test_block_hashes_are_vllms(vllm_hash: tuple[object, object], salt: str | No
         extra = (("cache_salt", salt),) if salt and i == 0 else None
         parent = utils.hash_block_tokens(sha256, parent, tokens[i * 16 : (i + 1) * 16], extra)  # type: ignore[attr-defined]
         assert h == parent, i
-    assert utils.NONE_HASH == none_hash()  # type: ignore[attr-defined]
+    assert none_hash() == utils.NONE_HASH  # type: ignore[attr-defined]
     # the chain carries position and salt: one token changed changes that block and every later one
     changed = tokens.copy()
     changed[20] += 1
