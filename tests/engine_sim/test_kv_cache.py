@@ -158,3 +158,33 @@ def test_events_replayed_naively_equal_the_cache(
         assert referenced + pool.free_blocks == pool.usable_blocks
     else:
         raise AssertionError("the engine never drained")
+
+
+def ttft(core: EngineCore, req: SimRequest) -> float:
+    core.add(req)
+    now = 0.0
+    while req.first_token_s is None:
+        outcome = core.step(now)
+        now += outcome.duration_s
+        if any(o.request is req for o in outcome.outputs):
+            req.first_token_s = now
+    while core.has_work():
+        now += core.step(now).duration_s or 0.01
+    return req.first_token_s
+
+
+def test_time_to_first_token_follows_the_cost_model() -> None:
+    """On the model clock: a 20,000-token prompt takes three chunked-prefill steps priced by the
+    roofline; the same prompt again computes only its last block."""
+    cost = CostModel()
+    core = EngineCore(BlockPool(2048, BS), cost, max_num_batched_tokens=8192)
+    prompt = tokens(9, 20_000)
+    cold = ttft(core, request("cold", prompt))
+    chunks = [(0, 8192), (8192, 8192), (16384, 3616)]
+    expected = sum(cost.step_seconds(n, n * done + n * (n + 1) // 2, 0, 0) for done, n in chunks)
+    assert abs(cold - expected) < 1e-9
+    warm = ttft(core, request("warm", prompt))
+    reused = (20_000 - 1) // BS * BS
+    n = 20_000 - reused
+    assert abs(warm - cost.step_seconds(n, n * reused + n * (n + 1) // 2, 0, 0)) < 1e-9
+    assert warm < cold / 10

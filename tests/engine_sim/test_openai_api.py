@@ -229,3 +229,25 @@ def test_metrics_carry_vllms_names(engine: EngineProcess) -> None:
     )
     assert value("vllm:num_requests_running") == 0 and value("vllm:kv_cache_usage_perc") == 0
     assert value("vllm:time_to_first_token_seconds_count") >= 2
+
+
+def test_text_is_tokenized_by_the_given_tokenizer_json(tmp_path: Path) -> None:
+    """``--tokenizer``: a Hugging Face tokenizer.json (a tiny word-level one, built here)."""
+    tokenizers = require_vllm("tokenizers")  # installed with vLLM's CPU requirements
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "again": 3}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    sim = EngineProcess("--tokenizer", str(path), "--block-size", "4")
+    try:
+        text = "hello world " * 10  # 20 words → 20 tokens (the byte fallback would give 120)
+        first = sim.complete(text, 2)
+        assert first["usage"]["prompt_tokens"] == 20
+        assert sim.complete(text, 2)["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
+        # the same tokens given as ids reuse the same blocks
+        as_ids = sim.complete([1, 2] * 10, 1)
+        assert as_ids["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
+        assert sim.healthz()["tokenizer"] == "tokenizer.json"
+    finally:
+        sim.close()
