@@ -37,6 +37,7 @@ SHARED = (
     "processes",
     "backoff",
     "redis_clients",
+    "workloads",  # benchmark inputs: numpy only
 )
 TOP = ("bench", "demo", "soak", "cli")
 # Below its place in the order, but still out of bounds: a client never imports server
