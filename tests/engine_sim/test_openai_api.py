@@ -251,3 +251,21 @@ def test_text_is_tokenized_by_the_given_tokenizer_json(tmp_path: Path) -> None:
         assert sim.healthz()["tokenizer"] == "tokenizer.json"
     finally:
         sim.close()
+
+
+def test_time_to_first_token_is_never_less_than_the_model_says(engine: EngineProcess) -> None:
+    """``--speed 1000``: the TTFT histogram (model seconds) of a cold 2,000-token prompt is at
+    least its one prefill step's modelled time — the clock never runs ahead of the model (the
+    upper side is wall-clock noise and not asserted)."""
+    from kvatlas.engine_sim import CostModel
+
+    def ttft_sum() -> float:
+        text = engine.http.get("/metrics").text
+        found = re.search(r"^vllm:time_to_first_token_seconds_sum\{[^}]*\} (\S+)$", text, re.M)
+        assert found
+        return float(found.group(1))
+
+    before = ttft_sum()
+    engine.complete(list(range(7, 2007)), 1)  # 2,000 tokens no earlier prompt shares
+    modelled = CostModel().step_seconds(2000, 2000 * 2001 // 2, 0, 0)
+    assert ttft_sum() - before >= modelled > 0.05
