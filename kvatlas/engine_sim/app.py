@@ -62,6 +62,7 @@ class EngineApi:
             "cached_blocks": len(pool.cached), "cpu_blocks": len(pool.cpu),
             "scheduler": asdict(core.counts), "cache": asdict(pool.counts),
             "kv_event_batches": self.driver.publisher.sent if self.driver.publisher else 0,
+            "connector": dict(self.driver.connector.counts) if self.driver.connector else None,
         })  # fmt: skip
 
     async def metrics(self, _: Request) -> Response:
@@ -115,8 +116,11 @@ class EngineApi:
         if -(-total // cfg.block_size) > self.driver.pool.usable_blocks:
             raise InvalidInput(f"{total} tokens need more KV blocks than the engine has "
                                f"({self.driver.pool.usable_blocks} of {cfg.block_size} tokens)")  # fmt: skip
-        sim = SimRequest(wire.request_id(chat), prompt, max_tokens, self.driver.now_s(),
-                         req.cache_salt, finish)  # fmt: skip
+        rid = wire.request_id(chat)
+        sim = SimRequest(rid, prompt, max_tokens, 0.0, req.cache_salt, finish)
+        if self.driver.connector is not None:
+            await self._ask_node(sim)
+        sim.arrival_s = self.driver.now_s()  # after the node's answer (docs/engine-sim.md)
         stream = self.driver.submit(sim)
         if req.stream:
             options = req.stream_options or wire.StreamOptions()
@@ -133,6 +137,16 @@ class EngineApi:
         body = reply(sim.request_id, self.created_at(sim), cfg.model, text,
                      sim.finish_reason or finish, usage)  # fmt: skip
         return Response(body, media_type=JSON)
+
+    async def _ask_node(self, sim: SimRequest) -> None:
+        connector = self.driver.connector
+        assert connector is not None
+        local = self.driver.core.local_prefix_tokens(sim.prompt, sim.cache_salt)
+        reuse = await asyncio.to_thread(connector.fetch, sim.prompt, sim.cache_salt,
+                                        sim.request_id, local)  # fmt: skip
+        sim.node_prefix_tokens, sim.node_prefix_load_s = reuse.prefix_tokens, reuse.prefix_load_s
+        sim.fragments, sim.fragment_load_s = reuse.fragments, reuse.fragment_load_s
+        sim.recompute_share = self.config.recompute_share
 
     def created_at(self, sim: SimRequest) -> int:
         return self.created + int(sim.arrival_s / self.driver.speed)

@@ -43,6 +43,13 @@ class EngineSimConfig:
     gpu_hbm_efficiency: float = _COST.hbm_efficiency
     step_overhead_s: float = _COST.step_overhead_s
     cpu_link_bytes_s: float = _COST.cpu_link_bytes_s
+    node_url: str | None = None
+    node_token_file: Path | None = None
+    node_timeout_s: float = 10.0
+    recompute_share: float = 0.15
+    node_l1_bytes_s: float = 25e9
+    node_l2_bytes_s: float = 7e9
+    node_peer_bytes_s: float = 12.5e9
     max_body_bytes: int = 64 << 20
     log_level: str = "info"
     log_format: str = "json"
@@ -59,7 +66,8 @@ class EngineSimConfig:
         if self.cpu_blocks < 0:
             raise ValueError("--cpu-blocks must be 0 (no offload) or more")
         rates = ("speed", "model_params", "gpu_peak_flops", "gpu_mfu", "gpu_hbm_bytes_s",
-                 "gpu_hbm_efficiency", "cpu_link_bytes_s")  # fmt: skip
+                 "gpu_hbm_efficiency", "cpu_link_bytes_s", "node_timeout_s", "node_l1_bytes_s",
+                 "node_l2_bytes_s", "node_peer_bytes_s")  # fmt: skip
         for name in rates:
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
@@ -67,6 +75,10 @@ class EngineSimConfig:
             raise ValueError("--step-overhead-s must be 0 or more")
         if "@" in self.instance_id or not self.instance_id:
             raise ValueError("--instance-id must be non-empty and have no '@' (topic separator)")
+        if not 0.0 <= self.recompute_share <= 1.0:
+            raise ValueError("--recompute-share must be in [0, 1]")
+        if self.node_token_file is not None and not self.node_url:
+            raise ValueError("--node-token-file needs --node-url")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
 
@@ -115,6 +127,15 @@ _HELP: Mapping[str, str] = {
     "gpu_hbm_efficiency": "cost model: achieved share of HBM bandwidth",
     "step_overhead_s": "cost model: fixed seconds per step",
     "cpu_link_bytes_s": "cost model: CPU offload → GPU bytes/s",
+    "node_url": "the kvatlas connector: a kvatlas node's engine API URL; prefixes and "
+    "fragments are reused through it and computed chunks stored there; unset: vLLM alone",
+    "node_token_file": "a file holding the engine bearer token for --node-url",
+    "node_timeout_s": "seconds per node call (a failed call is a miss)",
+    "recompute_share": "share of a reused fragment's tokens still computed (CacheBlend's "
+    "selective recompute, ~15%)",
+    "node_l1_bytes_s": "cost model: node L1 (host DRAM) → GPU bytes/s",
+    "node_l2_bytes_s": "cost model: node L2 (local NVMe or Redis) → GPU bytes/s",
+    "node_peer_bytes_s": "cost model: a peer node's L1/L2 → GPU bytes/s (the network)",
     "max_body_bytes": "largest request body accepted (413 beyond)",
     "log_level": "log level",
     "log_format": "log format: json lines or text",

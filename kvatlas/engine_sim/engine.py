@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from kvatlas.engine_sim.kv_cache import BlockPool
 from kvatlas.engine_sim.metrics import EngineMetrics
+from kvatlas.engine_sim.node_connector import NodeConnector
 from kvatlas.engine_sim.publisher import KvEventPublisher
 from kvatlas.engine_sim.scheduler import EngineCore, SimRequest, TokenOutput
 from kvatlas.events.vllm_wire import KVEvent
@@ -34,8 +35,11 @@ class Stream:
 
 class EngineDriver:
     def __init__(self, core: EngineCore, speed: float, metrics: EngineMetrics,
-                 publisher: KvEventPublisher | None) -> None:  # fmt: skip
+                 publisher: KvEventPublisher | None,
+                 connector: NodeConnector | None = None) -> None:  # fmt: skip
         self.core = core
+        self.connector = connector
+        self._stores: set[asyncio.Future[None]] = set()
         self.speed = speed
         self.metrics = metrics
         self.publisher = publisher
@@ -108,6 +112,11 @@ class EngineDriver:
         if req.first_token_s is None:
             req.first_token_s = end_s
             self.metrics.ttft.observe(end_s - req.arrival_s)
+            if self.connector is not None:  # its prefill is done: store its chunks
+                store = asyncio.ensure_future(asyncio.to_thread(
+                    self.connector.store, req.prompt, req.cache_salt, f"{req.request_id}:store"))  # fmt: skip
+                self._stores.add(store)
+                store.add_done_callback(self._stores.discard)
         if out.finished:
             req.finished_s = end_s
             self.metrics.e2e.observe(end_s - req.arrival_s)

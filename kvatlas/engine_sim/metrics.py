@@ -73,7 +73,7 @@ class EngineMetrics:
         self.queries.sync(counts.prefix_queries)
         self.hits.sync(counts.prefix_hits)
         self.ext_queries.sync(counts.prefix_queries - counts.prefix_hits)
-        self.ext_hits.sync(counts.cpu_hit_tokens)
+        self.ext_hits.sync(counts.cpu_hit_tokens + counts.node_hit_tokens)
         self.prompt.sync(counts.prompt_tokens)
         self.generation.sync(counts.generation_tokens)
         self.preemptions.sync(counts.preemptions)

@@ -45,6 +45,15 @@ class SimRequest:
     looked_up: bool = False  # the cache was consulted since the last (re)admission
     gpu_hit_blocks: int = 0  # what that lookup found
     cpu_hit_blocks: int = 0
+    node_hit_blocks: int = 0
+    # what a kvatlas node supplies (the connector asks before the request is added): a prefix
+    # and its load time; fragments (start, length) after it, their load time, and the share of
+    # a fragment's tokens that is still computed
+    node_prefix_tokens: int = 0
+    node_prefix_load_s: float = 0.0
+    fragments: tuple[tuple[int, int], ...] = ()
+    fragment_load_s: float = 0.0
+    recompute_share: float = 1.0
     ready_s: float = 0.0  # CPU-tier blocks loaded by then
     first_token_s: float | None = None
     finished_s: float | None = None
@@ -86,6 +95,8 @@ class SchedulerCounts:
     prefix_queries: int = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
     prefix_hits: int = 0  # of them found on the GPU (vLLM's prefix_cache_hits)
     cpu_hit_tokens: int = 0  # found in the CPU tier (vLLM: external hits)
+    node_hit_tokens: int = 0  # the kvatlas node's prefix (vLLM: external hits too)
+    fragment_tokens: int = 0  # reused at other offsets through the node (partly recomputed)
     prompt_tokens: int = 0
     computed_prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -132,6 +143,14 @@ class EngineCore:
         pending = [r.ready_s for r in self.waiting if r.looked_up]
         return min(pending) if pending else None
 
+    def local_prefix_tokens(self, tokens: list[int], cache_salt: str | None) -> int:
+        """What the GPU and the CPU tier hold of ``tokens`` from the start (no change made)."""
+        hashes = block_hashes(tokens, self.block_size, cache_salt)[
+            : (len(tokens) - 1) // self.block_size
+        ]
+        gpu = len(self.pool.cached_prefix(hashes))
+        return (gpu + self.pool.cpu_run(hashes, gpu)) * self.block_size
+
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset()
 
@@ -161,8 +180,14 @@ class EngineCore:
             n = min(req.num_tokens - req.num_computed, budget)
             need = self.blocks_needed(req.num_computed + n) - len(req.block_ids)
             got = self.pool.allocate(need) if need > 0 else []
-            if got is None:  # hold nothing while waiting (what it reused stays cached)
+            if got is None:
+                # Waiting requests hold nothing once loaded (what they reused stays cached,
+                # found again at their turn): else the head could wait forever on blocks held
+                # by requests queued behind it.
                 self._reset(req)
+                for other in self.waiting:
+                    if other.block_ids and other.ready_s <= now_s:
+                        self._reset(other)
                 self.waiting.appendleft(req)
                 break
             req.block_ids += got
@@ -175,8 +200,9 @@ class EngineCore:
         return self._run(scheduled)
 
     def _lookup(self, req: SimRequest, now_s: float) -> None:
-        """Reuse the cached prefix (GPU, then CPU), as vLLM's ``get_computed_blocks`` and its
-        offloading connector's lookup; the CPU blocks load into fresh GPU blocks."""
+        """Reuse the cached prefix (GPU, then CPU, then the kvatlas node), as vLLM's
+        ``get_computed_blocks`` and its connector's lookup; what is loaded goes into fresh GPU
+        blocks (cached there), and the request waits for the loads before it runs."""
         bs = self.block_size
         self._extend_hashes(req)
         limit = (req.num_tokens - 1) // bs  # never reuse the whole prompt
@@ -184,20 +210,36 @@ class EngineCore:
         self.pool.touch(gpu)
         req.block_ids = list(gpu)
         req.cached_blocks = len(gpu)
+        ready = now_s
         cpu = min(self.pool.cpu_run(req.hashes, len(gpu)), limit - len(gpu))
-        loaded = self.pool.allocate(cpu) if cpu else None
-        if loaded is not None:
+        if cpu and self._load(req, cpu):
             for h in req.hashes[len(gpu) : len(gpu) + cpu]:
                 self.pool.cpu.touch(h)
-            req.block_ids += loaded
-            self._cache(req, len(gpu) + cpu)
-            req.ready_s = now_s + self.cost.cpu_load_seconds(cpu * bs)
+            ready += self.cost.cpu_load_seconds(cpu * bs)
             self.pool.counts.cpu_loads += cpu
         else:
             cpu = 0
-        req.num_computed = (len(gpu) + cpu) * bs
-        req.gpu_hit_blocks, req.cpu_hit_blocks = len(gpu), cpu
+        local = len(gpu) + cpu
+        node = max(0, min(req.node_prefix_tokens // bs, limit) - local)
+        if node and self._load(req, node):
+            ready += req.node_prefix_load_s * node * bs / req.node_prefix_tokens
+        else:
+            node = 0
+        if req.fragments:
+            ready += req.fragment_load_s
+        req.ready_s = ready
+        req.num_computed = (local + node) * bs
+        req.gpu_hit_blocks, req.cpu_hit_blocks, req.node_hit_blocks = len(gpu), cpu, node
         req.looked_up = True
+
+    def _load(self, req: SimRequest, n: int) -> bool:
+        """``n`` more blocks loaded from outside the GPU into fresh blocks, cached there."""
+        got = self.pool.allocate(n)
+        if got is None:
+            return False
+        req.block_ids += got
+        self._cache(req, len(req.block_ids))
+        return True
 
     def _admitted(self, req: SimRequest) -> None:
         """First scheduled: what it reused is what ``usage.cached_tokens`` reports."""
@@ -206,6 +248,10 @@ class EngineCore:
         self.counts.prefix_queries += len(req.prompt)
         self.counts.prefix_hits += req.gpu_hit_blocks * bs
         self.counts.cpu_hit_tokens += req.cpu_hit_blocks * bs
+        self.counts.node_hit_tokens += req.node_hit_blocks * bs
+        self.counts.fragment_tokens += sum(
+            max(0, start + n - max(start, req.num_computed)) for start, n in req.fragments
+        )
         self.counts.prompt_tokens += len(req.prompt)
         self.counts.computed_prompt_tokens += len(req.prompt) - req.num_computed
 
@@ -272,9 +318,11 @@ class EngineCore:
             if n == 1 and req.output_ids:
                 decode += 1
                 decode_ctx += req.num_tokens
-            else:
-                prefill += n
-                prefill_ctx += n * req.num_computed + n * (n + 1) // 2
+                continue
+            # fragment tokens are loaded, not computed, but for their recompute share
+            scale = 1.0 - (1.0 - req.recompute_share) * self._fragment_overlap(req, n) / n
+            prefill += round(n * scale)
+            prefill_ctx += round((n * req.num_computed + n * (n + 1) // 2) * scale)
         duration = self.cost.step_seconds(prefill, prefill_ctx, decode, decode_ctx)
         outputs: list[TokenOutput] = []
         for req, n in scheduled:
@@ -293,6 +341,11 @@ class EngineCore:
             outputs.append(TokenOutput(req, token, done))
         self.counts.steps += 1
         return StepOutcome(duration, outputs, self.pool.take_events(), prefill, decode)
+
+    @staticmethod
+    def _fragment_overlap(req: SimRequest, n: int) -> int:
+        lo, hi = req.num_computed, req.num_computed + n
+        return sum(max(0, min(hi, s + k) - max(lo, s)) for s, k in req.fragments)
 
     def output_token(self, req: SimRequest, i: int) -> int:
         """An arbitrary but deterministic output token: the same prompt gives the same output

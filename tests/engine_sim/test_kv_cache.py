@@ -188,3 +188,20 @@ def test_time_to_first_token_follows_the_cost_model() -> None:
     n = 20_000 - reused
     assert abs(warm - cost.step_seconds(n, n * reused + n * (n + 1) // 2, 0, 0)) < 1e-9
     assert warm < cold / 10
+
+
+def test_fragments_cost_only_their_recompute_share() -> None:
+    """Tokens a node supplies at another offset are loaded, not computed, but for the
+    recompute share: the prefill step is priced on the rest plus that share."""
+    cost = CostModel()
+    core = EngineCore(BlockPool(256, BS), cost)
+    prompt = tokens(11, 1000)
+    plain = request("plain", prompt, 1)
+    blended = request("blended", tokens(12, 1000), 1)
+    blended.fragments, blended.recompute_share, blended.fragment_load_s = ((200, 512),), 0.15, 0.0
+    cold = ttft(core, plain)
+    warm = ttft(core, blended)
+    scale = 1 - 0.85 * 512 / 1000  # the tokens and the attention both shrink by it
+    expected = cost.step_seconds(round(1000 * scale), round(1000 * 1001 // 2 * scale), 0, 0)
+    assert abs(warm - expected) < 1e-9
+    assert warm < cold and core.counts.fragment_tokens == 512
