@@ -1,5 +1,5 @@
-"""The ``kvatlas`` command: ``coordinator``, ``node``, ``route``, ``demo``, ``keys``, ``soak``
-and ``bench NAME``."""
+"""The ``kvatlas`` command: ``coordinator``, ``node``, ``route``, ``engine-sim``, ``demo``,
+``keys``, ``soak`` and ``bench NAME``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from kvatlas.client.route_client import ROUTE_HELP, RouteCommand, run_route_comm
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args
 from kvatlas.coordinator.config import add_arguments as add_coordinator_arguments
 from kvatlas.coordinator.config import config_from_args
+from kvatlas.engine_sim.config import add_arguments as add_engine_sim_arguments
+from kvatlas.engine_sim.config import config_from_args as engine_sim_config_from_args
 from kvatlas.keys import pack_kv_rank
 from kvatlas.node.config import add_arguments as add_node_arguments
 from kvatlas.node.config import config_from_args as node_config_from_args
@@ -58,6 +60,14 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Which instance should serve this query: prefix and fragment coverage by tier.",
     )
     add_dataclass_arguments(route, RouteCommand, ROUTE_HELP)
+
+    engine_sim = sub.add_parser(
+        "engine-sim",
+        help="run one simulated vLLM engine (every flag also as KVATLAS_<NAME>)",
+        description="One simulated vLLM engine: vLLM's OpenAI API, /metrics, paged prefix "
+        "cache and KV events over ZMQ, timed by a cost model (docs/engine-sim.md).",
+    )
+    add_engine_sim_arguments(engine_sim)
 
     demo = sub.add_parser(
         "demo",
@@ -140,6 +150,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             own.error(str(exc))
         return run_node(node_config)
+    if args.command == "engine-sim":
+        from kvatlas.engine_sim.server import run_engine_sim
+
+        try:
+            sim_config = engine_sim_config_from_args(args)
+        except ValueError as exc:
+            own.error(str(exc))
+        return run_engine_sim(sim_config)
     if args.command == "route":
         try:
             return run_route_command(dataclass_from_args(RouteCommand, args))

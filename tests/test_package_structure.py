@@ -1,7 +1,8 @@
 """The shape of the package, read from the source with ``ast`` (nothing is imported):
 
-* layers: keys → events → directory → coordinator → client → node → connector; a package imports only
-  its own layer and those below it, never one above (function-level imports count too);
+* layers: keys → events → directory → coordinator → client → node → connector → engine_sim; a
+  package imports only its own layer and those below it, never one above (function-level
+  imports count too);
 * shared modules (errors, checks, web, ...) sit underneath and import no layered package;
   bench, demo, soak and cli sit on top and nothing imports them;
 * no import cycle between modules (module-level imports; ``TYPE_CHECKING`` blocks excluded);
@@ -23,7 +24,7 @@ import kvatlas
 
 ROOT = Path(kvatlas.__file__).parent
 
-LAYERS = ("keys", "events", "directory", "coordinator", "client", "node", "connector")
+LAYERS = ("keys", "events", "directory", "coordinator", "client", "node", "connector", "engine_sim")
 SHARED = (
     "kvatlas",  # the root package: __version__ only
     "errors",
@@ -37,6 +38,7 @@ SHARED = (
     "processes",
     "backoff",
     "redis_clients",
+    "workloads",  # benchmark inputs: numpy only
 )
 TOP = ("bench", "demo", "soak", "cli")
 # Below its place in the order, but still out of bounds: a client never imports server
@@ -45,6 +47,8 @@ TOP = ("bench", "demo", "soak", "cli")
 FORBIDDEN = {
     "client": ("directory", "coordinator"),
     "connector": ("directory", "coordinator", "node"),
+    # the simulated engine stands where vLLM stands: its KV events, and a node only as a client
+    "engine_sim": ("directory", "coordinator", "node", "connector"),
 }
 
 # Known gaps in packages still being restructured (issue 8). The tests fail on any new gap AND

@@ -1,0 +1,204 @@
+"""The engine's HTTP surface: vLLM's OpenAI routes over :class:`EngineDriver`.
+
+Routes hold no engine logic: they parse (:mod:`.openai_wire`), tokenize, submit and write what
+the driver delivers. ``/health``, ``/v1/models``, ``/metrics`` and ``POST
+/reset_prefix_cache`` are vLLM's; ``/healthz`` is the simulation's own (its counters as JSON).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvatlas.engine_sim import openai_wire as wire
+from kvatlas.engine_sim.config import EngineSimConfig
+from kvatlas.engine_sim.engine import EngineDriver, Stream
+from kvatlas.engine_sim.scheduler import FINISH_LENGTH, FINISH_STOP, SimRequest
+from kvatlas.engine_sim.tokenizer import Tokenizer
+from kvatlas.errors import InvalidInput, KvatlasError
+from kvatlas.web import read_body
+
+JSON = "application/json"
+
+
+class EngineApi:
+    def __init__(self, config: EngineSimConfig, driver: EngineDriver, tokenizer: Tokenizer) -> None:
+        self.config = config
+        self.driver = driver
+        self.tokenizer = tokenizer
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ routes
+
+    async def completions(self, request: Request) -> Response:
+        return await self._guarded(request, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._guarded(request, chat=True)
+
+    async def models(self, _: Request) -> Response:
+        body = wire.models_reply(self.config.model, self.created, self.config.max_model_len)
+        return Response(body, media_type=JSON)
+
+    async def health(self, _: Request) -> Response:
+        return Response(status_code=200)
+
+    async def healthz(self, _: Request) -> Response:
+        core, pool = self.driver.core, self.driver.pool
+        return JSONResponse({
+            "status": "ok", "model": self.config.model, "instance_id": self.config.instance_id,
+            "topic": self.config.topic, "tokenizer": self.tokenizer.name,
+            "model_time_s": self.driver.now_s(), "running": len(core.running),
+            "waiting": len(core.waiting), "free_blocks": pool.free_blocks,
+            "cached_blocks": len(pool.cached), "cpu_blocks": len(pool.cpu),
+            "scheduler": asdict(core.counts), "cache": asdict(pool.counts),
+            "kv_event_batches": self.driver.publisher.sent if self.driver.publisher else 0,
+            "connector": dict(self.driver.connector.counts) if self.driver.connector else None,
+        })  # fmt: skip
+
+    async def metrics(self, _: Request) -> Response:
+        body = self.driver.metrics.render(self.driver.core)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def reset_prefix_cache(self, _: Request) -> Response:
+        if not self.driver.reset_prefix_cache():
+            return self._error("blocks are in use by running requests", 400)
+        return Response(status_code=200)
+
+    # ------------------------------------------------------------------ generation
+
+    async def _guarded(self, request: Request, chat: bool) -> Response:
+        try:
+            body = await read_body(request, self.config.max_body_bytes)
+            return await self._generate(body, chat)
+        except KvatlasError as exc:
+            return self._error(exc.detail or str(exc), exc.status)
+
+    @staticmethod
+    def _error(message: str, status: int) -> Response:
+        return Response(wire.error_body(message, status), status_code=status, media_type=JSON)
+
+    async def _generate(self, body: bytes, chat: bool) -> Response:
+        cfg = self.config
+        if chat:
+            req = wire.decode_request(body, wire.ChatRequest)
+            prompt = self.tokenizer.chat_prompt(wire.chat_messages(req))
+            max_tokens = req.max_completion_tokens or req.max_tokens
+        else:
+            req = wire.decode_request(body, wire.CompletionRequest)
+            text_or_ids = wire.prompt_of(req)
+            prompt = (self.tokenizer.encode(text_or_ids) if isinstance(text_or_ids, str)
+                      else list(text_or_ids))  # fmt: skip
+            max_tokens = req.max_tokens
+        wire.check_model(req.model, cfg.model)
+        if max_tokens is not None and max_tokens < 1:
+            raise InvalidInput("max_tokens must be at least 1")
+        finish = FINISH_LENGTH
+        if max_tokens is None:  # the model would stop on its own
+            max_tokens = max(1, min(cfg.natural_output_tokens, cfg.max_model_len - len(prompt)))
+            finish = FINISH_STOP
+        total = len(prompt) + max_tokens
+        if total > cfg.max_model_len:
+            raise InvalidInput(
+                f"This model's maximum context length is {cfg.max_model_len} tokens. However, "
+                f"you requested {total} tokens ({len(prompt)} in the messages, {max_tokens} in "
+                "the completion). Please reduce the length of the messages or completion."
+            )
+        if -(-total // cfg.block_size) > self.driver.pool.usable_blocks:
+            raise InvalidInput(f"{total} tokens need more KV blocks than the engine has "
+                               f"({self.driver.pool.usable_blocks} of {cfg.block_size} tokens)")  # fmt: skip
+        rid = wire.request_id(chat)
+        sim = SimRequest(rid, prompt, max_tokens, 0.0, req.cache_salt, finish)
+        if self.driver.connector is not None:
+            await self._ask_node(sim)
+        sim.arrival_s = self.driver.now_s()  # after the node's answer (docs/engine-sim.md)
+        stream = self.driver.submit(sim)
+        if req.stream:
+            options = req.stream_options or wire.StreamOptions()
+            return StreamingResponse(
+                self._sse(stream, chat, options), media_type="text/event-stream"
+            )
+        try:
+            text = await self._collect(stream)
+        except asyncio.CancelledError:
+            self.driver.abort(sim)
+            raise
+        usage = wire.usage_full(len(prompt), len(sim.output_ids), sim.num_cached_tokens or 0)
+        reply = wire.chat_reply if chat else wire.completion_reply
+        body = reply(sim.request_id, self.created_at(sim), cfg.model, text,
+                     sim.finish_reason or finish, usage)  # fmt: skip
+        return Response(body, media_type=JSON)
+
+    async def _ask_node(self, sim: SimRequest) -> None:
+        connector = self.driver.connector
+        assert connector is not None
+        local = self.driver.core.local_prefix_tokens(sim.prompt, sim.cache_salt)
+        reuse = await asyncio.to_thread(connector.fetch, sim.prompt, sim.cache_salt,
+                                        sim.request_id, local)  # fmt: skip
+        sim.node_prefix_tokens, sim.node_prefix_load_s = reuse.prefix_tokens, reuse.prefix_load_s
+        sim.fragments, sim.fragment_load_s = reuse.fragments, reuse.fragment_load_s
+        sim.recompute_share = self.config.recompute_share
+
+    def created_at(self, sim: SimRequest) -> int:
+        return self.created + int(sim.arrival_s / self.driver.speed)
+
+    async def _collect(self, stream: Stream) -> str:
+        ids = []
+        while (out := await stream.tokens.get()) is not None:
+            ids.append(out.token_id)
+        return self.tokenizer.decode(ids)
+
+    async def _sse(self, stream: Stream, chat: bool, options: wire.StreamOptions
+                   ) -> AsyncIterator[bytes]:  # fmt: skip
+        sim, model = stream.request, self.config.model
+        created = self.created_at(sim)
+        chunk = wire.chat_chunk if chat else wire.completion_chunk
+        n = 0
+        try:
+            while (out := await stream.tokens.get()) is not None:
+                if chat and n == 0:
+                    yield wire.chat_role_chunk(sim.request_id, created, model)
+                n += 1
+                usage = (wire.continuous_usage(len(sim.prompt), n)
+                         if options.include_usage and options.continuous_usage_stats else None)  # fmt: skip
+                finish = sim.finish_reason if out.finished else None
+                yield chunk(sim.request_id, created, model, self.tokenizer.decode([out.token_id]),
+                            finish, usage)  # fmt: skip
+            if options.include_usage:
+                usage_all = wire.usage_closing(len(sim.prompt), n, sim.num_cached_tokens or 0)
+                yield wire.usage_chunk(sim.request_id, created, model, chat, usage_all)
+            yield wire.SSE_DONE
+        finally:
+            self.driver.abort(sim)  # a no-op once finished
+
+
+def create_app(config: EngineSimConfig, driver: EngineDriver, tokenizer: Tokenizer) -> Starlette:
+    api = EngineApi(config, driver, tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(_: Any) -> AsyncIterator[None]:
+        driver.start()
+        try:
+            yield
+        finally:
+            await driver.stop()
+
+    routes = [
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
+        Route("/healthz", api.healthz, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+        Route("/reset_prefix_cache", api.reset_prefix_cache, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)

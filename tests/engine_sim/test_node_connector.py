@@ -1,0 +1,64 @@
+"""``--node-url``: engine-sim reuses KV through a real kvatlas node (real processes on loopback).
+A node that is not up yet is a miss and the engine serves on; once it is up, one engine's
+computed chunks serve another engine's prefix (``cached_tokens``) and, at another offset, its
+fragments (counted apart, partly recomputed); an unrelated prompt finds nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from kvatlas.asgi_thread import free_port
+from kvatlas.processes import spawn_service, stop
+from tests.conftest import wait_for
+from tests.engine_sim.harness import EngineProcess
+
+CHUNK = 32
+
+
+def cached(reply: dict[str, Any]) -> int:
+    return int(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_engines_share_prefixes_and_fragments_through_a_node() -> None:
+    node_port = free_port()
+    node_url = f"http://127.0.0.1:{node_port}"
+    flags = ("--node-url", node_url, "--node-timeout-s", "60")
+    a, b = EngineProcess(*flags), EngineProcess(*flags)
+    node = None
+    try:
+        doc = list(range(1000, 1100))  # 100 tokens: 3 chunks of 32, 6 blocks of 16
+        assert cached(a.complete(doc, 2)) == 0  # no node yet: served, the miss counted
+        assert a.healthz()["connector"]["layout_failures"] >= 1
+        node = spawn_service(
+            ["-m", "kvatlas.cli", "node", "--port", str(node_port), "--model-name", "toy",
+             "--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "2",
+             "--chunk-size", str(CHUNK), "--dtype", "float16", "--l2", "none"],
+            node_url,
+        )  # fmt: skip
+        assert cached(a.complete(doc, 2)) == 96  # its own GPU; its chunks go to the node now
+        assert wait_for(lambda: a.healthz()["connector"].get("stored_chunks", 0) >= 3, 60)
+
+        assert cached(b.complete(doc, 2)) == 96  # a cold engine: the prefix from the node
+        health = b.healthz()
+        assert health["scheduler"]["node_hit_tokens"] == 96
+        assert (
+            health["scheduler"]["prefix_hits"] == 0 and health["connector"]["chunks_local_l1"] == 3
+        )
+
+        before = health["scheduler"]["fragment_tokens"]
+        rag = list(range(5000, 5040)) + doc[:64] + list(range(7000, 7040))  # the doc at offset 40
+        assert cached(b.complete(rag, 2)) == 0  # not a prefix: no cached tokens...
+        assert b.healthz()["scheduler"]["fragment_tokens"] - before == 64  # ...but a fragment
+
+        stats = httpx.get(f"{node_url}/engine/stats", headers={"Accept": "application/json"})
+        assert stats.status_code == 200
+        unrelated = list(range(9000, 9100))
+        assert cached(b.complete(unrelated, 1)) == 0  # the negative control
+        assert b.healthz()["scheduler"]["node_hit_tokens"] == 96
+    finally:
+        if node is not None:
+            stop([node])
+        a.close()
+        b.close()
