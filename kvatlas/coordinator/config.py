@@ -78,6 +78,7 @@ class CoordinatorConfig:
     kv_events_topic_prefix: str = "kv@"
     kv_events_model: str | None = None
     kv_events_max_blocks: int = 500_000
+    kv_events_max_message_bytes: int | None = None  # None: derived (largest_message_bytes)
     kv_events_publish: str | None = None
     kv_events_replay_bind: str | None = None
     kv_events_replay_size: int = 10_000
@@ -131,6 +132,8 @@ class CoordinatorConfig:
         self.kv_events_links  # noqa: B018 (parses every item: a bad engine id raises here)
         if self.kv_events_replay_bind and not self.kv_events_publish:
             raise ValueError("--kv-events-replay-bind needs --kv-events-publish")
+        if self.kv_events_max_message_bytes is not None and self.kv_events_max_message_bytes < 1:
+            raise ValueError("--kv-events-max-message-bytes must be >= 1")
         if self.kv_events_model is not None:
             check_model_name(self.kv_events_model)
         if self.kv_events_publish_encoding not in ENCODINGS:
@@ -253,6 +256,8 @@ _HELP = {
     "kv_events_topic_prefix": "topic filter for --kv-events-subscribe",
     "kv_events_model": "model name for engine topics that carry none (kv@<engine>)",
     "kv_events_max_blocks": "most vLLM blocks tracked (all engines); the oldest go first",
+    "kv_events_max_message_bytes": "largest ZMQ frame taken from a KV-event publisher (ZMQ "
+    "drops a peer that sends more; default: 256 B x --kv-events-max-blocks, docs/kv-events.md)",
     "kv_events_publish": "publish node placements as vLLM KV events on this ZMQ endpoint, "
     "e.g. tcp://*:5560",
     "kv_events_replay_bind": "replay (ROUTER) endpoint for the published events",
