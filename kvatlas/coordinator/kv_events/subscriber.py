@@ -386,7 +386,6 @@ class KvEventsSubscriber:
             self._reject(exc.kind, f"{instance}: {exc}")
             self._ingest([self.rekeyer.marker(instance, 1)])  # a batch lost: a gap at the gate
             return
-        self.counts["batches"] += 1
         if instance not in self.engine_ids:
             self.engine_ids = self.engine_ids | {instance}
         # Runs of at most SLICE_ENTRIES entries, one directory call each; a message that
@@ -408,6 +407,7 @@ class KvEventsSubscriber:
             elif op is not None:
                 run.append(op)
                 size += len(op.entries)
+        self.counts["batches"] += 1  # (once all of it is applied)
 
     def _applied(self, instance: str, run: list[EventBatch] | Cleared) -> bool:
         """Apply one slice (or a clear); if it fails, the rest of the batch is lost: their seqs
