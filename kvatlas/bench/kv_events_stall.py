@@ -21,7 +21,14 @@ import numpy as np
 
 from kvatlas.bench.common import BenchRow, progress
 from kvatlas.coordinator.server import free_port
-from kvatlas.events.vllm_wire import BlockStored, KVEvent, KVEventBatch, encode_batch, pack_seq
+from kvatlas.events.vllm_wire import (
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+    pack_seq,
+)
 from kvatlas.processes import spawn_service, stop
 
 VOCAB = 128_000
@@ -117,12 +124,21 @@ class EngineCoordinator:
             time.sleep(0.1)
         self.seq += 1
 
-    def wait_applied(self, batches: int, timeout: float = 600.0) -> None:
+    def wait_applied(
+        self, batches: int, tokens: list[int] | None = None, timeout: float = 600.0
+    ) -> None:
+        """Until ``batches`` engine batches were applied and, if given, a prefix lookup of
+        ``tokens`` finds them all (the last request of the message: its data has landed)."""
         deadline = time.monotonic() + timeout
-        while self.stats()["batches"] < batches:
+        while self.stats()["batches"] < batches or (tokens and not self.holds(tokens)):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"batch {batches} never applied")
             time.sleep(0.005)
+
+    def holds(self, tokens: list[int]) -> bool:
+        body = {"token_ids": tokens, "model_name": MODEL}
+        found = httpx.post(f"{self.url}/directory/lookup", json=body, timeout=120).json()
+        return any(h["instance_id"] == "pod-a" for h in found["prefix"])
 
     def close(self) -> None:
         stop([self.proc])
@@ -135,9 +151,10 @@ def stall_rows(
 ) -> list[BenchRow]:
     """Send ``repeats`` maximal messages of ``blocks`` blocks, one after the other has been
     applied; each row is the median over them (the first one fills the block map, the later
-    ones also evict as many blocks)."""
-    payload = maximal_message(rng, blocks)
-    mb = len(payload) / 1e6
+    ones also evict as many blocks). Each message is another one (other tokens, other hashes):
+    it counts as applied once the last request it stores is found."""
+    payloads = [maximal_message(rng, blocks) for _ in range(repeats)]
+    mb = len(payloads[0]) / 1e6
     small = maximal_message(rng, 1)
     coordinator = EngineCoordinator(chunk_size, blocks)
     lookup = {"token_ids": list(range(4 * chunk_size)), "model_name": MODEL}
@@ -150,19 +167,21 @@ def stall_rows(
         coordinator.send_until_applied(small)
         health.start()
         prefix.start()
-        for _ in range(repeats):
+        for payload in payloads:
+            last = decode_batch(payload).events[-1]
+            assert isinstance(last, BlockStored)
             quiet = time.perf_counter()
             time.sleep(2.0)  # the same pollers, nothing to apply: the machine's floor
             idle.append(max(health.worst(quiet), prefix.worst(quiet)))
             before = coordinator.stats()
             started = time.perf_counter()
             coordinator.send(payload)
-            coordinator.wait_applied(before["batches"] + 1)
+            coordinator.wait_applied(before["batches"] + 1, list(last.token_ids))
             done = time.perf_counter()
             applied.append(done - started)
             worst_health.append(health.worst(started, done))
             worst_lookup.append(prefix.worst(started, done))
-            slices.append(coordinator.stats()["slices"] - before["slices"])
+            slices.append(coordinator.stats().get("slices", 0) - before.get("slices", 0))
             progress("kv_events", f"maximal message: applied in {applied[-1]:.2f} s, worst "
                      f"/healthz {worst_health[-1] * 1e3:.0f} ms, worst lookup "
                      f"{worst_lookup[-1] * 1e3:.0f} ms, {slices[-1]} slices")  # fmt: skip

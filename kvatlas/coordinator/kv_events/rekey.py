@@ -184,6 +184,38 @@ def _groups(batch: KVEventBatch | SplitBatch) -> Iterator[tuple[int, list[KVEven
     return iter([(0, batch.events)])
 
 
+def _net(ops: list[_Change | Cleared]) -> list[_Change | Cleared]:
+    """The same changes as their net effect: between two clears, each (instance, tier, key)
+    only by its last change, and per instance and tier the deletes before the stores. The
+    directory ends in the same state, in a few batches instead of one per change (an engine
+    batch that evicts as it stores alternates a delete and a store at every chunk, and each
+    block of an evicted chunk deletes it again)."""
+    out: list[_Change | Cleared] = []
+    last: dict[tuple[str, str, ObjectKey], tuple[str, CacheEntry]] = {}
+
+    def flush() -> None:
+        runs: dict[tuple[str, str, str], list[CacheEntry]] = {}
+        for (instance_id, tier, _), (kind, entry) in last.items():
+            runs.setdefault((instance_id, kind, tier), []).append(entry)
+        for (instance_id, kind, tier), entries in sorted(
+            runs.items(), key=lambda r: r[0][1] != DELETE
+        ):
+            out.append(_Change(instance_id, kind, tier, entries))
+        last.clear()
+
+    for op in ops:
+        if isinstance(op, Cleared):
+            flush()
+            out.append(op)
+            continue
+        for entry in op.entries:
+            key = (op.instance_id, op.tier, entry.key)
+            last.pop(key, None)
+            last[key] = (op.kind, entry)
+    flush()
+    return out
+
+
 def _gone(chunk_hash: bytes, model: str) -> CacheEntry:
     """The delete entry of an engine chunk."""
     return CacheEntry(ObjectKey(chunk_hash, model, ENGINE_RANK))
@@ -438,7 +470,7 @@ class Rekeyer:
 
     def _batches(self, pending: _Pending, ts: float) -> Iterator[Op]:
         ts = ts if ts > 0 else time.time()
-        for op in pending.ops:
+        for op in _net(pending.ops):
             if isinstance(op, Cleared):
                 yield op
                 continue
