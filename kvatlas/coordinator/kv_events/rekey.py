@@ -150,11 +150,22 @@ class _Change(NamedTuple):
 
 @dataclass(slots=True)
 class _Pending:
-    """Ops collected while translating one batch (adjacent same-kind changes merged)."""
+    """Ops collected while translating one batch (adjacent same-kind changes merged; a chunk
+    deleted again before anything else is stored is deleted once: every block of an evicted or
+    removed chunk names it)."""
 
     ops: list[_Change | Cleared] = field(default_factory=list)
+    deleted: tuple[str, str, bytes, str] | None = None  # the last delete added
+
+    def delete(self, instance_id: str, tier: str, chunk_hash: bytes, model: str) -> None:
+        what = (instance_id, tier, chunk_hash, model)
+        if what != self.deleted:
+            self.deleted = what
+            self.add(instance_id, DELETE, tier, _gone(chunk_hash, model))
 
     def add(self, instance_id: str, kind: str, tier: str, entry: CacheEntry) -> None:
+        if kind == STORE:
+            self.deleted = None
         last = self.ops[-1] if self.ops else None
         if isinstance(last, _Change) and last[:3] == (instance_id, kind, tier):
             last.entries.append(entry)
@@ -291,6 +302,7 @@ class Rekeyer:
                 else:
                     self._forget_blocks(state)
                     pending.ops.append(Cleared(instance_id))
+                    pending.deleted = None
                     self.counts["clears"] += 1
         return list(self._batches(pending, batch.ts))
 
@@ -444,7 +456,7 @@ class Rekeyer:
         self.total_blocks -= 1
         self.counts["evicted_blocks"] += 1
         for chunk_hash, model, tier in block[2]:
-            pending.add(victim.instance_id, DELETE, tier, _gone(chunk_hash, model))
+            pending.delete(victim.instance_id, tier, chunk_hash, model)
 
     def _removed(self, state: EngineState, event: BlockRemoved, pending: _Pending) -> None:
         tier = engine_tier(event.medium)
@@ -459,7 +471,7 @@ class Rekeyer:
             point, tiers, placed = block
             for chunk_hash, model, placed_in in placed:
                 if placed_in == tier:
-                    pending.add(state.instance_id, DELETE, tier, _gone(chunk_hash, model))
+                    pending.delete(state.instance_id, tier, chunk_hash, model)
                     self.counts["chunks_removed"] += 1
             tiers = tuple(t for t in tiers if t != tier)
             if tiers:
