@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args
-from kvatlas.coordinator.kv_events.subscriber import LinkSpec
+from kvatlas.coordinator.kv_events.subscriber import MIN_MESSAGE_BYTES, LinkSpec
 from kvatlas.coordinator.scoring import DEFAULT_FRAGMENT_WEIGHT
 from kvatlas.events import EVENT_TRANSPORTS
 from kvatlas.events.vllm_wire import DEFAULT_ENCODING, ENCODINGS
@@ -132,8 +132,12 @@ class CoordinatorConfig:
         self.kv_events_links  # noqa: B018 (parses every item: a bad engine id raises here)
         if self.kv_events_replay_bind and not self.kv_events_publish:
             raise ValueError("--kv-events-replay-bind needs --kv-events-publish")
-        if self.kv_events_max_message_bytes is not None and self.kv_events_max_message_bytes < 1:
-            raise ValueError("--kv-events-max-message-bytes must be >= 1")
+        limit = self.kv_events_max_message_bytes
+        if limit is not None and limit < MIN_MESSAGE_BYTES:
+            raise ValueError(
+                f"--kv-events-max-message-bytes must be >= {MIN_MESSAGE_BYTES} (ZMQ applies it "
+                "to the handshake too)"
+            )
         if self.kv_events_model is not None:
             check_model_name(self.kv_events_model)
         if self.kv_events_publish_encoding not in ENCODINGS:

@@ -257,11 +257,14 @@ def test_the_message_limit_defaults_to_the_largest_legitimate_message() -> None:
     assert parse_config([]).kv_events_max_message_bytes is None
     settings = SubscriberSettings(())
     assert settings.message_limit_bytes == 256 * 500_000
-    assert SubscriberSettings((), max_blocks=10).message_limit_bytes == 2560
-    assert SubscriberSettings((), max_message_bytes=7).message_limit_bytes == 7
-    assert parse_config(["--kv-events-max-message-bytes", "9"]).kv_events_max_message_bytes == 9
-    with pytest.raises(ValueError, match="--kv-events-max-message-bytes"):
-        parse_config(["--kv-events-max-message-bytes", "0"])
+    assert SubscriberSettings((), max_blocks=100).message_limit_bytes == 25_600
+    # never below what a ZMQ handshake needs: the limit applies to it too
+    assert SubscriberSettings((), max_blocks=1).message_limit_bytes == 4096
+    assert SubscriberSettings((), max_message_bytes=5000).message_limit_bytes == 5000
+    flag = ["--kv-events-max-message-bytes", "5000"]
+    assert parse_config(flag).kv_events_max_message_bytes == 5000
+    with pytest.raises(ValueError, match="--kv-events-max-message-bytes must be >= 4096"):
+        parse_config(["--kv-events-max-message-bytes", "4095"])
 
 
 class _WholeBatch(msgspec.Struct, array_like=True):

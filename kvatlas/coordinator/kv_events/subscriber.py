@@ -64,10 +64,15 @@ SLICE_PAUSE_S: Final = 0.0005
 lock is not handed over; released and taken again at once, it would rarely change hands)."""
 
 
+MIN_MESSAGE_BYTES: Final = 4096
+"""The smallest limit: ZMQ applies it to the handshake too (its READY command carries the
+socket type and a routing id of up to 255 bytes)."""
+
+
 def largest_message_bytes(max_blocks: int) -> int:
     """The default ``--kv-events-max-message-bytes``: a message of ``max_blocks`` blocks (the
     most one batch may hold) of 16 tokens, each block an event of its own."""
-    return BYTES_PER_BLOCK * max_blocks
+    return max(BYTES_PER_BLOCK * max_blocks, MIN_MESSAGE_BYTES)
 
 
 Ingest = Callable[[Sequence[EventBatch]], object]
