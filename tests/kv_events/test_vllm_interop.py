@@ -268,7 +268,8 @@ def test_data_parallel_ranks_and_a_publisher_that_connects(kv_events: ModuleType
 
         def everyone() -> bool:
             return all(
-                coordinator.holders(prompt(seed, 2)) == {holder: 1} for seed, holder in want.items()
+                coordinator.holders(prompt(seed, 2)) == {holder: 1}
+                for seed, holder in want.items()
             )
 
         for _ in range(100):  # a PUB drops what it sends before the subscription took hold
