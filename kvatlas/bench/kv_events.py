@@ -1,6 +1,7 @@
 """vLLM KV events in: decode + re-key engine batches into kvatlas chunks, with and without the
 directory apply, vs a naive re-keyer; bytes per tracked block; the directory's consume rate for
-node batches with and without a publisher observing it."""
+node batches with and without a publisher observing it; what clients of a real coordinator see
+while it applies a maximal message (:mod:`kvatlas.bench.kv_events_stall`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import tracemalloc
 import numpy as np
 
 from kvatlas.bench.common import BenchRow, add_common_arguments, median_seconds, refuse, report
+from kvatlas.bench.kv_events_stall import stall_rows
 from kvatlas.coordinator.kv_events import Cleared, KvEventsPublisher, Rekeyer
 from kvatlas.directory import KeyDirectory
 from kvatlas.events import CacheEntry, EventBatch
@@ -79,15 +81,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="vLLM block size, tokens")
     parser.add_argument("--chunk-size", type=int, default=256, help="kvatlas chunk size, tokens")
     parser.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
+    parser.add_argument(
+        "--max-message-blocks", type=int, default=500_000,
+        help="blocks in the maximal message (the coordinator's --kv-events-max-blocks)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--only", choices=("rekey", "stall"), default=None,
+        help="run one part only: rekey (in-process rates, bytes) or stall (a coordinator process "
+        "applying maximal messages)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     if args.quick:
-        args.requests, args.repeats = 50, 3
+        args.requests, args.repeats, args.max_message_blocks = 50, 3, 50_000
     rng = np.random.default_rng(args.seed)
     b, c, r = args.block_size, args.chunk_size, args.repeats
     if args.tokens < 2 * c or args.tokens % c:
         return refuse("kv_events", f"--tokens must be a multiple of --chunk-size ≥ {2 * c}")
+    if args.max_message_blocks < 1:
+        return refuse("kv_events", "--max-message-blocks must be ≥ 1")
+    meta = {"requests": args.requests, "tokens": args.tokens, "block_size": b,
+            "chunk_size": c, "repeats": r, "seed": args.seed,
+            "max_message_blocks": args.max_message_blocks}  # fmt: skip
+    rows = [] if args.only == "stall" else _rekey_rows(args, rng)
+    if args.only != "rekey":
+        rows += stall_rows(rng, args.max_message_blocks, c, r)
+    report("kvatlas bench kv_events", rows, args, meta)
+    return 0
+
+
+def _rekey_rows(args: argparse.Namespace, rng: np.random.Generator) -> list[BenchRow]:
+    b, c, r = args.block_size, args.chunk_size, args.repeats
     tokens = args.tokens
     payloads = engine_payloads(rng, args.requests, tokens, b, tokens)
     blocks = args.requests * (tokens // b)
@@ -142,10 +167,7 @@ def run(args: argparse.Namespace) -> int:
     per_block = round(held / kept.total_blocks)
     rows.append(BenchRow("block map, bytes per tracked block", None, shown=f"{per_block} B/block"))
     rows += _observer_rows(rng, c, r)
-    meta = {"requests": args.requests, "tokens": args.tokens, "block_size": b,
-            "chunk_size": c, "repeats": r, "seed": args.seed}  # fmt: skip
-    report("kvatlas bench kv_events", rows, args, meta)
-    return 0
+    return rows
 
 
 def _observer_rows(rng: np.random.Generator, c: int, r: int) -> list[BenchRow]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from kvatlas.auth import public_unless_auth
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args
 from kvatlas.coordinator.kv_events.exposure import StreamExposure
-from kvatlas.coordinator.kv_events.subscriber import LinkSpec
+from kvatlas.coordinator.kv_events.subscriber import MIN_MESSAGE_BYTES, LinkSpec
 from kvatlas.coordinator.scoring import DEFAULT_FRAGMENT_WEIGHT
 from kvatlas.events import EVENT_TRANSPORTS, TIERS
 from kvatlas.events.inventory import BUCKETS, DIGEST_BYTES
@@ -118,6 +118,7 @@ class CoordinatorConfig:
     kv_events_topic_prefix: str = "kv@"
     kv_events_model: str | None = None
     kv_events_max_blocks: int = 500_000
+    kv_events_max_message_bytes: int | None = None  # None: derived (largest_message_bytes)
     kv_events_publish: str | None = None
     kv_events_replay_bind: str | None = None
     kv_events_replay_size: int = 10_000
@@ -180,6 +181,12 @@ class CoordinatorConfig:
         self.kv_events_links  # noqa: B018 (parses every item: a bad engine id raises here)
         if self.kv_events_replay_bind and not self.kv_events_publish:
             raise ValueError("--kv-events-replay-bind needs --kv-events-publish")
+        limit = self.kv_events_max_message_bytes
+        if limit is not None and limit < MIN_MESSAGE_BYTES:
+            raise ValueError(
+                f"--kv-events-max-message-bytes must be >= {MIN_MESSAGE_BYTES} (ZMQ applies it "
+                "to the handshake too)"
+            )
         if self.kv_events_model is not None:
             check_model_name(self.kv_events_model)
         if self.kv_events_publish_encoding not in ENCODINGS:
@@ -369,6 +376,8 @@ _HELP = {
     "kv_events_topic_prefix": "topic filter for --kv-events-subscribe",
     "kv_events_model": "model name for engine topics that carry none (kv@<engine>)",
     "kv_events_max_blocks": "most vLLM blocks tracked (all engines); the oldest go first",
+    "kv_events_max_message_bytes": "largest ZMQ frame taken from a KV-event publisher (ZMQ "
+    "drops a peer that sends more; default: 256 B x --kv-events-max-blocks, docs/kv-events.md)",
     "kv_events_publish": "publish node placements as vLLM KV events on this ZMQ endpoint, "
     "e.g. tcp://*:5560",
     "kv_events_replay_bind": "replay (ROUTER) endpoint for the published events",

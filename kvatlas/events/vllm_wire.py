@@ -12,12 +12,19 @@ encodings exist and all decode into the same structs:
 Block hashes are 32-byte strings or 64-bit integers (older); unknown and newer fields are ignored
 in every encoding. :func:`encode_batch` writes ``vllm`` unless told otherwise. Decoding never
 lets a msgspec error out: it raises :class:`VllmWireError` with a ``reason`` the subscriber
-counts (``malformed``, ``unknown_event``, ``invalid``). See docs/kv-events.md.
+counts (``malformed``, ``unknown_event``, ``invalid``). Nor does it hold the GIL for a whole
+message: :func:`split_batch` leaves the events as msgpack, in groups of at most
+:data:`DECODE_GROUP_BYTES` (a larger event alone), decoded one group per call when asked
+(:meth:`SplitBatch.groups`), so other threads run between groups and a message's events never
+all live as Python objects at once (a garbage collection would walk each of them). See
+docs/kv-events.md.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Final
 
 import msgspec
@@ -113,14 +120,6 @@ class _VllmKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
     data_parallel_rank: int | None = None
 
 
-class _VllmInBatch(msgspec.Struct, array_like=True):
-    """What the ``vllm`` layout decodes into (events as the lenient structs above)."""
-
-    ts: float
-    events: list[KVEvent]
-    data_parallel_rank: int | None = None
-
-
 # The older array encoding: the older releases' fields, laid out as arrays.
 class _ArrayBlockStored(_OlderBlockStored, array_like=True, tag="BlockStored"):
     pass
@@ -165,9 +164,28 @@ ENCODINGS: Final = ("vllm", "map", "array")
 DEFAULT_ENCODING: Final = "vllm"
 
 
-_MAP_DECODER: Final = msgspec.msgpack.Decoder(KVEventBatch)
-_VLLM_DECODER: Final = msgspec.msgpack.Decoder(_VllmInBatch)
-_ARRAY_DECODER: Final = msgspec.msgpack.Decoder(_ArrayKVEventBatch)
+# Decoding in two steps: the batch with its events left as raw msgpack (a view into the
+# payload), then the events a bounded group at a time, each group one decoder call.
+class _RawArrayBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+class _RawMapBatch(msgspec.Struct):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+DECODE_GROUP_BYTES: Final = 1 << 20
+"""Most bytes of events one decoder call takes (≈1–3 ms of GIL-holding C)."""
+_RAW_ARRAY_DECODER: Final = msgspec.msgpack.Decoder(_RawArrayBatch)
+_RAW_MAP_DECODER: Final = msgspec.msgpack.Decoder(_RawMapBatch)
+_MAP_EVENTS: Final = msgspec.msgpack.Decoder(list[KVEvent])
+_ARRAY_EVENTS: Final = msgspec.msgpack.Decoder(
+    list[_ArrayBlockStored | _ArrayBlockRemoved | _ArrayAllBlocksCleared]
+)
 _RAW_DECODER: Final = msgspec.msgpack.Decoder()
 _ENCODER: Final = msgspec.msgpack.Encoder()
 
@@ -183,7 +201,7 @@ class VllmWireError(EventDecodeError):
         return type(self)(self.kind, self.reason)
 
 
-def _is_array(payload: bytes) -> bool:
+def _is_array(payload: bytes | memoryview) -> bool:
     """Whether the top-level msgpack value is an array (fixarray, array16, array32)."""
     first = payload[0]
     return 0x90 <= first <= 0x9F or first in (0xDC, 0xDD)
@@ -192,35 +210,80 @@ def _is_array(payload: bytes) -> bool:
 def decode_batch(payload: bytes) -> KVEventBatch:
     """Decode any of the three encodings into :class:`KVEventBatch`, or raise
     :class:`VllmWireError`. A top-level array is vLLM's layout (events as maps) or, when its
-    events are arrays, the older one."""
+    events are arrays, the older one; every event of a batch has its first event's layout
+    (a map batch: maps)."""
+    split = split_batch(payload)
+    events = [event for _, group in split.groups() for event in group]
+    return KVEventBatch(split.ts, events, split.data_parallel_rank)
+
+
+@dataclass(frozen=True, slots=True)
+class SplitBatch:
+    """A batch whose events are still msgpack, in groups of at most :data:`DECODE_GROUP_BYTES`
+    (one event larger than that: a group of its own); :meth:`groups` decodes them one group
+    per call, as often as asked."""
+
+    ts: float
+    data_parallel_rank: int | None
+    n_events: int
+    bodies: tuple[bytes, ...]  # each a msgpack array of a group's events
+    maps: bool  # events are maps (vLLM's layout, or a map batch), else arrays (older)
+
+    def groups(self) -> Iterator[tuple[int, list[KVEvent]]]:
+        """Each group's index of its first event and its events, decoded; raises
+        :class:`VllmWireError` at the first group that is not valid."""
+        decoder = _MAP_EVENTS if self.maps else _ARRAY_EVENTS
+        start = 0
+        for body in self.bodies:
+            try:
+                decoded: list[Any] = decoder.decode(body)
+            except msgspec.ValidationError as exc:
+                raise VllmWireError(_unknown_tag_or(body), f"events[{start}:]: {exc}") from None
+            except msgspec.DecodeError as exc:  # (the split already parsed the structure)
+                raise VllmWireError("malformed", str(exc)) from None
+            yield start, decoded if self.maps else [_as_layout(e, None) for e in decoded]
+            start += len(decoded)
+
+
+def split_batch(payload: bytes) -> SplitBatch:
+    """The batch's own fields decoded and its events grouped, undecoded; a payload that is not
+    a batch raises :class:`VllmWireError` here, an invalid event only in
+    :meth:`SplitBatch.groups`."""
     if not payload:
         raise VllmWireError("malformed", "empty payload")
     array = _is_array(payload)
     try:
-        if not array:
-            return _MAP_DECODER.decode(payload)
-        try:
-            batch: _VllmInBatch | _ArrayKVEventBatch = _VLLM_DECODER.decode(payload)
-        except msgspec.ValidationError:
-            batch = _ARRAY_DECODER.decode(payload)
+        top = (_RAW_ARRAY_DECODER if array else _RAW_MAP_DECODER).decode(payload)
     except msgspec.ValidationError as exc:  # well-formed msgpack, not a KVEventBatch
-        raise VllmWireError(_unknown_tag_or(payload, array), str(exc)) from None
+        raise VllmWireError("invalid", str(exc)) from None
     except msgspec.DecodeError as exc:
         raise VllmWireError("malformed", str(exc)) from None
-    events = [_as_layout(e, None) for e in batch.events]
-    return KVEventBatch(batch.ts, events, batch.data_parallel_rank)
+    raws = top.events
+    bodies: list[bytes] = []
+    group: list[msgspec.Raw] = []
+    size = 0
+    for raw in raws:
+        n = memoryview(raw).nbytes
+        if group and size + n > DECODE_GROUP_BYTES:
+            bodies.append(_array_of(group))
+            group, size = [], 0
+        group.append(raw)
+        size += n
+    if group:
+        bodies.append(_array_of(group))
+    maps = not array or not raws or not _is_array(memoryview(raws[0]))
+    return SplitBatch(top.ts, top.data_parallel_rank, len(raws), tuple(bodies), maps)
 
 
-def _unknown_tag_or(payload: bytes, array: bool) -> str:
+def _array_of(items: list[msgspec.Raw]) -> bytes:
+    """One msgpack array of already encoded items (array32 header: any count)."""
+    return b"".join([b"\xdd" + len(items).to_bytes(4, "big"), *items])
+
+
+def _unknown_tag_or(events_body: bytes) -> str:
     """``unknown_event`` when some event's tag is not one of :data:`EVENT_TAGS`, else ``invalid``
-    (only on the error path: a second, untyped decode of a payload that is valid msgpack)."""
-    raw = _RAW_DECODER.decode(payload)
-    events = raw[1] if array and isinstance(raw, list) and len(raw) > 1 else None
-    if not array and isinstance(raw, dict):
-        events = raw.get("events")
-    if not isinstance(events, list):
-        return "invalid"
-    for event in events:
+    (only on the error path: a second, untyped decode of events that are valid msgpack)."""
+    for event in _RAW_DECODER.decode(events_body):
         tag = event.get("type") if isinstance(event, dict) else None
         if isinstance(event, list) and event:
             tag = event[0]
@@ -282,6 +345,7 @@ def split_topic(topic: str) -> tuple[str, str | None]:
 
 
 __all__ = [
+    "DECODE_GROUP_BYTES",
     "DEFAULT_ENCODING",
     "ENCODINGS",
     "EVENT_TAGS",
@@ -292,11 +356,13 @@ __all__ = [
     "BlockStored",
     "KVEvent",
     "KVEventBatch",
+    "SplitBatch",
     "TopicBatch",
     "VllmWireError",
     "decode_batch",
     "encode_batch",
     "pack_seq",
+    "split_batch",
     "split_topic",
     "unpack_seq",
 ]

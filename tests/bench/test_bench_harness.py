@@ -158,7 +158,7 @@ def test_bench_kv_events_times_both_engine_workloads(tmp_path: Path) -> None:
     event (its worst: it rebuilds and hashes the whole prefix each time); the run checks that
     both re-keyers count the same chunks."""
     out = tmp_path / "k.json"
-    argv = ("kv_events", "--requests", "4", "--tokens", "1024", "--repeats", "1")
+    argv = ("kv_events", "--requests", "4", "--tokens", "1024", "--repeats", "1", "--only", "rekey")
     assert kv_events.run(_args(*argv, "--json", str(out))) == 0
     cases = [r["case"] for r in json.loads(out.read_text())["rows"]]
     assert any("one event per request" in c for c in cases)

@@ -25,6 +25,7 @@ def test_endpoints_are_split_and_replay_is_paired_by_position() -> None:
          "pairs"),
         (["--kv-events-replay-bind", "tcp://*:2"], "needs --kv-events-publish"),
         (["--kv-events-max-blocks", "0"], "--kv-events-max-blocks"),
+        (["--kv-events-max-message-bytes", "0"], "--kv-events-max-message-bytes"),
         (["--kv-events-replay-size", "0"], "--kv-events-replay-size"),
         (["--kv-events-model", "a@b"], "@"),
         (["--kv-events-publish-encoding", "json"], "--kv-events-publish-encoding"),

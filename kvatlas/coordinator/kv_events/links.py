@@ -50,6 +50,7 @@ class KvEventsLinks:
                 config.kv_events_model,
                 config.kv_events_max_blocks,
                 max_engines_per_endpoint=config.kv_events_max_engines_per_endpoint,
+                max_message_bytes=config.kv_events_max_message_bytes,
             )
             subscriber = KvEventsSubscriber(
                 settings, config.scheme, ingest=ingest, clear=directory.fence_instance, stop=stop,

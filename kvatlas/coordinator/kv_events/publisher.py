@@ -60,6 +60,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NODE_TIERS: Final = ("l1", "l2")
+REPLAY_REQUEST_MAX_BYTES: Final = 1024
 MAX_QUEUED_ENTRIES = 1 << 18  # entries waiting for the thread (≈256 MB of 256-token ids)
 
 
@@ -173,6 +174,9 @@ class KvEventsPublisher:
             if self.replay_endpoint is not None:
                 self._router = self._ctx.socket(zmq.ROUTER)
                 self._router.setsockopt(zmq.LINGER, 0)
+                # a request is [b"", 8-byte seq]; ZMQ's handshake (socket type, a routing id
+                # of up to 255 bytes) is held to the limit too
+                self._router.setsockopt(zmq.MAXMSGSIZE, REPLAY_REQUEST_MAX_BYTES)
                 self.exposure.secure(self._router)
                 self._router.bind(self.replay_endpoint)
         except zmq.ZMQError:

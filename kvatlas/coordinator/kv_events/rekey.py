@@ -13,7 +13,12 @@ ids. Under ``blake3-x1`` they enter the chunk hash (each block's identities as a
 that block, the adapter as the request key ``lora``); under ``blake3`` such a chain is counted
 un-indexable. Either way such a chunk never gets a text-only key, and its tokens are never
 offered to the blend index. Translation validates a whole batch before changing anything:
-a bad batch changes nothing and yields nothing. See docs/kv-events.md.
+a bad batch changes nothing and yields nothing. What it yields is bounded per piece, never per
+message: a :class:`~kvatlas.events.vllm_wire.SplitBatch` is decoded a group of events at a
+time, twice (validated whole first, then translated: only one group's events are ever Python
+objects), token ids are converted :data:`TOKEN_PIECE` at a time, and what comes out is gated
+batches of at most ``slice_entries`` entries each (a big engine batch becomes several, with
+consecutive seqs). See docs/kv-events.md.
 """
 
 from __future__ import annotations
@@ -34,7 +39,10 @@ from kvatlas.events.vllm_wire import (
     BlockHash,
     BlockRemoved,
     BlockStored,
+    KVEvent,
     KVEventBatch,
+    SplitBatch,
+    VllmWireError,
 )
 from kvatlas.keys import NONE_HASH, KeyScheme, MMItem, ObjectKey, pack_kv_rank
 from kvatlas.keys.chunk_hash import chain_hashes
@@ -46,6 +54,10 @@ CPU_TIER: Final = "engine-cpu"
 ENGINE_BACKEND: Final = "vllm"
 ENGINE_RANK: Final = pack_kv_rank(1, 0, 1, 0)
 _MAX_TOKEN: Final = (1 << 32) - 1
+SLICE_ENTRIES: Final = 4096
+"""Most entries in one gated batch the re-keyer yields (one directory lock hold)."""
+TOKEN_PIECE: Final = 1 << 16
+"""Token ids converted per numpy call (a bounded GIL-holding call, whatever the event)."""
 
 
 def engine_tier(medium: str | None) -> str:
@@ -138,11 +150,22 @@ class _Change(NamedTuple):
 
 @dataclass(slots=True)
 class _Pending:
-    """Ops collected while translating one batch (adjacent same-kind changes merged)."""
+    """Ops collected while translating one batch (adjacent same-kind changes merged; a chunk
+    deleted again before anything else is stored is deleted once: every block of an evicted or
+    removed chunk names it)."""
 
     ops: list[_Change | Cleared] = field(default_factory=list)
+    deleted: tuple[str, str, bytes, str] | None = None  # the last delete added
+
+    def delete(self, instance_id: str, tier: str, chunk_hash: bytes, model: str) -> None:
+        what = (instance_id, tier, chunk_hash, model)
+        if what != self.deleted:
+            self.deleted = what
+            self.add(instance_id, DELETE, tier, _gone(chunk_hash, model))
 
     def add(self, instance_id: str, kind: str, tier: str, entry: CacheEntry) -> None:
+        if kind == STORE:
+            self.deleted = None
         last = self.ops[-1] if self.ops else None
         if isinstance(last, _Change) and last[:3] == (instance_id, kind, tier):
             last.entries.append(entry)
@@ -151,14 +174,57 @@ class _Pending:
 
 
 def _token_array(token_ids: list[int], i: int) -> TokenArray:
-    """``token_ids`` as uint32, or :class:`BadBatch` (``token_range``) if any is outside."""
-    try:
-        arr = np.asarray(token_ids)
-    except (OverflowError, ValueError):
-        arr = np.asarray([-1])
-    if arr.dtype.kind not in "iu" or (len(arr) and (arr.min() < 0 or arr.max() > _MAX_TOKEN)):
-        raise BadBatch("token_range", f"events[{i}]: token id outside [0, 2^32)")
-    return arr.astype(np.uint32)
+    """``token_ids`` as uint32, or :class:`BadBatch` (``token_range``) if any is outside;
+    converted :data:`TOKEN_PIECE` at a time."""
+    out = np.empty(len(token_ids), np.uint32)
+    for start in range(0, len(token_ids), TOKEN_PIECE):
+        try:
+            arr = np.asarray(token_ids[start : start + TOKEN_PIECE])
+        except (OverflowError, ValueError):
+            arr = np.asarray([-1])
+        if arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() > _MAX_TOKEN:
+            raise BadBatch("token_range", f"events[{i}]: token id outside [0, 2^32)")
+        out[start : start + len(arr)] = arr
+    return out
+
+
+def _groups(batch: KVEventBatch | SplitBatch) -> Iterator[tuple[int, list[KVEvent]]]:
+    """A batch's events, one decoded group at a time (a decoded batch: one group)."""
+    if isinstance(batch, SplitBatch):
+        return batch.groups()
+    return iter([(0, batch.events)])
+
+
+def _net(ops: list[_Change | Cleared]) -> list[_Change | Cleared]:
+    """The same changes as their net effect: between two clears, each (instance, tier, key)
+    only by its last change, and per instance and tier the deletes before the stores. The
+    directory ends in the same state, in a few batches instead of one per change (an engine
+    batch that evicts as it stores alternates a delete and a store at every chunk, and each
+    block of an evicted chunk deletes it again)."""
+    out: list[_Change | Cleared] = []
+    last: dict[tuple[str, str, ObjectKey], tuple[str, CacheEntry]] = {}
+
+    def flush() -> None:
+        runs: dict[tuple[str, str, str], list[CacheEntry]] = {}
+        for (instance_id, tier, _), (kind, entry) in last.items():
+            runs.setdefault((instance_id, kind, tier), []).append(entry)
+        for (instance_id, kind, tier), entries in sorted(
+            runs.items(), key=lambda r: r[0][1] != DELETE
+        ):
+            out.append(_Change(instance_id, kind, tier, entries))
+        last.clear()
+
+    for op in ops:
+        if isinstance(op, Cleared):
+            flush()
+            out.append(op)
+            continue
+        for entry in op.entries:
+            key = (op.instance_id, op.tier, entry.key)
+            last.pop(key, None)
+            last[key] = (op.kind, entry)
+    flush()
+    return out
 
 
 def _gone(chunk_hash: bytes, model: str) -> CacheEntry:
@@ -177,10 +243,13 @@ class Rekeyer:
     their chunks' placements are removed with them: the directory forgets a copy rather than
     keep one it can no longer take back)."""
 
-    def __init__(self, scheme: KeyScheme, max_blocks: int) -> None:
+    def __init__(
+        self, scheme: KeyScheme, max_blocks: int, slice_entries: int = SLICE_ENTRIES
+    ) -> None:
         self.scheme = scheme
         self.chunk_size = scheme.chunk_size
         self.max_blocks = max_blocks
+        self.slice_entries = slice_entries
         self.engines: dict[str, EngineState] = {}
         self.total_blocks = 0
         self.counts: Counter[str] = Counter()
@@ -218,59 +287,69 @@ class Rekeyer:
 
     # ------------------------------------------------------------------ translation
 
-    def translate(self, instance_id: str, model: str, batch: KVEventBatch) -> list[Op]:
-        """The ops one engine batch means, in order; :class:`BadBatch` (nothing changed) if
-        any event of it is invalid."""
+    def translate(self, instance_id: str, model: str, batch: KVEventBatch | SplitBatch) -> list[Op]:
+        """The ops one engine batch means, in order, each batch at most ``slice_entries``
+        entries; :class:`BadBatch` (nothing changed) if any event of it is invalid."""
         tokens = self._validate(batch)
         state = self.engine(instance_id)
         pending = _Pending()
-        for i, event in enumerate(batch.events):
-            if isinstance(event, BlockStored):
-                self._stored(state, model, event, tokens[i], pending)
-            elif isinstance(event, BlockRemoved):
-                self._removed(state, event, pending)
-            else:
-                self._forget_blocks(state)
-                pending.ops.append(Cleared(instance_id))
-                self.counts["clears"] += 1
+        for start, events in _groups(batch):
+            for i, event in enumerate(events, start):
+                if isinstance(event, BlockStored):
+                    self._stored(state, model, event, tokens[i], pending)
+                elif isinstance(event, BlockRemoved):
+                    self._removed(state, event, pending)
+                else:
+                    self._forget_blocks(state)
+                    pending.ops.append(Cleared(instance_id))
+                    pending.deleted = None
+                    self.counts["clears"] += 1
         return list(self._batches(pending, batch.ts))
 
-    def _validate(self, batch: KVEventBatch) -> dict[int, TokenArray]:
+    def _validate(self, batch: KVEventBatch | SplitBatch) -> dict[int, TokenArray]:
         """Check everything that could fail later; returns each stored event's token ids."""
         tokens: dict[int, TokenArray] = {}
         if not math.isfinite(batch.ts):
             raise BadBatch("invalid", f"ts must be a finite number, got {batch.ts}")
-        chunk_size, blocks = self.chunk_size, 0
-        for i, event in enumerate(batch.events):
-            if isinstance(event, AllBlocksCleared):
-                continue
-            blocks += len(event.block_hashes)
-            for h in event.block_hashes:
-                if isinstance(h, bytes) and not 0 < len(h) <= 64:
-                    raise BadBatch("invalid", f"events[{i}]: block hash of {len(h)} bytes")
-            if not isinstance(event, BlockStored):
-                continue
-            n, size = len(event.block_hashes), event.block_size
-            if size < 1 or size > chunk_size or chunk_size % size:
-                raise BadBatch(
-                    "block_size",
-                    f"events[{i}]: block_size {size} does not divide chunk size {chunk_size}",
-                )
-            if n == 0 or len(event.token_ids) != n * size:
-                raise BadBatch(
-                    "invalid",
-                    f"events[{i}]: {len(event.token_ids)} token ids for {n} blocks of {size}",
-                )
-            if event.extra_keys is not None and len(event.extra_keys) != n:
-                raise BadBatch("invalid", f"events[{i}]: extra_keys for {len(event.extra_keys)}"
-                               f" of {n} blocks")  # fmt: skip
-            tokens[i] = _token_array(event.token_ids, i)
+        blocks = 0
+        try:
+            for start, events in _groups(batch):
+                for i, event in enumerate(events, start):
+                    blocks += self._check(event, i, tokens)
+        except VllmWireError as exc:
+            raise BadBatch(exc.kind, exc.reason) from None
         if blocks > self.max_blocks:
             raise BadBatch(
                 "too_many_blocks", f"{blocks} blocks in one batch (--kv-events-max-blocks "
                 f"{self.max_blocks})"
             )  # fmt: skip
         return tokens
+
+    def _check(self, event: KVEvent, i: int, tokens: dict[int, TokenArray]) -> int:
+        """One event's checks; its blocks (a stored event's token ids go into ``tokens``)."""
+        if isinstance(event, AllBlocksCleared):
+            return 0
+        for h in event.block_hashes:
+            if isinstance(h, bytes) and not 0 < len(h) <= 64:
+                raise BadBatch("invalid", f"events[{i}]: block hash of {len(h)} bytes")
+        n = len(event.block_hashes)
+        if not isinstance(event, BlockStored):
+            return n
+        size, chunk_size = event.block_size, self.chunk_size
+        if size < 1 or size > chunk_size or chunk_size % size:
+            raise BadBatch(
+                "block_size",
+                f"events[{i}]: block_size {size} does not divide chunk size {chunk_size}",
+            )
+        if n == 0 or len(event.token_ids) != n * size:
+            raise BadBatch(
+                "invalid", f"events[{i}]: {len(event.token_ids)} token ids for {n} blocks of {size}"
+            )
+        if event.extra_keys is not None and len(event.extra_keys) != n:
+            raise BadBatch("invalid", f"events[{i}]: extra_keys for {len(event.extra_keys)}"
+                           f" of {n} blocks")  # fmt: skip
+        tokens[i] = _token_array(event.token_ids, i)
+        return n
 
     def _stored(
         self,
@@ -377,7 +456,7 @@ class Rekeyer:
         self.total_blocks -= 1
         self.counts["evicted_blocks"] += 1
         for chunk_hash, model, tier in block[2]:
-            pending.add(victim.instance_id, DELETE, tier, _gone(chunk_hash, model))
+            pending.delete(victim.instance_id, tier, chunk_hash, model)
 
     def _removed(self, state: EngineState, event: BlockRemoved, pending: _Pending) -> None:
         tier = engine_tier(event.medium)
@@ -392,7 +471,7 @@ class Rekeyer:
             point, tiers, placed = block
             for chunk_hash, model, placed_in in placed:
                 if placed_in == tier:
-                    pending.add(state.instance_id, DELETE, tier, _gone(chunk_hash, model))
+                    pending.delete(state.instance_id, tier, chunk_hash, model)
                     self.counts["chunks_removed"] += 1
             tiers = tuple(t for t in tiers if t != tier)
             if tiers:
@@ -403,14 +482,15 @@ class Rekeyer:
 
     def _batches(self, pending: _Pending, ts: float) -> Iterator[Op]:
         ts = ts if ts > 0 else time.time()
-        for op in pending.ops:
+        for op in _net(pending.ops):
             if isinstance(op, Cleared):
                 yield op
                 continue
             instance_id, kind, tier, entries = op
             state = self.engines[instance_id]
-            state.seq += 1
-            yield EventBatch(
-                instance_id, state.incarnation, state.seq, kind, tier, ENGINE_BACKEND,
-                ts=ts, entries=tuple(entries),
-            )  # fmt: skip
+            for start in range(0, len(entries), self.slice_entries):
+                state.seq += 1
+                yield EventBatch(
+                    instance_id, state.incarnation, state.seq, kind, tier, ENGINE_BACKEND,
+                    ts=ts, entries=tuple(entries[start : start + self.slice_entries]),
+                )  # fmt: skip

@@ -12,6 +12,8 @@ from typing import Any, Final, TypeVar
 @dataclass(frozen=True, slots=True)
 class SubscriberStats:
     batches: int = 0  # engine batches applied
+    slices: int = 0  # gated batches they were applied as (at most SLICE_ENTRIES entries each)
+    disconnects: int = 0  # publishers' connections closed (gone, or a frame above the limit)
     duplicates: int = 0  # a seq seen again (dropped)
     engine_restarts: int = 0  # a seq going back: new incarnation
     gaps: int = 0  # seq jumps not recovered

@@ -14,11 +14,19 @@ batches are asked for (DEALER → the engine's ROUTER; vLLM's reply frames ``top
 or the older ``seq, payload``) and applied first; what stays missing shows as a gap of the
 engine's instance at the gate (``GET /instances``). A seq going back is an engine restart (a
 new incarnation). Bad input is counted and logged, never raised; a bad batch changes nothing.
-See docs/kv-events.md.
+
+No message costs other threads more than a bounded pause: every socket that receives from
+outside refuses a frame above ``--kv-events-max-message-bytes`` (ZMQ drops that peer's
+connection: counted as ``disconnects``, and a connected endpoint is connected again), events
+are decoded and token ids converted in bounded pieces, and a translated batch is applied as
+gated batches of at most :data:`~.rekey.SLICE_ENTRIES` entries, one directory call each (the
+lock and the GIL free between them). A slice that fails leaves the rest unapplied and is at once
+a gap of the engine at the gate, never a silent loss. See docs/kv-events.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -32,10 +40,10 @@ from kvatlas.coordinator.kv_events.stats import REJECT_KINDS, SubscriberStats, v
 from kvatlas.events import EventBatch
 from kvatlas.events.vllm_wire import (
     REPLAY_END_SEQ,
-    KVEventBatch,
+    SplitBatch,
     VllmWireError,
-    decode_batch,
     pack_seq,
+    split_batch,
     split_topic,
     unpack_seq,
 )
@@ -47,6 +55,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_DP_RANK: Final = 1 << 16
+BYTES_PER_BLOCK: Final = 256
+"""A bound on one block's bytes in a vLLM message (``vllm`` encoding), when every block is an
+event of its own (a decode step's): its 32-byte hash and its parent's (34 B each), 16 token ids
+of at most 5 B each (80 B) and the event's field names and other values (≈105 B) — ≈254 B."""
+SLICE_PAUSE_S: Final = 0.0005
+"""Pause after each applied slice: a thread waiting for the directory lock gets it (a plain
+lock is not handed over; released and taken again at once, it would rarely change hands)."""
+
+
+MIN_MESSAGE_BYTES: Final = 4096
+"""The smallest limit: ZMQ applies it to the handshake too (its READY command carries the
+socket type and a routing id of up to 255 bytes)."""
+
+
+def largest_message_bytes(max_blocks: int) -> int:
+    """The default ``--kv-events-max-message-bytes``: a message of ``max_blocks`` blocks (the
+    most one batch may hold) of 16 tokens, each block an event of its own."""
+    return max(BYTES_PER_BLOCK * max_blocks, MIN_MESSAGE_BYTES)
+
+
 Ingest = Callable[[Sequence[EventBatch]], object]
 Clear = Callable[[str], int]
 
@@ -81,6 +109,14 @@ class SubscriberSettings:
     replay_timeout: float = 2.0
     replay_backoff: float = 30.0
     max_engines_per_endpoint: int = 1  # engine instances (an engine's dp ranks count apart)
+    max_message_bytes: int | None = None  # None: largest_message_bytes(max_blocks)
+
+    @property
+    def message_limit_bytes(self) -> int:
+        """The largest frame a socket receiving from outside takes (``zmq.MAXMSGSIZE``)."""
+        if self.max_message_bytes is not None:
+            return self.max_message_bytes
+        return largest_message_bytes(self.max_blocks)
 
 
 def engine_instance(emitter: str, dp_rank: int | None) -> str:
@@ -130,6 +166,7 @@ class KvEventsSubscriber:
         self._ctx: zmq.Context[Any] | None = None
         self._poller: zmq.Poller | None = None
         self._socks: dict[Any, _Link] = {}
+        self._monitors: dict[Any, tuple[Any, _Link]] = {}  # monitor -> (its socket, link)
 
     # ------------------------------------------------------------------ reporting
 
@@ -154,6 +191,11 @@ class KvEventsSubscriber:
                 sock = ctx.socket(zmq.SUB)
                 self._socks[sock] = link
                 sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.MAXMSGSIZE, self.settings.message_limit_bytes)
+                # ZMQ drops a peer whose frame is above the limit: seen here as a disconnect
+                monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                self._monitors[monitor] = (sock, link)
+                poller.register(monitor, zmq.POLLIN)
                 # a named endpoint also takes vLLM's default topic, the empty one
                 wanted = "" if link.spec.engine else self.settings.topic_prefix
                 sock.setsockopt(zmq.SUBSCRIBE, wanted.encode())
@@ -176,6 +218,9 @@ class KvEventsSubscriber:
         try:
             while not self._stop.is_set():
                 for sock, _ in poller.poll(100):
+                    if sock in self._monitors:
+                        self._disconnected(sock)
+                        continue
                     for _ in range(1000):  # bounded: every socket gets its turn
                         try:
                             frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -185,11 +230,38 @@ class KvEventsSubscriber:
         finally:
             self._close()
 
+    def _disconnected(self, monitor: Any) -> None:
+        """A peer's connection closed: it went away, or ZMQ dropped it (a frame above the
+        limit, another protocol error). ZMQ reconnects after the first, never after the others:
+        a connected endpoint is connected again here, whatever the cause."""
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        sock, link = self._monitors[monitor]
+        while monitor.poll(0):
+            event = recv_monitor_message(monitor)
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            self.counts["disconnects"] += 1
+            n = self.counts["disconnects"]
+            if n <= 10 or n & (n - 1) == 0:
+                log.warning("kv events: a publisher on %s disconnected (#%d; one cause: a frame "
+                            "above --kv-events-max-message-bytes %d)", link.endpoint, n,
+                            self.settings.message_limit_bytes)  # fmt: skip
+            if not link.spec.bind:
+                with contextlib.suppress(zmq.ZMQError):  # (already gone)
+                    sock.disconnect(link.endpoint)
+                sock.connect(link.endpoint)
+
     def _close(self) -> None:
         for link in self._links:
             if link.dealer is not None:
                 link.dealer.close(0)
                 link.dealer = None
+        for monitor, (sock, _) in self._monitors.items():
+            sock.disable_monitor()
+            monitor.close(0)
+        self._monitors.clear()
         for sock in self._socks:
             sock.close(0)
         self._socks.clear()
@@ -261,9 +333,7 @@ class KvEventsSubscriber:
             return "", None
         return split_topic(topic)
 
-    def _parse(
-        self, link: _Link, topic: str, payload: bytes
-    ) -> tuple[str, str, KVEventBatch] | None:
+    def _parse(self, link: _Link, topic: str, payload: bytes) -> tuple[str, str, SplitBatch] | None:
         emitter, model = self._emitter(link, topic)
         model = model or self.settings.default_model
         try:
@@ -280,16 +350,16 @@ class KvEventsSubscriber:
                          f"this endpoint speaks for {named!r}")  # fmt: skip
             return None
         try:
-            batch = decode_batch(payload)
+            split = split_batch(payload)
         except VllmWireError as exc:
             self._reject(exc.kind, f"{topic}: {exc.reason}")
             return None
-        rank = batch.data_parallel_rank
+        rank = split.data_parallel_rank
         if rank is not None and not 0 <= rank < MAX_DP_RANK:
             self._reject("invalid", f"{topic}: data_parallel_rank {rank} out of range")
             return None
         instance = engine_instance(emitter, rank)
-        return (instance, model, batch) if self._may_speak(link, instance) else None
+        return (instance, model, split) if self._may_speak(link, instance) else None
 
     def _may_speak(self, link: _Link, instance: str) -> bool:
         """Whether this endpoint may speak for engine ``instance``: not a registered node, not
@@ -314,27 +384,53 @@ class KvEventsSubscriber:
         self._reject("foreign", f"{link.endpoint}: {why}")
         return False
 
-    def _apply(self, instance: str, model: str, batch: KVEventBatch) -> None:
+    def _apply(self, instance: str, model: str, batch: SplitBatch) -> None:
         try:
             ops = self.rekeyer.translate(instance, model, batch)
         except BadBatch as exc:
             self._reject(exc.kind, f"{instance}: {exc}")
             self._ingest([self.rekeyer.marker(instance, 1)])  # a batch lost: a gap at the gate
             return
-        self.counts["batches"] += 1
         if instance not in self.engine_ids:
             self.engine_ids = self.engine_ids | {instance}
+        # Runs of at most SLICE_ENTRIES entries, one directory call each; a message that
+        # needs several pauses between them (the directory lock and the GIL change hands).
+        limit, slices = self.rekeyer.slice_entries, 0
         run: list[EventBatch] = []
-        for op in ops:
+        size = 0
+        for op in [*ops, None]:
+            if run and (op is None or isinstance(op, Cleared) or size + len(op.entries) > limit):
+                if slices:
+                    time.sleep(SLICE_PAUSE_S)
+                if not self._applied(instance, run):
+                    return
+                slices += 1
+                run, size = [], 0
             if isinstance(op, Cleared):
-                if run:
-                    self._ingest(run)
-                    run = []
-                self._clear(op.instance_id)
-            else:
+                if not self._applied(instance, op):
+                    return
+            elif op is not None:
                 run.append(op)
-        if run:
+                size += len(op.entries)
+        self.counts["batches"] += 1  # (once all of it is applied)
+
+    def _applied(self, instance: str, run: list[EventBatch] | Cleared) -> bool:
+        """Apply one slice (or a clear); if it fails, the rest of the batch is lost: their seqs
+        are taken, so a marker after them is at once a gap of the engine at the gate (never a
+        silent loss)."""
+        try:
+            if isinstance(run, Cleared):
+                self._clear(run.instance_id)
+                return True
             self._ingest(run)
+        except Exception:
+            self.counts["errors"] += 1
+            log.exception("kv events: %s: applying a slice failed; the rest of its batch is a "
+                          "gap", instance)  # fmt: skip
+            self._ingest([self.rekeyer.marker(instance)])
+            return False
+        self.counts["slices"] += 1
+        return True
 
     def _reject(self, kind: str, message: str) -> None:
         """Count; log the first ten of a kind, then the 16th, 32nd, 64th, ... (a flood of bad
@@ -357,6 +453,7 @@ class KvEventsSubscriber:
         if link.dealer is None:
             link.dealer = self._ctx.socket(zmq.DEALER)
             link.dealer.setsockopt(zmq.LINGER, 0)
+            link.dealer.setsockopt(zmq.MAXMSGSIZE, self.settings.message_limit_bytes)
             link.dealer.connect(replay)
         dealer = link.dealer
         dealer.send_multipart([b"", pack_seq(start)])
