@@ -18,7 +18,7 @@ from pathlib import Path
 from kvatlas.auth import public_unless_auth
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args
 from kvatlas.coordinator.kv_events.exposure import StreamExposure
-from kvatlas.coordinator.kv_events.subscriber import MIN_MESSAGE_BYTES, LinkSpec
+from kvatlas.coordinator.kv_events.settings import MIN_MESSAGE_BYTES, LinkSpec
 from kvatlas.coordinator.scoring import DEFAULT_FRAGMENT_WEIGHT
 from kvatlas.events import EVENT_TRANSPORTS, TIERS
 from kvatlas.events.inventory import BUCKETS, DIGEST_BYTES

@@ -4,23 +4,19 @@ for routers (:class:`KvEventsPublisher`). Loads pyzmq only when a socket opens. 
 docs/kv-events.md.
 """
 
+from kvatlas.coordinator.kv_events.changes import Cleared
 from kvatlas.coordinator.kv_events.publisher import KvEventsPublisher, node_topic
 from kvatlas.coordinator.kv_events.rekey import (
     CPU_TIER,
     ENGINE_BACKEND,
     GPU_TIER,
     BadBatch,
-    Cleared,
     Rekeyer,
     engine_tier,
 )
+from kvatlas.coordinator.kv_events.settings import LinkSpec, SubscriberSettings, engine_instance
 from kvatlas.coordinator.kv_events.stats import KvEventsStats, PublisherStats, SubscriberStats
-from kvatlas.coordinator.kv_events.subscriber import (
-    KvEventsSubscriber,
-    LinkSpec,
-    SubscriberSettings,
-    engine_instance,
-)
+from kvatlas.coordinator.kv_events.subscriber import KvEventsSubscriber
 
 __all__ = [
     "CPU_TIER",

@@ -9,12 +9,9 @@ from collections.abc import Callable
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.kv_events.exposure import StreamExposure
 from kvatlas.coordinator.kv_events.publisher import KvEventsPublisher
+from kvatlas.coordinator.kv_events.settings import SubscriberSettings
 from kvatlas.coordinator.kv_events.stats import KvEventsStats
-from kvatlas.coordinator.kv_events.subscriber import (
-    Ingest,
-    KvEventsSubscriber,
-    SubscriberSettings,
-)
+from kvatlas.coordinator.kv_events.subscriber import Ingest, KvEventsSubscriber
 from kvatlas.directory import KeyDirectory
 from kvatlas.errors import Unavailable
 

@@ -28,12 +28,13 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Final, NamedTuple
+from typing import Any, Final
 
 import msgspec
 import numpy as np
 
-from kvatlas.events import ACCESS, DELETE, STORE, CacheEntry, EventBatch
+from kvatlas.coordinator.kv_events.changes import Cleared, Pending, net_effect
+from kvatlas.events import ACCESS, STORE, CacheEntry, EventBatch
 from kvatlas.events.vllm_wire import (
     AllBlocksCleared,
     BlockHash,
@@ -71,13 +72,6 @@ class BadBatch(ValueError):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
-
-
-@dataclass(frozen=True, slots=True)
-class Cleared:
-    """``AllBlocksCleared``: drop every placement of the engine (the directory's fence)."""
-
-    instance_id: str
 
 
 Op = EventBatch | Cleared
@@ -139,40 +133,6 @@ class EngineState:
     blocks: OrderedDict[BlockHash, _Block] = field(default_factory=OrderedDict)
 
 
-class _Change(NamedTuple):
-    """Entries of one kind (store / delete) for one engine tier, becoming one batch."""
-
-    instance_id: str
-    kind: str
-    tier: str
-    entries: list[CacheEntry]
-
-
-@dataclass(slots=True)
-class _Pending:
-    """Ops collected while translating one batch (adjacent same-kind changes merged; a chunk
-    deleted again before anything else is stored is deleted once: every block of an evicted or
-    removed chunk names it)."""
-
-    ops: list[_Change | Cleared] = field(default_factory=list)
-    deleted: tuple[str, str, bytes, str] | None = None  # the last delete added
-
-    def delete(self, instance_id: str, tier: str, chunk_hash: bytes, model: str) -> None:
-        what = (instance_id, tier, chunk_hash, model)
-        if what != self.deleted:
-            self.deleted = what
-            self.add(instance_id, DELETE, tier, _gone(chunk_hash, model))
-
-    def add(self, instance_id: str, kind: str, tier: str, entry: CacheEntry) -> None:
-        if kind == STORE:
-            self.deleted = None
-        last = self.ops[-1] if self.ops else None
-        if isinstance(last, _Change) and last[:3] == (instance_id, kind, tier):
-            last.entries.append(entry)
-        else:
-            self.ops.append(_Change(instance_id, kind, tier, [entry]))
-
-
 def _token_array(token_ids: list[int], i: int) -> TokenArray:
     """``token_ids`` as uint32, or :class:`BadBatch` (``token_range``) if any is outside;
     converted :data:`TOKEN_PIECE` at a time."""
@@ -193,38 +153,6 @@ def _groups(batch: KVEventBatch | SplitBatch) -> Iterator[tuple[int, list[KVEven
     if isinstance(batch, SplitBatch):
         return batch.groups()
     return iter([(0, batch.events)])
-
-
-def _net(ops: list[_Change | Cleared]) -> list[_Change | Cleared]:
-    """The same changes as their net effect: between two clears, each (instance, tier, key)
-    only by its last change, and per instance and tier the deletes before the stores. The
-    directory ends in the same state, in a few batches instead of one per change (an engine
-    batch that evicts as it stores alternates a delete and a store at every chunk, and each
-    block of an evicted chunk deletes it again)."""
-    out: list[_Change | Cleared] = []
-    last: dict[tuple[str, str, ObjectKey], tuple[str, CacheEntry]] = {}
-
-    def flush() -> None:
-        runs: dict[tuple[str, str, str], list[CacheEntry]] = {}
-        for (instance_id, tier, _), (kind, entry) in last.items():
-            runs.setdefault((instance_id, kind, tier), []).append(entry)
-        for (instance_id, kind, tier), entries in sorted(
-            runs.items(), key=lambda r: r[0][1] != DELETE
-        ):
-            out.append(_Change(instance_id, kind, tier, entries))
-        last.clear()
-
-    for op in ops:
-        if isinstance(op, Cleared):
-            flush()
-            out.append(op)
-            continue
-        for entry in op.entries:
-            key = (op.instance_id, op.tier, entry.key)
-            last.pop(key, None)
-            last[key] = (op.kind, entry)
-    flush()
-    return out
 
 
 def _gone(chunk_hash: bytes, model: str) -> CacheEntry:
@@ -292,7 +220,7 @@ class Rekeyer:
         entries; :class:`BadBatch` (nothing changed) if any event of it is invalid."""
         tokens = self._validate(batch)
         state = self.engine(instance_id)
-        pending = _Pending()
+        pending = Pending()
         for start, events in _groups(batch):
             for i, event in enumerate(events, start):
                 if isinstance(event, BlockStored):
@@ -357,7 +285,7 @@ class Rekeyer:
         model: str,
         event: BlockStored,
         tokens: TokenArray,
-        pending: _Pending,
+        pending: Pending,
     ) -> None:
         if event.group_idx not in (None, 0):
             self.counts["other_group_blocks"] += len(event.block_hashes)
@@ -436,7 +364,7 @@ class Rekeyer:
         return (prev, n_chunks + 1, 0, None, h, b"", (), lora, plain, keyable), chunk
 
     def _remember(
-        self, state: EngineState, h: BlockHash, point: ChainPoint, tier: str, pending: _Pending
+        self, state: EngineState, h: BlockHash, point: ChainPoint, tier: str, pending: Pending
     ) -> None:
         block = state.blocks.pop(h, None)
         if block is None:
@@ -448,7 +376,7 @@ class Rekeyer:
         while self.total_blocks > self.max_blocks:
             self._evict_one(state, pending)
 
-    def _evict_one(self, preferred: EngineState, pending: _Pending) -> None:
+    def _evict_one(self, preferred: EngineState, pending: Pending) -> None:
         victim = preferred
         if len(preferred.blocks) <= 1:
             victim = max(self.engines.values(), key=lambda s: len(s.blocks))
@@ -456,9 +384,9 @@ class Rekeyer:
         self.total_blocks -= 1
         self.counts["evicted_blocks"] += 1
         for chunk_hash, model, tier in block[2]:
-            pending.delete(victim.instance_id, tier, chunk_hash, model)
+            pending.delete(victim.instance_id, tier, _gone(chunk_hash, model))
 
-    def _removed(self, state: EngineState, event: BlockRemoved, pending: _Pending) -> None:
+    def _removed(self, state: EngineState, event: BlockRemoved, pending: Pending) -> None:
         tier = engine_tier(event.medium)
         for h in event.block_hashes:
             block = state.blocks.get(h)
@@ -471,7 +399,7 @@ class Rekeyer:
             point, tiers, placed = block
             for chunk_hash, model, placed_in in placed:
                 if placed_in == tier:
-                    pending.delete(state.instance_id, tier, chunk_hash, model)
+                    pending.delete(state.instance_id, tier, _gone(chunk_hash, model))
                     self.counts["chunks_removed"] += 1
             tiers = tuple(t for t in tiers if t != tier)
             if tiers:
@@ -480,9 +408,9 @@ class Rekeyer:
                 del state.blocks[h]
                 self.total_blocks -= 1
 
-    def _batches(self, pending: _Pending, ts: float) -> Iterator[Op]:
+    def _batches(self, pending: Pending, ts: float) -> Iterator[Op]:
         ts = ts if ts > 0 else time.time()
-        for op in _net(pending.ops):
+        for op in net_effect(pending.ops):
             if isinstance(op, Cleared):
                 yield op
                 continue

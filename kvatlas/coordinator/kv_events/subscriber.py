@@ -35,7 +35,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-from kvatlas.coordinator.kv_events.rekey import BadBatch, Cleared, Rekeyer
+from kvatlas.coordinator.kv_events.changes import Cleared
+from kvatlas.coordinator.kv_events.rekey import BadBatch, Rekeyer
+from kvatlas.coordinator.kv_events.settings import LinkSpec, SubscriberSettings, engine_instance
 from kvatlas.coordinator.kv_events.stats import REJECT_KINDS, SubscriberStats, view, zeroed
 from kvatlas.events import EventBatch
 from kvatlas.events.vllm_wire import (
@@ -55,74 +57,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_DP_RANK: Final = 1 << 16
-BYTES_PER_BLOCK: Final = 256
-"""A bound on one block's bytes in a vLLM message (``vllm`` encoding), when every block is an
-event of its own (a decode step's): its 32-byte hash and its parent's (34 B each), 16 token ids
-of at most 5 B each (80 B) and the event's field names and other values (≈105 B) — ≈254 B."""
 SLICE_PAUSE_S: Final = 0.0005
 """Pause after each applied slice: a thread waiting for the directory lock gets it (a plain
 lock is not handed over; released and taken again at once, it would rarely change hands)."""
-
-
-MIN_MESSAGE_BYTES: Final = 4096
-"""The smallest limit: ZMQ applies it to the handshake too (its READY command carries the
-socket type and a routing id of up to 255 bytes)."""
-
-
-def largest_message_bytes(max_blocks: int) -> int:
-    """The default ``--kv-events-max-message-bytes``: a message of ``max_blocks`` blocks (the
-    most one batch may hold) of 16 tokens, each block an event of its own."""
-    return max(BYTES_PER_BLOCK * max_blocks, MIN_MESSAGE_BYTES)
-
-
 Ingest = Callable[[Sequence[EventBatch]], object]
 Clear = Callable[[str], int]
-
-
-@dataclass(frozen=True, slots=True)
-class LinkSpec:
-    """One endpoint: where, connected or bound, the engine it speaks for (``None``: the ones
-    its topics name) and its publisher's replay endpoint."""
-
-    endpoint: str
-    replay: str | None = None
-    bind: bool = False
-    engine: str | None = None
-
-    @classmethod
-    def parse(cls, item: str, *, bind: bool = False, replay: str | None = None) -> LinkSpec:
-        """``[ENGINE=]ENDPOINT`` (an endpoint has no ``=``); a bad engine id raises
-        ``ValueError``."""
-        engine, sep, endpoint = item.partition("=")
-        if not sep:
-            return cls(item, replay, bind)
-        check_instance_id(engine)
-        return cls(endpoint, replay, bind, engine)
-
-
-@dataclass(frozen=True, slots=True)
-class SubscriberSettings:
-    links: tuple[LinkSpec, ...]
-    topic_prefix: str = "kv@"
-    default_model: str | None = None
-    max_blocks: int = 500_000
-    replay_timeout: float = 2.0
-    replay_backoff: float = 30.0
-    max_engines_per_endpoint: int = 1  # engine instances (an engine's dp ranks count apart)
-    max_message_bytes: int | None = None  # None: largest_message_bytes(max_blocks)
-
-    @property
-    def message_limit_bytes(self) -> int:
-        """The largest frame a socket receiving from outside takes (``zmq.MAXMSGSIZE``)."""
-        if self.max_message_bytes is not None:
-            return self.max_message_bytes
-        return largest_message_bytes(self.max_blocks)
-
-
-def engine_instance(emitter: str, dp_rank: int | None) -> str:
-    """The instance id of an engine: its emitter name, ``:dp<rank>`` added for ranks above 0
-    (``@`` cannot be part of an instance id: it separates the topic's fields)."""
-    return emitter if not dp_rank else f"{emitter}:dp{dp_rank}"
 
 
 @dataclass(slots=True)
