@@ -1,5 +1,5 @@
-"""The ``kvatlas`` command: ``coordinator``, ``node``, ``route``, ``demo``, ``keys``, ``soak``
-and ``bench NAME``."""
+"""The ``kvatlas`` command: ``coordinator``, ``node``, ``router``, ``route``, ``demo``, ``keys``,
+``soak`` and ``bench NAME``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from kvatlas.coordinator.config import config_from_args
 from kvatlas.keys import pack_kv_rank
 from kvatlas.node.config import add_arguments as add_node_arguments
 from kvatlas.node.config import config_from_args as node_config_from_args
+from kvatlas.router.config import add_arguments as add_router_arguments
+from kvatlas.router.config import config_from_args as router_config_from_args
 from kvatlas.soak import add_arguments as add_soak_arguments
 
 DESCRIPTION = (
@@ -51,6 +53,15 @@ def _build_parser() -> argparse.ArgumentParser:
         "(docs/node.md).",
     )
     add_node_arguments(node)
+
+    router = sub.add_parser(
+        "router",
+        help="run the OpenAI-compatible router in front of vLLM engines (every flag also as "
+        "KVATLAS_<NAME>)",
+        description="Routes each request to the engine with the lowest predicted time to first "
+        "token, from what the directory says each engine can reuse (docs/router.md).",
+    )
+    add_router_arguments(router)
 
     route = sub.add_parser(
         "route",
@@ -140,6 +151,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             own.error(str(exc))
         return run_node(node_config)
+    if args.command == "router":
+        from kvatlas.router.server import run_router
+
+        try:
+            router_config = router_config_from_args(args)
+        except ValueError as exc:
+            own.error(str(exc))
+        return run_router(router_config)
     if args.command == "route":
         try:
             return run_route_command(dataclass_from_args(RouteCommand, args))

@@ -1,6 +1,6 @@
 """The shape of the package, read from the source with ``ast`` (nothing is imported):
 
-* layers: keys → events → directory → coordinator → client → node → connector; a package imports only
+* layers: keys → events → directory → coordinator → client → router → node → connector; a package imports only
   its own layer and those below it, never one above (function-level imports count too);
 * shared modules (errors, checks, web, ...) sit underneath and import no layered package;
   bench, demo, soak and cli sit on top and nothing imports them;
@@ -23,7 +23,7 @@ import kvatlas
 
 ROOT = Path(kvatlas.__file__).parent
 
-LAYERS = ("keys", "events", "directory", "coordinator", "client", "node", "connector")
+LAYERS = ("keys", "events", "directory", "coordinator", "client", "router", "node", "connector")
 SHARED = (
     "kvatlas",  # the root package: __version__ only
     "errors",
@@ -44,6 +44,7 @@ TOP = ("bench", "demo", "soak", "cli")
 FORBIDDEN = {
     "client": ("directory", "coordinator"),
     "connector": ("directory", "coordinator", "node"),
+    "router": ("directory", "coordinator"),  # a gateway: the coordinator only over HTTP
 }
 
 # Known gaps in packages still being restructured (issue 8). The tests fail on any new gap AND

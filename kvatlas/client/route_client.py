@@ -85,6 +85,29 @@ def parse_route_scores(payload: Any) -> RouteScores:
     return RouteScores(rows, _count(payload, "query_tokens"))
 
 
+def score_body(
+    token_ids: Any,
+    model_name: str,
+    *,
+    world_size: int = 1,
+    cache_salt: str = "",
+    instances: Sequence[str] | None = None,
+    weights: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
+    """The ``POST /route/score`` body (one place for the sync and the async client)."""
+    body: dict[str, Any] = {
+        "tokens_b64": encode_tokens_b64(token_ids),
+        "model_name": model_name,
+        "world_size": world_size,
+        "cache_salt": cache_salt,
+    }
+    if instances is not None:
+        body["instances"] = list(instances)
+    if weights is not None:
+        body["weights"] = dict(weights)
+    return body
+
+
 class RouteClient:
     """``score()`` a query against the fleet; one persistent connection."""
 
@@ -103,16 +126,10 @@ class RouteClient:
         weights: Mapping[str, float] | None = None,
     ) -> RouteScores:
         """Every candidate (``instances``, default every live instance), best first."""
-        body: dict[str, Any] = {
-            "tokens_b64": encode_tokens_b64(token_ids),
-            "model_name": model_name,
-            "world_size": world_size,
-            "cache_salt": cache_salt,
-        }
-        if instances is not None:
-            body["instances"] = list(instances)
-        if weights is not None:
-            body["weights"] = dict(weights)
+        body = score_body(
+            token_ids, model_name, world_size=world_size, cache_salt=cache_salt,
+            instances=instances, weights=weights,
+        )  # fmt: skip
         reply = call_json(self._http, "POST", "/route/score", json=body)
         try:
             return parse_route_scores(reply)
@@ -127,6 +144,65 @@ class RouteClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class AsyncRouteClient:
+    """The same on an event loop (``kvatlas router``), plus the instance listing a router
+    learns engines from; failures raise :class:`CoordinatorError` as the sync client does."""
+
+    def __init__(self, url: str, *, token: str | None = None, timeout: float = 5.0) -> None:
+        self.url = url.rstrip("/")
+        self._http = httpx.AsyncClient(
+            base_url=self.url, timeout=timeout, headers=auth_headers(token)
+        )
+
+    async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = await self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise CoordinatorError(f"{method} {path}: {exc!r}") from exc
+        if response.status_code >= 400:
+            raise CoordinatorError(
+                f"{method} {path}: {response.status_code} {response.text[:200]}",
+                response.status_code,
+            )
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise CoordinatorError(f"{method} {path}: reply is not JSON: {exc}") from None
+
+    async def score(
+        self,
+        token_ids: Any,
+        model_name: str,
+        *,
+        world_size: int = 1,
+        cache_salt: str = "",
+        instances: Sequence[str] | None = None,
+        weights: Mapping[str, float] | None = None,
+        timeout: float | None = None,
+    ) -> RouteScores:
+        body = score_body(
+            token_ids, model_name, world_size=world_size, cache_salt=cache_salt,
+            instances=instances, weights=weights,
+        )  # fmt: skip
+        extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        reply = await self._call("POST", "/route/score", json=body, **extra)
+        try:
+            return parse_route_scores(reply)
+        except ValueError as exc:
+            raise CoordinatorError(f"POST /route/score: malformed reply: {exc}") from None
+
+    async def instances(self) -> list[dict[str, Any]]:
+        """``GET /instances`` rows (registration fields, liveness)."""
+        reply = await self._call("GET", "/instances")
+        rows = reply.get("instances") if isinstance(reply, dict) else None
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise CoordinatorError("GET /instances: malformed reply")
+        return rows
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
 
 
 # ---------------------------------------------------------------------------- kvatlas route
