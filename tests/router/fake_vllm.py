@@ -130,14 +130,20 @@ class FakeVllm:
             prompt = body["prompt"]
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
                 return list(prompt)
-            return list(self.tokenizer(prompt, add_special_tokens=body.get("add_special_tokens", True)).input_ids)
+            return list(
+                self.tokenizer(
+                    prompt, add_special_tokens=body.get("add_special_tokens", True)
+                ).input_ids
+            )
         text = self.tokenizer.apply_chat_template(
             body["messages"], tokenize=False,
             add_generation_prompt=body.get("add_generation_prompt", True),
             continue_final_message=body.get("continue_final_message", False),
             **(body.get("chat_template_kwargs") or {}),
         )  # fmt: skip
-        return list(self.tokenizer(text, add_special_tokens=body.get("add_special_tokens", False)).input_ids)
+        return list(
+            self.tokenizer(text, add_special_tokens=body.get("add_special_tokens", False)).input_ids
+        )
 
     async def _serve(self, request: Request, path: str) -> Response:
         raw = await request.body()

@@ -29,10 +29,17 @@ BODIES: list[tuple[str, dict[str, Any]]] = [
     ("completions", {"prompt": "  système <|user|> hello\n\tdog "}),
     ("chat", {"messages": MESSAGES}),
     ("chat", {"messages": MESSAGES, "add_generation_prompt": False}),
-    ("chat", {"messages": MESSAGES[:1] + [{"role": "user", "content": "x"}],
-              "chat_template_kwargs": {"thinking": True}}),  # fmt: skip
-    ("chat", {"messages": MESSAGES[:3], "continue_final_message": True,
-              "add_generation_prompt": False}),  # fmt: skip
+    (
+        "chat",
+        {
+            "messages": [*MESSAGES[:1], {"role": "user", "content": "x"}],
+            "chat_template_kwargs": {"thinking": True},
+        },
+    ),
+    (
+        "chat",
+        {"messages": MESSAGES[:3], "continue_final_message": True, "add_generation_prompt": False},
+    ),
     ("chat", {"messages": MESSAGES, "add_special_tokens": True}),
 ]
 
@@ -110,7 +117,9 @@ def test_bad_bodies_are_named(kind: str, raw: bytes, message: str) -> None:
 
 
 def test_token_ids_need_no_tokenizer_and_text_without_one_is_counted() -> None:
-    req = parse_request("completions", b'{"model": "m", "prompt": [5, 6, 7], "cache_salt": "t"}', None)
+    req = parse_request(
+        "completions", b'{"model": "m", "prompt": [5, 6, 7], "cache_salt": "t"}', None
+    )
     assert (req.prompt_tokens, req.cache_salt, req.untokenized_reason) == ([5, 6, 7], "t", None)
     text = parse_request("completions", b'{"model": "m", "prompt": "hi"}', None)
     assert (text.prompt_tokens, text.untokenized_reason) == (None, "no_tokenizer")
