@@ -263,3 +263,31 @@ def test_refusal_is_retried_once_and_the_engine_recovers(fleet: dict[str, Any]) 
 
     assert wait_for(lambda: healthy(holder) and healthy(other), timeout=10)
     assert metric(fleet, "kvatlas_router_engines_out") == 0
+
+
+def test_engines_from_the_coordinator(fleet: dict[str, Any]) -> None:
+    """An instance registered with ``metadata.openai_url`` is an engine of a router run with
+    ``--engines-from-coordinator``; deregistered, it leaves the set."""
+    from kvatlas.client import CoordinatorClient
+
+    extra = FakeVllm("pod-c", MODEL, max_model_len=256)
+    port = free_port()
+    router = f"http://127.0.0.1:{port}"
+    client = CoordinatorClient(fleet["coordinator"])
+    client.register("pod-c", metadata={"openai_url": extra.url})
+    proc = spawn_router(port, "--coordinator-url", fleet["coordinator"],
+                        "--engines-from-coordinator", "--policy", "least-loaded",
+                        "--health-interval-s", "0.2")  # fmt: skip
+    try:
+        reply = post(fleet, "/v1/completions", {"model": MODEL, "prompt": [1, 2]}, router=router)
+        assert (reply.status_code, reply.headers["x-kvatlas-engine"]) == (200, "pod-c")
+        engines = httpx.get(f"{router}/healthz").json()["engines"]
+        assert set(engines) == {"pod-c"}  # pod-a, pod-b: no URL known to the coordinator
+        httpx.delete(f"{fleet['coordinator']}/instances/pod-c")
+        assert wait_for(lambda: httpx.get(f"{router}/healthz").status_code == 503, timeout=10)
+        gone = post(fleet, "/v1/completions", {"model": MODEL, "prompt": [1, 2]}, router=router)
+        assert gone.status_code == 503
+    finally:
+        stop([proc])
+        client.close()
+        extra.close()
