@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 import msgspec
+import numpy as np
 
 from kvatlas.checks import is_plain_int
 from kvatlas.errors import InvalidInput
@@ -21,6 +22,7 @@ from kvatlas.router.tokenizer import PromptTokenizer
 
 Kind = Literal["completions", "chat"]
 MAX_TOKEN_ID: Final = (1 << 32) - 1
+TokenIds = np.ndarray[Any, np.dtype[np.uint32]]
 _decoder = msgspec.json.Decoder()
 
 
@@ -33,7 +35,8 @@ class RouteRequest:
     stream: bool
     cache_salt: str
     max_tokens: int | None
-    prompt_tokens: list[int] | None
+    prompt_tokens: TokenIds | None
+    """uint32 ids (a token-id prompt is checked and converted in one numpy pass)."""
     untokenized_reason: str | None = None
     """Why ``prompt_tokens`` is ``None``: ``"no_tokenizer"`` or ``"multimodal"``."""
 
@@ -47,31 +50,39 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def _token_ids(value: list[Any], where: str) -> list[int]:
+def _token_ids(value: list[Any], where: str) -> TokenIds:
+    """``value`` as uint32 ids, or ``InvalidInput``: numpy types the whole list at once (a
+    string, float, bool-only or nested item gives another dtype; an int beyond int64 an
+    overflow), instead of a Python check per token."""
     if not value:
         raise InvalidInput(f"{where} is empty")
-    if not all(is_plain_int(t) and 0 <= t <= MAX_TOKEN_ID for t in value):
+    try:
+        ids = np.asarray(value)
+    except (OverflowError, ValueError):
+        ids = np.asarray([], dtype=np.float64)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() > MAX_TOKEN_ID:
         raise InvalidInput(f"{where} must be token ids (integers in [0, 2^32))")
-    return value
+    return ids.astype(np.uint32)
 
 
 def _completion_tokens(
     body: dict[str, Any], tokenizer: PromptTokenizer | None
-) -> tuple[list[int] | None, str | None]:
+) -> tuple[TokenIds | None, str | None]:
     """The first prompt's tokens (a batch goes to one engine: its first prompt routes it)."""
     prompt = body.get("prompt")
     if prompt is None:
         raise InvalidInput("'prompt' is required")
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
-    elif isinstance(prompt, list) and prompt and all(is_plain_int(t) for t in prompt):
-        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and is_plain_int(prompt[0]):
+        prompts = [prompt]  # token ids (every item is checked below, in one numpy pass)
     elif isinstance(prompt, list):
         prompts = prompt
     else:
         raise InvalidInput("'prompt' must be a string, token ids, or a list of either")
     if not prompts:
         raise InvalidInput("'prompt' is empty")
+    checked: list[TokenIds] = []
     for i, item in enumerate(prompts):
         if isinstance(item, str):
             if not item:
@@ -79,16 +90,20 @@ def _completion_tokens(
                     "'prompt' is empty" if len(prompts) == 1 else f"prompt {i} is empty"
                 )
         elif isinstance(item, list):
-            _token_ids(item, "'prompt'" if len(prompts) == 1 else f"prompt {i}")
+            checked.append(_token_ids(item, "'prompt'" if len(prompts) == 1 else f"prompt {i}"))
         else:
             raise InvalidInput("'prompt' must be a string, token ids, or a list of either")
     first = prompts[0]
     if isinstance(first, list):
-        return first, None
+        return checked[0], None
     if tokenizer is None:
         return None, "no_tokenizer"
     add_special = _flag(body, "add_special_tokens", True)
-    return tokenizer.encode_text(first, add_special_tokens=add_special), None
+    return _ids(tokenizer.encode_text(first, add_special_tokens=add_special)), None
+
+
+def _ids(tokens: list[int]) -> TokenIds:
+    return np.asarray(tokens, dtype=np.uint32)
 
 
 def _is_multimodal(messages: list[Any]) -> bool:
@@ -114,7 +129,7 @@ def _text_messages(messages: list[Any]) -> list[dict[str, Any]]:
 
 def _chat_tokens(
     body: dict[str, Any], tokenizer: PromptTokenizer | None
-) -> tuple[list[int] | None, str | None]:
+) -> tuple[TokenIds | None, str | None]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidInput("'messages' must be a non-empty list")
@@ -144,7 +159,7 @@ def _chat_tokens(
     )
     if not tokens:
         raise InvalidInput("the chat renders to an empty prompt")
-    return tokens, None
+    return _ids(tokens), None
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
