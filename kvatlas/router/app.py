@@ -21,8 +21,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final
 
+import aiohttp
 import anyio
-import httpx
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -54,8 +54,10 @@ _FORWARD_REQUEST_HEADERS: Final = ("content-type", "accept", "x-request-id")
 _FORWARD_REPLY_HEADERS: Final = (
     "content-type", "content-length", "content-encoding", "cache-control", "x-request-id",
 )  # fmt: skip
-_REFUSALS: Final = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
-                    httpx.ReadError, httpx.WriteError, httpx.PoolTimeout)  # fmt: skip
+_REFUSALS: Final = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
+                    aiohttp.ClientOSError, aiohttp.ConnectionTimeoutError)  # fmt: skip
+"""Failures before the engine sent a byte: connect refused or timed out, the connection
+closed or reset before any reply byte."""
 _TOKENIZE_IN_THREAD_BYTES: Final = 16_384
 _USAGE_TAIL_BYTES: Final = 16_384
 _json = msgspec.json.Encoder()
@@ -112,12 +114,8 @@ class Router:
         cost = CostModel(config.prefill_tokens_per_s, config.kv_bytes_per_token, bandwidths,
                          config.recompute_share)  # fmt: skip
         self.policy = Policy(config.policy, cost, config.seed)
-        timeout = httpx.Timeout(config.engine_timeout_s, connect=config.connect_timeout_s,
-                                pool=config.connect_timeout_s)  # fmt: skip
-        limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
-        self.http = httpx.AsyncClient(timeout=timeout, limits=limits)
-        self.probe = httpx.AsyncClient(timeout=httpx.Timeout(max(1.0, config.health_interval_s)))
-        self.engines = EngineSet(config.engines, self.probe)
+        self.http: aiohttp.ClientSession | None = None  # made on the event loop: start()
+        self.engines = EngineSet(config.engines)
         self.coordinator = (
             AsyncRouteClient(config.coordinator_url, token=config.coordinator_bearer())
             if config.coordinator_url
@@ -128,6 +126,19 @@ class Router:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        """Sessions (aiohttp: a quarter of httpx's CPU per call, docs/router.md), a first
+        health check of every engine, then the health and metrics loops."""
+        config = self.config
+        self.http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=4096, limit_per_host=0),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s,
+                                          sock_read=config.engine_timeout_s),
+            auto_decompress=False,  # bytes pass through as the engine sent them
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )  # fmt: skip
+        self.engines.http = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=max(1.0, config.health_interval_s))
+        )
         await self.refresh_engines()
         self._tasks = [
             asyncio.create_task(self._every(self.config.health_interval_s, self.refresh_engines)),
@@ -140,8 +151,10 @@ class Router:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await self.http.aclose()
-        await self.probe.aclose()
+        if self.http is not None:
+            await self.http.close()
+        if self.engines.http is not None:
+            await self.engines.http.close()
         if self.coordinator is not None:
             await self.coordinator.aclose()
 
@@ -268,6 +281,7 @@ class Router:
     async def _proxy(self, kind: Kind, request: Request, raw: bytes, req: RouteRequest,
                      ranked: list[Any], arrived: float) -> Response:  # fmt: skip
         headers = {k: v for k in _FORWARD_REQUEST_HEADERS if (v := request.headers.get(k))}
+        headers.setdefault("content-type", "application/json")
         if self.auth is None and (token := request.headers.get("authorization")):
             headers["authorization"] = token  # the engine's own --api-key, when the router has none
         path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
@@ -277,10 +291,9 @@ class Router:
                 continue
             uncomputed = self._uncomputed(req, choice.coverage)
             self.engines.sent(engine, uncomputed)
-            upstream = self.http.build_request("POST", engine.url + path, content=raw,
-                                               headers=headers)  # fmt: skip
+            assert self.http is not None, "Router.start() makes the session"
             try:
-                reply = await self.http.send(upstream, stream=True)
+                reply = await self.http.post(engine.url + path, data=raw, headers=headers)
             except _REFUSALS as exc:
                 self.engines.first_byte(engine, uncomputed)
                 self.engines.finished(engine)
@@ -289,7 +302,7 @@ class Router:
                 if attempt + 1 < len(ranked):
                     self.metrics.retries.inc()
                 continue
-            except httpx.HTTPError as exc:  # a timeout after the request went out: no retry
+            except (aiohttp.ClientError, TimeoutError) as exc:  # after the request went out
                 self.engines.first_byte(engine, uncomputed)
                 self.engines.finished(engine)
                 raise Unavailable(f"engine {engine.engine_id} did not answer: {exc!r}") from None
@@ -304,17 +317,17 @@ class Router:
             out_headers[ENGINE_HEADER] = engine.engine_id
             return StreamingResponse(
                 self._relay(engine, reply, req, uncomputed, arrived),
-                status_code=reply.status_code,
+                status_code=reply.status,
                 headers=out_headers,
             )
         raise Unavailable("no engine accepted the request (each refused the connection)")
 
-    async def _relay(self, engine: Engine, reply: httpx.Response, req: RouteRequest,
+    async def _relay(self, engine: Engine, reply: aiohttp.ClientResponse, req: RouteRequest,
                      uncomputed: int, arrived: float) -> AsyncIterator[bytes]:  # fmt: skip
-        first = True
+        first, complete = True, False
         kept = bytearray()
         try:
-            async for chunk in reply.aiter_raw():
+            async for chunk in reply.content.iter_any():
                 if first:
                     first = False
                     self.engines.first_byte(engine, uncomputed)
@@ -323,7 +336,8 @@ class Router:
                 if req.stream and len(kept) > 2 * _USAGE_TAIL_BYTES:
                     del kept[:-_USAGE_TAIL_BYTES]
                 yield chunk
-        except httpx.HTTPError as exc:
+            complete = True
+        except (aiohttp.ClientError, TimeoutError) as exc:
             self.metrics.aborted_streams.inc()
             log.info("engine %s: reply cut: %r", engine.engine_id, exc)
         finally:
@@ -331,8 +345,11 @@ class Router:
                 self.engines.first_byte(engine, uncomputed)
             self.engines.finished(engine)
             self.metrics.e2e_seconds.observe(time.perf_counter() - arrived)
-            await reply.aclose()
-            if reply.status_code == 200 and reply.headers.get("content-encoding") is None:
+            if complete:
+                reply.release()  # the connection goes back to the pool
+            else:
+                reply.close()  # a reply not read to its end (engine failed, client left)
+            if complete and reply.status == 200 and reply.headers.get("content-encoding") is None:
                 found = cached_tokens(bytes(kept), req.stream)
                 if found is not None:
                     self.metrics.reported_reused.labels(engine.engine_id).inc(found)

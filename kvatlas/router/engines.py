@@ -16,7 +16,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-import httpx
+import aiohttp
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvatlas.router.policies import EngineLoad
@@ -82,8 +83,9 @@ def parse_models(payload: Any) -> dict[str, int | None]:
 class EngineSet:
     """The engines, their health and their load."""
 
-    def __init__(self, engines: Mapping[str, str], http: httpx.AsyncClient) -> None:
-        self._http = http
+    def __init__(self, engines: Mapping[str, str]) -> None:
+        self.http: aiohttp.ClientSession | None = None
+        """The probes' session (made on the router's event loop when it starts)."""
         self.engines: dict[str, Engine] = {i: Engine(i, url) for i, url in engines.items()}
         self._fixed = set(engines)
         self.mean_prompt_tokens = 0.0
@@ -146,16 +148,22 @@ class EngineSet:
 
     # ------------------------------------------------------------------ probes
 
+    async def _get(self, url: str) -> tuple[int, bytes]:
+        if self.http is None:
+            raise RuntimeError("EngineSet.http is set when the router starts")
+        async with self.http.get(url) as reply:
+            return reply.status, await reply.read()
+
     async def check(self, engine: Engine) -> None:
         """``/health`` then ``/v1/models``; either failing takes the engine out."""
         try:
-            health = await self._http.get(f"{engine.url}/health")
-            ok = health.status_code == 200
+            status, _ = await self._get(f"{engine.url}/health")
+            ok = status == 200
             if ok:
-                engine.models = parse_models(
-                    (await self._http.get(f"{engine.url}/v1/models")).json()
-                )
-        except (httpx.HTTPError, ValueError) as exc:
+                status, raw = await self._get(f"{engine.url}/v1/models")
+                engine.models = parse_models(msgspec.json.decode(raw))
+                ok = status == 200
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             log.debug("engine %s: health check failed: %s", engine.engine_id, exc)
             ok = False
         if ok != engine.healthy:
@@ -164,10 +172,10 @@ class EngineSet:
 
     async def scrape(self, engine: Engine) -> None:
         try:
-            reply = await self._http.get(f"{engine.url}/metrics")
-            if reply.status_code == 200:
-                engine.gauges = parse_vllm_gauges(reply.text)
-        except (httpx.HTTPError, ValueError) as exc:
+            status, raw = await self._get(f"{engine.url}/metrics")
+            if status == 200:
+                engine.gauges = parse_vllm_gauges(raw.decode("utf-8", "replace"))
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             log.debug("engine %s: metrics scrape failed: %s", engine.engine_id, exc)
 
     def all(self) -> Iterable[Engine]:

@@ -94,7 +94,7 @@ def test_vllm_gauges_correct_the_routers_own_count() -> None:
     assert gauges == pytest.approx({"vllm:num_requests_running": 6.0,
                                     "vllm:num_requests_waiting": 3.0,
                                     "vllm:kv_cache_usage_perc": 0.6})  # fmt: skip
-    engines = EngineSet({"e": "http://x"}, http=None)  # type: ignore[arg-type]
+    engines = EngineSet({"e": "http://x"})
     engine = engines.engines["e"]
     engines.sent(engine, 1000)  # the router's own: one request, 1,000 tokens to prefill
     assert engines.load(engine).pending_prefill_tokens == 1000
