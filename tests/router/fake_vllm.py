@@ -150,6 +150,8 @@ class FakeVllm:
         body = json.loads(raw)
         if body.get("model") != self.model:
             return self.error(404, f"The model `{body.get('model')}` does not exist.")
+        if (body.get("temperature") or 0) < 0:
+            return self.error(400, "temperature must be non-negative, got -1.")
         tokens = self._tokens(path, body)
         self.requests.append((path, raw, tokens))
         cached = self.cache(tokens)

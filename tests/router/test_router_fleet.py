@@ -170,6 +170,39 @@ def test_bodies_go_to_the_engine_unchanged(fleet: dict[str, Any]) -> None:
     assert engine.requests[-1][1] == raw
 
 
+def test_an_engines_error_passes_through(fleet: dict[str, Any]) -> None:
+    reply = post(fleet, "/v1/completions", {"model": MODEL, "prompt": [1, 2], "temperature": -1})
+    engine = fleet["engines"][reply.headers["x-kvatlas-engine"]]
+    direct = httpx.post(f"{engine.url}/v1/completions",
+                        json={"model": MODEL, "prompt": [1, 2], "temperature": -1})  # fmt: skip
+    assert (reply.status_code, reply.content) == (400, direct.content)
+
+
+def test_a_client_leaving_mid_stream_frees_the_engine(fleet: dict[str, Any]) -> None:
+    """The client goes after the first event while the engine still holds the rest: the
+    router's count of requests in flight returns to zero (no leak, no hang)."""
+    body = {"model": MODEL, "prompt": list(range(40, 60)), "stream": True}
+    engines = fleet["engines"].values()
+    for engine in engines:
+        engine.release.clear()
+
+    def in_flight(name: str) -> int:
+        return int(httpx.get(f"{fleet['router']}/healthz").json()["engines"][name]["in_flight"])
+
+    try:
+        with httpx.stream("POST", f"{fleet['router']}/v1/completions", json=body,
+                          headers=bearer(ROUTE_ANY), timeout=30) as reply:  # fmt: skip
+            chosen = reply.headers["x-kvatlas-engine"]
+            chunks = reply.iter_raw()
+            assert next(chunks).startswith(b"data: ")
+            assert in_flight(chosen) == 1  # the engine still holds the rest
+            reply.close()  # the client leaves
+            assert wait_for(lambda: in_flight(chosen) == 0, timeout=10)
+    finally:
+        for engine in engines:
+            engine.release.set()
+
+
 @pytest.mark.parametrize(
     ("body", "status", "message"),
     [
