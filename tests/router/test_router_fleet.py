@@ -324,3 +324,35 @@ def test_engines_from_the_coordinator(fleet: dict[str, Any]) -> None:
         stop([proc])
         client.close()
         extra.close()
+
+
+def test_multimodal_and_untokenized_requests_are_routed_by_load_and_counted(
+    fleet: dict[str, Any],
+) -> None:
+    name = 'kvatlas_router_untokenized_total{reason="multimodal"}'
+    before = metric(fleet, name)
+    parts = [{"type": "text", "text": "what is this"},
+             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]  # fmt: skip
+    reply = post(fleet, "/v1/chat/completions",
+                 {"model": MODEL, "messages": [{"role": "user", "content": parts}]})  # fmt: skip
+    assert reply.status_code == 200
+    assert metric(fleet, name) == before + 1
+
+
+def test_the_prefix_baseline_also_routes_to_the_holder(fleet: dict[str, Any]) -> None:
+    """``--policy prefix`` (llm-d's scoring) on the same fleet: a consecutive prefix is what it
+    sees best, so it too sends the document's requests to their holder."""
+    doc = list(range(1100, 1164))
+    first = post(fleet, "/v1/completions", {"model": MODEL, "prompt": doc})
+    holder = first.headers["x-kvatlas-engine"]
+    assert holder_known(fleet, holder, doc)
+    port = free_port()
+    proc = spawn_router(port, "--coordinator-url", fleet["coordinator"], *fleet["flags"],
+                        "--policy", "prefix")  # fmt: skip
+    try:
+        for i in range(6):
+            reply = post(fleet, "/v1/completions", {"model": MODEL, "prompt": [*doc, i]},
+                         router=f"http://127.0.0.1:{port}")  # fmt: skip
+            assert (reply.status_code, reply.headers["x-kvatlas-engine"]) == (200, holder)
+    finally:
+        stop([proc])
