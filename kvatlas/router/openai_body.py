@@ -60,7 +60,8 @@ def _token_ids(value: list[Any], where: str) -> TokenIds:
         ids = np.asarray(value)
     except (OverflowError, ValueError):
         ids = np.asarray([], dtype=np.float64)
-    if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() > MAX_TOKEN_ID:
+    bad = ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() > MAX_TOKEN_ID
+    if bad or any(type(v) is bool for v in value):  # numpy takes True for 1; vLLM does not
         raise InvalidInput(f"{where} must be token ids (integers in [0, 2^32))")
     return ids.astype(np.uint32)
 
@@ -172,9 +173,44 @@ def decode_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+class _TokenIdsCompletion(msgspec.Struct):
+    """The fields the router reads of a completion whose prompt is token ids, decoded typed:
+    msgspec checks every id is an integer in C, numpy the range in one pass (≈ a third of
+    the general path's CPU for a 4,096-token prompt). Anything else takes the general path."""
+
+    prompt: list[int]
+    model: Any = None
+    stream: Any = None
+    cache_salt: Any = None
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
+
+
+_token_ids_decoder = msgspec.json.Decoder(_TokenIdsCompletion)
+
+
+def _token_ids_body(raw: bytes) -> tuple[dict[str, Any], TokenIds] | None:
+    try:
+        view = _token_ids_decoder.decode(raw)
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return None  # not this shape (or not JSON): the general path says what is wrong
+    if not view.prompt:
+        return None
+    try:
+        ids = np.fromiter(view.prompt, dtype=np.int64, count=len(view.prompt))
+    except OverflowError:
+        ids = np.asarray([-1])
+    if ids.min() < 0 or ids.max() > MAX_TOKEN_ID:
+        raise InvalidInput("'prompt' must be token ids (integers in [0, 2^32))")
+    fields = ("model", "stream", "cache_salt", "max_tokens", "max_completion_tokens")
+    body = {name: value for name in fields if (value := getattr(view, name)) is not None}
+    return body, ids.astype(np.uint32)
+
+
 def parse_request(kind: Kind, raw: bytes, tokenizer: PromptTokenizer | None) -> RouteRequest:
     """The routing view of a ``/v1/completions`` or ``/v1/chat/completions`` body."""
-    body = decode_body(raw)
+    fast = _token_ids_body(raw) if kind == "completions" else None
+    body = fast[0] if fast is not None else decode_body(raw)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidInput("'model' is required")
@@ -186,7 +222,10 @@ def parse_request(kind: Kind, raw: bytes, tokenizer: PromptTokenizer | None) -> 
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (not is_plain_int(max_tokens) or max_tokens < 0):
         raise InvalidInput("'max_tokens' must be a non-negative integer")
-    if kind == "completions":
+    tokens: TokenIds | None
+    if fast is not None:
+        tokens, reason = fast[1], None
+    elif kind == "completions":
         tokens, reason = _completion_tokens(body, tokenizer)
     else:
         tokens, reason = _chat_tokens(body, tokenizer)

@@ -103,6 +103,8 @@ def test_template_errors_are_400s(tokenizers: tuple[PromptTokenizer, Any]) -> No
         ("completions", b'{"model": "m", "prompt": [1, -2]}', "token ids"),
         ("completions", b'{"model": "m", "prompt": [1, 4294967296]}', "token ids"),
         ("completions", b'{"model": "m", "prompt": [1, 2.5]}', "token ids"),
+        ("completions", b'{"model": "m", "prompt": [1, true]}', "token ids"),
+        ("completions", b'{"model": "m", "prompt": [1, 18446744073709551616]}', "token ids"),
         ("completions", b'{"model": "m", "prompt": [1, "2"]}', "token ids"),
         ("completions", b'{"model": "m", "prompt": [1, [2]]}', "token ids"),
         ("completions", b'{"model": "m", "prompt": [1, 99999999999999999999999]}', "token ids"),
@@ -132,3 +134,19 @@ def test_token_ids_need_no_tokenizer_and_text_without_one_is_counted() -> None:
         {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "x"}}]}]}  # fmt: skip
     mm = parse_request("chat", json.dumps(image).encode(), None)
     assert (mm.prompt_tokens, mm.untokenized_reason) == (None, "multimodal")
+
+
+def test_the_typed_fast_path_agrees_with_the_general_one() -> None:
+    """Token-id completions take a typed decode; the general path (any body) must read the
+    same ids, salt, stream flag and max_tokens."""
+    from kvatlas.router.openai_body import _completion_tokens, _token_ids_body, decode_body
+
+    raw = json.dumps({"model": "m", "prompt": [0, 7, 2**32 - 1, 128255], "stream": True,
+                      "cache_salt": "t", "max_tokens": 5, "temperature": 0.3}).encode()  # fmt: skip
+    fast = _token_ids_body(raw)
+    assert fast is not None
+    general, _ = _completion_tokens(decode_body(raw), None)
+    assert general is not None and fast[1].tolist() == general.tolist()
+    req = parse_request("completions", raw, None)
+    assert (req.model, req.stream, req.cache_salt, req.max_tokens) == ("m", True, "t", 5)
+    assert _token_ids_body(b'{"model": "m", "prompt": "text"}') is None
