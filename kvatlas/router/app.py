@@ -271,6 +271,10 @@ class Router:
         except KvatlasError as exc:
             self.metrics.errors.labels(str(exc.status)).inc()
             return openai_error(exc.status, exc.detail)
+        except Exception:  # a bug: logged with its traceback, the client gets an error object
+            log.exception("router failed on a %s request", kind)
+            self.metrics.errors.labels("500").inc()
+            return openai_error(500, "internal router error (logged)")
 
     def _uncomputed(self, req: RouteRequest, cover: Coverage) -> int:
         if req.prompt_tokens is None:

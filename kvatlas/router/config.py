@@ -73,6 +73,13 @@ class RouterConfig:
         if self.policy in ("kvatlas", "prefix") and not self.coordinator_url:
             raise ValueError(f"--policy {self.policy} needs --coordinator-url (it scores there)")
         parse_engines(self.engine)  # refuse a bad list at start, naming the item
+        if self.engine_url_template:
+            try:
+                check_engine_url(self.engine_url_template.format(instance_id="x"), "")
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ValueError(
+                    f"--engine-url-template: an http(s) URL with {{instance_id}} only ({exc})"
+                ) from None
         if self.chat_template is not None and self.tokenizer is None:
             raise ValueError("--chat-template needs --tokenizer (the template's text is tokenized)")
         for name in ("max_body_bytes", "kv_bytes_per_token", "port"):

@@ -25,6 +25,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
@@ -89,10 +90,27 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _GenerationBlock(jinja2.ext.Extension):
+    """``{% generation %}…{% endgeneration %}`` renders its body, as Hugging Face's
+    ``AssistantTracker`` does when no assistant mask is asked for (training templates use it)."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2 declares it an instance attribute)
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render", []), [], [], body).set_lineno(
+            lineno
+        )
+
+    def _render(self, caller: Any) -> str:
+        return str(caller())
+
+
 def compile_chat_template(source: str) -> jinja2.Template:
     """The template in Hugging Face's environment (see the module docstring)."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception

@@ -146,3 +146,11 @@ def test_models_and_engines_from_the_coordinator() -> None:
 def test_config_refuses(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         RouterConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_bad_url_template_is_refused_at_start() -> None:
+    base = {"engines_from_coordinator": True, "coordinator_url": "http://c", "policy": "random"}
+    for bad in ("http://{pod}:8000", "{instance_id}:8000", "http://{0}"):
+        with pytest.raises(ValueError, match="engine-url-template"):
+            RouterConfig(**base, engine_url_template=bad)  # type: ignore[arg-type]
+    RouterConfig(**base, engine_url_template="http://{instance_id}.svc:8000")  # type: ignore[arg-type]

@@ -11,7 +11,8 @@ from pathlib import Path
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
     "{% if m['role'] == 'system' and not loop.first %}{{ raise_exception('system first') }}{% endif %}"
-    "<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "<|{{ m['role'] }}|>\n{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+    "{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{{ eos_token }}\n{% endfor %}"
     "{% if tools %}<|tools|>{{ tools | tojson }}\n{% endif %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% if thinking %}<think>{% endif %}{% endif %}"
 )
