@@ -9,6 +9,7 @@ emit      register, heartbeat, post events for an instance       ``instance_ids`
 lookup    query the directory (prefix, keys, blend)               ``cache_salts``
 engine    call a node's engine API (store, lookup, retrieve)      ``cache_salts``
 peer      call a node's peer API (fetch KV for a fleet member)    nothing
+route     send requests through ``kvatlas router``                 ``cache_salts``
 admin     everything (listings, deregistering anyone)             nothing
 ========  =====================================================  ==========================
 
@@ -59,8 +60,8 @@ from kvatlas.errors import Forbidden, Unauthorized
 
 log = logging.getLogger(__name__)
 
-ROLES = ("emit", "lookup", "engine", "peer", "admin")
-_SALT_VERBS = {"lookup": "query", "emit": "store for"}
+ROLES = ("emit", "lookup", "engine", "peer", "admin", "route")
+_SALT_VERBS = {"lookup": "query", "emit": "store for", "route": "route"}
 MIN_TOKEN_CHARS = 32
 """Shortest token either service accepts (in a token file, a token file of its own, the
 environment or a flag): below it a token is refused, not warned about."""

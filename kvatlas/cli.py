@@ -1,5 +1,5 @@
-"""The ``kvatlas`` command: ``coordinator``, ``node``, ``route``, ``engine-sim``, ``demo``,
-``keys``, ``soak`` and ``bench NAME``."""
+"""The ``kvatlas`` command: ``coordinator``, ``node``, ``router``, ``route``, ``engine-sim``,
+``demo``, ``keys``, ``soak`` and ``bench NAME``."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from kvatlas.engine_sim.config import config_from_args as engine_sim_config_from
 from kvatlas.keys import pack_kv_rank
 from kvatlas.node.config import add_arguments as add_node_arguments
 from kvatlas.node.config import config_from_args as node_config_from_args
+from kvatlas.router.config import add_arguments as add_router_arguments
+from kvatlas.router.config import config_from_args as router_config_from_args
 from kvatlas.soak import add_arguments as add_soak_arguments
 
 DESCRIPTION = (
@@ -53,6 +55,15 @@ def _build_parser() -> argparse.ArgumentParser:
         "(docs/node.md).",
     )
     add_node_arguments(node)
+
+    router = sub.add_parser(
+        "router",
+        help="run the OpenAI-compatible router in front of vLLM engines (every flag also as "
+        "KVATLAS_<NAME>)",
+        description="Routes each request to the engine with the lowest predicted time to first "
+        "token, from what the directory says each engine can reuse (docs/router.md).",
+    )
+    add_router_arguments(router)
 
     route = sub.add_parser(
         "route",
@@ -150,6 +161,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             own.error(str(exc))
         return run_node(node_config)
+    if args.command == "router":
+        from kvatlas.router.server import run_router
+
+        try:
+            router_config = router_config_from_args(args)
+        except ValueError as exc:
+            own.error(str(exc))
+        return run_router(router_config)
     if args.command == "engine-sim":
         from kvatlas.engine_sim.server import run_engine_sim
 

@@ -52,8 +52,10 @@ def add_dataclass_arguments(
     cls: type,
     help_texts: Mapping[str, str],
     choices: Mapping[str, Sequence[str]] | None = None,
+    repeatable: Sequence[str] = (),
 ) -> None:
-    """One flag per field; a field in ``choices`` shows them as ``{a,b}`` and refuses others."""
+    """One flag per field; a field in ``choices`` shows them as ``{a,b}`` and refuses others;
+    a ``str`` field in ``repeatable`` may be given several times (joined with commas)."""
     hints = typing.get_type_hints(cls)
     choices = choices or {}
     for f in fields(cls):
@@ -68,6 +70,11 @@ def add_dataclass_arguments(
                 default=None,
                 help=help_text,
             )
+        elif f.name in repeatable:
+            parser.add_argument(
+                flag_name(f.name), action="append", default=None, metavar=f.name.upper(),
+                help=help_text,
+            )  # fmt: skip
         elif f.name in choices:
             parser.add_argument(
                 flag_name(f.name), default=None, choices=choices[f.name], help=help_text
@@ -81,6 +88,8 @@ def add_dataclass_arguments(
 def _convert(raw: object, annotation: Any) -> object:
     if isinstance(raw, bool):
         return raw
+    if isinstance(raw, list):  # a repeatable flag given several times
+        raw = ",".join(str(item) for item in raw)
     base, optional = _base_type(annotation)
     text = str(raw)
     if optional and text == "":

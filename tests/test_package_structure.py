@@ -1,8 +1,8 @@
 """The shape of the package, read from the source with ``ast`` (nothing is imported):
 
-* layers: keys → events → directory → coordinator → client → node → connector → engine_sim; a
-  package imports only its own layer and those below it, never one above (function-level
-  imports count too);
+* layers: keys → events → directory → coordinator → client → router → node → connector →
+  engine_sim; a package imports only its own layer and those below it, never one above
+  (function-level imports count too);
 * shared modules (errors, checks, web, ...) sit underneath and import no layered package;
   bench, demo, soak and cli sit on top and nothing imports them;
 * no import cycle between modules (module-level imports; ``TYPE_CHECKING`` blocks excluded);
@@ -24,7 +24,17 @@ import kvatlas
 
 ROOT = Path(kvatlas.__file__).parent
 
-LAYERS = ("keys", "events", "directory", "coordinator", "client", "node", "connector", "engine_sim")
+LAYERS = (
+    "keys",
+    "events",
+    "directory",
+    "coordinator",
+    "client",
+    "router",
+    "node",
+    "connector",
+    "engine_sim",
+)
 SHARED = (
     "kvatlas",  # the root package: __version__ only
     "errors",
@@ -47,8 +57,9 @@ TOP = ("bench", "demo", "soak", "cli")
 FORBIDDEN = {
     "client": ("directory", "coordinator"),
     "connector": ("directory", "coordinator", "node"),
+    "router": ("directory", "coordinator"),  # a gateway: the coordinator only over HTTP
     # the simulated engine stands where vLLM stands: its KV events, and a node only as a client
-    "engine_sim": ("directory", "coordinator", "node", "connector"),
+    "engine_sim": ("directory", "coordinator", "router", "node", "connector"),
 }
 
 # Known gaps in packages still being restructured (issue 8). The tests fail on any new gap AND

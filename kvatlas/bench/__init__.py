@@ -13,6 +13,7 @@ BENCHMARKS: tuple[str, ...] = (
     "route",
     "kv_events",
     "resync",
+    "router",
 )
 
 __all__ = ["BENCHMARKS"]

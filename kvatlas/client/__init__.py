@@ -24,9 +24,10 @@ from kvatlas.client.event_sink import (
     TransientSendError,
     Transport,
 )
-from kvatlas.client.route_client import RouteClient, RouteScore, RouteScores
+from kvatlas.client.route_client import AsyncRouteClient, RouteClient, RouteScore, RouteScores
 
 __all__ = [
+    "AsyncRouteClient",
     "AuthSendError",
     "BlendCoordinatorClient",
     "CoordinatorClient",

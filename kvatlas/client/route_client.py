@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 
 from kvatlas.checks import is_plain_int
 from kvatlas.client.coordinator_client import (
@@ -23,6 +24,8 @@ from kvatlas.client.coordinator_client import (
     call_json,
     encode_tokens_b64,
 )
+
+_json = msgspec.json.Encoder()
 
 TIER_NAMES = ("gpu", "l1", "l2", "peer")
 """The ``by_tier`` keys of a reply (the coordinator's tier classes)."""
@@ -85,6 +88,29 @@ def parse_route_scores(payload: Any) -> RouteScores:
     return RouteScores(rows, _count(payload, "query_tokens"))
 
 
+def score_body(
+    token_ids: Any,
+    model_name: str,
+    *,
+    world_size: int = 1,
+    cache_salt: str = "",
+    instances: Sequence[str] | None = None,
+    weights: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
+    """The ``POST /route/score`` body (one place for the sync and the async client)."""
+    body: dict[str, Any] = {
+        "tokens_b64": encode_tokens_b64(token_ids),
+        "model_name": model_name,
+        "world_size": world_size,
+        "cache_salt": cache_salt,
+    }
+    if instances is not None:
+        body["instances"] = list(instances)
+    if weights is not None:
+        body["weights"] = dict(weights)
+    return body
+
+
 class RouteClient:
     """``score()`` a query against the fleet; one persistent connection."""
 
@@ -103,16 +129,10 @@ class RouteClient:
         weights: Mapping[str, float] | None = None,
     ) -> RouteScores:
         """Every candidate (``instances``, default every live instance), best first."""
-        body: dict[str, Any] = {
-            "tokens_b64": encode_tokens_b64(token_ids),
-            "model_name": model_name,
-            "world_size": world_size,
-            "cache_salt": cache_salt,
-        }
-        if instances is not None:
-            body["instances"] = list(instances)
-        if weights is not None:
-            body["weights"] = dict(weights)
+        body = score_body(
+            token_ids, model_name, world_size=world_size, cache_salt=cache_salt,
+            instances=instances, weights=weights,
+        )  # fmt: skip
         reply = call_json(self._http, "POST", "/route/score", json=body)
         try:
             return parse_route_scores(reply)
@@ -127,6 +147,90 @@ class RouteClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class AsyncRouteClient:
+    """The same on an event loop (``kvatlas router``), plus the instance listing a router
+    learns engines from; failures raise :class:`CoordinatorError` as the sync client does.
+
+    It speaks through aiohttp, not httpx: a router scores every request, and aiohttp's client
+    costs about a quarter of httpx's CPU per call (docs/router.md, "The router's own cost").
+    aiohttp is imported when a client is made, so ``import kvatlas.client`` stays light."""
+
+    def __init__(self, url: str, *, token: str | None = None, timeout: float = 5.0) -> None:
+        import aiohttp
+
+        self.url = url.rstrip("/")
+        self._headers = auth_headers(token)
+        self._timeout = timeout
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> Any:
+        import aiohttp
+
+        if self._session is None:  # made on the event loop that uses it
+            self._session = aiohttp.ClientSession(
+                headers=self._headers, timeout=aiohttp.ClientTimeout(total=self._timeout)
+            )
+        return self._session
+
+    async def _call(
+        self, method: str, path: str, *, body: bytes | None = None, timeout: float | None = None
+    ) -> Any:
+        import aiohttp
+
+        extra: dict[str, Any] = {}
+        if timeout is not None:
+            extra["timeout"] = aiohttp.ClientTimeout(total=timeout)
+        if body is not None:
+            extra["data"] = body
+            extra["headers"] = {"content-type": "application/json"}
+        try:
+            async with self._client().request(method, self.url + path, **extra) as reply:
+                raw = await reply.read()
+                status = reply.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise CoordinatorError(f"{method} {path}: {exc!r}") from exc
+        if status >= 400:
+            text = raw[:200].decode("utf-8", "replace")
+            raise CoordinatorError(f"{method} {path}: {status} {text}", status)
+        try:
+            return msgspec.json.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise CoordinatorError(f"{method} {path}: reply is not JSON: {exc}") from None
+
+    async def score(
+        self,
+        token_ids: Any,
+        model_name: str,
+        *,
+        world_size: int = 1,
+        cache_salt: str = "",
+        instances: Sequence[str] | None = None,
+        weights: Mapping[str, float] | None = None,
+        timeout: float | None = None,
+    ) -> RouteScores:
+        body = score_body(
+            token_ids, model_name, world_size=world_size, cache_salt=cache_salt,
+            instances=instances, weights=weights,
+        )  # fmt: skip
+        reply = await self._call("POST", "/route/score", body=_json.encode(body), timeout=timeout)
+        try:
+            return parse_route_scores(reply)
+        except ValueError as exc:
+            raise CoordinatorError(f"POST /route/score: malformed reply: {exc}") from None
+
+    async def instances(self) -> list[dict[str, Any]]:
+        """``GET /instances`` rows (registration fields, liveness)."""
+        reply = await self._call("GET", "/instances")
+        rows = reply.get("instances") if isinstance(reply, dict) else None
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise CoordinatorError("GET /instances: malformed reply")
+        return rows
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
 
 
 # ---------------------------------------------------------------------------- kvatlas route

@@ -1,0 +1,248 @@
+"""The router's own cost (``kvatlas router``): route decision latency (score + choice) under
+load, the router process's CPU per request, and the time to first token it adds against
+calling the engine directly.
+
+Real processes on loopback: a coordinator holding a RAG-style directory (``bench route``'s
+workload, the engines as its instances), the router (``--policy kvatlas``: one
+``POST /route/score`` per request) and one constant-reply engine serving every engine id. The
+engine is deliberately not a simulator: it answers at once, so what is timed is the router.
+Decision latency is read from the router's own histogram
+(``kvatlas_router_decision_seconds``: body read, tokens, score, choice), so its p99 is a bucket
+bound; the added TTFT is the difference of medians of time-to-first-byte, direct and routed
+requests alternating so drift hits both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+from rich.progress import Progress
+
+from kvatlas.asgi_thread import free_port
+from kvatlas.bench.common import BenchRow, add_common_arguments, report
+from kvatlas.bench.loadgen import build_post
+from kvatlas.bench.route import CHUNK, MODEL, build_query, build_workload
+from kvatlas.bench.server_cpu import (
+    LoadResult,
+    run_python_load,
+    run_wrk,
+    warn_no_wrk,
+    wrk_path,
+)
+from kvatlas.events import encode_msgpack
+from kvatlas.processes import spawn_service, stop
+
+ENGINES = 4
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common_arguments(parser, repeats=1)
+    parser.add_argument("--chunks", type=int, default=20_000, help="chunks in the directory")
+    parser.add_argument("--prompt-tokens", type=int, default=4_096, help="tokens per prompt")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent connections")
+    parser.add_argument("--seconds", type=float, default=5.0, help="duration of the load")
+    parser.add_argument("--ttft-requests", type=int, default=300,
+                        help="sequential requests each way for the added TTFT")  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
+
+
+def _echo_app() -> Any:
+    """A vLLM-shaped engine that answers at once (one SSE event for a stream)."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    reply = {"id": "cmpl-0", "object": "text_completion", "model": MODEL,
+             "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2,
+                       "prompt_tokens_details": {"cached_tokens": 0}}}  # fmt: skip
+
+    async def completions(request: Any) -> Response:
+        body = json.loads(await request.body())
+        if body.get("stream"):
+
+            async def events() -> Any:
+                yield b'data: {"id":"cmpl-0","choices":[{"index":0,"text":"x"}]}\n\n'
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return JSONResponse(reply)
+
+    async def models(_: Any) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": MODEL, "max_model_len": 1 << 20}]})
+
+    async def ok(_: Any) -> Response:
+        return Response(status_code=200)
+
+    async def metrics(_: Any) -> Response:
+        return PlainTextResponse("vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
+
+    return Starlette(routes=[
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models), Route("/health", ok), Route("/healthz", ok),
+        Route("/metrics", metrics),
+    ])  # fmt: skip
+
+
+def serve_echo_engine(port: int) -> None:
+    """``python -c 'from kvatlas.bench.router import serve_echo_engine; ...'``."""
+    from kvatlas.asgi_thread import serve
+
+    serve(_echo_app(), host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+def _histogram(text: str, name: str) -> list[tuple[float, float]]:
+    """``(le, cumulative count)`` of a Prometheus histogram's buckets."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith(f"{name}_bucket{{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
+    return out
+
+
+def _quantile_bound(before: str, after: str, name: str, q: float) -> float:
+    """The upper bound of the bucket holding quantile ``q`` of what was observed in between."""
+    then = dict(_histogram(before, name))
+    now = _histogram(after, name)
+    total = now[-1][1] - then.get(now[-1][0], 0.0)
+    for le, count in now:
+        if count - then.get(le, 0.0) >= q * total:
+            return le
+    return float("inf")
+
+
+def _first_byte_s(client: httpx.Client, url: str, body: bytes) -> float:
+    start = time.perf_counter()
+    with client.stream("POST", url, content=body,
+                       headers={"content-type": "application/json"}) as reply:  # fmt: skip
+        chunks = reply.iter_raw()
+        next(chunks)
+        elapsed = time.perf_counter() - start
+        for _ in chunks:  # the rest, so the connection is reused
+            pass
+    return elapsed
+
+
+def _load(args: argparse.Namespace, port: int, pid: int, bodies: list[bytes],
+          clients: int) -> LoadResult:  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    if wrk_path() is not None:
+        return run_wrk(url, "/v1/completions", bodies, clients, args.seconds, pid)
+    requests = [build_post("127.0.0.1", port, "/v1/completions", b) for b in bodies]
+    return run_python_load("127.0.0.1", port, requests, clients, args.seconds, pid)
+
+
+def _decision_row(args: argparse.Namespace, client: httpx.Client, port: int, pid: int,
+                  bodies: list[bytes], clients: int) -> BenchRow:  # fmt: skip
+    """Load on the kvatlas router; the decision quantiles from its histogram, in between."""
+    url = f"http://127.0.0.1:{port}"
+    before = client.get(f"{url}/metrics").text
+    load = _load(args, port, pid, bodies, clients)
+    after = client.get(f"{url}/metrics").text
+    failures = sum(float(line.rsplit(" ", 1)[1]) for line in after.splitlines()
+                   if line.startswith("kvatlas_router_score_failures_total"))  # fmt: skip
+    rate = load.requests / load.seconds
+    name = "kvatlas_router_decision_seconds"
+    p50, p99 = (_quantile_bound(before, after, name, q) for q in (0.5, 0.99))
+    return BenchRow(
+        f"route decision (body, score, choice), {args.prompt_tokens}-token prompts, "
+        f"{args.chunks} chunks, {clients} connection(s) ({load.generator})",
+        None, None, "p99 ≤ 5 ms at ≥ 500 req/s" if clients > 1 else "",
+        {"req_per_s": f"{rate:,.0f}", "decision_p50_le_ms": f"{p50 * 1e3:g}",
+         "decision_p99_le_ms": f"{p99 * 1e3:g}", "reply_p99_ms": f"{load.p99_s * 1e3:.2f}",
+         "router_cpu_per_req_ms": f"{load.per_request_cpu_s * 1e3:.3f}",
+         "score_failures": f"{failures:g}"},
+        met=(p99 <= 5e-3 and rate >= 500) if clients > 1 else None,
+        shown=f"p99 ≤ {p99 * 1e3:g} ms",
+    )  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.chunks, args.seconds, args.ttft_requests = 4_000, 2.0, 60
+    rng = np.random.default_rng(args.seed)
+    meta: dict[str, Any] = vars(args).copy()
+    meta.pop("json", None)
+    work = build_workload(rng, args.chunks, ENGINES)  # its instances are the engines
+    prompts = [build_query(rng, work.docs, args.prompt_tokens).tolist() for _ in range(64)]
+    bodies = [json.dumps({"model": MODEL, "prompt": p, "max_tokens": 1}).encode() for p in prompts]
+    stream = [json.dumps({"model": MODEL, "prompt": p, "max_tokens": 1, "stream": True}).encode()
+              for p in prompts[:8]]  # fmt: skip
+    engine_port, coord_port = free_port(), free_port()
+    engine, coord = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{coord_port}"
+    ports = {"kvatlas": free_port(), "round-robin": free_port()}
+    if wrk_path() is None:
+        warn_no_wrk()
+    procs = []
+    rows: list[BenchRow] = []
+    try:
+        with Progress(transient=True) as progress:
+            task = progress.add_task("engine, coordinator, routers; load; TTFT", total=5)
+            code = f"from kvatlas.bench.router import serve_echo_engine; serve_echo_engine({engine_port})"
+            procs.append(spawn_service(["-c", code], engine))
+            flags = ["--port", str(coord_port), "--chunk-size", str(CHUNK),
+                     "--enable-blend-lookup", "--max-body-bytes", str(1 << 30),
+                     "--log-level", "warning"]  # fmt: skip
+            procs.append(spawn_service(["-m", "kvatlas.cli", "coordinator", *flags], coord))
+            with httpx.Client(base_url=coord, timeout=300) as http:
+                for inst in work.instances:
+                    http.post("/instances", json={"instance_id": inst}).raise_for_status()
+                for start in range(0, len(work.batches), 4):
+                    http.post("/events", content=encode_msgpack(work.batches[start : start + 4]),
+                              headers={"Content-Type": "application/msgpack"}).raise_for_status()  # fmt: skip
+            engines = [f for i in work.instances for f in ("--engine", f"{i}={engine}")]
+            pids = {}
+            for policy, port in ports.items():
+                rflags = ["--port", str(port), "--coordinator-url", coord, *engines,
+                          "--policy", policy, "--log-level", "warning",
+                          "--max-body-bytes", str(1 << 24), "--score-timeout-s", "1"]  # fmt: skip
+                procs.append(spawn_service(["-m", "kvatlas.cli", "router", *rflags],
+                                           f"http://127.0.0.1:{port}"))  # fmt: skip
+                pids[policy] = procs[-1].pid
+            progress.advance(task)
+            with httpx.Client(timeout=60) as client:
+                routers = {p: f"http://127.0.0.1:{port}" for p, port in ports.items()}
+                for url in routers.values():
+                    for body in bodies[:16]:  # warm-up
+                        client.post(f"{url}/v1/completions", content=body,
+                                    headers={"content-type": "application/json"}).raise_for_status()  # fmt: skip
+                k_port, k_pid = ports["kvatlas"], pids["kvatlas"]
+                rows.append(_decision_row(args, client, k_port, k_pid, bodies, args.clients))
+                progress.advance(task)
+                rows.append(_decision_row(args, client, k_port, k_pid, bodies, 1))
+                progress.advance(task)
+                first_byte: dict[str, list[float]] = {"direct": [], **{p: [] for p in routers}}
+                for k in range(args.ttft_requests):  # interleaved: drift hits every column
+                    body = stream[k % len(stream)]
+                    first_byte["direct"].append(
+                        _first_byte_s(client, f"{engine}/v1/completions", body)
+                    )
+                    for policy, url in routers.items():
+                        first_byte[policy].append(
+                            _first_byte_s(client, f"{url}/v1/completions", body)
+                        )
+                progress.advance(task)
+        direct = statistics.median(first_byte["direct"])
+        for policy in routers:
+            added = statistics.median(first_byte[policy]) - direct
+            what = "score + proxy" if policy == "kvatlas" else "proxy alone"
+            rows.append(BenchRow(
+                f"added time to first byte, --policy {policy} ({what}), stream, "
+                f"{args.prompt_tokens}-token prompts (routed − direct, medians, sequential)",
+                added, None, "≤ 2 ms" if policy == "kvatlas" else "",
+                {"direct_p50_ms": f"{direct * 1e3:.2f}",
+                 "routed_p50_ms": f"{statistics.median(first_byte[policy]) * 1e3:.2f}"},
+                met=added <= 2e-3 if policy == "kvatlas" else None,
+                shown=f"{added * 1e3:.2f} ms",
+            ))  # fmt: skip
+    finally:
+        stop(procs)
+    report("kvatlas bench router", rows, args, meta)
+    return 0

@@ -1,0 +1,192 @@
+"""Router configuration: ``kvatlas router`` flags, each also ``KVATLAS_<NAME>``, each described
+by ``kvatlas router --help`` (docs/router.md, "Flags").
+
+The cost model's constants are flags with their sources in docs/router.md ("The kvatlas
+policy"); a flag that names a concept the coordinator or node also has keeps their name
+(``--coordinator-url``, ``--coordinator-token-file``, ``--auth-token-file``, ``--model-name``,
+``--max-body-bytes``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Final
+from urllib.parse import urlsplit
+
+from kvatlas.auth import TokenAuth, read_secret_file
+from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args, env_name
+from kvatlas.keys import check_instance_id
+from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
+
+log = logging.getLogger(__name__)
+
+POLICIES: Final = ("kvatlas", "prefix", "least-loaded", "round-robin", "random")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """``kvatlas router``'s flags (each also ``KVATLAS_<NAME>``)."""
+
+    coordinator_url: str = ""
+    coordinator_token_file: Path | None = None
+    engine: str = ""
+    engines_from_coordinator: bool = False
+    engine_url_template: str = ""
+    policy: str = "kvatlas"
+    tokenizer: Path | None = None
+    chat_template: Path | None = None
+    model_name: str = ""
+    host: str = "127.0.0.1"
+    port: int = 8080
+    auth_token_file: Path | None = None
+    max_body_bytes: int = 8 << 20
+    score_timeout_s: float = 0.05
+    engine_timeout_s: float = 600.0
+    connect_timeout_s: float = 2.0
+    health_interval_s: float = 1.0
+    metrics_interval_s: float = 1.0
+    prefill_tokens_per_s: float = 20_000.0
+    kv_bytes_per_token: int = 131_072
+    gpu_bandwidth_bytes_per_s: float = 0.0
+    l1_bandwidth_bytes_per_s: float = 25e9
+    l2_bandwidth_bytes_per_s: float = 3e9
+    peer_bandwidth_bytes_per_s: float = 3e9
+    recompute_share: float = 0.15
+    seed: int = 0
+    log_level: str = "info"
+    log_format: str = "json"
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"--policy must be one of {', '.join(POLICIES)}")
+        if not self.engine and not self.engines_from_coordinator:
+            raise ValueError("give --engine ID=URL (repeatable) or --engines-from-coordinator")
+        if self.engines_from_coordinator and not self.coordinator_url:
+            raise ValueError("--engines-from-coordinator needs --coordinator-url")
+        if self.policy in ("kvatlas", "prefix") and not self.coordinator_url:
+            raise ValueError(f"--policy {self.policy} needs --coordinator-url (it scores there)")
+        parse_engines(self.engine)  # refuse a bad list at start, naming the item
+        if self.engine_url_template:
+            try:
+                check_engine_url(self.engine_url_template.format(instance_id="x"), "")
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ValueError(
+                    f"--engine-url-template: an http(s) URL with {{instance_id}} only ({exc})"
+                ) from None
+        if self.chat_template is not None and self.tokenizer is None:
+            raise ValueError("--chat-template needs --tokenizer (the template's text is tokenized)")
+        for name in ("max_body_bytes", "kv_bytes_per_token", "port"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        positive = ("score_timeout_s", "engine_timeout_s", "connect_timeout_s",
+                    "health_interval_s", "metrics_interval_s", "prefill_tokens_per_s")  # fmt: skip
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        for tier in ("gpu", "l1", "l2", "peer"):
+            if getattr(self, f"{tier}_bandwidth_bytes_per_s") < 0:
+                raise ValueError(f"--{tier}-bandwidth-bytes-per-s must be >= 0 (0 = free)")
+        if not 0.0 <= self.recompute_share <= 1.0:
+            raise ValueError("--recompute-share must be in [0, 1]")
+
+    @property
+    def engines(self) -> dict[str, str]:
+        return parse_engines(self.engine)
+
+    def auth(self) -> TokenAuth | None:
+        """The router's own tokens (``--auth-token-file``; ``None`` = no auth)."""
+        if self.auth_token_file is None:
+            return None
+        return TokenAuth.from_file(self.auth_token_file)  # private, long tokens: one rule
+
+    def coordinator_bearer(self) -> str | None:
+        if self.coordinator_token_file is None:
+            return os.environ.get(env_name("coordinator_token")) or None
+        return read_secret_file(self.coordinator_token_file, "--coordinator-token-file")
+
+
+def check_engine_url(url: str, where: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{where}: {url!r} is not an http(s) URL")
+    return url.rstrip("/")
+
+
+def parse_engines(text: str) -> dict[str, str]:
+    """``ID=URL`` items separated by commas or whitespace (the flag may also be repeated:
+    argparse joins them) → ``{id: url}``; a repeated id or a bad URL is refused."""
+    engines: dict[str, str] = {}
+    for item in text.replace(",", " ").split():
+        engine_id, sep, url = item.partition("=")
+        if not sep or not engine_id:
+            raise ValueError(f"--engine: {item!r} is not ID=URL")
+        check_instance_id(engine_id)
+        if engine_id in engines:
+            raise ValueError(f"--engine: {engine_id!r} given twice")
+        engines[engine_id] = check_engine_url(url, f"--engine {engine_id}")
+    return engines
+
+
+HELP: Final = MappingProxyType(
+    {
+        "coordinator_url": "the kvatlas coordinator that scores engines (POST /route/score)",
+        "coordinator_token_file": "file holding a coordinator token with the lookup role "
+        "(mode 600); or KVATLAS_COORDINATOR_TOKEN",
+        "engine": "an engine as ID=URL (ID = its id in the directory, the KV-events topic's "
+        "emitter); repeatable or comma-separated",
+        "engines_from_coordinator": "also route to the instances GET /instances lists with "
+        "metadata.openai_url (or --engine-url-template), refreshed every --health-interval-s",
+        "engine_url_template": "URL of a coordinator-listed instance without metadata.openai_url, "
+        "e.g. http://{instance_id}:8000 (empty: such instances are skipped)",
+        "policy": "how an engine is chosen (docs/router.md has each formula)",
+        "tokenizer": "the engines' Hugging Face tokenizer.json (or a model directory holding "
+        "tokenizer.json and tokenizer_config.json); without it text is routed by load",
+        "chat_template": "the model's Jinja chat template (a .jinja file or a "
+        "tokenizer_config.json); default: the one in the tokenizer's directory",
+        "model_name": "model name the directory keys the engines' KV under (the KV-events "
+        "topic's model; default: the request's model)",
+        "host": "address to listen on",
+        "port": "port to listen on",
+        "auth_token_file": "JSON token file (the coordinator's format): requests need a route "
+        "token; a salt-bound token routes only its cache_salts (default: no auth)",
+        "max_body_bytes": "largest request body (413 beyond)",
+        "score_timeout_s": "longest wait for the coordinator's score; then route by load",
+        "engine_timeout_s": "longest wait for an engine's reply (and between streamed bytes)",
+        "connect_timeout_s": "longest wait to connect to an engine (then retry once elsewhere)",
+        "health_interval_s": "how often each engine's /health and /v1/models are checked",
+        "metrics_interval_s": "how often each engine's /metrics (vLLM's gauges) is scraped",
+        "prefill_tokens_per_s": "kvatlas policy: one engine's prefill rate",
+        "kv_bytes_per_token": "kvatlas policy: KV bytes per token (2 x layers x KV heads x "
+        "head dim x dtype bytes; default Llama-3-8B bf16)",
+        "gpu_bandwidth_bytes_per_s": "kvatlas policy: fetch rate of KV in the engine's GPU "
+        "(0 = free: it is already there)",
+        "l1_bandwidth_bytes_per_s": "kvatlas policy: fetch rate from host DRAM (CPU offload, "
+        "node L1) into the GPU",
+        "l2_bandwidth_bytes_per_s": "kvatlas policy: fetch rate from a node's L2 / a shared pool",
+        "peer_bandwidth_bytes_per_s": "kvatlas policy: fetch rate from a peer node's L1",
+        "recompute_share": "kvatlas policy: share of fragment tokens recomputed (CacheBlend)",
+        "seed": "seed of the random policy and of tie-breaks",
+        "log_level": "log level",
+        "log_format": "log format",
+    }
+)
+
+CHOICES: Final = MappingProxyType(
+    {"policy": POLICIES, "log_level": LOG_LEVELS, "log_format": LOG_FORMATS}
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_dataclass_arguments(parser, RouterConfig, HELP, CHOICES, repeatable=("engine",))
+
+
+def config_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> RouterConfig:
+    return dataclass_from_args(RouterConfig, args, environ)

@@ -1,0 +1,77 @@
+"""The router's ``/metrics`` (Prometheus): decisions, their latency, what was predicted against
+what the engine reported reusing, TTFT and end-to-end latency measured at the router,
+retries, untokenized requests and engines out of the set (docs/router.md, "Metrics")."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005,
+                    0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)  # fmt: skip
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter(
+            "kvatlas_router_decisions", "requests routed, by policy and chosen engine",
+            ["policy", "engine"], registry=r,
+        )  # fmt: skip
+        self.decision_seconds = Histogram(
+            "kvatlas_router_decision_seconds", "route decision latency (score + choice)",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.predicted_reused = Counter(
+            "kvatlas_router_predicted_reused_tokens",
+            "prompt tokens the chosen engine was predicted to reuse (prefix + fragments)",
+            ["engine"], registry=r,
+        )  # fmt: skip
+        self.reported_reused = Counter(
+            "kvatlas_router_reported_reused_tokens",
+            "prompt tokens the engine reported cached (usage.prompt_tokens_details.cached_tokens)",
+            ["engine"], registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "kvatlas_router_prompt_tokens", "prompt tokens of routed requests (as tokenized)",
+            ["engine"], registry=r,
+        )  # fmt: skip
+        self.ttft_seconds = Histogram(
+            "kvatlas_router_ttft_seconds", "request arrival to the engine's first byte",
+            buckets=_TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e_seconds = Histogram(
+            "kvatlas_router_e2e_seconds", "request arrival to the engine's last byte",
+            buckets=_TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.retries = Counter(
+            "kvatlas_router_retries", "requests retried on the next engine after a refusal",
+            registry=r,
+        )  # fmt: skip
+        self.untokenized = Counter(
+            "kvatlas_router_untokenized", "requests routed by load: tokens unknown (reason)",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        self.score_failures = Counter(
+            "kvatlas_router_score_failures",
+            "coordinator scores not had in time or refused: routed by load", registry=r,
+        )  # fmt: skip
+        self.errors = Counter(
+            "kvatlas_router_errors", "requests answered with an error by the router (status)",
+            ["status"], registry=r,
+        )  # fmt: skip
+        self.aborted_streams = Counter(
+            "kvatlas_router_aborted_streams",
+            "replies cut after their first byte (engine failed or client left)", registry=r,
+        )  # fmt: skip
+        self.engines_out = Gauge(
+            "kvatlas_router_engines_out", "engines out of the candidate set (unhealthy)",
+            registry=r,
+        )  # fmt: skip
+        self.engines_known = Gauge(
+            "kvatlas_router_engines", "engines known (in or out of the set)", registry=r
+        )
+        self.in_flight = Gauge(
+            "kvatlas_router_in_flight", "requests in flight per engine", ["engine"], registry=r
+        )

@@ -1,0 +1,232 @@
+"""What the router reads of an OpenAI request body, and nothing more: the body itself goes to
+the engine unchanged. Every bad input is an :class:`~kvatlas.errors.InvalidInput` (400) that
+names what is wrong — invalid JSON, no model, an empty prompt, a token id that is not one —
+never a traceback.
+
+``prompt_tokens`` is what the route is scored with: token ids as given, or text and chat
+through :class:`~kvatlas.router.tokenizer.PromptTokenizer`; ``None`` when the router cannot
+know them (no tokenizer, multimodal parts): such a request is routed by load and counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+import msgspec
+import numpy as np
+
+from kvatlas.checks import is_plain_int
+from kvatlas.errors import InvalidInput
+from kvatlas.router.tokenizer import PromptTokenizer
+
+Kind = Literal["completions", "chat"]
+MAX_TOKEN_ID: Final = (1 << 32) - 1
+TokenIds = np.ndarray[Any, np.dtype[np.uint32]]
+_decoder = msgspec.json.Decoder()
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """One request as the router sees it."""
+
+    kind: Kind
+    model: str
+    stream: bool
+    cache_salt: str
+    max_tokens: int | None
+    prompt_tokens: TokenIds | None
+    """uint32 ids (a token-id prompt is checked and converted in one numpy pass)."""
+    untokenized_reason: str | None = None
+    """Why ``prompt_tokens`` is ``None``: ``"no_tokenizer"`` or ``"multimodal"``."""
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidInput(f"'{name}' must be a boolean")
+    return value
+
+
+def _token_ids(value: list[Any], where: str) -> TokenIds:
+    """``value`` as uint32 ids, or ``InvalidInput``: numpy types the whole list at once (a
+    string, float, bool-only or nested item gives another dtype; an int beyond int64 an
+    overflow), instead of a Python check per token."""
+    if not value:
+        raise InvalidInput(f"{where} is empty")
+    try:
+        ids = np.asarray(value)
+    except (OverflowError, ValueError):
+        ids = np.asarray([], dtype=np.float64)
+    bad = ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() > MAX_TOKEN_ID
+    if bad or any(type(v) is bool for v in value):  # numpy takes True for 1; vLLM does not
+        raise InvalidInput(f"{where} must be token ids (integers in [0, 2^32))")
+    return ids.astype(np.uint32)
+
+
+def _completion_tokens(
+    body: dict[str, Any], tokenizer: PromptTokenizer | None
+) -> tuple[TokenIds | None, str | None]:
+    """The first prompt's tokens (a batch goes to one engine: its first prompt routes it)."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise InvalidInput("'prompt' is required")
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif isinstance(prompt, list) and prompt and is_plain_int(prompt[0]):
+        prompts = [prompt]  # token ids (every item is checked below, in one numpy pass)
+    elif isinstance(prompt, list):
+        prompts = prompt
+    else:
+        raise InvalidInput("'prompt' must be a string, token ids, or a list of either")
+    if not prompts:
+        raise InvalidInput("'prompt' is empty")
+    checked: list[TokenIds] = []
+    for i, item in enumerate(prompts):
+        if isinstance(item, str):
+            if not item:
+                raise InvalidInput(
+                    "'prompt' is empty" if len(prompts) == 1 else f"prompt {i} is empty"
+                )
+        elif isinstance(item, list):
+            checked.append(_token_ids(item, "'prompt'" if len(prompts) == 1 else f"prompt {i}"))
+        else:
+            raise InvalidInput("'prompt' must be a string, token ids, or a list of either")
+    first = prompts[0]
+    if isinstance(first, list):
+        return checked[0], None
+    if tokenizer is None:
+        return None, "no_tokenizer"
+    add_special = _flag(body, "add_special_tokens", True)
+    return _ids(tokenizer.encode_text(first, add_special_tokens=add_special)), None
+
+
+def _ids(tokens: list[int]) -> TokenIds:
+    return np.asarray(tokens, dtype=np.uint32)
+
+
+def _is_multimodal(messages: list[Any]) -> bool:
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list) and any(
+            not isinstance(part, dict) or part.get("type") != "text" for part in content
+        ):
+            return True
+    return False
+
+
+def _text_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    """Text parts joined with newlines (vLLM's "string" content format)."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            message = {**message, "content": "\n".join(str(p.get("text", "")) for p in content)}
+        out.append(message)
+    return out
+
+
+def _chat_tokens(
+    body: dict[str, Any], tokenizer: PromptTokenizer | None
+) -> tuple[TokenIds | None, str | None]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidInput("'messages' must be a non-empty list")
+    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise InvalidInput("every message must be an object with a 'role'")
+    if _is_multimodal(messages):
+        return None, "multimodal"
+    if tokenizer is None or not tokenizer.has_chat_template:
+        return None, "no_tokenizer"
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise InvalidInput("'chat_template_kwargs' must be an object")
+    tools, documents = body.get("tools"), body.get("documents")
+    if tools is not None and not isinstance(tools, list):
+        raise InvalidInput("'tools' must be a list")
+    if documents is not None and not isinstance(documents, list):
+        raise InvalidInput("'documents' must be a list")
+    continue_final = _flag(body, "continue_final_message", False)
+    tokens = tokenizer.encode_chat(
+        _text_messages(messages),
+        add_special_tokens=_flag(body, "add_special_tokens", False),
+        add_generation_prompt=_flag(body, "add_generation_prompt", not continue_final),
+        continue_final_message=continue_final,
+        tools=tools,
+        documents=documents,
+        template_kwargs=kwargs,
+    )
+    if not tokens:
+        raise InvalidInput("the chat renders to an empty prompt")
+    return _ids(tokens), None
+
+
+def decode_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = _decoder.decode(raw)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidInput("body must be a JSON object")
+    return body
+
+
+class _TokenIdsCompletion(msgspec.Struct):
+    """The fields the router reads of a completion whose prompt is token ids, decoded typed:
+    msgspec checks every id is an integer in C, numpy the range in one pass (≈ a third of
+    the general path's CPU for a 4,096-token prompt). Anything else takes the general path."""
+
+    prompt: list[int]
+    model: Any = None
+    stream: Any = None
+    cache_salt: Any = None
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
+
+
+_token_ids_decoder = msgspec.json.Decoder(_TokenIdsCompletion)
+
+
+def _token_ids_body(raw: bytes) -> tuple[dict[str, Any], TokenIds] | None:
+    try:
+        view = _token_ids_decoder.decode(raw)
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return None  # not this shape (or not JSON): the general path says what is wrong
+    if not view.prompt:
+        return None
+    try:
+        ids = np.fromiter(view.prompt, dtype=np.int64, count=len(view.prompt))
+    except OverflowError:
+        ids = np.asarray([-1])
+    if ids.min() < 0 or ids.max() > MAX_TOKEN_ID:
+        raise InvalidInput("'prompt' must be token ids (integers in [0, 2^32))")
+    fields = ("model", "stream", "cache_salt", "max_tokens", "max_completion_tokens")
+    body = {name: value for name in fields if (value := getattr(view, name)) is not None}
+    return body, ids.astype(np.uint32)
+
+
+def parse_request(kind: Kind, raw: bytes, tokenizer: PromptTokenizer | None) -> RouteRequest:
+    """The routing view of a ``/v1/completions`` or ``/v1/chat/completions`` body."""
+    fast = _token_ids_body(raw) if kind == "completions" else None
+    body = fast[0] if fast is not None else decode_body(raw)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidInput("'model' is required")
+    salt = body.get("cache_salt")
+    if salt is None:
+        salt = ""
+    if not isinstance(salt, str):
+        raise InvalidInput("'cache_salt' must be a string")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (not is_plain_int(max_tokens) or max_tokens < 0):
+        raise InvalidInput("'max_tokens' must be a non-negative integer")
+    tokens: TokenIds | None
+    if fast is not None:
+        tokens, reason = fast[1], None
+    elif kind == "completions":
+        tokens, reason = _completion_tokens(body, tokenizer)
+    else:
+        tokens, reason = _chat_tokens(body, tokenizer)
+    return RouteRequest(kind, model, _flag(body, "stream", False), salt, max_tokens, tokens, reason)

@@ -1,0 +1,156 @@
+"""Each policy's formula (docs/router.md, "Policies") on hand-computed cases, the load the
+router counts corrected by vLLM's gauges, and engines learned from the coordinator."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvatlas.router import Candidate, CostModel, Coverage, EngineLoad, Policy, RouterConfig
+from kvatlas.router.engines import Engine, EngineSet, parse_models, parse_vllm_gauges
+from kvatlas.router.policies import llmd_prefix_score, prefix_costs
+
+IDLE = EngineLoad(in_flight=0, waiting=0.0, pending_prefill_tokens=0.0, kv_usage=0.0)
+BW = {"gpu": 0.0, "l1": 25e9, "l2": 3e9, "peer": 3e9}
+MODEL = CostModel(20_000.0, 131_072, BW, 0.15)
+
+
+def cover(prefix: int = 0, fragments: int = 0, **tiers: int) -> Coverage:
+    return Coverage(prefix, fragments, {t: tiers.get(t, 0) for t in ("gpu", "l1", "l2", "peer")})
+
+
+def test_predicted_ttft_worked_example() -> None:
+    """docs/router.md's example: 4,096 tokens; 2,048 prefix in GPU, 1,024 fragment tokens in
+    a peer's L1; 3,000 prefill tokens queued."""
+    load = EngineLoad(2, 1.0, 3_000.0, 0.5)
+    got = MODEL.predicted_ttft_s(4096, load, cover(2048, 1024, gpu=2048, peer=1024))
+    queue, prefill = 3000 / 20000, 1024 / 20000
+    fetch = 1024 * 131_072 / 3e9
+    recompute = 0.15 * 1024 / 20000
+    assert got == pytest.approx(queue + prefill + fetch + recompute)
+    assert got == pytest.approx(0.150 + 0.0512 + 0.044739 + 0.00768, rel=1e-4)
+
+
+def test_kvatlas_weighs_the_queue_against_the_prefill_saved() -> None:
+    holder = cover(8192, 0, gpu=8192)
+    policy = Policy("kvatlas", MODEL)
+    # 8,192 tokens saved = 0.41 s of prefill: a holder with 4,000 tokens queued still wins
+    busy = EngineLoad(1, 1.0, 4_000.0, 0.3)
+    ranked = policy.rank([Candidate("a", busy, holder), Candidate("b", IDLE)], 10_000)
+    assert [r.engine_id for r in ranked] == ["a", "b"]
+    # ... one with 20,000 queued (1 s) does not
+    jammed = EngineLoad(5, 5.0, 20_000.0, 0.9)
+    ranked = policy.rank([Candidate("a", jammed, holder), Candidate("b", IDLE)], 10_000)
+    assert [r.engine_id for r in ranked] == ["b", "a"]
+    # a copy in a slow tier is worth less than one in the GPU; fragments pay their recompute
+    slow = Candidate("l2", IDLE, cover(8192, 0, l2=8192))
+    frag = Candidate("frag", IDLE, cover(0, 8192, gpu=8192))
+    gpu = Candidate("gpu", IDLE, holder)
+    assert [r.engine_id for r in policy.rank([slow, frag, gpu], 10_000)] == ["gpu", "frag", "l2"]
+
+
+def test_prefix_is_llm_d_scoring() -> None:
+    """2·minmax(prefix) + 1·(1 − KV usage) + 1·minmax(−waiting), llm-d's guide weights."""
+    assert llmd_prefix_score(cover(64, 0, gpu=48, l1=16)) == pytest.approx(48 + 0.8 * 16)
+    assert llmd_prefix_score(cover(32, 32, gpu=16, l1=16, peer=32)) == pytest.approx(16 + 0.8 * 16)
+    a = Candidate("a", EngineLoad(3, 3.0, 0.0, 0.5), cover(64, 0, gpu=64))
+    b = Candidate("b", EngineLoad(0, 0.0, 0.0, 0.1), cover(32, 0, gpu=32))
+    c = Candidate("c", EngineLoad(1, 1.0, 0.0, 0.0))
+    costs = prefix_costs([a, b, c])
+    assert costs["a"] == pytest.approx(-(2 * 1.0 + 0.5 + 0.0))
+    assert costs["b"] == pytest.approx(-(2 * 0.0 + 0.9 + 1.0))
+    assert costs["c"] == pytest.approx(-(0.0 + 1.0 + 2 / 3))
+    ranked = Policy("prefix").rank([a, b, c], 100)
+    assert [r.engine_id for r in ranked] == ["a", "b", "c"]
+    # one holder alone normalises to 1.0 (llm-d: min == max)
+    assert prefix_costs([b, c])["b"] == pytest.approx(-(2.0 + 0.9 + 1.0))
+
+
+def test_load_only_policies() -> None:
+    loads = {"a": EngineLoad(3, 1.0, 0, 0.2), "b": EngineLoad(1, 0.0, 0, 0.9),
+             "c": EngineLoad(1, 0.0, 0, 0.1)}  # fmt: skip
+    cands = [Candidate(i, load) for i, load in loads.items()]
+    assert [r.engine_id for r in Policy("least-loaded").rank(cands, 10)] == ["c", "b", "a"]
+    rr = Policy("round-robin")
+    assert [rr.rank(cands, 10)[0].engine_id for _ in range(4)] == ["a", "b", "c", "a"]
+    first = [Policy("random", seed=3).rank(cands, 10)[0].engine_id for _ in range(3)]
+    assert first == [Policy("random", seed=3).rank(cands, 10)[0].engine_id for _ in range(3)]
+    seen = {r.rank(cands, 10)[0].engine_id for r in [Policy("random", seed=7)] for _ in range(50)}
+    assert seen == {"a", "b", "c"}
+
+
+def test_vllm_gauges_correct_the_routers_own_count() -> None:
+    text = (
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 4.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 3.0\n'
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5\n'
+        'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.7\n'
+        "# TYPE vllm:prompt_tokens counter\nvllm:prompt_tokens_total 99.0\n"
+    )
+    gauges = parse_vllm_gauges(text)
+    assert gauges == pytest.approx({"vllm:num_requests_running": 6.0,
+                                    "vllm:num_requests_waiting": 3.0,
+                                    "vllm:kv_cache_usage_perc": 0.6})  # fmt: skip
+    engines = EngineSet({"e": "http://x"})
+    engine = engines.engines["e"]
+    engines.sent(engine, 1000)  # the router's own: one request, 1,000 tokens to prefill
+    assert engines.load(engine).pending_prefill_tokens == 1000
+    engine.gauges = gauges  # the engine also has 2 waiting requests the router did not send
+    load = engines.load(engine)
+    assert (load.in_flight, load.waiting, load.kv_usage) == (9, 3.0, pytest.approx(0.6))
+    assert load.pending_prefill_tokens == pytest.approx(1000 + 2 * engines.mean_prompt_tokens)
+    engines.first_byte(engine, 1000)
+    engines.finished(engine)
+    assert (engine.in_flight, engine.awaiting_first_byte, engine.pending_tokens) == (0, 0, 0)
+
+
+def test_models_and_engines_from_the_coordinator() -> None:
+    assert parse_models({"data": [{"id": "m", "max_model_len": 8192}, {"id": "n"}]}) == {
+        "m": 8192, "n": None}  # fmt: skip
+    assert Engine("e", "u", models={"m": 10}).serves("m")
+    assert not Engine("e", "u", models={"m": 10}).serves("x")
+    assert Engine("e", "u").serves("x")  # models not known yet: any
+    from kvatlas.router.app import Router
+
+    config = RouterConfig(engines_from_coordinator=True, coordinator_url="http://c",
+                          engine_url_template="http://{instance_id}.engines:8000")  # fmt: skip
+    router = Router.__new__(Router)
+    router.config = config
+    rows = [{"instance_id": "pod-a", "metadata": {"openai_url": "http://10.0.0.1:8000/"}},
+            {"instance_id": "pod-b", "alive": False, "registered": False},
+            {"instance_id": "node-c", "metadata": {"openai_url": "ftp://nope"}}]  # fmt: skip
+    assert router.listed_engines(rows) == {
+        "pod-a": "http://10.0.0.1:8000",
+        "pod-b": "http://pod-b.engines:8000",
+    }  # node-c's URL is not http(s): skipped, not guessed
+    router.config = RouterConfig(engines_from_coordinator=True, coordinator_url="http://c")
+    assert router.listed_engines(rows) == {"pod-a": "http://10.0.0.1:8000"}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({}, "--engine ID=URL"),
+        ({"engine": "a=http://x", "policy": "fastest"}, "--policy"),
+        ({"engine": "a=http://x"}, "needs --coordinator-url"),
+        ({"engine": "a=http://x,a=http://y", "policy": "random"}, "given twice"),
+        ({"engine": "a", "policy": "random"}, "ID=URL"),
+        ({"engine": "a=ftp://x", "policy": "random"}, "http"),
+        ({"engine": "a@b=http://x", "policy": "random"}, "must not contain"),
+        ({"engine": "a=http://x", "policy": "random", "recompute_share": 2.0}, "recompute"),
+    ],
+)
+def test_config_refuses(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        RouterConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_bad_url_template_is_refused_at_start() -> None:
+    base = {"engines_from_coordinator": True, "coordinator_url": "http://c", "policy": "random"}
+    for bad in ("http://{pod}:8000", "{instance_id}:8000", "http://{0}"):
+        with pytest.raises(ValueError, match="engine-url-template"):
+            RouterConfig(**base, engine_url_template=bad)  # type: ignore[arg-type]
+    RouterConfig(**base, engine_url_template="http://{instance_id}.svc:8000")  # type: ignore[arg-type]
