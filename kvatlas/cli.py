@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvatlas import __version__
 from kvatlas.bench import BENCHMARKS
@@ -138,6 +138,15 @@ def subcommand_parser(
     return parser
 
 
+_SERVICES: dict[str, tuple[str, str, Callable[[argparse.Namespace], object]]] = {
+    "coordinator": ("kvatlas.coordinator.server", "run_coordinator", config_from_args),
+    "node": ("kvatlas.node.server", "run_node", node_config_from_args),
+    "router": ("kvatlas.router.server", "run_router", router_config_from_args),
+    "engine-sim": ("kvatlas.engine_sim.server", "run_engine_sim", engine_sim_config_from_args),
+}
+"""The long-running services: ``kvatlas <name>`` → (module, its run function, the config)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -145,38 +154,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     own = subcommand_parser(parser, [n for n in names if n])
     if extra:  # argument errors name the subcommand's usage, not the top level's
         own.error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.command == "coordinator":
-        from kvatlas.coordinator.server import run_coordinator
-
+    if args.command in _SERVICES:  # parsed here, imported (and run) only when chosen
+        where, entry, parse = _SERVICES[args.command]
         try:
-            config = config_from_args(args)
+            config = parse(args)
         except ValueError as exc:
             own.error(str(exc))
-        return run_coordinator(config)
-    if args.command == "node":
-        from kvatlas.node.server import run_node
-
-        try:
-            node_config = node_config_from_args(args)
-        except ValueError as exc:
-            own.error(str(exc))
-        return run_node(node_config)
-    if args.command == "router":
-        from kvatlas.router.server import run_router
-
-        try:
-            router_config = router_config_from_args(args)
-        except ValueError as exc:
-            own.error(str(exc))
-        return run_router(router_config)
-    if args.command == "engine-sim":
-        from kvatlas.engine_sim.server import run_engine_sim
-
-        try:
-            sim_config = engine_sim_config_from_args(args)
-        except ValueError as exc:
-            own.error(str(exc))
-        return run_engine_sim(sim_config)
+        result: int = getattr(importlib.import_module(where), entry)(config)
+        return result
     if args.command == "route":
         try:
             return run_route_command(dataclass_from_args(RouteCommand, args))
