@@ -171,3 +171,39 @@ def test_kvatlas_redis_clients_send_no_client_setinfo() -> None:
     assert b"SETINFO" in plain.upper()  # control: redis-py announces itself by default
     ours = _first_bytes_a_client_sends(lambda url: redis_client(url, socket_timeout=10))
     assert b"PING" in ours and b"SETINFO" not in ours.upper()
+
+
+def test_a_node_takes_its_tokens_from_the_environment() -> None:
+    """docs/security.md, "Node", "Secrets": ``KVATLAS_COORDINATOR_TOKEN`` and
+    ``KVATLAS_PEER_TOKEN`` instead of a flag that shows in the process list."""
+    from kvatlas.cli import _build_parser
+    from kvatlas.node.config import config_from_args
+
+    args = _build_parser().parse_args(["node"])
+    env = {"KVATLAS_COORDINATOR_TOKEN": "c" * 40, "KVATLAS_PEER_TOKEN": "p" * 40}
+    config = config_from_args(args, env)
+    assert config.coordinator_bearer() == "c" * 40 and config.peer_bearer() == "p" * 40
+    assert config_from_args(args, {}).coordinator_bearer() is None
+
+
+def test_a_down_peer_is_skipped_10_s_doubling_up_to_60_s() -> None:
+    """docs/security.md, "Fetching side": the down-times a node runs with by default
+    (jitter at its maximum: the whole step)."""
+    import inspect
+
+    from kvatlas.node.peer_health import PeerHealth
+    from kvatlas.node.tiered_fetch import TieredFetch
+
+    down_for = inspect.signature(TieredFetch.__init__).parameters["down_for"].default
+    now = [0.0]
+    peers = PeerHealth(down_for, clock=lambda: now[0], jitter=lambda: 1.0)
+    waits = []
+    for _ in range(5):
+        start = now[0]
+        peers.failed("p", "refused")
+        while peers.down("p"):
+            now[0] += 0.5
+        waits.append(now[0] - start)
+    assert waits == [10.0, 20.0, 40.0, 60.0, 60.0]
+    peers.succeeded("p")
+    assert not peers.down("p")
