@@ -24,8 +24,11 @@ NODE = ["--model-name", "toy", "--num-layers", "1", "--num-kv-heads", "1", "--he
 SERVICES = ("coordinator", "node")
 
 
+ROUTER = ["--coordinator-url", "http://127.0.0.1:9", "--engine", "e=http://127.0.0.1:9"]
+
+
 def _args(service: str, port: int, *flags: str) -> list[str]:
-    extra = NODE if service == "node" else ["--chunk-size", "16"]
+    extra = {"node": NODE, "router": ROUTER}.get(service, ["--chunk-size", "16"])
     return ["-m", "kvatlas.cli", service, "--port", str(port), "--log-level", "warning",
             *extra, *flags]  # fmt: skip
 
@@ -44,7 +47,7 @@ def _start(service: str, *flags: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("service", SERVICES)
+@pytest.mark.parametrize("service", (*SERVICES, "router"))
 def test_a_token_file_others_may_read_is_refused(service: str, tmp_path: Path) -> None:
     tokens = _token_file(tmp_path / "tokens.json", TOKEN, 0o644)
     done = _start(service, "--auth-token-file", str(tokens))
@@ -52,7 +55,20 @@ def test_a_token_file_others_may_read_is_refused(service: str, tmp_path: Path) -
     assert "chmod 600" in done.stderr, done.stderr[-2000:]
 
 
-@pytest.mark.parametrize("service", SERVICES)
+def test_the_routers_coordinator_token_file_follows_the_rule(tmp_path: Path) -> None:
+    """The router's own secret file: 0644 refused, then a short token refused."""
+    secret = tmp_path / "coordinator.token"
+    secret.write_text(TOKEN)
+    secret.chmod(0o644)
+    done = _start("router", "--coordinator-token-file", str(secret))
+    assert done.returncode != 0 and "chmod 600" in done.stderr, done.stderr[-2000:]
+    secret.write_text("t" * (MIN_TOKEN_CHARS - 1))
+    secret.chmod(0o600)
+    done = _start("router", "--coordinator-token-file", str(secret))
+    assert done.returncode != 0 and f">= {MIN_TOKEN_CHARS} characters" in done.stderr
+
+
+@pytest.mark.parametrize("service", (*SERVICES, "router"))
 def test_a_short_token_is_refused(service: str, tmp_path: Path) -> None:
     assert MIN_TOKEN_CHARS == 32
     tokens = _token_file(tmp_path / "tokens.json", "t" * (MIN_TOKEN_CHARS - 1), 0o600)
