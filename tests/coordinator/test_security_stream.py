@@ -72,3 +72,42 @@ def test_stream_entries_pass_the_same_gate(redis_server: RedisServer, tmp_path: 
         assert "intruder" not in rows
         keys = c.get("/directory/keys", headers=h).json()["keys"]
         assert {k["key"]["chunk_hash_hex"][:2] for k in keys} == {"03"}  # only the good entry
+
+
+def test_undecodable_and_over_capacity_entries_are_refused_and_counted(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """A signed entry whose data is not msgpack is a stream decode error; a signed entry that
+    would add an emitter beyond ``--max-instances`` is refused as ``emitter_cap``; neither is
+    applied, the good entry between them is."""
+    stream = fresh("security-stream-reasons")
+    tokens = write_tokens(
+        tmp_path / "t.json",
+        {"token": ADMIN, "role": "admin"},
+        {"token": NODE_S, "roles": ["emit"], "instance_ids": ["node-s", "node-t"]},
+    )
+    key = stream_key(NODE_S)
+
+    def signed(fields: dict[bytes, bytes]) -> dict[bytes, bytes]:
+        return sign_stream_fields(fields, stream, key.key_id, key.secret)
+
+    with running(
+        event_transport="redis",
+        redis_url=redis_server.url,
+        event_stream=stream,
+        auth_token_file=tokens,
+        max_instances=1,
+    ) as (_, c):
+        h = bearer(ADMIN)
+        r = redis.Redis.from_url(redis_server.url)
+        garbage = {**encode_stream_fields([_store("node-s", 1, 1, 1)]), b"data": b"\xc1"}
+        r.xadd(stream, signed(garbage))  # type: ignore[arg-type]  # not a batch
+        r.xadd(stream, signed(encode_stream_fields([_store("node-s", 1, 2, 2)])))  # type: ignore[arg-type]
+        r.xadd(stream, signed(encode_stream_fields([_store("node-t", 1, 1, 3)])))  # type: ignore[arg-type]
+        assert wait_for(lambda: c.get("/directory/stats", headers=h).json()["keys"] == 2)
+        assert wait_for(
+            lambda: _rejected(c.get("/metrics", headers=h).text) == {"emitter_cap": 1.0}
+        ), c.get("/metrics", headers=h).text
+        assert 'kvatlas_stream_errors_total{kind="decode"} 1.0' in c.get("/metrics", headers=h).text
+        keys = c.get("/directory/keys", headers=h).json()["keys"]
+        assert {k["key"]["chunk_hash_hex"][:2] for k in keys} == {"02"}
