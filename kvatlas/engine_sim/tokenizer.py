@@ -43,7 +43,7 @@ class Tokenizer:
             from tokenizers import Tokenizer as HfTokenizer
         except ImportError as exc:
             raise ValueError(
-                "--tokenizer needs the 'tokenizers' package (pip install 'kvatlas[tokenizer]')"
+                "--tokenizer needs the 'tokenizers' package (a dependency of kvatlas: reinstall it)"
             ) from exc
         try:
             return cls(HfTokenizer.from_file(str(path)))
