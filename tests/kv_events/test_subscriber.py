@@ -178,3 +178,29 @@ def test_a_flood_of_bad_input_is_logged_sparsely(caplog: pytest.LogCaptureFixtur
         assert 10 < len(caplog.records) <= 20
     finally:
         s.close()
+
+
+def test_an_unnamed_endpoint_cannot_take_an_engine_named_for_another() -> None:
+    """The operator named ``pod-a`` for one endpoint: a topic naming it (any rank) on an
+    unnamed endpoint is refused even before pod-a's own endpoint spoke, and pod-a's endpoint
+    then speaks for it."""
+    import threading
+
+    from kvatlas.coordinator.kv_events import KvEventsSubscriber, LinkSpec, SubscriberSettings
+    from kvatlas.events.vllm_wire import pack_seq
+    from kvatlas.keys import KeyScheme
+
+    applied: list[str] = []
+    links = (LinkSpec("tcp://127.0.0.1:1"), LinkSpec("tcp://127.0.0.1:2", engine="pod-a"))
+    settings = SubscriberSettings(links, default_model="llama")
+    sub = KvEventsSubscriber(
+        settings, KeyScheme("blake3", 16), stop=threading.Event(),
+        ingest=lambda batches: applied.extend(b.instance_id for b in batches),
+        clear=lambda _instance: 0,
+    )  # fmt: skip
+    unnamed, named = sub._links
+    sub.handle(unnamed, [b"kv@pod-a@llama", pack_seq(0), golden("current-stored")])
+    sub.handle(unnamed, [b"kv@pod-a@llama", pack_seq(1), golden("vllm-0.33.0-cleared")])
+    assert sub.stats().rejected_foreign == 2 and applied == []
+    sub.handle(named, [b"", pack_seq(0), golden("vllm-0.33.0-stored")])
+    assert sub.stats().rejected_foreign == 2 and set(applied) == {"pod-a"}

@@ -98,6 +98,7 @@ class KvEventsSubscriber:
         self._is_node = is_node
         self._links = [_Link(spec) for spec in settings.links]
         self._owners: dict[str, str] = {}  # engine instance -> the endpoint that speaks for it
+        self._named = {spec.engine: spec.endpoint for spec in settings.links if spec.engine}
         self.counts: Counter[str] = zeroed(SubscriberStats)
         self.engine_ids: frozenset[str] = frozenset()
         """Every engine instance that had a batch applied (kept after ``AllBlocksCleared``: the
@@ -306,6 +307,9 @@ class KvEventsSubscriber:
         if instance in link.instances:
             return True
         owner = self._owners.get(instance)
+        named = self._named.get(instance.split(":dp")[0])  # (with any data-parallel rank)
+        if owner is None and named is not None and link.spec.engine is None:
+            owner = named  # an engine the operator named for an endpoint is that endpoint's
         if owner is not None:
             why = f"{instance!r} is the engine of {owner}"
         elif self._is_node(instance):
