@@ -105,11 +105,7 @@ class KvEventsLinks:
         """Whether ``instance_id`` is an engine's: learned from KV events, or named for an
         endpoint (``ENGINE=ENDPOINT``, with any data-parallel rank). Engine ids are their own
         namespace: no node may register under one."""
-        sub = self.subscriber
-        if sub is None:
-            return False
-        named = {link.engine for link in sub.settings.links}
-        return instance_id in sub.engine_ids or instance_id.split(":dp")[0] in named
+        return self.subscriber is not None and self.subscriber.is_engine(instance_id)
 
     def stats(self) -> KvEventsStats | None:
         """The counters of each link that runs; ``None`` when neither does."""

@@ -70,3 +70,8 @@ def engine_instance(emitter: str, dp_rank: int | None) -> str:
     """The instance id of an engine: its emitter name, ``:dp<rank>`` added for ranks above 0
     (``@`` cannot be part of an instance id: it separates the topic's fields)."""
     return emitter if not dp_rank else f"{emitter}:dp{dp_rank}"
+
+
+def engine_of(instance_id: str) -> str:
+    """The emitter an engine instance id names (:func:`engine_instance` undone)."""
+    return instance_id.split(":dp")[0]

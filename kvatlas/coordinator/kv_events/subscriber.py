@@ -37,7 +37,12 @@ from typing import TYPE_CHECKING, Any, Final
 
 from kvatlas.coordinator.kv_events.changes import Cleared
 from kvatlas.coordinator.kv_events.rekey import BadBatch, Rekeyer
-from kvatlas.coordinator.kv_events.settings import LinkSpec, SubscriberSettings, engine_instance
+from kvatlas.coordinator.kv_events.settings import (
+    LinkSpec,
+    SubscriberSettings,
+    engine_instance,
+    engine_of,
+)
 from kvatlas.coordinator.kv_events.stats import REJECT_KINDS, SubscriberStats, view, zeroed
 from kvatlas.events import EventBatch
 from kvatlas.events.vllm_wire import (
@@ -107,6 +112,11 @@ class KvEventsSubscriber:
         self._poller: zmq.Poller | None = None
         self._socks: dict[Any, _Link] = {}
         self._monitors: dict[Any, tuple[Any, _Link]] = {}  # monitor -> (its socket, link)
+
+    def is_engine(self, instance_id: str) -> bool:
+        """Whether ``instance_id`` is an engine's: one that spoke, or named for an endpoint
+        (``ENGINE=ENDPOINT``, with any data-parallel rank)."""
+        return instance_id in self.engine_ids or engine_of(instance_id) in self._named
 
     # ------------------------------------------------------------------ reporting
 
@@ -307,7 +317,7 @@ class KvEventsSubscriber:
         if instance in link.instances:
             return True
         owner = self._owners.get(instance)
-        named = self._named.get(instance.split(":dp")[0])  # (with any data-parallel rank)
+        named = self._named.get(engine_of(instance))  # (with any data-parallel rank)
         if owner is None and named is not None and link.spec.engine is None:
             owner = named  # an engine the operator named for an endpoint is that endpoint's
         if owner is not None:
