@@ -395,6 +395,7 @@ class Router:
                 return openai_error(exc.status, exc.detail)
         self.metrics.engines_out.set(self.engines.out_of_set())
         self.metrics.engines_known.set(len(self.engines.engines))
+        self.metrics.in_flight.clear()  # an engine that left the set leaves no series behind
         for engine in self.engines.all():
             self.metrics.in_flight.labels(engine.engine_id).set(engine.in_flight)
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)

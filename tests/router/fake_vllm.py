@@ -23,14 +23,16 @@ from starlette.routing import Route
 from kvatlas.asgi_thread import ThreadedServer, free_port
 from kvatlas.events.vllm_wire import BlockStored, KVEventBatch, encode_batch
 from tests.kv_events.helpers import FakeEngine
+from tests.vllm_support import require_vllm
 
 BLOCK = 8
 
 
 def load_hf_tokenizer(directory: Path) -> Any:
-    from transformers import AutoTokenizer  # the engine side: what vLLM itself calls
-
-    return AutoTokenizer.from_pretrained(str(directory))
+    """The engine side: what vLLM itself calls (transformers is vLLM's pinned dependency,
+    requirements/vllm-cpu.txt: under CI a missing one fails, never skips)."""
+    transformers = require_vllm("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(directory))
 
 
 class FakeVllm:

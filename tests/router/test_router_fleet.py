@@ -249,10 +249,12 @@ def test_a_salt_scores_only_its_own_copies(fleet: dict[str, Any]) -> None:
     assert holder_known(fleet, first.headers["x-kvatlas-engine"], doc)
     name = "kvatlas_router_predicted_reused_tokens_total"
     before = metric(fleet, name)
-    post(fleet, "/v1/completions", {"model": MODEL, "prompt": doc, "cache_salt": "tenant-a"},
-         auth=ROUTE_A)  # fmt: skip
+    salted = post(fleet, "/v1/completions",
+                  {"model": MODEL, "prompt": doc, "cache_salt": "tenant-a"}, auth=ROUTE_A)  # fmt: skip
+    assert salted.status_code == 200  # (a refused request would leave the counter still too)
     assert metric(fleet, name) == before
-    post(fleet, "/v1/completions", {"model": MODEL, "prompt": doc}, auth=ROUTE_A)
+    plain = post(fleet, "/v1/completions", {"model": MODEL, "prompt": doc}, auth=ROUTE_A)
+    assert plain.status_code == 200
     assert metric(fleet, name) == before + 64
 
 
