@@ -20,7 +20,13 @@ from kvatlas.coordinator.kv_events import Cleared, KvEventsPublisher, Rekeyer
 from kvatlas.directory import KeyDirectory
 from kvatlas.events import CacheEntry, EventBatch
 from kvatlas.events.msgpack_codec import decode_msgpack_columns, encode_msgpack
-from kvatlas.events.vllm_wire import BlockStored, KVEventBatch, decode_batch, encode_batch
+from kvatlas.events.vllm_wire import (
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+    split_batch,
+)
 from kvatlas.keys import KeyScheme, ObjectKey, chunk_hashes, pack_kv_rank
 
 
@@ -121,14 +127,14 @@ def _rekey_rows(args: argparse.Namespace, rng: np.random.Generator) -> list[Benc
     def rekey(payloads: list[bytes] = payloads) -> Rekeyer:
         rekeyer = Rekeyer(scheme, blocks + 1)
         for payload in payloads:
-            rekeyer.translate("pod-a", "m", decode_batch(payload))
+            rekeyer.translate("pod-a", "m", split_batch(payload))
         return rekeyer
 
     def rekey_and_apply() -> None:
         directory = KeyDirectory(c, enable_blend_lookup=True)
         rekeyer = Rekeyer(scheme, blocks + 1)
         for payload in payloads:
-            for op in rekeyer.translate("pod-a", "m", decode_batch(payload)):
+            for op in rekeyer.translate("pod-a", "m", split_batch(payload)):
                 assert not isinstance(op, Cleared)
                 directory.consume(op)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from kvatlas.auth import read_secret_file
 from kvatlas.errors import InvalidInput
 
 KV_PACKINGS: Final = ("split_last", "split_tokens")
@@ -89,18 +90,9 @@ class ConnectorSettings:
 
 
 def _read_token(path: Path) -> str:
-    """The token in ``path``: refused when group or others may read it (as the node's own
-    token files are) or when it is empty."""
+    """The token in ``path``, by the services' one rule (:func:`kvatlas.auth.read_secret_file`:
+    private to its owner, long enough)."""
     try:
-        mode = path.stat().st_mode
-        text = path.read_text().strip()
-    except OSError as exc:
-        raise InvalidInput(f"token_file: cannot read {path}: {exc.strerror}") from None
-    if mode & 0o077:
-        raise InvalidInput(
-            f"token_file: {path} is accessible to group or others (mode {mode & 0o777:o}); "
-            "chmod 600 it"
-        )
-    if not text:
-        raise InvalidInput(f"token_file: {path} is empty")
-    return text
+        return read_secret_file(path, "kv_connector_extra_config.token_file")
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from None

@@ -28,7 +28,7 @@ FINISH_STOP: Final = "stop"
 FINISH_ABORT: Final = "abort"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: lists of requests are searched on every step
 class SimRequest:
     request_id: str
     prompt: list[int]

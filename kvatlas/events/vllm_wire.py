@@ -225,7 +225,6 @@ class SplitBatch:
 
     ts: float
     data_parallel_rank: int | None
-    n_events: int
     bodies: tuple[bytes, ...]  # each a msgpack array of a group's events
     maps: bool  # events are maps (vLLM's layout, or a map batch), else arrays (older)
 
@@ -272,7 +271,7 @@ def split_batch(payload: bytes) -> SplitBatch:
     if group:
         bodies.append(_array_of(group))
     maps = not array or not raws or not _is_array(memoryview(raws[0]))
-    return SplitBatch(top.ts, top.data_parallel_rank, len(raws), tuple(bodies), maps)
+    return SplitBatch(top.ts, top.data_parallel_rank, tuple(bodies), maps)
 
 
 def _array_of(items: list[msgspec.Raw]) -> bytes:

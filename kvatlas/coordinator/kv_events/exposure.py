@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+from kvatlas.web import is_loopback
 
 
 def is_local(endpoint: str) -> bool:
@@ -25,8 +25,7 @@ def is_local(endpoint: str) -> bool:
         return True
     if not endpoint.startswith("tcp://"):
         return False
-    host = urlsplit(endpoint).hostname or ""
-    return host in LOCAL_HOSTS or host.startswith("127.")
+    return is_loopback(urlsplit(endpoint).hostname or "")
 
 
 @dataclass(frozen=True, slots=True)
