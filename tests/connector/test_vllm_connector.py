@@ -66,7 +66,7 @@ def model() -> ToyRopeModel:
 
 
 def tokens(seed: int, n: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 500, n)
+    return np.random.default_rng(seed).integers(0, 128_256, n)  # a Llama-3-sized vocabulary
 
 
 def fresh(model: ToyRopeModel, toks: np.ndarray, start: int = 0) -> np.ndarray:

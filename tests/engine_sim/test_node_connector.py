@@ -28,7 +28,9 @@ def test_engines_share_prefixes_and_fragments_through_a_node() -> None:
     a, b = EngineProcess(*flags), EngineProcess(*flags)
     node = None
     try:
-        doc = list(range(1000, 1100))  # 100 tokens: 3 chunks of 32, 6 blocks of 16
+        doc = list(
+            range(120_000, 120_100)
+        )  # 100 tokens (ids beyond 16 bits): 3 chunks of 32, 6 blocks of 16
         assert cached(a.complete(doc, 2)) == 0  # no node yet: served, the miss counted
         assert a.healthz()["connector"]["layout_failures"] >= 1
         node = spawn_service(
@@ -48,13 +50,15 @@ def test_engines_share_prefixes_and_fragments_through_a_node() -> None:
         )
 
         before = health["scheduler"]["fragment_tokens"]
-        rag = list(range(5000, 5040)) + doc[:64] + list(range(7000, 7040))  # the doc at offset 40
+        rag = (
+            list(range(100_000, 100_040)) + doc[:64] + list(range(110_000, 110_040))
+        )  # the doc at offset 40
         assert cached(b.complete(rag, 2)) == 0  # not a prefix: no cached tokens...
         assert b.healthz()["scheduler"]["fragment_tokens"] - before == 64  # ...but a fragment
 
         stats = httpx.get(f"{node_url}/engine/stats", headers={"Accept": "application/json"})
         assert stats.status_code == 200
-        unrelated = list(range(9000, 9100))
+        unrelated = list(range(125_000, 125_100))
         assert cached(b.complete(unrelated, 1)) == 0  # the negative control
         assert b.healthz()["scheduler"]["node_hit_tokens"] == 96
     finally:
