@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +27,7 @@ from kvatlas.coordinator.config import QUERY_ENVELOPE_BYTES
 from kvatlas.coordinator.query import BlendQuery, blend_query, decode_query_body
 from kvatlas.coordinator.schemas import RouteScoreBody
 from kvatlas.coordinator.scoring import (
+    NO_ATTACHMENTS,
     Access,
     Fragment,
     InstanceScore,
@@ -92,9 +93,11 @@ def score_routes(
     candidates: Sequence[str],
     peers: frozenset[str],
     weights: Weights,
+    attached: Mapping[str, str] = NO_ATTACHMENTS,
 ) -> list[InstanceScore]:
     """Every candidate's score for ``query``, best first; ``peers`` are the live instances
-    whose L1 others may fetch from."""
+    whose L1 others may fetch from; ``attached`` maps a node to the engine it serves (its
+    copies are that engine's own)."""
     size = directory.chunk_size
     if query is None or not candidates:
         return rank_scores(instance_score(i, (), (), size, weights) for i in candidates)
@@ -105,7 +108,10 @@ def score_routes(
         keys = expand_prefix_keys(hashes, ns.model_name, ns.world_size, ns.cache_salt)
         found = [kp.placements for kp in directory.lookup(keys)]
         ws = ns.world_size
-        return [Access.of(found[c * ws : (c + 1) * ws], reach, weights) for c in range(len(hashes))]
+        return [
+            Access.of(found[c * ws : (c + 1) * ws], reach, weights, attached)
+            for c in range(len(hashes))
+        ]
 
     hashes = scheme.chunk_hashes(tokens)
 

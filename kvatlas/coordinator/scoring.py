@@ -41,6 +41,8 @@ PEER_TIERS: Final = frozenset({"l1"})
 
 Class = int
 """A tier class id: an index into :data:`TIER_CLASSES`."""
+NO_ATTACHMENTS: Final[Mapping[str, str]] = {}
+"""No node serves an engine (``attached``: node id → the engine whose KV connector it is)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,12 +104,17 @@ class Access:
 
     @classmethod
     def of(
-        cls, ranks: Sequence[Sequence[Placement]], peers: frozenset[str] | None, weights: Weights
+        cls,
+        ranks: Sequence[Sequence[Placement]],
+        peers: frozenset[str] | None,
+        weights: Weights,
+        attached: Mapping[str, str] = NO_ATTACHMENTS,
     ) -> Access:
         """From each rank's placements: own copies by tier, shared pools, and (``peers``
-        given: fragments) a live peer's L1; a chunk counts as its worst rank."""
+        given: fragments) a live peer's L1; a chunk counts as its worst rank. ``attached``
+        maps a node to the engine it serves: the node's copies are that engine's own too."""
         per_rank = [
-            _rank_access(placements, peers, weights) if placements else NOBODY
+            _rank_access(placements, peers, weights, attached) if placements else NOBODY
             for placements in ranks
         ]
         if len(per_rank) == 1:
@@ -131,9 +138,13 @@ NOBODY: Final = Access({}, None)
 
 
 def _rank_access(
-    placements: Sequence[Placement], peers: frozenset[str] | None, weights: Weights
+    placements: Sequence[Placement],
+    peers: frozenset[str] | None,
+    weights: Weights,
+    attached: Mapping[str, str],
 ) -> Access:
-    """One key: each owner's best own class, anyone's best shared or peer class."""
+    """One key: each owner's best own class (a node's copy is also its engine's own), anyone's
+    best shared or peer class."""
     rank = weights.rank
     own: dict[str, Class] = {}
     shared: Class | None = None
@@ -143,9 +154,11 @@ def _rank_access(
             shared = SHARED_CLASS
             continue
         c = OWN_TIER_CLASS.get(p.tier, L2)
-        old = own.get(p.instance_id)
-        if old is None or rank[c] > rank[old]:
-            own[p.instance_id] = c
+        engine = attached.get(p.instance_id)
+        for owner in (p.instance_id,) if engine is None else (p.instance_id, engine):
+            old = own.get(owner)
+            if old is None or rank[c] > rank[old]:
+                own[owner] = c
         if peers is not None and p.tier in PEER_TIERS and p.instance_id in peers:
             holders.append(p.instance_id)
     better = weights.better
@@ -153,7 +166,11 @@ def _rank_access(
     named: dict[str, Class | None] = {}
     for instance_id, c in own.items():
         best = c if shared is None or rank[c] > rank[shared] else shared
-        if holders and rank[PEER] > rank[best] and any(h != instance_id for h in holders):
+        if (
+            holders
+            and rank[PEER] > rank[best]
+            and any(h != instance_id and attached.get(h) != instance_id for h in holders)
+        ):
             best = PEER
         named[instance_id] = best
     return Access(named, others)
