@@ -78,8 +78,10 @@ class Traffic:
 
 @dataclass(frozen=True, slots=True)
 class ValueRatios:
-    """Hit rates (÷ query tokens) and the regret ratio (÷ tokens recomputed); ``None``
-    where the divisor is 0."""
+    """Hit rates, each ÷ the tokens its kind of lookup asked (prefix: retrievals' query tokens;
+    fragment: blend lookups' tokens after the prefix), and the regret ratio (÷ tokens
+    recomputed); ``None`` where the divisor is 0, never above 1 (a client that retrieves the
+    same segments twice counts its hits twice)."""
 
     prefix_hit_rate: float | None
     fragment_hit_rate: float | None
@@ -89,7 +91,7 @@ class ValueRatios:
     def of(cls, v: ValueCounters) -> ValueRatios:
         return cls(
             _ratio(v.prefix_hit_tokens, v.query_tokens),
-            _ratio(v.fragment_hit_tokens, v.query_tokens),
+            _ratio(v.fragment_hit_tokens, v.blend_query_tokens),
             _ratio(min(v.regret_tokens, v.recomputed_tokens), v.recomputed_tokens),
         )
 
@@ -104,7 +106,7 @@ class Sparklines:
 
 
 def _ratio(part: int, whole: int) -> float | None:
-    return part / whole if whole > 0 else None
+    return min(part, whole) / whole if whole > 0 else None
 
 
 def read_counter(counter: Counter) -> float:

@@ -29,9 +29,12 @@ class ValueCounters:
     coordinator started."""
 
     query_tokens: int = 0
+    """Tokens of prefix retrievals (the prefix hit rate's divisor)."""
     prefix_hit_tokens: int = 0
     fragment_hit_tokens: int = 0
     regret_tokens: int = 0
+    blend_query_tokens: int = 0
+    """Tokens after the prefix of blend lookups (the fragment hit rate's divisor)."""
 
     @property
     def recomputed_tokens(self) -> int:

@@ -157,6 +157,7 @@ def _value(view: StatusView) -> str:
     )
     inner += (
         f'<div class="muted">{_e(_num(v.query_tokens))} query tokens, '
+        f"{_e(_num(v.blend_query_tokens))} blend query tokens, "
         f"{_e(_num(v.recomputed_tokens))} recomputed, {_e(_num(v.regret_tokens))} of them held "
         "by another instance</div>"
     )

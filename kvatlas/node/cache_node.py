@@ -33,6 +33,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, is_dataclass
@@ -166,6 +167,10 @@ class CacheNode:
         self.token_cache = TokenCache(config.token_cache_chunks)
         self.own = NodeInventory()  # what this node reported holding (its digests, resync)
         self.counters: Counter[str] = Counter()
+        self._fragments_counted: weakref.WeakKeyDictionary[RequestTracker, set[int]] = (
+            weakref.WeakKeyDictionary()
+        )  # each request's fragment hits count once, however often it retrieves them
+        self._fragments_lock = threading.Lock()
         self._report_lock = threading.RLock()  # a tier change and its event, together
         self._rejection_warnings = Throttle(60.0)
         self.index = BlendIndex(config.chunk_size)
@@ -429,6 +434,8 @@ class CacheNode:
             return self.blend.poll(rid, prefix_len)
         except KeyError:
             self.counters["lookups_blend"] += 1
+            # the tokens a blend retrieval could cover: the fragment hit rate's denominator
+            self.counters["blend_query_tokens"] += max(0, len(tracker.get_token_ids()) - prefix_len)
             self.blend.start(rid, tracker.get_token_ids(), self.namespace(tracker.cache_salt))
             return self.blend.poll(rid, prefix_len)
 
@@ -465,7 +472,11 @@ class CacheNode:
             sources[got.source] += 1
         self.counters["segments_reused"] += len(parts)
         self.counters["segment_misses"] += len(misses)
-        self.counters[hit_tokens("fragment")] += sum(seg.length for seg, _ in parts)
+        with self._fragments_lock:
+            counted = self._fragments_counted.setdefault(tracker, set())
+            new = [seg for seg, _ in parts if seg.cur_st not in counted]
+            counted.update(seg.cur_st for seg in new)
+        self.counters[hit_tokens("fragment")] += sum(seg.length for seg in new)
         return BlendRetrieval(parts, misses, sources)
 
     # ------------------------------------------------------------------ inventory

@@ -26,7 +26,10 @@ _SECONDS = (
     1.0, 2.5,
 )  # fmt: skip
 
-VALUE_COUNTERS = ("query_tokens", "prefix_hit_tokens", "fragment_hit_tokens", "regret_tokens")
+VALUE_COUNTERS = (
+    "query_tokens", "prefix_hit_tokens", "fragment_hit_tokens", "regret_tokens",
+    "blend_query_tokens",
+)  # fmt: skip
 """Counters of ``CacheNode.counters`` that go to the coordinator in a value report."""
 
 COUNTERS: Mapping[str, tuple[str, str]] = {
@@ -41,6 +44,10 @@ COUNTERS: Mapping[str, tuple[str, str]] = {
         "stores refused: no usable multimodal identity",
     ),
     "query_tokens": ("kvatlas_node_query_tokens", "tokens of requests that retrieved"),
+    "blend_query_tokens": (
+        "kvatlas_node_blend_query_tokens",
+        "tokens after the prefix of requests that blend-looked up (fragment hits' divisor)",
+    ),
     "l2_bytes_written": ("kvatlas_node_l2_bytes_written", "bytes written to L2"),
     "regret_tokens": (
         "kvatlas_node_regret_tokens",

@@ -55,8 +55,9 @@ def test_traffic_of_the_last_minute_and_sparklines() -> None:
         v = value[0]
         hits = [25, 50, 0][minute]
         value[0] = ValueCounters(
-            v.query_tokens + 100, v.prefix_hit_tokens + hits, 0, v.regret_tokens + 10 * minute
-        )
+            v.query_tokens + 100, v.prefix_hit_tokens + hits, v.fragment_hit_tokens + 10 * minute,
+            v.regret_tokens + 10 * minute, v.blend_query_tokens + 40,
+        )  # fmt: skip
     clock.now += SAMPLE_EVERY_S
     history.maybe_sample()
     traffic = history.traffic(read(clock.now))
@@ -68,5 +69,7 @@ def test_traffic_of_the_last_minute_and_sparklines() -> None:
     spark = history.sparklines(clock.now)
     assert len(spark.prefix_hit_rate) == 4  # the history is 3 minutes and 5 s old
     assert spark.prefix_hit_rate[-3:] == (0.25, 0.5, 0.0)
-    assert spark.regret_ratio[-3:] == (0.0, 10 / 50, 20 / 100)
-    assert spark.fragment_hit_rate[-3:] == (0.0, 0.0, 0.0)
+    # recomputed = query − prefix hits − fragment hits: 75, 40, 80
+    assert spark.regret_ratio[-3:] == (0.0, 10 / 40, 20 / 80)
+    # fragment hits ÷ blend query tokens (not ÷ the prefix retrievals' query tokens)
+    assert spark.fragment_hit_rate[-3:] == (0.0, 10 / 40, 20 / 40)
