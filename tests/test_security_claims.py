@@ -179,7 +179,8 @@ def test_a_node_takes_its_tokens_from_the_environment() -> None:
     from kvatlas.cli import _build_parser
     from kvatlas.node.config import config_from_args
 
-    args = _build_parser().parse_args(["node"])
+    layout = ["--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8"]
+    args = _build_parser().parse_args(["node", *layout])
     env = {"KVATLAS_COORDINATOR_TOKEN": "c" * 40, "KVATLAS_PEER_TOKEN": "p" * 40}
     config = config_from_args(args, env)
     assert config.coordinator_bearer() == "c" * 40 and config.peer_bearer() == "p" * 40

@@ -273,7 +273,10 @@ LAYOUT_DEFAULTS: Final[Mapping[str, object]] = MappingProxyType({
     "num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "dtype": "float16",
     "rope_style": "neox", "rotary_dim": 0, "rope_theta": 10000.0,
 })  # fmt: skip
-"""The layout of a node given neither layout flags nor ``--hf-config`` (a small test model)."""
+"""The layout of a node given neither layout flags nor ``--hf-config`` (a small test model,
+for code that builds a ``NodeConfig``; ``kvatlas node`` refuses to guess the shape)."""
+LAYOUT_SHAPE: Final = ("num_layers", "num_kv_heads", "head_dim")
+"""What ``kvatlas node`` needs from flags or ``--hf-config`` (it never guesses them)."""
 
 
 def resolve_layout_fields(config: NodeConfig) -> dict[str, object]:
@@ -460,4 +463,17 @@ def config_from_args(
     old, new = env_name(_OLD_BLEND_FLAG), env_name("enable_blend_lookup")
     if old in env and new not in env:
         env = {**env, new: env[old]}
+
+    def given(name: str) -> bool:
+        return getattr(args, name, None) is not None or env_name(name) in env
+
+    if not given("hf_config"):
+        missing = [n for n in LAYOUT_SHAPE if not given(n)]
+        if missing:  # a guessed shape stores KV no engine can use: refuse, never guess
+            raise ValueError(
+                "the model's KV layout is not set (no " + ", ".join(
+                    "--" + n.replace("_", "-") for n in missing) + "): give --hf-config with "
+                "the model's Hugging Face config.json, or --num-layers, --num-kv-heads and "
+                "--head-dim"
+            )  # fmt: skip
     return dataclass_from_args(NodeConfig, args, env)

@@ -526,11 +526,15 @@ def run_node(config: NodeConfig) -> int:
             sock.close()
         return 2
     log.info(
-        "kvatlas node %s on %s (fleet %s, l2 %s)",
+        "kvatlas node %s on %s (fleet %s, l2 %s); KV layout %d layers × %d KV heads × %d "
+        "dims %s from %s",
         process.node.instance_id,
         ", ".join(f"http://{h}:{p} ({what})" for h, p, what in listeners(config)),
         "on" if config.fleet_enabled else "off",
         f"fs in {config.l2_dir}" if config.l2 == "fs" else config.l2,
+        config.layout.num_layers, config.layout.num_kv_heads, config.layout.head_dim,
+        config.layout.dtype,
+        f"--hf-config {config.hf_config}" if config.hf_config else "the layout flags",
     )  # fmt: skip
     kwargs = uvicorn_log_options(config.log_level, config.access_log)
     try:

@@ -18,8 +18,12 @@ from kvatlas.keys import DEFAULT_CHUNK_SIZE
 from kvatlas.node.config import NodeConfig, add_arguments, config_from_args, default_l2_path
 
 
+LAYOUT = ("--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8")
+
+
 def node_args(*argv: str) -> argparse.Namespace:
-    return _build_parser().parse_args(["node", *argv])
+    """``kvatlas node``'s flags, with a KV layout (which the command refuses to guess)."""
+    return _build_parser().parse_args(["node", *LAYOUT, *argv])
 
 
 def test_every_flag_has_help() -> None:
@@ -131,3 +135,14 @@ def test_event_delivery_retries_at_least_once_per_heartbeat() -> None:
             assert process.sink.backoff_max == retry_max
         finally:
             process.close()
+
+
+def test_kvatlas_node_refuses_to_guess_the_kv_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --hf-config or the three shape flags, no toy layout: exit 2, saying what to give."""
+    from kvatlas.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["node", "--port", "0", "--num-layers", "4"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--num-kv-heads, --head-dim" in err and "--hf-config" in err
