@@ -52,3 +52,19 @@ def test_the_engine_client_loads_no_server_stack() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
     )
     assert done.stdout.split() == []
+
+
+def test_the_services_load_ml_dtypes_only_for_bfloat16() -> None:
+    """A coordinator or a float16/float32 node never needs ``ml_dtypes`` (most of a second of
+    CPU at every process start): it loads with the first bfloat16 dtype."""
+    probe = (
+        "import sys\nimport kvatlas.cli, kvatlas.coordinator.server, kvatlas.node.server\n"
+        "from kvatlas.node.kv_dtype import numpy_dtype\n"
+        "numpy_dtype('float16'), numpy_dtype('float32')\n"
+        "print('ml_dtypes' in sys.modules)\n"
+        "print(numpy_dtype('bfloat16').name, 'ml_dtypes' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.split() == ["False", "bfloat16", "True"]
