@@ -52,3 +52,25 @@ def test_the_engine_client_loads_no_server_stack() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
     )
     assert done.stdout.split() == []
+
+
+def test_the_services_load_ml_dtypes_only_for_bfloat16() -> None:
+    """A coordinator or a float16/float32 node never needs ``ml_dtypes`` (most of a second of
+    CPU at every process start); a bfloat16 node loads it as it starts, not inside its first
+    request."""
+    probe = (
+        "import sys\nimport kvatlas.cli, kvatlas.coordinator.server, kvatlas.node.server\n"
+        "from kvatlas.node.cache_node import CacheNode\n"
+        "from kvatlas.node.config import NodeConfig\n"
+        "def node(dtype):\n"
+        "    return CacheNode(NodeConfig(model_name='m', num_layers=1, num_kv_heads=1,\n"
+        "                     head_dim=8, chunk_size=16, dtype=dtype, l2='none'))\n"
+        "node('float16').close(), node('float32').close()\n"
+        "print('ml_dtypes' in sys.modules)\n"
+        "node('bfloat16').close()\n"
+        "print('ml_dtypes' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.split() == ["False", "True"]

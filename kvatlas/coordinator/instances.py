@@ -89,8 +89,8 @@ class InstanceRegistry:
     ) -> tuple[str, bool]:
         """Returns ``(instance_id, re_registered)``; the coordinator assigns an id if none.
         A new instance beyond ``max_instances`` is refused (:class:`Conflict`, 409)."""
-        now = self._clock()
         with self._fencing, self._lock:
+            now = self._clock()
             if not instance_id:
                 instance_id = f"mp-{uuid.uuid4().hex}"  # LMCache's form
             existing = self._records.get(instance_id)

@@ -157,6 +157,7 @@ class CacheNode:
             instance_id or config.instance_id or f"node-{uuid.uuid4().hex[:12]}"
         )
         self.layout = config.layout
+        self.layout.numpy_dtype()  # bfloat16 loads ml_dtypes now, not inside the first request
         self.scheme = config.scheme
         self.chunk_size = config.chunk_size
         self.l1 = L1Cache(config.l1_bytes, on_evict=self._on_l1_evict)

@@ -9,36 +9,46 @@ double every byte budget and break bit-exact round trips.
 Conversions share memory wherever they can. A CPU torch tensor becomes a numpy view of its
 buffer (bf16 through its 16-bit patterns: torch's numpy bridge has no bfloat16); ``uint16`` bit
 patterns declared ``"bfloat16"`` become a bfloat16 view. torch is never imported here just to
-check a type: a tensor can only exist once torch is loaded.
+check a type: a tensor can only exist once torch is loaded. Nor is ``ml_dtypes`` imported before
+a bfloat16 dtype is asked for: its import costs most of a second of CPU, which every process
+start (a coordinator, a float16 node) would otherwise pay for nothing.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Final
 
-import ml_dtypes
 import numpy as np
 
 KV_DTYPES: Final = ("float16", "bfloat16", "float32")
 """The cache dtypes a chunk may hold."""
 
-BFLOAT16: Final[np.dtype[Any]] = np.dtype(ml_dtypes.bfloat16)
+KV_ITEMSIZE: Final = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+@functools.cache
+def bfloat16() -> np.dtype[Any]:
+    """``ml_dtypes.bfloat16`` as a numpy dtype (imports ``ml_dtypes`` on the first call)."""
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
 
 _NUMPY: Final[dict[str, np.dtype[Any]]] = {
     "float16": np.dtype(np.float16),
-    "bfloat16": BFLOAT16,
     "float32": np.dtype(np.float32),
 }
-
-KV_ITEMSIZE: Final = {name: dtype.itemsize for name, dtype in _NUMPY.items()}
 
 
 def numpy_dtype(name: str) -> np.dtype[Any]:
     """The numpy dtype of cache dtype ``name`` (bfloat16: ``ml_dtypes.bfloat16``)."""
-    try:
-        return _NUMPY[name]
-    except KeyError:
-        raise ValueError(f"kv dtype must be one of {KV_DTYPES}, got {name!r}") from None
+    found = _NUMPY.get(name)
+    if found is not None:
+        return found
+    if name == "bfloat16":
+        return bfloat16()
+    raise ValueError(f"kv dtype must be one of {KV_DTYPES}, got {name!r}")
 
 
 def torch_dtype(name: str) -> Any:
@@ -72,7 +82,7 @@ def resolve(kv: Any, declared: str = "") -> tuple[Any, str]:
     """
     name = dtype_name(kv)
     if name == "uint16" and declared == "bfloat16" and isinstance(kv, np.ndarray):
-        kv, name = kv.view(BFLOAT16), "bfloat16"
+        kv, name = kv.view(bfloat16()), "bfloat16"
     if name not in KV_DTYPES:
         hint = " (raw bf16 bit patterns need kv_dtype='bfloat16')" if name == "uint16" else ""
         raise ValueError(f"kv dtype must be one of {KV_DTYPES}, got {name}{hint}")
@@ -93,7 +103,7 @@ def to_numpy(kv: Any) -> np.ndarray[Any, Any]:
 
     t = kv.detach().cpu().contiguous()
     if t.dtype == torch.bfloat16:
-        return np.asarray(t.view(torch.int16).numpy()).view(BFLOAT16)
+        return np.asarray(t.view(torch.int16).numpy()).view(bfloat16())
     return np.asarray(t.numpy())
 
 
@@ -107,6 +117,6 @@ def to_torch(arr: np.ndarray[Any, Any]) -> Any:
 
     if not arr.flags.writeable:
         arr = arr.copy()
-    if arr.dtype == BFLOAT16:
+    if arr.dtype == bfloat16():
         return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(arr)

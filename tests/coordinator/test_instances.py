@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
+from kvatlas.coordinator.instances import InstanceRegistry, Registration
 from kvatlas.coordinator.server import BackgroundServer
 from tests.conftest import wait_for
 from tests.coordinator.helpers import (
@@ -194,3 +196,37 @@ def test_heartbeats_keep_instance_alive(
     assert placements_by_key(lookup_tokens(client, tokens)) == [{(em.instance_id, "l1", "dram")}]
     clock.now += 2 * TIMEOUT  # once they stop, the background sweep fences it
     assert wait_for(lambda: not server.service.instances.known(em.instance_id), timeout=10.0)
+
+
+def test_a_re_registration_waits_for_the_fence_of_the_instance_it_replaces() -> None:
+    """The sweep forgets an expired instance, then fences it: a re-registration arriving in
+    between (the paused node's next heartbeat got 404) must not land before the fence, or the
+    fence would drop what the re-registered node reports from then on."""
+    clock = [1000.0]
+    in_fence, release = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def on_fence(instance_id: str) -> None:
+        in_fence.set()
+        assert release.wait(30)
+        order.append(f"fenced {instance_id}")
+
+    registry = InstanceRegistry(30.0, on_fence, clock=lambda: clock[0])
+    registry.register("n1", Registration())
+    clock[0] += 31
+    sweep = threading.Thread(target=registry.expire)
+    sweep.start()
+    assert in_fence.wait(30)
+
+    def re_register() -> None:
+        registry.register("n1", Registration())
+        order.append("registered n1")
+
+    node = threading.Thread(target=re_register)
+    node.start()
+    node.join(timeout=0.5)  # without the ordering it lands now, inside the fence
+    release.set()
+    sweep.join(timeout=30)
+    node.join(timeout=30)
+    assert order == ["fenced n1", "registered n1"]
+    assert registry.known("n1") and registry.expired_total == 1

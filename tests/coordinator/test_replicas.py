@@ -432,9 +432,10 @@ def test_duplicate_with_the_same_flags_on_redis_transport_is_refused_before_join
     feeding = threading.Event()
     feeding.set()
 
-    def feed() -> None:
+    def feed() -> None:  # events flow all along, never faster than the live one applies them
         while feeding.is_set():
             work.run(10)
+            wait_for(lambda: not feeding.is_set() or caught_up(rclient, stream, live))
 
     feeder = threading.Thread(target=feed)
     feeder.start()
