@@ -429,9 +429,11 @@ def create_node_app(
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz")
-    async def healthz() -> Response:
+    async def healthz(request: Request) -> Response:
+        """JSON, or msgpack when the caller asks for it (``Accept``)."""
         return _reply(
-            {"status": "ok", "instance_id": node.instance_id, **node.scheme.describe()}, True
+            {"status": "ok", "instance_id": node.instance_id, **node.scheme.describe()},
+            _wants_msgpack(request.headers),
         )
 
     return app

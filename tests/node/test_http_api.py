@@ -255,6 +255,16 @@ def test_a_blend_call_without_a_request_id_is_422_not_pending_forever(
     assert status == 200 and "pending" in payload  # negative control: named, it is answered
 
 
+def test_healthz_answers_json_unless_msgpack_is_asked_for(client: httpx.Client) -> None:
+    """curl gets JSON; an engine that speaks msgpack gets msgpack."""
+    r = client.get("/healthz")
+    assert r.headers["content-type"] == "application/json"
+    assert r.json()["status"] == "ok" and r.json()["instance_id"] == "n1"
+    r = client.get("/healthz", headers={"accept": MSGPACK})
+    assert r.headers["content-type"] == MSGPACK
+    assert msgspec.msgpack.decode(r.content)["status"] == "ok"
+
+
 def test_deeply_nested_msgpack_is_a_4xx(client: httpx.Client) -> None:
     for nested in (b"\x91" * 100_000 + b"\x00", b"\x81\xa8segments" + b"\x91" * 100_000 + b"\xc0"):
         r = client.post("/engine/blend-retrieve", content=nested, headers={"content-type": MSGPACK})

@@ -17,7 +17,6 @@ from kvatlas.events import EVENT_TRANSPORTS
 from kvatlas.keys import DEFAULT_CHUNK_SIZE
 from kvatlas.node.config import NodeConfig, add_arguments, config_from_args, default_l2_path
 
-
 LAYOUT = ("--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8")
 
 
