@@ -65,6 +65,7 @@ class NodeConfig:
     world_size: int = 1
     rank: int = 0
     instance_id: str = ""
+    engine_id: str = ""
     host: str = "127.0.0.1"
     port: int = 9400
     advertised_url: str = ""
@@ -121,6 +122,15 @@ class NodeConfig:
         pack_kv_rank(self.world_size, self.rank, self.world_size, self.rank)
         if self.instance_id:
             check_instance_id(self.instance_id)
+        if self.engine_id:
+            try:
+                check_instance_id(self.engine_id)
+            except ValueError as exc:
+                raise ValueError(f"--engine-id: {exc}") from None
+            if self.engine_id == self.instance_id:
+                raise ValueError("--engine-id names the engine this node serves, not the node")
+            if not self.coordinator_url:
+                raise ValueError("--engine-id needs --coordinator-url (it is said at registration)")
         if self.l2 not in L2_KINDS:
             raise ValueError(f"--l2 must be one of {', '.join(L2_KINDS)}")
         if self.l2 == "redis" and not self.l2_redis_url:
@@ -344,6 +354,11 @@ _HELP = {
     "instance_id": (
         "instance id (empty = assigned by the coordinator, or generated without one: a new id, "
         "hence a new L2 subdirectory, on every start; set it to keep a node's L2 across restarts)"
+    ),
+    "engine_id": (
+        "id of the engine whose KV connector this node is (its KV-events id, the router's "
+        "--engine ID); said at registration so that POST /route/score counts this node's "
+        "copies as that engine's own (empty = none)"
     ),
     "host": "bind address of the peer L1 and engine API (loopback by default)",
     "port": "bind port of the peer L1 and engine API",
