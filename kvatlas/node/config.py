@@ -20,7 +20,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Final
 
-from kvatlas.auth import TokenAuth, check_secret, public_unless_auth, read_secret_file
+from kvatlas.auth import TokenAuth, public_unless_auth, read_secret
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args, env_name
 from kvatlas.events import EVENT_TRANSPORTS
 from kvatlas.http_guard import (
@@ -162,11 +162,9 @@ class NodeConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
         if self.max_body_bytes < 0:
             raise ValueError("--max-body-bytes must be >= 0 (0 = derived from the layout)")
-        for name in ("coordinator_token", "peer_token"):
-            if getattr(self, name) and getattr(self, name + "_file") is not None:
-                raise ValueError(f"give --{name.replace('_', '-')}-file or the token, not both")
-            check_secret(getattr(self, name), "--" + name.replace("_", "-"))
-        self.coordinator_bearer()  # refuses an unreadable, exposed or short token file now
+        # a token and its file both given, a short token, an unreadable, exposed or short
+        # token file: refused now (auth.read_secret)
+        self.coordinator_bearer()
         self.peer_bearer()
         self.auth()
         if self.stream_max_len < 1:
@@ -244,11 +242,13 @@ class NodeConfig:
 
     def coordinator_bearer(self) -> str | None:
         """The coordinator token: ``--coordinator-token-file``, else the flag or environment."""
-        return _secret(self.coordinator_token, self.coordinator_token_file, "coordinator")
+        return read_secret(
+            self.coordinator_token, self.coordinator_token_file, "--coordinator-token"
+        )
 
     def peer_bearer(self) -> str | None:
         """The fleet's peer secret (``--peer-token-file``, the flag or the environment)."""
-        return _secret(self.peer_token, self.peer_token_file, "peer")
+        return read_secret(self.peer_token, self.peer_token_file, "--peer-token")
 
     def peer_secret(self) -> PeerSecret | None:
         """What this node derives its peer credentials and URL signature from (``None``:
@@ -323,12 +323,6 @@ def default_l2_path(environ: Mapping[str, str] | None = None) -> Path:
     env = os.environ if environ is None else environ
     base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "kvatlas" / "l2"
-
-
-def _secret(value: str, path: Path | None, name: str) -> str | None:
-    if path is not None:
-        return read_secret_file(path, f"--{name}-token-file")
-    return value or None
 
 
 _HELP = {
