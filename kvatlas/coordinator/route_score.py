@@ -5,7 +5,9 @@ Per request, not per instance: **one** blend match (the fragments) and **one** p
 chunk); each chunk's placements become one :class:`~kvatlas.coordinator.scoring.Access`, and
 :mod:`kvatlas.coordinator.scoring` scores every candidate from those. Runs on the match pool,
 never on the event loop. Validation and errors are the blend lookup's (same body fields, same
-messages), plus ``instances`` and ``weights``. See docs/route-scoring.md.
+messages), plus ``instances`` and ``weights``. A registered node that names the engine it
+serves (``engine_id``) lends that engine its copies, and is a default candidate as that engine.
+See docs/route-scoring.md.
 """
 
 from __future__ import annotations

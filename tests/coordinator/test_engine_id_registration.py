@@ -120,9 +120,7 @@ def test_engine_and_node_ids_stay_apart(server: BackgroundServer) -> None:
     assert listed(url)["node-a"] == "pod-a"
 
 
-def test_a_node_registering_under_a_served_engines_id_is_refused(
-    config: CoordinatorConfig, tmp_path: Path
-) -> None:
+def test_a_node_registering_under_a_served_engines_id_is_refused(tmp_path: Path) -> None:
     tokens = write_tokens(
         tmp_path / "t2.json",
         {"token": ADMIN, "roles": ["admin"]},
