@@ -32,7 +32,9 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 RESERVED_FDS = 64
 """File descriptors kept out of the connection cap at least (an eighth of the limit when
 that is more): the listeners, the snapshot, Redis and peer connections, L2 files, logs."""
-REFUSALS = ("over_cap", "header_timeout", "body_timeout", "nested_too_deep")
+NESTED_TOO_DEEP = "nested_too_deep"
+"""The reason of a body nested deeper than a decoder follows (:func:`kvatlas.web.nested_too_deep`)."""
+REFUSALS = ("over_cap", "header_timeout", "body_timeout", NESTED_TOO_DEEP)
 """Why the HTTP layer refused a connection or a request (the label of
 ``kvatlas_http_refused_total``): the guard's three, and a body nested deeper than the
 decoders follow (:mod:`kvatlas.web`)."""

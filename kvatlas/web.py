@@ -22,7 +22,7 @@ from kvatlas.errors import (
     Unauthorized,
     Unprocessable,
 )
-from kvatlas.http_guard import OnRefused
+from kvatlas.http_guard import NESTED_TOO_DEEP, OnRefused
 
 json_encoder = msgspec.json.Encoder()
 
@@ -76,10 +76,6 @@ def install_error_handler(app: FastAPI, on_refused: OnRefused = lambda _reason: 
 
     app.add_exception_handler(KvatlasError, _handler)
     install_nesting_handler(app, on_refused)
-
-
-NESTED_TOO_DEEP = "nested_too_deep"
-"""The reason (``kvatlas_http_refused_total``) of a body nested deeper than a decoder follows."""
 
 
 def nested_too_deep(on_refused: OnRefused) -> Unprocessable:

@@ -22,6 +22,8 @@ from typing import Any
 
 import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 from rich.progress import Progress
 
 from kvatlas.asgi_thread import free_port
@@ -97,14 +99,20 @@ def serve_echo_engine(port: int) -> None:
     serve(_echo_app(), host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
+def _samples(text: str, name: str) -> list[Sample]:
+    """The samples named ``name`` (e.g. ``x_bucket``, ``x_total``) of a Prometheus text
+    exposition, read by prometheus_client's parser."""
+    return [
+        s
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    ]
+
+
 def _histogram(text: str, name: str) -> list[tuple[float, float]]:
-    """``(le, cumulative count)`` of a Prometheus histogram's buckets."""
-    out = []
-    for line in text.splitlines():
-        if line.startswith(f"{name}_bucket{{"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            out.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
-    return out
+    """``(le, cumulative count)`` of a Prometheus histogram's buckets (``+Inf`` is ``inf``)."""
+    return [(float(s.labels["le"]), s.value) for s in _samples(text, f"{name}_bucket")]
 
 
 def _quantile_bound(before: str, after: str, name: str, q: float) -> float:
@@ -146,8 +154,7 @@ def _decision_row(args: argparse.Namespace, client: httpx.Client, port: int, pid
     before = client.get(f"{url}/metrics").text
     load = _load(args, port, pid, bodies, clients)
     after = client.get(f"{url}/metrics").text
-    failures = sum(float(line.rsplit(" ", 1)[1]) for line in after.splitlines()
-                   if line.startswith("kvatlas_router_score_failures_total"))  # fmt: skip
+    failures = sum(s.value for s in _samples(after, "kvatlas_router_score_failures_total"))
     rate = load.requests / load.seconds
     name = "kvatlas_router_decision_seconds"
     p50, p99 = (_quantile_bound(before, after, name, q) for q in (0.5, 0.99))

@@ -104,11 +104,13 @@ class CoordinatorClient:
         p2p_advertised_url: str | None = None,
         chunk_size: int | None = None,
         p2p_url_signature: str | None = None,
+        engine_id: str | None = None,
     ) -> str:
         """Register (``instance_id`` ``None``: the coordinator assigns one). The body is what
         LMCache's coordinator accepts too: its defaults (``""``) for what is not given, and
         ``chunk_size`` (a 0.5.7 coordinator refuses a conflicting one with 409);
-        ``p2p_url_signature`` (a kvatlas node's, docs/security.md) only when given."""
+        ``p2p_url_signature`` (a kvatlas node's, docs/security.md) and ``engine_id`` (the
+        engine the node serves, docs/route-scoring.md) only when given."""
         body: dict[str, Any] = {
             "instance_id": instance_id or "",
             "ip": ip,
@@ -121,6 +123,8 @@ class CoordinatorClient:
             body["chunk_size"] = chunk_size
         if p2p_url_signature:
             body["p2p_url_signature"] = p2p_url_signature
+        if engine_id:
+            body["engine_id"] = engine_id
         reply = self._call("POST", "/instances", json=body)
         try:  # it names a directory under the node's L2 root: never trust it unchecked
             self.instance_id = check_instance_id(reply["instance_id"])

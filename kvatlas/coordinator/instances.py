@@ -21,7 +21,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,9 @@ class Registration:
     p2p_url_signature: str | None = None
     """The node's proof that it holds the fleet's peer secret, for this id and URL (opaque
     here: nodes check it, ``kvatlas/node/peer_credentials.py``)."""
+    engine_id: str | None = None
+    """The engine whose KV connector this node is (``kvatlas node --engine-id``): its copies
+    are that engine's own when routes are scored (docs/route-scoring.md)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,11 @@ class InstanceRecord:
     registration_time: float
     last_heartbeat: float
     cache_salts: frozenset[str] | None = None
+
+
+def attachments(records: Iterable[InstanceRecord]) -> dict[str, str]:
+    """Node id → the engine it serves (``engine_id``), for the nodes that name one."""
+    return {r.instance_id: r.registration.engine_id for r in records if r.registration.engine_id}
 
 
 class InstanceRegistry:
@@ -88,11 +96,24 @@ class InstanceRegistry:
         cache_salts: frozenset[str] | None = None,
     ) -> tuple[str, bool]:
         """Returns ``(instance_id, re_registered)``; the coordinator assigns an id if none.
-        A new instance beyond ``max_instances`` is refused (:class:`Conflict`, 409)."""
+        A new instance beyond ``max_instances`` is refused (:class:`Conflict`, 409), and so
+        are an ``engine_id`` that is a registered node's id and an id that a registered node
+        names as its engine (node ids and engine ids are separate namespaces)."""
+        engine = registration.engine_id
         with self._fencing, self._lock:
             now = self._clock()
             if not instance_id:
                 instance_id = f"mp-{uuid.uuid4().hex}"  # LMCache's form
+            if engine is not None and engine in self._records:
+                raise Conflict(
+                    f"engine_id {engine!r} is a registered node's id: a node serves an engine"
+                )
+            for r in self._records.values():
+                if r.registration.engine_id == instance_id:
+                    raise Conflict(
+                        f"{instance_id!r} is the engine node {r.instance_id!r} serves "
+                        "(its engine_id): nodes use other ids"
+                    )
             existing = self._records.get(instance_id)
             cap = self.max_instances
             if existing is None and cap is not None and len(self._records) >= cap:

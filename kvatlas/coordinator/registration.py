@@ -46,7 +46,22 @@ def registration(body: RegisterRequest) -> tuple[str | None, Registration]:
         url,
         body.mq_port or None,
         url_signature(body.p2p_url_signature) if url else None,
+        engine_id(body.engine_id, body.instance_id),
     )
+
+
+def engine_id(engine: str | None, instance_id: str | None) -> str | None:
+    """``engine_id``: an instance id other than the node's own (422), or absent (``""`` too).
+    An engine no KV events named yet is fine: engines and nodes start in any order."""
+    if not engine:
+        return None
+    try:
+        check_instance_id(engine)
+    except ValueError as exc:
+        raise Unprocessable(f"engine_id: {exc}") from None
+    if engine == instance_id:
+        raise Unprocessable("engine_id must name an engine, not the node itself")
+    return engine
 
 
 def url_signature(signature: str | None) -> str | None:

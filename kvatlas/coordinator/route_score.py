@@ -5,7 +5,9 @@ Per request, not per instance: **one** blend match (the fragments) and **one** p
 chunk); each chunk's placements become one :class:`~kvatlas.coordinator.scoring.Access`, and
 :mod:`kvatlas.coordinator.scoring` scores every candidate from those. Runs on the match pool,
 never on the event loop. Validation and errors are the blend lookup's (same body fields, same
-messages), plus ``instances`` and ``weights``. See docs/route-scoring.md.
+messages), plus ``instances`` and ``weights``. A registered node that names the engine it
+serves (``engine_id``) lends that engine its copies, and is a default candidate as that engine.
+See docs/route-scoring.md.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kvatlas.auth import Principal
 from kvatlas.coordinator.asgi import FastReply
 from kvatlas.coordinator.body_size import check_item_count
 from kvatlas.coordinator.config import QUERY_ENVELOPE_BYTES
+from kvatlas.coordinator.instances import attachments
 from kvatlas.coordinator.query import BlendQuery, blend_query, decode_query_body
 from kvatlas.coordinator.schemas import RouteScoreBody
 from kvatlas.coordinator.scoring import (
@@ -157,16 +160,26 @@ class RouteScoring:
         asked = route_query(
             body, config.max_query_tokens, config.max_instances, config.fragment_weight
         )
+        _, records = service.instances.snapshot()
+        peers = frozenset(r.instance_id for r in records)
+        attached = attachments(records)
         if asked.instances is None:  # live instances the caller sees, and every engine
             alive = [v.instance_id for v in service.instances_view(who) if v.alive]
             engines = sorted(service.kv_events.engines())
-            candidates = list(dict.fromkeys([*alive, *engines]))
+            # a node serving an engine is a candidate as that engine (its copies are the
+            # engine's own): the engine is what a router can send the request to
+            served = [attached.get(i, i) for i in alive]
+            candidates = list(dict.fromkeys([*served, *engines]))
         else:
             candidates = asked.instances
-        _, records = service.instances.snapshot()
-        peers = frozenset(r.instance_id for r in records)
         scores = score_routes(
-            service.directory, service.scheme, asked.query, candidates, peers, asked.weights
+            service.directory,
+            service.scheme,
+            asked.query,
+            candidates,
+            peers,
+            asked.weights,
+            attached,
         )
         reply = json_encoder.encode(route_scores_to_wire(scores, asked.query_tokens))
         service.metrics.route_latency.observe(time.perf_counter() - started)

@@ -160,6 +160,11 @@ class RegisterRequest(BaseModel):
     p2p_url_signature: str | None = Field(
         None, description="kvatlas nodes: their peer secret's signature of id and URL (hex)"
     )
+    engine_id: str | None = Field(
+        None,
+        description="kvatlas nodes: the engine whose KV connector this node is (its copies "
+        "count as that engine's own in POST /route/score)",
+    )
 
 
 class ChunkSizeRequest(BaseModel):

@@ -363,6 +363,8 @@ def instance_to_wire(view: InstanceView) -> dict[str, Any]:
         }
         if reg.p2p_url_signature:  # kvatlas nodes only: LMCache's rows stay as they are
             row["p2p_url_signature"] = reg.p2p_url_signature
+        if reg.engine_id:  # kvatlas nodes serving an engine only, likewise
+            row["engine_id"] = reg.engine_id
     row.update(emitter_to_wire(view.emitter))
     return row
 
@@ -383,6 +385,7 @@ def instance_from_wire(obj: Any) -> InstanceView:
         _optional(_str, obj, "p2p_advertised_url") or None,
         _opt_int(obj, "mq_port") or None,
         _if_sent(_str, obj, "p2p_url_signature", None) or None,
+        _if_sent(_str, obj, "engine_id", None) or None,
     )
     return InstanceView(
         _str(obj, "instance_id"),

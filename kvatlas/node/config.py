@@ -20,7 +20,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Final
 
-from kvatlas.auth import TokenAuth, check_secret, public_unless_auth, read_secret_file
+from kvatlas.auth import TokenAuth, public_unless_auth, read_secret
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args, env_name
 from kvatlas.events import EVENT_TRANSPORTS
 from kvatlas.http_guard import (
@@ -65,6 +65,7 @@ class NodeConfig:
     world_size: int = 1
     rank: int = 0
     instance_id: str = ""
+    engine_id: str = ""
     host: str = "127.0.0.1"
     port: int = 9400
     advertised_url: str = ""
@@ -121,6 +122,15 @@ class NodeConfig:
         pack_kv_rank(self.world_size, self.rank, self.world_size, self.rank)
         if self.instance_id:
             check_instance_id(self.instance_id)
+        if self.engine_id:
+            try:
+                check_instance_id(self.engine_id)
+            except ValueError as exc:
+                raise ValueError(f"--engine-id: {exc}") from None
+            if self.engine_id == self.instance_id:
+                raise ValueError("--engine-id names the engine this node serves, not the node")
+            if not self.coordinator_url:
+                raise ValueError("--engine-id needs --coordinator-url (it is said at registration)")
         if self.l2 not in L2_KINDS:
             raise ValueError(f"--l2 must be one of {', '.join(L2_KINDS)}")
         if self.l2 == "redis" and not self.l2_redis_url:
@@ -152,11 +162,9 @@ class NodeConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
         if self.max_body_bytes < 0:
             raise ValueError("--max-body-bytes must be >= 0 (0 = derived from the layout)")
-        for name in ("coordinator_token", "peer_token"):
-            if getattr(self, name) and getattr(self, name + "_file") is not None:
-                raise ValueError(f"give --{name.replace('_', '-')}-file or the token, not both")
-            check_secret(getattr(self, name), "--" + name.replace("_", "-"))
-        self.coordinator_bearer()  # refuses an unreadable, exposed or short token file now
+        # a token and its file both given, a short token, an unreadable, exposed or short
+        # token file: refused now (auth.read_secret)
+        self.coordinator_bearer()
         self.peer_bearer()
         self.auth()
         if self.stream_max_len < 1:
@@ -234,11 +242,13 @@ class NodeConfig:
 
     def coordinator_bearer(self) -> str | None:
         """The coordinator token: ``--coordinator-token-file``, else the flag or environment."""
-        return _secret(self.coordinator_token, self.coordinator_token_file, "coordinator")
+        return read_secret(
+            self.coordinator_token, self.coordinator_token_file, "--coordinator-token"
+        )
 
     def peer_bearer(self) -> str | None:
         """The fleet's peer secret (``--peer-token-file``, the flag or the environment)."""
-        return _secret(self.peer_token, self.peer_token_file, "peer")
+        return read_secret(self.peer_token, self.peer_token_file, "--peer-token")
 
     def peer_secret(self) -> PeerSecret | None:
         """What this node derives its peer credentials and URL signature from (``None``:
@@ -318,12 +328,6 @@ def default_l2_path(environ: Mapping[str, str] | None = None) -> Path:
     return Path(base) / "kvatlas" / "l2"
 
 
-def _secret(value: str, path: Path | None, name: str) -> str | None:
-    if path is not None:
-        return read_secret_file(path, f"--{name}-token-file")
-    return value or None
-
-
 _HELP = {
     "model_name": "model name; part of every key (nodes of different models never share KV)",
     "hf_config": (
@@ -347,6 +351,11 @@ _HELP = {
     "instance_id": (
         "instance id (empty = assigned by the coordinator, or generated without one: a new id, "
         "hence a new L2 subdirectory, on every start; set it to keep a node's L2 across restarts)"
+    ),
+    "engine_id": (
+        "id of the engine whose KV connector this node is (its KV-events id, the router's "
+        "--engine ID); said at registration so that POST /route/score counts this node's "
+        "copies as that engine's own (empty = none)"
     ),
     "host": "bind address of the peer L1 and engine API (loopback by default)",
     "port": "bind port of the peer L1 and engine API",

@@ -180,6 +180,7 @@ def register(client: CoordinatorClient, config: NodeConfig, instance_id: str | N
                 "mode": "fleet" if config.fleet_enabled else "lookup only",
             },
             chunk_size=config.chunk_size, p2p_url_signature=signature,
+            engine_id=config.engine_id or None,
         )  # fmt: skip
 
     assigned = once(instance_id)

@@ -179,10 +179,14 @@ class Router:
         await asyncio.gather(*(self.engines.scrape(e) for e in self.engines.healthy()))
 
     def listed_engines(self, rows: list[dict[str, Any]]) -> dict[str, str]:
-        """Instances with a URL to reach them: ``metadata.openai_url``, else the template."""
+        """Instances with a URL to reach them: ``metadata.openai_url``, else the template.
+        A node that serves an engine (its row names an ``engine_id``) is not one: its copies
+        are scored as its engine's, which is routed by its own id."""
         found: dict[str, str] = {}
         template = self.config.engine_url_template
         for row in rows:
+            if row.get("engine_id"):
+                continue
             engine_id = row.get("instance_id")
             metadata = row.get("metadata")
             url = metadata.get("openai_url") if isinstance(metadata, dict) else None

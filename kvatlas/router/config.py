@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ from types import MappingProxyType
 from typing import Final
 from urllib.parse import urlsplit
 
-from kvatlas.auth import TokenAuth, read_secret_file
+from kvatlas.auth import TokenAuth, read_secret
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args, env_name
 from kvatlas.keys import check_instance_id
 from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
@@ -34,6 +33,7 @@ class RouterConfig:
     """``kvatlas router``'s flags (each also ``KVATLAS_<NAME>``)."""
 
     coordinator_url: str = ""
+    coordinator_token: str = ""
     coordinator_token_file: Path | None = None
     engine: str = ""
     engines_from_coordinator: bool = False
@@ -106,9 +106,11 @@ class RouterConfig:
         return TokenAuth.from_file(self.auth_token_file)  # private, long tokens: one rule
 
     def coordinator_bearer(self) -> str | None:
-        if self.coordinator_token_file is None:
-            return os.environ.get(env_name("coordinator_token")) or None
-        return read_secret_file(self.coordinator_token_file, "--coordinator-token-file")
+        """The coordinator token: ``--coordinator-token-file``, else the flag or environment
+        (``KVATLAS_COORDINATOR_TOKEN``), by the node's rule (:func:`kvatlas.auth.read_secret`)."""
+        return read_secret(
+            self.coordinator_token, self.coordinator_token_file, "--coordinator-token"
+        )
 
 
 def check_engine_url(url: str, where: str) -> str:
@@ -136,8 +138,11 @@ def parse_engines(text: str) -> dict[str, str]:
 HELP: Final = MappingProxyType(
     {
         "coordinator_url": "the kvatlas coordinator that scores engines (POST /route/score)",
+        "coordinator_token": "bearer token for the coordinator (lookup role; empty = none); "
+        "visible in the process list as a flag: prefer --coordinator-token-file or the "
+        "environment",
         "coordinator_token_file": "file holding a coordinator token with the lookup role "
-        "(mode 600); or KVATLAS_COORDINATOR_TOKEN",
+        "(mode 600, >= 32 characters)",
         "engine": "an engine as ID=URL (ID = its id in the directory, the KV-events topic's "
         "emitter); repeatable or comma-separated",
         "engines_from_coordinator": "also route to the instances GET /instances lists with "
@@ -189,4 +194,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(
     args: argparse.Namespace, environ: Mapping[str, str] | None = None
 ) -> RouterConfig:
+    if getattr(args, "coordinator_token", None):
+        log.warning(
+            "--coordinator-token on the command line shows in the process list; use "
+            "--coordinator-token-file or %s", env_name("coordinator_token"),
+        )  # fmt: skip
     return dataclass_from_args(RouterConfig, args, environ)

@@ -60,8 +60,19 @@ def _token_ids(value: list[Any], where: str) -> TokenIds:
         ids = np.asarray(value)
     except (OverflowError, ValueError):
         ids = np.asarray([], dtype=np.float64)
-    bad = ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() > MAX_TOKEN_ID
-    if bad or any(type(v) is bool for v in value):  # numpy takes True for 1; vLLM does not
+    integers = (
+        ids.ndim == 1
+        and ids.dtype.kind in "iu"
+        and not any(type(v) is bool for v in value)  # numpy takes True for 1; vLLM does not
+    )
+    return _in_range(ids, where, integers=integers)
+
+
+def _in_range(ids: np.ndarray[Any, Any], where: str, *, integers: bool = True) -> TokenIds:
+    """``ids`` (``integers``: a 1-d integer array) as uint32, or ``InvalidInput`` naming
+    ``where`` when they are not integers or one is outside [0, 2^32): the one range check of
+    both paths."""
+    if not integers or ids.min() < 0 or ids.max() > MAX_TOKEN_ID:
         raise InvalidInput(f"{where} must be token ids (integers in [0, 2^32))")
     return ids.astype(np.uint32)
 
@@ -200,11 +211,10 @@ def _token_ids_body(raw: bytes) -> tuple[dict[str, Any], TokenIds] | None:
         ids = np.fromiter(view.prompt, dtype=np.int64, count=len(view.prompt))
     except OverflowError:
         ids = np.asarray([-1])
-    if ids.min() < 0 or ids.max() > MAX_TOKEN_ID:
-        raise InvalidInput("'prompt' must be token ids (integers in [0, 2^32))")
+    checked = _in_range(ids, "'prompt'")
     fields = ("model", "stream", "cache_salt", "max_tokens", "max_completion_tokens")
     body = {name: value for name in fields if (value := getattr(view, name)) is not None}
-    return body, ids.astype(np.uint32)
+    return body, checked
 
 
 def parse_request(kind: Kind, raw: bytes, tokenizer: PromptTokenizer | None) -> RouteRequest:

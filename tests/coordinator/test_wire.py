@@ -73,6 +73,11 @@ def _json_round_trip(obj: Any) -> Any:
             wire.instance_to_wire,
             wire.instance_from_wire,
         ),
+        (
+            InstanceView("n", Registration(engine_id="pod-a"), 1.0, 0.0, NO_EMITTER),
+            wire.instance_to_wire,
+            wire.instance_from_wire,
+        ),
         ([REGISTERED, UNREGISTERED], wire.instances_to_wire, wire.instances_from_wire),
     ],
 )

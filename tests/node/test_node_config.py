@@ -145,3 +145,20 @@ def test_kvatlas_node_refuses_to_guess_the_kv_layout(capsys: pytest.CaptureFixtu
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--num-kv-heads, --head-dim" in err and "--hf-config" in err
+
+
+def test_engine_id_flag_environment_and_refusals() -> None:
+    """``--engine-id`` (``KVATLAS_ENGINE_ID``): the engine this node serves, an instance id,
+    never the node's own, and only with a coordinator (it is said at registration)."""
+    url = ("--coordinator-url", "http://127.0.0.1:9300")
+    assert config_from_args(node_args(*url, "--engine-id", "pod-a"), {}).engine_id == "pod-a"
+    env = {"KVATLAS_ENGINE_ID": "pod-a:dp1"}
+    assert config_from_args(node_args(*url), env).engine_id == "pod-a:dp1"
+    assert NodeConfig().engine_id == ""  # none by default
+    for argv, says in [
+        ((*url, "--engine-id", "../x"), "--engine-id"),
+        ((*url, "--engine-id", "n", "--instance-id", "n"), "not the node"),
+        (("--engine-id", "pod-a"), "--coordinator-url"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            config_from_args(node_args(*argv), {})

@@ -3,6 +3,8 @@ router counts corrected by vLLM's gauges, and engines learned from the coordinat
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvatlas.router import Candidate, CostModel, Coverage, EngineLoad, Policy, RouterConfig
@@ -128,6 +130,10 @@ def test_models_and_engines_from_the_coordinator() -> None:
     }  # node-c's URL is not http(s): skipped, not guessed
     router.config = RouterConfig(engines_from_coordinator=True, coordinator_url="http://c")
     assert router.listed_engines(rows) == {"pod-a": "http://10.0.0.1:8000"}
+    # a node serving an engine (kvatlas node --engine-id) is no engine: its engine is routed
+    node = {"instance_id": "node-a", "engine_id": "pod-a",
+            "metadata": {"openai_url": "http://10.0.0.9:8000"}}  # fmt: skip
+    assert router.listed_engines([*rows, node]) == {"pod-a": "http://10.0.0.1:8000"}
 
 
 @pytest.mark.parametrize(
@@ -154,3 +160,29 @@ def test_a_bad_url_template_is_refused_at_start() -> None:
         with pytest.raises(ValueError, match="engine-url-template"):
             RouterConfig(**base, engine_url_template=bad)  # type: ignore[arg-type]
     RouterConfig(**base, engine_url_template="http://{instance_id}.svc:8000")  # type: ignore[arg-type]
+
+
+def test_the_coordinator_token_is_read_by_the_one_secret_rule(tmp_path: Path) -> None:
+    """``KVATLAS_COORDINATOR_TOKEN`` comes through the flag system (``--coordinator-token``)
+    and every token source follows ``kvatlas.auth.read_secret``, as on the node."""
+    from kvatlas.cli import _build_parser
+    from kvatlas.router.config import config_from_args
+
+    args = _build_parser().parse_args(["router", "--engine", "a=http://x:1", "--policy", "random"])
+    env = {"KVATLAS_COORDINATOR_TOKEN": "c" * 40}
+    assert config_from_args(args, env).coordinator_bearer() == "c" * 40
+    assert config_from_args(args, {}).coordinator_bearer() is None
+    with pytest.raises(ValueError, match=">= 32 characters"):
+        config_from_args(args, {"KVATLAS_COORDINATOR_TOKEN": "short"}).coordinator_bearer()
+    path = tmp_path / "router.token"
+    path.write_text("f" * 40)
+    path.chmod(0o600)
+    from_file = RouterConfig(engine="a=http://x:1", policy="random", coordinator_token_file=path)
+    assert from_file.coordinator_bearer() == "f" * 40
+    both = RouterConfig(engine="a=http://x:1", policy="random", coordinator_token_file=path,
+                        coordinator_token="c" * 40)  # fmt: skip
+    with pytest.raises(ValueError, match="not both"):
+        both.coordinator_bearer()
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        from_file.coordinator_bearer()

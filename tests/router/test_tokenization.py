@@ -109,6 +109,8 @@ def test_template_errors_are_400s(tokenizers: tuple[PromptTokenizer, Any]) -> No
         ("completions", b'{"model": "m", "prompt": [1, [2]]}', "token ids"),
         ("completions", b'{"model": "m", "prompt": [1, 99999999999999999999999]}', "token ids"),
         ("completions", b'{"model": "m", "prompt": [[1], []]}', "prompt 1 is empty"),
+        ("completions", b'{"model": "m", "prompt": [[1], [4294967296]]}', "prompt 1 must be token"),
+        ("completions", b'{"model": "m", "prompt": [[-1]]}', "'prompt' must be token ids"),
         ("completions", b'{"model": "m"}', "'prompt' is required"),
         ("completions", b'{"model": "m", "prompt": [1], "cache_salt": 5}', "cache_salt"),
         ("completions", b'{"model": "m", "prompt": [1], "stream": "yes"}', "stream"),
