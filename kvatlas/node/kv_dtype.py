@@ -32,7 +32,8 @@ def bfloat16() -> np.dtype[Any]:
     """``ml_dtypes.bfloat16`` as a numpy dtype (imports ``ml_dtypes`` on the first call)."""
     import ml_dtypes
 
-    return np.dtype(ml_dtypes.bfloat16)
+    dtype: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+    return dtype
 
 
 _NUMPY: Final[dict[str, np.dtype[Any]]] = {

@@ -18,7 +18,7 @@ from kvatlas.coordinator.server import free_port
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.rope import rerope_k
 from kvatlas.node.toy_model import ToyRopeModel
-from kvatlas.processes import spawn_service, stop
+from kvatlas.processes import spawn_service, spawn_services, stop
 from tests.conftest import wait_for
 from tests.vllm_support import require_vllm
 
@@ -42,16 +42,15 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
             ["-m", "kvatlas.cli", "coordinator", "--port", coord.rsplit(":", 1)[1],
              "--chunk-size", str(C), "--enable-blend-lookup", "--log-level", "warning"], coord,
         ))  # fmt: skip
-        urls = {}
-        for name in ("a", "b"):
-            port = free_port()
-            urls[name] = f"http://127.0.0.1:{port}"
-            procs.append(spawn_service(
-                ["-m", "kvatlas.cli", "node", "--port", str(port), "--instance-id", f"node-{name}",
-                 "--hf-config", str(tmp), "--model-name", "tiny", "--chunk-size", str(C),
-                 "--l2", "none", "--coordinator-url", coord, "--coordinator-event-reporting",
-                 "--coordinator-blend-timeout", "20", "--log-level", "warning"], urls[name],
-            ))  # fmt: skip
+        urls = {name: f"http://127.0.0.1:{free_port()}" for name in ("a", "b")}
+        procs += spawn_services([
+            (["-m", "kvatlas.cli", "node", "--port", url.rsplit(":", 1)[1],
+              "--instance-id", f"node-{name}", "--hf-config", str(tmp), "--model-name", "tiny",
+              "--chunk-size", str(C), "--l2", "none", "--coordinator-url", coord,
+              "--coordinator-event-reporting", "--coordinator-blend-timeout", "20",
+              "--log-level", "warning"], url)
+            for name, url in urls.items()
+        ])  # fmt: skip
         yield {"coordinator": coord, "hf_config": str(tmp), **urls}
     finally:
         stop(procs)

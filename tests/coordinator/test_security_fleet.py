@@ -18,7 +18,7 @@ from kvatlas.coordinator.server import free_port
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.node.toy_model import ToyRopeModel
-from kvatlas.processes import spawn_service, stop
+from kvatlas.processes import spawn_services, stop
 from tests.conftest import wait_for
 from tests.coordinator.security_support import bearer, spawn_coordinator, token, write_tokens
 
@@ -63,12 +63,14 @@ def fleet(tmp_path: Path) -> Iterator[dict[str, Any]]:
     layout = NodeConfig(model_name="toy", num_layers=2, num_kv_heads=2, head_dim=16, chunk_size=C,
                         dtype="float32").layout  # fmt: skip
     try:
-        for name, tok in TOKENS.items():
-            port = free_port()
-            args = ["-m", "kvatlas.cli", "node", "--port", str(port), "--instance-id", name]
-            args += [*NODE_FLAGS, coord, "--coordinator-event-reporting"]
-            args += ["--coordinator-token", tok]
-            procs.append(spawn_service(args, f"http://127.0.0.1:{port}"))
+        ports = {name: free_port() for name in TOKENS}
+        procs += spawn_services([
+            (["-m", "kvatlas.cli", "node", "--port", str(port), "--instance-id", name,
+              *NODE_FLAGS, coord, "--coordinator-event-reporting",
+              "--coordinator-token", TOKENS[name]], f"http://127.0.0.1:{port}")
+            for name, port in ports.items()
+        ])  # fmt: skip
+        for name, port in ports.items():
             clients[name] = NodeEngineClient(f"http://127.0.0.1:{port}", layout)
         yield {"coordinator": coord, "layout": layout, **clients}
     finally:

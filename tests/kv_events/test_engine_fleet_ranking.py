@@ -25,7 +25,7 @@ from kvatlas.events.vllm_wire import AllBlocksCleared, BlockStored, KVEventBatch
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.node.toy_model import ToyRopeModel
-from kvatlas.processes import spawn_service, stop
+from kvatlas.processes import spawn_services, stop
 from tests.conftest import wait_for
 from tests.coordinator.security_support import bearer, spawn_coordinator, token, write_tokens
 from tests.coordinator.test_route_score_fleet import NODE_FLAGS, ranking
@@ -67,12 +67,14 @@ def fleet(tmp_path: Path) -> Iterator[dict[str, Any]]:
                         dtype="float32").layout  # fmt: skip
     try:
         procs.append(spawn_coordinator(coord_port, *flags))
-        for name in NODES:
-            port = free_port()
-            args = ["-m", "kvatlas.cli", "node", "--port", str(port), "--instance-id", name]
-            args += [*NODE_FLAGS, coord, "--coordinator-event-reporting"]
-            args += ["--coordinator-token", TOKENS[name]]
-            procs.append(spawn_service(args, f"http://127.0.0.1:{port}"))
+        ports = {name: free_port() for name in NODES}
+        procs += spawn_services([
+            (["-m", "kvatlas.cli", "node", "--port", str(port), "--instance-id", name,
+              *NODE_FLAGS, coord, "--coordinator-event-reporting",
+              "--coordinator-token", TOKENS[name]], f"http://127.0.0.1:{port}")
+            for name, port in ports.items()
+        ])  # fmt: skip
+        for name, port in ports.items():
             clients[name] = NodeEngineClient(f"http://127.0.0.1:{port}", layout)
         yield {"coordinator": coord, "layout": layout, "engine": engine, **clients}
     finally:

@@ -37,7 +37,7 @@ from kvatlas.node.rope import rerope_k
 from kvatlas.node.segments import Segment
 from kvatlas.node.stored_chunk import StoredChunk, decode_chunk, encode_chunk
 from kvatlas.node.toy_model import ToyRopeModel, rope_at_positions
-from kvatlas.processes import spawn_service, stop
+from kvatlas.processes import spawn_service, spawn_services, stop
 from tests.conftest import RedisServer, wait_for
 from tests.torch_support import require_torch
 
@@ -256,14 +256,14 @@ def bf16_fleet(
             "a": ["--l2", "fs", "--l2-path", str(tmp_path / "l2-a")],
             "b": ["--l2", "redis", "--l2-redis-url", redis_url],
         }
-        for name, port in (("a", a_port), ("b", b_port)):
-            url = f"http://127.0.0.1:{port}"
-            procs.append(spawn_service(
-                ["-m", "kvatlas.cli", "node", "--port", str(port), "--instance-id", f"node-{name}",
-                 "--coordinator-url", coord, "--coordinator-event-reporting", *NODE_FLAGS,
-                 *tiers[name]], url,
-            ))  # fmt: skip
-            clients.append(NodeEngineClient(url, LAYOUT))
+        nodes = {"a": a_port, "b": b_port}
+        procs += spawn_services([
+            (["-m", "kvatlas.cli", "node", "--port", str(port), "--instance-id", f"node-{name}",
+              "--coordinator-url", coord, "--coordinator-event-reporting", *NODE_FLAGS,
+              *tiers[name]], f"http://127.0.0.1:{port}")
+            for name, port in nodes.items()
+        ])  # fmt: skip
+        clients += [NodeEngineClient(f"http://127.0.0.1:{port}", LAYOUT) for port in nodes.values()]
         yield clients[0], clients[1], procs, probes
     finally:
         for client in clients:

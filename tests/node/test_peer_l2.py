@@ -24,7 +24,7 @@ from kvatlas.node.l2 import FsL2
 from kvatlas.node.peer import PEER_KV_PATH, PeerClient, PeerServer, create_peer_app
 from kvatlas.node.stored_chunk import StoredChunk, decode_chunk
 from kvatlas.node.toy_model import ToyRopeModel
-from kvatlas.processes import spawn_service, stop
+from kvatlas.processes import spawn_service, spawn_services, stop
 from tests.conftest import wait_for
 
 
@@ -115,14 +115,14 @@ def test_a_chunk_only_in_a_peers_private_l2_is_counted_and_retrieved(tmp_path: P
     a_url, b_url = f"http://127.0.0.1:{a_port}", f"http://127.0.0.1:{b_port}"
     a = b = None
     try:
-        for name, port, l2 in (("a", a_port, "fs"), ("b", b_port, "none")):
-            args = [
-                "node", "--port", str(port), "--instance-id", name, "--coordinator-url", coord,
-                "--coordinator-event-reporting", "--l2", l2, "--l2-path", str(tmp_path / "l2"),
-                # L1 holds two chunks: the first two of four live in A's private L2 only
-                "--l1-bytes", str(2 * LAYOUT.chunk_bytes), *MODEL_FLAGS,
-            ]  # fmt: skip
-            procs.append(spawn_service(["-m", "kvatlas.cli", *args], f"http://127.0.0.1:{port}"))
+        procs += spawn_services([
+            (["-m", "kvatlas.cli", "node", "--port", str(port), "--instance-id", name,
+              "--coordinator-url", coord, "--coordinator-event-reporting", "--l2", l2,
+              "--l2-path", str(tmp_path / "l2"),
+              # L1 holds two chunks: the first two of four live in A's private L2 only
+              "--l1-bytes", str(2 * LAYOUT.chunk_bytes), *MODEL_FLAGS], f"http://127.0.0.1:{port}")
+            for name, port, l2 in (("a", a_port, "fs"), ("b", b_port, "none"))
+        ])  # fmt: skip
         a = NodeEngineClient(a_url, LAYOUT, timeout=60)
         b = NodeEngineClient(b_url, LAYOUT, timeout=60)
         model = ToyRopeModel(LAYOUT)
