@@ -11,8 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from kvatlas.asgi_thread import free_port
-from tests.torch_support import torch_import_error, torch_status
+from tests.numba_cache import use_keyed_cache
+
+use_keyed_cache()  # before anything imports numba (tests/numba_cache.py says why)
+
+from kvatlas.asgi_thread import free_port  # noqa: E402
+from tests.torch_support import torch_import_error, torch_status  # noqa: E402
 
 
 def pytest_report_header() -> str:
