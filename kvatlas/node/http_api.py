@@ -104,6 +104,19 @@ def segment_of(wire: WireSegment) -> Segment:
     )  # fmt: skip
 
 
+def _short_store(tracker: RequestTracker, call: EngineCall, chunk_size: int) -> str:
+    """Why a store kept fewer chunks than it sent (a reply field, only then)."""
+    if not tracker.cacheable:
+        return "the request has no cacheable key (a multimodal item without a usable identity)"
+    tokens = len(call.tokens) // 4
+    full = tokens // chunk_size
+    return (
+        f"only full chunks are stored: {tokens} tokens hold {full} full chunk(s) of "
+        f"{chunk_size}, and chunks {call.first_chunk}..{call.first_chunk + call.n_chunks - 1} "
+        "were sent"
+    )
+
+
 def _wants_msgpack(headers: Any) -> bool:
     """Whether a request speaks msgpack (its body or the reply it accepts); else JSON."""
     return MSGPACK in headers.get("content-type", "") or MSGPACK in headers.get("accept", "")
@@ -331,7 +344,10 @@ def create_node_app(
         chunks = list(kv.reshape((call.n_chunks, *layout.shape)))
         stored = await run_in_threadpool(node.store, tracker, chunks, first_chunk=call.first_chunk)
         trackers.drop(who, call.request_id, tracker)
-        return {"stored": stored, "cacheable": tracker.cacheable}
+        reply: dict[str, Any] = {"stored": stored, "cacheable": tracker.cacheable}
+        if stored < call.n_chunks:
+            reply["reason"] = _short_store(tracker, call, layout.chunk_size)
+        return reply
 
     @engine_call("/engine/lookup", config.max_call_bytes)
     async def lookup(call: EngineCall, who: Principal) -> Any:

@@ -255,6 +255,15 @@ def test_a_blend_call_without_a_request_id_is_422_not_pending_forever(
     assert status == 200 and "pending" in payload  # negative control: named, it is answered
 
 
+def test_a_store_that_keeps_fewer_chunks_than_sent_says_why(client: httpx.Client) -> None:
+    chunk = b"\0" * CONFIG.layout.chunk_bytes
+    status, payload = call(client, "/engine/store", tokens=tokens(C - 6), n_chunks=1, kv=chunk)
+    assert status == 200 and payload["stored"] == 0
+    assert f"{C - 6} tokens hold 0 full chunk(s) of {C}" in payload["reason"]
+    status, payload = call(client, "/engine/store", tokens=tokens(C), n_chunks=1, kv=chunk)
+    assert payload == {"stored": 1, "cacheable": True}  # all kept: no reason
+
+
 def test_healthz_answers_json_unless_msgpack_is_asked_for(client: httpx.Client) -> None:
     """curl gets JSON; an engine that speaks msgpack gets msgpack."""
     r = client.get("/healthz")
