@@ -346,7 +346,8 @@ class StreamConsumer:
                 if caught_up and not self._caught_up:
                     self._caught_up = True
                     self._set_readiness(Readiness.SERVING)
-                    log.info("caught up with %s at %s", self.stream, self.position)
+                    log.info("caught up with %s at %s", self.stream,
+                             self.position or "its start (nothing read yet)")  # fmt: skip
             except GroupHeld as exc:  # a live twin holds the group (joined while we restored)
                 self._errors.labels("group_held").inc()
                 self._set_readiness(Readiness.GROUP_HELD)
