@@ -10,6 +10,17 @@ def is_plain_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def check_http_url(url: str, flag: str) -> str:
+    """``url`` without a trailing slash, or ``ValueError`` naming ``flag`` when it is not an
+    ``http(s)://host...`` URL (``127.0.0.1:9300`` would be retried forever as a path)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{flag}: {url!r} is not an http(s) URL (e.g. http://127.0.0.1:9300)")
+    return url.rstrip("/")
+
+
 def uint32_token_bytes(token_ids: object) -> bytes:
     """Token ids as little-endian uint32 bytes (every wire's form of a prompt), refusing what
     does not fit — a negative or ≥ 2^32 id, a float, a bool, a string — with

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvatlas.checks import check_http_url
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args
 from kvatlas.engine_sim.cost_model import CostModel
 from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
@@ -77,6 +78,8 @@ class EngineSimConfig:
             raise ValueError("--instance-id must be non-empty and have no '@' (topic separator)")
         if not 0.0 <= self.recompute_share <= 1.0:
             raise ValueError("--recompute-share must be in [0, 1]")
+        if self.node_url:
+            check_http_url(self.node_url, "--node-url")
         if self.node_token_file is not None and not self.node_url:
             raise ValueError("--node-token-file needs --node-url")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:

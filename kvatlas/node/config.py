@@ -21,6 +21,7 @@ from types import MappingProxyType
 from typing import Final
 
 from kvatlas.auth import TokenAuth, public_unless_auth, read_secret
+from kvatlas.checks import check_http_url
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args, env_name
 from kvatlas.events import EVENT_TRANSPORTS
 from kvatlas.http_guard import (
@@ -122,6 +123,8 @@ class NodeConfig:
         pack_kv_rank(self.world_size, self.rank, self.world_size, self.rank)
         if self.instance_id:
             check_instance_id(self.instance_id)
+        if self.coordinator_url:
+            check_http_url(self.coordinator_url, "--coordinator-url")
         if self.engine_id:
             try:
                 check_instance_id(self.engine_id)

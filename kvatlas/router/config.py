@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Final
-from urllib.parse import urlsplit
 
 from kvatlas.auth import TokenAuth, read_secret
+from kvatlas.checks import check_http_url
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args, env_name
 from kvatlas.keys import check_instance_id
 from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
@@ -71,10 +71,12 @@ class RouterConfig:
             raise ValueError("--engines-from-coordinator needs --coordinator-url")
         if self.policy in ("kvatlas", "prefix") and not self.coordinator_url:
             raise ValueError(f"--policy {self.policy} needs --coordinator-url (it scores there)")
+        if self.coordinator_url:
+            check_http_url(self.coordinator_url, "--coordinator-url")
         parse_engines(self.engine)  # refuse a bad list at start, naming the item
         if self.engine_url_template:
             try:
-                check_engine_url(self.engine_url_template.format(instance_id="x"), "")
+                check_http_url(self.engine_url_template.format(instance_id="x"), "")
             except (KeyError, IndexError, ValueError) as exc:
                 raise ValueError(
                     f"--engine-url-template: an http(s) URL with {{instance_id}} only ({exc})"
@@ -113,13 +115,6 @@ class RouterConfig:
         )
 
 
-def check_engine_url(url: str, where: str) -> str:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{where}: {url!r} is not an http(s) URL")
-    return url.rstrip("/")
-
-
 def parse_engines(text: str) -> dict[str, str]:
     """``ID=URL`` items separated by commas or whitespace (the flag may also be repeated:
     argparse joins them) → ``{id: url}``; a repeated id or a bad URL is refused."""
@@ -131,7 +126,7 @@ def parse_engines(text: str) -> dict[str, str]:
         check_instance_id(engine_id)
         if engine_id in engines:
             raise ValueError(f"--engine: {engine_id!r} given twice")
-        engines[engine_id] = check_engine_url(url, f"--engine {engine_id}")
+        engines[engine_id] = check_http_url(url, f"--engine {engine_id}")
     return engines
 
 
