@@ -191,6 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvatlas.soak import run as run_soak
 
         return run_soak(args)
+    from kvatlas.bench.common import warn_if_busy
+
+    warn_if_busy(args.bench_name)
     module = importlib.import_module(f"kvatlas.bench.{args.bench_name}")
     return int(module.run(args))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -83,6 +84,22 @@ def progress(benchmark: str, text: str) -> None:
     """One line on stderr (stdout keeps the table): a run of many minutes says what it is doing."""
     elapsed = time.monotonic() - _STARTED
     print(f"kvatlas bench {benchmark} [{elapsed:7.1f} s] {text}", file=sys.stderr, flush=True)
+
+
+def warn_if_busy(benchmark: str) -> bool:
+    """Warn (stderr) when the machine is busy — the 1-minute load average above the core
+    count — since every timing then measures the other work too. True when it warned."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not available on this platform
+        return False
+    cores = os.cpu_count() or 1
+    if load <= cores:
+        return False
+    print(f"kvatlas bench {benchmark}: warning: the machine is busy (load average {load:.1f} on "
+          f"{cores} cores): timings include that other work; rerun on a quiet machine",
+          file=sys.stderr)  # fmt: skip
+    return True
 
 
 def finished(benchmark: str, row: BenchRow) -> BenchRow:

@@ -48,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=131072, help="prompt length to hash")
     parser.add_argument("--mm-values", type=int, default=1 << 20, help="values to derive")
     parser.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk")
+    parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
 
 
 IMAGES = 10
@@ -76,6 +77,8 @@ def check_config(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.tokens, args.mm_values, args.repeats = 16_384, 1 << 16, 3
     reason = check_config(args)
     if reason is not None:
         return refuse("keys", reason)

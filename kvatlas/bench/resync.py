@@ -34,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--placements", type=int, default=1_000_000, help="node's placements")
     parser.add_argument("--drift", type=float, default=0.001, help="fraction of them drifted")
     parser.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk")
+    parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (deterministic)")
     parser.add_argument("--json", type=Path, default=None, help="also write results as JSON here")
     parser.add_argument(
@@ -90,6 +91,8 @@ def _keys(rng: random.Random, n: int) -> list[ObjectKey]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.placements = 20_000
     rng = random.Random(args.seed)
     n, drifted = args.placements, max(2, int(args.placements * args.drift))
     keys = _keys(rng, n + drifted // 2)
