@@ -145,9 +145,11 @@ class EngineCore:
 
     def local_prefix_tokens(self, tokens: list[int], cache_salt: str | None) -> int:
         """What the GPU and the CPU tier hold of ``tokens`` from the start (no change made)."""
-        hashes = block_hashes(tokens, self.block_size, cache_salt)[
-            : (len(tokens) - 1) // self.block_size
-        ]
+        return self.local_prefix_of(block_hashes(tokens, self.block_size, cache_salt), len(tokens))
+
+    def local_prefix_of(self, hashes: Sequence[bytes], num_tokens: int) -> int:
+        """:meth:`local_prefix_tokens` from the prompt's block hashes (``num_tokens`` long)."""
+        hashes = hashes[: (num_tokens - 1) // self.block_size]
         gpu = len(self.pool.cached_prefix(hashes))
         return (gpu + self.pool.cpu_run(hashes, gpu)) * self.block_size
 
