@@ -305,11 +305,12 @@ class EngineCore:
         if full <= req.cached_blocks:
             return
         self._extend_hashes(req)
-        salt = salt_keys(req.cache_salt)
-        extra: list[list[Any] | None] = [
-            [req.cache_salt] if i == 0 and salt else None for i in range(full)
-        ]
-        self.pool.cache(req.block_ids, req.hashes, req.cached_blocks, full, req.tokens(), extra)
+        extra: list[list[Any] | None] = [None] * full
+        if salt_keys(req.cache_salt):
+            extra[0] = [req.cache_salt]
+        # (a prefill chunk's blocks are all prompt: no copy of prompt + output per step)
+        tokens = req.prompt if full * self.block_size <= len(req.prompt) else req.tokens()
+        self.pool.cache(req.block_ids, req.hashes, req.cached_blocks, full, tokens, extra)
         req.cached_blocks = full
 
     def _run(self, scheduled: list[tuple[SimRequest, int]]) -> StepOutcome:
