@@ -144,9 +144,7 @@ class EngineApi:
         local = self.driver.core.local_prefix_tokens(sim.prompt, sim.cache_salt)
         reuse = await asyncio.to_thread(connector.fetch, sim.prompt, sim.cache_salt,
                                         sim.request_id, local)  # fmt: skip
-        sim.node_prefix_tokens, sim.node_prefix_load_s = reuse.prefix_tokens, reuse.prefix_load_s
-        sim.fragments, sim.fragment_load_s = reuse.fragments, reuse.fragment_load_s
-        sim.recompute_share = self.config.recompute_share
+        reuse.apply_to(sim, self.config.recompute_share)
 
     def created_at(self, sim: SimRequest) -> int:
         return self.created + int(sim.arrival_s / self.driver.speed)

@@ -200,6 +200,8 @@ class BlockPool:
         parent = hashes[first - 1] if first else None
         self.events.append(stored_event(new, parent, list(tokens[first * bs : end * bs]), bs, GPU,
                                         list(extra[first:end])))  # fmt: skip
+        if self.cpu.capacity <= 0:
+            return
         for i in range(first, end):
             self.cpu.store(hashes[i], hashes[i - 1] if i else None,
                            list(tokens[i * bs : (i + 1) * bs]), bs, extra[i])  # fmt: skip

@@ -17,12 +17,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
 
 from kvatlas.client.engine_client import EngineClient, EngineLayout, WireSegment
+from kvatlas.engine_sim.scheduler import SimRequest
 from kvatlas.errors import KvatlasError
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,28 @@ class NodeReuse:
     @property
     def fragment_tokens(self) -> int:
         return sum(n for _, n in self.fragments)
+
+    @classmethod
+    def of(cls, prefix_sources: dict[str, int], fragments: Sequence[tuple[int, int]],
+           fragment_sources: dict[str, int], chunk_size: int, kv_bytes_per_token: int,
+           rates: TierRates) -> NodeReuse:  # fmt: skip
+        """What a node answered (chunks per source of the prefix and of the fragments, the
+        fragments' spans) priced: each chunk's modelled bytes over its source's bandwidth."""
+        bytes_per_chunk = chunk_size * kv_bytes_per_token
+
+        def load_s(sources: dict[str, int]) -> float:
+            return sum(n * bytes_per_chunk / rates.of(s) for s, n in sources.items())
+
+        every = Counter(prefix_sources) + Counter(fragment_sources)
+        return cls(sum(prefix_sources.values()) * chunk_size, load_s(prefix_sources),
+                   tuple(fragments), load_s(fragment_sources), dict(every))  # fmt: skip
+
+    def apply_to(self, sim: SimRequest, recompute_share: float) -> None:
+        """Set what the node supplies on the request before it is added to the engine (the
+        engine process and the virtual fleet benchmark alike)."""
+        sim.node_prefix_tokens, sim.node_prefix_load_s = self.prefix_tokens, self.prefix_load_s
+        sim.fragments, sim.fragment_load_s = self.fragments, self.fragment_load_s
+        sim.recompute_share = recompute_share
 
 
 class NodeConnector:
@@ -105,10 +129,6 @@ class NodeConnector:
         if self._client is not None:
             self._client.close()
 
-    def _load_s(self, sources: dict[str, int]) -> float:
-        bytes_per_chunk = self.chunk_size * self.kv_bytes_per_token
-        return sum(n * bytes_per_chunk / self.rates.of(s) for s, n in sources.items())
-
     def fetch(self, prompt: list[int], cache_salt: str | None, request_id: str,
               local_tokens: int) -> NodeReuse:  # fmt: skip
         """The node's prefix and, after ``max(prefix, local_tokens)``, its fragments."""
@@ -131,11 +151,11 @@ class NodeConnector:
             fragments = self._fragments(client, prompt, salt, f"{request_id}:blend", start,
                                         fragment_sources)  # fmt: skip
         self.counts["fragment_tokens"] += sum(n for _, n in fragments)
-        every = Counter(sources) + Counter(fragment_sources)
-        for name, n in every.items():
+        reuse = NodeReuse.of(dict(sources), fragments, fragment_sources, self.chunk_size,
+                             self.kv_bytes_per_token, self.rates)  # fmt: skip
+        for name, n in reuse.sources.items():
             self.counts[f"chunks_{name}"] += n
-        return NodeReuse(prefix, self._load_s(sources), tuple(fragments),
-                         self._load_s(fragment_sources), dict(every))  # fmt: skip
+        return reuse
 
     def _fragments(self, client: EngineClient, prompt: list[int], salt: str, rid: str,
                    prefix_len: int, sources: dict[str, int]) -> list[tuple[int, int]]:  # fmt: skip

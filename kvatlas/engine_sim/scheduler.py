@@ -145,9 +145,11 @@ class EngineCore:
 
     def local_prefix_tokens(self, tokens: list[int], cache_salt: str | None) -> int:
         """What the GPU and the CPU tier hold of ``tokens`` from the start (no change made)."""
-        hashes = block_hashes(tokens, self.block_size, cache_salt)[
-            : (len(tokens) - 1) // self.block_size
-        ]
+        return self.local_prefix_of(block_hashes(tokens, self.block_size, cache_salt), len(tokens))
+
+    def local_prefix_of(self, hashes: Sequence[bytes], num_tokens: int) -> int:
+        """:meth:`local_prefix_tokens` from the prompt's block hashes (``num_tokens`` long)."""
+        hashes = hashes[: (num_tokens - 1) // self.block_size]
         gpu = len(self.pool.cached_prefix(hashes))
         return (gpu + self.pool.cpu_run(hashes, gpu)) * self.block_size
 
@@ -303,11 +305,12 @@ class EngineCore:
         if full <= req.cached_blocks:
             return
         self._extend_hashes(req)
-        salt = salt_keys(req.cache_salt)
-        extra: list[list[Any] | None] = [
-            [req.cache_salt] if i == 0 and salt else None for i in range(full)
-        ]
-        self.pool.cache(req.block_ids, req.hashes, req.cached_blocks, full, req.tokens(), extra)
+        extra: list[list[Any] | None] = [None] * full
+        if salt_keys(req.cache_salt):
+            extra[0] = [req.cache_salt]
+        # (a prefill chunk's blocks are all prompt: no copy of prompt + output per step)
+        tokens = req.prompt if full * self.block_size <= len(req.prompt) else req.tokens()
+        self.pool.cache(req.block_ids, req.hashes, req.cached_blocks, full, tokens, extra)
         req.cached_blocks = full
 
     def _run(self, scheduled: list[tuple[SimRequest, int]]) -> StepOutcome:

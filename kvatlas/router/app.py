@@ -38,7 +38,13 @@ from kvatlas.router.config import RouterConfig
 from kvatlas.router.engines import Engine, EngineSet
 from kvatlas.router.metrics import RouterMetrics
 from kvatlas.router.openai_body import Kind, RouteRequest, parse_request
-from kvatlas.router.policies import NO_COVERAGE, Candidate, CostModel, Coverage, Policy
+from kvatlas.router.policies import (
+    NO_COVERAGE,
+    Candidate,
+    Coverage,
+    Policy,
+    uncomputed_tokens,
+)
 from kvatlas.router.tokenizer import PromptTokenizer
 from kvatlas.web import read_body
 
@@ -107,13 +113,7 @@ class Router:
         self.tokenizer = tokenizer
         self.auth: TokenAuth | None = config.auth()
         self.metrics = RouterMetrics()
-        bandwidths = {
-            tier: float(getattr(config, f"{tier}_bandwidth_bytes_per_s"))
-            for tier in ("gpu", "l1", "l2", "peer")
-        }
-        cost = CostModel(config.prefill_tokens_per_s, config.kv_bytes_per_token, bandwidths,
-                         config.recompute_share)  # fmt: skip
-        self.policy = Policy(config.policy, cost, config.seed)
+        self.policy = Policy(config.policy, config.cost_model(), config.seed)
         self.http: aiohttp.ClientSession | None = None  # made on the event loop: start()
         self.engines = EngineSet(config.engines)
         self.coordinator = (
@@ -283,8 +283,7 @@ class Router:
     def _uncomputed(self, req: RouteRequest, cover: Coverage) -> int:
         if req.prompt_tokens is None:
             return int(self.engines.mean_prompt_tokens)
-        reused = cover.prefix_tokens + cover.fragment_tokens
-        return max(0, len(req.prompt_tokens) - reused)
+        return uncomputed_tokens(len(req.prompt_tokens), cover)
 
     async def _proxy(self, kind: Kind, request: Request, raw: bytes, req: RouteRequest,
                      ranked: list[Any], arrived: float) -> Response:  # fmt: skip

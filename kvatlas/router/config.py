@@ -10,18 +10,20 @@ policy"); a flag that names a concept the coordinator or node also has keeps the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
-from typing import Final
+from types import MappingProxyType, SimpleNamespace
+from typing import Any, Final
 
 from kvatlas.auth import TokenAuth, read_secret
 from kvatlas.checks import check_http_url
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args, env_name
 from kvatlas.keys import check_instance_id
 from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
+from kvatlas.router.policies import CostModel
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,10 @@ class RouterConfig:
         if not 0.0 <= self.recompute_share <= 1.0:
             raise ValueError("--recompute-share must be in [0, 1]")
 
+    def cost_model(self) -> CostModel:
+        """The kvatlas policy's constants as flagged."""
+        return _cost_model(self)
+
     @property
     def engines(self) -> dict[str, str]:
         return parse_engines(self.engine)
@@ -113,6 +119,22 @@ class RouterConfig:
         return read_secret(
             self.coordinator_token, self.coordinator_token_file, "--coordinator-token"
         )
+
+
+def _cost_model(flags: Any) -> CostModel:
+    bandwidths = {
+        tier: float(getattr(flags, f"{tier}_bandwidth_bytes_per_s"))
+        for tier in ("gpu", "l1", "l2", "peer")
+    }
+    return CostModel(flags.prefill_tokens_per_s, flags.kv_bytes_per_token, bandwidths,
+                     flags.recompute_share)  # fmt: skip
+
+
+def default_cost_model() -> CostModel:
+    """The kvatlas policy's constants at their flag defaults (what ``kvatlas router`` runs
+    without cost flags; the virtual fleet benchmark's router)."""
+    defaults = SimpleNamespace(**{f.name: f.default for f in dataclasses.fields(RouterConfig)})
+    return _cost_model(defaults)
 
 
 def parse_engines(text: str) -> dict[str, str]:

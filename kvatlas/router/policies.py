@@ -75,6 +75,11 @@ class CostModel:
         return queue_s + prefill_s + fetch_s + recompute_s
 
 
+def uncomputed_tokens(prompt_tokens: int, cover: Coverage) -> int:
+    """The prefill tokens a request sent with ``cover`` adds to its engine's load."""
+    return max(0, prompt_tokens - (cover.prefix_tokens + cover.fragment_tokens))
+
+
 @dataclass(frozen=True, slots=True)
 class Candidate:
     engine_id: str

@@ -148,6 +148,28 @@ def _token_array(token_ids: list[int], i: int) -> TokenArray:
     return out
 
 
+def _packed_tokens(ids: dict[int, list[int]]) -> dict[int, bytes]:
+    """Each event's token ids (``ids``: event index → ids) as big-endian uint32 bytes, all
+    converted at once; :class:`BadBatch` (``token_range``) names the first event with an id
+    outside ``[0, 2^32)``."""
+    if not ids:
+        return {}
+    every = [t for token_ids in ids.values() for t in token_ids]
+    try:
+        packed = tokens_be_bytes(_token_array(every, -1))
+    except BadBatch:
+        for i, token_ids in ids.items():
+            _token_array(token_ids, i)
+        raise
+    out: dict[int, bytes] = {}
+    at = 0
+    for i, token_ids in ids.items():
+        end = at + 4 * len(token_ids)
+        out[i] = packed[at:end]
+        at = end
+    return out
+
+
 def _groups(batch: KVEventBatch | SplitBatch) -> Iterator[tuple[int, list[KVEvent]]]:
     """A batch's events, one decoded group at a time (a decoded batch: one group)."""
     if isinstance(batch, SplitBatch):
@@ -234,16 +256,21 @@ class Rekeyer:
                     self.counts["clears"] += 1
         return list(self._batches(pending, batch.ts))
 
-    def _validate(self, batch: KVEventBatch | SplitBatch) -> dict[int, TokenArray]:
-        """Check everything that could fail later; returns each stored event's token ids."""
-        tokens: dict[int, TokenArray] = {}
+    def _validate(self, batch: KVEventBatch | SplitBatch) -> dict[int, bytes]:
+        """Check everything that could fail later; returns each stored event's token ids,
+        packed big-endian (the hashing form). A group's token ids are converted together:
+        engines with CPU offload send one event per block, and a conversion per event would
+        cost more than the rest of its re-keying."""
+        tokens: dict[int, bytes] = {}
         if not math.isfinite(batch.ts):
             raise BadBatch("invalid", f"ts must be a finite number, got {batch.ts}")
         blocks = 0
         try:
             for start, events in _groups(batch):
+                ids: dict[int, list[int]] = {}
                 for i, event in enumerate(events, start):
-                    blocks += self._check(event, i, tokens)
+                    blocks += self._check(event, i, ids)
+                tokens.update(_packed_tokens(ids))
         except VllmWireError as exc:
             raise BadBatch(exc.kind, exc.reason) from None
         if blocks > self.max_blocks:
@@ -253,7 +280,7 @@ class Rekeyer:
             )  # fmt: skip
         return tokens
 
-    def _check(self, event: KVEvent, i: int, tokens: dict[int, TokenArray]) -> int:
+    def _check(self, event: KVEvent, i: int, tokens: dict[int, list[int]]) -> int:
         """One event's checks; its blocks (a stored event's token ids go into ``tokens``)."""
         if isinstance(event, AllBlocksCleared):
             return 0
@@ -276,7 +303,7 @@ class Rekeyer:
         if event.extra_keys is not None and len(event.extra_keys) != n:
             raise BadBatch("invalid", f"events[{i}]: extra_keys for {len(event.extra_keys)}"
                            f" of {n} blocks")  # fmt: skip
-        tokens[i] = _token_array(event.token_ids, i)
+        tokens[i] = event.token_ids
         return n
 
     def _stored(
@@ -284,7 +311,7 @@ class Rekeyer:
         state: EngineState,
         model: str,
         event: BlockStored,
-        tokens: TokenArray,
+        packed: bytes,
         pending: Pending,
     ) -> None:
         if event.group_idx not in (None, 0):
@@ -303,7 +330,6 @@ class Rekeyer:
         size = event.block_size
         lora = event.lora_name if event.lora_name is not None else event.lora_id
         extras = event.extra_keys or [None] * len(event.block_hashes)
-        packed = tokens_be_bytes(tokens)
         step = 4 * size
         self.counts["blocks_stored"] += len(event.block_hashes)
         for i, h in enumerate(event.block_hashes):

@@ -47,6 +47,7 @@ from kvatlas.coordinator.kv_events.stats import REJECT_KINDS, SubscriberStats, v
 from kvatlas.events import EventBatch
 from kvatlas.events.vllm_wire import (
     REPLAY_END_SEQ,
+    KVEventBatch,
     SplitBatch,
     VllmWireError,
     pack_seq,
@@ -272,7 +273,7 @@ class KvEventsSubscriber:
             log.warning("kv events: %s lost %d batches (seq %d..%d)", instance, missing,
                         last + 1, seq - 1)  # fmt: skip
         link.seqs[topic] = seq
-        self._apply(instance, model, batch)
+        self.apply(instance, model, batch)
 
     def _emitter(self, link: _Link, topic: str) -> tuple[str, str | None]:
         """The engine and model a topic names on this endpoint (``""``: none)."""
@@ -337,7 +338,9 @@ class KvEventsSubscriber:
         self._reject("foreign", f"{link.endpoint}: {why}")
         return False
 
-    def _apply(self, instance: str, model: str, batch: SplitBatch) -> None:
+    def apply(self, instance: str, model: str, batch: SplitBatch | KVEventBatch) -> None:
+        """One engine batch, in order after the ones before it (a live message's path once
+        its seq is followed; the virtual fleet benchmark feeds its engines' batches here)."""
         try:
             ops = self.rekeyer.translate(instance, model, batch)
         except BadBatch as exc:
