@@ -10,6 +10,8 @@ but the status routes and the scrape. See docs/operator.md.
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -81,6 +83,46 @@ class SnapshotStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class RecentEvent:
+    """A fault or repair the operator should see: when (Unix time), what kind, what."""
+
+    at: float
+    kind: str
+    detail: str
+
+
+RECENT_EVENTS = 20
+"""How many recent events the page and ``/status.json`` keep (newest first)."""
+_FAULTS: tuple[tuple[str, str, dict[str, str], str], ...] = (
+    # (kind, metric family, labels to match, what an increase of n means)
+    ("fence", "kvatlas_instances_expired", {}, "{n} instance(s) fenced: heartbeats missed"),
+    ("resync", "kvatlas_digest_exchanges", {"result": "differ"},
+     "{n} digest exchange(s) found differences: resyncing"),
+    ("stream", "kvatlas_stream_errors", {"kind": "lost"},
+     "Redis lost events: resyncing from the nodes' digests"),
+    ("stream", "kvatlas_stream_errors", {"kind": "redis"}, "{n} Redis stream read error(s)"),
+    ("stream", "kvatlas_stream_errors", {"kind": "decode"}, "{n} stream entries undecodable"),
+    ("snapshot", "kvatlas_snapshot_failures", {}, "{n} snapshot(s) failed"),
+)  # fmt: skip
+
+
+def _count(metrics: CoordinatorMetrics, family: str, labels: dict[str, str]) -> float:
+    """A counter's total over the samples whose labels include ``labels``."""
+    attribute = {
+        "kvatlas_instances_expired": metrics.instances_expired,
+        "kvatlas_digest_exchanges": metrics.digest_exchanges,
+        "kvatlas_stream_errors": metrics.stream_errors,
+        "kvatlas_snapshot_failures": metrics.snapshot_failures,
+    }[family]
+    return sum(
+        s.value
+        for m in attribute.collect()
+        for s in m.samples
+        if s.name.endswith("_total") and labels.items() <= s.labels.items()
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class StatusView:
     version: str
     readiness: Readiness
@@ -95,6 +137,8 @@ class StatusView:
     snapshot_path: str | None
     event_transport: str
     stream_length: int | None  # the redis transport's stream
+    recent: tuple[RecentEvent, ...] = ()
+    """Faults and repairs since start, newest first (at most :data:`RECENT_EVENTS`)."""
 
 
 class StatusSource:
@@ -108,8 +152,25 @@ class StatusSource:
         self.last_snapshot_at: float | None = None
         self._redis: Any = None  # a client of its own for XLEN (the redis transport only)
         service.metrics.registry.register(_OperatorCollector(self))
+        self.recent: deque[RecentEvent] = deque(maxlen=RECENT_EVENTS)
+        self._fault_counts = [0.0] * len(_FAULTS)
+        self.note("start", "coordinator started")
+
+    def note(self, kind: str, detail: str) -> None:
+        """Add a recent event (now)."""
+        self.recent.appendleft(RecentEvent(time.time(), kind, detail))
+
+    def _faults(self) -> None:
+        """A recent event for every fault counter that grew since the last tick."""
+        metrics = self.service.metrics
+        for i, (kind, family, labels, text) in enumerate(_FAULTS):
+            now = _count(metrics, family, labels)
+            if now > self._fault_counts[i]:
+                self.note(kind, text.format(n=int(now - self._fault_counts[i])))
+            self._fault_counts[i] = now
 
     def tick(self) -> None:
+        self._faults()
         self.history.maybe_sample()
         self.reports.retain({r.instance_id for r in self.service.instances.snapshot()[1]})
 
@@ -184,6 +245,7 @@ class StatusSource:
             snapshot_path=None if path is None else str(path),
             event_transport=service.config.event_transport,
             stream_length=self.stream_length(),
+            recent=tuple(self.recent),
         )
 
 

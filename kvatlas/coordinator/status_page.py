@@ -104,7 +104,10 @@ def _card(title: str, inner: str, element_id: str) -> str:
 
 
 def _spark(points: Sequence[float | None]) -> str:
-    """An inline SVG of ratios in [0, 1]; a minute without data breaks the line."""
+    """An inline SVG of ratios in [0, 1]; a minute without data breaks the line; nothing at
+    all (no empty box) until some minute has data."""
+    if all(v is None for v in points):
+        return ""
     n = max(len(points) - 1, 1)
     lines: list[list[str]] = [[]]
     for i, v in enumerate(points):
@@ -283,7 +286,20 @@ def _fleet(view: StatusView) -> str:
     return f'{title}<table id="fleet"><thead>{_FLEET_HEAD}</thead><tbody>{rows}</tbody></table>'
 
 
+def _recent(view: StatusView) -> str:
+    """Faults and repairs since start, newest first, with their UTC times."""
+    rows = "".join(
+        f'<li class="event {_e(e.kind)}"><time>'
+        f"{_e(time.strftime('%H:%M:%S', time.gmtime(e.at)))}</time> {_e(e.detail)}</li>"
+        for e in view.recent
+    )
+    return _card("recent events (UTC)", f'<ul class="events">{rows}</ul>', "recent")
+
+
 def render_body(view: StatusView) -> str:
     """The page's body (also ``GET /status/fragment``)."""
-    cards = _value(view) + _traffic(view) + _directory(view) + _blend(view) + _service(view)
+    cards = (
+        _value(view) + _traffic(view) + _directory(view) + _blend(view) + _service(view)
+        + _recent(view)
+    )  # fmt: skip
     return f'<div class="grid">{cards}</div>{_fleet(view)}'
