@@ -25,6 +25,8 @@ from kvatlas.api.directory import (
     PrefixRow,
 )
 from kvatlas.api.fleet import (
+    DigestBody,
+    DigestReply,
     HealthReply,
     HeartbeatReply,
     IngestCountsReply,
@@ -42,6 +44,8 @@ __all__ = [
     "BlendLookupBody",
     "BlendMatchRow",
     "BlendReply",
+    "DigestBody",
+    "DigestReply",
     "HealthReply",
     "HeartbeatReply",
     "IngestCountsReply",

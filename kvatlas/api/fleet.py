@@ -117,3 +117,18 @@ class ReadinessReply(msgspec.Struct, kw_only=True, frozen=True):
 
     ready: bool
     state: str
+
+
+class DigestBody(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """``POST /instances/{id}/digest``: per tier, inventory digests (hex) by prefix hex (``""``
+    the root, one-byte prefixes below it). The coordinator checks tiers, prefixes and digests
+    (``routes/resync.py``: the limits are the directory's)."""
+
+    tiers: dict[str, dict[str, str]]
+
+
+class DigestReply(msgspec.Struct, kw_only=True, frozen=True):
+    """The child prefixes (hex) whose buckets differ, per tier sent."""
+
+    instance_id: str
+    tiers: dict[str, list[str]]

@@ -20,13 +20,12 @@ import httpx
 import numpy as np
 
 from kvatlas.api import BlendLookupBody, BlendReply, decode
-from kvatlas.client.coordinator_client import auth_headers, encode_tokens_b64
+from kvatlas.client.coordinator_client import JSON_HEADERS, auth_headers, encode_tokens_b64
 from kvatlas.keys import BlendMatch, BlendNamespace
 
 log = logging.getLogger(__name__)
 
 _EMPTY: list[BlendMatch] = []
-_JSON = {"content-type": "application/json"}
 
 
 def matches_of(raw: bytes, n_tokens: int) -> list[BlendMatch]:
@@ -152,7 +151,7 @@ class BlendCoordinatorClient:
                 cache_salt=namespace.cache_salt,
             )
             response = self._http.post(
-                "/directory/blend-lookup", content=body.to_json(), headers=_JSON
+                "/directory/blend-lookup", content=body.to_json(), headers=JSON_HEADERS
             )
             if response.status_code != 200:
                 raise ValueError(f"status {response.status_code}")

@@ -17,6 +17,8 @@ import msgspec
 import numpy as np
 
 from kvatlas.api import (
+    DigestBody,
+    DigestReply,
     HealthReply,
     HeartbeatReply,
     InstanceRow,
@@ -24,11 +26,14 @@ from kvatlas.api import (
     LookupReply,
     RegisteredReply,
     decode,
+    encode,
 )
 from kvatlas.errors import Unavailable, Unprocessable
 from kvatlas.keys import ObjectKey, check_instance_id
 
 log = logging.getLogger(__name__)
+
+JSON_HEADERS = {"content-type": "application/json"}
 
 
 class CoordinatorError(Unavailable):
@@ -211,12 +216,12 @@ class CoordinatorClient:
         prefixes whose buckets differ, by tier."""
         if self.instance_id is None:
             raise CoordinatorError("register() first")
-        reply = self._call("POST", f"/instances/{self.instance_id}/digest", json={"tiers": tiers})
-        try:
-            out = {str(t): [str(p) for p in ps] for t, ps in reply["tiers"].items()}
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise CoordinatorError(f"digest reply unusable: {exc!r}") from None
-        return out
+        path = f"/instances/{self.instance_id}/digest"
+        body = encode(DigestBody(tiers=tiers))
+        reply: DigestReply = self._call(
+            "POST", path, DigestReply, content=body, headers=JSON_HEADERS
+        )
+        return reply.tiers
 
     def deregister(self) -> None:
         self.stop_heartbeat()

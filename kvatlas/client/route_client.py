@@ -26,14 +26,13 @@ from kvatlas.api import (
 )
 from kvatlas.checks import is_plain_int
 from kvatlas.client.coordinator_client import (
+    JSON_HEADERS,
     CoordinatorError,
     auth_headers,
     call_json,
     encode_tokens_b64,
     read_reply,
 )
-
-_JSON = {"content-type": "application/json"}
 
 
 def score_body(
@@ -79,7 +78,7 @@ class RouteClient:
             instances=instances, weights=weights,
         )  # fmt: skip
         reply: RouteScoresReply = call_json(
-            self._http, "POST", "/route/score", RouteScoresReply, content=body, headers=_JSON
+            self._http, "POST", "/route/score", RouteScoresReply, content=body, headers=JSON_HEADERS
         )
         return reply
 
@@ -134,7 +133,7 @@ class AsyncRouteClient:
             extra["timeout"] = aiohttp.ClientTimeout(total=timeout)
         if body is not None:
             extra["data"] = body
-            extra["headers"] = _JSON
+            extra["headers"] = JSON_HEADERS
         try:
             async with self._client().request(method, self.url + path, **extra) as answer:
                 raw = await answer.read()
