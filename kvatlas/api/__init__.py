@@ -12,11 +12,12 @@ only kvatlas sends has a default, so LMCache's replies decode too. Decoding fail
 See docs/coordinator.md ("API").
 """
 
-from kvatlas.api.codec import decode, encode
+from kvatlas.api.codec import decode, encode, from_attributes
 from kvatlas.api.directory import (
     BlendHolderRow,
     BlendMatchRow,
     BlendReply,
+    KeyEntryRow,
     KeyPageReply,
     KeyRow,
     LookupReply,
@@ -51,6 +52,7 @@ __all__ = [
     "IngestCountsReply",
     "InstanceRow",
     "InstancesReply",
+    "KeyEntryRow",
     "KeyPageReply",
     "KeyRow",
     "LookupReply",
@@ -64,4 +66,5 @@ __all__ = [
     "RouteScoresReply",
     "decode",
     "encode",
+    "from_attributes",
 ]

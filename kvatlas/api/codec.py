@@ -36,3 +36,15 @@ def decode(raw: bytes | str, type_: type[T], what: str = "body") -> T:
 def encode(value: Any) -> bytes:
     """A wire value (a Struct, or plain JSON values) as JSON bytes."""
     return _encoder.encode(value)
+
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def from_attributes(type_: type[S], value: object, **given: Any) -> S:
+    """A ``type_`` whose fields are ``value``'s attributes of the same names (a domain value and
+    its wire row name a field alike), ``given`` for the others; a field neither has keeps its
+    default. What builds a reply row from a service's value without restating each field."""
+    names = type_.__struct_fields__
+    found = {f: getattr(value, f) for f in names if f not in given and hasattr(value, f)}
+    return type_(**found, **given)

@@ -13,28 +13,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 from msgspec import UNSET
 
-from kvatlas.api import (
-    BlendHolderRow,
-    BlendMatchRow,
-    BlendReply,
-    HealthReply,
-    HeartbeatReply,
-    IngestCountsReply,
-    InstanceRow,
-    InstancesReply,
-    KeyPageReply,
-    KeyRow,
-    LookupReply,
-    LookupResultRow,
-    PlacementRow,
-    PrefixRow,
-    ReadinessReply,
-    RegisteredReply,
-)
-from kvatlas.api.directory import KeyEntryRow
+from kvatlas import api
 from kvatlas.coordinator.views import HealthView, InstanceView, Readiness, StatsView
 from kvatlas.directory import (
     DirectoryStats,
@@ -53,8 +34,8 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------------------- placements
 
 
-def key_to_wire(key: ObjectKey) -> KeyRow:
-    return KeyRow(
+def key_to_wire(key: ObjectKey) -> api.KeyRow:
+    return api.KeyRow(
         chunk_hash_hex=key.chunk_hash.hex(),
         model_name=key.model_name,
         kv_rank=key.kv_rank,
@@ -63,16 +44,8 @@ def key_to_wire(key: ObjectKey) -> KeyRow:
     )
 
 
-def placement_to_wire(p: Placement) -> PlacementRow:
-    return PlacementRow(
-        instance_id=p.instance_id,
-        incarnation=p.incarnation,
-        tier=p.tier,
-        backend=p.backend,
-        size_bytes=p.size_bytes,
-        shared=p.shared,
-        last_access=p.last_access,
-    )
+def placement_to_wire(p: Placement) -> api.PlacementRow:
+    return api.from_attributes(api.PlacementRow, p)
 
 
 ACCESS_COUNT_UNTRACKED = 0
@@ -80,10 +53,10 @@ ACCESS_COUNT_UNTRACKED = 0
 (``last_access``), not how often (docs/coordinator.md, "Differences from LMCache")."""
 
 
-def lookup_result_to_wire(kp: KeyPlacements) -> LookupResultRow:
+def lookup_result_to_wire(kp: KeyPlacements) -> api.LookupResultRow:
     """One result of a lookup: the key, its placements and its chunk's content (``[]``:
     unknown), as LMCache answers it."""
-    return LookupResultRow(
+    return api.LookupResultRow(
         key=key_to_wire(kp.key),
         placements=[placement_to_wire(p) for p in kp.placements],
         token_ids=[] if kp.content is None else kp.content.tolist(),
@@ -91,9 +64,9 @@ def lookup_result_to_wire(kp: KeyPlacements) -> LookupResultRow:
     )
 
 
-def key_entry_to_wire(kp: KeyPlacements) -> KeyEntryRow:
+def key_entry_to_wire(kp: KeyPlacements) -> api.KeyEntryRow:
     """One key of a listing: the key, its placements and how many tokens its chunk binds."""
-    return KeyEntryRow(
+    return api.KeyEntryRow(
         key=key_to_wire(kp.key),
         placements=[placement_to_wire(p) for p in kp.placements],
         num_tokens=0 if kp.content is None else len(kp.content),
@@ -101,25 +74,23 @@ def key_entry_to_wire(kp: KeyPlacements) -> KeyEntryRow:
     )
 
 
-def prefix_to_wire(h: PrefixHolder) -> PrefixRow:
-    return PrefixRow(
-        instance_id=h.instance_id, tier=h.tier, backend=h.backend, shared=h.shared, chunks=h.chunks
-    )
+def prefix_to_wire(h: PrefixHolder) -> api.PrefixRow:
+    return api.from_attributes(api.PrefixRow, h)
 
 
-def lookup_to_wire(found: TokenLookup) -> LookupReply:
+def lookup_to_wire(found: TokenLookup) -> api.LookupReply:
     """``POST /directory/lookup`` (both forms): chunks asked, placements per key, prefix."""
-    return LookupReply(
+    return api.LookupReply(
         chunks=found.chunks,
         results=[lookup_result_to_wire(kp) for kp in found.results],
         prefix=[prefix_to_wire(h) for h in found.prefix],
     )
 
 
-def key_page_to_wire(page: KeyPage) -> KeyPageReply:
+def key_page_to_wire(page: KeyPage) -> api.KeyPageReply:
     """``GET /directory/keys``: how many keys match, one page and how to ask for the next
     (``None`` at the end)."""
-    return KeyPageReply(
+    return api.KeyPageReply(
         total=page.total,
         keys=[key_entry_to_wire(kp) for kp in page.items],
         next_cursor=page.next_cursor,
@@ -131,36 +102,30 @@ def blend_to_wire(
     matches: Sequence[BlendMatch],
     enabled: bool,
     placements: Sequence[Sequence[tuple[int, Sequence[Placement]]]] | None = None,
-) -> BlendReply:
+) -> api.BlendReply:
     """``POST /directory/blend-lookup`` (``_blend_reply`` writes the same bytes without
     placements, compiled). With ``placements`` (``?with_placements=true``; one list per
     match) each match says who holds it."""
     if placements is None:
         rows = [
-            BlendMatchRow(chunk_hash=m.chunk_hash.hex(), old_st=m.old_st, cur_st=m.cur_st)
+            api.BlendMatchRow(chunk_hash=m.chunk_hash.hex(), old_st=m.old_st, cur_st=m.cur_st)
             for m in matches
         ]
     else:
         rows = [
-            BlendMatchRow(
+            api.BlendMatchRow(
                 chunk_hash=m.chunk_hash.hex(),
                 old_st=m.old_st,
                 cur_st=m.cur_st,
                 placements=[
-                    BlendHolderRow(
-                        instance_id=p.instance_id,
-                        tier=p.tier,
-                        backend=p.backend,
-                        shared=p.shared,
-                        kv_rank=kv_rank,
-                    )
+                    api.from_attributes(api.BlendHolderRow, p, kv_rank=kv_rank)
                     for kv_rank, held in holders
                     for p in held
                 ],
             )
             for m, holders in zip(matches, placements, strict=True)
         ]
-    return BlendReply(matches=rows, blend_enabled=enabled)
+    return api.BlendReply(matches=rows, blend_enabled=enabled)
 
 
 # ---------------------------------------------------------------------------- statistics
@@ -215,71 +180,61 @@ def stats_to_wire(view: StatsView) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- instances
 
 
-def instance_to_wire(view: InstanceView) -> InstanceRow:
-    """One ``GET /instances`` row: registration fields (if registered), liveness, cursor.
-    An absent peer URL or message-queue port is ``""`` / ``0``, as LMCache answers them."""
+def instance_to_wire(view: InstanceView) -> api.InstanceRow:
+    """One ``GET /instances`` row: registration fields (if registered), liveness, cursor (the
+    emitter's fields). An absent peer URL or message-queue port is ``""`` / ``0``, as LMCache
+    answers them."""
     reg = view.registration
     if reg is None:
-        row = InstanceRow(instance_id=view.instance_id, alive=False, registered=False)
-    else:
-        row = InstanceRow(
+        return api.from_attributes(
+            api.InstanceRow,
+            view.emitter,
             instance_id=view.instance_id,
-            ip=reg.ip,
-            http_port=reg.http_port,
-            metadata=reg.metadata,
-            p2p_advertised_url=reg.p2p_advertised_url or "",
-            mq_port=reg.mq_port or 0,
-            registration_time=view.registration_time,
-            last_heartbeat_age_s=view.last_heartbeat_age_s,
-            alive=True,
-            # kvatlas nodes only: LMCache's rows stay as they are
-            p2p_url_signature=reg.p2p_url_signature or UNSET,
+            alive=False,
+            registered=False,
         )
-    e = view.emitter
-    return msgspec.structs.replace(
-        row,
-        incarnation=e.incarnation,
-        last_seq=e.last_seq,
-        gaps=e.gaps,
-        missing_batches=e.missing_batches,
-        events_dropped=e.events_dropped,
-        seconds_since_last_event=e.seconds_since_last_event,
-        event_delivery_delay_seconds=e.event_delivery_delay_seconds,
+    return api.from_attributes(
+        api.InstanceRow,
+        view.emitter,
+        instance_id=view.instance_id,
+        ip=reg.ip,
+        http_port=reg.http_port,
+        metadata=reg.metadata,
+        p2p_advertised_url=reg.p2p_advertised_url or "",
+        mq_port=reg.mq_port or 0,
+        registration_time=view.registration_time,
+        last_heartbeat_age_s=view.last_heartbeat_age_s,
+        alive=True,
+        # kvatlas nodes only: LMCache's rows stay as they are
+        p2p_url_signature=reg.p2p_url_signature or UNSET,
     )
 
 
-def instances_to_wire(views: Sequence[InstanceView]) -> InstancesReply:
-    return InstancesReply(instances=[instance_to_wire(v) for v in views])
+def instances_to_wire(views: Sequence[InstanceView]) -> api.InstancesReply:
+    return api.InstancesReply(instances=[instance_to_wire(v) for v in views])
 
 
-def registered_to_wire(instance_id: str, re_registered: bool) -> RegisteredReply:
-    return RegisteredReply(instance_id=instance_id, re_registered=re_registered)
+def registered_to_wire(instance_id: str, re_registered: bool) -> api.RegisteredReply:
+    return api.RegisteredReply(instance_id=instance_id, re_registered=re_registered)
 
 
-def heartbeat_to_wire(instance_id: str, *, resync: bool = False) -> HeartbeatReply:
+def heartbeat_to_wire(instance_id: str, *, resync: bool = False) -> api.HeartbeatReply:
     """``resync: true`` (only when set) asks the instance for a digest exchange."""
-    return HeartbeatReply(instance_id=instance_id, ok=True, resync=True if resync else UNSET)
+    return api.HeartbeatReply(instance_id=instance_id, ok=True, resync=True if resync else UNSET)
 
 
-def ingest_counts_to_wire(counts: IngestCounts) -> IngestCountsReply:
+def ingest_counts_to_wire(counts: IngestCounts) -> api.IngestCountsReply:
     """``POST /events``: batches applied, dropped as duplicates, refused as stale."""
-    return IngestCountsReply(
-        applied=counts.applied, duplicates=counts.duplicates, stale=counts.stale
-    )
+    return api.from_attributes(api.IngestCountsReply, counts)
 
 
-def health_to_wire(h: HealthView) -> HealthReply:
-    return HealthReply(
-        status="healthy",
+def health_to_wire(h: HealthView) -> api.HealthReply:
+    return api.from_attributes(
+        api.HealthReply,
+        h,
         state=h.state.value,
         key_scheme=h.scheme.name,
         chunk_size=h.scheme.chunk_size,
-        blend_lookup=h.blend_lookup,
-        event_transport=h.event_transport,
-        stream_position=h.stream_position,
-        event_stream=h.event_stream,
-        replica_id=h.replica_id,
-        consumer_group=h.consumer_group,
         kv_events=UNSET if h.kv_events is None else kv_events_to_wire(h.kv_events),
     )
 
@@ -290,5 +245,5 @@ def kv_events_to_wire(stats: KvEventsStats) -> dict[str, dict[str, int]]:
     return {name: dataclasses.asdict(side) for name, side in sides.items() if side is not None}
 
 
-def readiness_to_wire(state: Readiness) -> ReadinessReply:
-    return ReadinessReply(ready=state is Readiness.SERVING, state=state.value)
+def readiness_to_wire(state: Readiness) -> api.ReadinessReply:
+    return api.ReadinessReply(ready=state is Readiness.SERVING, state=state.value)
