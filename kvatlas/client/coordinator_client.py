@@ -239,7 +239,8 @@ class CoordinatorClient:
     def lookup_tokens(
         self, token_ids: Any, model_name: str, world_size: int = 1, cache_salt: str = ""
     ) -> LookupReply:
-        """Prefix lookup; ``prefix`` is the per-holder leading-chunk summary (kvatlas only). Tokens go as ``token_ids``, the form LMCache's coordinator reads too."""
+        """Prefix lookup; ``prefix`` is the per-holder leading-chunk summary (kvatlas only).
+        Tokens go as ``token_ids``, the form LMCache's coordinator reads too."""
         body = {
             "token_ids": np.asarray(token_ids, dtype=np.uint32).tolist(),
             "model_name": model_name,
