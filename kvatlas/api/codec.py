@@ -44,7 +44,9 @@ S = TypeVar("S", bound=msgspec.Struct)
 def from_attributes(type_: type[S], value: object, **given: Any) -> S:
     """A ``type_`` whose fields are ``value``'s attributes of the same names (a domain value and
     its wire row name a field alike), ``given`` for the others; a field neither has keeps its
-    default. What builds a reply row from a service's value without restating each field."""
+    default. What builds a reply from a service's value without restating each field, once per
+    request: rows built per item (placements, scores) are written with keywords, which is
+    several times cheaper."""
     names = type_.__struct_fields__
     found = {f: getattr(value, f) for f in names if f not in given and hasattr(value, f)}
     return type_(**found, **given)

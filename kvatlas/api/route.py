@@ -12,6 +12,7 @@ Count = Annotated[int, msgspec.Meta(ge=0)]
 
 TIER_NAMES: Final = ("gpu", "l1", "l2", "peer")
 """The ``by_tier`` keys of a reply (the coordinator's tier classes, in class order)."""
+_TIERS: Final = frozenset(TIER_NAMES)
 
 
 class RouteScoreRow(msgspec.Struct, kw_only=True, frozen=True):
@@ -25,7 +26,7 @@ class RouteScoreRow(msgspec.Struct, kw_only=True, frozen=True):
     by_tier: dict[str, Count]
 
     def __post_init__(self) -> None:
-        if len(self.by_tier) != len(TIER_NAMES) or set(self.by_tier) != set(TIER_NAMES):
+        if self.by_tier.keys() != _TIERS:
             raise ValueError(f"by_tier must have exactly {TIER_NAMES}")
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from starlette.types import Scope
 
-from kvatlas.api import RouteScoreBody, RouteScoreRow, RouteScoresReply, decode, from_attributes
+from kvatlas.api import RouteScoreBody, RouteScoreRow, RouteScoresReply, decode
 from kvatlas.auth import Principal
 from kvatlas.coordinator.asgi import FastReply
 from kvatlas.coordinator.body_size import check_item_count
@@ -172,6 +172,15 @@ class RouteScoring:
 def route_scores_to_wire(scores: Sequence[InstanceScore], query_tokens: int) -> RouteScoresReply:
     """``POST /route/score``, best first; decoded by ``kvatlas.client.route_client``."""
     return RouteScoresReply(
-        instances=[from_attributes(RouteScoreRow, s) for s in scores],
+        instances=[
+            RouteScoreRow(
+                instance_id=s.instance_id,
+                prefix_tokens=s.prefix_tokens,
+                fragment_tokens=s.fragment_tokens,
+                score=s.score,
+                by_tier=s.by_tier,
+            )
+            for s in scores
+        ],
         query_tokens=query_tokens,
     )

@@ -45,7 +45,15 @@ def key_to_wire(key: ObjectKey) -> api.KeyRow:
 
 
 def placement_to_wire(p: Placement) -> api.PlacementRow:
-    return api.from_attributes(api.PlacementRow, p)
+    return api.PlacementRow(
+        instance_id=p.instance_id,
+        incarnation=p.incarnation,
+        tier=p.tier,
+        backend=p.backend,
+        size_bytes=p.size_bytes,
+        shared=p.shared,
+        last_access=p.last_access,
+    )
 
 
 ACCESS_COUNT_UNTRACKED = 0
@@ -75,7 +83,9 @@ def key_entry_to_wire(kp: KeyPlacements) -> api.KeyEntryRow:
 
 
 def prefix_to_wire(h: PrefixHolder) -> api.PrefixRow:
-    return api.from_attributes(api.PrefixRow, h)
+    return api.PrefixRow(
+        instance_id=h.instance_id, tier=h.tier, backend=h.backend, shared=h.shared, chunks=h.chunks
+    )
 
 
 def lookup_to_wire(found: TokenLookup) -> api.LookupReply:
@@ -118,7 +128,13 @@ def blend_to_wire(
                 old_st=m.old_st,
                 cur_st=m.cur_st,
                 placements=[
-                    api.from_attributes(api.BlendHolderRow, p, kv_rank=kv_rank)
+                    api.BlendHolderRow(
+                        instance_id=p.instance_id,
+                        tier=p.tier,
+                        backend=p.backend,
+                        shared=p.shared,
+                        kv_rank=kv_rank,
+                    )
                     for kv_rank, held in holders
                     for p in held
                 ],
