@@ -1,6 +1,6 @@
 """The shape of the package, read from the source with ``ast`` (nothing is imported):
 
-* layers: keys → events → directory → coordinator → client → router → node → connector →
+* layers: keys → api → events → directory → coordinator → client → router → node → connector →
   engine_sim; a package imports only its own layer and those below it, never one above
   (function-level imports count too);
 * shared modules (errors, checks, web, ...) sit underneath and import no layered package;
@@ -26,6 +26,7 @@ ROOT = Path(kvatlas.__file__).parent
 
 LAYERS = (
     "keys",
+    "api",  # the coordinator's wire types: under coordinator, client, router and node alike
     "events",
     "directory",
     "coordinator",

@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 from rich.progress import Progress
 
+from kvatlas.api import RouteScoreBody
 from kvatlas.asgi_thread import free_port
 from kvatlas.auth import ANONYMOUS_ADMIN
 from kvatlas.bench.common import BenchRow, add_common_arguments, report
@@ -27,7 +28,6 @@ from kvatlas.client import encode_tokens_b64
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.instances import Registration
 from kvatlas.coordinator.route_score import RouteScoring, route_query, score_routes
-from kvatlas.coordinator.schemas import RouteScoreBody
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.events import CacheEntry, EventBatch, encode_msgpack
 from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank

@@ -24,7 +24,7 @@ from kvatlas.client.event_sink import (
     TransientSendError,
     Transport,
 )
-from kvatlas.client.route_client import AsyncRouteClient, RouteClient, RouteScore, RouteScores
+from kvatlas.client.route_client import AsyncRouteClient, RouteClient
 
 __all__ = [
     "AsyncRouteClient",
@@ -42,8 +42,6 @@ __all__ = [
     "PermanentSendError",
     "RedisStreamTransport",
     "RouteClient",
-    "RouteScore",
-    "RouteScores",
     "SendTooLargeError",
     "SinkStats",
     "TransientSendError",

@@ -19,8 +19,8 @@ from typing import Any, Protocol
 import httpx
 import numpy as np
 
-from kvatlas.checks import is_plain_int
-from kvatlas.client.coordinator_client import auth_headers, encode_tokens_b64
+from kvatlas.api import BlendLookupBody, BlendReply, decode
+from kvatlas.client.coordinator_client import JSON_HEADERS, auth_headers, encode_tokens_b64
 from kvatlas.keys import BlendMatch, BlendNamespace
 
 log = logging.getLogger(__name__)
@@ -28,23 +28,12 @@ log = logging.getLogger(__name__)
 _EMPTY: list[BlendMatch] = []
 
 
-def parse_matches(payload: Any, n_tokens: int) -> list[BlendMatch]:
-    """Validate a reply strictly: a malformed match is dropped, never trusted (wrong KV)."""
-    if not isinstance(payload, dict) or not isinstance(payload.get("matches"), list):
-        raise ValueError("reply has no 'matches' list")
-    out = []
-    for m in payload["matches"]:
-        if not isinstance(m, dict):
-            raise ValueError("match is not an object")
-        hex_hash, old_st, cur_st = m.get("chunk_hash"), m.get("old_st"), m.get("cur_st")
-        if not isinstance(hex_hash, str) or len(hex_hash) != 64:
-            raise ValueError("match chunk_hash is not 64 hex characters")
-        if not (is_plain_int(old_st) and is_plain_int(cur_st)):
-            raise ValueError("match positions are not integers")
-        if old_st < 0 or not 0 <= cur_st < n_tokens:
-            raise ValueError("match positions out of range")
-        out.append(BlendMatch(bytes.fromhex(hex_hash), old_st, cur_st))
-    return out
+def matches_of(raw: bytes, n_tokens: int) -> list[BlendMatch]:
+    """A reply's matches, decoded as :class:`kvatlas.api.BlendReply` (a malformed match is an
+    error, never trusted: wrong KV) and each inside the query of ``n_tokens``."""
+    reply = decode(raw, BlendReply, "reply")
+    reply.check_positions(n_tokens)
+    return [BlendMatch(bytes.fromhex(m.chunk_hash), m.old_st, m.cur_st) for m in reply.matches]
 
 
 class FleetMatcher(Protocol):
@@ -155,18 +144,18 @@ class BlendCoordinatorClient:
         self, tokens: np.ndarray[Any, Any], namespace: BlendNamespace
     ) -> list[BlendMatch]:
         try:
+            body = BlendLookupBody(
+                tokens_b64=encode_tokens_b64(tokens),
+                model_name=namespace.model_name,
+                world_size=namespace.world_size,
+                cache_salt=namespace.cache_salt,
+            )
             response = self._http.post(
-                "/directory/blend-lookup",
-                json={
-                    "tokens_b64": encode_tokens_b64(tokens),
-                    "model_name": namespace.model_name,
-                    "world_size": namespace.world_size,
-                    "cache_salt": namespace.cache_salt,
-                },
+                "/directory/blend-lookup", content=body.to_json(), headers=JSON_HEADERS
             )
             if response.status_code != 200:
                 raise ValueError(f"status {response.status_code}")
-            return parse_matches(response.json(), len(tokens))
+            return matches_of(response.content, len(tokens))
         except Exception as exc:  # best effort: any failure is an empty result
             self.failures += 1
             log.debug("blend lookup failed: %s", exc)

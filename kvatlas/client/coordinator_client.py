@@ -13,13 +13,28 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
+import msgspec
 import numpy as np
 
+from kvatlas.api import (
+    DigestBody,
+    DigestReply,
+    HealthReply,
+    HeartbeatReply,
+    InstanceRow,
+    InstancesReply,
+    LookupReply,
+    RegisteredReply,
+    decode,
+    encode,
+)
 from kvatlas.checks import uint32_token_bytes
-from kvatlas.errors import Unavailable
+from kvatlas.errors import Unavailable, Unprocessable
 from kvatlas.keys import ObjectKey, check_instance_id
 
 log = logging.getLogger(__name__)
+
+JSON_HEADERS = {"content-type": "application/json"}
 
 
 class CoordinatorError(Unavailable):
@@ -43,27 +58,42 @@ def encode_tokens_b64(token_ids: Any) -> str:
     return base64.b64encode(uint32_token_bytes(token_ids)).decode("ascii")
 
 
-def call_json(http: httpx.Client, method: str, path: str, **kwargs: Any) -> Any:
-    """One request's JSON reply (``None`` for an empty one), or :class:`CoordinatorError` with
-    the reply's ``detail``."""
+def read_reply(method: str, path: str, status: int, raw: bytes, reply: Any = Any) -> Any:
+    """A coordinator reply as its wire type ``reply`` (:mod:`kvatlas.api`; ``None`` for an
+    empty one), or :class:`CoordinatorError`: with the reply's ``detail`` for a refusal, naming
+    the bad field for a reply that is not of its type. The one reading of a reply, whichever
+    HTTP client (httpx here, aiohttp in the router) carried it."""
+    if status >= 400:
+        raise CoordinatorError(f"{method} {path}: {status} {_detail(raw)}", status)
+    if not raw:
+        return None  # 204 (LMCache's DELETE /instances/{id})
+    try:
+        return decode(raw, reply, "reply")
+    except Unprocessable as exc:
+        raise CoordinatorError(f"{method} {path}: malformed {exc}") from None
+
+
+def _detail(raw: bytes) -> str:
+    """The ``detail`` of an error reply, else its text (at most 200 characters)."""
+    try:
+        detail = msgspec.json.decode(raw, type=_ErrorReply).detail
+    except msgspec.MsgspecError:
+        detail = None
+    return str(detail) if detail is not None else raw[:200].decode("utf-8", "replace")
+
+
+class _ErrorReply(msgspec.Struct):
+    detail: Any = None
+
+
+def call_json(http: httpx.Client, method: str, path: str, reply: Any = Any, **kwargs: Any) -> Any:
+    """One request's reply as ``reply`` (:func:`read_reply`); no answer is a
+    :class:`CoordinatorError` too."""
     try:
         response = http.request(method, path, **kwargs)
     except httpx.HTTPError as exc:
         raise CoordinatorError(f"{method} {path}: {exc}") from exc
-    if response.status_code >= 400:
-        try:
-            detail = response.json().get("detail", response.text)
-        except ValueError:
-            detail = response.text
-        raise CoordinatorError(
-            f"{method} {path}: {response.status_code} {detail}", response.status_code
-        )
-    if not response.content:
-        return None  # 204 (LMCache's DELETE /instances/{id})
-    try:
-        return response.json()
-    except ValueError as exc:
-        raise CoordinatorError(f"{method} {path}: reply is not JSON: {exc}") from None
+    return read_reply(method, path, response.status_code, response.content, reply)
 
 
 class CoordinatorClient:
@@ -85,9 +115,9 @@ class CoordinatorClient:
         if hook is not None:
             hook()
 
-    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+    def _call(self, method: str, path: str, reply: Any = Any, **kwargs: Any) -> Any:
         try:
-            return call_json(self._http, method, path, **kwargs)
+            return call_json(self._http, method, path, reply, **kwargs)
         except CoordinatorError:
             self.failures += 1
             raise
@@ -125,10 +155,10 @@ class CoordinatorClient:
             body["p2p_url_signature"] = p2p_url_signature
         if engine_id:
             body["engine_id"] = engine_id
-        reply = self._call("POST", "/instances", json=body)
+        reply: RegisteredReply = self._call("POST", "/instances", RegisteredReply, json=body)
         try:  # it names a directory under the node's L2 root: never trust it unchecked
-            self.instance_id = check_instance_id(reply["instance_id"])
-        except (KeyError, TypeError, ValueError) as exc:
+            self.instance_id = check_instance_id(reply.instance_id)
+        except ValueError as exc:
             raise CoordinatorError(f"POST /instances: unusable instance id: {exc}") from None
         self._registration = body | {"instance_id": self.instance_id}
         self._want_resync()
@@ -139,7 +169,7 @@ class CoordinatorClient:
         if self.instance_id is None:
             raise CoordinatorError("register() first")
         try:
-            reply = self._call("PUT", f"/instances/{self.instance_id}/heartbeat")
+            reply = self._call("PUT", f"/instances/{self.instance_id}/heartbeat", HeartbeatReply)
         except CoordinatorError as exc:
             if exc.reply_status != 404:
                 raise
@@ -147,7 +177,7 @@ class CoordinatorClient:
             self._call("POST", "/instances", json=self._registration)
             self._want_resync()
             return
-        if isinstance(reply, dict) and reply.get("resync") is True:
+        if reply is not None and reply.resync is True:
             self._want_resync()
 
     def report(self, body: dict[str, Any]) -> None:
@@ -191,12 +221,12 @@ class CoordinatorClient:
         prefixes whose buckets differ, by tier."""
         if self.instance_id is None:
             raise CoordinatorError("register() first")
-        reply = self._call("POST", f"/instances/{self.instance_id}/digest", json={"tiers": tiers})
-        try:
-            out = {str(t): [str(p) for p in ps] for t, ps in reply["tiers"].items()}
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise CoordinatorError(f"digest reply unusable: {exc!r}") from None
-        return out
+        path = f"/instances/{self.instance_id}/digest"
+        body = encode(DigestBody(tiers=tiers))
+        reply: DigestReply = self._call(
+            "POST", path, DigestReply, content=body, headers=JSON_HEADERS
+        )
+        return reply.tiers
 
     def deregister(self) -> None:
         self.stop_heartbeat()
@@ -205,37 +235,37 @@ class CoordinatorClient:
 
     # ------------------------------------------------------------------ lookups
 
-    def lookup_keys(self, keys: Sequence[ObjectKey]) -> dict[str, Any]:
-        reply: dict[str, Any] = self._call(
-            "POST", "/directory/lookup", json={"keys": [k.to_wire() for k in keys]}
-        )
+    def lookup_keys(self, keys: Sequence[ObjectKey]) -> LookupReply:
+        """Placements per key, in the order of ``keys``."""
+        body = {"keys": [k.to_wire() for k in keys]}
+        reply: LookupReply = self._call("POST", "/directory/lookup", LookupReply, json=body)
         return reply
 
     def lookup_tokens(
         self, token_ids: Any, model_name: str, world_size: int = 1, cache_salt: str = ""
-    ) -> dict[str, Any]:
-        """Prefix lookup; ``reply["prefix"]`` is the per-holder leading-chunk summary (kvatlas
-        only). Tokens go as ``token_ids``, the form LMCache's coordinator reads too."""
+    ) -> LookupReply:
+        """Prefix lookup; ``prefix`` is the per-holder leading-chunk summary (kvatlas only).
+        Tokens go as ``token_ids``, the form LMCache's coordinator reads too."""
         body = {
             "token_ids": np.asarray(token_ids, dtype=np.uint32).tolist(),
             "model_name": model_name,
             "world_size": world_size,
             "cache_salt": cache_salt,
         }
-        reply: dict[str, Any] = self._call("POST", "/directory/lookup", json=body)
+        reply: LookupReply = self._call("POST", "/directory/lookup", LookupReply, json=body)
         return reply
 
-    def instances(self) -> list[dict[str, Any]]:
+    def instances(self) -> list[InstanceRow]:
         """``GET /instances``: liveness, cursors and each instance's advertised peer URL."""
-        rows: list[dict[str, Any]] = self._call("GET", "/instances")["instances"]
-        return rows
+        reply: InstancesReply = self._call("GET", "/instances", InstancesReply)
+        return reply.instances
 
     def stats(self) -> dict[str, Any]:
         reply: dict[str, Any] = self._call("GET", "/directory/stats")
         return reply
 
-    def health(self) -> dict[str, Any]:
-        reply: dict[str, Any] = self._call("GET", "/healthz")
+    def health(self) -> HealthReply:
+        reply: HealthReply = self._call("GET", "/healthz", HealthReply)
         return reply
 
     def close(self) -> None:

@@ -1,8 +1,9 @@
 """RouteClient: ask the coordinator which instance should serve a query (``POST /route/score``,
 docs/route-scoring.md), and the ``kvatlas route`` command that prints the answer as a table.
 
-Light like every client: httpx and numpy, no directory, no numba. The reply is parsed strictly
-(a malformed row is an error, never a half-read score); failures raise
+Light like every client: httpx and numpy, no directory, no numba. The reply is decoded as its
+wire type (:class:`kvatlas.api.RouteScoresReply`: a malformed row is an error, never a
+half-read score); failures raise
 :class:`~kvatlas.client.coordinator_client.CoordinatorError` as the coordinator client does.
 """
 
@@ -15,77 +16,23 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import msgspec
 
+from kvatlas.api import (
+    TIER_NAMES,
+    InstanceRow,
+    InstancesReply,
+    RouteScoreBody,
+    RouteScoresReply,
+)
 from kvatlas.checks import is_plain_int
 from kvatlas.client.coordinator_client import (
+    JSON_HEADERS,
     CoordinatorError,
     auth_headers,
     call_json,
     encode_tokens_b64,
+    read_reply,
 )
-
-_json = msgspec.json.Encoder()
-
-TIER_NAMES = ("gpu", "l1", "l2", "peer")
-"""The ``by_tier`` keys of a reply (the coordinator's tier classes)."""
-
-
-@dataclass(frozen=True, slots=True)
-class RouteScore:
-    """One instance's row: the prefix it loads without recompute, the fragment tokens it can
-    fetch after that prefix, tokens per tier class, and the weighted score."""
-
-    instance_id: str
-    prefix_tokens: int
-    fragment_tokens: int
-    score: float
-    by_tier: dict[str, int]
-
-
-@dataclass(frozen=True, slots=True)
-class RouteScores:
-    """The reply: rows best first, and how many tokens the query had."""
-
-    instances: list[RouteScore]
-    query_tokens: int
-
-    @property
-    def best(self) -> str | None:
-        return self.instances[0].instance_id if self.instances else None
-
-
-def _count(obj: Mapping[str, Any], name: str) -> int:
-    value = obj.get(name)
-    if not is_plain_int(value) or value < 0:
-        raise ValueError(f"{name} is not a count")
-    return int(value)
-
-
-def parse_route_scores(payload: Any) -> RouteScores:
-    """A ``POST /route/score`` reply, or ``ValueError`` naming what is wrong with it."""
-    if not isinstance(payload, dict) or not isinstance(payload.get("instances"), list):
-        raise ValueError("reply has no 'instances' list")
-    rows = []
-    for row in payload["instances"]:
-        if not isinstance(row, dict) or not isinstance(row.get("instance_id"), str):
-            raise ValueError("row has no instance_id")
-        score = row.get("score")
-        if isinstance(score, bool) or not isinstance(score, int | float):
-            raise ValueError("score is not a number")
-        by_tier = row.get("by_tier")
-        if not isinstance(by_tier, dict) or set(by_tier) != set(TIER_NAMES):
-            raise ValueError(f"by_tier must have exactly {TIER_NAMES}")
-        rows.append(
-            RouteScore(
-                row["instance_id"],
-                _count(row, "prefix_tokens"),
-                _count(row, "fragment_tokens"),
-                float(score),
-                {name: _count(by_tier, name) for name in TIER_NAMES},
-            )
-        )
-    return RouteScores(rows, _count(payload, "query_tokens"))
 
 
 def score_body(
@@ -96,19 +43,16 @@ def score_body(
     cache_salt: str = "",
     instances: Sequence[str] | None = None,
     weights: Mapping[str, float] | None = None,
-) -> dict[str, Any]:
+) -> bytes:
     """The ``POST /route/score`` body (one place for the sync and the async client)."""
-    body: dict[str, Any] = {
-        "tokens_b64": encode_tokens_b64(token_ids),
-        "model_name": model_name,
-        "world_size": world_size,
-        "cache_salt": cache_salt,
-    }
-    if instances is not None:
-        body["instances"] = list(instances)
-    if weights is not None:
-        body["weights"] = dict(weights)
-    return body
+    return RouteScoreBody(
+        tokens_b64=encode_tokens_b64(token_ids),
+        model_name=model_name,
+        world_size=world_size,
+        cache_salt=cache_salt,
+        instances=None if instances is None else list(instances),
+        weights=None if weights is None else dict(weights),
+    ).to_json()
 
 
 class RouteClient:
@@ -127,17 +71,16 @@ class RouteClient:
         cache_salt: str = "",
         instances: Sequence[str] | None = None,
         weights: Mapping[str, float] | None = None,
-    ) -> RouteScores:
+    ) -> RouteScoresReply:
         """Every candidate (``instances``, default every live instance), best first."""
         body = score_body(
             token_ids, model_name, world_size=world_size, cache_salt=cache_salt,
             instances=instances, weights=weights,
         )  # fmt: skip
-        reply = call_json(self._http, "POST", "/route/score", json=body)
-        try:
-            return parse_route_scores(reply)
-        except ValueError as exc:
-            raise CoordinatorError(f"POST /route/score: malformed reply: {exc}") from None
+        reply: RouteScoresReply = call_json(
+            self._http, "POST", "/route/score", RouteScoresReply, content=body, headers=JSON_HEADERS
+        )
+        return reply
 
     def close(self) -> None:
         self._http.close()
@@ -175,7 +118,13 @@ class AsyncRouteClient:
         return self._session
 
     async def _call(
-        self, method: str, path: str, *, body: bytes | None = None, timeout: float | None = None
+        self,
+        method: str,
+        path: str,
+        reply: Any,
+        *,
+        body: bytes | None = None,
+        timeout: float | None = None,
     ) -> Any:
         import aiohttp
 
@@ -184,20 +133,14 @@ class AsyncRouteClient:
             extra["timeout"] = aiohttp.ClientTimeout(total=timeout)
         if body is not None:
             extra["data"] = body
-            extra["headers"] = {"content-type": "application/json"}
+            extra["headers"] = JSON_HEADERS
         try:
-            async with self._client().request(method, self.url + path, **extra) as reply:
-                raw = await reply.read()
-                status = reply.status
+            async with self._client().request(method, self.url + path, **extra) as answer:
+                raw = await answer.read()
+                status = answer.status
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise CoordinatorError(f"{method} {path}: {exc!r}") from exc
-        if status >= 400:
-            text = raw[:200].decode("utf-8", "replace")
-            raise CoordinatorError(f"{method} {path}: {status} {text}", status)
-        try:
-            return msgspec.json.decode(raw)
-        except msgspec.DecodeError as exc:
-            raise CoordinatorError(f"{method} {path}: reply is not JSON: {exc}") from None
+        return read_reply(method, path, status, raw, reply)
 
     async def score(
         self,
@@ -209,24 +152,20 @@ class AsyncRouteClient:
         instances: Sequence[str] | None = None,
         weights: Mapping[str, float] | None = None,
         timeout: float | None = None,
-    ) -> RouteScores:
+    ) -> RouteScoresReply:
         body = score_body(
             token_ids, model_name, world_size=world_size, cache_salt=cache_salt,
             instances=instances, weights=weights,
         )  # fmt: skip
-        reply = await self._call("POST", "/route/score", body=_json.encode(body), timeout=timeout)
-        try:
-            return parse_route_scores(reply)
-        except ValueError as exc:
-            raise CoordinatorError(f"POST /route/score: malformed reply: {exc}") from None
+        reply: RouteScoresReply = await self._call(
+            "POST", "/route/score", RouteScoresReply, body=body, timeout=timeout
+        )
+        return reply
 
-    async def instances(self) -> list[dict[str, Any]]:
+    async def instances(self) -> list[InstanceRow]:
         """``GET /instances`` rows (registration fields, liveness)."""
-        reply = await self._call("GET", "/instances")
-        rows = reply.get("instances") if isinstance(reply, dict) else None
-        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-            raise CoordinatorError("GET /instances: malformed reply")
-        return rows
+        reply: InstancesReply = await self._call("GET", "/instances", InstancesReply)
+        return reply.instances
 
     async def aclose(self) -> None:
         if self._session is not None:

@@ -5,7 +5,7 @@ Layers, each importing only those below it (docs/coordinator.md):
 - ``server`` runs it (CLI, in-process ``BackgroundServer``); ``app`` wires the ASGI app;
 - ``routes/`` one module per resource, thin: role check, ``query``, service, ``wire``;
   ``asgi`` answers the blend lookup below the framework (``blend_lookup``, the same handler);
-- ``query`` validates requests (422 / 413); ``wire`` maps replies to JSON and back;
+- ``query`` validates requests (422 / 413); ``wire`` maps replies to their types in :mod:`kvatlas.api`;
 - ``service`` (directory, instances, snapshots, background threads; independent of HTTP),
   ``stream_consumer`` (Redis Streams), ``views`` (what the service reports), ``instances``,
   ``auth``, ``metrics``, ``config``, ``schemas``; ``runtime`` the process settings.

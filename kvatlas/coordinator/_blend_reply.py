@@ -1,9 +1,8 @@
 """The blend-lookup reply written from the index's match columns in one compiled pass.
 
-The bytes are exactly ``json_encoder.encode(blend_to_wire(matches, enabled))`` (the wire shape
-has one definition, ``wire.blend_to_wire``; the tests compare the two on random matches): a
-dict, a hex string and a ``BlendMatch`` per match cost ≈0.5 µs each in Python, ≈45 µs of a
-32k-token lookup's server time with ≈85 matches, against ≈13 µs here (docs/performance.md).
+The bytes are exactly those of ``kvatlas.api.BlendReply`` built by ``wire.blend_to_wire``
+(the wire shape has one definition; the tests compare the two on random matches), without an
+object and a hex string per match in Python (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -10,18 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 import pydantic
 
+from kvatlas.api import BlendLookupBody, decode
 from kvatlas.auth import Principal
 from kvatlas.coordinator._base64 import b64decode_strict, decode_base64
 from kvatlas.coordinator.body_size import check_item_count, lookup_size
 from kvatlas.coordinator.config import KEY_JSON_BYTES, QUERY_ENVELOPE_BYTES
-from kvatlas.coordinator.schemas import BlendLookupBody, LookupRequest
+from kvatlas.coordinator.schemas import LookupRequest
 from kvatlas.errors import PayloadTooLarge, Unprocessable
 from kvatlas.events import ColumnBatch, EventBatch, decode_json_columns, decode_msgpack_columns
 from kvatlas.keys import BlendNamespace, ObjectKey, TokenArray, as_token_array
@@ -249,21 +250,11 @@ def lookup_query(body: LookupRequest, max_tokens: int, max_keys: int) -> KeysQue
 
 # ---------------------------------------------------------------------------- blend lookup
 
-S = TypeVar("S", bound=BlendLookupBody)
-_blend_body_decoder = msgspec.json.Decoder(BlendLookupBody)
-
 
 def decode_blend_body(raw: bytes) -> BlendLookupBody:
-    """The blend-lookup body, decoded straight from bytes (the hot path: no dict, no model)."""
-    return decode_query_body(_blend_body_decoder, raw)
-
-
-def decode_query_body(decoder: msgspec.json.Decoder[S], raw: bytes) -> S:
-    """A token-query body (blend lookup, route scoring) from bytes, or a 422 naming the field."""
-    try:
-        return decoder.decode(raw)
-    except msgspec.MsgspecError as exc:
-        raise Unprocessable(f"body: {exc}") from None
+    """The blend-lookup body, decoded straight from bytes (the hot path: no dict, no model),
+    or a 422 naming the field."""
+    return decode(raw, BlendLookupBody)
 
 
 # The blend-lookup body with ``tokens_b64`` as raw JSON (msgspec.Raw): tells whether a body

@@ -17,18 +17,16 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
 
-import msgspec
 from starlette.types import Scope
 
+from kvatlas.api import RouteScoreBody, RouteScoreRow, RouteScoresReply, decode
 from kvatlas.auth import Principal
 from kvatlas.coordinator.asgi import FastReply
 from kvatlas.coordinator.body_size import check_item_count
 from kvatlas.coordinator.config import QUERY_ENVELOPE_BYTES
 from kvatlas.coordinator.instances import attachments
-from kvatlas.coordinator.query import BlendQuery, blend_query, decode_query_body
-from kvatlas.coordinator.schemas import RouteScoreBody
+from kvatlas.coordinator.query import BlendQuery, blend_query
 from kvatlas.coordinator.scoring import (
     NO_ATTACHMENTS,
     Access,
@@ -48,8 +46,6 @@ from kvatlas.web import json_encoder
 
 FIRST_WINDOW = 16
 """Chunks the prefix walk looks up at first; each further window is twice the last."""
-
-_body_decoder = msgspec.json.Decoder(RouteScoreBody)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +151,7 @@ class RouteScoring:
         service = self.service
         config = service.config
         check_item_count(raw, config.max_query_tokens, QUERY_ENVELOPE_BYTES + config.max_instances)
-        body = decode_query_body(_body_decoder, raw)
+        body = decode(raw, RouteScoreBody)
         who.require_salts({body.cache_salt})
         asked = route_query(
             body, config.max_query_tokens, config.max_instances, config.fragment_weight
@@ -186,18 +182,18 @@ class RouteScoring:
         return reply
 
 
-def route_scores_to_wire(scores: Sequence[InstanceScore], query_tokens: int) -> dict[str, Any]:
-    """``POST /route/score``, best first; read back by ``kvatlas.client.route_client``."""
-    return {
-        "instances": [
-            {
-                "instance_id": s.instance_id,
-                "prefix_tokens": s.prefix_tokens,
-                "fragment_tokens": s.fragment_tokens,
-                "score": s.score,
-                "by_tier": s.by_tier,
-            }
+def route_scores_to_wire(scores: Sequence[InstanceScore], query_tokens: int) -> RouteScoresReply:
+    """``POST /route/score``, best first; decoded by ``kvatlas.client.route_client``."""
+    return RouteScoresReply(
+        instances=[
+            RouteScoreRow(
+                instance_id=s.instance_id,
+                prefix_tokens=s.prefix_tokens,
+                fragment_tokens=s.fragment_tokens,
+                score=s.score,
+                by_tier=s.by_tier,
+            )
             for s in scores
         ],
-        "query_tokens": query_tokens,
-    }
+        query_tokens=query_tokens,
+    )

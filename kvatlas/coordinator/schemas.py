@@ -12,12 +12,13 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvatlas.api import BlendLookupBody, RouteScoreBody
 from kvatlas.events import (
     EVENT_TYPES,
     INT_BOUNDS,
@@ -83,21 +84,6 @@ LOOKUP_BODY_SCHEMA: dict[str, Any] = {
 worker thread: a lookup body may be large)."""
 
 
-class BlendLookupBody(msgspec.Struct):
-    """The hot path's body: decoded by msgspec straight from bytes (no dict, no pydantic)."""
-
-    tokens_b64: Annotated[
-        str | None,
-        msgspec.Meta(description="base64 of the query token ids as little-endian uint32"),
-    ] = None
-    token_ids: Annotated[
-        list[int] | None, msgspec.Meta(description="alternative to tokens_b64")
-    ] = None
-    model_name: str | None = None
-    world_size: int = 1
-    cache_salt: str = ""
-
-
 BLEND_LOOKUP_BODY_SCHEMA: dict[str, Any] = {
     "requestBody": {
         "required": True,
@@ -117,19 +103,6 @@ BLEND_LOOKUP_BODY_SCHEMA: dict[str, Any] = {
         }
     ],
 }
-
-
-class RouteScoreBody(BlendLookupBody):
-    """``POST /route/score``: a blend-lookup body, plus whom to score and how."""
-
-    instances: Annotated[
-        list[str] | None,
-        msgspec.Meta(description="instance ids to score (default: every live instance)"),
-    ] = None
-    weights: Annotated[
-        dict[str, float] | None,
-        msgspec.Meta(description="tier weights to override: gpu, l1, l2, peer"),
-    ] = None
 
 
 ROUTE_SCORE_BODY_SCHEMA: dict[str, Any] = {

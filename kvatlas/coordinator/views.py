@@ -1,6 +1,6 @@
 """What the coordinator service reports, as immutable values: readiness, emitters, instances,
 health, stats. Each is taken in one piece (under the locks that guard its sources) and never
-changes afterwards; :mod:`kvatlas.coordinator.wire` maps each to its JSON reply and back.
+changes afterwards; :mod:`kvatlas.coordinator.wire` maps each to its wire type (:mod:`kvatlas.api`).
 See docs/coordinator.md ("API").
 """
 

@@ -4,7 +4,7 @@ who holds which key (the coordinator's directory) and how to reach that holder's
 Two implementations: over HTTP (coordinator lookup + the peers' advertised URLs from
 ``GET /instances``) and in-process (the embedded fleet). Every failure is a miss, never an
 exception: fetching from the fleet is an optimisation over recomputing. Coordinator replies are
-read with :mod:`kvatlas.coordinator.wire`, the module that writes them (docs/node.md,
+decoded as the :mod:`kvatlas.api` types the coordinator writes them from (docs/node.md,
 docs/coordinator.md).
 
 The HTTP view keeps the instance list it last read and re-reads it at most once every
@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvatlas.client import CoordinatorClient, CoordinatorError
-from kvatlas.coordinator.wire import instance_from_wire, lookup_placements_from_wire
 from kvatlas.keys import ObjectKey
 from kvatlas.logs import Throttle
 from kvatlas.node.kv_layout import KVLayout
@@ -96,13 +95,16 @@ class HttpFleetView:
         if not keys:
             return []
         try:
-            found = lookup_placements_from_wire(self._client.lookup_keys(list(keys)))
-        except (CoordinatorError, ValueError) as exc:
+            found = self._client.lookup_keys(list(keys)).results
+        except CoordinatorError as exc:
             log.debug("fleet lookup failed: %s", exc)
             return [[] for _ in keys]
         if len(found) != len(keys):
             return [[] for _ in keys]
-        return [[Holder(p.instance_id, p.tier, p.backend, p.shared) for p in pls] for pls in found]
+        return [
+            [Holder(p.instance_id, p.tier, p.backend, p.shared) for p in r.placements]
+            for r in found
+        ]
 
     def peer(self, instance_id: str) -> PeerFetcher | None:
         if self._refresh_due():
@@ -141,22 +143,21 @@ class HttpFleetView:
         peer's client is closed). A failed read keeps what is known until the next due one."""
         self.refreshes += 1
         try:
-            views = [instance_from_wire(row) for row in self._client.instances()]
-        except (CoordinatorError, KeyError, TypeError, ValueError) as exc:
+            rows = self._client.instances()
+        except CoordinatorError as exc:
             log.debug("instance list unavailable: %s", exc)
             return
         urls: dict[str, str] = {}
         unverified: dict[str, str] = {}
-        for v in views:
-            reg = v.registration
-            if reg is None or not reg.p2p_advertised_url:
+        for row in rows:
+            url = row.peer_url
+            if url is None:
                 continue
-            url = reg.p2p_advertised_url.rstrip("/")
             secret = self._secret
-            if secret is None or secret.url_signed(v.instance_id, url, reg.p2p_url_signature):
-                urls[v.instance_id] = url
+            if secret is None or secret.url_signed(row.instance_id, url, row.signature):
+                urls[row.instance_id] = url
             else:
-                unverified[v.instance_id] = url
+                unverified[row.instance_id] = url
         with self._lock:
             self._urls = urls
             self._unverified = unverified

@@ -23,6 +23,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from kvatlas.api import HealthReply
 from kvatlas.asgi_thread import bind_listener, serve
 from kvatlas.backoff import Backoff
 from kvatlas.client import (
@@ -70,7 +71,7 @@ class Registrar:
         *,
         on_registered: Callable[[], object],
         on_fatal: Callable[[Conflict], object],
-        on_health: Callable[[dict[str, Any]], object] = lambda _health: None,
+        on_health: Callable[[HealthReply], object] = lambda _health: None,
         initial: float = 0.1,
         retry_max: float = 30.0,
         jitter: Callable[[], float] = random.random,
@@ -149,15 +150,10 @@ class Registrar:
 RETRY_MAX_S = 5.0  # the longest wait between event deliveries while the receiver is down
 
 
-def states_key_scheme(health: dict[str, Any]) -> bool:
-    """Whether a coordinator's ``/healthz`` states its key scheme (LMCache's does not)."""
-    return "key_scheme" in health
-
-
-def follow_coordinator_format(transport: HttpTransport, health: dict[str, Any]) -> None:
+def follow_coordinator_format(transport: HttpTransport, health: HealthReply) -> None:
     """Events as JSON to a coordinator that does not state its key scheme (LMCache's reads
     JSON events only); msgpack, the default, to kvatlas's."""
-    if not states_key_scheme(health):
+    if not health.states_key_scheme:
         transport.fmt = "json"
 
 
@@ -189,7 +185,7 @@ def register(client: CoordinatorClient, config: NodeConfig, instance_id: str | N
     return assigned
 
 
-def check_coordinator_compatible(config: NodeConfig, health: dict[str, Any]) -> None:
+def check_coordinator_compatible(config: NodeConfig, health: HealthReply) -> None:
     """Compare this node's configuration with the coordinator's ``/healthz`` (``docs/node.md``).
 
     Refuses (raises) on a key scheme, chunk size or, for a reporting node, event transport
@@ -198,31 +194,32 @@ def check_coordinator_compatible(config: NodeConfig, health: dict[str, Any]) -> 
     size is checked at registration (LMCache 0.5.7 refuses a conflicting one) and the rest
     is the operator's to match (docs/coordinator.md, "Running kvatlas under LMCache MP servers").
     """
-    if "key_scheme" not in health:
+    if health.key_scheme is None:
         log.warning(
             "the coordinator at %s does not state its key scheme (LMCache's coordinator?): "
             "make sure it runs with --chunk-size %d and that this node's %s keys are its keys",
             config.coordinator_url, config.chunk_size, config.scheme.name,
         )  # fmt: skip
         return
-    config.scheme.check_compatible(str(health.get("key_scheme")), int(health.get("chunk_size", -1)))
+    chunk_size = -1 if health.chunk_size is None else health.chunk_size
+    config.scheme.check_compatible(health.key_scheme, chunk_size)
     if not config.fleet_enabled:
         return
-    theirs = health.get("event_transport")
+    theirs = health.event_transport
     if theirs is not None and theirs != config.event_transport:
         raise TransportMismatch(
             f"event transport mismatch: this node uses --event-transport "
             f"{config.event_transport}, the coordinator at {config.coordinator_url} uses "
             f"--event-transport {theirs}; it would never see this node's chunks"
         )
-    stream = health.get("event_stream")
+    stream = health.event_stream
     if config.event_transport == "redis" and stream is not None and stream != config.event_stream:
         raise TransportMismatch(
             f"event stream mismatch: this node writes --event-stream {config.event_stream}, "
             f"the coordinator at {config.coordinator_url} reads --event-stream {stream}; "
             "it would never see this node's chunks"
         )
-    if config.enable_blend_lookup and health.get("blend_lookup") is False:
+    if config.enable_blend_lookup and health.blend_lookup is False:
         log.warning(
             "blend lookup mismatch: this node has --enable-blend-lookup on, the coordinator at "
             "%s has it off; every fleet leg of a blend lookup will answer empty",
@@ -275,7 +272,7 @@ class NodeProcess:
                     "registering in the background", config.coordinator_url, exc,
                 )  # fmt: skip
             else:
-                if not states_key_scheme(health):  # LMCache's coordinator: JSON events only
+                if not health.states_key_scheme:  # LMCache's coordinator: JSON events only
                     event_format = "json"
                 try:
                     check_coordinator_compatible(config, health)
@@ -335,7 +332,7 @@ class NodeProcess:
 
             events = transport
 
-            def reached(health: dict[str, Any]) -> None:
+            def reached(health: HealthReply) -> None:
                 if isinstance(events, HttpTransport):
                     follow_coordinator_format(events, health)
 

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Final
 
 import aiohttp
@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from kvatlas.api import InstanceRow
 from kvatlas.auth import Principal, TokenAuth
 from kvatlas.client.coordinator_client import CoordinatorError
 from kvatlas.client.route_client import AsyncRouteClient
@@ -178,20 +179,17 @@ class Router:
     async def scrape_engines(self) -> None:
         await asyncio.gather(*(self.engines.scrape(e) for e in self.engines.healthy()))
 
-    def listed_engines(self, rows: list[dict[str, Any]]) -> dict[str, str]:
+    def listed_engines(self, rows: Sequence[InstanceRow]) -> dict[str, str]:
         """Instances with a URL to reach them: ``metadata.openai_url``, else the template.
         A node that serves an engine (its row names an ``engine_id``) is not one: its copies
         are scored as its engine's, which is routed by its own id."""
         found: dict[str, str] = {}
         template = self.config.engine_url_template
         for row in rows:
-            if row.get("engine_id"):
+            if isinstance(row.engine_id, str) and row.engine_id:
                 continue
-            engine_id = row.get("instance_id")
-            metadata = row.get("metadata")
-            url = metadata.get("openai_url") if isinstance(metadata, dict) else None
-            if not isinstance(engine_id, str):
-                continue
+            engine_id = row.instance_id
+            url = row.meta.get("openai_url")
             if not isinstance(url, str) and template:
                 url = template.format(instance_id=engine_id)
             if isinstance(url, str) and url.startswith(("http://", "https://")):

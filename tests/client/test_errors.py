@@ -170,3 +170,52 @@ def test_heartbeat_re_registers_after_404(scripted: tuple[str, type[_Scripted]])
         with pytest.raises(CoordinatorError) as info:
             client.heartbeat()
         assert info.value.reply_status == 500
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "reply", "call"),
+    [
+        # an error reply that is not an object: its text is the detail (was an AttributeError)
+        ("GET", "/healthz", 500, [1], lambda c: c.health()),
+        # a listing without its rows (was a KeyError out of instances())
+        ("GET", "/instances", 200, {"rows": []}, lambda c: c.instances()),
+        ("GET", "/instances", 200, {"instances": [{"instance_id": 7}]}, lambda c: c.instances()),
+        # a lookup reply whose placement lacks a field (was returned as is, half-read later)
+        (
+            "POST",
+            "/directory/lookup",
+            200,
+            {"chunks": 1, "results": [{"key": {}, "placements": []}]},
+            lambda c: c.lookup_tokens([1, 2, 3, 4], "m"),
+        ),
+        ("GET", "/healthz", 200, {"status": "healthy", "chunk_size": "16"}, lambda c: c.health()),
+    ],
+)
+def test_a_reply_not_of_its_wire_type_is_a_coordinator_error(
+    scripted: tuple[str, type[_Scripted]],
+    method: str,
+    path: str,
+    status: int,
+    reply: Any,
+    call: Any,
+) -> None:
+    """Every reply is decoded as its :mod:`kvatlas.api` type: one that is not is a
+    ``CoordinatorError`` naming what is wrong, never another exception or a half-read value."""
+    url, handler = scripted
+    handler.replies[(method, path)] = (status, reply)
+    with CoordinatorClient(url, timeout=5.0) as client, pytest.raises(CoordinatorError) as info:
+        call(client)
+    assert path in str(info.value)
+
+
+def test_well_formed_replies_decode_as_their_types(scripted: tuple[str, type[_Scripted]]) -> None:
+    """The negative control of the test above: the same routes, well-formed replies."""
+    url, handler = scripted
+    handler.replies[("GET", "/healthz")] = (200, {"status": "healthy", "chunk_size": 16})
+    handler.replies[("GET", "/instances")] = (
+        200,
+        {"instances": [{"instance_id": "a", "alive": False}]},
+    )
+    with CoordinatorClient(url, timeout=5.0) as client:
+        assert client.health().chunk_size == 16
+        assert [r.instance_id for r in client.instances()] == ["a"]

@@ -27,7 +27,6 @@ from starlette.routing import Route
 from kvatlas.asgi_thread import ThreadedServer, free_port
 from kvatlas.client import BlendCoordinatorClient, CoordinatorClient, EventSink, HttpTransport
 from kvatlas.coordinator._base64 import b64decode_strict
-from kvatlas.coordinator.wire import instance_from_wire
 from kvatlas.events import CacheEntry
 from kvatlas.keys import BlendNamespace, ObjectKey
 from kvatlas.node.config import NodeConfig
@@ -149,8 +148,8 @@ def test_coordinator_client_and_fleet_view_speak_lmcache(stub: tuple[LMCacheStub
             [],
         ]
         tokens = _request("lookup by tokens (prefix form)")["token_ids"]
-        assert client.lookup_tokens(tokens, "m")["chunks"] == 3  # the stub's one reply
-        rows = [instance_from_wire(row) for row in client.instances()]
+        assert client.lookup_tokens(tokens, "m").chunks == 3  # the stub's one reply
+        rows = client.instances()
         assert [r.instance_id for r in rows][-1] == "mp-a" and all(r.alive for r in rows)
         assert view.peer("mp-a") is None  # no peer URL in LMCache's row: no peer, no error
         client.deregister()  # 204, no body

@@ -15,7 +15,8 @@ import httpx
 import numpy as np
 import pytest
 
-from kvatlas.client import RouteClient, RouteScores
+from kvatlas.api import RouteScoresReply
+from kvatlas.client import RouteClient
 from kvatlas.client.coordinator_client import CoordinatorError
 from kvatlas.coordinator.server import free_port
 from kvatlas.node.config import NodeConfig
@@ -82,7 +83,7 @@ def fleet(tmp_path: Path) -> Iterator[dict[str, Any]]:
         stop(procs)
 
 
-def ranking(scores: RouteScores) -> list[tuple[str, int, int, float]]:
+def ranking(scores: RouteScoresReply) -> list[tuple[str, int, int, float]]:
     return [
         (s.instance_id, s.prefix_tokens, s.fragment_tokens, round(s.score, 3))
         for s in scores.instances

@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from kvatlas import api
 from kvatlas.coordinator import wire
 from kvatlas.coordinator.instances import Registration
 from kvatlas.coordinator.views import (
@@ -29,6 +30,7 @@ from kvatlas.directory import (
     PrefixHolder,
     TokenLookup,
 )
+from kvatlas.errors import Unprocessable
 from kvatlas.keys import BlendMatch, KeyScheme, ObjectKey, pack_kv_rank
 
 KEY = ObjectKey(bytes(range(32)), "m", pack_kv_rank(1, 0, 1, 0), 3, "salt")
@@ -51,42 +53,55 @@ def _json_round_trip(obj: Any) -> Any:
     return json.loads(msgspec.json.encode(obj))
 
 
+def _fields(row: Any) -> list[str]:
+    """A reply's fields in wire order, as the coordinator encodes it."""
+    return list(_json_round_trip(row))
+
+
 @pytest.mark.parametrize(
-    ("value", "to_wire", "from_wire"),
+    ("value", "to_wire"),
     [
-        (L1, wire.placement_to_wire, wire.placement_from_wire),
-        (L2, wire.placement_to_wire, wire.placement_from_wire),
-        (KP, wire.key_placements_to_wire, wire.key_placements_from_wire),
-        (KeyPlacements(KEY, ()), wire.key_placements_to_wire, wire.key_placements_from_wire),
-        (PREFIX[0], wire.prefix_to_wire, wire.prefix_from_wire),
-        (PREFIX[1], wire.prefix_to_wire, wire.prefix_from_wire),
-        (TokenLookup(2, [KP, KP], PREFIX), wire.lookup_to_wire, wire.lookup_from_wire),
-        (TokenLookup(0, [], []), wire.lookup_to_wire, wire.lookup_from_wire),
-        (KeyPage([KP], "c1", None), wire.key_page_to_wire, wire.key_page_from_wire),
-        (KeyPage([], None, 7), wire.key_page_to_wire, wire.key_page_from_wire),
-        (EmitterView(1, 2, 3, 4, 5, 1.5, 0.5), wire.emitter_to_wire, wire.emitter_from_wire),
-        (NO_EMITTER, wire.emitter_to_wire, wire.emitter_from_wire),
-        (REGISTERED, wire.instance_to_wire, wire.instance_from_wire),
-        (UNREGISTERED, wire.instance_to_wire, wire.instance_from_wire),
+        (L1, wire.placement_to_wire),
+        (L2, wire.placement_to_wire),
+        (KP, wire.lookup_result_to_wire),
+        (KeyPlacements(KEY, ()), wire.lookup_result_to_wire),
+        (KP, wire.key_entry_to_wire),
+        (PREFIX[0], wire.prefix_to_wire),
+        (PREFIX[1], wire.prefix_to_wire),
+        (TokenLookup(2, [KP, KP], PREFIX), wire.lookup_to_wire),
+        (TokenLookup(0, [], []), wire.lookup_to_wire),
+        (KeyPage([KP], "c1", None), wire.key_page_to_wire),
+        (KeyPage([], None, 7), wire.key_page_to_wire),
+        (REGISTERED, wire.instance_to_wire),
+        (UNREGISTERED, wire.instance_to_wire),
+        (InstanceView("n", Registration(), 1.0, 0.0, NO_EMITTER), wire.instance_to_wire),
         (
-            InstanceView("n", Registration(), 1.0, 0.0, NO_EMITTER),
+            InstanceView(
+                "n", dataclasses.replace(REGISTRATION, p2p_url_signature="ab"), 1.0, 0.0, NO_EMITTER
+            ),
             wire.instance_to_wire,
-            wire.instance_from_wire,
         ),
         (
             InstanceView("n", Registration(engine_id="pod-a"), 1.0, 0.0, NO_EMITTER),
             wire.instance_to_wire,
-            wire.instance_from_wire,
         ),
-        ([REGISTERED, UNREGISTERED], wire.instances_to_wire, wire.instances_from_wire),
+        ([REGISTERED, UNREGISTERED], wire.instances_to_wire),
     ],
 )
-def test_round_trip(value: Any, to_wire: Any, from_wire: Any) -> None:
-    assert from_wire(_json_round_trip(to_wire(value))) == value
+def test_round_trip(value: Any, to_wire: Any) -> None:
+    """A reply decodes, as its clients decode it, to the value it was encoded from."""
+    reply = to_wire(value)
+    assert api.decode(msgspec.json.encode(reply), type(reply)) == reply
+
+
+def test_a_key_reads_back_as_the_object_key() -> None:
+    row = api.decode(msgspec.json.encode(wire.key_to_wire(KEY)), api.KeyRow)
+    assert ObjectKey.from_wire(row.as_dict()) == KEY
+    assert row.as_dict() == KEY.to_wire()
 
 
 def test_placement_fields_in_wire_order() -> None:
-    assert list(wire.placement_to_wire(L1)) == [
+    assert _fields(wire.placement_to_wire(L1)) == [
         "instance_id",
         "incarnation",
         "tier",
@@ -95,31 +110,36 @@ def test_placement_fields_in_wire_order() -> None:
         "shared",
         "last_access",
     ]
-    assert list(wire.prefix_to_wire(PREFIX[0])) == [
+    assert _fields(wire.prefix_to_wire(PREFIX[0])) == [
         "instance_id",
         "tier",
         "backend",
         "shared",
         "chunks",
     ]
-    assert list(wire.lookup_to_wire(TokenLookup(0, [], []))) == ["chunks", "results", "prefix"]
-    assert list(wire.key_page_to_wire(KeyPage([], None))) == [
+    assert _fields(wire.lookup_to_wire(TokenLookup(0, [], []))) == ["chunks", "results", "prefix"]
+    assert _fields(wire.key_page_to_wire(KeyPage([], None))) == [
         "total",
         "keys",
         "next_cursor",
         "next_offset",
     ]
-    assert list(wire.lookup_result_to_wire(KP)) == [
+    assert _fields(wire.lookup_result_to_wire(KP)) == [
         "key",
         "placements",
         "token_ids",
         "access_count",
     ]
-    assert list(wire.key_entry_to_wire(KP)) == ["key", "placements", "num_tokens", "access_count"]
+    assert _fields(wire.key_entry_to_wire(KP)) == [
+        "key",
+        "placements",
+        "num_tokens",
+        "access_count",
+    ]
 
 
 def test_instance_rows_registered_and_not() -> None:
-    assert list(wire.instance_to_wire(REGISTERED)) == [
+    assert _fields(wire.instance_to_wire(REGISTERED)) == [
         "instance_id",
         "ip",
         "http_port",
@@ -137,7 +157,7 @@ def test_instance_rows_registered_and_not() -> None:
         "seconds_since_last_event",
         "event_delivery_delay_seconds",
     ]
-    row = wire.instance_to_wire(UNREGISTERED)
+    row = _json_round_trip(wire.instance_to_wire(UNREGISTERED))
     assert row == {
         "instance_id": "node-b",
         "alive": False,
@@ -198,21 +218,27 @@ def test_health_and_readiness() -> None:
         b'"event_stream":"kv:events","replica_id":"host-1a2b",'
         b'"consumer_group":"kvatlas-host-1a2b"}'
     )
-    assert wire.readiness_to_wire(Readiness.SERVING) == {"ready": True, "state": "serving"}
-    assert wire.readiness_to_wire(Readiness.RESTORING) == {"ready": False, "state": "restoring"}
+    assert _json_round_trip(wire.readiness_to_wire(Readiness.SERVING)) == {
+        "ready": True,
+        "state": "serving",
+    }
+    assert _json_round_trip(wire.readiness_to_wire(Readiness.RESTORING)) == {
+        "ready": False,
+        "state": "restoring",
+    }
 
 
 def test_readiness_values_are_the_wire_strings() -> None:
     assert [r.value for r in Readiness] == [
         "restoring", "waiting_for_redis", "catching_up", "resyncing", "serving", "group_held",
     ]  # fmt: skip
-    ready = [r for r in Readiness if wire.readiness_to_wire(r)["ready"]]
+    ready = [r for r in Readiness if wire.readiness_to_wire(r).ready]
     assert ready == [Readiness.SERVING]
     assert Readiness.SERVING == "serving"
 
 
 def test_blend_reply() -> None:
-    reply = wire.blend_to_wire([BlendMatch(b"\x01" * 32, 4, 9)], True)
+    reply = _json_round_trip(wire.blend_to_wire([BlendMatch(b"\x01" * 32, 4, 9)], True))
     assert reply == {
         "matches": [{"chunk_hash": "01" * 32, "old_st": 4, "cur_st": 9}],
         "blend_enabled": True,
@@ -225,7 +251,7 @@ def test_blend_reply() -> None:
         None,
         [],
         {},
-        {"chunks": 1, "results": []},  # no prefix
+        {"results": []},  # no chunks
         {"chunks": True, "results": [], "prefix": []},  # a bool is not a count
         {"chunks": 1, "results": {}, "prefix": []},
         {"chunks": 1, "results": [{"key": "k", "placements": []}], "prefix": []},
@@ -233,12 +259,12 @@ def test_blend_reply() -> None:
     ],
 )
 def test_malformed_lookup_reply_is_refused(broken: Any) -> None:
-    with pytest.raises(ValueError):
-        wire.lookup_from_wire(broken)
+    with pytest.raises(Unprocessable):
+        api.decode(json.dumps(broken), api.LookupReply, "reply")
 
 
 def test_malformed_placement_is_refused() -> None:
-    good = wire.placement_to_wire(L1)
+    good = _json_round_trip(wire.placement_to_wire(L1))
     for name, bad in [
         ("incarnation", "2"),
         ("shared", 0),
@@ -246,22 +272,29 @@ def test_malformed_placement_is_refused() -> None:
         ("size_bytes", False),
         ("tier", None),
     ]:
-        with pytest.raises(ValueError, match=name):
-            wire.placement_from_wire({**good, name: bad})
-    with pytest.raises(ValueError, match="backend"):
-        wire.placement_from_wire({k: v for k, v in good.items() if k != "backend"})
-
-
-def test_bad_key_in_reply_is_refused() -> None:
-    row = _json_round_trip(wire.key_placements_to_wire(KP))
-    row["key"]["chunk_hash_hex"] = "zz"
-    with pytest.raises(ValueError):
-        wire.key_placements_from_wire(row)
+        with pytest.raises(Unprocessable, match=name):
+            api.decode(json.dumps({**good, name: bad}), api.PlacementRow)
+    with pytest.raises(Unprocessable, match="backend"):
+        api.decode(json.dumps({k: v for k, v in good.items() if k != "backend"}), api.PlacementRow)
+    assert api.decode(json.dumps(good), api.PlacementRow) == wire.placement_to_wire(L1)
 
 
 def test_lookup_placements_are_the_results_placements_in_order() -> None:
     found = TokenLookup(2, [KP, KeyPlacements(KEY, ())], PREFIX)
-    body = json.loads(json.dumps(wire.lookup_to_wire(found)))
-    assert wire.lookup_placements_from_wire(body) == [KP.placements, ()]
-    with pytest.raises(ValueError):
-        wire.lookup_placements_from_wire({"results": [{"key": {}}]})  # no placements
+    reply = api.decode(msgspec.json.encode(wire.lookup_to_wire(found)), api.LookupReply)
+    assert [len(r.placements) for r in reply.results] == [2, 0]
+    assert reply.results[0].placements == [wire.placement_to_wire(p) for p in KP.placements]
+    with pytest.raises(Unprocessable):
+        api.decode(b'{"chunks":1,"results":[{"key":{}}]}', api.LookupReply)  # no placements
+
+
+def test_lmcache_replies_decode_without_kvatlas_fields() -> None:
+    """LMCache's rows lack liveness, cursors, ``last_access`` and ``prefix``: defaults."""
+    row = api.decode(
+        b'{"instance_id":"mp-a","ip":"10.0.0.8","http_port":8081,"registration_time":1.5,'
+        b'"metadata":{},"p2p_advertised_url":"","mq_port":0}',
+        api.InstanceRow,
+    )
+    assert row.alive and row.peer_url is None and row.incarnation is None and row.gaps == 0
+    assert api.decode(b'{"status":"healthy"}', api.HealthReply).key_scheme is None
+    assert api.decode(b'{"matches":[]}', api.BlendReply).matches == []

@@ -18,7 +18,8 @@ import httpx
 import numpy as np
 import pytest
 
-from kvatlas.client import RouteClient, RouteScores
+from kvatlas.api import RouteScoresReply
+from kvatlas.client import RouteClient
 from kvatlas.client.coordinator_client import CoordinatorError
 from kvatlas.coordinator.server import free_port
 from kvatlas.events.vllm_wire import AllBlocksCleared, BlockStored, KVEventBatch, encode_batch
@@ -144,7 +145,7 @@ def test_engine_prefix_first_fragment_node_second_other_salt_last(fleet: dict[st
         # salt B: node B's copies count (once its node reported them: the wait above was for
         # salt A), the engine's (salt "") do not
         with RouteClient(coord, token=TOKENS["router-b"]) as router_b:
-            scores: list[RouteScores] = []
+            scores: list[RouteScoresReply] = []
 
             def node_b_reported() -> bool:
                 scores.append(router_b.score(query, "toy", cache_salt=SALT_B))

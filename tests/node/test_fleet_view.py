@@ -1,15 +1,18 @@
-"""HttpFleetView reads what the coordinator writes (through the same wire module): holders
+"""HttpFleetView reads what the coordinator writes (through the same wire types): holders
 per key from a real coordinator's lookup, peers from its instance listing; a malformed or
 failed reply is a miss, never an exception."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from kvatlas.api import InstanceRow, InstancesReply, LookupReply
 from kvatlas.client import CoordinatorClient, CoordinatorError
+from kvatlas.client.coordinator_client import read_reply
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.instances import Registration
 from kvatlas.coordinator.server import BackgroundServer, free_port
@@ -64,19 +67,26 @@ def test_peer_from_the_instance_listing(coordinator: BackgroundServer) -> None:
 
 
 class FakeClient:
+    """Answers with a raw reply (JSON), read as ``CoordinatorClient`` reads it
+    (``read_reply`` into the wire type), or raises."""
+
     def __init__(self, lookup: Any = None, instances: Any = None) -> None:
         self._lookup = lookup
         self._instances = instances
 
-    def lookup_keys(self, keys: list[ObjectKey]) -> Any:
-        if isinstance(self._lookup, Exception):
-            raise self._lookup
-        return self._lookup
+    @staticmethod
+    def _reply(reply: Any, path: str, type_: Any) -> Any:
+        if isinstance(reply, Exception):
+            raise reply
+        return read_reply("GET", path, 200, json.dumps(reply).encode(), type_)
 
-    def instances(self) -> Any:
-        if isinstance(self._instances, Exception):
-            raise self._instances
-        return self._instances
+    def lookup_keys(self, keys: list[ObjectKey]) -> LookupReply:
+        found: LookupReply = self._reply(self._lookup, "/directory/lookup", LookupReply)
+        return found
+
+    def instances(self) -> list[InstanceRow]:
+        found: InstancesReply = self._reply(self._instances, "/instances", InstancesReply)
+        return found.instances
 
 
 @pytest.mark.parametrize(
@@ -87,7 +97,7 @@ class FakeClient:
         {"results": []},
         {"chunks": 3, "results": [], "prefix": []},  # fewer results than keys
         # a malformed placement row: accepting it would give holders instead of misses
-        {"results": [{"placements": [{"instance_id": "a", "tier": 1}]}] * 3},
+        {"chunks": 3, "results": [{"placements": [{"instance_id": "a", "tier": 1}]}] * 3},
         [],
     ],
 )
@@ -97,26 +107,43 @@ def test_bad_lookup_reply_is_a_miss(reply: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    "rows", [CoordinatorError("down"), [{"instance_id": "x"}], [None], KeyError("instances")]
+    "rows",
+    [
+        CoordinatorError("down"),
+        {"instances": [{"instance_id": "x"}]},  # alive without registration fields
+        {"instances": [None]},
+        {"rows": []},
+    ],
 )
 def test_bad_instance_listing_is_no_peer(rows: Any) -> None:
     view = view_of(FakeClient(instances=rows))
     assert view.peer("x") is None
 
 
+def test_a_good_listing_through_the_same_fake_gives_a_peer() -> None:
+    """Negative control of the two tests above: the fake reads a well-formed reply."""
+    row = {"instance_id": "x", "metadata": {}, "p2p_advertised_url": "http://127.0.0.1:1"}
+    assert isinstance(view_of(FakeClient(instances={"instances": [row]})).peer("x"), PeerClient)
+    placement = {"instance_id": "a", "incarnation": 1, "tier": "l1", "backend": "dram"}
+    placement |= {"size_bytes": 1, "shared": False}
+    result = {"key": KEYS[0].to_wire(), "placements": [placement]}
+    view = view_of(FakeClient(lookup={"chunks": 3, "results": [result] * 3}))
+    assert view.holders(KEYS) == [[Holder("a", "l1", "dram", False)]] * 3
+
+
 class ListingClient:
     """Counts ``instances()`` calls; the listing is whatever ``rows`` holds at the time."""
 
-    def __init__(self, rows: list[dict[str, Any]]) -> None:
+    def __init__(self, rows: list[InstanceRow]) -> None:
         self.rows = rows
         self.listings = 0
 
-    def instances(self) -> list[dict[str, Any]]:
+    def instances(self) -> list[InstanceRow]:
         self.listings += 1
         return self.rows
 
 
-def _row(instance_id: str, url: str | None) -> dict[str, Any]:
+def _row(instance_id: str, url: str | None) -> InstanceRow:
     """A ``GET /instances`` row as the coordinator writes it."""
     view = InstanceView(instance_id, Registration(p2p_advertised_url=url), 0.0, 0.0, NO_EMITTER)
     return instance_to_wire(view)

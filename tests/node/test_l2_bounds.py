@@ -18,7 +18,6 @@ import redis
 from kvatlas.client import CoordinatorClient, EventSink, HttpTransport, InProcessTransport
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.server import BackgroundServer, free_port
-from kvatlas.coordinator.wire import lookup_placements_from_wire
 from kvatlas.directory import KeyDirectory
 from kvatlas.keys import ObjectKey
 from kvatlas.node.cache_node import CacheNode, HeldPlacement
@@ -306,7 +305,7 @@ def coordinator_holds(
     coordinator: BackgroundServer, keys: list[ObjectKey], instance_id: str, tier: str
 ) -> set[ObjectKey]:
     with CoordinatorClient(coordinator.url) as client:
-        placements = lookup_placements_from_wire(client.lookup_keys(keys))
+        placements = [r.placements for r in client.lookup_keys(keys).results]
     return {
         k
         for k, pls in zip(keys, placements, strict=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvatlas.api import HealthReply
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.server import BackgroundServer, free_port
 from kvatlas.keys import KeySchemeMismatch
@@ -74,8 +75,8 @@ def test_node_refuses_a_coordinator_reading_another_stream(tmp_path: Path) -> No
     )  # fmt: skip
     health = {"key_scheme": "blake3", "chunk_size": 16, "event_transport": "redis"}
     with pytest.raises(TransportMismatch, match=r"--event-stream a.*--event-stream b"):
-        check_coordinator_compatible(config, {**health, "event_stream": "b"})
-    check_coordinator_compatible(config, {**health, "event_stream": "a"})
+        check_coordinator_compatible(config, HealthReply(**health, event_stream="b"))
+    check_coordinator_compatible(config, HealthReply(**health, event_stream="a"))
 
 
 def test_blend_lookup_off_at_the_coordinator_is_warned_about(

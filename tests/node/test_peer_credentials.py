@@ -28,7 +28,6 @@ import pytest
 
 from kvatlas.client import CoordinatorClient, HttpTransport
 from kvatlas.coordinator.server import free_port
-from kvatlas.coordinator.wire import lookup_placements_from_wire
 from kvatlas.events import CacheEntry, EventBatch
 from kvatlas.keys import KeyScheme, ObjectKey, RequestTracker, pack_kv_rank
 from kvatlas.node.config import NodeConfig
@@ -145,7 +144,7 @@ class Fleet:
             transport.close()
 
             def listed() -> bool:
-                found = lookup_placements_from_wire(client.lookup_keys(keys))
+                found = [r.placements for r in client.lookup_keys(keys).results]
                 return all(any(p.instance_id == instance_id for p in pls) for pls in found)
 
             assert wait_for(listed, timeout=30)

@@ -14,9 +14,9 @@ import httpx
 import numpy as np
 import pytest
 
+from kvatlas.api import HealthReply
 from kvatlas.client import CoordinatorClient, CoordinatorError, HttpTransport
 from kvatlas.coordinator.server import free_port
-from kvatlas.coordinator.wire import lookup_placements_from_wire
 from kvatlas.errors import Conflict
 from kvatlas.keys import KeyScheme, ObjectKey, RequestTracker
 from kvatlas.node.config import NodeConfig
@@ -78,7 +78,7 @@ def test_node_first_serves_locally_then_registers_and_reports_its_placements(
 
         def placements() -> set[tuple[ObjectKey, str]]:
             with CoordinatorClient(coord) as c:
-                found = lookup_placements_from_wire(c.lookup_keys(keys))
+                found = [r.placements for r in c.lookup_keys(keys).results]
             return {
                 (k, p.tier) for k, pls in zip(keys, found, strict=True) for p in pls
                 if p.instance_id == "n1"
@@ -158,7 +158,7 @@ def test_registrar_backs_off_capped_and_logs_once_per_step(
 class _Refusing:
     """A coordinator that answers, and says no (401: a bad token)."""
 
-    def health(self) -> dict[str, object]:
+    def health(self) -> HealthReply:
         raise CoordinatorError("GET /healthz: 401 unknown bearer token", 401)
 
 
@@ -168,8 +168,8 @@ class _LMCacheLike:
     def __init__(self) -> None:
         self.registered = False
 
-    def health(self) -> dict[str, object]:
-        return {"status": "healthy"}
+    def health(self) -> HealthReply:
+        return HealthReply(status="healthy")
 
     def register(self, instance_id: str | None, **_fields: object) -> str:
         self.registered = True
@@ -196,16 +196,16 @@ def test_a_refusal_reached_late_stops_the_node_like_one_at_start() -> None:
 def test_a_late_lmcache_coordinator_gets_json_events() -> None:
     """The event format follows the coordinator's /healthz when it is first reached late too:
     LMCache's coordinator reads JSON events only."""
-    seen: list[dict[str, object]] = []
+    seen: list[HealthReply] = []
     client = _LMCacheLike()
     registrar = Registrar(
         client, CONFIG, "n1", on_registered=lambda: None,  # type: ignore[arg-type]
         on_fatal=lambda exc: None, on_health=seen.append,
     )  # fmt: skip
     registrar.attempt()
-    assert client.registered and seen == [{"status": "healthy"}]
+    assert client.registered and seen == [HealthReply(status="healthy")]
     transport = HttpTransport("http://127.0.0.1:1")
-    follow_coordinator_format(transport, {"status": "healthy"})
+    follow_coordinator_format(transport, HealthReply(status="healthy"))
     assert transport.fmt == "json"
-    follow_coordinator_format(transport, {"key_scheme": "blake3", "chunk_size": 16})
+    follow_coordinator_format(transport, HealthReply(key_scheme="blake3", chunk_size=16))
     assert transport.fmt == "json"  # never back: one coordinator per node

@@ -115,15 +115,16 @@ def test_models_and_engines_from_the_coordinator() -> None:
     assert Engine("e", "u", models={"m": 10}).serves("m")
     assert not Engine("e", "u", models={"m": 10}).serves("x")
     assert Engine("e", "u").serves("x")  # models not known yet: any
+    from kvatlas.api import InstanceRow
     from kvatlas.router.app import Router
 
     config = RouterConfig(engines_from_coordinator=True, coordinator_url="http://c",
                           engine_url_template="http://{instance_id}.engines:8000")  # fmt: skip
     router = Router.__new__(Router)
     router.config = config
-    rows = [{"instance_id": "pod-a", "metadata": {"openai_url": "http://10.0.0.1:8000/"}},
-            {"instance_id": "pod-b", "alive": False, "registered": False},
-            {"instance_id": "node-c", "metadata": {"openai_url": "ftp://nope"}}]  # fmt: skip
+    rows = [InstanceRow(instance_id="pod-a", metadata={"openai_url": "http://10.0.0.1:8000/"}),
+            InstanceRow(instance_id="pod-b", alive=False, registered=False),
+            InstanceRow(instance_id="node-c", metadata={"openai_url": "ftp://nope"})]  # fmt: skip
     assert router.listed_engines(rows) == {
         "pod-a": "http://10.0.0.1:8000",
         "pod-b": "http://pod-b.engines:8000",

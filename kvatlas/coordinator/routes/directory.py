@@ -5,12 +5,12 @@ the paginated key listing. See docs/coordinator.md and docs/directory.md.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from kvatlas.api import KeyPageReply
 from kvatlas.coordinator.asgi import fast_reply_response
 from kvatlas.coordinator.query import KeysQuery, decode_lookup_body, lookup_query
 from kvatlas.coordinator.routes.deps import Blend, Caller, Service
@@ -90,7 +90,7 @@ async def list_keys(
 ) -> Response:
     who.require("admin")
 
-    def page() -> dict[str, Any]:
+    def page() -> KeyPageReply:
         return key_page_to_wire(
             service.page_keys(
                 tier=tier,

@@ -10,11 +10,11 @@ prefixes (one bucket per second byte). Reply: ``{"instance_id", "tiers": {"l1": 
 
 from __future__ import annotations
 
-import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from kvatlas.api import DigestBody, DigestReply, decode
 from kvatlas.coordinator.routes.deps import Caller, Service
 from kvatlas.errors import Unprocessable
 from kvatlas.events import TIERS
@@ -25,19 +25,9 @@ from kvatlas.web import MsgspecJSONResponse
 router = APIRouter()
 
 
-class _DigestBody(msgspec.Struct, forbid_unknown_fields=True):
-    tiers: dict[str, dict[str, str]]
-
-
-_decoder = msgspec.json.Decoder(_DigestBody)
-
-
 def parse_digests(raw: bytes) -> dict[str, dict[bytes, Digest]]:
     """The body's digests per tier and prefix; :class:`Unprocessable` names what was wrong."""
-    try:
-        body = _decoder.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise Unprocessable(f"digest body: {exc}") from None
+    body = decode(raw, DigestBody, "digest body")
     out: dict[str, dict[bytes, Digest]] = {}
     for tier, by_prefix in body.tiers.items():
         if tier not in TIERS:
@@ -67,4 +57,4 @@ async def digest(instance_id: str, request: Request, service: Service, who: Call
     theirs = parse_digests(await request.body())
     differ = await run_in_threadpool(service.compare_digests, instance_id, theirs)
     wire = {tier: [p.hex() for p in prefixes] for tier, prefixes in differ.items()}
-    return MsgspecJSONResponse({"instance_id": instance_id, "tiers": wire})
+    return MsgspecJSONResponse(DigestReply(instance_id=instance_id, tiers=wire))
