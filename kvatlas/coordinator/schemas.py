@@ -30,7 +30,7 @@ from kvatlas.keys import ObjectKey
 
 
 class WireKey(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # "12" is not a number (one rule)
 
     chunk_hash_hex: str = Field(description="64 lower- or upper-case hex characters")
     model_name: str
@@ -40,9 +40,10 @@ class WireKey(BaseModel):
 
 
 class LookupRequest(BaseModel):
-    """Exactly one form: ``keys``, or ``token_ids`` (or ``tokens_b64``) with ``model_name``."""
+    """Exactly one form: ``keys``, or ``token_ids`` (or ``tokens_b64``) with ``model_name``.
+    Strict, as the blend lookup's msgspec decoding: ``"12"`` is not a token id."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     keys: list[WireKey] | None = None
     token_ids: list[int] | None = None

@@ -466,3 +466,24 @@ def test_openapi_and_docs(client: httpx.Client) -> None:
     docs = client.get("/docs")
     assert docs.status_code == 200
     assert "swagger" in docs.text.lower()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"token_ids": ["12", 13, 14, 15], "model_name": "m"},
+        {"token_ids": [12.0, 13], "model_name": "m"},
+        {"token_ids": [12, 13], "model_name": "m", "world_size": "1"},
+        {"keys": [{"chunk_hash_hex": "ab" * 32, "model_name": "m", "kv_rank": "256"}]},
+    ],
+    ids=["string-token", "float-token", "string-world-size", "string-kv-rank"],
+)
+def test_lookup_takes_numbers_as_numbers_like_the_blend_lookup(
+    client: httpx.Client, body: dict[str, object]
+) -> None:
+    """One rule for both lookups: ``"12"`` is not a token id (the blend lookup always refused
+    it; the prefix lookup took it)."""
+    r = client.post("/directory/lookup", json=body)
+    assert r.status_code == 422, r.text
+    if "token_ids" in body:
+        assert client.post("/directory/blend-lookup", json=body).status_code == 422
