@@ -69,8 +69,11 @@ def read_reply(method: str, path: str, status: int, raw: bytes, reply: Any = Any
         return None  # 204 (LMCache's DELETE /instances/{id})
     try:
         return decode(raw, reply, "reply")
-    except Unprocessable as exc:
-        raise CoordinatorError(f"{method} {path}: malformed {exc}") from None
+    except Unprocessable as exc:  # it answered, but not as a coordinator does
+        found = raw[:80].decode("utf-8", "replace")
+        raise CoordinatorError(
+            f"{method} {path}: malformed {exc} (the reply began {found!r})", status
+        ) from None
 
 
 def _detail(raw: bytes) -> str:

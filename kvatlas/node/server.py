@@ -114,8 +114,11 @@ class Registrar:
                 self.attempt()
             except CoordinatorError as exc:
                 status = exc.reply_status
-                if status is not None and 400 <= status < 500:  # it answered, and said no
-                    self.fatal = Conflict(f"the coordinator refused this node: {exc}")
+                if status is not None and status < 500:  # it answered: no, or not as one
+                    self.fatal = Conflict(
+                        f"{self.config.coordinator_url} refused this node or is not a kvatlas "
+                        f"or LMCache coordinator: {exc}"
+                    )
                     log.error("stopping: %s", self.fatal)
                     self._on_fatal(self.fatal)
                     return
