@@ -90,6 +90,15 @@ class EngineCounts:
     prompt_tokens: int
     computed_prompt_tokens: int
     fragment_tokens: int
+    ttft_sum_s: float
+    """``vllm:time_to_first_token_seconds_sum``: the engine's own model-time TTFTs, from the
+    request's arrival at the engine (after its node's answer) to its first token."""
+
+    def minus(self, before: EngineCounts) -> EngineCounts:
+        return EngineCounts(self.prompt_tokens - before.prompt_tokens,
+                            self.computed_prompt_tokens - before.computed_prompt_tokens,
+                            self.fragment_tokens - before.fragment_tokens,
+                            self.ttft_sum_s - before.ttft_sum_s)  # fmt: skip
 
 
 def run_stack(config: FleetConfig, stack: Stack, requests: Sequence[TraceRequest],
@@ -110,16 +119,21 @@ def run_stack(config: FleetConfig, stack: Stack, requests: Sequence[TraceRequest
              f"(policy {stack.policy}); logs in {workdir}")  # fmt: skip
     try:
         with sigterm_as_interrupt(), fleet:
+            before = engine_counts(plan)  # the warm-up's
             replies = asyncio.run(_replay(plan, fleet, config, stack, requests, progress))
-            counts = engine_counts(plan)
+            after = engine_counts(plan)
+            progress(router_line(stack.name, plan))
+        counts = {name: after[name].minus(before[name]) for name in after}
         records = to_records(config, requests, replies, counts)
+        progress(overhead_line(stack.name, records, counts))
     except KeyboardInterrupt:
         progress(f"live {stack.name}: interrupted; every process stopped; logs in {workdir}")
         raise
     except Exception:
         progress(f"live {stack.name} failed; logs kept in {workdir}\n{fleet.tails()}")
         raise
-    shutil.rmtree(workdir, ignore_errors=True)
+    if plan.l2_path is not None:
+        shutil.rmtree(plan.l2_path, ignore_errors=True)  # the logs stay
     return records
 
 
@@ -229,10 +243,44 @@ def engine_counts(plan: FleetPlan) -> dict[str, EngineCounts]:
     with httpx.Client(timeout=10.0) as http:
         for engine in plan.engines:
             scheduler = http.get(f"{engine.url}/healthz").json()["scheduler"]
+            metrics = http.get(f"{engine.url}/metrics").text
             out[engine.name] = EngineCounts(int(scheduler["prompt_tokens"]),
                                             int(scheduler["computed_prompt_tokens"]),
-                                            int(scheduler["fragment_tokens"]))  # fmt: skip
+                                            int(scheduler["fragment_tokens"]),
+                                            _metric_sum(metrics, TTFT_SUM))  # fmt: skip
     return out
+
+
+TTFT_SUM: Final = "vllm:time_to_first_token_seconds_sum"
+
+
+def _metric_sum(text: str, name: str) -> float:
+    """A Prometheus text metric summed over its label sets."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith((name + "{", name + " ")))  # fmt: skip
+
+
+ROUTER_COUNTERS: Final = ("kvatlas_router_score_failures_total", "kvatlas_router_retries_total")
+
+
+def router_line(stack: str, plan: FleetPlan) -> str:
+    """Decisions the router made without a score, and retries: live artefacts when not 0."""
+    text = httpx.get(f"{plan.router.url}/metrics", timeout=10.0).text
+    score_failures, retries = (_metric_sum(text, name) for name in ROUTER_COUNTERS)
+    return f"  {stack}: router score failures {score_failures:.0f}, retries {retries:.0f}"
+
+
+def overhead_line(stack: str, records: Sequence[RequestRecord],
+                  counts: dict[str, EngineCounts]) -> str:  # fmt: skip
+    """How much of the clients' TTFT the engines did not see: the router, the HTTP hops and
+    the connector's node calls, in model seconds (wall × speed)."""
+    client = sum(r.ttft_s for r in records)
+    engines = sum(c.ttft_sum_s for c in counts.values())
+    n = max(1, len(records))
+    share = (client - engines) / client if client > 0 else 0.0
+    return (f"  {stack}: TTFT outside the engines {1000 * (client - engines) / n:.1f} ms "
+            f"(model) per request, {100 * share:.1f}% of the clients' mean TTFT "
+            f"{1000 * client / n:.1f} ms")  # fmt: skip
 
 
 def to_records(config: FleetConfig, requests: Sequence[TraceRequest], replies: Sequence[Reply],

@@ -48,6 +48,10 @@ START_TIMEOUT_S: Final = 180.0
 """Every process up and the router seeing every engine: a cold Python start per process, up
 to 2N + 2 of them sharing the machine."""
 DEFAULT_MAX_MODEL_LEN: Final = 131_072
+SCORE_TIMEOUT_S: Final = 2.0
+"""The router's wait for a score, in wall seconds (its default, 0.05, is for real time)."""
+WARM_UP_PROMPT: Final = list(range(1, 9))
+"""Shorter than a block: it caches nothing, publishes nothing and stores nothing."""
 
 
 def node_serves_engine(engine_id: str) -> list[str]:
@@ -145,6 +149,9 @@ def plan_fleet(config: FleetConfig, stack: Stack, workdir: Path, max_model_len: 
         "router", "--port", str(router_port), "--coordinator-url", coord_url,
         "--engine", ",".join(f"{e.name}={e.url}" for e in engines), "--policy", stack.policy,
         "--model-name", MODEL, "--seed", str(config.seed),
+        # a score the coordinator is slow to give on a busy machine is a live artefact, not a
+        # decision by load: wait for it (its wall time still counts in the TTFT, × speed)
+        "--score-timeout-s", repr(SCORE_TIMEOUT_S),
         "--log-level", "warning", "--log-format", "text",
     ))  # fmt: skip
     return FleetPlan(coordinator, tuple(engines), tuple(nodes), router, l2_path)
@@ -198,7 +205,20 @@ class LiveFleet:
             coordinator = self.plan.coordinator.url
             self._wait("coordinator", lambda: nodes <= _registered(http, coordinator),
                        deadline, f"has not registered every node ({sorted(nodes)})")  # fmt: skip
+            self.warm_up(http)
         self.progress(f"  {len(self.procs)} processes up in {time.monotonic() - started:.1f} s")
+
+    def warm_up(self, http: httpx.Client) -> None:
+        """One request shorter than a block to each engine directly (not through the router:
+        its round-robin and random policies would move on), so that first-call costs (the
+        connector's first contact with its node, connections) are not in the replay's first
+        TTFTs; the cache stays cold."""
+        for engine in self.plan.engines:
+            body = {"model": MODEL, "prompt": WARM_UP_PROMPT, "max_tokens": 1}
+            reply = http.post(f"{engine.url}/v1/completions", json=body, timeout=60.0)
+            if reply.status_code != 200:
+                raise Unavailable(f"live fleet: {engine.name} refused its warm-up request: "
+                                  f"HTTP {reply.status_code} {reply.text[:200]}")  # fmt: skip
 
     def _wait(self, name: str, ready: Callable[[], bool], deadline: float, what: str) -> None:
         while not ready():
