@@ -8,3 +8,32 @@ from typing import TypeGuard
 def is_plain_int(value: object) -> TypeGuard[int]:
     """``True`` for an ``int`` that is not a ``bool`` (``True`` is not a chunk size or offset)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def uint32_token_bytes(token_ids: object) -> bytes:
+    """Token ids as little-endian uint32 bytes (every wire's form of a prompt), refusing what
+    does not fit — a negative or ≥ 2^32 id, a float, a bool, a string — with
+    :class:`~kvatlas.errors.InvalidInput` naming the first one, never a wrap-around."""
+    import numpy as np
+
+    from kvatlas.errors import InvalidInput
+
+    try:
+        array = np.asarray(token_ids)
+    except (OverflowError, ValueError) as exc:
+        raise InvalidInput(f"token ids must be integers in [0, 2^32): {exc}") from None
+    if array.size == 0:
+        return b""
+    if array.dtype.kind == "O":  # Python ints beyond int64, or mixed types
+        values = array.ravel().tolist()
+        bad = next((t for t in values if not is_plain_int(t) or not 0 <= t < 1 << 32), None)
+        if bad is not None:
+            raise InvalidInput(f"token id {bad!r} is not an integer in [0, 2^32)")
+        array = np.asarray(values, dtype=np.int64)
+    elif array.dtype.kind not in "iu":
+        shown = array.ravel()[0].item()
+        raise InvalidInput(f"token id {shown!r} is not an integer (ids are {array.dtype})")
+    if array.min() < 0 or array.max() >= 1 << 32:
+        bad = next(t for t in array.ravel().tolist() if not 0 <= t < 1 << 32)
+        raise InvalidInput(f"token id {bad} is outside [0, 2^32)")
+    return np.ascontiguousarray(array, dtype="<u4").tobytes()

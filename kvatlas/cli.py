@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from kvatlas import __version__
 from kvatlas.bench import BENCHMARKS
 from kvatlas.client.route_client import ROUTE_HELP, RouteCommand, run_route_command
-from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args
+from kvatlas.config_flags import FlagParser, add_dataclass_arguments, dataclass_from_args
 from kvatlas.coordinator.config import add_arguments as add_coordinator_arguments
 from kvatlas.coordinator.config import config_from_args
 from kvatlas.engine_sim.config import add_arguments as add_engine_sim_arguments
@@ -37,7 +37,7 @@ def _plain(doc: str | None) -> str:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvatlas", description=DESCRIPTION)
+    parser = FlagParser(prog="kvatlas", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"kvatlas {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

@@ -22,6 +22,16 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
 
+class FlagParser(argparse.ArgumentParser):
+    """Every command's parser: an abbreviated flag is an error (``--num-kv-head`` must not
+    quietly mean ``--num-kv-heads``, nor change meaning when a longer flag is added).
+    Subcommands' parsers are of this class too (argparse makes them of their parent's)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+
 def env_name(field: str) -> str:
     return "KVATLAS_" + field.upper()
 

@@ -13,6 +13,7 @@ from kvatlas.errors import Forbidden, Unauthorized
 NODE = "n" * 32
 ENGINE = "e" * 32
 PEER = "p" * 32
+NO_SALTS = "s" * 32
 
 
 def _auth(tmp_path: Path) -> TokenAuth:
@@ -29,6 +30,7 @@ def _auth(tmp_path: Path) -> TokenAuth:
                     },
                     {"token": ENGINE, "roles": ["engine"], "cache_salts": ["t1"]},
                     {"token": PEER, "role": "peer"},
+                    {"token": NO_SALTS, "roles": ["lookup", "engine"], "cache_salts": []},
                 ]
             }
         )
@@ -61,6 +63,19 @@ def test_roles_and_bindings(tmp_path: Path) -> None:
     with pytest.raises(Forbidden):
         peer.require("engine")
     assert ANONYMOUS_ADMIN.may("emit", "peer") and ANONYMOUS_ADMIN.sees_everything
+
+
+def test_a_token_bound_to_no_salts_may_use_none(tmp_path: Path) -> None:
+    """``[]`` is a binding to no salt at all, not the unbound ``None`` (any salt)."""
+    bound = _auth(tmp_path).authenticate(f"Bearer {NO_SALTS}")
+    assert bound.cache_salts == frozenset()
+    for salt in ("", "t1"):
+        for role in ("lookup", "engine"):
+            with pytest.raises(Forbidden):
+                bound.require_salts([salt], role=role)
+    assert bound.foreign_salts(["t1"]) == {"t1"}
+    assert not bound.sees_everything
+    bound.require_salts([])  # nothing asked: nothing refused
 
 
 def test_unknown_and_malformed_tokens(tmp_path: Path) -> None:

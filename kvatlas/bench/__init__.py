@@ -14,6 +14,7 @@ BENCHMARKS: tuple[str, ...] = (
     "kv_events",
     "resync",
     "router",
+    "fleet",
 )
 
 __all__ = ["BENCHMARKS"]

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from kvatlas.checks import uint32_token_bytes
 from kvatlas.errors import Unavailable
 from kvatlas.keys import ObjectKey, check_instance_id
 
@@ -39,7 +40,7 @@ def auth_headers(token: str | None) -> dict[str, str]:
 
 def encode_tokens_b64(token_ids: Any) -> str:
     """Query tokens as base64 of little-endian uint32 (the wire form of blend lookups)."""
-    return base64.b64encode(np.asarray(token_ids, dtype="<u4").tobytes()).decode("ascii")
+    return base64.b64encode(uint32_token_bytes(token_ids)).decode("ascii")
 
 
 def call_json(http: httpx.Client, method: str, path: str, **kwargs: Any) -> Any:

@@ -17,6 +17,7 @@ import httpx
 import msgspec
 import numpy as np
 
+from kvatlas.checks import uint32_token_bytes
 from kvatlas.client.coordinator_client import auth_headers
 from kvatlas.errors import Unavailable
 from kvatlas.keys import MMItem
@@ -149,7 +150,7 @@ class EngineClient:
     def _call(self, path: str, **fields: Any) -> Any:
         tokens = fields.pop("tokens", None)
         if tokens is not None:
-            fields["tokens"] = np.asarray(tokens, dtype="<u4").tobytes()
+            fields["tokens"] = uint32_token_bytes(tokens)
         items: Sequence[MMItem] = fields.pop("mm_items", ())
         fields["mm_items"] = [
             {"identifier": i.identifier, "offset": i.span.offset, "length": i.span.length}

@@ -18,11 +18,6 @@ from kvatlas.client.engine_client import WireSegment
 from kvatlas.keys import MMItem
 
 
-def pack_tokens(tokens: object) -> bytes:
-    """Token ids as little-endian uint32 bytes (what the node's engine API carries)."""
-    return np.asarray(tokens, dtype="<u4").tobytes()
-
-
 @dataclass(frozen=True, slots=True)
 class RequestKeys:
     """How the node keys a request: ``tokens`` (uint32 LE), cache salt, multimodal items."""

@@ -16,13 +16,13 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvatlas.checks import uint32_token_bytes
 from kvatlas.client.engine_client import WireSegment
 from kvatlas.connector.metadata import (
     KvatlasConnectorMetadata,
     LoadOp,
     RequestKeys,
     StoreOp,
-    pack_tokens,
 )
 from kvatlas.connector.node_link import NodeLink
 from kvatlas.keys import MMItem
@@ -66,7 +66,10 @@ def request_keys(request: Request) -> RequestKeys | None:
         for f in request.mm_features
     )
     return RequestKeys(
-        request.request_id, pack_tokens(request.prompt_token_ids), request.cache_salt or "", items
+        request.request_id,
+        uint32_token_bytes(request.prompt_token_ids),
+        request.cache_salt or "",
+        items,
     )
 
 

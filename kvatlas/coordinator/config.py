@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvatlas.auth import public_unless_auth
-from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args
+from kvatlas.config_flags import FlagParser, add_dataclass_arguments, dataclass_from_args
 from kvatlas.coordinator.kv_events.exposure import StreamExposure
 from kvatlas.coordinator.kv_events.settings import MIN_MESSAGE_BYTES, LinkSpec
 from kvatlas.coordinator.scoring import DEFAULT_FRAGMENT_WEIGHT
@@ -419,7 +419,7 @@ def config_from_args(
 def parse_config(
     argv: Sequence[str], environ: Mapping[str, str] | None = None
 ) -> CoordinatorConfig:
-    parser = argparse.ArgumentParser(prog="kvatlas coordinator", exit_on_error=False)
+    parser = FlagParser(prog="kvatlas coordinator", exit_on_error=False)
     add_arguments(parser)
     try:
         args = parser.parse_args(argv)

@@ -72,6 +72,10 @@ class InstanceRegistry:
         self._on_fence = on_fence
         self._clock = clock
         self._lock = threading.Lock()
+        # Held by expire() from forgetting an instance to the end of its fence, and by
+        # register(): a re-registration never lands before the fence of the instance it
+        # replaces (a late fence would drop what the new registration re-reported).
+        self._fencing = threading.Lock()
         self._records: dict[str, InstanceRecord] = {}
         self._owing: set[str] = set()  # instances that owe a digest exchange
         self.owe_on_register = False  # a registration owes one too (a replica resyncing)
@@ -86,7 +90,7 @@ class InstanceRegistry:
         """Returns ``(instance_id, re_registered)``; the coordinator assigns an id if none.
         A new instance beyond ``max_instances`` is refused (:class:`Conflict`, 409)."""
         now = self._clock()
-        with self._lock:
+        with self._fencing, self._lock:
             if not instance_id:
                 instance_id = f"mp-{uuid.uuid4().hex}"  # LMCache's form
             existing = self._records.get(instance_id)
@@ -125,16 +129,20 @@ class InstanceRegistry:
             return instance_id in self._records
 
     def expire(self) -> list[str]:
-        """Fence and forget every instance whose heartbeats stopped; returns their ids."""
-        now = self._clock()
-        with self._lock:
-            dead = [i for i, r in self._records.items() if now - r.last_heartbeat > self.timeout_s]
+        """Fence and forget every instance whose heartbeats stopped; returns their ids. A
+        registration of one of them waits until its fence is done."""
+        with self._fencing:
+            now = self._clock()
+            with self._lock:
+                dead = [
+                    i for i, r in self._records.items() if now - r.last_heartbeat > self.timeout_s
+                ]
+                for instance_id in dead:
+                    del self._records[instance_id]
+                    self._owing.discard(instance_id)
+                self.expired_total += len(dead)
             for instance_id in dead:
-                del self._records[instance_id]
-                self._owing.discard(instance_id)
-            self.expired_total += len(dead)
-        for instance_id in dead:
-            self._on_fence(instance_id)
+                self._on_fence(instance_id)
         return dead
 
     def snapshot(self) -> tuple[float, list[InstanceRecord]]:

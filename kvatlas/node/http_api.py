@@ -55,6 +55,8 @@ ENGINE_PREFIX: Final = "/engine/"
 PEER_PREFIX: Final = "/peer/"
 METRICS_PATH: Final = "/metrics"
 _ANY_TOKEN: Final = ""  # ApiGate: a valid token of any role
+BLEND_REQUIRED: Final = ("request_id",)
+"""A blend lookup is polled, and its retrieval found, under its request id."""
 _OFF_LOOP_BYTES: Final = 1 << 20  # bodies above this are decoded in the thread pool
 _msgpack_encoder = msgspec.msgpack.Encoder()
 PEER_NODE: Final = Principal("peer-node", frozenset({"peer"}))
@@ -242,9 +244,11 @@ def create_node_app(
     app.state.engine_trackers = trackers
     layout = node.layout
 
-    def engine_call(path: str, max_bytes: int) -> Callable[[Handler], Handler]:
+    def engine_call(path: str, max_bytes: int, required: tuple[str, ...] = ()
+                    ) -> Callable[[Handler], Handler]:  # fmt: skip
         """Register ``handler`` at ``path``: body read under ``max_bytes`` and decoded in the
-        call's format; every refusal is a 4xx reply in that format."""
+        call's format, the caller's salts checked, then the ``required`` fields present and
+        not empty; every refusal is a 4xx reply in that format."""
 
         def register(handler: Handler) -> Handler:
             async def route(request: Request) -> Response:
@@ -252,7 +256,12 @@ def create_node_app(
                 try:
                     body = await read_body(request, max_bytes)
                     call = await _decode(body, msgpack)
-                    return _reply(await handler(call, request.state.principal), msgpack)
+                    who: Principal = request.state.principal
+                    who.require_salts([call.cache_salt], role="engine")
+                    missing = [name for name in required if not getattr(call, name)]
+                    if missing:
+                        raise Unprocessable(f"missing required field(s): {', '.join(missing)}")
+                    return _reply(await handler(call, who), msgpack)
                 except KvatlasError as exc:
                     return _error_reply(exc, msgpack)
                 except ValueError as exc:  # a field the node could not make sense of
@@ -281,7 +290,7 @@ def create_node_app(
             raise Unprocessable(f"malformed engine call: {exc}") from None
 
     def tracker_for(call: EngineCall, who: Principal) -> tuple[RequestTracker, str]:
-        who.require_salts([call.cache_salt], role="engine")
+        """The call's tracker (``who`` may use its salt: checked by ``engine_call``)."""
         if len(call.tokens) % 4:
             raise Unprocessable("tokens must be little-endian uint32 bytes")
         if len(call.tokens) // 4 > config.max_query_tokens:
@@ -342,7 +351,7 @@ def create_node_app(
         kv = b"".join(np.ascontiguousarray(k).tobytes() for k in got.kv)
         return {"hit_tokens": got.hit_tokens, "kv": kv, "sources": dict(got.sources)}
 
-    @engine_call("/engine/blend-lookup", config.max_call_bytes)
+    @engine_call("/engine/blend-lookup", config.max_call_bytes, BLEND_REQUIRED)
     async def blend_lookup(call: EngineCall, who: Principal) -> Any:
         """Blend lookup: cached chunks anywhere in `tokens` after `prefix_len`. Reply
         `{pending: true}` (poll again with the same `request_id`) or `{pending: false,
@@ -361,7 +370,7 @@ def create_node_app(
             "fleet_used": result.fleet_used,
         }
 
-    @engine_call("/engine/blend-retrieve", config.max_call_bytes)
+    @engine_call("/engine/blend-retrieve", config.max_call_bytes, BLEND_REQUIRED)
     async def blend_retrieve(call: EngineCall, who: Principal) -> Any:
         """Blend retrieval of `segments` (from a blend lookup): KV re-RoPE'd to each segment's
         `cur_st`. Reply `{parts: [segment + kv], misses, sources}`."""

@@ -25,6 +25,7 @@ EMIT_X = "emit-token-for-x-0123456789abcdef0123456789abcdef"
 EMIT_ANY = "emit-token-for-any-0123456789abcdef0123456789abcdef"
 LOOKUP_A = "lookup-token-salt-a-0123456789abcdef0123456789abcdef"
 LOOKUP_ALL = "lookup-token-all-salts-0123456789abcdef0123456789abcdef"
+LOOKUP_NONE = "lookup-token-no-salts-0123456789abcdef0123456789abcdef"
 ADMIN = "admin-token-0000-0123456789abcdef0123456789abcdef"
 SALT_A, SALT_B = "tenant-a", "tenant-b"
 
@@ -46,6 +47,7 @@ def auth_server(
                     {"token": EMIT_ANY, "role": "emit"},
                     {"token": LOOKUP_A, "role": "lookup", "cache_salts": [SALT_A]},
                     {"token": LOOKUP_ALL, "role": "lookup"},
+                    {"token": LOOKUP_NONE, "role": "lookup", "cache_salts": []},
                     {"token": ADMIN, "role": "admin"},
                 ]
             }
@@ -232,6 +234,20 @@ def test_lookup_token_bound_to_salt(c: httpx.Client, stored: dict[str, list[int]
     )
     assert r.status_code == 200
     assert list(holders(r.json()).values()) == [1]
+
+
+def test_a_token_bound_to_no_salts_looks_up_under_none(
+    c: httpx.Client, stored: dict[str, list[int]]
+) -> None:
+    """``"cache_salts": []`` binds the token to no salt at all (not: unbound)."""
+    for salt in (SALT_A, SALT_B, ""):
+        body = {"token_ids": stored[SALT_A], "model_name": "m", "cache_salt": salt}
+        r = c.post("/directory/lookup", json=body, headers=_h(LOOKUP_NONE))
+        assert r.status_code == 403, (salt, r.text)
+        blend = {"tokens_b64": b64(stored[SALT_A]), "model_name": "m", "cache_salt": salt}
+        r = c.post("/directory/blend-lookup", json=blend, headers=_h(LOOKUP_NONE))
+        assert r.status_code == 403, (salt, r.text)
+    assert c.get("/directory/stats", headers=_h(LOOKUP_NONE)).status_code == 403
 
 
 def test_lookup_token_can_read_stats_and_instances(c: httpx.Client) -> None:

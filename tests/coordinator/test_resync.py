@@ -388,3 +388,28 @@ def test_an_emit_token_may_only_exchange_its_own_digests(tmp_path: Path) -> None
         assert client.post("/instances/a/digest", json=body, headers=headers).status_code == 200
         assert client.post("/instances/b/digest", json=body, headers=headers).status_code == 403
         assert client.post("/instances/a/digest", json=body).status_code == 401
+
+
+def test_an_empty_node_clears_stale_placements_under_its_name(tmp_path: Path) -> None:
+    """Five placements under the node's name that the node does not hold (sent through its
+    own sink, behind its inventory's back, as a previous life's stores whose deletes were
+    lost): the node holds nothing under the differing prefixes, its resync still sends those
+    prefixes (with no entries), and the directory converges to zero."""
+    with running() as (server, client):
+        process = NodeProcess(node_config(tmp_path, server.url))
+        try:
+            assert process.sink is not None and process.resync is not None
+            stale = [hkey(17 * i, i) for i in range(5)]
+            hashes = [k.chunk_hash for k in stale]
+            assert wait_for(lambda: process.resync.exchanges >= 1)  # the exchange at start
+            backend = process.resync.backends["l1"]
+            assert process.sink.emit(STORE, "l1", backend, [CacheEntry(k, 8) for k in stale])
+            assert process.sink.flush(10)
+            assert wait_for(lambda: l1_holders(client, hashes) == [{"n1"}] * 5)
+            report = process.resync.run_once()
+            assert report.prefixes >= 1 and report.batches >= 1 and report.entries == 0
+            assert wait_for(lambda: l1_holders(client, hashes) == [set()] * 5), l1_holders(
+                client, hashes
+            )
+        finally:
+            process.close()

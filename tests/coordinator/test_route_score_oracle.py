@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvatlas.auth import ANONYMOUS_ADMIN
@@ -206,7 +206,24 @@ def most_disjoint(starts: list[int]) -> int:
     return go(0)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def overlapping_fragment() -> tuple[Fleet, np.ndarray[Any, Any], dict[str, float]]:
+    """A fragment that starts inside a candidate's prefix (found only at ~2,500 random
+    examples): i0 holds doc 1..12 in L1, so its prefix is 8 tokens; doc 2's chunk [7, 8, 20,
+    21] sits at query offset 6, inside that prefix: never a fragment for i0, though i0 could
+    fetch it from its peer i1's L1."""
+    docs = [np.arange(1, 13, dtype=np.uint32), np.array([7, 8, 20, 21], np.uint32)]
+    fleet = Fleet(1, docs)
+    first, second = docs[0], docs[1]
+    for h in chunk_hashes(first, C):
+        fleet.held[h, 0] = {("i0", "l1", False)}
+    (h2,) = chunk_hashes(second, C)
+    fleet.held[h2, 0] = {("i1", "l1", False)}
+    query = np.array([1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 0, 0], np.uint32)
+    return fleet, query, {}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(overlapping_fragment())
 @given(fleets())
 def test_scores_equal_the_brute_force_oracle(
     case: tuple[Fleet, np.ndarray[Any, Any], dict[str, float]],

@@ -240,6 +240,21 @@ def test_bad_input_is_a_4xx_with_a_reason_not_a_500(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+@pytest.mark.parametrize("path", ["/engine/blend-lookup", "/engine/blend-retrieve"])
+def test_a_blend_call_without_a_request_id_is_422_not_pending_forever(
+    client: httpx.Client, path: str
+) -> None:
+    """The request id is what a blend lookup is polled under: without one, the reply was
+    ``{"pending": true}`` on every poll."""
+    for fields in ({"tokens": tokens(2 * C)}, {"tokens": tokens(2 * C), "request_id": ""}):
+        status, payload = call(client, path, **fields)
+        assert status == 422 and "request_id" in payload["detail"], (fields, payload)
+    status, _ = call(client, "/engine/lookup", tokens=b"")
+    assert status == 200  # an empty prompt is a lookup of nothing, not a missing field
+    status, payload = call(client, "/engine/blend-lookup", tokens=tokens(2 * C), request_id="r1")
+    assert status == 200 and "pending" in payload  # negative control: named, it is answered
+
+
 def test_deeply_nested_msgpack_is_a_4xx(client: httpx.Client) -> None:
     for nested in (b"\x91" * 100_000 + b"\x00", b"\x81\xa8segments" + b"\x91" * 100_000 + b"\xc0"):
         r = client.post("/engine/blend-retrieve", content=nested, headers={"content-type": MSGPACK})

@@ -5,6 +5,7 @@ connector); ``results`` turns per-request records into the spec's JSON; ``virtua
 ``live`` produce those records, one in a discrete-event simulation, one with real processes.
 """
 
+from kvatlas.bench.fleet.command import add_arguments, run
 from kvatlas.bench.fleet.results import FleetReport, RequestRecord, StackResult, summarize
 from kvatlas.bench.fleet.stacks import DEFAULT_POLICIES, STACKS, Stack, parse_stacks
 
@@ -15,6 +16,8 @@ __all__ = [
     "RequestRecord",
     "Stack",
     "StackResult",
+    "add_arguments",
     "parse_stacks",
+    "run",
     "summarize",
 ]

@@ -1,0 +1,86 @@
+"""``kvatlas bench fleet``'s frame: flags, the spec's JSON, the same requests for every stack.
+The simulation itself is tested in test_fleet_virtual.py; here a stand-in serves requests."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+
+from kvatlas.bench.fleet import command as fleet_run
+from kvatlas.bench.fleet.config import FleetConfig
+from kvatlas.bench.fleet.results import RequestRecord
+from kvatlas.bench.fleet.stacks import Stack
+from kvatlas.cli import main
+from kvatlas.workloads import TraceRequest
+
+RAG = "rag:docs=20,k=2,zipf=1.0,rate=50,seed=3"
+POLICY_FIELDS = {"ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "hit_ratio", "prefill_tokens",
+                 "fragment_tokens", "throughput_tokens_s", "requests"}  # fmt: skip
+
+
+def _stand_in(drop: str | None = None) -> fleet_run.RunStack:
+    def run_stack(config: FleetConfig, stack: Stack, requests: Sequence[TraceRequest],
+                  progress: Callable[[str], None]) -> list[RequestRecord]:  # fmt: skip
+        progress("serving")
+        served = [r for r in requests if not (stack.name == drop and r.index == 0)]
+        return [RequestRecord(r.index, "e0", r.arrival_s, r.arrival_s + 0.1, r.arrival_s + 1.0,
+                              r.input_tokens, r.input_tokens // 2, 0, r.output_tokens)
+                for r in served]  # fmt: skip
+
+    return run_stack
+
+
+def test_json_is_exactly_the_specs_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    monkeypatch.setattr(fleet_run, "_runner", lambda mode: _stand_in())
+    out = tmp_path / "fleet.json"
+    code = main(["bench", "fleet", "--trace", RAG, "--requests", "30", "--engines", "3",
+                 "--policies", "kvatlas,prefix,round-robin", "--json", str(out)])  # fmt: skip
+    assert code == 0
+    got = json.loads(out.read_text())
+    assert set(got) == {"trace", "engines", "mode", "requests", "ceiling_hit_ratio", "policies"}
+    assert (got["trace"], got["engines"], got["mode"], got["requests"]) == (RAG, 3, "virtual", 30)
+    assert 0.0 < got["ceiling_hit_ratio"] < 1.0
+    assert list(got["policies"]) == ["kvatlas", "prefix", "round-robin"]
+    for row in got["policies"].values():
+        assert set(row) == POLICY_FIELDS
+        assert row["requests"] == 30
+        assert row["hit_ratio"] == pytest.approx(0.5, abs=0.02)
+    captured = capsys.readouterr()
+    assert "ceiling" in captured.out and "target" in captured.out
+    assert "kvatlas: serving" in captured.err  # progress on stderr
+
+
+def test_a_stack_that_lost_a_request_fails_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fleet_run, "_runner", lambda mode: _stand_in(drop="prefix"))
+    code = main(["bench", "fleet", "--trace", RAG, "--requests", "10",
+                 "--policies", "kvatlas,prefix"])  # fmt: skip
+    assert code != 0
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--policies", "kvatlas,nope"],
+        ["--policies", "prefix,prefix"],
+        ["--engines", "0"],
+        ["--chunk-size", "100"],
+        ["--load-scale", "0"],
+    ],
+)
+def test_bad_flags_are_refused_with_one_line(flags: list[str],
+                                             capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    assert main(["bench", "fleet", "--trace", RAG, "--requests", "5", *flags]) != 0
+    assert "refused" in capsys.readouterr().err
+
+
+def test_a_generator_without_a_count_and_a_missing_trace_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "fleet", "--trace", RAG]) != 0
+    assert main(["bench", "fleet", "--trace", str(tmp_path / "none.jsonl")]) != 0
+    err = capsys.readouterr().err
+    assert "request count" in err and "no trace file" in err
