@@ -114,23 +114,22 @@ def run_stack(config: FleetConfig, stack: Stack, requests: Sequence[TraceRequest
     workdir = Path(tempfile.mkdtemp(prefix=f"kvatlas-fleet-{stack.name}-"))
     plan = plan_fleet(config, stack, workdir, max(DEFAULT_MAX_MODEL_LEN, longest))
     fleet = LiveFleet(plan, workdir, progress)
-    progress(f"live {stack.name}: {config.engines} engines"
-             f"{' + nodes' if stack.connector else ''}, coordinator, router "
-             f"(policy {stack.policy}); logs in {workdir}")  # fmt: skip
+    progress(f"{config.engines} engines{' + nodes' if stack.connector else ''}, coordinator, "
+             f"router (policy {stack.policy}); logs in {workdir}")  # fmt: skip
     try:
         with sigterm_as_interrupt(), fleet:
             before = engine_counts(plan)  # the warm-up's
             replies = asyncio.run(_replay(plan, fleet, config, stack, requests, progress))
             after = engine_counts(plan)
-            progress(router_line(stack.name, plan))
+            progress(router_line(plan))
         counts = {name: after[name].minus(before[name]) for name in after}
         records = to_records(config, requests, replies, counts)
-        progress(overhead_line(stack.name, records, counts))
+        progress(overhead_line(records, counts))
     except KeyboardInterrupt:
-        progress(f"live {stack.name}: interrupted; every process stopped; logs in {workdir}")
+        progress(f"interrupted; every process stopped; logs in {workdir}")
         raise
     except Exception:
-        progress(f"live {stack.name} failed; logs kept in {workdir}\n{fleet.tails()}")
+        progress(f"failed; logs kept in {workdir}\n{fleet.tails()}")
         raise
     if plan.l2_path is not None:
         shutil.rmtree(plan.l2_path, ignore_errors=True)  # the logs stay
@@ -166,7 +165,7 @@ async def _replay(plan: FleetPlan, fleet: LiveFleet, config: FleetConfig, stack:
             await asyncio.sleep(PROGRESS_EVERY_S)
             fleet.check_running()
             now = loop.time() - t0
-            progress(f"  {stack.name}: sent {sent}/{len(order)}, answered {len(done)}, "
+            progress(f"sent {sent}/{len(order)}, answered {len(done)}, "
                      f"model time {now * config.speed:.0f} s")  # fmt: skip
 
     async def send_all(session: aiohttp.ClientSession) -> None:
@@ -196,7 +195,7 @@ async def _replay(plan: FleetPlan, fleet: LiveFleet, config: FleetConfig, stack:
                 task.cancel()
             await asyncio.gather(work, monitor, return_exceptions=True)
     wall = loop.time() - t0
-    progress(f"  {stack.name}: {len(done)} requests answered in {wall:.1f} s wall "
+    progress(f"{len(done)} requests answered in {wall:.1f} s wall "
              f"({wall * config.speed:.0f} model s)")  # fmt: skip
     return done
 
@@ -260,27 +259,30 @@ def _metric_sum(text: str, name: str) -> float:
                if line.startswith((name + "{", name + " ")))  # fmt: skip
 
 
+OVERHEAD_WARNING: Final = 0.05
+"""A share of the TTFT outside the engines above which the live numbers are the machine's."""
 ROUTER_COUNTERS: Final = ("kvatlas_router_score_failures_total", "kvatlas_router_retries_total")
 
 
-def router_line(stack: str, plan: FleetPlan) -> str:
+def router_line(plan: FleetPlan) -> str:
     """Decisions the router made without a score, and retries: live artefacts when not 0."""
     text = httpx.get(f"{plan.router.url}/metrics", timeout=10.0).text
     score_failures, retries = (_metric_sum(text, name) for name in ROUTER_COUNTERS)
-    return f"  {stack}: router score failures {score_failures:.0f}, retries {retries:.0f}"
+    return f"router score failures {score_failures:.0f}, retries {retries:.0f}"
 
 
-def overhead_line(stack: str, records: Sequence[RequestRecord],
-                  counts: dict[str, EngineCounts]) -> str:  # fmt: skip
+def overhead_line(records: Sequence[RequestRecord], counts: dict[str, EngineCounts]) -> str:
     """How much of the clients' TTFT the engines did not see: the router, the HTTP hops and
     the connector's node calls, in model seconds (wall × speed)."""
     client = sum(r.ttft_s for r in records)
     engines = sum(c.ttft_sum_s for c in counts.values())
     n = max(1, len(records))
     share = (client - engines) / client if client > 0 else 0.0
-    return (f"  {stack}: TTFT outside the engines {1000 * (client - engines) / n:.1f} ms "
-            f"(model) per request, {100 * share:.1f}% of the clients' mean TTFT "
-            f"{1000 * client / n:.1f} ms")  # fmt: skip
+    line = (f"TTFT outside the engines {1000 * (client - engines) / n:.1f} ms (model) per "
+            f"request, {100 * share:.1f}% of the clients' mean TTFT {1000 * client / n:.1f} ms")  # fmt: skip
+    if share > OVERHEAD_WARNING:
+        line += f"; above {OVERHEAD_WARNING:.0%}: lower --speed (docs/fleet-live.md)"
+    return line
 
 
 def to_records(config: FleetConfig, requests: Sequence[TraceRequest], replies: Sequence[Reply],

@@ -206,7 +206,7 @@ class LiveFleet:
             self._wait("coordinator", lambda: nodes <= _registered(http, coordinator),
                        deadline, f"has not registered every node ({sorted(nodes)})")  # fmt: skip
             self.warm_up(http)
-        self.progress(f"  {len(self.procs)} processes up in {time.monotonic() - started:.1f} s")
+        self.progress(f"{len(self.procs)} processes up in {time.monotonic() - started:.1f} s")
 
     def warm_up(self, http: httpx.Client) -> None:
         """One request shorter than a block to each engine directly (not through the router:
