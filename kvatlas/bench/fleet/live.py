@@ -119,7 +119,7 @@ def run_stack(config: FleetConfig, stack: Stack, requests: Sequence[TraceRequest
     try:
         with sigterm_as_interrupt(), fleet:
             before = engine_counts(plan)  # the warm-up's
-            replies = asyncio.run(_replay(plan, fleet, config, stack, requests, progress))
+            replies = asyncio.run(_replay(plan, fleet, config, requests, progress))
             after = engine_counts(plan)
             progress(router_line(plan))
         counts = {name: after[name].minus(before[name]) for name in after}
@@ -149,7 +149,7 @@ def request_body(request: TraceRequest) -> bytes:
     })  # fmt: skip
 
 
-async def _replay(plan: FleetPlan, fleet: LiveFleet, config: FleetConfig, stack: Stack,
+async def _replay(plan: FleetPlan, fleet: LiveFleet, config: FleetConfig,
                   requests: Sequence[TraceRequest], progress: Callable[[str], None]
                   ) -> list[Reply]:  # fmt: skip
     order = sorted(requests, key=lambda r: (r.arrival_s, r.index))
