@@ -40,6 +40,7 @@ from kvatlas.bench.fleet.live_fleet import (
     MODEL,
     FleetPlan,
     LiveFleet,
+    memory_dir,
     plan_fleet,
     sigterm_as_interrupt,
 )
@@ -112,7 +113,8 @@ def run_stack(config: FleetConfig, stack: Stack, requests: Sequence[TraceRequest
         return []
     longest = max(r.input_tokens + max_tokens_of(r) for r in requests)
     workdir = Path(tempfile.mkdtemp(prefix=f"kvatlas-fleet-{stack.name}-"))
-    plan = plan_fleet(config, stack, workdir, max(DEFAULT_MAX_MODEL_LEN, longest))
+    l2_path = memory_dir(f"kvatlas-fleet-l2-{stack.name}-") if stack.connector else None
+    plan = plan_fleet(config, stack, workdir, max(DEFAULT_MAX_MODEL_LEN, longest), l2_path)
     fleet = LiveFleet(plan, workdir, progress)
     progress(f"{config.engines} engines{' + nodes' if stack.connector else ''}, coordinator, "
              f"router (policy {stack.policy}); logs in {workdir}")  # fmt: skip
@@ -131,8 +133,9 @@ def run_stack(config: FleetConfig, stack: Stack, requests: Sequence[TraceRequest
     except Exception:
         progress(f"failed; logs kept in {workdir}\n{fleet.tails()}")
         raise
-    if plan.l2_path is not None:
-        shutil.rmtree(plan.l2_path, ignore_errors=True)  # the logs stay
+    finally:
+        if l2_path is not None:
+            shutil.rmtree(l2_path, ignore_errors=True)  # the logs stay
     return records
 
 

@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -52,6 +53,16 @@ SCORE_TIMEOUT_S: Final = 2.0
 """The router's wait for a score, in wall seconds (its default, 0.05, is for real time)."""
 WARM_UP_PROMPT: Final = list(range(1, 9))
 """Shorter than a block: it caches nothing, publishes nothing and stores nothing."""
+
+
+def memory_dir(prefix: str) -> Path:
+    """A directory in memory (``/dev/shm``) when the machine has one, else in the temp dir:
+    the shared L2's speed is modelled (``--node-l2-bytes-s``), its files need only hold the
+    bytes, and a disk's fsync per chunk on a busy machine would delay stores by wall time that
+    counts × speed."""
+    shm = Path("/dev/shm")
+    root = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=root))
 
 
 def node_serves_engine(engine_id: str) -> list[str]:
@@ -95,8 +106,10 @@ class FleetPlan:
         return tuple(e.name for e in self.engines)
 
 
-def plan_fleet(config: FleetConfig, stack: Stack, workdir: Path, max_model_len: int) -> FleetPlan:
-    """The processes of ``stack``: ``max_model_len`` covers the longest request replayed."""
+def plan_fleet(config: FleetConfig, stack: Stack, workdir: Path, max_model_len: int,
+               l2_path: Path | None = None) -> FleetPlan:  # fmt: skip
+    """The processes of ``stack``: ``max_model_len`` covers the longest request replayed;
+    ``l2_path`` is the shared pool's directory (default ``workdir/l2``)."""
     n = config.engines
     ids = [f"e{i}" for i in range(n)]
     coord_port, router_port = free_port(), free_port()
@@ -113,7 +126,7 @@ def plan_fleet(config: FleetConfig, stack: Stack, workdir: Path, max_model_len: 
         "--log-level", "warning", "--log-format", "text",
     ))  # fmt: skip
     nodes: list[Service] = []
-    l2_path = workdir / "l2" if stack.connector else None
+    l2_path = (l2_path or workdir / "l2") if stack.connector else None
     if stack.connector:
         l1_chunks = config.host_blocks * config.block_size // config.chunk_size
         for i, engine in enumerate(ids):
