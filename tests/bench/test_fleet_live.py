@@ -128,8 +128,8 @@ def test_live_replay_through_two_stacks() -> None:
 
 
 def test_a_fleet_that_cannot_start_is_stopped_whole_with_its_logs(tmp_path: Path) -> None:
-    cfg = config(gpu_blocks=1)  # engine-sim refuses: block 0 is vLLM's null block
-    plan = plan_fleet(cfg, STACKS["kvatlas"], tmp_path, 131_072)
+    cfg = config(gpu_blocks=1, engines=1)  # engine-sim refuses: block 0 is vLLM's null block
+    plan = plan_fleet(cfg, STACKS["prefix"], tmp_path, 131_072)
     fleet = LiveFleet(plan, tmp_path, lambda _: None)
     with pytest.raises(Unavailable, match="stopped while starting"):
         fleet.__enter__()
