@@ -9,11 +9,12 @@ two engines under the full kvatlas stack, at a load where requests queue a littl
 The speed: live model time is wall time × speed, so every wall millisecond that is not the
 engine's modelled work (the router, the HTTP hops, the connector's node calls, the engine's
 own Python per step) counts × speed. Measured on this segment (2 cores shared, load average
-15–21; ``kvatlas.bench.fleet.live`` prints it as "TTFT outside the engines"): 50 ms of wall
-per request outside the engines, so 5.0 ms model per request at speed 0.1 (1.7% of the mean
-TTFT, 301 ms), 17.6 ms at 0.25 (5.6%), 70 ms at 1 (48% with smaller documents), and at 4 the
-processes fall behind the replay altogether. Speed 0.1 keeps the overheads far below the 15%
-tolerance; it replays the segment's 2 model seconds in about 25 wall seconds.
+15–21; ``kvatlas.bench.fleet.live`` prints it as "TTFT outside the engines"): 5.0 ms model per
+request at speed 0.1 (1.7% of the mean TTFT, 301 ms), 17.6 ms at 0.25 (5.6%), 291 ms at 1
+(42%, and the hit ratio falls from 0.54 to 0.43), 3.7 s at 4 (85%). At 0.1 both modes route
+every request to the same engine, the hit ratio and fragment tokens are equal and the TTFT
+percentiles are 0.2–2.7% apart (docs/fleet-live.md). The segment's 2 model seconds take about
+25 wall seconds, plus the fleet's start.
 
 No assertion on a duration: the tolerances compare model times.
 """
