@@ -10,6 +10,10 @@ No assertion on a duration.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -137,3 +141,46 @@ def test_a_fleet_that_cannot_start_is_stopped_whole_with_its_logs(tmp_path: Path
     assert all(p.poll() is not None for p in fleet.procs.values())  # nothing left running
     tails = fleet.tails()
     assert "e0.log" in tails and "--gpu-blocks must be at least 2" in tails
+
+
+RUNNER = """
+import sys
+from kvatlas.bench.fleet.config import FleetConfig
+from kvatlas.bench.fleet.live import run_stack
+from kvatlas.bench.fleet.stacks import STACKS
+from kvatlas.workloads import open_workload
+
+workload = "rag:docs=3,k=2,rate=0.01,seed=1,output=4"  # arrivals ~100 s apart: still replaying
+config = FleetConfig(trace=workload, stacks=(STACKS["prefix"],), engines=1, speed=1.0,
+                     gpu_blocks=1024, host_blocks=1024)
+run_stack(config, STACKS["prefix"], list(open_workload(workload, 3)),
+          lambda line: print(line, flush=True))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_replay_stops_every_process_it_started(sig: signal.Signals) -> None:
+    bench = subprocess.Popen([sys.executable, "-c", RUNNER], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, env=dict(os.environ))  # fmt: skip
+    assert bench.stdout is not None
+    out: list[str] = []
+    children: list[str] = []
+    try:
+        for raw in bench.stdout:
+            out.append(raw.decode())
+            if "processes up" in out[-1]:
+                break
+        children = Path(f"/proc/{bench.pid}/task/{bench.pid}/children").read_text().split()
+        assert len(children) == 3, out  # coordinator, e0, router
+        bench.send_signal(sig)  # Ctrl-C, or a service manager's stop, to the bench alone
+        rest = bench.communicate(timeout=120)[0].decode()
+        left = [pid for pid in children if Path(f"/proc/{pid}").exists()]
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        for pid in children:  # whatever the bench left behind, so a failure leaks nothing
+            if Path(f"/proc/{pid}").exists():
+                os.kill(int(pid), signal.SIGKILL)
+    assert bench.returncode != 0
+    assert "interrupted; every process stopped" in rest, rest[-2000:]
+    assert left == []
