@@ -198,8 +198,11 @@ async def _replay(plan: FleetPlan, fleet: LiveFleet, config: FleetConfig,
                 task.cancel()
             await asyncio.gather(work, monitor, return_exceptions=True)
     wall = loop.time() - t0
+    due = {r.index: (r.arrival_s - first) / config.load_scale / config.speed for r in order}
+    late = max((r.sent_s - due[r.index] for r in done), default=0.0)
     progress(f"{len(done)} requests answered in {wall:.1f} s wall "
-             f"({wall * config.speed:.0f} model s)")  # fmt: skip
+             f"({wall * config.speed:.0f} model s); the latest send "
+             f"{1000 * late * config.speed:.1f} ms (model) after its arrival")  # fmt: skip
     return done
 
 
