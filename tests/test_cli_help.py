@@ -75,7 +75,10 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     ("argv", "message"),
     [
         (["node", "--bogus"], "unrecognized arguments: --bogus"),
-        (["node", "--rank", "3"], "global_rank"),
+        (
+            ["node", "--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8", "--rank", "3"],
+            "global_rank",
+        ),
         (["coordinator", "--port", "0"], "--port must be >= 1"),
         (["keys", "kv-rank", "--world-size", "0"], "world_size"),
     ],
@@ -99,3 +102,9 @@ def test_keys_kv_rank_prints_the_packed_rank() -> None:
         capture_output=True, text=True, check=True, timeout=120,
     )  # fmt: skip
     assert done.stdout.strip() == "16777472"
+
+
+@pytest.mark.parametrize("path", sorted(PARSERS), ids=lambda p: " ".join(p) or "kvatlas")
+def test_every_commands_help_renders(path: tuple[str, ...]) -> None:
+    """``--help`` formats every flag's help (a bare ``%`` in one crashed ``engine-sim --help``)."""
+    assert PARSERS[path].format_help()

@@ -135,7 +135,7 @@ _HELP: Mapping[str, str] = {
     "node_token_file": "a file holding the engine bearer token for --node-url",
     "node_timeout_s": "seconds per node call (a failed call is a miss)",
     "recompute_share": "share of a reused fragment's tokens still computed (CacheBlend's "
-    "selective recompute, ~15%)",
+    "selective recompute, ~15%%)",
     "node_l1_bytes_s": "cost model: node L1 (host DRAM) → GPU bytes/s",
     "node_l2_bytes_s": "cost model: node L2 (local NVMe or Redis) → GPU bytes/s",
     "node_peer_bytes_s": "cost model: a peer node's L1/L2 → GPU bytes/s (the network)",

@@ -27,8 +27,10 @@ class FleetConfig:
     load_scale: float = 1.0
     """Arrivals compressed by this factor (2: twice the request rate) for a second load."""
     seed: int = 0
-    speed: float = 20.0
-    """live: model seconds per wall second."""
+    speed: float = 0.25
+    """live: model seconds per wall second. Every wall millisecond outside the engines'
+    modelled work counts × speed, so on a busy 2-core machine live agrees with virtual only
+    well below real time (docs/fleet-live.md, "Choosing the speed")."""
     block_size: int = 16
     """vLLM's default KV block."""
     gpu_blocks: int = 28_800

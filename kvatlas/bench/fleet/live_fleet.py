@@ -71,16 +71,8 @@ def memory_dir(prefix: str) -> Path:
 
 
 def node_serves_engine(engine_id: str) -> list[str]:
-    """THE ONE PLACE a node is told which engine it serves, so that ``/route/score`` counts
-    its copies as the engine's own (kvatlas.coordinator.scoring, ``attached``).
-
-    The node flag is being added (``kvatlas node --engine-id``, issue 27); until the node
-    config has it, nothing is passed and the coordinator scores a node's copies as its own
-    instance's, not the engine's."""
-    from kvatlas.node.config import NodeConfig
-
-    if "engine_id" not in {f.name for f in fields(NodeConfig)}:
-        return []
+    """The one place a node is told which engine it serves, so that ``/route/score`` counts
+    its copies as the engine's own (``kvatlas node --engine-id``; docs/route-scoring.md)."""
     return ["--engine-id", engine_id]
 
 
