@@ -12,7 +12,7 @@ import pytest
 from kvatlas.bench.fleet import command as fleet_run
 from kvatlas.bench.fleet.config import FleetConfig
 from kvatlas.bench.fleet.results import RequestRecord
-from kvatlas.bench.fleet.stacks import Stack
+from kvatlas.bench.fleet.stacks import DEFAULT_POLICIES, Stack
 from kvatlas.cli import main
 from kvatlas.workloads import TraceRequest
 
@@ -84,3 +84,22 @@ def test_a_generator_without_a_count_and_a_missing_trace_are_refused(
     assert main(["bench", "fleet", "--trace", str(tmp_path / "none.jsonl")]) != 0
     err = capsys.readouterr().err
     assert "request count" in err and "no trace file" in err
+
+
+def test_a_virtual_run_of_every_default_stack_on_the_mooncake_trace(tmp_path: Path) -> None:
+    """The CI run of the real simulation (issue 27 item 8): the spec's JSON shape, every stack
+    saw the same requests (the command refuses a stack that did not serve each once), and the
+    ceiling bounds every hit ratio — not the targets (no timing in tests)."""
+    source = Path(__file__).parent / "data" / "mooncake-synthetic-head200.jsonl"
+    out = tmp_path / "fleet.json"
+    code = main(["bench", "fleet", "--trace", str(source), "--requests", "120", "--engines", "4",
+                 "--json", str(out)])  # fmt: skip
+    assert code == 0
+    got = json.loads(out.read_text())
+    assert set(got) == {"trace", "engines", "mode", "requests", "ceiling_hit_ratio", "policies"}
+    assert (got["engines"], got["mode"], got["requests"]) == (4, "virtual", 120)
+    assert set(got["policies"]) == set(DEFAULT_POLICIES.split(","))
+    for row in got["policies"].values():
+        assert set(row) == POLICY_FIELDS and row["requests"] == 120
+        assert 0.0 <= row["hit_ratio"] <= got["ceiling_hit_ratio"] + 1e-9
+        assert row["ttft_p50_s"] <= row["ttft_p90_s"] <= row["ttft_p99_s"]
