@@ -9,7 +9,7 @@ Redis SCAN does). :func:`page_keys` adds offset pagination on top. See docs/dire
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvatlas.directory.chunk_counts import PARTS
 from kvatlas.directory.chunk_table import ChunkTable
@@ -27,8 +27,16 @@ from kvatlas.directory.records import (
 )
 from kvatlas.errors import InvalidInput
 
-if TYPE_CHECKING:
-    from kvatlas.directory.key_directory import KeyDirectory
+
+class Listable(Protocol):
+    """What :func:`page_keys` pages through (a ``KeyDirectory``)."""
+
+    def list_keys(self, *, tier: str | None = None, instance_id: str | None = None,
+                  backend: str | None = None, cursor: str | None = None, limit: int = 100,
+                  max_scan: int | None = None) -> KeyPage: ...  # fmt: skip
+
+    def count_keys(self, *, tier: str | None = None, instance_id: str | None = None,
+                   backend: str | None = None) -> int: ...  # fmt: skip
 
 
 def list_keys(
@@ -110,7 +118,7 @@ def count_keys(
 
 
 def page_keys(
-    directory: KeyDirectory,
+    directory: Listable,
     *,
     tier: str | None = None,
     instance_id: str | None = None,

@@ -25,15 +25,11 @@ which it compiles in, clear ``__pycache__/_json_cut*.nb?`` (a fresh checkout has
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numba
 import numpy as np
 
+from kvatlas.events._cut_types import CutTokenLists
 from kvatlas.events._json_tokens import RELEASE_BYTES, parse_array, skip_space, string_end
-
-if TYPE_CHECKING:
-    from kvatlas.events.json_codec import CutTokenLists
 
 OK, FALLBACK = 0, 1
 MAX_DEPTH = 64

@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvatlas.checks import is_plain_int
+from kvatlas.events._cut_types import CutTokenLists
 from kvatlas.events.columns import ColumnBatch, EntryColumns, column_batch
 from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
 from kvatlas.events.model import (
@@ -87,13 +88,6 @@ _SIZE = attrgetter("size_bytes")
 _OFFSET = attrgetter("token_offset")
 _decoder = msgspec.json.Decoder(_WireBody)
 _encoder = msgspec.json.Encoder()
-
-
-CutTokenLists = tuple[
-    npt.NDArray[np.uint8], npt.NDArray[np.uint32], npt.NDArray[np.int64], npt.NDArray[np.int64]
-]
-"""What the compiled scanner (``_json_cut.cut_token_lists``) gives: the body with its token
-lists cut out, the ids, each entry's count of ids and each batch's count of entries."""
 
 
 def _parse_token_lists(
