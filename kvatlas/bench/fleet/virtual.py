@@ -189,8 +189,9 @@ class VirtualFleet:
                 for s in scores
             }
         candidates = [
-            Candidate(e.engine_id, self.router.load(e.routed),
-                      coverage.get(e.engine_id, NO_COVERAGE))  # fmt: skip
+            Candidate(
+                e.engine_id, self.router.load(e.routed), coverage.get(e.engine_id, NO_COVERAGE)
+            )
             for e in self.engines
         ]
         choice = self.policy.rank(candidates, n)[0]
