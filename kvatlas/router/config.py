@@ -28,6 +28,7 @@ from kvatlas.router.policies import CostModel
 log = logging.getLogger(__name__)
 
 POLICIES: Final = ("kvatlas", "prefix", "least-loaded", "round-robin", "random")
+DEFAULT_METRICS_INTERVAL_S: Final = 1.0
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class RouterConfig:
     engine_timeout_s: float = 600.0
     connect_timeout_s: float = 2.0
     health_interval_s: float = 1.0
-    metrics_interval_s: float = 1.0
+    metrics_interval_s: float = DEFAULT_METRICS_INTERVAL_S
     prefill_tokens_per_s: float = 20_000.0
     kv_bytes_per_token: int = 131_072
     gpu_bandwidth_bytes_per_s: float = 0.0

@@ -30,9 +30,7 @@ def repeated(distinct: int = 5, times: int = 4, tokens: int = 2048) -> list[Trac
     with 5 prompts on 4 engines round-robin sends each repeat to another engine."""
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, 128_256, tokens) for _ in range(distinct)]
-    return [
-        TraceRequest(i, 2.0 * i, prompts[i % distinct], 4) for i in range(distinct * times)
-    ]
+    return [TraceRequest(i, 2.0 * i, prompts[i % distinct], 4) for i in range(distinct * times)]
 
 
 def quiet(_: str) -> None:

@@ -170,6 +170,39 @@ def test_a_bad_event_refuses_the_whole_batch(event: BlockStored, kind: str) -> N
     assert rekeyer.engines == {} and rekeyer.total_blocks == 0
 
 
+def one_block_events() -> list[BlockStored]:
+    """The blocks of TOKENS one event each, as vLLM's CPU offload sends them."""
+    return [
+        BlockStored(
+            [h], HASHES[i - 1] if i else None, TOKENS[16 * i : 16 * (i + 1)], 16, medium="CPU"
+        )
+        for i, h in enumerate(HASHES)
+    ]
+
+
+def test_one_block_events_convert_together_and_key_as_one_event_would() -> None:
+    """A group's token ids are converted at once; each event keeps its own tokens."""
+    together, directory = fed(chunk_size=32)
+    apply(together, directory, "pod-a", "llama", batch(*one_block_events()))
+    alone, reference = fed(chunk_size=32)
+    apply(alone, reference, "pod-a", "llama", batch(TEXT, TEXT_MORE))
+    assert holders(directory, TOKENS) == {("pod-a", "engine-cpu"): len(HASHES) // 2}
+    got = [r.key.chunk_hash for r in directory.lookup_tokens(TOKENS, "llama").results]
+    want = [r.key.chunk_hash for r in reference.lookup_tokens(TOKENS, "llama").results]
+    assert got == want
+
+
+def test_a_bad_token_in_a_later_one_block_event_is_named_and_refuses_all() -> None:
+    events = one_block_events()
+    bad = len(events) - 1
+    events[bad] = msgspec.structs.replace(events[bad], token_ids=[1 << 32] * 16)
+    rekeyer, _ = fed(chunk_size=32)
+    with pytest.raises(BadBatch) as err:
+        rekeyer.translate("pod-a", "llama", batch(*events))
+    assert err.value.kind == "token_range" and f"events[{bad}]" in str(err.value)
+    assert rekeyer.engines == {} and rekeyer.total_blocks == 0
+
+
 def test_a_flood_beyond_max_blocks_is_refused_whole() -> None:
     rekeyer, _ = fed(chunk_size=16, max_blocks=3)
     with pytest.raises(BadBatch) as err:

@@ -33,7 +33,7 @@ from kvatlas.bench.fleet.stacks import Stack
 from kvatlas.engine_sim import BlockPool, EngineCore, EngineSimConfig, SimRequest, StepOutcome
 from kvatlas.engine_sim.cost_model import CostModel as EngineCostModel
 from kvatlas.engine_sim.node_connector import NodeReuse, TierRates
-from kvatlas.router.config import RouterConfig, default_cost_model
+from kvatlas.router.config import DEFAULT_METRICS_INTERVAL_S, default_cost_model
 from kvatlas.router.engines import VLLM_KV_USAGE, VLLM_RUNNING, VLLM_WAITING, Engine, EngineSet
 from kvatlas.router.policies import (
     NO_COVERAGE,
@@ -48,7 +48,6 @@ ARRIVAL, STEP_END, WAKE, SCRAPE = range(4)
 IDLE_RETRY_S: Final = 0.001
 """An engine with work but nothing it can run or wait for tries again after this (as
 ``EngineDriver``)."""
-METRICS_INTERVAL_S: Final = float(RouterConfig.__dataclass_fields__["metrics_interval_s"].default)  # type: ignore[arg-type]
 _SIM_DEFAULTS: Final = EngineSimConfig()
 
 
@@ -159,7 +158,7 @@ class VirtualFleet:
                     self._start_step(engine)
             elif len(self.records) < n:  # SCRAPE
                 self._scrape()
-                self._push(at + METRICS_INTERVAL_S, SCRAPE, 0)
+                self._push(at + DEFAULT_METRICS_INTERVAL_S, SCRAPE, 0)
         if len(self.records) != n:
             raise RuntimeError(f"{n - len(self.records)} requests never finished")
         return sorted(self.records, key=lambda r: r.index)
