@@ -13,7 +13,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import httpx
 
@@ -35,21 +35,25 @@ from kvatlas.client.coordinator_client import (
 )
 
 
-def score_body(
-    token_ids: Any,
-    model_name: str,
-    *,
-    world_size: int = 1,
-    cache_salt: str = "",
-    instances: Sequence[str] | None = None,
-    weights: Mapping[str, float] | None = None,
-) -> bytes:
+class ScoreOptions(TypedDict, total=False):
+    """What a query is scored under, beside its tokens and model (sync and async client)."""
+
+    world_size: int
+    cache_salt: str
+    instances: Sequence[str] | None
+    """Instance ids to score (default every live instance)."""
+    weights: Mapping[str, float] | None
+    """Tier weights to override."""
+
+
+def score_body(token_ids: Any, model_name: str, **options: Unpack[ScoreOptions]) -> bytes:
     """The ``POST /route/score`` body (one place for the sync and the async client)."""
+    instances, weights = options.get("instances"), options.get("weights")
     return RouteScoreBody(
         tokens_b64=encode_tokens_b64(token_ids),
         model_name=model_name,
-        world_size=world_size,
-        cache_salt=cache_salt,
+        world_size=options.get("world_size", 1),
+        cache_salt=options.get("cache_salt", ""),
         instances=None if instances is None else list(instances),
         weights=None if weights is None else dict(weights),
     ).to_json()
@@ -63,20 +67,10 @@ class RouteClient:
         self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=auth_headers(token))
 
     def score(
-        self,
-        token_ids: Any,
-        model_name: str,
-        *,
-        world_size: int = 1,
-        cache_salt: str = "",
-        instances: Sequence[str] | None = None,
-        weights: Mapping[str, float] | None = None,
+        self, token_ids: Any, model_name: str, **options: Unpack[ScoreOptions]
     ) -> RouteScoresReply:
         """Every candidate (``instances``, default every live instance), best first."""
-        body = score_body(
-            token_ids, model_name, world_size=world_size, cache_salt=cache_salt,
-            instances=instances, weights=weights,
-        )  # fmt: skip
+        body = score_body(token_ids, model_name, **options)
         reply: RouteScoresReply = call_json(
             self._http, "POST", "/route/score", RouteScoresReply, content=body, headers=JSON_HEADERS
         )
@@ -147,16 +141,10 @@ class AsyncRouteClient:
         token_ids: Any,
         model_name: str,
         *,
-        world_size: int = 1,
-        cache_salt: str = "",
-        instances: Sequence[str] | None = None,
-        weights: Mapping[str, float] | None = None,
         timeout: float | None = None,
+        **options: Unpack[ScoreOptions],
     ) -> RouteScoresReply:
-        body = score_body(
-            token_ids, model_name, world_size=world_size, cache_salt=cache_salt,
-            instances=instances, weights=weights,
-        )  # fmt: skip
+        body = score_body(token_ids, model_name, **options)
         reply: RouteScoresReply = await self._call(
             "POST", "/route/score", RouteScoresReply, body=body, timeout=timeout
         )

@@ -73,27 +73,22 @@ def _inline_defs(schema: dict[str, Any]) -> dict[str, Any]:
     return inlined
 
 
-LOOKUP_BODY_SCHEMA: dict[str, Any] = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {"schema": _inline_defs(LookupRequest.model_json_schema())}
-        },
-    }
-}
+def _json_body(schema: dict[str, Any]) -> dict[str, Any]:
+    """An ``openapi_extra`` that documents a required JSON request body of ``schema``."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _struct_schema(type_: type[msgspec.Struct]) -> dict[str, Any]:
+    """The JSON schema of a wire type of :mod:`kvatlas.api`: the decoder's own description."""
+    schema: dict[str, Any] = msgspec.json.schema_components([type_])[1][type_.__name__]
+    return schema
+
+
+LOOKUP_BODY_SCHEMA = _json_body(_inline_defs(LookupRequest.model_json_schema()))
 """``POST /directory/lookup``'s body, documented here because the route parses it itself (on a
 worker thread: a lookup body may be large)."""
 
-
-BLEND_LOOKUP_BODY_SCHEMA: dict[str, Any] = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {
-                "schema": msgspec.json.schema_components([BlendLookupBody])[1]["BlendLookupBody"]
-            }
-        },
-    },
+BLEND_LOOKUP_BODY_SCHEMA = _json_body(_struct_schema(BlendLookupBody)) | {
     "parameters": [
         {
             "name": "with_placements",
@@ -105,17 +100,7 @@ BLEND_LOOKUP_BODY_SCHEMA: dict[str, Any] = {
     ],
 }
 
-
-ROUTE_SCORE_BODY_SCHEMA: dict[str, Any] = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {
-                "schema": msgspec.json.schema_components([RouteScoreBody])[1]["RouteScoreBody"]
-            }
-        },
-    }
-}
+ROUTE_SCORE_BODY_SCHEMA = _json_body(_struct_schema(RouteScoreBody))
 
 
 class RegisterRequest(BaseModel):

@@ -242,7 +242,9 @@ def heartbeat_to_wire(instance_id: str, *, resync: bool = False) -> api.Heartbea
 
 def ingest_counts_to_wire(counts: IngestCounts) -> api.IngestCountsReply:
     """``POST /events``: batches applied, dropped as duplicates, refused as stale."""
-    return api.from_attributes(api.IngestCountsReply, counts)
+    return api.IngestCountsReply(
+        applied=counts.applied, duplicates=counts.duplicates, stale=counts.stale
+    )
 
 
 def health_to_wire(h: HealthView) -> api.HealthReply:
