@@ -329,7 +329,7 @@ def _bench_size(
 
 RATE_PASSES = 3
 """Passes over the sample per rate row: a row shows the median pass (one pass on a shared
-machine swings by 2× with the load)."""
+machine swings with the load)."""
 
 
 def _rate_rows(index: BlendIndex, w: Workload, sample: list[int], size: str) -> list[BenchRow]:

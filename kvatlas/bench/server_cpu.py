@@ -36,7 +36,7 @@ def process_cpu_seconds(pid: int) -> float:
 
 def process_minor_faults(pid: int) -> int:
     """Minor page faults of process ``pid`` so far (``minflt``, field 10 of proc(5)): each
-    first touch of a fresh page, a few µs of kernel time apiece on these VMs."""
+    first touch of a fresh page, which costs kernel time apiece."""
     return int(_stat_fields(pid)[7])
 
 

@@ -7,9 +7,9 @@ line-wrapped input) and rejects anything else: it accepts exactly what is unambi
 
 A quartet is read as one 32-bit word and decoded with two loads from a table indexed by a
 pair of characters (65,536 entries of 12 bits; the ≈4,096 valid pairs fill ≈12 KB of it, so
-it stays in L1): ≈37 µs for a 32k-token query, against ≈46 µs with four per-position tables
-(one per character, the 6 bits pre-shifted) and ≈75 µs with one shared table and a check per
-quartet. Any pair holding a character outside the alphabet maps to ``0xF000``, checked once for
+it stays in L1): two loads a quartet, cheaper than four per-position tables (one per character,
+the 6 bits pre-shifted) or one shared table and a check per quartet (docs/performance.md).
+Any pair holding a character outside the alphabet maps to ``0xF000``, checked once for
 the whole text. The last quartet (padding) is decoded with the per-position tables.
 """
 

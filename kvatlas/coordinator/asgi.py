@@ -253,8 +253,8 @@ def fast_reply_response(reply: FastReply) -> Response:
 class FastPaths:
     """The outermost ASGI layer: requests to ``routes`` (``(method, path)``) are answered here,
     in front of the framework's whole middleware stack (its error, telemetry and body-limit
-    middlewares, :class:`Authenticate`, :class:`~kvatlas.web.BodyLimit`: ≈10 µs of Python per
-    request; routing and dependency injection far more, docs/performance.md). Everything else
+    middlewares, :class:`Authenticate`, :class:`~kvatlas.web.BodyLimit`: Python on every
+    request; routing and dependency injection more still, docs/performance.md). Everything else
     goes to ``app``. The same :class:`Gate` runs first, the same body limit (the route's) and
     the same error replies
     (:mod:`kvatlas.web`): which layer answered is invisible on the wire."""

@@ -3,8 +3,8 @@ the fast path (``asgi.FastPaths``) and the documented route call: same checks in
 order, same errors, same reply. See docs/coordinator.md ("API") and docs/blend-index.md.
 
 Where it runs: a query whose body is at most :data:`INLINE_BODY_BYTES` is answered on the event
-loop, a larger one on the match pool. The hop to a pool thread and back costs ≈40–100 µs of
-server CPU (a futex wake, the loop's wake-up, GIL hand-overs), as much as decoding the whole
+loop, a larger one on the match pool. The hop to a pool thread and back (a futex wake, the
+loop's wake-up, GIL hand-overs) costs as much server CPU as decoding the whole
 body, while what it buys — the event loop going on during the compiled (GIL-free) parts — is
 bounded by the same size: see :data:`INLINE_BODY_BYTES`.
 """
@@ -32,8 +32,8 @@ WITH_PLACEMENTS = "with_placements"
 """Query parameter: ``true`` (or ``1``) adds the holders of each match to the reply."""
 INLINE_BODY_BYTES = 256 * 1024
 """Bodies up to this size (a query of up to ≈49k tokens in ``tokens_b64``) are answered on the
-event loop: ≈0.3–0.5 ms of work at 20k–1M indexed chunks (docs/performance.md), less than the
-1 ms GIL switch interval for which a pool thread's Python may hold the loop anyway. Longer
+event loop: their work (docs/performance.md, `bench service`) stays within the GIL switch
+interval, for which a pool thread's Python may hold the loop anyway (``runtime``). Longer
 queries (up to ``--max-query-tokens``) go to the match pool, so one never stalls the loop."""
 
 

@@ -279,7 +279,7 @@ def decode_blend_lookup(
 ) -> tuple[BlendLookupBody, npt.NDArray[np.uint8] | None]:
     """:func:`decode_blend_body`, and the bytes of its ``tokens_b64`` when they were decoded
     straight from ``raw`` (the body's ``tokens_b64`` is then ``None``): the hot path of a blend
-    lookup. A 32k-token query is 175 KB of base64; the JSON decoder would scan it (≈40 µs) and
+    lookup. A 32k-token query is 175 KB of base64; the JSON decoder would scan it and
     copy it into a ``str`` only for the base64 kernel to read it again. Here the kernel reads it
     where it lies and the decoder sees the rest of the body. Done for a top-level
     ``"tokens_b64": "<valid base64 within the limit>"`` given once; anything else (escapes,

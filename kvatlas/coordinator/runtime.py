@@ -4,8 +4,8 @@ Both are about stalls a client sees. The event loop, the match threads, the stre
 the snapshot writer share one GIL: with the default 5 ms switch interval one thread's Python
 work stalls every other for 5 ms at a time (p99 of lookups, ingestion during a snapshot); 1 ms
 keeps them fair. And a full (generation 2) collection of the cyclic garbage collector stops
-every thread while it walks every tracked container: ≈50 ms for the interpreter, numba and the
-web stack alone, plus ≈50–100 ms at 10^6 keys for the directory's large sets (the L1 chunk
+every thread while it walks every tracked container: the interpreter's, numba's and the web
+stack's, plus the directory's large sets, which grow with its keys (the L1 chunk
 sets; its records are untracked, docs/directory.md), so such a collection is the longest stall
 a client can see. :func:`freeze_long_lived` moves everything alive at startup (restored
 directory included) out of the collector's sight (docs/coordinator.md, process settings).

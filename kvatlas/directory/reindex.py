@@ -2,7 +2,7 @@
 
 A restore installs records the index has never seen; with blend lookup on, every indexable
 one (known content of ``chunk_size`` tokens at a known offset) is added for each namespace
-its keys are in. Done op by op that costs several µs of Python per chunk (an ``AddOp`` each,
+its keys are in. Done op by op that costs Python per chunk (an ``AddOp`` each,
 validated one by one, tracked by the garbage collector) and grows the index's arrays dozens of
 times. Here the bindings are read column-wise (C-level maps over the records), the adds go
 to the index as one :class:`~kvatlas.directory.blend.AddColumns` built at once

@@ -179,7 +179,7 @@ class _RawMapBatch(msgspec.Struct):
 
 
 DECODE_GROUP_BYTES: Final = 1 << 20
-"""Most bytes of events one decoder call takes (≈1–3 ms of GIL-holding C)."""
+"""Most bytes of events one decoder call takes: the call holds the GIL, so this bounds a stall."""
 _RAW_ARRAY_DECODER: Final = msgspec.msgpack.Decoder(_RawArrayBatch)
 _RAW_MAP_DECODER: Final = msgspec.msgpack.Decoder(_RawMapBatch)
 _MAP_EVENTS: Final = msgspec.msgpack.Decoder(list[KVEvent])

@@ -110,7 +110,7 @@ def mm_hash_to_token_values(identifier: object, length: int) -> tuple[int, ...]:
     """``length`` values in ``[0, 2**31)`` derived from ``identifier``, per position.
 
     ``struct.unpack`` builds the tuple straight from the array's buffer: no intermediate list
-    (``tuple(array.tolist())`` allocates every int into a list and then copies it, ≈30% more).
+    (``tuple(array.tolist())`` allocates every int into a list and then copies it).
     """
     values = mm_hash_values(identifier, length)
     return struct.unpack(f"={len(values)}I", values.data)

@@ -79,9 +79,9 @@ Op = EventBatch | Cleared
 
 # A chain point and a block are plain tuples, not objects: CPython stops tracking a tuple of
 # atoms (bytes, int, str, bool, None and such tuples) at its first collection, so the block map
-# of text chains adds nothing to full collections. As dataclasses, the default bound
-# (--kv-events-max-blocks, 500,000) added ≈0.5 s to each full collection: a stall for every
-# client. Their layouts are private to this module.
+# of text chains adds nothing to full collections. As tracked objects, a block map at the
+# bound (--kv-events-max-blocks) would lengthen every full collection by its walk: a stall for
+# every client. Their layouts are private to this module.
 
 ChainPoint = tuple[
     bytes,  # prev: hash of the last complete chunk (NONE_HASH before the first)

@@ -224,8 +224,8 @@ class IndexState:
             )
 
     def _settle_one(self, op: SingleOp, result: tuple[int, int, int, int], ns: int) -> None:
-        """:meth:`_settle` of a single op, with scalars (the column-wise bookkeeping costs
-        ≈50 µs for one op)."""
+        """:meth:`_settle` of a single op, with scalars (the column-wise bookkeeping's fixed
+        cost outweighs one op)."""
         flags, cid, occ, _ = result
         if flags & F_NEW_CONTENT:
             arr = op[1]

@@ -6,7 +6,7 @@ thread builds the records. Nothing reads a content before the read is joined
 (the returned ``Future``; a content the cut copies instead of viewing waits for it too).
 See docs/directory.md.
 
-Measured and left out (docs/performance.md, "Restore, third pass"): building the blend
+Measured and left out (docs/performance.md, "Measured and left out"): building the blend
 index on a thread of its own as well (its kernel runs without the GIL: +0.2 s of CPU per
 10^6 keys at load 2.5 and no wall time); faulting the pages in first with one
 ``madvise(MADV_POPULATE_WRITE)`` (0.03 s less CPU, but it holds the process's memory-map

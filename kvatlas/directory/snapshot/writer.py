@@ -10,7 +10,7 @@ call here converts, copies, sums or frees a whole column at once (:data:`_SLICE`
 time), and the header's large byte columns are written from where they are instead of being
 copied into one msgpack buffer (:class:`HeaderPieces`), so a concurrent client waits for a
 slice, not for a column of a million keys. Freeing counts too: dropping a list of a million
-references to objects spread over the heap is one call of ≈40 ms at 10^6 keys, so the columns
+references to objects spread over the heap holds the GIL for one long call, so the columns
 are emptied a slice at a time (:meth:`_Columns.release`) before the function returns.
 """
 
@@ -56,7 +56,7 @@ from kvatlas.directory.snapshot.format import (
     encode_column,
 )
 
-_SLICE = 1 << 13  # items per GIL-holding conversion, copy or release (≈0.3 ms under load)
+_SLICE = 1 << 13  # items per GIL-holding conversion, copy or release: bounds the longest hold
 
 
 _LARGE = 1 << 16  # byte fields longer than this are written in place (msgpack bin32)

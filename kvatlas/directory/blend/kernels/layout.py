@@ -120,7 +120,7 @@ def write_context(
 ) -> npt.NDArray[np.int64]:
     """``arrays`` and the write kernel's scalars as one int64 array of addresses and sizes
     (``CTX_*``): a single write passes its address, one integer, where passing the arrays
-    would cost numba ≈0.1 µs of unboxing each on every call (``writes.apply_op``). Valid
+    would cost numba an unboxing of each on every call (``writes.apply_op``). Valid
     while ``arrays`` live unchanged: the index makes a new one whenever it replaces them."""
     ctx = np.empty(CTX_ARRAYS + 2 * len(arrays), np.int64)
     ctx[:CTX_ARRAYS] = chunk, data_off, base, fmask

@@ -125,7 +125,7 @@ def lane_load(q: Any, start: Any, blk: Any, rows: Any, qt: Any) -> Any:
     (junk the caller discards). Returns the ``qt[:rows]`` view.
 
     Rows whose every lane reads inside ``q`` are copied in tiles of ``_TILE`` rows, lane by
-    lane (no clamp, no gather: ≈0.5 ns per token instead of ≈0.6–1.2); the rest row by row."""
+    lane (no clamp, no gather: contiguous reads and writes); the rest row by row."""
     m = q.shape[0]
     qv = qt[:rows]
     inside = min(rows, max(0, m - (start + (LANES - 1) * blk)))  # lane 15 reads furthest

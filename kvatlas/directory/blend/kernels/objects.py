@@ -3,8 +3,8 @@ layout (``_cpython.ObjectLayout``, located and read back at import).
 
 What it decides is what ``op_columns._kept_columns`` asks in Python when no layout was
 located: whether every token array is one the index keeps as it is and every chunk hash an
-exact ``bytes`` of at most 32. A per-array attribute read costs ≈0.1 µs in Python, ≈0.25 µs
-an entry over the six questions; here they are a few loads each. The caller keeps every
+exact ``bytes`` of at most 32. In Python each of the six questions is an attribute read per
+array; here they are a few loads each. The caller keeps every
 object alive for the call (they are in its lists).
 """
 

@@ -20,8 +20,8 @@ jit = numba.njit(cache=True)
 """How a kernel is compiled: cached on disk, the GIL held for the call. A call of
 microseconds that released the GIL would starve other threads: each release wakes a thread
 waiting for the GIL, the caller takes it back first, and the waiter sleeps again with its
-switch interval restarted (a snapshot beside a thread ingesting small batches took 10–200×
-its time; docs/directory.md, "Threads and the GIL")."""
+switch interval restarted (so a snapshot beside a thread ingesting small batches starves;
+docs/directory.md, "Threads and the GIL")."""
 
 releasing = numba.njit(cache=True, nogil=True)
 """For kernels whose calls are long (a long query's scan, a table rebuilt, a batch of
