@@ -37,7 +37,7 @@ def test_json_is_exactly_the_specs_shape(tmp_path: Path, monkeypatch: pytest.Mon
                                          capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     monkeypatch.setattr(fleet_run, "_runner", lambda mode: _stand_in())
     out = tmp_path / "fleet.json"
-    code = main(["bench", "fleet", "--trace", RAG, "--requests", "30", "--engines", "3",
+    code = main(["bench", "fleet", "--trace", RAG, "--requests", "30", "--engines", "3", "--jobs", "1",
                  "--policies", "kvatlas,prefix,round-robin", "--json", str(out)])  # fmt: skip
     assert code == 0
     got = json.loads(out.read_text())
@@ -103,3 +103,16 @@ def test_a_virtual_run_of_every_default_stack_on_the_mooncake_trace(tmp_path: Pa
         assert set(row) == POLICY_FIELDS and row["requests"] == 120
         assert 0.0 <= row["hit_ratio"] <= got["ceiling_hit_ratio"] + 1e-9
         assert row["ttft_p50_s"] <= row["ttft_p90_s"] <= row["ttft_p99_s"]
+
+
+def test_stacks_side_by_side_give_what_one_after_the_other_gives(tmp_path: Path) -> None:
+    """--jobs 2 simulates the stacks in worker processes that rebuild the workload: the same
+    numbers as one process, stack by stack."""
+    outs = []
+    for jobs in ("1", "2"):
+        out = tmp_path / f"jobs{jobs}.json"
+        code = main(["bench", "fleet", "--trace", RAG, "--requests", "40", "--engines", "2",
+                     "--policies", "kvatlas,round-robin", "--jobs", jobs, "--json", str(out)])  # fmt: skip
+        assert code == 0
+        outs.append(json.loads(out.read_text()))
+    assert outs[0] == outs[1]

@@ -11,8 +11,10 @@ import argparse
 import functools
 import importlib
 import json
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import fields
 from pathlib import Path
 from typing import Final
@@ -51,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     count.add_argument("--minutes", type=float, default=None,
                        help="the requests arriving in the trace's first M minutes")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="policies' random choices")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="virtual: stacks simulated side by side, one process each (default: "
+                             "the cores); live runs one stack at a time")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--plot", type=Path, default=None,
                         help="draw TTFT CDFs and hit ratios per stack into this PNG")  # fmt: skip
@@ -115,7 +120,6 @@ def run(args: argparse.Namespace) -> int:
         requests = workload(config)
     except InvalidInput as exc:
         return refuse("fleet", str(exc))
-    run_stack = _runner(args.mode)
     say(f"{len(requests)} requests of {config.trace}, {config.engines} engines, {args.mode}")
     ceiling = ceiling_hit_ratio(requests, config.block_size, config.chunk_size,
                                 any(s.connector for s in config.stacks), config.recompute_share)  # fmt: skip
@@ -123,9 +127,8 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, StackResult] = {}
     records: dict[str, list[RequestRecord]] = {}
     expected = sorted(r.index for r in requests)
-    for stack in config.stacks:
-        say(f"{stack.name}: start")
-        got = run_stack(config, stack, requests, functools.partial(_say_for, stack.name))
+    jobs = 1 if args.mode == "live" else max(1, args.jobs or os.cpu_count() or 1)
+    for stack, got in _served(config, requests, args.mode, jobs):
         if sorted(r.index for r in got) != expected:
             print(f"kvatlas bench fleet: {stack.name} did not serve every request once",
                   file=sys.stderr)  # fmt: skip
@@ -144,6 +147,28 @@ def run(args: argparse.Namespace) -> int:
 
         plot_fleet(report, records, args.plot)
     return 0
+
+
+def _served(config: FleetConfig, requests: list[TraceRequest], mode: str, jobs: int
+            ) -> Iterator[tuple[Stack, list[RequestRecord]]]:  # fmt: skip
+    """Each stack's records, in ``config.stacks`` order: one after the other, or (virtual,
+    ``jobs`` > 1) in worker processes that each rebuild the workload (no prompt is pickled;
+    every stack still sees the same requests, cold)."""
+    if jobs == 1 or len(config.stacks) == 1:
+        run_stack = _runner(mode)
+        for stack in config.stacks:
+            _say_for(stack.name, "start")
+            yield stack, run_stack(config, stack, requests, functools.partial(_say_for, stack.name))
+        return
+    with ProcessPoolExecutor(min(jobs, len(config.stacks))) as pool:
+        futures = [pool.submit(_run_in_worker, config, stack, mode) for stack in config.stacks]
+        for stack, future in zip(config.stacks, futures, strict=True):
+            yield stack, future.result()
+
+
+def _run_in_worker(config: FleetConfig, stack: Stack, mode: str) -> list[RequestRecord]:
+    _say_for(stack.name, "start")
+    return _runner(mode)(config, stack, workload(config), functools.partial(_say_for, stack.name))
 
 
 def _say_for(stack: str, text: str) -> None:

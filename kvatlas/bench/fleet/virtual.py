@@ -149,7 +149,7 @@ class VirtualFleet:
                 self._step_end(self.engines[who], payload)
                 if len(self.records) // every > done // every or len(self.records) == n:
                     self.progress(
-                        f"{self.stack.name}: {len(self.records)}/{n} requests, model "
+                        f"{len(self.records)}/{n} requests, model "
                         f"{at:.0f} s, wall {time.perf_counter() - started:.1f} s"
                     )
             elif kind == WAKE:
