@@ -59,7 +59,7 @@ def test_node_process_with_an_escaping_id_refuses_to_start(tmp_path: Path) -> No
     root = tmp_path / "l2"
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvatlas.cli", "node", "--instance-id", "../escaped",
-         "--l2", "fs", "--l2-path", str(root), "--port", str(free_port())],
+         "--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8", "--l2", "fs", "--l2-path", str(root), "--port", str(free_port())],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:

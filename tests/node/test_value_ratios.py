@@ -75,9 +75,10 @@ def test_every_ratio_is_at_most_100_percent(tmp_path: Path, plan: list[tuple[str
         for name in ("prefix_hit_rate", "fragment_hit_rate", "regret_ratio"):
             value = getattr(ratios, name)
             assert value is None or 0.0 <= value <= 1.0, (name, value, wire)
-        blended = [k for k, _, _ in plan if k != "prefix"]
-        if blended:  # a blend query was made: the fragment rate has a denominator
+        if counters.get("blend_query_tokens", 0):  # tokens after a prefix were blend-looked-up
             assert ratios.fragment_hit_rate is not None
+        elif any(k != "prefix" for k, _, _ in plan):  # only whole-prefix hits were blended
+            assert ratios.fragment_hit_rate is None
 
 
 def _metrics_text(node: object) -> str:

@@ -132,8 +132,8 @@ def test_models_and_engines_from_the_coordinator() -> None:
     router.config = RouterConfig(engines_from_coordinator=True, coordinator_url="http://c")
     assert router.listed_engines(rows) == {"pod-a": "http://10.0.0.1:8000"}
     # a node serving an engine (kvatlas node --engine-id) is no engine: its engine is routed
-    node = {"instance_id": "node-a", "engine_id": "pod-a",
-            "metadata": {"openai_url": "http://10.0.0.9:8000"}}  # fmt: skip
+    node = InstanceRow(instance_id="node-a", engine_id="pod-a",
+                       metadata={"openai_url": "http://10.0.0.9:8000"})  # fmt: skip
     assert router.listed_engines([*rows, node]) == {"pod-a": "http://10.0.0.1:8000"}
 
 
