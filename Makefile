@@ -45,12 +45,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# Two workers (pytest-xdist), whole files each: a module's fixtures (process fleets) start once;
-# every test takes its own ports (free_port), temp dirs and, per worker, its own redis-server.
 pytest: $(STAMP)
 	scripts/ensure-redis.sh
 	scripts/ensure-chromium.sh
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q
 
 test: lint typecheck pytest
 
