@@ -141,7 +141,7 @@ class EngineApi:
     async def _ask_node(self, sim: SimRequest) -> None:
         connector = self.driver.connector
         assert connector is not None
-        local = self.driver.core.local_prefix_tokens(sim.prompt, sim.cache_salt)
+        local = self.driver.core.local_prefix(sim)
         reuse = await asyncio.to_thread(connector.fetch, sim.prompt, sim.cache_salt,
                                         sim.request_id, local)  # fmt: skip
         reuse.apply_to(sim, self.config.recompute_share)

@@ -143,12 +143,15 @@ class EngineCore:
         pending = [r.ready_s for r in self.waiting if r.looked_up]
         return min(pending) if pending else None
 
-    def local_prefix_tokens(self, tokens: list[int], cache_salt: str | None) -> int:
-        """What the GPU and the CPU tier hold of ``tokens`` from the start (no change made)."""
-        return self.local_prefix_of(block_hashes(tokens, self.block_size, cache_salt), len(tokens))
+    def local_prefix(self, req: SimRequest) -> int:
+        """What the GPU and the CPU tier hold of ``req``'s prompt from the start (no change
+        made but its block hashes, computed once here and kept for its admission)."""
+        self._extend_hashes(req)
+        return self.local_prefix_of(req.hashes, len(req.prompt))
 
     def local_prefix_of(self, hashes: Sequence[bytes], num_tokens: int) -> int:
-        """:meth:`local_prefix_tokens` from the prompt's block hashes (``num_tokens`` long)."""
+        """What the GPU and the CPU tier hold of a prompt ``num_tokens`` long, from its block
+        hashes."""
         hashes = hashes[: (num_tokens - 1) // self.block_size]
         gpu = len(self.pool.cached_prefix(hashes))
         return (gpu + self.pool.cpu_run(hashes, gpu)) * self.block_size

@@ -21,17 +21,11 @@ No assertion on a duration: the tolerances compare model times.
 
 from __future__ import annotations
 
-import pytest
-
-from kvatlas.bench.fleet import live
+from kvatlas.bench.fleet import live, virtual
 from kvatlas.bench.fleet.config import FleetConfig
 from kvatlas.bench.fleet.results import summarize
 from kvatlas.bench.fleet.stacks import STACKS
 from kvatlas.workloads import open_workload
-
-virtual = pytest.importorskip(
-    "kvatlas.bench.fleet.virtual", reason="kvatlas.bench.fleet.virtual is being written"
-)
 
 SEGMENT = "rag:docs=8,k=3,zipf=1.0,rate=6,seed=3,doc_min=2048,doc_max=4096,output=8"
 REQUESTS = 12
