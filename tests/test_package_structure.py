@@ -49,6 +49,7 @@ SHARED = (
     "logs",
     "processes",
     "backoff",
+    "kernel_twins",  # numba kernels compiled in a GIL-holding and a GIL-releasing form
     "redis_clients",
     "workloads",  # benchmark inputs: numpy only
 )

@@ -11,28 +11,19 @@ import time
 
 import numpy as np
 
-from kvatlas.directory.blend import AddColumns, AddOp, BlendIndex, RemoveChunkOp, kernels
+from kvatlas.directory.blend import AddColumns, AddOp, BlendIndex, RemoveChunkOp
 from kvatlas.directory.token_store import stored_batch, stored_from_arena
 from kvatlas.events import (
     CacheEntry,
     EventBatch,
-    _json_cut,
-    _json_tokens,
     decode_json,
     decode_json_columns,
     encode_json,
 )
+from kvatlas.kernel_twins import compile_releasing_twins
 from kvatlas.keys import BlendNamespace, ObjectKey, pack_kv_rank
 
 log = logging.getLogger(__name__)
-
-_RELEASING = (
-    (kernels.apply_ops, kernels.apply_ops_releasing),
-    (kernels.scan, kernels.scan_releasing),
-    (_json_cut._cut, _json_cut._cut_releasing),
-    (_json_tokens._parse_lists, _json_tokens._parse_lists_releasing),
-)
-"""Each kernel a short call takes, and its twin for long calls (``pointers.releasing``)."""
 
 
 def warm_up_kernels() -> float:
@@ -55,9 +46,7 @@ def warm_up_kernels() -> float:
     body = encode_json([EventBatch("warm-up", 1, 1, "store", "l1", "dram", entries=(entry,))])
     decode_json(body)
     decode_json_columns(body)  # the service's path: the compiled token cut
-    for held, releasing in _RELEASING:  # long calls take these: same arguments, GIL released
-        for signature in held.signatures:
-            releasing.compile(signature)
+    compile_releasing_twins()  # what long calls take: each kernel above, the GIL released
     elapsed = time.perf_counter() - started
     log.info("compiled kernels ready in %.2f s", elapsed)
     return elapsed

@@ -30,6 +30,7 @@ import numpy as np
 
 from kvatlas.events._cut_types import CutTokenLists
 from kvatlas.events._json_tokens import RELEASE_BYTES, parse_array, skip_space, string_end
+from kvatlas.kernel_twins import gil_twins, releasing_twin
 
 OK, FALLBACK = 0, 1
 MAX_DEPTH = 64
@@ -67,7 +68,7 @@ def _key_of(buf, a, b, role, names):  # type: ignore[no-untyped-def]  # pragma: 
     return _NO_KEY
 
 
-@numba.njit(cache=True, boundscheck=False)
+@gil_twins(boundscheck=False)
 def _cut(buf, out, arena, lengths, counts, names):  # type: ignore[no-untyped-def]  # pragma: no cover
     """See :func:`cut_token_lists`; returns ``(status, out length, entries, batches)``."""
     n = len(buf)
@@ -176,11 +177,8 @@ def _cut(buf, out, arena, lengths, counts, names):  # type: ignore[no-untyped-de
     return OK, o, n_entries, n_batches
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
-def _cut_releasing(buf, out, arena, lengths, counts, names):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """:func:`_cut`, the GIL released for the call (a large body: ``RELEASE_BYTES``)."""
-    return _cut(buf, out, arena, lengths, counts, names)
-
+_cut_releasing = releasing_twin(_cut)
+""":func:`_cut`, the GIL released for the call (a large body: ``RELEASE_BYTES``)."""
 
 _NAMES = (_BATCHES_NAME, _ENTRIES_NAME, _TOKENS_NAME, np.frombuffer(b"null", np.uint8))
 

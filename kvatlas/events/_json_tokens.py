@@ -24,6 +24,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from kvatlas.kernel_twins import gil_twins, releasing_twin
+
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
 def _is_space(c: int) -> bool:  # pragma: no cover - compiled
@@ -209,7 +211,7 @@ applied); smaller ones, what a node sends per batch, hold it: a release every fe
 microseconds starves every other thread (docs/performance.md, "Threads and the GIL")."""
 
 
-@numba.njit(cache=True, boundscheck=False)
+@gil_twins(boundscheck=False)
 def _parse_lists(buf, starts, ends, arena, lengths):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Parse ``buf[starts[j]:ends[j]]`` as a JSON int array (or ``null``: length 0) into
     ``arena``; returns the index of the first invalid list, or -1 when all are valid.
@@ -235,10 +237,8 @@ def _parse_lists(buf, starts, ends, arena, lengths):  # type: ignore[no-untyped-
     return -1
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
-def _parse_lists_releasing(buf, starts, ends, arena, lengths):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """:func:`_parse_lists`, the GIL released for the call."""
-    return _parse_lists(buf, starts, ends, arena, lengths)
+_parse_lists_releasing = releasing_twin(_parse_lists)
+""":func:`_parse_lists`, the GIL released for the call."""
 
 
 def parse_token_lists(

@@ -31,8 +31,9 @@ from kvatlas.directory.blend.kernels.modhash import (
     lane_step,
 )
 from kvatlas.directory.blend.kernels.occupants import claimed
-from kvatlas.directory.blend.kernels.pointers import jit, prefetch, prefetch_addr, releasing
+from kvatlas.directory.blend.kernels.pointers import jit, prefetch, prefetch_addr
 from kvatlas.directory.blend.kernels.table import content_home, equal_at
+from kvatlas.kernel_twins import gil_twins, releasing_twin
 
 SCAN_ROWS = 64
 """Rows (of ``LANES`` windows) rolled per block: the block's fingerprints stay in L1 between
@@ -67,7 +68,7 @@ class ScanScratch(NamedTuple):
         return bool(self.qt.shape[0] >= blk + chunk and self.cand_pos.shape[0] >= blk * LANES)
 
 
-@jit
+@gil_twins()
 def scan(
     q: Any,
     start: Any,
@@ -122,27 +123,8 @@ a long query's segment, a millisecond or so); shorter ones, a lookup of a prompt
 chunks, hold it (see ``pointers.jit``)."""
 
 
-@releasing
-def scan_releasing(
-    q: Any,
-    start: Any,
-    stop: Any,
-    stride: Any,
-    chunk: Any,
-    ns: Any,
-    base: Any,
-    base_pow: Any,
-    fmask: Any,
-    arrays: Any,
-    buffers: Any,
-    names_items: Any,
-    hash_data_off: Any,
-) -> Any:
-    """:func:`scan`, the GIL released for the call."""
-    return scan(
-        q, start, stop, stride, chunk, ns, base, base_pow, fmask, arrays, buffers, names_items,
-        hash_data_off,
-    )  # fmt: skip
+scan_releasing = releasing_twin(scan)
+""":func:`scan`, the GIL released for the call (``kvatlas/kernel_twins.py``)."""
 
 
 @jit

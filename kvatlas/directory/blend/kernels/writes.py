@@ -55,6 +55,7 @@ from kvatlas.directory.blend.kernels.pointers import (
     u64_ptr,
 )
 from kvatlas.directory.blend.kernels.table import content_reinsert, find_content
+from kvatlas.kernel_twins import gil_twins, releasing_twin
 
 ADD, REMOVE_CLAIM, REMOVE_CHUNK, SKIP = 0, 1, 2, 3
 """Op kinds (``SKIP``: nothing to do, e.g. a removal for a namespace without claims)."""
@@ -68,7 +69,7 @@ length of the chunk_hash payload; token offset; namespace id (-1 for ``REMOVE_CH
 bytes per token of the array (4, or 2 for uint16)."""
 
 
-@jit
+@gil_twins()
 def apply_ops(
     ops: Any, chunk: Any, data_off: Any, base: Any, fmask: Any, arrays: Any, out: Any
 ) -> None:
@@ -165,12 +166,8 @@ RELEASE_OPS = 4096
 a waiting thread gets in); smaller ones hold it (see ``pointers.jit``)."""
 
 
-@releasing
-def apply_ops_releasing(
-    ops: Any, chunk: Any, data_off: Any, base: Any, fmask: Any, arrays: Any, out: Any
-) -> None:
-    """:func:`apply_ops`, the GIL released for the call."""
-    apply_ops(ops, chunk, data_off, base, fmask, arrays, out)
+apply_ops_releasing = releasing_twin(apply_ops)
+""":func:`apply_ops`, the GIL released for the call (``kvatlas/kernel_twins.py``)."""
 
 
 @jit
