@@ -1,26 +1,27 @@
 """Compiled kernels that come in two forms: one holding the GIL for its call, one releasing it.
 
-A short call (microseconds) must hold the GIL: each release wakes a thread waiting for it,
-the caller takes it back first, and the waiter sleeps again with its switch interval
-restarted, so it starves (docs/directory.md, "Threads and the GIL"). A long call must release
-it, so other threads run meanwhile. A kernel called both ways is written once, under
-:func:`gil_twins`, which compiles the same Python function twice and registers the pair here;
-the caller picks the form by the size of the call, and :func:`compile_releasing_twins` (run
-by ``directory.warm_up_kernels``) compiles each releasing form for every signature its
-holding form was warmed with. Both forms can never differ in code: they share one code object.
+A short call must hold the GIL: each release wakes a thread waiting for it, the caller takes
+it back first, and the waiter sleeps again with its switch interval restarted, so it starves
+(docs/directory.md, "Threads and the GIL"). A long call must release it, so that other
+threads run meanwhile. A kernel called both ways is written once, under :func:`gil_twins`,
+which compiles it as the holding form and generates the releasing form, a call of the holding
+one behind an entry point that releases the GIL; the pair is registered here. The caller
+picks the form by the size of the call; :func:`compile_releasing_twins` (run by
+``directory.warm_up_kernels``) compiles each releasing form for every signature its holding
+form was warmed with. The two cannot diverge: the releasing form has no body of its own.
 
-Both are cached on disk (``cache=True``). numba names a cached kernel by its file, the
-function's ``__qualname__`` and its first line, and does not put the ``nogil`` flag in the
-key: two forms under one name would load each other's machine code (the releasing one then
-holding the GIL). The releasing form is therefore a copy of the function named
-``<qualname>_releasing``: its own cache entry, stable across processes.
+Both are cached on disk (``cache=True``). numba names a cached kernel by its file, its
+``__qualname__`` and its first line, and its key has no ``nogil`` flag: two forms under one
+name would load each other's machine code (the releasing one then holding the GIL). The
+releasing form is named ``<qualname>_releasing`` at the kernel's file and line: its own
+cache entry, the same in every process.
 
 This module imports numba: only kernel modules import it.
 """
 
 from __future__ import annotations
 
-import types
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -42,26 +43,42 @@ _REGISTRY: dict[int, Twins] = {}
 
 def gil_twins(**options: Any) -> Callable[[Callable[..., Any]], Any]:
     """Decorator: compile the function as a holding kernel (returned, so that compiled code
-    calls it by its name) and as its releasing twin (:func:`releasing_twin`), both with
-    ``numba.njit(cache=True, **options)``; the twin adds ``nogil=True``."""
+    calls it by its name) and register its releasing twin (:func:`releasing_twin`), both
+    with ``numba.njit(cache=True, **options)``; the twin adds ``nogil=True``."""
     if "nogil" in options or "cache" in options:
         raise TypeError("gil_twins sets nogil and cache itself")
 
     def compile_twice(fn: Callable[..., Any]) -> Any:
         holding = numba.njit(cache=True, **options)(fn)
-        copy = types.FunctionType(
-            fn.__code__, fn.__globals__, fn.__name__ + RELEASING_SUFFIX, fn.__defaults__,
-            fn.__closure__,
-        )  # fmt: skip
-        copy.__qualname__ = fn.__qualname__ + RELEASING_SUFFIX  # its own cache entry
-        copy.__module__ = fn.__module__
-        copy.__doc__ = fn.__doc__
-        copy.__kwdefaults__ = fn.__kwdefaults__
-        releasing = numba.njit(cache=True, nogil=True, **options)(copy)
+        forward = _forwarding(fn, holding)
+        releasing = numba.njit(cache=True, nogil=True, **options)(forward)
         _REGISTRY[id(holding)] = Twins(holding, releasing)
         return holding
 
     return compile_twice
+
+
+def _forwarding(fn: Callable[..., Any], holding: Any) -> Callable[..., Any]:
+    """``def <name>_releasing(<fn's parameters>): return holding(<the same>)``, placed at
+    ``fn``'s file and line (the cache entry's name) under ``<qualname>_releasing``.
+
+    A call from compiled code into ``holding`` runs its compiled body: the twin compiles
+    only this call, not the kernel a second time (a cold start compiles each kernel once)."""
+    params = inspect.signature(fn).parameters
+    if any(
+        p.kind is not p.POSITIONAL_OR_KEYWORD or p.default is not p.empty for p in params.values()
+    ):
+        raise TypeError(f"gil_twins: {fn.__qualname__} takes plain positional parameters only")
+    name = fn.__name__ + RELEASING_SUFFIX
+    args = ", ".join(params)
+    source = f"def {name}({args}):\n    return _holding({args})\n"
+    scope: dict[str, Any] = {"_holding": holding, "__name__": fn.__module__}
+    exec(compile(source, fn.__code__.co_filename, "exec"), scope)  # text of names only
+    forward: Any = scope[name]
+    forward.__code__ = forward.__code__.replace(co_firstlineno=fn.__code__.co_firstlineno)
+    forward.__qualname__ = fn.__qualname__ + RELEASING_SUFFIX
+    forward.__doc__ = f"{fn.__qualname__}, the GIL released for the call."
+    return forward  # type: ignore[no-any-return]
 
 
 def releasing_twin(holding: Any) -> Any:

@@ -1,12 +1,12 @@
-"""Kernels called both short and long are compiled twice from one definition
-(``kvatlas/kernel_twins.py``): never a second, hand-written copy that could drift or miss the
-warm-up.
+"""Kernels called both short and long get both forms from one definition
+(``kvatlas/kernel_twins.py``): never a second, hand-written entry point that could drift or
+miss the warm-up.
 
 * no module of kvatlas defines a GIL-releasing twin by hand: no function named
   ``*_releasing``, no compiled function whose whole body calls another with its own arguments;
 * every ``*_releasing`` name is bound to the registered twin of its kernel;
-* the two forms of each kernel share one code object and one set of compile options but
-  ``nogil``, and have distinct cache names (numba's cache key has no ``nogil``: under one name
+* the releasing form of each kernel only calls the holding one with its own arguments, both
+  have one set of compile options but ``nogil``, and distinct cache names (numba's cache key has no ``nogil``: under one name
   they would load each other's machine code).
 
 ``tests/directory/test_warm_up.py`` checks that warm-up compiles every registered twin and
@@ -17,6 +17,7 @@ that the releasing forms do release the GIL.
 from __future__ import annotations
 
 import ast
+import dis
 import importlib
 import inspect
 from pathlib import Path
@@ -124,10 +125,19 @@ def test_every_releasing_name_is_a_registered_twin() -> None:
 
 @pytest.mark.parametrize("twins", kernel_twins.registered(), ids=lambda t: t.holding.__name__)
 def test_the_two_forms_of_a_kernel_cannot_diverge(twins: kernel_twins.Twins) -> None:
+    """The releasing form has no body of its own: it calls the holding form with its own
+    arguments, in order, and returns what that returns."""
     holding, releasing = twins.holding.py_func, twins.releasing.py_func
-    assert releasing.__code__ is holding.__code__
-    assert releasing.__globals__ is holding.__globals__
+    assert releasing.__globals__ == {"_holding": twins.holding, **releasing.__globals__}
+    assert releasing.__code__.co_names == ("_holding",)
+    params = list(inspect.signature(holding).parameters)
+    assert list(inspect.signature(releasing).parameters) == params
+    loaded = [i.argval for i in dis.get_instructions(releasing) if i.opname == "LOAD_FAST"]
+    assert loaded == params
+    assert [i.opname for i in dis.get_instructions(releasing)][-1] == "RETURN_VALUE"
     assert inspect.getfile(releasing) == inspect.getfile(holding)
+    assert releasing.__code__.co_firstlineno == holding.__code__.co_firstlineno
+    assert releasing.__module__ == holding.__module__
     holding_options, releasing_options = (
         dict(twins.holding.targetoptions),
         dict(twins.releasing.targetoptions),
