@@ -177,3 +177,27 @@ def test_the_kernels_that_release_the_gil_give_the_same_answers(
     assert [c.entry_columns().entries() for c in releasing[2]] == [
         c.entry_columns().entries() for c in holding[2]
     ]
+
+
+def test_the_releasing_form_of_a_kernel_releases_the_gil() -> None:
+    """The releasing forms (``kvatlas/kernel_twins.py``) do release the GIL, as loaded from
+    numba's on-disk cache too (two forms under one cache name would share one machine code):
+    the JSON token parser's, on one long list, lets the waiter in on every call; its holding
+    form (the negative control) never does."""
+    from kvatlas.events import _json_tokens
+
+    ids = np.random.default_rng(8).integers(0, 50_000, 1 << 20, dtype=np.uint32)
+    buf = np.frombuffer(("[" + ",".join(map(str, ids.tolist())) + "]").encode(), np.uint8)
+    starts, ends = np.zeros(1, np.int64), np.full(1, len(buf), np.int64)
+    arena, lengths = np.empty(len(ids), np.uint32), np.zeros(1, np.int64)
+    woken = {}
+    for form in (_json_tokens._parse_lists, _json_tokens._parse_lists_releasing):
+        assert form(buf, starts, ends, arena, lengths) == -1  # compiled and warm
+        assert lengths[0] == len(ids)
+        with _gil_waiter() as slept:
+            for _ in range(10):
+                form(buf, starts, ends, arena, lengths)
+        woken[form.__name__] = slept[0]
+    print(woken)
+    assert woken["_parse_lists_releasing"] >= 10, woken
+    assert woken["_parse_lists"] < 5, woken
