@@ -24,8 +24,9 @@ switch interval restarted (so a snapshot beside a thread ingesting small batches
 docs/directory.md, "Threads and the GIL")."""
 
 releasing = numba.njit(cache=True, nogil=True)
-"""For kernels whose calls are long (a long query's scan, a table rebuilt, a batch of
-thousands of writes): the GIL released for the call, so other threads run meanwhile."""
+"""For kernels whose calls are always long (a table rebuilt, a claims rehash): the GIL
+released for the call, so other threads run meanwhile. A kernel called both short and long (a
+scan, a batch of writes) is compiled both ways by ``kvatlas.kernel_twins.gil_twins``."""
 
 inline = numba.njit(cache=True, inline="always")
 """For the small helpers of the hot loops: inlined at numba IR level so loops stay SIMD."""
