@@ -48,8 +48,8 @@ freezes = 0
 class GrowthFreeze:
     """Freeze again after a snapshot once the directory has doubled since the last freeze: a
     coordinator that started small and ingested 10^6 keys has containers (the L1 chunk set of
-    each instance, partition dicts) that every full collection would otherwise walk, 0.1–0.25 s at
-    10^6 keys. Doubling bounds the freezes to ≈log2(keys) over the process's life, and with them
+    each instance, partition dicts) that every full collection would otherwise walk, a stall
+    that grows with the keys (docs/performance.md, "Collections"). Doubling bounds the freezes to ≈log2(keys) over the process's life, and with them
     what :func:`freeze_long_lived` may keep."""
 
     def __init__(self, keys: int, minimum: int = 100_000) -> None:

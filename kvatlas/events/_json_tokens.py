@@ -205,10 +205,11 @@ def parse_array(buf, i, n, arena, k):  # type: ignore[no-untyped-def]  # pragma:
 
 
 RELEASE_BYTES = 1 << 18
-"""Bodies of at least this many bytes are parsed with the GIL released (a quarter of a
-millisecond and more: another thread runs meanwhile, e.g. one body decoded while another is
-applied); smaller ones, what a node sends per batch, hold it: a release every few
-microseconds starves every other thread (docs/performance.md, "Threads and the GIL")."""
+"""Bodies of at least this many bytes are parsed with the GIL released: a parse this long
+lets a waiting thread run meanwhile (one body decoded while another is applied). Smaller
+ones, what a node sends per batch, hold it: a release per short parse would wake a waiting
+thread only to starve it (``kvatlas/kernel_twins.py``; the figures: docs/performance.md,
+"Threads and the GIL")."""
 
 
 @gil_twins(boundscheck=False)

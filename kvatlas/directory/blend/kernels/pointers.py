@@ -17,8 +17,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 jit = numba.njit(cache=True)
-"""How a kernel is compiled: cached on disk, the GIL held for the call. A call of
-microseconds that released the GIL would starve other threads: each release wakes a thread
+"""How a kernel is compiled: cached on disk, the GIL held for the call. A short call that
+released the GIL would starve other threads: each release wakes a thread
 waiting for the GIL, the caller takes it back first, and the waiter sleeps again with its
 switch interval restarted (so a snapshot beside a thread ingesting small batches starves;
 docs/directory.md, "Threads and the GIL")."""

@@ -118,9 +118,9 @@ def scan(
 
 
 RELEASE_WINDOWS = 16384
-"""Scans of at least this many windows run with the GIL released (:func:`scan_releasing`:
-a long query's segment, a millisecond or so); shorter ones, a lookup of a prompt of a few
-chunks, hold it (see ``pointers.jit``)."""
+"""Scans of at least this many windows (a long query's segment) run with the GIL released
+(:func:`scan_releasing`): long enough that a waiting thread gets in; shorter ones, a lookup of
+a prompt of a few chunks, hold it (see ``pointers.jit``)."""
 
 
 scan_releasing = releasing_twin(scan)

@@ -162,8 +162,8 @@ def apply_ops(
 
 
 RELEASE_OPS = 4096
-"""Batches of at least this many ops are applied with the GIL released (milliseconds of work:
-a waiting thread gets in); smaller ones hold it (see ``pointers.jit``)."""
+"""Batches of at least this many ops are applied with the GIL released: long enough that a
+waiting thread gets in; smaller ones hold it (see ``pointers.jit``)."""
 
 
 apply_ops_releasing = releasing_twin(apply_ops)
