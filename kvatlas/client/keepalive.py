@@ -1,7 +1,7 @@
 """A lean HTTP/1.1 client for one origin, on an event loop: persistent connections, the request
 head built from fixed parts, the reply parsed by httptools (uvicorn's parser: content-length,
 chunked, keep-alive). What :class:`~kvatlas.client.route_client.AsyncRouteClient` asks the
-coordinator with once per routed request: a general client (aiohttp) spends several times the
+coordinator with once per routed request: a general client (aiohttp) spends about 2.5× the
 CPU of this one per call (docs/router.md, "The router's own cost").
 
 Invariants: a connection carries one request at a time and goes back to the pool only after a

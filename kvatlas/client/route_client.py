@@ -93,7 +93,7 @@ class AsyncRouteClient:
     learns engines from; failures raise :class:`CoordinatorError` as the sync client does.
 
     It speaks through :class:`~kvatlas.client.keepalive.KeepAliveClient`, not a general
-    client: a router scores every request, and aiohttp's client costs several times its CPU
+    client: a router scores every request, and aiohttp's client costs about 2.5× its CPU
     per call (httpx's more still: docs/router.md, "The router's own cost")."""
 
     def __init__(self, url: str, *, token: str | None = None, timeout: float = 5.0) -> None:
