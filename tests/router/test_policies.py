@@ -43,7 +43,7 @@ def test_the_router_prices_each_tier_as_the_simulated_engine_charges_it() -> Non
 
     router = {f.name: f.default for f in fields(RouterConfig)}
     sim = {f.name: f.default for f in fields(EngineSimConfig)}
-    assert BW == {tier: router[f"{tier}_bandwidth_bytes_per_s"] for tier in BW}
+    assert {tier: router[f"{tier}_bandwidth_bytes_per_s"] for tier in BW} == BW
     for tier in ("l1", "l2", "peer"):
         assert router[f"{tier}_bandwidth_bytes_per_s"] == sim[f"node_{tier}_bytes_s"]
 
