@@ -75,3 +75,72 @@ def run_load(
         return latencies
 
     return asyncio.run(main())
+
+
+async def _open_loop(
+    host: str,
+    port: int,
+    requests: list[bytes],
+    arrivals: list[float],
+    connections: int,
+) -> tuple[list[float], int]:
+    """Send request ``k`` at ``arrivals[k]`` (seconds from the start) on an idle connection,
+    whether or not earlier ones were answered; a latency runs from the scheduled arrival, so
+    a late send (every connection busy, or the generator itself behind) counts against the
+    server, not for it (no coordinated omission)."""
+    idle: asyncio.Queue[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = asyncio.Queue()
+    opened = [await asyncio.open_connection(host, port) for _ in range(connections)]
+    for pair in opened:
+        idle.put_nowait(pair)
+    latencies: list[float] = []
+    late = 0
+
+    async def one(k: int, due: float) -> None:
+        reader, writer = await idle.get()
+        writer.write(requests[k % len(requests)])
+        status = await _read_response(reader)
+        done = time.perf_counter()
+        idle.put_nowait((reader, writer))
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}")
+        latencies.append(done - due)
+
+    tasks = []
+    start = time.perf_counter()
+    for k, at in enumerate(arrivals):
+        due = start + at
+        wait = due - time.perf_counter()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        elif wait < -1e-3:
+            late += 1
+        tasks.append(asyncio.create_task(one(k, due)))
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for _, writer in opened:
+            writer.close()
+    return latencies, late
+
+
+def poisson_arrivals(rate: float, seconds: float, seed: int) -> list[float]:
+    """Arrival times (seconds from the start) of a Poisson process of ``rate`` per second."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate, int(rate * seconds * 1.5) + 16)
+    times = np.cumsum(gaps)
+    return [float(t) for t in times[times < seconds]]
+
+
+def run_open_loop(
+    host: str,
+    port: int,
+    requests: list[bytes],
+    arrivals: list[float],
+    connections: int,
+) -> tuple[list[float], int]:
+    """Open-loop load: request ``k`` offered at ``arrivals[k]`` over at most ``connections``
+    keep-alive connections (opened first); returns the latencies from each scheduled arrival
+    and how many were sent more than 1 ms late."""
+    return asyncio.run(_open_loop(host, port, requests, arrivals, connections))

@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvatlas.bench.loadgen import run_load
+from kvatlas.bench.loadgen import poisson_arrivals, run_load, run_open_loop
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -129,6 +129,30 @@ def run_python_load(
     p50 = latencies[len(latencies) // 2]
     p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
     return LoadResult(len(latencies), seconds, p50, p99, cpu, "python")
+
+
+def run_python_open_loop(
+    host: str,
+    port: int,
+    requests: list[bytes],
+    rate: float,
+    seconds: float,
+    pid: int,
+    *,
+    connections: int = 64,
+    seed: int = 0,
+) -> tuple[LoadResult, int]:
+    """Poisson arrivals at ``rate`` per second for ``seconds`` (``loadgen.run_open_loop``):
+    the load and how many requests the generator sent more than 1 ms late."""
+    arrivals = poisson_arrivals(rate, seconds, seed)
+    cpu0 = process_cpu_seconds(pid)
+    latencies, late = run_open_loop(host, port, requests, arrivals, connections)
+    cpu = process_cpu_seconds(pid) - cpu0
+    latencies.sort()
+    p50 = latencies[len(latencies) // 2]
+    p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]
+    result = LoadResult(len(latencies), seconds, p50, p99, cpu, "python, open loop")
+    return result, late
 
 
 def warn_no_wrk() -> None:

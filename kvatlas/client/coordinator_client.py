@@ -62,7 +62,7 @@ def read_reply(method: str, path: str, status: int, raw: bytes, reply: Any = Any
     """A coordinator reply as its wire type ``reply`` (:mod:`kvatlas.api`; ``None`` for an
     empty one), or :class:`CoordinatorError`: with the reply's ``detail`` for a refusal, naming
     the bad field for a reply that is not of its type. The one reading of a reply, whichever
-    HTTP client (httpx here, aiohttp in the router) carried it."""
+    HTTP client (httpx here, ``kvatlas.client.keepalive`` in the router) carried it."""
     if status >= 400:
         raise CoordinatorError(f"{method} {path}: {status} {_detail(raw)}", status)
     if not raw:

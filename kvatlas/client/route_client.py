@@ -9,6 +9,7 @@ half-read score); failures raise
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from kvatlas.client.coordinator_client import (
     encode_tokens_b64,
     read_reply,
 )
+from kvatlas.client.keepalive import KeepAliveClient
 
 
 class ScoreOptions(TypedDict, total=False):
@@ -90,26 +92,14 @@ class AsyncRouteClient:
     """The same on an event loop (``kvatlas router``), plus the instance listing a router
     learns engines from; failures raise :class:`CoordinatorError` as the sync client does.
 
-    It speaks through aiohttp, not httpx: a router scores every request, and aiohttp's client
-    costs about a quarter of httpx's CPU per call (docs/router.md, "The router's own cost").
-    aiohttp is imported when a client is made, so ``import kvatlas.client`` stays light."""
+    It speaks through :class:`~kvatlas.client.keepalive.KeepAliveClient`, not a general
+    client: a router scores every request, and aiohttp's client costs about 2.5× its CPU
+    per call (httpx's more still: docs/router.md, "The router's own cost")."""
 
     def __init__(self, url: str, *, token: str | None = None, timeout: float = 5.0) -> None:
-        import aiohttp
-
         self.url = url.rstrip("/")
-        self._headers = auth_headers(token)
+        self._http = KeepAliveClient(self.url, auth_headers(token))
         self._timeout = timeout
-        self._session: aiohttp.ClientSession | None = None
-
-    def _client(self) -> Any:
-        import aiohttp
-
-        if self._session is None:  # made on the event loop that uses it
-            self._session = aiohttp.ClientSession(
-                headers=self._headers, timeout=aiohttp.ClientTimeout(total=self._timeout)
-            )
-        return self._session
 
     async def _call(
         self,
@@ -120,19 +110,10 @@ class AsyncRouteClient:
         body: bytes | None = None,
         timeout: float | None = None,
     ) -> Any:
-        import aiohttp
-
-        extra: dict[str, Any] = {}
-        if timeout is not None:
-            extra["timeout"] = aiohttp.ClientTimeout(total=timeout)
-        if body is not None:
-            extra["data"] = body
-            extra["headers"] = JSON_HEADERS
         try:
-            async with self._client().request(method, self.url + path, **extra) as answer:
-                raw = await answer.read()
-                status = answer.status
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            async with asyncio.timeout(self._timeout if timeout is None else timeout):
+                status, raw = await self._http.request(method, path, body)
+        except (OSError, TimeoutError) as exc:
             raise CoordinatorError(f"{method} {path}: {exc!r}") from exc
         return read_reply(method, path, status, raw, reply)
 
@@ -156,8 +137,7 @@ class AsyncRouteClient:
         return reply.instances
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        self._http.close()
 
 
 # ---------------------------------------------------------------------------- kvatlas route

@@ -41,7 +41,7 @@ from kvatlas.coordinator.scoring import (
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.directory import KeyDirectory
 from kvatlas.errors import PayloadTooLarge, Unprocessable
-from kvatlas.keys import KeyScheme, check_instance_id, expand_prefix_keys
+from kvatlas.keys import KeyScheme, check_instance_id, pack_kv_rank
 from kvatlas.web import json_encoder
 
 FIRST_WINDOW = 16
@@ -103,10 +103,13 @@ def score_routes(
     tokens, ns = query.tokens, query.namespace
     matches = directory.blend_match(tokens, ns)
 
+    ws = ns.world_size
+    ranks = [pack_kv_rank(ws, r, ws, r) for r in range(ws)]  # expand_prefix_keys' ranks
+
     def access(hashes: Sequence[bytes], reach: frozenset[str] | None) -> list[Access]:
-        keys = expand_prefix_keys(hashes, ns.model_name, ns.world_size, ns.cache_salt)
-        found = [kp.placements for kp in directory.lookup(keys)]
-        ws = ns.world_size
+        found = directory.lookup_placements(hashes, ns.model_name, ranks, ns.cache_salt)
+        if ws == 1:
+            return [Access.one(placements, reach, weights, attached) for placements in found]
         return [
             Access.of(found[c * ws : (c + 1) * ws], reach, weights, attached)
             for c in range(len(hashes))

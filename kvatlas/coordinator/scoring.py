@@ -113,12 +113,12 @@ class Access:
         """From each rank's placements: own copies by tier, shared pools, and (``peers``
         given: fragments) a live peer's L1; a chunk counts as its worst rank. ``attached``
         maps a node to the engine it serves: the node's copies are that engine's own too."""
+        if len(ranks) == 1:
+            return cls.one(ranks[0], peers, weights, attached)
         per_rank = [
             _rank_access(placements, peers, weights, attached) if placements else NOBODY
             for placements in ranks
         ]
-        if len(per_rank) == 1:
-            return per_rank[0]
         worse = weights.worse
         names = set().union(*(a.named for a in per_rank))
         named: dict[str, Class | None] = {}
@@ -131,6 +131,16 @@ class Access:
         for a in per_rank[1:]:
             others = worse(others, a.others)
         return cls(named, others)
+
+    @staticmethod
+    def one(
+        placements: Sequence[Placement],
+        peers: frozenset[str] | None,
+        weights: Weights,
+        attached: Mapping[str, str] = NO_ATTACHMENTS,
+    ) -> Access:
+        """:meth:`of` for a chunk of one rank (``world_size`` 1): its one key's placements."""
+        return _rank_access(placements, peers, weights, attached) if placements else NOBODY
 
 
 NOBODY: Final = Access({}, None)

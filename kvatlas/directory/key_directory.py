@@ -270,6 +270,21 @@ class KeyDirectory:
             find = self._chunks.key_placements
             return [find(k) for k in keys]
 
+    def lookup_placements(
+        self,
+        hashes: Sequence[bytes],
+        model_name: str,
+        kv_ranks: Sequence[int],
+        cache_salt: str = "",
+        object_group_id: int = 0,
+    ) -> list[tuple[Placement, ...]]:
+        """The placements :meth:`lookup` gives for the keys of ``hashes`` × ``kv_ranks``
+        (chunk-major, rank-minor, as :func:`~kvatlas.keys.expand_prefix_keys` lays them out),
+        without building the keys or reading the chunks' tokens: the route scorer's lookup."""
+        shapes = [(model_name, r, object_group_id, cache_salt) for r in kv_ranks]
+        with self._lock:
+            return self._chunks.shape_placements(hashes, shapes)
+
     def lookup_tokens(
         self,
         token_ids: Any,

@@ -79,6 +79,10 @@ class ShapeTable:
         """``key``'s shape id, ``None`` if no key of that shape was ever interned."""
         return self._ids.get((key.model_name, key.kv_rank, key.object_group_id, key.cache_salt))
 
+    def id_of_parts(self, parts: tuple[str, int, int, str]) -> int | None:
+        """:meth:`id_of` for ``(model_name, kv_rank, object_group_id, cache_salt)``."""
+        return self._ids.get(parts)
+
     def namespaces(self, shape_ids: Sequence[int]) -> set[BlendNamespace]:
         """The blend namespaces of these shapes."""
         shapes = self._shapes

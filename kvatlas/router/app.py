@@ -9,7 +9,12 @@ Invariants (docs/router.md):
   prompt, a prompt over the engine's context (400/404), auth (401/403), a body over the limit
   (413), no engine healthy (503) — and passes an engine's own errors through untouched;
 * a request an engine refused before sending a byte is retried once, on the next engine of
-  the same ranking; the refusing engine leaves the set until a health check passes.
+  the same ranking; the refusing engine leaves the set until a health check passes;
+* a client that leaves mid-reply closes the engine's connection (the engine can abort).
+
+The two completion routes are answered by plain ASGI in front of Starlette (no request object,
+middleware or task group per request: docs/router.md, "The router's own cost"); the other
+routes are Starlette's.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Final
 
 import aiohttp
@@ -27,8 +32,9 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvatlas.api import InstanceRow
 from kvatlas.auth import Principal, TokenAuth
@@ -47,11 +53,12 @@ from kvatlas.router.policies import (
     uncomputed_tokens,
 )
 from kvatlas.router.tokenizer import PromptTokenizer
-from kvatlas.web import read_body
+from kvatlas.web import check_declared_length, receive_body
 
 log = logging.getLogger(__name__)
 
 ENGINE_HEADER: Final = "x-kvatlas-engine"
+_ENGINE_HEADER_BYTES: Final = ENGINE_HEADER.encode()
 _ERROR_TYPES: Final = {
     400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
     404: "NotFoundError", 413: "RequestTooLargeError", 422: "BadRequestError",
@@ -70,12 +77,35 @@ _USAGE_TAIL_BYTES: Final = 16_384
 _json = msgspec.json.Encoder()
 
 
-def openai_error(status: int, message: str) -> Response:
-    """An OpenAI error object, the shape vLLM answers with."""
+def _error_body(status: int, message: str) -> bytes:
     body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"),
                       "param": None, "code": status}}  # fmt: skip
+    return _json.encode(body)
+
+
+def openai_error(status: int, message: str) -> Response:
+    """An OpenAI error object, the shape vLLM answers with."""
     headers = {"www-authenticate": "Bearer"} if status == 401 else None
-    return Response(_json.encode(body), status, headers, media_type="application/json")
+    return Response(_error_body(status, message), status, headers, media_type="application/json")
+
+
+async def send_openai_error(send: Send, status: int, message: str) -> None:
+    """:func:`openai_error`, sent as plain ASGI messages."""
+    body = _error_body(status, message)
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]  # fmt: skip
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _header_map(scope: Scope) -> dict[bytes, bytes]:
+    """The request's headers by lower-case name (the first of repeated ones)."""
+    found: dict[bytes, bytes] = {}
+    for name, value in scope["headers"]:
+        found.setdefault(name, value)
+    return found
 
 
 def cached_tokens(reply: bytes, stream: bool) -> int | None:
@@ -198,10 +228,10 @@ class Router:
 
     # ------------------------------------------------------------------ requests
 
-    def _caller(self, request: Request) -> Principal | None:
+    def _caller(self, authorization: str | None) -> Principal | None:
         if self.auth is None:
             return None
-        who = self.auth.authenticate(request.headers.get("authorization"))
+        who = self.auth.authenticate(authorization)
         who.require("route")
         return who
 
@@ -250,11 +280,17 @@ class Router:
             for s in scores.instances
         }
 
-    async def handle(self, kind: Kind, request: Request) -> Response:
+    async def handle(self, kind: Kind, scope: Scope, receive: Receive, send: Send) -> None:
+        """One completion request, from ASGI in to the engine's reply out (or an error)."""
         arrived = time.perf_counter()
+        headers = _header_map(scope)
         try:
-            who = self._caller(request)
-            raw = await read_body(request, self.config.max_body_bytes)
+            auth = headers.get(b"authorization")
+            who = self._caller(None if auth is None else auth.decode("latin-1"))
+            check_declared_length(headers.get(b"content-length"), self.config.max_body_bytes)
+            raw = await receive_body(receive, self.config.max_body_bytes)
+            if raw is None:  # the client left before its body was in
+                return
             req = await self._parse(kind, raw)
             if who is not None:
                 who.require_salts([req.cache_salt], role="route")
@@ -263,32 +299,77 @@ class Router:
             engines = self._serving(req)
             coverage = await self._coverage(req, engines)
             n = len(req.prompt_tokens) if req.prompt_tokens is not None else 0
+            load = self.engines.load
             candidates = [
-                Candidate(e.engine_id, self.engines.load(e), coverage.get(e.engine_id, NO_COVERAGE))
+                Candidate(e.engine_id, load(e), coverage.get(e.engine_id, NO_COVERAGE))
                 for e in engines
             ]
             ranked = self.policy.rank(candidates, n)
             self.metrics.decision_seconds.observe(time.perf_counter() - arrived)
-            return await self._proxy(kind, request, raw, req, ranked[:2], arrived)
+            engine, reply, uncomputed = await self._proxy(kind, headers, raw, req, ranked[:2])
         except KvatlasError as exc:
             self.metrics.errors.labels(str(exc.status)).inc()
-            return openai_error(exc.status, exc.detail)
+            await send_openai_error(send, exc.status, exc.detail)
+            return
         except Exception:  # a bug: logged with its traceback, the client gets an error object
             log.exception("router failed on a %s request", kind)
             self.metrics.errors.labels("500").inc()
-            return openai_error(500, "internal router error (logged)")
+            await send_openai_error(send, 500, "internal router error (logged)")
+            return
+        out = [(k.encode(), v.encode("latin-1")) for k in _FORWARD_REPLY_HEADERS
+               if (v := reply.headers.get(k))]  # fmt: skip
+        out.append((_ENGINE_HEADER_BYTES, engine.engine_id.encode()))
+        await self._stream(send, receive, reply.status, out,
+                           self._relay(engine, reply, req, uncomputed, arrived))  # fmt: skip
+
+    @staticmethod
+    async def _stream(send: Send, receive: Receive, status: int,
+                      headers: list[tuple[bytes, bytes]], chunks: AsyncIterator[bytes]) -> None:  # fmt: skip
+        """Send ``chunks`` as they come. A client that leaves cancels this (its ``receive``
+        says ``http.disconnect``), which closes the engine's reply in ``chunks``' cleanup:
+        what Starlette's StreamingResponse does, with one watcher task instead of a group."""
+        task = asyncio.current_task()
+        assert task is not None
+        state = {"left": False, "done": False}
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not state["done"]:
+                state["left"] = True
+                task.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            async for chunk in chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            state["done"] = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not state["left"] or task.uncancel() > 0:
+                raise  # cancelled by someone else (shutdown): not ours to swallow
+        finally:
+            state["done"] = True
+            watcher.cancel()
+            if isinstance(chunks, AsyncGenerator):
+                await chunks.aclose()
 
     def _uncomputed(self, req: RouteRequest, cover: Coverage) -> int:
         if req.prompt_tokens is None:
             return int(self.engines.mean_prompt_tokens)
         return uncomputed_tokens(len(req.prompt_tokens), cover)
 
-    async def _proxy(self, kind: Kind, request: Request, raw: bytes, req: RouteRequest,
-                     ranked: list[Any], arrived: float) -> Response:  # fmt: skip
-        headers = {k: v for k in _FORWARD_REQUEST_HEADERS if (v := request.headers.get(k))}
+    async def _proxy(self, kind: Kind, request_headers: dict[bytes, bytes], raw: bytes,
+                     req: RouteRequest, ranked: list[Any]
+                     ) -> tuple[Engine, aiohttp.ClientResponse, int]:  # fmt: skip
+        """Send the body to the best engine that accepts it (the next on a refusal): the
+        engine, its reply (headers read, body not) and the request's uncomputed tokens."""
+        headers = {k: v.decode("latin-1") for k in _FORWARD_REQUEST_HEADERS
+                   if (v := request_headers.get(k.encode()))}  # fmt: skip
         headers.setdefault("content-type", "application/json")
-        if self.auth is None and (token := request.headers.get("authorization")):
-            headers["authorization"] = token  # the engine's own --api-key, when the router has none
+        if self.auth is None and (token := request_headers.get(b"authorization")):
+            headers["authorization"] = token.decode("latin-1")  # the engine's own --api-key
         path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
         for attempt, choice in enumerate(ranked):
             engine = self.engines.engines.get(choice.engine_id)
@@ -311,6 +392,10 @@ class Router:
                 self.engines.first_byte(engine, uncomputed)
                 self.engines.finished(engine)
                 raise Unavailable(f"engine {engine.engine_id} did not answer: {exc!r}") from None
+            except BaseException:  # cancelled (shutdown): the engine's count stays right
+                self.engines.first_byte(engine, uncomputed)
+                self.engines.finished(engine)
+                raise
             self.metrics.decisions.labels(self.policy.name, engine.engine_id).inc()
             if req.prompt_tokens is not None:
                 self.metrics.prompt_tokens.labels(engine.engine_id).inc(len(req.prompt_tokens))
@@ -318,13 +403,7 @@ class Router:
                 self.metrics.predicted_reused.labels(engine.engine_id).inc(
                     min(reused, len(req.prompt_tokens))
                 )
-            out_headers = {k: v for k in _FORWARD_REPLY_HEADERS if (v := reply.headers.get(k))}
-            out_headers[ENGINE_HEADER] = engine.engine_id
-            return StreamingResponse(
-                self._relay(engine, reply, req, uncomputed, arrived),
-                status_code=reply.status,
-                headers=out_headers,
-            )
+            return engine, reply, uncomputed
         raise Unavailable("no engine accepted the request (each refused the connection)")
 
     async def _relay(self, engine: Engine, reply: aiohttp.ClientResponse, req: RouteRequest,
@@ -363,7 +442,7 @@ class Router:
 
     async def models(self, request: Request) -> Response:
         try:
-            self._caller(request)
+            self._caller(request.headers.get("authorization"))
         except KvatlasError as exc:
             return openai_error(exc.status, exc.detail)
         seen: dict[str, int | None] = {}
@@ -402,12 +481,31 @@ class Router:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def create_app(router: Router) -> Starlette:
-    async def completions(request: Request) -> Response:
-        return await router.handle("completions", request)
+_COMPLETION_PATHS: Final[dict[str, Kind]] = {
+    "/v1/completions": "completions", "/v1/chat/completions": "chat",
+}  # fmt: skip
 
-    async def chat(request: Request) -> Response:
-        return await router.handle("chat", request)
+
+class _Completions:
+    """The outermost ASGI layer: ``POST`` to a completion path goes to :meth:`Router.handle`,
+    everything else (other routes, other methods: 405) to Starlette."""
+
+    def __init__(self, app: ASGIApp, router: Router) -> None:
+        self.app = app
+        self.router = router
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            kind = _COMPLETION_PATHS.get(scope["path"])
+            if kind is not None:
+                await self.router.handle(kind, scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(router: Router) -> ASGIApp:
+    async def completions(_: Request) -> Response:  # only reached by other methods: 405
+        raise AssertionError("POST completions are answered in front of Starlette")
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
@@ -417,13 +515,14 @@ def create_app(router: Router) -> Starlette:
         finally:
             await router.stop()
 
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/chat/completions", completions, methods=["POST"]),
             Route("/v1/models", router.models, methods=["GET"]),
             Route("/healthz", router.healthz, methods=["GET"]),
             Route("/metrics", router.prometheus, methods=["GET"]),
         ],
         lifespan=lifespan,
     )
+    return _Completions(app, router)

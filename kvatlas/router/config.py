@@ -58,8 +58,8 @@ class RouterConfig:
     kv_bytes_per_token: int = 131_072
     gpu_bandwidth_bytes_per_s: float = 0.0
     l1_bandwidth_bytes_per_s: float = 25e9
-    l2_bandwidth_bytes_per_s: float = 3e9
-    peer_bandwidth_bytes_per_s: float = 3e9
+    l2_bandwidth_bytes_per_s: float = 7e9  # engine-sim's --node-l2-bytes-s (docs/router.md)
+    peer_bandwidth_bytes_per_s: float = 12.5e9  # engine-sim's --node-peer-bytes-s
     recompute_share: float = 0.15
     seed: int = 0
     log_level: str = "info"
@@ -191,8 +191,10 @@ HELP: Final = MappingProxyType(
         "(0 = free: it is already there)",
         "l1_bandwidth_bytes_per_s": "kvatlas policy: fetch rate from host DRAM (CPU offload, "
         "node L1) into the GPU",
-        "l2_bandwidth_bytes_per_s": "kvatlas policy: fetch rate from a node's L2 / a shared pool",
-        "peer_bandwidth_bytes_per_s": "kvatlas policy: fetch rate from a peer node's L1",
+        "l2_bandwidth_bytes_per_s": "kvatlas policy: fetch rate from a node's L2 / a shared pool "
+        "(default: a PCIe 4.0 x4 NVMe drive)",
+        "peer_bandwidth_bytes_per_s": "kvatlas policy: fetch rate from a peer node's L1 "
+        "(default: 100 Gb Ethernet)",
         "recompute_share": "kvatlas policy: share of fragment tokens recomputed (CacheBlend)",
         "seed": "seed of the random policy and of tie-breaks",
         "log_level": "log level",

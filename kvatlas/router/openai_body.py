@@ -10,6 +10,7 @@ know them (no tokenizer, multimodal parts): such a request is routed by load and
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -186,8 +187,8 @@ def decode_body(raw: bytes) -> dict[str, Any]:
 
 class _TokenIdsCompletion(msgspec.Struct):
     """The fields the router reads of a completion whose prompt is token ids, decoded typed:
-    msgspec checks every id is an integer in C, numpy the range in one pass (≈ a third of
-    the general path's CPU for a 4,096-token prompt). Anything else takes the general path."""
+    msgspec checks every id is an integer in C, ``array('I')`` the range (≈ a fifth of the
+    general path's CPU for a 4,096-token prompt). Anything else takes the general path."""
 
     prompt: list[int]
     model: Any = None
@@ -207,11 +208,10 @@ def _token_ids_body(raw: bytes) -> tuple[dict[str, Any], TokenIds] | None:
         return None  # not this shape (or not JSON): the general path says what is wrong
     if not view.prompt:
         return None
-    try:
-        ids = np.fromiter(view.prompt, dtype=np.int64, count=len(view.prompt))
+    try:  # array('I') range-checks every id in C: a third of numpy's fromiter + min/max
+        checked: TokenIds = np.frombuffer(array("I", view.prompt), dtype=np.uint32)
     except OverflowError:
-        ids = np.asarray([-1])
-    checked = _in_range(ids, "'prompt'")
+        raise InvalidInput("'prompt' must be token ids (integers in [0, 2^32))") from None
     fields = ("model", "stream", "cache_salt", "max_tokens", "max_completion_tokens")
     body = {name: value for name in fields if (value := getattr(view, name)) is not None}
     return body, checked

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 TIERS: Final = ("gpu", "l1", "l2", "peer")
@@ -59,6 +59,15 @@ class CostModel:
     bandwidth_bytes_per_s: Mapping[str, float] | None = None
     """Per tier class; 0 or absent = free (KV already in the engine's GPU)."""
     recompute_share: float = 0.15
+    _priced: tuple[tuple[str, float], ...] = field(default=(), init=False, repr=False,
+                                                   compare=False)  # fmt: skip
+    """The tiers whose fetch costs time, with their bandwidth (derived: the per-request
+    loop skips the free ones)."""
+
+    def __post_init__(self) -> None:
+        bandwidths = self.bandwidth_bytes_per_s or {}
+        priced = tuple((t, bw) for t in TIERS if (bw := bandwidths.get(t, 0.0)) > 0)
+        object.__setattr__(self, "_priced", priced)
 
     def fetch_s(self, tier: str, tokens: int) -> float:
         bandwidth = (self.bandwidth_bytes_per_s or {}).get(tier, 0.0)
@@ -70,7 +79,9 @@ class CostModel:
         reused = min(query_tokens, cover.prefix_tokens + cover.fragment_tokens)
         queue_s = load.pending_prefill_tokens / rate
         prefill_s = (query_tokens - reused) / rate
-        fetch_s = sum(self.fetch_s(tier, cover.by_tier.get(tier, 0)) for tier in TIERS)
+        fetch_s = 0.0  # Σ fetch_s(tier) over the priced tiers (the free ones add 0)
+        for tier, bandwidth in self._priced:
+            fetch_s += cover.by_tier.get(tier, 0) * self.kv_bytes_per_token / bandwidth
         recompute_s = self.recompute_share * cover.fragment_tokens / rate
         return queue_s + prefill_s + fetch_s + recompute_s
 

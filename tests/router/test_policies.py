@@ -12,7 +12,7 @@ from kvatlas.router.engines import Engine, EngineSet, parse_models, parse_vllm_g
 from kvatlas.router.policies import llmd_prefix_score, prefix_costs
 
 IDLE = EngineLoad(in_flight=0, waiting=0.0, pending_prefill_tokens=0.0, kv_usage=0.0)
-BW = {"gpu": 0.0, "l1": 25e9, "l2": 3e9, "peer": 3e9}
+BW = {"gpu": 0.0, "l1": 25e9, "l2": 7e9, "peer": 12.5e9}  # the defaults
 MODEL = CostModel(20_000.0, 131_072, BW, 0.15)
 
 
@@ -26,10 +26,26 @@ def test_predicted_ttft_worked_example() -> None:
     load = EngineLoad(2, 1.0, 3_000.0, 0.5)
     got = MODEL.predicted_ttft_s(4096, load, cover(2048, 1024, gpu=2048, peer=1024))
     queue, prefill = 3000 / 20000, 1024 / 20000
-    fetch = 1024 * 131_072 / 3e9
+    fetch = 1024 * 131_072 / 12.5e9
     recompute = 0.15 * 1024 / 20000
     assert got == pytest.approx(queue + prefill + fetch + recompute)
-    assert got == pytest.approx(0.150 + 0.0512 + 0.044739 + 0.00768, rel=1e-4)
+    assert got == pytest.approx(0.150 + 0.0512 + 0.010737 + 0.00768, rel=1e-4)
+
+
+def test_the_router_prices_each_tier_as_the_simulated_engine_charges_it() -> None:
+    """One bandwidth per tier, one source each (docs/router.md): the router's defaults are the
+    simulated engine's, so the fleet benchmark does not judge the router against a model of
+    the hardware other than its own. (engine_sim may not import the router: a test pins it.)"""
+    from dataclasses import fields
+
+    from kvatlas.engine_sim.config import EngineSimConfig
+    from kvatlas.router.config import RouterConfig
+
+    router = {f.name: f.default for f in fields(RouterConfig)}
+    sim = {f.name: f.default for f in fields(EngineSimConfig)}
+    assert {tier: router[f"{tier}_bandwidth_bytes_per_s"] for tier in BW} == BW
+    for tier in ("l1", "l2", "peer"):
+        assert router[f"{tier}_bandwidth_bytes_per_s"] == sim[f"node_{tier}_bytes_s"]
 
 
 def test_kvatlas_weighs_the_queue_against_the_prefill_saved() -> None:
