@@ -1,0 +1,122 @@
+"""Cache control on the wire: the bodies and replies of the MP-server routes a cache node answers
+(``DELETE /cache/objects``, ``POST /cache/prefetches``, ``GET /cache/prefetches/{request_id}``,
+``GET /cache/objects``, ``POST /cache/clear``), shaped as LMCache 0.5.6's ``lmcache server``
+answers them, so LMCache's coordinator can drive a kvatlas node and kvatlas's coordinator an
+LMCache server (``shared/spec/cache-control.md``; recorded in ``docs/cache-control.md``).
+
+A body field LMCache's server accepts is accepted here with the same default (``tier`` of a
+delete defaults to ``l2``, as LMCache's eviction loop expects); a body field it does not know is
+refused (422), where LMCache ignores it: a misspelt ``tier`` or ``force`` must not turn into a
+different delete than the operator asked for. Key invariants (hash length, model name, salt,
+``kv_rank``) are checked where a key is built (:class:`~kvatlas.keys.ObjectKey`: 400).
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+import msgspec
+
+TierName = Literal["l1", "l2", "all"]
+"""A tier selector on the wire (LMCache's ``Tier``); which a route accepts is the route's rule."""
+
+MAX_DELETE_KEYS: Final = 10_000
+"""Keys one ``DELETE /cache/objects`` may name (LMCache's ``MAX_DELETE_BATCH``): 400 beyond."""
+MAX_TOKEN_IDS: Final = 1_000_000
+"""Token ids one token-addressed request may carry (LMCache's ``MAX_TOKEN_IDS``): 400 beyond."""
+MAX_PAGE_SIZE: Final = 5000
+DEFAULT_PAGE_SIZE: Final = 500
+
+
+class EncodedKey(msgspec.Struct, forbid_unknown_fields=True):
+    """An ObjectKey on the wire (LMCache's ``EncodedObjectKey``; :meth:`ObjectKey.to_wire`)."""
+
+    chunk_hash_hex: str
+    model_name: str
+    kv_rank: int
+    object_group_id: int = 0
+    cache_salt: str = ""
+
+
+class DeleteObjectsBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``DELETE /cache/objects``: remove ``keys`` from ``tier``; without ``force`` an L1 key
+    held for a transfer is skipped. ``adapter`` names the L2 backend (``None``: the node's)."""
+
+    keys: list[EncodedKey]
+    tier: TierName = "l2"
+    force: bool = False
+    adapter: str | None = None
+
+
+class DeleteObjectsReply(msgspec.Struct):
+    """``deleted``: copies removed, L1 and L2 summed; ``skipped``: L1 keys held (not
+    ``force``); ``ok`` false with ``error`` when the L2 backend failed (a result, not a 5xx)."""
+
+    deleted: int
+    skipped: int
+    ok: bool
+    error: str | msgspec.UnsetType = msgspec.UNSET  # UNSET: not encoded
+
+
+class PrefetchBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /cache/prefetches``: load the complete chunks of ``token_ids`` from L2 into L1."""
+
+    model_name: str
+    world_size: int
+    token_ids: list[int]
+    cache_salt: str = ""
+    source_tier: TierName = "l2"
+    target_tier: TierName = "l1"
+
+
+class PrefetchSubmitted(msgspec.Struct):
+    """202: ``{request_id, chunks, status: "submitted"}``, or ``{chunks: 0, status: "noop"}``
+    for fewer tokens than one chunk (no job, no id)."""
+
+    chunks: int
+    status: Literal["submitted", "noop"]
+    request_id: str | msgspec.UnsetType = msgspec.UNSET
+
+
+class PrefetchStatusReply(msgspec.Struct):
+    """``{request_id, status: "pending"}`` or ``{request_id, status: "completed", found_keys,
+    total_keys}``: ``found_keys`` of the request's ``total_keys`` are in L1 now."""
+
+    request_id: str
+    status: Literal["pending", "completed"]
+    found_keys: int | msgspec.UnsetType = msgspec.UNSET
+    total_keys: int | msgspec.UnsetType = msgspec.UNSET
+
+
+class ObjectEntry(msgspec.Struct):
+    """One listed object: its key and its stored size."""
+
+    key: EncodedKey
+    size_bytes: int
+
+
+class ObjectPage(msgspec.Struct):
+    """``GET /cache/objects``: one page of the L2 backend's keys; ``next_page_token`` is
+    ``None`` on the last page, else the token to pass for the next one."""
+
+    adapter: str
+    shared: bool
+    entries: list[ObjectEntry]
+    next_page_token: str | None
+
+
+class ClearBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /cache/clear`` (body optional): empty L1; ``force`` also drops keys held for a
+    transfer."""
+
+    tier: TierName = "l1"
+    force: bool = False
+
+
+class ClearedTier(msgspec.Struct):
+    tier: Literal["l1"]
+
+
+class ClearReply(msgspec.Struct):
+    status: Literal["ok"]
+    cleared: ClearedTier
