@@ -97,13 +97,17 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + _STARTUP_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"lmcache server exited ({proc.returncode}): {log.read_text()[-3000:]}")
+            raise RuntimeError(
+                f"lmcache server exited ({proc.returncode}): {log.read_text()[-3000:]}"
+            )
         try:
             httpx.get(f"{url}/cache/prefetches/probe", timeout=2)
             return
         except httpx.TransportError:
             time.sleep(0.2)
-    raise RuntimeError(f"lmcache server not answering after {_STARTUP_S}s: {log.read_text()[-3000:]}")
+    raise RuntimeError(
+        f"lmcache server not answering after {_STARTUP_S}s: {log.read_text()[-3000:]}"
+    )
 
 
 @contextmanager
@@ -140,7 +144,9 @@ def lmcache_server(tmp: Path, sequences: tuple[int, ...] = (1, 2)) -> Iterator[L
         line = engine.stdout.readline()  # the engine prints one line once it has stored
         if not line:
             engine.wait(timeout=30)
-            raise RuntimeError(f"the LMCache engine failed: {(tmp / 'engine.log').read_text()[-3000:]}")
+            raise RuntimeError(
+                f"the LMCache engine failed: {(tmp / 'engine.log').read_text()[-3000:]}"
+            )
         reply = json.loads(line)
         assert reply["chunk_size"] == CHUNK_SIZE, reply
         yield LMCacheServer(
