@@ -13,7 +13,7 @@ different delete than the operator asked for. Key invariants (hash length, model
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Annotated, Final, Literal
 
 import msgspec
 
@@ -120,3 +120,104 @@ class ClearedTier(msgspec.Struct):
 class ClearReply(msgspec.Struct):
     status: Literal["ok"]
     cleared: ClearedTier
+
+
+# ------------------------------------------------------------------------ coordinator routes
+# The coordinator's cache-control bodies and replies (shared/spec/cache-control.md, the table;
+# LMCache 0.5.7rc2's coordinator recorded them in shared/wire/lmcache-0.5.7rc2-*.json).
+
+MAX_PIN_PAGE: Final = 10_000
+
+
+class TokenFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What a coordinator request resolves to keys with its own hashing: complete chunks only,
+    one key per rank (``world_size`` >= 1, 422 below)."""
+
+    model_name: str
+    world_size: Annotated[int, msgspec.Meta(ge=1)]
+    token_ids: list[int]
+    cache_salt: str = ""
+
+
+class PinReply(msgspec.Struct):
+    """``POST``/``DELETE /cache/pins``: ``requested`` chunks, ``affected`` keys."""
+
+    requested: int
+    affected: int
+    status: Literal["pinned", "unpinned"]
+
+
+class PinRow(msgspec.Struct):
+    key: EncodedKey
+    pin_count: int
+
+
+class PinsReply(msgspec.Struct):
+    total: int
+    pins: list[PinRow]
+
+
+class CoordinatorDeleteBody(TokenFields, kw_only=True, forbid_unknown_fields=True):
+    """``POST /cache/delete``: the keys of ``token_ids`` on ``instance_id``'s ``tier``."""
+
+    instance_id: str
+    tier: TierName = "all"
+    force: bool = False
+
+
+class CoordinatorDeleteReply(msgspec.Struct):
+    instance_id: str
+    requested: int
+    affected: int
+    skipped: int
+    status: Literal["deleted", "noop"]
+
+
+class CoordinatorPrefetchBody(TokenFields, kw_only=True, forbid_unknown_fields=True):
+    """``POST /cache/prefetches`` on the coordinator: L2 -> L1 on ``instance_id``."""
+
+    instance_id: str
+
+
+class CoordinatorPrefetchReply(msgspec.Struct):
+    instance_id: str
+    request_id: str
+    chunks: int
+    status: Literal["submitted", "noop"]
+
+
+class QuotaConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """``PUT``/``GET /quota/config``: ``None`` = salts without a quota of their own are exempt;
+    ``0`` = they may hold nothing (evicted)."""
+
+    default_limit_gb: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    tier: Literal["l2"] | msgspec.UnsetType = msgspec.UNSET  # LMCache's clients send it
+
+
+class QuotaSetBody(msgspec.Struct, forbid_unknown_fields=True):
+    limit_gb: Annotated[float, msgspec.Meta(ge=0)]
+    tier: Literal["l2"] = "l2"
+
+
+class QuotaSetReply(msgspec.Struct):
+    """``PUT``/``DELETE /quota/{cache_salt}``: ``status`` ``ok`` or ``removed`` (``limit_gb``
+    0.0 then)."""
+
+    cache_salt: str
+    limit_gb: float
+    status: Literal["ok", "removed"]
+
+
+class QuotaStatus(msgspec.Struct):
+    """One salt: its own quota (``quota_limit_gb`` 0.0 with ``quota_exists`` false when it has
+    none, as LMCache answers) and the bytes its keys hold, in GB (2^30 bytes)."""
+
+    cache_salt: str
+    quota_limit_gb: float
+    quota_exists: bool
+    usage_gb: float
+
+
+class QuotaList(msgspec.Struct):
+    total_gb: float
+    by_cache_salt: list[QuotaStatus]
