@@ -11,8 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvatlas.asgi_thread import free_port
 from kvatlas.auth import Principal, TokenAuth
@@ -384,3 +387,62 @@ def wait_done(jobs: PrefetchJobs, request_id: str) -> None:
     while jobs.status(request_id).status != "completed":
         assert time.monotonic() < deadline
         time.sleep(0.01)
+
+
+anything = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+wire_key = st.fixed_dictionaries(
+    {},
+    optional={
+        "chunk_hash_hex": st.sampled_from(["00" * 32, "zz" * 32, "", "00ff"]) | anything,
+        "model_name": st.sampled_from([MODEL, "m@x", ""]) | anything,
+        "kv_rank": st.sampled_from([16777472, 0, -1, 1 << 40]) | anything,
+        "object_group_id": st.integers(-2, 2) | anything,
+        "cache_salt": st.sampled_from(["", "a@b", "x" * 300]) | anything,
+    },
+)
+bodies = {
+    ("DELETE", "/cache/objects"): st.fixed_dictionaries(
+        {}, optional={"keys": st.lists(wire_key, max_size=3) | anything, "tier": st.sampled_from(["l1", "l2", "all", "l3"]) | anything,
+                      "force": st.booleans() | anything, "adapter": st.sampled_from([None, "fs", "s3"]) | anything},
+    ),
+    ("POST", "/cache/prefetches"): st.fixed_dictionaries(
+        {}, optional={"model_name": st.sampled_from([MODEL, "other"]) | anything, "world_size": st.integers(-1, 3) | anything,
+                      "token_ids": st.lists(st.integers(-(2**33), 2**33), max_size=40) | anything,
+                      "cache_salt": st.sampled_from(["", "a@b"]) | anything,
+                      "source_tier": st.sampled_from(["l1", "l2", "x"]) | anything, "target_tier": st.sampled_from(["l1", "l2"]) | anything},
+    ),
+    ("POST", "/cache/clear"): st.fixed_dictionaries(
+        {}, optional={"tier": st.sampled_from(["l1", "l2", "x"]) | anything, "force": st.booleans() | anything}
+    ),
+}  # fmt: skip
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    route=st.sampled_from(sorted(bodies)), data=st.data(), raw=st.none() | st.binary(max_size=40)
+)
+def test_cache_control_fuzz_no_server_errors(
+    client: httpx.Client, route: tuple[str, str], data: st.DataObject, raw: bytes | None
+) -> None:
+    body = data.draw(bodies[route]) if raw is None else None
+    content = msgspec.json.encode(body) if raw is None else raw
+    r = client.request(*route, content=content, headers={"content-type": "application/json"})
+    assert r.status_code < 500, (r.status_code, r.text[:300])
+    if r.status_code >= 400:
+        assert isinstance(r.json()["detail"], str) and r.json()["detail"]
+
+
+def test_deeply_nested_bodies_are_refused_not_a_server_error(client: httpx.Client) -> None:
+    for route in bodies:
+        r = client.request(
+            *route, content=b"[" * 100_000, headers={"content-type": "application/json"}
+        )
+        assert 400 <= r.status_code < 500, (route, r.status_code)

@@ -63,7 +63,7 @@ class Retry(msgspec.Struct, frozen=True):
     cap_s: float = 60.0
 
     def wait_s(self, attempts: int, jitter: float) -> float:
-        step = min(self.initial_s * 2 ** max(attempts - 1, 0), self.cap_s)
+        step = min(self.initial_s * float(1 << max(attempts - 1, 0)), self.cap_s)
         return step * (0.5 + jitter / 2)
 
 
