@@ -2,7 +2,7 @@
 (``DELETE /cache/objects``, ``POST /cache/prefetches``, ``GET /cache/prefetches/{request_id}``,
 ``GET /cache/objects``, ``POST /cache/clear``), shaped as LMCache 0.5.6's ``lmcache server``
 answers them, so LMCache's coordinator can drive a kvatlas node and kvatlas's coordinator an
-LMCache server (``shared/spec/cache-control.md``; recorded in ``docs/cache-control.md``).
+LMCache server (``docs/cache-control.md`` records both).
 
 A body field LMCache's server accepts is accepted here with the same default (``tier`` of a
 delete defaults to ``l2``, as LMCache's eviction loop expects); a body field it does not know is
@@ -123,8 +123,8 @@ class ClearReply(msgspec.Struct):
 
 
 # ------------------------------------------------------------------------ coordinator routes
-# The coordinator's cache-control bodies and replies (shared/spec/cache-control.md, the table;
-# LMCache 0.5.7rc2's coordinator recorded them in shared/wire/lmcache-0.5.7rc2-*.json).
+# The coordinator's cache-control bodies and replies (docs/cache-control.md; LMCache 0.5.7rc2's
+# coordinator answering them: tests/coordinator/data/lmcache-0.5.7rc2-cache-control.json).
 
 MAX_PIN_PAGE: Final = 10_000
 

@@ -1,7 +1,7 @@
-"""Cache control on the coordinator, below HTTP (``shared/spec/cache-control.md``;
-``docs/cache-control.md``): pins with reference counts (:mod:`.pins`), quotas per salt with
-LMCache's semantics (:mod:`.quotas`), durable commands carried to completion (:mod:`.commands`)
-and the operations the routes call (:mod:`.service`). Nothing here imports HTTP."""
+"""Cache control on the coordinator, below HTTP (``docs/cache-control.md``): pins with
+reference counts (:mod:`.pins`), quotas per salt with LMCache's semantics (:mod:`.quotas`),
+durable commands carried to completion (:mod:`.commands`) and the operations the routes call
+(:mod:`.service`). Nothing here imports HTTP."""
 
 from kvatlas.coordinator.cache_control.commands import Command, CommandLog, Retry
 from kvatlas.coordinator.cache_control.pins import PinTable

@@ -1,6 +1,5 @@
-"""The coordinator's cache-control operations below HTTP: what each route of
-``shared/spec/cache-control.md`` does, as functions of typed bodies that return typed replies
-or raise from :mod:`kvatlas.errors` (422 a body, 400 a key field, 404 an unknown instance or
+"""The coordinator's cache-control operations below HTTP (``docs/cache-control.md``): what each
+route does, as functions of typed bodies that return typed replies or raise from :mod:`kvatlas.errors` (422 a body, 400 a key field, 404 an unknown instance or
 quota). A route handler decodes the body, calls one of these and encodes the reply.
 
 Keys are resolved with the coordinator's own hashing (complete chunks, one key per rank).
