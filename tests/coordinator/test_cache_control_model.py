@@ -269,3 +269,40 @@ def test_pin_listing_filters_by_salt_and_default_names_the_empty_one() -> None:
         with pytest.raises(KvatlasError) as bad:
             control.list_pins(None, None, 0, limit)
         assert bad.value.status == 422
+
+
+def test_pins_quotas_and_commands_survive_a_restart_in_the_snapshot_file(tmp_path: Path) -> None:
+    """Written with the directory's snapshot (its ``cache_control`` section) and read back by
+    a fresh coordinator: every pin with its count, the quotas, the unfinished commands."""
+    from kvatlas.coordinator.cache_control import SECTION, encode_state, restore_state
+    from kvatlas.directory import KeyDirectory
+    from kvatlas.directory.snapshot import load_snapshot, save_snapshot
+
+    before = CacheControl(16, is_instance={"a"}.__contains__, usage_by_salt=dict)
+    before.pin(fields(48))
+    before.pin(fields(16))
+    before.pin(fields(32, salt="t"))
+    before.quotas.set_default(None)
+    before.quotas.set("t", 2.5)
+    before.quotas.set("", 0.0)
+    body = dict(model_name="m", world_size=1, token_ids=list(range(64)), instance_id="a")
+    deleting = before.delete(CoordinatorDeleteBody(**body)).command  # type: ignore[arg-type]
+    assert deleting is not None
+    path = tmp_path / "snap"
+    save_snapshot(KeyDirectory(16), path, sections={SECTION: encode_state(before)})
+
+    info = load_snapshot(KeyDirectory(16), path)
+    assert info.sections is not None
+    after = CacheControl(16, is_instance={"a"}.__contains__, usage_by_salt=dict)
+    restore_state(after, info.sections[SECTION])
+    assert after.pins.rows() == before.pins.rows()
+    assert [n for _k, n in after.pins.rows()][:1] == [2]  # the first chunk was pinned twice
+    assert (after.quotas.default_limit_gb, after.quotas.limits()) == (None, {"t": 2.5, "": 0.0})
+    assert after.commands.get(deleting.command_id) == deleting
+    assert [c.command_id for c in after.commands.due()] == [deleting.command_id]
+
+    save_snapshot(KeyDirectory(16), path)  # a snapshot without the section: nothing to restore
+    assert load_snapshot(KeyDirectory(16), path).sections is None
+    with pytest.raises(KvatlasError) as corrupt:
+        restore_state(after, b"\x93garbage")
+    assert corrupt.value.status == 400 and after.pins.rows() == before.pins.rows()  # unchanged
