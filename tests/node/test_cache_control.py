@@ -446,3 +446,71 @@ def test_deeply_nested_bodies_are_refused_not_a_server_error(client: httpx.Clien
             *route, content=b"[" * 100_000, headers={"content-type": "application/json"}
         )
         assert 400 <= r.status_code < 500, (route, r.status_code)
+
+
+def test_the_directory_follows_deletes_clears_and_prefetches(tmp_path: Path) -> None:
+    """Every copy a cache-control call removes or loads is an event: the directory shows it."""
+    from dataclasses import replace
+
+    from kvatlas.api.cache_control import ClearBody, DeleteObjectsBody, EncodedKey, PrefetchBody
+    from kvatlas.node.cache_control import NodeCacheControl
+    from kvatlas.node.embedded import EmbeddedFleet
+
+    with EmbeddedFleet([replace(CONFIG, l2="fs")], l2_root=tmp_path) as fleet:
+        node = fleet.nodes["node-0"]
+        control = NodeCacheControl(node)
+        kv = list(np.zeros((3, *CONFIG.layout.shape), dtype=np.float32))
+        node.store(node.tracker(token_ids=sequence(1)), kv)
+        node.store(node.tracker(token_ids=sequence(2)), kv)
+        one, two = keys_of(sequence(1)), keys_of(sequence(2))
+
+        def tiers(keys: list[ObjectKey]) -> list[set[str]]:
+            assert fleet.settle()
+            return [{p.tier for p in kp.placements} for kp in fleet.directory.lookup(keys)]
+
+        assert tiers(one) == [{"l1", "l2"}] * 3
+        wire_keys = [EncodedKey(**k.to_wire()) for k in one]
+        assert control.delete_objects(DeleteObjectsBody(keys=wire_keys, tier="all")).deleted == 6
+        assert tiers(one) == [set()] * 3 and tiers(two) == [{"l1", "l2"}] * 3
+        control.clear(ClearBody())
+        assert tiers(two) == [{"l2"}] * 3
+        submitted = control.submit_prefetch(
+            PrefetchBody(model_name=MODEL, world_size=1, token_ids=sequence(2))
+        )
+        assert isinstance(submitted.request_id, str)
+        deadline = time.monotonic() + 10
+        while control.prefetch_status(submitted.request_id).status != "completed":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert tiers(two) == [{"l1", "l2"}] * 3
+        control.close()
+
+
+def test_a_delete_from_a_shared_pool_removes_the_pools_copy_another_node_wrote(
+    tmp_path: Path,
+) -> None:
+    from dataclasses import replace
+
+    from kvatlas.api.cache_control import DeleteObjectsBody, EncodedKey
+    from kvatlas.node.cache_control import NodeCacheControl
+    from kvatlas.node.embedded import EmbeddedFleet
+
+    shared = replace(CONFIG, l2="fs", l2_shared=True)
+    with EmbeddedFleet([shared, shared], l2_root=tmp_path) as fleet:
+        writer, other = fleet.nodes["node-0"], fleet.nodes["node-1"]
+        writer.store(
+            writer.tracker(token_ids=sequence(1)),
+            list(np.zeros((3, *CONFIG.layout.shape), np.float32)),
+        )
+        one = keys_of(sequence(1))
+        assert fleet.settle()
+        assert [
+            {(p.tier, p.shared) for p in kp.placements} for kp in fleet.directory.lookup(one)
+        ] == [{("l1", False), ("l2", True)}] * 3
+        body = DeleteObjectsBody(keys=[EncodedKey(**k.to_wire()) for k in one], tier="l2")
+        assert NodeCacheControl(other).delete_objects(body).deleted == 3  # through any member
+        assert fleet.settle()
+        assert [{p.tier for p in kp.placements} for kp in fleet.directory.lookup(one)] == [
+            {"l1"}
+        ] * 3
+        assert not any(writer.l2.contains(k) for k in one)  # type: ignore[union-attr]
