@@ -13,6 +13,7 @@ finds nothing); at most ``max_jobs`` are kept, the oldest completed first. See
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -40,8 +41,7 @@ from kvatlas.api.cache_control import (
 from kvatlas.errors import InvalidInput, NotFound, Unavailable
 from kvatlas.keys import ObjectKey, check_cache_salt, parse_chunk_hash_hex
 from kvatlas.node.cache_node import CacheNode
-from kvatlas.node.l2 import FsL2, L2Backend, L2Unavailable
-from kvatlas.node.l2.backend import key_digest
+from kvatlas.node.l2 import FsL2, L2Backend, key_digest
 from kvatlas.node.presence import L1, L2, Tier
 
 _TIERS: Final[dict[TierName, frozenset[Tier]]] = {
@@ -49,6 +49,7 @@ _TIERS: Final[dict[TierName, frozenset[Tier]]] = {
     "l2": frozenset({L2}),
     "all": frozenset({L1, L2}),
 }
+log = logging.getLogger(__name__)
 _DIGEST_CHARS: Final = 64  # a page token: the key digest the previous page ended at
 
 
@@ -104,6 +105,9 @@ class PrefetchJobs:
         return request_id
 
     def _completed(self, job: _Job) -> None:
+        error = job.future.exception()
+        if error is not None:  # reported as found_keys 0; the cause goes to the log
+            log.warning("prefetch failed: %s", error)
         with self._lock:
             job.done_at = self._clock()
 
@@ -166,11 +170,10 @@ class NodeCacheControl:
         tiers = _TIERS[body.tier]
         if L2 in tiers:
             self._l2_named(body.adapter)
-        try:
-            deleted, skipped = self.node.delete(keys, tiers, force=body.force)
-        except (L2Unavailable, OSError) as exc:  # LMCache's shape: a result, not a 5xx
-            return DeleteObjectsReply(0, 0, False, error=str(exc))
-        return DeleteObjectsReply(deleted, skipped, True)
+        done = self.node.delete(keys, tiers, force=body.force)
+        if done.error is not None:  # LMCache's shape: a result, not a 5xx
+            return DeleteObjectsReply(done.deleted, done.skipped, False, error=done.error)
+        return DeleteObjectsReply(done.deleted, done.skipped, True)
 
     def submit_prefetch(self, body: PrefetchBody) -> PrefetchSubmitted:
         if (body.source_tier, body.target_tier) != ("l2", "l1"):

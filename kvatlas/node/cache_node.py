@@ -106,6 +106,15 @@ class BlendRetrieval:
         return sum(seg.length for seg, _ in self.parts)
 
 
+class Deleted(NamedTuple):
+    """What :meth:`CacheNode.delete` did: copies removed, held keys skipped, the L2 error it
+    stopped at (``None``: it did all)."""
+
+    deleted: int
+    skipped: int
+    error: str | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class NodeStats:
     """A node's state at one instant. ``local_index`` is the local blend index's stats;
@@ -482,13 +491,11 @@ class CacheNode:
 
     # ------------------------------------------------------------------ cache control
 
-    def delete(
-        self, keys: Sequence[ObjectKey], tiers: frozenset[Tier], *, force: bool
-    ) -> tuple[int, int]:
-        """Remove ``keys`` from this node's ``tiers``; returns ``(deleted, skipped)``: copies
-        removed (L1 and L2 summed) and L1 keys left because a transfer holds them (``force``
-        removes those too). Each removal is a ``delete`` event, like an eviction. An L2 failure
-        raises :class:`~kvatlas.node.l2.L2Unavailable` after the removals before it."""
+    def delete(self, keys: Sequence[ObjectKey], tiers: frozenset[Tier], *, force: bool) -> Deleted:
+        """Remove ``keys`` from this node's ``tiers``: copies removed (L1 and L2 summed), L1
+        keys left because a transfer holds them (``force`` removes those too), and the error
+        an L2 failure stopped at (the keys after it untouched). Each removal is a ``delete``
+        event, like an eviction."""
         deleted = skipped = 0
         for key in keys:
             if L1 in tiers:
@@ -496,13 +503,18 @@ class CacheNode:
                     skipped += 1
                 elif self._drop_l1(key):
                     deleted += 1
-            if L2 in tiers and self.l2 is not None and self._drop_l2(key):
-                deleted += 1
+            try:
+                if L2 in tiers and self.l2 is not None and self._drop_l2(key):
+                    deleted += 1
+            except (L2Unavailable, OSError) as exc:
+                self.counters["control_delete_failures"] += 1
+                self.counters["control_deleted"] += deleted
+                return Deleted(deleted, skipped, str(exc))
         self.counters["control_deleted"] += deleted
-        return deleted, skipped
+        return Deleted(deleted, skipped)
 
-    def clear_l1(self, *, force: bool) -> tuple[int, int]:
-        """:meth:`delete` of every key L1 holds; returns ``(deleted, skipped)``."""
+    def clear_l1(self, *, force: bool) -> Deleted:
+        """:meth:`delete` of every key L1 holds."""
         return self.delete(self.l1.keys(), frozenset({L1}), force=force)
 
     def _drop_l1(self, key: ObjectKey) -> bool:

@@ -514,3 +514,28 @@ def test_a_delete_from_a_shared_pool_removes_the_pools_copy_another_node_wrote(
             {"l1"}
         ] * 3
         assert not any(writer.l2.contains(k) for k in one)  # type: ignore[union-attr]
+
+
+def test_an_l2_failure_is_a_result_with_the_copies_removed_before_it(tmp_path: Path) -> None:
+    """LMCache's shape: ``ok: false`` and the error, not a 5xx; what was removed is counted."""
+    from kvatlas.node.l2 import L2Unavailable
+
+    class FailingL2(FsL2):
+        def delete(self, key: ObjectKey) -> bool:
+            raise L2Unavailable("the L2 disk is gone")
+
+    node = CacheNode(CONFIG, instance_id="n3", l2=FailingL2(tmp_path / "l2"))
+    node.store(
+        node.tracker(token_ids=sequence(1)), list(np.zeros((3, *CONFIG.layout.shape), np.float32))
+    )
+    one = keys_of(sequence(1))
+    with (
+        PeerServer(create_node_app(node), port=free_port()) as server,
+        httpx.Client(base_url=server.url) as c,
+    ):
+        r = delete(c, {"keys": wire(one), "tier": "all"})
+        assert (r.status_code, r.json()) == (
+            200, {"deleted": 1, "skipped": 0, "ok": False, "error": "the L2 disk is gone"}
+        )  # fmt: skip
+    assert [node.l1.contains(k) for k in one] == [False, True, True]  # stopped at the failure
+    node.close()
