@@ -221,3 +221,29 @@ class QuotaStatus(msgspec.Struct):
 class QuotaList(msgspec.Struct):
     total_gb: float
     by_cache_salt: list[QuotaStatus]
+
+
+class CoordinatorPrefetchStatus(msgspec.Struct):
+    """``GET /cache/prefetches/{instance_id}/{request_id}``: ``{status: "pending"}`` or
+    ``{status: "completed", found_keys, total_keys}``."""
+
+    status: Literal["pending", "completed"]
+    found_keys: int | msgspec.UnsetType = msgspec.UNSET
+    total_keys: int | msgspec.UnsetType = msgspec.UNSET
+
+
+class MoveBody(TokenFields, kw_only=True, forbid_unknown_fields=True):
+    """``POST /cache/moves``: the keys of ``token_ids`` from ``source_instance_id``'s L1 to
+    ``target_instance_id``'s; ``keep_source`` leaves the source's copy (a copy, not a move)."""
+
+    source_instance_id: str
+    target_instance_id: str
+    keep_source: bool = False
+
+
+class MoveReply(msgspec.Struct):
+    move_id: str
+    source_instance_id: str
+    target_instance_id: str
+    requested: int
+    status: Literal["pending", "noop"]

@@ -76,9 +76,11 @@ def replay(
                 done.command,
             )
         elif method == "GET" and path.startswith("/cache/prefetches/"):
-            instance_id = path.split("/")[3]
-            control._require_instance(instance_id)  # known: the status is asked of the instance
-            return FORWARDED, None, None
+            _, _, _, instance_id, request_id = path.split("/")
+            status = control.prefetch_status(instance_id, request_id)
+            if status is None:  # not a command of ours: the route asks the instance
+                return FORWARDED, None, None
+            reply = status
         elif path == "/quota/config":
             reply = (
                 control.set_quota_config(decode(raw, QuotaConfig))
@@ -306,3 +308,45 @@ def test_pins_quotas_and_commands_survive_a_restart_in_the_snapshot_file(tmp_pat
     with pytest.raises(KvatlasError) as corrupt:
         restore_state(after, b"\x93garbage")
     assert corrupt.value.status == 400 and after.pins.rows() == before.pins.rows()  # unchanged
+
+
+def test_prefetch_status_comes_from_the_command_until_it_completes() -> None:
+    control = CacheControl(16, is_instance={"a", "b"}.__contains__, usage_by_salt=dict)
+    body = dict(model_name="m", world_size=1, token_ids=list(range(48)), instance_id="a")
+    out = control.prefetch(CoordinatorPrefetchBody(**body))  # type: ignore[arg-type]
+    assert out.command is not None and out.reply.request_id == out.command.command_id
+    rid = out.reply.request_id
+    assert json.loads(encode(control.prefetch_status("a", rid))) == {"status": "pending"}
+    control.commands.finish(rid, "completed", found_keys=2)
+    done = json.loads(encode(control.prefetch_status("a", rid)))
+    assert done == {"status": "completed", "found_keys": 2, "total_keys": 3}
+    assert control.prefetch_status("b", rid) is None  # another instance's: asked of it
+    assert control.prefetch_status("a", "theirs") is None
+    with pytest.raises(KvatlasError) as unknown:
+        control.prefetch_status("nobody", rid)
+    assert unknown.value.status == 404
+
+
+def test_moves_are_validated_before_anything_is_recorded() -> None:
+    from kvatlas.api.cache_control import MoveBody
+
+    control = CacheControl(16, is_instance={"a", "b"}.__contains__, usage_by_salt=dict)
+    base = dict(model_name="m", world_size=1, token_ids=list(range(32)))
+    for raw, status in (
+        ({**base, "source_instance_id": "a", "target_instance_id": "a"}, 400),
+        ({**base, "source_instance_id": "a", "target_instance_id": "nobody"}, 404),
+        ({**base, "source_instance_id": "a", "target_instance_id": "b", "keep_sorce": True}, 422),
+        ({**base, "source_instance_id": "a"}, 422),
+    ):
+        with pytest.raises(KvatlasError) as refused:
+            control.move(decode(json.dumps(raw).encode(), MoveBody))
+        assert refused.value.status == status, raw
+    assert control.commands.counts() == {}
+    reply, command = control.move(MoveBody(**base, source_instance_id="a", target_instance_id="b"))  # type: ignore[arg-type]
+    assert (reply.requested, reply.status) == (2, "pending") and command is not None
+    assert (command.kind, command.source, command.targets, command.force) == (
+        "move",
+        "a",
+        ("b",),
+        True,
+    )

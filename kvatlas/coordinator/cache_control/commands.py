@@ -53,6 +53,7 @@ class Command(msgspec.Struct, frozen=True, kw_only=True):
     updated_at: float = 0.0
     last_error: str = ""
     remote_ids: tuple[str, ...] = ()  # what each target named it (a prefetch's request id)
+    found_keys: int | None = None  # a completed prefetch: how many keys the target holds
 
 
 class Retry(msgspec.Struct, frozen=True):
@@ -157,11 +158,16 @@ class CommandLog:
         ))  # fmt: skip
 
     def finish(
-        self, command_id: str, state: Literal["completed", "failed"], error: str = ""
+        self,
+        command_id: str,
+        state: Literal["completed", "failed"],
+        error: str = "",
+        found_keys: int | None = None,
     ) -> Command:
         c = self._require(command_id)
         return self.record(state, msgspec.structs.replace(
-            c, state=state, updated_at=self._clock(), last_error=error or c.last_error
+            c, state=state, updated_at=self._clock(), last_error=error or c.last_error,
+            found_keys=found_keys if found_keys is not None else c.found_keys,
         ))  # fmt: skip
 
     def prune(self) -> int:

@@ -22,7 +22,10 @@ from kvatlas.api.cache_control import (
     CoordinatorDeleteReply,
     CoordinatorPrefetchBody,
     CoordinatorPrefetchReply,
+    CoordinatorPrefetchStatus,
     EncodedKey,
+    MoveBody,
+    MoveReply,
     PinReply,
     PinRow,
     PinsReply,
@@ -172,6 +175,40 @@ class CacheControl:
             body.instance_id, command.command_id, found.chunks, "submitted"
         )
         return PrefetchOutcome(reply, command)
+
+    def prefetch_status(
+        self, instance_id: str, request_id: str
+    ) -> CoordinatorPrefetchStatus | None:
+        """A prefetch this coordinator recorded, or ``None``: not one of its commands (one
+        submitted on the instance itself), so the route asks the instance (LMCache's
+        coordinator always does: 502 when the instance does not answer)."""
+        self._require_instance(instance_id)
+        command = self.commands.get(request_id)
+        if command is None or command.kind != "prefetch" or instance_id not in command.targets:
+            return None
+        if command.state != "completed":
+            return CoordinatorPrefetchStatus("pending")
+        found = command.found_keys if command.found_keys is not None else 0
+        return CoordinatorPrefetchStatus(
+            "completed", found_keys=found, total_keys=len(command.keys)
+        )
+
+    def move(self, body: MoveBody) -> tuple[MoveReply, Command | None]:
+        """Validate a move and record it (the L1 -> L1 protocol that never leaves zero copies
+        is the delivery loop's: load on the target, hold it, then delete the source)."""
+        source, target = body.source_instance_id, body.target_instance_id
+        if source == target:
+            raise InvalidInput(f"source and target are the same instance ({source!r})")
+        self._require_instance(source)
+        self._require_instance(target)
+        found = self.resolve(body)
+        if not found.keys:
+            return MoveReply("", source, target, 0, "noop"), None
+        command = self.commands.new(
+            "move", [target], [wire_key(k) for k in found.keys], tier="l1", source=source,
+            force=not body.keep_source,  # a move deletes the source's copy; a copy keeps it
+        )  # fmt: skip
+        return MoveReply(command.command_id, source, target, found.chunks, "pending"), command
 
     def _require_instance(self, instance_id: str) -> None:
         if not self.is_instance(instance_id):
