@@ -15,7 +15,9 @@ import httpx
 import numpy as np
 import pytest
 
+from kvatlas.api.cache_control import ClearedTier, ClearReply, DeleteObjectsReply, EncodedKey
 from kvatlas.asgi_thread import free_port
+from kvatlas.client import MPServerClient, MPServerError
 from kvatlas.keys import ObjectKey, chunk_hashes, expand_prefix_keys
 from kvatlas.node.cache_node import CacheNode
 from kvatlas.node.config import NodeConfig
@@ -26,7 +28,7 @@ from tests.coordinator.lmcache_goldens import shape_problems
 from tests.lmcache_mp.server import CHUNK_SIZE, LMCacheServer, lmcache_server
 from tests.node.test_cache_control import BAD
 
-SEQUENCES = (1, 2)
+SEQUENCES = (1, 2, 3)  # 3: test_one_client_drives_both_kinds_of_server's alone
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +113,7 @@ def test_lmcache_prefetch_then_delete(lmcache: LMCacheServer, theirs: httpx.Clie
     docs/cache-control.md)."""
     model, one, two = lmcache.model_name, keys_of(lmcache, 1), keys_of(lmcache, 2)
     tokens = {s.sequence: s.token_ids for s in lmcache.stored}
-    until(lambda: len(lmcache.l2_keys()) == 6, "LMCache's L2 writes")
+    until(lambda: len(lmcache.l2_keys()) == 9, "LMCache's L2 writes")
     r = theirs.post("/cache/clear")
     assert (r.status_code, r.json()) == (200, {"status": "ok", "cleared": {"tier": "l1"}})
 
@@ -134,7 +136,8 @@ def test_lmcache_prefetch_then_delete(lmcache: LMCacheServer, theirs: httpx.Clie
         200,
         {"deleted": 6, "skipped": 0, "ok": True},
     )  # 3 L1 + 3 L2
-    assert l2_hashes(lmcache) == {k["chunk_hash_hex"] for k in two}  # the other sequence stays
+    assert not l2_hashes(lmcache) & {k["chunk_hash_hex"] for k in one}
+    assert {k["chunk_hash_hex"] for k in two} <= l2_hashes(lmcache)  # the other sequence stays
     r = theirs.request("DELETE", "/cache/objects", json={"keys": one, "tier": "l1"})
     assert r.json() == {"deleted": 0, "skipped": 0, "ok": True}  # L1 counts what it removed
 
@@ -253,3 +256,37 @@ def test_our_prefetch_status_outlives_its_first_poll(
     request_id = prefetch(ours, lmcache.model_name, tokens).json()["request_id"]
     first = completed(ours, request_id)
     assert ours.get(f"/cache/prefetches/{request_id}").json() == first
+
+
+def test_one_client_drives_both_kinds_of_server(
+    lmcache: LMCacheServer, theirs: httpx.Client, ours: httpx.Client
+) -> None:
+    """The coordinator's client (``MPServerClient``) decodes LMCache's replies and a kvatlas
+    node's with the same types: prefetch, status, delete, clear, a refusal's status."""
+    tokens = next(s.token_ids for s in lmcache.stored if s.sequence == 3)
+    keys = [EncodedKey(**k) for k in keys_of(lmcache, 3)]
+    for url in (str(theirs.base_url), str(ours.base_url)):
+        with MPServerClient(url) as client:
+            assert client.clear() == ClearReply("ok", ClearedTier("l1"))
+            submitted = client.submit_prefetch(lmcache.model_name, 1, tokens)
+            assert (submitted.chunks, submitted.status) == (3, "submitted"), url
+            assert isinstance(submitted.request_id, str)
+            rid = submitted.request_id
+
+            def finished(client: MPServerClient = client, rid: str = rid) -> Any:
+                status = client.prefetch_status(rid)
+                return status if status is not None and status.status == "completed" else None
+
+            done = until(finished, rid)
+            assert (done.found_keys, done.total_keys) == (3, 3), url
+            assert client.delete_objects(keys, "all") == DeleteObjectsReply(6, 0, True), url
+            assert client.prefetch_status("never-submitted") is None
+            with pytest.raises(MPServerError) as refused:
+                client.submit_prefetch("not-this-model", 1, tokens)
+            assert refused.value.reply_status == 503, url
+    with (
+        pytest.raises(MPServerError) as unreachable,
+        MPServerClient(f"http://127.0.0.1:{free_port()}") as c,
+    ):
+        c.clear()
+    assert unreachable.value.reply_status is None  # retry later, not a refusal
