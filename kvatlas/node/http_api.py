@@ -477,6 +477,14 @@ CACHE_CONTROL_MAX_BYTES: Final = 12 << 20
 S = TypeVar("S", bound=msgspec.Struct)
 
 
+def _json_body(type_: type[msgspec.Struct], required: bool = True) -> dict[str, Any]:
+    """The OpenAPI request body of a route that reads its body raw: the Struct's own schema."""
+    schema = msgspec.json.schema(type_)
+    return {
+        "requestBody": {"required": required, "content": {"application/json": {"schema": schema}}}
+    }
+
+
 def add_cache_control_routes(app: FastAPI, control: NodeCacheControl) -> None:
     """LMCache 0.5.6's MP-server routes (``lmcache server``), JSON in and out, the same status
     codes: 422 a body that is not of its type, 400/404/503 what :class:`NodeCacheControl`
@@ -496,7 +504,11 @@ def add_cache_control_routes(app: FastAPI, control: NodeCacheControl) -> None:
             return error_response(exc)
         return Response(encode(reply), status_code=status, media_type="application/json")
 
-    @app.delete("/cache/objects", summary="Delete keys from L1, L2 or both (LMCache's MP route)")
+    @app.delete(
+        "/cache/objects",
+        summary="Delete keys from L1, L2 or both (LMCache's MP route)",
+        openapi_extra=_json_body(DeleteObjectsBody),
+    )
     async def delete_objects(request: Request) -> Response:
         try:
             body = await body_of(request, DeleteObjectsBody)
@@ -504,7 +516,11 @@ def add_cache_control_routes(app: FastAPI, control: NodeCacheControl) -> None:
             return error_response(exc)
         return await answer(lambda: control.delete_objects(body))
 
-    @app.post("/cache/prefetches", summary="Warm L1 from L2 for a token sequence (202)")
+    @app.post(
+        "/cache/prefetches",
+        summary="Warm L1 from L2 for a token sequence (202)",
+        openapi_extra=_json_body(PrefetchBody),
+    )
     async def submit_prefetch(request: Request) -> Response:
         try:
             body = await body_of(request, PrefetchBody)
@@ -528,7 +544,11 @@ def add_cache_control_routes(app: FastAPI, control: NodeCacheControl) -> None:
             lambda: control.list_objects(tier, adapter, model_name, page_size, page_token)
         )
 
-    @app.post("/cache/clear", summary="Empty L1 (body optional)")
+    @app.post(
+        "/cache/clear",
+        summary="Empty L1 (body optional)",
+        openapi_extra=_json_body(ClearBody, False),
+    )
     async def clear(request: Request) -> Response:
         try:
             body = await body_of(request, ClearBody, optional=True)

@@ -5,6 +5,7 @@ The same requests against a real ``lmcache server``: tests/lmcache_mp/."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -539,3 +540,24 @@ def test_an_l2_failure_is_a_result_with_the_copies_removed_before_it(tmp_path: P
         )  # fmt: skip
     assert [node.l1.contains(k) for k in one] == [False, True, True]  # stopped at the failure
     node.close()
+
+
+def test_openapi_describes_the_cache_control_bodies(client: httpx.Client) -> None:
+    paths = client.get("/openapi.json").json()["paths"]
+    body = paths["/cache/objects"]["delete"]["requestBody"]["content"]["application/json"]["schema"]
+    assert "keys" in json.dumps(body) and "force" in json.dumps(body)
+    assert {"/cache/prefetches", "/cache/prefetches/{request_id}", "/cache/clear"} <= set(paths)
+
+
+def test_a_body_over_the_limit_is_413(client: httpx.Client, node: CacheNode) -> None:
+    from kvatlas.node.http_api import CACHE_CONTROL_MAX_BYTES
+
+    huge = b'{"keys": [' + b" " * CACHE_CONTROL_MAX_BYTES + b"]}"
+    r = client.request(
+        "DELETE", "/cache/objects", content=huge, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 413 and held(node, keys_of(sequence(1))) == {
+        "l1": 3,
+        "l2": 3,
+        "presence": 3,
+    }
