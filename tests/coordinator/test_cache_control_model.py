@@ -350,3 +350,24 @@ def test_moves_are_validated_before_anything_is_recorded() -> None:
         ("b",),
         True,
     )
+
+
+def test_the_coordinator_goldens_quota_and_pin_exchanges_replay_through_the_service() -> None:
+    """The controller exchanges of ``lmcache-0.5.7rc2-coordinator.json`` below HTTP: quota
+    config, a salt's quota, its status, the listing, its removal, the (empty) pin listing.
+    Usage comes from events that scenario posted before; here the directory's bytes per salt
+    are given as LMCache counted them (the directory does not count them yet)."""
+    from tests.coordinator.lmcache_goldens import DATA, shape_problems
+
+    golden = json.loads((DATA / "lmcache-0.5.7rc2-coordinator.json").read_text())
+    wanted = [e for e in golden["exchanges"] if e["path"].startswith(("/quota", "/cache/pins"))]
+    assert len(wanted) == 7
+    usage = {"": round(3.814697265625e-06 * GB)}  # what the scenario's store events held
+    control = CacheControl(
+        golden["chunk_size"], is_instance=lambda _i: True, usage_by_salt=lambda: usage
+    )
+    for e in wanted:
+        status, got, _command = replay(control, set(), e)
+        assert status == e["lmcache_status"], (e["path"], got)
+        assert got == e["lmcache_response"], (e["method"], e["path"], got)
+        assert shape_problems(e["lmcache_response"], got) == []
