@@ -24,6 +24,7 @@ from kvatlas.client.event_sink import (
     TransientSendError,
     Transport,
 )
+from kvatlas.client.mp_server_client import MPServerClient, MPServerError
 from kvatlas.client.route_client import AsyncRouteClient, RouteClient
 
 __all__ = [
@@ -39,6 +40,8 @@ __all__ = [
     "FleetMatcher",
     "HttpTransport",
     "InProcessTransport",
+    "MPServerClient",
+    "MPServerError",
     "PermanentSendError",
     "RedisStreamTransport",
     "RouteClient",

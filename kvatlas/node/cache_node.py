@@ -106,6 +106,15 @@ class BlendRetrieval:
         return sum(seg.length for seg, _ in self.parts)
 
 
+class Deleted(NamedTuple):
+    """What :meth:`CacheNode.delete` did: copies removed, held keys skipped, the L2 error it
+    stopped at (``None``: it did all)."""
+
+    deleted: int
+    skipped: int
+    error: str | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class NodeStats:
     """A node's state at one instant. ``local_index`` is the local blend index's stats;
@@ -479,6 +488,66 @@ class CacheNode:
             counted.update(seg.cur_st for seg in new)
         self.counters[hit_tokens("fragment")] += sum(seg.length for seg in new)
         return BlendRetrieval(parts, misses, sources)
+
+    # ------------------------------------------------------------------ cache control
+
+    def delete(self, keys: Sequence[ObjectKey], tiers: frozenset[Tier], *, force: bool) -> Deleted:
+        """Remove ``keys`` from this node's ``tiers``: copies removed (L1 and L2 summed), L1
+        keys left because a transfer holds them (``force`` removes those too), and the error
+        an L2 failure stopped at (the keys after it untouched). Each removal is a ``delete``
+        event, like an eviction."""
+        deleted = skipped = 0
+        for key in keys:
+            if L1 in tiers:
+                if not force and self.l1.is_pinned(key) and self.l1.contains(key):
+                    skipped += 1
+                elif self._drop_l1(key):
+                    deleted += 1
+            try:
+                if L2 in tiers and self.l2 is not None and self._drop_l2(key):
+                    deleted += 1
+            except (L2Unavailable, OSError) as exc:
+                self.counters["control_delete_failures"] += 1
+                self.counters["control_deleted"] += deleted
+                return Deleted(deleted, skipped, str(exc))
+        self.counters["control_deleted"] += deleted
+        return Deleted(deleted, skipped)
+
+    def clear_l1(self, *, force: bool) -> Deleted:
+        """:meth:`delete` of every key L1 holds."""
+        return self.delete(self.l1.keys(), frozenset({L1}), force=force)
+
+    def _drop_l1(self, key: ObjectKey) -> bool:
+        with self._report_lock:
+            chunk = self.l1.peek(key)
+            if chunk is None or not self.l1.remove(key):
+                return False
+            self._record(DELETE, L1, L1_BACKEND, CacheEntry(key, chunk.nbytes))
+            self.presence.lose(key, L1)
+        return True
+
+    def _drop_l2(self, key: ObjectKey) -> bool:
+        assert self.l2 is not None
+        existed = self.l2.delete(key)
+        with self._report_lock:
+            # a copy this node reported, or a shared pool's copy another node wrote
+            if L2 in self.presence.tiers_of_key(key) or (existed and self.l2.shared):
+                self._record(DELETE, L2, self.l2.name, CacheEntry(key, 0), shared=self.l2.shared)
+                self.presence.lose(key, L2)
+        return existed
+
+    def load_into_l1(self, keys: Sequence[ObjectKey]) -> int:
+        """Warm L1 from this node's L2 (a prefetch): each key L1 lacks is read from L2 and put
+        in L1 (a ``store`` event); returns how many of ``keys`` L1 holds afterwards. A key L2
+        lacks, or whose chunk is not this node's layout, stays a miss."""
+        for key in keys:
+            if self.l1.contains(key) or self.l2 is None:
+                continue
+            chunk = self.l2.get(key)
+            if chunk is not None and self.tiers.usable(chunk):
+                self._put_l1(chunk)
+                self.counters["prefetched_chunks"] += 1
+        return sum(self.l1.contains(key) for key in keys)
 
     # ------------------------------------------------------------------ inventory
 

@@ -22,21 +22,31 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
-from typing import Any, Final
+from typing import Annotated, Any, Final, TypeVar
 
 import msgspec
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvatlas.api import decode, encode
+from kvatlas.api.cache_control import (
+    DEFAULT_PAGE_SIZE,
+    MAX_PAGE_SIZE,
+    ClearBody,
+    DeleteObjectsBody,
+    PrefetchBody,
+    TierName,
+)
 from kvatlas.auth import ANONYMOUS_ADMIN, DOCS_PATHS, Principal, TokenAuth, parse_bearer
 from kvatlas.client.engine_client import MSGPACK, EngineCall, EngineLayout, WireSegment
 from kvatlas.errors import Forbidden, KvatlasError, NotFound, PayloadTooLarge, Unprocessable
 from kvatlas.keys import MMItem, RequestTracker
+from kvatlas.node.cache_control import NodeCacheControl
 from kvatlas.node.cache_node import CacheNode
 from kvatlas.node.engine_trackers import Identity, Trackers
 from kvatlas.node.peer import create_peer_app
@@ -53,6 +63,8 @@ from kvatlas.web import (
 
 ENGINE_PREFIX: Final = "/engine/"
 PEER_PREFIX: Final = "/peer/"
+CACHE_PREFIX: Final = "/cache/"
+"""The MP-server cache-control routes (:func:`add_cache_control_routes`): ``admin`` only."""
 METRICS_PATH: Final = "/metrics"
 _ANY_TOKEN: Final = ""  # ApiGate: a valid token of any role
 BLEND_REQUIRED: Final = ("request_id",)
@@ -167,6 +179,7 @@ class ApiGate:
         path = scope.get("path", "")
         role = "engine" if path.startswith(ENGINE_PREFIX) else None
         role = "peer" if path.startswith(PEER_PREFIX) else role
+        role = "admin" if path.startswith(CACHE_PREFIX) else role
         role = "admin" if path == METRICS_PATH and not self.public_metrics else role
         role = _ANY_TOKEN if path in DOCS_PATHS and not self.public_docs else role
         if scope["type"] != "http" or role is None:
@@ -452,4 +465,93 @@ def create_node_app(
             _wants_msgpack(request.headers),
         )
 
+    add_cache_control_routes(app, NodeCacheControl(node))
     return app
+
+
+# ---------------------------------------------------------------------------- cache control
+
+CACHE_CONTROL_MAX_BYTES: Final = 12 << 20
+"""A cache-control body: 1,000,000 token ids or 10,000 keys in JSON fit (413 beyond)."""
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def _json_body(type_: type[msgspec.Struct], required: bool = True) -> dict[str, Any]:
+    """The OpenAPI request body of a route that reads its body raw: the Struct's own schema."""
+    schema = msgspec.json.schema(type_)
+    return {
+        "requestBody": {"required": required, "content": {"application/json": {"schema": schema}}}
+    }
+
+
+def add_cache_control_routes(app: FastAPI, control: NodeCacheControl) -> None:
+    """LMCache 0.5.6's MP-server routes (``lmcache server``), JSON in and out, the same status
+    codes: 422 a body that is not of its type, 400/404/503 what :class:`NodeCacheControl`
+    refuses (``detail`` says why), 202 a submitted prefetch (``docs/cache-control.md``)."""
+    app.state.cache_control = control
+
+    async def body_of(request: Request, type_: type[S], optional: bool = False) -> S:
+        raw = await read_body(request, CACHE_CONTROL_MAX_BYTES)
+        if optional and not raw.strip():
+            return type_()
+        return decode(raw, type_)
+
+    async def answer(work: Callable[[], msgspec.Struct], status: int = 200) -> Response:
+        try:
+            reply = await run_in_threadpool(work)
+        except KvatlasError as exc:
+            return error_response(exc)
+        return Response(encode(reply), status_code=status, media_type="application/json")
+
+    @app.delete(
+        "/cache/objects",
+        summary="Delete keys from L1, L2 or both (LMCache's MP route)",
+        openapi_extra=_json_body(DeleteObjectsBody),
+    )
+    async def delete_objects(request: Request) -> Response:
+        try:
+            body = await body_of(request, DeleteObjectsBody)
+        except KvatlasError as exc:
+            return error_response(exc)
+        return await answer(lambda: control.delete_objects(body))
+
+    @app.post(
+        "/cache/prefetches",
+        summary="Warm L1 from L2 for a token sequence (202)",
+        openapi_extra=_json_body(PrefetchBody),
+    )
+    async def submit_prefetch(request: Request) -> Response:
+        try:
+            body = await body_of(request, PrefetchBody)
+        except KvatlasError as exc:
+            return error_response(exc)
+        return await answer(lambda: control.submit_prefetch(body), status=202)
+
+    @app.get("/cache/prefetches/{request_id}", summary="A prefetch's status")
+    async def prefetch_status(request_id: str) -> Response:
+        return await answer(lambda: control.prefetch_status(request_id))
+
+    @app.get("/cache/objects", summary="One page of the L2 backend's keys")
+    async def list_objects(
+        tier: TierName = "l2",
+        adapter: str | None = None,
+        model_name: str | None = None,
+        page_size: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = DEFAULT_PAGE_SIZE,
+        page_token: str | None = None,
+    ) -> Response:
+        return await answer(
+            lambda: control.list_objects(tier, adapter, model_name, page_size, page_token)
+        )
+
+    @app.post(
+        "/cache/clear",
+        summary="Empty L1 (body optional)",
+        openapi_extra=_json_body(ClearBody, False),
+    )
+    async def clear(request: Request) -> Response:
+        try:
+            body = await body_of(request, ClearBody, optional=True)
+        except KvatlasError as exc:
+            return error_response(exc)
+        return await answer(lambda: control.clear(body))

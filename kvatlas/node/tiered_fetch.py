@@ -122,7 +122,7 @@ class TieredFetch:
         if missing and self.l2 is not None:
             started = time.perf_counter()
             for key, chunk in self.l2.get_many(missing).items():
-                if self._usable(chunk):
+                if self.usable(chunk):
                     found[key] = Fetched(chunk, L2, self.l2.name)
             self._observe(L2, time.perf_counter() - started)
             missing = [k for k in missing if k not in found]
@@ -212,7 +212,7 @@ class TieredFetch:
             self._counters["peer_records_dropped"] += reply.dropped
         wanted = set(keys)
         for key, (chunk, digest) in reply.chunks.items():
-            if key in wanted and key not in found and self._usable(chunk):
+            if key in wanted and key not in found and self.usable(chunk):
                 found[key] = Fetched(chunk, source, instance_id, digest)
                 if key in later:
                     self._counters["peer_fallback_hits"] += 1
@@ -271,7 +271,8 @@ class TieredFetch:
             failed.add(instance_id)
         return peer
 
-    def _usable(self, chunk: StoredChunk) -> bool:
+    def usable(self, chunk: StoredChunk) -> bool:
+        """Whether ``chunk`` is in this node's layout (else counted ``fetched_wrong_layout``)."""
         ok = tuple(chunk.kv.shape) == self.layout.shape and chunk.kv_dtype == self.layout.dtype
         if not ok:
             self._counters["fetched_wrong_layout"] += 1

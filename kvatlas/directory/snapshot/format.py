@@ -67,10 +67,15 @@ class SnapshotInfo:
     instances: list[InstanceRow] | None = None
     """The coordinator's instance registry as saved (``None``: a snapshot from before it was
     saved, or saved without one)."""
+    sections: Sections | None = None
+    """State of layers above the directory saved with it, by name, opaque here (the
+    coordinator's cache control: ``kvatlas.coordinator.cache_control.snapshot``)."""
 
 
 CursorRow = tuple[str, int, int, int, int, tuple[int, int, int] | None]
 CapacityRow = tuple[str, int, int, list[tuple[str, str, int]]]
+Sections = dict[str, bytes]
+"""Named opaque state of the layers above the directory, saved with its snapshot."""
 InstanceRow = tuple[str, float, float, bytes]
 """A registered instance: id, registered at, last heard of (both wall clock), and its
 registration as the coordinator encoded it (opaque here)."""
@@ -103,6 +108,7 @@ class Header(msgspec.Struct, omit_defaults=True):
     arena_tokens: int
     instances: list[InstanceRow] | None = None  # absent in snapshots written before it existed
     chunk_token_widths: bytes = b""  # version >= 2 (empty: every width is 4)
+    sections: dict[str, bytes] | None = None  # absent in snapshots written before it existed
 
 
 def encode_column(name: str, values: list[Any]) -> bytes:

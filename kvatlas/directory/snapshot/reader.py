@@ -119,6 +119,7 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
         0.0,
         header.stream_position,
         header.instances,
+        header.sections,
     )
 
 

@@ -145,9 +145,10 @@ def save_snapshot(
     *,
     stream_position: str | None = None,
     instances: list[InstanceRow] | None = None,
+    sections: dict[str, bytes] | None = None,
 ) -> SnapshotInfo:
-    """Write a consistent snapshot of ``directory`` (and the coordinator's instance registry,
-    if given) to ``path`` (atomically)."""
+    """Write a consistent snapshot of ``directory`` (and the coordinator's instance registry
+    and ``sections``, if given) to ``path`` (atomically)."""
     started = time.perf_counter()
     max_pause = 0.0
     columns: _Columns | None = None
@@ -160,6 +161,7 @@ def save_snapshot(
         chunks, keys = len(columns.hashes), len(columns.key_shapes)
         header = columns.header(capture.state, stream_position)
         header.instances = instances
+        header.sections = sections
         size = _write_atomically(Path(path), columns.pieces.encode(header), columns.arena)
     finally:
         if columns is not None:
@@ -173,6 +175,7 @@ def save_snapshot(
         max_pause,
         stream_position,
         instances,
+        sections,
     )
 
 

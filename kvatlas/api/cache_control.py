@@ -1,0 +1,249 @@
+"""Cache control on the wire: the bodies and replies of the MP-server routes a cache node answers
+(``DELETE /cache/objects``, ``POST /cache/prefetches``, ``GET /cache/prefetches/{request_id}``,
+``GET /cache/objects``, ``POST /cache/clear``), shaped as LMCache 0.5.6's ``lmcache server``
+answers them, so LMCache's coordinator can drive a kvatlas node and kvatlas's coordinator an
+LMCache server (``docs/cache-control.md`` records both).
+
+A body field LMCache's server accepts is accepted here with the same default (``tier`` of a
+delete defaults to ``l2``, as LMCache's eviction loop expects); a body field it does not know is
+refused (422), where LMCache ignores it: a misspelt ``tier`` or ``force`` must not turn into a
+different delete than the operator asked for. Key invariants (hash length, model name, salt,
+``kv_rank``) are checked where a key is built (:class:`~kvatlas.keys.ObjectKey`: 400).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final, Literal
+
+import msgspec
+
+TierName = Literal["l1", "l2", "all"]
+"""A tier selector on the wire (LMCache's ``Tier``); which a route accepts is the route's rule."""
+
+MAX_DELETE_KEYS: Final = 10_000
+"""Keys one ``DELETE /cache/objects`` may name (LMCache's ``MAX_DELETE_BATCH``): 400 beyond."""
+MAX_TOKEN_IDS: Final = 1_000_000
+"""Token ids one token-addressed request may carry (LMCache's ``MAX_TOKEN_IDS``): 400 beyond."""
+MAX_PAGE_SIZE: Final = 5000
+DEFAULT_PAGE_SIZE: Final = 500
+
+
+class EncodedKey(msgspec.Struct, forbid_unknown_fields=True):
+    """An ObjectKey on the wire (LMCache's ``EncodedObjectKey``; :meth:`ObjectKey.to_wire`)."""
+
+    chunk_hash_hex: str
+    model_name: str
+    kv_rank: int
+    object_group_id: int = 0
+    cache_salt: str = ""
+
+
+class DeleteObjectsBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``DELETE /cache/objects``: remove ``keys`` from ``tier``; without ``force`` an L1 key
+    held for a transfer is skipped. ``adapter`` names the L2 backend (``None``: the node's)."""
+
+    keys: list[EncodedKey]
+    tier: TierName = "l2"
+    force: bool = False
+    adapter: str | None = None
+
+
+class DeleteObjectsReply(msgspec.Struct):
+    """``deleted``: copies removed, L1 and L2 summed; ``skipped``: L1 keys held (not
+    ``force``); ``ok`` false with ``error`` when the L2 backend failed (a result, not a 5xx)."""
+
+    deleted: int
+    skipped: int
+    ok: bool
+    error: str | msgspec.UnsetType = msgspec.UNSET  # UNSET: not encoded
+
+
+class PrefetchBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /cache/prefetches``: load the complete chunks of ``token_ids`` from L2 into L1."""
+
+    model_name: str
+    world_size: int
+    token_ids: list[int]
+    cache_salt: str = ""
+    source_tier: TierName = "l2"
+    target_tier: TierName = "l1"
+
+
+class PrefetchSubmitted(msgspec.Struct):
+    """202: ``{request_id, chunks, status: "submitted"}``, or ``{chunks: 0, status: "noop"}``
+    for fewer tokens than one chunk (no job, no id)."""
+
+    chunks: int
+    status: Literal["submitted", "noop"]
+    request_id: str | msgspec.UnsetType = msgspec.UNSET
+
+
+class PrefetchStatusReply(msgspec.Struct):
+    """``{request_id, status: "pending"}`` or ``{request_id, status: "completed", found_keys,
+    total_keys}``: ``found_keys`` of the request's ``total_keys`` are in L1 now."""
+
+    request_id: str
+    status: Literal["pending", "completed"]
+    found_keys: int | msgspec.UnsetType = msgspec.UNSET
+    total_keys: int | msgspec.UnsetType = msgspec.UNSET
+
+
+class ObjectEntry(msgspec.Struct):
+    """One listed object: its key and its stored size."""
+
+    key: EncodedKey
+    size_bytes: int
+
+
+class ObjectPage(msgspec.Struct):
+    """``GET /cache/objects``: one page of the L2 backend's keys; ``next_page_token`` is
+    ``None`` on the last page, else the token to pass for the next one."""
+
+    adapter: str
+    shared: bool
+    entries: list[ObjectEntry]
+    next_page_token: str | None
+
+
+class ClearBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /cache/clear`` (body optional): empty L1; ``force`` also drops keys held for a
+    transfer."""
+
+    tier: TierName = "l1"
+    force: bool = False
+
+
+class ClearedTier(msgspec.Struct):
+    tier: Literal["l1"]
+
+
+class ClearReply(msgspec.Struct):
+    status: Literal["ok"]
+    cleared: ClearedTier
+
+
+# ------------------------------------------------------------------------ coordinator routes
+# The coordinator's cache-control bodies and replies (docs/cache-control.md; LMCache 0.5.7rc2's
+# coordinator answering them: tests/coordinator/data/lmcache-0.5.7rc2-cache-control.json).
+
+MAX_PIN_PAGE: Final = 10_000
+
+
+class TokenFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What a coordinator request resolves to keys with its own hashing: complete chunks only,
+    one key per rank (``world_size`` >= 1, 422 below)."""
+
+    model_name: str
+    world_size: Annotated[int, msgspec.Meta(ge=1)]
+    token_ids: list[int]
+    cache_salt: str = ""
+
+
+class PinReply(msgspec.Struct):
+    """``POST``/``DELETE /cache/pins``: ``requested`` chunks, ``affected`` keys."""
+
+    requested: int
+    affected: int
+    status: Literal["pinned", "unpinned"]
+
+
+class PinRow(msgspec.Struct):
+    key: EncodedKey
+    pin_count: int
+
+
+class PinsReply(msgspec.Struct):
+    total: int
+    pins: list[PinRow]
+
+
+class CoordinatorDeleteBody(TokenFields, kw_only=True, forbid_unknown_fields=True):
+    """``POST /cache/delete``: the keys of ``token_ids`` on ``instance_id``'s ``tier``."""
+
+    instance_id: str
+    tier: TierName = "all"
+    force: bool = False
+
+
+class CoordinatorDeleteReply(msgspec.Struct):
+    instance_id: str
+    requested: int
+    affected: int
+    skipped: int
+    status: Literal["deleted", "noop"]
+
+
+class CoordinatorPrefetchBody(TokenFields, kw_only=True, forbid_unknown_fields=True):
+    """``POST /cache/prefetches`` on the coordinator: L2 -> L1 on ``instance_id``."""
+
+    instance_id: str
+
+
+class CoordinatorPrefetchReply(msgspec.Struct):
+    instance_id: str
+    request_id: str
+    chunks: int
+    status: Literal["submitted", "noop"]
+
+
+class QuotaConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """``PUT``/``GET /quota/config``: ``None`` = salts without a quota of their own are exempt;
+    ``0`` = they may hold nothing (evicted)."""
+
+    default_limit_gb: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    tier: Literal["l2"] | msgspec.UnsetType = msgspec.UNSET  # LMCache's clients send it
+
+
+class QuotaSetBody(msgspec.Struct, forbid_unknown_fields=True):
+    limit_gb: Annotated[float, msgspec.Meta(ge=0)]
+    tier: Literal["l2"] = "l2"
+
+
+class QuotaSetReply(msgspec.Struct):
+    """``PUT``/``DELETE /quota/{cache_salt}``: ``status`` ``ok`` or ``removed`` (``limit_gb``
+    0.0 then)."""
+
+    cache_salt: str
+    limit_gb: float
+    status: Literal["ok", "removed"]
+
+
+class QuotaStatus(msgspec.Struct):
+    """One salt: its own quota (``quota_limit_gb`` 0.0 with ``quota_exists`` false when it has
+    none, as LMCache answers) and the bytes its keys hold, in GB (2^30 bytes)."""
+
+    cache_salt: str
+    quota_limit_gb: float
+    quota_exists: bool
+    usage_gb: float
+
+
+class QuotaList(msgspec.Struct):
+    total_gb: float
+    by_cache_salt: list[QuotaStatus]
+
+
+class CoordinatorPrefetchStatus(msgspec.Struct):
+    """``GET /cache/prefetches/{instance_id}/{request_id}``: ``{status: "pending"}`` or
+    ``{status: "completed", found_keys, total_keys}``."""
+
+    status: Literal["pending", "completed"]
+    found_keys: int | msgspec.UnsetType = msgspec.UNSET
+    total_keys: int | msgspec.UnsetType = msgspec.UNSET
+
+
+class MoveBody(TokenFields, kw_only=True, forbid_unknown_fields=True):
+    """``POST /cache/moves``: the keys of ``token_ids`` from ``source_instance_id``'s L1 to
+    ``target_instance_id``'s; ``keep_source`` leaves the source's copy (a copy, not a move)."""
+
+    source_instance_id: str
+    target_instance_id: str
+    keep_source: bool = False
+
+
+class MoveReply(msgspec.Struct):
+    move_id: str
+    source_instance_id: str
+    target_instance_id: str
+    requested: int
+    status: Literal["pending", "noop"]

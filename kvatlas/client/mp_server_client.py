@@ -1,0 +1,123 @@
+"""The coordinator's client of an MP server's cache-control routes: LMCache's ``lmcache server``
+and ``kvatlas node`` answer them alike (``docs/cache-control.md``), so one client drives both.
+Replies are decoded with the wire types (:mod:`kvatlas.api.cache_control`): a reply that is not
+of its type is refused whole, never half-read.
+
+A refusal carries the server's status (``reply_status``: a 4xx means the command can never
+apply, a 5xx that it may later); a server that cannot be reached has ``reply_status`` ``None``
+(retry with backoff). Light on import: httpx and msgspec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import httpx
+import msgspec
+
+from kvatlas.api.cache_control import (
+    ClearReply,
+    DeleteObjectsReply,
+    EncodedKey,
+    ObjectPage,
+    PrefetchStatusReply,
+    PrefetchSubmitted,
+    TierName,
+)
+from kvatlas.client.coordinator_client import auth_headers
+from kvatlas.errors import Unavailable
+
+T = TypeVar("T")
+
+
+class MPServerError(Unavailable):
+    """An MP server refused or failed a call, or could not be reached (``reply_status``
+    ``None``)."""
+
+    def __init__(self, message: str, reply_status: int | None) -> None:
+        super().__init__(message)
+        self.reply_status = reply_status
+
+
+class MPServerClient:
+    """One MP server's cache-control routes (``url``: its HTTP base URL; ``token``: a bearer
+    token, for a kvatlas node with auth on)."""
+
+    def __init__(self, url: str, *, timeout: float = 30.0, token: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=auth_headers(token))
+
+    def delete_objects(
+        self, keys: Sequence[EncodedKey], tier: TierName = "all", *, force: bool = False
+    ) -> DeleteObjectsReply:
+        """``DELETE /cache/objects`` (``ok`` false with ``error``: the server's L2 failed)."""
+        body = {"keys": list(keys), "tier": tier, "force": force}
+        return self._call("DELETE", "/cache/objects", DeleteObjectsReply, body)
+
+    def submit_prefetch(
+        self, model_name: str, world_size: int, token_ids: Sequence[int], cache_salt: str = ""
+    ) -> PrefetchSubmitted:
+        """``POST /cache/prefetches`` (202): L2 -> L1 of the complete chunks of ``token_ids``."""
+        body = {"model_name": model_name, "world_size": world_size,
+                "token_ids": list(token_ids), "cache_salt": cache_salt}  # fmt: skip
+        return self._call("POST", "/cache/prefetches", PrefetchSubmitted, body, ok=202)
+
+    def prefetch_status(self, request_id: str) -> PrefetchStatusReply | None:
+        """``GET /cache/prefetches/{request_id}``; ``None`` when the server does not know it
+        (never submitted, or forgotten: LMCache forgets at the first completed poll)."""
+        try:
+            return self._call("GET", f"/cache/prefetches/{request_id}", PrefetchStatusReply)
+        except MPServerError as exc:
+            if exc.reply_status == 404:
+                return None
+            raise
+
+    def list_objects(
+        self, *, page_size: int = 500, page_token: str | None = None, model_name: str | None = None
+    ) -> ObjectPage:
+        """``GET /cache/objects``: one page of the L2 backend's keys (503: it cannot list)."""
+        params: dict[str, Any] = {"page_size": page_size}
+        if page_token is not None:
+            params["page_token"] = page_token
+        if model_name is not None:
+            params["model_name"] = model_name
+        return self._call("GET", "/cache/objects", ObjectPage, params=params)
+
+    def clear(self, *, force: bool = False) -> ClearReply:
+        """``POST /cache/clear``: empty the server's L1."""
+        return self._call("POST", "/cache/clear", ClearReply, {"tier": "l1", "force": force})
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> MPServerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        type_: type[T],
+        body: Any = None,
+        *,
+        ok: int = 200,
+        params: dict[str, Any] | None = None,
+    ) -> T:
+        content = msgspec.json.encode(body) if body is not None else None
+        headers = {"Content-Type": "application/json"} if content is not None else None
+        try:
+            r = self._http.request(method, path, content=content, headers=headers, params=params)
+        except httpx.HTTPError as exc:
+            raise MPServerError(f"{method} {self.url}{path}: {exc}", None) from exc
+        if r.status_code != ok:
+            raise MPServerError(f"{method} {path}: {r.status_code} {r.text[:500]}", r.status_code)
+        try:
+            return msgspec.json.decode(r.content, type=type_)
+        except msgspec.MsgspecError as exc:
+            raise MPServerError(
+                f"{method} {path}: a reply not of its type: {exc}", r.status_code
+            ) from None

@@ -1,0 +1,218 @@
+"""Durable cache-control commands: every delete, eviction, prefetch and move is a record that
+lives until the directory shows its effect, not a request fired and forgotten.
+
+A command is ``pending`` until it has been delivered to every target instance (the holder of a
+private copy, one live member of a shared pool), ``sent`` while the coordinator waits for the
+resulting cache events, ``completed`` once the directory shows them (or the keys went away by
+other means) and ``failed`` only when it cannot ever apply (its instance left the fleet). A
+delivery that fails leaves it ``pending`` with ``attempts`` + 1 and ``next_attempt_at`` pushed
+out by a jittered exponential backoff (capped), so an instance that is down for an hour is
+asked a handful of times, and a ``sent`` command whose events do not come within
+``confirm_s`` is delivered again (node deletes and prefetches are idempotent).
+
+Times are wall-clock seconds (``time.time``): they must mean the same after a restart. The log
+is part of the coordinator's snapshot (:meth:`CommandLog.to_snapshot`); with the Redis
+transport each transition would also be appended to a stream (``kvatlas:commands``, one entry
+``{op, command}`` per :meth:`CommandLog.record`), so a replica or a restarted coordinator
+replays the commands after its snapshot's stream position exactly as it replays cache events.
+Finished commands are kept ``retention_s`` (their status stays readable), then dropped.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Final, Literal
+
+import msgspec
+
+from kvatlas.api.cache_control import EncodedKey, TierName
+
+CommandKind = Literal["delete", "evict", "prefetch", "move"]
+CommandState = Literal["pending", "sent", "completed", "failed"]
+FINISHED: Final = frozenset({"completed", "failed"})
+
+
+class Command(msgspec.Struct, frozen=True, kw_only=True):
+    """One command and where it stands (its own wire and snapshot form)."""
+
+    command_id: str
+    kind: CommandKind
+    targets: tuple[str, ...]
+    keys: tuple[EncodedKey, ...]
+    tier: TierName = "all"
+    force: bool = False
+    source: str = ""  # a move's source instance
+    state: CommandState = "pending"
+    attempts: int = 0
+    next_attempt_at: float = 0.0
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    last_error: str = ""
+    remote_ids: tuple[str, ...] = ()  # what each target named it (a prefetch's request id)
+    found_keys: int | None = None  # a completed prefetch: how many keys the target holds
+
+
+class Retry(msgspec.Struct, frozen=True):
+    """Backoff between deliveries: ``initial_s`` doubling up to ``cap_s``, each wait 50-100%
+    of its step (as :class:`kvatlas.backoff.Backoff`), so a fleet's commands spread out."""
+
+    initial_s: float = 1.0
+    cap_s: float = 60.0
+
+    def wait_s(self, attempts: int, jitter: float) -> float:
+        step = min(self.initial_s * float(1 << max(attempts - 1, 0)), self.cap_s)
+        return step * (0.5 + jitter / 2)
+
+
+class _Snapshot(msgspec.Struct):
+    version: int
+    commands: list[Command]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(_Snapshot)
+
+
+class CommandLog:
+    """The commands by id, thread-safe; every change goes through :meth:`record`."""
+
+    def __init__(
+        self,
+        commands: Iterable[Command] = (),
+        *,
+        retry: Retry | None = None,
+        confirm_s: float = 30.0,
+        retention_s: float = 3600.0,
+        clock: Callable[[], float] = time.time,
+        jitter: Callable[[], float] = random.random,
+    ) -> None:
+        self.retry = retry or Retry()
+        self.confirm_s = confirm_s
+        self.retention_s = retention_s
+        self._clock = clock
+        self._jitter = jitter
+        self._lock = threading.Lock()
+        self._commands: dict[str, Command] = {c.command_id: c for c in commands}
+        self.on_record: Callable[[str, Command], object] | None = None
+        """Called with each transition (``op``, the command after it): the stream's hook."""
+
+    def new(
+        self,
+        kind: CommandKind,
+        targets: Iterable[str],
+        keys: Iterable[EncodedKey],
+        **fields: object,
+    ) -> Command:
+        now = self._clock()
+        command = Command(
+            command_id=uuid.uuid4().hex, kind=kind, targets=tuple(targets), keys=tuple(keys),
+            created_at=now, updated_at=now, next_attempt_at=now, **fields,  # type: ignore[arg-type]
+        )  # fmt: skip
+        return self.record("add", command)
+
+    def record(self, op: str, command: Command) -> Command:
+        with self._lock:
+            self._commands[command.command_id] = command
+        if self.on_record is not None:
+            self.on_record(op, command)
+        return command
+
+    def get(self, command_id: str) -> Command | None:
+        with self._lock:
+            return self._commands.get(command_id)
+
+    def due(self) -> list[Command]:
+        """Commands to deliver now: pending ones whose time has come, and sent ones whose
+        events are overdue (delivered again), oldest first."""
+        now = self._clock()
+        with self._lock:
+            found = [
+                c
+                for c in self._commands.values()
+                if (c.state == "pending" and c.next_attempt_at <= now)
+                or (c.state == "sent" and now - c.updated_at > self.confirm_s)
+            ]
+        return sorted(found, key=lambda c: c.created_at)
+
+    def delivery_failed(self, command_id: str, error: str) -> Command:
+        """A delivery did not reach its target: pending, retried after the backoff."""
+        now = self._clock()
+        c = self._require(command_id)
+        attempts = c.attempts + 1
+        wait = self.retry.wait_s(attempts, self._jitter())
+        return self.record("retry", msgspec.structs.replace(
+            c, state="pending", attempts=attempts, next_attempt_at=now + wait,
+            updated_at=now, last_error=error,
+        ))  # fmt: skip
+
+    def delivered(self, command_id: str, remote_ids: tuple[str, ...] = ()) -> Command:
+        now = self._clock()
+        c = self._require(command_id)
+        return self.record("sent", msgspec.structs.replace(
+            c, state="sent", attempts=c.attempts + 1, updated_at=now,
+            remote_ids=remote_ids or c.remote_ids, last_error="",
+        ))  # fmt: skip
+
+    def finish(
+        self,
+        command_id: str,
+        state: Literal["completed", "failed"],
+        error: str = "",
+        found_keys: int | None = None,
+    ) -> Command:
+        c = self._require(command_id)
+        return self.record(state, msgspec.structs.replace(
+            c, state=state, updated_at=self._clock(), last_error=error or c.last_error,
+            found_keys=found_keys if found_keys is not None else c.found_keys,
+        ))  # fmt: skip
+
+    def prune(self) -> int:
+        """Drop finished commands older than ``retention_s``; returns how many."""
+        cutoff = self._clock() - self.retention_s
+        with self._lock:
+            old = [
+                i
+                for i, c in self._commands.items()
+                if c.state in FINISHED and c.updated_at < cutoff
+            ]
+            for i in old:
+                del self._commands[i]
+        return len(old)
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        """Commands by (kind, state): the metric's figures."""
+        out: dict[tuple[str, str], int] = {}
+        with self._lock:
+            for c in self._commands.values():
+                out[(c.kind, c.state)] = out.get((c.kind, c.state), 0) + 1
+        return out
+
+    def to_snapshot(self) -> bytes:
+        with self._lock:
+            commands = list(self._commands.values())
+        return _encoder.encode(_Snapshot(1, commands))
+
+    @classmethod
+    def from_snapshot(cls, data: bytes, **options: object) -> CommandLog:
+        """The log a snapshot held: unfinished commands are due again at once (what was
+        ``sent`` before the restart is delivered again: the events may never come)."""
+        snap = _decoder.decode(data)
+        if snap.version != 1:
+            raise ValueError(f"command snapshot version {snap.version} is not 1")
+        restored = [
+            msgspec.structs.replace(c, state="pending", next_attempt_at=0.0)
+            if c.state == "sent"
+            else c
+            for c in snap.commands
+        ]
+        return cls(restored, **options)  # type: ignore[arg-type]
+
+    def _require(self, command_id: str) -> Command:
+        c = self.get(command_id)
+        if c is None:
+            raise KeyError(command_id)
+        return c

@@ -1,0 +1,71 @@
+"""Pins: a reference count per key. A pinned key is skipped by a delete without ``force`` (and,
+once nodes learn their pins, by every eviction); each pin adds one, each unpin removes one and
+never goes below zero, so two operators pinning the same document must both unpin it.
+
+Listing follows LMCache's coordinator: keys in the order they were first pinned (a key whose
+count reached zero is gone; pinning it again appends it), filtered by salt and model, paged by
+``offset``/``limit``. The table is part of the coordinator's snapshot (:meth:`PinTable.rows`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+from kvatlas.keys import ObjectKey
+
+
+class PinTable:
+    """Thread-safe reference counts per :class:`ObjectKey`, in first-pinned order."""
+
+    def __init__(self, rows: Iterable[tuple[ObjectKey, int]] = ()) -> None:
+        self._counts: dict[ObjectKey, int] = {k: n for k, n in rows if n > 0}
+        self._lock = threading.Lock()
+
+    def pin(self, keys: Iterable[ObjectKey]) -> int:
+        """Add one pin to each of ``keys``; returns how many keys (duplicates count once)."""
+        unique = list(dict.fromkeys(keys))
+        with self._lock:
+            for key in unique:
+                self._counts[key] = self._counts.get(key, 0) + 1
+        return len(unique)
+
+    def unpin(self, keys: Iterable[ObjectKey]) -> int:
+        """Remove one pin from each of ``keys`` (floored at zero: an unpinned key stays so);
+        returns how many keys were named, as LMCache counts them."""
+        unique = list(dict.fromkeys(keys))
+        with self._lock:
+            for key in unique:
+                left = self._counts.get(key, 0) - 1
+                if left > 0:
+                    self._counts[key] = left
+                else:
+                    self._counts.pop(key, None)
+        return len(unique)
+
+    def count(self, key: ObjectKey) -> int:
+        with self._lock:
+            return self._counts.get(key, 0)
+
+    def pinned(self, keys: Iterable[ObjectKey]) -> set[ObjectKey]:
+        """Those of ``keys`` that hold at least one pin."""
+        with self._lock:
+            return {k for k in keys if k in self._counts}
+
+    def page(
+        self, cache_salt: str | None, model_name: str | None, offset: int, limit: int
+    ) -> tuple[int, list[tuple[ObjectKey, int]]]:
+        """``(total matching, the page's (key, count) rows)``."""
+        with self._lock:
+            rows = [
+                (k, n)
+                for k, n in self._counts.items()
+                if (cache_salt is None or k.cache_salt == cache_salt)
+                and (model_name is None or k.model_name == model_name)
+            ]
+        return len(rows), rows[offset : offset + limit]
+
+    def rows(self) -> list[tuple[ObjectKey, int]]:
+        """Every pinned key and its count, in order (what a snapshot keeps)."""
+        with self._lock:
+            return list(self._counts.items())

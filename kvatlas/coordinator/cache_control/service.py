@@ -1,0 +1,256 @@
+"""The coordinator's cache-control operations below HTTP (``docs/cache-control.md``): what each
+route does, as functions of typed bodies that return typed replies or raise from :mod:`kvatlas.errors` (422 a body, 400 a key field, 404 an unknown instance or
+quota). A route handler decodes the body, calls one of these and encodes the reply.
+
+Keys are resolved with the coordinator's own hashing (complete chunks, one key per rank).
+Deletes and prefetches become durable commands (:mod:`.commands`) that the delivery loop sends
+to the instance; the reply says what was asked (``requested`` chunks, ``affected`` keys sent,
+``skipped`` pinned ones), while the command carries it to completion. A delete whose every
+key is pinned (without ``force``) sends nothing and records nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Final
+
+from kvatlas.api.cache_control import (
+    MAX_PIN_PAGE,
+    MAX_TOKEN_IDS,
+    CoordinatorDeleteBody,
+    CoordinatorDeleteReply,
+    CoordinatorPrefetchBody,
+    CoordinatorPrefetchReply,
+    CoordinatorPrefetchStatus,
+    EncodedKey,
+    MoveBody,
+    MoveReply,
+    PinReply,
+    PinRow,
+    PinsReply,
+    QuotaConfig,
+    QuotaList,
+    QuotaSetBody,
+    QuotaSetReply,
+    QuotaStatus,
+    TokenFields,
+)
+from kvatlas.coordinator.cache_control.commands import Command, CommandLog
+from kvatlas.coordinator.cache_control.pins import PinTable
+from kvatlas.coordinator.cache_control.quotas import GB, QuotaTable, salt_of_path
+from kvatlas.errors import InvalidInput, NotFound, Unprocessable
+from kvatlas.keys import (
+    ObjectKey,
+    check_cache_salt,
+    check_model_name,
+    chunk_hashes,
+    expand_prefix_keys,
+)
+
+_UNKNOWN: Final = "no MP server registered with instance_id={!r}"
+
+
+def wire_key(key: ObjectKey) -> EncodedKey:
+    return EncodedKey(
+        key.chunk_hash.hex(), key.model_name, key.kv_rank, key.object_group_id, key.cache_salt
+    )
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A request's keys: ``chunks`` complete chunks, ``keys`` one per chunk and rank."""
+
+    chunks: int
+    keys: list[ObjectKey]
+
+
+@dataclass(frozen=True)
+class DeleteOutcome:
+    """The reply, and the command that carries the delete out (``None``: nothing to send)."""
+
+    reply: CoordinatorDeleteReply
+    command: Command | None
+
+
+@dataclass(frozen=True)
+class PrefetchOutcome:
+    reply: CoordinatorPrefetchReply
+    command: Command | None
+
+
+class CacheControl:
+    """Pins, quotas and commands of one coordinator (all three are in its snapshot)."""
+
+    def __init__(
+        self,
+        chunk_size: int,
+        *,
+        is_instance: Callable[[str], bool],
+        usage_by_salt: Callable[[], Mapping[str, int]],
+        pins: PinTable | None = None,
+        quotas: QuotaTable | None = None,
+        commands: CommandLog | None = None,
+    ) -> None:
+        self.chunk_size = chunk_size
+        self.is_instance = is_instance
+        self.usage_by_salt = usage_by_salt  # bytes of L2 copies per salt (the directory's)
+        self.pins = pins or PinTable()
+        self.quotas = quotas or QuotaTable()
+        self.commands = commands or CommandLog()
+
+    # ------------------------------------------------------------------ keys
+
+    def resolve(self, fields: TokenFields) -> Resolved:
+        """The keys of ``fields``' complete chunks (400 a bad salt, model or token id, or
+        more than 1,000,000 token ids; the salt is checked even when no chunk is complete)."""
+        if len(fields.token_ids) > MAX_TOKEN_IDS:
+            raise InvalidInput(
+                f"too many token_ids in a single request (limit={MAX_TOKEN_IDS}, got={len(fields.token_ids)})"
+            )
+        try:
+            check_cache_salt(fields.cache_salt)
+            check_model_name(fields.model_name)
+            hashes = chunk_hashes(fields.token_ids, self.chunk_size)
+            keys = expand_prefix_keys(
+                hashes, fields.model_name, fields.world_size, fields.cache_salt
+            )
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from None
+        return Resolved(len(hashes), keys)
+
+    # ------------------------------------------------------------------ pins
+
+    def pin(self, fields: TokenFields) -> PinReply:
+        found = self.resolve(fields)
+        return PinReply(found.chunks, self.pins.pin(found.keys), "pinned")
+
+    def unpin(self, fields: TokenFields) -> PinReply:
+        found = self.resolve(fields)
+        return PinReply(found.chunks, self.pins.unpin(found.keys), "unpinned")
+
+    def list_pins(
+        self, cache_salt: str | None, model_name: str | None, offset: int, limit: int
+    ) -> PinsReply:
+        """A page of pins, first pinned first; an empty ``cache_salt`` or ``model_name`` does
+        not filter (LMCache's reading), ``_default`` lists the empty salt's."""
+        if not 1 <= limit <= MAX_PIN_PAGE:
+            raise Unprocessable(f"limit: Input should be between 1 and {MAX_PIN_PAGE}")
+        if offset < 0:
+            raise Unprocessable("offset: Input should be greater than or equal to 0")
+        # LMCache lists every salt for an empty ``cache_salt``; ``_default`` names the empty one
+        salt = None if not cache_salt else self._salt(cache_salt)
+        total, rows = self.pins.page(salt, model_name or None, offset, limit)
+        return PinsReply(total, [PinRow(wire_key(k), n) for k, n in rows])
+
+    # ------------------------------------------------------------------ delete, prefetch
+
+    def delete(self, body: CoordinatorDeleteBody) -> DeleteOutcome:
+        self._require_instance(body.instance_id)
+        found = self.resolve(body)
+        if not found.keys:
+            return DeleteOutcome(CoordinatorDeleteReply(body.instance_id, 0, 0, 0, "noop"), None)
+        held = set() if body.force else self.pins.pinned(found.keys)
+        send = [k for k in found.keys if k not in held]
+        command = None
+        if send:
+            command = self.commands.new(
+                "delete", [body.instance_id], [wire_key(k) for k in send],
+                tier=body.tier, force=body.force,
+            )  # fmt: skip
+        reply = CoordinatorDeleteReply(
+            body.instance_id, found.chunks, len(send), len(found.keys) - len(send), "deleted"
+        )
+        return DeleteOutcome(reply, command)
+
+    def prefetch(self, body: CoordinatorPrefetchBody) -> PrefetchOutcome:
+        self._require_instance(body.instance_id)
+        found = self.resolve(body)
+        if not found.keys:
+            return PrefetchOutcome(CoordinatorPrefetchReply(body.instance_id, "", 0, "noop"), None)
+        command = self.commands.new(
+            "prefetch", [body.instance_id], [wire_key(k) for k in found.keys], tier="l2"
+        )
+        reply = CoordinatorPrefetchReply(
+            body.instance_id, command.command_id, found.chunks, "submitted"
+        )
+        return PrefetchOutcome(reply, command)
+
+    def prefetch_status(
+        self, instance_id: str, request_id: str
+    ) -> CoordinatorPrefetchStatus | None:
+        """A prefetch this coordinator recorded, or ``None``: not one of its commands (one
+        submitted on the instance itself), so the route asks the instance (LMCache's
+        coordinator always does: 502 when the instance does not answer)."""
+        self._require_instance(instance_id)
+        command = self.commands.get(request_id)
+        if command is None or command.kind != "prefetch" or instance_id not in command.targets:
+            return None
+        if command.state != "completed":
+            return CoordinatorPrefetchStatus("pending")
+        found = command.found_keys if command.found_keys is not None else 0
+        return CoordinatorPrefetchStatus(
+            "completed", found_keys=found, total_keys=len(command.keys)
+        )
+
+    def move(self, body: MoveBody) -> tuple[MoveReply, Command | None]:
+        """Validate a move and record it (the L1 -> L1 protocol that never leaves zero copies
+        is the delivery loop's: load on the target, hold it, then delete the source)."""
+        source, target = body.source_instance_id, body.target_instance_id
+        if source == target:
+            raise InvalidInput(f"source and target are the same instance ({source!r})")
+        self._require_instance(source)
+        self._require_instance(target)
+        found = self.resolve(body)
+        if not found.keys:
+            return MoveReply("", source, target, 0, "noop"), None
+        command = self.commands.new(
+            "move", [target], [wire_key(k) for k in found.keys], tier="l1", source=source,
+            force=not body.keep_source,  # a move deletes the source's copy; a copy keeps it
+        )  # fmt: skip
+        return MoveReply(command.command_id, source, target, found.chunks, "pending"), command
+
+    def _require_instance(self, instance_id: str) -> None:
+        if not self.is_instance(instance_id):
+            raise NotFound(_UNKNOWN.format(instance_id))
+
+    # ------------------------------------------------------------------ quotas
+
+    def quota_config(self) -> QuotaConfig:
+        return QuotaConfig(self.quotas.default_limit_gb)
+
+    def set_quota_config(self, body: QuotaConfig) -> QuotaConfig:
+        self.quotas.set_default(body.default_limit_gb)
+        return QuotaConfig(body.default_limit_gb)
+
+    def set_quota(self, salt_segment: str, body: QuotaSetBody) -> QuotaSetReply:
+        salt = self._salt(salt_segment)
+        self.quotas.set(salt, body.limit_gb)
+        return QuotaSetReply(salt, body.limit_gb, "ok")
+
+    def remove_quota(self, salt_segment: str) -> QuotaSetReply:
+        salt = self._salt(salt_segment)
+        if not self.quotas.remove(salt):
+            raise NotFound(f"no quota for cache_salt={salt!r}")
+        return QuotaSetReply(salt, 0.0, "removed")
+
+    def quota(self, salt_segment: str) -> QuotaStatus:
+        salt = self._salt(salt_segment)
+        return self._status(salt, self.usage_by_salt().get(salt, 0))
+
+    def quotas_listed(self) -> QuotaList:
+        usage = self.usage_by_salt()
+        salts = sorted(set(usage) | set(self.quotas.limits()))
+        rows = [self._status(s, usage.get(s, 0)) for s in salts]
+        return QuotaList(sum(usage.values()) / GB, rows)
+
+    def _status(self, salt: str, used_bytes: int) -> QuotaStatus:
+        own = self.quotas.own(salt)
+        return QuotaStatus(salt, own if own is not None else 0.0, own is not None, used_bytes / GB)
+
+    @staticmethod
+    def _salt(segment: str) -> str:
+        try:
+            return salt_of_path(segment)
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from None

@@ -1,0 +1,62 @@
+"""Pins, quotas and commands in the coordinator's snapshot: one section of the snapshot file
+(``save_snapshot(..., sections={SECTION: encode_state(control)})``; restored with
+:func:`restore_state` from ``SnapshotInfo.sections``), so a restarted coordinator keeps every
+pin, every quota and every command that had not finished (what was ``sent`` is delivered
+again: :meth:`CommandLog.from_snapshot`). Versioned: a section this code does not know is
+refused, never half-read."""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+
+from kvatlas.api.cache_control import EncodedKey
+from kvatlas.coordinator.cache_control.commands import CommandLog
+from kvatlas.coordinator.cache_control.pins import PinTable
+from kvatlas.coordinator.cache_control.quotas import QuotaTable
+from kvatlas.coordinator.cache_control.service import CacheControl, wire_key
+from kvatlas.errors import InvalidInput
+from kvatlas.keys import ObjectKey, parse_chunk_hash_hex
+
+SECTION: Final = "cache_control"
+_VERSION: Final = 1
+
+
+class _State(msgspec.Struct):
+    version: int
+    pins: list[tuple[EncodedKey, int]]
+    default_limit_gb: float | None
+    limits: dict[str, float]
+    commands: bytes  # CommandLog.to_snapshot
+
+
+def encode_state(control: CacheControl) -> bytes:
+    return msgspec.msgpack.encode(
+        _State(
+            _VERSION,
+            [(wire_key(k), n) for k, n in control.pins.rows()],
+            control.quotas.default_limit_gb,
+            control.quotas.limits(),
+            control.commands.to_snapshot(),
+        )
+    )
+
+
+def restore_state(control: CacheControl, data: bytes, **command_options: object) -> None:
+    """Replace ``control``'s pins, quotas and commands with the section's
+    (:class:`~kvatlas.errors.InvalidInput` for a section that does not decode)."""
+    try:
+        state = msgspec.msgpack.decode(data, type=_State)
+        if state.version != _VERSION:
+            raise ValueError(f"cache-control section version {state.version} is not {_VERSION}")
+        pins = PinTable(
+            (ObjectKey(parse_chunk_hash_hex(k.chunk_hash_hex), k.model_name, k.kv_rank,
+                       k.object_group_id, k.cache_salt), n)
+            for k, n in state.pins
+        )  # fmt: skip
+        quotas = QuotaTable(state.default_limit_gb, state.limits)
+        commands = CommandLog.from_snapshot(state.commands, **command_options)
+    except (msgspec.MsgspecError, ValueError) as exc:
+        raise InvalidInput(f"cache-control snapshot section: {exc}") from None
+    control.pins, control.quotas, control.commands = pins, quotas, commands
