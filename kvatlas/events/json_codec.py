@@ -300,16 +300,19 @@ def _rooted(exc: EventValidationError, prefix: str) -> tuple[str, str]:
 def batch_to_wire(batch: EventBatch) -> EventBatchRow[list[int]]:
     """The JSON wire form of one batch (LMCache's field names and defaults: no tokens is
     ``[]``, which both decoders read as unknown content)."""
-    entries = [
+    entries: list[EventEntry[list[int]]] = [
         EventEntry(
-            EventKey(**e.key.to_wire()),
+            EventKey(
+                chunk_hash_hex=(k := e.key).chunk_hash.hex(), model_name=k.model_name,
+                kv_rank=k.kv_rank, object_group_id=k.object_group_id, cache_salt=k.cache_salt,
+            ),
             e.size_bytes,
             [] if e.token_ids is None else e.token_ids.tolist(),  # [] as LMCache
             e.token_offset,
         )
         for e in batch.entries
-    ]
-    return header_to_wire(batch, EventBatchRow[list[int]], entries=entries)
+    ]  # fmt: skip
+    return header_to_wire(batch, EventBatchRow, entries=entries)
 
 
 def encode_json(batches: list[EventBatch] | tuple[EventBatch, ...]) -> bytes:
