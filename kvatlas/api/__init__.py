@@ -12,7 +12,7 @@ only kvatlas sends has a default, so LMCache's replies decode too. Decoding fail
 See docs/coordinator.md ("API").
 """
 
-from kvatlas.api.codec import decode, encode, from_attributes
+from kvatlas.api.codec import ErrorReply, decode, encode, from_attributes
 from kvatlas.api.directory import (
     BlendHolderRow,
     BlendMatchRow,
@@ -47,6 +47,7 @@ __all__ = [
     "BlendReply",
     "DigestBody",
     "DigestReply",
+    "ErrorReply",
     "HealthReply",
     "HeartbeatReply",
     "IngestCountsReply",

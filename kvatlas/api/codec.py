@@ -50,3 +50,12 @@ def from_attributes(type_: type[S], value: object, **given: Any) -> S:
     names = type_.__struct_fields__
     found = {f: getattr(value, f) for f in names if f not in given and hasattr(value, f)}
     return type_(**found, **given)
+
+
+class ErrorReply(msgspec.Struct):
+    """Any refusal's body (``kvatlas.web.error_payload``): its ``detail`` and, for an event
+    that broke a rule, the ``field`` path (``batches[i]...``). Other fields an error carries
+    are ignored."""
+
+    detail: Any = None
+    field: str | None = None

@@ -1,5 +1,7 @@
 """A naive ingestion service, the reference's design, for ``kvatlas bench service`` to compare
 against in the same run: pydantic models per entry, a dict of dicts, tokens as tuples of ints.
+Its models are made from the wire's one definition (:data:`kvatlas.api.events.EventsBody`),
+so it reads exactly the bodies the coordinator reads (fields, names, defaults).
 
 Run as ``python -m kvatlas.bench.naive_service PORT``. Not part of the product.
 """
@@ -9,40 +11,49 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import msgspec
+import msgspec.inspect as mi
 import uvicorn
 from fastapi import FastAPI
-from pydantic import BaseModel
+from pydantic import create_model
+
+from kvatlas.api.events import EventsBody
+
+_SCALARS: dict[type[mi.Type], Any] = {
+    mi.StrType: str, mi.IntType: int, mi.FloatType: float, mi.BoolType: bool, mi.NoneType: None,
+}  # fmt: skip
 
 
-class _Key(BaseModel):
-    chunk_hash_hex: str
-    model_name: str
-    kv_rank: int
-    object_group_id: int = 0
-    cache_salt: str = ""
+def pydantic_of(t: mi.Type) -> Any:
+    """The pydantic form of a wire type: a Struct becomes a model of its fields (a field the
+    wire leaves unset when absent defaults to ``None``)."""
+    if isinstance(t, mi.Metadata):
+        return pydantic_of(t.type)
+    if isinstance(t, mi.ListType):
+        return list[pydantic_of(t.item_type)]  # type: ignore[misc]
+    if isinstance(t, mi.UnionType):
+        members = [pydantic_of(m) for m in t.types]
+        union = members[0]
+        for m in members[1:]:
+            union = union | m
+        return union
+    if isinstance(t, mi.StructType):
+        fields: dict[str, Any] = {}
+        for f in t.fields:
+            kind = pydantic_of(f.type)
+            if f.required:
+                fields[f.name] = (kind, ...)
+            elif f.default_factory is list:
+                fields[f.name] = (kind, [])
+            elif f.default is not msgspec.NODEFAULT and f.default is not msgspec.UNSET:
+                fields[f.name] = (kind, f.default)
+            else:  # unset when absent, or read raw by the codec: None
+                fields[f.name] = (kind | None, None)
+        return create_model(t.cls.__name__.partition("[")[0], **fields)
+    return _SCALARS[type(t)]
 
 
-class _Entry(BaseModel):
-    key: _Key
-    size_bytes: int = 0
-    token_ids: list[int] | None = None
-    token_offset: int = -1
-
-
-class _Batch(BaseModel):
-    instance_id: str
-    incarnation: int
-    seq: int
-    event_type: str
-    tier: str
-    backend: str = ""
-    shared: bool = False
-    ts: float = 0.0
-    entries: list[_Entry] = []
-
-
-class _Body(BaseModel):
-    batches: list[_Batch]
+_Body: Any = pydantic_of(mi.type_info(EventsBody))
 
 
 def create_naive_app() -> FastAPI:
@@ -51,7 +62,7 @@ def create_naive_app() -> FastAPI:
     bindings: dict[str, tuple[tuple[int, ...], int]] = {}
 
     @app.post("/events")
-    def events(body: _Body) -> dict[str, int]:
+    def events(body: _Body) -> dict[str, int]:  # type: ignore[valid-type]
         for batch in body.batches:
             for entry in batch.entries:
                 k = entry.key

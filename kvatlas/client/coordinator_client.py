@@ -19,6 +19,7 @@ import numpy as np
 from kvatlas.api import (
     DigestBody,
     DigestReply,
+    ErrorReply,
     HealthReply,
     HeartbeatReply,
     InstanceRow,
@@ -79,14 +80,10 @@ def read_reply(method: str, path: str, status: int, raw: bytes, reply: Any = Any
 def _detail(raw: bytes) -> str:
     """The ``detail`` of an error reply, else its text (at most 200 characters)."""
     try:
-        detail = msgspec.json.decode(raw, type=_ErrorReply).detail
+        detail = msgspec.json.decode(raw, type=ErrorReply).detail
     except msgspec.MsgspecError:
         detail = None
     return str(detail) if detail is not None else raw[:200].decode("utf-8", "replace")
-
-
-class _ErrorReply(msgspec.Struct):
-    detail: Any = None
 
 
 def call_json(http: httpx.Client, method: str, path: str, reply: Any = Any, **kwargs: Any) -> Any:

@@ -21,10 +21,11 @@ from typing import Any, Protocol
 
 import httpx
 
+from kvatlas.api import ErrorReply, decode
 from kvatlas.auth import stream_key
 from kvatlas.backoff import Backoff
 from kvatlas.client.coordinator_client import auth_headers
-from kvatlas.errors import InvalidInput, Unavailable
+from kvatlas.errors import InvalidInput, Unavailable, Unprocessable
 from kvatlas.events import (
     CacheEntry,
     EventBatch,
@@ -69,11 +70,10 @@ _BATCH_FIELD = re.compile(r"^batches\[(\d+)\]")
 def _batch_index(response: httpx.Response) -> int | None:
     """The ``i`` of a 422 reply whose ``field`` is ``batches[i]...`` (see docs/coordinator.md)."""
     try:
-        body = response.json()
-    except ValueError:
+        field = decode(response.content, ErrorReply, "reply").field
+    except Unprocessable:
         return None
-    field = body.get("field") if isinstance(body, dict) else None
-    match = _BATCH_FIELD.match(field) if isinstance(field, str) else None
+    match = _BATCH_FIELD.match(field) if field else None
     return int(match.group(1)) if match else None
 
 

@@ -171,6 +171,11 @@ class InstanceRegistry:
         with self._lock:
             return self._clock(), list(self._records.values())
 
+    def records(self) -> list[InstanceRecord]:
+        """Every registered instance (immutable records)."""
+        with self._lock:
+            return list(self._records.values())
+
     # ------------------------------------------------------------------ digest exchanges
 
     def wants_digest(self, instance_id: str) -> bool:

@@ -59,7 +59,7 @@ class ReadinessTracker:
         with self._lock:
             if state is Readiness.RESYNCING:
                 self._resyncing_since = self._clock()
-                self._resync_known = len(self._instances.snapshot()[1])
+                self._resync_known = len(self._instances.records())
                 self._instances.owe_all()
                 self._instances.owe_on_register = True
             elif state is Readiness.GROUP_HELD:

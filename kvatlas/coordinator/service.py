@@ -260,7 +260,7 @@ class CoordinatorService:
         if now < self._next_departure_sweep:
             return []
         self._next_departure_sweep = now + retention / 8
-        registered = {r.instance_id for r in self.instances.snapshot()[1]}
+        registered = {r.instance_id for r in self.instances.records()}
         departed = self.emitters.departed(self.directory.emitters(), registered, now, retention)
         for instance_id in departed:
             self.directory.deregister(instance_id)
@@ -405,14 +405,16 @@ class CoordinatorService:
 
     def stats(self) -> StatsView:
         return StatsView(
-            self.directory.stats(), self.scheme.name, len(self.instances.snapshot()[1])
+            directory=self.directory.stats(),
+            key_scheme=self.scheme.name,
+            instances_alive=len(self.instances.records()),
         )
 
     def metrics_state(self) -> MetricsState:
         return MetricsState(
             directory=self.directory.stats(),
             emitters=self.emitters_view(),
-            instances_alive=len(self.instances.snapshot()[1]),
+            instances_alive=len(self.instances.records()),
             mm_bypass=dict(MM_BYPASS_GUARD.reasons),
             kv_events=self.kv_events.stats(),
         )
@@ -420,13 +422,13 @@ class CoordinatorService:
     def health(self) -> HealthView:
         redis = self.config.event_transport == "redis"
         return HealthView(
-            self.state,
-            self.scheme,
-            self.directory.blend_enabled,
-            self.config.event_transport,
-            self.stream_position,
-            self.config.event_stream if redis else None,
-            self.config.resolved_replica_id,
-            self.config.group_name if redis else None,
-            self.kv_events.stats(),
+            state=self.state,
+            scheme=self.scheme,
+            blend_lookup=self.directory.blend_enabled,
+            event_transport=self.config.event_transport,
+            stream_position=self.stream_position,
+            event_stream=self.config.event_stream if redis else None,
+            replica_id=self.config.resolved_replica_id,
+            consumer_group=self.config.group_name if redis else None,
+            kv_events=self.kv_events.stats(),
         )

@@ -172,7 +172,7 @@ class StatusSource:
     def tick(self) -> None:
         self._faults()
         self.history.maybe_sample()
-        self.reports.retain({r.instance_id for r in self.service.instances.snapshot()[1]})
+        self.reports.retain({r.instance_id for r in self.service.instances.records()})
 
     def _sample(self, now: float) -> Sample:
         m = self.service.metrics

@@ -15,7 +15,7 @@ from kvatlas.directory import DirectoryUsage, KeyDirectory, ModuleUsage
 def fleet_usage(directory: KeyDirectory, instances: InstanceRegistry) -> FleetUsage:
     """Every registered, declaring or placement-holding instance, and every shared pool."""
     found = directory.usage()
-    registered = {r.instance_id for r in instances.snapshot()[1]}
+    registered = {r.instance_id for r in instances.records()}
     owners = {m.instance_id for m in found.modules if m.instance_id is not None}
     ids = sorted(registered | found.declared | owners)
     return FleetUsage(

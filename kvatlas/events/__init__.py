@@ -6,6 +6,7 @@ A batch that exists is valid; a decoder returns every batch of a body or raises
 numba: the JSON token-list parser compiles or loads on its first use.
 """
 
+from kvatlas.api.events import UNKNOWN_OFFSET
 from kvatlas.events.columns import ColumnBatch, EntryColumns
 from kvatlas.events.errors import EventDecodeError, EventValidationError
 from kvatlas.events.json_codec import decode_json, decode_json_columns, encode_json
@@ -21,7 +22,6 @@ from kvatlas.events.model import (
     RESYNC,
     STORE,
     TIERS,
-    UNKNOWN_OFFSET,
     VOLATILE_TIERS,
     CacheEntry,
     EventBatch,

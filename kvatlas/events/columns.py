@@ -17,14 +17,13 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from kvatlas.api.events import UNKNOWN_OFFSET, BatchHeader
 from kvatlas.events.model import (
     I64_MAX,
     STORE,
     U64_MAX,
-    UNKNOWN_OFFSET,
     CacheEntry,
     EventBatch,
-    WireBatchHeader,
     batch_from_wire,
 )
 from kvatlas.keys import ObjectKey, TokenArray
@@ -219,7 +218,7 @@ class ColumnBatch:
         return cols.salts()
 
 
-def column_batch(wb: WireBatchHeader, backend: str, cols: EntryColumns) -> ColumnBatch | None:
+def column_batch(wb: BatchHeader, backend: str, cols: EntryColumns) -> ColumnBatch | None:
     """A decoded wire batch with its entries as ``cols``: a ``store`` batch keeps them as
     columns, others carry them as objects. ``None`` when the header breaks a rule (the decoder
     then asks the per-entry path which and why)."""

@@ -17,17 +17,12 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from kvatlas.api.events import EventBatchRow, EventEntry, EventKey, EventsBodyOf
 from kvatlas.checks import is_plain_int
 from kvatlas.events._cut_types import CutTokenLists
 from kvatlas.events.columns import ColumnBatch, EntryColumns, column_batch
 from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
-from kvatlas.events.model import (
-    UNKNOWN_OFFSET,
-    CacheEntry,
-    EventBatch,
-    batch_from_wire,
-    batch_header,
-)
+from kvatlas.events.model import CacheEntry, EventBatch, batch_from_wire, header_to_wire
 from kvatlas.keys import (
     ObjectKey,
     check_cache_salt,
@@ -36,50 +31,9 @@ from kvatlas.keys import (
     unpack_kv_rank,
 )
 
-
-class _WireKey(msgspec.Struct, forbid_unknown_fields=True, gc=False):
-    """Unknown *key* fields are refused (elsewhere they are ignored): a field we do not know
-    may be part of the key's identity, and dropping it would merge distinct keys — wrong KV."""
-
-    chunk_hash_hex: str
-    model_name: str
-    kv_rank: int
-    object_group_id: int = 0
-    cache_salt: str = ""
-
-
-_NULL = msgspec.Raw(b"null")
-
-
-# Per-entry structs are not tracked by the cycle collector (``gc=False``: they hold only
-# strings, ints, ``Raw`` and each other, never a cycle): a body's thousands of them would
-# otherwise trigger young collections of their own (docs/performance.md).
-class _WireEntry(msgspec.Struct, gc=False):
-    key: _WireKey
-    size_bytes: int = 0
-    token_ids: msgspec.Raw = _NULL  # parsed in bulk by _json_tokens
-    token_offset: int = UNKNOWN_OFFSET
-
-
-class _WireBatch(msgspec.Struct):
-    instance_id: str
-    incarnation: int
-    seq: int
-    event_type: str
-    tier: str
-    backend: str | None = ""
-    shared: bool = False
-    ts: float = 0.0
-    entries: list[_WireEntry] = []
-    capacity_bytes: int | None = None
-    capacity_revision: int | None = None
-    dropped_events: int = 0
-    prefixes: list[str] | None = None
-
-
-class _WireBody(msgspec.Struct):
-    batches: list[_WireBatch]
-
+_WireEntry = EventEntry[msgspec.Raw]  # token lists handed over raw, parsed in bulk
+_WireBatch = EventBatchRow[msgspec.Raw]
+_WireBody = EventsBodyOf[msgspec.Raw]
 
 _KEY = attrgetter("key")
 _HEX = attrgetter("chunk_hash_hex")
@@ -136,7 +90,7 @@ def key_from_parts(
         raise EventValidationError("chunk_hash", str(exc)) from None
 
 
-def _key_from_wire(wk: _WireKey, strings: dict[str, str]) -> ObjectKey:
+def _key_from_wire(wk: EventKey, strings: dict[str, str]) -> ObjectKey:
     try:
         chunk_hash = parse_chunk_hash_hex(wk.chunk_hash_hex)
     except ValueError as exc:
@@ -343,20 +297,23 @@ def _rooted(exc: EventValidationError, prefix: str) -> tuple[str, str]:
     return moved.field, moved.reason
 
 
-def batch_to_wire(batch: EventBatch) -> dict[str, Any]:
-    """The JSON-ready dict of one batch (LMCache's field names and defaults: no tokens is
+def batch_to_wire(batch: EventBatch) -> EventBatchRow[list[int]]:
+    """The JSON wire form of one batch (LMCache's field names and defaults: no tokens is
     ``[]``, which both decoders read as unknown content)."""
-    entries = [
-        {
-            "key": e.key.to_wire(),
-            "size_bytes": e.size_bytes,
-            "token_ids": [] if e.token_ids is None else e.token_ids.tolist(),  # [] as LMCache
-            "token_offset": e.token_offset,
-        }
+    entries: list[EventEntry[list[int]]] = [
+        EventEntry(
+            EventKey(
+                chunk_hash_hex=(k := e.key).chunk_hash.hex(), model_name=k.model_name,
+                kv_rank=k.kv_rank, object_group_id=k.object_group_id, cache_salt=k.cache_salt,
+            ),
+            e.size_bytes,
+            [] if e.token_ids is None else e.token_ids.tolist(),  # [] as LMCache
+            e.token_offset,
+        )
         for e in batch.entries
-    ]
-    return {**batch_header(batch), "entries": entries}
+    ]  # fmt: skip
+    return header_to_wire(batch, EventBatchRow, entries=entries)
 
 
 def encode_json(batches: list[EventBatch] | tuple[EventBatch, ...]) -> bytes:
-    return _encoder.encode({"batches": [batch_to_wire(b) for b in batches]})
+    return _encoder.encode(EventsBodyOf([batch_to_wire(b) for b in batches]))

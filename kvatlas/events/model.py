@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Any, Final, TypeVar
 
 import numpy as np
+from msgspec import UNSET
 
+from kvatlas.api.events import UNKNOWN_OFFSET, BatchHeader
 from kvatlas.checks import is_plain_int
 from kvatlas.events.errors import EventValidationError
 from kvatlas.events.inventory import BUCKETS, check_prefix
@@ -34,7 +36,6 @@ VOLATILE_TIERS: Final = frozenset({"l1", "gpu", "engine-cpu"})
 """Process memory: an instance's own copies there are dropped when it is fenced."""
 EVENT_TRANSPORTS: Final = ("http", "redis")
 """How batches travel from nodes to the coordinator (``--event-transport`` of both)."""
-UNKNOWN_OFFSET: Final = -1
 
 U64_MAX: Final = (1 << 64) - 1
 I64_MAX: Final = (1 << 63) - 1
@@ -243,62 +244,33 @@ class EventBatch:
         return (self.instance_id, self.incarnation, self.seq)
 
 
-def batch_header(batch: EventBatch) -> dict[str, Any]:
-    """The wire fields of a batch besides its entries (shared by the JSON and msgpack codecs)."""
-    out: dict[str, Any] = {
-        "instance_id": batch.instance_id,
-        "incarnation": batch.incarnation,
-        "seq": batch.seq,
-        "event_type": batch.event_type,
-        "tier": batch.tier,
-        "backend": batch.backend,
-        "shared": batch.shared,
-        "ts": batch.ts,
-    }
-    if batch.capacity_bytes is not None:
-        out["capacity_bytes"] = batch.capacity_bytes
-        out["capacity_revision"] = batch.capacity_revision
-    if batch.dropped_events:
-        out["dropped_events"] = batch.dropped_events
-    if batch.prefixes is not None:
-        out["prefixes"] = list(batch.prefixes)
-    return out
+H = TypeVar("H", bound=BatchHeader)
 
 
-class WireBatchHeader(Protocol):
-    """A decoded wire batch's header fields (the JSON and msgpack codecs' batch structs; the
-    backend is left out: the codecs default it differently)."""
-
-    @property
-    def instance_id(self) -> str: ...
-    @property
-    def incarnation(self) -> int: ...
-    @property
-    def seq(self) -> int: ...
-    @property
-    def event_type(self) -> str: ...
-    @property
-    def tier(self) -> str: ...
-    @property
-    def shared(self) -> bool: ...
-    @property
-    def ts(self) -> float: ...
-    @property
-    def capacity_bytes(self) -> int | None: ...
-    @property
-    def capacity_revision(self) -> int | None: ...
-    @property
-    def dropped_events(self) -> int: ...
-    @property
-    def prefixes(self) -> list[str] | None: ...
+def header_to_wire(batch: EventBatch, row: type[H], **rest: Any) -> H:
+    """``batch``'s header as the wire form ``row`` (a :class:`~kvatlas.api.events.BatchHeader`
+    of a codec), with ``rest`` (its entries); what says nothing is left ``UNSET`` (unsent)."""
+    cap, prefixes = batch.capacity_bytes, batch.prefixes
+    return row(
+        batch.instance_id, batch.incarnation, batch.seq, batch.event_type, batch.tier,
+        batch.backend, batch.shared, batch.ts,
+        UNSET if cap is None else cap,
+        UNSET if cap is None else batch.capacity_revision,
+        batch.dropped_events or UNSET,
+        UNSET if prefixes is None else list(prefixes),
+        **rest,
+    )  # fmt: skip
 
 
 def batch_from_wire(
-    wb: WireBatchHeader, entries: tuple[CacheEntry, ...], instance_id: str, backend: str
+    wb: BatchHeader, entries: tuple[CacheEntry, ...], instance_id: str, backend: str
 ) -> EventBatch:
-    """The batch of a decoded wire header (the inverse of :func:`batch_header`) with
+    """The batch of a decoded wire header (the inverse of :func:`header_to_wire`) with
     ``entries``; ``instance_id`` and ``backend`` as the codec read them (interned, defaulted).
     Raises :class:`EventValidationError` like any :class:`EventBatch`."""
+    cap, rev, dropped, prefixes = (
+        wb.capacity_bytes, wb.capacity_revision, wb.dropped_events, wb.prefixes
+    )  # fmt: skip
     return EventBatch(
         instance_id=instance_id,
         incarnation=wb.incarnation,
@@ -309,8 +281,8 @@ def batch_from_wire(
         shared=wb.shared,
         ts=wb.ts,
         entries=entries,
-        capacity_bytes=wb.capacity_bytes,
-        capacity_revision=wb.capacity_revision,
-        dropped_events=wb.dropped_events,
-        prefixes=None if wb.prefixes is None else tuple(wb.prefixes),
+        capacity_bytes=None if cap is UNSET else cap,
+        capacity_revision=None if rev is UNSET else rev,
+        dropped_events=0 if dropped is UNSET else dropped,
+        prefixes=None if prefixes is UNSET or prefixes is None else tuple(prefixes),
     )

@@ -10,47 +10,19 @@ from __future__ import annotations
 
 import re
 from operator import attrgetter
-from typing import Any
 
 import msgspec
 import numpy as np
 
+from kvatlas.api.events import PACKED_FORMAT_VERSION, PackedBatch, PackedEntry, PackedEventsBody
 from kvatlas.events.columns import ColumnBatch, EntryColumns, column_batch
 from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
 from kvatlas.events.json_codec import decode_json, decode_json_columns, explain, key_from_parts
-from kvatlas.events.model import (
-    UNKNOWN_OFFSET,
-    CacheEntry,
-    EventBatch,
-    batch_from_wire,
-    batch_header,
-)
+from kvatlas.events.model import CacheEntry, EventBatch, batch_from_wire, header_to_wire
 from kvatlas.keys import TokenArray
 
-FORMAT_VERSION = 1
-
-_ENTRY_FIELDS = (
-    "chunk_hash",
-    "model_name",
-    "kv_rank",
-    "object_group_id",
-    "cache_salt",
-    "size_bytes",
-    "token_offset",
-    "content",
-)
-
-
-class _PackedEntry(msgspec.Struct, array_like=True, gc=False):  # untracked: see json_codec
-    chunk_hash: bytes
-    model_name: str
-    kv_rank: int
-    object_group_id: int = 0
-    cache_salt: str = ""
-    size_bytes: int = 0
-    token_offset: int = UNKNOWN_OFFSET
-    content: int = -1
-
+FORMAT_VERSION = PACKED_FORMAT_VERSION
+_ENTRY_FIELDS = PackedEntry.__struct_fields__
 
 _HASH = attrgetter("chunk_hash")
 _SHAPE = attrgetter("model_name", "kv_rank", "object_group_id", "cache_salt")
@@ -59,29 +31,7 @@ _OFFSET = attrgetter("token_offset")
 _CONTENT = attrgetter("content")
 
 
-class _PackedBatch(msgspec.Struct, omit_defaults=True):
-    instance_id: str
-    incarnation: int
-    seq: int
-    event_type: str
-    tier: str
-    backend: str = ""
-    shared: bool = False
-    ts: float = 0.0
-    contents: list[bytes] = []
-    entries: list[_PackedEntry] = []
-    capacity_bytes: int | None = None
-    capacity_revision: int | None = None
-    dropped_events: int = 0
-    prefixes: list[str] | None = None
-
-
-class _PackedBody(msgspec.Struct):
-    batches: list[_PackedBatch]
-    v: int = FORMAT_VERSION
-
-
-_decoder = msgspec.msgpack.Decoder(_PackedBody)
+_decoder = msgspec.msgpack.Decoder(PackedEventsBody)
 _encoder = msgspec.msgpack.Encoder()
 _ENTRY_PATH = re.compile(r"entries\[(\d+)\]\[(\d+)\]")
 _LE_U32 = np.dtype("<u4")
@@ -96,7 +46,7 @@ def _name_entry_fields(field: str) -> str:
     return _ENTRY_PATH.sub(repl, field)
 
 
-def _contents(pb: _PackedBatch) -> list[TokenArray | None]:
+def _contents(pb: PackedBatch) -> list[TokenArray | None]:
     out: list[TokenArray | None] = []
     for k, raw in enumerate(pb.contents):
         if len(raw) % 4:
@@ -106,7 +56,7 @@ def _contents(pb: _PackedBatch) -> list[TokenArray | None]:
     return out
 
 
-def _batch_from_packed(pb: _PackedBatch, strings: dict[str, str]) -> EventBatch:
+def _batch_from_packed(pb: PackedBatch, strings: dict[str, str]) -> EventBatch:
     contents = _contents(pb)
     entries = []
     for j, pe in enumerate(pb.entries):
@@ -128,7 +78,7 @@ def _batch_from_packed(pb: _PackedBatch, strings: dict[str, str]) -> EventBatch:
         pb,
         tuple(entries),
         strings.setdefault(pb.instance_id, pb.instance_id),
-        strings.setdefault(pb.backend, pb.backend),
+        strings.setdefault(pb.backend or "", pb.backend or ""),
     )
 
 
@@ -179,14 +129,14 @@ def decode_msgpack_columns(body: bytes) -> list[ColumnBatch]:
     out = []
     for pb in wire.batches:
         cols = _columns_from_packed(pb)
-        cb = None if cols is None else column_batch(pb, pb.backend, cols)
+        cb = None if cols is None else column_batch(pb, pb.backend or "", cols)
         if cb is None:
             return explain(decode_msgpack, body)
         out.append(cb)
     return out
 
 
-def _columns_from_packed(pb: _PackedBatch) -> EntryColumns | None:
+def _columns_from_packed(pb: PackedBatch) -> EntryColumns | None:
     contents, entries = pb.contents, pb.entries
     sizes = np.fromiter(map(len, contents), dtype=np.int64, count=len(contents))
     if (sizes % 4).any():
@@ -231,7 +181,8 @@ def _json_shaped(body: bytes) -> bytes | None:
         return None
 
 
-def _pack_batch(batch: EventBatch) -> dict[str, Any]:
+def pack_batch(batch: EventBatch) -> PackedBatch:
+    """The compact wire form of one batch: each distinct token content once."""
     contents: list[bytes] = []
     index: dict[bytes, int] = {}
     by_array: dict[int, int] = {}
@@ -248,7 +199,7 @@ def _pack_batch(batch: EventBatch) -> dict[str, Any]:
                 by_array[id(e.token_ids)] = ref
         k = e.key
         entries.append(
-            (
+            PackedEntry(
                 k.chunk_hash,
                 k.model_name,
                 k.kv_rank,
@@ -259,8 +210,8 @@ def _pack_batch(batch: EventBatch) -> dict[str, Any]:
                 ref,
             )
         )
-    return {**batch_header(batch), "contents": contents, "entries": entries}
+    return header_to_wire(batch, PackedBatch, contents=contents, entries=entries)
 
 
 def encode_msgpack(batches: list[EventBatch] | tuple[EventBatch, ...]) -> bytes:
-    return _encoder.encode({"v": FORMAT_VERSION, "batches": [_pack_batch(b) for b in batches]})
+    return _encoder.encode(PackedEventsBody(batches=[pack_batch(b) for b in batches]))

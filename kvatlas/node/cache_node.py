@@ -68,7 +68,7 @@ from kvatlas.node.segments import Segment
 from kvatlas.node.stored_chunk import StoredChunk
 from kvatlas.node.tiered_fetch import Fetched, TieredFetch
 from kvatlas.node.token_cache import TokenCache, TokenCacheStats
-from kvatlas.node.unified_lookup import LookupResult, UnifiedBlendLookup
+from kvatlas.node.unified_lookup import NOTHING_FOUND, LookupResult, UnifiedBlendLookup
 
 log = logging.getLogger(__name__)
 
@@ -439,7 +439,7 @@ class CacheNode:
         """Poll-able: ``None`` means "ask again" (the fleet leg is pending, deadline not passed)."""
         rid = request_id or tracker.request_id or str(id(tracker))
         if not tracker.cacheable:
-            return LookupResult((), 0, 0, 0, False, False)
+            return NOTHING_FOUND
         try:
             return self.blend.poll(rid, prefix_len)
         except KeyError:

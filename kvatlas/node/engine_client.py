@@ -7,9 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import msgspec
-
-from kvatlas.client.engine_client import EngineCallError, EngineClient, WireSegment
+from kvatlas.client.engine_client import EngineCallError, EngineClient
 from kvatlas.keys import MMItem
 from kvatlas.node.http_api import segment_of, segment_to_wire
 from kvatlas.node.kv_dtype import to_numpy
@@ -41,7 +39,7 @@ class NodeEngineClient(EngineClient):
     def blend_retrieve(
         self, tokens: Any, request_id: str, segments: Sequence[Segment], *, cache_salt: str = ""
     ) -> dict[str, Any]:
-        wire = [msgspec.convert(segment_to_wire(s), WireSegment) for s in segments]
+        wire = [segment_to_wire(s) for s in segments]
         got = self.blend_parts(tokens, request_id, wire, cache_salt=cache_salt)
         return {
             "parts": [(segment_of(s), kv) for s, kv in got["parts"]],

@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvatlas.api import decode, encode
+from kvatlas.api import KeyRow, decode, encode
 from kvatlas.api.cache_control import (
     DEFAULT_PAGE_SIZE,
     MAX_PAGE_SIZE,
@@ -42,8 +42,22 @@ from kvatlas.api.cache_control import (
     PrefetchBody,
     TierName,
 )
+from kvatlas.api.engine import (
+    BlendLookupReply,
+    BlendPart,
+    BlendRetrieveReply,
+    EngineCall,
+    EngineLayout,
+    HitReply,
+    InventoryReply,
+    InventoryRow,
+    NodeHealthReply,
+    RetrieveReply,
+    StoreReply,
+    WireSegment,
+)
 from kvatlas.auth import ANONYMOUS_ADMIN, DOCS_PATHS, Principal, TokenAuth, parse_bearer
-from kvatlas.client.engine_client import MSGPACK, EngineCall, EngineLayout, WireSegment
+from kvatlas.client.engine_client import MSGPACK
 from kvatlas.errors import Forbidden, KvatlasError, NotFound, PayloadTooLarge, Unprocessable
 from kvatlas.keys import MMItem, RequestTracker
 from kvatlas.node.cache_control import NodeCacheControl
@@ -96,16 +110,17 @@ def _decode_call(body: bytes, msgpack: bool) -> EngineCall:
     return _msgpack_decoder.decode(body) if msgpack else _json_decoder.decode(body)
 
 
-def segment_to_wire(seg: Segment) -> dict[str, Any]:
-    return {
-        "chunk_hash": seg.chunk_hash.hex(),
-        "old_st": seg.old_st,
-        "cur_st": seg.cur_st,
-        "length": seg.length,
-        "source": seg.source,
-        "cost": int(seg.cost),
-        "trim": seg.trim,
-    }
+def segment_to_wire(seg: Segment) -> WireSegment:
+    return WireSegment(
+        seg.chunk_hash.hex(), seg.old_st, seg.cur_st, seg.length, seg.source, int(seg.cost),
+        seg.trim,
+    )  # fmt: skip
+
+
+def _part(seg: Segment, kv: Any) -> BlendPart:
+    """A retrieved segment with its KV."""
+    fields = msgspec.structs.asdict(segment_to_wire(seg))
+    return BlendPart(**fields, kv=np.ascontiguousarray(kv).tobytes())
 
 
 def segment_of(wire: WireSegment) -> Segment:
@@ -273,8 +288,8 @@ def create_node_app(
     def engine_call(path: str, max_bytes: int, required: tuple[str, ...] = ()
                     ) -> Callable[[Handler], Handler]:  # fmt: skip
         """Register ``handler`` at ``path``: body read under ``max_bytes`` and decoded in the
-        call's format, the caller's salts checked, then the ``required`` fields present and
-        not empty; every refusal is a 4xx reply in that format."""
+        call's format (the type checks it), the caller's salts checked, then the ``required``
+        fields present and not empty; every refusal is a 4xx reply in that format."""
 
         def register(handler: Handler) -> Handler:
             async def route(request: Request) -> Response:
@@ -317,14 +332,10 @@ def create_node_app(
 
     def tracker_for(call: EngineCall, who: Principal) -> tuple[RequestTracker, str]:
         """The call's tracker (``who`` may use its salt: checked by ``engine_call``)."""
-        if len(call.tokens) % 4:
-            raise Unprocessable("tokens must be little-endian uint32 bytes")
         if len(call.tokens) // 4 > config.max_query_tokens:
             raise PayloadTooLarge(
                 f"{len(call.tokens) // 4} tokens exceed --max-query-tokens {config.max_query_tokens}"
             )
-        if min(call.prefix_len, call.first_chunk, call.n_chunks) < 0:
-            raise Unprocessable("prefix_len, first_chunk and n_chunks must be >= 0")
         tokens = np.frombuffer(call.tokens, dtype="<u4")
         identity = Identity(
             tokens,
@@ -344,7 +355,7 @@ def create_node_app(
         return trackers.get_or_create(who, call.request_id, identity, make)
 
     @engine_call("/engine/store", config.max_store_bytes)
-    async def store(call: EngineCall, who: Principal) -> Any:
+    async def store(call: EngineCall, who: Principal) -> StoreReply:
         """Store the KV of a request's chunks: `tokens`, `kv` (`n_chunks` chunks in the node's
         layout from chunk `first_chunk`), `cache_salt`, `mm_items`. Reply `{stored, cacheable}`."""
         tracker, _ = tracker_for(call, who)
@@ -357,31 +368,31 @@ def create_node_app(
         chunks = list(kv.reshape((call.n_chunks, *layout.shape)))
         stored = await run_in_threadpool(node.store, tracker, chunks, first_chunk=call.first_chunk)
         trackers.drop(who, call.request_id, tracker)
-        reply: dict[str, Any] = {"stored": stored, "cacheable": tracker.cacheable}
+        reply = StoreReply(stored=stored, cacheable=tracker.cacheable)
         if stored < call.n_chunks:
-            reply["reason"] = _short_store(tracker, call, layout.chunk_size)
+            reply.reason = _short_store(tracker, call, layout.chunk_size)
         return reply
 
     @engine_call("/engine/lookup", config.max_call_bytes)
-    async def lookup(call: EngineCall, who: Principal) -> Any:
+    async def lookup(call: EngineCall, who: Principal) -> HitReply:
         """Prefix lookup: how many leading tokens of `tokens` a tier or a peer holds. Reply
         `{hit_tokens, cacheable}`."""
         tracker, _ = tracker_for(call, who)
         hit = await run_in_threadpool(node.lookup, tracker)
-        return {"hit_tokens": hit, "cacheable": tracker.cacheable}
+        return HitReply(hit, tracker.cacheable)
 
     @engine_call("/engine/retrieve", config.max_call_bytes)
-    async def retrieve(call: EngineCall, who: Principal) -> Any:
+    async def retrieve(call: EngineCall, who: Principal) -> RetrieveReply:
         """Prefix retrieval: the KV of the leading chunks held anywhere. Reply `{hit_tokens,
         kv, sources}` (`kv`: the chunks in the node's layout, back to back)."""
         tracker, _ = tracker_for(call, who)
         got = await run_in_threadpool(node.retrieve, tracker)
         trackers.drop(who, call.request_id, tracker)
         kv = b"".join(np.ascontiguousarray(k).tobytes() for k in got.kv)
-        return {"hit_tokens": got.hit_tokens, "kv": kv, "sources": dict(got.sources)}
+        return RetrieveReply(got.hit_tokens, kv, dict(got.sources))
 
     @engine_call("/engine/blend-lookup", config.max_call_bytes, BLEND_REQUIRED)
-    async def blend_lookup(call: EngineCall, who: Principal) -> Any:
+    async def blend_lookup(call: EngineCall, who: Principal) -> BlendLookupReply:
         """Blend lookup: cached chunks anywhere in `tokens` after `prefix_len`. Reply
         `{pending: true}` (poll again with the same `request_id`) or `{pending: false,
         segments, local_matches, fleet_matches, fleet_used}`."""
@@ -390,17 +401,17 @@ def create_node_app(
             node.blend_lookup, tracker, prefix_len=call.prefix_len, request_id=blend_id
         )
         if result is None:
-            return {"pending": True}
-        return {
-            "pending": False,
-            "segments": [segment_to_wire(s) for s in result.segments],
-            "local_matches": result.local_matches,
-            "fleet_matches": result.fleet_matches,
-            "fleet_used": result.fleet_used,
-        }
+            return BlendLookupReply(pending=True)
+        return BlendLookupReply(
+            pending=False,
+            segments=[segment_to_wire(s) for s in result.segments],
+            local_matches=result.local_matches,
+            fleet_matches=result.fleet_matches,
+            fleet_used=result.fleet_used,
+        )
 
     @engine_call("/engine/blend-retrieve", config.max_call_bytes, BLEND_REQUIRED)
-    async def blend_retrieve(call: EngineCall, who: Principal) -> Any:
+    async def blend_retrieve(call: EngineCall, who: Principal) -> BlendRetrieveReply:
         """Blend retrieval of `segments` (from a blend lookup): KV re-RoPE'd to each segment's
         `cur_st`. Reply `{parts: [segment + kv], misses, sources}`."""
         segments = []
@@ -413,14 +424,11 @@ def create_node_app(
         got = await run_in_threadpool(node.blend_retrieve, tracker, segments)
         trackers.drop(who, call.request_id, tracker)
         node.blend.cancel(blend_id)  # a lookup never polled to its end is not kept to its TTL
-        return {
-            "parts": [
-                {**segment_to_wire(seg), "kv": np.ascontiguousarray(kv).tobytes()}
-                for seg, kv in got.parts
-            ],
-            "misses": [segment_to_wire(s) for s in got.misses],
-            "sources": dict(got.sources),
-        }
+        return BlendRetrieveReply(
+            [_part(seg, kv) for seg, kv in got.parts],
+            [segment_to_wire(s) for s in got.misses],
+            dict(got.sources),
+        )
 
     @app.get(
         "/engine/layout",
@@ -449,8 +457,8 @@ def create_node_app(
             refused = Forbidden("the inventory is for admin and salt-unbound engine tokens")
             return _error_reply(refused, msgpack)
         held = await run_in_threadpool(node.held)
-        placements = [{"key": p.key.to_wire(), "tier": p.tier, "backend": p.backend} for p in held]
-        return _reply({"instance_id": node.instance_id, "placements": placements}, msgpack)
+        rows = [InventoryRow(KeyRow(**p.key.to_wire()), p.tier, p.backend) for p in held]
+        return _reply(InventoryReply(node.instance_id, rows), msgpack)
 
     @app.get(METRICS_PATH)
     async def metrics() -> Response:
@@ -460,10 +468,8 @@ def create_node_app(
     @app.get("/healthz")
     async def healthz(request: Request) -> Response:
         """JSON, or msgpack when the caller asks for it (``Accept``)."""
-        return _reply(
-            {"status": "ok", "instance_id": node.instance_id, **node.scheme.describe()},
-            _wants_msgpack(request.headers),
-        )
+        reply = NodeHealthReply("ok", node.instance_id, **node.scheme.describe())
+        return _reply(reply, _wants_msgpack(request.headers))
 
     add_cache_control_routes(app, NodeCacheControl(node))
     return app

@@ -34,13 +34,22 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, NamedTuple
+from typing import Final, NamedTuple
 
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from kvatlas.api import decode
+from kvatlas.api.events import EventKey
+from kvatlas.api.peer import (
+    DEFAULT_TIERS,
+    PEER_TIERS,
+    PeerFetch,
+    PeerFetchOf,
+    PeerRecord,
+)
 from kvatlas.asgi_thread import ThreadedServer
 from kvatlas.errors import InvalidInput, KvatlasError, PayloadTooLarge, Unprocessable
 from kvatlas.keys import ObjectKey
@@ -66,21 +75,6 @@ BAD_REPLY: Final = "bad_reply"
 """A :attr:`PeerReply.failure`: the reply was not a msgpack array of records."""
 
 
-PEER_TIERS: Final = ("l1", "l2")
-"""The tiers a ``/peer/kv`` request may name."""
-DEFAULT_TIERS: Final = ("l1",)
-
-
-class _FetchRequest(msgspec.Struct, forbid_unknown_fields=True):
-    keys: list[dict[str, Any]]
-    tiers: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_TIERS))
-
-
-class _Record(msgspec.Struct):
-    chunk: memoryview  # decoded as a view into the reply buffer: no copy
-    tokens_digest: bytes | None = None
-
-
 class PeerChunk(NamedTuple):
     """A chunk a peer sent and the digest of its tokens (the chunk itself carries none)."""
 
@@ -100,8 +94,8 @@ class PeerReply:
     dropped: int = 0
 
 
-_request_decoder = msgspec.json.Decoder(_FetchRequest)
-_reply_decoder = msgspec.msgpack.Decoder(list[_Record])
+_request_decoder = msgspec.json.Decoder(PeerFetchOf[msgspec.Raw])  # keys read one by one
+_reply_decoder = msgspec.msgpack.Decoder(list[PeerRecord])
 _reply_encoder = msgspec.msgpack.Encoder()
 _key_encoder = msgspec.msgpack.Encoder()
 
@@ -113,25 +107,26 @@ def _parse_request(body: bytes, max_keys: int) -> tuple[list[ObjectKey], frozens
         parsed = _request_decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise InvalidInput(f"invalid request body: {exc}") from None
-    tiers = frozenset(parsed.tiers)
+    tiers = parsed.tier_set
     if not tiers or not tiers <= set(PEER_TIERS):
         raise Unprocessable(f"tiers must be a non-empty subset of {list(PEER_TIERS)}")
     if len(parsed.keys) > max_keys:
         raise PayloadTooLarge(f"{len(parsed.keys)} keys exceed the limit of {max_keys}")
     keys: list[ObjectKey] = []
-    for i, wire in enumerate(parsed.keys):
+    for i, raw in enumerate(parsed.keys):
+        wire = decode(raw, EventKey, f"keys[{i}]")
         try:
-            keys.append(ObjectKey.from_wire(wire))
+            keys.append(ObjectKey.from_wire(wire.as_dict()))
         except (ValueError, TypeError) as exc:
             raise Unprocessable(f"keys[{i}]: {exc}") from None
     return list(dict.fromkeys(keys)), tiers
 
 
-def _reply_record(chunk: StoredChunk, encoder: Callable[[StoredChunk], bytes]) -> _Record:
+def _reply_record(chunk: StoredChunk, encoder: Callable[[StoredChunk], bytes]) -> PeerRecord:
     """The chunk without its token ids, and their digest."""
     bare = StoredChunk(chunk.key, chunk.kv, None, chunk.token_offset, chunk.kv_dtype)
     digest = None if chunk.tokens is None else tokens_digest(chunk.tokens)
-    return _Record(memoryview(encoder(bare)), digest)
+    return PeerRecord(memoryview(encoder(bare)), digest)
 
 
 def create_peer_app(
@@ -231,9 +226,9 @@ class PeerClient:
         wanted = list(dict.fromkeys(keys))
         if not wanted:
             return PeerReply()
-        request: dict[str, Any] = {"keys": [k.to_wire() for k in wanted]}
+        request = PeerFetch([EventKey(**k.to_wire()) for k in wanted])
         if tuple(tiers) != DEFAULT_TIERS:  # the default stays the bare form older peers read
-            request["tiers"] = list(tiers)
+            request.tiers = list(tiers)
         body = msgspec.json.encode(request)
         try:
             reply = self._client.post(
@@ -249,7 +244,7 @@ class PeerClient:
             return PeerReply(failure=BAD_REPLY)
         return self._accept(records, set(wanted))
 
-    def _accept(self, records: list[_Record], wanted: set[ObjectKey]) -> PeerReply:
+    def _accept(self, records: list[PeerRecord], wanted: set[ObjectKey]) -> PeerReply:
         found: dict[ObjectKey, PeerChunk] = {}
         dropped = 0
         for record in records:

@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Final
 
 from kvatlas.client import FleetMatcher
 from kvatlas.directory import BlendIndex
@@ -61,6 +61,13 @@ class LookupResult:
     @property
     def covered_tokens(self) -> int:
         return sum(s.length for s in self.segments)
+
+
+NOTHING_FOUND: Final = LookupResult(
+    segments=(), local_matches=0, fleet_matches=0, fleet_only=0, fleet_used=False,
+    fleet_timed_out=False,
+)  # fmt: skip
+"""The answer for a request that has nothing to look up (no cacheable key)."""
 
 
 @dataclass(slots=True)

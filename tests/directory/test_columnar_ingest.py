@@ -27,7 +27,7 @@ from kvatlas.events import (
 )
 from kvatlas.events._json_cut import cut_token_lists
 from kvatlas.events.json_codec import batch_to_wire
-from kvatlas.events.msgpack_codec import FORMAT_VERSION, _pack_batch
+from kvatlas.events.msgpack_codec import FORMAT_VERSION, pack_batch
 from kvatlas.keys import BlendNamespace, ObjectKey, pack_kv_rank
 
 CHUNK = 4
@@ -131,13 +131,13 @@ PACKED_BREAKS: list[tuple[str, Any, Any]] = [
 
 
 def _json_body(batches: list[EventBatch], brk: tuple[str, Any, Any] | None, at: int) -> bytes:
-    wire = [batch_to_wire(b) for b in batches]
+    wire = [msgspec.to_builtins(batch_to_wire(b)) for b in batches]
     _break(wire, brk, at, lambda e: e["key"])
     return msgspec.json.encode({"batches": wire})
 
 
 def _packed_body(batches: list[EventBatch], brk: tuple[str, Any, Any] | None, at: int) -> bytes:
-    wire = [_pack_batch(b) for b in batches]
+    wire = [msgspec.to_builtins(pack_batch(b), builtin_types=(bytes,)) for b in batches]
     for b in wire:
         b["entries"] = [list(e) for e in b["entries"]]
     body: dict[str, Any] = {"v": FORMAT_VERSION, "batches": wire}
@@ -294,7 +294,7 @@ def test_json_token_cut_equals_per_entry_decoder(data: st.DataObject) -> None:
     the token lists out of the body in one compiled pass where it can, gives exactly the
     per-entry decoder's batches or its error."""
     batches = data.draw(st.lists(batch_st(), min_size=1, max_size=3))
-    wire: dict[str, Any] = {"batches": [batch_to_wire(b) for b in batches]}
+    wire: dict[str, Any] = {"batches": [msgspec.to_builtins(batch_to_wire(b)) for b in batches]}
     rnd = data.draw(st.randoms(use_true_random=True))
     for b in wire["batches"]:
         for e in b["entries"]:

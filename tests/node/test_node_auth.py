@@ -150,7 +150,7 @@ def test_the_inventory_lists_what_l1_holds_for_salt_unbound_tokens_only(node: No
     stored = {ObjectKey(h, "toy", rank, 0, "tenant-a") for h in chunk_hashes(tokens, C)}
     with node.engine(ADMIN) as admin:
         listed = admin.inventory()
-    held = {ObjectKey.from_wire(p["key"]): (p["tier"], p["backend"]) for p in listed}
+    held = {ObjectKey.from_wire(p.key.as_dict()): (p.tier, p.backend) for p in listed}
     assert {k: held.get(k) for k in stored} == dict.fromkeys(stored, ("l1", "dram"))
 
 

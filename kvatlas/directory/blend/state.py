@@ -227,21 +227,20 @@ class IndexState:
         """:meth:`_settle` of a single op, with scalars (the column-wise bookkeeping's fixed
         cost outweighs one op)."""
         flags, cid, occ, _ = result
+        kind, arr, chunk_hash, _offset, _namespace, owned = op  # SingleOp's fields, named
         if flags & F_NEW_CONTENT:
-            arr = op[1]
             _put_one(self.tokens, cid, arr)
             self.token_bytes += arr.nbytes
             self.contents += 1
-            if op[5]:
+            if owned:
                 self.owned.add(cid)
                 self.owned_bytes += arr.nbytes
         if flags & F_NEW_OCCUPANT:
-            _put_one(self.hashes, occ, op[2])
+            _put_one(self.hashes, occ, chunk_hash)
             self.occupants += 1
         if flags & F_NEW_CLAIM:
             self.namespaces.claims[ns] += 1
             self.claims += 1
-        kind = op[0]
         if flags & _OP_BY_OP or kind == REMOVE_CHUNK:
             self._settle_removals([(kind, result, ns)])
 
