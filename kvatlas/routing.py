@@ -49,7 +49,7 @@ NOBODY = Principal("anonymous", frozenset())
 """The caller of an open route when auth is on: no token was asked for, so no role is held."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made per request, and a frozen __init__ costs more
 class Call(Generic[B, Q]):
     """One request as its handler sees it: the caller (checked against the route's
     :class:`Access` from the headers, before the body was read), the path parameters, the
@@ -68,7 +68,7 @@ class Call(Generic[B, Q]):
         return next((v.decode("latin-1") for k, v in self.scope["headers"] if k == name), None)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made per request (never changed once made)
 class Reply:
     """A reply other than a JSON value with status 200: its bytes, status, extra headers and
     media type (``None``: no Content-Type)."""

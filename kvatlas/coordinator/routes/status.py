@@ -3,7 +3,7 @@
 (``PUT /instances/{id}/report``). See docs/operator.md and docs/security.md.
 
 With auth on, the page is an open shell that shows no data: its script asks for a token and
-fetches the body with it; the body and the JSON need what ``/metrics`` needs (``asgi.py``).
+fetches the body with it; the body and the JSON need what ``/metrics`` needs (their entries in ``routes.ROUTES``).
 """
 
 from __future__ import annotations
