@@ -140,8 +140,8 @@ class Dispatcher:
 
     @staticmethod
     def _body(route: Route, raw: bytes, scope: Scope) -> Any:
-        if route.request is None or not route.decode:
-            return None
+        if route.request is None or route.request is bytes or not route.decode:
+            return None  # the handler reads call.raw
         content_type = next((v for k, v in scope["headers"] if k == b"content-type"), None)
         return decode_body(
             raw, None if content_type is None else content_type.decode("latin-1"), route.request

@@ -46,7 +46,7 @@ def echo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, list[A
             raise Unprocessable("bad body")
         return Reply(b'{"length":%d}' % len(call.raw), 201, ((b"x-test", b"yes"),))
 
-    route = Route("POST", "/test/echo", Access(("lookup",)), echo, request=bytes, decode=False)
+    route = Route("POST", "/test/echo", Access(("lookup",)), echo, request=bytes)
     app = create_app(CoordinatorService(config), RouteTable((*TABLE.routes, route)))
     server = ThreadedServer(app, port=free_port())
     server.start()

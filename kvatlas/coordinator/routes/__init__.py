@@ -34,7 +34,7 @@ DOCS = Access(public_flag="docs")
 ROUTES: tuple[Route, ...] = (
     Route(
         "POST", "/events", EMIT, events.post_events, "Ingest cache-event batches",
-        request=bytes, decode=False, reply=api.IngestCountsReply, docs=events.EVENTS_DOCS,
+        request=bytes, reply=api.IngestCountsReply, docs=events.EVENTS_DOCS,
         body=lambda b: b.events,
     ),
     Route(
@@ -116,7 +116,7 @@ ROUTES: tuple[Route, ...] = (
     ),
     Route(
         "PUT", "/instances/{instance_id}/report", EMIT, status.report,
-        "A node's value counters and tiers", request=bytes, decode=False, reply=api.ReportReply,
+        "A node's value counters and tiers", request=bytes, reply=api.ReportReply,
     ),
 )  # fmt: skip
 """Every route of the coordinator but the documentation's (``app.py`` adds those)."""
