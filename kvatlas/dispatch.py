@@ -164,8 +164,8 @@ class Dispatcher:
 
 
 def _query(route: Route, scope: Scope) -> Any:
-    if route.query is None:
-        return None
+    if route.query is None or not route.decode:
+        return None  # the handler reads the query string itself
     pairs = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
     try:
         return msgspec.convert(dict(pairs), route.query, strict=False)

@@ -86,10 +86,11 @@ sent as it is; a :class:`~kvatlas.errors.KvatlasError` is the error reply."""
 
 @dataclass(frozen=True, eq=False)
 class Route:
-    """One route, in one entry. ``request``: the body's type; the dispatcher decodes it before
-    the handler is called, unless ``decode`` is false (the handler reads ``call.raw`` itself:
-    a body sized up from its bytes first, or in a codec of its own) or the type is ``bytes``
-    (a body that is not a Struct: the handler reads ``call.raw``). ``query``: the query
+    """One route, in one entry. ``request``: the body's type; the dispatcher decodes it (and
+    the query string as ``query``) before the handler is called, unless ``decode`` is false
+    (the handler reads ``call.raw`` and the query string itself: a body sized up from its
+    bytes first, or in a codec of its own) or the type is ``bytes`` (a body that is not a
+    Struct: the handler reads ``call.raw``). ``query``: the query
     parameters' type. ``body``: picks the route's body limit from the service's limits (the
     largest legitimate body of *this* route; ``None``: the small one). ``docs``: OpenAPI to
     merge into the operation (a body that is not a Struct); ``hidden``: not documented."""

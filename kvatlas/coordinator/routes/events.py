@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Awaitable
 from typing import Any
 
 import msgspec
@@ -25,8 +26,8 @@ from kvatlas.keys import ObjectKey
 from kvatlas.routing import Call, Reply
 
 
-async def post_events(ctx: Context, call: Call[None, None]) -> Reply:
-    return await ctx.events.handle(call)
+def post_events(ctx: Context, call: Call[None, None]) -> Awaitable[Reply]:
+    return ctx.events.handle(call)
 
 
 _JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", bool: "boolean", float: "number"}

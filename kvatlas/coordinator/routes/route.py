@@ -5,9 +5,11 @@ docs/route-scoring.md).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+
 from kvatlas.coordinator.routes.context import Context
 from kvatlas.routing import Call, Reply
 
 
-async def route_score(ctx: Context, call: Call[None, None]) -> Reply:
-    return await ctx.scoring.handle(call)
+def route_score(ctx: Context, call: Call[None, None]) -> Awaitable[Reply]:
+    return ctx.scoring.handle(call)
