@@ -114,11 +114,11 @@ class Dispatcher:
             await _send(send, _error(exc, (b"connection", b"close")))
             return
         try:
+            declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+            check_declared_length(declared, limit)
             if route is None or scope["method"] == "HEAD":
                 reply = self._unrouted(scope)
             else:
-                declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-                check_declared_length(declared, limit)
                 raw = b""
                 if route.reads_body:
                     body = await receive_body(receive, limit)
