@@ -153,3 +153,10 @@ def test_a_table_refuses_a_route_twice_and_a_partial_parameter() -> None:
         RouteTable([ROUTES[0], ROUTES[0]])
     with pytest.raises(ValueError, match="whole segment"):
         RouteTable([Route("GET", "/x/id-{n}", OPEN, move)])
+
+
+def test_a_path_no_route_serves_needs_a_token_and_a_small_body(client: httpx.Client) -> None:
+    assert client.get("/nowhere").status_code == 401
+    assert client.get("/nowhere", headers=_as(ENGINE)).json() == {"detail": "Not Found"}
+    r = client.post("/nowhere", content=b"x" * 17, headers=_as(ENGINE))  # the small limit: 16
+    assert r.status_code == 413
