@@ -43,6 +43,10 @@ SHARED = (
     "auth",
     "checks",
     "web",
+    "fields",  # how a request's bad fields are reported (422)
+    "routing",  # a service's route table
+    "dispatch",  # the one request stack serving a route table
+    "openapi",  # a route table's documentation
     "http_guard",
     "config_flags",
     "asgi_thread",

@@ -20,7 +20,9 @@ HexHash = Annotated[str, msgspec.Meta(pattern="^[0-9a-fA-F]{64}$")]
 class KeyRow(msgspec.Struct, kw_only=True, frozen=True):
     """An ObjectKey as JSON (``kvatlas.keys.ObjectKey.to_wire`` / ``from_wire`` check it)."""
 
-    chunk_hash_hex: str
+    chunk_hash_hex: Annotated[
+        str, msgspec.Meta(description="64 lower- or upper-case hex characters")
+    ]
     model_name: str
     kv_rank: int
     object_group_id: int = 0

@@ -134,3 +134,45 @@ class DigestReply(msgspec.Struct, kw_only=True, frozen=True):
 
     instance_id: str
     tiers: dict[str, list[str]]
+
+
+class ChunkSizeReply(msgspec.Struct, kw_only=True, frozen=True):
+    """``PUT /config/chunk-size``: the fleet's chunk size (the coordinator's)."""
+
+    chunk_size: int
+
+
+class ReportReply(msgspec.Struct, kw_only=True, frozen=True):
+    """``PUT /instances/{id}/report``: the report was accepted."""
+
+    instance_id: str
+    ok: bool = True
+
+
+class ModuleUsageRow(msgspec.Struct, kw_only=True, frozen=True):
+    """One (tier, backend) module of an instance, or a shared pool: the capacity its config
+    batches declared beside the bytes its placements hold (``usage_ratio`` ``None`` without a
+    capacity)."""
+
+    tier: str
+    backend: str
+    shared: bool
+    used_bytes: int
+    capacity_bytes: int
+    usage_ratio: float | None
+
+
+class InstanceUsageReply(msgspec.Struct, kw_only=True, frozen=True):
+    """``GET /instances/{id}/usage`` (and one row of ``GET /instances/usage``)."""
+
+    instance_id: str
+    registered: bool
+    declared_capacity: bool
+    modules: list[ModuleUsageRow]
+
+
+class FleetUsageReply(msgspec.Struct, kw_only=True, frozen=True):
+    """``GET /instances/usage``: every instance's modules, then the shared pools."""
+
+    instances: list[InstanceUsageReply]
+    shared_modules: list[ModuleUsageRow]

@@ -1,16 +1,19 @@
-"""Request bodies the coordinator decodes with msgspec, straight from bytes (no dict, no
-pydantic): the blend lookup's and route scoring's. ``/openapi.json`` documents them from these
+"""Request bodies and query parameters of the coordinator's routes, decoded with msgspec
+straight from bytes (no dict, no model in between). ``/openapi.json`` documents them from these
 types (``msgspec.json.schema_components``), so the documentation is the decoder. Semantic
 checks that name a limit or a namespace rule (token counts, base64, ``world_size``) stay with
-the query that applies them (``coordinator/query.py``): their messages name the flag."""
+the query that applies them (``coordinator/query.py``): their messages name the flag. Field
+names follow LMCache's coordinator; unknown fields are ignored (be liberal in what you accept).
+"""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
 from kvatlas.api.codec import encode
+from kvatlas.api.directory import KeyRow
 
 
 class BlendLookupBody(msgspec.Struct):
@@ -45,3 +48,73 @@ class RouteScoreBody(BlendLookupBody):
         dict[str, float] | None,
         msgspec.Meta(description="tier weights to override: gpu, l1, l2, peer"),
     ] = None
+
+
+class LookupRequest(msgspec.Struct):
+    """``POST /directory/lookup``: exactly one form, ``keys``, or ``token_ids`` (or
+    ``tokens_b64``) with ``model_name``. Strict, as the blend lookup's body: ``"12"`` is not a
+    token id. Decoded after its size was read from its bytes (``coordinator/query.py``)."""
+
+    keys: list[KeyRow] | None = None
+    token_ids: list[int] | None = None
+    tokens_b64: str | None = None
+    model_name: str | None = None
+    world_size: int = 1
+    cache_salt: str = ""
+    object_group_id: int = 0
+
+
+class RegisterRequest(msgspec.Struct):
+    """``POST /instances``. LMCache's defaults mean "absent": ``instance_id: ""`` (the
+    coordinator assigns one), ``p2p_advertised_url: ""``, ``mq_port: 0``, ``chunk_size: null``.
+    Lax, as LMCache reads it: ``"8000"`` is a port."""
+
+    instance_id: str | None = None
+    ip: str = ""
+    http_port: int | None = None
+    metadata: dict[str, Any] = {}
+    p2p_advertised_url: str | None = None
+    mq_port: int | None = None
+    chunk_size: Annotated[
+        int | None, msgspec.Meta(description="the instance's chunk size (409 if not ours)")
+    ] = None
+    p2p_url_signature: Annotated[
+        str | None,
+        msgspec.Meta(
+            description="kvatlas nodes: their peer secret's signature of id and URL (hex)"
+        ),
+    ] = None
+    engine_id: Annotated[
+        str | None,
+        msgspec.Meta(
+            description="kvatlas nodes: the engine whose KV connector this node is (its copies "
+            "count as that engine's own in POST /route/score)"
+        ),
+    ] = None
+
+
+class ChunkSizeRequest(msgspec.Struct):
+    """``PUT /config/chunk-size`` (LMCache 0.5.7): the chunk size an instance runs with."""
+
+    chunk_size: int
+
+
+class KeyListingQuery(msgspec.Struct):
+    """``GET /directory/keys``'s query parameters: filters, then a page by ``cursor`` (or by
+    ``offset``) of at most ``limit`` keys."""
+
+    tier: str | None = None
+    instance_id: str | None = None
+    backend: str | None = None
+    offset: Annotated[int, msgspec.Meta(ge=0, le=10_000_000)] = 0
+    limit: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 100
+    cursor: str | None = None
+
+
+class BlendLookupQuery(msgspec.Struct):
+    """``POST /directory/blend-lookup``'s query parameter."""
+
+    with_placements: Annotated[
+        bool,
+        msgspec.Meta(description="true: each match lists the instances holding it (`placements`)"),
+    ] = False

@@ -2,13 +2,14 @@
 
 Layers, each importing only those below it (docs/coordinator.md):
 
-- ``server`` runs it (CLI, in-process ``BackgroundServer``); ``app`` wires the ASGI app;
-- ``routes/`` one module per resource, thin: role check, ``query``, service, ``wire``;
-  ``asgi`` answers the blend lookup below the framework (``blend_lookup``, the same handler);
+- ``server`` runs it (CLI, in-process ``BackgroundServer``); ``app`` serves the route table;
+- ``routes/`` the route table (``ROUTES``) and one handler module per resource, thin:
+  ``query``, service, ``wire`` (the hot routes' handlers: ``blend_lookup``, ``events_ingest``,
+  ``route_score``);
 - ``query`` validates requests (422 / 413); ``wire`` maps replies to their types in :mod:`kvatlas.api`;
 - ``service`` (directory, instances, snapshots, background threads; independent of HTTP),
   ``stream_consumer`` (Redis Streams), ``views`` (what the service reports), ``instances``,
-  ``auth``, ``metrics``, ``config``, ``schemas``; ``runtime`` the process settings.
+  ``auth``, ``metrics``, ``config``; ``runtime`` the process settings.
 
 The exports below load on first use: ``kvatlas coordinator --help`` imports only ``config`` and
 must not load the web stack or the compiled kernels.

@@ -1,90 +1,92 @@
-"""The coordinator's HTTP API as an ASGI app: wiring only (routes live in ``routes/``, request
-validation in ``query.py``, replies in ``wire.py``). See docs/coordinator.md ("API").
+"""The coordinator's HTTP API as an ASGI app: its route table (``routes.ROUTES`` and the
+documentation's routes) served by one :class:`~kvatlas.dispatch.Dispatcher`. See
+docs/coordinator.md ("API").
 
 Every error is a 4xx with a JSON ``detail`` that says what was wrong (rendered by
 :mod:`kvatlas.web` from :mod:`kvatlas.errors`); a 5xx is a bug. Work that scales with the
 request (decoding, applying, hashing, matching) runs in worker threads, not on the event loop,
 so one large request cannot stall the others (a blend lookup of bounded size excepted:
 ``blend_lookup.INLINE_BODY_BYTES``); with auth on, no body is read before the caller's token
-and roles were checked (``asgi.Gate``, docs/security.md).
+and roles were checked (:mod:`kvatlas.dispatch`, docs/security.md).
 """
 
 from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from functools import cache
 from typing import Any
 
-from fastapi import FastAPI
-from starlette.types import Receive, Scope, Send
-
-from kvatlas import __version__
-from kvatlas.coordinator.asgi import (
-    Authenticate,
-    FastPaths,
-    FastRoute,
-    Gate,
-    install_validation_handler,
-)
-from kvatlas.coordinator.blend_lookup import BLEND_LOOKUP_PATH, BlendLookup
-from kvatlas.coordinator.events_ingest import EVENTS_PATH, EventsIngest
-from kvatlas.coordinator.route_score import ROUTE_SCORE_PATH, RouteScoring
-from kvatlas.coordinator.routes import ROUTERS
+from kvatlas import __version__, openapi
+from kvatlas.coordinator.blend_lookup import BlendLookup
+from kvatlas.coordinator.config import CoordinatorConfig, RouteBodies
+from kvatlas.coordinator.events_ingest import EventsIngest
+from kvatlas.coordinator.route_score import RouteScoring
+from kvatlas.coordinator.routes import DOCS, ROUTES, Context
 from kvatlas.coordinator.service import CoordinatorService
-from kvatlas.http_guard import OnRefused
-from kvatlas.web import install_error_handler
+from kvatlas.dispatch import Dispatcher
+from kvatlas.routing import Route, RouteTable
+
+TITLE = "kvatlas coordinator"
+DESCRIPTION = "Where every cached KV chunk of the fleet lives: prefix and blend lookup."
 
 
-class CoordinatorApp(FastAPI):
-    """The coordinator's FastAPI app behind :class:`~kvatlas.coordinator.asgi.FastPaths`:
-    requests to :attr:`fast_routes` are answered before FastAPI sees them (its telemetry
-    check, its middleware stack, routing); each fast route is one entry (``create_app``)."""
-
-    def __init__(self, gate: Gate, on_refused: OnRefused, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.fast_routes: dict[tuple[str, str], FastRoute] = {}
-        self.front = FastPaths(self.framework, self.fast_routes, gate, on_refused)
-
-    async def framework(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """FastAPI itself: everything the fast paths do not answer."""
-        await super().__call__(scope, receive, send)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.front(scope, receive, send)
+@cache
+def api_document() -> dict[str, Any]:
+    """``/openapi.json``: the table, documented (the same for every app)."""
+    return openapi.document(TITLE, __version__, DESCRIPTION, ROUTES)
 
 
-def create_app(service: CoordinatorService) -> CoordinatorApp:
+TABLE = RouteTable((*ROUTES, *openapi.docs_routes(TITLE, DOCS, lambda _ctx: api_document())))
+"""Every route the coordinator serves."""
+
+
+def body_limit(route: Route, bodies: RouteBodies) -> int:
+    """The body limit of ``route``: its own largest legitimate body, else a small one."""
+    return bodies.small if route.body is None else int(route.body(bodies))
+
+
+def route_body_limit(method: str, path: str, config: CoordinatorConfig) -> int:
+    """The body limit of the request ``method path`` under ``config``."""
+    found = TABLE.match(method, path)
+    bodies = config.route_bodies
+    return bodies.small if found is None else body_limit(found[0], bodies)
+
+
+class CoordinatorApp(Dispatcher):
+    """The coordinator's app: :data:`TABLE` served over ``context``."""
+
+    title = TITLE
+    version = __version__
+
+    def openapi(self) -> dict[str, Any]:
+        return api_document()
+
+
+def create_app(service: CoordinatorService, table: RouteTable = TABLE) -> CoordinatorApp:
+    """The app serving ``table`` (the coordinator's, or one with more routes) for ``service``."""
     config = service.config
-    gate = Gate(service.auth, config.metrics_public, config.docs_public, config.route_bodies)
-    refused = service.metrics.http_refused.count
-    app = CoordinatorApp(
-        gate,
-        refused,
-        title="kvatlas coordinator",
-        version=__version__,
-        description="Where every cached KV chunk of the fleet lives: prefix and blend lookup.",
-    )
     # Long queries are matched off the event loop on as many threads as there are cores: more
     # threads would only contend for the GIL between the compiled (nogil) scans.
     match_pool = ThreadPoolExecutor(
         max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="kvatlas-match"
     )
-    blend = BlendLookup(service, match_pool)
-    app.state.service = service  # what routes/deps.py hands to the routes
-    app.state.blend_lookup = blend
-    scoring = app.state.route_scoring = RouteScoring(service, match_pool)
     # Applying is serialised by the directory lock; a second thread lets one body decode (the
     # JSON token parser releases the GIL on a large body) while another applies.
     events = EventsIngest(service, ThreadPoolExecutor(2, thread_name_prefix="kvatlas-ingest"))
-    app.state.events_ingest = events
-    install_error_handler(app, refused)
-    install_validation_handler(app)
-    for router in ROUTERS:
-        app.include_router(router)
-    app.fast_routes[("POST", BLEND_LOOKUP_PATH)] = blend.fast_route
-    app.fast_routes[("POST", EVENTS_PATH)] = events.fast_route
-    app.fast_routes[("POST", ROUTE_SCORE_PATH)] = scoring.fast_route
-    # outermost in the framework: no body byte is read before the token was checked, and
-    # then at most the route's own limit (asgi.ROUTES)
-    app.add_middleware(Authenticate, gate=gate)
-    return app
+    context = Context(
+        service, BlendLookup(service, match_pool), RouteScoring(service, match_pool), events
+    )
+    public = {"metrics"} if config.metrics_public else set()
+    if config.docs_public:
+        public.add("docs")
+    bodies = config.route_bodies
+    return CoordinatorApp(
+        context,
+        table,
+        service.auth,
+        frozenset(public),
+        lambda route: body_limit(route, bodies),
+        bodies.small,
+        service.metrics.http_refused.count,
+    )

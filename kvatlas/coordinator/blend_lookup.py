@@ -1,6 +1,5 @@
-"""``POST /directory/blend-lookup`` from body bytes to reply bytes, in one function that both
-the fast path (``asgi.FastPaths``) and the documented route call: same checks in the same
-order, same errors, same reply. See docs/coordinator.md ("API") and docs/blend-index.md.
+"""``POST /directory/blend-lookup`` from body bytes to reply bytes (:meth:`BlendLookup.handle`,
+the route's handler). See docs/coordinator.md ("API") and docs/blend-index.md.
 
 Where it runs: a query whose body is at most :data:`INLINE_BODY_BYTES` is answered on the event
 loop, a larger one on the match pool. The hop to a pool thread and back (a futex wake, the
@@ -16,18 +15,15 @@ import time
 from concurrent.futures import Executor
 from urllib.parse import parse_qs
 
-from starlette.types import Scope
-
 from kvatlas.auth import Principal
 from kvatlas.coordinator._blend_reply import blend_reply
-from kvatlas.coordinator.asgi import FastReply
 from kvatlas.coordinator.query import blend_query, decode_blend_lookup
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.coordinator.wire import blend_to_wire
 from kvatlas.directory import MatchColumns
+from kvatlas.routing import Call, Reply
 from kvatlas.web import json_encoder
 
-BLEND_LOOKUP_PATH = "/directory/blend-lookup"
 WITH_PLACEMENTS = "with_placements"
 """Query parameter: ``true`` (or ``1``) adds the holders of each match to the reply."""
 INLINE_BODY_BYTES = 256 * 1024
@@ -61,10 +57,11 @@ class BlendLookup:
         self.service = service
         self.pool = pool
 
-    async def fast_route(self, raw: bytes, who: Principal, scope: Scope) -> FastReply:
-        """The request as ``asgi.FastPaths`` hands it over: answered on the event loop up to
-        :data:`INLINE_BODY_BYTES`, on the pool beyond."""
-        placements = wants_placements(scope.get("query_string", b""))
+    async def handle(self, call: Call[None, None]) -> Reply:
+        """The route's handler: answered on the event loop up to :data:`INLINE_BODY_BYTES`, on
+        the pool beyond."""
+        raw, who = call.raw, call.who
+        placements = wants_placements(call.scope.get("query_string", b""))
         if len(raw) <= INLINE_BODY_BYTES:
             payload, enabled = self.answer(raw, who, placements)
         else:
@@ -72,7 +69,7 @@ class BlendLookup:
             payload, enabled = await loop.run_in_executor(
                 self.pool, self.answer, raw, who, placements
             )
-        return FastReply(payload, (BLEND_HEADERS[enabled],))
+        return Reply(payload, headers=(BLEND_HEADERS[enabled],))
 
     def answer(
         self, raw: bytes, who: Principal, with_placements: bool = False

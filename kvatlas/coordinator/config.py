@@ -284,7 +284,7 @@ class RouteBodies:
     """The largest legitimate body of each kind of coordinator route, in bytes, derived from
     the limits of the route itself (``--max-query-tokens``, ``--max-batch-entries``,
     ``--chunk-size``, ``--max-instances``) and capped by ``--max-body-bytes`` when given. The
-    route table (``asgi.ROUTES``) names which one each route takes."""
+    route table (``routes.ROUTES``) names which one each route takes."""
 
     events: int
     lookup: int

@@ -1,13 +1,9 @@
-"""``POST /events`` from body bytes to reply bytes (:class:`EventsIngest`), answered in front of
-the framework as a fast route (:class:`~kvatlas.coordinator.asgi.FastPaths`: routing and
-dependency injection cost more CPU than applying a small batch). The documented FastAPI route
-(``routes/events.py``, kept for the OpenAPI schema) calls the same handler: same checks in the
-same order, same errors, same reply. The body is decoded into columns and applied in one
-directory call, on one worker thread (one hop off the event loop for the whole request). See
-docs/coordinator.md.
+"""``POST /events`` from body bytes to reply bytes (:class:`EventsIngest`, the route's
+handler). The body is decoded into columns and applied in one directory call, on one worker
+thread (one hop off the event loop for the whole request). See docs/coordinator.md.
 
 Order of the checks (each refuses the whole body; nothing is applied): the ``emit`` role
-(before the body is read: :class:`~kvatlas.coordinator.asgi.Gate`), the body (422
+(before the body is read: :mod:`kvatlas.dispatch`), the body (422
 naming the field, 413 past ``--max-batch-entries``), each batch's instance, the keys' salts
 (:func:`~kvatlas.coordinator.query.check_emit`, shared with signed stream entries), then the
 service's incarnation bound and emitter admission.
@@ -18,18 +14,15 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import Executor
 
-from starlette.types import Scope
-
 from kvatlas.auth import Principal
-from kvatlas.coordinator.asgi import FastReply
 from kvatlas.coordinator.query import check_emit, decode_events
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.coordinator.wire import ingest_counts_to_wire
 from kvatlas.errors import InvalidInput
+from kvatlas.routing import Call, Reply
 from kvatlas.web import json_encoder
 
 JSON_TYPE = "application/json"
-EVENTS_PATH = "/events"
 
 
 class EventsIngest:
@@ -39,15 +32,12 @@ class EventsIngest:
         self.service = service
         self.pool = pool
 
-    async def fast_route(self, body: bytes, who: Principal, scope: Scope) -> FastReply:
-        """The route :class:`~kvatlas.coordinator.asgi.FastPaths` answers ``POST /events`` with:
-        the ingest counts, answered on the pool."""
-        content_type = next(
-            (v.decode("latin-1") for k, v in scope["headers"] if k == b"content-type"), JSON_TYPE
-        )
+    async def handle(self, call: Call[None, None]) -> Reply:
+        """The route's handler: the ingest counts, answered on the pool."""
+        content_type = call.header(b"content-type") or JSON_TYPE
         loop = asyncio.get_running_loop()
-        reply = await loop.run_in_executor(self.pool, self.answer, body, content_type, who)
-        return FastReply(reply)
+        reply = await loop.run_in_executor(self.pool, self.answer, call.raw, content_type, call.who)
+        return Reply(reply)
 
     def answer(self, body: bytes, content_type: str, who: Principal) -> bytes:
         """The reply to a body from ``who`` (whose ``emit`` role the gate checked from the

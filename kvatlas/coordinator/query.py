@@ -8,23 +8,22 @@ more than reading it. See docs/coordinator.md ("API").
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
-import pydantic
 
-from kvatlas.api import BlendLookupBody, decode
+from kvatlas.api import BlendLookupBody, LookupRequest, decode
 from kvatlas.auth import Principal
 from kvatlas.coordinator._base64 import b64decode_strict, decode_base64
 from kvatlas.coordinator.body_size import check_item_count, lookup_size
 from kvatlas.coordinator.config import KEY_JSON_BYTES, QUERY_ENVELOPE_BYTES
-from kvatlas.coordinator.schemas import LookupRequest
 from kvatlas.errors import PayloadTooLarge, Unprocessable
 from kvatlas.events import ColumnBatch, EventBatch, decode_json_columns, decode_msgpack_columns
+from kvatlas.fields import decode_fields, field_error, field_errors
 from kvatlas.keys import BlendNamespace, ObjectKey, TokenArray, as_token_array
 
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
@@ -130,12 +129,8 @@ def check_lookup_size(raw: bytes, max_tokens: int, max_keys: int) -> None:
     check_item_count(raw, max_tokens, QUERY_ENVELOPE_BYTES + max_keys * KEY_JSON_BYTES)
     try:
         size = lookup_size(raw)  # then the fields' own counts (a scan of the body)
-    except msgspec.ValidationError:  # not an object: the model's own message
-        try:
-            LookupRequest.model_validate([])
-        except pydantic.ValidationError as exc:
-            raise field_errors(exc.errors(), ("body",)) from None
-        raise
+    except msgspec.ValidationError as exc:  # not an object: the type's own message
+        raise field_errors([field_error(exc, LookupRequest, strict=True)], ("body",)) from None
     except msgspec.DecodeError as exc:
         raise _json_invalid(exc) from None
     if size.other_bytes > QUERY_ENVELOPE_BYTES:  # another field, or a field given twice
@@ -156,35 +151,10 @@ def _json_invalid(exc: msgspec.DecodeError) -> Unprocessable:
 
 def decode_lookup_body(raw: bytes, max_tokens: int, max_keys: int) -> LookupRequest:
     """``POST /directory/lookup``'s body (called on a worker thread: it may be large), sized
-    up from its bytes first (:func:`check_lookup_size`); a 422 names the first bad field as
-    FastAPI's own validation would."""
+    up from its bytes first (:func:`check_lookup_size`); a 422 names the first bad field
+    (:mod:`kvatlas.fields`)."""
     check_lookup_size(raw, max_tokens, max_keys)
-    try:
-        doc = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise _json_invalid(exc) from None
-    try:  # validated from Python objects, as FastAPI does: the same messages as before
-        return LookupRequest.model_validate(doc)
-    except pydantic.ValidationError as exc:
-        raise field_errors(exc.errors(), ("body",)) from None
-
-
-def field_errors(
-    errors: Sequence[Mapping[str, Any]], prefix: tuple[str, ...] = ()
-) -> Unprocessable:
-    """A model's validation errors as one 422 whose ``detail`` names the first bad field
-    (``where: what``) and whose ``errors`` lists them all (``prefix`` leads every ``loc``)."""
-    listed = [
-        {
-            "loc": [*prefix, *e.get("loc", ())],
-            "msg": str(e.get("msg", "")),
-            "type": str(e.get("type", "")),
-        }
-        for e in errors
-    ]
-    first = listed[0] if listed else {"loc": [], "msg": "invalid request"}
-    where = ".".join(str(p) for p in first["loc"] if p != "body")
-    return Unprocessable(f"{where}: {first['msg']}" if where else str(first["msg"]), errors=listed)
+    return decode_fields(raw, LookupRequest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +201,7 @@ def lookup_query(body: LookupRequest, max_tokens: int, max_keys: int) -> KeysQue
         if len(keys) > max_keys:
             raise PayloadTooLarge(f"{len(keys)} keys exceed the query limit")
         try:
-            return KeysQuery([ObjectKey.from_wire(k.model_dump()) for k in keys])
+            return KeysQuery([ObjectKey.from_wire(k.as_dict()) for k in keys])
         except ValueError as exc:
             raise Unprocessable(f"keys: {exc}") from None
     tokens = query_tokens(token_ids, body.tokens_b64, max_tokens)

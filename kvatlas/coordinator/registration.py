@@ -9,8 +9,8 @@ from typing import Any
 
 import msgspec
 
+from kvatlas.api import RegisterRequest
 from kvatlas.coordinator.instances import Registration
-from kvatlas.coordinator.schemas import RegisterRequest
 from kvatlas.errors import PayloadTooLarge, Unprocessable
 from kvatlas.keys import check_instance_id
 

@@ -18,11 +18,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
-from starlette.types import Scope
-
 from kvatlas.api import RouteScoreBody, RouteScoreRow, RouteScoresReply, decode
 from kvatlas.auth import Principal
-from kvatlas.coordinator.asgi import FastReply
 from kvatlas.coordinator.body_size import check_item_count
 from kvatlas.coordinator.config import QUERY_ENVELOPE_BYTES
 from kvatlas.coordinator.instances import attachments
@@ -42,6 +39,7 @@ from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.directory import KeyDirectory
 from kvatlas.errors import PayloadTooLarge, Unprocessable
 from kvatlas.keys import KeyScheme, check_instance_id, pack_kv_rank
+from kvatlas.routing import Call, Reply
 from kvatlas.web import json_encoder
 
 FIRST_WINDOW = 16
@@ -134,9 +132,6 @@ def score_routes(
     return rank_scores(instance_score(i, prefix[i], covered[i], size, weights) for i in candidates)
 
 
-ROUTE_SCORE_PATH = "/route/score"
-
-
 class RouteScoring:
     """Answers ``POST /route/score`` for ``service`` on ``pool`` (the blend lookup's pool)."""
 
@@ -144,10 +139,10 @@ class RouteScoring:
         self.service = service
         self.pool = pool
 
-    async def fast_route(self, raw: bytes, who: Principal, scope: Scope) -> FastReply:
-        """The request as ``asgi.FastPaths`` hands it over, answered on the pool."""
+    async def handle(self, call: Call[None, None]) -> Reply:
+        """The route's handler, answered on the pool."""
         loop = asyncio.get_running_loop()
-        return FastReply(await loop.run_in_executor(self.pool, self.answer, raw, who))
+        return Reply(await loop.run_in_executor(self.pool, self.answer, call.raw, call.who))
 
     def answer(self, raw: bytes, who: Principal) -> bytes:
         started = time.perf_counter()

@@ -5,8 +5,7 @@ keeps both per module), and its JSON. Served by ``routes/usage.py``; see docs/co
 
 from __future__ import annotations
 
-from typing import Any
-
+from kvatlas.api import FleetUsageReply, InstanceUsageReply, ModuleUsageRow
 from kvatlas.coordinator.instances import InstanceRegistry
 from kvatlas.coordinator.views import FleetUsage, InstanceUsage
 from kvatlas.directory import DirectoryUsage, KeyDirectory, ModuleUsage
@@ -35,32 +34,32 @@ def _instance_usage(instance_id: str, usage: DirectoryUsage, registered: bool) -
     return InstanceUsage(instance_id, registered, instance_id in usage.declared, modules)
 
 
-def module_usage_to_wire(m: ModuleUsage) -> dict[str, Any]:
+def module_usage_to_wire(m: ModuleUsage) -> ModuleUsageRow:
     """One module of ``/instances/usage``; ``usage_ratio`` is ``None`` without a capacity."""
     ratio = m.used_bytes / m.capacity_bytes if m.capacity_bytes > 0 else None
-    return {
-        "tier": m.tier,
-        "backend": m.backend,
-        "shared": m.instance_id is None,
-        "used_bytes": m.used_bytes,
-        "capacity_bytes": m.capacity_bytes,
-        "usage_ratio": ratio,
-    }
+    return ModuleUsageRow(
+        tier=m.tier,
+        backend=m.backend,
+        shared=m.instance_id is None,
+        used_bytes=m.used_bytes,
+        capacity_bytes=m.capacity_bytes,
+        usage_ratio=ratio,
+    )
 
 
-def instance_usage_to_wire(u: InstanceUsage) -> dict[str, Any]:
+def instance_usage_to_wire(u: InstanceUsage) -> InstanceUsageReply:
     """``GET /instances/{id}/usage`` (and one row of ``GET /instances/usage``)."""
-    return {
-        "instance_id": u.instance_id,
-        "registered": u.registered,
-        "declared_capacity": u.declared_capacity,
-        "modules": [module_usage_to_wire(m) for m in u.modules],
-    }
+    return InstanceUsageReply(
+        instance_id=u.instance_id,
+        registered=u.registered,
+        declared_capacity=u.declared_capacity,
+        modules=[module_usage_to_wire(m) for m in u.modules],
+    )
 
 
-def usage_to_wire(u: FleetUsage) -> dict[str, Any]:
+def usage_to_wire(u: FleetUsage) -> FleetUsageReply:
     """``GET /instances/usage``: every instance's modules, then the shared pools."""
-    return {
-        "instances": [instance_usage_to_wire(i) for i in u.instances],
-        "shared_modules": [module_usage_to_wire(m) for m in u.shared_modules],
-    }
+    return FleetUsageReply(
+        instances=[instance_usage_to_wire(i) for i in u.instances],
+        shared_modules=[module_usage_to_wire(m) for m in u.shared_modules],
+    )

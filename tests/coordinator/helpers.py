@@ -202,9 +202,9 @@ def running(
 def fast_and_routed(
     app: Callable[[bool], CoordinatorApp],
 ) -> Iterator[tuple[httpx.Client, httpx.Client]]:
-    """Clients of two servers of ``app(fast_path)``: the first answers its fast routes in front
-    of the framework, the second (``fast_path`` False) through the documented FastAPI routes;
-    a fast route must reply exactly as its documented route does."""
+    """Clients of two servers of ``app(fast_path)`` (``True``, then ``False``: one request stack
+    either way since the fast paths and the framework became one dispatcher); a route must reply
+    alike on both."""
     servers = [ThreadedServer(app(fast), port=free_port()) for fast in (True, False)]
     for server in servers:
         server.start()

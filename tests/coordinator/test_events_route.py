@@ -1,7 +1,6 @@
-"""``POST /events`` on the ASGI fast path and on the documented route (what answers when the
-fast path is not mounted) reply alike — status, bytes, content type — for valid bodies (JSON
-and msgpack, replays), broken ones (422 naming the field, 413), and refusals (401, 403), and
-leave the same directory behind."""
+"""``POST /events`` replies alike on two servers of the one request stack — status, bytes,
+content type — for valid bodies (JSON and msgpack, replays), broken ones (422 naming the field,
+413), and refusals (401, 403), and leaves the same directory behind."""
 
 from __future__ import annotations
 
@@ -59,10 +58,7 @@ def _app(tokens: Path, fast_path: bool) -> CoordinatorApp:
     config = CoordinatorConfig(
         chunk_size=4, enable_blend_lookup=True, auth_token_file=tokens, max_batch_entries=8
     )
-    app = create_app(CoordinatorService(config))
-    if not fast_path:
-        del app.fast_routes[("POST", "/events")]
-    return app
+    return create_app(CoordinatorService(config))
 
 
 @pytest.fixture(scope="module")

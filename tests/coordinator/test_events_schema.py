@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvatlas.coordinator.schemas import EVENTS_BODY_SCHEMA
+from kvatlas.coordinator.routes.events import EVENTS_DOCS as EVENTS_BODY_SCHEMA
 from kvatlas.events import (
     EVENT_TYPES,
     TIERS,

@@ -1,8 +1,8 @@
-"""The fast paths in front of the framework (``asgi.FastPaths``): a fast route is one entry in
-``CoordinatorApp.fast_routes`` and gets, without writing any of it, what every route gets —
-the token checked from the headers before a byte of the body is read, the body limits, errors
-rendered by ``kvatlas.web``. And a blend lookup too long to be answered on the event loop is
-matched on the pool while the loop goes on. Real HTTP on loopback."""
+"""The one request stack (``kvatlas.dispatch``): a route is one entry in the table and one
+handler, and gets, without writing any of it, what every route gets — the token checked from
+the headers before a byte of the body is read, the body limits, errors rendered by
+``kvatlas.web``. And a blend lookup too long to be answered on the event loop is matched on the
+pool while the loop goes on. Real HTTP on loopback."""
 
 from __future__ import annotations
 
@@ -16,16 +16,14 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from starlette.types import Scope
 
 from kvatlas.asgi_thread import ThreadedServer, free_port
-from kvatlas.auth import Principal
 from kvatlas.coordinator import blend_lookup
-from kvatlas.coordinator.app import create_app
-from kvatlas.coordinator.asgi import FastReply
+from kvatlas.coordinator.app import TABLE, create_app
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.errors import Unprocessable
+from kvatlas.routing import Access, Call, Reply, Route, RouteTable
 from tests.coordinator.helpers import assert_error, running
 from tests.coordinator.security_support import bearer, raw_request, status_of, write_tokens
 
@@ -35,21 +33,21 @@ LIMIT = 4096
 
 @pytest.fixture(scope="module")
 def echo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, list[Any]]]:
-    """A coordinator with one more fast route, ``POST /test/echo``, registered by one line."""
+    """A coordinator with one more route, ``POST /test/echo``: one table entry."""
     tokens = write_tokens(
         tmp_path_factory.mktemp("fast") / "tokens.json", {"token": TOKEN, "role": "lookup"}
     )
     config = CoordinatorConfig(auth_token_file=tokens, max_body_bytes=LIMIT)
-    app = create_app(CoordinatorService(config))
     calls: list[Any] = []
 
-    async def route(body: bytes, who: Principal, scope: Scope) -> FastReply:
-        calls.append((body, who.name))
-        if body == b"bad":
+    async def echo(_ctx: object, call: Call[None, None]) -> Reply:
+        calls.append((call.raw, call.who.name))
+        if call.raw == b"bad":
             raise Unprocessable("bad body")
-        return FastReply(b'{"length":%d}' % len(body), ((b"x-test", b"yes"),), status=201)
+        return Reply(b'{"length":%d}' % len(call.raw), 201, ((b"x-test", b"yes"),))
 
-    app.fast_routes[("POST", "/test/echo")] = route
+    route = Route("POST", "/test/echo", Access(("lookup",)), echo, request=bytes)
+    app = create_app(CoordinatorService(config), RouteTable((*TABLE.routes, route)))
     server = ThreadedServer(app, port=free_port())
     server.start()
     yield server.port, calls

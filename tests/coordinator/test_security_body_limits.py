@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvatlas.coordinator.asgi import route_body_limit
+from kvatlas.coordinator.app import route_body_limit
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.server import free_port
 from kvatlas.processes import stop

@@ -10,19 +10,20 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fastapi.routing import APIRoute
 
-from kvatlas.coordinator.app import create_app
-from kvatlas.coordinator.asgi import DOCS_PATHS, METRICS_PATH, ROUTE_TABLE
+from kvatlas.auth import DOCS_PATHS
+from kvatlas.coordinator.app import TABLE, create_app
 from kvatlas.coordinator.config import CoordinatorConfig
-from kvatlas.coordinator.routes import ROUTERS
 from kvatlas.coordinator.server import BackgroundServer
 from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.routing import Route
 from tests.coordinator.helpers import assert_error, running, wire_batch
 from tests.coordinator.security_support import ADMIN, LOOKUP_ALL, bearer, token, write_tokens
 
 NODE_A, NODE_A2, NODE_B = token("node-a"), token("node-a2"), token("node-b")
 LOOKUP_A = token("lookup-a")
+ROUTER = token("router")  # a valid token holding none of the coordinator's roles
+METRICS_PATH = "/metrics"
 CLOSED = (METRICS_PATH, "/docs", "/openapi.json")
 
 
@@ -42,6 +43,7 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"token": ADMIN, "role": "admin"},
         {"token": LOOKUP_ALL, "role": "lookup"},
         {"token": LOOKUP_A, "role": "lookup", "cache_salts": ["a"]},
+        {"token": ROUTER, "role": "route"},
         _node(NODE_A, "node-a", "a"),
         _node(NODE_A2, "node-a2", "a"),
         _node(NODE_B, "node-b", "b"),
@@ -67,18 +69,64 @@ def pair(tokens: Path) -> Iterator[tuple[BackgroundServer, httpx.Client]]:
 
 def test_every_route_is_in_the_access_table() -> None:
     """A new route must say who may call it (checked before its body is read) and how much
-    body it takes: every route of every router is in the table, and the table lists no route
-    that is not served."""
-    create_app(CoordinatorService(CoordinatorConfig()))  # mounts ROUTERS
-    served = {
-        (method, route.path)
-        for router in ROUTERS
-        for route in router.routes
-        if isinstance(route, APIRoute) and route.path not in DOCS_PATHS | {METRICS_PATH}
-        for method in route.methods
-    }
-    assert len(served) > 15
-    assert served == set(ROUTE_TABLE), served ^ set(ROUTE_TABLE)
+    body it takes: the app serves its table and nothing else, and every entry of the table
+    (the documentation's included) is the route its own method and path find."""
+    app = create_app(CoordinatorService(CoordinatorConfig()))
+    assert app.table is TABLE
+    assert len(TABLE.routes) > 15
+    served = {(r.method, r.path) for r in TABLE.routes}
+    assert {("GET", path) for path in DOCS_PATHS | {METRICS_PATH}} <= served
+    for route in TABLE.routes:
+        found = TABLE.match(route.method, _concrete(route.path))
+        assert found is not None and found[0] is route, (route.method, route.path)
+
+
+def _concrete(path: str) -> str:
+    return path.replace("{instance_id}", "node-a")
+
+
+def _id(route: Route) -> str:
+    return f"{route.method} {route.path}"
+
+
+@pytest.fixture(scope="module")
+def fresh(tokens: Path) -> Iterator[httpx.Client]:
+    """A coordinator of its own (the requests below deregister and register)."""
+    with running(auth_token_file=tokens) as (_, c):
+        yield c
+
+
+@pytest.mark.parametrize("route", TABLE.routes, ids=_id)
+def test_every_route_checks_its_access_from_the_table(fresh: httpx.Client, route: Route) -> None:
+    """Each entry's access, over HTTP: no token is 401 unless the route is open; a valid token
+    holding none of its roles is 403; a salt-bound token is 403 where the reply covers every
+    tenant. Every refusal comes before the body is read (it closes the connection)."""
+    c = fresh
+    path = _concrete(route.path)
+    access = route.access
+
+    def call(tok: str | None) -> httpx.Response:
+        headers = bearer(tok) if tok else {}
+        return c.request(route.method, path, content=b"{}", headers=headers)
+
+    anonymous = call(None)
+    if access.open:
+        assert anonymous.status_code != 401, anonymous.text
+        return
+    assert_error(anonymous, 401)
+    assert anonymous.headers["connection"] == "close"
+    if access.roles:
+        refused = call(ROUTER)
+        assert "needs" in assert_error(refused, 403)["detail"]
+        assert refused.headers["connection"] == "close"
+    if access.every_tenant:
+        assert "cache_salts" in assert_error(call(LOOKUP_A), 403)["detail"]
+    held = ADMIN if access.roles == ("admin",) else NODE_A  # emit + lookup, bound to node-a
+    admitted = call(LOOKUP_ALL if access.every_tenant else held)
+    assert admitted.status_code not in (401, 405), admitted.text
+    assert admitted.content != b'{"detail":"Not Found"}'  # served (a handler's 404 is fine)
+    if admitted.status_code == 403:  # a binding the body names (an instance), not the route's
+        assert "needs" not in admitted.json()["detail"]
 
 
 def test_metrics_and_docs_need_a_token_with_auth(

@@ -5,37 +5,26 @@ the paginated key listing. See docs/coordinator.md and docs/directory.md.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable
+from typing import Any
 
-from fastapi import APIRouter, Query, Request
-from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from kvatlas.api import KeyPageReply
-from kvatlas.coordinator.asgi import fast_reply_response
+from kvatlas.api import KeyListingQuery, KeyPageReply, LookupReply
 from kvatlas.coordinator.query import KeysQuery, decode_lookup_body, lookup_query
-from kvatlas.coordinator.routes.deps import Blend, Caller, Service
-from kvatlas.coordinator.schemas import BLEND_LOOKUP_BODY_SCHEMA, LOOKUP_BODY_SCHEMA
+from kvatlas.coordinator.routes.context import Context
 from kvatlas.coordinator.wire import key_page_to_wire, lookup_to_wire, stats_to_wire
-from kvatlas.errors import Forbidden
-from kvatlas.web import MsgspecJSONResponse
-
-router = APIRouter()
+from kvatlas.routing import Call, Reply
 
 
-@router.post(
-    "/directory/lookup",
-    summary="Prefix lookup by keys or by tokens",
-    openapi_extra=LOOKUP_BODY_SCHEMA,
-)
-async def lookup(request: Request, service: Service, who: Caller) -> Response:
-    who.require("lookup")
+async def lookup(ctx: Context, call: Call[None, None]) -> LookupReply:
     started = time.perf_counter()
-    # A body may be tens of MB (asgi.ROUTES): it is parsed on a worker thread, never on the
-    # event loop, and sized up from its bytes before a token is decoded.
+    service, who = ctx.service, call.who
+    # A body may be tens of MB (its route's limit): it is parsed on a worker thread, never on
+    # the event loop, and sized up from its bytes before a token is decoded.
     config = service.config
-    raw = await request.body()
     body = await run_in_threadpool(
-        decode_lookup_body, raw, config.max_query_tokens, config.max_lookup_keys
+        decode_lookup_body, call.raw, config.max_query_tokens, config.max_lookup_keys
     )
     query = await run_in_threadpool(
         lookup_query, body, config.max_query_tokens, config.max_lookup_keys
@@ -53,53 +42,31 @@ async def lookup(request: Request, service: Service, who: Caller) -> Response:
             query.object_group_id,
         )
     service.metrics.lookup_latency.labels(query.form).observe(time.perf_counter() - started)
-    return MsgspecJSONResponse(lookup_to_wire(found))
+    return lookup_to_wire(found)
 
 
-@router.post(
-    "/directory/blend-lookup",
-    summary="Fragment (blend) lookup",
-    openapi_extra=BLEND_LOOKUP_BODY_SCHEMA,
-)
-async def blend_lookup(request: Request, blend: Blend, who: Caller) -> Response:
-    # Normally answered in front of the framework by asgi.FastPaths with the same handler;
-    # this route documents the body in /openapi.json.
-    return fast_reply_response(await blend.fast_route(await request.body(), who, request.scope))
+def blend_lookup(ctx: Context, call: Call[None, None]) -> Awaitable[Reply]:
+    return ctx.blend.handle(call)  # the hottest route: no coroutine of its own
 
 
-@router.get("/directory/stats", summary="Directory statistics")
-async def stats(service: Service, who: Caller) -> Response:
-    who.require("lookup")
-    if not who.sees_everything:  # per-salt figures are not kept (docs/security.md)
-        raise Forbidden(
-            "directory statistics cover every tenant: needs a token not bound to cache_salts"
-        )
-    return MsgspecJSONResponse(stats_to_wire(await run_in_threadpool(service.stats)))
+async def stats(ctx: Context, call: Call[None, None]) -> dict[str, Any]:
+    # per-salt figures are not kept: the route's access needs a token that sees every tenant
+    return stats_to_wire(await run_in_threadpool(ctx.service.stats))
 
 
-@router.get("/directory/keys", summary="Paginated key listing")
-async def list_keys(
-    service: Service,
-    who: Caller,
-    tier: str | None = None,
-    instance_id: str | None = None,
-    backend: str | None = None,
-    offset: int = Query(0, ge=0, le=10_000_000),
-    limit: int = Query(100, ge=1, le=10_000),
-    cursor: str | None = None,
-) -> Response:
-    who.require("admin")
+async def list_keys(ctx: Context, call: Call[None, KeyListingQuery]) -> KeyPageReply:
+    q, service = call.query, ctx.service
 
     def page() -> KeyPageReply:
         return key_page_to_wire(
             service.page_keys(
-                tier=tier,
-                instance_id=instance_id,
-                backend=backend,
-                offset=offset,
-                limit=limit,
-                cursor=cursor,
+                tier=q.tier,
+                instance_id=q.instance_id,
+                backend=q.backend,
+                offset=q.offset,
+                limit=q.limit,
+                cursor=q.cursor,
             )
         )
 
-    return MsgspecJSONResponse(await run_in_threadpool(page))
+    return await run_in_threadpool(page)

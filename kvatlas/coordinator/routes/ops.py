@@ -1,35 +1,31 @@
-"""Operations routes, open without a token: liveness, readiness (503 until the service is
-restored and caught up with the stream) and Prometheus metrics. See docs/coordinator.md.
+"""Operations routes: liveness, readiness (503 until the service is restored and caught up
+with the stream) and Prometheus metrics. See docs/coordinator.md.
 """
 
 from __future__ import annotations
 
-from fastapi import APIRouter
-from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
-from kvatlas.coordinator.routes.deps import Service
+from kvatlas.api import HealthReply, ReadinessReply
+from kvatlas.coordinator.routes.context import Context
 from kvatlas.coordinator.views import Readiness
 from kvatlas.coordinator.wire import health_to_wire, readiness_to_wire
-from kvatlas.web import MsgspecJSONResponse
-
-router = APIRouter()
-
-
-@router.get("/healthz", summary="Liveness")
-async def healthz(service: Service) -> Response:
-    return MsgspecJSONResponse(health_to_wire(service.health()))
+from kvatlas.routing import Call, Reply
+from kvatlas.web import json_encoder
 
 
-@router.get("/readyz", summary="Readiness: restored and caught up with the stream")
-async def readyz(service: Service) -> Response:
-    state = service.state
-    status = 200 if state is Readiness.SERVING else 503
-    return MsgspecJSONResponse(readiness_to_wire(state), status_code=status)
+async def healthz(ctx: Context, call: Call[None, None]) -> HealthReply:
+    return health_to_wire(ctx.service.health())
 
 
-@router.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
-async def metrics(service: Service) -> Response:
-    data = await run_in_threadpool(generate_latest, service.metrics.registry)
-    return Response(data, media_type=CONTENT_TYPE_LATEST)
+async def readyz(ctx: Context, call: Call[None, None]) -> ReadinessReply | Reply:
+    state = ctx.service.state
+    if state is Readiness.SERVING:
+        return readiness_to_wire(state)
+    return Reply(json_encoder.encode(readiness_to_wire(state)), 503)
+
+
+async def metrics(ctx: Context, call: Call[None, None]) -> Reply:
+    data = await run_in_threadpool(generate_latest, ctx.service.metrics.registry)
+    return Reply(data, media_type=CONTENT_TYPE_LATEST)

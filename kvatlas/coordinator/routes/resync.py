@@ -10,19 +10,15 @@ prefixes (one bucket per second byte). Reply: ``{"instance_id", "tiers": {"l1": 
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from kvatlas.api import DigestBody, DigestReply, decode
-from kvatlas.coordinator.routes.deps import Caller, Service
+from kvatlas.coordinator.routes.context import Context
 from kvatlas.errors import Unprocessable
 from kvatlas.events import TIERS
 from kvatlas.events.inventory import BUCKETS, Digest, digest_from_hex
 from kvatlas.keys import check_instance_id
-from kvatlas.web import MsgspecJSONResponse
-
-router = APIRouter()
+from kvatlas.routing import Call
 
 
 def parse_digests(raw: bytes) -> dict[str, dict[bytes, Digest]]:
@@ -47,14 +43,14 @@ def parse_digests(raw: bytes) -> dict[str, dict[bytes, Digest]]:
     return out
 
 
-@router.post("/instances/{instance_id}/digest", summary="Compare inventory digests (resync)")
-async def digest(instance_id: str, request: Request, service: Service, who: Caller) -> Response:
-    who.require_instance(instance_id)
+async def digest(ctx: Context, call: Call[None, None]) -> DigestReply:
+    instance_id = call.params["instance_id"]
+    call.who.require_instance(instance_id)
     try:
         check_instance_id(instance_id)
     except ValueError as exc:
         raise Unprocessable(f"instance_id: {exc}") from None
-    theirs = parse_digests(await request.body())
-    differ = await run_in_threadpool(service.compare_digests, instance_id, theirs)
+    theirs = parse_digests(call.raw)
+    differ = await run_in_threadpool(ctx.service.compare_digests, instance_id, theirs)
     wire = {tier: [p.hex() for p in prefixes] for tier, prefixes in differ.items()}
-    return MsgspecJSONResponse(DigestReply(instance_id=instance_id, tiers=wire))
+    return DigestReply(instance_id=instance_id, tiers=wire)

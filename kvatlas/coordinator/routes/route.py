@@ -5,21 +5,11 @@ docs/route-scoring.md).
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from collections.abc import Awaitable
 
-from kvatlas.coordinator.asgi import fast_reply_response
-from kvatlas.coordinator.routes.deps import Caller, Scoring
-from kvatlas.coordinator.schemas import ROUTE_SCORE_BODY_SCHEMA
-
-router = APIRouter()
+from kvatlas.coordinator.routes.context import Context
+from kvatlas.routing import Call, Reply
 
 
-@router.post(
-    "/route/score",
-    summary="Score instances for a query: prefix and fragment coverage by tier",
-    openapi_extra=ROUTE_SCORE_BODY_SCHEMA,
-)
-async def route_score(request: Request, scoring: Scoring, who: Caller) -> Response:
-    who.require("lookup")
-    return fast_reply_response(await scoring.fast_route(await request.body(), who, request.scope))
+def route_score(ctx: Context, call: Call[None, None]) -> Awaitable[Reply]:
+    return ctx.scoring.handle(call)

@@ -4,31 +4,26 @@ config batches beside the bytes its placements hold. See docs/coordinator.md ("A
 
 from __future__ import annotations
 
-from fastapi import APIRouter
-from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from kvatlas.coordinator.routes.deps import Caller, Service
+from kvatlas.api import FleetUsageReply, InstanceUsageReply
+from kvatlas.coordinator.routes.context import Context
 from kvatlas.coordinator.usage import fleet_usage as fleet_usage_of
 from kvatlas.coordinator.usage import instance_usage as instance_usage_of
 from kvatlas.coordinator.usage import instance_usage_to_wire, usage_to_wire
-from kvatlas.web import MsgspecJSONResponse
-
-router = APIRouter()
+from kvatlas.routing import Call
 
 
-@router.get("/instances/usage", summary="Capacity and used bytes of every instance and pool")
-async def fleet_usage(service: Service, who: Caller) -> Response:
-    who.require("lookup", "emit")
-    return MsgspecJSONResponse(
-        usage_to_wire(await run_in_threadpool(fleet_usage_of, service.directory, service.instances))
+async def fleet_usage(ctx: Context, call: Call[None, None]) -> FleetUsageReply:
+    service = ctx.service
+    return usage_to_wire(
+        await run_in_threadpool(fleet_usage_of, service.directory, service.instances)
     )
 
 
-@router.get("/instances/{instance_id}/usage", summary="Capacity and used bytes of one instance")
-async def instance_usage(instance_id: str, service: Service, who: Caller) -> Response:
-    who.require("lookup", "emit")
+async def instance_usage(ctx: Context, call: Call[None, None]) -> InstanceUsageReply:
+    service = ctx.service
     usage = await run_in_threadpool(
-        instance_usage_of, service.directory, service.instances, instance_id
+        instance_usage_of, service.directory, service.instances, call.params["instance_id"]
     )
-    return MsgspecJSONResponse(instance_usage_to_wire(usage))
+    return instance_usage_to_wire(usage)

@@ -1,0 +1,215 @@
+"""The one request stack of a service: :class:`Dispatcher` serves a :class:`~kvatlas.routing.
+RouteTable` as a plain ASGI app. Per request: find the route, check the caller against its
+:class:`~kvatlas.routing.Access` from the headers, check the declared length against the
+route's body limit, read the body under that limit, decode the request, call the handler, send
+the reply. Every route, the hottest included, goes this one way.
+
+Invariant: with auth on, no byte of a request body is read before the bearer token in its
+headers was checked against the route's roles; a refusal closes the connection, so the rest of
+an unauthenticated body is never read, not even to discard it. No route reads more body than
+its own limit (413, by Content-Length or while streaming). See docs/security.md.
+
+Every error reply is rendered by :mod:`kvatlas.web` from a :mod:`kvatlas.errors` class; a path
+no route serves is a 404, a method it does not serve a 405 (``allow`` names the one it does),
+a path that only lacks or has an extra ``/`` a 307 to the one served.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+from urllib.parse import parse_qsl, quote
+
+import msgspec
+from starlette.types import Receive, Scope, Send
+
+from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
+from kvatlas.errors import KvatlasError
+from kvatlas.fields import decode_body, field_error, field_errors
+from kvatlas.http_guard import OnRefused
+from kvatlas.routing import (
+    ANY_TOKEN,
+    NO_PARAMS,
+    NOBODY,
+    Access,
+    Call,
+    Reply,
+    Route,
+    RouteTable,
+)
+from kvatlas.web import (
+    check_declared_length,
+    error_headers,
+    error_payload,
+    json_encoder,
+    nested_too_deep,
+    receive_body,
+)
+
+log = logging.getLogger(__name__)
+
+_NOT_FOUND = Reply(b'{"detail":"Not Found"}', 404)
+_SERVER_ERROR = Reply(b"Internal Server Error", 500, media_type="text/plain; charset=utf-8")
+_NO_LENGTH = (204, 304)
+
+
+def bearer_header(scope: Scope) -> str | None:
+    return next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+
+
+class Dispatcher:
+    """Serves ``table`` with ``context`` handed to every handler. ``auth``: ``None`` (auth off:
+    every caller is admin) or the token file; ``public``: the :attr:`Access.public_flag` names
+    whose routes are open (``--public-metrics``, ``--public-docs``); ``body_limit``: each
+    route's limit; ``small``: the limit of a request no route serves; ``on_refused`` counts
+    bodies nested too deeply."""
+
+    def __init__(
+        self,
+        context: Any,
+        table: RouteTable,
+        auth: TokenAuth | None,
+        public: frozenset[str],
+        body_limit: Callable[[Route], int],
+        small: int,
+        on_refused: OnRefused = lambda _reason: None,
+    ) -> None:
+        self.context = context
+        self.table = table
+        self.auth = auth
+        self.public = public
+        self.small = small
+        self.on_refused = on_refused
+        self.limits = {route: body_limit(route) for route in table.routes}
+
+    def admit(self, access: Access, scope: Scope) -> Principal:
+        """The caller, from the headers alone (401/403 as a :class:`KvatlasError`)."""
+        if self.auth is None:
+            return ANONYMOUS_ADMIN
+        if access.open or access.public_flag in self.public:
+            return NOBODY
+        who = self.auth.authenticate(bearer_header(scope))
+        access.check(who)
+        return who
+
+    def route_of(self, method: str, path: str) -> tuple[Route | None, Mapping[str, str], int]:
+        """The route of a request, its path parameters and its body limit (HEAD is checked as
+        GET, and then refused: no route answers HEAD)."""
+        found = self.table.match("GET" if method == "HEAD" else method, path)
+        if found is None:
+            return None, NO_PARAMS, self.small
+        route, params = found
+        return route, params, self.limits[route]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            if scope["type"] == "lifespan":
+                await _lifespan(receive, send)
+            return
+        route, params, limit = self.route_of(scope["method"], scope["path"])
+        try:
+            who = self.admit(route.access if route is not None else ANY_TOKEN, scope)
+        except KvatlasError as exc:  # nothing of the body read: close rather than drain it
+            await _send(send, _error(exc, (b"connection", b"close")))
+            return
+        try:
+            declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+            check_declared_length(declared, limit)
+            if route is None or scope["method"] == "HEAD":
+                reply = self._unrouted(scope)
+            else:
+                raw = b""
+                if route.reads_body:
+                    body = await receive_body(receive, limit)
+                    if body is None:  # the client is gone
+                        return
+                    raw = body
+                call = Call(
+                    who, params, self._body(route, raw, scope), _query(route, scope), raw, scope
+                )
+                reply = _reply(route, await route.handler(self.context, call))
+        except KvatlasError as exc:
+            reply = _error(exc)
+        except RecursionError:
+            reply = _error(nested_too_deep(self.on_refused))
+        except Exception:
+            await _send(send, _SERVER_ERROR)
+            raise
+        await _send(send, reply)
+
+    @staticmethod
+    def _body(route: Route, raw: bytes, scope: Scope) -> Any:
+        if route.request is None or route.request is bytes or not route.decode:
+            return None  # the handler reads call.raw
+        content_type = next((v for k, v in scope["headers"] if k == b"content-type"), None)
+        return decode_body(
+            raw, None if content_type is None else content_type.decode("latin-1"), route.request
+        )
+
+    def _unrouted(self, scope: Scope) -> Reply:
+        """404, 405 (the path is served with another method) or a 307 to the path with its
+        trailing ``/`` added or removed when that one is served."""
+        path = scope["path"]
+        allowed = self.table.methods(path)
+        if allowed:
+            return Reply(
+                b'{"detail":"Method Not Allowed"}', 405, ((b"allow", ", ".join(allowed).encode()),)
+            )
+        if path != "/":
+            other = path.rstrip("/") if path.endswith("/") else path + "/"
+            if self.table.methods(other):
+                return Reply(b"", 307, ((b"location", _url(scope, other).encode("latin-1")),), None)
+        return _NOT_FOUND
+
+
+def _query(route: Route, scope: Scope) -> Any:
+    if route.query is None or not route.decode:
+        return None  # the handler reads the query string itself
+    pairs = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+    try:
+        return msgspec.convert(dict(pairs), route.query, strict=False)
+    except msgspec.ValidationError as exc:
+        raise field_errors([field_error(exc, route.query, strict=False)], ("query",)) from None
+
+
+def _reply(route: Route, result: Any) -> Reply:
+    if isinstance(result, Reply):
+        return result
+    return Reply(json_encoder.encode(result), route.status)
+
+
+def _error(exc: KvatlasError, *extra: tuple[bytes, bytes]) -> Reply:
+    headers = (*error_headers(exc), *extra)
+    return Reply(json_encoder.encode(error_payload(exc)), exc.status, headers)
+
+
+def _url(scope: Scope, path: str) -> str:
+    """The request's URL with ``path`` (what a redirect names)."""
+    host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), None)
+    if host is None:
+        server = scope.get("server") or ("localhost", 80)
+        host = f"{server[0]}:{server[1]}"
+    url = f"{scope.get('scheme', 'http')}://{host}{scope.get('root_path', '')}{path}"
+    query = scope.get("query_string", b"")
+    return quote(url + ("?" + query.decode("latin-1") if query else ""), safe=":/%#?=@[]!$&'()*+,;")
+
+
+async def _send(send: Send, reply: Reply) -> None:
+    headers = [(b"content-type", reply.media_type.encode())] if reply.media_type else []
+    headers.extend(reply.headers)
+    if reply.status not in _NO_LENGTH:
+        headers.append((b"content-length", str(len(reply.payload)).encode()))
+    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+    await send({"type": "http.response.body", "body": reply.payload})
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    """The ASGI lifespan handshake (nothing to start or stop: the service does that)."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
