@@ -219,7 +219,7 @@ class TokenSlab:
             dtype = _FORM_DTYPES[form]
             rows = self.buffer[at : at + (hi - lo) * size].view(dtype)
             rows = rows.reshape(hi - lo, size // dtype.itemsize)
-            if at % (4 if form == FORM_U32 else 2) or size % 2:  # (the next row: unaligned)
+            if at % (4 if form == FORM_U32 else 2):
                 if filled is not None:
                     filled()
                     filled = None
@@ -285,7 +285,7 @@ def _sealed(buffer: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
 def form_sizes(lens: npt.NDArray[Any], forms: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     """Bytes of each content stored (``lens[i]`` ids in form ``forms[i]``)."""
     n = lens.astype(np.int64)
-    planes = HEADER + 2 * n + (forms - FORM_PLANES) * ((n + 7) >> 3)
+    planes = HEADER + 2 * n + (forms - FORM_PLANES) * (((n + 15) >> 4) << 1)
     return np.where(forms < FORM_PLANES, n * forms, planes)
 
 
@@ -355,6 +355,8 @@ def _stored_rows(
 def _dtypes(forms: npt.NDArray[np.int64]) -> Iterable[np.dtype[Any]]:
     """The dtype of each row's array (one repeated dtype when all rows agree: no per-row
     lookup)."""
+    if not len(forms):
+        return ()
     first = int(forms[0])
     if bool((forms == first).all()):
         return repeat(_FORM_DTYPES[first])
@@ -415,7 +417,7 @@ def _forms(srcs: Any, src_off: Any, lens: Any, forms: Any, sizes: Any) -> None:
         high = np.uint32(0)
         for k in range(n):
             high |= a[k]
-        form = form_of(high)
+        form = form_of(high, n)
         forms[j] = form
         sizes[j] = n if form < FORM_PLANES else planes_nbytes(n, form - FORM_PLANES)
 
@@ -453,5 +455,5 @@ def _shapes(handles: Any, data_off: Any, itemsizes: Any, counts: Any, forms: Any
         size = counts[j]
         h = np.int64(u8_ptr(_data(handles[j], data_off))[0])  # type: ignore[call-arg]
         forms[j] = FORM_PLANES + h
-        eighths = (size - HEADER + 15 + h) // (16 + h)
-        counts[j] = (size - HEADER - h * eighths) // 2
+        half = (size - HEADER) // 2  # as planes._planes_ids
+        counts[j] = half - h * ((half + 15 + h) // (16 + h))

@@ -1,17 +1,19 @@
 """The planes form of a chunk's token ids: what the directory stores when an id is at least
-2^16 and every id below 2^24 (vocabularies of 65,537 to 16,777,216 ids: Llama 3, Qwen, Gemma).
+2^16, every id is below 2^24 (vocabularies of 65,537 to 16,777,216 ids: Llama 3, Qwen, Gemma)
+and the form takes fewer bytes than ``uint32`` (always, for chunks of 64 ids and more).
 
 Exact, never a truncation: an id is its low 16 bits plus ``h`` high bits, where ``h`` is the
 bit length of the chunk's largest id minus 16 (1 to 8), so ``n`` ids take
-``2 + 2n + h·⌈n/8⌉`` bytes (256 ids of Llama 3's 128,256: 546 bytes, not uint32's 1,024).
+``2 + 2n + 2h·⌈n/16⌉`` bytes (256 ids of Llama 3's 128,256: 546 bytes, not uint32's 1,024).
 One array of the dtype :data:`PLANES` (``V1``: no caller passes token ids as raw bytes, so
 the form cannot be mistaken for ids), laid out as
 
 - byte 0: ``h``; byte 1: 0;
 - from byte 2: the ``n`` low halves, ``uint16`` in the machine's byte order (little-endian
   on every host kvatlas runs on: snapshots store the bytes as they are);
-- then ``h`` bit planes of ``⌈n/8⌉`` bytes each: bit ``k & 7`` of byte ``k >> 3`` of plane
-  ``p`` is bit ``16 + p`` of id ``k`` (unused bits 0).
+- then ``h`` bit planes of ``2·⌈n/16⌉`` bytes each (an even size: contents cut from one
+  buffer stay 2-byte aligned): bit ``k & 7`` of byte ``k >> 3`` of plane ``p`` is bit
+  ``16 + p`` of id ``k`` (unused bits and bytes 0).
 
 The form is canonical (``h`` is the smallest that fits), so two stored contents of one form
 are equal exactly when their bytes are. The kernels here are the only code that reads or
@@ -41,15 +43,21 @@ FORM_U16, FORM_U32, FORM_PLANES = 2, 4, 16
 
 
 @inline
-def planes_nbytes(n: Any, h: Any) -> Any:
-    """Bytes of ``n`` ids in the planes form with ``h`` high bits."""
-    return HEADER + 2 * n + h * ((n + 7) >> 3)
+def plane_bytes(n: Any) -> Any:
+    """Bytes of one bit plane of ``n`` ids."""
+    return ((n + 15) >> 4) << 1
 
 
 @inline
-def form_of(high: Any) -> Any:
-    """The form code of a chunk whose ids OR to ``high`` (the bit length of the OR is the
-    bit length of the largest id)."""
+def planes_nbytes(n: Any, h: Any) -> Any:
+    """Bytes of ``n`` ids in the planes form with ``h`` high bits."""
+    return HEADER + 2 * n + h * plane_bytes(n)
+
+
+@inline
+def form_of(high: Any, n: Any) -> Any:
+    """The form code of a chunk of ``n`` ids that OR to ``high`` (the bit length of the OR
+    is the bit length of the largest id): the smallest form that holds them."""
     if high < 1 << 16:
         return FORM_U16
     if high >= 1 << (16 + MAX_HIGH_BITS):
@@ -57,6 +65,8 @@ def form_of(high: Any) -> Any:
     h = 1
     while high >> (16 + h):
         h += 1
+    if planes_nbytes(n, h) >= 4 * n:  # (a short chunk: the header and padding weigh)
+        return FORM_U32
     return FORM_PLANES + h
 
 
@@ -64,7 +74,7 @@ def stored_nbytes(n: int, form: int) -> int:
     """Bytes of ``n`` ids stored in form ``form`` (a form code)."""
     if form in (FORM_U16, FORM_U32):
         return n * form
-    return HEADER + 2 * n + (form - FORM_PLANES) * ((n + 7) >> 3)
+    return HEADER + 2 * n + (form - FORM_PLANES) * (((n + 15) >> 4) << 1)
 
 
 def planes_count(stored: npt.NDArray[Any]) -> int:
@@ -73,13 +83,19 @@ def planes_count(stored: npt.NDArray[Any]) -> int:
     h = stored.item(0)[0] if size >= HEADER else 0  # (item: a 1-byte bytes, no view made)
     if not 1 <= h <= MAX_HIGH_BITS:
         raise ValueError("not a planes-form token array (bad header)")
-    # size - 2 = 2n + h·⌈n/8⌉ lies in [(16 + h)·⌈n/8⌉ - 14, (16 + h)·⌈n/8⌉]: one ⌈n/8⌉ fits
-    eighths = -(-(size - HEADER) // (16 + h))
-    twice = size - HEADER - h * eighths
-    n = twice // 2
-    if twice < 0 or twice % 2 or (n + 7) >> 3 != eighths:
+    n, sixteenths = _planes_ids(size, h)
+    if size % 2 or n < 0 or (n + 15) >> 4 != sixteenths:
         raise ValueError("not a planes-form token array (bad length)")
     return n
+
+
+def _planes_ids(size: int, h: int) -> tuple[int, int]:
+    """``(n, ⌈n/16⌉)`` of a valid planes-form array of ``size`` bytes: ``(size - 2) / 2 =
+    n + h·⌈n/16⌉`` lies in ``[(16 + h)·⌈n/16⌉ - 15, (16 + h)·⌈n/16⌉]``, so one ``⌈n/16⌉``
+    fits (16 + h > 15); ``_shapes`` in ``token_store.py`` computes the same, compiled."""
+    half = (size - HEADER) // 2
+    sixteenths = -(-half // (16 + h))
+    return half - h * sixteenths, sixteenths
 
 
 @jit
@@ -93,7 +109,7 @@ def planes_store(src: Any, n: Any, dst: Any, h: Any) -> None:
     low: Any = u16_ptr(dst + HEADER)  # type: ignore[call-arg]
     for k in range(n):
         low[k] = np.uint16(s[k] & np.uint32(0xFFFF))
-    stride = (n + 7) >> 3
+    stride = plane_bytes(n)
     planes: Any = u8_ptr(dst + HEADER + 2 * n)  # type: ignore[call-arg]
     for p in range(h):
         shift = np.uint32(16 + p)
@@ -111,7 +127,7 @@ def planes_load(out: Any, addr: Any, n: Any) -> None:
     low: Any = u16_ptr(addr + HEADER)  # type: ignore[call-arg]
     for k in range(n):
         out[k] = np.uint32(low[k])
-    stride = (n + 7) >> 3
+    stride = plane_bytes(n)
     planes: Any = u8_ptr(addr + HEADER + 2 * n)  # type: ignore[call-arg]
     for p in range(h):
         shift = np.uint32(16 + p)
@@ -128,7 +144,7 @@ def planes_equal(q: Any, pos: Any, addr: Any, chunk: Any) -> Any:
     stopping at the first differing block."""
     h = np.int64(u8_ptr(addr)[0])  # type: ignore[call-arg]
     low: Any = u16_ptr(addr + HEADER)  # type: ignore[call-arg]
-    stride = (chunk + 7) >> 3
+    stride = plane_bytes(chunk)
     planes: Any = u8_ptr(addr + HEADER + 2 * chunk)  # type: ignore[call-arg]
     k = 0
     while k < chunk:
