@@ -65,7 +65,8 @@ def reindex_records(
     offsets = np.fromiter(map(record_offset, records), np.int64, n)
     bound = np.fromiter(map(is_not, tokens, repeat(None)), np.bool_, n)
     lengths = np.zeros(n, np.int64)
-    lengths[bound] = stored_shapes(list(compress(tokens, bound.tolist())))[0]  # ids, any form
+    bound_tokens = cast(list[StoredTokens], list(compress(tokens, bound.tolist())))
+    lengths[bound] = stored_shapes(bound_tokens)[0]  # ids, whatever the form
     rows = np.flatnonzero(bound & (lengths == chunk_size) & (offsets != UNKNOWN_OFFSET))
     if not len(rows):
         return

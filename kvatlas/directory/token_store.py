@@ -77,9 +77,8 @@ _U16 = np.dtype(np.uint16)
 _U32 = np.dtype(np.uint32)
 _ANONYMOUS: int = getattr(mmap, "MAP_ANONYMOUS", 0)
 _U8 = np.dtype(np.uint8)
-_FORM_DTYPES = {FORM_U16: _U16, FORM_U32: _U32} | {
-    FORM_PLANES + h: PLANES for h in range(1, MAX_HIGH_BITS + 1)
-}
+_FORM_DTYPES: dict[int, np.dtype[Any]] = {FORM_U16: _U16, FORM_U32: _U32}
+_FORM_DTYPES.update((FORM_PLANES + h, PLANES) for h in range(1, MAX_HIGH_BITS + 1))
 _SET_FLAGS: Callable[[StoredTokens, bool], None] = np.ndarray.setflags  # type: ignore[assignment]
 """``setflags(write)``: numpy takes the flag positionally (its stubs say keyword-only)."""
 _DTYPE = attrgetter("dtype")
@@ -115,7 +114,8 @@ def token_count(stored: StoredTokens) -> int:
 def stored_form(stored: StoredTokens) -> int:
     """The form code of ``stored`` (``planes.FORM_*``: 2, 4, or 16 + its high bits)."""
     if stored.dtype is PLANES:
-        return FORM_PLANES + stored.item(0)[0]  # the header's h
+        high: int = stored.item(0)[0]  # the header's h
+        return FORM_PLANES + high
     return FORM_U16 if stored.dtype is _U16 else FORM_U32
 
 
@@ -137,9 +137,9 @@ def stored_one(tokens: npt.NDArray[Any]) -> StoredTokens:
     if tokens.dtype is _U16 and not tokens.flags.writeable and tokens.flags.owndata:
         return tokens
     if len(tokens) == 0:
-        out = np.empty(0, np.uint16)
-        out.flags.writeable = False
-        return out
+        empty = np.empty(0, np.uint16)
+        empty.flags.writeable = False
+        return empty
     arena = np.ascontiguousarray(tokens, dtype=np.uint32)
     (out,) = stored_from_arena(arena, np.zeros(1, np.int64), np.full(1, len(arena), np.int64))
     assert out is not None

@@ -140,7 +140,7 @@ class _Columns:
 
 def _known_forms(widths: np.ndarray[Any, Any], version: int) -> np.ndarray[Any, Any]:
     """Which form codes the snapshot's version may hold (planes forms from version 3 on)."""
-    known = (widths == FORM_U16) | (widths == FORM_U32)
+    known: np.ndarray[Any, Any] = (widths == FORM_U16) | (widths == FORM_U32)
     if version >= 3:
         known |= (widths > FORM_PLANES) & (widths <= FORM_PLANES + MAX_HIGH_BITS)
     return known
