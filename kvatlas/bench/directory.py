@@ -370,8 +370,7 @@ def _snapshot_rows(snap_keys: int, seed: int, repeats: int) -> list[BenchRow]:
                 )
             restore = statistics.median(restore_s)
             row = BenchRow(
-                f"restore {snap_keys:,} keys (blend {'on: the index rebuilt' if blend else 'off'}"
-                f"; {LLAMA3.label})",
+                f"restore {snap_keys:,} keys (blend {'on: the index rebuilt' if blend else 'off'})",
                 restore,
                 None,
                 "≥ 1M keys/s",
