@@ -53,6 +53,7 @@ def warm_up_kernels() -> float:
     index.apply([AddColumns([compact], [bytes(30)], [0], [namespace])])  # checked columns
     wide = np.arange(1 << 16, (1 << 16) + 16, dtype=np.uint32)
     (planes,) = stored_batch([wide])  # the planes form (16 ids of 17 bits)
+    assert compact is not None and planes is not None
     stored_shapes([compact, planes])  # what a snapshot reads of each content
     planes_index = BlendIndex(chunk_size=16)
     planes_index.add(planes, bytes(32), 0, namespace)
