@@ -139,28 +139,35 @@ def planes_load(out: Any, addr: Any, n: Any) -> None:
 
 @jit
 def planes_equal(q: Any, pos: Any, addr: Any, chunk: Any) -> Any:
-    """``q[pos:pos+chunk]`` equals the planes-form content of ``chunk`` ids at ``addr``: the
-    low halves compared 64 at a time (an OR of XORs, SIMD), then the high bits of the block,
-    stopping at the first differing block."""
+    """``q[pos:pos+chunk]`` equals the planes-form content of ``chunk`` ids at ``addr``: per
+    block of 64 ids, the low halves and "no id above the planes" as an OR of XORs (SIMD),
+    then each plane as one 64-bit word against the same bit of the block's ids gathered into
+    one (an OR reduction: SIMD too), stopping at the first differing block."""
     h = np.int64(u8_ptr(addr)[0])  # type: ignore[call-arg]
     low: Any = u16_ptr(addr + HEADER)  # type: ignore[call-arg]
     stride = plane_bytes(chunk)
     planes: Any = u8_ptr(addr + HEADER + 2 * chunk)  # type: ignore[call-arg]
+    top = np.uint32(16 + h)
     k = 0
     while k < chunk:
         end = min(k + 64, chunk)
         diff = np.uint32(0)
         for i in range(k, end):
-            diff |= (q[pos + i] & np.uint32(0xFFFF)) ^ np.uint32(low[i])
+            v = q[pos + i]
+            diff |= ((v & np.uint32(0xFFFF)) ^ np.uint32(low[i])) | (v >> top)
         if diff != 0:
             return False
-        for i in range(k, end):
-            high = np.uint32(0)
-            for p in range(h):
-                bit = (np.uint32(planes[p * stride + (i >> 3)]) >> np.uint32(i & 7)) & 1
-                high |= np.uint32(bit) << np.uint32(p)
-            diff |= (q[pos + i] >> np.uint32(16)) ^ high
-        if diff != 0:
-            return False
+        for p in range(h):
+            shift = np.uint32(16 + p)
+            bits = np.uint64(0)
+            for i in range(k, end):
+                bit = np.uint64((q[pos + i] >> shift) & np.uint32(1))
+                bits |= bit << np.uint64(i - k)
+            row = p * stride + (k >> 3)
+            stored = np.uint64(0)
+            for b in range((end - k + 7) >> 3):
+                stored |= np.uint64(planes[row + b]) << np.uint64(8 * b)
+            if bits != stored:
+                return False
         k = end
     return True
