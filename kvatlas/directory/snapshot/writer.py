@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import sys
 import time
+from itertools import compress, repeat
+from operator import is_not
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +57,7 @@ from kvatlas.directory.snapshot.format import (
     SnapshotInfo,
     encode_column,
 )
-from kvatlas.directory.token_store import stored_shapes
+from kvatlas.directory.token_store import StoredTokens, stored_shapes
 
 _SLICE = 1 << 13  # items per GIL-holding conversion, copy or release: bounds the longest hold
 
@@ -215,19 +217,14 @@ class _Columns:
         self.hashes += [h for h, _ in records]
         self.offsets += map(record_offset, recs)
         tokens = list(map(record_stored_tokens, recs))
-        bound = [t for t in tokens if t is not None]
+        has = np.fromiter(map(is_not, tokens, repeat(None)), np.bool_, len(tokens))
+        bound: list[StoredTokens] = list(compress(tokens, has.tolist()))  # type: ignore[arg-type]
         counts, forms = stored_shapes(bound)  # ids and form of each (one compiled pass)
-        lens, widths = [0] * len(tokens), [4] * len(tokens)
-        for i, count, form in zip(
-            (i for i, t in enumerate(tokens) if t is not None),
-            counts.tolist(),
-            forms.tolist(),
-            strict=True,
-        ):
-            lens[i], widths[i] = count, form
-        self.token_lens += lens
+        lens, widths = np.zeros(len(tokens), np.int64), np.full(len(tokens), 4, np.int64)
+        lens[has], widths[has] = counts, forms
+        self.token_lens += lens.tolist()
         self.arena_tokens += int(counts.sum())
-        self.token_widths += widths
+        self.token_widths += widths.tolist()
         self.arena += bound
         shape_ids, pl_ids, pls = self.shape_ids, self.pl_ids, self.pls
         add_count, add_shape = self.key_counts.append, self.key_shapes.append
