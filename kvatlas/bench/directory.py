@@ -1,5 +1,8 @@
 """Directory benchmark: consume rate and memory (token-bearing stores, blend on), snapshot pause
-and restore rate — against a naive dict-of-dicts, tuple-of-ints reference in the same run."""
+and restore rate — against a naive dict-of-dicts, tuple-of-ints reference in the same run.
+
+Token ids come from Llama 3's vocabulary (they do not fit 16 bits); the consume and memory
+rows are repeated with Llama 2's (they do) as second rows, labelled as such."""
 
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from kvatlas.events import (
     encode_msgpack,
 )
 from kvatlas.keys import ObjectKey, pack_kv_rank
+from kvatlas.workloads import LLAMA2, LLAMA3, Vocabulary, random_token_ids
 
 CHUNK = 256
 BATCH = 256
@@ -63,14 +67,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _workload(n: int, seed: int, instance: str = "node-0") -> list[EventBatch]:
-    """``n`` token-bearing L1 store entries (one rank, distinct 256-token chunks)."""
+def _workload(
+    n: int, seed: int, instance: str = "node-0", vocab: Vocabulary = LLAMA3
+) -> list[EventBatch]:
+    """``n`` token-bearing L1 store entries (one rank, distinct 256-token chunks, ids from
+    ``vocab``)."""
     rng = np.random.default_rng(seed)
     rank = pack_kv_rank(1, 0, 1, 0)
     batches = []
     for b, start in enumerate(range(0, n, BATCH)):
         count = min(BATCH, n - start)
-        tokens = rng.integers(0, 50_000, size=(count, CHUNK), dtype=np.uint32)
+        tokens = random_token_ids(rng, (count, CHUNK), vocab)
         hashes = rng.bytes(32 * count)
         entries = []
         for i in range(count):
@@ -137,19 +144,23 @@ def _consume_all(target: Any, batches: list[EventBatch]) -> None:
         target.consume(b)
 
 
-def _memory_per_chunk(make: Callable[[], Any], n: int, seed: int) -> float:
+def _memory_per_chunk(
+    make: Callable[[], Any], n: int, seed: int, vocab: Vocabulary = LLAMA3
+) -> float:
     """Bytes retained per chunk (directory + token arrays + index) once the inputs are gone."""
-    return _retained(make, n, seed)[0]
+    return _retained(make, n, seed, vocab)[0]
 
 
-def _retained(make: Callable[[], _T], n: int, seed: int) -> tuple[float, _T]:
+def _retained(
+    make: Callable[[], _T], n: int, seed: int, vocab: Vocabulary = LLAMA3
+) -> tuple[float, _T]:
     """Bytes retained per chunk by ``make()`` after consuming ``n`` chunks, and the target."""
     gc.collect()
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
         target = make()
-        batches = _workload(n, seed)
+        batches = _workload(n, seed, vocab=vocab)
         _consume_all(target, batches)
         del batches
         gc.collect()
@@ -159,18 +170,18 @@ def _retained(make: Callable[[], _T], n: int, seed: int) -> tuple[float, _T]:
     return used / n, target
 
 
-def memory_row(n: int, seed: int) -> BenchRow:
+def memory_row(n: int, seed: int, vocab: Vocabulary = LLAMA3) -> BenchRow:
     """Directory bytes per chunk with blend on and off (token arrays, records, index: all
     that stays once the inputs are gone), and the blend index's own share (its arrays and
     references, the 32-byte hashes it reads included; ``BlendStats.index_bytes``)."""
-    on, directory = _retained(lambda: KeyDirectory(CHUNK, enable_blend_lookup=True), n, seed)
+    on, directory = _retained(lambda: KeyDirectory(CHUNK, enable_blend_lookup=True), n, seed, vocab)
     stats = directory.stats().blend
     assert stats is not None
     index = stats.index_bytes / n
     del directory
-    off = _retained(lambda: KeyDirectory(CHUNK), n, seed)[0]
+    off = _retained(lambda: KeyDirectory(CHUNK), n, seed, vocab)[0]
     return BenchRow(
-        f"memory at {n:,} chunks (256 tokens, ids < 50,000)",
+        f"memory at {n:,} chunks (256 tokens, {vocab.label})",
         None,
         None,
         "≤ 1.2 KB/chunk blend on, index ≤ 128 B/chunk",
@@ -198,7 +209,7 @@ def _body_rows(n: int, seed: int, repeats: int) -> list[BenchRow]:
     objects and applied batch by batch with ``consume``. Same bodies, same directory after."""
     batches = _workload(n, seed)
     rows = []
-    for fmt, encode, per_entry, columnar in (
+    for fmt, encode, per_entry, columnar in (  # Llama 3 vocabulary (_workload's default)
         ("JSON", encode_json, decode_json, decode_json_columns),
         ("msgpack", encode_msgpack, decode_msgpack, decode_msgpack_columns),
     ):
@@ -209,7 +220,7 @@ def _body_rows(n: int, seed: int, repeats: int) -> list[BenchRow]:
         ref_s = _median_time(reference, repeats)
         rows.append(
             BenchRow(
-                f"decode + apply {n:,} entries in {fmt} bodies, blend on: columns",
+                f"decode + apply {n:,} entries in {fmt} bodies, blend on: columns ({LLAMA3.label})",
                 ours_s,
                 ref_s,
                 "",
@@ -251,7 +262,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _consume_rows(n: int, memory_chunks: int, seed: int, repeats: int) -> list[BenchRow]:
-    """Consume rate and memory against the naive directory; decode + apply of wire bodies."""
+    """Consume rate and memory against the naive directory; decode + apply of wire bodies;
+    then the consume and memory rows again with ids that fit 16 bits (the kinder case)."""
     rows: list[BenchRow] = []
     batches = _workload(n, seed)
 
@@ -277,7 +289,7 @@ def _consume_rows(n: int, memory_chunks: int, seed: int, repeats: int) -> list[B
     naive_mem = _memory_per_chunk(NaiveDirectory, mem_n, 1)
     rows.append(
         BenchRow(
-            f"consume {n:,} token-bearing store entries, blend on",
+            f"consume {n:,} token-bearing store entries, blend on ({LLAMA3.label})",
             ours_s,
             naive_s,
             "≥ 300k entries/s, ≤ 1.2 KB/chunk",
@@ -302,7 +314,30 @@ def _consume_rows(n: int, memory_chunks: int, seed: int, repeats: int) -> list[B
         )
     )
     rows += _body_rows(min(n, 50_000), seed, repeats)
+    rows.append(_kinder_consume_row(n, seed, repeats))
+    rows.append(memory_row(memory_chunks, 1, LLAMA2))
     return rows
+
+
+def _kinder_consume_row(n: int, seed: int, repeats: int) -> BenchRow:
+    """The consume row with ids that fit 16 bits (Llama 2's vocabulary): the second row."""
+    batches = _workload(n, seed, vocab=LLAMA2)
+
+    def ours() -> None:
+        _consume_all(KeyDirectory(CHUNK, enable_blend_lookup=True), batches)
+
+    ours_s = _median_time(ours, repeats)
+    batches.clear()  # free the inputs before the memory pass
+    mem = _memory_per_chunk(
+        lambda: KeyDirectory(CHUNK, enable_blend_lookup=True), min(n, 50_000), 1, LLAMA2
+    )
+    return BenchRow(
+        f"consume {n:,} token-bearing store entries, blend on ({LLAMA2.label})",
+        ours_s,
+        None,
+        "",
+        {"entries/s": f"{n / ours_s:,.0f}", "B/chunk": f"{mem:,.0f}"},
+    )
 
 
 def _snapshot_rows(snap_keys: int, seed: int, repeats: int) -> list[BenchRow]:

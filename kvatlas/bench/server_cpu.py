@@ -40,6 +40,14 @@ def process_minor_faults(pid: int) -> int:
     return int(_stat_fields(pid)[7])
 
 
+def process_rss_bytes(pid: int) -> int:
+    """Resident memory of process ``pid`` (``VmRSS`` of ``/proc/<pid>/status``), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024  # reported in kB
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
 @dataclass(frozen=True)
 class LoadResult:
     requests: int

@@ -60,12 +60,17 @@ from kvatlas.directory.records import (
 )
 from kvatlas.directory.reindex import reindex_records
 from kvatlas.directory.shapes import KeyShape, ShapeTable
-from kvatlas.directory.token_store import StoredTokens, TokenSlab, stored_columns
+from kvatlas.directory.token_store import (
+    StoredTokens,
+    TokenSlab,
+    stored_columns,
+    stored_equal,
+    token_count,
+)
 from kvatlas.errors import Conflict
 from kvatlas.events import UNKNOWN_OFFSET, VOLATILE_TIERS, EventBatch
 from kvatlas.events.columns import EntryColumns
 from kvatlas.events.inventory import xor_elements
-from kvatlas.events.model import tokens_equal
 from kvatlas.keys import BlendNamespace, ObjectKey
 
 log = logging.getLogger(__name__)
@@ -278,8 +283,9 @@ class ChunkTable(SlabReclaim):
                     part[h] = (None, UNKNOWN_OFFSET, False, sid, p)
                     if debug:
                         log.debug("store without tokens for unbound chunk %s: not indexed", h.hex())
-                elif len(tokens) != chunk_size:
-                    log.info("chunk %s bound with %d tokens (not indexed)", h.hex(), len(tokens))
+                elif token_count(tokens) != chunk_size:
+                    n = token_count(tokens)
+                    log.info("chunk %s bound with %d tokens (not indexed)", h.hex(), n)
                     part[h] = (tokens, offset, False, sid, p)
                 elif not indexing or offset == UNKNOWN_OFFSET:
                     part[h] = (tokens, offset, False, sid, p)
@@ -355,7 +361,7 @@ class ChunkTable(SlabReclaim):
     def _indexable(self, tokens: StoredTokens, offset: int) -> bool:
         # offset -1 is never indexed: a match without its stored position would be re-RoPEd
         # from the wrong place, i.e. wrong KV, which is worse than a miss.
-        return offset != UNKNOWN_OFFSET and len(tokens) == self.chunk_size
+        return offset != UNKNOWN_OFFSET and token_count(tokens) == self.chunk_size
 
     def _bind(
         self,
@@ -370,7 +376,7 @@ class ChunkTable(SlabReclaim):
         """Bind ``tokens`` to the chunk (whose keys are ``rec``'s) and queue the index writes
         that follow. Returns the chunk's new ``(tokens, token_offset, indexed)`` and whether
         it (re)added every namespace."""
-        if old is not None and tokens_equal(old, tokens):
+        if old is not None and stored_equal(old, tokens):
             if offset in (UNKNOWN_OFFSET, old_offset):
                 if indexed or not self.indexing:
                     return old, old_offset, indexed, False
@@ -384,8 +390,9 @@ class ChunkTable(SlabReclaim):
                 self._ops.append(RemoveChunkOp(old, h))
             indexed = False
             bound = tokens
-            if len(tokens) != self.chunk_size:
-                log.info("chunk %s bound with %d tokens (not indexed)", h.hex(), len(tokens))
+            if token_count(tokens) != self.chunk_size:
+                n = token_count(tokens)
+                log.info("chunk %s bound with %d tokens (not indexed)", h.hex(), n)
         if not self.indexing or not self._indexable(bound, offset):
             return bound, offset, indexed, False
         self._ops += [AddOp(bound, h, offset, ns) for ns in self._namespaces(rec)]

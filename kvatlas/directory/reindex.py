@@ -17,10 +17,10 @@ namespace). Same state and answers as adding each chunk by itself
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from itertools import compress, repeat
 from operator import is_not
-from typing import Any, cast
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -38,11 +38,9 @@ from kvatlas.directory.records import (
     shape_ids,
 )
 from kvatlas.directory.shapes import ShapeTable
-from kvatlas.directory.token_store import StoredTokens
+from kvatlas.directory.token_store import StoredTokens, stored_shapes
 from kvatlas.events import UNKNOWN_OFFSET
 from kvatlas.keys import BlendNamespace
-
-_size: Callable[[Any], int] = len
 
 
 def reindex_records(
@@ -67,7 +65,8 @@ def reindex_records(
     offsets = np.fromiter(map(record_offset, records), np.int64, n)
     bound = np.fromiter(map(is_not, tokens, repeat(None)), np.bool_, n)
     lengths = np.zeros(n, np.int64)
-    lengths[bound] = np.fromiter(map(_size, compress(tokens, bound.tolist())), np.int64)
+    bound_tokens = cast(list[StoredTokens], list(compress(tokens, bound.tolist())))
+    lengths[bound] = stored_shapes(bound_tokens)[0]  # ids, whatever the form
     rows = np.flatnonzero(bound & (lengths == chunk_size) & (offsets != UNKNOWN_OFFSET))
     if not len(rows):
         return

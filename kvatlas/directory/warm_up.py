@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from kvatlas.directory.blend import AddColumns, AddOp, BlendIndex, RemoveChunkOp
-from kvatlas.directory.token_store import stored_batch, stored_from_arena
+from kvatlas.directory.token_store import stored_batch, stored_from_arena, stored_shapes
 from kvatlas.events import (
     CacheEntry,
     EventBatch,
@@ -42,6 +42,13 @@ def warm_up_kernels() -> float:
     stored_from_arena(tokens, np.zeros(1, np.int64), np.ones(1, np.int64))
     index.add(compact, bytes(31), 0, namespace)  # a uint16 content, shared
     index.apply([AddColumns([compact], [bytes(30)], [0], [namespace])])  # checked columns
+    wide = np.arange(1 << 16, (1 << 16) + 16, dtype=np.uint32)
+    (planes,) = stored_batch([wide])  # the planes form (16 ids of 17 bits)
+    assert compact is not None and planes is not None
+    stored_shapes([compact, planes])  # what a snapshot reads of each content
+    planes_index = BlendIndex(chunk_size=16)
+    planes_index.add(planes, bytes(32), 0, namespace)
+    planes_index.match(np.concatenate([wide, wide]), namespace)
     entry = CacheEntry(ObjectKey(bytes(32), "warm-up", pack_kv_rank(1, 0, 1, 0)), 0, tokens, 0)
     body = encode_json([EventBatch("warm-up", 1, 1, "store", "l1", "dram", entries=(entry,))])
     decode_json(body)

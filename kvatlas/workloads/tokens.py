@@ -4,13 +4,19 @@ Token ``i`` of block ``b`` in ``namespace`` is ``splitmix64(namespace · 2^40 + 
 mod the vocabulary (128,256, Llama 3's, so ids do not fit 16 bits): any program can rebuild a
 trace's prompts from this rule alone. SplitMix64 is Vigna's 64-bit finalizer (public domain),
 vectorised with numpy's wrapping uint64 arithmetic.
+
+Benchmarks that need random ids rather than a trace's draw them here too
+(:func:`random_token_ids`), from a named :class:`Vocabulary`: :data:`LLAMA3` by default (the
+real case), :data:`LLAMA2` for the kinder case of ids that fit 16 bits (a second row, labelled
+as such).
 """
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 VOCAB_SIZE: Final = 128_256
 BLOCK_SPAN: Final = 512  # positions per block id (Mooncake's 512 tokens per hash id)
@@ -18,6 +24,33 @@ MOONCAKE: Final = 1
 RAG_DOCS: Final = 2
 RAG_SYSTEM: Final = 3
 RAG_QUESTIONS: Final = 4
+
+
+class Vocabulary(NamedTuple):
+    """A served model's vocabulary: token ids are in ``[0, size)``."""
+
+    name: str
+    size: int
+
+    @property
+    def label(self) -> str:
+        """How a benchmark row names it."""
+        fits = ", fit 16 bits" if self.size <= 1 << 16 else ""
+        return f"{self.name} vocabulary, {self.size:,} ids{fits}"
+
+
+LLAMA3: Final = Vocabulary("Llama 3", VOCAB_SIZE)
+"""The default: ids do not fit 16 bits (Qwen 2.5's 151,646 and Gemma's 256,000 neither)."""
+LLAMA2: Final = Vocabulary("Llama 2", 32_000)
+"""The kinder case, a second row: every id fits 16 bits."""
+
+
+def random_token_ids(
+    rng: np.random.Generator, shape: int | tuple[int, ...], vocab: Vocabulary = LLAMA3
+) -> npt.NDArray[np.uint32]:
+    """Token ids drawn uniformly from ``vocab`` as ``uint32`` (the wire's width)."""
+    return rng.integers(0, vocab.size, shape, dtype=np.uint32)
+
 
 _M1 = np.uint64(0x9E3779B97F4A7C15)
 _M2 = np.uint64(0xBF58476D1CE4E5B9)

@@ -1,6 +1,9 @@
-"""The snapshot file format is fixed: the writer produces ``data/snapshot-v2.snap`` (from the
-directory :func:`golden_directory` builds) byte for byte, and a version-1 file written before
-the snapshot package was split (``data/snapshot-v1.snap``, same directory) still loads."""
+"""The snapshot file format is fixed: the writer produces ``data/snapshot-v3.snap`` (from the
+directory :func:`golden_directory` builds) and ``data/snapshot-v3-wide.snap`` (ids of large
+vocabularies, :func:`wide_directory`) byte for byte; files of earlier versions still load: a
+version-2 file (``data/snapshot-v2.snap``, and ``data/snapshot-v2-wide.snap`` written by the
+code before the planes form, main at 7907e79) and a version-1 file written before the
+snapshot package was split (``data/snapshot-v1.snap``)."""
 
 from __future__ import annotations
 
@@ -8,15 +11,23 @@ import dataclasses
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 
 from kvatlas.directory import KeyDirectory, load_snapshot, save_snapshot
+from kvatlas.directory.records import record_stored_tokens
 from kvatlas.directory.snapshot.format import COLUMNS, MAGIC, PREFIX, VERSION, Header
-from tests.directory.helpers import CS, Emitter, entry, key, toks
+from kvatlas.keys import BlendNamespace
+from tests.directory.helpers import CS, Emitter, captured, entry, key, toks
 
-GOLDEN = Path(__file__).parent / "data" / "snapshot-v2.snap"
-GOLDEN_V1 = Path(__file__).parent / "data" / "snapshot-v1.snap"
+DATA = Path(__file__).parent / "data"
+GOLDEN = DATA / "snapshot-v3.snap"
+GOLDEN_V2 = DATA / "snapshot-v2.snap"
+GOLDEN_V1 = DATA / "snapshot-v1.snap"
+WIDE = DATA / "snapshot-v3-wide.snap"
+WIDE_V2 = DATA / "snapshot-v2-wide.snap"
 POSITION = "1700000000-7"
+WIDE_POSITION = "1700000000-9"
 
 
 def golden_directory() -> KeyDirectory:
@@ -39,6 +50,30 @@ def golden_directory() -> KeyDirectory:
     return d
 
 
+WIDE_CONTENTS = {
+    1: (1, 2, 3, 4),
+    2: (70_000, 128_255, 5, 65_536),
+    3: (1 << 20, 3, 3, 3),
+    4: ((1 << 24) - 1, 0, 0, 1),
+    5: (1 << 24, 2, 2, 2),
+    6: ((1 << 32) - 1, 65_535, 65_536, 0),
+    7: (65_535, 0, 65_535, 7),
+}
+
+
+def wide_directory(blend: bool = False) -> KeyDirectory:
+    """Contents in every form (uint16, the planes form, uint32 where it is smaller), one
+    shared by two namespaces, one shorter than a chunk (as ``data/snapshot-v2-wide.snap``
+    was written from, by the code before the planes form)."""
+    d = KeyDirectory(CS, enable_blend_lookup=blend)
+    a = Emitter("a")
+    first = [entry(key(n), toks(*t), 4 * n) for n, t in WIDE_CONTENTS.items()]
+    d.consume(a.batch("store", first, ts=1.5))
+    d.consume(a.batch("store", [entry(key(9, salt="t"), toks(*WIDE_CONTENTS[2]), 8)], ts=2.0))
+    d.consume(a.batch("store", [entry(key(8), toks(131_071, 9, 9), 0)], ts=2.5))
+    return d
+
+
 def view(d: KeyDirectory) -> tuple[object, ...]:
     stats = dataclasses.replace(d.stats(), batches={})  # batch outcomes are not snapshotted
     return (d.list_keys(limit=1000).items, d.emitters(), d.capacities(), stats)
@@ -50,7 +85,7 @@ def test_writer_output_is_unchanged_byte_for_byte(tmp_path: Path) -> None:
     assert path.read_bytes() == GOLDEN.read_bytes()
 
 
-@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_V1], ids=["v2", "v1"])
+@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_V2, GOLDEN_V1], ids=["v3", "v2", "v1"])
 def test_a_file_from_the_unsplit_writer_loads(golden: Path) -> None:
     d = KeyDirectory(CS)
     info = load_snapshot(d, golden)
@@ -60,9 +95,39 @@ def test_a_file_from_the_unsplit_writer_loads(golden: Path) -> None:
     assert cursor is not None and cursor.gaps == 1
 
 
+def test_wide_contents_are_written_unchanged_byte_for_byte(tmp_path: Path) -> None:
+    path = tmp_path / "s.snap"
+    save_snapshot(wide_directory(), path, stream_position=WIDE_POSITION)
+    assert path.read_bytes() == WIDE.read_bytes()
+
+
+@pytest.mark.parametrize("golden", [WIDE, WIDE_V2], ids=["v3", "v2"])
+@pytest.mark.parametrize("blend", [False, True], ids=["plain", "blend"])
+def test_a_wide_file_from_before_the_planes_form_loads_in_the_forms_ids_need(
+    golden: Path, blend: bool
+) -> None:
+    """The version-2 file stores uint32 where the planes form is now smaller: it restores
+    the same directory, each content in the form a fresh store gives it (the memory win
+    does not wait for the chunk to be stored again), matchable with blend on."""
+    d = KeyDirectory(CS, enable_blend_lookup=blend)
+    info = load_snapshot(d, golden)
+    assert (info.chunks, info.keys, info.stream_position) == (9, 9, WIDE_POSITION)
+    fresh = wide_directory(blend)
+    assert view(d) == view(fresh)
+    got, want = captured(d), captured(fresh)
+    for h, rec in want.items():
+        mine, theirs = record_stored_tokens(got[h]), record_stored_tokens(rec)
+        assert mine is not None and theirs is not None
+        assert (mine.dtype, mine.tobytes()) == (theirs.dtype, theirs.tobytes())
+    if blend:
+        for n, t in WIDE_CONTENTS.items():
+            q = np.array([9, *t], dtype=np.uint32)
+            assert sorted(m.old_st for m in d.blend_match(q, BlendNamespace("m"))) == [4 * n]
+
+
 def test_header_layout_is_pinned() -> None:
     raw = GOLDEN.read_bytes()
-    assert MAGIC == b"KVATSNP1" and VERSION == 2 and PREFIX.format == "<8sQ"
+    assert MAGIC == b"KVATSNP1" and VERSION == 3 and PREFIX.format == "<8sQ"
     magic, header_len = PREFIX.unpack_from(raw)
     assert magic == MAGIC
     header = msgspec.msgpack.decode(raw[PREFIX.size : PREFIX.size + header_len], type=Header)

@@ -27,7 +27,7 @@ from tests.directory.helpers import CS, Emitter, captured, entry, key, toks
 from tests.directory.test_blend_index_oracle import Oracle, canonical
 
 NAMESPACES = [BlendNamespace("m"), BlendNamespace("m", cache_salt="s"), BlendNamespace("m2")]
-BIG = (1 << 16) + 5  # keeps a chunk at uint32
+BIG = (1 << 16) + 5  # keeps a chunk out of uint16 (in the planes form)
 
 
 def view(d: KeyDirectory) -> tuple[object, ...]:

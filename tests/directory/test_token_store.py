@@ -1,6 +1,8 @@
 """Compact token storage (``directory/token_store.py``): a chunk's ids are kept as uint16 when
-every one fits, else as uint32, and every reader — lookups, listings, the blend index,
-snapshots — sees exactly the ids that were stored."""
+every one fits, in the planes form (``blend/kernels/planes.py``) when every one is below 2^24
+and that is smaller, else as uint32 — the bytes of each form checked against a brute-force
+encoder — and every reader (lookups, listings, the blend index, snapshots) sees exactly the
+ids that were stored."""
 
 from __future__ import annotations
 
@@ -14,13 +16,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvatlas.directory import BlendIndex, KeyDirectory, load_snapshot, save_snapshot, token_store
+from kvatlas.directory.blend.kernels.planes import PLANES, stored_nbytes
 from kvatlas.directory.records import record_stored_tokens, record_tokens
 from kvatlas.directory.snapshot.format import PREFIX, Header
 from kvatlas.directory.token_store import (
     COMPACT_LIMIT,
     stored_batch,
+    stored_equal,
     stored_from_arena,
     stored_one,
+    stored_shapes,
+    token_count,
     widened,
 )
 from kvatlas.events import decode_json_columns
@@ -34,7 +40,31 @@ from tests.directory.test_blend_index_oracle import (
 )
 
 BIG = [COMPACT_LIMIT - 1, COMPACT_LIMIT, (1 << 32) - 1]
+BOUNDARY = [0, 65_535, 65_536, (1 << 24) - 1, 1 << 24, (1 << 32) - 1]
 NS = BlendNamespace("m")  # the namespace of the helpers' keys
+
+
+def oracle_stored(values: list[int]) -> tuple[str, bytes]:
+    """The form and bytes the directory must store ``values`` in, by brute force: uint16 if
+    every id fits; else the planes form (h = the largest id's bit length - 16, at most 8:
+    header ``h, 0``, the low halves, then h planes of ``2·⌈n/16⌉`` bytes, bit ``16 + p`` of
+    id k at bit ``k % 8`` of byte ``k // 8`` of plane p) when it is smaller than uint32;
+    else uint32. Little-endian."""
+    n, top = len(values), max(values, default=0)
+    if top < 1 << 16:
+        return "uint16", b"".join(v.to_bytes(2, "little") for v in values)
+    h = top.bit_length() - 16
+    plane = 2 * ((n + 15) // 16)
+    if h <= 8 and 2 + 2 * n + h * plane < 4 * n:
+        out = bytearray(2 + 2 * n + h * plane)
+        out[0] = h
+        for k, v in enumerate(values):
+            out[2 + 2 * k : 4 + 2 * k] = (v & 0xFFFF).to_bytes(2, "little")
+            for p in range(h):
+                if v >> (16 + p) & 1:
+                    out[2 + 2 * n + p * plane + k // 8] |= 1 << (k % 8)
+        return "planes", bytes(out)
+    return "uint32", b"".join(v.to_bytes(4, "little") for v in values)
 
 
 def ro(values: list[int]) -> Any:
@@ -43,20 +73,34 @@ def ro(values: list[int]) -> Any:
     return a
 
 
+def form_name(stored: Any) -> str:
+    return "planes" if stored.dtype is PLANES else str(stored.dtype)
+
+
 def check_stored(stored: Any, values: list[int]) -> None:
-    """Same ids, the right width, read-only and owning its memory."""
-    assert stored.tolist() == values
-    fits = all(v < COMPACT_LIMIT for v in values)
-    assert stored.dtype == (np.uint16 if fits else np.uint32)
+    """Same ids, the form and bytes of the brute-force encoder, read-only and owning its
+    memory; widened back exactly; its count and shape read back."""
+    form, raw = oracle_stored(values)
+    assert (form_name(stored), stored.tobytes()) == (form, raw)
+    wide = widened(stored)
+    assert wide.dtype == np.uint32 and not wide.flags.writeable and wide.tolist() == values
+    assert token_count(stored) == len(values)
+    assert stored_shapes([stored])[0].tolist() == [len(values)]
     assert not stored.flags.writeable and stored.flags.c_contiguous
     assert stored.flags.owndata or stored.base is None
 
 
-token_ids = st.one_of(st.integers(0, COMPACT_LIMIT - 1), st.sampled_from(BIG))
+token_ids = st.one_of(
+    st.integers(0, COMPACT_LIMIT - 1),
+    st.integers(COMPACT_LIMIT, 128_255),  # Llama 3's vocabulary
+    st.integers(0, (1 << 24) - 1),
+    st.integers(0, (1 << 32) - 1),
+    st.sampled_from(BOUNDARY),
+)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.one_of(st.none(), st.lists(token_ids, max_size=40)), max_size=12))
+@given(st.lists(st.one_of(st.none(), st.lists(token_ids, max_size=300)), max_size=12))
 def test_stored_batch_round_trips_every_id(rows: list[list[int] | None]) -> None:
     arrays = [None if r is None else ro(r) for r in rows]
     if len(arrays) > 1 and arrays[0] is not None:
@@ -67,13 +111,12 @@ def test_stored_batch_round_trips_every_id(rows: list[list[int] | None]) -> None
             assert s is None
         else:
             check_stored(s, a.tolist())
-            assert widened(s).dtype == np.uint32 and widened(s).tolist() == a.tolist()
     if len(arrays) > 1 and arrays[0] is not None:
         assert stored[-1] is stored[0]
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.lists(token_ids, max_size=20), max_size=10))
+@given(st.lists(st.lists(token_ids, max_size=300), max_size=10))
 def test_stored_from_arena_round_trips_every_row(rows: list[list[int]]) -> None:
     arena = np.array([t for r in rows for t in r], dtype=np.uint32)
     lengths = np.array([len(r) for r in rows], dtype=np.int64)
@@ -86,9 +129,35 @@ def test_stored_from_arena_round_trips_every_row(rows: list[list[int]]) -> None:
             assert stored.base is None  # its own memory: never a view pinning the arena
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(token_ids, max_size=300), st.sampled_from(["int64", "uint32", "uint16"]))
+def test_stored_one_round_trips_every_id(values: list[int], dtype: str) -> None:
+    if dtype == "uint16":
+        values = [v & 0xFFFF for v in values]
+    check_stored(stored_one(np.array(values, dtype=dtype)), values)
+
+
+def test_boundary_ids_round_trip_in_every_form_and_length() -> None:
+    """0, 2^16 - 1, 2^16, 2^24 - 1, 2^24, 2^32 - 1 — alone, among small ids, at the start,
+    middle and end of chunks of 1 to 257 ids — through every way in."""
+    for v in BOUNDARY:
+        for n in (1, 2, 7, 8, 9, 15, 16, 17, 64, 255, 256, 257):
+            for at in {0, n // 2, n - 1}:
+                values = [(7 * k) % 1000 for k in range(n)]
+                values[at] = v
+                (a,) = stored_batch([ro(values)])
+                (b,) = stored_from_arena(ro([1, *values]), np.array([1]), np.array([n]))
+                c = stored_one(np.array(values, dtype=np.int64))
+                for stored in (a, b, c):
+                    check_stored(stored, values)
+                assert stored_equal(a, b) and stored_equal(b, c)
+    llama3 = stored_one(np.arange(128_000, 128_256, dtype=np.uint32))
+    assert form_name(llama3) == "planes" and llama3.nbytes == 546  # 17 bits per id + 2
+
+
 def test_a_single_id_that_does_not_fit_keeps_the_chunk_wide() -> None:
-    for big in (COMPACT_LIMIT, 70_000, (1 << 32) - 1):
-        values = [1, 2, big, 3]
+    for big in (COMPACT_LIMIT, 70_000, (1 << 24) - 1, 1 << 24, (1 << 32) - 1):
+        values = [1, 2, big, 3] * 8
         (stored,) = stored_batch([ro(values)])
         check_stored(stored, values)
     check_stored(stored_one(np.array([5, COMPACT_LIMIT - 1], dtype=np.int64)), [5, 65535])
@@ -109,12 +178,12 @@ def test_directory_answers_exact_ids_for_compact_wide_and_mixed_chunks() -> None
     d, em = KeyDirectory(CS, enable_blend_lookup=True), Emitter()
     contents = {1: [1, 2, 3, 4], 2: [70_000, 2, 3, 4], 3: [5, 6, 7, (1 << 32) - 1]}
     d.consume(em.batch("store", [entry(key(n), ro(t), 4 * n) for n, t in contents.items()]))
-    widths = {}
+    forms = {}
     for n, t in contents.items():
         rec = captured(d)[key(n).chunk_hash]
         stored = record_stored_tokens(rec)
         assert stored is not None
-        widths[n] = stored.dtype.itemsize
+        forms[n] = form_name(stored)
         public = record_tokens(rec)
         assert public is not None and public.dtype == np.uint32 and public.tolist() == t
         (kp,) = [kp for kp in d.list_keys(limit=10).items if kp.key == key(n)]
@@ -122,9 +191,9 @@ def test_directory_answers_exact_ids_for_compact_wide_and_mixed_chunks() -> None
         assert kp.content.tolist() == t
         m = d.blend_match(np.array([9, 9, *t, 9], dtype=np.uint32), NS)
         assert [(x.chunk_hash, x.old_st, x.cur_st) for x in m] == [(key(n).chunk_hash, 4 * n, 2)]
-    assert widths == {1: 2, 2: 4, 3: 4}
+    assert forms == {1: "uint16", 2: "planes", 3: "uint32"}
     stats = d.stats().blend
-    assert stats is not None and stats.token_bytes == (2 + 4 + 4) * CS
+    assert stats is not None and stats.token_bytes == 2 * CS + 12 + 4 * CS  # planes: 2 + 8 + 2
     assert stats.token_bytes_owned == 0  # the index shares the directory's arrays
 
 
@@ -137,48 +206,71 @@ def test_a_content_stored_again_wide_is_the_same_content() -> None:
     assert record_stored_tokens(captured(d)[key(1).chunk_hash]) is before
 
 
-def downgrade_to_v1(v2: bytes) -> bytes:
-    """The version-1 file of the same directory: no widths, every token a uint32."""
-    _, header_len = PREFIX.unpack_from(v2)
-    header = msgspec.msgpack.decode(v2[PREFIX.size : PREFIX.size + header_len], type=Header)
-    widths = np.frombuffer(header.chunk_token_widths, np.uint8)
-    lens = np.frombuffer(header.chunk_token_lens, "<u4")
-    arena, pos, tokens = v2[PREFIX.size + header_len :], 0, []
-    for n, w in zip(lens.tolist(), widths.tolist(), strict=True):
-        tokens.append(np.frombuffer(arena, "<u2" if w == 2 else "<u4", n, pos).astype("<u4"))
-        pos += n * w
-    old = msgspec.structs.replace(header, version=1, chunk_token_widths=b"")
-    raw = msgspec.msgpack.encode(old)
-    return PREFIX.pack(PREFIX.unpack_from(v2)[0], len(raw)) + raw + np.concatenate(tokens).tobytes()
+def downgrade(v3: bytes, version: int) -> bytes:
+    """The file an older writer makes of the same directory: version 2 (uint16 and uint32
+    only: every planes-form chunk uint32) or version 1 (no widths, every token a uint32)."""
+    _, header_len = PREFIX.unpack_from(v3)
+    header = msgspec.msgpack.decode(v3[PREFIX.size : PREFIX.size + header_len], type=Header)
+    forms = np.frombuffer(header.chunk_token_widths, np.uint8).tolist()
+    lens = np.frombuffer(header.chunk_token_lens, "<u4").tolist()
+    arena, pos, tokens = v3[PREFIX.size + header_len :], 0, []
+    for n, form in zip(lens, forms, strict=True):
+        size = stored_nbytes(n, form)
+        raw = np.frombuffer(arena, np.uint8, size, pos)
+        pos += size
+        dtype = {2: np.dtype("<u2"), 4: np.dtype("<u4")}.get(form, PLANES)
+        tokens.append(widened(raw.view(dtype)))
+    assert pos == len(arena)
+    wide = [4 if f > 4 else f for f in forms] if version == 2 else []
+    if version == 2:
+        arena_out = b"".join(
+            (t.astype("<u2") if w == 2 else t.astype("<u4")).tobytes()
+            for t, w in zip(tokens, wide, strict=True)
+        )
+    else:
+        arena_out = np.concatenate(tokens).astype("<u4").tobytes()
+    old = msgspec.structs.replace(
+        header, version=version, chunk_token_widths=bytes(wide) if version == 2 else b""
+    )
+    raw_header = msgspec.msgpack.encode(old)
+    return PREFIX.pack(PREFIX.unpack_from(v3)[0], len(raw_header)) + raw_header + arena_out
 
 
-@pytest.mark.parametrize("version", [2, 1])
-def test_snapshots_keep_every_width_and_version_1_files_load_compacted(
+@pytest.mark.parametrize("version", [3, 2, 1])
+def test_snapshots_keep_every_form_and_older_files_load_in_the_forms_ids_need(
     tmp_path: Path, version: int
 ) -> None:
+    """A version-3 file keeps each chunk's form; one written before the planes form existed
+    (version 2: uint32 where the planes form is smaller; version 1: all uint32) restores the
+    same ids, each chunk in the form its ids need, matchable at once."""
     d, em = KeyDirectory(CS, enable_blend_lookup=True), Emitter()
-    contents = {n: [n, n, n, n] for n in range(1, 6)} | {6: [1, 2, 3, 1 << 20], 7: [*BIG, 0]}
+    contents = {n: [n, n, n, n] for n in range(1, 6)} | {
+        6: [1, 2, 3, 1 << 20],
+        7: [*BIG, 0],
+        8: [70_000, 1, 2, 131_071],
+    }
     d.consume(em.batch("store", [entry(key(n), ro(t), 4 * n) for n, t in contents.items()]))
-    d.consume(em.batch("store", [entry(key(8))]))  # unknown content
+    d.consume(em.batch("store", [entry(key(9))]))  # unknown content
     path = tmp_path / "s.snap"
     save_snapshot(d, path)
     header_len = PREFIX.unpack_from(path.read_bytes())[1]
-    assert path.stat().st_size == PREFIX.size + header_len + (5 * 2 + 2 * 4) * CS
-    if version == 1:
-        path.write_bytes(downgrade_to_v1(path.read_bytes()))
+    assert path.stat().st_size == PREFIX.size + header_len + 5 * 2 * CS + 2 * 4 * CS + 12
+    if version < 3:
+        path.write_bytes(downgrade(path.read_bytes(), version))
     restored = KeyDirectory(CS, enable_blend_lookup=True)
     load_snapshot(restored, path)
     for n, t in contents.items():
         stored = record_stored_tokens(captured(restored)[key(n).chunk_hash])
-        assert stored is not None and stored.tolist() == t
-        assert stored.dtype == (np.uint16 if n <= 5 else np.uint32)
+        assert stored is not None
+        assert (form_name(stored), stored.tobytes()) == oracle_stored(t)
+        assert widened(stored).tolist() == t
         q = np.array([0, *t], dtype=np.uint32)
         assert [m.old_st for m in restored.blend_match(q, NS)] == [4 * n]
-    assert record_stored_tokens(captured(restored)[key(8).chunk_hash]) is None
+    assert record_stored_tokens(captured(restored)[key(9).chunk_hash]) is None
     assert restored.list_keys(limit=100).items == d.list_keys(limit=100).items
 
 
-def stored_form(tokens: list[int], how: int) -> Any:
+def handed_form(tokens: list[int], how: int) -> Any:
     """The same ids handed to the index as the directory hands them (compact or wide, shared),
     as a wide read-only array (shared as is), or as a list (copied)."""
     if how == 0:
@@ -188,17 +280,23 @@ def stored_form(tokens: list[int], how: int) -> Any:
     return list(tokens)
 
 
+SPREAD = [5, 0x1_0005, 0x2_0005, 0x3_0005, 0, 65_535, (1 << 24) - 1, (1 << 32) - 1]
+"""Ids for the oracle workloads' tokens: four with the low half 5 (one or two high bits)."""
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads(), st.data())
 def test_blend_answers_with_mixed_widths_equal_the_brute_force_oracle(
     workload: tuple[int, int, int | None, list[list[int]], list[tuple[Any, ...]]],
     data: st.DataObject,
 ) -> None:
-    """The oracle workloads with ids spread over both widths (0 and 1 stay compact, others do
-    not), each write handing the index one of the three forms: contents stored compactly are
-    compared, found and removed exactly as wide ones."""
+    """The oracle workloads with ids spread over every form (uint16, the planes form with one
+    or two high bits, uint32; most of them sharing their low 16 bits, so only the high bits
+    tell them apart), each write handing the index one of the three ways: contents stored in
+    any form are compared, found and removed exactly as wide ones."""
     chunk_size, stride, bits, _, ops = workload
-    spread = {0: 0, 1: COMPACT_LIMIT - 1, 2: COMPACT_LIMIT}
+    values = data.draw(st.lists(st.sampled_from(SPREAD), min_size=3, max_size=3, unique=True))
+    spread = dict(enumerate(values))
     kwargs = {} if bits is None else {"_fingerprint_bits": bits}
     index = BlendIndex(chunk_size=chunk_size, probe_stride=stride, **kwargs)  # type: ignore[arg-type]
     oracle = Oracle(chunk_size, stride)
@@ -211,7 +309,7 @@ def test_blend_answers_with_mixed_widths_equal_the_brute_force_oracle(
         else:
             tokens = [spread[t] for t in op[1]]
             how = data.draw(st.integers(0, 2))
-            getattr(index, op[0])(stored_form(tokens, how), *op[2:])
+            getattr(index, op[0])(handed_form(tokens, how), *op[2:])
             getattr(oracle, op[0])(tokens, *op[2:])
 
 
@@ -244,3 +342,50 @@ def test_a_body_with_token_less_entries_is_stored_straight_from_its_arena(
     assert [None if s is None else s.tolist() for s in stored] == [
         None if e["token_ids"] is None else e["token_ids"] for e in entries
     ]
+
+
+def test_planes_contents_match_only_with_their_high_bits() -> None:
+    """A query whose window has a stored content's low halves but other high bits — one bit
+    less, one more, one above the content's planes — is no match; the genuine window is."""
+    index = BlendIndex(chunk_size=256)
+    rng = np.random.default_rng(7)
+    genuine = rng.integers(0, 128_256, 256, dtype=np.uint32)
+    genuine[0] = 0x1_0000  # an id of each kind: the planes form with one high bit
+    stored = stored_one(genuine)
+    assert form_name(stored) == "planes" and stored.nbytes == 546
+    index.add(stored, b"g" * 32, 512, NS)
+    pad = np.array([1, 2, 3], dtype=np.uint32)
+    for k, flip in ((0, 0x1_0000), (1, 0x2_0000), (200, 0x1_0000), (255, 1 << 31)):
+        near = genuine.copy()
+        near[k] ^= flip
+        assert index.match(np.concatenate([pad, near]), NS) == [], (k, flip)
+    (m,) = index.match(np.concatenate([pad, genuine, pad]), NS)
+    assert (m.chunk_hash, m.old_st, m.cur_st) == (b"g" * 32, 512, 3)
+    stats = index.stats()
+    assert stats.token_bytes == 546 and stats.token_bytes_owned == 0  # kept, not copied
+
+
+def test_a_malformed_planes_array_is_refused_not_read() -> None:
+    """An array of the planes dtype whose header or length is wrong never reaches the
+    kernels (they would read past it); one of another length is content of another length
+    (not indexed), never read as a chunk."""
+    index = BlendIndex(chunk_size=4)
+    good = stored_one(np.array([70_000, 1, 2, 3], dtype=np.uint32))
+    assert form_name(good) == "planes" and token_count(good) == 4
+
+    def planes(raw: bytes) -> Any:
+        arr = np.frombuffer(raw, np.uint8).copy().view(PLANES)
+        arr.flags.writeable = False
+        return arr
+
+    body = good.tobytes()[2:]
+    for raw in (b"\x00\x00" + body, b"\x09\x00" + body, good.tobytes() + b"\x00", b"\x01"):
+        with pytest.raises(ValueError):
+            index.add(planes(raw), b"h", 0, NS)
+        with pytest.raises(ValueError):
+            index.add_many([(planes(raw), b"h", 0, NS)])
+    for raw, n in ((good.tobytes()[:-2], 3), (good.tobytes() + b"\x00\x00", 5)):
+        assert token_count(planes(raw)) == n
+        index.add(planes(raw), b"h", 0, NS)
+        index.add_many([(planes(raw), b"h", 0, NS)])
+    assert index.stats().contents == 0

@@ -17,9 +17,10 @@ A derived view of the directory's token bindings (docs/blend-index.md). Guarante
   the same checks, errors and state as its column form.
 
 Memory: tokens are not copied when the caller hands in a read-only, self-owned ``uint32`` or
-``uint16`` array (what the directory does: ``uint16`` when every id fits, see
-``directory/token_store.py``): the index keeps a reference and its address, so the directory
-binding and the index share one array per content. Anything else is copied once (``uint16``
+``uint16`` array, or one in the planes form (what the directory does: ``uint16`` when every
+id fits, the planes form for ids below 2^24, see ``directory/token_store.py``): the index
+keeps a reference and its address, so the directory binding and the index share one array
+per content. Anything else is copied once (``uint16``
 stays ``uint16``, the rest becomes ``uint32``). Chunk hashes
 are kept the same way: a reference to the caller's ``bytes`` (the directory's dict key), read by
 the kernels through its address.

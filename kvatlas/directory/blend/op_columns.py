@@ -35,6 +35,7 @@ from kvatlas.directory.blend.kernels.objects import (
     hash_lengths,
     kept_arrays,
 )
+from kvatlas.directory.blend.kernels.planes import PLANES, planes_count
 from kvatlas.directory.blend.ops import AddColumns, AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp
 from kvatlas.keys import BlendNamespace, as_token_array
 
@@ -48,8 +49,9 @@ _NDIM = attrgetter("ndim")
 _BASE = attrgetter("base")
 _FLAGS = attrgetter("flags.num")
 
-Tokens = npt.NDArray[np.unsignedinteger[Any]]
-"""A content's ids: a C-contiguous ``uint32`` or ``uint16`` array."""
+Tokens = npt.NDArray[Any]
+"""A content's ids: a C-contiguous ``uint32`` or ``uint16`` array, or one in the planes form
+(``kernels/planes.py``)."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -95,17 +97,20 @@ def single_op(
             offset = _offset(offset)
     else:
         offset = 0
-    if (
-        type(tokens) is np.ndarray
-        and (tokens.dtype is _U16 or tokens.dtype is _U32)
-        and tokens.ndim == 1
-    ):
-        arr = tokens  # the directory's arrays: no re-validation
+    count = -1
+    if type(tokens) is np.ndarray and tokens.ndim == 1:
+        if tokens.dtype is _U16 or tokens.dtype is _U32:
+            arr = tokens  # the directory's arrays: no re-validation
+        elif tokens.dtype is PLANES:
+            arr, count = tokens, planes_count(tokens)  # (a malformed one: ValueError)
+        else:
+            arr = as_token_array(tokens)
     else:
         arr = as_token_array(tokens)
-    if len(arr) != chunk:  # arr is 1-D
+    if (len(arr) if count < 0 else count) != chunk:  # arr is 1-D
         if kind == ADD:
-            log.info("blend index: not indexing %d-token content (chunk_size %d)", len(arr), chunk)
+            n = len(arr) if count < 0 else count
+            log.info("blend index: not indexing %d-token content (chunk_size %d)", n, chunk)
         return None
     if type(chunk_hash) is not bytes or len(chunk_hash) > HASH_WIDTH:
         chunk_hash = _hash_bytes(chunk_hash)
@@ -234,7 +239,10 @@ def checked_objects(tokens: list[Any], hashes: list[Any], chunk: int) -> Checked
     widths = np.empty(n, np.int64)
     handles = np.fromiter(map(id, tokens), np.int64, n)
     at = tuple(layout)
-    verdict = kept_arrays(handles, chunk, at, id(np.ndarray), id(_U16), id(_U32), widths)
+    verdict = kept_arrays(
+        handles, chunk, at, id(np.ndarray), id(_U16), id(_U32), id(PLANES),
+        _cpython.ARRAY_DATA_OFFSET, widths,
+    )  # fmt: skip
     if verdict == NOT_KEPT or (verdict == KEPT_VIEWS and not _slab_views(tokens)):
         return None
     lengths = np.empty(n, np.int64)
@@ -249,9 +257,12 @@ def checked_in_python(tokens: list[Any], hashes: list[Any], chunk: int) -> Check
     if set(map(type, tokens)) != {np.ndarray} or set(map(type, hashes)) != {bytes}:
         return None
     dtypes = set(map(_DTYPE, tokens))
-    if not dtypes <= {_U16, _U32} or set(map(_NDIM, tokens)) != {1}:
+    if not dtypes <= {_U16, _U32, PLANES} or set(map(_NDIM, tokens)) != {1}:
         return None
-    if set(map(len, tokens)) != {chunk}:
+    try:
+        if set(map(_count, tokens)) != {chunk}:
+            return None
+    except ValueError:  # a malformed planes-form array
         return None
     hash_lens = _lengths(hashes)
     if int(hash_lens.max()) > HASH_WIDTH:
@@ -264,8 +275,13 @@ def checked_in_python(tokens: list[Any], hashes: list[Any], chunk: int) -> Check
     return tokens, _widths(tokens), hashes, hash_lens
 
 
+def _count(tokens: Tokens) -> int:
+    """How many ids an array holds, whatever its form."""
+    return planes_count(tokens) if tokens.dtype is PLANES else len(tokens)
+
+
 def _widths(tokens: list[Tokens]) -> npt.NDArray[np.int64]:
-    """Bytes per id of each array (``uint16`` or ``uint32``)."""
+    """Bytes per id of each array (``uint16`` or ``uint32``; 1: the planes form)."""
     dtypes = set(map(_DTYPE, tokens))
     if len(dtypes) == 1:
         return filled(len(tokens), dtypes.pop().itemsize)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import compress, repeat
+from operator import attrgetter
 from typing import Any, TypeVar
 
 import numpy as np
@@ -32,7 +33,7 @@ from kvatlas.directory.blend.kernels import (
     REMOVE_CLAIM,
     SKIP,
 )
-from kvatlas.directory.blend.kernels.layout import ADDRESS_BITS, TOKENS_U16, write_context
+from kvatlas.directory.blend.kernels.layout import ADDRESS_BITS, write_context
 from kvatlas.directory.blend.kernels.writes import (
     OP_HASH,
     OP_HASH_LEN,
@@ -53,6 +54,7 @@ from kvatlas.directory.blend.op_columns import (
 from kvatlas.keys import BlendNamespace
 
 _T = TypeVar("_T")
+_NBYTES = attrgetter("nbytes")
 
 MIN_CAPACITY = 1024
 """Initial content and occupant capacity."""
@@ -249,8 +251,11 @@ class IndexState:
     ) -> None:
         arrays = _chosen(cols.tokens, new)
         _put(self.tokens, ids, arrays)
-        # every array holds chunk_size ids (op_columns): no visit to each array object
-        self.token_bytes += int(cols.token_bytes[new].sum()) * self.chunk_size
+        widths = cols.token_bytes[new]
+        if int(widths.min()) > 1:  # uint16 / uint32 of chunk_size ids: no visit to each array
+            self.token_bytes += int(widths.sum()) * self.chunk_size
+        else:  # planes-form arrays among them (kernels/planes.py): their own sizes
+            self.token_bytes += sum(map(_NBYTES, arrays))
         self.contents += len(arrays)
         owned = cols.owned[new]
         if owned.any():
@@ -375,7 +380,7 @@ class IndexState:
             own = np.array(old, dtype=old.dtype, order="C", copy=True)
             own.setflags(write=False)
             self.tokens[cid] = own
-            c_addr[cid] = (int(c_addr[cid]) & TOKENS_U16) | own.ctypes.data
+            c_addr[cid] = (int(c_addr[cid]) & ~ADDRESS_BITS) | own.ctypes.data  # tags kept
             self.owned.add(cid)
             self.owned_bytes += own.nbytes
         return len(cids)

@@ -5,9 +5,10 @@
 The header is columnar: string, shape and placement tables, then one column per field of the
 chunks, keys and placements, each the raw little-endian bytes of the dtype :data:`COLUMNS`
 gives it. The token arena follows: the token ids of every chunk with known content, in the
-header's chunk order, little-endian, each chunk at its width (``chunk_token_widths``: 2 for a
-chunk the directory stores as uint16, 4 for uint32; version 1 has no widths: all 4). See
-docs/directory.md.
+header's chunk order, little-endian, each chunk in the form the directory stores it
+(``chunk_token_widths``, the form codes of ``blend/kernels/planes.py``: 2 for uint16, 4 for
+uint32, 16 + h for the planes form with h high bits, its bytes as they are in memory; version
+2 has only 2 and 4, version 1 no widths: all 4). See docs/directory.md.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ import numpy as np
 from kvatlas.errors import InvalidInput
 
 MAGIC = b"KVATSNP1"
-VERSION = 2
-"""What the writer writes. 2: tokens at their stored width (``chunk_token_widths``)."""
-READABLE = (1, 2)
-"""What the reader reads. 1: every token as uint32 (compacted on load)."""
+VERSION = 3
+"""What the writer writes. 3: tokens in their stored form (``chunk_token_widths``: 2, 4 or
+16 + h, the planes form)."""
+READABLE = (1, 2, 3)
+"""What the reader reads. 2: tokens as uint16 or uint32 (each chunk's uint32 ids are put in
+the form they need on load); 1: every token as uint32 (the same)."""
 PREFIX = struct.Struct("<8sQ")  # magic, header length
 TIERS = ("l1", "l2", "gpu", "engine-cpu")  # pl_tier codes (append only)
 HASH_BYTES = 32  # chunk_hashes: the chunks' hashes, concatenated
@@ -43,7 +46,7 @@ COLUMNS: dict[str, str] = {
     "chunk_offsets": "<i8",
     "chunk_token_lens": "<u4",  # 0 = content unknown
     "chunk_key_counts": "<u4",
-    "chunk_token_widths": "u1",  # bytes per token in the arena: 2 or 4 (version >= 2)
+    "chunk_token_widths": "u1",  # form code: 2, 4 (version >= 2), 16 + h (version >= 3)
     # keys, chunk-major
     "key_shapes": "<u4",  # shape refs
     "key_pl_counts": "<u4",
@@ -107,7 +110,7 @@ class Header(msgspec.Struct, omit_defaults=True):
     capacities: list[CapacityRow]  # instance, incarnation, revision, (tier, backend, bytes)
     arena_tokens: int
     instances: list[InstanceRow] | None = None  # absent in snapshots written before it existed
-    chunk_token_widths: bytes = b""  # version >= 2 (empty: every width is 4)
+    chunk_token_widths: bytes = b""  # version >= 2 (empty: every width is 4); form codes
     sections: dict[str, bytes] | None = None  # absent in snapshots written before it existed
 
 

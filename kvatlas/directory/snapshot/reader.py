@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvatlas.directory.blend import AddColumns
+from kvatlas.directory.blend.kernels.planes import FORM_PLANES, FORM_U16, FORM_U32, MAX_HIGH_BITS
 from kvatlas.directory.capture import DirectoryState, Restored
 from kvatlas.directory.chunk_counts import PARTS, ChunkCounts, Partition
 from kvatlas.directory.gate import EmitterCursor, GapRecord
@@ -55,6 +56,7 @@ from kvatlas.directory.snapshot.format import (
     decode_column,
 )
 from kvatlas.directory.snapshot.token_section import read_token_section
+from kvatlas.directory.token_store import form_sizes
 from kvatlas.events import UNKNOWN_OFFSET, VOLATILE_TIERS
 from kvatlas.keys import ObjectKey
 
@@ -85,10 +87,10 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
         if header.version not in READABLE:
             raise SnapshotError(f"unsupported snapshot version {header.version}")
         columns = _columns(header)
-        if size - body != int((columns.lens.astype(np.int64) * columns.widths).sum()):
+        if size - body != int(form_sizes(columns.lens, columns.widths).sum()):
             raise SnapshotError("token arena length does not match the header")
         tokens, slabs, reading = read_token_section(
-            f, body, columns.lens, columns.widths, header.version < 2
+            f, body, columns.lens, columns.widths, header.version
         )
         try:
             table, sids = _shapes(header, columns)
@@ -129,12 +131,20 @@ class _Columns:
 
     offsets: np.ndarray[Any, Any]
     lens: np.ndarray[Any, Any]
-    widths: np.ndarray[Any, Any]  # bytes per token (int64: 2 or 4)
+    widths: np.ndarray[Any, Any]  # form codes (int64: 2, 4 or 16 + h, the planes form)
     counts: np.ndarray[Any, Any]  # keys per chunk (int64)
     first_key: np.ndarray[Any, Any]  # each chunk's first key (int64)
     key_shapes: np.ndarray[Any, Any]
     key_pl_counts: np.ndarray[Any, Any]
     key_pls: np.ndarray[Any, Any]
+
+
+def _known_forms(widths: np.ndarray[Any, Any], version: int) -> np.ndarray[Any, Any]:
+    """Which form codes the snapshot's version may hold (planes forms from version 3 on)."""
+    known: np.ndarray[Any, Any] = (widths == FORM_U16) | (widths == FORM_U32)
+    if version >= 3:
+        known |= (widths > FORM_PLANES) & (widths <= FORM_PLANES + MAX_HIGH_BITS)
+    return known
 
 
 def _columns(header: Header) -> _Columns:
@@ -158,7 +168,7 @@ def _columns(header: Header) -> _Columns:
         or int(key_pl_counts.sum(dtype=np.int64)) != len(key_pls)
         or int(lens.sum(dtype=np.int64)) != header.arena_tokens
         or len(widths) != n
-        or (n and not bool(((widths == 2) | (widths == 4)).all()))
+        or (n and not bool(_known_forms(widths, header.version).all()))
         or (n and (int(offsets.min()) < -1 or int(counts.min()) < 1))
         or (len(key_shapes) and int(key_shapes.max()) >= len(header.shapes))
         or (len(key_pl_counts) and int(key_pl_counts.min()) < 1)

@@ -23,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from kvatlas.directory.blend.kernels.planes import FORM_U32
 from kvatlas.directory.snapshot.format import SnapshotError
-from kvatlas.directory.token_store import TokenSlab, stored_from_arena
+from kvatlas.directory.token_store import TokenSlab, form_sizes, stored_batch, stored_from_arena
 
 V1_GROUP = 65_536
 """Chunks of a version-1 token section read (and compacted) at a time."""
@@ -35,18 +36,20 @@ def read_token_section(
     start: int,
     lens: np.ndarray[Any, Any],
     widths: np.ndarray[Any, Any],
-    compact: bool,
+    version: int,
 ) -> tuple[list[Any], tuple[TokenSlab, ...], Future[None] | None]:
-    """Each chunk's content (``None`` for unknown content) at its stored width, the slab
-    that holds them, and the read still under way (``None``: done).
+    """Each chunk's content (``None`` for unknown content) in its stored form (``widths``:
+    form codes), the slab that holds them, and the read still under way (``None``: done).
 
     The whole section is read into one :class:`TokenSlab` and each content is a read-only
     view of it, cut in bulk (no allocation per chunk; the chunk table frees the slab once
     most of it is dead, see :mod:`kvatlas.directory.token_store`). The read runs on a thread
     of its own (it releases the GIL), so the views are cut before their ids are in: wait for
-    the read before anything reads them. A version-1 section (``compact``: every width 4) is
-    compacted as it is read, into arrays of their own, on the calling thread."""
-    if compact:  # a group of chunks at a time: no second copy of a whole uint32 section
+    the read before anything reads them. A version-1 section (every width 4) is put in the
+    forms its ids need as it is read, into arrays of their own, on the calling thread; so
+    are a version-2 section's uint32 contents (written before the planes form existed),
+    once the read is in."""
+    if version < 2:  # a group of chunks at a time: no second copy of a whole uint32 section
         lengths, out, pos = lens.astype(np.int64), [], start
         for lo in range(0, len(lengths), V1_GROUP):
             group = lengths[lo : lo + V1_GROUP]
@@ -57,7 +60,7 @@ def read_token_section(
                 arena.byteswap(inplace=True)
             out += stored_from_arena(arena, np.cumsum(group) - group, group)
         return out, (), None
-    slab = TokenSlab(int((lens.astype(np.int64) * widths).sum()))
+    slab = TokenSlab(int(form_sizes(lens, widths).sum()))
     into = slab.mapped_memory()
     reading = None
     if into is None or sys.byteorder != "little":  # (cut swaps the ids in place)
@@ -72,6 +75,15 @@ def read_token_section(
         if reading is not None:  # no read outlives the restore that started it
             futures.wait([reading])
         raise
+    if version < 3:
+        wide = np.flatnonzero((widths == FORM_U32) & (lens > 0)).tolist()
+        if wide:
+            if reading is not None:
+                reading.result()
+                reading = None
+            refit = stored_batch([tokens[i] for i in wide])  # (their views of the slab die:
+            for i, stored in zip(wide, refit, strict=True):  # the chunk table reclaims it)
+                tokens[i] = stored
     return tokens, (slab,) if slab.views else (), reading
 
 

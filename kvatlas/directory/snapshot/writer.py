@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import sys
 import time
+from itertools import compress, repeat
+from operator import is_not
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,7 @@ from kvatlas.directory.snapshot.format import (
     SnapshotInfo,
     encode_column,
 )
+from kvatlas.directory.token_store import StoredTokens, stored_shapes
 
 _SLICE = 1 << 13  # items per GIL-holding conversion, copy or release: bounds the longest hold
 
@@ -217,11 +220,15 @@ class _Columns:
         self.hashes += [h for h, _ in records]
         self.offsets += map(record_offset, recs)
         tokens = list(map(record_stored_tokens, recs))
-        lens = [0 if t is None else len(t) for t in tokens]
-        self.token_lens += lens
-        self.arena_tokens += sum(lens)
-        self.token_widths += [4 if t is None else t.itemsize for t in tokens]
-        self.arena += [t for t in tokens if t is not None]
+        has = np.fromiter(map(is_not, tokens, repeat(None)), np.bool_, len(tokens))
+        bound: list[StoredTokens] = list(compress(tokens, has.tolist()))  # type: ignore[arg-type]
+        counts, forms = stored_shapes(bound)  # ids and form of each (one compiled pass)
+        lens, widths = np.zeros(len(tokens), np.int64), np.full(len(tokens), 4, np.int64)
+        lens[has], widths[has] = counts, forms
+        self.token_lens += lens.tolist()
+        self.arena_tokens += int(counts.sum())
+        self.token_widths += widths.tolist()
+        self.arena += bound
         shape_ids, pl_ids, pls = self.shape_ids, self.pl_ids, self.pls
         add_count, add_shape = self.key_counts.append, self.key_shapes.append
         add_pl_count, add_pl = self.key_pl_counts.append, self.key_pls.append
@@ -307,10 +314,10 @@ def _write_atomically(path: Path, header: list[bytes], arena: list[np.ndarray[An
             for start in range(0, len(arena), _ARENA_BLOCK):
                 block = arena[start : start + _ARENA_BLOCK]
                 if sys.byteorder != "little":  # pragma: no cover - the arena is little-endian
-                    block = [a.byteswap() for a in block]
+                    block = [a.byteswap() for a in block]  # (the planes form: refused on read)
                 f.write(
                     b"".join([a.data for a in block])
-                )  # each array at its stored width; drops the GIL
+                )  # each array in its stored form; drops the GIL
             f.flush()
             os.fsync(f.fileno())
             size = f.tell()

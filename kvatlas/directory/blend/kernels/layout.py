@@ -5,8 +5,9 @@ holds the index lock.
 
 - contents: ``c_fp`` (uint64 fingerprint), ``c_addr`` (address of the content's read-only
   token array, kept alive by the index, with :data:`TOKENS_U16` set when the array is
-  ``uint16`` (every id below 2^16, see ``directory/token_store.py``), clear for ``uint32``;
-  0 = free id), ``c_first`` (first occupant, -1 = none).
+  ``uint16`` (every id below 2^16, see ``directory/token_store.py``), :data:`TOKENS_PLANES`
+  when it is in the planes form (``planes.py``), neither for ``uint32``; 0 = free id),
+  ``c_first`` (first occupant, -1 = none).
 - ``table``: the content table (see ``table.py``), a power of two of slots sized by the live
   contents (load <= 1/2), independent of the content capacity: content ids are its values.
 - ``filt``: the content filter (see ``filter.py``), one word per 8 table slots (16 to 32 bits
@@ -30,8 +31,10 @@ import numpy.typing as npt
 TOKENS_U16 = 1 << 62
 """Tag bit of a token address (``c_addr``): the array is ``uint16``. User-space addresses stay
 far below 2^62, so the tag never collides with an address bit."""
-ADDRESS_BITS = TOKENS_U16 - 1
-"""Mask that takes the tag off a token address."""
+TOKENS_PLANES = 1 << 61
+"""Tag bit of a token address: the array is in the planes form (``planes.py``)."""
+ADDRESS_BITS = TOKENS_PLANES - 1
+"""Mask that takes the tags off a token address."""
 
 O_OFF, O_HADDR = 0, 1
 """Columns of ``o_i64``."""

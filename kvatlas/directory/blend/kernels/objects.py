@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvatlas.directory.blend.kernels.pointers import i32_ptr, i64_ptr, jit
+import numpy as np
+
+from kvatlas.directory.blend.kernels.planes import HEADER, MAX_HIGH_BITS, planes_nbytes
+from kvatlas.directory.blend.kernels.pointers import i32_ptr, i64_ptr, jit, u8_ptr
 
 NOT_KEPT, KEPT, KEPT_VIEWS = -1, 0, 1
 """:func:`kept_arrays` verdicts: some array is not kept as it is; every one is and owns its
@@ -24,26 +27,40 @@ C_CONTIGUOUS, OWNDATA, WRITEABLE = 0x1, 0x4, 0x400
 
 @jit
 def kept_arrays(
-    handles: Any, chunk: Any, layout: Any, ndarray_type: Any, u16: Any, u32: Any, widths: Any
+    handles: Any,
+    chunk: Any,
+    layout: Any,
+    ndarray_type: Any,
+    u16: Any,
+    u32: Any,
+    planes: Any,
+    data_off: Any,
+    widths: Any,
 ) -> Any:
     """Whether every object (``handles``: ``id``s) is an exact ``ndarray`` of ``chunk``
     ids, 1-D, read-only, C-contiguous, of the dtype object ``u16`` or ``u32`` (``id``s of the
     builtin descriptors: an equal dtype of another object is refused, the caller's slow path
-    then applies it), with ``widths[i]`` = its bytes per id; a verdict of ``NOT_KEPT``,
-    ``KEPT`` or ``KEPT_VIEWS``. ``layout``: ``_cpython.ObjectLayout`` as a plain tuple."""
+    then applies it) or ``planes`` (``planes.PLANES``: its header valid, its length that of
+    ``chunk`` ids; its data pointer at ``data_off``), with ``widths[i]`` = its bytes per id
+    (1: the planes form); a verdict of ``NOT_KEPT``, ``KEPT`` or ``KEPT_VIEWS``. ``layout``:
+    ``_cpython.ObjectLayout`` as a plain tuple."""
     ob_type, _, nd, dimensions, descr, flags = layout
     verdict = KEPT
     for i in range(handles.shape[0]):
         at = handles[i]
         if i64_ptr(at + ob_type)[0] != ndarray_type or i32_ptr(at + nd)[0] != 1:  # type: ignore[call-arg]
             return NOT_KEPT
-        if i64_ptr(i64_ptr(at + dimensions)[0])[0] != chunk:  # type: ignore[call-arg]
-            return NOT_KEPT
+        size = i64_ptr(i64_ptr(at + dimensions)[0])[0]  # type: ignore[call-arg]
         dtype = i64_ptr(at + descr)[0]  # type: ignore[call-arg]
-        if dtype == u16:
+        if dtype == u16 and size == chunk:
             widths[i] = 2
-        elif dtype == u32:
+        elif dtype == u32 and size == chunk:
             widths[i] = 4
+        elif dtype == planes and size >= HEADER:
+            h = np.int64(u8_ptr(i64_ptr(at + data_off)[0])[0])  # type: ignore[call-arg]
+            if not 1 <= h <= MAX_HIGH_BITS or size != planes_nbytes(chunk, h):
+                return NOT_KEPT
+            widths[i] = 1
         else:
             return NOT_KEPT
         f = i32_ptr(at + flags)[0]  # type: ignore[call-arg]

@@ -20,6 +20,7 @@ from kvatlas.directory.blend.kernels.layout import (
     O_HADDR,
     O_NEXT,
     O_OFF,
+    TOKENS_PLANES,
     TOKENS_U16,
     BlendArrays,
 )
@@ -31,6 +32,7 @@ from kvatlas.directory.blend.kernels.modhash import (
     lane_step,
 )
 from kvatlas.directory.blend.kernels.occupants import claimed
+from kvatlas.directory.blend.kernels.planes import planes_nbytes
 from kvatlas.directory.blend.kernels.pointers import jit, prefetch, prefetch_addr
 from kvatlas.directory.blend.kernels.table import content_home, equal_at
 from kvatlas.kernel_twins import gil_twins, releasing_twin
@@ -332,7 +334,11 @@ def _resolve(
             o = o_i32[o, O_NEXT]
         if is_claimed:  # only the requester's contents are compared: fetch their tokens
             addr = c_addr[cid]
-            size = 2 * chunk if addr & TOKENS_U16 else 4 * chunk
+            size = 4 * chunk
+            if addr & TOKENS_U16:
+                size = 2 * chunk
+            elif addr & TOKENS_PLANES:  # (the low halves and two planes: Llama 3, Qwen, Gemma)
+                size = planes_nbytes(chunk, 2)
             addr &= ADDRESS_BITS
             for line in range(0, size, 64):
                 prefetch_addr(addr + line)  # type: ignore[call-arg]

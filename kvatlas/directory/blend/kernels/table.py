@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from kvatlas.directory.blend.kernels.layout import ADDRESS_BITS, TOKENS_U16
+from kvatlas.directory.blend.kernels.layout import ADDRESS_BITS, TOKENS_PLANES, TOKENS_U16
+from kvatlas.directory.blend.kernels.planes import planes_equal
 from kvatlas.directory.blend.kernels.pointers import inline, jit, releasing, u16_ptr, u32_ptr
 
 EMPTY = -1
@@ -62,10 +63,12 @@ def _content_home_of(c_fp: Any, cid: Any, mask: Any) -> Any:
 @jit
 def equal_at(q: Any, pos: Any, addr: Any, chunk: Any) -> Any:
     """``q[pos:pos+chunk]`` equals the ``chunk`` tokens at the token address ``addr`` (either
-    width, see ``layout.TOKENS_U16``): compared 64 at a time with an OR of XORs (SIMD, no
-    branch per token), stopping at the first differing block."""
+    width, see ``layout.TOKENS_U16``, or the planes form): compared 64 at a time with an OR
+    of XORs (SIMD, no branch per token), stopping at the first differing block."""
     if addr & TOKENS_U16:
         return _equal_to(q, pos, u16_ptr(addr & ADDRESS_BITS), chunk)  # type: ignore[call-arg]
+    if addr & TOKENS_PLANES:
+        return planes_equal(q, pos, addr & ADDRESS_BITS, chunk)
     return _equal_to(q, pos, u32_ptr(addr), chunk)  # type: ignore[call-arg]
 
 

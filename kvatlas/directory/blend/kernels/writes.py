@@ -27,6 +27,7 @@ from kvatlas.directory.blend.kernels.layout import (
     O_NEXT,
     O_NS0,
     O_OFF,
+    TOKENS_PLANES,
     TOKENS_U16,
     BlendArrays,
 )
@@ -42,6 +43,7 @@ from kvatlas.directory.blend.kernels.occupants import (
     link_occupant,
     unlink_occupant,
 )
+from kvatlas.directory.blend.kernels.planes import planes_load
 from kvatlas.directory.blend.kernels.pointers import (
     i32_ptr,
     i64_ptr,
@@ -66,7 +68,7 @@ OP_KIND, OP_TOKENS, OP_HASH, OP_HASH_LEN, OP_OFFSET, OP_NS, OP_TOKEN_BYTES = ran
 kind; the token array (``id`` of a C-contiguous uint32 or uint16 array, its data pointer
 read at ``id + data_off``, or with ``data_off < 0`` the data address itself); address and
 length of the chunk_hash payload; token offset; namespace id (-1 for ``REMOVE_CHUNK``);
-bytes per token of the array (4, or 2 for uint16)."""
+bytes per token of the array (4, or 2 for uint16; 1: the planes form, ``planes.py``)."""
 
 
 @gil_twins()
@@ -108,6 +110,9 @@ def apply_ops(
         if ops[OP_TOKEN_BYTES, i] == 2:
             _load(tokens, u16_ptr(addr), chunk)  # type: ignore[call-arg]
             addr |= TOKENS_U16  # the token address the content keeps (layout.py)
+        elif ops[OP_TOKEN_BYTES, i] == 1:
+            planes_load(tokens, addr, chunk)
+            addr |= TOKENS_PLANES
         else:
             _load(tokens, u32_ptr(addr), chunk)  # type: ignore[call-arg]
         h_addr, h_len, ns = ops[OP_HASH, i], ops[OP_HASH_LEN, i], ops[OP_NS, i]

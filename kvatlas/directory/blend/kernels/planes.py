@@ -1,0 +1,173 @@
+"""The planes form of a chunk's token ids: what the directory stores when an id is at least
+2^16, every id is below 2^24 (vocabularies of 65,537 to 16,777,216 ids: Llama 3, Qwen, Gemma)
+and the form takes fewer bytes than ``uint32`` (always, for chunks of 64 ids and more).
+
+Exact, never a truncation: an id is its low 16 bits plus ``h`` high bits, where ``h`` is the
+bit length of the chunk's largest id minus 16 (1 to 8), so ``n`` ids take
+``2 + 2n + 2h·⌈n/16⌉`` bytes (256 ids of Llama 3's 128,256: 546 bytes, not uint32's 1,024).
+One array of the dtype :data:`PLANES` (``V1``: no caller passes token ids as raw bytes, so
+the form cannot be mistaken for ids), laid out as
+
+- byte 0: ``h``; byte 1: 0;
+- from byte 2: the ``n`` low halves, ``uint16`` in the machine's byte order (little-endian
+  on every host kvatlas runs on: snapshots store the bytes as they are);
+- then ``h`` bit planes of ``2·⌈n/16⌉`` bytes each (an even size: contents cut from one
+  buffer stay 2-byte aligned): bit ``k & 7`` of byte ``k >> 3`` of plane ``p`` is bit
+  ``16 + p`` of id ``k`` (unused bits and bytes 0).
+
+The form is canonical (``h`` is the smallest that fits), so two stored contents of one form
+are equal exactly when their bytes are. The kernels here are the only code that reads or
+writes the bit planes; the blend index compares a query against a stored content without
+widening it (:func:`planes_equal`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvatlas.directory.blend.kernels.pointers import inline, jit, u8_ptr, u16_ptr, u32_ptr
+
+PLANES = np.dtype("V1")
+"""The dtype of a stored content in the planes form (this object: other ``V1`` dtypes are
+not it)."""
+HEADER = 2
+"""Bytes before the low halves: ``h`` and a zero (keeps the halves 2-byte aligned)."""
+MAX_HIGH_BITS = 8
+"""Ids below 2^(16 + 8) fit the form; a chunk with a larger id is stored as ``uint32``."""
+FORM_U16, FORM_U32, FORM_PLANES = 2, 4, 16
+"""Form codes (a snapshot's ``chunk_token_widths``): bytes per id of the ``uint16`` and
+``uint32`` forms; the planes form is ``FORM_PLANES + h``."""
+
+
+@inline
+def plane_bytes(n: Any) -> Any:
+    """Bytes of one bit plane of ``n`` ids."""
+    return ((n + 15) >> 4) << 1
+
+
+@inline
+def planes_nbytes(n: Any, h: Any) -> Any:
+    """Bytes of ``n`` ids in the planes form with ``h`` high bits."""
+    return HEADER + 2 * n + h * plane_bytes(n)
+
+
+@inline
+def form_of(high: Any, n: Any) -> Any:
+    """The form code of a chunk of ``n`` ids that OR to ``high`` (the bit length of the OR
+    is the bit length of the largest id): the smallest form that holds them."""
+    if high < 1 << 16:
+        return FORM_U16
+    if high >= 1 << (16 + MAX_HIGH_BITS):
+        return FORM_U32
+    h = 1
+    while high >> (16 + h):
+        h += 1
+    if planes_nbytes(n, h) >= 4 * n:  # (a short chunk: the header and padding weigh)
+        return FORM_U32
+    return FORM_PLANES + h
+
+
+def stored_nbytes(n: int, form: int) -> int:
+    """Bytes of ``n`` ids stored in form ``form`` (a form code)."""
+    if form in (FORM_U16, FORM_U32):
+        return n * form
+    return HEADER + 2 * n + (form - FORM_PLANES) * (((n + 15) >> 4) << 1)
+
+
+def planes_count(stored: npt.NDArray[Any]) -> int:
+    """How many ids a planes-form array holds (``ValueError`` if it is not a valid one)."""
+    size = len(stored)
+    h = stored.item(0)[0] if size >= HEADER else 0  # (item: a 1-byte bytes, no view made)
+    if not 1 <= h <= MAX_HIGH_BITS:
+        raise ValueError("not a planes-form token array (bad header)")
+    n, sixteenths = _planes_ids(size, h)
+    if size % 2 or n < 0 or (n + 15) >> 4 != sixteenths:
+        raise ValueError("not a planes-form token array (bad length)")
+    return n
+
+
+def _planes_ids(size: int, h: int) -> tuple[int, int]:
+    """``(n, ⌈n/16⌉)`` of a valid planes-form array of ``size`` bytes: ``(size - 2) / 2 =
+    n + h·⌈n/16⌉`` lies in ``[(16 + h)·⌈n/16⌉ - 15, (16 + h)·⌈n/16⌉]``, so one ``⌈n/16⌉``
+    fits (16 + h > 15); ``_shapes`` in ``token_store.py`` computes the same, compiled."""
+    half = (size - HEADER) // 2
+    sixteenths = -(-half // (16 + h))
+    return half - h * sixteenths, sixteenths
+
+
+@jit
+def planes_store(src: Any, n: Any, dst: Any, h: Any) -> None:
+    """Write the ``n`` ids at address ``src`` (``uint32``, each below 2^(16 + h)) in the
+    planes form to address ``dst`` (``planes_nbytes(n, h)`` bytes)."""
+    s: Any = u32_ptr(src)  # type: ignore[call-arg]
+    head: Any = u8_ptr(dst)  # type: ignore[call-arg]
+    head[0] = np.uint8(h)
+    head[1] = np.uint8(0)
+    low: Any = u16_ptr(dst + HEADER)  # type: ignore[call-arg]
+    for k in range(n):
+        low[k] = np.uint16(s[k] & np.uint32(0xFFFF))
+    stride = plane_bytes(n)
+    planes: Any = u8_ptr(dst + HEADER + 2 * n)  # type: ignore[call-arg]
+    for p in range(h):
+        shift = np.uint32(16 + p)
+        for j in range(stride):
+            byte = np.uint32(0)
+            for b in range(min(8, n - 8 * j)):
+                byte |= ((s[8 * j + b] >> shift) & np.uint32(1)) << np.uint32(b)
+            planes[p * stride + j] = np.uint8(byte)
+
+
+@jit
+def planes_load(out: Any, addr: Any, n: Any) -> None:
+    """``out[:n]`` (``uint32``) = the ``n`` ids of the planes-form content at ``addr``."""
+    h = np.int64(u8_ptr(addr)[0])  # type: ignore[call-arg]
+    low: Any = u16_ptr(addr + HEADER)  # type: ignore[call-arg]
+    for k in range(n):
+        out[k] = np.uint32(low[k])
+    stride = plane_bytes(n)
+    planes: Any = u8_ptr(addr + HEADER + 2 * n)  # type: ignore[call-arg]
+    for p in range(h):
+        shift = np.uint32(16 + p)
+        row = p * stride
+        for k in range(n):
+            bit = (np.uint32(planes[row + (k >> 3)]) >> np.uint32(k & 7)) & np.uint32(1)
+            out[k] |= bit << shift
+
+
+@jit
+def planes_equal(q: Any, pos: Any, addr: Any, chunk: Any) -> Any:
+    """``q[pos:pos+chunk]`` equals the planes-form content of ``chunk`` ids at ``addr``: per
+    block of 64 ids, the low halves and "no id above the planes" as an OR of XORs (SIMD),
+    then each plane as one 64-bit word against the same bit of the block's ids gathered into
+    one (an OR reduction: SIMD too), stopping at the first differing block."""
+    h = np.int64(u8_ptr(addr)[0])  # type: ignore[call-arg]
+    low: Any = u16_ptr(addr + HEADER)  # type: ignore[call-arg]
+    stride = plane_bytes(chunk)
+    planes: Any = u8_ptr(addr + HEADER + 2 * chunk)  # type: ignore[call-arg]
+    top = np.uint32(16 + h)
+    k = 0
+    while k < chunk:
+        end = min(k + 64, chunk)
+        diff = np.uint32(0)
+        for i in range(k, end):
+            v = q[pos + i]
+            diff |= ((v & np.uint32(0xFFFF)) ^ np.uint32(low[i])) | (v >> top)
+        if diff != 0:
+            return False
+        for p in range(h):
+            shift = np.uint32(16 + p)
+            bits = np.uint64(0)
+            for i in range(k, end):
+                bit = np.uint64((q[pos + i] >> shift) & np.uint32(1))
+                bits |= bit << np.uint64(i - k)
+            row = p * stride + (k >> 3)
+            stored = np.uint64(0)
+            for b in range((end - k + 7) >> 3):
+                stored |= np.uint64(planes[row + b]) << np.uint64(8 * b)
+            if bits != stored:
+                return False
+        k = end
+    return True
