@@ -32,7 +32,7 @@ class HeartbeatReply(msgspec.Struct, kw_only=True, frozen=True):
 class InstanceRow(msgspec.Struct, kw_only=True, frozen=True):
     """One ``GET /instances`` row. A registered instance (``alive``) carries its registration
     fields, LMCache's "absent" values as LMCache writes them (``""``, ``0``); an instance that
-    emits without having registered carries none of them and ``registered: false``. Then the
+    emits without having registered carries none of them; ``registered`` says which. Then the
     emitter's cursor (``None``: it never emitted). ``p2p_url_signature`` only for a kvatlas
     node that signed its URL (docs/security.md); ``engine_id`` only for a kvatlas node that
     serves an engine (docs/route-scoring.md)."""

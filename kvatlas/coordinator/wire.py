@@ -221,6 +221,7 @@ def instance_to_wire(view: InstanceView) -> api.InstanceRow:
         registration_time=view.registration_time,
         last_heartbeat_age_s=view.last_heartbeat_age_s,
         alive=True,
+        registered=True,
         # kvatlas nodes only: LMCache's rows stay as they are
         p2p_url_signature=reg.p2p_url_signature or UNSET,
         engine_id=reg.engine_id or UNSET,  # kvatlas nodes serving an engine only, likewise

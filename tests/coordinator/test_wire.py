@@ -149,6 +149,7 @@ def test_instance_rows_registered_and_not() -> None:
         "registration_time",
         "last_heartbeat_age_s",
         "alive",
+        "registered",
         "incarnation",
         "last_seq",
         "gaps",
@@ -171,6 +172,8 @@ def test_instance_rows_registered_and_not() -> None:
         "event_delivery_delay_seconds": None,
     }
     assert REGISTERED.alive and not UNREGISTERED.alive
+    # `jq .registered` read null for a registered node when the field was left out (issue 29)
+    assert _json_round_trip(wire.instance_to_wire(REGISTERED))["registered"] is True
 
 
 def test_stats_are_lmcache_fields_then_the_directory_stats_then_the_service_fields() -> None:
