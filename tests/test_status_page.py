@@ -7,7 +7,6 @@ Set ``KVATLAS_STATUS_SCREENSHOT=path.png`` to keep the screenshot (docs/img/stat
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -26,6 +25,7 @@ from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.server import BackgroundServer
 from tests.browser_support import Browser, require_chromium
 from tests.conftest import wait_for
+from tests.helpers import write_tokens
 
 EVIL_ID = "<img src=x onerror=alert(1)>"
 EVIL_BACKEND = "<script>alert(1)</script>"
@@ -163,9 +163,7 @@ def test_status_page_reads_without_javascript(tmp_path: Path) -> None:
 def test_with_auth_the_page_asks_for_a_token_and_keeps_it_in_the_tab(tmp_path: Path) -> None:
     chromium = require_chromium()
     admin = "admin-" + "a" * 32
-    tokens = tmp_path / "tokens.json"
-    tokens.write_text(json.dumps({"tokens": [{"token": admin, "roles": ["admin"]}]}))
-    tokens.chmod(0o600)
+    tokens = write_tokens(tmp_path / "tokens.json", {"token": admin, "roles": ["admin"]})
     config = CoordinatorConfig(port=free_port(), auth_token_file=tokens, log_level="warning")
     with BackgroundServer(config) as server:
         reply = httpx.post(

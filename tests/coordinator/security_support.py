@@ -4,13 +4,12 @@ the server's memory, read from /proc (real processes, no wall-clock asserts)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import socket
-import subprocess
 from pathlib import Path
-from typing import Any
 
-from kvatlas.processes import spawn_service
+from tests.helpers import spawn_coordinator, write_tokens
+
+__all__ = ["spawn_coordinator", "write_tokens"]  # written once in tests/helpers.py
 
 ADMIN = "admin-token-" + "a" * 32
 EMIT_ANY = "emit-any-token-" + "e" * 32
@@ -24,19 +23,6 @@ def token(name: str) -> str:
 
 def bearer(value: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {value}"}
-
-
-def write_tokens(path: Path, *entries: dict[str, Any]) -> Path:
-    path.write_text(json.dumps({"tokens": list(entries)}))
-    path.chmod(0o600)
-    return path
-
-
-def spawn_coordinator(port: int, *flags: str) -> subprocess.Popen[bytes]:
-    return spawn_service(
-        ["-m", "kvatlas.cli", "coordinator", "--port", str(port), "--log-level", "warning", *flags],
-        f"http://127.0.0.1:{port}",
-    )
 
 
 def peak_rss_bytes(pid: int) -> int:

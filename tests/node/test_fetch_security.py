@@ -43,6 +43,7 @@ from kvatlas.node.stored_chunk import StoredChunk, encode_chunk
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import spawn_service, stop
 from tests.conftest import wait_for
+from tests.helpers import write_tokens
 
 C = 16
 MODEL = "toy"
@@ -308,23 +309,11 @@ class Fleet:
 
 
 def _token_file(tmp: Path) -> Path:
-    path = tmp / "tokens.json"
-    path.write_text(
-        json.dumps(
-            {
-                "tokens": [
-                    {
-                        "token": NODE_TOKEN,
-                        "roles": ["emit", "lookup"],
-                        "instance_ids": ["victim", "victim-2"],
-                    },
-                    {"token": ATTACKER_TOKEN, "roles": ["emit"], "instance_ids": ATTACKER_IDS},
-                ]
-            }
-        )
+    return write_tokens(
+        tmp / "tokens.json",
+        {"token": NODE_TOKEN, "roles": ["emit", "lookup"], "instance_ids": ["victim", "victim-2"]},
+        {"token": ATTACKER_TOKEN, "roles": ["emit"], "instance_ids": ATTACKER_IDS},
     )
-    path.chmod(0o600)
-    return path
 
 
 @pytest.fixture(scope="module")
