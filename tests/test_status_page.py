@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,6 +42,9 @@ def serving_demo(*flags: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"},
+        # Ctrl-C as in a terminal, whatever this process inherited (a job started with `&`
+        # by a non-interactive shell ignores SIGINT, and so would the demo)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert proc.stdout is not None
     lines = []
@@ -49,6 +53,8 @@ def serving_demo(*flags: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
             lines.append(line)
             found = URL_LINE.search(line)
             if found:
+                # keep reading what it prints while serving: a full pipe would block it
+                threading.Thread(target=lines.extend, args=(proc.stdout,), daemon=True).start()
                 yield proc, found.group(1)
                 break
         else:
