@@ -33,6 +33,13 @@ def peak_rss_bytes(pid: int) -> int:
     raise RuntimeError("no VmHWM")
 
 
+def reset_peak_rss(pid: int) -> int:
+    """Reset the process's peak resident set to what it holds now (Linux ``clear_refs``: 5)
+    and return it: a peak read afterwards is this test's, whatever ran before in the process."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    return peak_rss_bytes(pid)
+
+
 def raw_request(
     port: int,
     method: str,
