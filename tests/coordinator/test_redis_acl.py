@@ -21,12 +21,12 @@ import pytest
 import redis
 
 from kvatlas.coordinator.server import free_port
-from kvatlas.node.config import NodeConfig
 from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import spawn_service
 from tests.conftest import wait_for
 from tests.coordinator.security_support import ADMIN, bearer, token, write_tokens
+from tests.helpers import TOY_LAYOUT
 
 ACL_FILE = Path(__file__).parents[2] / "deploy" / "redis" / "users.acl"
 STREAM = "kvatlas:events"  # the stream the ACL file names
@@ -36,8 +36,7 @@ NODE_FLAGS = [
     "--model-name", "toy", "--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "16",
     "--chunk-size", str(C), "--dtype", "float32", "--l2", "none", "--log-level", "info",
 ]  # fmt: skip
-LAYOUT = NodeConfig(model_name="toy", num_layers=2, num_kv_heads=2, head_dim=16, chunk_size=C,
-                    dtype="float32").layout  # fmt: skip
+LAYOUT = TOY_LAYOUT
 
 
 def password(user: str) -> str:
