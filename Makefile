@@ -65,10 +65,14 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# Two workers (pytest-xdist), a whole file each at a time, so a module's shared fixtures (its
+# process fleet, server, browser) start once; every test takes its own ports (free_port) and
+# temp dirs, and each worker its own redis-server. PYTEST_WORKERS=0 runs one process.
+PYTEST_WORKERS ?= 2
 pytest: $(STAMP) $(LMCACHE_STAMP)
 	scripts/ensure-redis.sh
 	scripts/ensure-chromium.sh
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 test: lint typecheck pytest
 

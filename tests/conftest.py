@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,22 @@ from tests.torch_support import torch_import_error, torch_status  # noqa: E402
 def pytest_report_header() -> str:
     """Say up front whether the torch-path tests run (they never skip silently)."""
     return torch_status()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test has its own id. pytest-xdist schedules tests by id, so tests sharing one
+    would run once: schemathesis names each operation's test ``name[METHOD /path]`` but leaves
+    them all the id of the function (tests/coordinator/test_fuzz.py, 19 operations)."""
+    counts = Counter(item.nodeid for item in items)
+    for item in items:
+        if counts[item.nodeid] > 1 and item.parent is not None:
+            # pytest 9 builds an item's id from its function name and parametrization, not
+            # from its name: give it the id its name says (``test[POST /events]``)
+            base, _, params = item.name.partition("[")
+            item._id = item.parent.id.child(base).with_params(params.removesuffix("]") or None)
+    shared = [nodeid for nodeid, n in Counter(item.nodeid for item in items).items() if n > 1]
+    if shared:
+        raise pytest.UsageError(f"tests sharing an id would run once under xdist: {shared}")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

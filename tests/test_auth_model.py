@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from kvatlas.auth import ANONYMOUS_ADMIN, TokenAuth
 from kvatlas.errors import Forbidden, Unauthorized
+from tests.helpers import write_tokens
 
 NODE = "n" * 32
 ENGINE = "e" * 32
@@ -17,25 +17,18 @@ NO_SALTS = "s" * 32
 
 
 def _auth(tmp_path: Path) -> TokenAuth:
-    path = tmp_path / "tokens.json"
-    path.write_text(
-        json.dumps(
-            {
-                "tokens": [
-                    {
-                        "token": NODE,
-                        "roles": ["emit", "lookup"],
-                        "instance_ids": ["node-a"],
-                        "cache_salts": ["t1"],
-                    },
-                    {"token": ENGINE, "roles": ["engine"], "cache_salts": ["t1"]},
-                    {"token": PEER, "role": "peer"},
-                    {"token": NO_SALTS, "roles": ["lookup", "engine"], "cache_salts": []},
-                ]
-            }
-        )
+    path = write_tokens(
+        tmp_path / "tokens.json",
+        {
+            "token": NODE,
+            "roles": ["emit", "lookup"],
+            "instance_ids": ["node-a"],
+            "cache_salts": ["t1"],
+        },
+        {"token": ENGINE, "roles": ["engine"], "cache_salts": ["t1"]},
+        {"token": PEER, "role": "peer"},
+        {"token": NO_SALTS, "roles": ["lookup", "engine"], "cache_salts": []},
     )
-    path.chmod(0o600)
     return TokenAuth.from_file(path)
 
 
@@ -97,8 +90,6 @@ def test_unknown_and_malformed_tokens(tmp_path: Path) -> None:
     ],
 )
 def test_bad_entries_refused(tmp_path: Path, entry: dict[str, object]) -> None:
-    path = tmp_path / "t.json"
-    path.write_text(json.dumps({"tokens": [entry]}))
-    path.chmod(0o600)  # refused for the entry, not for the file's mode
+    path = write_tokens(tmp_path / "t.json", entry)  # private: refused for the entry, not the mode
     with pytest.raises(ValueError):
         TokenAuth.from_file(path)

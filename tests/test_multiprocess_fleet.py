@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from kvatlas.coordinator.server import free_port
-from kvatlas.node.config import NodeConfig
 from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import spawn_service
 from tests.conftest import wait_for
+from tests.helpers import TOY_LAYOUT
 
 C = 16
 NODE_FLAGS = [
@@ -71,8 +71,7 @@ def fleet(tmp_path: Path) -> Iterator[dict[str, object]]:
                 f"http://127.0.0.1:{port}/healthz",
             )
         )
-    layout = NodeConfig(**{"model_name": "toy", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16,
-                           "chunk_size": C, "dtype": "float32"}).layout  # type: ignore[arg-type]  # fmt: skip
+    layout = TOY_LAYOUT
     a = NodeEngineClient(f"http://127.0.0.1:{a_port}", layout)
     b = NodeEngineClient(f"http://127.0.0.1:{b_port}", layout)
     yield {"coordinator": coord_url, "a": a, "b": b, "procs": procs, "layout": layout}

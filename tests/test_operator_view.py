@@ -27,6 +27,7 @@ from kvatlas.node.embedded import InProcessPeer
 from kvatlas.node.peer import PeerReply
 from kvatlas.processes import spawn_service, stop
 from tests.conftest import RedisServer, wait_for
+from tests.helpers import write_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 C = 16
@@ -41,8 +42,8 @@ TENANT_LOOKUP = "tenant-lookup-" + "l" * 32
 ENGINE = "engine-" + "e" * 32
 
 
-def private(path: Path, doc: object) -> Path:
-    path.write_text(json.dumps(doc) if not isinstance(doc, str) else doc)
+def private(path: Path, doc: str) -> Path:
+    path.write_text(doc)
     path.chmod(0o600)
     return path
 
@@ -135,16 +136,12 @@ def _scrape(node: object) -> str:
 
 @pytest.fixture
 def secured(tmp_path: Path) -> Iterator[str]:
-    tokens = private(
+    tokens = write_tokens(
         tmp_path / "tokens.json",
-        {
-            "tokens": [
-                {"token": ADMIN, "roles": ["admin"]},
-                {"token": NODE, "roles": ["emit", "lookup"], "instance_ids": ["node-a"],
-                 "cache_salts": ["t1"]},
-                {"token": TENANT_LOOKUP, "roles": ["lookup"], "cache_salts": ["t1"]},
-            ]
-        },
+        {"token": ADMIN, "roles": ["admin"]},
+        {"token": NODE, "roles": ["emit", "lookup"], "instance_ids": ["node-a"],
+         "cache_salts": ["t1"]},
+        {"token": TENANT_LOOKUP, "roles": ["lookup"], "cache_salts": ["t1"]},
     )  # fmt: skip
     config = CoordinatorConfig(port=free_port(), auth_token_file=tokens, log_level="warning")
     with BackgroundServer(config) as server:
@@ -213,16 +210,16 @@ class Fleet:
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """A coordinator and a node, both with auth, as processes; the node served traffic."""
     tmp = tmp_path_factory.mktemp("operator")
-    coord_tokens = private(
+    coord_tokens = write_tokens(
         tmp / "coord.json",
-        {"tokens": [{"token": ADMIN, "roles": ["admin"]},
-                    {"token": NODE, "roles": ["emit", "lookup"], "instance_ids": ["node-a"],
-                     "cache_salts": ["t1"]}]},
+        {"token": ADMIN, "roles": ["admin"]},
+        {"token": NODE, "roles": ["emit", "lookup"], "instance_ids": ["node-a"],
+         "cache_salts": ["t1"]},
     )  # fmt: skip
-    node_tokens = private(
+    node_tokens = write_tokens(
         tmp / "node.json",
-        {"tokens": [{"token": ADMIN, "roles": ["admin"]},
-                    {"token": ENGINE, "roles": ["engine"], "cache_salts": ["t1"]}]},
+        {"token": ADMIN, "roles": ["admin"]},
+        {"token": ENGINE, "roles": ["engine"], "cache_salts": ["t1"]},
     )  # fmt: skip
     node_token = private(tmp / "node-token", NODE)
     cport, pport, eport = free_port(), free_port(), free_port()

@@ -5,7 +5,6 @@ refused, and with auth on ``/docs`` and ``/openapi.json`` need a valid token unl
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ import pytest
 from kvatlas.asgi_thread import free_port
 from kvatlas.auth import DOCS_PATHS, MIN_TOKEN_CHARS
 from kvatlas.processes import spawn_service, stop
+from tests.helpers import write_tokens
 
 TOKEN = "one-rule-token-" + "x" * 32
 NODE = ["--model-name", "toy", "--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8",
@@ -34,9 +34,7 @@ def _args(service: str, port: int, *flags: str) -> list[str]:
 
 
 def _token_file(path: Path, token: str, mode: int) -> Path:
-    path.write_text(json.dumps({"tokens": [{"token": token, "role": "admin"}]}))
-    path.chmod(mode)
-    return path
+    return write_tokens(path, {"token": token, "role": "admin"}, mode=mode)
 
 
 def _start(service: str, *flags: str) -> subprocess.CompletedProcess[str]:

@@ -17,10 +17,10 @@ from kvatlas.coordinator.server import free_port
 from kvatlas.directory import KeyDirectory, load_snapshot
 from kvatlas.events import CacheEntry
 from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
-from kvatlas.node.config import NodeConfig
 from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import spawn_service
+from tests.helpers import TOY_LAYOUT
 
 C = 16
 MODEL_FLAGS = [
@@ -90,10 +90,7 @@ def test_node_flushes_its_outbox_and_deregisters(tmp_path: Path, sig: signal.Sig
         node = spawn(["node", *node_flags], node_port)
         registered = httpx.get(f"{coord_url}/instances").json()["instances"]
         assert [row["instance_id"] for row in registered] == ["node-a"]
-        layout = NodeConfig(
-            model_name="toy", num_layers=2, num_kv_heads=2, head_dim=16, chunk_size=C,
-            dtype="float32",
-        ).layout  # fmt: skip
+        layout = TOY_LAYOUT
         tokens = np.random.default_rng(1).integers(0, 500, 3 * C).astype(np.uint32)
         client = NodeEngineClient(f"http://127.0.0.1:{node_port}", layout)
         try:

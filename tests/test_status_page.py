@@ -7,13 +7,13 @@ Set ``KVATLAS_STATUS_SCREENSHOT=path.png`` to keep the screenshot (docs/img/stat
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +26,7 @@ from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.server import BackgroundServer
 from tests.browser_support import Browser, require_chromium
 from tests.conftest import wait_for
+from tests.helpers import write_tokens
 
 EVIL_ID = "<img src=x onerror=alert(1)>"
 EVIL_BACKEND = "<script>alert(1)</script>"
@@ -41,6 +42,9 @@ def serving_demo(*flags: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"},
+        # Ctrl-C as in a terminal, whatever this process inherited (a job started with `&`
+        # by a non-interactive shell ignores SIGINT, and so would the demo)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert proc.stdout is not None
     lines = []
@@ -49,6 +53,8 @@ def serving_demo(*flags: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
             lines.append(line)
             found = URL_LINE.search(line)
             if found:
+                # keep reading what it prints while serving: a full pipe would block it
+                threading.Thread(target=lines.extend, args=(proc.stdout,), daemon=True).start()
                 yield proc, found.group(1)
                 break
         else:
@@ -163,9 +169,7 @@ def test_status_page_reads_without_javascript(tmp_path: Path) -> None:
 def test_with_auth_the_page_asks_for_a_token_and_keeps_it_in_the_tab(tmp_path: Path) -> None:
     chromium = require_chromium()
     admin = "admin-" + "a" * 32
-    tokens = tmp_path / "tokens.json"
-    tokens.write_text(json.dumps({"tokens": [{"token": admin, "roles": ["admin"]}]}))
-    tokens.chmod(0o600)
+    tokens = write_tokens(tmp_path / "tokens.json", {"token": admin, "roles": ["admin"]})
     config = CoordinatorConfig(port=free_port(), auth_token_file=tokens, log_level="warning")
     with BackgroundServer(config) as server:
         reply = httpx.post(

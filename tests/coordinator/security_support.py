@@ -4,13 +4,12 @@ the server's memory, read from /proc (real processes, no wall-clock asserts)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import socket
-import subprocess
 from pathlib import Path
-from typing import Any
 
-from kvatlas.processes import spawn_service
+from tests.helpers import spawn_coordinator, write_tokens
+
+__all__ = ["spawn_coordinator", "write_tokens"]  # written once in tests/helpers.py
 
 ADMIN = "admin-token-" + "a" * 32
 EMIT_ANY = "emit-any-token-" + "e" * 32
@@ -26,25 +25,19 @@ def bearer(value: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {value}"}
 
 
-def write_tokens(path: Path, *entries: dict[str, Any]) -> Path:
-    path.write_text(json.dumps({"tokens": list(entries)}))
-    path.chmod(0o600)
-    return path
-
-
-def spawn_coordinator(port: int, *flags: str) -> subprocess.Popen[bytes]:
-    return spawn_service(
-        ["-m", "kvatlas.cli", "coordinator", "--port", str(port), "--log-level", "warning", *flags],
-        f"http://127.0.0.1:{port}",
-    )
-
-
 def peak_rss_bytes(pid: int) -> int:
     """The process's peak resident set (VmHWM): it only grows, so a spike cannot hide."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("no VmHWM")
+
+
+def reset_peak_rss(pid: int) -> int:
+    """Reset the process's peak resident set to what it holds now (Linux ``clear_refs``: 5)
+    and return it: a peak read afterwards is this test's, whatever ran before in the process."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    return peak_rss_bytes(pid)
 
 
 def raw_request(

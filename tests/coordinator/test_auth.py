@@ -3,7 +3,6 @@ emit tokens bound to instance ids, lookup tokens bound to cache salts."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from tests.coordinator.helpers import (
     running,
     wire_batch,
 )
+from tests.helpers import write_tokens
 
 EMIT_X = "emit-token-for-x-0123456789abcdef0123456789abcdef"
 EMIT_ANY = "emit-token-for-any-0123456789abcdef0123456789abcdef"
@@ -38,22 +38,15 @@ def _h(token: str) -> dict[str, str]:
 def auth_server(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[BackgroundServer, httpx.Client]]:
-    path: Path = tmp_path_factory.mktemp("auth") / "tokens.json"
-    path.write_text(
-        json.dumps(
-            {
-                "tokens": [
-                    {"token": EMIT_X, "role": "emit", "instance_ids": ["node-x"]},
-                    {"token": EMIT_ANY, "role": "emit"},
-                    {"token": LOOKUP_A, "role": "lookup", "cache_salts": [SALT_A]},
-                    {"token": LOOKUP_ALL, "role": "lookup"},
-                    {"token": LOOKUP_NONE, "role": "lookup", "cache_salts": []},
-                    {"token": ADMIN, "role": "admin"},
-                ]
-            }
-        )
+    path = write_tokens(
+        tmp_path_factory.mktemp("auth") / "tokens.json",
+        {"token": EMIT_X, "role": "emit", "instance_ids": ["node-x"]},
+        {"token": EMIT_ANY, "role": "emit"},
+        {"token": LOOKUP_A, "role": "lookup", "cache_salts": [SALT_A]},
+        {"token": LOOKUP_ALL, "role": "lookup"},
+        {"token": LOOKUP_NONE, "role": "lookup", "cache_salts": []},
+        {"token": ADMIN, "role": "admin"},
     )
-    path.chmod(0o600)
     with running(auth_token_file=path, enable_blend_lookup=True) as pair:
         yield pair
 

@@ -4,7 +4,6 @@ content type — for valid bodies (JSON and msgpack, replays), broken ones (422 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -20,6 +19,7 @@ from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.events import CacheEntry, EventBatch, encode_msgpack
 from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
 from tests.coordinator.helpers import fast_and_routed
+from tests.helpers import write_tokens
 
 ADMIN = "admin-token-0123456789abcdef0123456789"
 EMIT_A = "emit-a-token-0123456789abcdef0123456789"
@@ -65,15 +65,11 @@ def _app(tokens: Path, fast_path: bool) -> CoordinatorApp:
 def clients(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[httpx.Client, httpx.Client]]:
-    tokens = tmp_path_factory.mktemp("auth") / "tokens.json"
-    doc = {
-        "tokens": [
-            {"token": ADMIN, "roles": ["admin", "emit", "lookup"]},
-            {"token": EMIT_A, "roles": ["emit"], "instance_ids": ["a"], "cache_salts": [""]},
-        ]
-    }
-    tokens.write_text(json.dumps(doc))
-    tokens.chmod(0o600)
+    tokens = write_tokens(
+        tmp_path_factory.mktemp("auth") / "tokens.json",
+        {"token": ADMIN, "roles": ["admin", "emit", "lookup"]},
+        {"token": EMIT_A, "roles": ["emit"], "instance_ids": ["a"], "cache_salts": [""]},
+    )
     with fast_and_routed(partial(_app, tokens)) as both:
         for c in both:
             reg = {"instance_id": "a", "ip": "127.0.0.1", "port": 1}

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from tests.coordinator.helpers import b64, hashes, running, wire_batch, wire_entry, wire_key
+from tests.helpers import write_tokens
 
 GOLDEN = Path(__file__).with_name("golden_replies.json")
 _VOLATILE = re.compile(
@@ -227,19 +228,12 @@ def _record_all(tmp_path: Path) -> dict[str, Any]:
     limits = {"max_query_tokens": 10, "max_batch_entries": 2, "max_body_bytes": 4096}
     with running(enable_blend_lookup=True, replica_id="golden", **limits) as (_, c):
         out.update((name, _reply(r)) for name, r in _limited_scenario(c))
-    tokens = tmp_path / "tokens.json"
-    tokens.write_text(
-        json.dumps(
-            {
-                "tokens": [
-                    {"token": ADMIN, "role": "admin"},
-                    {"token": EMIT, "role": "emit", "instance_ids": ["g-a"]},
-                    {"token": LOOKUP, "role": "lookup", "cache_salts": ["a"]},
-                ]
-            }
-        )
+    tokens = write_tokens(
+        tmp_path / "tokens.json",
+        {"token": ADMIN, "role": "admin"},
+        {"token": EMIT, "role": "emit", "instance_ids": ["g-a"]},
+        {"token": LOOKUP, "role": "lookup", "cache_salts": ["a"]},
     )
-    tokens.chmod(0o600)
     # blend pinned off: this scenario records the disabled-blend replies (LMCache's default)
     with running(auth_token_file=tokens, replica_id="golden", enable_blend_lookup=False) as (_, c):
         out.update((name, _reply(r)) for name, r in _auth_scenario(c))

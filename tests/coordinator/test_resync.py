@@ -44,6 +44,8 @@ from tests.coordinator.helpers import (
     wire_key,
 )
 from tests.directory.helpers import Emitter, toks
+from tests.helpers import TINY, write_tokens
+from tests.helpers import node_config as toy_config
 
 Own = dict[tuple[str, str], dict[ObjectKey, str]]  # (instance, tier) -> key -> backend
 
@@ -208,14 +210,10 @@ class FakeClock:
         return self.now
 
 
-def node_config(tmp_path: Path, url: str, **kw: object) -> NodeConfig:
-    base: dict[str, object] = dict(
-        model_name="m", num_layers=1, num_kv_heads=1, head_dim=8, chunk_size=CS, dtype="float32",
-        l2="none", coordinator_url=url, port=free_port(), coordinator_event_reporting=True,
-        instance_id="n1",
-    )  # fmt: skip
-    base.update(kw)
-    return NodeConfig(**base)  # type: ignore[arg-type]
+def node_config(tmp_path: Path, url: str, **kw: Any) -> NodeConfig:
+    return toy_config(**{"model_name": "m", **TINY, "chunk_size": CS, "coordinator_url": url,
+                         "port": free_port(), "coordinator_event_reporting": True,
+                         "instance_id": "n1", **kw})  # fmt: skip
 
 
 def store_chunks(process: NodeProcess, first_token: int, n: int) -> list[bytes]:
@@ -380,12 +378,14 @@ def test_the_digest_route_validates_and_a_gap_asks_for_an_exchange() -> None:
 
 
 def test_an_emit_token_may_only_exchange_its_own_digests(tmp_path: Path) -> None:
-    tokens = tmp_path / "tokens.json"
-    tokens.write_text(
-        '{"tokens": [{"token": "emit-token-for-a-0123456789abcdef0123456789", "roles": ["emit"],'
-        ' "instance_ids": ["a"]}]}'
+    tokens = write_tokens(
+        tmp_path / "tokens.json",
+        {
+            "token": "emit-token-for-a-0123456789abcdef0123456789",
+            "roles": ["emit"],
+            "instance_ids": ["a"],
+        },
     )
-    tokens.chmod(0o600)
     with running(auth_token_file=tokens) as (_, client):
         body = {"tiers": {"l1": {"": "00" * 2048}}}
         headers = {"Authorization": "Bearer emit-token-for-a-0123456789abcdef0123456789"}

@@ -25,6 +25,8 @@ from kvatlas.node.server import NodeProcess
 from kvatlas.processes import spawn_service
 from tests.conftest import RedisServer, wait_for
 from tests.coordinator.helpers import CS, wire_key
+from tests.helpers import TINY
+from tests.helpers import node_config as toy_config
 
 _names = itertools.count()
 
@@ -117,10 +119,10 @@ def test_emitters_cap_the_stream_with_an_approximate_maxlen(
 
 
 def node_config(url: str, redis_url: str, stream: str) -> NodeConfig:
-    return NodeConfig(
-        model_name="m", num_layers=1, num_kv_heads=1, head_dim=8, chunk_size=CS, dtype="float32",
-        l2="none", coordinator_url=url, port=free_port(), coordinator_event_reporting=True,
-        instance_id="n1", event_transport="redis", redis_url=redis_url, event_stream=stream,
+    return toy_config(
+        model_name="m", **TINY, chunk_size=CS, coordinator_url=url, port=free_port(),
+        coordinator_event_reporting=True, instance_id="n1", event_transport="redis",
+        redis_url=redis_url, event_stream=stream,
     )  # fmt: skip
 
 

@@ -3,7 +3,6 @@ validation errors, role and salt refusals."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -16,6 +15,7 @@ from kvatlas.coordinator.app import CoordinatorApp, create_app
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.service import CoordinatorService
 from tests.coordinator.helpers import fast_and_routed
+from tests.helpers import write_tokens
 
 ADMIN = "admin-token-0123456789abcdef0123456789"
 EMIT = "emit-token-0123456789abcdefgh0123456789"
@@ -31,16 +31,12 @@ def _app(tokens: Path, fast_path: bool) -> CoordinatorApp:
 def clients(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[httpx.Client, httpx.Client]]:
-    tokens = tmp_path_factory.mktemp("auth") / "tokens.json"
-    doc = {
-        "tokens": [
-            {"token": ADMIN, "roles": ["admin", "emit", "lookup"]},
-            {"token": EMIT, "roles": ["emit"]},
-            {"token": SALTED, "roles": ["lookup"], "cache_salts": ["s"]},
-        ]
-    }
-    tokens.write_text(json.dumps(doc))
-    tokens.chmod(0o600)
+    tokens = write_tokens(
+        tmp_path_factory.mktemp("auth") / "tokens.json",
+        {"token": ADMIN, "roles": ["admin", "emit", "lookup"]},
+        {"token": EMIT, "roles": ["emit"]},
+        {"token": SALTED, "roles": ["lookup"], "cache_salts": ["s"]},
+    )
     with fast_and_routed(partial(_app, tokens)) as both:
         for c in both:
             reg = {"instance_id": "a", "ip": "127.0.0.1", "port": 1}

@@ -6,7 +6,6 @@ follows; a lookup token bound to salt A scores nothing from salt B's chunks."""
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,21 +17,14 @@ import pytest
 from kvatlas.api import RouteScoresReply
 from kvatlas.client import RouteClient
 from kvatlas.client.coordinator_client import CoordinatorError
-from kvatlas.coordinator.server import free_port
-from kvatlas.node.config import NodeConfig
-from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.node.toy_model import ToyRopeModel
-from kvatlas.processes import spawn_services, stop
 from tests.conftest import wait_for
-from tests.coordinator.security_support import bearer, spawn_coordinator, token, write_tokens
+from tests.coordinator.security_support import bearer, token
+from tests.helpers import process_fleet, toy_node_flags, write_tokens
 
 C = 16
 SALT_A, SALT_B = "tenant-a", "tenant-b"
-NODE_FLAGS = [
-    "--model-name", "toy", "--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "16",
-    "--chunk-size", str(C), "--dtype", "float32", "--l2", "none", "--log-level", "warning",
-    "--coordinator-url",
-]  # fmt: skip
+NODE_FLAGS = [*toy_node_flags(C), "--coordinator-url"]
 NODES = ("node-a", "node-b")
 TOKENS = {name: token(name) for name in (*NODES, "node-c", "router-a", "router-b")}
 
@@ -53,34 +45,16 @@ def fleet(tmp_path: Path) -> Iterator[dict[str, Any]]:
         {"token": TOKENS["router-a"], "roles": ["lookup"], "cache_salts": [SALT_A]},
         {"token": TOKENS["router-b"], "roles": ["lookup"], "cache_salts": [SALT_B]},
     )
-    coord_port = free_port()
-    coord = f"http://127.0.0.1:{coord_port}"
     flags = ["--auth-token-file", str(path), "--chunk-size", str(C), "--enable-blend-lookup"]
-    procs: list[subprocess.Popen[bytes]] = [
-        spawn_coordinator(coord_port, *flags, "--instance-timeout", "600")
-    ]
-    clients: dict[str, NodeEngineClient] = {}
-    layout = NodeConfig(model_name="toy", num_layers=2, num_kv_heads=2, head_dim=16, chunk_size=C,
-                        dtype="float32").layout  # fmt: skip
-    try:
-        ports = {name: free_port() for name in NODES}
-        procs += spawn_services([
-            (["-m", "kvatlas.cli", "node", "--port", str(port), "--instance-id", name,
-              *NODE_FLAGS, coord, "--coordinator-event-reporting",
-              "--coordinator-token", TOKENS[name]], f"http://127.0.0.1:{port}")
-            for name, port in ports.items()
-        ])  # fmt: skip
-        for name, port in ports.items():
-            clients[name] = NodeEngineClient(f"http://127.0.0.1:{port}", layout)
+    nodes = {name: ["--coordinator-token", TOKENS[name]] for name in NODES}
+    with process_fleet([*flags, "--instance-timeout", "600"], nodes) as fleet:
         r = httpx.post(
-            f"{coord}/instances", json={"instance_id": "node-c"}, headers=bearer(TOKENS["node-c"])
+            f"{fleet['coordinator']}/instances",
+            json={"instance_id": "node-c"},
+            headers=bearer(TOKENS["node-c"]),
         )
         assert r.status_code == 200, r.text
-        yield {"coordinator": coord, "layout": layout, "procs": procs, **clients}
-    finally:
-        for client in clients.values():
-            client.close()
-        stop(procs)
+        yield fleet
 
 
 def ranking(scores: RouteScoresReply) -> list[tuple[str, int, int, float]]:

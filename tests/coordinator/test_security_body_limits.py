@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import socket
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -21,6 +20,7 @@ from tests.coordinator.security_support import (
     bearer,
     peak_rss_bytes,
     raw_request,
+    reset_peak_rss,
     spawn_coordinator,
     status_of,
     token,
@@ -31,11 +31,11 @@ LOOKUP_A = token("lookup-a")
 MIB = 1 << 20
 
 
-@pytest.fixture
-def coordinator(tmp_path: Path) -> Iterator[tuple[int, int]]:
-    """A fresh process per test: each reads its own peak memory."""
+@pytest.fixture(scope="module")
+def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, int]]:
+    """One process for the module: each test resets its peak memory before it reads it."""
     tokens = write_tokens(
-        tmp_path / "tokens.json",
+        tmp_path_factory.mktemp("limits") / "tokens.json",
         {"token": LOOKUP_A, "role": "lookup", "cache_salts": ["a"]},
     )
     port = free_port()
@@ -108,7 +108,7 @@ def test_110_mib_chunked_lookup_is_cut_at_the_route_limit(coordinator: tuple[int
     limit (not the 112 MiB of the largest event batch), and the server's peak memory does not
     grow by the body, let alone by a list of its tokens."""
     port, pid = coordinator
-    before = peak_rss_bytes(pid)
+    before = reset_peak_rss(pid)
     first = b'{"model_name":"m","cache_salt":"a","token_ids":['
     sent, reply = _chunked_upload(port, "/directory/lookup", first, b"1," * (MIB // 2), 110 * MIB)
     assert status_of(reply) == 413, reply[:300]
@@ -125,7 +125,7 @@ def test_token_count_is_enforced_while_reading_the_tokens(coordinator: tuple[int
     port, pid = coordinator
     n = 5 * CoordinatorConfig().max_query_tokens
     body = b'{"model_name":"m","cache_salt":"a","token_ids":[' + b"1," * (n - 1) + b"1]}"
-    before = peak_rss_bytes(pid)
+    before = reset_peak_rss(pid)
     r = httpx.post(
         f"http://127.0.0.1:{port}/directory/lookup",
         content=body,

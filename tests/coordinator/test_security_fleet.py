@@ -5,7 +5,6 @@ lookups, a peer fetch — every call a node makes is allowed; nothing is refused
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,21 +13,13 @@ import httpx
 import numpy as np
 import pytest
 
-from kvatlas.coordinator.server import free_port
-from kvatlas.node.config import NodeConfig
-from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.node.toy_model import ToyRopeModel
-from kvatlas.processes import spawn_services, stop
 from tests.conftest import wait_for
-from tests.coordinator.security_support import bearer, spawn_coordinator, token, write_tokens
+from tests.coordinator.security_support import bearer, token
+from tests.helpers import process_fleet, write_tokens
 
 C = 16
 SALT = "tenant-t"
-NODE_FLAGS = [
-    "--model-name", "toy", "--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "16",
-    "--chunk-size", str(C), "--dtype", "float32", "--l2", "none", "--log-level", "warning",
-    "--coordinator-blend-timeout", "20", "--coordinator-url",
-]  # fmt: skip
 TOKENS = {name: token(name) for name in ("node-a", "node-b")}
 
 
@@ -47,36 +38,10 @@ def fleet(tmp_path: Path) -> Iterator[dict[str, Any]]:
         ),
     )
     assert "admin" not in path.read_text()
-    coord_port = free_port()
-    coord = f"http://127.0.0.1:{coord_port}"
-    procs: list[subprocess.Popen[bytes]] = [
-        spawn_coordinator(
-            coord_port,
-            "--auth-token-file",
-            str(path),
-            "--chunk-size",
-            str(C),
-            "--enable-blend-lookup",
-        )
-    ]
-    clients = {}
-    layout = NodeConfig(model_name="toy", num_layers=2, num_kv_heads=2, head_dim=16, chunk_size=C,
-                        dtype="float32").layout  # fmt: skip
-    try:
-        ports = {name: free_port() for name in TOKENS}
-        procs += spawn_services([
-            (["-m", "kvatlas.cli", "node", "--port", str(port), "--instance-id", name,
-              *NODE_FLAGS, coord, "--coordinator-event-reporting",
-              "--coordinator-token", TOKENS[name]], f"http://127.0.0.1:{port}")
-            for name, port in ports.items()
-        ])  # fmt: skip
-        for name, port in ports.items():
-            clients[name] = NodeEngineClient(f"http://127.0.0.1:{port}", layout)
-        yield {"coordinator": coord, "layout": layout, **clients}
-    finally:
-        for client in clients.values():
-            client.close()
-        stop(procs)
+    flags = ["--auth-token-file", str(path), "--chunk-size", str(C), "--enable-blend-lookup"]
+    nodes = {name: ["--coordinator-token", tok] for name, tok in TOKENS.items()}
+    with process_fleet(flags, nodes, ["--coordinator-blend-timeout", "20"]) as fleet:
+        yield fleet
 
 
 def test_fleet_runs_with_node_tokens_only(fleet: dict[str, Any]) -> None:

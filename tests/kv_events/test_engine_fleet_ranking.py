@@ -9,7 +9,6 @@ B's chunks, and a salt-B token none from the engine's."""
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,15 +20,12 @@ import pytest
 from kvatlas.api import RouteScoresReply
 from kvatlas.client import RouteClient
 from kvatlas.client.coordinator_client import CoordinatorError
-from kvatlas.coordinator.server import free_port
 from kvatlas.events.vllm_wire import AllBlocksCleared, BlockStored, KVEventBatch, encode_batch
-from kvatlas.node.config import NodeConfig
-from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.node.toy_model import ToyRopeModel
-from kvatlas.processes import spawn_services, stop
 from tests.conftest import wait_for
-from tests.coordinator.security_support import bearer, spawn_coordinator, token, write_tokens
-from tests.coordinator.test_route_score_fleet import NODE_FLAGS, ranking
+from tests.coordinator.security_support import bearer, token
+from tests.coordinator.test_route_score_fleet import ranking
+from tests.helpers import process_fleet, write_tokens
 from tests.kv_events.helpers import HASHES, FakeEngine
 
 C = 16  # the fleet's chunk size
@@ -57,31 +53,14 @@ def fleet(tmp_path: Path) -> Iterator[dict[str, Any]]:
         {"token": TOKENS["router-b"], "roles": ["lookup"], "cache_salts": [SALT_B]},
     )
     engine = FakeEngine()
-    coord_port = free_port()
-    coord = f"http://127.0.0.1:{coord_port}"
     flags = ["--auth-token-file", str(path), "--chunk-size", str(C), "--enable-blend-lookup",
              "--instance-timeout", "600", "--kv-events-subscribe", engine.endpoint,
              "--kv-events-replay", engine.replay_endpoint]  # fmt: skip
-    procs: list[subprocess.Popen[bytes]] = []
-    clients: dict[str, NodeEngineClient] = {}
-    layout = NodeConfig(model_name="toy", num_layers=2, num_kv_heads=2, head_dim=16, chunk_size=C,
-                        dtype="float32").layout  # fmt: skip
     try:
-        procs.append(spawn_coordinator(coord_port, *flags))
-        ports = {name: free_port() for name in NODES}
-        procs += spawn_services([
-            (["-m", "kvatlas.cli", "node", "--port", str(port), "--instance-id", name,
-              *NODE_FLAGS, coord, "--coordinator-event-reporting",
-              "--coordinator-token", TOKENS[name]], f"http://127.0.0.1:{port}")
-            for name, port in ports.items()
-        ])  # fmt: skip
-        for name, port in ports.items():
-            clients[name] = NodeEngineClient(f"http://127.0.0.1:{port}", layout)
-        yield {"coordinator": coord, "layout": layout, "engine": engine, **clients}
+        nodes = {name: ["--coordinator-token", TOKENS[name]] for name in NODES}
+        with process_fleet(flags, nodes) as fleet:
+            yield {**fleet, "engine": engine}
     finally:
-        for client in clients.values():
-            client.close()
-        stop(procs)
         engine.close()
 
 

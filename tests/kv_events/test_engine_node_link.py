@@ -23,13 +23,13 @@ import numpy as np
 
 from kvatlas.client import RouteClient
 from kvatlas.coordinator.server import free_port
-from kvatlas.node.config import NodeConfig
 from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import spawn_service, stop
 from tests.conftest import RedisServer, wait_for
 from tests.coordinator.security_support import spawn_coordinator
 from tests.coordinator.test_route_score_fleet import NODE_FLAGS, ranking
+from tests.helpers import TOY_LAYOUT
 from tests.kv_events.helpers import FakeEngine
 from tests.kv_events.test_engine_fleet_ranking import engine_batches, engine_stored
 
@@ -65,8 +65,7 @@ def linked_fleet(tmp_path: Path, *extra: str) -> Iterator[dict[str, Any]]:
              "--kv-events-replay", ",".join(e.replay_endpoint for e in engines.values()),
              *extra]  # fmt: skip
     procs: list[subprocess.Popen[bytes]] = []
-    layout = NodeConfig(model_name="toy", num_layers=2, num_kv_heads=2, head_dim=16, chunk_size=C,
-                        dtype="float32").layout  # fmt: skip
+    layout = TOY_LAYOUT
     clients: list[NodeEngineClient] = []
     fleet: dict[str, Any] = {"coordinator": coord, "port": port, "flags": flags, "procs": procs}
     nodes = {"node-a": ("pod-a", QUERY, free_port()), "node-b": (None, QUERY_B, free_port())}

@@ -3,27 +3,22 @@ re-RoPE, checked exactly against a toy RoPE model whose KV has a ground truth at
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvatlas.keys import MMItem
-from kvatlas.node.config import NodeConfig
 from kvatlas.node.embedded import EmbeddedFleet
 from kvatlas.node.segments import FetchCost
 from kvatlas.node.toy_model import ToyRopeModel
+from tests.helpers import node_config
 
 C = 16
 
 
-def config(**kw: object) -> NodeConfig:
-    base: dict[str, object] = dict(
-        model_name="toy", num_layers=2, num_kv_heads=2, head_dim=16, chunk_size=C, dtype="float32",
-        l1_bytes=1 << 22, l2="none", coordinator_blend_timeout=1.0,
-    )  # fmt: skip
-    base.update(kw)
-    return NodeConfig(**base)  # type: ignore[arg-type]
+config = partial(node_config, l1_bytes=1 << 22, coordinator_blend_timeout=1.0)
 
 
 @pytest.fixture

@@ -43,6 +43,7 @@ from kvatlas.node.stored_chunk import StoredChunk, encode_chunk
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import spawn_service, stop
 from tests.conftest import wait_for
+from tests.helpers import write_tokens
 
 C = 16
 MODEL = "toy"
@@ -308,23 +309,17 @@ class Fleet:
 
 
 def _token_file(tmp: Path) -> Path:
-    path = tmp / "tokens.json"
-    path.write_text(
-        json.dumps(
-            {
-                "tokens": [
-                    {
-                        "token": NODE_TOKEN,
-                        "roles": ["emit", "lookup"],
-                        "instance_ids": ["victim", "victim-2"],
-                    },
-                    {"token": ATTACKER_TOKEN, "roles": ["emit"], "instance_ids": ATTACKER_IDS},
-                ]
-            }
-        )
+    return write_tokens(
+        tmp / "tokens.json",
+        {"token": NODE_TOKEN, "roles": ["emit", "lookup"], "instance_ids": ["victim", "victim-2"]},
+        {"token": ATTACKER_TOKEN, "roles": ["emit"], "instance_ids": ATTACKER_IDS},
     )
-    path.chmod(0o600)
-    return path
+
+
+# The victim's whole-fetch deadline: long enough that a starved test process (two test workers
+# and other work on two cores) still answers as the hostile peer it plays, so each attack is
+# refused for its own cause, not for the deadline; only the dripping peer reaches it.
+FLEET_DEADLINE_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -343,7 +338,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     procs.append(
         spawn_service(
             ["-m", "kvatlas.cli", "node", "--port", str(node_port), "--instance-id", "victim",
-             "--coordinator-url", coordinator, "--peer-fetch-deadline", "1.0",
+             "--coordinator-url", coordinator, "--peer-fetch-deadline", str(FLEET_DEADLINE_S),
              "--fleet-refresh-interval", "0", *NODE_FLAGS],
             node_url,
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -18,21 +19,15 @@ from kvatlas.events import DELETE, RESYNC, STORE, CacheEntry, EventBatch
 from kvatlas.events.inventory import differing, digest_from_hex
 from kvatlas.keys import BlendNamespace, ObjectKey, pack_kv_rank
 from kvatlas.node.cache_node import CacheNode
-from kvatlas.node.config import NodeConfig
 from kvatlas.node.inventory import NodeInventory, ResyncDriver, SendResync
 from kvatlas.node.l2 import FsL2
 from tests.conftest import wait_for
+from tests.helpers import TINY, node_config
 
 CS = 4
 
 
-def config(**kw: object) -> NodeConfig:
-    base: dict[str, object] = dict(
-        model_name="m", num_layers=1, num_kv_heads=1, head_dim=8, chunk_size=CS,
-        dtype="float32", l2="none", instance_id="n",
-    )  # fmt: skip
-    base.update(kw)
-    return NodeConfig(**base)  # type: ignore[arg-type]
+config = partial(node_config, model_name="m", **TINY, chunk_size=CS, instance_id="n")
 
 
 def test_node_digests_equal_the_directorys_through_stores_and_evictions(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -25,17 +26,12 @@ from kvatlas.node.config import NodeConfig
 from kvatlas.node.l2 import FsL2, FsL2Stats, L2Unavailable, RedisL2
 from kvatlas.node.stored_chunk import StoredChunk, encode_chunk
 from tests.conftest import RedisServer, wait_for
+from tests.helpers import TINY, node_config
 
 C = 16
 
 
-def config(**kw: object) -> NodeConfig:
-    base: dict[str, object] = dict(
-        model_name="toy", num_layers=1, num_kv_heads=1, head_dim=8, chunk_size=C,
-        dtype="float32", l2="none",
-    )  # fmt: skip
-    base.update(kw)
-    return NodeConfig(**base)  # type: ignore[arg-type]
+config = partial(node_config, **TINY)
 
 
 CFG = config()

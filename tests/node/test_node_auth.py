@@ -6,7 +6,6 @@ bounded; secrets come from private files or the environment (item 13)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import subprocess
@@ -30,6 +29,7 @@ from kvatlas.node.server import announce_security
 from kvatlas.node.stored_chunk import decode_chunk
 from kvatlas.processes import spawn_service
 from tests.conftest import wait_for
+from tests.helpers import write_tokens
 
 C = 16
 MODEL = ["--model-name", "toy", "--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8",
@@ -49,15 +49,13 @@ def write_private(path: Path, text: str) -> Path:
 
 
 def token_file(tmp: Path) -> Path:
-    doc = {
-        "tokens": [
-            {"token": ENGINE_A, "roles": ["engine"], "cache_salts": ["tenant-a"], "name": "a"},
-            {"token": ENGINE_B, "roles": ["engine"], "cache_salts": ["tenant-b"], "name": "b"},
-            {"token": PEER, "roles": ["peer"], "name": "peer"},
-            {"token": ADMIN, "roles": ["admin"], "name": "admin"},
-        ]
-    }
-    return write_private(tmp / "tokens.json", json.dumps(doc))
+    return write_tokens(
+        tmp / "tokens.json",
+        {"token": ENGINE_A, "roles": ["engine"], "cache_salts": ["tenant-a"], "name": "a"},
+        {"token": ENGINE_B, "roles": ["engine"], "cache_salts": ["tenant-b"], "name": "b"},
+        {"token": PEER, "roles": ["peer"], "name": "peer"},
+        {"token": ADMIN, "roles": ["admin"], "name": "admin"},
+    )
 
 
 class Node:

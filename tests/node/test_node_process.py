@@ -7,6 +7,7 @@ import logging
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -17,15 +18,13 @@ from kvatlas.coordinator.server import BackgroundServer, free_port
 from kvatlas.keys import KeySchemeMismatch
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.server import NodeProcess, TransportMismatch, check_coordinator_compatible
+from tests.helpers import TINY
+from tests.helpers import node_config as toy_config
 
 
-def node_config(tmp_path: Path, url: str, **kw: object) -> NodeConfig:
-    base: dict[str, object] = dict(
-        model_name="m", num_layers=1, num_kv_heads=1, head_dim=8, chunk_size=16, dtype="float32",
-        l2="fs", l2_path=tmp_path, coordinator_url=url, port=free_port(),
-    )  # fmt: skip
-    base.update(kw)
-    return NodeConfig(**base)  # type: ignore[arg-type]
+def node_config(tmp_path: Path, url: str, **kw: Any) -> NodeConfig:
+    return toy_config(**{"model_name": "m", **TINY, "l2": "fs", "l2_path": tmp_path,
+                         "coordinator_url": url, "port": free_port(), **kw})  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ import pytest
 from kvatlas.coordinator.server import free_port
 from kvatlas.keys import ObjectKey
 from kvatlas.node.chunk_digest import tokens_digest
-from kvatlas.node.config import NodeConfig
 from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.node.l1 import L1Cache
 from kvatlas.node.l2 import FsL2
@@ -26,6 +25,7 @@ from kvatlas.node.stored_chunk import StoredChunk, decode_chunk
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import spawn_service, spawn_services, stop
 from tests.conftest import wait_for
+from tests.helpers import TOY_LAYOUT
 
 
 def key(i: int) -> ObjectKey:
@@ -102,9 +102,7 @@ MODEL_FLAGS = [
     "--model-name", "toy", "--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "16",
     "--chunk-size", str(C), "--dtype", "float32", "--log-level", "warning",
 ]  # fmt: skip
-LAYOUT = NodeConfig(
-    model_name="toy", num_layers=2, num_kv_heads=2, head_dim=16, chunk_size=C, dtype="float32"
-).layout
+LAYOUT = TOY_LAYOUT
 
 
 def test_a_chunk_only_in_a_peers_private_l2_is_counted_and_retrieved(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ ground truth at every position (``docs/node.md``, "Safety beyond the hash")."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -14,22 +15,16 @@ import pytest
 
 from kvatlas.keys import segment_hashes
 from kvatlas.node.cache_node import CacheNode
-from kvatlas.node.config import NodeConfig
 from kvatlas.node.embedded import EmbeddedFleet
 from kvatlas.node.stored_chunk import StoredChunk
 from kvatlas.node.toy_model import ToyRopeModel
+from tests.helpers import node_config
 
 C = 16
 ATOL = 1e-4
 
 
-def config(**kw: object) -> NodeConfig:
-    base: dict[str, object] = dict(
-        model_name="toy", num_layers=2, num_kv_heads=2, head_dim=16, chunk_size=C, dtype="float32",
-        l1_bytes=1 << 22, l2="none", coordinator_blend_timeout=1.0,
-    )  # fmt: skip
-    base.update(kw)
-    return NodeConfig(**base)  # type: ignore[arg-type]
+config = partial(node_config, l1_bytes=1 << 22, coordinator_blend_timeout=1.0)
 
 
 def tokens(rng: np.random.Generator, n: int) -> np.ndarray:

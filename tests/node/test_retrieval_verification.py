@@ -21,16 +21,13 @@ from kvatlas.node.chunk_digest import (
     rejection,
     tokens_digest,
 )
-from kvatlas.node.config import NodeConfig
 from kvatlas.node.l2 import FsL2
 from kvatlas.node.stored_chunk import StoredChunk
 from kvatlas.node.toy_model import ToyRopeModel
+from tests.helpers import node_config
 
 C = 16
-CONFIG = NodeConfig(
-    model_name="toy", num_layers=2, num_kv_heads=2, head_dim=16, chunk_size=C, dtype="float32",
-    l1_bytes=1 << 22, l2="none",
-)  # fmt: skip
+CONFIG = node_config(l1_bytes=1 << 22)
 
 
 def test_tokens_digest_is_blake3_of_little_endian_uint32() -> None:
