@@ -13,14 +13,7 @@ from kvatlas.directory.blend import (
 )
 from kvatlas.directory.capture import Capture, CapturedPart, DirectoryState, Restored
 from kvatlas.directory.gate import Admission, EmitterCursor, GapRecord, IngestGate, Outcome
-from kvatlas.directory.key_directory import (
-    DirectoryStats,
-    DirectoryUsage,
-    IngestCounts,
-    KeyDirectory,
-    ModuleUsage,
-    PlacementObserver,
-)
+from kvatlas.directory.key_directory import KeyDirectory, PlacementObserver
 from kvatlas.directory.listing import page_keys
 from kvatlas.directory.records import (
     CapacityDeclaration,
@@ -38,6 +31,7 @@ from kvatlas.directory.snapshot import (
     load_snapshot,
     save_snapshot,
 )
+from kvatlas.directory.summaries import DirectoryStats, DirectoryUsage, IngestCounts, ModuleUsage
 from kvatlas.directory.warm_up import warm_up_kernels
 from kvatlas.keys import BlendMatch
 

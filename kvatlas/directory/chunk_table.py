@@ -136,21 +136,6 @@ class ChunkTable(SlabReclaim):
         found = self.locate(key)
         return () if found is None else public_placements(placements_at(*found))
 
-    def shape_placements(
-        self, hashes: Sequence[bytes], shapes: Sequence[tuple[str, int, int, str]]
-    ) -> list[tuple[Placement, ...]]:
-        """:meth:`placements` of ``ObjectKey(h, *shape)`` for each hash, then each shape
-        (chunk-major), without building the keys: a route score's lookups."""
-        sids = [self.shapes.id_of_parts(shape) for shape in shapes]
-        parts = self.parts
-        out: list[tuple[Placement, ...]] = []
-        for h in hashes:
-            rec = parts[h[0]].get(h)
-            for sid in sids:
-                k = -1 if rec is None or sid is None else find_key(rec, sid)
-                out.append(() if rec is None or k < 0 else public_placements(placements_at(rec, k)))
-        return out
-
     def key_placements(self, key: ObjectKey) -> KeyPlacements:
         """The key's placements and its chunk's bound content."""
         found = self.locate(key)

@@ -17,12 +17,11 @@ import dataclasses
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvatlas.checks import is_plain_int
 from kvatlas.directory import listing
-from kvatlas.directory.blend import BlendIndex, BlendStats
+from kvatlas.directory.blend import BlendIndex
 from kvatlas.directory.capture import Capture, DirectoryState, Restored
 from kvatlas.directory.chunk_table import ChunkTable
 from kvatlas.directory.gate import Admission, EmitterCursor, IngestGate, Outcome
@@ -33,8 +32,12 @@ from kvatlas.directory.records import (
     Placement,
     TokenLookup,
     bound_count,
+    find_key,
+    placements_at,
     prefix_summary,
+    public_placements,
 )
+from kvatlas.directory.summaries import DirectoryStats, DirectoryUsage, ModuleUsage
 from kvatlas.errors import InvalidInput
 from kvatlas.events import ACCESS, CONFIG, DELETE, RESYNC, STORE, EventBatch
 from kvatlas.events.columns import ColumnBatch
@@ -51,56 +54,6 @@ from kvatlas.keys import (
 
 HashChunks = Callable[[Any, int], list[bytes]]
 IndexFactory = Callable[[int, int], BlendIndex]  # (chunk_size, probe_stride) -> empty index
-
-
-@dataclass(frozen=True, slots=True)
-class IngestCounts:
-    """The ``POST /events`` reply."""
-
-    applied: int = 0
-    duplicates: int = 0
-    stale: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class DirectoryStats:
-    """The directory's counters, taken together under its lock (``blend`` right after, under
-    the index's lock). The coordinator maps them to ``GET /directory/stats``."""
-
-    chunk_size: int
-    keys: int
-    chunks: int
-    bound_chunks: int  # chunks with known content
-    placements: int
-    l1_placements_by_instance: dict[str, int]  # own L1 copies (what fencing drops)
-    bytes_by_tier: dict[str, int]
-    placements_by_tier: dict[str, int]
-    batches: dict[str, int]  # Outcome value -> batches
-    emitters: int
-    gaps: int
-    capacity_bytes_by_instance: dict[str, int]
-    blend: BlendStats | None  # the blend index's stats; None while blend lookup is off
-
-
-@dataclass(frozen=True, slots=True)
-class ModuleUsage:
-    """Copies in one module: an instance's own (tier, backend), or a shared pool
-    (``instance_id`` ``None``), with the capacity declared for it (0: none declared)."""
-
-    instance_id: str | None
-    tier: str
-    backend: str
-    placements: int
-    used_bytes: int
-    capacity_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class DirectoryUsage:
-    """Every non-empty or declared module, and which instances declared capacity."""
-
-    modules: list[ModuleUsage]
-    declared: frozenset[str]
 
 
 class PlacementObserver(Protocol):
@@ -281,9 +234,20 @@ class KeyDirectory:
         """The placements :meth:`lookup` gives for the keys of ``hashes`` × ``kv_ranks``
         (chunk-major, rank-minor, as :func:`~kvatlas.keys.expand_prefix_keys` lays them out),
         without building the keys or reading the chunks' tokens: the route scorer's lookup."""
-        shapes = [(model_name, r, object_group_id, cache_salt) for r in kv_ranks]
+        out: list[tuple[Placement, ...]] = []
         with self._lock:
-            return self._chunks.shape_placements(hashes, shapes)
+            id_of = self._chunks.shapes.id_of_parts
+            sids = [id_of((model_name, r, object_group_id, cache_salt)) for r in kv_ranks]
+            parts = self._chunks.parts
+            for h in hashes:
+                rec = parts[h[0]].get(h)
+                if rec is None:
+                    out.extend(() for _ in sids)
+                    continue
+                for sid in sids:
+                    k = -1 if sid is None else find_key(rec, sid)
+                    out.append(() if k < 0 else public_placements(placements_at(rec, k)))
+        return out
 
     def lookup_tokens(
         self,
@@ -455,11 +419,4 @@ class KeyDirectory:
                 self._index = index
 
 
-__all__ = [
-    "DirectoryStats",
-    "DirectoryUsage",
-    "IngestCounts",
-    "KeyDirectory",
-    "ModuleUsage",
-    "PlacementObserver",
-]
+__all__ = ["KeyDirectory", "PlacementObserver"]

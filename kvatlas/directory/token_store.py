@@ -10,23 +10,17 @@ chosen per chunk by its largest id (token bytes are most of a directory's memory
   128,256 ids, 18 for Qwen 2.5's or Gemma's; 546 bytes per 256-token chunk instead of 1,024);
 - ``uint32`` otherwise.
 
-No form is a truncation: the form follows from the ids, so every id in [0, 2^32) round-trips
-exactly (:func:`widened` gives the ``uint32`` array that public values — lookups, listings —
-carry). The blend index reads every form through the array's data pointer
-(``blend/kernels/layout.py``), the planes form without widening it.
+No form is a truncation: every id in [0, 2^32) round-trips exactly (:func:`widened` gives the
+``uint32`` array public values carry). The blend index reads every form in place
+(``blend/kernels/layout.py``).
 
-Entries of one content (the ranks of a chunk) usually share one input array: they get one
-stored array, so the directory's "same object, same content" shortcut keeps working. The
-narrowing itself is one compiled pass per batch (a numpy call per chunk would cost more than
-the rest of consuming it).
+Entries of one content (a chunk's ranks) sharing one input array get one stored array, so the
+directory's "same object, same content" shortcut holds; narrowing is one compiled pass per batch.
 
-Restored contents are not allocated one by one: a snapshot's token section is read into one
-:class:`TokenSlab` and each chunk's content is a read-only view of it (creating views in bulk
-costs a quarter of allocating and filling an array per chunk). The blend index shares those views
-(``blend.share_slab``). A slab is freed once its views are gone; so that dead chunks do not keep
-it forever, the chunk table copies the live contents out to arrays of their own once more than
-half of its views are gone (:meth:`TokenSlab.mostly_dead`; ``ChunkTable`` reclaim, and
-``BlendIndex.copy_out`` for contents the index keeps), so a slab holds at most as many dead
+Restored contents are read-only views of one :class:`TokenSlab` holding a snapshot's token
+section (shared with the blend index, ``blend.share_slab``). A slab is freed once its views are
+gone; once more than half are (:meth:`TokenSlab.mostly_dead`), the chunk table and
+``BlendIndex.copy_out`` copy the live contents out, so a slab holds at most as many dead
 contents as live ones.
 """
 
