@@ -17,6 +17,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -83,6 +84,11 @@ def test_demo_serve_keeps_the_embedded_fleet_up_until_ctrl_c() -> None:
         assert interrupt(proc) == 0
 
 
+def _heartbeat(url: str, stop: threading.Event) -> None:
+    while not stop.wait(2.0):
+        httpx.put(url, timeout=10).raise_for_status()
+
+
 def test_status_page_in_headless_chromium(tmp_path: Path) -> None:
     chromium = require_chromium()
     with serving_demo("--processes", "--documents", "6", "--queries", "6") as (proc, url):
@@ -92,6 +98,12 @@ def test_status_page_in_headless_chromium(tmp_path: Path) -> None:
             json={"instance_id": EVIL_ID, "metadata": {"backend": EVIL_BACKEND}},
         )
         assert reply.status_code == 200, reply.text
+        # it stays alive as a node would (unheard for --instance-timeout, 30 s, it would be
+        # fenced and, having never emitted, leave the table before the page is read)
+        stop = threading.Event()
+        beat = f"{url}/instances/{quote(EVIL_ID, safe='')}/heartbeat"
+        heartbeat = threading.Thread(target=_heartbeat, args=(beat, stop), daemon=True)
+        heartbeat.start()
 
         # the nodes report with every heartbeat (5 s): wait until both did
         def reported() -> bool:
@@ -144,6 +156,8 @@ def test_status_page_in_headless_chromium(tmp_path: Path) -> None:
             assert browser.console == []
         finally:
             browser.close()
+            stop.set()
+        heartbeat.join(timeout=15)
         assert interrupt(proc) == 0
 
 
