@@ -244,10 +244,14 @@ def test_a_node_fenced_by_timeout_re_registers_and_its_chunks_become_visible_aga
 ) -> None:
     clock = FakeClock()
     with running(clock, instance_timeout=30.0) as (server, client):
-        process = NodeProcess(node_config(tmp_path, server.url))
+        # The node's own digest exchanges re-report what a fence dropped: the one it starts
+        # with must be over before the fence, and no periodic one may fall in the test.
+        process = NodeProcess(node_config(tmp_path, server.url, digest_interval=3600.0))
         try:
-            assert process.coordinator is not None
+            assert process.coordinator is not None and process.resync is not None
             process.coordinator.stop_heartbeat()  # the test heartbeats by hand
+            resync = process.resync
+            assert wait_for(lambda: resync.exchanges == 1 and not resync.wanted.is_set())
             hashes = store_chunks(process, 100, 3)
             assert wait_for(lambda: visible(client, hashes))
             clock.now += 31  # heartbeats missed (the node paused, its memory kept)
