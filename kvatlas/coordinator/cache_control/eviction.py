@@ -12,8 +12,8 @@ durable ``evict`` command, ``commands.py``). Two policies, chosen by one flag
   (ratio 1 when the limit is 0). Its defaults: watermark 1.0, ratio 0.2, a pass every 5 s.
 - ``value`` — evict first what is least likely to be reused per byte: a key's value density is
   ``access_count / (idle_s + pass_interval_s)`` (its reuse rate, from the directory's
-  ``access`` events) x its recompute cost (``1 + context / crossover``: the attention share of
-  prefill grows with the chunk's position) / its bytes; the lowest go first, until usage is at
+  ``access`` events) x its recompute cost (its tokens x ``(1 + context / crossover)``: the
+  attention share of prefill grows with the chunk's position) / its bytes; the lowest go first, until usage is at
   most ``watermark`` x the limit (a guarantee LMCache's fixed fraction does not give).
 
 Ties keep LRU order, and LRU order is ``last_access_s``, then the order the caller lists the
@@ -173,7 +173,7 @@ def value_density(state: SaltState[K], now_s: float, config: EvictionConfig) -> 
     idle = np.maximum(now_s - state.last_access_s, 0.0) + config.pass_interval_s
     rate = state.access_count / idle
     context = (state.position + 0.5) * config.chunk_tokens
-    cost = state.size_bytes * (1.0 + context / config.crossover_tokens)
+    cost = config.chunk_tokens * (1.0 + context / config.crossover_tokens)  # token-equivalents
     with np.errstate(divide="ignore", invalid="ignore"):
         density = np.where(state.size_bytes > 0, rate * cost / state.size_bytes, np.inf)
     return density
