@@ -229,7 +229,9 @@ def winner(outcomes: Sequence[Outcome]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", type=Path, required=True, help="a Mooncake-format trace (JSONL)")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="a Mooncake-format trace (JSONL; required), e.g. the synthetic "
+                             "trace of shared/traces/")  # fmt: skip
     parser.add_argument("--quotas", default="0.25,0.5,0.75",
                         help="each salt's limit as fractions of its working set (comma-separated)")  # fmt: skip
     parser.add_argument("--salts", type=int, default=4, help="tenants the requests are split into")
@@ -251,6 +253,8 @@ def run(args: argparse.Namespace) -> int:
         return refuse("eviction", f"--quotas must be numbers, got {args.quotas!r}")
     if any(not 0.0 < q < 1.0 for q in quotas) or args.salts < 1 or args.bytes_per_token < 1:
         return refuse("eviction", "quotas must be in (0, 1); --salts and --bytes-per-token ≥ 1")
+    if args.trace is None:
+        return refuse("eviction", "--trace is required (a Mooncake-format JSONL trace)")
     limit = QUICK_REQUESTS if args.quick else args.requests
     try:
         trace = load_trace(args.trace, args.salts, limit)
@@ -303,5 +307,7 @@ def _print(trace: Trace, outcomes: Sequence[Outcome], ceiling: Outcome, best: st
             f"{o.peak_usage_of_limit:.2f}" if o is not ceiling else "-",
         )
     Console(width=max(Console().width, 150)).print(table)
-    print(f"winner (token hit ratio at more quotas): {best}; default policy: "
-          f"{DEFAULT_POLICY.value}; load average {load[0]:.1f} on {os.cpu_count()} cores")
+    print(
+        f"winner (token hit ratio at more quotas): {best}; default policy: "
+        f"{DEFAULT_POLICY.value}; load average {load[0]:.1f} on {os.cpu_count()} cores"
+    )

@@ -399,7 +399,7 @@ _HELP = {
     "too; no vLLM release emits it)",
     "eviction_policy": "fleet eviction per salt over its quota: lru (LMCache's: a fifth of the salt's "
     "keys, least recently used first) or value (least reuse per byte first, down to the limit); "
-    "docs/cache-control.md, \"Fleet eviction\"",
+    'docs/cache-control.md, "Fleet eviction"',
 }
 
 

@@ -46,9 +46,9 @@ def salts(draw: st.DrawFn) -> tuple[SaltState[str], list[str]]:
         lru.append(key)
         last[key] = float(times[step])
         count[key] = count.get(key, 0) + 1
-    sizes = {k: draw(st.integers(0, 100)) for k in lru}
+    sizes = {k: draw(st.sampled_from([0, 10, 20, 30])) for k in lru}  # ties are common
     pinned = {k: draw(st.booleans()) for k in lru}
-    positions = {k: draw(st.integers(0, 50)) for k in lru}
+    positions = {k: draw(st.sampled_from([0, 1, 40])) for k in lru}
     listed = _shuffle_across_times(lru, last, draw)  # the caller's order
     extra = draw(st.integers(0, 50))  # bytes of copies the keys here do not account for
     usage = sum(sizes.values()) + extra

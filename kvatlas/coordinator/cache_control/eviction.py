@@ -158,8 +158,10 @@ def triggered(state: SaltState[K], config: EvictionConfig) -> bool:
     """Whether a pass evicts from the salt: it has a limit, holds something, and its usage is
     at or above ``watermark`` x the limit (any usage when the limit is 0)."""
     limit = state.limit_bytes
-    return limit is not None and state.usage_bytes > 0 and (
-        state.usage_bytes >= config.watermark * limit
+    return (
+        limit is not None
+        and state.usage_bytes > 0
+        and (state.usage_bytes >= config.watermark * limit)
     )
 
 
@@ -188,14 +190,14 @@ def value_order(state: SaltState[K], now_s: float, config: EvictionConfig) -> np
 
 def take_count(state: SaltState[K], order: np.ndarray, count: int) -> np.ndarray:
     """The first ``count`` unpinned rows of ``order``."""
-    unpinned = order[~state.pinned[order]]
+    unpinned: np.ndarray = order[~state.pinned[order]]
     return unpinned[:count]
 
 
 def take_until(state: SaltState[K], order: np.ndarray, target_bytes: float) -> np.ndarray:
     """The shortest run of unpinned rows of ``order`` whose eviction brings usage to at most
     ``target_bytes`` (all of them when even that does not)."""
-    unpinned = order[~state.pinned[order]]
+    unpinned: np.ndarray = order[~state.pinned[order]]
     excess = state.usage_bytes - target_bytes
     if excess <= 0:
         return unpinned[:0]
