@@ -214,18 +214,13 @@ def simulate(trace: Trace, quota: float, planner: Planner, config: EvictionConfi
 
 
 def winner(outcomes: Sequence[Outcome]) -> str:
-    """The policy (of ``lru`` and ``value``) with the higher token hit ratio at more quotas
-    (ties: the higher mean; LRU, LMCache's, when still equal)."""
-    by: dict[str, dict[float, float]] = {"lru": {}, "value": {}}
+    """The policy (of ``lru`` and ``value``) that saves more prefill tokens summed over the
+    quotas (the mean token hit ratio: one trace); LRU, LMCache's, when equal."""
+    saved = {"lru": 0, "value": 0}
     for o in outcomes:
-        if o.policy in by:
-            by[o.policy][o.quota] = o.token_hit_ratio
-    wins = sum(by["value"][q] > by["lru"][q] for q in by["lru"])
-    losses = sum(by["value"][q] < by["lru"][q] for q in by["lru"])
-    if wins != losses:
-        return "value" if wins > losses else "lru"
-    gap = sum(by["value"].values()) - sum(by["lru"].values())
-    return "value" if gap > 0 else "lru"
+        if o.policy in saved:
+            saved[o.policy] += o.prefill_tokens_saved
+    return "value" if saved["value"] > saved["lru"] else "lru"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -308,6 +303,6 @@ def _print(trace: Trace, outcomes: Sequence[Outcome], ceiling: Outcome, best: st
         )
     Console(width=max(Console().width, 150)).print(table)
     print(
-        f"winner (token hit ratio at more quotas): {best}; default policy: "
+        f"winner (prefill tokens saved over the quotas): {best}; default policy: "
         f"{DEFAULT_POLICY.value}; load average {load[0]:.1f} on {os.cpu_count()} cores"
     )
