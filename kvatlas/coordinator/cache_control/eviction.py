@@ -6,15 +6,16 @@ it sends nothing and records nothing (the delivery loop turns each :class:`Evict
 durable ``evict`` command, ``commands.py``). Two policies, chosen by one flag
 (``--eviction-policy``, :data:`DEFAULT_POLICY`):
 
-- ``lru`` — LMCache's coordinator loop, as LMCache 0.5.7rc2 ships it: one LRU per salt; a salt
+- ``lru`` — LMCache's coordinator loop as LMCache 0.5.6 ships it: one LRU per salt; a salt
   whose usage is at or above ``watermark`` x its limit loses ``max(1, int(ratio x keys))`` keys
   (``keys`` counts the pinned ones too), least recently used first, pinned ones skipped
   (ratio 1 when the limit is 0). Its defaults: watermark 1.0, ratio 0.2, a pass every 5 s.
 - ``value`` — evict first what is least likely to be reused per byte: a key's value density is
   ``access_count / (idle_s + pass_interval_s)`` (its reuse rate, from the directory's
   ``access`` events) x its recompute cost (its tokens x ``(1 + context / crossover)``: the
-  attention share of prefill grows with the chunk's position) / its bytes; the lowest go first, until usage is at
-  most ``watermark`` x the limit (a guarantee LMCache's fixed fraction does not give).
+  attention share of prefill grows with the chunk's position) / its bytes; the lowest go
+  first, until usage is at most ``watermark`` x the limit (LMCache's fixed fraction does not
+  promise that).
 
 Ties keep LRU order, and LRU order is ``last_access_s``, then the order the caller lists the
 keys in (give them in the order the directory saw their touches). ``docs/cache-control.md``,
@@ -47,8 +48,8 @@ POLICY_NAMES: Final = tuple(p.value for p in EvictionPolicy)
 
 @dataclass(frozen=True, slots=True)
 class EvictionConfig:
-    """The loop's constants. ``watermark``, ``ratio`` and ``pass_interval_s`` are LMCache's
-    coordinator defaults (``MPCoordinatorConfig``: ``trigger_watermark`` 1.0,
+    """The loop's constants. ``watermark``, ``ratio`` and ``pass_interval_s`` are LMCache
+    0.5.6's coordinator defaults (``MPCoordinatorConfig``: ``trigger_watermark`` 1.0,
     ``eviction_ratio`` 0.2, ``eviction_check_interval`` 5 s). ``chunk_tokens`` is the fleet's
     chunk size (LMCache's 256). ``crossover_tokens`` is the context at which a token's attention
     costs as much as its linear layers: Llama-3-8B (32 layers, d_model 4096, 8.0 B parameters)
