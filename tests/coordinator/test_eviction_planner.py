@@ -102,7 +102,7 @@ def _oracle(policy: EvictionPolicy, state: SaltState[str], lru: list[str],
     return chosen
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(salts(), st.sampled_from(list(EvictionPolicy)), st.integers(5, 20))
 def test_the_plan_is_the_oracles(salt: tuple[SaltState[str], list[str]],
                                  policy: EvictionPolicy, now: int) -> None:  # fmt: skip
