@@ -170,6 +170,8 @@ def test_columns_must_match_and_limits_are_not_negative() -> None:
     with pytest.raises(ValueError):
         SaltState.of("s", 0, -1, [])
     with pytest.raises(ValueError):
+        SaltState.of("s", 10, 5, [KeyFacts("k", 10, math.nan)])
+    with pytest.raises(ValueError):
         EvictionConfig(watermark=0.0)
 
 

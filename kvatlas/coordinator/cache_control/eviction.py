@@ -111,6 +111,8 @@ class SaltState(Generic[K]):
         if n and (self.size_bytes.min() < 0 or self.access_count.min() < 0
                   or self.position.min() < 0):  # fmt: skip
             raise ValueError("sizes, access counts and positions must be >= 0")
+        if n and not np.isfinite(self.last_access_s).all():
+            raise ValueError("last access times must be finite")
 
     @classmethod
     def of(
