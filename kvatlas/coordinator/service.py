@@ -252,11 +252,11 @@ class CoordinatorService:
 
     def forget_departed(self) -> list[str]:
         """Forget every instance that is not registered and sent no batch for
-        ``--emitter-retention`` seconds: its cursor (L1 fenced), lag and metric series, so
+        ``--emitter-retention-s`` seconds: its cursor (L1 fenced), lag and metric series, so
         departed emitters cannot accumulate. Runs at most every ``retention / 8`` seconds;
         returns the ids forgotten."""
         now = self._clock()
-        retention = self.config.emitter_retention
+        retention = self.config.emitter_retention_s
         if now < self._next_departure_sweep:
             return []
         self._next_departure_sweep = now + retention / 8
