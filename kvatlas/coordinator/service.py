@@ -406,7 +406,7 @@ class CoordinatorService:
     def stats(self) -> StatsView:
         return StatsView(
             directory=self.directory.stats(),
-            key_scheme=self.scheme.name,
+            hash_scheme=self.scheme.name,
             instances_alive=len(self.instances.records()),
         )
 
@@ -424,7 +424,7 @@ class CoordinatorService:
         return HealthView(
             state=self.state,
             scheme=self.scheme,
-            blend_lookup=self.directory.blend_enabled,
+            enable_blend_lookup=self.directory.blend_lookup_enabled,
             event_transport=self.config.event_transport,
             stream_position=self.stream_position,
             event_stream=self.config.event_stream if redis else None,

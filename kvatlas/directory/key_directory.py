@@ -98,7 +98,8 @@ class KeyDirectory:
     # ------------------------------------------------------------------ configuration
 
     @property
-    def blend_enabled(self) -> bool:
+    def blend_lookup_enabled(self) -> bool:
+        """Whether :meth:`enable_blend_lookup` ran (``--enable-blend-lookup``)."""
         return self._index is not None
 
     @property

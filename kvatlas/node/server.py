@@ -156,7 +156,7 @@ RETRY_MAX_S = 5.0  # the longest wait between event deliveries while the receive
 def follow_coordinator_format(transport: HttpTransport, health: HealthReply) -> None:
     """Events as JSON to a coordinator that does not state its key scheme (LMCache's reads
     JSON events only); msgpack, the default, to kvatlas's."""
-    if not health.states_key_scheme:
+    if not health.states_hash_scheme:
         transport.fmt = "json"
 
 
@@ -197,7 +197,7 @@ def check_coordinator_compatible(config: NodeConfig, health: HealthReply) -> Non
     size is checked at registration (LMCache 0.5.7 refuses a conflicting one) and the rest
     is the operator's to match (docs/coordinator.md, "Running kvatlas under LMCache MP servers").
     """
-    if health.key_scheme is None:
+    if health.hash_scheme is None:
         log.warning(
             "the coordinator at %s does not state its key scheme (LMCache's coordinator?): "
             "make sure it runs with --chunk-size %d and that this node's %s keys are its keys",
@@ -205,7 +205,7 @@ def check_coordinator_compatible(config: NodeConfig, health: HealthReply) -> Non
         )  # fmt: skip
         return
     chunk_size = -1 if health.chunk_size is None else health.chunk_size
-    config.scheme.check_compatible(health.key_scheme, chunk_size)
+    config.scheme.check_compatible(health.hash_scheme, chunk_size)
     if not config.fleet_enabled:
         return
     theirs = health.event_transport
@@ -222,7 +222,7 @@ def check_coordinator_compatible(config: NodeConfig, health: HealthReply) -> Non
             f"the coordinator at {config.coordinator_url} reads --event-stream {stream}; "
             "it would never see this node's chunks"
         )
-    if config.enable_blend_lookup and health.blend_lookup is False:
+    if config.enable_blend_lookup and health.enable_blend_lookup is False:
         log.warning(
             "blend lookup mismatch: this node has --enable-blend-lookup on, the coordinator at "
             "%s has it off; every fleet leg of a blend lookup will answer empty",
@@ -275,7 +275,7 @@ class NodeProcess:
                     "registering in the background", config.coordinator_url, exc,
                 )  # fmt: skip
             else:
-                if not health.states_key_scheme:  # LMCache's coordinator: JSON events only
+                if not health.states_hash_scheme:  # LMCache's coordinator: JSON events only
                     event_format = "json"
                 try:
                     check_coordinator_compatible(config, health)

@@ -207,5 +207,5 @@ def test_a_late_lmcache_coordinator_gets_json_events() -> None:
     transport = HttpTransport("http://127.0.0.1:1")
     follow_coordinator_format(transport, HealthReply(status="healthy"))
     assert transport.fmt == "json"
-    follow_coordinator_format(transport, HealthReply(key_scheme="blake3", chunk_size=16))
+    follow_coordinator_format(transport, HealthReply(hash_scheme="blake3", chunk_size=16))
     assert transport.fmt == "json"  # never back: one coordinator per node
