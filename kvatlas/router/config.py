@@ -58,8 +58,8 @@ class RouterConfig:
     kv_bytes_per_token: int = 131_072
     gpu_bandwidth_bytes_per_s: float = 0.0
     l1_bandwidth_bytes_per_s: float = 25e9
-    l2_bandwidth_bytes_per_s: float = 7e9  # engine-sim's --node-l2-bytes-s (docs/router.md)
-    peer_bandwidth_bytes_per_s: float = 12.5e9  # engine-sim's --node-peer-bytes-s
+    l2_bandwidth_bytes_per_s: float = 7e9  # engine-sim's, the same flag (docs/router.md)
+    peer_bandwidth_bytes_per_s: float = 12.5e9  # engine-sim's, the same flag
     recompute_share: float = 0.15
     seed: int = 0
     log_level: str = "info"
