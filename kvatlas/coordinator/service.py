@@ -41,6 +41,7 @@ from kvatlas.coordinator.views import (
 from kvatlas.directory import (
     IngestCounts,
     KeyDirectory,
+    KeyFilter,
     KeyPage,
     SnapshotError,
     SnapshotInfo,
@@ -201,26 +202,11 @@ class CoordinatorService:
         return TokenLookup(len({k.chunk_hash for k in keys}), results, prefix_summary(results))
 
     def page_keys(
-        self,
-        *,
-        tier: str | None,
-        instance_id: str | None,
-        backend: str | None,
-        offset: int,
-        limit: int,
-        cursor: str | None,
+        self, where: KeyFilter, *, offset: int, limit: int, cursor: str | None
     ) -> KeyPage:
         """One page of the key listing; a cursor this directory never issued is refused."""
         try:
-            return page_keys(
-                self.directory,
-                tier=tier,
-                instance_id=instance_id,
-                backend=backend,
-                offset=offset,
-                limit=limit,
-                cursor=cursor,
-            )
+            return page_keys(self.directory, where, offset=offset, limit=limit, cursor=cursor)
         except ValueError as exc:
             raise Unprocessable(f"cursor: {exc}") from None
 
