@@ -114,7 +114,7 @@ def add_dataclass_arguments(
             default=None, choices=None if is_bool else choices.get(new), help=argparse.SUPPRESS,
         )  # fmt: skip
     for f in fields(cls):
-        default = "" if f.default is MISSING else f"; default {f.default}"  # a factory's: in help
+        default = "" if f.default is MISSING else f"; default {f.default}"  # computed: see help
         help_text = f"{help_texts.get(f.name, '')} [env {env_name(f.name)}{default}]".strip()
         if _base_type(hints[f.name])[0] is bool:
             parser.add_argument(
