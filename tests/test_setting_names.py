@@ -224,3 +224,39 @@ def test_a_reply_reports_a_setting_under_its_name(
         value = getattr(config, setting)
         if value is not None and body[setting] is not None:
             assert body[setting] == value, (service, route, setting)
+
+
+def test_a_node_reads_the_health_of_a_coordinator_of_the_release_before() -> None:
+    """An older coordinator's ``/healthz`` names ``key_scheme`` and ``blend_lookup``: a node
+    of this release reads them for one release (else it would take the coordinator for
+    LMCache's, which states no scheme, and check nothing)."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from kvatlas.api import HealthReply, decode
+    from kvatlas.client import CoordinatorClient
+
+    before = {"status": "healthy", "key_scheme": "blake3-x1", "chunk_size": 16,
+              "blend_lookup": False, "event_transport": "http"}  # fmt: skip
+    app = Starlette(routes=[Route("/healthz", lambda _: JSONResponse(before))])
+    server = ThreadedServer(app, port=free_port())
+    server.start()
+    try:
+        with CoordinatorClient(server.url) as client:
+            health = client.health()
+    finally:
+        server.stop()
+    assert (health.hash_scheme, health.enable_blend_lookup) == ("blake3-x1", False)
+    assert health.states_hash_scheme
+    plain = decode(JSONResponse(before).body, HealthReply)  # the reply type itself: new names
+    assert (plain.hash_scheme, plain.enable_blend_lookup) == (None, None)
+
+
+def test_the_nodes_old_max_body_bytes_0_is_not_set_with_a_warning() -> None:
+    with pytest.warns(DeprecationWarning, match="--max-body-bytes"):
+        config = node_config(max_body_bytes=0)
+    assert config.max_body_bytes is None and config.max_store_bytes > config.max_call_bytes
+    assert node_config(max_body_bytes=4096).max_store_bytes == 4096
+    with pytest.raises(ValueError, match="--max-body-bytes"):
+        node_config(max_body_bytes=-1)
