@@ -56,7 +56,17 @@ def test_kvatlas_route_with_an_id_over_uint32_exits_2_with_one_line(
     tokens = tmp_path / "tokens.json"
     tokens.write_text("[1, 4294967296]")
     with pytest.raises(SystemExit) as exc:
-        main(["route", "--url", "http://127.0.0.1:9", "--tokens-file", str(tokens), "--model", "m"])
+        main(
+            [
+                "route",
+                "--url",
+                "http://127.0.0.1:9",
+                "--tokens-file",
+                str(tokens),
+                "--model-name",
+                "m",
+            ]
+        )
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "token id 4294967296" in err and "Traceback" not in err
