@@ -17,8 +17,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
-from typing import Final
 
 from kvatlas.auth import TokenAuth, public_unless_auth, read_secret
 from kvatlas.checks import check_http_url
@@ -37,7 +35,7 @@ from kvatlas.http_guard import (
 )
 from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme, check_instance_id, pack_kv_rank
 from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
-from kvatlas.node.hf_config import read_hf_config
+from kvatlas.node.hf_config import LAYOUT_DEFAULTS, LAYOUT_SHAPE, resolve_layout
 from kvatlas.node.kv_dtype import KV_DTYPES
 from kvatlas.node.kv_layout import ROPE_STYLES, KVLayout
 from kvatlas.node.peer_credentials import PeerSecret
@@ -130,7 +128,8 @@ class NodeConfig:
     http_max_connections: int | None = None  # None: below the file limit (http_guard)
 
     def __post_init__(self) -> None:
-        for name, value in resolve_layout_fields(self).items():
+        flags = {name: getattr(self, name) for name in LAYOUT_DEFAULTS}
+        for name, value in resolve_layout(flags, self.hf_config, self.world_size).items():
             object.__setattr__(self, name, value)
         self.layout  # noqa: B018 - validates the KV layout fields
         self.http_limits  # noqa: B018 - validates the three --http-* limits
@@ -297,47 +296,6 @@ class NodeConfig:
                 "chunks); matching locally only",
                 self.coordinator_url,
             )
-
-
-LAYOUT_DEFAULTS: Final[Mapping[str, object]] = MappingProxyType({
-    "num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "dtype": "float16",
-    "rope_style": "neox", "rotary_dim": 0, "rope_theta": 10000.0,
-})  # fmt: skip
-"""The layout of a node given neither layout flags nor ``--hf-config`` (a small test model,
-for code that builds a ``NodeConfig``; ``kvatlas node`` refuses to guess the shape)."""
-LAYOUT_SHAPE: Final = ("num_layers", "num_kv_heads", "head_dim")
-"""What ``kvatlas node`` needs from flags or ``--hf-config`` (it never guesses them)."""
-
-
-def resolve_layout_fields(config: NodeConfig) -> dict[str, object]:
-    """The layout fields' values: each flag given, else ``--hf-config``'s value, else the
-    default. With ``--hf-config``, a flag that contradicts the file is refused, and a field
-    the file does not state must be given as a flag (never a default: a wrong layout fails
-    silently)."""
-    given = {name: getattr(config, name) for name in LAYOUT_DEFAULTS}
-    if config.hf_config is None:
-        return {n: LAYOUT_DEFAULTS[n] if v is None else v for n, v in given.items()}
-    hf = read_hf_config(config.hf_config)
-    stated: dict[str, object] = {
-        "num_layers": hf.num_layers, "num_kv_heads": hf.kv_heads_per_rank(config.world_size),
-        "head_dim": hf.head_dim, "dtype": hf.dtype, "rope_style": hf.rope_style,
-        "rotary_dim": hf.rotary_dim or 0, "rope_theta": hf.rope_theta,
-    }  # fmt: skip
-    resolved: dict[str, object] = {}
-    for name, value in given.items():
-        flag = "--" + name.replace("_", "-")
-        if stated[name] is None and value is None:
-            raise ValueError(
-                f"--hf-config {config.hf_config} does not state the {name} "
-                f"(model_type {hf.model_type!r}); give {flag}"
-            )
-        if stated[name] is not None and value is not None and value != stated[name]:
-            raise ValueError(
-                f"{flag} {value} contradicts --hf-config {config.hf_config}, which gives "
-                f"{stated[name]}; drop the flag or fix the file"
-            )
-        resolved[name] = stated[name] if value is None else value
-    return resolved
 
 
 def default_l2_path(environ: Mapping[str, str] | None = None) -> Path:
