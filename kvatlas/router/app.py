@@ -416,13 +416,12 @@ class Router:
                 self.engines.first_byte(engine, uncomputed)
                 self.engines.finished(engine)
                 raise
-            self.metrics.decisions.labels(self.policy.name, engine.engine_id).inc()
+            series = self.metrics.engine(engine.engine_id, self.policy.name)
+            series.decisions.inc()
             if req.prompt_tokens is not None:
-                self.metrics.prompt_tokens.labels(engine.engine_id).inc(len(req.prompt_tokens))
+                series.prompt_tokens.inc(len(req.prompt_tokens))
                 reused = choice.coverage.prefix_tokens + choice.coverage.fragment_tokens
-                self.metrics.predicted_reused.labels(engine.engine_id).inc(
-                    min(reused, len(req.prompt_tokens))
-                )
+                series.predicted_reused.inc(min(reused, len(req.prompt_tokens)))
             return engine, reply, uncomputed
         raise Unavailable("no engine accepted the request (each refused the connection)")
 
@@ -456,7 +455,9 @@ class Router:
             if complete and reply.status == 200 and reply.header(b"content-encoding") is None:
                 found = cached_tokens(bytes(kept), req.stream)
                 if found is not None:
-                    self.metrics.reported_reused.labels(engine.engine_id).inc(found)
+                    self.metrics.engine(engine.engine_id, self.policy.name).reported_reused.inc(
+                        found
+                    )
 
     # ------------------------------------------------------------------ other routes
 
