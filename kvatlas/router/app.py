@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Final
 
 import aiohttp
@@ -322,11 +322,11 @@ class Router:
         out = [(k, v) for k, v in reply.headers if k in _FORWARD_REPLY_HEADERS]
         out.append((_ENGINE_HEADER_BYTES, engine.engine_id.encode()))
         await self._stream(send, receive, reply.status, out,
-                           self._relay(engine, reply, req, uncomputed, arrived))  # fmt: skip
+                           _Relay(self, engine, reply, req, uncomputed, arrived))  # fmt: skip
 
     @staticmethod
     async def _stream(send: Send, receive: Receive, status: int,
-                      headers: list[tuple[bytes, bytes]], chunks: AsyncIterator[bytes]) -> None:  # fmt: skip
+                      headers: list[tuple[bytes, bytes]], chunks: _Relay) -> None:  # fmt: skip
         """Send ``chunks`` as they come. A client that leaves cancels this (its ``receive``
         says ``http.disconnect``), which closes the engine's reply in ``chunks``' cleanup:
         what Starlette's StreamingResponse does, with one watcher task instead of a group."""
@@ -356,8 +356,7 @@ class Router:
         finally:
             state["done"] = True
             watcher.cancel()
-            if isinstance(chunks, AsyncGenerator):
-                await chunks.aclose()
+            chunks.close()  # also when it was never read (cancelled before the first piece)
 
     def _uncomputed(self, req: RouteRequest, cover: Coverage) -> int:
         if req.prompt_tokens is None:
@@ -425,40 +424,6 @@ class Router:
             return engine, reply, uncomputed
         raise Unavailable("no engine accepted the request (each refused the connection)")
 
-    async def _relay(self, engine: Engine, reply: StreamedReply, req: RouteRequest,
-                     uncomputed: int, arrived: float) -> AsyncIterator[bytes]:  # fmt: skip
-        """The engine's body as it comes; :class:`_ReplyCut` after the last byte that came
-        when the engine's reply ends early (its connection closed or timed out)."""
-        first, complete = True, False
-        kept = bytearray()
-        try:
-            while chunk := await reply.read_some():
-                if first:
-                    first = False
-                    self.engines.first_byte(engine, uncomputed)
-                    self.metrics.ttft_seconds.observe(time.perf_counter() - arrived)
-                kept += chunk
-                if req.stream and len(kept) > 2 * _USAGE_TAIL_BYTES:
-                    del kept[:-_USAGE_TAIL_BYTES]
-                yield chunk
-            complete = True
-        except (OSError, TimeoutError) as exc:
-            self.metrics.aborted_streams.inc()
-            log.info("engine %s: reply cut: %r", engine.engine_id, exc)
-            raise _ReplyCut from None
-        finally:
-            if first:
-                self.engines.first_byte(engine, uncomputed)
-            self.engines.finished(engine)
-            self.metrics.e2e_seconds.observe(time.perf_counter() - arrived)
-            reply.close()  # a whole reply's connection is back in the pool; any other closed
-            if complete and reply.status == 200 and reply.header(b"content-encoding") is None:
-                found = cached_tokens(bytes(kept), req.stream)
-                if found is not None:
-                    self.metrics.engine(engine.engine_id, self.policy.name).reported_reused.inc(
-                        found
-                    )
-
     # ------------------------------------------------------------------ other routes
 
     async def models(self, request: Request) -> Response:
@@ -500,6 +465,59 @@ class Router:
         for engine in self.engines.all():
             self.metrics.in_flight.labels(engine.engine_id).set(engine.in_flight)
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class _Relay:
+    """The engine's body on its way to the client, and the accounting when it ends — however
+    it ends: read whole, cut by the engine (:class:`_ReplyCut` after the last piece that
+    came), or closed unread (the client left, shutdown) — exactly once (:meth:`close`)."""
+
+    def __init__(self, router: Router, engine: Engine, reply: StreamedReply, req: RouteRequest,
+                 uncomputed: int, arrived: float) -> None:  # fmt: skip
+        self.router, self.engine, self.reply, self.req = router, engine, reply, req
+        self.uncomputed, self.arrived = uncomputed, arrived
+        self.first, self.closed = True, False
+        self.kept = bytearray()
+
+    def __aiter__(self) -> _Relay:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            chunk = await self.reply.read_some()
+        except (OSError, TimeoutError) as exc:
+            self.router.metrics.aborted_streams.inc()
+            log.info("engine %s: reply cut: %r", self.engine.engine_id, exc)
+            self.close()
+            raise _ReplyCut from None
+        if not chunk:
+            self.close(read_whole=True)
+            raise StopAsyncIteration
+        if self.first:
+            self.first = False
+            self.router.engines.first_byte(self.engine, self.uncomputed)
+            self.router.metrics.ttft_seconds.observe(time.perf_counter() - self.arrived)
+        self.kept += chunk
+        if self.req.stream and len(self.kept) > 2 * _USAGE_TAIL_BYTES:
+            del self.kept[:-_USAGE_TAIL_BYTES]
+        return chunk
+
+    def close(self, read_whole: bool = False) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        router, engine, reply = self.router, self.engine, self.reply
+        if self.first:
+            router.engines.first_byte(engine, self.uncomputed)
+        router.engines.finished(engine)
+        router.metrics.e2e_seconds.observe(time.perf_counter() - self.arrived)
+        reply.close()  # a whole reply's connection is back in the pool; any other closed
+        if read_whole and reply.status == 200 and reply.header(b"content-encoding") is None:
+            found = cached_tokens(bytes(self.kept), self.req.stream)
+            if found is not None:
+                router.metrics.engine(engine.engine_id, router.policy.name).reported_reused.inc(
+                    found
+                )
 
 
 _COMPLETION_PATHS: Final[dict[str, Kind]] = {
