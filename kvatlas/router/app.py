@@ -329,7 +329,17 @@ class Router:
                       headers: list[tuple[bytes, bytes]], chunks: _Relay) -> None:  # fmt: skip
         """Send ``chunks`` as they come. A client that leaves cancels this (its ``receive``
         says ``http.disconnect``), which closes the engine's reply in ``chunks``' cleanup:
-        what Starlette's StreamingResponse does, with one watcher task instead of a group."""
+        what Starlette's StreamingResponse does, with one watcher task instead of a group.
+        A reply whose body came whole with its head (a non-streamed completion) has nothing
+        left to wait for: it goes out as one message, with no watcher."""
+        if chunks.reply.complete:
+            try:
+                body = b"".join([chunk async for chunk in chunks])
+                await send({"type": "http.response.start", "status": status, "headers": headers})
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+            finally:
+                chunks.close()
+            return
         task = asyncio.current_task()
         assert task is not None
         state = {"left": False, "done": False}
