@@ -10,7 +10,12 @@ Invariants (docs/router.md):
   (413), no engine healthy (503) — and passes an engine's own errors through untouched;
 * a request an engine refused before sending a byte is retried once, on the next engine of
   the same ranking; the refusing engine leaves the set until a health check passes;
-* a client that leaves mid-reply closes the engine's connection (the engine can abort).
+* a client that leaves mid-reply closes the engine's connection (the engine can abort); an
+  engine's reply cut mid-way (closed, stalled past ``--engine-timeout-s``) cuts the client's:
+  its connection closes without the body's end, never a reply that looks whole, never a hang.
+
+Engines are called through :class:`~kvatlas.client.keepalive.KeepAliveClient` (one pool of
+keep-alive connections per engine URL, replies streamed as they arrive).
 
 The two completion routes are answered by plain ASGI in front of Starlette (no request object,
 middleware or task group per request: docs/router.md, "The router's own cost"); the other
