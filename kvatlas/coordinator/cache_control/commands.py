@@ -151,6 +151,12 @@ class CommandLog:
             updated_at=now, last_error=error,
         ))  # fmt: skip
 
+    def due_now(self, command_id: str) -> Command:
+        """Deliver a pending command at the next pass (its instance is back)."""
+        c = self._require(command_id)
+        now = self._clock()
+        return self.record("retry", msgspec.structs.replace(c, next_attempt_at=now, updated_at=now))
+
     def delivered(self, command_id: str, remote_ids: tuple[str, ...] = ()) -> Command:
         now = self._clock()
         c = self._require(command_id)

@@ -128,6 +128,14 @@ class Delivery:
                 self.deliver(c)
         log_.prune()
 
+    def instance_back(self, instance_id: str) -> None:
+        """The instance (re-)registered: its pending commands are due now, not at the end of
+        a backoff that grew while it was down."""
+        log_ = self.commands
+        for c in log_.unfinished():
+            if c.state == "pending" and instance_id in c.targets:
+                log_.due_now(c.command_id)
+
     def instance_left(self, instance_id: str) -> list[Command]:
         """The instance deregistered: every unfinished command that needs it fails."""
         failed = []
