@@ -67,9 +67,9 @@ def commands(coordinator: str) -> dict[tuple[str, str], float]:
     return {(k, s): float(v) for k, s, v in re.findall(pattern, text, re.M)}
 
 
-def delete_doc(coordinator: str, doc: list[int]) -> httpx.Response:
+def delete_doc(coordinator: str, doc: list[int], tier: str = "all") -> httpx.Response:
     body = {"instance_id": "node-a", "model_name": "toy", "world_size": 1,
-            "token_ids": [int(t) for t in doc], "tier": "all"}  # fmt: skip
+            "token_ids": [int(t) for t in doc], "tier": tier}  # fmt: skip
     return httpx.post(f"{coordinator}/cache/delete", json=body, timeout=60)
 
 
@@ -86,7 +86,8 @@ def test_deletes_survive_a_node_down_and_a_coordinator_killed_mid_command(
     tmp_path: Path, procs: list[subprocess.Popen[bytes]]
 ) -> None:
     """One fleet, two outages (each process start costs seconds): first the node is down when
-    the delete is asked, then the coordinator is killed while a second delete is pending."""
+    the delete is asked; then, the node up, an L1 delete and a prefetch from L2; then the
+    coordinator is killed while a delete is pending."""
     coord_port, node_port = free_port(), free_port()
     coordinator, node = f"http://127.0.0.1:{coord_port}", f"http://127.0.0.1:{node_port}"
     snapshot = tmp_path / "snap"
@@ -110,9 +111,23 @@ def test_deletes_survive_a_node_down_and_a_coordinator_killed_mid_command(
     assert tiers(coordinator, DOC) == [[]] * 3
     assert l2_keys(node) == 0  # gone from the node's L2, not only from the view
 
-    # 2. the coordinator is killed (-9) with a delete pending: its snapshot carries it
+    # 2. with the node up: an L1 delete, then a prefetch back from L2, each done from events
     store_doc(node, DOC2)
     assert wait_for(lambda: tiers(coordinator, DOC2) == [["l1", "l2"]] * 3, timeout=30)
+    r = delete_doc(coordinator, DOC2, tier="l1")
+    assert (r.status_code, r.json()["affected"]) == (200, 3), r.text
+    assert wait_for(lambda: commands(coordinator)[("delete", "completed")] == 2, timeout=30)
+    assert tiers(coordinator, DOC2) == [["l2"]] * 3
+    body = {"instance_id": "node-a", "model_name": "toy", "world_size": 1,
+            "token_ids": [int(t) for t in DOC2]}  # fmt: skip
+    r = httpx.post(f"{coordinator}/cache/prefetches", json=body)
+    assert r.status_code == 202 and r.json()["status"] == "submitted", r.text
+    status = f"{coordinator}/cache/prefetches/node-a/{r.json()['request_id']}"
+    assert wait_for(lambda: httpx.get(status).json()["status"] == "completed", timeout=30)
+    assert httpx.get(status).json() == {"status": "completed", "found_keys": 3, "total_keys": 3}
+    assert tiers(coordinator, DOC2) == [["l1", "l2"]] * 3  # the L1 store events came first
+
+    # 3. the coordinator is killed (-9) with a delete pending: its snapshot carries it
     procs[-1].kill()
     procs[-1].wait(timeout=30)
     assert delete_doc(coordinator, DOC2).status_code == 502
@@ -123,6 +138,6 @@ def test_deletes_survive_a_node_down_and_a_coordinator_killed_mid_command(
     procs.append(spawn_coordinator(coord_port, *flags))
     assert commands(coordinator)[("delete", "pending")] == 1  # restored
     procs.append(spawn_node(coordinator, node_port, l2))
-    assert wait_for(lambda: commands(coordinator)[("delete", "completed")] == 2, timeout=90)
+    assert wait_for(lambda: commands(coordinator)[("delete", "completed")] == 3, timeout=90)
     assert tiers(coordinator, DOC2) == [[]] * 3
     assert l2_keys(node) == 0
