@@ -117,7 +117,7 @@ async def prefetch_status(ctx: Context, call: Call[None, None]) -> CoordinatorPr
         return status
     if not call.who.sees_everything:
         raise Forbidden("a prefetch this coordinator did not record: for a token not bound to cache_salts only")  # fmt: skip
-    url = service.url_of(instance_id)
+    url = service.delivery.fleet.url_of(instance_id)
     if url is None:
         raise BadGateway(f"prefetch status from {instance_id!r} failed: no http_port registered")
 
