@@ -203,7 +203,7 @@ class Delivery:
         # another member; its private L2 copies wait for it
         left = self._left(c)
         if any(not cp.shared for copies in left for cp in copies):
-            return f"instance {target!r} is not registered", None
+            return f"instance {target!r} is not registered (or gave no http_port)", None
         pools = {cp.backend for copies in left for cp in copies}
         for backend in sorted(pools):
             members = [m for m in self.fleet.pool_members(backend) if m != target]
@@ -220,7 +220,7 @@ class Delivery:
     def _send_prefetch(self, c: Command) -> tuple[str, int | None] | None:
         url = self.fleet.url_of(c.targets[0])
         if url is None:
-            return f"instance {c.targets[0]!r} is not registered", None
+            return f"instance {c.targets[0]!r} is not registered (or gave no http_port)", None
         key = c.keys[0]
         try:
             reply = self.call(
