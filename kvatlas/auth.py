@@ -10,6 +10,7 @@ lookup    query the directory (prefix, keys, blend)               ``cache_salts`
 engine    call a node's engine API (store, lookup, retrieve)      ``cache_salts``
 peer      call a node's peer API (fetch KV for a fleet member)    nothing
 route     send requests through ``kvatlas router``                 ``cache_salts``
+cache     cache control: pins, deletes, prefetches, quotas        ``cache_salts``
 admin     everything (listings, deregistering anyone)             nothing
 ========  =====================================================  ==========================
 
@@ -60,7 +61,7 @@ from kvatlas.errors import Forbidden, Unauthorized
 
 log = logging.getLogger(__name__)
 
-ROLES = ("emit", "lookup", "engine", "peer", "admin", "route")
+ROLES = ("emit", "lookup", "engine", "peer", "admin", "route", "cache")
 _SALT_VERBS = {"lookup": "query", "emit": "store for", "route": "route"}
 MIN_TOKEN_CHARS = 32
 """Shortest token either service accepts (in a token file, a token file of its own, the

@@ -17,8 +17,8 @@ from kvatlas.client.route_client import (
     run_route_command,
 )
 from kvatlas.config_flags import FlagParser, add_dataclass_arguments, dataclass_from_args
+from kvatlas.coordinator.config import CoordinatorConfig, config_from_args
 from kvatlas.coordinator.config import add_arguments as add_coordinator_arguments
-from kvatlas.coordinator.config import config_from_args
 from kvatlas.engine_sim.config import add_arguments as add_engine_sim_arguments
 from kvatlas.engine_sim.config import config_from_args as engine_sim_config_from_args
 from kvatlas.keys import pack_kv_rank
@@ -143,8 +143,21 @@ def subcommand_parser(
     return parser
 
 
+MP_SERVER_TIMEOUT_S = 10.0
+"""How long the coordinator waits for an MP server's answer to a cache-control call."""
+
+
+def run_coordinator(config: CoordinatorConfig) -> int:
+    """``kvatlas coordinator``, delivering cache-control commands with the MP-server client
+    (the coordinator package does not import the client package: handed in from here)."""
+    from kvatlas.client.mp_server_client import MPServerClient
+    from kvatlas.coordinator.server import run_coordinator as run
+
+    return run(config, lambda url: MPServerClient(url, timeout=MP_SERVER_TIMEOUT_S))
+
+
 _SERVICES: dict[str, tuple[str, str, Callable[[argparse.Namespace], object]]] = {
-    "coordinator": ("kvatlas.coordinator.server", "run_coordinator", config_from_args),
+    "coordinator": ("kvatlas.cli", "run_coordinator", config_from_args),
     "node": ("kvatlas.node.server", "run_node", node_config_from_args),
     "router": ("kvatlas.router.server", "run_router", router_config_from_args),
     "engine-sim": ("kvatlas.engine_sim.server", "run_engine_sim", engine_sim_config_from_args),

@@ -17,6 +17,7 @@
     │   └── KeySchemeMismatch        (kvatlas.keys) two parts would compute different keys
     └── Unavailable                  a dependency is down or overloaded; retrying may help
         │                            (503; also a RuntimeError)
+        ├── BadGateway               a server this one forwards to did not answer (502)
         ├── L2Unavailable            (kvatlas.node)
         ├── TransientSendError       (kvatlas.client) worth retrying the delivery
         │   └── AuthSendError        (kvatlas.client) 401/403: retried with backoff, counted
@@ -78,7 +79,12 @@ class Unavailable(KvatlasError, RuntimeError):
     status = 503
 
 
+class BadGateway(Unavailable):
+    status = 502
+
+
 __all__ = [
+    "BadGateway",
     "Conflict",
     "Forbidden",
     "InvalidInput",

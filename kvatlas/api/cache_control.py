@@ -247,3 +247,32 @@ class MoveReply(msgspec.Struct):
     target_instance_id: str
     requested: int
     status: Literal["pending", "noop"]
+
+
+class PinsQuery(msgspec.Struct, forbid_unknown_fields=True):
+    """``GET /cache/pins``'s query: an empty ``cache_salt`` lists every salt (``_default``
+    names the empty one), ``limit`` 1-10,000 (422 outside)."""
+
+    cache_salt: str = ""
+    model_name: str = ""
+    offset: int = 0
+    limit: int = 1000
+
+
+class MoveStatus(msgspec.Struct):
+    """``GET /cache/moves/{move_id}``: where a move stands. ``phase``: ``queued`` (recorded,
+    not yet carried out), ``loading`` (sent to the target), ``done``; ``requested`` chunks,
+    ``loaded`` keys the target holds, ``missing`` keys it could not load, ``deleted`` source
+    copies removed, ``skipped`` pinned source copies left."""
+
+    move_id: str
+    source_instance_id: str
+    target_instance_id: str
+    status: Literal["pending", "completed", "failed"]
+    phase: str
+    requested: int
+    loaded: int
+    missing: int
+    deleted: int
+    skipped: int
+    error: str | None

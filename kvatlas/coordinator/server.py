@@ -19,6 +19,7 @@ from typing import IO
 from kvatlas.asgi_thread import ThreadedServer, bind_listener, free_port, serve
 from kvatlas.auth import TokenAuth
 from kvatlas.coordinator.app import create_app
+from kvatlas.coordinator.cache_control.delivery import MpServers
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.runtime import (
     COLLECTIONS,
@@ -102,11 +103,15 @@ class BackgroundServer:
     (:func:`claim_replica`), and releases them on :meth:`stop`."""
 
     def __init__(
-        self, config: CoordinatorConfig, clock: Callable[[], float] = time.monotonic
+        self,
+        config: CoordinatorConfig,
+        clock: Callable[[], float] = time.monotonic,
+        mp_servers: MpServers | None = None,
     ) -> None:
-        """``clock`` times instance heartbeats (tests inject a fake one)."""
+        """``clock`` times instance heartbeats (tests inject a fake one); ``mp_servers``:
+        the client cache-control commands are delivered with (:class:`CoordinatorService`)."""
         self.config = config
-        self.service = CoordinatorService(config, clock)
+        self.service = CoordinatorService(config, clock, mp_servers)
         self.app = create_app(self.service)
         self._http = ThreadedServer(
             self.app,
@@ -154,7 +159,9 @@ class BackgroundServer:
         self.stop()
 
 
-def run_coordinator(config: CoordinatorConfig) -> int:
+def run_coordinator(config: CoordinatorConfig, mp_servers: MpServers | None = None) -> int:
+    """``kvatlas coordinator`` (``mp_servers``: the MP-server client cache-control commands
+    are delivered with; ``kvatlas.cli`` hands in ``kvatlas.client.MPServerClient``)."""
     configure_logging(config.log_level, config.log_format)
     set_switch_interval()  # runtime.py: one thread's Python work must not stall the others
     COLLECTIONS.install()
@@ -179,7 +186,7 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     except KvatlasError as exc:
         log.error("%s; not starting", exc)
         return 1
-    service = CoordinatorService(config)
+    service = CoordinatorService(config, mp_servers=mp_servers)
     service.start()
     log.info(
         "kvatlas coordinator on http://%s:%d (scheme %s/%d, blend %s, transport %s, replica %s)",

@@ -19,6 +19,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
+from kvatlas.coordinator.cache_control import SECTION, encode_state, restore_section
+from kvatlas.coordinator.cache_control.delivery import MpServers
+from kvatlas.coordinator.cache_control.fleet import cache_control_of
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.emitters import EmitterBook, emitter_views, instance_views
 from kvatlas.coordinator.ingestion import Ingestion
@@ -62,7 +65,10 @@ log = logging.getLogger(__name__)
 
 class CoordinatorService:
     def __init__(
-        self, config: CoordinatorConfig, clock: Callable[[], float] = time.monotonic
+        self,
+        config: CoordinatorConfig,
+        clock: Callable[[], float] = time.monotonic,
+        mp_servers: MpServers | None = None,  # the client cache-control commands go through
     ) -> None:
         self.config = config
         self.scheme = config.scheme
@@ -98,6 +104,10 @@ class CoordinatorService:
         self.ingestion = Ingestion(
             config, self.directory, self.instances, self.emitters, self.metrics, self.auth, clock
         )
+        self.cache_control, self.delivery = cache_control_of(
+            config.chunk_size, lambda tokens: scheme.chunk_hashes(tokens), self.instances,
+            self.directory, self.metrics.registry, mp_servers,
+        )  # fmt: skip
         engines = functools.partial(self.ingest, engine=True)  # they cannot register
         self.kv_events = self.ingestion.kv_events = KvEventsLinks.from_config(
             config, self.directory, engines, self._stop, is_node=self.instances.known,
@@ -111,6 +121,7 @@ class CoordinatorService:
         self.restore()
         self.instances.expire()  # restored instances silent for too long: fenced, not ghosts
         self._spawn("instance-sweeper", self._sweep_loop)
+        self._spawn("cache-control", functools.partial(self.delivery.run, self._stop))
         for name, run in self.kv_events.start():
             self._spawn(name, run)
         if self.config.snapshot_path is not None:
@@ -218,6 +229,7 @@ class CoordinatorService:
             self.directory.gap_state(instance_id) is not None
         )
         self.instances.deregister(instance_id)
+        self.delivery.instance_left(instance_id)
         self.emitters.deregistered(instance_id, known, self._clock())
         return Deregistration(instance_id, known, self.directory.deregister(instance_id))
 
@@ -250,6 +262,7 @@ class CoordinatorService:
         departed = self.emitters.departed(self.directory.emitters(), registered, now, retention)
         for instance_id in departed:
             self.directory.deregister(instance_id)
+            self.delivery.instance_left(instance_id)
             self.metrics.forget_instance(instance_id)
         if departed:
             log.info("forgot %d departed emitters (cursors, metric series)", len(departed))
@@ -298,6 +311,7 @@ class CoordinatorService:
             log.error("snapshot %s could not be restored (%s); starting empty", path, exc)
             return
         self._restored = True
+        restore_section(self.cache_control, info.sections, path)
         self.stream_position = self._restored_position = info.stream_position
         if info.instances is not None:
             self.instances.restore(info.instances)
@@ -318,8 +332,10 @@ class CoordinatorService:
             position = self.stream_position
             try:
                 info = save_snapshot(
-                    self.directory, path, stream_position=position, instances=self.instances.rows()
-                )
+                    self.directory, path, stream_position=position,
+                    instances=self.instances.rows(),
+                    sections={SECTION: encode_state(self.cache_control)},
+                )  # fmt: skip
             except OSError as exc:
                 self.metrics.snapshot_failures.inc()
                 log.error("snapshot to %s failed: %s", path, exc)

@@ -37,6 +37,7 @@ from kvatlas.directory.records import (
     prefix_summary,
     public_placements,
 )
+from kvatlas.directory.salt_usage import bytes_by_salt
 from kvatlas.directory.summaries import DirectoryStats, DirectoryUsage, ModuleUsage
 from kvatlas.errors import InvalidInput
 from kvatlas.events import ACCESS, CONFIG, DELETE, RESYNC, STORE, EventBatch
@@ -294,6 +295,11 @@ class KeyDirectory:
     def count_keys(self, where: listing.KeyFilter = listing.ALL_KEYS) -> int:
         """How many keys ``where`` admits."""
         return listing.count_keys(self._chunks, self._lock, where)
+
+    def bytes_by_salt(self, tier: str = "l2") -> dict[str, int]:
+        """Bytes of each cache salt's ``tier`` copies (quota usage; one pass, a partition
+        per lock hold: :mod:`kvatlas.directory.salt_usage`)."""
+        return bytes_by_salt(self._chunks, self._lock, tier)
 
     def digest(self, instance_id: str, tier: str, prefix: bytes = b"") -> Digest:
         """The inventory digest of the instance's own placements on ``tier``: the root digest

@@ -54,6 +54,8 @@ class Command(msgspec.Struct, frozen=True, kw_only=True):
     last_error: str = ""
     remote_ids: tuple[str, ...] = ()  # what each target named it (a prefetch's request id)
     found_keys: int | None = None  # a completed prefetch: how many keys the target holds
+    token_ids: tuple[int, ...] = ()  # a prefetch's tokens (an MP server resolves its keys)
+    world_size: int = 1
 
 
 class Retry(msgspec.Struct, frozen=True):
@@ -149,6 +151,12 @@ class CommandLog:
             updated_at=now, last_error=error,
         ))  # fmt: skip
 
+    def due_now(self, command_id: str) -> Command:
+        """Deliver a pending command at the next pass (its instance is back)."""
+        c = self._require(command_id)
+        now = self._clock()
+        return self.record("retry", msgspec.structs.replace(c, next_attempt_at=now, updated_at=now))
+
     def delivered(self, command_id: str, remote_ids: tuple[str, ...] = ()) -> Command:
         now = self._clock()
         c = self._require(command_id)
@@ -182,6 +190,18 @@ class CommandLog:
             for i in old:
                 del self._commands[i]
         return len(old)
+
+    def progress(self, command_id: str, **fields: object) -> Command:
+        """Record what a delivered command learnt (a prefetch's ``found_keys``) without
+        changing its state."""
+        c = self._require(command_id)
+        return self.record("progress", msgspec.structs.replace(c, **fields))  # type: ignore[arg-type]
+
+    def unfinished(self) -> list[Command]:
+        """Every command not yet completed or failed, oldest first."""
+        with self._lock:
+            found = [c for c in self._commands.values() if c.state not in FINISHED]
+        return sorted(found, key=lambda c: c.created_at)
 
     def counts(self) -> dict[tuple[str, str], int]:
         """Commands by (kind, state): the metric's figures."""

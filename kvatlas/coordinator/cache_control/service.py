@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Literal
 
 from kvatlas.api.cache_control import (
     MAX_PIN_PAGE,
@@ -26,6 +26,7 @@ from kvatlas.api.cache_control import (
     EncodedKey,
     MoveBody,
     MoveReply,
+    MoveStatus,
     PinReply,
     PinRow,
     PinsReply,
@@ -88,6 +89,7 @@ class CacheControl:
         *,
         is_instance: Callable[[str], bool],
         usage_by_salt: Callable[[], Mapping[str, int]],
+        hash_chunks: Callable[[list[int]], list[bytes]] | None = None,
         pins: PinTable | None = None,
         quotas: QuotaTable | None = None,
         commands: CommandLog | None = None,
@@ -95,6 +97,7 @@ class CacheControl:
         self.chunk_size = chunk_size
         self.is_instance = is_instance
         self.usage_by_salt = usage_by_salt  # bytes of L2 copies per salt (the directory's)
+        self.hash_chunks = hash_chunks or (lambda tokens: chunk_hashes(tokens, chunk_size))
         self.pins = pins or PinTable()
         self.quotas = quotas or QuotaTable()
         self.commands = commands or CommandLog()
@@ -111,7 +114,7 @@ class CacheControl:
         try:
             check_cache_salt(fields.cache_salt)
             check_model_name(fields.model_name)
-            hashes = chunk_hashes(fields.token_ids, self.chunk_size)
+            hashes = self.hash_chunks(fields.token_ids)
             keys = expand_prefix_keys(
                 hashes, fields.model_name, fields.world_size, fields.cache_salt
             )
@@ -169,8 +172,10 @@ class CacheControl:
         if not found.keys:
             return PrefetchOutcome(CoordinatorPrefetchReply(body.instance_id, "", 0, "noop"), None)
         command = self.commands.new(
-            "prefetch", [body.instance_id], [wire_key(k) for k in found.keys], tier="l2"
-        )
+            "prefetch", [body.instance_id], [wire_key(k) for k in found.keys], tier="l2",
+            token_ids=tuple(body.token_ids[: found.chunks * self.chunk_size]),
+            world_size=body.world_size,
+        )  # fmt: skip
         reply = CoordinatorPrefetchReply(
             body.instance_id, command.command_id, found.chunks, "submitted"
         )
@@ -207,8 +212,26 @@ class CacheControl:
         command = self.commands.new(
             "move", [target], [wire_key(k) for k in found.keys], tier="l1", source=source,
             force=not body.keep_source,  # a move deletes the source's copy; a copy keeps it
+            token_ids=tuple(body.token_ids[: found.chunks * self.chunk_size]),
+            world_size=body.world_size,
         )  # fmt: skip
         return MoveReply(command.command_id, source, target, found.chunks, "pending"), command
+
+    def move_status(self, move_id: str) -> MoveStatus:
+        """A recorded move (404 an id that is not one; kept ``retention_s`` after it ends)."""
+        c = self.commands.get(move_id)
+        if c is None or c.kind != "move":
+            raise NotFound(f"unknown move_id={move_id!r}")
+        loaded = c.found_keys or 0
+        status: Literal["pending", "completed", "failed"] = (
+            "pending" if c.state in ("pending", "sent") else c.state  # type: ignore[assignment]
+        )
+        phase = {"pending": "queued", "sent": "loading"}.get(c.state, "done")
+        missing = len(c.keys) - loaded if c.state == "completed" else 0
+        return MoveStatus(
+            c.command_id, c.source, c.targets[0], status, phase,
+            len(c.keys) // max(c.world_size, 1), loaded, missing, 0, 0, c.last_error or None,
+        )  # fmt: skip
 
     def _require_instance(self, instance_id: str) -> None:
         if not self.is_instance(instance_id):

@@ -11,7 +11,9 @@ bindings that need the body (instances, salts) the handlers check. See docs/coor
 from __future__ import annotations
 
 from kvatlas import api
+from kvatlas.api import cache_control as cc
 from kvatlas.coordinator.routes import (
+    cache_control,
     config,
     directory,
     events,
@@ -28,6 +30,9 @@ from kvatlas.routing import OPEN, Access, Route
 EMIT, LOOKUP = Access(("emit",)), Access(("lookup",))
 EVERY_TENANT = Access(("lookup",), every_tenant="this reply covers every tenant")
 METRICS = Access(("lookup",), every_tenant="this reply covers every tenant", public_flag="metrics")
+CACHE = Access((cache_control.ROLE,))
+"""Cache control: ``admin``, or a ``cache`` token (its salts checked by the handler)."""
+CACHE_EVERY_TENANT = Access((cache_control.ROLE,), every_tenant="this covers every tenant")
 DOCS = Access(public_flag="docs")
 """``/openapi.json``, ``/docs``, ``/redoc``: any valid token unless ``--public-docs``."""
 
@@ -117,6 +122,71 @@ ROUTES: tuple[Route, ...] = (
     Route(
         "PUT", "/instances/{instance_id}/report", EMIT, status.report,
         "A node's value counters and tiers", request=bytes, reply=api.ReportReply,
+    ),
+    # cache control, LMCache 0.5.7's coordinator paths (docs/cache-control.md); token bodies
+    # take the lookup limit (1,000,000 token ids fit by default; more is a 400)
+    Route(
+        "POST", "/cache/pins", CACHE, cache_control.pin, "Pin the keys of tokens (counted)",
+        request=cc.TokenFields, reply=cc.PinReply, body=lambda b: b.lookup,
+    ),
+    Route(
+        "DELETE", "/cache/pins", CACHE, cache_control.unpin, "Unpin (floors at 0)",
+        request=cc.TokenFields, reply=cc.PinReply, body=lambda b: b.lookup,
+    ),
+    Route(
+        "GET", "/cache/pins", CACHE, cache_control.pins, "Pinned keys, first pinned first",
+        query=cc.PinsQuery, reply=cc.PinsReply,
+    ),
+    Route(
+        "POST", "/cache/delete", CACHE, cache_control.delete,
+        "Delete the keys of tokens from an instance (a durable command; pinned keys skipped "
+        "unless force)", request=cc.CoordinatorDeleteBody, reply=cc.CoordinatorDeleteReply,
+        body=lambda b: b.lookup,
+    ),
+    Route(
+        "POST", "/cache/prefetches", CACHE, cache_control.prefetch,
+        "Load the keys of tokens from an instance's L2 into its L1 (a durable command)",
+        request=cc.CoordinatorPrefetchBody, reply=cc.CoordinatorPrefetchReply, status=202,
+        body=lambda b: b.lookup,
+    ),
+    Route(
+        "GET", "/cache/prefetches/{instance_id}/{request_id}", CACHE,
+        cache_control.prefetch_status, "Where a prefetch stands",
+        reply=cc.CoordinatorPrefetchStatus,
+    ),
+    Route(
+        "POST", "/cache/moves", CACHE, cache_control.move,
+        "Record a move of the keys of tokens from one instance's L1 to another's",
+        request=cc.MoveBody, reply=cc.MoveReply, body=lambda b: b.lookup,
+    ),
+    Route(
+        "GET", "/cache/moves/{move_id}", CACHE, cache_control.move_status,
+        "Where a move stands", reply=cc.MoveStatus,
+    ),
+    Route(
+        "GET", "/quota/config", CACHE, cache_control.quota_config,
+        "The default quota (null: salts without one are exempt)", reply=cc.QuotaConfig,
+    ),
+    Route(
+        "PUT", "/quota/config", CACHE_EVERY_TENANT, cache_control.set_quota_config,
+        "Set the default quota", request=cc.QuotaConfig, reply=cc.QuotaConfig,
+    ),
+    Route(
+        "GET", "/quota", CACHE_EVERY_TENANT, cache_control.quotas,
+        "Every salt's quota and usage", reply=cc.QuotaList,
+    ),
+    Route(
+        "PUT", "/quota/{cache_salt}", CACHE, cache_control.set_quota,
+        "Set a salt's quota (_default names the empty salt)", request=cc.QuotaSetBody,
+        reply=cc.QuotaSetReply,
+    ),
+    Route(
+        "GET", "/quota/{cache_salt}", CACHE, cache_control.quota, "A salt's quota and usage",
+        reply=cc.QuotaStatus,
+    ),
+    Route(
+        "DELETE", "/quota/{cache_salt}", CACHE, cache_control.remove_quota,
+        "Remove a salt's quota", reply=cc.QuotaSetReply,
     ),
 )  # fmt: skip
 """Every route of the coordinator but the documentation's (``app.py`` adds those)."""

@@ -1,0 +1,308 @@
+"""Delivery: the coordinator carries each recorded command to the MP servers (``kvatlas node`` or
+LMCache's ``lmcache server``: the same routes) and finishes it from what the directory shows.
+
+- **Where**: a delete or eviction goes to its instance, which removes the keys from its L1
+  and from its L2 (private, or the shared pool it is a member of). While that instance is not
+  registered (down), its L1 copies are gone with its process (fenced) and a shared pool's copies
+  are deleted through one live member of the pool instead; copies only it can reach (its private
+  L2) wait for it. A prefetch goes to its instance (LMCache's ``POST /cache/prefetches``).
+- **When**: every command the log says is due (:meth:`CommandLog.due`); an instance that cannot
+  be reached leaves the command ``pending`` with its backoff; a refusal (4xx: the command can
+  never apply) fails it; so does the instance's deregistration (:meth:`Delivery.instance_left`).
+- **Done**: a delete when none of the copies it targets is left in the directory (the node's
+  ``delete`` events, or the copies went by other means); a prefetch when its instance says it
+  completed and the directory shows at least ``found_keys`` of its keys in that instance's L1.
+
+The MP-server client is handed in (:data:`MpServers`: ``kvatlas.client.MPServerClient`` in a
+``kvatlas coordinator`` process; the coordinator does not import the client package). Moves
+are recorded and reported but not carried out here (issue 30 item 5); the fleet eviction
+policies hook in at :meth:`Delivery.run_once` (item 4).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from kvatlas.api.cache_control import (
+    DeleteObjectsReply,
+    EncodedKey,
+    PrefetchStatusReply,
+    PrefetchSubmitted,
+    TierName,
+)
+from kvatlas.coordinator.cache_control.commands import Command, CommandLog
+from kvatlas.errors import Unavailable
+from kvatlas.keys import ObjectKey, parse_chunk_hash_hex
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class MpServer(Protocol):
+    """One MP server's cache-control routes (``kvatlas.client.MPServerClient``). A failure
+    raises :class:`~kvatlas.errors.Unavailable` whose ``reply_status`` is the server's status
+    (``None``: it could not be reached)."""
+
+    def delete_objects(
+        self, keys: Sequence[EncodedKey], tier: TierName = "all", *, force: bool = False
+    ) -> DeleteObjectsReply: ...
+
+    def submit_prefetch(
+        self, model_name: str, world_size: int, token_ids: Sequence[int], cache_salt: str = ""
+    ) -> PrefetchSubmitted: ...
+
+    def prefetch_status(self, request_id: str) -> PrefetchStatusReply | None: ...
+
+    def close(self) -> None: ...
+
+
+MpServers = Callable[[str], MpServer]
+"""An MP server's client from its base URL."""
+PERIOD_S = 0.5
+"""How often the loop finishes and delivers commands."""
+_STRIPES = 64
+
+
+def no_servers(url: str) -> MpServer:
+    """The client of a coordinator given none: every delivery fails (commands stay pending)."""
+    raise Unavailable(f"this coordinator has no MP-server client to reach {url}")
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """One copy the directory shows: who reported it, where, and whether a pool shares it."""
+
+    instance_id: str
+    tier: str
+    backend: str
+    shared: bool
+
+
+class Fleet(Protocol):
+    """What delivery reads of the coordinator: a registered instance's URL (``None``: not
+    registered), the registered members of a shared L2 pool (by backend), the pools an instance
+    is a member of, and the copies of keys (``CoordinatorService`` answers it)."""
+
+    def url_of(self, instance_id: str) -> str | None: ...
+
+    def pool_members(self, backend: str) -> list[str]: ...
+
+    def pools_of(self, instance_id: str) -> set[str]: ...
+
+    def copies(self, keys: Sequence[ObjectKey]) -> list[list[Copy]]: ...
+
+
+def object_key(k: EncodedKey) -> ObjectKey:
+    return ObjectKey(
+        parse_chunk_hash_hex(k.chunk_hash_hex), k.model_name, k.kv_rank, k.object_group_id,
+        k.cache_salt,
+    )  # fmt: skip
+
+
+def _failure(exc: Unavailable) -> tuple[str, int | None]:
+    return str(exc), getattr(exc, "reply_status", None)
+
+
+class Delivery:
+    """Sends due commands and finishes them; :meth:`run_once` is one pass of the loop."""
+
+    def __init__(self, commands: Callable[[], CommandLog], fleet: Fleet, servers: MpServers):
+        self._commands = commands  # the log is replaced when a snapshot is restored
+        self.fleet = fleet
+        self.servers = servers
+        self._locks = [threading.Lock() for _ in range(_STRIPES)]  # one delivery per command
+
+    @property
+    def commands(self) -> CommandLog:
+        return self._commands()
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, stop: threading.Event) -> None:
+        """The loop: :meth:`run_once` every :data:`PERIOD_S` until ``stop``."""
+        while not stop.wait(PERIOD_S):
+            try:
+                self.run_once()
+            except Exception:  # one bad pass must not end the loop
+                log.exception("cache-control delivery pass failed")
+
+    def run_once(self) -> None:
+        """Finish what the directory shows done, deliver what is due, drop old finished
+        commands. (A fleet eviction policy would run here first and record ``evict``
+        commands: issue 30 item 4.)"""
+        log_ = self.commands
+        for c in log_.unfinished():
+            if c.state == "sent" or c.kind in ("delete", "evict"):
+                self.check(c)
+        for c in log_.due():
+            if c.kind != "move":  # moves: recorded and reported, carried out by item 5
+                self.deliver(c)
+        log_.prune()
+
+    def instance_back(self, instance_id: str) -> None:
+        """The instance (re-)registered: its pending commands are due now, not at the end of
+        a backoff that grew while it was down."""
+        log_ = self.commands
+        for c in log_.unfinished():
+            if c.state == "pending" and instance_id in c.targets:
+                log_.due_now(c.command_id)
+
+    def instance_left(self, instance_id: str) -> list[Command]:
+        """The instance deregistered: every unfinished command that needs it fails."""
+        failed = []
+        for c in self.commands.unfinished():
+            if instance_id in c.targets or c.source == instance_id:
+                reason = f"instance {instance_id!r} deregistered"
+                failed.append(self.commands.finish(c.command_id, "failed", reason))
+        return failed
+
+    # ------------------------------------------------------------------ one delivery
+
+    def deliver(self, command: Command) -> tuple[str, int | None] | None:
+        """One attempt to send ``command``; ``None`` when it was delivered (or finished),
+        else ``(error, the server's status or None: not reached)`` (the command is then
+        pending with its backoff, or failed for a refusal)."""
+        # the route's first attempt and the loop may meet on a new command: one waits for
+        # the other, then sends only if the command still needs it (its own answer stays true)
+        with self._locks[hash(command.command_id) % _STRIPES]:
+            current = self.commands.get(command.command_id)
+            if current is None or current.state in ("completed", "failed"):
+                return None
+            if current.state == "sent" and current.updated_at != command.updated_at:
+                return None  # delivered meanwhile
+            if current.kind == "prefetch":
+                failure = self._send_prefetch(current)
+            else:
+                failure = self._send_delete(current)
+            if failure is not None:
+                error, status = failure
+                if status is not None and 400 <= status < 500:
+                    self.commands.finish(command.command_id, "failed", error)
+                else:
+                    self.commands.delivery_failed(command.command_id, error)
+        return failure
+
+    def _send_delete(self, c: Command) -> tuple[str, int | None] | None:
+        target = c.targets[0]
+        url = self.fleet.url_of(target)
+        if url is not None:
+            try:
+                self.call(url, lambda s: s.delete_objects(c.keys, c.tier, force=c.force))
+            except Unavailable as exc:
+                return _failure(exc)
+            self.commands.delivered(c.command_id)
+            return None
+        # not registered: its L1 went with its process; a shared pool's copies go through
+        # another member; its private L2 copies wait for it
+        left = self._left(c)
+        if any(not cp.shared for copies in left for cp in copies):
+            return f"instance {target!r} is not registered (or gave no http_port)", None
+        pools = {cp.backend for copies in left for cp in copies}
+        for backend in sorted(pools):
+            members = [m for m in self.fleet.pool_members(backend) if m != target]
+            url = next((u for u in map(self.fleet.url_of, members) if u is not None), None)
+            if url is None:
+                return f"no live member of the shared pool {backend!r}", None
+            try:
+                self.call(url, lambda s: s.delete_objects(c.keys, "l2", force=c.force))
+            except Unavailable as exc:
+                return _failure(exc)
+        self.commands.delivered(c.command_id)
+        return None
+
+    def _send_prefetch(self, c: Command) -> tuple[str, int | None] | None:
+        url = self.fleet.url_of(c.targets[0])
+        if url is None:
+            return f"instance {c.targets[0]!r} is not registered (or gave no http_port)", None
+        key = c.keys[0]
+        try:
+            reply = self.call(
+                url,
+                lambda s: s.submit_prefetch(
+                    key.model_name, c.world_size, c.token_ids, key.cache_salt
+                ),
+            )
+        except Unavailable as exc:
+            return _failure(exc)
+        if reply.status == "noop" or not isinstance(reply.request_id, str):
+            self.commands.finish(c.command_id, "completed", found_keys=0)
+        else:
+            self.commands.delivered(c.command_id, (reply.request_id,))
+        return None
+
+    def call(self, url: str, call: Callable[[MpServer], T]) -> T:
+        """``call`` on a client of the MP server at ``url`` (closed after)."""
+        server = self.servers(url)
+        try:
+            return call(server)
+        finally:
+            server.close()
+
+    # ------------------------------------------------------------------ completion
+
+    def check(self, c: Command) -> None:
+        """Finish ``c`` if the directory (and, for a prefetch, its instance) shows it done."""
+        if c.kind == "prefetch":
+            self._check_prefetch(c)
+            return
+        if c.kind not in ("delete", "evict"):
+            return
+        target_gone = self.fleet.url_of(c.targets[0]) is None
+        if c.state != "sent" and not target_gone:
+            return  # its instance is up: it is asked before the command can be done
+        if not any(self._left(c)):
+            self.commands.finish(c.command_id, "completed")
+
+    def _left(self, c: Command) -> list[list[Copy]]:
+        """The copies of ``c``'s keys it targets that the directory still shows."""
+        target = c.targets[0]
+        keys = [object_key(k) for k in c.keys]
+        pools = self.fleet.pools_of(target)
+        return [
+            [cp for cp in copies if _targeted(cp, target, c.tier, pools)]
+            for copies in self.fleet.copies(keys)
+        ]
+
+    def _check_prefetch(self, c: Command) -> None:
+        target = c.targets[0]
+        found = c.found_keys
+        if found is None:
+            url = self.fleet.url_of(target)
+            if url is None or not c.remote_ids:
+                return
+            try:
+                status = self.call(url, lambda s: s.prefetch_status(c.remote_ids[0]))
+            except Unavailable:
+                return  # asked again on the next pass
+            if status is None:  # the instance forgot it (restarted): submitted again
+                self.commands.delivery_failed(c.command_id, "the instance forgot the prefetch")
+                return
+            if status.status != "completed" or not isinstance(status.found_keys, int):
+                return
+            found = status.found_keys
+            c = self.commands.progress(c.command_id, found_keys=found)
+        keys = [object_key(k) for k in c.keys]
+        in_l1 = sum(
+            any(cp.tier == "l1" and cp.instance_id == target for cp in copies)
+            for copies in self.fleet.copies(keys)
+        )
+        if in_l1 >= found:
+            self.commands.finish(c.command_id, "completed", found_keys=found)
+
+
+def _targeted(cp: Copy, target: str, tier: str, pools: set[str]) -> bool:
+    """Whether a delete of ``tier`` on ``target`` removes ``cp``: its L1, its private L2, the
+    shared pools it is a member of."""
+    if tier == "l1":
+        return cp.tier == "l1" and cp.instance_id == target and not cp.shared
+    if cp.tier == "l1":
+        return tier == "all" and cp.instance_id == target and not cp.shared
+    if cp.tier != "l2":
+        return False
+    if cp.shared:
+        return cp.backend in pools or cp.instance_id == target
+    return cp.instance_id == target

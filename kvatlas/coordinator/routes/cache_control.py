@@ -1,0 +1,188 @@
+"""Cache-control routes (LMCache 0.5.7's coordinator paths and fields; ``docs/cache-control.md``):
+pins, delete, prefetch and its status, moves and their status, quotas. Each handler checks the
+caller's salts, then calls :class:`~kvatlas.coordinator.cache_control.CacheControl`.
+
+Who may: ``admin``, or a ``cache`` token bound to the salts it acts on (403 otherwise, before
+anything is recorded); what covers every tenant (the default quota, the quota listing, pins of
+every salt, a prefetch this coordinator did not record) needs a token not bound to salts.
+
+A delete or prefetch is a durable command: the route tries one delivery at once and answers as
+LMCache does (502 when the MP server cannot be reached), and the command is retried by the
+delivery loop until it is done (``cache_control/delivery.py``).
+"""
+
+from __future__ import annotations
+
+from starlette.concurrency import run_in_threadpool
+
+from kvatlas.api.cache_control import (
+    CoordinatorDeleteBody,
+    CoordinatorDeleteReply,
+    CoordinatorPrefetchBody,
+    CoordinatorPrefetchReply,
+    CoordinatorPrefetchStatus,
+    MoveBody,
+    MoveReply,
+    MoveStatus,
+    PinReply,
+    PinsQuery,
+    PinsReply,
+    QuotaConfig,
+    QuotaList,
+    QuotaSetBody,
+    QuotaSetReply,
+    QuotaStatus,
+    TokenFields,
+)
+from kvatlas.auth import Principal
+from kvatlas.coordinator.cache_control import Command, salt_of_path
+from kvatlas.coordinator.routes.context import Context
+from kvatlas.errors import BadGateway, Forbidden, InvalidInput, NotFound, Unavailable
+from kvatlas.routing import Call
+
+ROLE = "cache"
+
+
+def _may(who: Principal, *salts: str) -> None:
+    who.require_salts(salts, ROLE)
+
+
+def _path_salt(segment: str) -> str:
+    try:
+        return salt_of_path(segment)
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from None
+
+
+def _command_salts(command: Command) -> set[str]:
+    return {k.cache_salt for k in command.keys}
+
+
+# ------------------------------------------------------------------ pins
+
+
+async def pin(ctx: Context, call: Call[TokenFields, None]) -> PinReply:
+    _may(call.who, call.body.cache_salt)
+    return ctx.service.cache_control.pin(call.body)
+
+
+async def unpin(ctx: Context, call: Call[TokenFields, None]) -> PinReply:
+    _may(call.who, call.body.cache_salt)
+    return ctx.service.cache_control.unpin(call.body)
+
+
+async def pins(ctx: Context, call: Call[None, PinsQuery]) -> PinsReply:
+    q = call.query
+    if not q.cache_salt and not call.who.sees_everything:
+        raise Forbidden("pins of every salt: for a token not bound to cache_salts only")
+    if q.cache_salt:
+        _may(call.who, _path_salt(q.cache_salt))
+    return ctx.service.cache_control.list_pins(q.cache_salt, q.model_name, q.offset, q.limit)
+
+
+# ------------------------------------------------------------------ delete, prefetch
+
+
+async def delete(ctx: Context, call: Call[CoordinatorDeleteBody, None]) -> CoordinatorDeleteReply:
+    body, service = call.body, ctx.service
+    _may(call.who, body.cache_salt)
+    outcome = service.cache_control.delete(body)
+    if outcome.command is not None:
+        failed = await run_in_threadpool(service.delivery.deliver, outcome.command)
+        if failed is not None:  # recorded: the loop retries it
+            raise BadGateway(f"delete to {body.instance_id!r} failed: {failed[0]}")
+    return outcome.reply
+
+
+async def prefetch(
+    ctx: Context, call: Call[CoordinatorPrefetchBody, None]
+) -> CoordinatorPrefetchReply:
+    body, service = call.body, ctx.service
+    _may(call.who, body.cache_salt)
+    outcome = service.cache_control.prefetch(body)
+    if outcome.command is not None:
+        failed = await run_in_threadpool(service.delivery.deliver, outcome.command)
+        if failed is not None:
+            raise BadGateway(f"prefetch submit to {body.instance_id!r} failed: {failed[0]}")
+    return outcome.reply
+
+
+async def prefetch_status(ctx: Context, call: Call[None, None]) -> CoordinatorPrefetchStatus:
+    instance_id, request_id = call.params["instance_id"], call.params["request_id"]
+    service = ctx.service
+    status = service.cache_control.prefetch_status(instance_id, request_id)
+    if status is not None:
+        command = service.cache_control.commands.get(request_id)
+        _may(call.who, *(_command_salts(command) if command else ()))
+        return status
+    if not call.who.sees_everything:
+        raise Forbidden("a prefetch this coordinator did not record: for a token not bound to cache_salts only")  # fmt: skip
+    url = service.delivery.fleet.url_of(instance_id)
+    if url is None:
+        raise BadGateway(f"prefetch status from {instance_id!r} failed: no http_port registered")
+
+    def ask() -> CoordinatorPrefetchStatus | None:
+        reply = service.delivery.call(url, lambda s: s.prefetch_status(request_id))
+        if reply is None:
+            return None
+        return CoordinatorPrefetchStatus(reply.status, reply.found_keys, reply.total_keys)
+
+    try:
+        theirs = await run_in_threadpool(ask)
+    except Unavailable as exc:
+        raise BadGateway(f"prefetch status from {instance_id!r} failed: {exc}") from None
+    if theirs is None:
+        raise NotFound(f"unknown prefetch request_id={request_id}")
+    return theirs
+
+
+# ------------------------------------------------------------------ moves
+
+
+async def move(ctx: Context, call: Call[MoveBody, None]) -> MoveReply:
+    _may(call.who, call.body.cache_salt)
+    reply, _command = ctx.service.cache_control.move(call.body)
+    return reply
+
+
+async def move_status(ctx: Context, call: Call[None, None]) -> MoveStatus:
+    control = ctx.service.cache_control
+    move_id = call.params["move_id"]
+    status = control.move_status(move_id)
+    command = control.commands.get(move_id)
+    _may(call.who, *(_command_salts(command) if command else ()))
+    return status
+
+
+# ------------------------------------------------------------------ quotas
+
+
+async def quota_config(ctx: Context, call: Call[None, None]) -> QuotaConfig:
+    return ctx.service.cache_control.quota_config()
+
+
+async def set_quota_config(ctx: Context, call: Call[QuotaConfig, None]) -> QuotaConfig:
+    return ctx.service.cache_control.set_quota_config(call.body)
+
+
+async def set_quota(ctx: Context, call: Call[QuotaSetBody, None]) -> QuotaSetReply:
+    segment = call.params["cache_salt"]
+    _may(call.who, _path_salt(segment))
+    return ctx.service.cache_control.set_quota(segment, call.body)
+
+
+async def remove_quota(ctx: Context, call: Call[None, None]) -> QuotaSetReply:
+    segment = call.params["cache_salt"]
+    _may(call.who, _path_salt(segment))
+    return ctx.service.cache_control.remove_quota(segment)
+
+
+async def quota(ctx: Context, call: Call[None, None]) -> QuotaStatus:
+    segment = call.params["cache_salt"]
+    _may(call.who, _path_salt(segment))
+    control = ctx.service.cache_control
+    return await run_in_threadpool(control.quota, segment)
+
+
+async def quotas(ctx: Context, call: Call[None, None]) -> QuotaList:
+    return await run_in_threadpool(ctx.service.cache_control.quotas_listed)

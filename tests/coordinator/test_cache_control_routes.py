@@ -1,0 +1,232 @@
+"""The coordinator's cache-control routes over real HTTP (``docs/cache-control.md``,
+``docs/security.md``): who may (``admin``, or a ``cache`` token bound to the salts it acts on:
+403 otherwise, nothing recorded), bad input a clear 4xx that changes nothing, and what
+``/metrics`` shows. The MP servers themselves: ``test_cache_control_delivery.py``."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from kvatlas.coordinator.server import BackgroundServer
+from tests.coordinator.helpers import (
+    assert_error,
+    post_batches,
+    running,
+    wire_batch,
+    wire_entry,
+    wire_key,
+)
+from tests.coordinator.security_support import bearer, token
+from tests.helpers import write_tokens
+
+ADMIN, TENANT_A, ANY_CACHE, NODE = (token(n) for n in ("admin", "cache-a", "cache-any", "node"))
+TOKENS = list(range(100, 148))  # three chunks of 16
+
+
+def fields(salt: str = "tenant-a", **more: Any) -> dict[str, Any]:
+    return {"model_name": "m", "world_size": 1, "token_ids": TOKENS, "cache_salt": salt, **more}
+
+
+@pytest.fixture(scope="module")
+def served(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[BackgroundServer, httpx.Client]]:
+    path = write_tokens(
+        tmp_path_factory.mktemp("cc") / "tokens.json",
+        {"token": ADMIN, "role": "admin"},
+        {"token": TENANT_A, "roles": ["cache"], "cache_salts": ["tenant-a"]},
+        {"token": ANY_CACHE, "roles": ["cache"]},
+        {"token": NODE, "roles": ["emit", "lookup"], "instance_ids": ["n1", "n2"],
+         "cache_salts": ["tenant-a"]},
+    )  # fmt: skip
+    with running(chunk_size=16, auth_token_file=path) as (server, client):
+        for inst in ("n1", "n2"):  # MP servers at a port where nothing listens
+            r = client.post(
+                "/instances", json={"instance_id": inst, "ip": "127.0.0.1", "http_port": 9},
+                headers=bearer(NODE),
+            )  # fmt: skip
+            assert r.status_code == 200, r.text
+        yield server, client
+
+
+def state(server: BackgroundServer) -> Any:
+    control = server.service.cache_control
+    return (
+        control.pins.rows(),
+        control.quotas.default_limit_gb,
+        control.quotas.limits(),
+        control.commands.counts(),
+    )
+
+
+def test_a_salt_bound_token_acts_on_its_salts_only_and_nothing_else_is_applied(
+    served: tuple[BackgroundServer, httpx.Client],
+) -> None:
+    server, c = served
+    a = bearer(TENANT_A)
+    r = c.post("/cache/pins", json=fields(), headers=a)
+    assert (r.status_code, r.json()["affected"]) == (200, 3), r.text
+    assert c.get("/cache/pins", params={"cache_salt": "tenant-a"}, headers=a).json()["total"] == 3
+    before = state(server)
+    foreign = fields("tenant-b")
+    refused = [
+        c.post("/cache/pins", json=foreign, headers=a),
+        c.request("DELETE", "/cache/pins", json=foreign, headers=a),
+        c.get("/cache/pins", params={"cache_salt": "tenant-b"}, headers=a),
+        c.get("/cache/pins", headers=a),  # every salt's
+        c.post("/cache/delete", json={**foreign, "instance_id": "n1", "force": True}, headers=a),
+        c.post("/cache/prefetches", json={**foreign, "instance_id": "n1"}, headers=a),
+        c.post(
+            "/cache/moves",
+            json={**foreign, "source_instance_id": "n1", "target_instance_id": "n2"},
+            headers=a,
+        ),
+        c.put("/quota/tenant-b", json={"limit_gb": 0}, headers=a),
+        c.get("/quota/tenant-b", headers=a),
+        c.delete("/quota/tenant-b", headers=a),
+        c.put("/quota/_default", json={"limit_gb": 0}, headers=a),  # the empty salt
+        c.put("/quota/config", json={"default_limit_gb": 0}, headers=a),  # every salt's
+        c.get("/quota", headers=a),  # every salt's usage
+    ]
+    for r in refused:
+        assert_error(r, 403)
+    assert state(server) == before  # nothing pinned, recorded or set
+    # its own salt: a quota, and a delete recorded (its MP server unreachable: LMCache's 502)
+    assert c.put("/quota/tenant-a", json={"limit_gb": 1.5}, headers=a).status_code == 200
+    r = c.post("/cache/delete", json={**fields(), "instance_id": "n1", "force": True}, headers=a)
+    assert r.status_code == 502 and "n1" in r.json()["detail"]
+    assert server.service.cache_control.commands.counts() == {("delete", "pending"): 1}
+    # a token not bound to salts, and admin, may act on every salt
+    for who in (ANY_CACHE, ADMIN):
+        assert c.get("/quota", headers=bearer(who)).status_code == 200
+        assert c.get("/cache/pins", headers=bearer(who)).json()["total"] == 3
+
+
+def test_other_roles_and_no_token_are_refused(
+    served: tuple[BackgroundServer, httpx.Client],
+) -> None:
+    server, c = served
+    before = state(server)
+    assert_error(c.post("/cache/pins", json=fields()), 401)
+    # a node's token (emit, lookup) bound to the salt may not touch the cache of its fleet
+    for r in (
+        c.post("/cache/pins", json=fields(), headers=bearer(NODE)),
+        c.post("/cache/delete", json={**fields(), "instance_id": "n1"}, headers=bearer(NODE)),
+        c.get("/quota/tenant-a", headers=bearer(NODE)),
+    ):
+        assert_error(r, 403)
+    assert state(server) == before
+
+
+BAD: list[tuple[str, str, Any, int]] = [
+    ("POST", "/cache/delete", {**fields(), "instance_id": "nobody"}, 404),
+    ("POST", "/cache/prefetches", {**fields(), "instance_id": "nobody"}, 404),
+    ("POST", "/cache/delete", {**fields(), "instance_id": "n1", "tier": "l3"}, 422),
+    ("POST", "/cache/delete", {**fields(), "instance_id": "n1", "tokens": [1]}, 422),
+    (
+        "POST",
+        "/cache/delete",
+        {**fields(), "instance_id": "n1", "token_ids": list(range(1_000_001))},
+        400,
+    ),
+    ("POST", "/cache/pins", {**fields(), "world_size": 0}, 422),
+    ("POST", "/cache/pins", {**fields(), "token_ids": [-1] * 16}, 400),
+    ("POST", "/cache/pins", fields("a@b"), 400),
+    (
+        "POST",
+        "/cache/moves",
+        {**fields(), "source_instance_id": "n1", "target_instance_id": "n1"},
+        400,
+    ),
+    (
+        "POST",
+        "/cache/moves",
+        {**fields(), "source_instance_id": "n1", "target_instance_id": "nobody"},
+        404,
+    ),
+    (
+        "POST",
+        "/cache/moves",
+        {**fields(), "source_instance_id": "n1", "target_instance_id": "n2", "keep_sorce": True},
+        422,
+    ),
+    ("PUT", "/quota/tenant-a", {"limit_gb": -1}, 422),
+    ("PUT", "/quota/tenant-a", {"limit_gb": 1, "tier": "l9"}, 422),
+    ("PUT", "/quota/a@b", {"limit_gb": 1}, 400),
+    ("PUT", "/quota/config", {"default_limit_gb": -0.5}, 422),
+    ("GET", "/cache/pins?limit=0", None, 422),
+    ("GET", "/cache/pins?limit=10001", None, 422),
+    ("GET", "/cache/pins?offset=-1", None, 422),
+    ("GET", "/cache/moves/nope", None, 404),
+    ("GET", "/cache/prefetches/nobody/r1", None, 404),
+    ("DELETE", "/quota/never-set", None, 404),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "status"), BAD)
+def test_bad_input_is_a_clear_4xx_that_changes_nothing(
+    served: tuple[BackgroundServer, httpx.Client],
+    method: str,
+    path: str,
+    body: Any,
+    status: int,
+) -> None:
+    server, c = served
+    before = state(server)
+    r = c.request(method, path, json=body, headers=bearer(ADMIN))
+    assert_error(r, status)
+    assert state(server) == before
+
+
+def test_metrics_show_commands_by_kind_and_state_and_pins(
+    served: tuple[BackgroundServer, httpx.Client],
+) -> None:
+    server, c = served
+    text = c.get("/metrics", headers=bearer(ADMIN)).text
+    counts = server.service.cache_control.commands.counts()
+    for kind in ("delete", "evict", "prefetch", "move"):
+        for st in ("pending", "sent", "completed", "failed"):
+            line = f'kvatlas_cache_commands{{kind="{kind}",state="{st}"}} '
+            assert f"{line}{float(counts.get((kind, st), 0))}" in text
+    pinned = re.search(r"^kvatlas_pinned_keys (\S+)$", text, re.M)
+    assert pinned is not None
+    assert float(pinned.group(1)) == len(server.service.cache_control.pins.rows())
+    assert re.search(r"^kvatlas_pinned_bytes \S+$", text, re.M)
+
+
+def test_a_move_is_recorded_and_its_status_kept(
+    served: tuple[BackgroundServer, httpx.Client],
+) -> None:
+    _, c = served
+    body = {**fields(), "source_instance_id": "n1", "target_instance_id": "n2"}
+    r = c.post("/cache/moves", json=body, headers=bearer(ADMIN))
+    assert r.status_code == 200, r.text
+    reply = r.json()
+    assert (reply["requested"], reply["status"]) == (3, "pending")
+    status = c.get(f"/cache/moves/{reply['move_id']}", headers=bearer(TENANT_A)).json()
+    assert status["status"] == "pending" and status["phase"] == "queued"
+    assert (status["source_instance_id"], status["target_instance_id"]) == ("n1", "n2")
+
+
+def test_quota_usage_counts_the_directorys_l2_bytes_per_salt() -> None:
+    """The bytes of L2 copies per salt, as LMCache reports a salt's usage (L1 not counted)."""
+    with running(chunk_size=16) as (_, c):
+        keys = [wire_key(bytes([i + 1]) * 32, salt="t") for i in range(3)]
+        l2 = wire_batch(
+            "i1", 1, 1, "store", "l2", "fs", [wire_entry(k, size=1 << 20) for k in keys]
+        )
+        l1 = wire_batch("i1", 1, 2, "store", entries=[wire_entry(keys[0], size=1 << 30)])
+        assert post_batches(c, l2, l1).json()["applied"] == 2
+        c.put("/quota/t", json={"limit_gb": 1.0})
+        got = c.get("/quota/t").json()
+        assert got == {"cache_salt": "t", "quota_limit_gb": 1.0, "quota_exists": True,
+                       "usage_gb": 3 / 1024}  # fmt: skip
+        listed = c.get("/quota").json()
+        assert listed["total_gb"] == 3 / 1024 and [
+            r["cache_salt"] for r in listed["by_cache_salt"]
+        ] == ["t"]
