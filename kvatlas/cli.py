@@ -7,6 +7,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from kvatlas import __version__
 from kvatlas.bench import BENCHMARKS
@@ -27,6 +28,9 @@ from kvatlas.node.config import config_from_args as node_config_from_args
 from kvatlas.router.config import add_arguments as add_router_arguments
 from kvatlas.router.config import config_from_args as router_config_from_args
 from kvatlas.soak import add_arguments as add_soak_arguments
+
+if TYPE_CHECKING:
+    from kvatlas.client.mp_server_client import MPServerClient
 
 DESCRIPTION = (
     "kvatlas: where every cached KV chunk of an LLM serving fleet lives. Run a coordinator "
@@ -147,13 +151,21 @@ MP_SERVER_TIMEOUT_S = 10.0
 """How long the coordinator waits for an MP server's answer to a cache-control call."""
 
 
-def run_coordinator(config: CoordinatorConfig) -> int:
-    """``kvatlas coordinator``, delivering cache-control commands with the MP-server client
-    (the coordinator package does not import the client package: handed in from here)."""
+def mp_servers(config: CoordinatorConfig) -> Callable[[str], MPServerClient]:
+    """The MP-server client the coordinator delivers cache-control commands with, sending
+    ``--node-token-file``'s token (the coordinator package does not import the client
+    package: handed in from here)."""
     from kvatlas.client.mp_server_client import MPServerClient
+
+    token = config.node_bearer()
+    return lambda url: MPServerClient(url, timeout=MP_SERVER_TIMEOUT_S, token=token)
+
+
+def run_coordinator(config: CoordinatorConfig) -> int:
+    """``kvatlas coordinator``, delivering cache-control commands with :func:`mp_servers`."""
     from kvatlas.coordinator.server import run_coordinator as run
 
-    return run(config, lambda url: MPServerClient(url, timeout=MP_SERVER_TIMEOUT_S))
+    return run(config, mp_servers(config))
 
 
 _SERVICES: dict[str, tuple[str, str, Callable[[argparse.Namespace], object]]] = {

@@ -19,7 +19,8 @@ from typing import Any
 
 from kvatlas import __version__, openapi
 from kvatlas.coordinator.blend_lookup import BlendLookup
-from kvatlas.coordinator.config import CoordinatorConfig, RouteBodies
+from kvatlas.coordinator.body_limits import RouteBodies
+from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.events_ingest import EventsIngest
 from kvatlas.coordinator.route_score import RouteScoring
 from kvatlas.coordinator.routes import DOCS, ROUTES, Context

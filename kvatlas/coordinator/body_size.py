@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from kvatlas.coordinator.config import QUERY_ENVELOPE_BYTES
+from kvatlas.coordinator.body_limits import QUERY_ENVELOPE_BYTES
 from kvatlas.errors import PayloadTooLarge
 
 _COUNT_SLICE = 1 << 20

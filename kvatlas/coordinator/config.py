@@ -15,15 +15,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvatlas.auth import public_unless_auth
+from kvatlas.auth import public_unless_auth, read_secret
 from kvatlas.config_flags import FlagParser, add_dataclass_arguments, dataclass_from_args
+from kvatlas.coordinator.body_limits import RouteBodies, largest_request_bytes
 from kvatlas.coordinator.cache_control.eviction import DEFAULT_POLICY as DEFAULT_EVICTION_POLICY
 from kvatlas.coordinator.cache_control.eviction import POLICY_NAMES as EVICTION_POLICIES
 from kvatlas.coordinator.kv_events.exposure import StreamExposure
 from kvatlas.coordinator.kv_events.settings import MIN_MESSAGE_BYTES, LinkSpec
 from kvatlas.coordinator.scoring import DEFAULT_FRAGMENT_WEIGHT
-from kvatlas.events import EVENT_TRANSPORTS, TIERS
-from kvatlas.events.inventory import BUCKETS, DIGEST_BYTES
+from kvatlas.events import EVENT_TRANSPORTS
 from kvatlas.events.vllm_wire import DEFAULT_ENCODING, ENCODINGS
 from kvatlas.http_guard import (
     BODY_TIMEOUT_HELP,
@@ -38,7 +38,6 @@ from kvatlas.keys import (
     check_cache_salt,
     check_model_name,
 )
-from kvatlas.keys.object_key import MAX_INSTANCE_ID_CHARS
 from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
 
 DEFAULT_PORT = 9300
@@ -50,47 +49,6 @@ RENAMED_FLAGS = {
 }
 """Old field (flag, variable) names and their new ones: the old ones work, with a warning,
 for one release (:mod:`kvatlas.config_flags`)."""
-
-QUERY_ENVELOPE_BYTES = 64 * 1024
-"""A lookup body's JSON beside its tokens: field names, model name, salt, whitespace."""
-ENTRY_ENVELOPE_BYTES = 768
-"""One event entry's JSON beside its token ids: the key (64 hex digits, a model name of up to
-256 and a salt of up to 128 characters, ``kv_rank``, group), size, offset, field names."""
-KEY_JSON_BYTES = ENTRY_ENVELOPE_BYTES
-"""One key of a keys-form lookup in JSON, at most (the key part of an entry's envelope)."""
-TOKEN_JSON_BYTES = 11
-"""One token id in a JSON list at worst: ten digits and a comma."""
-INSTANCE_ID_JSON_BYTES = 4 + MAX_INSTANCE_ID_CHARS
-"""One instance id in a JSON list: the id, its quotes, a comma and a space."""
-REGISTRATION_BODY_BYTES = 64 * 1024
-"""``POST /instances``: the registration fields (16 KiB of metadata, a few short strings)."""
-SMALL_BODY_BYTES = 4096
-"""Routes whose body is a field or two (heartbeat, deregister, chunk size, a node's value
-report) or none at all."""
-
-
-def token_query_bytes(max_tokens: int) -> int:
-    """The largest body naming ``max_tokens`` tokens: as JSON ids (11 bytes each at worst)
-    or as ``tokens_b64`` (4 base64 characters per 3 bytes of uint32s), plus the envelope."""
-    ids = TOKEN_JSON_BYTES * max_tokens
-    b64 = 4 * -(-4 * max_tokens // 3)
-    return max(ids, b64) + QUERY_ENVELOPE_BYTES
-
-
-def events_body_bytes(max_batch_entries: int, chunk_size: int) -> int:
-    """The largest ``POST /events`` body: ``max_batch_entries`` token-bearing entries of
-    ``chunk_size`` tokens, in JSON (msgpack is smaller)."""
-    return max_batch_entries * (ENTRY_ENVELOPE_BYTES + TOKEN_JSON_BYTES * chunk_size)
-
-
-def largest_request_bytes(max_query_tokens: int, max_batch_entries: int, chunk_size: int) -> int:
-    """The default ``--max-body-bytes``: the larger of a full-context lookup (``tokens_b64`` of
-    ``max_query_tokens`` uint32s: 4 base64 characters per 3 bytes) and a full ``POST /events``
-    body (``max_batch_entries`` token-bearing entries of ``chunk_size`` tokens, in JSON).
-    Each route has its own, smaller limit (:class:`RouteBodies`); this one caps them all.
-    Documented in docs/coordinator.md ("Limits")."""
-    query = 4 * -(-4 * max_query_tokens // 3) + QUERY_ENVELOPE_BYTES
-    return max(query, events_body_bytes(max_batch_entries, chunk_size))
 
 
 @dataclass(frozen=True)
@@ -111,6 +69,7 @@ class CoordinatorConfig:
     snapshot_interval: float = 60.0
     instance_timeout: float = 30.0
     auth_token_file: Path | None = None
+    node_token_file: Path | None = None
     max_query_tokens: int = 2 * 1024 * 1024
     max_batch_entries: int = 32_768
     max_body_bytes: int | None = None  # None: derived from the other limits (body_limit)
@@ -207,6 +166,7 @@ class CoordinatorConfig:
         StreamExposure.choose(
             None, frozenset(), self.kv_events_curve_certificate, self.kv_events_curve_clients
         )  # the pair's rule; the salts' default needs the token file (the service's)
+        self.node_bearer()  # an unreadable, exposed or short token file: refused now
 
     @property
     def kv_events_endpoints(self) -> tuple[str, ...]:
@@ -268,7 +228,14 @@ class CoordinatorConfig:
     @property
     def route_bodies(self) -> RouteBodies:
         """The largest legitimate body of each kind of route, under this config."""
-        return RouteBodies.of(self)
+        return RouteBodies.of(
+            max_query_tokens=self.max_query_tokens,
+            max_lookup_keys=self.max_lookup_keys,
+            max_instances=self.max_instances,
+            max_batch_entries=self.max_batch_entries,
+            chunk_size=self.chunk_size,
+            max_body_bytes=self.max_body_bytes,
+        )
 
     @property
     def metrics_public(self) -> bool:
@@ -277,6 +244,10 @@ class CoordinatorConfig:
     @property
     def docs_public(self) -> bool:
         return public_unless_auth(self.auth_token_file is not None, self.public_docs)
+
+    def node_bearer(self) -> str | None:
+        """The token sent to MP servers with cache-control commands (``--node-token-file``)."""
+        return read_secret(None, self.node_token_file, "--node-token")
 
     @property
     def resolved_replica_id(self) -> str:
@@ -288,40 +259,6 @@ class CoordinatorConfig:
     def group_name(self) -> str:
         """Each replica needs its own consumer group to build the full view."""
         return self.consumer_group or f"kvatlas-{self.resolved_replica_id}"
-
-
-@dataclass(frozen=True, slots=True)
-class RouteBodies:
-    """The largest legitimate body of each kind of coordinator route, in bytes, derived from
-    the limits of the route itself (``--max-query-tokens``, ``--max-batch-entries``,
-    ``--chunk-size``, ``--max-instances``) and capped by ``--max-body-bytes`` when given. The
-    route table (``routes.ROUTES``) names which one each route takes."""
-
-    events: int
-    lookup: int
-    blend_lookup: int
-    route_score: int
-    digest: int
-    registration: int
-    small: int
-
-    @classmethod
-    def of(cls, config: CoordinatorConfig) -> RouteBodies:
-        query = token_query_bytes(config.max_query_tokens)
-        keys = config.max_lookup_keys * KEY_JSON_BYTES + QUERY_ENVELOPE_BYTES
-        instances = config.max_instances * INSTANCE_ID_JSON_BYTES
-        digests = len(TIERS) * (BUCKETS + 1) * (2 * DIGEST_BYTES + 16) + 1024
-        sizes = {
-            "events": events_body_bytes(config.max_batch_entries, config.chunk_size),
-            "lookup": max(query, keys),
-            "blend_lookup": query,
-            "route_score": query + instances,
-            "digest": digests,
-            "registration": REGISTRATION_BODY_BYTES,
-            "small": SMALL_BODY_BYTES,
-        }
-        cap = config.max_body_bytes
-        return cls(**{k: v if cap is None else min(v, cap) for k, v in sizes.items()})
 
 
 def default_replica_id(hostname: str, snapshot_path: Path | None) -> str:
@@ -356,6 +293,10 @@ _HELP = {
     "snapshot_interval": "seconds between periodic snapshots",
     "instance_timeout": "seconds without heartbeat before an instance's L1 is fenced",
     "auth_token_file": "JSON token file enabling bearer-token auth (docs/security.md)",
+    "node_token_file": (
+        "file holding the bearer token sent to MP servers with cache-control commands (a "
+        "kvatlas node with --auth-token-file: one of its admin tokens; not set: none)"
+    ),
     "max_query_tokens": "largest lookup / blend-lookup query, in tokens",
     "max_batch_entries": "most entries in one POST /events body",
     "max_body_bytes": "ceiling on every request body, in bytes (each route's own limit is its "

@@ -19,8 +19,8 @@ import numpy.typing as npt
 from kvatlas.api import BlendLookupBody, LookupRequest, decode
 from kvatlas.auth import Principal
 from kvatlas.coordinator._base64 import b64decode_strict, decode_base64
+from kvatlas.coordinator.body_limits import KEY_JSON_BYTES, QUERY_ENVELOPE_BYTES
 from kvatlas.coordinator.body_size import check_item_count, lookup_size
-from kvatlas.coordinator.config import KEY_JSON_BYTES, QUERY_ENVELOPE_BYTES
 from kvatlas.errors import PayloadTooLarge, Unprocessable
 from kvatlas.events import ColumnBatch, EventBatch, decode_json_columns, decode_msgpack_columns
 from kvatlas.fields import decode_fields, field_error, field_errors

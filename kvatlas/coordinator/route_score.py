@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from kvatlas.api import RouteScoreBody, RouteScoreRow, RouteScoresReply, decode
 from kvatlas.auth import Principal
+from kvatlas.coordinator.body_limits import QUERY_ENVELOPE_BYTES
 from kvatlas.coordinator.body_size import check_item_count
-from kvatlas.coordinator.config import QUERY_ENVELOPE_BYTES
 from kvatlas.coordinator.instances import attachments
 from kvatlas.coordinator.query import BlendQuery, blend_query
 from kvatlas.coordinator.scoring import (

@@ -103,7 +103,7 @@ def test_unauthenticated_large_bodies_do_not_grow_server_memory(
 
 
 def test_default_body_limit_is_the_largest_legitimate_request() -> None:
-    from kvatlas.coordinator.config import largest_request_bytes
+    from kvatlas.coordinator.body_limits import largest_request_bytes
 
     config = CoordinatorConfig()
     assert config.max_body_bytes is None
