@@ -15,6 +15,7 @@ BENCHMARKS: tuple[str, ...] = (
     "resync",
     "router",
     "fleet",
+    "eviction",
 )
 
 __all__ = ["BENCHMARKS"]

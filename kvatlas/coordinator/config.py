@@ -17,6 +17,8 @@ from pathlib import Path
 
 from kvatlas.auth import public_unless_auth
 from kvatlas.config_flags import FlagParser, add_dataclass_arguments, dataclass_from_args
+from kvatlas.coordinator.cache_control.eviction import DEFAULT_POLICY as DEFAULT_EVICTION_POLICY
+from kvatlas.coordinator.cache_control.eviction import POLICY_NAMES as EVICTION_POLICIES
 from kvatlas.coordinator.kv_events.exposure import StreamExposure
 from kvatlas.coordinator.kv_events.settings import MIN_MESSAGE_BYTES, LinkSpec
 from kvatlas.coordinator.scoring import DEFAULT_FRAGMENT_WEIGHT
@@ -132,6 +134,7 @@ class CoordinatorConfig:
     http_header_timeout_s: float = 10.0
     http_body_timeout_s: float = 30.0
     http_max_connections: int | None = None  # None: below the file limit (http_guard)
+    eviction_policy: str = DEFAULT_EVICTION_POLICY.value
 
     def __post_init__(self) -> None:
         KeyScheme(self.hash_scheme, self.chunk_size)  # validates both
@@ -394,6 +397,9 @@ _HELP = {
     "kv_events_publish_encoding": "vllm (exactly what vLLM emits: the batch an array, events maps "
     "tagged by type), array (older vLLM releases: every struct an array) or map (the batch a map "
     "too; no vLLM release emits it)",
+    "eviction_policy": "fleet eviction per salt over its quota: lru (LMCache's: a fifth of the salt's "
+    "keys, least recently used first) or value (least reuse per byte first, down to the limit); "
+    'docs/cache-control.md, "Fleet eviction"',
 }
 
 
@@ -403,6 +409,7 @@ _CHOICES = {
     "log_level": LOG_LEVELS,
     "log_format": LOG_FORMATS,
     "kv_events_publish_encoding": ENCODINGS,
+    "eviction_policy": EVICTION_POLICIES,
 }
 
 
