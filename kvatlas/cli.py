@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 from kvatlas import __version__
 from kvatlas.bench import BENCHMARKS
+from kvatlas.client import cache_cli
 from kvatlas.client.route_client import ROUTE_HELP, RouteCommand, run_route_command
 from kvatlas.config_flags import FlagParser, add_dataclass_arguments, dataclass_from_args
 from kvatlas.coordinator.config import CoordinatorConfig, config_from_args
@@ -71,6 +72,9 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Which instance should serve this query: prefix and fragment coverage by tier.",
     )
     add_dataclass_arguments(route, RouteCommand, ROUTE_HELP)
+
+    cache_cli.add_arguments(sub.add_parser("cache", help="cache control: pins, deletes, "
+                            "prefetches, moves, quotas (docs/cache-control.md)"))  # fmt: skip
 
     engine_sim = sub.add_parser(
         "engine-sim",
@@ -180,6 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_route_command(dataclass_from_args(RouteCommand, args))
         except (ValueError, OSError) as exc:
             parser.error(str(exc))
+    if args.command == "cache":
+        return cache_cli.run(args)
     if args.command == "keys":
         try:
             print(pack_kv_rank(args.world_size, args.rank, args.world_size, args.rank))
