@@ -309,6 +309,5 @@ def test_a_refusal_from_a_real_process_exits_1_with_the_detail(fleet: Fleet) -> 
     )  # fmt: skip
     assert (done.returncode, done.stdout) == (1, ""), done.stderr
     assert done.stderr == (
-        "kvatlas cache pin: POST /cache/pins: 403 this token may not use cache_salt "
-        "'tenant-b'\n"
+        "kvatlas cache pin: POST /cache/pins: 403 this token may not use cache_salt 'tenant-b'\n"
     )
