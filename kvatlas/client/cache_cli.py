@@ -212,11 +212,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvatlas {name}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except CoordinatorError as exc:
-        print(f"kvatlas {name}: {exc}{_hint(exc.reply_status)}", file=sys.stderr)
+        print(f"kvatlas {name}: {exc}{_hint(exc.reply_status, args.cache_action)}", file=sys.stderr)  # fmt: skip
         return EXIT_REFUSED
 
 
-def _hint(status: int | None) -> str:
+def _hint(status: int | None, action: str) -> str:
+    if status == 502 and action in ("delete", "prefetch"):
+        return (
+            " (the coordinator recorded the command: it retries it until the instance takes "
+            "it; its status is on the status page)"
+        )
     if status == 401:
         return " (give --coordinator-token-file, --coordinator-token or KVATLAS_COORDINATOR_TOKEN)"
     if status is None:
@@ -237,6 +242,11 @@ class _Out:
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self.text = path is None or str(path) != "-"
+        if self.text and path is not None:  # refused before anything is sent
+            try:
+                path.touch()
+            except OSError as exc:
+                raise UsageError(f"--json: cannot write {path}: {exc.strerror}") from None
 
     def say(self, line: str) -> None:
         if self.text:

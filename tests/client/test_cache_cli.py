@@ -225,6 +225,20 @@ def test_move_and_its_status_exit_by_where_it_stands(
     assert control_state(fleet) == before
 
 
+def test_a_delete_its_instance_cannot_take_yet_is_kept_and_says_so(
+    capsys: pytest.CaptureFixture[str], fleet: Fleet
+) -> None:
+    """node-b's MP port answers nothing: LMCache's 502, exit 1, and the message says the
+    coordinator kept the delete and retries it (it does: one more pending delete)."""
+    counts = fleet.server.service.cache_control.commands.counts
+    pending = counts().get(("delete", "pending"), 0)
+    code, out, err = cache(capsys, fleet, "delete", *doc(fleet, "--instance-id", "node-b"))
+    assert (code, out) == (1, "")
+    assert err.startswith("kvatlas cache delete: POST /cache/delete: 502 delete to 'node-b' ")
+    assert "recorded the command: it retries it until the instance takes it" in err
+    assert counts().get(("delete", "pending"), 0) == pending + 1
+
+
 def test_every_quota_verb_and_a_token_bound_to_another_salt(
     capsys: pytest.CaptureFixture[str], fleet: Fleet
 ) -> None:
@@ -284,6 +298,7 @@ def test_bad_command_lines_exit_2_and_no_token_is_a_401_with_a_hint(
         (("quota", "set", "--cache-salt", "t", "--limit-gb", "-1"), None, "must be >= 0"),
         (("quota", "config", "--default-limit-gb", "lots"), None, "a number of GB or 'none'"),
         (("pins",), loose, "chmod 600 it"),
+        (("pins", "--json", str(fleet.tmp / "no-such-dir" / "x.json")), None, "--json: cannot"),
     ):
         code, out, err = cache(capsys, fleet, *argv, who=who)
         assert (code, out) == (2, ""), (argv, err)
