@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -276,8 +277,8 @@ def _fields(args: argparse.Namespace) -> TokenFields:
             ids = [int(t) for t in args.token_ids.replace(",", " ").split()]
         except ValueError:
             raise UsageError("--token-ids: integers separated by commas or spaces") from None
-    if not all(is_plain_int(t) for t in ids):
-        raise UsageError("token ids must be integers")
+    if not all(is_plain_int(t) and abs(t) < 1 << 63 for t in ids):
+        raise UsageError("token ids must be integers (of at most 63 bits)")
     return token_fields(
         args.model_name, ids, world_size=args.world_size, cache_salt=args.cache_salt
     )
@@ -519,8 +520,8 @@ def _quota_get(client: CacheControlClient, args: argparse.Namespace, out: _Out) 
 
 
 def _quota_set(client: CacheControlClient, args: argparse.Namespace, out: _Out) -> int:
-    if not args.limit_gb >= 0:
-        raise UsageError("--limit-gb must be >= 0")
+    if not (math.isfinite(args.limit_gb) and args.limit_gb >= 0):
+        raise UsageError("--limit-gb must be a finite number >= 0")
     reply = client.set_quota(args.cache_salt, args.limit_gb)
     out.reply(reply)
     out.say(f"{_salt(reply.cache_salt)}: quota {reply.limit_gb:g} GB")
@@ -563,8 +564,8 @@ def _parse_limit(text: str) -> float | None:
         value = float(text)
     except ValueError:
         raise UsageError(f"--default-limit-gb: a number of GB or 'none', got {text!r}") from None
-    if not value >= 0:
-        raise UsageError("--default-limit-gb must be >= 0 (or 'none')")
+    if not (math.isfinite(value) and value >= 0):
+        raise UsageError("--default-limit-gb must be a finite number >= 0 (or 'none')")
     return value
 
 
