@@ -8,6 +8,7 @@ exits 2, and what was refused changed nothing."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -22,6 +23,8 @@ import pytest
 
 from kvatlas.asgi_thread import free_port
 from kvatlas.cli import main
+from kvatlas.client.cache_cli import _Progress
+from kvatlas.client.cache_client import wait_for_status
 from kvatlas.client.mp_server_client import MPServerClient
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.server import BackgroundServer
@@ -328,3 +331,48 @@ def test_a_refusal_from_a_real_process_exits_1_with_the_detail(fleet: Fleet) -> 
     assert done.stderr == (
         "kvatlas cache pin: POST /cache/pins: 403 this token may not use cache_salt 'tenant-b'\n"
     )
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_rewrites_one_line_on_a_terminal_and_logs_changes_otherwise() -> None:
+    """What ``--wait`` shows: on a terminal one line rewritten in place; in a log a line per
+    change and one at least every 10 s while nothing changes (so a log shows it is alive)."""
+    polls = iter(["pending", "pending", "pending", "pending", "completed"])
+    times = iter([0.0, 4.0, 11.0, 14.0, 15.0, 16.0])  # the start, then one per poll
+    log = io.StringIO()
+    progress = _Progress("prefetch r1", log)
+    status, ended = wait_for_status(
+        lambda: next(polls), lambda s: s == "completed", timeout_s=60,
+        on_status=lambda s, elapsed: progress.show(s, elapsed),
+        clock=lambda: next(times), sleep=lambda s: None,
+    )  # fmt: skip
+    progress.close()
+    assert (status, ended) == ("completed", True)
+    assert log.getvalue().splitlines() == [
+        "prefetch r1: pending (4 s)",
+        "prefetch r1: pending (14 s)",  # nothing changed for 10 s: alive
+        "prefetch r1: completed (16 s)",
+    ]
+    tty = _Terminal()
+    progress = _Progress("move m1", tty)
+    progress.show("pending (queued)", 0.0)
+    progress.show("completed (done)", 2.0)
+    progress.close()
+    assert tty.getvalue() == (
+        "\rmove m1: pending (queued) (0 s)\x1b[K\rmove m1: completed (done) (2 s)\x1b[K\n"
+    )
+
+
+def test_waiting_gives_up_at_its_timeout_with_the_last_status() -> None:
+    times = iter([0.0, 0.2, 1.5, 2.0])
+    slept: list[float] = []
+    status, ended = wait_for_status(
+        lambda: "pending", lambda s: s == "completed", timeout_s=2.0, interval_s=1.0,
+        clock=lambda: next(times), sleep=slept.append,
+    )  # fmt: skip
+    assert (status, ended) == ("pending", False)
+    assert slept == [1.0, 0.5]  # never past the timeout: the last sleep is what is left
