@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
-from kvatlas.coordinator.cache_control import SECTION, CacheControl, encode_state, restore_state
-from kvatlas.coordinator.cache_control.delivery import Copy, Delivery, MpServer, MpServers
-from kvatlas.coordinator.cache_control.metrics import CacheControlCollector
+from kvatlas.coordinator.cache_control import SECTION, encode_state, restore_section
+from kvatlas.coordinator.cache_control.delivery import MpServers
+from kvatlas.coordinator.cache_control.fleet import cache_control_of
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.emitters import EmitterBook, emitter_views, instance_views
 from kvatlas.coordinator.ingestion import Ingestion
@@ -54,7 +54,7 @@ from kvatlas.directory import (
     save_snapshot,
     warm_up_kernels,
 )
-from kvatlas.errors import Conflict, InvalidInput, Unavailable, Unprocessable
+from kvatlas.errors import Conflict, Unavailable, Unprocessable
 from kvatlas.events import ColumnBatch, EventBatch
 from kvatlas.events.inventory import Digest, differing
 from kvatlas.keys import MM_BYPASS_GUARD, ObjectKey
@@ -62,23 +62,13 @@ from kvatlas.keys import MM_BYPASS_GUARD, ObjectKey
 log = logging.getLogger(__name__)
 
 
-DELIVERY_PERIOD_S = 0.5
-"""How often the cache-control loop finishes and delivers commands."""
-
-
-def _no_servers(url: str) -> MpServer:
-    raise Unavailable(f"this coordinator has no MP-server client to reach {url}")
-
-
 class CoordinatorService:
     def __init__(
         self,
         config: CoordinatorConfig,
         clock: Callable[[], float] = time.monotonic,
-        mp_servers: MpServers | None = None,
+        mp_servers: MpServers | None = None,  # the client cache-control commands go through
     ) -> None:
-        """``mp_servers``: the client of the MP servers cache-control commands are delivered
-        to (``kvatlas.client.MPServerClient``; ``None``: none is, they stay pending)."""
         self.config = config
         self.scheme = config.scheme
         scheme = self.scheme
@@ -113,17 +103,10 @@ class CoordinatorService:
         self.ingestion = Ingestion(
             config, self.directory, self.instances, self.emitters, self.metrics, self.auth, clock
         )
-        self.cache_control = CacheControl(
-            config.chunk_size, is_instance=self.instances.known,
-            usage_by_salt=self.directory.bytes_by_salt,
-            hash_chunks=lambda tokens: scheme.chunk_hashes(tokens),
+        self.cache_control, self.delivery = cache_control_of(
+            config.chunk_size, lambda tokens: scheme.chunk_hashes(tokens), self.instances,
+            self.directory, self.metrics.registry, mp_servers,
         )  # fmt: skip
-        self.delivery = Delivery(
-            lambda: self.cache_control.commands, self, mp_servers or _no_servers
-        )
-        self.metrics.registry.register(
-            CacheControlCollector(lambda: self.cache_control, self._copy_bytes)
-        )
         engines = functools.partial(self.ingest, engine=True)  # they cannot register
         self.kv_events = self.ingestion.kv_events = KvEventsLinks.from_config(
             config, self.directory, engines, self._stop, is_node=self.instances.known,
@@ -137,7 +120,7 @@ class CoordinatorService:
         self.restore()
         self.instances.expire()  # restored instances silent for too long: fenced, not ghosts
         self._spawn("instance-sweeper", self._sweep_loop)
-        self._spawn("cache-control", self._delivery_loop)
+        self._spawn("cache-control", functools.partial(self.delivery.run, self._stop))
         for name, run in self.kv_events.start():
             self._spawn(name, run)
         if self.config.snapshot_path is not None:
@@ -299,49 +282,6 @@ class CoordinatorService:
             log.info("forgot %d departed emitters (cursors, metric series)", len(departed))
         return departed
 
-    # ------------------------------------------------------------------ cache control
-
-    def _delivery_loop(self) -> None:
-        while not self._stop.wait(DELIVERY_PERIOD_S):
-            try:
-                self.delivery.run_once()
-            except Exception:  # one bad pass must not end the loop
-                log.exception("cache-control delivery pass failed")
-
-    def url_of(self, instance_id: str) -> str | None:
-        """The MP-server URL a registered instance gave (``http://ip:http_port``, as LMCache's
-        coordinator calls it); ``None``: not registered, or no port."""
-        record = next((r for r in self.instances.records() if r.instance_id == instance_id), None)
-        if record is None or not record.registration.http_port:
-            return None
-        ip = record.registration.ip or "127.0.0.1"
-        host = f"[{ip}]" if ":" in ip else ip
-        return f"http://{host}:{record.registration.http_port}"
-
-    def pools_of(self, instance_id: str) -> set[str]:
-        """The shared L2 pools (backends) the instance declared capacity in."""
-        shared = {m.backend for m in self.directory.usage().modules if m.instance_id is None}
-        declared = self.directory.capacities().get(instance_id)
-        own = set() if declared is None else {b for t, b in declared.capacities if t == "l2"}
-        return shared & own
-
-    def pool_members(self, backend: str) -> list[str]:
-        """Registered instances that declared capacity in the shared L2 pool ``backend``."""
-        return sorted(
-            r.instance_id
-            for r in self.instances.records()
-            if backend in self.pools_of(r.instance_id)
-        )
-
-    def _copy_bytes(self, keys: list[ObjectKey]) -> int:
-        return sum(p.size_bytes for found in self.directory.lookup(keys) for p in found.placements)
-
-    def copies(self, keys: Sequence[ObjectKey]) -> list[list[Copy]]:
-        return [
-            [Copy(p.instance_id, p.tier, p.backend, p.shared) for p in found.placements]
-            for found in self.directory.lookup(keys)
-        ]
-
     # ------------------------------------------------------------------ resync
 
     def wants_digest(self, instance_id: str) -> bool:
@@ -385,11 +325,7 @@ class CoordinatorService:
             log.error("snapshot %s could not be restored (%s); starting empty", path, exc)
             return
         self._restored = True
-        if info.sections is not None and SECTION in info.sections:
-            try:
-                restore_state(self.cache_control, info.sections[SECTION])
-            except InvalidInput as exc:  # never half-read: the directory stays restored
-                log.error("snapshot %s: cache control not restored (%s)", path, exc)
+        restore_section(self.cache_control, info.sections, path)
         self.stream_position = self._restored_position = info.stream_position
         if info.instances is not None:
             self.instances.restore(info.instances)

@@ -23,6 +23,7 @@ from tests.coordinator.security_support import ADMIN, LOOKUP_ALL, bearer, token,
 NODE_A, NODE_A2, NODE_B = token("node-a"), token("node-a2"), token("node-b")
 LOOKUP_A = token("lookup-a")
 ROUTER = token("router")  # a valid token holding none of the coordinator's roles
+CACHE_A, CACHE_ALL = token("cache-a"), token("cache-all")  # cache control: bound to a / not
 METRICS_PATH = "/metrics"
 CLOSED = (METRICS_PATH, "/docs", "/openapi.json")
 
@@ -44,6 +45,8 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"token": LOOKUP_ALL, "role": "lookup"},
         {"token": LOOKUP_A, "role": "lookup", "cache_salts": ["a"]},
         {"token": ROUTER, "role": "route"},
+        {"token": CACHE_A, "role": "cache", "cache_salts": ["a"]},
+        {"token": CACHE_ALL, "role": "cache"},
         _node(NODE_A, "node-a", "a"),
         _node(NODE_A2, "node-a2", "a"),
         _node(NODE_B, "node-b", "b"),
@@ -119,10 +122,14 @@ def test_every_route_checks_its_access_from_the_table(fresh: httpx.Client, route
         refused = call(ROUTER)
         assert "needs" in assert_error(refused, 403)["detail"]
         assert refused.headers["connection"] == "close"
+    cache = access.roles == ("cache",)  # cache control: a cache token, bound or not
     if access.every_tenant:
-        assert "cache_salts" in assert_error(call(LOOKUP_A), 403)["detail"]
+        bound = CACHE_A if cache else LOOKUP_A
+        assert "cache_salts" in assert_error(call(bound), 403)["detail"]
     held = ADMIN if access.roles == ("admin",) else NODE_A  # emit + lookup, bound to node-a
-    admitted = call(LOOKUP_ALL if access.every_tenant else held)
+    held = CACHE_A if cache else held
+    unbound = CACHE_ALL if cache else LOOKUP_ALL
+    admitted = call(unbound if access.every_tenant else held)
     assert admitted.status_code not in (401, 405), admitted.text
     assert admitted.content != b'{"detail":"Not Found"}'  # served (a handler's 404 is fine)
     if admitted.status_code == 403:  # a binding the body names (an instance), not the route's

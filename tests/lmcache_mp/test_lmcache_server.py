@@ -28,7 +28,12 @@ from tests.coordinator.lmcache_goldens import shape_problems
 from tests.lmcache_mp.server import CHUNK_SIZE, LMCacheServer, lmcache_server
 from tests.node.test_cache_control import BAD
 
-SEQUENCES = (1, 2, 3)  # 3: test_one_client_drives_both_kinds_of_server's alone
+SEQUENCES = (
+    1,
+    2,
+    3,
+    4,
+)  # 3: test_one_client_drives_both_kinds_of_server's alone; 4: the coordinator's
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +118,7 @@ def test_lmcache_prefetch_then_delete(lmcache: LMCacheServer, theirs: httpx.Clie
     docs/cache-control.md)."""
     model, one, two = lmcache.model_name, keys_of(lmcache, 1), keys_of(lmcache, 2)
     tokens = {s.sequence: s.token_ids for s in lmcache.stored}
-    until(lambda: len(lmcache.l2_keys()) == 9, "LMCache's L2 writes")
+    until(lambda: len(lmcache.l2_keys()) == 3 * len(SEQUENCES), "LMCache's L2 writes")
     r = theirs.post("/cache/clear")
     assert (r.status_code, r.json()) == (200, {"status": "ok", "cleared": {"tier": "l1"}})
 
@@ -290,3 +295,41 @@ def test_one_client_drives_both_kinds_of_server(
     ):
         c.clear()
     assert unreachable.value.reply_status is None  # retry later, not a refusal
+
+
+def test_our_coordinator_drives_a_real_lmcache_server(lmcache: LMCacheServer) -> None:
+    """kvatlas's coordinator (its routes, its delivery loop, ``MPServerClient``) drives
+    LMCache 0.5.6's server as it drives a node: a prefetch submitted to it and its status read
+    from it, then a delete of every tier that removes the keys from LMCache's L2."""
+    from urllib.parse import urlsplit
+
+    from kvatlas.coordinator.config import CoordinatorConfig
+    from kvatlas.coordinator.server import BackgroundServer
+
+    tokens = next(s.token_ids for s in lmcache.stored if s.sequence == 4)
+    hashes = {k["chunk_hash_hex"] for k in keys_of(lmcache, 4)}
+    assert hashes <= l2_hashes(lmcache)
+    config = CoordinatorConfig(port=free_port(), chunk_size=CHUNK_SIZE)
+    with (
+        BackgroundServer(config, mp_servers=MPServerClient) as server,
+        httpx.Client(base_url=server.url, timeout=60) as c,
+    ):
+        lm = {"instance_id": "lm", "ip": "127.0.0.1", "http_port": urlsplit(lmcache.url).port}
+        assert c.post("/instances", json=lm).status_code == 200
+        body = {"instance_id": "lm", "model_name": lmcache.model_name, "world_size": 1,
+                "token_ids": tokens}  # fmt: skip
+        r = c.post("/cache/prefetches", json=body)
+        assert r.status_code == 202, r.text
+        assert (r.json()["chunks"], r.json()["status"]) == (3, "submitted")
+        rid, commands = r.json()["request_id"], server.service.cache_control.commands
+
+        def found() -> int | None:
+            command = commands.get(rid)
+            return None if command is None else command.found_keys
+
+        assert until(found, "LMCache's prefetch status, read by the loop") == 3
+        r = c.post("/cache/delete", json={**body, "tier": "all"})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"instance_id": "lm", "requested": 3, "affected": 3, "skipped": 0,
+                            "status": "deleted"}  # fmt: skip
+        assert until(lambda: not hashes & l2_hashes(lmcache), "the keys gone from LMCache's L2")

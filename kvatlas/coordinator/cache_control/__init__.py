@@ -12,7 +12,12 @@ from kvatlas.coordinator.cache_control.service import (
     PrefetchOutcome,
     Resolved,
 )
-from kvatlas.coordinator.cache_control.snapshot import SECTION, encode_state, restore_state
+from kvatlas.coordinator.cache_control.snapshot import (
+    SECTION,
+    encode_state,
+    restore_section,
+    restore_state,
+)
 
 __all__ = [
     "DEFAULT_SALT_NAME",
@@ -27,6 +32,7 @@ __all__ = [
     "Resolved",
     "Retry",
     "encode_state",
+    "restore_section",
     "restore_state",
     "salt_of_path",
 ]

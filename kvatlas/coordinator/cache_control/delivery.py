@@ -62,6 +62,13 @@ class MpServer(Protocol):
 
 MpServers = Callable[[str], MpServer]
 """An MP server's client from its base URL."""
+PERIOD_S = 0.5
+"""How often the loop finishes and delivers commands."""
+
+
+def no_servers(url: str) -> MpServer:
+    """The client of a coordinator given none: every delivery fails (commands stay pending)."""
+    raise Unavailable(f"this coordinator has no MP-server client to reach {url}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +121,14 @@ class Delivery:
         return self._commands()
 
     # ------------------------------------------------------------------ the loop
+
+    def run(self, stop: threading.Event) -> None:
+        """The loop: :meth:`run_once` every :data:`PERIOD_S` until ``stop``."""
+        while not stop.wait(PERIOD_S):
+            try:
+                self.run_once()
+            except Exception:  # one bad pass must not end the loop
+                log.exception("cache-control delivery pass failed")
 
     def run_once(self) -> None:
         """Finish what the directory shows done, deliver what is due, drop old finished
@@ -188,7 +203,7 @@ class Delivery:
         # another member; its private L2 copies wait for it
         left = self._left(c)
         if any(not cp.shared for copies in left for cp in copies):
-            return f"instance {target!r} is not registered", None
+            return f"instance {target!r} is not registered (or gave no http_port)", None
         pools = {cp.backend for copies in left for cp in copies}
         for backend in sorted(pools):
             members = [m for m in self.fleet.pool_members(backend) if m != target]
@@ -205,7 +220,7 @@ class Delivery:
     def _send_prefetch(self, c: Command) -> tuple[str, int | None] | None:
         url = self.fleet.url_of(c.targets[0])
         if url is None:
-            return f"instance {c.targets[0]!r} is not registered", None
+            return f"instance {c.targets[0]!r} is not registered (or gave no http_port)", None
         key = c.keys[0]
         try:
             reply = self.call(

@@ -7,6 +7,8 @@ refused, never half-read."""
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Final
 
 import msgspec
@@ -19,6 +21,7 @@ from kvatlas.coordinator.cache_control.service import CacheControl, wire_key
 from kvatlas.errors import InvalidInput
 from kvatlas.keys import ObjectKey, parse_chunk_hash_hex
 
+log = logging.getLogger(__name__)
 SECTION: Final = "cache_control"
 _VERSION: Final = 1
 
@@ -60,3 +63,16 @@ def restore_state(control: CacheControl, data: bytes, **command_options: object)
     except (msgspec.MsgspecError, ValueError) as exc:
         raise InvalidInput(f"cache-control snapshot section: {exc}") from None
     control.pins, control.quotas, control.commands = pins, quotas, commands
+
+
+def restore_section(
+    control: CacheControl, sections: dict[str, bytes] | None, where: str | Path
+) -> None:
+    """Restore ``control`` from a snapshot's sections, if they hold one; a section that does
+    not decode is logged and left out (the directory stays restored, cache control empty)."""
+    if sections is None or SECTION not in sections:
+        return
+    try:
+        restore_state(control, sections[SECTION])
+    except InvalidInput as exc:
+        log.error("snapshot %s: cache control not restored (%s)", where, exc)

@@ -74,7 +74,7 @@ async def unpin(ctx: Context, call: Call[TokenFields, None]) -> PinReply:
 async def pins(ctx: Context, call: Call[None, PinsQuery]) -> PinsReply:
     q = call.query
     if not q.cache_salt and not call.who.sees_everything:
-        raise Forbidden("pins of every salt: needs a token not bound to cache_salts")
+        raise Forbidden("pins of every salt: for a token not bound to cache_salts only")
     if q.cache_salt:
         _may(call.who, _path_salt(q.cache_salt))
     return ctx.service.cache_control.list_pins(q.cache_salt, q.model_name, q.offset, q.limit)
@@ -116,8 +116,8 @@ async def prefetch_status(ctx: Context, call: Call[None, None]) -> CoordinatorPr
         _may(call.who, *(_command_salts(command) if command else ()))
         return status
     if not call.who.sees_everything:
-        raise Forbidden("a prefetch this coordinator did not record: needs a token not bound to cache_salts")  # fmt: skip
-    url = service.url_of(instance_id)
+        raise Forbidden("a prefetch this coordinator did not record: for a token not bound to cache_salts only")  # fmt: skip
+    url = service.delivery.fleet.url_of(instance_id)
     if url is None:
         raise BadGateway(f"prefetch status from {instance_id!r} failed: no http_port registered")
 

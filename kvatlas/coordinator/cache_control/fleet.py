@@ -1,0 +1,78 @@
+"""Cache control wired into the coordinator (:func:`cache_control_of`), and what delivery
+reads of it (:class:`~.delivery.Fleet`): where a registered instance's MP server listens, which
+instances share an L2 pool, and the copies the directory shows of keys."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from prometheus_client import CollectorRegistry
+
+from kvatlas.coordinator.cache_control.delivery import Copy, Delivery, MpServers, no_servers
+from kvatlas.coordinator.cache_control.metrics import CacheControlCollector
+from kvatlas.coordinator.cache_control.service import CacheControl
+from kvatlas.coordinator.instances import InstanceRegistry
+from kvatlas.directory import KeyDirectory
+from kvatlas.keys import ObjectKey
+
+
+class CoordinatorFleet:
+    def __init__(self, instances: InstanceRegistry, directory: KeyDirectory) -> None:
+        self.instances = instances
+        self.directory = directory
+
+    def url_of(self, instance_id: str) -> str | None:
+        """The MP-server URL a registered instance gave (``http://ip:http_port``, as LMCache's
+        coordinator calls it); ``None``: not registered, or no port."""
+        record = next((r for r in self.instances.records() if r.instance_id == instance_id), None)
+        if record is None or not record.registration.http_port:
+            return None
+        ip = record.registration.ip or "127.0.0.1"
+        host = f"[{ip}]" if ":" in ip else ip
+        return f"http://{host}:{record.registration.http_port}"
+
+    def pools_of(self, instance_id: str) -> set[str]:
+        """The shared L2 pools (by backend) the instance declared capacity in."""
+        shared = {m.backend for m in self.directory.usage().modules if m.instance_id is None}
+        declared = self.directory.capacities().get(instance_id)
+        own = set() if declared is None else {b for t, b in declared.capacities if t == "l2"}
+        return shared & own
+
+    def pool_members(self, backend: str) -> list[str]:
+        """Registered instances that declared capacity in the shared L2 pool ``backend``."""
+        return sorted(
+            r.instance_id
+            for r in self.instances.records()
+            if backend in self.pools_of(r.instance_id)
+        )
+
+    def copies(self, keys: Sequence[ObjectKey]) -> list[list[Copy]]:
+        return [
+            [Copy(p.instance_id, p.tier, p.backend, p.shared) for p in found.placements]
+            for found in self.directory.lookup(keys)
+        ]
+
+    def copy_bytes(self, keys: list[ObjectKey]) -> int:
+        """Bytes of every copy of ``keys`` (pinned bytes)."""
+        return sum(p.size_bytes for found in self.directory.lookup(keys) for p in found.placements)
+
+
+def cache_control_of(
+    chunk_size: int,
+    hash_chunks: Callable[[list[int]], list[bytes]],
+    instances: InstanceRegistry,
+    directory: KeyDirectory,
+    registry: CollectorRegistry,
+    mp_servers: MpServers | None,
+) -> tuple[CacheControl, Delivery]:
+    """A coordinator's cache control (keys by its own hashing, usage from its directory's L2
+    bytes) and its delivery (``mp_servers``: the client commands are delivered with; ``None``:
+    none, they stay pending), its figures on ``registry``."""
+    control = CacheControl(
+        chunk_size, is_instance=instances.known, usage_by_salt=directory.bytes_by_salt,
+        hash_chunks=hash_chunks,
+    )  # fmt: skip
+    fleet = CoordinatorFleet(instances, directory)
+    delivery = Delivery(lambda: control.commands, fleet, mp_servers or no_servers)
+    registry.register(CacheControlCollector(lambda: control, fleet.copy_bytes))
+    return control, delivery
