@@ -58,13 +58,12 @@ class CoordinatorLink:
     names nodes and routers use for the same settings)."""
 
     coordinator_url: str = "http://127.0.0.1:9300"
-    coordinator_token: str = ""
+    coordinator_token: str | None = None
     coordinator_token_file: Path | None = None
 
     def token(self) -> str | None:
-        return read_secret(
-            self.coordinator_token, self.coordinator_token_file, "--coordinator-token"
-        )
+        given = self.coordinator_token or ""
+        return read_secret(given, self.coordinator_token_file, "--coordinator-token")
 
     def client(self) -> CacheControlClient:
         url = check_http_url(self.coordinator_url, "--coordinator-url")
