@@ -10,6 +10,7 @@ but the status routes and the scrape. See docs/operator.md.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -165,11 +166,46 @@ CACHE_ROWS = 50
 """Salts and unfinished commands the page lists at most (the most used / oldest first)."""
 
 
+USAGE_MIN_AGE_S = 5.0
+USAGE_COST_FACTOR = 20
+"""Each salt's L2 bytes are counted by a pass over the whole directory (its cost grows with the
+keys: docs/operator.md): the page reuses the last count until it is :data:`USAGE_MIN_AGE_S` old and
+:data:`USAGE_COST_FACTOR` times as old as that pass took, so however large the directory and
+however many tabs refresh, counting takes at most a twentieth of one core."""
+
+
+@dataclass(frozen=True, slots=True)
+class SaltUsage:
+    bytes: dict[str, int]
+    age_s: float
+
+
+class SaltUsageCache:
+    """The last count of each salt's L2 bytes, renewed by the rule above (``clock``: the
+    service's monotonic clock)."""
+
+    def __init__(self, count: Callable[[], dict[str, int]], clock: Callable[[], float]) -> None:
+        self._count, self._clock = count, clock
+        self._lock = threading.Lock()
+        self._last: tuple[float, float, dict[str, int]] | None = None  # (at, took_s, bytes)
+
+    def get(self) -> SaltUsage:
+        with self._lock:  # a second reader waits for the pass under way, then shares it
+            last = self._last
+            now = self._clock()
+            if last is None or now - last[0] >= max(USAGE_MIN_AGE_S, USAGE_COST_FACTOR * last[1]):
+                counted = self._count()
+                done = self._clock()
+                last = self._last = (done, done - now, counted)
+            return SaltUsage(last[2], max(self._clock() - last[0], 0.0))
+
+
 @dataclass(frozen=True, slots=True)
 class CacheControlStatus:
     """Quotas and pins per salt, and commands by kind and state (docs/cache-control.md)."""
 
     default_limit_bytes: float | None
+    usage_age_s: float  # the usage is counted at most every few seconds (SaltUsage)
     quotas: tuple[QuotaRow, ...]
     salts: int  # how many salts there are; ``quotas`` lists at most CACHE_ROWS of them
     pinned_keys: int
@@ -180,10 +216,9 @@ class CacheControlStatus:
 
 
 def cache_control_status(
-    control: CacheControl, directory: KeyDirectory, now: float
+    control: CacheControl, directory: KeyDirectory, usage: SaltUsage, now: float
 ) -> CacheControlStatus:
     """What the page shows of cache control; ``now`` is wall-clock (commands' times are)."""
-    usage = directory.bytes_by_salt()
     pins = control.pins.rows()
     pinned: dict[str, int] = {}
     for key, _count in pins:
@@ -191,10 +226,10 @@ def cache_control_status(
     default = control.quotas.default_limit_gb
     own = control.quotas.limits()
     rows = []
-    for salt in set(usage) | set(own) | set(pinned):
+    for salt in set(usage.bytes) | set(own) | set(pinned):
         limit = own.get(salt, default)
         rows.append(QuotaRow(
-            salt, usage.get(salt, 0), None if limit is None else limit * GB, salt in own,
+            salt, usage.bytes.get(salt, 0), None if limit is None else limit * GB, salt in own,
             pinned.get(salt, 0),
         ))  # fmt: skip
     rows.sort(key=lambda r: (-_pressure(r), -r.usage_bytes, r.cache_salt))
@@ -205,6 +240,7 @@ def cache_control_status(
     unfinished = control.commands.unfinished()  # oldest first
     return CacheControlStatus(
         default_limit_bytes=None if default is None else default * GB,
+        usage_age_s=usage.age_s,
         quotas=tuple(rows[:CACHE_ROWS]),
         salts=len(rows),
         pinned_keys=len(pins),
@@ -265,6 +301,7 @@ class StatusSource:
         self.history = History(self._sample, service.clock)
         self.last_snapshot_at: float | None = None
         self._redis: Any = None  # a client of its own for XLEN (the redis transport only)
+        self.salt_usage = SaltUsageCache(service.directory.bytes_by_salt, service.clock)
         service.metrics.registry.register(_OperatorCollector(self))
         self.recent: deque[RecentEvent] = deque(maxlen=RECENT_EVENTS)
         self._fault_counts = [0.0] * len(_FAULTS)
@@ -339,6 +376,11 @@ class StatusSource:
             rows.append(row)
         return tuple(rows)
 
+    def cache_control(self) -> CacheControlStatus:
+        service = self.service
+        usage = self.salt_usage.get()
+        return cache_control_status(service.cache_control, service.directory, usage, time.time())
+
     def view(self) -> StatusView:
         service = self.service
         directory = service.directory.stats()
@@ -360,9 +402,7 @@ class StatusSource:
             event_transport=service.config.event_transport,
             stream_length=self.stream_length(),
             recent=tuple(self.recent),
-            cache_control=cache_control_status(
-                service.cache_control, service.directory, time.time()
-            ),
+            cache_control=self.cache_control(),
         )
 
 

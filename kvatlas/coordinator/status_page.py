@@ -354,7 +354,10 @@ def _cache_control(cc: CacheControlStatus) -> str:
         else _bytes(cc.default_limit_bytes)
     )
     shown = "" if cc.salts <= len(cc.quotas) else f", the {len(cc.quotas)} most used shown"
-    title = f"<h3>Quotas: {_e(_num(cc.salts))} salts{_e(shown)}; default {_e(default)}</h3>"
+    title = (
+        f"<h3>Quotas: {_e(_num(cc.salts))} salts{_e(shown)}; default {_e(default)}"
+        f' <span class="muted">(usage counted {_e(_secs(cc.usage_age_s))} ago)</span></h3>'
+    )
     if cc.quotas:
         rows = "".join(_quota_row(r) for r in cc.quotas)
         quotas = f'<table id="quotas"><thead>{_QUOTA_HEAD}</thead><tbody>{rows}</tbody></table>'
