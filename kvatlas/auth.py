@@ -109,7 +109,7 @@ def read_secret_file(path: Path, what: str) -> str:
     return check_secret(text, f"{what} {path}")
 
 
-def read_secret(value: str, path: Path | None, flag: str) -> str | None:
+def read_secret(value: str | None, path: Path | None, flag: str) -> str | None:
     """A secret given as ``flag`` (``value``: the command line or ``KVATLAS_<NAME>``) or in
     the file of ``flag``-file (``path``), by the rule above: the file's by
     :func:`read_secret_file`, the value's by :func:`check_secret`; ``None`` when neither is
@@ -118,7 +118,7 @@ def read_secret(value: str, path: Path | None, flag: str) -> str | None:
         raise ValueError(f"give {flag}-file or the token, not both")
     if path is not None:
         return read_secret_file(path, f"{flag}-file")
-    return check_secret(value, flag) or None
+    return check_secret(value, flag) or None if value else None
 
 
 @dataclass(frozen=True)

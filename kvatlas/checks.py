@@ -35,6 +35,8 @@ def uint32_token_bytes(token_ids: object) -> bytes:
         raise InvalidInput(f"token ids must be integers in [0, 2^32): {exc}") from None
     if array.size == 0:
         return b""
+    if array.dtype.kind == "u" and array.dtype.itemsize <= 4:  # in range by its type
+        return np.ascontiguousarray(array, dtype="<u4").tobytes()
     if array.dtype.kind == "O":  # Python ints beyond int64, or mixed types
         values = array.ravel().tolist()
         bad = next((t for t in values if not is_plain_int(t) or not 0 <= t < 1 << 32), None)

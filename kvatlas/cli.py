@@ -11,7 +11,12 @@ from collections.abc import Callable, Sequence
 from kvatlas import __version__
 from kvatlas.bench import BENCHMARKS
 from kvatlas.client import cache_cli
-from kvatlas.client.route_client import ROUTE_HELP, RouteCommand, run_route_command
+from kvatlas.client.route_client import (
+    ROUTE_HELP,
+    ROUTE_RENAMED_FLAGS,
+    RouteCommand,
+    run_route_command,
+)
 from kvatlas.config_flags import FlagParser, add_dataclass_arguments, dataclass_from_args
 from kvatlas.coordinator.config import CoordinatorConfig, config_from_args
 from kvatlas.coordinator.config import add_arguments as add_coordinator_arguments
@@ -71,7 +76,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="score instances for a query (POST /route/score) and print the table",
         description="Which instance should serve this query: prefix and fragment coverage by tier.",
     )
-    add_dataclass_arguments(route, RouteCommand, ROUTE_HELP)
+    add_dataclass_arguments(route, RouteCommand, ROUTE_HELP, renamed=ROUTE_RENAMED_FLAGS)
 
     cache_cli.add_arguments(sub.add_parser("cache", help="cache control: pins, deletes, "
                             "prefetches, moves, quotas (docs/cache-control.md)"))  # fmt: skip
@@ -181,7 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return result
     if args.command == "route":
         try:
-            return run_route_command(dataclass_from_args(RouteCommand, args))
+            command = dataclass_from_args(RouteCommand, args, renamed=ROUTE_RENAMED_FLAGS)
+            return run_route_command(command)
         except (ValueError, OSError) as exc:
             parser.error(str(exc))
     if args.command == "cache":

@@ -3,20 +3,29 @@
 Precedence: command line > environment > default. Values are converted by the field's declared
 type (``bool``, ``int``, ``float``, ``str``, ``Path``; ``X | None`` maps an empty value to None),
 so every service parses its flags and its environment the same way.
+
+One name per setting: the field's name is its flag (``--a-b``), its variable (``KVATLAS_A_B``)
+and, where a reply reports it, its HTTP field (docs/configuration.md has the table). A renamed
+field keeps its old flag and variable for one release (``renamed``): they still work, and each
+use warns (a logged warning and a :class:`DeprecationWarning`) naming the new spelling.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import types
 import typing
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -38,6 +47,33 @@ def env_name(field: str) -> str:
 
 def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
+
+
+def warn_renamed(old: str, new: str) -> None:
+    """Say that ``old`` (a flag or variable) is the previous spelling of ``new``."""
+    message = f"{old} is deprecated and goes in the next release: use {new}"
+    log.warning("%s", message)
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
+
+
+class _RenamedFlag(argparse.Action):
+    """An old spelling: stores into the new field's destination, warning on each use."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, *, new: str, **kw: Any) -> None:
+        self.new = new
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        negated = bool(option_string and option_string.startswith("--no-"))
+        new = ("--no-" + self.new[2:]) if negated else self.new
+        warn_renamed(option_string or self.new, new)
+        setattr(namespace, self.dest, (not negated) if self.nargs == 0 else values)
 
 
 def parse_bool(text: str) -> bool:
@@ -63,16 +99,23 @@ def add_dataclass_arguments(
     help_texts: Mapping[str, str],
     choices: Mapping[str, Sequence[str]] | None = None,
     repeatable: Sequence[str] = (),
+    renamed: Mapping[str, str] | None = None,
 ) -> None:
     """One flag per field; a field in ``choices`` shows them as ``{a,b}`` and refuses others;
-    a ``str`` field in ``repeatable`` may be given several times (joined with commas)."""
+    a ``str`` field in ``repeatable`` may be given several times (joined with commas);
+    ``renamed`` maps old field names to new ones (hidden flags that warn, see module doc)."""
     hints = typing.get_type_hints(cls)
     choices = choices or {}
+    for old, new in (renamed or {}).items():
+        is_bool = _base_type(hints[new])[0] is bool
+        options = [flag_name(old)] + (["--no-" + old.replace("_", "-")] if is_bool else [])
+        parser.add_argument(
+            *options, dest=new, action=_RenamedFlag, new=flag_name(new), nargs=0 if is_bool else None,
+            default=None, choices=None if is_bool else choices.get(new), help=argparse.SUPPRESS,
+        )  # fmt: skip
     for f in fields(cls):
-        default = f.default if f.default is not MISSING else None
-        help_text = (
-            f"{help_texts.get(f.name, '')} [env {env_name(f.name)}; default {default}]".strip()
-        )
+        default = "" if f.default is MISSING else f"; default {f.default}"  # computed: see help
+        help_text = f"{help_texts.get(f.name, '')} [env {env_name(f.name)}{default}]".strip()
         if _base_type(hints[f.name])[0] is bool:
             parser.add_argument(
                 flag_name(f.name),
@@ -116,18 +159,27 @@ def _convert(raw: object, annotation: Any) -> object:
 
 
 def dataclass_from_args(
-    cls: type[T], args: argparse.Namespace, environ: Mapping[str, str] | None = None
+    cls: type[T],
+    args: argparse.Namespace,
+    environ: Mapping[str, str] | None = None,
+    renamed: Mapping[str, str] | None = None,
 ) -> T:
-    """Merge parsed flags over ``KVATLAS_*`` variables over defaults; ``ValueError`` names the flag."""
+    """Merge parsed flags over ``KVATLAS_*`` variables over defaults; ``ValueError`` names the
+    flag. A variable of a ``renamed`` field's old name counts (with a warning) when the new one
+    is not set."""
     env = os.environ if environ is None else environ
+    for old, new in (renamed or {}).items():
+        if env_name(old) in env and env_name(new) not in env:
+            warn_renamed(env_name(old), env_name(new))
+            env = {**env, env_name(new): env[env_name(old)]}
     hints = typing.get_type_hints(cls)
     values: dict[str, object] = {}
     for f in fields(cls):  # type: ignore[arg-type]
         raw = getattr(args, f.name, None)
         if raw is None and env_name(f.name) in env:
             raw = env[env_name(f.name)]
-        if raw is None:
-            continue
+        if raw is None or (raw == "" and f.default_factory is not MISSING):
+            continue  # not set (an empty value of a field with a computed default too)
         try:
             values[f.name] = _convert(raw, hints[f.name])
         except ValueError as exc:

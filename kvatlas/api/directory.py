@@ -2,7 +2,7 @@
 ``GET /directory/keys`` and ``POST /directory/blend-lookup``.
 
 Fields only kvatlas sends (a placement's ``last_access``, the lookup's ``prefix``, the
-listing's ``total``, ``blend_enabled``) have defaults, so LMCache's replies decode too. A blend
+listing's ``total``, ``enable_blend_lookup``) have defaults, so LMCache's replies decode too. A blend
 match is checked on decoding (a 64-hex-digit hash, positions ≥ 0): a match that is not is
 never trusted — it would name the wrong KV."""
 
@@ -114,11 +114,12 @@ class BlendMatchRow(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class BlendReply(msgspec.Struct, kw_only=True, frozen=True):
-    """``POST /directory/blend-lookup``. ``blend_enabled`` is kvatlas's (``false``: the
-    coordinator runs with blend lookup off, so ``[]`` says nothing about the fleet)."""
+    """``POST /directory/blend-lookup``. ``enable_blend_lookup`` is kvatlas's, the
+    coordinator's flag (``false``: blend lookup is off, so ``[]`` says nothing about the
+    fleet)."""
 
     matches: list[BlendMatchRow]
-    blend_enabled: bool | UnsetType = UNSET
+    enable_blend_lookup: bool | UnsetType = UNSET
 
     def check_positions(self, n_tokens: int) -> None:
         """Every match lies inside a query of ``n_tokens`` (``ValueError`` otherwise)."""

@@ -163,9 +163,10 @@ class InventoryReply(msgspec.Struct):
 
 
 class NodeHealthReply(msgspec.Struct):
-    """A node's ``GET /healthz``: its id and the key scheme its peers must share."""
+    """A node's ``GET /healthz``: its id and the key scheme its peers must share
+    (``hash_scheme``, ``chunk_size``: the flags' names)."""
 
     status: str
     instance_id: str
-    key_scheme: str
+    hash_scheme: str
     chunk_size: int

@@ -92,15 +92,16 @@ class IngestCountsReply(msgspec.Struct, kw_only=True, frozen=True):
 
 class HealthReply(msgspec.Struct, kw_only=True, frozen=True):
     """``GET /healthz``: liveness, the key scheme a peer must share, how events arrive.
-    Every field but ``status`` is kvatlas's (``None`` from LMCache's coordinator);
+    Every field but ``status`` is kvatlas's (``None`` from LMCache's coordinator), each named
+    as the flag it reports (``--hash-scheme``, ``--chunk-size``, ``--enable-blend-lookup``);
     ``kv_events`` (counters by side, ``subscriber``/``publisher``) only when a vLLM KV-event
     link is configured."""
 
     status: str = "healthy"
     state: str | None = None
-    key_scheme: str | None = None
+    hash_scheme: str | None = None
     chunk_size: int | None = None
-    blend_lookup: bool | None = None
+    enable_blend_lookup: bool | None = None
     event_transport: str | None = None
     stream_position: str | None = None
     event_stream: str | None = None
@@ -109,9 +110,24 @@ class HealthReply(msgspec.Struct, kw_only=True, frozen=True):
     kv_events: dict[str, dict[str, int]] | UnsetType = UNSET
 
     @property
-    def states_key_scheme(self) -> bool:
-        """Whether the coordinator states its key scheme (LMCache's does not)."""
-        return self.key_scheme is not None
+    def states_hash_scheme(self) -> bool:
+        """Whether the coordinator states its hash scheme (LMCache's does not)."""
+        return self.hash_scheme is not None
+
+
+class HealthReplyAnyRelease(HealthReply, kw_only=True, frozen=True):
+    """A ``/healthz`` as a client reads it: also from a coordinator of the release before
+    the names followed the flags, whose ``key_scheme`` and ``blend_lookup`` fill
+    ``hash_scheme`` and ``enable_blend_lookup`` (read for one release, never sent)."""
+
+    key_scheme: str | UnsetType = UNSET
+    blend_lookup: bool | UnsetType = UNSET
+
+    def __post_init__(self) -> None:
+        if self.hash_scheme is None and isinstance(self.key_scheme, str):
+            msgspec.structs.force_setattr(self, "hash_scheme", self.key_scheme)
+        if self.enable_blend_lookup is None and isinstance(self.blend_lookup, bool):
+            msgspec.structs.force_setattr(self, "enable_blend_lookup", self.blend_lookup)
 
 
 class ReadinessReply(msgspec.Struct, kw_only=True, frozen=True):

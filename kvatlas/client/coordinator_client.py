@@ -21,6 +21,7 @@ from kvatlas.api import (
     DigestReply,
     ErrorReply,
     HealthReply,
+    HealthReplyAnyRelease,
     HeartbeatReply,
     InstanceRow,
     InstancesReply,
@@ -265,7 +266,8 @@ class CoordinatorClient:
         return reply
 
     def health(self) -> HealthReply:
-        reply: HealthReply = self._call("GET", "/healthz", HealthReply)
+        """``GET /healthz`` (of a coordinator of this release or the one before)."""
+        reply: HealthReply = self._call("GET", "/healthz", HealthReplyAnyRelease)
         return reply
 
     def close(self) -> None:

@@ -149,18 +149,22 @@ class RouteCommand:
 
     url: str = "http://127.0.0.1:9300"
     tokens_file: Path | None = None
-    model: str = ""
+    model_name: str | None = None
     cache_salt: str = ""
     world_size: int = 1
-    instances: str = ""
-    coordinator_token: str = ""
+    instances: str | None = None
+    coordinator_token: str | None = None
+
+
+ROUTE_RENAMED_FLAGS = {"model": "model_name"}
+"""``kvatlas route``'s old spellings (they warn, for one release)."""
 
 
 ROUTE_HELP = {
     "url": "coordinator URL",
     "tokens_file": "the query's token ids: a JSON list, or integers separated by spaces/commas",
-    "model": "model name the query's KV was computed with",
-    "cache_salt": "the query's cache salt (tenant)",
+    "model_name": "model name the query's KV was computed with (required)",
+    "cache_salt": "the query's cache salt (tenant; empty: the unsalted namespace)",
     "world_size": "tensor-parallel world size of the query's KV",
     "instances": "comma-separated instance ids to score (default: every live instance)",
     "coordinator_token": "bearer token with the lookup role",
@@ -186,13 +190,16 @@ def run_route_command(cmd: RouteCommand) -> int:
 
     if cmd.tokens_file is None:
         raise ValueError("--tokens-file is required")
+    if cmd.model_name is None:  # refused here as the coordinator would (exit 1)
+        Console(stderr=True).print("[red]model_name is required: give --model-name[/red]")
+        return 1
     tokens = read_tokens(cmd.tokens_file)
-    instances = [i for i in cmd.instances.split(",") if i] or None
-    with RouteClient(cmd.url, token=cmd.coordinator_token or None) as client:
+    instances = [i for i in (cmd.instances or "").split(",") if i] or None
+    with RouteClient(cmd.url, token=cmd.coordinator_token) as client:
         try:
             scores = client.score(
                 tokens,
-                cmd.model,
+                cmd.model_name,
                 world_size=cmd.world_size,
                 cache_salt=cmd.cache_salt,
                 instances=instances,

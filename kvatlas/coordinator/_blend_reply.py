@@ -18,7 +18,7 @@ _HASH = np.frombuffer(b'{"chunk_hash":"', np.uint8)
 _OLD_ST = np.frombuffer(b'","old_st":', np.uint8)
 _CUR_ST = np.frombuffer(b',"cur_st":', np.uint8)
 _HEAD = b'{"matches":['
-_TAIL = {True: b'],"blend_enabled":true}', False: b'],"blend_enabled":false}'}
+_TAIL = {True: b'],"enable_blend_lookup":true}', False: b'],"enable_blend_lookup":false}'}
 _PER_MATCH = len(_HASH) + len(_OLD_ST) + len(_CUR_ST) + 2 * 20 + 2  # "}", ","; ints <= 20
 
 

@@ -43,6 +43,14 @@ from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
 
 DEFAULT_PORT = 9300
 
+RENAMED_FLAGS = {
+    "consumer_heartbeat": "consumer_heartbeat_s",
+    "emitter_retention": "emitter_retention_s",
+    "max_clock_skew": "max_clock_skew_s",
+}
+"""Old field (flag, variable) names and their new ones: the old ones work, with a warning,
+for one release (:mod:`kvatlas.config_flags`)."""
+
 QUERY_ENVELOPE_BYTES = 64 * 1024
 """A lookup body's JSON beside its tokens: field names, model name, salt, whitespace."""
 ENTRY_ENVELOPE_BYTES = 768
@@ -98,7 +106,7 @@ class CoordinatorConfig:
     event_stream: str = "kvatlas:events"
     consumer_group: str | None = None
     replica_id: str | None = None
-    consumer_heartbeat: float = 10.0
+    consumer_heartbeat_s: float = 10.0
     snapshot_path: Path | None = None
     snapshot_interval: float = 60.0
     instance_timeout: float = 30.0
@@ -108,8 +116,8 @@ class CoordinatorConfig:
     max_body_bytes: int | None = None  # None: derived from the other limits (body_limit)
     log_level: str = "info"
     max_instances: int = 10_000
-    emitter_retention: float = 3600.0
-    max_clock_skew: float = 300.0
+    emitter_retention_s: float = 3600.0
+    max_clock_skew_s: float = 300.0
     public_metrics: bool | None = None  # None: public exactly when auth is off
     public_docs: bool | None = None
     fragment_weight: float = DEFAULT_FRAGMENT_WEIGHT
@@ -157,9 +165,9 @@ class CoordinatorConfig:
         for name in (
             "snapshot_interval",
             "instance_timeout",
-            "emitter_retention",
-            "consumer_heartbeat",
-            "max_clock_skew",
+            "emitter_retention_s",
+            "consumer_heartbeat_s",
+            "max_clock_skew_s",
         ):
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
@@ -341,7 +349,7 @@ _HELP = {
     "event_stream": "Redis Stream name carrying event batches",
     "consumer_group": "Redis consumer group (default: kvatlas-<replica id>, one per replica)",
     "replica_id": "this replica's id (default: host name + hash of the snapshot path)",
-    "consumer_heartbeat": "seconds: a replica's consumer shows itself to Redis several times per "
+    "consumer_heartbeat_s": "seconds: a replica's consumer shows itself to Redis several times per "
     "interval; start-up refuses a group whose consumer is seen again within it (a live twin) "
     "and takes over one idle past it (a crashed replica's)",
     "snapshot_path": "durable directory snapshot file (restored at start-up)",
@@ -360,9 +368,9 @@ _HELP = {
     "log_format": "log lines as JSON objects (json) or plain text for humans (text)",
     "access_log": "log one line per HTTP request",
     "max_instances": "most registered instances, and most emitters the directory tracks",
-    "emitter_retention": "seconds after which an unregistered, silent emitter is forgotten "
+    "emitter_retention_s": "seconds after which an unregistered, silent emitter is forgotten "
     "(its cursor and metric series)",
-    "max_clock_skew": "seconds an emitter's clock may run ahead of this one: a batch whose "
+    "max_clock_skew_s": "seconds an emitter's clock may run ahead of this one: a batch whose "
     "incarnation (a start time in ns) lies further ahead is refused (docs/security.md)",
     "public_metrics": "serve /metrics without a token (default: only when auth is off)",
     "public_docs": "serve /docs and /openapi.json without a token (default: only when auth is off)",
@@ -414,13 +422,13 @@ _CHOICES = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_dataclass_arguments(parser, CoordinatorConfig, _HELP, _CHOICES)
+    add_dataclass_arguments(parser, CoordinatorConfig, _HELP, _CHOICES, renamed=RENAMED_FLAGS)
 
 
 def config_from_args(
     args: argparse.Namespace, environ: Mapping[str, str] | None = None
 ) -> CoordinatorConfig:
-    return dataclass_from_args(CoordinatorConfig, args, environ)
+    return dataclass_from_args(CoordinatorConfig, args, environ, RENAMED_FLAGS)
 
 
 def parse_config(

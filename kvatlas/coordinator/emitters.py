@@ -126,7 +126,7 @@ class IncarnationAhead(Unprocessable):
 
 def check_incarnations(batches: Sequence[EventBatch], ceiling: int) -> None:
     """Refuse (:class:`IncarnationAhead`, naming the batch) an incarnation above ``ceiling``:
-    the coordinator's clock in ns plus ``--max-clock-skew``. An incarnation is a start time
+    the coordinator's clock in ns plus ``--max-clock-skew-s``. An incarnation is a start time
     in ns or a boot counter (docs/directory.md), never later than the emitter's own clock;
     one beyond it would fence the emitter's real incarnation and leave every later batch of
     it stale — a lock-out until deregistration, for 2^63-1. One bound for every transport."""
@@ -135,7 +135,7 @@ def check_incarnations(batches: Sequence[EventBatch], ceiling: int) -> None:
             ahead_s = (batch.incarnation - ceiling) / 1e9
             raise IncarnationAhead(
                 f"instance {batch.instance_id!r}: incarnation {batch.incarnation} lies "
-                f"{ahead_s:.3g} s beyond this coordinator's clock + --max-clock-skew (an "
+                f"{ahead_s:.3g} s beyond this coordinator's clock + --max-clock-skew-s (an "
                 "incarnation is the emitter's start time in ns, or a boot counter)",
                 field=f"batches[{i}].incarnation",
             )

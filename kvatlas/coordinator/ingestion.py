@@ -58,7 +58,7 @@ class Ingestion:
         registration check; ``engine``: the KV-event subscriber's, capped per endpoint)."""
         decoded = [b if isinstance(b, ColumnBatch) else ColumnBatch.of(b) for b in batches]
         headers = [b.header for b in decoded]
-        check_incarnations(headers, time.time_ns() + int(self.config.max_clock_skew * 1e9))
+        check_incarnations(headers, time.time_ns() + int(self.config.max_clock_skew_s * 1e9))
         if not engine:
             self._admit(headers, registered)
         applied = duplicates = stale = 0

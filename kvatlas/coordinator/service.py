@@ -44,6 +44,7 @@ from kvatlas.coordinator.views import (
 from kvatlas.directory import (
     IngestCounts,
     KeyDirectory,
+    KeyFilter,
     KeyPage,
     SnapshotError,
     SnapshotInfo,
@@ -212,26 +213,11 @@ class CoordinatorService:
         return TokenLookup(len({k.chunk_hash for k in keys}), results, prefix_summary(results))
 
     def page_keys(
-        self,
-        *,
-        tier: str | None,
-        instance_id: str | None,
-        backend: str | None,
-        offset: int,
-        limit: int,
-        cursor: str | None,
+        self, where: KeyFilter, *, offset: int, limit: int, cursor: str | None
     ) -> KeyPage:
         """One page of the key listing; a cursor this directory never issued is refused."""
         try:
-            return page_keys(
-                self.directory,
-                tier=tier,
-                instance_id=instance_id,
-                backend=backend,
-                offset=offset,
-                limit=limit,
-                cursor=cursor,
-            )
+            return page_keys(self.directory, where, offset=offset, limit=limit, cursor=cursor)
         except ValueError as exc:
             raise Unprocessable(f"cursor: {exc}") from None
 
@@ -264,11 +250,11 @@ class CoordinatorService:
 
     def forget_departed(self) -> list[str]:
         """Forget every instance that is not registered and sent no batch for
-        ``--emitter-retention`` seconds: its cursor (L1 fenced), lag and metric series, so
+        ``--emitter-retention-s`` seconds: its cursor (L1 fenced), lag and metric series, so
         departed emitters cannot accumulate. Runs at most every ``retention / 8`` seconds;
         returns the ids forgotten."""
         now = self._clock()
-        retention = self.config.emitter_retention
+        retention = self.config.emitter_retention_s
         if now < self._next_departure_sweep:
             return []
         self._next_departure_sweep = now + retention / 8
@@ -422,7 +408,7 @@ class CoordinatorService:
     def stats(self) -> StatsView:
         return StatsView(
             directory=self.directory.stats(),
-            key_scheme=self.scheme.name,
+            hash_scheme=self.scheme.name,
             instances_alive=len(self.instances.records()),
         )
 
@@ -440,7 +426,7 @@ class CoordinatorService:
         return HealthView(
             state=self.state,
             scheme=self.scheme,
-            blend_lookup=self.directory.blend_enabled,
+            enable_blend_lookup=self.directory.blend_lookup_enabled,
             event_transport=self.config.event_transport,
             stream_position=self.stream_position,
             event_stream=self.config.event_stream if redis else None,

@@ -275,7 +275,7 @@ def _pressure(row: QuotaRow) -> float:
 class StatusView:
     version: str
     readiness: Readiness
-    key_scheme: str
+    hash_scheme: str
     fleet: tuple[FleetRow, ...]
     directory: DirectoryStats
     traffic: Traffic
@@ -390,7 +390,7 @@ class StatusSource:
         return StatusView(
             version=__version__,
             readiness=service.state,
-            key_scheme=service.scheme.name,
+            hash_scheme=service.scheme.name,
             fleet=self.fleet(directory),
             directory=directory,
             traffic=self.history.traffic(self._sample(now)),

@@ -222,7 +222,11 @@ def _service(view: StatusView) -> str:
     ok = view.readiness is Readiness.SERVING
     pill = f'<span class="pill {"ok" if ok else "warn"}" id="readiness">{_e(view.readiness.value)}</span>'
     snap = view.snapshot
-    rows = [("readiness", pill), ("key scheme", _e(view.key_scheme)), ("version", _e(view.version))]
+    rows = [
+        ("readiness", pill),
+        ("hash scheme", _e(view.hash_scheme)),
+        ("version", _e(view.version)),
+    ]
     rows.append(("events via", _e(view.event_transport)))
     if view.stream_length is not None:
         rows.append(("stream length", _e(_num(view.stream_length))))

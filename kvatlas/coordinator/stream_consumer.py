@@ -14,7 +14,7 @@ file) is detected (:func:`stream_loss`) and the replica resyncs from the nodes' 
 than stay silently wrong.
 
 One live consumer per group: a replica's consumer shows itself to Redis
-``TOUCHES_PER_HEARTBEAT`` times per ``--consumer-heartbeat``, and a replica refuses to join a
+``TOUCHES_PER_HEARTBEAT`` times per ``--consumer-heartbeat-s``, and a replica refuses to join a
 group whose consumer is seen again while it watches (:func:`ensure_group_free`, at start-up
 and again just before joining). A consumer idle past the heartbeat is a crashed replica's: it
 is removed on joining. A clean stop removes its own consumer (the group's position, not the
@@ -146,7 +146,7 @@ def ensure_group_free(
             if seen_ms > first_seen.setdefault(name, seen_ms) + _CLOCK_SLACK_MS:
                 raise GroupHeld(
                     f"consumer group {group!r} on stream {stream!r} is held by live consumer "
-                    f"{name!r} (it keeps reading, within --consumer-heartbeat {heartbeat_s:g} "
+                    f"{name!r} (it keeps reading, within --consumer-heartbeat-s {heartbeat_s:g} "
                     "s): another replica with this replica id is running; give each replica "
                     "its own --replica-id",
                     group=group,
@@ -165,7 +165,9 @@ def refuse_held_group(config: CoordinatorConfig) -> None:
 
     client = redis_client(config.redis_url or "", socket_timeout=5)
     try:
-        ensure_group_free(client, config.event_stream, config.group_name, config.consumer_heartbeat)
+        ensure_group_free(
+            client, config.event_stream, config.group_name, config.consumer_heartbeat_s
+        )
     except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
         raise Unavailable(f"redis refused this coordinator's credentials: {exc}") from exc
     except (redis.ConnectionError, redis.TimeoutError) as exc:  # down, restarting, loading
@@ -275,8 +277,8 @@ class StreamConsumer:
         self.position = position
         self.stream = config.event_stream
         self.group = config.group_name
-        self.heartbeat_s = config.consumer_heartbeat
-        self._touch_s = config.consumer_heartbeat / TOUCHES_PER_HEARTBEAT
+        self.heartbeat_s = config.consumer_heartbeat_s
+        self._touch_s = config.consumer_heartbeat_s / TOUCHES_PER_HEARTBEAT
         # Back within one touch period of Redis's return: a twin watching the group after a
         # Redis restart sees this replica alive before it would take the group over.
         self.retry_max_s = min(RETRY_MAX_S, self._touch_s)

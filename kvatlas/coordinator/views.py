@@ -77,7 +77,7 @@ class HealthView:
 
     state: Readiness
     scheme: KeyScheme
-    blend_lookup: bool
+    enable_blend_lookup: bool
     event_transport: str
     stream_position: str | None
     event_stream: str | None = None
@@ -96,7 +96,7 @@ class StatsView:
 
     directory: DirectoryStats
     """Mapped to JSON by ``wire.directory_stats_to_wire``."""
-    key_scheme: str
+    hash_scheme: str
     instances_alive: int
 
 

@@ -141,7 +141,7 @@ def blend_to_wire(
             )
             for m, holders in zip(matches, placements, strict=True)
         ]
-    return api.BlendReply(matches=rows, blend_enabled=enabled)
+    return api.BlendReply(matches=rows, enable_blend_lookup=enabled)
 
 
 # ---------------------------------------------------------------------------- statistics
@@ -176,7 +176,7 @@ def stats_to_wire(view: StatsView) -> dict[str, Any]:
     out = {
         **_lmcache_stats(view.directory),
         **directory_stats_to_wire(view.directory),
-        "key_scheme": view.key_scheme,
+        "hash_scheme": view.hash_scheme,
         "instances_alive": view.instances_alive,
     }
     blend = view.directory.blend
@@ -253,7 +253,7 @@ def health_to_wire(h: HealthView) -> api.HealthReply:
         api.HealthReply,
         h,
         state=h.state.value,
-        key_scheme=h.scheme.name,
+        hash_scheme=h.scheme.name,
         chunk_size=h.scheme.chunk_size,
         kv_events=UNSET if h.kv_events is None else kv_events_to_wire(h.kv_events),
     )

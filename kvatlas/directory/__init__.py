@@ -14,7 +14,7 @@ from kvatlas.directory.blend import (
 from kvatlas.directory.capture import Capture, CapturedPart, DirectoryState, Restored
 from kvatlas.directory.gate import Admission, EmitterCursor, GapRecord, IngestGate, Outcome
 from kvatlas.directory.key_directory import KeyDirectory, PlacementObserver
-from kvatlas.directory.listing import page_keys
+from kvatlas.directory.listing import ALL_KEYS, KeyFilter, page_keys
 from kvatlas.directory.records import (
     CapacityDeclaration,
     KeyPage,
@@ -36,6 +36,7 @@ from kvatlas.directory.warm_up import warm_up_kernels
 from kvatlas.keys import BlendMatch
 
 __all__ = [
+    "ALL_KEYS",
     "AddColumns",
     "AddOp",
     "Admission",
@@ -55,6 +56,7 @@ __all__ = [
     "IngestGate",
     "InstanceRow",
     "KeyDirectory",
+    "KeyFilter",
     "KeyPage",
     "KeyPlacements",
     "MatchColumns",

@@ -99,7 +99,8 @@ class KeyDirectory:
     # ------------------------------------------------------------------ configuration
 
     @property
-    def blend_enabled(self) -> bool:
+    def blend_lookup_enabled(self) -> bool:
+        """Whether :meth:`enable_blend_lookup` ran (``--enable-blend-lookup``)."""
         return self._index is not None
 
     @property
@@ -279,34 +280,21 @@ class KeyDirectory:
 
     def list_keys(
         self,
+        where: listing.KeyFilter = listing.ALL_KEYS,
         *,
-        tier: str | None = None,
-        instance_id: str | None = None,
-        backend: str | None = None,
         cursor: str | None = None,
         limit: int = 100,
         max_scan: int | None = None,
     ) -> KeyPage:
-        """One page of keys in chunk-hash order, resumable from ``cursor``; see
-        :func:`kvatlas.directory.listing.list_keys`."""
+        """One page of the keys ``where`` admits in chunk-hash order, resumable from
+        ``cursor``; see :func:`kvatlas.directory.listing.list_keys`."""
         return listing.list_keys(
-            self._chunks,
-            self._lock,
-            tier=tier,
-            instance_id=instance_id,
-            backend=backend,
-            cursor=cursor,
-            limit=limit,
-            max_scan=max_scan,
+            self._chunks, self._lock, where, cursor=cursor, limit=limit, max_scan=max_scan
         )
 
-    def count_keys(
-        self, *, tier: str | None = None, instance_id: str | None = None, backend: str | None = None
-    ) -> int:
-        """How many keys have a placement matching every given filter."""
-        return listing.count_keys(
-            self._chunks, self._lock, tier=tier, instance_id=instance_id, backend=backend
-        )
+    def count_keys(self, where: listing.KeyFilter = listing.ALL_KEYS) -> int:
+        """How many keys ``where`` admits."""
+        return listing.count_keys(self._chunks, self._lock, where)
 
     def bytes_by_salt(self, tier: str = "l2") -> dict[str, int]:
         """Bytes of each cache salt's ``tier`` copies (quota usage; one pass, a partition

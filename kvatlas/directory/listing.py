@@ -9,7 +9,8 @@ Redis SCAN does). :func:`page_keys` adds offset pagination on top. See docs/dire
 from __future__ import annotations
 
 import threading
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Final, Protocol
 
 from kvatlas.directory.chunk_counts import PARTS
 from kvatlas.directory.chunk_table import ChunkTable
@@ -17,6 +18,7 @@ from kvatlas.directory.records import (
     KeyPage,
     KeyPlacements,
     Placement,
+    PlacementRow,
     placements_of,
     public_placements,
     record_keys,
@@ -28,42 +30,62 @@ from kvatlas.directory.records import (
 from kvatlas.errors import InvalidInput
 
 
+@dataclass(frozen=True, slots=True)
+class KeyFilter:
+    """Which keys a listing or a count takes: those with a placement in ``tier``, on
+    ``instance_id`` and in ``backend`` (``None``: any), one placement meeting all three."""
+
+    tier: str | None = None
+    instance_id: str | None = None
+    backend: str | None = None
+
+    @property
+    def takes_all(self) -> bool:
+        return self.tier is None and self.instance_id is None and self.backend is None
+
+    def admits(self, p: Placement) -> bool:
+        return (
+            (self.tier is None or p.tier == self.tier)
+            and (self.backend is None or p.backend == self.backend)
+            and (self.instance_id is None or p.instance_id == self.instance_id)
+        )
+
+    def admits_row(self, row: PlacementRow) -> bool:
+        """:meth:`admits` for a stored placement row (no :class:`Placement` built)."""
+        return (
+            (self.tier is None or row_tier(row) == self.tier)
+            and (self.backend is None or row_backend(row) == self.backend)
+            and (self.instance_id is None or row_instance(row) == self.instance_id)
+        )
+
+
+ALL_KEYS: Final = KeyFilter()
+
+
 class Listable(Protocol):
     """What :func:`page_keys` pages through (a ``KeyDirectory``)."""
 
-    def list_keys(self, *, tier: str | None = None, instance_id: str | None = None,
-                  backend: str | None = None, cursor: str | None = None, limit: int = 100,
-                  max_scan: int | None = None) -> KeyPage: ...  # fmt: skip
+    def list_keys(self, where: KeyFilter = ALL_KEYS, *, cursor: str | None = None,
+                  limit: int = 100, max_scan: int | None = None) -> KeyPage: ...  # fmt: skip
 
-    def count_keys(self, *, tier: str | None = None, instance_id: str | None = None,
-                   backend: str | None = None) -> int: ...  # fmt: skip
+    def count_keys(self, where: KeyFilter = ALL_KEYS) -> int: ...
 
 
 def list_keys(
     chunks: ChunkTable,
     lock: threading.Lock,
+    where: KeyFilter = ALL_KEYS,
     *,
-    tier: str | None = None,
-    instance_id: str | None = None,
-    backend: str | None = None,
     cursor: str | None = None,
     limit: int = 100,
     max_scan: int | None = None,
 ) -> KeyPage:
-    """One page of the keys of ``chunks`` (read under ``lock``) that have a placement
-    matching every given filter. Raises :class:`InvalidInput` on a bad cursor or limit."""
+    """One page of the keys of ``chunks`` (read under ``lock``) that ``where`` admits.
+    Raises :class:`InvalidInput` on a bad cursor or limit."""
     if limit < 1:
         raise InvalidInput("limit must be >= 1")
     start, skip = _parse_cursor(cursor)
     budget = max_scan if max_scan is not None else max(4096, 64 * limit)
-
-    def wanted(p: Placement) -> bool:
-        return (
-            (tier is None or p.tier == tier)
-            and (backend is None or p.backend == backend)
-            and (instance_id is None or p.instance_id == instance_id)
-        )
-
     items: list[KeyPlacements] = []
     scanned = 0
     with lock:
@@ -83,24 +105,17 @@ def list_keys(
                     scanned += 1
                     shape, pls = pairs[n]
                     found = public_placements(pls)
-                    if any(wanted(p) for p in found):
+                    if any(where.admits(p) for p in found):
                         items.append(KeyPlacements(shape.key(h), found, record_tokens(part[h])))
             start = None
     return KeyPage(items, None)
 
 
-def count_keys(
-    chunks: ChunkTable,
-    lock: threading.Lock,
-    *,
-    tier: str | None = None,
-    instance_id: str | None = None,
-    backend: str | None = None,
-) -> int:
-    """How many keys have a placement matching every given filter (the ``total`` of a
-    listing). Without filters it is a counter; with one, a pass that holds ``lock`` for one
-    partition at a time, so ingestion is never stalled behind a whole scan."""
-    if tier is None and instance_id is None and backend is None:
+def count_keys(chunks: ChunkTable, lock: threading.Lock, where: KeyFilter = ALL_KEYS) -> int:
+    """How many keys ``where`` admits (the ``total`` of a listing). Taking all keys it is a
+    counter; else a pass that holds ``lock`` for one partition at a time, so ingestion is
+    never stalled behind a whole scan."""
+    if where.takes_all:
         with lock:
             return chunks.counts.keys
     total = 0
@@ -108,37 +123,28 @@ def count_keys(
         with lock:
             for rec in chunks.parts[part_no].values():
                 for _, pls in record_keys(rec):
-                    total += any(
-                        (tier is None or row_tier(p) == tier)
-                        and (backend is None or row_backend(p) == backend)
-                        and (instance_id is None or row_instance(p) == instance_id)
-                        for p in placements_of(pls)
-                    )
+                    total += any(where.admits_row(p) for p in placements_of(pls))
     return total
 
 
 def page_keys(
     directory: Listable,
+    where: KeyFilter = ALL_KEYS,
     *,
-    tier: str | None = None,
-    instance_id: str | None = None,
-    backend: str | None = None,
     offset: int = 0,
     limit: int = 100,
     cursor: str | None = None,
 ) -> KeyPage:
-    """A page of ``limit`` keys from ``cursor``, or (without a cursor) after skipping ``offset``
-    keys: LMCache's offset pagination over the cursor listing. ``next_offset`` is set only for
-    an offset listing that goes on. Raises :class:`InvalidInput` (a ``ValueError``) on a
-    malformed cursor."""
+    """A page of ``limit`` keys that ``where`` admits from ``cursor``, or (without a cursor)
+    after skipping ``offset`` keys: LMCache's offset pagination over the cursor listing.
+    ``next_offset`` is set only for an offset listing that goes on. Raises
+    :class:`InvalidInput` (a ``ValueError``) on a malformed cursor."""
     next_cursor = cursor
     skip = 0 if cursor else offset
     items: list[KeyPlacements] = []
     while True:
         want = min(10_000, skip) if skip else limit - len(items)
-        got = directory.list_keys(
-            tier=tier, instance_id=instance_id, backend=backend, cursor=next_cursor, limit=want
-        )
+        got = directory.list_keys(where, cursor=next_cursor, limit=want)
         next_cursor = got.next_cursor
         if skip:
             taken = min(skip, len(got.items))
@@ -149,7 +155,7 @@ def page_keys(
         if next_cursor is None or (not skip and len(items) >= limit):
             break
     next_offset = offset + len(items) if next_cursor is not None and not cursor else None
-    total = directory.count_keys(tier=tier, instance_id=instance_id, backend=backend)
+    total = directory.count_keys(where)
     return KeyPage(items[:limit], next_cursor, next_offset, total)
 
 

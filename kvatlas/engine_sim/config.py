@@ -14,6 +14,16 @@ from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
 
 _COST = CostModel()
 
+RENAMED_FLAGS = {
+    "gpu_hbm_bytes_s": "gpu_hbm_bytes_per_s",
+    "cpu_link_bytes_s": "cpu_link_bytes_per_s",
+    "node_l1_bytes_s": "l1_bandwidth_bytes_per_s",
+    "node_l2_bytes_s": "l2_bandwidth_bytes_per_s",
+    "node_peer_bytes_s": "peer_bandwidth_bytes_per_s",
+}
+"""Old field (flag, variable) names and their new ones, the router's for the same rates: the
+old ones work, with a warning, for one release (:mod:`kvatlas.config_flags`)."""
+
 
 @dataclass(frozen=True, slots=True)
 class EngineSimConfig:
@@ -40,17 +50,17 @@ class EngineSimConfig:
     kv_bytes_per_token: int = _COST.kv_bytes_per_token
     gpu_peak_flops: float = _COST.peak_flops
     gpu_mfu: float = _COST.mfu
-    gpu_hbm_bytes_s: float = _COST.hbm_bytes_s
+    gpu_hbm_bytes_per_s: float = _COST.hbm_bytes_per_s
     gpu_hbm_efficiency: float = _COST.hbm_efficiency
     step_overhead_s: float = _COST.step_overhead_s
-    cpu_link_bytes_s: float = _COST.cpu_link_bytes_s
+    cpu_link_bytes_per_s: float = _COST.cpu_link_bytes_per_s
     node_url: str | None = None
     node_token_file: Path | None = None
     node_timeout_s: float = 10.0
     recompute_share: float = 0.15
-    node_l1_bytes_s: float = 25e9
-    node_l2_bytes_s: float = 7e9
-    node_peer_bytes_s: float = 12.5e9
+    l1_bandwidth_bytes_per_s: float = 25e9
+    l2_bandwidth_bytes_per_s: float = 7e9
+    peer_bandwidth_bytes_per_s: float = 12.5e9
     max_body_bytes: int = 64 << 20
     log_level: str = "info"
     log_format: str = "json"
@@ -66,9 +76,9 @@ class EngineSimConfig:
             raise ValueError("--gpu-blocks must be at least 2 (block 0 is vLLM's null block)")
         if self.cpu_blocks < 0:
             raise ValueError("--cpu-blocks must be 0 (no offload) or more")
-        rates = ("speed", "model_params", "gpu_peak_flops", "gpu_mfu", "gpu_hbm_bytes_s",
-                 "gpu_hbm_efficiency", "cpu_link_bytes_s", "node_timeout_s", "node_l1_bytes_s",
-                 "node_l2_bytes_s", "node_peer_bytes_s")  # fmt: skip
+        rates = ("speed", "model_params", "gpu_peak_flops", "gpu_mfu", "gpu_hbm_bytes_per_s",
+                 "gpu_hbm_efficiency", "cpu_link_bytes_per_s", "node_timeout_s", "l1_bandwidth_bytes_per_s",
+                 "l2_bandwidth_bytes_per_s", "peer_bandwidth_bytes_per_s")  # fmt: skip
         for name in rates:
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
@@ -93,9 +103,9 @@ class EngineSimConfig:
         return CostModel(
             params=self.model_params, layers=self.model_layers, hidden=self.model_hidden,
             kv_bytes_per_token=self.kv_bytes_per_token, peak_flops=self.gpu_peak_flops,
-            mfu=self.gpu_mfu, hbm_bytes_s=self.gpu_hbm_bytes_s,
+            mfu=self.gpu_mfu, hbm_bytes_per_s=self.gpu_hbm_bytes_per_s,
             hbm_efficiency=self.gpu_hbm_efficiency, step_overhead_s=self.step_overhead_s,
-            cpu_link_bytes_s=self.cpu_link_bytes_s,
+            cpu_link_bytes_per_s=self.cpu_link_bytes_per_s,
         )  # fmt: skip
 
 
@@ -126,19 +136,19 @@ _HELP: Mapping[str, str] = {
     "kv_bytes_per_token": "cost model: KV bytes per token (all layers, K and V)",
     "gpu_peak_flops": "cost model: the GPU's dense bf16 FLOP/s",
     "gpu_mfu": "cost model: achieved share of peak FLOP/s",
-    "gpu_hbm_bytes_s": "cost model: HBM bytes/s",
+    "gpu_hbm_bytes_per_s": "cost model: HBM bytes/s",
     "gpu_hbm_efficiency": "cost model: achieved share of HBM bandwidth",
     "step_overhead_s": "cost model: fixed seconds per step",
-    "cpu_link_bytes_s": "cost model: CPU offload → GPU bytes/s",
+    "cpu_link_bytes_per_s": "cost model: CPU offload → GPU bytes/s",
     "node_url": "the kvatlas connector: a kvatlas node's engine API URL; prefixes and "
     "fragments are reused through it and computed chunks stored there; unset: vLLM alone",
     "node_token_file": "a file holding the engine bearer token for --node-url",
     "node_timeout_s": "seconds per node call (a failed call is a miss)",
     "recompute_share": "share of a reused fragment's tokens still computed (CacheBlend's "
     "selective recompute, ~15%%)",
-    "node_l1_bytes_s": "cost model: node L1 (host DRAM) → GPU bytes/s",
-    "node_l2_bytes_s": "cost model: node L2 (local NVMe or Redis) → GPU bytes/s",
-    "node_peer_bytes_s": "cost model: a peer node's L1/L2 → GPU bytes/s (the network)",
+    "l1_bandwidth_bytes_per_s": "cost model: node L1 (host DRAM) → GPU bytes/s",
+    "l2_bandwidth_bytes_per_s": "cost model: node L2 (local NVMe or Redis) → GPU bytes/s",
+    "peer_bandwidth_bytes_per_s": "cost model: a peer node's L1/L2 → GPU bytes/s (the network)",
     "max_body_bytes": "largest request body accepted (413 beyond)",
     "log_level": "log level",
     "log_format": "log format: json lines or text",
@@ -147,8 +157,8 @@ _CHOICES = {"log_level": LOG_LEVELS, "log_format": LOG_FORMATS}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_dataclass_arguments(parser, EngineSimConfig, _HELP, _CHOICES)
+    add_dataclass_arguments(parser, EngineSimConfig, _HELP, _CHOICES, renamed=RENAMED_FLAGS)
 
 
 def config_from_args(args: argparse.Namespace) -> EngineSimConfig:
-    return dataclass_from_args(EngineSimConfig, args)
+    return dataclass_from_args(EngineSimConfig, args, renamed=RENAMED_FLAGS)

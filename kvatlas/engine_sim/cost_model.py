@@ -26,10 +26,10 @@ class CostModel:
     kv_bytes_per_token: int = 131_072  # 2 (K,V) × 32 layers × 8 heads × 128 dims × 2 bytes
     peak_flops: float = 989e12  # H100 SXM, dense bf16
     mfu: float = 0.4  # achieved share of peak in prefill (large GEMMs)
-    hbm_bytes_s: float = 3.35e12  # H100 SXM HBM3
+    hbm_bytes_per_s: float = 3.35e12  # H100 SXM HBM3
     hbm_efficiency: float = 0.7  # achieved share of HBM bandwidth in decode
     step_overhead_s: float = 0.002  # scheduler, sampling, kernel launches per step
-    cpu_link_bytes_s: float = 25e9  # CPU offload → GPU (PCIe Gen5 x16, ~40% of 64 GB/s)
+    cpu_link_bytes_per_s: float = 25e9  # CPU offload → GPU (PCIe Gen5 x16, ~40% of 64 GB/s)
     weight_bytes_per_param: float = 2.0  # bf16
 
     def step_seconds(self, prefill_tokens: int, prefill_context: int, decode_seqs: int,
@@ -45,13 +45,13 @@ class CostModel:
         compute = flops / (self.peak_flops * self.mfu)
         weights = self.params * self.weight_bytes_per_param
         memory = (weights + decode_context * self.kv_bytes_per_token) / (
-            self.hbm_bytes_s * self.hbm_efficiency
+            self.hbm_bytes_per_s * self.hbm_efficiency
         )
         return max(compute, memory) + self.step_overhead_s
 
     def cpu_load_seconds(self, tokens: int) -> float:
         """Loading ``tokens`` of KV from the CPU tier into GPU blocks."""
-        return tokens * self.kv_bytes_per_token / self.cpu_link_bytes_s
+        return tokens * self.kv_bytes_per_token / self.cpu_link_bytes_per_s
 
     def prefill_tokens_per_s(self) -> float:
         """The compute-bound prefill rate without attention (for the docs and sanity checks)."""

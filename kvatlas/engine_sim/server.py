@@ -25,7 +25,11 @@ def build_connector(config: EngineSimConfig) -> NodeConnector | None:
     token = None
     if config.node_token_file is not None:
         token = config.node_token_file.read_text().strip()
-    rates = TierRates(config.node_l1_bytes_s, config.node_l2_bytes_s, config.node_peer_bytes_s)
+    rates = TierRates(
+        config.l1_bandwidth_bytes_per_s,
+        config.l2_bandwidth_bytes_per_s,
+        config.peer_bandwidth_bytes_per_s,
+    )
     return NodeConnector(config.node_url, config.block_size, config.kv_bytes_per_token, rates,
                          config.node_timeout_s, token)  # fmt: skip
 

@@ -41,7 +41,7 @@ class KeyScheme:
 
     def describe(self) -> dict[str, Any]:
         """What ``/healthz`` and stats report, and what peers compare."""
-        return {"key_scheme": self.name, "chunk_size": self.chunk_size}
+        return {"hash_scheme": self.name, "chunk_size": self.chunk_size}
 
     def check_compatible(self, name: str, chunk_size: int) -> None:
         if (name, chunk_size) != (self.name, self.chunk_size):

@@ -15,14 +15,17 @@ import argparse
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
-from typing import Final
 
 from kvatlas.auth import TokenAuth, public_unless_auth, read_secret
 from kvatlas.checks import check_http_url
-from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args, env_name
+from kvatlas.config_flags import (
+    add_dataclass_arguments,
+    dataclass_from_args,
+    env_name,
+    warn_renamed,
+)
 from kvatlas.events import EVENT_TRANSPORTS
 from kvatlas.http_guard import (
     BODY_TIMEOUT_HELP,
@@ -32,7 +35,7 @@ from kvatlas.http_guard import (
 )
 from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme, check_instance_id, pack_kv_rank
 from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
-from kvatlas.node.hf_config import read_hf_config
+from kvatlas.node.hf_config import LAYOUT_DEFAULTS, LAYOUT_SHAPE, resolve_layout
 from kvatlas.node.kv_dtype import KV_DTYPES
 from kvatlas.node.kv_layout import ROPE_STYLES, KVLayout
 from kvatlas.node.peer_credentials import PeerSecret
@@ -41,11 +44,21 @@ log = logging.getLogger(__name__)
 
 L2_KINDS = ("fs", "redis", "none")
 L2_WRITE_POLICIES = ("through", "evict")
-_OLD_BLEND_FLAG = "enable_blend"
+RENAMED_FLAGS = {
+    "enable_blend": "enable_blend_lookup",
+    "digest_interval": "digest_interval_s",
+    "heartbeat_interval": "heartbeat_interval_s",
+    "peer_fetch_deadline": "peer_fetch_deadline_s",
+    "fleet_refresh_interval": "fleet_refresh_interval_s",
+    "l2_redis_sweep_interval": "l2_redis_sweep_interval_s",
+    "coordinator_retry_max": "coordinator_retry_max_s",
+}
+"""Old field (flag, variable) names and their new ones: the old ones work, with a warning,
+for one release (:mod:`kvatlas.config_flags`)."""
 DEFAULT_L2_MAX_BYTES = 64 << 30
 """A cap by default, because a write-through L2 that nothing bounds fills its disk; 64 GiB is
 about 2,000 chunks of an 8B model at 256 tokens (fp16): worth having, small beside a data
-disk. ``--l2-max-bytes 0`` lifts it (for a volume bounded otherwise)."""  # the node's spelling before it matched the coordinator's
+disk. ``--l2-max-bytes 0`` lifts it (for a volume bounded otherwise)."""
 
 
 @dataclass(frozen=True)
@@ -65,48 +78,48 @@ class NodeConfig:
     hash_scheme: str = "blake3"
     world_size: int = 1
     rank: int = 0
-    instance_id: str = ""
-    engine_id: str = ""
+    instance_id: str | None = None
+    engine_id: str | None = None
     host: str = "127.0.0.1"
     port: int = 9400
-    advertised_url: str = ""
+    advertised_url: str | None = None
     l1_bytes: int = 1 << 30
     l2: str = "fs"
-    l2_path: Path | None = None  # None = default_l2_path()
-    l2_redis_url: str = ""
+    l2_path: Path = field(default_factory=lambda: default_l2_path())
+    l2_redis_url: str | None = None
     l2_write: str = "through"
     l2_shared: bool = False  # --l2 fs on a directory every node mounts: a fleet-wide pool
-    coordinator_url: str = ""
+    coordinator_url: str | None = None
     coordinator_event_reporting: bool = False
     coordinator_blend_timeout: float = 1.0
-    coordinator_token: str = ""
+    coordinator_token: str | None = None
     coordinator_token_file: Path | None = None
     event_transport: str = "http"
-    redis_url: str = ""
+    redis_url: str | None = None
     event_stream: str = "kvatlas:events"
     stream_max_len: int = 10_000_000
-    digest_interval: float = 30.0
-    heartbeat_interval: float = 5.0
+    digest_interval_s: float = 30.0
+    heartbeat_interval_s: float = 5.0
     enable_blend_lookup: bool = True
     allow_trim: bool = False
     prefer_cheaper: bool = True
     token_cache_chunks: int = 100_000
     auth_token_file: Path | None = None
-    engine_host: str = ""
+    engine_host: str | None = None
     engine_port: int | None = None
-    peer_token: str = ""
+    peer_token: str | None = None
     peer_token_file: Path | None = None
     max_query_tokens: int = 128 * 1024
-    max_body_bytes: int = 0  # 0 = derived from the layout (see max_store_bytes)
+    max_body_bytes: int | None = None  # None: derived from the layout (max_store_bytes)
     tracker_memory_bytes: int = 64 * 1024 * 1024
-    peer_fetch_deadline: float = 2.0
-    fleet_refresh_interval: float = 10.0
+    peer_fetch_deadline_s: float = 2.0
+    fleet_refresh_interval_s: float = 10.0
     public_metrics: bool | None = None  # None: public exactly when auth is off
     public_docs: bool | None = None
     l2_max_bytes: int = DEFAULT_L2_MAX_BYTES  # private fs L2 only; 0 = no cap
     l2_redis_ttl: int = 0  # seconds; 0 = values never expire
-    l2_redis_sweep_interval: float = 30.0
-    coordinator_retry_max: float = 30.0
+    l2_redis_sweep_interval_s: float = 30.0
+    coordinator_retry_max_s: float = 30.0
     log_level: str = "info"
     log_format: str = "json"
     access_log: bool = False
@@ -115,7 +128,8 @@ class NodeConfig:
     http_max_connections: int | None = None  # None: below the file limit (http_guard)
 
     def __post_init__(self) -> None:
-        for name, value in resolve_layout_fields(self).items():
+        flags = {name: getattr(self, name) for name in LAYOUT_DEFAULTS}
+        for name, value in resolve_layout(flags, self.hf_config, self.world_size).items():
             object.__setattr__(self, name, value)
         self.layout  # noqa: B018 - validates the KV layout fields
         self.http_limits  # noqa: B018 - validates the three --http-* limits
@@ -163,8 +177,11 @@ class NodeConfig:
         for name in ("max_query_tokens", "tracker_memory_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
-        if self.max_body_bytes < 0:
-            raise ValueError("--max-body-bytes must be >= 0 (0 = derived from the layout)")
+        if self.max_body_bytes == 0:  # the old "not set"; accepted for one release
+            warn_renamed("--max-body-bytes 0", "no --max-body-bytes (derived from the layout)")
+            object.__setattr__(self, "max_body_bytes", None)
+        if self.max_body_bytes is not None and self.max_body_bytes < 1:
+            raise ValueError("--max-body-bytes must be >= 1 (not set: derived from the layout)")
         # a token and its file both given, a short token, an unreadable, exposed or short
         # token file: refused now (auth.read_secret)
         self.coordinator_bearer()
@@ -172,13 +189,17 @@ class NodeConfig:
         self.auth()
         if self.stream_max_len < 1:
             raise ValueError("--stream-max-len must be >= 1")
-        if not 0 < self.digest_interval < 86400:
-            raise ValueError("--digest-interval must be in (0, 86400) seconds")
-        if not 0 < self.peer_fetch_deadline < 3600:
-            raise ValueError("--peer-fetch-deadline must be in (0, 3600) seconds")
+        if not 0 < self.digest_interval_s < 86400:
+            raise ValueError("--digest-interval-s must be in (0, 86400) seconds")
+        if not 0 < self.peer_fetch_deadline_s < 3600:
+            raise ValueError("--peer-fetch-deadline-s must be in (0, 3600) seconds")
         if self.l2_max_bytes < 0 or self.l2_redis_ttl < 0:
             raise ValueError("--l2-max-bytes and --l2-redis-ttl must be >= 0 (0 = none)")
-        for name in ("l2_redis_sweep_interval", "coordinator_retry_max", "heartbeat_interval"):
+        for name in (
+            "l2_redis_sweep_interval_s",
+            "coordinator_retry_max_s",
+            "heartbeat_interval_s",
+        ):
             if not 0 < getattr(self, name) <= 3600:
                 raise ValueError(f"--{name.replace('_', '-')} must be in (0, 3600] seconds")
 
@@ -205,11 +226,6 @@ class NodeConfig:
         )
 
     @property
-    def l2_dir(self) -> Path:
-        """``--l2-path``, else :func:`default_l2_path`."""
-        return default_l2_path() if self.l2_path is None else self.l2_path
-
-    @property
     def max_call_bytes(self) -> int:
         """Largest engine call without KV (lookup, retrieve, blend-*): the tokens of a
         ``max_query_tokens`` request as uint32, a segment (~256 B) per chunk, 64 KiB of fields."""
@@ -221,7 +237,7 @@ class NodeConfig:
     def max_store_bytes(self) -> int:
         """Largest ``/engine/store`` body: ``--max-body-bytes``, or by default one request's
         KV for ``max_query_tokens`` tokens (whole chunks) on top of :attr:`max_call_bytes`."""
-        if self.max_body_bytes:
+        if self.max_body_bytes is not None:
             return self.max_body_bytes
         chunks = -(-self.max_query_tokens // self.chunk_size)
         return self.max_call_bytes + chunks * self.layout.chunk_bytes
@@ -282,47 +298,6 @@ class NodeConfig:
             )
 
 
-LAYOUT_DEFAULTS: Final[Mapping[str, object]] = MappingProxyType({
-    "num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "dtype": "float16",
-    "rope_style": "neox", "rotary_dim": 0, "rope_theta": 10000.0,
-})  # fmt: skip
-"""The layout of a node given neither layout flags nor ``--hf-config`` (a small test model,
-for code that builds a ``NodeConfig``; ``kvatlas node`` refuses to guess the shape)."""
-LAYOUT_SHAPE: Final = ("num_layers", "num_kv_heads", "head_dim")
-"""What ``kvatlas node`` needs from flags or ``--hf-config`` (it never guesses them)."""
-
-
-def resolve_layout_fields(config: NodeConfig) -> dict[str, object]:
-    """The layout fields' values: each flag given, else ``--hf-config``'s value, else the
-    default. With ``--hf-config``, a flag that contradicts the file is refused, and a field
-    the file does not state must be given as a flag (never a default: a wrong layout fails
-    silently)."""
-    given = {name: getattr(config, name) for name in LAYOUT_DEFAULTS}
-    if config.hf_config is None:
-        return {n: LAYOUT_DEFAULTS[n] if v is None else v for n, v in given.items()}
-    hf = read_hf_config(config.hf_config)
-    stated: dict[str, object] = {
-        "num_layers": hf.num_layers, "num_kv_heads": hf.kv_heads_per_rank(config.world_size),
-        "head_dim": hf.head_dim, "dtype": hf.dtype, "rope_style": hf.rope_style,
-        "rotary_dim": hf.rotary_dim or 0, "rope_theta": hf.rope_theta,
-    }  # fmt: skip
-    resolved: dict[str, object] = {}
-    for name, value in given.items():
-        flag = "--" + name.replace("_", "-")
-        if stated[name] is None and value is None:
-            raise ValueError(
-                f"--hf-config {config.hf_config} does not state the {name} "
-                f"(model_type {hf.model_type!r}); give {flag}"
-            )
-        if stated[name] is not None and value is not None and value != stated[name]:
-            raise ValueError(
-                f"{flag} {value} contradicts --hf-config {config.hf_config}, which gives "
-                f"{stated[name]}; drop the flag or fix the file"
-            )
-        resolved[name] = stated[name] if value is None else value
-    return resolved
-
-
 def default_l2_path(environ: Mapping[str, str] | None = None) -> Path:
     """The per-user cache directory: ``$XDG_CACHE_HOME/kvatlas/l2``, else
     ``~/.cache/kvatlas/l2``."""
@@ -352,13 +327,13 @@ _HELP = {
     "world_size": "tensor-parallel world size (packed into every key's kv_rank)",
     "rank": "this node's tensor-parallel rank",
     "instance_id": (
-        "instance id (empty = assigned by the coordinator, or generated without one: a new id, "
+        "instance id (not set: assigned by the coordinator, or generated without one: a new id, "
         "hence a new L2 subdirectory, on every start; set it to keep a node's L2 across restarts)"
     ),
     "engine_id": (
         "id of the engine whose KV connector this node is (its KV-events id, the router's "
         "--engine ID); said at registration so that POST /route/score counts this node's "
-        "copies as that engine's own (empty = none)"
+        "copies as that engine's own (not set: none)"
     ),
     "host": "bind address of the peer L1 and engine API (loopback by default)",
     "port": "bind port of the peer L1 and engine API",
@@ -372,11 +347,11 @@ _HELP = {
     "l2_redis_url": "Redis URL of the redis L2, e.g. redis://127.0.0.1:6379/0",
     "l2_write": "write L2 on every store (through) or when L1 evicts (evict)",
     "l2_shared": "the fs L2 directory is mounted by every node: a fleet-wide pool",
-    "coordinator_url": "coordinator base URL (empty = no fleet: local tiers and matcher only)",
+    "coordinator_url": "coordinator base URL (not set: no fleet: local tiers and matcher only)",
     "coordinator_event_reporting": "report cache events (required for fleet matching)",
     "coordinator_blend_timeout": "seconds a blend lookup waits for the fleet leg",
     "coordinator_token": (
-        "bearer token for the coordinator (empty = none); visible in the process list as a "
+        "bearer token for the coordinator (not set: none); visible in the process list as a "
         "flag: prefer --coordinator-token-file or the environment"
     ),
     "coordinator_token_file": "file holding the coordinator token (mode 600, >= 32 characters)",
@@ -384,8 +359,8 @@ _HELP = {
     "redis_url": "Redis URL for the redis event transport",
     "event_stream": "Redis Stream name carrying event batches (the redis transport)",
     "stream_max_len": "approximate cap (MAXLEN ~) on the event stream's entries, per XADD",
-    "digest_interval": "seconds between inventory digest exchanges with the coordinator",
-    "heartbeat_interval": (
+    "digest_interval_s": "seconds between inventory digest exchanges with the coordinator",
+    "heartbeat_interval_s": (
         "seconds between heartbeats (each followed by the value report); keep it well under "
         "the coordinator's --instance-timeout"
     ),
@@ -407,11 +382,12 @@ _HELP = {
     "peer_token_file": "file holding the fleet's peer secret (mode 600, >= 32 characters)",
     "max_query_tokens": "largest request, in tokens, the engine API accepts",
     "max_body_bytes": (
-        "largest /engine/store body in bytes (0 = one request's KV for --max-query-tokens tokens)"
+        "largest /engine/store body in bytes (default: one request's KV for --max-query-tokens "
+        "tokens)"
     ),
     "tracker_memory_bytes": "memory budget of the request trackers kept between engine calls",
-    "peer_fetch_deadline": "seconds one fetch from a peer may take in all, however it drips",
-    "fleet_refresh_interval": "seconds between re-reads of the coordinator's instance list",
+    "peer_fetch_deadline_s": "seconds one fetch from a peer may take in all, however it drips",
+    "fleet_refresh_interval_s": "seconds between re-reads of the coordinator's instance list",
     "public_metrics": "serve /metrics without a token (default: only when auth is off)",
     "public_docs": "serve /docs and /openapi.json without a token (default: only when auth is off)",
     "l2_max_bytes": (
@@ -419,11 +395,11 @@ _HELP = {
         "beyond it; 0 = no cap; a shared pool (--l2-shared) is capped by whoever provisions it"
     ),
     "l2_redis_ttl": "seconds a chunk written to the redis L2 lives (0 = no expiry)",
-    "l2_redis_sweep_interval": (
+    "l2_redis_sweep_interval_s": (
         "seconds between checks that this node's redis L2 keys still exist (expired or evicted "
         "keys are reported as deletes; keyspace notifications are used too when on)"
     ),
-    "coordinator_retry_max": (
+    "coordinator_retry_max_s": (
         "longest wait, in seconds, between attempts to reach a coordinator that is not up yet"
     ),
     "log_level": "log level",
@@ -447,24 +423,16 @@ _CHOICES = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Every :class:`NodeConfig` field as a flag, plus the hidden ``--[no-]enable-blend``
-    (the node's old spelling of ``--[no-]enable-blend-lookup``; existing command lines keep
-    working)."""
-    add_dataclass_arguments(parser, NodeConfig, _HELP, _CHOICES)
-    parser.add_argument(
-        "--" + _OLD_BLEND_FLAG.replace("_", "-"),
-        dest="enable_blend_lookup",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help=argparse.SUPPRESS,
-    )
+    """Every :class:`NodeConfig` field as a flag, and the hidden old spellings
+    (:data:`RENAMED_FLAGS`)."""
+    add_dataclass_arguments(parser, NodeConfig, _HELP, _CHOICES, renamed=RENAMED_FLAGS)
 
 
 def config_from_args(
     args: argparse.Namespace, environ: Mapping[str, str] | None = None
 ) -> NodeConfig:
-    """Flags over ``KVATLAS_*`` over defaults; ``KVATLAS_ENABLE_BLEND`` (the old spelling)
-    counts when ``KVATLAS_ENABLE_BLEND_LOOKUP`` is not set."""
+    """Flags over ``KVATLAS_*`` over defaults (an old spelling's variable counts, with a
+    warning, when the new one is not set)."""
     env = os.environ if environ is None else environ
     for name in ("coordinator_token", "peer_token"):
         if getattr(args, name, None):
@@ -472,9 +440,6 @@ def config_from_args(
                 "--%s on the command line shows in the process list; use --%s-file or %s",
                 name.replace("_", "-"), name.replace("_", "-"), env_name(name),
             )  # fmt: skip
-    old, new = env_name(_OLD_BLEND_FLAG), env_name("enable_blend_lookup")
-    if old in env and new not in env:
-        env = {**env, new: env[old]}
 
     def given(name: str) -> bool:
         return getattr(args, name, None) is not None or env_name(name) in env
@@ -488,4 +453,4 @@ def config_from_args(
                 "the model's Hugging Face config.json, or --num-layers, --num-kv-heads and "
                 "--head-dim"
             )  # fmt: skip
-    return dataclass_from_args(NodeConfig, args, env)
+    return dataclass_from_args(NodeConfig, args, env, RENAMED_FLAGS)

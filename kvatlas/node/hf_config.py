@@ -15,6 +15,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Final
 
 from kvatlas.checks import is_plain_int
@@ -224,3 +225,48 @@ def _number(config: Mapping[str, object], name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise HfConfigError(f"{name} must be a number, got {value!r}")
     return float(value)
+
+
+# ------------------------------------------------------------------ flags and file
+
+
+LAYOUT_DEFAULTS: Final[Mapping[str, object]] = MappingProxyType({
+    "num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "dtype": "float16",
+    "rope_style": "neox", "rotary_dim": 0, "rope_theta": 10000.0,
+})  # fmt: skip
+"""The layout of a node given neither layout flags nor ``--hf-config`` (a small test model,
+for code that builds a ``NodeConfig``; ``kvatlas node`` refuses to guess the shape)."""
+LAYOUT_SHAPE: Final = ("num_layers", "num_kv_heads", "head_dim")
+"""What ``kvatlas node`` needs from flags or ``--hf-config`` (it never guesses them)."""
+
+
+def resolve_layout(
+    given: Mapping[str, object], hf_config: Path | None, world_size: int
+) -> dict[str, object]:
+    """The layout fields' values (:data:`LAYOUT_DEFAULTS`' names): each flag ``given`` (not
+    ``None``), else ``--hf-config``'s value, else the default. With ``--hf-config``, a flag
+    that contradicts the file is refused, and a field the file does not state must be given
+    as a flag (never a default: a wrong layout fails silently)."""
+    if hf_config is None:
+        return {n: LAYOUT_DEFAULTS[n] if v is None else v for n, v in given.items()}
+    hf = read_hf_config(hf_config)
+    stated: dict[str, object] = {
+        "num_layers": hf.num_layers, "num_kv_heads": hf.kv_heads_per_rank(world_size),
+        "head_dim": hf.head_dim, "dtype": hf.dtype, "rope_style": hf.rope_style,
+        "rotary_dim": hf.rotary_dim or 0, "rope_theta": hf.rope_theta,
+    }  # fmt: skip
+    resolved: dict[str, object] = {}
+    for name, value in given.items():
+        flag = "--" + name.replace("_", "-")
+        if stated[name] is None and value is None:
+            raise ValueError(
+                f"--hf-config {hf_config} does not state the {name} "
+                f"(model_type {hf.model_type!r}); give {flag}"
+            )
+        if stated[name] is not None and value is not None and value != stated[name]:
+            raise ValueError(
+                f"{flag} {value} contradicts --hf-config {hf_config}, which gives "
+                f"{stated[name]}; drop the flag or fix the file"
+            )
+        resolved[name] = stated[name] if value is None else value
+    return resolved

@@ -156,7 +156,7 @@ RETRY_MAX_S = 5.0  # the longest wait between event deliveries while the receive
 def follow_coordinator_format(transport: HttpTransport, health: HealthReply) -> None:
     """Events as JSON to a coordinator that does not state its key scheme (LMCache's reads
     JSON events only); msgpack, the default, to kvatlas's."""
-    if not health.states_key_scheme:
+    if not health.states_hash_scheme:
         transport.fmt = "json"
 
 
@@ -179,7 +179,7 @@ def register(client: CoordinatorClient, config: NodeConfig, instance_id: str | N
                 "mode": "fleet" if config.fleet_enabled else "lookup only",
             },
             chunk_size=config.chunk_size, p2p_url_signature=signature,
-            engine_id=config.engine_id or None,
+            engine_id=config.engine_id,
         )  # fmt: skip
 
     assigned = once(instance_id)
@@ -197,7 +197,7 @@ def check_coordinator_compatible(config: NodeConfig, health: HealthReply) -> Non
     size is checked at registration (LMCache 0.5.7 refuses a conflicting one) and the rest
     is the operator's to match (docs/coordinator.md, "Running kvatlas under LMCache MP servers").
     """
-    if health.key_scheme is None:
+    if health.hash_scheme is None:
         log.warning(
             "the coordinator at %s does not state its key scheme (LMCache's coordinator?): "
             "make sure it runs with --chunk-size %d and that this node's %s keys are its keys",
@@ -205,7 +205,7 @@ def check_coordinator_compatible(config: NodeConfig, health: HealthReply) -> Non
         )  # fmt: skip
         return
     chunk_size = -1 if health.chunk_size is None else health.chunk_size
-    config.scheme.check_compatible(health.key_scheme, chunk_size)
+    config.scheme.check_compatible(health.hash_scheme, chunk_size)
     if not config.fleet_enabled:
         return
     theirs = health.event_transport
@@ -222,7 +222,7 @@ def check_coordinator_compatible(config: NodeConfig, health: HealthReply) -> Non
             f"the coordinator at {config.coordinator_url} reads --event-stream {stream}; "
             "it would never see this node's chunks"
         )
-    if config.enable_blend_lookup and health.blend_lookup is False:
+    if config.enable_blend_lookup and health.enable_blend_lookup is False:
         log.warning(
             "blend lookup mismatch: this node has --enable-blend-lookup on, the coordinator at "
             "%s has it off; every fleet leg of a blend lookup will answer empty",
@@ -251,7 +251,7 @@ class NodeProcess:
         self.sink: EventSink | None = None
         fleet: HttpFleetView | None = None
         matcher: BlendCoordinatorClient | None = None
-        instance_id = config.instance_id or None
+        instance_id = config.instance_id
         token = config.coordinator_bearer()
         event_format = "msgpack"
         deferred = False
@@ -275,7 +275,7 @@ class NodeProcess:
                     "registering in the background", config.coordinator_url, exc,
                 )  # fmt: skip
             else:
-                if not health.states_key_scheme:  # LMCache's coordinator: JSON events only
+                if not health.states_hash_scheme:  # LMCache's coordinator: JSON events only
                     event_format = "json"
                 try:
                     check_coordinator_compatible(config, health)
@@ -286,7 +286,9 @@ class NodeProcess:
         config.warn_if_half_configured()
         transport: Transport | None = None
         if config.fleet_enabled and self.coordinator is not None:
+            assert config.coordinator_url is not None  # fleet_enabled
             if config.event_transport == "redis":
+                assert config.redis_url is not None  # NodeConfig refuses redis without it
                 transport = RedisStreamTransport(
                     config.redis_url, config.event_stream, maxlen=config.stream_max_len,
                     token=token,
@@ -296,13 +298,13 @@ class NodeProcess:
             assert instance_id is not None
             # Retry at least once per heartbeat (and per 5 s): after an outage (Redis, the
             # coordinator) the directory catches up within one heartbeat, as liveness does.
-            retry_max = min(RETRY_MAX_S, config.heartbeat_interval)
+            retry_max = min(RETRY_MAX_S, config.heartbeat_interval_s)
             self.sink = EventSink(instance_id, transport, backoff_max=retry_max)
             fleet = HttpFleetView(
                 self.coordinator,
                 layout=config.layout,
-                peer_deadline=config.peer_fetch_deadline,
-                refresh_interval=config.fleet_refresh_interval,
+                peer_deadline=config.peer_fetch_deadline_s,
+                refresh_interval=config.fleet_refresh_interval_s,
                 peer_secret=config.peer_secret(),
             )
             matcher = BlendCoordinatorClient(
@@ -344,7 +346,7 @@ class NodeProcess:
                 on_registered=registered,
                 on_fatal=on_fatal or (lambda exc: None),
                 on_health=reached,
-                retry_max=config.coordinator_retry_max,
+                retry_max=config.coordinator_retry_max_s,
                 counters=self.node.counters,
             )  # fmt: skip
             if start:
@@ -368,13 +370,13 @@ class NodeProcess:
             coordinator.failures + (matcher.failures if matcher is not None else 0)
         )
         return lambda: coordinator.start_heartbeat(
-            self.config.heartbeat_interval,
+            self.config.heartbeat_interval_s,
             report=lambda: value_report(boot, node.counters, node.tier_gauges()),
         )
 
     def _start_resync(self, *, now: bool) -> ResyncDriver | None:
         """Digest exchanges: ``now`` (the node just registered; a deferred registration asks
-        for one itself), every ``--digest-interval``, after every re-registration, on the
+        for one itself), every ``--digest-interval-s``, after every re-registration, on the
         coordinator's hint and after the sink lost batches."""
         coordinator, sink = self.coordinator, self.sink
         if coordinator is None or sink is None:
@@ -386,7 +388,7 @@ class NodeProcess:
 
         driver = self.node.resync_driver(
             coordinator.exchange_digests,
-            interval=self.config.digest_interval,
+            interval=self.config.digest_interval_s,
             settle=lambda: sink.flush(timeout=5.0),
             lost=lost,
         )
@@ -422,14 +424,15 @@ def open_l2(config: NodeConfig, instance_id: str) -> L2Backend | None:
                 "--l2-max-bytes does not apply to a shared pool (--l2-shared): cap the pool "
                 "where it is provisioned (a quota, a size-limited volume)"
             )
-        return FsL2(config.l2_dir, "fs-shared", shared=True)
+        return FsL2(config.l2_path, "fs-shared", shared=True)
     if config.l2 == "fs":
-        return FsL2(instance_dir(config.l2_dir, instance_id), max_bytes=config.l2_max_bytes)
+        return FsL2(instance_dir(config.l2_path, instance_id), max_bytes=config.l2_max_bytes)
     if config.l2 == "redis":
+        assert config.l2_redis_url is not None  # NodeConfig refuses redis without it
         return RedisL2(
             config.l2_redis_url,
             ttl_seconds=config.l2_redis_ttl or None,
-            sweep_interval=config.l2_redis_sweep_interval,
+            sweep_interval=config.l2_redis_sweep_interval_s,
         )
     return None
 
@@ -532,7 +535,7 @@ def run_node(config: NodeConfig) -> int:
         process.node.instance_id,
         ", ".join(f"http://{h}:{p} ({what})" for h, p, what in listeners(config)),
         "on" if config.fleet_enabled else "off",
-        f"fs in {config.l2_dir}" if config.l2 == "fs" else config.l2,
+        f"fs in {config.l2_path}" if config.l2 == "fs" else config.l2,
         config.layout.num_layers, config.layout.num_kv_heads, config.layout.head_dim,
         config.layout.dtype,
         f"--hf-config {config.hf_config}" if config.hf_config else "the layout flags",

@@ -10,7 +10,12 @@ Invariants (docs/router.md):
   (413), no engine healthy (503) — and passes an engine's own errors through untouched;
 * a request an engine refused before sending a byte is retried once, on the next engine of
   the same ranking; the refusing engine leaves the set until a health check passes;
-* a client that leaves mid-reply closes the engine's connection (the engine can abort).
+* a client that leaves mid-reply closes the engine's connection (the engine can abort); an
+  engine's reply cut mid-way (closed, stalled past ``--engine-timeout-s``) cuts the client's:
+  its connection closes without the body's end, never a reply that looks whole, never a hang.
+
+Engines are called through :class:`~kvatlas.client.keepalive.KeepAliveClient` (one pool of
+keep-alive connections per engine URL, replies streamed as they arrive).
 
 The two completion routes are answered by plain ASGI in front of Starlette (no request object,
 middleware or task group per request: docs/router.md, "The router's own cost"); the other
@@ -23,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Final
 
 import aiohttp
@@ -39,6 +44,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvatlas.api import InstanceRow
 from kvatlas.auth import Principal, TokenAuth
 from kvatlas.client.coordinator_client import CoordinatorError
+from kvatlas.client.keepalive import KeepAliveClient, Refused, StreamedReply
 from kvatlas.client.route_client import AsyncRouteClient
 from kvatlas.errors import InvalidInput, KvatlasError, NotFound, Unavailable
 from kvatlas.router.config import RouterConfig
@@ -64,17 +70,21 @@ _ERROR_TYPES: Final = {
     404: "NotFoundError", 413: "RequestTooLargeError", 422: "BadRequestError",
     503: "ServiceUnavailableError",
 }  # fmt: skip
-_FORWARD_REQUEST_HEADERS: Final = ("content-type", "accept", "x-request-id")
-_FORWARD_REPLY_HEADERS: Final = (
-    "content-type", "content-length", "content-encoding", "cache-control", "x-request-id",
-)  # fmt: skip
-_REFUSALS: Final = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
-                    aiohttp.ClientOSError, aiohttp.ConnectionTimeoutError)  # fmt: skip
-"""Failures before the engine sent a byte: connect refused or timed out, the connection
-closed or reset before any reply byte."""
+_FORWARD_REQUEST_HEADERS: Final = (b"content-type", b"accept", b"x-request-id")
+_FORWARD_REPLY_HEADERS: Final = frozenset(
+    (b"content-type", b"content-length", b"content-encoding", b"cache-control", b"x-request-id")
+)
+_MAX_IDLE: Final = 256
+"""Idle keep-alive connections kept per engine."""
 _TOKENIZE_IN_THREAD_BYTES: Final = 16_384
 _USAGE_TAIL_BYTES: Final = 16_384
 _json = msgspec.json.Encoder()
+
+
+class _ReplyCut(Exception):
+    """The engine's reply ended before its end (connection closed, read timed out): the
+    client's reply is cut too — its connection closed without the body's end, so the client
+    sees an incomplete reply, never a complete-looking one."""
 
 
 def _error_body(status: int, message: str) -> bytes:
@@ -145,7 +155,8 @@ class Router:
         self.auth: TokenAuth | None = config.auth()
         self.metrics = RouterMetrics()
         self.policy = Policy(config.policy, config.cost_model(), config.seed)
-        self.http: aiohttp.ClientSession | None = None  # made on the event loop: start()
+        self._pools: dict[str, KeepAliveClient] = {}
+        """Engine URL → its connections (keep-alive, streamed replies)."""
         self.engines = EngineSet(config.engines)
         self.coordinator = (
             AsyncRouteClient(config.coordinator_url, token=config.coordinator_bearer())
@@ -157,18 +168,11 @@ class Router:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Sessions (aiohttp: a quarter of httpx's CPU per call, docs/router.md), a first
-        health check of every engine, then the health and metrics loops."""
-        config = self.config
-        self.http = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=4096, limit_per_host=0),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s,
-                                          sock_read=config.engine_timeout_s),
-            auto_decompress=False,  # bytes pass through as the engine sent them
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),
-        )  # fmt: skip
+        """The probes' session, a first health check of every engine, then the health and
+        metrics loops. Engine calls go through one :class:`KeepAliveClient` per engine URL,
+        made on first use (``_pool``)."""
         self.engines.http = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=max(1.0, config.health_interval_s))
+            timeout=aiohttp.ClientTimeout(total=max(1.0, self.config.health_interval_s))
         )
         await self.refresh_engines()
         self._tasks = [
@@ -182,8 +186,9 @@ class Router:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self.http is not None:
-            await self.http.close()
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
         if self.engines.http is not None:
             await self.engines.http.close()
         if self.coordinator is not None:
@@ -205,6 +210,9 @@ class Router:
             except CoordinatorError as exc:
                 log.warning("cannot list engines at the coordinator: %s", exc)
         await asyncio.gather(*(self.engines.check(e) for e in self.engines.all()))
+        urls = {e.url for e in self.engines.all()}
+        for url in [u for u in self._pools if u not in urls]:  # an engine that left
+            self._pools.pop(url).close()
 
     async def scrape_engines(self) -> None:
         await asyncio.gather(*(self.engines.scrape(e) for e in self.engines.healthy()))
@@ -316,18 +324,27 @@ class Router:
             self.metrics.errors.labels("500").inc()
             await send_openai_error(send, 500, "internal router error (logged)")
             return
-        out = [(k.encode(), v.encode("latin-1")) for k in _FORWARD_REPLY_HEADERS
-               if (v := reply.headers.get(k))]  # fmt: skip
+        out = [(k, v) for k, v in reply.headers if k in _FORWARD_REPLY_HEADERS]
         out.append((_ENGINE_HEADER_BYTES, engine.engine_id.encode()))
         await self._stream(send, receive, reply.status, out,
-                           self._relay(engine, reply, req, uncomputed, arrived))  # fmt: skip
+                           _Relay(self, engine, reply, req, uncomputed, arrived))  # fmt: skip
 
     @staticmethod
     async def _stream(send: Send, receive: Receive, status: int,
-                      headers: list[tuple[bytes, bytes]], chunks: AsyncIterator[bytes]) -> None:  # fmt: skip
+                      headers: list[tuple[bytes, bytes]], chunks: _Relay) -> None:  # fmt: skip
         """Send ``chunks`` as they come. A client that leaves cancels this (its ``receive``
         says ``http.disconnect``), which closes the engine's reply in ``chunks``' cleanup:
-        what Starlette's StreamingResponse does, with one watcher task instead of a group."""
+        what Starlette's StreamingResponse does, with one watcher task instead of a group.
+        A reply whose body came whole with its head (a non-streamed completion) has nothing
+        left to wait for: it goes out as one message, with no watcher."""
+        if chunks.reply.complete:
+            try:
+                body = b"".join([chunk async for chunk in chunks])
+                await send({"type": "http.response.start", "status": status, "headers": headers})
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+            finally:
+                chunks.close()
+            return
         task = asyncio.current_task()
         assert task is not None
         state = {"left": False, "done": False}
@@ -346,97 +363,81 @@ class Router:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             state["done"] = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except _ReplyCut:
+            pass  # no end of body: the server closes the client's connection
         except asyncio.CancelledError:
             if not state["left"] or task.uncancel() > 0:
                 raise  # cancelled by someone else (shutdown): not ours to swallow
         finally:
             state["done"] = True
             watcher.cancel()
-            if isinstance(chunks, AsyncGenerator):
-                await chunks.aclose()
+            chunks.close()  # also when it was never read (cancelled before the first piece)
 
     def _uncomputed(self, req: RouteRequest, cover: Coverage) -> int:
         if req.prompt_tokens is None:
             return int(self.engines.mean_prompt_tokens)
         return uncomputed_tokens(len(req.prompt_tokens), cover)
 
+    def _pool(self, engine: Engine) -> KeepAliveClient:
+        pool = self._pools.get(engine.url)
+        if pool is None:
+            pool = self._pools[engine.url] = KeepAliveClient(engine.url, max_idle=_MAX_IDLE)
+        return pool
+
+    def _forwarded_headers(self, request_headers: dict[bytes, bytes]) -> str:
+        """The request's header lines the engine gets (``content-type`` by default JSON; the
+        client's ``authorization`` only when the router has no auth of its own)."""
+        lines = [f"{k.decode()}: {v.decode('latin-1')}\r\n" for k in _FORWARD_REQUEST_HEADERS
+                 if (v := request_headers.get(k))]  # fmt: skip
+        if b"content-type" not in request_headers:
+            lines.append("content-type: application/json\r\n")
+        if self.auth is None and (token := request_headers.get(b"authorization")):
+            lines.append(f"authorization: {token.decode('latin-1')}\r\n")  # the engine's --api-key
+        return "".join(lines)
+
     async def _proxy(self, kind: Kind, request_headers: dict[bytes, bytes], raw: bytes,
                      req: RouteRequest, ranked: list[Any]
-                     ) -> tuple[Engine, aiohttp.ClientResponse, int]:  # fmt: skip
+                     ) -> tuple[Engine, StreamedReply, int]:  # fmt: skip
         """Send the body to the best engine that accepts it (the next on a refusal): the
-        engine, its reply (headers read, body not) and the request's uncomputed tokens."""
-        headers = {k: v.decode("latin-1") for k in _FORWARD_REQUEST_HEADERS
-                   if (v := request_headers.get(k.encode()))}  # fmt: skip
-        headers.setdefault("content-type", "application/json")
-        if self.auth is None and (token := request_headers.get(b"authorization")):
-            headers["authorization"] = token.decode("latin-1")  # the engine's own --api-key
+        engine, its reply (head read, body not) and the request's uncomputed tokens."""
+        headers = self._forwarded_headers(request_headers)
         path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
+        config = self.config
         for attempt, choice in enumerate(ranked):
             engine = self.engines.engines.get(choice.engine_id)
             if engine is None or not engine.healthy:
                 continue
             uncomputed = self._uncomputed(req, choice.coverage)
             self.engines.sent(engine, uncomputed)
-            assert self.http is not None, "Router.start() makes the session"
             try:
-                reply = await self.http.post(engine.url + path, data=raw, headers=headers)
-            except _REFUSALS as exc:
+                reply = await self._pool(engine).stream(
+                    "POST", path, raw, headers, connect_timeout_s=config.connect_timeout_s,
+                    read_timeout_s=config.engine_timeout_s,
+                )  # fmt: skip
+            except Refused as exc:  # no byte came: another engine may take it
                 self.engines.first_byte(engine, uncomputed)
                 self.engines.finished(engine)
                 self.engines.refused(engine)
-                log.info("engine %s refused (%s)", engine.engine_id, type(exc).__name__)
+                log.info("engine %s refused (%s)", engine.engine_id, exc)
                 if attempt + 1 < len(ranked):
                     self.metrics.retries.inc()
                 continue
-            except (aiohttp.ClientError, TimeoutError) as exc:  # after the request went out
+            except (OSError, TimeoutError) as exc:  # after the request went out
                 self.engines.first_byte(engine, uncomputed)
                 self.engines.finished(engine)
                 raise Unavailable(f"engine {engine.engine_id} did not answer: {exc!r}") from None
-            except BaseException:  # cancelled (shutdown): the engine's count stays right
+            except BaseException:  # cancelled (shutdown, client gone): the count stays right
                 self.engines.first_byte(engine, uncomputed)
                 self.engines.finished(engine)
                 raise
-            self.metrics.decisions.labels(self.policy.name, engine.engine_id).inc()
+            series = self.metrics.engine(engine.engine_id, self.policy.name)
+            series.decisions.inc()
             if req.prompt_tokens is not None:
-                self.metrics.prompt_tokens.labels(engine.engine_id).inc(len(req.prompt_tokens))
+                series.prompt_tokens.inc(len(req.prompt_tokens))
                 reused = choice.coverage.prefix_tokens + choice.coverage.fragment_tokens
-                self.metrics.predicted_reused.labels(engine.engine_id).inc(
-                    min(reused, len(req.prompt_tokens))
-                )
+                series.predicted_reused.inc(min(reused, len(req.prompt_tokens)))
             return engine, reply, uncomputed
         raise Unavailable("no engine accepted the request (each refused the connection)")
-
-    async def _relay(self, engine: Engine, reply: aiohttp.ClientResponse, req: RouteRequest,
-                     uncomputed: int, arrived: float) -> AsyncIterator[bytes]:  # fmt: skip
-        first, complete = True, False
-        kept = bytearray()
-        try:
-            async for chunk in reply.content.iter_any():
-                if first:
-                    first = False
-                    self.engines.first_byte(engine, uncomputed)
-                    self.metrics.ttft_seconds.observe(time.perf_counter() - arrived)
-                kept += chunk
-                if req.stream and len(kept) > 2 * _USAGE_TAIL_BYTES:
-                    del kept[:-_USAGE_TAIL_BYTES]
-                yield chunk
-            complete = True
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            self.metrics.aborted_streams.inc()
-            log.info("engine %s: reply cut: %r", engine.engine_id, exc)
-        finally:
-            if first:
-                self.engines.first_byte(engine, uncomputed)
-            self.engines.finished(engine)
-            self.metrics.e2e_seconds.observe(time.perf_counter() - arrived)
-            if complete:
-                reply.release()  # the connection goes back to the pool
-            else:
-                reply.close()  # a reply not read to its end (engine failed, client left)
-            if complete and reply.status == 200 and reply.headers.get("content-encoding") is None:
-                found = cached_tokens(bytes(kept), req.stream)
-                if found is not None:
-                    self.metrics.reported_reused.labels(engine.engine_id).inc(found)
 
     # ------------------------------------------------------------------ other routes
 
@@ -479,6 +480,59 @@ class Router:
         for engine in self.engines.all():
             self.metrics.in_flight.labels(engine.engine_id).set(engine.in_flight)
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class _Relay:
+    """The engine's body on its way to the client, and the accounting when it ends — however
+    it ends: read whole, cut by the engine (:class:`_ReplyCut` after the last piece that
+    came), or closed unread (the client left, shutdown) — exactly once (:meth:`close`)."""
+
+    def __init__(self, router: Router, engine: Engine, reply: StreamedReply, req: RouteRequest,
+                 uncomputed: int, arrived: float) -> None:  # fmt: skip
+        self.router, self.engine, self.reply, self.req = router, engine, reply, req
+        self.uncomputed, self.arrived = uncomputed, arrived
+        self.first, self.closed = True, False
+        self.kept = bytearray()
+
+    def __aiter__(self) -> _Relay:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            chunk = await self.reply.read_some()
+        except (OSError, TimeoutError) as exc:
+            self.router.metrics.aborted_streams.inc()
+            log.info("engine %s: reply cut: %r", self.engine.engine_id, exc)
+            self.close()
+            raise _ReplyCut from None
+        if not chunk:
+            self.close(read_whole=True)
+            raise StopAsyncIteration
+        if self.first:
+            self.first = False
+            self.router.engines.first_byte(self.engine, self.uncomputed)
+            self.router.metrics.ttft_seconds.observe(time.perf_counter() - self.arrived)
+        self.kept += chunk
+        if self.req.stream and len(self.kept) > 2 * _USAGE_TAIL_BYTES:
+            del self.kept[:-_USAGE_TAIL_BYTES]
+        return chunk
+
+    def close(self, read_whole: bool = False) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        router, engine, reply = self.router, self.engine, self.reply
+        if self.first:
+            router.engines.first_byte(engine, self.uncomputed)
+        router.engines.finished(engine)
+        router.metrics.e2e_seconds.observe(time.perf_counter() - self.arrived)
+        reply.close()  # a whole reply's connection is back in the pool; any other closed
+        if read_whole and reply.status == 200 and reply.header(b"content-encoding") is None:
+            found = cached_tokens(bytes(self.kept), self.req.stream)
+            if found is not None:
+                router.metrics.engine(engine.engine_id, router.policy.name).reported_reused.inc(
+                    found
+                )
 
 
 _COMPLETION_PATHS: Final[dict[str, Kind]] = {

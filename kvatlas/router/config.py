@@ -35,16 +35,16 @@ DEFAULT_METRICS_INTERVAL_S: Final = 1.0
 class RouterConfig:
     """``kvatlas router``'s flags (each also ``KVATLAS_<NAME>``)."""
 
-    coordinator_url: str = ""
-    coordinator_token: str = ""
+    coordinator_url: str | None = None
+    coordinator_token: str | None = None
     coordinator_token_file: Path | None = None
-    engine: str = ""
+    engine: str | None = None
     engines_from_coordinator: bool = False
-    engine_url_template: str = ""
+    engine_url_template: str | None = None
     policy: str = "kvatlas"
     tokenizer: Path | None = None
     chat_template: Path | None = None
-    model_name: str = ""
+    model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 8080
     auth_token_file: Path | None = None
@@ -58,8 +58,8 @@ class RouterConfig:
     kv_bytes_per_token: int = 131_072
     gpu_bandwidth_bytes_per_s: float = 0.0
     l1_bandwidth_bytes_per_s: float = 25e9
-    l2_bandwidth_bytes_per_s: float = 7e9  # engine-sim's --node-l2-bytes-s (docs/router.md)
-    peer_bandwidth_bytes_per_s: float = 12.5e9  # engine-sim's --node-peer-bytes-s
+    l2_bandwidth_bytes_per_s: float = 7e9  # engine-sim's, the same flag (docs/router.md)
+    peer_bandwidth_bytes_per_s: float = 12.5e9  # engine-sim's, the same flag
     recompute_share: float = 0.15
     seed: int = 0
     log_level: str = "info"
@@ -76,7 +76,7 @@ class RouterConfig:
             raise ValueError(f"--policy {self.policy} needs --coordinator-url (it scores there)")
         if self.coordinator_url:
             check_http_url(self.coordinator_url, "--coordinator-url")
-        parse_engines(self.engine)  # refuse a bad list at start, naming the item
+        parse_engines(self.engine or "")  # refuse a bad list at start, naming the item
         if self.engine_url_template:
             try:
                 check_http_url(self.engine_url_template.format(instance_id="x"), "")
@@ -106,7 +106,7 @@ class RouterConfig:
 
     @property
     def engines(self) -> dict[str, str]:
-        return parse_engines(self.engine)
+        return parse_engines(self.engine or "")
 
     def auth(self) -> TokenAuth | None:
         """The router's own tokens (``--auth-token-file``; ``None`` = no auth)."""
@@ -156,7 +156,7 @@ def parse_engines(text: str) -> dict[str, str]:
 HELP: Final = MappingProxyType(
     {
         "coordinator_url": "the kvatlas coordinator that scores engines (POST /route/score)",
-        "coordinator_token": "bearer token for the coordinator (lookup role; empty = none); "
+        "coordinator_token": "bearer token for the coordinator (lookup role; not set: none); "
         "visible in the process list as a flag: prefer --coordinator-token-file or the "
         "environment",
         "coordinator_token_file": "file holding a coordinator token with the lookup role "
@@ -166,7 +166,7 @@ HELP: Final = MappingProxyType(
         "engines_from_coordinator": "also route to the instances GET /instances lists with "
         "metadata.openai_url (or --engine-url-template), refreshed every --health-interval-s",
         "engine_url_template": "URL of a coordinator-listed instance without metadata.openai_url, "
-        "e.g. http://{instance_id}:8000 (empty: such instances are skipped)",
+        "e.g. http://{instance_id}:8000 (not set: such instances are skipped)",
         "policy": "how an engine is chosen (docs/router.md has each formula)",
         "tokenizer": "the engines' Hugging Face tokenizer.json (or a model directory holding "
         "tokenizer.json and tokenizer_config.json); without it text is routed by load",

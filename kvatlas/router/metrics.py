@@ -4,6 +4,8 @@ retries, untokenized requests and engines out of the set (docs/router.md, "Metri
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 DECISION_BUCKETS = (
@@ -16,8 +18,20 @@ DECISION_BUCKETS = (
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+@dataclass(frozen=True, slots=True)
+class EngineSeries:
+    """One engine's labelled counters, looked up once (``labels()`` takes a lock and builds
+    a key on every call: once per engine, not four times per request)."""
+
+    decisions: Counter
+    prompt_tokens: Counter
+    predicted_reused: Counter
+    reported_reused: Counter
+
+
 class RouterMetrics:
     def __init__(self) -> None:
+        self._engines: dict[str, EngineSeries] = {}
         self.registry = CollectorRegistry()
         r = self.registry
         self.decisions = Counter(
@@ -80,3 +94,15 @@ class RouterMetrics:
         self.in_flight = Gauge(
             "kvatlas_router_in_flight", "requests in flight per engine", ["engine"], registry=r
         )
+
+    def engine(self, engine_id: str, policy: str) -> EngineSeries:
+        """The counters of ``engine_id`` (its decisions under ``policy``, the router's one)."""
+        series = self._engines.get(engine_id)
+        if series is None:
+            series = self._engines[engine_id] = EngineSeries(
+                self.decisions.labels(policy, engine_id),
+                self.prompt_tokens.labels(engine_id),
+                self.predicted_reused.labels(engine_id),
+                self.reported_reused.labels(engine_id),
+            )
+        return series

@@ -164,7 +164,7 @@ class SoakFleet:
                 "--event-stream", STREAM, "--replica-id", rid,
                 "--snapshot-path", str(root / rid / "directory.snap"),
                 "--snapshot-interval", str(s.snapshot_interval),
-                "--instance-timeout", str(s.instance_timeout), "--consumer-heartbeat", "1",
+                "--instance-timeout", str(s.instance_timeout), "--consumer-heartbeat-s", "1",
                 "--log-level", "warning",
             ]  # fmt: skip
             (root / rid).mkdir(exist_ok=True)
@@ -184,9 +184,9 @@ class SoakFleet:
                 "--coordinator-url", replica.url, "--coordinator-event-reporting",
                 "--event-transport", "redis", "--redis-url", self.redis.url,
                 "--event-stream", STREAM, "--stream-max-len", str(s.stream_max_len),
-                "--digest-interval", str(s.digest_interval),
-                "--heartbeat-interval", str(s.heartbeat), "--coordinator-retry-max", "1",
-                "--l1-bytes", str(s.l1_chunks * s.chunk_bytes), "--peer-fetch-deadline", "1",
+                "--digest-interval-s", str(s.digest_interval),
+                "--heartbeat-interval-s", str(s.heartbeat), "--coordinator-retry-max-s", "1",
+                "--l1-bytes", str(s.l1_chunks * s.chunk_bytes), "--peer-fetch-deadline-s", "1",
                 "--log-level", "warning", *l2, *layout,
             ]  # fmt: skip
             self.nodes[name] = Service(name, argv, port, root / "logs" / f"{name}.log")

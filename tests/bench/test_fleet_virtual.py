@@ -10,6 +10,7 @@ from kvatlas.bench.fleet import STACKS, summarize
 from kvatlas.bench.fleet.config import FleetConfig
 from kvatlas.bench.fleet.sim_coordinator import L1_BACKEND, SimCoordinator
 from kvatlas.bench.fleet.virtual import VirtualFleet, run_stack
+from kvatlas.directory import KeyFilter
 from kvatlas.workloads import TraceRequest, open_workload
 
 RAG = "rag:docs=20,k=3,zipf=1.1,rate=4,seed=1"
@@ -89,8 +90,8 @@ def test_the_directory_is_what_makes_prefix_routing_reuse() -> None:
 def test_engines_kv_events_reach_the_directory() -> None:
     fleet = VirtualFleet(small("repeated"), STACKS["round-robin"], repeated(2, 1), quiet)
     fleet.run()
-    gpu = fleet.coordinator.directory.count_keys(tier="gpu")
-    cpu = fleet.coordinator.directory.count_keys(tier="engine-cpu")
+    gpu = fleet.coordinator.directory.count_keys(KeyFilter(tier="gpu"))
+    cpu = fleet.coordinator.directory.count_keys(KeyFilter(tier="engine-cpu"))
     assert gpu == 2 * 2048 // 256  # every full chunk of both prompts, re-keyed from blocks
     assert cpu == gpu  # written through to the CPU offload tier
 
@@ -117,11 +118,13 @@ def test_node_l1_capacity_is_respected_and_reported() -> None:
         node = engine.node
         assert node is not None and node.l1_capacity == 4
         assert len(node.l1) <= 4
-        listed = directory.count_keys(tier="l1", instance_id=node.node_id, backend=L1_BACKEND)
+        listed = directory.count_keys(
+            KeyFilter(tier="l1", instance_id=node.node_id, backend=L1_BACKEND)
+        )
         assert listed == len(node.l1)
         stored += node.counts["stored_chunks"]
     assert sum(e.node.counts["l1_evictions"] for e in fleet.engines if e.node) > 0
-    assert directory.count_keys(tier="l2") == len(fleet.engines[0].node.pool.chunks) > 4
+    assert directory.count_keys(KeyFilter(tier="l2")) == len(fleet.engines[0].node.pool.chunks) > 4
 
 
 def test_bounded_shared_pool_evicts_and_says_so() -> None:
@@ -130,7 +133,7 @@ def test_bounded_shared_pool_evicts_and_says_so() -> None:
     fleet.run()
     pool = fleet.engines[0].node.pool  # type: ignore[union-attr]
     assert len(pool.chunks) == 10
-    assert fleet.coordinator.directory.count_keys(tier="l2") == 10
+    assert fleet.coordinator.directory.count_keys(KeyFilter(tier="l2")) == 10
 
 
 def test_sim_coordinator_refuses_nothing_it_is_given() -> None:

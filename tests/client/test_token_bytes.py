@@ -37,7 +37,15 @@ def test_ids_outside_uint32_are_refused_by_name(tokens: object) -> None:
 
 @pytest.mark.parametrize(
     "tokens",
-    [[0, 1, 2**32 - 1], np.array([128_000, 7], dtype=np.int64), np.array([3], dtype=np.uint16), []],
+    [
+        [0, 1, 2**32 - 1],
+        np.array([128_000, 7], dtype=np.int64),
+        np.array([3], dtype=np.uint16),
+        np.array([0, 2**32 - 1], dtype=np.uint32),  # in range by its type: no scan
+        np.array([5, 2**32 - 2], dtype=">u4"),  # big-endian: swapped to the wire's order
+        np.array([9, 2**32 - 1], dtype=np.uint64),
+        [],
+    ],
 )
 def test_valid_ids_round_trip(tokens: object) -> None:
     got = np.frombuffer(uint32_token_bytes(tokens), dtype="<u4")
@@ -56,7 +64,17 @@ def test_kvatlas_route_with_an_id_over_uint32_exits_2_with_one_line(
     tokens = tmp_path / "tokens.json"
     tokens.write_text("[1, 4294967296]")
     with pytest.raises(SystemExit) as exc:
-        main(["route", "--url", "http://127.0.0.1:9", "--tokens-file", str(tokens), "--model", "m"])
+        main(
+            [
+                "route",
+                "--url",
+                "http://127.0.0.1:9",
+                "--tokens-file",
+                str(tokens),
+                "--model-name",
+                "m",
+            ]
+        )
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "token id 4294967296" in err and "Traceback" not in err

@@ -205,3 +205,19 @@ def test_a_prefetch_the_instance_forgot_is_submitted_again() -> None:
     delivery.run_once()
     got = log.get(c.command_id)
     assert got is not None and got.state == "pending" and "forgot" in got.last_error
+
+
+def test_the_routes_attempt_and_the_loops_meet_once_and_the_routes_answer_stays_true() -> None:
+    """A new command is due at once: when the loop's pass delivers it first, the route's own
+    attempt sends nothing again (delivered meanwhile); when the loop's attempt failed, the
+    route's is a real second attempt (so its 502 is true)."""
+    log, _fleet, servers, delivery = setup(urls={"a": "http://a"})
+    c = log.new("delete", ["a"], KEYS, tier="all")
+    delivery.run_once()  # the loop got there first
+    assert delivery.deliver(c) is None and len(servers.calls) == 1
+    servers.down.add("http://a")
+    d = log.new("delete", ["a"], KEYS, tier="all")
+    delivery.run_once()
+    failed = delivery.deliver(d)
+    assert failed is not None and failed[1] is None and len(servers.calls) == 3
+    assert log.get(d.command_id).attempts == 2  # type: ignore[union-attr]

@@ -244,7 +244,7 @@ def test_blend_lookup_finds_chunk_at_unaligned_offset(client: httpx.Client) -> N
     assert r.status_code == 200, r.text
     assert r.headers["x-kvatlas-blend"] == "enabled"
     body = r.json()
-    assert body["blend_enabled"] is True
+    assert body["enable_blend_lookup"] is True
     assert body["matches"] == [
         {"chunk_hash": h1.hex(), "old_st": 40 + CS, "cur_st": 3},
         {"chunk_hash": h0.hex(), "old_st": 40, "cur_st": 3 + CS + 2},
@@ -281,7 +281,7 @@ def test_blend_lookup_disabled_says_so() -> None:
         r = _blend(client, [1, *tokens])
         assert r.status_code == 200, r.text
         assert r.json()["matches"] == []
-        assert r.json()["blend_enabled"] is False
+        assert r.json()["enable_blend_lookup"] is False
         assert r.headers["x-kvatlas-blend"] == "disabled"
         assert stats(client)["blend"]["enabled"] is False
         # prefix lookup still works without blend
@@ -310,7 +310,7 @@ def test_stats_reports_tiers_instances_and_blend(client: httpx.Client) -> None:
     assert after["l1_placements_by_instance"][em.instance_id] == 2
     assert after["blend"]["enabled"] is True
     assert after["blend"]["contents"] >= before["blend"]["contents"] + 2
-    assert after["key_scheme"] == "blake3"
+    assert after["hash_scheme"] == "blake3"
 
 
 def _page_all(client: httpx.Client, mode: str, limit: int, **filters: str) -> list[str]:
@@ -366,16 +366,16 @@ def test_healthz_reports_scheme(client: httpx.Client) -> None:
     assert r.status_code == 200
     body = r.json()
     assert body["status"] == "healthy"  # LMCache's word
-    assert body["key_scheme"] == "blake3"
+    assert body["hash_scheme"] == "blake3"
     assert body["chunk_size"] == CS
-    assert body["blend_lookup"] is True
+    assert body["enable_blend_lookup"] is True
 
 
 def test_healthz_reports_other_scheme() -> None:
     with running(hash_scheme="blake3-x1", chunk_size=16) as (_, client):
         body = client.get("/healthz").json()
-        assert (body["key_scheme"], body["chunk_size"]) == ("blake3-x1", 16)
-        assert stats(client)["key_scheme"] == "blake3-x1"
+        assert (body["hash_scheme"], body["chunk_size"]) == ("blake3-x1", 16)
+        assert stats(client)["hash_scheme"] == "blake3-x1"
 
 
 def test_readyz(client: httpx.Client) -> None:

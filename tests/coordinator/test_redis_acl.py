@@ -75,7 +75,7 @@ class Fleet:
         args = [
             "coordinator", "--port", str(port), "--chunk-size", str(C),
             "--event-transport", "redis", "--redis-url", self.url(f"kvatlas-coord-{replica}"),
-            "--replica-id", f"r{replica}", "--consumer-heartbeat", "2",
+            "--replica-id", f"r{replica}", "--consumer-heartbeat-s", "2",
             "--snapshot-path", str(self.root / f"r{replica}.snap"),
             "--snapshot-interval", "0.3", "--auth-token-file", str(tokens),
             "--log-level", "info", "--log-format", "text",

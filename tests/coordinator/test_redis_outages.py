@@ -54,7 +54,7 @@ class Coordinator:
             sys.executable, "-m", "kvatlas.cli", "coordinator", "--port", str(self.port),
             "--chunk-size", str(CS), "--event-transport", "redis", "--redis-url", redis_url,
             "--event-stream", STREAM, "--snapshot-path", str(tmp_path / "c.snap"),
-            "--snapshot-interval", "3600", "--consumer-heartbeat", "2", *flags,
+            "--snapshot-interval", "3600", "--consumer-heartbeat-s", "2", *flags,
         ]  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -138,7 +138,7 @@ def fleet(
     made.append(coordinator)
     coordinator.start()
     # nor digest exchanges on a timer: one after a loss would repair it before the test looks
-    config = replace(node_config(coordinator.url, server.url, STREAM), digest_interval=3600.0)
+    config = replace(node_config(coordinator.url, server.url, STREAM), digest_interval_s=3600.0)
     node = NodeProcess(config)
     made.append(node)
     assert node.coordinator is not None and node.sink is not None

@@ -76,9 +76,9 @@ def test_group_name_comes_from_the_replica_id(
     assert parse_config([], {"KVATLAS_REPLICA_ID": "r9"}).group_name == "kvatlas-r9"
     flag_wins = parse_config(["--replica-id", "r8"], {"KVATLAS_REPLICA_ID": "r9"})
     assert flag_wins.group_name == "kvatlas-r8"
-    assert parse_config(["--consumer-heartbeat", "2.5"]).consumer_heartbeat == 2.5
+    assert parse_config(["--consumer-heartbeat-s", "2.5"]).consumer_heartbeat_s == 2.5
     with pytest.raises(ValueError, match="consumer-heartbeat"):
-        CoordinatorConfig(consumer_heartbeat=0)
+        CoordinatorConfig(consumer_heartbeat_s=0)
 
 
 def test_watch_tells_a_live_consumer_from_a_crashed_one(rclient: redis.Redis, stream: str) -> None:
@@ -396,7 +396,7 @@ def test_the_same_id_restarts_after_a_clean_stop_and_after_a_crash(
     replicas: Any, workload: Any, rclient: redis.Redis, stream: str
 ) -> None:
     group = "kvatlas-phoenix"
-    replica = replicas("d", "--replica-id", "phoenix", "--consumer-heartbeat", "1").start()
+    replica = replicas("d", "--replica-id", "phoenix", "--consumer-heartbeat-s", "1").start()
     work = workload(seed=5)
     work.run(40)
     assert wait_for(lambda: caught_up(rclient, stream, replica), timeout=60)
@@ -502,7 +502,7 @@ def test_a_replica_on_a_quiet_stream_still_shows_itself_alive(
         port=free_port(),
         chunk_size=C,
         replica_id="quiet",
-        consumer_heartbeat=2.0,
+        consumer_heartbeat_s=2.0,
         event_transport="redis",
         redis_url=redis_server.url,
         event_stream=stream,

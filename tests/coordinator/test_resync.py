@@ -246,7 +246,7 @@ def test_a_node_fenced_by_timeout_re_registers_and_its_chunks_become_visible_aga
     with running(clock, instance_timeout=30.0) as (server, client):
         # The node's own digest exchanges re-report what a fence dropped: the one it starts
         # with must be over before the fence, and no periodic one may fall in the test.
-        process = NodeProcess(node_config(tmp_path, server.url, digest_interval=3600.0))
+        process = NodeProcess(node_config(tmp_path, server.url, digest_interval_s=3600.0))
         try:
             assert process.coordinator is not None and process.resync is not None
             process.coordinator.stop_heartbeat()  # the test heartbeats by hand

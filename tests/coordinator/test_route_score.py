@@ -117,7 +117,7 @@ def test_client_and_cli_read_the_same_ranking(
     tokens = tmp_path / "query.json"
     tokens.write_text(json.dumps(example["query"]))
     argv = ["route", "--url", server.url, "--tokens-file", str(tokens)]
-    argv += ["--model", example["model"], "--instances", f"{c},{b},{a}"]
+    argv += ["--model-name", example["model"], "--instances", f"{c},{b},{a}"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.index(a) < out.index(b) < out.index(c)

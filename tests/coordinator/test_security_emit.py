@@ -210,9 +210,9 @@ class Clock:
 
 def test_departed_emitters_are_forgotten() -> None:
     """An unregistered emitter that went quiet, and a deregistered instance, lose their
-    cursor and metric series after --emitter-retention; a registered one keeps them."""
+    cursor and metric series after --emitter-retention-s; a registered one keeps them."""
     clock = Clock()
-    with running(clock, emitter_retention=60.0, instance_timeout=1e6) as (server, c):
+    with running(clock, emitter_retention_s=60.0, instance_timeout=1e6) as (server, c):
         for inst in ("quiet", "leaver", "stayer"):
             if inst != "quiet":
                 assert c.post("/instances", json={"instance_id": inst}).status_code == 200

@@ -6,7 +6,7 @@ holds the Redis emit credential and one node's own token (a compromised node A).
 Entries are signed per node (docs/security.md, "Redis transport"): the MAC is recomputed here
 from the documented construction, independently of ``kvatlas.events.stream_format``, so a bug
 in the signing code cannot hide behind a matching verifier. And an incarnation can never jump
-past what a node can reach (a start time in ns, at most ``--max-clock-skew`` ahead of the
+past what a node can reach (a start time in ns, at most ``--max-clock-skew-s`` ahead of the
 coordinator's clock), on the stream and over HTTP alike.
 """
 
@@ -240,7 +240,7 @@ def test_forged_incarnation_cannot_lock_a_node_out(fleet: Fleet) -> None:
 
 def test_a_node_cannot_jump_its_own_incarnation_past_its_clock(fleet: Fleet) -> None:
     """Even a node's own credential cannot set an incarnation no restart of it can reach
-    (beyond the coordinator's clock + ``--max-clock-skew``): refused on the stream
+    (beyond the coordinator's clock + ``--max-clock-skew-s``): refused on the stream
     (``incarnation_ahead``) and over HTTP (422 naming the field), the cursor unchanged; a real
     restart (a new start time) still fences the old incarnation."""
     inc = _victim_stores(fleet, "victim-4")

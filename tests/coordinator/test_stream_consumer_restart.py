@@ -59,7 +59,7 @@ def test_entries_read_before_a_redis_restart_are_applied_after_it(
     consumer = StreamConsumer(
         CoordinatorConfig(
             event_transport="redis", redis_url=own_redis.url, event_stream=STREAM,
-            consumer_heartbeat=1.0,
+            consumer_heartbeat_s=1.0,
         ),
         attribute=lambda fields: None, ingest=ingest, position=None, on_position=lambda position: None,
         set_readiness=lambda state: None, stop=stop,

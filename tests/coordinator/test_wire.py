@@ -182,9 +182,9 @@ def test_stats_are_lmcache_fields_then_the_directory_stats_then_the_service_fiel
     fields = [f.name for f in dataclasses.fields(directory)]
     lmcache = ["num_keys", "num_placements", "l1_keys_by_instance"]
     lmcache += ["l1_count", "l1_size_bytes", "l2_count", "l2_size_bytes"]
-    assert list(out) == [*lmcache, *fields, "key_scheme", "instances_alive"]
+    assert list(out) == [*lmcache, *fields, "hash_scheme", "instances_alive"]
     assert out["chunk_size"] == 4 and out["blend"] == {"enabled": False}
-    assert out["key_scheme"] == "blake3" and out["instances_alive"] == 3
+    assert out["hash_scheme"] == "blake3" and out["instances_alive"] == 3
 
 
 def test_directory_stats_with_blend_on_carry_the_index_stats() -> None:
@@ -216,8 +216,8 @@ def test_health_and_readiness() -> None:
         "kvatlas-host-1a2b",
     )
     assert msgspec.json.encode(wire.health_to_wire(health)) == (
-        b'{"status":"healthy","state":"catching_up","key_scheme":"blake3","chunk_size":4,'
-        b'"blend_lookup":true,"event_transport":"redis","stream_position":"1-0",'
+        b'{"status":"healthy","state":"catching_up","hash_scheme":"blake3","chunk_size":4,'
+        b'"enable_blend_lookup":true,"event_transport":"redis","stream_position":"1-0",'
         b'"event_stream":"kv:events","replica_id":"host-1a2b",'
         b'"consumer_group":"kvatlas-host-1a2b"}'
     )
@@ -244,7 +244,7 @@ def test_blend_reply() -> None:
     reply = _json_round_trip(wire.blend_to_wire([BlendMatch(b"\x01" * 32, 4, 9)], True))
     assert reply == {
         "matches": [{"chunk_hash": "01" * 32, "old_st": 4, "cur_st": 9}],
-        "blend_enabled": True,
+        "enable_blend_lookup": True,
     }
 
 
@@ -299,5 +299,5 @@ def test_lmcache_replies_decode_without_kvatlas_fields() -> None:
         api.InstanceRow,
     )
     assert row.alive and row.peer_url is None and row.incarnation is None and row.gaps == 0
-    assert api.decode(b'{"status":"healthy"}', api.HealthReply).key_scheme is None
+    assert api.decode(b'{"status":"healthy"}', api.HealthReply).hash_scheme is None
     assert api.decode(b'{"matches":[]}', api.BlendReply).matches == []

@@ -14,7 +14,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvatlas.directory import KeyDirectory, load_snapshot, save_snapshot
+from kvatlas.directory import KeyDirectory, KeyFilter, load_snapshot, save_snapshot
 from kvatlas.events import CacheEntry, EventBatch
 from kvatlas.keys import BlendNamespace, ObjectKey, pack_kv_rank
 
@@ -152,7 +152,7 @@ def check_usage(d: KeyDirectory, m: Model) -> None:
     assert by_tier == {t: sum(n for (_, tt, _), (n, _) in want.items() if tt == t) for t in by_tier}
     for tier, backend, _ in PLACES:
         held = {k for k, pls in m.placements.items() if any(i[:2] == (tier, backend) for i in pls)}
-        assert d.count_keys(tier=tier, backend=backend) == len(held)
+        assert d.count_keys(KeyFilter(tier=tier, backend=backend)) == len(held)
     assert d.count_keys() == len(m.placements)
     spaces = {BlendNamespace.from_object_key(k) for k in KEYS}
     for content in CONTENTS[:3]:

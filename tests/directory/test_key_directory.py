@@ -7,7 +7,7 @@ import gc
 import numpy as np
 import pytest
 
-from kvatlas.directory import KeyDirectory, PrefixHolder
+from kvatlas.directory import KeyDirectory, KeyFilter, PrefixHolder
 from kvatlas.keys import chunk_hashes, expand_prefix_keys
 from tests.directory.helpers import CS, Emitter, captured, entry, key, toks
 
@@ -122,10 +122,10 @@ def test_list_keys_pages_cover_everything_once_under_churn() -> None:
     assert [kp.key.chunk_hash for kp in d.list_keys(limit=1000).items] == sorted(
         kp.key.chunk_hash for kp in d.list_keys(limit=1000).items
     )
-    l2 = d.list_keys(tier="l2", limit=1000)
+    l2 = d.list_keys(KeyFilter(tier="l2"), limit=1000)
     assert {kp.key for kp in l2.items} == set(keys[::3]) and l2.next_cursor is None
-    assert d.list_keys(instance_id="nobody", limit=10).items == []
-    short = d.list_keys(backend="fs", limit=1000, max_scan=10)
+    assert d.list_keys(KeyFilter(instance_id="nobody"), limit=10).items == []
+    short = d.list_keys(KeyFilter(backend="fs"), limit=1000, max_scan=10)
     assert short.next_cursor is not None and len(short.items) <= 10
     with pytest.raises(ValueError):
         d.list_keys(cursor="zz")

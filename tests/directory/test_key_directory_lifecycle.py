@@ -61,7 +61,7 @@ def spy() -> type[SpyIndex]:
 
 def calls(d: KeyDirectory) -> list[tuple[Any, ...]]:
     """The index writes since the last call (each test builds one directory with a spy)."""
-    assert d.blend_enabled
+    assert d.blend_lookup_enabled
     (index,) = SpyIndex.instances
     out = list(index.calls)
     index.calls.clear()

@@ -338,8 +338,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     procs.append(
         spawn_service(
             ["-m", "kvatlas.cli", "node", "--port", str(node_port), "--instance-id", "victim",
-             "--coordinator-url", coordinator, "--peer-fetch-deadline", str(FLEET_DEADLINE_S),
-             "--fleet-refresh-interval", "0", *NODE_FLAGS],
+             "--coordinator-url", coordinator, "--peer-fetch-deadline-s", str(FLEET_DEADLINE_S),
+             "--fleet-refresh-interval-s", "0", *NODE_FLAGS],
             node_url,
         )
     )  # fmt: skip
@@ -500,7 +500,7 @@ def test_retrievals_naming_an_instance_without_url_do_not_each_list_the_fleet(
     url = f"http://127.0.0.1:{port}"
     node = spawn_service(
         ["-m", "kvatlas.cli", "node", "--port", str(port), "--instance-id", "victim-2",
-         "--coordinator-url", proxy.url, "--fleet-refresh-interval", "3600", *NODE_FLAGS],
+         "--coordinator-url", proxy.url, "--fleet-refresh-interval-s", "3600", *NODE_FLAGS],
         url,
     )  # fmt: skip
     client = NodeEngineClient(url, LAYOUT, timeout=60)

@@ -80,7 +80,7 @@ class FakeCoordinator(ThreadedServer):
 
         @app.get("/healthz")
         async def health() -> dict[str, Any]:
-            return {"key_scheme": NodeConfig().scheme.name, "chunk_size": NodeConfig().chunk_size}
+            return {"hash_scheme": NodeConfig().scheme.name, "chunk_size": NodeConfig().chunk_size}
 
         @app.post("/instances")
         async def register() -> dict[str, Any]:

@@ -98,26 +98,28 @@ def test_l2_path_defaults_to_the_per_user_cache_directory(
     monkeypatch.setenv("HOME", str(tmp_path))
     assert default_l2_path({}) == tmp_path / ".cache" / "kvatlas" / "l2"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert NodeConfig().l2_dir == tmp_path / "xdg" / "kvatlas" / "l2"
-    assert NodeConfig(l2_path=Path("here")).l2_dir == Path("here")
+    assert NodeConfig().l2_path == tmp_path / "xdg" / "kvatlas" / "l2"
+    assert NodeConfig(l2_path=Path("here")).l2_path == Path("here")
 
 
 def test_heartbeat_interval_flag_environment_and_bounds() -> None:
-    """``--heartbeat-interval`` (5 s by default; the soak runs 1 s against a 3 s timeout)."""
-    assert NodeConfig().heartbeat_interval == 5.0
-    assert config_from_args(node_args("--heartbeat-interval", "1"), {}).heartbeat_interval == 1.0
-    from_env = config_from_args(node_args(), {"KVATLAS_HEARTBEAT_INTERVAL": "2.5"})
-    assert from_env.heartbeat_interval == 2.5
+    """``--heartbeat-interval-s`` (5 s by default; the soak runs 1 s against a 3 s timeout)."""
+    assert NodeConfig().heartbeat_interval_s == 5.0
+    assert (
+        config_from_args(node_args("--heartbeat-interval-s", "1"), {}).heartbeat_interval_s == 1.0
+    )
+    from_env = config_from_args(node_args(), {"KVATLAS_HEARTBEAT_INTERVAL_S": "2.5"})
+    assert from_env.heartbeat_interval_s == 2.5
     for bad in (0.0, 3601.0):
-        with pytest.raises(ValueError, match="--heartbeat-interval"):
-            NodeConfig(heartbeat_interval=bad)
+        with pytest.raises(ValueError, match="--heartbeat-interval-s"):
+            NodeConfig(heartbeat_interval_s=bad)
 
 
 def test_event_delivery_retries_at_least_once_per_heartbeat() -> None:
     """Found by ``kvatlas soak``: after a Redis restart the nodes' event sinks waited up to
     their fixed 5 s backoff cap before delivering again, past the convergence target (twice
     the heartbeat interval) of a fleet heartbeating every second. A node's sink now retries
-    at least once per ``--heartbeat-interval`` and per 5 s (the default: unchanged)."""
+    at least once per ``--heartbeat-interval-s`` and per 5 s (the default: unchanged)."""
     from kvatlas.asgi_thread import free_port
     from kvatlas.node.server import NodeProcess
 
@@ -126,7 +128,7 @@ def test_event_delivery_retries_at_least_once_per_heartbeat() -> None:
             model_name="m", num_layers=1, num_kv_heads=1, head_dim=8, chunk_size=16,
             dtype="float32", l2="none", instance_id="n1", port=free_port(),
             coordinator_url=f"http://127.0.0.1:{free_port()}",  # nobody there: deferred
-            coordinator_event_reporting=True, heartbeat_interval=heartbeat,
+            coordinator_event_reporting=True, heartbeat_interval_s=heartbeat,
         )  # fmt: skip
         process = NodeProcess(config, start=False)
         try:
@@ -154,7 +156,7 @@ def test_engine_id_flag_environment_and_refusals() -> None:
     assert config_from_args(node_args(*url, "--engine-id", "pod-a"), {}).engine_id == "pod-a"
     env = {"KVATLAS_ENGINE_ID": "pod-a:dp1"}
     assert config_from_args(node_args(*url), env).engine_id == "pod-a:dp1"
-    assert NodeConfig().engine_id == ""  # none by default
+    assert NodeConfig().engine_id is None  # not set by default
     for argv, says in [
         ((*url, "--engine-id", "../x"), "--engine-id"),
         ((*url, "--engine-id", "n", "--instance-id", "n"), "not the node"),

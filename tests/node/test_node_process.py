@@ -72,7 +72,7 @@ def test_node_refuses_a_coordinator_reading_another_stream(tmp_path: Path) -> No
         tmp_path, "http://127.0.0.1:1", coordinator_event_reporting=True,
         event_transport="redis", redis_url="redis://127.0.0.1:1/0", event_stream="a",
     )  # fmt: skip
-    health = {"key_scheme": "blake3", "chunk_size": 16, "event_transport": "redis"}
+    health = {"hash_scheme": "blake3", "chunk_size": 16, "event_transport": "redis"}
     with pytest.raises(TransportMismatch, match=r"--event-stream a.*--event-stream b"):
         check_coordinator_compatible(config, HealthReply(**health, event_stream="b"))
     check_coordinator_compatible(config, HealthReply(**health, event_stream="a"))

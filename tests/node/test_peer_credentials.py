@@ -110,7 +110,7 @@ class Fleet:
             "--coordinator-event-reporting", "--coordinator-token-file", str(coord_token),
             "--auth-token-file", str(self.tmp / "node-tokens.json"),
             "--peer-token-file", str(self.tmp / "peer-secret"),
-            "--fleet-refresh-interval", "0", "--peer-fetch-deadline", "5",
+            "--fleet-refresh-interval-s", "0", "--peer-fetch-deadline-s", "5",
         ]  # fmt: skip
         self.procs[name] = spawn_service(args, url)
         self.urls[name] = url

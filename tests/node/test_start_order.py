@@ -45,7 +45,7 @@ def node_args(port: int, coord_port: int, l2_path: Path) -> list[str]:
     return [
         sys.executable, "-m", "kvatlas.cli", "node", "--port", str(port), "--instance-id", "n1",
         "--coordinator-url", f"http://127.0.0.1:{coord_port}", "--coordinator-event-reporting",
-        "--l2", "fs", "--l2-path", str(l2_path), "--coordinator-retry-max", "0.5", *MODEL_FLAGS,
+        "--l2", "fs", "--l2-path", str(l2_path), "--coordinator-retry-max-s", "0.5", *MODEL_FLAGS,
     ]  # fmt: skip
 
 
@@ -207,5 +207,5 @@ def test_a_late_lmcache_coordinator_gets_json_events() -> None:
     transport = HttpTransport("http://127.0.0.1:1")
     follow_coordinator_format(transport, HealthReply(status="healthy"))
     assert transport.fmt == "json"
-    follow_coordinator_format(transport, HealthReply(key_scheme="blake3", chunk_size=16))
+    follow_coordinator_format(transport, HealthReply(hash_scheme="blake3", chunk_size=16))
     assert transport.fmt == "json"  # never back: one coordinator per node

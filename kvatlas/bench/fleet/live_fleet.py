@@ -62,7 +62,7 @@ WARM_UP_PROMPT: Final = list(range(1, 9))
 
 def memory_dir(prefix: str) -> Path:
     """A directory in memory (``/dev/shm``) when the machine has one, else in the temp dir:
-    the shared L2's speed is modelled (``--node-l2-bytes-s``), its files need only hold the
+    the shared L2's speed is modelled (``--l2-bandwidth-bytes-per-s``), its files need only hold the
     bytes, and a disk's fsync per chunk on a busy machine would delay stores by wall time that
     counts × speed."""
     shm = Path("/dev/shm")

@@ -90,8 +90,8 @@ class VirtualFleet:
         ids = [f"e{i}" for i in range(config.engines)]
         self.router = EngineSet({i: f"http://{i}.virtual" for i in ids})
         kv_bytes = EngineCostModel().kv_bytes_per_token
-        self.rates = TierRates(_SIM_DEFAULTS.node_l1_bytes_s, _SIM_DEFAULTS.node_l2_bytes_s,
-                               _SIM_DEFAULTS.node_peer_bytes_s)  # fmt: skip
+        self.rates = TierRates(_SIM_DEFAULTS.l1_bandwidth_bytes_per_s, _SIM_DEFAULTS.l2_bandwidth_bytes_per_s,
+                               _SIM_DEFAULTS.peer_bandwidth_bytes_per_s)  # fmt: skip
         self.kv_bytes_per_token = kv_bytes
         pool = SharedPool(config.l2_chunks)
         l1_chunks = config.host_blocks * config.block_size // config.chunk_size

@@ -64,6 +64,7 @@ MpServers = Callable[[str], MpServer]
 """An MP server's client from its base URL."""
 PERIOD_S = 0.5
 """How often the loop finishes and delivers commands."""
+_STRIPES = 64
 
 
 def no_servers(url: str) -> MpServer:
@@ -113,8 +114,7 @@ class Delivery:
         self._commands = commands  # the log is replaced when a snapshot is restored
         self.fleet = fleet
         self.servers = servers
-        self._busy: set[str] = set()
-        self._busy_lock = threading.Lock()
+        self._locks = [threading.Lock() for _ in range(_STRIPES)]  # one delivery per command
 
     @property
     def commands(self) -> CommandLog:
@@ -166,27 +166,24 @@ class Delivery:
         """One attempt to send ``command``; ``None`` when it was delivered (or finished),
         else ``(error, the server's status or None: not reached)`` (the command is then
         pending with its backoff, or failed for a refusal)."""
-        with self._busy_lock:
-            if command.command_id in self._busy:
-                return None  # another thread is delivering it right now
-            self._busy.add(command.command_id)
-        try:
+        # the route's first attempt and the loop may meet on a new command: one waits for
+        # the other, then sends only if the command still needs it (its own answer stays true)
+        with self._locks[hash(command.command_id) % _STRIPES]:
             current = self.commands.get(command.command_id)
             if current is None or current.state in ("completed", "failed"):
                 return None
+            if current.state == "sent" and current.updated_at != command.updated_at:
+                return None  # delivered meanwhile
             if current.kind == "prefetch":
                 failure = self._send_prefetch(current)
             else:
                 failure = self._send_delete(current)
-        finally:
-            with self._busy_lock:
-                self._busy.discard(command.command_id)
-        if failure is not None:
-            error, status = failure
-            if status is not None and 400 <= status < 500:
-                self.commands.finish(command.command_id, "failed", error)
-            else:
-                self.commands.delivery_failed(command.command_id, error)
+            if failure is not None:
+                error, status = failure
+                if status is not None and 400 <= status < 500:
+                    self.commands.finish(command.command_id, "failed", error)
+                else:
+                    self.commands.delivery_failed(command.command_id, error)
         return failure
 
     def _send_delete(self, c: Command) -> tuple[str, int | None] | None:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from kvatlas.coordinator.kv_events.exposure import StreamExposure
 from kvatlas.coordinator.kv_events.stats import PublisherStats, view, zeroed
+from kvatlas.directory import ALL_KEYS, KeyFilter
 from kvatlas.events import DELETE, STORE, EventBatch
 from kvatlas.events.columns import ColumnBatch
 from kvatlas.events.vllm_wire import (
@@ -304,10 +305,8 @@ class KvEventsPublisher:
         groups: defaultdict[tuple[str, str, str, bool, str], list[bytes]] = defaultdict(list)
         cursor: str | None = None
         while True:
-            page = self._directory.list_keys(
-                instance_id=instance_id, tier="l2" if instance_id else None,
-                cursor=cursor, limit=1000,
-            )  # fmt: skip
+            own_l2 = KeyFilter(tier="l2", instance_id=instance_id) if instance_id else ALL_KEYS
+            page = self._directory.list_keys(own_l2, cursor=cursor, limit=1000)
             for item in page.items:
                 if item.key.cache_salt not in self.exposure.salts:
                     continue

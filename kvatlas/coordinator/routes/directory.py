@@ -14,6 +14,7 @@ from kvatlas.api import KeyListingQuery, KeyPageReply, LookupReply
 from kvatlas.coordinator.query import KeysQuery, decode_lookup_body, lookup_query
 from kvatlas.coordinator.routes.context import Context
 from kvatlas.coordinator.wire import key_page_to_wire, lookup_to_wire, stats_to_wire
+from kvatlas.directory import KeyFilter
 from kvatlas.routing import Call, Reply
 
 
@@ -60,9 +61,7 @@ async def list_keys(ctx: Context, call: Call[None, KeyListingQuery]) -> KeyPageR
     def page() -> KeyPageReply:
         return key_page_to_wire(
             service.page_keys(
-                tier=q.tier,
-                instance_id=q.instance_id,
-                backend=q.backend,
+                KeyFilter(tier=q.tier, instance_id=q.instance_id, backend=q.backend),
                 offset=q.offset,
                 limit=q.limit,
                 cursor=q.cursor,

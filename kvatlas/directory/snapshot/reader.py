@@ -269,7 +269,7 @@ def _build(
 def _reads_blend(directory: KeyDirectory, header: Header) -> bool:
     """Whether the restore marks records indexed and gives ``install`` their index adds
     (else ``install`` reads them from the records, if blend is on by then)."""
-    return directory.blend_enabled and header.chunk_size == directory.chunk_size
+    return directory.blend_lookup_enabled and header.chunk_size == directory.chunk_size
 
 
 def _index_adds(
