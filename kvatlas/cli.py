@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from kvatlas import __version__
 from kvatlas.bench import BENCHMARKS
+from kvatlas.client import cache_cli
 from kvatlas.client.route_client import (
     ROUTE_HELP,
     ROUTE_RENAMED_FLAGS,
@@ -80,6 +81,9 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Which instance should serve this query: prefix and fragment coverage by tier.",
     )
     add_dataclass_arguments(route, RouteCommand, ROUTE_HELP, renamed=ROUTE_RENAMED_FLAGS)
+
+    cache_cli.add_arguments(sub.add_parser("cache", help="cache control: pins, deletes, "
+                            "prefetches, moves, quotas (docs/cache-control.md)"))  # fmt: skip
 
     engine_sim = sub.add_parser(
         "engine-sim",
@@ -198,6 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_route_command(command)
         except (ValueError, OSError) as exc:
             parser.error(str(exc))
+    if args.command == "cache":
+        return cache_cli.run(args)
     if args.command == "keys":
         try:
             print(pack_kv_rank(args.world_size, args.rank, args.world_size, args.rank))

@@ -27,6 +27,7 @@ from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.server import BackgroundServer
 from tests.browser_support import Browser, require_chromium
 from tests.conftest import wait_for
+from tests.coordinator.helpers import CS, Emitter, post_batches, running
 from tests.helpers import write_tokens
 
 EVIL_ID = "<img src=x onerror=alert(1)>"
@@ -206,5 +207,81 @@ def test_with_auth_the_page_asks_for_a_token_and_keeps_it_in_the_tab(tmp_path: P
             assert browser.evaluate("sessionStorage.getItem('kvatlas.token')") == admin
             assert browser.evaluate("document.getElementById('logout').hidden") is False
             assert browser.problems == [], browser.problems
+        finally:
+            browser.close()
+
+
+EVIL_SALT = "<img src=x onerror=alert(2)>"
+
+
+def test_quotas_pins_and_commands_on_the_page_in_headless_chromium(tmp_path: Path) -> None:
+    """Three salts with L2 bytes (one named with markup, one over its quota, the empty one
+    under the default), three pinned keys, a delete its instance cannot take yet: the page
+    shows each salt's usage against its limit, the pins and their bytes, and the commands by
+    kind and state, rendered as text."""
+    chromium = require_chromium()
+    tokens = [int(t) for t in range(7000, 7000 + 3 * CS)]
+    with running() as (server, c):
+        assert c.post("/instances", json={"instance_id": "n1", "http_port": 9}).status_code == 200
+        node = Emitter("n1")
+        batches = [
+            node.store_chunks(tokens, salt=salt, tier="l2", backend="fs")
+            for salt in ("tenant-a", EVIL_SALT, "")
+        ]
+        assert post_batches(c, *batches).status_code == 200  # 3 chunks of 100 B per salt
+        for path, body in (
+            ("/quota/config", {"default_limit_gb": 1}),
+            ("/quota/tenant-a", {"limit_gb": 200 / 2**30}),  # 300 B held: over
+            (f"/quota/{quote(EVIL_SALT, safe='')}", {"limit_gb": 600 / 2**30}),  # half used
+        ):
+            assert c.put(path, json=body).status_code == 200, path
+        fields = {"model_name": "m", "world_size": 1, "token_ids": tokens}
+        pinned = c.post("/cache/pins", json={**fields, "cache_salt": "tenant-a"})
+        assert pinned.json()["affected"] == 3
+        delete = c.post("/cache/delete", json={**fields, "instance_id": "n1", "force": True})
+        assert delete.status_code == 502  # no MP server to reach: kept, pending
+        view = c.get("/status.json").json()["cache_control"]
+        assert (view["pinned_keys"], view["pinned_bytes"], view["salts"]) == (3, 300, 3)
+        assert [q["cache_salt"] for q in view["quotas"]] == ["tenant-a", EVIL_SALT, ""]
+        browser = Browser(chromium, tmp_path / "profile")
+        try:
+            browser.navigate(f"{server.url}/")
+            browser.wait_for(
+                lambda: browser.evaluate(
+                    "document.getElementById('updated').textContent"
+                ).startswith("updated"),
+                30,
+            )
+            shot = browser.screenshot(tmp_path / "cache-control.png")
+            keep = os.environ.get("KVATLAS_CACHE_SCREENSHOT")
+            if keep:
+                shutil.copy(shot, keep)
+            rows = browser.evaluate(
+                "[...document.querySelectorAll('#quotas tbody tr')]"
+                ".map(tr => [...tr.cells].map(td => td.textContent))"
+            )
+            assert rows == [
+                ["tenant-a", "200 B own", "300 B / 200 B", "150.0%", "3"],
+                [EVIL_SALT, "600 B own", "300 B / 600 B", "50.0%", "0"],
+                ["_default", "1.0 GiB default", "300 B / 1.0 GiB", "0.0%", "0"],
+            ]
+            assert browser.evaluate("document.querySelectorAll('#quotas td.over').length") == 1
+            assert browser.evaluate("document.querySelectorAll('#quotas .bar').length") == 3
+            pins = browser.evaluate("document.getElementById('pins').textContent")
+            assert "pinned keys3" in pins and "pinned bytes300 B" in pins
+            counts = browser.evaluate(
+                "Object.fromEntries([...document.querySelectorAll('#commands tbody tr')]"
+                ".map(tr => [tr.cells[0].textContent, [...tr.cells].slice(1).map(td => td.textContent)]))"
+            )
+            assert counts == {
+                "delete": ["1", "0", "0", "0"], "evict": ["0"] * 4, "prefetch": ["0"] * 4,
+                "move": ["0"] * 4,
+            }  # fmt: skip
+            unfinished = browser.evaluate("document.getElementById('unfinished').textContent")
+            assert "Unfinished commands (1)" in unfinished and "delete" in unfinished
+            assert "no MP-server client" in unfinished  # why it is still pending
+            assert browser.evaluate("document.querySelectorAll('#status img').length") == 0
+            assert browser.problems == [], browser.problems
+            assert browser.console == []
         finally:
             browser.close()

@@ -6,6 +6,7 @@ loads neither the directory nor numba, so a router pays only for httpx and msgsp
 """
 
 from kvatlas.client.blend_client import BlendCoordinatorClient, FleetMatcher
+from kvatlas.client.cache_client import CacheControlClient
 from kvatlas.client.coordinator_client import (
     CoordinatorClient,
     CoordinatorError,
@@ -31,6 +32,7 @@ __all__ = [
     "AsyncRouteClient",
     "AuthSendError",
     "BlendCoordinatorClient",
+    "CacheControlClient",
     "CoordinatorClient",
     "CoordinatorError",
     "EngineCallError",

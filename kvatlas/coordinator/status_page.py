@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from importlib import resources
 from string import Template
 
-from kvatlas.coordinator.status import FleetRow, StatusView
+from kvatlas.coordinator.status import CacheControlStatus, FleetRow, QuotaRow, StatusView
 from kvatlas.coordinator.views import Readiness
 
 REFRESH_S = 5
@@ -306,4 +306,107 @@ def render_body(view: StatusView) -> str:
         _value(view) + _traffic(view) + _directory(view) + _blend(view) + _service(view)
         + _recent(view)
     )  # fmt: skip
-    return f'<div class="grid">{cards}</div>{_fleet(view)}'
+    cache = "" if view.cache_control is None else _cache_control(view.cache_control)
+    return f'<div class="grid">{cards}</div>{_fleet(view)}{cache}'
+
+
+# ---------------------------------------------------------------------------- cache control
+
+
+def _salt(salt: str) -> str:
+    """A salt as its paths name it (``_default`` the empty one, in italics)."""
+    if not salt:
+        return '<td class="id" title="the empty salt"><i>_default</i></td>'
+    return f'<td class="id" title="{_e(salt)}">{_e(salt)}</td>'
+
+
+def _quota_row(row: QuotaRow) -> str:
+    limit = row.limit_bytes
+    if limit is None:
+        limit_text, used, share = "none", _e(f"{_bytes(row.usage_bytes)} (exempt)"), "–"
+    elif limit == 0:
+        limit_text, used = "0 B", _e(_bytes(row.usage_bytes))
+        share = "over" if row.usage_bytes else "–"
+    else:
+        limit_text, used = _bytes(limit), _bar(row.usage_bytes, int(limit))
+        share = _pct(row.usage_bytes / limit)
+    cells = [
+        _salt(row.cache_salt),
+        f'<td>{_e(limit_text)} <span class="muted">{"own" if row.own else "default"}</span></td>',
+        f"<td>{used}</td>",
+        f'<td class="{"over" if _over(row) else ""}">{_e(share)}</td>',
+        f"<td>{_e(_num(row.pinned_keys))}</td>",
+    ]
+    return f"<tr>{''.join(cells)}</tr>"
+
+
+def _over(row: QuotaRow) -> bool:
+    return (
+        row.limit_bytes is not None and row.usage_bytes > 0 and row.usage_bytes >= row.limit_bytes
+    )
+
+
+_QUOTA_HEAD = (
+    "<tr><th>cache salt</th><th>limit</th><th>L2 usage</th><th>used</th><th>pinned keys</th></tr>"
+)
+
+
+def _cache_control(cc: CacheControlStatus) -> str:
+    default = (
+        "none: salts without a quota are exempt"
+        if cc.default_limit_bytes is None
+        else _bytes(cc.default_limit_bytes)
+    )
+    shown = "" if cc.salts <= len(cc.quotas) else f", the {len(cc.quotas)} most used shown"
+    title = (
+        f"<h3>Quotas: {_e(_num(cc.salts))} salts{_e(shown)}; default {_e(default)}"
+        f' <span class="muted">(usage counted {_e(_secs(cc.usage_age_s))} ago)</span></h3>'
+    )
+    if cc.quotas:
+        rows = "".join(_quota_row(r) for r in cc.quotas)
+        quotas = f'<table id="quotas"><thead>{_QUOTA_HEAD}</thead><tbody>{rows}</tbody></table>'
+    else:
+        quotas = '<p class="muted" id="quotas">no salt holds L2 bytes, a quota or a pin yet</p>'
+    pins = _card(
+        "Pins",
+        _kv([("pinned keys", _e(_num(cc.pinned_keys))),
+             ("pinned bytes", _e(_bytes(cc.pinned_bytes)))]),
+        "pins",
+    )  # fmt: skip
+    counts = {(c.kind, c.state): c.count for c in cc.commands}
+    kinds, states = (list(dict.fromkeys(k[i] for k in counts)) for i in (0, 1))
+    head = "<tr><th>command</th>" + "".join(f"<th>{_e(s)}</th>" for s in states) + "</tr>"
+    body = "".join(
+        f"<tr><td>{_e(kind)}</td>"
+        + "".join(f"<td>{_e(_num(counts[kind, s]))}</td>" for s in states)
+        + "</tr>"
+        for kind in kinds
+    )
+    commands = _card(
+        "Commands by kind and state",
+        f'<table id="commands"><thead>{head}</thead><tbody>{body}</tbody></table>',
+        "command-counts",
+    )
+    return f'{title}{quotas}<div class="grid cache">{pins}{commands}{_unfinished(cc)}</div>'
+
+
+def _unfinished(cc: CacheControlStatus) -> str:
+    if not cc.unfinished:
+        inner = '<p class="muted">none: every command is done</p>'
+    else:
+        rows = "".join(
+            f'<tr><td class="id" title="{_e(c.command_id)}">{_e(c.command_id[:12])}</td>'
+            f"<td>{_e(c.kind)}</td><td>{_e(', '.join(c.targets))}</td><td>{_e(_num(c.keys))}</td>"
+            f"<td>{_e(c.state)}</td><td>{_e(_num(c.attempts))}</td><td>{_e(_secs(c.age_s))}</td>"
+            f'<td class="error" title="{_e(c.last_error)}">{_e(c.last_error or "–")}</td></tr>'
+            for c in cc.unfinished
+        )
+        head = (
+            "<tr><th>id</th><th>kind</th><th>to</th><th>keys</th><th>state</th>"
+            "<th>attempts</th><th>age</th><th>last error</th></tr>"
+        )
+        inner = f"<table><thead>{head}</thead><tbody>{rows}</tbody></table>"
+    more = (
+        "" if cc.unfinished_total <= len(cc.unfinished) else f", oldest {len(cc.unfinished)} shown"
+    )
+    return _card(f"Unfinished commands ({cc.unfinished_total}{more})", inner, "unfinished")
