@@ -20,6 +20,9 @@ import msgspec
 TierName = Literal["l1", "l2", "all"]
 """A tier selector on the wire (LMCache's ``Tier``); which a route accepts is the route's rule."""
 
+DEFAULT_SALT_NAME: Final = "_default"
+"""How a path or query names the empty salt (``PUT /quota/_default``, ``GET /cache/pins?
+cache_salt=_default``), on both sides."""
 MAX_DELETE_KEYS: Final = 10_000
 """Keys one ``DELETE /cache/objects`` may name (LMCache's ``MAX_DELETE_BATCH``): 400 beyond."""
 MAX_TOKEN_IDS: Final = 1_000_000

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Final, TypeVar
+from typing import TypeVar
 from urllib.parse import quote
 
 import httpx
 
 from kvatlas.api import encode
 from kvatlas.api.cache_control import (
+    DEFAULT_SALT_NAME,
     CoordinatorDeleteBody,
     CoordinatorDeleteReply,
     CoordinatorPrefetchBody,
@@ -44,14 +45,10 @@ from kvatlas.client.coordinator_client import JSON_HEADERS, auth_headers, call_j
 
 T = TypeVar("T")
 
-EMPTY_SALT_IN_PATHS: Final = "_default"
-"""How a path names the empty salt (``PUT /quota/_default``, ``GET /cache/pins?cache_salt=
-_default``); the coordinator's ``cache_control.quotas.DEFAULT_SALT_NAME``."""
-
 
 def salt_segment(cache_salt: str) -> str:
     """A salt as a path segment or query value: ``_default`` for the empty one, quoted."""
-    return quote(cache_salt, safe="") if cache_salt else EMPTY_SALT_IN_PATHS
+    return quote(cache_salt, safe="") if cache_salt else DEFAULT_SALT_NAME
 
 
 class CacheControlClient:
@@ -91,7 +88,7 @@ class CacheControlClient:
         salt's (a token bound to salts may not), ``""`` the empty salt's."""
         params: dict[str, str | int] = {"offset": offset, "limit": limit}
         if cache_salt is not None:
-            params["cache_salt"] = cache_salt or EMPTY_SALT_IN_PATHS
+            params["cache_salt"] = cache_salt or DEFAULT_SALT_NAME
         if model_name:
             params["model_name"] = model_name
         path = httpx.URL("/cache/pins", params=params)

@@ -5,7 +5,7 @@ durable commands carried to completion (:mod:`.commands`), the operations the ro
 
 from kvatlas.coordinator.cache_control.commands import Command, CommandLog, Retry
 from kvatlas.coordinator.cache_control.pins import PinTable
-from kvatlas.coordinator.cache_control.quotas import DEFAULT_SALT_NAME, QuotaTable, salt_of_path
+from kvatlas.coordinator.cache_control.quotas import QuotaTable, salt_of_path
 from kvatlas.coordinator.cache_control.service import (
     CacheControl,
     DeleteOutcome,
@@ -20,7 +20,6 @@ from kvatlas.coordinator.cache_control.snapshot import (
 )
 
 __all__ = [
-    "DEFAULT_SALT_NAME",
     "SECTION",
     "CacheControl",
     "Command",

@@ -10,10 +10,9 @@ import threading
 from collections.abc import Mapping
 from typing import Final
 
+from kvatlas.api.cache_control import DEFAULT_SALT_NAME
 from kvatlas.keys import check_cache_salt
 
-DEFAULT_SALT_NAME: Final = "_default"
-"""The path segment that names the empty salt (``PUT /quota/_default``)."""
 GB: Final = float(1 << 30)
 
 
