@@ -91,9 +91,9 @@ class Dispatcher:
     def admit(self, access: Access, scope: Scope) -> Principal:
         """The caller, from the headers alone (401/403 as a :class:`KvatlasError`; 404 on a
         listener that does not serve the route)."""
-        if access.listener is not None and self.listener_of is not None:
-            if self.listener_of(scope) != access.listener:
-                raise NotFound(f"{scope['path']} is not served on this listener")
+        listener_of, listener = self.listener_of, access.listener
+        if listener is not None and listener_of is not None and listener_of(scope) != listener:
+            raise NotFound(f"{scope['path']} is not served on this listener")
         if self.auth is None:
             return ANONYMOUS_ADMIN
         if access.open or access.public_flag in self.public:

@@ -104,9 +104,12 @@ class NodeApp(Dispatcher):
 
     def authenticate(self, access: Access, scope: Scope) -> Principal:
         secret = self.peer_secret
-        if "peer" in access.roles and secret is not None:
-            if secret.accepts(parse_bearer(bearer_header(scope)), self.instance_id()):
-                return PEER_NODE
+        if (
+            "peer" in access.roles
+            and secret is not None
+            and secret.accepts(parse_bearer(bearer_header(scope)), self.instance_id())
+        ):
+            return PEER_NODE
         return super().authenticate(access, scope)
 
     def openapi(self) -> dict[str, Any]:
