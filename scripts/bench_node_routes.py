@@ -113,11 +113,16 @@ def main() -> int:
             proc.wait(30)
     print(f"{'op':12} {'tree':8} {'server CPU/op':>14} {'p50 latency':>12}  (medians of "
           f"{args.rounds} rounds x {args.requests} requests)")  # fmt: skip
+    first = trees[0][0]
     for op in ops:
         for name, _ in trees:
             c = statistics.median(cpu[name, op]) * 1e6
             lt = statistics.median(lat[name, op]) * 1e6
-            print(f"{op:12} {name:8} {c:11.1f} µs {lt:9.1f} µs")
+            ratio = ""
+            if name != first:  # per round, against the first tree's run of the same round
+                paired = [b / a for a, b in zip(cpu[first, op], cpu[name, op], strict=True)]
+                ratio = f"  CPU x{statistics.median(paired):.2f} of {first} (median of rounds)"
+            print(f"{op:12} {name:8} {c:11.1f} µs {lt:9.1f} µs{ratio}")
     return 0
 
 
