@@ -1,5 +1,6 @@
-"""The coordinator package's shape: no import cycle, small modules (the directory's too),
-the stream consumer independent of the service, routes free of the layers above them."""
+"""The coordinator package's shape: no import cycle, small modules (the directory's and the
+node's too), the stream consumer independent of the service, routes free of the layers above
+them."""
 
 from __future__ import annotations
 
@@ -70,10 +71,17 @@ def test_routes_import_nothing_above_them() -> None:
             assert not deps & {"kvatlas.coordinator.app", "kvatlas.coordinator.server"}, module
 
 
+OVERSIZED = {"node/config.py"}
+"""Modules still over :data:`MAX_LINES`: the node's settings, renamed and split with issue 28
+item 5 (one name per setting from flag to field)."""
+
+
 def test_modules_are_small() -> None:
-    for path in [*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "directory").rglob("*.py")]:
+    packages = [PACKAGE, PACKAGE.parent / "directory", PACKAGE.parent / "node"]
+    for path in [p for package in packages for p in package.rglob("*.py")]:
+        name = str(path.relative_to(PACKAGE.parent))
         lines = len(path.read_text().splitlines())
-        assert lines <= MAX_LINES, (str(path.relative_to(PACKAGE.parent)), lines)
+        assert lines <= MAX_LINES or name in OVERSIZED, (name, lines)
 
 
 def test_version_is_the_package_version() -> None:
