@@ -7,9 +7,10 @@ environment (``docs/security.md``).
 
 Start order does not matter: a coordinator that cannot be reached at start-up is retried in
 the background (:class:`~kvatlas.node.registration.Registrar`) while the node serves its local
-tiers; events queue in the sink's outbox meanwhile. The compatibility check still runs at first contact, and a mismatch
-then still stops the node (exit 2). After a late registration the node re-reports what it
-holds (:meth:`~kvatlas.node.cache_node.CacheNode.report_inventory`)."""
+tiers; events queue in the sink's outbox meanwhile. The compatibility check still runs at
+first contact, and a mismatch then still stops the node (exit 2). After a late registration
+the node re-reports what it holds
+(:meth:`~kvatlas.node.cache_node.CacheNode.report_inventory`)."""
 
 from __future__ import annotations
 

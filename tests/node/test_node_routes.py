@@ -27,7 +27,7 @@ from tests.helpers import node_config, write_tokens
 ENGINE_A, ENGINE_ALL = "a" * 32 + "-engine", "u" * 32 + "-engine-unbound"
 PEER, ADMIN, OTHER = "p" * 32 + "-peer", "z" * 32 + "-admin", "o" * 32 + "-no-node-role"
 SECRET = PeerSecret("s" * 40)
-MSGPACK = "application/msgpack"
+MSGPACK, JSON = "application/msgpack", "application/json"
 
 
 class Listeners(NamedTuple):
@@ -165,12 +165,12 @@ def test_refusals_come_in_the_calls_format(node: tuple[Listeners, Any]) -> None:
     cases: list[tuple[httpx.Client, str, str, dict[str, str], str]] = [
         (engine, "POST", "/engine/lookup", {"content-type": MSGPACK}, MSGPACK),
         (engine, "POST", "/engine/lookup", {"accept": MSGPACK}, MSGPACK),
-        (engine, "POST", "/engine/lookup", {"content-type": "application/json"}, "application/json"),
+        (engine, "POST", "/engine/lookup", {"content-type": JSON}, JSON),
         (engine, "POST", "/engine/nowhere", {"content-type": MSGPACK}, MSGPACK),
         (engine, "GET", "/engine/stats", {}, MSGPACK),
-        (engine, "GET", "/engine/stats", {"accept": "application/json"}, "application/json"),
-        (peer, "POST", PEER_KV_PATH, {"accept": MSGPACK}, "application/json"),
-        (peer, "POST", "/cache/clear", {"accept": MSGPACK}, "application/json"),
+        (engine, "GET", "/engine/stats", {"accept": JSON}, JSON),
+        (peer, "POST", PEER_KV_PATH, {"accept": MSGPACK}, JSON),
+        (peer, "POST", "/cache/clear", {"accept": MSGPACK}, JSON),
     ]  # fmt: skip
     for client, method, path, headers, media in cases:
         r = client.request(method, path, content=b"x", headers=headers)

@@ -15,6 +15,7 @@ docs/node.md and docs/security.md ("Node").
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Final
 
 from starlette.types import Scope
@@ -41,6 +42,7 @@ from kvatlas.api.engine import (
     RetrieveReply,
     StoreReply,
 )
+from kvatlas.node.config import NodeConfig
 from kvatlas.node.peer import peer_route
 from kvatlas.node.routes import cache_control, engine, ops
 from kvatlas.node.routes.cache_control import CACHE_CONTROL_MAX_BYTES, json_body
@@ -68,7 +70,10 @@ def msgpack_unless_json(scope: Scope) -> Codec:
 
 
 ENGINE = Access(("engine",), listener=ENGINE_LISTENER)
-EVERY_TENANT: Final = "covers every tenant"
+STATS = Access(("engine",), every_tenant="node stats cover every tenant", listener=ENGINE_LISTENER)
+INVENTORY = Access(
+    ("engine",), every_tenant="the inventory covers every tenant", listener=ENGINE_LISTENER
+)
 PEER = Access(("peer",), listener=PEER_LISTENER)
 ADMIN = Access(("admin",))
 METRICS = Access(("admin",), public_flag="metrics")
@@ -76,26 +81,33 @@ DOCS = Access(public_flag="docs")
 """``/openapi.json``, ``/docs``, ``/redoc``: any valid token unless ``--public-docs``."""
 
 
+def _call_bytes(config: NodeConfig) -> int:
+    return config.max_call_bytes
+
+
+def _store_bytes(config: NodeConfig) -> int:
+    return config.max_store_bytes
+
+
+def _cache_bytes(_config: NodeConfig) -> int:
+    return CACHE_CONTROL_MAX_BYTES
+
+
 def _engine_call(path: str, handler: engine.RouteHandler, summary: str, reply: type,
-                 body: str = "call") -> Route:  # fmt: skip
-    """An engine call's entry: an :class:`EngineCall` body (msgpack or JSON) under the node's
-    limit for ``body`` (``call`` or ``store``), the reply in the call's format."""
+                 body: Callable[[NodeConfig], int] = _call_bytes) -> Route:  # fmt: skip
+    """An engine call's entry: an :class:`EngineCall` body (msgpack or JSON) under ``body``,
+    the node's limit for it, the reply in the call's format."""
     return Route(
         "POST", path, ENGINE, handler, summary, request=EngineCall, decode=False, reply=reply,
-        codec=call_format,
-        body=(lambda c: c.max_store_bytes) if body == "store" else (lambda c: c.max_call_bytes),
+        codec=call_format, body=body,
         docs={"requestBody": {"content": {MSGPACK.media_type: {
             "schema": {"$ref": "#/components/schemas/EngineCall"}}}}},
     )  # fmt: skip
 
 
-def _cache(_config: object) -> int:
-    return CACHE_CONTROL_MAX_BYTES
-
-
 ROUTES: tuple[Route, ...] = (
     _engine_call("/engine/store", engine.store, "Store the KV of a request's chunks", StoreReply,
-                 body="store"),
+                 _store_bytes),
     _engine_call("/engine/lookup", engine.lookup, "Prefix lookup", HitReply),
     _engine_call("/engine/retrieve", engine.retrieve, "Prefix retrieval", RetrieveReply),
     _engine_call("/engine/blend-lookup", engine.blend_lookup, "Blend lookup (poll-able)",
@@ -105,28 +117,24 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/engine/layout", ENGINE, ops.engine_layout,
           "The node's KV layout and key scheme (what EngineClient reads)", reply=EngineLayout,
           codec=call_format),
-    Route("GET", "/engine/stats",
-          Access(("engine",), every_tenant=f"node stats {EVERY_TENANT}", listener=ENGINE_LISTENER),
-          ops.stats, "The node's figures and counters", codec=msgpack_unless_json),
-    Route("GET", "/engine/inventory",
-          Access(("engine",), every_tenant=f"the inventory {EVERY_TENANT}",
-                 listener=ENGINE_LISTENER),
-          ops.inventory, "What the node's own tiers hold", reply=InventoryReply,
+    Route("GET", "/engine/stats", STATS, ops.stats, "The node's figures and counters",
           codec=msgpack_unless_json),
+    Route("GET", "/engine/inventory", INVENTORY, ops.inventory, "What the node's own tiers hold",
+          reply=InventoryReply, codec=msgpack_unless_json),
     peer_route(PEER),
     # LMCache 0.5.6's MP-server routes (docs/cache-control.md)
     Route("DELETE", "/cache/objects", ADMIN, cache_control.delete_objects,
           "Delete keys from L1, L2 or both (LMCache's MP route)", request=bytes,
-          reply=DeleteObjectsReply, body=_cache, docs=json_body(DeleteObjectsBody)),
+          reply=DeleteObjectsReply, body=_cache_bytes, docs=json_body(DeleteObjectsBody)),
     Route("POST", "/cache/prefetches", ADMIN, cache_control.submit_prefetch,
           "Warm L1 from L2 for a token sequence (202)", request=bytes, reply=PrefetchSubmitted,
-          status=202, body=_cache, docs=json_body(PrefetchBody)),
+          status=202, body=_cache_bytes, docs=json_body(PrefetchBody)),
     Route("GET", "/cache/prefetches/{request_id}", ADMIN, cache_control.prefetch_status,
           "A prefetch's status", reply=PrefetchStatusReply),
     Route("GET", "/cache/objects", ADMIN, cache_control.list_objects,
           "One page of the L2 backend's keys", query=ObjectsQuery, reply=ObjectPage),
     Route("POST", "/cache/clear", ADMIN, cache_control.clear, "Empty L1 (body optional)",
-          request=bytes, reply=ClearReply, body=_cache, docs=json_body(ClearBody, False)),
+          request=bytes, reply=ClearReply, body=_cache_bytes, docs=json_body(ClearBody, False)),
     Route("GET", "/metrics", METRICS, ops.metrics, "Prometheus metrics", media_type="text/plain",
           docs={"responses": {"200": {"content": {"text/plain": {"schema": {"type": "string"}}}}}}),
     Route("GET", "/healthz", OPEN, ops.healthz, "Liveness, instance id and key scheme",
