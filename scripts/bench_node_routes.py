@@ -6,6 +6,11 @@ Reports, per tree and op, the median over rounds of the server process's CPU tim
 (utime + stime, every thread) and of the client's median latency.
 
     python scripts/bench_node_routes.py --tree base=/tmp/base --tree branch=. --rounds 7
+
+On a loaded machine the server's CPU per request over HTTP varies by ±20% from run to run;
+``--asgi`` measures the request stack and handlers alone instead (the node's app called
+in-process over ASGI, ``scripts/bench_node_asgi.py``, one process per tree and round,
+alternating).
 """
 
 from __future__ import annotations
@@ -82,13 +87,38 @@ def run(client: httpx.Client, pid: int, path: str, body: bytes, headers: dict[st
     return (process_cpu_seconds(pid) - cpu0) / n, statistics.median(latencies)
 
 
+def asgi(trees: list[tuple[str, Path]], rounds: int, requests: int) -> int:
+    """``--asgi``: per round and tree, ``bench_node_asgi.py`` in a process of its own."""
+    script = Path(__file__).with_name("bench_node_asgi.py")
+    cpu: dict[tuple[str, str], list[float]] = {}
+    for r in range(rounds):
+        for name, tree in trees if r % 2 == 0 else trees[::-1]:
+            env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
+            out = subprocess.run(
+                [sys.executable, str(script), "--requests", str(requests), "--rounds", "3"],
+                env=env, capture_output=True, text=True, check=True,
+            ).stdout  # fmt: skip
+            for line in out.splitlines():
+                op, micros = line.split()
+                cpu.setdefault((name, op), []).append(float(micros))
+        print(f"round {r + 1}/{rounds} done", file=sys.stderr)
+    print(f"{'op':12} {'tree':8} {'CPU/op':>10}  (in-process ASGI, medians of {rounds} rounds)")
+    for op in dict.fromkeys(op for _, op in cpu):
+        for name, _ in trees:
+            print(f"{op:12} {name:8} {statistics.median(cpu[name, op]):7.1f} µs")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tree", action="append", required=True, help="NAME=PATH")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--asgi", action="store_true", help="the app in-process, no HTTP server")
     args = parser.parse_args()
     trees = [(n, Path(p)) for n, _, p in (t.partition("=") for t in args.tree)]
+    if args.asgi:
+        return asgi(trees, args.rounds, args.requests)
     procs = {name: start(tree) for name, tree in trees}
     ops = bodies()
     cpu: dict[tuple[str, str], list[float]] = {}
