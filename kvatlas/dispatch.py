@@ -9,9 +9,11 @@ headers was checked against the route's roles; a refusal closes the connection, 
 an unauthenticated body is never read, not even to discard it. No route reads more body than
 its own limit (413, by Content-Length or while streaming). See docs/security.md.
 
-Every error reply is rendered by :mod:`kvatlas.web` from a :mod:`kvatlas.errors` class; a path
-no route serves is a 404, a method it does not serve a 405 (``allow`` names the one it does),
-a path that only lacks or has an extra ``/`` a 307 to the one served.
+Every error reply is rendered by :mod:`kvatlas.web` from a :mod:`kvatlas.errors` class, in the
+route's format (its ``codec``: the call's own msgpack or JSON; else JSON); a path no route
+serves is a 404, a method it does not serve a 405 (``allow`` names the one it does), a path
+that only lacks or has an extra ``/`` a 307 to the one served. With several listeners
+(``listener_of``), a route named for one is a 404 on the others, before any token is checked.
 """
 
 from __future__ import annotations
@@ -25,15 +27,16 @@ import msgspec
 from starlette.types import Receive, Scope, Send
 
 from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
-from kvatlas.errors import KvatlasError
+from kvatlas.errors import KvatlasError, NotFound
 from kvatlas.fields import decode_body, field_error, field_errors
 from kvatlas.http_guard import OnRefused
 from kvatlas.routing import (
-    ANY_TOKEN,
+    JSON,
     NO_PARAMS,
     NOBODY,
     Access,
     Call,
+    Codec,
     Reply,
     Route,
     RouteTable,
@@ -42,7 +45,6 @@ from kvatlas.web import (
     check_declared_length,
     error_headers,
     error_payload,
-    json_encoder,
     nested_too_deep,
     receive_body,
 )
@@ -63,7 +65,8 @@ class Dispatcher:
     every caller is admin) or the token file; ``public``: the :attr:`Access.public_flag` names
     whose routes are open (``--public-metrics``, ``--public-docs``); ``body_limit``: each
     route's limit; ``small``: the limit of a request no route serves; ``on_refused`` counts
-    bodies nested too deeply."""
+    bodies nested too deeply; ``listener_of``: the listener a request came in on (``None``:
+    the service has one, which serves every route)."""
 
     def __init__(
         self,
@@ -74,8 +77,10 @@ class Dispatcher:
         body_limit: Callable[[Route], int],
         small: int,
         on_refused: OnRefused = lambda _reason: None,
+        listener_of: Callable[[Scope], str] | None = None,
     ) -> None:
         self.context = context
+        self.listener_of = listener_of
         self.table = table
         self.auth = auth
         self.public = public
@@ -84,14 +89,24 @@ class Dispatcher:
         self.limits = {route: body_limit(route) for route in table.routes}
 
     def admit(self, access: Access, scope: Scope) -> Principal:
-        """The caller, from the headers alone (401/403 as a :class:`KvatlasError`)."""
+        """The caller, from the headers alone (401/403 as a :class:`KvatlasError`; 404 on a
+        listener that does not serve the route)."""
+        listener_of, listener = self.listener_of, access.listener
+        if listener is not None and listener_of is not None and listener_of(scope) != listener:
+            raise NotFound(f"{scope['path']} is not served on this listener")
         if self.auth is None:
             return ANONYMOUS_ADMIN
         if access.open or access.public_flag in self.public:
             return NOBODY
-        who = self.auth.authenticate(bearer_header(scope))
+        who = self.authenticate(access, scope)
         access.check(who)
         return who
+
+    def authenticate(self, access: Access, scope: Scope) -> Principal:
+        """Who the bearer token of ``scope`` is (auth is on); a service with credentials of
+        its own besides the token file overrides this."""
+        assert self.auth is not None
+        return self.auth.authenticate(bearer_header(scope))
 
     def route_of(self, method: str, path: str) -> tuple[Route | None, Mapping[str, str], int]:
         """The route of a request, its path parameters and its body limit (HEAD is checked as
@@ -108,10 +123,16 @@ class Dispatcher:
                 await _lifespan(receive, send)
             return
         route, params, limit = self.route_of(scope["method"], scope["path"])
+        if route is not None:
+            access, negotiate = route.access, route.codec
+        else:
+            area = self.table.area(scope["path"])
+            access, negotiate = area.access, area.codec
+        codec = JSON if negotiate is None else negotiate(scope)
         try:
-            who = self.admit(route.access if route is not None else ANY_TOKEN, scope)
+            who = self.admit(access, scope)
         except KvatlasError as exc:  # nothing of the body read: close rather than drain it
-            await _send(send, _error(exc, (b"connection", b"close")))
+            await _send(send, _error(exc, codec, (b"connection", b"close")))
             return
         try:
             declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
@@ -126,13 +147,14 @@ class Dispatcher:
                         return
                     raw = body
                 call = Call(
-                    who, params, self._body(route, raw, scope), _query(route, scope), raw, scope
-                )
-                reply = _reply(route, await route.handler(self.context, call))
+                    who, params, self._body(route, raw, scope), _query(route, scope), raw, scope,
+                    codec,
+                )  # fmt: skip
+                reply = _reply(route, await route.handler(self.context, call), codec)
         except KvatlasError as exc:
-            reply = _error(exc)
+            reply = _error(exc, codec)
         except RecursionError:
-            reply = _error(nested_too_deep(self.on_refused))
+            reply = _error(nested_too_deep(self.on_refused), codec)
         except Exception:
             await _send(send, _SERVER_ERROR)
             raise
@@ -173,15 +195,15 @@ def _query(route: Route, scope: Scope) -> Any:
         raise field_errors([field_error(exc, route.query, strict=False)], ("query",)) from None
 
 
-def _reply(route: Route, result: Any) -> Reply:
+def _reply(route: Route, result: Any, codec: Codec) -> Reply:
     if isinstance(result, Reply):
         return result
-    return Reply(json_encoder.encode(result), route.status)
+    return Reply(codec.encode(result), route.status, media_type=codec.media_type)
 
 
-def _error(exc: KvatlasError, *extra: tuple[bytes, bytes]) -> Reply:
+def _error(exc: KvatlasError, codec: Codec, *extra: tuple[bytes, bytes]) -> Reply:
     headers = (*error_headers(exc), *extra)
-    return Reply(json_encoder.encode(error_payload(exc)), exc.status, headers)
+    return Reply(codec.encode(error_payload(exc)), exc.status, headers, codec.media_type)
 
 
 def _url(scope: Scope, path: str) -> str:

@@ -12,11 +12,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import msgspec
-from fastapi.openapi.docs import (
-    get_redoc_html,
-    get_swagger_ui_html,
-    get_swagger_ui_oauth2_redirect_html,
-)
 
 from kvatlas.routing import Access, Call, Reply, Route
 
@@ -108,6 +103,8 @@ def docs_routes(title: str, access: Access, document_of: Any) -> tuple[Route, ..
         return Reply(msgspec.json.encode(document_of(context)))
 
     async def swagger(context: Any, call: Call[None, None]) -> Reply:
+        from fastapi.openapi.docs import get_swagger_ui_html  # the pages only: not at start-up
+
         root = call.scope.get("root_path", "")
         page = get_swagger_ui_html(
             openapi_url=root + "/openapi.json",
@@ -117,9 +114,13 @@ def docs_routes(title: str, access: Access, document_of: Any) -> tuple[Route, ..
         return Reply(bytes(page.body), media_type=_HTML)
 
     async def oauth2_redirect(context: Any, call: Call[None, None]) -> Reply:
+        from fastapi.openapi.docs import get_swagger_ui_oauth2_redirect_html
+
         return Reply(bytes(get_swagger_ui_oauth2_redirect_html().body), media_type=_HTML)
 
     async def redoc(context: Any, call: Call[None, None]) -> Reply:
+        from fastapi.openapi.docs import get_redoc_html
+
         root = call.scope.get("root_path", "")
         page = get_redoc_html(openapi_url=root + "/openapi.json", title=f"{title} - ReDoc")
         return Reply(bytes(page.body), media_type=_HTML)

@@ -7,6 +7,11 @@ route is one entry and one handler: its access check, body limit and documentati
 Paths are templates whose segments are literal or a parameter (``/quota/{cache_salt}``,
 ``/cache/prefetches/{instance_id}/{request_id}``): a parameter is one non-empty segment. A
 literal path wins over a template; among templates the table's order decides.
+
+A service with more than one listener (the node: ``--engine-port``) names a route's listener in
+its :class:`Access`; a route whose replies and errors follow the call's own format (msgpack or
+JSON) names a :data:`Negotiate` as its ``codec``; an :class:`Area` says who may learn that a
+path under a prefix is not served, and in which format.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+import msgspec
 from starlette.types import Scope
 
 from kvatlas.auth import Principal
@@ -29,12 +35,15 @@ class Access:
     """Who may call a route: ``open`` (no token), else a token holding one of ``roles`` (none
     listed: any valid token); ``every_tenant`` (what the reply covers, said in the refusal): a
     token that sees every tenant's figures. ``public_flag``: the route is open when the
-    service's ``--public-<flag>`` is on (metrics, docs)."""
+    service's ``--public-<flag>`` is on (metrics, docs). ``listener``: the route is served only
+    on that listener when the service has several (another one answers 404 before any token is
+    checked; one listener serves every route)."""
 
     roles: tuple[str, ...] = ()
     open: bool = False
     every_tenant: str = ""
     public_flag: str | None = None
+    listener: str | None = None
 
     def check(self, who: Principal) -> None:
         if self.roles:
@@ -49,12 +58,38 @@ NOBODY = Principal("anonymous", frozenset())
 """The caller of an open route when auth is on: no token was asked for, so no role is held."""
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class Codec:
+    """A reply format: its media type and encoder (of Structs and JSON-like values)."""
+
+    media_type: str
+    encode: Callable[[Any], bytes]
+
+
+JSON = Codec("application/json", msgspec.json.Encoder().encode)
+MSGPACK = Codec("application/msgpack", msgspec.msgpack.Encoder().encode)
+Negotiate = Callable[[Scope], Codec]
+"""The format of a call's reply and of its errors, from its headers (a route's ``codec``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Area:
+    """Paths under ``prefix`` that no route serves: the :class:`Access` of the routes there
+    (who may learn that a path is not served, on which listener) and the format of the
+    refusal."""
+
+    prefix: str
+    access: Access
+    codec: Negotiate | None = None
+
+
 @dataclass(slots=True)  # not frozen: made per request, and a frozen __init__ costs more
 class Call(Generic[B, Q]):
     """One request as its handler sees it: the caller (checked against the route's
     :class:`Access` from the headers, before the body was read), the path parameters, the
     request decoded as the route's ``request`` type (``None`` when the route decodes ``raw``
-    itself or has no body) and ``query`` type, the body's bytes and the ASGI scope."""
+    itself or has no body) and ``query`` type, the body's bytes, the ASGI scope and the format
+    its reply is sent in (the route's ``codec``, else JSON)."""
 
     who: Principal
     params: Mapping[str, str]
@@ -62,6 +97,7 @@ class Call(Generic[B, Q]):
     query: Q
     raw: bytes
     scope: Scope
+    codec: Codec = JSON
 
     def header(self, name: bytes) -> str | None:
         """The request header ``name`` (lower case), or ``None``."""
@@ -93,7 +129,8 @@ class Route:
     Struct: the handler reads ``call.raw``). ``query``: the query
     parameters' type. ``body``: picks the route's body limit from the service's limits (the
     largest legitimate body of *this* route; ``None``: the small one). ``docs``: OpenAPI to
-    merge into the operation (a body that is not a Struct); ``hidden``: not documented."""
+    merge into the operation (a body that is not a Struct); ``hidden``: not documented.
+    ``codec``: the format of the reply and of every error, per call (``None``: JSON)."""
 
     method: str
     path: str
@@ -109,6 +146,7 @@ class Route:
     body: Callable[[Any], int] | None = None
     docs: Mapping[str, Any] = field(default_factory=dict)
     hidden: bool = False
+    codec: Negotiate | None = None
 
     @property
     def reads_body(self) -> bool:
@@ -128,10 +166,15 @@ NO_PARAMS: Mapping[str, str] = {}
 
 class RouteTable:
     """Finds the route of ``(method, path)``: literal paths by one dictionary lookup, templates
-    by their literal segments, in table order."""
+    by their literal segments, in table order. A path no route serves is under the first of
+    ``areas`` whose prefix it has, else ``unrouted`` (who may learn it is not served)."""
 
-    def __init__(self, routes: Iterable[Route]) -> None:
+    def __init__(
+        self, routes: Iterable[Route], areas: Iterable[Area] = (), unrouted: Access = ANY_TOKEN
+    ) -> None:
         self.routes = tuple(routes)
+        self.areas = tuple(areas)
+        self.unrouted = Area("", unrouted)
         self._literal: dict[tuple[str, str], Route] = {}
         self._templates: dict[int, list[tuple[Route, tuple[str | None, ...]]]] = {}
         for route in self.routes:
@@ -161,6 +204,10 @@ class RouteTable:
             if found.method == method:
                 return found, params
         return None
+
+    def area(self, path: str) -> Area:
+        """The :class:`Area` of a path no route serves."""
+        return next((a for a in self.areas if path.startswith(a.prefix)), self.unrouted)
 
     def methods(self, path: str) -> list[str]:
         """The methods of the first route whose path is ``path`` (what a 405 allows)."""

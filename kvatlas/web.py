@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvatlas.errors import (
@@ -66,18 +66,6 @@ def error_response(exc: KvatlasError) -> Response:
     return response
 
 
-def install_error_handler(app: FastAPI, on_refused: OnRefused = lambda _reason: None) -> None:
-    """Reply to every ``KvatlasError`` a route raises with :func:`error_response`, and to a
-    body nested too deeply with :func:`nested_too_deep` (:func:`install_nesting_handler`)."""
-
-    async def _handler(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, KvatlasError)
-        return error_response(exc)
-
-    app.add_exception_handler(KvatlasError, _handler)
-    install_nesting_handler(app, on_refused)
-
-
 def nested_too_deep(on_refused: OnRefused) -> Unprocessable:
     """The reply to a body nested deeper than the decoders follow (msgspec, like ``json``,
     gives up with a ``RecursionError`` after about a thousand levels; no legitimate body of
@@ -85,16 +73,6 @@ def nested_too_deep(on_refused: OnRefused) -> Unprocessable:
     traceback."""
     on_refused(NESTED_TOO_DEEP)
     return Unprocessable("request body nests too deeply")
-
-
-def install_nesting_handler(app: FastAPI, on_refused: OnRefused) -> None:
-    """Reply to a ``RecursionError`` a route raises (decoding a deeply nested body) with
-    :func:`nested_too_deep`."""
-
-    async def _handler(_: Request, exc: Exception) -> Response:
-        return error_response(nested_too_deep(on_refused))
-
-    app.add_exception_handler(RecursionError, _handler)
 
 
 def check_declared_length(value: bytes | str | None, max_bytes: int) -> None:

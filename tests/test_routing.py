@@ -2,8 +2,9 @@
 ``kvatlas.openapi``) on a dummy table shaped like the cache-control routes to come
 (shared/spec/cache-control.md): multi-parameter paths, a literal path beside a template, a
 route per method on one path. Each route is one entry and one handler; its access, body limit,
-path parameters, request decoding and documentation follow from the entry. Real HTTP on
-loopback."""
+path parameters, request decoding and documentation follow from the entry. A second table
+has a route named for one of several listeners, a reply format per call and an area of
+unserved paths (what the node's table uses). Real HTTP on loopback."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from kvatlas.asgi_thread import ThreadedServer, free_port
 from kvatlas.auth import Principal, TokenAuth
 from kvatlas.dispatch import Dispatcher
 from kvatlas.openapi import document
-from kvatlas.routing import OPEN, Access, Call, Reply, Route, RouteTable
+from kvatlas.routing import MSGPACK, OPEN, Access, Area, Call, Reply, Route, RouteTable
 
 OPERATOR = "operator-token-" + "o" * 32
 ENGINE = "engine-token-" + "e" * 32
@@ -160,3 +161,55 @@ def test_a_path_no_route_serves_needs_a_token_and_a_small_body(client: httpx.Cli
     assert client.get("/nowhere", headers=_as(ENGINE)).json() == {"detail": "Not Found"}
     r = client.post("/nowhere", content=b"x" * 17, headers=_as(ENGINE))  # the small limit: 16
     assert r.status_code == 413
+
+
+# ---------------------------------------------------------------------------- several listeners
+
+ZONED = RouteTable(
+    [
+        Route("GET", "/zone/here", Access(("engine",), listener="a"), active_moves,
+              codec=lambda scope: MSGPACK),
+        Route("GET", "/anywhere", OPEN, active_moves),
+    ],
+    [Area("/zone/", Access(("engine",), listener="a"), lambda scope: MSGPACK)],
+    unrouted=OPEN,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def zoned() -> Iterator[httpx.Client]:
+    """:data:`ZONED` behind auth; the listener is named by the ``x-listener`` header."""
+    auth = TokenAuth.from_tokens([(ENGINE, Principal("engine", frozenset({"engine"})))])
+
+    def listener_of(scope: Any) -> str:
+        return dict(scope["headers"]).get(b"x-listener", b"a").decode()
+
+    app = Dispatcher(None, ZONED, auth, frozenset(), lambda _r: 16, 16, listener_of=listener_of)
+    server = ThreadedServer(app, port=free_port())
+    server.start()
+    with httpx.Client(base_url=server.url) as c:
+        yield c
+    server.stop()
+
+
+def test_a_route_named_for_a_listener_is_not_served_on_another(zoned: httpx.Client) -> None:
+    r = zoned.get("/zone/here", headers={**_as(ENGINE), "x-listener": "b"})
+    assert r.status_code == 404 and r.headers["connection"] == "close"
+    assert "not served on this listener" in msgspec.msgpack.decode(r.content)["detail"]
+    r = zoned.get("/zone/here", headers=_as(ENGINE))
+    assert (r.status_code, msgspec.msgpack.decode(r.content)) == (200, {"route": "active"})
+    assert zoned.get("/anywhere", headers={"x-listener": "b"}).status_code == 200
+
+
+def test_replies_and_refusals_come_in_the_routes_codec(zoned: httpx.Client) -> None:
+    r = zoned.get("/zone/here")
+    assert (r.status_code, r.headers["content-type"]) == (401, MSGPACK.media_type)
+    assert msgspec.msgpack.decode(r.content)["detail"]
+
+
+def test_an_unserved_path_is_refused_as_its_area(zoned: httpx.Client) -> None:
+    r = zoned.get("/zone/elsewhere")
+    assert (r.status_code, r.headers["content-type"]) == (401, MSGPACK.media_type)
+    assert zoned.get("/zone/elsewhere", headers={"x-listener": "b"}).status_code == 404
+    assert zoned.get("/zone/elsewhere", headers=_as(ENGINE)).json() == {"detail": "Not Found"}
+    assert zoned.get("/elsewhere").json() == {"detail": "Not Found"}  # unrouted: open

@@ -108,6 +108,17 @@ class ObjectPage(msgspec.Struct):
     next_page_token: str | None
 
 
+class ObjectsQuery(msgspec.Struct):
+    """``GET /cache/objects``'s query: the tier and backend to list (``adapter``: the node's
+    own L2 when absent), the model whose keys, and the page."""
+
+    tier: TierName = "l2"
+    adapter: str | None = None
+    model_name: str | None = None
+    page_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_PAGE_SIZE)] = DEFAULT_PAGE_SIZE
+    page_token: str | None = None
+
+
 class ClearBody(msgspec.Struct, forbid_unknown_fields=True):
     """``POST /cache/clear`` (body optional): empty L1; ``force`` also drops keys held for a
     transfer."""

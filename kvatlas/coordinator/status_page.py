@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from importlib import resources
 from string import Template
 
-from kvatlas.coordinator.status import CacheControlStatus, FleetRow, QuotaRow, StatusView
+from kvatlas.coordinator.cache_control.status import CacheControlStatus, QuotaRow
+from kvatlas.coordinator.status import FleetRow, StatusView
 from kvatlas.coordinator.views import Readiness
 
 REFRESH_S = 5

@@ -2,8 +2,9 @@
 blend retrieval with re-RoPE — always keyed through the request tracker (``docs/node.md``).
 
 Orchestration only: tier membership and the local index live in :mod:`kvatlas.node.presence`,
-reads across tiers in :mod:`kvatlas.node.tiered_fetch`, the blend lookup in
-:mod:`kvatlas.node.unified_lookup`; this module stores, reports events and verifies.
+every tier write with its event in :mod:`kvatlas.node.tier_writes`, reads across tiers in
+:mod:`kvatlas.node.tiered_fetch`, the blend lookup in :mod:`kvatlas.node.unified_lookup`, what
+calls return in :mod:`kvatlas.node.results`; this module keys, stores, retrieves and verifies.
 
 Every key-carrying path takes its tokens from :class:`~kvatlas.keys.RequestTracker`; an
 uncacheable tracker (multimodal items without identity) gets no lookup and no store.
@@ -20,11 +21,10 @@ Safety rules that go beyond "the hash matched":
 * a segment whose used part ``[trim, trim + length)`` does not lie inside the chunk (segments
   also arrive over the engine API) is a miss, never a part shorter than the span it claims.
 
-Honest reporting: a tier change and its event happen together under one lock, so a re-report
-of the inventory (:meth:`CacheNode.report_inventory`, after a late registration) can never
-re-announce a chunk whose delete was already sent; a chunk that leaves L2 on its own (evicted
-for the cap, corrupt, expired) is a ``delete`` event, and a restart reports what the private
-fs L2 really holds (``kvatlas.node.l2``).
+Honest reporting (:mod:`kvatlas.node.tier_writes`): a tier change and its event happen together
+under one lock; a chunk that leaves L2 on its own (evicted for the cap, corrupt, expired) is a
+``delete`` event, and a restart reports what the private fs L2 really holds
+(``kvatlas.node.l2``).
 """
 
 from __future__ import annotations
@@ -35,16 +35,15 @@ import time
 import uuid
 import weakref
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, is_dataclass
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, is_dataclass
+from typing import Any
 
 import numpy as np
 
 from kvatlas.client import FleetMatcher
-from kvatlas.directory import BlendIndex, BlendStats
+from kvatlas.directory import BlendIndex
 from kvatlas.errors import Unprocessable
-from kvatlas.events import ACCESS, CONFIG, DELETE, STORE, CacheEntry
 from kvatlas.keys import (
     BlendNamespace,
     MMItem,
@@ -58,90 +57,21 @@ from kvatlas.node.chunk_digest import rejection
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.emitter import BatchSink, EventEmitter
 from kvatlas.node.fleet_view import FleetView
-from kvatlas.node.inventory import DigestExchange, NodeInventory, ResyncDriver, resync_sender
+from kvatlas.node.inventory import DigestExchange, NodeInventory, ResyncDriver
 from kvatlas.node.l1 import L1Cache
-from kvatlas.node.l2 import FsL2, L2Backend, L2Unavailable
+from kvatlas.node.l2 import FsL2, L2Backend
 from kvatlas.node.metrics import NodeTimings, hit_tokens
-from kvatlas.node.presence import L1, L2, Presence, Tier
+from kvatlas.node.presence import Presence, Tier
+from kvatlas.node.results import BlendRetrieval, Deleted, HeldPlacement, NodeStats, Retrieved
 from kvatlas.node.rope import rerope_k
 from kvatlas.node.segments import Segment
 from kvatlas.node.stored_chunk import StoredChunk
+from kvatlas.node.tier_writes import TierWrites
 from kvatlas.node.tiered_fetch import Fetched, TieredFetch
-from kvatlas.node.token_cache import TokenCache, TokenCacheStats
+from kvatlas.node.token_cache import TokenCache
 from kvatlas.node.unified_lookup import NOTHING_FOUND, LookupResult, UnifiedBlendLookup
 
 log = logging.getLogger(__name__)
-
-L1_BACKEND = "dram"
-
-
-class HeldPlacement(NamedTuple):
-    """One placement this node holds: ``backend`` is ``"dram"`` for L1, the L2 backend's name
-    for L2 (a shared pool's placements are listed too: ``node.l2.shared`` says so)."""
-
-    key: ObjectKey
-    tier: Tier
-    backend: str
-
-
-@dataclass
-class Retrieved:
-    """Prefix retrieval: the KV of the leading chunks that could be found, in order."""
-
-    kv: list[Any]
-    hit_tokens: int
-    sources: Counter[str] = field(default_factory=Counter)
-
-
-@dataclass
-class BlendRetrieval:
-    """Blend retrieval: re-RoPE'd KV per reused segment; misses are reported, not fatal."""
-
-    parts: list[tuple[Segment, Any]]
-    misses: list[Segment]
-    sources: Counter[str] = field(default_factory=Counter)
-
-    @property
-    def reused_tokens(self) -> int:
-        return sum(seg.length for seg, _ in self.parts)
-
-
-class Deleted(NamedTuple):
-    """What :meth:`CacheNode.delete` did: copies removed, held keys skipped, the L2 error it
-    stopped at (``None``: it did all)."""
-
-    deleted: int
-    skipped: int
-    error: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class NodeStats:
-    """A node's state at one instant. ``local_index`` is the local blend index's stats;
-    ``counters`` what the node counted (stores, refusals, misses, ...; a counter appears once
-    it was first counted)."""
-
-    instance_id: str
-    l1_chunks: int
-    l1_bytes: int
-    local_index: BlendStats
-    token_cache: TokenCacheStats
-    counters: Mapping[str, int]
-    event_sink: Mapping[str, int] | None = None
-    """The event sink's counters (sent, dropped, quarantined, auth failures, splits, ...), if
-    the sink keeps any (see docs/node.md)."""
-
-    def to_wire(self) -> dict[str, Any]:
-        """The engine API's ``/engine/stats`` reply: the counters flat beside the fields."""
-        return {
-            "instance_id": self.instance_id,
-            "l1_chunks": self.l1_chunks,
-            "l1_bytes": self.l1_bytes,
-            "local_index": asdict(self.local_index),
-            "token_cache": asdict(self.token_cache),
-            **({"event_sink": dict(self.event_sink)} if self.event_sink is not None else {}),
-            **self.counters,
-        }
 
 
 class CacheNode:
@@ -181,10 +111,13 @@ class CacheNode:
             weakref.WeakKeyDictionary()
         )  # each request's fragment hits count once, however often it retrieves them
         self._fragments_lock = threading.Lock()
-        self._report_lock = threading.RLock()  # a tier change and its event, together
         self._rejection_warnings = Throttle(60.0)
         self.index = BlendIndex(config.chunk_size)
         self.presence = Presence(self.index, self.namespace)
+        self.writes = TierWrites(
+            config, self.l1, l2, self.presence, self.token_cache, self.own, self.emitter,
+            self.counters,
+        )  # fmt: skip
         self.timings = NodeTimings()  # fetch and re-RoPE histograms (node /metrics)
         self.timings.watch(self.scrape)
         self.coordinator_failures: Callable[[], int] = lambda: 0  # set by the node process
@@ -194,7 +127,7 @@ class CacheNode:
             fleet,
             instance_id=self.instance_id,
             layout=self.layout,
-            on_l1_hit=self._l1_accessed,
+            on_l1_hit=self.writes.l1_accessed,
             counters=self.counters,
             observe=self.timings.observe_fetch,
         )
@@ -207,9 +140,9 @@ class CacheNode:
             cost_of=self.presence.cost_of,
             allow_trim=config.allow_trim,
         )
-        self._announce()
+        self.writes.announce()
         if l2 is not None:  # last: reports what a private L2 already holds, watches losses
-            l2.attach(self._adopt_l2, self._on_l2_lost)
+            l2.attach(self.writes.adopt_l2, self.writes.on_l2_lost)
             if isinstance(l2, FsL2) and l2.corrupt_deleted:  # found by the rescan, keys unknown
                 self.counters["l2_corrupt_deleted"] += l2.corrupt_deleted
 
@@ -262,7 +195,7 @@ class CacheNode:
             chunk_tokens = np.array(tokens[i * c : (i + 1) * c], dtype=np.uint32)
             chunk_tokens.flags.writeable = False
             key = self.key(hashes[i], tracker.cache_salt)
-            self._put_l1(StoredChunk(key, kv, chunk_tokens, i * c, self.layout.dtype))
+            self.writes.put_l1(StoredChunk(key, kv, chunk_tokens, i * c, self.layout.dtype))
             stored += 1
         self.counters["chunks_stored"] += stored
         return stored
@@ -274,113 +207,11 @@ class CacheNode:
                 f"KV chunk shape {shape} does not match the layout {self.layout.shape}"
             )
 
-    def _put_l1(self, chunk: StoredChunk) -> None:
-        if self.l1.contains(chunk.key):
-            self.l1.get(chunk.key)  # moves it to the LRU's recent end
-            self._l1_accessed(chunk.key)
-            return
-        rejected = self.l1.put(chunk)
-        if any(r is chunk for r in rejected):
-            self.counters["l1_rejected"] += 1
-        else:
-            with self._report_lock:
-                if self.l1.contains(chunk.key):  # else evicted already, its delete sent
-                    self._gain(chunk, L1)
-                    self._record(STORE, L1, L1_BACKEND, self._entry(chunk))
-        if self.l2 is not None and self.config.l2_write == "through":
-            self._put_l2(chunk)
-
-    def _put_l2(self, chunk: StoredChunk) -> None:
-        assert self.l2 is not None
-        if self.l2.contains(chunk.key):
-            return
-        try:
-            self.l2.put(chunk)
-        except (L2Unavailable, OSError) as exc:
-            self.counters["l2_write_failures"] += 1
-            log.warning("L2 write failed for %s: %s", chunk.key.chunk_hash.hex()[:16], exc)
-            return
-        self.counters["l2_chunks_written"] += 1
-        self.counters["l2_bytes_written"] += chunk.nbytes
-        with self._report_lock:
-            # a loss between the write and here found nothing to report: no store then
-            if self.l2.contains(chunk.key):
-                self._gain(chunk, L2)
-                self._record(STORE, L2, self.l2.name, self._entry(chunk), shared=self.l2.shared)
-
-    def _announce(self) -> None:
-        """This incarnation's first event: a ``config`` batch declaring L1's capacity (and a
-        capped private L2's). Every replica learns of a restart from the event channel only
-        (it may never see this node register); on this batch each fences the previous
-        incarnation's L1, even when this one then stores nothing for a while."""
-        if self.emitter is None:
-            return
-        declared = [(L1, L1_BACKEND, self.l1.capacity_bytes)]
-        if isinstance(self.l2, FsL2) and not self.l2.shared and self.l2.max_bytes:
-            declared.append((L2, self.l2.name, self.l2.max_bytes))
-
-        def declare(sink: BatchSink) -> None:
-            for tier, backend, capacity in declared:
-                sink.emit(CONFIG, tier, backend, [], capacity_bytes=capacity, capacity_revision=1)
-
-        self.emitter.barrier(declare)
-
     def _on_l1_evict(self, chunk: StoredChunk) -> None:
-        self.counters["l1_evictions"] += 1
-        if self.l2 is not None and self.config.l2_write == "evict":
-            self._put_l2(chunk)
-        with self._report_lock:
-            self._record(DELETE, L1, L1_BACKEND, CacheEntry(chunk.key, chunk.nbytes))
-            self.presence.lose(chunk.key, L1)
+        self.writes.on_l1_evict(chunk)  # L1 is made before the writes it reports through
 
-    def _adopt_l2(self, chunk: StoredChunk) -> None:
-        """A chunk the private L2 already held at start-up (a restart): held and reported."""
-        assert self.l2 is not None
-        with self._report_lock:
-            self._gain(chunk, L2)
-            self._record(STORE, L2, self.l2.name, self._entry(chunk), shared=self.l2.shared)
-        self.counters["l2_rescanned"] += 1
-
-    def _on_l2_lost(self, key: ObjectKey, cause: str) -> None:
-        """``key`` left L2 without the node deleting it (``kvatlas.node.l2`` causes): counted
-        as ``l2_<cause>`` and, if this node held it there, reported as a delete."""
-        assert self.l2 is not None
-        self.counters[f"l2_{cause}"] += 1
-        with self._report_lock:
-            if L2 not in self.presence.tiers_of_key(key):
-                return
-            self._record(DELETE, L2, self.l2.name, CacheEntry(key, 0), shared=self.l2.shared)
-            self.presence.lose(key, L2)
-
-    def _l1_accessed(self, key: ObjectKey) -> None:
-        self._record(ACCESS, L1, L1_BACKEND, CacheEntry(key, 0))
-
-    def _gain(self, chunk: StoredChunk, tier: Tier) -> None:
-        if chunk.tokens is not None:
-            self.token_cache.remember(chunk.key.chunk_hash, chunk.tokens, chunk.token_offset)
-        self.presence.gain(chunk, tier)
-
-    def _entry(self, chunk: StoredChunk) -> CacheEntry:
-        tokens, offset = chunk.tokens, chunk.token_offset
-        if tokens is None:
-            remembered = self.token_cache.lookup(chunk.key.chunk_hash)
-            if remembered is not None:
-                tokens, offset = remembered
-            else:
-                self.counters["events_without_tokens"] += 1
-        return CacheEntry(chunk.key, chunk.nbytes, tokens, offset)
-
-    def _record(
-        self, event_type: str, tier: str, backend: str, entry: CacheEntry, *, shared: bool = False
-    ) -> None:
-        # The inventory changes before the event is recorded: a resync listing (taken while
-        # nothing is recorded) is never older than an event queued ahead of it.
-        if not shared and event_type == STORE:
-            self.own.add(tier, backend, entry)
-        elif not shared and event_type == DELETE:
-            self.own.remove(tier, backend, entry.key)
-        if self.emitter is not None:
-            self.emitter.record(event_type, tier, backend, entry, shared=shared)
+    def _put_l1(self, chunk: StoredChunk) -> None:
+        self.writes.put_l1(chunk)
 
     # ------------------------------------------------------------------ prefix path
 
@@ -492,49 +323,12 @@ class CacheNode:
     # ------------------------------------------------------------------ cache control
 
     def delete(self, keys: Sequence[ObjectKey], tiers: frozenset[Tier], *, force: bool) -> Deleted:
-        """Remove ``keys`` from this node's ``tiers``: copies removed (L1 and L2 summed), L1
-        keys left because a transfer holds them (``force`` removes those too), and the error
-        an L2 failure stopped at (the keys after it untouched). Each removal is a ``delete``
-        event, like an eviction."""
-        deleted = skipped = 0
-        for key in keys:
-            if L1 in tiers:
-                if not force and self.l1.is_pinned(key) and self.l1.contains(key):
-                    skipped += 1
-                elif self._drop_l1(key):
-                    deleted += 1
-            try:
-                if L2 in tiers and self.l2 is not None and self._drop_l2(key):
-                    deleted += 1
-            except (L2Unavailable, OSError) as exc:
-                self.counters["control_delete_failures"] += 1
-                self.counters["control_deleted"] += deleted
-                return Deleted(deleted, skipped, str(exc))
-        self.counters["control_deleted"] += deleted
-        return Deleted(deleted, skipped)
+        """Remove ``keys`` from ``tiers`` (:meth:`TierWrites.delete`)."""
+        return self.writes.delete(keys, tiers, force=force)
 
     def clear_l1(self, *, force: bool) -> Deleted:
         """:meth:`delete` of every key L1 holds."""
-        return self.delete(self.l1.keys(), frozenset({L1}), force=force)
-
-    def _drop_l1(self, key: ObjectKey) -> bool:
-        with self._report_lock:
-            chunk = self.l1.peek(key)
-            if chunk is None or not self.l1.remove(key):
-                return False
-            self._record(DELETE, L1, L1_BACKEND, CacheEntry(key, chunk.nbytes))
-            self.presence.lose(key, L1)
-        return True
-
-    def _drop_l2(self, key: ObjectKey) -> bool:
-        assert self.l2 is not None
-        existed = self.l2.delete(key)
-        with self._report_lock:
-            # a copy this node reported, or a shared pool's copy another node wrote
-            if L2 in self.presence.tiers_of_key(key) or (existed and self.l2.shared):
-                self._record(DELETE, L2, self.l2.name, CacheEntry(key, 0), shared=self.l2.shared)
-                self.presence.lose(key, L2)
-        return existed
+        return self.writes.clear_l1(force=force)
 
     def load_into_l1(self, keys: Sequence[ObjectKey]) -> int:
         """Warm L1 from this node's L2 (a prefetch): each key L1 lacks is read from L2 and put
@@ -545,7 +339,7 @@ class CacheNode:
                 continue
             chunk = self.l2.get(key)
             if chunk is not None and self.tiers.usable(chunk):
-                self._put_l1(chunk)
+                self.writes.put_l1(chunk)
                 self.counters["prefetched_chunks"] += 1
         return sum(self.l1.contains(key) for key in keys)
 
@@ -553,45 +347,15 @@ class CacheNode:
 
     def inventory(self) -> list[HeldPlacement]:
         """Every placement this node holds, one per (key, tier) (a consistent snapshot)."""
-        l2_backend = self.l2.name if self.l2 is not None else ""
-        backend = {L1: L1_BACKEND, L2: l2_backend}
-        return [
-            HeldPlacement(key, tier, backend[tier])
-            for key, tiers, _tokens, _offset in self.presence.holdings()
-            for tier in sorted(tiers)
-        ]
+        return self.writes.inventory()
 
     def held(self) -> list[HeldPlacement]:
-        """What this node's own tiers really hold, read from the tiers themselves (L1's
-        entries, a private fs L2's files), not from its bookkeeping: the ground truth that
-        :meth:`inventory` and the coordinator's view are checked against (``GET
-        /engine/inventory``; ``kvatlas soak``). A shared pool or a Redis L2 is not listed."""
-        in_l1 = self.l1.keys()
-        out = [HeldPlacement(key, L1, L1_BACKEND) for key in in_l1]
-        if isinstance(self.l2, FsL2) and not self.l2.shared:
-            in_l2 = self.l2.keys()
-            out += [HeldPlacement(key, L2, self.l2.name) for key in in_l2]
-        return out
+        """What the tiers themselves hold (:meth:`TierWrites.held`; ``GET /engine/inventory``)."""
+        return self.writes.held()
 
     def report_inventory(self) -> int:
-        """Send a ``store`` event for every placement this node holds (tokens attached when
-        known), e.g. after registering with a coordinator that was down; returns how many.
-        Under the report lock: no delete sent before it is contradicted by a store after."""
-        if self.emitter is None:
-            return 0
-        n = 0
-        nbytes = self.layout.chunk_bytes
-        with self._report_lock:
-            for key, tiers, tokens, offset in self.presence.holdings():
-                entry = CacheEntry(key, nbytes, tokens, offset if tokens is not None else -1)
-                if L1 in tiers:
-                    self._record(STORE, L1, L1_BACKEND, entry)
-                    n += 1
-                if L2 in tiers and self.l2 is not None:
-                    self._record(STORE, L2, self.l2.name, entry, shared=self.l2.shared)
-                    n += 1
-        self.counters["inventory_reported"] += n
-        return n
+        """A ``store`` event for every placement held (:meth:`TierWrites.report_inventory`)."""
+        return self.writes.report_inventory()
 
     # ------------------------------------------------------------------ operator's view
 
@@ -629,30 +393,8 @@ class CacheNode:
     def resync_driver(
         self, exchange: DigestExchange, *, interval: float, settle: Any = None, lost: Any = None
     ) -> ResyncDriver | None:
-        """A digest-exchange driver over this node's own tiers (``None`` without an event
-        sink: nothing to resync through)."""
-        emitter = self.emitter
-        if emitter is None:
-            return None
-        backends = {L1: L1_BACKEND}
-        if self.l2 is not None and not self.l2.shared:
-            backends[L2] = self.l2.name
-
-        def settled() -> None:
-            emitter.flush()
-            if settle is not None:
-                settle()
-
-        return ResyncDriver(
-            self.own,
-            backends,
-            exchange=exchange,
-            barrier=lambda act: emitter.barrier(lambda sink: act(resync_sender(sink))),
-            settle=settled,
-            lost=lost or (lambda: 0),
-            tokens_of=self.token_cache.peek,
-            interval=interval,
-        )
+        """Digest exchanges over this node's own tiers (:meth:`TierWrites.resync_driver`)."""
+        return self.writes.resync_driver(exchange, interval=interval, settle=settle, lost=lost)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -693,3 +435,13 @@ def _segment_miss(seg: Segment, got: Fetched | None, chunk_size: int, window: in
     if got.chunk.token_offset < 0:
         return "unknown_offset"
     return "short_window" if window != chunk_size else None
+
+
+__all__ = [
+    "BlendRetrieval",
+    "CacheNode",
+    "Deleted",
+    "HeldPlacement",
+    "NodeStats",
+    "Retrieved",
+]

@@ -288,15 +288,6 @@ class NodeConfig:
         """The gating rule: a coordinator URL alone is not enough (see module docstring)."""
         return bool(self.coordinator_url) and self.coordinator_event_reporting
 
-    def warn_if_half_configured(self) -> None:
-        if self.coordinator_url and not self.coordinator_event_reporting:
-            log.warning(
-                "coordinator URL %s given without --coordinator-event-reporting: fleet lookup "
-                "is treated as not configured (the coordinator would hold none of this node's "
-                "chunks); matching locally only",
-                self.coordinator_url,
-            )
-
 
 def default_l2_path(environ: Mapping[str, str] | None = None) -> Path:
     """The per-user cache directory: ``$XDG_CACHE_HOME/kvatlas/l2``, else

@@ -9,10 +9,9 @@ from typing import Any
 
 from kvatlas.client.engine_client import EngineCallError, EngineClient
 from kvatlas.keys import MMItem
-from kvatlas.node.http_api import segment_of, segment_to_wire
 from kvatlas.node.kv_dtype import to_numpy
 from kvatlas.node.kv_layout import KVLayout
-from kvatlas.node.segments import Segment
+from kvatlas.node.segments import Segment, segment_of, segment_to_wire
 
 __all__ = ["EngineCallError", "NodeEngineClient"]
 

@@ -34,12 +34,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Final, NamedTuple
+from typing import Final, NamedTuple, Protocol
 
 import msgspec
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp
 
 from kvatlas.api import decode
 from kvatlas.api.events import EventKey
@@ -51,7 +50,8 @@ from kvatlas.api.peer import (
     PeerRecord,
 )
 from kvatlas.asgi_thread import ThreadedServer
-from kvatlas.errors import InvalidInput, KvatlasError, PayloadTooLarge, Unprocessable
+from kvatlas.dispatch import Dispatcher
+from kvatlas.errors import InvalidInput, PayloadTooLarge, Unprocessable
 from kvatlas.keys import ObjectKey
 from kvatlas.logs import Throttle
 from kvatlas.node.bounded_http import BoundedClient, CallFailed
@@ -60,7 +60,7 @@ from kvatlas.node.kv_layout import KVLayout
 from kvatlas.node.l1 import L1Cache
 from kvatlas.node.l2 import L2Backend
 from kvatlas.node.stored_chunk import ChunkDecodeError, StoredChunk, decode_chunk, encode_chunk
-from kvatlas.web import error_response, read_body
+from kvatlas.routing import Access, Call, Reply, Route, RouteTable
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,77 @@ def _reply_record(chunk: StoredChunk, encoder: Callable[[StoredChunk], bytes]) -
     return PeerRecord(memoryview(encoder(bare)), digest)
 
 
+class PeerServing:
+    """What ``POST /peer/kv`` serves: ``l1`` and, when it is private, ``l2`` (only to requests
+    that ask for ``"l2"``). ``encoder`` is the per-chunk serializer (a seam for tests that need
+    a slow one to hold a transfer open)."""
+
+    def __init__(
+        self,
+        l1: L1Cache,
+        l2: L2Backend | None = None,
+        encoder: Callable[[StoredChunk], bytes] = encode_chunk,
+        max_keys: int = MAX_KEYS_PER_REQUEST,
+    ) -> None:
+        self.l1 = l1
+        self.private_l2 = l2 if l2 is not None and not l2.shared else None
+        self.encoder = encoder
+        self.max_keys = max_keys
+
+    def assemble(self, keys: list[ObjectKey], tiers: frozenset[str]) -> bytes:
+        records = []
+        missing = keys
+        if "l1" in tiers:
+            # Pinned for the whole assembly: a key present when listed stays present until
+            # its bytes are in the reply, whatever other threads put meanwhile.
+            missing = []
+            with self.l1.pinned(keys):
+                for key in keys:
+                    chunk = self.l1.get(key)
+                    if chunk is not None:
+                        records.append(_reply_record(chunk, self.encoder))
+                    else:
+                        missing.append(key)
+        if "l2" in tiers and self.private_l2 is not None and missing:
+            for chunk in self.private_l2.get_many(missing).values():
+                records.append(_reply_record(chunk, self.encoder))
+        return _reply_encoder.encode(records)
+
+
+class ServesPeers(Protocol):
+    """A route context that serves ``/peer/kv``."""
+
+    @property
+    def peer(self) -> PeerServing: ...
+
+
+async def peer_kv(context: ServesPeers, call: Call[None, None]) -> Reply:
+    """Chunks of this node's L1 (and private L2 on request) by key, token ids replaced by their
+    digest."""
+    serving = context.peer
+    keys, tiers = _parse_request(call.raw, serving.max_keys)
+    # Encoding MB-sized chunks (and reading L2) is blocking work: off the event loop so one
+    # transfer does not stall the others.
+    reply = await run_in_threadpool(serving.assemble, keys, tiers)
+    return Reply(reply, media_type=OCTET_STREAM)
+
+
+def peer_route(access: Access) -> Route:
+    """The ``/peer/kv`` entry of a route table, called under ``access``; bodies of at most
+    :data:`MAX_REQUEST_BYTES`."""
+    return Route(
+        "POST", PEER_KV_PATH, access, peer_kv, "Fetch chunks by key (msgpack records)",
+        request=bytes, media_type=OCTET_STREAM, body=lambda _limits: MAX_REQUEST_BYTES,
+        docs={"requestBody": {"required": True, "content": {"application/json": {
+            "schema": msgspec.json.schema(PeerFetch)}}}},
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class _PeerOnly:
+    peer: PeerServing
+
+
 def create_peer_app(
     l1: L1Cache,
     *,
@@ -136,50 +207,15 @@ def create_peer_app(
     encoder: Callable[[StoredChunk], bytes] = encode_chunk,
     max_keys: int = MAX_KEYS_PER_REQUEST,
     max_request_bytes: int = MAX_REQUEST_BYTES,
-) -> FastAPI:
-    """The peer-serving ASGI app over ``l1`` and, when it is private, ``l2`` (served only to
-    requests that ask for ``"l2"``).
-
-    ``encoder`` is the per-chunk serializer (a seam for tests that need a slow one to hold a
-    transfer open). Every client error is a 4xx with a JSON ``detail``, the reply
-    :func:`kvatlas.web.error_response` makes for the error (answered here, so an app that
-    mounts this route with handlers of its own still replies JSON on it).
-    """
-    app = FastAPI(title="kvatlas peer L1", docs_url=None, redoc_url=None)
-
-    private_l2 = l2 if l2 is not None and not l2.shared else None
-
-    def assemble(keys: list[ObjectKey], tiers: frozenset[str]) -> bytes:
-        records = []
-        missing = keys
-        if "l1" in tiers:
-            # Pinned for the whole assembly: a key present when listed stays present until
-            # its bytes are in the reply, whatever other threads put meanwhile.
-            missing = []
-            with l1.pinned(keys):
-                for key in keys:
-                    chunk = l1.get(key)
-                    if chunk is not None:
-                        records.append(_reply_record(chunk, encoder))
-                    else:
-                        missing.append(key)
-        if "l2" in tiers and private_l2 is not None and missing:
-            for chunk in private_l2.get_many(missing).values():
-                records.append(_reply_record(chunk, encoder))
-        return _reply_encoder.encode(records)
-
-    @app.post(PEER_KV_PATH)
-    async def peer_kv(request: Request) -> Response:
-        try:
-            keys, tiers = _parse_request(await read_body(request, max_request_bytes), max_keys)
-        except KvatlasError as exc:
-            return error_response(exc)
-        # Encoding MB-sized chunks (and reading L2) is blocking work: off the event loop so
-        # one transfer does not stall the others.
-        reply = await run_in_threadpool(assemble, keys, tiers)
-        return Response(reply, media_type=OCTET_STREAM)
-
-    return app
+) -> Dispatcher:
+    """An app serving only the peer route over :class:`PeerServing` (no auth: the node's app,
+    :func:`kvatlas.node.http_api.create_node_app`, serves the same route behind its access
+    checks). Every client error is a 4xx with a JSON ``detail``."""
+    table = RouteTable([peer_route(Access())], unrouted=Access(open=True))
+    context = _PeerOnly(PeerServing(l1, l2, encoder, max_keys))
+    return Dispatcher(
+        context, table, None, frozenset(), lambda _route: max_request_bytes, max_request_bytes
+    )
 
 
 def max_chunk_bytes(layout: KVLayout) -> int:
@@ -281,7 +317,7 @@ class PeerClient:
 class PeerServer(ThreadedServer):
     """Serve an app (normally :func:`create_peer_app`) with uvicorn in a daemon thread."""
 
-    def __init__(self, app: FastAPI, *, port: int, host: str = "127.0.0.1") -> None:
+    def __init__(self, app: ASGIApp, *, port: int, host: str = "127.0.0.1") -> None:
         super().__init__(app, port=port, host=host, name="peer")
         self.app = app
 

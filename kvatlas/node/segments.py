@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final, Literal
 
+from kvatlas.api.engine import WireSegment
 from kvatlas.keys import BlendMatch, leftmost_greedy
 
 Source = Literal["local", "fleet", "both"]
@@ -253,3 +254,19 @@ def _resolve_cheaper(ordered: Sequence[Segment]) -> list[Segment]:
             kept.insert(pos, s)
             starts.insert(pos, s.cur_st)
     return kept
+
+
+def segment_to_wire(seg: Segment) -> WireSegment:
+    """A segment as the engine API sends it."""
+    return WireSegment(
+        seg.chunk_hash.hex(), seg.old_st, seg.cur_st, seg.length, seg.source, int(seg.cost),
+        seg.trim,
+    )  # fmt: skip
+
+
+def segment_of(wire: WireSegment) -> Segment:
+    """A decoded wire segment as the node's :class:`Segment` (``ValueError`` if invalid)."""
+    return Segment(
+        bytes.fromhex(wire.chunk_hash), wire.old_st, wire.cur_st, wire.length,
+        wire.source, wire.cost, wire.trim,  # type: ignore[arg-type]  # checked by Segment
+    )  # fmt: skip

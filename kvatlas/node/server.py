@@ -6,26 +6,23 @@ API unless ``--engine-port`` gives it a listener of its own). Secrets come from 
 environment (``docs/security.md``).
 
 Start order does not matter: a coordinator that cannot be reached at start-up is retried in
-the background (:class:`Registrar`) while the node serves its local tiers; events queue in the
-sink's outbox meanwhile. The compatibility check still runs at first contact, and a mismatch
-then still stops the node (exit 2). After a late registration the node re-reports what it
-holds (:meth:`~kvatlas.node.cache_node.CacheNode.report_inventory`)."""
+the background (:class:`~kvatlas.node.registration.Registrar`) while the node serves its local
+tiers; events queue in the sink's outbox meanwhile. The compatibility check still runs at
+first contact, and a mismatch then still stops the node (exit 2). After a late registration
+the node re-reports what it holds
+(:meth:`~kvatlas.node.cache_node.CacheNode.report_inventory`)."""
 
 from __future__ import annotations
 
 import logging
 import os
-import random
 import signal
-import threading
 import uuid
-from collections import Counter
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from kvatlas.api import HealthReply
 from kvatlas.asgi_thread import bind_listener, serve
-from kvatlas.backoff import Backoff
 from kvatlas.client import (
     BlendCoordinatorClient,
     CoordinatorClient,
@@ -46,186 +43,38 @@ from kvatlas.node.http_api import create_node_app
 from kvatlas.node.inventory import ResyncDriver
 from kvatlas.node.l2 import FsL2, L2Backend, RedisL2, instance_dir
 from kvatlas.node.metrics import new_boot, value_report
+from kvatlas.node.registration import (
+    Registrar,
+    TransportMismatch,
+    check_coordinator_compatible,
+    follow_coordinator_format,
+    register,
+)
 from kvatlas.web import is_loopback
 
+__all__ = [
+    "NodeProcess",
+    "Registrar",
+    "TransportMismatch",
+    "announce_security",
+    "check_coordinator_compatible",
+    "follow_coordinator_format",
+    "register",
+    "run_node",
+    "warn_if_shared_peer_token",
+]
 log = logging.getLogger(__name__)
-
-
-class TransportMismatch(Conflict):
-    """The node would report events where its coordinator does not read them."""
-
-
-class Registrar:
-    """Reaches a coordinator that was not up at start-up: first contact (``/healthz`` and
-    :func:`check_coordinator_compatible`), registration under ``instance_id``, heartbeats,
-    then ``on_registered``. Attempts back off (:class:`~kvatlas.backoff.Backoff`) from
-    ``initial`` up to ``retry_max`` seconds, jittered; each new step is logged once (not every
-    attempt), and attempts are counted in ``attempts``. A mismatch found at first contact stops the retries
-    and goes to ``on_fatal``."""
-
-    def __init__(
-        self,
-        client: CoordinatorClient,
-        config: NodeConfig,
-        instance_id: str,
-        *,
-        on_registered: Callable[[], object],
-        on_fatal: Callable[[Conflict], object],
-        on_health: Callable[[HealthReply], object] = lambda _health: None,
-        initial: float = 0.1,
-        retry_max: float = 30.0,
-        jitter: Callable[[], float] = random.random,
-        counters: Counter[str] | None = None,
-    ) -> None:
-        self.client = client
-        self.config = config
-        self.instance_id = instance_id
-        self._on_registered = on_registered
-        self._on_fatal = on_fatal
-        self._on_health = on_health
-        self.initial = initial
-        self.retry_max = retry_max
-        self._jitter = jitter
-        self.attempts = 0
-        self.counters: Counter[str] = Counter() if counters is None else counters
-        self.started = False
-        self.registered = threading.Event()
-        self.fatal: Conflict | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvatlas-registrar", daemon=True)
-
-    def start(self) -> Registrar:
-        self.started = True
-        self._thread.start()
-        return self
-
-    def attempt(self) -> None:
-        """One try: raises :class:`CoordinatorError` (retry) or ``Conflict`` (a mismatch)."""
-        self.attempts += 1
-        health = self.client.health()
-        check_coordinator_compatible(self.config, health)
-        self._on_health(health)
-        register(self.client, self.config, self.instance_id)
-
-    def _run(self) -> None:
-        backoff = Backoff(self.initial, self.retry_max, self._jitter)
-        while not self._stop.is_set():
-            try:
-                self.attempt()
-            except CoordinatorError as exc:
-                status = exc.reply_status
-                if status is not None and status < 500:  # it answered: no, or not as one
-                    self.fatal = Conflict(
-                        f"{self.config.coordinator_url} refused this node or is not a kvatlas "
-                        f"or LMCache coordinator: {exc}"
-                    )
-                    log.error("stopping: %s", self.fatal)
-                    self._on_fatal(self.fatal)
-                    return
-                self.counters["coordinator_contact_failures"] += 1
-                if backoff.report():
-                    log.warning(
-                        "coordinator %s not reachable (attempt %d: %s); serving local tiers, "
-                        "retrying every %.3g s at most",
-                        self.config.coordinator_url, self.attempts, exc, backoff.step,
-                    )  # fmt: skip
-                self._stop.wait(backoff.next_wait())
-                continue
-            except Conflict as exc:
-                self.fatal = exc
-                log.error("stopping: %s", exc)
-                self._on_fatal(exc)
-                return
-            log.info(
-                "registered with %s as %s after %d attempts",
-                self.config.coordinator_url, self.instance_id, self.attempts,
-            )  # fmt: skip
-            self.registered.set()
-            self._on_registered()
-            return
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
-
 
 RETRY_MAX_S = 5.0  # the longest wait between event deliveries while the receiver is down
 
 
-def follow_coordinator_format(transport: HttpTransport, health: HealthReply) -> None:
-    """Events as JSON to a coordinator that does not state its key scheme (LMCache's reads
-    JSON events only); msgpack, the default, to kvatlas's."""
-    if not health.states_hash_scheme:
-        transport.fmt = "json"
-
-
-def register(client: CoordinatorClient, config: NodeConfig, instance_id: str | None) -> str:
-    """Register (``instance_id`` ``None``: the coordinator assigns one); the caller starts the
-    heartbeats. With a peer secret the advertised URL goes with its signature for this id
-    (``peer_credentials``): peers call no URL without one. An assigned id is learned first,
-    then registered again, signed."""
-    advertised = config.advertised_url or f"http://{config.host}:{config.port}"
-    secret = config.peer_secret()
-
-    def once(asked: str | None) -> str:
-        signature = None
-        if secret is not None and asked is not None:
-            signature = secret.sign_url(asked, advertised)
-        return client.register(
-            asked, ip=config.host, http_port=config.port, p2p_advertised_url=advertised,
-            metadata={
-                "model_name": config.model_name, "kv_rank": config.kv_rank,
-                "mode": "fleet" if config.fleet_enabled else "lookup only",
-            },
-            chunk_size=config.chunk_size, p2p_url_signature=signature,
-            engine_id=config.engine_id,
-        )  # fmt: skip
-
-    assigned = once(instance_id)
-    if secret is not None and instance_id is None:
-        once(assigned)
-    return assigned
-
-
-def check_coordinator_compatible(config: NodeConfig, health: HealthReply) -> None:
-    """Compare this node's configuration with the coordinator's ``/healthz`` (``docs/node.md``).
-
-    Refuses (raises) on a key scheme, chunk size or, for a reporting node, event transport
-    mismatch; warns when the node answers blend lookups but the coordinator has them off.
-    LMCache's coordinator states none of these (``{"status": "healthy"}``): then the chunk
-    size is checked at registration (LMCache 0.5.7 refuses a conflicting one) and the rest
-    is the operator's to match (docs/coordinator.md, "Running kvatlas under LMCache MP servers").
-    """
-    if health.hash_scheme is None:
+def warn_if_half_configured(config: NodeConfig) -> None:
+    """The gating rule's warning (``kvatlas/node/config.py``): a URL without reporting."""
+    if config.coordinator_url and not config.coordinator_event_reporting:
         log.warning(
-            "the coordinator at %s does not state its key scheme (LMCache's coordinator?): "
-            "make sure it runs with --chunk-size %d and that this node's %s keys are its keys",
-            config.coordinator_url, config.chunk_size, config.scheme.name,
-        )  # fmt: skip
-        return
-    chunk_size = -1 if health.chunk_size is None else health.chunk_size
-    config.scheme.check_compatible(health.hash_scheme, chunk_size)
-    if not config.fleet_enabled:
-        return
-    theirs = health.event_transport
-    if theirs is not None and theirs != config.event_transport:
-        raise TransportMismatch(
-            f"event transport mismatch: this node uses --event-transport "
-            f"{config.event_transport}, the coordinator at {config.coordinator_url} uses "
-            f"--event-transport {theirs}; it would never see this node's chunks"
-        )
-    stream = health.event_stream
-    if config.event_transport == "redis" and stream is not None and stream != config.event_stream:
-        raise TransportMismatch(
-            f"event stream mismatch: this node writes --event-stream {config.event_stream}, "
-            f"the coordinator at {config.coordinator_url} reads --event-stream {stream}; "
-            "it would never see this node's chunks"
-        )
-    if config.enable_blend_lookup and health.enable_blend_lookup is False:
-        log.warning(
-            "blend lookup mismatch: this node has --enable-blend-lookup on, the coordinator at "
-            "%s has it off; every fleet leg of a blend lookup will answer empty",
+            "coordinator URL %s given without --coordinator-event-reporting: fleet lookup "
+            "is treated as not configured (the coordinator would hold none of this node's "
+            "chunks); matching locally only",
             config.coordinator_url,
         )
 
@@ -283,7 +132,7 @@ class NodeProcess:
                 except (Conflict, CoordinatorError):
                     self.coordinator.close()
                     raise
-        config.warn_if_half_configured()
+        warn_if_half_configured(config)
         transport: Transport | None = None
         if config.fleet_enabled and self.coordinator is not None:
             assert config.coordinator_url is not None  # fleet_enabled

@@ -5,7 +5,11 @@ page says how old the count is. A fake clock: no wall-clock assertions."""
 
 from __future__ import annotations
 
-from kvatlas.coordinator.status import USAGE_COST_FACTOR, USAGE_MIN_AGE_S, SaltUsageCache
+from kvatlas.coordinator.cache_control.status import (
+    USAGE_COST_FACTOR,
+    USAGE_MIN_AGE_S,
+    SaltUsageCache,
+)
 
 
 class Clock:
