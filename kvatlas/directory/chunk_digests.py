@@ -8,9 +8,12 @@ digests alone.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
-from kvatlas.directory.chunk_counts import PARTS, ChunkCounts, Partition
+from kvatlas.directory.chunk_counts import PARTS, DigestArray
+from kvatlas.directory.chunk_state import ChunkState
 from kvatlas.directory.records import (
     placements_of,
     record_keys,
@@ -19,23 +22,22 @@ from kvatlas.directory.records import (
     row_shared,
     row_tier,
 )
-from kvatlas.directory.shapes import ShapeTable
-from kvatlas.events.inventory import element, shape_tag, tag_multiplier
+from kvatlas.events.inventory import element, shape_tag, tag_multiplier, xor_elements
 
 
 class InventoryDigests:
-    """The digest bookkeeping of :class:`~kvatlas.directory.chunk_table.ChunkTable` (a base
-    class: it reads the table's records, shapes and counts)."""
+    """The digest bookkeeping of a chunk table (its collaborator: it reads the table's
+    records and shapes and changes the digests in its counts). Owns which partitions are
+    digested and the tag cache."""
 
-    shapes: ShapeTable
-    parts: list[Partition]
-    counts: ChunkCounts
-    # (shape id, tier, backend) -> the inventory element's multiplier
-    _tags: dict[tuple[int, str, str], int]
-    digested: bytearray  # partitions counted in counts.digests
-    _all_digested: bool
+    def __init__(self, table: ChunkState) -> None:
+        self._table = table
+        # (shape id, tier, backend) -> the inventory element's multiplier
+        self._tags: dict[tuple[int, str, str], int] = {}
+        self.digested = bytearray(b"\x01" * PARTS)  # partitions counted in counts.digests
+        self._all_digested = True
 
-    def _start_digests(self, built: bool) -> None:
+    def restart(self, built: bool) -> None:
         """Forget the tag cache; every partition is digested (``built``) or none is."""
         self._tags = {}
         self.digested = bytearray(b"\x01" * PARTS) if built else bytearray(PARTS)
@@ -48,41 +50,51 @@ class InventoryDigests:
         if self.digested[b]:
             return
         acc: dict[tuple[str, str], int] = {}
-        tag = self._tag
-        for h, rec in self.parts[b].items():
+        tag = self.tag
+        for h, rec in self._table.parts[b].items():
             for sid, pls in record_keys(rec):
                 for p in placements_of(pls):
                     if not row_shared(p):
                         where = (row_instance(p), row_tier(p))
                         e = element(h, tag(sid, row_tier(p), row_backend(p)))
                         acc[where] = acc.get(where, 0) ^ e
+        counts = self._table.counts
         for (inst, tier), value in acc.items():
-            self.counts.digest_for(inst, tier)[b] ^= np.uint64(value)
+            counts.digest_for(inst, tier)[b] ^= np.uint64(value)
         self.digested[b] = 1
         self._all_digested = all(self.digested)
 
-    def _tag(self, sid: int, tier: str, backend: str) -> int:
+    def tag(self, sid: int, tier: str, backend: str) -> int:
+        """The inventory element's multiplier of a key shape's copies on (tier, backend)."""
         t = self._tags.get((sid, tier, backend))
         if t is None:
-            tag = shape_tag(*self.shapes[sid].parts, tier, backend)
+            tag = shape_tag(*self._table.shapes[sid].parts, tier, backend)
             t = self._tags[(sid, tier, backend)] = tag_multiplier(tag)
         return t
 
-    def _xor(self, inst: str, tier: str, h: bytes, sid: int, backend: str) -> None:
+    def xor(self, inst: str, tier: str, h: bytes, sid: int, backend: str) -> None:
         """Add or remove (the same thing) one own placement in its digest."""
         if self.digested[h[0]]:
-            e = np.uint64(element(h, self._tag(sid, tier, backend)))
-            self.counts.digest_for(inst, tier)[h[0]] ^= e
+            e = np.uint64(element(h, self.tag(sid, tier, backend)))
+            self._table.counts.digest_for(inst, tier)[h[0]] ^= e
+
+    def xor_many(self, dig: DigestArray, pending: Iterable[tuple[int, list[bytes]]]) -> None:
+        """Add new own copies to the digest ``dig``: per tag multiplier, their chunk hashes
+        (one vectorised step each; partitions not yet digested are left alone)."""
+        kept = None if self._all_digested else np.frombuffer(self.digested, dtype=np.uint8)
+        for multiplier, hs in pending:
+            if hs:
+                xor_elements(dig, hs, multiplier, kept)
 
     def digest_of_prefix(self, inst: str, tier: str, prefix: bytes) -> list[int]:
         """The digest of ``inst``'s own placements on ``tier`` under a one-byte ``prefix``
         (computed from that partition: 1/256 of the directory)."""
         out = [0] * PARTS
-        for h, rec in self.parts[prefix[0]].items():
+        for h, rec in self._table.parts[prefix[0]].items():
             if not h.startswith(prefix):
                 continue
             for sid, pls in record_keys(rec):
                 for p in placements_of(pls):
                     if row_instance(p) == inst and row_tier(p) == tier and not row_shared(p):
-                        out[h[1]] ^= element(h, self._tag(sid, tier, row_backend(p)))
+                        out[h[1]] ^= element(h, self.tag(sid, tier, row_backend(p)))
         return out

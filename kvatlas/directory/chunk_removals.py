@@ -1,6 +1,6 @@
 """Removal rules of the chunk table: ``delete`` batches, fencing an instance's L1, the
-removal half of a ``resync``, and the bookkeeping every removal shares (counts, namespace
-claims, the L1 chunk sets, the capture's change journal). See
+removal half of a ``resync``, and the bookkeeping every removal shares (counts, digests,
+namespace claims, the L1 chunk sets, the capture's change journal). See
 :mod:`kvatlas.directory.chunk_table`.
 """
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvatlas.directory.blend import BlendOp, RemoveClaimOp
-from kvatlas.directory.chunk_counts import ChangeJournal
+from kvatlas.directory.blend import RemoveClaimOp
 from kvatlas.directory.chunk_digests import InventoryDigests
+from kvatlas.directory.chunk_state import ChunkState
 from kvatlas.directory.records import (
     KeyPair,
     PlacementRow,
@@ -33,30 +33,26 @@ from kvatlas.directory.records import (
     row_shared,
     row_size,
     row_tier,
-    shape_ids,
 )
 from kvatlas.events import VOLATILE_TIERS, EventBatch
 from kvatlas.events.columns import EntryColumns
-from kvatlas.keys import BlendNamespace, ObjectKey
 
 
-class RemovalRules(InventoryDigests):
-    """The removal rules of :class:`~kvatlas.directory.chunk_table.ChunkTable` (a base class:
-    it changes the table's records, counts, digests and queued index writes)."""
+class RemovalRules:
+    """The removal rules of a chunk table (its collaborator: they change the table's
+    records, counts and queued index writes, and the digests). No state of their own."""
 
-    indexing: bool
-    journal: ChangeJournal | None
-    _ops: list[BlendOp]
-
-    def locate(self, key: ObjectKey) -> tuple[Record, int] | None:
-        raise NotImplementedError  # ChunkTable.locate
+    def __init__(self, table: ChunkState, digests: InventoryDigests) -> None:
+        self._table = table
+        self._digests = digests
 
     def delete(self, batch: EventBatch) -> None:
         """Apply a ``delete`` batch."""
         ident = (batch.tier, batch.backend, None if batch.shared else batch.instance_id)
         own_l1 = batch.tier in VOLATILE_TIERS and not batch.shared
+        table = self._table
         for entry in batch.entries:
-            found = self.locate(entry.key)
+            found = table.locate(entry.key)
             if found is None:
                 continue
             rec, k = found
@@ -65,12 +61,14 @@ class RemovalRules(InventoryDigests):
             kept = [q for q in old if row_ident(q) != ident]
             if len(kept) == len(old):
                 continue
-            self._preserve(h, rec)
+            table.preserve(h, rec)
             for q in old:
                 if row_ident(q) == ident:
                     self._count(q, -1)
             if not batch.shared:
-                self._xor(batch.instance_id, batch.tier, h, record_keys(rec)[k][0], batch.backend)
+                self._digests.xor(
+                    batch.instance_id, batch.tier, h, record_keys(rec)[k][0], batch.backend
+                )
             keys: list[tuple[int, Placements | None]] = list(record_keys(rec))
             keys[k] = (keys[k][0], pack_placements(kept))
             self._rewrite(h, rec, keys)
@@ -80,12 +78,13 @@ class RemovalRules(InventoryDigests):
     def fence(self, inst: str) -> int:
         """Drop every own L1 placement of ``inst``; returns how many were dropped."""
         dropped = 0
-        counts = self.counts
+        table = self._table
+        counts = table.counts
         for h in counts.l1_chunks.pop(inst, ()):
-            rec = self.parts[h[0]].get(h)
+            rec = table.parts[h[0]].get(h)
             if rec is None:
                 continue
-            self._preserve(h, rec)
+            table.preserve(h, rec)
             keys: list[tuple[int, Placements | None]] = []
             for sid, pls in record_keys(rec):
                 kept = []
@@ -101,7 +100,7 @@ class RemovalRules(InventoryDigests):
         counts.digests.pop((inst, "l1"), None)
         return dropped
 
-    def _drop_unlisted(self, batch: EventBatch, cols: EntryColumns, sids: list[int]) -> int:
+    def drop_unlisted(self, batch: EventBatch, cols: EntryColumns, sids: list[int]) -> int:
         """The removal half of a ``resync`` batch: remove the reporter's own placements on
         the batch's tier under its prefixes that the batch does not list (whatever their
         backend) or lists under another backend. Returns how many were removed."""
@@ -118,7 +117,7 @@ class RemovalRules(InventoryDigests):
 
         removed = 0
         for b in sorted({p[0] for p in prefixes}):
-            part = self.parts[b]
+            part = self._table.parts[b]
             stale = [
                 h
                 for h, rec in part.items()
@@ -135,7 +134,7 @@ class RemovalRules(InventoryDigests):
         self, h: bytes, rec: Record, doomed: Callable[[bytes, int, PlacementRow], bool]
     ) -> int:
         """Remove the chunk's placements ``doomed(h, shape id, row)`` selects."""
-        self._preserve(h, rec)
+        self._table.preserve(h, rec)
         keys: list[tuple[int, Placements | None]] = []
         owners: set[str] = set()
         dropped = 0
@@ -144,7 +143,7 @@ class RemovalRules(InventoryDigests):
             for p in placements_of(pls):
                 if doomed(h, sid, p):
                     self._count(p, -1)
-                    self._xor(row_instance(p), row_tier(p), h, sid, row_backend(p))
+                    self._digests.xor(row_instance(p), row_tier(p), h, sid, row_backend(p))
                     owner = l1_owner(p)
                     if owner is not None:
                         owners.add(owner)
@@ -157,17 +156,8 @@ class RemovalRules(InventoryDigests):
             self._forget_l1_if_gone(owner, h)
         return dropped
 
-    def _preserve(self, h: bytes, rec: Record | None) -> None:
-        """Keep the capture-start record of a chunk about to change (if capturing)."""
-        journal = self.journal
-        if journal is not None:
-            journal.save(h, rec)
-
-    def _namespaces(self, rec: Record) -> set[BlendNamespace]:
-        return self.shapes.namespaces(shape_ids(rec))
-
     def _count(self, p: PlacementRow, sign: int) -> None:
-        counts = self.counts
+        counts = self._table.counts
         counts.placements += sign
         counts.bytes_by_tier[row_tier(p)] += sign * row_size(p)
         module = row_module(p)
@@ -180,27 +170,28 @@ class RemovalRules(InventoryDigests):
     def _rewrite(self, h: bytes, rec: Record, keys: list[tuple[int, Placements | None]]) -> None:
         """Set a chunk's keys (``None`` placements = key gone), keeping key counts, namespace
         claims and the chunk's existence in line. The caller has already preserved the chunk."""
+        table = self._table
         kept: list[KeyPair] = [(sid, pls) for sid, pls in keys if pls is not None]
-        self.counts.keys -= len(keys) - len(kept)
+        table.counts.keys -= len(keys) - len(kept)
         tokens, indexed = record_stored_tokens(rec), record_indexed(rec)
-        if indexed and self.indexing and tokens is not None:
-            left = self.shapes.namespaces([sid for sid, _ in kept])
-            for ns in self._namespaces(rec) - left:
-                self._ops.append(RemoveClaimOp(tokens, h, ns))
-        part = self.parts[h[0]]
+        if indexed and table.indexing and tokens is not None:
+            left = table.shapes.namespaces([sid for sid, _ in kept])
+            table.queue([RemoveClaimOp(tokens, h, ns) for ns in table.namespaces(rec) - left])
+        part = table.parts[h[0]]
         if kept:
             part[h] = make_record(tokens, record_offset(rec), indexed, kept)
         else:
             del part[h]
 
     def _forget_l1_if_gone(self, inst: str, h: bytes) -> None:
-        rec = self.parts[h[0]].get(h)
+        table = self._table
+        rec = table.parts[h[0]].get(h)
         if rec is not None:
             for pls in placement_groups(rec):
                 for p in placements_of(pls):
                     if l1_owner(p) == inst:
                         return
-        l1_chunks = self.counts.l1_chunks
+        l1_chunks = table.counts.l1_chunks
         hs = l1_chunks.get(inst)
         if hs is not None:
             hs.discard(h)

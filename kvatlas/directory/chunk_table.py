@@ -1,13 +1,13 @@
 """Chunk table: every chunk's record, the rules that change them, and what follows from them.
 
-This module holds the table, its reads and its store/access rules; the removal rules
-(``delete``, fencing, a resync's removals) are in :mod:`kvatlas.directory.chunk_removals`, the
-inventory-digest bookkeeping in :mod:`kvatlas.directory.chunk_digests`, and the counts,
-partitions and change journal in :mod:`kvatlas.directory.chunk_counts`.
+This module holds the table, its reads and its store/access rules. Its collaborators are
+given the table (:mod:`~kvatlas.directory.chunk_state`) and own only their own state: the
+removal rules (:mod:`~kvatlas.directory.chunk_removals`), the inventory digests
+(:mod:`~kvatlas.directory.chunk_digests`), the freeing of restored token slabs
+(:mod:`~kvatlas.directory.chunk_slabs`). Counts, partitions, change journal: :mod:`~kvatlas.directory.chunk_counts`.
 
-Invariant: the counters and per-instance L1 chunk sets in
-:class:`~kvatlas.directory.chunk_counts.ChunkCounts` always equal
-what a pass over the records would compute, and every blend-index write a change implies is
+Invariant: the counters and per-instance L1 chunk sets in :class:`~kvatlas.directory.chunk_counts.ChunkCounts`
+always equal what a pass over the records would compute, and every blend-index write a change implies is
 queued (:meth:`ChunkTable.flush_index`) in the order the changes happened, so the directory
 applies a batch's index writes as one. Changes are made under the directory's lock; a change
 either completes or raises before touching anything (the batch was validated when built).
@@ -22,14 +22,14 @@ partition was not captured yet preserves its record (copy-on-write, see
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-
-import numpy as np
+from collections.abc import Iterable, Sequence
 
 from kvatlas.directory.blend import AddColumns, AddOp, BlendIndex, BlendOp, RemoveChunkOp
 from kvatlas.directory.chunk_counts import PARTS, ChangeJournal, ChunkCounts, DigestArray, Partition
-from kvatlas.directory.chunk_slabs import SlabReclaim
-from kvatlas.directory.fresh_chunks import store_fresh
+from kvatlas.directory.chunk_digests import InventoryDigests
+from kvatlas.directory.chunk_removals import RemovalRules
+from kvatlas.directory.chunk_slabs import Reclaim, SlabReclaim
+from kvatlas.directory.fresh_chunks import store_adds, store_fresh
 from kvatlas.directory.records import (
     KeyPlacements,
     Placement,
@@ -55,11 +55,12 @@ from kvatlas.directory.records import (
     row_shared,
     row_size,
     row_tier,
+    shape_ids,
     with_key,
     with_placements_at,
 )
 from kvatlas.directory.reindex import reindex_records
-from kvatlas.directory.shapes import KeyShape, ShapeTable
+from kvatlas.directory.shapes import ShapeTable
 from kvatlas.directory.token_store import (
     StoredTokens,
     TokenSlab,
@@ -70,15 +71,14 @@ from kvatlas.directory.token_store import (
 from kvatlas.errors import Conflict
 from kvatlas.events import UNKNOWN_OFFSET, VOLATILE_TIERS, EventBatch
 from kvatlas.events.columns import EntryColumns
-from kvatlas.events.inventory import xor_elements
 from kvatlas.keys import BlendNamespace, ObjectKey
 
 log = logging.getLogger(__name__)
 
 
-class ChunkTable(SlabReclaim):
+class ChunkTable:
     """Chunk hash → record, with the counts and queued index writes that follow them (the
-    removal rules and digest bookkeeping are its bases)."""
+    :class:`~kvatlas.directory.chunk_state.ChunkState` of its collaborators)."""
 
     def __init__(self, chunk_size: int) -> None:
         self.chunk_size = chunk_size
@@ -87,11 +87,51 @@ class ChunkTable(SlabReclaim):
         self.counts = ChunkCounts()
         self.indexing = False  # whether changes queue blend-index writes
         self.journal: ChangeJournal | None = None  # set while a capture is in progress
-        self.slabs: list[TokenSlab] = []  # restored contents (see token_store.TokenSlab)
-        self._reclaim = None  # a reclaim in progress (SlabReclaim)
-        self.released: list[TokenSlab] = []  # copied out: the index must let go of them too
         self._ops: list[BlendOp] = []
-        self._start_digests(True)
+        self.digests = InventoryDigests(self)
+        self.removals = RemovalRules(self, self.digests)
+        self.reclaim = SlabReclaim(self)
+
+    # ------------------------------------------------------------------ the collaborators' view
+
+    def preserve(self, h: bytes, rec: Record | None) -> None:
+        """Keep the capture-start record of a chunk about to change (if capturing)."""
+        if self.journal is not None:
+            self.journal.save(h, rec)
+
+    def namespaces(self, rec: Record) -> set[BlendNamespace]:
+        return self.shapes.namespaces(shape_ids(rec))
+
+    def queue(self, ops: Iterable[BlendOp]) -> None:
+        self._ops += ops
+
+    @property
+    def slabs(self) -> list[TokenSlab]:  # restored contents' slabs, not being copied out
+        return self.reclaim.slabs
+
+    @property
+    def _reclaim(self) -> Reclaim | None:  # (what the slab tests watch)
+        return self.reclaim.progress
+
+    # ------------------------------------------------------------------ index writes
+
+    def flush_index(self, index: BlendIndex | None) -> None:
+        """Apply the queued index writes to ``index`` (if on), in order, as one batch; then a
+        step of freeing mostly dead token slabs (after the writes, so the views the index let
+        go of count), whose writes (a remove + re-add per content copied) are one more."""
+        self._apply_ops(index)
+        reclaim = self.reclaim
+        if reclaim.active:
+            reclaim.step()
+            self._apply_ops(index)
+            reclaim.release(index)
+
+    def _apply_ops(self, index: BlendIndex | None) -> None:
+        ops = self._ops
+        if ops:
+            self._ops = []
+            if index is not None:
+                index.apply(ops)
 
     # ------------------------------------------------------------------ restore
 
@@ -107,9 +147,9 @@ class ChunkTable(SlabReclaim):
         if self.journal is not None:
             raise Conflict("cannot restore while a snapshot is being taken")
         self.shapes, self.parts, self.counts = shapes, parts, counts
-        self.slabs, self._reclaim, self.released = list(slabs), None, []
+        self.reclaim.restart(slabs)
         self.counts.digests = {}
-        self._start_digests(False)  # digests are built partition by partition, later
+        self.digests.restart(False)  # digests are built partition by partition, later
 
     def reindex(self, index: BlendIndex, adds: AddColumns | None = None) -> None:
         """Add every indexable chunk to ``index`` (fresh: one columnar build, see
@@ -131,10 +171,6 @@ class ChunkTable(SlabReclaim):
         sid = self.shapes.id_of(key)
         k = -1 if sid is None else find_key(rec, sid)
         return None if k < 0 else (rec, k)
-
-    def placements(self, key: ObjectKey) -> tuple[Placement, ...]:
-        found = self.locate(key)
-        return () if found is None else public_placements(placements_at(*found))
 
     def key_placements(self, key: ObjectKey) -> KeyPlacements:
         """The key's placements and its chunk's bound content."""
@@ -187,9 +223,9 @@ class ChunkTable(SlabReclaim):
             n_keys, n_pl, (n_bytes, added) = len(cols), len(cols), fresh
             if added:
                 shapes = self.shapes.shapes
-                self._ops.append(_add_columns(added, cols, stored, sids, shapes, allocated))
+                self._ops.append(store_adds(added, cols, stored, sids, shapes, allocated))
             if dig is not None:
-                pending[self._tag(sids[0], tier, backend)] = cols.chunk_hashes
+                pending[self.digests.tag(sids[0], tier, backend)] = cols.chunk_hashes
             if l1set is not None:
                 l1set.update(cols.chunk_hashes)
         else:
@@ -197,10 +233,7 @@ class ChunkTable(SlabReclaim):
                 batch, cols, sids, stored, allocated, l1set, dig, pending
             )
         if dig is not None:
-            kept = None if self._all_digested else np.frombuffer(self.digested, dtype=np.uint8)
-            for multiplier, hs in pending.items():
-                if hs:
-                    xor_elements(dig, hs, multiplier, kept)
+            self.digests.xor_many(dig, pending.items())
         counts.keys += n_keys
         counts.placements += n_pl
         counts.bytes_by_tier[tier] += n_bytes
@@ -235,6 +268,7 @@ class ChunkTable(SlabReclaim):
         debug = log.isEnabledFor(logging.DEBUG)
         new_own: list[bytes] | None = None
         tag_sid = -1
+        tag = self.digests.tag
         # Every placement added or replaced here has this batch's tier and (for own copies)
         # instance: the counters move by one sum per batch instead of per entry.
         n_keys = n_pl = n_bytes = 0
@@ -256,7 +290,7 @@ class ChunkTable(SlabReclaim):
             if journal is not None:
                 journal.save(h, rec)
             if dig is not None and sid != tag_sid:
-                new_own = pending.setdefault(self._tag(sid, tier, backend), [])
+                new_own = pending.setdefault(tag(sid, tier, backend), [])
                 tag_sid = sid
             if rec is None:  # a new chunk: the common case, without the general bookkeeping
                 # (records are built inline here, as records.new_record builds them: the call
@@ -283,7 +317,7 @@ class ChunkTable(SlabReclaim):
                 queued = len(ops)
                 dk, dp, db = self._store_existing(h, part, rec, sid, p, tokens, offset, debug)
                 if added and len(ops) > queued:  # the adds so far go first, as they happened
-                    ops.insert(queued, _add_columns(added, cols, stored, sids, shapes, allocated))
+                    ops.insert(queued, store_adds(added, cols, stored, sids, shapes, allocated))
                     added = []
                 n_keys += dk
                 n_pl += dp
@@ -293,7 +327,7 @@ class ChunkTable(SlabReclaim):
             if l1set is not None:
                 l1set.add(h)
         if added:
-            ops.append(_add_columns(added, cols, stored, sids, shapes, allocated))
+            ops.append(store_adds(added, cols, stored, sids, shapes, allocated))
         return n_keys, n_pl, n_bytes
 
     def _store_existing(
@@ -315,7 +349,7 @@ class ChunkTable(SlabReclaim):
         new_claim = False
         size = row_size(p)
         if k < 0:
-            new_claim = indexed and self.shapes[sid].namespace not in self._namespaces(rec)
+            new_claim = indexed and self.shapes[sid].namespace not in self.namespaces(rec)
             rec = with_key(rec, sid, p)
             dk, dp, db = 1, 1, size
         else:
@@ -342,11 +376,6 @@ class ChunkTable(SlabReclaim):
             self._ops.append(AddOp(tokens, h, offset, self.shapes[sid].namespace))
         part[h] = rebound(rec, tokens, offset, indexed)
         return dk, dp, db
-
-    def _indexable(self, tokens: StoredTokens, offset: int) -> bool:
-        # offset -1 is never indexed: a match without its stored position would be re-RoPEd
-        # from the wrong place, i.e. wrong KV, which is worse than a miss.
-        return offset != UNKNOWN_OFFSET and token_count(tokens) == self.chunk_size
 
     def _bind(
         self,
@@ -378,16 +407,18 @@ class ChunkTable(SlabReclaim):
             if token_count(tokens) != self.chunk_size:
                 n = token_count(tokens)
                 log.info("chunk %s bound with %d tokens (not indexed)", h.hex(), n)
-        if not self.indexing or not self._indexable(bound, offset):
+        # offset -1 is never indexed: a match without its stored position would be re-RoPEd
+        # from the wrong place, i.e. wrong KV, which is worse than a miss.
+        if not self.indexing or offset == UNKNOWN_OFFSET or token_count(bound) != self.chunk_size:
             return bound, offset, indexed, False
-        self._ops += [AddOp(bound, h, offset, ns) for ns in self._namespaces(rec)]
+        self._ops += [AddOp(bound, h, offset, ns) for ns in self.namespaces(rec)]
         return bound, offset, True, True
 
     def resync(self, batch: EventBatch, cols: EntryColumns, sids: list[int]) -> int:
         """Apply a ``resync`` batch: the reporter's own placements on the batch's tier under
         its prefixes become exactly the listed ones (the others are removed, whatever their
         backend; the listed ones are stored). Returns how many placements were removed."""
-        removed = self._drop_unlisted(batch, cols, sids)
+        removed = self.removals.drop_unlisted(batch, cols, sids)
         self.store(batch, cols, sids)
         return removed
 
@@ -413,34 +444,6 @@ class ChunkTable(SlabReclaim):
             if not any(hit(p) for p in old):
                 continue
             h = entry.key.chunk_hash
-            self._preserve(h, rec)
+            self.preserve(h, rec)
             new = [accessed_at(p, ts) if hit(p) else p for p in old]
             self.parts[h[0]][h] = with_placements_at(rec, k, group_placements(new))
-
-
-def _add_columns(
-    rows: list[int],
-    cols: EntryColumns,
-    stored: list[StoredTokens | None],
-    sids: list[int],
-    shapes: Sequence[KeyShape],
-    allocated: bool,
-) -> AddColumns:
-    """The index adds of entries ``rows`` of a store batch (new chunks, indexed), as columns:
-    their stored arrays, hashes, offsets and namespaces. ``allocated``: the stored arrays were
-    all allocated for this batch (``stored_columns``), so the adds are vouched for (a chunk's
-    indexed array is chunk-sized, its hash 32 exact bytes, its offset known)."""
-    if len(rows) == len(cols) and sids.count(sids[0]) == len(sids):  # every entry, one shape
-        tokens, hashes, offsets = stored, cols.chunk_hashes, cols.token_offsets
-        spaces, which = [shapes[sids[0]].namespace], None
-    else:
-        at = np.array(rows, np.intp)
-        used, which = np.unique(np.asarray(sids, np.intp)[at], return_inverse=True)
-        tokens = list(map(stored.__getitem__, rows))
-        hashes = list(map(cols.chunk_hashes.__getitem__, rows))
-        offsets = cols.token_offsets[at]
-        spaces = [shapes[s].namespace for s in used.tolist()]
-    # entries built from objects: a key's hash may be a ``bytes`` subclass, which the index
-    # would keep by reference unchecked (decoded bodies' hashes are exact ``bytes``)
-    exact = cols.token_objects is None or set(map(type, hashes)) == {bytes}
-    return AddColumns(tokens, hashes, offsets, spaces, which, vouched=allocated and exact)

@@ -7,17 +7,23 @@ tuples, placement rows shared by size, in the same partitions) with C-level maps
 batch's columns, and says which entries the blend index must add. It takes only batches where
 that loop would do nothing else: every entry a chunk the table does not hold, no hash twice,
 one key shape, every entry bound to a whole chunk of tokens (no log line per entry); for any
-other batch it does nothing and the loop runs.
+other batch it does nothing and the loop runs. :func:`store_adds` gives the index adds of a
+store batch's new chunks (either path's) as one :class:`~kvatlas.directory.blend.AddColumns`.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from itertools import compress
 from operator import itemgetter
 
+import numpy as np
+
+from kvatlas.directory.blend import AddColumns
 from kvatlas.directory.chunk_counts import Partition
 from kvatlas.directory.records import placement_row, records_from_columns
+from kvatlas.directory.shapes import KeyShape
 from kvatlas.directory.token_store import StoredTokens
 from kvatlas.events import UNKNOWN_OFFSET, EventBatch
 from kvatlas.events.columns import EntryColumns
@@ -60,3 +66,31 @@ def store_fresh(
     records = records_from_columns(stored, offsets, sids, placements, indexed)
     deque(map(dict.__setitem__, parts_of, hashes, records), maxlen=0)
     return sum(sizes), list(range(n)) if every else list(compress(range(n), indexed))
+
+
+def store_adds(
+    rows: list[int],
+    cols: EntryColumns,
+    stored: list[StoredTokens | None],
+    sids: list[int],
+    shapes: Sequence[KeyShape],
+    allocated: bool,
+) -> AddColumns:
+    """The index adds of entries ``rows`` of a store batch (new chunks, indexed), as columns:
+    their stored arrays, hashes, offsets and namespaces. ``allocated``: the stored arrays were
+    all allocated for this batch (``stored_columns``), so the adds are vouched for (a chunk's
+    indexed array is chunk-sized, its hash 32 exact bytes, its offset known)."""
+    if len(rows) == len(cols) and sids.count(sids[0]) == len(sids):  # every entry, one shape
+        tokens, hashes, offsets = stored, cols.chunk_hashes, cols.token_offsets
+        spaces, which = [shapes[sids[0]].namespace], None
+    else:
+        at = np.array(rows, np.intp)
+        used, which = np.unique(np.asarray(sids, np.intp)[at], return_inverse=True)
+        tokens = list(map(stored.__getitem__, rows))
+        hashes = list(map(cols.chunk_hashes.__getitem__, rows))
+        offsets = cols.token_offsets[at]
+        spaces = [shapes[s].namespace for s in used.tolist()]
+    # entries built from objects: a key's hash may be a ``bytes`` subclass, which the index
+    # would keep by reference unchecked (decoded bodies' hashes are exact ``bytes``)
+    exact = cols.token_objects is None or set(map(type, hashes)) == {bytes}
+    return AddColumns(tokens, hashes, offsets, spaces, which, vouched=allocated and exact)

@@ -161,7 +161,7 @@ class KeyDirectory:
         L2 and shared placements survive. Returns the number of placements dropped."""
         with self._lock:
             try:
-                return self._chunks.fence(instance_id)
+                return self._chunks.removals.fence(instance_id)
             finally:
                 self._flush_index()
                 if self.observer is not None:
@@ -171,7 +171,7 @@ class KeyDirectory:
         """Fence the instance and forget its cursor and capacity declaration."""
         with self._lock:
             try:
-                dropped = self._chunks.fence(instance_id)
+                dropped = self._chunks.removals.fence(instance_id)
             finally:
                 self._flush_index()
                 if self.observer is not None:
@@ -186,11 +186,11 @@ class KeyDirectory:
         cols = cb.entry_columns() if kind in (STORE, RESYNC) else None
         sids = [] if cols is None else chunks.shapes.intern_columns(cols)
         if admission.fence_first:
-            chunks.fence(batch.instance_id)
+            chunks.removals.fence(batch.instance_id)
         if cols is not None:
             (chunks.store if kind == STORE else chunks.resync)(batch, cols, sids)
         elif kind in (DELETE, ACCESS):
-            (chunks.delete if kind == DELETE else chunks.access)(batch)
+            (chunks.removals.delete if kind == DELETE else chunks.access)(batch)
         elif kind == CONFIG:
             self._apply_config(batch)
         self._gate.commit(batch, admission)
@@ -305,18 +305,18 @@ class KeyDirectory:
         """The inventory digest of the instance's own placements on ``tier``: the root digest
         (kept up to date as placements change), or a one-byte prefix's (computed from one
         partition on demand). See :mod:`kvatlas.events.inventory`."""
-        chunks = self._chunks
-        for b in range(len(chunks.digested)):  # after a restore: built on first use
-            if not chunks.digested[b]:
+        digests = self._chunks.digests
+        for b in range(len(digests.digested)):  # after a restore: built on first use
+            if not digests.digested[b]:
                 with self._lock:
-                    chunks.digest_partition(b)
+                    digests.digest_partition(b)
         with self._lock:
             if not prefix:
                 root = self._chunks.counts.digests.get((instance_id, tier))
                 return empty_digest() if root is None else [int(b) for b in root.tolist()]
             if len(prefix) != 1:
                 raise InvalidInput("a digest prefix is empty or one byte")
-            return self._chunks.digest_of_prefix(instance_id, tier, prefix)
+            return digests.digest_of_prefix(instance_id, tier, prefix)
 
     def gap_state(self, instance_id: str) -> EmitterCursor | None:
         """The emitter's cursor with its gap counters (``None`` if unknown)."""
