@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from kvatlas.directory.chunk_counts import PARTS
 from kvatlas.directory.chunk_table import ChunkTable
 from kvatlas.directory.records import (
+    PlacementRow,
     placements_of,
     record_keys,
     record_offset,
@@ -73,6 +74,7 @@ def keys_of_salts(
     directory's order (chunk hash), one partition per lock hold as :func:`bytes_by_salt`."""
     wanted = frozenset(salts)
     out: dict[str, list[SaltKey]] = {}
+    memo: dict[object, tuple[Holder, ...]] = {}
     if not wanted:
         return out
     for b in range(PARTS):
@@ -94,7 +96,17 @@ def keys_of_salts(
                         sum(map(row_size, on_tier)),
                         max(map(row_last_access, rows)),
                         offset // chunk_size if offset >= 0 else 0,
-                        tuple(Holder(row_instance(p), row_shared(p), row_backend(p))
-                              for p in on_tier),
+                        _holders(on_tier, memo),
                     ))  # fmt: skip
     return out
+
+
+def _holders(
+    rows: list[PlacementRow], memo: dict[object, tuple[Holder, ...]]
+) -> tuple[Holder, ...]:
+    """The holders of ``rows``, one tuple shared by every key with the same holders."""
+    ident = tuple([(row_instance(p), row_shared(p), row_backend(p)) for p in rows])
+    found = memo.get(ident)
+    if found is None:
+        found = memo[ident] = tuple(Holder(*i) for i in ident)
+    return found
