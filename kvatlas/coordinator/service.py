@@ -21,6 +21,7 @@ from pathlib import Path
 from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
 from kvatlas.coordinator.cache_control import SECTION, encode_state, restore_section
 from kvatlas.coordinator.cache_control.delivery import MpServers
+from kvatlas.coordinator.cache_control.eviction import EvictionPolicy
 from kvatlas.coordinator.cache_control.fleet import cache_control_of
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.emitters import EmitterBook, emitter_views, instance_views
@@ -107,6 +108,7 @@ class CoordinatorService:
         self.cache_control, self.delivery = cache_control_of(
             config.chunk_size, lambda tokens: scheme.chunk_hashes(tokens), self.instances,
             self.directory, self.metrics.registry, mp_servers,
+            EvictionPolicy(config.eviction_policy),
         )  # fmt: skip
         engines = functools.partial(self.ingest, engine=True)  # they cannot register
         self.kv_events = self.ingestion.kv_events = KvEventsLinks.from_config(

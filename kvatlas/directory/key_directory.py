@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 from kvatlas.checks import is_plain_int
@@ -37,7 +37,7 @@ from kvatlas.directory.records import (
     prefix_summary,
     public_placements,
 )
-from kvatlas.directory.salt_usage import bytes_by_salt
+from kvatlas.directory.salt_usage import SaltKey, bytes_by_salt, keys_of_salts
 from kvatlas.directory.summaries import DirectoryStats, DirectoryUsage, ModuleUsage
 from kvatlas.errors import InvalidInput
 from kvatlas.events import ACCESS, CONFIG, DELETE, RESYNC, STORE, EventBatch
@@ -300,6 +300,11 @@ class KeyDirectory:
         """Bytes of each cache salt's ``tier`` copies (quota usage; one pass, a partition
         per lock hold: :mod:`kvatlas.directory.salt_usage`)."""
         return bytes_by_salt(self._chunks, self._lock, tier)
+
+    def keys_of_salts(self, salts: Collection[str], tier: str = "l2") -> dict[str, list[SaltKey]]:
+        """The ``tier`` keys of ``salts`` with what fleet eviction plans with (one pass, a
+        partition per lock hold: :mod:`kvatlas.directory.salt_usage`)."""
+        return keys_of_salts(self._chunks, self._lock, salts, tier)
 
     def digest(self, instance_id: str, tier: str, prefix: bytes = b"") -> Digest:
         """The inventory digest of the instance's own placements on ``tier``: the root digest

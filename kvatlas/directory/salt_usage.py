@@ -1,17 +1,32 @@
 """Bytes per cache salt on one tier: what a salt's quota is measured against
-(``docs/cache-control.md``). One pass over the records, one partition per hold of the
-directory lock, so ingestion waits at most one partition's pass; a copy in a shared pool is one
-placement and counts once. Read on demand (the quota routes), never on the event path.
+(``docs/cache-control.md``), and the facts about each key of chosen salts that fleet eviction
+plans with. One pass over the records, one partition per hold of the directory lock, so
+ingestion waits at most one partition's pass; a copy in a shared pool is one placement and
+counts once. Read on demand (the quota routes, the eviction pass), never on the event path.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Collection
+from dataclasses import dataclass
 
 from kvatlas.directory.chunk_counts import PARTS
 from kvatlas.directory.chunk_table import ChunkTable
-from kvatlas.directory.records import placements_of, record_keys, row_size, row_tier
+from kvatlas.directory.records import (
+    PlacementRow,
+    placements_of,
+    record_keys,
+    record_offset,
+    row_backend,
+    row_instance,
+    row_last_access,
+    row_shared,
+    row_size,
+    row_tier,
+)
+from kvatlas.keys import ObjectKey
 
 
 def bytes_by_salt(chunks: ChunkTable, lock: threading.Lock, tier: str) -> dict[str, int]:
@@ -26,3 +41,72 @@ def bytes_by_salt(chunks: ChunkTable, lock: threading.Lock, tier: str) -> dict[s
                         if row_tier(p) == tier:
                             out[table[sid].cache_salt] += row_size(p)
     return dict(+out)
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """Who holds one ``tier`` copy: its instance (a shared pool's last reporter), whether a
+    pool shares it, and the backend."""
+
+    instance_id: str
+    shared: bool
+    backend: str
+
+
+@dataclass(frozen=True, slots=True)
+class SaltKey:
+    """One key holding ``tier`` copies: their bytes (what evicting it frees from the salt's
+    usage), its last access on any tier (the newest ``last_access`` of its placements), its
+    chunk's index in its sequence (0 when the offset is unknown) and the holders of the copies.
+    The directory keeps no access count per key (only the newest access of each copy)."""
+
+    key: ObjectKey
+    size_bytes: int
+    last_access: float
+    position: int
+    holders: tuple[Holder, ...]
+
+
+def keys_of_salts(
+    chunks: ChunkTable, lock: threading.Lock, salts: Collection[str], tier: str
+) -> dict[str, list[SaltKey]]:
+    """Each of ``salts``' keys that has ``tier`` copies (salts with none are absent), in the
+    directory's order (chunk hash), one partition per lock hold as :func:`bytes_by_salt`."""
+    wanted = frozenset(salts)
+    out: dict[str, list[SaltKey]] = {}
+    memo: dict[object, tuple[Holder, ...]] = {}
+    if not wanted:
+        return out
+    for b in range(PARTS):
+        with lock:
+            table = chunks.shapes.shapes
+            chunk_size = chunks.chunk_size
+            for h, rec in chunks.parts[b].items():
+                offset = record_offset(rec)
+                for sid, pls in record_keys(rec):
+                    shape = table[sid]
+                    if shape.cache_salt not in wanted:
+                        continue
+                    rows = placements_of(pls)
+                    on_tier = [p for p in rows if row_tier(p) == tier]
+                    if not on_tier:
+                        continue
+                    out.setdefault(shape.cache_salt, []).append(SaltKey(
+                        shape.key(h),
+                        sum(map(row_size, on_tier)),
+                        max(map(row_last_access, rows)),
+                        offset // chunk_size if offset >= 0 else 0,
+                        _holders(on_tier, memo),
+                    ))  # fmt: skip
+    return out
+
+
+def _holders(
+    rows: list[PlacementRow], memo: dict[object, tuple[Holder, ...]]
+) -> tuple[Holder, ...]:
+    """The holders of ``rows``, one tuple shared by every key with the same holders."""
+    ident = tuple([(row_instance(p), row_shared(p), row_backend(p)) for p in rows])
+    found = memo.get(ident)
+    if found is None:
+        found = memo[ident] = tuple(Holder(*i) for i in ident)
+    return found

@@ -141,3 +141,33 @@ def test_deletes_survive_a_node_down_and_a_coordinator_killed_mid_command(
     assert wait_for(lambda: commands(coordinator)[("delete", "completed")] == 3, timeout=90)
     assert tiers(coordinator, DOC2) == [[]] * 3
     assert l2_keys(node) == 0
+
+
+def test_a_zero_quota_evicts_every_unpinned_l2_key(
+    tmp_path: Path, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    """Fleet eviction (issue 30 item 4) across real processes: once the empty salt's quota is
+    0, the loop's next pass (every 5 s) records ``evict`` commands, the node removes the
+    keys from its L2 and the directory follows; the pinned document stays. (Fails on a
+    coordinator whose loop runs no eviction pass.)"""
+    coord_port, node_port = free_port(), free_port()
+    coordinator, node = f"http://127.0.0.1:{coord_port}", f"http://127.0.0.1:{node_port}"
+    procs.append(spawn_coordinator(coord_port, "--chunk-size", str(C)))
+    procs.append(spawn_node(coordinator, node_port, tmp_path / "l2"))
+    pin = {"model_name": "toy", "world_size": 1, "token_ids": [int(t) for t in DOC]}
+    r = httpx.post(f"{coordinator}/cache/pins", json=pin)
+    assert (r.status_code, r.json()["affected"]) == (200, 3), r.text
+    for doc in (DOC, DOC2):
+        store_doc(node, doc)
+    assert wait_for(lambda: tiers(coordinator, DOC2) == [["l1", "l2"]] * 3, timeout=30)
+    assert tiers(coordinator, DOC) == [["l1", "l2"]] * 3 and l2_keys(node) == 6
+    r = httpx.put(f"{coordinator}/quota/_default", json={"limit_gb": 0})
+    assert r.status_code == 200, r.text
+    assert wait_for(lambda: commands(coordinator)[("evict", "completed")] >= 1, timeout=30)
+    assert tiers(coordinator, DOC2) == [["l1"]] * 3  # L2 copies gone; L1 is not the quota's
+    assert tiers(coordinator, DOC) == [["l1", "l2"]] * 3  # pinned: never evicted
+    assert l2_keys(node) == 3  # gone from the node's L2, not only from the view
+    text = httpx.get(f"{coordinator}/metrics").text
+    assert re.search(r'^kvatlas_cache_evicted_bytes_total\{cache_salt="",reason="lru"\} [1-9]',
+                     text, re.M), text  # fmt: skip
+    assert commands(coordinator)[("evict", "failed")] == 0

@@ -15,8 +15,10 @@ LMCache's ``lmcache server``: the same routes) and finishes it from what the dir
 
 The MP-server client is handed in (:data:`MpServers`: ``kvatlas.client.MPServerClient`` in a
 ``kvatlas coordinator`` process; the coordinator does not import the client package). Moves
-are recorded and reported but not carried out here (issue 30 item 5); the fleet eviction
-policies hook in at :meth:`Delivery.run_once` (item 4).
+are recorded and reported but not carried out here (issue 30 item 5). Each pass first runs
+:attr:`Delivery.eviction` (the fleet eviction pass, :mod:`.eviction_loop`, which records
+``evict`` commands: delivered and finished as deletes); an ``evict`` command never sends a key
+pinned since it was recorded.
 """
 
 from __future__ import annotations
@@ -115,6 +117,10 @@ class Delivery:
         self.fleet = fleet
         self.servers = servers
         self._locks = [threading.Lock() for _ in range(_STRIPES)]  # one delivery per command
+        self.eviction: Callable[[], object] | None = None
+        """Run at the start of each pass (the fleet eviction pass, when it is due)."""
+        self.pinned: Callable[[list[ObjectKey]], set[ObjectKey]] = lambda keys: set()
+        """Those of the keys that hold a pin now (an ``evict`` command leaves them out)."""
 
     @property
     def commands(self) -> CommandLog:
@@ -131,9 +137,13 @@ class Delivery:
                 log.exception("cache-control delivery pass failed")
 
     def run_once(self) -> None:
-        """Finish what the directory shows done, deliver what is due, drop old finished
-        commands. (A fleet eviction policy would run here first and record ``evict``
-        commands: issue 30 item 4.)"""
+        """Run the eviction pass if due (it records ``evict`` commands), finish what the
+        directory shows done, deliver what is due, drop old finished commands."""
+        if self.eviction is not None:
+            try:
+                self.eviction()
+            except Exception:  # deliveries go on without it
+                log.exception("fleet eviction pass failed")
         log_ = self.commands
         for c in log_.unfinished():
             if c.state == "sent" or c.kind in ("delete", "evict"):
@@ -174,6 +184,10 @@ class Delivery:
                 return None
             if current.state == "sent" and current.updated_at != command.updated_at:
                 return None  # delivered meanwhile
+            if current.kind == "evict":
+                current = self._unpinned(current)
+                if current is None:
+                    return None
             if current.kind == "prefetch":
                 failure = self._send_prefetch(current)
             else:
@@ -185,6 +199,18 @@ class Delivery:
                 else:
                     self.commands.delivery_failed(command.command_id, error)
         return failure
+
+    def _unpinned(self, c: Command) -> Command | None:
+        """``c`` without the keys pinned since it was recorded (``None``: it had only those,
+        and is completed: nothing is left for it to evict)."""
+        pinned = self.pinned([object_key(k) for k in c.keys])
+        if not pinned:
+            return c
+        keep = tuple(k for k in c.keys if object_key(k) not in pinned)
+        if not keep:
+            self.commands.finish(c.command_id, "completed", "every key was pinned meanwhile")
+            return None
+        return self.commands.progress(c.command_id, keys=keep)
 
     def _send_delete(self, c: Command) -> tuple[str, int | None] | None:
         target = c.targets[0]

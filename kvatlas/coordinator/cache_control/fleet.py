@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 from prometheus_client import CollectorRegistry
 
 from kvatlas.coordinator.cache_control.delivery import Copy, Delivery, MpServers, no_servers
+from kvatlas.coordinator.cache_control.eviction import DEFAULT_POLICY, EvictionPolicy
+from kvatlas.coordinator.cache_control.eviction_loop import FleetEviction
 from kvatlas.coordinator.cache_control.metrics import CacheControlCollector
 from kvatlas.coordinator.cache_control.service import CacheControl
 from kvatlas.coordinator.instances import InstanceRegistry
@@ -64,15 +66,20 @@ def cache_control_of(
     directory: KeyDirectory,
     registry: CollectorRegistry,
     mp_servers: MpServers | None,
+    eviction_policy: EvictionPolicy = DEFAULT_POLICY,
 ) -> tuple[CacheControl, Delivery]:
     """A coordinator's cache control (keys by its own hashing, usage from its directory's L2
     bytes) and its delivery (``mp_servers``: the client commands are delivered with; ``None``:
-    none, they stay pending), its figures on ``registry``."""
+    none, they stay pending), which runs the fleet eviction pass with ``eviction_policy``; its
+    figures on ``registry``."""
     control = CacheControl(
         chunk_size, is_instance=instances.known, usage_by_salt=directory.bytes_by_salt,
         hash_chunks=hash_chunks,
     )  # fmt: skip
     fleet = CoordinatorFleet(instances, directory)
     delivery = Delivery(lambda: control.commands, fleet, mp_servers or no_servers)
-    registry.register(CacheControlCollector(lambda: control, fleet.copy_bytes))
+    eviction = FleetEviction(lambda: control, directory, eviction_policy)
+    delivery.eviction = eviction.maybe_run
+    delivery.pinned = lambda keys: control.pins.pinned(keys)
+    registry.register(CacheControlCollector(lambda: control, fleet.copy_bytes, eviction))
     return control, delivery

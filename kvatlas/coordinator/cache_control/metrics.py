@@ -1,16 +1,20 @@
 """Cache control on ``GET /metrics``, read at scrape time: commands by kind and state
 (:meth:`CommandLog.counts`; every kind and state, 0 when none, so no series vanishes), pinned
-keys and the bytes of their copies (every tier), and each salt's own quota in bytes."""
+keys and the bytes of their copies (every tier), each salt's own quota in bytes, and from the
+fleet eviction passes: each salt's L2 usage at the last pass and its ratio to the limit that
+applies, and the bytes evicted by salt and reason (the policy)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from typing import Any, get_args
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvatlas.coordinator.cache_control.commands import CommandKind, CommandState
+from kvatlas.coordinator.cache_control.eviction import limit_bytes_of
+from kvatlas.coordinator.cache_control.eviction_loop import FleetEviction
 from kvatlas.coordinator.cache_control.quotas import GB
 from kvatlas.coordinator.cache_control.service import CacheControl
 from kvatlas.keys import ObjectKey
@@ -18,10 +22,14 @@ from kvatlas.keys import ObjectKey
 
 class CacheControlCollector(Collector):
     def __init__(
-        self, control: Callable[[], CacheControl], copy_bytes: Callable[[list[ObjectKey]], int]
+        self,
+        control: Callable[[], CacheControl],
+        copy_bytes: Callable[[list[ObjectKey]], int],
+        eviction: FleetEviction | None = None,
     ) -> None:
         self._control = control
         self._copy_bytes = copy_bytes  # bytes of every copy of these keys (the directory's)
+        self._eviction = eviction
 
     def collect(self) -> Iterator[Any]:
         control = self._control()
@@ -47,3 +55,33 @@ class CacheControlCollector(Collector):
         for salt, gb in sorted(control.quotas.limits().items()):
             limits.add_metric([salt], gb * GB)
         yield limits
+        if self._eviction is not None:
+            yield from self._eviction_figures(control, self._eviction)
+
+    @staticmethod
+    def _eviction_figures(control: CacheControl, eviction: FleetEviction) -> Iterator[Any]:
+        usage = GaugeMetricFamily(
+            "kvatlas_quota_usage_bytes", "each salt's L2 bytes at the last eviction pass",
+            labels=["cache_salt"],
+        )  # fmt: skip
+        ratio = GaugeMetricFamily(
+            "kvatlas_quota_usage_ratio",
+            "each salt's L2 bytes at the last eviction pass over the limit that applies to it "
+            "(salts with a limit above 0)",
+            labels=["cache_salt"],
+        )
+        for salt, used in sorted(eviction.usage().items()):
+            usage.add_metric([salt], used)
+            limit = limit_bytes_of(control.quotas, salt)
+            if limit:
+                ratio.add_metric([salt], used / limit)
+        yield usage
+        yield ratio
+        evicted = CounterMetricFamily(
+            "kvatlas_cache_evicted_bytes",
+            "bytes the fleet eviction passes chose to evict, by salt and reason (the policy)",
+            labels=["cache_salt", "reason"],
+        )
+        for (salt, reason), n in sorted(eviction.evicted_bytes().items()):
+            evicted.add_metric([salt, reason], n)
+        yield evicted
