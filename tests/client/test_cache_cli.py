@@ -23,7 +23,7 @@ import pytest
 
 from kvatlas.asgi_thread import free_port
 from kvatlas.cli import main
-from kvatlas.client.cache_cli import _Progress
+from kvatlas.client.cache_actions import _Progress
 from kvatlas.client.cache_client import wait_for_status
 from kvatlas.client.mp_server_client import MPServerClient
 from kvatlas.coordinator.config import CoordinatorConfig
