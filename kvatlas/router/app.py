@@ -28,18 +28,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
 import aiohttp
 import anyio
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from kvatlas.api import InstanceRow
 from kvatlas.auth import Principal, TokenAuth
@@ -58,6 +56,7 @@ from kvatlas.router.policies import (
     Policy,
     uncomputed_tokens,
 )
+from kvatlas.router.replies import Relay, ReplyCut, openai_error, send_openai_error
 from kvatlas.router.tokenizer import PromptTokenizer
 from kvatlas.web import check_declared_length, receive_body
 
@@ -65,11 +64,6 @@ log = logging.getLogger(__name__)
 
 ENGINE_HEADER: Final = "x-kvatlas-engine"
 _ENGINE_HEADER_BYTES: Final = ENGINE_HEADER.encode()
-_ERROR_TYPES: Final = {
-    400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-    404: "NotFoundError", 413: "RequestTooLargeError", 422: "BadRequestError",
-    503: "ServiceUnavailableError",
-}  # fmt: skip
 _FORWARD_REQUEST_HEADERS: Final = (b"content-type", b"accept", b"x-request-id")
 _FORWARD_REPLY_HEADERS: Final = frozenset(
     (b"content-type", b"content-length", b"content-encoding", b"cache-control", b"x-request-id")
@@ -77,37 +71,7 @@ _FORWARD_REPLY_HEADERS: Final = frozenset(
 _MAX_IDLE: Final = 256
 """Idle keep-alive connections kept per engine."""
 _TOKENIZE_IN_THREAD_BYTES: Final = 16_384
-_USAGE_TAIL_BYTES: Final = 16_384
 _json = msgspec.json.Encoder()
-
-
-class _ReplyCut(Exception):
-    """The engine's reply ended before its end (connection closed, read timed out): the
-    client's reply is cut too — its connection closed without the body's end, so the client
-    sees an incomplete reply, never a complete-looking one."""
-
-
-def _error_body(status: int, message: str) -> bytes:
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"),
-                      "param": None, "code": status}}  # fmt: skip
-    return _json.encode(body)
-
-
-def openai_error(status: int, message: str) -> Response:
-    """An OpenAI error object, the shape vLLM answers with."""
-    headers = {"www-authenticate": "Bearer"} if status == 401 else None
-    return Response(_error_body(status, message), status, headers, media_type="application/json")
-
-
-async def send_openai_error(send: Send, status: int, message: str) -> None:
-    """:func:`openai_error`, sent as plain ASGI messages."""
-    body = _error_body(status, message)
-    headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(body)).encode())]  # fmt: skip
-    if status == 401:
-        headers.append((b"www-authenticate", b"Bearer"))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 def _header_map(scope: Scope) -> dict[bytes, bytes]:
@@ -116,25 +80,6 @@ def _header_map(scope: Scope) -> dict[bytes, bytes]:
     for name, value in scope["headers"]:
         found.setdefault(name, value)
     return found
-
-
-def cached_tokens(reply: bytes, stream: bool) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` of a reply (of its last SSE event that
-    has a usage, for a stream); ``None`` when the engine did not say."""
-    candidates = [reply]
-    if stream:
-        events = [e for e in reply.split(b"\n") if e.startswith(b"data: {") and b'"usage"' in e]
-        candidates = [e[len(b"data: ") :] for e in reversed(events)]
-    for text in candidates:
-        try:
-            usage = msgspec.json.decode(text).get("usage") or {}
-            details = usage.get("prompt_tokens_details") or {}
-            value = details.get("cached_tokens")
-        except (msgspec.DecodeError, AttributeError):
-            continue
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return value
-    return None
 
 
 def fits(prompt_tokens: int, max_tokens: int | None, max_model_len: int | None) -> bool:
@@ -327,11 +272,11 @@ class Router:
         out = [(k, v) for k, v in reply.headers if k in _FORWARD_REPLY_HEADERS]
         out.append((_ENGINE_HEADER_BYTES, engine.engine_id.encode()))
         await self._stream(send, receive, reply.status, out,
-                           _Relay(self, engine, reply, req, uncomputed, arrived))  # fmt: skip
+                           Relay(self.engines, self.metrics, self.policy.name, engine, reply, req, uncomputed, arrived))  # fmt: skip
 
     @staticmethod
     async def _stream(send: Send, receive: Receive, status: int,
-                      headers: list[tuple[bytes, bytes]], chunks: _Relay) -> None:  # fmt: skip
+                      headers: list[tuple[bytes, bytes]], chunks: Relay) -> None:  # fmt: skip
         """Send ``chunks`` as they come. A client that leaves cancels this (its ``receive``
         says ``http.disconnect``), which closes the engine's reply in ``chunks``' cleanup:
         what Starlette's StreamingResponse does, with one watcher task instead of a group.
@@ -363,7 +308,7 @@ class Router:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             state["done"] = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except _ReplyCut:
+        except ReplyCut:
             pass  # no end of body: the server closes the client's connection
         except asyncio.CancelledError:
             if not state["left"] or task.uncancel() > 0:
@@ -480,103 +425,3 @@ class Router:
         for engine in self.engines.all():
             self.metrics.in_flight.labels(engine.engine_id).set(engine.in_flight)
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-
-class _Relay:
-    """The engine's body on its way to the client, and the accounting when it ends — however
-    it ends: read whole, cut by the engine (:class:`_ReplyCut` after the last piece that
-    came), or closed unread (the client left, shutdown) — exactly once (:meth:`close`)."""
-
-    def __init__(self, router: Router, engine: Engine, reply: StreamedReply, req: RouteRequest,
-                 uncomputed: int, arrived: float) -> None:  # fmt: skip
-        self.router, self.engine, self.reply, self.req = router, engine, reply, req
-        self.uncomputed, self.arrived = uncomputed, arrived
-        self.first, self.closed = True, False
-        self.kept = bytearray()
-
-    def __aiter__(self) -> _Relay:
-        return self
-
-    async def __anext__(self) -> bytes:
-        try:
-            chunk = await self.reply.read_some()
-        except (OSError, TimeoutError) as exc:
-            self.router.metrics.aborted_streams.inc()
-            log.info("engine %s: reply cut: %r", self.engine.engine_id, exc)
-            self.close()
-            raise _ReplyCut from None
-        if not chunk:
-            self.close(read_whole=True)
-            raise StopAsyncIteration
-        if self.first:
-            self.first = False
-            self.router.engines.first_byte(self.engine, self.uncomputed)
-            self.router.metrics.ttft_seconds.observe(time.perf_counter() - self.arrived)
-        self.kept += chunk
-        if self.req.stream and len(self.kept) > 2 * _USAGE_TAIL_BYTES:
-            del self.kept[:-_USAGE_TAIL_BYTES]
-        return chunk
-
-    def close(self, read_whole: bool = False) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        router, engine, reply = self.router, self.engine, self.reply
-        if self.first:
-            router.engines.first_byte(engine, self.uncomputed)
-        router.engines.finished(engine)
-        router.metrics.e2e_seconds.observe(time.perf_counter() - self.arrived)
-        reply.close()  # a whole reply's connection is back in the pool; any other closed
-        if read_whole and reply.status == 200 and reply.header(b"content-encoding") is None:
-            found = cached_tokens(bytes(self.kept), self.req.stream)
-            if found is not None:
-                router.metrics.engine(engine.engine_id, router.policy.name).reported_reused.inc(
-                    found
-                )
-
-
-_COMPLETION_PATHS: Final[dict[str, Kind]] = {
-    "/v1/completions": "completions", "/v1/chat/completions": "chat",
-}  # fmt: skip
-
-
-class _Completions:
-    """The outermost ASGI layer: ``POST`` to a completion path goes to :meth:`Router.handle`,
-    everything else (other routes, other methods: 405) to Starlette."""
-
-    def __init__(self, app: ASGIApp, router: Router) -> None:
-        self.app = app
-        self.router = router
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            kind = _COMPLETION_PATHS.get(scope["path"])
-            if kind is not None:
-                await self.router.handle(kind, scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def create_app(router: Router) -> ASGIApp:
-    async def completions(_: Request) -> Response:  # only reached by other methods: 405
-        raise AssertionError("POST completions are answered in front of Starlette")
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        await router.start()
-        try:
-            yield
-        finally:
-            await router.stop()
-
-    app = Starlette(
-        routes=[
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/chat/completions", completions, methods=["POST"]),
-            Route("/v1/models", router.models, methods=["GET"]),
-            Route("/healthz", router.healthz, methods=["GET"]),
-            Route("/metrics", router.prometheus, methods=["GET"]),
-        ],
-        lifespan=lifespan,
-    )
-    return _Completions(app, router)

@@ -1,17 +1,76 @@
-"""``kvatlas router``: load the tokenizer, bind the port, serve until SIGINT or SIGTERM."""
+"""``kvatlas router``: the ASGI app (the completion routes answered in front of Starlette, the
+other routes Starlette's), and the process: load the tokenizer, bind the port, serve until
+SIGINT or SIGTERM."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import AsyncIterator
+from typing import Final
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvatlas.asgi_thread import bind_listener, serve
 from kvatlas.logs import configure_logging, uvicorn_log_options
-from kvatlas.router.app import Router, create_app
+from kvatlas.router.app import Router
 from kvatlas.router.config import RouterConfig
+from kvatlas.router.openai_body import Kind
 from kvatlas.router.tokenizer import PromptTokenizer
 from kvatlas.web import is_loopback
 
 log = logging.getLogger(__name__)
+
+
+_COMPLETION_PATHS: Final[dict[str, Kind]] = {
+    "/v1/completions": "completions", "/v1/chat/completions": "chat",
+}  # fmt: skip
+
+
+class _Completions:
+    """The outermost ASGI layer: ``POST`` to a completion path goes to :meth:`Router.handle`,
+    everything else (other routes, other methods: 405) to Starlette."""
+
+    def __init__(self, app: ASGIApp, router: Router) -> None:
+        self.app = app
+        self.router = router
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            kind = _COMPLETION_PATHS.get(scope["path"])
+            if kind is not None:
+                await self.router.handle(kind, scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(router: Router) -> ASGIApp:
+    async def completions(_: Request) -> Response:  # only reached by other methods: 405
+        raise AssertionError("POST completions are answered in front of Starlette")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", completions, methods=["POST"]),
+            Route("/v1/models", router.models, methods=["GET"]),
+            Route("/healthz", router.healthz, methods=["GET"]),
+            Route("/metrics", router.prometheus, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+    )
+    return _Completions(app, router)
 
 
 def build_router(config: RouterConfig) -> Router:

@@ -1,0 +1,128 @@
+"""What the router answers itself and how an engine's reply is relayed: OpenAI error objects
+(the shape vLLM answers with), the engine's body on its way to the client with the accounting
+when it ends (:class:`Relay`), and the cached tokens an engine reports in its reply."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Final
+
+import msgspec
+from starlette.responses import Response
+from starlette.types import Send
+
+from kvatlas.client.keepalive import StreamedReply
+from kvatlas.router.engines import Engine, EngineSet
+from kvatlas.router.metrics import RouterMetrics
+from kvatlas.router.openai_body import RouteRequest
+
+log = logging.getLogger(__name__)
+
+_ERROR_TYPES: Final = {
+    400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+    404: "NotFoundError", 413: "RequestTooLargeError", 422: "BadRequestError",
+    503: "ServiceUnavailableError",
+}  # fmt: skip
+_USAGE_TAIL_BYTES: Final = 16_384
+_json = msgspec.json.Encoder()
+
+
+class ReplyCut(Exception):
+    """The engine's reply ended before its end (connection closed, read timed out): the
+    client's reply is cut too — its connection closed without the body's end, so the client
+    sees an incomplete reply, never a complete-looking one."""
+
+
+def _error_body(status: int, message: str) -> bytes:
+    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"),
+                      "param": None, "code": status}}  # fmt: skip
+    return _json.encode(body)
+
+
+def openai_error(status: int, message: str) -> Response:
+    """An OpenAI error object, the shape vLLM answers with."""
+    headers = {"www-authenticate": "Bearer"} if status == 401 else None
+    return Response(_error_body(status, message), status, headers, media_type="application/json")
+
+
+async def send_openai_error(send: Send, status: int, message: str) -> None:
+    """:func:`openai_error`, sent as plain ASGI messages."""
+    body = _error_body(status, message)
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]  # fmt: skip
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def cached_tokens(reply: bytes, stream: bool) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of a reply (of its last SSE event that
+    has a usage, for a stream); ``None`` when the engine did not say."""
+    candidates = [reply]
+    if stream:
+        events = [e for e in reply.split(b"\n") if e.startswith(b"data: {") and b'"usage"' in e]
+        candidates = [e[len(b"data: ") :] for e in reversed(events)]
+    for text in candidates:
+        try:
+            usage = msgspec.json.decode(text).get("usage") or {}
+            details = usage.get("prompt_tokens_details") or {}
+            value = details.get("cached_tokens")
+        except (msgspec.DecodeError, AttributeError):
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return None
+
+
+class Relay:
+    """The engine's body on its way to the client, and the accounting when it ends — however
+    it ends: read whole, cut by the engine (:class:`ReplyCut` after the last piece that
+    came), or closed unread (the client left, shutdown) — exactly once (:meth:`close`)."""
+
+    def __init__(self, engines: EngineSet, metrics: RouterMetrics, policy: str, engine: Engine,
+                 reply: StreamedReply, req: RouteRequest, uncomputed: int, arrived: float) -> None:  # fmt: skip
+        self.engines, self.metrics, self.policy = engines, metrics, policy
+        self.engine, self.reply, self.req = engine, reply, req
+        self.uncomputed, self.arrived = uncomputed, arrived
+        self.first, self.closed = True, False
+        self.kept = bytearray()
+
+    def __aiter__(self) -> Relay:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            chunk = await self.reply.read_some()
+        except (OSError, TimeoutError) as exc:
+            self.metrics.aborted_streams.inc()
+            log.info("engine %s: reply cut: %r", self.engine.engine_id, exc)
+            self.close()
+            raise ReplyCut from None
+        if not chunk:
+            self.close(read_whole=True)
+            raise StopAsyncIteration
+        if self.first:
+            self.first = False
+            self.engines.first_byte(self.engine, self.uncomputed)
+            self.metrics.ttft_seconds.observe(time.perf_counter() - self.arrived)
+        self.kept += chunk
+        if self.req.stream and len(self.kept) > 2 * _USAGE_TAIL_BYTES:
+            del self.kept[:-_USAGE_TAIL_BYTES]
+        return chunk
+
+    def close(self, read_whole: bool = False) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        engine, reply = self.engine, self.reply
+        if self.first:
+            self.engines.first_byte(engine, self.uncomputed)
+        self.engines.finished(engine)
+        self.metrics.e2e_seconds.observe(time.perf_counter() - self.arrived)
+        reply.close()  # a whole reply's connection is back in the pool; any other closed
+        if read_whole and reply.status == 200 and reply.header(b"content-encoding") is None:
+            found = cached_tokens(bytes(self.kept), self.req.stream)
+            if found is not None:
+                self.metrics.engine(engine.engine_id, self.policy).reported_reused.inc(found)
