@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvatlas.bench.blend import scratch_shapes, window_fingerprints
+from kvatlas.bench.fingerprint_floor import scratch_shapes, window_fingerprints
 from kvatlas.directory import BlendIndex
 from kvatlas.directory.blend import kernels
 from kvatlas.directory.blend.kernels import table
