@@ -67,13 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="cache_action", required=True, metavar="ACTION")
 
     def action(name: str, text: str) -> argparse.ArgumentParser:
-        sub = actions.add_parser(name, help=text, description=text)
-        add_dataclass_arguments(sub, CoordinatorLink, LINK_HELP)
-        sub.add_argument(
-            "--json", type=Path, default=None, metavar="PATH",
-            help="also write the reply as JSON here ('-': to standard output, instead of text)",
-        )  # fmt: skip
-        return sub
+        return _common(actions.add_parser(name, help=text, description=text))
 
     _tokens(action("pin", "pin the keys of tokens (one more pin each; a pinned key is not "
                    "deleted without --force nor evicted)"))  # fmt: skip
@@ -120,13 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     verbs = quota.add_subparsers(dest="quota_action", required=True, metavar="VERB")
 
     def verb(name: str, text: str) -> argparse.ArgumentParser:
-        sub = verbs.add_parser(name, help=text, description=text)
-        add_dataclass_arguments(sub, CoordinatorLink, LINK_HELP)
-        sub.add_argument(
-            "--json", type=Path, default=None, metavar="PATH",
-            help="also write the reply as JSON here ('-': to standard output, instead of text)",
-        )  # fmt: skip
-        return sub
+        return _common(verbs.add_parser(name, help=text, description=text))
 
     salt_help = "the salt ('' names the empty salt)"
     verb("get", "a salt's own quota and its usage").add_argument(
@@ -145,6 +133,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--default-limit-gb", default=None, metavar="GB|none",
         help="the quota of salts without their own ('none': they are exempt)",
     )  # fmt: skip
+
+
+def _common(sub: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every action's flags: where the coordinator is, and ``--json``."""
+    add_dataclass_arguments(sub, CoordinatorLink, LINK_HELP)
+    sub.add_argument(
+        "--json", type=Path, default=None, metavar="PATH",
+        help="also write the reply as JSON here ('-': to standard output, instead of text)",
+    )  # fmt: skip
+    return sub
 
 
 def _tokens(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
