@@ -112,11 +112,10 @@ class L1Cache:
             return True
 
     def _evictable_bytes(self, exclude: ObjectKey) -> int:
-        # O(entries) only on the rare "maybe full of pins" path would be nicer; entries are
-        # MB-sized chunks, so a budget holds thousands at most and this scan is cheap.
-        if not self._pins and not len(self._held):
-            return self._used - (self._entries[exclude].nbytes if exclude in self._entries else 0)
-        return sum(c.nbytes for k, c in self._entries.items() if k != exclude and not self._kept(k))
+        kept = {k for k, n in self._pins.items() if n > 0} | set(self._held)  # O(pins)
+        kept.add(exclude)
+        entries = self._entries
+        return self._used - sum(entries[k].nbytes for k in kept if k in entries)
 
     def _kept(self, key: ObjectKey) -> bool:
         """Not evictable: a transfer holds it or the operator pinned it."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from kvatlas.keys import ObjectKey
 
@@ -36,6 +36,9 @@ class PinnedKeys:
 
     def __len__(self) -> int:
         return len(self._keys)
+
+    def __iter__(self) -> Iterator[ObjectKey]:
+        return iter(self._keys)
 
 
 class PinFollower:

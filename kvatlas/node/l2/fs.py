@@ -10,7 +10,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Container, Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,7 +91,7 @@ class FsL2:
         self._write_lock = threading.Lock()  # serializes puts (write + account + evict)
         self._lru: OrderedDict[ObjectKey, int] = OrderedDict()  # key -> file bytes, LRU first
         # the operator's pins (the node sets it: kvatlas.node.pins); the cap never evicts them
-        self.pinned: Container[ObjectKey] = frozenset()
+        self.pinned: Collection[ObjectKey] = frozenset()
         self._used = 0
         self._scanned = shared  # a shared pool is not this node's to track
         self.root.mkdir(parents=True, exist_ok=True)
@@ -205,10 +205,15 @@ class FsL2:
         """Refuse a put that could only fit by evicting pinned files (nothing is evicted)."""
         if not self.max_bytes or self._used + incoming <= self.max_bytes:
             return
-        evictable = sum(n for k, n in self._lru.items() if k != keep and k not in self.pinned)
-        if self._used - evictable + incoming > self.max_bytes:
+        pins = self.pinned  # one read: the node may replace it meanwhile
+        if not pins:  # the common case costs nothing
+            return
+        kept = sum(self._lru.get(k, 0) for k in pins)  # O(pins), not O(files)
+        if keep not in pins:
+            kept += self._lru.get(keep, 0)
+        if kept + incoming > self.max_bytes:
             raise L2FullOfPins(
-                f"fs L2: {self._used - evictable} of its {self.max_bytes} bytes are pinned; "
+                f"fs L2: {kept} of its {self.max_bytes} bytes are pinned (or being rewritten); "
                 f"a {incoming}-byte chunk does not fit"
             )
 
