@@ -42,28 +42,36 @@ def _file_bytes() -> int:
     return len(encode_chunk(StoredChunk(key, kv, tokens, 1_000_000, "float32")))
 
 
+def spawn_node(coordinator: str, port: int, l2: Path) -> subprocess.Popen[bytes]:
+    """node-a: L1 and L2 each hold six chunks (two documents), not seven."""
+    return spawn_service(
+        ["-m", "kvatlas.cli", "node", "--port", str(port), "--instance-id", "node-a",
+         *toy_node_flags(C), "--l2", "fs", "--l2-path", str(l2),
+         "--l1-bytes", str(6 * CHUNK_BYTES + CHUNK_BYTES // 2),
+         "--l2-max-bytes", str(6 * _file_bytes() + _file_bytes() // 2),
+         "--pin-refresh-interval-s", "0.2", "--coordinator-url", coordinator,
+         "--coordinator-event-reporting"],
+        f"http://127.0.0.1:{port}",
+    )  # fmt: skip
+
+
 @pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[tuple[str, str]]:
-    """A coordinator and node-a: L1 and L2 each hold six chunks (two documents), not seven."""
+def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    try:
+        yield started
+    finally:
+        stop([p for p in started if p.poll() is None])
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, procs: list[subprocess.Popen[bytes]]) -> tuple[str, str]:
+    """A coordinator and node-a (:func:`spawn_node`)."""
     coord_port, node_port = free_port(), free_port()
     coordinator, node = f"http://127.0.0.1:{coord_port}", f"http://127.0.0.1:{node_port}"
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        procs.append(spawn_coordinator(coord_port, "--chunk-size", str(C)))
-        procs.append(
-            spawn_service(
-                ["-m", "kvatlas.cli", "node", "--port", str(node_port), "--instance-id",
-                 "node-a", *toy_node_flags(C), "--l2", "fs", "--l2-path", str(tmp_path / "l2"),
-                 "--l1-bytes", str(6 * CHUNK_BYTES + CHUNK_BYTES // 2),
-                 "--l2-max-bytes", str(6 * _file_bytes() + _file_bytes() // 2),
-                 "--pin-refresh-interval-s", "0.2", "--coordinator-url", coordinator,
-                 "--coordinator-event-reporting"],
-                node,
-            )
-        )  # fmt: skip
-        yield coordinator, node
-    finally:
-        stop([p for p in procs if p.poll() is None])
+    procs.append(spawn_coordinator(coord_port, "--chunk-size", str(C)))
+    procs.append(spawn_node(coordinator, node_port, tmp_path / "l2"))
+    return coordinator, node
 
 
 def store(node: str, doc: list[int]) -> int:
@@ -149,3 +157,15 @@ def test_pinned_document_survives_l1_and_l2_pressure_until_unpinned(
     assert wait_for(lambda: metric(node, "kvatlas_node_pinned_keys") == 3, timeout=30)
     assert node_delete(node, newest, force=True) == {"deleted": 6, "skipped": 0, "ok": True}
     assert not newest & (held(node)["l1"] | held(node)["l2"])
+
+
+def test_a_node_started_before_its_coordinator_learns_its_pins(
+    tmp_path: Path, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    """Any start order: the node registers in the background, then reads its pins."""
+    coord_port, node_port = free_port(), free_port()
+    coordinator, node = f"http://127.0.0.1:{coord_port}", f"http://127.0.0.1:{node_port}"
+    procs.append(spawn_node(coordinator, node_port, tmp_path / "l2"))
+    procs.append(spawn_coordinator(coord_port, "--chunk-size", str(C)))
+    pins(coordinator, DOCS[0])
+    assert wait_for(lambda: metric(node, "kvatlas_node_pinned_keys") == 3, timeout=60)
