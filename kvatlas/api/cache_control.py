@@ -273,6 +273,15 @@ class PinsQuery(msgspec.Struct, forbid_unknown_fields=True):
     limit: int = 1000
 
 
+class NodePinsQuery(msgspec.Struct, forbid_unknown_fields=True):
+    """``GET /instances/{instance_id}/pins``'s query: a node reading its own pins (its model's
+    keys in the salts its token is bound to); ``limit`` 1-10,000 (422 outside)."""
+
+    model_name: str = ""
+    offset: int = 0
+    limit: int = 1000
+
+
 class MoveStatus(msgspec.Struct):
     """``GET /cache/moves/{move_id}``: where a move stands. ``phase``: ``queued`` (recorded,
     not yet carried out), ``loading`` (sent to the target), ``done``; ``requested`` chunks,

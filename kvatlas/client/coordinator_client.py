@@ -30,6 +30,7 @@ from kvatlas.api import (
     decode,
     encode,
 )
+from kvatlas.api.cache_control import MAX_PIN_PAGE, PinRow, PinsReply
 from kvatlas.checks import uint32_token_bytes
 from kvatlas.errors import Unavailable, Unprocessable
 from kvatlas.keys import ObjectKey, check_instance_id
@@ -260,6 +261,21 @@ class CoordinatorClient:
         """``GET /instances``: liveness, cursors and each instance's advertised peer URL."""
         reply: InstancesReply = self._call("GET", "/instances", InstancesReply)
         return reply.instances
+
+    def pins(self, model_name: str = "", page_size: int = MAX_PIN_PAGE) -> list[PinRow]:
+        """``GET /instances/{id}/pins``, every page: this instance's pins (its model's keys in
+        its token's salts), first pinned first."""
+        if self.instance_id is None:
+            raise CoordinatorError("register() first")
+        rows: list[PinRow] = []
+        while True:
+            params = {"model_name": model_name, "offset": len(rows), "limit": page_size}
+            page: PinsReply = self._call(
+                "GET", f"/instances/{self.instance_id}/pins", PinsReply, params=params
+            )
+            rows.extend(page.pins)
+            if not page.pins or len(rows) >= page.total:
+                return rows
 
     def stats(self) -> dict[str, Any]:
         reply: dict[str, Any] = self._call("GET", "/directory/stats")

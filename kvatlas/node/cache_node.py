@@ -61,6 +61,7 @@ from kvatlas.node.inventory import DigestExchange, NodeInventory, ResyncDriver
 from kvatlas.node.l1 import L1Cache
 from kvatlas.node.l2 import FsL2, L2Backend
 from kvatlas.node.metrics import NodeTimings, hit_tokens
+from kvatlas.node.pins import PinnedKeys
 from kvatlas.node.presence import Presence, Tier
 from kvatlas.node.results import BlendRetrieval, Deleted, HeldPlacement, NodeStats, Retrieved
 from kvatlas.node.rope import rerope_k
@@ -99,7 +100,8 @@ class CacheNode:
         self.layout.numpy_dtype()  # bfloat16 loads ml_dtypes now, not inside the first request
         self.scheme = config.scheme
         self.chunk_size = config.chunk_size
-        self.l1 = L1Cache(config.l1_bytes, on_evict=self._on_l1_evict)
+        self.pins = PinnedKeys()  # the operator's pins on this node (kvatlas.node.pins)
+        self.l1 = L1Cache(config.l1_bytes, on_evict=self._on_l1_evict, held=self.pins)
         self.l2 = l2
         self.fleet = fleet
         self.emitter = EventEmitter(sink) if sink is not None else None
@@ -116,7 +118,7 @@ class CacheNode:
         self.presence = Presence(self.index, self.namespace)
         self.writes = TierWrites(
             config, self.l1, l2, self.presence, self.token_cache, self.own, self.emitter,
-            self.counters,
+            self.counters, self.pins,
         )  # fmt: skip
         self.timings = NodeTimings()  # fetch and re-RoPE histograms (node /metrics)
         self.timings.watch(self.scrape)
@@ -373,6 +375,7 @@ class CacheNode:
             "l1_bytes": self.l1.used_bytes,
             "l1_capacity_bytes": self.l1.capacity_bytes,
             "l1_chunks": len(self.l1),
+            "pinned_keys": len(self.pins),
             "outbox": self._sink_stats(),
             "coordinator_failures": self.coordinator_failures(),
         }

@@ -114,6 +114,7 @@ class NodeConfig:
     tracker_memory_bytes: int = 64 * 1024 * 1024
     peer_fetch_deadline_s: float = 2.0
     fleet_refresh_interval_s: float = 10.0
+    pin_refresh_interval_s: float = 5.0
     public_metrics: bool | None = None  # None: public exactly when auth is off
     public_docs: bool | None = None
     l2_max_bytes: int = DEFAULT_L2_MAX_BYTES  # private fs L2 only; 0 = no cap
@@ -199,6 +200,7 @@ class NodeConfig:
             "l2_redis_sweep_interval_s",
             "coordinator_retry_max_s",
             "heartbeat_interval_s",
+            "pin_refresh_interval_s",
         ):
             if not 0 < getattr(self, name) <= 3600:
                 raise ValueError(f"--{name.replace('_', '-')} must be in (0, 3600] seconds")
@@ -379,6 +381,7 @@ _HELP = {
     "tracker_memory_bytes": "memory budget of the request trackers kept between engine calls",
     "peer_fetch_deadline_s": "seconds one fetch from a peer may take in all, however it drips",
     "fleet_refresh_interval_s": "seconds between re-reads of the coordinator's instance list",
+    "pin_refresh_interval_s": "seconds between reads of this node's pins from the coordinator",
     "public_metrics": "serve /metrics without a token (default: only when auth is off)",
     "public_docs": "serve /docs and /openapi.json without a token (default: only when auth is off)",
     "l2_max_bytes": (

@@ -9,6 +9,10 @@ overlapping transfers may pin the same key) and only hold off *eviction*; an exp
 :meth:`L1Cache.remove` still removes a pinned key, because removal is a correctness decision
 (stale or invalidated KV) that no transfer should be able to veto.
 
+The operator's pins (``held``, a :class:`~kvatlas.node.pins.PinnedKeys` the node keeps from the
+coordinator's pin table) hold off eviction the same way, for as long as they last: a put that
+needs their room is refused (counted by the caller), never stored by evicting them.
+
 Semantics chosen for pressure:
 
 * a put that can only make room by evicting pinned entries is **refused** -- nothing is
@@ -36,6 +40,7 @@ from contextlib import contextmanager
 
 from kvatlas.checks import is_plain_int
 from kvatlas.keys import ObjectKey
+from kvatlas.node.pins import PinnedKeys
 from kvatlas.node.stored_chunk import StoredChunk
 
 log = logging.getLogger(__name__)
@@ -49,6 +54,7 @@ class L1Cache:
         capacity_bytes: int,
         *,
         on_evict: Callable[[StoredChunk], None] | None = None,
+        held: PinnedKeys | None = None,
     ) -> None:
         if not is_plain_int(capacity_bytes):
             raise TypeError("capacity_bytes must be an int")
@@ -59,6 +65,7 @@ class L1Cache:
         self._entries: OrderedDict[ObjectKey, StoredChunk] = OrderedDict()  # LRU first
         self._used = 0
         self._pins: Counter[ObjectKey] = Counter()
+        self._held = held if held is not None else PinnedKeys()
         self._lock = threading.Lock()
 
     # -- writes ---------------------------------------------------------------------------
@@ -81,7 +88,7 @@ class L1Cache:
                 for key in list(self._entries):
                     if need <= 0:
                         break
-                    if key == chunk.key or self._pins[key] > 0:
+                    if key == chunk.key or self._kept(key):
                         continue
                     victim = self._entries.pop(key)
                     self._used -= victim.nbytes
@@ -105,13 +112,14 @@ class L1Cache:
             return True
 
     def _evictable_bytes(self, exclude: ObjectKey) -> int:
-        # O(entries) only on the rare "maybe full of pins" path would be nicer; entries are
-        # MB-sized chunks, so a budget holds thousands at most and this scan is cheap.
-        if not self._pins:
-            return self._used - (self._entries[exclude].nbytes if exclude in self._entries else 0)
-        return sum(
-            c.nbytes for k, c in self._entries.items() if k != exclude and self._pins[k] == 0
-        )
+        kept = {k for k, n in self._pins.items() if n > 0} | set(self._held)  # O(pins)
+        kept.add(exclude)
+        entries = self._entries
+        return self._used - sum(entries[k].nbytes for k in kept if k in entries)
+
+    def _kept(self, key: ObjectKey) -> bool:
+        """Not evictable: a transfer holds it or the operator pinned it."""
+        return self._pins[key] > 0 or key in self._held
 
     def _notify(self, evicted: list[StoredChunk]) -> None:
         """Every evicted chunk reaches the callback even if one call fails (an L2 write error
@@ -181,5 +189,6 @@ class L1Cache:
                         del self._pins[key]
 
     def is_pinned(self, key: ObjectKey) -> bool:
+        """A transfer holds ``key`` or the operator pinned it."""
         with self._lock:
-            return self._pins[key] > 0
+            return self._kept(key)

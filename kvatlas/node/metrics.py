@@ -54,6 +54,18 @@ COUNTERS: Mapping[str, tuple[str, str]] = {
         "tokens recomputed although the directory listed them on another instance",
     ),
     "segments_reused": ("kvatlas_node_segments_reused", "blend segments served"),
+    "l1_refused_pinned": (
+        "kvatlas_node_l1_refused_pinned",
+        "stores L1 refused because only pinned chunks could have made room",
+    ),
+    "l2_refused_pinned": (
+        "kvatlas_node_l2_refused_pinned",
+        "writes a capped fs L2 refused because only pinned chunks could have made room",
+    ),
+    "pin_refresh_failures": (
+        "kvatlas_node_pin_refresh_failures",
+        "reads of this node's pins from the coordinator that failed (the last set kept)",
+    ),
 }
 LABELLED: Mapping[str, tuple[str, str, str]] = {
     # counter prefix -> (metric name, label, help)
@@ -132,6 +144,11 @@ class _StateCollector(Collector):
         yield hits
         for name in ("l1_bytes", "l1_capacity_bytes", "l1_chunks"):
             yield GaugeMetricFamily(f"kvatlas_node_{name}", name.replace("_", " "), state[name])
+        yield GaugeMetricFamily(
+            "kvatlas_node_pinned_keys",
+            "keys the coordinator lists as pinned on this node (never evicted here)",
+            state.get("pinned_keys", 0),
+        )
         outbox = state.get("outbox") or {}
         yield GaugeMetricFamily(
             "kvatlas_node_outbox_depth",

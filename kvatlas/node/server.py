@@ -34,8 +34,9 @@ from kvatlas.client import (
 )
 from kvatlas.directory import warm_up_kernels
 from kvatlas.errors import Conflict, KvatlasError
-from kvatlas.keys import KeySchemeMismatch
+from kvatlas.keys import KeySchemeMismatch, ObjectKey
 from kvatlas.logs import configure_logging, uvicorn_log_options
+from kvatlas.node.cache_control import key_of
 from kvatlas.node.cache_node import CacheNode
 from kvatlas.node.config import DEFAULT_L2_MAX_BYTES, NodeConfig
 from kvatlas.node.fleet_view import HttpFleetView
@@ -43,6 +44,7 @@ from kvatlas.node.http_api import create_node_app
 from kvatlas.node.inventory import ResyncDriver
 from kvatlas.node.l2 import FsL2, L2Backend, RedisL2, instance_dir
 from kvatlas.node.metrics import new_boot, value_report
+from kvatlas.node.pins import PinFollower
 from kvatlas.node.registration import (
     Registrar,
     TransportMismatch,
@@ -172,21 +174,29 @@ class NodeProcess:
         if fleet is not None:
             fleet.counters = self.node.counters  # URL refusals beside the node's counters
         self.app = create_node_app(self.node, auth=config.auth(), peer_secret=config.peer_secret())
+        self.pin_follower: PinFollower | None = None
         if self.coordinator is not None:
             start_heartbeat = self._value_reporting(self.coordinator, matcher)
             if not deferred:
                 start_heartbeat()
+                if health.states_hash_scheme:  # LMCache's coordinator keeps no pins to read
+                    self._follow_pins(self.coordinator)
         if deferred:
             assert self.coordinator is not None and instance_id is not None
             node = self.node
 
+            coordinator, kvatlas_coordinator = self.coordinator, [False]
+
             def registered() -> None:
                 start_heartbeat()
                 node.report_inventory()
+                if kvatlas_coordinator[0]:
+                    self._follow_pins(coordinator)
 
             events = transport
 
             def reached(health: HealthReply) -> None:
+                kvatlas_coordinator[0] = health.states_hash_scheme
                 if isinstance(events, HttpTransport):
                     follow_coordinator_format(events, health)
 
@@ -223,6 +233,17 @@ class NodeProcess:
             report=lambda: value_report(boot, node.counters, node.tier_gauges()),
         )
 
+    def _follow_pins(self, coordinator: CoordinatorClient) -> None:
+        """Read this node's pins every ``--pin-refresh-interval-s`` (``kvatlas.node.pins``)."""
+        model = self.config.model_name
+
+        def fetch() -> list[ObjectKey]:
+            return [key_of(row.key) for row in coordinator.pins(model)]
+
+        self.pin_follower = PinFollower(
+            fetch, self.node.pins, self.config.pin_refresh_interval_s, self.node.counters
+        ).start()
+
     def _start_resync(self, *, now: bool) -> ResyncDriver | None:
         """Digest exchanges: ``now`` (the node just registered; a deferred registration asks
         for one itself), every ``--digest-interval-s``, after every re-registration, on the
@@ -249,6 +270,8 @@ class NodeProcess:
         return driver
 
     def close(self) -> None:
+        if self.pin_follower is not None:
+            self.pin_follower.stop()
         if self.resync is not None:
             self.resync.stop()
         if self.registrar is not None:

@@ -19,7 +19,8 @@ from kvatlas.node.config import NodeConfig
 from kvatlas.node.emitter import BatchSink, EventEmitter
 from kvatlas.node.inventory import DigestExchange, NodeInventory, ResyncDriver, resync_sender
 from kvatlas.node.l1 import L1Cache
-from kvatlas.node.l2 import FsL2, L2Backend, L2Unavailable
+from kvatlas.node.l2 import FsL2, L2Backend, L2FullOfPins, L2Unavailable
+from kvatlas.node.pins import PinnedKeys
 from kvatlas.node.presence import L1, L2, Presence, Tier
 from kvatlas.node.results import Deleted, HeldPlacement
 from kvatlas.node.stored_chunk import StoredChunk
@@ -45,8 +46,12 @@ class TierWrites:
         own: NodeInventory,
         emitter: EventEmitter | None,
         counters: Counter[str],
+        pins: PinnedKeys | None = None,
     ) -> None:
         self.config = config
+        self.pins = pins if pins is not None else PinnedKeys()  # the operator's
+        if isinstance(l2, FsL2):  # a capped private L2 never evicts them either
+            l2.pinned = self.pins
         self.layout = config.layout
         self.l1 = l1
         self.l2 = l2
@@ -82,6 +87,8 @@ class TierWrites:
         rejected = self.l1.put(chunk)
         if any(r is chunk for r in rejected):
             self.counters["l1_rejected"] += 1
+            if chunk.nbytes <= self.l1.capacity_bytes:  # it fits an empty L1: pins hold it
+                self.counters["l1_refused_pinned"] += 1
         else:
             with self.report_lock:
                 if self.l1.contains(chunk.key):  # else evicted already, its delete sent
@@ -96,6 +103,10 @@ class TierWrites:
             return
         try:
             self.l2.put(chunk)
+        except L2FullOfPins as exc:
+            self.counters["l2_refused_pinned"] += 1
+            log.warning("L2 write refused for %s: %s", chunk.key.chunk_hash.hex()[:16], exc)
+            return
         except (L2Unavailable, OSError) as exc:
             self.counters["l2_write_failures"] += 1
             log.warning("L2 write failed for %s: %s", chunk.key.chunk_hash.hex()[:16], exc)
@@ -166,10 +177,10 @@ class TierWrites:
             self.emitter.record(event_type, tier, backend, entry, shared=shared)
 
     def delete(self, keys: Sequence[ObjectKey], tiers: frozenset[Tier], *, force: bool) -> Deleted:
-        """Remove ``keys`` from this node's ``tiers``: copies removed (L1 and L2 summed), L1
-        keys left because a transfer holds them (``force`` removes those too), and the error
-        an L2 failure stopped at (the keys after it untouched). Each removal is a ``delete``
-        event, like an eviction."""
+        """Remove ``keys`` from this node's ``tiers``: copies removed (L1 and L2 summed), copies
+        left because a transfer holds them (L1) or the operator pinned them (L1 and L2; ``force``
+        removes those too), and the error an L2 failure stopped at (the keys after it
+        untouched). Each removal is a ``delete`` event, like an eviction."""
         deleted = skipped = 0
         for key in keys:
             if L1 in tiers:
@@ -178,7 +189,11 @@ class TierWrites:
                 elif self.drop_l1(key):
                     deleted += 1
             try:
-                if L2 in tiers and self.l2 is not None and self.drop_l2(key):
+                if L2 not in tiers or self.l2 is None:
+                    continue
+                if not force and key in self.pins:
+                    skipped += self.l2.contains(key)
+                elif self.drop_l2(key):
                     deleted += 1
             except (L2Unavailable, OSError) as exc:
                 self.counters["control_delete_failures"] += 1

@@ -230,3 +230,35 @@ def test_quota_usage_counts_the_directorys_l2_bytes_per_salt() -> None:
         assert listed["total_gb"] == 3 / 1024 and [
             r["cache_salt"] for r in listed["by_cache_salt"]
         ] == ["t"]
+
+
+def test_a_node_reads_its_own_pins_in_its_salts_only(
+    served: tuple[BackgroundServer, httpx.Client],
+) -> None:
+    """``GET /instances/{id}/pins`` (issue 30 item 3: the node learns its pins): a node token
+    reads, for an instance it is bound to, the pins of its salts and no other's; another
+    instance's, a token without ``emit`` or none: refused; nothing changes."""
+    server, c = served
+    admin = bearer(ADMIN)
+    other = [t + 1000 for t in TOKENS]
+    for salt in ("tenant-a", "tenant-b"):
+        assert c.post("/cache/pins", json=fields(salt, token_ids=other), headers=admin).is_success
+    try:
+        before = state(server)
+        r = c.get("/instances/n1/pins", params={"model_name": "m"}, headers=bearer(NODE))
+        assert r.status_code == 200, r.text
+        salts = {row["key"]["cache_salt"] for row in r.json()["pins"]}
+        assert salts == {"tenant-a"} and r.json()["total"] >= 3
+        everything = c.get("/instances/n1/pins", headers=admin).json()
+        assert {row["key"]["cache_salt"] for row in everything["pins"]} >= {"tenant-a", "tenant-b"}
+        paged = c.get("/instances/n1/pins", params={"limit": 1, "offset": 1}, headers=admin)
+        assert paged.json()["pins"] == everything["pins"][1:2]
+        assert_error(c.get("/instances/n3/pins", headers=bearer(NODE)), 403)
+        assert_error(c.get("/instances/n1/pins", headers=bearer(ANY_CACHE)), 403)
+        assert_error(c.get("/instances/n1/pins"), 401)
+        assert_error(c.get("/instances/n1/pins", params={"limit": 0}, headers=admin), 422)
+        assert_error(c.get("/cache/pins", headers=bearer(NODE)), 403)  # still cache's route
+        assert state(server) == before
+    finally:
+        for salt in ("tenant-a", "tenant-b"):
+            c.request("DELETE", "/cache/pins", json=fields(salt, token_ids=other), headers=admin)

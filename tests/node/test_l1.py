@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from kvatlas.keys import ObjectKey
 from kvatlas.node.l1 import L1Cache
+from kvatlas.node.pins import PinnedKeys
 from kvatlas.node.stored_chunk import StoredChunk
 
 
@@ -150,6 +151,22 @@ def test_pinned_entries_survive_pressure_and_full_pin_refuses() -> None:
     assert not l1.is_pinned(key(0))
     assert [c.key for c in l1.put(chunk(6))] == [key(0)]
     assert [c.key for c in seen] == [key(1), key(2), key(0)]  # refusal is not an eviction
+
+
+def test_operator_pins_hold_off_eviction_while_they_last() -> None:
+    """``held`` (the coordinator's pins, as the node keeps them): the LRU passes them by; a put
+    that only they could make room for is refused; replaced by an empty set, they go."""
+    pins = PinnedKeys([key(0)])
+    l1 = L1Cache(300, held=pins)
+    for i in range(3):
+        l1.put(chunk(i))
+    assert l1.is_pinned(key(0)) and not l1.is_pinned(key(1))
+    assert [c.key for c in l1.put(chunk(3))] == [key(1)]
+    pins.replace([key(0), key(2), key(3)])
+    newcomer = chunk(4)
+    assert l1.put(newcomer) == [newcomer] and l1.keys() == [key(0), key(2), key(3)]
+    pins.replace([])
+    assert [c.key for c in l1.put(chunk(4))] == [key(0)]
 
 
 def test_partial_room_from_pins_refuses_without_evicting() -> None:

@@ -23,7 +23,8 @@ from kvatlas.directory import KeyDirectory
 from kvatlas.keys import ObjectKey
 from kvatlas.node.cache_node import CacheNode, HeldPlacement
 from kvatlas.node.config import NodeConfig
-from kvatlas.node.l2 import FsL2, FsL2Stats, L2Unavailable, RedisL2
+from kvatlas.node.l2 import FsL2, FsL2Stats, L2FullOfPins, L2Unavailable, RedisL2
+from kvatlas.node.pins import PinnedKeys
 from kvatlas.node.stored_chunk import StoredChunk, encode_chunk
 from tests.conftest import RedisServer, wait_for
 from tests.helpers import TINY, node_config
@@ -111,6 +112,31 @@ def test_fs_cap_evicts_least_recently_used_first_and_reports_each(tmp_path: Path
     with pytest.raises(L2Unavailable, match="larger than the cap"):
         l2.put(big)
     assert not l2.contains(key(9)) and len(lost) == 2
+
+
+def test_fs_cap_never_evicts_pinned_keys_and_refuses_when_only_pins_would_make_room(
+    tmp_path: Path,
+) -> None:
+    """The operator's pins (``FsL2.pinned``, kept by the node from the coordinator): the cap
+    passes them by; a put that only pinned files could make room for is refused, nothing
+    evicted; unpinned, they go first again."""
+    size = len(encode_chunk(chunk(0)))
+    lost: list[ObjectKey] = []
+    l2 = FsL2(tmp_path, max_bytes=3 * size)
+    l2.attach(lambda c: None, lambda k, cause: lost.append(k))
+    pins = PinnedKeys([key(0)])
+    l2.pinned = pins
+    for i in range(4):
+        l2.put(chunk(i))
+    assert lost == [key(1)]  # 0 is the least recently used, but pinned
+    pins.replace([key(0), key(2), key(3)])
+    with pytest.raises(L2FullOfPins, match="pinned"):
+        l2.put(chunk(4))
+    assert lost == [key(1)] and not l2.contains(key(4))
+    assert all(l2.contains(key(i)) for i in (0, 2, 3))
+    pins.replace([])
+    l2.put(chunk(4))
+    assert lost == [key(1), key(0)]
 
 
 def test_a_put_into_a_full_l2_never_puts_more_than_the_cap_on_disk(

@@ -10,7 +10,7 @@ count reached zero is gone; pinning it again appends it), filtered by salt and m
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 from kvatlas.keys import ObjectKey
 
@@ -53,15 +53,23 @@ class PinTable:
             return {k for k in keys if k in self._counts}
 
     def page(
-        self, cache_salt: str | None, model_name: str | None, offset: int, limit: int
+        self,
+        cache_salt: str | None,
+        model_name: str | None,
+        offset: int,
+        limit: int,
+        *,
+        salts: Container[str] | None = None,
     ) -> tuple[int, list[tuple[ObjectKey, int]]]:
-        """``(total matching, the page's (key, count) rows)``."""
+        """``(total matching, the page's (key, count) rows)``; ``salts`` (``None``: any)
+        narrows further (a salt-bound node token's own)."""
         with self._lock:
             rows = [
                 (k, n)
                 for k, n in self._counts.items()
                 if (cache_salt is None or k.cache_salt == cache_salt)
                 and (model_name is None or k.model_name == model_name)
+                and (salts is None or k.cache_salt in salts)
             ]
         return len(rows), rows[offset : offset + limit]
 

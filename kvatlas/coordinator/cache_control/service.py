@@ -146,6 +146,18 @@ class CacheControl:
         total, rows = self.pins.page(salt, model_name or None, offset, limit)
         return PinsReply(total, [PinRow(wire_key(k), n) for k, n in rows])
 
+    def node_pins(
+        self, salts: frozenset[str] | None, model_name: str, offset: int, limit: int
+    ) -> PinsReply:
+        """A node's read of its pins: ``model_name``'s keys (every model when empty) in
+        ``salts`` (``None``: every salt), first pinned first."""
+        if not 1 <= limit <= MAX_PIN_PAGE:
+            raise Unprocessable(f"limit: Input should be between 1 and {MAX_PIN_PAGE}")
+        if offset < 0:
+            raise Unprocessable("offset: Input should be greater than or equal to 0")
+        total, rows = self.pins.page(None, model_name or None, offset, limit, salts=salts)
+        return PinsReply(total, [PinRow(wire_key(k), n) for k, n in rows])
+
     # ------------------------------------------------------------------ delete, prefetch
 
     def delete(self, body: CoordinatorDeleteBody) -> DeleteOutcome:

@@ -120,6 +120,11 @@ ROUTES: tuple[Route, ...] = (
         "Everything the status page shows, as JSON",
     ),
     Route(
+        "GET", "/instances/{instance_id}/pins", EMIT, cache_control.node_pins,
+        "A node's own pins (its salts), so its LRU and L2 cap keep them",
+        query=cc.NodePinsQuery, reply=cc.PinsReply,
+    ),
+    Route(
         "PUT", "/instances/{instance_id}/report", EMIT, status.report,
         "A node's value counters and tiers", request=bytes, reply=api.ReportReply,
     ),

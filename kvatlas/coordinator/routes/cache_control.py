@@ -24,6 +24,7 @@ from kvatlas.api.cache_control import (
     MoveBody,
     MoveReply,
     MoveStatus,
+    NodePinsQuery,
     PinReply,
     PinsQuery,
     PinsReply,
@@ -78,6 +79,15 @@ async def pins(ctx: Context, call: Call[None, PinsQuery]) -> PinsReply:
     if q.cache_salt:
         _may(call.who, _path_salt(q.cache_salt))
     return ctx.service.cache_control.list_pins(q.cache_salt, q.model_name, q.offset, q.limit)
+
+
+async def node_pins(ctx: Context, call: Call[None, NodePinsQuery]) -> PinsReply:
+    """A node reads its own pins (read-only, the node's ``emit`` token: its instance binding,
+    and only the salts it is bound to), so that its LRU and L2 cap keep them."""
+    call.who.require_instance(call.params["instance_id"])
+    q, who = call.query, call.who
+    salts = None if who.sees_everything else who.cache_salts
+    return ctx.service.cache_control.node_pins(salts, q.model_name, q.offset, q.limit)
 
 
 # ------------------------------------------------------------------ delete, prefetch

@@ -59,6 +59,10 @@ class L2Unavailable(Unavailable):
     An :class:`~kvatlas.errors.Unavailable` (so still a ``RuntimeError``)."""
 
 
+class L2FullOfPins(L2Unavailable):
+    """A capped L2 could only take the chunk by evicting pinned keys: refused, nothing evicted."""
+
+
 def key_digest(key: ObjectKey) -> str:
     """A fixed-length, filesystem- and Redis-safe name for ``key``.
 

@@ -10,7 +10,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +20,7 @@ from kvatlas.node.l2.backend import (
     EVICTED,
     VANISHED,
     FoundCallback,
+    L2FullOfPins,
     L2Unavailable,
     LostCallback,
     decode_for,
@@ -89,6 +90,8 @@ class FsL2:
         self._lock = threading.Lock()  # guards the LRU and the counters
         self._write_lock = threading.Lock()  # serializes puts (write + account + evict)
         self._lru: OrderedDict[ObjectKey, int] = OrderedDict()  # key -> file bytes, LRU first
+        # the operator's pins (the node sets it: kvatlas.node.pins); the cap never evicts them
+        self.pinned: Collection[ObjectKey] = frozenset()
         self._used = 0
         self._scanned = shared  # a shared pool is not this node's to track
         self.root.mkdir(parents=True, exist_ok=True)
@@ -165,9 +168,9 @@ class FsL2:
             with self._write_lock:
                 if not self.shared:  # room first: the disk never holds more than the cap
                     with self._lock:
-                        lost = self._evict_locked(
-                            chunk.key, len(data) - self._lru.get(chunk.key, 0)
-                        )
+                        incoming = len(data) - self._lru.get(chunk.key, 0)
+                        self._refuse_if_pins_fill(chunk.key, incoming)
+                        lost = self._evict_locked(chunk.key, incoming)
                 self._write(path, data)
                 if self.shared:
                     return
@@ -198,12 +201,28 @@ class FsL2:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
 
+    def _refuse_if_pins_fill(self, keep: ObjectKey, incoming: int) -> None:
+        """Refuse a put that could only fit by evicting pinned files (nothing is evicted)."""
+        if not self.max_bytes or self._used + incoming <= self.max_bytes:
+            return
+        pins = self.pinned  # one read: the node may replace it meanwhile
+        if not pins:  # the common case costs nothing
+            return
+        kept = sum(self._lru.get(k, 0) for k in pins)  # O(pins), not O(files)
+        if keep not in pins:
+            kept += self._lru.get(keep, 0)
+        if kept + incoming > self.max_bytes:
+            raise L2FullOfPins(
+                f"fs L2: {kept} of its {self.max_bytes} bytes are pinned (or being rewritten); "
+                f"a {incoming}-byte chunk does not fit"
+            )
+
     def _evict_locked(self, keep: ObjectKey | None, incoming: int = 0) -> list[ObjectKey]:
-        """Delete least-recently-used files (never ``keep``) until ``incoming`` more bytes
-        fit under the cap."""
+        """Delete least-recently-used files (never ``keep`` nor a pinned one) until
+        ``incoming`` more bytes fit under the cap."""
         lost: list[ObjectKey] = []
         while self.max_bytes and self._used + incoming > self.max_bytes:
-            victim = next((k for k in self._lru if k != keep), None)
+            victim = next((k for k in self._lru if k != keep and k not in self.pinned), None)
             if victim is None:
                 break
             self._used -= self._lru.pop(victim)
