@@ -436,7 +436,11 @@ def test_cache_control_fuzz_no_server_errors(
     body = data.draw(bodies[route]) if raw is None else None
     content = msgspec.json.encode(body) if raw is None else raw
     r = client.request(*route, content=content, headers={"content-type": "application/json"})
-    assert r.status_code < 500, (r.status_code, r.text[:300])
+    # the one 5xx by contract: a prefetch for a layout the node does not serve is LMCache's
+    # 503 "no layout registered" (docs/cache-control.md, "What a real lmcache server answers")
+    unserved = r.status_code == 503 and r.json()["detail"].startswith("no layout registered")
+    assert r.status_code < 500 or (route == ("POST", "/cache/prefetches") and unserved), (
+        r.status_code, r.text[:300])  # fmt: skip
     if r.status_code >= 400:
         assert isinstance(r.json()["detail"], str) and r.json()["detail"]
 
