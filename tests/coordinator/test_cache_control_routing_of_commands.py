@@ -221,3 +221,44 @@ def test_the_routes_attempt_and_the_loops_meet_once_and_the_routes_answer_stays_
     failed = delivery.deliver(d)
     assert failed is not None and failed[1] is None and len(servers.calls) == 3
     assert log.get(d.command_id).attempts == 2  # type: ignore[union-attr]
+
+
+def test_a_delete_without_force_never_sends_a_key_pinned_after_it_was_recorded() -> None:
+    """Pins are checked at every delivery, not only when the delete is recorded: a key pinned
+    while the delete waited (its node down, say) is not sent (the node may not have read its
+    pins yet), and a delete left only with pinned keys completes instead of being re-sent
+    forever; ``force`` still reaches a pinned key."""
+    log, fleet, servers, delivery = setup(urls={"a": "http://a"})
+    pinned = {object_key(KEYS[1])}
+    delivery.pinned = lambda keys: pinned & set(keys)
+    sent_keys: list[list[str]] = []
+    inner = servers.__call__
+
+    def recording(url: str) -> MpServer:
+        one = inner(url)
+        delete = one.delete_objects
+
+        def delete_objects(keys: Sequence[EncodedKey], tier: TierName = "all", *,
+                           force: bool = False) -> DeleteObjectsReply:  # fmt: skip
+            sent_keys.append([k.chunk_hash_hex for k in keys])
+            return delete(keys, tier, force=force)
+
+        one.delete_objects = delete_objects  # type: ignore[method-assign]
+        return one
+
+    delivery.servers = recording
+    fleet.held = {object_key(k): [Copy("a", "l2", "fs", False)] for k in KEYS}
+    some = log.new("delete", ["a"], KEYS, tier="l2")
+    delivery.run_once()
+    assert sent_keys == [[KEYS[0].chunk_hash_hex]]  # the pinned key stayed home
+    fleet.held = {object_key(KEYS[1]): [Copy("a", "l2", "fs", False)]}  # the pinned copy stays
+    delivery.run_once()
+    assert log.get(some.command_id).state == "completed"  # type: ignore[union-attr]
+    only_pinned = log.new("delete", ["a"], KEYS[1:], tier="l2")
+    delivery.run_once()
+    assert len(sent_keys) == 1  # nothing sent for it
+    assert log.get(only_pinned.command_id).state == "completed"  # type: ignore[union-attr]
+    forced = log.new("delete", ["a"], KEYS[1:], tier="l2", force=True)
+    delivery.run_once()
+    assert sent_keys[-1] == [KEYS[1].chunk_hash_hex]
+    assert log.get(forced.command_id).state == "sent"  # type: ignore[union-attr]

@@ -184,7 +184,7 @@ class Delivery:
                 return None
             if current.state == "sent" and current.updated_at != command.updated_at:
                 return None  # delivered meanwhile
-            if current.kind == "evict":
+            if current.kind == "evict" or (current.kind == "delete" and not current.force):
                 current = self._unpinned(current)
                 if current is None:
                     return None
@@ -202,7 +202,9 @@ class Delivery:
 
     def _unpinned(self, c: Command) -> Command | None:
         """``c`` without the keys pinned since it was recorded (``None``: it had only those,
-        and is completed: nothing is left for it to evict)."""
+        and is completed: nothing is left for it to remove). Checked at every delivery of an
+        eviction or a delete without ``force``: a node may not have read a new pin yet, and
+        a delete that a node answers by skipping a pinned key would never see it go."""
         pinned = self.pinned([object_key(k) for k in c.keys])
         if not pinned:
             return c
