@@ -82,7 +82,7 @@ class L1Cache:
             old = self._entries.get(chunk.key)
             old_size = old.nbytes if old is not None else 0
             need = self._used - old_size + size - self.capacity_bytes
-            if size > self.capacity_bytes or need > self._evictable_bytes(chunk.key):
+            if size > self.capacity_bytes or (need > 0 and need > self._evictable_bytes(chunk.key)):
                 return [chunk]
             if need > 0:
                 for key in list(self._entries):
