@@ -19,13 +19,14 @@ from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
 from kvatlas.node.cache_node import CacheNode
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.http_api import create_node_app
+from kvatlas.workloads import random_token_ids
 
 C, LAYERS, HEADS, DIM, CHUNKS = 16, 2, 2, 64, 4
 MSGPACK = [(b"content-type", b"application/msgpack"), (b"accept", b"application/msgpack")]
 
 
 def operations() -> dict[str, tuple[str, bytes, list[tuple[bytes, bytes]]]]:
-    tokens = np.arange(CHUNKS * C, dtype="<u4")
+    tokens = random_token_ids(np.random.default_rng(0), CHUNKS * C)  # a 128k-id vocabulary
     kv = np.zeros(2 * LAYERS * HEADS * C * DIM * CHUNKS, dtype=np.float16).tobytes()
     call = {"tokens": tokens.tobytes()}
     keys = [

@@ -24,19 +24,14 @@ import time
 from pathlib import Path
 
 import httpx
-import msgspec
-import numpy as np
+from bench_node_asgi import DIM, HEADS, LAYERS, C, operations  # this script's own folder
 
 from kvatlas.asgi_thread import free_port
 from kvatlas.bench.server_cpu import process_cpu_seconds
-from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
 
-C, LAYERS, HEADS, DIM = 16, 2, 2, 64
 MODEL = ["--model-name", "toy", "--num-layers", str(LAYERS), "--num-kv-heads", str(HEADS),
          "--head-dim", str(DIM), "--chunk-size", str(C), "--dtype", "float16", "--l2", "none",
          "--log-level", "warning"]  # fmt: skip
-CHUNKS = 4
-MSGPACK = {"content-type": "application/msgpack", "accept": "application/msgpack"}
 
 
 def start(tree: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -57,21 +52,11 @@ def start(tree: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 
 def bodies() -> dict[str, tuple[str, bytes, dict[str, str]]]:
-    tokens = np.arange(CHUNKS * C, dtype="<u4")
-    kv = np.zeros(2 * LAYERS * HEADS * C * DIM * CHUNKS, dtype=np.float16).tobytes()
-    call = {"tokens": tokens.tobytes()}
-    keys = [
-        ObjectKey(h, "toy", pack_kv_rank(1, 0, 1, 0), 0, "").to_wire()
-        for h in chunk_hashes(tokens, C)
-    ]
+    """The calls of ``bench_node_asgi.py``, with their headers as a dict (httpx's form)."""
     return {
-        "store": ("/engine/store", msgspec.msgpack.encode({**call, "kv": kv, "n_chunks": CHUNKS}),
-                  MSGPACK),
-        "lookup": ("/engine/lookup", msgspec.msgpack.encode(call), MSGPACK),
-        "retrieve": ("/engine/retrieve", msgspec.msgpack.encode(call), MSGPACK),
-        "peer_fetch": ("/peer/kv", msgspec.json.encode({"keys": keys}),
-                       {"content-type": "application/json"}),
-    }  # fmt: skip
+        op: (path, body, {k.decode(): v.decode() for k, v in headers})
+        for op, (path, body, headers) in operations().items()
+    }
 
 
 def run(client: httpx.Client, pid: int, path: str, body: bytes, headers: dict[str, str],

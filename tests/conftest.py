@@ -18,6 +18,7 @@ from tests.numba_cache import use_keyed_cache
 use_keyed_cache()  # before anything imports numba (tests/numba_cache.py says why)
 
 from kvatlas.asgi_thread import free_port  # noqa: E402
+from kvatlas.processes import stop  # noqa: E402
 from tests.torch_support import torch_import_error, torch_status  # noqa: E402
 
 
@@ -113,6 +114,16 @@ class RedisServer:
     def restart(self) -> None:
         self.stop()
         self.start()
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Processes a test starts (append them): every one still running is stopped after it."""
+    started: list[subprocess.Popen[bytes]] = []
+    try:
+        yield started
+    finally:
+        stop([p for p in started if p.poll() is None])
 
 
 @pytest.fixture(scope="session")

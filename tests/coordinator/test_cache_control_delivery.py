@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import re
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import numpy as np
-import pytest
 
 from kvatlas.asgi_thread import free_port
 from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.node.toy_model import ToyRopeModel
-from kvatlas.processes import spawn_service, stop
+from kvatlas.processes import spawn_service
 from tests.conftest import wait_for
 from tests.helpers import C, node_config, spawn_coordinator, toy_node_flags
 
@@ -71,15 +69,6 @@ def delete_doc(coordinator: str, doc: list[int], tier: str = "all") -> httpx.Res
     body = {"instance_id": "node-a", "model_name": "toy", "world_size": 1,
             "token_ids": [int(t) for t in doc], "tier": tier}  # fmt: skip
     return httpx.post(f"{coordinator}/cache/delete", json=body, timeout=60)
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    try:
-        yield started
-    finally:
-        stop([p for p in started if p.poll() is None])
 
 
 def test_deletes_survive_a_node_down_and_a_coordinator_killed_mid_command(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -23,7 +22,7 @@ from kvatlas.keys import ObjectKey, pack_kv_rank
 from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.node.stored_chunk import StoredChunk, encode_chunk
 from kvatlas.node.toy_model import ToyRopeModel
-from kvatlas.processes import spawn_service, stop
+from kvatlas.processes import spawn_service
 from tests.conftest import wait_for
 from tests.helpers import TOY_LAYOUT, C, spawn_coordinator, toy_node_flags
 
@@ -53,15 +52,6 @@ def spawn_node(coordinator: str, port: int, l2: Path) -> subprocess.Popen[bytes]
          "--coordinator-event-reporting"],
         f"http://127.0.0.1:{port}",
     )  # fmt: skip
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    try:
-        yield started
-    finally:
-        stop([p for p in started if p.poll() is None])
 
 
 @pytest.fixture
