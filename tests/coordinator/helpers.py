@@ -199,21 +199,12 @@ def running(
 
 
 @contextmanager
-def fast_and_routed(
-    app: Callable[[bool], CoordinatorApp],
-) -> Iterator[tuple[httpx.Client, httpx.Client]]:
-    """Clients of two servers of ``app(fast_path)`` (``True``, then ``False``: one request stack
-    either way since the fast paths and the framework became one dispatcher); a route must reply
-    alike on both."""
-    servers = [ThreadedServer(app(fast), port=free_port()) for fast in (True, False)]
-    for server in servers:
-        server.start()
+def serving(app: CoordinatorApp) -> Iterator[httpx.Client]:
+    """A client of ``app`` served on a free loopback port."""
+    server = ThreadedServer(app, port=free_port())
+    server.start()
     try:
-        with (
-            httpx.Client(base_url=servers[0].url) as fast,
-            httpx.Client(base_url=servers[1].url) as routed,
-        ):
-            yield fast, routed
+        with httpx.Client(base_url=server.url) as client:
+            yield client
     finally:
-        for server in servers:
-            server.stop()
+        server.stop()

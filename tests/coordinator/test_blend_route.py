@@ -1,5 +1,5 @@
-"""``POST /directory/blend-lookup`` answers alike on two servers of the one request stack
-(``kvatlas.dispatch``): same handler, same bytes, same errors, whichever server answers."""
+"""``POST /directory/blend-lookup`` over HTTP: the stored chunk found inside a longer query,
+an empty query answered empty, and each bad body a 422 naming what is wrong."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.events import CacheEntry, EventBatch
 from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
-from tests.coordinator.helpers import fast_and_routed
+from tests.coordinator.helpers import serving
 
 TOKENS = list(range(100, 108))
 
 
-def _app(fast_path: bool) -> CoordinatorApp:
+def _app() -> CoordinatorApp:
     service = CoordinatorService(CoordinatorConfig(chunk_size=4, enable_blend_lookup=True))
     key = ObjectKey(chunk_hashes(TOKENS, 4)[0], "m", pack_kv_rank(1, 0, 1, 0))
     entry = CacheEntry(key, 10, TOKENS[:4], 0)
@@ -27,25 +27,35 @@ def _app(fast_path: bool) -> CoordinatorApp:
 
 
 @pytest.fixture(scope="module")
-def clients() -> Iterator[tuple[httpx.Client, httpx.Client]]:
-    with fast_and_routed(_app) as both:
-        yield both
+def client() -> Iterator[httpx.Client]:
+    with serving(_app()) as c:
+        yield c
+
+
+STORED = chunk_hashes(TOKENS, 4)[0].hex()
 
 
 @pytest.mark.parametrize(
-    "body",
+    ("body", "status", "reply"),
     [
-        {"token_ids": [7, *TOKENS], "model_name": "m"},
-        {"token_ids": []},
-        {"token_ids": [1]},
-        {"token_ids": [1], "tokens_b64": "AQAAAA==", "model_name": "m"},
-        {"token_ids": [1], "model_name": "m", "world_size": 0},
-        [1],
+        ({"token_ids": [7, *TOKENS], "model_name": "m"}, 200,
+         {"matches": [{"chunk_hash": STORED, "old_st": 0, "cur_st": 1}],
+          "enable_blend_lookup": True}),
+        ({"token_ids": []}, 200, {"matches": [], "enable_blend_lookup": True}),
+        ({"token_ids": [1]}, 422, "model_name is required"),
+        ({"token_ids": [1], "tokens_b64": "AQAAAA==", "model_name": "m"}, 422, "not both"),
+        ({"token_ids": [1], "model_name": "m", "world_size": 0}, 422, "world_size"),
+        ([1], 422, "Expected `object`"),
     ],
-)
-def test_route_and_fast_path_reply_alike(
-    clients: tuple[httpx.Client, httpx.Client], body: object
+)  # fmt: skip
+def test_blend_lookup_replies(
+    client: httpx.Client, body: object, status: int, reply: dict[str, object] | str
 ) -> None:
-    fast, routed = (c.post("/directory/blend-lookup", json=body) for c in clients)
-    assert (routed.status_code, routed.content) == (fast.status_code, fast.content)
-    assert routed.headers.get("x-kvatlas-blend") == fast.headers.get("x-kvatlas-blend")
+    r = client.post("/directory/blend-lookup", json=body)
+    assert r.status_code == status, r.text
+    if isinstance(reply, str):
+        assert reply in r.json()["detail"]
+        assert "x-kvatlas-blend" not in r.headers
+    else:
+        assert r.json() == reply
+        assert r.headers["x-kvatlas-blend"] == "enabled"
