@@ -5,7 +5,8 @@ The fleet cache holds each complete 512-token block of the trace once per salt (
 pool; which instance holds it does not change what a quota keeps). A request reuses the longest
 run of its leading blocks the cache holds (prefix reuse, as LMCache's lookup stops at the first
 miss), then every complete block it has is stored or touched (a ``store`` or ``access`` event:
-access count + 1, last access = its arrival). Every ``--pass-interval-s`` of trace time the
+last access = its arrival; every key counts one access, as the directory, which keeps no
+count per key, gives the coordinator's loop). Every ``--pass-interval-s`` of trace time the
 planner of ``kvatlas.coordinator.cache_control.eviction`` runs over every salt and its plan is
 applied at once. Tenants: a trace has none, so requests are split into ``--salts`` salts by
 the first block after the prefix every request shares (a shared system prompt is each
@@ -150,7 +151,6 @@ def simulate(trace: Trace, quota: float, planner: Planner, config: EvictionConfi
     present = [np.zeros(n, dtype=bool) for n in trace.slots_per_salt]
     last = [np.zeros(n, dtype=np.float64) for n in trace.slots_per_salt]
     touched = [np.zeros(n, dtype=np.int64) for n in trace.slots_per_salt]  # touch sequence
-    count = [np.zeros(n, dtype=np.int64) for n in trace.slots_per_salt]
     usage = [0] * trace.salts
     limits = [int(quota * n * block_bytes) for n in trace.slots_per_salt]
     sizes = [np.full(n, block_bytes, dtype=np.int64) for n in trace.slots_per_salt]
@@ -168,8 +168,9 @@ def simulate(trace: Trace, quota: float, planner: Planner, config: EvictionConfi
             usage_samples.append(usage[salt] / limits[salt])
             rows = np.flatnonzero(present[salt])
             rows = rows[np.argsort(touched[salt][rows], kind="stable")]
+            # one access per key, as the directory gives the loop (it counts none per key)
             state = SaltState(f"t{salt}", usage[salt], limits[salt], rows.tolist(),
-                              sizes[salt][rows], last[salt][rows], count[salt][rows],
+                              sizes[salt][rows], last[salt][rows], np.ones(len(rows), np.int64),
                               trace.positions[salt][rows], no_pins[salt][rows])  # fmt: skip
             if not triggered(state, config):
                 continue
@@ -198,7 +199,6 @@ def simulate(trace: Trace, quota: float, planner: Planner, config: EvictionConfi
         last[salt][slots] = request.arrival_s
         touched[salt][slots] = np.arange(sequence, sequence + len(slots))
         sequence += len(slots)
-        count[salt][slots] += 1
     return Outcome(
         policy=name,
         quota=quota,
