@@ -91,6 +91,42 @@ class PrefetchStatusReply(msgspec.Struct):
     total_keys: int | msgspec.UnsetType = msgspec.UNSET
 
 
+MAX_HOLD_S: Final = 3600.0
+"""The longest a move's hold may last without being set again (``PUT /cache/holds``)."""
+
+
+class HoldBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``PUT /cache/holds/{hold_id}`` (kvatlas nodes only; a move's target): bring the complete
+    chunks of ``token_ids`` into L1 -- from this node's own L2, else from
+    ``source_instance_id``'s L1, else its private L2 -- and hold every one L1 then has for
+    ``ttl_s`` (its LRU passes them by) until the hold is released or set again."""
+
+    model_name: str
+    world_size: int
+    token_ids: list[int]
+    source_instance_id: str
+    cache_salt: str = ""
+    ttl_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_HOLD_S)] = 600.0
+
+
+class HoldReply(msgspec.Struct):
+    """``held``: the keys L1 holds (and keeps) now; ``missing``: those no tier had (the source
+    lacked them) or L1 had no room for (``no_room`` of them)."""
+
+    hold_id: str
+    held: list[EncodedKey]
+    missing: list[EncodedKey]
+    no_room: int
+
+
+class ReleaseReply(msgspec.Struct):
+    """``DELETE /cache/holds/{hold_id}``: how many keys the hold kept (0: unknown, expired, or
+    released already: a release is idempotent)."""
+
+    hold_id: str
+    released: int
+
+
 class ObjectEntry(msgspec.Struct):
     """One listed object: its key and its stored size."""
 
@@ -283,10 +319,12 @@ class NodePinsQuery(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class MoveStatus(msgspec.Struct):
-    """``GET /cache/moves/{move_id}``: where a move stands. ``phase``: ``queued`` (recorded,
-    not yet carried out), ``loading`` (sent to the target), ``done``; ``requested`` chunks,
-    ``loaded`` keys the target holds, ``missing`` keys it could not load, ``deleted`` source
-    copies removed, ``skipped`` pinned source copies left."""
+    """``GET /cache/moves/{move_id}``: where a move stands. ``phase``: ``queued`` (recorded),
+    ``loading`` (the target is asked to load and hold the keys), ``holding`` (it holds them;
+    waiting for the directory to show them), ``deleting`` (the source's L1 copies),
+    ``done``; ``requested`` chunks, ``loaded`` keys the target holds, ``missing`` keys no
+    tier had (or the target's L1 had no room for), ``deleted`` source copies removed,
+    ``skipped`` pinned source copies left (a move is no forced delete)."""
 
     move_id: str
     source_instance_id: str

@@ -20,9 +20,11 @@ from kvatlas.api.cache_control import (
     ClearReply,
     DeleteObjectsReply,
     EncodedKey,
+    HoldReply,
     ObjectPage,
     PrefetchStatusReply,
     PrefetchSubmitted,
+    ReleaseReply,
     TierName,
 )
 from kvatlas.client.coordinator_client import auth_headers
@@ -72,6 +74,28 @@ class MPServerClient:
             if exc.reply_status == 404:
                 return None
             raise
+
+    def hold(
+        self,
+        hold_id: str,
+        model_name: str,
+        world_size: int,
+        token_ids: Sequence[int],
+        cache_salt: str,
+        source_instance_id: str,
+        ttl_s: float,
+    ) -> HoldReply:
+        """``PUT /cache/holds/{hold_id}`` (a kvatlas node, a move's target): load the keys of
+        ``token_ids`` into L1 (own L2, else ``source_instance_id``'s L1 or L2) and hold them
+        for ``ttl_s``. An LMCache server has no such route (404: it cannot be a target)."""
+        body = {"model_name": model_name, "world_size": world_size,
+                "token_ids": list(token_ids), "cache_salt": cache_salt,
+                "source_instance_id": source_instance_id, "ttl_s": ttl_s}  # fmt: skip
+        return self._call("PUT", f"/cache/holds/{hold_id}", HoldReply, body)
+
+    def release(self, hold_id: str) -> ReleaseReply:
+        """``DELETE /cache/holds/{hold_id}``: the move's keys are the target's LRU's again."""
+        return self._call("DELETE", f"/cache/holds/{hold_id}", ReleaseReply)
 
     def list_objects(
         self, *, page_size: int = 500, page_token: str | None = None, model_name: str | None = None

@@ -31,15 +31,18 @@ from kvatlas.api.cache_control import (
     DeleteObjectsBody,
     DeleteObjectsReply,
     EncodedKey,
+    HoldBody,
+    HoldReply,
     ObjectEntry,
     ObjectPage,
     PrefetchBody,
     PrefetchStatusReply,
     PrefetchSubmitted,
+    ReleaseReply,
     TierName,
 )
 from kvatlas.errors import InvalidInput, NotFound, Unavailable
-from kvatlas.keys import ObjectKey, check_cache_salt, parse_chunk_hash_hex
+from kvatlas.keys import ObjectKey, check_cache_salt, check_instance_id, parse_chunk_hash_hex
 from kvatlas.node.cache_node import CacheNode
 from kvatlas.node.l2 import FsL2, L2Backend, key_digest
 from kvatlas.node.presence import L1, L2, Tier
@@ -50,6 +53,7 @@ _TIERS: Final[dict[TierName, frozenset[Tier]]] = {
     "all": frozenset({L1, L2}),
 }
 log = logging.getLogger(__name__)
+_ID_CHARS: Final = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-"
 _DIGEST_CHARS: Final = 64  # a page token: the key digest the previous page ended at
 
 
@@ -59,6 +63,11 @@ def key_of(wire: EncodedKey) -> ObjectKey:
         parse_chunk_hash_hex(wire.chunk_hash_hex), wire.model_name, wire.kv_rank,
         wire.object_group_id, wire.cache_salt,
     )  # fmt: skip
+
+
+def _check_hold_id(hold_id: str) -> None:
+    if not 0 < len(hold_id) <= 128 or hold_id.strip(_ID_CHARS):
+        raise InvalidInput(f"hold_id must be 1-128 of [A-Za-z0-9_.-], got {hold_id!r:.140}")
 
 
 def wire_key(key: ObjectKey) -> EncodedKey:
@@ -196,6 +205,45 @@ class NodeCacheControl:
 
     def prefetch_status(self, request_id: str) -> PrefetchStatusReply:
         return self.jobs.status(request_id)
+
+    def hold(self, hold_id: str, body: HoldBody) -> HoldReply:
+        """A move's target (``PUT /cache/holds/{hold_id}``): load what L1 lacks and hold it
+        (:meth:`CacheNode.load_and_hold`). 400 a model or world size this node does not
+        serve, a bad id or key field; 503 the source could not be read (asked again later:
+        setting a hold again is idempotent)."""
+        _check_hold_id(hold_id)
+        config = self.node.config
+        if (body.model_name, body.world_size) != (config.model_name, config.world_size):
+            raise InvalidInput(
+                f"this node serves model_name={config.model_name!r} world_size="
+                f"{config.world_size}, not model_name={body.model_name!r} world_size="
+                f"{body.world_size}"
+            )
+        if len(body.token_ids) > MAX_TOKEN_IDS:
+            raise InvalidInput(
+                f"too many token_ids in a single request (limit={MAX_TOKEN_IDS}, got={len(body.token_ids)})"
+            )
+        try:
+            check_cache_salt(body.cache_salt)
+            check_instance_id(body.source_instance_id)
+            tracker = self.node.tracker(token_ids=body.token_ids, cache_salt=body.cache_salt)
+            tracker.chunk_hashes()
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from None
+        done = self.node.load_and_hold(hold_id, tracker, body.source_instance_id, body.ttl_s)
+        if done.source_failure:
+            raise Unavailable(
+                f"{len(done.missing)} keys not loaded: {done.source_failure} (the hold keeps "
+                f"the {len(done.held)} keys L1 has)"
+            )
+        return HoldReply(
+            hold_id, [wire_key(k) for k in done.held],
+            [wire_key(k) for k in done.missing + done.no_room], len(done.no_room),
+        )  # fmt: skip
+
+    def release(self, hold_id: str) -> ReleaseReply:
+        _check_hold_id(hold_id)
+        return ReleaseReply(hold_id, self.node.release_hold(hold_id))
 
     def list_objects(
         self,

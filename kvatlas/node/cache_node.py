@@ -57,13 +57,21 @@ from kvatlas.node.chunk_digest import rejection
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.emitter import BatchSink, EventEmitter
 from kvatlas.node.fleet_view import FleetView
+from kvatlas.node.holds import AnyOf, MoveHolds
 from kvatlas.node.inventory import DigestExchange, NodeInventory, ResyncDriver
 from kvatlas.node.l1 import L1Cache
 from kvatlas.node.l2 import FsL2, L2Backend
 from kvatlas.node.metrics import NodeTimings, hit_tokens
 from kvatlas.node.pins import PinnedKeys
 from kvatlas.node.presence import Presence, Tier
-from kvatlas.node.results import BlendRetrieval, Deleted, HeldPlacement, NodeStats, Retrieved
+from kvatlas.node.results import (
+    BlendRetrieval,
+    Deleted,
+    HeldPlacement,
+    Loaded,
+    NodeStats,
+    Retrieved,
+)
 from kvatlas.node.rope import rerope_k
 from kvatlas.node.segments import Segment
 from kvatlas.node.stored_chunk import StoredChunk
@@ -73,6 +81,9 @@ from kvatlas.node.token_cache import TokenCache
 from kvatlas.node.unified_lookup import NOTHING_FOUND, LookupResult, UnifiedBlendLookup
 
 log = logging.getLogger(__name__)
+MOVE_BATCH = 64
+"""Keys a move's target asks its source for in one peer fetch (each call has the peer
+deadline, ``--peer-fetch-deadline-s``)."""
 
 
 class CacheNode:
@@ -101,7 +112,10 @@ class CacheNode:
         self.scheme = config.scheme
         self.chunk_size = config.chunk_size
         self.pins = PinnedKeys()  # the operator's pins on this node (kvatlas.node.pins)
-        self.l1 = L1Cache(config.l1_bytes, on_evict=self._on_l1_evict, held=self.pins)
+        self.holds = MoveHolds()  # keys moves hold here until the source's copy is gone
+        self.l1 = L1Cache(
+            config.l1_bytes, on_evict=self._on_l1_evict, held=AnyOf(self.pins, self.holds)
+        )
         self.l2 = l2
         self.fleet = fleet
         self.emitter = EventEmitter(sink) if sink is not None else None
@@ -344,6 +358,70 @@ class CacheNode:
                 self.writes.put_l1(chunk)
                 self.counters["prefetched_chunks"] += 1
         return sum(self.l1.contains(key) for key in keys)
+
+    def load_and_hold(
+        self, hold_id: str, tracker: RequestTracker, source: str, ttl_s: float
+    ) -> Loaded:
+        """A move's target: hold the keys of ``tracker``'s complete chunks in L1 for ``ttl_s``
+        (:mod:`kvatlas.node.holds`), loading each one L1 lacks from this node's own L2 (the
+        prefetch path), else from ``source``'s L1, else its private L2 (the peer fetch path,
+        :data:`MOVE_BATCH` keys a call). A chunk from the source must prove its key and
+        tokens (:func:`~kvatlas.node.chunk_digest.rejection`) and is stored with the request's
+        tokens. The hold is set before anything is put (nothing loaded can be evicted before
+        it is held) and ends holding only the keys L1 has."""
+        hashes = tracker.chunk_hashes()
+        tokens = tracker.get_token_ids()
+        keys = [self.key(h, tracker.cache_salt) for h in hashes]
+        c = self.chunk_size
+        windows = {
+            key: np.array(tokens[i * c : (i + 1) * c], dtype=np.uint32)
+            for i, key in enumerate(keys)
+        }
+        self.holds.hold(hold_id, keys, ttl_s)
+        lacking = [k for k in keys if not self.l1.contains(k)]
+        tried: set[ObjectKey] = set()  # came from some tier: put, whether L1 took it or not
+        if lacking and self.l2 is not None:
+            for key, chunk in self.l2.get_many(lacking).items():
+                if self.tiers.usable(chunk):
+                    self.writes.put_l1(chunk)
+                    tried.add(key)
+            lacking = [k for k in lacking if k not in tried]
+        failure = ""
+        if lacking:
+            peer = self.fleet.peer(source) if self.fleet is not None else None
+            if peer is None:
+                failure = f"instance {source!r} is not reachable from this node (no peer URL)"
+            for tier in ("l1", "l2"):
+                if failure or not lacking:
+                    break
+                for start in range(0, len(lacking), MOVE_BATCH):
+                    assert peer is not None
+                    reply = peer.fetch(lacking[start : start + MOVE_BATCH], (tier,))
+                    if reply.failure:
+                        failure = f"fetch from {source!r} failed: {reply.failure}"
+                        break
+                    for key, (chunk, digest) in reply.chunks.items():
+                        window = windows.get(key)
+                        if window is None or not self.tiers.usable(chunk):
+                            continue
+                        cause = rejection(key, chunk, digest, window)
+                        if cause is not None:
+                            self.counters[cause] += 1
+                            continue
+                        self.writes.put_l1(StoredChunk(
+                            key, chunk.kv, window, chunk.token_offset, chunk.kv_dtype
+                        ))  # fmt: skip
+                        tried.add(key)
+                        self.counters["moved_in_chunks"] += 1
+                lacking = [k for k in lacking if k not in tried]
+        held = [k for k in keys if self.l1.contains(k)]
+        self.holds.hold(hold_id, held, ttl_s)
+        no_room = [k for k in keys if k in tried and not self.l1.contains(k)]
+        return Loaded(held, lacking, no_room, failure)
+
+    def release_hold(self, hold_id: str) -> int:
+        """End a move's hold: its keys are L1's LRU's again. Returns how many it kept."""
+        return self.holds.release(hold_id)
 
     # ------------------------------------------------------------------ inventory
 

@@ -10,8 +10,9 @@ overlapping transfers may pin the same key) and only hold off *eviction*; an exp
 (stale or invalidated KV) that no transfer should be able to veto.
 
 The operator's pins (``held``, a :class:`~kvatlas.node.pins.PinnedKeys` the node keeps from the
-coordinator's pin table) hold off eviction the same way, for as long as they last: a put that
-needs their room is refused (counted by the caller), never stored by evicting them.
+coordinator's pin table, joined with the moves' :class:`~kvatlas.node.holds.MoveHolds`) hold
+off eviction the same way, for as long as they last: a put that needs their room is refused
+(counted by the caller), never stored by evicting them.
 
 Semantics chosen for pressure:
 
@@ -40,6 +41,7 @@ from contextlib import contextmanager
 
 from kvatlas.checks import is_plain_int
 from kvatlas.keys import ObjectKey
+from kvatlas.node.holds import KeptKeys
 from kvatlas.node.pins import PinnedKeys
 from kvatlas.node.stored_chunk import StoredChunk
 
@@ -54,7 +56,7 @@ class L1Cache:
         capacity_bytes: int,
         *,
         on_evict: Callable[[StoredChunk], None] | None = None,
-        held: PinnedKeys | None = None,
+        held: KeptKeys | None = None,
     ) -> None:
         if not is_plain_int(capacity_bytes):
             raise TypeError("capacity_bytes must be an int")
@@ -65,7 +67,7 @@ class L1Cache:
         self._entries: OrderedDict[ObjectKey, StoredChunk] = OrderedDict()  # LRU first
         self._used = 0
         self._pins: Counter[ObjectKey] = Counter()
-        self._held = held if held is not None else PinnedKeys()
+        self._held: KeptKeys = held if held is not None else PinnedKeys()
         self._lock = threading.Lock()
 
     # -- writes ---------------------------------------------------------------------------

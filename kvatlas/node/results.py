@@ -55,6 +55,17 @@ class Deleted(NamedTuple):
     error: str | None = None
 
 
+class Loaded(NamedTuple):
+    """What :meth:`CacheNode.load_and_hold` did: the keys L1 holds (and keeps) now, those no
+    tier had, those L1 had no room for, and why the source could not be read (``""``: it
+    answered)."""
+
+    held: list[ObjectKey]
+    missing: list[ObjectKey]
+    no_room: list[ObjectKey]
+    source_failure: str = ""
+
+
 @dataclass(frozen=True, slots=True)
 class NodeStats:
     """A node's state at one instant. ``local_index`` is the local blend index's stats;

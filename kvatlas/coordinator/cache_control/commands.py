@@ -30,9 +30,14 @@ from typing import Final, Literal
 import msgspec
 
 from kvatlas.api.cache_control import EncodedKey, TierName
+from kvatlas.keys import ObjectKey, parse_chunk_hash_hex
 
 CommandKind = Literal["delete", "evict", "prefetch", "move"]
 CommandState = Literal["pending", "sent", "completed", "failed"]
+MovePhase = Literal["queued", "loading", "holding", "deleting", "done"]
+"""Where a move stands (``docs/cache-control.md``, "Moves"): recorded; asking the target to
+load and hold the keys; the target holds them, the directory does not show them yet; deleting
+the source's L1 copies (only those the target holds); finished."""
 FINISHED: Final = frozenset({"completed", "failed"})
 
 
@@ -56,6 +61,21 @@ class Command(msgspec.Struct, frozen=True, kw_only=True):
     found_keys: int | None = None  # a completed prefetch: how many keys the target holds
     token_ids: tuple[int, ...] = ()  # a prefetch's tokens (an MP server resolves its keys)
     world_size: int = 1
+    # a move's progress (found_keys: the keys the target holds)
+    keep_source: bool = False  # a copy: the source's copies stay
+    phase: MovePhase = "queued"
+    missing: int = 0  # keys neither the target's tiers nor the source had
+    deleted: int = 0  # source copies removed
+    skipped: int = 0  # source copies left: pinned
+    moving: tuple[int, ...] = ()  # indices in ``keys`` of the source copies being deleted
+
+
+def object_key(k: EncodedKey) -> ObjectKey:
+    """A command's wire key as the directory's key."""
+    return ObjectKey(
+        parse_chunk_hash_hex(k.chunk_hash_hex), k.model_name, k.kv_rank, k.object_group_id,
+        k.cache_salt,
+    )  # fmt: skip
 
 
 class Retry(msgspec.Struct, frozen=True):

@@ -15,7 +15,8 @@ LMCache's ``lmcache server``: the same routes) and finishes it from what the dir
 
 The MP-server client is handed in (:data:`MpServers`: ``kvatlas.client.MPServerClient`` in a
 ``kvatlas coordinator`` process; the coordinator does not import the client package). Moves
-are recorded and reported but not carried out here (issue 30 item 5). Each pass first runs
+follow their own protocol (:mod:`.moves`: load and hold on the target, then delete the
+source's copies). Each pass first runs
 :attr:`Delivery.eviction` (the fleet eviction pass, :mod:`.eviction_loop`, which records
 ``evict`` commands: delivered and finished as deletes); an ``evict`` command never sends a key
 pinned since it was recorded.
@@ -32,13 +33,16 @@ from typing import Protocol, TypeVar
 from kvatlas.api.cache_control import (
     DeleteObjectsReply,
     EncodedKey,
+    HoldReply,
     PrefetchStatusReply,
     PrefetchSubmitted,
+    ReleaseReply,
     TierName,
 )
-from kvatlas.coordinator.cache_control.commands import Command, CommandLog
+from kvatlas.coordinator.cache_control.commands import Command, CommandLog, object_key
+from kvatlas.coordinator.cache_control.moves import MoveSteps
 from kvatlas.errors import Unavailable
-from kvatlas.keys import ObjectKey, parse_chunk_hash_hex
+from kvatlas.keys import ObjectKey
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,6 +62,19 @@ class MpServer(Protocol):
     ) -> PrefetchSubmitted: ...
 
     def prefetch_status(self, request_id: str) -> PrefetchStatusReply | None: ...
+
+    def hold(
+        self,
+        hold_id: str,
+        model_name: str,
+        world_size: int,
+        token_ids: Sequence[int],
+        cache_salt: str,
+        source_instance_id: str,
+        ttl_s: float,
+    ) -> HoldReply: ...
+
+    def release(self, hold_id: str) -> ReleaseReply: ...
 
     def close(self) -> None: ...
 
@@ -98,13 +115,6 @@ class Fleet(Protocol):
     def copies(self, keys: Sequence[ObjectKey]) -> list[list[Copy]]: ...
 
 
-def object_key(k: EncodedKey) -> ObjectKey:
-    return ObjectKey(
-        parse_chunk_hash_hex(k.chunk_hash_hex), k.model_name, k.kv_rank, k.object_group_id,
-        k.cache_salt,
-    )  # fmt: skip
-
-
 def _failure(exc: Unavailable) -> tuple[str, int | None]:
     return str(exc), getattr(exc, "reply_status", None)
 
@@ -121,6 +131,7 @@ class Delivery:
         """Run at the start of each pass (the fleet eviction pass, when it is due)."""
         self.pinned: Callable[[list[ObjectKey]], set[ObjectKey]] = lambda keys: set()
         """Those of the keys that hold a pin now (an ``evict`` command leaves them out)."""
+        self.moves = MoveSteps(self)
 
     @property
     def commands(self) -> CommandLog:
@@ -149,8 +160,7 @@ class Delivery:
             if c.state == "sent" or c.kind in ("delete", "evict"):
                 self.check(c)
         for c in log_.due():
-            if c.kind != "move":  # moves: recorded and reported, carried out by item 5
-                self.deliver(c)
+            self.deliver(c)
         log_.prune()
 
     def instance_back(self, instance_id: str) -> None:
@@ -158,13 +168,17 @@ class Delivery:
         a backoff that grew while it was down."""
         log_ = self.commands
         for c in log_.unfinished():
-            if c.state == "pending" and instance_id in c.targets:
+            if c.state == "pending" and (instance_id in c.targets or c.source == instance_id):
                 log_.due_now(c.command_id)
 
     def instance_left(self, instance_id: str) -> list[Command]:
-        """The instance deregistered: every unfinished command that needs it fails."""
+        """The instance deregistered: every unfinished command that needs it fails (but a move
+        whose target holds the keys already: the source's copies went with it, the next
+        attempt completes it)."""
         failed = []
         for c in self.commands.unfinished():
+            if c.source == instance_id and c.phase in ("holding", "deleting"):
+                continue
             if instance_id in c.targets or c.source == instance_id:
                 reason = f"instance {instance_id!r} deregistered"
                 failed.append(self.commands.finish(c.command_id, "failed", reason))
@@ -190,6 +204,8 @@ class Delivery:
                     return None
             if current.kind == "prefetch":
                 failure = self._send_prefetch(current)
+            elif current.kind == "move":
+                failure = self.moves.send(current)
             else:
                 failure = self._send_delete(current)
             if failure is not None:
@@ -276,6 +292,9 @@ class Delivery:
         """Finish ``c`` if the directory (and, for a prefetch, its instance) shows it done."""
         if c.kind == "prefetch":
             self._check_prefetch(c)
+            return
+        if c.kind == "move":
+            self.moves.check(c)
             return
         if c.kind not in ("delete", "evict"):
             return

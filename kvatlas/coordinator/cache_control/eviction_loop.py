@@ -26,8 +26,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Mapping
 from typing import Protocol
 
-from kvatlas.coordinator.cache_control.commands import Command
-from kvatlas.coordinator.cache_control.delivery import object_key
+from kvatlas.coordinator.cache_control.commands import Command, object_key
 from kvatlas.coordinator.cache_control.eviction import (
     EvictionConfig,
     EvictionPolicy,

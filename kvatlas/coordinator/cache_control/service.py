@@ -211,8 +211,8 @@ class CacheControl:
         )
 
     def move(self, body: MoveBody) -> tuple[MoveReply, Command | None]:
-        """Validate a move and record it (the L1 -> L1 protocol that never leaves zero copies
-        is the delivery loop's: load on the target, hold it, then delete the source)."""
+        """Validate a move and record it; the delivery loop carries it out (:mod:`.moves`:
+        load and hold on the target, then delete the source's L1 copies)."""
         source, target = body.source_instance_id, body.target_instance_id
         if source == target:
             raise InvalidInput(f"source and target are the same instance ({source!r})")
@@ -223,26 +223,25 @@ class CacheControl:
             return MoveReply("", source, target, 0, "noop"), None
         command = self.commands.new(
             "move", [target], [wire_key(k) for k in found.keys], tier="l1", source=source,
-            force=not body.keep_source,  # a move deletes the source's copy; a copy keeps it
+            keep_source=body.keep_source,
             token_ids=tuple(body.token_ids[: found.chunks * self.chunk_size]),
             world_size=body.world_size,
         )  # fmt: skip
         return MoveReply(command.command_id, source, target, found.chunks, "pending"), command
 
     def move_status(self, move_id: str) -> MoveStatus:
-        """A recorded move (404 an id that is not one; kept ``retention_s`` after it ends)."""
+        """A recorded move (404 an id that is not one; kept ``retention_s`` after it ends).
+        ``error``: why it failed, or while pending why its last attempt stopped."""
         c = self.commands.get(move_id)
         if c is None or c.kind != "move":
             raise NotFound(f"unknown move_id={move_id!r}")
-        loaded = c.found_keys or 0
         status: Literal["pending", "completed", "failed"] = (
             "pending" if c.state in ("pending", "sent") else c.state  # type: ignore[assignment]
         )
-        phase = {"pending": "queued", "sent": "loading"}.get(c.state, "done")
-        missing = len(c.keys) - loaded if c.state == "completed" else 0
         return MoveStatus(
-            c.command_id, c.source, c.targets[0], status, phase,
-            len(c.keys) // max(c.world_size, 1), loaded, missing, 0, 0, c.last_error or None,
+            c.command_id, c.source, c.targets[0], status, c.phase,
+            len(c.keys) // max(c.world_size, 1), c.found_keys or 0, c.missing, c.deleted,
+            c.skipped, c.last_error or None,
         )  # fmt: skip
 
     def _require_instance(self, instance_id: str) -> None:

@@ -25,11 +25,14 @@ from kvatlas.api.cache_control import (
     ClearReply,
     DeleteObjectsBody,
     DeleteObjectsReply,
+    HoldBody,
+    HoldReply,
     ObjectPage,
     ObjectsQuery,
     PrefetchBody,
     PrefetchStatusReply,
     PrefetchSubmitted,
+    ReleaseReply,
 )
 from kvatlas.api.engine import (
     BlendLookupReply,
@@ -133,6 +136,12 @@ ROUTES: tuple[Route, ...] = (
           "A prefetch's status", reply=PrefetchStatusReply),
     Route("GET", "/cache/objects", ADMIN, cache_control.list_objects,
           "One page of the L2 backend's keys", query=ObjectsQuery, reply=ObjectPage),
+    # a move's target (kvatlas's coordinator; docs/cache-control.md, "Moves")
+    Route("PUT", "/cache/holds/{hold_id}", ADMIN, cache_control.hold,
+          "Load a move's keys into L1 (own L2, else the source's L1 or L2) and hold them",
+          request=bytes, reply=HoldReply, body=_cache_bytes, docs=json_body(HoldBody)),
+    Route("DELETE", "/cache/holds/{hold_id}", ADMIN, cache_control.release,
+          "Release a move's hold (idempotent)", reply=ReleaseReply),
     Route("POST", "/cache/clear", ADMIN, cache_control.clear, "Empty L1 (body optional)",
           request=bytes, reply=ClearReply, body=_cache_bytes, docs=json_body(ClearBody, False)),
     Route("GET", "/metrics", METRICS, ops.metrics, "Prometheus metrics", media_type="text/plain",

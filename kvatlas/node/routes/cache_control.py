@@ -16,11 +16,14 @@ from kvatlas.api.cache_control import (
     ClearReply,
     DeleteObjectsBody,
     DeleteObjectsReply,
+    HoldBody,
+    HoldReply,
     ObjectPage,
     ObjectsQuery,
     PrefetchBody,
     PrefetchStatusReply,
     PrefetchSubmitted,
+    ReleaseReply,
 )
 from kvatlas.node.routes.context import Context
 from kvatlas.routing import Call
@@ -66,3 +69,12 @@ async def list_objects(context: Context, call: Call[None, ObjectsQuery]) -> Obje
 async def clear(context: Context, call: Call[None, None]) -> ClearReply:
     body = decode(call.raw, ClearBody) if call.raw.strip() else ClearBody()
     return await run_in_threadpool(context.cache_control.clear, body)
+
+
+async def hold(context: Context, call: Call[None, None]) -> HoldReply:
+    body = decode(call.raw, HoldBody)
+    return await run_in_threadpool(context.cache_control.hold, call.params["hold_id"], body)
+
+
+async def release(context: Context, call: Call[None, None]) -> ReleaseReply:
+    return await run_in_threadpool(context.cache_control.release, call.params["hold_id"])

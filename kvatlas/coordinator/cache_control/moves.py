@@ -1,0 +1,131 @@
+"""Moves L1 -> L1 between two nodes, carried out so that the fleet never holds zero copies of a
+key, even when the coordinator is killed mid-move (``docs/cache-control.md``, "Moves").
+
+Each attempt of a ``move`` command runs the whole protocol from the start, and every step is
+idempotent, so a move restored from a snapshot (or delivered again) resumes from whatever its
+last recorded phase was:
+
+1. ``loading``: ``PUT /cache/holds/{move_id}`` on the target loads the keys its L1 lacks (its
+   own L2 first, then the source's L1, then the source's private L2: the node's prefetch and
+   peer fetch paths) and *holds* every key its L1 has (its LRU passes them by) for
+   :data:`HOLD_TTL_S`. Its reply names the keys held and those no tier had (``missing``).
+2. ``holding``: the source's copies are deleted only once the directory shows the target's
+   L1 copies of the held keys (the target's ``store`` events came in, so routers and lookups
+   never see zero copies either); until then the attempt is retried with backoff.
+3. ``deleting``: ``DELETE /cache/objects`` (``tier`` ``l1``, never ``force``) on the source,
+   of the held keys only, without those pinned now (``skipped``: a move is no forced
+   delete); done when the directory shows none of those source copies in L1.
+4. ``done``: the hold is released (``DELETE /cache/holds/{move_id}``; if that fails the hold
+   ends by itself after :data:`HOLD_TTL_S`).
+
+The source's delete comes only after a hold the target confirmed in the same attempt, so a
+target that restarted meanwhile (and lost its L1) is found out before anything is deleted. A
+source that is not registered has no L1 copies left to delete (they went with its process).
+With ``keep_source`` the move is a copy: steps 2-3 are skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Final
+
+from kvatlas.api.cache_control import MAX_DELETE_KEYS, DeleteObjectsReply, EncodedKey
+from kvatlas.coordinator.cache_control.commands import Command, object_key
+from kvatlas.errors import Unavailable
+
+if TYPE_CHECKING:
+    from kvatlas.coordinator.cache_control.delivery import Delivery, MpServer
+
+HOLD_TTL_S: Final = 600.0
+"""How long a target holds a move's keys after each attempt set the hold: far longer than a
+retry's backoff (60 s at most) or a ``sent`` command's wait for its events (30 s)."""
+Failure = tuple[str, int | None]
+
+
+def _failure(exc: Unavailable) -> Failure:
+    return str(exc), getattr(exc, "reply_status", None)
+
+
+def _delete_l1(keys: list[EncodedKey]) -> Callable[[MpServer], DeleteObjectsReply]:
+    return lambda server: server.delete_objects(keys, "l1")
+
+
+class MoveSteps:
+    """One attempt of a move (:meth:`send`) and its completion (:meth:`check`), over the
+    delivery's commands, fleet view, MP-server clients and pins."""
+
+    def __init__(self, delivery: Delivery) -> None:
+        self.d = delivery
+
+    def send(self, c: Command) -> Failure | None:
+        """Steps 1-3 (the module docstring); ``None`` when the attempt went as far as it
+        could (or finished the move), else why it stopped (retried with backoff; a 4xx
+        fails the move)."""
+        log, fleet = self.d.commands, self.d.fleet
+        target, source = c.targets[0], c.source
+        url = fleet.url_of(target)
+        if url is None:
+            return f"target {target!r} is not registered (or gave no http_port)", None
+        if c.phase == "queued":
+            c = log.progress(c.command_id, phase="loading")
+        key = c.keys[0]
+        try:
+            reply = self.d.call(url, lambda s: s.hold(
+                c.command_id, key.model_name, c.world_size, c.token_ids, key.cache_salt,
+                source, HOLD_TTL_S,
+            ))  # fmt: skip
+        except Unavailable as exc:
+            return _failure(exc)
+        index = {object_key(k): i for i, k in enumerate(c.keys)}
+        held = sorted({index[k] for k in map(object_key, reply.held) if k in index})
+        c = log.progress(c.command_id, phase="holding", found_keys=len(held),
+                         missing=len(reply.missing))  # fmt: skip
+        if c.keep_source:
+            self._done(c, url)
+            return None
+        copies = fleet.copies([object_key(c.keys[i]) for i in held])
+        if not all(any(cp.tier == "l1" and cp.instance_id == target for cp in cps)
+                   for cps in copies):  # fmt: skip
+            return f"the directory does not show {target!r}'s copies yet", None
+        pinned = self.d.pinned([object_key(c.keys[i]) for i in held])
+        moving = tuple(i for i in held if object_key(c.keys[i]) not in pinned)
+        c = log.progress(c.command_id, phase="deleting", moving=moving,
+                         skipped=len(held) - len(moving))  # fmt: skip
+        source_url = fleet.url_of(source)
+        if source_url is None:  # its L1 copies went with its process
+            self._done(c, url)
+            return None
+        deleted = 0
+        for start in range(0, len(moving), MAX_DELETE_KEYS):
+            batch = [c.keys[i] for i in moving[start : start + MAX_DELETE_KEYS]]
+            try:
+                done = self.d.call(source_url, _delete_l1(batch))
+            except Unavailable as exc:
+                return _failure(exc)
+            deleted += done.deleted
+        log.progress(c.command_id, deleted=c.deleted + deleted)
+        log.delivered(c.command_id)
+        return None
+
+    def check(self, c: Command) -> None:
+        """A ``sent`` move (``deleting``): done once the directory shows none of the source's
+        L1 copies it deletes (or the source is not registered: they went with it)."""
+        if c.state != "sent" or c.phase != "deleting":
+            return
+        fleet = self.d.fleet
+        if fleet.url_of(c.source) is not None:
+            keys = [object_key(c.keys[i]) for i in c.moving]
+            for cps in fleet.copies(keys):
+                if any(cp.tier == "l1" and cp.instance_id == c.source for cp in cps):
+                    return
+        self._done(c, fleet.url_of(c.targets[0]))
+
+    def _done(self, c: Command, target_url: str | None) -> None:
+        """Release the hold (best effort: it expires by itself) and complete the move."""
+        if target_url is not None:
+            with contextlib.suppress(Unavailable):
+                self.d.call(target_url, lambda s: s.release(c.command_id))
+        log = self.d.commands
+        log.progress(c.command_id, phase="done")
+        log.finish(c.command_id, "completed", found_keys=c.found_keys)
