@@ -344,12 +344,9 @@ def test_moves_are_validated_before_anything_is_recorded() -> None:
     assert control.commands.counts() == {}
     reply, command = control.move(MoveBody(**base, source_instance_id="a", target_instance_id="b"))  # type: ignore[arg-type]
     assert (reply.requested, reply.status) == (2, "pending") and command is not None
-    assert (command.kind, command.source, command.targets, command.force) == (
-        "move",
-        "a",
-        ("b",),
-        True,
-    )
+    # a move deletes the source's copies (keep_source false), never forced past a pin
+    assert (command.kind, command.source, command.targets) == ("move", "a", ("b",))
+    assert (command.keep_source, command.force, command.phase) == (False, False, "queued")
 
 
 def test_the_coordinator_goldens_quota_and_pin_exchanges_replay_through_the_service() -> None:

@@ -27,27 +27,82 @@ With ``keep_source`` the move is a copy: steps 2-3 are skipped.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Final
+from collections.abc import Callable, Sequence
+from typing import Final, Protocol, TypeVar
 
-from kvatlas.api.cache_control import MAX_DELETE_KEYS, DeleteObjectsReply, EncodedKey
-from kvatlas.coordinator.cache_control.commands import Command, object_key
+from kvatlas.api.cache_control import (
+    MAX_DELETE_KEYS,
+    DeleteObjectsReply,
+    EncodedKey,
+    HoldReply,
+    ReleaseReply,
+    TierName,
+)
+from kvatlas.coordinator.cache_control.commands import Command, CommandLog, object_key
 from kvatlas.errors import Unavailable
-
-if TYPE_CHECKING:
-    from kvatlas.coordinator.cache_control.delivery import Delivery, MpServer
+from kvatlas.keys import ObjectKey
 
 HOLD_TTL_S: Final = 600.0
 """How long a target holds a move's keys after each attempt set the hold: far longer than a
 retry's backoff (60 s at most) or a ``sent`` command's wait for its events (30 s)."""
 Failure = tuple[str, int | None]
+T = TypeVar("T")
+
+
+class MoveServer(Protocol):
+    """The MP-server calls a move makes (``delivery.MpServer`` has them)."""
+
+    def delete_objects(
+        self, keys: Sequence[EncodedKey], tier: TierName = "all", *, force: bool = False
+    ) -> DeleteObjectsReply: ...
+
+    def hold(
+        self,
+        hold_id: str,
+        model_name: str,
+        world_size: int,
+        token_ids: Sequence[int],
+        cache_salt: str,
+        source_instance_id: str,
+        ttl_s: float,
+    ) -> HoldReply: ...
+
+    def release(self, hold_id: str) -> ReleaseReply: ...
+
+
+class Placement(Protocol):
+    @property
+    def instance_id(self) -> str: ...
+
+    @property
+    def tier(self) -> str: ...
+
+
+class MoveFleet(Protocol):
+    def url_of(self, instance_id: str) -> str | None: ...
+
+    def copies(self, keys: Sequence[ObjectKey]) -> Sequence[Sequence[Placement]]: ...
+
+
+class Carrier(Protocol):
+    """What a move reads and calls of the delivery (``delivery.Delivery`` is one)."""
+
+    @property
+    def commands(self) -> CommandLog: ...
+
+    @property
+    def fleet(self) -> MoveFleet: ...
+
+    def call(self, url: str, call: Callable[[MoveServer], T]) -> T: ...
+
+    def pinned(self, keys: list[ObjectKey]) -> set[ObjectKey]: ...
 
 
 def _failure(exc: Unavailable) -> Failure:
     return str(exc), getattr(exc, "reply_status", None)
 
 
-def _delete_l1(keys: list[EncodedKey]) -> Callable[[MpServer], DeleteObjectsReply]:
+def _delete_l1(keys: list[EncodedKey]) -> Callable[[MoveServer], DeleteObjectsReply]:
     return lambda server: server.delete_objects(keys, "l1")
 
 
@@ -55,7 +110,7 @@ class MoveSteps:
     """One attempt of a move (:meth:`send`) and its completion (:meth:`check`), over the
     delivery's commands, fleet view, MP-server clients and pins."""
 
-    def __init__(self, delivery: Delivery) -> None:
+    def __init__(self, delivery: Carrier) -> None:
         self.d = delivery
 
     def send(self, c: Command) -> Failure | None:
