@@ -84,6 +84,8 @@ log = logging.getLogger(__name__)
 MOVE_BATCH = 64
 """Keys a move's target asks its source for in one peer fetch (each call has the peer
 deadline, ``--peer-fetch-deadline-s``)."""
+MOVE_FLUSH_S = 2.0
+"""How long a move's load waits for its store events to be delivered before it replies."""
 
 
 class CacheNode:
@@ -416,6 +418,11 @@ class CacheNode:
                 lacking = [k for k in lacking if k not in tried]
         held = [k for k in keys if self.l1.contains(k)]
         self.holds.hold(hold_id, held, ttl_s)
+        if tried:  # the store events go out before the reply: the source's delete waits on them
+            self.flush_events()
+            delivered = getattr(self._sink, "flush", None)
+            if callable(delivered):
+                delivered(MOVE_FLUSH_S)
         no_room = [k for k in keys if k in tried and not self.l1.contains(k)]
         return Loaded(held, lacking, no_room, failure)
 
@@ -454,6 +461,7 @@ class CacheNode:
             "l1_capacity_bytes": self.l1.capacity_bytes,
             "l1_chunks": len(self.l1),
             "pinned_keys": len(self.pins),
+            "held_keys": len(self.holds),
             "outbox": self._sink_stats(),
             "coordinator_failures": self.coordinator_failures(),
         }

@@ -67,6 +67,9 @@ class MoveHolds:
         return iter(self._keys)
 
     def __len__(self) -> int:
+        if self._clock() >= self._next_expiry:
+            with self._lock:
+                self._rebuild()
         return len(self._keys)
 
     def holds(self) -> int:

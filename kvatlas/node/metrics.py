@@ -149,6 +149,11 @@ class _StateCollector(Collector):
             "keys the coordinator lists as pinned on this node (never evicted here)",
             state.get("pinned_keys", 0),
         )
+        yield GaugeMetricFamily(
+            "kvatlas_node_held_keys",
+            "keys moves hold in L1 here until their source's copy is deleted (never evicted)",
+            state.get("held_keys", 0),
+        )
         outbox = state.get("outbox") or {}
         yield GaugeMetricFamily(
             "kvatlas_node_outbox_depth",
