@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +28,12 @@ from kvatlas.asgi_thread import free_port
 from kvatlas.cli import main
 from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.node.toy_model import ToyRopeModel
-from kvatlas.processes import spawn_service, spawn_services
+from kvatlas.processes import spawn_service, spawn_services, stop
 from tests.conftest import wait_for
 from tests.helpers import C, node_config, spawn_coordinator, toy_node_flags
 
-DOCS = [[int(t) for t in np.random.default_rng(50 + n).integers(0, 500, 3 * C)] for n in range(5)]
-"""Five documents of three chunks."""
+DOCS = [[int(t) for t in np.random.default_rng(50 + n).integers(0, 500, 3 * C)] for n in range(7)]
+"""Seven documents of three chunks."""
 
 
 def node_args(coordinator: str, port: int, name: str, *flags: str) -> tuple[list[str], str]:
@@ -137,16 +138,45 @@ class CopyWatch(threading.Thread):
         self.join(timeout=10)
 
 
+class Fleet:
+    """A coordinator with a snapshot, ``node-a`` (L1 only: the sources) and ``node-b`` (a
+    private fs L2: the targets), shared by this module's tests (starting them costs seconds);
+    the outage test, last, restarts some of them (``procs``: every one started)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.coord_port, self.a_port, self.b_port = free_port(), free_port(), free_port()
+        self.coordinator = f"http://127.0.0.1:{self.coord_port}"
+        self.a, self.b = f"http://127.0.0.1:{self.a_port}", f"http://127.0.0.1:{self.b_port}"
+        self.snapshot = tmp / "snap"
+        self.coordinator_flags = ["--chunk-size", str(C), "--snapshot-path", str(self.snapshot),
+                                  "--snapshot-interval", "0.5"]  # fmt: skip
+        self.b_flags = ["--l2", "fs", "--l2-path", str(tmp / "l2-b")]
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> None:
+        self.coordinator_proc = spawn_coordinator(self.coord_port, *self.coordinator_flags)
+        self.procs.append(self.coordinator_proc)
+        self.node_a, self.node_b = spawn_services([
+            node_args(self.coordinator, self.a_port, "node-a"),
+            node_args(self.coordinator, self.b_port, "node-b", *self.b_flags),
+        ])  # fmt: skip
+        self.procs += [self.node_a, self.node_b]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    f = Fleet(tmp_path_factory.mktemp("moves"))
+    try:
+        f.start()
+        yield f
+    finally:
+        stop([p for p in f.procs if p.poll() is None])
+
+
 def test_a_move_hands_the_keys_over_and_copies_missing_and_pinned_keys_are_counted(
-    tmp_path: Path, procs: list[subprocess.Popen[bytes]], capsys: pytest.CaptureFixture[str]
+    fleet: Fleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    coord_port, a_port, b_port = free_port(), free_port(), free_port()
-    coordinator = f"http://127.0.0.1:{coord_port}"
-    a, b = f"http://127.0.0.1:{a_port}", f"http://127.0.0.1:{b_port}"
-    procs.append(spawn_coordinator(coord_port, "--chunk-size", str(C)))
-    procs += spawn_services(
-        [node_args(coordinator, a_port, "node-a"), node_args(coordinator, b_port, "node-b")]
-    )
+    coordinator, a, b = fleet.coordinator, fleet.a, fleet.b
 
     # a move, waited for by the CLI: the keys end in the target's L1 only, never in neither
     doc = DOCS[0]
@@ -160,6 +190,7 @@ def test_a_move_hands_the_keys_over_and_copies_missing_and_pinned_keys_are_count
     code = main(["cache", "move", "--coordinator-url", coordinator, "--model-name", "toy",
                  "--tokens-file", str(tokens), "--source-instance-id", "node-a",
                  "--target-instance-id", "node-b", "--wait", "--poll-interval-s", "0.05",
+                 "--wait-timeout-s", "60",
                  "--json", "-"])  # fmt: skip
     out = capsys.readouterr()
     watch.stop()
@@ -172,7 +203,9 @@ def test_a_move_hands_the_keys_over_and_copies_missing_and_pinned_keys_are_count
     assert f"move {done['move_id']}: pending (" in out.err  # progress on stderr
     assert watch.rounds > 0 and watch.lost == []
     assert set(hexes(doc)) <= in_l1(b) and not set(hexes(doc)) & in_l1(a)
-    assert wait_for(lambda: tiers(coordinator, doc) == [{"node-b": ["l1"]}] * 3, timeout=30)
+    # (node-b writes its L2 through)
+    want = [{"node-b": ["l1", "l2"]}] * 3
+    assert wait_for(lambda: tiers(coordinator, doc) == want, timeout=30)
     assert metric(b, "kvatlas_node_held_keys") == 0  # the hold was released
 
     # keep_source: a copy, both hold it
@@ -201,46 +234,31 @@ def test_a_move_hands_the_keys_over_and_copies_missing_and_pinned_keys_are_count
     assert 'kvatlas_cache_commands{kind="move",state="completed"} 4.0' in text
 
 
-def test_a_move_outlives_a_target_down_and_a_coordinator_killed_mid_move(
-    tmp_path: Path, procs: list[subprocess.Popen[bytes]]
-) -> None:
+def test_a_move_outlives_a_target_down_and_a_coordinator_killed_mid_move(fleet: Fleet) -> None:
     """Two outages in one fleet (each process start costs seconds). The second is made
     deterministic: the target holds the keys in its own L2, so it loads them without the
     source, which is stopped (``SIGSTOP``): the move waits in ``deleting`` while the coordinator
     is killed, and must resume from its snapshot."""
-    coord_port, a_port, b_port = free_port(), free_port(), free_port()
-    coordinator = f"http://127.0.0.1:{coord_port}"
-    a, b = f"http://127.0.0.1:{a_port}", f"http://127.0.0.1:{b_port}"
-    snapshot = tmp_path / "snap"
-    flags = ["--chunk-size", str(C), "--snapshot-path", str(snapshot), "--snapshot-interval", "0.5"]
-    b_flags = ["--l2", "fs", "--l2-path", str(tmp_path / "l2-b")]
-    procs.append(spawn_coordinator(coord_port, *flags))
-    procs += spawn_services(
-        [
-            node_args(coordinator, a_port, "node-a"),
-            node_args(coordinator, b_port, "node-b", *b_flags),
-        ]
-    )
-    node_a = procs[1]
+    coordinator, a, b, snapshot = fleet.coordinator, fleet.a, fleet.b, fleet.snapshot
 
     # 1. the target is down (kill -9: still registered): retried, done once it is back
-    doc = DOCS[0]
+    doc = DOCS[5]
     store(a, doc)
     assert wait_for(lambda: tiers(coordinator, doc) == [{"node-a": ["l1"]}] * 3, timeout=30)
-    procs[-1].kill()
-    procs[-1].wait(timeout=30)
+    fleet.node_b.kill()
+    fleet.node_b.wait(timeout=30)
     move_id = move(coordinator, doc)
     assert wait_for(lambda: status(coordinator, move_id)["error"] is not None, timeout=30)
     waiting = status(coordinator, move_id)
     assert (waiting["status"], waiting["phase"]) == ("pending", "loading"), waiting
     assert set(hexes(doc)) <= in_l1(a)  # nothing taken from the source meanwhile
-    procs.append(spawn_node(coordinator, b_port, "node-b", *b_flags))
+    fleet.procs.append(spawn_node(coordinator, fleet.b_port, "node-b", *fleet.b_flags))
     got = finished(coordinator, move_id)
     assert (got["status"], got["loaded"], got["deleted"]) == ("completed", 3, 3), got
     assert set(hexes(doc)) <= in_l1(b) and not set(hexes(doc)) & in_l1(a)
 
     # 2. the coordinator is killed (-9) while the move deletes the source's copies
-    doc = DOCS[4]
+    doc = DOCS[6]
     store(b, doc)  # into b's L1 and its L2 (write-through), then out of its L1
     assert wait_for(lambda: tiers(coordinator, doc) == [{"node-b": ["l1", "l2"]}] * 3, timeout=30)
     body = {"instance_id": "node-b", "model_name": "toy", "world_size": 1, "token_ids": doc,
@@ -251,7 +269,7 @@ def test_a_move_outlives_a_target_down_and_a_coordinator_killed_mid_move(
     assert wait_for(lambda: tiers(coordinator, doc) == want, timeout=30)
     watch = CopyWatch(a, b, hexes(doc))
     watch.start()
-    os.kill(node_a.pid, signal.SIGSTOP)  # the source cannot delete anything now
+    os.kill(fleet.node_a.pid, signal.SIGSTOP)  # the source cannot delete anything now
     try:
         move_id = move(coordinator, doc)
         assert wait_for(lambda: status(coordinator, move_id)["phase"] == "deleting", timeout=30)
@@ -259,11 +277,11 @@ def test_a_move_outlives_a_target_down_and_a_coordinator_killed_mid_move(
         assert set(hexes(doc)) <= in_l1(b) and metric(b, "kvatlas_node_held_keys") == 3
         written = snapshot.stat().st_mtime_ns
         assert wait_for(lambda: snapshot.stat().st_mtime_ns > written, timeout=30)
-        procs[0].kill()  # only the snapshot knows about the move now
-        procs[0].wait(timeout=30)
+        fleet.coordinator_proc.kill()  # only the snapshot knows about the move now
+        fleet.coordinator_proc.wait(timeout=30)
     finally:
-        os.kill(node_a.pid, signal.SIGCONT)
-    procs.append(spawn_coordinator(coord_port, *flags))
+        os.kill(fleet.node_a.pid, signal.SIGCONT)
+    fleet.procs.append(spawn_coordinator(fleet.coord_port, *fleet.coordinator_flags))
     got = finished(coordinator, move_id)
     watch.stop()
     assert (got["status"], got["phase"], got["loaded"]) == ("completed", "done", 3), got
