@@ -349,6 +349,34 @@ def test_moves_are_validated_before_anything_is_recorded() -> None:
     assert (command.keep_source, command.force, command.phase) == (False, False, "queued")
 
 
+def test_a_moves_status_is_kept_for_the_retention_then_404() -> None:
+    """A finished move's status stays readable ``retention_s`` (an hour by default, the
+    retention of every finished command), then the id is unknown (404)."""
+    from kvatlas.api.cache_control import MoveBody
+    from kvatlas.coordinator.cache_control import CommandLog
+
+    now = [1000.0]
+    log = CommandLog(clock=lambda: now[0])
+    control = CacheControl(
+        16, is_instance={"a", "b"}.__contains__, usage_by_salt=dict, commands=log
+    )
+    base = dict(model_name="m", world_size=1, token_ids=list(range(32)))
+    _reply, command = control.move(MoveBody(**base, source_instance_id="a", target_instance_id="b"))  # type: ignore[arg-type]
+    assert command is not None
+    log.progress(command.command_id, phase="done", missing=1, deleted=1)
+    log.finish(command.command_id, "completed", found_keys=1)
+    now[0] += log.retention_s - 1
+    assert log.prune() == 0
+    status = control.move_status(command.command_id)
+    assert (status.status, status.phase, status.requested) == ("completed", "done", 2)
+    assert (status.loaded, status.missing, status.deleted, status.skipped) == (1, 1, 1, 0)
+    now[0] += 2
+    assert log.prune() == 1
+    with pytest.raises(KvatlasError) as gone:
+        control.move_status(command.command_id)
+    assert gone.value.status == 404
+
+
 def test_the_coordinator_goldens_quota_and_pin_exchanges_replay_through_the_service() -> None:
     """The controller exchanges of ``lmcache-0.5.7rc2-coordinator.json`` below HTTP: quota
     config, a salt's quota, its status, the listing, its removal, the (empty) pin listing.

@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 from kvatlas.api.cache_control import (
     DeleteObjectsReply,
     EncodedKey,
+    HoldReply,
     PrefetchStatusReply,
     PrefetchSubmitted,
+    ReleaseReply,
     TierName,
 )
 from kvatlas.coordinator.cache_control import CommandLog
@@ -56,6 +58,8 @@ class FakeServers:
     refuse: set[str] = field(default_factory=set)
     calls: list[tuple[str, str, str]] = field(default_factory=list)  # (url, call, tier)
     statuses: dict[str, PrefetchStatusReply | None] = field(default_factory=dict)
+    holds: list[EncodedKey] | None = None  # what a move's target holds (None: every key)
+    deleted: list[list[EncodedKey]] = field(default_factory=list)  # the keys of each delete
 
     def __call__(self, url: str) -> MpServer:
         servers = self
@@ -72,6 +76,7 @@ class FakeServers:
                 self, keys: Sequence[EncodedKey], tier: TierName = "all", *, force: bool = False
             ) -> DeleteObjectsReply:
                 self._check("delete", tier)
+                servers.deleted.append(list(keys))
                 return DeleteObjectsReply(len(keys), 0, True)
 
             def submit_prefetch(
@@ -87,6 +92,24 @@ class FakeServers:
             def prefetch_status(self, request_id: str) -> PrefetchStatusReply | None:
                 self._check("status", "")
                 return servers.statuses.get(request_id)
+
+            def hold(
+                self,
+                hold_id: str,
+                model_name: str,
+                world_size: int,
+                token_ids: Sequence[int],
+                cache_salt: str,
+                source_instance_id: str,
+                ttl_s: float,
+            ) -> HoldReply:
+                self._check("hold", "")
+                held = KEYS if servers.holds is None else servers.holds
+                return HoldReply(hold_id, list(held), [k for k in KEYS if k not in held], 0)
+
+            def release(self, hold_id: str) -> ReleaseReply:
+                self._check("release", "")
+                return ReleaseReply(hold_id, 2)
 
             def close(self) -> None:
                 pass
@@ -262,3 +285,118 @@ def test_a_delete_without_force_never_sends_a_key_pinned_after_it_was_recorded()
     delivery.run_once()
     assert sent_keys[-1] == [KEYS[1].chunk_hash_hex]
     assert log.get(forced.command_id).state == "sent"  # type: ignore[union-attr]
+
+
+# ------------------------------------------------------------------ moves (cache_control/moves.py)
+
+
+def l1(*instances: str) -> list[Copy]:
+    return [Copy(i, "l1", "dram", False) for i in instances]
+
+
+def move_setup(**fields: object) -> tuple[CommandLog, FakeFleet, FakeServers, Delivery, str]:
+    log, fleet, servers, delivery = setup(urls={"a": "http://a", "b": "http://b"})
+    c = log.new("move", ["b"], KEYS, tier="l1", source="a", token_ids=tuple(range(32)), **fields)
+    return log, fleet, servers, delivery, c.command_id
+
+
+def test_a_move_deletes_what_the_target_holds_once_the_directory_shows_it_then_releases() -> None:
+    """The source's copies go only after the target confirmed its hold *and* the directory
+    shows the target's copies; only the held keys go (a key the source lacked is missing);
+    done once the source's L1 copies are gone, then the hold is released."""
+    log, fleet, servers, delivery, move_id = move_setup()
+    servers.holds = KEYS[:1]
+    fleet.held = {object_key(k): l1("a") for k in KEYS}  # the target's events not in yet
+    delivery.run_once()
+    assert servers.calls == [("http://b", "hold", "")]  # nothing deleted
+    c = log.get(move_id)
+    assert c is not None and (c.state, c.phase, c.found_keys, c.missing) == (
+        "pending",
+        "holding",
+        1,
+        1,
+    )
+    assert "does not show" in c.last_error
+    fleet.held[object_key(KEYS[0])] = l1("a", "b")
+    delivery.instance_back("b")  # due now rather than after the backoff
+    delivery.run_once()
+    assert servers.calls[-2:] == [("http://b", "hold", ""), ("http://a", "delete", "l1")]
+    assert servers.deleted == [KEYS[:1]]  # only what the target holds
+    c = log.get(move_id)
+    assert c is not None and (c.state, c.phase, c.deleted) == ("sent", "deleting", 1)
+    delivery.run_once()  # the source's copy is still shown
+    assert log.get(move_id).state == "sent"  # type: ignore[union-attr]
+    fleet.held[object_key(KEYS[0])] = l1("b")
+    delivery.run_once()
+    c = log.get(move_id)
+    assert c is not None and (c.state, c.phase) == ("completed", "done")
+    assert servers.calls[-1] == ("http://b", "release", "")
+
+
+def test_a_move_restored_from_a_snapshot_holds_again_before_it_deletes() -> None:
+    """A coordinator killed mid-move: the restored command starts its attempt over from the
+    hold, so a target that lost the keys meanwhile (it restarted) loses nothing more, the
+    source keeps them."""
+    log, fleet, servers, delivery, move_id = move_setup()
+    fleet.held = {object_key(k): l1("a") for k in KEYS}
+    delivery.run_once()  # held, the directory does not show it yet: the kill comes here
+    assert log.get(move_id).phase == "holding"  # type: ignore[union-attr]
+    restored = CommandLog.from_snapshot(log.to_snapshot(), jitter=lambda: 1.0)
+    servers.calls.clear()
+    servers.holds = []  # the target restarted and holds none of them now
+    fleet.held = {object_key(k): l1("a", "b") for k in KEYS}  # a stale view of the target
+    again = Delivery(lambda: restored, fleet, servers)
+    again.instance_back("b")
+    again.run_once()
+    assert servers.calls[0] == ("http://b", "hold", "")
+    assert servers.deleted == []  # nothing the target does not hold
+    got = restored.get(move_id)
+    assert got is not None and got.found_keys == 0 and got.missing == 2
+
+
+def test_pinned_source_copies_are_skipped_and_keep_source_deletes_nothing() -> None:
+    log, fleet, servers, delivery, move_id = move_setup()
+    fleet.held = {object_key(k): l1("a", "b") for k in KEYS}
+    delivery.pinned = lambda keys: {object_key(KEYS[1])} & set(keys)
+    delivery.run_once()
+    assert servers.deleted == [KEYS[:1]]
+    c = log.get(move_id)
+    assert c is not None and (c.skipped, c.deleted, c.moving) == (1, 1, (0,))
+    copy = log.new("move", ["b"], KEYS, tier="l1", source="a", keep_source=True,
+                   token_ids=tuple(range(32)))  # fmt: skip
+    servers.deleted.clear()
+    delivery.run_once()
+    got = log.get(copy.command_id)
+    assert got is not None and (got.state, got.found_keys) == ("completed", 2)
+    assert servers.deleted == [] and servers.calls[-1] == ("http://b", "release", "")
+
+
+def test_a_move_retries_an_unreachable_target_and_fails_on_a_refusal() -> None:
+    log, _fleet, servers, delivery, move_id = move_setup()
+    servers.down.add("http://b")
+    delivery.run_once()
+    c = log.get(move_id)
+    assert c is not None and (c.state, c.phase, c.attempts) == ("pending", "loading", 1)
+    servers.down.clear()
+    servers.refuse.add("http://b")  # e.g. an LMCache server: no hold route
+    delivery.instance_back("b")
+    delivery.run_once()
+    c = log.get(move_id)
+    assert c is not None and c.state == "failed" and "400" in c.last_error
+
+
+def test_a_source_leaving_fails_a_move_before_the_hold_but_not_after() -> None:
+    log, fleet, _servers, delivery, early = move_setup()
+    delivery.instance_left("a")
+    assert log.get(early).state == "failed"  # type: ignore[union-attr]
+    late = log.new("move", ["b"], KEYS, tier="l1", source="a", token_ids=tuple(range(32)))
+    fleet.held = {object_key(k): l1("a") for k in KEYS}
+    delivery.run_once()  # held; the directory does not show the target's copies yet
+    assert log.get(late.command_id).phase == "holding"  # type: ignore[union-attr]
+    delivery.instance_left("a")
+    del fleet.urls["a"]
+    fleet.held = {object_key(k): l1("b") for k in KEYS}  # its L1 went with its process
+    delivery.instance_back("b")
+    delivery.run_once()
+    got = log.get(late.command_id)
+    assert got is not None and (got.state, got.deleted) == ("completed", 0)
