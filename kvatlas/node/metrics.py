@@ -66,6 +66,10 @@ COUNTERS: Mapping[str, tuple[str, str]] = {
         "kvatlas_node_pin_refresh_failures",
         "reads of this node's pins from the coordinator that failed (the last set kept)",
     ),
+    "moved_in_chunks": (
+        "kvatlas_node_moved_in_chunks",
+        "chunks a move's hold loaded into L1 from its source (a peer's L1 or private L2)",
+    ),
 }
 LABELLED: Mapping[str, tuple[str, str, str]] = {
     # counter prefix -> (metric name, label, help)

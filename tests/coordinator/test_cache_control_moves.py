@@ -208,6 +208,16 @@ def test_a_move_hands_the_keys_over_and_copies_missing_and_pinned_keys_are_count
     assert wait_for(lambda: tiers(coordinator, doc) == want, timeout=30)
     assert metric(b, "kvatlas_node_held_keys") == 0  # the hold was released
 
+    # a target that can never do it (it serves another world size: 400): failed, exit 4
+    capsys.readouterr()
+    code = main(["cache", "move", "--coordinator-url", coordinator, "--model-name", "toy",
+                 "--world-size", "2", "--tokens-file", str(tokens), "--source-instance-id",
+                 "node-a", "--target-instance-id", "node-b", "--wait", "--poll-interval-s",
+                 "0.05", "--wait-timeout-s", "60", "--json", "-"])  # fmt: skip
+    failed = json.loads(capsys.readouterr().out)
+    assert (code, failed["status"], failed["phase"]) == (4, "failed", "loading"), failed
+    assert "world_size=1" in failed["error"]
+
     # keep_source: a copy, both hold it
     doc = DOCS[1]
     store(a, doc)
