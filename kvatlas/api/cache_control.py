@@ -111,12 +111,14 @@ class HoldBody(msgspec.Struct, forbid_unknown_fields=True):
 
 class HoldReply(msgspec.Struct):
     """``held``: the keys L1 holds (and keeps) now; ``missing``: those no tier had (the source
-    lacked them) or L1 had no room for (``no_room`` of them)."""
+    lacked them) or L1 had no room for (``no_room`` of them); ``unfinished``: how many it had
+    no time left to load in this call (set the hold again: it goes on from there)."""
 
     hold_id: str
     held: list[EncodedKey]
     missing: list[EncodedKey]
     no_room: int
+    unfinished: int = 0
 
 
 class ReleaseReply(msgspec.Struct):

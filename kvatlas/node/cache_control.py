@@ -239,6 +239,7 @@ class NodeCacheControl:
         return HoldReply(
             hold_id, [wire_key(k) for k in done.held],
             [wire_key(k) for k in done.missing + done.no_room], len(done.no_room),
+            done.unfinished,
         )  # fmt: skip
 
     def release(self, hold_id: str) -> ReleaseReply:

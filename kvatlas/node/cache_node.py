@@ -84,6 +84,9 @@ log = logging.getLogger(__name__)
 MOVE_BATCH = 64
 """Keys a move's target asks its source for in one peer fetch (each call has the peer
 deadline, ``--peer-fetch-deadline-s``)."""
+MOVE_BUDGET_S = 4.0
+"""How long one hold call loads before it answers with the rest ``unfinished`` (well inside the
+coordinator's 10 s MP-server timeout)."""
 MOVE_FLUSH_S = 2.0
 """How long a move's load waits for its store events to be delivered before it replies."""
 
@@ -366,11 +369,13 @@ class CacheNode:
     ) -> Loaded:
         """A move's target: hold the keys of ``tracker``'s complete chunks in L1 for ``ttl_s``
         (:mod:`kvatlas.node.holds`), loading each one L1 lacks from this node's own L2 (the
-        prefetch path), else from ``source``'s L1, else its private L2 (the peer fetch path,
-        :data:`MOVE_BATCH` keys a call). A chunk from the source must prove its key and
-        tokens (:func:`~kvatlas.node.chunk_digest.rejection`) and is stored with the request's
-        tokens. The hold is set before anything is put (nothing loaded can be evicted before
-        it is held) and ends holding only the keys L1 has."""
+        prefetch path), else from ``source``'s L1, else its private L2 (the peer fetch path),
+        :data:`MOVE_BATCH` keys at a time for at most :data:`MOVE_BUDGET_S` (the rest is
+        ``unfinished``: the coordinator asks again). A chunk from the source must prove its
+        key and tokens (:func:`~kvatlas.node.chunk_digest.rejection`) and is stored with the
+        request's tokens. The hold is set before anything is put (nothing loaded can be
+        evicted before it is held) and ends holding only the keys L1 has."""
+        started = time.monotonic()
         hashes = tracker.chunk_hashes()
         tokens = tracker.get_token_ids()
         keys = [self.key(h, tracker.cache_salt) for h in hashes]
@@ -382,40 +387,27 @@ class CacheNode:
         self.holds.hold(hold_id, keys, ttl_s)
         lacking = [k for k in keys if not self.l1.contains(k)]
         tried: set[ObjectKey] = set()  # came from some tier: put, whether L1 took it or not
-        if lacking and self.l2 is not None:
-            for key, chunk in self.l2.get_many(lacking).items():
-                if self.tiers.usable(chunk):
-                    self.writes.put_l1(chunk)
-                    tried.add(key)
-            lacking = [k for k in lacking if k not in tried]
+        missing: list[ObjectKey] = []
         failure = ""
-        if lacking:
-            peer = self.fleet.peer(source) if self.fleet is not None else None
-            if peer is None:
-                failure = f"instance {source!r} is not reachable from this node (no peer URL)"
-            for tier in ("l1", "l2"):
-                if failure or not lacking:
-                    break
-                for start in range(0, len(lacking), MOVE_BATCH):
-                    assert peer is not None
-                    reply = peer.fetch(lacking[start : start + MOVE_BATCH], (tier,))
-                    if reply.failure:
-                        failure = f"fetch from {source!r} failed: {reply.failure}"
-                        break
-                    for key, (chunk, digest) in reply.chunks.items():
-                        window = windows.get(key)
-                        if window is None or not self.tiers.usable(chunk):
-                            continue
-                        cause = rejection(key, chunk, digest, window)
-                        if cause is not None:
-                            self.counters[cause] += 1
-                            continue
-                        self.writes.put_l1(StoredChunk(
-                            key, chunk.kv, window, chunk.token_offset, chunk.kv_dtype
-                        ))  # fmt: skip
+        done = 0
+        for done in range(0, len(lacking), MOVE_BATCH):
+            if done and time.monotonic() - started > MOVE_BUDGET_S:
+                break
+            batch = lacking[done : done + MOVE_BATCH]
+            if self.l2 is not None:
+                for key, chunk in self.l2.get_many(batch).items():
+                    if self.tiers.usable(chunk):
+                        self.writes.put_l1(chunk)
                         tried.add(key)
-                        self.counters["moved_in_chunks"] += 1
-                lacking = [k for k in lacking if k not in tried]
+                batch = [k for k in batch if k not in tried]
+            if batch:
+                failure = self._load_from(source, batch, windows, tried)
+                if failure:
+                    break
+                missing += [k for k in batch if k not in tried]
+        else:
+            done = len(lacking)
+        unfinished = lacking[done:] if failure or done < len(lacking) else []
         held = [k for k in keys if self.l1.contains(k)]
         self.holds.hold(hold_id, held, ttl_s)
         if tried:  # the store events go out before the reply: the source's delete waits on them
@@ -424,7 +416,42 @@ class CacheNode:
             if callable(delivered):
                 delivered(MOVE_FLUSH_S)
         no_room = [k for k in keys if k in tried and not self.l1.contains(k)]
-        return Loaded(held, lacking, no_room, failure)
+        return Loaded(held, missing, no_room, failure, len(unfinished))
+
+    def _load_from(
+        self,
+        source: str,
+        keys: list[ObjectKey],
+        windows: dict[ObjectKey, Any],
+        tried: set[ObjectKey],
+    ) -> str:
+        """Put ``keys`` from ``source``'s L1, else its private L2, into L1 (each chunk's key
+        and tokens checked); adds what came to ``tried``. Returns why the source could not be
+        read (``""``: it answered)."""
+        peer = self.fleet.peer(source) if self.fleet is not None else None
+        if peer is None:
+            return f"instance {source!r} is not reachable from this node (no peer URL)"
+        for tier in ("l1", "l2"):
+            wanted = [k for k in keys if k not in tried]
+            if not wanted:
+                break
+            reply = peer.fetch(wanted, (tier,))
+            if reply.failure:
+                return f"fetch from {source!r} failed: {reply.failure}"
+            for key, (chunk, digest) in reply.chunks.items():
+                window = windows.get(key)
+                if window is None or not self.tiers.usable(chunk):
+                    continue
+                cause = rejection(key, chunk, digest, window)
+                if cause is not None:
+                    self.counters[cause] += 1
+                    continue
+                self.writes.put_l1(StoredChunk(
+                    key, chunk.kv, window, chunk.token_offset, chunk.kv_dtype
+                ))  # fmt: skip
+                tried.add(key)
+                self.counters["moved_in_chunks"] += 1
+        return ""
 
     def release_hold(self, hold_id: str) -> int:
         """End a move's hold: its keys are L1's LRU's again. Returns how many it kept."""

@@ -57,13 +57,14 @@ class Deleted(NamedTuple):
 
 class Loaded(NamedTuple):
     """What :meth:`CacheNode.load_and_hold` did: the keys L1 holds (and keeps) now, those no
-    tier had, those L1 had no room for, and why the source could not be read (``""``: it
-    answered)."""
+    tier had, those L1 had no room for, why the source could not be read (``""``: it
+    answered), and how many keys it had no time left to try (asked again)."""
 
     held: list[ObjectKey]
     missing: list[ObjectKey]
     no_room: list[ObjectKey]
     source_failure: str = ""
+    unfinished: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,6 +59,7 @@ class FakeServers:
     calls: list[tuple[str, str, str]] = field(default_factory=list)  # (url, call, tier)
     statuses: dict[str, PrefetchStatusReply | None] = field(default_factory=dict)
     holds: list[EncodedKey] | None = None  # what a move's target holds (None: every key)
+    unfinished: list[int] = field(default_factory=list)  # a hold's unfinished, call by call
     deleted: list[list[EncodedKey]] = field(default_factory=list)  # the keys of each delete
 
     def __call__(self, url: str) -> MpServer:
@@ -105,7 +106,9 @@ class FakeServers:
             ) -> HoldReply:
                 self._check("hold", "")
                 held = KEYS if servers.holds is None else servers.holds
-                return HoldReply(hold_id, list(held), [k for k in KEYS if k not in held], 0)
+                left = servers.unfinished.pop(0) if servers.unfinished else 0
+                missing = [k for k in KEYS if k not in held] if not left else []
+                return HoldReply(hold_id, list(held), missing, 0, left)
 
             def release(self, hold_id: str) -> ReleaseReply:
                 self._check("release", "")
@@ -400,3 +403,21 @@ def test_a_source_leaving_fails_a_move_before_the_hold_but_not_after() -> None:
     delivery.run_once()
     got = log.get(late.command_id)
     assert got is not None and (got.state, got.deleted) == ("completed", 0)
+
+
+def test_a_move_whose_target_loads_in_parts_deletes_nothing_until_it_is_all_loaded() -> None:
+    log, fleet, servers, delivery, move_id = move_setup()
+    fleet.held = {object_key(k): l1("a", "b") for k in KEYS}
+    servers.holds, servers.unfinished = KEYS[:1], [1]
+    delivery.run_once()  # one loaded, one to go: loading still, due at the next pass
+    c = log.get(move_id)
+    assert c is not None and (c.state, c.phase, c.found_keys, c.attempts) == (
+        "pending",
+        "loading",
+        1,
+        0,
+    )
+    assert servers.deleted == []
+    servers.holds = None
+    delivery.run_once()
+    assert servers.deleted == [KEYS] and log.get(move_id).phase == "deleting"  # type: ignore[union-attr]

@@ -121,6 +121,23 @@ def test_a_hold_loads_from_the_nodes_own_l2_and_holds(
     assert len(node.holds) == 0
 
 
+def test_a_large_hold_loads_over_several_calls(
+    client: httpx.Client, node: CacheNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One call loads for a bounded time, then answers with the rest ``unfinished``; the
+    next call goes on (a chunk a call here)."""
+    import kvatlas.node.cache_node as cache_node
+
+    monkeypatch.setattr(cache_node, "MOVE_BATCH", 1)
+    monkeypatch.setattr(cache_node, "MOVE_BUDGET_S", 0.0)
+    node.delete(keys_of(doc(1)), frozenset({L1}), force=True)
+    got = []
+    for _ in range(3):
+        reply = client.put("/cache/holds/big", json=body(1)).json()
+        got.append((len(reply["held"]), reply["missing"], reply["unfinished"]))
+    assert got == [(1, [], 2), (2, [], 1), (3, [], 0)]
+
+
 def test_a_source_the_node_cannot_read_is_a_503_and_what_l1_has_stays_held(
     client: httpx.Client, node: CacheNode
 ) -> None:

@@ -8,7 +8,8 @@ last recorded phase was:
 1. ``loading``: ``PUT /cache/holds/{move_id}`` on the target loads the keys its L1 lacks (its
    own L2 first, then the source's L1, then the source's private L2: the node's prefetch and
    peer fetch paths) and *holds* every key its L1 has (its LRU passes them by) for
-   :data:`HOLD_TTL_S`. Its reply names the keys held and those no tier had (``missing``).
+   :data:`HOLD_TTL_S`. Its reply names the keys held and those no tier had (``missing``);
+   a large move loads over several calls, one a pass (``unfinished``: not tried yet).
 2. ``holding``: the source's copies are deleted only once the directory shows the target's
    L1 copies of the held keys (the target's ``store`` events came in, so routers and lookups
    never see zero copies either); until then the attempt is retried with backoff.
@@ -134,6 +135,9 @@ class MoveSteps:
             return _failure(exc)
         index = {object_key(k): i for i, k in enumerate(c.keys)}
         held = sorted({index[k] for k in map(object_key, reply.held) if k in index})
+        if reply.unfinished:  # it loads in bounded calls: the next pass goes on
+            log.progress(c.command_id, found_keys=len(held), missing=len(reply.missing))
+            return None
         c = log.progress(c.command_id, phase="holding", found_keys=len(held),
                          missing=len(reply.missing))  # fmt: skip
         if c.keep_source:
