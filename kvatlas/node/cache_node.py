@@ -81,9 +81,11 @@ from kvatlas.node.token_cache import TokenCache
 from kvatlas.node.unified_lookup import NOTHING_FOUND, LookupResult, UnifiedBlendLookup
 
 log = logging.getLogger(__name__)
-MOVE_BATCH = 64
-"""Keys a move's target asks its source for in one peer fetch (each call has the peer
-deadline, ``--peer-fetch-deadline-s``)."""
+MOVE_BATCH = 256
+"""Keys a move's target asks its source for in one peer fetch at most."""
+MOVE_BATCH_BYTES = 16 << 20
+"""...and KV bytes at most: each fetch has the peer deadline (``--peer-fetch-deadline-s``, 2 s
+by default), so a batch must arrive well within it on a busy host."""
 MOVE_BUDGET_S = 4.0
 """How long one hold call loads before it answers with the rest ``unfinished`` (well inside the
 coordinator's 10 s MP-server timeout)."""
@@ -370,7 +372,8 @@ class CacheNode:
         """A move's target: hold the keys of ``tracker``'s complete chunks in L1 for ``ttl_s``
         (:mod:`kvatlas.node.holds`), loading each one L1 lacks from this node's own L2 (the
         prefetch path), else from ``source``'s L1, else its private L2 (the peer fetch path),
-        :data:`MOVE_BATCH` keys at a time for at most :data:`MOVE_BUDGET_S` (the rest is
+        a batch at a time (:data:`MOVE_BATCH`, :data:`MOVE_BATCH_BYTES`) for at most
+        :data:`MOVE_BUDGET_S` (the rest is
         ``unfinished``: the coordinator asks again). A chunk from the source must prove its
         key and tokens (:func:`~kvatlas.node.chunk_digest.rejection`) and is stored with the
         request's tokens. The hold is set before anything is put (nothing loaded can be
@@ -390,10 +393,11 @@ class CacheNode:
         missing: list[ObjectKey] = []
         failure = ""
         done = 0
-        for done in range(0, len(lacking), MOVE_BATCH):
+        step = max(1, min(MOVE_BATCH, MOVE_BATCH_BYTES // self.layout.chunk_bytes))
+        for done in range(0, len(lacking), step):
             if done and time.monotonic() - started > MOVE_BUDGET_S:
                 break
-            batch = lacking[done : done + MOVE_BATCH]
+            batch = lacking[done : done + step]
             if self.l2 is not None:
                 for key, chunk in self.l2.get_many(batch).items():
                     if self.tiers.usable(chunk):
