@@ -387,10 +387,11 @@ class CacheNode:
             key: np.array(tokens[i * c : (i + 1) * c], dtype=np.uint32)
             for i, key in enumerate(keys)
         }
+        known_missing = self.holds.missing(hold_id)  # found nowhere by this hold's last calls
         self.holds.hold(hold_id, keys, ttl_s)
-        lacking = [k for k in keys if not self.l1.contains(k)]
+        lacking = [k for k in keys if not self.l1.contains(k) and k not in known_missing]
         tried: set[ObjectKey] = set()  # came from some tier: put, whether L1 took it or not
-        missing: list[ObjectKey] = []
+        missing = [k for k in keys if k in known_missing and not self.l1.contains(k)]
         failure = ""
         done = 0
         step = max(1, min(MOVE_BATCH, MOVE_BATCH_BYTES // self.layout.chunk_bytes))
@@ -414,6 +415,7 @@ class CacheNode:
         unfinished = lacking[done:] if failure or done < len(lacking) else []
         held = [k for k in keys if self.l1.contains(k)]
         self.holds.hold(hold_id, held, ttl_s)
+        self.holds.note_missing(hold_id, missing)
         if tried:  # the store events go out before the reply: the source's delete waits on them
             self.flush_events()
             delivered = getattr(self._sink, "flush", None)

@@ -38,6 +38,7 @@ class MoveHolds:
         self._clock = clock
         self._lock = threading.Lock()
         self._holds: dict[str, tuple[frozenset[ObjectKey], float]] = {}
+        self._missing: dict[str, frozenset[ObjectKey]] = {}
         self._keys: frozenset[ObjectKey] = frozenset()
         self._next_expiry = float("inf")
 
@@ -51,8 +52,22 @@ class MoveHolds:
         """Drop the hold; returns how many keys it held (0: unknown or expired)."""
         with self._lock:
             found = self._holds.pop(hold_id, None)
+            self._missing.pop(hold_id, None)
             self._rebuild()
         return 0 if found is None else len(found[0])
+
+    def missing(self, hold_id: str) -> frozenset[ObjectKey]:
+        """The keys earlier calls of a live hold found nowhere (not asked again: a large move
+        loads over several calls, each must go on from where the last one stopped)."""
+        with self._lock:
+            self._rebuild()
+            return (
+                self._missing.get(hold_id, frozenset()) if hold_id in self._holds else frozenset()
+            )
+
+    def note_missing(self, hold_id: str, keys: Iterable[ObjectKey]) -> None:
+        with self._lock:
+            self._missing[hold_id] = frozenset(keys)
 
     def __contains__(self, key: object) -> bool:
         if self._clock() >= self._next_expiry:
@@ -82,6 +97,7 @@ class MoveHolds:
         now = self._clock()
         for hold_id in [h for h, (_, until) in self._holds.items() if until <= now]:
             del self._holds[hold_id]
+            self._missing.pop(hold_id, None)
         keys: set[ObjectKey] = set()
         for held, _ in self._holds.values():
             keys |= held

@@ -138,6 +138,34 @@ def test_a_large_hold_loads_over_several_calls(
     assert got == [(1, [], 2), (2, [], 1), (3, [], 0)]
 
 
+def test_a_large_hold_of_keys_found_nowhere_goes_on_where_it_stopped(
+    client: httpx.Client, node: CacheNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keys an earlier call found nowhere are not asked again by the same hold: each call
+    makes progress, however many keys are missing (without that memory every call would try
+    the same first batch and the move would never finish)."""
+    import kvatlas.node.cache_node as cache_node
+    from kvatlas.node.fleet_view import InProcessFleetView
+    from kvatlas.node.peer import PeerReply
+
+    class Empty:  # a source that answers, holding none of them
+        asked = 0
+
+        def fetch(self, keys: Any, tiers: Any = ("l1",)) -> PeerReply:
+            Empty.asked += len(keys)
+            return PeerReply()
+
+    monkeypatch.setattr(cache_node, "MOVE_BATCH", 1)
+    monkeypatch.setattr(cache_node, "MOVE_BUDGET_S", 0.0)
+    node.fleet = InProcessFleetView(lambda keys: [[] for _ in keys], lambda _i: Empty())
+    got = []
+    for _ in range(3):
+        reply = client.put("/cache/holds/nowhere", json=body(7)).json()
+        got.append((len(reply["held"]), len(reply["missing"]), reply["unfinished"]))
+    assert got == [(0, 1, 2), (0, 2, 1), (0, 3, 0)]
+    assert Empty.asked == 6  # each key once from the source's L1, once from its L2
+
+
 def test_a_source_the_node_cannot_read_is_a_503_and_what_l1_has_stays_held(
     client: httpx.Client, node: CacheNode
 ) -> None:

@@ -155,15 +155,13 @@ class MoveSteps:
         if source_url is None:  # its L1 copies went with its process
             self._done(c, url)
             return None
-        deleted = 0
         for start in range(0, len(moving), MAX_DELETE_KEYS):
             batch = [c.keys[i] for i in moving[start : start + MAX_DELETE_KEYS]]
             try:
                 done = self.d.call(source_url, _delete_l1(batch))
             except Unavailable as exc:
                 return _failure(exc)
-            deleted += done.deleted
-        log.progress(c.command_id, deleted=c.deleted + deleted)
+            c = log.progress(c.command_id, deleted=c.deleted + done.deleted)
         log.delivered(c.command_id)
         return None
 
