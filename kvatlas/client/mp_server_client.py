@@ -17,6 +17,7 @@ import httpx
 import msgspec
 
 from kvatlas.api.cache_control import (
+    MAX_DELETE_KEYS,
     ClearReply,
     DeleteObjectsReply,
     EncodedKey,
@@ -53,9 +54,25 @@ class MPServerClient:
     def delete_objects(
         self, keys: Sequence[EncodedKey], tier: TierName = "all", *, force: bool = False
     ) -> DeleteObjectsReply:
-        """``DELETE /cache/objects`` (``ok`` false with ``error``: the server's L2 failed)."""
-        body = {"keys": list(keys), "tier": tier, "force": force}
-        return self._call("DELETE", "/cache/objects", DeleteObjectsReply, body)
+        """``DELETE /cache/objects`` (``ok`` false with ``error``: the server's L2 failed).
+
+        More keys than one call may carry (:data:`MAX_DELETE_KEYS`, LMCache's limit too) go in
+        parts, counts summed; a part whose L2 failed ends the delete there, its reply carrying
+        the copies removed before it (as one call's would)."""
+        total = DeleteObjectsReply(deleted=0, skipped=0, ok=True)
+        for start in range(0, max(len(keys), 1), MAX_DELETE_KEYS):
+            part = list(keys[start : start + MAX_DELETE_KEYS])
+            body = {"keys": part, "tier": tier, "force": force}
+            reply = self._call("DELETE", "/cache/objects", DeleteObjectsReply, body)
+            total = DeleteObjectsReply(
+                deleted=total.deleted + reply.deleted,
+                skipped=total.skipped + reply.skipped,
+                ok=reply.ok,
+                error=reply.error,
+            )
+            if not reply.ok:
+                break
+        return total
 
     def submit_prefetch(
         self, model_name: str, world_size: int, token_ids: Sequence[int], cache_salt: str = ""

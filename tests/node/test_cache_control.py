@@ -18,8 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvatlas.api.cache_control import MAX_DELETE_KEYS, DeleteObjectsReply, EncodedKey
 from kvatlas.asgi_thread import free_port
 from kvatlas.auth import Principal, TokenAuth
+from kvatlas.client import MPServerClient
 from kvatlas.keys import ObjectKey, chunk_hashes, expand_prefix_keys
 from kvatlas.node.cache_control import PrefetchJobs
 from kvatlas.node.cache_node import CacheNode
@@ -117,6 +119,20 @@ def test_delete_all_tiers_removes_every_copy_and_only_those(
         "skipped": 0,
         "ok": True,
     }
+
+
+def test_the_coordinators_client_splits_a_delete_over_the_servers_key_limit(
+    client: httpx.Client, node: CacheNode
+) -> None:
+    """A delete of more keys than one ``DELETE /cache/objects`` may carry (10,000: 1M tokens at
+    16 per chunk are 62,500) is sent in parts and its counts summed, not refused with a 400."""
+    one = keys_of(sequence(1))
+    absent = keys_of(list(range(1, MAX_DELETE_KEYS * C + 1)), salt="absent")
+    keys = [EncodedKey(**k) for k in wire(absent[:5_000] + one + absent[5_000:])]
+    assert len(keys) > MAX_DELETE_KEYS
+    with MPServerClient(str(client.base_url)) as mp:
+        assert mp.delete_objects(keys, "all") == DeleteObjectsReply(6, 0, True)
+    assert held(node, one) == {"l1": 0, "l2": 0, "presence": 0}
 
 
 def test_delete_defaults_to_l2_like_lmcache(client: httpx.Client, node: CacheNode) -> None:
