@@ -135,3 +135,28 @@ def test_a_forgotten_engine_is_no_candidate_until_it_publishes_again(engine: Fak
         assert c.get("/instances").json()["instances"] == []
         engine.send(1, golden("legacy-array-stored"))
         assert wait_for(lambda: candidates() == [("pod-a", 32)])
+
+
+def test_a_full_block_map_is_counted_shown_and_logged(
+    engine: FakeEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Blocks evicted at --kv-events-max-blocks are counted in /metrics beside the bound and
+    the blocks tracked, and logged (the first, then at powers of two): never silent."""
+    config = {"kv_events_subscribe": engine.endpoint, "kv_events_max_blocks": 4}
+    with caplog.at_level("WARNING"), running(chunk_size=C, **config) as (_, c):
+
+        def subscriber() -> dict[str, int]:
+            return dict(c.get("/healthz").json()["kv_events"]["subscriber"])
+
+        engine.send_until(0, golden("legacy-array-stored"), lambda: subscriber()["batches"] == 1)
+        assert subscriber()["evicted_blocks"] == 0 and subscriber()["tracked_blocks"] == 4
+        engine.send(1, golden("legacy-array-int-hashes"))  # other blocks: the oldest go
+        assert wait_for(lambda: subscriber()["batches"] == 2)
+        evicted = subscriber()["evicted_blocks"]
+        metrics = c.get("/metrics").text
+    assert evicted > 0
+    assert f'kvatlas_kv_events_subscriber_total{{counter="evicted_blocks"}} {evicted}.0' in metrics
+    assert "kvatlas_kv_events_subscriber_tracked_blocks 4.0" in metrics
+    assert "kvatlas_kv_events_subscriber_max_blocks 4.0" in metrics
+    warned = [r.getMessage() for r in caplog.records if "block map is full" in r.getMessage()]
+    assert warned and "--kv-events-max-blocks 4" in warned[0]

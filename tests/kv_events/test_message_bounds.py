@@ -256,7 +256,7 @@ def test_an_oversized_replay_reply_is_refused_and_the_gap_stays_visible() -> Non
 def test_the_message_limit_defaults_to_the_largest_legitimate_message() -> None:
     assert parse_config([]).kv_events_max_message_bytes is None
     settings = SubscriberSettings(())
-    assert settings.message_limit_bytes == 256 * 500_000
+    assert settings.message_limit_bytes == 256 * parse_config([]).kv_events_max_blocks == 256 << 20
     assert SubscriberSettings((), max_blocks=100).message_limit_bytes == 25_600
     # never below what a ZMQ handshake needs: the limit applies to it too
     assert SubscriberSettings((), max_blocks=1).message_limit_bytes == 4096

@@ -140,6 +140,7 @@ class KvEventsSubscriber:
         return view(
             SubscriberStats, self.counts, rekeyer.counts,
             engines=len(rekeyer.engines), tracked_blocks=rekeyer.total_blocks,
+            max_blocks=rekeyer.max_blocks,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the loop
