@@ -299,3 +299,25 @@ def test_events_decode_a_group_at_a_time_into_the_same_batch() -> None:
         rekeyer.translate("pod-a", "llama", split_batch(msgspec.msgpack.encode(raw)))
     assert refused.value.kind == "unknown_event"
     assert rekeyer.total_blocks == 0 and directory.stats().keys == 0  # nothing changed
+
+
+def _inside(outer: bytes, inner: Any) -> bool:
+    """Whether ``inner``'s bytes lie in ``outer``'s memory (a view, not a copy)."""
+    start = np.frombuffer(outer, np.uint8).ctypes.data
+    at = np.frombuffer(inner, np.uint8).ctypes.data
+    return start <= at and at + memoryview(inner).nbytes <= start + len(outer)
+
+
+def test_a_batch_of_one_group_keeps_its_events_where_they_are() -> None:
+    """Every real vLLM step fits one decoder group: its events are decoded from the payload
+    itself, not from a copy, into what one decoder call gives (the same split as before: a
+    batch of several groups is still split, an empty one has none)."""
+    payload = maximal_message(np.random.default_rng(9), 1_000)  # ≈100 KB: one group
+    split = split_batch(payload)
+    assert len(split.bodies) == 1 and _inside(payload, split.bodies[0])
+    assert decode_batch(payload).events == msgspec.msgpack.decode(payload, type=_WholeBatch).events
+    older = encode_batch(decode_batch(payload), "array")  # events as arrays, one group too
+    (body,) = split_batch(older).bodies
+    assert _inside(older, body) and decode_batch(older).events == decode_batch(payload).events
+    empty = encode_batch(KVEventBatch(1.0, [], None))
+    assert split_batch(empty).bodies == () and decode_batch(empty).events == []
