@@ -396,10 +396,10 @@ class KvEventsSubscriber:
                 return True
             self._ingest(run)
         except Exception:
-            self.counts["errors"] += 1
             log.exception("kv events: %s: applying a slice failed; the rest of its batch is a "
                           "gap", instance)  # fmt: skip
             self._ingest([self.rekeyer.marker(instance)])
+            self.counts["errors"] += 1  # (after the gap: whoever reads the count sees the gap)
             return False
         self.counts["slices"] += 1
         return True
