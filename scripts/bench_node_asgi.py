@@ -2,7 +2,14 @@
 request stack and handlers alone (``time.process_time``, every thread) per ``POST
 /engine/store``, ``/engine/lookup``, ``/engine/retrieve`` and ``/peer/kv``, for the ``kvatlas``
 on ``PYTHONPATH``. Prints ``op microseconds`` lines (the median of ``--rounds``); used by
-``scripts/bench_node_routes.py --asgi`` to compare two trees run after one another."""
+``scripts/bench_node_routes.py --asgi`` to compare two trees run after one another.
+
+The workload (:class:`Workload`, shared with ``bench_node_routes.py``): distinct prompts of 4
+chunks, token ids from a 128k-id vocabulary; an L1 of 64 chunks of which 16 are pinned by the
+operator (4 prompts), so every store inserts 4 new keys and evicts 4 (least recently used,
+passing the pinned ones by); lookups, retrievals and peer fetches hit, each on a prompt L1
+holds (the 8 last stored, in turn, and the pinned ones).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +17,8 @@ import argparse
 import asyncio
 import statistics
 import time
-from typing import Any
+from collections import deque
+from typing import Any, Final
 
 import msgspec
 import numpy as np
@@ -22,28 +30,64 @@ from kvatlas.node.http_api import create_node_app
 from kvatlas.workloads import random_token_ids
 
 C, LAYERS, HEADS, DIM, CHUNKS = 16, 2, 2, 64, 4
+CHUNK_BYTES: Final = 2 * LAYERS * HEADS * C * DIM * 2  # float16 K and V of one chunk
+L1_CHUNKS: Final = 64
+L1_BYTES: Final = L1_CHUNKS * CHUNK_BYTES
+PINNED_PROMPTS: Final = 4  # 16 chunks: a quarter of L1
+RESIDENT: Final = 8  # the last stored prompts that reads go to (L1 holds 12 besides the pinned)
+PROMPTS: Final = 512  # stored in turn: one comes back long after L1 evicted it
 MSGPACK = [(b"content-type", b"application/msgpack"), (b"accept", b"application/msgpack")]
+JSON = [(b"content-type", b"application/json")]
+Call = tuple[str, bytes, list[tuple[bytes, bytes]]]
+OPS: Final = ("store", "lookup", "retrieve", "peer_fetch")
 
 
-def operations() -> dict[str, tuple[str, bytes, list[tuple[bytes, bytes]]]]:
-    tokens = random_token_ids(np.random.default_rng(0), CHUNKS * C)  # a 128k-id vocabulary
-    kv = np.zeros(2 * LAYERS * HEADS * C * DIM * CHUNKS, dtype=np.float16).tobytes()
-    call = {"tokens": tokens.tobytes()}
-    keys = [
-        ObjectKey(h, "toy", pack_kv_rank(1, 0, 1, 0), 0, "").to_wire()
-        for h in chunk_hashes(tokens, C)
-    ]
-    store = {**call, "kv": kv, "n_chunks": CHUNKS}
-    return {
-        "store": ("/engine/store", msgspec.msgpack.encode(store), MSGPACK),
-        "lookup": ("/engine/lookup", msgspec.msgpack.encode(call), MSGPACK),
-        "retrieve": ("/engine/retrieve", msgspec.msgpack.encode(call), MSGPACK),
-        "peer_fetch": (
-            "/peer/kv",
-            msgspec.json.encode({"keys": keys}),
-            [(b"content-type", b"application/json")],
-        ),
-    }
+def prompt_keys(tokens: np.ndarray[Any, Any]) -> list[ObjectKey]:
+    return [ObjectKey(h, "toy", pack_kv_rank(1, 0, 1, 0), 0, "") for h in chunk_hashes(tokens, C)]
+
+
+class Workload:
+    """The calls of each op, in turn; stores go through the prompts, reads to what L1 holds."""
+
+    def __init__(self, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        prompts = [random_token_ids(rng, CHUNKS * C) for _ in range(PINNED_PROMPTS + PROMPTS)]
+        kv = np.zeros(2 * LAYERS * HEADS * C * DIM * CHUNKS, dtype=np.float16).tobytes()
+        self.pinned = prompts[:PINNED_PROMPTS]
+        self.stream = prompts[PINNED_PROMPTS:]
+        self.store = [self._store(t, kv) for t in prompts]
+        self.read = [msgspec.msgpack.encode({"tokens": t.tobytes()}) for t in prompts]
+        self.peer = [
+            msgspec.json.encode({"keys": [k.to_wire() for k in prompt_keys(t)]}) for t in prompts
+        ]
+        self._next = 0  # the next stream prompt to store
+        self._recent: deque[int] = deque(maxlen=RESIDENT)  # stream prompts stored last
+        self._read = 0
+
+    @staticmethod
+    def _store(tokens: np.ndarray[Any, Any], kv: bytes) -> bytes:
+        return msgspec.msgpack.encode({"tokens": tokens.tobytes(), "kv": kv, "n_chunks": CHUNKS})
+
+    def pinned_keys(self) -> list[ObjectKey]:
+        return [k for t in self.pinned for k in prompt_keys(t)]
+
+    def setup(self) -> list[Call]:
+        """Store the pinned prompts and the first resident ones (pin the keys after)."""
+        calls = [("/engine/store", self.store[i], MSGPACK) for i in range(PINNED_PROMPTS)]
+        return calls + [self.call("store") for _ in range(RESIDENT)]
+
+    def call(self, op: str) -> Call:
+        if op == "store":
+            i = self._next
+            self._next = (i + 1) % PROMPTS
+            self._recent.append(i)
+            return "/engine/store", self.store[PINNED_PROMPTS + i], MSGPACK
+        readable = [*range(PINNED_PROMPTS), *(PINNED_PROMPTS + i for i in self._recent)]
+        j = readable[self._read % len(readable)]
+        self._read += 1
+        if op == "peer_fetch":
+            return "/peer/kv", self.peer[j], JSON
+        return f"/engine/{op}", self.read[j], MSGPACK
 
 
 async def call(app: Any, path: str, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
@@ -77,18 +121,25 @@ async def call(app: Any, path: str, body: bytes, headers: list[tuple[bytes, byte
 async def main(requests: int, rounds: int) -> None:
     config = NodeConfig(
         model_name="toy", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, chunk_size=C,
-        dtype="float16", l1_bytes=1 << 26, l2="none",
+        dtype="float16", l1_bytes=L1_BYTES, l2="none",
     )  # fmt: skip
     node = CacheNode(config, instance_id="n1")
     app = create_node_app(node)
-    ops = operations()
+    work = Workload()
+    for path, body, headers in work.setup():
+        await call(app, path, body, headers)
+    node.pins.replace(work.pinned_keys())  # what the node's pin poll would set
     seconds: dict[str, list[float]] = {}
     for _ in range(rounds):
-        for op, (path, body, headers) in ops.items():
+        for op in OPS:
+            calls = [work.call(op) for _ in range(requests)]
             t0 = time.process_time()
-            for _ in range(requests):
+            for path, body, headers in calls:
                 await call(app, path, body, headers)
             seconds.setdefault(op, []).append((time.process_time() - t0) / requests)
+    pinned = work.pinned_keys()
+    assert all(node.l1.contains(k) for k in pinned), "a pinned key was evicted"
+    assert len(node.l1) == L1_CHUNKS, len(node.l1)  # full: every store evicted
     node.close()
     for op, values in seconds.items():
         print(op, f"{statistics.median(values) * 1e6:.1f}")

@@ -10,7 +10,8 @@ count per key, gives the coordinator's loop). Every ``--pass-interval-s`` of tra
 planner of ``kvatlas.coordinator.cache_control.eviction`` runs over every salt and its plan is
 applied at once. Tenants: a trace has none, so requests are split into ``--salts`` salts by
 the first block after the prefix every request shares (a shared system prompt is each
-tenant's own copy); each salt's quota is a fraction of its own working set (its distinct
+tenant's own copy), a request with no block after it by its index in the trace (a Mooncake
+trace names no session); each salt's quota is a fraction of its own working set (its distinct
 complete blocks). Rows marked "ablation" attribute the value policy's result: LRU order with
 the value policy's amount (evict to the limit), and value without the position term.
 """
@@ -80,22 +81,23 @@ class Outcome:
     seconds: float
 
 
-def _salt_of(block: int, salts: int) -> int:
-    """A salt for a tenant's first own block: a multiplicative hash, spread over ``salts``."""
-    return (((block * 0x9E3779B97F4A7C15) & ((1 << 64) - 1)) >> 40) % salts
+def _salt_of(value: int, salts: int) -> int:
+    """A salt for a tenant's first own block (or a request's index): a multiplicative hash,
+    spread over ``salts``."""
+    return (((value * 0x9E3779B97F4A7C15) & ((1 << 64) - 1)) >> 40) % salts
 
 
 def load_trace(path: Path, salts: int, limit: int | None) -> Trace:
     """The trace's requests as slot numbers per salt (complete blocks only)."""
-    raw: list[tuple[float, list[int], int]] = []
+    raw: list[tuple[int, float, list[int], int]] = []
     for request in read_mooncake(path, limit):
         blocks = [int(s.split(":")[1]) for s, _, length in request.segments
                   if length == BLOCK_SPAN]  # fmt: skip
-        raw.append((request.arrival_s, blocks, request.input_tokens))
+        raw.append((request.index, request.arrival_s, blocks, request.input_tokens))
     if not raw:
         raise InvalidInput(f"{path}: no requests")
-    common = raw[0][1]
-    for _, blocks, _ in raw:
+    common = raw[0][2]
+    for _, _, blocks, _ in raw:
         n = 0
         while n < min(len(common), len(blocks)) and common[n] == blocks[n]:
             n += 1
@@ -103,9 +105,10 @@ def load_trace(path: Path, salts: int, limit: int | None) -> Trace:
     slot_of: list[dict[int, int]] = [{} for _ in range(salts)]
     position_of: list[list[int]] = [[] for _ in range(salts)]
     requests = []
-    for arrival_s, blocks, tokens in raw:
-        tenant_block = blocks[len(common)] if len(blocks) > len(common) else -1
-        salt = _salt_of(tenant_block + 1, salts)
+    for index, arrival_s, blocks, tokens in raw:
+        # the tenant's first own block; a request with none (only the shared prefix): its index
+        own = len(blocks) > len(common)
+        salt = _salt_of(blocks[len(common)] + 1, salts) if own else _salt_of(index, salts)
         slots = []
         for position, block in enumerate(blocks):
             slot = slot_of[salt].setdefault(block, len(slot_of[salt]))
@@ -255,8 +258,10 @@ def run(args: argparse.Namespace) -> int:
         trace = load_trace(args.trace, args.salts, limit)
     except (InvalidInput, OSError) as exc:
         return refuse("eviction", str(exc))
-    progress("eviction", f"{len(trace.requests)} requests, {sum(trace.slots_per_salt)} "
-                         f"distinct blocks in {trace.salts} salts")  # fmt: skip
+    per_salt = np.bincount([r.salt for r in trace.requests], minlength=trace.salts).tolist()
+    progress("eviction", f"{len(trace.requests)} requests ({', '.join(map(str, per_salt))} "
+                         f"by salt), {sum(trace.slots_per_salt)} distinct blocks in "
+                         f"{trace.salts} salts")  # fmt: skip
     config = EvictionConfig(chunk_tokens=args.chunk_tokens)
     block_bytes = BLOCK_SPAN * args.bytes_per_token
     outcomes = []
@@ -274,6 +279,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps({
             "trace": str(args.trace), "requests": len(trace.requests), "salts": trace.salts,
+            "requests_per_salt": per_salt,
             "working_set_blocks": sum(trace.slots_per_salt), "block_bytes": block_bytes,
             "ceiling": asdict(ceiling), "outcomes": [asdict(o) for o in outcomes],
             "winner": best, "default_policy": DEFAULT_POLICY.value,

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
+import subprocess
+import sys
 import threading
 import time
 import tracemalloc
@@ -80,6 +83,57 @@ def engine_payloads(
     return payloads
 
 
+def coordinator_bytes_per_block(requests: int, tokens: int, block_size: int, chunk_size: int,
+                                seed: int) -> float:  # fmt: skip
+    """What a coordinator holds per tracked block, block map and directory (blend on): its
+    resident memory's growth once ``requests`` engine batches of ``tokens`` are re-keyed and
+    applied (the operator's figure; tracemalloc would add its own traces to it). Run in a
+    fresh process (:func:`_memory_rows`): an earlier run's freed memory would hide the growth."""
+    rng = np.random.default_rng(seed)
+    payloads = engine_payloads(rng, requests, tokens, block_size, tokens)
+    scheme = KeyScheme("blake3", chunk_size)
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    warm, warm_map = KeyDirectory(chunk_size, enable_blend_lookup=True), Rekeyer(scheme, 1 << 30)
+    for payload in payloads[:4]:  # compile the kernels first: their code is not the data's
+        for op in warm_map.translate("warm", "m", split_batch(payload)):
+            assert not isinstance(op, Cleared)
+            warm.consume(op)
+    del warm, warm_map
+    gc.collect()
+    before = rss()
+    directory = KeyDirectory(chunk_size, enable_blend_lookup=True)
+    rekeyer = Rekeyer(scheme, 1 << 30)
+    for payload in payloads:
+        for op in rekeyer.translate("pod-a", "m", split_batch(payload)):
+            assert not isinstance(op, Cleared)
+            directory.consume(op)
+    gc.collect()
+    return (rss() - before) / rekeyer.total_blocks
+
+
+def _memory_rows(args: argparse.Namespace) -> list[BenchRow]:
+    b, c = args.block_size, args.chunk_size
+    requests = max(1, args.memory_blocks // (args.tokens // b))
+    code = (
+        "import json; from kvatlas.bench.kv_events import coordinator_bytes_per_block as f; "
+        f"print(json.dumps(f({requests}, {args.tokens}, {b}, {c}, {args.seed})))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    rss = float(json.loads(out.stdout.strip().splitlines()[-1]))
+    blocks = requests * (args.tokens // b)
+    return [
+        BenchRow(
+            f"coordinator memory per tracked block: block map + directory, blend on ({blocks} "
+            "blocks, resident growth)",
+            None, shown=f"{rss:.0f} B/block", extra={"blocks": blocks},
+        )
+    ]  # fmt: skip
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, repeats=5)
     parser.add_argument("--requests", type=int, default=400, help="engine batches (requests)")
@@ -88,19 +142,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=int, default=256, help="kvatlas chunk size, tokens")
     parser.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
     parser.add_argument(
+        "--memory-blocks", type=int, default=262_144,
+        help="blocks tracked for the coordinator-memory-per-block row (a fresh process)",
+    )  # fmt: skip
+    parser.add_argument(
         "--max-message-blocks", type=int, default=500_000,
         help="blocks in the maximal message (the coordinator's --kv-events-max-blocks)",
     )  # fmt: skip
     parser.add_argument(
-        "--only", choices=("rekey", "stall"), default=None,
-        help="run one part only: rekey (in-process rates, bytes) or stall (a coordinator process "
-        "applying maximal messages)",
+        "--only", choices=("rekey", "memory", "stall"), default=None,
+        help="run one part only: rekey (in-process rates, bytes), memory (a coordinator's bytes "
+        "per tracked block) or stall (a coordinator process applying maximal messages)",
     )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.requests, args.repeats, args.max_message_blocks = 50, 3, 50_000
+        args.memory_blocks = 12_800
     rng = np.random.default_rng(args.seed)
     b, c, r = args.block_size, args.chunk_size, args.repeats
     if args.tokens < 2 * c or args.tokens % c:
@@ -110,8 +169,10 @@ def run(args: argparse.Namespace) -> int:
     meta = {"requests": args.requests, "tokens": args.tokens, "block_size": b,
             "chunk_size": c, "repeats": r, "seed": args.seed,
             "max_message_blocks": args.max_message_blocks}  # fmt: skip
-    rows = [] if args.only == "stall" else _rekey_rows(args, rng)
-    if args.only != "rekey":
+    rows = [] if args.only in ("stall", "memory") else _rekey_rows(args, rng)
+    if args.only in (None, "memory"):
+        rows += _memory_rows(args)
+    if args.only in (None, "stall"):
         rows += stall_rows(rng, args.max_message_blocks, c, r)
     report("kvatlas bench kv_events", rows, args, meta)
     return 0

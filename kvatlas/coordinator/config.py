@@ -21,7 +21,7 @@ from kvatlas.coordinator.body_limits import RouteBodies, largest_request_bytes
 from kvatlas.coordinator.cache_control.eviction import DEFAULT_POLICY as DEFAULT_EVICTION_POLICY
 from kvatlas.coordinator.cache_control.eviction import POLICY_NAMES as EVICTION_POLICIES
 from kvatlas.coordinator.kv_events.exposure import StreamExposure
-from kvatlas.coordinator.kv_events.settings import MIN_MESSAGE_BYTES, LinkSpec
+from kvatlas.coordinator.kv_events.settings import DEFAULT_MAX_BLOCKS, MIN_MESSAGE_BYTES, LinkSpec
 from kvatlas.coordinator.scoring import DEFAULT_FRAGMENT_WEIGHT
 from kvatlas.events import EVENT_TRANSPORTS
 from kvatlas.events.vllm_wire import DEFAULT_ENCODING, ENCODINGS
@@ -86,7 +86,7 @@ class CoordinatorConfig:
     kv_events_max_engines_per_endpoint: int = 1
     kv_events_topic_prefix: str = "kv@"
     kv_events_model: str | None = None
-    kv_events_max_blocks: int = 500_000
+    kv_events_max_blocks: int = DEFAULT_MAX_BLOCKS
     kv_events_max_message_bytes: int | None = None  # None: derived (largest_message_bytes)
     kv_events_publish: str | None = None
     kv_events_replay_bind: str | None = None

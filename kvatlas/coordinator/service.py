@@ -266,6 +266,7 @@ class CoordinatorService:
             self.directory.deregister(instance_id)
             self.delivery.instance_left(instance_id)
             self.metrics.forget_instance(instance_id)
+        self.kv_events.forget(departed)
         if departed:
             log.info("forgot %d departed emitters (cursors, metric series)", len(departed))
         return departed
@@ -314,6 +315,9 @@ class CoordinatorService:
             return
         self._restored = True
         restore_section(self.cache_control, info.sections, path)
+        self.kv_events.restore(
+            info.sections, lambda e: self.directory.gap_state(e) is not None, path
+        )
         self.stream_position = self._restored_position = info.stream_position
         if info.instances is not None:
             self.instances.restore(info.instances)
@@ -336,7 +340,10 @@ class CoordinatorService:
                 info = save_snapshot(
                     self.directory, path, stream_position=position,
                     instances=self.instances.rows(),
-                    sections={SECTION: encode_state(self.cache_control)},
+                    sections={
+                        SECTION: encode_state(self.cache_control),
+                        **self.kv_events.snapshot_sections(),
+                    },
                 )  # fmt: skip
             except OSError as exc:
                 self.metrics.snapshot_failures.inc()

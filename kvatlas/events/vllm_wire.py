@@ -168,13 +168,13 @@ DEFAULT_ENCODING: Final = "vllm"
 # payload), then the events a bounded group at a time, each group one decoder call.
 class _RawArrayBatch(msgspec.Struct, array_like=True):
     ts: float
-    events: list[msgspec.Raw]
+    events: msgspec.Raw  # the events' array, as it is in the payload
     data_parallel_rank: int | None = None
 
 
 class _RawMapBatch(msgspec.Struct):
     ts: float
-    events: list[msgspec.Raw]
+    events: msgspec.Raw
     data_parallel_rank: int | None = None
 
 
@@ -186,6 +186,7 @@ _MAP_EVENTS: Final = msgspec.msgpack.Decoder(list[KVEvent])
 _ARRAY_EVENTS: Final = msgspec.msgpack.Decoder(
     list[_ArrayBlockStored | _ArrayBlockRemoved | _ArrayAllBlocksCleared]
 )
+_RAW_EVENTS: Final = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _RAW_DECODER: Final = msgspec.msgpack.Decoder()
 _ENCODER: Final = msgspec.msgpack.Encoder()
 
@@ -225,7 +226,7 @@ class SplitBatch:
 
     ts: float
     data_parallel_rank: int | None
-    bodies: tuple[bytes, ...]  # each a msgpack array of a group's events
+    bodies: tuple[bytes | msgspec.Raw, ...]  # each a msgpack array of a group's events
     maps: bool  # events are maps (vLLM's layout, or a map batch), else arrays (older)
 
     def groups(self) -> Iterator[tuple[int, list[KVEvent]]]:
@@ -257,21 +258,38 @@ def split_batch(payload: bytes) -> SplitBatch:
         raise VllmWireError("invalid", str(exc)) from None
     except msgspec.DecodeError as exc:
         raise VllmWireError("malformed", str(exc)) from None
-    raws = top.events
-    bodies: list[bytes] = []
+    events = memoryview(top.events)
+    count, header = _array_header(events)
+    maps = not array or not count or not _is_array(events[header:])
+    if count <= 1 or events.nbytes - header <= DECODE_GROUP_BYTES:
+        # one group (every real vLLM step): the events' array as it is, not a copy of it
+        one: tuple[bytes | msgspec.Raw, ...] = (top.events,) if count else ()
+        return SplitBatch(top.ts, top.data_parallel_rank, one, maps)
+    bodies: list[bytes | msgspec.Raw] = []
     group: list[msgspec.Raw] = []
     size = 0
-    for raw in raws:
+    for raw in _RAW_EVENTS.decode(top.events):
         n = memoryview(raw).nbytes
         if group and size + n > DECODE_GROUP_BYTES:
             bodies.append(_array_of(group))
             group, size = [], 0
         group.append(raw)
         size += n
-    if group:
-        bodies.append(_array_of(group))
-    maps = not array or not raws or not _is_array(memoryview(raws[0]))
+    bodies.append(_array_of(group))
     return SplitBatch(top.ts, top.data_parallel_rank, tuple(bodies), maps)
+
+
+def _array_header(value: memoryview) -> tuple[int, int]:
+    """The item count and header length of a msgpack array, or :class:`VllmWireError`
+    (``invalid``) when ``value`` is not one (a batch's ``events``)."""
+    first = value[0]
+    if 0x90 <= first <= 0x9F:
+        return first & 0x0F, 1
+    if first == 0xDC:
+        return int.from_bytes(value[1:3], "big"), 3
+    if first == 0xDD:
+        return int.from_bytes(value[1:5], "big"), 5
+    raise VllmWireError("invalid", "events must be an array")
 
 
 def _array_of(items: list[msgspec.Raw]) -> bytes:

@@ -5,6 +5,7 @@ quota, and a bad configuration refused (docs/cache-control.md, "Fleet eviction")
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +58,32 @@ def test_a_request_reuses_its_leading_held_blocks_only(tmp_path: Path) -> None:
     assert outcome.prefill_tokens_saved == 2 * 512  # [1, 2] again; [9, 2, 3] misses at 9
     assert outcome.chunk_hit_ratio == 2 / 9
     assert outcome.token_hit_ratio == 1024 / (1536 + 1600 + 1536)
+
+
+def test_requests_with_nothing_after_the_shared_prefix_spread_over_the_salts(
+    tmp_path: Path,
+) -> None:
+    """A request whose blocks are all the prefix every request shares has no tenant block:
+    its salt comes from its index in the trace, like the others' from their first own block
+    (they all went to salt 0: three times the requests of any other salt)."""
+    shared = [1, 2]
+    lines = [
+        {"timestamp": t, "input_length": 1024 + 512 * (t % 2), "output_length": 1,
+         "hash_ids": shared + ([100 + t] if t % 2 else [])}
+        for t in range(400)
+    ]  # fmt: skip
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    trace = load_trace(path, salts=4, limit=None)
+    prefix_only = Counter(r.salt for r, line in zip(trace.requests, lines, strict=True)
+                          if len(line["hash_ids"]) == len(shared))  # fmt: skip
+    own = Counter(r.salt for r, line in zip(trace.requests, lines, strict=True)
+                  if len(line["hash_ids"]) > len(shared))  # fmt: skip
+    assert sum(prefix_only.values()) == sum(own.values()) == 200
+    for counts in (prefix_only, own):  # 50 a salt, give or take what a hash spreads
+        assert set(counts) == {0, 1, 2, 3} and max(counts.values()) < 2 * min(counts.values())
+    again = load_trace(path, salts=4, limit=None)  # deterministic
+    assert [r.salt for r in again.requests] == [r.salt for r in trace.requests]
 
 
 def test_the_winner_saves_more_prefill_tokens_over_the_quotas() -> None:

@@ -52,3 +52,14 @@ def test_an_endpoint_that_cannot_be_used_is_refused_at_start() -> None:
         )
         with pytest.raises(Unavailable, match=flag):
             links.start()
+
+
+def test_the_default_block_bound_holds_the_fleet_benchmarks_engines() -> None:
+    """Every block the fleet benchmark's engines hold (GPU + CPU offload) fits the default
+    --kv-events-max-blocks: below it the coordinator evicts blocks the engines still hold."""
+    from kvatlas.bench.fleet.config import FleetConfig
+
+    fleet = FleetConfig("rag:", ())
+    held = fleet.engines * (fleet.gpu_blocks + fleet.host_blocks)
+    assert held == 691_200
+    assert parse_config([]).kv_events_max_blocks >= held

@@ -18,6 +18,7 @@ from kvatlas.events import CacheEntry
 from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
 from kvatlas.processes import spawn_service, stop
 from tests.conftest import wait_for
+from tests.coordinator.helpers import running
 from tests.kv_events.helpers import TOKENS, FakeEngine, golden
 from tests.kv_events.router_view import RouterView
 
@@ -102,3 +103,60 @@ def test_engine_in_and_node_placements_out(engine: FakeEngine) -> None:
         sink.close(timeout=1)
         stop([proc])
         ctx.term()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_forgotten_engine_is_no_candidate_until_it_publishes_again(engine: FakeEngine) -> None:
+    """An engine silent beyond --emitter-retention-s is forgotten like any emitter: no route
+    candidate, not listed, until it publishes again."""
+    clock = Clock()
+    config = {"emitter_retention_s": 60.0, "kv_events_subscribe": engine.endpoint}
+    with running(clock, chunk_size=C, **config) as (server, c):
+
+        def engine_batches() -> int:
+            return int(c.get("/healthz").json()["kv_events"]["subscriber"]["batches"])
+
+        def candidates() -> list[tuple[str, int]]:
+            scores = c.post("/route/score", json={"token_ids": TOKENS, "model_name": "llama"})
+            return [(s["instance_id"], s["prefix_tokens"]) for s in scores.json()["instances"]]
+
+        engine.send_until(0, golden("legacy-array-stored"), lambda: engine_batches() == 1)
+        assert candidates() == [("pod-a", 32)]
+        clock.now += 61
+        assert wait_for(lambda: "pod-a" in server.service.forget_departed() or not candidates())
+        assert candidates() == []
+        assert c.get("/instances").json()["instances"] == []
+        engine.send(1, golden("legacy-array-stored"))
+        assert wait_for(lambda: candidates() == [("pod-a", 32)])
+
+
+def test_a_full_block_map_is_counted_shown_and_logged(
+    engine: FakeEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Blocks evicted at --kv-events-max-blocks are counted in /metrics beside the bound and
+    the blocks tracked, and logged (the first, then at powers of two): never silent."""
+    config = {"kv_events_subscribe": engine.endpoint, "kv_events_max_blocks": 4}
+    with caplog.at_level("WARNING"), running(chunk_size=C, **config) as (_, c):
+
+        def subscriber() -> dict[str, int]:
+            return dict(c.get("/healthz").json()["kv_events"]["subscriber"])
+
+        engine.send_until(0, golden("legacy-array-stored"), lambda: subscriber()["batches"] == 1)
+        assert subscriber()["evicted_blocks"] == 0 and subscriber()["tracked_blocks"] == 4
+        engine.send(1, golden("legacy-array-int-hashes"))  # other blocks: the oldest go
+        assert wait_for(lambda: subscriber()["batches"] == 2)
+        evicted = subscriber()["evicted_blocks"]
+        metrics = c.get("/metrics").text
+    assert evicted > 0
+    assert f'kvatlas_kv_events_subscriber_total{{counter="evicted_blocks"}} {evicted}.0' in metrics
+    assert "kvatlas_kv_events_subscriber_tracked_blocks 4.0" in metrics
+    assert "kvatlas_kv_events_subscriber_max_blocks 4.0" in metrics
+    warned = [r.getMessage() for r in caplog.records if "block map is full" in r.getMessage()]
+    assert warned and "--kv-events-max-blocks 4" in warned[0]

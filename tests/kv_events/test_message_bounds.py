@@ -256,7 +256,7 @@ def test_an_oversized_replay_reply_is_refused_and_the_gap_stays_visible() -> Non
 def test_the_message_limit_defaults_to_the_largest_legitimate_message() -> None:
     assert parse_config([]).kv_events_max_message_bytes is None
     settings = SubscriberSettings(())
-    assert settings.message_limit_bytes == 256 * 500_000
+    assert settings.message_limit_bytes == 256 * parse_config([]).kv_events_max_blocks == 256 << 20
     assert SubscriberSettings((), max_blocks=100).message_limit_bytes == 25_600
     # never below what a ZMQ handshake needs: the limit applies to it too
     assert SubscriberSettings((), max_blocks=1).message_limit_bytes == 4096
@@ -299,3 +299,25 @@ def test_events_decode_a_group_at_a_time_into_the_same_batch() -> None:
         rekeyer.translate("pod-a", "llama", split_batch(msgspec.msgpack.encode(raw)))
     assert refused.value.kind == "unknown_event"
     assert rekeyer.total_blocks == 0 and directory.stats().keys == 0  # nothing changed
+
+
+def _inside(outer: bytes, inner: Any) -> bool:
+    """Whether ``inner``'s bytes lie in ``outer``'s memory (a view, not a copy)."""
+    start = np.frombuffer(outer, np.uint8).ctypes.data
+    at = np.frombuffer(inner, np.uint8).ctypes.data
+    return start <= at and at + memoryview(inner).nbytes <= start + len(outer)
+
+
+def test_a_batch_of_one_group_keeps_its_events_where_they_are() -> None:
+    """Every real vLLM step fits one decoder group: its events are decoded from the payload
+    itself, not from a copy, into what one decoder call gives (the same split as before: a
+    batch of several groups is still split, an empty one has none)."""
+    payload = maximal_message(np.random.default_rng(9), 1_000)  # ≈100 KB: one group
+    split = split_batch(payload)
+    assert len(split.bodies) == 1 and _inside(payload, split.bodies[0])
+    assert decode_batch(payload).events == msgspec.msgpack.decode(payload, type=_WholeBatch).events
+    older = encode_batch(decode_batch(payload), "array")  # events as arrays, one group too
+    (body,) = split_batch(older).bodies
+    assert _inside(older, body) and decode_batch(older).events == decode_batch(payload).events
+    empty = encode_batch(KVEventBatch(1.0, [], None))
+    assert split_batch(empty).bodies == () and decode_batch(empty).events == []

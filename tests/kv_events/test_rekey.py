@@ -293,7 +293,7 @@ def test_a_gpu_eviction_leaves_the_cpu_offload_copy() -> None:
 
 
 def test_the_block_map_of_text_chains_is_invisible_to_the_cyclic_collector() -> None:
-    """Like the directory's records: at the default bound (500,000 blocks) a block map the
+    """Like the directory's records: at 500,000 blocks a block map the
     collector tracks added ≈0.5 s to every full collection, a stall for every client."""
     import gc
 

@@ -11,6 +11,7 @@ import os
 import random
 import socket
 import struct
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -231,6 +232,57 @@ def test_vllms_publisher_feeds_a_coordinator(kv_events: ModuleType) -> None:
         assert stats["engine_restarts"] == 1
         assert sum(v for k, v in stats.items() if k.startswith("rejected_")) == 0
         assert stats["errors"] == 0
+    finally:
+        engine.close()
+        coordinator.close()
+
+
+def candidates(coordinator: Coordinator, tokens: list[int]) -> list[tuple[str, int]]:
+    """``POST /route/score``'s default candidates and their prefix tokens."""
+    scores = httpx.post(
+        f"{coordinator.url}/route/score", json={"token_ids": tokens, "model_name": MODEL}
+    ).json()
+    return [(s["instance_id"], s["prefix_tokens"]) for s in scores["instances"]]
+
+
+def test_a_restarted_coordinator_keeps_the_engines_it_knew(
+    kv_events: ModuleType, tmp_path: Path
+) -> None:
+    """Restarted from its snapshot while vLLM stays silent, the coordinator still knows the
+    engine: a default route candidate with the snapshot's chunks, listed, an id no node may
+    register under. When the engine speaks again, what it removed meanwhile goes (a new
+    incarnation fences the snapshot's copies; vLLM's replay tells the rest again)."""
+    pub_port, replay_port = free_port(), free_port()
+    doc, other = prompt(3, 4), prompt(4, 2)
+    hashes = block_hashes(3, 4)
+    engine = Engine(kv_events, f"tcp://*:{pub_port}", f"tcp://*:{replay_port}")
+    flags = (
+        "--kv-events-subscribe", f"tcp://127.0.0.1:{pub_port}",
+        "--kv-events-replay", f"tcp://127.0.0.1:{replay_port}",
+        "--snapshot-path", str(tmp_path / "d.snap"),
+    )  # fmt: skip
+    coordinator = Coordinator(*flags)
+    try:
+        engine.stored(doc, hashes)
+        engine.until_seen(coordinator, 1)
+        assert candidates(coordinator, doc) == [("pod-a", 2 * CHUNK)]
+        coordinator.close()  # (writes its snapshot)
+        # while the coordinator is down the engine drops the document's last block
+        engine.publish(kv_events.BlockRemoved(block_hashes=hashes[3:], medium="GPU"))
+
+        coordinator = Coordinator(*flags)
+        assert candidates(coordinator, doc) == [("pod-a", 2 * CHUNK)]  # the snapshot's
+        rows = httpx.get(f"{coordinator.url}/instances").json()["instances"]
+        assert [r["instance_id"] for r in rows] == ["pod-a"]
+        taken = httpx.post(f"{coordinator.url}/instances", json={"instance_id": "pod-a"})
+        assert taken.status_code == 409, taken.text
+        assert coordinator.subscriber()["batches"] == 0  # nothing heard from the engine yet
+
+        engine.stored(other, block_hashes(4, 2))
+        assert wait_for(lambda: coordinator.holders(other) == {("pod-a", "gpu"): 1})
+        assert wait_for(lambda: coordinator.holders(doc) == {("pod-a", "gpu"): 1})
+        assert candidates(coordinator, doc) == [("pod-a", CHUNK)]
+        assert coordinator.subscriber()["replayed_batches"] >= 2
     finally:
         engine.close()
         coordinator.close()

@@ -3,17 +3,22 @@
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.kv_events.exposure import StreamExposure
+from kvatlas.coordinator.kv_events.known import SECTION, decode_engines, encode_engines
 from kvatlas.coordinator.kv_events.publisher import KvEventsPublisher
 from kvatlas.coordinator.kv_events.settings import SubscriberSettings
 from kvatlas.coordinator.kv_events.stats import KvEventsStats
 from kvatlas.coordinator.kv_events.subscriber import Ingest, KvEventsSubscriber
 from kvatlas.directory import KeyDirectory
-from kvatlas.errors import Unavailable
+from kvatlas.errors import InvalidInput, Unavailable
+
+log = logging.getLogger(__name__)
 
 
 class KvEventsLinks:
@@ -100,6 +105,33 @@ class KvEventsLinks:
     def engines(self) -> frozenset[str]:
         """The engine instances learned from KV events (none without a subscriber)."""
         return frozenset() if self.subscriber is None else self.subscriber.engine_ids
+
+    def snapshot_sections(self) -> dict[str, bytes]:
+        """The engines known, as a snapshot section (none without a subscriber)."""
+        if self.subscriber is None:
+            return {}
+        return {SECTION: encode_engines(self.subscriber.engine_ids)}
+
+    def restore(
+        self, sections: dict[str, bytes] | None, tracked: Callable[[str], bool], where: str | Path
+    ) -> None:
+        """Engines again: those of a snapshot's section whose cursor it restored (``tracked``);
+        a section that does not decode is logged and left out (they come back when they
+        publish)."""
+        if self.subscriber is None or not sections or SECTION not in sections:
+            return
+        try:
+            known = decode_engines(sections[SECTION])
+        except InvalidInput as exc:
+            log.error("snapshot %s: engines not restored (%s)", where, exc)
+            return
+        self.subscriber.restore_engines(frozenset(e for e in known if tracked(e)))
+
+    def forget(self, instance_ids: Iterable[str]) -> None:
+        """Emitters the directory forgot: an engine among them is no engine (nor a route
+        candidate) until it publishes again."""
+        if self.subscriber is not None:
+            self.subscriber.forget_engines(frozenset(instance_ids))
 
     def is_engine(self, instance_id: str) -> bool:
         """Whether ``instance_id`` is an engine's: learned from KV events, or named for an

@@ -23,6 +23,7 @@ consecutive seqs). See docs/kv-events.md.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import Counter, OrderedDict
@@ -49,6 +50,8 @@ from kvatlas.keys import NONE_HASH, KeyScheme, MMItem, ObjectKey, pack_kv_rank
 from kvatlas.keys.chunk_hash import chain_hashes
 from kvatlas.keys.extra_keys import x1_chunk_suffix_fn
 from kvatlas.keys.tokens import TokenArray, tokens_be_bytes
+
+log = logging.getLogger(__name__)
 
 GPU_TIER: Final = "gpu"
 CPU_TIER: Final = "engine-cpu"
@@ -409,6 +412,12 @@ class Rekeyer:
         _, block = victim.blocks.popitem(last=False)
         self.total_blocks -= 1
         self.counts["evicted_blocks"] += 1
+        n = self.counts["evicted_blocks"]
+        if n & (n - 1) == 0:  # the first, then at powers of two: a full map evicts per block
+            log.warning("kv events: the block map is full (--kv-events-max-blocks %d): %d "
+                        "blocks evicted so far, oldest first, their chunks' placements with "
+                        "them; raise the limit above the blocks the engines hold (GPU + CPU)",
+                        self.max_blocks, n)  # fmt: skip
         for chunk_hash, model, tier in block[2]:
             pending.delete(victim.instance_id, tier, _gone(chunk_hash, model))
 

@@ -15,6 +15,12 @@ event of its own (a decode step's): its 32-byte hash and its parent's (34 B each
 of at most 5 B each (80 B) and the event's field names and other values (≈105 B) — ≈254 B."""
 
 
+DEFAULT_MAX_BLOCKS: Final = 1 << 20
+"""``--kv-events-max-blocks``: above every block (GPU + CPU offload) the fleet benchmark's eight
+engines hold (``kvatlas bench fleet``); its memory is measured in docs/kv-events.md
+("Bounded")."""
+
+
 MIN_MESSAGE_BYTES: Final = 4096
 """The smallest limit: ZMQ applies it to the handshake too (its READY command carries the
 socket type and a routing id of up to 255 bytes)."""
@@ -52,7 +58,7 @@ class SubscriberSettings:
     links: tuple[LinkSpec, ...]
     topic_prefix: str = "kv@"
     default_model: str | None = None
-    max_blocks: int = 500_000
+    max_blocks: int = DEFAULT_MAX_BLOCKS
     replay_timeout: float = 2.0
     replay_backoff: float = 30.0
     max_engines_per_endpoint: int = 1  # engine instances (an engine's dp ranks count apart)

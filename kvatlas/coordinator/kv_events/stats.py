@@ -43,6 +43,7 @@ class SubscriberStats:
     rejected_too_many_blocks: int = 0
     engines: int = 0  # gauges from here on
     tracked_blocks: int = 0
+    max_blocks: int = 0  # --kv-events-max-blocks: tracked_blocks at it means evicted_blocks grows
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +69,9 @@ class KvEventsStats:
     publisher: PublisherStats | None
 
 
-GAUGES: Final = frozenset({"engines", "tracked_blocks", "seq", "queued", "queued_entries"})
+GAUGES: Final = frozenset(
+    {"engines", "tracked_blocks", "max_blocks", "seq", "queued", "queued_entries"}
+)
 REJECT_KINDS: Final = tuple(
     f.name.removeprefix("rejected_")
     for f in fields(SubscriberStats)

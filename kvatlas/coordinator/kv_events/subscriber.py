@@ -108,11 +108,25 @@ class KvEventsSubscriber:
         self.counts: Counter[str] = zeroed(SubscriberStats)
         self.engine_ids: frozenset[str] = frozenset()
         """Every engine instance that had a batch applied (kept after ``AllBlocksCleared``: the
-        engine still serves); replaced, never mutated, so other threads may read it."""
+        engine still serves) or that the snapshot restored, until the directory forgets it
+        (:meth:`forget_engines`); replaced, never mutated, so other threads may read it."""
+        self._engines_lock = threading.Lock()  # (writers: this thread, the sweep, the restore)
         self._ctx: zmq.Context[Any] | None = None
         self._poller: zmq.Poller | None = None
         self._socks: dict[Any, _Link] = {}
         self._monitors: dict[Any, tuple[Any, _Link]] = {}  # monitor -> (its socket, link)
+
+    def restore_engines(self, engines: frozenset[str]) -> None:
+        """Engines a snapshot knew (their cursors restored with it): engines again at once,
+        before they publish."""
+        with self._engines_lock:
+            self.engine_ids = self.engine_ids | engines
+
+    def forget_engines(self, instance_ids: frozenset[str]) -> None:
+        """Those the directory forgot (silent beyond ``--emitter-retention-s``) are no engines
+        until they publish again."""
+        with self._engines_lock:
+            self.engine_ids = self.engine_ids - instance_ids
 
     def is_engine(self, instance_id: str) -> bool:
         """Whether ``instance_id`` is an engine's: one that spoke, or named for an endpoint
@@ -126,6 +140,7 @@ class KvEventsSubscriber:
         return view(
             SubscriberStats, self.counts, rekeyer.counts,
             engines=len(rekeyer.engines), tracked_blocks=rekeyer.total_blocks,
+            max_blocks=rekeyer.max_blocks,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the loop
@@ -348,7 +363,8 @@ class KvEventsSubscriber:
             self._ingest([self.rekeyer.marker(instance, 1)])  # a batch lost: a gap at the gate
             return
         if instance not in self.engine_ids:
-            self.engine_ids = self.engine_ids | {instance}
+            with self._engines_lock:
+                self.engine_ids = self.engine_ids | {instance}
         # Runs of at most SLICE_ENTRIES entries, one directory call each; a message that
         # needs several pauses between them (the directory lock and the GIL change hands).
         limit, slices = self.rekeyer.slice_entries, 0
@@ -380,10 +396,10 @@ class KvEventsSubscriber:
                 return True
             self._ingest(run)
         except Exception:
-            self.counts["errors"] += 1
             log.exception("kv events: %s: applying a slice failed; the rest of its batch is a "
                           "gap", instance)  # fmt: skip
             self._ingest([self.rekeyer.marker(instance)])
+            self.counts["errors"] += 1  # (after the gap: whoever reads the count sees the gap)
             return False
         self.counts["slices"] += 1
         return True
