@@ -79,14 +79,16 @@ class Ingestion:
                 stale += 1
         return IngestCounts(applied, duplicates, stale)
 
-    def ingest_as(self, who: Principal | None, batches: Sequence[EventBatch]) -> IngestCounts:
+    def ingest_as(
+        self, who: Principal | None, batches: Sequence[EventBatch | ColumnBatch]
+    ) -> IngestCounts:
         """Apply a stream entry's batches as ``who`` (its signer; ``None``: auth off): the
         checks of ``POST /events`` (its instances, its salts). A signed entry stands for a
         registration: a replica that never saw the node register (it registered with
         another one) admits its entries all the same."""
         if who is None:
             return self.ingest(batches)
-        columns = [ColumnBatch.of(b) for b in batches]
+        columns = [b if isinstance(b, ColumnBatch) else ColumnBatch.of(b) for b in batches]
         check_emit(who, columns)
         return self.ingest(columns, registered=False)
 

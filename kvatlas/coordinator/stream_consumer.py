@@ -54,7 +54,12 @@ from kvatlas.errors import (
     Unauthorized,
     Unavailable,
 )
-from kvatlas.events import EventBatch, EventDecodeError, EventValidationError, decode_stream_fields
+from kvatlas.events import (
+    ColumnBatch,
+    EventDecodeError,
+    EventValidationError,
+    decode_stream_columns,
+)
 from kvatlas.redis_clients import redis_client
 
 log = logging.getLogger(__name__)
@@ -240,7 +245,8 @@ class StreamConsumer:
 
     ``attribute`` says who an entry's raw fields speak for (a principal; ``None`` with auth
     off), before anything is decoded, or refuses it (unsigned, bad signature); ``ingest``
-    applies the decoded batches as that principal; ``on_position`` is told each entry id
+    applies the decoded batches (store entries as columns, as ``POST /events`` bodies) as
+    that principal; ``on_position`` is told each entry id
     once the entry is applied (the snapshot records it); ``set_readiness(SERVING)`` is called once, when the
     consumer first reaches the end of the stream; ``errors`` counts failures by kind
     (``redis``, ``decode``, ``internal``, ``group_held``: another live replica joined the group
@@ -255,7 +261,7 @@ class StreamConsumer:
         config: CoordinatorConfig,
         *,
         attribute: Callable[[Mapping[bytes, bytes]], Principal | None],
-        ingest: Callable[[Principal | None, Sequence[EventBatch]], object],
+        ingest: Callable[[Principal | None, Sequence[ColumnBatch]], object],
         position: str | None,
         on_position: Callable[[str], None],
         set_readiness: Callable[[Readiness], None],
@@ -408,7 +414,7 @@ class StreamConsumer:
     def _apply(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         try:
             who = self._attribute(fields)  # the MAC before any decoding
-            batches = decode_stream_fields(fields)
+            batches = decode_stream_columns(fields)
         except Unauthorized as exc:
             self._refuse(entry_id, exc)
         except (EventDecodeError, EventValidationError) as exc:

@@ -29,7 +29,11 @@ from kvatlas.events.model import (
     tokens_equal,
 )
 from kvatlas.events.msgpack_codec import decode_msgpack, decode_msgpack_columns, encode_msgpack
-from kvatlas.events.stream_format import decode_stream_fields, encode_stream_fields
+from kvatlas.events.stream_format import (
+    decode_stream_columns,
+    decode_stream_fields,
+    encode_stream_fields,
+)
 
 __all__ = [
     "ACCESS",
@@ -55,6 +59,7 @@ __all__ = [
     "decode_json_columns",
     "decode_msgpack",
     "decode_msgpack_columns",
+    "decode_stream_columns",
     "decode_stream_fields",
     "encode_json",
     "encode_msgpack",

@@ -58,17 +58,20 @@ class EntryColumns:
     def of_entries(cls, entries: Sequence[CacheEntry]) -> EntryColumns:
         """The columns of validated entries (the transports that still build objects); their
         token arrays are kept as they are (no copy: a binding shares the caller's array)."""
-        index: dict[ShapeParts, int] = {}
-        shape_of = []
-        for e in entries:
-            k = e.key
-            parts = (k.model_name, k.kv_rank, k.object_group_id, k.cache_salt)
-            shape_of.append(index.setdefault(parts, len(index)))
+        n = len(entries)
+        keys = [e.key for e in entries]
+        parts = [(k.model_name, k.kv_rank, k.object_group_id, k.cache_salt) for k in keys]
+        if n and parts.count(parts[0]) == n:  # one shape (the usual batch): no lookup each
+            shapes, shape_of = parts[:1], np.zeros(n, np.intp)
+        else:
+            index = dict.fromkeys(parts)  # the distinct shapes, in order
+            ids = dict(zip(index, range(len(index)), strict=True))
+            shapes, shape_of = list(index), np.fromiter(map(ids.__getitem__, parts), np.intp, n)
         arrays = tuple(e.token_ids for e in entries)
         return cls(
-            [e.key.chunk_hash for e in entries],
-            list(index),
-            np.array(shape_of, dtype=np.intp),
+            [k.chunk_hash for k in keys],
+            shapes,
+            shape_of,
             np.array([e.size_bytes for e in entries], dtype=np.int64),
             np.array([e.token_offset for e in entries], dtype=np.int64),
             np.empty(0, dtype=np.uint32),

@@ -2,7 +2,9 @@
 ``{fmt, data, kid, mac}``.
 
 ``data`` is a complete ``POST /events`` body (JSON or msgpack), so the coordinator decodes
-stream entries and HTTP bodies with the same codecs and applies them through the same gate.
+stream entries and HTTP bodies with the same codecs (:func:`decode_stream_columns`: into
+columns, as ``POST /events`` bodies are, no object per entry) and applies them through the
+same gate.
 
 The stream carries no bearer token, so a node signs each entry with a key derived from its
 coordinator token (:func:`kvatlas.auth.stream_key`): ``kid`` names the key, ``mac`` is a keyed
@@ -19,10 +21,11 @@ from collections.abc import Mapping
 
 import blake3
 
+from kvatlas.events.columns import ColumnBatch
 from kvatlas.events.errors import EventDecodeError
-from kvatlas.events.json_codec import decode_json, encode_json
+from kvatlas.events.json_codec import decode_json, decode_json_columns, encode_json
 from kvatlas.events.model import EventBatch
-from kvatlas.events.msgpack_codec import decode_msgpack, encode_msgpack
+from kvatlas.events.msgpack_codec import decode_msgpack, decode_msgpack_columns, encode_msgpack
 
 FORMATS = ("msgpack", "json")
 KEY_ID_FIELD = b"kid"
@@ -39,15 +42,27 @@ def encode_stream_fields(batches: list[EventBatch], fmt: str = "msgpack") -> dic
 
 
 def decode_stream_fields(fields: Mapping[bytes, bytes]) -> list[EventBatch]:
+    """An entry's batches as objects (tests, tools; the coordinator decodes columns)."""
+    fmt, data = _format_and_data(fields)
+    return decode_msgpack(data) if fmt == b"msgpack" else decode_json(data)
+
+
+def decode_stream_columns(fields: Mapping[bytes, bytes]) -> list[ColumnBatch]:
+    """An entry's batches with their store entries as columns: the batches and the errors of
+    :func:`decode_stream_fields`, without an object per entry."""
+    fmt, data = _format_and_data(fields)
+    return decode_msgpack_columns(data) if fmt == b"msgpack" else decode_json_columns(data)
+
+
+def _format_and_data(fields: Mapping[bytes, bytes]) -> tuple[bytes, bytes]:
+    """The entry's format (``msgpack`` when absent) and body, or the error naming the field."""
     fmt = fields.get(b"fmt", b"msgpack")
     data = fields.get(b"data")
     if data is None:
         raise EventDecodeError("data", "stream entry has no 'data' field")
-    if fmt == b"msgpack":
-        return decode_msgpack(data)
-    if fmt == b"json":
-        return decode_json(data)
-    raise EventDecodeError("fmt", f"unknown stream format {fmt!r:.40}")
+    if fmt not in (b"msgpack", b"json"):
+        raise EventDecodeError("fmt", f"unknown stream format {fmt!r:.40}")
+    return fmt, data
 
 
 def entry_mac(fields: Mapping[bytes, bytes], stream: str, key_id: bytes, secret: bytes) -> bytes:

@@ -17,7 +17,7 @@ from kvatlas.coordinator.instances import InstanceRegistry, Registration
 from kvatlas.coordinator.readiness import ReadinessTracker
 from kvatlas.coordinator.stream_consumer import StreamConsumer
 from kvatlas.coordinator.views import Readiness
-from kvatlas.events import EventBatch
+from kvatlas.events import ColumnBatch, EventBatch
 from kvatlas.events.stream_format import encode_stream_fields
 
 
@@ -72,8 +72,8 @@ def test_consumer_applies_reports_and_becomes_ready() -> None:
     errors = Counter("errors", "stream errors", ["kind"], registry=registry)
     rejected = Counter("rejected", "stream entries refused", ["reason"], registry=registry)
 
-    def ingest(_who: object, batches: Sequence[EventBatch]) -> None:
-        log.append(("ingest", [b.seq for b in batches]))
+    def ingest(_who: object, batches: Sequence[ColumnBatch]) -> None:
+        log.append(("ingest", [b.header.seq for b in batches]))
 
     def set_readiness(state: Readiness) -> None:
         log.append(("ready", state))

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.stream_consumer import StreamConsumer
-from kvatlas.events import EventBatch
+from kvatlas.events import ColumnBatch, EventBatch
 from kvatlas.events.stream_format import encode_stream_fields
 from tests.conftest import RedisServer, wait_for
 
@@ -50,8 +50,8 @@ def test_entries_read_before_a_redis_restart_are_applied_after_it(
     stop = threading.Event()
     registry = CollectorRegistry()
 
-    def ingest(_who: object, batches: Sequence[EventBatch]) -> None:
-        applied.extend(b.seq for b in batches)
+    def ingest(_who: object, batches: Sequence[ColumnBatch]) -> None:
+        applied.extend(b.header.seq for b in batches)
         if len(applied) == 1:  # all five were delivered by one read; Redis goes away now,
             own_redis.stop()  # for longer than the client's own retries, then comes back
             threading.Timer(2.0, own_redis.start).start()

@@ -85,3 +85,25 @@ def hash_lengths(handles: Any, layout: Any, bytes_type: Any, width: Any, lengths
             return False
         lengths[i] = n
     return True
+
+
+@jit
+def u32_rows(handles: Any, layout: Any, ndarray_type: Any, u32: Any, lengths: Any) -> Any:
+    """Whether every object (``handles``: ``id``s) is an exact ``ndarray``, 1-D,
+    C-contiguous, of the dtype object ``u32`` (the id of the builtin descriptor: an equal
+    dtype of another object is refused, the caller's slow path then takes it), and no object
+    comes twice, with ``lengths[i]`` = its length. ``layout``: ``_cpython.ObjectLayout`` as
+    a plain tuple. (The sort is numba's: numpy's releases the GIL, see
+    tests/directory/test_gil_holding.py.)"""
+    ob_type, _, nd, dimensions, descr, flags = layout
+    for i in range(handles.shape[0]):
+        at = handles[i]
+        if i64_ptr(at + ob_type)[0] != ndarray_type or i32_ptr(at + nd)[0] != 1:  # type: ignore[call-arg]
+            return False
+        if i64_ptr(at + descr)[0] != u32:  # type: ignore[call-arg]
+            return False
+        if not i32_ptr(at + flags)[0] & C_CONTIGUOUS:  # type: ignore[call-arg]
+            return False
+        lengths[i] = i64_ptr(i64_ptr(at + dimensions)[0])[0]  # type: ignore[call-arg]
+    order = np.sort(handles)
+    return not (order[1:] == order[:-1]).any()
