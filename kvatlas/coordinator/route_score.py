@@ -9,10 +9,8 @@ messages), plus ``instances`` and ``weights``. A registered node that names the 
 serves (``engine_id``) lends that engine its copies, and is a default candidate as that engine.
 The body is JSON (``tokens_b64`` or ``token_ids``) or, with ``Content-Type:
 application/msgpack``, :class:`~kvatlas.api.RouteScorePacked` (``tokens`` as little-endian
-uint32 bytes: what ``kvatlas router`` sends); the reply is JSON either way.
-
-Where it runs: a body of at most :data:`INLINE_BODY_BYTES` is answered on the event loop (as a
-blend lookup of that size), a larger one on the match pool. See docs/route-scoring.md.
+uint32 bytes: what ``kvatlas router`` sends); the reply is JSON either way. See
+docs/route-scoring.md.
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Final
 
 import msgspec
 import numpy as np
@@ -54,14 +51,6 @@ from kvatlas.web import json_encoder
 
 FIRST_WINDOW = 16
 """Chunks the prefix walk looks up at first; each further window is twice the last."""
-INLINE_BODY_BYTES: Final = 128 * 1024
-"""Bodies up to this size (a query of up to 32k tokens in msgpack, 24k in ``tokens_b64``) are
-scored on the event loop. Scoring is Python under the GIL: on the match pool it would hold the
-loop for the same time (up to the GIL switch interval, 5 ms) and add a thread hop per call
-(a futex wake, the loop's wake-up, GIL hand-overs: ≈0.15 ms of CPU and ≈0.5 ms of wall time
-per call, docs/router.md "The router's own cost"). A 32k-token score takes ≈1.4 ms
-(docs/performance.md); longer queries (up to ``--max-query-tokens``) go to the pool, so one
-never stalls the loop for long."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,14 +153,12 @@ class RouteScoring:
         self.pool = pool
 
     async def handle(self, call: Call[None, None]) -> Reply:
-        """The route's handler: answered on the event loop up to :data:`INLINE_BODY_BYTES`, on
-        the pool beyond."""
-        raw, who = call.raw, call.who
+        """The route's handler, answered on the pool. (On the event loop it would save the hop,
+        ≈0.17 ms of CPU per call one at a time, but with calls in flight at once the pool
+        answers 1.3-1.8× as many per second at the same CPU per call: docs/router.md.)"""
         packed = is_msgpack(call.header(b"content-type"))
-        if len(raw) <= INLINE_BODY_BYTES:
-            return Reply(self.answer(raw, who, packed))
         loop = asyncio.get_running_loop()
-        return Reply(await loop.run_in_executor(self.pool, self.answer, raw, who, packed))
+        return Reply(await loop.run_in_executor(self.pool, self.answer, call.raw, call.who, packed))
 
     def answer(self, raw: bytes, who: Principal, packed: bool = False) -> bytes:
         """The reply's bytes to body ``raw`` (``packed``: msgpack, else JSON)."""
