@@ -16,6 +16,7 @@ docs/route-scoring.md.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Executor
@@ -64,6 +65,12 @@ class RouteQuery:
     weights: Weights
 
 
+@functools.lru_cache(maxsize=8)
+def _default_weights(fragment: float) -> Weights:
+    """The default tier weights (the same immutable value for every call without ``weights``)."""
+    return Weights.of(None, fragment)
+
+
 def route_query(
     body: RouteScoreBody,
     max_tokens: int,
@@ -89,7 +96,11 @@ def route_query(
                 raise Unprocessable(f"instances[{i}]: {exc}") from None
         instances = list(dict.fromkeys(instances))
     try:
-        weights = Weights.of(body.weights, fragment)
+        weights = (
+            _default_weights(fragment)
+            if body.weights is None
+            else Weights.of(body.weights, fragment)
+        )
     except ValueError as exc:
         raise Unprocessable(str(exc)) from None
     n = 0 if query is None else len(query.tokens)
