@@ -31,7 +31,7 @@ from kvatlas.auth import Principal
 from kvatlas.coordinator.body_limits import QUERY_ENVELOPE_BYTES
 from kvatlas.coordinator.body_size import check_item_count
 from kvatlas.coordinator.instances import attachments
-from kvatlas.coordinator.query import MSGPACK_TYPES, BlendQuery, blend_query
+from kvatlas.coordinator.query import BlendQuery, blend_query, is_msgpack
 from kvatlas.coordinator.scoring import (
     NO_ATTACHMENTS,
     Access,
@@ -211,13 +211,6 @@ class RouteScoring:
         reply = json_encoder.encode(route_scores_to_wire(scores, asked.query_tokens))
         service.metrics.route_latency.observe(time.perf_counter() - started)
         return reply
-
-
-def is_msgpack(content_type: str | None) -> bool:
-    """Whether a body of ``content_type`` is msgpack (else it is read as JSON)."""
-    if content_type is None:
-        return False
-    return content_type.split(";")[0].strip().lower() in MSGPACK_TYPES
 
 
 _packed_decoder = msgspec.msgpack.Decoder(RouteScorePacked)
