@@ -50,6 +50,7 @@ from kvatlas.api.queries import (
     LookupRequest,
     RegisterRequest,
     RouteScoreBody,
+    RouteScorePacked,
 )
 from kvatlas.api.route import TIER_NAMES, RouteScoreRow, RouteScoresReply
 
@@ -88,6 +89,7 @@ __all__ = [
     "RegisteredReply",
     "ReportReply",
     "RouteScoreBody",
+    "RouteScorePacked",
     "RouteScoreRow",
     "RouteScoresReply",
     "decode",

@@ -14,6 +14,7 @@ import msgspec
 
 from kvatlas.api.codec import encode
 from kvatlas.api.directory import KeyRow
+from kvatlas.api.route import TIER_NAMES
 
 
 class BlendLookupBody(msgspec.Struct):
@@ -48,6 +49,22 @@ class RouteScoreBody(BlendLookupBody):
         dict[str, float] | None,
         msgspec.Meta(description="tier weights to override: gpu, l1, l2, peer"),
     ] = None
+
+
+class RouteScorePacked(msgspec.Struct, kw_only=True):
+    """``POST /route/score`` in msgpack (``Content-Type: application/msgpack``): the JSON
+    body's fields, with the query's token ids as ``tokens``, little-endian uint32 bytes (the
+    engine API's form of a prompt: no base64, no list of integers). ``instances`` (an array of
+    strings, or nil) stays raw until its length was read from its header
+    (``coordinator/route_score.py``): a long list is refused before a string of it exists."""
+
+    tokens: bytes = b""
+    model_name: str | None = None
+    world_size: int = 1
+    cache_salt: str = ""
+    instances: msgspec.Raw = msgspec.Raw()
+    weights: Annotated[dict[str, float], msgspec.Meta(max_length=len(TIER_NAMES))] | None = None
+    """At most one entry per tier (refused before a larger map is read)."""
 
 
 class LookupRequest(msgspec.Struct):

@@ -14,9 +14,10 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypedDict, Unpack
+from typing import Any, Final, TypedDict, Unpack
 
 import httpx
+import msgspec
 
 from kvatlas.api import (
     TIER_NAMES,
@@ -25,7 +26,7 @@ from kvatlas.api import (
     RouteScoreBody,
     RouteScoresReply,
 )
-from kvatlas.checks import is_plain_int
+from kvatlas.checks import is_plain_int, uint32_token_bytes
 from kvatlas.client.coordinator_client import (
     JSON_HEADERS,
     CoordinatorError,
@@ -35,6 +36,8 @@ from kvatlas.client.coordinator_client import (
     read_reply,
 )
 from kvatlas.client.keepalive import KeepAliveClient
+
+MSGPACK: Final = "application/msgpack"
 
 
 class ScoreOptions(TypedDict, total=False):
@@ -59,6 +62,27 @@ def score_body(token_ids: Any, model_name: str, **options: Unpack[ScoreOptions])
         instances=None if instances is None else list(instances),
         weights=None if weights is None else dict(weights),
     ).to_json()
+
+
+_msgpack = msgspec.msgpack.Encoder()
+
+
+def packed_score_body(token_ids: Any, model_name: str, **options: Unpack[ScoreOptions]) -> bytes:
+    """The ``POST /route/score`` body in msgpack (:class:`kvatlas.api.RouteScorePacked`: the
+    tokens as little-endian uint32 bytes), sent with ``Content-Type: application/msgpack``:
+    a 4,096-token query is 16 KB, not 22 KB of base64, and neither side converts it."""
+    instances, weights = options.get("instances"), options.get("weights")
+    fields: dict[str, Any] = {
+        "tokens": uint32_token_bytes(token_ids),
+        "model_name": model_name,
+        "world_size": options.get("world_size", 1),
+        "cache_salt": options.get("cache_salt", ""),
+    }
+    if instances is not None:
+        fields["instances"] = list(instances)
+    if weights is not None:
+        fields["weights"] = dict(weights)
+    return _msgpack.encode(fields)
 
 
 class RouteClient:
@@ -91,6 +115,7 @@ class RouteClient:
 class AsyncRouteClient:
     """The same on an event loop (``kvatlas router``), plus the instance listing a router
     learns engines from; failures raise :class:`CoordinatorError` as the sync client does.
+    Its score bodies are msgpack (:func:`packed_score_body`; the sync client sends JSON).
 
     It speaks through :class:`~kvatlas.client.keepalive.KeepAliveClient`, not a general
     client: a router scores every request, and aiohttp's client costs about 2.5× its CPU
@@ -109,10 +134,11 @@ class AsyncRouteClient:
         *,
         body: bytes | None = None,
         timeout: float | None = None,
+        content_type: str = "application/json",
     ) -> Any:
         try:
             async with asyncio.timeout(self._timeout if timeout is None else timeout):
-                status, raw = await self._http.request(method, path, body)
+                status, raw = await self._http.request(method, path, body, content_type)
         except (OSError, TimeoutError) as exc:
             raise CoordinatorError(f"{method} {path}: {exc!r}") from exc
         return read_reply(method, path, status, raw, reply)
@@ -125,10 +151,11 @@ class AsyncRouteClient:
         timeout: float | None = None,
         **options: Unpack[ScoreOptions],
     ) -> RouteScoresReply:
-        body = score_body(token_ids, model_name, **options)
+        body = packed_score_body(token_ids, model_name, **options)
         reply: RouteScoresReply = await self._call(
-            "POST", "/route/score", RouteScoresReply, body=body, timeout=timeout
-        )
+            "POST", "/route/score", RouteScoresReply, body=body, timeout=timeout,
+            content_type=MSGPACK,
+        )  # fmt: skip
         return reply
 
     async def instances(self) -> list[InstanceRow]:

@@ -28,6 +28,14 @@ from kvatlas.keys import BlendNamespace, ObjectKey, TokenArray, as_token_array
 
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 
+
+def is_msgpack(content_type: str | None) -> bool:
+    """Whether a body of ``content_type`` is msgpack (else it is read as JSON)."""
+    if content_type is None:
+        return False
+    return content_type.split(";")[0].strip().lower() in MSGPACK_TYPES
+
+
 # ---------------------------------------------------------------------------- events
 
 
@@ -35,8 +43,7 @@ def decode_events(body: bytes, content_type: str, max_entries: int) -> list[Colu
     """The batches of a ``POST /events`` body (msgpack or JSON by ``content_type``; store
     entries as columns), all valid and together at most ``max_entries`` entries, or an error
     (nothing is half-decoded)."""
-    media = content_type.split(";")[0].strip().lower()
-    decode = decode_msgpack_columns if media in MSGPACK_TYPES else decode_json_columns
+    decode = decode_msgpack_columns if is_msgpack(content_type) else decode_json_columns
     batches = decode(body)  # an EventValidationError is the 422 reply itself (detail + field)
     check_entry_count(batches, max_entries)
     return batches

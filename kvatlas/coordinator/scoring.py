@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # only read by attribute: config.py imports this module, kept
 TIER_CLASSES: Final = ("gpu", "l1", "l2", "peer")
 """The ``by_tier`` keys of a reply and the keys ``weights`` may set, in class-id order."""
 GPU, L1, L2, PEER = range(4)
+_CLASS_IDS: Final = (GPU, L1, L2, PEER)
 DEFAULT_WEIGHTS: Final = {"gpu": 1.0, "l1": 0.8, "l2": 0.5, "peer": 0.6}
 DEFAULT_FRAGMENT_WEIGHT: Final = 0.85
 """Fragment tokens score at this share: CacheBlend recomputes ≈15% of the reused tokens."""
@@ -292,14 +293,12 @@ def instance_score(
     weights: Weights,
 ) -> InstanceScore:
     """Σ tokens × tier weight, fragment tokens × the fragment weight on top."""
-    tokens = [0] * len(TIER_CLASSES)
-    for c in prefix:
-        tokens[c] += chunk_size
-    prefix_score = sum(n * w for n, w in zip(tokens, weights.by_class, strict=True))
-    frag = [0] * len(TIER_CLASSES)
-    for c in fragments:
-        frag[c] += chunk_size
-    frag_score = sum(n * w for n, w in zip(frag, weights.by_class, strict=True))
+    classes = _CLASS_IDS
+    tokens = [prefix.count(c) * chunk_size for c in classes]  # one C-level pass per class
+    frag = [fragments.count(c) * chunk_size for c in classes]
+    w = weights.by_class
+    prefix_score = tokens[0] * w[0] + tokens[1] * w[1] + tokens[2] * w[2] + tokens[3] * w[3]
+    frag_score = frag[0] * w[0] + frag[1] * w[1] + frag[2] * w[2] + frag[3] * w[3]
     score = prefix_score + weights.fragment * frag_score
     by_tier = {name: tokens[c] + frag[c] for c, name in enumerate(TIER_CLASSES)}
     return InstanceScore(

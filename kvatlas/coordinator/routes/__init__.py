@@ -64,7 +64,7 @@ ROUTES: tuple[Route, ...] = (
         "POST", "/route/score", LOOKUP, route.route_score,
         "Score instances for a query: prefix and fragment coverage by tier",
         request=api.RouteScoreBody, decode=False, reply=api.RouteScoresReply,
-        body=lambda b: b.route_score,
+        body=lambda b: b.route_score, docs=route.ROUTE_SCORE_DOCS,
     ),
     # LMCache 0.5.7's capacity view and chunk-size check (docs/coordinator.md, conformance)
     Route(
