@@ -1,8 +1,10 @@
-"""Issue 25 item 9, coordinator and node: half-open connections are closed after the header
-timeout (also when they drip header bytes), a stalled body after the body timeout (408), a
-connection beyond the cap as soon as it is accepted, and with connections at the cap the
+"""Issue 25 item 9, coordinator, node and router: half-open connections are closed after the
+header timeout (also when they drip header bytes), a stalled body after the body timeout (408),
+a connection beyond the cap as soon as it is accepted, and with connections at the cap the
 coordinator's snapshots keep being written (the cap stays below the process's file limit).
 Real processes, real sockets; small counts (a cap of 50, 60 connections) prove the mechanism.
+The router runs in front of :class:`LockstepEngine`, whose streamed pieces also show that the
+guard's write coalescing (one send per loop turn) still lets each piece go as it comes.
 """
 
 from __future__ import annotations
@@ -15,10 +17,18 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import threading
+from typing import Any
+
+import anyio
 import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
 
-from kvatlas.asgi_thread import free_port
+from kvatlas.asgi_thread import ThreadedServer, free_port
 from kvatlas.processes import spawn_service, stop
 
 HANG = 30.0  # a hang detector on a loaded machine, never a latency assertion
@@ -27,20 +37,65 @@ NODE = ["--model-name", "toy", "--num-layers", "1", "--num-kv-heads", "1", "--he
 Spawn = tuple[Callable[..., tuple[subprocess.Popen[bytes], int]], str]
 
 
+PIECES = [b'data: {"n": %d}\n\n' % i for i in range(3)] + [b"data: [DONE]\n\n"]
+
+
+class LockstepEngine:
+    """A vLLM-shaped engine for the router (``/health``, ``/v1/models``, ``/metrics``) whose
+    streamed completion sends each of :data:`PIECES` only once the test has read the one
+    before (``read``, released by the test after each piece)."""
+
+    def __init__(self) -> None:
+        self.read = threading.Semaphore(0)
+        app = Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", lambda _: Response()),
+            Route("/metrics", lambda _: PlainTextResponse("")),
+        ])  # fmt: skip
+        self.server = ThreadedServer(app, port=free_port(), name="lockstep-engine")
+        self.server.start()
+
+    async def models(self, _: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": "toy", "max_model_len": 4096}]})
+
+    async def completions(self, request: Request) -> Response:
+        await request.body()
+
+        async def pieces() -> Any:
+            for i, piece in enumerate(PIECES):
+                if i and not await anyio.to_thread.run_sync(self.read.acquire, True, HANG):
+                    return  # the client never had the piece before: the reply ends short
+                yield piece
+
+        return StreamingResponse(pieces(), media_type="text/event-stream")
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[LockstepEngine]:
+    lockstep = LockstepEngine()
+    yield lockstep
+    lockstep.server.stop()
+
+
 def _spawn(service: str, *flags: str, prelude: str = "") -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
-    extra = NODE if service == "node" else ["--chunk-size", "16"]
+    extra = {"node": NODE, "router": []}.get(service, ["--chunk-size", "16"])
     code = f"{prelude}import sys; from kvatlas.cli import main; sys.exit(main())"
     args = ["-c", code, service, "--port", str(port), "--log-level", "warning", *extra, *flags]
     return spawn_service(args, f"http://127.0.0.1:{port}"), port
 
 
-@pytest.fixture(params=["coordinator", "node"])
+@pytest.fixture(params=["coordinator", "node", "router"])
 def service(request: pytest.FixtureRequest) -> Iterator[Spawn]:
     procs: list[subprocess.Popen[bytes]] = []
+    base: list[str] = []
+    if request.param == "router":  # in front of one engine (it answers /healthz only then)
+        url = request.getfixturevalue("engine").server.url
+        base = ["--engine", f"e={url}", "--policy", "round-robin"]
 
     def spawn(*flags: str) -> tuple[subprocess.Popen[bytes], int]:
-        proc, port = _spawn(request.param, *flags)
+        proc, port = _spawn(request.param, *base, *flags)
         procs.append(proc)
         return proc, port
 
@@ -120,7 +175,7 @@ def test_stalled_body_gets_408_after_the_body_timeout(service: Spawn) -> None:
     the connection closed (before: held for as long as the client likes)."""
     spawn, name = service
     _, port = spawn("--http-body-timeout-s", "1")
-    path = "/events" if name == "coordinator" else "/engine/lookup"
+    path = {"coordinator": "/events", "node": "/engine/lookup", "router": "/v1/completions"}[name]
     head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     with socket.create_connection(("127.0.0.1", port), timeout=HANG) as conn:
         conn.sendall(f'{head}Content-Length: 1000\r\n\r\n{{"batches": ['.encode())
@@ -148,6 +203,34 @@ def test_connections_beyond_the_cap_are_closed_at_once(service: Spawn) -> None:
         conn.close()
     _healthy_within(port)
     assert _refused(port, "over_cap") >= 10
+
+
+def test_the_router_streams_each_piece_as_it_comes_under_the_guard(
+    engine: LockstepEngine,
+) -> None:
+    """Negative control of the router under the guard (tight timeouts, the writes of a loop
+    turn joined): a streamed completion arrives piece by piece, each read whole before the
+    engine sends the next, and then ends — a piece held back until the reply's end would never
+    arrive (the engine waits for it to be read)."""
+    engine.read = threading.Semaphore(0)
+    proc, port = _spawn("router", "--engine", f"e={engine.server.url}", "--policy",
+                        "round-robin", "--http-header-timeout-s", "1",
+                        "--http-body-timeout-s", "1")  # fmt: skip
+    try:
+        body = {"model": "toy", "prompt": [1, 2, 3], "stream": True}
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        with httpx.stream("POST", url, json=body, timeout=HANG) as reply:
+            assert reply.status_code == 200
+            chunks = reply.iter_raw()
+            for piece in PIECES:
+                got = b""
+                while not got.endswith(b"\n\n"):  # one piece may come in several reads
+                    got += next(chunks)
+                assert got == piece
+                engine.read.release()  # the next piece only now
+            assert next(chunks, b"") == b""
+    finally:
+        stop([proc])
 
 
 def test_snapshots_keep_working_with_connections_at_the_cap(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ by ``kvatlas router --help`` (docs/router.md, "Flags").
 The cost model's constants are flags with their sources in docs/router.md ("The kvatlas
 policy"); a flag that names a concept the coordinator or node also has keeps their name
 (``--coordinator-url``, ``--coordinator-token-file``, ``--auth-token-file``, ``--model-name``,
-``--max-body-bytes``).
+``--max-body-bytes``, the three ``--http-*`` limits of :mod:`kvatlas.http_guard`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,12 @@ from typing import Any, Final
 from kvatlas.auth import TokenAuth, read_secret
 from kvatlas.checks import check_http_url
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args, env_name
+from kvatlas.http_guard import (
+    BODY_TIMEOUT_HELP,
+    HEADER_TIMEOUT_HELP,
+    MAX_CONNECTIONS_HELP,
+    HttpLimits,
+)
 from kvatlas.keys import check_instance_id
 from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
 from kvatlas.router.policies import CostModel
@@ -49,6 +55,9 @@ class RouterConfig:
     port: int = 8080
     auth_token_file: Path | None = None
     max_body_bytes: int = 8 << 20
+    http_header_timeout_s: float = 10.0
+    http_body_timeout_s: float = 30.0
+    http_max_connections: int | None = None  # None: below the file limit (http_guard)
     score_timeout_s: float = 0.05
     engine_timeout_s: float = 600.0
     connect_timeout_s: float = 2.0
@@ -66,6 +75,7 @@ class RouterConfig:
     log_format: str = "json"
 
     def __post_init__(self) -> None:
+        self.http_limits  # noqa: B018 - validates the three --http-* limits
         if self.policy not in POLICIES:
             raise ValueError(f"--policy must be one of {', '.join(POLICIES)}")
         if not self.engine and not self.engines_from_coordinator:
@@ -99,6 +109,12 @@ class RouterConfig:
                 raise ValueError(f"--{tier}-bandwidth-bytes-per-s must be >= 0 (0 = free)")
         if not 0.0 <= self.recompute_share <= 1.0:
             raise ValueError("--recompute-share must be in [0, 1]")
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(
+            self.http_header_timeout_s, self.http_body_timeout_s, self.http_max_connections
+        )
 
     def cost_model(self) -> CostModel:
         """The kvatlas policy's constants as flagged."""
@@ -179,6 +195,9 @@ HELP: Final = MappingProxyType(
         "auth_token_file": "JSON token file (the coordinator's format): requests need a route "
         "token; a salt-bound token routes only its cache_salts (default: no auth)",
         "max_body_bytes": "largest request body (413 beyond)",
+        "http_header_timeout_s": HEADER_TIMEOUT_HELP,
+        "http_body_timeout_s": BODY_TIMEOUT_HELP,
+        "http_max_connections": MAX_CONNECTIONS_HELP,
         "score_timeout_s": "longest wait for the coordinator's score; then route by load",
         "engine_timeout_s": "longest wait for an engine's reply (and between streamed bytes)",
         "connect_timeout_s": "longest wait to connect to an engine (then retry once elsewhere)",

@@ -1,12 +1,15 @@
 """The router's ``/metrics`` (Prometheus): decisions, their latency, what was predicted against
 what the engine reported reusing, TTFT and end-to-end latency measured at the router,
-retries, untokenized requests and engines out of the set (docs/router.md, "Metrics")."""
+retries, untokenized requests, engines out of the set, and the connections and requests the
+HTTP guard refused (docs/router.md, "Metrics")."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvatlas.http_guard import HttpRefusals
 
 DECISION_BUCKETS = (
     *(round(k * 0.00025, 5) for k in range(1, 21)),  # every 0.25 ms up to the 5 ms target
@@ -94,6 +97,8 @@ class RouterMetrics:
         self.in_flight = Gauge(
             "kvatlas_router_in_flight", "requests in flight per engine", ["engine"], registry=r
         )
+        self.http_refused = HttpRefusals()  # the coordinator's and the node's series
+        r.register(self.http_refused)
 
     def engine(self, engine_id: str, policy: str) -> EngineSeries:
         """The counters of ``engine_id`` (its decisions under ``policy``, the router's one)."""

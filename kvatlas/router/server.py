@@ -1,6 +1,7 @@
 """``kvatlas router``: the ASGI app (the completion routes answered in front of Starlette, the
-other routes Starlette's), and the process: load the tokenizer, bind the port, serve until
-SIGINT or SIGTERM."""
+other routes Starlette's), and the process: load the tokenizer, bind the port, serve under the
+HTTP guard (:mod:`kvatlas.http_guard`: header and body timeouts, the connection cap, one send
+per loop turn) until SIGINT or SIGTERM."""
 
 from __future__ import annotations
 
@@ -104,6 +105,7 @@ def run_router(config: RouterConfig) -> int:
     )  # fmt: skip
     try:
         serve(create_app(router), host=config.host, port=config.port, sock=sock,
+              limits=config.http_limits, on_refused=router.metrics.http_refused.count,
               **uvicorn_log_options(config.log_level, False))  # fmt: skip
     finally:
         sock.close()
