@@ -13,11 +13,10 @@ import contextlib
 import re
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-
-import threading
 from typing import Any
 
 import anyio
