@@ -165,6 +165,14 @@ def test_models_and_engines_from_the_coordinator() -> None:
         ({"engine": "a=ftp://x", "policy": "random"}, "http"),
         ({"engine": "a@b=http://x", "policy": "random"}, "must not contain"),
         ({"engine": "a=http://x", "policy": "random", "recompute_share": 2.0}, "recompute"),
+        (
+            {"engine": "a=http://x", "policy": "random", "http_header_timeout_s": 0.0},
+            "--http-header-timeout-s",
+        ),
+        (
+            {"engine": "a=http://x", "policy": "random", "http_max_connections": 0},
+            "--http-max-connections",
+        ),
     ],
 )
 def test_config_refuses(kwargs: dict[str, object], message: str) -> None:
