@@ -18,7 +18,9 @@ The MP-server client is handed in (:data:`MpServers`: ``kvatlas.client.MPServerC
 are recorded and reported but not carried out here (issue 30 item 5). Each pass first runs
 :attr:`Delivery.eviction` (the fleet eviction pass, :mod:`.eviction_loop`, which records
 ``evict`` commands: delivered and finished as deletes); an ``evict`` command never sends a key
-pinned since it was recorded.
+pinned since it was recorded. With the shared log (the Redis transport's replicas) a replica
+delivers and finishes only the commands it holds the lease of (:meth:`CommandLog.claim`) and
+runs the eviction pass only while it leads it (:meth:`CommandLog.leads`).
 """
 
 from __future__ import annotations
@@ -139,17 +141,19 @@ class Delivery:
     def run_once(self) -> None:
         """Run the eviction pass if due (it records ``evict`` commands), finish what the
         directory shows done, deliver what is due, drop old finished commands."""
-        if self.eviction is not None:
+        log_ = self.commands
+        if self.eviction is not None and log_.leads("eviction"):
             try:
                 self.eviction()
             except Exception:  # deliveries go on without it
                 log.exception("fleet eviction pass failed")
-        log_ = self.commands
-        for c in log_.unfinished():
-            if c.state == "sent" or c.kind in ("delete", "evict"):
+        unfinished = log_.unfinished()
+        owned = log_.claim(c.command_id for c in unfinished)  # shared log: one replica each
+        for c in unfinished:
+            if c.command_id in owned and (c.state == "sent" or c.kind in ("delete", "evict")):
                 self.check(c)
         for c in log_.due():
-            if c.kind != "move":  # moves: recorded and reported, carried out by item 5
+            if c.command_id in owned and c.kind != "move":  # moves: carried out by item 5
                 self.deliver(c)
         log_.prune()
 
@@ -179,6 +183,8 @@ class Delivery:
         # the route's first attempt and the loop may meet on a new command: one waits for
         # the other, then sends only if the command still needs it (its own answer stays true)
         with self._locks[hash(command.command_id) % _STRIPES]:
+            if not self.commands.claim([command.command_id]):
+                return None  # another replica holds it (and delivers it)
             current = self.commands.get(command.command_id)
             if current is None or current.state in ("completed", "failed"):
                 return None
