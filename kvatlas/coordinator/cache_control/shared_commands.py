@@ -160,7 +160,8 @@ class SharedCommandLog(CommandLog):
 
     def prune(self) -> int:
         cutoff = self._clock() - self.retention_s
-        return int(self.store.script("prune", self._keys, [repr(cutoff), _PRUNE_BATCH]))
+        args = [repr(cutoff), _PRUNE_BATCH]
+        return int(self.store.script("prune", self._keys, args, write=False))
 
     def to_snapshot(self) -> bytes:
         blobs: dict[bytes, bytes] = self.store.call("hgetall", self._keys[0])
@@ -174,12 +175,15 @@ class SharedCommandLog(CommandLog):
             return set()
         held = self.store.script(
             "claim", [self.store.key(f"lease:{i}") for i in ids],
-            [self.store.owner, int(self.lease_s * 1000)],
+            [self.store.owner, int(self.lease_s * 1000)], write=False,
         )  # fmt: skip
         return {ids[int(n) - 1] for n in held}
 
     def leads(self, task: str) -> bool:
         held = self.store.script(
-            "claim", [self.store.key(f"lease:{task}")], [self.store.owner, int(self.lease_s * 1000)]
+            "claim",
+            [self.store.key(f"lease:{task}")],
+            [self.store.owner, int(self.lease_s * 1000)],
+            write=False,
         )
         return bool(held)

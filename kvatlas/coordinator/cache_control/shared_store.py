@@ -19,7 +19,8 @@ Keys, all under ``<event stream>:cache:`` (so one ACL key pattern covers them,
 **Snapshot**: Redis wins. A replica's snapshot still carries a copy of the shared state (its
 ``cache_control`` section), which seeds Redis only when Redis holds no cache-control state at
 all (``meta.seeded`` absent: the first start on Redis, or a Redis that lost its data) — once,
-by the first replica that reaches Redis (:meth:`SharedStore.ensure`).
+by the first replica with a snapshot that reaches Redis (:meth:`SharedStore.ensure`); any
+change marks Redis as holding state, so a snapshot never overrides what the fleet did.
 """
 
 from __future__ import annotations
@@ -152,22 +153,23 @@ class SharedStore:
         return [self.key(n) for n in ("commands", "commands:meta", "commands:open",
                                       "commands:counts", "commands:done")]  # fmt: skip
 
-    def call(self, command: str, *args: Any, **kwargs: Any) -> Any:
+    def call(self, command: str, *args: Any, write: bool = False, **kwargs: Any) -> Any:
         """One Redis command (after :meth:`ensure`)."""
-        self.ensure()
+        self.ensure(write=write)
         return self._raw(command, *args, **kwargs)
 
-    def script(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        self.ensure()
+    def script(self, name: str, keys: list[str], args: list[Any], *, write: bool = True) -> Any:
+        """One of :data:`SCRIPTS` (``write``: it changes pins, quotas or commands)."""
+        self.ensure(write=write)
         try:
             return self._scripts[name](keys=keys, args=args)
         except self._errors as exc:
             raise Unavailable(f"cache-control store (redis {name} script): {exc}") from exc
 
-    def transaction(self, build: Callable[[Any], object]) -> list[Any]:
+    def transaction(self, build: Callable[[Any], object], *, write: bool = False) -> list[Any]:
         """The replies of the commands ``build`` queues on a MULTI/EXEC pipeline: one
-        consistent read of several keys."""
-        self.ensure()
+        consistent read of several keys (or one atomic write)."""
+        self.ensure(write=write)
         try:
             pipe = self.client.pipeline(transaction=True)
             build(pipe)
@@ -176,10 +178,13 @@ class SharedStore:
             raise Unavailable(f"cache-control store (redis transaction): {exc}") from exc
         return replies
 
-    def ensure(self) -> None:
-        """Mark Redis as holding this fleet's cache-control state; if it held none, seed it
-        first (``seed``). Once per process; raises :class:`Unavailable` while Redis is away."""
-        if self._ensured:
+    def ensure(self, *, write: bool = False) -> None:
+        """Before a change (``write``), mark Redis as holding this fleet's cache-control state;
+        a replica that restored a snapshot does it at once, and if Redis held no state yet it
+        seeds it first (``seed``). Reads and leases mark nothing (a replica that only reads
+        cannot stop another's snapshot from seeding an empty Redis). At most once per process
+        once done; raises :class:`Unavailable` while Redis is away."""
+        if self._ensured or (self.seed is None and not write):
             return
         with self._ensure_lock:
             if self._ensured:
@@ -194,20 +199,23 @@ class SharedStore:
                     self._ensured = False
                     self._raw("hdel", self.key("meta"), "seeded")
                     raise
-            elif not first and self.seed is not None:
+            elif self.seed is not None:
                 log.info(
                     "cache control: Redis holds the fleet's state; the snapshot's is not applied"
                 )
             self._ensured = True
 
     def ensure_when_reachable(self, stop: threading.Event) -> None:
-        """:meth:`ensure`, retried with backoff while Redis is away, until done or ``stop``."""
+        """:meth:`ensure` for a replica that restored a snapshot (nothing to do otherwise),
+        retried with backoff while Redis is away, until done or ``stop``."""
+        if self.seed is None:
+            return
         from kvatlas.backoff import Backoff
 
         backoff = Backoff(0.1, 2.0)
         while not stop.is_set():
             try:
-                self.ensure()
+                self.ensure(write=True)
                 return
             except Unavailable as exc:
                 log.debug("cache-control store not reached yet: %s", exc)

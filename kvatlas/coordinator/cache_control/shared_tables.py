@@ -101,7 +101,7 @@ class SharedPinTable:
             pipe.zadd(self._order, {pack_key(k): i + 1 for i, (k, _n) in enumerate(rows)})
             pipe.hset(self._meta, "pin_seq", len(rows))
 
-        self.store.transaction(build)
+        self.store.transaction(build, write=True)
 
 
 class SharedQuotaTable:
@@ -122,17 +122,19 @@ class SharedQuotaTable:
         if limit_gb is not None and limit_gb < 0:
             raise ValueError("default_limit_gb must be >= 0 or null")
         if limit_gb is None:
-            self.store.call("hdel", self._meta, self.DEFAULT_FIELD)
+            self.store.call("hdel", self._meta, self.DEFAULT_FIELD, write=True)
         else:
-            self.store.call("hset", self._meta, self.DEFAULT_FIELD, repr(float(limit_gb)))
+            self.store.call(
+                "hset", self._meta, self.DEFAULT_FIELD, repr(float(limit_gb)), write=True
+            )
 
     def set(self, cache_salt: str, limit_gb: float) -> None:
         if limit_gb < 0:
             raise ValueError("limit_gb must be >= 0")
-        self.store.call("hset", self._limits, cache_salt, repr(float(limit_gb)))
+        self.store.call("hset", self._limits, cache_salt, repr(float(limit_gb)), write=True)
 
     def remove(self, cache_salt: str) -> bool:
-        return bool(self.store.call("hdel", self._limits, cache_salt))
+        return bool(self.store.call("hdel", self._limits, cache_salt, write=True))
 
     def own(self, cache_salt: str) -> float | None:
         return _gb(self.store.call("hget", self._limits, cache_salt))

@@ -8,7 +8,8 @@ every salt, a prefetch this coordinator did not record) needs a token not bound 
 
 A delete or prefetch is a durable command: the route tries one delivery at once and answers as
 LMCache does (502 when the MP server cannot be reached), and the command is retried by the
-delivery loop until it is done (``cache_control/delivery.py``).
+delivery loop until it is done (``cache_control/delivery.py``); a prefetch's 502 carries its
+``request_id`` beside LMCache's ``detail``, so its status can be polled all the same.
 """
 
 from __future__ import annotations
@@ -112,8 +113,11 @@ async def prefetch(
     outcome = service.cache_control.prefetch(body)
     if outcome.command is not None:
         failed = await run_in_threadpool(service.delivery.deliver, outcome.command)
-        if failed is not None:
-            raise BadGateway(f"prefetch submit to {body.instance_id!r} failed: {failed[0]}")
+        if failed is not None:  # LMCache's 502; the command is kept: its id says where to look
+            raise BadGateway(
+                f"prefetch submit to {body.instance_id!r} failed: {failed[0]}",
+                request_id=outcome.command.command_id,
+            )
     return outcome.reply
 
 
