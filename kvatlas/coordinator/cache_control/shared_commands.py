@@ -160,7 +160,7 @@ class SharedCommandLog(CommandLog):
 
     def prune(self) -> int:
         cutoff = self._clock() - self.retention_s
-        args = [repr(cutoff), _PRUNE_BATCH]
+        args = ["(" + repr(cutoff), _PRUNE_BATCH]  # finished before the cutoff, exclusive
         return int(self.store.script("prune", self._keys, args, write=False))
 
     def to_snapshot(self) -> bytes:
