@@ -24,7 +24,8 @@ import httpx
 import pytest
 import redis
 
-from kvatlas.client import MPServerClient
+from kvatlas.api.cache_control import TokenFields
+from kvatlas.client import CacheControlClient, CoordinatorError, MPServerClient
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.server import BackgroundServer, free_port
 from tests.conftest import RedisServer, wait_for
@@ -212,10 +213,20 @@ def test_prefetch_502_names_the_command_that_is_kept(stream: str) -> None:
             assert body["detail"].startswith("prefetch submit to 'n1' failed")
             status = f"/cache/prefetches/n1/{body['request_id']}"
             assert c.get(status).json() == {"status": "pending"}
+            # the typed client (and `kvatlas cache prefetch`) says which command was kept
+            kept = r"kept for retry: request_id [0-9a-f]{32}"
+            with (
+                CacheControlClient(str(c.base_url)) as client,
+                pytest.raises(CoordinatorError, match=kept),
+            ):
+                client.prefetch(
+                    "n1", TokenFields(model_name="m", world_size=1, token_ids=DOC, cache_salt=SALT)
+                )
             node.start()
             register(c, "n1", node.port)
             assert wait_for(lambda: c.get(status).json()["status"] == "completed", timeout=30)
-            assert node.count("POST", "/cache/prefetches") == 1
+            assert wait_for(lambda: commands(c)[("prefetch", "completed")] == 2, timeout=30)
+            assert node.count("POST", "/cache/prefetches") == 2  # each command, once
     finally:
         node.stop()
 
