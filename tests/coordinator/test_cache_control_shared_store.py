@@ -232,6 +232,10 @@ def test_a_lease_is_one_replicas_until_it_lapses(redis_server: RedisServer) -> N
         assert wait_for(lambda: b.claim([c.command_id]) == {c.command_id}, timeout=10)
         assert wait_for(lambda: b.leads("eviction"), timeout=10)
         assert a.claim([c.command_id]) == set() and not a.leads("eviction")
+        b.release([c.command_id])  # let go (its instance is not registered with B)
+        assert a.claim([c.command_id]) == {c.command_id}  # at once, no lapse to wait for
+        b.release([c.command_id])  # not B's any more: nothing happens
+        assert b.claim([c.command_id]) == set()
     finally:
         a_store.client.close()
         b_store.client.close()

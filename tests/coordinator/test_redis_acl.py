@@ -245,6 +245,12 @@ def _cache_control(c1: str, c2: str, first: list[int], second: list[int]) -> Non
         json={**doc, "token_ids": first, "instance_id": "node-1", "tier": "l1"},
     )
     assert reply["affected"] == 3, reply
+    # an instance this replica knows without an MP-server port: a prefetch for it waits for a
+    # replica that can reach it, and this one lets its lease go (DEL)
+    call("POST", f"{c1}/instances", json={"instance_id": "no-port", "ip": "127.0.0.1"})
+    r = httpx.post(f"{c1}/cache/prefetches", headers=admin, timeout=30,
+                   json={**doc, "instance_id": "no-port"})  # fmt: skip
+    assert r.status_code == 502 and r.json()["request_id"], r.text
     pattern = r'^kvatlas_cache_commands\{kind="delete",state="completed"\} 1\.0$'
     for url in (c1, c2):  # delivered by one, finished from the events, seen by both
         assert wait_for(lambda url=url: re.search(pattern, _text(url), re.M), timeout=60), url

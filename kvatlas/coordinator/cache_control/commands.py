@@ -152,6 +152,10 @@ class CommandLog:
         here; the shared log grants each to one replica at a time (a lease)."""
         return set(command_ids)
 
+    def release(self, command_ids: Iterable[str]) -> None:
+        """Give up this coordinator's hold on ``command_ids`` (nothing to do here; the shared
+        log frees their leases, so another replica may take them at once)."""
+
     def leads(self, task: str) -> bool:
         """Whether this coordinator runs ``task`` (the fleet eviction pass) now: always here;
         with the shared log, the one replica holding its lease."""

@@ -204,6 +204,10 @@ class Delivery:
                     self.commands.finish(command.command_id, "failed", error)
                 else:
                     self.commands.delivery_failed(command.command_id, error)
+                if self.fleet.url_of(current.targets[0]) is None:
+                    # its instance is not registered here: a replica it registered with may
+                    # deliver it (shared log), so this one lets its lease go
+                    self.commands.release([command.command_id])
         return failure
 
     def _unpinned(self, c: Command) -> Command | None:

@@ -179,6 +179,12 @@ class SharedCommandLog(CommandLog):
         )  # fmt: skip
         return {ids[int(n) - 1] for n in held}
 
+    def release(self, command_ids: Iterable[str]) -> None:
+        ids = list(command_ids)
+        if ids:
+            keys = [self.store.key(f"lease:{i}") for i in ids]
+            self.store.script("release", keys, [self.store.owner], write=False)
+
     def leads(self, task: str) -> bool:
         held = self.store.script(
             "claim",

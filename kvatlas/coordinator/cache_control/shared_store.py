@@ -111,12 +111,20 @@ for i, k in ipairs(KEYS) do
 end
 return held
 """
+RELEASE_SCRIPT: Final = """
+-- KEYS: leases; ARGV: owner. Frees those the owner holds.
+for i, k in ipairs(KEYS) do
+  if redis.call('GET', k) == ARGV[1] then redis.call('DEL', k) end
+end
+return 0
+"""
 SCRIPTS: Final = {
     "pin": PIN_SCRIPT,
     "unpin": UNPIN_SCRIPT,
     "record": RECORD_SCRIPT,
     "prune": PRUNE_SCRIPT,
     "claim": CLAIM_SCRIPT,
+    "release": RELEASE_SCRIPT,
 }
 
 
