@@ -7,7 +7,8 @@ Keys, all under ``<event stream>:cache:`` (so one ACL key pattern covers them,
 
 - ``pins`` (hash: packed key → count), ``pins:order`` (sorted set: packed key → the sequence
   number it was first pinned at, for LMCache's first-pinned order), ``meta`` (hash:
-  ``pin_seq``, ``default_limit_gb``, ``seeded``), ``quotas`` (hash: salt → limit in GB);
+  ``pin_seq``, ``pins_version``: one more at every change, so a replica re-reads the pins only
+  when they changed; ``default_limit_gb``, ``seeded``), ``quotas`` (hash: salt → limit in GB);
 - ``commands`` (hash: id → the command record, msgpack of
   :class:`~.commands.Command`, whatever fields it has), ``commands:meta`` (hash: id →
   ``kind/state/revision``), ``commands:open`` (hash: id → revision, unfinished commands only),
@@ -36,23 +37,23 @@ from kvatlas.redis_clients import redis_client
 log = logging.getLogger(__name__)
 
 PIN_SCRIPT: Final = """
-local n = 0
+-- KEYS: pins, pins:order, meta; ARGV: packed keys
 for i, f in ipairs(ARGV) do
   if redis.call('HINCRBY', KEYS[1], f, 1) == 1 then
     redis.call('ZADD', KEYS[2], redis.call('HINCRBY', KEYS[3], 'pin_seq', 1), f)
   end
-  n = n + 1
 end
-return n
+return redis.call('HINCRBY', KEYS[3], 'pins_version', 1)
 """
 UNPIN_SCRIPT: Final = """
+-- KEYS: pins, pins:order, meta; ARGV: packed keys
 for i, f in ipairs(ARGV) do
   if redis.call('HEXISTS', KEYS[1], f) == 1 and redis.call('HINCRBY', KEYS[1], f, -1) <= 0 then
     redis.call('HDEL', KEYS[1], f)
     redis.call('ZREM', KEYS[2], f)
   end
 end
-return #ARGV
+return redis.call('HINCRBY', KEYS[3], 'pins_version', 1)
 """
 RECORD_SCRIPT: Final = """
 -- KEYS: commands, commands:meta, commands:open, commands:counts, commands:done

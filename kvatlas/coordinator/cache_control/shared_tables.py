@@ -8,6 +8,7 @@ byte string per key, the same for every replica, decoded back to an :class:`Obje
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Container, Iterable
 from typing import Any, Final
 
@@ -17,7 +18,6 @@ from kvatlas.coordinator.cache_control.quotas import GB
 from kvatlas.coordinator.cache_control.shared_store import SharedStore
 from kvatlas.keys import ObjectKey
 
-_BATCH: Final = 10_000  # fields per HMGET
 _Packed = tuple[bytes, str, int, int, str]
 _decode_key = msgspec.msgpack.Decoder(_Packed).decode
 
@@ -34,13 +34,21 @@ def unpack_key(data: bytes) -> ObjectKey:
 
 
 class SharedPinTable:
-    """Reference counts per key in Redis, in first-pinned order (:class:`.PinTable`'s rules)."""
+    """Reference counts per key in Redis, in first-pinned order (:class:`.PinTable`'s rules).
+    Reads come from a copy of every pin, fetched again only when ``meta.pins_version`` moved
+    (one ``HGET`` per read otherwise): a node's pin pages, delete and eviction checks stay at
+    memory speed while nobody pins."""
+
+    VERSION_FIELD: Final = "pins_version"
 
     def __init__(self, store: SharedStore) -> None:
         self.store = store
         self._pins = store.key("pins")
         self._order = store.key("pins:order")
         self._meta = store.key("meta")
+        self._lock = threading.Lock()
+        self._copy: tuple[bytes | None, list[tuple[ObjectKey, int]], dict[ObjectKey, int]] | None
+        self._copy = None
 
     def pin(self, keys: Iterable[ObjectKey]) -> int:
         unique = list(dict.fromkeys(pack_key(k) for k in keys))
@@ -51,20 +59,15 @@ class SharedPinTable:
     def unpin(self, keys: Iterable[ObjectKey]) -> int:
         unique = list(dict.fromkeys(pack_key(k) for k in keys))
         if unique:
-            self.store.script("unpin", [self._pins, self._order], unique)
+            self.store.script("unpin", [self._pins, self._order, self._meta], unique)
         return len(unique)
 
     def count(self, key: ObjectKey) -> int:
-        return int(self.store.call("hget", self._pins, pack_key(key)) or 0)
+        return self._current()[1].get(key, 0)
 
     def pinned(self, keys: Iterable[ObjectKey]) -> set[ObjectKey]:
-        wanted = list(dict.fromkeys(keys))
-        found: set[ObjectKey] = set()
-        for start in range(0, len(wanted), _BATCH):
-            part = wanted[start : start + _BATCH]
-            counts = self.store.call("hmget", self._pins, [pack_key(k) for k in part])
-            found.update(k for k, n in zip(part, counts, strict=True) if n is not None)
-        return found
+        counts = self._current()[1]
+        return {k for k in keys if k in counts}
 
     def page(
         self,
@@ -85,11 +88,27 @@ class SharedPinTable:
         return len(rows), rows[offset : offset + limit]
 
     def rows(self) -> list[tuple[ObjectKey, int]]:
-        """Every pinned key and its count, first pinned first (one consistent read)."""
-        order, counts = self.store.transaction(
-            lambda pipe: (pipe.zrange(self._order, 0, -1), pipe.hgetall(self._pins))
+        """Every pinned key and its count, first pinned first."""
+        return list(self._current()[0])
+
+    def _current(self) -> tuple[list[tuple[ObjectKey, int]], dict[ObjectKey, int]]:
+        version = self.store.call("hget", self._meta, self.VERSION_FIELD)
+        with self._lock:
+            copy = self._copy
+        if copy is not None and copy[0] == version:
+            return copy[1], copy[2]
+        order, counts, version = self.store.transaction(
+            lambda pipe: (
+                pipe.zrange(self._order, 0, -1),
+                pipe.hgetall(self._pins),
+                pipe.hget(self._meta, self.VERSION_FIELD),
+            )
         )
-        return [(unpack_key(f), int(counts[f])) for f in order if f in counts]
+        rows = [(unpack_key(f), int(counts[f])) for f in order if f in counts]
+        by_key = dict(rows)
+        with self._lock:
+            self._copy = (version, rows, by_key)
+        return rows, by_key
 
     def seed(self, rows: list[tuple[ObjectKey, int]]) -> None:
         """Write ``rows`` (a snapshot's pins, in order) as they are: counts set, not added."""
@@ -100,6 +119,7 @@ class SharedPinTable:
             pipe.hset(self._pins, mapping={pack_key(k): n for k, n in rows})
             pipe.zadd(self._order, {pack_key(k): i + 1 for i, (k, _n) in enumerate(rows)})
             pipe.hset(self._meta, "pin_seq", len(rows))
+            pipe.hincrby(self._meta, self.VERSION_FIELD, 1)
 
         self.store.transaction(build, write=True)
 
