@@ -132,11 +132,20 @@ class Delivery:
 
     def run(self, stop: threading.Event) -> None:
         """The loop: :meth:`run_once` every :data:`PERIOD_S` until ``stop``."""
+        away = False  # the shared log's Redis is away: said once, not at every pass
         while not stop.wait(PERIOD_S):
             try:
                 self.run_once()
+            except Unavailable as exc:
+                if not away:
+                    log.warning("cache-control delivery paused: %s", exc)
+                away = True
+                continue
             except Exception:  # one bad pass must not end the loop
                 log.exception("cache-control delivery pass failed")
+            if away:
+                log.info("cache-control delivery resumed")
+            away = False
 
     def run_once(self) -> None:
         """Run the eviction pass if due (it records ``evict`` commands), finish what the
@@ -145,6 +154,8 @@ class Delivery:
         if self.eviction is not None and log_.leads("eviction"):
             try:
                 self.eviction()
+            except Unavailable:  # the shared store's Redis is away: the whole pass waits
+                raise
             except Exception:  # deliveries go on without it
                 log.exception("fleet eviction pass failed")
         unfinished = log_.unfinished()
