@@ -170,19 +170,32 @@ class Delivery:
 
     def instance_back(self, instance_id: str) -> None:
         """The instance (re-)registered: its pending commands are due now, not at the end of
-        a backoff that grew while it was down."""
+        a backoff that grew while it was down. (The shared log's Redis away: nothing, they
+        come due on their backoff; a registration never fails for it.)"""
         log_ = self.commands
-        for c in log_.unfinished():
-            if c.state == "pending" and instance_id in c.targets:
-                log_.due_now(c.command_id)
+        try:
+            for c in log_.unfinished():
+                if c.state == "pending" and instance_id in c.targets:
+                    log_.due_now(c.command_id)
+        except Unavailable as exc:
+            log.warning(
+                "instance %s back: its cache-control commands not hastened (%s)", instance_id, exc
+            )
 
     def instance_left(self, instance_id: str) -> list[Command]:
-        """The instance deregistered: every unfinished command that needs it fails."""
+        """The instance deregistered: every unfinished command that needs it fails. (The
+        shared log's Redis away: they stay, carried on as for an instance that is down; a
+        deregistration never fails for it.)"""
         failed = []
-        for c in self.commands.unfinished():
-            if instance_id in c.targets or c.source == instance_id:
-                reason = f"instance {instance_id!r} deregistered"
-                failed.append(self.commands.finish(c.command_id, "failed", reason))
+        try:
+            for c in self.commands.unfinished():
+                if instance_id in c.targets or c.source == instance_id:
+                    reason = f"instance {instance_id!r} deregistered"
+                    failed.append(self.commands.finish(c.command_id, "failed", reason))
+        except Unavailable as exc:
+            log.warning(
+                "instance %s left: its cache-control commands not failed (%s)", instance_id, exc
+            )
         return failed
 
     # ------------------------------------------------------------------ one delivery
