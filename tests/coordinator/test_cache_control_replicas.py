@@ -262,3 +262,32 @@ def test_the_snapshot_seeds_an_empty_redis_and_never_overrides_it(
         assert admin.hget(f"{stream}:cache:meta", "seeded") is not None
     finally:
         admin.close()
+
+
+# ------------------------------------------------------------------ Redis away
+
+
+def test_while_redis_is_away_cache_control_answers_503_and_nothing_else_breaks(
+    tmp_path: Path, stream: str
+) -> None:
+    """Pins are refused with a clear 503 while Redis is down (nothing applied), a node still
+    registers, /metrics still answers; when Redis is back (with its data) the pins are there."""
+    server = RedisServer(tmp_path)  # this test's own: it is stopped mid-test
+    server.start()
+    try:
+        with replicas(redis_config(server, stream, "a")) as (a,):
+            assert a.post("/cache/pins", json=tokens()).status_code == 200
+            server.stop()
+            r = a.post("/cache/pins", json=tokens())
+            assert r.status_code == 503 and "cache-control store" in r.json()["detail"], r.text
+            assert a.get("/cache/pins", params={"cache_salt": SALT}).status_code == 503
+            register(a, "n1", free_port())  # a registration does not need cache control
+            metrics = a.get("/metrics")
+            assert metrics.status_code == 200 and "kvatlas_cache_commands" not in metrics.text
+            server.start()
+            assert wait_for(
+                lambda: a.get("/cache/pins", params={"cache_salt": SALT}).status_code == 200
+            )
+            assert pins(a) == [1, 1]  # the one acknowledged pin, not the refused one
+    finally:
+        server.stop()
