@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -18,6 +19,7 @@ class FakeMpServer:
     def __init__(self) -> None:
         self.port = free_port()
         self.calls: list[tuple[str, str, dict[str, Any]]] = []
+        self.delay_s = 0.0  # how long each answer takes (a slow node: deliveries overlap)
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
 
@@ -49,6 +51,7 @@ class FakeMpServer:
             def do_DELETE(self) -> None:
                 body = self._body()
                 self._record(body)
+                time.sleep(owner.delay_s)
                 self._answer(200, {"deleted": len(body.get("keys", [])), "skipped": 0, "ok": True})
 
             def do_POST(self) -> None:

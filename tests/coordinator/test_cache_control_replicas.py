@@ -155,7 +155,10 @@ def test_a_delete_queued_while_the_node_is_down_is_delivered_once_by_two_replica
             r = a.post("/cache/delete", json=tokens(instance_id="n1"))
             assert r.status_code == 502, r.text  # LMCache's answer; the command is kept
             assert commands(b)[("delete", "pending")] == 1  # and B knows it
-            node.start()  # back: each replica hears of it and finds the command due
+            # back, and slow: a delivery is in flight for 1.5 s, three passes of each replica,
+            # while the command is still pending (without the lease the other replica sends too)
+            node.delay_s = 1.5
+            node.start()  # each replica hears of it and finds the command due
             for client in (a, b):
                 register(client, "n1", node.port)
             assert wait_for(lambda: commands(b)[("delete", "completed")] == 1, timeout=30)
