@@ -227,11 +227,12 @@ class ChunkTable:
             fresh = store_fresh(
                 self.parts, batch, cols, sids, stored, self.chunk_size, self.indexing
             )
-        l2_by_shape = counts.l2_bytes_by_shape if tier == L2_TIER else None
-        if fresh is not None:  # every entry a new chunk, all of one shape: stored in bulk
+        # L2 bytes per shape: a batch of one shape (the usual) adds its total once; a mixed one
+        # is counted entry by entry
+        one_shape = tier == L2_TIER and sids.count(sids[0]) == len(sids)
+        mixed = counts.l2_bytes_by_shape if tier == L2_TIER and not one_shape else None
+        if fresh is not None:  # every entry a new chunk: stored in bulk
             n_keys, n_pl, (n_bytes, added) = len(cols), len(cols), fresh
-            if l2_by_shape is not None:
-                l2_by_shape[sids[0]] += n_bytes
             if added:
                 shapes = self.shapes.shapes
                 self._ops.append(store_adds(added, cols, stored, sids, shapes, allocated))
@@ -241,8 +242,10 @@ class ChunkTable:
                 l1set.update(cols.chunk_hashes)
         else:
             n_keys, n_pl, n_bytes = self._store_each(
-                batch, cols, sids, stored, allocated, l1set, dig, pending, l2_by_shape
+                batch, cols, sids, stored, allocated, l1set, dig, pending, mixed
             )
+        if one_shape:
+            counts.l2_bytes_by_shape[sids[0]] += n_bytes
         if dig is not None:
             self.digests.xor_many(dig, pending.items())
         counts.keys += n_keys
@@ -268,7 +271,7 @@ class ChunkTable:
     ) -> tuple[int, int, int]:
         """:meth:`store`, entry by entry (any batch); returns the (keys, placements, bytes)
         added. New own copies' hashes go to ``pending`` by tag multiplier (if ``dig``); the
-        bytes added per shape to ``l2_by_shape`` (an L2 batch's)."""
+        bytes added per shape to ``l2_by_shape`` (an L2 batch of several shapes)."""
         inst, inc, tier, backend = batch.instance_id, batch.incarnation, batch.tier, batch.backend
         shared, ts = batch.shared, batch.ts
         by_size: dict[int, PlacementRow] = {}
