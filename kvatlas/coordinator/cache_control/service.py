@@ -205,10 +205,12 @@ class CacheControl:
     ) -> CoordinatorPrefetchStatus | None:
         """A prefetch this coordinator recorded, or ``None``: not one of its commands (one
         submitted on the instance itself), so the route asks the instance (LMCache's
-        coordinator always does: 502 when the instance does not answer)."""
-        self._require_instance(instance_id)
+        coordinator always does: 502 when the instance does not answer). A recorded prefetch
+        is answered even while its instance is not registered here (with the Redis transport
+        another replica may have recorded it for an instance registered with that one)."""
         command = self.commands.get(request_id)
         if command is None or command.kind != "prefetch" or instance_id not in command.targets:
+            self._require_instance(instance_id)
             return None
         if command.state != "completed":
             return CoordinatorPrefetchStatus("pending")
