@@ -54,8 +54,10 @@ def from_attributes(type_: type[S], value: object, **given: Any) -> S:
 
 class ErrorReply(msgspec.Struct):
     """Any refusal's body (``kvatlas.web.error_payload``): its ``detail`` and, for an event
-    that broke a rule, the ``field`` path (``batches[i]...``). Other fields an error carries
-    are ignored."""
+    that broke a rule, the ``field`` path (``batches[i]...``); for a prefetch whose instance
+    could not be reached (502), the ``request_id`` of the command kept for retry. Other
+    fields an error carries are ignored."""
 
     detail: Any = None
     field: str | None = None
+    request_id: str | None = None

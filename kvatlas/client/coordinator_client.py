@@ -80,12 +80,16 @@ def read_reply(method: str, path: str, status: int, raw: bytes, reply: Any = Any
 
 
 def _detail(raw: bytes) -> str:
-    """The ``detail`` of an error reply, else its text (at most 200 characters)."""
+    """The ``detail`` of an error reply (and the ``request_id`` of a command kept for retry),
+    else its text (at most 200 characters)."""
     try:
-        detail = msgspec.json.decode(raw, type=ErrorReply).detail
+        error = msgspec.json.decode(raw, type=ErrorReply)
     except msgspec.MsgspecError:
-        detail = None
-    return str(detail) if detail is not None else raw[:200].decode("utf-8", "replace")
+        return raw[:200].decode("utf-8", "replace")
+    if error.detail is None:
+        return raw[:200].decode("utf-8", "replace")
+    kept = f" (kept for retry: request_id {error.request_id})" if error.request_id else ""
+    return f"{error.detail}{kept}"
 
 
 def call_json(http: httpx.Client, method: str, path: str, reply: Any = Any, **kwargs: Any) -> Any:

@@ -102,6 +102,7 @@ class CoordinatorConfig:
     http_body_timeout_s: float = 30.0
     http_max_connections: int | None = None  # None: below the file limit (http_guard)
     eviction_policy: str = DEFAULT_EVICTION_POLICY.value
+    cache_command_lease_s: float = 30.0
 
     def __post_init__(self) -> None:
         KeyScheme(self.hash_scheme, self.chunk_size)  # validates both
@@ -127,6 +128,7 @@ class CoordinatorConfig:
             "emitter_retention_s",
             "consumer_heartbeat_s",
             "max_clock_skew_s",
+            "cache_command_lease_s",
         ):
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
@@ -349,6 +351,9 @@ _HELP = {
     "eviction_policy": "fleet eviction per salt over its quota: lru (LMCache's: a fifth of the salt's "
     "keys, least recently used first) or value (least reuse per byte first, down to the limit); "
     'docs/cache-control.md, "Fleet eviction"',
+    "cache_command_lease_s": "seconds a replica holds a cache-control command (and the fleet "
+    "eviction pass) without renewing it; another replica takes it over after that (redis "
+    'transport: pins, quotas and commands are in Redis; docs/cache-control.md, "Replicas")',
 }
 
 

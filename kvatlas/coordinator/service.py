@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +25,7 @@ from kvatlas.coordinator.cache_control import SECTION, encode_state, restore_sec
 from kvatlas.coordinator.cache_control.delivery import MpServers
 from kvatlas.coordinator.cache_control.eviction import EvictionPolicy
 from kvatlas.coordinator.cache_control.fleet import cache_control_of
+from kvatlas.coordinator.cache_control.shared_store import SharedStore
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.emitters import EmitterBook, emitter_views, instance_views
 from kvatlas.coordinator.ingestion import Ingestion
@@ -62,6 +65,15 @@ from kvatlas.events.inventory import Digest, differing
 from kvatlas.keys import MM_BYPASS_GUARD, ObjectKey
 
 log = logging.getLogger(__name__)
+
+
+def shared_store(config: CoordinatorConfig) -> SharedStore | None:
+    """With the Redis transport, the store every replica keeps pins, quotas and commands in
+    (named on leases by replica id, process id and a random suffix); else ``None``."""
+    if config.event_transport != "redis":
+        return None
+    owner = f"{config.resolved_replica_id}-{os.getpid()}-{secrets.token_hex(4)}"
+    return SharedStore.connect(config.redis_url or "", config.event_stream, owner)
 
 
 class CoordinatorService:
@@ -108,8 +120,10 @@ class CoordinatorService:
         self.cache_control, self.delivery = cache_control_of(
             config.chunk_size, lambda tokens: scheme.chunk_hashes(tokens), self.instances,
             self.directory, self.metrics.registry, mp_servers,
-            EvictionPolicy(config.eviction_policy),
+            EvictionPolicy(config.eviction_policy), shared_store(config),
+            config.cache_command_lease_s,
         )  # fmt: skip
+        self._cache_control_section: bytes | None = None  # the last one written
         engines = functools.partial(self.ingest, engine=True)  # they cannot register
         self.kv_events = self.ingestion.kv_events = KvEventsLinks.from_config(
             config, self.directory, engines, self._stop, is_node=self.instances.known,
@@ -124,6 +138,11 @@ class CoordinatorService:
         self.instances.expire()  # restored instances silent for too long: fenced, not ghosts
         self._spawn("instance-sweeper", self._sweep_loop)
         self._spawn("cache-control", functools.partial(self.delivery.run, self._stop))
+        store = self.cache_control.store
+        if store is not None:  # seeds Redis from the snapshot if it holds no cache control
+            self._spawn(
+                "cache-control-store", functools.partial(store.ensure_when_reachable, self._stop)
+            )
         for name, run in self.kv_events.start():
             self._spawn(name, run)
         if self.config.snapshot_path is not None:
@@ -340,10 +359,7 @@ class CoordinatorService:
                 info = save_snapshot(
                     self.directory, path, stream_position=position,
                     instances=self.instances.rows(),
-                    sections={
-                        SECTION: encode_state(self.cache_control),
-                        **self.kv_events.snapshot_sections(),
-                    },
+                    sections=self._sections(),
                 )  # fmt: skip
             except OSError as exc:
                 self.metrics.snapshot_failures.inc()
@@ -361,6 +377,17 @@ class CoordinatorService:
             info.keys, info.seconds, info.max_pause_s * 1e3,
         )  # fmt: skip
         return info
+
+    def _sections(self) -> dict[str, bytes]:
+        """The snapshot's named sections: the KV-event engines' and cache control's (with the
+        Redis transport a copy of Redis's, the last one read when Redis is away)."""
+        try:
+            self._cache_control_section = encode_state(self.cache_control)
+        except Unavailable as exc:
+            log.warning("snapshot: cache control not read from Redis (%s); last copy kept", exc)
+        section = self._cache_control_section
+        sections = self.kv_events.snapshot_sections()
+        return sections if section is None else {SECTION: section, **sections}
 
     def _retain(self, position: str | None) -> None:
         """Record what this replica's snapshot covers, and trim what no replica needs."""

@@ -41,6 +41,7 @@ from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.node_reports import NodeReports, TierGauges, ValueCounters
 from kvatlas.coordinator.views import EmitterView, InstanceView, Readiness
 from kvatlas.directory import DirectoryStats, KeyDirectory, SnapshotInfo
+from kvatlas.errors import Unavailable
 from kvatlas.keys import KeyScheme
 from kvatlas.redis_clients import redis_client
 
@@ -234,10 +235,16 @@ class StatusSource:
             rows.append(row)
         return tuple(rows)
 
-    def cache_control(self) -> CacheControlStatus:
+    def cache_control(self) -> CacheControlStatus | None:
+        """``None`` while cache control cannot be read (Redis, where it is kept, is away)."""
         service = self.service
         usage = self.salt_usage.get()
-        return cache_control_status(service.cache_control, service.directory, usage, time.time())
+        try:
+            return cache_control_status(
+                service.cache_control, service.directory, usage, time.time()
+            )
+        except Unavailable:
+            return None
 
     def view(self) -> StatusView:
         service = self.service

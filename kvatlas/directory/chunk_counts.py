@@ -17,14 +17,15 @@ from kvatlas.directory.records import (
     Record,
     key_count,
     l1_owner,
-    placement_groups,
     placements_of,
+    record_keys,
     row_module,
     row_size,
     row_tier,
 )
 
 PARTS = 256
+L2_TIER = "l2"  # the tier quotas count (ChunkCounts.l2_bytes_by_shape)
 Partition = dict[bytes, Record]  # chunk hash -> record; a chunk lives in partition hash[0]
 DigestArray = np.ndarray[Any, Any]  # 256 uint64 buckets (kvatlas.events.inventory)
 
@@ -45,6 +46,9 @@ class ChunkCounts:
     module_placements: Counter[Module] = field(default_factory=Counter)
     module_bytes: Counter[Module] = field(default_factory=Counter)
     digests: dict[tuple[str, str], DigestArray] = field(default_factory=dict)
+    l2_bytes_by_shape: Counter[int] = field(default_factory=Counter)
+    """Bytes of the L2 placements of each key shape (model, rank, group, salt): summed by
+    salt, what quotas count (:func:`~kvatlas.directory.salt_usage.salt_bytes`)."""
 
     def placements_by_tier(self) -> dict[str, int]:
         """Placements per tier, naming only the tiers that have any."""
@@ -67,10 +71,12 @@ class ChunkCounts:
         for part in parts:
             for h, rec in part.items():
                 out.keys += key_count(rec)
-                for pls in placement_groups(rec):
+                for sid, pls in record_keys(rec):
                     for p in placements_of(pls):
                         out.placements += 1
                         out.bytes_by_tier[row_tier(p)] += row_size(p)
+                        if row_tier(p) == L2_TIER:
+                            out.l2_bytes_by_shape[sid] += row_size(p)
                         out.module_placements[row_module(p)] += 1
                         out.module_bytes[row_module(p)] += row_size(p)
                         owner = l1_owner(p)

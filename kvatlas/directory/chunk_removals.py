@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvatlas.directory.blend import RemoveClaimOp
+from kvatlas.directory.chunk_counts import L2_TIER
 from kvatlas.directory.chunk_digests import InventoryDigests
 from kvatlas.directory.chunk_state import ChunkState
 from kvatlas.directory.records import (
@@ -62,13 +63,12 @@ class RemovalRules:
             if len(kept) == len(old):
                 continue
             table.preserve(h, rec)
+            sid = record_keys(rec)[k][0]
             for q in old:
                 if row_ident(q) == ident:
-                    self._count(q, -1)
+                    self._count(q, -1, sid)
             if not batch.shared:
-                self._digests.xor(
-                    batch.instance_id, batch.tier, h, record_keys(rec)[k][0], batch.backend
-                )
+                self._digests.xor(batch.instance_id, batch.tier, h, sid, batch.backend)
             keys: list[tuple[int, Placements | None]] = list(record_keys(rec))
             keys[k] = (keys[k][0], pack_placements(kept))
             self._rewrite(h, rec, keys)
@@ -90,7 +90,7 @@ class RemovalRules:
                 kept = []
                 for p in placements_of(pls):
                     if l1_owner(p) == inst:
-                        self._count(p, -1)
+                        self._count(p, -1, sid)
                         dropped += 1
                     else:
                         kept.append(p)
@@ -142,7 +142,7 @@ class RemovalRules:
             kept = []
             for p in placements_of(pls):
                 if doomed(h, sid, p):
-                    self._count(p, -1)
+                    self._count(p, -1, sid)
                     self._digests.xor(row_instance(p), row_tier(p), h, sid, row_backend(p))
                     owner = l1_owner(p)
                     if owner is not None:
@@ -156,10 +156,12 @@ class RemovalRules:
             self._forget_l1_if_gone(owner, h)
         return dropped
 
-    def _count(self, p: PlacementRow, sign: int) -> None:
+    def _count(self, p: PlacementRow, sign: int, sid: int) -> None:
         counts = self._table.counts
         counts.placements += sign
         counts.bytes_by_tier[row_tier(p)] += sign * row_size(p)
+        if row_tier(p) == L2_TIER:
+            counts.l2_bytes_by_shape[sid] += sign * row_size(p)
         module = row_module(p)
         counts.module_placements[module] += sign
         counts.module_bytes[module] += sign * row_size(p)

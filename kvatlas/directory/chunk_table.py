@@ -22,10 +22,18 @@ partition was not captured yet preserves its record (copy-on-write, see
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from kvatlas.directory.blend import AddColumns, AddOp, BlendIndex, BlendOp, RemoveChunkOp
-from kvatlas.directory.chunk_counts import PARTS, ChangeJournal, ChunkCounts, DigestArray, Partition
+from kvatlas.directory.chunk_counts import (
+    L2_TIER,
+    PARTS,
+    ChangeJournal,
+    ChunkCounts,
+    DigestArray,
+    Partition,
+)
 from kvatlas.directory.chunk_digests import InventoryDigests
 from kvatlas.directory.chunk_removals import RemovalRules
 from kvatlas.directory.chunk_slabs import Reclaim, SlabReclaim
@@ -219,6 +227,10 @@ class ChunkTable:
             fresh = store_fresh(
                 self.parts, batch, cols, sids, stored, self.chunk_size, self.indexing
             )
+        # L2 bytes per shape: a batch of one shape (the usual) adds its total once; a mixed one
+        # is counted entry by entry
+        one_shape = tier == L2_TIER and sids.count(sids[0]) == len(sids)
+        mixed = counts.l2_bytes_by_shape if tier == L2_TIER and not one_shape else None
         if fresh is not None:  # every entry a new chunk: stored in bulk
             n_keys, n_pl, (n_bytes, added) = len(cols), len(cols), fresh
             if added:
@@ -230,8 +242,10 @@ class ChunkTable:
                 l1set.update(cols.chunk_hashes)
         else:
             n_keys, n_pl, n_bytes = self._store_each(
-                batch, cols, sids, stored, allocated, l1set, dig, pending
+                batch, cols, sids, stored, allocated, l1set, dig, pending, mixed
             )
+        if one_shape:
+            counts.l2_bytes_by_shape[sids[0]] += n_bytes
         if dig is not None:
             self.digests.xor_many(dig, pending.items())
         counts.keys += n_keys
@@ -253,9 +267,11 @@ class ChunkTable:
         l1set: set[bytes] | None,
         dig: DigestArray | None,
         pending: dict[int, list[bytes]],
+        l2_by_shape: Counter[int] | None,
     ) -> tuple[int, int, int]:
         """:meth:`store`, entry by entry (any batch); returns the (keys, placements, bytes)
-        added. New own copies' hashes go to ``pending`` by tag multiplier (if ``dig``)."""
+        added. New own copies' hashes go to ``pending`` by tag multiplier (if ``dig``); the
+        bytes added per shape to ``l2_by_shape`` (an L2 batch of several shapes)."""
         inst, inc, tier, backend = batch.instance_id, batch.incarnation, batch.tier, batch.backend
         shared, ts = batch.shared, batch.ts
         by_size: dict[int, PlacementRow] = {}
@@ -298,6 +314,8 @@ class ChunkTable:
                 n_keys += 1
                 n_pl += 1
                 n_bytes += size
+                if l2_by_shape is not None:
+                    l2_by_shape[sid] += size
                 if tokens is None:
                     part[h] = (None, UNKNOWN_OFFSET, False, sid, p)
                     if debug:
@@ -322,6 +340,8 @@ class ChunkTable:
                 n_keys += dk
                 n_pl += dp
                 n_bytes += db
+                if l2_by_shape is not None:
+                    l2_by_shape[sid] += db
                 if new_own is not None and dp:  # a new own copy (a replaced one has the
                     new_own.append(h)  # same element)
             if l1set is not None:

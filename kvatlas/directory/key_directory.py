@@ -23,6 +23,7 @@ from kvatlas.checks import is_plain_int
 from kvatlas.directory import listing
 from kvatlas.directory.blend import BlendIndex
 from kvatlas.directory.capture import Capture, DirectoryState, Restored
+from kvatlas.directory.chunk_counts import L2_TIER
 from kvatlas.directory.chunk_table import ChunkTable
 from kvatlas.directory.gate import Admission, EmitterCursor, IngestGate, Outcome
 from kvatlas.directory.records import (
@@ -37,7 +38,7 @@ from kvatlas.directory.records import (
     prefix_summary,
     public_placements,
 )
-from kvatlas.directory.salt_usage import SaltKey, bytes_by_salt, keys_of_salts
+from kvatlas.directory.salt_usage import SaltKey, bytes_by_salt, keys_of_salts, salt_bytes
 from kvatlas.directory.summaries import DirectoryStats, DirectoryUsage, ModuleUsage
 from kvatlas.errors import InvalidInput
 from kvatlas.events import ACCESS, CONFIG, DELETE, RESYNC, STORE, EventBatch
@@ -297,8 +298,11 @@ class KeyDirectory:
         return listing.count_keys(self._chunks, self._lock, where)
 
     def bytes_by_salt(self, tier: str = "l2") -> dict[str, int]:
-        """Bytes of each cache salt's ``tier`` copies (quota usage; one pass, a partition
-        per lock hold: :mod:`kvatlas.directory.salt_usage`)."""
+        """Bytes of each cache salt's ``tier`` copies (quota usage): L2 from the counter kept
+        per key shape, another tier by one pass, a partition per lock hold
+        (:mod:`kvatlas.directory.salt_usage`)."""
+        if tier == L2_TIER:
+            return salt_bytes(self._chunks, self._lock)
         return bytes_by_salt(self._chunks, self._lock, tier)
 
     def keys_of_salts(self, salts: Collection[str], tier: str = "l2") -> dict[str, list[SaltKey]]:

@@ -1,8 +1,9 @@
 """Bytes per cache salt on one tier: what a salt's quota is measured against
 (``docs/cache-control.md``), and the facts about each key of chosen salts that fleet eviction
-plans with. One pass over the records, one partition per hold of the directory lock, so
-ingestion waits at most one partition's pass; a copy in a shared pool is one placement and
-counts once. Read on demand (the quota routes, the eviction pass), never on the event path.
+plans with. L2 bytes per salt come from a counter per key shape the chunk table keeps as
+placements come and go (:func:`salt_bytes`); any other tier, and the keys of chosen salts, by
+one pass over the records, one partition per hold of the directory lock, so ingestion waits at
+most one partition's pass. A copy in a shared pool is one placement and counts once.
 """
 
 from __future__ import annotations
@@ -29,8 +30,22 @@ from kvatlas.directory.records import (
 from kvatlas.keys import ObjectKey
 
 
+def salt_bytes(chunks: ChunkTable, lock: threading.Lock) -> dict[str, int]:
+    """Bytes of the L2 placements of each salt's keys (salts with none are absent), from the
+    counter the chunk table keeps per key shape as placements come and go: a pass over the
+    shapes (a handful per model and salt), not over the records."""
+    out: Counter[str] = Counter()
+    with lock:
+        table = chunks.shapes.shapes
+        by_shape = list(chunks.counts.l2_bytes_by_shape.items())
+    for sid, n_bytes in by_shape:
+        out[table[sid].cache_salt] += n_bytes
+    return {salt: n for salt, n in out.items() if n}  # (never negative: a bug would show)
+
+
 def bytes_by_salt(chunks: ChunkTable, lock: threading.Lock, tier: str) -> dict[str, int]:
-    """Bytes of the ``tier`` placements of each salt's keys (salts with none are absent)."""
+    """Bytes of the ``tier`` placements of each salt's keys (salts with none are absent), by
+    one pass over the records (the oracle of :func:`salt_bytes`; any tier)."""
     out: Counter[str] = Counter()
     for b in range(PARTS):
         with lock:  # the table's parts and shapes are read under the lock (a restore swaps them)

@@ -197,6 +197,9 @@ def test_fleet_runs_under_the_documented_acl_file(fleet: Fleet) -> None:
         )
         assert wait_for(lambda: _trims(c1) + _trims(c2) > before, timeout=60)
 
+        # cache control, kept in Redis under <stream>:cache:* and shared by both replicas
+        _cache_control(c1, c2, [int(t) for t in first], [int(t) for t in second])
+
         for url in (c1, c2):
             errors = _metric(url, "kvatlas_stream_errors_total")
             assert errors == {}, (url, errors)  # no redis, retention or group error
@@ -215,6 +218,46 @@ def test_fleet_runs_under_the_documented_acl_file(fleet: Fleet) -> None:
     for log in fleet.logs:
         text = log.read_text()
         assert "NOPERM" not in text and "no permissions" not in text, (log.name, text[-3000:])
+
+
+def _cache_control(c1: str, c2: str, first: list[int], second: list[int]) -> None:
+    """Pins, quotas and a delete command through both replicas (every script and command of
+    the shared store runs): what one replica did, the other answers."""
+    admin = bearer(ADMIN)
+
+    def call(method: str, url: str, **kw: Any) -> Any:
+        r = httpx.request(method, url, headers=admin, timeout=30, **kw)
+        assert r.status_code == 200, (method, url, r.status_code, r.text)
+        return r.json()
+
+    doc = {"model_name": "toy", "world_size": 1, "token_ids": second}
+    call("POST", f"{c1}/cache/pins", json=doc)
+    call("POST", f"{c2}/cache/pins", json={**doc, "token_ids": second[:C]})
+    assert [p["pin_count"] for p in call("GET", f"{c2}/cache/pins")["pins"]] == [2, 1]
+    call("DELETE", f"{c2}/cache/pins", json=doc)
+    assert [p["pin_count"] for p in call("GET", f"{c1}/cache/pins")["pins"]] == [1]
+    call("PUT", f"{c1}/quota/tenant", json={"limit_gb": 1.0})
+    assert call("GET", f"{c2}/quota/tenant")["quota_exists"] is True
+    call("DELETE", f"{c2}/quota/tenant")
+    reply = call(
+        "POST",
+        f"{c1}/cache/delete",
+        json={**doc, "token_ids": first, "instance_id": "node-1", "tier": "l1"},
+    )
+    assert reply["affected"] == 3, reply
+    # an instance this replica knows without an MP-server port: a prefetch for it waits for a
+    # replica that can reach it, and this one lets its lease go (DEL)
+    call("POST", f"{c1}/instances", json={"instance_id": "no-port", "ip": "127.0.0.1"})
+    r = httpx.post(f"{c1}/cache/prefetches", headers=admin, timeout=30,
+                   json={**doc, "instance_id": "no-port"})  # fmt: skip
+    assert r.status_code == 502 and r.json()["request_id"], r.text
+    pattern = r'^kvatlas_cache_commands\{kind="delete",state="completed"\} 1\.0$'
+    for url in (c1, c2):  # delivered by one, finished from the events, seen by both
+        assert wait_for(lambda url=url: re.search(pattern, _text(url), re.M), timeout=60), url
+
+
+def _text(url: str) -> str:
+    return httpx.get(f"{url}/metrics", headers=bearer(ADMIN), timeout=10).text
 
 
 def _granted() -> set[str]:

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvatlas.directory import KeyDirectory, KeyFilter, load_snapshot, save_snapshot
+from kvatlas.directory.salt_usage import bytes_by_salt
 from kvatlas.events import CacheEntry, EventBatch
 from kvatlas.keys import BlendNamespace, ObjectKey, pack_kv_rank
 
@@ -154,6 +155,16 @@ def check_usage(d: KeyDirectory, m: Model) -> None:
         held = {k for k, pls in m.placements.items() if any(i[:2] == (tier, backend) for i in pls)}
         assert d.count_keys(KeyFilter(tier=tier, backend=backend)) == len(held)
     assert d.count_keys() == len(m.placements)
+    # L2 bytes per salt (quota usage), kept as placements come and go, against the model and
+    # against one pass over the records
+    l2_by_salt: dict[str, int] = {}
+    for k, pls in m.placements.items():
+        for (tier, _backend, _owner), row in pls.items():
+            if tier == "l2":
+                l2_by_salt[k.cache_salt] = l2_by_salt.get(k.cache_salt, 0) + row[4]
+    want_salts = {s: n for s, n in l2_by_salt.items() if n}
+    assert d.bytes_by_salt("l2") == want_salts
+    assert bytes_by_salt(d._chunks, d._lock, "l2") == want_salts
     spaces = {BlendNamespace.from_object_key(k) for k in KEYS}
     for content in CONTENTS[:3]:
         for ns in spaces:

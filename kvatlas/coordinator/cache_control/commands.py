@@ -10,12 +10,13 @@ out by a jittered exponential backoff (capped), so an instance that is down for 
 asked a handful of times, and a ``sent`` command whose events do not come within
 ``confirm_s`` is delivered again (node deletes and prefetches are idempotent).
 
-Times are wall-clock seconds (``time.time``): they must mean the same after a restart. The log
-is part of the coordinator's snapshot (:meth:`CommandLog.to_snapshot`); with the Redis
-transport each transition would also be appended to a stream (``kvatlas:commands``, one entry
-``{op, command}`` per :meth:`CommandLog.record`), so a replica or a restarted coordinator
-replays the commands after its snapshot's stream position exactly as it replays cache events.
-Finished commands are kept ``retention_s`` (their status stays readable), then dropped.
+Times are wall-clock seconds (``time.time``): they must mean the same after a restart. This
+log keeps the commands in the process's memory and the coordinator's snapshot
+(:meth:`CommandLog.to_snapshot`); with the Redis transport the replicas share one log kept in
+Redis instead (:class:`~.shared_commands.SharedCommandLog`: the same methods, every change
+through :meth:`CommandLog.record` or :meth:`CommandLog.update`, and a lease so that one replica
+at a time works on a command: :meth:`CommandLog.claim`). Finished commands are kept
+``retention_s`` (their status stays readable), then dropped.
 """
 
 from __future__ import annotations
@@ -152,35 +153,58 @@ class CommandLog:
         events are overdue (delivered again), oldest first."""
         now = self._clock()
         with self._lock:
-            found = [
-                c
-                for c in self._commands.values()
-                if (c.state == "pending" and c.next_attempt_at <= now)
-                or (c.state == "sent" and now - c.updated_at > self.confirm_s)
-            ]
+            found = [c for c in self._commands.values() if self.is_due(c, now)]
         return sorted(found, key=lambda c: c.created_at)
+
+    def is_due(self, c: Command, now: float) -> bool:
+        return (c.state == "pending" and c.next_attempt_at <= now) or (
+            c.state == "sent" and now - c.updated_at > self.confirm_s
+        )
+
+    def update(self, command_id: str, op: str, change: Callable[[Command], Command]) -> Command:
+        """Record ``change`` of the command as it stands now (``KeyError``: no such command).
+        Every read-modify-write goes through here: the shared log applies it atomically (a
+        concurrent change by another replica makes it read again and re-apply ``change``)."""
+        return self.record(op, change(self._require(command_id)))
+
+    def claim(self, command_ids: Iterable[str]) -> set[str]:
+        """Those of ``command_ids`` this coordinator may deliver and finish now: all of them
+        here; the shared log grants each to one replica at a time (a lease)."""
+        return set(command_ids)
+
+    def release(self, command_ids: Iterable[str]) -> None:
+        """Give up this coordinator's hold on ``command_ids`` (nothing to do here; the shared
+        log frees their leases, so another replica may take them at once)."""
+
+    def leads(self, task: str) -> bool:
+        """Whether this coordinator runs ``task`` (the fleet eviction pass) now: always here;
+        with the shared log, the one replica holding its lease."""
+        return True
 
     def delivery_failed(self, command_id: str, error: str) -> Command:
         """A delivery did not reach its target: pending, retried after the backoff."""
         now = self._clock()
-        c = self._require(command_id)
-        attempts = c.attempts + 1
-        wait = self.retry.wait_s(attempts, self._jitter())
-        return self.record("retry", msgspec.structs.replace(
-            c, state="pending", attempts=attempts, next_attempt_at=now + wait,
-            updated_at=now, last_error=error,
-        ))  # fmt: skip
+        jitter = self._jitter()
+
+        def change(c: Command) -> Command:
+            attempts = c.attempts + 1
+            return msgspec.structs.replace(
+                c, state="pending", attempts=attempts,
+                next_attempt_at=now + self.retry.wait_s(attempts, jitter),
+                updated_at=now, last_error=error,
+            )  # fmt: skip
+
+        return self.update(command_id, "retry", change)
 
     def due_now(self, command_id: str) -> Command:
         """Deliver a pending command at the next pass (its instance is back)."""
-        c = self._require(command_id)
         now = self._clock()
-        return self.record("retry", msgspec.structs.replace(c, next_attempt_at=now, updated_at=now))
+        return self.update(command_id, "retry", lambda c: msgspec.structs.replace(
+            c, next_attempt_at=now, updated_at=now) if c.state == "pending" else c)  # fmt: skip
 
     def delivered(self, command_id: str, remote_ids: tuple[str, ...] = ()) -> Command:
         now = self._clock()
-        c = self._require(command_id)
-        return self.record("sent", msgspec.structs.replace(
+        return self.update(command_id, "sent", lambda c: msgspec.structs.replace(
             c, state="sent", attempts=c.attempts + 1, updated_at=now,
             remote_ids=remote_ids or c.remote_ids, last_error="",
         ))  # fmt: skip
@@ -192,9 +216,9 @@ class CommandLog:
         error: str = "",
         found_keys: int | None = None,
     ) -> Command:
-        c = self._require(command_id)
-        return self.record(state, msgspec.structs.replace(
-            c, state=state, updated_at=self._clock(), last_error=error or c.last_error,
+        now = self._clock()
+        return self.update(command_id, state, lambda c: msgspec.structs.replace(
+            c, state=state, updated_at=now, last_error=error or c.last_error,
             found_keys=found_keys if found_keys is not None else c.found_keys,
         ))  # fmt: skip
 
@@ -214,8 +238,11 @@ class CommandLog:
     def progress(self, command_id: str, **fields: object) -> Command:
         """Record what a delivered command learnt (a prefetch's ``found_keys``) without
         changing its state."""
-        c = self._require(command_id)
-        return self.record("progress", msgspec.structs.replace(c, **fields))  # type: ignore[arg-type]
+        return self.update(
+            command_id,
+            "progress",
+            lambda c: msgspec.structs.replace(c, **fields),  # type: ignore[arg-type]
+        )
 
     def unfinished(self) -> list[Command]:
         """Every command not yet completed or failed, oldest first."""
@@ -234,25 +261,33 @@ class CommandLog:
     def to_snapshot(self) -> bytes:
         with self._lock:
             commands = list(self._commands.values())
-        return _encoder.encode(_Snapshot(1, commands))
+        return encode_commands(commands)
 
     @classmethod
     def from_snapshot(cls, data: bytes, **options: object) -> CommandLog:
         """The log a snapshot held: unfinished commands are due again at once (what was
         ``sent`` before the restart is delivered again: the events may never come)."""
-        snap = _decoder.decode(data)
-        if snap.version != 1:
-            raise ValueError(f"command snapshot version {snap.version} is not 1")
-        restored = [
-            msgspec.structs.replace(c, state="pending", next_attempt_at=0.0)
-            if c.state == "sent"
-            else c
-            for c in snap.commands
-        ]
-        return cls(restored, **options)  # type: ignore[arg-type]
+        return cls(restored_commands(data), **options)  # type: ignore[arg-type]
 
     def _require(self, command_id: str) -> Command:
         c = self.get(command_id)
         if c is None:
             raise KeyError(command_id)
         return c
+
+
+def encode_commands(commands: list[Command]) -> bytes:
+    """The snapshot form of ``commands`` (:func:`restored_commands` reads it)."""
+    return _encoder.encode(_Snapshot(1, commands))
+
+
+def restored_commands(data: bytes) -> list[Command]:
+    """The commands of :meth:`CommandLog.to_snapshot`'s bytes, as a restart resumes them:
+    what was ``sent`` is pending and due at once (``ValueError``: another version)."""
+    snap = _decoder.decode(data)
+    if snap.version != 1:
+        raise ValueError(f"command snapshot version {snap.version} is not 1")
+    return [
+        msgspec.structs.replace(c, state="pending", next_attempt_at=0.0) if c.state == "sent" else c
+        for c in snap.commands
+    ]

@@ -19,7 +19,9 @@ follow their own protocol (:mod:`.moves`: load and hold on the target, then dele
 source's copies). Each pass first runs
 :attr:`Delivery.eviction` (the fleet eviction pass, :mod:`.eviction_loop`, which records
 ``evict`` commands: delivered and finished as deletes); an ``evict`` command never sends a key
-pinned since it was recorded.
+pinned since it was recorded. With the shared log (the Redis transport's replicas) a replica
+delivers and finishes only the commands it holds the lease of (:meth:`CommandLog.claim`) and
+runs the eviction pass only while it leads it (:meth:`CommandLog.leads`).
 """
 
 from __future__ import annotations
@@ -141,47 +143,73 @@ class Delivery:
 
     def run(self, stop: threading.Event) -> None:
         """The loop: :meth:`run_once` every :data:`PERIOD_S` until ``stop``."""
+        away = False  # the shared log's Redis is away: said once, not at every pass
         while not stop.wait(PERIOD_S):
             try:
                 self.run_once()
+            except Unavailable as exc:
+                if not away:
+                    log.warning("cache-control delivery paused: %s", exc)
+                away = True
+                continue
             except Exception:  # one bad pass must not end the loop
                 log.exception("cache-control delivery pass failed")
+            if away:
+                log.info("cache-control delivery resumed")
+            away = False
 
     def run_once(self) -> None:
         """Run the eviction pass if due (it records ``evict`` commands), finish what the
         directory shows done, deliver what is due, drop old finished commands."""
-        if self.eviction is not None:
+        log_ = self.commands
+        if self.eviction is not None and log_.leads("eviction"):
             try:
                 self.eviction()
+            except Unavailable:  # the shared store's Redis is away: the whole pass waits
+                raise
             except Exception:  # deliveries go on without it
                 log.exception("fleet eviction pass failed")
-        log_ = self.commands
-        for c in log_.unfinished():
-            if c.state == "sent" or c.kind in ("delete", "evict"):
+        unfinished = log_.unfinished()
+        owned = log_.claim(c.command_id for c in unfinished)  # shared log: one replica each
+        for c in unfinished:
+            if c.command_id in owned and (c.state == "sent" or c.kind in ("delete", "evict")):
                 self.check(c)
         for c in log_.due():
-            self.deliver(c)
+            if c.command_id in owned:
+                self.deliver(c)
         log_.prune()
 
     def instance_back(self, instance_id: str) -> None:
         """The instance (re-)registered: its pending commands are due now, not at the end of
-        a backoff that grew while it was down."""
+        a backoff that grew while it was down. (The shared log's Redis away: nothing, they
+        come due on their backoff; a registration never fails for it.)"""
         log_ = self.commands
-        for c in log_.unfinished():
-            if c.state == "pending" and (instance_id in c.targets or c.source == instance_id):
-                log_.due_now(c.command_id)
+        try:
+            for c in log_.unfinished():
+                if c.state == "pending" and (instance_id in c.targets or c.source == instance_id):
+                    log_.due_now(c.command_id)
+        except Unavailable as exc:
+            log.warning(
+                "instance %s back: its cache-control commands not hastened (%s)", instance_id, exc
+            )
 
     def instance_left(self, instance_id: str) -> list[Command]:
         """The instance deregistered: every unfinished command that needs it fails (but a move
         whose target holds the keys already: the source's copies went with it, the next
-        attempt completes it)."""
+        attempt completes it). (The shared log's Redis away: they stay, carried on as for an
+        instance that is down; a deregistration never fails for it.)"""
         failed = []
-        for c in self.commands.unfinished():
-            if c.source == instance_id and c.phase in ("holding", "deleting"):
-                continue
-            if instance_id in c.targets or c.source == instance_id:
-                reason = f"instance {instance_id!r} deregistered"
-                failed.append(self.commands.finish(c.command_id, "failed", reason))
+        try:
+            for c in self.commands.unfinished():
+                if c.source == instance_id and c.phase in ("holding", "deleting"):
+                    continue
+                if instance_id in c.targets or c.source == instance_id:
+                    reason = f"instance {instance_id!r} deregistered"
+                    failed.append(self.commands.finish(c.command_id, "failed", reason))
+        except Unavailable as exc:
+            log.warning(
+                "instance %s left: its cache-control commands not failed (%s)", instance_id, exc
+            )
         return failed
 
     # ------------------------------------------------------------------ one delivery
@@ -193,6 +221,8 @@ class Delivery:
         # the route's first attempt and the loop may meet on a new command: one waits for
         # the other, then sends only if the command still needs it (its own answer stays true)
         with self._locks[hash(command.command_id) % _STRIPES]:
+            if not self.commands.claim([command.command_id]):
+                return None  # another replica holds it (and delivers it)
             current = self.commands.get(command.command_id)
             if current is None or current.state in ("completed", "failed"):
                 return None
@@ -214,6 +244,10 @@ class Delivery:
                     self.commands.finish(command.command_id, "failed", error)
                 else:
                     self.commands.delivery_failed(command.command_id, error)
+                if self.fleet.url_of(current.targets[0]) is None:
+                    # its instance is not registered here: a replica it registered with may
+                    # deliver it (shared log), so this one lets its lease go
+                    self.commands.release([command.command_id])
         return failure
 
     def _unpinned(self, c: Command) -> Command | None:

@@ -31,7 +31,7 @@ from typing import Final, Generic, TypeVar
 
 import numpy as np
 
-from kvatlas.coordinator.cache_control.quotas import GB, QuotaTable
+from kvatlas.coordinator.cache_control.quotas import GB, Quotas
 
 K = TypeVar("K")
 
@@ -151,7 +151,7 @@ class Eviction(Generic[K]):
         object.__setattr__(self, "usage_after_bytes", self.usage_bytes - self.freed_bytes)
 
 
-def limit_bytes_of(quotas: QuotaTable, cache_salt: str) -> int | None:
+def limit_bytes_of(quotas: Quotas, cache_salt: str) -> int | None:
     """The salt's effective limit (its own, else the default) in bytes; ``None`` = exempt."""
     limit = quotas.effective_gb(cache_salt)
     return None if limit is None else int(limit * GB)

@@ -5,6 +5,7 @@ instances share an L2 pool, and the copies the directory shows of keys."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -13,6 +14,9 @@ from kvatlas.coordinator.cache_control.eviction import DEFAULT_POLICY, EvictionP
 from kvatlas.coordinator.cache_control.eviction_loop import FleetEviction
 from kvatlas.coordinator.cache_control.metrics import CacheControlCollector
 from kvatlas.coordinator.cache_control.service import CacheControl
+from kvatlas.coordinator.cache_control.shared_commands import SharedCommandLog
+from kvatlas.coordinator.cache_control.shared_store import SharedStore
+from kvatlas.coordinator.cache_control.shared_tables import SharedPinTable, SharedQuotaTable
 from kvatlas.coordinator.instances import InstanceRegistry
 from kvatlas.directory import KeyDirectory
 from kvatlas.keys import ObjectKey
@@ -67,14 +71,25 @@ def cache_control_of(
     registry: CollectorRegistry,
     mp_servers: MpServers | None,
     eviction_policy: EvictionPolicy = DEFAULT_POLICY,
+    store: SharedStore | None = None,
+    lease_s: float = 30.0,
 ) -> tuple[CacheControl, Delivery]:
     """A coordinator's cache control (keys by its own hashing, usage from its directory's L2
     bytes) and its delivery (``mp_servers``: the client commands are delivered with; ``None``:
     none, they stay pending), which runs the fleet eviction pass with ``eviction_policy``; its
-    figures on ``registry``."""
+    figures on ``registry``. With ``store`` (the Redis transport) pins, quotas and commands
+    are the fleet's, in Redis, and each command is leased to one replica for ``lease_s``."""
+    shared: dict[str, Any] = {}
+    if store is not None:
+        shared = {
+            "pins": SharedPinTable(store),
+            "quotas": SharedQuotaTable(store),
+            "commands": SharedCommandLog(store, lease_s=lease_s),
+            "store": store,
+        }
     control = CacheControl(
         chunk_size, is_instance=instances.known, usage_by_salt=directory.bytes_by_salt,
-        hash_chunks=hash_chunks,
+        hash_chunks=hash_chunks, **shared,
     )  # fmt: skip
     fleet = CoordinatorFleet(instances, directory)
     delivery = Delivery(lambda: control.commands, fleet, mp_servers or no_servers)

@@ -17,6 +17,7 @@ from kvatlas.coordinator.cache_control.eviction import limit_bytes_of
 from kvatlas.coordinator.cache_control.eviction_loop import FleetEviction
 from kvatlas.coordinator.cache_control.quotas import GB
 from kvatlas.coordinator.cache_control.service import CacheControl
+from kvatlas.errors import Unavailable
 from kvatlas.keys import ObjectKey
 
 
@@ -33,7 +34,11 @@ class CacheControlCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         control = self._control()
-        counts = control.commands.counts()
+        try:  # with the Redis transport these are read from Redis: none while it is away
+            counts, rows = control.commands.counts(), control.pins.rows()
+            limits_gb = control.quotas.limits()
+        except Unavailable:
+            return
         commands = GaugeMetricFamily(
             "kvatlas_cache_commands",
             "cache-control commands kept, by kind and state",
@@ -43,7 +48,6 @@ class CacheControlCollector(Collector):
             for state in get_args(CommandState):
                 commands.add_metric([kind, state], counts.get((kind, state), 0))
         yield commands
-        rows = control.pins.rows()
         yield GaugeMetricFamily("kvatlas_pinned_keys", "keys holding a pin", value=len(rows))
         yield GaugeMetricFamily(
             "kvatlas_pinned_bytes", "bytes of the copies of pinned keys",
@@ -52,7 +56,7 @@ class CacheControlCollector(Collector):
         limits = GaugeMetricFamily(
             "kvatlas_quota_limit_bytes", "each salt's own quota", labels=["cache_salt"]
         )
-        for salt, gb in sorted(control.quotas.limits().items()):
+        for salt, gb in sorted(limits_gb.items()):
             limits.add_metric([salt], gb * GB)
         yield limits
         if self._eviction is not None:

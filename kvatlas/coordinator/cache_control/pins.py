@@ -11,8 +11,34 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Container, Iterable
+from typing import Protocol
 
 from kvatlas.keys import ObjectKey
+
+
+class Pins(Protocol):
+    """The pin table's methods: :class:`PinTable` in memory, or
+    :class:`~.shared_tables.SharedPinTable` in Redis (the Redis transport's replicas)."""
+
+    def pin(self, keys: Iterable[ObjectKey]) -> int: ...
+
+    def unpin(self, keys: Iterable[ObjectKey]) -> int: ...
+
+    def count(self, key: ObjectKey) -> int: ...
+
+    def pinned(self, keys: Iterable[ObjectKey]) -> set[ObjectKey]: ...
+
+    def page(
+        self,
+        cache_salt: str | None,
+        model_name: str | None,
+        offset: int,
+        limit: int,
+        *,
+        salts: Container[str] | None = None,
+    ) -> tuple[int, list[tuple[ObjectKey, int]]]: ...
+
+    def rows(self) -> list[tuple[ObjectKey, int]]: ...
 
 
 class PinTable:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from typing import Final
+from typing import Final, Protocol
 
 from kvatlas.api.cache_control import DEFAULT_SALT_NAME
 from kvatlas.keys import check_cache_salt
@@ -19,6 +19,28 @@ GB: Final = float(1 << 30)
 def salt_of_path(segment: str) -> str:
     """The cache salt a ``/quota/{cache_salt}`` path names (``ValueError`` for a bad salt)."""
     return "" if segment == DEFAULT_SALT_NAME else check_cache_salt(segment)
+
+
+class Quotas(Protocol):
+    """The quota table's methods: :class:`QuotaTable` in memory, or
+    :class:`~.shared_tables.SharedQuotaTable` in Redis (the Redis transport's replicas)."""
+
+    @property
+    def default_limit_gb(self) -> float | None: ...
+
+    def set_default(self, limit_gb: float | None) -> None: ...
+
+    def set(self, cache_salt: str, limit_gb: float) -> None: ...
+
+    def remove(self, cache_salt: str) -> bool: ...
+
+    def own(self, cache_salt: str) -> float | None: ...
+
+    def effective_gb(self, cache_salt: str) -> float | None: ...
+
+    def over_limit(self, cache_salt: str, used_bytes: int, watermark: float = 1.0) -> bool: ...
+
+    def limits(self) -> dict[str, float]: ...
 
 
 class QuotaTable:

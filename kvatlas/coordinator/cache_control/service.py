@@ -38,8 +38,9 @@ from kvatlas.api.cache_control import (
     TokenFields,
 )
 from kvatlas.coordinator.cache_control.commands import Command, CommandLog
-from kvatlas.coordinator.cache_control.pins import PinTable
-from kvatlas.coordinator.cache_control.quotas import GB, QuotaTable, salt_of_path
+from kvatlas.coordinator.cache_control.pins import Pins, PinTable
+from kvatlas.coordinator.cache_control.quotas import GB, Quotas, QuotaTable, salt_of_path
+from kvatlas.coordinator.cache_control.shared_store import SharedStore
 from kvatlas.errors import InvalidInput, NotFound, Unprocessable
 from kvatlas.keys import (
     ObjectKey,
@@ -81,7 +82,8 @@ class PrefetchOutcome:
 
 
 class CacheControl:
-    """Pins, quotas and commands of one coordinator (all three are in its snapshot)."""
+    """Pins, quotas and commands of one coordinator (all three are in its snapshot), or of
+    every replica of a fleet (``store``: kept in Redis, :mod:`.shared_store`)."""
 
     def __init__(
         self,
@@ -90,17 +92,22 @@ class CacheControl:
         is_instance: Callable[[str], bool],
         usage_by_salt: Callable[[], Mapping[str, int]],
         hash_chunks: Callable[[list[int]], list[bytes]] | None = None,
-        pins: PinTable | None = None,
-        quotas: QuotaTable | None = None,
+        pins: Pins | None = None,
+        quotas: Quotas | None = None,
         commands: CommandLog | None = None,
+        store: SharedStore | None = None,
     ) -> None:
         self.chunk_size = chunk_size
         self.is_instance = is_instance
         self.usage_by_salt = usage_by_salt  # bytes of L2 copies per salt (the directory's)
         self.hash_chunks = hash_chunks or (lambda tokens: chunk_hashes(tokens, chunk_size))
-        self.pins = pins or PinTable()
-        self.quotas = quotas or QuotaTable()
+        self.pins: Pins = pins or PinTable()
+        self.quotas: Quotas = quotas or QuotaTable()
         self.commands = commands or CommandLog()
+        self.store = store
+        """Set when pins, quotas and commands are in Redis (every replica's), not in this
+        process's memory (the tables above are then :mod:`.shared_tables`' and
+        :mod:`.shared_commands`')."""
 
     # ------------------------------------------------------------------ keys
 
@@ -198,10 +205,12 @@ class CacheControl:
     ) -> CoordinatorPrefetchStatus | None:
         """A prefetch this coordinator recorded, or ``None``: not one of its commands (one
         submitted on the instance itself), so the route asks the instance (LMCache's
-        coordinator always does: 502 when the instance does not answer)."""
-        self._require_instance(instance_id)
+        coordinator always does: 502 when the instance does not answer). A recorded prefetch
+        is answered even while its instance is not registered here (with the Redis transport
+        another replica may have recorded it for an instance registered with that one)."""
         command = self.commands.get(request_id)
         if command is None or command.kind != "prefetch" or instance_id not in command.targets:
+            self._require_instance(instance_id)
             return None
         if command.state != "completed":
             return CoordinatorPrefetchStatus("pending")

@@ -3,7 +3,11 @@
 :func:`restore_state` from ``SnapshotInfo.sections``), so a restarted coordinator keeps every
 pin, every quota and every command that had not finished (what was ``sent`` is delivered
 again: :meth:`CommandLog.from_snapshot`). Versioned: a section this code does not know is
-refused, never half-read."""
+refused, never half-read.
+
+With the state shared in Redis (``CacheControl.store``), Redis wins: the section is a copy,
+written with every snapshot, that seeds Redis only if Redis holds no cache-control state when
+the replica first reaches it (:class:`~.shared_store.SharedStore`); otherwise it is ignored."""
 
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ from kvatlas.coordinator.cache_control.commands import CommandLog
 from kvatlas.coordinator.cache_control.pins import PinTable
 from kvatlas.coordinator.cache_control.quotas import QuotaTable
 from kvatlas.coordinator.cache_control.service import CacheControl, wire_key
+from kvatlas.coordinator.cache_control.shared_commands import SharedCommandLog
+from kvatlas.coordinator.cache_control.shared_tables import SharedPinTable
 from kvatlas.errors import InvalidInput
 from kvatlas.keys import ObjectKey, parse_chunk_hash_hex
 
@@ -46,18 +52,24 @@ def encode_state(control: CacheControl) -> bytes:
     )
 
 
+def _decode(data: bytes) -> tuple[_State, list[tuple[ObjectKey, int]]]:
+    state = msgspec.msgpack.decode(data, type=_State)
+    if state.version != _VERSION:
+        raise ValueError(f"cache-control section version {state.version} is not {_VERSION}")
+    pins = [
+        (ObjectKey(parse_chunk_hash_hex(k.chunk_hash_hex), k.model_name, k.kv_rank,
+                   k.object_group_id, k.cache_salt), n)
+        for k, n in state.pins if n > 0
+    ]  # fmt: skip
+    return state, pins
+
+
 def restore_state(control: CacheControl, data: bytes, **command_options: object) -> None:
     """Replace ``control``'s pins, quotas and commands with the section's
     (:class:`~kvatlas.errors.InvalidInput` for a section that does not decode)."""
     try:
-        state = msgspec.msgpack.decode(data, type=_State)
-        if state.version != _VERSION:
-            raise ValueError(f"cache-control section version {state.version} is not {_VERSION}")
-        pins = PinTable(
-            (ObjectKey(parse_chunk_hash_hex(k.chunk_hash_hex), k.model_name, k.kv_rank,
-                       k.object_group_id, k.cache_salt), n)
-            for k, n in state.pins
-        )  # fmt: skip
+        state, rows = _decode(data)
+        pins = PinTable(rows)
         quotas = QuotaTable(state.default_limit_gb, state.limits)
         commands = CommandLog.from_snapshot(state.commands, **command_options)
     except (msgspec.MsgspecError, ValueError) as exc:
@@ -65,12 +77,40 @@ def restore_state(control: CacheControl, data: bytes, **command_options: object)
     control.pins, control.quotas, control.commands = pins, quotas, commands
 
 
+def seed_shared(control: CacheControl, data: bytes) -> None:
+    """Write the section's pins, quotas and commands into the shared store of ``control``
+    (called once, only when Redis holds none: :meth:`SharedStore.ensure`)."""
+    if not isinstance(control.pins, SharedPinTable) or not isinstance(
+        control.commands, SharedCommandLog
+    ):
+        raise TypeError("seed_shared needs the shared tables")
+    try:
+        state, rows = _decode(data)
+    except (msgspec.MsgspecError, ValueError) as exc:
+        log.error("cache-control snapshot section not seeded into Redis: %s", exc)
+        return
+    control.pins.seed(rows)
+    control.quotas.set_default(state.default_limit_gb)
+    for salt, gb in state.limits.items():
+        control.quotas.set(salt, gb)
+    control.commands.seed(state.commands)
+    log.info(
+        "seeded Redis with %d pins, %d quotas and the snapshot's commands",
+        len(rows), len(state.limits),
+    )  # fmt: skip
+
+
 def restore_section(
     control: CacheControl, sections: dict[str, bytes] | None, where: str | Path
 ) -> None:
     """Restore ``control`` from a snapshot's sections, if they hold one; a section that does
-    not decode is logged and left out (the directory stays restored, cache control empty)."""
+    not decode is logged and left out (the directory stays restored, cache control empty).
+    Shared (Redis) state is not replaced: the section becomes the store's ``seed``."""
     if sections is None or SECTION not in sections:
+        return
+    if control.store is not None:  # Redis wins: the section only seeds a Redis holding none
+        section = sections[SECTION]
+        control.store.seed = lambda: seed_shared(control, section)
         return
     try:
         restore_state(control, sections[SECTION])

@@ -8,7 +8,10 @@ every salt, a prefetch this coordinator did not record) needs a token not bound 
 
 A delete or prefetch is a durable command: the route tries one delivery at once and answers as
 LMCache does (502 when the MP server cannot be reached), and the command is retried by the
-delivery loop until it is done (``cache_control/delivery.py``).
+delivery loop until it is done (``cache_control/delivery.py``); a prefetch's 502 carries its
+``request_id`` beside LMCache's ``detail``, so its status can be polled all the same. The
+handlers call cache control in a worker thread: with the Redis transport it reads and writes
+Redis, which must not hold up the event loop.
 """
 
 from __future__ import annotations
@@ -64,12 +67,12 @@ def _command_salts(command: Command) -> set[str]:
 
 async def pin(ctx: Context, call: Call[TokenFields, None]) -> PinReply:
     _may(call.who, call.body.cache_salt)
-    return ctx.service.cache_control.pin(call.body)
+    return await run_in_threadpool(ctx.service.cache_control.pin, call.body)
 
 
 async def unpin(ctx: Context, call: Call[TokenFields, None]) -> PinReply:
     _may(call.who, call.body.cache_salt)
-    return ctx.service.cache_control.unpin(call.body)
+    return await run_in_threadpool(ctx.service.cache_control.unpin, call.body)
 
 
 async def pins(ctx: Context, call: Call[None, PinsQuery]) -> PinsReply:
@@ -78,7 +81,8 @@ async def pins(ctx: Context, call: Call[None, PinsQuery]) -> PinsReply:
         raise Forbidden("pins of every salt: for a token not bound to cache_salts only")
     if q.cache_salt:
         _may(call.who, _path_salt(q.cache_salt))
-    return ctx.service.cache_control.list_pins(q.cache_salt, q.model_name, q.offset, q.limit)
+    control = ctx.service.cache_control
+    return await run_in_threadpool(control.list_pins, q.cache_salt, q.model_name, q.offset, q.limit)
 
 
 async def node_pins(ctx: Context, call: Call[None, NodePinsQuery]) -> PinsReply:
@@ -87,7 +91,8 @@ async def node_pins(ctx: Context, call: Call[None, NodePinsQuery]) -> PinsReply:
     call.who.require_instance(call.params["instance_id"])
     q, who = call.query, call.who
     salts = None if who.sees_everything else who.cache_salts
-    return ctx.service.cache_control.node_pins(salts, q.model_name, q.offset, q.limit)
+    control = ctx.service.cache_control
+    return await run_in_threadpool(control.node_pins, salts, q.model_name, q.offset, q.limit)
 
 
 # ------------------------------------------------------------------ delete, prefetch
@@ -96,7 +101,7 @@ async def node_pins(ctx: Context, call: Call[None, NodePinsQuery]) -> PinsReply:
 async def delete(ctx: Context, call: Call[CoordinatorDeleteBody, None]) -> CoordinatorDeleteReply:
     body, service = call.body, ctx.service
     _may(call.who, body.cache_salt)
-    outcome = service.cache_control.delete(body)
+    outcome = await run_in_threadpool(service.cache_control.delete, body)
     if outcome.command is not None:
         failed = await run_in_threadpool(service.delivery.deliver, outcome.command)
         if failed is not None:  # recorded: the loop retries it
@@ -109,20 +114,24 @@ async def prefetch(
 ) -> CoordinatorPrefetchReply:
     body, service = call.body, ctx.service
     _may(call.who, body.cache_salt)
-    outcome = service.cache_control.prefetch(body)
+    outcome = await run_in_threadpool(service.cache_control.prefetch, body)
     if outcome.command is not None:
         failed = await run_in_threadpool(service.delivery.deliver, outcome.command)
-        if failed is not None:
-            raise BadGateway(f"prefetch submit to {body.instance_id!r} failed: {failed[0]}")
+        if failed is not None:  # LMCache's 502; the command is kept: its id says where to look
+            raise BadGateway(
+                f"prefetch submit to {body.instance_id!r} failed: {failed[0]}",
+                request_id=outcome.command.command_id,
+            )
     return outcome.reply
 
 
 async def prefetch_status(ctx: Context, call: Call[None, None]) -> CoordinatorPrefetchStatus:
     instance_id, request_id = call.params["instance_id"], call.params["request_id"]
     service = ctx.service
-    status = service.cache_control.prefetch_status(instance_id, request_id)
+    control = service.cache_control
+    status = await run_in_threadpool(control.prefetch_status, instance_id, request_id)
     if status is not None:
-        command = service.cache_control.commands.get(request_id)
+        command = await run_in_threadpool(control.commands.get, request_id)
         _may(call.who, *(_command_salts(command) if command else ()))
         return status
     if not call.who.sees_everything:
@@ -151,15 +160,15 @@ async def prefetch_status(ctx: Context, call: Call[None, None]) -> CoordinatorPr
 
 async def move(ctx: Context, call: Call[MoveBody, None]) -> MoveReply:
     _may(call.who, call.body.cache_salt)
-    reply, _command = ctx.service.cache_control.move(call.body)
+    reply, _command = await run_in_threadpool(ctx.service.cache_control.move, call.body)
     return reply
 
 
 async def move_status(ctx: Context, call: Call[None, None]) -> MoveStatus:
     control = ctx.service.cache_control
     move_id = call.params["move_id"]
-    status = control.move_status(move_id)
-    command = control.commands.get(move_id)
+    status = await run_in_threadpool(control.move_status, move_id)
+    command = await run_in_threadpool(control.commands.get, move_id)
     _may(call.who, *(_command_salts(command) if command else ()))
     return status
 
@@ -168,23 +177,23 @@ async def move_status(ctx: Context, call: Call[None, None]) -> MoveStatus:
 
 
 async def quota_config(ctx: Context, call: Call[None, None]) -> QuotaConfig:
-    return ctx.service.cache_control.quota_config()
+    return await run_in_threadpool(ctx.service.cache_control.quota_config)
 
 
 async def set_quota_config(ctx: Context, call: Call[QuotaConfig, None]) -> QuotaConfig:
-    return ctx.service.cache_control.set_quota_config(call.body)
+    return await run_in_threadpool(ctx.service.cache_control.set_quota_config, call.body)
 
 
 async def set_quota(ctx: Context, call: Call[QuotaSetBody, None]) -> QuotaSetReply:
     segment = call.params["cache_salt"]
     _may(call.who, _path_salt(segment))
-    return ctx.service.cache_control.set_quota(segment, call.body)
+    return await run_in_threadpool(ctx.service.cache_control.set_quota, segment, call.body)
 
 
 async def remove_quota(ctx: Context, call: Call[None, None]) -> QuotaSetReply:
     segment = call.params["cache_salt"]
     _may(call.who, _path_salt(segment))
-    return ctx.service.cache_control.remove_quota(segment)
+    return await run_in_threadpool(ctx.service.cache_control.remove_quota, segment)
 
 
 async def quota(ctx: Context, call: Call[None, None]) -> QuotaStatus:

@@ -26,7 +26,8 @@ async def register(ctx: Context, call: Call[RegisterRequest, None]) -> Registere
     refuse_engine_ids([asked] if asked else [], service.kv_events.is_engine)
     salts = None if who.is_admin else who.cache_salts
     instance_id, again = service.instances.register(asked, fields, salts)
-    service.delivery.instance_back(instance_id)  # its pending cache-control commands: now
+    # its pending cache-control commands: now (in a worker thread: they may be in Redis)
+    await run_in_threadpool(service.delivery.instance_back, instance_id)
     return registered_to_wire(instance_id, again)
 
 

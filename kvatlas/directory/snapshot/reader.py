@@ -25,7 +25,7 @@ import numpy.typing as npt
 from kvatlas.directory.blend import AddColumns
 from kvatlas.directory.blend.kernels.planes import FORM_PLANES, FORM_U16, FORM_U32, MAX_HIGH_BITS
 from kvatlas.directory.capture import DirectoryState, Restored
-from kvatlas.directory.chunk_counts import PARTS, ChunkCounts, Partition
+from kvatlas.directory.chunk_counts import L2_TIER, PARTS, ChunkCounts, Partition
 from kvatlas.directory.gate import EmitterCursor, GapRecord
 from kvatlas.directory.key_directory import KeyDirectory
 from kvatlas.directory.records import (
@@ -106,7 +106,7 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
                 adds = _index_adds(columns, indexable, marks, tokens, hashes, sids, table)
             parts = _build(header, columns, tokens, hashes, sids, marks)
             del tokens
-            counts = _counts(header, columns, hashes)
+            counts = _counts(header, columns, hashes, sids)
             state = DirectoryState(header.chunk_size, _cursors(header), _capacities(header))
         finally:  # nothing reads a content before the whole section is in
             if reading is not None:
@@ -348,10 +348,13 @@ def _capacities(header: Header) -> dict[str, CapacityDeclaration]:
     }
 
 
-def _counts(header: Header, cols: _Columns, hashes: list[bytes]) -> ChunkCounts:
+def _counts(
+    header: Header, cols: _Columns, hashes: list[bytes], sids: npt.NDArray[np.int64]
+) -> ChunkCounts:
     """:class:`ChunkCounts` computed column-wise (no pass over the records): first how many
     keys reference each placement row (rows are shared: one per batch and size, so there are
-    few), then everything per row; the L1 sets hold the same hash objects as the partitions."""
+    few), then everything per row; the L1 sets hold the same hash objects as the partitions.
+    ``sids``: each key's interned shape id."""
     strings = header.strings
     tier = decode_column(header, "pl_tier").astype(np.int64)
     size = decode_column(header, "pl_size").astype(np.int64)
@@ -393,6 +396,13 @@ def _counts(header: Header, cols: _Columns, hashes: list[bytes]) -> ChunkCounts:
         name = (None if o == 0 else strings[o - 1], TIERS[t], strings[b])
         module_placements[name] = placements[k]
         module_bytes[name] = n_bytes
+    # L2 bytes per key shape: each reference's key's shape, over the L2 references
+    l2_by_shape: Counter[int] = Counter()
+    l2_refs = tier[refs] == TIERS.index(L2_TIER)
+    if bool(l2_refs.any()):
+        ref_key = np.repeat(np.arange(len(sids)), cols.key_pl_counts)
+        for sid, n_bytes in _sums(sids[ref_key[l2_refs]], size[refs[l2_refs]]):
+            l2_by_shape[sid] = n_bytes
     return ChunkCounts(
         len(cols.key_shapes),
         len(refs),
@@ -401,6 +411,7 @@ def _counts(header: Header, cols: _Columns, hashes: list[bytes]) -> ChunkCounts:
         l1_chunks,
         module_placements,
         module_bytes,
+        l2_bytes_by_shape=l2_by_shape,
     )
 
 

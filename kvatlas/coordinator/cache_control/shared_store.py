@@ -1,0 +1,237 @@
+"""Cache control kept in Redis, shared by every coordinator replica on one event stream: Redis is
+the one source of truth for pins, quotas and commands when the Redis transport is configured,
+and a replica keeps none of them in its memory between two requests.
+
+Keys, all under ``<event stream>:cache:`` (so one ACL key pattern covers them,
+``deploy/redis/users.acl``); each change is one Lua script, so it is atomic across replicas:
+
+- ``pins`` (hash: packed key → count), ``pins:order`` (sorted set: packed key → the sequence
+  number it was first pinned at, for LMCache's first-pinned order), ``meta`` (hash:
+  ``pin_seq``, ``pins_version``: one more at every change, so a replica re-reads the pins only
+  when they changed; ``default_limit_gb``, ``seeded``), ``quotas`` (hash: salt → limit in GB);
+- ``commands`` (hash: id → the command record, msgpack of
+  :class:`~.commands.Command`, whatever fields it has), ``commands:meta`` (hash: id →
+  ``kind/state/revision``), ``commands:open`` (hash: id → revision, unfinished commands only),
+  ``commands:counts`` (hash: ``kind/state`` → count), ``commands:done`` (sorted set: id → the
+  time it finished, for pruning);
+- ``lease:<command id>`` and ``lease:eviction`` (strings with an expiry: the replica working on
+  a command, the one running fleet eviction passes).
+
+**Snapshot**: Redis wins. A replica's snapshot still carries a copy of the shared state (its
+``cache_control`` section), which seeds Redis only when Redis holds no cache-control state at
+all (``meta.seeded`` absent: the first start on Redis, or a Redis that lost its data) — once,
+by the first replica with a snapshot that reaches Redis (:meth:`SharedStore.ensure`); any
+change marks Redis as holding state, so a snapshot never overrides what the fleet did.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, Final
+
+from kvatlas.errors import Unavailable
+from kvatlas.redis_clients import redis_client
+
+log = logging.getLogger(__name__)
+
+PIN_SCRIPT: Final = """
+-- KEYS: pins, pins:order, meta; ARGV: packed keys
+for i, f in ipairs(ARGV) do
+  if redis.call('HINCRBY', KEYS[1], f, 1) == 1 then
+    redis.call('ZADD', KEYS[2], redis.call('HINCRBY', KEYS[3], 'pin_seq', 1), f)
+  end
+end
+return redis.call('HINCRBY', KEYS[3], 'pins_version', 1)
+"""
+UNPIN_SCRIPT: Final = """
+-- KEYS: pins, pins:order, meta; ARGV: packed keys
+for i, f in ipairs(ARGV) do
+  if redis.call('HEXISTS', KEYS[1], f) == 1 and redis.call('HINCRBY', KEYS[1], f, -1) <= 0 then
+    redis.call('HDEL', KEYS[1], f)
+    redis.call('ZREM', KEYS[2], f)
+  end
+end
+return redis.call('HINCRBY', KEYS[3], 'pins_version', 1)
+"""
+RECORD_SCRIPT: Final = """
+-- KEYS: commands, commands:meta, commands:open, commands:counts, commands:done
+-- ARGV: id, kind, state, record, finished (0/1), finished at, expected revision ('': any)
+local id, finished = ARGV[1], ARGV[5] == '1'
+local rev = 0
+local m = redis.call('HGET', KEYS[2], id)
+if m then
+  local kind, state, r = string.match(m, '^([^/]*)/([^/]*)/(%d+)$')
+  rev = tonumber(r)
+  if ARGV[7] ~= '' and tonumber(ARGV[7]) ~= rev then return -1 end
+  if (state == 'completed' or state == 'failed') and not finished then return -2 end
+  redis.call('HINCRBY', KEYS[4], kind .. '/' .. state, -1)
+elseif ARGV[7] ~= '' and ARGV[7] ~= '0' then
+  return -1
+end
+rev = rev + 1
+local label = ARGV[2] .. '/' .. ARGV[3]
+redis.call('HSET', KEYS[2], id, label .. '/' .. rev)
+redis.call('HINCRBY', KEYS[4], label, 1)
+redis.call('HSET', KEYS[1], id, ARGV[4])
+if finished then
+  redis.call('HDEL', KEYS[3], id)
+  redis.call('ZADD', KEYS[5], ARGV[6], id)
+else
+  redis.call('HSET', KEYS[3], id, rev)
+end
+return rev
+"""
+PRUNE_SCRIPT: Final = """
+-- KEYS as RECORD_SCRIPT's; ARGV: cutoff, most to drop
+local ids = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
+for i, id in ipairs(ids) do
+  local m = redis.call('HGET', KEYS[2], id)
+  if m then
+    redis.call('HINCRBY', KEYS[4], string.match(m, '^([^/]*/[^/]*)/'), -1)
+  end
+  redis.call('HDEL', KEYS[2], id)
+  redis.call('HDEL', KEYS[1], id)
+  redis.call('ZREM', KEYS[5], id)
+end
+return #ids
+"""
+CLAIM_SCRIPT: Final = """
+-- KEYS: leases; ARGV: owner, lease in ms. Returns the 1-based indexes now held by owner.
+local held = {}
+for i, k in ipairs(KEYS) do
+  local v = redis.call('GET', k)
+  if not v then
+    redis.call('SET', k, ARGV[1], 'PX', ARGV[2])
+    held[#held + 1] = i
+  elseif v == ARGV[1] then
+    redis.call('PEXPIRE', k, ARGV[2])
+    held[#held + 1] = i
+  end
+end
+return held
+"""
+RELEASE_SCRIPT: Final = """
+-- KEYS: leases; ARGV: owner. Frees those the owner holds.
+for i, k in ipairs(KEYS) do
+  if redis.call('GET', k) == ARGV[1] then redis.call('DEL', k) end
+end
+return 0
+"""
+SCRIPTS: Final = {
+    "pin": PIN_SCRIPT,
+    "unpin": UNPIN_SCRIPT,
+    "record": RECORD_SCRIPT,
+    "prune": PRUNE_SCRIPT,
+    "claim": CLAIM_SCRIPT,
+    "release": RELEASE_SCRIPT,
+}
+
+
+class SharedStore:
+    """The Redis client, key names and scripts of one fleet's shared cache-control state.
+
+    Every Redis error surfaces as :class:`~kvatlas.errors.Unavailable` (a route answers 503,
+    the delivery loop tries again at its next pass). :meth:`ensure` runs before the first
+    operation (and from :meth:`ensure_when_reachable` at start-up): it seeds an empty Redis
+    with ``seed`` (the snapshot's section, when the replica restored one)."""
+
+    def __init__(self, client: Any, stream: str, owner: str) -> None:
+        import redis
+
+        self._errors = redis.RedisError
+        self.client = client
+        self.prefix = f"{stream}:cache:"
+        self.owner = owner  # this process's name on leases (replica id, pid, random)
+        self.seed: Callable[[], None] | None = None
+        """Writes a snapshot's state into a Redis that holds none (set by the restore)."""
+        self._ensured = False
+        self._ensure_lock = threading.Lock()
+        self._scripts = {name: client.register_script(text) for name, text in SCRIPTS.items()}
+
+    @classmethod
+    def connect(cls, redis_url: str, stream: str, owner: str) -> SharedStore:
+        return cls(redis_client(redis_url, socket_timeout=5), stream, owner)
+
+    def key(self, name: str) -> str:
+        return self.prefix + name
+
+    @property
+    def command_keys(self) -> list[str]:
+        return [self.key(n) for n in ("commands", "commands:meta", "commands:open",
+                                      "commands:counts", "commands:done")]  # fmt: skip
+
+    def call(self, command: str, *args: Any, write: bool = False, **kwargs: Any) -> Any:
+        """One Redis command (after :meth:`ensure`)."""
+        self.ensure(write=write)
+        return self._raw(command, *args, **kwargs)
+
+    def script(self, name: str, keys: list[str], args: list[Any], *, write: bool = True) -> Any:
+        """One of :data:`SCRIPTS` (``write``: it changes pins, quotas or commands)."""
+        self.ensure(write=write)
+        try:
+            return self._scripts[name](keys=keys, args=args)
+        except self._errors as exc:
+            raise Unavailable(f"cache-control store (redis {name} script): {exc}") from exc
+
+    def transaction(self, build: Callable[[Any], object], *, write: bool = False) -> list[Any]:
+        """The replies of the commands ``build`` queues on a MULTI/EXEC pipeline: one
+        consistent read of several keys (or one atomic write)."""
+        self.ensure(write=write)
+        try:
+            pipe = self.client.pipeline(transaction=True)
+            build(pipe)
+            replies: list[Any] = pipe.execute()
+        except self._errors as exc:
+            raise Unavailable(f"cache-control store (redis transaction): {exc}") from exc
+        return replies
+
+    def ensure(self, *, write: bool = False) -> None:
+        """Before a change (``write``), mark Redis as holding this fleet's cache-control state;
+        a replica that restored a snapshot does it at once, and if Redis held no state yet it
+        seeds it first (``seed``). Reads and leases mark nothing (a replica that only reads
+        cannot stop another's snapshot from seeding an empty Redis). At most once per process
+        once done; raises :class:`Unavailable` while Redis is away."""
+        if self._ensured or (self.seed is None and not write):
+            return
+        with self._ensure_lock:
+            if self._ensured:
+                return
+            first = bool(self._raw("hsetnx", self.key("meta"), "seeded", self.owner))
+            if first and self.seed is not None:
+                log.info("cache control: Redis held none; seeding it from the snapshot")
+                self._ensured = True  # the seed's own calls go through
+                try:
+                    self.seed()
+                except BaseException:
+                    self._ensured = False
+                    self._raw("hdel", self.key("meta"), "seeded")
+                    raise
+            elif self.seed is not None:
+                log.info(
+                    "cache control: Redis holds the fleet's state; the snapshot's is not applied"
+                )
+            self._ensured = True
+
+    def ensure_when_reachable(self, stop: threading.Event) -> None:
+        """:meth:`ensure` for a replica that restored a snapshot (nothing to do otherwise),
+        retried with backoff while Redis is away, until done or ``stop``."""
+        if self.seed is None:
+            return
+        from kvatlas.backoff import Backoff
+
+        backoff = Backoff(0.1, 2.0)
+        while not stop.is_set():
+            try:
+                self.ensure(write=True)
+                return
+            except Unavailable as exc:
+                log.debug("cache-control store not reached yet: %s", exc)
+                stop.wait(backoff.next_wait())
+
+    def _raw(self, command: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return getattr(self.client, command)(*args, **kwargs)
+        except self._errors as exc:
+            raise Unavailable(f"cache-control store (redis {command}): {exc}") from exc
