@@ -35,8 +35,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
+from kvatlas.coordinator.kv_events.batch_checks import BadBatch
 from kvatlas.coordinator.kv_events.changes import Cleared
-from kvatlas.coordinator.kv_events.rekey import BadBatch, Rekeyer
+from kvatlas.coordinator.kv_events.rekey import Rekeyer
 from kvatlas.coordinator.kv_events.settings import (
     LinkSpec,
     SubscriberSettings,
