@@ -26,7 +26,8 @@ from kvatlas.bench.kv_events_stall import (
 )
 from kvatlas.coordinator.config import parse_config
 from kvatlas.coordinator.kv_events import KvEventsSubscriber, LinkSpec, SubscriberSettings
-from kvatlas.coordinator.kv_events.rekey import SLICE_ENTRIES, BadBatch
+from kvatlas.coordinator.kv_events.batch_checks import BadBatch
+from kvatlas.coordinator.kv_events.rekey import SLICE_ENTRIES
 from kvatlas.coordinator.server import free_port
 from kvatlas.events import EventBatch
 from kvatlas.events.vllm_wire import (

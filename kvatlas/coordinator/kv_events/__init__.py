@@ -4,13 +4,13 @@ for routers (:class:`KvEventsPublisher`). Loads pyzmq only when a socket opens. 
 docs/kv-events.md.
 """
 
+from kvatlas.coordinator.kv_events.batch_checks import BadBatch
 from kvatlas.coordinator.kv_events.changes import Cleared
 from kvatlas.coordinator.kv_events.publisher import KvEventsPublisher, node_topic
 from kvatlas.coordinator.kv_events.rekey import (
     CPU_TIER,
     ENGINE_BACKEND,
     GPU_TIER,
-    BadBatch,
     Rekeyer,
     engine_tier,
 )

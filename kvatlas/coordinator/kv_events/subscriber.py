@@ -1,19 +1,20 @@
 """In: vLLM engines' KV events, subscribed over ZMQ and applied to the directory.
 
-One thread polls a SUB socket per endpoint: connected (``--kv-events-subscribe``, to a vLLM
-publisher that binds) or bound (``--kv-events-bind``, for a vLLM publisher that connects). An
-endpoint speaks for the engine the operator named for it (``ENGINE=ENDPOINT``; its topics may
-then be vLLM's default empty one) or, unnamed, for the engines its topics name, at most
-``--kv-events-max-engines-per-endpoint``; a topic naming a registered node, another endpoint's
-engine or one engine too many is refused and counted. Each message is checked (three frames,
-topic, seq, payload), decoded (:mod:`kvatlas.events.vllm_wire`), re-keyed (:mod:`.rekey`) and
-applied through the same calls as HTTP and Redis batches: the service's ``ingest`` and the
-directory's fence for ``AllBlocksCleared``. Seqs are followed per endpoint and topic. A seq jump
-is a gap: with a replay endpoint (``--kv-events-replay``, same position in the list) the missing
-batches are asked for (DEALER → the engine's ROUTER; vLLM's reply frames ``topic, seq, payload``
-or the older ``seq, payload``) and applied first; what stays missing shows as a gap of the
-engine's instance at the gate (``GET /instances``). A seq going back is an engine restart (a
-new incarnation). Bad input is counted and logged, never raised; a bad batch changes nothing.
+One thread polls a SUB socket per endpoint (:mod:`.endpoints`): connected
+(``--kv-events-subscribe``, to a vLLM publisher that binds) or bound (``--kv-events-bind``, for
+a vLLM publisher that connects). An endpoint speaks for the engine the operator named for it
+(``ENGINE=ENDPOINT``; its topics may then be vLLM's default empty one) or, unnamed, for the
+engines its topics name, at most ``--kv-events-max-engines-per-endpoint``; a topic naming a
+registered node, another endpoint's engine or one engine too many is refused and counted. Each
+message is checked (three frames, topic, seq, payload), decoded
+(:mod:`kvatlas.events.vllm_wire`), re-keyed (:mod:`.rekey`) and applied through the same calls
+as HTTP and Redis batches: the service's ``ingest`` and the directory's fence for
+``AllBlocksCleared``. Seqs are followed per endpoint and topic. A seq jump is a gap: with a
+replay endpoint (``--kv-events-replay``, same position in the list) the missing batches are
+asked for (DEALER → the engine's ROUTER; vLLM's reply frames ``topic, seq, payload`` or the
+older ``seq, payload``) and applied first; what stays missing shows as a gap of the engine's
+instance at the gate (``GET /instances``). A seq going back is an engine restart (a new
+incarnation). Bad input is counted and logged, never raised; a bad batch changes nothing.
 
 No message costs other threads more than a bounded pause: every socket that receives from
 outside refuses a frame above ``--kv-events-max-message-bytes`` (ZMQ drops that peer's
@@ -26,19 +27,18 @@ a gap of the engine at the gate, never a silent loss. See docs/kv-events.md.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import Final
 
+from kvatlas.coordinator.kv_events.batch_checks import BadBatch
 from kvatlas.coordinator.kv_events.changes import Cleared
-from kvatlas.coordinator.kv_events.rekey import BadBatch, Rekeyer
+from kvatlas.coordinator.kv_events.endpoints import Endpoints, Link
+from kvatlas.coordinator.kv_events.rekey import Rekeyer
 from kvatlas.coordinator.kv_events.settings import (
-    LinkSpec,
     SubscriberSettings,
     engine_instance,
     engine_of,
@@ -57,9 +57,6 @@ from kvatlas.events.vllm_wire import (
 )
 from kvatlas.keys import KeyScheme, check_instance_id, check_model_name
 
-if TYPE_CHECKING:
-    import zmq
-
 log = logging.getLogger(__name__)
 
 MAX_DP_RANK: Final = 1 << 16
@@ -68,21 +65,6 @@ SLICE_PAUSE_S: Final = 0.0005
 lock is not handed over; released and taken again at once, it would rarely change hands)."""
 Ingest = Callable[[Sequence[EventBatch]], object]
 Clear = Callable[[str], int]
-
-
-@dataclass(slots=True)
-class _Link:
-    """One endpoint: its settings, the engines it spoke for and where each topic's seq stands."""
-
-    spec: LinkSpec
-    seqs: dict[str, int] = field(default_factory=dict)  # topic -> last seq
-    instances: set[str] = field(default_factory=set)  # the engines it speaks for
-    dealer: Any = None  # the replay socket, opened on first use
-    replay_after: float = 0.0  # monotonic time before which no replay is asked (after a failure)
-
-    @property
-    def endpoint(self) -> str:
-        return self.spec.endpoint
 
 
 class KvEventsSubscriber:
@@ -102,7 +84,7 @@ class KvEventsSubscriber:
         self._clear = clear
         self._stop = stop
         self._is_node = is_node
-        self._links = [_Link(spec) for spec in settings.links]
+        self._links = [Link(spec) for spec in settings.links]
         self._owners: dict[str, str] = {}  # engine instance -> the endpoint that speaks for it
         self._named = {spec.engine: spec.endpoint for spec in settings.links if spec.engine}
         self.counts: Counter[str] = zeroed(SubscriberStats)
@@ -111,10 +93,7 @@ class KvEventsSubscriber:
         engine still serves) or that the snapshot restored, until the directory forgets it
         (:meth:`forget_engines`); replaced, never mutated, so other threads may read it."""
         self._engines_lock = threading.Lock()  # (writers: this thread, the sweep, the restore)
-        self._ctx: zmq.Context[Any] | None = None
-        self._poller: zmq.Poller | None = None
-        self._socks: dict[Any, _Link] = {}
-        self._monitors: dict[Any, tuple[Any, _Link]] = {}  # monitor -> (its socket, link)
+        self._endpoints = Endpoints(settings, self._links, self.counts)
 
     def restore_engines(self, engines: frozenset[str]) -> None:
         """Engines a snapshot knew (their cursors restored with it): engines again at once,
@@ -148,93 +127,12 @@ class KvEventsSubscriber:
     def open(self) -> None:
         """Create the SUB sockets and connect them (a bad endpoint raises ``zmq.ZMQError``
         here, at start-up, not later in the thread)."""
-        import zmq
-
-        self._ctx = ctx = zmq.Context()
-        self._poller = poller = zmq.Poller()
-        try:
-            for link in self._links:
-                sock = ctx.socket(zmq.SUB)
-                self._socks[sock] = link
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.MAXMSGSIZE, self.settings.message_limit_bytes)
-                # ZMQ drops a peer whose frame is above the limit: seen here as a disconnect
-                monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-                self._monitors[monitor] = (sock, link)
-                poller.register(monitor, zmq.POLLIN)
-                # a named endpoint also takes vLLM's default topic, the empty one
-                wanted = "" if link.spec.engine else self.settings.topic_prefix
-                sock.setsockopt(zmq.SUBSCRIBE, wanted.encode())
-                if link.spec.bind:
-                    sock.bind(link.endpoint)
-                else:
-                    sock.connect(link.endpoint)
-                poller.register(sock, zmq.POLLIN)
-        except zmq.ZMQError:
-            self._close()
-            raise
+        self._endpoints.open()
 
     def run(self) -> None:
-        import zmq
+        self._endpoints.run(self._stop, self.handle)
 
-        if self._ctx is None:
-            self.open()
-        poller, socks = self._poller, self._socks
-        assert poller is not None
-        try:
-            while not self._stop.is_set():
-                for sock, _ in poller.poll(100):
-                    if sock in self._monitors:
-                        self._disconnected(sock)
-                        continue
-                    for _ in range(1000):  # bounded: every socket gets its turn
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self.handle(socks[sock], frames)
-        finally:
-            self._close()
-
-    def _disconnected(self, monitor: Any) -> None:
-        """A peer's connection closed: it went away, or ZMQ dropped it (a frame above the
-        limit, another protocol error). ZMQ reconnects after the first, never after the others:
-        a connected endpoint is connected again here, whatever the cause."""
-        import zmq
-        from zmq.utils.monitor import recv_monitor_message
-
-        sock, link = self._monitors[monitor]
-        while monitor.poll(0):
-            event = recv_monitor_message(monitor)
-            if event["event"] != zmq.EVENT_DISCONNECTED:
-                continue
-            self.counts["disconnects"] += 1
-            n = self.counts["disconnects"]
-            if n <= 10 or n & (n - 1) == 0:
-                log.warning("kv events: a publisher on %s disconnected (#%d; one cause: a frame "
-                            "above --kv-events-max-message-bytes %d)", link.endpoint, n,
-                            self.settings.message_limit_bytes)  # fmt: skip
-            if not link.spec.bind:
-                with contextlib.suppress(zmq.ZMQError):  # (already gone)
-                    sock.disconnect(link.endpoint)
-                sock.connect(link.endpoint)
-
-    def _close(self) -> None:
-        for link in self._links:
-            if link.dealer is not None:
-                link.dealer.close(0)
-                link.dealer = None
-        for monitor, (sock, _) in self._monitors.items():
-            sock.disable_monitor()
-            monitor.close(0)
-        self._monitors.clear()
-        for sock in self._socks:
-            sock.close(0)
-        self._socks.clear()
-        if self._ctx is not None:
-            self._ctx.term()
-
-    def handle(self, link: _Link, frames: Sequence[bytes]) -> None:
+    def handle(self, link: Link, frames: Sequence[bytes]) -> None:
         """One live message; never raises (a bug is counted as ``errors`` and logged)."""
         try:
             if len(frames) != 3:
@@ -252,7 +150,7 @@ class KvEventsSubscriber:
             self.counts["errors"] += 1
             log.exception("kv events: unexpected error on a message from %s", link.endpoint)
 
-    def _message(self, link: _Link, topic: str, seq: int, payload: bytes, *, live: bool) -> None:
+    def _message(self, link: Link, topic: str, seq: int, payload: bytes, *, live: bool) -> None:
         last = link.seqs.get(topic)
         if last is not None and seq == last:
             self.counts["duplicates"] += 1
@@ -290,7 +188,7 @@ class KvEventsSubscriber:
         link.seqs[topic] = seq
         self.apply(instance, model, batch)
 
-    def _emitter(self, link: _Link, topic: str) -> tuple[str, str | None]:
+    def _emitter(self, link: Link, topic: str) -> tuple[str, str | None]:
         """The engine and model a topic names on this endpoint (``""``: none)."""
         named = link.spec.engine
         if named is not None and topic == "":
@@ -299,7 +197,7 @@ class KvEventsSubscriber:
             return "", None
         return split_topic(topic)
 
-    def _parse(self, link: _Link, topic: str, payload: bytes) -> tuple[str, str, SplitBatch] | None:
+    def _parse(self, link: Link, topic: str, payload: bytes) -> tuple[str, str, SplitBatch] | None:
         emitter, model = self._emitter(link, topic)
         model = model or self.settings.default_model
         try:
@@ -327,7 +225,7 @@ class KvEventsSubscriber:
         instance = engine_instance(emitter, rank)
         return (instance, model, split) if self._may_speak(link, instance) else None
 
-    def _may_speak(self, link: _Link, instance: str) -> bool:
+    def _may_speak(self, link: Link, instance: str) -> bool:
         """Whether this endpoint may speak for engine ``instance``: not a registered node, not
         another endpoint's engine, not one engine more than its cap (counted when refused)."""
         if instance in link.instances:
@@ -416,18 +314,10 @@ class KvEventsSubscriber:
 
     # ------------------------------------------------------------------ replay
 
-    def _replay(self, link: _Link, topic: str, start: int, end: int) -> None:
+    def _replay(self, link: Link, topic: str, start: int, end: int) -> None:
         """Ask the publisher's replay socket for ``start``..``end - 1`` and apply them."""
-        import zmq
-
         replay = link.spec.replay
-        assert self._ctx is not None and replay is not None
-        if link.dealer is None:
-            link.dealer = self._ctx.socket(zmq.DEALER)
-            link.dealer.setsockopt(zmq.LINGER, 0)
-            link.dealer.setsockopt(zmq.MAXMSGSIZE, self.settings.message_limit_bytes)
-            link.dealer.connect(replay)
-        dealer = link.dealer
+        dealer = self._endpoints.dealer(link)
         dealer.send_multipart([b"", pack_seq(start)])
         timeout_ms = int(self.settings.replay_timeout * 1000)
         while dealer.poll(timeout_ms):
@@ -459,6 +349,5 @@ class KvEventsSubscriber:
         self.counts["replay_failures"] += 1
         log.warning("kv events: replay from %s timed out; gaps stay gaps for %.0f s",
                     replay, self.settings.replay_backoff)  # fmt: skip
-        dealer.close(0)
-        link.dealer = None
+        self._endpoints.drop_dealer(link)
         link.replay_after = time.monotonic() + self.settings.replay_backoff
