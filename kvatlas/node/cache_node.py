@@ -65,13 +65,7 @@ from kvatlas.node.metrics import NodeTimings, hit_tokens
 from kvatlas.node.moves import MoveTarget
 from kvatlas.node.pins import PinnedKeys
 from kvatlas.node.presence import Presence, Tier
-from kvatlas.node.results import (
-    BlendRetrieval,
-    Deleted,
-    HeldPlacement,
-    NodeStats,
-    Retrieved,
-)
+from kvatlas.node.results import BlendRetrieval, Deleted, HeldPlacement, NodeStats, Retrieved
 from kvatlas.node.segments import Segment
 from kvatlas.node.stored_chunk import StoredChunk
 from kvatlas.node.tier_writes import TierWrites
@@ -409,6 +403,7 @@ class CacheNode:
             self.emitter.close()
         if self.l2 is not None:
             self.l2.close()
+
 
 __all__ = [
     "BlendRetrieval",
