@@ -200,7 +200,7 @@ def run_coordinator(config: CoordinatorConfig, mp_servers: MpServers | None = No
     freeze_long_lived()
     COLLECTIONS.reset()  # from here on: the pauses requests can see
     growth = GrowthFreeze(service.directory.key_count)
-    service.after_snapshot = lambda info: growth.after_snapshot(info.keys)
+    service.snapshots.after = lambda info: growth.after_snapshot(info.keys)
     try:
         options = uvicorn_log_options(config.log_level, config.access_log)
         serve(

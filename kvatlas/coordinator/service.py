@@ -18,10 +18,8 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
-from kvatlas.coordinator.cache_control import SECTION, encode_state, restore_section
 from kvatlas.coordinator.cache_control.delivery import MpServers
 from kvatlas.coordinator.cache_control.eviction import EvictionPolicy
 from kvatlas.coordinator.cache_control.fleet import cache_control_of
@@ -34,6 +32,7 @@ from kvatlas.coordinator.kv_events.links import KvEventsLinks
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.readiness import ReadinessTracker
 from kvatlas.coordinator.retention import StreamRetention
+from kvatlas.coordinator.snapshots import Snapshots
 from kvatlas.coordinator.status import StatusSource
 from kvatlas.coordinator.stream_auth import entry_principal
 from kvatlas.coordinator.views import (
@@ -50,16 +49,13 @@ from kvatlas.directory import (
     KeyDirectory,
     KeyFilter,
     KeyPage,
-    SnapshotError,
     SnapshotInfo,
     TokenLookup,
-    load_snapshot,
     page_keys,
     prefix_summary,
-    save_snapshot,
     warm_up_kernels,
 )
-from kvatlas.errors import Conflict, Unavailable, Unprocessable
+from kvatlas.errors import Conflict, Unprocessable
 from kvatlas.events import ColumnBatch, EventBatch
 from kvatlas.events.inventory import Digest, differing
 from kvatlas.keys import MM_BYPASS_GUARD, ObjectKey
@@ -104,13 +100,8 @@ class CoordinatorService:
             self.instances, config.instance_timeout, clock, self._behind_trim
         )
         self._restored = False  # a snapshot was restored
-        self._retention: StreamRetention | None = None
         self.stream_position: str | None = None
         self._restored_position: str | None = None
-        self.last_snapshot: SnapshotInfo | None = None
-        self._snapshot_lock = threading.Lock()
-        self.after_snapshot: Callable[[SnapshotInfo], object] | None = None
-        """Called with each snapshot written (the CLI's process: ``runtime.GrowthFreeze``)."""
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.status = StatusSource(self)  # the status page, node reports, operator series
@@ -123,18 +114,24 @@ class CoordinatorService:
             EvictionPolicy(config.eviction_policy), shared_store(config),
             config.cache_command_lease_s,
         )  # fmt: skip
-        self._cache_control_section: bytes | None = None  # the last one written
         engines = functools.partial(self.ingest, engine=True)  # they cannot register
         self.kv_events = self.ingestion.kv_events = KvEventsLinks.from_config(
             config, self.directory, engines, self._stop, is_node=self.instances.known,
             bound_salts=None if self.auth is None else self.auth.bound_salts(),
+        )  # fmt: skip
+        self.snapshots = Snapshots(
+            config, self.directory, self.instances, self.cache_control, self.kv_events,
+            self.metrics, clock, lambda: self.stream_position, lambda: self.state,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
         warm_up_kernels()
-        self.restore()
+        restored = self.snapshots.restore()
+        if restored is not None:
+            self._restored = True
+            self.stream_position = self._restored_position = restored.stream_position
         self.instances.expire()  # restored instances silent for too long: fenced, not ghosts
         self._spawn("instance-sweeper", self._sweep_loop)
         self._spawn("cache-control", functools.partial(self.delivery.run, self._stop))
@@ -146,12 +143,12 @@ class CoordinatorService:
         for name, run in self.kv_events.start():
             self._spawn(name, run)
         if self.config.snapshot_path is not None:
-            self._spawn("snapshotter", self._snapshot_loop)
+            self._spawn("snapshotter", functools.partial(self.snapshots.run, self._stop))
         if self.config.event_transport == "redis":
             from kvatlas.coordinator.stream_consumer import StreamConsumer
 
             # The replica's key in the retention registry: its consumer group (one per replica).
-            self._retention = StreamRetention.connect(
+            retention = self.snapshots.retention = StreamRetention.connect(
                 self.config.redis_url or "", self.config.event_stream, self.config.group_name
             )
             self.readiness.set(Readiness.CATCHING_UP)
@@ -171,7 +168,7 @@ class CoordinatorService:
             self._spawn("stream-consumer", consumer.run)
             if self.config.snapshot_path is not None:  # what this replica restored
                 register = functools.partial(
-                    self._retention.register_when_reachable, self._restored_position, self._stop
+                    retention.register_when_reachable, self._restored_position, self._stop
                 )
                 self._spawn("retention-register", register)
         else:
@@ -199,16 +196,15 @@ class CoordinatorService:
         self._threads.append(thread)
 
     def _behind_trim(self) -> bool:
-        retention = self._retention
+        retention = self.snapshots.retention
         return retention is not None and retention.behind(self._restored_position)
 
     def _stream_readiness(self, state: Readiness) -> None:
         """The consumer's readiness. ``resyncing`` from it means Redis lost events, and the
         retention registry with them: this replica's need goes back in at once, so another
         replica's trim cannot pass entries this one has not read before its next snapshot."""
-        if state is Readiness.RESYNCING and self._retention is not None:
-            covered = self.last_snapshot.stream_position if self.last_snapshot else None
-            self._record(self._retention, covered or self._restored_position)
+        if state is Readiness.RESYNCING:
+            self.snapshots.record_covered(self._restored_position)
         self.readiness.set(state)
 
     def _set_stream_position(self, position: str) -> None:
@@ -323,99 +319,9 @@ class CoordinatorService:
 
     # ------------------------------------------------------------------ snapshots
 
-    def restore(self) -> None:
-        path = self.config.snapshot_path
-        if path is None or not Path(path).exists():
-            return
-        try:
-            info = load_snapshot(self.directory, path)
-        except (SnapshotError, OSError) as exc:
-            log.error("snapshot %s could not be restored (%s); starting empty", path, exc)
-            return
-        self._restored = True
-        restore_section(self.cache_control, info.sections, path)
-        self.kv_events.restore(
-            info.sections, lambda e: self.directory.gap_state(e) is not None, path
-        )
-        self.stream_position = self._restored_position = info.stream_position
-        if info.instances is not None:
-            self.instances.restore(info.instances)
-        rate = info.keys / info.seconds if info.seconds else float("inf")
-        log.info(
-            "restored %d keys / %d chunks from %s in %.3f s (%.0f keys/s), stream position %s",
-            info.keys, info.chunks, path, info.seconds, rate, info.stream_position,
-        )  # fmt: skip
-
     def take_snapshot(self) -> SnapshotInfo | None:
-        """Write a snapshot; the recorded stream position is read *before* the snapshot starts,
-        so a restore may replay a few batches already in it, which the gate drops as
-        duplicates (never the other way round: nothing applied is lost)."""
-        path = self.config.snapshot_path
-        if path is None:
-            return None
-        with self._snapshot_lock:
-            position = self.stream_position
-            try:
-                info = save_snapshot(
-                    self.directory, path, stream_position=position,
-                    instances=self.instances.rows(),
-                    sections=self._sections(),
-                )  # fmt: skip
-            except OSError as exc:
-                self.metrics.snapshot_failures.inc()
-                log.error("snapshot to %s failed: %s", path, exc)
-                return None
-        self.last_snapshot, self.status.last_snapshot_at = info, self._clock()
-        self._retain(position)
-        if self.after_snapshot is not None:
-            self.after_snapshot(info)
-        self.metrics.snapshots.inc()
-        self.metrics.snapshot_duration.set(info.seconds)
-        self.metrics.snapshot_pause.set(info.max_pause_s)
-        log.info(
-            "snapshot: %d keys in %.3f s (longest pause %.2f ms)",
-            info.keys, info.seconds, info.max_pause_s * 1e3,
-        )  # fmt: skip
-        return info
-
-    def _sections(self) -> dict[str, bytes]:
-        """The snapshot's named sections: the KV-event engines' and cache control's (with the
-        Redis transport a copy of Redis's, the last one read when Redis is away)."""
-        try:
-            self._cache_control_section = encode_state(self.cache_control)
-        except Unavailable as exc:
-            log.warning("snapshot: cache control not read from Redis (%s); last copy kept", exc)
-        section = self._cache_control_section
-        sections = self.kv_events.snapshot_sections()
-        return sections if section is None else {SECTION: section, **sections}
-
-    def _retain(self, position: str | None) -> None:
-        """Record what this replica's snapshot covers, and trim what no replica needs."""
-        retention = self._retention
-        if retention is None or self.state in (Readiness.WAITING_FOR_REDIS, Readiness.GROUP_HELD):
-            return  # (redis) not (yet) this group's consumer: a live twin's position is not ours
-        if self._record(retention, position):
-            try:
-                self.metrics.stream_trims.inc(retention.trim())
-            except Unavailable as exc:  # Redis down: the next snapshot trims
-                self.metrics.stream_errors.labels("retention").inc()
-                log.warning("stream trim skipped: %s", exc)
-
-    def _record(self, retention: StreamRetention, position: str | None) -> bool:
-        """Record what this replica's snapshot covers; False if Redis did not take it."""
-        if position is None:
-            return False
-        try:
-            retention.record(position)
-        except Unavailable as exc:  # Redis down: the next snapshot records
-            self.metrics.stream_errors.labels("retention").inc()
-            log.warning("stream retention skipped: %s", exc)
-            return False
-        return True
-
-    def _snapshot_loop(self) -> None:
-        while not self._stop.wait(self.config.snapshot_interval):
-            self.take_snapshot()
+        """Write a snapshot now (:meth:`Snapshots.take`)."""
+        return self.snapshots.take()
 
     # ------------------------------------------------------------------ views
 

@@ -39,8 +39,9 @@ from kvatlas.coordinator.history import (
 from kvatlas.coordinator.instances import InstanceRegistry
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.node_reports import NodeReports, TierGauges, ValueCounters
+from kvatlas.coordinator.snapshots import Snapshots
 from kvatlas.coordinator.views import EmitterView, InstanceView, Readiness
-from kvatlas.directory import DirectoryStats, KeyDirectory, SnapshotInfo
+from kvatlas.directory import DirectoryStats, KeyDirectory
 from kvatlas.errors import Unavailable
 from kvatlas.keys import KeyScheme
 from kvatlas.redis_clients import redis_client
@@ -56,7 +57,7 @@ class CoordinatorParts(Protocol):
     cache_control: CacheControl
     instances: InstanceRegistry
     scheme: KeyScheme
-    last_snapshot: SnapshotInfo | None
+    snapshots: Snapshots
     clock: Callable[[], float]
 
     @property
@@ -158,7 +159,6 @@ class StatusSource:
         self.service = service
         self.reports = NodeReports()
         self.history = History(self._sample, service.clock)
-        self.last_snapshot_at: float | None = None
         self._redis: Any = None  # a client of its own for XLEN (the redis transport only)
         self.salt_usage = SaltUsageCache(service.directory.bytes_by_salt, service.clock)
         service.metrics.registry.register(_OperatorCollector(self))
@@ -212,7 +212,7 @@ class StatusSource:
             return None
 
     def snapshot_status(self) -> SnapshotStatus | None:
-        info, at = self.service.last_snapshot, self.last_snapshot_at
+        info, at = self.service.snapshots.last, self.service.snapshots.last_at
         if info is None or at is None:
             return None
         age = self.service.clock() - at

@@ -208,9 +208,9 @@ class NodeCacheControl:
 
     def hold(self, hold_id: str, body: HoldBody) -> HoldReply:
         """A move's target (``PUT /cache/holds/{hold_id}``): load what L1 lacks and hold it
-        (:meth:`CacheNode.load_and_hold`). 400 a model or world size this node does not
-        serve, a bad id or key field; 503 the source could not be read (asked again later:
-        setting a hold again is idempotent)."""
+        (:meth:`~kvatlas.node.moves.MoveTarget.load_and_hold`). 400 a model or world size this
+        node does not serve, a bad id or key field; 503 the source could not be read (asked
+        again later: setting a hold again is idempotent)."""
         _check_hold_id(hold_id)
         config = self.node.config
         if (body.model_name, body.world_size) != (config.model_name, config.world_size):
@@ -230,7 +230,7 @@ class NodeCacheControl:
             tracker.chunk_hashes()
         except ValueError as exc:
             raise InvalidInput(str(exc)) from None
-        done = self.node.load_and_hold(hold_id, tracker, body.source_instance_id, body.ttl_s)
+        done = self.node.moves.load_and_hold(hold_id, tracker, body.source_instance_id, body.ttl_s)
         if done.source_failure:
             raise Unavailable(
                 f"{len(done.missing)} keys not loaded: {done.source_failure} (the hold keeps "
@@ -244,7 +244,7 @@ class NodeCacheControl:
 
     def release(self, hold_id: str) -> ReleaseReply:
         _check_hold_id(hold_id)
-        return ReleaseReply(hold_id, self.node.release_hold(hold_id))
+        return ReleaseReply(hold_id, self.node.holds.release(hold_id))
 
     def list_objects(
         self,

@@ -3,8 +3,10 @@ blend retrieval with re-RoPE — always keyed through the request tracker (``doc
 
 Orchestration only: tier membership and the local index live in :mod:`kvatlas.node.presence`,
 every tier write with its event in :mod:`kvatlas.node.tier_writes`, reads across tiers in
-:mod:`kvatlas.node.tiered_fetch`, the blend lookup in :mod:`kvatlas.node.unified_lookup`, what
-calls return in :mod:`kvatlas.node.results`; this module keys, stores, retrieves and verifies.
+:mod:`kvatlas.node.tiered_fetch`, the blend lookup in :mod:`kvatlas.node.unified_lookup`, blend
+retrieval in :mod:`kvatlas.node.blend_retrieval`, a move's loads and holds in
+:mod:`kvatlas.node.moves`, what calls return in :mod:`kvatlas.node.results`; this module keys,
+stores, retrieves and verifies.
 
 Every key-carrying path takes its tokens from :class:`~kvatlas.keys.RequestTracker`; an
 uncacheable tracker (multimodal items without identity) gets no lookup and no store.
@@ -30,10 +32,7 @@ under one lock; a chunk that leaves L2 on its own (evicted for the cap, corrupt,
 from __future__ import annotations
 
 import logging
-import threading
-import time
 import uuid
-import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, is_dataclass
@@ -53,6 +52,7 @@ from kvatlas.keys import (
     check_instance_id,
 )
 from kvatlas.logs import Throttle
+from kvatlas.node.blend_retrieval import BlendRetriever
 from kvatlas.node.chunk_digest import rejection
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.emitter import BatchSink, EventEmitter
@@ -62,17 +62,10 @@ from kvatlas.node.inventory import DigestExchange, NodeInventory, ResyncDriver
 from kvatlas.node.l1 import L1Cache
 from kvatlas.node.l2 import FsL2, L2Backend
 from kvatlas.node.metrics import NodeTimings, hit_tokens
+from kvatlas.node.moves import MoveTarget
 from kvatlas.node.pins import PinnedKeys
 from kvatlas.node.presence import Presence, Tier
-from kvatlas.node.results import (
-    BlendRetrieval,
-    Deleted,
-    HeldPlacement,
-    Loaded,
-    NodeStats,
-    Retrieved,
-)
-from kvatlas.node.rope import rerope_k
+from kvatlas.node.results import BlendRetrieval, Deleted, HeldPlacement, NodeStats, Retrieved
 from kvatlas.node.segments import Segment
 from kvatlas.node.stored_chunk import StoredChunk
 from kvatlas.node.tier_writes import TierWrites
@@ -81,16 +74,6 @@ from kvatlas.node.token_cache import TokenCache
 from kvatlas.node.unified_lookup import NOTHING_FOUND, LookupResult, UnifiedBlendLookup
 
 log = logging.getLogger(__name__)
-MOVE_BATCH = 256
-"""Keys a move's target asks its source for in one peer fetch at most."""
-MOVE_BATCH_BYTES = 16 << 20
-"""...and KV bytes at most: each fetch has the peer deadline (``--peer-fetch-deadline-s``, 2 s
-by default), so a batch must arrive well within it on a busy host."""
-MOVE_BUDGET_S = 4.0
-"""How long one hold call loads before it answers with the rest ``unfinished`` (well inside the
-coordinator's 10 s MP-server timeout)."""
-MOVE_FLUSH_S = 2.0
-"""How long a move's load waits for its store events to be delivered before it replies."""
 
 
 class CacheNode:
@@ -130,10 +113,6 @@ class CacheNode:
         self.token_cache = TokenCache(config.token_cache_chunks)
         self.own = NodeInventory()  # what this node reported holding (its digests, resync)
         self.counters: Counter[str] = Counter()
-        self._fragments_counted: weakref.WeakKeyDictionary[RequestTracker, set[int]] = (
-            weakref.WeakKeyDictionary()
-        )  # each request's fragment hits count once, however often it retrieves them
-        self._fragments_lock = threading.Lock()
         self._rejection_warnings = Throttle(60.0)
         self.index = BlendIndex(config.chunk_size)
         self.presence = Presence(self.index, self.namespace)
@@ -163,6 +142,15 @@ class CacheNode:
             cost_of=self.presence.cost_of,
             allow_trim=config.allow_trim,
         )
+        self.blend_retriever = BlendRetriever(
+            tiers=self.tiers, layout=self.layout, chunk_size=config.chunk_size,
+            counters=self.counters, timings=self.timings, key=self.key, verified=self._verified,
+        )  # fmt: skip
+        self.moves = MoveTarget(  # a move's target: loads and holds (kvatlas.node.moves)
+            holds=self.holds, l1=self.l1, l2=l2, tiers=self.tiers, writes=self.writes,
+            layout=self.layout, chunk_size=config.chunk_size, counters=self.counters,
+            key=self.key, fleet=lambda: self.fleet, flush_events=self.flush_events, sink=sink,
+        )  # fmt: skip
         self.writes.announce()
         if l2 is not None:  # last: reports what a private L2 already holds, watches losses
             l2.attach(self.writes.adopt_l2, self.writes.on_l2_lost)
@@ -306,42 +294,8 @@ class CacheNode:
     def blend_retrieve(
         self, tracker: RequestTracker, segments: Sequence[Segment]
     ) -> BlendRetrieval:
-        """Fetch every segment in one batched step, verify its key and tokens, re-RoPE it to
-        the request's positions; a segment that cannot be served is a counted miss."""
-        tokens = tracker.get_token_ids()
-        keys = [self.key(s.chunk_hash, tracker.cache_salt) for s in segments]
-        found = self.tiers.fetch(keys) if tracker.cacheable else {}
-        parts: list[tuple[Segment, Any]] = []
-        misses: list[Segment] = []
-        sources: Counter[str] = Counter()
-        c = self.chunk_size
-        for seg, key in zip(segments, keys, strict=True):
-            got = found.get(key)
-            start = seg.chunk_cur_st
-            window = tokens[start : start + c]
-            cause = _segment_miss(seg, got, c, len(window))
-            if cause is None and got is not None and not self._verified(key, got, window):
-                cause = "rejected"
-            if cause is not None or got is None:
-                self.counters[f"segment_miss_{cause}"] += 1
-                misses.append(seg)
-                continue
-            chunk = got.chunk
-            started = time.perf_counter()
-            kv = rerope_k(chunk.kv, self.layout, chunk.token_offset, start)
-            self.timings.rerope_seconds.observe(time.perf_counter() - started)
-            if seg.trim or seg.length != c:
-                kv = kv[:, :, seg.kv_slice]
-            parts.append((seg, kv))
-            sources[got.source] += 1
-        self.counters["segments_reused"] += len(parts)
-        self.counters["segment_misses"] += len(misses)
-        with self._fragments_lock:
-            counted = self._fragments_counted.setdefault(tracker, set())
-            new = [seg for seg, _ in parts if seg.cur_st not in counted]
-            counted.update(seg.cur_st for seg in new)
-        self.counters[hit_tokens("fragment")] += sum(seg.length for seg in new)
-        return BlendRetrieval(parts, misses, sources)
+        """The segments' KV, verified and re-RoPEd (:mod:`kvatlas.node.blend_retrieval`)."""
+        return self.blend_retriever.retrieve(tracker, segments)
 
     # ------------------------------------------------------------------ cache control
 
@@ -365,103 +319,6 @@ class CacheNode:
                 self.writes.put_l1(chunk)
                 self.counters["prefetched_chunks"] += 1
         return sum(self.l1.contains(key) for key in keys)
-
-    def load_and_hold(
-        self, hold_id: str, tracker: RequestTracker, source: str, ttl_s: float
-    ) -> Loaded:
-        """A move's target: hold the keys of ``tracker``'s complete chunks in L1 for ``ttl_s``
-        (:mod:`kvatlas.node.holds`), loading each one L1 lacks from this node's own L2 (the
-        prefetch path), else from ``source``'s L1, else its private L2 (the peer fetch path),
-        a batch at a time (:data:`MOVE_BATCH`, :data:`MOVE_BATCH_BYTES`) for at most
-        :data:`MOVE_BUDGET_S` (the rest is
-        ``unfinished``: the coordinator asks again). A chunk from the source must prove its
-        key and tokens (:func:`~kvatlas.node.chunk_digest.rejection`) and is stored with the
-        request's tokens. The hold is set before anything is put (nothing loaded can be
-        evicted before it is held) and ends holding only the keys L1 has."""
-        started = time.monotonic()
-        hashes = tracker.chunk_hashes()
-        tokens = tracker.get_token_ids()
-        keys = [self.key(h, tracker.cache_salt) for h in hashes]
-        c = self.chunk_size
-        windows = {
-            key: np.array(tokens[i * c : (i + 1) * c], dtype=np.uint32)
-            for i, key in enumerate(keys)
-        }
-        known_missing = self.holds.missing(hold_id)  # found nowhere by this hold's last calls
-        self.holds.hold(hold_id, keys, ttl_s)
-        lacking = [k for k in keys if not self.l1.contains(k) and k not in known_missing]
-        tried: set[ObjectKey] = set()  # came from some tier: put, whether L1 took it or not
-        missing = [k for k in keys if k in known_missing and not self.l1.contains(k)]
-        failure = ""
-        done = 0
-        step = max(1, min(MOVE_BATCH, MOVE_BATCH_BYTES // self.layout.chunk_bytes))
-        for done in range(0, len(lacking), step):
-            if done and time.monotonic() - started > MOVE_BUDGET_S:
-                break
-            batch = lacking[done : done + step]
-            if self.l2 is not None:
-                for key, chunk in self.l2.get_many(batch).items():
-                    if self.tiers.usable(chunk):
-                        self.writes.put_l1(chunk)
-                        tried.add(key)
-                batch = [k for k in batch if k not in tried]
-            if batch:
-                failure = self._load_from(source, batch, windows, tried)
-                if failure:
-                    break
-                missing += [k for k in batch if k not in tried]
-        else:
-            done = len(lacking)
-        unfinished = lacking[done:] if failure or done < len(lacking) else []
-        held = [k for k in keys if self.l1.contains(k)]
-        self.holds.hold(hold_id, held, ttl_s)
-        self.holds.note_missing(hold_id, missing)
-        if tried:  # the store events go out before the reply: the source's delete waits on them
-            self.flush_events()
-            delivered = getattr(self._sink, "flush", None)
-            if callable(delivered):
-                delivered(MOVE_FLUSH_S)
-        no_room = [k for k in keys if k in tried and not self.l1.contains(k)]
-        return Loaded(held, missing, no_room, failure, len(unfinished))
-
-    def _load_from(
-        self,
-        source: str,
-        keys: list[ObjectKey],
-        windows: dict[ObjectKey, Any],
-        tried: set[ObjectKey],
-    ) -> str:
-        """Put ``keys`` from ``source``'s L1, else its private L2, into L1 (each chunk's key
-        and tokens checked); adds what came to ``tried``. Returns why the source could not be
-        read (``""``: it answered)."""
-        peer = self.fleet.peer(source) if self.fleet is not None else None
-        if peer is None:
-            return f"instance {source!r} is not reachable from this node (no peer URL)"
-        for tier in ("l1", "l2"):
-            wanted = [k for k in keys if k not in tried]
-            if not wanted:
-                break
-            reply = peer.fetch(wanted, (tier,))
-            if reply.failure:
-                return f"fetch from {source!r} failed: {reply.failure}"
-            for key, (chunk, digest) in reply.chunks.items():
-                window = windows.get(key)
-                if window is None or not self.tiers.usable(chunk):
-                    continue
-                cause = rejection(key, chunk, digest, window)
-                if cause is not None:
-                    self.counters[cause] += 1
-                    continue
-                self.writes.put_l1(StoredChunk(
-                    key, chunk.kv, window, chunk.token_offset, chunk.kv_dtype
-                ))  # fmt: skip
-                tried.add(key)
-                self.counters["moved_in_chunks"] += 1
-        return ""
-
-    def release_hold(self, hold_id: str) -> int:
-        """End a move's hold: its keys are L1's LRU's again. Returns how many it kept."""
-        return self.holds.release(hold_id)
 
     # ------------------------------------------------------------------ inventory
 
@@ -546,17 +403,6 @@ class CacheNode:
             self.emitter.close()
         if self.l2 is not None:
             self.l2.close()
-
-
-def _segment_miss(seg: Segment, got: Fetched | None, chunk_size: int, window: int) -> str | None:
-    """Why a blend segment cannot be served from ``got`` before verification, or ``None``."""
-    if got is None:
-        return "not_found"
-    if seg.trim + seg.length > chunk_size:  # its used part must lie inside the chunk
-        return "outside_chunk"
-    if got.chunk.token_offset < 0:
-        return "unknown_offset"
-    return "short_window" if window != chunk_size else None
 
 
 __all__ = [

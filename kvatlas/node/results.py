@@ -56,9 +56,9 @@ class Deleted(NamedTuple):
 
 
 class Loaded(NamedTuple):
-    """What :meth:`CacheNode.load_and_hold` did: the keys L1 holds (and keeps) now, those no
-    tier had, those L1 had no room for, why the source could not be read (``""``: it
-    answered), and how many keys it had no time left to try (asked again)."""
+    """What :meth:`~kvatlas.node.moves.MoveTarget.load_and_hold` did: the keys L1 holds (and
+    keeps) now, those no tier had, those L1 had no room for, why the source could not be read
+    (``""``: it answered), and how many keys it had no time left to try (asked again)."""
 
     held: list[ObjectKey]
     missing: list[ObjectKey]

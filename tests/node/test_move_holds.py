@@ -81,7 +81,7 @@ def test_l1_passes_held_keys_by_until_the_hold_is_released() -> None:
     assert all(node.l1.contains(k) for k in keys_of(doc(1)))  # held: passed by
     assert not any(node.l1.contains(k) for k in keys_of(doc(2)))  # evicted in its place
     assert node.scrape()["held_keys"] == 3
-    assert node.release_hold("move") == 3
+    assert node.holds.release("move") == 3
     store(node, 4)
     assert not any(node.l1.contains(k) for k in keys_of(doc(1)))  # evictable again
     node.close()
@@ -126,10 +126,10 @@ def test_a_large_hold_loads_over_several_calls(
 ) -> None:
     """One call loads for a bounded time, then answers with the rest ``unfinished``; the
     next call goes on (a chunk a call here)."""
-    import kvatlas.node.cache_node as cache_node
+    import kvatlas.node.moves as moves
 
-    monkeypatch.setattr(cache_node, "MOVE_BATCH", 1)
-    monkeypatch.setattr(cache_node, "MOVE_BUDGET_S", 0.0)
+    monkeypatch.setattr(moves, "MOVE_BATCH", 1)
+    monkeypatch.setattr(moves, "MOVE_BUDGET_S", 0.0)
     node.delete(keys_of(doc(1)), frozenset({L1}), force=True)
     got = []
     for _ in range(3):
@@ -144,7 +144,7 @@ def test_a_large_hold_of_keys_found_nowhere_goes_on_where_it_stopped(
     """Keys an earlier call found nowhere are not asked again by the same hold: each call
     makes progress, however many keys are missing (without that memory every call would try
     the same first batch and the move would never finish)."""
-    import kvatlas.node.cache_node as cache_node
+    import kvatlas.node.moves as moves
     from kvatlas.node.fleet_view import InProcessFleetView
     from kvatlas.node.peer import PeerReply
 
@@ -155,8 +155,8 @@ def test_a_large_hold_of_keys_found_nowhere_goes_on_where_it_stopped(
             Empty.asked += len(keys)
             return PeerReply()
 
-    monkeypatch.setattr(cache_node, "MOVE_BATCH", 1)
-    monkeypatch.setattr(cache_node, "MOVE_BUDGET_S", 0.0)
+    monkeypatch.setattr(moves, "MOVE_BATCH", 1)
+    monkeypatch.setattr(moves, "MOVE_BUDGET_S", 0.0)
     node.fleet = InProcessFleetView(lambda keys: [[] for _ in keys], lambda _i: Empty())
     got = []
     for _ in range(3):

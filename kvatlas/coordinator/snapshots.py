@@ -1,0 +1,177 @@
+"""The coordinator's snapshots (``docs/coordinator.md``): restored at start-up, written every
+``--snapshot-interval`` and at shutdown, with their named sections beside the directory (cache
+control's, the KV-event engines') and the instance registry; with the Redis transport each one
+records what it covers in the stream retention (:mod:`kvatlas.coordinator.retention`), which
+then trims what no replica needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from kvatlas.coordinator.cache_control import SECTION, CacheControl, encode_state, restore_section
+from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.instances import InstanceRegistry
+from kvatlas.coordinator.kv_events.links import KvEventsLinks
+from kvatlas.coordinator.metrics import CoordinatorMetrics
+from kvatlas.coordinator.retention import StreamRetention
+from kvatlas.coordinator.views import Readiness
+from kvatlas.directory import (
+    KeyDirectory,
+    SnapshotError,
+    SnapshotInfo,
+    load_snapshot,
+    save_snapshot,
+)
+from kvatlas.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+
+class Snapshots:
+    """One service's snapshots and the stream retention they record (see the module
+    docstring). ``position`` reads the stream position a snapshot covers, ``state`` the
+    service's readiness."""
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        directory: KeyDirectory,
+        instances: InstanceRegistry,
+        cache_control: CacheControl,
+        kv_events: KvEventsLinks,
+        metrics: CoordinatorMetrics,
+        clock: Callable[[], float],
+        position: Callable[[], str | None],
+        state: Callable[[], Readiness],
+    ) -> None:
+        self.config = config
+        self.directory = directory
+        self.instances = instances
+        self.cache_control = cache_control
+        self.kv_events = kv_events
+        self.metrics = metrics
+        self._clock = clock
+        self._position = position
+        self._state = state
+        self.last: SnapshotInfo | None = None
+        self.last_at: float | None = None  # when ``last`` was written (service clock)
+        self.after: Callable[[SnapshotInfo], object] | None = None
+        """Called with each snapshot written (the CLI's process: ``runtime.GrowthFreeze``)."""
+        self.retention: StreamRetention | None = None  # set by the service (redis transport)
+        self._lock = threading.Lock()
+        self._cache_control_section: bytes | None = None  # the last one written
+
+    def restore(self) -> SnapshotInfo | None:
+        """Load the snapshot, if there is one, into the directory, cache control, the KV-event
+        links and the instance registry; ``None``: nothing restored (a snapshot that cannot be
+        read is logged and the service starts empty)."""
+        path = self.config.snapshot_path
+        if path is None or not Path(path).exists():
+            return None
+        try:
+            info = load_snapshot(self.directory, path)
+        except (SnapshotError, OSError) as exc:
+            log.error("snapshot %s could not be restored (%s); starting empty", path, exc)
+            return None
+        restore_section(self.cache_control, info.sections, path)
+        self.kv_events.restore(
+            info.sections, lambda e: self.directory.gap_state(e) is not None, path
+        )
+        if info.instances is not None:
+            self.instances.restore(info.instances)
+        rate = info.keys / info.seconds if info.seconds else float("inf")
+        log.info(
+            "restored %d keys / %d chunks from %s in %.3f s (%.0f keys/s), stream position %s",
+            info.keys, info.chunks, path, info.seconds, rate, info.stream_position,
+        )  # fmt: skip
+        return info
+
+    def take(self) -> SnapshotInfo | None:
+        """Write a snapshot; the recorded stream position is read *before* the snapshot starts,
+        so a restore may replay a few batches already in it, which the gate drops as
+        duplicates (never the other way round: nothing applied is lost)."""
+        path = self.config.snapshot_path
+        if path is None:
+            return None
+        with self._lock:
+            position = self._position()
+            try:
+                info = save_snapshot(
+                    self.directory, path, stream_position=position,
+                    instances=self.instances.rows(),
+                    sections=self._sections(),
+                )  # fmt: skip
+            except OSError as exc:
+                self.metrics.snapshot_failures.inc()
+                log.error("snapshot to %s failed: %s", path, exc)
+                return None
+        self.last, self.last_at = info, self._clock()
+        self._retain(position)
+        if self.after is not None:
+            self.after(info)
+        self.metrics.snapshots.inc()
+        self.metrics.snapshot_duration.set(info.seconds)
+        self.metrics.snapshot_pause.set(info.max_pause_s)
+        log.info(
+            "snapshot: %d keys in %.3f s (longest pause %.2f ms)",
+            info.keys, info.seconds, info.max_pause_s * 1e3,
+        )  # fmt: skip
+        return info
+
+    def run(self, stop: threading.Event) -> None:
+        """Take a snapshot every ``--snapshot-interval`` until ``stop`` is set."""
+        while not stop.wait(self.config.snapshot_interval):
+            self.take()
+
+    def record_covered(self, fallback: str | None) -> None:
+        """Record again what the last snapshot covers (else ``fallback``): Redis lost events,
+        and the retention registry with them."""
+        retention = self.retention
+        if retention is not None:
+            covered = self.last.stream_position if self.last else None
+            self._record(retention, covered or fallback)
+
+    def _sections(self) -> dict[str, bytes]:
+        """The snapshot's named sections: the KV-event engines' and cache control's (with the
+        Redis transport a copy of Redis's, the last one read when Redis is away)."""
+        try:
+            self._cache_control_section = encode_state(self.cache_control)
+        except Unavailable as exc:
+            log.warning("snapshot: cache control not read from Redis (%s); last copy kept", exc)
+        section = self._cache_control_section
+        sections = self.kv_events.snapshot_sections()
+        return sections if section is None else {SECTION: section, **sections}
+
+    def _retain(self, position: str | None) -> None:
+        """Record what this replica's snapshot covers, and trim what no replica needs."""
+        retention = self.retention
+        if retention is None or self._state() in (
+            Readiness.WAITING_FOR_REDIS,
+            Readiness.GROUP_HELD,
+        ):
+            return  # (redis) not (yet) this group's consumer: a live twin's position is not ours
+        if self._record(retention, position):
+            try:
+                self.metrics.stream_trims.inc(retention.trim())
+            except Unavailable as exc:  # Redis down: the next snapshot trims
+                self.metrics.stream_errors.labels("retention").inc()
+                log.warning("stream trim skipped: %s", exc)
+
+    def _record(self, retention: StreamRetention, position: str | None) -> bool:
+        """Record what this replica's snapshot covers; False if Redis did not take it."""
+        if position is None:
+            return False
+        try:
+            retention.record(position)
+        except Unavailable as exc:  # Redis down: the next snapshot records
+            self.metrics.stream_errors.labels("retention").inc()
+            log.warning("stream retention skipped: %s", exc)
+            return False
+        return True
+
+
+__all__ = ["Snapshots"]
