@@ -22,7 +22,7 @@ from kvatlas.directory.chunk_table import ChunkTable
 from kvatlas.directory.gate import EmitterCursor
 from kvatlas.directory.records import CapacityDeclaration, Record
 from kvatlas.directory.shapes import ShapeTable
-from kvatlas.directory.token_store import TokenSlab
+from kvatlas.directory.token_slab import TokenSlab
 from kvatlas.errors import Conflict
 
 

@@ -1,7 +1,7 @@
 """Freeing restored token slabs: a collaborator of :class:`~kvatlas.directory.chunk_table.ChunkTable`.
 
 A restore cuts every chunk's content as a read-only view of one slab
-(:class:`~kvatlas.directory.token_store.TokenSlab`). Once more than half of a slab's views are
+(:class:`~kvatlas.directory.token_slab.TokenSlab`). Once more than half of a slab's views are
 gone, the table copies the live ones out to arrays of their own, a bounded step per change
 (moving the blend index to the copies), and the slab is freed. See docs/directory.md.
 """
@@ -15,7 +15,8 @@ from kvatlas.directory.blend import AddOp, BlendIndex, BlendOp, RemoveChunkOp
 from kvatlas.directory.chunk_counts import PARTS
 from kvatlas.directory.chunk_state import ChunkState
 from kvatlas.directory.records import rebound, record_indexed, record_offset, record_stored_tokens
-from kvatlas.directory.token_store import TokenSlab, owned_copy
+from kvatlas.directory.token_slab import TokenSlab
+from kvatlas.directory.token_store import owned_copy
 
 _RECLAIM_WORK = 16_384
 """Work per reclaim step (:meth:`SlabReclaim.step`): a record looked at costs 1, a
@@ -40,7 +41,7 @@ class SlabReclaim:
 
     def __init__(self, table: ChunkState) -> None:
         self._table = table
-        self.slabs: list[TokenSlab] = []  # restored contents (see token_store.TokenSlab)
+        self.slabs: list[TokenSlab] = []  # restored contents (see token_slab.TokenSlab)
         self.progress: Reclaim | None = None  # a copy-out in progress
         self._released: list[TokenSlab] = []  # copied out: the index must let go of them too
 
@@ -57,7 +58,7 @@ class SlabReclaim:
         """Once more than half of a slab's views are gone, copy its live contents out to
         arrays of their own, a bounded step at a time (queuing the index's moves); then
         nothing refers to it and it is freed. Each slab is copied out at most once (see
-        token_store.TokenSlab)."""
+        token_slab.TokenSlab)."""
         table = self._table
         r = self.progress
         if r is None:

@@ -2,7 +2,8 @@
 the three things every change to a record does (save it for a capture, know its namespaces,
 queue the blend-index writes that follow).
 
-The collaborators (:class:`~kvatlas.directory.chunk_removals.RemovalRules`,
+The collaborators (:class:`~kvatlas.directory.chunk_stores.StoreRules`,
+:class:`~kvatlas.directory.chunk_removals.RemovalRules`,
 :class:`~kvatlas.directory.chunk_digests.InventoryDigests`,
 :class:`~kvatlas.directory.chunk_slabs.SlabReclaim`) are given the table as a
 :class:`ChunkState` and own only their own state; the table owns the records and calls them.
@@ -15,7 +16,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from kvatlas.directory.blend import BlendOp
-from kvatlas.directory.chunk_counts import ChunkCounts, Partition
+from kvatlas.directory.chunk_counts import ChangeJournal, ChunkCounts, Partition
 from kvatlas.directory.records import Record
 from kvatlas.directory.shapes import ShapeTable
 from kvatlas.keys import BlendNamespace, ObjectKey
@@ -38,6 +39,19 @@ class ChunkState(Protocol):
     @property
     def indexing(self) -> bool:
         """Whether changes queue blend-index writes."""
+
+    @property
+    def chunk_size(self) -> int:
+        """Tokens per chunk (a content of another length is bound, never indexed)."""
+
+    @property
+    def journal(self) -> ChangeJournal | None:
+        """The change journal of the capture in progress (``None``: no capture)."""
+
+    @property
+    def ops(self) -> list[BlendOp]:
+        """The queued index writes, in order (appended to in place; the flush takes the list:
+        read it on every use)."""
 
     def locate(self, key: ObjectKey) -> tuple[Record, int] | None:
         """The key's chunk record and the key's position in it (if stored)."""

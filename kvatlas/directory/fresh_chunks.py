@@ -1,5 +1,5 @@
 """A ``store`` batch of new chunks, stored in bulk: the usual batch (a node reports chunks it
-just computed), so the one :meth:`ChunkTable.store <kvatlas.directory.chunk_table.ChunkTable.store>`
+just computed), so the one :meth:`StoreRules.store <kvatlas.directory.chunk_stores.StoreRules.store>`
 takes without Python code per entry.
 
 :func:`store_fresh` builds exactly the records the table's entry-by-entry loop would (the same

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvatlas.directory import KeyDirectory
-from kvatlas.directory import chunk_table as table_module
+from kvatlas.directory import chunk_stores as stores_module
 from kvatlas.directory.blend import AddColumns
 from kvatlas.directory.blend import op_columns as op_module
 from kvatlas.directory.blend.op_columns import OpColumns
@@ -89,7 +89,7 @@ def test_bulk_store_equals_the_loop(blend: bool, data: st.DataObject) -> None:
     for seq in range(1, data.draw(st.integers(1, 5)) + 1):
         batch = data.draw(store_st(seq))
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(table_module, "store_fresh", lambda *args: None)
+            m.setattr(stores_module, "store_fresh", lambda *args: None)
             loop.consume(batch)
         bulk.consume(batch)
         assert _inside(bulk) == _inside(loop)
@@ -101,14 +101,14 @@ def test_a_batch_of_new_chunks_takes_the_bulk_path(monkeypatch: pytest.MonkeyPat
     """The usual batch (new chunks, one shape, whole contents) is stored in bulk, a batch with
     a chunk the table holds is not; both as the loop would (the test above)."""
     taken = []
-    store_fresh = table_module.store_fresh
+    store_fresh = stores_module.store_fresh
 
     def counted(*args: Any) -> Any:
         out = store_fresh(*args)
         taken.append(out is not None)
         return out
 
-    monkeypatch.setattr(table_module, "store_fresh", counted)
+    monkeypatch.setattr(stores_module, "store_fresh", counted)
     d = KeyDirectory(CHUNK, enable_blend_lookup=True)
     entries = [CacheEntry(ObjectKey(h, *SHAPES[0]), 1, CONTENTS[0], 0) for h in HASHES[:3]]
     d.consume(EventBatch("a", 1, 1, "store", "l1", "dram", entries=tuple(entries)))
@@ -197,7 +197,7 @@ def test_bulk_store_of_decoded_bodies_equals_the_loop(fmt: str, data: st.DataObj
             batch = replace(batch, entries=entries)
         body = encode([batch])
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(table_module, "store_fresh", lambda *args: None)
+            m.setattr(stores_module, "store_fresh", lambda *args: None)
             loop.apply_columns(decode(body))
         bulk.apply_columns(decode(body))
         assert _inside(bulk) == _inside(loop)

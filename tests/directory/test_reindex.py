@@ -168,7 +168,7 @@ def test_slab_views_take_the_columnar_path_and_other_views_do_not() -> None:
     with no per-op validation and no copy; views of any other buffer are not (they could pin
     a larger request): ``_kept_columns`` is the gate of the fast path."""
     from kvatlas.directory.blend.op_columns import _kept_columns
-    from kvatlas.directory.token_store import TokenSlab
+    from kvatlas.directory.token_slab import TokenSlab
 
     n = 4
     ids = np.arange(n * CS, dtype=np.uint16)
@@ -200,7 +200,7 @@ def test_only_views_whose_base_is_a_live_shared_slab_are_kept_by_reference() -> 
     import gc
 
     from kvatlas.directory.blend.op_columns import _SLABS, _kept_columns, _shareable
-    from kvatlas.directory.token_store import TokenSlab
+    from kvatlas.directory.token_slab import TokenSlab
 
     ids = np.arange(2 * CS, dtype=np.uint16)
     slab = TokenSlab(ids.nbytes)
@@ -245,7 +245,7 @@ def test_vouched_restore_columns_are_what_the_checked_path_keeps(
     column for column, what the checked path makes of the same adds: vouching skips checks,
     never changes an input (slab views or owning arrays, both widths, several namespaces)."""
     from kvatlas.directory.blend.op_columns import _kept_columns
-    from kvatlas.directory.token_store import TokenSlab
+    from kvatlas.directory.token_slab import TokenSlab
 
     arrays = contents(len(rows))
     if views:  # the same ids as views of a shared slab, as a restore cuts them

@@ -157,7 +157,7 @@ def test_contents_copied_while_the_ids_are_read_wait_for_them(
     on another thread (here held back until the cut is over or waits for it; without the
     wait, the copy held zeros)."""
     from kvatlas.directory.snapshot import token_section
-    from kvatlas.directory.token_store import TokenSlab
+    from kvatlas.directory.token_slab import TokenSlab
 
     d, em = KeyDirectory(CS), Emitter("a")
     big = toks(1 << 16, 1, 2, 3)  # uint32, after 1 uint16 id: 2 bytes in

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from kvatlas.directory import KeyDirectory, load_snapshot, save_snapshot
 from kvatlas.directory.records import record_offset, record_stored_tokens, record_tokens, shape_ids
-from kvatlas.directory.token_store import TokenSlab
+from kvatlas.directory.token_slab import TokenSlab
 from kvatlas.events import CacheEntry
 from kvatlas.keys import BlendNamespace
 from tests.directory.helpers import CS, Emitter, captured, entry, key, toks

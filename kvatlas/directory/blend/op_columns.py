@@ -353,7 +353,7 @@ _SLABS: weakref.WeakValueDictionary[int, npt.NDArray[Any]] = weakref.WeakValueDi
 def share_slab(slab: npt.NDArray[Any]) -> None:
     """Let indexes keep read-only views of ``slab`` (an array that owns its memory) by
     reference instead of copying them: its owner frees it once most of its views are gone
-    (the directory's restored token slabs, ``directory/token_store.py`` ``TokenSlab``)."""
+    (the directory's restored token slabs, ``directory/token_slab.py`` ``TokenSlab``)."""
     _SLABS[id(slab)] = slab
 
 

@@ -310,7 +310,7 @@ def _index_adds(
 
 def _indexable(header: Header, cols: _Columns) -> npt.NDArray[np.bool_]:
     """Chunks the blend index holds: bound content of ``chunk_size`` tokens, a known offset
-    (as ``ChunkTable._bind`` decides)."""
+    (as ``chunk_stores._bind`` decides)."""
     out: npt.NDArray[np.bool_] = (cols.lens == header.chunk_size) & (cols.offsets != UNKNOWN_OFFSET)
     return out
 

@@ -25,7 +25,8 @@ import numpy as np
 
 from kvatlas.directory.blend.kernels.planes import FORM_U32
 from kvatlas.directory.snapshot.format import SnapshotError
-from kvatlas.directory.token_store import TokenSlab, form_sizes, stored_batch, stored_from_arena
+from kvatlas.directory.token_slab import TokenSlab
+from kvatlas.directory.token_store import form_sizes, stored_batch, stored_from_arena
 
 V1_GROUP = 65_536
 """Chunks of a version-1 token section read (and compacted) at a time."""

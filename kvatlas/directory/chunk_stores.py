@@ -1,0 +1,285 @@
+"""Store rules of the chunk table: a ``store`` batch (and the store half of a ``resync``),
+in bulk when every entry is a new chunk (:mod:`~kvatlas.directory.fresh_chunks`), else entry
+by entry; storing into a known chunk and binding its content, with the blend-index writes that
+follow, queued in the order the changes happened. See :mod:`kvatlas.directory.chunk_table`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+from kvatlas.directory.blend import AddOp, RemoveChunkOp
+from kvatlas.directory.chunk_counts import L2_TIER, DigestArray, Partition
+from kvatlas.directory.chunk_digests import InventoryDigests
+from kvatlas.directory.chunk_state import ChunkState
+from kvatlas.directory.fresh_chunks import store_adds, store_fresh
+from kvatlas.directory.records import (
+    PlacementRow,
+    Record,
+    find_key,
+    group_placements,
+    placement_row,
+    placements_at,
+    placements_of,
+    rebound,
+    record_indexed,
+    record_offset,
+    record_stored_tokens,
+    row_ident,
+    row_size,
+    with_key,
+    with_placements_at,
+)
+from kvatlas.directory.token_store import StoredTokens, stored_columns, stored_equal, token_count
+from kvatlas.events import UNKNOWN_OFFSET, VOLATILE_TIERS, EventBatch
+from kvatlas.events.columns import EntryColumns
+
+log = logging.getLogger(__name__)
+
+
+class StoreRules:
+    """The store rules of a chunk table (its collaborator: they change the table's records,
+    counts and queued index writes, and the digests). No state of their own."""
+
+    def __init__(self, table: ChunkState, digests: InventoryDigests) -> None:
+        self._table = table
+        self._digests = digests
+
+    def store(self, batch: EventBatch, cols: EntryColumns, sids: list[int]) -> None:
+        """Apply a ``store`` batch (its header; the entries are ``cols``); ``sids`` are the
+        entries' interned shape ids."""
+        if not len(cols):
+            return
+        table = self._table
+        inst, tier, backend, shared = batch.instance_id, batch.tier, batch.backend, batch.shared
+        counts = table.counts
+        own_l1 = tier in VOLATILE_TIERS and not shared
+        l1set: set[bytes] | None = None
+        if own_l1:
+            l1set = counts.l1_chunks.get(inst)
+            if l1set is None:
+                l1set = counts.l1_chunks[inst] = set()
+        # New own copies, by tag multiplier: their elements go into the digest after the loop,
+        # in one vectorised step per multiplier (a batch is mostly one shape).
+        dig = None if shared else counts.digest_for(inst, tier)
+        pending: dict[int, list[bytes]] = {}
+        stored, allocated = stored_columns(cols)  # compact, one pass per batch
+        fresh = None
+        if table.journal is None:  # (a capture saves each record before its first change)
+            fresh = store_fresh(
+                table.parts, batch, cols, sids, stored, table.chunk_size, table.indexing
+            )
+        # L2 bytes per shape: a batch of one shape (the usual) adds its total once; a mixed one
+        # is counted entry by entry
+        one_shape = tier == L2_TIER and sids.count(sids[0]) == len(sids)
+        mixed = counts.l2_bytes_by_shape if tier == L2_TIER and not one_shape else None
+        if fresh is not None:  # every entry a new chunk: stored in bulk
+            n_keys, n_pl, (n_bytes, added) = len(cols), len(cols), fresh
+            if added:
+                shapes = table.shapes.shapes
+                table.ops.append(store_adds(added, cols, stored, sids, shapes, allocated))
+            if dig is not None:
+                pending[self._digests.tag(sids[0], tier, backend)] = cols.chunk_hashes
+            if l1set is not None:
+                l1set.update(cols.chunk_hashes)
+        else:
+            n_keys, n_pl, n_bytes = self._store_each(
+                batch, cols, sids, stored, allocated, l1set, dig, pending, mixed
+            )
+        if one_shape:
+            counts.l2_bytes_by_shape[sids[0]] += n_bytes
+        if dig is not None:
+            self._digests.xor_many(dig, pending.items())
+        counts.keys += n_keys
+        counts.placements += n_pl
+        counts.bytes_by_tier[tier] += n_bytes
+        module = (None if shared else inst, tier, backend)
+        counts.module_placements[module] += n_pl
+        counts.module_bytes[module] += n_bytes
+        if own_l1:
+            counts.l1_placements[inst] += n_pl
+
+    def _store_each(
+        self,
+        batch: EventBatch,
+        cols: EntryColumns,
+        sids: list[int],
+        stored: list[StoredTokens | None],
+        allocated: bool,
+        l1set: set[bytes] | None,
+        dig: DigestArray | None,
+        pending: dict[int, list[bytes]],
+        l2_by_shape: Counter[int] | None,
+    ) -> tuple[int, int, int]:
+        """:meth:`store`, entry by entry (any batch); returns the (keys, placements, bytes)
+        added. New own copies' hashes go to ``pending`` by tag multiplier (if ``dig``); the
+        bytes added per shape to ``l2_by_shape`` (an L2 batch of several shapes)."""
+        inst, inc, tier, backend = batch.instance_id, batch.incarnation, batch.tier, batch.backend
+        shared, ts = batch.shared, batch.ts
+        by_size: dict[int, PlacementRow] = {}
+        table = self._table
+        parts = table.parts
+        journal = table.journal
+        indexing = table.indexing
+        ops = table.ops
+        shapes = table.shapes.shapes
+        chunk_size = table.chunk_size
+        debug = log.isEnabledFor(logging.DEBUG)
+        new_own: list[bytes] | None = None
+        tag_sid = -1
+        tag = self._digests.tag
+        # Every placement added or replaced here has this batch's tier and (for own copies)
+        # instance: the counters move by one sum per batch instead of per entry.
+        n_keys = n_pl = n_bytes = 0
+        added: list[int] = []  # entries whose new chunk is indexed: one AddColumns for all
+        for j, h, sid, size, tokens, offset in zip(
+            range(len(cols)),
+            cols.chunk_hashes,
+            sids,
+            cols.size_bytes.tolist(),
+            stored,
+            cols.token_offsets.tolist(),
+            strict=True,
+        ):
+            p = by_size.get(size)
+            if p is None:
+                p = by_size[size] = placement_row(inst, inc, tier, backend, size, shared, ts)
+            part = parts[h[0]]
+            rec = part.get(h)
+            if journal is not None:
+                journal.save(h, rec)
+            if dig is not None and sid != tag_sid:
+                new_own = pending.setdefault(tag(sid, tier, backend), [])
+                tag_sid = sid
+            if rec is None:  # a new chunk: the common case, without the general bookkeeping
+                # (records are built inline here, as records.new_record builds them: the call
+                # would be a measurable share of consuming a new chunk)
+                n_keys += 1
+                n_pl += 1
+                n_bytes += size
+                if l2_by_shape is not None:
+                    l2_by_shape[sid] += size
+                if tokens is None:
+                    part[h] = (None, UNKNOWN_OFFSET, False, sid, p)
+                    if debug:
+                        log.debug("store without tokens for unbound chunk %s: not indexed", h.hex())
+                elif token_count(tokens) != chunk_size:
+                    n = token_count(tokens)
+                    log.info("chunk %s bound with %d tokens (not indexed)", h.hex(), n)
+                    part[h] = (tokens, offset, False, sid, p)
+                elif not indexing or offset == UNKNOWN_OFFSET:
+                    part[h] = (tokens, offset, False, sid, p)
+                else:
+                    part[h] = (tokens, offset, True, sid, p)
+                    added.append(j)
+                if new_own is not None:
+                    new_own.append(h)
+            else:
+                queued = len(ops)
+                dk, dp, db = _store_existing(table, h, part, rec, sid, p, tokens, offset, debug)
+                if added and len(ops) > queued:  # the adds so far go first, as they happened
+                    ops.insert(queued, store_adds(added, cols, stored, sids, shapes, allocated))
+                    added = []
+                n_keys += dk
+                n_pl += dp
+                n_bytes += db
+                if l2_by_shape is not None:
+                    l2_by_shape[sid] += db
+                if new_own is not None and dp:  # a new own copy (a replaced one has the
+                    new_own.append(h)  # same element)
+            if l1set is not None:
+                l1set.add(h)
+        if added:
+            ops.append(store_adds(added, cols, stored, sids, shapes, allocated))
+        return n_keys, n_pl, n_bytes
+
+
+# Storing into a known chunk and binding its content: functions given the table, not methods,
+# so the entry-by-entry path reaches the table's state as directly as the table itself would.
+
+
+def _store_existing(
+    table: ChunkState,
+    h: bytes,
+    part: Partition,
+    rec: Record,
+    sid: int,
+    p: PlacementRow,
+    new_tokens: StoredTokens | None,
+    new_offset: int,
+    debug: bool,
+) -> tuple[int, int, int]:
+    """Store into a known chunk (``new_tokens``: the entry's tokens, stored); returns the
+    (keys, placements, bytes) deltas."""
+    k = find_key(rec, sid)
+    tokens = record_stored_tokens(rec)
+    offset, indexed = record_offset(rec), record_indexed(rec)
+    new_claim = False
+    size = row_size(p)
+    if k < 0:
+        new_claim = indexed and table.shapes[sid].namespace not in table.namespaces(rec)
+        rec = with_key(rec, sid, p)
+        dk, dp, db = 1, 1, size
+    else:
+        ident = row_ident(p)
+        kept = []
+        dk, dp, db = 0, 1, size
+        for q in placements_of(placements_at(rec, k)):
+            if row_ident(q) == ident:
+                dp -= 1
+                db -= row_size(q)
+            else:
+                kept.append(q)
+        kept.append(p)
+        rec = with_placements_at(rec, k, group_placements(kept))
+    reindexed = False
+    if new_tokens is not None:
+        tokens, offset, indexed, reindexed = _bind(
+            table, h, tokens, offset, indexed, rec, new_tokens, new_offset
+        )
+    elif tokens is None and debug:
+        log.debug("store without tokens for unbound chunk %s: not indexed", h.hex())
+    if new_claim and not reindexed and indexed and table.indexing:
+        assert tokens is not None
+        table.ops.append(AddOp(tokens, h, offset, table.shapes[sid].namespace))
+    part[h] = rebound(rec, tokens, offset, indexed)
+    return dk, dp, db
+
+
+def _bind(
+    table: ChunkState,
+    h: bytes,
+    old: StoredTokens | None,
+    old_offset: int,
+    indexed: bool,
+    rec: Record,
+    tokens: StoredTokens,
+    offset: int,
+) -> tuple[StoredTokens | None, int, bool, bool]:
+    """Bind ``tokens`` to the chunk (whose keys are ``rec``'s) and queue the index writes
+    that follow. Returns the chunk's new ``(tokens, token_offset, indexed)`` and whether
+    it (re)added every namespace."""
+    if old is not None and stored_equal(old, tokens):
+        if offset in (UNKNOWN_OFFSET, old_offset):
+            if indexed or not table.indexing:
+                return old, old_offset, indexed, False
+            # bound before blend was on: this fresh report of the content indexes it
+            offset = old_offset
+        bound = old
+    else:
+        if indexed and table.indexing and old is not None:
+            # Retire the old content before the new one appears: no window in which a match
+            # returns new content at the old position (both go in one index batch).
+            table.ops.append(RemoveChunkOp(old, h))
+        indexed = False
+        bound = tokens
+        if token_count(tokens) != table.chunk_size:
+            n = token_count(tokens)
+            log.info("chunk %s bound with %d tokens (not indexed)", h.hex(), n)
+    # offset -1 is never indexed: a match without its stored position would be re-RoPEd
+    # from the wrong place, i.e. wrong KV, which is worse than a miss.
+    if not table.indexing or offset == UNKNOWN_OFFSET or token_count(bound) != table.chunk_size:
+        return bound, offset, indexed, False
+    table.ops.extend([AddOp(bound, h, offset, ns) for ns in table.namespaces(rec)])
+    return bound, offset, True, True
