@@ -421,3 +421,34 @@ def test_a_move_whose_target_loads_in_parts_deletes_nothing_until_it_is_all_load
     servers.holds = None
     delivery.run_once()
     assert servers.deleted == [KEYS] and log.get(move_id).phase == "deleting"  # type: ignore[union-attr]
+
+
+def test_a_failed_move_releases_its_partial_hold_on_the_target() -> None:
+    """A move that fails after the target held some of its keys releases that hold (best
+    effort, as a completed one does) rather than leaving them unevictable for the hold's
+    10 minutes: the source deregistering while the target was still loading, and a refusal
+    (4xx) of the source's delete. A target that left has nothing to release."""
+    log, _fleet, servers, delivery, early = move_setup()
+    servers.holds, servers.unfinished = KEYS[:1], [1]
+    delivery.run_once()  # one key held, one to go
+    assert log.get(early).phase == "loading"  # type: ignore[union-attr]
+    delivery.instance_left("a")
+    delivery.run_once()
+    assert log.get(early).state == "failed"  # type: ignore[union-attr]
+    assert servers.calls[-1] == ("http://b", "release", "")
+
+    log, fleet, servers, delivery, refused = move_setup()
+    fleet.held = {object_key(k): l1("a", "b") for k in KEYS}
+    servers.refuse.add("http://a")  # the source refuses the delete
+    delivery.run_once()
+    assert log.get(refused).state == "failed"  # type: ignore[union-attr]
+    assert servers.calls[-2:] == [("http://a", "delete", "l1"), ("http://b", "release", "")]
+
+    log, _fleet, servers, delivery, gone = move_setup()
+    servers.unfinished = [1]
+    delivery.run_once()
+    delivery.instance_left("b")
+    del _fleet.urls["b"]
+    servers.calls.clear()
+    delivery.run_once()
+    assert log.get(gone).state == "failed" and servers.calls == []  # type: ignore[union-attr]

@@ -160,7 +160,8 @@ class Delivery:
 
     def run_once(self) -> None:
         """Run the eviction pass if due (it records ``evict`` commands), finish what the
-        directory shows done, deliver what is due, drop old finished commands."""
+        directory shows done, deliver what is due, release the holds of moves that failed,
+        drop old finished commands."""
         log_ = self.commands
         if self.eviction is not None and log_.leads("eviction"):
             try:
@@ -177,6 +178,7 @@ class Delivery:
         for c in log_.due():
             if c.command_id in owned:
                 self.deliver(c)
+        self.moves.release_failed()  # the holds of moves that failed (best effort)
         log_.prune()
 
     def instance_back(self, instance_id: str) -> None:
@@ -206,6 +208,7 @@ class Delivery:
                 if instance_id in c.targets or c.source == instance_id:
                     reason = f"instance {instance_id!r} deregistered"
                     failed.append(self.commands.finish(c.command_id, "failed", reason))
+                    self.moves.failed(failed[-1])
         except Unavailable as exc:
             log.warning(
                 "instance %s left: its cache-control commands not failed (%s)", instance_id, exc
@@ -241,7 +244,7 @@ class Delivery:
             if failure is not None:
                 error, status = failure
                 if status is not None and 400 <= status < 500:
-                    self.commands.finish(command.command_id, "failed", error)
+                    self.moves.failed(self.commands.finish(command.command_id, "failed", error))
                 else:
                     self.commands.delivery_failed(command.command_id, error)
                 if self.fleet.url_of(current.targets[0]) is None:

@@ -19,6 +19,10 @@ last recorded phase was:
 4. ``done``: the hold is released (``DELETE /cache/holds/{move_id}``; if that fails the hold
    ends by itself after :data:`HOLD_TTL_S`).
 
+A move that fails once the target may hold some of its keys (a 4xx from the target or the
+source, the source deregistering while the target loads) has its hold released too, at the end
+of the delivery pass (:meth:`MoveSteps.failed`; best effort, as for ``done``).
+
 The source's delete comes only after a hold the target confirmed in the same attempt, so a
 target that restarted meanwhile (and lost its L1) is found out before anything is deleted. A
 source that is not registered has no L1 copies left to delete (they went with its process).
@@ -28,6 +32,7 @@ With ``keep_source`` the move is a copy: steps 2-3 are skipped.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Sequence
 from typing import Final, Protocol, TypeVar
 
@@ -107,12 +112,37 @@ def _delete_l1(keys: list[EncodedKey]) -> Callable[[MoveServer], DeleteObjectsRe
     return lambda server: server.delete_objects(keys, "l1")
 
 
+def _release(hold_id: str) -> Callable[[MoveServer], ReleaseReply]:
+    return lambda server: server.release(hold_id)
+
+
 class MoveSteps:
     """One attempt of a move (:meth:`send`) and its completion (:meth:`check`), over the
     delivery's commands, fleet view, MP-server clients and pins."""
 
     def __init__(self, delivery: Carrier) -> None:
         self.d = delivery
+        self._lock = threading.Lock()
+        self._unheld: dict[str, str] = {}  # failed moves' holds to release: id -> target
+
+    def failed(self, c: Command) -> None:
+        """``c`` failed: if it is a move whose target may hold keys already, its hold is
+        released by :meth:`release_failed` (the delivery pass's end: never on the caller's
+        path, a deregistration's say)."""
+        if c.kind == "move" and c.phase != "queued":
+            with self._lock:
+                self._unheld[c.command_id] = c.targets[0]
+
+    def release_failed(self) -> None:
+        """Release the holds of the moves :meth:`failed` named (best effort: a hold ends by
+        itself after :data:`HOLD_TTL_S`; a target no longer registered took it with it)."""
+        with self._lock:
+            unheld, self._unheld = self._unheld, {}
+        for move_id, target in unheld.items():
+            url = self.d.fleet.url_of(target)
+            if url is not None:
+                with contextlib.suppress(Unavailable):
+                    self.d.call(url, _release(move_id))
 
     def send(self, c: Command) -> Failure | None:
         """Steps 1-3 (the module docstring); ``None`` when the attempt went as far as it
