@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import pytest
+
 from kvatlas.api.cache_control import (
     DeleteObjectsReply,
     EncodedKey,
@@ -16,7 +18,7 @@ from kvatlas.api.cache_control import (
     ReleaseReply,
     TierName,
 )
-from kvatlas.coordinator.cache_control import CommandLog
+from kvatlas.coordinator.cache_control import CommandLog, moves
 from kvatlas.coordinator.cache_control.delivery import Copy, Delivery, MpServer, object_key
 from kvatlas.errors import Unavailable
 from kvatlas.keys import ObjectKey, pack_kv_rank
@@ -452,3 +454,72 @@ def test_a_failed_move_releases_its_partial_hold_on_the_target() -> None:
     servers.calls.clear()
     delivery.run_once()
     assert log.get(gone).state == "failed" and servers.calls == []  # type: ignore[union-attr]
+
+
+def test_a_retried_delete_of_the_source_counts_each_removed_copy_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``deleted`` adds each attempt's replies, and an attempt after a partial delete sends
+    every batch again; it does not over-count, because the source counts only the copies it
+    removes (a node's L1 delete, as LMCache's: "What a real lmcache server answers"), so a
+    batch sent again counts 0 for the copies already gone. Likewise a ``sent`` move whose
+    events are late is delivered again and adds nothing."""
+    monkeypatch.setattr(moves, "MAX_DELETE_KEYS", 1)  # one batch a key
+    log, fleet, servers, delivery, move_id = move_setup()
+    fleet.held = {object_key(k): l1("a", "b") for k in KEYS}
+    source_l1 = {k.chunk_hash_hex for k in KEYS}
+    fail_next = [False, True]  # the second batch of the first attempt does not get through
+    inner = servers.__call__
+
+    def source(url: str) -> MpServer:
+        one = inner(url)
+
+        def delete_objects(keys: Sequence[EncodedKey], tier: TierName = "all", *,
+                           force: bool = False) -> DeleteObjectsReply:  # fmt: skip
+            if fail_next and fail_next.pop(0):
+                raise Refused("All connection attempts failed", None)
+            removed = source_l1 & {k.chunk_hash_hex for k in keys}
+            source_l1.difference_update(removed)
+            return DeleteObjectsReply(len(removed), 0, True)
+
+        one.delete_objects = delete_objects  # type: ignore[method-assign]
+        return one
+
+    delivery.servers = source
+    delivery.run_once()
+    c = log.get(move_id)
+    assert c is not None and (c.state, c.phase, c.deleted) == ("pending", "deleting", 1)
+    delivery.instance_back("a")
+    delivery.run_once()  # both batches again: the first removes nothing now
+    c = log.get(move_id)
+    assert c is not None and (c.state, c.deleted, source_l1) == ("sent", 2, set())
+    log.confirm_s = -1.0  # its events are late: delivered again
+    delivery.run_once()
+    c = log.get(move_id)
+    assert c is not None and (c.state, c.deleted) == ("sent", 2)
+
+
+def test_the_source_deletes_count_adds_to_the_count_recorded_meanwhile() -> None:
+    """Each batch's removals are added to the count as the log has it when they are recorded,
+    not to the attempt's own earlier read: with the shared log, a replica whose lease ran out
+    during a long attempt and the replica that took the move over both count what their
+    deletes removed (the source counts each removal once), and neither overwrites the other."""
+    log, fleet, servers, delivery, move_id = move_setup()
+    fleet.held = {object_key(k): l1("a", "b") for k in KEYS}
+    inner = servers.__call__
+
+    def source(url: str) -> MpServer:
+        one = inner(url)
+
+        def delete_objects(keys: Sequence[EncodedKey], tier: TierName = "all", *,
+                           force: bool = False) -> DeleteObjectsReply:  # fmt: skip
+            log.progress(move_id, deleted=1)  # the other replica's delete removed one
+            return DeleteObjectsReply(1, 0, True)  # and this one the other
+
+        one.delete_objects = delete_objects  # type: ignore[method-assign]
+        return one
+
+    delivery.servers = source
+    delivery.run_once()
+    c = log.get(move_id)
+    assert c is not None and (c.state, c.deleted) == ("sent", 2)

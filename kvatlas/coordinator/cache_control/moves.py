@@ -36,6 +36,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Final, Protocol, TypeVar
 
+import msgspec
+
 from kvatlas.api.cache_control import (
     MAX_DELETE_KEYS,
     DeleteObjectsReply,
@@ -110,6 +112,12 @@ def _failure(exc: Unavailable) -> Failure:
 
 def _delete_l1(keys: list[EncodedKey]) -> Callable[[MoveServer], DeleteObjectsReply]:
     return lambda server: server.delete_objects(keys, "l1")
+
+
+def _count_deleted(removed: int) -> Callable[[Command], Command]:
+    """Add a batch's removals to the count as it stands (a batch sent again by a later
+    attempt counts 0 for the copies already gone: the source counts only what it removes)."""
+    return lambda c: msgspec.structs.replace(c, deleted=c.deleted + removed)
 
 
 def _release(hold_id: str) -> Callable[[MoveServer], ReleaseReply]:
@@ -191,7 +199,7 @@ class MoveSteps:
                 done = self.d.call(source_url, _delete_l1(batch))
             except Unavailable as exc:
                 return _failure(exc)
-            c = log.progress(c.command_id, deleted=c.deleted + done.deleted)
+            c = log.update(c.command_id, "progress", _count_deleted(done.deleted))
         log.delivered(c.command_id)
         return None
 
