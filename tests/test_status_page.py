@@ -216,9 +216,10 @@ EVIL_SALT = "<img src=x onerror=alert(2)>"
 
 def test_quotas_pins_and_commands_on_the_page_in_headless_chromium(tmp_path: Path) -> None:
     """Three salts with L2 bytes (one named with markup, one over its quota, the empty one
-    under the default), three pinned keys, a delete its instance cannot take yet: the page
-    shows each salt's usage against its limit, the pins and their bytes, and the commands by
-    kind and state, rendered as text."""
+    under the default), three pinned keys, a delete its instance cannot take yet, a move whose
+    target cannot be reached: the page shows each salt's usage against its limit, the pins and
+    their bytes, the commands by kind and state, and a move's phase and progress, rendered as
+    text."""
     chromium = require_chromium()
     tokens = [int(t) for t in range(7000, 7000 + 3 * CS)]
     with running() as (server, c):
@@ -240,7 +241,24 @@ def test_quotas_pins_and_commands_on_the_page_in_headless_chromium(tmp_path: Pat
         assert pinned.json()["affected"] == 3
         delete = c.post("/cache/delete", json={**fields, "instance_id": "n1", "force": True})
         assert delete.status_code == 502  # no MP server to reach: kept, pending
+        assert c.post("/instances", json={"instance_id": "n2", "http_port": 9}).status_code == 200
+        move = c.post(
+            "/cache/moves",
+            json={**fields, "source_instance_id": "n1", "target_instance_id": "n2"},
+        )
+        assert move.json()["status"] == "pending"
+
+        def moving() -> list[dict[str, object]]:
+            view = c.get("/status.json").json()["cache_control"]
+            return [u["move"] for u in view["unfinished"] if u["kind"] == "move"]
+
+        # the delivery loop asks its target (which cannot be reached): loading
+        assert wait_for(lambda: moving()[0]["phase"] != "queued")
         view = c.get("/status.json").json()["cache_control"]
+        assert moving() == [
+            {"phase": "loading", "loaded": 0, "missing": 0, "deleted": 0, "skipped": 0}
+        ]
+        assert [u["move"] for u in view["unfinished"] if u["kind"] == "delete"] == [None]
         assert (view["pinned_keys"], view["pinned_bytes"], view["salts"]) == (3, 300, 3)
         assert [q["cache_salt"] for q in view["quotas"]] == ["tenant-a", EVIL_SALT, ""]
         browser = Browser(chromium, tmp_path / "profile")
@@ -275,10 +293,18 @@ def test_quotas_pins_and_commands_on_the_page_in_headless_chromium(tmp_path: Pat
             )
             assert counts == {
                 "delete": ["1", "0", "0", "0"], "evict": ["0"] * 4, "prefetch": ["0"] * 4,
-                "move": ["0"] * 4,
+                "move": ["1", "0", "0", "0"],
             }  # fmt: skip
             unfinished = browser.evaluate("document.getElementById('unfinished').textContent")
-            assert "Unfinished commands (1)" in unfinished and "delete" in unfinished
+            assert "Unfinished commands (2)" in unfinished and "delete" in unfinished
+            phases = browser.evaluate(
+                "[...document.querySelectorAll('#unfinished tbody tr')]"
+                ".map(tr => [tr.cells[1].textContent, tr.cells[5].textContent])"
+            )
+            assert phases == [
+                ["delete", "–"],
+                ["move", "loading: 0 loaded, 0 missing, 0 deleted, 0 skipped"],
+            ]
             assert "no MP-server client" in unfinished  # why it is still pending
             assert browser.evaluate("document.querySelectorAll('#status img').length") == 0
             assert browser.problems == [], browser.problems

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from importlib import resources
 from string import Template
 
-from kvatlas.coordinator.cache_control.status import CacheControlStatus, QuotaRow
+from kvatlas.coordinator.cache_control.status import CacheControlStatus, OpenCommand, QuotaRow
 from kvatlas.coordinator.status import FleetRow, StatusView
 from kvatlas.coordinator.views import Readiness
 
@@ -391,6 +391,17 @@ def _cache_control(cc: CacheControlStatus) -> str:
     return f'{title}{quotas}<div class="grid cache">{pins}{commands}{_unfinished(cc)}</div>'
 
 
+def _phase(c: OpenCommand) -> str:
+    """A move's phase and progress (``–``: another kind has none)."""
+    m = c.move
+    if m is None:
+        return "–"
+    return (
+        f"{m.phase}: {_num(m.loaded)} loaded, {_num(m.missing)} missing, "
+        f"{_num(m.deleted)} deleted, {_num(m.skipped)} skipped"
+    )
+
+
 def _unfinished(cc: CacheControlStatus) -> str:
     if not cc.unfinished:
         inner = '<p class="muted">none: every command is done</p>'
@@ -398,12 +409,13 @@ def _unfinished(cc: CacheControlStatus) -> str:
         rows = "".join(
             f'<tr><td class="id" title="{_e(c.command_id)}">{_e(c.command_id[:12])}</td>'
             f"<td>{_e(c.kind)}</td><td>{_e(', '.join(c.targets))}</td><td>{_e(_num(c.keys))}</td>"
-            f"<td>{_e(c.state)}</td><td>{_e(_num(c.attempts))}</td><td>{_e(_secs(c.age_s))}</td>"
+            f"<td>{_e(c.state)}</td><td>{_e(_phase(c))}</td><td>{_e(_num(c.attempts))}</td>"
+            f"<td>{_e(_secs(c.age_s))}</td>"
             f'<td class="error" title="{_e(c.last_error)}">{_e(c.last_error or "–")}</td></tr>'
             for c in cc.unfinished
         )
         head = (
-            "<tr><th>id</th><th>kind</th><th>to</th><th>keys</th><th>state</th>"
+            "<tr><th>id</th><th>kind</th><th>to</th><th>keys</th><th>state</th><th>phase</th>"
             "<th>attempts</th><th>age</th><th>last error</th></tr>"
         )
         inner = f"<table><thead>{head}</thead><tbody>{rows}</tbody></table>"

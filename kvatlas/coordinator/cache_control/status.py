@@ -37,8 +37,22 @@ class CommandCount:
 
 
 @dataclass(frozen=True, slots=True)
+class MoveProgress:
+    """Where a move stands (as ``GET /cache/moves/{move_id}`` says): its phase, the keys the
+    target holds (``loaded``), those no tier had (``missing``), the source copies removed
+    (``deleted``) and those left pinned (``skipped``)."""
+
+    phase: str
+    loaded: int
+    missing: int
+    deleted: int
+    skipped: int
+
+
+@dataclass(frozen=True, slots=True)
 class OpenCommand:
-    """An unfinished cache-control command: where it stands and why (its last error)."""
+    """An unfinished cache-control command: where it stands and why (its last error); a
+    move's progress (``None``: another kind)."""
 
     command_id: str
     kind: str
@@ -48,6 +62,7 @@ class OpenCommand:
     attempts: int
     age_s: float
     last_error: str
+    move: MoveProgress | None = None
 
 
 CACHE_ROWS = 50
@@ -144,9 +159,12 @@ def cache_control_status(
 
 
 def _open(c: Command, now: float) -> OpenCommand:
+    move = None
+    if c.kind == "move":
+        move = MoveProgress(c.phase, c.found_keys or 0, c.missing, c.deleted, c.skipped)
     return OpenCommand(
         c.command_id, c.kind, c.targets, len(c.keys), c.state, c.attempts,
-        max(now - c.created_at, 0.0), c.last_error,
+        max(now - c.created_at, 0.0), c.last_error, move,
     )  # fmt: skip
 
 
