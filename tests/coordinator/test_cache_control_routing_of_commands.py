@@ -4,6 +4,7 @@ fakes: every case runs in milliseconds. Real processes: ``test_cache_control_del
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -523,3 +524,41 @@ def test_the_source_deletes_count_adds_to_the_count_recorded_meanwhile() -> None
     delivery.run_once()
     c = log.get(move_id)
     assert c is not None and (c.state, c.deleted) == ("sent", 2)
+
+
+def test_a_slow_instance_does_not_hold_up_the_commands_to_another() -> None:
+    """A pass delivers to each instance on its own worker: a delete to ``a``, whose server
+    answers only once the delete to ``b`` (recorded after it) has been sent, does not keep
+    that one waiting; the commands to one instance still go out in the order recorded."""
+    log, fleet, servers, delivery = setup(urls={"a": "http://a", "b": "http://b"})
+    fleet.held = {object_key(k): [Copy("a", "l2", "fs", False)] for k in KEYS}
+    b_seen = threading.Event()
+    waited: list[bool] = []
+    sent: list[tuple[str, str]] = []
+    inner = servers.__call__
+
+    def slow_a(url: str) -> MpServer:
+        one = inner(url)
+        delete = one.delete_objects
+
+        def delete_objects(keys: Sequence[EncodedKey], tier: TierName = "all", *,
+                           force: bool = False) -> DeleteObjectsReply:  # fmt: skip
+            if url == "http://a" and not waited:
+                waited.append(b_seen.wait(timeout=10))  # only a guard against a hang
+            sent.append((url, tier))
+            if url == "http://b":
+                b_seen.set()
+            return delete(keys, tier, force=force)
+
+        one.delete_objects = delete_objects  # type: ignore[method-assign]
+        return one
+
+    delivery.servers = slow_a
+    first = log.new("delete", ["a"], KEYS, tier="l1")
+    log.new("delete", ["b"], KEYS, tier="l1")
+    then = log.new("delete", ["a"], KEYS, tier="l2")
+    assert first.created_at <= then.created_at
+    delivery.run_once()
+    assert waited == [True]  # b's delete went out while a's was still waiting
+    assert [s for s in sent if s[0] == "http://a"] == [("http://a", "l1"), ("http://a", "l2")]
+    assert {c.state for c in log.unfinished()} == {"sent"}

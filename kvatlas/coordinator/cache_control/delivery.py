@@ -85,6 +85,9 @@ MpServers = Callable[[str], MpServer]
 """An MP server's client from its base URL."""
 PERIOD_S = 0.5
 """How often the loop finishes and delivers commands."""
+WORKERS = 8
+"""How many instances a pass delivers to at once (one thread each: the commands to one
+instance are sent in order, one at a time; an instance beyond these waits for a later pass)."""
 _STRIPES = 64
 
 
@@ -129,6 +132,8 @@ class Delivery:
         self.fleet = fleet
         self.servers = servers
         self._locks = [threading.Lock() for _ in range(_STRIPES)]  # one delivery per command
+        self._busy_lock = threading.Lock()
+        self._busy: dict[str, set[str]] = {}  # instance -> the commands its worker sends
         self.eviction: Callable[[], object] | None = None
         """Run at the start of each pass (the fleet eviction pass, when it is due)."""
         self.pinned: Callable[[list[ObjectKey]], set[ObjectKey]] = lambda keys: set()
@@ -146,7 +151,7 @@ class Delivery:
         away = False  # the shared log's Redis is away: said once, not at every pass
         while not stop.wait(PERIOD_S):
             try:
-                self.run_once()
+                self.run_once(wait=False)
             except Unavailable as exc:
                 if not away:
                     log.warning("cache-control delivery paused: %s", exc)
@@ -158,10 +163,16 @@ class Delivery:
                 log.info("cache-control delivery resumed")
             away = False
 
-    def run_once(self) -> None:
+    def run_once(self, *, wait: bool = True) -> None:
         """Run the eviction pass if due (it records ``evict`` commands), finish what the
         directory shows done, deliver what is due, release the holds of moves that failed,
-        drop old finished commands."""
+        drop old finished commands.
+
+        What is due goes out on one thread per instance (its first target: a move's target),
+        at most :data:`WORKERS` at once, so a slow instance (a large move's 4 s load calls, an
+        unreachable host's timeout) delays only its own commands. ``wait``: return once they
+        are sent (the loop does not wait: an instance whose worker is still busy, and the
+        commands it carries, are left to a later pass)."""
         log_ = self.commands
         if self.eviction is not None and log_.leads("eviction"):
             try:
@@ -172,14 +183,46 @@ class Delivery:
                 log.exception("fleet eviction pass failed")
         unfinished = log_.unfinished()
         owned = log_.claim(c.command_id for c in unfinished)  # shared log: one replica each
+        with self._busy_lock:  # a worker still sending them: not finished under its feet
+            owned -= set().union(*self._busy.values())
         for c in unfinished:
             if c.command_id in owned and (c.state == "sent" or c.kind in ("delete", "evict")):
                 self.check(c)
+        by_instance: dict[str, list[Command]] = {}
         for c in log_.due():
             if c.command_id in owned:
-                self.deliver(c)
+                by_instance.setdefault(c.targets[0], []).append(c)
+        workers = []
+        with self._busy_lock:
+            for instance, due in by_instance.items():
+                if instance in self._busy or len(self._busy) >= WORKERS:
+                    continue  # a later pass
+                self._busy[instance] = {c.command_id for c in due}
+                worker = threading.Thread(
+                    target=self._deliver_all, args=(instance, due), daemon=True,
+                    name=f"kvatlas-delivery-{instance[:32]}",
+                )  # fmt: skip
+                workers.append(worker)
+        for worker in workers:
+            worker.start()
+        if wait:
+            for worker in workers:
+                worker.join()
         self.moves.release_failed()  # the holds of moves that failed (best effort)
         log_.prune()
+
+    def _deliver_all(self, instance: str, due: list[Command]) -> None:
+        """One instance's due commands, in order (a worker of :meth:`run_once`)."""
+        try:
+            for c in due:
+                self.deliver(c)
+        except Unavailable as exc:  # the shared log's Redis is away: a later pass goes on
+            log.warning("cache-control delivery to %s paused: %s", instance, exc)
+        except Exception:  # one bad delivery must not stop the loop's later passes
+            log.exception("cache-control delivery to %s failed", instance)
+        finally:
+            with self._busy_lock:
+                del self._busy[instance]
 
     def instance_back(self, instance_id: str) -> None:
         """The instance (re-)registered: its pending commands are due now, not at the end of
