@@ -34,9 +34,10 @@ DigestArray = np.ndarray[Any, Any]  # 256 uint64 buckets (kvatlas.events.invento
 class ChunkCounts:
     """What follows from the records: key and placement counts, bytes per tier, per
     instance its own L1 placements and the chunks holding them (what fencing visits), and
-    placements and bytes per :data:`~kvatlas.directory.records.Module` (usage), and the inventory digest of every (instance, tier)'s own placements (see
+    placements and bytes per :data:`~kvatlas.directory.records.Module` (usage), and the
+    inventory digest of every (instance, tier)'s own placements (see
     :mod:`kvatlas.events.inventory`; after a restore, built by
-    :meth:`~kvatlas.directory.chunk_table.ChunkTable.digest_partition`)."""
+    :meth:`~kvatlas.directory.chunk_digests.InventoryDigests.digest_partition`)."""
 
     keys: int = 0
     placements: int = 0
