@@ -58,7 +58,7 @@ from kvatlas.router.policies import (
 )
 from kvatlas.router.replies import Relay, ReplyCut, openai_error, send_openai_error
 from kvatlas.router.tokenizer import PromptTokenizer
-from kvatlas.web import check_declared_length, receive_body
+from kvatlas.web import check_declared_length, nested_too_deep, receive_body
 
 log = logging.getLogger(__name__)
 
@@ -189,9 +189,14 @@ class Router:
         return who
 
     async def _parse(self, kind: Kind, raw: bytes) -> RouteRequest:
-        if self.tokenizer is not None and len(raw) > _TOKENIZE_IN_THREAD_BYTES:
-            return await anyio.to_thread.run_sync(parse_request, kind, raw, self.tokenizer)
-        return parse_request(kind, raw, self.tokenizer)
+        """The body read (a body nested deeper than the decoder follows: a 422, counted as
+        the coordinator's and the node's are, never a 500)."""
+        try:
+            if self.tokenizer is not None and len(raw) > _TOKENIZE_IN_THREAD_BYTES:
+                return await anyio.to_thread.run_sync(parse_request, kind, raw, self.tokenizer)
+            return parse_request(kind, raw, self.tokenizer)
+        except RecursionError:
+            raise nested_too_deep(self.metrics.http_refused.count) from None
 
     def _serving(self, req: RouteRequest) -> list[Engine]:
         healthy = self.engines.healthy()

@@ -207,6 +207,8 @@ def test_a_client_leaving_mid_stream_frees_the_engine(fleet: dict[str, Any]) -> 
     ("body", "status", "message"),
     [
         (b"{not json", 400, "not valid JSON"),
+        (b'{"model": "m", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 422, "nests too deeply"),
+        (b'{"model": "m", "x": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5001, 422, "nests too deeply"),
         ({"prompt": [1, 2]}, 400, "'model' is required"),
         ({"model": "no-such-model", "prompt": [1, 2]}, 404, "does not exist"),
         ({"model": MODEL, "prompt": ""}, 400, "empty"),
@@ -223,6 +225,17 @@ def test_bad_input_gets_an_openai_error(fleet: dict[str, Any], body: Any, status
     error = reply.json()["error"]
     assert message in error["message"]
     assert (error["code"], isinstance(error["type"], str)) == (status, True)
+
+
+def test_a_body_nested_too_deeply_is_a_422_counted_never_a_500(fleet: dict[str, Any]) -> None:
+    """msgspec, like ``json``, gives up after about a thousand levels with a RecursionError;
+    the router answers as the coordinator and the node do (it was a 500 with a traceback)."""
+    name = 'kvatlas_http_refused_total{reason="nested_too_deep"}'
+    before = metric(fleet, name)
+    deep = b'{"model": "toy", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    reply = post(fleet, "/v1/chat/completions", deep)
+    assert (reply.status_code, reply.json()["error"]["code"]) == (422, 422)
+    assert metric(fleet, name) == before + 1
 
 
 def test_auth_and_salts(fleet: dict[str, Any]) -> None:
