@@ -32,17 +32,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from kvatlas.api.cache_control import (
-    DeleteObjectsReply,
-    EncodedKey,
-    HoldReply,
-    PrefetchStatusReply,
-    PrefetchSubmitted,
-    ReleaseReply,
-    TierName,
-)
+from kvatlas.api.cache_control import PrefetchStatusReply, PrefetchSubmitted
 from kvatlas.coordinator.cache_control.commands import Command, CommandLog, object_key
-from kvatlas.coordinator.cache_control.moves import MoveSteps
+from kvatlas.coordinator.cache_control.moves import MoveServer, MoveSteps
 from kvatlas.errors import Unavailable
 from kvatlas.keys import ObjectKey
 
@@ -50,33 +42,17 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class MpServer(Protocol):
-    """One MP server's cache-control routes (``kvatlas.client.MPServerClient``). A failure
+class MpServer(MoveServer, Protocol):
+    """One MP server's cache-control routes (``kvatlas.client.MPServerClient``): a move's
+    calls (:class:`.moves.MoveServer`: delete, hold, release) and the prefetch's. A failure
     raises :class:`~kvatlas.errors.Unavailable` whose ``reply_status`` is the server's status
     (``None``: it could not be reached)."""
-
-    def delete_objects(
-        self, keys: Sequence[EncodedKey], tier: TierName = "all", *, force: bool = False
-    ) -> DeleteObjectsReply: ...
 
     def submit_prefetch(
         self, model_name: str, world_size: int, token_ids: Sequence[int], cache_salt: str = ""
     ) -> PrefetchSubmitted: ...
 
     def prefetch_status(self, request_id: str) -> PrefetchStatusReply | None: ...
-
-    def hold(
-        self,
-        hold_id: str,
-        model_name: str,
-        world_size: int,
-        token_ids: Sequence[int],
-        cache_salt: str,
-        source_instance_id: str,
-        ttl_s: float,
-    ) -> HoldReply: ...
-
-    def release(self, hold_id: str) -> ReleaseReply: ...
 
     def close(self) -> None: ...
 
