@@ -51,10 +51,11 @@ class RouteScoreBody(BlendLookupBody):
     ] = None
 
 
-class RouteScorePacked(msgspec.Struct, kw_only=True):
+class RouteScorePacked(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``POST /route/score`` in msgpack (``Content-Type: application/msgpack``): the JSON
     body's fields, with the query's token ids as ``tokens``, little-endian uint32 bytes (the
-    engine API's form of a prompt: no base64, no list of integers). ``instances`` (an array of
+    engine API's form of a prompt: no base64, no list of integers). An unknown field (the
+    JSON body's ``token_ids``, a misspelling) is refused, never scored as an empty query. ``instances`` (an array of
     strings, or nil) stays raw until its length was read from its header
     (``coordinator/route_score.py``): a long list is refused before a string of it exists."""
 

@@ -78,6 +78,9 @@ class Snapshots:
             log.error("snapshot %s could not be restored (%s); starting empty", path, exc)
             return None
         restore_section(self.cache_control, info.sections, path)
+        if info.sections is not None and SECTION in info.sections:
+            # what a snapshot taken while the shared store's Redis is away carries on with
+            self._cache_control_section = info.sections[SECTION]
         self.kv_events.restore(
             info.sections, lambda e: self.directory.gap_state(e) is not None, path
         )

@@ -396,3 +396,33 @@ def test_the_coordinator_goldens_quota_and_pin_exchanges_replay_through_the_serv
         assert status == e["lmcache_status"], (e["path"], got)
         assert got == e["lmcache_response"], (e["method"], e["path"], got)
         assert shape_problems(e["lmcache_response"], got) == []
+
+
+def test_a_snapshot_taken_while_the_shared_store_is_away_keeps_the_restored_section(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the Redis transport cache control is read from Redis at each snapshot; Redis away
+    at the first snapshot after a restart must not write a snapshot without the section the
+    restart read (pins and quotas would be gone should Redis then come back empty)."""
+    from kvatlas.coordinator import snapshots
+    from kvatlas.coordinator.cache_control import SECTION
+    from kvatlas.coordinator.config import CoordinatorConfig
+    from kvatlas.coordinator.service import CoordinatorService
+    from kvatlas.directory import KeyDirectory
+    from kvatlas.directory.snapshot import load_snapshot
+    from kvatlas.errors import Unavailable
+
+    config = CoordinatorConfig(chunk_size=16, snapshot_path=str(tmp_path / "snap"))
+    first = CoordinatorService(config)
+    first.cache_control.pin(fields(48))
+    assert first.take_snapshot() is not None
+
+    def away(_control: object) -> bytes:
+        raise Unavailable("redis away")
+
+    restarted = CoordinatorService(config)
+    assert restarted.snapshots.restore() is not None
+    monkeypatch.setattr(snapshots, "encode_state", away)
+    assert restarted.take_snapshot() is not None
+    sections = load_snapshot(KeyDirectory(16), config.snapshot_path).sections
+    assert sections is not None and SECTION in sections

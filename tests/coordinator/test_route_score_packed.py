@@ -97,6 +97,8 @@ CASES: list[tuple[str, Any, int, str]] = [
     (ADMIN, {**QUERY, "weights": {str(i): 1.0 for i in range(9)}}, 422, "length <= 4"),
     (ADMIN, {**QUERY, "tokens": "AAAA"}, 422, "tokens"),  # a string, not bytes
     (ADMIN, {**QUERY, "world_size": 0}, 422, "world_size"),
+    (ADMIN, {"token_ids": [1, 2, 3], "model_name": "m"}, 422, "token_ids"),  # JSON's name
+    (ADMIN, {**QUERY, "instnaces": ["a"]}, 422, "instnaces"),
     (ADMIN, [1], 422, "body"),
     (SALTED, QUERY, 403, "salt"),  # another tenant's salt
     (SALTED, {**QUERY, "cache_salt": "s"}, 200, ""),
