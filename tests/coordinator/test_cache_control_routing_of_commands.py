@@ -562,3 +562,33 @@ def test_a_slow_instance_does_not_hold_up_the_commands_to_another() -> None:
     assert waited == [True]  # b's delete went out while a's was still waiting
     assert [s for s in sent if s[0] == "http://a"] == [("http://a", "l1"), ("http://a", "l2")]
     assert {c.state for c in log.unfinished()} == {"sent"}
+
+
+def test_a_move_failed_while_it_deletes_deletes_no_further_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The target deregisters (the move fails) while the source deletes the first batch: the
+    attempt sends no further batch (the source keeps the copies the target took with it)."""
+    monkeypatch.setattr(moves, "MAX_DELETE_KEYS", 1)  # one batch a key
+    log, fleet, servers, delivery, move_id = move_setup()
+    fleet.held = {object_key(k): l1("a", "b") for k in KEYS}
+    inner = servers.__call__
+
+    def source(url: str) -> MpServer:
+        one = inner(url)
+        delete = one.delete_objects
+
+        def delete_objects(keys: Sequence[EncodedKey], tier: TierName = "all", *,
+                           force: bool = False) -> DeleteObjectsReply:  # fmt: skip
+            reply = delete(keys, tier, force=force)
+            delivery.instance_left("b")  # meanwhile the target leaves
+            del fleet.urls["b"]
+            return reply
+
+        one.delete_objects = delete_objects  # type: ignore[method-assign]
+        return one
+
+    delivery.servers = source
+    delivery.run_once()
+    assert servers.deleted == [KEYS[:1]]
+    assert log.get(move_id).state == "failed"  # type: ignore[union-attr]
