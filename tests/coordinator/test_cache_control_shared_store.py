@@ -247,7 +247,7 @@ def test_a_finished_commands_state_never_changes_in_either_log(redis_server: Red
     worker's attempt that ran on while an instance left), in the in-memory log and in Redis."""
     store = new_store(redis_server)
     try:
-        for log in (CommandLog(),):
+        for log in (CommandLog(), SharedCommandLog(store)):
             c = log.new("delete", ["n1"], [], tier="l1")
             log.finish(c.command_id, "failed", "instance 'n1' deregistered")
             assert log.delivery_failed(c.command_id, "down").state == "failed"
