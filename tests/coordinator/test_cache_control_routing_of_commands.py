@@ -592,3 +592,22 @@ def test_a_move_failed_while_it_deletes_deletes_no_further_batch(
     delivery.run_once()
     assert servers.deleted == [KEYS[:1]]
     assert log.get(move_id).state == "failed"  # type: ignore[union-attr]
+
+
+def test_a_move_whose_source_left_while_it_held_completes_without_holding_again() -> None:
+    """The source leaves once the target holds every key (``holding``: not failed, its copies
+    went with it): the next attempt completes the move rather than asking the target to hold
+    again, which the target cannot (it would load from the gone source), retried forever."""
+    log, fleet, servers, delivery, move_id = move_setup()
+    fleet.held = {object_key(k): l1("a") for k in KEYS}
+    delivery.run_once()  # held; the directory does not show the target's copies yet
+    assert log.get(move_id).phase == "holding"  # type: ignore[union-attr]
+    delivery.instance_left("a")
+    del fleet.urls["a"]
+    servers.down.add("http://b")  # a hold now fails: the source it loads from is gone
+    servers.calls.clear()
+    delivery.instance_back("b")
+    delivery.run_once()
+    got = log.get(move_id)
+    assert got is not None and (got.state, got.phase) == ("completed", "done")
+    assert ("http://b", "hold", "") not in servers.calls

@@ -161,6 +161,11 @@ class MoveSteps:
         url = fleet.url_of(target)
         if url is None:
             return f"target {target!r} is not registered (or gave no http_port)", None
+        if c.phase in ("holding", "deleting") and fleet.url_of(source) is None:
+            # the target held every key; the source's L1 copies went with its process, so
+            # there is nothing left to delete (and no source to load from for another hold)
+            self._done(c, url)
+            return None
         if c.phase == "queued":
             c = log.progress(c.command_id, phase="loading")
             if c.state in FINISHED:  # failed meanwhile (an instance left)
