@@ -611,3 +611,33 @@ def test_a_move_whose_source_left_while_it_held_completes_without_holding_again(
     got = log.get(move_id)
     assert got is not None and (got.state, got.phase) == ("completed", "done")
     assert ("http://b", "hold", "") not in servers.calls
+
+
+def test_a_workers_copy_of_a_due_command_is_not_sent_once_its_attempt_was_pushed_out() -> None:
+    """A pass reads the due commands, then a worker sends them one after the other; a command
+    whose next attempt was pushed out meanwhile (the route's own attempt failed, or another
+    replica's did) is not sent by the worker's older copy (negative control: the one before
+    it is sent)."""
+    log, _fleet, servers, delivery = setup(urls={"a": "http://a"})
+    first = log.new("delete", ["a"], KEYS[:1], tier="all")
+    second = log.new("delete", ["a"], KEYS[1:], tier="all")
+    inner = servers.__call__
+
+    def meanwhile(url: str) -> MpServer:
+        one = inner(url)
+        delete = one.delete_objects
+
+        def delete_objects(keys: Sequence[EncodedKey], tier: TierName = "all", *,
+                           force: bool = False) -> DeleteObjectsReply:  # fmt: skip
+            log.delivery_failed(second.command_id, "the route's attempt: down")
+            return delete(keys, tier, force=force)
+
+        one.delete_objects = delete_objects  # type: ignore[method-assign]
+        return one
+
+    delivery.servers = meanwhile
+    delivery.run_once()
+    assert servers.deleted == [KEYS[:1]]
+    assert log.get(first.command_id).state == "sent"  # type: ignore[union-attr]
+    got = log.get(second.command_id)
+    assert got is not None and (got.state, got.attempts) == ("pending", 1)
