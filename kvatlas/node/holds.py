@@ -18,9 +18,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol
+from typing import Final, Protocol
 
 from kvatlas.keys import ObjectKey
+
+RELEASED_KEEP_S: Final = 3600.0
+"""How long a released hold's id is remembered: a hold call of that move still loading (or
+arriving late) sets nothing under it meanwhile (a move releases its hold only once finished)."""
 
 
 class KeptKeys(Protocol):
@@ -39,20 +43,28 @@ class MoveHolds:
         self._lock = threading.Lock()
         self._holds: dict[str, tuple[frozenset[ObjectKey], float]] = {}
         self._missing: dict[str, frozenset[ObjectKey]] = {}
+        self._released: dict[str, float] = {}  # hold id -> until when it stays released
         self._keys: frozenset[ObjectKey] = frozenset()
         self._next_expiry = float("inf")
 
-    def hold(self, hold_id: str, keys: Iterable[ObjectKey], ttl_s: float) -> None:
-        """Hold ``keys`` under ``hold_id`` for ``ttl_s`` from now (replacing what it held)."""
+    def hold(self, hold_id: str, keys: Iterable[ObjectKey], ttl_s: float) -> bool:
+        """Hold ``keys`` under ``hold_id`` for ``ttl_s`` from now (replacing what it held);
+        ``False`` (nothing held) once ``hold_id`` was released (for :data:`RELEASED_KEEP_S`:
+        a release that came while a hold call loaded is not undone by its end)."""
         with self._lock:
+            self._rebuild()
+            if hold_id in self._released:
+                return False
             self._holds[hold_id] = (frozenset(keys), self._clock() + ttl_s)
             self._rebuild()
+            return True
 
     def release(self, hold_id: str) -> int:
         """Drop the hold; returns how many keys it held (0: unknown or expired)."""
         with self._lock:
             found = self._holds.pop(hold_id, None)
             self._missing.pop(hold_id, None)
+            self._released[hold_id] = self._clock() + RELEASED_KEEP_S
             self._rebuild()
         return 0 if found is None else len(found[0])
 
@@ -66,8 +78,10 @@ class MoveHolds:
             )
 
     def note_missing(self, hold_id: str, keys: Iterable[ObjectKey]) -> None:
+        """Remember the keys a call of ``hold_id`` found nowhere (only while it is held)."""
         with self._lock:
-            self._missing[hold_id] = frozenset(keys)
+            if hold_id in self._holds:
+                self._missing[hold_id] = frozenset(keys)
 
     def __contains__(self, key: object) -> bool:
         if self._clock() >= self._next_expiry:
@@ -98,6 +112,8 @@ class MoveHolds:
         for hold_id in [h for h, (_, until) in self._holds.items() if until <= now]:
             del self._holds[hold_id]
             self._missing.pop(hold_id, None)
+        for hold_id in [h for h, until in self._released.items() if until <= now]:
+            del self._released[hold_id]
         keys: set[ObjectKey] = set()
         for held, _ in self._holds.values():
             keys |= held

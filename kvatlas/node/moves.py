@@ -83,7 +83,7 @@ class MoveTarget:
         :data:`MOVE_BATCH_BYTES`) for at most :data:`MOVE_BUDGET_S` (the rest is
         ``unfinished``: the coordinator asks again). The hold is set before anything is put
         (nothing loaded can be evicted before it is held) and ends holding only the keys L1
-        has."""
+        has. A release that comes meanwhile stands: the end holds nothing then."""
         started = time.monotonic()
         hashes = tracker.chunk_hashes()
         tokens = tracker.get_token_ids()
@@ -94,7 +94,8 @@ class MoveTarget:
             for i, key in enumerate(keys)
         }
         known_missing = self.holds.missing(hold_id)  # found nowhere by this hold's last calls
-        self.holds.hold(hold_id, keys, ttl_s)
+        if not self.holds.hold(hold_id, keys, ttl_s):
+            return Loaded([], [], [])  # released: its move is over, nothing to load or hold
         lacking = [k for k in keys if not self.l1.contains(k) and k not in known_missing]
         tried: set[ObjectKey] = set()  # came from some tier: put, whether L1 took it or not
         missing = [k for k in keys if k in known_missing and not self.l1.contains(k)]

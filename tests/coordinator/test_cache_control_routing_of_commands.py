@@ -562,3 +562,82 @@ def test_a_slow_instance_does_not_hold_up_the_commands_to_another() -> None:
     assert waited == [True]  # b's delete went out while a's was still waiting
     assert [s for s in sent if s[0] == "http://a"] == [("http://a", "l1"), ("http://a", "l2")]
     assert {c.state for c in log.unfinished()} == {"sent"}
+
+
+def test_a_move_failed_while_it_deletes_deletes_no_further_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The target deregisters (the move fails) while the source deletes the first batch: the
+    attempt sends no further batch (the source keeps the copies the target took with it)."""
+    monkeypatch.setattr(moves, "MAX_DELETE_KEYS", 1)  # one batch a key
+    log, fleet, servers, delivery, move_id = move_setup()
+    fleet.held = {object_key(k): l1("a", "b") for k in KEYS}
+    inner = servers.__call__
+
+    def source(url: str) -> MpServer:
+        one = inner(url)
+        delete = one.delete_objects
+
+        def delete_objects(keys: Sequence[EncodedKey], tier: TierName = "all", *,
+                           force: bool = False) -> DeleteObjectsReply:  # fmt: skip
+            reply = delete(keys, tier, force=force)
+            delivery.instance_left("b")  # meanwhile the target leaves
+            del fleet.urls["b"]
+            return reply
+
+        one.delete_objects = delete_objects  # type: ignore[method-assign]
+        return one
+
+    delivery.servers = source
+    delivery.run_once()
+    assert servers.deleted == [KEYS[:1]]
+    assert log.get(move_id).state == "failed"  # type: ignore[union-attr]
+
+
+def test_a_move_whose_source_left_while_it_held_completes_without_holding_again() -> None:
+    """The source leaves once the target holds every key (``holding``: not failed, its copies
+    went with it): the next attempt completes the move rather than asking the target to hold
+    again, which the target cannot (it would load from the gone source), retried forever."""
+    log, fleet, servers, delivery, move_id = move_setup()
+    fleet.held = {object_key(k): l1("a") for k in KEYS}
+    delivery.run_once()  # held; the directory does not show the target's copies yet
+    assert log.get(move_id).phase == "holding"  # type: ignore[union-attr]
+    delivery.instance_left("a")
+    del fleet.urls["a"]
+    servers.down.add("http://b")  # a hold now fails: the source it loads from is gone
+    servers.calls.clear()
+    delivery.instance_back("b")
+    delivery.run_once()
+    got = log.get(move_id)
+    assert got is not None and (got.state, got.phase) == ("completed", "done")
+    assert ("http://b", "hold", "") not in servers.calls
+
+
+def test_a_workers_copy_of_a_due_command_is_not_sent_once_its_attempt_was_pushed_out() -> None:
+    """A pass reads the due commands, then a worker sends them one after the other; a command
+    whose next attempt was pushed out meanwhile (the route's own attempt failed, or another
+    replica's did) is not sent by the worker's older copy (negative control: the one before
+    it is sent)."""
+    log, _fleet, servers, delivery = setup(urls={"a": "http://a"})
+    first = log.new("delete", ["a"], KEYS[:1], tier="all")
+    second = log.new("delete", ["a"], KEYS[1:], tier="all")
+    inner = servers.__call__
+
+    def meanwhile(url: str) -> MpServer:
+        one = inner(url)
+        delete = one.delete_objects
+
+        def delete_objects(keys: Sequence[EncodedKey], tier: TierName = "all", *,
+                           force: bool = False) -> DeleteObjectsReply:  # fmt: skip
+            log.delivery_failed(second.command_id, "the route's attempt: down")
+            return delete(keys, tier, force=force)
+
+        one.delete_objects = delete_objects  # type: ignore[method-assign]
+        return one
+
+    delivery.servers = meanwhile
+    delivery.run_once()
+    assert servers.deleted == [KEYS[:1]]
+    assert log.get(first.command_id).state == "sent"  # type: ignore[union-attr]
+    got = log.get(second.command_id)
+    assert got is not None and (got.state, got.attempts) == ("pending", 1)

@@ -239,3 +239,25 @@ def test_a_lease_is_one_replicas_until_it_lapses(redis_server: RedisServer) -> N
     finally:
         a_store.client.close()
         b_store.client.close()
+
+
+def test_a_finished_commands_state_never_changes_in_either_log(redis_server: RedisServer) -> None:
+    """A failed command stays failed: a late delivery failure does not make it pending again,
+    a late delivery does not make it sent, a late completion does not make it completed (a
+    worker's attempt that ran on while an instance left), in the in-memory log and in Redis."""
+    store = new_store(redis_server)
+    try:
+        for log in (CommandLog(), SharedCommandLog(store)):
+            c = log.new("delete", ["n1"], [], tier="l1")
+            log.finish(c.command_id, "failed", "instance 'n1' deregistered")
+            assert log.delivery_failed(c.command_id, "down").state == "failed"
+            assert log.delivered(c.command_id).state == "failed"
+            assert log.finish(c.command_id, "completed").state == "failed"
+            got = log.get(c.command_id)
+            assert got is not None and (got.state, got.last_error) == (
+                "failed",
+                "instance 'n1' deregistered",
+            )
+            assert log.unfinished() == [] and log.counts() == {("delete", "failed"): 1}
+    finally:
+        store.client.close()

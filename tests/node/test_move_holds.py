@@ -218,3 +218,30 @@ def test_holds_are_for_admin_only(node: CacheNode) -> None:
             assert len(node.holds) == 0
         r = c.put("/cache/holds/m", json=body(1), headers={"authorization": "Bearer admin-token"})
         assert r.status_code == 200 and len(r.json()["held"]) == 3
+
+
+def test_a_release_while_a_hold_call_loads_stands_and_leaves_nothing_behind(
+    node: CacheNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The coordinator releases a move's hold (the move finished or failed) while a hold call
+    of that move still loads from L2: the call's end does not hold the keys again, a later
+    call of that move holds nothing, and what it found nowhere is not kept (negative control:
+    a hold under another id is set as before)."""
+    one = keys_of(doc(1))
+    node.delete(one, frozenset({L1}), force=True)  # L2 only now: the call loads
+    assert node.l2 is not None
+    get_many = node.l2.get_many
+
+    def released_meanwhile(keys: Any) -> Any:
+        assert node.holds.release("move") == 3  # the first hold was set: all three keys
+        return get_many(keys)
+
+    monkeypatch.setattr(node.moves.l2, "get_many", released_meanwhile)
+    node.moves.load_and_hold("move", node.tracker(token_ids=doc(1)), "elsewhere", 600.0)
+    assert node.holds.holds() == 0 and not any(k in node.holds for k in one)
+    node.moves.load_and_hold("move", node.tracker(token_ids=doc(1)), "elsewhere", 600.0)
+    assert node.holds.holds() == 0
+    node.holds.note_missing("gone", one)  # a late call's keys found nowhere, after its release
+    node.holds.hold("gone", one, 60.0)  # an id never released is held
+    assert node.holds.missing("gone") == frozenset()  # nothing stale came with it
+    assert node.holds.holds() == 1

@@ -164,8 +164,20 @@ class CommandLog:
     def update(self, command_id: str, op: str, change: Callable[[Command], Command]) -> Command:
         """Record ``change`` of the command as it stands now (``KeyError``: no such command).
         Every read-modify-write goes through here: the shared log applies it atomically (a
-        concurrent change by another replica makes it read again and re-apply ``change``)."""
-        return self.record(op, change(self._require(command_id)))
+        concurrent change by another replica makes it read again and re-apply ``change``).
+        A finished command's state never changes (as in the shared log): such a change leaves
+        the command as it stands."""
+        with self._lock:
+            current = self._commands.get(command_id)
+            if current is None:
+                raise KeyError(command_id)
+            new = change(current)
+            if current.state in FINISHED and new.state != current.state:
+                return current
+            self._commands[command_id] = new
+        if self.on_record is not None:
+            self.on_record(op, new)
+        return new
 
     def claim(self, command_ids: Iterable[str]) -> set[str]:
         """Those of ``command_ids`` this coordinator may deliver and finish now: all of them
@@ -268,12 +280,6 @@ class CommandLog:
         """The log a snapshot held: unfinished commands are due again at once (what was
         ``sent`` before the restart is delivered again: the events may never come)."""
         return cls(restored_commands(data), **options)  # type: ignore[arg-type]
-
-    def _require(self, command_id: str) -> Command:
-        c = self.get(command_id)
-        if c is None:
-            raise KeyError(command_id)
-        return c
 
 
 def encode_commands(commands: list[Command]) -> bytes:

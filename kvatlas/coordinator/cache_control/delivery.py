@@ -191,7 +191,7 @@ class Delivery:
         """One instance's due commands, in order (a worker of :meth:`run_once`)."""
         try:
             for c in due:
-                self.deliver(c)
+                self.deliver(c, as_due=True)
         except Unavailable as exc:  # the shared log's Redis is away: a later pass goes on
             log.warning("cache-control delivery to %s paused: %s", instance, exc)
         except Exception:  # one bad delivery must not stop the loop's later passes
@@ -236,10 +236,12 @@ class Delivery:
 
     # ------------------------------------------------------------------ one delivery
 
-    def deliver(self, command: Command) -> tuple[str, int | None] | None:
+    def deliver(self, command: Command, *, as_due: bool = False) -> tuple[str, int | None] | None:
         """One attempt to send ``command``; ``None`` when it was delivered (or finished),
         else ``(error, the server's status or None: not reached)`` (the command is then
-        pending with its backoff, or failed for a refusal)."""
+        pending with its backoff, or failed for a refusal). ``as_due``: the loop's copy, read
+        from :meth:`CommandLog.due`; nothing is sent if the command changed since (the route's
+        attempt or another replica delivered it, or pushed its next attempt out)."""
         # the route's first attempt and the loop may meet on a new command: one waits for
         # the other, then sends only if the command still needs it (its own answer stays true)
         with self._locks[hash(command.command_id) % _STRIPES]:
@@ -248,8 +250,8 @@ class Delivery:
             current = self.commands.get(command.command_id)
             if current is None or current.state in ("completed", "failed"):
                 return None
-            if current.state == "sent" and current.updated_at != command.updated_at:
-                return None  # delivered meanwhile
+            if (as_due or current.state == "sent") and current.updated_at != command.updated_at:
+                return None  # delivered (or tried) meanwhile
             if current.kind == "evict" or (current.kind == "delete" and not current.force):
                 current = self._unpinned(current)
                 if current is None:

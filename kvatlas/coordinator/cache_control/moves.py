@@ -46,7 +46,7 @@ from kvatlas.api.cache_control import (
     ReleaseReply,
     TierName,
 )
-from kvatlas.coordinator.cache_control.commands import Command, CommandLog, object_key
+from kvatlas.coordinator.cache_control.commands import FINISHED, Command, CommandLog, object_key
 from kvatlas.errors import Unavailable
 from kvatlas.keys import ObjectKey
 
@@ -161,8 +161,15 @@ class MoveSteps:
         url = fleet.url_of(target)
         if url is None:
             return f"target {target!r} is not registered (or gave no http_port)", None
+        if c.phase in ("holding", "deleting") and fleet.url_of(source) is None:
+            # the target held every key; the source's L1 copies went with its process, so
+            # there is nothing left to delete (and no source to load from for another hold)
+            self._done(c, url)
+            return None
         if c.phase == "queued":
             c = log.progress(c.command_id, phase="loading")
+            if c.state in FINISHED:  # failed meanwhile (an instance left)
+                return None
         key = c.keys[0]
         try:
             reply = self.d.call(url, lambda s: s.hold(
@@ -178,6 +185,8 @@ class MoveSteps:
             return None
         c = log.progress(c.command_id, phase="holding", found_keys=len(held),
                          missing=len(reply.missing))  # fmt: skip
+        if c.state in FINISHED:
+            return None
         if c.keep_source:
             self._done(c, url)
             return None
@@ -193,13 +202,19 @@ class MoveSteps:
         if source_url is None:  # its L1 copies went with its process
             self._done(c, url)
             return None
+        if c.state in FINISHED:  # failed meanwhile (its target left): nothing more goes
+            return None
         for start in range(0, len(moving), MAX_DELETE_KEYS):
+            if fleet.url_of(target) is None:  # the target left: its copies with it
+                return None
             batch = [c.keys[i] for i in moving[start : start + MAX_DELETE_KEYS]]
             try:
                 done = self.d.call(source_url, _delete_l1(batch))
             except Unavailable as exc:
                 return _failure(exc)
             c = log.update(c.command_id, "progress", _count_deleted(done.deleted))
+            if c.state in FINISHED:
+                return None
         log.delivered(c.command_id)
         return None
 

@@ -65,7 +65,7 @@ if m then
   local kind, state, r = string.match(m, '^([^/]*)/([^/]*)/(%d+)$')
   rev = tonumber(r)
   if ARGV[7] ~= '' and tonumber(ARGV[7]) ~= rev then return -1 end
-  if (state == 'completed' or state == 'failed') and not finished then return -2 end
+  if (state == 'completed' or state == 'failed') and ARGV[3] ~= state then return -2 end
   redis.call('HINCRBY', KEYS[4], kind .. '/' .. state, -1)
 elseif ARGV[7] ~= '' and ARGV[7] ~= '0' then
   return -1
