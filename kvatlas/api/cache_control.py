@@ -13,9 +13,12 @@ different delete than the operator asked for. Key invariants (hash length, model
 
 from __future__ import annotations
 
+from collections.abc import Sized
 from typing import Annotated, Final, Literal
 
 import msgspec
+
+from kvatlas.errors import InvalidInput
 
 TierName = Literal["l1", "l2", "all"]
 """A tier selector on the wire (LMCache's ``Tier``); which a route accepts is the route's rule."""
@@ -27,6 +30,17 @@ MAX_DELETE_KEYS: Final = 10_000
 """Keys one ``DELETE /cache/objects`` may name (LMCache's ``MAX_DELETE_BATCH``): 400 beyond."""
 MAX_TOKEN_IDS: Final = 1_000_000
 """Token ids one token-addressed request may carry (LMCache's ``MAX_TOKEN_IDS``): 400 beyond."""
+
+
+def check_token_count(token_ids: Sized) -> None:
+    """400 (:class:`~kvatlas.errors.InvalidInput`, LMCache's words) beyond
+    :data:`MAX_TOKEN_IDS`."""
+    if len(token_ids) > MAX_TOKEN_IDS:
+        raise InvalidInput(
+            f"too many token_ids in a single request (limit={MAX_TOKEN_IDS}, got={len(token_ids)})"
+        )
+
+
 MAX_PAGE_SIZE: Final = 5000
 DEFAULT_PAGE_SIZE: Final = 500
 

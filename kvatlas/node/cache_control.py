@@ -24,7 +24,6 @@ from typing import Final
 
 from kvatlas.api.cache_control import (
     MAX_DELETE_KEYS,
-    MAX_TOKEN_IDS,
     ClearBody,
     ClearedTier,
     ClearReply,
@@ -40,6 +39,7 @@ from kvatlas.api.cache_control import (
     PrefetchSubmitted,
     ReleaseReply,
     TierName,
+    check_token_count,
 )
 from kvatlas.errors import InvalidInput, NotFound, Unavailable
 from kvatlas.keys import ObjectKey, check_cache_salt, check_instance_id, parse_chunk_hash_hex
@@ -219,10 +219,7 @@ class NodeCacheControl:
                 f"{config.world_size}, not model_name={body.model_name!r} world_size="
                 f"{body.world_size}"
             )
-        if len(body.token_ids) > MAX_TOKEN_IDS:
-            raise InvalidInput(
-                f"too many token_ids in a single request (limit={MAX_TOKEN_IDS}, got={len(body.token_ids)})"
-            )
+        check_token_count(body.token_ids)
         try:
             check_cache_salt(body.cache_salt)
             check_instance_id(body.source_instance_id)
@@ -298,10 +295,7 @@ class NodeCacheControl:
 
     def _keys_of_tokens(self, token_ids: Sequence[int], cache_salt: str) -> list[ObjectKey]:
         """This node's keys of the complete chunks of ``token_ids`` (its own hashing and rank)."""
-        if len(token_ids) > MAX_TOKEN_IDS:
-            raise InvalidInput(
-                f"too many token_ids in a single request (limit={MAX_TOKEN_IDS}, got={len(token_ids)})"
-            )
+        check_token_count(token_ids)
         try:
             check_cache_salt(cache_salt)
             tracker = self.node.tracker(token_ids=token_ids, cache_salt=cache_salt)

@@ -17,7 +17,6 @@ from typing import Final, Literal
 
 from kvatlas.api.cache_control import (
     MAX_PIN_PAGE,
-    MAX_TOKEN_IDS,
     CoordinatorDeleteBody,
     CoordinatorDeleteReply,
     CoordinatorPrefetchBody,
@@ -36,6 +35,7 @@ from kvatlas.api.cache_control import (
     QuotaSetReply,
     QuotaStatus,
     TokenFields,
+    check_token_count,
 )
 from kvatlas.coordinator.cache_control.commands import Command, CommandLog
 from kvatlas.coordinator.cache_control.pins import Pins, PinTable
@@ -114,10 +114,7 @@ class CacheControl:
     def resolve(self, fields: TokenFields) -> Resolved:
         """The keys of ``fields``' complete chunks (400 a bad salt, model or token id, or
         more than 1,000,000 token ids; the salt is checked even when no chunk is complete)."""
-        if len(fields.token_ids) > MAX_TOKEN_IDS:
-            raise InvalidInput(
-                f"too many token_ids in a single request (limit={MAX_TOKEN_IDS}, got={len(fields.token_ids)})"
-            )
+        check_token_count(fields.token_ids)
         try:
             check_cache_salt(fields.cache_salt)
             check_model_name(fields.model_name)
