@@ -1,7 +1,8 @@
 """L2 ingest into a KeyDirectory, and quota usage (``bytes_by_salt("l2")``) against the full
 pass over the records, on the source tree in PYTHONPATH: run it for two trees in turn to
 compare (docs/cache-control.md quotes a run). 204,800 L2 keys in 10 salts, 256 per batch: first
-as new chunks, then the same keys from a second instance (known chunks); medians of 3.
+as new chunks, then the same keys from a second instance (known chunks); medians of 3; once
+with one salt a batch, once with all 10 in every batch.
 
     for t in /tmp/base .; do TREE=$t PYTHONPATH=$t python scripts/bench_salt_usage.py; done
 """
@@ -22,14 +23,21 @@ from kvatlas.keys import ObjectKey
 N_BATCHES, PER_BATCH = 800, 256
 
 
-def batches() -> tuple[list[EventBatch], list[EventBatch]]:
+def batches(mixed: bool) -> tuple[list[EventBatch], list[EventBatch]]:
+    """``mixed``: every batch carries all 10 salts (a node serving several tenants at once:
+    the counter's entry-by-entry path); else one salt per batch (its one-total path)."""
     rng = np.random.default_rng(1)
     salts = [f"t{i}" for i in range(10)]
     first = []
     for b in range(N_BATCHES):
         entries = tuple(
-            CacheEntry(ObjectKey(rng.bytes(32), "m", 16777472, 0, salts[b % 10]), 1 << 20, None, -1)
-            for _ in range(PER_BATCH)
+            CacheEntry(
+                ObjectKey(rng.bytes(32), "m", 16777472, 0, salts[(i if mixed else b) % 10]),
+                1 << 20,
+                None,
+                -1,
+            )  # fmt: skip
+            for i in range(PER_BATCH)
         )
         first.append(EventBatch("n1", 1, b + 1, "store", "l2", "fs", False, float(b), entries))
     again = [
@@ -56,15 +64,16 @@ def one_round(first: list[EventBatch], again: list[EventBatch]) -> tuple[float, 
 
 
 def main() -> None:
-    first, again = batches()
-    rounds = [one_round(first, again) for _ in range(3)]
-    fresh, known, usage, full = (statistics.median(x) for x in zip(*rounds, strict=True))
     n = N_BATCHES * PER_BATCH
-    print(
-        f"{os.environ.get('TREE', '.')}: new chunks {n / fresh:,.0f} entries/s, known chunks "
-        f"{n / known:,.0f} entries/s, bytes_by_salt('l2') {usage * 1e3:.2f} ms, "
-        f"full pass {full * 1e3:.0f} ms"
-    )
+    for mixed in (False, True):
+        first, again = batches(mixed)
+        rounds = [one_round(first, again) for _ in range(3)]
+        fresh, known, usage, full = (statistics.median(x) for x in zip(*rounds, strict=True))
+        print(
+            f"{os.environ.get('TREE', '.')} ({'10 salts' if mixed else 'one salt'} a batch): new "
+            f"chunks {n / fresh:,.0f} entries/s, known chunks {n / known:,.0f} entries/s, "
+            f"bytes_by_salt('l2') {usage * 1e3:.2f} ms, full pass {full * 1e3:.0f} ms"
+        )
 
 
 if __name__ == "__main__":
