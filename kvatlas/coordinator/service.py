@@ -252,6 +252,7 @@ class CoordinatorService:
 
     def _fence_expired(self, instance_id: str) -> None:
         dropped = self.directory.fence_instance(instance_id)
+        self.delivery.instance_fenced(instance_id)
         self.metrics.instances_expired.inc()
         log.warning(
             "instance %s missed heartbeats: fenced (%d L1 placements dropped)", instance_id, dropped

@@ -5,6 +5,7 @@ fakes: every case runs in milliseconds. Real processes: ``test_cache_control_del
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -21,8 +22,11 @@ from kvatlas.api.cache_control import (
 )
 from kvatlas.coordinator.cache_control import CommandLog, moves
 from kvatlas.coordinator.cache_control.delivery import Copy, Delivery, MpServer, object_key
+from kvatlas.coordinator.cache_control.shared_commands import SharedCommandLog
+from kvatlas.coordinator.cache_control.shared_store import SharedStore
 from kvatlas.errors import Unavailable
 from kvatlas.keys import ObjectKey, pack_kv_rank
+from tests.conftest import RedisServer
 
 KEYS = [EncodedKey(f"{n:064x}", "m", pack_kv_rank(1, 0, 1, 0)) for n in (1, 2)]
 
@@ -641,3 +645,113 @@ def test_a_workers_copy_of_a_due_command_is_not_sent_once_its_attempt_was_pushed
     assert log.get(first.command_id).state == "sent"  # type: ignore[union-attr]
     got = log.get(second.command_id)
     assert got is not None and (got.state, got.attempts) == ("pending", 1)
+
+
+# ------------------------------------------------------------------ moves across replicas
+
+
+def replica_pair(
+    redis_server: RedisServer,
+) -> tuple[list[SharedCommandLog], list[FakeFleet], FakeServers, list[Delivery]]:
+    """Two replicas over one shared log in a real Redis: ``a`` has the target ``b``
+    registered, ``b`` the source ``a`` (nodes talk to one replica); one directory view."""
+    stream = f"kvatlas:move-replicas-{uuid.uuid4().hex}"
+    logs = [SharedCommandLog(SharedStore.connect(redis_server.url, stream, owner),
+                             jitter=lambda: 1.0) for owner in ("A", "B")]  # fmt: skip
+    held = {object_key(k): l1("a", "b") for k in KEYS}
+    fleets = [FakeFleet(urls={"b": "http://b"}, held=held),
+              FakeFleet(urls={"a": "http://a"}, held=held)]  # fmt: skip
+    servers = FakeServers(fleets[0])  # one record of every call, by URL
+    a, b = logs
+    deliveries = [Delivery(lambda: a, fleets[0], servers), Delivery(lambda: b, fleets[1], servers)]
+    return logs, fleets, servers, deliveries
+
+
+def test_a_move_across_replicas_deletes_through_the_sources_replica(
+    redis_server: RedisServer,
+) -> None:
+    """The target registered with replica A, the source with B: A's attempt holds and, the
+    source not being its own (it has not left), lets the lease go; B deletes the source's
+    copies from that recent hold and the move completes once the directory shows them gone.
+    (The old code: A completed the move at once, deleting nothing.) A hold confirmed too long
+    ago is not deleted from: B hands it back for a new hold."""
+    (log_a, log_b), (fleet_a, _), servers, (a, b) = replica_pair(redis_server)
+    try:
+        c = log_a.new("move", ["b"], KEYS, tier="l1", source="a", token_ids=tuple(range(32)))
+        a.run_once()
+        got = log_a.get(c.command_id)
+        assert got is not None and (got.state, got.phase, got.deleted) == (
+            "pending",
+            "deleting",
+            0,
+        )
+        assert "not registered with this replica" in got.last_error
+        assert servers.calls == [("http://b", "hold", "")] and servers.deleted == []
+        b.instance_back("a")  # the source (re-)registers with B: due now
+        b.run_once()
+        assert servers.calls[-1] == ("http://a", "delete", "l1") and servers.deleted == [KEYS]
+        assert log_b.get(c.command_id).state == "sent"  # type: ignore[union-attr]
+        for k in KEYS:
+            fleet_a.held[object_key(k)] = l1("b")  # the source's delete events
+        b.run_once()
+        got = log_a.get(c.command_id)
+        assert got is not None and (got.state, got.phase, got.deleted) == (
+            "completed",
+            "done",
+            2,
+        )
+
+        # a stale hold: B deletes nothing and lets it go; A holds again, then B deletes
+        servers.calls.clear()
+        servers.deleted.clear()
+        for k in KEYS:
+            fleet_a.held[object_key(k)] = l1("a", "b")
+        c = log_a.new("move", ["b"], KEYS, tier="l1", source="a", token_ids=tuple(range(32)))
+        a.run_once()
+        log_a.progress(c.command_id, held_at=log_a.now() - moves.HANDOVER_S - 1)
+        b.instance_back("a")
+        b.run_once()
+        assert servers.deleted == []
+        assert "its replica holds again" in log_b.get(c.command_id).last_error  # type: ignore[union-attr]
+        a.instance_back("b")
+        a.run_once()
+        assert servers.calls[-1] == ("http://b", "hold", "") and servers.deleted == []
+        b.instance_back("a")
+        b.run_once()
+        assert servers.deleted == [KEYS]
+    finally:
+        for log in (log_a, log_b):
+            log.store.client.close()
+
+
+def test_a_source_that_left_as_its_replica_saw_it_completes_the_move_on_another(
+    redis_server: RedisServer,
+) -> None:
+    """The source deregisters, or is fenced, at B once the target (A's) holds the keys: A,
+    whose directory may still show the source's copies, completes the move without deleting
+    (``source_left`` is in the shared record). A source that registers again before that
+    is deleted from as usual."""
+    (log_a, _log_b), _fleets, servers, (a, b) = replica_pair(redis_server)
+    try:
+        for leave in (b.instance_left, b.instance_fenced):
+            c = log_a.new("move", ["b"], KEYS, tier="l1", source="a", token_ids=tuple(range(32)))
+            a.run_once()  # held; handed over to B
+            leave("a")
+            a.instance_back("b")
+            a.run_once()
+            got = log_a.get(c.command_id)
+            assert got is not None and (got.state, got.phase, got.deleted) == (
+                "completed",
+                "done",
+                0,
+            )
+        assert servers.deleted == []
+        c = log_a.new("move", ["b"], KEYS, tier="l1", source="a", token_ids=tuple(range(32)))
+        a.run_once()
+        b.instance_fenced("a")
+        b.instance_back("a")  # it was alive: registered again, its copies reported again
+        b.run_once()
+        assert servers.deleted == [KEYS]
+    finally:
+        for log in (log_a, _log_b):
+            log.store.client.close()

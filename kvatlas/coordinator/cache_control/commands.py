@@ -69,6 +69,8 @@ class Command(msgspec.Struct, frozen=True, kw_only=True):
     deleted: int = 0  # source copies removed
     skipped: int = 0  # source copies left: pinned
     moving: tuple[int, ...] = ()  # indices in ``keys`` of the source copies being deleted
+    source_left: bool = False  # the source deregistered or was fenced (seen by any replica)
+    held_at: float = 0.0  # when the target last confirmed holding the keys (wall clock)
 
 
 def object_key(k: EncodedKey) -> ObjectKey:
@@ -178,6 +180,10 @@ class CommandLog:
         if self.on_record is not None:
             self.on_record(op, new)
         return new
+
+    def now(self) -> float:
+        """The log's clock (wall-clock seconds)."""
+        return self._clock()
 
     def claim(self, command_ids: Iterable[str]) -> set[str]:
         """Those of ``command_ids`` this coordinator may deliver and finish now: all of them

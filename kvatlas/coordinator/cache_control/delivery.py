@@ -207,6 +207,8 @@ class Delivery:
         log_ = self.commands
         try:
             for c in log_.unfinished():
+                if c.source == instance_id and c.source_left:  # back: its copies may be too
+                    c = log_.progress(c.command_id, source_left=False)
                 if c.state == "pending" and (instance_id in c.targets or c.source == instance_id):
                     log_.due_now(c.command_id)
         except Unavailable as exc:
@@ -223,6 +225,7 @@ class Delivery:
         try:
             for c in self.commands.unfinished():
                 if c.source == instance_id and c.phase in ("holding", "deleting"):
+                    self.commands.progress(c.command_id, source_left=True)
                     continue
                 if instance_id in c.targets or c.source == instance_id:
                     reason = f"instance {instance_id!r} deregistered"
@@ -233,6 +236,18 @@ class Delivery:
                 "instance %s left: its cache-control commands not failed (%s)", instance_id, exc
             )
         return failed
+
+    def instance_fenced(self, instance_id: str) -> None:
+        """The instance missed its heartbeats (fenced: its L1 is presumed gone): its moves as
+        a source record that it left (``source_left``, in the command: every replica sees it,
+        not only the one it was registered with), so they complete without deleting, as for
+        a deregistration, unless it registers again first (:meth:`instance_back`)."""
+        try:
+            for c in self.commands.unfinished():
+                if c.kind == "move" and c.source == instance_id and not c.source_left:
+                    self.commands.progress(c.command_id, source_left=True)
+        except Unavailable as exc:
+            log.warning("instance %s fenced: its moves not told (%s)", instance_id, exc)
 
     # ------------------------------------------------------------------ one delivery
 
@@ -268,9 +283,12 @@ class Delivery:
                     self.moves.failed(self.commands.finish(command.command_id, "failed", error))
                 else:
                     self.commands.delivery_failed(command.command_id, error)
-                if self.fleet.url_of(current.targets[0]) is None:
-                    # its instance is not registered here: a replica it registered with may
-                    # deliver it (shared log), so this one lets its lease go
+                if self.fleet.url_of(current.targets[0]) is None or (
+                    current.kind == "move" and self.fleet.url_of(current.source) is None
+                ):
+                    # its instance (a move's target or source) is not registered here: a
+                    # replica it registered with may deliver it (shared log), so this one lets
+                    # its lease go
                     self.commands.release([command.command_id])
         return failure
 

@@ -25,8 +25,13 @@ of the delivery pass (:meth:`MoveSteps.failed`; best effort, as for ``done``).
 
 The source's delete comes only after a hold the target confirmed in the same attempt, so a
 target that restarted meanwhile (and lost its L1) is found out before anything is deleted. A
-source that is not registered has no L1 copies left to delete (they went with its process).
-With ``keep_source`` the move is a copy: steps 2-3 are skipped.
+source that left (``source_left``: it deregistered or was fenced, recorded in the command by
+the replica it was registered with, so every replica knows) has no L1 copies left to delete
+(they went with its process). With the shared log (replicas), a source registered with another
+replica than the target's has not left: the target's replica holds and lets the lease go, and
+the source's replica deletes (:meth:`MoveSteps._delete_handed_over`: the hold confirmed at
+most :data:`HANDOVER_S` ago, the target's copies in its directory). With ``keep_source`` the
+move is a copy: steps 2-3 are skipped.
 """
 
 from __future__ import annotations
@@ -53,6 +58,10 @@ from kvatlas.keys import ObjectKey
 HOLD_TTL_S: Final = 600.0
 """How long a target holds a move's keys after each attempt set the hold: far longer than a
 retry's backoff (60 s at most) or a ``sent`` command's wait for its events (30 s)."""
+HANDOVER_S: Final = 120.0
+"""How recent a hold confirmed by another replica must be for the source's replica to delete
+(the target registered with one replica, the source with another): twice the longest retry
+wait, so the next attempt after a hand-over finds it recent."""
 Failure = tuple[str, int | None]
 T = TypeVar("T")
 
@@ -159,13 +168,16 @@ class MoveSteps:
         log, fleet = self.d.commands, self.d.fleet
         target, source = c.targets[0], c.source
         url = fleet.url_of(target)
-        if url is None:
-            return f"target {target!r} is not registered (or gave no http_port)", None
-        if c.phase in ("holding", "deleting") and fleet.url_of(source) is None:
+        if c.phase in ("holding", "deleting") and c.source_left:
             # the target held every key; the source's L1 copies went with its process, so
             # there is nothing left to delete (and no source to load from for another hold)
             self._done(c, url)
             return None
+        if url is None:
+            source_url = fleet.url_of(source)
+            if c.phase == "deleting" and source_url is not None:
+                return self._delete_handed_over(c, source_url)
+            return f"target {target!r} is not registered (or gave no http_port)", None
         if c.phase == "queued":
             c = log.progress(c.command_id, phase="loading")
             if c.state in FINISHED:  # failed meanwhile (an instance left)
@@ -184,28 +196,63 @@ class MoveSteps:
             log.progress(c.command_id, found_keys=len(held), missing=len(reply.missing))
             return None
         c = log.progress(c.command_id, phase="holding", found_keys=len(held),
-                         missing=len(reply.missing))  # fmt: skip
+                         missing=len(reply.missing), held_at=log.now())  # fmt: skip
         if c.state in FINISHED:
             return None
         if c.keep_source:
             self._done(c, url)
             return None
-        copies = fleet.copies([object_key(c.keys[i]) for i in held])
-        if not all(any(cp.tier == "l1" and cp.instance_id == target for cp in cps)
-                   for cps in copies):  # fmt: skip
+        if not self._target_shown(c, held):
             return f"the directory does not show {target!r}'s copies yet", None
         pinned = self.d.pinned([object_key(c.keys[i]) for i in held])
         moving = tuple(i for i in held if object_key(c.keys[i]) not in pinned)
         c = log.progress(c.command_id, phase="deleting", moving=moving,
                          skipped=len(held) - len(moving))  # fmt: skip
-        source_url = fleet.url_of(source)
-        if source_url is None:  # its L1 copies went with its process
-            self._done(c, url)
-            return None
         if c.state in FINISHED:  # failed meanwhile (its target left): nothing more goes
             return None
+        if c.source_left:  # its L1 copies went with its process
+            self._done(c, url)
+            return None
+        source_url = fleet.url_of(source)
+        if source_url is None:  # registered with another replica (shared log): it deletes
+            return (f"source {source!r} is not registered with this replica: the replica it "
+                    "registered with deletes its copies"), None  # fmt: skip
+        return self._delete(c, source_url, target_here=True)
+
+    def _target_shown(self, c: Command, held: Sequence[int]) -> bool:
+        """Whether the directory shows the target's L1 copy of every key of ``held``."""
+        copies = self.d.fleet.copies([object_key(c.keys[i]) for i in held])
+        return all(any(cp.tier == "l1" and cp.instance_id == c.targets[0] for cp in cps)
+                   for cps in copies)  # fmt: skip
+
+    def _delete_handed_over(self, c: Command, source_url: str) -> Failure | None:
+        """Step 3 on the replica the source is registered with, the target being registered
+        with another (shared log): that one's attempt confirmed the hold (``held_at``) and
+        let the lease go. Deletes only while that hold is recent (:data:`HANDOVER_S`) and
+        this replica's directory shows the target's copies (a target that restarted since is
+        found out by its new incarnation's events), without the keys pinned since."""
+        age = self.d.commands.now() - c.held_at
+        if age > HANDOVER_S:
+            return (f"target {c.targets[0]!r} is not registered with this replica and its "
+                    f"hold was confirmed {age:.0f} s ago: its replica holds again"), None  # fmt: skip
+        if not self._target_shown(c, c.moving):
+            return f"the directory does not show {c.targets[0]!r}'s copies yet", None
+        pinned = self.d.pinned([object_key(c.keys[i]) for i in c.moving])
+        if pinned:
+            moving = tuple(i for i in c.moving if object_key(c.keys[i]) not in pinned)
+            c = self.d.commands.progress(c.command_id, moving=moving,
+                                         skipped=c.skipped + len(c.moving) - len(moving))  # fmt: skip
+        if c.state in FINISHED:
+            return None
+        return self._delete(c, source_url, target_here=False)
+
+    def _delete(self, c: Command, source_url: str, *, target_here: bool) -> Failure | None:
+        """The source's delete, batch by batch; stops once the move failed (its target
+        left: the source keeps the copies the target took with it)."""
+        log, target = self.d.commands, c.targets[0]
+        moving = c.moving
         for start in range(0, len(moving), MAX_DELETE_KEYS):
-            if fleet.url_of(target) is None:  # the target left: its copies with it
+            if target_here and self.d.fleet.url_of(target) is None:  # it left, copies with it
                 return None
             batch = [c.keys[i] for i in moving[start : start + MAX_DELETE_KEYS]]
             try:
@@ -220,11 +267,12 @@ class MoveSteps:
 
     def check(self, c: Command) -> None:
         """A ``sent`` move (``deleting``): done once the directory shows none of the source's
-        L1 copies it deletes (or the source is not registered: they went with it)."""
+        L1 copies it deletes (the stream's view: any replica may finish it), or the source
+        left (``source_left``: they went with it)."""
         if c.state != "sent" or c.phase != "deleting":
             return
         fleet = self.d.fleet
-        if fleet.url_of(c.source) is not None:
+        if not c.source_left:
             keys = [object_key(c.keys[i]) for i in c.moving]
             for cps in fleet.copies(keys):
                 if any(cp.tier == "l1" and cp.instance_id == c.source for cp in cps):
