@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping, Sequence
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TypedDict, Unpack
@@ -38,6 +40,14 @@ from kvatlas.client.coordinator_client import (
 from kvatlas.client.keepalive import KeepAliveClient
 
 MSGPACK: Final = "application/msgpack"
+JSON_RETRY_S: Final = 300.0
+"""How long :class:`AsyncRouteClient` sends JSON score bodies to a coordinator that refused the
+msgpack one (older than it) before it tries msgpack again (the coordinator may have been
+upgraded meanwhile)."""
+REFUSED_MSGPACK: Final = frozenset({415, 422})
+"""What a coordinator that does not take the msgpack body answers it: 415, or 422 (one older
+than it reads the body as JSON: ``body: JSON is malformed: invalid character (byte 0)``)."""
+log = logging.getLogger(__name__)
 
 
 class ScoreOptions(TypedDict, total=False):
@@ -115,16 +125,33 @@ class RouteClient:
 class AsyncRouteClient:
     """The same on an event loop (``kvatlas router``), plus the instance listing a router
     learns engines from; failures raise :class:`CoordinatorError` as the sync client does.
-    Its score bodies are msgpack (:func:`packed_score_body`; the sync client sends JSON).
+    Its score bodies are msgpack (:func:`packed_score_body`; the sync client sends JSON). A
+    coordinator that refuses msgpack (:data:`REFUSED_MSGPACK`) while it answers the same query
+    in JSON is older than this client: it gets JSON bodies for :data:`JSON_RETRY_S`, then
+    msgpack is tried again; the first such fallback is logged as a warning, each one calls
+    ``on_json_fallback`` (the router counts them). A refusal of the JSON body too is the
+    query's own: raised, nothing remembered.
 
     It speaks through :class:`~kvatlas.client.keepalive.KeepAliveClient`, not a general
     client: a router scores every request, and aiohttp's client costs about 2.5× its CPU
     per call (httpx's more still: docs/router.md, "The router's own cost")."""
 
-    def __init__(self, url: str, *, token: str | None = None, timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        timeout: float = 5.0,
+        on_json_fallback: Callable[[], object] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.url = url.rstrip("/")
         self._http = KeepAliveClient(self.url, auth_headers(token))
         self._timeout = timeout
+        self.on_json_fallback = on_json_fallback
+        self._clock = clock
+        self._json_until = float("-inf")  # until then (clock), score bodies go as JSON
+        self._warned = False
 
     async def _call(
         self,
@@ -151,11 +178,51 @@ class AsyncRouteClient:
         timeout: float | None = None,
         **options: Unpack[ScoreOptions],
     ) -> RouteScoresReply:
+        """The query's scores; ``timeout`` bounds the whole call (both bodies when the
+        msgpack one is refused)."""
+        started = self._clock()
+        if started < self._json_until:
+            return await self._score_json(token_ids, model_name, timeout, **options)
         body = packed_score_body(token_ids, model_name, **options)
+        try:
+            reply: RouteScoresReply = await self._call(
+                "POST", "/route/score", RouteScoresReply, body=body, timeout=timeout,
+                content_type=MSGPACK,
+            )  # fmt: skip
+            return reply
+        except CoordinatorError as exc:
+            if exc.reply_status not in REFUSED_MSGPACK:
+                raise
+            refusal = exc
+        left = (self._timeout if timeout is None else timeout) - (self._clock() - started)
+        reply = await self._score_json(token_ids, model_name, max(left, 0.0), **options)
+        self._json_until = self._clock() + JSON_RETRY_S  # it answered JSON: an older one
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "coordinator %s refused the msgpack score body (%s) and answered the JSON one: "
+                "it is older than this router; scoring with JSON bodies (msgpack tried again "
+                "every %.0f s). Upgrade the coordinator.", self.url, refusal, JSON_RETRY_S,
+            )  # fmt: skip
+        else:
+            log.debug("coordinator %s still refuses msgpack score bodies", self.url)
+        if self.on_json_fallback is not None:
+            self.on_json_fallback()
+        return reply
+
+    async def _score_json(
+        self,
+        token_ids: Any,
+        model_name: str,
+        timeout: float | None,
+        **options: Unpack[ScoreOptions],
+    ) -> RouteScoresReply:
+        """The query scored with the JSON body (:func:`score_body`), as an older coordinator
+        takes it."""
+        body = score_body(token_ids, model_name, **options)
         reply: RouteScoresReply = await self._call(
-            "POST", "/route/score", RouteScoresReply, body=body, timeout=timeout,
-            content_type=MSGPACK,
-        )  # fmt: skip
+            "POST", "/route/score", RouteScoresReply, body=body, timeout=timeout
+        )
         return reply
 
     async def instances(self) -> list[InstanceRow]:

@@ -104,7 +104,11 @@ class Router:
         """Engine URL → its connections (keep-alive, streamed replies)."""
         self.engines = EngineSet(config.engines)
         self.coordinator = (
-            AsyncRouteClient(config.coordinator_url, token=config.coordinator_bearer())
+            AsyncRouteClient(
+                config.coordinator_url,
+                token=config.coordinator_bearer(),
+                on_json_fallback=self.metrics.score_json_fallbacks.inc,
+            )
             if config.coordinator_url
             else None
         )

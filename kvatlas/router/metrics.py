@@ -79,6 +79,11 @@ class RouterMetrics:
             "kvatlas_router_score_failures",
             "coordinator scores not had in time or refused: routed by load", registry=r,
         )  # fmt: skip
+        self.score_json_fallbacks = Counter(
+            "kvatlas_router_score_json_fallbacks",
+            "score calls the coordinator answered only in JSON (older than the router: msgpack "
+            "refused); JSON bodies follow for 5 min", registry=r,
+        )  # fmt: skip
         self.errors = Counter(
             "kvatlas_router_errors", "requests answered with an error by the router (status)",
             ["status"], registry=r,
