@@ -70,6 +70,55 @@ def test_shared_pins_answer_as_the_in_memory_table(
         store.client.close()
 
 
+replica_pin_ops = st.lists(
+    st.one_of(
+        st.tuples(st.sampled_from(["pin", "unpin"]), st.lists(st.sampled_from(KEYS), max_size=4)),
+        st.tuples(st.just("read"), st.just([])),  # the other replica reads (its delta path)
+    ),
+    max_size=16,
+)
+
+
+@SETTINGS
+@given(
+    seeded=st.lists(st.sampled_from(KEYS), max_size=3, unique=True),
+    ops=replica_pin_ops,
+    log_weight=st.sampled_from([3, 8, 1000]),
+)
+def test_a_replicas_copy_of_the_pins_follows_the_changes_as_a_full_read_would(
+    redis_server: RedisServer,
+    seeded: list[ObjectKey],
+    ops: list[tuple[str, list[ObjectKey]]],
+    log_weight: int,
+) -> None:
+    """Replica B's copy of the pins, brought up to date from the log of changes replica A
+    made (``pins:log``), answers as a full read of Redis (the oracle: a fresh table) after
+    every read, with changes in between of any size and a log small enough to be trimmed
+    past B's copy (B then reads every pin), after a seed (not logged: B reads every pin).
+    Otherwise B reads every pin once, at its first read."""
+    stream = f"kvatlas:shared-test-{next(_prefixes)}"
+    a_store, b_store = new_store(redis_server, stream, "a"), new_store(redis_server, stream, "b")
+    try:
+        a = SharedPinTable(a_store, log_weight=log_weight)
+        b = SharedPinTable(b_store, log_weight=log_weight)
+        b.rows()  # B's first read: every pin (none)
+        a.seed([(k, 2) for k in seeded])  # a snapshot seeding an empty Redis
+        for op, keys in ops:
+            if op == "read":
+                oracle = SharedPinTable(a_store)
+                assert b.rows() == oracle.rows()
+                assert b.pinned(KEYS) == oracle.pinned(KEYS)
+                assert [b.count(k) for k in KEYS] == [oracle.count(k) for k in KEYS]
+            else:
+                getattr(a, op)(keys)
+        assert b.rows() == SharedPinTable(a_store).rows()
+        if log_weight == 1000 and b.full_reads > 1:
+            assert seeded and b.full_reads == 2  # the seed's
+    finally:
+        a_store.client.close()
+        b_store.client.close()
+
+
 quota_ops = st.lists(
     st.one_of(
         st.tuples(st.just("set"), st.sampled_from(["", "a", "b"]), st.floats(0, 100)),

@@ -7,8 +7,10 @@ Keys, all under ``<event stream>:cache:`` (so one ACL key pattern covers them,
 
 - ``pins`` (hash: packed key → count), ``pins:order`` (sorted set: packed key → the sequence
   number it was first pinned at, for LMCache's first-pinned order), ``meta`` (hash:
-  ``pin_seq``, ``pins_version``: one more at every change, so a replica re-reads the pins only
-  when they changed; ``default_limit_gb``, ``seeded``), ``quotas`` (hash: salt → limit in GB);
+  ``pin_seq``, ``pins_version``: one more at every change, so a replica reads the pins only
+  when they changed; ``pins_log_weight``, ``default_limit_gb``, ``seeded``), ``pins:log``
+  (sorted set: each change's keys, counts and order by version, bounded: a replica applies the
+  changes since its copy instead of reading every pin), ``quotas`` (hash: salt → limit in GB);
 - ``commands`` (hash: id → the command record, msgpack of
   :class:`~.commands.Command`, whatever fields it has), ``commands:meta`` (hash: id →
   ``kind/state/revision``), ``commands:open`` (hash: id → revision, unfinished commands only),
@@ -36,25 +38,64 @@ from kvatlas.redis_clients import redis_client
 
 log = logging.getLogger(__name__)
 
-PIN_SCRIPT: Final = """
--- KEYS: pins, pins:order, meta; ARGV: packed keys
-for i, f in ipairs(ARGV) do
-  if redis.call('HINCRBY', KEYS[1], f, 1) == 1 then
-    redis.call('ZADD', KEYS[2], redis.call('HINCRBY', KEYS[3], 'pin_seq', 1), f)
+_PIN_LOG: Final = """
+-- the change's entry in pins:log (KEYS[4]), scored by its version: a weight (its keys + 1:
+-- the log keeps at most ARGV[1] of them, oldest dropped first; a larger change is not logged)
+-- and, per key, struct '>I4dd' (length, count now: 0 = unpinned, first-pinned seq: -1 = as
+-- before) then the packed key
+local function log_change(entry)
+  local v = redis.call('HINCRBY', KEYS[3], 'pins_version', 1)
+  local w, most = #entry + 1, tonumber(ARGV[1])
+  if w <= most then
+    redis.call('ZADD', KEYS[4], v, v .. ':' .. w .. ':' .. table.concat(entry))
+    local total = redis.call('HINCRBY', KEYS[3], 'pins_log_weight', w)
+    while total > most do
+      local oldest = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
+      redis.call('ZREM', KEYS[4], oldest)
+      total = redis.call('HINCRBY', KEYS[3], 'pins_log_weight',
+                         -tonumber(string.match(oldest, '^%d+:(%d+):')))
+    end
+  end
+  return v
+end
+"""
+PIN_SCRIPT: Final = (
+    _PIN_LOG
+    + """
+-- KEYS: pins, pins:order, meta, pins:log; ARGV: the log's weight, packed keys
+local entry = {}
+for i = 2, #ARGV do
+  local f, seq = ARGV[i], -1
+  local n = redis.call('HINCRBY', KEYS[1], f, 1)
+  if n == 1 then
+    seq = redis.call('HINCRBY', KEYS[3], 'pin_seq', 1)
+    redis.call('ZADD', KEYS[2], seq, f)
+  end
+  entry[#entry + 1] = struct.pack('>I4dd', #f, n, seq) .. f
+end
+return log_change(entry)
+"""
+)
+UNPIN_SCRIPT: Final = (
+    _PIN_LOG
+    + """
+-- KEYS: pins, pins:order, meta, pins:log; ARGV: the log's weight, packed keys
+local entry = {}
+for i = 2, #ARGV do
+  local f = ARGV[i]
+  if redis.call('HEXISTS', KEYS[1], f) == 1 then
+    local n = redis.call('HINCRBY', KEYS[1], f, -1)
+    if n <= 0 then
+      n = 0
+      redis.call('HDEL', KEYS[1], f)
+      redis.call('ZREM', KEYS[2], f)
+    end
+    entry[#entry + 1] = struct.pack('>I4dd', #f, n, -1) .. f
   end
 end
-return redis.call('HINCRBY', KEYS[3], 'pins_version', 1)
+return log_change(entry)
 """
-UNPIN_SCRIPT: Final = """
--- KEYS: pins, pins:order, meta; ARGV: packed keys
-for i, f in ipairs(ARGV) do
-  if redis.call('HEXISTS', KEYS[1], f) == 1 and redis.call('HINCRBY', KEYS[1], f, -1) <= 0 then
-    redis.call('HDEL', KEYS[1], f)
-    redis.call('ZREM', KEYS[2], f)
-  end
-end
-return redis.call('HINCRBY', KEYS[3], 'pins_version', 1)
-"""
+)
 RECORD_SCRIPT: Final = """
 -- KEYS: commands, commands:meta, commands:open, commands:counts, commands:done
 -- ARGV: id, kind, state, record, finished (0/1), finished at, expected revision ('': any)

@@ -1,6 +1,7 @@
 """Pins and quotas kept in Redis (:mod:`.shared_store`): the same methods as :class:`.PinTable`
-and :class:`.QuotaTable`, every read from Redis, every change one atomic step there, so every
-replica answers the same the moment a change is acknowledged.
+and :class:`.QuotaTable`, every read from Redis (pins: a copy kept up to date from the log of
+changes), every change one atomic step there, so every replica answers the same the moment a
+change is acknowledged.
 
 A key is packed as msgpack ``(chunk hash bytes, model, kv_rank, object group, salt)``: one
 byte string per key, the same for every replica, decoded back to an :class:`ObjectKey`.
@@ -8,8 +9,9 @@ byte string per key, the same for every replica, decoded back to an :class:`Obje
 
 from __future__ import annotations
 
+import struct
 import threading
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Iterator
 from typing import Any, Final
 
 import msgspec
@@ -33,41 +35,71 @@ def unpack_key(data: bytes) -> ObjectKey:
     return ObjectKey(chunk_hash, model, rank, group, salt)
 
 
+LOG_WEIGHT: Final = 65_536
+"""What ``pins:log`` keeps: changes of at most this many keys in all (each counts its keys + 1),
+the oldest dropped first; a single larger change is not logged (replicas read every pin)."""
+_ENTRY_HEAD: Final = struct.Struct(">Idd")
+
+
+def _changes(blob: bytes) -> Iterator[tuple[bytes, int, int]]:
+    """One ``pins:log`` entry's keys: (packed key, count now, first-pinned seq or -1)."""
+    at = 0
+    while at < len(blob):
+        size, count, seq = _ENTRY_HEAD.unpack_from(blob, at)
+        at += _ENTRY_HEAD.size
+        yield blob[at : at + size], int(count), int(seq)
+        at += size
+
+
 class SharedPinTable:
     """Reference counts per key in Redis, in first-pinned order (:class:`.PinTable`'s rules).
-    Reads come from a copy of every pin, fetched again only when ``meta.pins_version`` moved
-    (one ``HGET`` per read otherwise): a node's pin pages, delete and eviction checks stay at
-    memory speed while nobody pins."""
+    Reads come from a copy of every pin, brought up to date only when ``meta.pins_version``
+    moved (one ``HGET`` per read otherwise): a node's pin pages, delete and eviction checks stay
+    at memory speed while nobody pins. A change is applied to the copy from ``pins:log`` (the
+    keys each change touched, with their counts then); every pin is read again only at the
+    first read, after a seed, or when the log no longer holds every change since the copy's
+    version (this replica fell behind more than :data:`LOG_WEIGHT` keys of changes)."""
 
     VERSION_FIELD: Final = "pins_version"
 
-    def __init__(self, store: SharedStore) -> None:
+    def __init__(self, store: SharedStore, *, log_weight: int = LOG_WEIGHT) -> None:
         self.store = store
+        self.log_weight = log_weight
         self._pins = store.key("pins")
         self._order = store.key("pins:order")
         self._meta = store.key("meta")
+        self._log = store.key("pins:log")
         self._lock = threading.Lock()
-        self._copy: tuple[bytes | None, list[tuple[ObjectKey, int]], dict[ObjectKey, int]] | None
-        self._copy = None
+        self._version: int | None = None  # of the copy (None: none yet)
+        self._counts: dict[ObjectKey, int] = {}  # the copy, in first-pinned order
+        self.full_reads = 0
+        """How many times every pin was read (the first read, a seed, a gap in the log)."""
 
     def pin(self, keys: Iterable[ObjectKey]) -> int:
-        unique = list(dict.fromkeys(pack_key(k) for k in keys))
-        if unique:
-            self.store.script("pin", [self._pins, self._order, self._meta], unique)
-        return len(unique)
+        return self._change("pin", keys)
 
     def unpin(self, keys: Iterable[ObjectKey]) -> int:
+        return self._change("unpin", keys)
+
+    def _change(self, script: str, keys: Iterable[ObjectKey]) -> int:
         unique = list(dict.fromkeys(pack_key(k) for k in keys))
         if unique:
-            self.store.script("unpin", [self._pins, self._order, self._meta], unique)
+            self.store.script(
+                script, [self._pins, self._order, self._meta, self._log],
+                [self.log_weight, *unique],
+            )  # fmt: skip
         return len(unique)
 
     def count(self, key: ObjectKey) -> int:
-        return self._current()[1].get(key, 0)
+        self._refresh()
+        with self._lock:
+            return self._counts.get(key, 0)
 
     def pinned(self, keys: Iterable[ObjectKey]) -> set[ObjectKey]:
-        counts = self._current()[1]
-        return {k for k in keys if k in counts}
+        self._refresh()
+        with self._lock:
+            counts = self._counts
+            return {k for k in keys if k in counts}
 
     def page(
         self,
@@ -89,29 +121,77 @@ class SharedPinTable:
 
     def rows(self) -> list[tuple[ObjectKey, int]]:
         """Every pinned key and its count, first pinned first."""
-        return list(self._current()[0])
-
-    def _current(self) -> tuple[list[tuple[ObjectKey, int]], dict[ObjectKey, int]]:
-        version = self.store.call("hget", self._meta, self.VERSION_FIELD)
+        self._refresh()
         with self._lock:
-            copy = self._copy
-        if copy is not None and copy[0] == version:
-            return copy[1], copy[2]
-        order, counts, version = self.store.transaction(
+            return list(self._counts.items())
+
+    def _refresh(self) -> None:
+        """Bring the copy up to the version Redis holds: the changes since from the log, or
+        every pin when the log cannot say."""
+        raw = self.store.call("hget", self._meta, self.VERSION_FIELD)
+        version = int(raw or 0)
+        with self._lock:
+            have = self._version
+        if have == version:
+            return
+        if have is not None and self._apply_log(have):
+            return
+        self._read_all()
+
+    def _apply_log(self, have: int) -> bool:
+        """Apply the logged changes after version ``have``; ``False`` when the log lacks one
+        of them (trimmed, too large to log, a seed) or the copy moved meanwhile."""
+        entries, raw = self.store.transaction(
+            lambda pipe: (
+                pipe.zrangebyscore(self._log, f"({have}", "+inf"),
+                pipe.hget(self._meta, self.VERSION_FIELD),
+            )
+        )
+        version = int(raw or 0)
+        found: list[bytes] = []
+        for expected, member in enumerate(entries, have + 1):
+            v, _weight, blob = member.split(b":", 2)
+            if int(v) != expected:
+                return False
+            found.append(blob)
+        if have + len(found) != version:
+            return False
+        with self._lock:
+            if self._version != have:  # another thread brought it up meanwhile
+                return self._version is not None and self._version >= version
+            counts = self._counts
+            self._version = None  # until every change is in
+            for blob in found:
+                for packed, count, seq in _changes(blob):
+                    key = unpack_key(packed)
+                    if count <= 0:
+                        counts.pop(key, None)
+                    elif seq < 0:
+                        if key not in counts:
+                            return False  # not the copy the change was made to: read all
+                        counts[key] = count
+                    else:  # pinned anew: last in first-pinned order
+                        counts.pop(key, None)
+                        counts[key] = count
+            self._version = version
+        return True
+
+    def _read_all(self) -> None:
+        order, counts, raw = self.store.transaction(
             lambda pipe: (
                 pipe.zrange(self._order, 0, -1),
                 pipe.hgetall(self._pins),
                 pipe.hget(self._meta, self.VERSION_FIELD),
             )
         )
-        rows = [(unpack_key(f), int(counts[f])) for f in order if f in counts]
-        by_key = dict(rows)
+        copy = {unpack_key(f): int(counts[f]) for f in order if f in counts}
         with self._lock:
-            self._copy = (version, rows, by_key)
-        return rows, by_key
+            self._counts, self._version = copy, int(raw or 0)
+            self.full_reads += 1
 
     def seed(self, rows: list[tuple[ObjectKey, int]]) -> None:
-        """Write ``rows`` (a snapshot's pins, in order) as they are: counts set, not added."""
+        """Write ``rows`` (a snapshot's pins, in order) as they are: counts set, not added
+        (not logged: replicas read every pin after it)."""
         if not rows:
             return
 
