@@ -45,7 +45,7 @@ _PIN_LOG: Final = """
 -- before) then the packed key
 local function log_change(entry)
   local v = redis.call('HINCRBY', KEYS[3], 'pins_version', 1)
-  local w, most = #entry + 1, tonumber(ARGV[1])
+  local w, most = #entry / 2 + 1, tonumber(ARGV[1])
   if w <= most then
     redis.call('ZADD', KEYS[4], v, v .. ':' .. w .. ':' .. table.concat(entry))
     local total = redis.call('HINCRBY', KEYS[3], 'pins_log_weight', w)
@@ -71,7 +71,8 @@ for i = 2, #ARGV do
     seq = redis.call('HINCRBY', KEYS[3], 'pin_seq', 1)
     redis.call('ZADD', KEYS[2], seq, f)
   end
-  entry[#entry + 1] = struct.pack('>I4dd', #f, n, seq) .. f
+  entry[#entry + 1] = struct.pack('>I4dd', #f, n, seq)
+  entry[#entry + 1] = f
 end
 return log_change(entry)
 """
@@ -90,7 +91,8 @@ for i = 2, #ARGV do
       redis.call('HDEL', KEYS[1], f)
       redis.call('ZREM', KEYS[2], f)
     end
-    entry[#entry + 1] = struct.pack('>I4dd', #f, n, -1) .. f
+    entry[#entry + 1] = struct.pack('>I4dd', #f, n, -1)
+    entry[#entry + 1] = f
   end
 end
 return log_change(entry)
