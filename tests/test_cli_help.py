@@ -16,8 +16,9 @@ from kvatlas import __version__
 from kvatlas.cli import _build_parser, main
 
 WHERE = (
-    "add a help text: a config flag's goes in the _HELP dict of kvatlas/node/config.py or "
-    "kvatlas/coordinator/config.py, any other flag's in its add_argument(help=...) call"
+    "add a help text: a config flag's goes in the HELP dict of kvatlas/node/config_help.py or "
+    "the _HELP dict of kvatlas/coordinator/config.py, any other flag's in its "
+    "add_argument(help=...) call"
 )
 
 
