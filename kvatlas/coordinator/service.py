@@ -26,6 +26,7 @@ from kvatlas.coordinator.cache_control.fleet import cache_control_of
 from kvatlas.coordinator.cache_control.shared_store import SharedStore
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.emitters import EmitterBook, emitter_views, instance_views
+from kvatlas.coordinator.fleet_liveness import FleetLiveness
 from kvatlas.coordinator.ingestion import Ingestion
 from kvatlas.coordinator.instances import InstanceRegistry
 from kvatlas.coordinator.kv_events.links import KvEventsLinks
@@ -55,7 +56,7 @@ from kvatlas.directory import (
     prefix_summary,
     warm_up_kernels,
 )
-from kvatlas.errors import Conflict, Unprocessable
+from kvatlas.errors import Conflict, Unavailable, Unprocessable
 from kvatlas.events import ColumnBatch, EventBatch
 from kvatlas.events.inventory import Digest, differing
 from kvatlas.keys import MM_BYPASS_GUARD, ObjectKey
@@ -96,6 +97,13 @@ class CoordinatorService:
         self._clock = self.clock = clock
         self.emitters = EmitterBook()
         self._next_departure_sweep = 0.0
+        # the fleet's registrations across replicas (the Redis transport: each replica sees only
+        # its own; fleet_liveness.py)
+        self.liveness = (
+            FleetLiveness.connect(config.redis_url or "", config.event_stream)
+            if config.event_transport == "redis"
+            else None
+        )
         self.readiness = ReadinessTracker(
             self.instances, config.instance_timeout, clock, self._behind_trim
         )
@@ -267,9 +275,9 @@ class CoordinatorService:
             self.readiness.check_resynced()
 
     def forget_departed(self) -> list[str]:
-        """Forget every instance that is not registered and sent no batch for
-        ``--emitter-retention-s`` seconds: its cursor (L1 fenced), lag and metric series, so
-        departed emitters cannot accumulate. Runs at most every ``retention / 8`` seconds;
+        """Forget every instance that is not registered (with any replica, on the Redis
+        transport) and sent no batch for ``--emitter-retention-s`` seconds: its cursor (L1
+        fenced), lag and metric series, so departed emitters cannot accumulate. Runs at most every ``retention / 8`` seconds;
         returns the ids forgotten."""
         now = self._clock()
         retention = self.config.emitter_retention_s
@@ -277,6 +285,13 @@ class CoordinatorService:
             return []
         self._next_departure_sweep = now + retention / 8
         registered = {r.instance_id for r in self.instances.records()}
+        if self.liveness is not None:  # registered with another replica: not departed
+            try:
+                registered |= self.liveness.exchange(registered, retention)
+            except Unavailable as exc:  # cannot tell: nothing forgotten, asked again soon
+                self._next_departure_sweep = now + min(retention / 8, 5.0)
+                log.warning("departed emitters not forgotten now: %s", exc)
+                return []
         departed = self.emitters.departed(self.directory.emitters(), registered, now, retention)
         for instance_id in departed:
             self.directory.deregister(instance_id)

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -516,3 +517,48 @@ def test_a_replica_on_a_quiet_stream_still_shows_itself_alive(
     with BackgroundServer(config):
         assert wait_for(refreshed, timeout=60, interval=0.05), idles
         assert rclient.xlen(stream) == 0
+
+
+# ------------------------------------------------------------------ departed emitters
+
+
+def test_an_emitter_registered_with_another_replica_is_not_forgotten_as_departed(
+    redis_server: RedisServer, stream: str
+) -> None:
+    """A node registers with one replica, its batches reach both. A quiet node past
+    ``--emitter-retention-s`` was forgotten by the replica it is not registered with (its
+    cursor and L1 copies dropped there, its cache-control commands failed for every replica);
+    now only once no replica has it registered (``<stream>:instances``)."""
+
+    def config(replica: str) -> CoordinatorConfig:
+        return CoordinatorConfig(
+            port=free_port(), chunk_size=C, replica_id=replica, event_transport="redis",
+            redis_url=redis_server.url, event_stream=stream, emitter_retention_s=3.0,
+            instance_timeout=1e6,
+        )  # fmt: skip
+
+    with BackgroundServer(config("a")) as a, BackgroundServer(config("b")) as b:
+        assert httpx.post(f"{b.url}/instances", json={"instance_id": "n1"}).status_code == 200
+        sink = EventSink("n1", RedisStreamTransport(redis_server.url, stream), incarnation=1)
+        doc = np.arange(C * 2, dtype=np.uint32) + 100_000
+        entries = [
+            CacheEntry(ObjectKey(h, "m", RANK, 0, ""), 4096, doc[c * C : (c + 1) * C], c * C)
+            for c, h in enumerate(chunk_hashes(doc, C))
+        ]
+        sink.emit("store", "l1", "dram", entries)
+        assert sink.flush(30)
+        sink.close(timeout=5)
+        for replica in (a, b):
+            assert wait_for(lambda r=replica: "n1" in r.service.directory.emitters(), timeout=30)
+        quiet_since = time.monotonic()
+        # twice the retention, both sweepers running: n1 stays on both replicas
+        assert wait_for(lambda: time.monotonic() - quiet_since > 6.0, timeout=30)
+        assert a.service.forget_departed() == []
+        assert "n1" in a.service.directory.emitters()
+        assert "n1" in b.service.directory.emitters()
+        # negative control: deregistered everywhere, it is forgotten by both
+        assert httpx.delete(f"{b.url}/instances/n1").status_code == 204
+        for replica in (a, b):
+            assert wait_for(
+                lambda r=replica: "n1" not in r.service.directory.emitters(), timeout=30
+            )
