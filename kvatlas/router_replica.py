@@ -154,6 +154,12 @@ class ReplicaScorer:
         except KvatlasError as exc:  # refused as POST /route/score refuses (4xx there)
             raise CoordinatorError(f"the router's replica refused: {exc}", exc.status) from None
 
+    def status(self) -> str:
+        """``replica <readiness>`` (and ``, http meanwhile`` while the fallback scores)."""
+        state = self.service.state.value
+        meanwhile = "" if state == "serving" or self.fallback is None else ", http meanwhile"
+        return f"replica {state}{meanwhile}"
+
     async def aclose(self) -> None:
         if self.fallback is not None:
             await self.fallback.aclose()

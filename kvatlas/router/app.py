@@ -423,6 +423,7 @@ class Router:
         body = {
             "status": "healthy" if healthy else "no engine healthy",
             "policy": self.policy.name,
+            "scores": "none" if self.scorer is None else self.scorer.status(),
             "engines": {
                 e.engine_id: {"url": e.url, "healthy": e.healthy, "in_flight": e.in_flight}
                 for e in self.engines.all()

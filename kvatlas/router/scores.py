@@ -41,6 +41,10 @@ class Scorer(Protocol):
         ``timeout`` seconds, or refused)."""
         ...
 
+    def status(self) -> str:
+        """Where scores come from now, for ``/healthz`` (``http``, ``replica serving``, ...)."""
+        ...
+
     async def aclose(self) -> None:
         """Release what the scorer holds (connections)."""
         ...
@@ -66,6 +70,9 @@ class HttpScorer:
         return await self.client.score(
             tokens, model_name, cache_salt=cache_salt, instances=instances, timeout=timeout
         )
+
+    def status(self) -> str:
+        return "http"
 
     async def aclose(self) -> None:
         if self.owned:
