@@ -1,5 +1,5 @@
 """``kvatlas router``, with ``--scores-from replica``: a coordinator replica in the router's own
-process, so a score is a function call on the router's event loop (handed to the match pool),
+process, so a score is a function call in the router (on its event loop, or its match pool),
 not an HTTP round trip to another process (docs/router.md, "Scoring: over HTTP or from a
 replica in the router").
 
@@ -8,8 +8,9 @@ The replica is built by the coordinator's own start-up code from the coordinator
 group, the Redis stream every replica reads, its snapshot, its KV-event subscriptions. It
 claims its snapshot lock and group as ``kvatlas coordinator`` does and is one more replica of
 the fleet (docs/coordinator.md, "Replicas"); it serves no HTTP of its own. Scores are
-:meth:`RouteScoring.score` — what ``POST /route/score`` answers, on the same pool — from the
-token ids the router decoded, with no body encoded or decoded in between.
+:meth:`RouteScoring.score` — what ``POST /route/score`` answers — from the token ids the router
+decoded, with no body encoded or decoded in between: on the router's event loop for a prompt of
+up to :data:`INLINE_TOKENS` tokens, on the match pool for a longer one.
 
 This module sits at the top (beside the cli): the router package reaches the coordinator
 only over HTTP, so the two are composed here.
@@ -67,6 +68,14 @@ REPLICA_FIELDS: Final = frozenset(
 )
 """The coordinator's flags ``kvatlas router`` offers for ``--scores-from replica``."""
 
+INLINE_TOKENS: Final = 16_384
+"""Prompts up to this many tokens are scored on the router's event loop (≈0.3 ms of CPU per
+4k tokens, docs/router.md); longer ones on the match pool, so one never stalls the loop for
+long. The hop to a pool thread and back costs, on a loaded machine, two more wake-ups that
+each wait for a time slice: measured, it added 0.8 ms to the time to first token (docs/router.md,
+"Scoring"), as the coordinator's blend lookup answers small queries inline for the same reason
+(``kvatlas.coordinator.blend_lookup.INLINE_BODY_BYTES``)."""
+
 REPLICA_GROUP: Final = "coordinator replica (with --scores-from replica; the coordinator's flags)"
 
 
@@ -106,7 +115,9 @@ def launch_from_args(
 
 
 class ReplicaScorer:
-    """Scores from the coordinator replica in this process; while it is not ``serving``
+    """Scores from the coordinator replica in this process (:meth:`RouteScoring.score`, on
+    the event loop up to :data:`INLINE_TOKENS` tokens, on the match pool beyond, as the
+    coordinator's own handlers choose); while it is not ``serving``
     (restoring, catching up, Redis away, resyncing), from ``fallback`` (the coordinator over
     HTTP, when ``--coordinator-url`` is given) or none (:class:`CoordinatorError`: the router
     routes by load and counts it)."""
@@ -142,6 +153,11 @@ class ReplicaScorer:
                               instances=list(instances))  # fmt: skip
         # the ids' little-endian bytes, as a msgpack body hands them over (writable, contiguous)
         packed = np.ascontiguousarray(tokens, dtype="<u4").view(np.uint8)
+        if len(tokens) <= INLINE_TOKENS:  # on the loop: within --score-timeout-s by its size
+            try:
+                return self.scoring.score(body, ANONYMOUS_ADMIN, packed)
+            except KvatlasError as exc:
+                raise CoordinatorError(f"the router's replica refused: {exc}", exc.status) from None
         loop = asyncio.get_running_loop()
         work = loop.run_in_executor(self.pool, self.scoring.score, body, ANONYMOUS_ADMIN, packed)
         try:
