@@ -29,6 +29,7 @@ from kvatlas.client import EventSink, RedisStreamTransport
 from kvatlas.events import CacheEntry
 from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
 from kvatlas.processes import spawn_services, stop
+from kvatlas.router_replica import INLINE_TOKENS
 from tests.conftest import RedisServer, wait_for
 from tests.router.fake_vllm import FakeVllm
 
@@ -76,23 +77,56 @@ def replica_flags(redis_url: str, replica_id: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def fleet(redis_server: RedisServer) -> Iterator[dict[str, Any]]:
-    engines = {name: FakeVllm(name, MODEL) for name in ENGINES}
+    engines = {name: FakeVllm(name, MODEL, max_model_len=1 << 16) for name in ENGINES}
     engine_flags = [f for n, e in engines.items() for f in ("--engine", f"{n}={e.url}")]
     last = feed(redis_server.url)
     coord_port, http_port, replica_port = free_port(), free_port(), free_port()
     coord = f"http://127.0.0.1:{coord_port}"
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        common = [*engine_flags, "--health-interval-s", "0.2", "--metrics-interval-s", "0.2"]
+        common = [
+            *engine_flags,
+            "--health-interval-s",
+            "0.2",
+            "--metrics-interval-s",
+            "0.2",
+            "--score-timeout-s",
+            "10",
+        ]  # a loaded machine: no score missed by time
         router = ["-m", "kvatlas.cli", "router", "--log-level", "warning", *common]
-        procs += spawn_services([
-            (["-m", "kvatlas.cli", "coordinator", "--port", str(coord_port), "--log-level",
-              "warning", *replica_flags(redis_server.url, "standalone")], coord),
-            ([*router, "--port", str(http_port), "--coordinator-url", coord],
-             f"http://127.0.0.1:{http_port}"),
-            ([*router, "--port", str(replica_port), "--scores-from", "replica",
-              *replica_flags(redis_server.url, "router-1")], f"http://127.0.0.1:{replica_port}"),
-        ])  # fmt: skip
+        procs += spawn_services(
+            [
+                (
+                    [
+                        "-m",
+                        "kvatlas.cli",
+                        "coordinator",
+                        "--port",
+                        str(coord_port),
+                        "--log-level",
+                        "warning",
+                        *replica_flags(redis_server.url, "standalone"),
+                    ],
+                    coord,
+                ),
+                (
+                    [*router, "--port", str(http_port), "--coordinator-url", coord],
+                    f"http://127.0.0.1:{http_port}",
+                ),
+                (
+                    [
+                        *router,
+                        "--port",
+                        str(replica_port),
+                        "--scores-from",
+                        "replica",
+                        *replica_flags(redis_server.url, "router-1"),
+                    ],
+                    f"http://127.0.0.1:{replica_port}",
+                ),
+            ],
+            timeout=180,
+        )  # fmt: skip  (a fresh numba cache compiles in two of them at once)
         routers = {"http": f"http://127.0.0.1:{http_port}",
                    "replica": f"http://127.0.0.1:{replica_port}"}  # fmt: skip
         # the replica is serving once it read the stream to its end: it holds the feed
@@ -138,6 +172,8 @@ def test_the_replica_routes_as_the_coordinator_over_http_does(fleet: dict[str, A
         "pod-a's document": ([*DOC_A.tolist(), *tail], "pod-a", 16 * C),
         "pod-b's document": ([*DOC_B.tolist(), *tail], "pod-b", 16 * C),
         "pod-a's half": ([*DOC_A[: 8 * C].tolist(), *tail], "pod-a", 8 * C),
+        # longer than INLINE_TOKENS: scored on the replica's match pool, not the event loop
+        "pod-b's document, long": ([*DOC_B.tolist(), *range(INLINE_TOKENS)], "pod-b", 16 * C),
         # pod-b's fragment (L2) at another offset, after a prefix of pod-a's: both routers weigh
         # the same coverage, whichever wins
         "mixed": ([*DOC_A[: 2 * C].tolist(), *DOC_C.tolist(), *tail], None, None),
