@@ -84,49 +84,21 @@ def fleet(redis_server: RedisServer) -> Iterator[dict[str, Any]]:
     coord = f"http://127.0.0.1:{coord_port}"
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        common = [
-            *engine_flags,
-            "--health-interval-s",
-            "0.2",
-            "--metrics-interval-s",
-            "0.2",
-            "--score-timeout-s",
-            "10",
-        ]  # a loaded machine: no score missed by time
+        # a loaded machine: no score missed by time; a fresh numba cache compiles in two at once
+        common = [*engine_flags, "--health-interval-s", "0.2", "--metrics-interval-s", "0.2",
+                  "--score-timeout-s", "10"]  # fmt: skip
         router = ["-m", "kvatlas.cli", "router", "--log-level", "warning", *common]
-        procs += spawn_services(
-            [
-                (
-                    [
-                        "-m",
-                        "kvatlas.cli",
-                        "coordinator",
-                        "--port",
-                        str(coord_port),
-                        "--log-level",
-                        "warning",
-                        *replica_flags(redis_server.url, "standalone"),
-                    ],
-                    coord,
-                ),
-                (
-                    [*router, "--port", str(http_port), "--coordinator-url", coord],
-                    f"http://127.0.0.1:{http_port}",
-                ),
-                (
-                    [
-                        *router,
-                        "--port",
-                        str(replica_port),
-                        "--scores-from",
-                        "replica",
-                        *replica_flags(redis_server.url, "router-1"),
-                    ],
-                    f"http://127.0.0.1:{replica_port}",
-                ),
-            ],
-            timeout=180,
-        )  # fmt: skip  (a fresh numba cache compiles in two of them at once)
+        coordinator = ["-m", "kvatlas.cli", "coordinator", "--port", str(coord_port),
+                       "--log-level", "warning", *replica_flags(redis_server.url, "standalone")]  # fmt: skip
+        with_replica = [*router, "--port", str(replica_port), "--scores-from", "replica",
+                        *replica_flags(redis_server.url, "router-1")]  # fmt: skip
+        services = [
+            (coordinator, coord),
+            ([*router, "--port", str(http_port), "--coordinator-url", coord],
+             f"http://127.0.0.1:{http_port}"),
+            (with_replica, f"http://127.0.0.1:{replica_port}"),
+        ]  # fmt: skip
+        procs += spawn_services(services, timeout=180)
         routers = {"http": f"http://127.0.0.1:{http_port}",
                    "replica": f"http://127.0.0.1:{replica_port}"}  # fmt: skip
         # the replica is serving once it read the stream to its end: it holds the feed
