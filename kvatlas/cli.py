@@ -27,7 +27,8 @@ from kvatlas.keys import pack_kv_rank
 from kvatlas.node.config import add_arguments as add_node_arguments
 from kvatlas.node.config import config_from_args as node_config_from_args
 from kvatlas.router.config import add_arguments as add_router_arguments
-from kvatlas.router.config import config_from_args as router_config_from_args
+from kvatlas.router_replica import RouterLaunch, launch_from_args
+from kvatlas.router_replica import add_arguments as add_router_replica_arguments
 from kvatlas.soak import add_arguments as add_soak_arguments
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "token, from what the directory says each engine can reuse (docs/router.md).",
     )
     add_router_arguments(router)
+    add_router_replica_arguments(router)
 
     route = sub.add_parser(
         "route",
@@ -172,10 +174,18 @@ def run_coordinator(config: CoordinatorConfig) -> int:
     return run(config, mp_servers(config))
 
 
+def run_router(launch: RouterLaunch) -> int:
+    """``kvatlas router`` (with ``--scores-from replica``, its replica delivers cache-control
+    commands with :func:`mp_servers`, as every coordinator replica does)."""
+    from kvatlas.router_replica import run
+
+    return run(launch, mp_servers)
+
+
 _SERVICES: dict[str, tuple[str, str, Callable[[argparse.Namespace], object]]] = {
     "coordinator": ("kvatlas.cli", "run_coordinator", config_from_args),
     "node": ("kvatlas.node.server", "run_node", node_config_from_args),
-    "router": ("kvatlas.router.server", "run_router", router_config_from_args),
+    "router": ("kvatlas.cli", "run_router", launch_from_args),
     "engine-sim": ("kvatlas.engine_sim.server", "run_engine_sim", engine_sim_config_from_args),
 }
 """The long-running services: ``kvatlas <name>`` → (module, its run function, the config)."""

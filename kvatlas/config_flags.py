@@ -18,7 +18,7 @@ import os
 import types
 import typing
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -94,19 +94,24 @@ def _base_type(annotation: Any) -> tuple[Any, bool]:
 
 
 def add_dataclass_arguments(
-    parser: argparse.ArgumentParser,
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     cls: type,
     help_texts: Mapping[str, str],
     choices: Mapping[str, Sequence[str]] | None = None,
     repeatable: Sequence[str] = (),
     renamed: Mapping[str, str] | None = None,
+    only: Collection[str] | None = None,
 ) -> None:
     """One flag per field; a field in ``choices`` shows them as ``{a,b}`` and refuses others;
     a ``str`` field in ``repeatable`` may be given several times (joined with commas);
-    ``renamed`` maps old field names to new ones (hidden flags that warn, see module doc)."""
+    ``renamed`` maps old field names to new ones (hidden flags that warn, see module doc);
+    ``only``: the fields to offer (default every one; another command borrowing some of a
+    service's flags, with their help, keeps their names)."""
     hints = typing.get_type_hints(cls)
     choices = choices or {}
     for old, new in (renamed or {}).items():
+        if only is not None and new not in only:
+            continue
         is_bool = _base_type(hints[new])[0] is bool
         options = [flag_name(old)] + (["--no-" + old.replace("_", "-")] if is_bool else [])
         parser.add_argument(
@@ -114,6 +119,8 @@ def add_dataclass_arguments(
             default=None, choices=None if is_bool else choices.get(new), help=argparse.SUPPRESS,
         )  # fmt: skip
     for f in fields(cls):
+        if only is not None and f.name not in only:
+            continue
         default = "" if f.default is MISSING else f"; default {f.default}"  # computed: see help
         help_text = f"{help_texts.get(f.name, '')} [env {env_name(f.name)}{default}]".strip()
         if _base_type(hints[f.name])[0] is bool:
@@ -163,10 +170,11 @@ def dataclass_from_args(
     args: argparse.Namespace,
     environ: Mapping[str, str] | None = None,
     renamed: Mapping[str, str] | None = None,
+    only: Collection[str] | None = None,
 ) -> T:
     """Merge parsed flags over ``KVATLAS_*`` variables over defaults; ``ValueError`` names the
     flag. A variable of a ``renamed`` field's old name counts (with a warning) when the new one
-    is not set."""
+    is not set. ``only``: the fields read (the others keep their defaults)."""
     env = os.environ if environ is None else environ
     for old, new in (renamed or {}).items():
         if env_name(old) in env and env_name(new) not in env:
@@ -175,6 +183,8 @@ def dataclass_from_args(
     hints = typing.get_type_hints(cls)
     values: dict[str, object] = {}
     for f in fields(cls):  # type: ignore[arg-type]
+        if only is not None and f.name not in only:
+            continue
         raw = getattr(args, f.name, None)
         if raw is None and env_name(f.name) in env:
             raw = env[env_name(f.name)]

@@ -57,7 +57,8 @@ SHARED = (
     "redis_clients",
     "workloads",  # benchmark inputs: numpy only
 )
-TOP = ("bench", "demo", "soak", "cli")
+TOP = ("bench", "demo", "soak", "cli", "router_replica")  # router_replica: the router
+# with a coordinator replica in its process (--scores-from replica), composed above both
 # Below its place in the order, but still out of bounds: a client never imports server
 # internals (and must stay light: no directory, hence no numba kernels). The vLLM connector
 # runs inside an engine and reaches its node through the client only.

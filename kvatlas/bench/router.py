@@ -2,17 +2,21 @@
 load, the router process's CPU per request, and the time to first token it adds against
 calling the engine directly.
 
-Real processes on loopback: a coordinator holding a RAG-style directory (``bench route``'s
-workload, the engines as its instances), the router (``--policy kvatlas``: one
-``POST /route/score`` per request) and one constant-reply engine serving every engine id. The
-engine is deliberately not a simulator: it answers at once, so what is timed is the router.
+Real processes on loopback: a redis-server, a coordinator on the Redis transport holding a
+RAG-style directory (``bench route``'s workload, the engines as its instances, fed through the
+stream), the router in two scoring modes — ``--scores-from http`` (one ``POST /route/score``
+to the coordinator per request) and ``--scores-from replica`` (a coordinator replica in the
+router's process, reading the same stream: a function call per request) — a round-robin router
+(the proxy alone) and one constant-reply engine serving every engine id. The engine is
+deliberately not a simulator: it answers at once, so what is timed is the router.
 The target's "at 500 requests/s" is an offered rate, so the first row is open loop: Poisson
 arrivals at ``--rate`` whether or not earlier requests were answered; closed-loop rows
 (``--clients`` connections, then one) follow. Decision latency is read from the router's own
 histogram (``kvatlas_router_decision_seconds``: body read, tokens, score, choice; buckets every
 0.25 ms up to 5 ms), interpolated inside its bucket, with the bucket's bound beside it (the
-verdict uses the bound). Server CPU per request is measured for the router and the coordinator
-(``/proc/<pid>/stat``), and every row gives the machine's load average. The added TTFT is the
+verdict uses the bound). CPU per request is measured for every process — the router (with a
+replica: router and scoring both), the coordinator, the engine, and this process (the load
+generator) — from ``/proc/<pid>/stat``, and every row gives the machine's load average. The added TTFT is the
 difference of medians of time-to-first-byte, direct and routed requests alternating so drift
 hits both.
 """
@@ -23,7 +27,9 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -45,8 +51,7 @@ from kvatlas.bench.server_cpu import (
     warn_no_wrk,
     wrk_path,
 )
-from kvatlas.events import encode_msgpack
-from kvatlas.processes import spawn_service, stop
+from kvatlas.processes import spawn_service, spawn_services, stop
 
 ENGINES = 4
 
@@ -194,15 +199,19 @@ def _load(args: argparse.Namespace, port: int, pid: int, bodies: list[bytes],
     return run_python_load("127.0.0.1", port, requests, clients, args.seconds, pid)
 
 
-def _decision_row(args: argparse.Namespace, client: httpx.Client, port: int, pids: tuple[int, int],
-                  bodies: list[bytes], clients: int | None) -> BenchRow:  # fmt: skip
-    """Load on the kvatlas router — open loop at ``args.rate`` (``clients`` None) or closed
-    loop on ``clients`` connections; the decision quantiles from its histogram, in between,
-    and the CPU the router and the coordinator (``pids``) spent per request."""
+def _decision_row(args: argparse.Namespace, client: httpx.Client, port: int, mode: str,
+                  pids: tuple[int, int, int], bodies: list[bytes],
+                  clients: int | None) -> BenchRow:  # fmt: skip
+    """Load on a kvatlas router scoring from ``mode`` — open loop at ``args.rate``
+    (``clients`` None) or closed loop on ``clients`` connections; the decision quantiles from
+    its histogram, in between, and the CPU the router, the coordinator, the engine (``pids``)
+    and this process (the load generator) spent per request."""
     url = f"http://127.0.0.1:{port}"
-    router_pid, coordinator_pid = pids
+    router_pid, coordinator_pid, engine_pid = pids
     before = client.get(f"{url}/metrics").text
     coordinator_cpu = process_cpu_seconds(coordinator_pid)
+    engine_cpu = process_cpu_seconds(engine_pid)
+    generator_cpu = process_cpu_seconds(os.getpid())
     late = 0
     if clients is None:
         requests = [build_post("127.0.0.1", port, "/v1/completions", b) for b in bodies]
@@ -215,6 +224,8 @@ def _decision_row(args: argparse.Namespace, client: httpx.Client, port: int, pid
         load = _load(args, port, router_pid, bodies, clients)
         how = f"closed loop, {clients} connection(s)"
     coordinator_cpu = process_cpu_seconds(coordinator_pid) - coordinator_cpu
+    engine_cpu = process_cpu_seconds(engine_pid) - engine_cpu
+    generator_cpu = process_cpu_seconds(os.getpid()) - generator_cpu
     after = client.get(f"{url}/metrics").text
     failures = sum(s.value for s in _samples(after, "kvatlas_router_score_failures_total"))
     failures -= sum(s.value for s in _samples(before, "kvatlas_router_score_failures_total"))
@@ -230,12 +241,15 @@ def _decision_row(args: argparse.Namespace, client: httpx.Client, port: int, pid
         "reply_p50_ms": f"{load.p50_s * 1e3:.2f}", "reply_p99_ms": f"{load.p99_s * 1e3:.2f}",
         "router_cpu_per_req_ms": f"{load.per_request_cpu_s * 1e3:.3f}",
         "coordinator_cpu_per_req_ms": f"{coordinator_cpu / max(1, load.requests) * 1e3:.3f}",
+        "engine_cpu_per_req_ms": f"{engine_cpu / max(1, load.requests) * 1e3:.3f}",
+        "generator_cpu_per_req_ms": f"{generator_cpu / max(1, load.requests) * 1e3:.3f}",
         "score_failures": f"{failures:g}", "load_avg": _load_average(),
     }  # fmt: skip
     if clients is None:
         extra["sent_late"] = f"{late}"  # more than 1 ms behind schedule: the generator's lag
     return BenchRow(
-        f"route decision (body, score, choice), {args.prompt_tokens}-token prompts, "
+        f"route decision (body, score, choice), scores from {mode}, "
+        f"{args.prompt_tokens}-token prompts, "
         f"{args.chunks} chunks, {how} ({load.generator})",
         None, None, f"p99 ≤ 5 ms at {args.rate:g} req/s" if clients is None else "",
         extra,
@@ -244,7 +258,35 @@ def _decision_row(args: argparse.Namespace, client: httpx.Client, port: int, pid
     )  # fmt: skip
 
 
+STREAM = "kvatlas:bench-router"
+ROUTERS = {"kvatlas": "http", "kvatlas-replica": "replica", "round-robin": ""}
+"""The routers: a name → where its scores come from (``""``: none, the proxy alone)."""
+
+
+def _stream_end(redis_url: str) -> str:
+    """The id of the stream's last entry."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        entries: Any = client.xrevrange(STREAM, count=1)
+        return bytes(entries[0][0]).decode()
+    finally:
+        client.close()
+
+
+def _wait(ready: Any, what: str, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: not within {timeout:g} s")
+        time.sleep(0.05)
+
+
 def run(args: argparse.Namespace) -> int:
+    from kvatlas.client import RedisStreamTransport
+    from kvatlas.soak.fleet import RedisProcess
+
     if args.quick:
         args.chunks, args.seconds, args.ttft_requests = 4_000, 2.0, 60
     rng = np.random.default_rng(args.seed)
@@ -256,38 +298,62 @@ def run(args: argparse.Namespace) -> int:
     bodies = [json.dumps({"model": MODEL, "prompt": p, "max_tokens": 1}).encode() for p in prompts]
     stream = [json.dumps({"model": MODEL, "prompt": p, "max_tokens": 1, "stream": True}).encode()
               for p in prompts[:8]]  # fmt: skip
-    engine_port, coord_port = free_port(), free_port()
-    engine, coord = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{coord_port}"
-    ports = {"kvatlas": free_port(), "round-robin": free_port()}
     if wrk_path() is None:
         warn_no_wrk()
     procs = []
     rows: list[BenchRow] = []
+    tmp = tempfile.TemporaryDirectory(prefix="kvatlas-bench-router-")
+    redis_server = RedisProcess(Path(tmp.name), Path(tmp.name) / "redis.log")
     try:
+        redis_server.start()  # on its port before the others are chosen: free_port reserves none
+        engine_port, coord_port = free_port(), free_port()
+        engine, coord = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{coord_port}"
+        ports = {name: free_port() for name in ROUTERS}
         with Progress(transient=True) as progress:
-            task = progress.add_task("engine, coordinator, routers; load; TTFT", total=6)
+            task = progress.add_task("redis, engine, coordinator, routers; load; TTFT", total=8)
             code = f"from kvatlas.bench.router import serve_echo_engine; serve_echo_engine({engine_port})"
             procs.append(spawn_service(["-c", code], engine))
-            flags = ["--port", str(coord_port), "--chunk-size", str(CHUNK),
-                     "--enable-blend-lookup", "--max-body-bytes", str(1 << 30),
-                     "--log-level", "warning"]  # fmt: skip
-            procs.append(spawn_service(["-m", "kvatlas.cli", "coordinator", *flags], coord))
+            engine_pid = procs[-1].pid
+            # the coordinator's flags for the stream: the stand-alone one's and the router's
+            # replica's alike (each with its own replica id)
+            on_stream = ["--chunk-size", str(CHUNK), "--enable-blend-lookup",
+                         "--event-transport", "redis", "--redis-url", redis_server.url,
+                         "--event-stream", STREAM]  # fmt: skip
+            flags = ["--port", str(coord_port), *on_stream, "--replica-id", "bench-coordinator",
+                     "--max-body-bytes", str(1 << 30), "--log-level", "warning"]  # fmt: skip
+            procs.append(
+                spawn_service(["-m", "kvatlas.cli", "coordinator", *flags], coord, timeout=300)
+            )
             coordinator_pid = procs[-1].pid
             with httpx.Client(base_url=coord, timeout=300) as http:
                 for inst in work.instances:
                     http.post("/instances", json={"instance_id": inst}).raise_for_status()
-                for start in range(0, len(work.batches), 4):
-                    http.post("/events", content=encode_msgpack(work.batches[start : start + 4]),
-                              headers={"Content-Type": "application/msgpack"}).raise_for_status()  # fmt: skip
+            sink = RedisStreamTransport(redis_server.url, STREAM)
+            for start in range(0, len(work.batches), 4):
+                sink.send(work.batches[start : start + 4])
+            sink.close()
+            end = _stream_end(redis_server.url)
+            _wait(lambda: httpx.get(f"{coord}/healthz").json()["stream_position"] == end,
+                  "the coordinator reading the stream")  # fmt: skip
             engines = [f for i in work.instances for f in ("--engine", f"{i}={engine}")]
-            pids = {}
-            for policy, port in ports.items():
+            started = []
+            for name, port in ports.items():
+                source = ROUTERS[name]
                 rflags = ["--port", str(port), "--coordinator-url", coord, *engines,
-                          "--policy", policy, "--log-level", "warning",
-                          "--max-body-bytes", str(1 << 24), "--score-timeout-s", "1"]  # fmt: skip
-                procs.append(spawn_service(["-m", "kvatlas.cli", "router", *rflags],
-                                           f"http://127.0.0.1:{port}"))  # fmt: skip
-                pids[policy] = procs[-1].pid
+                          "--policy", "round-robin" if not source else "kvatlas",
+                          "--log-level", "warning", "--max-body-bytes", str(1 << 24),
+                          "--score-timeout-s", "1"]  # fmt: skip
+                if source == "replica":  # no --coordinator-url: no HTTP score meanwhile
+                    rflags = [*rflags[:2], *rflags[4:], "--scores-from", "replica", *on_stream,
+                              "--replica-id", "bench-router"]  # fmt: skip
+                started.append(
+                    (["-m", "kvatlas.cli", "router", *rflags], f"http://127.0.0.1:{port}")
+                )
+            procs += spawn_services(started, timeout=300)  # side by side
+            pids = {name: proc.pid for name, proc in zip(ports, procs[-len(ports) :], strict=True)}
+            replica_url = f"http://127.0.0.1:{ports['kvatlas-replica']}/healthz"
+            _wait(lambda: httpx.get(replica_url).json()["scores"] == "replica serving",
+                  "the router's replica reading the stream")  # fmt: skip
             progress.advance(task)
             with httpx.Client(timeout=60) as client:
                 routers = {p: f"http://127.0.0.1:{port}" for p, port in ports.items()}
@@ -295,37 +361,42 @@ def run(args: argparse.Namespace) -> int:
                     for body in bodies[:16]:  # warm-up
                         client.post(f"{url}/v1/completions", content=body,
                                     headers={"content-type": "application/json"}).raise_for_status()  # fmt: skip
-                k_port, k_pids = ports["kvatlas"], (pids["kvatlas"], coordinator_pid)
-                for clients in (None, args.clients, 1):
-                    rows.append(_decision_row(args, client, k_port, k_pids, bodies, clients))
-                    progress.advance(task)
+                for name in ("kvatlas", "kvatlas-replica"):
+                    k_pids = (pids[name], coordinator_pid, engine_pid)
+                    for clients in (None, args.clients, 1):
+                        rows.append(_decision_row(args, client, ports[name], ROUTERS[name],
+                                                  k_pids, bodies, clients))  # fmt: skip
+                        progress.advance(task)
                 first_byte: dict[str, list[float]] = {"direct": [], **{p: [] for p in routers}}
                 for k in range(args.ttft_requests):  # interleaved: drift hits every column
                     body = stream[k % len(stream)]
                     first_byte["direct"].append(
                         _first_byte_s(client, f"{engine}/v1/completions", body)
                     )
-                    for policy, url in routers.items():
-                        first_byte[policy].append(
+                    for name, url in routers.items():
+                        first_byte[name].append(
                             _first_byte_s(client, f"{url}/v1/completions", body)
                         )
                 progress.advance(task)
         direct = statistics.median(first_byte["direct"])
-        for policy in routers:
-            added = statistics.median(first_byte[policy]) - direct
-            what = "score + proxy" if policy == "kvatlas" else "proxy alone"
+        for name, source in ROUTERS.items():
+            added = statistics.median(first_byte[name]) - direct
+            what = f"score from {source} + proxy" if source else "proxy alone"
+            policy = "kvatlas" if source else name
             rows.append(BenchRow(
                 f"added time to first byte, --policy {policy} ({what}), stream, "
                 f"{args.prompt_tokens}-token prompts (routed − direct, medians, sequential)",
-                added, None, "≤ 2 ms" if policy == "kvatlas" else "",
+                added, None, "≤ 2 ms" if source else "",
                 {"direct_p50_ms": f"{direct * 1e3:.2f}",
-                 "routed_p50_ms": f"{statistics.median(first_byte[policy]) * 1e3:.2f}",
+                 "routed_p50_ms": f"{statistics.median(first_byte[name]) * 1e3:.2f}",
                  "load_avg": _load_average()},
-                met=added <= 2e-3 if policy == "kvatlas" else None,
+                met=added <= 2e-3 if source else None,
                 shown=f"{added * 1e3:.2f} ms",
             ))  # fmt: skip
     finally:
         stop(procs)
+        redis_server.kill()
+        tmp.cleanup()
     meta["load_avg_end"] = _load_average()
     report("kvatlas bench router", rows, args, meta)
     return 0

@@ -64,14 +64,18 @@ class CoordinatorApp(Dispatcher):
         return api_document()
 
 
+def new_match_pool() -> ThreadPoolExecutor:
+    """The threads long queries are matched on, off the event loop: as many as there are
+    cores (more would only contend for the GIL between the compiled, nogil scans)."""
+    return ThreadPoolExecutor(
+        max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="kvatlas-match"
+    )
+
+
 def create_app(service: CoordinatorService, table: RouteTable = TABLE) -> CoordinatorApp:
     """The app serving ``table`` (the coordinator's, or one with more routes) for ``service``."""
     config = service.config
-    # Long queries are matched off the event loop on as many threads as there are cores: more
-    # threads would only contend for the GIL between the compiled (nogil) scans.
-    match_pool = ThreadPoolExecutor(
-        max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="kvatlas-match"
-    )
+    match_pool = new_match_pool()
     # Applying is serialised by the directory lock; a second thread lets one body decode (the
     # JSON token parser releases the GIL on a large body) while another applies.
     events = EventsIngest(service, ThreadPoolExecutor(2, thread_name_prefix="kvatlas-ingest"))

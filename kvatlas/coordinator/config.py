@@ -11,7 +11,7 @@ import hashlib
 import math
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -367,14 +367,23 @@ _CHOICES = {
 }
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_dataclass_arguments(parser, CoordinatorConfig, _HELP, _CHOICES, renamed=RENAMED_FLAGS)
+def add_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    only: Collection[str] | None = None,
+) -> None:
+    """The coordinator's flags (``only``: some of them, for a command hosting a replica)."""
+    add_dataclass_arguments(
+        parser, CoordinatorConfig, _HELP, _CHOICES, renamed=RENAMED_FLAGS, only=only
+    )
 
 
 def config_from_args(
-    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+    args: argparse.Namespace,
+    environ: Mapping[str, str] | None = None,
+    only: Collection[str] | None = None,
 ) -> CoordinatorConfig:
-    return dataclass_from_args(CoordinatorConfig, args, environ, RENAMED_FLAGS)
+    """``only``: the fields read from ``args`` and the environment (the others: defaults)."""
+    return dataclass_from_args(CoordinatorConfig, args, environ, RENAMED_FLAGS, only)
 
 
 def parse_config(

@@ -174,8 +174,7 @@ class RouteScoring:
     def answer(self, raw: bytes, who: Principal, packed: bool = False) -> bytes:
         """The reply's bytes to body ``raw`` (``packed``: msgpack, else JSON)."""
         started = time.perf_counter()
-        service = self.service
-        config = service.config
+        config = self.service.config
         if packed:
             body, tokens = decode_packed(raw, config.max_query_tokens, config.max_instances)
         else:
@@ -183,9 +182,25 @@ class RouteScoring:
                 raw, config.max_query_tokens, QUERY_ENVELOPE_BYTES + config.max_instances
             )
             body, tokens = decode(raw, RouteScoreBody), None
+        return json_encoder.encode(self.score(body, who, tokens, started))
+
+    def score(
+        self,
+        body: RouteScoreBody,
+        who: Principal,
+        packed: npt.NDArray[np.uint8] | None = None,
+        started: float | None = None,
+    ) -> RouteScoresReply:
+        """The reply to a decoded body (``packed``: its tokens' little-endian uint32 bytes,
+        as :func:`decode_packed` gives them): what :meth:`answer` encodes, and what a
+        process hosting this replica calls directly (``kvatlas router --scores-from
+        replica``, docs/router.md)."""
+        started = time.perf_counter() if started is None else started
+        service = self.service
+        config = service.config
         who.require_salts({body.cache_salt})
         asked = route_query(
-            body, config.max_query_tokens, config.max_instances, config.fragment_weight, tokens
+            body, config.max_query_tokens, config.max_instances, config.fragment_weight, packed
         )
         _, records = service.instances.snapshot()
         peers = frozenset(r.instance_id for r in records)
@@ -208,7 +223,7 @@ class RouteScoring:
             asked.weights,
             attached,
         )
-        reply = json_encoder.encode(route_scores_to_wire(scores, asked.query_tokens))
+        reply = route_scores_to_wire(scores, asked.query_tokens)
         service.metrics.route_latency.observe(time.perf_counter() - started)
         return reply
 

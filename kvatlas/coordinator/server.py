@@ -36,6 +36,7 @@ __all__ = [
     "BackgroundServer",
     "announce_security",
     "claim_replica",
+    "claim_state",
     "free_port",
     "run_coordinator",
 ]
@@ -81,6 +82,17 @@ def claim_replica(config: CoordinatorConfig) -> tuple[socket.socket, IO[str] | N
     :class:`~kvatlas.errors.Conflict` (group held) or :class:`~kvatlas.errors.Unavailable`
     (Redis cannot tell), having released what it took."""
     sock = bind_listener(config.host, config.port)
+    try:
+        return sock, claim_state(config)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def claim_state(config: CoordinatorConfig) -> IO[str] | None:
+    """:func:`claim_replica` without the port: lock the snapshot path and (Redis transport)
+    refuse a consumer group a live replica holds. For a replica that serves no HTTP of its
+    own (``kvatlas router --scores-from replica``). Returns the held lock (or ``None``)."""
     lock = None
     try:
         if config.snapshot_path is not None:
@@ -90,11 +102,10 @@ def claim_replica(config: CoordinatorConfig) -> tuple[socket.socket, IO[str] | N
 
             refuse_held_group(config)
     except BaseException:
-        sock.close()
         if lock is not None:
             lock.close()
         raise
-    return sock, lock
+    return lock
 
 
 class BackgroundServer:

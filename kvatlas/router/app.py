@@ -57,6 +57,7 @@ from kvatlas.router.policies import (
     uncomputed_tokens,
 )
 from kvatlas.router.replies import Relay, ReplyCut, openai_error, send_openai_error
+from kvatlas.router.scores import HttpScorer, Scorer
 from kvatlas.router.tokenizer import PromptTokenizer
 from kvatlas.web import check_declared_length, nested_too_deep, receive_body
 
@@ -94,7 +95,14 @@ def fits(prompt_tokens: int, max_tokens: int | None, max_model_len: int | None) 
 class Router:
     """Tokenize, score, choose, proxy; and the loops that keep engines' health and load."""
 
-    def __init__(self, config: RouterConfig, tokenizer: PromptTokenizer | None = None) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        tokenizer: PromptTokenizer | None = None,
+        scorer: Scorer | None = None,
+    ) -> None:
+        """``scorer``: where scores come from (default: the coordinator over HTTP when
+        ``--coordinator-url`` is given; ``--scores-from replica`` hands in its own)."""
         self.config = config
         self.tokenizer = tokenizer
         self.auth: TokenAuth | None = config.auth()
@@ -112,6 +120,9 @@ class Router:
             if config.coordinator_url
             else None
         )
+        if scorer is None and self.coordinator is not None:
+            scorer = HttpScorer(self.coordinator)
+        self.scorer = scorer
         self._tasks: list[asyncio.Task[None]] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -140,6 +151,8 @@ class Router:
         self._pools.clear()
         if self.engines.http is not None:
             await self.engines.http.close()
+        if self.scorer is not None:
+            await self.scorer.aclose()
         if self.coordinator is not None:
             await self.coordinator.aclose()
 
@@ -225,13 +238,12 @@ class Router:
         return fitting
 
     async def _coverage(self, req: RouteRequest, engines: list[Engine]) -> dict[str, Coverage]:
-        if not self.policy.uses_coverage or req.prompt_tokens is None or self.coordinator is None:
+        if not self.policy.uses_coverage or req.prompt_tokens is None or self.scorer is None:
             return {}
         try:
-            scores = await self.coordinator.score(
-                req.prompt_tokens, self.config.model_name or req.model,
-                cache_salt=req.cache_salt, instances=[e.engine_id for e in engines],
-                timeout=self.config.score_timeout_s,
+            scores = await self.scorer.score(
+                req.prompt_tokens, self.config.model_name or req.model, req.cache_salt,
+                [e.engine_id for e in engines], self.config.score_timeout_s,
             )  # fmt: skip
         except CoordinatorError as exc:
             self.metrics.score_failures.inc()
@@ -415,6 +427,7 @@ class Router:
         body = {
             "status": "healthy" if healthy else "no engine healthy",
             "policy": self.policy.name,
+            "scores": "none" if self.scorer is None else self.scorer.status(),
             "engines": {
                 e.engine_id: {"url": e.url, "healthy": e.healthy, "in_flight": e.in_flight}
                 for e in self.engines.all()

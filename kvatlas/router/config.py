@@ -30,6 +30,7 @@ from kvatlas.http_guard import (
 from kvatlas.keys import check_instance_id
 from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
 from kvatlas.router.policies import CostModel
+from kvatlas.router.scores import SCORE_SOURCES
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class RouterConfig:
     engines_from_coordinator: bool = False
     engine_url_template: str | None = None
     policy: str = "kvatlas"
+    scores_from: str = "http"
     tokenizer: Path | None = None
     chat_template: Path | None = None
     model_name: str | None = None
@@ -82,8 +84,14 @@ class RouterConfig:
             raise ValueError("give --engine ID=URL (repeatable) or --engines-from-coordinator")
         if self.engines_from_coordinator and not self.coordinator_url:
             raise ValueError("--engines-from-coordinator needs --coordinator-url")
-        if self.policy in ("kvatlas", "prefix") and not self.coordinator_url:
-            raise ValueError(f"--policy {self.policy} needs --coordinator-url (it scores there)")
+        if self.scores_from not in SCORE_SOURCES:
+            raise ValueError(f"--scores-from must be one of {', '.join(SCORE_SOURCES)}")
+        scoring = self.policy in ("kvatlas", "prefix")
+        if scoring and self.scores_from == "http" and not self.coordinator_url:
+            raise ValueError(
+                f"--policy {self.policy} needs --coordinator-url (it scores there) or "
+                "--scores-from replica"
+            )
         if self.coordinator_url:
             check_http_url(self.coordinator_url, "--coordinator-url")
         parse_engines(self.engine or "")  # refuse a bad list at start, naming the item
@@ -184,6 +192,10 @@ HELP: Final = MappingProxyType(
         "engine_url_template": "URL of a coordinator-listed instance without metadata.openai_url, "
         "e.g. http://{instance_id}:8000 (not set: such instances are skipped)",
         "policy": "how an engine is chosen (docs/router.md has each formula)",
+        "scores_from": "where the kvatlas and prefix policies get scores: the coordinator at "
+        "--coordinator-url (http) or a coordinator replica in this process, reading the Redis "
+        "stream with the coordinator's flags below (replica; until it is serving, scores come "
+        "over http if --coordinator-url is given, else requests are routed by load and counted)",
         "tokenizer": "the engines' Hugging Face tokenizer.json (or a model directory holding "
         "tokenizer.json and tokenizer_config.json); without it text is routed by load",
         "chat_template": "the model's Jinja chat template (a .jinja file or a "
@@ -222,7 +234,12 @@ HELP: Final = MappingProxyType(
 )
 
 CHOICES: Final = MappingProxyType(
-    {"policy": POLICIES, "log_level": LOG_LEVELS, "log_format": LOG_FORMATS}
+    {
+        "policy": POLICIES,
+        "scores_from": SCORE_SOURCES,
+        "log_level": LOG_LEVELS,
+        "log_format": LOG_FORMATS,
+    }
 )
 
 

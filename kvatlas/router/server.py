@@ -21,6 +21,7 @@ from kvatlas.logs import configure_logging, uvicorn_log_options
 from kvatlas.router.app import Router
 from kvatlas.router.config import RouterConfig
 from kvatlas.router.openai_body import Kind
+from kvatlas.router.scores import Scorer
 from kvatlas.router.tokenizer import PromptTokenizer
 from kvatlas.web import is_loopback
 
@@ -74,18 +75,21 @@ def create_app(router: Router) -> ASGIApp:
     return _Completions(app, router)
 
 
-def build_router(config: RouterConfig) -> Router:
-    """The router of ``config`` (``ValueError`` naming the flag when a file cannot be used)."""
+def build_router(config: RouterConfig, scorer: Scorer | None = None) -> Router:
+    """The router of ``config`` (``ValueError`` naming the flag when a file cannot be used);
+    ``scorer``: where its scores come from (default: the coordinator over HTTP)."""
     tokenizer = None
     if config.tokenizer is not None:
         tokenizer = PromptTokenizer(config.tokenizer, config.chat_template)
-    return Router(config, tokenizer)
+    return Router(config, tokenizer, scorer)
 
 
-def run_router(config: RouterConfig) -> int:
+def run_router(config: RouterConfig, scorer: Scorer | None = None) -> int:
+    """``kvatlas router`` (``scorer``: handed in by ``--scores-from replica``'s composition,
+    ``kvatlas.router_replica``, which configured the logging already)."""
     configure_logging(config.log_level, config.log_format)
     try:
-        router = build_router(config)
+        router = build_router(config, scorer)
     except ValueError as exc:
         log.error("%s; not starting", exc)
         return 2
@@ -98,8 +102,8 @@ def run_router(config: RouterConfig) -> int:
         log.warning("router on %s without --auth-token-file: anyone reaching it may use the engines",
                     config.host)  # fmt: skip
     log.info(
-        "kvatlas router on http://%s:%d: policy %s, %d engine(s)%s, tokenizer %s",
-        config.host, config.port, config.policy, len(config.engines),
+        "kvatlas router on http://%s:%d: policy %s, scores from %s, %d engine(s)%s, tokenizer %s",
+        config.host, config.port, config.policy, config.scores_from, len(config.engines),
         " + the coordinator's" if config.engines_from_coordinator else "",
         "on" if router.tokenizer is not None else "off (text routed by load)",
     )  # fmt: skip

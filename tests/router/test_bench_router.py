@@ -1,6 +1,7 @@
 """``kvatlas bench router`` runs end to end on small sizes: every request it times was routed
-with a score from the coordinator (no score failure), and it prints every row it promises —
-the open-loop row at an offered rate, then the closed-loop ones."""
+with a score — from the coordinator over HTTP, or from the router's own replica — (no score
+failure), and it prints every row it promises for each scoring mode — the open-loop row at an
+offered rate, then the closed-loop ones."""
 
 from __future__ import annotations
 
@@ -20,17 +21,22 @@ def test_bench_router_scores_every_request(tmp_path: Path) -> None:
     assert router.run(build_parser().parse_args(argv)) == 0
     rows = json.loads(out.read_text())["rows"]
     cases = [r["case"] for r in rows]
-    assert sum("route decision" in c for c in cases) == 3
-    assert "open loop, Poisson arrivals at 40 req/s" in cases[0]
-    assert rows[0]["target"] == "p99 ≤ 5 ms at 40 req/s"
-    assert "closed loop, 2 connection(s)" in cases[1]
-    assert any("--policy kvatlas (score + proxy)" in c for c in cases)
+    assert sum("route decision" in c for c in cases) == 6
+    for first, mode in ((0, "http"), (3, "replica")):  # the same rows for each scoring mode
+        assert all(f"scores from {mode}," in c for c in cases[first : first + 3])
+        assert "open loop, Poisson arrivals at 40 req/s" in cases[first]
+        assert rows[first]["target"] == "p99 ≤ 5 ms at 40 req/s"
+        assert "closed loop, 2 connection(s)" in cases[first + 1]
+    assert any("--policy kvatlas (score from http + proxy)" in c for c in cases)
+    assert any("--policy kvatlas (score from replica + proxy)" in c for c in cases)
     assert any("--policy round-robin (proxy alone)" in c for c in cases)
-    for row in rows[:3]:
+    for row in rows[:6]:
         assert row["extra"]["score_failures"] == "0"
         assert float(row["extra"]["req_per_s"].replace(",", "")) > 0
-        assert float(row["extra"]["coordinator_cpu_per_req_ms"]) > 0
+        assert float(row["extra"]["router_cpu_per_req_ms"]) > 0
         assert float(row["extra"]["decision_p99_ms"]) <= float(row["extra"]["decision_p99_le_ms"])
+    for row in rows[:3]:  # over HTTP the coordinator scores
+        assert float(row["extra"]["coordinator_cpu_per_req_ms"]) > 0
 
 
 def test_decision_quantiles_and_failures_come_from_the_prometheus_parser() -> None:

@@ -1,0 +1,79 @@
+"""Where the router's scores come from (``--scores-from``, docs/router.md, "Scoring").
+
+A :class:`Scorer` answers what ``POST /route/score`` answers — every candidate's coverage of a
+prompt, best first, as :class:`kvatlas.api.RouteScoresReply` — or raises
+:class:`~kvatlas.client.coordinator_client.CoordinatorError` when it has no score (the router
+then routes by load and counts it). Two exist:
+
+* :class:`HttpScorer` (``--scores-from http``, the default): the coordinator over HTTP
+  (:class:`~kvatlas.client.route_client.AsyncRouteClient`, a msgpack body);
+* a coordinator replica in the router's own process (``--scores-from replica``): composed
+  above this package (``kvatlas.router_replica``), since a gateway imports no coordinator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvatlas.api import RouteScoresReply
+from kvatlas.client.route_client import AsyncRouteClient
+from kvatlas.router.openai_body import TokenIds
+
+__all__ = ["SCORE_SOURCES", "HttpScorer", "Scorer"]
+
+SCORE_SOURCES = ("http", "replica")
+"""``--scores-from``'s choices."""
+
+
+class Scorer(Protocol):
+    """Scores a prompt for the router's candidates."""
+
+    async def score(
+        self,
+        tokens: TokenIds,
+        model_name: str,
+        cache_salt: str,
+        instances: Sequence[str],
+        timeout: float,
+    ) -> RouteScoresReply:
+        """Every one of ``instances``, best first (``CoordinatorError``: no score had within
+        ``timeout`` seconds, or refused)."""
+        ...
+
+    def status(self) -> str:
+        """Where scores come from now, for ``/healthz`` (``http``, ``replica serving``, ...)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release what the scorer holds (connections)."""
+        ...
+
+
+class HttpScorer:
+    """``POST /route/score`` at the coordinator (``--coordinator-url``)."""
+
+    def __init__(self, client: AsyncRouteClient, *, owned: bool = False) -> None:
+        """``owned``: :meth:`aclose` closes ``client`` (else its owner does: the router's
+        own client, which also lists engines)."""
+        self.client = client
+        self.owned = owned
+
+    async def score(
+        self,
+        tokens: TokenIds,
+        model_name: str,
+        cache_salt: str,
+        instances: Sequence[str],
+        timeout: float,
+    ) -> RouteScoresReply:
+        return await self.client.score(
+            tokens, model_name, cache_salt=cache_salt, instances=instances, timeout=timeout
+        )
+
+    def status(self) -> str:
+        return "http"
+
+    async def aclose(self) -> None:
+        if self.owned:
+            await self.client.aclose()

@@ -1,0 +1,253 @@
+"""``kvatlas router --scores-from replica`` (issue 26 item 5; docs/router.md, "Scoring: over
+HTTP or from a replica in the router"): a coordinator replica in the router's process, fed by
+the Redis stream every replica reads, scores each request by a function call.
+
+Real processes on loopback, a real redis-server: a stand-alone coordinator on the Redis
+transport, a router scoring over HTTP against it, and a router with its own replica, in front
+of two fake vLLM engines; the directory comes through the stream (two nodes' ``EventSink``s
+named as the engines). The two routers must decide alike (engine and predicted reuse); a prompt
+nobody holds is routed by load with no reuse predicted; a replica that cannot be serving (Redis
+away) routes by load and counts it, or scores over HTTP when ``--coordinator-url`` is given;
+``--scores-from replica`` without the Redis transport is refused at start (exit 2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import redis
+
+from kvatlas.asgi_thread import free_port
+from kvatlas.cli import main
+from kvatlas.client import EventSink, RedisStreamTransport
+from kvatlas.events import CacheEntry
+from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
+from kvatlas.processes import spawn_services, stop
+from kvatlas.router_replica import INLINE_TOKENS
+from tests.conftest import RedisServer, wait_for
+from tests.router.fake_vllm import FakeVllm
+
+MODEL = "toy"
+ENGINES = ("pod-a", "pod-b")
+C = 16
+RANK = pack_kv_rank(1, 0, 1, 0)
+STREAM = "kvatlas:router-replica"
+rng = np.random.default_rng(26)
+DOC_A, DOC_B, DOC_C = (rng.integers(1000, 30_000, 16 * C).astype(np.uint32) for _ in range(3))
+
+
+def entries(doc: np.ndarray, offset: int = 0) -> list[CacheEntry]:
+    return [
+        CacheEntry(ObjectKey(h, MODEL, RANK, 0, ""), 4096, doc[c * C : (c + 1) * C], offset + c * C)
+        for c, h in enumerate(chunk_hashes(doc, C))
+    ]
+
+
+def feed(redis_url: str) -> str:
+    """pod-a holds DOC_A (L1), pod-b DOC_B (L1) and DOC_C (L2, a fragment source); the id of
+    the stream's last entry."""
+    sinks = {
+        e: EventSink(e, RedisStreamTransport(redis_url, STREAM), incarnation=1) for e in ENGINES
+    }
+    sinks["pod-a"].emit("store", "l1", "dram", entries(DOC_A))
+    sinks["pod-b"].emit("store", "l1", "dram", entries(DOC_B))
+    sinks["pod-b"].emit("store", "l2", "fs", entries(DOC_C))
+    for sink in sinks.values():
+        assert sink.flush(60)
+        sink.close(timeout=5)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        last = client.xrevrange(STREAM, count=1)[0][0]
+    finally:
+        client.close()
+    return last.decode() if isinstance(last, bytes) else str(last)
+
+
+def replica_flags(redis_url: str, replica_id: str) -> list[str]:
+    """The coordinator's flags a router's replica takes (the stand-alone one's, its own id)."""
+    return ["--event-transport", "redis", "--redis-url", redis_url, "--event-stream", STREAM,
+            "--chunk-size", str(C), "--replica-id", replica_id]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_server: RedisServer) -> Iterator[dict[str, Any]]:
+    engines = {name: FakeVllm(name, MODEL, max_model_len=1 << 16) for name in ENGINES}
+    engine_flags = [f for n, e in engines.items() for f in ("--engine", f"{n}={e.url}")]
+    last = feed(redis_server.url)
+    coord_port, http_port, replica_port = free_port(), free_port(), free_port()
+    coord = f"http://127.0.0.1:{coord_port}"
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        # a loaded machine: no score missed by time; a fresh numba cache compiles in two at once
+        common = [*engine_flags, "--health-interval-s", "0.2", "--metrics-interval-s", "0.2",
+                  "--score-timeout-s", "10"]  # fmt: skip
+        router = ["-m", "kvatlas.cli", "router", "--log-level", "warning", *common]
+        coordinator = ["-m", "kvatlas.cli", "coordinator", "--port", str(coord_port),
+                       "--log-level", "warning", *replica_flags(redis_server.url, "standalone")]  # fmt: skip
+        with_replica = [*router, "--port", str(replica_port), "--scores-from", "replica",
+                        *replica_flags(redis_server.url, "router-1")]  # fmt: skip
+        services = [
+            (coordinator, coord),
+            ([*router, "--port", str(http_port), "--coordinator-url", coord],
+             f"http://127.0.0.1:{http_port}"),
+            (with_replica, f"http://127.0.0.1:{replica_port}"),
+        ]  # fmt: skip
+        procs += spawn_services(services, timeout=180)
+        routers = {"http": f"http://127.0.0.1:{http_port}",
+                   "replica": f"http://127.0.0.1:{replica_port}"}  # fmt: skip
+        # the replica is serving once it read the stream to its end: it holds the feed
+        assert wait_for(lambda: health(routers["replica"])["scores"] == "replica serving", 60)
+        assert wait_for(lambda: httpx.get(f"{coord}/healthz").json()["stream_position"] == last, 60)
+        assert health(routers["http"])["scores"] == "http"
+        yield {"coordinator": coord, "routers": routers, "engines": engines,
+               "engine_flags": engine_flags}  # fmt: skip
+    finally:
+        stop(procs)
+        for engine in engines.values():
+            engine.close()
+
+
+def health(router: str) -> dict[str, Any]:
+    reply: dict[str, Any] = httpx.get(f"{router}/healthz", timeout=10).json()
+    return reply
+
+
+def metric(router: str, name: str) -> float:
+    text = httpx.get(f"{router}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))  # fmt: skip
+
+
+def route(router: str, prompt: list[int]) -> tuple[str, float]:
+    """The engine ``router`` chose for ``prompt`` and the reuse it predicted there (one request
+    at a time: every engine idle first, so load is equal and only the scores differ)."""
+    assert wait_for(lambda: all(e["in_flight"] == 0 for e in health(router)["engines"].values()))
+    predicted = "kvatlas_router_predicted_reused_tokens_total"
+    before = metric(router, predicted)
+    reply = httpx.post(f"{router}/v1/completions", json={"model": MODEL, "prompt": prompt,
+                       "max_tokens": 1}, timeout=30)  # fmt: skip
+    assert reply.status_code == 200, reply.text
+    return reply.headers["x-kvatlas-engine"], metric(router, predicted) - before
+
+
+def test_the_replica_routes_as_the_coordinator_over_http_does(fleet: dict[str, Any]) -> None:
+    routers = fleet["routers"]
+    failures = {k: metric(r, "kvatlas_router_score_failures_total") for k, r in routers.items()}
+    tail = [7, 8, 9]
+    prompts = {
+        "pod-a's document": ([*DOC_A.tolist(), *tail], "pod-a", 16 * C),
+        "pod-b's document": ([*DOC_B.tolist(), *tail], "pod-b", 16 * C),
+        "pod-a's half": ([*DOC_A[: 8 * C].tolist(), *tail], "pod-a", 8 * C),
+        # longer than INLINE_TOKENS: scored on the replica's match pool, not the event loop
+        "pod-b's document, long": ([*DOC_B.tolist(), *range(INLINE_TOKENS)], "pod-b", 16 * C),
+        # pod-b's fragment (L2) at another offset, after a prefix of pod-a's: both routers weigh
+        # the same coverage, whichever wins
+        "mixed": ([*DOC_A[: 2 * C].tolist(), *DOC_C.tolist(), *tail], None, None),
+    }
+    for what, (prompt, holder, reused) in prompts.items():
+        by_http = route(routers["http"], prompt)
+        by_replica = route(routers["replica"], prompt)
+        assert by_replica == by_http, what
+        if holder is not None:
+            assert by_replica == (holder, reused), what
+    for kind, router in routers.items():  # every request was scored, none by load
+        assert metric(router, "kvatlas_router_score_failures_total") == failures[kind]
+
+
+def test_a_prompt_nobody_holds_is_routed_by_load(fleet: dict[str, Any]) -> None:
+    """The negative control: the score says nobody holds it (no failure counted), no reuse."""
+    router = fleet["routers"]["replica"]
+    failures = metric(router, "kvatlas_router_score_failures_total")
+    nobody = rng.integers(40_000, 50_000, 8 * C).tolist()
+    for _ in range(2):
+        engine, predicted = route(router, nobody)
+        assert engine in ENGINES and predicted == 0
+    assert metric(router, "kvatlas_router_score_failures_total") == failures
+
+
+def test_a_replica_not_serving_routes_by_load_and_counts_it(
+    fleet: dict[str, Any], procs: list[subprocess.Popen[bytes]]
+) -> None:
+    """Redis away: the router starts, its replica waits for Redis (``waiting_for_redis``) and
+    cannot score; each request is routed by load and counted, never held."""
+    away = f"redis://127.0.0.1:{free_port()}/0"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    procs += spawn_services([(
+        ["-m", "kvatlas.cli", "router", "--log-level", "warning", "--port", str(port),
+         *fleet["engine_flags"], "--scores-from", "replica", *replica_flags(away, "router-away")],
+        url,
+    )])  # fmt: skip
+    assert health(url)["scores"] == "replica waiting_for_redis"
+    engine, predicted = route(url, [*DOC_B.tolist(), 5])
+    assert engine in ENGINES and predicted == 0
+    assert metric(url, "kvatlas_router_score_failures_total") == 1
+
+
+def test_a_replica_not_serving_scores_over_http_meanwhile(fleet: dict[str, Any]) -> None:
+    """With ``--coordinator-url`` too, the coordinator's HTTP score stands in while the replica
+    is not serving (in process: a replica never started is ``restoring``), and from the
+    replica once it serves."""
+    from kvatlas.client.route_client import AsyncRouteClient
+    from kvatlas.coordinator.app import new_match_pool
+    from kvatlas.coordinator.config import CoordinatorConfig
+    from kvatlas.coordinator.route_score import RouteScoring
+    from kvatlas.coordinator.service import CoordinatorService
+    from kvatlas.coordinator.views import Readiness
+    from kvatlas.router.scores import HttpScorer
+    from kvatlas.router_replica import ReplicaScorer
+
+    config = CoordinatorConfig(chunk_size=C, event_transport="redis",
+                               redis_url=f"redis://127.0.0.1:{free_port()}/0")  # fmt: skip
+    service = CoordinatorService(config)  # not started: nothing of it runs
+    pool = new_match_pool()
+
+    async def scores() -> tuple[list[tuple[str, int]], list[tuple[str, int]], str, str]:
+        http = HttpScorer(AsyncRouteClient(fleet["coordinator"]), owned=True)
+        scorer = ReplicaScorer(service, RouteScoring(service, pool), pool, http)
+        try:
+            prompt = np.asarray([*DOC_B.tolist(), 5], dtype=np.uint32)
+            meanwhile = await scorer.score(prompt, MODEL, "", ENGINES, 10.0)
+            status = scorer.status()
+            service.readiness.set(Readiness.SERVING)  # its (empty) directory answers now
+            own = await scorer.score(prompt, MODEL, "", ENGINES, 10.0)
+            rows = [
+                [(r.instance_id, r.prefix_tokens) for r in s.instances] for s in (meanwhile, own)
+            ]
+            return rows[0], rows[1], status, scorer.status()
+        finally:
+            await scorer.aclose()
+
+    try:
+        meanwhile, own, before, after = asyncio.run(scores())
+    finally:
+        pool.shutdown()
+    assert before == "replica restoring, http meanwhile" and after == "replica serving"
+    assert meanwhile[0] == ("pod-b", 16 * C)  # the stand-alone coordinator's directory
+    assert sorted(own) == [("pod-a", 0), ("pod-b", 0)]  # the replica's own, empty
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        ([], "--scores-from replica needs --event-transport redis"),
+        (["--event-transport", "redis"], "--redis-url"),
+    ],
+)
+def test_replica_without_the_redis_transport_is_refused_at_start(
+    flags: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused by ``kvatlas router``'s own parsing (the process's entry point, called here):
+    exit 2 and a message naming the flags, before anything starts."""
+    argv = ["router", "--scores-from", "replica", "--engine", "pod-a=http://127.0.0.1:9", *flags]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err
