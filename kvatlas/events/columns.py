@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import attrgetter
 
 import numpy as np
 import numpy.typing as npt
@@ -32,12 +31,6 @@ from kvatlas.keys import ObjectKey, TokenArray
 ShapeParts = tuple[str, int, int, str]  # (model_name, kv_rank, object_group_id, cache_salt)
 Int64s = npt.NDArray[np.int64]
 _ZERO_HASH = bytes(32)
-_KEY = attrgetter("key")
-_SHAPE_PARTS = attrgetter("model_name", "kv_rank", "object_group_id", "cache_salt")
-_CHUNK_HASH = attrgetter("chunk_hash")
-_TOKEN_IDS = attrgetter("token_ids")
-_SIZE_BYTES = attrgetter("size_bytes")
-_TOKEN_OFFSET = attrgetter("token_offset")
 assert np.iinfo(np.int64).max == I64_MAX  # sizes and offsets fit int64 columns exactly
 
 
@@ -65,30 +58,25 @@ class EntryColumns:
     def of_entries(cls, entries: Sequence[CacheEntry]) -> EntryColumns:
         """The columns of validated entries (the transports that still build objects); their
         token arrays are kept as they are (no copy: a binding shares the caller's array)."""
-        # (fields read by C-level maps of attrgetters: no Python code per entry)
         n = len(entries)
-        keys = list(map(_KEY, entries))
-        parts = list(map(_SHAPE_PARTS, keys))
+        keys = [e.key for e in entries]
+        parts = [(k.model_name, k.kv_rank, k.object_group_id, k.cache_salt) for k in keys]
         if n and parts.count(parts[0]) == n:  # one shape (the usual batch): no lookup each
             shapes, shape_of = parts[:1], np.zeros(n, np.intp)
         else:
             index = dict.fromkeys(parts)  # the distinct shapes, in order
             ids = dict(zip(index, range(len(index)), strict=True))
             shapes, shape_of = list(index), np.fromiter(map(ids.__getitem__, parts), np.intp, n)
-        arrays = tuple(map(_TOKEN_IDS, entries))
-        try:
-            lengths = np.fromiter(map(len, arrays), np.int64, n)
-        except TypeError:  # entries without tokens (``None``)
-            lengths = np.array([0 if t is None else len(t) for t in arrays], dtype=np.int64)
+        arrays = tuple(e.token_ids for e in entries)
         return cls(
-            list(map(_CHUNK_HASH, keys)),
+            [k.chunk_hash for k in keys],
             shapes,
             shape_of,
-            np.fromiter(map(_SIZE_BYTES, entries), np.int64, n),
-            np.fromiter(map(_TOKEN_OFFSET, entries), np.int64, n),
+            np.array([e.size_bytes for e in entries], dtype=np.int64),
+            np.array([e.token_offset for e in entries], dtype=np.int64),
             np.empty(0, dtype=np.uint32),
-            np.zeros(n, dtype=np.int64),
-            lengths,
+            np.zeros(len(arrays), dtype=np.int64),
+            np.array([0 if t is None else len(t) for t in arrays], dtype=np.int64),
             arrays,
         )
 

@@ -156,7 +156,7 @@ class IndexState:
             self._make_room(n_add)
         ops = np.empty((7, n), np.int64)  # the rows of kernels.writes.OP_*, in order
         ops[OP_KIND] = kinds
-        ops[OP_TOKENS] = np.fromiter(_cpython.array_handles(cols.tokens), np.int64, n)
+        ops[OP_TOKENS] = _cpython.array_handles(cols.tokens)
         ops[OP_HASH] = hash_addresses(cols.hashes, _cpython.BYTES_DATA_OFFSET)
         ops[OP_HASH_LEN] = cols.hash_lens
         ops[OP_OFFSET] = cols.offsets
