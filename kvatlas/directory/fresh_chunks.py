@@ -56,6 +56,8 @@ def store_fresh(
     if len(set(hashes)) != n:
         return None
     parts_of = list(map(parts.__getitem__, map(_FIRST_BYTE, hashes)))
+    if hashes[0] in parts_of[0]:  # a batch of re-stores (the usual other kind): no records built
+        return None
     sizes, offsets = cols.size_bytes.tolist(), cols.token_offsets.tolist()
     b = batch
     rows = {
