@@ -16,19 +16,25 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from itertools import compress
-from operator import itemgetter
+from operator import is_, itemgetter
 
 import numpy as np
 
 from kvatlas.directory.blend import AddColumns
 from kvatlas.directory.chunk_counts import Partition
-from kvatlas.directory.records import placement_row, records_from_columns
+from kvatlas.directory.records import Record, placement_row, records_from_columns
 from kvatlas.directory.shapes import KeyShape
 from kvatlas.directory.token_store import StoredTokens
 from kvatlas.events import UNKNOWN_OFFSET, EventBatch
 from kvatlas.events.columns import EntryColumns
 
 _FIRST_BYTE = itemgetter(0)  # a chunk hash's partition
+
+
+def _take_back(part: Partition, h: bytes, rec: Record) -> None:
+    """Remove ``h`` from ``part`` if :func:`store_fresh` inserted ``rec`` there."""
+    if part.get(h) is rec:
+        del part[h]
 
 
 def store_fresh(
@@ -47,8 +53,10 @@ def store_fresh(
     hashes, n = cols.chunk_hashes, len(cols)
     if sids.count(sids[0]) != n or not bool((cols.token_lengths == chunk_size).all()):
         return None
+    if len(set(hashes)) != n:
+        return None
     parts_of = list(map(parts.__getitem__, map(_FIRST_BYTE, hashes)))
-    if any(map(dict.get, parts_of, hashes)) or len(set(hashes)) != n:
+    if hashes[0] in parts_of[0]:  # a batch of re-stores (the usual other kind): no records built
         return None
     sizes, offsets = cols.size_bytes.tolist(), cols.token_offsets.tolist()
     b = batch
@@ -64,7 +72,11 @@ def store_fresh(
     else:
         indexed = list(map(UNKNOWN_OFFSET.__ne__, offsets)) if indexing else [False] * n
     records = records_from_columns(stored, offsets, sids, placements, indexed)
-    deque(map(dict.__setitem__, parts_of, hashes, records), maxlen=0)
+    # inserted where absent, in one pass: a chunk the table holds keeps its record (then every
+    # record this inserted is taken out again, and the entry-by-entry loop runs)
+    if not all(map(is_, map(dict.setdefault, parts_of, hashes, records), records)):
+        deque(map(_take_back, parts_of, hashes, records), maxlen=0)
+        return None
     return sum(sizes), list(range(n)) if every else list(compress(range(n), indexed))
 
 

@@ -116,6 +116,30 @@ def test_a_batch_of_new_chunks_takes_the_bulk_path(monkeypatch: pytest.MonkeyPat
     assert taken == [True, False]
 
 
+@pytest.mark.parametrize("held", [0, 1, 3])
+def test_a_batch_with_a_held_chunk_leaves_the_table_as_the_loop_does(held: int) -> None:
+    """The bulk path inserts where absent in one pass; a chunk the table already holds at any
+    position of the batch (first, middle, last) makes it take back what it inserted, and the
+    loop stores the batch: records, their order in each partition, index and counts as if the
+    bulk path had never been tried."""
+    bulk = KeyDirectory(CHUNK, enable_blend_lookup=True)
+    loop = KeyDirectory(CHUNK, enable_blend_lookup=True)
+    first = [CacheEntry(ObjectKey(HASHES[10 + held], *SHAPES[0]), 1, CONTENTS[1], 0)]
+    batch = [
+        CacheEntry(ObjectKey(h, *SHAPES[0]), 2, CONTENTS[k % 3], CHUNK * k)
+        for k, h in enumerate(HASHES[10:14])
+    ]
+    for seq, entries in ((1, first), (2, batch)):
+        b = EventBatch("a", 1, seq, "store", "l1", "dram", entries=tuple(entries))
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(stores_module, "store_fresh", lambda *args: None)
+            loop.consume(b)
+        bulk.consume(b)
+    assert _inside(bulk) == _inside(loop)
+    assert [list(p) for p in bulk._chunks.parts] == [list(p) for p in loop._chunks.parts]
+    assert _state(bulk) == _state(loop)
+
+
 @pytest.mark.parametrize("fmt", ["json", "msgpack", "objects"])
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())

@@ -64,6 +64,8 @@ per id: growing by an eighth keeps the unused share of them (and so the index's 
 chunk) small at every size, for an amortised copy of ≈8 bytes per id per add. The table
 grows separately, by doubling (``_make_room``)."""
 
+_ALL_NEW = F_NEW_CONTENT | F_NEW_OCCUPANT | F_NEW_CLAIM
+"""The flags of an add of a new content, occupant and inline claim: a fresh chunk's add."""
 _OP_BY_OP = F_EXTRA_CLAIM | F_CLAIM_DROPPED | F_OCCUPANT_GONE | F_CONTENT_GONE
 """Flags settled op by op (:meth:`IndexState._settle`)."""
 
@@ -141,25 +143,15 @@ class IndexState:
         kinds = cols.kinds
         n = len(kinds)
         adds = kinds == ADD
-        # namespace ids: registered for a namespace some add uses (an id, once known, is
-        # stable in a batch), else looked up (-1: no claims, nothing to drop)
-        if len(cols.spaces) == 1:  # one namespace (an ingest batch): no unique to take
-            added = {0} if adds.any() else set()
-        else:
-            added = set(np.unique(cols.space_of[adds]).tolist())
-        ids = [
-            self._namespace_id(ADD if s in added else REMOVE_CLAIM, namespace)
-            for s, namespace in enumerate(cols.spaces)
-        ]
-        space_of = cols.space_of
-        ns = filled(n, -1)
-        present = space_of >= 0
-        ns[present] = np.array(ids, np.int64)[space_of[present]]
-        skip = (kinds == REMOVE_CLAIM) & (ns < 0)
-        if skip.any():
-            kinds = kinds.copy()
-            kinds[skip] = SKIP
         n_add = int(np.count_nonzero(adds))
+        if n_add == n and len(cols.spaces) == 1:  # adds in one namespace (an ingest batch)
+            ns = filled(n, self.namespaces.register(cols.spaces[0]))
+        else:
+            ns = self._op_namespaces(cols, adds)
+            skip = (kinds == REMOVE_CLAIM) & (ns < 0)
+            if skip.any():
+                kinds = kinds.copy()
+                kinds[skip] = SKIP
         if not self._has_room(n_add):
             self._make_room(n_add)
         ops = np.empty((7, n), np.int64)  # the rows of kernels.writes.OP_*, in order
@@ -177,6 +169,23 @@ class IndexState:
             self.kernel_arrays, out,
         )  # fmt: skip
         self._settle(cols, kinds, out, ns)
+
+    def _op_namespaces(self, cols: OpColumns, adds: npt.NDArray[np.bool_]) -> npt.NDArray[np.int64]:
+        """Each op's namespace id: registered for a namespace some add uses (an id, once
+        known, is stable in a batch), else looked up (-1: no claims, nothing to drop)."""
+        if len(cols.spaces) == 1:  # one namespace: no unique to take
+            added = {0} if adds.any() else set()
+        else:
+            added = set(np.unique(cols.space_of[adds]).tolist())
+        ids = [
+            self._namespace_id(ADD if s in added else REMOVE_CLAIM, namespace)
+            for s, namespace in enumerate(cols.spaces)
+        ]
+        space_of = cols.space_of
+        ns = filled(len(space_of), -1)
+        present = space_of >= 0
+        ns[present] = np.array(ids, np.int64)[space_of[present]]
+        return ns
 
     def _namespace_id(self, kind: int, namespace: BlendNamespace | None) -> int:
         """The op's namespace id: registered for an add, -1 if it has none."""
@@ -204,6 +213,9 @@ class IndexState:
         a batch is new before anything can remove it, and claim counts only meet zero at the
         end of the write (``NamespaceIds.end_write``)."""
         flags = results[:, 0]
+        if len(cols.spaces) == 1 and bool((flags == _ALL_NEW).all()):
+            self._settle_fresh(cols, results, nss)
+            return
         new = flags & F_NEW_CONTENT != 0
         if new.any():
             self._new_contents(cols, results[new, 1], new)
@@ -224,6 +236,19 @@ class IndexState:
             self._settle_removals(
                 zip(kinds[rest].tolist(), results[rest].tolist(), nss[rest].tolist(), strict=True)
             )
+
+    def _settle_fresh(
+        self, cols: OpColumns, results: npt.NDArray[np.int64], nss: npt.NDArray[np.int64]
+    ) -> None:
+        """:meth:`_settle` of a batch whose every op added a new content with a new occupant
+        and its inline claim, all in one namespace (an ingest batch of new chunks): no masks,
+        no per-op pass."""
+        n = len(results)
+        self._new_contents(cols, results[:, 1], None)
+        _put(self.hashes, results[:, 2], cols.hashes)
+        self.occupants += n
+        self.namespaces.claims[int(nss[0])] += n
+        self.claims += n
 
     def _settle_one(self, op: SingleOp, result: tuple[int, int, int, int], ns: int) -> None:
         """:meth:`_settle` of a single op, with scalars (the column-wise bookkeeping's fixed
@@ -247,17 +272,19 @@ class IndexState:
             self._settle_removals([(kind, result, ns)])
 
     def _new_contents(
-        self, cols: OpColumns, ids: npt.NDArray[np.int64], new: npt.NDArray[np.bool_]
+        self, cols: OpColumns, ids: npt.NDArray[np.int64], new: npt.NDArray[np.bool_] | None
     ) -> None:
-        arrays = _chosen(cols.tokens, new)
+        """Keep the arrays of the ops ``new`` selects (``None``: every op) as the contents
+        ``ids``."""
+        arrays = cols.tokens if new is None else _chosen(cols.tokens, new)
         _put(self.tokens, ids, arrays)
-        widths = cols.token_bytes[new]
+        widths = cols.token_bytes if new is None else cols.token_bytes[new]
         if int(widths.min()) > 1:  # uint16 / uint32 of chunk_size ids: no visit to each array
             self.token_bytes += int(widths.sum()) * self.chunk_size
         else:  # planes-form arrays among them (kernels/planes.py): their own sizes
             self.token_bytes += sum(map(_NBYTES, arrays))
         self.contents += len(arrays)
-        owned = cols.owned[new]
+        owned = cols.owned if new is None else cols.owned[new]
         if owned.any():
             for k in np.flatnonzero(owned).tolist():
                 self.owned.add(int(ids[k]))

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from numba.np.numpy_support import carray
 
-from kvatlas.directory.blend.kernels.filter import filter_add
+from kvatlas.directory.blend.kernels.filter import bloom_word, filter_add, mix, word_shift
 from kvatlas.directory.blend.kernels.layout import (
     CTX_ARRAYS,
     CTX_BASE,
@@ -49,6 +49,7 @@ from kvatlas.directory.blend.kernels.pointers import (
     i64_ptr,
     inline,
     jit,
+    prefetch,
     prefetch_addr,
     releasing,
     u8_ptr,
@@ -56,7 +57,11 @@ from kvatlas.directory.blend.kernels.pointers import (
     u32_ptr,
     u64_ptr,
 )
-from kvatlas.directory.blend.kernels.table import content_reinsert, find_content
+from kvatlas.directory.blend.kernels.table import (
+    content_home,
+    content_reinsert,
+    find_content,
+)
 from kvatlas.kernel_twins import gil_twins, releasing_twin
 
 ADD, REMOVE_CLAIM, REMOVE_CHUNK, SKIP = 0, 1, 2, 3
@@ -92,11 +97,24 @@ def apply_ops(
     table, filt, c_fp, c_addr, c_first = s.table, s.filt, s.c_fp, s.c_addr, s.c_first
     o_i64, o_i32, o_hlen, claims, ids = s.o_i64, s.o_i32, s.o_hlen, s.claims, s.ids
     o_links = o_i32[:, O_NEXT]
-    tokens = np.empty(chunk, np.uint32)  # each op's ids, whatever width they are stored at
+    # each op's ids (whatever width they are stored at), fingerprint and token address,
+    # taken _LOOKAHEAD ops ahead (a ring of rows): its table slot and filter word are
+    # requested then, so those misses overlap the ops in between
+    ring = np.empty((_RING, chunk), np.uint32)
+    fps = np.empty(_RING, np.uint64)
+    addrs = np.empty(_RING, np.int64)
+    fshift = word_shift(filt)
     n = ops.shape[1]
+    for i in range(min(_LOOKAHEAD, n)):
+        _take_op(ops, i, chunk, data_off, base, fmask, ring, fps, addrs, table, filt, fshift)
     for i in range(n):
         if data_off >= 0:
             _prefetch_tokens(ops, i, n, data_off)
+        if i + _LOOKAHEAD < n:
+            _take_op(
+                ops, i + _LOOKAHEAD, chunk, data_off, base, fmask, ring, fps, addrs, table,
+                filt, fshift,
+            )  # fmt: skip
         out[i, 0] = 0
         out[i, 1] = -1
         out[i, 2] = -1
@@ -104,19 +122,9 @@ def apply_ops(
         kind = ops[OP_KIND, i]
         if kind == SKIP:
             continue
-        addr = ops[OP_TOKENS, i]
-        if data_off >= 0:
-            addr = i64_ptr(addr + data_off)[0]  # type: ignore[call-arg]
-        if ops[OP_TOKEN_BYTES, i] == 2:
-            _load(tokens, u16_ptr(addr), chunk)  # type: ignore[call-arg]
-            addr |= TOKENS_U16  # the token address the content keeps (layout.py)
-        elif ops[OP_TOKEN_BYTES, i] == 1:
-            planes_load(tokens, addr, chunk)
-            addr |= TOKENS_PLANES
-        else:
-            _load(tokens, u32_ptr(addr), chunk)  # type: ignore[call-arg]
+        r = i % _RING
+        tokens, fp, addr = ring[r], fps[r], addrs[r]
         h_addr, h_len, ns = ops[OP_HASH, i], ops[OP_HASH_LEN, i], ops[OP_NS, i]
-        fp = fingerprint(tokens, 0, chunk, base, fmask)
         cid, slot = find_content(tokens, fp, chunk, table, c_fp, c_addr)
         out[i, 1] = cid
         flags = 0
@@ -221,6 +229,55 @@ def _arrays_at(c: Any) -> Any:
         carray(i64_ptr(c[a + 16]), c[a + 17]),  # type: ignore[call-arg]
         carray(i64_ptr(c[a + 18]), c[a + 19]),  # type: ignore[call-arg]
     )
+
+
+_LOOKAHEAD = 4
+"""How many ops ahead :func:`apply_ops` reads an op's ids and fingerprints them
+(:func:`_take_op`): far enough for its table slot and filter word to arrive, near enough
+for the ids to stay in L1."""
+_RING = _LOOKAHEAD + 1
+"""Rows of the ids ring: the current op's and the ``_LOOKAHEAD`` ops after it."""
+
+
+@inline
+def _take_op(
+    ops: Any,
+    j: Any,
+    chunk: Any,
+    data_off: Any,
+    base: Any,
+    fmask: Any,
+    ring: Any,
+    fps: Any,
+    addrs: Any,
+    table: Any,
+    filt: Any,
+    fshift: Any,
+) -> None:
+    """Op ``j``'s ids into row ``j % _RING`` of ``ring`` (``uint32``), their fingerprint and
+    the token address its content keeps (``layout.py``: tagged with the array's form) into
+    ``fps`` and ``addrs``; then request the table slot and filter word the op will read.
+    (A skipped op reads nothing.)"""
+    if ops[OP_KIND, j] == SKIP:
+        return
+    r = j % _RING
+    row = ring[r]
+    addr = ops[OP_TOKENS, j]
+    if data_off >= 0:
+        addr = i64_ptr(addr + data_off)[0]  # type: ignore[call-arg]
+    if ops[OP_TOKEN_BYTES, j] == 2:
+        _load(row, u16_ptr(addr), chunk)  # type: ignore[call-arg]
+        addr |= TOKENS_U16
+    elif ops[OP_TOKEN_BYTES, j] == 1:
+        planes_load(row, addr, chunk)
+        addr |= TOKENS_PLANES
+    else:
+        _load(row, u32_ptr(addr), chunk)  # type: ignore[call-arg]
+    fp = fingerprint(row, 0, chunk, base, fmask)
+    fps[r] = fp
+    addrs[r] = addr
+    prefetch(table, content_home(fp, table.shape[0] - 1))  # type: ignore[call-arg]
+    prefetch(filt, bloom_word(mix(fp), fshift))  # type: ignore[call-arg]
 
 
 _AHEAD_OBJECT, _AHEAD_DATA = 16, 8
