@@ -13,13 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.numba_cache import use_keyed_cache
+from tests.numba_cache import use_keyed_cache, warm_keyed_cache
 
 use_keyed_cache()  # before anything imports numba (tests/numba_cache.py says why)
 
 from kvatlas.asgi_thread import free_port  # noqa: E402
 from kvatlas.processes import stop  # noqa: E402
 from tests.torch_support import torch_import_error, torch_status  # noqa: E402
+
+
+def pytest_configure() -> None:
+    warm_keyed_cache()  # once, before the workers start their processes
 
 
 def pytest_report_header() -> str:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,3 +41,19 @@ def use_keyed_cache() -> Path:
                 shutil.rmtree(old, ignore_errors=True)
     os.environ["NUMBA_CACHE_DIR"] = str(here)
     return here
+
+
+def warm_keyed_cache() -> None:
+    """Compile the coordinator's kernels into the keyed cache once, in one process, before the
+    test workers start: a cold cache costs every process that starts before it is written
+    ≈28 s of CPU (``warm_up_kernels``), and a fleet of processes compiling side by side on 2
+    cores ran past its start timeout. The test workers skip it (the controller did it)."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    marker = Path(os.environ["NUMBA_CACHE_DIR"]) / ".warm"
+    if marker.exists():
+        return
+    warm = "from kvatlas.directory import warm_up_kernels; warm_up_kernels()"
+    subprocess.run([sys.executable, "-c", warm], check=True, timeout=900, cwd=ROOT)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
