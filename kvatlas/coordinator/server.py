@@ -23,6 +23,7 @@ from kvatlas.coordinator.cache_control.delivery import MpServers
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.runtime import (
     COLLECTIONS,
+    MEMORY_TRIM,
     GrowthFreeze,
     freeze_long_lived,
     set_switch_interval,
@@ -201,6 +202,7 @@ def run_coordinator(config: CoordinatorConfig, mp_servers: MpServers | None = No
     COLLECTIONS.reset()  # from here on: the pauses requests can see
     growth = GrowthFreeze(service.directory.key_count)
     service.snapshots.after = lambda info: growth.after_snapshot(info.keys)
+    MEMORY_TRIM.start()  # runtime.py: freed heap pages go back to the kernel, off the hot path
     try:
         options = uvicorn_log_options(config.log_level, config.access_log)
         serve(
@@ -213,6 +215,7 @@ def run_coordinator(config: CoordinatorConfig, mp_servers: MpServers | None = No
             **options,
         )
     finally:
+        MEMORY_TRIM.stop()
         service.stop()
         sock.close()
         if lock is not None:
