@@ -34,6 +34,7 @@ from kvatlas.bench.server_cpu import (
     wrk_path,
 )
 from kvatlas.client import encode_tokens_b64
+from kvatlas.coordinator.runtime import TRIM_INTERVAL_S
 from kvatlas.events import CacheEntry, EventBatch, encode_json, encode_msgpack
 from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
 from kvatlas.processes import spawn_service, stop
@@ -157,17 +158,22 @@ def _service(args: list[str]) -> Iterator[tuple[str, int]]:
         stop([proc])
 
 
-SETTLE_S = 2.5
-"""After the last body: how long the server is left idle before its resident memory is read
-again (the coordinator trims its heap every ``runtime.TRIM_INTERVAL_S``)."""
+SETTLE_S = TRIM_INTERVAL_S + 1.5
+"""After the last JSON body: how long the server is left idle before its resident memory is
+read again (the coordinator trims its heap every ``TRIM_INTERVAL_S``)."""
 
 
 def _timed_streams(
-    url: str, pid: int, streams: list[list[bytes]], content_type: str, warmup: bytes
+    url: str,
+    pid: int,
+    streams: list[list[bytes]],
+    content_type: str,
+    warmup: bytes,
+    settle_s: float = 0.0,
 ) -> tuple[float, float, int, int, int]:
     """Wall time, server CPU seconds, server minor page faults and the growth of the server's
     resident memory (bytes) to apply every stream (the warm-up not counted), then that growth
-    again after :data:`SETTLE_S` idle."""
+    again after ``settle_s`` idle."""
     headers = {"Content-Type": content_type}
     httpx.post(f"{url}/events", content=warmup, headers=headers, timeout=120).raise_for_status()
     cpu0, faults0, rss0 = (
@@ -182,7 +188,7 @@ def _timed_streams(
         process_minor_faults(pid) - faults0,
         process_rss_bytes(pid) - rss0,
     )
-    time.sleep(SETTLE_S)
+    time.sleep(settle_s)
     return (*measured, process_rss_bytes(pid) - rss0)
 
 
@@ -221,8 +227,9 @@ def _bench_ingest(
     for _ in range(args.repeats):
         for run in runs:
             with _service(service[run]) as (url, pid):
+                settle = SETTLE_S if fmt[run] == "json" and run != "naive" else 0.0
                 wall, cpu, flt, grew, idle = _timed_streams(
-                    url, pid, bodies[run], ctypes[fmt[run]], warmups[fmt[run]]
+                    url, pid, bodies[run], ctypes[fmt[run]], warmups[fmt[run]], settle
                 )
             times[run].append(wall)
             cpus[run].append(cpu)

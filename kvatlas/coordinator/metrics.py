@@ -123,7 +123,7 @@ class _CollectorStats(Collector):
             for gen, seconds in enumerate(COLLECTIONS.longest_s):
                 longest.add_metric([str(gen)], seconds)
             yield longest
-        if MEMORY_TRIM.trims:
+        if MEMORY_TRIM.running:
             yield CounterMetricFamily(
                 "kvatlas_memory_trims",
                 "malloc_trim calls (runtime.MemoryTrim)",
