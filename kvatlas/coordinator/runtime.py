@@ -117,19 +117,19 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 class MemoryTrim:
     """Every ``interval_s`` seconds, on a thread of its own, ``malloc_trim(0)``: the pages of
-        the C allocator's free chunks go back to the kernel. Why: each ``POST /events`` of a
-        thousand entries allocates and frees a few MB (the body and its copies, the token arena,
-        the directory's temporaries), numpy buffers and large containers come from ``malloc``,
-        and the freed memory stays resident inside the allocator's heaps (glibc returns only
-        the top of a heap), ≈10–20 MB at 100,000 chunks, ≈90 B a chunk of the ≈1.16 KB the
-        process grew by (docs/performance.md, "service"). A trim costs 0.05–1.6 ms (measured at
-        100,000 chunks), with the GIL released; while it walks an arena it holds that arena's
-        lock, so a thread allocating there waits as long. On a timer rather than after each
-        request, and a long one: memory trimmed is faulted in again when reused (every second:
-    +0.1 minor faults per ingested entry, ≈+30%; every 10 s a tenth of that), and each trim is
-    a chance for that wait (13–33 ms were seen with 2 cores shared by ≈10 runnable processes,
-    where the trimming thread is preempted holding a lock). The free memory it returns does
-    not grow with the interval: what a request frees, the next ones reuse."""
+    the C allocator's free chunks go back to the kernel. Why: each ``POST /events`` of a
+    thousand entries allocates and frees a few MB (the body and its copies, the token arena,
+    the directory's temporaries), numpy buffers and large containers come from ``malloc``, and
+    the freed memory stays resident inside the allocator's heaps (glibc returns only the top
+    of a heap): 10–20 MB at 100,000 chunks, ≈100 B a chunk of the ≈1.16 KB the process grew
+    by (docs/performance.md, "service"). A trim costs 0.05–1.6 ms (measured at 100,000
+    chunks) with the GIL released; while it walks an arena it holds that arena's lock, so a
+    thread allocating there waits as long. On a timer rather than after each request, and a
+    long one: memory trimmed is faulted in again when reused (every second: +0.1 minor faults
+    per ingested entry, ≈+30%; every 10 s, none measurable), and each trim is a chance for
+    that wait (13–33 ms were seen with 2 cores shared by ≈10 runnable processes: the trimming
+    thread preempted holding a lock). What it returns does not grow with the interval: what
+    a request frees, the next ones reuse."""
 
     def __init__(
         self,
