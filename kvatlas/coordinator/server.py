@@ -202,7 +202,9 @@ def run_coordinator(config: CoordinatorConfig, mp_servers: MpServers | None = No
     COLLECTIONS.reset()  # from here on: the pauses requests can see
     growth = GrowthFreeze(service.directory.key_count)
     service.snapshots.after = lambda info: growth.after_snapshot(info.keys)
-    MEMORY_TRIM.start()  # runtime.py: freed heap pages go back to the kernel, off the hot path
+    if config.memory_trim_interval_s > 0:  # runtime.py: freed heap pages back to the kernel
+        MEMORY_TRIM.interval_s = config.memory_trim_interval_s
+        MEMORY_TRIM.start()
     try:
         options = uvicorn_log_options(config.log_level, config.access_log)
         serve(

@@ -127,3 +127,17 @@ def _rss() -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS")
+
+
+def test_the_memory_trim_interval_is_a_flag_and_zero_turns_it_off() -> None:
+    from kvatlas.config_flags import FlagParser
+    from kvatlas.coordinator.config import CoordinatorConfig, add_arguments, config_from_args
+
+    parser = FlagParser()
+    add_arguments(parser)
+    assert config_from_args(parser.parse_args([]), {}).memory_trim_interval_s == 10.0
+    off = config_from_args(parser.parse_args(["--memory-trim-interval-s", "0"]), {})
+    assert off.memory_trim_interval_s == 0.0
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="--memory-trim-interval-s"):
+            CoordinatorConfig(memory_trim_interval_s=bad)
