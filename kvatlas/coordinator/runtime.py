@@ -101,7 +101,8 @@ COLLECTIONS = CollectionWatch()
 
 
 TRIM_INTERVAL_S = 10.0
-"""How often the coordinator process hands the C allocator's free pages back (:class:`MemoryTrim`)."""
+"""How often the coordinator process hands the C allocator's free pages back
+(:class:`MemoryTrim`): the default of ``--memory-trim-interval-s``."""
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
