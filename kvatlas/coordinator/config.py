@@ -22,6 +22,7 @@ from kvatlas.coordinator.cache_control.eviction import DEFAULT_POLICY as DEFAULT
 from kvatlas.coordinator.cache_control.eviction import POLICY_NAMES as EVICTION_POLICIES
 from kvatlas.coordinator.kv_events.exposure import StreamExposure
 from kvatlas.coordinator.kv_events.settings import DEFAULT_MAX_BLOCKS, MIN_MESSAGE_BYTES, LinkSpec
+from kvatlas.coordinator.runtime import TRIM_INTERVAL_S
 from kvatlas.coordinator.scoring import DEFAULT_FRAGMENT_WEIGHT
 from kvatlas.events import EVENT_TRANSPORTS
 from kvatlas.events.vllm_wire import DEFAULT_ENCODING, ENCODINGS
@@ -67,6 +68,7 @@ class CoordinatorConfig:
     consumer_heartbeat_s: float = 10.0
     snapshot_path: Path | None = None
     snapshot_interval: float = 60.0
+    memory_trim_interval_s: float = TRIM_INTERVAL_S  # 0: off (runtime.MemoryTrim)
     instance_timeout: float = 30.0
     auth_token_file: Path | None = None
     node_token_file: Path | None = None
@@ -120,6 +122,8 @@ class CoordinatorConfig:
             raise ValueError("--port must be <= 65535")
         if self.max_body_bytes is not None and self.max_body_bytes < 1:
             raise ValueError("--max-body-bytes must be >= 1")
+        if not math.isfinite(self.memory_trim_interval_s) or self.memory_trim_interval_s < 0:
+            raise ValueError("--memory-trim-interval-s must be a finite number >= 0 (0: off)")
         if not math.isfinite(self.fragment_weight) or self.fragment_weight < 0:
             raise ValueError("--fragment-weight must be a finite number >= 0")
         for name in (
@@ -293,6 +297,8 @@ _HELP = {
     "and takes over one idle past it (a crashed replica's)",
     "snapshot_path": "durable directory snapshot file (restored at start-up)",
     "snapshot_interval": "seconds between periodic snapshots",
+    "memory_trim_interval_s": "seconds between malloc_trim calls handing the C allocator's free "
+    "pages back to the kernel (0: never; docs/coordinator.md, process settings)",
     "instance_timeout": "seconds without heartbeat before an instance's L1 is fenced",
     "auth_token_file": "JSON token file enabling bearer-token auth (docs/security.md)",
     "node_token_file": (

@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 import kvatlas.coordinator.runtime as runtime
 from kvatlas.checks import is_plain_int
 from kvatlas.coordinator.kv_events.stats import GAUGES as KV_EVENTS_GAUGES
-from kvatlas.coordinator.runtime import COLLECTIONS
+from kvatlas.coordinator.runtime import COLLECTIONS, MEMORY_TRIM
 from kvatlas.coordinator.views import MetricsState
 from kvatlas.coordinator.wire import directory_stats_to_wire, kv_events_to_wire
 from kvatlas.directory import Outcome
@@ -123,6 +123,17 @@ class _CollectorStats(Collector):
             for gen, seconds in enumerate(COLLECTIONS.longest_s):
                 longest.add_metric([str(gen)], seconds)
             yield longest
+        if MEMORY_TRIM.running:
+            yield CounterMetricFamily(
+                "kvatlas_memory_trims",
+                "malloc_trim calls (runtime.MemoryTrim)",
+                value=MEMORY_TRIM.trims,
+            )
+            yield _gauge(
+                "kvatlas_memory_trim_longest_seconds",
+                "longest malloc_trim so far (an arena's lock held as long)",
+                MEMORY_TRIM.longest_s,
+            )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

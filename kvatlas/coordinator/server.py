@@ -23,6 +23,7 @@ from kvatlas.coordinator.cache_control.delivery import MpServers
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.runtime import (
     COLLECTIONS,
+    MEMORY_TRIM,
     GrowthFreeze,
     freeze_long_lived,
     set_switch_interval,
@@ -212,6 +213,9 @@ def run_coordinator(config: CoordinatorConfig, mp_servers: MpServers | None = No
     COLLECTIONS.reset()  # from here on: the pauses requests can see
     growth = GrowthFreeze(service.directory.key_count)
     service.snapshots.after = lambda info: growth.after_snapshot(info.keys)
+    if config.memory_trim_interval_s > 0:  # runtime.py: freed heap pages back to the kernel
+        MEMORY_TRIM.interval_s = config.memory_trim_interval_s
+        MEMORY_TRIM.start()
     try:
         options = uvicorn_log_options(config.log_level, config.access_log)
         serve(
@@ -224,6 +228,7 @@ def run_coordinator(config: CoordinatorConfig, mp_servers: MpServers | None = No
             **options,
         )
     finally:
+        MEMORY_TRIM.stop()
         service.stop()
         sock.close()
         if lock is not None:

@@ -1,11 +1,14 @@
 """The coordinator process's interpreter settings (``coordinator/runtime.py``): after starting
 from a snapshot, what is alive is frozen out of the cyclic collector's sight (and again each
-time the directory doubles), and the longest collection pause per generation is on
-``/metrics``."""
+time the directory doubles), the longest collection pause per generation is on
+``/metrics``, and the C allocator's free pages are handed back on a timer (``MemoryTrim``)."""
 
 from __future__ import annotations
 
+import ctypes
 import re
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -40,6 +43,9 @@ def test_a_coordinator_restored_from_a_snapshot_has_frozen_its_long_lived_state(
         text = httpx.get(f"{url}/metrics", timeout=10).text
     finally:
         stop([proc])
+    if runtime.MemoryTrim().available:  # glibc: the process trims its heap on a timer
+        assert _metric(text, "kvatlas_memory_trims_total")[""] >= 0
+        assert _metric(text, "kvatlas_memory_trim_longest_seconds")[""] >= 0
     assert _metric(text, "kvatlas_directory_keys") == {"": 29.0}  # restored
     assert _metric(text, "kvatlas_gc_frozen_objects")[""] > 10_000  # modules, kernels, app
     pauses = _metric(text, "kvatlas_gc_longest_pause_seconds")
@@ -59,3 +65,79 @@ def test_the_long_lived_state_is_frozen_again_each_time_the_directory_doubles(
     after = [growth.after_snapshot(keys) for keys in (60, 99, 100, 150, 199, 250, 400, 10)]
     assert after == [False, False, True, False, False, True, False, False]
     assert len(froze) == 2 and growth.frozen_at == 250
+
+
+def test_the_memory_trim_runs_on_its_own_thread_until_stopped() -> None:
+    calls: list[tuple[int, str]] = []
+    ran = threading.Event()
+
+    def trim(pad: int) -> int:
+        calls.append((pad, threading.current_thread().name))
+        if len(calls) >= 3:
+            ran.set()
+        return 1
+
+    trimmer = runtime.MemoryTrim(interval_s=0.01, trim=trim)
+    assert trimmer.start()
+    assert ran.wait(10)
+    trimmer.stop()
+    after = len(calls)
+    time.sleep(0.05)
+    assert len(calls) == after  # stopped: no more trims
+    assert calls[0] == (0, "kvatlas-memory-trim") and trimmer.trims == after
+    assert trimmer.longest_s >= 0
+
+
+@pytest.mark.skipif(not runtime.MemoryTrim().available, reason="no malloc_trim (not glibc)")
+def test_a_trim_hands_free_heap_pages_back_to_the_kernel() -> None:
+    """What the coordinator relies on: memory freed inside the heap (not at its top) stays
+    resident until a trim. 64 blocks of 256 KiB from one thread's heap (below the mmap
+    threshold once raised), each followed by a small block that stays, then the large ones
+    freed: their pages stay resident until ``malloc_trim``."""
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    rss: dict[str, int] = {}
+
+    def run() -> None:  # a fresh thread: its own arena, not the test process's main heap
+        big, small = [], []
+        for _ in range(64):
+            block = libc.malloc(256 << 10)
+            ctypes.memset(block, 1, 256 << 10)  # resident
+            big.append(block)
+            small.append(libc.malloc(64))  # pins the heap above the large block
+        for block in big:
+            libc.free(block)
+        rss["freed"] = _rss()
+        runtime.MemoryTrim().trim_now()
+        rss["trimmed"] = _rss()
+        for block in small:
+            libc.free(block)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert rss["freed"] - rss["trimmed"] >= 8 << 20  # most of the 16 MiB freed came back
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_the_memory_trim_interval_is_a_flag_and_zero_turns_it_off() -> None:
+    from kvatlas.config_flags import FlagParser
+    from kvatlas.coordinator.config import CoordinatorConfig, add_arguments, config_from_args
+
+    parser = FlagParser()
+    add_arguments(parser)
+    assert config_from_args(parser.parse_args([]), {}).memory_trim_interval_s == 10.0
+    off = config_from_args(parser.parse_args(["--memory-trim-interval-s", "0"]), {})
+    assert off.memory_trim_interval_s == 0.0
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="--memory-trim-interval-s"):
+            CoordinatorConfig(memory_trim_interval_s=bad)
