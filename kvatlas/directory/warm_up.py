@@ -49,6 +49,12 @@ def warm_up_kernels() -> float:
     planes_index = BlendIndex(chunk_size=16)
     planes_index.add(planes, bytes(32), 0, namespace)
     planes_index.match(np.concatenate([wide, wide]), namespace)
+    grown = BlendIndex(chunk_size=2)  # past its first table: the rebuild kernel
+    many = 1100  # > half the slots of MIN_CAPACITY's table (state.py)
+    grown.apply(
+        [AddColumns([np.array([i, i + 1], np.uint32) for i in range(0, 2 * many, 2)],
+                    [i.to_bytes(32, "big") for i in range(many)], [0] * many, [namespace])]
+    )  # fmt: skip
     entry = CacheEntry(ObjectKey(bytes(32), "warm-up", pack_kv_rank(1, 0, 1, 0)), 0, tokens, 0)
     body = encode_json([EventBatch("warm-up", 1, 1, "store", "l1", "dram", entries=(entry,))])
     decode_json(body)

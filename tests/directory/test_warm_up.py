@@ -22,6 +22,7 @@ for name in {TWIN_MODULES!r}:  # every module with twins, warmed up or not
 warm_up_kernels()
 cold = [k.__name__ for k in (writes.apply_op, writes.apply_ops, objects.kept_arrays,
         objects.hash_lengths, writes.apply_ops_releasing, kernels.scan, kernels.scan_releasing,
+        kernels.rebuild,
         _json_cut._cut, _json_cut._cut_releasing, _json_tokens._parse_lists,
         _json_tokens._parse_lists_releasing) if not k.signatures]
 twins = [
