@@ -14,6 +14,9 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,3 +42,52 @@ def use_keyed_cache() -> Path:
                 shutil.rmtree(old, ignore_errors=True)
     os.environ["NUMBA_CACHE_DIR"] = str(here)
     return here
+
+
+WARMED = "warmed"
+"""The file a finished warm-up leaves in the keyed cache (its first line: ``ok`` or the error)."""
+WARMING_ENV = "KVATLAS_TEST_KERNELS_WARMING"
+"""Set (to the cache directory) by a run that warms the cache for its workers."""
+_WARM_UP = """\
+import sys
+from pathlib import Path
+done = Path(sys.argv[1]) / "warmed"
+try:
+    from kvatlas.directory import warm_up_kernels
+    warm_up_kernels()
+except BaseException as exc:
+    done.write_text(f"{type(exc).__name__}: {exc}\\n")
+    raise
+done.write_text("ok\\n")
+"""
+
+
+def warm_for_workers() -> None:
+    """Compile every kernel into the keyed cache once, in a process of its own started now,
+    while the workers start and collect; :func:`wait_until_warm` holds their first test until
+    it is done. Without it each worker, and each coordinator or node a test starts, compiles
+    the kernels a cold cache lacks by itself, several at once on a cold run (every CI run: the
+    key changes with every edit), a service's start-up then takes up to a minute."""
+    here = Path(os.environ["NUMBA_CACHE_DIR"])
+    if (here / WARMED).exists():
+        return
+    here.mkdir(parents=True, exist_ok=True)
+    path = os.environ.get("PYTHONPATH", "")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), path) if p)}
+    subprocess.Popen(
+        [sys.executable, "-c", _WARM_UP, str(here)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    os.environ[WARMING_ENV] = str(here)
+
+
+def wait_until_warm(timeout: float = 600.0) -> None:
+    """Wait for :func:`warm_for_workers`' process to finish (whatever its outcome: if it
+    failed, the tests compile what they need as before)."""
+    warming = os.environ.get(WARMING_ENV)
+    if warming is None:
+        return
+    done = Path(warming) / WARMED
+    deadline = time.monotonic() + timeout
+    while not done.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
