@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.numba_cache import use_keyed_cache, warm_keyed_cache
+from tests.numba_cache import use_keyed_cache, wait_until_warm, warm_for_workers
 
 use_keyed_cache()  # before anything imports numba (tests/numba_cache.py says why)
 
@@ -22,8 +22,17 @@ from kvatlas.processes import stop  # noqa: E402
 from tests.torch_support import torch_import_error, torch_status  # noqa: E402
 
 
-def pytest_configure() -> None:
-    warm_keyed_cache()  # once, before the workers start their processes
+def pytest_configure(config: pytest.Config) -> None:
+    """A run on several workers (``-n``) warms the numba cache once for all of them, while
+    they start (tests/numba_cache.py, ``warm_for_workers``)."""
+    if not hasattr(config, "workerinput") and config.getoption("numprocesses", None):
+        warm_for_workers()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kernels_warm() -> None:
+    """A worker's first test waits until the run's warm-up compiled the kernels."""
+    wait_until_warm()
 
 
 def pytest_report_header() -> str:

@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,17 +44,50 @@ def use_keyed_cache() -> Path:
     return here
 
 
-def warm_keyed_cache() -> None:
-    """Compile the coordinator's kernels into the keyed cache once, in one process, before the
-    test workers start: a cold cache costs every process that starts before it is written
-    ≈28 s of CPU (``warm_up_kernels``), and a fleet of processes compiling side by side on 2
-    cores ran past its start timeout. The test workers skip it (the controller did it)."""
-    if "PYTEST_XDIST_WORKER" in os.environ:
+WARMED = "warmed"
+"""The file a finished warm-up leaves in the keyed cache (its first line: ``ok`` or the error)."""
+WARMING_ENV = "KVATLAS_TEST_KERNELS_WARMING"
+"""Set (to the cache directory) by a run that warms the cache for its workers."""
+_WARM_UP = """\
+import sys
+from pathlib import Path
+done = Path(sys.argv[1]) / "warmed"
+try:
+    from kvatlas.directory import warm_up_kernels
+    warm_up_kernels()
+except BaseException as exc:
+    done.write_text(f"{type(exc).__name__}: {exc}\\n")
+    raise
+done.write_text("ok\\n")
+"""
+
+
+def warm_for_workers() -> None:
+    """Compile every kernel into the keyed cache once, in a process of its own started now,
+    while the workers start and collect; :func:`wait_until_warm` holds their first test until
+    it is done. Without it each worker, and each coordinator or node a test starts, compiles
+    the kernels a cold cache lacks by itself, several at once on a cold run (every CI run: the
+    key changes with every edit), a service's start-up then takes up to a minute."""
+    here = Path(os.environ["NUMBA_CACHE_DIR"])
+    if (here / WARMED).exists():
         return
-    marker = Path(os.environ["NUMBA_CACHE_DIR"]) / ".warm"
-    if marker.exists():
+    here.mkdir(parents=True, exist_ok=True)
+    path = os.environ.get("PYTHONPATH", "")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), path) if p)}
+    subprocess.Popen(
+        [sys.executable, "-c", _WARM_UP, str(here)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    os.environ[WARMING_ENV] = str(here)
+
+
+def wait_until_warm(timeout: float = 600.0) -> None:
+    """Wait for :func:`warm_for_workers`' process to finish (whatever its outcome: if it
+    failed, the tests compile what they need as before)."""
+    warming = os.environ.get(WARMING_ENV)
+    if warming is None:
         return
-    warm = "from kvatlas.directory import warm_up_kernels; warm_up_kernels()"
-    subprocess.run([sys.executable, "-c", warm], check=True, timeout=900, cwd=ROOT)
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.touch()
+    done = Path(warming) / WARMED
+    deadline = time.monotonic() + timeout
+    while not done.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)

@@ -3,6 +3,8 @@ header timeout (also when they drip header bytes), a stalled body after the body
 a connection beyond the cap as soon as it is accepted, and with connections at the cap the
 coordinator's snapshots keep being written (the cap stays below the process's file limit).
 Real processes, real sockets; small counts (a cap of 50, 60 connections) prove the mechanism.
+The header, body and streaming tests share one process per service with 1 s timeouts (each
+counts its own refusals); the cap and snapshot tests start their own (other flags).
 The router runs in front of :class:`LockstepEngine`, whose streamed pieces also show that the
 guard's write coalescing (one send per loop turn) still lets each piece go as it comes.
 """
@@ -102,6 +104,38 @@ def service(request: pytest.FixtureRequest) -> Iterator[Spawn]:
     stop(procs)
 
 
+@pytest.fixture(scope="module")
+def one_second_guard(request: pytest.FixtureRequest) -> Iterator[Callable[[str], int]]:
+    """The port of a process of the named service (started on first use, then shared by this
+    module's tests) with 1 s header and body timeouts and no other flags; a test counts its
+    own refusals (the increase of the counter)."""
+    started: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
+
+    def port_of(name: str) -> int:
+        if name not in started:
+            base: list[str] = []
+            if name == "router":  # in front of one engine (it answers /healthz only then)
+                url = request.getfixturevalue("engine").server.url
+                base = ["--engine", f"e={url}", "--policy", "round-robin"]
+            started[name] = _spawn(
+                name, *base, "--http-header-timeout-s", "1", "--http-body-timeout-s", "1"
+            )
+        proc, port = started[name]
+        assert proc.poll() is None, f"the shared {name} exited"
+        return port
+
+    yield port_of
+    stop([proc for proc, _ in started.values()])
+
+
+@pytest.fixture(params=["coordinator", "node", "router"])
+def guarded(
+    request: pytest.FixtureRequest, one_second_guard: Callable[[str], int]
+) -> tuple[int, str]:
+    """``(port, service)`` of the shared process of each service (:func:`one_second_guard`)."""
+    return one_second_guard(request.param), request.param
+
+
 def _connect(port: int) -> socket.socket:
     conn = socket.create_connection(("127.0.0.1", port), timeout=HANG)
     conn.setblocking(False)
@@ -154,26 +188,29 @@ def _healthy_within(port: int) -> None:
         time.sleep(0.1)
 
 
-def test_half_open_connections_are_closed_after_the_header_timeout(service: Spawn) -> None:
+def test_half_open_connections_are_closed_after_the_header_timeout(
+    guarded: tuple[int, str],
+) -> None:
     """20 connections that send nothing and 20 that drip header bytes (one every 0.1 s): all
     closed by the server after the 1 s header timeout, counted, and the service answers."""
-    _, port = service[0]("--http-header-timeout-s", "1")
+    port, _ = guarded
+    before = _refused(port, "header_timeout")
     silent = [_connect(port) for _ in range(20)]
     dripping = [_connect(port) for _ in range(20)]
     for conn in dripping:
         conn.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
     assert _wait_closed(silent + dripping, drip=dripping) == 40
     _healthy_within(port)
-    assert _refused(port, "header_timeout") >= 40
+    assert _refused(port, "header_timeout") - before >= 40
     for conn in silent + dripping:
         conn.close()
 
 
-def test_stalled_body_gets_408_after_the_body_timeout(service: Spawn) -> None:
+def test_stalled_body_gets_408_after_the_body_timeout(guarded: tuple[int, str]) -> None:
     """A body announced as 1000 bytes of which 13 come: 408 after the 1 s body timeout and
     the connection closed (before: held for as long as the client likes)."""
-    spawn, name = service
-    _, port = spawn("--http-body-timeout-s", "1")
+    port, name = guarded
+    before = _refused(port, "body_timeout")
     path = {"coordinator": "/events", "node": "/engine/lookup", "router": "/v1/completions"}[name]
     head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     with socket.create_connection(("127.0.0.1", port), timeout=HANG) as conn:
@@ -183,7 +220,7 @@ def test_stalled_body_gets_408_after_the_body_timeout(service: Spawn) -> None:
             while part := conn.recv(65536):
                 reply += part
     assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
-    assert _refused(port, "body_timeout") >= 1
+    assert _refused(port, "body_timeout") - before >= 1
 
 
 def test_connections_beyond_the_cap_are_closed_at_once(service: Spawn) -> None:
@@ -205,31 +242,26 @@ def test_connections_beyond_the_cap_are_closed_at_once(service: Spawn) -> None:
 
 
 def test_the_router_streams_each_piece_as_it_comes_under_the_guard(
-    engine: LockstepEngine,
+    engine: LockstepEngine, one_second_guard: Callable[[str], int]
 ) -> None:
     """Negative control of the router under the guard (tight timeouts, the writes of a loop
     turn joined): a streamed completion arrives piece by piece, each read whole before the
     engine sends the next, and then ends — a piece held back until the reply's end would never
     arrive (the engine waits for it to be read)."""
     engine.read = threading.Semaphore(0)
-    proc, port = _spawn("router", "--engine", f"e={engine.server.url}", "--policy",
-                        "round-robin", "--http-header-timeout-s", "1",
-                        "--http-body-timeout-s", "1")  # fmt: skip
-    try:
-        body = {"model": "toy", "prompt": [1, 2, 3], "stream": True}
-        url = f"http://127.0.0.1:{port}/v1/completions"
-        with httpx.stream("POST", url, json=body, timeout=HANG) as reply:
-            assert reply.status_code == 200
-            chunks = reply.iter_raw()
-            for piece in PIECES:
-                got = b""
-                while not got.endswith(b"\n\n"):  # one piece may come in several reads
-                    got += next(chunks)
-                assert got == piece
-                engine.read.release()  # the next piece only now
-            assert next(chunks, b"") == b""
-    finally:
-        stop([proc])
+    port = one_second_guard("router")  # in front of ``engine``
+    body = {"model": "toy", "prompt": [1, 2, 3], "stream": True}
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    with httpx.stream("POST", url, json=body, timeout=HANG) as reply:
+        assert reply.status_code == 200
+        chunks = reply.iter_raw()
+        for piece in PIECES:
+            got = b""
+            while not got.endswith(b"\n\n"):  # one piece may come in several reads
+                got += next(chunks)
+            assert got == piece
+            engine.read.release()  # the next piece only now
+        assert next(chunks, b"") == b""
 
 
 def test_snapshots_keep_working_with_connections_at_the_cap(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from kvatlas.client import (
     RedisStreamTransport,
     Transport,
 )
+from kvatlas.coordinator.runtime import freeze_long_lived
 from kvatlas.directory import warm_up_kernels
 from kvatlas.errors import Conflict, KvatlasError
 from kvatlas.keys import KeySchemeMismatch, ObjectKey
@@ -413,6 +414,10 @@ def run_node(config: NodeConfig) -> int:
         f"--hf-config {config.hf_config}" if config.hf_config else "the layout flags",
     )  # fmt: skip
     kwargs = uvicorn_log_options(config.log_level, config.access_log)
+    # what lives for the whole process (modules, compiled kernels, the app) out of the cycle
+    # collector's sight, as in the coordinator (coordinator/runtime.py says why it is safe):
+    # full collections, and the one at exit, no longer walk it
+    freeze_long_lived()
     try:
         app = OnServing(process.app, process.start)
         serve(

@@ -65,9 +65,10 @@ class Oracle:
     def match(self, query: Sequence[int], ns: BlendNamespace) -> list[BlendMatch]:
         out, seen = [], set()
         q = [int(t) for t in query]
+        entries = sorted(self.entries.items())  # the same for every window
         for pos in range(0, len(q) - self.chunk_size + 1, self.stride):
             window = tuple(q[pos : pos + self.chunk_size])
-            for (content, ch), (offset, claims) in sorted(self.entries.items()):
+            for (content, ch), (offset, claims) in entries:
                 if content == window and ns in claims and ch not in seen:
                     seen.add(ch)
                     out.append(BlendMatch(ch, offset, pos))
