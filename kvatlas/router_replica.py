@@ -55,6 +55,8 @@ NOT_OFFERED: Final = frozenset(
         "http_header_timeout_s", "http_body_timeout_s", "http_max_connections",
         # a replica without HTTP of its own
         "access_log", "public_metrics", "public_docs",
+        # the heap trimmer is the coordinator process's (the router starts none)
+        "memory_trim_interval_s",
         # a replica that only scores does not publish the directory as KV events
         "kv_events_publish", "kv_events_replay_bind", "kv_events_replay_size",
         "kv_events_publish_encoding", "kv_events_publish_salts", "kv_events_curve_certificate",

@@ -7,8 +7,9 @@ unregistered emitter left the fleet or only registered elsewhere: forgetting it 
 its cursor and L1 copies from this replica's directory and fail its cache-control commands
 for every replica. Each replica therefore records, at each departure sweep, the instances
 registered with it in the Redis hash ``<stream>:instances`` (field: the instance id; value:
-the Redis server's time, in seconds, when a replica last saw it registered), and forgets only
-an emitter no replica saw registered within the retention.
+the Redis server's time, in seconds, when a replica last saw it registered) at every tick of
+its sweeper (at most a second apart), and forgets only an emitter no replica saw registered
+within its retention.
 """
 
 from __future__ import annotations
@@ -35,6 +36,22 @@ class FleetLiveness:
     def connect(cls, redis_url: str, stream: str) -> FleetLiveness:
         """A liveness record over a new client of ``redis_url`` (connects lazily)."""
         return cls(redis_client(redis_url, socket_timeout=5), stream)
+
+    def record(self, registered: Iterable[str]) -> None:
+        """Record ``registered`` (this replica's instances) as seen now (every sweeper tick:
+        how fresh the record is must not depend on this replica's own retention, which
+        another replica's may differ from)."""
+        ids = sorted(registered)
+        if not ids:
+            return
+        try:
+            sec, usec = self.client.time()
+            self.client.hset(self.key, mapping=dict.fromkeys(ids, f"{sec + usec / 1e6:.3f}"))
+        except self._errors as exc:
+            raise Unavailable(f"redis {self.key}: {exc}") from exc
+
+    def close(self) -> None:
+        self.client.close()
 
     def exchange(self, registered: Iterable[str], within: float) -> set[str]:
         """Record ``registered`` (this replica's instances) as seen now, and return every

@@ -191,6 +191,8 @@ class CoordinatorService:
         for thread in self._threads:
             thread.join(timeout=10)
         self._threads.clear()
+        if self.liveness is not None:
+            self.liveness.close()
         if self.config.snapshot_path is not None:
             self.take_snapshot()
 
@@ -270,9 +272,18 @@ class CoordinatorService:
         period = min(1.0, self.config.instance_timeout / 4)
         while not self._stop.wait(period):
             self.instances.expire()
+            self._share_registrations()
             self.forget_departed()
             self.status.tick()
             self.readiness.check_resynced()
+
+    def _share_registrations(self) -> None:
+        """The instances registered here, for the other replicas' departure sweeps."""
+        if self.liveness is not None:
+            try:
+                self.liveness.record(r.instance_id for r in self.instances.records())
+            except Unavailable as exc:  # the next tick tries again
+                log.debug("registrations not shared: %s", exc)
 
     def forget_departed(self) -> list[str]:
         """Forget every instance that is not registered (with any replica, on the Redis

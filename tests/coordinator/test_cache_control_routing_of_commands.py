@@ -724,6 +724,28 @@ def test_a_move_across_replicas_deletes_through_the_sources_replica(
             log.store.client.close()
 
 
+def test_a_handed_over_move_whose_target_was_fenced_deletes_nothing(
+    redis_server: RedisServer,
+) -> None:
+    """The target (A's) holds and hands the move over, then misses its heartbeats: A fences
+    it. B's directory may still show the target's copies, so B must not delete the source's:
+    the move fails at the fence, as it does when the target deregisters. (The old code: B
+    deleted the source's copies from the hold, the keys then nowhere.)"""
+    (log_a, _log_b), _fleets, servers, (a, b) = replica_pair(redis_server)
+    try:
+        c = log_a.new("move", ["b"], KEYS, tier="l1", source="a", token_ids=tuple(range(32)))
+        a.run_once()  # held; handed over to B
+        a.instance_fenced("b")
+        b.instance_back("a")
+        b.run_once()
+        got = log_a.get(c.command_id)
+        assert servers.deleted == []
+        assert got is not None and got.state == "failed" and "'b'" in got.last_error
+    finally:
+        for log in (log_a, _log_b):
+            log.store.client.close()
+
+
 def test_a_source_that_left_as_its_replica_saw_it_completes_the_move_on_another(
     redis_server: RedisServer,
 ) -> None:

@@ -119,6 +119,28 @@ def test_a_replicas_copy_of_the_pins_follows_the_changes_as_a_full_read_would(
         b_store.client.close()
 
 
+def test_a_copy_of_the_pins_is_read_anew_after_redis_lost_its_data(
+    redis_server: RedisServer,
+) -> None:
+    """Redis loses its data (a restart without persistence) and counts versions from 0 again:
+    a replica whose copy was at version N must not apply the new Redis's changes N+1… on top
+    of the old copy. (The old code: B kept the lost pins and missed the new ones 1…N.)"""
+    stream = f"kvatlas:shared-test-{next(_prefixes)}"
+    a_store, b_store = new_store(redis_server, stream, "a"), new_store(redis_server, stream, "b")
+    try:
+        a, b = SharedPinTable(a_store), SharedPinTable(b_store)
+        for key in KEYS[:3]:
+            a.pin([key])  # versions 1..3
+        assert b.pinned(KEYS) == set(KEYS[:3])  # B's copy: version 3
+        a_store.client.delete(*a_store.client.keys(f"{stream}:*"))  # the data lost
+        for key in KEYS[3:]:
+            a.pin([key])  # versions 1..3 again, then 4..6: contiguous after B's 3
+        assert b.rows() == SharedPinTable(a_store).rows() == [(k, 1) for k in KEYS[3:]]
+    finally:
+        a_store.client.close()
+        b_store.client.close()
+
+
 quota_ops = st.lists(
     st.one_of(
         st.tuples(st.just("set"), st.sampled_from(["", "a", "b"]), st.floats(0, 100)),

@@ -553,7 +553,7 @@ def test_an_emitter_registered_with_another_replica_is_not_forgotten_as_departed
         quiet_since = time.monotonic()
         # twice the retention, both sweepers running: n1 stays on both replicas
         assert wait_for(lambda: time.monotonic() - quiet_since > 6.0, timeout=30)
-        assert a.service.forget_departed() == []
+        a.service.forget_departed()  # (rate-limited: may do nothing; the sweepers ran)
         assert "n1" in a.service.directory.emitters()
         assert "n1" in b.service.directory.emitters()
         # negative control: deregistered everywhere, it is forgotten by both

@@ -241,10 +241,17 @@ class Delivery:
         """The instance missed its heartbeats (fenced: its L1 is presumed gone): its moves as
         a source record that it left (``source_left``, in the command: every replica sees it,
         not only the one it was registered with), so they complete without deleting, as for
-        a deregistration, unless it registers again first (:meth:`instance_back`)."""
+        a deregistration, unless it registers again first (:meth:`instance_back`); its moves
+        as a target fail (its hold is presumed gone with its L1: another replica, whose
+        directory may still show the target's copies, must not delete the source's)."""
         try:
             for c in self.commands.unfinished():
-                if c.kind == "move" and c.source == instance_id and not c.source_left:
+                if c.kind != "move":
+                    continue
+                if c.targets[0] == instance_id:  # its hold went with it: never delete now
+                    reason = f"target {instance_id!r} missed its heartbeats (fenced)"
+                    self.moves.failed(self.commands.finish(c.command_id, "failed", reason))
+                elif c.source == instance_id and not c.source_left:
                     self.commands.progress(c.command_id, source_left=True)
         except Unavailable as exc:
             log.warning("instance %s fenced: its moves not told (%s)", instance_id, exc)

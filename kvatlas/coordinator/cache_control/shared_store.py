@@ -43,7 +43,10 @@ _PIN_LOG: Final = """
 -- the log keeps at most ARGV[1] of them, oldest dropped first; a larger change is not logged)
 -- and, per key, struct '>I4dd' (length, count now: 0 = unpinned, first-pinned seq: -1 = as
 -- before) then the packed key
+-- pins_epoch: set with the first change a Redis holds, so a Redis that lost its data (and
+-- counts versions from 0 again) is told apart from the one a replica's copy came from
 local function log_change(entry)
+  redis.call('HSETNX', KEYS[3], 'pins_epoch', table.concat(redis.call('TIME'), '.'))
   local v = redis.call('HINCRBY', KEYS[3], 'pins_version', 1)
   local w, most = #entry / 2 + 1, tonumber(ARGV[1])
   if w <= most then

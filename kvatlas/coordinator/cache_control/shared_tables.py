@@ -9,6 +9,7 @@ byte string per key, the same for every replica, decoded back to an :class:`Obje
 
 from __future__ import annotations
 
+import secrets
 import struct
 import threading
 from collections.abc import Container, Iterable, Iterator
@@ -18,6 +19,7 @@ import msgspec
 
 from kvatlas.coordinator.cache_control.quotas import GB
 from kvatlas.coordinator.cache_control.shared_store import SharedStore
+from kvatlas.errors import Unavailable
 from kvatlas.keys import ObjectKey
 
 _Packed = tuple[bytes, str, int, int, str]
@@ -61,6 +63,9 @@ class SharedPinTable:
     version (this replica fell behind more than :data:`LOG_WEIGHT` keys of changes)."""
 
     VERSION_FIELD: Final = "pins_version"
+    EPOCH_FIELD: Final = "pins_epoch"
+    """Set by the first change (or seed) a Redis holds: a copy of another epoch is read anew
+    (a Redis that lost its data counts versions from 0 again)."""
 
     def __init__(self, store: SharedStore, *, log_weight: int = LOG_WEIGHT) -> None:
         self.store = store
@@ -71,6 +76,7 @@ class SharedPinTable:
         self._log = store.key("pins:log")
         self._lock = threading.Lock()
         self._version: int | None = None  # of the copy (None: none yet)
+        self._epoch: bytes | None = None  # of the copy
         self._counts: dict[ObjectKey, int] = {}  # the copy, in first-pinned order
         self.full_reads = 0
         """How many times every pin was read (the first read, a seed, a gap in the log)."""
@@ -128,25 +134,34 @@ class SharedPinTable:
     def _refresh(self) -> None:
         """Bring the copy up to the version Redis holds: the changes since from the log, or
         every pin when the log cannot say."""
-        raw = self.store.call("hget", self._meta, self.VERSION_FIELD)
-        version = int(raw or 0)
-        with self._lock:
-            have = self._version
-        if have == version:
-            return
-        if have is not None and self._apply_log(have):
-            return
-        self._read_all()
+        try:
+            raw, epoch = self.store.call("hmget", self._meta, self.VERSION_FIELD, self.EPOCH_FIELD)
+            version = int(raw or 0)
+            with self._lock:
+                have = self._version if self._epoch == epoch else None
+            if have == version:
+                return
+            if have is not None and self._apply_log(have, epoch):
+                return
+            self._read_all()
+        except Unavailable:
+            with self._lock:  # Redis may come back holding other pins: read every pin then
+                self._version = None
+            raise
 
-    def _apply_log(self, have: int) -> bool:
-        """Apply the logged changes after version ``have``; ``False`` when the log lacks one
-        of them (trimmed, too large to log, a seed) or the copy moved meanwhile."""
-        entries, raw = self.store.transaction(
+    def _apply_log(self, have: int, epoch: bytes | None) -> bool:
+        """Apply the logged changes after version ``have`` of ``epoch``; ``False`` when the
+        log lacks one of them (trimmed, too large to log, a seed) or the copy moved
+        meanwhile."""
+        entries, raw, now_epoch = self.store.transaction(
             lambda pipe: (
                 pipe.zrangebyscore(self._log, f"({have}", "+inf"),
                 pipe.hget(self._meta, self.VERSION_FIELD),
+                pipe.hget(self._meta, self.EPOCH_FIELD),
             )
         )
+        if now_epoch != epoch:
+            return False
         version = int(raw or 0)
         found: list[bytes] = []
         for expected, member in enumerate(entries, have + 1):
@@ -157,8 +172,10 @@ class SharedPinTable:
         if have + len(found) != version:
             return False
         with self._lock:
-            if self._version != have:  # another thread brought it up meanwhile
-                return self._version is not None and self._version >= version
+            if self._version != have or self._epoch != epoch:  # another thread, meanwhile
+                return (
+                    self._epoch == epoch and self._version is not None and self._version >= version
+                )
             counts = self._counts
             self._version = None  # until every change is in
             for blob in found:
@@ -177,16 +194,17 @@ class SharedPinTable:
         return True
 
     def _read_all(self) -> None:
-        order, counts, raw = self.store.transaction(
+        order, counts, raw, epoch = self.store.transaction(
             lambda pipe: (
                 pipe.zrange(self._order, 0, -1),
                 pipe.hgetall(self._pins),
                 pipe.hget(self._meta, self.VERSION_FIELD),
+                pipe.hget(self._meta, self.EPOCH_FIELD),
             )
         )
         copy = {unpack_key(f): int(counts[f]) for f in order if f in counts}
         with self._lock:
-            self._counts, self._version = copy, int(raw or 0)
+            self._counts, self._version, self._epoch = copy, int(raw or 0), epoch
             self.full_reads += 1
 
     def seed(self, rows: list[tuple[ObjectKey, int]]) -> None:
@@ -199,6 +217,7 @@ class SharedPinTable:
             pipe.hset(self._pins, mapping={pack_key(k): n for k, n in rows})
             pipe.zadd(self._order, {pack_key(k): i + 1 for i, (k, _n) in enumerate(rows)})
             pipe.hset(self._meta, "pin_seq", len(rows))
+            pipe.hsetnx(self._meta, self.EPOCH_FIELD, secrets.token_hex(8))
             pipe.hincrby(self._meta, self.VERSION_FIELD, 1)
 
         self.store.transaction(build, write=True)
