@@ -10,7 +10,8 @@ claims its snapshot lock and group as ``kvatlas coordinator`` does and is one mo
 the fleet (docs/coordinator.md, "Replicas"); it serves no HTTP of its own. Scores are
 :meth:`RouteScoring.score` — what ``POST /route/score`` answers — from the token ids the router
 decoded, with no body encoded or decoded in between: on the router's event loop for a prompt of
-up to :data:`INLINE_TOKENS` tokens, on the match pool for a longer one.
+up to :data:`INLINE_TOKENS` tokens while no change holds the directory, on the match pool for
+a longer one or while one does (the loop never waits for the directory's lock).
 
 This module sits at the top (beside the cli): the router package reaches the coordinator
 only over HTTP, so the two are composed here.
@@ -155,7 +156,9 @@ class ReplicaScorer:
                               instances=list(instances))  # fmt: skip
         # the ids' little-endian bytes, as a msgpack body hands them over (writable, contiguous)
         packed = np.ascontiguousarray(tokens, dtype="<u4").view(np.uint8)
-        if len(tokens) <= INLINE_TOKENS:  # on the loop: within --score-timeout-s by its size
+        # on the loop: within --score-timeout-s by its size, unless a change holds the
+        # directory (a batch applied, a fence): the read would wait, and the loop with it
+        if len(tokens) <= INLINE_TOKENS and not self.service.directory.busy():
             try:
                 return self.scoring.score(body, ANONYMOUS_ADMIN, packed)
             except KvatlasError as exc:

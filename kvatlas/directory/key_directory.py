@@ -97,6 +97,11 @@ class KeyDirectory:
         if enable_blend_lookup:
             self.enable_blend_lookup(chunk_size, blend_probe_stride)
 
+    def busy(self) -> bool:
+        """Whether a change (a batch, a fence, a restore) holds the directory right now: a
+        hint for a caller that must not wait (a read would wait for it), not a promise."""
+        return self._lock.locked()
+
     # ------------------------------------------------------------------ configuration
 
     @property

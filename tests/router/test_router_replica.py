@@ -251,3 +251,58 @@ def test_replica_without_the_redis_transport_is_refused_at_start(
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert named in err and "Traceback" not in err
+
+
+def test_a_score_never_waits_on_the_loop_for_the_directorys_lock() -> None:
+    """A change holding the directory (a stream batch applied, a fence) while a short prompt
+    is scored: the score goes to the match pool and the router's event loop keeps running
+    (the old code scored on the loop, which then waited for the lock with every request it
+    proxies). No clock: the order of events is what is checked; the lock is let go after 10 s
+    at the latest so that the old code finishes (and fails) instead of hanging."""
+    import threading
+
+    from kvatlas.coordinator.app import new_match_pool
+    from kvatlas.coordinator.config import CoordinatorConfig
+    from kvatlas.coordinator.route_score import RouteScoring
+    from kvatlas.coordinator.service import CoordinatorService
+    from kvatlas.coordinator.views import Readiness
+    from kvatlas.router_replica import ReplicaScorer
+
+    config = CoordinatorConfig(chunk_size=C, event_transport="redis",
+                               redis_url=f"redis://127.0.0.1:{free_port()}/0")  # fmt: skip
+    service = CoordinatorService(config)  # not started: nothing of it runs
+    service.readiness.set(Readiness.SERVING)
+    pool = new_match_pool()
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with service.directory._lock:  # what ingest and fencing hold while they change it
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(10)
+    order: list[str] = []
+
+    async def run() -> None:
+        scorer = ReplicaScorer(service, RouteScoring(service, pool), pool, None)
+        prompt = np.asarray([*DOC_B.tolist(), 5], dtype=np.uint32)
+
+        async def score() -> None:
+            await scorer.score(prompt, MODEL, "", ENGINES, 30.0)
+            order.append("scored")
+
+        task = asyncio.create_task(score())
+        await asyncio.sleep(0)  # the score starts
+        order.append("loop ran")
+        release.set()
+        await task
+
+    try:
+        asyncio.run(run())
+    finally:
+        release.set()
+        holder.join()
+        pool.shutdown()
+    assert order == ["loop ran", "scored"]
