@@ -223,7 +223,7 @@ def _run_with_replica(config: RouterConfig, replica: CoordinatorConfig, servers:
         return 1
     pool = new_match_pool()
     try:
-        service = CoordinatorService(replica, mp_servers=servers)
+        service = CoordinatorService(replica, mp_servers=servers, delivers=False)
         service.start()  # failing, it never started: nothing to snapshot, nothing to stop
         try:
             fallback = None

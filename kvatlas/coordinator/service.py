@@ -79,8 +79,12 @@ class CoordinatorService:
         config: CoordinatorConfig,
         clock: Callable[[], float] = time.monotonic,
         mp_servers: MpServers | None = None,  # the client cache-control commands go through
+        *,
+        delivers: bool = True,  # runs the cache-control delivery loop (a router's replica,
+        # which knows no registrations and so could deliver nothing, does not take leases)
     ) -> None:
         self.config = config
+        self.delivers = delivers
         self.scheme = config.scheme
         scheme = self.scheme
         self.directory = KeyDirectory(
@@ -142,7 +146,8 @@ class CoordinatorService:
             self.stream_position = self._restored_position = restored.stream_position
         self.instances.expire()  # restored instances silent for too long: fenced, not ghosts
         self._spawn("instance-sweeper", self._sweep_loop)
-        self._spawn("cache-control", functools.partial(self.delivery.run, self._stop))
+        if self.delivers:
+            self._spawn("cache-control", functools.partial(self.delivery.run, self._stop))
         store = self.cache_control.store
         if store is not None:  # seeds Redis from the snapshot if it holds no cache control
             self._spawn(

@@ -306,3 +306,23 @@ def test_a_score_never_waits_on_the_loop_for_the_directorys_lock() -> None:
         holder.join()
         pool.shutdown()
     assert order == ["loop ran", "scored"]
+
+
+def test_the_routers_replica_takes_no_cache_control_leases() -> None:
+    """A router's replica knows no registrations: it could deliver no command, so it runs no
+    delivery loop (whose passes claim leases on every unfinished command: the old code held
+    each for a failed attempt and its backoff, delaying the replica that can deliver)."""
+    import threading
+
+    from kvatlas.coordinator.config import CoordinatorConfig
+    from kvatlas.coordinator.service import CoordinatorService
+
+    config = CoordinatorConfig(chunk_size=C, event_transport="http")
+    for delivers, expected in ((False, False), (True, True)):  # the second: the control
+        service = CoordinatorService(config, delivers=delivers)
+        service.start()
+        try:
+            names = {t.name for t in threading.enumerate()}
+            assert ("kvatlas-cache-control" in names) is expected
+        finally:
+            service.stop()
