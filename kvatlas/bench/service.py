@@ -11,8 +11,7 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -22,6 +21,14 @@ from rich.progress import Progress
 
 from kvatlas.asgi_thread import free_port
 from kvatlas.bench.common import BenchRow, add_common_arguments, refuse, report
+from kvatlas.bench.ingest_bodies import (
+    CHUNK,
+    MODEL,
+    bodies_of,
+    post_all,
+    post_streams,
+    store_batches,
+)
 from kvatlas.bench.loadgen import build_post
 from kvatlas.bench.server_cpu import (
     LoadResult,
@@ -35,13 +42,9 @@ from kvatlas.bench.server_cpu import (
 )
 from kvatlas.client import encode_tokens_b64
 from kvatlas.coordinator.runtime import TRIM_INTERVAL_S
-from kvatlas.events import CacheEntry, EventBatch, encode_json, encode_msgpack
-from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
+from kvatlas.events import encode_json, encode_msgpack
 from kvatlas.processes import spawn_service, stop
 from kvatlas.workloads import LLAMA2, LLAMA3, Vocabulary, random_token_ids
-
-CHUNK = 256
-MODEL = "bench-model"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,65 +77,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="lookups: wrk when installed (auto), or the Python one",
     )
-
-
-def _store_batches(
-    rng: np.random.Generator,
-    n_entries: int,
-    per_batch: int,
-    instance: str,
-    vocab: Vocabulary = LLAMA3,
-) -> tuple[list[EventBatch], np.ndarray[Any, Any]]:
-    tokens = random_token_ids(rng, (n_entries, CHUNK), vocab)
-    rank = pack_kv_rank(1, 0, 1, 0)
-    batches = []
-    for b, start in enumerate(range(0, n_entries, per_batch)):
-        entries = []
-        for i in range(start, min(start + per_batch, n_entries)):
-            (h,) = chunk_hashes(tokens[i], CHUNK)
-            entries.append(
-                CacheEntry(ObjectKey(h, MODEL, rank), 1 << 20, tokens[i], (i % 64) * CHUNK)
-            )
-        batches.append(
-            EventBatch(
-                instance, 1, b + 1, "store", "l1", "dram", ts=time.time(), entries=tuple(entries)
-            )
-        )
-    return batches, tokens
-
-
-def _bodies(
-    batches: list[EventBatch], per_post: int, encode: Callable[[list[EventBatch]], bytes]
-) -> list[bytes]:
-    return [encode(batches[i : i + per_post]) for i in range(0, len(batches), per_post)]
-
-
-def _post_all(
-    url: str, bodies: list[bytes], content_type: str, warmup: bytes | None = None
-) -> float:
-    """Post every body in order; the optional warm-up (another emitter) loads compiled kernels
-    before the clock starts, so a fresh process's one-off JIT cache load is not counted."""
-    return _post_streams(url, [bodies], content_type, warmup)
-
-
-def _post_streams(
-    url: str, streams: list[list[bytes]], content_type: str, warmup: bytes | None = None
-) -> float:
-    """One connection per emitter, each posting its own bodies in order (as a fleet's emitters
-    do); returns the wall time until every stream was applied."""
-    headers = {"Content-Type": content_type}
-    if warmup is not None:
-        httpx.post(f"{url}/events", content=warmup, headers=headers, timeout=120).raise_for_status()
-
-    def post(bodies: list[bytes]) -> None:
-        with httpx.Client(base_url=url, timeout=120) as client:
-            for body in bodies:
-                client.post("/events", content=body, headers=headers).raise_for_status()
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=len(streams)) as pool:
-        list(pool.map(post, streams))
-    return time.perf_counter() - start
 
 
 COORDINATOR = [
@@ -181,7 +125,7 @@ def _timed_streams(
         process_minor_faults(pid),
         process_rss_bytes(pid),
     )
-    wall = _post_streams(url, streams, content_type)
+    wall = post_streams(url, streams, content_type)
     measured = (
         wall,
         process_cpu_seconds(pid) - cpu0,
@@ -203,7 +147,7 @@ def _bench_ingest(
     vocab = {"json": LLAMA3, "msgpack": LLAMA3, "naive": LLAMA3, "json-compact": LLAMA2}
     emitters = {
         v: [
-            _store_batches(rng, per_emitter, args.batch_entries, f"node-{e}", v)[0]
+            store_batches(rng, per_emitter, args.batch_entries, f"node-{e}", v)[0]
             for e in range(args.emitters)
         ]
         for v in (LLAMA3, LLAMA2)
@@ -211,12 +155,12 @@ def _bench_ingest(
     encoders = {"json": encode_json, "msgpack": encode_msgpack}
     fmt = {"json": "json", "msgpack": "msgpack", "naive": "json", "json-compact": "json"}
     bodies = {
-        run: [_bodies(b, args.batches_per_post, encoders[fmt[run]]) for b in emitters[vocab[run]]]
+        run: [bodies_of(b, args.batches_per_post, encoders[fmt[run]]) for b in emitters[vocab[run]]]
         for run in runs
     }
     del emitters
     ctypes = {"json": "application/json", "msgpack": "application/msgpack"}
-    warm, _ = _store_batches(rng, 64, 64, "warm-up")
+    warm, _ = store_batches(rng, 64, 64, "warm-up")
     warmups = {"json": encode_json(warm), "msgpack": encode_msgpack(warm)}
     service = {run: COORDINATOR for run in runs} | {"naive": ["-m", "kvatlas.bench.naive_service"]}
     times: dict[str, list[float]] = {run: [] for run in runs}
@@ -392,8 +336,8 @@ def _lookup_runs(
     results: list[LoadResult] = []
     with _service([*COORDINATOR, "--max-body-bytes", str(1 << 30)]) as (url, pid):
         port = int(url.rsplit(":", 1)[1])
-        index_batches, index_tokens = _store_batches(rng, args.index_chunks, 1024, "node-1", vocab)
-        _post_all(url, _bodies(index_batches, 4, encode_msgpack), "application/msgpack")
+        index_batches, index_tokens = store_batches(rng, args.index_chunks, 1024, "node-1", vocab)
+        post_all(url, bodies_of(index_batches, 4, encode_msgpack), "application/msgpack")
         progress.advance(task)
         bodies = [
             json.dumps(

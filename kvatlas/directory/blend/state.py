@@ -9,17 +9,15 @@ followed by the bookkeeping the kernel reports for each op, so the two never dis
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Sequence
-from itertools import compress, repeat
 from operator import attrgetter
-from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from kvatlas.directory.blend import _cpython, kernels
 from kvatlas.directory.blend._cpython import array_handle, bytes_address
+from kvatlas.directory.blend.id_lists import chosen, put, put_one
 from kvatlas.directory.blend.kernels import (
     ADD,
     F_CLAIM_DROPPED,
@@ -53,7 +51,6 @@ from kvatlas.directory.blend.op_columns import (
 )
 from kvatlas.keys import BlendNamespace
 
-_T = TypeVar("_T")
 _NBYTES = attrgetter("nbytes")
 
 MIN_CAPACITY = 1024
@@ -222,7 +219,7 @@ class IndexState:
         new = flags & F_NEW_OCCUPANT != 0
         if new.any():
             occs = results[new, 2]
-            _put(self.hashes, occs, _chosen(cols.hashes, new))
+            put(self.hashes, occs, chosen(cols.hashes, new))
             self.occupants += len(occs)
         new = flags & F_NEW_CLAIM != 0
         if new.any():
@@ -245,7 +242,7 @@ class IndexState:
         no per-op pass."""
         n = len(results)
         self._new_contents(cols, results[:, 1], None)
-        _put(self.hashes, results[:, 2], cols.hashes)
+        put(self.hashes, results[:, 2], cols.hashes)
         self.occupants += n
         self.namespaces.claims[int(nss[0])] += n
         self.claims += n
@@ -256,14 +253,14 @@ class IndexState:
         flags, cid, occ, _ = result
         kind, arr, chunk_hash, _offset, _namespace, owned = op  # SingleOp's fields, named
         if flags & F_NEW_CONTENT:
-            _put_one(self.tokens, cid, arr)
+            put_one(self.tokens, cid, arr)
             self.token_bytes += arr.nbytes
             self.contents += 1
             if owned:
                 self.owned.add(cid)
                 self.owned_bytes += arr.nbytes
         if flags & F_NEW_OCCUPANT:
-            _put_one(self.hashes, occ, chunk_hash)
+            put_one(self.hashes, occ, chunk_hash)
             self.occupants += 1
         if flags & F_NEW_CLAIM:
             self.namespaces.claims[ns] += 1
@@ -276,8 +273,8 @@ class IndexState:
     ) -> None:
         """Keep the arrays of the ops ``new`` selects (``None``: every op) as the contents
         ``ids``."""
-        arrays = cols.tokens if new is None else _chosen(cols.tokens, new)
-        _put(self.tokens, ids, arrays)
+        arrays = cols.tokens if new is None else chosen(cols.tokens, new)
+        put(self.tokens, ids, arrays)
         widths = cols.token_bytes if new is None else cols.token_bytes[new]
         if int(widths.min()) > 1:  # uint16 / uint32 of chunk_size ids: no visit to each array
             self.token_bytes += int(widths.sum()) * self.chunk_size
@@ -418,36 +415,6 @@ class IndexState:
         self.arrays = self.arrays.with_empty_lookup(slots)
         kernels.rebuild(self.kernel_arrays)
         self._stale = 0
-
-
-def _put(items: list[Any], where: npt.NDArray[np.int64], values: Iterable[Any]) -> None:
-    """``items[where[k]] = values[k]`` for each ``k``, growing ``items`` (with ``None``) to
-    the largest index first: new ids are either free ones or the next fresh ones."""
-    top = int(where.max()) + 1
-    if int(where[0]) == len(items) and top - len(items) == len(where) and _rising(where):
-        items += values  # fresh ids in order (a bulk build): append, no per-item store
-        return
-    if top > len(items):
-        items.extend(repeat(None, top - len(items)))
-    deque(map(items.__setitem__, where.tolist(), values), 0)
-
-
-def _chosen(items: list[_T], mask: npt.NDArray[np.bool_]) -> list[_T]:
-    """``items`` where ``mask`` is set: ``items`` itself when it is set everywhere (an ingest
-    batch of new chunks), without a pass over them."""
-    return items if mask.all() else list(compress(items, mask.tolist()))
-
-
-def _put_one(items: list[Any], at: int, value: Any) -> None:
-    """``items[at] = value``, appending when ``at`` is the next fresh id (see :func:`_put`)."""
-    if at == len(items):
-        items.append(value)
-    else:
-        items[at] = value
-
-
-def _rising(where: npt.NDArray[np.int64]) -> bool:
-    return bool((where[1:] > where[:-1]).all())
 
 
 def _grown(capacity: int, need: int) -> int:
