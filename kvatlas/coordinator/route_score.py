@@ -203,8 +203,10 @@ class RouteScoring:
             body, config.max_query_tokens, config.max_instances, config.fragment_weight, packed
         )
         _, records = service.instances.snapshot()
-        peers = frozenset(r.instance_id for r in records)
-        attached = attachments(records)
+        # with replicas, also the nodes registered with another one (seen within seconds)
+        elsewhere = service.elsewhere
+        peers = frozenset(r.instance_id for r in records).union(elsewhere)
+        attached = {i: e for i, e in elsewhere.items() if e} | attachments(records)
         if asked.instances is None:  # live instances the caller sees, and every engine
             alive = [v.instance_id for v in service.instances_view(who) if v.alive]
             engines = sorted(service.kv_events.engines())

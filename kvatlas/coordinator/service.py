@@ -26,7 +26,7 @@ from kvatlas.coordinator.cache_control.fleet import cache_control_of
 from kvatlas.coordinator.cache_control.shared_store import SharedStore
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.emitters import EmitterBook, emitter_views, instance_views
-from kvatlas.coordinator.fleet_liveness import FleetLiveness
+from kvatlas.coordinator.fleet_liveness import FRESH_S, FleetLiveness
 from kvatlas.coordinator.ingestion import Ingestion
 from kvatlas.coordinator.instances import InstanceRegistry
 from kvatlas.coordinator.kv_events.links import KvEventsLinks
@@ -102,7 +102,8 @@ class CoordinatorService:
         self.emitters = EmitterBook()
         self._next_departure_sweep = 0.0
         # the fleet's registrations across replicas (the Redis transport: each replica sees only
-        # its own; fleet_liveness.py)
+        # its own; fleet_liveness.py), and those recently seen: instance -> its engine_id
+        self.elsewhere: dict[str, str | None] = {}
         self.liveness = (
             FleetLiveness.connect(config.redis_url or "", config.event_stream)
             if config.event_transport == "redis"
@@ -283,11 +284,16 @@ class CoordinatorService:
             self.readiness.check_resynced()
 
     def _share_registrations(self) -> None:
-        """The instances registered here, for the other replicas' departure sweeps."""
+        """The instances registered here, for the other replicas (their departure sweeps and
+        scores), and theirs for this one's scores (:attr:`elsewhere`)."""
         if self.liveness is not None:
             try:
-                self.liveness.record(r.instance_id for r in self.instances.records())
-            except Unavailable as exc:  # the next tick tries again
+                self.liveness.record(
+                    (r.instance_id, r.registration.engine_id) for r in self.instances.records()
+                )
+                self.elsewhere = self.liveness.seen(FRESH_S)
+            except Unavailable as exc:  # the next tick tries again; meanwhile none known
+                self.elsewhere = {}
                 log.debug("registrations not shared: %s", exc)
 
     def forget_departed(self) -> list[str]:
@@ -303,7 +309,7 @@ class CoordinatorService:
         registered = {r.instance_id for r in self.instances.records()}
         if self.liveness is not None:  # registered with another replica: not departed
             try:
-                registered |= self.liveness.exchange(registered, retention)
+                registered |= set(self.liveness.seen(retention))
             except Unavailable as exc:  # cannot tell: nothing forgotten, asked again soon
                 self._next_departure_sweep = now + min(retention / 8, 5.0)
                 log.warning("departed emitters not forgotten now: %s", exc)

@@ -562,3 +562,45 @@ def test_an_emitter_registered_with_another_replica_is_not_forgotten_as_departed
             assert wait_for(
                 lambda r=replica: "n1" not in r.service.directory.emitters(), timeout=30
             )
+
+
+def test_a_node_registered_with_another_replica_is_scored_as_its_engine_and_a_peer(
+    redis_server: RedisServer, stream: str
+) -> None:
+    """A node registered with replica B serving engine ``e1`` (``engine_id``): replica A (or
+    a router's replica, which knows no registrations) scores the node's copies as ``e1``'s and
+    the node as a live peer of the others. (The old code: A knew neither, ``e1`` had no
+    reuse.) Negative control: deregistered, A stops within seconds."""
+
+    def config(replica: str) -> CoordinatorConfig:
+        return CoordinatorConfig(
+            port=free_port(), chunk_size=C, replica_id=replica, event_transport="redis",
+            redis_url=redis_server.url, event_stream=stream, instance_timeout=1e6,
+        )  # fmt: skip
+
+    with BackgroundServer(config("a")) as a, BackgroundServer(config("b")) as b:
+        reg = {"instance_id": "n1", "engine_id": "e1"}
+        assert httpx.post(f"{b.url}/instances", json=reg).status_code == 200
+        sink = EventSink("n1", RedisStreamTransport(redis_server.url, stream), incarnation=1)
+        doc = np.arange(C * 2, dtype=np.uint32) + 200_000
+        entries = [
+            CacheEntry(ObjectKey(h, "m", RANK, 0, ""), 4096, doc[c * C : (c + 1) * C], c * C)
+            for c, h in enumerate(chunk_hashes(doc, C))
+        ]
+        sink.emit("store", "l1", "dram", entries)
+        assert sink.flush(30)
+        sink.close(timeout=5)
+        body = {"token_ids": doc.tolist(), "model_name": "m", "instances": ["e1", "e2"]}
+
+        def scored() -> dict[str, tuple[int, int]]:
+            reply = httpx.post(f"{a.url}/route/score", json=body, timeout=30).json()
+            return {
+                r["instance_id"]: (r["prefix_tokens"], r["by_tier"]["peer"])
+                for r in reply["instances"]
+            }
+
+        # e1: the node's copies as its own (prefix); e2: the node's L1 as a live peer's
+        expected = {"e1": (2 * C, 0), "e2": (0, 2 * C)}
+        assert wait_for(lambda: scored() == expected, timeout=30), scored()
+        assert httpx.delete(f"{b.url}/instances/n1").status_code == 204
+        assert wait_for(lambda: scored() == {"e1": (0, 0), "e2": (0, 0)}, timeout=30)
