@@ -522,6 +522,18 @@ def test_a_replica_on_a_quiet_stream_still_shows_itself_alive(
 # ------------------------------------------------------------------ departed emitters
 
 
+def store_in_l1(redis_url: str, stream: str, instance: str, doc: np.ndarray) -> None:
+    """``doc``'s chunks stored in ``instance``'s L1, through the stream as a node emits."""
+    sink = EventSink(instance, RedisStreamTransport(redis_url, stream), incarnation=1)
+    entries = [
+        CacheEntry(ObjectKey(h, "m", RANK, 0, ""), 4096, doc[c * C : (c + 1) * C], c * C)
+        for c, h in enumerate(chunk_hashes(doc, C))
+    ]
+    sink.emit("store", "l1", "dram", entries)
+    assert sink.flush(30)
+    sink.close(timeout=5)
+
+
 def test_an_emitter_registered_with_another_replica_is_not_forgotten_as_departed(
     redis_server: RedisServer, stream: str
 ) -> None:
@@ -539,15 +551,7 @@ def test_an_emitter_registered_with_another_replica_is_not_forgotten_as_departed
 
     with BackgroundServer(config("a")) as a, BackgroundServer(config("b")) as b:
         assert httpx.post(f"{b.url}/instances", json={"instance_id": "n1"}).status_code == 200
-        sink = EventSink("n1", RedisStreamTransport(redis_server.url, stream), incarnation=1)
-        doc = np.arange(C * 2, dtype=np.uint32) + 100_000
-        entries = [
-            CacheEntry(ObjectKey(h, "m", RANK, 0, ""), 4096, doc[c * C : (c + 1) * C], c * C)
-            for c, h in enumerate(chunk_hashes(doc, C))
-        ]
-        sink.emit("store", "l1", "dram", entries)
-        assert sink.flush(30)
-        sink.close(timeout=5)
+        store_in_l1(redis_server.url, stream, "n1", np.arange(C * 2, dtype=np.uint32) + 100_000)
         for replica in (a, b):
             assert wait_for(lambda r=replica: "n1" in r.service.directory.emitters(), timeout=30)
         quiet_since = time.monotonic()
@@ -581,15 +585,8 @@ def test_a_node_registered_with_another_replica_is_scored_as_its_engine_and_a_pe
     with BackgroundServer(config("a")) as a, BackgroundServer(config("b")) as b:
         reg = {"instance_id": "n1", "engine_id": "e1"}
         assert httpx.post(f"{b.url}/instances", json=reg).status_code == 200
-        sink = EventSink("n1", RedisStreamTransport(redis_server.url, stream), incarnation=1)
         doc = np.arange(C * 2, dtype=np.uint32) + 200_000
-        entries = [
-            CacheEntry(ObjectKey(h, "m", RANK, 0, ""), 4096, doc[c * C : (c + 1) * C], c * C)
-            for c, h in enumerate(chunk_hashes(doc, C))
-        ]
-        sink.emit("store", "l1", "dram", entries)
-        assert sink.flush(30)
-        sink.close(timeout=5)
+        store_in_l1(redis_server.url, stream, "n1", doc)
         body = {"token_ids": doc.tolist(), "model_name": "m", "instances": ["e1", "e2"]}
 
         def scored() -> dict[str, tuple[int, int]]:
