@@ -6,9 +6,8 @@ replica through the stream. So a replica cannot tell from its own registry wheth
 unregistered emitter left the fleet or only registered elsewhere: forgetting it would drop
 its cursor and L1 copies from this replica's directory and fail its cache-control commands
 for every replica. Nor could it score a node's copies as its engine's (``engine_id``) or count
-it as a live peer. Each replica therefore records, at every tick of its sweeper (at most a
-second apart), the instances registered with it in the Redis hash ``<stream>:instances``
-(field: the instance id; value: the Redis server's time, in seconds, when a replica last saw it
+it as a live peer. Each replica therefore records, every second (on a thread of its own),
+the instances registered with it in the Redis hash ``<stream>:instances`` the instance id; value: the Redis server's time, in seconds, when a replica last saw it
 registered, a space, and its ``engine_id`` or nothing); it forgets only an emitter no replica
 saw registered within its retention, and scores with the registrations seen within
 :data:`FRESH_S`.
@@ -24,7 +23,7 @@ from kvatlas.redis_clients import redis_client
 
 FRESH_S: Final = 5.0
 """A registration recorded this recently (Redis's clock) counts as live for scoring: several
-sweeper ticks, so one late tick does not drop a peer; a node fenced by its replica stops being
+records, so one late record does not drop a peer; a node fenced by its replica stops being
 recorded and drops out within this."""
 
 

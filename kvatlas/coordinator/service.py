@@ -147,6 +147,8 @@ class CoordinatorService:
             self.stream_position = self._restored_position = restored.stream_position
         self.instances.expire()  # restored instances silent for too long: fenced, not ghosts
         self._spawn("instance-sweeper", self._sweep_loop)
+        if self.liveness is not None:
+            self._spawn("registrations", self._registrations_loop)
         if self.delivers:
             self._spawn("cache-control", functools.partial(self.delivery.run, self._stop))
         store = self.cache_control.store
@@ -278,10 +280,15 @@ class CoordinatorService:
         period = min(1.0, self.config.instance_timeout / 4)
         while not self._stop.wait(period):
             self.instances.expire()
-            self._share_registrations()
             self.forget_departed()
             self.status.tick()
             self.readiness.check_resynced()
+
+    def _registrations_loop(self) -> None:
+        """:meth:`_share_registrations` every second, on a thread of its own (a Redis that
+        hangs must not hold up the sweeper's fencing)."""
+        while not self._stop.wait(1.0):
+            self._share_registrations()
 
     def _share_registrations(self) -> None:
         """The instances registered here, for the other replicas (their departure sweeps and
