@@ -7,7 +7,8 @@ unregistered emitter left the fleet or only registered elsewhere: forgetting it 
 its cursor and L1 copies from this replica's directory and fail its cache-control commands
 for every replica. Nor could it score a node's copies as its engine's (``engine_id``) or count
 it as a live peer. Each replica therefore records, every second (on a thread of its own),
-the instances registered with it in the Redis hash ``<stream>:instances`` the instance id; value: the Redis server's time, in seconds, when a replica last saw it
+the instances registered with it in the Redis hash ``<stream>:instances`` (field: the
+instance id; value: the Redis server's time, in seconds, when a replica last saw it
 registered, a space, and its ``engine_id`` or nothing); it forgets only an emitter no replica
 saw registered within its retention, and scores with the registrations seen within
 :data:`FRESH_S`.
