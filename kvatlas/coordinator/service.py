@@ -81,7 +81,7 @@ class CoordinatorService:
         mp_servers: MpServers | None = None,  # the client cache-control commands go through
         *,
         delivers: bool = True,  # runs the cache-control delivery loop (a router's replica,
-        # which knows no registrations and so could deliver nothing, does not take leases)
+        # with no node registered with it and so no MP server to reach, takes no leases)
     ) -> None:
         self.config = config
         self.delivers = delivers
