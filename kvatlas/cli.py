@@ -175,11 +175,10 @@ def run_coordinator(config: CoordinatorConfig) -> int:
 
 
 def run_router(launch: RouterLaunch) -> int:
-    """``kvatlas router`` (with ``--scores-from replica``, its replica delivers cache-control
-    commands with :func:`mp_servers`, as every coordinator replica does)."""
+    """``kvatlas router`` (with ``--scores-from replica``, a coordinator replica in it)."""
     from kvatlas.router_replica import run
 
-    return run(launch, mp_servers)
+    return run(launch)
 
 
 _SERVICES: dict[str, tuple[str, str, Callable[[argparse.Namespace], object]]] = {

@@ -23,7 +23,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Final
@@ -43,7 +43,6 @@ from kvatlas.router.openai_body import TokenIds
 from kvatlas.router.scores import Scorer
 
 if TYPE_CHECKING:
-    from kvatlas.coordinator.cache_control.delivery import MpServers
     from kvatlas.coordinator.route_score import RouteScoring
     from kvatlas.coordinator.service import CoordinatorService
 
@@ -56,8 +55,9 @@ NOT_OFFERED: Final = frozenset(
         "http_header_timeout_s", "http_body_timeout_s", "http_max_connections",
         # a replica without HTTP of its own
         "access_log", "public_metrics", "public_docs",
-        # the heap trimmer is the coordinator process's (the router starts none)
-        "memory_trim_interval_s",
+        # the heap trimmer is the coordinator process's (the router starts none); a replica
+        # that delivers no cache-control commands reaches no MP server
+        "memory_trim_interval_s", "node_token_file",
         # a replica that only scores does not publish the directory as KV events
         "kv_events_publish", "kv_events_replay_bind", "kv_events_replay_size",
         "kv_events_publish_encoding", "kv_events_publish_salts", "kv_events_curve_certificate",
@@ -186,19 +186,18 @@ class ReplicaScorer:
             await self.fallback.aclose()
 
 
-def run(launch: RouterLaunch, servers: Callable[[CoordinatorConfig], MpServers]) -> int:
+def run(launch: RouterLaunch) -> int:
     """``kvatlas router``: with a replica, claim its snapshot lock and consumer group, start it
     (restore, stream consumer, KV-event links), serve the router with scores from it, stop it
-    (its last snapshot) after the router stopped. ``servers``: how the replica reaches MP
-    servers with cache-control commands (the coordinator's, handed in by the cli)."""
+    (its last snapshot) after the router stopped."""
     from kvatlas.router.server import run_router
 
     if launch.replica is None:
         return run_router(launch.router)
-    return _run_with_replica(launch.router, launch.replica, servers(launch.replica))
+    return _run_with_replica(launch.router, launch.replica)
 
 
-def _run_with_replica(config: RouterConfig, replica: CoordinatorConfig, servers: MpServers) -> int:
+def _run_with_replica(config: RouterConfig, replica: CoordinatorConfig) -> int:
     from kvatlas.client.route_client import AsyncRouteClient
     from kvatlas.coordinator.app import new_match_pool
     from kvatlas.coordinator.route_score import RouteScoring
@@ -223,7 +222,7 @@ def _run_with_replica(config: RouterConfig, replica: CoordinatorConfig, servers:
         return 1
     pool = new_match_pool()
     try:
-        service = CoordinatorService(replica, mp_servers=servers, delivers=False)
+        service = CoordinatorService(replica, delivers=False)  # sends no commands: no MP servers
         service.start()  # failing, it never started: nothing to snapshot, nothing to stop
         try:
             fallback = None
