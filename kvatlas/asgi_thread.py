@@ -81,10 +81,20 @@ def serve(
         log.info("%s received: shut down", signal.Signals(received[0]).name)
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A port free on ``host`` now and never handed out before by this process: the ports
+    picked for a fleet before any of them is bound are distinct (the kernel may offer a port
+    again as soon as the probe's socket is closed)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _HANDED_OUT or len(_HANDED_OUT) > 20_000:
+            _HANDED_OUT.add(port)
+            return port
 
 
 class ThreadedServer:

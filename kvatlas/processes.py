@@ -3,6 +3,7 @@ multi-process tests): one place that knows how to tell "started" from "still imp
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -19,6 +21,50 @@ def is_healthy(url: str) -> bool:
         return httpx.get(f"{url}/healthz", timeout=0.5).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def listens(pid: int, url: str) -> bool:
+    """Whether the socket listening on ``url``'s port belongs to process ``pid`` (or one of
+    its children). A port handed out free can be taken by another service before ``pid`` binds
+    it: then *that* service answers ``/healthz`` while ``pid`` is exiting. True where ``/proc``
+    cannot tell (not Linux)."""
+    port = urlsplit(url).port
+    if port is None or not Path("/proc/net/tcp").exists():
+        return True
+    inodes = _listening_inodes(port)
+    return any(f"socket:[{inode}]" in _sockets_of(p) for p in _family(pid) for inode in inodes)
+
+
+def _listening_inodes(port: int) -> set[str]:
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                found.add(fields[9])
+    return found
+
+
+def _family(pid: int) -> list[int]:
+    """``pid`` and its descendants."""
+    family, i = [pid], 0
+    while i < len(family):
+        for children in Path(f"/proc/{family[i]}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                family += [int(c) for c in children.read_text().split()]
+        i += 1
+    return family
+
+
+def _sockets_of(pid: int) -> set[str]:
+    try:
+        return {os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()}
+    except OSError:
+        return set()
 
 
 def _start(args: list[str], quiet: bool, log: Path | None) -> subprocess.Popen[bytes]:
@@ -58,7 +104,11 @@ def spawn_services(
     deadline = time.monotonic() + timeout
     waiting = list(range(len(procs)))
     while waiting:
-        waiting = [i for i in waiting if not is_healthy(services[i][1])]
+        waiting = [
+            i
+            for i in waiting
+            if not (is_healthy(services[i][1]) and listens(procs[i].pid, services[i][1]))
+        ]
         failed = [i for i in waiting if procs[i].poll() is not None]
         if waiting and (failed or time.monotonic() > deadline):
             for proc in procs:

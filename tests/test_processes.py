@@ -1,0 +1,67 @@
+"""Starting services as processes: a port handed out free and then answered by someone else is
+not taken for the service having come up."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from kvatlas.asgi_thread import free_port
+from kvatlas.processes import listens, spawn_service, stop
+
+HEALTHY_SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{}")
+    def log_message(self, *args): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+class Healthy(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def someone_else() -> Iterator[str]:
+    """A server in this test's process answering ``/healthz`` on a port."""
+    server = http.server.HTTPServer(("127.0.0.1", free_port()), Healthy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_ports_handed_out_by_one_process_are_distinct() -> None:
+    # the kernel offers a closed probe's port again at random: 3,000 picks from its ≈28k
+    # ephemeral ports repeat one about 150 times
+    ports = [free_port() for _ in range(3000)]
+    assert len(set(ports)) == len(ports)
+
+
+def test_a_service_is_not_up_while_another_process_answers_its_port(someone_else: str) -> None:
+    sleeper = ["-c", "import time; time.sleep(60)"]  # never binds the port
+    with pytest.raises(RuntimeError, match="did not come up"):
+        spawn_service(sleeper, someone_else, timeout=2)
+
+
+def test_a_service_that_binds_its_port_is_up() -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = spawn_service(["-c", HEALTHY_SERVER, str(port)], url, timeout=30)
+    try:
+        assert listens(proc.pid, url)
+    finally:
+        stop([proc])
