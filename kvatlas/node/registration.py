@@ -24,6 +24,15 @@ class TransportMismatch(Conflict):
     """The node would report events where its coordinator does not read them."""
 
 
+RETRY_LATER = frozenset({408, 429})  # "too slow to arrive", "too many requests": not a no
+
+
+def is_refusal(exc: CoordinatorError) -> bool:
+    """The coordinator answered and said no (or answered not as one): stop, do not retry."""
+    status = exc.reply_status
+    return status is not None and status < 500 and status not in RETRY_LATER
+
+
 class Registrar:
     """Reaches a coordinator that was not up at start-up: first contact (``/healthz`` and
     :func:`check_coordinator_compatible`), registration under ``instance_id``, heartbeats,
@@ -82,8 +91,7 @@ class Registrar:
             try:
                 self.attempt()
             except CoordinatorError as exc:
-                status = exc.reply_status
-                if status is not None and status < 500:  # it answered: no, or not as one
+                if is_refusal(exc):
                     self.fatal = Conflict(
                         f"{self.config.coordinator_url} refused this node or is not a kvatlas "
                         f"or LMCache coordinator: {exc}"

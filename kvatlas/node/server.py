@@ -51,6 +51,7 @@ from kvatlas.node.registration import (
     TransportMismatch,
     check_coordinator_compatible,
     follow_coordinator_format,
+    is_refusal,
     register,
 )
 from kvatlas.web import is_loopback
@@ -112,7 +113,7 @@ class NodeProcess:
             try:
                 health = self.coordinator.health()
             except CoordinatorError as exc:
-                if exc.reply_status is not None and exc.reply_status < 500:
+                if is_refusal(exc):
                     self.coordinator.close()  # it answered, and said no: not "not up yet"
                     raise
                 deferred = True

@@ -193,6 +193,38 @@ def test_a_refusal_reached_late_stops_the_node_like_one_at_start() -> None:
     assert registrar.attempts == 1
 
 
+class _BusyOnce(_LMCacheLike):
+    """A coordinator that first answers "not now" (408: the request was too slow to arrive;
+    429: too many requests), then like LMCache's."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__()
+        self.status: int | None = status
+
+    def health(self) -> HealthReply:
+        status, self.status = self.status, None
+        if status is not None:
+            raise CoordinatorError(f"GET /healthz: {status} try again", status)
+        return super().health()
+
+
+@pytest.mark.parametrize("status", [408, 429])
+def test_a_coordinator_that_asks_to_try_again_is_retried(status: int) -> None:
+    """408 and 429 say "later", not "no": the node retries rather than stopping."""
+    fatal: list[Conflict] = []
+    client = _BusyOnce(status)
+    registrar = Registrar(
+        client, CONFIG, "n1", on_registered=lambda: None,  # type: ignore[arg-type]
+        on_fatal=fatal.append, initial=0.01, retry_max=0.02, jitter=lambda: 0.0,
+    )  # fmt: skip
+    registrar.start()
+    try:
+        assert wait_for(registrar.registered.is_set, timeout=30), fatal
+    finally:
+        registrar.stop()
+    assert client.registered and not fatal and registrar.attempts == 2
+
+
 def test_a_late_lmcache_coordinator_gets_json_events() -> None:
     """The event format follows the coordinator's /healthz when it is first reached late too:
     LMCache's coordinator reads JSON events only."""
