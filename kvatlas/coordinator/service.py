@@ -125,7 +125,7 @@ class CoordinatorService:
             config.chunk_size, lambda tokens: scheme.chunk_hashes(tokens), self.instances,
             self.directory, self.metrics.registry, mp_servers,
             EvictionPolicy(config.eviction_policy), shared_store(config),
-            config.cache_command_lease_s,
+            config.cache_command_lease_s, lambda: self.elsewhere,
         )  # fmt: skip
         engines = functools.partial(self.ingest, engine=True)  # they cannot register
         self.kv_events = self.ingestion.kv_events = KvEventsLinks.from_config(

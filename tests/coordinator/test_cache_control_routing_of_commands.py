@@ -40,11 +40,15 @@ class Refused(Unavailable):
 @dataclass
 class FakeFleet:
     urls: dict[str, str] = field(default_factory=dict)  # registered instances
+    elsewhere: set[str] = field(default_factory=set)  # registered with another replica
     pools: dict[str, set[str]] = field(default_factory=dict)  # instance -> shared backends
     held: dict[ObjectKey, list[Copy]] = field(default_factory=dict)
 
     def url_of(self, instance_id: str) -> str | None:
         return self.urls.get(instance_id)
+
+    def registered_elsewhere(self, instance_id: str) -> bool:
+        return instance_id in self.elsewhere and instance_id not in self.urls
 
     def pool_members(self, backend: str) -> list[str]:
         return sorted(i for i, b in self.pools.items() if backend in b and i in self.urls)
@@ -659,8 +663,8 @@ def replica_pair(
     logs = [SharedCommandLog(SharedStore.connect(redis_server.url, stream, owner),
                              jitter=lambda: 1.0) for owner in ("A", "B")]  # fmt: skip
     held = {object_key(k): l1("a", "b") for k in KEYS}
-    fleets = [FakeFleet(urls={"b": "http://b"}, held=held),
-              FakeFleet(urls={"a": "http://a"}, held=held)]  # fmt: skip
+    fleets = [FakeFleet(urls={"b": "http://b"}, elsewhere={"a"}, held=held),
+              FakeFleet(urls={"a": "http://a"}, elsewhere={"b"}, held=held)]  # fmt: skip
     servers = FakeServers(fleets[0])  # one record of every call, by URL
     a, b = logs
     deliveries = [Delivery(lambda: a, fleets[0], servers), Delivery(lambda: b, fleets[1], servers)]
@@ -776,4 +780,40 @@ def test_a_source_that_left_as_its_replica_saw_it_completes_the_move_on_another(
         assert servers.deleted == [KEYS]
     finally:
         for log in (log_a, _log_b):
+            log.store.client.close()
+
+
+def test_a_replica_leaves_the_commands_of_another_replicas_instances_to_it(
+    redis_server: RedisServer,
+) -> None:
+    """``b`` is registered with replica A only (B sees it in ``<stream>:instances``): B, which
+    cannot reach its MP server, takes no lease on its delete, neither in its pass nor in a
+    route's first attempt, so A delivers it at its first pass (the old code: B's pass took the
+    lease, failed, and pushed the next attempt out by the backoff, which A then waited out).
+    Whether the command is done stays open to every replica: B completes the delete A holds
+    once its directory shows the copies gone. A command for B's own instance ``a`` is B's
+    (negative control)."""
+    (log_a, log_b), (fleet_a, _), servers, (a, b) = replica_pair(redis_server)
+    try:
+        c = log_a.new("delete", ["b"], KEYS, tier="l1")
+        assert b.deliver(c) is None  # a route's attempt on B: not B's to send
+        b.run_once()  # B's pass first
+        assert servers.calls == []
+        got = log_b.get(c.command_id)
+        assert got is not None and (got.state, got.attempts) == ("pending", 0)
+        a.run_once()
+        assert servers.calls == [("http://b", "delete", "l1")]
+        assert log_a.get(c.command_id).state == "sent"  # type: ignore[union-attr]
+        for k in KEYS:
+            fleet_a.held[object_key(k)] = l1("a")  # b's delete events (both directories)
+        b.run_once()  # A holds the lease; B finishes it from its directory
+        assert log_a.get(c.command_id).state == "completed"  # type: ignore[union-attr]
+
+        own = log_a.new("delete", ["a"], KEYS, tier="l1")
+        a.run_once()
+        b.run_once()
+        assert servers.calls[-1] == ("http://a", "delete", "l1")
+        assert log_b.get(own.command_id).state == "sent"  # type: ignore[union-attr]
+    finally:
+        for log in (log_a, log_b):
             log.store.client.close()
