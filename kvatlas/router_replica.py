@@ -23,12 +23,13 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Final
 
 import numpy as np
+from prometheus_client import Metric
 
 from kvatlas.api import RouteScoreBody, RouteScoresReply
 from kvatlas.auth import ANONYMOUS_ADMIN
@@ -174,6 +175,11 @@ class ReplicaScorer:
             ) from None
         except KvatlasError as exc:  # refused as POST /route/score refuses (4xx there)
             raise CoordinatorError(f"the router's replica refused: {exc}", exc.status) from None
+
+    def series(self) -> Iterable[Metric]:
+        """The replica's health, by the coordinator's names
+        (:meth:`~kvatlas.coordinator.metrics.CoordinatorMetrics.replica_health`)."""
+        return self.service.metrics.replica_health()
 
     def status(self) -> str:
         """``replica <readiness>`` (and ``, http meanwhile`` while the fallback scores)."""

@@ -106,7 +106,7 @@ class Router:
         self.config = config
         self.tokenizer = tokenizer
         self.auth: TokenAuth | None = config.auth()
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(lambda: () if self.scorer is None else self.scorer.series())
         self.policy = Policy(config.policy, config.cost_model(), config.seed)
         self._pools: dict[str, KeepAliveClient] = {}
         """Engine URL → its connections (keep-alive, streamed replies)."""
@@ -446,4 +446,6 @@ class Router:
         self.metrics.in_flight.clear()  # an engine that left the set leaves no series behind
         for engine in self.engines.all():
             self.metrics.in_flight.labels(engine.engine_id).set(engine.in_flight)
-        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # off the loop: a replica's series read its directory, whose lock a change may hold
+        body = await anyio.to_thread.run_sync(generate_latest, self.metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -13,8 +13,10 @@ then routes by load and counts it). Two exist:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
+
+from prometheus_client import Metric
 
 from kvatlas.api import RouteScoresReply
 from kvatlas.client.route_client import AsyncRouteClient
@@ -45,6 +47,11 @@ class Scorer(Protocol):
         """Where scores come from now, for ``/healthz`` (``http``, ``replica serving``, ...)."""
         ...
 
+    def series(self) -> Iterable[Metric]:
+        """The scorer's own series for the router's ``/metrics`` (a replica's health, by the
+        coordinator's names; none over HTTP: the coordinator exports its own)."""
+        ...
+
     async def aclose(self) -> None:
         """Release what the scorer holds (connections)."""
         ...
@@ -73,6 +80,9 @@ class HttpScorer:
 
     def status(self) -> str:
         return "http"
+
+    def series(self) -> Iterable[Metric]:
+        return ()
 
     async def aclose(self) -> None:
         if self.owned:

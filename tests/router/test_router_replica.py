@@ -160,6 +160,38 @@ def test_the_replica_routes_as_the_coordinator_over_http_does(fleet: dict[str, A
         assert metric(router, "kvatlas_router_score_failures_total") == failures[kind]
 
 
+REPLICA_SERIES = ("kvatlas_directory_keys", "kvatlas_directory_chunks",
+                  "kvatlas_directory_placements", "kvatlas_stream_position_seconds")  # fmt: skip
+
+
+def test_the_routers_metrics_show_its_replica_by_the_coordinators_names(
+    fleet: dict[str, Any],
+) -> None:
+    """The router's ``/metrics`` exports its replica's health under the coordinator's own
+    names (the old router exported none of them): readiness, where it stands in the stream and
+    how far behind, its directory's size, stream errors, its scores' latency; the values equal
+    the stand-alone coordinator's, which read the same stream. One exposition, every family
+    once (the router's ``kvatlas_http_refused_total`` is not doubled by the replica's)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    router, coordinator = fleet["routers"]["replica"], fleet["coordinator"]
+    position = httpx.get(f"{coordinator}/healthz", timeout=10).json()["stream_position"]
+    at_s = int(position.split("-")[0]) / 1000
+    assert wait_for(lambda: metric(router, "kvatlas_stream_position_seconds") == at_s, 30)
+    for name in REPLICA_SERIES:
+        assert metric(router, name) == metric(coordinator, name) > 0, name
+    assert metric(router, 'kvatlas_readiness{state="serving"}') == 1
+    assert metric(router, 'kvatlas_readiness{state="catching_up"}') == 0
+    assert metric(router, "kvatlas_stream_lag_entries") == 0
+    route(router, [*DOC_A.tolist(), 4])
+    assert metric(router, "kvatlas_route_score_seconds_count") >= 1
+    text = httpx.get(f"{router}/metrics", timeout=10).text
+    names = [f.name for f in text_string_to_metric_families(text)]
+    assert len(names) == len(set(names))
+    assert {"kvatlas_stream_errors", "kvatlas_snapshot_failures", "kvatlas_router_decisions",
+            "kvatlas_http_refused"} <= set(names)  # fmt: skip
+
+
 def test_a_prompt_nobody_holds_is_routed_by_load(fleet: dict[str, Any]) -> None:
     """The negative control: the score says nobody holds it (no failure counted), no reuse."""
     router = fleet["routers"]["replica"]
