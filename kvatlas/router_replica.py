@@ -133,6 +133,8 @@ class ReplicaScorer:
         pool: Executor,
         fallback: Scorer | None = None,
     ) -> None:
+        """``fallback``: the router's own HTTP scorer (its client, its counts: the JSON
+        fallbacks of ``kvatlas_router_score_json_fallbacks_total``), or one of its own."""
         self.service = service
         self.scoring = scoring
         self.pool = pool
@@ -204,14 +206,12 @@ def run(launch: RouterLaunch) -> int:
 
 
 def _run_with_replica(config: RouterConfig, replica: CoordinatorConfig) -> int:
-    from kvatlas.client.route_client import AsyncRouteClient
     from kvatlas.coordinator.app import new_match_pool
     from kvatlas.coordinator.route_score import RouteScoring
     from kvatlas.coordinator.runtime import set_switch_interval
     from kvatlas.coordinator.server import claim_state
     from kvatlas.coordinator.service import CoordinatorService
     from kvatlas.logs import configure_logging
-    from kvatlas.router.scores import HttpScorer
     from kvatlas.router.server import run_router
 
     configure_logging(config.log_level, config.log_format)
@@ -231,12 +231,9 @@ def _run_with_replica(config: RouterConfig, replica: CoordinatorConfig) -> int:
         service = CoordinatorService(replica, delivers=False)  # sends no commands: no MP servers
         service.start()  # failing, it never started: nothing to snapshot, nothing to stop
         try:
-            fallback = None
-            if config.coordinator_url:
-                client = AsyncRouteClient(config.coordinator_url, token=config.coordinator_bearer())
-                fallback = HttpScorer(client, owned=True)
-            scorer = ReplicaScorer(service, RouteScoring(service, pool), pool, fallback)
-            return run_router(config, scorer)
+            scoring = RouteScoring(service, pool)
+            # meanwhile, the router's own HTTP scorer (--coordinator-url): one client, counted
+            return run_router(config, lambda http: ReplicaScorer(service, scoring, pool, http))
         finally:
             service.stop()
     finally:

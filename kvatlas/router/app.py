@@ -57,7 +57,7 @@ from kvatlas.router.policies import (
     uncomputed_tokens,
 )
 from kvatlas.router.replies import Relay, ReplyCut, openai_error, send_openai_error
-from kvatlas.router.scores import HttpScorer, Scorer
+from kvatlas.router.scores import HttpScorer, Scorer, ScorerOf
 from kvatlas.router.tokenizer import PromptTokenizer
 from kvatlas.web import check_declared_length, nested_too_deep, receive_body
 
@@ -99,10 +99,11 @@ class Router:
         self,
         config: RouterConfig,
         tokenizer: PromptTokenizer | None = None,
-        scorer: Scorer | None = None,
+        scorer_of: ScorerOf | None = None,
     ) -> None:
-        """``scorer``: where scores come from (default: the coordinator over HTTP when
-        ``--coordinator-url`` is given; ``--scores-from replica`` hands in its own)."""
+        """``scorer_of``: where scores come from, given the router's HTTP scorer (default:
+        that one, the coordinator over HTTP when ``--coordinator-url`` is given;
+        ``--scores-from replica`` hands in its own, which falls back on it)."""
         self.config = config
         self.tokenizer = tokenizer
         self.auth: TokenAuth | None = config.auth()
@@ -120,9 +121,8 @@ class Router:
             if config.coordinator_url
             else None
         )
-        if scorer is None and self.coordinator is not None:
-            scorer = HttpScorer(self.coordinator)
-        self.scorer = scorer
+        http = None if self.coordinator is None else HttpScorer(self.coordinator)
+        self.scorer: Scorer | None = http if scorer_of is None else scorer_of(http)
         self._tasks: list[asyncio.Task[None]] = []
 
     # ------------------------------------------------------------------ lifecycle

@@ -13,7 +13,7 @@ then routes by load and counts it). Two exist:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from prometheus_client import Metric
@@ -22,7 +22,7 @@ from kvatlas.api import RouteScoresReply
 from kvatlas.client.route_client import AsyncRouteClient
 from kvatlas.router.openai_body import TokenIds
 
-__all__ = ["SCORE_SOURCES", "HttpScorer", "Scorer"]
+__all__ = ["SCORE_SOURCES", "HttpScorer", "Scorer", "ScorerOf"]
 
 SCORE_SOURCES = ("http", "replica")
 """``--scores-from``'s choices."""
@@ -55,6 +55,12 @@ class Scorer(Protocol):
     async def aclose(self) -> None:
         """Release what the scorer holds (connections)."""
         ...
+
+
+ScorerOf = Callable[["HttpScorer | None"], Scorer]
+"""The router's scorer made from its own HTTP scorer (``None`` without ``--coordinator-url``):
+``--scores-from replica`` scores from its replica and, while it is not serving, through that
+one, so the router's client (and its counts) serve both."""
 
 
 class HttpScorer:

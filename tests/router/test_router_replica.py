@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -220,6 +222,78 @@ def test_a_replica_not_serving_routes_by_load_and_counts_it(
     engine, predicted = route(url, [*DOC_B.tolist(), 5])
     assert engine in ENGINES and predicted == 0
     assert metric(url, "kvatlas_router_score_failures_total") == 1
+
+
+class _OldCoordinator(ThreadingHTTPServer):
+    """A coordinator older than the router's msgpack score body (it reads every body as JSON:
+    422, as ``tests/client/test_route_score_fallback.py``'s stand-in): pod-b holds 64 tokens."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["content-length"]))
+                if self.headers.get("content-type") == "application/msgpack":
+                    status, body = 422, b'{"detail":"body: JSON is malformed: invalid character"}'
+                else:
+                    status, body = 200, (
+                        b'{"instances":[{"instance_id":"pod-b","score":64.0,"prefix_tokens":64,'
+                        b'"fragment_tokens":0,"by_tier":{"gpu":0,"l1":64,"l2":0,"peer":0}}],'
+                        b'"query_tokens":257}'
+                    )  # fmt: skip
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+def test_the_routers_metrics_are_the_same_set_whichever_scorer(
+    fleet: dict[str, Any], procs: list[subprocess.Popen[bytes]]
+) -> None:
+    """A router with a replica that is not serving (Redis away) scores over HTTP meanwhile,
+    against a coordinator that takes JSON score bodies only: the fallback to JSON is counted
+    in ``kvatlas_router_score_json_fallbacks_total`` as by a router scoring over HTTP (the old
+    router's replica scored through a client of its own, whose fallbacks nobody counted), and
+    the router's ``kvatlas_router_*`` families are those of the router scoring over HTTP."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    old = _OldCoordinator()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    away = f"redis://127.0.0.1:{free_port()}/0"
+    try:
+        procs += spawn_services([(
+            ["-m", "kvatlas.cli", "router", "--log-level", "warning", "--port", str(port),
+             *fleet["engine_flags"], "--scores-from", "replica", "--score-timeout-s", "10",
+             *replica_flags(away, "router-json"),
+             "--coordinator-url", f"http://127.0.0.1:{old.server_address[1]}"],
+            url,
+        )])  # fmt: skip
+        assert health(url)["scores"] == "replica waiting_for_redis, http meanwhile"
+        assert route(url, [*DOC_B.tolist(), 6]) == ("pod-b", 64)
+        assert metric(url, "kvatlas_router_score_json_fallbacks_total") == 1
+        assert metric(url, "kvatlas_router_score_failures_total") == 0
+
+        def router_families(router: str) -> set[str]:
+            text = httpx.get(f"{router}/metrics", timeout=10).text
+            return {f.name for f in text_string_to_metric_families(text)
+                    if f.name.startswith("kvatlas_router_")}  # fmt: skip
+
+        assert router_families(url) == router_families(fleet["routers"]["http"])
+        assert router_families(url) == router_families(fleet["routers"]["replica"])
+    finally:
+        old.shutdown()
+        old.server_close()
 
 
 def test_a_replica_not_serving_scores_over_http_meanwhile(fleet: dict[str, Any]) -> None:
