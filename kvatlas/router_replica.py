@@ -32,7 +32,7 @@ import numpy as np
 from prometheus_client import Metric
 
 from kvatlas.api import RouteScoreBody, RouteScoresReply
-from kvatlas.auth import ANONYMOUS_ADMIN
+from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
 from kvatlas.client.coordinator_client import CoordinatorError
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.config import add_arguments as add_coordinator_arguments
@@ -132,13 +132,17 @@ class ReplicaScorer:
         scoring: RouteScoring,
         pool: Executor,
         fallback: Scorer | None = None,
+        scores_as: Principal = ANONYMOUS_ADMIN,
     ) -> None:
         """``fallback``: the router's own HTTP scorer (its client, its counts: the JSON
-        fallbacks of ``kvatlas_router_score_json_fallbacks_total``), or one of its own."""
+        fallbacks of ``kvatlas_router_score_json_fallbacks_total``), or one of its own.
+        ``scores_as``: the router's own token, applied to every score as the coordinator
+        applies it over HTTP (:func:`scoring_principal`)."""
         self.service = service
         self.scoring = scoring
         self.pool = pool
         self.fallback = fallback
+        self.scores_as = scores_as
 
     async def score(
         self,
@@ -147,14 +151,26 @@ class ReplicaScorer:
         cache_salt: str,
         instances: Sequence[str],
         timeout: float,
+        who: Principal | None = None,
     ) -> RouteScoresReply:
+        """Refused (403) for a salt the client (``who``: its route token's binding) or the
+        router's own token (``scores_as``: a ``lookup`` token's) may not see, as the router and
+        then the coordinator refuse it over HTTP; scored as ``scores_as``."""
         from kvatlas.coordinator.views import Readiness
 
         state = self.service.state
         if state is not Readiness.SERVING:
             if self.fallback is not None:
-                return await self.fallback.score(tokens, model_name, cache_salt, instances, timeout)
+                return await self.fallback.score(
+                    tokens, model_name, cache_salt, instances, timeout, who
+                )
             raise CoordinatorError(f"the router's replica is {state.value}, not serving")
+        try:
+            if who is not None:
+                who.require_salts([cache_salt], role="route")
+            self.scores_as.require_salts([cache_salt])
+        except KvatlasError as exc:
+            raise CoordinatorError(f"the router's replica refused: {exc}", exc.status) from None
         body = RouteScoreBody(model_name=model_name, cache_salt=cache_salt,
                               instances=list(instances))  # fmt: skip
         # the ids' little-endian bytes, as a msgpack body hands them over (writable, contiguous)
@@ -163,11 +179,11 @@ class ReplicaScorer:
         # directory (a batch applied, a fence): the read would wait, and the loop with it
         if len(tokens) <= INLINE_TOKENS and not self.service.directory.busy():
             try:
-                return self.scoring.score(body, ANONYMOUS_ADMIN, packed)
+                return self.scoring.score(body, self.scores_as, packed)
             except KvatlasError as exc:
                 raise CoordinatorError(f"the router's replica refused: {exc}", exc.status) from None
         loop = asyncio.get_running_loop()
-        work = loop.run_in_executor(self.pool, self.scoring.score, body, ANONYMOUS_ADMIN, packed)
+        work = loop.run_in_executor(self.pool, self.scoring.score, body, self.scores_as, packed)
         try:
             async with asyncio.timeout(timeout):
                 return await work
@@ -192,6 +208,27 @@ class ReplicaScorer:
     async def aclose(self) -> None:
         if self.fallback is not None:
             await self.fallback.aclose()
+
+
+def scoring_principal(config: RouterConfig, replica: CoordinatorConfig) -> Principal:
+    """Who the router's replica scores as: the router's own token (``--coordinator-token-file``
+    or ``--coordinator-token``) as the replica's token file (the router's ``--auth-token-file``)
+    knows it, so that its ``lookup`` role and salt binding apply as a coordinator applies them
+    to the same router over HTTP. Without auth, anyone (as a coordinator without auth); with
+    auth and no such token, the router's clients' own bindings alone (docs/router.md, "Auth").
+    ``ValueError`` naming the flag for a token the file does not hold."""
+    if replica.auth_token_file is None:
+        return ANONYMOUS_ADMIN
+    token = config.coordinator_bearer()
+    if token is None:
+        return ANONYMOUS_ADMIN
+    try:
+        return TokenAuth.from_file(replica.auth_token_file).authenticate(f"Bearer {token}")
+    except KvatlasError:
+        raise ValueError(
+            "--coordinator-token-file: not a token of --auth-token-file (the router's replica "
+            "scores as that token, as a coordinator would)"
+        ) from None
 
 
 def run(launch: RouterLaunch) -> int:
@@ -219,6 +256,11 @@ def _run_with_replica(config: RouterConfig, replica: CoordinatorConfig) -> int:
     log.info("router's replica %s, consumer group %s, stream %s",
              replica.resolved_replica_id, replica.group_name, replica.event_stream)  # fmt: skip
     try:
+        scores_as = scoring_principal(config, replica)
+    except ValueError as exc:
+        log.error("%s; not starting", exc)
+        return 2
+    try:
         lock = claim_state(replica)
     except OSError as exc:
         log.error("%s; is another replica with this id running? not starting", exc.strerror or exc)
@@ -233,7 +275,9 @@ def _run_with_replica(config: RouterConfig, replica: CoordinatorConfig) -> int:
         try:
             scoring = RouteScoring(service, pool)
             # meanwhile, the router's own HTTP scorer (--coordinator-url): one client, counted
-            return run_router(config, lambda http: ReplicaScorer(service, scoring, pool, http))
+            return run_router(
+                config, lambda http: ReplicaScorer(service, scoring, pool, http, scores_as)
+            )
         finally:
             service.stop()
     finally:

@@ -237,13 +237,15 @@ class Router:
             )
         return fitting
 
-    async def _coverage(self, req: RouteRequest, engines: list[Engine]) -> dict[str, Coverage]:
+    async def _coverage(
+        self, req: RouteRequest, engines: list[Engine], who: Principal | None
+    ) -> dict[str, Coverage]:
         if not self.policy.uses_coverage or req.prompt_tokens is None or self.scorer is None:
             return {}
         try:
             scores = await self.scorer.score(
                 req.prompt_tokens, self.config.model_name or req.model, req.cache_salt,
-                [e.engine_id for e in engines], self.config.score_timeout_s,
+                [e.engine_id for e in engines], self.config.score_timeout_s, who,
             )  # fmt: skip
         except CoordinatorError as exc:
             self.metrics.score_failures.inc()
@@ -271,7 +273,7 @@ class Router:
             if req.untokenized_reason is not None:
                 self.metrics.untokenized.labels(req.untokenized_reason).inc()
             engines = self._serving(req)
-            coverage = await self._coverage(req, engines)
+            coverage = await self._coverage(req, engines, who)
             n = len(req.prompt_tokens) if req.prompt_tokens is not None else 0
             load = self.engines.load
             candidates = [

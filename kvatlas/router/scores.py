@@ -19,6 +19,7 @@ from typing import Protocol
 from prometheus_client import Metric
 
 from kvatlas.api import RouteScoresReply
+from kvatlas.auth import Principal
 from kvatlas.client.route_client import AsyncRouteClient
 from kvatlas.router.openai_body import TokenIds
 
@@ -38,9 +39,12 @@ class Scorer(Protocol):
         cache_salt: str,
         instances: Sequence[str],
         timeout: float,
+        who: Principal | None = None,
     ) -> RouteScoresReply:
         """Every one of ``instances``, best first (``CoordinatorError``: no score had within
-        ``timeout`` seconds, or refused)."""
+        ``timeout`` seconds, or refused). ``who``: the client the router admitted (``None``:
+        router auth off), whose salt binding a replica applies itself; over HTTP the
+        coordinator applies the router's own token instead."""
         ...
 
     def status(self) -> str:
@@ -79,6 +83,7 @@ class HttpScorer:
         cache_salt: str,
         instances: Sequence[str],
         timeout: float,
+        who: Principal | None = None,
     ) -> RouteScoresReply:
         return await self.client.score(
             tokens, model_name, cache_salt=cache_salt, instances=instances, timeout=timeout

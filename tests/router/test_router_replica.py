@@ -18,6 +18,7 @@ import subprocess
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,11 +29,14 @@ import redis
 from kvatlas.asgi_thread import free_port
 from kvatlas.cli import main
 from kvatlas.client import EventSink, RedisStreamTransport
+from kvatlas.client.coordinator_client import CoordinatorError
 from kvatlas.events import CacheEntry
 from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
 from kvatlas.processes import spawn_services, stop
 from kvatlas.router_replica import INLINE_TOKENS
 from tests.conftest import RedisServer, wait_for
+from tests.coordinator.security_support import bearer, token
+from tests.helpers import write_tokens
 from tests.router.fake_vllm import FakeVllm
 
 MODEL = "toy"
@@ -44,9 +48,11 @@ rng = np.random.default_rng(26)
 DOC_A, DOC_B, DOC_C = (rng.integers(1000, 30_000, 16 * C).astype(np.uint32) for _ in range(3))
 
 
-def entries(doc: np.ndarray, offset: int = 0) -> list[CacheEntry]:
+def entries(doc: np.ndarray, offset: int = 0, salt: str = "") -> list[CacheEntry]:
     return [
-        CacheEntry(ObjectKey(h, MODEL, RANK, 0, ""), 4096, doc[c * C : (c + 1) * C], offset + c * C)
+        CacheEntry(
+            ObjectKey(h, MODEL, RANK, 0, salt), 4096, doc[c * C : (c + 1) * C], offset + c * C
+        )
         for c, h in enumerate(chunk_hashes(doc, C))
     ]
 
@@ -71,9 +77,9 @@ def feed(redis_url: str) -> str:
     return last.decode() if isinstance(last, bytes) else str(last)
 
 
-def replica_flags(redis_url: str, replica_id: str) -> list[str]:
+def replica_flags(redis_url: str, replica_id: str, stream: str = STREAM) -> list[str]:
     """The coordinator's flags a router's replica takes (the stand-alone one's, its own id)."""
-    return ["--event-transport", "redis", "--redis-url", redis_url, "--event-stream", STREAM,
+    return ["--event-transport", "redis", "--redis-url", redis_url, "--event-stream", stream,
             "--chunk-size", str(C), "--replica-id", replica_id]  # fmt: skip
 
 
@@ -296,6 +302,108 @@ def test_the_routers_metrics_are_the_same_set_whichever_scorer(
         old.server_close()
 
 
+def test_the_replica_scores_only_the_salts_the_routers_token_may_see(
+    fleet: dict[str, Any],
+    redis_server: RedisServer,
+    procs: list[subprocess.Popen[bytes]],
+    tmp_path: Path,
+) -> None:
+    """Auth on. Over HTTP the coordinator applies the router's ``--coordinator-token-file`` (a
+    ``lookup`` token bound to the salts of the tenants the router serves) to every score; the
+    router's replica applies it the same way (the old replica scored as admin): a client whose
+    route token may route tenant-b, through a router whose own token is bound to tenant-a, gets
+    no score for tenant-b's copies (routed by load, counted, no reuse predicted), and one for
+    tenant-a's. A route token bound to tenant-a asking for tenant-b is refused (403) before any
+    score, and the replica refuses it too if asked (the client's binding, passed down)."""
+    from kvatlas.auth import Principal
+
+    emit, router_token, route_ab, route_a, admin = (
+        token(n) for n in ("emit", "router", "route-ab", "route-a", "admin")
+    )
+    tokens = write_tokens(
+        tmp_path / "tokens.json",
+        {"token": emit, "roles": ["emit"], "instance_ids": list(ENGINES)},
+        {"token": router_token, "roles": ["lookup"], "cache_salts": ["tenant-a"]},
+        {"token": route_ab, "roles": ["route"], "cache_salts": ["tenant-a", "tenant-b"]},
+        {"token": route_a, "roles": ["route"], "cache_salts": ["tenant-a"]},
+        {"token": admin, "roles": ["admin"]},
+    )
+    router_token_file = tmp_path / "router-token"
+    router_token_file.write_text(router_token)
+    router_token_file.chmod(0o600)
+    stream = "kvatlas:router-replica-auth"
+    sinks = {e: EventSink(e, RedisStreamTransport(redis_server.url, stream, token=emit),
+                          incarnation=1) for e in ENGINES}  # fmt: skip
+    sinks["pod-a"].emit("store", "l1", "dram", entries(DOC_A, salt="tenant-a"))
+    sinks["pod-b"].emit("store", "l1", "dram", entries(DOC_B, salt="tenant-b"))
+    for sink in sinks.values():
+        assert sink.flush(60)
+        sink.close(timeout=5)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    procs += spawn_services([(
+        ["-m", "kvatlas.cli", "router", "--log-level", "warning", "--port", str(port),
+         *fleet["engine_flags"], "--scores-from", "replica", "--score-timeout-s", "10",
+         "--auth-token-file", str(tokens), "--coordinator-token-file", str(router_token_file),
+         *replica_flags(redis_server.url, "router-auth", stream)],
+        url,
+    )])  # fmt: skip
+    assert wait_for(lambda: health(url)["scores"] == "replica serving", 60)
+
+    def count(name: str) -> float:
+        text = httpx.get(f"{url}/metrics", headers=bearer(admin), timeout=10).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name))  # fmt: skip
+
+    def routed(who: str, doc: np.ndarray, salt: str) -> tuple[int, str | None, float]:
+        assert wait_for(lambda: all(e["in_flight"] == 0 for e in health(url)["engines"].values()))
+        before = count("kvatlas_router_predicted_reused_tokens_total")
+        reply = httpx.post(f"{url}/v1/completions", headers=bearer(who), timeout=30, json={
+            "model": MODEL, "prompt": [*doc.tolist(), 3], "max_tokens": 1, "cache_salt": salt,
+        })  # fmt: skip
+        reused = count("kvatlas_router_predicted_reused_tokens_total") - before
+        return reply.status_code, reply.headers.get("x-kvatlas-engine"), reused
+
+    failures = count("kvatlas_router_score_failures_total")
+    assert routed(route_ab, DOC_A, "tenant-a") == (200, "pod-a", 16 * C)  # the router's salt
+    assert count("kvatlas_router_score_failures_total") == failures
+    status, engine, reused = routed(route_ab, DOC_B, "tenant-b")  # not the router's salt
+    assert (status, reused) == (200, 0) and engine in ENGINES
+    assert count("kvatlas_router_score_failures_total") == failures + 1
+    assert routed(route_a, DOC_B, "tenant-b")[0] == 403  # the client's own binding
+    assert count("kvatlas_router_score_failures_total") == failures + 1  # refused before
+
+    # the replica applies the client's binding too, when asked directly (defence in depth)
+    from kvatlas.coordinator.app import new_match_pool
+    from kvatlas.coordinator.config import CoordinatorConfig
+    from kvatlas.coordinator.route_score import RouteScoring
+    from kvatlas.coordinator.service import CoordinatorService
+    from kvatlas.coordinator.views import Readiness
+    from kvatlas.router_replica import ReplicaScorer
+
+    config = CoordinatorConfig(chunk_size=C, event_transport="redis",
+                               redis_url=f"redis://127.0.0.1:{free_port()}/0")  # fmt: skip
+    service = CoordinatorService(config)  # not started: its (empty) directory answers
+    service.readiness.set(Readiness.SERVING)
+    pool = new_match_pool()
+    client_a = Principal("route-a", frozenset({"route"}), cache_salts=frozenset({"tenant-a"}))
+    prompt = np.asarray([*DOC_B.tolist(), 5], dtype=np.uint32)
+
+    async def ask(salt: str) -> int:
+        scorer = ReplicaScorer(service, RouteScoring(service, pool), pool, None)
+        try:
+            await scorer.score(prompt, MODEL, salt, ENGINES, 10.0, who=client_a)
+        except CoordinatorError as exc:
+            return exc.reply_status or 0
+        return 200
+
+    try:
+        assert asyncio.run(ask("tenant-a")) == 200
+        assert asyncio.run(ask("tenant-b")) == 403
+    finally:
+        pool.shutdown()
+
+
 def test_a_replica_not_serving_scores_over_http_meanwhile(fleet: dict[str, Any]) -> None:
     """With ``--coordinator-url`` too, the coordinator's HTTP score stands in while the replica
     is not serving (in process: a replica never started is ``restoring``), and from the
@@ -432,3 +540,31 @@ def test_the_routers_replica_takes_no_cache_control_leases() -> None:
             assert ("kvatlas-cache-control" in names) is expected
         finally:
             service.stop()
+
+
+def test_a_routers_token_its_replica_does_not_know_is_refused_at_start(tmp_path: Path) -> None:
+    """The replica scores as the router's ``--coordinator-token-file`` token: one the token
+    file (``--auth-token-file``) does not hold is refused, naming the flag, before anything
+    starts (a coordinator would answer 401 to every score); the negative controls: a known
+    token is its principal, and without auth the replica scores as anyone."""
+    from kvatlas.coordinator.config import CoordinatorConfig
+    from kvatlas.router.config import RouterConfig
+    from kvatlas.router_replica import scoring_principal
+
+    known = token("router")
+    tokens = write_tokens(tmp_path / "tokens.json",
+                          {"token": known, "roles": ["lookup"], "cache_salts": ["tenant-a"]})  # fmt: skip
+    replica = CoordinatorConfig(chunk_size=C, auth_token_file=tokens)
+    for name, value in (("unknown", token("stranger")), ("known", known)):
+        path = tmp_path / name
+        path.write_text(value)
+        path.chmod(0o600)
+
+    def router(name: str) -> RouterConfig:
+        return RouterConfig(engine="a=http://127.0.0.1:9", scores_from="replica",
+                            coordinator_token_file=tmp_path / name)  # fmt: skip
+
+    with pytest.raises(ValueError, match="--coordinator-token-file"):
+        scoring_principal(router("unknown"), replica)
+    assert scoring_principal(router("known"), replica).cache_salts == frozenset({"tenant-a"})
+    assert scoring_principal(router("known"), CoordinatorConfig(chunk_size=C)).is_admin
