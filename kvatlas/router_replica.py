@@ -246,7 +246,7 @@ def _run_with_replica(config: RouterConfig, replica: CoordinatorConfig) -> int:
     from kvatlas.coordinator.app import new_match_pool
     from kvatlas.coordinator.route_score import RouteScoring
     from kvatlas.coordinator.runtime import set_switch_interval
-    from kvatlas.coordinator.server import claim_state
+    from kvatlas.coordinator.server import claim_or_exit, claim_state
     from kvatlas.coordinator.service import CoordinatorService
     from kvatlas.logs import configure_logging
     from kvatlas.router.server import run_router
@@ -260,14 +260,7 @@ def _run_with_replica(config: RouterConfig, replica: CoordinatorConfig) -> int:
     except ValueError as exc:
         log.error("%s; not starting", exc)
         return 2
-    try:
-        lock = claim_state(replica)
-    except OSError as exc:
-        log.error("%s; is another replica with this id running? not starting", exc.strerror or exc)
-        return 1
-    except KvatlasError as exc:
-        log.error("%s; not starting", exc)
-        return 1
+    lock = claim_or_exit(lambda: claim_state(replica), "replica with this id")
     pool = new_match_pool()
     try:
         service = CoordinatorService(replica, delivers=False)  # sends no commands: no MP servers

@@ -17,9 +17,11 @@ import asyncio
 import subprocess
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Executor
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
@@ -38,6 +40,11 @@ from tests.conftest import RedisServer, wait_for
 from tests.coordinator.security_support import bearer, token
 from tests.helpers import write_tokens
 from tests.router.fake_vllm import FakeVllm
+
+if TYPE_CHECKING:
+    from kvatlas.coordinator.service import CoordinatorService
+    from kvatlas.router.scores import Scorer
+    from kvatlas.router_replica import ReplicaScorer
 
 MODEL = "toy"
 ENGINES = ("pod-a", "pod-b")
@@ -119,6 +126,37 @@ def fleet(redis_server: RedisServer) -> Iterator[dict[str, Any]]:
         stop(procs)
         for engine in engines.values():
             engine.close()
+
+
+@dataclass
+class IdleReplica:
+    """A coordinator replica in this process that never started (``restoring``; set it to
+    ``serving`` and it scores from its empty directory), with its match pool."""
+
+    service: CoordinatorService
+    pool: Executor
+
+    def scorer(self, fallback: Scorer | None = None) -> ReplicaScorer:
+        from kvatlas.coordinator.route_score import RouteScoring
+        from kvatlas.router_replica import ReplicaScorer
+
+        return ReplicaScorer(self.service, RouteScoring(self.service, self.pool), self.pool,
+                             fallback)  # fmt: skip
+
+
+@pytest.fixture
+def idle_replica() -> Iterator[IdleReplica]:
+    from kvatlas.coordinator.app import new_match_pool
+    from kvatlas.coordinator.config import CoordinatorConfig
+    from kvatlas.coordinator.service import CoordinatorService
+
+    config = CoordinatorConfig(chunk_size=C, event_transport="redis",
+                               redis_url=f"redis://127.0.0.1:{free_port()}/0")  # fmt: skip
+    pool = new_match_pool()
+    try:
+        yield IdleReplica(CoordinatorService(config), pool)  # not started: nothing of it runs
+    finally:
+        pool.shutdown()
 
 
 def health(router: str) -> dict[str, Any]:
@@ -307,6 +345,7 @@ def test_the_replica_scores_only_the_salts_the_routers_token_may_see(
     redis_server: RedisServer,
     procs: list[subprocess.Popen[bytes]],
     tmp_path: Path,
+    idle_replica: IdleReplica,
 ) -> None:
     """Auth on. Over HTTP the coordinator applies the router's ``--coordinator-token-file`` (a
     ``lookup`` token bound to the salts of the tenants the router serves) to every score; the
@@ -374,57 +413,37 @@ def test_the_replica_scores_only_the_salts_the_routers_token_may_see(
     assert count("kvatlas_router_score_failures_total") == failures + 1  # refused before
 
     # the replica applies the client's binding too, when asked directly (defence in depth)
-    from kvatlas.coordinator.app import new_match_pool
-    from kvatlas.coordinator.config import CoordinatorConfig
-    from kvatlas.coordinator.route_score import RouteScoring
-    from kvatlas.coordinator.service import CoordinatorService
     from kvatlas.coordinator.views import Readiness
-    from kvatlas.router_replica import ReplicaScorer
 
-    config = CoordinatorConfig(chunk_size=C, event_transport="redis",
-                               redis_url=f"redis://127.0.0.1:{free_port()}/0")  # fmt: skip
-    service = CoordinatorService(config)  # not started: its (empty) directory answers
-    service.readiness.set(Readiness.SERVING)
-    pool = new_match_pool()
+    idle_replica.service.readiness.set(Readiness.SERVING)
     client_a = Principal("route-a", frozenset({"route"}), cache_salts=frozenset({"tenant-a"}))
     prompt = np.asarray([*DOC_B.tolist(), 5], dtype=np.uint32)
 
     async def ask(salt: str) -> int:
-        scorer = ReplicaScorer(service, RouteScoring(service, pool), pool, None)
         try:
-            await scorer.score(prompt, MODEL, salt, ENGINES, 10.0, who=client_a)
+            await idle_replica.scorer().score(prompt, MODEL, salt, ENGINES, 10.0, who=client_a)
         except CoordinatorError as exc:
             return exc.reply_status or 0
         return 200
 
-    try:
-        assert asyncio.run(ask("tenant-a")) == 200
-        assert asyncio.run(ask("tenant-b")) == 403
-    finally:
-        pool.shutdown()
+    assert asyncio.run(ask("tenant-a")) == 200
+    assert asyncio.run(ask("tenant-b")) == 403
 
 
-def test_a_replica_not_serving_scores_over_http_meanwhile(fleet: dict[str, Any]) -> None:
+def test_a_replica_not_serving_scores_over_http_meanwhile(
+    fleet: dict[str, Any], idle_replica: IdleReplica
+) -> None:
     """With ``--coordinator-url`` too, the coordinator's HTTP score stands in while the replica
     is not serving (in process: a replica never started is ``restoring``), and from the
     replica once it serves."""
     from kvatlas.client.route_client import AsyncRouteClient
-    from kvatlas.coordinator.app import new_match_pool
-    from kvatlas.coordinator.config import CoordinatorConfig
-    from kvatlas.coordinator.route_score import RouteScoring
-    from kvatlas.coordinator.service import CoordinatorService
     from kvatlas.coordinator.views import Readiness
     from kvatlas.router.scores import HttpScorer
-    from kvatlas.router_replica import ReplicaScorer
 
-    config = CoordinatorConfig(chunk_size=C, event_transport="redis",
-                               redis_url=f"redis://127.0.0.1:{free_port()}/0")  # fmt: skip
-    service = CoordinatorService(config)  # not started: nothing of it runs
-    pool = new_match_pool()
+    service = idle_replica.service
 
     async def scores() -> tuple[list[tuple[str, int]], list[tuple[str, int]], str, str]:
-        http = HttpScorer(AsyncRouteClient(fleet["coordinator"]), owned=True)
-        scorer = ReplicaScorer(service, RouteScoring(service, pool), pool, http)
+        scorer = idle_replica.scorer(HttpScorer(AsyncRouteClient(fleet["coordinator"]), owned=True))
         try:
             prompt = np.asarray([*DOC_B.tolist(), 5], dtype=np.uint32)
             meanwhile = await scorer.score(prompt, MODEL, "", ENGINES, 10.0)
@@ -438,10 +457,7 @@ def test_a_replica_not_serving_scores_over_http_meanwhile(fleet: dict[str, Any])
         finally:
             await scorer.aclose()
 
-    try:
-        meanwhile, own, before, after = asyncio.run(scores())
-    finally:
-        pool.shutdown()
+    meanwhile, own, before, after = asyncio.run(scores())
     assert before == "replica restoring, http meanwhile" and after == "replica serving"
     assert meanwhile[0] == ("pod-b", 16 * C)  # the stand-alone coordinator's directory
     assert sorted(own) == [("pod-a", 0), ("pod-b", 0)]  # the replica's own, empty
@@ -467,26 +483,18 @@ def test_replica_without_the_redis_transport_is_refused_at_start(
     assert named in err and "Traceback" not in err
 
 
-def test_a_score_never_waits_on_the_loop_for_the_directorys_lock() -> None:
+def test_a_score_never_waits_on_the_loop_for_the_directorys_lock(
+    idle_replica: IdleReplica,
+) -> None:
     """A change holding the directory (a stream batch applied, a fence) while a short prompt
     is scored: the score goes to the match pool and the router's event loop keeps running
     (the old code scored on the loop, which then waited for the lock with every request it
     proxies). No clock: the order of events is what is checked; the lock is let go after 10 s
     at the latest so that the old code finishes (and fails) instead of hanging."""
-    import threading
-
-    from kvatlas.coordinator.app import new_match_pool
-    from kvatlas.coordinator.config import CoordinatorConfig
-    from kvatlas.coordinator.route_score import RouteScoring
-    from kvatlas.coordinator.service import CoordinatorService
     from kvatlas.coordinator.views import Readiness
-    from kvatlas.router_replica import ReplicaScorer
 
-    config = CoordinatorConfig(chunk_size=C, event_transport="redis",
-                               redis_url=f"redis://127.0.0.1:{free_port()}/0")  # fmt: skip
-    service = CoordinatorService(config)  # not started: nothing of it runs
+    service = idle_replica.service
     service.readiness.set(Readiness.SERVING)
-    pool = new_match_pool()
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
@@ -500,7 +508,7 @@ def test_a_score_never_waits_on_the_loop_for_the_directorys_lock() -> None:
     order: list[str] = []
 
     async def run() -> None:
-        scorer = ReplicaScorer(service, RouteScoring(service, pool), pool, None)
+        scorer = idle_replica.scorer()
         prompt = np.asarray([*DOC_B.tolist(), 5], dtype=np.uint32)
 
         async def score() -> None:
@@ -518,7 +526,6 @@ def test_a_score_never_waits_on_the_loop_for_the_directorys_lock() -> None:
     finally:
         release.set()
         holder.join()
-        pool.shutdown()
     assert order == ["loop ran", "scored"]
 
 
@@ -526,8 +533,6 @@ def test_the_routers_replica_takes_no_cache_control_leases() -> None:
     """A router's replica knows no registrations: it could deliver no command, so it runs no
     delivery loop (whose passes claim leases on every unfinished command: the old code held
     each for a failed attempt and its backoff, delaying the replica that can deliver)."""
-    import threading
-
     from kvatlas.coordinator.config import CoordinatorConfig
     from kvatlas.coordinator.service import CoordinatorService
 
