@@ -21,7 +21,7 @@ from kvatlas.api.cache_control import (
     ReleaseReply,
     TierName,
 )
-from kvatlas.coordinator.cache_control import CommandLog, moves
+from kvatlas.coordinator.cache_control import Command, CommandLog, moves
 from kvatlas.coordinator.cache_control.delivery import Copy, Delivery, MpServer, object_key
 from kvatlas.coordinator.cache_control.shared_commands import SharedCommandLog
 from kvatlas.coordinator.cache_control.shared_store import SharedStore
@@ -537,6 +537,35 @@ def test_a_slow_instance_does_not_hold_up_the_commands_to_another() -> None:
     delivery.run_once()
     assert waited == [True]  # b's delete went out while a's was still waiting
     assert [s for s in sent if s[0] == "http://a"] == [("http://a", "l1"), ("http://a", "l2")]
+    assert {c.state for c in log.unfinished()} == {"sent"}
+
+
+def test_two_commands_never_wait_for_each_others_delivery() -> None:
+    """The route's attempt and the loop's meet on one command, which they take one at a time;
+    two commands do not: the deliveries to ``a`` and ``b`` overlap whatever their ids (the old
+    code took one of 64 striped locks by the id's hash: two ids on one stripe waited for each
+    other, so a slow instance held up another's command; these two ids share a stripe)."""
+    log, fleet, servers, delivery = setup(urls={"a": "http://a", "b": "http://b"})
+    fleet.held = {object_key(k): [Copy("a", "l2", "fs", False)] for k in KEYS}
+    ids = [uuid.uuid4().hex for _ in range(65)]
+    slot = {i: hash(i) % 64 for i in ids}
+    first = next(i for i in ids if any(slot[j] == slot[i] for j in ids if j != i))
+    second = next(j for j in ids if j != first and slot[j] == slot[first])
+    for command_id, target in ((first, "a"), (second, "b")):
+        log.record("add", Command(command_id=command_id, kind="delete", targets=(target,),
+                                  keys=tuple(KEYS), tier="l1"))  # fmt: skip
+    b_seen = threading.Event()
+    waited: list[bool] = []
+
+    def slow_a(url: str, _keys: Sequence[EncodedKey], _tier: str) -> None:
+        if url == "http://a":
+            waited.append(b_seen.wait(timeout=10))  # only a guard against a hang
+        else:
+            b_seen.set()
+
+    servers.deleting = slow_a
+    delivery.run_once()
+    assert waited == [True]
     assert {c.state for c in log.unfinished()} == {"sent"}
 
 

@@ -30,9 +30,10 @@ the directory, which every replica has: any replica finishes it (:meth:`Delivery
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -68,7 +69,29 @@ PERIOD_S = 0.5
 WORKERS = 8
 """How many instances a pass delivers to at once (one thread each: the commands to one
 instance are sent in order, one at a time; an instance beyond these waits for a later pass)."""
-_STRIPES = 64
+
+
+class _OneAtATime:
+    """One holder per command at a time (the route's first attempt and the loop's may meet on
+    a new command), and no wait between two commands: a slow delivery holds up only its own
+    command (a fixed set of striped locks would make two commands on one stripe wait)."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._held: set[str] = set()
+
+    @contextlib.contextmanager
+    def holding(self, command_id: str) -> Iterator[None]:
+        with self._changed:
+            while command_id in self._held:
+                self._changed.wait()
+            self._held.add(command_id)
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._held.discard(command_id)
+                self._changed.notify_all()
 
 
 def no_servers(url: str) -> MpServer:
@@ -115,7 +138,7 @@ class Delivery:
         self._commands = commands  # the log is replaced when a snapshot is restored
         self.fleet = fleet
         self.servers = servers
-        self._locks = [threading.Lock() for _ in range(_STRIPES)]  # one delivery per command
+        self._sending = _OneAtATime()  # one delivery per command
         self._busy_lock = threading.Lock()
         self._busy: dict[str, set[str]] = {}  # instance -> the commands its worker sends
         self.eviction: Callable[[], object] | None = None
@@ -284,7 +307,7 @@ class Delivery:
         attempt or another replica delivered it, or pushed its next attempt out)."""
         # the route's first attempt and the loop may meet on a new command: one waits for
         # the other, then sends only if the command still needs it (its own answer stays true)
-        with self._locks[hash(command.command_id) % _STRIPES]:
+        with self._sending.holding(command.command_id):
             if not self.carries(command) or not self.commands.claim([command.command_id]):
                 return None  # another replica holds it, or can reach it (and delivers it)
             current = self.commands.get(command.command_id)
