@@ -573,3 +573,28 @@ def test_a_routers_token_its_replica_does_not_know_is_refused_at_start(tmp_path:
         scoring_principal(router("unknown"), replica)
     assert scoring_principal(router("known"), replica).cache_salts == frozenset({"tenant-a"})
     assert scoring_principal(router("known"), CoordinatorConfig(chunk_size=C)).is_admin
+
+
+def test_a_second_router_replica_with_the_same_snapshot_exits_1(tmp_path: Path) -> None:
+    """The router's replica claims its snapshot lock as ``kvatlas coordinator`` does (one
+    ``claim_or_exit``): while another process holds it, ``kvatlas router --scores-from replica``
+    logs why and exits 1 before it restores, joins the group or serves."""
+    import sys
+
+    from kvatlas.coordinator.server import lock_snapshot_path
+
+    snapshot = tmp_path / "router.snap"
+    held = lock_snapshot_path(snapshot)  # the live twin
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "kvatlas.cli", "router", "--port", str(free_port()),
+             "--engine", "pod-a=http://127.0.0.1:9", "--scores-from", "replica",
+             "--snapshot-path", str(snapshot),
+             *replica_flags(f"redis://127.0.0.1:{free_port()}/0", "router-twin")],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        held.close()
+    assert done.returncode == 1, done.stderr
+    assert "is another replica with this id running? not starting" in done.stderr
+    assert not snapshot.exists()
