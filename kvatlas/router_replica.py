@@ -226,8 +226,9 @@ def scoring_principal(config: RouterConfig, replica: CoordinatorConfig) -> Princ
         return TokenAuth.from_file(replica.auth_token_file).authenticate(f"Bearer {token}")
     except KvatlasError:
         raise ValueError(
-            "--coordinator-token-file: not a token of --auth-token-file (the router's replica "
-            "scores as that token, as a coordinator would)"
+            "--coordinator-token-file (or --coordinator-token): not a token of "
+            "--auth-token-file (the router's replica scores as that token, as a coordinator "
+            "would)"
         ) from None
 
 
