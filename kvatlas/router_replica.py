@@ -23,15 +23,16 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Final
 
 import numpy as np
+from prometheus_client import Metric
 
 from kvatlas.api import RouteScoreBody, RouteScoresReply
-from kvatlas.auth import ANONYMOUS_ADMIN
+from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
 from kvatlas.client.coordinator_client import CoordinatorError
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.config import add_arguments as add_coordinator_arguments
@@ -131,11 +132,17 @@ class ReplicaScorer:
         scoring: RouteScoring,
         pool: Executor,
         fallback: Scorer | None = None,
+        scores_as: Principal = ANONYMOUS_ADMIN,
     ) -> None:
+        """``fallback``: the router's own HTTP scorer (its client, its counts: the JSON
+        fallbacks of ``kvatlas_router_score_json_fallbacks_total``), or one of its own.
+        ``scores_as``: the router's own token, applied to every score as the coordinator
+        applies it over HTTP (:func:`scoring_principal`)."""
         self.service = service
         self.scoring = scoring
         self.pool = pool
         self.fallback = fallback
+        self.scores_as = scores_as
 
     async def score(
         self,
@@ -144,14 +151,26 @@ class ReplicaScorer:
         cache_salt: str,
         instances: Sequence[str],
         timeout: float,
+        who: Principal | None = None,
     ) -> RouteScoresReply:
+        """Refused (403) for a salt the client (``who``: its route token's binding) or the
+        router's own token (``scores_as``: a ``lookup`` token's) may not see, as the router and
+        then the coordinator refuse it over HTTP; scored as ``scores_as``."""
         from kvatlas.coordinator.views import Readiness
 
         state = self.service.state
         if state is not Readiness.SERVING:
             if self.fallback is not None:
-                return await self.fallback.score(tokens, model_name, cache_salt, instances, timeout)
+                return await self.fallback.score(
+                    tokens, model_name, cache_salt, instances, timeout, who
+                )
             raise CoordinatorError(f"the router's replica is {state.value}, not serving")
+        try:
+            if who is not None:
+                who.require_salts([cache_salt], role="route")
+            self.scores_as.require_salts([cache_salt])
+        except KvatlasError as exc:
+            raise CoordinatorError(f"the router's replica refused: {exc}", exc.status) from None
         body = RouteScoreBody(model_name=model_name, cache_salt=cache_salt,
                               instances=list(instances))  # fmt: skip
         # the ids' little-endian bytes, as a msgpack body hands them over (writable, contiguous)
@@ -160,11 +179,11 @@ class ReplicaScorer:
         # directory (a batch applied, a fence): the read would wait, and the loop with it
         if len(tokens) <= INLINE_TOKENS and not self.service.directory.busy():
             try:
-                return self.scoring.score(body, ANONYMOUS_ADMIN, packed)
+                return self.scoring.score(body, self.scores_as, packed)
             except KvatlasError as exc:
                 raise CoordinatorError(f"the router's replica refused: {exc}", exc.status) from None
         loop = asyncio.get_running_loop()
-        work = loop.run_in_executor(self.pool, self.scoring.score, body, ANONYMOUS_ADMIN, packed)
+        work = loop.run_in_executor(self.pool, self.scoring.score, body, self.scores_as, packed)
         try:
             async with asyncio.timeout(timeout):
                 return await work
@@ -175,6 +194,11 @@ class ReplicaScorer:
         except KvatlasError as exc:  # refused as POST /route/score refuses (4xx there)
             raise CoordinatorError(f"the router's replica refused: {exc}", exc.status) from None
 
+    def series(self) -> Iterable[Metric]:
+        """The replica's health, by the coordinator's names
+        (:meth:`~kvatlas.coordinator.metrics.CoordinatorMetrics.replica_health`)."""
+        return self.service.metrics.replica_health()
+
     def status(self) -> str:
         """``replica <readiness>`` (and ``, http meanwhile`` while the fallback scores)."""
         state = self.service.state.value
@@ -184,6 +208,28 @@ class ReplicaScorer:
     async def aclose(self) -> None:
         if self.fallback is not None:
             await self.fallback.aclose()
+
+
+def scoring_principal(config: RouterConfig, replica: CoordinatorConfig) -> Principal:
+    """Who the router's replica scores as: the router's own token (``--coordinator-token-file``
+    or ``--coordinator-token``) as the replica's token file (the router's ``--auth-token-file``)
+    knows it, so that its ``lookup`` role and salt binding apply as a coordinator applies them
+    to the same router over HTTP. Without auth, anyone (as a coordinator without auth); with
+    auth and no such token, the router's clients' own bindings alone (docs/router.md, "Auth").
+    ``ValueError`` naming the flag for a token the file does not hold."""
+    if replica.auth_token_file is None:
+        return ANONYMOUS_ADMIN
+    token = config.coordinator_bearer()
+    if token is None:
+        return ANONYMOUS_ADMIN
+    try:
+        return TokenAuth.from_file(replica.auth_token_file).authenticate(f"Bearer {token}")
+    except KvatlasError:
+        raise ValueError(
+            "--coordinator-token-file (or --coordinator-token): not a token of "
+            "--auth-token-file (the router's replica scores as that token, as a coordinator "
+            "would)"
+        ) from None
 
 
 def run(launch: RouterLaunch) -> int:
@@ -198,14 +244,12 @@ def run(launch: RouterLaunch) -> int:
 
 
 def _run_with_replica(config: RouterConfig, replica: CoordinatorConfig) -> int:
-    from kvatlas.client.route_client import AsyncRouteClient
     from kvatlas.coordinator.app import new_match_pool
     from kvatlas.coordinator.route_score import RouteScoring
     from kvatlas.coordinator.runtime import set_switch_interval
-    from kvatlas.coordinator.server import claim_state
+    from kvatlas.coordinator.server import claim_or_exit, claim_state
     from kvatlas.coordinator.service import CoordinatorService
     from kvatlas.logs import configure_logging
-    from kvatlas.router.scores import HttpScorer
     from kvatlas.router.server import run_router
 
     configure_logging(config.log_level, config.log_format)
@@ -213,24 +257,21 @@ def _run_with_replica(config: RouterConfig, replica: CoordinatorConfig) -> int:
     log.info("router's replica %s, consumer group %s, stream %s",
              replica.resolved_replica_id, replica.group_name, replica.event_stream)  # fmt: skip
     try:
-        lock = claim_state(replica)
-    except OSError as exc:
-        log.error("%s; is another replica with this id running? not starting", exc.strerror or exc)
-        return 1
-    except KvatlasError as exc:
+        scores_as = scoring_principal(config, replica)
+    except ValueError as exc:
         log.error("%s; not starting", exc)
-        return 1
+        return 2
+    lock = claim_or_exit(lambda: claim_state(replica), "replica with this id")
     pool = new_match_pool()
     try:
         service = CoordinatorService(replica, delivers=False)  # sends no commands: no MP servers
         service.start()  # failing, it never started: nothing to snapshot, nothing to stop
         try:
-            fallback = None
-            if config.coordinator_url:
-                client = AsyncRouteClient(config.coordinator_url, token=config.coordinator_bearer())
-                fallback = HttpScorer(client, owned=True)
-            scorer = ReplicaScorer(service, RouteScoring(service, pool), pool, fallback)
-            return run_router(config, scorer)
+            scoring = RouteScoring(service, pool)
+            # meanwhile, the router's own HTTP scorer (--coordinator-url): one client, counted
+            return run_router(
+                config, lambda http: ReplicaScorer(service, scoring, pool, http, scores_as)
+            )
         finally:
             service.stop()
     finally:

@@ -20,8 +20,9 @@ from prometheus_client.registry import Collector
 import kvatlas.coordinator.runtime as runtime
 from kvatlas.checks import is_plain_int
 from kvatlas.coordinator.kv_events.stats import GAUGES as KV_EVENTS_GAUGES
+from kvatlas.coordinator.retention import parse_id
 from kvatlas.coordinator.runtime import COLLECTIONS, MEMORY_TRIM
-from kvatlas.coordinator.views import MetricsState
+from kvatlas.coordinator.views import MetricsState, Readiness
 from kvatlas.coordinator.wire import directory_stats_to_wire, kv_events_to_wire
 from kvatlas.directory import Outcome
 from kvatlas.events import TIERS
@@ -73,6 +74,26 @@ class _StateCollector(Collector):
         yield gaps
         yield lag
         yield _gauge("kvatlas_instances_alive", "registered instances", state.instances_alive)
+        if state.readiness is not None:
+            readiness = GaugeMetricFamily(
+                "kvatlas_readiness", "1 for the readiness state this replica is in (/readyz)",
+                labels=["state"],
+            )  # fmt: skip
+            for each in Readiness:  # every state, 0 but the current one: none vanishes
+                readiness.add_metric([each.value], int(each is state.readiness))
+            yield readiness
+        if state.stream_position is not None:
+            yield _gauge(
+                "kvatlas_stream_position_seconds",
+                "time (Redis's clock) of the last stream entry this replica applied",
+                parse_id(state.stream_position)[0] / 1000,
+            )
+        if state.stream_lag_entries is not None:
+            yield _gauge(
+                "kvatlas_stream_lag_entries",
+                "stream entries this replica's consumer group has not read yet",
+                state.stream_lag_entries,
+            )
         bypass = CounterMetricFamily(
             "kvatlas_mm_bypass",
             "requests refused a key (no usable multimodal identity)",
@@ -134,6 +155,21 @@ class _CollectorStats(Collector):
                 "longest malloc_trim so far (an arena's lock held as long)",
                 MEMORY_TRIM.longest_s,
             )
+
+
+REPLICA_HEALTH = frozenset(
+    {
+        "kvatlas_readiness", "kvatlas_stream_position_seconds", "kvatlas_stream_lag_entries",
+        "kvatlas_stream_errors", "kvatlas_stream_rejected_entries", "kvatlas_event_entries",
+        "kvatlas_event_gaps", "kvatlas_ingest_lag_seconds", "kvatlas_directory_keys",
+        "kvatlas_directory_chunks", "kvatlas_directory_placements", "kvatlas_directory_bytes",
+        "kvatlas_route_score_seconds", "kvatlas_snapshots", "kvatlas_snapshot_failures",
+        "kvatlas_snapshot_duration_seconds", "kvatlas_snapshot_pause_seconds",
+    }
+)  # fmt: skip
+"""The families :meth:`CoordinatorMetrics.replica_health` exports (counters by their family
+name, without ``_total``), and every ``kvatlas_kv_events_*`` one (the replica's KV-event
+subscriptions)."""
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -204,8 +240,20 @@ class CoordinatorMetrics:
         )
         self.http_refused = HttpRefusals()
         r.register(self.http_refused)
-        r.register(_StateCollector(read_state))
+        self._state = _StateCollector(read_state)
+        r.register(self._state)
         r.register(_CollectorStats())
+
+    def replica_health(self) -> Iterator[Any]:
+        """The series that say whether this replica is healthy (:data:`REPLICA_HEALTH`),
+        as this registry exports them, read without a call to Redis (a process hosting the
+        replica exports them beside its own: ``kvatlas router --scores-from replica``)."""
+        for collector in (self._state, self.stream_errors, self.stream_rejected, self.entries,
+                          self.route_latency, self.snapshots, self.snapshot_failures,
+                          self.snapshot_duration, self.snapshot_pause):  # fmt: skip
+            for family in collector.collect():
+                if family.name in REPLICA_HEALTH or family.name.startswith("kvatlas_kv_events_"):
+                    yield family
 
     def forget_instance(self, instance_id: str) -> None:
         """Drop an instance's labelled series (it departed: cardinality must not grow)."""

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
 from kvatlas.asgi_thread import ThreadedServer, bind_listener, free_port, serve
 from kvatlas.auth import TokenAuth
@@ -36,6 +36,7 @@ from kvatlas.web import is_loopback
 __all__ = [
     "BackgroundServer",
     "announce_security",
+    "claim_or_exit",
     "claim_replica",
     "claim_state",
     "free_port",
@@ -43,6 +44,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def announce_security(config: CoordinatorConfig) -> None:
@@ -109,6 +111,19 @@ def claim_state(config: CoordinatorConfig) -> IO[str] | None:
     return lock
 
 
+def claim_or_exit(claim: Callable[[], T], holder: str) -> T:
+    """``claim()`` (:func:`claim_replica`, :func:`claim_state`), or, once the reason is logged,
+    ``SystemExit(1)``: the port, the snapshot lock or the consumer group is another process's
+    (``holder``: who that is likely to be, for the message), or Redis cannot tell."""
+    try:
+        return claim()
+    except OSError as exc:
+        log.error("%s; is another %s running? not starting", exc.strerror or exc, holder)
+    except KvatlasError as exc:
+        log.error("%s; not starting", exc)
+    raise SystemExit(1)
+
+
 class BackgroundServer:
     """The coordinator (service + HTTP) in this process, served in a daemon thread. It claims
     its port, snapshot lock and consumer group like ``kvatlas coordinator`` does
@@ -173,7 +188,8 @@ class BackgroundServer:
 
 def run_coordinator(config: CoordinatorConfig, mp_servers: MpServers | None = None) -> int:
     """``kvatlas coordinator`` (``mp_servers``: the MP-server client cache-control commands
-    are delivered with; ``kvatlas.cli`` hands in ``kvatlas.client.MPServerClient``)."""
+    are delivered with; ``kvatlas.cli`` hands in ``kvatlas.client.MPServerClient``). Exits 1
+    (``SystemExit``) when another process holds its port, snapshot or consumer group."""
     configure_logging(config.log_level, config.log_format)
     set_switch_interval()  # runtime.py: one thread's Python work must not stall the others
     COLLECTIONS.install()
@@ -190,14 +206,7 @@ def run_coordinator(config: CoordinatorConfig, mp_servers: MpServers | None = No
     # Claim the port, the snapshot file and the consumer group before restoring, joining the
     # group or serving: a second coordinator with the same flags or replica id must not take
     # batches from the live one nor overwrite its snapshot on the way out (docs/coordinator.md).
-    try:
-        sock, lock = claim_replica(config)
-    except OSError as exc:
-        log.error("%s; is another coordinator running? not starting", exc.strerror or exc)
-        return 1
-    except KvatlasError as exc:
-        log.error("%s; not starting", exc)
-        return 1
+    sock, lock = claim_or_exit(lambda: claim_replica(config), "coordinator")
     service = CoordinatorService(config, mp_servers=mp_servers)
     service.start()
     log.info(

@@ -18,6 +18,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
 from kvatlas.coordinator.cache_control.delivery import MpServers
@@ -60,6 +61,9 @@ from kvatlas.errors import Conflict, Unavailable, Unprocessable
 from kvatlas.events import ColumnBatch, EventBatch
 from kvatlas.events.inventory import Digest, differing
 from kvatlas.keys import MM_BYPASS_GUARD, ObjectKey
+
+if TYPE_CHECKING:  # redis is imported only on the Redis transport
+    from kvatlas.coordinator.stream_consumer import StreamConsumer
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +119,7 @@ class CoordinatorService:
         self._restored = False  # a snapshot was restored
         self.stream_position: str | None = None
         self._restored_position: str | None = None
+        self.stream_consumer: StreamConsumer | None = None  # the Redis transport's
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.status = StatusSource(self)  # the status page, node reports, operator series
@@ -125,7 +130,7 @@ class CoordinatorService:
             config.chunk_size, lambda tokens: scheme.chunk_hashes(tokens), self.instances,
             self.directory, self.metrics.registry, mp_servers,
             EvictionPolicy(config.eviction_policy), shared_store(config),
-            config.cache_command_lease_s,
+            config.cache_command_lease_s, lambda: self.elsewhere,
         )  # fmt: skip
         engines = functools.partial(self.ingest, engine=True)  # they cannot register
         self.kv_events = self.ingestion.kv_events = KvEventsLinks.from_config(
@@ -181,6 +186,7 @@ class CoordinatorService:
                 errors=self.metrics.stream_errors,
                 rejected=self.metrics.stream_rejected,
             )
+            self.stream_consumer = consumer
             self._spawn("stream-consumer", consumer.run)
             if self.config.snapshot_path is not None:  # what this replica restored
                 register = functools.partial(
@@ -400,12 +406,16 @@ class CoordinatorService:
         )
 
     def metrics_state(self) -> MetricsState:
+        consumer = self.stream_consumer
         return MetricsState(
             directory=self.directory.stats(),
             emitters=self.emitters_view(),
             instances_alive=len(self.instances.records()),
             mm_bypass=dict(MM_BYPASS_GUARD.reasons),
             kv_events=self.kv_events.stats(),
+            readiness=self.state,
+            stream_position=self.stream_position,
+            stream_lag_entries=None if consumer is None else consumer.lag_entries,
         )
 
     def health(self) -> HealthView:

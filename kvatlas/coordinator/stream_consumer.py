@@ -66,6 +66,8 @@ log = logging.getLogger(__name__)
 
 READ_COUNT = 256
 BLOCK_MS = 500
+LAG_PERIOD_S = 1.0
+"""How often a replica that is behind asks Redis how far (``XINFO GROUPS``)."""
 TOUCHES_PER_HEARTBEAT = 4
 """A live consumer shows itself to Redis this often per heartbeat, idle stream or busy: a
 read of its own pending entries (``XREADGROUP ... 0``), which refreshes the consumer's idle
@@ -295,6 +297,9 @@ class StreamConsumer:
         self.applied_entries = 0
         self.bad_entries = 0
         self.rejected_entries = 0
+        self.lag_entries: int | None = None
+        """Entries of the stream this replica's group has not read (``None``: not known)."""
+        self._lag_at = -math.inf
         self._caught_up = False
         self._shown_at = -math.inf
 
@@ -404,12 +409,30 @@ class StreamConsumer:
             self.group, self.consumer, {self.stream: ">"}, count=READ_COUNT, block=self._block_ms
         )
         if not reply:
+            self.lag_entries = 0
             return True
         _, entries = reply[0]
         for entry_id, fields in entries:
             self._apply(entry_id, fields)
             self._show_alive()
+        self._note_lag(len(entries) < READ_COUNT)
         return len(entries) < READ_COUNT
+
+    def _note_lag(self, at_end: bool) -> None:
+        """:attr:`lag_entries`: 0 after a read that reached the stream's end; while behind,
+        the group's ``lag`` as Redis counts it (``XINFO GROUPS``, Redis 7; ``None`` where it
+        cannot tell), asked at most every :data:`LAG_PERIOD_S`."""
+        if at_end:
+            self.lag_entries = 0
+            return
+        now = time.monotonic()
+        if now - self._lag_at < LAG_PERIOD_S:
+            return
+        self._lag_at = now
+        for row in self.client.xinfo_groups(self.stream):
+            if row.get("name") in (self.group, self.group.encode()):
+                lag = row.get("lag")
+                self.lag_entries = lag if isinstance(lag, int) else None
 
     def _apply(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         try:

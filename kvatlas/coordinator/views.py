@@ -111,6 +111,11 @@ class MetricsState:
     mm_bypass: dict[str, int]
     kv_events: KvEventsStats | None = None
     """As in :class:`HealthView`."""
+    readiness: Readiness | None = None
+    stream_position: str | None = None
+    """The last stream entry applied (the Redis transport; ``None``: none yet)."""
+    stream_lag_entries: int | None = None
+    """Entries of the stream not read yet (the Redis transport; ``None``: not known)."""
 
 
 @dataclass(frozen=True, slots=True)

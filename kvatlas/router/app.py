@@ -57,7 +57,7 @@ from kvatlas.router.policies import (
     uncomputed_tokens,
 )
 from kvatlas.router.replies import Relay, ReplyCut, openai_error, send_openai_error
-from kvatlas.router.scores import HttpScorer, Scorer
+from kvatlas.router.scores import HttpScorer, Scorer, ScorerOf
 from kvatlas.router.tokenizer import PromptTokenizer
 from kvatlas.web import check_declared_length, nested_too_deep, receive_body
 
@@ -99,14 +99,15 @@ class Router:
         self,
         config: RouterConfig,
         tokenizer: PromptTokenizer | None = None,
-        scorer: Scorer | None = None,
+        scorer_of: ScorerOf | None = None,
     ) -> None:
-        """``scorer``: where scores come from (default: the coordinator over HTTP when
-        ``--coordinator-url`` is given; ``--scores-from replica`` hands in its own)."""
+        """``scorer_of``: where scores come from, given the router's HTTP scorer (default:
+        that one, the coordinator over HTTP when ``--coordinator-url`` is given;
+        ``--scores-from replica`` hands in its own, which falls back on it)."""
         self.config = config
         self.tokenizer = tokenizer
         self.auth: TokenAuth | None = config.auth()
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(lambda: () if self.scorer is None else self.scorer.series())
         self.policy = Policy(config.policy, config.cost_model(), config.seed)
         self._pools: dict[str, KeepAliveClient] = {}
         """Engine URL → its connections (keep-alive, streamed replies)."""
@@ -120,9 +121,8 @@ class Router:
             if config.coordinator_url
             else None
         )
-        if scorer is None and self.coordinator is not None:
-            scorer = HttpScorer(self.coordinator)
-        self.scorer = scorer
+        http = None if self.coordinator is None else HttpScorer(self.coordinator)
+        self.scorer: Scorer | None = http if scorer_of is None else scorer_of(http)
         self._tasks: list[asyncio.Task[None]] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -237,13 +237,15 @@ class Router:
             )
         return fitting
 
-    async def _coverage(self, req: RouteRequest, engines: list[Engine]) -> dict[str, Coverage]:
+    async def _coverage(
+        self, req: RouteRequest, engines: list[Engine], who: Principal | None
+    ) -> dict[str, Coverage]:
         if not self.policy.uses_coverage or req.prompt_tokens is None or self.scorer is None:
             return {}
         try:
             scores = await self.scorer.score(
                 req.prompt_tokens, self.config.model_name or req.model, req.cache_salt,
-                [e.engine_id for e in engines], self.config.score_timeout_s,
+                [e.engine_id for e in engines], self.config.score_timeout_s, who,
             )  # fmt: skip
         except CoordinatorError as exc:
             self.metrics.score_failures.inc()
@@ -271,7 +273,7 @@ class Router:
             if req.untokenized_reason is not None:
                 self.metrics.untokenized.labels(req.untokenized_reason).inc()
             engines = self._serving(req)
-            coverage = await self._coverage(req, engines)
+            coverage = await self._coverage(req, engines, who)
             n = len(req.prompt_tokens) if req.prompt_tokens is not None else 0
             load = self.engines.load
             candidates = [
@@ -446,4 +448,6 @@ class Router:
         self.metrics.in_flight.clear()  # an engine that left the set leaves no series behind
         for engine in self.engines.all():
             self.metrics.in_flight.labels(engine.engine_id).set(engine.in_flight)
-        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # off the loop: a replica's series read its directory, whose lock a change may hold
+        body = await anyio.to_thread.run_sync(generate_latest, self.metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)

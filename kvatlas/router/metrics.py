@@ -1,13 +1,16 @@
 """The router's ``/metrics`` (Prometheus): decisions, their latency, what was predicted against
 what the engine reported reusing, TTFT and end-to-end latency measured at the router,
-retries, untokenized requests, engines out of the set, and the connections and requests the
-HTTP guard refused (docs/router.md, "Metrics")."""
+retries, untokenized requests, engines out of the set, the connections and requests the
+HTTP guard refused, and the scorer's own series (a replica's health; docs/router.md,
+"Metrics")."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric
+from prometheus_client.registry import Collector
 
 from kvatlas.http_guard import HttpRefusals
 
@@ -32,8 +35,19 @@ class EngineSeries:
     reported_reused: Counter
 
 
+class _Exported(Collector):
+    """Series the router exports from elsewhere at scrape time (its scorer's)."""
+
+    def __init__(self, series: Callable[[], Iterable[Metric]]) -> None:
+        self._series = series
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._series()
+
+
 class RouterMetrics:
-    def __init__(self) -> None:
+    def __init__(self, series: Callable[[], Iterable[Metric]] = tuple) -> None:
+        """``series``: more series to export at each scrape (the scorer's: a replica's)."""
         self._engines: dict[str, EngineSeries] = {}
         self.registry = CollectorRegistry()
         r = self.registry
@@ -104,6 +118,7 @@ class RouterMetrics:
         )
         self.http_refused = HttpRefusals()  # the coordinator's and the node's series
         r.register(self.http_refused)
+        r.register(_Exported(series))
 
     def engine(self, engine_id: str, policy: str) -> EngineSeries:
         """The counters of ``engine_id`` (its decisions under ``policy``, the router's one)."""

@@ -21,7 +21,7 @@ from kvatlas.logs import configure_logging, uvicorn_log_options
 from kvatlas.router.app import Router
 from kvatlas.router.config import RouterConfig
 from kvatlas.router.openai_body import Kind
-from kvatlas.router.scores import Scorer
+from kvatlas.router.scores import ScorerOf
 from kvatlas.router.tokenizer import PromptTokenizer
 from kvatlas.web import is_loopback
 
@@ -75,21 +75,21 @@ def create_app(router: Router) -> ASGIApp:
     return _Completions(app, router)
 
 
-def build_router(config: RouterConfig, scorer: Scorer | None = None) -> Router:
+def build_router(config: RouterConfig, scorer_of: ScorerOf | None = None) -> Router:
     """The router of ``config`` (``ValueError`` naming the flag when a file cannot be used);
-    ``scorer``: where its scores come from (default: the coordinator over HTTP)."""
+    ``scorer_of``: where its scores come from (default: the coordinator over HTTP)."""
     tokenizer = None
     if config.tokenizer is not None:
         tokenizer = PromptTokenizer(config.tokenizer, config.chat_template)
-    return Router(config, tokenizer, scorer)
+    return Router(config, tokenizer, scorer_of)
 
 
-def run_router(config: RouterConfig, scorer: Scorer | None = None) -> int:
-    """``kvatlas router`` (``scorer``: handed in by ``--scores-from replica``'s composition,
-    ``kvatlas.router_replica``, which configured the logging already)."""
+def run_router(config: RouterConfig, scorer_of: ScorerOf | None = None) -> int:
+    """``kvatlas router`` (``scorer_of``: handed in by ``--scores-from replica``'s
+    composition, ``kvatlas.router_replica``, which configured the logging already)."""
     configure_logging(config.log_level, config.log_format)
     try:
-        router = build_router(config, scorer)
+        router = build_router(config, scorer_of)
     except ValueError as exc:
         log.error("%s; not starting", exc)
         return 2

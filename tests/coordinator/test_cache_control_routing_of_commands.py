@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import pytest
 
@@ -20,7 +21,7 @@ from kvatlas.api.cache_control import (
     ReleaseReply,
     TierName,
 )
-from kvatlas.coordinator.cache_control import CommandLog, moves
+from kvatlas.coordinator.cache_control import Command, CommandLog, moves
 from kvatlas.coordinator.cache_control.delivery import Copy, Delivery, MpServer, object_key
 from kvatlas.coordinator.cache_control.shared_commands import SharedCommandLog
 from kvatlas.coordinator.cache_control.shared_store import SharedStore
@@ -40,11 +41,15 @@ class Refused(Unavailable):
 @dataclass
 class FakeFleet:
     urls: dict[str, str] = field(default_factory=dict)  # registered instances
+    elsewhere: set[str] = field(default_factory=set)  # registered with another replica
     pools: dict[str, set[str]] = field(default_factory=dict)  # instance -> shared backends
     held: dict[ObjectKey, list[Copy]] = field(default_factory=dict)
 
     def url_of(self, instance_id: str) -> str | None:
         return self.urls.get(instance_id)
+
+    def registered_elsewhere(self, instance_id: str) -> bool:
+        return instance_id in self.elsewhere and instance_id not in self.urls
 
     def pool_members(self, backend: str) -> list[str]:
         return sorted(i for i, b in self.pools.items() if backend in b and i in self.urls)
@@ -68,6 +73,9 @@ class FakeServers:
     holds: list[EncodedKey] | None = None  # what a move's target holds (None: every key)
     unfinished: list[int] = field(default_factory=list)  # a hold's unfinished, call by call
     deleted: list[list[EncodedKey]] = field(default_factory=list)  # the keys of each delete
+    deleting: Callable[[str, Sequence[EncodedKey], str], DeleteObjectsReply | None] | None = None
+    """Called with each delete that reached its server (URL, keys, tier): a reply of its own
+    (nothing recorded in ``deleted``), or ``None`` for the usual one."""
 
     def __call__(self, url: str) -> MpServer:
         servers = self
@@ -84,6 +92,10 @@ class FakeServers:
                 self, keys: Sequence[EncodedKey], tier: TierName = "all", *, force: bool = False
             ) -> DeleteObjectsReply:
                 self._check("delete", tier)
+                if servers.deleting is not None:
+                    own = servers.deleting(url, keys, tier)
+                    if own is not None:
+                        return own
                 servers.deleted.append(list(keys))
                 return DeleteObjectsReply(len(keys), 0, True)
 
@@ -265,21 +277,7 @@ def test_a_delete_without_force_never_sends_a_key_pinned_after_it_was_recorded()
     pinned = {object_key(KEYS[1])}
     delivery.pinned = lambda keys: pinned & set(keys)
     sent_keys: list[list[str]] = []
-    inner = servers.__call__
-
-    def recording(url: str) -> MpServer:
-        one = inner(url)
-        delete = one.delete_objects
-
-        def delete_objects(keys: Sequence[EncodedKey], tier: TierName = "all", *,
-                           force: bool = False) -> DeleteObjectsReply:  # fmt: skip
-            sent_keys.append([k.chunk_hash_hex for k in keys])
-            return delete(keys, tier, force=force)
-
-        one.delete_objects = delete_objects  # type: ignore[method-assign]
-        return one
-
-    delivery.servers = recording
+    servers.deleting = lambda _url, keys, _tier: sent_keys.append([k.chunk_hash_hex for k in keys])
     fleet.held = {object_key(k): [Copy("a", "l2", "fs", False)] for k in KEYS}
     some = log.new("delete", ["a"], KEYS, tier="l2")
     delivery.run_once()
@@ -474,23 +472,15 @@ def test_a_retried_delete_of_the_source_counts_each_removed_copy_once(
     fleet.held = {object_key(k): l1("a", "b") for k in KEYS}
     source_l1 = {k.chunk_hash_hex for k in KEYS}
     fail_next = [False, True]  # the second batch of the first attempt does not get through
-    inner = servers.__call__
 
-    def source(url: str) -> MpServer:
-        one = inner(url)
+    def source(_url: str, keys: Sequence[EncodedKey], _tier: str) -> DeleteObjectsReply:
+        if fail_next and fail_next.pop(0):
+            raise Refused("All connection attempts failed", None)
+        removed = source_l1 & {k.chunk_hash_hex for k in keys}
+        source_l1.difference_update(removed)
+        return DeleteObjectsReply(len(removed), 0, True)
 
-        def delete_objects(keys: Sequence[EncodedKey], tier: TierName = "all", *,
-                           force: bool = False) -> DeleteObjectsReply:  # fmt: skip
-            if fail_next and fail_next.pop(0):
-                raise Refused("All connection attempts failed", None)
-            removed = source_l1 & {k.chunk_hash_hex for k in keys}
-            source_l1.difference_update(removed)
-            return DeleteObjectsReply(len(removed), 0, True)
-
-        one.delete_objects = delete_objects  # type: ignore[method-assign]
-        return one
-
-    delivery.servers = source
+    servers.deleting = source
     delivery.run_once()
     c = log.get(move_id)
     assert c is not None and (c.state, c.phase, c.deleted) == ("pending", "deleting", 1)
@@ -511,20 +501,12 @@ def test_the_source_deletes_count_adds_to_the_count_recorded_meanwhile() -> None
     deletes removed (the source counts each removal once), and neither overwrites the other."""
     log, fleet, servers, delivery, move_id = move_setup()
     fleet.held = {object_key(k): l1("a", "b") for k in KEYS}
-    inner = servers.__call__
 
-    def source(url: str) -> MpServer:
-        one = inner(url)
+    def source(_url: str, _keys: Sequence[EncodedKey], _tier: str) -> DeleteObjectsReply:
+        log.progress(move_id, deleted=1)  # the other replica's delete removed one
+        return DeleteObjectsReply(1, 0, True)  # and this one the other
 
-        def delete_objects(keys: Sequence[EncodedKey], tier: TierName = "all", *,
-                           force: bool = False) -> DeleteObjectsReply:  # fmt: skip
-            log.progress(move_id, deleted=1)  # the other replica's delete removed one
-            return DeleteObjectsReply(1, 0, True)  # and this one the other
-
-        one.delete_objects = delete_objects  # type: ignore[method-assign]
-        return one
-
-    delivery.servers = source
+    servers.deleting = source
     delivery.run_once()
     c = log.get(move_id)
     assert c is not None and (c.state, c.deleted) == ("sent", 2)
@@ -539,25 +521,15 @@ def test_a_slow_instance_does_not_hold_up_the_commands_to_another() -> None:
     b_seen = threading.Event()
     waited: list[bool] = []
     sent: list[tuple[str, str]] = []
-    inner = servers.__call__
 
-    def slow_a(url: str) -> MpServer:
-        one = inner(url)
-        delete = one.delete_objects
+    def slow_a(url: str, _keys: Sequence[EncodedKey], tier: str) -> None:
+        if url == "http://a" and not waited:
+            waited.append(b_seen.wait(timeout=10))  # only a guard against a hang
+        sent.append((url, tier))
+        if url == "http://b":
+            b_seen.set()
 
-        def delete_objects(keys: Sequence[EncodedKey], tier: TierName = "all", *,
-                           force: bool = False) -> DeleteObjectsReply:  # fmt: skip
-            if url == "http://a" and not waited:
-                waited.append(b_seen.wait(timeout=10))  # only a guard against a hang
-            sent.append((url, tier))
-            if url == "http://b":
-                b_seen.set()
-            return delete(keys, tier, force=force)
-
-        one.delete_objects = delete_objects  # type: ignore[method-assign]
-        return one
-
-    delivery.servers = slow_a
+    servers.deleting = slow_a
     first = log.new("delete", ["a"], KEYS, tier="l1")
     log.new("delete", ["b"], KEYS, tier="l1")
     then = log.new("delete", ["a"], KEYS, tier="l2")
@@ -565,6 +537,35 @@ def test_a_slow_instance_does_not_hold_up_the_commands_to_another() -> None:
     delivery.run_once()
     assert waited == [True]  # b's delete went out while a's was still waiting
     assert [s for s in sent if s[0] == "http://a"] == [("http://a", "l1"), ("http://a", "l2")]
+    assert {c.state for c in log.unfinished()} == {"sent"}
+
+
+def test_two_commands_never_wait_for_each_others_delivery() -> None:
+    """The route's attempt and the loop's meet on one command, which they take one at a time;
+    two commands do not: the deliveries to ``a`` and ``b`` overlap whatever their ids (the old
+    code took one of 64 striped locks by the id's hash: two ids on one stripe waited for each
+    other, so a slow instance held up another's command; these two ids share a stripe)."""
+    log, fleet, servers, delivery = setup(urls={"a": "http://a", "b": "http://b"})
+    fleet.held = {object_key(k): [Copy("a", "l2", "fs", False)] for k in KEYS}
+    ids = [uuid.uuid4().hex for _ in range(65)]
+    slot = {i: hash(i) % 64 for i in ids}
+    first = next(i for i in ids if any(slot[j] == slot[i] for j in ids if j != i))
+    second = next(j for j in ids if j != first and slot[j] == slot[first])
+    for command_id, target in ((first, "a"), (second, "b")):
+        log.record("add", Command(command_id=command_id, kind="delete", targets=(target,),
+                                  keys=tuple(KEYS), tier="l1"))  # fmt: skip
+    b_seen = threading.Event()
+    waited: list[bool] = []
+
+    def slow_a(url: str, _keys: Sequence[EncodedKey], _tier: str) -> None:
+        if url == "http://a":
+            waited.append(b_seen.wait(timeout=10))  # only a guard against a hang
+        else:
+            b_seen.set()
+
+    servers.deleting = slow_a
+    delivery.run_once()
+    assert waited == [True]
     assert {c.state for c in log.unfinished()} == {"sent"}
 
 
@@ -576,23 +577,12 @@ def test_a_move_failed_while_it_deletes_deletes_no_further_batch(
     monkeypatch.setattr(moves, "MAX_DELETE_KEYS", 1)  # one batch a key
     log, fleet, servers, delivery, move_id = move_setup()
     fleet.held = {object_key(k): l1("a", "b") for k in KEYS}
-    inner = servers.__call__
 
-    def source(url: str) -> MpServer:
-        one = inner(url)
-        delete = one.delete_objects
+    def source(_url: str, _keys: Sequence[EncodedKey], _tier: str) -> None:
+        delivery.instance_left("b")  # meanwhile the target leaves
+        del fleet.urls["b"]
 
-        def delete_objects(keys: Sequence[EncodedKey], tier: TierName = "all", *,
-                           force: bool = False) -> DeleteObjectsReply:  # fmt: skip
-            reply = delete(keys, tier, force=force)
-            delivery.instance_left("b")  # meanwhile the target leaves
-            del fleet.urls["b"]
-            return reply
-
-        one.delete_objects = delete_objects  # type: ignore[method-assign]
-        return one
-
-    delivery.servers = source
+    servers.deleting = source
     delivery.run_once()
     assert servers.deleted == [KEYS[:1]]
     assert log.get(move_id).state == "failed"  # type: ignore[union-attr]
@@ -625,21 +615,11 @@ def test_a_workers_copy_of_a_due_command_is_not_sent_once_its_attempt_was_pushed
     log, _fleet, servers, delivery = setup(urls={"a": "http://a"})
     first = log.new("delete", ["a"], KEYS[:1], tier="all")
     second = log.new("delete", ["a"], KEYS[1:], tier="all")
-    inner = servers.__call__
 
-    def meanwhile(url: str) -> MpServer:
-        one = inner(url)
-        delete = one.delete_objects
+    def meanwhile(_url: str, _keys: Sequence[EncodedKey], _tier: str) -> None:
+        log.delivery_failed(second.command_id, "the route's attempt: down")
 
-        def delete_objects(keys: Sequence[EncodedKey], tier: TierName = "all", *,
-                           force: bool = False) -> DeleteObjectsReply:  # fmt: skip
-            log.delivery_failed(second.command_id, "the route's attempt: down")
-            return delete(keys, tier, force=force)
-
-        one.delete_objects = delete_objects  # type: ignore[method-assign]
-        return one
-
-    delivery.servers = meanwhile
+    servers.deleting = meanwhile
     delivery.run_once()
     assert servers.deleted == [KEYS[:1]]
     assert log.get(first.command_id).state == "sent"  # type: ignore[union-attr]
@@ -650,130 +630,161 @@ def test_a_workers_copy_of_a_due_command_is_not_sent_once_its_attempt_was_pushed
 # ------------------------------------------------------------------ moves across replicas
 
 
-def replica_pair(
-    redis_server: RedisServer,
-) -> tuple[list[SharedCommandLog], list[FakeFleet], FakeServers, list[Delivery]]:
+class ReplicaPair(NamedTuple):
+    logs: list[SharedCommandLog]
+    fleets: list[FakeFleet]
+    servers: FakeServers
+    deliveries: list[Delivery]
+
+
+@pytest.fixture
+def replica_pair(redis_server: RedisServer) -> Iterator[ReplicaPair]:
     """Two replicas over one shared log in a real Redis: ``a`` has the target ``b``
-    registered, ``b`` the source ``a`` (nodes talk to one replica); one directory view."""
+    registered, ``b`` the source ``a`` (nodes talk to one replica; each sees the other's in
+    ``<stream>:instances``); one directory view."""
     stream = f"kvatlas:move-replicas-{uuid.uuid4().hex}"
     logs = [SharedCommandLog(SharedStore.connect(redis_server.url, stream, owner),
                              jitter=lambda: 1.0) for owner in ("A", "B")]  # fmt: skip
     held = {object_key(k): l1("a", "b") for k in KEYS}
-    fleets = [FakeFleet(urls={"b": "http://b"}, held=held),
-              FakeFleet(urls={"a": "http://a"}, held=held)]  # fmt: skip
+    fleets = [FakeFleet(urls={"b": "http://b"}, elsewhere={"a"}, held=held),
+              FakeFleet(urls={"a": "http://a"}, elsewhere={"b"}, held=held)]  # fmt: skip
     servers = FakeServers(fleets[0])  # one record of every call, by URL
     a, b = logs
     deliveries = [Delivery(lambda: a, fleets[0], servers), Delivery(lambda: b, fleets[1], servers)]
-    return logs, fleets, servers, deliveries
+    try:
+        yield ReplicaPair(logs, fleets, servers, deliveries)
+    finally:
+        for log in logs:
+            log.store.client.close()
 
 
 def test_a_move_across_replicas_deletes_through_the_sources_replica(
-    redis_server: RedisServer,
+    replica_pair: ReplicaPair,
 ) -> None:
     """The target registered with replica A, the source with B: A's attempt holds and, the
     source not being its own (it has not left), lets the lease go; B deletes the source's
     copies from that recent hold and the move completes once the directory shows them gone.
     (The old code: A completed the move at once, deleting nothing.) A hold confirmed too long
     ago is not deleted from: B hands it back for a new hold."""
-    (log_a, log_b), (fleet_a, _), servers, (a, b) = replica_pair(redis_server)
-    try:
-        c = log_a.new("move", ["b"], KEYS, tier="l1", source="a", token_ids=tuple(range(32)))
-        a.run_once()
-        got = log_a.get(c.command_id)
-        assert got is not None and (got.state, got.phase, got.deleted) == (
-            "pending",
-            "deleting",
-            0,
-        )
-        assert "not registered with this replica" in got.last_error
-        assert servers.calls == [("http://b", "hold", "")] and servers.deleted == []
-        b.instance_back("a")  # the source (re-)registers with B: due now
-        b.run_once()
-        assert servers.calls[-1] == ("http://a", "delete", "l1") and servers.deleted == [KEYS]
-        assert log_b.get(c.command_id).state == "sent"  # type: ignore[union-attr]
-        for k in KEYS:
-            fleet_a.held[object_key(k)] = l1("b")  # the source's delete events
-        b.run_once()
-        got = log_a.get(c.command_id)
-        assert got is not None and (got.state, got.phase, got.deleted) == (
-            "completed",
-            "done",
-            2,
-        )
+    (log_a, log_b), (fleet_a, _), servers, (a, b) = replica_pair
+    c = log_a.new("move", ["b"], KEYS, tier="l1", source="a", token_ids=tuple(range(32)))
+    a.run_once()
+    got = log_a.get(c.command_id)
+    assert got is not None and (got.state, got.phase, got.deleted) == (
+        "pending",
+        "deleting",
+        0,
+    )
+    assert "not registered with this replica" in got.last_error
+    assert servers.calls == [("http://b", "hold", "")] and servers.deleted == []
+    b.instance_back("a")  # the source (re-)registers with B: due now
+    b.run_once()
+    assert servers.calls[-1] == ("http://a", "delete", "l1") and servers.deleted == [KEYS]
+    assert log_b.get(c.command_id).state == "sent"  # type: ignore[union-attr]
+    for k in KEYS:
+        fleet_a.held[object_key(k)] = l1("b")  # the source's delete events
+    b.run_once()
+    got = log_a.get(c.command_id)
+    assert got is not None and (got.state, got.phase, got.deleted) == (
+        "completed",
+        "done",
+        2,
+    )
 
-        # a stale hold: B deletes nothing and lets it go; A holds again, then B deletes
-        servers.calls.clear()
-        servers.deleted.clear()
-        for k in KEYS:
-            fleet_a.held[object_key(k)] = l1("a", "b")
-        c = log_a.new("move", ["b"], KEYS, tier="l1", source="a", token_ids=tuple(range(32)))
-        a.run_once()
-        log_a.progress(c.command_id, held_at=log_a.now() - moves.HANDOVER_S - 1)
-        b.instance_back("a")
-        b.run_once()
-        assert servers.deleted == []
-        assert "its replica holds again" in log_b.get(c.command_id).last_error  # type: ignore[union-attr]
-        a.instance_back("b")
-        a.run_once()
-        assert servers.calls[-1] == ("http://b", "hold", "") and servers.deleted == []
-        b.instance_back("a")
-        b.run_once()
-        assert servers.deleted == [KEYS]
-    finally:
-        for log in (log_a, log_b):
-            log.store.client.close()
+    # a stale hold: B deletes nothing and lets it go; A holds again, then B deletes
+    servers.calls.clear()
+    servers.deleted.clear()
+    for k in KEYS:
+        fleet_a.held[object_key(k)] = l1("a", "b")
+    c = log_a.new("move", ["b"], KEYS, tier="l1", source="a", token_ids=tuple(range(32)))
+    a.run_once()
+    log_a.progress(c.command_id, held_at=log_a.now() - moves.HANDOVER_S - 1)
+    b.instance_back("a")
+    b.run_once()
+    assert servers.deleted == []
+    assert "its replica holds again" in log_b.get(c.command_id).last_error  # type: ignore[union-attr]
+    a.instance_back("b")
+    a.run_once()
+    assert servers.calls[-1] == ("http://b", "hold", "") and servers.deleted == []
+    b.instance_back("a")
+    b.run_once()
+    assert servers.deleted == [KEYS]
 
 
 def test_a_handed_over_move_whose_target_was_fenced_deletes_nothing(
-    redis_server: RedisServer,
+    replica_pair: ReplicaPair,
 ) -> None:
     """The target (A's) holds and hands the move over, then misses its heartbeats: A fences
     it. B's directory may still show the target's copies, so B must not delete the source's:
     the move fails at the fence, as it does when the target deregisters. (The old code: B
     deleted the source's copies from the hold, the keys then nowhere.)"""
-    (log_a, _log_b), _fleets, servers, (a, b) = replica_pair(redis_server)
-    try:
-        c = log_a.new("move", ["b"], KEYS, tier="l1", source="a", token_ids=tuple(range(32)))
-        a.run_once()  # held; handed over to B
-        a.instance_fenced("b")
-        b.instance_back("a")
-        b.run_once()
-        got = log_a.get(c.command_id)
-        assert servers.deleted == []
-        assert got is not None and got.state == "failed" and "'b'" in got.last_error
-    finally:
-        for log in (log_a, _log_b):
-            log.store.client.close()
+    (log_a, _log_b), _fleets, servers, (a, b) = replica_pair
+    c = log_a.new("move", ["b"], KEYS, tier="l1", source="a", token_ids=tuple(range(32)))
+    a.run_once()  # held; handed over to B
+    a.instance_fenced("b")
+    b.instance_back("a")
+    b.run_once()
+    got = log_a.get(c.command_id)
+    assert servers.deleted == []
+    assert got is not None and got.state == "failed" and "'b'" in got.last_error
 
 
 def test_a_source_that_left_as_its_replica_saw_it_completes_the_move_on_another(
-    redis_server: RedisServer,
+    replica_pair: ReplicaPair,
 ) -> None:
     """The source deregisters, or is fenced, at B once the target (A's) holds the keys: A,
     whose directory may still show the source's copies, completes the move without deleting
     (``source_left`` is in the shared record). A source that registers again before that
     is deleted from as usual."""
-    (log_a, _log_b), _fleets, servers, (a, b) = replica_pair(redis_server)
-    try:
-        for leave in (b.instance_left, b.instance_fenced):
-            c = log_a.new("move", ["b"], KEYS, tier="l1", source="a", token_ids=tuple(range(32)))
-            a.run_once()  # held; handed over to B
-            leave("a")
-            a.instance_back("b")
-            a.run_once()
-            got = log_a.get(c.command_id)
-            assert got is not None and (got.state, got.phase, got.deleted) == (
-                "completed",
-                "done",
-                0,
-            )
-        assert servers.deleted == []
+    (log_a, _log_b), _fleets, servers, (a, b) = replica_pair
+    for leave in (b.instance_left, b.instance_fenced):
         c = log_a.new("move", ["b"], KEYS, tier="l1", source="a", token_ids=tuple(range(32)))
+        a.run_once()  # held; handed over to B
+        leave("a")
+        a.instance_back("b")
         a.run_once()
-        b.instance_fenced("a")
-        b.instance_back("a")  # it was alive: registered again, its copies reported again
-        b.run_once()
-        assert servers.deleted == [KEYS]
-    finally:
-        for log in (log_a, _log_b):
-            log.store.client.close()
+        got = log_a.get(c.command_id)
+        assert got is not None and (got.state, got.phase, got.deleted) == (
+            "completed",
+            "done",
+            0,
+        )
+    assert servers.deleted == []
+    c = log_a.new("move", ["b"], KEYS, tier="l1", source="a", token_ids=tuple(range(32)))
+    a.run_once()
+    b.instance_fenced("a")
+    b.instance_back("a")  # it was alive: registered again, its copies reported again
+    b.run_once()
+    assert servers.deleted == [KEYS]
+
+
+def test_a_replica_leaves_the_commands_of_another_replicas_instances_to_it(
+    replica_pair: ReplicaPair,
+) -> None:
+    """``b`` is registered with replica A only (B sees it in ``<stream>:instances``): B, which
+    cannot reach its MP server, takes no lease on its delete, neither in its pass nor in a
+    route's first attempt, so A delivers it at its first pass (the old code: B's pass took the
+    lease, failed, and pushed the next attempt out by the backoff, which A then waited out).
+    Whether the command is done stays open to every replica: B completes the delete A holds
+    once its directory shows the copies gone. A command for B's own instance ``a`` is B's
+    (negative control)."""
+    (log_a, log_b), (fleet_a, _), servers, (a, b) = replica_pair
+    c = log_a.new("delete", ["b"], KEYS, tier="l1")
+    assert b.deliver(c) is None  # a route's attempt on B: not B's to send
+    b.run_once()  # B's pass first
+    assert servers.calls == []
+    got = log_b.get(c.command_id)
+    assert got is not None and (got.state, got.attempts) == ("pending", 0)
+    a.run_once()
+    assert servers.calls == [("http://b", "delete", "l1")]
+    assert log_a.get(c.command_id).state == "sent"  # type: ignore[union-attr]
+    for k in KEYS:
+        fleet_a.held[object_key(k)] = l1("a")  # b's delete events (both directories)
+    b.run_once()  # A holds the lease; B finishes it from its directory
+    assert log_a.get(c.command_id).state == "completed"  # type: ignore[union-attr]
+
+    own = log_a.new("delete", ["a"], KEYS, tier="l1")
+    a.run_once()
+    b.run_once()
+    assert servers.calls[-1] == ("http://a", "delete", "l1")
+    assert log_b.get(own.command_id).state == "sent"  # type: ignore[union-attr]

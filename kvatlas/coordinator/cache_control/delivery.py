@@ -20,15 +20,20 @@ source's copies). Each pass first runs
 :attr:`Delivery.eviction` (the fleet eviction pass, :mod:`.eviction_loop`, which records
 ``evict`` commands: delivered and finished as deletes); an ``evict`` command never sends a key
 pinned since it was recorded. With the shared log (the Redis transport's replicas) a replica
-delivers and finishes only the commands it holds the lease of (:meth:`CommandLog.claim`) and
-runs the eviction pass only while it leads it (:meth:`CommandLog.leads`).
+delivers only the commands it holds the lease of (:meth:`CommandLog.claim`) and runs the
+eviction pass only while it leads it (:meth:`CommandLog.leads`). It claims only the commands it
+can carry (:meth:`Delivery.carries`): none whose instances are all registered with another
+replica (it cannot reach their MP servers, and a lease it took would make the replica that can
+wait out the lease and the failed attempt's backoff). Whether a command is done is read from
+the directory, which every replica has: any replica finishes it (:meth:`Delivery.check`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -64,7 +69,29 @@ PERIOD_S = 0.5
 WORKERS = 8
 """How many instances a pass delivers to at once (one thread each: the commands to one
 instance are sent in order, one at a time; an instance beyond these waits for a later pass)."""
-_STRIPES = 64
+
+
+class _OneAtATime:
+    """One holder per command at a time (the route's first attempt and the loop's may meet on
+    a new command), and no wait between two commands: a slow delivery holds up only its own
+    command (a fixed set of striped locks would make two commands on one stripe wait)."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._held: set[str] = set()
+
+    @contextlib.contextmanager
+    def holding(self, command_id: str) -> Iterator[None]:
+        with self._changed:
+            while command_id in self._held:
+                self._changed.wait()
+            self._held.add(command_id)
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._held.discard(command_id)
+                self._changed.notify_all()
 
 
 def no_servers(url: str) -> MpServer:
@@ -84,10 +111,14 @@ class Copy:
 
 class Fleet(Protocol):
     """What delivery reads of the coordinator: a registered instance's URL (``None``: not
-    registered), the registered members of a shared L2 pool (by backend), the pools an instance
-    is a member of, and the copies of keys (``CoordinatorService`` answers it)."""
+    registered), whether an instance is registered with another replica only (the Redis
+    transport's ``<stream>:instances``), the registered members of a shared L2 pool (by
+    backend), the pools an instance is a member of, and the copies of keys
+    (``CoordinatorService`` answers it)."""
 
     def url_of(self, instance_id: str) -> str | None: ...
+
+    def registered_elsewhere(self, instance_id: str) -> bool: ...
 
     def pool_members(self, backend: str) -> list[str]: ...
 
@@ -107,7 +138,7 @@ class Delivery:
         self._commands = commands  # the log is replaced when a snapshot is restored
         self.fleet = fleet
         self.servers = servers
-        self._locks = [threading.Lock() for _ in range(_STRIPES)]  # one delivery per command
+        self._sending = _OneAtATime()  # one delivery per command
         self._busy_lock = threading.Lock()
         self._busy: dict[str, set[str]] = {}  # instance -> the commands its worker sends
         self.eviction: Callable[[], object] | None = None
@@ -158,11 +189,12 @@ class Delivery:
             except Exception:  # deliveries go on without it
                 log.exception("fleet eviction pass failed")
         unfinished = log_.unfinished()
-        owned = log_.claim(c.command_id for c in unfinished)  # shared log: one replica each
+        # shared log: one replica each, among those that can carry it
+        owned = log_.claim(c.command_id for c in unfinished if self.carries(c))
         with self._busy_lock:  # a worker still sending them: not finished under its feet
-            owned -= set().union(*self._busy.values())
-        for c in unfinished:
-            if c.command_id in owned and (c.state == "sent" or c.kind in ("delete", "evict")):
+            busy = set().union(*self._busy.values())
+        for c in unfinished:  # done or not: the directory says, on every replica
+            if c.command_id not in busy and (c.state == "sent" or c.kind in ("delete", "evict")):
                 self.check(c)
         by_instance: dict[str, list[Command]] = {}
         for c in log_.due():
@@ -186,6 +218,15 @@ class Delivery:
                 worker.join()
         self.moves.release_failed()  # the holds of moves that failed (best effort)
         log_.prune()
+
+    def carries(self, c: Command) -> bool:
+        """Whether this coordinator may take ``c`` on: one of its instances (a move's target
+        or source) is registered here, or none is registered with another replica (nobody
+        reaches it better: a shared pool's member, a failure, a move whose source left)."""
+        needed = [i for i in (*c.targets, c.source) if i]
+        if any(self.fleet.url_of(i) is not None for i in needed):
+            return True
+        return not any(self.fleet.registered_elsewhere(i) for i in needed)
 
     def _deliver_all(self, instance: str, due: list[Command]) -> None:
         """One instance's due commands, in order (a worker of :meth:`run_once`)."""
@@ -266,9 +307,9 @@ class Delivery:
         attempt or another replica delivered it, or pushed its next attempt out)."""
         # the route's first attempt and the loop may meet on a new command: one waits for
         # the other, then sends only if the command still needs it (its own answer stays true)
-        with self._locks[hash(command.command_id) % _STRIPES]:
-            if not self.commands.claim([command.command_id]):
-                return None  # another replica holds it (and delivers it)
+        with self._sending.holding(command.command_id):
+            if not self.carries(command) or not self.commands.claim([command.command_id]):
+                return None  # another replica holds it, or can reach it (and delivers it)
             current = self.commands.get(command.command_id)
             if current is None or current.state in ("completed", "failed"):
                 return None
@@ -381,7 +422,10 @@ class Delivery:
             return
         if c.kind not in ("delete", "evict"):
             return
-        target_gone = self.fleet.url_of(c.targets[0]) is None
+        target = c.targets[0]
+        target_gone = self.fleet.url_of(target) is None and not self.fleet.registered_elsewhere(
+            target
+        )
         if c.state != "sent" and not target_gone:
             return  # its instance is up: it is asked before the command can be done
         if not any(self._left(c)):

@@ -4,7 +4,7 @@ instances share an L2 pool, and the copies the directory shows of keys."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -23,9 +23,22 @@ from kvatlas.keys import ObjectKey
 
 
 class CoordinatorFleet:
-    def __init__(self, instances: InstanceRegistry, directory: KeyDirectory) -> None:
+    def __init__(
+        self,
+        instances: InstanceRegistry,
+        directory: KeyDirectory,
+        seen: Callable[[], Mapping[str, str | None]] = dict,
+    ) -> None:
+        """``seen``: the instances some replica recorded as registered lately (the service's
+        ``elsewhere``, from ``<stream>:instances``; empty without replicas)."""
         self.instances = instances
         self.directory = directory
+        self.seen = seen
+
+    def registered_elsewhere(self, instance_id: str) -> bool:
+        """Registered with another replica, not with this one (its MP server is that
+        replica's to call)."""
+        return instance_id in self.seen() and not self.instances.known(instance_id)
 
     def url_of(self, instance_id: str) -> str | None:
         """The MP-server URL a registered instance gave (``http://ip:http_port``, as LMCache's
@@ -73,12 +86,14 @@ def cache_control_of(
     eviction_policy: EvictionPolicy = DEFAULT_POLICY,
     store: SharedStore | None = None,
     lease_s: float = 30.0,
+    seen: Callable[[], Mapping[str, str | None]] = dict,
 ) -> tuple[CacheControl, Delivery]:
     """A coordinator's cache control (keys by its own hashing, usage from its directory's L2
     bytes) and its delivery (``mp_servers``: the client commands are delivered with; ``None``:
     none, they stay pending), which runs the fleet eviction pass with ``eviction_policy``; its
     figures on ``registry``. With ``store`` (the Redis transport) pins, quotas and commands
-    are the fleet's, in Redis, and each command is leased to one replica for ``lease_s``."""
+    are the fleet's, in Redis, and each command is leased to one replica for ``lease_s``;
+    ``seen``: the instances the replicas recorded as registered (:class:`CoordinatorFleet`)."""
     shared: dict[str, Any] = {}
     if store is not None:
         shared = {
@@ -91,7 +106,7 @@ def cache_control_of(
         chunk_size, is_instance=instances.known, usage_by_salt=directory.bytes_by_salt,
         hash_chunks=hash_chunks, **shared,
     )  # fmt: skip
-    fleet = CoordinatorFleet(instances, directory)
+    fleet = CoordinatorFleet(instances, directory, seen)
     delivery = Delivery(lambda: control.commands, fleet, mp_servers or no_servers)
     eviction = FleetEviction(lambda: control, directory, eviction_policy)
     delivery.eviction = eviction.maybe_run
