@@ -19,7 +19,7 @@ from typing import IO, TypeVar
 from kvatlas.asgi_thread import ThreadedServer, bind_listener, free_port, serve
 from kvatlas.auth import TokenAuth
 from kvatlas.coordinator.app import create_app
-from kvatlas.coordinator.cache_control.delivery import MpServers
+from kvatlas.coordinator.cache_control.delivery_contract import MpServers
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.runtime import (
     COLLECTIONS,
@@ -101,7 +101,7 @@ def claim_state(config: CoordinatorConfig) -> IO[str] | None:
         if config.snapshot_path is not None:
             lock = lock_snapshot_path(config.snapshot_path)
         if config.event_transport == "redis":
-            from kvatlas.coordinator.stream_consumer import refuse_held_group
+            from kvatlas.coordinator.consumer_group import refuse_held_group
 
             refuse_held_group(config)
     except BaseException:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
-from kvatlas.coordinator.cache_control.delivery import MpServers
+from kvatlas.coordinator.cache_control.delivery_contract import MpServers
 from kvatlas.coordinator.cache_control.eviction import EvictionPolicy
 from kvatlas.coordinator.cache_control.fleet import cache_control_of
 from kvatlas.coordinator.cache_control.shared_store import SharedStore

@@ -83,15 +83,6 @@ def _header_map(scope: Scope) -> dict[bytes, bytes]:
     return found
 
 
-def fits(prompt_tokens: int, max_tokens: int | None, max_model_len: int | None) -> bool:
-    """vLLM's check: prompt + max_tokens within the context, or a prompt that leaves room."""
-    if max_model_len is None:
-        return True
-    if max_tokens is None:
-        return prompt_tokens < max_model_len
-    return prompt_tokens + max_tokens <= max_model_len
-
-
 class Router:
     """Tokenize, score, choose, proxy; and the loops that keep engines' health and load."""
 
@@ -227,7 +218,7 @@ class Router:
         if req.prompt_tokens is None:
             return serving
         n = len(req.prompt_tokens)
-        fitting = [e for e in serving if fits(n, req.max_tokens, e.max_model_len(req.model))]
+        fitting = [e for e in serving if e.fits(req.model, n, req.max_tokens)]
         if not fitting:
             longest = max(e.max_model_len(req.model) or 0 for e in serving)
             asked = "" if req.max_tokens is None else f" + {req.max_tokens} max_tokens"

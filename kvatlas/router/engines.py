@@ -51,6 +51,15 @@ class Engine:
     def max_model_len(self, model: str) -> int | None:
         return None if self.models is None else self.models.get(model)
 
+    def fits(self, model: str, prompt_tokens: int, max_tokens: int | None) -> bool:
+        """vLLM's check: prompt + max_tokens within the context, or a prompt that leaves room."""
+        limit = self.max_model_len(model)
+        if limit is None:
+            return True
+        if max_tokens is None:
+            return prompt_tokens < limit
+        return prompt_tokens + max_tokens <= limit
+
 
 def parse_vllm_gauges(text: str) -> dict[str, float]:
     """vLLM's three load gauges from a Prometheus exposition, summed over label sets (one per

@@ -22,7 +22,8 @@ from kvatlas.api.cache_control import (
     TierName,
 )
 from kvatlas.coordinator.cache_control import Command, CommandLog, moves
-from kvatlas.coordinator.cache_control.delivery import Copy, Delivery, MpServer, object_key
+from kvatlas.coordinator.cache_control.delivery import Delivery, object_key
+from kvatlas.coordinator.cache_control.delivery_contract import Copy, MpServer
 from kvatlas.coordinator.cache_control.shared_commands import SharedCommandLog
 from kvatlas.coordinator.cache_control.shared_store import SharedStore
 from kvatlas.errors import Unavailable

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry
 
 from kvatlas.coordinator.cache_control import CacheControl, CommandLog
-from kvatlas.coordinator.cache_control.delivery import Copy, Delivery, object_key
+from kvatlas.coordinator.cache_control.delivery import Delivery, object_key
+from kvatlas.coordinator.cache_control.delivery_contract import Copy
 from kvatlas.coordinator.cache_control.eviction import (
     EvictionPolicy,
     KeyFacts,

@@ -31,7 +31,7 @@ import redis
 
 from kvatlas.asgi_thread import free_port
 from kvatlas.client import EventSink, RedisStreamTransport
-from kvatlas.coordinator.stream_consumer import GroupHeld, ensure_group_free, group_consumers
+from kvatlas.coordinator.consumer_group import GroupHeld, ensure_group_free, group_consumers
 from kvatlas.events import STORE, CacheEntry
 from kvatlas.node.server import NodeProcess
 from kvatlas.processes import is_healthy

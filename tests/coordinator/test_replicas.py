@@ -28,8 +28,8 @@ import redis
 
 from kvatlas.client import EventSink, RedisStreamTransport
 from kvatlas.coordinator.config import CoordinatorConfig, parse_config
+from kvatlas.coordinator.consumer_group import GroupHeld, ensure_group_free, group_consumers
 from kvatlas.coordinator.server import BackgroundServer, free_port
-from kvatlas.coordinator.stream_consumer import GroupHeld, ensure_group_free, group_consumers
 from kvatlas.directory import KeyDirectory, load_snapshot
 from kvatlas.events import CacheEntry, EventBatch, decode_stream_fields
 from kvatlas.keys import BlendNamespace, ObjectKey, chunk_hashes, pack_kv_rank

@@ -1,5 +1,5 @@
 """Cache control wired into the coordinator (:func:`cache_control_of`), and what delivery
-reads of it (:class:`~.delivery.Fleet`): where a registered instance's MP server listens, which
+reads of it (:class:`~.delivery_contract.Fleet`): where a registered instance's MP server listens, which
 instances share an L2 pool, and the copies the directory shows of keys."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from kvatlas.coordinator.cache_control.delivery import Copy, Delivery, MpServers, no_servers
+from kvatlas.coordinator.cache_control.delivery import Delivery
+from kvatlas.coordinator.cache_control.delivery_contract import Copy, MpServers, no_servers
 from kvatlas.coordinator.cache_control.eviction import DEFAULT_POLICY, EvictionPolicy
 from kvatlas.coordinator.cache_control.eviction_loop import FleetEviction
 from kvatlas.coordinator.cache_control.metrics import CacheControlCollector

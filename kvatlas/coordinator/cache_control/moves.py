@@ -67,7 +67,7 @@ T = TypeVar("T")
 
 
 class MoveServer(Protocol):
-    """The MP-server calls a move makes (``delivery.MpServer`` has them)."""
+    """The MP-server calls a move makes (``delivery_contract.MpServer`` has them)."""
 
     def delete_objects(
         self, keys: Sequence[EncodedKey], tier: TierName = "all", *, force: bool = False
