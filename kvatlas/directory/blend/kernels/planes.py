@@ -181,7 +181,7 @@ def planes_equal(q: Any, pos: Any, addr: Any, chunk: Any) -> Any:
         if (acc & np.uint32(0xFFFF)) != 0 or (acc >> top) != 0:
             return False
         for p in range(h):
-            column = bit_column(start + 4 * k, np.uint32(16 + p))  # type: ignore[call-arg]
+            column: Any = bit_column(start + 4 * k, np.uint32(16 + p))  # type: ignore[call-arg]
             if column != _plane_word(planes, p * stride + (k >> 3), 8):
                 return False
     if whole == chunk:
