@@ -119,3 +119,35 @@ def test_any_bad_character_anywhere_at_any_alignment(
     broken[at] = bad
     src = np.frombuffer(b"=" * shift + bytes(broken), dtype=np.uint8)[shift:]
     assert decode_base64(src) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=40, max_size=700), st.data())
+def test_blocks_take_every_byte_value_anywhere(data: bytes, draw: st.DataObject) -> None:
+    """Texts of several 64-character blocks (decoded as vectors) and a rest: any byte value at
+    any position is accepted exactly when the alphabet holds it (then it decodes as the
+    reference does), in either alphabet, wherever the text starts in its buffer."""
+    urlsafe = draw.draw(st.booleans())
+    text = bytearray((base64.urlsafe_b64encode if urlsafe else base64.b64encode)(data))
+    at = draw.draw(st.integers(0, len(text) - 1))
+    text[at] = draw.draw(st.integers(0, 255))
+    shift = draw.draw(st.integers(0, 7))
+    src = np.frombuffer(b"A" * shift + bytes(text), dtype=np.uint8)[shift:]
+    ours = decode_base64(src)
+    assert (None if ours is None else ours.tobytes()) == _reference(bytes(text))
+
+
+def test_block_path_is_taken_and_refuses_per_character() -> None:
+    """Negative control: a 32k-token text (the lookups' size) decodes, and each character
+    outside the alphabet, in the first, a middle and the last whole block, is refused."""
+    data = np.random.default_rng(3).integers(0, 1 << 32, 32768, dtype=np.uint64)
+    text = base64.b64encode(data.astype(np.uint32).tobytes())
+    decoded = decode_base64(np.frombuffer(text, dtype=np.uint8))
+    assert decoded is not None and decoded.tobytes() == base64.b64decode(text)
+    alphabet = set(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/-_")
+    whole = (len(text) - 4) // 64 * 64
+    for at in (0, 63, len(text) // 2, whole - 1):
+        for byte in set(range(256)) - alphabet:
+            broken = bytearray(text)
+            broken[at] = byte
+            assert decode_base64(np.frombuffer(bytes(broken), dtype=np.uint8)) is None, (at, byte)

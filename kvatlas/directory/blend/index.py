@@ -34,6 +34,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import pairwise
+from operator import itemgetter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -268,13 +269,17 @@ class BlendIndex:
                 self.false_probes += false_probes
                 if pos.shape[0] == 0:
                     continue
-                hashes: list[bytes] = list(map(names.__getitem__, occ.tolist()))  # type: ignore[arg-type]
+                ids = occ.tolist()  # occupant -> chunk_hash by one C-level call (no call per hit)
+                hashes: list[bytes] = (
+                    list(itemgetter(*ids)(names)) if len(ids) > 1 else [names[ids[0]]]
+                )
             fresh = set(hashes)
             if len(fresh) != len(hashes) or not seen.isdisjoint(fresh):
                 # a chunk_hash seen before (another segment, another content): its first only
                 keep = [i for i, h in enumerate(hashes) if not (h in seen or seen.add(h))]  # type: ignore[func-returns-value]
                 hashes, off, pos = [hashes[i] for i in keep], off[keep], pos[keep]
-            seen |= fresh
+            if stop < n_starts:  # another segment follows
+                seen |= fresh
             parts.append(MatchColumns(hashes, off, pos))
         if len(parts) == 1:
             return parts[0]

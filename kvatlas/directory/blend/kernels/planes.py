@@ -28,7 +28,15 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.directory.blend.kernels.pointers import inline, jit, u8_ptr, u16_ptr, u32_ptr
+from kvatlas.directory.blend.kernels.pointers import (
+    BIT_COLUMN,
+    bit_column,
+    inline,
+    jit,
+    u8_ptr,
+    u16_ptr,
+    u32_ptr,
+)
 
 PLANES = np.dtype("V1")
 """The dtype of a stored content in the planes form (this object: other ``V1`` dtypes are
@@ -137,37 +145,57 @@ def planes_load(out: Any, addr: Any, n: Any) -> None:
             out[k] |= bit << shift
 
 
+@inline
+def _plane_word(planes: Any, at: Any, nbytes: Any) -> Any:
+    """``nbytes`` (at most 8) bytes of the planes from byte ``at``, as a little-endian word
+    (a whole block's 8 bytes compile to one load)."""
+    word = np.uint64(0)
+    for b in range(nbytes):
+        word |= np.uint64(planes[at + b]) << np.uint64(8 * b)
+    return word
+
+
 @jit
 def planes_equal(q: Any, pos: Any, addr: Any, chunk: Any) -> Any:
-    """``q[pos:pos+chunk]`` equals the planes-form content of ``chunk`` ids at ``addr``: per
-    block of 64 ids, the low halves and "no id above the planes" as an OR of XORs (SIMD),
-    then each plane as one 64-bit word against the same bit of the block's ids gathered into
-    one (an OR reduction: SIMD too), stopping at the first differing block."""
+    """``q[pos:pos+chunk]`` (a contiguous ``uint32`` array) equals the planes-form content of
+    ``chunk`` ids at ``addr``. Per block of 64 ids, stopping at the first differing one: an
+    OR of ``id ^ low half`` over the block (SIMD) must be zero in its low 16 bits (the low
+    halves agree) and above the planes (no id too large); then each plane is one 64-bit word
+    against the same bit of the block's ids (:func:`bit_column`). Whole blocks run with a
+    constant trip count (what makes the loop SIMD); the last, shorter block, if any, gathers
+    its bits one id at a time."""
     h = np.int64(u8_ptr(addr)[0])  # type: ignore[call-arg]
     low: Any = u16_ptr(addr + HEADER)  # type: ignore[call-arg]
     stride = plane_bytes(chunk)
     planes: Any = u8_ptr(addr + HEADER + 2 * chunk)  # type: ignore[call-arg]
     top = np.uint32(16 + h)
-    k = 0
-    while k < chunk:
-        end = min(k + 64, chunk)
-        diff = np.uint32(0)
-        for i in range(k, end):
-            v = q[pos + i]
-            diff |= ((v & np.uint32(0xFFFF)) ^ np.uint32(low[i])) | (v >> top)
-        if diff != 0:
+    if q.strides[0] != 4:  # read through its address: any other layout would be misread
+        raise ValueError("planes_equal: the query must be a contiguous uint32 array")
+    start = q.ctypes.data + 4 * pos
+    ids: Any = u32_ptr(start)  # type: ignore[call-arg]
+    whole = chunk - chunk % BIT_COLUMN
+    for k in range(0, whole, BIT_COLUMN):
+        acc = np.uint32(0)
+        for i in range(BIT_COLUMN):
+            acc |= ids[k + i] ^ np.uint32(low[k + i])
+        if (acc & np.uint32(0xFFFF)) != 0 or (acc >> top) != 0:
             return False
         for p in range(h):
-            shift = np.uint32(16 + p)
-            bits = np.uint64(0)
-            for i in range(k, end):
-                bit = np.uint64((q[pos + i] >> shift) & np.uint32(1))
-                bits |= bit << np.uint64(i - k)
-            row = p * stride + (k >> 3)
-            stored = np.uint64(0)
-            for b in range((end - k + 7) >> 3):
-                stored |= np.uint64(planes[row + b]) << np.uint64(8 * b)
-            if bits != stored:
+            column: Any = bit_column(start + 4 * k, np.uint32(16 + p))  # type: ignore[call-arg]
+            if column != _plane_word(planes, p * stride + (k >> 3), 8):
                 return False
-        k = end
+    if whole == chunk:
+        return True
+    acc = np.uint32(0)
+    for i in range(whole, chunk):
+        acc |= ids[i] ^ np.uint32(low[i])
+    if (acc & np.uint32(0xFFFF)) != 0 or (acc >> top) != 0:
+        return False
+    for p in range(h):
+        shift = np.uint32(16 + p)
+        bits = np.uint64(0)
+        for i in range(whole, chunk):
+            bits |= np.uint64((ids[i] >> shift) & np.uint32(1)) << np.uint64(i - whole)
+        if bits != _plane_word(planes, p * stride + (whole >> 3), (chunk - whole + 7) >> 3):
+            return False
     return True

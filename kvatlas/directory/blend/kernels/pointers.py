@@ -101,3 +101,34 @@ def prefetch_addr(typingctx: Any, addr: Any) -> Any:
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+BIT_COLUMN = 64
+"""Ids :func:`bit_column` reads: one bit of each, one ``uint64``."""
+
+
+@intrinsic
+def bit_column(typingctx: Any, addr: Any, shift: Any) -> Any:
+    """Bit ``shift`` (< 32) of each of the :data:`BIT_COLUMN` ``uint32`` at ``addr`` (4-byte
+    aligned), as one ``uint64`` whose bit ``k`` is that of the ``k``-th id: the
+    planes form's layout (``planes.py``) of a block of 64 ids, gathered from them.
+
+    Written as one vector operation (load, shift, truncate to 64 single bits, reinterpret as
+    an integer) so the compiler emits a mask extraction (``vpmovd2m`` with AVX-512,
+    ``vmovmskps`` with AVX2) instead of 64 scalar shift-and-or steps; a loop written in
+    Python does not compile to it. Element ``k`` lands in bit ``k`` on little-endian hosts,
+    the only ones kvatlas runs on (``tests/directory/test_token_verification.py``)."""
+    sig = types.uint64(types.int64, types.uint32)  # type: ignore[no-untyped-call]
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        address, bit = args
+        i32 = ir.IntType(32)
+        vector = ir.VectorType(i32, BIT_COLUMN)
+        ids = builder.load(builder.inttoptr(address, vector.as_pointer()), align=4)
+        undef = ir.Constant(vector, ir.Undefined)
+        first = builder.insert_element(undef, bit, ir.Constant(i32, 0))
+        shifts = builder.shuffle_vector(first, undef, ir.Constant(vector, [0] * BIT_COLUMN))
+        bits = builder.trunc(builder.lshr(ids, shifts), ir.VectorType(ir.IntType(1), BIT_COLUMN))
+        return builder.bitcast(bits, ir.IntType(BIT_COLUMN))
+
+    return sig, codegen

@@ -25,6 +25,8 @@ from kvatlas.directory.blend.kernels.pointers import inline, jit, releasing, u16
 EMPTY = -1
 _MIX1 = np.uint64(0x9E3779B97F4A7C15)
 _MIX2 = np.uint64(0xC2B2AE3D27D4EB4F)
+_BLOCK = 64
+"""Ids compared per block by :func:`_equal_to` before it may stop."""
 
 
 @jit
@@ -62,9 +64,12 @@ def _content_home_of(c_fp: Any, cid: Any, mask: Any) -> Any:
 
 @jit
 def equal_at(q: Any, pos: Any, addr: Any, chunk: Any) -> Any:
-    """``q[pos:pos+chunk]`` equals the ``chunk`` tokens at the token address ``addr`` (either
-    width, see ``layout.TOKENS_U16``, or the planes form): compared 64 at a time with an OR
-    of XORs (SIMD, no branch per token), stopping at the first differing block."""
+    """``q[pos:pos+chunk]`` (a contiguous ``uint32`` array) equals the ``chunk`` tokens at the
+    token address ``addr`` (either width, see ``layout.TOKENS_U16``, or the planes form):
+    compared 64 at a time with an OR of XORs (SIMD, no branch per token), stopping at the
+    first differing block."""
+    if q.strides[0] != 4:  # read through its address: any other layout would be misread
+        raise ValueError("equal_at: the query must be a contiguous uint32 array")
     if addr & TOKENS_U16:
         return _equal_to(q, pos, u16_ptr(addr & ADDRESS_BITS), chunk)  # type: ignore[call-arg]
     if addr & TOKENS_PLANES:
@@ -74,17 +79,22 @@ def equal_at(q: Any, pos: Any, addr: Any, chunk: Any) -> Any:
 
 @jit
 def _equal_to(q: Any, pos: Any, p: Any, chunk: Any) -> Any:
-    """:func:`equal_at` of a typed pointer (compiled once per token width)."""
-    k = 0
-    while k < chunk:
-        end = min(k + 64, chunk)
+    """:func:`equal_at` of a typed pointer (compiled once per token width). Whole blocks of
+    64 run with a constant trip count, read through the query's address: the form the
+    compiler turns into SIMD (a loop bounded by ``min(k + 64, chunk)`` over the array is
+    not)."""
+    ids: Any = u32_ptr(q.ctypes.data + 4 * pos)  # type: ignore[call-arg]
+    whole = chunk - chunk % _BLOCK
+    for k in range(0, whole, _BLOCK):
         diff = np.uint32(0)
-        for i in range(k, end):
-            diff |= q[pos + i] ^ np.uint32(p[i])
+        for i in range(_BLOCK):
+            diff |= ids[k + i] ^ np.uint32(p[k + i])
         if diff != 0:
             return False
-        k = end
-    return True
+    diff = np.uint32(0)
+    for i in range(whole, chunk):
+        diff |= ids[i] ^ np.uint32(p[i])
+    return diff == 0
 
 
 @jit
