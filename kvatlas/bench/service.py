@@ -386,9 +386,13 @@ def run(args: argparse.Namespace) -> int:
             lm_lookup,
             lmcache.label,
         )
-        print_comparison(
-            f"kvatlas vs {lmcache.label}, same bodies, same run", lmcache.label, compared
+        title = (
+            f"kvatlas vs {lmcache.label} over HTTP, same run, same bodies: {args.entries:,} "
+            f"entries in bodies of {args.batch_entries * args.batches_per_post}; blend lookups of "
+            f"{args.query_tokens:,} tokens, {args.clients} connections, {args.index_chunks:,} "
+            "chunks indexed"
         )
+        print_comparison(title, lmcache.label, compared)
         if args.json is not None:
             add_to_json(args.json, lmcache.label, compared)
     return 0
