@@ -141,7 +141,7 @@ def _ingest_rows(
     )  # fmt: skip
     rss = Comparison(
         f"{case}: server RSS growth per chunk after {ours.entries:,} chunks"
-        + ("" if theirs.entries == ours.entries else f" ({label}: after {theirs.entries:,})"),
+        + ("" if theirs.entries == ours.entries else f" ({label} after {theirs.entries:,})"),
         "B", ours.rss_per_chunk, theirs.rss_per_chunk, lower_is_better=True,
         target="≤ 0.9 KB", met=ours.rss_per_chunk <= 900,
         notes=f"after {SETTLE_S:g} s idle: kvatlas {ours.rss_idle_per_chunk:,.0f} B, "
