@@ -347,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
     meta: dict[str, Any] = vars(args).copy()
     meta.pop("json", None)
     meta.pop("plot", None)
-    meta["lmcache"] = lmcache.label if lmcache is not None else None
+    meta["lmcache_measured"] = lmcache.label if lmcache is not None else None
     rows: list[BenchRow] = []
     ingest: tuple[IngestWorkload, IngestFigures] | None = None
     lookup: tuple[LookupWorkload, LookupFigures] | None = None
