@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import numpy as np
 from rich.progress import Progress
 
 from kvatlas.asgi_thread import free_port
 from kvatlas.bench.common import BenchRow, add_common_arguments, refuse, report
-from kvatlas.bench.comparison import add_to_json, print_comparison
+from kvatlas.bench.comparison import Comparison, add_to_json, print_comparison
 from kvatlas.bench.ingest_bodies import CHUNK, bodies_of, post_all, store_batches
-from kvatlas.bench.lmcache_reference import find_lmcache
+from kvatlas.bench.lmcache_reference import LMCacheEnv, find_lmcache
 from kvatlas.bench.server_cpu import warn_no_wrk, wrk_path
 from kvatlas.bench.service_lmcache import comparisons, lmcache_entries, measure_lmcache
 from kvatlas.bench.service_runs import (
@@ -37,7 +39,7 @@ from kvatlas.bench.service_runs import (
     run_lookups,
     timed_streams,
 )
-from kvatlas.errors import InvalidInput
+from kvatlas.errors import InvalidInput, Unavailable
 from kvatlas.events import encode_json, encode_msgpack
 from kvatlas.processes import spawn_service, stop
 from kvatlas.workloads import LLAMA2, LLAMA3
@@ -361,38 +363,62 @@ def run(args: argparse.Namespace) -> int:
             lookup_rows, lookup_wl, lookup_figures = _bench_lookup(args, rng, progress, use_wrk)
             rows += lookup_rows
             lookup = (lookup_wl, lookup_figures)
-        if lmcache is not None:
-            streams, entries = (
-                lmcache_entries(
-                    ingest[0].streams["json"], ingest[0].per_emitter, ingest[0].per_body,
-                    args.lmcache_entries,
-                )
-                if ingest is not None
-                else (None, 0)
-            )  # fmt: skip
-            lm_ingest, lm_lookup = measure_lmcache(
-                lmcache, args, streams=streams, entries=entries,
-                warmup=ingest[0].warmups["json"] if ingest is not None else b"",
-                lookup=lookup[0] if lookup is not None else None, use_wrk=use_wrk,
-                settle_s=SETTLE_S, progress=progress,
-            )  # fmt: skip
+        compared = (
+            _against_lmcache(args, lmcache, ingest, lookup, use_wrk, progress)
+            if lmcache is not None
+            else None
+        )
     report("kvatlas bench service", rows, args, meta)
-    if lmcache is not None:
-        compared = comparisons(
-            args,
-            ingest[1] if ingest is not None else None,
-            lm_ingest,
-            lookup[1] if lookup is not None else None,
-            lm_lookup,
-            lmcache.label,
-        )
-        title = (
-            f"kvatlas vs {lmcache.label} over HTTP, same run, same bodies: {args.entries:,} "
-            f"entries in bodies of {args.batch_entries * args.batches_per_post}; blend lookups of "
-            f"{args.query_tokens:,} tokens, {args.clients} connections, {args.index_chunks:,} "
-            "chunks indexed"
-        )
-        print_comparison(title, lmcache.label, compared)
-        if args.json is not None:
-            add_to_json(args.json, lmcache.label, compared)
+    if lmcache is None:
+        return 0
+    if compared is None:
+        return 1  # said why on stderr: the run did not measure what it was asked to
+    title = (
+        f"kvatlas vs {lmcache.label} over HTTP, same run, same bodies: {args.entries:,} "
+        f"entries in bodies of {args.batch_entries * args.batches_per_post}; blend lookups of "
+        f"{args.query_tokens:,} tokens, {args.clients} connections, {args.index_chunks:,} "
+        "chunks indexed"
+    )
+    print_comparison(title, lmcache.label, compared)
+    if args.json is not None:
+        add_to_json(args.json, lmcache.label, compared)
     return 0
+
+
+def _against_lmcache(
+    args: argparse.Namespace,
+    lmcache: LMCacheEnv,
+    ingest: tuple[IngestWorkload, IngestFigures] | None,
+    lookup: tuple[LookupWorkload, LookupFigures] | None,
+    use_wrk: bool,
+    progress: Progress,
+) -> list[Comparison] | None:
+    """LMCache's side of what ran (``service_lmcache``) and the rows comparing both, or
+    ``None`` (said on stderr) when LMCache's coordinator would not start or answer: our table
+    is still printed."""
+    streams, entries = (
+        lmcache_entries(
+            ingest[0].streams["json"], ingest[0].per_emitter, ingest[0].per_body,
+            args.lmcache_entries,
+        )
+        if ingest is not None
+        else (None, 0)
+    )  # fmt: skip
+    try:
+        lm_ingest, lm_lookup = measure_lmcache(
+            lmcache, args, streams=streams, entries=entries,
+            warmup=ingest[0].warmups["json"] if ingest is not None else b"",
+            lookup=lookup[0] if lookup is not None else None, use_wrk=use_wrk,
+            settle_s=SETTLE_S, progress=progress,
+        )  # fmt: skip
+    except (Unavailable, httpx.HTTPError) as e:
+        print(f"kvatlas bench service: {lmcache.label} could not be measured: {e}", file=sys.stderr)
+        return None
+    return comparisons(
+        args,
+        ingest[1] if ingest is not None else None,
+        lm_ingest,
+        lookup[1] if lookup is not None else None,
+        lm_lookup,
+        lmcache.label,
+    )

@@ -16,12 +16,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from rich.progress import Progress
 
 from kvatlas.bench import common, service
 from kvatlas.bench.comparison import add_to_json, print_comparison
 from kvatlas.bench.lmcache_reference import REFERENCE_VERSION, LMCacheEnv, find_lmcache
 from kvatlas.bench.service_lmcache import comparisons, lmcache_entries, measure_lmcache
-from kvatlas.bench.service_runs import IngestFigures, lookup_workload, timed_streams
+from kvatlas.bench.service_runs import (
+    IngestFigures,
+    LookupFigures,
+    lookup_workload,
+    timed_streams,
+)
 from kvatlas.cli import _build_parser as build_parser
 from kvatlas.workloads import LLAMA3
 from tests.lmcache_mp.server import require_lmcache
@@ -64,6 +70,41 @@ def test_an_environment_whose_python_has_no_lmcache_is_refused(
         assert "has no LMCache installed" in capsys.readouterr().err
 
 
+def _fake_env(tmp_path: Path, version: str, lmcache_script: str) -> Path:
+    """A venv whose Python reports LMCache ``version`` and whose ``lmcache`` runs the script."""
+    bin_dir = tmp_path / "fake-venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").write_text(f"#!/bin/sh\necho {version}\n")
+    (bin_dir / "lmcache").write_text(f"#!/bin/sh\n{lmcache_script}\n")
+    for name in ("python", "lmcache"):
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+def test_another_version_is_measured_under_its_own_name_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    found = find_lmcache(str(_fake_env(tmp_path, "0.5.7", "exit 0").parent))
+    assert found is not None and found.label == "LMCache 0.5.7"
+    assert "holds LMCache 0.5.7; quality.md's reference is 0.5.6" in capsys.readouterr().err
+
+
+def test_an_lmcache_that_does_not_start_is_reported_and_our_rows_stand(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    found = find_lmcache(str(_fake_env(tmp_path, REFERENCE_VERSION, "echo no torch here; exit 3")))
+    assert found is not None
+    lookup = lookup_workload(np.random.default_rng(0), 10, 1024, LLAMA3)
+    with Progress() as progress:
+        compared = service._against_lmcache(
+            _args(), found, None, (lookup, LookupFigures((), ())), False, progress
+        )
+    assert compared is None  # run() still prints our table, then exits 1
+    err = capsys.readouterr().err
+    assert "LMCache 0.5.6 could not be measured" in err
+    assert "exited (3)" in err and "no torch here" in err
+
+
 def test_auto_says_on_stderr_why_lmcache_is_not_measured(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -77,11 +118,20 @@ def test_auto_says_on_stderr_why_lmcache_is_not_measured(
 
 
 def test_lmcache_ingests_the_first_bodies_holding_the_entries_asked_for() -> None:
-    args = _args("--entries", "5120", "--emitters", "2", "--batch-entries", "256")
+    args = _args(
+        "--entries", "640", "--emitters", "2", "--batch-entries", "64", "--batches-per-post", "2"
+    )  # fmt: skip
     workload = service._ingest_workload(args, np.random.default_rng(0))
     streams = workload.streams["json"]
-    assert workload.per_emitter == 2560 and workload.per_body == 1024
-    for wanted, expected in ((None, 5120), (1500, 2048), (5000, 5120), (1, 2048), (9999, 5120)):
+    assert workload.per_emitter == 320 and workload.per_body == 128
+    for wanted, expected in (
+        (None, 640),
+        (150, 256),
+        (300, 512),
+        (600, 640),
+        (1, 256),
+        (9999, 640),
+    ):
         taken, entries = lmcache_entries(streams, workload.per_emitter, workload.per_body, wanted)
         assert entries == expected == _entries_in(taken)
         assert all(t == s[: len(t)] for t, s in zip(taken, streams, strict=True))
