@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -297,7 +297,7 @@ def kvatlas_lookups(
     args: argparse.Namespace,
     workload: LookupWorkload,
     use_wrk: bool,
-    after_each: Any = lambda: None,
+    after_each: Callable[[], object] = lambda: None,
 ) -> LookupFigures:
     """``--repeats`` load runs against one coordinator indexing ``workload``'s chunks."""
     with _service([*COORDINATOR, "--max-body-bytes", str(1 << 30)]) as (url, pid):
