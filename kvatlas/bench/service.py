@@ -1,6 +1,8 @@
 """The coordinator end to end over HTTP: event ingestion (JSON vs msgpack, and a naive
 reference service) and blend-lookup throughput/latency with concurrent clients (``wrk`` when
-installed), each with the server process's CPU time per operation.
+installed), each with the server process's CPU time per operation; and, when LMCache is
+installed, the same JSON bodies and lookups against LMCache's own coordinator in the same run
+(``service_lmcache``), the reference of quality.md's HTTP rows.
 
 Token ids come from Llama 3's vocabulary (they do not fit 16 bits); JSON ingestion and the
 lookups are measured again with Llama 2's (they do) as second rows, labelled as such."""
@@ -8,11 +10,11 @@ lookups are measured again with Llama 2's (they do) as second rows, labelled as 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -21,30 +23,26 @@ from rich.progress import Progress
 
 from kvatlas.asgi_thread import free_port
 from kvatlas.bench.common import BenchRow, add_common_arguments, refuse, report
-from kvatlas.bench.ingest_bodies import (
-    CHUNK,
-    MODEL,
-    bodies_of,
-    post_all,
-    post_streams,
-    store_batches,
+from kvatlas.bench.comparison import Comparison, add_to_json, print_comparison
+from kvatlas.bench.ingest_bodies import CHUNK, bodies_of, post_all, store_batches
+from kvatlas.bench.lmcache_reference import LMCacheEnv, find_lmcache
+from kvatlas.bench.server_cpu import warn_no_wrk, wrk_path
+from kvatlas.bench.service_lmcache import comparisons, lmcache_entries, measure_lmcache
+from kvatlas.bench.service_runs import (
+    SETTLE_S,
+    IngestFigures,
+    IngestRun,
+    LookupFigures,
+    LookupWorkload,
+    lookup_workload,
+    matches_of,
+    run_lookups,
+    timed_streams,
 )
-from kvatlas.bench.loadgen import build_post
-from kvatlas.bench.server_cpu import (
-    LoadResult,
-    process_cpu_seconds,
-    process_minor_faults,
-    process_rss_bytes,
-    run_python_load,
-    run_wrk,
-    warn_no_wrk,
-    wrk_path,
-)
-from kvatlas.client import encode_tokens_b64
-from kvatlas.coordinator.runtime import TRIM_INTERVAL_S
+from kvatlas.errors import InvalidInput, Unavailable
 from kvatlas.events import encode_json, encode_msgpack
 from kvatlas.processes import spawn_service, stop
-from kvatlas.workloads import LLAMA2, LLAMA3, Vocabulary, random_token_ids
+from kvatlas.workloads import LLAMA2, LLAMA3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +75,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="lookups: wrk when installed (auto), or the Python one",
     )
+    parser.add_argument(
+        "--lmcache",
+        default="auto",
+        metavar="auto|off|PATH",
+        help="measure LMCache's coordinator in the same run: from ./.venv-lmcache when there "
+        "(auto; `make lmcache` installs it), not at all (off), or from the virtual "
+        "environment (or its bin directory) at PATH",
+    )
+    parser.add_argument(
+        "--lmcache-entries",
+        type=int,
+        default=None,
+        help="JSON entries LMCache ingests, the first of ours (default: all of --entries, one "
+        "run: it takes ≈0.2 ms of CPU an entry)",
+    )
 
 
 COORDINATOR = [
@@ -84,6 +97,8 @@ COORDINATOR = [
     "kvatlas.cli",
     "coordinator",
     "--enable-blend-lookup",
+    "--chunk-size",
+    str(CHUNK),  # LMCache's coordinator is started with the same
     "--log-level",
     "warning",
 ]
@@ -102,49 +117,25 @@ def _service(args: list[str]) -> Iterator[tuple[str, int]]:
         stop([proc])
 
 
-SETTLE_S = TRIM_INTERVAL_S + 1.5
-"""After the last JSON body: how long the server is left idle before its resident memory is
-read again (the coordinator trims its heap every ``TRIM_INTERVAL_S``)."""
+RUNS = ("json", "msgpack", "naive", "json-compact")
+_VOCAB = {"json": LLAMA3, "msgpack": LLAMA3, "naive": LLAMA3, "json-compact": LLAMA2}
+_FORMAT = {"json": "json", "msgpack": "msgpack", "naive": "json", "json-compact": "json"}
+_CONTENT_TYPE = {"json": "application/json", "msgpack": "application/msgpack"}
 
 
-def _timed_streams(
-    url: str,
-    pid: int,
-    streams: list[list[bytes]],
-    content_type: str,
-    warmup: bytes,
-    settle_s: float = 0.0,
-) -> tuple[float, float, int, int, int]:
-    """Wall time, server CPU seconds, server minor page faults and the growth of the server's
-    resident memory (bytes) to apply every stream (the warm-up not counted), then that growth
-    again after ``settle_s`` idle."""
-    headers = {"Content-Type": content_type}
-    httpx.post(f"{url}/events", content=warmup, headers=headers, timeout=120).raise_for_status()
-    cpu0, faults0, rss0 = (
-        process_cpu_seconds(pid),
-        process_minor_faults(pid),
-        process_rss_bytes(pid),
-    )
-    wall = post_streams(url, streams, content_type)
-    measured = (
-        wall,
-        process_cpu_seconds(pid) - cpu0,
-        process_minor_faults(pid) - faults0,
-        process_rss_bytes(pid) - rss0,
-    )
-    time.sleep(settle_s)
-    return (*measured, process_rss_bytes(pid) - rss0)
+@dataclass(frozen=True)
+class IngestWorkload:
+    """Each run's bodies, one list per emitter, encoded before any server starts; the warm-up
+    body of each format; entries per emitter and per body."""
+
+    streams: dict[str, list[list[bytes]]]
+    warmups: dict[str, bytes]
+    per_emitter: int
+    per_body: int
 
 
-def _bench_ingest(
-    args: argparse.Namespace, rng: np.random.Generator, progress: Progress
-) -> list[BenchRow]:
-    """JSON, msgpack and the naive service with Llama 3's vocabulary, then JSON again with
-    Llama 2's (ids that fit 16 bits: the second row), each run on a fresh coordinator."""
-    task = progress.add_task("ingestion over HTTP", total=args.repeats * 4)
+def _ingest_workload(args: argparse.Namespace, rng: np.random.Generator) -> IngestWorkload:
     per_emitter = args.entries // args.emitters
-    runs = ("json", "msgpack", "naive", "json-compact")
-    vocab = {"json": LLAMA3, "msgpack": LLAMA3, "naive": LLAMA3, "json-compact": LLAMA2}
     emitters = {
         v: [
             store_batches(rng, per_emitter, args.batch_entries, f"node-{e}", v)[0]
@@ -153,56 +144,62 @@ def _bench_ingest(
         for v in (LLAMA3, LLAMA2)
     }
     encoders = {"json": encode_json, "msgpack": encode_msgpack}
-    fmt = {"json": "json", "msgpack": "msgpack", "naive": "json", "json-compact": "json"}
-    bodies = {
-        run: [bodies_of(b, args.batches_per_post, encoders[fmt[run]]) for b in emitters[vocab[run]]]
-        for run in runs
+    streams = {
+        run: [
+            bodies_of(b, args.batches_per_post, encoders[_FORMAT[run]])
+            for b in emitters[_VOCAB[run]]
+        ]
+        for run in RUNS
     }
-    del emitters
-    ctypes = {"json": "application/json", "msgpack": "application/msgpack"}
     warm, _ = store_batches(rng, 64, 64, "warm-up")
     warmups = {"json": encode_json(warm), "msgpack": encode_msgpack(warm)}
-    service = {run: COORDINATOR for run in runs} | {"naive": ["-m", "kvatlas.bench.naive_service"]}
-    times: dict[str, list[float]] = {run: [] for run in runs}
-    cpus: dict[str, list[float]] = {run: [] for run in runs}
-    faults: dict[str, list[int]] = {run: [] for run in runs}
-    rss: dict[str, list[int]] = {run: [] for run in runs}
-    settled: dict[str, list[int]] = {run: [] for run in runs}
+    return IngestWorkload(streams, warmups, per_emitter, args.batch_entries * args.batches_per_post)
+
+
+def _bench_ingest(
+    args: argparse.Namespace, workload: IngestWorkload, progress: Progress
+) -> tuple[list[BenchRow], IngestFigures]:
+    """JSON, msgpack and the naive service with Llama 3's vocabulary, then JSON again with
+    Llama 2's (ids that fit 16 bits: the second row), each run on a fresh coordinator; and the
+    figures of the JSON run with Llama 3's (what LMCache is compared with)."""
+    task = progress.add_task("ingestion over HTTP", total=args.repeats * 4)
+    service = {run: COORDINATOR for run in RUNS} | {"naive": ["-m", "kvatlas.bench.naive_service"]}
+    runs: dict[str, list[IngestRun]] = {run: [] for run in RUNS}
     for _ in range(args.repeats):
-        for run in runs:
+        for run in RUNS:
+            fmt = _FORMAT[run]
             with _service(service[run]) as (url, pid):
-                settle = SETTLE_S if fmt[run] == "json" and run != "naive" else 0.0
-                wall, cpu, flt, grew, idle = _timed_streams(
-                    url, pid, bodies[run], ctypes[fmt[run]], warmups[fmt[run]], settle
-                )
-            times[run].append(wall)
-            cpus[run].append(cpu)
-            faults[run].append(flt)
-            rss[run].append(grew)
-            settled[run].append(idle)
+                settle = SETTLE_S if fmt == "json" and run != "naive" else 0.0
+                runs[run].append(
+                    timed_streams(
+                        url, pid, workload.streams[run], _CONTENT_TYPE[fmt], workload.warmups[fmt],
+                        settle,
+                    )
+                )  # fmt: skip
             progress.advance(task)
-    total = per_emitter * args.emitters
-    naive_s = statistics.median(times["naive"])
-    naive_cpu = statistics.median(cpus["naive"]) / total
+    total = workload.per_emitter * args.emitters
+    figures = {run: IngestFigures(total, tuple(runs[run])) for run in RUNS}
+    naive = figures["naive"]
+    naive_faults = statistics.median(r.minor_faults for r in naive.runs) / total
     rows = []
     for run in ("json", "msgpack", "json-compact"):
-        ours = statistics.median(times[run])
-        cpu = statistics.median(cpus[run]) / total
-        rate = total / ours
+        fig, fmt, vocab = figures[run], _FORMAT[run], _VOCAB[run]
+        ours = statistics.median(r.wall_s for r in fig.runs)
+        cpu, rate = fig.cpu_per_entry_s, fig.entries_per_s
         kinder = run == "json-compact"
         headline = args.emitters == 1 and not kinder
         case = (
-            f"ingest {total} token-bearing entries, {fmt[run]}, {args.emitters} emitter(s), "
-            f"{vocab[run].label}"
+            f"ingest {total} token-bearing entries, {fmt}, {args.emitters} emitter(s), "
+            f"{vocab.label}"
         )
         rows.append(
             BenchRow(
                 f"{case}: wall",
                 ours,
-                None if kinder else naive_s,
+                None if kinder else total / naive.entries_per_s,
                 "≥ 100k entries/s" if headline else "",
                 {"entries/s": f"{rate:,.0f}"}
-                | ({} if kinder else {"naive entries/s": f"{total / naive_s:,.0f}"}),
+                | ({} if kinder else {"naive entries/s": f"{naive.entries_per_s:,.0f}"}),
                 met=rate >= 100_000 if headline else None,
             )
         )
@@ -211,22 +208,18 @@ def _bench_ingest(
             BenchRow(
                 f"{case}: server CPU per entry",
                 cpu,
-                None if kinder else naive_cpu,
+                None if kinder else naive.cpu_per_entry_s,
                 "≤ 8 µs" if judged else "",
                 {
-                    "server CPU s": f"{statistics.median(cpus[run]):.2f}",
-                    "minflt/entry": f"{statistics.median(faults[run]) / total:.3f}",
+                    "server CPU s": f"{statistics.median(r.cpu_s for r in fig.runs):.2f}",
+                    "minflt/entry": f"{statistics.median(r.minor_faults for r in fig.runs) / total:.3f}",
                 }
-                | (
-                    {}
-                    if kinder
-                    else {"naive minflt/entry": f"{statistics.median(faults['naive']) / total:.3f}"}
-                ),
+                | ({} if kinder else {"naive minflt/entry": f"{naive_faults:.3f}"}),
                 met=cpu <= 8e-6 if judged else None,
             )
         )
-        if fmt[run] == "json":
-            per_chunk = statistics.median(rss[run]) / total
+        if fmt == "json":
+            per_chunk = fig.rss_per_chunk
             rows.append(
                 BenchRow(
                     f"{case}: server RSS growth per chunk",
@@ -235,61 +228,40 @@ def _bench_ingest(
                     met=None if kinder else per_chunk <= 900,
                     shown=f"{per_chunk:,.0f} B/chunk",
                     extra={
-                        "spread": _spread([r / total for r in rss[run]], 1, "B"),
-                        f"after {SETTLE_S:g} s idle": f"{statistics.median(settled[run]) / total:,.0f} B",
+                        "spread": _spread([r.rss_growth / total for r in fig.runs], 1, "B"),
+                        f"after {SETTLE_S:g} s idle": f"{fig.rss_idle_per_chunk:,.0f} B",
                     }
-                    | (
-                        {}
-                        if kinder
-                        else {"naive": f"{statistics.median(rss['naive']) / total:,.0f} B"}
-                    ),
+                    | ({} if kinder else {"naive": f"{naive.rss_per_chunk:,.0f} B"}),
                 )
             )
-    return rows
-
-
-def _rag_query(
-    rng: np.random.Generator, index_tokens: np.ndarray[Any, Any], length: int, vocab: Vocabulary
-) -> np.ndarray[Any, Any]:
-    """≈50% cached chunks at random, non-aligned offsets, the rest new text."""
-    parts, total = [], 0
-    while total < length:
-        if rng.random() < 0.5:
-            part = index_tokens[int(rng.integers(len(index_tokens)))]
-        else:
-            part = random_token_ids(rng, int(rng.integers(1, CHUNK)), vocab)
-        parts.append(part)
-        total += len(part)
-    return np.concatenate(parts)[:length]
+    return rows, figures["json"]
 
 
 def _bench_lookup(
-    args: argparse.Namespace, rng: np.random.Generator, progress: Progress
-) -> list[BenchRow]:
+    args: argparse.Namespace, rng: np.random.Generator, progress: Progress, use_wrk: bool
+) -> tuple[list[BenchRow], LookupWorkload, LookupFigures]:
     """``--repeats`` load runs of ``--lookup-seconds`` against one coordinator; each row is the
     median run, with the spread (min–max) in its notes: one run moves with the machine's load
-    by ±10% and more. Llama 3's vocabulary, then the server CPU row again with Llama 2's."""
+    by ±10% and more. Llama 3's vocabulary, then the server CPU row again with Llama 2's. Also
+    the Llama 3 workload and figures (what LMCache is compared with)."""
     task = progress.add_task("blend lookups over HTTP", total=2 * (1 + args.repeats))
-    use_wrk = args.load_generator == "wrk" or (
-        args.load_generator == "auto" and wrk_path() is not None
-    )
-    if args.load_generator == "auto" and not use_wrk:
-        warn_no_wrk()
-    results = _lookup_runs(args, rng, progress, task, use_wrk, LLAMA3)
-    compact = _lookup_runs(args, rng, progress, task, use_wrk, LLAMA2)
-    cpu = [r.per_request_cpu_s for r in results]
-    rates = [r.requests / r.seconds for r in results]
-    p50s, p99s = [r.p50_s for r in results], [r.p99_s for r in results]
-    rate = statistics.median(rates)
+    workload = lookup_workload(rng, args.index_chunks, args.query_tokens, LLAMA3)
+    main = kvatlas_lookups(args, workload, use_wrk, lambda: progress.advance(task))
+    compact_workload = lookup_workload(rng, args.index_chunks, args.query_tokens, LLAMA2)
+    compact = kvatlas_lookups(args, compact_workload, use_wrk, lambda: progress.advance(task))
+    cpu = [r.per_request_cpu_s for r in main.runs]
+    rates = [r.requests / r.seconds for r in main.runs]
+    p99s = [r.p99_s for r in main.runs]
+    rate = main.requests_per_s
     case = f"blend-lookup {args.query_tokens} tok, {args.clients} conns, {args.index_chunks} chunks"
-    runs = {"runs": len(results), "load generator": results[0].generator}
-    compact_cpu = [r.per_request_cpu_s for r in compact]
-    return [
+    runs = {"runs": len(main.runs), "load generator": main.generator}
+    compact_cpu = [r.per_request_cpu_s for r in compact.runs]
+    rows = [
         BenchRow(
             f"{case}, {LLAMA3.label}: server CPU per lookup",
-            statistics.median(cpu),
+            main.cpu_per_lookup_s,
             target="≤ 0.45 ms",
-            met=statistics.median(cpu) <= 0.45e-3,
+            met=main.cpu_per_lookup_s <= 0.45e-3,
             extra={"spread": _spread(cpu, 1e6, "µs"), **runs},
         ),
         BenchRow(
@@ -298,70 +270,45 @@ def _bench_lookup(
             target="≥ 2,000 req/s",
             met=rate >= 2000,
             shown=f"{rate:,.0f} req/s",
-            extra={
-                "spread": _spread(rates, 1, "req/s"),
-                "requests": sum(r.requests for r in results),
-            },
+            extra={"spread": _spread(rates, 1, "req/s"), "requests": main.requests},
         ),
-        BenchRow(f"{case}, {LLAMA3.label}: p50 latency", statistics.median(p50s)),
+        BenchRow(f"{case}, {LLAMA3.label}: p50 latency", main.p50_s),
         BenchRow(
             f"{case}, {LLAMA3.label}: p99 latency",
-            statistics.median(p99s),
+            main.p99_s,
             target="≤ 10 ms",
-            met=statistics.median(p99s) <= 10e-3,
+            met=main.p99_s <= 10e-3,
             extra={"spread": _spread(p99s, 1e3, "ms")},
         ),
         BenchRow(
             f"{case}, {LLAMA2.label}: server CPU per lookup",
-            statistics.median(compact_cpu),
+            compact.cpu_per_lookup_s,
             extra={
                 "spread": _spread(compact_cpu, 1e6, "µs"),
-                "requests/s": f"{statistics.median(r.requests / r.seconds for r in compact):,.0f}",
-                "p99": f"{statistics.median(r.p99_s for r in compact) * 1e3:.1f} ms",
+                "requests/s": f"{compact.requests_per_s:,.0f}",
+                "p99": f"{compact.p99_s * 1e3:.1f} ms",
             },
         ),
     ]
+    return rows, workload, main
 
 
-def _lookup_runs(
+def kvatlas_lookups(
     args: argparse.Namespace,
-    rng: np.random.Generator,
-    progress: Progress,
-    task: Any,
+    workload: LookupWorkload,
     use_wrk: bool,
-    vocab: Vocabulary,
-) -> list[LoadResult]:
-    """``--repeats`` load runs against one coordinator indexing ids from ``vocab``."""
-    path = "/directory/blend-lookup"
-    results: list[LoadResult] = []
+    after_each: Callable[[], object] = lambda: None,
+) -> LookupFigures:
+    """``--repeats`` load runs against one coordinator indexing ``workload``'s chunks."""
     with _service([*COORDINATOR, "--max-body-bytes", str(1 << 30)]) as (url, pid):
-        port = int(url.rsplit(":", 1)[1])
-        index_batches, index_tokens = store_batches(rng, args.index_chunks, 1024, "node-1", vocab)
-        post_all(url, bodies_of(index_batches, 4, encode_msgpack), "application/msgpack")
-        progress.advance(task)
-        bodies = [
-            json.dumps(
-                {
-                    "tokens_b64": encode_tokens_b64(
-                        _rag_query(rng, index_tokens, args.query_tokens, vocab)
-                    ),
-                    "model_name": MODEL,
-                }
-            ).encode()
-            for _ in range(64)
-        ]
-        requests = [build_post("127.0.0.1", port, path, body) for body in bodies]
-        run_python_load("127.0.0.1", port, requests[:8], args.clients, 0.5, pid)  # warm-up
-        for _ in range(args.repeats):
-            if use_wrk:
-                result = run_wrk(url, path, bodies, args.clients, args.lookup_seconds, pid)
-            else:
-                result = run_python_load(
-                    "127.0.0.1", port, requests, args.clients, args.lookup_seconds, pid
-                )
-            results.append(result)
-            progress.advance(task)
-    return results
+        post_all(url, bodies_of(workload.index_batches, 4, encode_msgpack), "application/msgpack")
+        after_each()
+        first = matches_of(url, workload.bodies[0])
+        results = run_lookups(
+            url, pid, workload.bodies, clients=args.clients, seconds=args.lookup_seconds,
+            repeats=args.repeats, use_wrk=use_wrk, after_each=after_each,
+        )  # fmt: skip
+    return LookupFigures(tuple(results), tuple(first))
 
 
 def _spread(values: list[float], scale: float, unit: str) -> str:
@@ -378,6 +325,8 @@ def check_config(args: argparse.Namespace) -> str | None:
         return "--clients must be >= 1 and --lookup-seconds >= 1 (wrk counts whole seconds)"
     if args.load_generator == "wrk" and wrk_path() is None:
         return "--load-generator wrk: wrk is not installed (make bench installs it)"
+    if args.lmcache_entries is not None and args.lmcache_entries < 1:
+        return "--lmcache-entries must be >= 1"
     return None
 
 
@@ -387,15 +336,89 @@ def run(args: argparse.Namespace) -> int:
     reason = check_config(args)
     if reason is not None:
         return refuse("service", reason)
+    try:
+        lmcache = find_lmcache(args.lmcache)
+    except InvalidInput as e:
+        return refuse("service", e.detail)
+    use_wrk = args.load_generator == "wrk" or (
+        args.load_generator == "auto" and wrk_path() is not None
+    )
+    if args.only != "ingest" and args.load_generator == "auto" and not use_wrk:
+        warn_no_wrk()
     rng = np.random.default_rng(args.seed)
     meta: dict[str, Any] = vars(args).copy()
     meta.pop("json", None)
     meta.pop("plot", None)
+    meta["lmcache_measured"] = lmcache.label if lmcache is not None else None
     rows: list[BenchRow] = []
+    ingest: tuple[IngestWorkload, IngestFigures] | None = None
+    lookup: tuple[LookupWorkload, LookupFigures] | None = None
     with Progress(transient=True) as progress:
         if args.only in (None, "ingest"):
-            rows += _bench_ingest(args, rng, progress)
+            workload = _ingest_workload(args, rng)
+            ingest_rows, figures = _bench_ingest(args, workload, progress)
+            rows += ingest_rows
+            ingest = (workload, figures)
         if args.only in (None, "lookup"):
-            rows += _bench_lookup(args, rng, progress)
+            lookup_rows, lookup_wl, lookup_figures = _bench_lookup(args, rng, progress, use_wrk)
+            rows += lookup_rows
+            lookup = (lookup_wl, lookup_figures)
+        compared = (
+            _against_lmcache(args, lmcache, ingest, lookup, use_wrk, progress)
+            if lmcache is not None
+            else None
+        )
     report("kvatlas bench service", rows, args, meta)
+    if lmcache is None:
+        return 0
+    if compared is None:
+        return 1  # said why on stderr: the run did not measure what it was asked to
+    title = (
+        f"kvatlas vs {lmcache.label} over HTTP, same run, same bodies: {args.entries:,} "
+        f"entries in bodies of {args.batch_entries * args.batches_per_post}; blend lookups of "
+        f"{args.query_tokens:,} tokens, {args.clients} connections, {args.index_chunks:,} "
+        "chunks indexed"
+    )
+    print_comparison(title, lmcache.label, compared)
+    if args.json is not None:
+        add_to_json(args.json, lmcache.label, compared)
     return 0
+
+
+def _against_lmcache(
+    args: argparse.Namespace,
+    lmcache: LMCacheEnv,
+    ingest: tuple[IngestWorkload, IngestFigures] | None,
+    lookup: tuple[LookupWorkload, LookupFigures] | None,
+    use_wrk: bool,
+    progress: Progress,
+) -> list[Comparison] | None:
+    """LMCache's side of what ran (``service_lmcache``) and the rows comparing both, or
+    ``None`` (said on stderr) when LMCache's coordinator would not start or answer: our table
+    is still printed."""
+    streams, entries = (
+        lmcache_entries(
+            ingest[0].streams["json"], ingest[0].per_emitter, ingest[0].per_body,
+            args.lmcache_entries,
+        )
+        if ingest is not None
+        else (None, 0)
+    )  # fmt: skip
+    try:
+        lm_ingest, lm_lookup = measure_lmcache(
+            lmcache, args, streams=streams, entries=entries,
+            warmup=ingest[0].warmups["json"] if ingest is not None else b"",
+            lookup=lookup[0] if lookup is not None else None, use_wrk=use_wrk,
+            settle_s=SETTLE_S, progress=progress,
+        )  # fmt: skip
+    except (Unavailable, httpx.HTTPError) as e:
+        print(f"kvatlas bench service: {lmcache.label} could not be measured: {e}", file=sys.stderr)
+        return None
+    return comparisons(
+        args,
+        ingest[1] if ingest is not None else None,
+        lm_ingest,
+        lookup[1] if lookup is not None else None,
+        lm_lookup,
+        lmcache.label,
+    )

@@ -65,6 +65,7 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
         ("directory", "--entries", "10"),
         ("service", "--query-tokens", "100"),
         ("service", "--entries", "100", "--batch-entries", "256"),
+        ("service", "--lmcache-entries", "0"),
         ("kv_events", "--tokens", "300"),
     ],
 )

@@ -1,0 +1,201 @@
+"""``bench service``'s LMCache side: the same pre-encoded JSON bodies and the same blend lookups,
+with the same load generator, against LMCache's own coordinator (``lmcache_reference``), and
+the rows quality.md states against it (kvatlas's figure, LMCache's, the factor, the target).
+
+LMCache spends ≈0.2 ms of CPU an ingested entry and ≈7 ms a 32k-token lookup, so it ingests
+once (by default the same entries as one of our runs; ``--lmcache-entries`` takes fewer, the
+first of ours) and serves the same lookups for the same time; every row says how many
+operations each side did, per-operation figures being what compare. The answers must be the
+same: both sides' matches for the first query are compared, and a difference is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import tempfile
+from pathlib import Path
+
+from rich.progress import Progress
+
+from kvatlas.bench.comparison import Comparison
+from kvatlas.bench.ingest_bodies import CHUNK, bodies_of, post_all
+from kvatlas.bench.lmcache_reference import LMCacheEnv, lmcache_coordinators
+from kvatlas.bench.service_runs import (
+    SETTLE_S,
+    IngestFigures,
+    LookupFigures,
+    LookupWorkload,
+    matches_of,
+    run_lookups,
+    timed_streams,
+)
+from kvatlas.events import encode_json
+from kvatlas.workloads import LLAMA3
+
+
+def lmcache_entries(
+    streams: list[list[bytes]], per_emitter: int, per_body: int, wanted: int | None
+) -> tuple[list[list[bytes]], int]:
+    """The first bodies of each emitter's stream holding at least ``wanted`` entries in all
+    (``None``: every body), and how many entries they hold."""
+    if wanted is None or wanted >= per_emitter * len(streams):
+        return streams, per_emitter * len(streams)
+    per_stream = -(-wanted // len(streams))
+    bodies = -(-per_stream // per_body)
+    return [s[:bodies] for s in streams], len(streams) * min(per_emitter, bodies * per_body)
+
+
+def measure_lmcache(
+    lmcache: LMCacheEnv,
+    args: argparse.Namespace,
+    *,
+    streams: list[list[bytes]] | None,
+    entries: int,
+    warmup: bytes,
+    lookup: LookupWorkload | None,
+    use_wrk: bool,
+    settle_s: float = SETTLE_S,
+    progress: Progress | None = None,
+) -> tuple[IngestFigures | None, LookupFigures | None]:
+    """Ingest ``streams`` (``entries`` entries, after ``warmup``) into one LMCache coordinator
+    and run ``lookup`` against another, both started side by side and fresh, as ours are: its
+    ingest figures (one run) and its lookup figures (``--repeats`` runs of
+    ``--lookup-seconds``, ``--clients`` connections)."""
+    count = (streams is not None) + (lookup is not None)
+    if count == 0:
+        return None, None
+    task = (
+        progress.add_task(f"{lmcache.label}: starting its coordinator", total=None)
+        if progress is not None
+        else None
+    )
+
+    def say(text: str) -> None:
+        if progress is not None and task is not None:
+            progress.update(task, description=f"{lmcache.label}: {text}")
+
+    ingest: IngestFigures | None = None
+    lookups: LookupFigures | None = None
+    with (
+        tempfile.TemporaryDirectory(prefix="kvatlas-bench-lmcache-") as tmp,
+        lmcache_coordinators(lmcache, count, CHUNK, Path(tmp)) as started,
+    ):
+        if streams is not None:
+            say(f"ingesting {entries:,} JSON entries")
+            url, pid = started[0]
+            run = timed_streams(url, pid, streams, "application/json", warmup, settle_s)
+            ingest = IngestFigures(entries, (run,))
+        if lookup is not None:
+            url, pid = started[-1]
+            say(f"indexing {sum(len(b.entries) for b in lookup.index_batches):,} chunks")
+            post_all(url, bodies_of(lookup.index_batches, 4, encode_json), "application/json")
+            first = matches_of(url, lookup.bodies[0])
+            say("blend lookups")
+            results = run_lookups(
+                url, pid, lookup.bodies, clients=args.clients, seconds=args.lookup_seconds,
+                repeats=args.repeats, use_wrk=use_wrk,
+            )  # fmt: skip
+            lookups = LookupFigures(tuple(results), tuple(first))
+    if task is not None and progress is not None:
+        progress.remove_task(task)
+    return ingest, lookups
+
+
+def comparisons(
+    args: argparse.Namespace,
+    ours_ingest: IngestFigures | None,
+    their_ingest: IngestFigures | None,
+    ours_lookup: LookupFigures | None,
+    their_lookup: LookupFigures | None,
+    label: str,
+) -> list[Comparison]:
+    """quality.md's HTTP rows, kvatlas against LMCache, with its targets."""
+    rows: list[Comparison] = []
+    if ours_ingest is not None and their_ingest is not None:
+        rows += _ingest_rows(args, ours_ingest, their_ingest, label)
+    if ours_lookup is not None and their_lookup is not None:
+        rows += _lookup_rows(args, ours_lookup, their_lookup, label)
+    return rows
+
+
+def _ingest_rows(
+    args: argparse.Namespace, ours: IngestFigures, theirs: IngestFigures, label: str
+) -> list[Comparison]:
+    one = args.emitters == 1
+    case = f"ingest JSON, {LLAMA3.name} ids"
+    ops = (
+        f"kvatlas {_runs(len(ours.runs))} × {ours.entries:,} entries, "
+        f"{label} {_runs(len(theirs.runs))} × {theirs.entries:,}"
+    )
+    cpu = Comparison(
+        f"{case}: server CPU per entry", "s", ours.cpu_per_entry_s, theirs.cpu_per_entry_s,
+        lower_is_better=True, target="≤ 7 µs, ≥ 20×", notes=ops,
+    )  # fmt: skip
+    rate = Comparison(
+        f"{case}: entries/s, {'one sequential emitter' if one else f'{args.emitters} emitters'}",
+        "entries/s", ours.entries_per_s, theirs.entries_per_s, lower_is_better=False,
+        target="≥ 100k/s" if one else "", met=ours.entries_per_s >= 100_000 if one else None,
+        notes=ops,
+    )  # fmt: skip
+    rss = Comparison(
+        f"{case}: server RSS growth per chunk after {ours.entries:,} chunks"
+        + ("" if theirs.entries == ours.entries else f" ({label} after {theirs.entries:,})"),
+        "B", ours.rss_per_chunk, theirs.rss_per_chunk, lower_is_better=True,
+        target="≤ 0.9 KB", met=ours.rss_per_chunk <= 900,
+        notes=f"after {SETTLE_S:g} s idle: kvatlas {ours.rss_idle_per_chunk:,.0f} B, "
+        f"{label} {theirs.rss_idle_per_chunk:,.0f} B",
+    )  # fmt: skip
+    factor = cpu.factor or 0.0
+    cpu = _judged(cpu, ours.cpu_per_entry_s <= 7e-6 and factor >= 20)
+    return [cpu, rate, rss]
+
+
+def _lookup_rows(
+    args: argparse.Namespace, ours: LookupFigures, theirs: LookupFigures, label: str
+) -> list[Comparison]:
+    case = f"blend-lookup, {LLAMA3.name} ids"
+    same = ours.first_matches == theirs.first_matches
+    if not same:
+        print(
+            f"kvatlas bench service: warning: kvatlas and {label} answer the first query "
+            f"differently ({len(ours.first_matches)} and {len(theirs.first_matches)} matches): "
+            "the lookups compared do not do the same work",
+            file=sys.stderr,
+        )
+    ops = (
+        f"kvatlas {ours.requests:,} lookups in {_runs(len(ours.runs))}, {label} "
+        f"{theirs.requests:,} in {_runs(len(theirs.runs))}; {ours.generator}; first query: "
+        + (
+            f"the same {len(ours.first_matches)} matches"
+            if same
+            else f"ANSWERS DIFFER ({len(ours.first_matches)} vs {len(theirs.first_matches)})"
+        )
+    )
+    cpu = Comparison(
+        f"{case}: server CPU per lookup", "s", ours.cpu_per_lookup_s, theirs.cpu_per_lookup_s,
+        lower_is_better=True, target="≤ 0.4 ms, ≥ 15×", notes=ops,
+    )  # fmt: skip
+    rate = Comparison(
+        f"{case}: requests/s", "req/s", ours.requests_per_s, theirs.requests_per_s,
+        lower_is_better=False, target=f"≥ 15× {label}'s",
+    )  # fmt: skip
+    p99 = Comparison(
+        f"{case}: p99 latency", "s", ours.p99_s, theirs.p99_s, lower_is_better=True,
+        target="≤ 5 ms", met=ours.p99_s <= 5e-3,
+        notes=f"p50: kvatlas {ours.p50_s * 1e3:.1f} ms, {label} {theirs.p50_s * 1e3:.1f} ms",
+    )  # fmt: skip
+    return [
+        _judged(cpu, ours.cpu_per_lookup_s <= 0.4e-3 and (cpu.factor or 0.0) >= 15),
+        _judged(rate, (rate.factor or 0.0) >= 15),
+        p99,
+    ]
+
+
+def _judged(row: Comparison, met: bool) -> Comparison:
+    return dataclasses.replace(row, met=met)
+
+
+def _runs(n: int) -> str:
+    return f"{n} run" if n == 1 else f"{n} runs"

@@ -1,0 +1,207 @@
+"""``bench service``'s LMCache side: ``--lmcache`` finds (or refuses) an environment, LMCache
+ingests the first of our bodies, and, against the real LMCache 0.5.6 coordinator (``make test``
+installs it into ``.venv-lmcache``; under ``CI`` a missing one fails, never a silent skip), every
+row quality.md states against LMCache is measured, on the same work as ours.
+
+No test here asserts a duration or which side is faster: it checks that the rows exist, count
+what they say, and hold figures a measurement can give.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from rich.progress import Progress
+
+from kvatlas.bench import common, service
+from kvatlas.bench.comparison import add_to_json, print_comparison
+from kvatlas.bench.lmcache_reference import REFERENCE_VERSION, LMCacheEnv, find_lmcache
+from kvatlas.bench.service_lmcache import comparisons, lmcache_entries, measure_lmcache
+from kvatlas.bench.service_runs import (
+    IngestFigures,
+    LookupFigures,
+    lookup_workload,
+    timed_streams,
+)
+from kvatlas.cli import _build_parser as build_parser
+from kvatlas.workloads import LLAMA3
+from tests.lmcache_mp.server import require_lmcache
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["bench", "service", *argv])
+
+
+def _entries_in(streams: list[list[bytes]]) -> int:
+    return sum(
+        len(batch["entries"])
+        for s in streams
+        for body in s
+        for batch in json.loads(body)["batches"]
+    )
+
+
+# --------------------------------------------------------------------------- finding LMCache
+
+
+def test_a_path_without_lmcache_is_refused_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert service.run(_args("--lmcache", str(tmp_path / "absent"))) == common.REFUSED
+    err = capsys.readouterr().err
+    assert "refused: --lmcache" in err and "no `lmcache` command" in err
+
+
+def test_an_environment_whose_python_has_no_lmcache_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in ("lmcache", "python"):  # a Python without LMCache: the probe fails
+        (bin_dir / name).write_text("#!/bin/sh\necho 'No module named lmcache' >&2\nexit 1\n")
+        (bin_dir / name).chmod(0o755)
+    for given in (tmp_path / "venv", bin_dir):  # the venv or its bin directory
+        assert service.run(_args("--lmcache", str(given))) == common.REFUSED
+        assert "has no LMCache installed" in capsys.readouterr().err
+
+
+def _fake_env(tmp_path: Path, version: str, lmcache_script: str) -> Path:
+    """A venv whose Python reports LMCache ``version`` and whose ``lmcache`` runs the script."""
+    bin_dir = tmp_path / "fake-venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").write_text(f"#!/bin/sh\necho {version}\n")
+    (bin_dir / "lmcache").write_text(f"#!/bin/sh\n{lmcache_script}\n")
+    for name in ("python", "lmcache"):
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+def test_another_version_is_measured_under_its_own_name_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    found = find_lmcache(str(_fake_env(tmp_path, "0.5.7", "exit 0").parent))
+    assert found is not None and found.label == "LMCache 0.5.7"
+    assert "holds LMCache 0.5.7; quality.md's reference is 0.5.6" in capsys.readouterr().err
+
+
+def test_an_lmcache_that_does_not_start_is_reported_and_our_rows_stand(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    found = find_lmcache(str(_fake_env(tmp_path, REFERENCE_VERSION, "echo no torch here; exit 3")))
+    assert found is not None
+    lookup = lookup_workload(np.random.default_rng(0), 10, 1024, LLAMA3)
+    with Progress() as progress:
+        compared = service._against_lmcache(
+            _args(), found, None, (lookup, LookupFigures((), ())), False, progress
+        )
+    assert compared is None  # run() still prints our table, then exits 1
+    err = capsys.readouterr().err
+    assert "LMCache 0.5.6 could not be measured" in err
+    assert "exited (3)" in err and "no torch here" in err
+
+
+def test_auto_says_on_stderr_why_lmcache_is_not_measured(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert find_lmcache("auto", cwd=tmp_path) is None
+    assert "LMCache is not measured" in capsys.readouterr().err
+    (tmp_path / ".venv-lmcache").mkdir()  # there, but nothing installed in it
+    assert find_lmcache("auto", cwd=tmp_path) is None
+    assert "no `lmcache` command" in capsys.readouterr().err
+    assert find_lmcache("off", cwd=tmp_path) is None
+    assert capsys.readouterr().err == ""
+
+
+def test_lmcache_ingests_the_first_bodies_holding_the_entries_asked_for() -> None:
+    args = _args(
+        "--entries", "640", "--emitters", "2", "--batch-entries", "64", "--batches-per-post", "2"
+    )  # fmt: skip
+    workload = service._ingest_workload(args, np.random.default_rng(0))
+    streams = workload.streams["json"]
+    assert workload.per_emitter == 320 and workload.per_body == 128
+    for wanted, expected in (
+        (None, 640),
+        (150, 256),
+        (300, 512),
+        (600, 640),
+        (1, 256),
+        (9999, 640),
+    ):
+        taken, entries = lmcache_entries(streams, workload.per_emitter, workload.per_body, wanted)
+        assert entries == expected == _entries_in(taken)
+        assert all(t == s[: len(t)] for t, s in zip(taken, streams, strict=True))
+
+
+# --------------------------------------------------------------------------- the real LMCache
+
+
+@pytest.fixture(scope="module")
+def lmcache() -> LMCacheEnv:
+    found = find_lmcache(str(require_lmcache()))
+    assert found is not None and found.version == REFERENCE_VERSION
+    return found
+
+
+def test_lmcache_side_gives_every_row_on_the_same_work(
+    lmcache: LMCacheEnv, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = _args(
+        "--entries", "4096", "--index-chunks", "300", "--query-tokens", "4096",
+        "--lookup-seconds", "1", "--repeats", "1", "--load-generator", "python",
+    )  # fmt: skip
+    rng = np.random.default_rng(0)
+    workload = service._ingest_workload(args, rng)
+    lookup = lookup_workload(rng, args.index_chunks, args.query_tokens, LLAMA3)
+    with service._service(service.COORDINATOR) as (url, pid):
+        ours_run = timed_streams(
+            url, pid, workload.streams["json"], "application/json", workload.warmups["json"]
+        )
+    ours_ingest = IngestFigures(4096, (ours_run,))
+    args.lookup_seconds = 0.3  # the Python load generator: no whole seconds needed
+    ours_lookup = service.kvatlas_lookups(args, lookup, use_wrk=False)
+    streams, entries = lmcache_entries(
+        workload.streams["json"], workload.per_emitter, workload.per_body, 1024
+    )
+    theirs_ingest, theirs_lookup = measure_lmcache(
+        lmcache, args, streams=streams, entries=entries, warmup=workload.warmups["json"],
+        lookup=lookup, use_wrk=False, settle_s=0.0,
+    )  # fmt: skip
+    assert theirs_ingest is not None and theirs_lookup is not None
+    # the same work: LMCache answers the first query as our coordinator does
+    assert theirs_lookup.first_matches == ours_lookup.first_matches
+    assert len(ours_lookup.first_matches) > 0
+    assert theirs_ingest.entries == 1024 and len(theirs_ingest.runs) == 1
+    assert theirs_lookup.requests > 0 and len(theirs_lookup.runs) == 1
+
+    rows = comparisons(args, ours_ingest, theirs_ingest, ours_lookup, theirs_lookup, lmcache.label)
+    assert [r.case.split(": ", 1)[1] for r in rows] == [
+        "server CPU per entry",
+        "entries/s, one sequential emitter",
+        "server RSS growth per chunk after 4,096 chunks (LMCache 0.5.6 after 1,024)",
+        "server CPU per lookup",
+        "requests/s",
+        "p99 latency",
+    ]
+    for row in rows:
+        assert math.isfinite(row.kvatlas) and math.isfinite(row.reference), row
+        if row.unit != "B":  # resident memory may shrink over a thousand entries
+            assert row.kvatlas > 0 and row.reference > 0, row
+            assert row.factor is not None and row.factor > 0
+        assert row.target and row.met is not None, row
+    assert theirs_ingest.cpu_per_entry_s < 0.1 and theirs_lookup.p99_s < 60  # per op, not a run
+    assert "kvatlas 1 run × 4,096 entries, LMCache 0.5.6 1 run × 1,024" in rows[0].notes
+    assert f"the same {len(ours_lookup.first_matches)} matches" in rows[3].notes
+
+    out = tmp_path / "out.json"
+    common.report("t", [], argparse.Namespace(json=out, plot=None), {})
+    add_to_json(out, lmcache.label, rows)
+    saved = json.loads(out.read_text())["comparison"]
+    assert saved["reference"] == "LMCache 0.5.6" and len(saved["rows"]) == 6
+    assert saved["rows"][3]["factor"] == pytest.approx(rows[3].factor)
+    print_comparison("t", lmcache.label, rows)
+    assert "kvatlas ahead by" in capsys.readouterr().out
