@@ -77,8 +77,9 @@ pytest: $(STAMP) $(LMCACHE_STAMP)
 test: lint typecheck pytest
 
 # wrk (the C load generator of `bench service`) from the distribution's packages; without it the
-# benchmark falls back to its Python load generator and says so. matplotlib for `--plot`.
-bench: $(STAMP)
+# benchmark falls back to its Python load generator and says so. matplotlib for `--plot`. LMCache
+# 0.5.6 in .venv-lmcache: `bench service` measures its coordinator side by side (`--lmcache`).
+bench: $(STAMP) $(LMCACHE_STAMP)
 	command -v wrk >/dev/null 2>&1 || { \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get install -y -qq wrk || echo "warning: wrk not installed: bench service falls back to its Python load generator" >&2; }
