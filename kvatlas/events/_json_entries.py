@@ -1,0 +1,266 @@
+"""Parse a JSON batch's ``entries`` array into columns in one compiled pass (the token cut's
+part for entries: ``_json_cut.py``).
+
+Every entry becomes a row of integer columns (:data:`COLUMNS`), its chunk hash 32 bytes of
+``hashes``, its token ids a run of the arena, its model name and cache salt spans of the body
+(decoded once per run of entries of one key shape, not once per entry); the small body keeps
+``"entries":[]``, so msgspec builds no object per entry.
+
+Invariant: an entry is taken only in the form whose meaning is certain — the fields of
+``EventEntry`` and ``EventKey`` each at most once, in any order, with white space anywhere
+JSON allows; strings without escapes or control characters; integers without fraction,
+exponent, leading zero or ``-0``, of at most 18 digits; ``token_ids`` an array read by
+``parse_array`` or ``null``. Anything else (a field the struct would ignore or refuse, a
+wrong type, a missing required field) gives up (``-1``): the caller then decodes the body the
+per-entry way, which accepts or words the error. So a body taken here yields what msgspec
+and the per-entry checks would have; what those checks refuse (a negative size, a bad
+shape) is for the caller to check on the columns.
+
+This module imports numba: ``json_codec`` imports it on first use only (through
+``_json_cut``). numba caches a caller's machine code with its callees compiled in, keyed by
+the caller's file: after a change here, clear ``__pycache__/_json_cut*.nb?``.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from kvatlas.events._json_tokens import parse_array, skip_space, string_end
+
+KV_RANK, GROUP, SIZE, OFFSET, TOKENS, MODEL_AT, MODEL_END, SALT_AT, SALT_END, RUN = range(10)
+COLUMNS = 10
+"""Rows of the integer column matrix (``cols[c, e]``: column ``c`` of entry ``e``): the key's
+``kv_rank`` and ``object_group_id``, ``size_bytes``, ``token_offset``, the count of token
+ids, the model name's and the cache salt's spans in the body, and the entry's run (entries
+one after the other with one key shape share a run; runs count up from 0)."""
+
+# an entry's fields, then its key's (bits of the fields seen)
+_KEY, _SIZE, _TOKENS, _OFFSET = 0, 1, 2, 3
+_HASH, _MODEL, _RANK, _GROUP, _SALT = 0, 1, 2, 3, 4
+ENTRY_NAMES = tuple(
+    np.frombuffer(name, np.uint8) for name in (b"key", b"size_bytes", b"token_ids", b"token_offset")
+)
+KEY_NAMES = tuple(
+    np.frombuffer(name, np.uint8)
+    for name in (b"chunk_hash_hex", b"model_name", b"kv_rank", b"object_group_id", b"cache_salt")
+)
+_NULL = np.frombuffer(b"null", np.uint8)
+_MAX_DIGITS = 18  # any 18-digit integer fits int64
+_QUOTE, _COLON, _COMMA, _MINUS = 34, 58, 44, 45
+_LBRACE, _RBRACE, _LBRACKET, _RBRACKET = 123, 125, 91, 93
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _name_of(buf, a, b, names):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """The index in ``names`` of the text ``buf[a:b]``, or -1."""
+    for f in range(len(names)):
+        name = names[f]
+        if b - a == len(name):
+            same = True
+            for t in range(len(name)):
+                if buf[a + t] != name[t]:
+                    same = False
+                    break
+            if same:
+                return f
+    return -1
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _string(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """The end (index of the closing quote) of the plain string whose opening quote is at
+    ``i``, or -1: not a string, unterminated, an escape or a control character in it."""
+    if i >= n or buf[i] != _QUOTE:
+        return -1
+    j = string_end(buf, i + 1, n)
+    if j >= n or buf[j] != _QUOTE:
+        return -1
+    for t in range(i + 1, j):
+        if buf[t] < 32:
+            return -1
+    return j
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _integer(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """``(end, value)`` of the plain integer at ``i`` (``end`` -1: not one, see the module
+    docstring); the byte after it is the caller's to check (a ``.`` or ``e`` is no separator)."""
+    negative = i < n and buf[i] == _MINUS
+    if negative:
+        i += 1
+    start = i
+    v = np.int64(0)
+    while i < n and 48 <= buf[i] <= 57 and i - start < _MAX_DIGITS + 1:
+        v = v * 10 + np.int64(buf[i] - 48)
+        i += 1
+    digits = i - start
+    if digits == 0 or digits > _MAX_DIGITS or (digits > 1 and buf[start] == 48):
+        return -1, np.int64(0)
+    if negative:
+        if v == 0:  # -0
+            return -1, np.int64(0)
+        v = -v
+    return i, v
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _hex_value(c):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    if 48 <= c <= 57:
+        return np.int64(c) - 48
+    if 97 <= c <= 102:
+        return np.int64(c) - 87
+    if 65 <= c <= 70:
+        return np.int64(c) - 55
+    return np.int64(-1)
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _key(buf, i, n, e, hashes, cols):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Parse the key object at ``i`` into entry ``e``'s columns; its end, or -1."""
+    if i >= n or buf[i] != _LBRACE:
+        return -1
+    cols[GROUP, e] = 0
+    cols[SALT_AT, e] = cols[SALT_END, e] = 0
+    seen = 0
+    i = skip_space(buf, i + 1, n)
+    while True:
+        j = _string(buf, i, n)
+        if j < 0:
+            return -1
+        field = _name_of(buf, i + 1, j, KEY_NAMES)
+        if field < 0 or seen & (1 << field):
+            return -1
+        seen |= 1 << field
+        i = skip_space(buf, j + 1, n)
+        if i >= n or buf[i] != _COLON:
+            return -1
+        i = skip_space(buf, i + 1, n)
+        if field in (_RANK, _GROUP):
+            i, v = _integer(buf, i, n)
+            if i < 0:
+                return -1
+            cols[KV_RANK if field == _RANK else GROUP, e] = v
+        else:
+            j = _string(buf, i, n)
+            if j < 0:
+                return -1
+            if field == _HASH:
+                if j - i - 1 != 64:
+                    return -1
+                for t in range(32):
+                    hi = _hex_value(buf[i + 1 + 2 * t])
+                    lo = _hex_value(buf[i + 2 + 2 * t])
+                    if hi < 0 or lo < 0:
+                        return -1
+                    hashes[e, t] = hi * 16 + lo
+            elif field == _MODEL:
+                cols[MODEL_AT, e], cols[MODEL_END, e] = i + 1, j
+            else:
+                cols[SALT_AT, e], cols[SALT_END, e] = i + 1, j
+            i = j + 1
+        i = skip_space(buf, i, n)
+        if i < n and buf[i] == _COMMA:
+            i = skip_space(buf, i + 1, n)
+            continue
+        if i < n and buf[i] == _RBRACE and seen & 7 == 7:  # hash, model and rank given
+            return i + 1
+        return -1
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _entry(buf, i, n, e, hashes, cols, arena, k):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Parse the entry object at ``i`` (its ``{``) into row ``e``; ``(end, k)``: the index
+    after its ``}`` (-1: given up) and the new fill of the arena."""
+    cols[SIZE, e] = 0
+    cols[OFFSET, e] = -1
+    cols[TOKENS, e] = 0
+    seen = 0
+    i = skip_space(buf, i + 1, n)
+    while True:
+        j = _string(buf, i, n)
+        if j < 0:
+            return -1, k
+        field = _name_of(buf, i + 1, j, ENTRY_NAMES)
+        if field < 0 or seen & (1 << field):
+            return -1, k
+        seen |= 1 << field
+        i = skip_space(buf, j + 1, n)
+        if i >= n or buf[i] != _COLON:
+            return -1, k
+        i = skip_space(buf, i + 1, n)
+        if field == _KEY:
+            i = _key(buf, i, n, e, hashes, cols)
+        elif field == _TOKENS:
+            if i < n and buf[i] == _LBRACKET:
+                end, filled = parse_array(buf, i, n, arena, k)
+                if end >= 0:
+                    cols[TOKENS, e] = filled - k
+                    k = filled
+                i = end
+            elif i + 4 <= n and _name_of(buf, i, i + 4, (_NULL,)) == 0:
+                i += 4
+            else:
+                return -1, k
+        else:
+            i, v = _integer(buf, i, n)
+            cols[SIZE if field == _SIZE else OFFSET, e] = v
+        if i < 0:
+            return -1, k
+        i = skip_space(buf, i, n)
+        if i < n and buf[i] == _COMMA:
+            i = skip_space(buf, i + 1, n)
+            continue
+        if i < n and buf[i] == _RBRACE and seen & 1:  # the key given
+            return i + 1, k
+        return -1, k
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _same_shape(buf, cols, e, f):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """Whether entries ``e`` and ``f`` have one key shape (model, rank, group, salt)."""
+    if cols[KV_RANK, e] != cols[KV_RANK, f] or cols[GROUP, e] != cols[GROUP, f]:
+        return False
+    for at, end in ((MODEL_AT, MODEL_END), (SALT_AT, SALT_END)):
+        a, b = cols[at, e], cols[at, f]
+        size = cols[end, e] - a
+        if size != cols[end, f] - b:
+            return False
+        for t in range(size):
+            if buf[a + t] != buf[b + t]:
+                return False
+    return True
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def parse_entries(buf, i, n, e, hashes, cols, runs, arena, k):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Parse the entries array at ``i`` (its ``[``) into rows ``e``, ``e + 1``, …; returns
+    ``(end, e, k)``: the index after its ``]`` (-1: given up, or more entries than rows), the
+    next free row and the new fill of the arena. ``runs[r]`` gets the first row of run
+    ``r`` (a run starts where the key shape differs from the row before)."""
+    i = skip_space(buf, i + 1, n)
+    if i < n and buf[i] == _RBRACKET:
+        return i + 1, e, k
+    while i < n:
+        if e == cols.shape[1] or buf[i] != _LBRACE:
+            return -1, e, k
+        i, k = _entry(buf, i, n, e, hashes, cols, arena, k)
+        if i < 0:
+            return -1, e, k
+        if e == 0:
+            cols[RUN, e] = 0
+            runs[0] = 0
+        elif _same_shape(buf, cols, e, e - 1):
+            cols[RUN, e] = cols[RUN, e - 1]
+        else:
+            cols[RUN, e] = cols[RUN, e - 1] + 1
+            runs[cols[RUN, e]] = e
+        e += 1
+        i = skip_space(buf, i, n)
+        if i < n and buf[i] == _COMMA:
+            i = skip_space(buf, i + 1, n)
+            continue
+        if i < n and buf[i] == _RBRACKET:
+            return i + 1, e, k
+        return -1, e, k
+    return -1, e, k
