@@ -32,7 +32,14 @@ import numba
 import numpy as np
 
 from kvatlas.events._cut_types import CutBody
-from kvatlas.events._json_entries import COLUMNS, RUN, parse_entries
+from kvatlas.events._json_entries import (
+    COLUMNS,
+    HEX_VALUES,
+    NAME_ENDS,
+    NAMES,
+    RUN,
+    parse_entries,
+)
 from kvatlas.events._json_tokens import RELEASE_BYTES, skip_space, string_end
 from kvatlas.kernel_twins import gil_twins, releasing_twin
 
@@ -46,9 +53,10 @@ _BATCHES_NAME = np.frombuffer(b"batches", np.uint8)
 _ENTRIES_NAME = np.frombuffer(b"entries", np.uint8)
 _QUOTE, _BACKSLASH, _COLON, _COMMA = 34, 92, 58, 44
 _LBRACE, _RBRACE, _LBRACKET, _RBRACKET = 123, 125, 91, 93
-ENTRY_BYTES = 64
-"""Fewer bytes than the smallest entry a valid body holds (its key alone is longer): bounds the
-rows a body of ``n`` bytes can fill, and the batches."""
+ENTRY_BYTES = 120
+"""Fewer bytes than any entry the entry parser takes (a key with 64 hex digits, a model name
+and a rank: 121 bytes at least): bounds the rows a body of ``n`` bytes can fill, and its
+batches (a valid batch header is longer). A body with more gives up (the per-entry path)."""
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -73,7 +81,7 @@ def _key_of(buf, a, b, role, names):  # type: ignore[no-untyped-def]  # pragma: 
 
 
 @gil_twins(boundscheck=False)
-def _cut(buf, out, arena, counts, names, hashes, cols, runs):  # type: ignore[no-untyped-def]  # pragma: no cover
+def _cut(buf, out, arena, counts, names, entry_names, hashes, cols, runs):  # type: ignore[no-untyped-def]  # pragma: no cover
     """See :func:`cut_entries`; returns ``(status, out length, entries, batches, runs)``."""
     n = len(buf)
     roles = np.zeros(MAX_DEPTH, np.int64)
@@ -119,7 +127,9 @@ def _cut(buf, out, arena, counts, names, hashes, cols, runs):  # type: ignore[no
             i = j
             if key == _KEY_ENTRIES and i < n and buf[i] == _LBRACKET:
                 key = _NO_KEY
-                end, e, k = parse_entries(buf, i, n, n_entries, hashes, cols, runs, arena, k)
+                end, e, k = parse_entries(
+                    buf, i, n, n_entries, hashes, cols, runs, arena, k, entry_names
+                )
                 if end < 0:
                     return FALLBACK, 0, 0, 0, 0
                 counts[n_batches - 1] = e - n_entries
@@ -190,7 +200,7 @@ def cut_entries(body: bytes) -> CutBody | None:
     runs = np.empty(rows, np.int64)
     cut = _cut_releasing if n >= RELEASE_BYTES else _cut
     status, m, n_entries, n_batches, n_runs = cut(
-        buf, out, arena, counts, _NAMES, hashes, cols, runs
+        buf, out, arena, counts, _NAMES, (NAMES, NAME_ENDS, HEX_VALUES), hashes, cols, runs
     )
     if status != OK:
         return None
