@@ -8,6 +8,13 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+KV_RANK, GROUP, SIZE, OFFSET, TOKENS, MODEL_AT, MODEL_END, SALT_AT, SALT_END, RUN = range(10)
+COLUMNS = 10
+"""Rows of the integer column matrix (``cols[c, e]``: column ``c`` of entry ``e``): the key's
+``kv_rank`` and ``object_group_id``, ``size_bytes``, ``token_offset``, the count of token
+ids, the model name's and the cache salt's spans in the body, and the entry's run (entries
+one after the other with one key shape share a run; runs count up from 0)."""
+
 
 class CutBody(NamedTuple):
     """What the compiled scanner (``_json_cut.cut_entries``) gives: the body with each batch's
@@ -22,6 +29,6 @@ class CutBody(NamedTuple):
     hashes: npt.NDArray[np.uint8]
     """Each entry's chunk hash (32 bytes a row)."""
     cols: npt.NDArray[np.int64]
-    """Each entry's integers and spans (``_json_entries.COLUMNS``: ``cols[column, entry]``)."""
+    """Each entry's integers and spans (:data:`COLUMNS`: ``cols[column, entry]``)."""
     runs: npt.NDArray[np.int64]
     """The first entry of each run of entries of one key shape."""

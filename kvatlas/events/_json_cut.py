@@ -31,15 +31,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from kvatlas.events._cut_types import CutBody
-from kvatlas.events._json_entries import (
-    COLUMNS,
-    HEX_VALUES,
-    NAME_ENDS,
-    NAMES,
-    RUN,
-    parse_entries,
-)
+from kvatlas.events._cut_types import COLUMNS, RUN, CutBody
+from kvatlas.events._json_entries import HEX_VALUES, NAME_ENDS, NAMES, parse_entries
 from kvatlas.events._json_tokens import RELEASE_BYTES, skip_space, string_end
 from kvatlas.kernel_twins import gil_twins, releasing_twin
 

@@ -1,7 +1,7 @@
 """Parse a JSON batch's ``entries`` array into columns in one compiled pass (the token cut's
 part for entries: ``_json_cut.py``).
 
-Every entry becomes a row of integer columns (:data:`COLUMNS`), its chunk hash 32 bytes of
+Every entry becomes a row of integer columns (``_cut_types.COLUMNS``), its chunk hash 32 bytes of
 ``hashes``, its token ids a run of the arena, its model name and cache salt spans of the body
 (decoded once per run of entries of one key shape, not once per entry); the small body keeps
 ``"entries":[]``, so msgspec builds no object per entry.
@@ -26,14 +26,19 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from kvatlas.events._cut_types import (
+    GROUP,
+    KV_RANK,
+    MODEL_AT,
+    MODEL_END,
+    OFFSET,
+    RUN,
+    SALT_AT,
+    SALT_END,
+    SIZE,
+    TOKENS,
+)
 from kvatlas.events._json_tokens import parse_array, skip_space, string_end
-
-KV_RANK, GROUP, SIZE, OFFSET, TOKENS, MODEL_AT, MODEL_END, SALT_AT, SALT_END, RUN = range(10)
-COLUMNS = 10
-"""Rows of the integer column matrix (``cols[c, e]``: column ``c`` of entry ``e``): the key's
-``kv_rank`` and ``object_group_id``, ``size_bytes``, ``token_offset``, the count of token
-ids, the model name's and the cache salt's spans in the body, and the entry's run (entries
-one after the other with one key shape share a run; runs count up from 0)."""
 
 # an entry's fields, then its key's (bits of the fields seen)
 _KEY, _SIZE, _TOKENS, _OFFSET = 0, 1, 2, 3

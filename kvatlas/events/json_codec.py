@@ -19,7 +19,19 @@ import numpy.typing as npt
 
 from kvatlas.api.events import UNKNOWN_OFFSET, EventBatchRow, EventEntry, EventKey, EventsBodyOf
 from kvatlas.checks import is_plain_int
-from kvatlas.events._cut_types import CutBody
+from kvatlas.events._cut_types import (
+    GROUP,
+    KV_RANK,
+    MODEL_AT,
+    MODEL_END,
+    OFFSET,
+    RUN,
+    SALT_AT,
+    SALT_END,
+    SIZE,
+    TOKENS,
+    CutBody,
+)
 from kvatlas.events.columns import ColumnBatch, EntryColumns, ShapeParts, column_batch, shape_ok
 from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
 from kvatlas.events.model import CacheEntry, EventBatch, batch_from_wire, header_to_wire
@@ -204,11 +216,10 @@ def decode_json_columns(body: bytes | str) -> list[ColumnBatch]:
 def _run_shapes(body: bytes, cut: CutBody) -> list[ShapeParts] | None:
     """The key shape of each run of entries (``None``: one is not valid, or its strings are
     not UTF-8: the per-entry path says which)."""
-    from kvatlas.events._json_entries import GROUP, KV_RANK, MODEL_AT, MODEL_END, SALT_AT, SALT_END
-
     shapes: list[ShapeParts] = []
-    rows = cut.cols[:, cut.runs].T.tolist()
-    for row in rows:
+    cols = cut.cols
+    for e in cut.runs.tolist():  # (a row by fancy indexing would release the GIL: numpy's take)
+        row = cols[:, e].tolist()
         try:
             model = body[row[MODEL_AT] : row[MODEL_END]].decode()
             salt = body[row[SALT_AT] : row[SALT_END]].decode()
@@ -223,8 +234,6 @@ def _run_shapes(body: bytes, cut: CutBody) -> list[ShapeParts] | None:
 
 def _cut_column_batches(body: bytes, wire: _WireBody, cut: CutBody) -> list[ColumnBatch] | None:
     """The batches of a body whose entries the compiled pass took (``None``: a rule broken)."""
-    from kvatlas.events._json_entries import OFFSET, RUN, SIZE, TOKENS
-
     shapes = _run_shapes(body, cut)
     if shapes is None:
         return None

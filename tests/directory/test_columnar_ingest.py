@@ -25,8 +25,8 @@ from kvatlas.events import (
     decode_msgpack,
     decode_msgpack_columns,
 )
+from kvatlas.events._cut_types import TOKENS
 from kvatlas.events._json_cut import cut_entries
-from kvatlas.events._json_entries import TOKENS
 from kvatlas.events.json_codec import batch_to_wire
 from kvatlas.events.msgpack_codec import FORMAT_VERSION, pack_batch
 from kvatlas.keys import BlendNamespace, ObjectKey, pack_kv_rank
