@@ -142,7 +142,7 @@ class Dispatcher:
             else:
                 raw = b""
                 if route.reads_body:
-                    body = await receive_body(receive, limit)
+                    body = await receive_body(receive, limit, scope)
                     if body is None:  # the client is gone
                         return
                     raw = body

@@ -13,6 +13,14 @@ process's file limit (``RLIMIT_NOFILE``) less a reserve. See docs/security.md.
 The limits are uvicorn's HTTP protocol class (``uvicorn.Config(http=...)``) with three
 timers, whichever parser uvicorn picked (httptools or h11): both keep the request being
 answered as ``cycle``.
+
+With httptools, the class also offers a request's whole body in one call (the ASGI scope
+extension :data:`WHOLE_BODY`, what :func:`kvatlas.web.receive_body` uses): the pieces the
+parser hands over are kept as they came and joined once, instead of uvicorn copying each into
+its buffer, copying that again for every ``receive`` and pausing the socket past 64 KiB until
+the app asks for more (a large ``POST /events`` body was copied four times over about nine
+reads, each a wake-up of the app). The body limit is the caller's and is checked as the pieces
+come; past it the socket is paused and nothing more is kept (413, as with ``receive``).
 """
 
 from __future__ import annotations
@@ -21,13 +29,16 @@ import asyncio
 import math
 import resource
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Final
 
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+from kvatlas.errors import PayloadTooLarge
 
 RESERVED_FDS = 64
 """File descriptors kept out of the connection cap at least (an eighth of the limit when
@@ -186,6 +197,57 @@ class CoalescingTransport:
         return getattr(self._transport, name)
 
 
+WHOLE_BODY: Final = "kvatlas.whole_body"
+"""The ASGI scope extension (``scope["extensions"]``) under which the guarded protocol offers
+the request's whole body: an async callable ``(max_bytes) -> bytes | None`` (``None``: the
+client is gone), raising :class:`~kvatlas.errors.PayloadTooLarge` past ``max_bytes``. It reads
+the server's own stream: a middleware that wraps ``receive`` must drop it from the scope."""
+
+WholeBody = Callable[[int], Awaitable[bytes | None]]
+"""The callable offered under :data:`WHOLE_BODY`."""
+
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+def body_too_large(max_bytes: int) -> PayloadTooLarge:
+    """The error of a body found longer than ``max_bytes`` while it was read."""
+    return PayloadTooLarge(f"body exceeds {max_bytes} bytes")
+
+
+class _Collecting:
+    """The body of the request answered by ``cycle``, as the parser hands it over."""
+
+    __slots__ = ("cycle", "exceeded", "max_bytes", "pieces", "size")
+
+    def __init__(self, cycle: Any, max_bytes: int) -> None:
+        self.cycle = cycle
+        self.max_bytes = max_bytes
+        self.pieces: list[bytes | bytearray] = []
+        self.size = 0
+        self.exceeded = False
+
+    def add(self, piece: bytes | bytearray) -> bool:
+        """Keep ``piece``; whether the body is now over the limit (then nothing is kept)."""
+        self.size += len(piece)
+        if self.size > self.max_bytes:
+            self.exceeded = True
+            self.pieces = []
+            return True
+        self.pieces.append(piece)
+        return False
+
+    def joined(self) -> bytes:
+        pieces = self.pieces
+        if len(pieces) == 1 and type(pieces[0]) is bytes:
+            return pieces[0]
+        return b"".join(pieces)
+
+
+_WHOLE_BODY_PARSER = hasattr(AutoHTTPProtocol, "on_body")
+"""Whether uvicorn's protocol is httptools' (its parser hands each piece of a body to
+``on_body``); with h11 the extension is not offered and bodies come through ``receive``."""
+
+
 def guarded_protocol(limits: HttpLimits, on_refused: OnRefused) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol class with ``limits`` applied; ``on_refused`` counts."""
     cap = limits.connection_cap
@@ -193,6 +255,57 @@ def guarded_protocol(limits: HttpLimits, on_refused: OnRefused) -> type[asyncio.
     class GuardedHTTP(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         _timer: asyncio.TimerHandle | None = None
         _timer_body = False  # whether the armed timer is the body timer
+        _collecting: _Collecting | None = None  # the body read for the extension, if any
+
+        def on_headers_complete(self) -> None:
+            super().on_headers_complete()
+            cycle = self.cycle
+            if _WHOLE_BODY_PARSER and cycle is not None and cycle.scope is self.scope:
+                whole: WholeBody = partial(self._whole_body, cycle)
+                self.scope.setdefault("extensions", {})[WHOLE_BODY] = whole
+
+        def on_body(self, body: bytes) -> None:
+            collecting, cycle = self._collecting, self.cycle
+            if collecting is None or collecting.cycle is not cycle:
+                super().on_body(body)
+                return
+            if (self.parser.should_upgrade() and self._should_upgrade()) or cycle.response_complete:
+                return  # as uvicorn's own
+            if collecting.add(body):
+                self.flow.pause_reading()  # nothing more is read: the reply closes
+                cycle.message_event.set()
+
+        async def _whole_body(self, cycle: Any, max_bytes: int) -> bytes | None:
+            """The extension: what ``receive`` would have handed over, in one piece. The app
+            is woken once, when the body is complete (``on_message_complete`` sets the event),
+            the client is gone, or the body is over ``max_bytes``."""
+            if cycle.waiting_for_100_continue and not cycle.transport.is_closing():
+                cycle.transport.write(_CONTINUE)  # as uvicorn's receive
+                cycle.waiting_for_100_continue = False
+            collecting = _Collecting(cycle, max_bytes)
+            early, cycle.body = cycle.body, bytearray()  # what came before the app asked
+            if early and collecting.add(early):
+                raise body_too_large(max_bytes)
+            self._collecting = collecting
+            try:
+                self.flow.resume_reading()  # paused past 64 KiB before the app asked
+                while (
+                    cycle.more_body
+                    and not collecting.exceeded
+                    and not cycle.disconnected
+                    and not cycle.response_complete
+                ):
+                    await cycle.message_event.wait()
+                    cycle.message_event.clear()
+            finally:
+                if self._collecting is collecting:
+                    self._collecting = None
+            cycle.message_event.clear()  # consumed, as by uvicorn's last receive
+            if collecting.exceeded:
+                raise body_too_large(max_bytes)
+            if cycle.disconnected or cycle.response_complete:
+                return None
+            return collecting.joined()
 
         def connection_made(self, transport: Any) -> None:
             transport = CoalescingTransport(transport, asyncio.get_running_loop())

@@ -3,11 +3,32 @@ neither imports the other for it (the codec loads the scanner, and numba, only w
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import numpy.typing as npt
 
-CutTokenLists = tuple[
-    npt.NDArray[np.uint8], npt.NDArray[np.uint32], npt.NDArray[np.int64], npt.NDArray[np.int64]
-]
-"""What the compiled scanner (``_json_cut.cut_token_lists``) gives: the body with its token
-lists cut out, the ids, each entry's count of ids and each batch's count of entries."""
+KV_RANK, GROUP, SIZE, OFFSET, TOKENS, MODEL_AT, MODEL_END, SALT_AT, SALT_END, RUN = range(10)
+COLUMNS = 10
+"""Rows of the integer column matrix (``cols[c, e]``: column ``c`` of entry ``e``): the key's
+``kv_rank`` and ``object_group_id``, ``size_bytes``, ``token_offset``, the count of token
+ids, the model name's and the cache salt's spans in the body, and the entry's run (entries
+one after the other with one key shape share a run; runs count up from 0)."""
+
+
+class CutBody(NamedTuple):
+    """What the compiled scanner (``_json_cut.cut_entries``) gives: the body with each batch's
+    entries cut out, and the entries as columns (row ``e``: the ``e``-th entry of the body)."""
+
+    small: npt.NDArray[np.uint8]
+    """The body with each batch's ``entries`` array written ``[]``."""
+    arena: npt.NDArray[np.uint32]
+    """Every entry's token ids, one after the other."""
+    counts: npt.NDArray[np.int64]
+    """Each batch object's count of entries, in body order."""
+    hashes: npt.NDArray[np.uint8]
+    """Each entry's chunk hash (32 bytes a row)."""
+    cols: npt.NDArray[np.int64]
+    """Each entry's integers and spans (:data:`COLUMNS`: ``cols[column, entry]``)."""
+    runs: npt.NDArray[np.int64]
+    """The first entry of each run of entries of one key shape."""

@@ -34,6 +34,15 @@ _ZERO_HASH = bytes(32)
 assert np.iinfo(np.int64).max == I64_MAX  # sizes and offsets fit int64 columns exactly
 
 
+def shape_ok(shape: ShapeParts) -> bool:
+    """Whether a key of this shape is valid (what an :class:`ObjectKey` would accept)."""
+    try:
+        ObjectKey(_ZERO_HASH, *shape)
+    except (ValueError, TypeError):
+        return False
+    return shape[2] <= U64_MAX
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class EntryColumns:
     """Entry ``j`` is ``chunk_hashes[j]`` with shape ``shapes[shape_of[j]]``, ``size_bytes[j]``,
@@ -100,13 +109,8 @@ class EntryColumns:
         else:
             ids = dict(zip(index, range(len(index)), strict=True))
             shape_of = np.fromiter(map(ids.__getitem__, parts), np.intp, len(parts))
-        for shape in index:
-            try:
-                ObjectKey(_ZERO_HASH, *shape)
-            except (ValueError, TypeError):
-                return None
-            if shape[2] > U64_MAX:
-                return None
+        if not all(map(shape_ok, index)):
+            return None
         try:
             sizes = np.array(size_bytes, dtype=np.int64)
             offsets = np.array(token_offsets, dtype=np.int64)

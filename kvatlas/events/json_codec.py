@@ -17,10 +17,22 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.api.events import EventBatchRow, EventEntry, EventKey, EventsBodyOf
+from kvatlas.api.events import UNKNOWN_OFFSET, EventBatchRow, EventEntry, EventKey, EventsBodyOf
 from kvatlas.checks import is_plain_int
-from kvatlas.events._cut_types import CutTokenLists
-from kvatlas.events.columns import ColumnBatch, EntryColumns, column_batch
+from kvatlas.events._cut_types import (
+    GROUP,
+    KV_RANK,
+    MODEL_AT,
+    MODEL_END,
+    OFFSET,
+    RUN,
+    SALT_AT,
+    SALT_END,
+    SIZE,
+    TOKENS,
+    CutBody,
+)
+from kvatlas.events.columns import ColumnBatch, EntryColumns, ShapeParts, column_batch, shape_ok
 from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
 from kvatlas.events.model import CacheEntry, EventBatch, batch_from_wire, header_to_wire
 from kvatlas.keys import (
@@ -57,15 +69,13 @@ def _parse_token_lists(
     return parse_token_lists(raws)
 
 
-def _cut_token_lists(
-    body: bytes,
-) -> CutTokenLists | None:
+def _cut_entries(body: bytes) -> CutBody | None:
     """Stand-in for the numba scanner until its first use (as :func:`_parse_token_lists`)."""
-    global _cut_token_lists
-    from kvatlas.events._json_cut import cut_token_lists
+    global _cut_entries
+    from kvatlas.events._json_cut import cut_entries
 
-    _cut_token_lists = cut_token_lists
-    return cut_token_lists(body)
+    _cut_entries = cut_entries
+    return cut_entries(body)
 
 
 def key_from_parts(
@@ -186,22 +196,93 @@ def decode_json_columns(body: bytes | str) -> list[ColumnBatch]:
     :class:`EntryColumns`; any rule broken anywhere hands the body to :func:`decode_json`,
     which names the entry and the reason (the 422 reply), so errors cannot differ.
 
-    The token lists are cut out of the body and parsed in one compiled pass
-    (``_json_cut.py``) before msgspec decodes the rest; a body that pass is not sure of is
-    decoded with the token lists as ``Raw`` slices, parsed afterwards (the same answers)."""
+    The entries are cut out of the body and parsed into columns in one compiled pass
+    (``_json_cut.py``) before msgspec decodes the rest (the batch headers); a body that pass
+    is not sure of is decoded with the token lists as ``Raw`` slices, parsed afterwards (the
+    same answers)."""
     if isinstance(body, bytes):
-        cut = _cut_token_lists(body)
+        cut = _cut_entries(body)
         if cut is not None:
-            small, arena, lengths, counts = cut
             try:
-                wire = _decoder.decode(small.data)
+                wire = _decoder.decode(cut.small.data)
             except msgspec.MsgspecError:
                 return explain(decode_json, body)
-            if len(wire.batches) == len(counts) and all(
-                len(wb.entries) == n for wb, n in zip(wire.batches, counts.tolist(), strict=True)
-            ):
-                return _column_batches(body, wire, arena, lengths)
+            if len(wire.batches) == len(cut.counts) and not any(wb.entries for wb in wire.batches):
+                batches = _cut_column_batches(body, wire, cut)
+                return explain(decode_json, body) if batches is None else batches
     return _decode_raw_columns(body)
+
+
+def _run_shapes(body: bytes, cut: CutBody) -> list[ShapeParts] | None:
+    """The key shape of each run of entries (``None``: one is not valid, or its strings are
+    not UTF-8: the per-entry path says which)."""
+    shapes: list[ShapeParts] = []
+    cols = cut.cols
+    for e in cut.runs.tolist():  # (a row by fancy indexing would release the GIL: numpy's take)
+        row = cols[:, e].tolist()
+        try:
+            model = body[row[MODEL_AT] : row[MODEL_END]].decode()
+            salt = body[row[SALT_AT] : row[SALT_END]].decode()
+        except UnicodeDecodeError:
+            return None
+        shape = (model, row[KV_RANK], row[GROUP], salt)
+        if not shape_ok(shape):
+            return None
+        shapes.append(shape)
+    return shapes
+
+
+def _cut_column_batches(body: bytes, wire: _WireBody, cut: CutBody) -> list[ColumnBatch] | None:
+    """The batches of a body whose entries the compiled pass took (``None``: a rule broken)."""
+    shapes = _run_shapes(body, cut)
+    if shapes is None:
+        return None
+    cols = cut.cols
+    lengths = cols[TOKENS]
+    starts = np.cumsum(lengths) - lengths
+    run_of = cols[RUN]
+    hashes = cut.hashes.tobytes()
+    out = []
+    first = 0
+    for wb, n in zip(wire.batches, cut.counts.tolist(), strict=True):
+        end = first + n
+        batch_shapes, shape_of = _batch_shapes(shapes, run_of[first:end])
+        sizes, offsets = cols[SIZE, first:end].copy(), cols[OFFSET, first:end].copy()
+        if n and (int(sizes.min()) < 0 or int(offsets.min()) < UNKNOWN_OFFSET):
+            return None
+        entries = EntryColumns(
+            _split_hashes(hashes[32 * first : 32 * end], n),
+            batch_shapes,
+            shape_of,
+            sizes,
+            offsets,
+            cut.arena,
+            starts[first:end],
+            lengths[first:end],
+        )
+        cb = column_batch(wb, wb.backend or "", entries)
+        if cb is None:
+            return None
+        out.append(cb)
+        first = end
+    return out
+
+
+def _batch_shapes(
+    shapes: list[ShapeParts], runs: npt.NDArray[np.int64]
+) -> tuple[list[ShapeParts], npt.NDArray[np.intp]]:
+    """A batch's distinct shapes in order and each entry's index among them, from the runs of
+    its entries (rising: one run, the usual batch, is one shape)."""
+    n = len(runs)
+    if not n:
+        return [], np.zeros(0, np.intp)
+    r0, r1 = int(runs[0]), int(runs[-1])
+    if r0 == r1:
+        return [shapes[r0]], np.zeros(n, np.intp)
+    index = dict.fromkeys(shapes[r0 : r1 + 1])  # the distinct shapes, in order
+    ids = dict(zip(index, range(len(index)), strict=True))
+    by_run = np.fromiter(map(ids.__getitem__, shapes[r0 : r1 + 1]), np.intp, r1 + 1 - r0)
+    return list(index), by_run[runs - r0]
 
 
 def _decode_raw_columns(body: bytes | str) -> list[ColumnBatch]:

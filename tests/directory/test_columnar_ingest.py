@@ -25,7 +25,8 @@ from kvatlas.events import (
     decode_msgpack,
     decode_msgpack_columns,
 )
-from kvatlas.events._json_cut import cut_token_lists
+from kvatlas.events._cut_types import TOKENS
+from kvatlas.events._json_cut import cut_entries
 from kvatlas.events.json_codec import batch_to_wire
 from kvatlas.events.msgpack_codec import FORMAT_VERSION, pack_batch
 from kvatlas.keys import BlendNamespace, ObjectKey, pack_kv_rank
@@ -339,21 +340,27 @@ def test_json_token_cut_equals_per_entry_decoder(data: st.DataObject) -> None:
 
 def test_json_token_cut_takes_plain_bodies_and_refuses_what_it_is_not_sure_of() -> None:
     """The one-pass cut is what decodes an ordinary body (the differential test above tests
-    it, not only the Raw path), and gives up on what only the Raw path may judge."""
+    it, not only the Raw path), and gives up on what only the per-entry path may judge."""
     batch = EventBatch(
         "a", 1, 1, "store", "l1", "dram", entries=(CacheEntry(KEYS[0], 1, CONTENTS[0], 0),)
     )
     body = msgspec.json.encode({"batches": [batch_to_wire(batch)]})
-    cut = cut_token_lists(body)
+    cut = cut_entries(body)
     assert cut is not None
-    small, arena, lengths, counts = cut
-    assert b"[]" in bytes(small) and lengths.tolist() == [CHUNK] and counts.tolist() == [1]
-    assert arena[:CHUNK].tolist() == CONTENTS[0].tolist()
+    assert b'"entries":[]' in bytes(cut.small) and b"token_ids" not in bytes(cut.small)
+    assert cut.cols[TOKENS].tolist() == [CHUNK] and cut.counts.tolist() == [1]
+    assert cut.arena[:CHUNK].tolist() == CONTENTS[0].tolist()
+    assert cut.hashes.tobytes() == KEYS[0].chunk_hash
     for refused in (
         body.replace(b'"token_ids"', b'"token\\u005fids"'),
         body.replace(b'"entries"', b'"entri\\u0065s"'),
         body.replace(b"[0,1,2,3]", b"[0,1,2,3e0]"),
         body.replace(b'"token_ids":[0,1,2,3]', b'"token_ids":[0,1,2,3],"token_ids":null'),
+        body.replace(b'"size_bytes":1', b'"size_bytes":1.0'),
+        body.replace(b'"size_bytes":1', b'"size_bytes":-0'),
+        body.replace(b'"size_bytes":1', b'"size_bytes":1,"note":1'),  # msgspec ignores it
+        body.replace(b'"model_name":"m"', b'"model_name":"\\u006d"'),
+        body.replace(b'"kv_rank":', b'"kv_rank":1,"kv_rank":'),
         body[:-3],
     ):
-        assert refused != body and cut_token_lists(refused) is None, refused
+        assert refused != body and cut_entries(refused) is None, refused

@@ -1,0 +1,180 @@
+"""The guarded protocol's whole-body read (:data:`kvatlas.http_guard.WHOLE_BODY`, what
+``receive_body`` uses under kvatlas's services) gives what reading through ASGI ``receive``
+gives: the same bytes, the same 413 past the limit, ``None`` for a client gone mid-body;
+whatever pieces the body came in (Content-Length or chunked, written in many sends, pipelined,
+``Expect: 100-continue``). One server on loopback, two paths: ``/whole`` reads with the
+extension, ``/receive`` through ``receive`` as any ASGI server offers it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvatlas.asgi_thread import ThreadedServer, free_port
+from kvatlas.errors import PayloadTooLarge
+from kvatlas.http_guard import WHOLE_BODY, HttpLimits
+from kvatlas.web import receive_body
+
+LIMIT = 300_000
+
+
+class App:
+    """Replies with what it read: the body's length and digest, or the 413's detail; records
+    how many times ``receive`` was called and what a request whose client left got."""
+
+    def __init__(self) -> None:
+        self.gone: list[object] = []
+        self.gone_event = threading.Event()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        calls = 0
+
+        async def counted() -> Any:
+            nonlocal calls
+            calls += 1
+            return await receive()
+
+        whole = scope["path"] == "/whole"
+        offered = WHOLE_BODY in (scope.get("extensions") or {})
+        status, reply = 200, {}
+        try:
+            body = await receive_body(counted, LIMIT, scope if whole else None)
+        except PayloadTooLarge as exc:
+            status, reply = 413, {"detail": exc.detail}
+        else:
+            if body is None:
+                self.gone.append(scope["path"])
+                self.gone_event.set()
+                return
+            reply = {"length": len(body), "sha": hashlib.sha256(body).hexdigest()}
+        reply |= {"offered": offered, "receive_calls": calls if whole else None}
+        data = json.dumps(reply).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
+        if status == 413:
+            headers.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[App, int]]:
+    app = App()
+    port = free_port()
+    server = ThreadedServer(app, port=port, name="whole-body", limits=HttpLimits())
+    server.start()
+    yield app, port
+    server.stop()
+
+
+def _request(path: str, body: bytes, *, chunked: bool, expect: bool = False) -> bytes:
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\n"
+    if expect:
+        head += "Expect: 100-continue\r\n"
+    if chunked:
+        head += "Transfer-Encoding: chunked\r\n\r\n"
+        pieces, at = [], 0
+        while at < len(body):
+            size = min(len(body) - at, 70_000)
+            pieces.append(b"%x\r\n%s\r\n" % (size, body[at : at + size]))
+            at += size
+        return head.encode() + b"".join(pieces) + b"0\r\n\r\n"
+    return (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def _replies(
+    port: int, wire: bytes, cuts: list[int], count: int
+) -> list[tuple[int, dict[str, Any]]]:
+    """Send ``wire`` in pieces cut at ``cuts`` on one connection; read ``count`` replies."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        at = 0
+        for cut in [*sorted(cuts), len(wire)]:
+            try:
+                conn.sendall(wire[at:cut])
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            at = cut
+        data = b""
+        out = []
+        while len(out) < count:
+            while b"\r\n\r\n" not in data:
+                part = conn.recv(65536)
+                assert part, f"closed after {len(out)} replies: {data!r}"
+                data += part
+            head, _, data = data.partition(b"\r\n\r\n")
+            if head.startswith(b"HTTP/1.1 100"):
+                continue
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            while len(data) < length:
+                data += conn.recv(65536)
+            out.append((int(head.split()[1]), json.loads(data[:length])))
+            data = data[length:]
+    return out
+
+
+CASES = [
+    pytest.param(0, False, False, id="empty"),
+    pytest.param(100, False, False, id="small"),
+    pytest.param(250_000, False, False, id="large"),
+    pytest.param(250_000, True, False, id="large-chunked"),
+    pytest.param(200_000, False, True, id="expect-100-continue"),
+    pytest.param(LIMIT, True, False, id="at-the-limit-chunked"),
+    pytest.param(LIMIT + 1, True, False, id="over-the-limit-chunked"),
+]
+
+
+@pytest.mark.parametrize(("size", "chunked", "expect"), CASES)
+def test_the_whole_body_read_equals_the_receive_read(
+    served: tuple[App, int], size: int, chunked: bool, expect: bool
+) -> None:
+    _, port = served
+    rng = random.Random(size)
+    body = rng.randbytes(size)
+    answers = []
+    for path in ("/whole", "/receive"):
+        wire = _request(path, body, chunked=chunked, expect=expect)
+        cuts = [rng.randrange(len(wire)) for _ in range(12)]
+        (answer,) = _replies(port, wire, cuts, 1)
+        answers.append(answer)
+    (status, whole), (status_r, plain) = answers
+    assert status == status_r == (413 if size > LIMIT else 200)
+    assert whole.pop("offered") is True and whole.pop("receive_calls") == 0  # never ``receive``
+    plain.pop("receive_calls")
+    assert plain.pop("offered") is True
+    assert whole == plain
+    if status == 200:
+        assert whole == {"length": size, "sha": hashlib.sha256(body).hexdigest()}
+    else:
+        assert whole == {"detail": f"body exceeds {LIMIT} bytes"}
+
+
+def test_pipelined_requests_each_get_their_own_body(served: tuple[App, int]) -> None:
+    _, port = served
+    bodies = [random.Random(i).randbytes(n) for i, n in enumerate((90_000, 10, 150_000))]
+    wire = b"".join(
+        _request(path, b, chunked=False) for b in bodies for path in ("/whole", "/receive")
+    )
+    replies = _replies(port, wire, [len(wire) // 3], 6)
+    assert [status for status, _ in replies] == [200] * 6
+    got = [(r["length"], r["sha"]) for _, r in replies]
+    want = [(len(b), hashlib.sha256(b).hexdigest()) for b in bodies for _ in range(2)]
+    assert got == want
+
+
+def test_a_client_gone_mid_body_reads_as_none(served: tuple[App, int]) -> None:
+    app, port = served
+    app.gone_event.clear()
+    head = b"POST /whole HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        conn.sendall(head + b"x" * 40_000)
+    assert app.gone_event.wait(10)
+    assert app.gone[-1] == "/whole"
