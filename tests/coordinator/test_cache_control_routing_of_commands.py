@@ -664,9 +664,10 @@ def test_a_move_across_replicas_deletes_through_the_sources_replica(
 ) -> None:
     """The target registered with replica A, the source with B: A's attempt holds and, the
     source not being its own (it has not left), lets the lease go; B deletes the source's
-    copies from that recent hold and the move completes once the directory shows them gone.
-    (The old code: A completed the move at once, deleting nothing.) A hold confirmed too long
-    ago is not deleted from: B hands it back for a new hold."""
+    copies from that recent hold and the move completes once the directory shows them gone;
+    A, which reaches the target, finishes it and releases the hold. (The old code: A
+    completed the move at once, deleting nothing.) A hold confirmed too long ago is not
+    deleted from: B leaves the move to A for a new hold."""
     (log_a, log_b), (fleet_a, _), servers, (a, b) = replica_pair
     c = log_a.new("move", ["b"], KEYS, tier="l1", source="a", token_ids=tuple(range(32)))
     a.run_once()
@@ -684,13 +685,16 @@ def test_a_move_across_replicas_deletes_through_the_sources_replica(
     assert log_b.get(c.command_id).state == "sent"  # type: ignore[union-attr]
     for k in KEYS:
         fleet_a.held[object_key(k)] = l1("b")  # the source's delete events
-    b.run_once()
+    b.run_once()  # B cannot reach the target to release its hold: it leaves the end to A
+    assert log_b.get(c.command_id).state == "sent"  # type: ignore[union-attr]
+    a.run_once()
     got = log_a.get(c.command_id)
     assert got is not None and (got.state, got.phase, got.deleted) == (
         "completed",
         "done",
         2,
     )
+    assert servers.calls[-1] == ("http://b", "release", "")
 
     # a stale hold: B deletes nothing and lets it go; A holds again, then B deletes
     servers.calls.clear()
@@ -702,11 +706,12 @@ def test_a_move_across_replicas_deletes_through_the_sources_replica(
     log_a.progress(c.command_id, held_at=log_a.now() - moves.HANDOVER_S - 1)
     b.instance_back("a")
     b.run_once()
-    assert servers.deleted == []
-    assert "its replica holds again" in log_b.get(c.command_id).last_error  # type: ignore[union-attr]
+    assert servers.deleted == []  # not B's to carry now: its target's replica holds again
+    assert log_b.get(c.command_id).attempts == 1  # type: ignore[union-attr]
+    servers.calls.clear()
     a.instance_back("b")
     a.run_once()
-    assert servers.calls[-1] == ("http://b", "hold", "") and servers.deleted == []
+    assert servers.calls == [("http://b", "hold", "")] and servers.deleted == []
     b.instance_back("a")
     b.run_once()
     assert servers.deleted == [KEYS]
@@ -789,3 +794,23 @@ def test_a_replica_leaves_the_commands_of_another_replicas_instances_to_it(
     b.run_once()
     assert servers.calls[-1] == ("http://a", "delete", "l1")
     assert log_b.get(own.command_id).state == "sent"  # type: ignore[union-attr]
+
+
+def test_the_sources_replica_takes_no_lease_on_a_move_only_the_targets_replica_can_start(
+    replica_pair: ReplicaPair,
+) -> None:
+    """Until the target holds the keys, a move is its target's replica's (A) to carry: the
+    source's replica (B), whose pass runs first, takes no lease, so A's first pass holds at
+    once (the old code: B took the lease, failed with "target 'b' is not registered" and
+    pushed the next attempt out by its backoff). Once handed over (``deleting``), the move is
+    B's: A leaves it alone."""
+    (log_a, log_b), _fleets, servers, (a, b) = replica_pair
+    c = log_a.new("move", ["b"], KEYS, tier="l1", source="a", token_ids=tuple(range(32)))
+    b.run_once()
+    got = log_b.get(c.command_id)
+    assert got is not None and (got.state, got.phase, got.attempts) == ("pending", "queued", 0)
+    a.run_once()
+    assert servers.calls == [("http://b", "hold", "")]
+    got = log_a.get(c.command_id)
+    assert got is not None and got.phase == "deleting" and got.attempts == 1
+    assert not a.carries(got) and b.carries(got)

@@ -43,7 +43,7 @@ from kvatlas.coordinator.cache_control.delivery_contract import (
     MpServer,
     MpServers,
 )
-from kvatlas.coordinator.cache_control.moves import MoveSteps
+from kvatlas.coordinator.cache_control.moves import HANDOVER_S, MoveSteps
 from kvatlas.errors import Unavailable
 from kvatlas.keys import ObjectKey
 
@@ -174,10 +174,17 @@ class Delivery:
         log_.prune()
 
     def carries(self, c: Command) -> bool:
-        """Whether this coordinator may take ``c`` on: one of its instances (a move's target
-        or source) is registered here, or none is registered with another replica (nobody
-        reaches it better: a shared pool's member, a failure, a move whose source left)."""
-        needed = [i for i in (*c.targets, c.source) if i]
+        """Whether this coordinator may take ``c`` on: an instance it must reach is registered
+        here, or none is registered with another replica (nobody reaches it better: a shared
+        pool's member, a failure, a move whose source left). A move must reach its target
+        until the target holds the keys, then (handed over: ``deleting``) its source while
+        that hold is recent (:data:`~.moves.HANDOVER_S`; after it, the target to hold again)."""
+        if c.kind == "move":
+            recent = self.commands.now() - c.held_at <= HANDOVER_S
+            handed_over = c.phase == "deleting" and not c.source_left and recent
+            needed = [c.source if handed_over else c.targets[0]]
+        else:
+            needed = [i for i in (*c.targets, c.source) if i]
         if any(self.fleet.url_of(i) is not None for i in needed):
             return True
         return not any(self.fleet.registered_elsewhere(i) for i in needed)

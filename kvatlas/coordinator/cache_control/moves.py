@@ -98,6 +98,8 @@ class Placement(Protocol):
 class MoveFleet(Protocol):
     def url_of(self, instance_id: str) -> str | None: ...
 
+    def registered_elsewhere(self, instance_id: str) -> bool: ...
+
     def copies(self, keys: Sequence[ObjectKey]) -> Sequence[Sequence[Placement]]: ...
 
 
@@ -267,17 +269,21 @@ class MoveSteps:
 
     def check(self, c: Command) -> None:
         """A ``sent`` move (``deleting``): done once the directory shows none of the source's
-        L1 copies it deletes (the stream's view: any replica may finish it), or the source
-        left (``source_left``: they went with it)."""
+        L1 copies it deletes, or the source left (``source_left``: they went with it). The
+        target's replica finishes it (it releases the hold); any replica when the target is
+        registered nowhere."""
         if c.state != "sent" or c.phase != "deleting":
             return
         fleet = self.d.fleet
+        target_url = fleet.url_of(c.targets[0])
+        if target_url is None and fleet.registered_elsewhere(c.targets[0]):
+            return  # its replica finishes it, and releases the hold it cannot reach from here
         if not c.source_left:
             keys = [object_key(c.keys[i]) for i in c.moving]
             for cps in fleet.copies(keys):
                 if any(cp.tier == "l1" and cp.instance_id == c.source for cp in cps):
                     return
-        self._done(c, fleet.url_of(c.targets[0]))
+        self._done(c, target_url)
 
     def _done(self, c: Command, target_url: str | None) -> None:
         """Release the hold (best effort: it expires by itself) and complete the move."""
