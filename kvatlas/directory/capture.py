@@ -10,14 +10,16 @@ See docs/directory.md.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
 from kvatlas.directory.blend import AddColumns
 from kvatlas.directory.chunk_counts import PARTS, ChunkCounts, Partition
+from kvatlas.directory.chunk_parts import ChunkPart
 from kvatlas.directory.chunk_table import ChunkTable
 from kvatlas.directory.gate import EmitterCursor
 from kvatlas.directory.records import CapacityDeclaration, Record
@@ -75,6 +77,10 @@ class Capture:
                 held_from = time.perf_counter()
                 records = self._journal.take(part_no, self._chunks.parts[part_no])
                 held = time.perf_counter() - held_from
+            # the records are built for the capture (the table keeps columns): one young
+            # collection untracks them (their contents are untracked), so a writer holding
+            # a whole directory's adds nothing to full-collection pauses
+            gc.collect(0)
             yield CapturedPart(records, held)
 
     def close(self) -> None:
@@ -112,7 +118,7 @@ class CowJournal:
             if h not in saved:
                 saved[h] = rec
 
-    def take(self, part_no: int, part: Partition) -> list[tuple[bytes, Record]]:
+    def take(self, part_no: int, part: Partition | ChunkPart) -> list[tuple[bytes, Record]]:
         """Partition ``part_no`` as it was at capture start; later changes to it are no
         longer journaled. Records are immutable: no copy of their contents."""
         saved = self.saved[part_no]
@@ -148,7 +154,7 @@ class Restored:
 
     state: DirectoryState
     shapes: ShapeTable
-    parts: list[Partition]
+    parts: Sequence[Partition | ChunkPart]
     counts: ChunkCounts | None = None
     slabs: tuple[TokenSlab, ...] = ()
     adds: AddColumns | None = None

@@ -258,6 +258,28 @@ def records_from_columns(
     return list(zip(tokens, offsets, flags, shape_ids, placements, strict=True))
 
 
+def split_record(rec: Record) -> tuple[Any, ...]:
+    """A record as (content, offset, indexed, first key's shape id, its placements, the
+    other keys as flat (shape id, placements) pairs, ``()`` if none): the columns of
+    :class:`~kvatlas.directory.chunk_parts.ChunkPart`."""
+    return (*rec[:_REST], rec[_REST:])
+
+
+def join_record(
+    tokens: StoredTokens | None,
+    offset: int,
+    indexed: bool,
+    shape_id: int,
+    placements: Placements,
+    rest: tuple[Any, ...],
+) -> Record:
+    """The record :func:`split_record` split."""
+    return (tokens, offset, indexed, shape_id, placements, *rest)
+
+
+_REST: Final = _KEYS + 2
+
+
 # The record's binding: its content (``None``: unknown) as stored, stored offset, and whether
 # the blend index holds it (C-level getters: the snapshot writer maps them over every chunk).
 record_stored_tokens: Callable[[Record], StoredTokens | None] = itemgetter(_TOKENS)
