@@ -20,12 +20,9 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from itertools import repeat
-from operator import attrgetter, is_, itemgetter
+from itertools import count, repeat
+from operator import attrgetter, is_
 from typing import Any, Final
-
-import numpy as np
-import numpy.typing as npt
 
 from kvatlas.directory.records import Placements, Record, join_record, split_record
 from kvatlas.directory.token_store import StoredTokens
@@ -33,7 +30,6 @@ from kvatlas.directory.token_store import StoredTokens
 _INTS: list[int] = []
 """Row numbers, one ``int`` object each, shared by every partition (rows above 256 would
 otherwise be an object per chunk)."""
-_FLAGS: Final = (False, True)
 
 
 def _rows_upto(n: int) -> list[int]:
@@ -45,12 +41,13 @@ def _rows_upto(n: int) -> list[int]:
 class ChunkPart:
     """One partition's records as columns, read and written as a ``dict[bytes, Record]``."""
 
-    __slots__ = ("_holes", "_nums", "_objs", "_row")
+    __slots__ = ("_holes", "_next", "_objs", "_offsets", "_row")
 
     def __init__(self, records: Iterable[tuple[bytes, Record]] = ()) -> None:
         self._row: dict[bytes, int] = {}
-        self._objs: list[Any] = []  # per row: stored tokens, first key's placements, the rest
-        self._nums = array("q")  # per row: offset, first key's shape id * 2 + indexed
+        self._objs: list[Any] = []  # _WIDTH per row: content, indexed, shape id, placements, rest
+        self._offsets = array("q")  # per row: the content's offset
+        self._next = count()  # the next row (= rows so far)
         self._holes = 0  # rows of removed chunks
         self.update(records)
 
@@ -62,10 +59,11 @@ class ChunkPart:
     # ------------------------------------------------------------------ reads
 
     def _record(self, r: int) -> Record:
-        o, n = 3 * r, 2 * r
-        objs, nums = self._objs, self._nums
-        x = nums[n + 1]
-        return join_record(objs[o], nums[n], _FLAGS[x & 1], x >> 1, objs[o + 1], objs[o + 2])
+        o = _WIDTH * r
+        objs = self._objs
+        return join_record(
+            objs[o], self._offsets[r], objs[o + 1], objs[o + 2], objs[o + 3], objs[o + 4]
+        )
 
     def get(self, h: bytes, default: Record | None = None) -> Record | None:
         r = self._row.get(h)
@@ -94,7 +92,7 @@ class ChunkPart:
 
     def bound_count(self) -> int:
         """How many chunks have known content (no record built)."""
-        unbound = sum(map(is_, self._objs[::3], repeat(None)))  # (== would compare arrays)
+        unbound = sum(map(is_, self._objs[::_WIDTH], repeat(None)))  # (== would compare arrays)
         return len(self._row) - (unbound - self._holes)
 
     def __eq__(self, other: object) -> bool:
@@ -113,19 +111,18 @@ class ChunkPart:
         tokens, offset, indexed, sid, pls, rest = split_record(rec)
         r = self._row.get(h)
         if r is None:
-            r = len(self._nums) >> 1
+            r = next(self._next)
             self._row[h] = _rows_upto(r + 1)[r]
-            self._objs += (tokens, pls, rest)
-            self._nums += array("q", (offset, 2 * sid + indexed))
+            self._objs += (tokens, indexed, sid, pls, rest)
+            self._offsets.append(offset)
         else:
-            o, n = 3 * r, 2 * r
-            self._objs[o : o + 3] = (tokens, pls, rest)
-            self._nums[n] = offset
-            self._nums[n + 1] = 2 * sid + indexed
+            o = _WIDTH * r
+            self._objs[o : o + _WIDTH] = (tokens, indexed, sid, pls, rest)
+            self._offsets[r] = offset
 
     def __delitem__(self, h: bytes) -> None:
         r = self._row.pop(h)
-        self._objs[3 * r : 3 * r + 3] = _NONES
+        self._objs[_WIDTH * r : _WIDTH * (r + 1)] = _EMPTY_ROW
         self._holes += 1
         if self._holes > len(self._row) + 64:
             self._compact()
@@ -137,17 +134,23 @@ class ChunkPart:
     def _compact(self) -> None:
         """Renumber the live rows 0.. in their order (the dict's order is kept: values only)."""
         rows = list(self._row.values())
-        objs, nums = self._objs, self._nums
-        self._objs = [objs[3 * r + k] for r in rows for k in range(3)]
-        self._nums = array("q", [nums[2 * r + k] for r in rows for k in range(2)])
+        objs = self._objs
+        self._objs = [objs[_WIDTH * r + k] for r in rows for k in range(_WIDTH)]
+        self._offsets = array("q", map(self._offsets.__getitem__, rows))
         self._row = dict(zip(self._row, _rows_upto(len(rows)), strict=False))
+        self._next = count(len(rows))
         self._holes = 0
 
+    def _recount(self) -> None:
+        self._next = count(len(self._offsets))
 
-_NONES: Final = (None, None, ())
+
+_WIDTH: Final = 5
+_EMPTY_ROW: Final = (None, False, 0, None, ())
 _ROWS_OF = attrgetter("_row")
 _OBJS_OF = attrgetter("_objs")
-_NUMS_OF = attrgetter("_nums")
+_OFFSETS_OF = attrgetter("_offsets")
+_NEXT_OF = attrgetter("_next")
 
 
 def add_fresh(
@@ -162,38 +165,21 @@ def add_fresh(
     """Append one-key records of new chunks, entry ``i`` to ``parts_of[i]`` (its partition);
     the hashes distinct. Inserted where absent, in one pass: if a chunk is held, the rows
     this inserted are taken out again and ``False`` is returned (nothing changed)."""
-    n = len(hashes)
-    by = np.frombuffer(bytes(map(_FIRST, hashes)), np.uint8)
-    order = np.argsort(by, kind="stable")
-    ranked = by[order]
-    starts = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])
-    runs = np.diff(np.r_[starts, n])
-    rank = np.empty(n, np.int64)
-    rank[order] = np.arange(n) - np.repeat(starts, runs)
-    base = np.fromiter(map(len, map(_NUMS_OF, parts_of)), np.int64, n) >> 1
-    rows = rank + base
-    ints = _rows_upto(int(rows.max()) + 1)
-    new = list(map(ints.__getitem__, rows.tolist()))
+    rows = list(map(next, map(_NEXT_OF, parts_of)))  # each partition's next rows, in order
+    new = list(map(_rows_upto(max(rows) + 1).__getitem__, rows))  # (shared ints)
     dicts = list(map(_ROWS_OF, parts_of))
     if not all(map(is_, map(dict.setdefault, dicts, hashes, new), new)):
         deque(map(_take_back, dicts, hashes, new), maxlen=0)
+        for part in {id(p): p for p in parts_of}.values():
+            part._recount()
         return False
-    deque(map(list.extend, map(_OBJS_OF, parts_of), zip(tokens, placements, repeat(()))), 0)
-    two = np.empty((n, 2), np.int64)
-    two[:, 0] = offsets
-    two[:, 1] = np.asarray(indexed, np.int64) + 2 * sid
-    deque(map(array.frombytes, map(_NUMS_OF, parts_of), _rows_of_bytes(two)), maxlen=0)
+    n = len(hashes)
+    rows_objs = zip(tokens, indexed, repeat(sid, n), placements, repeat(()))
+    deque(map(list.extend, map(_OBJS_OF, parts_of), rows_objs), maxlen=0)
+    deque(map(array.append, map(_OFFSETS_OF, parts_of), offsets), maxlen=0)
     return True
-
-
-def _rows_of_bytes(two: npt.NDArray[np.int64]) -> list[bytes]:
-    raw = two.tobytes()
-    return [raw[i : i + 16] for i in range(0, len(raw), 16)]
 
 
 def _take_back(rows: dict[bytes, int], h: bytes, r: int) -> None:
     if rows.get(h) is r:
         del rows[h]
-
-
-_FIRST = itemgetter(0)
