@@ -20,9 +20,11 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from itertools import count, repeat
-from operator import attrgetter, is_
+from itertools import repeat
+from operator import attrgetter, iadd, is_
 from typing import Any, Final
+
+import numpy as np
 
 from kvatlas.directory.records import Placements, Record, join_record, split_record
 from kvatlas.directory.token_store import StoredTokens
@@ -41,13 +43,13 @@ def _rows_upto(n: int) -> list[int]:
 class ChunkPart:
     """One partition's records as columns, read and written as a ``dict[bytes, Record]``."""
 
-    __slots__ = ("_holes", "_next", "_objs", "_offsets", "_row")
+    __slots__ = ("_holes", "_objs", "_offsets", "_row")
 
     def __init__(self, records: Iterable[tuple[bytes, Record]] = ()) -> None:
         self._row: dict[bytes, int] = {}
-        self._objs: list[Any] = []  # _WIDTH per row: content, indexed, shape id, placements, rest
+        self._objs: list[Any] = []  # _WIDTH per row: content, 2 * shape id + indexed,
+        # the first key's placements, the other keys
         self._offsets = array("q")  # per row: the content's offset
-        self._next = count()  # the next row (= rows so far)
         self._holes = 0  # rows of removed chunks
         self.update(records)
 
@@ -61,9 +63,8 @@ class ChunkPart:
     def _record(self, r: int) -> Record:
         o = _WIDTH * r
         objs = self._objs
-        return join_record(
-            objs[o], self._offsets[r], objs[o + 1], objs[o + 2], objs[o + 3], objs[o + 4]
-        )
+        sid = objs[o + 1]
+        return join_record(objs[o], self._offsets[r], sid & 1 == 1, sid >> 1, *objs[o + 2 : o + 4])
 
     def get(self, h: bytes, default: Record | None = None) -> Record | None:
         r = self._row.get(h)
@@ -110,14 +111,15 @@ class ChunkPart:
     def __setitem__(self, h: bytes, rec: Record) -> None:
         tokens, offset, indexed, sid, pls, rest = split_record(rec)
         r = self._row.get(h)
+        flagged = _rows_upto(2 * sid + 2)[2 * sid + indexed]
         if r is None:
-            r = next(self._next)
+            r = len(self._offsets)
             self._row[h] = _rows_upto(r + 1)[r]
-            self._objs += (tokens, indexed, sid, pls, rest)
+            self._objs += (tokens, flagged, pls, rest)
             self._offsets.append(offset)
         else:
             o = _WIDTH * r
-            self._objs[o : o + _WIDTH] = (tokens, indexed, sid, pls, rest)
+            self._objs[o : o + _WIDTH] = (tokens, flagged, pls, rest)
             self._offsets[r] = offset
 
     def __delitem__(self, h: bytes) -> None:
@@ -138,19 +140,19 @@ class ChunkPart:
         self._objs = [objs[_WIDTH * r + k] for r in rows for k in range(_WIDTH)]
         self._offsets = array("q", map(self._offsets.__getitem__, rows))
         self._row = dict(zip(self._row, _rows_upto(len(rows)), strict=False))
-        self._next = count(len(rows))
         self._holes = 0
 
-    def _recount(self) -> None:
-        self._next = count(len(self._offsets))
+    def _drop_last(self, n: int) -> None:
+        """Take back the last ``n`` rows (added by :func:`add_fresh`, not in the dict)."""
+        del self._objs[len(self._objs) - _WIDTH * n :]
+        del self._offsets[len(self._offsets) - n :]
 
 
-_WIDTH: Final = 5
-_EMPTY_ROW: Final = (None, False, 0, None, ())
+_WIDTH: Final = 4
+_EMPTY_ROW: Final = (None, 0, None, ())
 _ROWS_OF = attrgetter("_row")
 _OBJS_OF = attrgetter("_objs")
 _OFFSETS_OF = attrgetter("_offsets")
-_NEXT_OF = attrgetter("_next")
 
 
 def add_fresh(
@@ -165,19 +167,22 @@ def add_fresh(
     """Append one-key records of new chunks, entry ``i`` to ``parts_of[i]`` (its partition);
     the hashes distinct. Inserted where absent, in one pass: if a chunk is held, the rows
     this inserted are taken out again and ``False`` is returned (nothing changed)."""
-    rows = list(map(next, map(_NEXT_OF, parts_of)))  # each partition's next rows, in order
+    n = len(hashes)
+    ints = _rows_upto(max(2 * sid + 2, 1024))
+    flagged = map((ints[2 * sid], ints[2 * sid + 1]).__getitem__, indexed)
+    # appended first: each partition's row count right after the append gives the row
+    grown = map(iadd, map(_OBJS_OF, parts_of), zip(tokens, flagged, placements, repeat(())))
+    ends = np.fromiter(map(len, grown), np.int64, n)
+    deque(map(array.append, map(_OFFSETS_OF, parts_of), offsets), maxlen=0)
+    rows = (ends // _WIDTH - 1).tolist()
     new = list(map(_rows_upto(max(rows) + 1).__getitem__, rows))  # (shared ints)
     dicts = list(map(_ROWS_OF, parts_of))
-    if not all(map(is_, map(dict.setdefault, dicts, hashes, new), new)):
-        deque(map(_take_back, dicts, hashes, new), maxlen=0)
-        for part in {id(p): p for p in parts_of}.values():
-            part._recount()
-        return False
-    n = len(hashes)
-    rows_objs = zip(tokens, indexed, repeat(sid, n), placements, repeat(()))
-    deque(map(list.extend, map(_OBJS_OF, parts_of), rows_objs), maxlen=0)
-    deque(map(array.append, map(_OFFSETS_OF, parts_of), offsets), maxlen=0)
-    return True
+    if all(map(is_, map(dict.setdefault, dicts, hashes, new), new)):
+        return True
+    deque(map(_take_back, dicts, hashes, new), maxlen=0)
+    for part in parts_of:
+        part._drop_last(1)
+    return False
 
 
 def _take_back(rows: dict[bytes, int], h: bytes, r: int) -> None:
