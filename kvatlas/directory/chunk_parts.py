@@ -1,18 +1,20 @@
-"""One partition of the chunk table: chunk hash → record, with the records kept as columns
-(issue 31 item 2, first stage; docs/directory.md, "Records as columns").
+"""The chunk table's records as columns (issue 31 item 2, first stage; docs/directory.md,
+"Records as columns").
 
-A :class:`ChunkPart` reads and writes like the ``dict[bytes, Record]`` it replaces (the
-:data:`~kvatlas.directory.chunk_counts.Partition` captures and restores exchange): same keys,
-same iteration order (insertion; a replaced record keeps its place), same records. But it keeps
-no record tuple and no offset ``int`` per chunk: a record is split into columns at its row
-(content, offset, indexed flag, first key's shape id and placements, the other keys) and built
-again when read. Per chunk that is the dict slot (hash → row, the row an ``int`` shared by every
-partition) and ≈ 37 bytes of columns, where a record tuple (80 B) and its offset (32 B) were.
+Each of the table's partitions is a :class:`ChunkPart`: it reads and writes like the
+``dict[bytes, Record]`` it replaces (the :data:`~kvatlas.directory.chunk_counts.Partition`
+captures and restores exchange): same keys, same iteration order (insertion; a replaced record
+keeps its place), same records. But no record tuple and no offset ``int`` is kept per chunk:
+the partition maps a chunk hash to a row of :class:`ChunkColumns`, shared by all partitions,
+where a record is split into four references (content; first key's shape id and indexed flag
+as one small ``int``; that key's placements; the other keys) and an ``int64`` offset, and built
+again when read. Per chunk that is the dict slot, the row ``int`` (32 B) and 40 bytes of
+columns, where a record tuple (80 B) and its offset (32 B) were; and no object per chunk that
+the cyclic collector tracks (a batch of new chunks made ≈1.4 young collections per 1,000).
 
-Rows of removed chunks are left empty (their references dropped) and the partition is
-compacted (rows renumbered in place, order kept) once they outnumber the live ones, so a store
-appends without looking for a free row, and a batch of new chunks is appended by C-level maps
-(:func:`add_fresh`).
+Rows of removed chunks are left empty (references dropped) and counted; once they outnumber the
+live ones the columns are compacted (rows renumbered in partition order, each partition's dict
+order kept). A batch of new chunks is appended as whole columns (:func:`add_fresh`).
 """
 
 from __future__ import annotations
@@ -20,81 +22,122 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from itertools import repeat
-from operator import attrgetter, iadd, is_
+from itertools import chain, repeat
+from operator import attrgetter, is_, itemgetter
 from typing import Any, Final
 
 import numpy as np
+import numpy.typing as npt
 
 from kvatlas.directory.records import Placements, Record, join_record, split_record
 from kvatlas.directory.token_store import StoredTokens
 
-_INTS: list[int] = []
-"""Row numbers, one ``int`` object each, shared by every partition (rows above 256 would
-otherwise be an object per chunk)."""
+_WIDTH: Final = 4  # references per row
+_EMPTY_ROW: Final = (None, 0, None, ())
+_MIN_HOLES: Final = 1024
 
 
-def _rows_upto(n: int) -> list[int]:
-    if len(_INTS) < n:
-        _INTS.extend(range(len(_INTS), max(n, 2 * len(_INTS), 1024)))
-    return _INTS
+class ChunkColumns:
+    """Every chunk's record fields, by row, for the partitions that share them."""
+
+    __slots__ = ("holes", "objs", "offsets", "parts")
+
+    def __init__(self) -> None:
+        self.objs: list[Any] = []  # _WIDTH per row: content, 2 * shape id + indexed,
+        # the first key's placements, the other keys as flat (shape id, placements) pairs
+        self.offsets = array("q")  # per row: the content's offset
+        self.holes = 0  # rows of removed chunks
+        self.parts: list[ChunkPart] = []
+
+    def record(self, r: int) -> Record:
+        o = _WIDTH * r
+        objs = self.objs
+        flagged = objs[o + 1]
+        return join_record(
+            objs[o], self.offsets[r], flagged & 1 == 1, flagged >> 1, objs[o + 2], objs[o + 3]
+        )
+
+    def append(self, rec: Record) -> int:
+        tokens, offset, indexed, sid, pls, rest = split_record(rec)
+        self.objs += (tokens, 2 * sid + indexed, pls, rest)
+        self.offsets.append(offset)
+        return len(self.offsets) - 1
+
+    def put(self, r: int, rec: Record) -> None:
+        tokens, offset, indexed, sid, pls, rest = split_record(rec)
+        o = _WIDTH * r
+        self.objs[o : o + _WIDTH] = (tokens, 2 * sid + indexed, pls, rest)
+        self.offsets[r] = offset
+
+    def clear(self, r: int) -> None:
+        self.objs[_WIDTH * r : _WIDTH * (r + 1)] = _EMPTY_ROW
+        self.holes += 1
+        if self.holes > len(self.offsets) - self.holes + _MIN_HOLES:
+            self.compact()
+
+    def truncate(self, rows: int) -> None:
+        """Drop the rows from ``rows`` on (appended, never given to a partition)."""
+        del self.objs[_WIDTH * rows :]
+        del self.offsets[rows:]
+
+    def compact(self) -> None:
+        """Renumber the live rows 0.. in partition order; each partition keeps its order."""
+        objs, offsets = self.objs, self.offsets
+        new_objs: list[Any] = []
+        new_offsets = array("q")
+        for part in self.parts:
+            rows = list(part.row.values())
+            start = len(new_offsets)
+            new_objs += chain.from_iterable(objs[_WIDTH * r : _WIDTH * (r + 1)] for r in rows)
+            new_offsets.extend(map(offsets.__getitem__, rows))
+            part.row = dict(zip(part.row, range(start, start + len(rows)), strict=True))
+        self.objs, self.offsets, self.holes = new_objs, new_offsets, 0
 
 
 class ChunkPart:
-    """One partition's records as columns, read and written as a ``dict[bytes, Record]``."""
+    """One partition: chunk hash → row of the shared :class:`ChunkColumns`, read and written
+    as a ``dict[bytes, Record]``."""
 
-    __slots__ = ("_holes", "_objs", "_offsets", "_row")
+    __slots__ = ("cols", "row")
 
-    def __init__(self, records: Iterable[tuple[bytes, Record]] = ()) -> None:
-        self._row: dict[bytes, int] = {}
-        self._objs: list[Any] = []  # _WIDTH per row: content, 2 * shape id + indexed,
-        # the first key's placements, the other keys
-        self._offsets = array("q")  # per row: the content's offset
-        self._holes = 0  # rows of removed chunks
+    def __init__(self, cols: ChunkColumns, records: Iterable[tuple[bytes, Record]] = ()) -> None:
+        self.cols = cols
+        self.row: dict[bytes, int] = {}
+        cols.parts.append(self)
         self.update(records)
-
-    @classmethod
-    def of(cls, part: Mapping[bytes, Record] | ChunkPart) -> ChunkPart:
-        """``part`` itself, or a partition holding the records of a ``dict``."""
-        return part if isinstance(part, ChunkPart) else cls(part.items())
 
     # ------------------------------------------------------------------ reads
 
-    def _record(self, r: int) -> Record:
-        o = _WIDTH * r
-        objs = self._objs
-        sid = objs[o + 1]
-        return join_record(objs[o], self._offsets[r], sid & 1 == 1, sid >> 1, *objs[o + 2 : o + 4])
-
     def get(self, h: bytes, default: Record | None = None) -> Record | None:
-        r = self._row.get(h)
-        return default if r is None else self._record(r)
+        r = self.row.get(h)
+        return default if r is None else self.cols.record(r)
 
     def __getitem__(self, h: bytes) -> Record:
-        return self._record(self._row[h])
+        return self.cols.record(self.row[h])
 
     def __contains__(self, h: object) -> bool:
-        return h in self._row
+        return h in self.row
 
     def __len__(self) -> int:
-        return len(self._row)
+        return len(self.row)
 
     def __iter__(self) -> Iterator[bytes]:
-        return iter(self._row)
+        return iter(self.row)
 
     def keys(self) -> Iterable[bytes]:
-        return self._row.keys()
+        return self.row.keys()
 
     def values(self) -> list[Record]:
-        return list(map(self._record, self._row.values()))
+        return list(map(self.cols.record, self.row.values()))
 
     def items(self) -> list[tuple[bytes, Record]]:
-        return list(zip(self._row.keys(), self.values(), strict=True))
+        return list(zip(self.row.keys(), self.values(), strict=True))
 
     def bound_count(self) -> int:
         """How many chunks have known content (no record built)."""
-        unbound = sum(map(is_, self._objs[::_WIDTH], repeat(None)))  # (== would compare arrays)
-        return len(self._row) - (unbound - self._holes)
+        objs = self.cols.objs
+        contents = map(objs.__getitem__, map(_WIDTH.__mul__, self.row.values()))
+        return len(self.row) - sum(map(is_, contents, repeat(None)))  # (== compares arrays)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, ChunkPart | dict):
@@ -109,82 +152,79 @@ class ChunkPart:
     # ------------------------------------------------------------------ writes
 
     def __setitem__(self, h: bytes, rec: Record) -> None:
-        tokens, offset, indexed, sid, pls, rest = split_record(rec)
-        r = self._row.get(h)
-        flagged = _rows_upto(2 * sid + 2)[2 * sid + indexed]
+        r = self.row.get(h)
         if r is None:
-            r = len(self._offsets)
-            self._row[h] = _rows_upto(r + 1)[r]
-            self._objs += (tokens, flagged, pls, rest)
-            self._offsets.append(offset)
+            self.row[h] = self.cols.append(rec)
         else:
-            o = _WIDTH * r
-            self._objs[o : o + _WIDTH] = (tokens, flagged, pls, rest)
-            self._offsets[r] = offset
+            self.cols.put(r, rec)
 
     def __delitem__(self, h: bytes) -> None:
-        r = self._row.pop(h)
-        self._objs[_WIDTH * r : _WIDTH * (r + 1)] = _EMPTY_ROW
-        self._holes += 1
-        if self._holes > len(self._row) + 64:
-            self._compact()
+        self.cols.clear(self.row.pop(h))
 
     def update(self, records: Iterable[tuple[bytes, Record]]) -> None:
         for h, rec in records:
             self[h] = rec
 
-    def _compact(self) -> None:
-        """Renumber the live rows 0.. in their order (the dict's order is kept: values only)."""
-        rows = list(self._row.values())
-        objs = self._objs
-        self._objs = [objs[_WIDTH * r + k] for r in rows for k in range(_WIDTH)]
-        self._offsets = array("q", map(self._offsets.__getitem__, rows))
-        self._row = dict(zip(self._row, _rows_upto(len(rows)), strict=False))
-        self._holes = 0
 
-    def _drop_last(self, n: int) -> None:
-        """Take back the last ``n`` rows (added by :func:`add_fresh`, not in the dict)."""
-        del self._objs[len(self._objs) - _WIDTH * n :]
-        del self._offsets[len(self._offsets) - n :]
+def new_parts(n: int, parts: Sequence[Mapping[bytes, Record] | ChunkPart] = ()) -> list[ChunkPart]:
+    """``n`` empty partitions sharing new columns, or (``parts`` given) holding their records
+    (split into the columns by C-level maps: a restore's millions)."""
+    cols = ChunkColumns()
+    out = [ChunkPart(cols) for _ in range(n)]
+    for part, records in zip(out, parts, strict=False):
+        hashes, recs = list(records.keys()), list(records.values())
+        top = len(cols.offsets)
+        flagged = (np.fromiter(map(_SID, recs), np.int64, len(recs)) << 1) + np.fromiter(
+            map(_INDEXED, recs), np.int64, len(recs)
+        )
+        cols.objs += chain.from_iterable(
+            zip(
+                map(_TOKENS, recs),
+                flagged.tolist(),
+                map(_PLACEMENTS, recs),
+                map(_REST, recs),
+                strict=True,
+            )
+        )
+        cols.offsets.extend(map(_OFFSET, recs))
+        part.row = dict(zip(hashes, range(top, top + len(hashes)), strict=True))
+    return out
 
 
-_WIDTH: Final = 4
-_EMPTY_ROW: Final = (None, 0, None, ())
-_ROWS_OF = attrgetter("_row")
-_OBJS_OF = attrgetter("_objs")
-_OFFSETS_OF = attrgetter("_offsets")
+_TOKENS, _OFFSET, _INDEXED, _SID, _PLACEMENTS = map(itemgetter, range(5))
+_REST = itemgetter(slice(5, None))
+
+
+_ROWS_OF = attrgetter("row")
 
 
 def add_fresh(
     parts_of: Sequence[ChunkPart],
     hashes: Sequence[bytes],
     tokens: Sequence[StoredTokens | None],
-    offsets: Sequence[int],
+    offsets: npt.NDArray[np.int64],
     indexed: Sequence[bool],
     sid: int,
     placements: Sequence[Placements],
 ) -> bool:
-    """Append one-key records of new chunks, entry ``i`` to ``parts_of[i]`` (its partition);
-    the hashes distinct. Inserted where absent, in one pass: if a chunk is held, the rows
-    this inserted are taken out again and ``False`` is returned (nothing changed)."""
+    """Append one-key records of new chunks, entry ``i`` into ``parts_of[i]`` (its
+    partition; all share one :class:`ChunkColumns`), the hashes distinct. Inserted where
+    absent, in one pass: if a chunk is held, the rows this inserted are taken out again and
+    ``False`` is returned (nothing changed)."""
     n = len(hashes)
-    ints = _rows_upto(max(2 * sid + 2, 1024))
-    flagged = map((ints[2 * sid], ints[2 * sid + 1]).__getitem__, indexed)
-    # appended first: each partition's row count right after the append gives the row
-    grown = map(iadd, map(_OBJS_OF, parts_of), zip(tokens, flagged, placements, repeat(())))
-    ends = np.fromiter(map(len, grown), np.int64, n)
-    deque(map(array.append, map(_OFFSETS_OF, parts_of), offsets), maxlen=0)
-    rows = (ends // _WIDTH - 1).tolist()
-    new = list(map(_rows_upto(max(rows) + 1).__getitem__, rows))  # (shared ints)
+    cols = parts_of[0].cols
+    top = len(cols.offsets)
+    new = range(top, top + n)
     dicts = list(map(_ROWS_OF, parts_of))
-    if all(map(is_, map(dict.setdefault, dicts, hashes, new), new)):
-        return True
-    deque(map(_take_back, dicts, hashes, new), maxlen=0)
-    for part in parts_of:
-        part._drop_last(1)
-    return False
+    if not all(map(int.__eq__, map(dict.setdefault, dicts, hashes, new), new)):
+        deque(map(_take_back, dicts, hashes, new), maxlen=0)
+        return False
+    flagged = map((2 * sid, 2 * sid + 1).__getitem__, indexed)
+    cols.objs += chain.from_iterable(zip(tokens, flagged, placements, repeat(())))
+    cols.offsets.frombytes(np.ascontiguousarray(offsets, "<i8").tobytes())
+    return True
 
 
 def _take_back(rows: dict[bytes, int], h: bytes, r: int) -> None:
-    if rows.get(h) is r:
+    if rows.get(h) == r:
         del rows[h]

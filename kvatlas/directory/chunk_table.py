@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from kvatlas.directory.blend import AddColumns, BlendIndex, BlendOp
 from kvatlas.directory.chunk_counts import PARTS, ChangeJournal, ChunkCounts, Partition
 from kvatlas.directory.chunk_digests import InventoryDigests
-from kvatlas.directory.chunk_parts import ChunkPart
+from kvatlas.directory.chunk_parts import ChunkPart, new_parts
 from kvatlas.directory.chunk_removals import RemovalRules
 from kvatlas.directory.chunk_slabs import Reclaim, SlabReclaim
 from kvatlas.directory.chunk_stores import StoreRules
@@ -68,7 +68,7 @@ class ChunkTable:
     def __init__(self, chunk_size: int) -> None:
         self.chunk_size = chunk_size
         self.shapes = ShapeTable()
-        self.parts = [ChunkPart() for _ in range(PARTS)]
+        self.parts = new_parts(PARTS)
         self.counts = ChunkCounts()
         self.indexing = False  # whether changes queue blend-index writes
         self.journal: ChangeJournal | None = None  # set while a capture is in progress
@@ -133,7 +133,7 @@ class ChunkTable:
         if self.journal is not None:
             raise Conflict("cannot restore while a snapshot is being taken")
         self.shapes, self.counts = shapes, counts
-        self.parts = list(map(ChunkPart.of, parts))
+        self.parts = new_parts(PARTS, parts)
         self.reclaim.restart(slabs)
         self.counts.digests = {}
         self.digests.restart(False)  # digests are built partition by partition, later

@@ -66,7 +66,7 @@ def store_fresh(
         indexed = list(map(UNKNOWN_OFFSET.__ne__, offsets)) if indexing else [False] * n
     # inserted where absent, in one pass: a chunk the table holds keeps its record (then every
     # row this inserted is taken out again, and the entry-by-entry loop runs)
-    if not add_fresh(parts_of, hashes, stored, offsets, indexed, sids[0], placements):
+    if not add_fresh(parts_of, hashes, stored, cols.token_offsets, indexed, sids[0], placements):
         return None
     return sum(sizes), list(range(n)) if every else list(compress(range(n), indexed))
 
