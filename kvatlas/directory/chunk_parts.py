@@ -29,7 +29,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.directory.records import Placements, Record, join_record, split_record
+from kvatlas.directory.records import Placements, Record, split_record
 from kvatlas.directory.token_store import StoredTokens
 
 _WIDTH: Final = 4  # references per row
@@ -52,10 +52,9 @@ class ChunkColumns:
     def record(self, r: int) -> Record:
         o = _WIDTH * r
         objs = self.objs
-        flagged = objs[o + 1]
-        return join_record(
-            objs[o], self.offsets[r], flagged & 1 == 1, flagged >> 1, objs[o + 2], objs[o + 3]
-        )
+        flagged, rest = objs[o + 1], objs[o + 3]
+        rec = (objs[o], self.offsets[r], flagged & 1 == 1, flagged >> 1, objs[o + 2])
+        return rec + rest if rest else rec  # (join_record, inlined: every read builds one)
 
     def append(self, rec: Record) -> int:
         tokens, offset, indexed, sid, pls, rest = split_record(rec)
@@ -219,8 +218,11 @@ def add_fresh(
     if not all(map(int.__eq__, map(dict.setdefault, dicts, hashes, new), new)):
         deque(map(_take_back, dicts, hashes, new), maxlen=0)
         return False
-    flagged = map((2 * sid, 2 * sid + 1).__getitem__, indexed)
-    cols.objs += chain.from_iterable(zip(tokens, flagged, placements, repeat(())))
+    block: list[Any] = [()] * (_WIDTH * n)  # the rows, by slice assignment (no tuple per row)
+    block[0::_WIDTH] = tokens
+    block[1::_WIDTH] = list(map((2 * sid, 2 * sid + 1).__getitem__, indexed))
+    block[2::_WIDTH] = placements
+    cols.objs += block
     cols.offsets.frombytes(np.ascontiguousarray(offsets, "<i8").tobytes())
     return True
 
