@@ -168,6 +168,8 @@ class ChunkPart:
 def new_parts(n: int, parts: Sequence[Mapping[bytes, Record] | ChunkPart] = ()) -> list[ChunkPart]:
     """``n`` empty partitions sharing new columns, or (``parts`` given) holding their records
     (split into the columns by C-level maps: a restore's millions)."""
+    if _whole(n, parts):  # the partitions of one set of columns (a reader's): adopted
+        return list(parts)  # type: ignore[arg-type]
     cols = ChunkColumns()
     out = [ChunkPart(cols) for _ in range(n)]
     for part, records in zip(out, parts, strict=False):
@@ -187,6 +189,36 @@ def new_parts(n: int, parts: Sequence[Mapping[bytes, Record] | ChunkPart] = ()) 
         )
         cols.offsets.extend(map(_OFFSET, recs))
         part.row = dict(zip(hashes, range(top, top + len(hashes)), strict=True))
+    return out
+
+
+def _whole(n: int, parts: Sequence[Mapping[bytes, Record] | ChunkPart]) -> bool:
+    first = parts[0] if len(parts) == n else None
+    return isinstance(first, ChunkPart) and all(map(is_, first.cols.parts, parts))
+
+
+def parts_of_columns(
+    n: int,
+    hashes: list[bytes],
+    bounds: list[int],
+    tokens: list[StoredTokens | None],
+    offsets: npt.NDArray[np.int64],
+    flagged: list[int],
+    placements: list[Placements],
+) -> list[ChunkPart]:
+    """``n`` partitions of one-key records given as columns (``flagged``: 2 * shape id +
+    indexed), in partition order: partition ``p`` holds rows ``bounds[p]:bounds[p + 1]``. A
+    restore's path: no record built. Change a row's keys afterwards with ``part[h] = rec``."""
+    cols = ChunkColumns()
+    block: list[Any] = [()] * (_WIDTH * len(hashes))
+    block[0::_WIDTH] = tokens
+    block[1::_WIDTH] = flagged
+    block[2::_WIDTH] = placements
+    cols.objs = block
+    cols.offsets.frombytes(np.ascontiguousarray(offsets, "<i8").tobytes())
+    out = [ChunkPart(cols) for _ in range(n)]
+    for part, lo, hi in zip(out, bounds, bounds[1:], strict=False):
+        part.row = dict(zip(hashes[lo:hi], range(lo, hi), strict=True))
     return out
 
 
