@@ -23,7 +23,7 @@ from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import chain, repeat
-from operator import attrgetter, is_, itemgetter
+from operator import add, attrgetter, is_, itemgetter
 from typing import Any, Final
 
 import numpy as np
@@ -33,6 +33,7 @@ from kvatlas.directory.records import Placements, Record, split_record
 from kvatlas.directory.token_store import StoredTokens
 
 _WIDTH: Final = 4  # references per row
+_FLAGS: Final = (False, True)
 _EMPTY_ROW: Final = (None, 0, None, ())
 _MIN_HOLES: Final = 1024
 
@@ -55,6 +56,27 @@ class ChunkColumns:
         flagged, rest = objs[o + 1], objs[o + 3]
         rec = (objs[o], self.offsets[r], flagged & 1 == 1, flagged >> 1, objs[o + 2])
         return rec + rest if rest else rec  # (join_record, inlined: every read builds one)
+
+    def records(self, rows: list[int]) -> list[Record]:
+        """The records at ``rows``, built by C-level maps over the columns (a capture's, a
+        listing's partition)."""
+        if not rows:
+            return []
+        at = np.array(rows, np.int64) * _WIDTH
+        objs = self.objs
+        flagged = np.fromiter(map(objs.__getitem__, (at + 1).tolist()), np.int64, len(rows))
+        heads = zip(
+            map(objs.__getitem__, at.tolist()),
+            map(self.offsets.__getitem__, rows),
+            map(_FLAGS.__getitem__, (flagged & 1).tolist()),
+            (flagged >> 1).tolist(),
+            map(objs.__getitem__, (at + 2).tolist()),
+            strict=True,
+        )
+        rests = list(map(objs.__getitem__, (at + 3).tolist()))
+        if rests.count(()) == len(rests):
+            return list(heads)
+        return list(map(add, heads, rests))
 
     def append(self, rec: Record) -> int:
         tokens, offset, indexed, sid, pls, rest = split_record(rec)
@@ -127,7 +149,7 @@ class ChunkPart:
         return self.row.keys()
 
     def values(self) -> list[Record]:
-        return list(map(self.cols.record, self.row.values()))
+        return self.cols.records(list(self.row.values()))
 
     def items(self) -> list[tuple[bytes, Record]]:
         return list(zip(self.row.keys(), self.values(), strict=True))
