@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import chain, repeat
 from operator import add, attrgetter, is_, itemgetter
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -58,25 +58,13 @@ class ChunkColumns:
         return rec + rest if rest else rec  # (join_record, inlined: every read builds one)
 
     def records(self, rows: list[int]) -> list[Record]:
-        """The records at ``rows``, built by C-level maps over the columns (a capture's, a
-        listing's partition)."""
-        if not rows:
-            return []
-        at = np.array(rows, np.int64) * _WIDTH
-        objs = self.objs
-        flagged = np.fromiter(map(objs.__getitem__, (at + 1).tolist()), np.int64, len(rows))
-        heads = zip(
-            map(objs.__getitem__, at.tolist()),
-            map(self.offsets.__getitem__, rows),
-            map(_FLAGS.__getitem__, (flagged & 1).tolist()),
-            (flagged >> 1).tolist(),
-            map(objs.__getitem__, (at + 2).tolist()),
-            strict=True,
-        )
-        rests = list(map(objs.__getitem__, (at + 3).tolist()))
-        if rests.count(()) == len(rests):
-            return list(heads)
-        return list(map(add, heads, rests))
+        """The records at ``rows``, built by C-level maps over the columns (a listing's
+        partition, a walk)."""
+        return copied_records(self.copy(rows))
+
+    def copy(self, rows: list[int]) -> RowsCopy:
+        """The fields at ``rows`` as they are now."""
+        return copy_rows(self.objs, self.offsets, rows)
 
     def append(self, rec: Record) -> int:
         tokens, offset, indexed, sid, pls, rest = split_record(rec)
@@ -113,6 +101,47 @@ class ChunkColumns:
             new_offsets.extend(map(offsets.__getitem__, rows))
             part.row = dict(zip(part.row, range(start, start + len(rows)), strict=True))
         self.objs, self.offsets, self.holes = new_objs, new_offsets, 0
+
+
+class RowsCopy(NamedTuple):
+    """Some rows' fields, copied: ``refs`` the rows' references (``_WIDTH`` each, in order),
+    ``offsets`` their offsets."""
+
+    refs: tuple[Any, ...]
+    offsets: tuple[int, ...]
+
+
+def _gather(seq: Sequence[Any], at: list[int]) -> tuple[Any, ...]:
+    """``tuple(seq[i] for i in at)`` in one C-level call."""
+    return (seq[at[0]],) if len(at) == 1 else itemgetter(*at)(seq)  # type: ignore[no-any-return]
+
+
+def copy_rows(objs: list[Any], offsets: array[int], rows: list[int]) -> RowsCopy:
+    """The fields at ``rows`` of columns ``objs`` and ``offsets`` (two C-level gathers)."""
+    if not rows:
+        return RowsCopy((), ())
+    at = (np.array(rows, np.int64)[:, None] * _WIDTH + np.arange(_WIDTH)).ravel().tolist()
+    return RowsCopy(_gather(objs, at), _gather(offsets, rows))
+
+
+def copied_records(copy: RowsCopy) -> list[Record]:
+    """The records of copied rows (C-level maps; no Python code per record)."""
+    refs = copy.refs
+    if not refs:
+        return []
+    flagged = np.array(refs[1::_WIDTH], np.int64)
+    heads = zip(
+        refs[0::_WIDTH],
+        copy.offsets,
+        map(_FLAGS.__getitem__, (flagged & 1).tolist()),
+        (flagged >> 1).tolist(),
+        refs[2::_WIDTH],
+        strict=True,
+    )
+    rests = refs[3::_WIDTH]
+    if rests.count(()) == len(rests):
+        return list(heads)
+    return list(map(add, heads, rests))
 
 
 class ChunkPart:
