@@ -13,7 +13,9 @@ queued (:meth:`ChunkTable.flush_index`) in the order the changes happened, so th
 applies a batch's index writes as one. Changes are made under the directory's lock; a change
 either completes or raises before touching anything (the batch was validated when built).
 
-State is partitioned into :data:`~kvatlas.directory.chunk_counts.PARTS` dicts by the first byte of the chunk hash: a listing
+State is partitioned into :data:`~kvatlas.directory.chunk_counts.PARTS` partitions by the first byte of the chunk hash, each
+read and written as a ``dict`` of records and kept as rows of columns the partitions share
+(:mod:`~kvatlas.directory.chunk_parts`): a listing
 page sorts one small partition instead of the whole directory, and a capture copies one
 partition at a time. While a capture is in progress, the first change to a chunk whose
 partition was not captured yet preserves its record (copy-on-write, see

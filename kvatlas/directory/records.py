@@ -2,12 +2,14 @@
 compact per-chunk state behind them.
 
 Per-chunk state is deliberately lean (the directory holds millions of chunks) and invisible to
-the cyclic garbage collector: a chunk is one flat immutable tuple, its *record*, and each copy
-of a key is one flat tuple, its *placement row*. Every element of either is an int, str,
-float, bool, ``None``, a numpy array or a tuple of those, so CPython untracks each record at its
-first collection: a directory of millions of chunks adds nothing to full-collection pauses.
-Immutable values also let snapshots copy-on-write at chunk granularity: a change replaces the
-record. The layout of both tuples is private to this module: everything else builds and reads
+the cyclic garbage collector: a chunk is read and written as one flat immutable tuple, its
+*record* (kept split into the chunk table's columns, :mod:`~kvatlas.directory.chunk_parts`,
+and built when read), and each copy of a key is one flat tuple, its *placement row*. Every
+element of either is an int, str, float, bool, ``None``, a numpy array or a tuple of those, so
+CPython untracks each at its first collection: a directory of millions of chunks adds nothing
+to full-collection pauses. Immutable values also let snapshots copy-on-write at chunk
+granularity: a change replaces the record. The layout of both tuples is private to this module
+(and the columns' split of a record, :func:`split_record`): everything else builds and reads
 them through the functions below (see docs/directory.md).
 """
 
