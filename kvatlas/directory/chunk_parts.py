@@ -12,9 +12,10 @@ again when read. Per chunk that is the dict slot, the row ``int`` (32 B) and 40 
 columns, where a record tuple (80 B) and its offset (32 B) were; and no object per chunk that
 the cyclic collector tracks (a batch of new chunks made ≈1.4 young collections per 1,000).
 
-Rows of removed chunks are left empty (references dropped) and counted; once they outnumber the
-live ones the columns are compacted (rows renumbered in partition order, each partition's dict
-order kept). A batch of new chunks is appended as whole columns (:func:`add_fresh`).
+Rows of removed chunks are emptied (references dropped) and reused by the next new chunks, so
+the columns stay as long as the most chunks the table held at once (as a ``dict`` keeps its
+slots) and are never compacted under the lock. A batch of new chunks fills free rows and
+appends the rest as whole columns (:func:`add_fresh`).
 """
 
 from __future__ import annotations
@@ -35,19 +36,18 @@ from kvatlas.directory.token_store import StoredTokens
 _WIDTH: Final = 4  # references per row
 _FLAGS: Final = (False, True)
 _EMPTY_ROW: Final = (None, 0, None, ())
-_MIN_HOLES: Final = 1024
 
 
 class ChunkColumns:
     """Every chunk's record fields, by row, for the partitions that share them."""
 
-    __slots__ = ("holes", "objs", "offsets", "parts")
+    __slots__ = ("free", "objs", "offsets", "parts")
 
     def __init__(self) -> None:
         self.objs: list[Any] = []  # _WIDTH per row: content, 2 * shape id + indexed,
         # the first key's placements, the other keys as flat (shape id, placements) pairs
         self.offsets = array("q")  # per row: the content's offset
-        self.holes = 0  # rows of removed chunks
+        self.free: list[int] = []  # rows of removed chunks, reused last freed first
         self.parts: list[ChunkPart] = []
 
     def record(self, r: int) -> Record:
@@ -67,6 +67,11 @@ class ChunkColumns:
         return copy_rows(self.objs, self.offsets, rows)
 
     def append(self, rec: Record) -> int:
+        """A row for a new chunk: a free one, else a new one."""
+        if self.free:
+            r = self.free.pop()
+            self.put(r, rec)
+            return r
         tokens, offset, indexed, sid, pls, rest = split_record(rec)
         self.objs += (tokens, 2 * sid + indexed, pls, rest)
         self.offsets.append(offset)
@@ -80,27 +85,7 @@ class ChunkColumns:
 
     def clear(self, r: int) -> None:
         self.objs[_WIDTH * r : _WIDTH * (r + 1)] = _EMPTY_ROW
-        self.holes += 1
-        if self.holes > len(self.offsets) - self.holes + _MIN_HOLES:
-            self.compact()
-
-    def truncate(self, rows: int) -> None:
-        """Drop the rows from ``rows`` on (appended, never given to a partition)."""
-        del self.objs[_WIDTH * rows :]
-        del self.offsets[rows:]
-
-    def compact(self) -> None:
-        """Renumber the live rows 0.. in partition order; each partition keeps its order."""
-        objs, offsets = self.objs, self.offsets
-        new_objs: list[Any] = []
-        new_offsets = array("q")
-        for part in self.parts:
-            rows = list(part.row.values())
-            start = len(new_offsets)
-            new_objs += chain.from_iterable(objs[_WIDTH * r : _WIDTH * (r + 1)] for r in rows)
-            new_offsets.extend(map(offsets.__getitem__, rows))
-            part.row = dict(zip(part.row, range(start, start + len(rows)), strict=True))
-        self.objs, self.offsets, self.holes = new_objs, new_offsets, 0
+        self.free.append(r)
 
 
 class RowsCopy(NamedTuple):
@@ -295,8 +280,10 @@ def add_fresh(
     ``False`` is returned (nothing changed)."""
     n = len(hashes)
     cols = parts_of[0].cols
-    top = len(cols.offsets)
-    new = range(top, top + n)
+    free, top = cols.free, len(cols.offsets)
+    k = min(len(free), n)  # free rows first (last freed first), then new ones
+    reused = free[len(free) - k :][::-1]
+    new: Sequence[int] = range(top, top + n) if not k else [*reused, *range(top, top + n - k)]
     dicts = list(map(_ROWS_OF, parts_of))
     if not all(map(int.__eq__, map(dict.setdefault, dicts, hashes, new), new)):
         deque(map(_take_back, dicts, hashes, new), maxlen=0)
@@ -305,8 +292,17 @@ def add_fresh(
     block[0::_WIDTH] = tokens
     block[1::_WIDTH] = list(map((2 * sid, 2 * sid + 1).__getitem__, indexed))
     block[2::_WIDTH] = placements
-    cols.objs += block
-    cols.offsets.frombytes(np.ascontiguousarray(offsets, "<i8").tobytes())
+    raw = np.ascontiguousarray(offsets, "<i8")
+    if k:
+        del free[len(free) - k :]
+        at = [_WIDTH * r for r in reused]
+        heads = [_WIDTH * i for i in range(k)]
+        into = map(slice, at, map(_WIDTH.__add__, at))
+        rows = map(block.__getitem__, map(slice, heads, map(_WIDTH.__add__, heads)))
+        deque(map(cols.objs.__setitem__, into, rows), maxlen=0)
+        deque(map(cols.offsets.__setitem__, reused, raw[:k].tolist()), maxlen=0)
+    cols.objs += block[_WIDTH * k :]
+    cols.offsets.frombytes(raw[k:].tobytes())
     return True
 
 

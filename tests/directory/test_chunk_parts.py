@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -31,45 +32,57 @@ def h(n: int) -> bytes:
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["set", "del"]), st.integers(0, 40), st.integers(1, 3)),
+    st.tuples(st.sampled_from(["set", "del", "fresh"]), st.integers(0, 40), st.integers(1, 3)),
     max_size=300,
 )
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops)
-def test_partitions_behave_as_dicts_through_compactions(ops: list[tuple[str, int, int]]) -> None:
-    import kvatlas.directory.chunk_parts as parts_module
-
+def test_partitions_behave_as_dicts_as_rows_are_freed_and_reused(
+    ops: list[tuple[str, int, int]],
+) -> None:
     parts, model = new_parts(4), [{} for _ in range(4)]
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(parts_module, "_MIN_HOLES", 2)  # compact often
-        for op, n, keys in ops:
-            part, ref = parts[h(n)[0]], model[h(n)[0]]
-            if op == "set":
-                part[h(n)] = ref[h(n)] = record(n, keys)
-            elif h(n) in ref:
-                del part[h(n)], ref[h(n)]
-            for p, r in zip(parts, model, strict=True):
-                assert list(p) == list(r) and len(p) == len(r)
-                assert p.values() == list(r.values()) and p == r
-                assert p.bound_count() == sum(1 for rec in r.values() if rec[0] is not None)
-    assert all(p.cols is parts[0].cols for p in parts)
+    for op, n, keys in ops:
+        part, ref = parts[h(n)[0]], model[h(n)[0]]
+        if op == "set":
+            part[h(n)] = ref[h(n)] = record(n, keys)
+        elif op == "del" and h(n) in ref:
+            del part[h(n)], ref[h(n)]
+        elif op == "fresh":  # a batch of new chunks, through free rows first
+            hs = [x for x in (h(n + i) for i in range(keys * 3)) if x not in model[x[0]]]
+            hs = list(dict.fromkeys(hs))
+            if hs:
+                tokens = [toks(1, 2, 3, 4)] * len(hs)
+                parts_of = [parts[x[0]] for x in hs]
+                offs = np.arange(len(hs), dtype=np.int64)
+                assert add_fresh(parts_of, hs, tokens, offs, [True] * len(hs), 2, [ROW] * len(hs))
+                for x, tok, o in zip(hs, tokens, offs.tolist(), strict=True):
+                    model[x[0]][x] = new_record(tok, o, True, 2, ROW)
+        for p, r in zip(parts, model, strict=True):
+            assert list(p) == list(r) and len(p) == len(r)
+            assert p.values() == list(r.values()) and p == r
+            assert p.bound_count() == sum(1 for rec in r.values() if rec[0] is not None)
+    cols = parts[0].cols
+    assert all(p.cols is cols for p in parts)
+    live = sorted(r for p in parts for r in p.row.values())
+    assert sorted(live + cols.free) == list(range(len(cols.offsets)))  # every row used once
 
 
 def test_a_fresh_batch_with_a_held_chunk_changes_nothing() -> None:
     parts = new_parts(4)
     parts[h(1)[0]][h(1)] = new_record(None, 0, False, 0, ROW)
+    parts[h(2)[0]][h(2)] = new_record(None, 0, False, 0, ROW)
+    del parts[h(2)[0]][h(2)]  # a free row
     cols: ChunkColumns = parts[0].cols
-    before = (list(cols.objs), list(cols.offsets), [dict(p.row) for p in parts])
+    before = (list(cols.objs), list(cols.offsets), [dict(p.row) for p in parts], list(cols.free))
     hashes = [h(n) for n in (5, 6, 1, 7)]
     parts_of: list[ChunkPart] = [parts[x[0]] for x in hashes]
-    import numpy as np
-
     tokens = [toks(n, n, n, n) for n in range(4)]
     ok = add_fresh(parts_of, hashes, tokens, np.arange(4) * CS, [True] * 4, 0, [ROW] * 4)
     assert not ok
-    assert (list(cols.objs), list(cols.offsets), [dict(p.row) for p in parts]) == before
+    after = (list(cols.objs), list(cols.offsets), [dict(p.row) for p in parts], list(cols.free))
+    assert after == before
 
 
 def in_part_1(i: int) -> ObjectKey:
