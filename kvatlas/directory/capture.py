@@ -10,14 +10,16 @@ See docs/directory.md.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
 from kvatlas.directory.blend import AddColumns
 from kvatlas.directory.chunk_counts import PARTS, ChunkCounts, Partition
+from kvatlas.directory.chunk_parts import ChunkPart, copied_records, copy_rows
 from kvatlas.directory.chunk_table import ChunkTable
 from kvatlas.directory.gate import EmitterCursor
 from kvatlas.directory.records import CapacityDeclaration, Record
@@ -73,8 +75,17 @@ class Capture:
                 if not self._open:
                     raise Conflict("the capture was closed")
                 held_from = time.perf_counter()
-                records = self._journal.take(part_no, self._chunks.parts[part_no])
+                build = self._journal.take(part_no, self._chunks.parts[part_no])
                 held = time.perf_counter() - held_from
+            taken = build()  # the records, built without the lock (see CowJournal.take)
+            with self._lock:
+                held_from = time.perf_counter()
+                records = self._journal.finish(part_no, taken)
+                held += time.perf_counter() - held_from
+            # the records are built for the capture (the table keeps columns): one young
+            # collection untracks them (their contents are untracked), so a writer holding
+            # a whole directory's adds nothing to full-collection pauses
+            gc.collect(0)
             yield CapturedPart(records, held)
 
     def close(self) -> None:
@@ -112,25 +123,46 @@ class CowJournal:
             if h not in saved:
                 saved[h] = rec
 
-    def take(self, part_no: int, part: Partition) -> list[tuple[bytes, Record]]:
-        """Partition ``part_no`` as it was at capture start; later changes to it are no
-        longer journaled. Records are immutable: no copy of their contents."""
-        saved = self.saved[part_no]
-        if saved:
-            rows = []
-            for h, rec in part.items():
-                if h in saved:
-                    old = saved[h]
-                    if old is not None:
-                        rows.append((h, old))
-                else:
-                    rows.append((h, rec))
-            rows += [(h, old) for h, old in saved.items() if old is not None and h not in part]
-        else:
-            rows = list(part.items())
+    def take(
+        self, part_no: int, part: Partition | ChunkPart
+    ) -> Callable[[], list[tuple[bytes, Record]]]:
+        """Start taking partition ``part_no`` (under the lock): its hash → row pairs are
+        copied, and the function returned builds their records from the columns (without the
+        lock: the rows may change meanwhile, but each change journals the record it replaces
+        first, and :meth:`finish` puts those back). Records are immutable: no copy of their
+        contents."""
+        if not isinstance(part, ChunkPart):
+            items = list(part.items())
+            return lambda: items
+        pairs, cols = list(part.row.items()), part.cols
+        objs, offsets = cols.objs, cols.offsets  # (a compaction replaces, never changes them)
+
+        def build() -> list[tuple[bytes, Record]]:
+            hashes = [h for h, _ in pairs]
+            rows = [r for _, r in pairs]
+            return list(zip(hashes, copied_records(copy_rows(objs, offsets, rows)), strict=True))
+
+        return build
+
+    def finish(self, part_no: int, rows: list[tuple[bytes, Record]]) -> list[tuple[bytes, Record]]:
+        """Partition ``part_no`` as it was at capture start, from the records :meth:`take`
+        built and the records journaled since the capture started (under the lock); later
+        changes to it are no longer journaled."""
+        saved, self.saved[part_no] = self.saved[part_no], {}
         self.done[part_no] = True
-        saved.clear()
-        return rows
+        if not saved:
+            return rows
+        out = []
+        for h, rec in rows:
+            if h in saved:
+                old = saved[h]
+                if old is not None:
+                    out.append((h, old))
+            else:
+                out.append((h, rec))
+        held = {h for h, _ in rows}
+        out += [(h, old) for h, old in saved.items() if old is not None and h not in held]
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +180,7 @@ class Restored:
 
     state: DirectoryState
     shapes: ShapeTable
-    parts: list[Partition]
+    parts: Sequence[Partition | ChunkPart]
     counts: ChunkCounts | None = None
     slabs: tuple[TokenSlab, ...] = ()
     adds: AddColumns | None = None

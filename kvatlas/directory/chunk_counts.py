@@ -7,11 +7,13 @@ hooks into. See :mod:`kvatlas.directory.chunk_table`.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
+from kvatlas.directory.chunk_parts import ChunkPart
 from kvatlas.directory.records import (
     Module,
     Record,
@@ -26,7 +28,9 @@ from kvatlas.directory.records import (
 
 PARTS = 256
 L2_TIER = "l2"  # the tier quotas count (ChunkCounts.l2_bytes_by_shape)
-Partition = dict[bytes, Record]  # chunk hash -> record; a chunk lives in partition hash[0]
+Partition = dict[bytes, Record]
+"""Chunk hash -> record, a chunk in partition hash[0]: what captures and restores exchange
+(the table keeps each partition as a :class:`~kvatlas.directory.chunk_parts.ChunkPart`)."""
 DigestArray = np.ndarray[Any, Any]  # 256 uint64 buckets (kvatlas.events.inventory)
 
 
@@ -66,7 +70,7 @@ class ChunkCounts:
         return d
 
     @classmethod
-    def scan(cls, parts: list[Partition]) -> ChunkCounts:
+    def scan(cls, parts: Sequence[Partition | ChunkPart]) -> ChunkCounts:
         """The counts of ``parts``, by one pass over every record."""
         out = cls()
         for part in parts:

@@ -16,7 +16,8 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from kvatlas.directory.blend import BlendOp
-from kvatlas.directory.chunk_counts import ChangeJournal, ChunkCounts, Partition
+from kvatlas.directory.chunk_counts import ChangeJournal, ChunkCounts
+from kvatlas.directory.chunk_parts import ChunkPart
 from kvatlas.directory.records import Record
 from kvatlas.directory.shapes import ShapeTable
 from kvatlas.keys import BlendNamespace, ObjectKey
@@ -26,7 +27,7 @@ class ChunkState(Protocol):
     """The chunk table, as its collaborators change it (under the directory's lock)."""
 
     @property
-    def parts(self) -> list[Partition]:
+    def parts(self) -> list[ChunkPart]:
         """The records, by the first byte of the chunk hash (changed in place)."""
 
     @property

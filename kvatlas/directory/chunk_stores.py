@@ -10,8 +10,9 @@ import logging
 from collections import Counter
 
 from kvatlas.directory.blend import AddOp, RemoveChunkOp
-from kvatlas.directory.chunk_counts import L2_TIER, DigestArray, Partition
+from kvatlas.directory.chunk_counts import L2_TIER, DigestArray
 from kvatlas.directory.chunk_digests import InventoryDigests
+from kvatlas.directory.chunk_parts import ChunkPart
 from kvatlas.directory.chunk_state import ChunkState
 from kvatlas.directory.fresh_chunks import store_adds, store_fresh
 from kvatlas.directory.records import (
@@ -202,7 +203,7 @@ class StoreRules:
 def _store_existing(
     table: ChunkState,
     h: bytes,
-    part: Partition,
+    part: ChunkPart,
     rec: Record,
     sid: int,
     p: PlacementRow,

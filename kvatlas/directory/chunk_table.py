@@ -13,7 +13,9 @@ queued (:meth:`ChunkTable.flush_index`) in the order the changes happened, so th
 applies a batch's index writes as one. Changes are made under the directory's lock; a change
 either completes or raises before touching anything (the batch was validated when built).
 
-State is partitioned into :data:`~kvatlas.directory.chunk_counts.PARTS` dicts by the first byte of the chunk hash: a listing
+State is partitioned into :data:`~kvatlas.directory.chunk_counts.PARTS` partitions by the first byte of the chunk hash, each
+read and written as a ``dict`` of records and kept as rows of columns the partitions share
+(:mod:`~kvatlas.directory.chunk_parts`): a listing
 page sorts one small partition instead of the whole directory, and a capture copies one
 partition at a time. While a capture is in progress, the first change to a chunk whose
 partition was not captured yet preserves its record (copy-on-write, see
@@ -27,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from kvatlas.directory.blend import AddColumns, BlendIndex, BlendOp
 from kvatlas.directory.chunk_counts import PARTS, ChangeJournal, ChunkCounts, Partition
 from kvatlas.directory.chunk_digests import InventoryDigests
+from kvatlas.directory.chunk_parts import ChunkPart, new_parts
 from kvatlas.directory.chunk_removals import RemovalRules
 from kvatlas.directory.chunk_slabs import Reclaim, SlabReclaim
 from kvatlas.directory.chunk_stores import StoreRules
@@ -67,7 +70,7 @@ class ChunkTable:
     def __init__(self, chunk_size: int) -> None:
         self.chunk_size = chunk_size
         self.shapes = ShapeTable()
-        self.parts: list[Partition] = [{} for _ in range(PARTS)]
+        self.parts = new_parts(PARTS)
         self.counts = ChunkCounts()
         self.indexing = False  # whether changes queue blend-index writes
         self.journal: ChangeJournal | None = None  # set while a capture is in progress
@@ -123,7 +126,7 @@ class ChunkTable:
     def restore(
         self,
         shapes: ShapeTable,
-        parts: list[Partition],
+        parts: Sequence[Partition | ChunkPart],
         counts: ChunkCounts,
         slabs: Sequence[TokenSlab] = (),
     ) -> None:
@@ -131,7 +134,8 @@ class ChunkTable:
         ``shapes``, ``counts`` are theirs, ``slabs`` hold their contents that are views."""
         if self.journal is not None:
             raise Conflict("cannot restore while a snapshot is being taken")
-        self.shapes, self.parts, self.counts = shapes, parts, counts
+        self.shapes, self.counts = shapes, counts
+        self.parts = new_parts(PARTS, parts)
         self.reclaim.restart(slabs)
         self.counts.digests = {}
         self.digests.restart(False)  # digests are built partition by partition, later

@@ -2,9 +2,9 @@
 just computed), so the one :meth:`StoreRules.store <kvatlas.directory.chunk_stores.StoreRules.store>`
 takes without Python code per entry.
 
-:func:`store_fresh` builds exactly the records the table's entry-by-entry loop would (the same
-tuples, placement rows shared by size, in the same partitions) with C-level maps over the
-batch's columns, and says which entries the blend index must add. It takes only batches where
+:func:`store_fresh` stores exactly the records the table's entry-by-entry loop would (the same
+columns, placement rows shared by size, in the same partitions; no record tuple) with C-level
+maps over the batch's columns, and says which entries the blend index must add. It takes only batches where
 that loop would do nothing else: every entry a chunk the table does not hold, no hash twice,
 one key shape, every entry bound to a whole chunk of tokens (no log line per entry); for any
 other batch it does nothing and the loop runs. :func:`store_adds` gives the index adds of a
@@ -13,16 +13,15 @@ store batch's new chunks (either path's) as one :class:`~kvatlas.directory.blend
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from itertools import compress
-from operator import is_, itemgetter
+from operator import itemgetter
 
 import numpy as np
 
 from kvatlas.directory.blend import AddColumns
-from kvatlas.directory.chunk_counts import Partition
-from kvatlas.directory.records import Record, placement_row, records_from_columns
+from kvatlas.directory.chunk_parts import ChunkPart, add_fresh
+from kvatlas.directory.records import placement_row
 from kvatlas.directory.shapes import KeyShape
 from kvatlas.directory.token_store import StoredTokens
 from kvatlas.events import UNKNOWN_OFFSET, EventBatch
@@ -31,14 +30,8 @@ from kvatlas.events.columns import EntryColumns
 _FIRST_BYTE = itemgetter(0)  # a chunk hash's partition
 
 
-def _take_back(part: Partition, h: bytes, rec: Record) -> None:
-    """Remove ``h`` from ``part`` if :func:`store_fresh` inserted ``rec`` there."""
-    if part.get(h) is rec:
-        del part[h]
-
-
 def store_fresh(
-    parts: list[Partition],
+    parts: list[ChunkPart],
     batch: EventBatch,
     cols: EntryColumns,
     sids: list[int],
@@ -71,11 +64,9 @@ def store_fresh(
         indexed = [True] * n
     else:
         indexed = list(map(UNKNOWN_OFFSET.__ne__, offsets)) if indexing else [False] * n
-    records = records_from_columns(stored, offsets, sids, placements, indexed)
     # inserted where absent, in one pass: a chunk the table holds keeps its record (then every
-    # record this inserted is taken out again, and the entry-by-entry loop runs)
-    if not all(map(is_, map(dict.setdefault, parts_of, hashes, records), records)):
-        deque(map(_take_back, parts_of, hashes, records), maxlen=0)
+    # row this inserted is taken out again, and the entry-by-entry loop runs)
+    if not add_fresh(parts_of, hashes, stored, cols.token_offsets, indexed, sids[0], placements):
         return None
     return sum(sizes), list(range(n)) if every else list(compress(range(n), indexed))
 

@@ -2,12 +2,14 @@
 compact per-chunk state behind them.
 
 Per-chunk state is deliberately lean (the directory holds millions of chunks) and invisible to
-the cyclic garbage collector: a chunk is one flat immutable tuple, its *record*, and each copy
-of a key is one flat tuple, its *placement row*. Every element of either is an int, str,
-float, bool, ``None``, a numpy array or a tuple of those, so CPython untracks each record at its
-first collection: a directory of millions of chunks adds nothing to full-collection pauses.
-Immutable values also let snapshots copy-on-write at chunk granularity: a change replaces the
-record. The layout of both tuples is private to this module: everything else builds and reads
+the cyclic garbage collector: a chunk is read and written as one flat immutable tuple, its
+*record* (kept split into the chunk table's columns, :mod:`~kvatlas.directory.chunk_parts`,
+and built when read), and each copy of a key is one flat tuple, its *placement row*. Every
+element of either is an int, str, float, bool, ``None``, a numpy array or a tuple of those, so
+CPython untracks each at its first collection: a directory of millions of chunks adds nothing
+to full-collection pauses. Immutable values also let snapshots copy-on-write at chunk
+granularity: a change replaces the record. The layout of both tuples is private to this module
+(and the columns' split of a record, :func:`split_record`): everything else builds and reads
 them through the functions below (see docs/directory.md).
 """
 
@@ -256,6 +258,28 @@ def records_from_columns(
     unless ``indexed`` says otherwise."""
     flags = repeat(False, len(tokens)) if indexed is None else indexed
     return list(zip(tokens, offsets, flags, shape_ids, placements, strict=True))
+
+
+def split_record(rec: Record) -> tuple[Any, ...]:
+    """A record as (content, offset, indexed, first key's shape id, its placements, the
+    other keys as flat (shape id, placements) pairs, ``()`` if none): the columns of
+    :class:`~kvatlas.directory.chunk_parts.ChunkPart`."""
+    return (*rec[:_REST], rec[_REST:])
+
+
+def join_record(
+    tokens: StoredTokens | None,
+    offset: int,
+    indexed: bool,
+    shape_id: int,
+    placements: Placements,
+    rest: tuple[Any, ...],
+) -> Record:
+    """The record :func:`split_record` split."""
+    return (tokens, offset, indexed, shape_id, placements, *rest)
+
+
+_REST: Final = _KEYS + 2
 
 
 # The record's binding: its content (``None``: unknown) as stored, stored offset, and whether

@@ -27,6 +27,7 @@ import numpy.typing as npt
 
 from kvatlas.directory.blend import AddColumns, BlendIndex
 from kvatlas.directory.chunk_counts import Partition
+from kvatlas.directory.chunk_parts import ChunkPart
 from kvatlas.directory.records import (
     Record,
     first_shape_ids,
@@ -44,7 +45,7 @@ from kvatlas.keys import BlendNamespace
 
 
 def reindex_records(
-    parts: Sequence[Partition],
+    parts: Sequence[Partition | ChunkPart],
     shapes: ShapeTable,
     chunk_size: int,
     index: BlendIndex,

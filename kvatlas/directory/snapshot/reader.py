@@ -15,7 +15,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass
-from itertools import compress, pairwise
+from itertools import compress
 from typing import Any
 
 import msgspec
@@ -26,6 +26,7 @@ from kvatlas.directory.blend import AddColumns
 from kvatlas.directory.blend.kernels.planes import FORM_PLANES, FORM_U16, FORM_U32, MAX_HIGH_BITS
 from kvatlas.directory.capture import DirectoryState, Restored
 from kvatlas.directory.chunk_counts import L2_TIER, PARTS, ChunkCounts, Partition
+from kvatlas.directory.chunk_parts import ChunkPart, new_parts, parts_of_columns
 from kvatlas.directory.gate import EmitterCursor, GapRecord
 from kvatlas.directory.key_directory import KeyDirectory
 from kvatlas.directory.records import (
@@ -33,7 +34,6 @@ from kvatlas.directory.records import (
     KeyPair,
     Module,
     PlacementRow,
-    Record,
     group_placements,
     make_record,
     record_indexed,
@@ -232,9 +232,10 @@ def _build(
     hashes: list[bytes],
     sids: npt.NDArray[np.int64],
     marks: list[bool] | None,
-) -> list[Partition]:
+) -> list[ChunkPart]:
     """The partitions of records (``sids``: each key's shape id), marked indexed where
-    ``marks`` says (``None``: none; see :func:`_indexable`)."""
+    ``marks`` says (``None``: none; see :func:`_indexable`), as the table's columns: no record
+    built but for chunks with several keys or placements (then the record is written over)."""
     pls = _placements(header)
     # Column-wise: each chunk's first key, that key's first placement, its shape id.
     counts, first_key = cols.counts, cols.first_key
@@ -243,13 +244,28 @@ def _build(
     first_ref = key_first_ref[first_key]
     simple = (counts == 1) & (kpc[first_key] == 1)  # one key, one placement: most chunks
     rows = np.fromiter(pls, dtype=object, count=len(pls))  # gathered in C, not per chunk
-    records = records_from_columns(
-        tokens,
-        cols.offsets.tolist(),
-        sids[first_key].tolist(),
-        rows[cols.key_pls[first_ref]].tolist(),
-        marks,
-    )
+    flagged = sids[first_key] << 1
+    if marks is not None:
+        flagged += np.asarray(marks, np.int64)
+    first = np.frombuffer(header.chunk_hashes, dtype=np.uint8)[::HASH_BYTES]
+    n = len(hashes)
+    if n and not bool((first[1:] >= first[:-1]).all()):  # not as written: a record per chunk
+        recs = records_from_columns(
+            tokens, cols.offsets.tolist(), sids[first_key].tolist(),
+            rows[cols.key_pls[first_ref]].tolist(), marks,
+        )  # fmt: skip
+        by_part: list[Partition] = [{} for _ in range(PARTS)]
+        for h, rec in zip(hashes, recs, strict=True):
+            by_part[h[0]][h] = rec
+        parts = new_parts(PARTS, by_part)
+    else:  # as written: in partition order
+        bounds = np.searchsorted(first, np.arange(PARTS + 1)).tolist()
+        parts = parts_of_columns(
+            PARTS, hashes, bounds, tokens, cols.offsets.astype(np.int64), flagged.tolist(),
+            rows[cols.key_pls[first_ref]].tolist(),
+        )  # fmt: skip
+    if sum(map(len, parts)) != n:
+        raise SnapshotError("duplicate chunk hashes in snapshot")
     if not simple.all():
         ksh, kpl, kpc_list = sids.tolist(), cols.key_pls.tolist(), kpc.tolist()
         fk, fr = first_key.tolist(), key_first_ref.tolist()
@@ -259,11 +275,13 @@ def _build(
             for k in range(fk[c], fk[c] + counts_list[c]):
                 m = fr[k]
                 keys.append((ksh[k], group_placements([pls[x] for x in kpl[m : m + kpc_list[k]]])))
-            rec = records[c]
-            records[c] = make_record(
+            h = hashes[c]
+            part = parts[h[0]]
+            rec = part[h]
+            part[h] = make_record(
                 record_stored_tokens(rec), record_offset(rec), record_indexed(rec), keys
             )
-    return _partitions(header.chunk_hashes, hashes, records)
+    return parts
 
 
 def _reads_blend(directory: KeyDirectory, header: Header) -> bool:
@@ -313,24 +331,6 @@ def _indexable(header: Header, cols: _Columns) -> npt.NDArray[np.bool_]:
     (as ``chunk_stores._bind`` decides)."""
     out: npt.NDArray[np.bool_] = (cols.lens == header.chunk_size) & (cols.offsets != UNKNOWN_OFFSET)
     return out
-
-
-def _partitions(raw: bytes, hashes: list[bytes], records: list[Record]) -> list[Partition]:
-    n = len(hashes)
-    parts: list[Partition]
-    first = np.frombuffer(raw, dtype=np.uint8)[::HASH_BYTES]
-    if n and bool((first[1:] >= first[:-1]).all()):  # as written: in partition order
-        bounds = np.searchsorted(first, np.arange(PARTS + 1)).tolist()
-        parts = [
-            dict(zip(hashes[lo:hi], records[lo:hi], strict=True)) for lo, hi in pairwise(bounds)
-        ]
-    else:
-        parts = [{} for _ in range(PARTS)]
-        for h, rec in zip(hashes, records, strict=True):
-            parts[h[0]][h] = rec
-    if sum(len(p) for p in parts) != n:
-        raise SnapshotError("duplicate chunk hashes in snapshot")
-    return parts
 
 
 def _cursors(header: Header) -> dict[str, EmitterCursor]:

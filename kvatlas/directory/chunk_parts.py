@@ -1,0 +1,311 @@
+"""The chunk table's records as columns (issue 31 item 2, first stage; docs/directory.md,
+"Records as columns").
+
+Each of the table's partitions is a :class:`ChunkPart`: it reads and writes like the
+``dict[bytes, Record]`` it replaces (the :data:`~kvatlas.directory.chunk_counts.Partition`
+captures and restores exchange): same keys, same iteration order (insertion; a replaced record
+keeps its place), same records. But no record tuple and no offset ``int`` is kept per chunk:
+the partition maps a chunk hash to a row of :class:`ChunkColumns`, shared by all partitions,
+where a record is split into four references (content; first key's shape id and indexed flag
+as one small ``int``; that key's placements; the other keys) and an ``int64`` offset, and built
+again when read. Per chunk that is the dict slot, the row ``int`` (32 B) and 40 bytes of
+columns, where a record tuple (80 B) and its offset (32 B) were; and no object per chunk that
+the cyclic collector tracks (a batch of new chunks made ≈1.4 young collections per 1,000).
+
+Rows of removed chunks are emptied (references dropped) and reused by the next new chunks, so
+the columns stay as long as the most chunks the table held at once (as a ``dict`` keeps its
+slots) and are never compacted under the lock. A batch of new chunks fills free rows and
+appends the rest as whole columns (:func:`add_fresh`).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from itertools import chain, repeat
+from operator import add, attrgetter, is_, itemgetter
+from typing import Any, Final, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from kvatlas.directory.records import Placements, Record, split_record
+from kvatlas.directory.token_store import StoredTokens
+
+_WIDTH: Final = 4  # references per row
+_FLAGS: Final = (False, True)
+_EMPTY_ROW: Final = (None, 0, None, ())
+
+
+class ChunkColumns:
+    """Every chunk's record fields, by row, for the partitions that share them."""
+
+    __slots__ = ("free", "objs", "offsets", "parts")
+
+    def __init__(self) -> None:
+        self.objs: list[Any] = []  # _WIDTH per row: content, 2 * shape id + indexed,
+        # the first key's placements, the other keys as flat (shape id, placements) pairs
+        self.offsets = array("q")  # per row: the content's offset
+        self.free: list[int] = []  # rows of removed chunks, reused last freed first
+        self.parts: list[ChunkPart] = []
+
+    def record(self, r: int) -> Record:
+        o = _WIDTH * r
+        objs = self.objs
+        flagged, rest = objs[o + 1], objs[o + 3]
+        rec = (objs[o], self.offsets[r], flagged & 1 == 1, flagged >> 1, objs[o + 2])
+        return rec + rest if rest else rec  # (join_record, inlined: every read builds one)
+
+    def records(self, rows: list[int]) -> list[Record]:
+        """The records at ``rows``, built by C-level maps over the columns (a listing's
+        partition, a walk)."""
+        return copied_records(self.copy(rows))
+
+    def copy(self, rows: list[int]) -> RowsCopy:
+        """The fields at ``rows`` as they are now."""
+        return copy_rows(self.objs, self.offsets, rows)
+
+    def append(self, rec: Record) -> int:
+        """A row for a new chunk: a free one, else a new one."""
+        if self.free:
+            r = self.free.pop()
+            self.put(r, rec)
+            return r
+        tokens, offset, indexed, sid, pls, rest = split_record(rec)
+        self.objs += (tokens, 2 * sid + indexed, pls, rest)
+        self.offsets.append(offset)
+        return len(self.offsets) - 1
+
+    def put(self, r: int, rec: Record) -> None:
+        tokens, offset, indexed, sid, pls, rest = split_record(rec)
+        o = _WIDTH * r
+        self.objs[o : o + _WIDTH] = (tokens, 2 * sid + indexed, pls, rest)
+        self.offsets[r] = offset
+
+    def clear(self, r: int) -> None:
+        self.objs[_WIDTH * r : _WIDTH * (r + 1)] = _EMPTY_ROW
+        self.free.append(r)
+
+
+class RowsCopy(NamedTuple):
+    """Some rows' fields, copied: ``refs`` the rows' references (``_WIDTH`` each, in order),
+    ``offsets`` their offsets."""
+
+    refs: tuple[Any, ...]
+    offsets: tuple[int, ...]
+
+
+def _gather(seq: Sequence[Any], at: list[int]) -> tuple[Any, ...]:
+    """``tuple(seq[i] for i in at)`` in one C-level call."""
+    return (seq[at[0]],) if len(at) == 1 else itemgetter(*at)(seq)  # type: ignore[no-any-return]
+
+
+def copy_rows(objs: list[Any], offsets: array[int], rows: list[int]) -> RowsCopy:
+    """The fields at ``rows`` of columns ``objs`` and ``offsets`` (two C-level gathers)."""
+    if not rows:
+        return RowsCopy((), ())
+    at = (np.array(rows, np.int64)[:, None] * _WIDTH + np.arange(_WIDTH)).ravel().tolist()
+    return RowsCopy(_gather(objs, at), _gather(offsets, rows))
+
+
+def copied_records(copy: RowsCopy) -> list[Record]:
+    """The records of copied rows (C-level maps; no Python code per record)."""
+    refs = copy.refs
+    if not refs:
+        return []
+    flagged = np.array(refs[1::_WIDTH], np.int64)
+    heads = zip(
+        refs[0::_WIDTH],
+        copy.offsets,
+        map(_FLAGS.__getitem__, (flagged & 1).tolist()),
+        (flagged >> 1).tolist(),
+        refs[2::_WIDTH],
+        strict=True,
+    )
+    rests = refs[3::_WIDTH]
+    if rests.count(()) == len(rests):
+        return list(heads)
+    return list(map(add, heads, rests))
+
+
+class ChunkPart:
+    """One partition: chunk hash → row of the shared :class:`ChunkColumns`, read and written
+    as a ``dict[bytes, Record]``."""
+
+    __slots__ = ("cols", "row")
+
+    def __init__(self, cols: ChunkColumns, records: Iterable[tuple[bytes, Record]] = ()) -> None:
+        self.cols = cols
+        self.row: dict[bytes, int] = {}
+        cols.parts.append(self)
+        self.update(records)
+
+    # ------------------------------------------------------------------ reads
+
+    def get(self, h: bytes, default: Record | None = None) -> Record | None:
+        r = self.row.get(h)
+        return default if r is None else self.cols.record(r)
+
+    def __getitem__(self, h: bytes) -> Record:
+        return self.cols.record(self.row[h])
+
+    def __contains__(self, h: object) -> bool:
+        return h in self.row
+
+    def __len__(self) -> int:
+        return len(self.row)
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self.row)
+
+    def keys(self) -> Iterable[bytes]:
+        return self.row.keys()
+
+    def values(self) -> list[Record]:
+        return self.cols.records(list(self.row.values()))
+
+    def items(self) -> list[tuple[bytes, Record]]:
+        return list(zip(self.row.keys(), self.values(), strict=True))
+
+    def bound_count(self) -> int:
+        """How many chunks have known content (no record built)."""
+        objs = self.cols.objs
+        contents = map(objs.__getitem__, map(_WIDTH.__mul__, self.row.values()))
+        return len(self.row) - sum(map(is_, contents, repeat(None)))  # (== compares arrays)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ChunkPart | dict):
+            return list(self.items()) == list(other.items())
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"ChunkPart({dict(self.items())!r})"
+
+    # ------------------------------------------------------------------ writes
+
+    def __setitem__(self, h: bytes, rec: Record) -> None:
+        r = self.row.get(h)
+        if r is None:
+            self.row[h] = self.cols.append(rec)
+        else:
+            self.cols.put(r, rec)
+
+    def __delitem__(self, h: bytes) -> None:
+        self.cols.clear(self.row.pop(h))
+
+    def update(self, records: Iterable[tuple[bytes, Record]]) -> None:
+        for h, rec in records:
+            self[h] = rec
+
+
+def new_parts(n: int, parts: Sequence[Mapping[bytes, Record] | ChunkPart] = ()) -> list[ChunkPart]:
+    """``n`` empty partitions sharing new columns, or (``parts`` given) holding their records
+    (split into the columns by C-level maps: a restore's millions)."""
+    if _whole(n, parts):  # the partitions of one set of columns (a reader's): adopted
+        return list(parts)  # type: ignore[arg-type]
+    cols = ChunkColumns()
+    out = [ChunkPart(cols) for _ in range(n)]
+    for part, records in zip(out, parts, strict=False):
+        hashes, recs = list(records.keys()), list(records.values())
+        top = len(cols.offsets)
+        flagged = (np.fromiter(map(_SID, recs), np.int64, len(recs)) << 1) + np.fromiter(
+            map(_INDEXED, recs), np.int64, len(recs)
+        )
+        cols.objs += chain.from_iterable(
+            zip(
+                map(_TOKENS, recs),
+                flagged.tolist(),
+                map(_PLACEMENTS, recs),
+                map(_REST, recs),
+                strict=True,
+            )
+        )
+        cols.offsets.extend(map(_OFFSET, recs))
+        part.row = dict(zip(hashes, range(top, top + len(hashes)), strict=True))
+    return out
+
+
+def _whole(n: int, parts: Sequence[Mapping[bytes, Record] | ChunkPart]) -> bool:
+    first = parts[0] if len(parts) == n else None
+    return isinstance(first, ChunkPart) and all(map(is_, first.cols.parts, parts))
+
+
+def parts_of_columns(
+    n: int,
+    hashes: list[bytes],
+    bounds: list[int],
+    tokens: list[StoredTokens | None],
+    offsets: npt.NDArray[np.int64],
+    flagged: list[int],
+    placements: list[Placements],
+) -> list[ChunkPart]:
+    """``n`` partitions of one-key records given as columns (``flagged``: 2 * shape id +
+    indexed), in partition order: partition ``p`` holds rows ``bounds[p]:bounds[p + 1]``. A
+    restore's path: no record built. Change a row's keys afterwards with ``part[h] = rec``."""
+    cols = ChunkColumns()
+    block: list[Any] = [()] * (_WIDTH * len(hashes))
+    block[0::_WIDTH] = tokens
+    block[1::_WIDTH] = flagged
+    block[2::_WIDTH] = placements
+    cols.objs = block
+    cols.offsets.frombytes(np.ascontiguousarray(offsets, "<i8").tobytes())
+    out = [ChunkPart(cols) for _ in range(n)]
+    for part, lo, hi in zip(out, bounds, bounds[1:], strict=False):
+        part.row = dict(zip(hashes[lo:hi], range(lo, hi), strict=True))
+    return out
+
+
+_TOKENS, _OFFSET, _INDEXED, _SID, _PLACEMENTS = map(itemgetter, range(5))
+_REST = itemgetter(slice(5, None))
+
+
+_ROWS_OF = attrgetter("row")
+
+
+def add_fresh(
+    parts_of: Sequence[ChunkPart],
+    hashes: Sequence[bytes],
+    tokens: Sequence[StoredTokens | None],
+    offsets: npt.NDArray[np.int64],
+    indexed: Sequence[bool],
+    sid: int,
+    placements: Sequence[Placements],
+) -> bool:
+    """Append one-key records of new chunks, entry ``i`` into ``parts_of[i]`` (its
+    partition; all share one :class:`ChunkColumns`), the hashes distinct. Inserted where
+    absent, in one pass: if a chunk is held, the rows this inserted are taken out again and
+    ``False`` is returned (nothing changed)."""
+    n = len(hashes)
+    cols = parts_of[0].cols
+    free, top = cols.free, len(cols.offsets)
+    k = min(len(free), n)  # free rows first (last freed first), then new ones
+    reused = free[len(free) - k :][::-1]
+    new: Sequence[int] = range(top, top + n) if not k else [*reused, *range(top, top + n - k)]
+    dicts = list(map(_ROWS_OF, parts_of))
+    if not all(map(int.__eq__, map(dict.setdefault, dicts, hashes, new), new)):
+        deque(map(_take_back, dicts, hashes, new), maxlen=0)
+        return False
+    block: list[Any] = [()] * (_WIDTH * n)  # the rows, by slice assignment (no tuple per row)
+    block[0::_WIDTH] = tokens
+    block[1::_WIDTH] = list(map((2 * sid, 2 * sid + 1).__getitem__, indexed))
+    block[2::_WIDTH] = placements
+    raw = np.ascontiguousarray(offsets, "<i8")
+    if k:
+        del free[len(free) - k :]
+        at = [_WIDTH * r for r in reused]
+        heads = [_WIDTH * i for i in range(k)]
+        into = map(slice, at, map(_WIDTH.__add__, at))
+        rows = map(block.__getitem__, map(slice, heads, map(_WIDTH.__add__, heads)))
+        deque(map(cols.objs.__setitem__, into, rows), maxlen=0)
+        deque(map(cols.offsets.__setitem__, reused, raw[:k].tolist()), maxlen=0)
+    cols.objs += block[_WIDTH * k :]
+    cols.offsets.frombytes(raw[k:].tobytes())
+    return True
+
+
+def _take_back(rows: dict[bytes, int], h: bytes, r: int) -> None:
+    if rows.get(h) == r:
+        del rows[h]

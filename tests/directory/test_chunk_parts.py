@@ -1,0 +1,117 @@
+"""The chunk table's records as columns (chunk_parts.py): a partition reads and writes as the
+``dict[bytes, Record]`` it replaced, and a capture built outside the lock still holds the
+records as they were when it took the partition."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvatlas.directory.capture as capture_module
+from kvatlas.directory import KeyDirectory
+from kvatlas.directory.chunk_parts import ChunkColumns, ChunkPart, add_fresh, new_parts
+from kvatlas.directory.records import make_record, new_record, placement_row
+from kvatlas.keys import ObjectKey, pack_kv_rank
+from tests.directory.helpers import CS, Emitter, captured, entry, toks
+
+ROW = placement_row("a", 1, "l1", "dram", 10, False, 0.0)
+OTHER = placement_row("b", 2, "l2", "fs", 20, False, 1.0)
+
+
+def record(n: int, keys: int) -> Any:
+    pairs = [(s, ROW if s % 2 else (ROW, OTHER)) for s in range(keys)]
+    return make_record(toks(n, n, n, n) if n % 3 else None, 4 * n - 1, n % 2 == 0, pairs)
+
+
+def h(n: int) -> bytes:
+    return bytes([n % 4]) + n.to_bytes(31, "big")
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["set", "del", "fresh"]), st.integers(0, 40), st.integers(1, 3)),
+    max_size=300,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ops)
+def test_partitions_behave_as_dicts_as_rows_are_freed_and_reused(
+    ops: list[tuple[str, int, int]],
+) -> None:
+    parts, model = new_parts(4), [{} for _ in range(4)]
+    for op, n, keys in ops:
+        part, ref = parts[h(n)[0]], model[h(n)[0]]
+        if op == "set":
+            part[h(n)] = ref[h(n)] = record(n, keys)
+        elif op == "del" and h(n) in ref:
+            del part[h(n)], ref[h(n)]
+        elif op == "fresh":  # a batch of new chunks, through free rows first
+            hs = [x for x in (h(n + i) for i in range(keys * 3)) if x not in model[x[0]]]
+            hs = list(dict.fromkeys(hs))
+            if hs:
+                tokens = [toks(1, 2, 3, 4)] * len(hs)
+                parts_of = [parts[x[0]] for x in hs]
+                offs = np.arange(len(hs), dtype=np.int64)
+                assert add_fresh(parts_of, hs, tokens, offs, [True] * len(hs), 2, [ROW] * len(hs))
+                for x, tok, o in zip(hs, tokens, offs.tolist(), strict=True):
+                    model[x[0]][x] = new_record(tok, o, True, 2, ROW)
+        for p, r in zip(parts, model, strict=True):
+            assert list(p) == list(r) and len(p) == len(r)
+            assert p.values() == list(r.values()) and p == r
+            assert p.bound_count() == sum(1 for rec in r.values() if rec[0] is not None)
+    cols = parts[0].cols
+    assert all(p.cols is cols for p in parts)
+    live = sorted(r for p in parts for r in p.row.values())
+    assert sorted(live + cols.free) == list(range(len(cols.offsets)))  # every row used once
+
+
+def test_a_fresh_batch_with_a_held_chunk_changes_nothing() -> None:
+    parts = new_parts(4)
+    parts[h(1)[0]][h(1)] = new_record(None, 0, False, 0, ROW)
+    parts[h(2)[0]][h(2)] = new_record(None, 0, False, 0, ROW)
+    del parts[h(2)[0]][h(2)]  # a free row
+    cols: ChunkColumns = parts[0].cols
+    before = (list(cols.objs), list(cols.offsets), [dict(p.row) for p in parts], list(cols.free))
+    hashes = [h(n) for n in (5, 6, 1, 7)]
+    parts_of: list[ChunkPart] = [parts[x[0]] for x in hashes]
+    tokens = [toks(n, n, n, n) for n in range(4)]
+    ok = add_fresh(parts_of, hashes, tokens, np.arange(4) * CS, [True] * 4, 0, [ROW] * 4)
+    assert not ok
+    after = (list(cols.objs), list(cols.offsets), [dict(p.row) for p in parts], list(cols.free))
+    assert after == before
+
+
+def in_part_1(i: int) -> ObjectKey:
+    return ObjectKey(bytes([1]) + bytes([i]) * 31, "m", pack_kv_rank(1, 0, 1, 0))
+
+
+def test_a_capture_holds_the_records_taken_while_others_change_them() -> None:
+    """A partition's records are built from the columns after the lock is let go: changes to
+    that partition's chunks in that window (re-store, new content, delete, new chunk) must not
+    show in the capture."""
+    d, em = KeyDirectory(CS, enable_blend_lookup=True), Emitter()
+    d.consume(
+        em.batch("store", [entry(in_part_1(i), toks(i, i, i, i), 4 * i) for i in range(1, 7)])
+    )
+    before = captured(d)
+    original = capture_module.copy_rows
+    changed = []
+
+    def change_then_copy(objs: Any, offsets: Any, rows: list[int]) -> Any:
+        if rows and not changed:  # partition 1, taken: change its chunks before the copy
+            changed.append(True)
+            d.consume(em.batch("store", [entry(in_part_1(1), None, -1, size=99)], tier="l2"))
+            d.consume(em.batch("store", [entry(in_part_1(2), toks(7, 7, 7, 7), 8)]))
+            d.consume(em.batch("delete", [entry(in_part_1(3))]))
+            d.consume(em.batch("store", [entry(in_part_1(9), toks(9, 9, 9, 9), 4)]))
+        return original(objs, offsets, rows)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(capture_module, "copy_rows", change_then_copy)
+        during = captured(d)
+    assert changed and during == before
+    assert captured(d) != before  # (the changes happened)
