@@ -36,7 +36,10 @@ def worker(vocab_name: str) -> None:
 
     from kvatlas.auth import ANONYMOUS_ADMIN
     from kvatlas.bench.ingest_bodies import MODEL, store_batches
-    from kvatlas.bench.service import _rag_query
+    try:
+        from kvatlas.bench.service_runs import rag_query
+    except ImportError:  # a tree from before bench/service_runs.py
+        from kvatlas.bench.service import _rag_query as rag_query
     from kvatlas.client import encode_tokens_b64
     from kvatlas.coordinator._blend_reply import blend_reply
     from kvatlas.coordinator.blend_lookup import BlendLookup
@@ -54,7 +57,7 @@ def worker(vocab_name: str) -> None:
     bodies = [
         json.dumps(
             {
-                "tokens_b64": encode_tokens_b64(_rag_query(rng, index_tokens, 32_768, vocab)),
+                "tokens_b64": encode_tokens_b64(rag_query(rng, index_tokens, 32_768, vocab)),
                 "model_name": MODEL,
             }
         ).encode()

@@ -34,7 +34,7 @@ from typing import Any, Final
 import aiohttp
 import anyio
 import msgspec
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -434,11 +434,8 @@ class Router:
                 self.auth.authenticate(request.headers.get("authorization")).require("admin")
             except KvatlasError as exc:
                 return openai_error(exc.status, exc.detail)
-        self.metrics.engines_out.set(self.engines.out_of_set())
-        self.metrics.engines_known.set(len(self.engines.engines))
-        self.metrics.in_flight.clear()  # an engine that left the set leaves no series behind
-        for engine in self.engines.all():
-            self.metrics.in_flight.labels(engine.engine_id).set(engine.in_flight)
+        out, known = self.engines.out_of_set(), len(self.engines.engines)
+        in_flight = [(e.engine_id, e.in_flight) for e in self.engines.all()]  # on the loop
         # off the loop: a replica's series read its directory, whose lock a change may hold
-        body = await anyio.to_thread.run_sync(generate_latest, self.metrics.registry)
+        body = await anyio.to_thread.run_sync(self.metrics.render, out, known, in_flight)
         return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -6,10 +6,11 @@ HTTP guard refused, and the scorer's own series (a replica's health; docs/router
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric, generate_latest
 from prometheus_client.registry import Collector
 
 from kvatlas.http_guard import HttpRefusals
@@ -49,6 +50,7 @@ class RouterMetrics:
     def __init__(self, series: Callable[[], Iterable[Metric]] = tuple) -> None:
         """``series``: more series to export at each scrape (the scorer's: a replica's)."""
         self._engines: dict[str, EngineSeries] = {}
+        self._scrape = threading.Lock()
         self.registry = CollectorRegistry()
         r = self.registry
         self.decisions = Counter(
@@ -119,6 +121,19 @@ class RouterMetrics:
         self.http_refused = HttpRefusals()  # the coordinator's and the node's series
         r.register(self.http_refused)
         r.register(_Exported(series))
+
+    def render(
+        self, engines_out: int, engines_known: int, in_flight: list[tuple[str, int]]
+    ) -> bytes:
+        """The exposition, with the engine gauges set from a view taken on the event loop;
+        one scrape at a time (another's clearing of ``in_flight`` would drop series)."""
+        with self._scrape:
+            self.engines_out.set(engines_out)
+            self.engines_known.set(engines_known)
+            self.in_flight.clear()  # an engine that left the set leaves no series behind
+            for engine_id, n in in_flight:
+                self.in_flight.labels(engine_id).set(n)
+            return generate_latest(self.registry)
 
     def engine(self, engine_id: str, policy: str) -> EngineSeries:
         """The counters of ``engine_id`` (its decisions under ``policy``, the router's one)."""

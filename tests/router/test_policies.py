@@ -212,3 +212,18 @@ def test_the_coordinator_token_is_read_by_the_one_secret_rule(tmp_path: Path) ->
     path.chmod(0o644)
     with pytest.raises(ValueError, match="chmod 600"):
         from_file.coordinator_bearer()
+
+
+def test_concurrent_scrapes_each_show_every_engines_in_flight_series() -> None:
+    """Scrapes render off the event loop: one scrape's reset of the per-engine gauges must not
+    show in another's exposition (the reviewer's run: 1,933 of 3,000 renders lacked them)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvatlas.router.metrics import RouterMetrics
+
+    metrics = RouterMetrics()
+    engines = [("e1", 1), ("e2", 2)]
+    with ThreadPoolExecutor(4) as pool:
+        bodies = list(pool.map(lambda _: metrics.render(0, 2, engines), range(400)))
+    missing = [b for b in bodies if b.count(b"kvatlas_router_in_flight{") != 2]
+    assert not missing
