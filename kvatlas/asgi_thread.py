@@ -82,6 +82,7 @@ def serve(
 
 
 _HANDED_OUT: set[int] = set()
+_HANDED_OUT_LOCK = threading.Lock()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -92,9 +93,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind((host, 0))
             port = int(sock.getsockname()[1])
-        if port not in _HANDED_OUT or len(_HANDED_OUT) > 20_000:
-            _HANDED_OUT.add(port)
-            return port
+        with _HANDED_OUT_LOCK:
+            if port not in _HANDED_OUT or len(_HANDED_OUT) > 20_000:
+                _HANDED_OUT.add(port)
+                return port
 
 
 class ThreadedServer:

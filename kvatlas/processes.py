@@ -31,6 +31,8 @@ def listens(pid: int, url: str) -> bool:
     port = urlsplit(url).port
     if port is None or not Path("/proc/net/tcp").exists():
         return True
+    if not any(Path(f"/proc/{pid}/task").glob("*/children")):  # no CONFIG_PROC_CHILDREN
+        return True
     inodes = _listening_inodes(port)
     return any(f"socket:[{inode}]" in _sockets_of(p) for p in _family(pid) for inode in inodes)
 
@@ -61,10 +63,12 @@ def _family(pid: int) -> list[int]:
 
 
 def _sockets_of(pid: int) -> set[str]:
-    try:
-        return {os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()}
-    except OSError:
-        return set()
+    found = set()
+    with contextlib.suppress(OSError):  # the process is gone
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):  # closed since it was listed
+                found.add(os.readlink(fd))
+    return found
 
 
 def _start(args: list[str], quiet: bool, log: Path | None) -> subprocess.Popen[bytes]:

@@ -122,7 +122,7 @@ def test_any_bad_character_anywhere_at_any_alignment(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.binary(min_size=40, max_size=700), st.data())
+@given(st.binary(min_size=96, max_size=700), st.data())
 def test_blocks_take_every_byte_value_anywhere(data: bytes, draw: st.DataObject) -> None:
     """Texts of several 64-character blocks (decoded as vectors) and a rest: any byte value at
     any position is accepted exactly when the alphabet holds it (then it decodes as the
