@@ -216,10 +216,17 @@ def scoring_principal(config: RouterConfig, replica: CoordinatorConfig) -> Princ
     knows it, so that its ``lookup`` role and salt binding apply as a coordinator applies them
     to the same router over HTTP. Without auth, anyone (as a coordinator without auth); with
     auth and no such token, the router's clients' own bindings alone (docs/router.md, "Auth").
-    ``ValueError`` naming the flag for a token the file does not hold."""
-    if replica.auth_token_file is None:
-        return ANONYMOUS_ADMIN
+    ``ValueError`` naming the flag for a token the file does not hold, or for a token without
+    a token file (its binding unknown)."""
     token = config.coordinator_bearer()
+    if replica.auth_token_file is None:
+        if token is not None:  # its salt binding cannot be known: refuse, not score as admin
+            raise ValueError(
+                "--coordinator-token-file (or --coordinator-token) with --scores-from replica "
+                "needs --auth-token-file holding that token (the replica scores as it, as a "
+                "coordinator would)"
+            )
+        return ANONYMOUS_ADMIN
     if token is None:
         return ANONYMOUS_ADMIN
     try:

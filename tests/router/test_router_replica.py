@@ -550,8 +550,9 @@ def test_the_routers_replica_takes_no_cache_control_leases() -> None:
 def test_a_routers_token_its_replica_does_not_know_is_refused_at_start(tmp_path: Path) -> None:
     """The replica scores as the router's ``--coordinator-token-file`` token: one the token
     file (``--auth-token-file``) does not hold is refused, naming the flag, before anything
-    starts (a coordinator would answer 401 to every score); the negative controls: a known
-    token is its principal, and without auth the replica scores as anyone."""
+    starts (a coordinator would answer 401 to every score), and so is a token without a token
+    file; the negative controls: a known token is its principal, and without auth and token
+    the replica scores as anyone."""
     from kvatlas.coordinator.config import CoordinatorConfig
     from kvatlas.router.config import RouterConfig
     from kvatlas.router_replica import scoring_principal
@@ -572,7 +573,12 @@ def test_a_routers_token_its_replica_does_not_know_is_refused_at_start(tmp_path:
     with pytest.raises(ValueError, match="--coordinator-token-file"):
         scoring_principal(router("unknown"), replica)
     assert scoring_principal(router("known"), replica).cache_salts == frozenset({"tenant-a"})
-    assert scoring_principal(router("known"), CoordinatorConfig(chunk_size=C)).is_admin
+    # a router token but no token file to know its binding: refused, not scored as admin
+    # (over HTTP a coordinator with auth would bind it to its salts)
+    with pytest.raises(ValueError, match="needs --auth-token-file"):
+        scoring_principal(router("known"), CoordinatorConfig(chunk_size=C))
+    nobody = RouterConfig(engine="a=http://127.0.0.1:9", scores_from="replica")
+    assert scoring_principal(nobody, CoordinatorConfig(chunk_size=C)).is_admin
 
 
 def test_a_second_router_replica_with_the_same_snapshot_exits_1(tmp_path: Path) -> None:
