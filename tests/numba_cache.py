@@ -44,17 +44,22 @@ def use_keyed_cache() -> Path:
     return here
 
 
-WARMED = "warmed"
-"""The file a finished warm-up leaves in the keyed cache (its first line: ``ok`` or the error)."""
+PARTS = ("index", "events")
+"""The warm-up's halves (``kvatlas.directory.warm_up``), one process each: both cores compile."""
+WARMED = "warmed-{}"
+"""The file each finished half leaves in the keyed cache (its first line: ``ok`` or the error)."""
 WARMING_ENV = "KVATLAS_TEST_KERNELS_WARMING"
 """Set (to the cache directory) by a run that warms the cache for its workers."""
 _WARM_UP = """\
 import sys
 from pathlib import Path
-done = Path(sys.argv[1]) / "warmed"
+part = sys.argv[2]
+done = Path(sys.argv[1]) / f"warmed-{part}"
 try:
-    from kvatlas.directory import warm_up_kernels
-    warm_up_kernels()
+    from kvatlas.directory import warm_up
+    from kvatlas.kernel_twins import compile_releasing_twins
+    getattr(warm_up, f"warm_up_{part}")()
+    compile_releasing_twins()
 except BaseException as exc:
     done.write_text(f"{type(exc).__name__}: {exc}\\n")
     raise
@@ -62,32 +67,37 @@ done.write_text("ok\\n")
 """
 
 
+def _warmed(here: Path) -> bool:
+    return all((here / WARMED.format(part)).exists() for part in PARTS)
+
+
 def warm_for_workers() -> None:
-    """Compile every kernel into the keyed cache once, in a process of its own started now,
-    while the workers start and collect; :func:`wait_until_warm` holds their first test until
-    it is done. Without it each worker, and each coordinator or node a test starts, compiles
-    the kernels a cold cache lacks by itself, several at once on a cold run (every CI run: the
-    key changes with every edit), a service's start-up then takes up to a minute."""
+    """Compile every kernel into the keyed cache once, in two processes of their own started
+    now, while the workers start and collect; :func:`wait_until_warm` holds their first test
+    until both are done. Without it each worker, and each coordinator or node a test starts,
+    compiles the kernels a cold cache lacks by itself, several at once on a cold run (every CI
+    run: the key changes with every edit), a service's start-up then takes up to a minute."""
     here = Path(os.environ["NUMBA_CACHE_DIR"])
-    if (here / WARMED).exists():
+    if _warmed(here):
         return
     here.mkdir(parents=True, exist_ok=True)
     path = os.environ.get("PYTHONPATH", "")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), path) if p)}
-    subprocess.Popen(
-        [sys.executable, "-c", _WARM_UP, str(here)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+    for part in PARTS:
+        subprocess.Popen(
+            [sys.executable, "-c", _WARM_UP, str(here), part],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
     os.environ[WARMING_ENV] = str(here)
 
 
 def wait_until_warm(timeout: float = 600.0) -> None:
-    """Wait for :func:`warm_for_workers`' process to finish (whatever its outcome: if it
+    """Wait for :func:`warm_for_workers`' processes to finish (whatever its outcome: if it
     failed, the tests compile what they need as before)."""
     warming = os.environ.get(WARMING_ENV)
     if warming is None:
         return
-    done = Path(warming) / WARMED
     deadline = time.monotonic() + timeout
-    while not done.exists() and time.monotonic() < deadline:
+    while not _warmed(Path(warming)) and time.monotonic() < deadline:
         time.sleep(0.1)
