@@ -44,21 +44,24 @@ def use_keyed_cache() -> Path:
     return here
 
 
-PARTS = ("index", "events")
-"""The warm-up's halves (``kvatlas.directory.warm_up``), one process each: both cores compile."""
+PARTS = {
+    "index": "kvatlas.directory.warm_up:warm_up_index",
+    "events": "kvatlas.directory.warm_up:warm_up_events",
+    "lookup": "kvatlas.coordinator.service:warm_up_lookup_kernels",
+}
+"""What a service's start-up warms, in three processes of their own: both cores compile."""
 WARMED = "warmed-{}"
-"""The file each finished half leaves in the keyed cache (its first line: ``ok`` or the error)."""
+"""The file each finished part leaves in the keyed cache (its first line: ``ok`` or the error)."""
 WARMING_ENV = "KVATLAS_TEST_KERNELS_WARMING"
 """Set (to the cache directory) by a run that warms the cache for its workers."""
 _WARM_UP = """\
-import sys
+import importlib, sys
 from pathlib import Path
-part = sys.argv[2]
-done = Path(sys.argv[1]) / f"warmed-{part}"
+done = Path(sys.argv[1]) / f"warmed-{sys.argv[2]}"
 try:
-    from kvatlas.directory import warm_up
+    module, function = sys.argv[3].split(":")
+    getattr(importlib.import_module(module), function)()
     from kvatlas.kernel_twins import compile_releasing_twins
-    getattr(warm_up, f"warm_up_{part}")()
     compile_releasing_twins()
 except BaseException as exc:
     done.write_text(f"{type(exc).__name__}: {exc}\\n")
@@ -72,9 +75,9 @@ def _warmed(here: Path) -> bool:
 
 
 def warm_for_workers() -> None:
-    """Compile every kernel into the keyed cache once, in two processes of their own started
+    """Compile every kernel into the keyed cache once, in processes of their own started
     now, while the workers start and collect; :func:`wait_until_warm` holds their first test
-    until both are done. Without it each worker, and each coordinator or node a test starts,
+    until all are done. Without it each worker, and each coordinator or node a test starts,
     compiles the kernels a cold cache lacks by itself, several at once on a cold run (every CI
     run: the key changes with every edit), a service's start-up then takes up to a minute."""
     here = Path(os.environ["NUMBA_CACHE_DIR"])
@@ -83,9 +86,9 @@ def warm_for_workers() -> None:
     here.mkdir(parents=True, exist_ok=True)
     path = os.environ.get("PYTHONPATH", "")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), path) if p)}
-    for part in PARTS:
+    for part, function in PARTS.items():
         subprocess.Popen(
-            [sys.executable, "-c", _WARM_UP, str(here), part],
+            [sys.executable, "-c", _WARM_UP, str(here), part, function],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,
         )  # fmt: skip

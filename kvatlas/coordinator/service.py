@@ -20,7 +20,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
+from kvatlas.coordinator._base64 import b64decode_strict
+from kvatlas.coordinator._blend_reply import blend_reply
 from kvatlas.coordinator.cache_control.delivery_contract import MpServers
 from kvatlas.coordinator.cache_control.eviction import EvictionPolicy
 from kvatlas.coordinator.cache_control.fleet import cache_control_of
@@ -51,6 +55,7 @@ from kvatlas.directory import (
     KeyDirectory,
     KeyFilter,
     KeyPage,
+    MatchColumns,
     SnapshotInfo,
     TokenLookup,
     page_keys,
@@ -146,6 +151,7 @@ class CoordinatorService:
 
     def start(self) -> None:
         warm_up_kernels()
+        warm_up_lookup_kernels()
         restored = self.snapshots.restore()
         if restored is not None:
             self._restored = True
@@ -431,3 +437,10 @@ class CoordinatorService:
             consumer_group=self.config.group_name if redis else None,
             kv_events=self.kv_events.stats(),
         )
+
+
+def warm_up_lookup_kernels() -> None:
+    """The blend lookup's own kernels, which the directory's warm-up cannot reach (the base64
+    decode of ``tokens_b64``, the reply writer): else the first lookup compiles them."""
+    b64decode_strict(b"AAAAAQ==" * 12)  # whole 64-character blocks and a padded rest
+    blend_reply(MatchColumns([bytes(32)], np.zeros(1, np.int64), np.ones(1, np.int64)), True)
