@@ -22,10 +22,12 @@ source's copies). Each pass first runs
 pinned since it was recorded. With the shared log (the Redis transport's replicas) a replica
 delivers only the commands it holds the lease of (:meth:`CommandLog.claim`) and runs the
 eviction pass only while it leads it (:meth:`CommandLog.leads`). It claims only the commands it
-can carry (:meth:`Delivery.carries`): none whose instances are all registered with another
-replica (it cannot reach their MP servers, and a lease it took would make the replica that can
-wait out the lease and the failed attempt's backoff). Whether a command is done is read from
-the directory, which every replica has: any replica finishes it (:meth:`Delivery.check`).
+can carry (:meth:`Delivery.carries`): none whose instance it must reach (a move's target, or
+once handed over its source) is registered with another replica only (it cannot reach their
+MP servers, and a lease it took would make the replica that can wait out the lease and the
+failed attempt's backoff). Whether a command is done is read from the directory, which every
+replica has: any replica finishes it (:meth:`Delivery.check`; a move, its target's replica,
+which releases the hold).
 """
 
 from __future__ import annotations
