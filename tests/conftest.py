@@ -54,6 +54,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     shared = [nodeid for nodeid, n in Counter(item.nodeid for item in items).items() if n > 1]
     if shared:
         raise pytest.UsageError(f"tests sharing an id would run once under xdist: {shared}")
+    # the longest files first (each file's tests in their order): xdist hands out files in
+    # this order, so neither worker is left with a long file at the end while the other idles
+    first = {path: i for i, path in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))
+
+
+LONG_FILES = (
+    "tests/test_status_page.py",
+    "tests/coordinator/test_replicas.py",
+    "tests/coordinator/test_redis_transport.py",
+    "tests/soak/test_soak.py",
+    "tests/bench/test_fleet_live.py",
+    "tests/bench/test_fleet_agreement.py",
+    "tests/directory/test_slab_reclaim.py",
+    "tests/coordinator/test_redis_outages.py",
+)  # fmt: skip
+"""Files of 20 s and more in a run (`pytest --durations`), started first, longest first."""
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
