@@ -105,23 +105,33 @@ def spawn_services(
     up side by side, not one after the other); returns once every one answers. If one exits or
     does not answer within ``timeout``, all are killed."""
     procs = [_start(args, quiet, log) for args, _ in services]
+    stuck = wait_until_up(procs, [url for _, url in services], timeout)
+    if stuck is not None:
+        for proc in procs:
+            proc.kill()
+        args, url = services[stuck]
+        raise RuntimeError(f"{' '.join(args[:4])} did not come up at {url}")
+    return procs
+
+
+def wait_until_up(
+    procs: Sequence[subprocess.Popen[bytes]], urls: Sequence[str], timeout: float
+) -> int | None:
+    """Wait until each process answers ``<url>/healthz`` on a socket of its own
+    (:func:`listens`); ``None`` then, else the index of the first that exited or did not
+    answer within ``timeout`` (nothing is killed)."""
     deadline = time.monotonic() + timeout
     waiting = list(range(len(procs)))
     while waiting:
         waiting = [
-            i
-            for i in waiting
-            if not (is_healthy(services[i][1]) and listens(procs[i].pid, services[i][1]))
+            i for i in waiting if not (is_healthy(urls[i]) and listens(procs[i].pid, urls[i]))
         ]
         failed = [i for i in waiting if procs[i].poll() is not None]
         if waiting and (failed or time.monotonic() > deadline):
-            for proc in procs:
-                proc.kill()
-            args, url = services[(failed or waiting)[0]]
-            raise RuntimeError(f"{' '.join(args[:4])} did not come up at {url}")
+            return (failed or waiting)[0]
         if waiting:
             time.sleep(0.05)
-    return procs
+    return None
 
 
 def stop(procs: list[subprocess.Popen[bytes]], timeout: float = 30.0) -> None:

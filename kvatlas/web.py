@@ -102,7 +102,7 @@ async def _collect(parts: AsyncIterator[bytes], max_bytes: int) -> bytes:
     async for part in parts:
         seen += len(part)
         if seen > max_bytes:
-            raise PayloadTooLarge(f"body exceeds {max_bytes} bytes")
+            raise body_too_large(max_bytes)
         out.append(part)
     return b"".join(out)
 
@@ -183,5 +183,5 @@ class BodyLimit:
             if not exceeded or started:
                 raise
         if exceeded and not started:
-            too_large = PayloadTooLarge(f"body exceeds {self.max_bytes} bytes")
+            too_large = body_too_large(self.max_bytes)
             await error_response(too_large)(scope, receive, send)

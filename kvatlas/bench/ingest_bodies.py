@@ -50,22 +50,15 @@ def bodies_of(
     return [encode(batches[i : i + per_post]) for i in range(0, len(batches), per_post)]
 
 
-def post_all(
-    url: str, bodies: list[bytes], content_type: str, warmup: bytes | None = None
-) -> float:
-    """Post every body in order; the optional warm-up (another emitter) loads compiled kernels
-    before the clock starts, so a fresh process's one-off JIT cache load is not counted."""
-    return post_streams(url, [bodies], content_type, warmup)
+def post_all(url: str, bodies: list[bytes], content_type: str) -> float:
+    """Post every body in order (one emitter); returns the wall time (:func:`post_streams`)."""
+    return post_streams(url, [bodies], content_type)
 
 
-def post_streams(
-    url: str, streams: list[list[bytes]], content_type: str, warmup: bytes | None = None
-) -> float:
+def post_streams(url: str, streams: list[list[bytes]], content_type: str) -> float:
     """One connection per emitter, each posting its own bodies in order (as a fleet's emitters
     do); returns the wall time until every stream was applied."""
     headers = {"Content-Type": content_type}
-    if warmup is not None:
-        httpx.post(f"{url}/events", content=warmup, headers=headers, timeout=120).raise_for_status()
 
     def post(bodies: list[bytes]) -> None:
         with httpx.Client(base_url=url, timeout=120) as client:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from pathlib import Path
 
 from kvatlas.asgi_thread import free_port
 from kvatlas.errors import InvalidInput, Unavailable
-from kvatlas.processes import is_healthy, listens, stop
+from kvatlas.processes import stop, wait_until_up
 
 REFERENCE_VERSION = "0.5.6"
 """The version quality.md's reference figures and targets are stated against."""
@@ -142,22 +141,14 @@ def lmcache_coordinators(
                 )  # fmt: skip
             stack.callback(stop, [proc])
             started.append((proc, f"http://127.0.0.1:{port}", log))
-        for proc, url, log in started:
-            _wait_until_up(proc, url, log, lmcache)
+        stuck = wait_until_up([p for p, _, _ in started], [u for _, u, _ in started], STARTUP_S)
+        if stuck is not None:
+            proc, url, log = started[stuck]
+            why = (
+                f"exited ({proc.returncode}) before answering {url}"
+                if proc.poll() is not None
+                else f"did not answer {url}/healthz within {STARTUP_S:g} s"
+            )
+            tail = log.read_text(errors="replace")[-2000:]
+            raise Unavailable(f"{lmcache.label}'s coordinator {why}: {tail}")
         yield [(url, proc.pid) for proc, url, _ in started]
-
-
-def _wait_until_up(proc: subprocess.Popen[bytes], url: str, log: Path, lmcache: LMCacheEnv) -> None:
-    deadline = time.monotonic() + STARTUP_S
-    while not (is_healthy(url) and listens(proc.pid, url)):
-        if proc.poll() is not None:
-            raise Unavailable(
-                f"{lmcache.label}'s coordinator exited ({proc.returncode}) before answering "
-                f"{url}: {log.read_text(errors='replace')[-2000:]}"
-            )
-        if time.monotonic() > deadline:
-            raise Unavailable(
-                f"{lmcache.label}'s coordinator did not answer {url}/healthz within "
-                f"{STARTUP_S:g} s: {log.read_text(errors='replace')[-2000:]}"
-            )
-        time.sleep(0.1)

@@ -319,7 +319,7 @@ class StreamConsumer:
             return
         self._lag_at = now
         for row in self.client.xinfo_groups(self.stream):
-            if row.get("name") in (self.group, self.group.encode()):
+            if text_of(row["name"]) == self.group:
                 lag = row.get("lag")
                 self.lag_entries = lag if isinstance(lag, int) else None
 

@@ -55,7 +55,7 @@ class ChunkColumns:
         objs = self.objs
         flagged, rest = objs[o + 1], objs[o + 3]
         rec = (objs[o], self.offsets[r], flagged & 1 == 1, flagged >> 1, objs[o + 2])
-        return rec + rest if rest else rec  # (join_record, inlined: every read builds one)
+        return rec + rest if rest else rec  # the record split_record split: every read builds one
 
     def records(self, rows: list[int]) -> list[Record]:
         """The records at ``rows``, built by C-level maps over the columns (a listing's

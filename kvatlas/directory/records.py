@@ -267,18 +267,6 @@ def split_record(rec: Record) -> tuple[Any, ...]:
     return (*rec[:_REST], rec[_REST:])
 
 
-def join_record(
-    tokens: StoredTokens | None,
-    offset: int,
-    indexed: bool,
-    shape_id: int,
-    placements: Placements,
-    rest: tuple[Any, ...],
-) -> Record:
-    """The record :func:`split_record` split."""
-    return (tokens, offset, indexed, shape_id, placements, *rest)
-
-
 _REST: Final = _KEYS + 2
 
 
