@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from kvatlas.directory.blend import AddColumns
+from kvatlas.directory.blend.fingerprints import FingerprintKey, Fingerprints
 from kvatlas.directory.chunk_counts import PARTS, ChunkCounts, Partition
 from kvatlas.directory.chunk_parts import ChunkPart, copied_records, copy_rows
 from kvatlas.directory.chunk_table import ChunkTable
@@ -35,6 +36,9 @@ class DirectoryState:
     chunk_size: int
     cursors: dict[str, EmitterCursor]
     capacities: dict[str, CapacityDeclaration]
+    fingerprint_key: FingerprintKey | None = None
+    """The blend index's at capture start (``None``: blend off): a snapshot saves the
+    contents' fingerprints under it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +180,9 @@ class Restored:
     that are views of a token slab (see :mod:`kvatlas.directory.token_store`); the chunk
     table frees them once they are mostly dead. ``adds``, if given, are the blend-index adds
     of every record marked indexed, vouched for (``AddColumns.vouched``: a snapshot reader
-    builds them from its columns; ``None``: the rebuild reads the records)."""
+    builds them from its columns; ``None``: the rebuild reads the records). ``fingerprints``:
+    theirs, one per add, from the snapshot (checked by the reader; the index takes them only
+    under its own function and bits, ``BlendIndex.build``)."""
 
     state: DirectoryState
     shapes: ShapeTable
@@ -184,6 +190,7 @@ class Restored:
     counts: ChunkCounts | None = None
     slabs: tuple[TokenSlab, ...] = ()
     adds: AddColumns | None = None
+    fingerprints: Fingerprints | None = None
 
     def counts_or_scan(self) -> ChunkCounts:
         """``counts``, or (none given) one pass over the records."""

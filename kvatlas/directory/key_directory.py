@@ -401,7 +401,10 @@ class KeyDirectory:
         result as a context manager. Raises :class:`~kvatlas.errors.Conflict` (a
         ``RuntimeError``) while another capture is open."""
         with self._lock:
-            state = DirectoryState(self.chunk_size, self._gate.cursors(), dict(self._capacities))
+            key = None if self._index is None else self._index.fingerprint_key
+            state = DirectoryState(
+                self.chunk_size, self._gate.cursors(), dict(self._capacities), key
+            )
             return Capture(self._lock, self._chunks, state)
 
     def install(self, restored: Restored) -> None:
@@ -422,7 +425,7 @@ class KeyDirectory:
             if self._index is not None:
                 # built whole, then published: blend_match sees the old one or all the new one
                 index = self._new_index(self.chunk_size, self._probe_stride)
-                self._chunks.reindex(index, restored.adds)
+                self._chunks.reindex(index, restored.adds, restored.fingerprints)
                 self._index = index
 
 

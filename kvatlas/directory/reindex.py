@@ -75,16 +75,15 @@ def reindex_records(
     records = list(map(records.__getitem__, picked))
     hashes = list(map(hashes.__getitem__, picked))
     several = np.flatnonzero(key_counts(records) > 1).tolist()
-    index.build(
-        index_adds(
-            cast(list[StoredTokens], list(map(tokens.__getitem__, picked))),  # all bound
-            hashes,
-            offsets[rows],
-            np.asarray(first_shape_ids(records), np.int64),
-            [(r, shape_ids(records[r])) for r in several],
-            shapes,
-        )
+    adds, _ = index_adds(
+        cast(list[StoredTokens], list(map(tokens.__getitem__, picked))),  # all bound
+        hashes,
+        offsets[rows],
+        np.asarray(first_shape_ids(records), np.int64),
+        [(r, shape_ids(records[r])) for r in several],
+        shapes,
     )
+    index.build(adds)
     # mark the records indexed (unless the reader built them marked), partition by
     # partition (same keys: no dict resizes)
     todo = ~np.fromiter(map(record_indexed, records), np.bool_, len(records))
@@ -106,11 +105,13 @@ def index_adds(
     first_sids: npt.NDArray[np.int64],
     several: Sequence[tuple[int, Sequence[int]]],
     shapes: ShapeTable,
-) -> AddColumns:
+    fps: npt.NDArray[np.uint64] | None = None,
+) -> tuple[AddColumns, npt.NDArray[np.uint64] | None]:
     """The index adds of indexable chunks given as columns (``tokens``, ``hashes``,
     ``offsets``, the shape id of each one's first key): one add per chunk for its first
     key's namespace, then one per further namespace of the chunks in ``several`` (``(row,
-    every key's shape id)``: chunks with more than one key), in row and namespace order."""
+    every key's shape id)``: chunks with more than one key), in row and namespace order;
+    and the chunks' fingerprints ``fps`` (if given) the same way, one per add."""
     spaces: dict[BlendNamespace, int] = {}
     space_of_shape = np.array(
         [spaces.setdefault(s.namespace, len(spaces)) for s in shapes.shapes], np.int64
@@ -127,4 +128,5 @@ def index_adds(
         hashes = hashes + list(map(hashes.__getitem__, more.tolist()))
         offsets = np.concatenate((offsets, offsets[more]))
         which = np.concatenate((which, np.array(extra[1::2], np.int64)))
-    return AddColumns(tokens, hashes, offsets, list(spaces), which)
+        fps = None if fps is None else np.concatenate((fps, fps[more]))
+    return AddColumns(tokens, hashes, offsets, list(spaces), which), fps

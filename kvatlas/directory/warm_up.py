@@ -59,6 +59,7 @@ def warm_up_index() -> None:
     planes_index = BlendIndex(chunk_size=16)
     planes_index.add(planes, bytes(32), 0, namespace)
     planes_index.match(np.concatenate([wide, wide]), namespace)
+    planes_index.fingerprint_key.of([planes])  # what a snapshot saves of each content
     grown = BlendIndex(chunk_size=2)  # past its first table: the rebuild kernel
     many = 1100  # > half the slots of MIN_CAPACITY's table (state.py)
     grown.apply(

@@ -1,7 +1,9 @@
-"""The snapshot file format is fixed: the writer produces ``data/snapshot-v3.snap`` (from the
-directory :func:`golden_directory` builds) and ``data/snapshot-v3-wide.snap`` (ids of large
-vocabularies, :func:`wide_directory`) byte for byte; files of earlier versions still load: a
-version-2 file (``data/snapshot-v2.snap``, and ``data/snapshot-v2-wide.snap`` written by the
+"""The snapshot file format is fixed: the writer produces ``data/snapshot-v4.snap`` (from the
+directory :func:`golden_directory` builds), ``data/snapshot-v4-wide.snap`` (ids of large
+vocabularies, :func:`wide_directory`) and ``data/snapshot-v4-fingerprints.snap`` (the wide
+directory with blend on, its fingerprints saved under a fixed base) byte for byte; files of
+earlier versions still load: the version-3 files the writer produced before the fingerprints
+(``data/snapshot-v3.snap``, ``data/snapshot-v3-wide.snap``), a version-2 file (``data/snapshot-v2.snap``, and ``data/snapshot-v2-wide.snap`` written by the
 code before the planes form, main at 7907e79) and a version-1 file written before the
 snapshot package was split (``data/snapshot-v1.snap``)."""
 
@@ -14,17 +16,22 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvatlas.directory import KeyDirectory, load_snapshot, save_snapshot
+from kvatlas.directory import BlendIndex, KeyDirectory, load_snapshot, save_snapshot
+from kvatlas.directory.blend.kernels.modhash import SCHEME
 from kvatlas.directory.records import record_stored_tokens
 from kvatlas.directory.snapshot.format import COLUMNS, MAGIC, PREFIX, VERSION, Header
 from kvatlas.keys import BlendNamespace
 from tests.directory.helpers import CS, Emitter, captured, entry, key, toks
 
 DATA = Path(__file__).parent / "data"
-GOLDEN = DATA / "snapshot-v3.snap"
+GOLDEN = DATA / "snapshot-v4.snap"
+GOLDEN_V3 = DATA / "snapshot-v3.snap"
 GOLDEN_V2 = DATA / "snapshot-v2.snap"
 GOLDEN_V1 = DATA / "snapshot-v1.snap"
-WIDE = DATA / "snapshot-v3-wide.snap"
+WIDE = DATA / "snapshot-v4-wide.snap"
+WIDE_V3 = DATA / "snapshot-v3-wide.snap"
+FINGERPRINTS = DATA / "snapshot-v4-fingerprints.snap"
+BASE = 0x1234_5678_9ABC_DEF  # the fingerprint base FINGERPRINTS was written under
 WIDE_V2 = DATA / "snapshot-v2-wide.snap"
 POSITION = "1700000000-7"
 WIDE_POSITION = "1700000000-9"
@@ -61,11 +68,16 @@ WIDE_CONTENTS = {
 }
 
 
+def fixed_base(chunk_size: int, probe_stride: int) -> BlendIndex:
+    """A blend index whose fingerprint base is :data:`BASE` (a byte-stable file)."""
+    return BlendIndex(chunk_size, probe_stride, _fingerprint_base=BASE)
+
+
 def wide_directory(blend: bool = False) -> KeyDirectory:
     """Contents in every form (uint16, the planes form, uint32 where it is smaller), one
     shared by two namespaces, one shorter than a chunk (as ``data/snapshot-v2-wide.snap``
     was written from, by the code before the planes form)."""
-    d = KeyDirectory(CS, enable_blend_lookup=blend)
+    d = KeyDirectory(CS, enable_blend_lookup=blend, blend_index_factory=fixed_base)
     a = Emitter("a")
     first = [entry(key(n), toks(*t), 4 * n) for n, t in WIDE_CONTENTS.items()]
     d.consume(a.batch("store", first, ts=1.5))
@@ -85,7 +97,9 @@ def test_writer_output_is_unchanged_byte_for_byte(tmp_path: Path) -> None:
     assert path.read_bytes() == GOLDEN.read_bytes()
 
 
-@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_V2, GOLDEN_V1], ids=["v3", "v2", "v1"])
+@pytest.mark.parametrize(
+    "golden", [GOLDEN, GOLDEN_V3, GOLDEN_V2, GOLDEN_V1], ids=["v4", "v3", "v2", "v1"]
+)
 def test_a_file_from_the_unsplit_writer_loads(golden: Path) -> None:
     d = KeyDirectory(CS)
     info = load_snapshot(d, golden)
@@ -101,7 +115,9 @@ def test_wide_contents_are_written_unchanged_byte_for_byte(tmp_path: Path) -> No
     assert path.read_bytes() == WIDE.read_bytes()
 
 
-@pytest.mark.parametrize("golden", [WIDE, WIDE_V2], ids=["v3", "v2"])
+@pytest.mark.parametrize(
+    "golden", [WIDE, WIDE_V3, WIDE_V2, FINGERPRINTS], ids=["v4", "v3", "v2", "v4-fingerprints"]
+)
 @pytest.mark.parametrize("blend", [False, True], ids=["plain", "blend"])
 def test_a_wide_file_from_before_the_planes_form_loads_in_the_forms_ids_need(
     golden: Path, blend: bool
@@ -125,9 +141,28 @@ def test_a_wide_file_from_before_the_planes_form_loads_in_the_forms_ids_need(
             assert sorted(m.old_st for m in d.blend_match(q, BlendNamespace("m"))) == [4 * n]
 
 
+def test_saved_fingerprints_are_written_unchanged_byte_for_byte(tmp_path: Path) -> None:
+    """With blend on, each content's fingerprint is saved under the index's key: the same
+    bytes for the same ids, base and bits (a change of the fingerprint function shows here
+    and must come with a new ``SCHEME``)."""
+    path = tmp_path / "s.snap"
+    save_snapshot(wide_directory(blend=True), path, stream_position=WIDE_POSITION)
+    assert path.read_bytes() == FINGERPRINTS.read_bytes()
+    header = read_header(FINGERPRINTS)
+    assert header.fingerprint_key == (SCHEME, 61, BASE)
+    fps = np.frombuffer(header.chunk_fingerprints, "<u8")
+    assert np.count_nonzero(fps) == 8  # every chunk of CS ids; 0 for the short one
+
+
+def read_header(path: Path) -> Header:
+    raw = path.read_bytes()
+    _, header_len = PREFIX.unpack_from(raw)
+    return msgspec.msgpack.decode(raw[PREFIX.size : PREFIX.size + header_len], type=Header)
+
+
 def test_header_layout_is_pinned() -> None:
     raw = GOLDEN.read_bytes()
-    assert MAGIC == b"KVATSNP1" and VERSION == 3 and PREFIX.format == "<8sQ"
+    assert MAGIC == b"KVATSNP1" and VERSION == 4 and PREFIX.format == "<8sQ"
     magic, header_len = PREFIX.unpack_from(raw)
     assert magic == MAGIC
     header = msgspec.msgpack.decode(raw[PREFIX.size : PREFIX.size + header_len], type=Header)
@@ -153,5 +188,9 @@ def test_header_layout_is_pinned() -> None:
         "key_pl_counts",
         "key_pls",
         "chunk_token_widths",
+        "chunk_fingerprints",
+        "fingerprint_digest",
     ]
-    assert sorted(COLUMNS) == sorted(c for c in columns if c != "chunk_hashes")
+    assert sorted(COLUMNS) == sorted(
+        c for c in columns if c not in ("chunk_hashes", "fingerprint_digest")
+    )

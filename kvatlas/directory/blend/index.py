@@ -42,7 +42,9 @@ import numpy.typing as npt
 
 from kvatlas.checks import is_plain_int
 from kvatlas.directory.blend import _cpython, kernels
+from kvatlas.directory.blend.fingerprints import FingerprintKey, Fingerprints
 from kvatlas.directory.blend.kernels import ADD, REMOVE_CHUNK, REMOVE_CLAIM
+from kvatlas.directory.blend.kernels.modhash import SCHEME
 from kvatlas.directory.blend.op_columns import (
     HASH_WIDTH,
     SingleOp,
@@ -197,18 +199,36 @@ class BlendIndex:
             with self._lock:
                 self._state.apply_one(op)
 
-    def build(self, adds: AddColumns) -> None:
+    @property
+    def fingerprint_key(self) -> FingerprintKey:
+        """What this index's fingerprints depend on besides the ids (a snapshot saves it with
+        its fingerprint column; never on the wire)."""
+        return FingerprintKey(SCHEME, self.chunk_size, self._fmask.bit_length(), self._base)
+
+    def build(self, adds: AddColumns, fingerprints: Fingerprints | None = None) -> None:
         """``apply([adds])`` to a fresh index nobody queries yet (a restore's rebuild): its
         arrays and table sized once for all the adds, applied in slices of
         :data:`BUILD_SLICE` (bounded scratch), the last add on its own, then the extra-claim
         set shrunk to the size adding them one by one would have grown it to (a batch
         reserves room for one per add; one by one, the set grows before an add, so its size
         depends on how many extra claims there were before the last one). ``adds.vouched``
-        holds for every slice."""
+        holds for every slice.
+
+        ``fingerprints``: each add's content fingerprint, computed before (a snapshot's
+        column, checked by its reader: ``blend/fingerprints.py``). Taken only under this
+        index's function, chunk size and bits, and only while the index is empty: it then
+        adopts their base (its answers are the same under any base); otherwise they are
+        ignored and the fingerprints computed."""
         n = len(adds.tokens)
         if not n:
             return
+        fps = None
         with self._lock:
+            if fingerprints is not None and self._adopts(fingerprints.key):
+                if len(fingerprints.values) != n:
+                    raise ValueError("build: one fingerprint per add")
+                self._rekey(fingerprints.key.base)
+                fps = np.ascontiguousarray(fingerprints.values, np.uint64)
             self._state.reserve(n)
         which = adds.namespace_of
         # slices of all adds but the last, then the last on its own
@@ -226,9 +246,34 @@ class BlendIndex:
                 None if which is None else which[lo:hi],
                 adds.vouched,
             )
-            self.apply((part,))
+            if fps is None:
+                self.apply((part,))
+                continue
+            cols = op_columns((part,), self.chunk_size)
+            if cols is not None and len(cols):
+                # (adds taken op by op drop the wrong-length ones: then computed)
+                given = fps[lo:hi] if len(cols) == hi - lo else None
+                with self._lock:
+                    self._state.apply(cols, given)
         with self._lock:
             self._state.trim_claims(before_last + 1)
+
+    def _adopts(self, key: FingerprintKey) -> bool:
+        """Whether :meth:`build` takes fingerprints under ``key`` (see there)."""
+        own = self.fingerprint_key
+        state = self._state
+        return (
+            key.usable()
+            and (key.scheme, key.chunk_size, key.bits) == (own.scheme, own.chunk_size, own.bits)
+            and not state.tokens
+            and not state.hashes
+        )
+
+    def _rekey(self, base: int) -> None:
+        """A fresh state under fingerprint base ``base`` (the index is empty)."""
+        self._base = base
+        self._base_pow = pow(base, self.chunk_size, kernels.MERSENNE61)
+        self._state = IndexState(self.chunk_size, base, self._fmask)
 
     # ------------------------------------------------------------------ reads
 

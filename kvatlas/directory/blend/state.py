@@ -33,6 +33,7 @@ from kvatlas.directory.blend.kernels import (
 )
 from kvatlas.directory.blend.kernels.layout import ADDRESS_BITS, write_context
 from kvatlas.directory.blend.kernels.writes import (
+    OP_FP,
     OP_HASH,
     OP_HASH_LEN,
     OP_KIND,
@@ -124,11 +125,13 @@ class IndexState:
                 self._settle_one(op, result, ns)
         self._end_write()
 
-    def apply(self, cols: OpColumns) -> None:
+    def apply(self, cols: OpColumns, fps: npt.NDArray[np.uint64] | None = None) -> None:
         """Apply validated ops in order (see :func:`kernels.apply_ops`), then release the
-        namespace ids left without claims and shed the filter bits of removed contents."""
+        namespace ids left without claims and shed the filter bits of removed contents.
+        ``fps``: each op's content fingerprint under this state's base and bits, computed
+        before (the kernel then reads an op's ids only to compare them)."""
         if len(cols):
-            self._apply_batch(cols)
+            self._apply_batch(cols, fps)
         self._end_write()
 
     def _end_write(self) -> None:
@@ -136,7 +139,7 @@ class IndexState:
         if self._stale > self.contents // 2 + MIN_CAPACITY:
             self.rebuild()  # the filter only ever gains bits: shed removed contents' bits
 
-    def _apply_batch(self, cols: OpColumns) -> None:
+    def _apply_batch(self, cols: OpColumns, fps: npt.NDArray[np.uint64] | None) -> None:
         kinds = cols.kinds
         n = len(kinds)
         adds = kinds == ADD
@@ -151,7 +154,9 @@ class IndexState:
                 kinds[skip] = SKIP
         if not self._has_room(n_add):
             self._make_room(n_add)
-        ops = np.empty((7, n), np.int64)  # the rows of kernels.writes.OP_*, in order
+        ops = np.empty((7 if fps is None else 8, n), np.int64)  # kernels.writes.OP_*, in order
+        if fps is not None:
+            ops[OP_FP] = fps.view(np.int64)
         ops[OP_KIND] = kinds
         ops[OP_TOKENS] = _cpython.array_handles(cols.tokens)
         ops[OP_HASH] = hash_addresses(cols.hashes, _cpython.BYTES_DATA_OFFSET)

@@ -8,7 +8,11 @@ gives it. The token arena follows: the token ids of every chunk with known conte
 header's chunk order, little-endian, each chunk in the form the directory stores it
 (``chunk_token_widths``, the form codes of ``blend/kernels/planes.py``: 2 for uint16, 4 for
 uint32, 16 + h for the planes form with h high bits, its bytes as they are in memory; version
-2 has only 2 and 4, version 1 no widths: all 4). See docs/directory.md.
+2 has only 2 and 4, version 1 no widths: all 4). Version 4 may add each chunk's content
+fingerprint (``chunk_fingerprints``, 0 for a chunk without ``chunk_size`` ids) under the key
+``fingerprint_key`` (function, bits, base) with its digest (``blend/fingerprints.py``): a
+restore takes it instead of hashing every id again, if the key is its own. See
+docs/directory.md.
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ import numpy as np
 from kvatlas.errors import InvalidInput
 
 MAGIC = b"KVATSNP1"
-VERSION = 3
-"""What the writer writes. 3: tokens in their stored form (``chunk_token_widths``: 2, 4 or
-16 + h, the planes form)."""
-READABLE = (1, 2, 3)
-"""What the reader reads. 2: tokens as uint16 or uint32 (each chunk's uint32 ids are put in
-the form they need on load); 1: every token as uint32 (the same)."""
+VERSION = 4
+"""What the writer writes. 4: version 3 and the content fingerprints (when the directory has
+a blend index). 3: tokens in their stored form (``chunk_token_widths``: 2, 4 or 16 + h, the
+planes form)."""
+READABLE = (1, 2, 3, 4)
+"""What the reader reads. 3: no fingerprints (computed on restore); 2: tokens as uint16 or
+uint32 (each chunk's uint32 ids are put in the form they need on load); 1: every token as
+uint32 (the same)."""
 PREFIX = struct.Struct("<8sQ")  # magic, header length
 TIERS = ("l1", "l2", "gpu", "engine-cpu")  # pl_tier codes (append only)
 HASH_BYTES = 32  # chunk_hashes: the chunks' hashes, concatenated
@@ -47,6 +53,7 @@ COLUMNS: dict[str, str] = {
     "chunk_token_lens": "<u4",  # 0 = content unknown
     "chunk_key_counts": "<u4",
     "chunk_token_widths": "u1",  # form code: 2, 4 (version >= 2), 16 + h (version >= 3)
+    "chunk_fingerprints": "<u8",  # version >= 4, optional: under fingerprint_key
     # keys, chunk-major
     "key_shapes": "<u4",  # shape refs
     "key_pl_counts": "<u4",
@@ -112,6 +119,9 @@ class Header(msgspec.Struct, omit_defaults=True):
     instances: list[InstanceRow] | None = None  # absent in snapshots written before it existed
     chunk_token_widths: bytes = b""  # version >= 2 (empty: every width is 4); form codes
     sections: dict[str, bytes] | None = None  # absent in snapshots written before it existed
+    chunk_fingerprints: bytes = b""  # version >= 4 (empty: none saved, computed on restore)
+    fingerprint_key: tuple[str, int, int] | None = None  # scheme, bits, base
+    fingerprint_digest: bytes = b""  # FingerprintKey.digest of the key and the column
 
 
 def encode_column(name: str, values: list[Any]) -> bytes:

@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvatlas.directory.blend import AddColumns
+from kvatlas.directory.blend.fingerprints import Fingerprints
 from kvatlas.directory.blend.kernels.planes import FORM_PLANES, FORM_U16, FORM_U32, MAX_HIGH_BITS
 from kvatlas.directory.capture import DirectoryState, Restored
 from kvatlas.directory.chunk_counts import L2_TIER, PARTS, ChunkCounts, Partition
@@ -44,6 +45,7 @@ from kvatlas.directory.records import (
 )
 from kvatlas.directory.reindex import index_adds
 from kvatlas.directory.shapes import ShapeTable
+from kvatlas.directory.snapshot.fingerprint_column import check_sample, saved_fingerprints
 from kvatlas.directory.snapshot.format import (
     HASH_BYTES,
     MAGIC,
@@ -65,7 +67,10 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
     """Replace ``directory``'s state with the snapshot at ``path``; rebuild the blend index
     from the restored bindings if blend lookup is on. Raises :class:`SnapshotError`."""
     started = time.perf_counter()
-    with open(path, "rb") as f:
+    # unbuffered: the token section is read from the file as it is then, never from a
+    # buffer filled with the header (a file cut short meanwhile is refused whatever the
+    # header's size)
+    with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         prefix = f.read(PREFIX.size)
         if len(prefix) < PREFIX.size:
@@ -100,10 +105,16 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
             # stays on: records are untracked at their first young collection, so collecting
             # as they are built costs less than one pass over all of them at the end.
             indexable = _indexable(header, columns) if _reads_blend(directory, header) else None
-            marks = adds = None
+            marks = adds = fingerprints = None
             if indexable is not None:
                 marks = indexable.tolist()
-                adds = _index_adds(columns, indexable, marks, tokens, hashes, sids, table)
+                saved = saved_fingerprints(header, len(hashes))
+                adds, fps = _index_adds(
+                    columns, indexable, marks, tokens, hashes, sids, table,
+                    None if saved is None else saved[1],
+                )  # fmt: skip
+                if saved is not None and fps is not None:
+                    fingerprints = Fingerprints(saved[0], fps)
             parts = _build(header, columns, tokens, hashes, sids, marks)
             del tokens
             counts = _counts(header, columns, hashes, sids)
@@ -111,7 +122,9 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
         finally:  # nothing reads a content before the whole section is in
             if reading is not None:
                 reading.result()
-        directory.install(Restored(state, table, parts, counts, slabs, adds))
+        if fingerprints is not None and adds is not None:
+            check_sample(fingerprints, adds.tokens)
+        directory.install(Restored(state, table, parts, counts, slabs, adds, fingerprints))
     return SnapshotInfo(
         str(path),
         len(hashes),
@@ -298,7 +311,8 @@ def _index_adds(
     hashes: list[bytes],
     sids: npt.NDArray[np.int64],
     table: ShapeTable,
-) -> AddColumns:
+    saved: npt.NDArray[np.uint64] | None,
+) -> tuple[AddColumns, npt.NDArray[np.uint64] | None]:
     """The blend-index adds of the ``indexable`` chunks (``marks``: the same as a list), from
     the columns: what the records :func:`_build` marks indexed hold, vouched for (the index
     takes them without looking at each array: ``AddColumns.vouched``), safe because of where
@@ -307,7 +321,8 @@ def _index_adds(
     read-only copy (``TokenSlab.cut``, ``stored_from_arena``), C-contiguous, 1-D, ``uint16``
     or ``uint32``, of ``chunk_size`` ids (``_indexable``); each hash is 32 exact bytes (cut
     from ``chunk_hashes``, whose length ``_columns`` checked); each offset is >= 0
-    (``_columns`` refuses < -1, ``_indexable`` drops -1); namespaces index their list."""
+    (``_columns`` refuses < -1, ``_indexable`` drops -1); namespaces index their list. And
+    each add's fingerprint, from the chunks' ``saved`` ones (``None``: none saved)."""
     at = np.flatnonzero(indexable)
     counts, first_key = cols.counts, cols.first_key
     several = [  # (row, every key's shape id) of the chunks with several keys
@@ -315,15 +330,16 @@ def _index_adds(
         for r in np.flatnonzero(counts[at] > 1).tolist()
         for c in (int(at[r]),)
     ]
-    adds = index_adds(
+    adds, fps = index_adds(
         list(compress(tokens, marks)),
         list(compress(hashes, marks)),
         cols.offsets[at].astype(np.int64),
         sids[first_key[at]],
         several,
         table,
+        None if saved is None else saved[at],
     )
-    return adds._replace(vouched=True)
+    return adds._replace(vouched=True), fps
 
 
 def _indexable(header: Header, cols: _Columns) -> npt.NDArray[np.bool_]:

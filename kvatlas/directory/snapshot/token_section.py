@@ -33,7 +33,7 @@ V1_GROUP = 65_536
 
 
 def read_token_section(
-    f: io.BufferedReader,
+    f: io.FileIO,
     start: int,
     lens: np.ndarray[Any, Any],
     widths: np.ndarray[Any, Any],
@@ -88,7 +88,7 @@ def read_token_section(
     return tokens, (slab,) if slab.views else (), reading
 
 
-def fill(f: io.BufferedReader, view: memoryview, pos: int) -> None:
+def fill(f: io.FileIO, view: memoryview, pos: int) -> None:
     """``view`` filled from the file at ``pos`` (a truncated file: :class:`SnapshotError`)."""
     f.seek(pos)
     filled = 0

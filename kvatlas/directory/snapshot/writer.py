@@ -3,7 +3,9 @@
 The snapshot is the directory as it was when :func:`save_snapshot` started its capture (see
 :mod:`kvatlas.directory.capture`); serialisation and I/O run outside the directory lock. The
 file is written as temp file + fsync + rename + directory fsync, so a crash leaves the previous
-snapshot intact. It is created mode 0600 (it holds every tenant's token ids; docs/security.md). The blend index is not stored (a restore rebuilds it from the bindings).
+snapshot intact. It is created mode 0600 (it holds every tenant's token ids; docs/security.md). The blend index is not stored (a restore rebuilds it from the bindings), but with
+blend on each content's fingerprint is, under the index's key (``blend/fingerprints.py``), so
+the rebuild need not read and hash every id.
 
 Ingestion goes on while a snapshot is written, on other threads that need the GIL: no single
 call here converts, copies, sums or frees a whole column at once (:data:`_SLICE` items at a
@@ -27,6 +29,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from kvatlas.directory.blend.fingerprints import FingerprintKey
 from kvatlas.directory.capture import DirectoryState
 from kvatlas.directory.gate import EmitterCursor
 from kvatlas.directory.key_directory import KeyDirectory
@@ -157,7 +160,7 @@ def save_snapshot(
     columns: _Columns | None = None
     try:
         with directory.capture() as capture:
-            columns = _Columns(capture.shapes)
+            columns = _Columns(capture.shapes, capture.state.fingerprint_key)
             for part in capture.parts():
                 max_pause = max(max_pause, part.lock_held_s)
                 columns.add(part.records)
@@ -185,8 +188,10 @@ def save_snapshot(
 class _Columns:
     """The header's tables and columns, accumulated chunk by chunk."""
 
-    def __init__(self, shapes: ShapeTable) -> None:
+    def __init__(self, shapes: ShapeTable, key: FingerprintKey | None) -> None:
         self.table = shapes
+        self.key = key
+        self.fingerprints: list[np.ndarray[Any, Any]] = []  # a piece per partition
         self.strings: list[str] = []
         self.string_ids: dict[str, int] = {}
         self.shape_ids: dict[int, int] = {}  # directory shape id -> snapshot shape id
@@ -229,6 +234,12 @@ class _Columns:
         self.arena_tokens += int(counts.sum())
         self.token_widths += widths.tolist()
         self.arena += bound
+        if self.key is not None:
+            fps = np.zeros(len(tokens), np.uint64)  # 0: no content of chunk_size ids
+            full = np.flatnonzero(counts == self.key.chunk_size)
+            if len(full):
+                fps[np.flatnonzero(has)[full]] = self.key.of([bound[i] for i in full.tolist()])
+            self.fingerprints.append(fps)
         shape_ids, pl_ids, pls = self.shape_ids, self.pl_ids, self.pls
         add_count, add_shape = self.key_counts.append, self.key_shapes.append
         add_pl_count, add_pl = self.key_pl_counts.append, self.key_pls.append
@@ -256,12 +267,13 @@ class _Columns:
         """Drop every column a slice at a time (see the module docstring)."""
         for values in (self.hashes, self.offsets, self.token_lens, self.token_widths, self.arena,
                        self.key_counts, self.key_shapes, self.key_pl_counts, self.key_pls,
-                       self.pls, self.pl_ids):  # fmt: skip
+                       self.pls, self.pl_ids, self.fingerprints):  # fmt: skip
             _release(values)
         self.pieces.fields.clear()
 
     def header(self, state: DirectoryState, stream_position: str | None) -> Header:
         pls = self.pls
+        key, fps = self.key, [a.tobytes() for a in self.fingerprints]
         instances = [self.ref(row_instance(p)) for p in pls]  # before backends: string order
         backends = [self.ref(row_backend(p)) for p in pls]
         return Header(
@@ -291,6 +303,9 @@ class _Columns:
             ],
             arena_tokens=self.arena_tokens,
             chunk_token_widths=self.column("chunk_token_widths", self.token_widths),
+            chunk_fingerprints=self.pieces.field(fps) if key is not None else b"",
+            fingerprint_key=None if key is None else (key.scheme, key.bits, key.base),
+            fingerprint_digest=b"" if key is None else key.digest(fps),
         )
 
 

@@ -20,6 +20,11 @@ import numpy as np
 from kvatlas.directory.blend.kernels.pointers import inline, jit
 
 MERSENNE61 = (1 << 61) - 1
+SCHEME = "poly-mod-2^61-1/1"
+"""Names the fingerprint function: the canonical residue of ``Σ w[i]·B^(len-1-i)`` mod 2^61-1,
+masked to the index's bits. Fingerprints saved with a snapshot carry it (with the base and the
+bits), and a restore takes them only under the same name: change it whenever the value for
+given ids, base and bits changes (``tests/directory/test_fingerprint_column.py`` pins it)."""
 _P = np.uint64(MERSENNE61)
 _2P = np.uint64(2 * MERSENNE61)
 _M31 = np.uint64((1 << 31) - 1)

@@ -112,6 +112,20 @@ def find_content(tokens: Any, fp: Any, chunk: Any, table: Any, c_fp: Any, c_addr
 
 
 @jit
+def fp_listed(fp: Any, table: Any, c_fp: Any) -> Any:
+    """Whether a content of fingerprint ``fp`` is in the table (its probe run, no ids read)."""
+    tmask = table.shape[0] - 1
+    slot = content_home(fp, tmask)
+    while True:
+        cid = table[slot]
+        if cid == EMPTY:
+            return False
+        if c_fp[cid] == fp:
+            return True
+        slot = (slot + 1) & tmask
+
+
+@jit
 def content_reinsert(table: Any, fp: Any, cid: Any) -> None:
     """Insert a content known to be absent (a rebuild): the first empty slot of its run."""
     tmask = table.shape[0] - 1

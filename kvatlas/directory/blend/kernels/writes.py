@@ -13,6 +13,7 @@ import numpy as np
 from numba.np.numpy_support import carray
 
 from kvatlas.directory.blend.kernels.filter import bloom_word, filter_add, mix, word_shift
+from kvatlas.directory.blend.kernels.fingerprints import load_ids, tagged
 from kvatlas.directory.blend.kernels.layout import (
     CTX_ARRAYS,
     CTX_BASE,
@@ -27,8 +28,6 @@ from kvatlas.directory.blend.kernels.layout import (
     O_NEXT,
     O_NS0,
     O_OFF,
-    TOKENS_PLANES,
-    TOKENS_U16,
     BlendArrays,
 )
 from kvatlas.directory.blend.kernels.modhash import fingerprint
@@ -43,7 +42,6 @@ from kvatlas.directory.blend.kernels.occupants import (
     link_occupant,
     unlink_occupant,
 )
-from kvatlas.directory.blend.kernels.planes import planes_load
 from kvatlas.directory.blend.kernels.pointers import (
     i32_ptr,
     i64_ptr,
@@ -53,14 +51,13 @@ from kvatlas.directory.blend.kernels.pointers import (
     prefetch_addr,
     releasing,
     u8_ptr,
-    u16_ptr,
-    u32_ptr,
     u64_ptr,
 )
 from kvatlas.directory.blend.kernels.table import (
     content_home,
     content_reinsert,
     find_content,
+    fp_listed,
 )
 from kvatlas.kernel_twins import gil_twins, releasing_twin
 
@@ -68,12 +65,15 @@ ADD, REMOVE_CLAIM, REMOVE_CHUNK, SKIP = 0, 1, 2, 3
 """Op kinds (``SKIP``: nothing to do, e.g. a removal for a namespace without claims)."""
 
 
-OP_KIND, OP_TOKENS, OP_HASH, OP_HASH_LEN, OP_OFFSET, OP_NS, OP_TOKEN_BYTES = range(7)
+OP_KIND, OP_TOKENS, OP_HASH, OP_HASH_LEN, OP_OFFSET, OP_NS, OP_TOKEN_BYTES, OP_FP = range(8)
 """Rows of the ``(7, k)`` int64 op array :func:`apply_ops` takes, one column per op:
 kind; the token array (``id`` of a C-contiguous uint32 or uint16 array, its data pointer
 read at ``id + data_off``, or with ``data_off < 0`` the data address itself); address and
 length of the chunk_hash payload; token offset; namespace id (-1 for ``REMOVE_CHUNK``);
-bytes per token of the array (4, or 2 for uint16; 1: the planes form, ``planes.py``)."""
+bytes per token of the array (4, or 2 for uint16; 1: the planes form, ``planes.py``). An
+eighth row, if present, holds each op's content fingerprint (as int64 bits), computed
+before under the same base and bits (a restore's saved column): the ids are then read only
+to compare them with a content of the same fingerprint."""
 
 
 @gil_twins()
@@ -107,9 +107,10 @@ def apply_ops(
     n = ops.shape[1]
     for i in range(min(_LOOKAHEAD, n)):
         _take_op(ops, i, chunk, data_off, base, fmask, ring, fps, addrs, table, filt, fshift)
+    given = ops.shape[0] > OP_FP
     for i in range(n):
         if data_off >= 0:
-            _prefetch_tokens(ops, i, n, data_off)
+            _prefetch_tokens(ops, i, n, data_off, given)
         if i + _LOOKAHEAD < n:
             _take_op(
                 ops, i + _LOOKAHEAD, chunk, data_off, base, fmask, ring, fps, addrs, table,
@@ -124,6 +125,8 @@ def apply_ops(
             continue
         r = i % _RING
         tokens, fp, addr = ring[r], fps[r], addrs[r]
+        if given and fp_listed(fp, table, c_fp):
+            load_ids(tokens, addr, chunk)  # to compare with that content's
         h_addr, h_len, ns = ops[OP_HASH, i], ops[OP_HASH_LEN, i], ops[OP_NS, i]
         cid, slot = find_content(tokens, fp, chunk, table, c_fp, c_addr)
         out[i, 1] = cid
@@ -257,23 +260,21 @@ def _take_op(
     """Op ``j``'s ids into row ``j % _RING`` of ``ring`` (``uint32``), their fingerprint and
     the token address its content keeps (``layout.py``: tagged with the array's form) into
     ``fps`` and ``addrs``; then request the table slot and filter word the op will read.
-    (A skipped op reads nothing.)"""
+    With the fingerprint given (row ``OP_FP``) the ids are not read here: the op reads them
+    only if a content of that fingerprint is in the table. (A skipped op reads nothing.)"""
     if ops[OP_KIND, j] == SKIP:
         return
     r = j % _RING
-    row = ring[r]
     addr = ops[OP_TOKENS, j]
     if data_off >= 0:
         addr = i64_ptr(addr + data_off)[0]  # type: ignore[call-arg]
-    if ops[OP_TOKEN_BYTES, j] == 2:
-        _load(row, u16_ptr(addr), chunk)  # type: ignore[call-arg]
-        addr |= TOKENS_U16
-    elif ops[OP_TOKEN_BYTES, j] == 1:
-        planes_load(row, addr, chunk)
-        addr |= TOKENS_PLANES
+    addr = tagged(addr, ops[OP_TOKEN_BYTES, j])
+    if ops.shape[0] > OP_FP:
+        fp = np.uint64(ops[OP_FP, j])
     else:
-        _load(row, u32_ptr(addr), chunk)  # type: ignore[call-arg]
-    fp = fingerprint(row, 0, chunk, base, fmask)
+        row = ring[r]
+        load_ids(row, addr, chunk)
+        fp = fingerprint(row, 0, chunk, base, fmask)
     fps[r] = fp
     addrs[r] = addr
     prefetch(table, content_home(fp, table.shape[0] - 1))  # type: ignore[call-arg]
@@ -285,23 +286,17 @@ _AHEAD_OBJECT, _AHEAD_DATA = 16, 8
 
 
 @inline
-def _prefetch_tokens(ops: Any, i: Any, n: Any, data_off: Any) -> None:
+def _prefetch_tokens(ops: Any, i: Any, n: Any, data_off: Any, given: Any) -> None:
     """Overlap the cache misses of later ops' token arrays with this op's work (a bulk build
     of 10^6 contents is bound by them): the array object of op ``i + 16``, then the first
-    lines of the data of op ``i + 8`` (whose object was requested 8 ops ago). Hints only."""
+    lines of the data of op ``i + 8`` (whose object was requested 8 ops ago; not with the
+    fingerprints ``given``: the data is then rarely read). Hints only."""
     if i + _AHEAD_OBJECT < n:
         prefetch_addr(ops[OP_TOKENS, i + _AHEAD_OBJECT] + data_off)  # type: ignore[call-arg]
-    if i + _AHEAD_DATA < n:
+    if i + _AHEAD_DATA < n and not given:
         data = i64_ptr(ops[OP_TOKENS, i + _AHEAD_DATA] + data_off)[0]  # type: ignore[call-arg]
         for line in range(4):
             prefetch_addr(data + 64 * line)  # type: ignore[call-arg]
-
-
-@jit
-def _load(out: Any, p: Any, chunk: Any) -> None:
-    """``out[:chunk]`` = the ids at the typed pointer ``p`` (compiled once per width)."""
-    for k in range(chunk):
-        out[k] = p[k]
 
 
 @jit

@@ -1,0 +1,87 @@
+"""Content fingerprints as a column: what a snapshot saves so a restore need not read and hash
+every id again (docs/directory.md, "Snapshots").
+
+A fingerprint is a function of a content's ids and of its :class:`FingerprintKey`: the
+function's name (``kernels.modhash.SCHEME``), the chunk size, the bits kept and the secret
+base. An index takes a column only under its own function, chunk size and bits, and only
+while it is fresh, adopting the column's base (``BlendIndex.build``); anything else is
+recomputed. The base is never on the wire; it is saved in the snapshot beside the token ids it
+keys (a file of mode 0600: docs/security.md). A wrong column cannot cause a wrong match (every
+candidate's ids are compared before a match is returned), only a missed one, so the reader
+checks a column before it is used (its digest, and a sample recomputed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Any, NamedTuple
+
+import blake3
+import numpy as np
+import numpy.typing as npt
+
+from kvatlas.directory.blend import _cpython
+from kvatlas.directory.blend.kernels.fingerprints import (
+    RELEASE_CONTENTS,
+    content_fingerprints,
+    content_fingerprints_releasing,
+)
+from kvatlas.directory.blend.kernels.modhash import MERSENNE61, SCHEME
+
+_ITEMSIZE = attrgetter("itemsize")
+
+
+@dataclass(frozen=True, slots=True)
+class FingerprintKey:
+    """What a content's fingerprint depends on besides its ids."""
+
+    scheme: str
+    chunk_size: int
+    bits: int
+    base: int
+
+    def usable(self) -> bool:
+        """Whether fingerprints under this key can be computed here (this build's function,
+        valid bits and base): else a column under it is recomputed, never read."""
+        return (
+            self.scheme == SCHEME
+            and 1 <= self.bits <= 61
+            and 1 <= self.base < MERSENNE61
+            and self.chunk_size >= 1
+        )
+
+    def of(self, arrays: Sequence[npt.NDArray[Any]]) -> npt.NDArray[np.uint64]:
+        """The fingerprints of ``arrays``: contents as the directory stores them (read-only,
+        C-contiguous ``uint16``, ``uint32`` or planes form, of ``chunk_size`` ids each, which
+        the caller guarantees: they are read by address)."""
+        n = len(arrays)
+        out = np.empty(n, np.uint64)
+        if not n:
+            return out
+        off = _cpython.ARRAY_DATA_OFFSET
+        if off >= 0:
+            handles = np.fromiter(map(id, arrays), np.int64, n)
+        else:  # pragma: no cover - not CPython + numpy
+            handles = np.array([a.ctypes.data for a in arrays], np.int64)
+        widths = np.fromiter(map(_ITEMSIZE, arrays), np.int64, n)  # 1: the planes form
+        kernel = content_fingerprints if n < RELEASE_CONTENTS else content_fingerprints_releasing
+        kernel(handles, off, widths, self.chunk_size, self.base, (1 << self.bits) - 1, out)
+        return out
+
+    def digest(self, pieces: Iterable[bytes]) -> bytes:
+        """blake3 of this key and a fingerprint column (its bytes, as ``pieces``): a column
+        changed on disk, or paired with another key, does not match."""
+        h = blake3.blake3(f"{self.scheme}|{self.chunk_size}|{self.bits}|{self.base}|".encode())
+        for piece in pieces:
+            h.update(piece)
+        return h.digest()
+
+
+class Fingerprints(NamedTuple):
+    """Each add's content fingerprint under ``key`` (``BlendIndex.build`` takes them instead
+    of computing them when ``key`` is its own but for the base)."""
+
+    key: FingerprintKey
+    values: npt.NDArray[np.uint64]
