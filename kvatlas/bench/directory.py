@@ -347,7 +347,8 @@ def _snapshot_rows(snap_keys: int, seed: int, repeats: int) -> list[BenchRow]:
     """The snapshot stall (``bench/snapshot_stall.py``) and the restore rate, at ``snap_keys``."""
     rows: list[BenchRow] = []
     progress("directory", f"building {snap_keys:,} keys")
-    directory = KeyDirectory(CHUNK)
+    # blend on, as a coordinator's: the snapshot saves the contents' fingerprints
+    directory = KeyDirectory(CHUNK, enable_blend_lookup=True)
     _consume_all(directory, _workload(snap_keys, seed + 1))
     gc.collect()
     with tempfile.TemporaryDirectory() as tmp:
