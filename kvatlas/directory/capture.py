@@ -127,17 +127,12 @@ class CowJournal:
             if h not in saved:
                 saved[h] = rec
 
-    def take(
-        self, part_no: int, part: Partition | ChunkPart
-    ) -> Callable[[], list[tuple[bytes, Record]]]:
+    def take(self, part_no: int, part: ChunkPart) -> Callable[[], list[tuple[bytes, Record]]]:
         """Start taking partition ``part_no`` (under the lock): its hash → row pairs are
         copied, and the function returned builds their records from the columns (without the
         lock: the rows may change meanwhile, but each change journals the record it replaces
         first, and :meth:`finish` puts those back). Records are immutable: no copy of their
         contents."""
-        if not isinstance(part, ChunkPart):
-            items = list(part.items())
-            return lambda: items
         pairs, cols = list(part.row.items()), part.cols
         objs, offsets = cols.objs, cols.offsets  # (a compaction replaces, never changes them)
 

@@ -1,5 +1,5 @@
-"""Chunk counts: what follows from the chunk table's records (counters, per-instance L1
-chunk sets, bytes per tier and module, inventory digests), the partitioning of the records
+"""Chunk counts: what follows from the chunk table's records (counters, own L1 placements
+per instance, bytes per tier and module, inventory digests), the partitioning of the records
 (:data:`PARTS` dicts by the first byte of the chunk hash) and the change journal a capture
 hooks into. See :mod:`kvatlas.directory.chunk_table`.
 """
@@ -37,8 +37,8 @@ DigestArray = np.ndarray[Any, Any]  # 256 uint64 buckets (kvatlas.events.invento
 @dataclass(slots=True)
 class ChunkCounts:
     """What follows from the records: key and placement counts, bytes per tier, per
-    instance its own L1 placements and the chunks holding them (what fencing visits), and
-    placements and bytes per :data:`~kvatlas.directory.records.Module` (usage), and the
+    instance its own L1 placements (the chunks holding them, what fencing visits, are a
+    column of the records: :mod:`~kvatlas.directory.l1_owners`), and placements and bytes per :data:`~kvatlas.directory.records.Module` (usage), and the
     inventory digest of every (instance, tier)'s own placements (see
     :mod:`kvatlas.events.inventory`; after a restore, built by
     :meth:`~kvatlas.directory.chunk_digests.InventoryDigests.digest_partition`)."""
@@ -47,7 +47,6 @@ class ChunkCounts:
     placements: int = 0
     l1_placements: Counter[str] = field(default_factory=Counter)
     bytes_by_tier: Counter[str] = field(default_factory=Counter)
-    l1_chunks: dict[str, set[bytes]] = field(default_factory=dict)
     module_placements: Counter[Module] = field(default_factory=Counter)
     module_bytes: Counter[Module] = field(default_factory=Counter)
     digests: dict[tuple[str, str], DigestArray] = field(default_factory=dict)
@@ -74,7 +73,7 @@ class ChunkCounts:
         """The counts of ``parts``, by one pass over every record."""
         out = cls()
         for part in parts:
-            for h, rec in part.items():
+            for rec in part.values():
                 out.keys += key_count(rec)
                 for sid, pls in record_keys(rec):
                     for p in placements_of(pls):
@@ -87,7 +86,6 @@ class ChunkCounts:
                         owner = l1_owner(p)
                         if owner is not None:
                             out.l1_placements[owner] += 1
-                            out.l1_chunks.setdefault(owner, set()).add(h)
         return out
 
 

@@ -15,7 +15,12 @@ the cyclic collector tracks (a batch of new chunks made ≈1.4 young collections
 Rows of removed chunks are emptied (references dropped) and reused by the next new chunks, so
 the columns stay as long as the most chunks the table held at once (as a ``dict`` keeps its
 slots) and are never compacted under the lock. A batch of new chunks fills free rows and
-appends the rest as whole columns (:func:`add_fresh`).
+appends the rest as whole columns (:func:`add_fresh`). One more column follows from each
+row's record, kept by every write: which instances own an L1 placement of the chunk
+(:mod:`~kvatlas.directory.l1_owners`; what fencing visits, :func:`l1_chunks`).
+
+The record's layout is :mod:`~kvatlas.directory.records`' own: records are split and joined
+by its functions (:func:`~kvatlas.directory.records.split_record` and the column forms).
 """
 
 from __future__ import annotations
@@ -23,14 +28,23 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from itertools import chain, repeat
-from operator import add, attrgetter, is_, itemgetter
+from itertools import compress, repeat
+from operator import attrgetter, is_, itemgetter
 from typing import Any, Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.directory.records import Placements, Record, split_record
+from kvatlas.directory.l1_owners import NO_OWNER, L1Owners
+from kvatlas.directory.records import (
+    Placements,
+    Record,
+    join_record,
+    l1_owner,
+    records_from_columns,
+    split_columns,
+    split_record,
+)
 from kvatlas.directory.token_store import StoredTokens
 
 _WIDTH: Final = 4  # references per row
@@ -41,21 +55,24 @@ _EMPTY_ROW: Final = (None, 0, None, ())
 class ChunkColumns:
     """Every chunk's record fields, by row, for the partitions that share them."""
 
-    __slots__ = ("free", "objs", "offsets", "parts")
+    __slots__ = ("free", "l1", "objs", "offsets", "parts")
 
     def __init__(self) -> None:
         self.objs: list[Any] = []  # _WIDTH per row: content, 2 * shape id + indexed,
         # the first key's placements, the other keys as flat (shape id, placements) pairs
         self.offsets = array("q")  # per row: the content's offset
+        self.l1 = L1Owners()  # per row: the instances owning an L1 placement of the chunk
         self.free: list[int] = []  # rows of removed chunks, reused last freed first
         self.parts: list[ChunkPart] = []
 
     def record(self, r: int) -> Record:
+        """The record at row ``r`` (every read builds one)."""
         o = _WIDTH * r
         objs = self.objs
-        flagged, rest = objs[o + 1], objs[o + 3]
-        rec = (objs[o], self.offsets[r], flagged & 1 == 1, flagged >> 1, objs[o + 2])
-        return rec + rest if rest else rec  # the record split_record split: every read builds one
+        flagged = objs[o + 1]
+        return join_record(
+            objs[o], self.offsets[r], flagged & 1 == 1, flagged >> 1, objs[o + 2], objs[o + 3]
+        )
 
     def records(self, rows: list[int]) -> list[Record]:
         """The records at ``rows``, built by C-level maps over the columns (a listing's
@@ -75,6 +92,7 @@ class ChunkColumns:
         tokens, offset, indexed, sid, pls, rest = split_record(rec)
         self.objs += (tokens, 2 * sid + indexed, pls, rest)
         self.offsets.append(offset)
+        self.l1.add(pls, rest)
         return len(self.offsets) - 1
 
     def put(self, r: int, rec: Record) -> None:
@@ -82,10 +100,29 @@ class ChunkColumns:
         o = _WIDTH * r
         self.objs[o : o + _WIDTH] = (tokens, 2 * sid + indexed, pls, rest)
         self.offsets[r] = offset
+        self.l1.put(r, pls, rest)
 
     def clear(self, r: int) -> None:
         self.objs[_WIDTH * r : _WIDTH * (r + 1)] = _EMPTY_ROW
+        self.l1.set(r, NO_OWNER)
         self.free.append(r)
+
+    def append_rows(
+        self,
+        tokens: Sequence[StoredTokens | None],
+        offsets: npt.NDArray[np.int64],
+        flagged: Sequence[int],
+        placements: Sequence[Placements],
+        rests: Sequence[tuple[Any, ...]] | None = None,
+    ) -> range:
+        """New rows at the end, a record's fields per column (``flagged``: 2 * shape id +
+        indexed; ``rests`` the other keys, ``None``: none), by slice assignment (no tuple
+        per row); returns them. Their L1 owners follow by :meth:`L1Owners.extend` or
+        :meth:`L1Owners.put`."""
+        top, n = len(self.offsets), len(tokens)
+        self.objs += _block(tokens, flagged, placements, rests)
+        self.offsets.frombytes(np.ascontiguousarray(offsets, "<i8").tobytes())
+        return range(top, top + n)
 
 
 class RowsCopy(NamedTuple):
@@ -115,18 +152,30 @@ def copied_records(copy: RowsCopy) -> list[Record]:
     if not refs:
         return []
     flagged = np.array(refs[1::_WIDTH], np.int64)
-    heads = zip(
+    return records_from_columns(
         refs[0::_WIDTH],
         copy.offsets,
-        map(_FLAGS.__getitem__, (flagged & 1).tolist()),
         (flagged >> 1).tolist(),
         refs[2::_WIDTH],
-        strict=True,
+        map(_FLAGS.__getitem__, (flagged & 1).tolist()),
+        refs[3::_WIDTH],
     )
-    rests = refs[3::_WIDTH]
-    if rests.count(()) == len(rests):
-        return list(heads)
-    return list(map(add, heads, rests))
+
+
+def _block(
+    tokens: Sequence[StoredTokens | None],
+    flagged: Sequence[int],
+    placements: Sequence[Placements],
+    rests: Sequence[tuple[Any, ...]] | None,
+) -> list[Any]:
+    """Rows' references, ``_WIDTH`` per row, by slice assignment (no tuple per row)."""
+    block: list[Any] = [()] * (_WIDTH * len(tokens))
+    block[0::_WIDTH] = tokens
+    block[1::_WIDTH] = flagged
+    block[2::_WIDTH] = placements
+    if rests is not None:
+        block[3::_WIDTH] = rests
+    return block
 
 
 class ChunkPart:
@@ -203,28 +252,19 @@ class ChunkPart:
 
 def new_parts(n: int, parts: Sequence[Mapping[bytes, Record] | ChunkPart] = ()) -> list[ChunkPart]:
     """``n`` empty partitions sharing new columns, or (``parts`` given) holding their records
-    (split into the columns by C-level maps: a restore's millions)."""
+    (split into the columns by C-level maps)."""
     if _whole(n, parts):  # the partitions of one set of columns (a reader's): adopted
         return list(parts)  # type: ignore[arg-type]
     cols = ChunkColumns()
     out = [ChunkPart(cols) for _ in range(n)]
     for part, records in zip(out, parts, strict=False):
-        hashes, recs = list(records.keys()), list(records.values())
-        top = len(cols.offsets)
-        flagged = (np.fromiter(map(_SID, recs), np.int64, len(recs)) << 1) + np.fromiter(
-            map(_INDEXED, recs), np.int64, len(recs)
-        )
-        cols.objs += chain.from_iterable(
-            zip(
-                map(_TOKENS, recs),
-                flagged.tolist(),
-                map(_PLACEMENTS, recs),
-                map(_REST, recs),
-                strict=True,
-            )
-        )
-        cols.offsets.extend(map(_OFFSET, recs))
-        part.row = dict(zip(hashes, range(top, top + len(hashes)), strict=True))
+        recs = list(records.values())
+        tokens, offsets, indexed, sids, pls, rests = split_columns(recs)
+        flagged = (np.asarray(sids, np.int64) << 1) + np.asarray(indexed, np.int64)
+        rows = cols.append_rows(tokens, np.asarray(offsets, np.int64), flagged.tolist(), pls, rests)
+        cols.l1.extend(np.full(len(rows), NO_OWNER, np.int32))
+        deque(map(cols.l1.put, rows, pls, rests), maxlen=0)
+        part.row = dict(zip(records.keys(), rows, strict=True))
     return out
 
 
@@ -241,25 +281,24 @@ def parts_of_columns(
     offsets: npt.NDArray[np.int64],
     flagged: list[int],
     placements: list[Placements],
+    owners: npt.NDArray[np.int64],
+    names: Sequence[str],
 ) -> list[ChunkPart]:
     """``n`` partitions of one-key records given as columns (``flagged``: 2 * shape id +
-    indexed), in partition order: partition ``p`` holds rows ``bounds[p]:bounds[p + 1]``. A
-    restore's path: no record built. Change a row's keys afterwards with ``part[h] = rec``."""
+    indexed; ``owners``: each one's :func:`~kvatlas.directory.records.l1_owner` as an index
+    of ``names``, -1 if none), in partition order: partition ``p`` holds rows
+    ``bounds[p]:bounds[p + 1]``. A restore's path: no record built. Change a row's keys
+    afterwards with ``part[h] = rec``."""
     cols = ChunkColumns()
-    block: list[Any] = [()] * (_WIDTH * len(hashes))
-    block[0::_WIDTH] = tokens
-    block[1::_WIDTH] = flagged
-    block[2::_WIDTH] = placements
-    cols.objs = block
-    cols.offsets.frombytes(np.ascontiguousarray(offsets, "<i8").tobytes())
+    cols.append_rows(tokens, offsets, flagged, placements)
+    ids = np.full(len(names) + 1, NO_OWNER, np.int32)  # (-1 takes the last: NO_OWNER)
+    for i in np.unique(owners[owners >= 0]).tolist():
+        ids[i] = cols.l1.intern(names[i])
+    cols.l1.extend(ids[owners])
     out = [ChunkPart(cols) for _ in range(n)]
     for part, lo, hi in zip(out, bounds, bounds[1:], strict=False):
         part.row = dict(zip(hashes[lo:hi], range(lo, hi), strict=True))
     return out
-
-
-_TOKENS, _OFFSET, _INDEXED, _SID, _PLACEMENTS = map(itemgetter, range(5))
-_REST = itemgetter(slice(5, None))
 
 
 _ROWS_OF = attrgetter("row")
@@ -275,9 +314,10 @@ def add_fresh(
     placements: Sequence[Placements],
 ) -> bool:
     """Append one-key records of new chunks, entry ``i`` into ``parts_of[i]`` (its
-    partition; all share one :class:`ChunkColumns`), the hashes distinct. Inserted where
-    absent, in one pass: if a chunk is held, the rows this inserted are taken out again and
-    ``False`` is returned (nothing changed)."""
+    partition; all share one :class:`ChunkColumns`), the hashes distinct, the placements
+    one batch's (one instance, tier and sharing: one L1 owner). Inserted where absent, in
+    one pass: if a chunk is held, the rows this inserted are taken out again and ``False``
+    is returned (nothing changed)."""
     n = len(hashes)
     cols = parts_of[0].cols
     free, top = cols.free, len(cols.offsets)
@@ -288,24 +328,49 @@ def add_fresh(
     if not all(map(int.__eq__, map(dict.setdefault, dicts, hashes, new), new)):
         deque(map(_take_back, dicts, hashes, new), maxlen=0)
         return False
-    block: list[Any] = [()] * (_WIDTH * n)  # the rows, by slice assignment (no tuple per row)
-    block[0::_WIDTH] = tokens
-    block[1::_WIDTH] = list(map((2 * sid, 2 * sid + 1).__getitem__, indexed))
-    block[2::_WIDTH] = placements
-    raw = np.ascontiguousarray(offsets, "<i8")
+    owner = l1_owner(placements[0])  # type: ignore[arg-type]
+    owner_id = NO_OWNER if owner is None else cols.l1.intern(owner)
+    flagged = list(map((2 * sid, 2 * sid + 1).__getitem__, indexed))
     if k:
         del free[len(free) - k :]
+        block = _block(tokens[:k], flagged[:k], placements[:k], None)
         at = [_WIDTH * r for r in reused]
         heads = [_WIDTH * i for i in range(k)]
         into = map(slice, at, map(_WIDTH.__add__, at))
         rows = map(block.__getitem__, map(slice, heads, map(_WIDTH.__add__, heads)))
         deque(map(cols.objs.__setitem__, into, rows), maxlen=0)
-        deque(map(cols.offsets.__setitem__, reused, raw[:k].tolist()), maxlen=0)
-    cols.objs += block[_WIDTH * k :]
-    cols.offsets.frombytes(raw[k:].tobytes())
+        deque(map(cols.offsets.__setitem__, reused, offsets[:k].tolist()), maxlen=0)
+        cols.l1.fill(reused, owner_id)
+    cols.append_rows(tokens[k:], offsets[k:], flagged[k:], placements[k:])
+    cols.l1.extend(np.full(n - k, owner_id, np.int32))
     return True
 
 
 def _take_back(rows: dict[bytes, int], h: bytes, r: int) -> None:
     if rows.get(h) == r:
         del rows[h]
+
+
+def l1_chunks(parts: Sequence[ChunkPart], name: str) -> list[bytes]:
+    """The chunks of ``parts`` (the partitions of one set of columns) that have an L1
+    placement ``name`` owns, partition by partition: the column's rows, found in the
+    partitions' hash → row maps (a pass over them: what fencing, which is rare, visits)."""
+    cols = parts[0].cols
+    rows = cols.l1.rows_of(name)
+    left = len(rows)
+    if not left:
+        return []
+    hit = np.zeros(len(cols.offsets), np.bool_)
+    hit[rows] = True
+    out: list[bytes] = []
+    for part in parts:
+        at = part.row
+        if at:
+            found = hit[np.fromiter(at.values(), np.intp, len(at))]
+            k = int(np.count_nonzero(found))
+            if k:
+                out += compress(at, found.tolist())
+                left -= k
+                if not left:
+                    break
+    return out

@@ -1,6 +1,7 @@
 """Removal rules of the chunk table: ``delete`` batches, fencing an instance's L1, the
 removal half of a ``resync``, and the bookkeeping every removal shares (counts, digests,
-namespace claims, the L1 chunk sets, the capture's change journal). See
+namespace claims, the capture's change journal; the chunks' L1 owners follow from their
+records, :mod:`~kvatlas.directory.l1_owners`). See
 :mod:`kvatlas.directory.chunk_table`.
 """
 
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from kvatlas.directory.blend import RemoveClaimOp
 from kvatlas.directory.chunk_counts import L2_TIER
 from kvatlas.directory.chunk_digests import InventoryDigests
+from kvatlas.directory.chunk_parts import l1_chunks
 from kvatlas.directory.chunk_state import ChunkState
 from kvatlas.directory.records import (
     KeyPair,
@@ -20,7 +22,6 @@ from kvatlas.directory.records import (
     l1_owner,
     make_record,
     pack_placements,
-    placement_groups,
     placements_at,
     placements_of,
     record_indexed,
@@ -35,7 +36,7 @@ from kvatlas.directory.records import (
     row_size,
     row_tier,
 )
-from kvatlas.events import VOLATILE_TIERS, EventBatch
+from kvatlas.events import EventBatch
 from kvatlas.events.columns import EntryColumns
 
 
@@ -50,7 +51,6 @@ class RemovalRules:
     def delete(self, batch: EventBatch) -> None:
         """Apply a ``delete`` batch."""
         ident = (batch.tier, batch.backend, None if batch.shared else batch.instance_id)
-        own_l1 = batch.tier in VOLATILE_TIERS and not batch.shared
         table = self._table
         for entry in batch.entries:
             found = table.locate(entry.key)
@@ -72,18 +72,15 @@ class RemovalRules:
             keys: list[tuple[int, Placements | None]] = list(record_keys(rec))
             keys[k] = (keys[k][0], pack_placements(kept))
             self._rewrite(h, rec, keys)
-            if own_l1:
-                self._forget_l1_if_gone(batch.instance_id, h)
 
     def fence(self, inst: str) -> int:
         """Drop every own L1 placement of ``inst``; returns how many were dropped."""
         dropped = 0
         table = self._table
         counts = table.counts
-        for h in counts.l1_chunks.pop(inst, ()):
-            rec = table.parts[h[0]].get(h)
-            if rec is None:
-                continue
+        # (an instance without own L1 placements has no chunks to visit)
+        for h in l1_chunks(table.parts, inst) if counts.l1_placements.get(inst) else ():
+            rec = table.parts[h[0]][h]
             table.preserve(h, rec)
             keys: list[tuple[int, Placements | None]] = []
             for sid, pls in record_keys(rec):
@@ -136,7 +133,6 @@ class RemovalRules:
         """Remove the chunk's placements ``doomed(h, shape id, row)`` selects."""
         self._table.preserve(h, rec)
         keys: list[tuple[int, Placements | None]] = []
-        owners: set[str] = set()
         dropped = 0
         for sid, pls in record_keys(rec):
             kept = []
@@ -144,16 +140,11 @@ class RemovalRules:
                 if doomed(h, sid, p):
                     self._count(p, -1, sid)
                     self._digests.xor(row_instance(p), row_tier(p), h, sid, row_backend(p))
-                    owner = l1_owner(p)
-                    if owner is not None:
-                        owners.add(owner)
                     dropped += 1
                 else:
                     kept.append(p)
             keys.append((sid, pack_placements(kept)))
         self._rewrite(h, rec, keys)
-        for owner in owners:
-            self._forget_l1_if_gone(owner, h)
         return dropped
 
     def _count(self, p: PlacementRow, sign: int, sid: int) -> None:
@@ -184,18 +175,3 @@ class RemovalRules:
             part[h] = make_record(tokens, record_offset(rec), indexed, kept)
         else:
             del part[h]
-
-    def _forget_l1_if_gone(self, inst: str, h: bytes) -> None:
-        table = self._table
-        rec = table.parts[h[0]].get(h)
-        if rec is not None:
-            for pls in placement_groups(rec):
-                for p in placements_of(pls):
-                    if l1_owner(p) == inst:
-                        return
-        l1_chunks = table.counts.l1_chunks
-        hs = l1_chunks.get(inst)
-        if hs is not None:
-            hs.discard(h)
-            if not hs:
-                del l1_chunks[inst]

@@ -55,12 +55,6 @@ class StoreRules:
         table = self._table
         inst, tier, backend, shared = batch.instance_id, batch.tier, batch.backend, batch.shared
         counts = table.counts
-        own_l1 = tier in VOLATILE_TIERS and not shared
-        l1set: set[bytes] | None = None
-        if own_l1:
-            l1set = counts.l1_chunks.get(inst)
-            if l1set is None:
-                l1set = counts.l1_chunks[inst] = set()
         # New own copies, by tag multiplier: their elements go into the digest after the loop,
         # in one vectorised step per multiplier (a batch is mostly one shape).
         dig = None if shared else counts.digest_for(inst, tier)
@@ -82,11 +76,9 @@ class StoreRules:
                 table.ops.append(store_adds(added, cols, stored, sids, shapes, allocated))
             if dig is not None:
                 pending[self._digests.tag(sids[0], tier, backend)] = cols.chunk_hashes
-            if l1set is not None:
-                l1set.update(cols.chunk_hashes)
         else:
             n_keys, n_pl, n_bytes = self._store_each(
-                batch, cols, sids, stored, allocated, l1set, dig, pending, mixed
+                batch, cols, sids, stored, allocated, dig, pending, mixed
             )
         if one_shape:
             counts.l2_bytes_by_shape[sids[0]] += n_bytes
@@ -98,7 +90,7 @@ class StoreRules:
         module = (None if shared else inst, tier, backend)
         counts.module_placements[module] += n_pl
         counts.module_bytes[module] += n_bytes
-        if own_l1:
+        if tier in VOLATILE_TIERS and not shared:  # own L1 copies
             counts.l1_placements[inst] += n_pl
 
     def _store_each(
@@ -108,7 +100,6 @@ class StoreRules:
         sids: list[int],
         stored: list[StoredTokens | None],
         allocated: bool,
-        l1set: set[bytes] | None,
         dig: DigestArray | None,
         pending: dict[int, list[bytes]],
         l2_by_shape: Counter[int] | None,
@@ -189,8 +180,6 @@ class StoreRules:
                     l2_by_shape[sid] += db
                 if new_own is not None and dp:  # a new own copy (a replaced one has the
                     new_own.append(h)  # same element)
-            if l1set is not None:
-                l1set.add(h)
         if added:
             ops.append(store_adds(added, cols, stored, sids, shapes, allocated))
         return n_keys, n_pl, n_bytes

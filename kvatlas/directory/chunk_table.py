@@ -7,8 +7,9 @@ table (:mod:`~kvatlas.directory.chunk_state`) and own only their own state: the 
 (:mod:`~kvatlas.directory.chunk_digests`), the freeing of restored token slabs
 (:mod:`~kvatlas.directory.chunk_slabs`). Counts, partitions, change journal: :mod:`~kvatlas.directory.chunk_counts`.
 
-Invariant: the counters and per-instance L1 chunk sets in :class:`~kvatlas.directory.chunk_counts.ChunkCounts`
-always equal what a pass over the records would compute, and every blend-index write a change implies is
+Invariant: the counters in :class:`~kvatlas.directory.chunk_counts.ChunkCounts` and each row's
+L1 owners (:mod:`~kvatlas.directory.l1_owners`) always equal what a pass over the records would
+compute, and every blend-index write a change implies is
 queued (:meth:`ChunkTable.flush_index`) in the order the changes happened, so the directory
 applies a batch's index writes as one. Changes are made under the directory's lock; a change
 either completes or raises before touching anything (the batch was validated when built).

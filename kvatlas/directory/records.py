@@ -248,16 +248,21 @@ def make_record(
 
 
 def records_from_columns(
-    tokens: list[StoredTokens | None],
-    offsets: list[int],
-    shape_ids: list[int],
+    tokens: Sequence[StoredTokens | None],
+    offsets: Sequence[int],
+    shape_ids: Iterable[int],
     placements: Iterable[Placements],
-    indexed: list[bool] | None = None,
+    indexed: Iterable[bool] | None = None,
+    rests: Sequence[tuple[Any, ...]] | None = None,
 ) -> list[Record]:
-    """One-key records zipped from columns (the snapshot loader's fast path); unindexed
-    unless ``indexed`` says otherwise."""
+    """Records zipped from the columns :func:`split_record` splits a record into (C-level:
+    no Python per record); unindexed unless ``indexed`` says otherwise, one key each unless
+    ``rests`` gives the others."""
     flags = repeat(False, len(tokens)) if indexed is None else indexed
-    return list(zip(tokens, offsets, flags, shape_ids, placements, strict=True))
+    heads = zip(tokens, offsets, flags, shape_ids, placements, strict=True)
+    if rests is None or rests.count(()) == len(rests):
+        return list(heads)
+    return list(map(add, heads, rests))
 
 
 def split_record(rec: Record) -> tuple[Any, ...]:
@@ -267,7 +272,43 @@ def split_record(rec: Record) -> tuple[Any, ...]:
     return (*rec[:_REST], rec[_REST:])
 
 
+def join_record(
+    tokens: StoredTokens | None,
+    offset: int,
+    indexed: bool,
+    shape_id: int,
+    placements: Placements,
+    rest: tuple[Any, ...],
+) -> Record:
+    """The record :func:`split_record` split into these fields."""
+    rec = (tokens, offset, indexed, shape_id, placements)
+    return rec + rest if rest else rec
+
+
+def split_columns(records: Sequence[Record]) -> tuple[list[Any], ...]:
+    """:func:`split_record` of every record, as six columns (C-level maps)."""
+    return (
+        list(map(record_stored_tokens, records)),
+        list(map(record_offset, records)),
+        list(map(record_indexed, records)),
+        first_shape_ids(records),
+        list(map(_FIRST_PLACEMENTS, records)),
+        list(map(_OTHER_KEYS, records)),
+    )
+
+
+def l1_owners(placements: Placements, rest: tuple[Any, ...] = ()) -> list[str]:
+    """The distinct :func:`l1_owner` of a record's placements, given split as
+    :func:`split_record` splits it (first key's ``placements``, the other keys ``rest``)."""
+    rows = placements_of(placements)
+    if rest:
+        rows = (*rows, *chain.from_iterable(map(placements_of, rest[1::2])))
+    return list(dict.fromkeys(o for o in map(l1_owner, rows) if o is not None))
+
+
 _REST: Final = _KEYS + 2
+_FIRST_PLACEMENTS = itemgetter(_KEYS + 1)
+_OTHER_KEYS = itemgetter(slice(_REST, None))
 
 
 # The record's binding: its content (``None``: unknown) as stored, stored offset, and whether

@@ -7,7 +7,8 @@ from typing import Any
 import numpy as np
 
 from kvatlas.directory import KeyDirectory
-from kvatlas.directory.records import Record
+from kvatlas.directory.chunk_parts import ChunkPart, l1_chunks
+from kvatlas.directory.records import Record, l1_owner, placement_groups, placements_of
 from kvatlas.events import CacheEntry, EventBatch
 from kvatlas.keys import ObjectKey, pack_kv_rank
 
@@ -67,3 +68,24 @@ def captured(d: KeyDirectory) -> dict[bytes, Record]:
     """Every chunk's record, through a capture (records are immutable: the live ones)."""
     with d.capture() as capture:
         return {h: rec for part in capture.parts() for h, rec in part.records}
+
+
+def l1_chunk_sets(d: KeyDirectory) -> dict[str, set[bytes]]:
+    """Per instance, the chunks the table's L1 owner column says hold an own L1 copy of it
+    (what fencing visits; instances without any left out)."""
+    parts = d._chunks.parts
+    names = parts[0].cols.l1.names
+    return {n: hs for n in names if (hs := set(l1_chunks(parts, n)))}
+
+
+def l1_chunk_model(parts: list[ChunkPart] | dict[bytes, Record]) -> dict[str, set[bytes]]:
+    """The same, brute force: a pass over every record's placements."""
+    records = parts.items() if isinstance(parts, dict) else (x for p in parts for x in p.items())
+    out: dict[str, set[bytes]] = {}
+    for h, rec in records:
+        for pls in placement_groups(rec):
+            for p in placements_of(pls):
+                owner = l1_owner(p)
+                if owner is not None:
+                    out.setdefault(owner, set()).add(h)
+    return out

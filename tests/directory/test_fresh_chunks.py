@@ -29,7 +29,7 @@ from kvatlas.events import (
     encode_msgpack,
 )
 from kvatlas.keys import ObjectKey
-from tests.directory.helpers import captured
+from tests.directory.helpers import captured, l1_chunk_sets
 from tests.directory.test_columnar_ingest import CHUNK, CONTENTS, SHAPES, _state
 
 HASHES = [bytes([i % 256, i // 256]) + bytes(29) + bytes([i % 7]) for i in range(40)]
@@ -77,7 +77,7 @@ def _records(d: KeyDirectory) -> dict[bytes, Any]:
 def _inside(d: KeyDirectory) -> Any:
     counts = d._chunks.counts
     digests = {k: v.tolist() for k, v in counts.digests.items()}
-    return _records(d), digests, counts.l1_chunks, counts.keys, counts.placements
+    return _records(d), digests, l1_chunk_sets(d), counts.keys, counts.placements
 
 
 @pytest.mark.parametrize("blend", [True, False])

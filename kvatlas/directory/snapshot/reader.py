@@ -4,7 +4,8 @@
 leaves the directory as it was: every column is checked against the others before anything is
 built. Restore works column-wise: vectorised checks, records zipped from columns (a Python loop
 only for chunks with several keys or placements), partitions built from the file's partition
-order, counters and L1 sets computed from the columns instead of a pass over the records. Token
+order (the chunks sorted by it if the file's are not), counters and each chunk's L1 owners
+computed from the columns instead of a pass over the records. Token
 ids are read into one slab and each content is a read-only view of it (``TokenSlab``). See
 docs/directory.md.
 """
@@ -26,8 +27,8 @@ from kvatlas.directory.blend import AddColumns
 from kvatlas.directory.blend.fingerprints import Fingerprints
 from kvatlas.directory.blend.kernels.planes import FORM_PLANES, FORM_U16, FORM_U32, MAX_HIGH_BITS
 from kvatlas.directory.capture import DirectoryState, Restored
-from kvatlas.directory.chunk_counts import L2_TIER, PARTS, ChunkCounts, Partition
-from kvatlas.directory.chunk_parts import ChunkPart, new_parts, parts_of_columns
+from kvatlas.directory.chunk_counts import L2_TIER, PARTS, ChunkCounts
+from kvatlas.directory.chunk_parts import ChunkPart, parts_of_columns
 from kvatlas.directory.gate import EmitterCursor, GapRecord
 from kvatlas.directory.key_directory import KeyDirectory
 from kvatlas.directory.records import (
@@ -40,7 +41,6 @@ from kvatlas.directory.records import (
     record_indexed,
     record_offset,
     record_stored_tokens,
-    records_from_columns,
     rows_from_columns,
 )
 from kvatlas.directory.reindex import index_adds
@@ -117,7 +117,7 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
                     fingerprints = Fingerprints(saved[0], fps)
             parts = _build(header, columns, tokens, hashes, sids, marks)
             del tokens
-            counts = _counts(header, columns, hashes, sids)
+            counts = _counts(header, columns, sids)
             state = DirectoryState(header.chunk_size, _cursors(header), _capacities(header))
         finally:  # nothing reads a content before the whole section is in
             if reading is not None:
@@ -262,21 +262,23 @@ def _build(
         flagged += np.asarray(marks, np.int64)
     first = np.frombuffer(header.chunk_hashes, dtype=np.uint8)[::HASH_BYTES]
     n = len(hashes)
-    if n and not bool((first[1:] >= first[:-1]).all()):  # not as written: a record per chunk
-        recs = records_from_columns(
-            tokens, cols.offsets.tolist(), sids[first_key].tolist(),
-            rows[cols.key_pls[first_ref]].tolist(), marks,
-        )  # fmt: skip
-        by_part: list[Partition] = [{} for _ in range(PARTS)]
-        for h, rec in zip(hashes, recs, strict=True):
-            by_part[h[0]][h] = rec
-        parts = new_parts(PARTS, by_part)
-    else:  # as written: in partition order
-        bounds = np.searchsorted(first, np.arange(PARTS + 1)).tolist()
-        parts = parts_of_columns(
-            PARTS, hashes, bounds, tokens, cols.offsets.astype(np.int64), flagged.tolist(),
-            rows[cols.key_pls[first_ref]].tolist(),
-        )  # fmt: skip
+    offsets, first_pl = cols.offsets.astype(np.int64), cols.key_pls[first_ref]
+    in_order, in_order_tokens = hashes, tokens
+    if n and not bool((first[1:] >= first[:-1]).all()):  # not as written: sorted (stable)
+        order = np.argsort(first, kind="stable")
+        first, offsets, flagged, first_pl = (
+            first[order],
+            offsets[order],
+            flagged[order],
+            first_pl[order],
+        )
+        at = order.tolist()
+        in_order, in_order_tokens = [hashes[i] for i in at], [tokens[i] for i in at]
+    bounds = np.searchsorted(first, np.arange(PARTS + 1)).tolist()
+    parts = parts_of_columns(
+        PARTS, in_order, bounds, in_order_tokens, offsets, flagged.tolist(),
+        rows[first_pl].tolist(), _l1_owners(header)[first_pl], header.strings,
+    )  # fmt: skip
     if sum(map(len, parts)) != n:
         raise SnapshotError("duplicate chunk hashes in snapshot")
     if not simple.all():
@@ -295,6 +297,15 @@ def _build(
                 record_stored_tokens(rec), record_offset(rec), record_indexed(rec), keys
             )
     return parts
+
+
+def _l1_owners(header: Header) -> npt.NDArray[np.int64]:
+    """Each placement row's :func:`~kvatlas.directory.records.l1_owner`, as an index of the
+    header's strings (-1: none)."""
+    tier = decode_column(header, "pl_tier").astype(np.int64)
+    shared = decode_column(header, "pl_shared") != 0
+    own = np.isin(tier, [TIERS.index(t) for t in VOLATILE_TIERS]) & ~shared
+    return np.where(own, decode_column(header, "pl_instance").astype(np.int64), -1)
 
 
 def _reads_blend(directory: KeyDirectory, header: Header) -> bool:
@@ -364,13 +375,10 @@ def _capacities(header: Header) -> dict[str, CapacityDeclaration]:
     }
 
 
-def _counts(
-    header: Header, cols: _Columns, hashes: list[bytes], sids: npt.NDArray[np.int64]
-) -> ChunkCounts:
+def _counts(header: Header, cols: _Columns, sids: npt.NDArray[np.int64]) -> ChunkCounts:
     """:class:`ChunkCounts` computed column-wise (no pass over the records): first how many
     keys reference each placement row (rows are shared: one per batch and size, so there are
-    few), then everything per row; the L1 sets hold the same hash objects as the partitions.
-    ``sids``: each key's interned shape id."""
+    few), then everything per row. ``sids``: each key's interned shape id."""
     strings = header.strings
     tier = decode_column(header, "pl_tier").astype(np.int64)
     size = decode_column(header, "pl_size").astype(np.int64)
@@ -385,20 +393,9 @@ def _counts(
         by_tier[TIERS[t]] = n_bytes
     own_l1 = np.isin(tier, [TIERS.index(t) for t in VOLATILE_TIERS]) & ~shared
     l1_counts: Counter[str] = Counter()
-    l1_chunks: dict[str, set[bytes]] = {}
     own_rows = np.flatnonzero(own_l1 & (uses > 0))
-    if len(own_rows):
-        ref_own = own_l1[refs]
-        ref_instance = instance[refs]
-        key_chunk = np.repeat(np.arange(len(cols.counts)), cols.counts)
-        ref_chunk = np.repeat(key_chunk, cols.key_pl_counts)
-        for inst, n in _sums(instance[own_rows], uses[own_rows]):
-            l1_counts[strings[inst]] = n
-            chunks = ref_chunk[ref_own & (ref_instance == inst)]
-            if len(chunks) == len(hashes) and bool((chunks == np.arange(len(hashes))).all()):
-                l1_chunks[strings[inst]] = set(hashes)  # one copy of every chunk: no indexing
-            else:
-                l1_chunks[strings[inst]] = set(map(hashes.__getitem__, chunks.tolist()))
+    for inst, n in _sums(instance[own_rows], uses[own_rows]):
+        l1_counts[strings[inst]] = n
     # modules: (owner + 1, 0 for a shared pool; tier; backend) as one int64 per row
     n_strings = len(strings)
     owner = np.where(shared, 0, instance + 1)[used]
@@ -424,7 +421,6 @@ def _counts(
         len(refs),
         l1_counts,
         by_tier,
-        l1_chunks,
         module_placements,
         module_bytes,
         l2_bytes_by_shape=l2_by_shape,
