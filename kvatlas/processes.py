@@ -134,10 +134,16 @@ def wait_until_up(
     return None
 
 
-def stop(procs: list[subprocess.Popen[bytes]], timeout: float = 30.0) -> None:
-    """SIGTERM every process still running, then wait for each."""
+def stop(procs: Sequence[subprocess.Popen[Any]], timeout: float = 30.0) -> None:
+    """SIGTERM every process still running, then wait for each; one still running ``timeout``
+    seconds after its SIGTERM is killed (SIGKILL). None outlives this call."""
     for proc in procs:
         if proc.poll() is None:
             proc.terminate()
+    deadline = time.monotonic() + timeout
     for proc in procs:
-        proc.wait(timeout=timeout)
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -4,6 +4,8 @@ not taken for the service having come up."""
 from __future__ import annotations
 
 import http.server
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -65,3 +67,25 @@ def test_a_service_that_binds_its_port_is_up() -> None:
         assert listens(proc.pid, url)
     finally:
         stop([proc])
+
+
+def test_stop_kills_a_process_that_outlives_its_sigterm() -> None:
+    """A process that ignores SIGTERM is killed once ``timeout`` has passed, and every process
+    given is waited for: none outlives :func:`stop`, whatever the first one does."""
+    stubborn = (
+        "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('ready', flush=True); time.sleep(120)"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", stubborn], stdout=subprocess.PIPE),
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]),
+    ]
+    try:
+        assert procs[0].stdout is not None and procs[0].stdout.readline() == b"ready\n"
+        stop(procs, timeout=1.0)
+        assert [p.returncode for p in procs] == [-9, -15]  # SIGKILL after the wait, SIGTERM
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,30 +131,25 @@ def lmcache_env() -> dict[str, str]:
 
 
 @contextmanager
-def lmcache_coordinators(
-    lmcache: LMCacheEnv, count: int, chunk_size: int, workdir: Path
-) -> Iterator[list[tuple[str, int]]]:
-    """``count`` ``lmcache coordinator`` processes started side by side (each import of LMCache
-    takes seconds), on free loopback ports, blend lookup on, ``chunk_size`` tokens a chunk:
-    their URLs and pids (for their CPU time). Their output goes to ``workdir``; stopped on
-    exit."""
-    with ExitStack() as stack:
-        started = []
-        for k in range(count):
-            port = free_port()
-            log = workdir / f"lmcache-coordinator-{k}.log"
-            with log.open("wb") as out:  # the child keeps its own descriptor
-                proc = subprocess.Popen(
-                    [str(lmcache.bin_dir / "lmcache"), "coordinator", "--host", "127.0.0.1",
-                     "--port", str(port), "--chunk-size", str(chunk_size),
-                     "--enable-blend-lookup"],
-                    stdout=out, stderr=subprocess.STDOUT, env=lmcache_env(), cwd=workdir,
-                )  # fmt: skip
-            stack.callback(stop, [proc])
-            started.append((proc, f"http://127.0.0.1:{port}", log))
-        stuck = wait_until_up([p for p, _, _ in started], [u for _, u, _ in started], STARTUP_S)
-        if stuck is not None:
-            proc, url, log = started[stuck]
+def lmcache_coordinator(
+    lmcache: LMCacheEnv, chunk_size: int, workdir: Path, name: str = "lmcache-coordinator"
+) -> Iterator[tuple[str, int]]:
+    """One ``lmcache coordinator`` process on a free loopback port, blend lookup on,
+    ``chunk_size`` tokens a chunk: its URL and pid (for its CPU time). Its output goes to
+    ``workdir/<name>.log``. Stopped on exit, whatever happened (:func:`~kvatlas.processes.stop`:
+    killed if SIGTERM does not end it); :class:`Unavailable` with its log's tail when it exits
+    or does not answer within :data:`STARTUP_S`."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = workdir / f"{name}.log"
+    with log.open("wb") as out:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            [str(lmcache.bin_dir / "lmcache"), "coordinator", "--host", "127.0.0.1",
+             "--port", str(port), "--chunk-size", str(chunk_size), "--enable-blend-lookup"],
+            stdout=out, stderr=subprocess.STDOUT, env=lmcache_env(), cwd=workdir,
+        )  # fmt: skip
+    try:
+        if wait_until_up([proc], [url], STARTUP_S) is not None:
             why = (
                 f"exited ({proc.returncode}) before answering {url}"
                 if proc.poll() is not None
@@ -162,4 +157,6 @@ def lmcache_coordinators(
             )
             tail = log.read_text(errors="replace")[-2000:]
             raise Unavailable(f"{lmcache.label}'s coordinator {why}: {tail}")
-        yield [(url, proc.pid) for proc, url, _ in started]
+        yield url, proc.pid
+    finally:
+        stop([proc])
