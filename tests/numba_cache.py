@@ -41,8 +41,9 @@ PARTS = {
     "index": "kvatlas.directory.warm_up:warm_up_index",
     "events": "kvatlas.directory.warm_up:warm_up_events",
     "lookup": "kvatlas.coordinator.service:warm_up_lookup_kernels",
+    "keys": "kvatlas.keys:warm_up_mm_values",
 }
-"""What a service's start-up warms, in three processes of their own: both cores compile."""
+"""What a service's start-up warms, in processes of their own: both cores compile."""
 WARMED = "warmed-{}"
 """The file each finished part leaves in the keyed cache (its first line: ``ok`` or the error)."""
 WARMING_ENV = "KVATLAS_TEST_KERNELS_WARMING"
