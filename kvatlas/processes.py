@@ -16,9 +16,14 @@ from urllib.parse import urlsplit
 import httpx
 
 
-def is_healthy(url: str) -> bool:
+def is_healthy(url: str, client: httpx.Client | None = None) -> bool:
+    """Whether ``<url>/healthz`` answers 200. A poller passes its ``client``: each
+    ``httpx.get`` builds a client and its TLS context, ≈60 ms of CPU on a busy 2-core machine
+    against ≈0.5 ms for a request on a kept client, taken from the service being waited for."""
     try:
-        return httpx.get(f"{url}/healthz", timeout=0.5).status_code == 200
+        if client is None:
+            return httpx.get(f"{url}/healthz", timeout=0.5).status_code == 200
+        return client.get(f"{url}/healthz").status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -122,15 +127,18 @@ def wait_until_up(
     answer within ``timeout`` (nothing is killed)."""
     deadline = time.monotonic() + timeout
     waiting = list(range(len(procs)))
-    while waiting:
-        waiting = [
-            i for i in waiting if not (is_healthy(urls[i]) and listens(procs[i].pid, urls[i]))
-        ]
-        failed = [i for i in waiting if procs[i].poll() is not None]
-        if waiting and (failed or time.monotonic() > deadline):
-            return (failed or waiting)[0]
-        if waiting:
-            time.sleep(0.05)
+    with httpx.Client(timeout=0.5) as client:  # one for every poll (is_healthy says why)
+        while waiting:
+            waiting = [
+                i
+                for i in waiting
+                if not (is_healthy(urls[i], client) and listens(procs[i].pid, urls[i]))
+            ]
+            failed = [i for i in waiting if procs[i].poll() is not None]
+            if waiting and (failed or time.monotonic() > deadline):
+                return (failed or waiting)[0]
+            if waiting:
+                time.sleep(0.05)
     return None
 
 

@@ -9,10 +9,11 @@ import sys
 import threading
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from kvatlas.asgi_thread import free_port
-from kvatlas.processes import listens, spawn_service, stop
+from kvatlas.processes import listens, spawn_service, stop, wait_until_up
 
 HEALTHY_SERVER = """
 import http.server, sys
@@ -89,3 +90,22 @@ def test_stop_kills_a_process_that_outlives_its_sigterm() -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_waiting_for_a_service_polls_on_one_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Polling builds one HTTP client, not one per poll (each costs ≈60 ms of CPU on a busy
+    machine: taken from the process being waited for)."""
+    made: list[object] = []
+    real_init = httpx.Client.__init__
+
+    def counted(self: httpx.Client, *args: object, **kwargs: object) -> None:
+        made.append(self)
+        real_init(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(httpx.Client, "__init__", counted)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        stuck = wait_until_up([sleeper], [f"http://127.0.0.1:{free_port()}"], timeout=1.0)
+    finally:
+        stop([sleeper])
+    assert stuck == 0 and len(made) == 1
