@@ -10,3 +10,8 @@ keys → events → directory → coordinator → client → node, with ``errors
 __version__ = "0.1.0"
 
 __all__ = ["__version__"]
+
+from kvatlas import kernel_cache
+
+# numba's cache directory, keyed by the sources, before any kernel is defined (kernel_cache)
+kernel_cache.chosen = kernel_cache.choose_cache_dir()

@@ -16,9 +16,14 @@ from urllib.parse import urlsplit
 import httpx
 
 
-def is_healthy(url: str) -> bool:
+def is_healthy(url: str, client: httpx.Client | None = None) -> bool:
+    """Whether ``<url>/healthz`` answers 200. A poller passes its ``client``: each
+    ``httpx.get`` builds a client and its TLS context, ≈60 ms of CPU on a busy 2-core machine
+    against ≈0.5 ms for a request on a kept client, taken from the service being waited for."""
     try:
-        return httpx.get(f"{url}/healthz", timeout=0.5).status_code == 200
+        if client is None:
+            return httpx.get(f"{url}/healthz", timeout=0.5).status_code == 200
+        return client.get(f"{url}/healthz").status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -122,22 +127,31 @@ def wait_until_up(
     answer within ``timeout`` (nothing is killed)."""
     deadline = time.monotonic() + timeout
     waiting = list(range(len(procs)))
-    while waiting:
-        waiting = [
-            i for i in waiting if not (is_healthy(urls[i]) and listens(procs[i].pid, urls[i]))
-        ]
-        failed = [i for i in waiting if procs[i].poll() is not None]
-        if waiting and (failed or time.monotonic() > deadline):
-            return (failed or waiting)[0]
-        if waiting:
-            time.sleep(0.05)
+    with httpx.Client(timeout=0.5) as client:  # one for every poll (is_healthy says why)
+        while waiting:
+            waiting = [
+                i
+                for i in waiting
+                if not (is_healthy(urls[i], client) and listens(procs[i].pid, urls[i]))
+            ]
+            failed = [i for i in waiting if procs[i].poll() is not None]
+            if waiting and (failed or time.monotonic() > deadline):
+                return (failed or waiting)[0]
+            if waiting:
+                time.sleep(0.05)
     return None
 
 
-def stop(procs: list[subprocess.Popen[bytes]], timeout: float = 30.0) -> None:
-    """SIGTERM every process still running, then wait for each."""
+def stop(procs: Sequence[subprocess.Popen[Any]], timeout: float = 30.0) -> None:
+    """SIGTERM every process still running, then wait for each; one still running ``timeout``
+    seconds after its SIGTERM is killed (SIGKILL). None outlives this call."""
     for proc in procs:
         if proc.poll() is None:
             proc.terminate()
+    deadline = time.monotonic() + timeout
     for proc in procs:
-        proc.wait(timeout=timeout)
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -165,12 +165,12 @@ class ReplicaScorer:
                     tokens, model_name, cache_salt, instances, timeout, who
                 )
             raise CoordinatorError(f"the router's replica is {state.value}, not serving")
-        try:
-            if who is not None:
+        if who is not None:
+            try:
                 who.require_salts([cache_salt], role="route")
-            self.scores_as.require_salts([cache_salt])
-        except KvatlasError as exc:
-            raise CoordinatorError(f"the router's replica refused: {exc}", exc.status) from None
+            except KvatlasError as exc:
+                raise CoordinatorError(f"the router's replica refused: {exc}", exc.status) from None
+        # the router's own token (scores_as): RouteScoring.score applies its binding, as over HTTP
         body = RouteScoreBody(model_name=model_name, cache_salt=cache_salt,
                               instances=list(instances))  # fmt: skip
         # the ids' little-endian bytes, as a msgpack body hands them over (writable, contiguous)

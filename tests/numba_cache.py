@@ -1,17 +1,15 @@
-"""Numba's on-disk cache, keyed by the package's sources for test runs.
+"""Numba's on-disk cache for test runs: ``.numba-cache/<hash of every kvatlas source>``.
 
-Numba keys a cached kernel by the file of the function it compiles; a callee or a constant in
-another file (``blend/kernels/occupants.py`` called from ``scan.py``, ``layout.py``'s offsets)
-is not part of the key, so after such an edit a warm tree runs the old machine code and tests
-pass on broken code. Test runs therefore use ``.numba-cache/<hash of every kvatlas source>``:
-any edit starts a fresh cache (kernels recompile once, then are cached again), older ones are
-removed. ``tests/conftest.py`` sets it before anything imports numba; processes the tests
-start inherit it.
+Numba keys a cached kernel by its own file only (:mod:`kvatlas.kernel_cache` says why that is
+not enough); an installed kvatlas therefore keys its cache directory by its sources, and test
+runs do the same inside the tree (:func:`kvatlas.kernel_cache.sources_key`): any edit starts a
+fresh cache (kernels recompile once, then are cached again), older ones are removed.
+``tests/conftest.py`` sets it before anything imports numba; processes the tests start inherit
+it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -19,23 +17,18 @@ import sys
 import time
 from pathlib import Path
 
+from kvatlas import kernel_cache
+
 ROOT = Path(__file__).resolve().parent.parent
 CACHE_ROOT = ROOT / ".numba-cache"
 
 
-def sources_key(package: Path = ROOT / "kvatlas") -> str:
-    digest = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
-        digest.update(path.relative_to(package).as_posix().encode() + b"\0")
-        digest.update(path.read_bytes() + b"\0")
-    return digest.hexdigest()[:20]
-
-
 def use_keyed_cache() -> Path:
-    """Point ``NUMBA_CACHE_DIR`` at this tree's keyed cache (unless the caller chose one)."""
-    if "NUMBA_CACHE_DIR" in os.environ:
+    """Point ``NUMBA_CACHE_DIR`` at this tree's keyed cache, unless the caller chose one (set
+    before ``import kvatlas``, which otherwise chooses the user-wide one: replaced here)."""
+    if os.environ.get("NUMBA_CACHE_DIR") and kernel_cache.chosen is None:
         return Path(os.environ["NUMBA_CACHE_DIR"])
-    here = CACHE_ROOT / sources_key()
+    here = CACHE_ROOT / kernel_cache.sources_key(ROOT / "kvatlas")
     if CACHE_ROOT.is_dir():
         for old in CACHE_ROOT.iterdir():
             if old != here and "PYTEST_XDIST_WORKER" not in os.environ:
@@ -48,8 +41,9 @@ PARTS = {
     "index": "kvatlas.directory.warm_up:warm_up_index",
     "events": "kvatlas.directory.warm_up:warm_up_events",
     "lookup": "kvatlas.coordinator.service:warm_up_lookup_kernels",
+    "keys": "kvatlas.keys:warm_up_mm_values",
 }
-"""What a service's start-up warms, in three processes of their own: both cores compile."""
+"""What a service's start-up warms, in processes of their own: both cores compile."""
 WARMED = "warmed-{}"
 """The file each finished part leaves in the keyed cache (its first line: ``ok`` or the error)."""
 WARMING_ENV = "KVATLAS_TEST_KERNELS_WARMING"

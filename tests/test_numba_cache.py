@@ -1,24 +1,86 @@
-"""The test run's numba cache is keyed by every kvatlas source (tests/numba_cache.py)."""
+"""Numba's cache directory is keyed by every kvatlas source: an installed package's
+(kvatlas.kernel_cache) and the test run's (tests/numba_cache.py)."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-from tests.numba_cache import CACHE_ROOT, ROOT, sources_key
+import pytest
+
+from kvatlas import __version__
+from kvatlas.kernel_cache import default_cache_dir, sources_key
+from tests.numba_cache import CACHE_ROOT, ROOT
 
 
 def test_this_run_uses_the_cache_of_these_sources() -> None:
-    assert Path(os.environ["NUMBA_CACHE_DIR"]) == CACHE_ROOT / sources_key()
+    assert Path(os.environ["NUMBA_CACHE_DIR"]) == CACHE_ROOT / sources_key(ROOT / "kvatlas")
 
 
-def test_editing_a_callee_in_another_file_changes_the_key(tmp_path: Path) -> None:
-    """The case numba's own key misses: a kernel's callee, in another file."""
-    copy = tmp_path / "kvatlas"
-    shutil.copytree(ROOT / "kvatlas", copy, ignore=shutil.ignore_patterns("__pycache__"))
-    before = sources_key(copy)
-    assert before == sources_key(ROOT / "kvatlas")
-    occupants = copy / "directory" / "blend" / "kernels" / "occupants.py"
-    occupants.write_text(occupants.read_text() + "\n# edited\n")
-    assert sources_key(copy) != before
+@pytest.fixture(scope="module")
+def two_trees(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two copies of the package, the second with one constant changed in a kernel's callee
+    file (``layout.py``'s, used by ``scan.py`` and ``writes.py``): the case numba's own
+    per-file key misses."""
+    trees = []
+    for name in ("a", "b"):
+        copy = tmp_path_factory.mktemp(name) / "kvatlas"
+        shutil.copytree(ROOT / "kvatlas", copy, ignore=shutil.ignore_patterns("__pycache__"))
+        trees.append(copy)
+    layout = trees[1] / "directory" / "blend" / "kernels" / "layout.py"
+    text = layout.read_text()
+    constant = "O_OFF, O_HADDR = 0, 1"
+    assert constant in text
+    layout.write_text(text.replace(constant, "O_OFF, O_HADDR = 1, 0", 1))
+    return trees[0], trees[1]
+
+
+def test_a_changed_constant_in_a_callee_file_changes_the_key(two_trees: tuple[Path, Path]) -> None:
+    a, b = two_trees
+    assert sources_key(a) == sources_key(ROOT / "kvatlas")  # a copy keys as the original
+    assert sources_key(b) != sources_key(a)
+
+
+def test_the_installed_package_caches_under_the_user_cache_by_its_sources(
+    two_trees: tuple[Path, Path], tmp_path: Path
+) -> None:
+    a, b = two_trees
+    env = {"XDG_CACHE_HOME": str(tmp_path), "HOME": "/nonexistent"}
+    dir_a, dir_b = default_cache_dir(env, a), default_cache_dir(env, b)
+    assert dir_a == tmp_path / "kvatlas" / "numba" / f"{__version__}-{sources_key(a)}"
+    assert dir_b is not None and dir_b.parent == dir_a.parent and dir_b != dir_a
+    home = {"HOME": str(tmp_path), "XDG_CACHE_HOME": "relative"}  # not absolute: ignored
+    assert default_cache_dir(home, a) == tmp_path / ".cache" / "kvatlas" / "numba" / dir_a.name
+    assert default_cache_dir({"HOME": "relative"}, a) is None
+
+
+_NUMBA_SEES = """
+import sys
+if sys.argv[1] == "numba first":
+    import numba
+import kvatlas, os
+import numba
+print(os.environ.get("NUMBA_CACHE_DIR"))
+print(numba.config.CACHE_DIR)
+"""
+
+
+@pytest.mark.parametrize("order", ["kvatlas first", "numba first"])
+def test_importing_kvatlas_points_numba_at_its_keyed_cache(order: str, tmp_path: Path) -> None:
+    """Without ``NUMBA_CACHE_DIR``, ``import kvatlas`` sets it (and numba's config, when numba
+    was imported first) to the keyed user cache; a directory the caller set stands."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    env.pop("NUMBA_CACHE_DIR")
+    expected = default_cache_dir(env, ROOT / "kvatlas")
+
+    def seen(environ: dict[str, str]) -> list[str]:
+        run = subprocess.run([sys.executable, "-c", _NUMBA_SEES, order], env=environ,
+                             capture_output=True, text=True, check=True, cwd=tmp_path)  # fmt: skip
+        return run.stdout.split()
+
+    assert seen(env) == [str(expected)] * 2
+    own = str(tmp_path / "own")
+    assert seen({**env, "NUMBA_CACHE_DIR": own}) == [own] * 2

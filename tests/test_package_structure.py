@@ -38,7 +38,7 @@ LAYERS = (
     "engine_sim",
 )
 SHARED = (
-    "kvatlas",  # the root package: __version__ only
+    "kvatlas",  # the root package: __version__, and numba's cache directory chosen
     "errors",
     "auth",
     "checks",
@@ -54,6 +54,7 @@ SHARED = (
     "processes",
     "backoff",
     "kernel_twins",  # numba kernels compiled in a GIL-holding and a GIL-releasing form
+    "kernel_cache",  # numba's cache directory, keyed by the sources (stdlib only)
     "redis_clients",
     "workloads",  # benchmark inputs: numpy only
 )

@@ -4,13 +4,16 @@ not taken for the service having come up."""
 from __future__ import annotations
 
 import http.server
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from kvatlas.asgi_thread import free_port
-from kvatlas.processes import listens, spawn_service, stop
+from kvatlas.processes import listens, spawn_service, stop, wait_until_up
 
 HEALTHY_SERVER = """
 import http.server, sys
@@ -65,3 +68,44 @@ def test_a_service_that_binds_its_port_is_up() -> None:
         assert listens(proc.pid, url)
     finally:
         stop([proc])
+
+
+def test_stop_kills_a_process_that_outlives_its_sigterm() -> None:
+    """A process that ignores SIGTERM is killed once ``timeout`` has passed, and every process
+    given is waited for: none outlives :func:`stop`, whatever the first one does."""
+    stubborn = (
+        "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('ready', flush=True); time.sleep(120)"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", stubborn], stdout=subprocess.PIPE),
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]),
+    ]
+    try:
+        assert procs[0].stdout is not None and procs[0].stdout.readline() == b"ready\n"
+        stop(procs, timeout=1.0)
+        assert [p.returncode for p in procs] == [-9, -15]  # SIGKILL after the wait, SIGTERM
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_waiting_for_a_service_polls_on_one_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Polling builds one HTTP client, not one per poll (each costs ≈60 ms of CPU on a busy
+    machine: taken from the process being waited for)."""
+    made: list[object] = []
+    real_init = httpx.Client.__init__
+
+    def counted(self: httpx.Client, *args: object, **kwargs: object) -> None:
+        made.append(self)
+        real_init(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(httpx.Client, "__init__", counted)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        stuck = wait_until_up([sleeper], [f"http://127.0.0.1:{free_port()}"], timeout=1.0)
+    finally:
+        stop([sleeper])
+    assert stuck == 0 and len(made) == 1

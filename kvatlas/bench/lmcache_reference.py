@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,10 +34,11 @@ from a cold one on 2 busy cores."""
 
 QUIET_ENV = {
     "LMCACHE_DISABLE_BANNER": "1",
-    "LMCACHE_TRACK_USAGE": "false",  # LMCache's telemetry opt-out: a benchmark never phones home
+    "LMCACHE_TRACK_USAGE": "false",  # LMCache's telemetry opt-out: nothing of ours phones home
     "DO_NOT_TRACK": "1",
     "PYTHONWARNINGS": "ignore",
 }
+"""Set for every LMCache process we start (benchmarks and the interop tests alike)."""
 
 
 @dataclass(frozen=True)
@@ -91,19 +92,10 @@ def _usable(where: Path, flag: str) -> LMCacheEnv:
     python = bin_dir / "python"
     if not os.access(bin_dir / "lmcache", os.X_OK) or not os.access(python, os.X_OK):
         raise InvalidInput(f"--lmcache {flag}: {bin_dir} has no executable `lmcache` and `python`")
-    probe = subprocess.run(
-        [str(python), "-c", "import importlib.metadata as m; print(m.version('lmcache'))"],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=60,
-        check=False,
-    )
-    version = probe.stdout.strip()
-    if probe.returncode != 0 or not version:
-        raise InvalidInput(
-            f"--lmcache {flag}: {python} has no LMCache installed: {probe.stderr.strip()[-300:]}"
-        )
+    try:
+        version = installed_version(python)
+    except InvalidInput as exc:
+        raise InvalidInput(f"--lmcache {flag}: {exc}") from None
     if version != REFERENCE_VERSION:
         print(
             f"kvatlas bench service: warning: {bin_dir} holds LMCache {version}; quality.md's "
@@ -113,37 +105,51 @@ def _usable(where: Path, flag: str) -> LMCacheEnv:
     return LMCacheEnv(bin_dir, version)
 
 
-def _env() -> dict[str, str]:
+def installed_version(python: Path) -> str:
+    """The LMCache version installed for ``python`` (an LMCache environment's interpreter), as
+    that environment's package metadata states it; :class:`InvalidInput` with the probe's
+    error output when it has none."""
+    try:
+        probe = subprocess.run(
+            [str(python), "-c", "import importlib.metadata as m; print(m.version('lmcache'))"],
+            capture_output=True, text=True, env=lmcache_env(), timeout=60, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise InvalidInput(f"{python} could not report its LMCache: {exc}") from None
+    version = probe.stdout.strip()
+    if probe.returncode != 0 or not version:
+        raise InvalidInput(f"{python} has no LMCache installed: {probe.stderr.strip()[-300:]}")
+    return version
+
+
+def lmcache_env() -> dict[str, str]:
+    """The environment an LMCache process runs with: ours, :data:`QUIET_ENV`, and no
+    ``PYTHONPATH`` (LMCache's own environment, nothing of ours)."""
     env = {**os.environ, **QUIET_ENV}
-    env.pop("PYTHONPATH", None)  # LMCache's own environment, nothing of ours
+    env.pop("PYTHONPATH", None)
     return env
 
 
 @contextmanager
-def lmcache_coordinators(
-    lmcache: LMCacheEnv, count: int, chunk_size: int, workdir: Path
-) -> Iterator[list[tuple[str, int]]]:
-    """``count`` ``lmcache coordinator`` processes started side by side (each import of LMCache
-    takes seconds), on free loopback ports, blend lookup on, ``chunk_size`` tokens a chunk:
-    their URLs and pids (for their CPU time). Their output goes to ``workdir``; stopped on
-    exit."""
-    with ExitStack() as stack:
-        started = []
-        for k in range(count):
-            port = free_port()
-            log = workdir / f"lmcache-coordinator-{k}.log"
-            with log.open("wb") as out:  # the child keeps its own descriptor
-                proc = subprocess.Popen(
-                    [str(lmcache.bin_dir / "lmcache"), "coordinator", "--host", "127.0.0.1",
-                     "--port", str(port), "--chunk-size", str(chunk_size),
-                     "--enable-blend-lookup"],
-                    stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=workdir,
-                )  # fmt: skip
-            stack.callback(stop, [proc])
-            started.append((proc, f"http://127.0.0.1:{port}", log))
-        stuck = wait_until_up([p for p, _, _ in started], [u for _, u, _ in started], STARTUP_S)
-        if stuck is not None:
-            proc, url, log = started[stuck]
+def lmcache_coordinator(
+    lmcache: LMCacheEnv, chunk_size: int, workdir: Path, name: str = "lmcache-coordinator"
+) -> Iterator[tuple[str, int]]:
+    """One ``lmcache coordinator`` process on a free loopback port, blend lookup on,
+    ``chunk_size`` tokens a chunk: its URL and pid (for its CPU time). Its output goes to
+    ``workdir/<name>.log``. Stopped on exit, whatever happened (:func:`~kvatlas.processes.stop`:
+    killed if SIGTERM does not end it); :class:`Unavailable` with its log's tail when it exits
+    or does not answer within :data:`STARTUP_S`."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = workdir / f"{name}.log"
+    with log.open("wb") as out:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            [str(lmcache.bin_dir / "lmcache"), "coordinator", "--host", "127.0.0.1",
+             "--port", str(port), "--chunk-size", str(chunk_size), "--enable-blend-lookup"],
+            stdout=out, stderr=subprocess.STDOUT, env=lmcache_env(), cwd=workdir,
+        )  # fmt: skip
+    try:
+        if wait_until_up([proc], [url], STARTUP_S) is not None:
             why = (
                 f"exited ({proc.returncode}) before answering {url}"
                 if proc.poll() is not None
@@ -151,4 +157,6 @@ def lmcache_coordinators(
             )
             tail = log.read_text(errors="replace")[-2000:]
             raise Unavailable(f"{lmcache.label}'s coordinator {why}: {tail}")
-        yield [(url, proc.pid) for proc, url, _ in started]
+        yield url, proc.pid
+    finally:
+        stop([proc])

@@ -21,7 +21,7 @@ from rich.progress import Progress
 
 from kvatlas.bench.comparison import Comparison
 from kvatlas.bench.ingest_bodies import CHUNK, bodies_of, post_all
-from kvatlas.bench.lmcache_reference import LMCacheEnv, lmcache_coordinators
+from kvatlas.bench.lmcache_reference import LMCacheEnv, lmcache_coordinator
 from kvatlas.bench.service_runs import (
     SETTLE_S,
     IngestFigures,
@@ -59,12 +59,12 @@ def measure_lmcache(
     settle_s: float = SETTLE_S,
     progress: Progress | None = None,
 ) -> tuple[IngestFigures | None, LookupFigures | None]:
-    """Ingest ``streams`` (``entries`` entries, after ``warmup``) into one LMCache coordinator
-    and run ``lookup`` against another, both started side by side and fresh, as ours are: its
-    ingest figures (one run) and its lookup figures (``--repeats`` runs of
-    ``--lookup-seconds``, ``--clients`` connections)."""
-    count = (streams is not None) + (lookup is not None)
-    if count == 0:
+    """Ingest ``streams`` (``entries`` entries, after ``warmup``) into a fresh LMCache
+    coordinator, stop it, then run ``lookup`` against another fresh one, as ours run (one
+    process at a time: the two never share the cores or memory): its ingest figures (one run)
+    and its lookup figures (``--repeats`` runs of ``--lookup-seconds``, ``--clients``
+    connections)."""
+    if streams is None and lookup is None:
         return None, None
     task = (
         progress.add_task(f"{lmcache.label}: starting its coordinator", total=None)
@@ -78,28 +78,31 @@ def measure_lmcache(
 
     ingest: IngestFigures | None = None
     lookups: LookupFigures | None = None
-    with (
-        tempfile.TemporaryDirectory(prefix="kvatlas-bench-lmcache-") as tmp,
-        lmcache_coordinators(lmcache, count, CHUNK, Path(tmp)) as started,
-    ):
-        if streams is not None:
-            say(f"ingesting {entries:,} JSON entries")
-            url, pid = started[0]
-            run = timed_streams(url, pid, streams, "application/json", warmup, settle_s)
-            ingest = IngestFigures(entries, (run,))
-        if lookup is not None:
-            url, pid = started[-1]
-            say(f"indexing {sum(len(b.entries) for b in lookup.index_batches):,} chunks")
-            post_all(url, bodies_of(lookup.index_batches, 4, encode_json), "application/json")
-            first = matches_of(url, lookup.bodies[0])
-            say("blend lookups")
-            results = run_lookups(
-                url, pid, lookup.bodies, clients=args.clients, seconds=args.lookup_seconds,
-                repeats=args.repeats, use_wrk=use_wrk,
-            )  # fmt: skip
-            lookups = LookupFigures(tuple(results), tuple(first))
-    if task is not None and progress is not None:
-        progress.remove_task(task)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvatlas-bench-lmcache-") as tmp:
+            if streams is not None:
+                with lmcache_coordinator(lmcache, CHUNK, Path(tmp), "ingest") as (url, pid):
+                    say(f"ingesting {entries:,} JSON entries")
+                    run = timed_streams(url, pid, streams, "application/json", warmup, settle_s)
+                    ingest = IngestFigures(entries, (run,))
+            if lookup is not None:
+                say("starting its coordinator for lookups")
+                with lmcache_coordinator(lmcache, CHUNK, Path(tmp), "lookup") as (url, pid):
+                    chunks = sum(len(b.entries) for b in lookup.index_batches)
+                    say(f"indexing {chunks:,} chunks")
+                    post_all(
+                        url, bodies_of(lookup.index_batches, 4, encode_json), "application/json"
+                    )
+                    first = matches_of(url, lookup.bodies[0])
+                    say("blend lookups")
+                    results = run_lookups(
+                        url, pid, lookup.bodies, clients=args.clients,
+                        seconds=args.lookup_seconds, repeats=args.repeats, use_wrk=use_wrk,
+                    )  # fmt: skip
+                    lookups = LookupFigures(tuple(results), tuple(first))
+    finally:
+        if task is not None and progress is not None:
+            progress.remove_task(task)
     return ingest, lookups
 
 

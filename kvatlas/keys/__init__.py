@@ -15,7 +15,12 @@ from kvatlas.keys.chunk_hash import (
 )
 from kvatlas.keys.extra_keys import MMItem
 from kvatlas.keys.mm_substitution import PlaceholderSpan, apply_mm_hashes_to_token_ids
-from kvatlas.keys.mm_values import clear_value_cache, mm_hash_to_token_values, mm_hash_values
+from kvatlas.keys.mm_values import (
+    clear_value_cache,
+    mm_hash_to_token_values,
+    mm_hash_values,
+    warm_up_mm_values,
+)
 from kvatlas.keys.namespace import BlendMatch, BlendNamespace, leftmost_greedy
 from kvatlas.keys.object_key import (
     ObjectKey,
@@ -72,4 +77,5 @@ __all__ = [
     "parse_chunk_hash_hex",
     "segment_hashes",
     "unpack_kv_rank",
+    "warm_up_mm_values",
 ]

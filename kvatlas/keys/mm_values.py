@@ -119,3 +119,10 @@ def mm_hash_to_token_values(identifier: object, length: int) -> tuple[int, ...]:
 def clear_value_cache() -> None:
     """Forget every cached identity's values (tests and benchmarks that measure the cold path)."""
     _CACHE.clear()
+
+
+def warm_up_mm_values() -> None:
+    """Load (or, on a cold numba cache, compile) the values' SHA-256 kernel, leaving the value
+    cache as it was: a service that derives keys from multimodal items (a node's engine API)
+    calls this before serving, else its first request with an image pays the JIT."""
+    _counter_block_words(bytes(32), 0, 1)

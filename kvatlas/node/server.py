@@ -35,7 +35,7 @@ from kvatlas.client import (
 from kvatlas.coordinator.runtime import freeze_long_lived
 from kvatlas.directory import warm_up_kernels
 from kvatlas.errors import Conflict, KvatlasError
-from kvatlas.keys import KeySchemeMismatch, ObjectKey
+from kvatlas.keys import KeySchemeMismatch, ObjectKey, warm_up_mm_values
 from kvatlas.logs import configure_logging, uvicorn_log_options
 from kvatlas.node.cache_control import key_of
 from kvatlas.node.cache_node import CacheNode
@@ -396,6 +396,7 @@ def run_node(config: NodeConfig) -> int:
         log.error("refusing to start: %s", exc)
         return 2
     warm_up_kernels()
+    warm_up_mm_values()  # the engine API's multimodal items (its request trackers' keys)
     try:
         process = NodeProcess(config, on_fatal=stop_this_process, start=False)
     except (KeySchemeMismatch, TransportMismatch, CoordinatorError) as exc:

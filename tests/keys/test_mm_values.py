@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -112,3 +115,49 @@ def test_historic_16_bit_truncation_regression() -> None:
     assert 0x1234 & 0xFFFF == 0x11234 & 0xFFFF
     assert mm_hash_to_token_values(0x1234, 16) != mm_hash_to_token_values(0x11234, 16)
     assert mm_hash_to_token_values("0x1234", 16) != mm_hash_to_token_values("0x11234", 16)
+
+
+_WARM_UP = """
+import json
+from kvatlas.keys import mm_hash_values, mm_values, warm_up_mm_values
+from kvatlas.keys._sha256_lanes import _counter_blocks
+warm_up_mm_values()
+warmed = sorted(map(str, _counter_blocks.signatures))
+cached = len(mm_values._CACHE._entries)
+mm_hash_values("an image", 20)
+print(json.dumps(dict(warmed=warmed, cached=cached,
+                      used=sorted(map(str, _counter_blocks.signatures)))))
+"""
+
+
+def test_the_warm_up_readies_the_kernel_a_first_image_uses_and_caches_no_values() -> None:
+    """In a fresh process (in this one, other tests compiled it already)."""
+    run = subprocess.run(
+        [sys.executable, "-c", _WARM_UP], capture_output=True, text=True, check=True, timeout=600
+    )
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert seen["warmed"] and seen["used"] == seen["warmed"]  # the first image compiles nothing
+    assert seen["cached"] == 0
+
+
+def test_a_node_warms_the_multimodal_kernel_before_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run_node`` warms it right after the directory's kernels, before building the node."""
+    from kvatlas.node import server
+    from kvatlas.node.config import NodeConfig
+
+    calls: list[str] = []
+
+    class Built(Exception):
+        pass
+
+    def building(*args: object, **kwargs: object) -> None:
+        raise Built
+
+    monkeypatch.setattr(server, "configure_logging", lambda *args: None)
+    monkeypatch.setattr(server, "bind_listener", lambda host, port: None)
+    monkeypatch.setattr(server, "warm_up_kernels", lambda: calls.append("directory"))
+    monkeypatch.setattr(server, "warm_up_mm_values", lambda: calls.append("keys"))
+    monkeypatch.setattr(server, "NodeProcess", building)
+    with pytest.raises(Built):
+        server.run_node(NodeConfig())
+    assert calls == ["directory", "keys"]

@@ -24,20 +24,15 @@ import httpx
 import pytest
 
 from kvatlas.asgi_thread import free_port
+from kvatlas.bench.lmcache_reference import REFERENCE_VERSION, installed_version, lmcache_env
+from kvatlas.errors import InvalidInput
 from tests.torch_support import ci_enabled
 
 ROOT = Path(__file__).resolve().parents[2]
 LMCACHE_VENV = Path(os.environ.get("KVATLAS_LMCACHE_VENV", ROOT / ".venv-lmcache"))
-LMCACHE_VERSION = "0.5.6"
 CHUNK_SIZE = 16
 ENGINE_DRIVER = Path(__file__).with_name("engine_driver.py")
 _STARTUP_S = 120.0  # importing LMCache (torch, transformers, grpc) on 2 busy cores
-_QUIET = {
-    "LMCACHE_DISABLE_BANNER": "1",
-    "LMCACHE_TRACK_USAGE": "false",  # LMCache's telemetry opt-out: no test phones home
-    "DO_NOT_TRACK": "1",
-    "PYTHONWARNINGS": "ignore",
-}
 
 
 def require_lmcache() -> Path:
@@ -48,13 +43,13 @@ def require_lmcache() -> Path:
     if not lmcache.exists():
         reason = f"{lmcache} is missing; `make lmcache` (part of `make test`) installs it"
     else:
-        probe = subprocess.run(
-            [str(bin_dir / "python"), "-c", "import importlib.metadata as m; print(m.version('lmcache'))"],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
-        version = probe.stdout.strip()
-        if version != LMCACHE_VERSION:
-            reason = f"{LMCACHE_VENV} holds LMCache {version or probe.stderr[-300:]!r}, not {LMCACHE_VERSION}"
+        try:
+            version = installed_version(bin_dir / "python")
+        except InvalidInput as exc:
+            reason = str(exc)
+        else:
+            if version != REFERENCE_VERSION:
+                reason = f"{LMCACHE_VENV} holds LMCache {version}, not {REFERENCE_VERSION}"
     if reason is not None:
         if ci_enabled():
             pytest.fail(reason)
@@ -115,8 +110,7 @@ def lmcache_server(tmp: Path, sequences: tuple[int, ...] = (1, 2)) -> Iterator[L
     """Start ``lmcache server`` and an engine that stores ``sequences`` (3 chunks each); stop
     both on exit."""
     bin_dir = require_lmcache()
-    env = {**os.environ, **_QUIET}
-    env.pop("PYTHONPATH", None)  # LMCache's own environment, nothing of ours
+    env = lmcache_env()
     http_port, rpc_port = free_port(), free_port()
     l2_dir = tmp / "lmcache-l2"
     log = tmp / "lmcache-server.log"

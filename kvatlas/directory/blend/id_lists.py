@@ -19,7 +19,7 @@ def put(items: list[Any], where: npt.NDArray[np.int64], values: Iterable[Any]) -
     """``items[where[k]] = values[k]`` for each ``k``, growing ``items`` (with ``None``) to
     the largest index first: new ids are either free ones or the next fresh ones."""
     top = int(where.max()) + 1
-    if int(where[0]) == len(items) and top - len(items) == len(where) and rising(where):
+    if int(where[0]) == len(items) and top - len(items) == len(where) and _rising(where):
         items += values  # fresh ids in order (a bulk build): append, no per-item store
         return
     if top > len(items):
@@ -41,5 +41,7 @@ def put_one(items: list[Any], at: int, value: Any) -> None:
         items[at] = value
 
 
-def rising(where: npt.NDArray[np.int64]) -> bool:
+def _rising(where: npt.NDArray[np.int64]) -> bool:
+    """Each id above the one before it (with :func:`put`'s other two checks: the next fresh
+    ids, in order)."""
     return bool((where[1:] > where[:-1]).all())
