@@ -1,13 +1,19 @@
 """Blend lookups in process, source trees side by side: the coordinator's handler
-(``BlendLookup.answer``, body bytes to reply bytes) on the ``bench service`` lookup workload
-(20,000 256-token chunks, 32k-token RAG queries with ≈50% cached chunks at random offsets, as
-175 KB of base64; ``--vocab`` Llama 3's ids or Llama 2's), without HTTP. One worker process
-per tree, each building its index once; rounds alternate the trees (A B, then B A), so a busy
-machine slows both alike. Per tree and stage — the body's decode, the query, the match, the
-reply, and the whole handler (run after the stages, on the same body) — the median over rounds
-of this thread's CPU per lookup, and the median of the paired differences against the first
-tree. Each tree's kernels are cached under ``.numba-cache/<hash of its sources>``, as the
-tests' (numba's own cache does not see an edit of a kernel another file calls).
+(``BlendLookup.answer``, body bytes to reply bytes) and the whole request stack above it, on
+the ``bench service`` lookup workload (``kvatlas.bench.service_runs.lookup_workload``: 20,000
+256-token chunks, 32k-token RAG queries with ≈50% cached chunks at random offsets, as 175 KB of
+base64; ``--vocab`` Llama 3's ids or Llama 2's), without sockets or a load generator. One
+worker process per tree, each building its index once; rounds alternate the trees (A B, then
+B A), so a busy machine slows both alike. Per tree and stage, the median over rounds of this
+thread's CPU per lookup, and the median of the paired differences against the first tree.
+Stages, each a pass of its own over the 64 bodies (so no stage finds a body in the cache
+another left it in): the body's decode, the query, the match, the reply; the whole handler;
+and ``stack``: the request as the server reads it (one piece: ``bench service`` bodies arrive
+in one read) fed to the coordinator's app behind the HTTP guard's uvicorn protocol, through an
+in-memory transport on the server's event loop (uvloop), up to the reply's bytes. ``stack``
+less ``answer`` is what the server spends above the handler but for the kernel's socket work.
+Each tree's kernels are cached under ``.numba-cache/<hash of its sources>``, as the tests'
+(numba's own cache does not see an edit of a kernel another file calls).
 
     python scripts/bench_blend_lookup.py --tree base=/tmp/base --tree branch=. --rounds 20
 """
@@ -15,6 +21,7 @@ tests' (numba's own cache does not see an edit of a kernel another file calls).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import os
@@ -22,9 +29,82 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-STAGES = ("decode", "query", "match", "reply", "answer")
+STAGES = ("decode", "query", "match", "reply", "answer", "stack")
+
+
+class MemoryTransport(asyncio.Transport):
+    """What uvicorn's protocol writes to, kept in memory: one reply is one write (the guard
+    coalesces a reply's head and body)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+        self.last = b""
+
+    def write(self, data: Any) -> None:
+        self.writes += 1
+        self.last = bytes(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"peername": ("127.0.0.1", 40000), "sockname": ("127.0.0.1", 8000)}.get(
+            name, default
+        )
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def stack_driver(app: Any, bodies: list[bytes]) -> Callable[[], int]:
+    """A function posting every body once to ``app`` behind the guarded uvicorn protocol
+    (one connection, kept alive), returning this thread's CPU nanoseconds for the pass."""
+    import uvloop
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    from kvatlas.http_guard import HttpLimits, guarded_protocol
+
+    hour = 3600.0  # no timer may close the connection between two rounds
+    protocol_class = guarded_protocol(HttpLimits(hour, hour), lambda _reason: None)
+    config = Config(
+        app, lifespan="off", log_level="warning", http=protocol_class, timeout_keep_alive=hour
+    )
+    config.load()
+    loop = uvloop.new_event_loop()
+    transport = MemoryTransport()
+    protocol = protocol_class(config=config, server_state=ServerState(), app_state={}, _loop=loop)
+    requests = [
+        b"POST /directory/blend-lookup HTTP/1.1\r\nHost: 127.0.0.1:8000\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(b), b)
+        for b in bodies
+    ]
+
+    async def connect() -> None:
+        protocol.connection_made(transport)
+
+    async def post_all() -> int:
+        clock = time.thread_time_ns
+        t0 = clock()
+        for request in requests:
+            written = transport.writes
+            protocol.data_received(request)
+            while transport.writes == written:
+                await asyncio.sleep(0)
+            if not transport.last.startswith(b"HTTP/1.1 200"):
+                raise RuntimeError(f"the stack replied {transport.last[:200]!r}")
+        return clock() - t0
+
+    loop.run_until_complete(connect())
+    return lambda: loop.run_until_complete(post_all())
 
 
 def worker(vocab_name: str) -> None:
@@ -35,13 +115,9 @@ def worker(vocab_name: str) -> None:
     import numpy as np
 
     from kvatlas.auth import ANONYMOUS_ADMIN
-    from kvatlas.bench.ingest_bodies import MODEL, store_batches
-    try:
-        from kvatlas.bench.service_runs import rag_query
-    except ImportError:  # a tree from before bench/service_runs.py
-        from kvatlas.bench.service import _rag_query as rag_query
-    from kvatlas.client import encode_tokens_b64
+    from kvatlas.bench.service_runs import lookup_workload
     from kvatlas.coordinator._blend_reply import blend_reply
+    from kvatlas.coordinator.app import create_app
     from kvatlas.coordinator.blend_lookup import BlendLookup
     from kvatlas.coordinator.config import CoordinatorConfig
     from kvatlas.coordinator.query import blend_query, decode_blend_lookup
@@ -49,50 +125,51 @@ def worker(vocab_name: str) -> None:
     from kvatlas.workloads import LLAMA2, LLAMA3
 
     vocab = LLAMA3 if vocab_name == "llama3" else LLAMA2
-    rng = np.random.default_rng(0)
+    workload = lookup_workload(np.random.default_rng(0), 20_000, 32_768, vocab)
     config = CoordinatorConfig(chunk_size=256, enable_blend_lookup=True)
     service = CoordinatorService(config)
-    batches, index_tokens = store_batches(rng, 20_000, 1024, "node-1", vocab)
-    service.ingest(batches)
-    bodies = [
-        json.dumps(
-            {
-                "tokens_b64": encode_tokens_b64(rag_query(rng, index_tokens, 32_768, vocab)),
-                "model_name": MODEL,
-            }
-        ).encode()
-        for _ in range(64)
-    ]
+    service.ingest(workload.index_batches)
+    bodies = workload.bodies
     lookup = BlendLookup(service, ThreadPoolExecutor(1))
     index = service.directory.blend_index
     assert index is not None
     max_tokens = config.max_query_tokens
+    post_all = stack_driver(create_app(service), bodies)
     for raw in bodies[:8]:  # warm-up: compiled kernels
         lookup.answer(raw, ANONYMOUS_ADMIN)
-    del batches
+    post_all()
+    del workload
     gc.collect()
     gc.freeze()
     clock = time.thread_time_ns
     print("ready", flush=True)
     for _ in sys.stdin:
         spent = dict.fromkeys(STAGES, 0)
+        queries = []
         for raw in bodies:
             t0 = clock()
             body, decoded = decode_blend_lookup(raw, max_tokens)
             t1 = clock()
             query = blend_query(body, max_tokens, decoded)
-            assert query is not None
             t2 = clock()
+            assert query is not None
+            queries.append(query)
+            spent["decode"] += t1 - t0
+            spent["query"] += t2 - t1
+        for query in queries:
+            t0 = clock()
             columns = index.match_columns(query.tokens, query.namespace)
-            t3 = clock()
+            t1 = clock()
             blend_reply(columns, True)
-            t4 = clock()
+            t2 = clock()
+            spent["match"] += t1 - t0
+            spent["reply"] += t2 - t1
+        del queries
+        t0 = clock()
+        for raw in bodies:
             lookup.answer(raw, ANONYMOUS_ADMIN)
-            t5 = clock()
-            for stage, took in zip(
-                STAGES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True
-            ):
-                spent[stage] += took
+        spent["answer"] = clock() - t0
+        spent["stack"] = post_all()
         print(json.dumps({k: v / len(bodies) / 1e3 for k, v in spent.items()}), flush=True)
 
 

@@ -58,15 +58,16 @@ def _pair_table() -> npt.NDArray[np.uint16]:
 
 
 _PAIRS = _pair_table()
-_FIRST, _SECOND = (0, 16) if sys.byteorder == "little" else (16, 0)
-"""Shifts of a quartet's first and second character pair within its native 32-bit word."""
+_FIRST, _SECOND = 0, 16
+"""Shifts of a quartet's first and second character pair within its 32-bit word, read
+little-endian: the byte order of every target numba compiles for (x86-64, AArch64,
+ppc64le), checked at import."""
+if sys.byteorder != "little":  # pragma: no cover - no such numba target
+    raise ImportError("kvatlas's base64 kernel reads words little-endian")
 
 
 _BLOCK = 64
 """Characters per vector block (:func:`_decode_block`): 16 quartets, 48 bytes out."""
-_VECTOR = sys.byteorder == "little"
-"""Whether blocks run as vectors: their words are read little-endian (every host kvatlas runs
-on; elsewhere every quartet takes the pair table)."""
 
 
 def _alphabet_runs(tables: npt.NDArray[np.uint32]) -> tuple[tuple[int, int, int], ...]:
@@ -154,7 +155,7 @@ def _decode(src, words, pairs, tables, out):  # type: ignore[no-untyped-def]  # 
     seen = np.uint32(0)
     first, second, low = np.uint32(_FIRST), np.uint32(_SECOND), np.uint32(0xFFFF)
     last = n // 4 - 1
-    blocks = (4 * last) // _BLOCK if _VECTOR else 0  # whole blocks before the last quartet
+    blocks = (4 * last) // _BLOCK  # whole blocks before the last quartet
     invalid = np.uint64(0)
     for block in range(blocks):
         at = _BLOCK * block
