@@ -5,8 +5,8 @@ leaves the directory as it was: every column is checked against the others befor
 built. Restore works column-wise: vectorised checks, records zipped from columns (a Python loop
 only for chunks with several keys or placements), partitions built from the file's partition
 order, counters and L1 sets computed from the columns instead of a pass over the records. Token
-ids are read into one slab and each content is a read-only view of it (``TokenSlab``). See
-docs/directory.md.
+ids are read into one buffer on a thread of its own and copied into each chunk's content
+(``token_section.py``). See docs/directory.md.
 """
 
 from __future__ import annotations
@@ -89,9 +89,7 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
         columns = _columns(header)
         if size - body != int(form_sizes(columns.lens, columns.widths).sum()):
             raise SnapshotError("token arena length does not match the header")
-        tokens, slabs, reading = read_token_section(
-            f, body, columns.lens, columns.widths, header.version
-        )
+        tokens, finish = read_token_section(f, body, columns.lens, columns.widths, header.version)
         try:
             table, sids = _shapes(header, columns)
             hashes: list[bytes] = np.frombuffer(header.chunk_hashes, f"V{HASH_BYTES}").tolist()
@@ -109,9 +107,9 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
             counts = _counts(header, columns, hashes, sids)
             state = DirectoryState(header.chunk_size, _cursors(header), _capacities(header))
         finally:  # nothing reads a content before the whole section is in
-            if reading is not None:
-                reading.result()
-        directory.install(Restored(state, table, parts, counts, slabs, adds))
+            if finish is not None:
+                finish()
+        directory.install(Restored(state, table, parts, counts, adds))
     return SnapshotInfo(
         str(path),
         len(hashes),
