@@ -39,8 +39,8 @@ from kvatlas.directory.blend.kernels.contents import (
     content_form,
     content_shapes,
     data_offset,
-    token_count,
 )
+from kvatlas.directory.blend.kernels.contents import token_count as token_count
 from kvatlas.directory.blend.kernels.objects import u32_rows
 from kvatlas.directory.blend.kernels.planes import (
     FORM_PLANES,

@@ -103,6 +103,7 @@ def single_op(
     else:
         offset = 0
     count = -1
+    arr: Any
     if type(tokens) is bytes:
         arr, count = tokens, content_count(tokens)  # (a malformed one: ValueError)
     elif type(tokens) is np.ndarray and tokens.ndim == 1:
@@ -151,8 +152,8 @@ def checked_op(op: BlendOp, chunk: int) -> SingleOp | None:
 
 def _singles(ops: list[SingleOp]) -> OpColumns:
     """Validated single ops as columns."""
-    kinds, tokens, hashes, offsets, namespaces, owned = zip(*ops, strict=True)
-    tokens = list(tokens)
+    kinds, contents, hashes, offsets, namespaces, owned = zip(*ops, strict=True)
+    tokens: list[Tokens] = list(contents)
     widths = np.fromiter(map(token_width, tokens), np.int64, len(tokens))
     spaces: dict[BlendNamespace, int] = {}
     by_id = {id(None): -1}  # a namespace hashes once per object, not once per op
@@ -179,14 +180,14 @@ def _singles(ops: list[SingleOp]) -> OpColumns:
 
 def token_width(tokens: Tokens) -> int:
     """Bytes per id of a content or array (1: the planes form)."""
-    if type(tokens) is bytes:
+    if isinstance(tokens, bytes):
         return 1 if tokens[0] else tokens[1]
     return int(tokens.itemsize)
 
 
 def token_nbytes(tokens: Tokens) -> int:
     """Bytes a content or array keeps."""
-    return len(tokens) if type(tokens) is bytes else int(tokens.nbytes)
+    return len(tokens) if isinstance(tokens, bytes) else int(tokens.nbytes)
 
 
 def addresses(tokens: list[Tokens], widths: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
@@ -199,7 +200,7 @@ def addresses(tokens: list[Tokens], widths: npt.NDArray[np.int64]) -> npt.NDArra
         for i, t in enumerate(tokens):
             out[i] = (
                 id(t) + _cpython.BYTES_DATA_OFFSET + (0 if widths[i] == 1 else int(widths[i]))
-                if type(t) is bytes
+                if isinstance(t, bytes)
                 else t.ctypes.data
             )
         return out

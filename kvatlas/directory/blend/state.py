@@ -113,7 +113,7 @@ class IndexState:
         if ns >= 0 or kind != REMOVE_CLAIM:  # else: no claims, nothing to drop
             if kind == ADD and not self._has_room(1):
                 self._make_room(1)
-            if type(arr) is bytes:  # a content: its ids' address (contents.py)
+            if isinstance(arr, bytes):  # a content: its ids' address (contents.py)
                 width = token_width(arr)
                 at = bytes_address(arr) + (0 if width == 1 else width)
                 handle, data_off = at, -1

@@ -90,7 +90,7 @@ def read_token_section(
         wide = np.flatnonzero((widths == FORM_U32) & (lens > 0)).tolist()
         if wide:
             finish()
-            refit = stored_batch([widened(tokens[i]) for i in wide])
+            refit = stored_batch([widened(tokens[i]) for i in wide])  # type: ignore[arg-type]
             for i, stored in zip(wide, refit, strict=True):
                 tokens[i] = stored
             return tokens, None
