@@ -208,8 +208,8 @@ def test_directory_answers_exact_ids_for_compact_wide_and_mixed_chunks() -> None
         assert [(x.chunk_hash, x.old_st, x.cur_st) for x in m] == [(key(n).chunk_hash, 4 * n, 2)]
     assert forms == {1: "uint16", 2: "planes", 3: "uint32"}
     stats = d.stats().blend
-    # uint16: 2 + 8, planes: 2 + 8 + 2, uint32: 4 + 16 (each header included)
-    assert stats is not None and stats.token_bytes == 2 + 2 * CS + 12 + 4 + 4 * CS
+    # the ids' bytes (a content's header not counted): planes 2 + 8 + 2
+    assert stats is not None and stats.token_bytes == 2 * CS + 12 + 4 * CS
     assert stats.token_bytes_owned == 0  # the index shares the directory's contents
 
 

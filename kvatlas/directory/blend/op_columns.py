@@ -186,8 +186,10 @@ def token_width(tokens: Tokens) -> int:
 
 
 def token_nbytes(tokens: Tokens) -> int:
-    """Bytes a content or array keeps."""
-    return len(tokens) if isinstance(tokens, bytes) else int(tokens.nbytes)
+    """Bytes of the ids a content or array keeps (a content's header not counted)."""
+    if isinstance(tokens, bytes):
+        return len(tokens) - (0 if tokens[0] else tokens[1])
+    return int(tokens.nbytes)
 
 
 def addresses(tokens: list[Tokens], widths: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:

@@ -280,8 +280,10 @@ class IndexState:
         ``ids``."""
         arrays = cols.tokens if new is None else chosen(cols.tokens, new)
         put(self.tokens, ids, arrays)
-        if cols.contents:  # (bytes: the length by a C-level map)
-            self.token_bytes += sum(map(len, arrays))
+        widths = cols.token_bytes if new is None else cols.token_bytes[new]
+        if cols.contents:  # (bytes: the length by a C-level map, less each plain header)
+            headers = int(widths.sum()) - int(np.count_nonzero(widths == 1))
+            self.token_bytes += sum(map(len, arrays)) - headers
         else:
             self.token_bytes += sum(map(token_nbytes, arrays))
         self.contents += len(arrays)
