@@ -327,7 +327,7 @@ def checked_in_python(tokens: list[Any], hashes: list[Any], chunk: int) -> Check
     if not dtypes <= {_U16, _U32, PLANES} or set(map(_NDIM, tokens)) != {1}:
         return None
     try:
-        if set(map(_count, tokens)) != {chunk}:
+        if {planes_count(t) if t.dtype is PLANES else len(t) for t in tokens} != {chunk}:
             return None
     except ValueError:  # a malformed planes-form array
         return None
@@ -335,11 +335,6 @@ def checked_in_python(tokens: list[Any], hashes: list[Any], chunk: int) -> Check
     if any(f & (C_CONTIGUOUS | WRITEABLE | OWNDATA) != C_CONTIGUOUS | OWNDATA for f in flags):
         return None
     return tokens, _widths(tokens), hashes, hash_lens
-
-
-def _count(tokens: npt.NDArray[Any]) -> int:
-    """How many ids an array holds, whatever its form."""
-    return planes_count(tokens) if tokens.dtype is PLANES else len(tokens)
 
 
 def _widths(tokens: list[Tokens]) -> npt.NDArray[np.int64]:
