@@ -25,7 +25,6 @@ from kvatlas.directory.chunk_table import ChunkTable
 from kvatlas.directory.gate import EmitterCursor
 from kvatlas.directory.records import CapacityDeclaration, Record
 from kvatlas.directory.shapes import ShapeTable
-from kvatlas.directory.token_slab import TokenSlab
 from kvatlas.errors import Conflict
 
 
@@ -171,9 +170,7 @@ class Restored:
     ``parts`` are :data:`~kvatlas.directory.chunk_counts.PARTS` dicts, each chunk in partition
     ``hash[0]``, its records unindexed and their shape ids indexing ``shapes``. ``counts``, if
     given, must equal ``ChunkCounts.scan(parts)`` (a loader that can compute them faster than
-    that pass passes them; ``None``: install scans). ``slabs`` hold the records' contents
-    that are views of a token slab (see :mod:`kvatlas.directory.token_store`); the chunk
-    table frees them once they are mostly dead. ``adds``, if given, are the blend-index adds
+    that pass passes them; ``None``: install scans). ``adds``, if given, are the blend-index adds
     of every record marked indexed, vouched for (``AddColumns.vouched``: a snapshot reader
     builds them from its columns; ``None``: the rebuild reads the records). ``fingerprints``:
     theirs, one per add, from the snapshot (checked by the reader; the index takes them only
@@ -183,7 +180,6 @@ class Restored:
     shapes: ShapeTable
     parts: Sequence[Partition | ChunkPart]
     counts: ChunkCounts | None = None
-    slabs: tuple[TokenSlab, ...] = ()
     adds: AddColumns | None = None
     fingerprints: Fingerprints | None = None
 

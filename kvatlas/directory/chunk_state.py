@@ -4,8 +4,7 @@ queue the blend-index writes that follow).
 
 The collaborators (:class:`~kvatlas.directory.chunk_stores.StoreRules`,
 :class:`~kvatlas.directory.chunk_removals.RemovalRules`,
-:class:`~kvatlas.directory.chunk_digests.InventoryDigests`,
-:class:`~kvatlas.directory.chunk_slabs.SlabReclaim`) are given the table as a
+:class:`~kvatlas.directory.chunk_digests.InventoryDigests`) are given the table as a
 :class:`ChunkState` and own only their own state; the table owns the records and calls them.
 They read the table's attributes on every use, never keep them: a restore replaces them.
 """

@@ -59,7 +59,7 @@ class StoreRules:
         # in one vectorised step per multiplier (a batch is mostly one shape).
         dig = None if shared else counts.digest_for(inst, tier)
         pending: dict[int, list[bytes]] = {}
-        stored, allocated = stored_columns(cols)  # compact, one pass per batch
+        stored = stored_columns(cols)  # compact, one pass per batch
         fresh = None
         if table.journal is None:  # (a capture saves each record before its first change)
             fresh = store_fresh(
@@ -73,13 +73,11 @@ class StoreRules:
             n_keys, n_pl, (n_bytes, added) = len(cols), len(cols), fresh
             if added:
                 shapes = table.shapes.shapes
-                table.ops.append(store_adds(added, cols, stored, sids, shapes, allocated))
+                table.ops.append(store_adds(added, cols, stored, sids, shapes))
             if dig is not None:
                 pending[self._digests.tag(sids[0], tier, backend)] = cols.chunk_hashes
         else:
-            n_keys, n_pl, n_bytes = self._store_each(
-                batch, cols, sids, stored, allocated, dig, pending, mixed
-            )
+            n_keys, n_pl, n_bytes = self._store_each(batch, cols, sids, stored, dig, pending, mixed)
         if one_shape:
             counts.l2_bytes_by_shape[sids[0]] += n_bytes
         if dig is not None:
@@ -99,7 +97,6 @@ class StoreRules:
         cols: EntryColumns,
         sids: list[int],
         stored: list[StoredTokens | None],
-        allocated: bool,
         dig: DigestArray | None,
         pending: dict[int, list[bytes]],
         l2_by_shape: Counter[int] | None,
@@ -171,7 +168,7 @@ class StoreRules:
                 queued = len(ops)
                 dk, dp, db = _store_existing(table, h, part, rec, sid, p, tokens, offset, debug)
                 if added and len(ops) > queued:  # the adds so far go first, as they happened
-                    ops.insert(queued, store_adds(added, cols, stored, sids, shapes, allocated))
+                    ops.insert(queued, store_adds(added, cols, stored, sids, shapes))
                     added = []
                 n_keys += dk
                 n_pl += dp
@@ -181,7 +178,7 @@ class StoreRules:
                 if new_own is not None and dp:  # a new own copy (a replaced one has the
                     new_own.append(h)  # same element)
         if added:
-            ops.append(store_adds(added, cols, stored, sids, shapes, allocated))
+            ops.append(store_adds(added, cols, stored, sids, shapes))
         return n_keys, n_pl, n_bytes
 
 

@@ -4,8 +4,7 @@ This module holds the table, its reads and its access rule. Its collaborators ar
 table (:mod:`~kvatlas.directory.chunk_state`) and own only their own state: the store rules
 (:mod:`~kvatlas.directory.chunk_stores`), the removal rules
 (:mod:`~kvatlas.directory.chunk_removals`), the inventory digests
-(:mod:`~kvatlas.directory.chunk_digests`), the freeing of restored token slabs
-(:mod:`~kvatlas.directory.chunk_slabs`). Counts, partitions, change journal: :mod:`~kvatlas.directory.chunk_counts`.
+(:mod:`~kvatlas.directory.chunk_digests`). Counts, partitions, change journal: :mod:`~kvatlas.directory.chunk_counts`.
 
 Invariant: the counters in :class:`~kvatlas.directory.chunk_counts.ChunkCounts` and each row's
 L1 owners (:mod:`~kvatlas.directory.l1_owners`) always equal what a pass over the records would
@@ -33,7 +32,6 @@ from kvatlas.directory.chunk_counts import PARTS, ChangeJournal, ChunkCounts, Pa
 from kvatlas.directory.chunk_digests import InventoryDigests
 from kvatlas.directory.chunk_parts import ChunkPart, new_parts
 from kvatlas.directory.chunk_removals import RemovalRules
-from kvatlas.directory.chunk_slabs import Reclaim, SlabReclaim
 from kvatlas.directory.chunk_stores import StoreRules
 from kvatlas.directory.records import (
     KeyPlacements,
@@ -58,7 +56,6 @@ from kvatlas.directory.records import (
 )
 from kvatlas.directory.reindex import reindex_records
 from kvatlas.directory.shapes import ShapeTable
-from kvatlas.directory.token_slab import TokenSlab
 from kvatlas.errors import Conflict
 from kvatlas.events import EventBatch
 from kvatlas.events.columns import EntryColumns
@@ -79,7 +76,6 @@ class ChunkTable:
         self.ops: list[BlendOp] = []  # the queued index writes, in order
         self.digests = InventoryDigests(self)
         self.removals = RemovalRules(self, self.digests)
-        self.reclaim = SlabReclaim(self)
         self.stores = StoreRules(self, self.digests)
 
     # ------------------------------------------------------------------ the collaborators' view
@@ -95,28 +91,10 @@ class ChunkTable:
     def queue(self, ops: Iterable[BlendOp]) -> None:
         self.ops += ops
 
-    @property
-    def slabs(self) -> list[TokenSlab]:  # restored contents' slabs, not being copied out
-        return self.reclaim.slabs
-
-    @property
-    def _reclaim(self) -> Reclaim | None:  # (what the slab tests watch)
-        return self.reclaim.progress
-
     # ------------------------------------------------------------------ index writes
 
     def flush_index(self, index: BlendIndex | None) -> None:
-        """Apply the queued index writes to ``index`` (if on), in order, as one batch; then a
-        step of freeing mostly dead token slabs (after the writes, so the views the index let
-        go of count), whose writes (a remove + re-add per content copied) are one more."""
-        self._apply_ops(index)
-        reclaim = self.reclaim
-        if reclaim.active:
-            reclaim.step()
-            self._apply_ops(index)
-            reclaim.release(index)
-
-    def _apply_ops(self, index: BlendIndex | None) -> None:
+        """Apply the queued index writes to ``index`` (if on), in order, as one batch."""
         ops = self.ops
         if ops:
             self.ops = []
@@ -130,15 +108,13 @@ class ChunkTable:
         shapes: ShapeTable,
         parts: Sequence[Partition | ChunkPart],
         counts: ChunkCounts,
-        slabs: Sequence[TokenSlab] = (),
     ) -> None:
         """Adopt restored records (unindexed; see :meth:`reindex`); their shape ids index
-        ``shapes``, ``counts`` are theirs, ``slabs`` hold their contents that are views."""
+        ``shapes``, ``counts`` are theirs."""
         if self.journal is not None:
             raise Conflict("cannot restore while a snapshot is being taken")
         self.shapes, self.counts = shapes, counts
         self.parts = new_parts(PARTS, parts)
-        self.reclaim.restart(slabs)
         self.counts.digests = {}
         self.digests.restart(False)  # digests are built partition by partition, later
 

@@ -77,12 +77,11 @@ def store_adds(
     stored: list[StoredTokens | None],
     sids: list[int],
     shapes: Sequence[KeyShape],
-    allocated: bool,
 ) -> AddColumns:
     """The index adds of entries ``rows`` of a store batch (new chunks, indexed), as columns:
-    their stored arrays, hashes, offsets and namespaces. ``allocated``: the stored arrays were
-    all allocated for this batch (``stored_columns``), so the adds are vouched for (a chunk's
-    indexed array is chunk-sized, its hash 32 exact bytes, its offset known)."""
+    their stored contents, hashes, offsets and namespaces, vouched for: the directory made
+    every content (``stored_columns``; a chunk's indexed content is chunk-sized, its hash 32
+    exact bytes, its offset known)."""
     if len(rows) == len(cols) and sids.count(sids[0]) == len(sids):  # every entry, one shape
         tokens, hashes, offsets = stored, cols.chunk_hashes, cols.token_offsets
         spaces, which = [shapes[sids[0]].namespace], None
@@ -96,4 +95,4 @@ def store_adds(
     # entries built from objects: a key's hash may be a ``bytes`` subclass, which the index
     # would keep by reference unchecked (decoded bodies' hashes are exact ``bytes``)
     exact = cols.token_objects is None or set(map(type, hashes)) == {bytes}
-    return AddColumns(tokens, hashes, offsets, spaces, which, vouched=allocated and exact)
+    return AddColumns(tokens, hashes, offsets, spaces, which, vouched=exact)

@@ -205,7 +205,7 @@ class KeyDirectory:
         one index batch (one index lock hold, one compiled call), still under the directory
         lock: a concurrent ``blend_match`` sees the index before or after all of them, never
         in between (e.g. between a ``remove_chunk`` and its re-``add``s)."""
-        self._chunks.flush_index(self._index)  # (then a step of freeing token slabs)
+        self._chunks.flush_index(self._index)
 
     def _apply_config(self, batch: EventBatch) -> None:
         assert batch.capacity_bytes is not None and batch.capacity_revision is not None
@@ -418,7 +418,7 @@ class KeyDirectory:
             )
         counts = restored.counts_or_scan()
         with self._lock:
-            self._chunks.restore(restored.shapes, restored.parts, counts, restored.slabs)
+            self._chunks.restore(restored.shapes, restored.parts, counts)
             self._gate.restore(state.cursors)
             self._capacities = dict(state.capacities)
             self._shared_pools = set()

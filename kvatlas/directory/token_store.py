@@ -1,7 +1,8 @@
 """Token storage: how the directory keeps a chunk's token ids — compactly, exactly.
 
-A chunk's content is kept as a read-only array that owns its memory, in one of three forms
-chosen per chunk by its largest id (token bytes are most of a directory's memory):
+A chunk's content is kept as one ``bytes`` object (``blend/kernels/contents.py``: a small
+header, then the ids inline: one allocation, no array object), in one of three forms chosen
+per chunk by its largest id (token bytes are most of a directory's memory):
 
 - ``uint16`` when every id is below 2^16 (vocabularies up to 65,536 ids: half the bytes of
   the ``uint32`` the wire carries);
@@ -11,27 +12,35 @@ chosen per chunk by its largest id (token bytes are most of a directory's memory
 - ``uint32`` otherwise.
 
 No form is a truncation: every id in [0, 2^32) round-trips exactly (:func:`widened` gives the
-``uint32`` array public values carry). The blend index reads every form in place
-(``blend/kernels/layout.py``).
+``uint32`` array public values carry; :func:`stored_view` a read-only array of the form).
+The blend index reads every form in place (``blend/kernels/layout.py``).
 
-Entries of one content (a chunk's ranks) sharing one input array get one stored array, so the
-directory's "same object, same content" shortcut holds; narrowing is one compiled pass per batch.
-
-Restored contents are read-only views of one token slab (:mod:`kvatlas.directory.token_slab`).
+Entries of one content (a chunk's ranks) sharing one input array get one stored content, so
+the directory's "same object, same content" shortcut holds; narrowing is one compiled pass
+per batch.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from itertools import repeat
-from operator import attrgetter, is_not
+from collections.abc import Sequence
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.directory.blend._cpython import ARRAY_DATA_OFFSET, OBJECT_LAYOUT, array_handles
+from kvatlas.directory.blend._cpython import (
+    ARRAY_DATA_OFFSET,
+    BYTES_DATA_OFFSET,
+    OBJECT_LAYOUT,
+    array_handles,
+)
+from kvatlas.directory.blend.kernels.contents import (
+    content_form,
+    content_shapes,
+    data_offset,
+)
+from kvatlas.directory.blend.kernels.contents import token_count as token_count
 from kvatlas.directory.blend.kernels.objects import u32_rows
 from kvatlas.directory.blend.kernels.planes import (
     FORM_PLANES,
@@ -41,7 +50,6 @@ from kvatlas.directory.blend.kernels.planes import (
     MAX_HIGH_BITS,
     PLANES,
     form_of,
-    planes_count,
     planes_load,
     planes_nbytes,
     planes_store,
@@ -50,9 +58,9 @@ from kvatlas.directory.blend.kernels.pointers import i64_ptr, jit, u8_ptr, u16_p
 from kvatlas.events.columns import EntryColumns
 from kvatlas.keys.tokens import TokenArray
 
-StoredTokens = npt.NDArray[Any]
-"""A chunk's content as the directory keeps it: read-only ``uint16``, planes form (dtype
-:data:`PLANES`) or ``uint32``."""
+StoredTokens = bytes
+"""A chunk's content as the directory keeps it (``blend/kernels/contents.py``): immutable,
+its ids inline after a header naming their form."""
 COMPACT_LIMIT = 1 << 16
 """Ids below this fit the compact (``uint16``) form."""
 
@@ -60,78 +68,64 @@ _U16 = np.dtype(np.uint16)
 _U32 = np.dtype(np.uint32)
 FORM_DTYPES: dict[int, np.dtype[Any]] = {FORM_U16: _U16, FORM_U32: _U32}
 FORM_DTYPES.update((FORM_PLANES + h, PLANES) for h in range(1, MAX_HIGH_BITS + 1))
-"""The dtype of a stored array of each form code (``planes.FORM_*``)."""
-_SET_FLAGS: Callable[[StoredTokens, bool], None] = np.ndarray.setflags  # type: ignore[assignment]
-"""``setflags(write)``: numpy takes the flag positionally (its stubs say keyword-only)."""
+"""The dtype of a content's view (:func:`stored_view`) in each form (``planes.FORM_*``)."""
 _DTYPE = attrgetter("dtype")
 _STRIDES = attrgetter("strides")
-
-
-def read_only(arrays: list[StoredTokens]) -> None:
-    """Make every array read-only: ``setflags(False)`` by a C-level map (the unbound method
-    with a positional flag, not ``methodcaller("setflags", write=False)``: no keyword call per
-    array)."""
-    deque(map(_SET_FLAGS, arrays, repeat(False)), maxlen=0)
-
-
-def widened(stored: StoredTokens) -> TokenArray:
-    """The ids of ``stored`` as a read-only ``uint32`` array (``stored`` itself if it is one)."""
-    if stored.dtype is _U32:
-        return stored
-    if stored.dtype is PLANES:
-        n = planes_count(stored)
-        out = np.empty(n, np.uint32)
-        planes_load(out, stored.ctypes.data, n)
-    else:
-        out = stored.astype(np.uint32)
-    out.flags.writeable = False
-    return out
-
-
-def token_count(stored: StoredTokens) -> int:
-    """How many ids ``stored`` holds, whatever its form."""
-    return planes_count(stored) if stored.dtype is PLANES else len(stored)
+_frombuffer = np.frombuffer
 
 
 def stored_form(stored: StoredTokens) -> int:
     """The form code of ``stored`` (``planes.FORM_*``: 2, 4, or 16 + its high bits)."""
-    if stored.dtype is PLANES:
-        high: int = stored.item(0)[0]  # the header's h
-        return FORM_PLANES + high
-    return FORM_U16 if stored.dtype is _U16 else FORM_U32
+    return content_form(stored)
+
+
+def stored_view(stored: StoredTokens) -> npt.NDArray[Any]:
+    """``stored``'s ids as a read-only array of its form (``uint16``, ``uint32``, or the
+    planes form's bytes, dtype :data:`PLANES`), a view of the content."""
+    form = content_form(stored)
+    return _frombuffer(stored, FORM_DTYPES[form], -1, data_offset(form))
+
+
+def stored_payload(stored: StoredTokens) -> bytes | memoryview:
+    """The bytes of ``stored``'s ids in its form, as a snapshot's token section holds them
+    (the content without its header; a planes-form content is its own bytes)."""
+    high = stored[0]
+    return stored if high else memoryview(stored)[stored[1] :]
+
+
+def widened(stored: StoredTokens) -> TokenArray:
+    """The ids of ``stored`` as a read-only ``uint32`` array (a view of it if it is one)."""
+    high = stored[0]
+    if high:
+        n = token_count(stored)
+        out = np.empty(n, np.uint32)
+        planes_load(out, id(stored) + BYTES_DATA_OFFSET, n)
+        out.flags.writeable = False
+        return out
+    if stored[1] == FORM_U32:
+        return _frombuffer(stored, _U32, -1, FORM_U32)
+    out = _frombuffer(stored, _U16, -1, FORM_U16).astype(_U32)
+    out.flags.writeable = False
+    return out
 
 
 def stored_equal(a: StoredTokens, b: StoredTokens) -> bool:
-    """Whether two stored contents hold the same ids (forms are canonical, so contents of one
-    form are equal exactly when their bytes are; of two forms, compared widened: a content
-    restored from an older snapshot may be ``uint32`` where a new one is not)."""
-    if a is b:
+    """Whether two stored contents hold the same ids (forms are canonical and the header
+    names the form, so contents of one form are equal exactly when their bytes are; of two
+    forms, compared widened)."""
+    if a is b or a == b:
         return True
-    if a.dtype is b.dtype:  # (bytes compared: a twentieth of ``np.array_equal``'s cost)
-        return a.shape == b.shape and a.tobytes() == b.tobytes()
+    if a[:2] == b[:2]:
+        return False
     wa, wb = widened(a), widened(b)
     return wa.shape == wb.shape and bool(np.array_equal(wa, wb))
 
 
 def stored_one(tokens: npt.NDArray[Any]) -> StoredTokens:
-    """``tokens`` (validated ids) in stored form: the array itself when it is a read-only
-    ``uint16`` array owning its memory, else a copy in the form its ids need."""
-    if tokens.dtype is _U16 and not tokens.flags.writeable and tokens.flags.owndata:
-        return tokens
-    if len(tokens) == 0:
-        empty = np.empty(0, np.uint16)
-        empty.flags.writeable = False
-        return empty
+    """``tokens`` (validated ids) as a stored content, in the form its ids need."""
     arena = np.ascontiguousarray(tokens, dtype=np.uint32)
-    (out,) = stored_from_arena(arena, np.zeros(1, np.int64), np.full(1, len(arena), np.int64))
-    assert out is not None
-    return out
-
-
-def owned_copy(stored: StoredTokens) -> StoredTokens:
-    """``stored`` as a read-only array of its own (same ids, same width)."""
-    out = np.array(stored, dtype=stored.dtype, order="C", copy=True)
-    out.flags.writeable = False
+    at, n = np.array([arena.ctypes.data], np.int64), np.array([len(arena)], np.int64)
+    (out,) = _stored_rows(at, -1, n)  # (no ids: a content of its own all the same)
     return out
 
 
@@ -142,57 +136,56 @@ def form_sizes(lens: npt.NDArray[Any], forms: npt.NDArray[np.int64]) -> npt.NDAr
     return np.where(forms < FORM_PLANES, n * forms, planes)
 
 
+def content_sizes(lens: npt.NDArray[Any], forms: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """Bytes of each content (``lens[i]`` ids in form ``forms[i]``), its header included."""
+    return form_sizes(lens, forms) + np.where(forms < FORM_PLANES, forms, 0)
+
+
 def stored_shapes(
-    arrays: Sequence[StoredTokens],
+    contents: Sequence[StoredTokens],
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """How many ids each stored array holds and its form code (``planes.FORM_*``), in one
+    """How many ids each stored content holds and its form code (``planes.FORM_*``), in one
     compiled pass (a snapshot reads them for every chunk)."""
-    n = len(arrays)
-    counts = np.fromiter(map(len, arrays), np.int64, n)
-    itemsizes = np.fromiter(map(_ITEMSIZE, arrays), np.int64, n)
+    n = len(contents)
+    counts = np.empty(n, np.int64)
     forms = np.empty(n, np.int64)
-    handles = np.array(array_handles(list(arrays)), np.int64)
-    _shapes(handles, ARRAY_DATA_OFFSET, itemsizes, counts, forms)
+    if OBJECT_LAYOUT is None:  # pragma: no cover - not CPython
+        counts[:] = list(map(token_count, contents))
+        forms[:] = list(map(content_form, contents))
+        return counts, forms
+    handles = np.fromiter(map(id, contents), np.int64, n)
+    if not content_shapes(handles, OBJECT_LAYOUT.size, BYTES_DATA_OFFSET, counts, forms):
+        raise ValueError("not a token content (bad header or length)")
     return counts, forms
-
-
-_ITEMSIZE = attrgetter("itemsize")
 
 
 def stored_batch(arrays: Sequence[TokenArray | None]) -> list[StoredTokens | None]:
     """:func:`stored_one` of each array (``None`` stays ``None``), two compiled passes for
-    the batch; entries that share an input array share its stored array. (Per entry this is
-    an allocation and a flag: the checks run as C-level maps, not as Python code per entry.)"""
-    return _stored_batch(arrays)[0]
-
-
-def _stored_batch(arrays: Sequence[TokenArray | None]) -> tuple[list[StoredTokens | None], bool]:
-    """:func:`stored_batch`, and whether every stored array was allocated here (no caller's
-    array kept)."""
+    the batch; entries that share an input array share its stored content. (Per entry this
+    is an allocation: the checks run as C-level maps, not as Python code per entry.)"""
     srcs = [a for a in arrays if a is not None]
     fast = _u32_rows(srcs)
     if fast is not None:  # the usual batch: one compiled check instead of three maps
         outs = _stored_rows(*fast)
         if len(outs) == len(arrays):
-            return outs, True  # type: ignore[return-value]
+            return outs  # type: ignore[return-value]
         rows = iter(outs)
-        return [None if a is None else next(rows) for a in arrays], True
+        return [None if a is None else next(rows) for a in arrays]
     ids = list(map(id, srcs))
     distinct = dict(zip(ids, srcs, strict=True))
     if len(distinct) != len(srcs):
         srcs = list(distinct.values())
     if not srcs:
-        return list(arrays), True
+        return list(arrays)  # type: ignore[arg-type]
     if set(map(_DTYPE, srcs)) != {_U32} or set(map(_STRIDES, srcs)) != {(4,)}:
         stored = {key: stored_one(a) for key, a in distinct.items()}  # uncommon inputs
-        allocated = all(map(is_not, stored.values(), distinct.values()))
-        return [None if a is None else stored[id(a)] for a in arrays], allocated
+        return [None if a is None else stored[id(a)] for a in arrays]
     lens = np.fromiter(map(len, srcs), np.int64, len(srcs))
     outs = _stored_rows(np.array(array_handles(srcs), np.int64), ARRAY_DATA_OFFSET, lens)
     if len(outs) == len(arrays):  # no None, no shared input: entry for entry
-        return outs, True  # type: ignore[return-value]
+        return outs  # type: ignore[return-value]
     by_id = dict(zip(distinct, outs, strict=True))
-    return [None if a is None else by_id[id(a)] for a in arrays], True
+    return [None if a is None else by_id[id(a)] for a in arrays]
 
 
 def _u32_rows(
@@ -216,37 +209,27 @@ def _u32_rows(
 def _stored_rows(
     srcs: npt.NDArray[np.int64], src_off: int, lens: npt.NDArray[np.int64]
 ) -> list[StoredTokens]:
-    """Stored arrays of the ``uint32`` rows ``srcs`` (``lens[j]`` ids each, > 0 or an array
-    handle; read through ``src_off`` as ``_data`` reads them): which form each row needs,
-    then each array allocated (by C-level maps, no Python per row) and written."""
+    """Stored contents of the ``uint32`` rows ``srcs`` (``lens[j]`` ids each, > 0 or an
+    array handle; read through ``src_off`` as ``_data`` reads them): which form each row
+    needs, then each content allocated (zeroed ``bytes``, by a C-level map: no Python per
+    row) and written in place (its only reference is here until it is returned)."""
     n = len(lens)
     forms = np.empty(n, np.int64)
     sizes = np.empty(n, np.int64)
     _forms(srcs, src_off, lens, forms, sizes)
-    outs: list[StoredTokens] = list(map(np.empty, sizes.tolist(), _dtypes(forms)))
-    dsts = np.array(array_handles(outs), np.int64)
-    _write_rows(srcs, src_off, lens, dsts, ARRAY_DATA_OFFSET, forms)
-    read_only(outs)
+    outs: list[StoredTokens] = list(map(bytes, sizes.tolist()))
+    dsts = np.fromiter(map(id, outs), np.int64, n)
+    dsts += BYTES_DATA_OFFSET
+    _write_rows(srcs, src_off, lens, dsts, forms)
     return outs
-
-
-def _dtypes(forms: npt.NDArray[np.int64]) -> Iterable[np.dtype[Any]]:
-    """The dtype of each row's array (one repeated dtype when all rows agree: no per-row
-    lookup)."""
-    if not len(forms):
-        return ()
-    first = int(forms[0])
-    if bool((forms == first).all()):
-        return repeat(FORM_DTYPES[first])
-    return map(FORM_DTYPES.__getitem__, forms.tolist())
 
 
 def stored_from_arena(
     arena: TokenArray, starts: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64]
 ) -> list[StoredTokens | None]:
     """Stored arrays of ``arena[starts[j]:starts[j] + lengths[j]]`` (length 0: ``None``), each
-    owning its memory (never a view that would pin the arena): two compiled passes for all
-    (which form each row needs, then the copies into arrays of that form)."""
+    a content of its own (never a view that would pin the arena): two compiled passes for all
+    (which form each row needs, then the copies into contents of that form)."""
     arena = np.ascontiguousarray(arena, dtype=np.uint32)
     starts, lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
     lens = lengths.tolist()
@@ -265,16 +248,15 @@ def stored_from_arena(
     return [next(it) if n else None for n in lens]
 
 
-def stored_columns(cols: EntryColumns) -> tuple[list[StoredTokens | None], bool]:
-    """Each entry's tokens of a columnar batch, stored, and whether every array was allocated
-    here (read-only, owning its memory, C-contiguous): straight from the batch's arena when no
-    two entries share a row (the usual body; a token-less entry has no row, though its start
-    is the next entry's), else through :meth:`EntryColumns.token_arrays`, which gives entries
-    of one content one array (and so one stored array; a caller's array may be kept: then
-    not every array was allocated here)."""
+def stored_columns(cols: EntryColumns) -> list[StoredTokens | None]:
+    """Each entry's tokens of a columnar batch, stored (contents the directory made, so
+    their index adds may be vouched for): straight from the batch's arena when no two
+    entries share a row (the usual body; a token-less entry has no row, though its start is
+    the next entry's), else through :meth:`EntryColumns.token_arrays`, which gives entries
+    of one content one array (and so one stored content)."""
     if cols.token_objects is None and not cols.rows_shared():
-        return stored_from_arena(cols.tokens, cols.token_starts, cols.token_lengths), True
-    return _stored_batch(cols.token_arrays())
+        return stored_from_arena(cols.tokens, cols.token_starts, cols.token_lengths)
+    return stored_batch(cols.token_arrays())
 
 
 @jit
@@ -287,8 +269,8 @@ def _data(handle: Any, data_off: Any) -> Any:
 @jit
 def _forms(srcs: Any, src_off: Any, lens: Any, forms: Any, sizes: Any) -> None:
     """Per row: ``forms[j]`` = the form its ids need (by the OR of its ``uint32`` ids, read
-    through a pointer: no index checks, the loop runs SIMD) and ``sizes[j]`` = the elements
-    of its stored array."""
+    through a pointer: no index checks, the loop runs SIMD) and ``sizes[j]`` = the bytes of
+    its content (header included)."""
     for j in range(srcs.shape[0]):
         n = lens[j]
         a: Any = u32_ptr(_data(srcs[j], src_off))  # type: ignore[call-arg]
@@ -297,41 +279,76 @@ def _forms(srcs: Any, src_off: Any, lens: Any, forms: Any, sizes: Any) -> None:
             high |= a[k]
         form = form_of(high, n)
         forms[j] = form
-        sizes[j] = n if form < FORM_PLANES else planes_nbytes(n, form - FORM_PLANES)
+        sizes[j] = form * (n + 1) if form < FORM_PLANES else planes_nbytes(n, form - FORM_PLANES)
 
 
 @jit
-def _write_rows(srcs: Any, src_off: Any, lens: Any, dsts: Any, dst_off: Any, forms: Any) -> None:
-    """Row ``j`` (``uint32`` ids) into the array ``dsts[j]`` in form ``forms[j]``."""
+def _write_rows(srcs: Any, src_off: Any, lens: Any, dsts: Any, forms: Any) -> None:
+    """Row ``j`` (``uint32`` ids) into the zeroed content at address ``dsts[j]`` in form
+    ``forms[j]``, header first (``blend/kernels/contents.py``)."""
     for j in range(srcs.shape[0]):
         n = lens[j]
         src = _data(srcs[j], src_off)
-        dst = _data(dsts[j], dst_off)
+        dst = dsts[j]
         a: Any = u32_ptr(src)  # type: ignore[call-arg]
         form = forms[j]
         if form == FORM_U16:
-            b: Any = u16_ptr(dst)  # type: ignore[call-arg]
+            u8_ptr(dst)[1] = np.uint8(FORM_U16)  # type: ignore[call-arg]
+            b: Any = u16_ptr(dst + FORM_U16)  # type: ignore[call-arg]
             for k in range(n):
                 b[k] = np.uint16(a[k])
         elif form == FORM_U32:
-            w: Any = u32_ptr(dst)  # type: ignore[call-arg]
+            u8_ptr(dst)[1] = np.uint8(FORM_U32)  # type: ignore[call-arg]
+            w: Any = u32_ptr(dst + FORM_U32)  # type: ignore[call-arg]
             for k in range(n):
                 w[k] = a[k]
         else:
             planes_store(src, n, dst, form - FORM_PLANES)
 
 
+def empty_contents(lens: npt.NDArray[Any], forms: npt.NDArray[np.int64]) -> list[bytes | None]:
+    """A zeroed content for each of ``lens[i]`` ids in form ``forms[i]`` (0 ids: ``None``),
+    to be filled by :func:`fill_contents` before anyone reads it (one allocation each, by a
+    C-level map)."""
+    sizes = content_sizes(lens, forms)
+    present = lens > 0
+    if bool(present.all()):
+        return list(map(bytes, sizes.tolist()))  # type: ignore[arg-type]
+    made = iter(map(bytes, sizes[present].tolist()))
+    return [next(made) if n else None for n in present.tolist()]
+
+
+def fill_contents(
+    contents: list[bytes | None],
+    payloads: npt.NDArray[np.uint8],
+    lens: npt.NDArray[Any],
+    forms: npt.NDArray[np.int64],
+) -> None:
+    """Write into the contents of :func:`empty_contents` (nobody else holds them yet) their
+    headers and, one after another in ``payloads``, the bytes of their ids in their form (a
+    snapshot's token section, little-endian): one compiled pass."""
+    present = lens > 0
+    made = [c for c in contents if c is not None] if not bool(present.all()) else contents
+    dsts = np.fromiter(map(id, made), np.int64, len(made))
+    dsts += BYTES_DATA_OFFSET
+    kept = forms[present]
+    sizes = form_sizes(lens[present], kept)
+    if int(sizes.sum()) != len(payloads):
+        raise ValueError("token rows do not fill the section")
+    _fill(payloads, sizes, kept, dsts)
+
+
 @jit
-def _shapes(handles: Any, data_off: Any, itemsizes: Any, counts: Any, forms: Any) -> None:
-    """Per array (``counts[j]`` its length on entry): its form code and how many ids it
-    holds (a planes-form array's from its header and length, as ``planes_count`` reads
-    them)."""
-    for j in range(handles.shape[0]):
-        if itemsizes[j] != 1:
-            forms[j] = itemsizes[j]
-            continue
-        size = counts[j]
-        h = np.int64(u8_ptr(_data(handles[j], data_off))[0])  # type: ignore[call-arg]
-        forms[j] = FORM_PLANES + h
-        half = (size - HEADER) // 2  # as planes._planes_ids
-        counts[j] = half - h * ((half + 15 + h) // (16 + h))
+def _fill(payloads: Any, sizes: Any, forms: Any, dsts: Any) -> None:
+    """Content ``j`` (at ``dsts[j]``) = its header and the next ``sizes[j]`` bytes."""
+    at = 0
+    for j in range(dsts.shape[0]):
+        dst: Any = u8_ptr(dsts[j])  # type: ignore[call-arg]
+        form = forms[j]
+        skip = 0
+        if form < FORM_PLANES:
+            dst[1] = np.uint8(form)
+            skip = form
+        for k in range(sizes[j]):
+            dst[skip + k] = payloads[at + k]
+        at += sizes[j]

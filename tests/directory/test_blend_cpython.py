@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvatlas.directory.blend import _cpython, op_columns
+from kvatlas.directory.token_store import stored_one
 from kvatlas.keys import BlendMatch
 
 CASES = [(b"", 0, 0), (b"x" * 32, 5, 7), (bytes(range(32)), 1 << 40, 3), (b"\x00short", 256, 1)]
@@ -67,6 +68,17 @@ def _token_object(kind: str, chunk: int, dtype: str, writeable: bool) -> object:
     """One of the objects an add batch may hold for a content (``kind``)."""
     if kind == "list":
         return list(range(chunk))
+    if kind.startswith("content"):  # the directory's contents (kernels/contents.py)
+        top = {"uint16": 1 << 16, "uint32": 1 << 32, "uint8": 1 << 17, "int64": 1 << 24}
+        ids = np.arange(chunk, dtype=np.uint64) * 7919 % top.get(dtype, 1 << 20)
+        content = stored_one(ids.astype(np.uint32))
+        if kind == "content-short":
+            return stored_one(ids[:-1].astype(np.uint32))
+        if kind == "content-bad":  # a header no content has
+            return bytes([9 if writeable else 0, 3]) + content[2:]
+        if kind == "content-cut":  # a byte short
+            return content[:-1]
+        return _Bytes(content) if kind == "content-subclass" else content
     if kind == "subclass":  # an ndarray, but not exactly
         arr: np.ndarray = np.zeros(chunk, dtype).view(np.recarray)
     elif kind == "2-D":
@@ -77,7 +89,7 @@ def _token_object(kind: str, chunk: int, dtype: str, writeable: bool) -> object:
         arr = np.zeros(chunk - 1, dtype)
     elif kind == "strided":
         arr = np.zeros(2 * chunk, dtype)[::2]
-    elif kind == "view":  # contiguous, not owning: kept only as a view of a shared slab
+    elif kind == "view":  # contiguous, not owning: never kept by reference
         arr = np.zeros(2 * chunk, dtype)[:chunk]
     elif kind == "swapped":  # an equal-width dtype of the other byte order
         arr = np.zeros(chunk, np.dtype(dtype).newbyteorder())
@@ -91,16 +103,24 @@ class _Bytes(bytes):
     """A ``bytes`` subclass: its length and payload are whatever it says."""
 
 
-TOKEN_KINDS = ["array"] * 6 + [
-    "list",
-    "subclass",
-    "2-D",
-    "0-D",
-    "short",
-    "strided",
-    "view",
-    "swapped",
-]
+TOKEN_KINDS = (
+    ["array"] * 6
+    + ["content"] * 6
+    + [
+        "content-short",
+        "content-bad",
+        "content-cut",
+        "content-subclass",
+        "list",
+        "subclass",
+        "2-D",
+        "0-D",
+        "short",
+        "strided",
+        "view",
+        "swapped",
+    ]
+)
 HASH_OBJECTS = [b"", b"x", b"y" * 32, b"z" * 33, bytearray(b"w"), "text", 7, _Bytes(b"v")]
 
 
@@ -124,8 +144,9 @@ def test_compiled_column_check_equals_the_python_one(
     """``checked_objects`` (objects read through their CPython layout, compiled) decides as
     ``checked_in_python`` does and gives the same widths and lengths, on every kind of object
     an add batch may hold: exact arrays of each width and of other dtypes, read-only or not,
-    views, strided, 2-D, 0-D, short, a subclass, a swapped byte order, lists, hashes that are
-    not exact ``bytes``."""
+    views, strided, 2-D, 0-D, short, a subclass, a swapped byte order, lists, the directory's
+    contents (every form; short, malformed, a subclass), hashes that are not exact
+    ``bytes``."""
     assert _cpython.OBJECT_LAYOUT is not None  # CPython + numpy: located
     tokens = [_token_object(kind, chunk, dtype, w) for kind, dtype, w, _ in entries]
     hashes = [h for *_, h in entries]
@@ -139,11 +160,13 @@ def test_compiled_column_check_equals_the_python_one(
     assert fast[1].tolist() == slow[1].tolist() and fast[3].tolist() == slow[3].tolist()
 
 
-def test_column_check_keeps_views_of_shared_slabs_only() -> None:
-    slab = np.zeros(16, np.uint16)
-    view = slab[4:8]
+def test_column_check_never_keeps_views() -> None:
+    """A view may pin a larger buffer (a 1M-token request): never kept by reference."""
+    base = np.zeros(16, np.uint16)
+    view = base[4:8]
     view.flags.writeable = False
     assert op_columns.checked_objects([view], [b"h"], 4) is None
-    op_columns.share_slab(slab)
-    checked = op_columns.checked_objects([view], [b"h"], 4)
+    assert op_columns.checked_in_python([view], [b"h"], 4) is None
+    content = stored_one(np.arange(4, dtype=np.uint32))
+    checked = op_columns.checked_objects([content], [b"h"], 4)
     assert checked is not None and checked[1].tolist() == [2]

@@ -17,6 +17,7 @@ from kvatlas.directory import AddColumns, BlendIndex, KeyDirectory, load_snapsho
 from kvatlas.directory.blend import index as blend_index
 from kvatlas.directory.records import record_indexed
 from kvatlas.directory.snapshot import reader
+from kvatlas.directory.token_store import stored_one
 from kvatlas.keys import BlendNamespace
 from tests.directory.helpers import CS, Emitter, captured, entry, key
 from tests.directory.test_blend_index_oracle import SPACES, Oracle, canonical
@@ -29,7 +30,7 @@ COUNTS = ("contents", "occupants", "claims", "namespaces", "token_bytes", "token
 
 
 def stored(values: list[int]) -> np.ndarray[Any, Any]:
-    """A content as the directory keeps it: read-only, owning (the bulk path's kind)."""
+    """A read-only owning array: one the index keeps as it is (the bulk path)."""
     a = np.array(values, np.uint16 if max(values, default=0) < 1 << 16 else np.uint32)
     a.setflags(write=False)
     return a
@@ -163,69 +164,36 @@ def test_restore_with_blend_on_answers_as_the_live_directory(
     }
 
 
-def test_slab_views_take_the_columnar_path_and_other_views_do_not() -> None:
-    """A restore's contents (read-only views of a shared token slab) are kept as columns,
-    with no per-op validation and no copy; views of any other buffer are not (they could pin
-    a larger request): ``_kept_columns`` is the gate of the fast path."""
-    from kvatlas.directory.blend.op_columns import _kept_columns
-    from kvatlas.directory.token_slab import TokenSlab
+def test_contents_take_the_columnar_path_and_views_do_not() -> None:
+    """The directory's contents (``bytes``, ``kernels/contents.py``) and read-only owning
+    arrays are kept as columns, with no per-op validation and no copy; views are not (they
+    could pin a larger request), and the per-op gate (``_shareable``) agrees:
+    ``_kept_columns`` is the gate of the fast path."""
+    from kvatlas.directory.blend.op_columns import _kept_columns, _shareable
 
     n = 4
     ids = np.arange(n * CS, dtype=np.uint16)
-    slab = TokenSlab(ids.nbytes)
-    slab.buffer[:] = ids.view(np.uint8)
-    views = slab.cut(np.full(n, CS, np.uint32), np.full(n, 2, np.int64))
+    made = [stored_one(row) for row in ids.reshape(n, CS)]
     hashes = [bytes([i]) * 32 for i in range(n)]
     space = BlendNamespace("m")
 
     def columns(tokens: list[Any]) -> Any:
         return _kept_columns(AddColumns(tokens, hashes, np.zeros(n, np.int64), [space]), CS)
 
-    kept = columns(views)
-    assert kept is not None and all(a is b for a, b in zip(kept.tokens, views, strict=True))
-    other = ids.reshape(n, CS)  # views of an array nobody registered as a slab
-    other.setflags(write=False)
-    assert columns(list(other)) is None
+    kept = columns(made)
+    assert kept is not None and all(a is b for a, b in zip(kept.tokens, made, strict=True))
+    views = ids.reshape(n, CS)
+    views.setflags(write=False)
+    assert columns(list(views)) is None and not _shareable(views[0])
     owned = np.array(views[-1])
     assert columns([*views[:-1], owned]) is None  # writeable: the caller could change it
     owned.setflags(write=False)
-    assert columns([*views[:-1], owned]) is not None  # read-only owning arrays mix in
-
-
-def test_only_views_whose_base_is_a_live_shared_slab_are_kept_by_reference() -> None:
-    """The columnar gate and the per-op one (``_shareable``) agree on every kind of view: a
-    view of a slab view is a view of the slab (numpy collapses the base chain); the slab's
-    memory reached through another object (a memoryview), or a slab no longer alive, is not
-    a shared slab: such views are refused, never kept by reference."""
-    import gc
-
-    from kvatlas.directory.blend.op_columns import _SLABS, _kept_columns, _shareable
-    from kvatlas.directory.token_slab import TokenSlab
-
-    ids = np.arange(2 * CS, dtype=np.uint16)
-    slab = TokenSlab(ids.nbytes)
-    slab.buffer[:] = ids.view(np.uint8)
-    views = slab.cut(np.full(2, CS, np.uint32), np.full(2, 2, np.int64))
-    space = BlendNamespace("m")
-
-    def kept(arr: Any) -> bool:
-        op = AddColumns([arr], [bytes(32)], np.zeros(1, np.int64), [space])
-        columnar = _kept_columns(op, CS) is not None
-        assert columnar == _shareable(arr)
-        return columnar
-
-    assert kept(views[0][:]) and views[0][:].base is slab.buffer
-    through = np.frombuffer(memoryview(slab.buffer), np.uint16)[:CS]
-    assert not through.flags.writeable and not kept(through)
-    orphan = np.array(views[1])  # an unregistered owner of the same kind
-    orphan.setflags(write=False)
-    view = orphan[:]
-    del orphan
-    assert not kept(view)
-    buffer_id = id(slab.buffer)
-    del slab, views, through  # (the memoryview holds the buffer too)
-    gc.collect()
-    assert buffer_id not in _SLABS  # dead slabs leave the registry: their ids can be reused
+    assert columns([*made[:-1], owned]) is None  # a batch is contents or arrays
+    assert columns([np.array(v) for v in views]) is None  # writeable
+    frozen = [np.array(v) for v in views]
+    for a in frozen:
+        a.setflags(write=False)
+    assert columns(frozen) is not None and _shareable(frozen[0])
 
 
 @settings(max_examples=100, deadline=None)
@@ -239,21 +207,17 @@ def test_only_views_whose_base_is_a_live_shared_slab_are_kept_by_reference() -> 
     st.integers(1, 3),
 )
 def test_vouched_restore_columns_are_what_the_checked_path_keeps(
-    rows: list[tuple[int, int, int]], views: bool, n_spaces: int
+    rows: list[tuple[int, int, int]], as_contents: bool, n_spaces: int
 ) -> None:
     """What a restore hands the index vouched for (``AddColumns.vouched``: unchecked) is,
     column for column, what the checked path makes of the same adds: vouching skips checks,
-    never changes an input (slab views or owning arrays, both widths, several namespaces)."""
+    never changes an input (the directory's contents or owning arrays, several forms,
+    several namespaces)."""
     from kvatlas.directory.blend.op_columns import _kept_columns
-    from kvatlas.directory.token_slab import TokenSlab
 
-    arrays = contents(len(rows))
-    if views:  # the same ids as views of a shared slab, as a restore cuts them
-        slab = TokenSlab(sum(a.nbytes for a in arrays))
-        slab.buffer[:] = np.concatenate([a.view(np.uint8) for a in arrays])
-        arrays = slab.cut(
-            np.full(len(arrays), CS, np.uint32), np.array([a.itemsize for a in arrays])
-        )
+    arrays: list[Any] = contents(len(rows))
+    if as_contents:  # the same ids as the directory keeps them (a restore makes these)
+        arrays = [stored_one(a.astype(np.uint32)) for a in arrays]
     spaces = SPACES[:n_spaces]
     op = AddColumns(
         [arrays[c] for c, _, _ in rows],
@@ -264,7 +228,7 @@ def test_vouched_restore_columns_are_what_the_checked_path_keeps(
     )
     checked, vouched = _kept_columns(op, CS), _kept_columns(op._replace(vouched=True), CS)
     assert checked is not None and vouched is not None
-    for name in ("kinds", "hash_lens", "offsets", "token_bytes", "space_of", "owned"):
+    for name in ("kinds", "hash_lens", "offsets", "token_bytes", "space_of", "owned", "addrs"):
         assert np.array_equal(getattr(checked, name), getattr(vouched, name)), name
     assert checked.spaces == vouched.spaces
     assert all(a is b for a, b in zip(checked.tokens, vouched.tokens, strict=True))

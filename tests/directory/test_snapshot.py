@@ -149,52 +149,51 @@ def test_a_file_cut_short_while_its_ids_are_read_is_refused_and_changes_nothing(
     assert state(target) == before
 
 
-def test_contents_copied_while_the_ids_are_read_wait_for_them(
+def test_contents_are_filled_only_once_the_ids_are_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A wide content after an odd-length compact one starts unaligned: the restore copies
-    it instead of cutting a view, and the copy must wait for the read of the ids, which runs
-    on another thread (here held back until the cut is over or waits for it; without the
-    wait, the copy held zeros)."""
+    """Each chunk's content is allocated while the ids are read on another thread, and
+    filled from them once the read is joined (here the read starts only when it is waited
+    for: a content filled before would hold zeros). Odd lengths and every form, one after
+    another in the section."""
     from kvatlas.directory.snapshot import token_section
-    from kvatlas.directory.token_slab import TokenSlab
 
     d, em = KeyDirectory(CS), Emitter("a")
-    big = toks(1 << 16, 1, 2, 3)  # uint32, after 1 uint16 id: 2 bytes in
-    d.consume(em.batch("store", [entry(key(1), toks(5), 0), entry(key(2), big, 4)]))
+    big = toks(1 << 16, 1, 2, 3)  # uint32 (a short chunk: the planes form does not pay)
+    huge = toks((1 << 32) - 1, 7)
+    d.consume(
+        em.batch(
+            "store",
+            [entry(key(1), toks(5), 0), entry(key(2), big, 4), entry(key(3), huge, 8)],
+        )
+    )
     save_snapshot(d, tmp_path / "s.snap")
-    ready = threading.Event()
-    fill, cut, wait = token_section.fill, TokenSlab.cut, Future.result
+    waiting = threading.Event()
+    fill, wait = token_section.fill, Future.result
 
-    def late_fill(f: Any, view: memoryview, pos: int) -> None:
-        ready.wait(10)  # (a deadline for liveness only: the outcome does not depend on it)
+    def held_fill(f: Any, view: memoryview, pos: int) -> None:
+        waiting.wait(10)  # (a deadline for liveness only: the outcome does not depend on it)
         fill(f, view, pos)
 
-    def cut_then_release(self: TokenSlab, *args: Any) -> list[Any]:
-        try:
-            return cut(self, *args)
-        finally:
-            ready.set()
-
     def waited(self: Any, *args: Any) -> Any:
-        ready.set()
+        waiting.set()
         return wait(self, *args)
 
-    monkeypatch.setattr(token_section, "fill", late_fill)
-    monkeypatch.setattr(TokenSlab, "cut", cut_then_release)
+    monkeypatch.setattr(token_section, "fill", held_fill)
     monkeypatch.setattr(Future, "result", waited)  # the read, waited for
     restored = KeyDirectory(CS)
     load_snapshot(restored, tmp_path / "s.snap")
-    a, b = restored.lookup([key(1), key(2)])
+    a, b, c = restored.lookup([key(1), key(2), key(3)])
     assert a.content is not None and a.content.tolist() == [5]
     assert b.content is not None and b.content.tolist() == big.tolist()
+    assert c.content is not None and c.content.tolist() == huge.tolist()
 
 
 def test_the_index_rebuilt_from_the_readers_adds_sees_the_ids_read_last(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With blend on, the reader builds the records and the index adds (views of a slab not
-    filled yet) while the ids are read on another thread; here the read starts only once
+    """With blend on, the reader builds the records and the index adds (contents not filled
+    yet) while the ids are read on another thread; here the read starts only once
     the reader waits for it, so anything that looked at a content before (the adds, the
     records, the index build) would have seen zeros: every answer must be the saved one."""
     from kvatlas.directory.snapshot import token_section

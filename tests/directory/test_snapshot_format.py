@@ -134,7 +134,7 @@ def test_a_wide_file_from_before_the_planes_form_loads_in_the_forms_ids_need(
     for h, rec in want.items():
         mine, theirs = record_stored_tokens(got[h]), record_stored_tokens(rec)
         assert mine is not None and theirs is not None
-        assert (mine.dtype, mine.tobytes()) == (theirs.dtype, theirs.tobytes())
+        assert type(mine) is bytes and mine == theirs  # the header names the form
     if blend:
         for n, t in WIDE_CONTENTS.items():
             q = np.array([9, *t], dtype=np.uint32)

@@ -1,15 +1,13 @@
-"""Restore from token slabs: a restored directory is the saved one (placements, contents,
-counts, blend answers against the brute-force oracle), before and after further changes;
-contents are views of one slab, cut correctly whatever the widths and lengths; a slab is freed
-once most of its chunks are gone, and the blend index follows the copies."""
+"""Restore: a restored directory is the saved one (placements, contents, counts, blend answers
+against the brute-force oracle), before and after further changes; each content is filled
+from the section read into one buffer, correctly whatever the forms and lengths, and the
+buffer is freed."""
 
 from __future__ import annotations
 
 import dataclasses
 import gc
 import tracemalloc
-import weakref
-from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +17,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvatlas.directory import KeyDirectory, load_snapshot, save_snapshot
+from kvatlas.directory.blend.kernels.planes import FORM_U16
 from kvatlas.directory.records import record_offset, record_stored_tokens, record_tokens, shape_ids
-from kvatlas.directory.token_slab import TokenSlab
+from kvatlas.directory.token_store import (
+    empty_contents,
+    fill_contents,
+    stored_form,
+    stored_one,
+    stored_payload,
+    widened,
+)
 from kvatlas.events import CacheEntry
 from kvatlas.keys import BlendNamespace
 from tests.directory.helpers import CS, Emitter, captured, entry, key, toks
@@ -89,7 +95,7 @@ token_ids = st.one_of(st.integers(0, 50), st.just(BIG))
 contents = st.one_of(
     st.none(),
     st.lists(token_ids, min_size=CS, max_size=CS),
-    st.lists(token_ids, min_size=1, max_size=CS + 3),  # odd lengths: unaligned wide contents
+    st.lists(token_ids, min_size=1, max_size=CS + 3),  # odd lengths
 )
 store_entries = st.lists(
     st.tuples(
@@ -153,7 +159,7 @@ def test_restore_is_the_saved_directory_before_and_after_more_changes(
     apply([d, restored, plain], emitters, after)  # removals, rebinds, re-stores
     assert view(restored) == view(d) == view(plain)
     assert_same_answers(restored, d)
-    save_snapshot(restored, tmp_path / "again.snap")  # views are written like arrays
+    save_snapshot(restored, tmp_path / "again.snap")  # restored contents written again
     again = KeyDirectory(CS, enable_blend_lookup=True)
     load_snapshot(again, tmp_path / "again.snap")
     assert view(again) == view(d)
@@ -165,15 +171,17 @@ def test_restore_is_the_saved_directory_before_and_after_more_changes(
     assert_same_answers(restored, d)
 
 
-def test_a_slab_is_seen_by_tracemalloc_until_it_is_freed() -> None:
-    """Memory measurements (``bench directory``, tracemalloc) count a restore's slab (an
-    anonymous mapping, which the allocators tracemalloc hooks never see)."""
+def test_the_read_buffer_is_seen_by_tracemalloc_until_it_is_freed() -> None:
+    """Memory measurements (``bench directory``, tracemalloc) count a restore's read buffer
+    (an anonymous mapping, which the allocators tracemalloc hooks never see)."""
+    from kvatlas.directory.snapshot.token_section import _zeroed
+
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        slab = TokenSlab(1 << 20)
+        buffer, into = _zeroed(1 << 20)
         assert tracemalloc.get_traced_memory()[0] - before >= 1 << 20
-        del slab
+        del buffer, into
         gc.collect()
         assert tracemalloc.get_traced_memory()[0] - before < 1 << 16
     finally:
@@ -181,100 +189,30 @@ def test_a_slab_is_seen_by_tracemalloc_until_it_is_freed() -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 5), st.sampled_from([2, 4]))))
-def test_cut_gives_each_chunk_its_ids_read_only(shapes: list[tuple[int, int]]) -> None:
+@given(st.lists(st.tuples(st.integers(0, 300), st.sampled_from([2, 4, 17, 18, 24]))))
+def test_filled_contents_hold_each_chunks_ids(shapes: list[tuple[int, int]]) -> None:
+    """What a restore makes of a token section: each chunk's content (``None``: no ids) is
+    the one the directory stores for its ids, whatever the forms and lengths before it."""
     rng = np.random.default_rng(len(shapes))
-    rows = [rng.integers(0, 1 << (8 * w), n, dtype=np.uint64) for n, w in shapes]
-    raw = b"".join(r.astype(np.uint16 if w == 2 else np.uint32).tobytes() for r, (_, w) in
-                   zip(rows, shapes, strict=True))  # fmt: skip
-    slab = TokenSlab(len(raw))
-    slab.buffer[:] = np.frombuffer(raw, np.uint8)
-    lens = np.array([n for n, _ in shapes], np.uint32)
-    got = slab.cut(lens, np.array([w for _, w in shapes], np.int64))
-    assert len(got) == len(shapes)
-    out = None
-    for out, want, (n, w) in zip(got, rows, shapes, strict=True):
-        if not n:
+    rows, forms = [], []
+    for n, form in shapes:
+        top = {2: 1 << 16, 4: 1 << 32}.get(form, 1 << (form - 16 + 16))
+        row = rng.integers(0, top, n, dtype=np.uint64).astype(np.uint32)
+        if n and form > 4:
+            row[0] = top - 1  # the planes form of exactly h high bits, where it pays
+        stored = stored_one(row)
+        rows.append((row, stored))
+        forms.append(stored_form(stored))
+    lens = np.array([n for n, _ in shapes], np.int64)
+    forms_of = np.array(forms, np.int64)
+    section = b"".join(bytes(stored_payload(c)) for (r, c) in rows if len(r))
+    got = empty_contents(lens, forms_of)
+    fill_contents(got, np.frombuffer(section, np.uint8), lens, forms_of)
+    for out, (row, stored) in zip(got, rows, strict=True):
+        if not len(row):
             assert out is None
             continue
-        assert out.tolist() == want.tolist() and out.itemsize == w
-        assert not out.flags.writeable and out.flags.c_contiguous and out.flags.aligned
-        assert out.base is slab.buffer or out.flags.owndata  # a view, or a copy if unaligned
-        if not out.flags.owndata:  # nor can a reader make a view writable
-            with pytest.raises(ValueError):
-                out.flags.writeable = True
-    live = slab.live()
-    assert live == slab.views == sum(1 for o in got if o is not None and not o.flags.owndata)
-    del got, out
-    live = slab.live()
-    assert live == 0 and (slab.mostly_dead() or not slab.views)
-
-
-def slab_directory(tmp_path: Path, blend: bool, n: int = 40) -> tuple[KeyDirectory, Emitter]:
-    """``n`` bound, indexed chunks, restored (each content a view of one slab)."""
-    d, em = KeyDirectory(CS, enable_blend_lookup=blend), Emitter("a")
-    d.consume(em.batch("store", [entry(key(i), toks(i, i, i, BIG), 4 * i) for i in range(n)]))
-    save_snapshot(d, tmp_path / "s.snap")
-    restored = KeyDirectory(CS, enable_blend_lookup=blend)
-    load_snapshot(restored, tmp_path / "s.snap")
-    return restored, em
-
-
-def slab_views(d: KeyDirectory, buffer: Any) -> int:
-    """How many records' contents are views of ``buffer`` (``None``: freed, none)."""
-    if buffer is None:
-        return 0
-    return sum(1 for rec in captured(d).values() if record_stored_tokens(rec).base is buffer)
-
-
-@pytest.mark.parametrize("blend", [True, False], ids=["blend", "plain"])
-def test_a_mostly_dead_slab_is_freed_and_the_rest_copied_out(tmp_path: Path, blend: bool) -> None:
-    d, em = slab_directory(tmp_path, blend)
-    (slab,) = d._chunks.slabs
-    buffer = weakref.ref(slab.buffer)
-    live = slab.live()  # (before an assert's temporaries hold the buffer)
-    assert slab.views == slab_views(d, slab.buffer) == live == 40
-    if blend:
-        stats = d.stats().blend
-        assert stats is not None and stats.token_bytes_owned == 0  # the index shares the views
-    d.consume(em.batch("delete", [entry(key(i)) for i in range(20)]))  # half: not yet
-    live = slab.live()
-    assert d._chunks.slabs == [slab] and live == 20 == slab_views(d, slab.buffer)
-    d.consume(em.batch("delete", [entry(key(20))]))  # more than half: copied out at the
-    d.consume(em.batch("access", [entry(key(39))], ts=1.0))  # next change (the index let go)
-    del slab
-    gc.collect()
-    assert buffer() is None and d._chunks.slabs == []
-    for i in range(21, 40):  # the rest kept their ids, in their own arrays
-        (kp,) = d.lookup([key(i)])
-        assert kp.content is not None and kp.content.tolist() == [i, i, i, BIG]
-        if blend:
-            (m,) = d.blend_match(toks(1, i, i, i, BIG), NAMESPACES[0])
-            assert (m.chunk_hash, m.old_st, m.cur_st) == (key(i).chunk_hash, 4 * i, 1)
-    for i in range(21):
-        assert d.blend_match(toks(i, i, i, BIG), NAMESPACES[0]) == []
-    if blend:
-        stats = d.stats().blend
-        assert stats is not None and stats.contents == 19 and stats.token_bytes_owned == 0
-
-
-def test_copying_out_is_bounded_per_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("kvatlas.directory.chunk_slabs._RECLAIM_WORK", 64)  # 4 copies a step
-    d, em = slab_directory(tmp_path, True, n=200)
-    (slab,) = d._chunks.slabs
-    buffer = weakref.ref(slab.buffer)  # (a reference would count as a live view)
-    del slab
-    d.consume(em.batch("delete", [entry(key(i)) for i in range(101)]))
-    d.consume(em.batch("access", [entry(key(199))], ts=0.5))
-    left = [slab_views(d, buffer())]
-    while left[-1] and len(left) < 200:
-        d.consume(em.batch("access", [entry(key(199))], ts=len(left)))  # any change: a step
-        left.append(slab_views(d, buffer()))
-    assert left[0] < 99 and left[-1] == 0 and len(left) > 10  # many steps, each a few copies
-    assert all(a - b <= 4 for a, b in pairwise(left))
-    gc.collect()
-    assert buffer() is None and d._chunks.slabs == [] and d._chunks._reclaim is None
-    assert_same_answers(d, d)
+        assert type(out) is bytes and out == stored and widened(out).tolist() == row.tolist()
 
 
 def test_stats_of_a_restore_after_deletes_are_the_saved_ones(tmp_path: Path) -> None:
@@ -301,10 +239,9 @@ def test_a_version_1_file_is_compacted_a_group_of_chunks_at_a_time(
     d = KeyDirectory(CS)
     load_snapshot(d, GOLDEN_V1)
     assert view(d) == view(golden_directory())
-    assert d._chunks.slabs == []  # contents of their own, compact where they fit
-    for rec in captured(d).values():
+    for rec in captured(d).values():  # compact where they fit
         tokens = record_stored_tokens(rec)
-        assert tokens is None or (tokens.flags.owndata and tokens.dtype == np.uint16)
+        assert tokens is None or stored_form(tokens) == FORM_U16
 
 
 @settings(max_examples=30, deadline=None)

@@ -16,16 +16,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvatlas.directory import BlendIndex, KeyDirectory, load_snapshot, save_snapshot, token_store
-from kvatlas.directory.blend.kernels.planes import PLANES, stored_nbytes
+from kvatlas.directory.blend.kernels.contents import content_count
+from kvatlas.directory.blend.kernels.planes import PLANES, planes_count, stored_nbytes
 from kvatlas.directory.records import record_stored_tokens, record_tokens
 from kvatlas.directory.snapshot.format import PREFIX, Header
 from kvatlas.directory.token_store import (
     COMPACT_LIMIT,
     stored_batch,
     stored_equal,
+    stored_form,
     stored_from_arena,
     stored_one,
+    stored_payload,
     stored_shapes,
+    stored_view,
     token_count,
     widened,
 )
@@ -73,21 +77,33 @@ def ro(values: list[int]) -> Any:
     return a
 
 
+def form_code_name(form: int) -> str:
+    return {2: "uint16", 4: "uint32"}.get(form, "planes")
+
+
 def form_name(stored: Any) -> str:
-    return "planes" if stored.dtype is PLANES else str(stored.dtype)
+    return form_code_name(stored_form(stored))
+
+
+HEADERS = {"uint16": b"\x00\x02", "uint32": b"\x00\x04\x00\x00", "planes": b""}
+"""What a content holds before the bytes of its form (``blend/kernels/contents.py``)."""
 
 
 def check_stored(stored: Any, values: list[int]) -> None:
-    """Same ids, the form and bytes of the brute-force encoder, read-only and owning its
-    memory; widened back exactly; its count and shape read back."""
+    """Same ids, the form and bytes of the brute-force encoder after the header naming the
+    form, in one immutable ``bytes`` (its ids inline); widened back exactly; its count,
+    shape and view read back."""
     form, raw = oracle_stored(values)
-    assert (form_name(stored), stored.tobytes()) == (form, raw)
+    assert type(stored) is bytes and stored == HEADERS[form] + raw
+    assert (form_name(stored), bytes(stored_payload(stored))) == (form, raw)
     wide = widened(stored)
     assert wide.dtype == np.uint32 and not wide.flags.writeable and wide.tolist() == values
-    assert token_count(stored) == len(values)
+    assert token_count(stored) == len(values) == content_count(stored)
     assert stored_shapes([stored])[0].tolist() == [len(values)]
-    assert not stored.flags.writeable and stored.flags.c_contiguous
-    assert stored.flags.owndata or stored.base is None
+    assert stored_shapes([stored])[1].tolist() == [stored_form(stored)]
+    view = stored_view(stored)
+    assert not view.flags.writeable and view.flags.aligned and view.tobytes() == raw
+    assert view.dtype == {"uint16": np.uint16, "uint32": np.uint32}.get(form, PLANES)
 
 
 token_ids = st.one_of(
@@ -125,8 +141,7 @@ def test_stored_from_arena_round_trips_every_row(rows: list[list[int]]) -> None:
         if not row:
             assert stored is None
         else:
-            check_stored(stored, row)
-            assert stored.base is None  # its own memory: never a view pinning the arena
+            check_stored(stored, row)  # its own bytes: never a view pinning the arena
 
 
 @settings(max_examples=200, deadline=None)
@@ -152,7 +167,7 @@ def test_boundary_ids_round_trip_in_every_form_and_length() -> None:
                     check_stored(stored, values)
                 assert stored_equal(a, b) and stored_equal(b, c)
     llama3 = stored_one(np.arange(128_000, 128_256, dtype=np.uint32))
-    assert form_name(llama3) == "planes" and llama3.nbytes == 546  # 17 bits per id + 2
+    assert form_name(llama3) == "planes" and len(llama3) == 546  # 17 bits per id + 2
 
 
 def test_a_single_id_that_does_not_fit_keeps_the_chunk_wide() -> None:
@@ -193,8 +208,9 @@ def test_directory_answers_exact_ids_for_compact_wide_and_mixed_chunks() -> None
         assert [(x.chunk_hash, x.old_st, x.cur_st) for x in m] == [(key(n).chunk_hash, 4 * n, 2)]
     assert forms == {1: "uint16", 2: "planes", 3: "uint32"}
     stats = d.stats().blend
-    assert stats is not None and stats.token_bytes == 2 * CS + 12 + 4 * CS  # planes: 2 + 8 + 2
-    assert stats.token_bytes_owned == 0  # the index shares the directory's arrays
+    # the ids' bytes (a content's header not counted): planes 2 + 8 + 2
+    assert stats is not None and stats.token_bytes == 2 * CS + 12 + 4 * CS
+    assert stats.token_bytes_owned == 0  # the index shares the directory's contents
 
 
 def test_a_content_stored_again_wide_is_the_same_content() -> None:
@@ -216,10 +232,9 @@ def downgrade(v3: bytes, version: int) -> bytes:
     arena, pos, tokens = v3[PREFIX.size + header_len :], 0, []
     for n, form in zip(lens, forms, strict=True):
         size = stored_nbytes(n, form)
-        raw = np.frombuffer(arena, np.uint8, size, pos)
+        raw = arena[pos : pos + size]
         pos += size
-        dtype = {2: np.dtype("<u2"), 4: np.dtype("<u4")}.get(form, PLANES)
-        tokens.append(widened(raw.view(dtype)))
+        tokens.append(widened(HEADERS[form_code_name(form)] + raw))
     assert pos == len(arena)
     wide = [4 if f > 4 else f for f in forms] if version == 2 else []
     if version == 2:
@@ -262,8 +277,7 @@ def test_snapshots_keep_every_form_and_older_files_load_in_the_forms_ids_need(
     for n, t in contents.items():
         stored = record_stored_tokens(captured(restored)[key(n).chunk_hash])
         assert stored is not None
-        assert (form_name(stored), stored.tobytes()) == oracle_stored(t)
-        assert widened(stored).tolist() == t
+        check_stored(stored, t)
         q = np.array([0, *t], dtype=np.uint32)
         assert [m.old_st for m in restored.blend_match(q, NS)] == [4 * n]
     assert record_stored_tokens(captured(restored)[key(9).chunk_hash]) is None
@@ -337,9 +351,8 @@ def test_a_body_with_token_less_entries_is_stored_straight_from_its_arena(
         raise AssertionError("stored entry by entry")
 
     monkeypatch.setattr(token_store, "stored_batch", per_entry)
-    stored, allocated = token_store.stored_columns(cols)
-    assert allocated
-    assert [None if s is None else s.tolist() for s in stored] == [
+    stored = token_store.stored_columns(cols)
+    assert [None if s is None else widened(s).tolist() for s in stored] == [
         None if e["token_ids"] is None else e["token_ids"] for e in entries
     ]
 
@@ -352,7 +365,7 @@ def test_planes_contents_match_only_with_their_high_bits() -> None:
     genuine = rng.integers(0, 128_256, 256, dtype=np.uint32)
     genuine[0] = 0x1_0000  # an id of each kind: the planes form with one high bit
     stored = stored_one(genuine)
-    assert form_name(stored) == "planes" and stored.nbytes == 546
+    assert form_name(stored) == "planes" and len(stored) == 546
     index.add(stored, b"g" * 32, 512, NS)
     pad = np.array([1, 2, 3], dtype=np.uint32)
     for k, flip in ((0, 0x1_0000), (1, 0x2_0000), (200, 0x1_0000), (255, 1 << 31)):
@@ -378,14 +391,37 @@ def test_a_malformed_planes_array_is_refused_not_read() -> None:
         arr.flags.writeable = False
         return arr
 
-    body = good.tobytes()[2:]
-    for raw in (b"\x00\x00" + body, b"\x09\x00" + body, good.tobytes() + b"\x00", b"\x01"):
+    body = good[2:]
+    for raw in (b"\x00\x00" + body, b"\x09\x00" + body, good + b"\x00", b"\x01"):
         with pytest.raises(ValueError):
             index.add(planes(raw), b"h", 0, NS)
         with pytest.raises(ValueError):
             index.add_many([(planes(raw), b"h", 0, NS)])
-    for raw, n in ((good.tobytes()[:-2], 3), (good.tobytes() + b"\x00\x00", 5)):
-        assert token_count(planes(raw)) == n
+        with pytest.raises(ValueError):  # the same bytes as a content
+            index.add(raw, b"h", 0, NS)
+        with pytest.raises(ValueError):
+            index.add_many([(raw, b"h", 0, NS)])
+    for raw, n in ((good[:-2], 3), (good + b"\x00\x00", 5)):
+        assert planes_count(planes(raw)) == n == content_count(raw)
         index.add(planes(raw), b"h", 0, NS)
         index.add_many([(planes(raw), b"h", 0, NS)])
+        index.add(raw, b"h", 0, NS)
+        index.add_many([(raw, b"h", 0, NS)])
+    assert index.stats().contents == 0
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"\x00", b"\x00\x03\x00\x00", b"\x00\x02\x00", b"\x00\x04\x00\x00\x01", b"\x00\x01"],
+)
+def test_a_malformed_plain_content_is_refused_not_read(raw: bytes) -> None:
+    """``bytes`` handed to the index are read as a content only when well formed: a header
+    of no form, or a length that is not a whole number of ids after it, is refused."""
+    index = BlendIndex(chunk_size=4)
+    with pytest.raises(ValueError):
+        content_count(raw)
+    with pytest.raises(ValueError):
+        index.add(raw, b"h", 0, NS)
+    with pytest.raises(ValueError):
+        index.add_many([(raw, b"h", 0, NS)])
     assert index.stats().contents == 0

@@ -7,7 +7,6 @@ the compiled kernels, one module per structure.
 """
 
 from kvatlas.directory.blend.index import BlendIndex, BlendStats, MatchColumns
-from kvatlas.directory.blend.op_columns import share_slab
 from kvatlas.directory.blend.ops import (
     AddColumns,
     AddOp,
@@ -25,5 +24,4 @@ __all__ = [
     "MatchColumns",
     "RemoveChunkOp",
     "RemoveClaimOp",
-    "share_slab",
 ]

@@ -15,22 +15,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import blake3
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.directory.blend import _cpython
 from kvatlas.directory.blend.kernels.fingerprints import (
     RELEASE_CONTENTS,
     content_fingerprints,
     content_fingerprints_releasing,
 )
 from kvatlas.directory.blend.kernels.modhash import MERSENNE61, SCHEME
-
-_ITEMSIZE = attrgetter("itemsize")
+from kvatlas.directory.blend.op_columns import Tokens, addresses, token_widths
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,22 +49,26 @@ class FingerprintKey:
             and self.chunk_size >= 1
         )
 
-    def of(self, arrays: Sequence[npt.NDArray[Any]]) -> npt.NDArray[np.uint64]:
-        """The fingerprints of ``arrays``: contents as the directory stores them (read-only,
-        C-contiguous ``uint16``, ``uint32`` or planes form, of ``chunk_size`` ids each, which
-        the caller guarantees: they are read by address)."""
-        n = len(arrays)
+    def of(self, contents: Sequence[Tokens]) -> npt.NDArray[np.uint64]:
+        """The fingerprints of ``contents``, as the directory stores them (``bytes`` contents,
+        or read-only C-contiguous ``uint16``, ``uint32`` or planes-form arrays), of
+        ``chunk_size`` ids each, which the caller guarantees: they are read by address."""
+        n = len(contents)
         out = np.empty(n, np.uint64)
         if not n:
             return out
-        off = _cpython.ARRAY_DATA_OFFSET
-        if off >= 0:
-            handles = np.fromiter(map(id, arrays), np.int64, n)
-        else:  # pragma: no cover - not CPython + numpy
-            handles = np.array([a.ctypes.data for a in arrays], np.int64)
-        widths = np.fromiter(map(_ITEMSIZE, arrays), np.int64, n)  # 1: the planes form
+        tokens = list(contents)
+        widths = token_widths(tokens)  # 1: the planes form
         kernel = content_fingerprints if n < RELEASE_CONTENTS else content_fingerprints_releasing
-        kernel(handles, off, widths, self.chunk_size, self.base, (1 << self.bits) - 1, out)
+        kernel(
+            addresses(tokens, widths),
+            -1,
+            widths,
+            self.chunk_size,
+            self.base,
+            (1 << self.bits) - 1,
+            out,
+        )
         return out
 
     def digest(self, pieces: Iterable[bytes]) -> bytes:

@@ -16,12 +16,12 @@ A derived view of the directory's token bindings (docs/blend-index.md). Guarante
   validated and applied with scalars (``op_columns.single_op``, ``kernels.apply_op``):
   the same checks, errors and state as its column form.
 
-Memory: tokens are not copied when the caller hands in a read-only, self-owned ``uint32`` or
-``uint16`` array, or one in the planes form (what the directory does: ``uint16`` when every
-id fits, the planes form for ids below 2^24, see ``directory/token_store.py``): the index
-keeps a reference and its address, so the directory binding and the index share one array
-per content. Anything else is copied once (``uint16``
-stays ``uint16``, the rest becomes ``uint32``). Chunk hashes
+Memory: tokens are not copied when the caller hands in a content as the directory keeps
+it (one ``bytes`` object, its ids inline in the form they need: ``kernels/contents.py``,
+``directory/token_store.py``) or a read-only, self-owned ``uint32`` or ``uint16`` array, or
+one in the planes form: the index keeps a reference and its ids' address, so the directory
+binding and the index share one object per content. Any other array is copied once
+(``uint16`` stays ``uint16``, the rest becomes ``uint32``). Chunk hashes
 are kept the same way: a reference to the caller's ``bytes`` (the directory's dict key), read by
 the kernels through its address.
 """
@@ -335,14 +335,6 @@ class BlendIndex:
             np.concatenate([part.old_st for part in parts]),
             np.concatenate([part.cur_st for part in parts]),
         )
-
-    def copy_out(self, buffer: npt.NDArray[Any]) -> int:
-        """Stop sharing ``buffer`` (a token slab being freed, :func:`share_slab`): contents
-        kept as views of it get arrays of their own. (A content several chunks share is kept
-        as the first one's array: its later adds do not replace it.) Returns how many."""
-        start = buffer.ctypes.data
-        with self._lock:
-            return self._state.copy_out(start, start + buffer.nbytes)
 
     def stats(self) -> BlendStats:
         """Counts, table sizes and bytes (see :class:`BlendStats`)."""

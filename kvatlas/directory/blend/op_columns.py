@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -26,10 +25,14 @@ import numpy.typing as npt
 
 from kvatlas.directory.blend import _cpython
 from kvatlas.directory.blend.kernels import ADD, REMOVE_CHUNK, REMOVE_CLAIM
+from kvatlas.directory.blend.kernels.contents import (
+    content_count,
+    kept_contents,
+    token_addresses,
+)
 from kvatlas.directory.blend.kernels.objects import (
     C_CONTIGUOUS,
-    KEPT_VIEWS,
-    NOT_KEPT,
+    KEPT,
     OWNDATA,
     WRITEABLE,
     hash_lengths,
@@ -46,18 +49,18 @@ _U32 = np.dtype(np.uint32)
 _U16 = np.dtype(np.uint16)
 _DTYPE = attrgetter("dtype")
 _NDIM = attrgetter("ndim")
-_BASE = attrgetter("base")
 _FLAGS = attrgetter("flags.num")
 
-Tokens = npt.NDArray[Any]
-"""A content's ids: a C-contiguous ``uint32`` or ``uint16`` array, or one in the planes form
-(``kernels/planes.py``)."""
+Tokens = npt.NDArray[Any] | bytes
+"""A content's ids: a C-contiguous ``uint32`` or ``uint16`` array, one in the planes form
+(``kernels/planes.py``), or a content as the directory keeps it (``kernels/contents.py``)."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class OpColumns:
-    """Op ``i``: ``kinds[i]`` of content ``tokens[i]`` (``chunk_size`` ids, ``token_bytes[i]``
-    bytes each; ``owned[i]``: the index's own copy) and chunk hash ``hashes[i]`` (exact
+    """Op ``i``: ``kinds[i]`` of content ``tokens[i]`` (``chunk_size`` ids at address
+    ``addrs[i]``, ``token_bytes[i]`` bytes each, 1: the planes form; ``owned[i]``: the index's
+    own copy; ``contents``: every one a ``bytes`` content) and chunk hash ``hashes[i]`` (exact
     ``bytes``, ``hash_lens[i]`` <= 32 long), offset ``offsets[i]`` (>= 0; 0 unless an add), namespace
     ``spaces[space_of[i]]`` (-1: none, a remove_chunk)."""
 
@@ -70,6 +73,8 @@ class OpColumns:
     spaces: list[BlendNamespace]
     space_of: npt.NDArray[np.int64]
     owned: npt.NDArray[np.bool_]
+    addrs: npt.NDArray[np.int64]
+    contents: bool
 
     def __len__(self) -> int:
         return len(self.hashes)
@@ -98,7 +103,10 @@ def single_op(
     else:
         offset = 0
     count = -1
-    if type(tokens) is np.ndarray and tokens.ndim == 1:
+    arr: Any
+    if type(tokens) is bytes:
+        arr, count = tokens, content_count(tokens)  # (a malformed one: ValueError)
+    elif type(tokens) is np.ndarray and tokens.ndim == 1:
         if tokens.dtype is _U16 or tokens.dtype is _U32:
             arr = tokens  # the directory's arrays: no re-validation
         elif tokens.dtype is PLANES:
@@ -115,7 +123,9 @@ def single_op(
     if type(chunk_hash) is not bytes or len(chunk_hash) > HASH_WIDTH:
         chunk_hash = _hash_bytes(chunk_hash)
     own = False
-    if kind == ADD:
+    if type(arr) is bytes:
+        pass  # immutable, and exactly the content: kept as it is
+    elif kind == ADD:
         own = not _shareable(arr)
         if own:
             arr = np.array(arr, dtype=arr.dtype, order="C", copy=True)
@@ -142,7 +152,9 @@ def checked_op(op: BlendOp, chunk: int) -> SingleOp | None:
 
 def _singles(ops: list[SingleOp]) -> OpColumns:
     """Validated single ops as columns."""
-    kinds, tokens, hashes, offsets, namespaces, owned = zip(*ops, strict=True)
+    kinds, contents, hashes, offsets, namespaces, owned = zip(*ops, strict=True)
+    tokens: list[Tokens] = list(contents)
+    widths = np.fromiter(map(token_width, tokens), np.int64, len(tokens))
     spaces: dict[BlendNamespace, int] = {}
     by_id = {id(None): -1}  # a namespace hashes once per object, not once per op
     space_of = []
@@ -153,15 +165,53 @@ def _singles(ops: list[SingleOp]) -> OpColumns:
         space_of.append(s)
     return OpColumns(
         np.array(kinds, np.int64),
-        list(tokens),
+        tokens,
         list(hashes),
         _lengths(hashes),
         np.array(offsets, np.int64),
-        np.fromiter(map(attrgetter("itemsize"), tokens), np.int64, len(tokens)),
+        widths,
         list(spaces),
         np.array(space_of, np.int64),
         np.array(owned, np.bool_),
+        addresses(tokens, widths),
+        set(map(type, tokens)) == {bytes},
     )
+
+
+def token_width(tokens: Tokens) -> int:
+    """Bytes per id of a content or array (1: the planes form)."""
+    if isinstance(tokens, bytes):
+        return 1 if tokens[0] else tokens[1]
+    return int(tokens.itemsize)
+
+
+def token_nbytes(tokens: Tokens) -> int:
+    """Bytes of the ids a content or array keeps (a content's header not counted)."""
+    if isinstance(tokens, bytes):
+        return len(tokens) - (0 if tokens[0] else tokens[1])
+    return int(tokens.nbytes)
+
+
+def addresses(tokens: list[Tokens], widths: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """The address of each content's or array's ids (one compiled pass where the CPython
+    layout was located)."""
+    n = len(tokens)
+    layout = _cpython.OBJECT_LAYOUT
+    out = np.empty(n, np.int64)
+    if layout is None:  # pragma: no cover - not CPython + numpy
+        for i, t in enumerate(tokens):
+            out[i] = (
+                id(t) + _cpython.BYTES_DATA_OFFSET + (0 if widths[i] == 1 else int(widths[i]))
+                if isinstance(t, bytes)
+                else t.ctypes.data
+            )
+        return out
+    handles = np.fromiter(map(id, tokens), np.int64, n)
+    token_addresses(
+        handles, layout.ob_type, id(bytes), _cpython.BYTES_DATA_OFFSET,
+        _cpython.ARRAY_DATA_OFFSET, widths, out,
+    )  # fmt: skip
+    return out
 
 
 def op_columns(ops: Iterable[BlendOp], chunk: int) -> OpColumns | None:
@@ -207,7 +257,8 @@ def _kept_columns(op: AddColumns, chunk: int) -> OpColumns | None:
     if n == 0:
         return _EMPTY
     if op.vouched:
-        return _columns(tokens, _widths(tokens), hashes, _lengths(hashes), offsets, spaces, which)
+        widths = token_widths(tokens)
+        return _columns(tokens, widths, hashes, _lengths(hashes), offsets, spaces, which)
     if offsets.dtype.kind not in "iu" or which.dtype.kind not in "iu":
         return None
     checked = checked_objects(tokens, hashes, chunk)
@@ -226,12 +277,13 @@ hashes, length of each)``."""
 
 
 def checked_objects(tokens: list[Any], hashes: list[Any], chunk: int) -> Checked | None:
-    """The arrays and hashes with their widths and lengths if every array is one the index
-    keeps as it is (read-only, C-contiguous, an exact ``ndarray`` of ``chunk`` ``uint16`` or
-    ``uint32`` ids, owning its memory or a view of a shared slab) and every hash an exact
-    ``bytes`` of at most 32; else ``None``. Compiled (``kernels/objects.py``) where the
-    CPython layout was located, else :func:`checked_in_python` (the reference: tests hold
-    the two to each other)."""
+    """The contents and hashes with their widths and lengths if every content is one the
+    index keeps as it is (an exact ``bytes`` content of ``chunk`` ids, ``kernels/contents.py``,
+    or a read-only, C-contiguous, exact ``ndarray`` of ``chunk`` ``uint16`` or ``uint32``
+    ids or in the planes form, owning its memory) and every hash an exact ``bytes`` of at
+    most 32; else ``None``. Compiled (``kernels/objects.py``, ``kernels/contents.py``) where
+    the CPython layout was located, else :func:`checked_in_python` (the reference: tests
+    hold the two to each other)."""
     layout = _cpython.OBJECT_LAYOUT
     if layout is None:  # pragma: no cover - not CPython + numpy
         return checked_in_python(tokens, hashes, chunk)
@@ -239,11 +291,14 @@ def checked_objects(tokens: list[Any], hashes: list[Any], chunk: int) -> Checked
     widths = np.empty(n, np.int64)
     handles = np.fromiter(map(id, tokens), np.int64, n)
     at = tuple(layout)
-    verdict = kept_arrays(
-        handles, chunk, at, id(np.ndarray), id(_U16), id(_U32), id(PLANES),
-        _cpython.ARRAY_DATA_OFFSET, widths,
-    )  # fmt: skip
-    if verdict == NOT_KEPT or (verdict == KEPT_VIEWS and not _slab_views(tokens)):
+    if n and type(tokens[0]) is bytes:
+        kept = kept_contents(handles, chunk, at, id(bytes), _cpython.BYTES_DATA_OFFSET, widths)
+    else:
+        kept = kept_arrays(  # (views are copied: they may pin a larger buffer)
+            handles, chunk, at, id(np.ndarray), id(_U16), id(_U32), id(PLANES),
+            _cpython.ARRAY_DATA_OFFSET, widths,
+        ) == KEPT  # fmt: skip
+    if not kept:
         return None
     lengths = np.empty(n, np.int64)
     handles = np.fromiter(map(id, hashes), np.int64, n)
@@ -254,38 +309,43 @@ def checked_objects(tokens: list[Any], hashes: list[Any], chunk: int) -> Checked
 
 def checked_in_python(tokens: list[Any], hashes: list[Any], chunk: int) -> Checked | None:
     """:func:`checked_objects` by attribute reads (when no layout was located)."""
-    if set(map(type, tokens)) != {np.ndarray} or set(map(type, hashes)) != {bytes}:
+    if set(map(type, hashes)) != {bytes}:
+        return None
+    hash_lens = _lengths(hashes)
+    if int(hash_lens.max()) > HASH_WIDTH:
+        return None
+    if set(map(type, tokens)) == {bytes}:
+        try:
+            if set(map(content_count, tokens)) != {chunk}:
+                return None
+        except ValueError:  # a malformed content
+            return None
+        return tokens, token_widths(tokens), hashes, hash_lens
+    if set(map(type, tokens)) != {np.ndarray}:
         return None
     dtypes = set(map(_DTYPE, tokens))
     if not dtypes <= {_U16, _U32, PLANES} or set(map(_NDIM, tokens)) != {1}:
         return None
     try:
-        if set(map(_count, tokens)) != {chunk}:
+        if {planes_count(t) if t.dtype is PLANES else len(t) for t in tokens} != {chunk}:
             return None
     except ValueError:  # a malformed planes-form array
         return None
-    hash_lens = _lengths(hashes)
-    if int(hash_lens.max()) > HASH_WIDTH:
-        return None
     flags = set(map(_FLAGS, tokens))
-    if any(f & (C_CONTIGUOUS | WRITEABLE) != C_CONTIGUOUS for f in flags):
+    if any(f & (C_CONTIGUOUS | WRITEABLE | OWNDATA) != C_CONTIGUOUS | OWNDATA for f in flags):
         return None
-    if any(not f & OWNDATA for f in flags) and not _slab_views(tokens):
-        return None
-    return tokens, _widths(tokens), hashes, hash_lens
+    return tokens, token_widths(tokens), hashes, hash_lens
 
 
-def _count(tokens: Tokens) -> int:
-    """How many ids an array holds, whatever its form."""
-    return planes_count(tokens) if tokens.dtype is PLANES else len(tokens)
-
-
-def _widths(tokens: list[Tokens]) -> npt.NDArray[np.int64]:
-    """Bytes per id of each array (``uint16`` or ``uint32``; 1: the planes form)."""
+def token_widths(tokens: list[Tokens]) -> npt.NDArray[np.int64]:
+    """Bytes per id of each content or array (``uint16`` or ``uint32``; 1: the planes
+    form)."""
+    if tokens and type(tokens[0]) is bytes and set(map(type, tokens)) == {bytes}:
+        return np.fromiter(map(token_width, tokens), np.int64, len(tokens))
     dtypes = set(map(_DTYPE, tokens))
     if len(dtypes) == 1:
         return filled(len(tokens), dtypes.pop().itemsize)
-    return np.fromiter(map(attrgetter("itemsize"), tokens), np.int64, len(tokens))
+    return np.fromiter(map(token_width, tokens), np.int64, len(tokens))
 
 
 def _columns(
@@ -297,7 +357,7 @@ def _columns(
     spaces: list[BlendNamespace],
     which: npt.NDArray[Any],
 ) -> OpColumns:
-    """The adds of valid columns (arrays the index keeps as they are)."""
+    """The adds of valid columns (contents the index keeps as they are)."""
     n = len(tokens)
     return OpColumns(
         filled(n, ADD),
@@ -309,6 +369,8 @@ def _columns(
         spaces,
         which.astype(np.int64),
         np.zeros(n, np.bool_),
+        addresses(tokens, token_bytes),
+        set(map(type, tokens)) == {bytes},
     )
 
 
@@ -328,11 +390,15 @@ def _joined(parts: list[OpColumns]) -> OpColumns:
         spaces,
         np.concatenate(space_of),
         np.concatenate([p.owned for p in parts]),
+        np.concatenate([p.addrs for p in parts]),
+        all(p.contents for p in parts),
     )
 
 
 _NONE = np.empty(0, np.int64)
-_EMPTY = OpColumns(_NONE, [], [], _NONE, _NONE, _NONE, [], _NONE, np.empty(0, np.bool_))
+_EMPTY = OpColumns(
+    _NONE, [], [], _NONE, _NONE, _NONE, [], _NONE, np.empty(0, np.bool_), _NONE, True
+)
 
 
 def filled(n: int, value: int) -> npt.NDArray[np.int64]:
@@ -346,38 +412,16 @@ def _lengths(items: Sequence[bytes]) -> npt.NDArray[np.int64]:
     return np.fromiter(map(len, items), np.int64, len(items))
 
 
-_SLABS: weakref.WeakValueDictionary[int, npt.NDArray[Any]] = weakref.WeakValueDictionary()
-"""Token slabs whose views the index keeps by reference (:func:`share_slab`), by ``id``."""
-
-
-def share_slab(slab: npt.NDArray[Any]) -> None:
-    """Let indexes keep read-only views of ``slab`` (an array that owns its memory) by
-    reference instead of copying them: its owner frees it once most of its views are gone
-    (the directory's restored token slabs, ``directory/token_slab.py`` ``TokenSlab``)."""
-    _SLABS[id(slab)] = slab
-
-
-def _slab_views(tokens: list[Tokens]) -> bool:
-    """Whether every array of ``tokens`` that does not own its memory is a view of a shared
-    token slab (a restore's contents; checked per distinct base, by C-level maps)."""
-    bases = set(map(id, map(_BASE, tokens)))
-    bases.discard(id(None))  # arrays that own their memory
-    return all(i in _SLABS for i in bases)  # a live slab and a live base with one id: the same
-
-
 def _shareable(arr: npt.NDArray[Any]) -> bool:
     """Keep a caller's array only if nobody can change it under us and it pins no larger
-    buffer (a read-only view of a 1M-token request must not keep the whole request alive),
-    or it is a view of a shared token slab (:func:`share_slab`, whose owner frees it)."""
+    buffer (a read-only view of a 1M-token request must not keep the whole request alive)."""
     flags = arr.flags.num
     if flags & (C_CONTIGUOUS | WRITEABLE) != C_CONTIGUOUS:
         return False
     if flags & OWNDATA:
         return True
     base = arr.base
-    if isinstance(base, bytes):
-        return len(base) == arr.nbytes
-    return base is not None and _SLABS.get(id(base)) is base
+    return isinstance(base, bytes) and len(base) == arr.nbytes
 
 
 def _hash_bytes(chunk_hash: Any) -> bytes:

@@ -41,15 +41,15 @@ class RemoveChunkOp(NamedTuple):
 class AddColumns(NamedTuple):
     """``AddOp(tokens[j], chunk_hashes[j], token_offsets[j], namespaces[namespace_of[j]])``
     for each ``j``, in order, as columns: what an ingest batch queues (no op object per
-    chunk). ``namespace_of`` ``None``: every entry is ``namespaces[0]``'s. When every array
-    is one the index keeps as it is (read-only, C-contiguous, owning ``uint16``/``uint32`` of
-    ``chunk_size`` ids: the directory's stored arrays), every hash an exact ``bytes`` of at
+    chunk). ``namespace_of`` ``None``: every entry is ``namespaces[0]``'s. When every content
+    is one the index keeps as it is (the directory's stored contents of ``chunk_size`` ids, or
+    read-only, C-contiguous, owning arrays), every hash an exact ``bytes`` of at
     most 32 and every offset valid, the whole batch is prepared without Python per entry;
     otherwise it is applied as the ``AddOp``s it stands for (same validation, same errors).
 
-    ``vouched``: the caller guarantees all of that already (the directory, for arrays it has
-    just allocated itself; a snapshot reader, for its own slab's views and copies): the index
-    then takes the columns without looking at each array (``op_columns.py``; tests hold both
+    ``vouched``: the caller guarantees all of that already (the directory, for contents it
+    has just made itself; a snapshot reader, for the contents it made): the index then takes
+    the columns without looking at each content (``op_columns.py``; tests hold both
     callers to it)."""
 
     tokens: Sequence[Any]

@@ -10,7 +10,6 @@ followed by the bookkeeping the kernel reports for each op, so the two never dis
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from operator import attrgetter
 
 import numpy as np
 import numpy.typing as npt
@@ -31,7 +30,7 @@ from kvatlas.directory.blend.kernels import (
     REMOVE_CLAIM,
     SKIP,
 )
-from kvatlas.directory.blend.kernels.layout import ADDRESS_BITS, write_context
+from kvatlas.directory.blend.kernels.layout import write_context
 from kvatlas.directory.blend.kernels.writes import (
     OP_FP,
     OP_HASH,
@@ -49,10 +48,10 @@ from kvatlas.directory.blend.op_columns import (
     Tokens,
     filled,
     hash_addresses,
+    token_nbytes,
+    token_width,
 )
 from kvatlas.keys import BlendNamespace
-
-_NBYTES = attrgetter("nbytes")
 
 MIN_CAPACITY = 1024
 """Initial content and occupant capacity."""
@@ -96,9 +95,7 @@ class IndexState:
         self._arrays = arrays
         self.kernel_arrays = tuple(arrays)  # what the kernels take
         # the same arrays as one address (single writes), kept alive with them
-        self._context = write_context(
-            arrays, self.chunk_size, _cpython.ARRAY_DATA_OFFSET, self.base, self.fmask
-        )
+        self._context = write_context(arrays, self.chunk_size, self.base, self.fmask)
         self._context_address = int(self._context.ctypes.data)
         # capacities as plain ints, for the check every add makes (_has_room)
         self._room = (
@@ -117,9 +114,19 @@ class IndexState:
         if ns >= 0 or kind != REMOVE_CLAIM:  # else: no claims, nothing to drop
             if kind == ADD and not self._has_room(1):
                 self._make_room(1)
+            if isinstance(arr, bytes):  # a content: its ids' address (contents.py)
+                width = token_width(arr)
+                at = bytes_address(arr) + (0 if width == 1 else width)
+                handle, data_off = at, -1
+            else:
+                handle, data_off, width = (
+                    array_handle(arr),
+                    _cpython.ARRAY_DATA_OFFSET,
+                    arr.itemsize,
+                )
             result = kernels.apply_op(
-                kind, array_handle(arr), arr.itemsize, bytes_address(chunk_hash),
-                len(chunk_hash), offset, ns, self._context_address,
+                kind, handle, data_off, width, bytes_address(chunk_hash), len(chunk_hash),
+                offset, ns, self._context_address,
             )  # fmt: skip
             if result[0]:
                 self._settle_one(op, result, ns)
@@ -158,7 +165,7 @@ class IndexState:
         if fps is not None:
             ops[OP_FP] = fps.view(np.int64)
         ops[OP_KIND] = kinds
-        ops[OP_TOKENS] = _cpython.array_handles(cols.tokens)
+        ops[OP_TOKENS] = cols.addrs
         ops[OP_HASH] = hash_addresses(cols.hashes, _cpython.BYTES_DATA_OFFSET)
         ops[OP_HASH_LEN] = cols.hash_lens
         ops[OP_OFFSET] = cols.offsets
@@ -166,10 +173,7 @@ class IndexState:
         ops[OP_TOKEN_BYTES] = cols.token_bytes
         out = np.empty((n, 4), np.int64)
         apply = kernels.apply_ops if n < kernels.RELEASE_OPS else kernels.apply_ops_releasing
-        apply(
-            ops, self.chunk_size, _cpython.ARRAY_DATA_OFFSET, self.base, self.fmask,
-            self.kernel_arrays, out,
-        )  # fmt: skip
+        apply(ops, self.chunk_size, -1, self.base, self.fmask, self.kernel_arrays, out)
         self._settle(cols, kinds, out, ns)
 
     def _op_namespaces(self, cols: OpColumns, adds: npt.NDArray[np.bool_]) -> npt.NDArray[np.int64]:
@@ -259,11 +263,12 @@ class IndexState:
         kind, arr, chunk_hash, _offset, _namespace, owned = op  # SingleOp's fields, named
         if flags & F_NEW_CONTENT:
             put_one(self.tokens, cid, arr)
-            self.token_bytes += arr.nbytes
+            nbytes = token_nbytes(arr)
+            self.token_bytes += nbytes
             self.contents += 1
             if owned:
                 self.owned.add(cid)
-                self.owned_bytes += arr.nbytes
+                self.owned_bytes += nbytes
         if flags & F_NEW_OCCUPANT:
             put_one(self.hashes, occ, chunk_hash)
             self.occupants += 1
@@ -281,16 +286,17 @@ class IndexState:
         arrays = cols.tokens if new is None else chosen(cols.tokens, new)
         put(self.tokens, ids, arrays)
         widths = cols.token_bytes if new is None else cols.token_bytes[new]
-        if int(widths.min()) > 1:  # uint16 / uint32 of chunk_size ids: no visit to each array
-            self.token_bytes += int(widths.sum()) * self.chunk_size
-        else:  # planes-form arrays among them (kernels/planes.py): their own sizes
-            self.token_bytes += sum(map(_NBYTES, arrays))
+        if cols.contents:  # (bytes: the length by a C-level map, less each plain header)
+            headers = int(widths.sum()) - int(np.count_nonzero(widths == 1))
+            self.token_bytes += sum(map(len, arrays)) - headers
+        else:
+            self.token_bytes += sum(map(token_nbytes, arrays))
         self.contents += len(arrays)
         owned = cols.owned if new is None else cols.owned[new]
         if owned.any():
             for k in np.flatnonzero(owned).tolist():
                 self.owned.add(int(ids[k]))
-                self.owned_bytes += arrays[k].nbytes
+                self.owned_bytes += token_nbytes(arrays[k])
 
     def _settle_removals(self, ops: Iterable[tuple[int, Sequence[int], int]]) -> None:
         """The op-by-op part of :meth:`_settle`: per op (in order) its kind, the kernel's
@@ -322,10 +328,11 @@ class IndexState:
             if flags & F_CONTENT_GONE:
                 gone = live_tokens[cid]
                 if gone is not None:
-                    self.token_bytes -= gone.nbytes
+                    nbytes = token_nbytes(gone)
+                    self.token_bytes -= nbytes
                     if cid in self.owned:
                         self.owned.discard(cid)
-                        self.owned_bytes -= gone.nbytes
+                        self.owned_bytes -= nbytes
                 live_tokens[cid] = None
                 contents -= 1
                 self._stale += 1
@@ -395,24 +402,6 @@ class IndexState:
         new = np.full(2 * self.arrays.claims.shape[0], -1, np.int64)
         kernels.claims_rehash(self.arrays.claims, new)
         self.arrays = self.arrays._replace(claims=new)
-
-    def copy_out(self, start: int, stop: int) -> int:
-        """Give each content whose ids lie in the bytes ``[start, stop)`` (a buffer being
-        freed: a token slab) an array of its own; returns how many. One vectorised pass over
-        the content addresses; Python work only per content copied."""
-        c_addr = self._arrays.c_addr
-        at = c_addr & ADDRESS_BITS
-        cids = np.flatnonzero((at >= start) & (at < stop)).tolist()
-        for cid in cids:
-            old = self.tokens[cid]
-            assert old is not None
-            own = np.array(old, dtype=old.dtype, order="C", copy=True)
-            own.setflags(write=False)
-            self.tokens[cid] = own
-            c_addr[cid] = (int(c_addr[cid]) & ~ADDRESS_BITS) | own.ctypes.data  # tags kept
-            self.owned.add(cid)
-            self.owned_bytes += own.nbytes
-        return len(cids)
 
     def rebuild(self, slots: int | None = None) -> None:
         """Fresh table and filter (``slots`` table slots; default: as many as now) holding

@@ -5,9 +5,9 @@ leaves the directory as it was: every column is checked against the others befor
 built. Restore works column-wise: vectorised checks, records zipped from columns (a Python loop
 only for chunks with several keys or placements), partitions built from the file's partition
 order (the chunks sorted by it if the file's are not), counters and each chunk's L1 owners
-computed from the columns instead of a pass over the records. Token
-ids are read into one slab and each content is a read-only view of it (``TokenSlab``). See
-docs/directory.md.
+computed from the columns instead of a pass over the records. Token ids are read into one
+buffer on a thread of its own and copied into each chunk's content (``token_section.py``).
+See docs/directory.md.
 """
 
 from __future__ import annotations
@@ -94,9 +94,7 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
         columns = _columns(header)
         if size - body != int(form_sizes(columns.lens, columns.widths).sum()):
             raise SnapshotError("token arena length does not match the header")
-        tokens, slabs, reading = read_token_section(
-            f, body, columns.lens, columns.widths, header.version
-        )
+        tokens, finish = read_token_section(f, body, columns.lens, columns.widths, header.version)
         try:
             table, sids = _shapes(header, columns)
             hashes: list[bytes] = np.frombuffer(header.chunk_hashes, f"V{HASH_BYTES}").tolist()
@@ -120,11 +118,11 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
             counts = _counts(header, columns, sids)
             state = DirectoryState(header.chunk_size, _cursors(header), _capacities(header))
         finally:  # nothing reads a content before the whole section is in
-            if reading is not None:
-                reading.result()
+            if finish is not None:
+                finish()
         if fingerprints is not None and adds is not None:
             check_sample(fingerprints, adds.tokens)
-        directory.install(Restored(state, table, parts, counts, slabs, adds, fingerprints))
+        directory.install(Restored(state, table, parts, counts, adds, fingerprints))
     return SnapshotInfo(
         str(path),
         len(hashes),
@@ -326,11 +324,9 @@ def _index_adds(
 ) -> tuple[AddColumns, npt.NDArray[np.uint64] | None]:
     """The blend-index adds of the ``indexable`` chunks (``marks``: the same as a list), from
     the columns: what the records :func:`_build` marks indexed hold, vouched for (the index
-    takes them without looking at each array: ``AddColumns.vouched``), safe because of where
-    they come from: each
-    array is a view of this restore's own slab (registered with ``share_slab``) or its own
-    read-only copy (``TokenSlab.cut``, ``stored_from_arena``), C-contiguous, 1-D, ``uint16``
-    or ``uint32``, of ``chunk_size`` ids (``_indexable``); each hash is 32 exact bytes (cut
+    takes them without looking at each content: ``AddColumns.vouched``), safe because of
+    where they come from: each content is a ``bytes`` this restore made itself in its form
+    (``token_section.py``), of ``chunk_size`` ids (``_indexable``); each hash is 32 exact bytes (cut
     from ``chunk_hashes``, whose length ``_columns`` checked); each offset is >= 0
     (``_columns`` refuses < -1, ``_indexable`` drops -1); namespaces index their list. And
     each add's fingerprint, from the chunks' ``saved`` ones (``None``: none saved)."""

@@ -1,10 +1,10 @@
 """A snapshot's token section read into place, on a thread of its own.
 
 Restore overlaps what does not need the GIL with what does: the token section is read into
-its slab (the kernel faults the pages in and copies, the GIL released) while the calling
-thread builds the records. Nothing reads a content before the read is joined
-(the returned ``Future``; a content the cut copies instead of viewing waits for it too).
-See docs/directory.md.
+one buffer (the kernel faults the pages in and copies, the GIL released) while the calling
+thread allocates each chunk's content and builds the records. The contents are filled from
+the buffer once the read is joined (the returned ``finish``), before anything reads them, and
+the buffer is freed. See docs/directory.md.
 
 Measured and left out (docs/performance.md, "Measured and left out"): building the blend
 index on a thread of its own as well (its kernel runs without the GIL: +0.2 s of CPU per
@@ -15,18 +15,29 @@ lock while the calling thread allocates: 0.17 s more wall time).
 
 from __future__ import annotations
 
+import ctypes
 import io
+import mmap
 import sys
+import weakref
+from collections.abc import Callable
 from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvatlas.directory.blend.kernels.planes import FORM_U32
 from kvatlas.directory.snapshot.format import SnapshotError
-from kvatlas.directory.token_slab import TokenSlab
-from kvatlas.directory.token_store import form_sizes, stored_batch, stored_from_arena
+from kvatlas.directory.token_store import (
+    empty_contents,
+    fill_contents,
+    form_sizes,
+    stored_batch,
+    stored_from_arena,
+    widened,
+)
 
 V1_GROUP = 65_536
 """Chunks of a version-1 token section read (and compacted) at a time."""
@@ -38,18 +49,15 @@ def read_token_section(
     lens: np.ndarray[Any, Any],
     widths: np.ndarray[Any, Any],
     version: int,
-) -> tuple[list[Any], tuple[TokenSlab, ...], Future[None] | None]:
+) -> tuple[list[Any], Callable[[], None] | None]:
     """Each chunk's content (``None`` for unknown content) in its stored form (``widths``:
-    form codes), the slab that holds them, and the read still under way (``None``: done).
-
-    The whole section is read into one :class:`TokenSlab` and each content is a read-only
-    view of it, cut in bulk (no allocation per chunk; the chunk table frees the slab once
-    most of it is dead, see :mod:`kvatlas.directory.token_store`). The read runs on a thread
-    of its own (it releases the GIL), so the views are cut before their ids are in: wait for
-    the read before anything reads them. A version-1 section (every width 4) is put in the
-    forms its ids need as it is read, into arrays of their own, on the calling thread; so
-    are a version-2 section's uint32 contents (written before the planes form existed),
-    once the read is in."""
+    form codes), and what finishes them (``None``: they are done): the whole section is
+    read into one buffer on a thread of its own (it releases the GIL) while the contents
+    are allocated; ``finish`` joins the read and fills them. Call it before anything reads
+    a content, and whatever happens (a failed read raises from it: the restore fails before
+    anything is installed). A version-1 section (every width 4) is put in the forms its ids
+    need as it is read, on the calling thread; so are a version-2 section's uint32 contents
+    (written before the planes form existed), once the read is in."""
     if version < 2:  # a group of chunks at a time: no second copy of a whole uint32 section
         lengths, out, pos = lens.astype(np.int64), [], start
         for lo in range(0, len(lengths), V1_GROUP):
@@ -60,32 +68,33 @@ def read_token_section(
             if sys.byteorder != "little":  # pragma: no cover - the section is little-endian
                 arena.byteswap(inplace=True)
             out += stored_from_arena(arena, np.cumsum(group) - group, group)
-        return out, (), None
-    slab = TokenSlab(int(form_sizes(lens, widths).sum()))
-    into = slab.mapped_memory()
-    reading = None
-    if into is None or sys.byteorder != "little":  # (cut swaps the ids in place)
-        fill(f, slab.buffer.data.cast("B"), start)
-    else:
-        pool = ThreadPoolExecutor(1, thread_name_prefix="kvatlas-restore-read")
-        reading = pool.submit(fill, f, into, start)
-        pool.shutdown(wait=False)  # (the read still runs; the thread ends with it)
+        return out, None
+    if sys.byteorder != "little":  # pragma: no cover - every host kvatlas runs on
+        raise SnapshotError("snapshot token sections are read on little-endian hosts only")
+    lens = lens.astype(np.int64)
+    buffer, into = _zeroed(int(form_sizes(lens, widths).sum()))
+    pool = ThreadPoolExecutor(1, thread_name_prefix="kvatlas-restore-read")
+    reading = pool.submit(fill, f, into, start)
+    pool.shutdown(wait=False)  # (the read still runs; the thread ends with it)
     try:
-        tokens = slab.cut(lens, widths, None if reading is None else reading.result)
+        tokens = empty_contents(lens, widths)
     except BaseException:
-        if reading is not None:  # no read outlives the restore that started it
-            futures.wait([reading])
+        futures.wait([reading])  # no read outlives the restore that started it
         raise
+
+    def finish() -> None:
+        reading.result()
+        fill_contents(tokens, buffer, lens, widths)
+
     if version < 3:
         wide = np.flatnonzero((widths == FORM_U32) & (lens > 0)).tolist()
         if wide:
-            if reading is not None:
-                reading.result()
-                reading = None
-            refit = stored_batch([tokens[i] for i in wide])  # (their views of the slab die:
-            for i, stored in zip(wide, refit, strict=True):  # the chunk table reclaims it)
+            finish()
+            refit = stored_batch([widened(tokens[i]) for i in wide])  # type: ignore[arg-type]
+            for i, stored in zip(wide, refit, strict=True):
                 tokens[i] = stored
-    return tokens, (slab,) if slab.views else (), reading
+            return tokens, None
+    return tokens, finish
 
 
 def fill(f: io.FileIO, view: memoryview, pos: int) -> None:
@@ -97,3 +106,31 @@ def fill(f: io.FileIO, view: memoryview, pos: int) -> None:
         if not got:
             raise SnapshotError("truncated snapshot token arena")
         filled += got
+
+
+_ANONYMOUS: int = getattr(mmap, "MAP_ANONYMOUS", 0)
+
+
+def _zeroed(nbytes: int) -> tuple[npt.NDArray[np.uint8], memoryview]:
+    """A fresh buffer of ``nbytes`` and a writable view of it that holds no reference to the
+    array: an anonymous mapping of small pages, faulted in by whatever writes them first
+    (the read, on its own thread: no page is touched here). Not numpy's own large arrays:
+    they ask for huge pages, whose first allocation in a process can stall for a second
+    while the kernel compacts memory (docs/performance.md). Traced by ``tracemalloc`` as
+    numpy's own memory is, so memory measurements see it while it lives."""
+    if not (nbytes and _ANONYMOUS):
+        buffer = np.empty(nbytes, np.uint8)
+        return buffer, buffer.data.cast("B")
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | _ANONYMOUS)
+    buffer = np.frombuffer(mapping, np.uint8)
+    address = buffer.ctypes.data
+    if _track(_TRACE_DOMAIN, address, nbytes) == 0:  # tracing: forget it when it is freed
+        weakref.finalize(mapping, _untrack, _TRACE_DOMAIN, address)
+    return buffer, memoryview(mapping)
+
+
+_TRACE_DOMAIN = 0x6B76  # the tracemalloc domain of restore buffers ("kv")
+_track = ctypes.pythonapi.PyTraceMalloc_Track
+_track.argtypes, _track.restype = [ctypes.c_uint, ctypes.c_size_t, ctypes.c_size_t], ctypes.c_int
+_untrack = ctypes.pythonapi.PyTraceMalloc_Untrack
+_untrack.argtypes, _untrack.restype = [ctypes.c_uint, ctypes.c_size_t], ctypes.c_int

@@ -19,7 +19,6 @@ are emptied a slice at a time (:meth:`_Columns.release`) before the function ret
 from __future__ import annotations
 
 import os
-import sys
 import time
 from itertools import compress, repeat
 from operator import is_not
@@ -60,7 +59,7 @@ from kvatlas.directory.snapshot.format import (
     SnapshotInfo,
     encode_column,
 )
-from kvatlas.directory.token_store import StoredTokens, stored_shapes
+from kvatlas.directory.token_store import StoredTokens, stored_payload, stored_shapes
 
 _SLICE = 1 << 13  # items per GIL-holding conversion, copy or release: bounds the longest hold
 
@@ -202,7 +201,7 @@ class _Columns:
         self.offsets: list[int] = []
         self.token_lens: list[int] = []
         self.token_widths: list[int] = []
-        self.arena: list[np.ndarray[Any, Any]] = []
+        self.arena: list[StoredTokens] = []
         self.arena_tokens = 0
         self.key_counts: list[int] = []
         self.key_shapes: list[int] = []
@@ -318,7 +317,7 @@ def _cursor_row(name: str, c: EmitterCursor) -> CursorRow:
 _ARENA_BLOCK = 256  # token arrays per write (256 chunks of 256 tokens: at most 256 KiB)
 
 
-def _write_atomically(path: Path, header: list[bytes], arena: list[np.ndarray[Any, Any]]) -> int:
+def _write_atomically(path: Path, header: list[bytes], arena: list[StoredTokens]) -> int:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
     try:
         # 0600 from creation on: the file holds every tenant's token ids (docs/security.md)
@@ -328,11 +327,9 @@ def _write_atomically(path: Path, header: list[bytes], arena: list[np.ndarray[An
                 f.write(piece)  # a large piece is written without a copy, the GIL released
             for start in range(0, len(arena), _ARENA_BLOCK):
                 block = arena[start : start + _ARENA_BLOCK]
-                if sys.byteorder != "little":  # pragma: no cover - the arena is little-endian
-                    block = [a.byteswap() for a in block]  # (the planes form: refused on read)
                 f.write(
-                    b"".join([a.data for a in block])
-                )  # each array in its stored form; drops the GIL
+                    b"".join(list(map(stored_payload, block)))
+                )  # each content's ids in its stored form; drops the GIL
             f.flush()
             os.fsync(f.fileno())
             size = f.tell()

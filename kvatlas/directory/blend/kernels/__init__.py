@@ -3,8 +3,9 @@
 One module per structure: ``modhash`` (the keyed mod 2^61-1 fingerprint and its rolling
 lanes), ``table`` (open addressing with one backward-shift delete), ``filter`` (the Bloom
 filter), ``occupants`` (chunk hashes and their namespace claims), ``writes`` (the one write
-kernel), ``scan`` (the match kernel) and ``planes`` (the planes form of stored token ids:
-``directory/token_store.py``). ``pointers`` holds the raw-memory intrinsics they
+kernel), ``scan`` (the match kernel), ``planes`` (the planes form of stored token ids:
+``directory/token_store.py``) and ``contents`` (a stored content: one ``bytes``, its ids
+inline after a header naming their form). ``pointers`` holds the raw-memory intrinsics they
 share. Kernels run only while the caller holds the index lock.
 """
 

@@ -3,8 +3,8 @@
 The arrays are owned by the index and read or written by the kernels only while the caller
 holds the index lock.
 
-- contents: ``c_fp`` (uint64 fingerprint), ``c_addr`` (address of the content's read-only
-  token array, kept alive by the index, with :data:`TOKENS_U16` set when the array is
+- contents: ``c_fp`` (uint64 fingerprint), ``c_addr`` (address of the ids of the content
+  (``contents.py``) or read-only token array the index keeps alive, with :data:`TOKENS_U16` set when the array is
   ``uint16`` (every id below 2^16, see ``directory/token_store.py``), :data:`TOKENS_PLANES`
   when it is in the planes form (``planes.py``), neither for ``uint32``; 0 = free id),
   ``c_first`` (first occupant, -1 = none).
@@ -46,7 +46,7 @@ content ids ever used (the high-water mark); the same for occupants (linked thro
 ``o_i32[:, O_NEXT]``)."""
 
 
-CTX_CHUNK, CTX_DATA_OFF, CTX_BASE, CTX_FMASK, CTX_ARRAYS = range(5)
+CTX_CHUNK, CTX_BASE, CTX_FMASK, CTX_ARRAYS = range(4)
 """Entries of a write context (:func:`write_context`): the write kernel's scalar arguments,
 then from ``CTX_ARRAYS`` on, per field of :class:`BlendArrays` in order, its data address and
 its number of rows."""
@@ -118,15 +118,13 @@ class BlendArrays(NamedTuple):
         )
 
 
-def write_context(
-    arrays: BlendArrays, chunk: int, data_off: int, base: int, fmask: int
-) -> npt.NDArray[np.int64]:
+def write_context(arrays: BlendArrays, chunk: int, base: int, fmask: int) -> npt.NDArray[np.int64]:
     """``arrays`` and the write kernel's scalars as one int64 array of addresses and sizes
     (``CTX_*``): a single write passes its address, one integer, where passing the arrays
     would cost numba an unboxing of each on every call (``writes.apply_op``). Valid
     while ``arrays`` live unchanged: the index makes a new one whenever it replaces them."""
     ctx = np.empty(CTX_ARRAYS + 2 * len(arrays), np.int64)
-    ctx[:CTX_ARRAYS] = chunk, data_off, base, fmask
+    ctx[:CTX_ARRAYS] = chunk, base, fmask
     for k, field in enumerate(BlendArrays._fields):
         arr: npt.NDArray[Any] = getattr(arrays, field)
         assert arr.flags.c_contiguous

@@ -91,16 +91,16 @@ def planes_count(stored: npt.NDArray[Any]) -> int:
     h = stored.item(0)[0] if size >= HEADER else 0  # (item: a 1-byte bytes, no view made)
     if not 1 <= h <= MAX_HIGH_BITS:
         raise ValueError("not a planes-form token array (bad header)")
-    n, sixteenths = _planes_ids(size, h)
+    n, sixteenths = planes_ids(size, h)
     if size % 2 or n < 0 or (n + 15) >> 4 != sixteenths:
         raise ValueError("not a planes-form token array (bad length)")
     return n
 
 
-def _planes_ids(size: int, h: int) -> tuple[int, int]:
+def planes_ids(size: int, h: int) -> tuple[int, int]:
     """``(n, ⌈n/16⌉)`` of a valid planes-form array of ``size`` bytes: ``(size - 2) / 2 =
     n + h·⌈n/16⌉`` lies in ``[(16 + h)·⌈n/16⌉ - 15, (16 + h)·⌈n/16⌉]``, so one ``⌈n/16⌉``
-    fits (16 + h > 15); ``_shapes`` in ``token_store.py`` computes the same, compiled."""
+    fits (16 + h > 15); ``contents._count`` computes the same, compiled."""
     half = (size - HEADER) // 2
     sixteenths = -(-half // (16 + h))
     return half - h * sixteenths, sixteenths

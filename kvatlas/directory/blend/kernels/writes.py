@@ -18,7 +18,6 @@ from kvatlas.directory.blend.kernels.layout import (
     CTX_ARRAYS,
     CTX_BASE,
     CTX_CHUNK,
-    CTX_DATA_OFF,
     CTX_FMASK,
     IDS_CONTENTS,
     IDS_FREE_CONTENT,
@@ -109,8 +108,7 @@ def apply_ops(
         _take_op(ops, i, chunk, data_off, base, fmask, ring, fps, addrs, table, filt, fshift)
     given = ops.shape[0] > OP_FP
     for i in range(n):
-        if data_off >= 0:
-            _prefetch_tokens(ops, i, n, data_off, given)
+        _prefetch_tokens(ops, i, n, data_off, given)
         if i + _LOOKAHEAD < n:
             _take_op(
                 ops, i + _LOOKAHEAD, chunk, data_off, base, fmask, ring, fps, addrs, table,
@@ -190,6 +188,7 @@ apply_ops_releasing = releasing_twin(apply_ops)
 def apply_op(
     kind: Any,
     tokens: Any,
+    data_off: Any,
     token_bytes: Any,
     h_addr: Any,
     h_len: Any,
@@ -198,7 +197,7 @@ def apply_op(
     ctx: Any,
 ) -> Any:
     """:func:`apply_ops` for a batch of one op passed as scalars (the common single write:
-    no op arrays for the caller to build), on the arrays of the write context at address
+    no op arrays for the caller to build; ``tokens`` read through ``data_off`` as there), on the arrays of the write context at address
     ``ctx`` (``layout.write_context``: one integer to pass instead of ten arrays); returns
     its ``out`` row."""
     c = i64_ptr(ctx)  # type: ignore[call-arg]
@@ -212,7 +211,7 @@ def apply_op(
     ops[OP_NS, 0] = ns
     out = np.empty((1, 4), np.int64)
     arrays = _arrays_at(c)
-    apply_ops(ops, c[CTX_CHUNK], c[CTX_DATA_OFF], c[CTX_BASE], c[CTX_FMASK], arrays, out)
+    apply_ops(ops, c[CTX_CHUNK], data_off, c[CTX_BASE], c[CTX_FMASK], arrays, out)
     return out[0, 0], out[0, 1], out[0, 2], out[0, 3]
 
 
@@ -288,13 +287,16 @@ _AHEAD_OBJECT, _AHEAD_DATA = 16, 8
 @inline
 def _prefetch_tokens(ops: Any, i: Any, n: Any, data_off: Any, given: Any) -> None:
     """Overlap the cache misses of later ops' token arrays with this op's work (a bulk build
-    of 10^6 contents is bound by them): the array object of op ``i + 16``, then the first
-    lines of the data of op ``i + 8`` (whose object was requested 8 ops ago; not with the
-    fingerprints ``given``: the data is then rarely read). Hints only."""
-    if i + _AHEAD_OBJECT < n:
+    of 10^6 contents is bound by them): the array object of op ``i + 16`` (if ids are read
+    through one: ``data_off`` >= 0), then the first lines of the data of op ``i + 8`` (whose
+    object was requested 8 ops ago; not with the fingerprints ``given``: the data is then
+    rarely read). Hints only."""
+    if data_off >= 0 and i + _AHEAD_OBJECT < n:
         prefetch_addr(ops[OP_TOKENS, i + _AHEAD_OBJECT] + data_off)  # type: ignore[call-arg]
     if i + _AHEAD_DATA < n and not given:
-        data = i64_ptr(ops[OP_TOKENS, i + _AHEAD_DATA] + data_off)[0]  # type: ignore[call-arg]
+        data = ops[OP_TOKENS, i + _AHEAD_DATA]
+        if data_off >= 0:
+            data = i64_ptr(data + data_off)[0]  # type: ignore[call-arg]
         for line in range(4):
             prefetch_addr(data + 64 * line)  # type: ignore[call-arg]
 
