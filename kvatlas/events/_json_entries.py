@@ -152,37 +152,6 @@ def _hex_byte(buf, i, values):  # type: ignore[no-untyped-def]  # pragma: no cov
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def _member(buf, i, n, names, among, before, seen):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """The member whose name's quote is at ``i``, in an object of the fields ``among``
-    (``before``: the field of the member before, -1 for none; ``seen``: the fields met, as
-    bits): ``(at, field, seen)``, ``at`` its value's first byte, or -1: given up (not one of
-    the fields, one met before, no colon)."""
-    j = _string(buf, i, n)
-    if j < 0:
-        return -1, -1, seen
-    field = _field_of(buf, i + 1, j, names, among, before + 1)
-    if field < 0 or seen & (1 << field):
-        return -1, -1, seen
-    i = skip_space(buf, j + 1, n)
-    if i >= n or buf[i] != _COLON:
-        return -1, -1, seen
-    return skip_space(buf, i + 1, n), field, seen | (1 << field)
-
-
-@numba.njit(cache=True, nogil=True, boundscheck=False)
-def _after_member(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
-    """What follows a member's value ending at ``i``: ``(at, 1)`` another member, ``at`` its
-    name's quote; ``(at, 0)`` the object's end, ``at`` just after its ``}``; ``(i, -1)``
-    neither."""
-    i = skip_space(buf, i, n)
-    if i < n and buf[i] == _COMMA:
-        return skip_space(buf, i + 1, n), 1
-    if i < n and buf[i] == _RBRACE:
-        return i + 1, 0
-    return i, -1
-
-
-@numba.njit(cache=True, nogil=True, boundscheck=False)
 def _key(buf, i, n, e, hashes, cols, names):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Parse the key object at ``i`` into entry ``e``'s columns; its end, or -1."""
     if i >= n or buf[i] != _LBRACE:
@@ -193,9 +162,17 @@ def _key(buf, i, n, e, hashes, cols, names):  # type: ignore[no-untyped-def]  # 
     field = -1  # the field before (none yet)
     i = skip_space(buf, i + 1, n)
     while True:
-        i, field, seen = _member(buf, i, n, names, _KEY_FIELDS, field, seen)
-        if i < 0:
+        j = _string(buf, i, n)
+        if j < 0:
             return -1
+        field = _field_of(buf, i + 1, j, names, _KEY_FIELDS, field + 1)
+        if field < 0 or seen & (1 << field):
+            return -1
+        seen |= 1 << field
+        i = skip_space(buf, j + 1, n)
+        if i >= n or buf[i] != _COLON:
+            return -1
+        i = skip_space(buf, i + 1, n)
         if field in (_RANK, _GROUP):
             i, v = _integer(buf, i, n)
             if i < 0:
@@ -220,9 +197,13 @@ def _key(buf, i, n, e, hashes, cols, names):  # type: ignore[no-untyped-def]  # 
             else:
                 cols[SALT_AT, e], cols[SALT_END, e] = i + 1, j
             i = j + 1
-        i, more = _after_member(buf, i, n)
-        if more != 1:
-            return i if more == 0 and seen & 7 == 7 else -1  # hash, model and rank given
+        i = skip_space(buf, i, n)
+        if i < n and buf[i] == _COMMA:
+            i = skip_space(buf, i + 1, n)
+            continue
+        if i < n and buf[i] == _RBRACE and seen & 7 == 7:  # hash, model and rank given
+            return i + 1
+        return -1
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -236,9 +217,17 @@ def _entry(buf, i, n, e, hashes, cols, arena, k, names):  # type: ignore[no-unty
     field = -1  # the field before (none yet)
     i = skip_space(buf, i + 1, n)
     while True:
-        i, field, seen = _member(buf, i, n, names, _ENTRY_FIELDS, field, seen)
-        if i < 0:
+        j = _string(buf, i, n)
+        if j < 0:
             return -1, k
+        field = _field_of(buf, i + 1, j, names, _ENTRY_FIELDS, field + 1)
+        if field < 0 or seen & (1 << field):
+            return -1, k
+        seen |= 1 << field
+        i = skip_space(buf, j + 1, n)
+        if i >= n or buf[i] != _COLON:
+            return -1, k
+        i = skip_space(buf, i + 1, n)
         if field == _KEY:
             i = _key(buf, i, n, e, hashes, cols, names)
         elif field == _TOKENS:
@@ -257,9 +246,13 @@ def _entry(buf, i, n, e, hashes, cols, arena, k, names):  # type: ignore[no-unty
             cols[SIZE if field == _SIZE else OFFSET, e] = v
         if i < 0:
             return -1, k
-        i, more = _after_member(buf, i, n)
-        if more != 1:
-            return (i if more == 0 and seen & 1 else -1), k  # the key given
+        i = skip_space(buf, i, n)
+        if i < n and buf[i] == _COMMA:
+            i = skip_space(buf, i + 1, n)
+            continue
+        if i < n and buf[i] == _RBRACE and seen & 1:  # the key given
+            return i + 1, k
+        return -1, k
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
