@@ -254,7 +254,7 @@ def _cut_column_batches(body: bytes, wire: _WireBody, cut: CutBody) -> list[Colu
         r0 = int(runs[0]) if n else 0  # the batch's runs are r0, r0 + 1, ... (rising)
         batch_shapes, by_run = shape_index(shapes[r0 : int(runs[-1]) + 1] if n else [])
         entries = EntryColumns(
-            _split_hashes(cut.hashes[first:end], n),
+            _split_hashes(cut.hashes[first:end].data.cast("B"), n),
             batch_shapes,
             by_run[runs - r0] if len(batch_shapes) > 1 else np.zeros(n, np.intp),
             sizes[first:end].copy(),
@@ -336,9 +336,9 @@ def _columns_from_wire(
     )
 
 
-def _split_hashes(raw: bytes | npt.NDArray[np.uint8], n: int) -> list[bytes]:
-    """``raw`` (bytes, or any C-contiguous buffer of ``32 * n`` bytes) cut into its ``n``
-    32-byte chunk hashes (one C call for a batch of usual size, no copy of ``raw`` first)."""
+def _split_hashes(raw: bytes | memoryview, n: int) -> list[bytes]:
+    """``raw`` (``32 * n`` bytes, or a view of them) cut into its ``n`` 32-byte chunk hashes
+    (one C call for a batch of usual size, no copy of ``raw`` first)."""
     if n > _SPLIT_MAX:
         view = memoryview(raw).cast("B")
         return [view[i : i + 32].tobytes() for i in range(0, 32 * n, 32)]
