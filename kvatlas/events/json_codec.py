@@ -244,6 +244,7 @@ def _cut_column_batches(body: bytes, wire: _WireBody, cut: CutBody) -> list[Colu
     lengths = cols[cut_types.TOKENS]
     starts = np.cumsum(lengths) - lengths
     run_of, sizes, offsets = cols[cut_types.RUN], cols[cut_types.SIZE], cols[cut_types.OFFSET]
+    hashes = cut.hashes.reshape(-1).data  # sliced per batch: views, not copies
     if len(sizes) and (int(sizes.min()) < 0 or int(offsets.min()) < UNKNOWN_OFFSET):
         return None
     out = []
@@ -254,7 +255,7 @@ def _cut_column_batches(body: bytes, wire: _WireBody, cut: CutBody) -> list[Colu
         r0 = int(runs[0]) if n else 0  # the batch's runs are r0, r0 + 1, ... (rising)
         batch_shapes, by_run = shape_index(shapes[r0 : int(runs[-1]) + 1] if n else [])
         entries = EntryColumns(
-            _split_hashes(cut.hashes[first:end].data.cast("B"), n),
+            _split_hashes(hashes[32 * first : 32 * end], n),
             batch_shapes,
             by_run[runs - r0] if len(batch_shapes) > 1 else np.zeros(n, np.intp),
             sizes[first:end].copy(),
