@@ -32,7 +32,7 @@ import numba
 import numpy as np
 
 from kvatlas.events._cut_types import COLUMNS, RUN, CutBody
-from kvatlas.events._json_entries import HEX_VALUES, NAME_ENDS, NAMES, parse_entries
+from kvatlas.events._json_entries import HEX_VALUES, NAME_ENDS, NAMES, parse_entries, same_bytes
 from kvatlas.events._json_tokens import RELEASE_BYTES, skip_space, string_end
 from kvatlas.kernel_twins import gil_twins, releasing_twin
 
@@ -55,12 +55,7 @@ batches (a valid batch header is longer). A body with more gives up (the per-ent
 @numba.njit(cache=True, nogil=True, boundscheck=False)
 def _is(buf, a, b, name):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """Whether ``buf[a:b]`` is ``name``."""
-    if b - a != len(name):
-        return False
-    for t in range(len(name)):  # noqa: SIM110 - compiled: no generator expressions
-        if buf[a + t] != name[t]:
-            return False
-    return True
+    return b - a == len(name) and same_bytes(buf, a, name, 0, b - a)
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)

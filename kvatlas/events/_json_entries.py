@@ -52,7 +52,7 @@ NAMES = np.frombuffer(b"".join(_NAME_LIST), np.uint8)
 """The names the parser knows, one after the other (handed to it with :data:`NAME_ENDS`)."""
 NAME_ENDS = np.cumsum([0, *map(len, _NAME_LIST)]).astype(np.int64)
 """Where each of :data:`NAMES` starts (and the last ends)."""
-_ENTRY_FIELDS, _KEY_FIELDS, _NULL = (0, 4), (4, 9), (9, 10)
+_ENTRY_FIELDS, _KEY_FIELDS, _NULL_NAME = (0, 4), (4, 9), 9
 HEX_VALUES = np.full(256, -1, np.int8)
 """Each byte's value as a hex digit (either case), or -1 (a table: hex digits are random, a
 branch per digit is mispredicted a third of the time)."""
@@ -65,16 +65,29 @@ _LBRACE, _RBRACE, _LBRACKET, _RBRACKET = 123, 125, 91, 93
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
+def same_bytes(x, i, y, j, size):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Whether ``x[i:i + size]`` and ``y[j:j + size]`` hold the same bytes."""
+    for t in range(size):  # noqa: SIM110 - compiled: no generator expressions
+        if x[i + t] != y[j + t]:
+            return False
+    return True
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
 def _is_name(buf, a, b, names, f):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Whether the text ``buf[a:b]`` is name ``f`` of :data:`NAMES`."""
     text, ends = names[0], names[1]
-    at = ends[f]
-    if b - a != ends[f + 1] - at:
-        return False
-    for t in range(b - a):  # noqa: SIM110 - compiled: no generator expressions
-        if buf[a + t] != text[at + t]:
-            return False
-    return True
+    return b - a == ends[f + 1] - ends[f] and same_bytes(buf, a, text, ends[f], b - a)
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _name_of(buf, a, b, names, among):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Which of the names ``among[0]``, … before ``among[1]`` (``names``: :data:`NAMES` and
+    :data:`NAME_ENDS`) the text ``buf[a:b]`` is (0, 1, …), or -1."""
+    for f in range(among[1] - among[0]):
+        if _is_name(buf, a, b, names, among[0] + f):
+            return f
+    return -1
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -84,24 +97,6 @@ def _field_of(buf, a, b, names, among, expected):  # type: ignore[no-untyped-def
     if expected < among[1] - among[0] and _is_name(buf, a, b, names, among[0] + expected):
         return expected
     return _name_of(buf, a, b, names, among)
-
-
-@numba.njit(cache=True, nogil=True, boundscheck=False)
-def _name_of(buf, a, b, names, among):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """Which of the names ``among[0]``, … before ``among[1]`` (``names``: :data:`NAMES` and
-    :data:`NAME_ENDS`) the text ``buf[a:b]`` is (0, 1, …), or -1."""
-    text, ends = names[0], names[1]
-    for f in range(among[1] - among[0]):
-        at = ends[among[0] + f]
-        if b - a == ends[among[0] + f + 1] - at:
-            same = True
-            for t in range(b - a):
-                if buf[a + t] != text[at + t]:
-                    same = False
-                    break
-            if same:
-                return f
-    return -1
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -242,7 +237,7 @@ def _entry(buf, i, n, e, hashes, cols, arena, k, names):  # type: ignore[no-unty
                     cols[TOKENS, e] = filled - k
                     k = filled
                 i = end
-            elif i + 4 <= n and _name_of(buf, i, i + 4, names, _NULL) == 0:
+            elif i + 4 <= n and _is_name(buf, i, i + 4, names, _NULL_NAME):
                 i += 4
             else:
                 return -1, k
@@ -265,12 +260,7 @@ def _same_text(buf, cols, at, end, e, f):  # type: ignore[no-untyped-def]  # pra
     """Whether the spans ``at``–``end`` of entries ``e`` and ``f`` hold one text."""
     a, b = cols[at, e], cols[at, f]
     size = cols[end, e] - a
-    if size != cols[end, f] - b:
-        return False
-    for t in range(size):  # noqa: SIM110 - compiled: no generator expressions
-        if buf[a + t] != buf[b + t]:
-            return False
-    return True
+    return size == cols[end, f] - b and same_bytes(buf, a, buf, b, size)
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)

@@ -43,6 +43,17 @@ def shape_ok(shape: ShapeParts) -> bool:
     return shape[2] <= U64_MAX
 
 
+def shape_index(parts: list[ShapeParts]) -> tuple[list[ShapeParts], npt.NDArray[np.intp]]:
+    """The distinct shapes of ``parts`` in order of first use, and each part's index among
+    them (one shape, the usual batch: compared with ``list.count``, no lookup each)."""
+    n = len(parts)
+    if not n or parts.count(parts[0]) == n:
+        return parts[:1], np.zeros(n, np.intp)
+    index = dict.fromkeys(parts)  # the distinct shapes, in order (a batch has few)
+    ids = dict(zip(index, range(len(index)), strict=True))
+    return list(index), np.fromiter(map(ids.__getitem__, parts), np.intp, n)
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class EntryColumns:
     """Entry ``j`` is ``chunk_hashes[j]`` with shape ``shapes[shape_of[j]]``, ``size_bytes[j]``,
@@ -67,15 +78,9 @@ class EntryColumns:
     def of_entries(cls, entries: Sequence[CacheEntry]) -> EntryColumns:
         """The columns of validated entries (the transports that still build objects); their
         token arrays are kept as they are (no copy: a binding shares the caller's array)."""
-        n = len(entries)
         keys = [e.key for e in entries]
         parts = [(k.model_name, k.kv_rank, k.object_group_id, k.cache_salt) for k in keys]
-        if n and parts.count(parts[0]) == n:  # one shape (the usual batch): no lookup each
-            shapes, shape_of = parts[:1], np.zeros(n, np.intp)
-        else:
-            index = dict.fromkeys(parts)  # the distinct shapes, in order
-            ids = dict(zip(index, range(len(index)), strict=True))
-            shapes, shape_of = list(index), np.fromiter(map(ids.__getitem__, parts), np.intp, n)
+        shapes, shape_of = shape_index(parts)
         arrays = tuple(e.token_ids for e in entries)
         return cls(
             [k.chunk_hash for k in keys],
@@ -103,13 +108,8 @@ class EntryColumns:
         """Columns of decoded wire entries (hashes already 32 bytes each, tokens parsed), or
         ``None`` when any entry breaks a rule a :class:`CacheEntry` would refuse: the decoder
         then asks the per-entry path which entry and why. Each distinct shape is checked once."""
-        index = dict.fromkeys(parts)  # the distinct shapes, in order (a batch has few)
-        if len(index) <= 1:
-            shape_of = np.zeros(len(parts), np.intp)
-        else:
-            ids = dict(zip(index, range(len(index)), strict=True))
-            shape_of = np.fromiter(map(ids.__getitem__, parts), np.intp, len(parts))
-        if not all(map(shape_ok, index)):
+        shapes, shape_of = shape_index(parts)
+        if not all(map(shape_ok, shapes)):
             return None
         try:
             sizes = np.array(size_bytes, dtype=np.int64)
@@ -120,7 +120,7 @@ class EntryColumns:
             return None  # the upper bounds are int64's (I64_MAX)
         return cls(
             chunk_hashes,
-            list(index),
+            shapes,
             shape_of,
             sizes,
             offsets,

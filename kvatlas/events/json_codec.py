@@ -19,20 +19,16 @@ import numpy.typing as npt
 
 from kvatlas.api.events import UNKNOWN_OFFSET, EventBatchRow, EventEntry, EventKey, EventsBodyOf
 from kvatlas.checks import is_plain_int
-from kvatlas.events._cut_types import (
-    GROUP,
-    KV_RANK,
-    MODEL_AT,
-    MODEL_END,
-    OFFSET,
-    RUN,
-    SALT_AT,
-    SALT_END,
-    SIZE,
-    TOKENS,
-    CutBody,
+from kvatlas.events import _cut_types as cut_types
+from kvatlas.events._cut_types import CutBody
+from kvatlas.events.columns import (
+    ColumnBatch,
+    EntryColumns,
+    ShapeParts,
+    column_batch,
+    shape_index,
+    shape_ok,
 )
-from kvatlas.events.columns import ColumnBatch, EntryColumns, ShapeParts, column_batch, shape_ok
 from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
 from kvatlas.events.model import CacheEntry, EventBatch, batch_from_wire, header_to_wire
 from kvatlas.keys import (
@@ -197,20 +193,26 @@ def decode_json_columns(body: bytes | str) -> list[ColumnBatch]:
     which names the entry and the reason (the 422 reply), so errors cannot differ.
 
     The entries are cut out of the body and parsed into columns in one compiled pass
-    (``_json_cut.py``) before msgspec decodes the rest (the batch headers); a body that pass
-    is not sure of is decoded with the token lists as ``Raw`` slices, parsed afterwards (the
-    same answers)."""
-    if isinstance(body, bytes):
-        cut = _cut_entries(body)
-        if cut is not None:
-            try:
-                wire = _decoder.decode(cut.small.data)
-            except msgspec.MsgspecError:
-                return explain(decode_json, body)
-            if len(wire.batches) == len(cut.counts) and not any(wb.entries for wb in wire.batches):
-                batches = _cut_column_batches(body, wire, cut)
-                return explain(decode_json, body) if batches is None else batches
-    return _decode_raw_columns(body)
+    (``_json_cut.py``) before msgspec decodes the rest (the batch headers): the fast path. A
+    body that path is not sure of, or finds a rule broken in, takes the slow one
+    (:func:`_slow_columns`: the token lists as ``Raw`` slices, parsed afterwards; the same
+    answers)."""
+    batches = _fast_columns(body) if isinstance(body, bytes) else None
+    return _slow_columns(body) if batches is None else batches
+
+
+def _fast_columns(body: bytes) -> list[ColumnBatch] | None:
+    """The batches of ``body`` through the compiled pass; ``None``: the slow path decides."""
+    cut = _cut_entries(body)
+    if cut is None:
+        return None
+    try:
+        wire = _decoder.decode(cut.small.data)
+    except msgspec.MsgspecError:
+        return None
+    if len(wire.batches) != len(cut.counts) or any(wb.entries for wb in wire.batches):
+        return None
+    return _cut_column_batches(body, wire, cut)
 
 
 def _run_shapes(body: bytes, cut: CutBody) -> list[ShapeParts] | None:
@@ -218,14 +220,15 @@ def _run_shapes(body: bytes, cut: CutBody) -> list[ShapeParts] | None:
     not UTF-8: the per-entry path says which)."""
     shapes: list[ShapeParts] = []
     cols = cut.cols
+    c = cut_types
     for e in cut.runs.tolist():  # (a row by fancy indexing would release the GIL: numpy's take)
         row = cols[:, e].tolist()
         try:
-            model = body[row[MODEL_AT] : row[MODEL_END]].decode()
-            salt = body[row[SALT_AT] : row[SALT_END]].decode()
+            model = body[row[c.MODEL_AT] : row[c.MODEL_END]].decode()
+            salt = body[row[c.SALT_AT] : row[c.SALT_END]].decode()
         except UnicodeDecodeError:
             return None
-        shape = (model, row[KV_RANK], row[GROUP], salt)
+        shape = (model, row[c.KV_RANK], row[c.GROUP], salt)
         if not shape_ok(shape):
             return None
         shapes.append(shape)
@@ -238,24 +241,25 @@ def _cut_column_batches(body: bytes, wire: _WireBody, cut: CutBody) -> list[Colu
     if shapes is None:
         return None
     cols = cut.cols
-    lengths = cols[TOKENS]
+    lengths = cols[cut_types.TOKENS]
     starts = np.cumsum(lengths) - lengths
-    run_of = cols[RUN]
-    hashes = cut.hashes.tobytes()
+    run_of, sizes, offsets = cols[cut_types.RUN], cols[cut_types.SIZE], cols[cut_types.OFFSET]
+    hashes = cut.hashes.reshape(-1).data  # sliced per batch: views, not copies
+    if len(sizes) and (int(sizes.min()) < 0 or int(offsets.min()) < UNKNOWN_OFFSET):
+        return None
     out = []
     first = 0
     for wb, n in zip(wire.batches, cut.counts.tolist(), strict=True):
         end = first + n
-        batch_shapes, shape_of = _batch_shapes(shapes, run_of[first:end])
-        sizes, offsets = cols[SIZE, first:end].copy(), cols[OFFSET, first:end].copy()
-        if n and (int(sizes.min()) < 0 or int(offsets.min()) < UNKNOWN_OFFSET):
-            return None
+        runs = run_of[first:end]
+        r0 = int(runs[0]) if n else 0  # the batch's runs are r0, r0 + 1, ... (rising)
+        batch_shapes, by_run = shape_index(shapes[r0 : int(runs[-1]) + 1] if n else [])
         entries = EntryColumns(
             _split_hashes(hashes[32 * first : 32 * end], n),
             batch_shapes,
-            shape_of,
-            sizes,
-            offsets,
+            by_run[runs - r0] if len(batch_shapes) > 1 else np.zeros(n, np.intp),
+            sizes[first:end].copy(),
+            offsets[first:end].copy(),
             cut.arena,
             starts[first:end],
             lengths[first:end],
@@ -268,25 +272,9 @@ def _cut_column_batches(body: bytes, wire: _WireBody, cut: CutBody) -> list[Colu
     return out
 
 
-def _batch_shapes(
-    shapes: list[ShapeParts], runs: npt.NDArray[np.int64]
-) -> tuple[list[ShapeParts], npt.NDArray[np.intp]]:
-    """A batch's distinct shapes in order and each entry's index among them, from the runs of
-    its entries (rising: one run, the usual batch, is one shape)."""
-    n = len(runs)
-    if not n:
-        return [], np.zeros(0, np.intp)
-    r0, r1 = int(runs[0]), int(runs[-1])
-    if r0 == r1:
-        return [shapes[r0]], np.zeros(n, np.intp)
-    index = dict.fromkeys(shapes[r0 : r1 + 1])  # the distinct shapes, in order
-    ids = dict(zip(index, range(len(index)), strict=True))
-    by_run = np.fromiter(map(ids.__getitem__, shapes[r0 : r1 + 1]), np.intp, r1 + 1 - r0)
-    return list(index), by_run[runs - r0]
-
-
-def _decode_raw_columns(body: bytes | str) -> list[ColumnBatch]:
-    """:func:`decode_json_columns` with the token lists handed over by msgspec as ``Raw``."""
+def _slow_columns(body: bytes | str) -> list[ColumnBatch]:
+    """:func:`decode_json_columns` with the token lists handed over by msgspec as ``Raw``
+    (any body; a broken rule: the per-entry decoder's verdict)."""
     try:
         wire = _decoder.decode(body)
     except msgspec.MsgspecError:
@@ -349,10 +337,12 @@ def _columns_from_wire(
     )
 
 
-def _split_hashes(raw: bytes, n: int) -> list[bytes]:
-    """``raw`` cut into its ``n`` 32-byte chunk hashes (one C call for a batch of usual size)."""
+def _split_hashes(raw: bytes | memoryview, n: int) -> list[bytes]:
+    """``raw`` (``32 * n`` bytes, or a view of them) cut into its ``n`` 32-byte chunk hashes
+    (one C call for a batch of usual size, no copy of ``raw`` first)."""
     if n > _SPLIT_MAX:
-        return [raw[i : i + 32] for i in range(0, len(raw), 32)]
+        view = memoryview(raw).cast("B")
+        return [view[i : i + 32].tobytes() for i in range(0, 32 * n, 32)]
     return list(_hash_layout(n).unpack(raw))
 
 

@@ -9,6 +9,8 @@ the same error."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import msgspec
@@ -17,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvatlas.errors import KvatlasError
-from kvatlas.events import decode_json, decode_json_columns
+from kvatlas.events import decode_json, decode_json_columns, json_codec
 from kvatlas.events._json_cut import ENTRY_BYTES, cut_entries
 from kvatlas.keys import pack_kv_rank
 
@@ -36,8 +38,30 @@ def _outcome(decode: Any, body: bytes) -> Any:
     return batches
 
 
-def _same(body: bytes) -> None:
-    old, new = _outcome(decode_json, body), _outcome(decode_json_columns, body)
+class SlowPathTaken(AssertionError):
+    """A body that must take the compiled pass went the slow way."""
+
+
+@contextmanager
+def fast_path_only() -> Iterator[None]:
+    """``decode_json_columns`` with its slow path forbidden (``SlowPathTaken`` instead): for
+    forms the compiled pass must take."""
+
+    def forbidden(body: bytes | str) -> Any:
+        raise SlowPathTaken(body)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(json_codec, "_slow_columns", forbidden)
+        yield
+
+
+def _same(body: bytes, *, fast: bool = False) -> None:
+    old = _outcome(decode_json, body)
+    if fast:
+        with fast_path_only():
+            new = _outcome(decode_json_columns, body)
+    else:
+        new = _outcome(decode_json_columns, body)
     assert new == old, body
 
 
@@ -109,9 +133,7 @@ def _body(entries_per_batch: list[list[dict[str, Any]]], rnd: random.Random, spa
 def test_valid_entries_decode_alike_through_the_compiled_pass(
     batches: list[list[dict[str, Any]]], rnd: random.Random, spaced: bool
 ) -> None:
-    body = _body(batches, rnd, spaced)
-    assert cut_entries(body) is not None, body  # the compiled pass takes every form above
-    _same(body)
+    _same(_body(batches, rnd, spaced), fast=True)  # the compiled pass takes every form above
 
 
 BREAKERS = b'"\\{}[],: 0-+.eE\x00\x1f\x7f\xff\xc3nul'
@@ -192,6 +214,40 @@ def test_each_form_decodes_as_the_per_entry_path(old: bytes, new: bytes) -> None
     _same(ONE.replace(old, new, 1))
 
 
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        (b'"ab', b'"AB'),  # hex digits of either case
+        (b'"model_name":"m"', b'"model_name":"\xe6\xa8\xa1\xe5\x9e\x8b"'),  # UTF-8 text
+        (b'"object_group_id":0', b'"object_group_id":999999999999999999'),  # 18 digits
+        (b'"size_bytes":5', b'"size_bytes":0'),
+        (b'"token_offset":0', b'"token_offset":-1'),  # unknown offset
+        (b'"token_ids":[1,2,3]', b'"token_ids":[0,4294967295]'),
+        (b'"token_ids":[1,2,3]', b'"token_ids":null'),
+        (b'"token_ids":[1,2,3]', b'"token_ids":[ ]'),
+        (b'"size_bytes":5,', b""),  # optional fields absent
+        (b',"object_group_id":0,"cache_salt":""', b""),
+        (b'{"key":{', b'{ "key" : { '),  # white space wherever JSON allows
+        (b"}]}]}", b"} ]}]}"),
+        (b'"entries":[', b'"entries":[\n'),
+    ],
+)
+def test_valid_forms_take_the_compiled_pass(old: bytes, new: bytes) -> None:
+    assert old in ONE
+    _same(ONE.replace(old, new, 1), fast=True)
+
+
+def test_the_fast_only_mode_catches_a_wrong_refusal() -> None:
+    """Negative control: a compiled pass that gives up on a valid body (here: always) is
+    caught by the mode, though the slow path's answer would be the same."""
+    _same(ONE)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(json_codec, "_cut_entries", lambda body: None)
+        _same(ONE)  # the slow path's verdict: equal
+        with pytest.raises(SlowPathTaken):
+            _same(ONE, fast=True)
+
+
 def test_the_row_bound_takes_a_body_of_the_smallest_entries() -> None:
     """Rows are bounded by the smallest entry the parser takes (``ENTRY_BYTES``): a body made
     of such entries only is still taken (no fallback for want of rows)."""
@@ -201,4 +257,6 @@ def test_the_row_bound_takes_a_body_of_the_smallest_entries() -> None:
     body = head + b'"tier":"l1","backend":"d","entries":[' + b",".join([entry] * 500) + b"]}]}"
     cut = cut_entries(body)
     assert cut is not None and cut.counts.tolist() == [500]
-    _same(body)
+    _same(body)  # refused (rank 0 is no packed rank), after the cut took every entry
+    valid = body.replace(b'"kv_rank":0}', b'"kv_rank":16777472}')
+    _same(valid, fast=True)
