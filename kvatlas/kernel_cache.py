@@ -23,6 +23,11 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent
 
+SET_BY_KVATLAS = "KVATLAS_NUMBA_CACHE_DIR"
+"""Names the ``NUMBA_CACHE_DIR`` an ``import kvatlas`` set (inherited by the processes it
+starts): one inherited from another tree's import is replaced by this tree's, not taken as
+the caller's choice."""
+
 chosen: Path | None = None
 """The directory ``import kvatlas`` chose (:func:`choose_cache_dir`; ``None``: it chose none,
 e.g. the caller had set ``NUMBA_CACHE_DIR``)."""
@@ -78,17 +83,22 @@ def default_cache_dir(
 
 def choose_cache_dir(environ: MutableMapping[str, str] = os.environ) -> Path | None:
     """Set ``NUMBA_CACHE_DIR`` to :func:`default_cache_dir` unless it is set (the caller's
-    choice stands), before any kernel is compiled or loaded: in the environment (numba reads it
+    choice stands; one an ``import kvatlas`` set, :data:`SET_BY_KVATLAS`, is chosen again for
+    this tree), before any kernel is compiled or loaded: in the environment (numba reads it
     when imported; processes started from this one inherit it) and, when numba is already
     imported, in its config too (numba picks a kernel's cache directory when the kernel is
     defined). Numba creates the directory when it first writes there; one it cannot create is
     skipped for its default. Returns the directory set, else ``None``."""
-    if environ.get("NUMBA_CACHE_DIR"):
+    given = environ.get("NUMBA_CACHE_DIR")
+    if given and given != environ.get(SET_BY_KVATLAS):
         return None
-    where = default_cache_dir(environ)
+    try:
+        where = default_cache_dir(environ)
+    except OSError:  # the sources are not files (a zip import): numba's default
+        return None
     if where is None:
         return None
-    environ["NUMBA_CACHE_DIR"] = str(where)
+    environ["NUMBA_CACHE_DIR"] = environ[SET_BY_KVATLAS] = str(where)
     config = sys.modules.get("numba.core.config")
     if config is not None:
         setattr(config, "CACHE_DIR", str(where))  # noqa: B010 (a module's setting, by name)

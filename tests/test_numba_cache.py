@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvatlas import __version__
-from kvatlas.kernel_cache import default_cache_dir, sources_key
+from kvatlas import __version__, kernel_cache
+from kvatlas.kernel_cache import SET_BY_KVATLAS, choose_cache_dir, default_cache_dir, sources_key
 from tests.numba_cache import CACHE_ROOT, ROOT
 
 
@@ -84,3 +84,30 @@ def test_importing_kvatlas_points_numba_at_its_keyed_cache(order: str, tmp_path:
     assert seen(env) == [str(expected)] * 2
     own = str(tmp_path / "own")
     assert seen({**env, "NUMBA_CACHE_DIR": own}) == [own] * 2
+
+
+def test_a_cache_directory_another_trees_import_set_is_chosen_again() -> None:
+    """A process started by another kvatlas tree inherits its ``NUMBA_CACHE_DIR``: that one
+    is this tree's to choose, while a directory the caller set stands."""
+    inherited = {"HOME": "/home/u", "NUMBA_CACHE_DIR": "/elsewhere", SET_BY_KVATLAS: "/elsewhere"}
+    assert choose_cache_dir(inherited) == default_cache_dir(inherited)
+    assert inherited["NUMBA_CACHE_DIR"] == str(default_cache_dir(inherited))
+    own = {"HOME": "/home/u", "NUMBA_CACHE_DIR": "/mine", SET_BY_KVATLAS: "/elsewhere"}
+    assert choose_cache_dir(own) is None and own["NUMBA_CACHE_DIR"] == "/mine"
+
+
+def test_sources_that_are_not_files_leave_numbas_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Imported from a zip, the sources cannot be listed: no directory is chosen."""
+
+    def unlistable(package: Path = ROOT) -> str:
+        raise NotADirectoryError(str(package))
+
+    monkeypatch.setattr(kernel_cache, "sources_key", unlistable)
+    kernel_cache.cache_key.cache_clear()
+    try:
+        environ = {"HOME": "/home/u"}
+        assert choose_cache_dir(environ) is None and "NUMBA_CACHE_DIR" not in environ
+    finally:
+        kernel_cache.cache_key.cache_clear()

@@ -1,7 +1,7 @@
 """Saved content fingerprints (snapshot version 4): a restore that takes them answers blend
 matches exactly as the saved directory and the brute-force oracle do, for contents of every
 stored form; a column that is corrupt, under another function or bits, or that does not match
-the token ids is recomputed or refused, never trusted."""
+the token ids is recomputed or refused (damage, not forgery: docs/directory.md)."""
 
 from __future__ import annotations
 
@@ -133,11 +133,11 @@ def test_fingerprints_that_are_not_the_contents_are_refused(tmp_path: Path) -> N
         load_snapshot(target, path)
 
 
-@pytest.mark.parametrize("change", ["scheme", "bits", "base"])
+@pytest.mark.parametrize("change", ["scheme", "bits", "base", "base 1", "base p-1"])
 def test_fingerprints_under_another_key_are_recomputed_not_read(
     tmp_path: Path, change: str
 ) -> None:
-    """Another function's name or an invalid base: the column is ignored (its values are
+    """Another function's name or an invalid or weak base (one the index never draws): the column is ignored (its values are
     garbage here); other bits (a valid column of a 40-bit index): the index does not take it.
     Either way the fingerprints are computed, and the answers are the oracle's."""
     d, path, header = saved(tmp_path)
@@ -149,6 +149,8 @@ def test_fingerprints_under_another_key_are_recomputed_not_read(
         "scheme": ("another-function/1", bits, base),
         "bits": (scheme, 40, base),
         "base": (scheme, bits, MERSENNE61),
+        "base 1": (scheme, bits, 1),  # every permutation of a content would collide
+        "base p-1": (scheme, bits, MERSENNE61 - 1),
     }[change]
     digest = FingerprintKey(key[0], CS, key[1], key[2]).digest([column.tobytes()])
     rewrite(

@@ -10,7 +10,10 @@ snapshot package was split (``data/snapshot-v1.snap``)."""
 from __future__ import annotations
 
 import dataclasses
+import io
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -194,3 +197,21 @@ def test_header_layout_is_pinned() -> None:
     assert sorted(COLUMNS) == sorted(
         c for c in columns if c not in ("chunk_hashes", "fingerprint_digest")
     )
+
+
+def test_a_header_read_in_short_pieces_is_read_whole() -> None:
+    """An unbuffered read may return fewer bytes than asked (Linux: ≈2 GiB at most a call):
+    the header is read until it is whole or the file ends."""
+    from kvatlas.directory.snapshot.reader import _read_exactly
+
+    class Trickle(io.FileIO):
+        def readinto(self, buffer: Any) -> int:
+            view = memoryview(buffer)
+            return super().readinto(view[: min(7, len(view))]) or 0
+
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(bytes(range(256)) * 4)
+        f.flush()
+        with Trickle(f.name, "rb") as t:
+            assert _read_exactly(t, 1000) == (bytes(range(256)) * 4)[:1000]
+            assert _read_exactly(t, 100) == (bytes(range(256)) * 4)[1000:]  # the end: fewer

@@ -45,7 +45,7 @@ class FingerprintKey:
         return (
             self.scheme == SCHEME
             and 1 <= self.bits <= 61
-            and 1 <= self.base < MERSENNE61
+            and 2 <= self.base <= MERSENNE61 - 2  # as the index draws it: 0, 1, -1 are weak
             and self.chunk_size >= 1
         )
 

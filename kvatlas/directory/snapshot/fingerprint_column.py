@@ -3,11 +3,13 @@
 A restore with blend on takes the saved column instead of reading and hashing every content's
 ids again (``BlendIndex.build``). A fingerprint that does not belong to its content could not
 cause a wrong match (each candidate's ids are compared first) but would hide the content from
-every lookup, so the column is never taken on trust: a key this build cannot compute (another
-fingerprint function, invalid bits or base) and the column is ignored and recomputed; a
-column whose digest does not match its key and bytes, or whose sample recomputed from the
-token section differs, and the file is refused (:class:`SnapshotError`), as any corrupt one.
-See docs/directory.md, "Snapshots".
+every lookup, so the column is checked before it is taken: a key this build cannot compute
+or would never draw (another fingerprint function, invalid bits, a weak base) and the column
+is ignored and recomputed; a column whose digest does not match its key and bytes, or whose
+sample recomputed from the token section differs, and the file is refused
+(:class:`SnapshotError`), as any corrupt one. The digest is not a MAC and the sample is a
+sample: this catches a damaged file, not one a writer of the file forged (whoever can write
+the snapshot decides the directory it restores anyway). See docs/directory.md, "Snapshots".
 """
 
 from __future__ import annotations

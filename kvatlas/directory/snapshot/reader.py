@@ -12,6 +12,7 @@ See docs/directory.md.
 
 from __future__ import annotations
 
+import io
 import os
 import time
 from collections import Counter
@@ -63,6 +64,21 @@ from kvatlas.events import UNKNOWN_OFFSET, VOLATILE_TIERS
 from kvatlas.keys import ObjectKey
 
 
+def _read_exactly(f: io.FileIO, n: int) -> bytearray:
+    """Up to ``n`` bytes from the unbuffered ``f``: one ``read`` returns at most ≈2 GiB on
+    Linux, so this loops until ``n`` or the end of the file (then fewer)."""
+    out = bytearray(n)
+    view, got = memoryview(out), 0
+    while got < n:
+        k = f.readinto(view[got:])
+        if not k:
+            break
+        got += k
+    view.release()
+    del out[got:]
+    return out
+
+
 def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> SnapshotInfo:
     """Replace ``directory``'s state with the snapshot at ``path``; rebuild the blend index
     from the restored bindings if blend lookup is on. Raises :class:`SnapshotError`."""
@@ -72,7 +88,7 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
     # header's size)
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
-        prefix = f.read(PREFIX.size)
+        prefix = _read_exactly(f, PREFIX.size)
         if len(prefix) < PREFIX.size:
             raise SnapshotError("file too short for a snapshot")
         magic, header_len = PREFIX.unpack(prefix)
@@ -81,7 +97,7 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
         body = PREFIX.size + header_len
         if body > size:
             raise SnapshotError("truncated snapshot header")
-        raw_header = f.read(header_len)
+        raw_header = _read_exactly(f, header_len)
         if len(raw_header) != header_len:
             raise SnapshotError("truncated snapshot header")
         try:
