@@ -85,10 +85,19 @@ def wrk_path() -> str | None:
     return shutil.which("wrk")
 
 
+def wrk_command(wrk: str, connections: int, seconds: float, script: Path, url: str) -> list[str]:
+    """2 threads (one where there is one connection: wrk refuses more threads than
+    connections), ``connections`` connections, whole seconds (at least 1)."""
+    threads = max(1, min(2, connections))
+    duration = max(1, round(seconds))
+    return [wrk, f"-t{threads}", f"-c{connections}", f"-d{duration}s", "-s", str(script), url]
+
+
 def run_wrk(
     url: str, path: str, bodies: list[bytes], connections: int, seconds: float, pid: int
 ) -> LoadResult:
-    """``wrk`` (2 threads, ``connections`` connections) posting ``bodies`` round robin."""
+    """``wrk`` (:func:`wrk_command`: ``connections`` connections) posting ``bodies`` round
+    robin."""
     wrk = wrk_path()
     if wrk is None:
         raise RuntimeError("wrk is not installed")
@@ -101,15 +110,7 @@ def run_wrk(
         script.write_text(_WRK_SCRIPT % {"bodies": body_file, "path": path})
         cpu0 = process_cpu_seconds(pid)
         done = subprocess.run(
-            [
-                wrk,
-                "-t2",
-                f"-c{connections}",
-                f"-d{max(1, round(seconds))}s",
-                "-s",
-                str(script),
-                url,
-            ],
+            wrk_command(wrk, connections, seconds, script, url),
             capture_output=True,
             text=True,
             timeout=seconds + 60,

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvatlas.bench import blend, common, keys, kv_events, service
+from kvatlas.bench import blend, common, keys, kv_events, server_cpu, service
 from kvatlas.bench.server_cpu import process_cpu_seconds, process_minor_faults
 from kvatlas.cli import _build_parser as build_parser
 from kvatlas.directory import BlendIndex
@@ -173,3 +173,11 @@ def test_bench_resync_draws_its_chart(tmp_path: Path) -> None:
     png = tmp_path / "r.png"
     assert resync.run(_args("resync", "--placements", "5000", "--plot", str(png))) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(("connections", "threads"), [(1, 1), (2, 2), (8, 2)])
+def test_wrk_never_gets_more_threads_than_connections(connections: int, threads: int) -> None:
+    """wrk refuses ``-t2 -c1`` ("number of connections must be >= threads"): one client (the
+    router benchmark's default) failed every run where wrk is installed."""
+    command = server_cpu.wrk_command("wrk", connections, 0.4, Path("post.lua"), "http://h:1")
+    assert command[1:5] == [f"-t{threads}", f"-c{connections}", "-d1s", "-s"]
