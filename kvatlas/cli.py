@@ -7,32 +7,16 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvatlas import __version__
 from kvatlas.bench import BENCHMARKS
-from kvatlas.client import cache_cli
-from kvatlas.client.route_client import (
-    ROUTE_HELP,
-    ROUTE_RENAMED_FLAGS,
-    RouteCommand,
-    run_route_command,
-)
-from kvatlas.config_flags import FlagParser, add_dataclass_arguments, dataclass_from_args
-from kvatlas.coordinator.config import CoordinatorConfig, config_from_args
-from kvatlas.coordinator.config import add_arguments as add_coordinator_arguments
-from kvatlas.engine_sim.config import add_arguments as add_engine_sim_arguments
-from kvatlas.engine_sim.config import config_from_args as engine_sim_config_from_args
-from kvatlas.keys import pack_kv_rank
-from kvatlas.node.config import add_arguments as add_node_arguments
-from kvatlas.node.config import config_from_args as node_config_from_args
-from kvatlas.router.config import add_arguments as add_router_arguments
-from kvatlas.router_replica import RouterLaunch, launch_from_args
-from kvatlas.router_replica import add_arguments as add_router_replica_arguments
-from kvatlas.soak import add_arguments as add_soak_arguments
+from kvatlas.config_flags import FlagParser
 
 if TYPE_CHECKING:
     from kvatlas.client.mp_server_client import MPServerClient
+    from kvatlas.coordinator.config import CoordinatorConfig
+    from kvatlas.router_replica import RouterLaunch
 
 DESCRIPTION = (
     "kvatlas: where every cached KV chunk of an LLM serving fleet lives. Run a coordinator "
@@ -47,60 +31,31 @@ def _plain(doc: str | None) -> str:
     return " ".join(first.replace("``", "").split())
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    parser = FlagParser(prog="kvatlas", description=DESCRIPTION)
-    parser.add_argument("--version", action="version", version=f"kvatlas {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def _lazy(module: str, name: str) -> Callable[..., Any]:
+    """``module.name``, imported when first called."""
 
-    coordinator = sub.add_parser(
-        "coordinator",
-        help="run the coordinator service (every flag also as KVATLAS_<NAME>)",
-        description="The fleet's key directory and blend index over HTTP (docs/coordinator.md).",
-    )
-    add_coordinator_arguments(coordinator)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
 
-    node = sub.add_parser(
-        "node",
-        help="run a cache node (every flag also as KVATLAS_<NAME>)",
-        description="A cache node: KV tiers, peer L1, engine API, events to the coordinator "
-        "(docs/node.md).",
-    )
-    add_node_arguments(node)
+    return call
 
-    router = sub.add_parser(
-        "router",
-        help="run the OpenAI-compatible router in front of vLLM engines (every flag also as "
-        "KVATLAS_<NAME>)",
-        description="Routes each request to the engine with the lowest predicted time to first "
-        "token, from what the directory says each engine can reuse (docs/router.md).",
-    )
-    add_router_arguments(router)
-    add_router_replica_arguments(router)
 
-    route = sub.add_parser(
-        "route",
-        help="score instances for a query (POST /route/score) and print the table",
-        description="Which instance should serve this query: prefix and fragment coverage by tier.",
-    )
+def _router_flags(router: argparse.ArgumentParser) -> None:
+    from kvatlas.router.config import add_arguments
+    from kvatlas.router_replica import add_arguments as add_replica_arguments
+
+    add_arguments(router)
+    add_replica_arguments(router)
+
+
+def _route_flags(route: argparse.ArgumentParser) -> None:
+    from kvatlas.client.route_client import ROUTE_HELP, ROUTE_RENAMED_FLAGS, RouteCommand
+    from kvatlas.config_flags import add_dataclass_arguments
+
     add_dataclass_arguments(route, RouteCommand, ROUTE_HELP, renamed=ROUTE_RENAMED_FLAGS)
 
-    cache_cli.add_arguments(sub.add_parser("cache", help="cache control: pins, deletes, "
-                            "prefetches, moves, quotas (docs/cache-control.md)"))  # fmt: skip
 
-    engine_sim = sub.add_parser(
-        "engine-sim",
-        help="run one simulated vLLM engine (every flag also as KVATLAS_<NAME>)",
-        description="One simulated vLLM engine: vLLM's OpenAI API, /metrics, paged prefix "
-        "cache and KV events over ZMQ, timed by a cost model (docs/engine-sim.md).",
-    )
-    add_engine_sim_arguments(engine_sim)
-
-    demo = sub.add_parser(
-        "demo",
-        help="run the fleet demo (RAG workload over 2 nodes)",
-        description="A RAG workload over a coordinator and two cache nodes, in one process "
-        "(default) or real processes over HTTP; --keys shows multimodal-safe keys instead.",
-    )
+def _demo_flags(demo: argparse.ArgumentParser) -> None:
     demo.add_argument("--seed", type=int, default=0, help="random seed of the workload")
     demo.add_argument("--processes", action="store_true", help="real processes over HTTP")
     demo.add_argument("--documents", type=int, default=24, help="documents in the corpus")
@@ -112,9 +67,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help="then print the status page URL and keep the fleet up until Ctrl-C",
     )
 
-    keys = sub.add_parser(
-        "keys", help="key helpers (docs/keys.md)", description="Helpers for kvatlas keys."
-    )
+
+def _keys_flags(keys: argparse.ArgumentParser) -> None:
     keys_sub = keys.add_subparsers(dest="keys_command", required=True, metavar="HELPER")
     kv_rank = keys_sub.add_parser(
         "kv-rank",
@@ -125,20 +79,92 @@ def _build_parser() -> argparse.ArgumentParser:
     kv_rank.add_argument("--world-size", type=int, default=1, help="tensor-parallel world size")
     kv_rank.add_argument("--rank", type=int, default=0, help="the tensor-parallel rank")
 
-    soak = sub.add_parser(
-        "soak",
-        help="the chaos run: real fleet, seeded faults, directory vs ground truth",
-        description="The chaos run of convergence.md section 6 (docs/convergence.md).",
-    )
-    add_soak_arguments(soak)
 
-    bench = sub.add_parser("bench", help="run a benchmark (median of repeats, ratio to naive)")
+def _bench_flags(bench: argparse.ArgumentParser) -> None:
     bench_sub = bench.add_subparsers(dest="bench_name", required=True, metavar="NAME")
     for name in BENCHMARKS:
         module = importlib.import_module(f"kvatlas.bench.{name}")
         doc = _plain(module.__doc__)
         module.add_arguments(bench_sub.add_parser(name, help=doc, description=doc))
+
+
+class _Command(NamedTuple):
+    help: str
+    description: str | None
+    add_flags: Callable[[argparse.ArgumentParser], None]
+
+
+_COMMANDS: dict[str, _Command] = {
+    "coordinator": _Command(
+        "run the coordinator service (every flag also as KVATLAS_<NAME>)",
+        "The fleet's key directory and blend index over HTTP (docs/coordinator.md).",
+        _lazy("kvatlas.coordinator.config", "add_arguments"),
+    ),
+    "node": _Command(
+        "run a cache node (every flag also as KVATLAS_<NAME>)",
+        "A cache node: KV tiers, peer L1, engine API, events to the coordinator (docs/node.md).",
+        _lazy("kvatlas.node.config", "add_arguments"),
+    ),
+    "router": _Command(
+        "run the OpenAI-compatible router in front of vLLM engines (every flag also as "
+        "KVATLAS_<NAME>)",
+        "Routes each request to the engine with the lowest predicted time to first "
+        "token, from what the directory says each engine can reuse (docs/router.md).",
+        _router_flags,
+    ),
+    "route": _Command(
+        "score instances for a query (POST /route/score) and print the table",
+        "Which instance should serve this query: prefix and fragment coverage by tier.",
+        _route_flags,
+    ),
+    "cache": _Command(
+        "cache control: pins, deletes, prefetches, moves, quotas (docs/cache-control.md)",
+        None,
+        _lazy("kvatlas.client.cache_cli", "add_arguments"),
+    ),
+    "engine-sim": _Command(
+        "run one simulated vLLM engine (every flag also as KVATLAS_<NAME>)",
+        "One simulated vLLM engine: vLLM's OpenAI API, /metrics, paged prefix "
+        "cache and KV events over ZMQ, timed by a cost model (docs/engine-sim.md).",
+        _lazy("kvatlas.engine_sim.config", "add_arguments"),
+    ),
+    "demo": _Command(
+        "run the fleet demo (RAG workload over 2 nodes)",
+        "A RAG workload over a coordinator and two cache nodes, in one process "
+        "(default) or real processes over HTTP; --keys shows multimodal-safe keys instead.",
+        _demo_flags,
+    ),
+    "keys": _Command("key helpers (docs/keys.md)", "Helpers for kvatlas keys.", _keys_flags),
+    "soak": _Command(
+        "the chaos run: real fleet, seeded faults, directory vs ground truth",
+        "The chaos run of convergence.md section 6 (docs/convergence.md).",
+        _lazy("kvatlas.soak", "add_arguments"),
+    ),
+    "bench": _Command("run a benchmark (median of repeats, ratio to naive)", None, _bench_flags),
+}
+"""Every subcommand: its help line, description, and what adds its flags (importing what
+they need: a service started as ``kvatlas coordinator`` imports the coordinator's modules,
+not every command's)."""
+
+
+def _build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command's parser: every subcommand listed; the flags of subcommand ``only``
+    (``None``: of every subcommand)."""
+    parser = FlagParser(prog="kvatlas", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"kvatlas {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, command in _COMMANDS.items():
+        own = sub.add_parser(name, help=command.help, description=command.description)
+        if only is None or name == only:
+            command.add_flags(own)
     return parser
+
+
+def _command_in(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names (its first word not an option, the top level having
+    only ``-h`` and ``--version``), ``None`` if none or not one of :data:`_COMMANDS`."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in _COMMANDS else None
 
 
 def subcommand_parser(
@@ -182,16 +208,19 @@ def run_router(launch: RouterLaunch) -> int:
 
 
 _SERVICES: dict[str, tuple[str, str, Callable[[argparse.Namespace], object]]] = {
-    "coordinator": ("kvatlas.cli", "run_coordinator", config_from_args),
-    "node": ("kvatlas.node.server", "run_node", node_config_from_args),
-    "router": ("kvatlas.cli", "run_router", launch_from_args),
-    "engine-sim": ("kvatlas.engine_sim.server", "run_engine_sim", engine_sim_config_from_args),
-}
+    "coordinator": ("kvatlas.cli", "run_coordinator",
+                    _lazy("kvatlas.coordinator.config", "config_from_args")),
+    "node": ("kvatlas.node.server", "run_node", _lazy("kvatlas.node.config", "config_from_args")),
+    "router": ("kvatlas.cli", "run_router", _lazy("kvatlas.router_replica", "launch_from_args")),
+    "engine-sim": ("kvatlas.engine_sim.server", "run_engine_sim",
+                   _lazy("kvatlas.engine_sim.config", "config_from_args")),
+}  # fmt: skip
 """The long-running services: ``kvatlas <name>`` → (module, its run function, the config)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = _build_parser(_command_in(argv))
     args, extra = parser.parse_known_args(argv)
     names = [args.command, getattr(args, "bench_name", None) or getattr(args, "keys_command", "")]
     own = subcommand_parser(parser, [n for n in names if n])
@@ -206,14 +235,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         result: int = getattr(importlib.import_module(where), entry)(config)
         return result
     if args.command == "route":
+        from kvatlas.client.route_client import (
+            ROUTE_RENAMED_FLAGS,
+            RouteCommand,
+            run_route_command,
+        )
+        from kvatlas.config_flags import dataclass_from_args
+
         try:
             command = dataclass_from_args(RouteCommand, args, renamed=ROUTE_RENAMED_FLAGS)
             return run_route_command(command)
         except (ValueError, OSError) as exc:
             parser.error(str(exc))
     if args.command == "cache":
+        from kvatlas.client import cache_cli
+
         return cache_cli.run(args)
     if args.command == "keys":
+        from kvatlas.keys import pack_kv_rank
+
         try:
             print(pack_kv_rank(args.world_size, args.rank, args.world_size, args.rank))
         except ValueError as exc:
