@@ -173,11 +173,20 @@ def worker(vocab_name: str) -> None:
         print(json.dumps({k: v / len(bodies) / 1e3 for k, v in spent.items()}), flush=True)
 
 
+_SOURCES_KEY = """\
+try:
+    from kvatlas.kernel_cache import sources_key
+except ImportError:  # a tree from before kvatlas/kernel_cache.py
+    from tests.numba_cache import sources_key
+print(sources_key())
+"""
+
+
 def start(tree: Path, vocab: str) -> subprocess.Popen[str]:
     """A worker running ``tree``'s kvatlas, its kernels cached by its sources."""
     root = tree.resolve()
     key = subprocess.run(
-        [sys.executable, "-c", "from tests.numba_cache import sources_key; print(sources_key())"],
+        [sys.executable, "-c", _SOURCES_KEY],
         cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
         check=True,
     ).stdout.strip()  # fmt: skip
