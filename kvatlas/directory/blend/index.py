@@ -42,6 +42,7 @@ import numpy.typing as npt
 
 from kvatlas.checks import is_plain_int
 from kvatlas.directory.blend import _cpython, kernels
+from kvatlas.directory.blend.bulk import build_empty, is_empty
 from kvatlas.directory.blend.fingerprints import FingerprintKey, Fingerprints
 from kvatlas.directory.blend.kernels import ADD, REMOVE_CHUNK, REMOVE_CLAIM
 from kvatlas.directory.blend.kernels.modhash import SCHEME
@@ -218,7 +219,10 @@ class BlendIndex:
         column, checked by its reader: ``blend/fingerprints.py``). Taken only under this
         index's function, chunk size and bits, and only while the index is empty: it then
         adopts their base (its answers are the same under any base); otherwise they are
-        ignored and the fingerprints computed."""
+        ignored and the fingerprints computed.
+
+        Vouched adds of ``bytes`` contents to an empty index take ``bulk.build_empty``: the
+        same kernel calls and the same state, the Python around them done column-wise."""
         n = len(adds.tokens)
         if not n:
             return
@@ -229,6 +233,12 @@ class BlendIndex:
                     raise ValueError("build: one fingerprint per add")
                 self._rekey(fingerprints.key.base)
                 fps = np.ascontiguousarray(fingerprints.values, np.uint64)
+            if (
+                adds.vouched
+                and is_empty(self._state)
+                and build_empty(self._state, adds, fps, BUILD_SLICE)
+            ):
+                return
             self._state.reserve(n)
         which = adds.namespace_of
         # slices of all adds but the last, then the last on its own

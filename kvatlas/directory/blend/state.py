@@ -358,9 +358,9 @@ class IndexState:
             and self.contents + n_add <= live
         )
 
-    def _make_room(self, n_add: int) -> None:
-        """Grow what ``n_add`` adds need, counting free ids (but not ids the batch frees: they
-        are not reused within it)."""
+    def _make_room(self, n_add: int, n_extra: int | None = None) -> None:
+        """Grow what ``n_add`` adds need (``n_extra`` of them at most an extra claim; default
+        all), counting free ids (but not ids the batch frees: they are not reused within it)."""
         need = len(self.tokens) + n_add - min(n_add, len(self.tokens) - self.contents)
         if need > self.arrays.content_capacity:
             self.arrays = self.arrays.with_content_capacity(
@@ -371,7 +371,9 @@ class IndexState:
             self.arrays = self.arrays.with_occupant_capacity(
                 _grown(self.arrays.occupant_capacity, need)
             )
-        while 2 * (self.n_extra + n_add) > self.arrays.claims.shape[0]:
+        while 2 * (self.n_extra + (n_add if n_extra is None else n_extra)) > len(
+            self.arrays.claims
+        ):
             self._grow_claims()
         slots = self.arrays.table_slots
         while 2 * (self.contents + n_add) > slots:  # load <= 1/2 (table.py)
@@ -379,10 +381,11 @@ class IndexState:
         if slots != self.arrays.table_slots:
             self.rebuild(slots)
 
-    def reserve(self, n_add: int) -> None:
-        """Room for ``n_add`` adds now, so that batches adding them grow nothing."""
-        if not self._has_room(n_add):
-            self._make_room(n_add)
+    def reserve(self, n_add: int, n_extra: int | None = None) -> None:
+        """Room for ``n_add`` adds now, so that batches adding them grow nothing (``n_extra``:
+        how many of them may make an extra claim at most; default all)."""
+        if n_extra is not None or not self._has_room(n_add):
+            self._make_room(n_add, n_extra)
 
     def trim_claims(self, room: int) -> None:
         """Shrink the extra-claim set to the smallest size (16, doubled) with room for

@@ -119,17 +119,16 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
             # stays on: records are untracked at their first young collection, so collecting
             # as they are built costs less than one pass over all of them at the end.
             indexable = _indexable(header, columns) if _reads_blend(directory, header) else None
-            marks = adds = fingerprints = None
+            adds = fingerprints = None
             if indexable is not None:
-                marks = indexable.tolist()
                 saved = saved_fingerprints(header, len(hashes))
                 adds, fps = _index_adds(
-                    columns, indexable, marks, tokens, hashes, sids, table,
+                    columns, indexable, tokens, hashes, sids, table,
                     None if saved is None else saved[1],
                 )  # fmt: skip
                 if saved is not None and fps is not None:
                     fingerprints = Fingerprints(saved[0], fps)
-            parts = _build(header, columns, tokens, hashes, sids, marks)
+            parts = _build(header, columns, tokens, hashes, sids, indexable)
             del tokens
             counts = _counts(header, columns, sids)
             state = DirectoryState(header.chunk_size, _cursors(header), _capacities(header))
@@ -258,7 +257,7 @@ def _build(
     tokens: list[Any],
     hashes: list[bytes],
     sids: npt.NDArray[np.int64],
-    marks: list[bool] | None,
+    marks: npt.NDArray[np.bool_] | None,
 ) -> list[ChunkPart]:
     """The partitions of records (``sids``: each key's shape id), marked indexed where
     ``marks`` says (``None``: none; see :func:`_indexable`), as the table's columns: no record
@@ -273,7 +272,7 @@ def _build(
     rows = np.fromiter(pls, dtype=object, count=len(pls))  # gathered in C, not per chunk
     flagged = sids[first_key] << 1
     if marks is not None:
-        flagged += np.asarray(marks, np.int64)
+        flagged += marks
     first = np.frombuffer(header.chunk_hashes, dtype=np.uint8)[::HASH_BYTES]
     n = len(hashes)
     offsets, first_pl = cols.offsets.astype(np.int64), cols.key_pls[first_ref]
@@ -331,14 +330,13 @@ def _reads_blend(directory: KeyDirectory, header: Header) -> bool:
 def _index_adds(
     cols: _Columns,
     indexable: npt.NDArray[np.bool_],
-    marks: list[bool],
     tokens: list[Any],
     hashes: list[bytes],
     sids: npt.NDArray[np.int64],
     table: ShapeTable,
     saved: npt.NDArray[np.uint64] | None,
 ) -> tuple[AddColumns, npt.NDArray[np.uint64] | None]:
-    """The blend-index adds of the ``indexable`` chunks (``marks``: the same as a list), from
+    """The blend-index adds of the ``indexable`` chunks (all: the columns as they are), from
     the columns: what the records :func:`_build` marks indexed hold, vouched for (the index
     takes them without looking at each content: ``AddColumns.vouched``), safe because of
     where they come from: each content is a ``bytes`` this restore made itself in its form
@@ -353,9 +351,12 @@ def _index_adds(
         for r in np.flatnonzero(counts[at] > 1).tolist()
         for c in (int(at[r]),)
     ]
+    if len(at) < len(tokens):
+        marks = indexable.tolist()
+        tokens, hashes = list(compress(tokens, marks)), list(compress(hashes, marks))
     adds, fps = index_adds(
-        list(compress(tokens, marks)),
-        list(compress(hashes, marks)),
+        tokens,
+        hashes,
         cols.offsets[at].astype(np.int64),
         sids[first_key[at]],
         several,

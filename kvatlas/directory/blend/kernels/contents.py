@@ -34,7 +34,7 @@ from kvatlas.directory.blend.kernels.planes import (
     planes_ids,
     planes_nbytes,
 )
-from kvatlas.directory.blend.kernels.pointers import i64_ptr, inline, jit, u8_ptr
+from kvatlas.directory.blend.kernels.pointers import i64_ptr, inline, jit, prefetch_addr, u8_ptr
 
 HEADERS = {FORM_U16: b"\x00\x02", FORM_U32: b"\x00\x04\x00\x00"}
 """The header of a content in a plain form (the planes form carries its own)."""
@@ -150,3 +150,37 @@ def token_addresses(
             out[i] = at + bytes_off + (0 if widths[i] == 1 else widths[i])
         else:
             out[i] = i64_ptr(at + array_off)[0]  # type: ignore[call-arg]
+
+
+_AHEAD = 8
+"""How many contents ahead :func:`vouched_layout` requests a content's header."""
+
+
+@jit
+def vouched_layout(
+    handles: Any, layout: Any, bytes_type: Any, data_off: Any, widths: Any, addrs: Any
+) -> Any:
+    """For contents vouched well formed (``handles``: ``id``s, each an exact ``bytes``
+    holding a content, its payload at ``data_off``): ``widths[i]`` its bytes per id (1: the
+    planes form) and ``addrs[i]`` the address of its ids (:func:`token_addresses`), reading
+    each content's header once (the header of the one ``_AHEAD`` on requested meanwhile).
+    Returns the bytes of all their ids (headers not counted: ``token_nbytes``), or -1 when
+    an object is not a ``bytes`` (then the caller takes the general path). ``layout``:
+    ``_cpython.ObjectLayout`` as a plain tuple."""
+    ob_type, size_off = layout[0], layout[1]
+    n = handles.shape[0]
+    total = 0
+    for i in range(n):
+        if i + _AHEAD < n:  # its type and size, then its header
+            prefetch_addr(handles[i + _AHEAD])  # type: ignore[call-arg]
+            prefetch_addr(handles[i + _AHEAD] + data_off)  # type: ignore[call-arg]
+        at = handles[i]
+        if i64_ptr(at + ob_type)[0] != bytes_type:  # type: ignore[call-arg]
+            return -1
+        head: Any = u8_ptr(at + data_off)  # type: ignore[call-arg]
+        b0, b1 = np.int64(head[0]), np.int64(head[1])
+        skip = 0 if b0 else b1  # a plain form's header: its width
+        widths[i] = 1 if b0 else b1
+        addrs[i] = at + data_off + skip
+        total += i64_ptr(at + size_off)[0] - skip  # type: ignore[call-arg]
+    return total
