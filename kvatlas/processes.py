@@ -23,7 +23,7 @@ def is_healthy(url: str, client: httpx.Client | None = None) -> bool:
     try:
         if client is None:
             return httpx.get(f"{url}/healthz", timeout=0.5).status_code == 200
-        return client.get(f"{url}/healthz").status_code == 200
+        return client.get(f"{url}/healthz", timeout=0.5).status_code == 200
     except httpx.HTTPError:
         return False
 
