@@ -11,6 +11,7 @@ it.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,12 +30,24 @@ def use_keyed_cache() -> Path:
     if os.environ.get("NUMBA_CACHE_DIR") and kernel_cache.chosen is None:
         return Path(os.environ["NUMBA_CACHE_DIR"])
     here = CACHE_ROOT / kernel_cache.sources_key(ROOT / "kvatlas")
-    if CACHE_ROOT.is_dir():
-        for old in CACHE_ROOT.iterdir():
-            if old != here and "PYTEST_XDIST_WORKER" not in os.environ:
-                shutil.rmtree(old, ignore_errors=True)
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        remove_other_keys(CACHE_ROOT, here)
     os.environ["NUMBA_CACHE_DIR"] = str(here)
     return here
+
+
+def remove_other_keys(root: Path, here: Path) -> None:
+    """Delete the keyed caches under ``root`` but ``here``: only directories named like a key
+    (:func:`kvatlas.kernel_cache.sources_key`), never another one (``manual``: the
+    benchmarks' cache, ``NUMBA_CACHE_DIR=.numba-cache/manual``)."""
+    if root.is_dir():
+        for old in root.iterdir():
+            if old != here and KEY.fullmatch(old.name) and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+
+
+KEY = re.compile("[0-9a-f]{20}")
+"""A key's name: :func:`kvatlas.kernel_cache.sources_key`'s 20 hex digits."""
 
 
 PARTS = {

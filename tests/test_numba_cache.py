@@ -13,7 +13,7 @@ import pytest
 
 from kvatlas import __version__, kernel_cache
 from kvatlas.kernel_cache import SET_BY_KVATLAS, choose_cache_dir, default_cache_dir, sources_key
-from tests.numba_cache import CACHE_ROOT, ROOT
+from tests.numba_cache import CACHE_ROOT, ROOT, remove_other_keys
 
 
 def test_this_run_uses_the_cache_of_these_sources() -> None:
@@ -111,3 +111,14 @@ def test_sources_that_are_not_files_leave_numbas_default(
         assert choose_cache_dir(environ) is None and "NUMBA_CACHE_DIR" not in environ
     finally:
         kernel_cache.cache_key.cache_clear()
+
+
+def test_a_test_run_removes_only_the_other_keyed_caches(tmp_path: Path) -> None:
+    """Other keys' caches go; the benchmarks' ``manual`` one and anything else stay."""
+    here, old = tmp_path / sources_key(ROOT / "kvatlas"), tmp_path / ("0" * 20)
+    kept = [here, tmp_path / "manual", tmp_path / ("0" * 19), tmp_path / ("g" * 20)]
+    for directory in [*kept, old]:
+        directory.mkdir()
+        (directory / "index.nbi").write_bytes(b"x")
+    remove_other_keys(tmp_path, here)
+    assert sorted(tmp_path.iterdir()) == sorted(kept)
