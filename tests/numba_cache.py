@@ -25,10 +25,11 @@ CACHE_ROOT = ROOT / ".numba-cache"
 
 
 def use_keyed_cache() -> Path:
-    """Point ``NUMBA_CACHE_DIR`` at this tree's keyed cache, unless the caller chose one (set
-    before ``import kvatlas``, which otherwise chooses the user-wide one: replaced here)."""
-    if os.environ.get("NUMBA_CACHE_DIR") and kernel_cache.chosen is None:
-        return Path(os.environ["NUMBA_CACHE_DIR"])
+    """Point ``NUMBA_CACHE_DIR`` at this tree's keyed cache, unless the caller chose one (one
+    an ``import kvatlas`` chose, :data:`kvatlas.kernel_cache.SET_BY_KVATLAS`, is replaced)."""
+    given = os.environ.get("NUMBA_CACHE_DIR")
+    if given and given != os.environ.get(kernel_cache.SET_BY_KVATLAS):
+        return Path(given)
     here = CACHE_ROOT / kernel_cache.sources_key(ROOT / "kvatlas")
     if "PYTEST_XDIST_WORKER" not in os.environ:
         remove_other_keys(CACHE_ROOT, here)

@@ -59,6 +59,7 @@ def test_the_installed_package_caches_under_the_user_cache_by_its_sources(
 
 _NUMBA_SEES = """
 import sys
+import time
 if sys.argv[1] == "numba first":
     import numba
 import kvatlas, os
@@ -111,6 +112,25 @@ def test_sources_that_are_not_files_leave_numbas_default(
         assert choose_cache_dir(environ) is None and "NUMBA_CACHE_DIR" not in environ
     finally:
         kernel_cache.cache_key.cache_clear()
+
+
+_CLIENT_ONLY = """
+import os, sys
+import kvatlas.client
+from kvatlas import kernel_cache
+print("numba" in sys.modules, kernel_cache.cache_key.cache_info().currsize,
+      os.environ.get("NUMBA_CACHE_DIR"))
+"""
+
+
+def test_a_process_that_never_loads_numba_never_hashes_the_sources(tmp_path: Path) -> None:
+    """``import kvatlas`` (a client's) defers the choice to the first ``import numba``: a
+    client never pays for hashing every source (≈30 ms)."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    env.pop("NUMBA_CACHE_DIR")
+    run = subprocess.run([sys.executable, "-c", _CLIENT_ONLY], env=env, capture_output=True,
+                         text=True, check=True, cwd=tmp_path)  # fmt: skip
+    assert run.stdout.split() == ["False", "0", "None"]
 
 
 def test_a_test_run_removes_only_the_other_keyed_caches(tmp_path: Path) -> None:
