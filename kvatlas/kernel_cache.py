@@ -11,14 +11,21 @@ starts a fresh cache. ``import kvatlas`` only installs the hook that does so
 (:func:`choose_before_numba`): the hash (≈30 ms on 2 busy cores: docs/performance.md, "Numba's
 cache directory") is computed once, in processes that load numba, never in a client that does
 not. Stdlib only, and numba is not imported here.
-Old directories are left in place (another installed version may use its own; a few MB each).
+
+Old directories are deleted (:func:`remove_stale`): each process that chooses a directory
+touches it (its modification time says when it was last chosen); a process that chooses one
+not made yet (a new version or source tree) deletes the other keyed directories beside it not
+chosen for :data:`STALE_AFTER_S` (7 days). Another installed version still in use keeps its
+own: its processes touch it as they start.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
+import time
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
@@ -101,11 +108,61 @@ def choose_cache_dir(environ: MutableMapping[str, str] = os.environ) -> Path | N
         return None
     if where is None:
         return None
+    mark_chosen(where)
     environ["NUMBA_CACHE_DIR"] = environ[SET_BY_KVATLAS] = str(where)
     config = sys.modules.get("numba.core.config")
     if config is not None:
         setattr(config, "CACHE_DIR", str(where))  # noqa: B010 (a module's setting, by name)
     return where
+
+
+STALE_AFTER_S = 7 * 24 * 3600.0
+"""A keyed directory not chosen for this long (its modification time) is deleted."""
+
+_KEY = re.compile(r"[^/]+-[0-9a-f]{20}")
+"""A keyed directory's name: ``<version>-<sources_key>``."""
+
+
+def mark_chosen(where: Path) -> None:
+    """Touch ``where`` (the directory just chosen); if it does not exist yet, a new key is in
+    use: :func:`remove_stale` beside it."""
+    try:
+        os.utime(where)
+    except FileNotFoundError:
+        remove_stale(where.parent, where)
+    except OSError:  # not ours to touch: leave it and its neighbours alone
+        pass
+
+
+def remove_stale(root: Path, keep: Path, now: float | None = None) -> list[Path]:
+    """Delete the keyed directories directly under ``root`` (named ``<version>-<key>``, not
+    symbolic links) but ``keep`` whose modification time is :data:`STALE_AFTER_S` or more
+    before ``now``; returns those deleted. Nothing else is touched, nothing outside ``root``.
+    Errors are ignored: another process may delete the same directory at once, or a
+    directory be unreadable. (A process choosing a stale directory during the few
+    milliseconds between another's check and delete loses its cache: numba compiles again.)"""
+    import shutil
+
+    now = time.time() if now is None else now
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    for entry in entries:
+        path = Path(entry.path)
+        if path == keep or not _KEY.fullmatch(entry.name):
+            continue
+        try:
+            stale = entry.is_dir(follow_symlinks=False) and (
+                now - entry.stat(follow_symlinks=False).st_mtime >= STALE_AFTER_S
+            )
+        except OSError:
+            continue
+        if stale:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 class _BeforeNumba:

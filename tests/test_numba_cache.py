@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,35 @@ def test_a_test_run_removes_only_the_other_keyed_caches(tmp_path: Path) -> None:
         (directory / "index.nbi").write_bytes(b"x")
     remove_other_keys(tmp_path, here)
     assert sorted(tmp_path.iterdir()) == sorted(kept)
+
+
+def test_a_new_directory_deletes_the_keyed_ones_not_chosen_for_a_week(tmp_path: Path) -> None:
+    """Choosing a directory not made yet deletes the keyed directories beside it last chosen
+    (touched) a week ago or more: not newer ones, not other names, not what a stale-looking
+    symbolic link points at; choosing an existing one touches it and deletes nothing."""
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    root, now, week = tmp_path / "kvatlas" / "numba", time.time(), kernel_cache.STALE_AFTER_S
+
+    def made(path: Path, age: float) -> Path:
+        path.mkdir(parents=True)
+        (path / "kernel.nbi").write_bytes(b"x")
+        os.utime(path, (now - age, now - age))
+        return path
+
+    stale = made(root / f"0.0.9-{'a' * 20}", week + 60)
+    recent = made(root / f"0.0.9-{'b' * 20}", week - 3600)
+    other = made(root / "notes", 2 * week)
+    outside = made(tmp_path / f"0.0.8-{'c' * 20}", 2 * week)
+    link = root / outside.name
+    link.symlink_to(outside)
+    os.utime(link, (now - 2 * week, now - 2 * week), follow_symlinks=False)
+    where = choose_cache_dir(dict(env))
+    assert where is not None and where.parent == root and not where.exists()
+    assert not stale.exists()
+    assert sorted(root.iterdir()) == sorted([recent, other, link])
+    assert (outside / "kernel.nbi").exists()
+    where.mkdir()
+    os.utime(where, (now - 2 * week, now - 2 * week))
+    older = made(root / f"0.0.7-{'d' * 20}", 2 * week)
+    assert choose_cache_dir(dict(env)) == where
+    assert time.time() - where.stat().st_mtime < week and older.exists()
