@@ -13,5 +13,5 @@ __all__ = ["__version__"]
 
 from kvatlas import kernel_cache
 
-# numba's cache directory, keyed by the sources, before any kernel is defined (kernel_cache)
-kernel_cache.chosen = kernel_cache.choose_cache_dir()
+# numba's cache directory, keyed by the sources, chosen when numba is imported (kernel_cache)
+kernel_cache.choose_before_numba()

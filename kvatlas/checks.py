@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from typing import TypeGuard
 
 
 def is_plain_int(value: object) -> TypeGuard[int]:
     """``True`` for an ``int`` that is not a ``bool`` (``True`` is not a chunk size or offset)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def refuse_big_endian(what: str, error: Callable[[str], Exception] = ImportError) -> None:
+    """Raise ``error`` on a big-endian host: ``what`` reads words little-endian, the byte order
+    of every target numba compiles for (x86-64, AArch64, ppc64le) and of the snapshot file."""
+    if sys.byteorder != "little":
+        raise error(f"{what} reads words little-endian: big-endian hosts are not supported")
 
 
 def check_http_url(url: str, flag: str) -> str:

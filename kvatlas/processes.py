@@ -23,7 +23,7 @@ def is_healthy(url: str, client: httpx.Client | None = None) -> bool:
     try:
         if client is None:
             return httpx.get(f"{url}/healthz", timeout=0.5).status_code == 200
-        return client.get(f"{url}/healthz").status_code == 200
+        return client.get(f"{url}/healthz", timeout=0.5).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -108,12 +108,14 @@ def spawn_services(
 ) -> list[subprocess.Popen[bytes]]:
     """:func:`spawn_service` for each ``(args, url)``, all started at once (a fleet's nodes come
     up side by side, not one after the other); returns once every one answers. If one exits or
-    does not answer within ``timeout``, all are killed."""
+    does not answer within ``timeout``, all are killed and reaped (no zombie is left)."""
     procs = [_start(args, quiet, log) for args, _ in services]
     stuck = wait_until_up(procs, [url for _, url in services], timeout)
     if stuck is not None:
         for proc in procs:
             proc.kill()
+        for proc in procs:
+            proc.wait()
         args, url = services[stuck]
         raise RuntimeError(f"{' '.join(args[:4])} did not come up at {url}")
     return procs

@@ -36,32 +36,17 @@ from typing import Any
 STAGES = ("decode", "query", "match", "reply", "answer", "stack")
 
 
-class MemoryTransport(asyncio.Transport):
-    """What uvicorn's protocol writes to, kept in memory: one reply is one write (the guard
-    coalesces a reply's head and body)."""
+def memory_transport() -> Any:
+    """A :class:`kvatlas.memory_transport.MemoryTransport` of this script's own tree, loaded
+    by path: the worker imports another tree's kvatlas, which may not have that module."""
+    import importlib.util
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.writes = 0
-        self.last = b""
-
-    def write(self, data: Any) -> None:
-        self.writes += 1
-        self.last = bytes(data)
-
-    def is_closing(self) -> bool:
-        return False
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"peername": ("127.0.0.1", 40000), "sockname": ("127.0.0.1", 8000)}.get(
-            name, default
-        )
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
+    path = Path(__file__).resolve().parents[1] / "kvatlas" / "memory_transport.py"
+    spec = importlib.util.spec_from_file_location("_memory_transport", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.MemoryTransport()
 
 
 def stack_driver(app: Any, bodies: list[bytes]) -> Callable[[], int]:
@@ -80,7 +65,7 @@ def stack_driver(app: Any, bodies: list[bytes]) -> Callable[[], int]:
     )
     config.load()
     loop = uvloop.new_event_loop()
-    transport = MemoryTransport()
+    transport = memory_transport()
     protocol = protocol_class(config=config, server_state=ServerState(), app_state={}, _loop=loop)
     requests = [
         b"POST /directory/blend-lookup HTTP/1.1\r\nHost: 127.0.0.1:8000\r\n"
@@ -95,12 +80,12 @@ def stack_driver(app: Any, bodies: list[bytes]) -> Callable[[], int]:
         clock = time.thread_time_ns
         t0 = clock()
         for request in requests:
-            written = transport.writes
+            transport.written.clear()
             protocol.data_received(request)
-            while transport.writes == written:
+            while not transport.written:
                 await asyncio.sleep(0)
-            if not transport.last.startswith(b"HTTP/1.1 200"):
-                raise RuntimeError(f"the stack replied {transport.last[:200]!r}")
+            if not transport.written[0].startswith(b"HTTP/1.1 200"):
+                raise RuntimeError(f"the stack replied {transport.written[0][:200]!r}")
         return clock() - t0
 
     loop.run_until_complete(connect())

@@ -11,6 +11,7 @@ it.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,17 +25,30 @@ CACHE_ROOT = ROOT / ".numba-cache"
 
 
 def use_keyed_cache() -> Path:
-    """Point ``NUMBA_CACHE_DIR`` at this tree's keyed cache, unless the caller chose one (set
-    before ``import kvatlas``, which otherwise chooses the user-wide one: replaced here)."""
-    if os.environ.get("NUMBA_CACHE_DIR") and kernel_cache.chosen is None:
-        return Path(os.environ["NUMBA_CACHE_DIR"])
+    """Point ``NUMBA_CACHE_DIR`` at this tree's keyed cache, unless the caller chose one (one
+    an ``import kvatlas`` chose, :data:`kvatlas.kernel_cache.SET_BY_KVATLAS`, is replaced)."""
+    given = os.environ.get("NUMBA_CACHE_DIR")
+    if given and given != os.environ.get(kernel_cache.SET_BY_KVATLAS):
+        return Path(given)
     here = CACHE_ROOT / kernel_cache.sources_key(ROOT / "kvatlas")
-    if CACHE_ROOT.is_dir():
-        for old in CACHE_ROOT.iterdir():
-            if old != here and "PYTEST_XDIST_WORKER" not in os.environ:
-                shutil.rmtree(old, ignore_errors=True)
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        remove_other_keys(CACHE_ROOT, here)
     os.environ["NUMBA_CACHE_DIR"] = str(here)
     return here
+
+
+def remove_other_keys(root: Path, here: Path) -> None:
+    """Delete the keyed caches under ``root`` but ``here``: only directories named like a key
+    (:func:`kvatlas.kernel_cache.sources_key`), never another one (``manual``: the
+    benchmarks' cache, ``NUMBA_CACHE_DIR=.numba-cache/manual``)."""
+    if root.is_dir():
+        for old in root.iterdir():
+            if old != here and KEY.fullmatch(old.name) and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+
+
+KEY = re.compile("[0-9a-f]{20}")
+"""A key's name: :func:`kvatlas.kernel_cache.sources_key`'s 20 hex digits."""
 
 
 PARTS = {

@@ -12,7 +12,6 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
@@ -20,7 +19,7 @@ from kvatlas.coordinator.server import free_port
 from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import spawn_service
-from tests.conftest import wait_for
+from tests.conftest import HTTP, wait_for
 from tests.helpers import TOY_LAYOUT
 
 C = 16
@@ -95,7 +94,7 @@ def test_stored_on_a_found_by_b_at_new_offset_and_rerope_exact(fleet: dict[str, 
 
     coordinator = str(fleet["coordinator"])
     assert wait_for(
-        lambda: httpx.get(f"{coordinator}/directory/stats").json()["keys"] == 5, timeout=20
+        lambda: HTTP.get(f"{coordinator}/directory/stats").json()["keys"] == 5, timeout=20
     )
     assert b.lookup(first) == 5 * C  # prefix: every chunk is in A's L1
 

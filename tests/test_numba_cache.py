@@ -7,13 +7,14 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from kvatlas import __version__, kernel_cache
 from kvatlas.kernel_cache import SET_BY_KVATLAS, choose_cache_dir, default_cache_dir, sources_key
-from tests.numba_cache import CACHE_ROOT, ROOT
+from tests.numba_cache import CACHE_ROOT, ROOT, remove_other_keys
 
 
 def test_this_run_uses_the_cache_of_these_sources() -> None:
@@ -59,6 +60,7 @@ def test_the_installed_package_caches_under_the_user_cache_by_its_sources(
 
 _NUMBA_SEES = """
 import sys
+import time
 if sys.argv[1] == "numba first":
     import numba
 import kvatlas, os
@@ -111,3 +113,65 @@ def test_sources_that_are_not_files_leave_numbas_default(
         assert choose_cache_dir(environ) is None and "NUMBA_CACHE_DIR" not in environ
     finally:
         kernel_cache.cache_key.cache_clear()
+
+
+_CLIENT_ONLY = """
+import os, sys
+import kvatlas.client
+from kvatlas import kernel_cache
+print("numba" in sys.modules, kernel_cache.cache_key.cache_info().currsize,
+      os.environ.get("NUMBA_CACHE_DIR"))
+"""
+
+
+def test_a_process_that_never_loads_numba_never_hashes_the_sources(tmp_path: Path) -> None:
+    """``import kvatlas`` (a client's) defers the choice to the first ``import numba``: a
+    client never pays for hashing every source (≈30 ms)."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    env.pop("NUMBA_CACHE_DIR")
+    run = subprocess.run([sys.executable, "-c", _CLIENT_ONLY], env=env, capture_output=True,
+                         text=True, check=True, cwd=tmp_path)  # fmt: skip
+    assert run.stdout.split() == ["False", "0", "None"]
+
+
+def test_a_test_run_removes_only_the_other_keyed_caches(tmp_path: Path) -> None:
+    """Other keys' caches go; the benchmarks' ``manual`` one and anything else stay."""
+    here, old = tmp_path / sources_key(ROOT / "kvatlas"), tmp_path / ("0" * 20)
+    kept = [here, tmp_path / "manual", tmp_path / ("0" * 19), tmp_path / ("g" * 20)]
+    for directory in [*kept, old]:
+        directory.mkdir()
+        (directory / "index.nbi").write_bytes(b"x")
+    remove_other_keys(tmp_path, here)
+    assert sorted(tmp_path.iterdir()) == sorted(kept)
+
+
+def test_a_new_directory_deletes_the_keyed_ones_not_chosen_for_a_week(tmp_path: Path) -> None:
+    """Choosing a directory not made yet deletes the keyed directories beside it last chosen
+    (touched) a week ago or more: not newer ones, not other names, not what a stale-looking
+    symbolic link points at; choosing an existing one touches it and deletes nothing."""
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    root, now, week = tmp_path / "kvatlas" / "numba", time.time(), kernel_cache.STALE_AFTER_S
+
+    def made(path: Path, age: float) -> Path:
+        path.mkdir(parents=True)
+        (path / "kernel.nbi").write_bytes(b"x")
+        os.utime(path, (now - age, now - age))
+        return path
+
+    stale = made(root / f"0.0.9-{'a' * 20}", week + 60)
+    recent = made(root / f"0.0.9-{'b' * 20}", week - 3600)
+    other = made(root / "notes", 2 * week)
+    outside = made(tmp_path / f"0.0.8-{'c' * 20}", 2 * week)
+    link = root / outside.name
+    link.symlink_to(outside)
+    os.utime(link, (now - 2 * week, now - 2 * week), follow_symlinks=False)
+    where = choose_cache_dir(dict(env))
+    assert where is not None and where.parent == root and not where.exists()
+    assert not stale.exists()
+    assert sorted(root.iterdir()) == sorted([recent, other, link])
+    assert (outside / "kernel.nbi").exists()
+    where.mkdir()
+    os.utime(where, (now - 2 * week, now - 2 * week))
+    older = made(root / f"0.0.7-{'d' * 20}", 2 * week)
+    assert choose_cache_dir(dict(env)) == where
+    assert time.time() - where.stat().st_mtime < week and older.exists()

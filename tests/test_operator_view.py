@@ -26,7 +26,7 @@ from kvatlas.node import EmbeddedFleet, NodeConfig, NodeEngineClient
 from kvatlas.node.embedded import InProcessPeer
 from kvatlas.node.peer import PeerReply
 from kvatlas.processes import spawn_service, stop
-from tests.conftest import RedisServer, wait_for
+from tests.conftest import HTTP, RedisServer, wait_for
 from tests.helpers import write_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -268,7 +268,7 @@ def test_node_metrics_need_an_admin_token_with_auth_on(fleet: Fleet) -> None:
 
 def test_the_node_reports_its_value_to_the_coordinator(fleet: Fleet) -> None:
     def value() -> dict[str, int]:
-        status = httpx.get(f"{fleet.coordinator}/status.json", headers=bearer(ADMIN)).json()
+        status = HTTP.get(f"{fleet.coordinator}/status.json", headers=bearer(ADMIN)).json()
         v: dict[str, int] = status["value"]
         return v
 
@@ -301,7 +301,7 @@ def test_dashboard_and_alerts_name_only_exported_metrics(fleet: Fleet) -> None:
     assert len(referenced) > 30
 
     def coordinator() -> str:
-        return httpx.get(f"{fleet.coordinator}/metrics", headers=bearer(ADMIN)).text
+        return HTTP.get(f"{fleet.coordinator}/metrics", headers=bearer(ADMIN)).text
 
     assert wait_for(lambda: "kvatlas_snapshot_age_seconds " in coordinator(), 30, interval=0.5)
     exported = _exported(coordinator())

@@ -48,6 +48,7 @@ SHARED = (
     "dispatch",  # the one request stack serving a route table
     "openapi",  # a route table's documentation
     "http_guard",
+    "memory_transport",  # an asyncio transport in memory: an HTTP protocol without sockets
     "config_flags",
     "asgi_thread",
     "logs",

@@ -8,12 +8,14 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 
+from kvatlas import processes
 from kvatlas.asgi_thread import free_port
-from kvatlas.processes import listens, spawn_service, stop, wait_until_up
+from kvatlas.processes import listens, spawn_service, spawn_services, stop, wait_until_up
 
 HEALTHY_SERVER = """
 import http.server, sys
@@ -109,3 +111,28 @@ def test_waiting_for_a_service_polls_on_one_client(monkeypatch: pytest.MonkeyPat
     finally:
         stop([sleeper])
     assert stuck == 0 and len(made) == 1
+
+
+def test_services_that_fail_to_start_are_killed_and_reaped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One exits at once, the other never answers: both are killed and waited for (their
+    exit status collected, no zombie left behind)."""
+    started: list[subprocess.Popen[bytes]] = []
+    real_start = processes._start
+
+    def recorded(*args: Any) -> subprocess.Popen[bytes]:
+        started.append(real_start(*args))
+        return started[-1]
+
+    monkeypatch.setattr(processes, "_start", recorded)
+    services = [
+        (["-c", "import time; time.sleep(60)"], f"http://127.0.0.1:{free_port()}"),
+        (["-c", "raise SystemExit(3)"], f"http://127.0.0.1:{free_port()}"),
+    ]
+    try:
+        with pytest.raises(RuntimeError, match="did not come up"):
+            spawn_services(services, timeout=30)
+        assert [p.returncode for p in started] == [-9, 3]  # set only once reaped
+    finally:
+        stop(started)

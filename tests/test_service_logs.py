@@ -15,7 +15,7 @@ import httpx
 
 from kvatlas.asgi_thread import free_port
 from kvatlas.processes import is_healthy
-from tests.conftest import wait_for
+from tests.conftest import HTTP, wait_for
 
 NODE = ["--model-name", "m", "--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8",
         "--chunk-size", "16", "--dtype", "float32", "--l2", "none"]  # fmt: skip
@@ -31,7 +31,7 @@ def service(args: list[str], log: Path) -> Iterator[str]:
             stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
-        assert wait_for(lambda: is_healthy(url) or proc.poll() is not None, timeout=120)
+        assert wait_for(lambda: is_healthy(url, HTTP) or proc.poll() is not None, timeout=120)
         assert proc.poll() is None, log.read_text()
         yield url
     finally:

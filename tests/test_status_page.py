@@ -26,7 +26,7 @@ from kvatlas.asgi_thread import free_port
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.server import BackgroundServer
 from tests.browser_support import Browser, require_chromium
-from tests.conftest import wait_for
+from tests.conftest import HTTP, wait_for
 from tests.coordinator.helpers import CS, Emitter, post_batches, running
 from tests.helpers import write_tokens
 
@@ -80,7 +80,7 @@ def test_demo_serve_keeps_the_embedded_fleet_up_until_ctrl_c() -> None:
         assert "node-0" in page.text and "node-1" in page.text
         # the pulse reports what the nodes did: query tokens arrive in the view
         assert wait_for(
-            lambda: httpx.get(f"{url}/status.json").json()["value"]["query_tokens"] > 0, 30
+            lambda: HTTP.get(f"{url}/status.json").json()["value"]["query_tokens"] > 0, 30
         )
         assert interrupt(proc) == 0
 
@@ -108,7 +108,7 @@ def test_status_page_in_headless_chromium(tmp_path: Path) -> None:
 
         # the nodes report with every heartbeat (5 s): wait until both did
         def reported() -> bool:
-            fleet = httpx.get(f"{url}/status.json").json()["fleet"]
+            fleet = HTTP.get(f"{url}/status.json").json()["fleet"]
             return sum(1 for row in fleet if row["tiers"] is not None) >= 2
 
         assert wait_for(reported, 60, interval=0.5)

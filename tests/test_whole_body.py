@@ -28,6 +28,7 @@ from uvicorn.server import ServerState
 from kvatlas.asgi_thread import ThreadedServer, free_port
 from kvatlas.errors import PayloadTooLarge
 from kvatlas.http_guard import WHOLE_BODY, HttpLimits, guarded_protocol
+from kvatlas.memory_transport import MemoryTransport
 from kvatlas.web import receive_body
 
 LIMIT = 300_000
@@ -188,34 +189,6 @@ def test_a_client_gone_mid_body_reads_as_none(served: tuple[App, int]) -> None:
     assert app.gone[-1] == "/whole"
 
 
-class _MemoryTransport(asyncio.Transport):
-    """The protocol's transport, in memory: what was written."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.written: list[bytes] = []
-
-    def write(self, data: Any) -> None:
-        self.written.append(bytes(data))
-
-    def is_closing(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        pass
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"peername": ("127.0.0.1", 40000), "sockname": ("127.0.0.1", 8000)}.get(
-            name, default
-        )
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-
 def _post_in_memory(
     app: App, path: str, body: bytes, pieces: list[int], *, guarded: bool = True
 ) -> tuple[int, int]:
@@ -229,7 +202,7 @@ def _post_in_memory(
     config = Config(app, lifespan="off", log_level="warning", http=protocol_class)
     config.load()
     loop = asyncio.new_event_loop()
-    transport = _MemoryTransport()
+    transport = MemoryTransport()
     protocol = protocol_class(config=config, server_state=ServerState(), app_state={}, _loop=loop)
     wire = _request(path, body, chunked=False)
     parts = [wire[a:b] for a, b in itertools.pairwise([0, *sorted(pieces), len(wire)])]

@@ -104,9 +104,11 @@ class EngineCoordinator:
             self.url,
         )  # fmt: skip
         self.seq = 0
+        # one client for the polls (kvatlas/processes.py, is_healthy, says why)
+        self.http = httpx.Client(base_url=self.url, timeout=120)
 
     def stats(self) -> dict[str, int]:
-        return subscriber_stats(httpx.get(f"{self.url}/healthz", timeout=120).json())
+        return subscriber_stats(self.http.get("/healthz").json())
 
     def send(self, payload: bytes) -> None:
         self.pub.send_multipart([b"", pack_seq(self.seq), payload])
@@ -137,11 +139,12 @@ class EngineCoordinator:
 
     def holds(self, tokens: list[int]) -> bool:
         body = {"token_ids": tokens, "model_name": MODEL}
-        found = httpx.post(f"{self.url}/directory/lookup", json=body, timeout=120).json()
+        found = self.http.post("/directory/lookup", json=body).json()
         return any(h["instance_id"] == "pod-a" for h in found["prefix"])
 
     def close(self) -> None:
         stop([self.proc])
+        self.http.close()
         self.pub.close(0)
         self.ctx.term()
 

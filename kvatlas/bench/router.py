@@ -333,7 +333,8 @@ def run(args: argparse.Namespace) -> int:
                 sink.send(work.batches[start : start + 4])
             sink.close()
             end = _stream_end(redis_server.url)
-            _wait(lambda: httpx.get(f"{coord}/healthz").json()["stream_position"] == end,
+            poll = httpx.Client(timeout=5)  # one for every poll (processes.is_healthy says why)
+            _wait(lambda: poll.get(f"{coord}/healthz").json()["stream_position"] == end,
                   "the coordinator reading the stream")  # fmt: skip
             engines = [f for i in work.instances for f in ("--engine", f"{i}={engine}")]
             started = []
@@ -352,8 +353,9 @@ def run(args: argparse.Namespace) -> int:
             procs += spawn_services(started, timeout=300)  # side by side
             pids = {name: proc.pid for name, proc in zip(ports, procs[-len(ports) :], strict=True)}
             replica_url = f"http://127.0.0.1:{ports['kvatlas-replica']}/healthz"
-            _wait(lambda: httpx.get(replica_url).json()["scores"] == "replica serving",
+            _wait(lambda: poll.get(replica_url).json()["scores"] == "replica serving",
                   "the router's replica reading the stream")  # fmt: skip
+            poll.close()
             progress.advance(task)
             with httpx.Client(timeout=60) as client:
                 routers = {p: f"http://127.0.0.1:{port}" for p, port in ports.items()}

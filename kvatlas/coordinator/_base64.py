@@ -18,14 +18,14 @@ outside the alphabet maps to ``0xF000``); the last quartet (padding) with per-po
 
 from __future__ import annotations
 
-import sys
-
 import numba
 import numpy as np
 import numpy.typing as npt
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
+
+from kvatlas.checks import refuse_big_endian
 
 _WHITESPACE = (b"\n", b"\r", b" ", b"\t")
 _INVALID = 1 << 24
@@ -62,8 +62,7 @@ _FIRST, _SECOND = 0, 16
 """Shifts of a quartet's first and second character pair within its 32-bit word, read
 little-endian: the byte order of every target numba compiles for (x86-64, AArch64,
 ppc64le), checked at import."""
-if sys.byteorder != "little":  # pragma: no cover - no such numba target
-    raise ImportError("kvatlas's base64 kernel reads words little-endian")
+refuse_big_endian("kvatlas's base64 kernel")
 
 
 _BLOCK = 64

@@ -316,12 +316,13 @@ def run_processes(
             # Events travel asynchronously (outbox → POST /events): wait until the directory
             # stops changing, like an engine that does not care would simply not wait.
             last = -1
-            while True:
-                keys = httpx.get(f"{coordinator}/directory/stats").json()["batches"]["applied"]
-                if keys == last:
-                    return
-                last = keys
-                time.sleep(0.1)
+            with httpx.Client() as client:  # one for every poll (processes.is_healthy says why)
+                while True:
+                    stats = client.get(f"{coordinator}/directory/stats").json()
+                    if stats["batches"]["applied"] == last:
+                        return
+                    last = stats["batches"]["applied"]
+                    time.sleep(0.1)
 
         try:
             tally = play(

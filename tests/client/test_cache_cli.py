@@ -31,7 +31,7 @@ from kvatlas.coordinator.server import BackgroundServer
 from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import spawn_service, stop
-from tests.conftest import wait_for
+from tests.conftest import HTTP, wait_for
 from tests.coordinator.security_support import bearer, token
 from tests.helpers import C, node_config, toy_node_flags, write_tokens
 
@@ -50,7 +50,7 @@ class Fleet:
 
     def tiers(self) -> list[list[str]]:
         """Per chunk of DOC, the tiers node-a holds it in, as the directory shows."""
-        r = httpx.post(
+        r = HTTP.post(
             f"{self.url}/directory/lookup", headers=bearer(ADMIN),
             json={"token_ids": DOC, "model_name": "toy"},
         )  # fmt: skip

@@ -19,7 +19,7 @@ from kvatlas.node.config import NodeConfig
 from kvatlas.node.rope import rerope_k
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import spawn_service, spawn_services, stop
-from tests.conftest import wait_for
+from tests.conftest import HTTP, wait_for
 from tests.vllm_support import require_vllm
 
 C = 16
@@ -73,7 +73,7 @@ def fresh(model: ToyRopeModel, toks: np.ndarray, start: int = 0) -> np.ndarray:
 
 
 def coordinator_keys(fleet: dict[str, str]) -> int:
-    return int(httpx.get(f"{fleet['coordinator']}/directory/stats").json()["keys"])
+    return int(HTTP.get(f"{fleet['coordinator']}/directory/stats").json()["keys"])
 
 
 def test_cold_request_stores_and_same_prefix_loads_bit_exactly(

@@ -19,7 +19,7 @@ from kvatlas.asgi_thread import free_port
 from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import spawn_service
-from tests.conftest import wait_for
+from tests.conftest import HTTP, wait_for
 from tests.helpers import C, node_config, spawn_coordinator, toy_node_flags
 
 DOC, DOC2 = (list(np.random.default_rng(seed).integers(0, 500, 3 * C)) for seed in (30, 31))
@@ -48,7 +48,7 @@ def l2_keys(node_url: str) -> int:
 
 def tiers(coordinator: str, doc: list[int]) -> list[list[str]]:
     """Per chunk of ``doc``, the tiers node-a holds it in, as the directory shows."""
-    r = httpx.post(
+    r = HTTP.post(
         f"{coordinator}/directory/lookup",
         json={"token_ids": [int(t) for t in doc], "model_name": "toy"},
     )
@@ -60,7 +60,7 @@ def tiers(coordinator: str, doc: list[int]) -> list[list[str]]:
 
 
 def commands(coordinator: str) -> dict[tuple[str, str], float]:
-    text = httpx.get(f"{coordinator}/metrics").text
+    text = HTTP.get(f"{coordinator}/metrics").text
     pattern = r'^kvatlas_cache_commands\{kind="(\w+)",state="(\w+)"\} ([0-9.e+]+)$'
     return {(k, s): float(v) for k, s, v in re.findall(pattern, text, re.M)}
 
@@ -112,7 +112,7 @@ def test_deletes_survive_a_node_down_and_a_coordinator_killed_mid_command(
     r = httpx.post(f"{coordinator}/cache/prefetches", json=body)
     assert r.status_code == 202 and r.json()["status"] == "submitted", r.text
     status = f"{coordinator}/cache/prefetches/node-a/{r.json()['request_id']}"
-    assert wait_for(lambda: httpx.get(status).json()["status"] == "completed", timeout=30)
+    assert wait_for(lambda: HTTP.get(status).json()["status"] == "completed", timeout=30)
     assert httpx.get(status).json() == {"status": "completed", "found_keys": 3, "total_keys": 3}
     assert tiers(coordinator, DOC2) == [["l1", "l2"]] * 3  # the L1 store events came first
 

@@ -29,7 +29,7 @@ from kvatlas.cli import main
 from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import spawn_service, spawn_services, stop
-from tests.conftest import wait_for
+from tests.conftest import HTTP, wait_for
 from tests.helpers import C, node_config, spawn_coordinator, toy_node_flags
 
 DOCS = [[int(t) for t in np.random.default_rng(50 + n).integers(0, 500, 3 * C)] for n in range(7)]
@@ -70,7 +70,7 @@ def in_l1(node: str, timeout: float = 10.0) -> set[str]:
 
 def tiers(coordinator: str, doc: list[int]) -> list[dict[str, list[str]]]:
     """Per chunk of ``doc``, each instance's tiers, as the directory shows them."""
-    r = httpx.post(f"{coordinator}/directory/lookup",
+    r = HTTP.post(f"{coordinator}/directory/lookup",
                    json={"token_ids": doc, "model_name": "toy"})  # fmt: skip
     assert r.status_code == 200, r.text
     rows = []
@@ -91,7 +91,7 @@ def move(coordinator: str, doc: list[int], **extra: Any) -> str:
 
 
 def status(coordinator: str, move_id: str) -> dict[str, Any]:
-    r = httpx.get(f"{coordinator}/cache/moves/{move_id}")
+    r = HTTP.get(f"{coordinator}/cache/moves/{move_id}")
     assert r.status_code == 200, r.text
     return dict(r.json())
 
@@ -104,7 +104,7 @@ def finished(coordinator: str, move_id: str) -> dict[str, Any]:
 
 
 def metric(url: str, name: str) -> float:
-    found = re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(f"{url}/metrics").text, re.M)
+    found = re.search(rf"^{re.escape(name)} (\S+)$", HTTP.get(f"{url}/metrics").text, re.M)
     assert found is not None, name
     return float(found.group(1))
 

@@ -19,7 +19,7 @@ from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.server import BackgroundServer, free_port
 from kvatlas.events import CacheEntry
 from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
-from tests.conftest import wait_for
+from tests.conftest import HTTP, wait_for
 from tests.coordinator.security_support import ADMIN, bearer, token, write_tokens
 
 C = 16
@@ -58,7 +58,7 @@ def register(url: str, node: str, engine: str | None, as_: str | None = None) ->
 
 
 def listed(url: str) -> dict[str, Any]:
-    rows = httpx.get(f"{url}/instances", headers=bearer(ADMIN)).json()["instances"]
+    rows = HTTP.get(f"{url}/instances", headers=bearer(ADMIN)).json()["instances"]
     return {r["instance_id"]: r.get("engine_id") for r in rows}
 
 
@@ -176,5 +176,5 @@ def test_a_fenced_node_no_longer_speaks_for_its_engine(tmp_path: Path) -> None:
 
 
 def listed_open(url: str) -> set[str]:
-    rows = httpx.get(f"{url}/instances").json()["instances"]
+    rows = HTTP.get(f"{url}/instances").json()["instances"]
     return {r["instance_id"] for r in rows if r.get("alive")}

@@ -24,7 +24,7 @@ from kvatlas.coordinator.server import free_port
 from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import spawn_service
-from tests.conftest import wait_for
+from tests.conftest import HTTP, wait_for
 from tests.coordinator.security_support import ADMIN, bearer, token, write_tokens
 from tests.helpers import TOY_LAYOUT
 
@@ -122,7 +122,7 @@ def _pings(client: redis.Redis) -> bool:
 
 
 def _keys(url: str) -> int:
-    r = httpx.get(f"{url}/directory/stats", headers=bearer(ADMIN), timeout=10)
+    r = HTTP.get(f"{url}/directory/stats", headers=bearer(ADMIN), timeout=10)
     assert r.status_code == 200, r.text
     keys: int = r.json()["keys"]
     return keys
@@ -136,7 +136,7 @@ def _metric(url: str, name: str) -> dict[str, float]:
 
 def _ready(url: str) -> bool:
     try:
-        return httpx.get(f"{url}/readyz", timeout=5).status_code == 200
+        return HTTP.get(f"{url}/readyz", timeout=5).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -257,7 +257,7 @@ def _cache_control(c1: str, c2: str, first: list[int], second: list[int]) -> Non
 
 
 def _text(url: str) -> str:
-    return httpx.get(f"{url}/metrics", headers=bearer(ADMIN), timeout=10).text
+    return HTTP.get(f"{url}/metrics", headers=bearer(ADMIN), timeout=10).text
 
 
 def _granted() -> set[str]:

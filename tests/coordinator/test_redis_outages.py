@@ -35,7 +35,7 @@ from kvatlas.coordinator.consumer_group import GroupHeld, ensure_group_free, gro
 from kvatlas.events import STORE, CacheEntry
 from kvatlas.node.server import NodeProcess
 from kvatlas.processes import is_healthy
-from tests.conftest import RedisServer, wait_for
+from tests.conftest import HTTP, RedisServer, wait_for
 from tests.coordinator.helpers import CS, wire_key
 from tests.coordinator.test_retention import key, node_config, store
 
@@ -67,7 +67,7 @@ class Coordinator:
             out.write(f"--- run {next(_runs)}\n".encode())
             out.flush()
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
-        if not wait_for(lambda: self.exited() or is_healthy(self.url), timeout=60):
+        if not wait_for(lambda: self.exited() or is_healthy(self.url, HTTP), timeout=60):
             pytest.fail(f"the coordinator did not come up:\n{self.output()}")
         if self.exited():
             pytest.fail(f"the coordinator exited ({self.proc.returncode}):\n{self.output()}")
@@ -80,20 +80,20 @@ class Coordinator:
         return self.log.read_text()
 
     def readiness(self) -> dict[str, Any]:
-        reply: dict[str, Any] = httpx.get(f"{self.url}/readyz", timeout=10).json()
+        reply: dict[str, Any] = HTTP.get(f"{self.url}/readyz", timeout=10).json()
         return reply
 
     def state(self) -> str:
         return str(self.readiness()["state"])
 
     def metric(self, line_prefix: str) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        text = HTTP.get(f"{self.url}/metrics", timeout=10).text
         values = [float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(line_prefix)]
         return values[0] if values else 0.0
 
     def batches(self) -> dict[str, int]:
         """Batches applied, dropped as duplicates, stale (since this process started)."""
-        reply = httpx.get(f"{self.url}/directory/stats", timeout=10).json()
+        reply = HTTP.get(f"{self.url}/directory/stats", timeout=10).json()
         return {k: int(reply["batches"].get(k, 0)) for k in ("applied", "duplicate", "stale")}
 
     def signal(self, sig: signal.Signals) -> None:
@@ -148,7 +148,7 @@ def fleet(
 
 def visible(url: str, *ns: int) -> bool:
     """Every ``key(n)`` has a placement at the coordinator."""
-    reply = httpx.post(
+    reply = HTTP.post(
         f"{url}/directory/lookup", json={"keys": [wire_key(key(n).chunk_hash) for n in ns]}
     )
     return all(r["placements"] for r in reply.json()["results"])
@@ -384,7 +384,7 @@ def store_unflushed(process: NodeProcess, tokens: list[int]) -> list[bytes]:
 
 
 def holds(coordinator: Coordinator, hashes: list[bytes]) -> bool:
-    reply = httpx.post(
+    reply = HTTP.post(
         f"{coordinator.url}/directory/lookup", json={"keys": [wire_key(h) for h in hashes]}
     )
     return all(

@@ -22,7 +22,7 @@ from kvatlas.events import CacheEntry, EventBatch
 from kvatlas.events.stream_format import encode_stream_fields
 from kvatlas.keys import BlendNamespace, ObjectKey, chunk_hashes, pack_kv_rank
 from kvatlas.processes import spawn_service
-from tests.conftest import RedisServer, wait_for
+from tests.conftest import HTTP, RedisServer, wait_for
 
 CHUNK = 16
 MODEL = "m"
@@ -144,12 +144,12 @@ class CoordinatorProcess:
 
     def ready(self) -> bool:
         try:
-            return httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200
+            return HTTP.get(f"{self.url}/readyz", timeout=1).status_code == 200
         except httpx.HTTPError:
             return False
 
     def applied(self) -> int:
-        return int(httpx.get(f"{self.url}/directory/stats", timeout=5).json()["batches"]["applied"])
+        return int(HTTP.get(f"{self.url}/directory/stats", timeout=5).json()["batches"]["applied"])
 
     def kill(self) -> None:
         assert self.proc is not None

@@ -34,7 +34,7 @@ from kvatlas.directory import KeyDirectory, load_snapshot
 from kvatlas.events import CacheEntry, EventBatch, decode_stream_fields
 from kvatlas.keys import BlendNamespace, ObjectKey, chunk_hashes, pack_kv_rank
 from kvatlas.processes import spawn_service
-from tests.conftest import RedisServer, wait_for
+from tests.conftest import HTTP, RedisServer, wait_for
 
 C = 16
 RANK = pack_kv_rank(1, 0, 1, 0)
@@ -138,7 +138,7 @@ class Replica:
         )
 
     def health(self) -> dict[str, Any]:
-        reply: dict[str, Any] = httpx.get(f"{self.url}/healthz", timeout=10).json()
+        reply: dict[str, Any] = HTTP.get(f"{self.url}/healthz", timeout=10).json()
         return reply
 
     def position(self) -> str | None:
@@ -590,7 +590,7 @@ def test_a_node_registered_with_another_replica_is_scored_as_its_engine_and_a_pe
         body = {"token_ids": doc.tolist(), "model_name": "m", "instances": ["e1", "e2"]}
 
         def scored() -> dict[str, tuple[int, int]]:
-            reply = httpx.post(f"{a.url}/route/score", json=body, timeout=30).json()
+            reply = HTTP.post(f"{a.url}/route/score", json=body, timeout=30).json()
             return {
                 r["instance_id"]: (r["prefix_tokens"], r["by_tier"]["peer"])
                 for r in reply["instances"]

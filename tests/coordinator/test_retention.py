@@ -23,7 +23,7 @@ from kvatlas.keys import ObjectKey, pack_kv_rank
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.server import NodeProcess
 from kvatlas.processes import spawn_service
-from tests.conftest import RedisServer, wait_for
+from tests.conftest import HTTP, RedisServer, wait_for
 from tests.coordinator.helpers import CS, wire_key
 from tests.helpers import TINY
 from tests.helpers import node_config as toy_config
@@ -194,7 +194,7 @@ def test_a_replica_that_crashed_before_its_first_snapshot_is_not_trimmed_past(
                 sink.emit(STORE, "l1", "dram", [CacheEntry(key(n), 1)])
                 assert sink.flush(10)  # one entry per batch
             slow_stats = f"http://127.0.0.1:{port}/directory/stats"
-            assert wait_for(lambda: httpx.get(slow_stats).json()["batches"]["applied"] >= 5)
+            assert wait_for(lambda: HTTP.get(slow_stats).json()["batches"]["applied"] >= 5)
             assert wait_for(lambda: applied(fast, 5))
             slow.kill()  # kill -9 before its first snapshot
             slow.wait(timeout=30)

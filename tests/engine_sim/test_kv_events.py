@@ -20,7 +20,7 @@ from kvatlas.asgi_thread import free_port
 from kvatlas.engine_sim.block_hash import block_hashes
 from kvatlas.events.vllm_wire import unpack_seq
 from kvatlas.processes import spawn_service, stop
-from tests.conftest import wait_for
+from tests.conftest import HTTP, wait_for
 from tests.engine_sim.harness import INSTANCE, MODEL, TOPIC, EngineProcess
 from tests.vllm_support import require_vllm
 
@@ -148,7 +148,7 @@ def test_a_coordinator_finds_the_engine_holding_the_prompt(kv_events: ModuleType
         )  # fmt: skip
 
         def holders(tokens: list[int]) -> dict[tuple[str, str], int]:
-            found = httpx.post(f"{url}/directory/lookup",
+            found = HTTP.post(f"{url}/directory/lookup",
                                json={"token_ids": tokens, "model_name": MODEL}).json()  # fmt: skip
             return {(h["instance_id"], h["tier"]): h["chunks"] for h in found["prefix"]}
 

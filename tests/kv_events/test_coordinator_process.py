@@ -17,7 +17,7 @@ from kvatlas.coordinator.server import free_port
 from kvatlas.events import CacheEntry
 from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
 from kvatlas.processes import spawn_service, stop
-from tests.conftest import wait_for
+from tests.conftest import HTTP, wait_for
 from tests.coordinator.helpers import running
 from tests.kv_events.helpers import TOKENS, FakeEngine, golden
 from tests.kv_events.router_view import RouterView
@@ -49,7 +49,7 @@ def test_engine_in_and_node_placements_out(engine: FakeEngine) -> None:
     try:
 
         def engine_batches() -> int:
-            kv = httpx.get(f"{url}/healthz").json().get("kv_events", {})
+            kv = HTTP.get(f"{url}/healthz").json().get("kv_events", {})
             return int(kv.get("subscriber", {}).get("batches", 0))
 
         # In: the engine's golden batch, as the coordinator's lookups see it.

@@ -26,7 +26,7 @@ from kvatlas.coordinator.server import free_port
 from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import spawn_service, stop
-from tests.conftest import RedisServer, wait_for
+from tests.conftest import HTTP, RedisServer, wait_for
 from tests.coordinator.security_support import spawn_coordinator
 from tests.coordinator.test_route_score_fleet import NODE_FLAGS, ranking
 from tests.helpers import TOY_LAYOUT
@@ -102,7 +102,7 @@ def linked_fleet(tmp_path: Path, *extra: str) -> Iterator[dict[str, Any]]:
 
 
 def registered(coord: str) -> dict[str, Any]:
-    rows = httpx.get(f"{coord}/instances").json()["instances"]
+    rows = HTTP.get(f"{coord}/instances").json()["instances"]
     return {r["instance_id"]: r.get("engine_id") for r in rows if r.get("registered", True)}
 
 

@@ -43,7 +43,7 @@ from kvatlas.events.vllm_wire import (
     split_batch,
 )
 from kvatlas.keys import KeyScheme
-from tests.conftest import wait_for
+from tests.conftest import HTTP, wait_for
 from tests.kv_events.helpers import FakeEngine, fed
 
 C = 16
@@ -79,7 +79,7 @@ def prefix(url: str, tokens: list[int]) -> list[tuple[str, str, int]]:
 
 
 def instance(url: str, instance_id: str) -> dict[str, Any]:
-    listed = httpx.get(f"{url}/instances").json()["instances"]
+    listed = HTTP.get(f"{url}/instances").json()["instances"]
     found: dict[str, Any] = next(i for i in listed if i["instance_id"] == instance_id)
     return found
 

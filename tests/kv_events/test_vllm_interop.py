@@ -29,7 +29,7 @@ from kvatlas.events import CacheEntry
 from kvatlas.events.vllm_wire import decode_batch, encode_batch
 from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
 from kvatlas.processes import spawn_service, stop
-from tests.conftest import wait_for
+from tests.conftest import HTTP, wait_for
 from tests.kv_events.helpers import GOLDEN
 from tests.vllm_support import require_vllm
 
@@ -133,11 +133,11 @@ class Coordinator:
         )  # fmt: skip
 
     def subscriber(self) -> dict[str, int]:
-        health = httpx.get(f"{self.url}/healthz").json()
+        health = HTTP.get(f"{self.url}/healthz").json()
         return dict(health.get("kv_events", {}).get("subscriber", {}))
 
     def holders(self, tokens: list[int]) -> dict[tuple[str, str], int]:
-        found = httpx.post(
+        found = HTTP.post(
             f"{self.url}/directory/lookup", json={"token_ids": tokens, "model_name": MODEL}
         ).json()
         return {(h["instance_id"], h["tier"]): h["chunks"] for h in found["prefix"]}
@@ -239,7 +239,7 @@ def test_vllms_publisher_feeds_a_coordinator(kv_events: ModuleType) -> None:
 
 def candidates(coordinator: Coordinator, tokens: list[int]) -> list[tuple[str, int]]:
     """``POST /route/score``'s default candidates and their prefix tokens."""
-    scores = httpx.post(
+    scores = HTTP.post(
         f"{coordinator.url}/route/score", json={"token_ids": tokens, "model_name": MODEL}
     ).json()
     return [(s["instance_id"], s["prefix_tokens"]) for s in scores["instances"]]

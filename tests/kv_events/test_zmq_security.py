@@ -35,7 +35,7 @@ from kvatlas.events.vllm_wire import (
 )
 from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
 from kvatlas.processes import spawn_service, stop
-from tests.conftest import wait_for
+from tests.conftest import HTTP, wait_for
 from tests.coordinator.security_support import ADMIN, bearer, token, write_tokens
 from tests.kv_events.router_view import RouterView
 
@@ -69,12 +69,12 @@ class Coordinator:
         self.headers = bearer(ADMIN) if tokens else {}
 
     def subscriber(self) -> dict[str, int]:
-        health = httpx.get(f"{self.url}/healthz", headers=self.headers).json()
+        health = HTTP.get(f"{self.url}/healthz", headers=self.headers).json()
         return dict(health.get("kv_events", {}).get("subscriber", {}))
 
     def holders(self, block: np.ndarray, salt: str = "") -> dict[str, int]:
         body = {"token_ids": block.ravel().tolist(), "model_name": "m", "cache_salt": salt}
-        found = httpx.post(f"{self.url}/directory/lookup", json=body, headers=self.headers).json()
+        found = HTTP.post(f"{self.url}/directory/lookup", json=body, headers=self.headers).json()
         return {h["instance_id"]: h["chunks"] for h in found["prefix"]}
 
     def close(self) -> None:

@@ -90,16 +90,17 @@ class LMCacheServer:
 
 def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + _STARTUP_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"lmcache server exited ({proc.returncode}): {log.read_text()[-3000:]}"
-            )
-        try:
-            httpx.get(f"{url}/cache/prefetches/probe", timeout=2)
-            return
-        except httpx.TransportError:
-            time.sleep(0.2)
+    with httpx.Client(timeout=2) as client:  # one for every poll (tests/conftest.py, HTTP)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"lmcache server exited ({proc.returncode}): {log.read_text()[-3000:]}"
+                )
+            try:
+                client.get(f"{url}/cache/prefetches/probe")
+                return
+            except httpx.TransportError:
+                time.sleep(0.2)
     raise RuntimeError(
         f"lmcache server not answering after {_STARTUP_S}s: {log.read_text()[-3000:]}"
     )

@@ -23,7 +23,7 @@ from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.node.stored_chunk import StoredChunk, encode_chunk
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import spawn_service
-from tests.conftest import wait_for
+from tests.conftest import HTTP, wait_for
 from tests.helpers import TOY_LAYOUT, C, spawn_coordinator, toy_node_flags
 
 DOCS = [[int(t) for t in np.random.default_rng(seed).integers(0, 500, 3 * C)] for seed in range(6)]
@@ -72,7 +72,7 @@ def store(node: str, doc: list[int]) -> int:
 
 def held(node: str) -> dict[str, set[str]]:
     """The chunk hashes the node's own tiers hold, by tier (``GET /engine/inventory``)."""
-    rows = msgspec.msgpack.decode(httpx.get(f"{node}/engine/inventory").content)["placements"]
+    rows = msgspec.msgpack.decode(HTTP.get(f"{node}/engine/inventory").content)["placements"]
     out: dict[str, set[str]] = {"l1": set(), "l2": set()}
     for row in rows:
         out[row["tier"]].add(row["key"]["chunk_hash_hex"])
@@ -80,7 +80,7 @@ def held(node: str) -> dict[str, set[str]]:
 
 
 def metric(node: str, name: str) -> float:
-    text = httpx.get(f"{node}/metrics").text
+    text = HTTP.get(f"{node}/metrics").text
     found = re.search(rf"^{name}(?:_total)? ([0-9.e+]+)$", text, re.M)
     assert found, name
     return float(found.group(1))

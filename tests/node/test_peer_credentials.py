@@ -35,7 +35,7 @@ from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.node.peer import PEER_KV_PATH
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import spawn_service, stop
-from tests.conftest import wait_for
+from tests.conftest import HTTP, wait_for
 from tests.coordinator.security_support import spawn_coordinator, token, write_tokens
 
 C = 16
@@ -132,7 +132,7 @@ class Fleet:
             body: dict[str, Any] = {"instance_id": instance_id, "p2p_advertised_url": url}
             if signature is not None:
                 body["p2p_url_signature"] = signature
-            r = httpx.post(
+            r = HTTP.post(
                 f"{self.coordinator}/instances",
                 json=body,
                 headers={"authorization": f"Bearer {tok}"},

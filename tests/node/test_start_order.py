@@ -24,7 +24,7 @@ from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.node.server import Registrar, follow_coordinator_format
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import is_healthy, spawn_service, stop
-from tests.conftest import wait_for
+from tests.conftest import HTTP, wait_for
 
 C = 16
 MODEL_FLAGS = [
@@ -64,7 +64,7 @@ def test_node_first_serves_locally_then_registers_and_reports_its_placements(
     procs: list[subprocess.Popen[bytes]] = [node]
     client = NodeEngineClient(url, CONFIG.layout, timeout=60)
     try:
-        assert wait_for(lambda: is_healthy(url) or node.poll() is not None, timeout=60)
+        assert wait_for(lambda: is_healthy(url, HTTP) or node.poll() is not None, timeout=60)
         assert node.poll() is None, (tmp_path / "node.log").read_text()
         model = ToyRopeModel(CONFIG.layout)
         tokens = np.random.default_rng(3).integers(0, 500, 3 * C).astype(np.uint32)
@@ -109,7 +109,7 @@ def test_a_mismatch_found_at_late_first_contact_stops_the_node(tmp_path: Path) -
     )
     coordinator = None
     try:
-        assert wait_for(lambda: is_healthy(url) or node.poll() is not None, timeout=60)
+        assert wait_for(lambda: is_healthy(url, HTTP) or node.poll() is not None, timeout=60)
         assert node.poll() is None
         coordinator = spawn_service(
             coordinator_args(coord_port, chunk_size=2 * C), f"http://127.0.0.1:{coord_port}"

@@ -20,7 +20,7 @@ import pytest
 
 from kvatlas.asgi_thread import free_port
 from kvatlas.processes import spawn_service, stop
-from tests.conftest import wait_for
+from tests.conftest import HTTP, wait_for
 
 MODEL = "toy"
 _REPLY = json.dumps({"id": "cmpl-1", "object": "text_completion", "model": MODEL,
@@ -145,7 +145,7 @@ def _metric(router: dict[str, Any], name: str) -> float:
 
 
 def _idle(router: dict[str, Any]) -> bool:
-    engines = httpx.get(f"{router['url']}/healthz").json()["engines"].values()
+    engines = HTTP.get(f"{router['url']}/healthz").json()["engines"].values()
     return all(e["in_flight"] == 0 and e["healthy"] for e in engines)
 
 

@@ -19,7 +19,7 @@ import pytest
 from kvatlas.asgi_thread import free_port
 from kvatlas.client import RouteClient
 from kvatlas.processes import spawn_service, stop
-from tests.conftest import wait_for
+from tests.conftest import HTTP, wait_for
 from tests.coordinator.security_support import bearer, spawn_coordinator, token, write_tokens
 from tests.router.fake_vllm import FakeVllm, load_hf_tokenizer
 from tests.router.tokenizer_support import train_tokenizer
@@ -82,7 +82,7 @@ def post(fleet: dict[str, Any], path: str, body: Any, auth: str | None = ROUTE_A
 
 
 def metric(fleet: dict[str, Any], name: str, router: str | None = None) -> float:
-    text = httpx.get(f"{router or fleet['router']}/metrics", headers=bearer(ADMIN)).text
+    text = HTTP.get(f"{router or fleet['router']}/metrics", headers=bearer(ADMIN)).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name) and not line.startswith("#"))  # fmt: skip
 
@@ -187,7 +187,7 @@ def test_a_client_leaving_mid_stream_frees_the_engine(fleet: dict[str, Any]) -> 
         engine.release.clear()
 
     def in_flight(name: str) -> int:
-        return int(httpx.get(f"{fleet['router']}/healthz").json()["engines"][name]["in_flight"])
+        return int(HTTP.get(f"{fleet['router']}/healthz").json()["engines"][name]["in_flight"])
 
     try:
         with httpx.stream("POST", f"{fleet['router']}/v1/completions", json=body,
@@ -298,7 +298,7 @@ def test_refusal_is_retried_once_and_the_engine_recovers(fleet: dict[str, Any]) 
         assert metric(fleet, "kvatlas_router_retries_total", router=lazy) == 1  # out of the set
         # no engine left: 503, an OpenAI error, no hang
         fleet["engines"][other].healthy = False
-        assert wait_for(lambda: httpx.get(f"{fleet['router']}/healthz").status_code == 503, 10)
+        assert wait_for(lambda: HTTP.get(f"{fleet['router']}/healthz").status_code == 503, 10)
         down = post(fleet, "/v1/completions", {"model": MODEL, "prompt": [1]})
         assert (down.status_code, down.json()["error"]["code"]) == (503, 503)
     finally:
@@ -307,7 +307,7 @@ def test_refusal_is_retried_once_and_the_engine_recovers(fleet: dict[str, Any]) 
         fleet["engines"][holder].restart()
 
     def healthy(name: str) -> bool:
-        return bool(httpx.get(f"{fleet['router']}/healthz").json()["engines"][name]["healthy"])
+        return bool(HTTP.get(f"{fleet['router']}/healthz").json()["engines"][name]["healthy"])
 
     assert wait_for(lambda: healthy(holder) and healthy(other), timeout=10)
     assert metric(fleet, "kvatlas_router_engines_out") == 0
@@ -332,7 +332,7 @@ def test_engines_from_the_coordinator(fleet: dict[str, Any]) -> None:
         engines = httpx.get(f"{router}/healthz").json()["engines"]
         assert set(engines) == {"pod-c"}  # pod-a, pod-b: no URL known to the coordinator
         httpx.delete(f"{fleet['coordinator']}/instances/pod-c")
-        assert wait_for(lambda: httpx.get(f"{router}/healthz").status_code == 503, timeout=10)
+        assert wait_for(lambda: HTTP.get(f"{router}/healthz").status_code == 503, timeout=10)
         gone = post(fleet, "/v1/completions", {"model": MODEL, "prompt": [1, 2]}, router=router)
         assert gone.status_code == 503
     finally:

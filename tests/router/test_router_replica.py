@@ -36,7 +36,7 @@ from kvatlas.events import CacheEntry
 from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
 from kvatlas.processes import spawn_services, stop
 from kvatlas.router_replica import INLINE_TOKENS
-from tests.conftest import RedisServer, wait_for
+from tests.conftest import HTTP, RedisServer, wait_for
 from tests.coordinator.security_support import bearer, token
 from tests.helpers import write_tokens
 from tests.router.fake_vllm import FakeVllm
@@ -118,7 +118,7 @@ def fleet(redis_server: RedisServer) -> Iterator[dict[str, Any]]:
                    "replica": f"http://127.0.0.1:{replica_port}"}  # fmt: skip
         # the replica is serving once it read the stream to its end: it holds the feed
         assert wait_for(lambda: health(routers["replica"])["scores"] == "replica serving", 60)
-        assert wait_for(lambda: httpx.get(f"{coord}/healthz").json()["stream_position"] == last, 60)
+        assert wait_for(lambda: HTTP.get(f"{coord}/healthz").json()["stream_position"] == last, 60)
         assert health(routers["http"])["scores"] == "http"
         yield {"coordinator": coord, "routers": routers, "engines": engines,
                "engine_flags": engine_flags}  # fmt: skip
@@ -160,12 +160,12 @@ def idle_replica() -> Iterator[IdleReplica]:
 
 
 def health(router: str) -> dict[str, Any]:
-    reply: dict[str, Any] = httpx.get(f"{router}/healthz", timeout=10).json()
+    reply: dict[str, Any] = HTTP.get(f"{router}/healthz", timeout=10).json()
     return reply
 
 
 def metric(router: str, name: str) -> float:
-    text = httpx.get(f"{router}/metrics", timeout=10).text
+    text = HTTP.get(f"{router}/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name) and not line.startswith("#"))  # fmt: skip
 
@@ -390,7 +390,7 @@ def test_the_replica_scores_only_the_salts_the_routers_token_may_see(
     assert wait_for(lambda: health(url)["scores"] == "replica serving", 60)
 
     def count(name: str) -> float:
-        text = httpx.get(f"{url}/metrics", headers=bearer(admin), timeout=10).text
+        text = HTTP.get(f"{url}/metrics", headers=bearer(admin), timeout=10).text
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith(name))  # fmt: skip
 

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvatlas.checks import refuse_big_endian
 from kvatlas.directory.blend.kernels.planes import FORM_U32
 from kvatlas.directory.snapshot.format import SnapshotError
 from kvatlas.directory.token_store import (
@@ -69,8 +70,7 @@ def read_token_section(
                 arena.byteswap(inplace=True)
             out += stored_from_arena(arena, np.cumsum(group) - group, group)
         return out, None
-    if sys.byteorder != "little":  # pragma: no cover - every host kvatlas runs on
-        raise SnapshotError("snapshot token sections are read on little-endian hosts only")
+    refuse_big_endian("a snapshot's token section", SnapshotError)
     lens = lens.astype(np.int64)
     buffer, into = _zeroed(int(form_sizes(lens, widths).sum()))
     pool = ThreadPoolExecutor(1, thread_name_prefix="kvatlas-restore-read")

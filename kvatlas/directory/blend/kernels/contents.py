@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from kvatlas.directory.blend.kernels.objects import bytes_size
 from kvatlas.directory.blend.kernels.planes import (
     FORM_PLANES,
     FORM_U16,
@@ -120,13 +121,10 @@ def kept_contents(
     well-formed content of ``chunk`` ids (its payload at ``data_off`` from the ``id``), with
     ``widths[i]`` its bytes per id (1: the planes form). ``layout``:
     ``_cpython.ObjectLayout`` as a plain tuple."""
-    ob_type, size_off = layout[0], layout[1]
     for i in range(handles.shape[0]):
         at = handles[i]
-        if i64_ptr(at + ob_type)[0] != bytes_type:  # type: ignore[call-arg]
-            return False
-        size = i64_ptr(at + size_off)[0]  # type: ignore[call-arg]
-        if size < HEADER:
+        size = bytes_size(at, layout, bytes_type)
+        if size < HEADER:  # not an exact bytes (-1), or too short
             return False
         head: Any = u8_ptr(at + data_off)  # type: ignore[call-arg]
         b0, b1 = np.int64(head[0]), np.int64(head[1])

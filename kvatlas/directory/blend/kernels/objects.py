@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvatlas.directory.blend.kernels.planes import HEADER, MAX_HIGH_BITS, planes_nbytes
-from kvatlas.directory.blend.kernels.pointers import i32_ptr, i64_ptr, jit, u8_ptr
+from kvatlas.directory.blend.kernels.pointers import i32_ptr, i64_ptr, inline, jit, u8_ptr
 
 NOT_KEPT, KEPT, KEPT_VIEWS = -1, 0, 1
 """:func:`kept_arrays` verdicts: some array is not kept as it is; every one is and owns its
@@ -71,17 +71,23 @@ def kept_arrays(
     return verdict
 
 
+@inline
+def bytes_size(at: Any, layout: Any, bytes_type: Any) -> Any:
+    """The size of the object at ``at`` (an ``id``) if it is an exact ``bytes`` (its type the
+    object ``bytes_type``, ``id(bytes)``: a subclass is refused), else -1. ``layout``:
+    ``_cpython.ObjectLayout`` as a plain tuple (``ob_type``'s offset, then ``ob_size``'s)."""
+    if i64_ptr(at + layout[0])[0] != bytes_type:  # type: ignore[call-arg]
+        return -1
+    return i64_ptr(at + layout[1])[0]  # type: ignore[call-arg]
+
+
 @jit
 def hash_lengths(handles: Any, layout: Any, bytes_type: Any, width: Any, lengths: Any) -> Any:
     """Whether every object (``handles``: ``id``s) is an exact ``bytes`` of at most
     ``width``, with ``lengths[i]`` = its length."""
-    ob_type, size = layout[0], layout[1]
     for i in range(handles.shape[0]):
-        at = handles[i]
-        if i64_ptr(at + ob_type)[0] != bytes_type:  # type: ignore[call-arg]
-            return False
-        n = i64_ptr(at + size)[0]  # type: ignore[call-arg]
-        if n > width:
+        n = bytes_size(handles[i], layout, bytes_type)
+        if n < 0 or n > width:
             return False
         lengths[i] = n
     return True
