@@ -272,3 +272,64 @@ def test_a_restore_builds_the_index_the_general_path_builds(
         assert canonical(general.blend_match(query, ns)) == canonical(built.blend_match(query, ns))
         assert canonical(built.blend_match(query, ns)) == canonical(live.blend_match(query, ns))
     assert general.stats().blend == built.stats().blend
+
+
+def test_a_bulk_build_failing_midway_leaves_the_index_empty() -> None:
+    """The kernel fails on the second slice: the slices written so far are dropped (the index
+    is empty again, as it was), and a build afterwards is the general build."""
+    contents = pool(2)
+    rows = [(c, h, 8 * h, h % 2) for c, h in ((0, 1), (5, 2), (9, 3), (12, 4))]
+    adds = _adds(rows, contents)
+    index = BlendIndex(CS, _fingerprint_base=BASE)
+    calls: list[int] = []
+    real = bulk.kernels.apply_ops
+
+    def failing(*args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("the second slice")
+        return real(*args)
+
+    with (
+        mock.patch.object(blend_index, "BUILD_SLICE", 1),
+        mock.patch.object(bulk.kernels, "apply_ops", failing),
+        pytest.raises(MemoryError),
+    ):
+        index.build(adds)
+    assert len(calls) == 2
+    assert bulk.is_empty(index._state) and index.stats() == BlendIndex(CS).stats()
+    index.build(adds)
+    _same(_general(adds, None), index, contents)
+
+
+def test_columns_of_another_length_are_left_to_the_general_path() -> None:
+    adds = _adds([(0, 1, 4, 0), (2, 2, 8, 1)], pool(3))
+    state = BlendIndex(CS)._state
+    assert adds.namespace_of is not None
+    assert not bulk.build_empty(state, adds._replace(namespace_of=adds.namespace_of[:1]), None, 8)
+    assert bulk.is_empty(state)
+
+
+@pytest.mark.parametrize("spaces", [1, 3])
+def test_a_bulk_build_past_the_first_capacity_and_the_releasing_kernel(spaces: int) -> None:
+    """9,000 adds (the arrays and table grow past their first size; slices of 5,000 take the
+    kernel that releases the GIL) build the general path's state."""
+    rng = np.random.default_rng(spaces)
+    contents = [
+        stored_one(np.asarray(low + rng.integers(0, 1 << 15, CS), np.uint32))
+        for low in LOWS
+        for _ in range(500)
+    ]
+    n = 9_000
+    pick = rng.integers(0, len(contents), n)
+    adds = AddColumns(
+        [contents[i] for i in pick.tolist()],
+        [int(i).to_bytes(32, "little") for i in range(n)],
+        np.arange(n, dtype=np.int64) * CS,
+        list(SPACES[:spaces]),
+        rng.integers(0, spaces, n).astype(np.int64),
+        vouched=True,
+    )
+    assert n > bulk.kernels.RELEASE_OPS
+    with mock.patch.object(blend_index, "BUILD_SLICE", 5_000):
+        _same(_general(adds, None), _bulk(adds, None), contents)

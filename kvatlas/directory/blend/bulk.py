@@ -66,8 +66,10 @@ def build_empty(
     ``IndexState.apply`` of each slice of ``slice_size`` adds, the last add on its own,
     would, then shrink the extra-claim set as ``BlendIndex.build`` does. ``fps``: each
     add's fingerprint under the state's base and bits, or ``None``. Returns ``False``,
-    having changed nothing, unless every content is a ``bytes`` content (then the caller
-    takes the general path)."""
+    having changed nothing, unless every content is a ``bytes`` content, every hash a
+    ``bytes`` of at most ``HASH_WIDTH`` and every column one entry per add (then the caller
+    takes the general path, which refuses what is wrong). An exception midway leaves
+    ``state`` partly written: the caller discards it."""
     tokens = adds.tokens if type(adds.tokens) is list else list(adds.tokens)
     n = len(tokens)
     layout = _cpython.OBJECT_LAYOUT
@@ -80,7 +82,8 @@ def build_empty(
     if nbytes < 0:
         return False
     hashes = list(adds.chunk_hashes)
-    if len(hashes) != n or len(adds.token_offsets) != n:
+    which_n = n if adds.namespace_of is None else len(adds.namespace_of)
+    if len(hashes) != n or len(adds.token_offsets) != n or which_n != n:
         return False  # (the general path refuses them)
     handles = np.fromiter(map(id, hashes), np.int64, n)
     hash_lens = np.empty(n, np.int64)

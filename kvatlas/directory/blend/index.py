@@ -233,12 +233,14 @@ class BlendIndex:
                     raise ValueError("build: one fingerprint per add")
                 self._rekey(fingerprints.key.base)
                 fps = np.ascontiguousarray(fingerprints.values, np.uint64)
-            if (
-                adds.vouched
-                and is_empty(self._state)
-                and build_empty(self._state, adds, fps, BUILD_SLICE)
-            ):
-                return
+            if adds.vouched and is_empty(self._state):
+                try:
+                    built = build_empty(self._state, adds, fps, BUILD_SLICE)
+                except BaseException:  # the kernel wrote part of it: empty again (exact: it was)
+                    self._state = IndexState(self.chunk_size, self._base, self._fmask)
+                    raise
+                if built:
+                    return
             self._state.reserve(n)
         which = adds.namespace_of
         # slices of all adds but the last, then the last on its own
