@@ -26,8 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kvatlas.directory.blend import AddColumns, BlendIndex, BlendOp
-from kvatlas.directory.blend.fingerprints import Fingerprints
+from kvatlas.directory.blend import BlendIndex, BlendOp
 from kvatlas.directory.chunk_counts import PARTS, ChangeJournal, ChunkCounts, Partition
 from kvatlas.directory.chunk_digests import InventoryDigests
 from kvatlas.directory.chunk_parts import ChunkPart, new_parts
@@ -118,20 +117,10 @@ class ChunkTable:
         self.counts.digests = {}
         self.digests.restart(False)  # digests are built partition by partition, later
 
-    def reindex(
-        self,
-        index: BlendIndex,
-        adds: AddColumns | None = None,
-        fingerprints: Fingerprints | None = None,
-    ) -> None:
+    def reindex(self, index: BlendIndex) -> None:
         """Add every indexable chunk to ``index`` (fresh: one columnar build, see
-        :mod:`kvatlas.directory.reindex`) and mark its record indexed. ``adds``: those adds
-        from a snapshot reader that built the records marked (``Restored.adds``, vouched),
-        ``fingerprints`` theirs if the snapshot saved them."""
-        if adds is None:
-            reindex_records(self.parts, self.shapes, self.chunk_size, index)
-        else:
-            index.build(adds, fingerprints)
+        :mod:`kvatlas.directory.reindex`) and mark its record indexed."""
+        reindex_records(self.parts, self.shapes, self.chunk_size, index)
 
     # ------------------------------------------------------------------ reads
 

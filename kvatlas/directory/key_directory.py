@@ -418,14 +418,19 @@ class KeyDirectory:
             )
         counts = restored.counts_or_scan()
         with self._lock:
+            index = None
+            if self._index is not None:
+                # built whole, then published: blend_match sees the old one or all the new one
+                index = self._new_index(self.chunk_size, self._probe_stride)
+                if restored.adds is not None:  # before anything changes: a failed build
+                    index.build(restored.adds, restored.fingerprints)  # leaves all as it was
             self._chunks.restore(restored.shapes, restored.parts, counts)
             self._gate.restore(state.cursors)
             self._capacities = dict(state.capacities)
             self._shared_pools = set()
-            if self._index is not None:
-                # built whole, then published: blend_match sees the old one or all the new one
-                index = self._new_index(self.chunk_size, self._probe_stride)
-                self._chunks.reindex(index, restored.adds, restored.fingerprints)
+            if index is not None:
+                if restored.adds is None:  # built from the restored records
+                    self._chunks.reindex(index)
                 self._index = index
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvatlas.directory import KeyDirectory, Restored, load_snapshot, save_snapshot
+from kvatlas.directory.blend import BlendIndex
 from kvatlas.directory.chunk_counts import PARTS, Partition
 from kvatlas.directory.records import Record, record_tokens
 from kvatlas.directory.snapshot import SnapshotError
@@ -227,3 +228,27 @@ def test_chunk_size_mismatch_is_refused(tmp_path: Path) -> None:
     save_snapshot(d, tmp_path / "s.snap")
     with pytest.raises(ValueError, match="chunk_size"):
         load_snapshot(KeyDirectory(CS * 2), tmp_path / "s.snap")
+
+
+def test_a_restore_whose_index_build_fails_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Restores are all or nothing: the blend index is built from the reader's adds before
+    the chunks are replaced, so a build that fails (here: out of memory) leaves the directory
+    with its own chunks and its own index."""
+    d, _ = populated()
+    path = tmp_path / "s.snap"
+    save_snapshot(d, path)
+    target, em = KeyDirectory(CS, enable_blend_lookup=True), Emitter("b")
+    target.consume(em.batch("store", [entry(key(n), toks(9, n, 9, n), 4 * n) for n in (70, 71)]))
+    before = state(target)
+
+    def fail(*args: Any) -> None:
+        raise MemoryError("the index")
+
+    monkeypatch.setattr(BlendIndex, "build", fail)
+    with pytest.raises(MemoryError):
+        load_snapshot(target, path)
+    assert state(target) == before
+    assert [m.old_st for m in target.blend_match(toks(9, 71, 9, 71), NS)] == [4 * 71]
+    assert target.blend_match(toks(7, 7, 7, 7), NS) == []
