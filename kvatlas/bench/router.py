@@ -333,29 +333,30 @@ def run(args: argparse.Namespace) -> int:
                 sink.send(work.batches[start : start + 4])
             sink.close()
             end = _stream_end(redis_server.url)
-            poll = httpx.Client(timeout=5)  # one for every poll (processes.is_healthy says why)
-            _wait(lambda: poll.get(f"{coord}/healthz").json()["stream_position"] == end,
-                  "the coordinator reading the stream")  # fmt: skip
-            engines = [f for i in work.instances for f in ("--engine", f"{i}={engine}")]
-            started = []
-            for name, port in ports.items():
-                source = ROUTERS[name]
-                rflags = ["--port", str(port), "--coordinator-url", coord, *engines,
-                          "--policy", "round-robin" if not source else "kvatlas",
-                          "--log-level", "warning", "--max-body-bytes", str(1 << 24),
-                          "--score-timeout-s", "1"]  # fmt: skip
-                if source == "replica":  # no --coordinator-url: no HTTP score meanwhile
-                    rflags = [*rflags[:2], *rflags[4:], "--scores-from", "replica", *on_stream,
-                              "--replica-id", "bench-router"]  # fmt: skip
-                started.append(
-                    (["-m", "kvatlas.cli", "router", *rflags], f"http://127.0.0.1:{port}")
-                )
-            procs += spawn_services(started, timeout=300)  # side by side
-            pids = {name: proc.pid for name, proc in zip(ports, procs[-len(ports) :], strict=True)}
-            replica_url = f"http://127.0.0.1:{ports['kvatlas-replica']}/healthz"
-            _wait(lambda: poll.get(replica_url).json()["scores"] == "replica serving",
-                  "the router's replica reading the stream")  # fmt: skip
-            poll.close()
+            with httpx.Client(timeout=5) as poll:  # one for every poll (processes.is_healthy)
+                _wait(lambda: poll.get(f"{coord}/healthz").json()["stream_position"] == end,
+                      "the coordinator reading the stream")  # fmt: skip
+                engines = [f for i in work.instances for f in ("--engine", f"{i}={engine}")]
+                started = []
+                for name, port in ports.items():
+                    source = ROUTERS[name]
+                    rflags = ["--port", str(port), "--coordinator-url", coord, *engines,
+                              "--policy", "round-robin" if not source else "kvatlas",
+                              "--log-level", "warning", "--max-body-bytes", str(1 << 24),
+                              "--score-timeout-s", "1"]  # fmt: skip
+                    if source == "replica":  # no --coordinator-url: no HTTP score meanwhile
+                        rflags = [*rflags[:2], *rflags[4:], "--scores-from", "replica", *on_stream,
+                                  "--replica-id", "bench-router"]  # fmt: skip
+                    started.append(
+                        (["-m", "kvatlas.cli", "router", *rflags], f"http://127.0.0.1:{port}")
+                    )
+                procs += spawn_services(started, timeout=300)  # side by side
+                pids = {
+                    name: proc.pid for name, proc in zip(ports, procs[-len(ports) :], strict=True)
+                }
+                replica_url = f"http://127.0.0.1:{ports['kvatlas-replica']}/healthz"
+                _wait(lambda: poll.get(replica_url).json()["scores"] == "replica serving",
+                      "the router's replica reading the stream")  # fmt: skip
             progress.advance(task)
             with httpx.Client(timeout=60) as client:
                 routers = {p: f"http://127.0.0.1:{port}" for p, port in ports.items()}
