@@ -5,6 +5,8 @@ and the same state again after removals and re-adds on both."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -15,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvatlas.directory import AddColumns, BlendIndex, KeyDirectory, load_snapshot, save_snapshot
-from kvatlas.directory.blend import bulk
+from kvatlas.directory.blend import bulk, kernels
 from kvatlas.directory.blend import index as blend_index
 from kvatlas.directory.blend.fingerprints import Fingerprints
 from kvatlas.directory.blend.kernels.contents import content_form
@@ -23,7 +25,7 @@ from kvatlas.directory.blend.kernels.layout import O_OFF
 from kvatlas.directory.blend.kernels.planes import FORM_PLANES, FORM_U16, FORM_U32
 from kvatlas.directory.token_store import stored_one
 from kvatlas.keys import BlendNamespace
-from tests.directory.helpers import CS, Emitter, entry, key
+from tests.directory.helpers import CS, Emitter, change_later, entry, key
 from tests.directory.test_blend_index_oracle import SPACES, canonical
 
 BASE = 1_234_567_891
@@ -76,8 +78,10 @@ def _general(adds: AddColumns, fps: Fingerprints | None) -> BlendIndex:
     return index
 
 
-def _bulk(adds: AddColumns, fps: Fingerprints | None) -> BlendIndex:
-    index = BlendIndex(CS, _fingerprint_base=BASE)
+@contextmanager
+def bulk_builds() -> Iterator[list[bool]]:
+    """What each ``bulk.build_empty`` call returned meanwhile (``True``: the bulk path was
+    taken), in order."""
     taken: list[bool] = []
 
     def build_empty(*args: Any) -> bool:
@@ -85,6 +89,12 @@ def _bulk(adds: AddColumns, fps: Fingerprints | None) -> BlendIndex:
         return taken[-1]
 
     with mock.patch.object(blend_index, "build_empty", build_empty):
+        yield taken
+
+
+def _bulk(adds: AddColumns, fps: Fingerprints | None) -> BlendIndex:
+    index = BlendIndex(CS, _fingerprint_base=BASE)
+    with bulk_builds() as taken:
         index.build(adds, fps)
     assert taken == [True]  # the bulk path, not the general one
     return index
@@ -142,12 +152,7 @@ def test_bulk_build_is_the_general_build_also_after_removals_and_re_adds(
     for c, h, o, s in later:
         t, ch, ns = contents[c], bytes([h]) * (32 - h % 3), SPACES[s]
         for index in (general, built):
-            if o % 3 == 0:
-                index.remove_claim(t, ch, ns)
-            elif o % 3 == 1:
-                index.remove_chunk(t, ch)
-            else:
-                index.add(t, ch, o, ns)
+            change_later(index, t, ch, o, ns)
     _same(general, built, contents)
 
 
@@ -242,13 +247,7 @@ def test_a_restore_builds_the_index_the_general_path_builds(
     path = Path(tmp_path_factory.mktemp("snap")) / "s.snap"
     save_snapshot(live, path, stream_position="0-0")
     built = KeyDirectory(CS, enable_blend_lookup=True)
-    taken: list[bool] = []
-
-    def build_empty(*args: Any) -> bool:
-        taken.append(bulk.build_empty(*args))
-        return taken[-1]
-
-    with mock.patch.object(blend_index, "build_empty", build_empty):
+    with bulk_builds() as taken:
         load_snapshot(built, path)
     general = KeyDirectory(CS, enable_blend_lookup=True)
     with mock.patch.object(blend_index, "build_empty", lambda *a: False):
@@ -282,7 +281,7 @@ def test_a_bulk_build_failing_midway_leaves_the_index_empty() -> None:
     adds = _adds(rows, contents)
     index = BlendIndex(CS, _fingerprint_base=BASE)
     calls: list[int] = []
-    real = bulk.kernels.apply_ops
+    real = kernels.apply_ops
 
     def failing(*args: Any) -> Any:
         calls.append(1)
@@ -292,7 +291,7 @@ def test_a_bulk_build_failing_midway_leaves_the_index_empty() -> None:
 
     with (
         mock.patch.object(blend_index, "BUILD_SLICE", 1),
-        mock.patch.object(bulk.kernels, "apply_ops", failing),
+        mock.patch.object(kernels, "apply_ops", failing),
         pytest.raises(MemoryError),
     ):
         index.build(adds)
@@ -330,6 +329,6 @@ def test_a_bulk_build_past_the_first_capacity_and_the_releasing_kernel(spaces: i
         rng.integers(0, spaces, n).astype(np.int64),
         vouched=True,
     )
-    assert n > bulk.kernels.RELEASE_OPS
+    assert n > kernels.RELEASE_OPS
     with mock.patch.object(blend_index, "BUILD_SLICE", 5_000):
         _same(_general(adds, None), _bulk(adds, None), contents)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.directory.blend import _cpython, kernels
+from kvatlas.directory.blend import _cpython
 from kvatlas.directory.blend.kernels import (
     ADD,
     F_EXTRA_CLAIM,
@@ -32,16 +32,6 @@ from kvatlas.directory.blend.kernels import (
 from kvatlas.directory.blend.kernels.contents import vouched_layout
 from kvatlas.directory.blend.kernels.layout import IDS_CONTENTS, IDS_OCCUPANTS
 from kvatlas.directory.blend.kernels.objects import hash_lengths
-from kvatlas.directory.blend.kernels.writes import (
-    OP_FP,
-    OP_HASH,
-    OP_HASH_LEN,
-    OP_KIND,
-    OP_NS,
-    OP_OFFSET,
-    OP_TOKEN_BYTES,
-    OP_TOKENS,
-)
 from kvatlas.directory.blend.namespaces import NamespaceIds
 from kvatlas.directory.blend.op_columns import HASH_WIDTH, token_nbytes
 from kvatlas.directory.blend.ops import AddColumns
@@ -103,19 +93,16 @@ def build_empty(
     flags = np.empty(n, np.int64)
     extra: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]] = []
     for lo, hi in pairwise(bounds):
-        ops = np.empty((7 if fps is None else 8, hi - lo), np.int64)  # OP_*, in order
-        if fps is not None:
-            ops[OP_FP] = fps[lo:hi].view(np.int64)
-        ops[OP_KIND] = ADD
-        ops[OP_TOKENS] = addrs[lo:hi]
-        ops[OP_HASH] = handles[lo:hi]
-        ops[OP_HASH_LEN] = hash_lens[lo:hi]
-        ops[OP_OFFSET] = offsets[lo:hi]
-        ops[OP_NS] = ns[lo:hi]
-        ops[OP_TOKEN_BYTES] = widths[lo:hi]
-        out = np.empty((hi - lo, 4), np.int64)
-        apply = kernels.apply_ops if hi - lo < kernels.RELEASE_OPS else kernels.apply_ops_releasing
-        apply(ops, state.chunk_size, -1, state.base, state.fmask, state.kernel_arrays, out)
+        out = state.run_ops(
+            ADD,
+            addrs[lo:hi],
+            widths[lo:hi],
+            handles[lo:hi],
+            hash_lens[lo:hi],
+            offsets[lo:hi],
+            ns[lo:hi],
+            None if fps is None else fps[lo:hi],
+        )
         flags[lo:hi] = out[:, 0]
         at = np.flatnonzero(out[:, 0] & _EXTRA == _EXTRA)
         if len(at):

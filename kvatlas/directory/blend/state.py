@@ -161,20 +161,42 @@ class IndexState:
                 kinds[skip] = SKIP
         if not self._has_room(n_add):
             self._make_room(n_add)
-        ops = np.empty((7 if fps is None else 8, n), np.int64)  # kernels.writes.OP_*, in order
+        hashes = hash_addresses(cols.hashes, _cpython.BYTES_DATA_OFFSET)
+        out = self.run_ops(
+            kinds, cols.addrs, cols.token_bytes, hashes, cols.hash_lens, cols.offsets, ns, fps
+        )
+        self._settle(cols, kinds, out, ns)
+
+    def run_ops(
+        self,
+        kinds: npt.NDArray[np.int64] | int,
+        tokens: npt.NDArray[np.int64],
+        token_bytes: npt.NDArray[np.int64],
+        hashes: npt.NDArray[np.int64],
+        hash_lens: npt.NDArray[np.int64],
+        offsets: npt.NDArray[np.int64],
+        ns: npt.NDArray[np.int64],
+        fps: npt.NDArray[np.uint64] | None,
+    ) -> npt.NDArray[np.int64]:
+        """The write kernel over ops given as columns (``kernels.writes.OP_*``: addresses of
+        the ids and of the hashes, their lengths, offsets, namespace ids, ``fps`` the
+        fingerprints if computed before), the GIL released for a large batch; returns its
+        per-op report (flags, content, occupant, claim). Room must have been made."""
+        n = len(tokens)
+        ops = np.empty((7 if fps is None else 8, n), np.int64)  # in OP_* order
         if fps is not None:
             ops[OP_FP] = fps.view(np.int64)
         ops[OP_KIND] = kinds
-        ops[OP_TOKENS] = cols.addrs
-        ops[OP_HASH] = hash_addresses(cols.hashes, _cpython.BYTES_DATA_OFFSET)
-        ops[OP_HASH_LEN] = cols.hash_lens
-        ops[OP_OFFSET] = cols.offsets
+        ops[OP_TOKENS] = tokens
+        ops[OP_HASH] = hashes
+        ops[OP_HASH_LEN] = hash_lens
+        ops[OP_OFFSET] = offsets
         ops[OP_NS] = ns
-        ops[OP_TOKEN_BYTES] = cols.token_bytes
+        ops[OP_TOKEN_BYTES] = token_bytes
         out = np.empty((n, 4), np.int64)
         apply = kernels.apply_ops if n < kernels.RELEASE_OPS else kernels.apply_ops_releasing
         apply(ops, self.chunk_size, -1, self.base, self.fmask, self.kernel_arrays, out)
-        self._settle(cols, kinds, out, ns)
+        return out
 
     def _op_namespaces(self, cols: OpColumns, adds: npt.NDArray[np.bool_]) -> npt.NDArray[np.int64]:
         """Each op's namespace id: registered for a namespace some add uses (an id, once

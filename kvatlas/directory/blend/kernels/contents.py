@@ -134,6 +134,14 @@ def kept_contents(
     return True
 
 
+@inline
+def _ids_at(at: Any, data_off: Any, width: Any) -> Any:
+    """The address of the ids of the content at ``at`` (its payload at ``data_off``), ``width``
+    its bytes per id (1: the planes form, whose header is part of it; a plain form's header
+    is ``width`` bytes)."""
+    return at + data_off + (0 if width == 1 else width)
+
+
 @jit
 def token_addresses(
     handles: Any, ob_type: Any, bytes_type: Any, bytes_off: Any, array_off: Any, widths: Any,
@@ -145,7 +153,7 @@ def token_addresses(
     for i in range(handles.shape[0]):
         at = handles[i]
         if i64_ptr(at + ob_type)[0] == bytes_type:  # type: ignore[call-arg]
-            out[i] = at + bytes_off + (0 if widths[i] == 1 else widths[i])
+            out[i] = _ids_at(at, bytes_off, widths[i])
         else:
             out[i] = i64_ptr(at + array_off)[0]  # type: ignore[call-arg]
 
@@ -165,7 +173,6 @@ def vouched_layout(
     Returns the bytes of all their ids (headers not counted: ``token_nbytes``), or -1 when
     an object is not a ``bytes`` (then the caller takes the general path). ``layout``:
     ``_cpython.ObjectLayout`` as a plain tuple."""
-    ob_type, size_off = layout[0], layout[1]
     n = handles.shape[0]
     total = 0
     for i in range(n):
@@ -173,12 +180,12 @@ def vouched_layout(
             prefetch_addr(handles[i + _AHEAD])  # type: ignore[call-arg]
             prefetch_addr(handles[i + _AHEAD] + data_off)  # type: ignore[call-arg]
         at = handles[i]
-        if i64_ptr(at + ob_type)[0] != bytes_type:  # type: ignore[call-arg]
+        size = bytes_size(at, layout, bytes_type)
+        if size < 0:
             return -1
         head: Any = u8_ptr(at + data_off)  # type: ignore[call-arg]
-        b0, b1 = np.int64(head[0]), np.int64(head[1])
-        skip = 0 if b0 else b1  # a plain form's header: its width
-        widths[i] = 1 if b0 else b1
-        addrs[i] = at + data_off + skip
-        total += i64_ptr(at + size_off)[0] - skip  # type: ignore[call-arg]
+        width = 1 if head[0] else np.int64(head[1])
+        widths[i] = width
+        addrs[i] = _ids_at(at, data_off, width)
+        total += size - (addrs[i] - at - data_off)  # less a plain form's header
     return total
