@@ -111,38 +111,13 @@ def test_every_commands_help_renders(path: tuple[str, ...]) -> None:
     assert PARSERS[path].format_help()
 
 
-def _help_of(parser: argparse.ArgumentParser) -> str:
-    return parser.format_help()
-
-
 @pytest.mark.parametrize("command", [p[0] for p in PARSERS if len(p) == 1])
 def test_one_commands_parser_is_that_command_of_the_whole_parser(command: str) -> None:
     """``main`` builds only the chosen command's flags (the others' modules stay unimported):
     the command parses and explains itself exactly as in the parser of every command."""
     alone = dict(_parsers(_build_parser(command)))
     ours = {path: p for path, p in PARSERS.items() if path[:1] == (command,)}
-    assert {path: _help_of(p) for path, p in alone.items() if path[:1] == (command,)} == {
-        path: _help_of(p) for path, p in ours.items()
+    assert {path: p.format_help() for path, p in alone.items() if path[:1] == (command,)} == {
+        path: p.format_help() for path, p in ours.items()
     }
-    assert _help_of(alone[()]) == _help_of(PARSERS[()])
-
-
-def test_starting_a_service_imports_no_other_commands_modules() -> None:
-    """``kvatlas coordinator`` parses its flags without importing the node's, the router's,
-    the simulated engine's or the benchmarks' modules (≈0.9 s of CPU at every service start
-    on 2 busy cores)."""
-    code = (
-        "import sys\n"
-        "from kvatlas.cli import main\n"
-        "try:\n"
-        "    main(['coordinator', '--port', '0'])  # flags and config parsed, port refused\n"
-        "except SystemExit:\n"
-        "    pass\n"
-        "others = ('kvatlas.node.config', 'kvatlas.router.config', 'kvatlas.engine_sim.config',\n"
-        "          'kvatlas.bench.service', 'kvatlas.soak.run', 'kvatlas.client.cache_cli')\n"
-        "print(sorted(m for m in others if m in sys.modules))\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    )
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert alone[()].format_help() == PARSERS[()].format_help()

@@ -89,3 +89,14 @@ def l1_chunk_model(parts: list[ChunkPart] | dict[bytes, Record]) -> dict[str, se
                 if owner is not None:
                     out.setdefault(owner, set()).add(h)
     return out
+
+
+def change_later(index: Any, tokens: Any, chunk_hash: bytes, offset: int, ns: Any) -> None:
+    """A later change of the index property tests, chosen by ``offset % 3``: remove the
+    claim, remove the chunk, or add it (a blend index, or an oracle with the same methods)."""
+    if offset % 3 == 0:
+        index.remove_claim(tokens, chunk_hash, ns)
+    elif offset % 3 == 1:
+        index.remove_chunk(tokens, chunk_hash)
+    else:
+        index.add(tokens, chunk_hash, offset, ns)

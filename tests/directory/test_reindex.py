@@ -19,7 +19,7 @@ from kvatlas.directory.records import record_indexed
 from kvatlas.directory.snapshot import reader
 from kvatlas.directory.token_store import stored_one
 from kvatlas.keys import BlendNamespace
-from tests.directory.helpers import CS, Emitter, captured, entry, key
+from tests.directory.helpers import CS, Emitter, captured, change_later, entry, key
 from tests.directory.test_blend_index_oracle import SPACES, Oracle, canonical
 
 # shapes over three namespaces; two of them share a namespace (ranks of one world)
@@ -74,18 +74,8 @@ def test_build_equals_single_adds_also_after_removals_and_re_adds(
     for c, h, o, s in later:
         t, ch, ns = tokens[c], bytes([h]) * 32, SPACES[s]
         for index in (single, bulk):
-            if o % 3 == 0:
-                index.remove_claim(t, ch, ns)
-            elif o % 3 == 1:
-                index.remove_chunk(t, ch)
-            else:
-                index.add(t, ch, o, ns)
-        if o % 3 == 0:
-            oracle.remove_claim(t.tolist(), ch, ns)
-        elif o % 3 == 1:
-            oracle.remove_chunk(t.tolist(), ch)
-        else:
-            oracle.add(t.tolist(), ch, o, ns)
+            change_later(index, t, ch, o, ns)
+        change_later(oracle, t.tolist(), ch, o, ns)
     same(single, bulk, oracle, tokens)
 
 
