@@ -32,7 +32,7 @@ import numba
 import numpy as np
 
 from kvatlas.events._cut_types import COLUMNS, RUN, CutBody
-from kvatlas.events._json_entries import HEX_VALUES, NAME_ENDS, NAMES, parse_entries, same_bytes
+from kvatlas.events._json_entries import parse_entries, same_bytes
 from kvatlas.events._json_tokens import RELEASE_BYTES, skip_space, string_end
 from kvatlas.kernel_twins import gil_twins, releasing_twin
 
@@ -59,17 +59,17 @@ def _is(buf, a, b, name):  # type: ignore[no-untyped-def]  # pragma: no cover - 
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def _key_of(buf, a, b, role, names):  # type: ignore[no-untyped-def]  # pragma: no cover
+def _key_of(buf, a, b, role):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Which followed key ``buf[a:b]`` (a key's text, no quotes) is in an object of ``role``."""
-    if role == _ROOT and _is(buf, a, b, names[0]):
+    if role == _ROOT and _is(buf, a, b, _BATCHES_NAME):
         return _KEY_BATCHES
-    if role == _BATCH and _is(buf, a, b, names[1]):
+    if role == _BATCH and _is(buf, a, b, _ENTRIES_NAME):
         return _KEY_ENTRIES
     return _NO_KEY
 
 
 @gil_twins(boundscheck=False)
-def _cut(buf, out, arena, counts, names, entry_names, hashes, cols, runs):  # type: ignore[no-untyped-def]  # pragma: no cover
+def _cut(buf, out, arena, counts, hashes, cols, runs):  # type: ignore[no-untyped-def]  # pragma: no cover
     """See :func:`cut_entries`; returns ``(status, out length, entries, batches, runs)``."""
     n = len(buf)
     roles = np.zeros(MAX_DEPTH, np.int64)
@@ -95,7 +95,7 @@ def _cut(buf, out, arena, counts, names, entry_names, hashes, cols, runs):  # ty
                 if role in (_ROOT, _BATCH):
                     if escaped:
                         return FALLBACK, 0, 0, 0, 0
-                    key = _key_of(buf, i + 1, j, role, names)
+                    key = _key_of(buf, i + 1, j, role)
                     if key != _NO_KEY:
                         if seen[depth - 1] & (1 << key):
                             return FALLBACK, 0, 0, 0, 0
@@ -115,9 +115,7 @@ def _cut(buf, out, arena, counts, names, entry_names, hashes, cols, runs):  # ty
             i = j
             if key == _KEY_ENTRIES and i < n and buf[i] == _LBRACKET:
                 key = _NO_KEY
-                end, e, k = parse_entries(
-                    buf, i, n, n_entries, hashes, cols, runs, arena, k, entry_names
-                )
+                end, e, k = parse_entries(buf, i, n, n_entries, hashes, cols, runs, arena, k)
                 if end < 0:
                     return FALLBACK, 0, 0, 0, 0
                 counts[n_batches - 1] = e - n_entries
@@ -169,8 +167,6 @@ def _cut(buf, out, arena, counts, names, entry_names, hashes, cols, runs):  # ty
 _cut_releasing = releasing_twin(_cut)
 """:func:`_cut`, the GIL released for the call (a large body: ``RELEASE_BYTES``)."""
 
-_NAMES = (_BATCHES_NAME, _ENTRIES_NAME)
-
 
 def cut_entries(body: bytes) -> CutBody | None:
     """The body with every batch's ``entries`` array replaced by ``[]`` and the entries as
@@ -187,9 +183,7 @@ def cut_entries(body: bytes) -> CutBody | None:
     cols = np.empty((COLUMNS, rows), np.int64)
     runs = np.empty(rows, np.int64)
     cut = _cut_releasing if n >= RELEASE_BYTES else _cut
-    status, m, n_entries, n_batches, n_runs = cut(
-        buf, out, arena, counts, _NAMES, (NAMES, NAME_ENDS, HEX_VALUES), hashes, cols, runs
-    )
+    status, m, n_entries, n_batches, n_runs = cut(buf, out, arena, counts, hashes, cols, runs)
     if status != OK:
         return None
     return CutBody(

@@ -38,7 +38,7 @@ from kvatlas.events._cut_types import (
     SIZE,
     TOKENS,
 )
-from kvatlas.events._json_tokens import parse_array, skip_space, string_end
+from kvatlas.events._json_tokens import _word, parse_array, skip_space, string_end
 
 # an entry's fields, then its key's (bits of the fields seen)
 _KEY, _SIZE, _TOKENS, _OFFSET = 0, 1, 2, 3
@@ -49,7 +49,10 @@ _NAME_LIST = (
     b"null",
 )  # fmt: skip
 NAMES = np.frombuffer(b"".join(_NAME_LIST), np.uint8)
-"""The names the parser knows, one after the other (handed to it with :data:`NAME_ENDS`)."""
+"""The names the parser knows, one after the other (where each starts: :data:`NAME_ENDS`).
+The kernels read these tables as globals, which numba compiles in as constants: handed over as
+arguments, each helper's call took and dropped a reference to them (atomic counts), which made
+matching a field's name cost more than parsing its value."""
 NAME_ENDS = np.cumsum([0, *map(len, _NAME_LIST)]).astype(np.int64)
 """Where each of :data:`NAMES` starts (and the last ends)."""
 _ENTRY_FIELDS, _KEY_FIELDS, _NULL_NAME = (0, 4), (4, 9), 9
@@ -64,42 +67,52 @@ _QUOTE, _COLON, _COMMA, _MINUS = 34, 58, 44, 45
 _LBRACE, _RBRACE, _LBRACKET, _RBRACKET = 123, 125, 91, 93
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def same_bytes(x, i, y, j, size):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """Whether ``x[i:i + size]`` and ``y[j:j + size]`` hold the same bytes."""
-    for t in range(size):  # noqa: SIM110 - compiled: no generator expressions
-        if x[i + t] != y[j + t]:
+    """Whether ``x[i:i + size]`` and ``y[j:j + size]`` (``uint8`` arrays; both spans within
+    them) hold the same bytes: eight at a time, the last eight overlapping the ones before (a
+    byte loop, mispredicted at its end, made name matching most of an entry's parse)."""
+    if size < 8:
+        for t in range(size):  # noqa: SIM110 - compiled: no generator expressions
+            if x[i + t] != y[j + t]:
+                return False
+        return True
+    t = 0
+    while t + 8 < size:
+        if _word(x, i + t) != _word(y, j + t):  # type: ignore[call-arg]
             return False
-    return True
+        t += 8
+    return _word(x, i + size - 8) == _word(y, j + size - 8)  # type: ignore[call-arg]
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
-def _is_name(buf, a, b, names, f):  # type: ignore[no-untyped-def]  # pragma: no cover
+@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+def _is_name(buf, a, b, f):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Whether the text ``buf[a:b]`` is name ``f`` of :data:`NAMES`."""
-    text, ends = names[0], names[1]
-    return b - a == ends[f + 1] - ends[f] and same_bytes(buf, a, text, ends[f], b - a)
+    return b - a == NAME_ENDS[f + 1] - NAME_ENDS[f] and same_bytes(
+        buf, a, NAMES, NAME_ENDS[f], b - a
+    )
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
-def _name_of(buf, a, b, names, among):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """Which of the names ``among[0]``, … before ``among[1]`` (``names``: :data:`NAMES` and
-    :data:`NAME_ENDS`) the text ``buf[a:b]`` is (0, 1, …), or -1."""
+@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+def _name_of(buf, a, b, among):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Which of the names ``among[0]``, … before ``among[1]`` of :data:`NAMES` the text
+    ``buf[a:b]`` is (0, 1, …), or -1."""
     for f in range(among[1] - among[0]):
-        if _is_name(buf, a, b, names, among[0] + f):
+        if _is_name(buf, a, b, among[0] + f):
             return f
     return -1
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
-def _field_of(buf, a, b, names, among, expected):  # type: ignore[no-untyped-def]  # pragma: no cover
+@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+def _field_of(buf, a, b, among, expected):  # type: ignore[no-untyped-def]  # pragma: no cover
     """:func:`_name_of`, trying field ``expected`` first (the next one in the order encoders
     write them)."""
-    if expected < among[1] - among[0] and _is_name(buf, a, b, names, among[0] + expected):
+    if expected < among[1] - among[0] and _is_name(buf, a, b, among[0] + expected):
         return expected
-    return _name_of(buf, a, b, names, among)
+    return _name_of(buf, a, b, among)
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def _string(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """The end (index of the closing quote) of the string whose opening quote is at ``i``, or
     -1: not a string, unterminated, or an escape in it. Control characters are the caller's
@@ -112,7 +125,7 @@ def _string(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover - co
     return j
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def _text(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """:func:`_string` for a value kept as text: no control character in it either."""
     j = _string(buf, i, n)
@@ -122,7 +135,7 @@ def _text(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover - comp
     return j
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def _integer(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """``(end, value)`` of the plain integer at ``i`` (``end`` -1: not one, see the module
     docstring); the byte after it is the caller's to check (a ``.`` or ``e`` is no separator)."""
@@ -144,15 +157,15 @@ def _integer(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover - c
     return i, v
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
-def _hex_byte(buf, i, values):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
-    """The byte the two hex digits at ``i`` spell (``values``: :data:`HEX_VALUES`), or -1."""
-    hi, lo = values[buf[i]], values[buf[i + 1]]
+@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+def _hex_byte(buf, i):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """The byte the two hex digits at ``i`` spell (:data:`HEX_VALUES`), or -1."""
+    hi, lo = HEX_VALUES[buf[i]], HEX_VALUES[buf[i + 1]]
     return np.int64(-1) if (hi | lo) < 0 else np.int64(hi) * 16 + np.int64(lo)
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
-def _key(buf, i, n, e, hashes, cols, names):  # type: ignore[no-untyped-def]  # pragma: no cover
+@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+def _key(buf, i, n, e, hashes, cols):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Parse the key object at ``i`` into entry ``e``'s columns; its end, or -1."""
     if i >= n or buf[i] != _LBRACE:
         return -1
@@ -165,7 +178,7 @@ def _key(buf, i, n, e, hashes, cols, names):  # type: ignore[no-untyped-def]  # 
         j = _string(buf, i, n)
         if j < 0:
             return -1
-        field = _field_of(buf, i + 1, j, names, _KEY_FIELDS, field + 1)
+        field = _field_of(buf, i + 1, j, _KEY_FIELDS, field + 1)
         if field < 0 or seen & (1 << field):
             return -1
         seen |= 1 << field
@@ -187,7 +200,7 @@ def _key(buf, i, n, e, hashes, cols, names):  # type: ignore[no-untyped-def]  # 
                     return -1
                 bad = np.int64(0)
                 for t in range(32):
-                    v = _hex_byte(buf, i + 1 + 2 * t, names[2])
+                    v = _hex_byte(buf, i + 1 + 2 * t)
                     bad |= v
                     hashes[e, t] = v
                 if bad < 0:
@@ -206,8 +219,8 @@ def _key(buf, i, n, e, hashes, cols, names):  # type: ignore[no-untyped-def]  # 
         return -1
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
-def _entry(buf, i, n, e, hashes, cols, arena, k, names):  # type: ignore[no-untyped-def]  # pragma: no cover
+@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+def _entry(buf, i, n, e, hashes, cols, arena, k):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Parse the entry object at ``i`` (its ``{``) into row ``e``; ``(end, k)``: the index
     after its ``}`` (-1: given up) and the new fill of the arena."""
     cols[SIZE, e] = 0
@@ -220,7 +233,7 @@ def _entry(buf, i, n, e, hashes, cols, arena, k, names):  # type: ignore[no-unty
         j = _string(buf, i, n)
         if j < 0:
             return -1, k
-        field = _field_of(buf, i + 1, j, names, _ENTRY_FIELDS, field + 1)
+        field = _field_of(buf, i + 1, j, _ENTRY_FIELDS, field + 1)
         if field < 0 or seen & (1 << field):
             return -1, k
         seen |= 1 << field
@@ -229,7 +242,7 @@ def _entry(buf, i, n, e, hashes, cols, arena, k, names):  # type: ignore[no-unty
             return -1, k
         i = skip_space(buf, i + 1, n)
         if field == _KEY:
-            i = _key(buf, i, n, e, hashes, cols, names)
+            i = _key(buf, i, n, e, hashes, cols)
         elif field == _TOKENS:
             if i < n and buf[i] == _LBRACKET:
                 end, filled = parse_array(buf, i, n, arena, k)
@@ -237,7 +250,7 @@ def _entry(buf, i, n, e, hashes, cols, arena, k, names):  # type: ignore[no-unty
                     cols[TOKENS, e] = filled - k
                     k = filled
                 i = end
-            elif i + 4 <= n and _is_name(buf, i, i + 4, names, _NULL_NAME):
+            elif i + 4 <= n and _is_name(buf, i, i + 4, _NULL_NAME):
                 i += 4
             else:
                 return -1, k
@@ -255,7 +268,7 @@ def _entry(buf, i, n, e, hashes, cols, arena, k, names):  # type: ignore[no-unty
         return -1, k
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def _same_text(buf, cols, at, end, e, f):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Whether the spans ``at``–``end`` of entries ``e`` and ``f`` hold one text."""
     a, b = cols[at, e], cols[at, f]
@@ -263,7 +276,7 @@ def _same_text(buf, cols, at, end, e, f):  # type: ignore[no-untyped-def]  # pra
     return size == cols[end, f] - b and same_bytes(buf, a, buf, b, size)
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
 def _same_shape(buf, cols, e, f):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """Whether entries ``e`` and ``f`` have one key shape (model, rank, group, salt)."""
     return (
@@ -274,10 +287,9 @@ def _same_shape(buf, cols, e, f):  # type: ignore[no-untyped-def]  # pragma: no 
     )
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
-def parse_entries(buf, i, n, e, hashes, cols, runs, arena, k, names):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """Parse the entries array at ``i`` (its ``[``) into rows ``e``, ``e + 1``, … (``names``:
-    ``(NAMES, NAME_ENDS, HEX_VALUES)``); returns
+@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+def parse_entries(buf, i, n, e, hashes, cols, runs, arena, k):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Parse the entries array at ``i`` (its ``[``) into rows ``e``, ``e + 1``, …; returns
     ``(end, e, k)``: the index after its ``]`` (-1: given up, or more entries than rows), the
     next free row and the new fill of the arena. ``runs[r]`` gets the first row of run
     ``r`` (a run starts where the key shape differs from the row before)."""
@@ -287,7 +299,7 @@ def parse_entries(buf, i, n, e, hashes, cols, runs, arena, k, names):  # type: i
     while i < n:
         if e == cols.shape[1] or buf[i] != _LBRACE:
             return -1, e, k
-        i, k = _entry(buf, i, n, e, hashes, cols, arena, k, names)
+        i, k = _entry(buf, i, n, e, hashes, cols, arena, k)
         if i < 0:
             return -1, e, k
         if e == 0:
