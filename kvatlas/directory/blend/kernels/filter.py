@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from kvatlas.directory.blend.kernels.pointers import inline, jit
+from kvatlas.directory.blend.kernels.pointers import helper, inline
 
 _MIX1 = np.uint64(0x9E3779B97F4A7C15)
 _U1 = np.uint64(1)
@@ -43,7 +43,7 @@ def bloom_word(mixed: Any, fshift: Any) -> Any:
     return np.int64(mixed >> np.uint64(fshift))
 
 
-@jit
+@helper
 def word_shift(filt: Any) -> Any:
     """The shift :func:`bloom_word` takes for this filter (64 - log2 of its word count)."""
     bits = 0
@@ -54,7 +54,7 @@ def word_shift(filt: Any) -> Any:
     return 64 - bits
 
 
-@jit
+@helper
 def filter_add(filt: Any, fp: Any) -> None:
     mixed = mix(fp)
     filt[bloom_word(mixed, word_shift(filt))] |= bloom_mask(mixed)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvatlas.directory.blend.kernels.layout import O_HADDR, O_NCLAIMS, O_NEXT, O_NS0
-from kvatlas.directory.blend.kernels.pointers import jit, u8_ptr
+from kvatlas.directory.blend.kernels.pointers import helper, jit, u8_ptr
 from kvatlas.directory.blend.kernels.table import (
     claim_key,
     claims_contains,
@@ -42,7 +42,7 @@ def claimed(o: Any, ns: Any, o_i32: Any, claims: Any) -> Any:
     return False
 
 
-@jit
+@helper
 def add_claim(o: Any, ns: Any, o_i32: Any, claims: Any) -> Any:
     """Claim ``o`` for ``ns``; flags ``F_NEW_CLAIM`` (+ ``F_EXTRA_CLAIM``), 0 if it was."""
     ns0 = o_i32[o, O_NS0]
@@ -61,7 +61,7 @@ def add_claim(o: Any, ns: Any, o_i32: Any, claims: Any) -> Any:
     return 0
 
 
-@jit
+@helper
 def drop_claim(o: Any, ns: Any, o_i32: Any, claims: Any) -> Any:
     """Drop ``ns``'s claim on ``o``; flags ``F_CLAIM_DROPPED`` (+ ``F_EXTRA_CLAIM``), 0 if
     there was none."""
@@ -77,7 +77,7 @@ def drop_claim(o: Any, ns: Any, o_i32: Any, claims: Any) -> Any:
     return flags
 
 
-@jit
+@helper
 def find_occupant(
     c_first: Any, cid: Any, o_i64: Any, o_i32: Any, o_hlen: Any, h_addr: Any, n: Any
 ) -> Any:
@@ -98,7 +98,7 @@ def find_occupant(
     return -1
 
 
-@jit
+@helper
 def link_occupant(
     cid: Any, o: Any, h_addr: Any, h_len: Any, c_first: Any, o_i64: Any, o_i32: Any, o_hlen: Any
 ) -> None:
@@ -111,7 +111,7 @@ def link_occupant(
     c_first[cid] = o
 
 
-@jit
+@helper
 def unlink_occupant(
     cid: Any, slot: Any, o: Any, table: Any, c_fp: Any, c_addr: Any, c_first: Any, o_i32: Any
 ) -> Any:

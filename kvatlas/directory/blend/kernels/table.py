@@ -20,7 +20,14 @@ import numpy as np
 
 from kvatlas.directory.blend.kernels.layout import ADDRESS_BITS, TOKENS_PLANES, TOKENS_U16
 from kvatlas.directory.blend.kernels.planes import planes_equal
-from kvatlas.directory.blend.kernels.pointers import inline, jit, releasing, u16_ptr, u32_ptr
+from kvatlas.directory.blend.kernels.pointers import (
+    helper,
+    inline,
+    jit,
+    releasing,
+    u16_ptr,
+    u32_ptr,
+)
 
 EMPTY = -1
 _MIX1 = np.uint64(0x9E3779B97F4A7C15)
@@ -97,7 +104,7 @@ def _equal_to(q: Any, pos: Any, p: Any, chunk: Any) -> Any:
     return diff == 0
 
 
-@jit
+@helper
 def find_content(tokens: Any, fp: Any, chunk: Any, table: Any, c_fp: Any, c_addr: Any) -> Any:
     """(content id or -1, the table slot where it is or where it would be inserted)."""
     tmask = table.shape[0] - 1
@@ -111,7 +118,7 @@ def find_content(tokens: Any, fp: Any, chunk: Any, table: Any, c_fp: Any, c_addr
         slot = (slot + 1) & tmask
 
 
-@jit
+@helper
 def fp_listed(fp: Any, table: Any, c_fp: Any) -> Any:
     """Whether a content of fingerprint ``fp`` is in the table (its probe run, no ids read)."""
     tmask = table.shape[0] - 1

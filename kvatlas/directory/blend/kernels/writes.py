@@ -42,6 +42,7 @@ from kvatlas.directory.blend.kernels.occupants import (
     unlink_occupant,
 )
 from kvatlas.directory.blend.kernels.pointers import (
+    helper,
     i32_ptr,
     i64_ptr,
     inline,
@@ -301,7 +302,7 @@ def _prefetch_tokens(ops: Any, i: Any, n: Any, data_off: Any, given: Any) -> Non
             prefetch_addr(data + 64 * line)  # type: ignore[call-arg]
 
 
-@jit
+@helper
 def _take_id(ids: Any, free: Any, fresh: Any, links: Any) -> Any:
     """A free id (the head of the list at ``ids[free]``, linked through ``links``), else the
     next fresh one (``ids[fresh]``)."""
@@ -314,7 +315,7 @@ def _take_id(ids: Any, free: Any, fresh: Any, links: Any) -> Any:
     return i
 
 
-@jit
+@helper
 def _release_id(ids: Any, free: Any, links: Any, i: Any) -> None:
     links[i] = ids[free]
     ids[free] = i
