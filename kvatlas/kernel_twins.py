@@ -23,11 +23,25 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numba
 
+if TYPE_CHECKING:  # numba's stubs name what njit(**options) returns
+    from numba.core.decorators import _JITWrapper
+
 RELEASING_SUFFIX = "_releasing"
+
+
+def njit_without_nrt(**options: Any) -> _JITWrapper:
+    """``numba.njit(**options)`` for a helper that allocates nothing: compiled without
+    numba's reference counting. With it, a call from compiled code takes and drops a reference
+    on each array argument (two atomic updates each, a call into the runtime each); in the
+    JSON entry parser and the index write loop, whose helpers are called per field or per op,
+    that was a third of their compiled time (docs/performance.md). The caller holds every
+    array for the call. A helper compiled so that allocated an array would fail to compile."""
+    jit: _JITWrapper = numba.njit(**options, _nrt=False)  # type: ignore[call-overload]
+    return jit
 
 
 class Twins(NamedTuple):

@@ -23,7 +23,6 @@ the caller's file: after a change here, clear ``__pycache__/_json_cut*.nb?``.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
 from kvatlas.events._cut_types import (
@@ -39,6 +38,7 @@ from kvatlas.events._cut_types import (
     TOKENS,
 )
 from kvatlas.events._json_tokens import _word, parse_array, skip_space, string_end
+from kvatlas.kernel_twins import njit_without_nrt
 
 # an entry's fields, then its key's (bits of the fields seen)
 _KEY, _SIZE, _TOKENS, _OFFSET = 0, 1, 2, 3
@@ -67,7 +67,7 @@ _QUOTE, _COLON, _COMMA, _MINUS = 34, 58, 44, 45
 _LBRACE, _RBRACE, _LBRACKET, _RBRACKET = 123, 125, 91, 93
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def same_bytes(x, i, y, j, size):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Whether ``x[i:i + size]`` and ``y[j:j + size]`` (``uint8`` arrays; both spans within
     them) hold the same bytes: eight at a time, the last eight overlapping the ones before (a
@@ -85,7 +85,7 @@ def same_bytes(x, i, y, j, size):  # type: ignore[no-untyped-def]  # pragma: no 
     return _word(x, i + size - 8) == _word(y, j + size - 8)  # type: ignore[call-arg]
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def _is_name(buf, a, b, f):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Whether the text ``buf[a:b]`` is name ``f`` of :data:`NAMES`."""
     return b - a == NAME_ENDS[f + 1] - NAME_ENDS[f] and same_bytes(
@@ -93,7 +93,7 @@ def _is_name(buf, a, b, f):  # type: ignore[no-untyped-def]  # pragma: no cover
     )
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def _name_of(buf, a, b, among):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Which of the names ``among[0]``, … before ``among[1]`` of :data:`NAMES` the text
     ``buf[a:b]`` is (0, 1, …), or -1."""
@@ -103,7 +103,7 @@ def _name_of(buf, a, b, among):  # type: ignore[no-untyped-def]  # pragma: no co
     return -1
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def _field_of(buf, a, b, among, expected):  # type: ignore[no-untyped-def]  # pragma: no cover
     """:func:`_name_of`, trying field ``expected`` first (the next one in the order encoders
     write them)."""
@@ -112,7 +112,7 @@ def _field_of(buf, a, b, among, expected):  # type: ignore[no-untyped-def]  # pr
     return _name_of(buf, a, b, among)
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def _string(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """The end (index of the closing quote) of the string whose opening quote is at ``i``, or
     -1: not a string, unterminated, or an escape in it. Control characters are the caller's
@@ -125,7 +125,7 @@ def _string(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover - co
     return j
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def _text(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """:func:`_string` for a value kept as text: no control character in it either."""
     j = _string(buf, i, n)
@@ -135,7 +135,7 @@ def _text(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover - comp
     return j
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def _integer(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """``(end, value)`` of the plain integer at ``i`` (``end`` -1: not one, see the module
     docstring); the byte after it is the caller's to check (a ``.`` or ``e`` is no separator)."""
@@ -157,14 +157,14 @@ def _integer(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover - c
     return i, v
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def _hex_byte(buf, i):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """The byte the two hex digits at ``i`` spell (:data:`HEX_VALUES`), or -1."""
     hi, lo = HEX_VALUES[buf[i]], HEX_VALUES[buf[i + 1]]
     return np.int64(-1) if (hi | lo) < 0 else np.int64(hi) * 16 + np.int64(lo)
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def _key(buf, i, n, e, hashes, cols):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Parse the key object at ``i`` into entry ``e``'s columns; its end, or -1."""
     if i >= n or buf[i] != _LBRACE:
@@ -219,7 +219,7 @@ def _key(buf, i, n, e, hashes, cols):  # type: ignore[no-untyped-def]  # pragma:
         return -1
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def _entry(buf, i, n, e, hashes, cols, arena, k):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Parse the entry object at ``i`` (its ``{``) into row ``e``; ``(end, k)``: the index
     after its ``}`` (-1: given up) and the new fill of the arena."""
@@ -268,7 +268,7 @@ def _entry(buf, i, n, e, hashes, cols, arena, k):  # type: ignore[no-untyped-def
         return -1, k
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def _same_text(buf, cols, at, end, e, f):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Whether the spans ``at``–``end`` of entries ``e`` and ``f`` hold one text."""
     a, b = cols[at, e], cols[at, f]
@@ -276,7 +276,7 @@ def _same_text(buf, cols, at, end, e, f):  # type: ignore[no-untyped-def]  # pra
     return size == cols[end, f] - b and same_bytes(buf, a, buf, b, size)
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def _same_shape(buf, cols, e, f):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """Whether entries ``e`` and ``f`` have one key shape (model, rank, group, salt)."""
     return (
@@ -287,7 +287,7 @@ def _same_shape(buf, cols, e, f):  # type: ignore[no-untyped-def]  # pragma: no 
     )
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def parse_entries(buf, i, n, e, hashes, cols, runs, arena, k):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Parse the entries array at ``i`` (its ``[``) into rows ``e``, ``e + 1``, …; returns
     ``(end, e, k)``: the index after its ``]`` (-1: given up, or more entries than rows), the

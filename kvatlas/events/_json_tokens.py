@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
-import numba
 import numpy as np
 import numpy.typing as npt
 from llvmlite import ir
@@ -24,15 +23,15 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kvatlas.kernel_twins import gil_twins, releasing_twin
+from kvatlas.kernel_twins import gil_twins, njit_without_nrt, releasing_twin
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def _is_space(c: int) -> bool:  # pragma: no cover - compiled
     return c == 32 or c == 9 or c == 10 or c == 13
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def _digit(c):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """The digit ``c`` stands for, or -1."""
     d = np.int64(c) - 48
@@ -79,7 +78,7 @@ def _load_word(typingctx: Any, buf: Any, i: Any) -> Any:
     return sig, codegen
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def _assembled_word(buf, i):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """:func:`_load_word`, byte by byte (big-endian machines)."""
     x = np.uint64(0)
@@ -92,7 +91,7 @@ _word = _load_word if sys.byteorder == "little" else _assembled_word
 """``buf[i:i + 8]`` as a little-endian ``uint64``."""
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def _short_number(x):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """``(digits, value)`` of the number that eight bytes ``x`` (little-endian) start with,
     read without a branch per byte; ``digits`` 0 when it is not 1–7 digits followed by a
@@ -116,14 +115,14 @@ _QUOTES = np.uint64(0x2222222222222222)
 _BACKSLASHES = np.uint64(0x5C5C5C5C5C5C5C5C)
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def _zero_bytes(x):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """Non-zero iff a byte of ``x`` is 0; its lowest set bit marks the first such byte (a
     borrow only reaches the bytes after it)."""
     return (x - _ONES) & ~x & _TOPS
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def string_end(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """The index of the first ``"`` or ``\\`` at or after ``i`` (``n`` if none before ``n``),
     eight bytes at a time."""
@@ -138,14 +137,14 @@ def string_end(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover -
     return i
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def skip_space(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     while i < n and _is_space(buf[i]):
         i += 1
     return i
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False, _nrt=False)
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def parse_array(buf, i, n, arena, k):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Parse the JSON int array at ``buf[i]`` (``i`` must point at its ``[``, ``n`` bounds
     the text) into ``arena[k:]``; returns ``(end, k)``: the index just after its ``]`` and

@@ -16,6 +16,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from kvatlas.kernel_twins import njit_without_nrt
+
 jit = numba.njit(cache=True)
 """How a kernel is compiled: cached on disk, the GIL held for the call. A short call that
 released the GIL would starve other threads: each release wakes a thread
@@ -28,12 +30,9 @@ releasing = numba.njit(cache=True, nogil=True)
 released for the call, so other threads run meanwhile. A kernel called both short and long (a
 scan, a batch of writes) is compiled both ways by ``kvatlas.kernel_twins.gil_twins``."""
 
-helper = numba.njit(cache=True, _nrt=False)
+helper = njit_without_nrt(cache=True)
 """For the helpers the write loop calls once an op (a lookup in the table, an occupant
-linked): compiled without numba's reference counting, which they do not need (they allocate
-nothing; the caller holds every array for the call). With it, each call took and dropped a
-reference on each array argument, two atomic updates each: a third of the index write's
-compiled time (docs/performance.md)."""
+linked): compiled without reference counting (``kernel_twins.njit_without_nrt``)."""
 
 inline = numba.njit(cache=True, inline="always")
 """For the small helpers of the hot loops: inlined at numba IR level so loops stay SIMD."""
