@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from kvatlas.directory.blend.kernels import filter as bloom
-from kvatlas.directory.blend.kernels import occupants, table, writes
+from kvatlas.directory.blend.kernels import modhash, occupants, planes, table, writes
 from kvatlas.events import _json_entries, _json_tokens
 from kvatlas.kernel_twins import njit_without_nrt
 
@@ -33,8 +33,14 @@ HOT_HELPERS = [
     _json_tokens.parse_array,
     _json_tokens.skip_space,
     _json_tokens.string_end,
+    modhash.fingerprint_in,
+    planes.planes_equal,
+    planes.planes_load,
     table.find_content,
     table.fp_listed,
+    table.equal_at,
+    table.claims_insert,
+    occupants.claimed,
     occupants.find_occupant,
     occupants.link_occupant,
     occupants.unlink_occupant,

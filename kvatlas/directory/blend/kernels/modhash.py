@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvatlas.directory.blend.kernels.pointers import inline, jit
+from kvatlas.directory.blend.kernels.pointers import helper, inline, jit
 
 MERSENNE61 = (1 << 61) - 1
 SCHEME = "poly-mod-2^61-1/1"
@@ -89,7 +89,16 @@ def powmod61(base: Any, exp: Any) -> Any:
 
 @jit
 def fingerprint(tokens: Any, start: Any, length: Any, base: Any, fmask: Any) -> Any:
-    """Fingerprint of ``tokens[start:start+length]``, masked to the configured bits.
+    """Fingerprint of ``tokens[start:start+length]``, masked to the configured bits
+    (:func:`fingerprint_in` with a scratch of its own)."""
+    return fingerprint_in(tokens, start, length, base, fmask, np.empty(LANES, np.uint64))
+
+
+@helper
+def fingerprint_in(tokens: Any, start: Any, length: Any, base: Any, fmask: Any, lanes: Any) -> Any:
+    """:func:`fingerprint` with the caller's ``lanes`` (``uint64``, :data:`LANES` long) as its
+    scratch: a loop fingerprinting one window per op or per content allocates it once, not
+    once a window (an allocation and its release cost as much as the rest of a short call).
 
     One serial Horner chain is latency-bound (every add and removal hashes its chunk, a
     restore a million of them), so after a head of ``length % LANES`` tokens the window runs
@@ -105,7 +114,7 @@ def fingerprint(tokens: Any, start: Any, length: Any, base: Any, fmask: Any) -> 
     if q > 0:
         s0 = start + head
         b_lanes = powmod61(b, LANES)
-        lanes = np.zeros(LANES, np.uint64)
+        lanes[:] = 0
         for k in range(q):
             at = s0 + k * LANES
             for j in range(LANES):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvatlas.directory.blend.kernels.layout import O_HADDR, O_NCLAIMS, O_NEXT, O_NS0
-from kvatlas.directory.blend.kernels.pointers import helper, jit, u8_ptr
+from kvatlas.directory.blend.kernels.pointers import helper, u8_ptr
 from kvatlas.directory.blend.kernels.table import (
     claim_key,
     claims_contains,
@@ -30,7 +30,7 @@ F_OCCUPANT_GONE = 32
 F_CONTENT_GONE = 64
 
 
-@jit
+@helper
 def claimed(o: Any, ns: Any, o_i32: Any, claims: Any) -> Any:
     """Namespace membership: the cheap test that runs before any token comparison."""
     ns0 = o_i32[o, O_NS0]
@@ -134,7 +134,7 @@ def unlink_occupant(
     return True
 
 
-@jit
+@helper
 def drop_extra_claim(o: Any, ns: Any, claims: Any) -> Any:
     """Drop an extra-set claim a remove_chunk left behind (the caller knows its namespace)."""
     return claims_delete(claims, claim_key(o, ns))

@@ -31,8 +31,8 @@ import numpy.typing as npt
 from kvatlas.directory.blend.kernels.pointers import (
     BIT_COLUMN,
     bit_column,
+    helper,
     inline,
-    jit,
     u8_ptr,
     u16_ptr,
     u32_ptr,
@@ -106,7 +106,7 @@ def planes_ids(size: int, h: int) -> tuple[int, int]:
     return half - h * sixteenths, sixteenths
 
 
-@jit
+@helper
 def planes_store(src: Any, n: Any, dst: Any, h: Any) -> None:
     """Write the ``n`` ids at address ``src`` (``uint32``, each below 2^(16 + h)) in the
     planes form to address ``dst`` (``planes_nbytes(n, h)`` bytes)."""
@@ -128,7 +128,7 @@ def planes_store(src: Any, n: Any, dst: Any, h: Any) -> None:
             planes[p * stride + j] = np.uint8(byte)
 
 
-@jit
+@helper
 def planes_load(out: Any, addr: Any, n: Any) -> None:
     """``out[:n]`` (``uint32``) = the ``n`` ids of the planes-form content at ``addr``."""
     h = np.int64(u8_ptr(addr)[0])  # type: ignore[call-arg]
@@ -155,7 +155,7 @@ def _plane_word(planes: Any, at: Any, nbytes: Any) -> Any:
     return word
 
 
-@jit
+@helper
 def planes_equal(q: Any, pos: Any, addr: Any, chunk: Any) -> Any:
     """``q[pos:pos+chunk]`` (a contiguous ``uint32`` array) equals the planes-form content of
     ``chunk`` ids at ``addr``. Per block of 64 ids, stopping at the first differing one: an

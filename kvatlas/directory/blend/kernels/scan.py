@@ -26,7 +26,7 @@ from kvatlas.directory.blend.kernels.layout import (
 )
 from kvatlas.directory.blend.kernels.modhash import (
     LANES,
-    fingerprint,
+    fingerprint_in,
     lane_init,
     lane_load,
     lane_step,
@@ -109,9 +109,10 @@ def scan(
     else:
         # sparse probes: hashing each probed window directly costs <= 2 passes over q
         fshift = word_shift(filt)
+        lanes = np.empty(LANES, np.uint64)
         n_c = 0
         for p in range(((start + stride - 1) // stride) * stride, stop, stride):
-            fp = fingerprint(q, p, chunk, base, fmask)
+            fp = fingerprint_in(q, p, chunk, base, fmask, lanes)
             if may_contain(filt, fp, fshift):
                 cand_pos[n_c] = p
                 cand_fp[n_c] = fp

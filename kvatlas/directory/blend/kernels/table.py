@@ -23,7 +23,6 @@ from kvatlas.directory.blend.kernels.planes import planes_equal
 from kvatlas.directory.blend.kernels.pointers import (
     helper,
     inline,
-    jit,
     releasing,
     u16_ptr,
     u32_ptr,
@@ -36,7 +35,7 @@ _BLOCK = 64
 """Ids compared per block by :func:`_equal_to` before it may stop."""
 
 
-@jit
+@helper
 def backward_shift_delete(slots: Any, slot: Any, home_of: Any, keys: Any) -> None:
     """Empty ``slots[slot]`` and shift later entries of its probe run back into the hole, so
     every remaining entry stays reachable from its home (``home_of(keys, entry, mask)``)."""
@@ -69,7 +68,7 @@ def _content_home_of(c_fp: Any, cid: Any, mask: Any) -> Any:
     return content_home(c_fp[cid], mask)
 
 
-@jit
+@helper
 def equal_at(q: Any, pos: Any, addr: Any, chunk: Any) -> Any:
     """``q[pos:pos+chunk]`` (a contiguous ``uint32`` array) equals the ``chunk`` tokens at the
     token address ``addr`` (either width, see ``layout.TOKENS_U16``, or the planes form):
@@ -84,7 +83,7 @@ def equal_at(q: Any, pos: Any, addr: Any, chunk: Any) -> Any:
     return _equal_to(q, pos, u32_ptr(addr), chunk)  # type: ignore[call-arg]
 
 
-@jit
+@helper
 def _equal_to(q: Any, pos: Any, p: Any, chunk: Any) -> Any:
     """:func:`equal_at` of a typed pointer (compiled once per token width). Whole blocks of
     64 run with a constant trip count, read through the query's address: the form the
@@ -132,7 +131,7 @@ def fp_listed(fp: Any, table: Any, c_fp: Any) -> Any:
         slot = (slot + 1) & tmask
 
 
-@jit
+@helper
 def content_reinsert(table: Any, fp: Any, cid: Any) -> None:
     """Insert a content known to be absent (a rebuild): the first empty slot of its run."""
     tmask = table.shape[0] - 1
@@ -142,7 +141,7 @@ def content_reinsert(table: Any, fp: Any, cid: Any) -> None:
     table[slot] = cid
 
 
-@jit
+@helper
 def content_delete(table: Any, slot: Any, c_fp: Any) -> None:
     backward_shift_delete(table, slot, _content_home_of, c_fp)
 
@@ -165,7 +164,7 @@ def _claim_home_of(claims: Any, key: Any, mask: Any) -> Any:
     return claim_home(key, mask)
 
 
-@jit
+@helper
 def claims_find(claims: Any, key: Any) -> Any:
     """(present, the slot where ``key`` is or where it would be inserted)."""
     emask = claims.shape[0] - 1
@@ -179,12 +178,12 @@ def claims_find(claims: Any, key: Any) -> Any:
         slot = (slot + 1) & emask
 
 
-@jit
+@helper
 def claims_contains(claims: Any, key: Any) -> Any:
     return claims_find(claims, key)[0]
 
 
-@jit
+@helper
 def claims_insert(claims: Any, key: Any) -> Any:
     """Insert; False if already present."""
     present, slot = claims_find(claims, key)
@@ -194,7 +193,7 @@ def claims_insert(claims: Any, key: Any) -> Any:
     return True
 
 
-@jit
+@helper
 def claims_delete(claims: Any, key: Any) -> Any:
     """Delete; False if absent."""
     present, slot = claims_find(claims, key)

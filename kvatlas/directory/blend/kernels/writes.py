@@ -29,7 +29,7 @@ from kvatlas.directory.blend.kernels.layout import (
     O_OFF,
     BlendArrays,
 )
-from kvatlas.directory.blend.kernels.modhash import fingerprint
+from kvatlas.directory.blend.kernels.modhash import LANES, fingerprint_in
 from kvatlas.directory.blend.kernels.occupants import (
     F_CONTENT_GONE,
     F_NEW_CONTENT,
@@ -103,17 +103,18 @@ def apply_ops(
     ring = np.empty((_RING, chunk), np.uint32)
     fps = np.empty(_RING, np.uint64)
     addrs = np.empty(_RING, np.int64)
+    lanes = np.empty(LANES, np.uint64)  # the fingerprints' scratch
     fshift = word_shift(filt)
     n = ops.shape[1]
     for i in range(min(_LOOKAHEAD, n)):
-        _take_op(ops, i, chunk, data_off, base, fmask, ring, fps, addrs, table, filt, fshift)
+        _take_op(ops, i, chunk, data_off, base, fmask, ring, fps, addrs, table, filt, fshift, lanes)
     given = ops.shape[0] > OP_FP
     for i in range(n):
         _prefetch_tokens(ops, i, n, data_off, given)
         if i + _LOOKAHEAD < n:
             _take_op(
                 ops, i + _LOOKAHEAD, chunk, data_off, base, fmask, ring, fps, addrs, table,
-                filt, fshift,
+                filt, fshift, lanes,
             )  # fmt: skip
         out[i, 0] = 0
         out[i, 1] = -1
@@ -256,8 +257,10 @@ def _take_op(
     table: Any,
     filt: Any,
     fshift: Any,
+    lanes: Any,
 ) -> None:
-    """Op ``j``'s ids into row ``j % _RING`` of ``ring`` (``uint32``), their fingerprint and
+    """Op ``j``'s ids into row ``j % _RING`` of ``ring`` (``uint32``), their fingerprint (``lanes``
+    its scratch) and
     the token address its content keeps (``layout.py``: tagged with the array's form) into
     ``fps`` and ``addrs``; then request the table slot and filter word the op will read.
     With the fingerprint given (row ``OP_FP``) the ids are not read here: the op reads them
@@ -274,7 +277,7 @@ def _take_op(
     else:
         row = ring[r]
         load_ids(row, addr, chunk)
-        fp = fingerprint(row, 0, chunk, base, fmask)
+        fp = fingerprint_in(row, 0, chunk, base, fmask, lanes)
     fps[r] = fp
     addrs[r] = addr
     prefetch(table, content_home(fp, table.shape[0] - 1))  # type: ignore[call-arg]
