@@ -16,6 +16,9 @@ name would load each other's machine code (the releasing one then holding the GI
 releasing form is named ``<qualname>_releasing`` at the kernel's file and line: its own
 cache entry, the same in every process.
 
+:func:`njit_without_nrt` is the other way kernels are compiled here: a helper that allocates
+nothing, without numba's reference counting.
+
 This module imports numba: only kernel modules import it.
 """
 

@@ -37,7 +37,7 @@ from kvatlas.events._cut_types import (
     SIZE,
     TOKENS,
 )
-from kvatlas.events._json_tokens import _word, parse_array, skip_space, string_end
+from kvatlas.events._json_tokens import parse_array, skip_space, string_end
 from kvatlas.kernel_twins import njit_without_nrt
 
 # an entry's fields, then its key's (bits of the fields seen)
@@ -50,9 +50,8 @@ _NAME_LIST = (
 )  # fmt: skip
 NAMES = np.frombuffer(b"".join(_NAME_LIST), np.uint8)
 """The names the parser knows, one after the other (where each starts: :data:`NAME_ENDS`).
-The kernels read these tables as globals, which numba compiles in as constants: handed over as
-arguments, each helper's call took and dropped a reference to them (atomic counts), which made
-matching a field's name cost more than parsing its value."""
+The kernels read these tables as globals (numba compiles them in as constants), not as
+arguments handed down through every helper."""
 NAME_ENDS = np.cumsum([0, *map(len, _NAME_LIST)]).astype(np.int64)
 """Where each of :data:`NAMES` starts (and the last ends)."""
 _ENTRY_FIELDS, _KEY_FIELDS, _NULL_NAME = (0, 4), (4, 9), 9
@@ -69,20 +68,11 @@ _LBRACE, _RBRACE, _LBRACKET, _RBRACKET = 123, 125, 91, 93
 
 @njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def same_bytes(x, i, y, j, size):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """Whether ``x[i:i + size]`` and ``y[j:j + size]`` (``uint8`` arrays; both spans within
-    them) hold the same bytes: eight at a time, the last eight overlapping the ones before (a
-    byte loop, mispredicted at its end, made name matching most of an entry's parse)."""
-    if size < 8:
-        for t in range(size):  # noqa: SIM110 - compiled: no generator expressions
-            if x[i + t] != y[j + t]:
-                return False
-        return True
-    t = 0
-    while t + 8 < size:
-        if _word(x, i + t) != _word(y, j + t):  # type: ignore[call-arg]
+    """Whether ``x[i:i + size]`` and ``y[j:j + size]`` hold the same bytes."""
+    for t in range(size):  # noqa: SIM110 - compiled: no generator expressions
+        if x[i + t] != y[j + t]:
             return False
-        t += 8
-    return _word(x, i + size - 8) == _word(y, j + size - 8)  # type: ignore[call-arg]
+    return True
 
 
 @njit_without_nrt(cache=True, nogil=True, boundscheck=False)
