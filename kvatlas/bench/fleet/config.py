@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvatlas.bench.fleet.stacks import Stack
+from kvatlas.router.config import DEFAULT_METRICS_INTERVAL_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,3 +49,8 @@ class FleetConfig:
     max_num_seqs: int = 256
     recompute_share: float = 0.15
     """CacheBlend's recomputed share of a reused fragment (EuroSys '25)."""
+    metrics_interval_s: float = DEFAULT_METRICS_INTERVAL_S
+    """How often the router scrapes the engines' gauges, in model seconds (the router's
+    default). A live router scrapes on its own timer, whose phase against the trace is wherever
+    the fleet's start left it; the virtual one scrapes from the trace's start. A decision that
+    hinges on the gauges can then go either way (tests/bench/test_fleet_agreement.py)."""

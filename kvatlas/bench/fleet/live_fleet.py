@@ -24,7 +24,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Final
@@ -35,7 +35,6 @@ from kvatlas.asgi_thread import free_port
 from kvatlas.bench.fleet.config import FleetConfig
 from kvatlas.bench.fleet.stacks import Stack
 from kvatlas.errors import Unavailable
-from kvatlas.router.config import RouterConfig
 
 MODEL: Final = "fleet-sim"
 """The served model's name: the engines', the topics', the nodes' and the router's."""
@@ -50,10 +49,6 @@ START_TIMEOUT_S: Final = 180.0
 """Every process up and the router seeing every engine: a cold Python start per process, up
 to 2N + 2 of them sharing the machine."""
 DEFAULT_MAX_MODEL_LEN: Final = 131_072
-ROUTER_METRICS_INTERVAL_S: Final = float(
-    {f.name: f.default for f in fields(RouterConfig)}["metrics_interval_s"]  # type: ignore[arg-type]
-)
-"""The router's scrape of the engines' gauges, in model seconds (its default at speed 1)."""
 SCORE_TIMEOUT_S: Final = 2.0
 """The router's wait for a score, in wall seconds (its default, 0.05, is for real time)."""
 WARM_UP_PROMPT: Final = list(range(1, 9))
@@ -162,8 +157,9 @@ def plan_fleet(config: FleetConfig, stack: Stack, workdir: Path, max_model_len: 
         # a score the coordinator is slow to give on a busy machine is a live artefact, not a
         # decision by load: wait for it (its wall time still counts in the TTFT, × speed)
         "--score-timeout-s", repr(SCORE_TIMEOUT_S),
-        # vLLM's gauges every model second, as at speed 1 (and as the virtual mode scrapes)
-        "--metrics-interval-s", repr(ROUTER_METRICS_INTERVAL_S / config.speed),
+        # vLLM's gauges every config.metrics_interval_s model seconds (by default the
+        # router's: as at speed 1), as the virtual mode scrapes
+        "--metrics-interval-s", repr(config.metrics_interval_s / config.speed),
         "--log-level", "warning", "--log-format", "text",
     ))  # fmt: skip
     return FleetPlan(coordinator, tuple(engines), tuple(nodes), router, l2_path)

@@ -8,8 +8,8 @@ tokens and KV events appear at its end, the next step starts then; an engine idl
 requests still loading wakes when the first is ready), the router's own policy and load
 accounting (:class:`~kvatlas.router.policies.Policy`,
 :class:`~kvatlas.router.engines.EngineSet`, the engines' gauges refreshed every
-``metrics_interval_s`` as the router scrapes them), the real directory and blend index fed by
-the engines' KV events and the nodes' stores (:mod:`.sim_coordinator`), and with the connector
+``config.metrics_interval_s`` from the trace's start as the router scrapes them), the real
+directory and blend index fed by the engines' KV events and the nodes' stores (:mod:`.sim_coordinator`), and with the connector
 one node per engine (:mod:`.sim_node`) whose answer sets the request's reuse as the engine's
 connector does. Every stack starts cold; the same config, stack and requests give the same
 records (ties and the random policy are seeded by ``config.seed``).
@@ -33,7 +33,7 @@ from kvatlas.bench.fleet.stacks import Stack
 from kvatlas.engine_sim import BlockPool, EngineCore, EngineSimConfig, SimRequest, StepOutcome
 from kvatlas.engine_sim.cost_model import CostModel as EngineCostModel
 from kvatlas.engine_sim.node_connector import NodeReuse, TierRates
-from kvatlas.router.config import DEFAULT_METRICS_INTERVAL_S, default_cost_model
+from kvatlas.router.config import default_cost_model
 from kvatlas.router.engines import VLLM_KV_USAGE, VLLM_RUNNING, VLLM_WAITING, Engine, EngineSet
 from kvatlas.router.policies import (
     NO_COVERAGE,
@@ -158,7 +158,7 @@ class VirtualFleet:
                     self._start_step(engine)
             elif len(self.records) < n:  # SCRAPE
                 self._scrape()
-                self._push(at + DEFAULT_METRICS_INTERVAL_S, SCRAPE, 0)
+                self._push(at + self.config.metrics_interval_s, SCRAPE, 0)
         if len(self.records) != n:
             raise RuntimeError(f"{n - len(self.records)} requests never finished")
         return sorted(self.records, key=lambda r: r.index)
