@@ -259,12 +259,12 @@ def _take_op(
     fshift: Any,
     lanes: Any,
 ) -> None:
-    """Op ``j``'s ids into row ``j % _RING`` of ``ring`` (``uint32``), their fingerprint (``lanes``
-    its scratch) and
-    the token address its content keeps (``layout.py``: tagged with the array's form) into
-    ``fps`` and ``addrs``; then request the table slot and filter word the op will read.
-    With the fingerprint given (row ``OP_FP``) the ids are not read here: the op reads them
-    only if a content of that fingerprint is in the table. (A skipped op reads nothing.)"""
+    """Op ``j``'s ids into row ``j % _RING`` of ``ring`` (``uint32``), their fingerprint
+    (``lanes``: its scratch) and the token address its content keeps (``layout.py``: tagged
+    with the array's form) into ``fps`` and ``addrs``; then request the table slot and filter
+    word the op will read. With the fingerprint given (row ``OP_FP``) the ids are not read
+    here: the op reads them only if a content of that fingerprint is in the table. (A skipped
+    op reads nothing.)"""
     if ops[OP_KIND, j] == SKIP:
         return
     r = j % _RING
