@@ -42,7 +42,9 @@ def njit_without_nrt(**options: Any) -> _JITWrapper:
     on each array argument (two atomic updates each, a call into the runtime each); in the
     JSON entry parser and the index write loop, whose helpers are called per field or per op,
     that was a third of their compiled time (docs/performance.md). The caller holds every
-    array for the call. A helper compiled so that allocated an array would fail to compile."""
+    array for the call. A helper compiled so that allocated an array would fail to compile;
+    one must not return an array either (its counting caller would drop a reference the helper
+    never took, and free the array under it: ``tests/test_without_nrt.py``)."""
     jit: _JITWrapper = numba.njit(**options, _nrt=False)  # type: ignore[call-overload]
     return jit
 

@@ -5,19 +5,23 @@ time (docs/performance.md).
 
 * ``njit_without_nrt`` really compiles without it (negative control: such a helper cannot
   allocate an array), and a call leaves its arguments' reference counts as they were;
+* no such helper hands an array back (its caller would drop a reference never taken);
 * the hot helpers are compiled so (a regression would be a silent slowdown, nothing else).
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import numba
 import numpy as np
 import pytest
 
+from kvatlas.coordinator.service import warm_up_lookup_kernels
 from kvatlas.directory.blend.kernels import filter as bloom
 from kvatlas.directory.blend.kernels import modhash, occupants, planes, table, writes
+from kvatlas.directory.warm_up import warm_up_kernels
 from kvatlas.events import _json_entries, _json_tokens
 from kvatlas.kernel_twins import njit_without_nrt
 
@@ -62,7 +66,7 @@ def test_a_helper_compiled_without_reference_counts_cannot_allocate() -> None:
         allocates(3)
 
 
-def test_a_call_leaves_its_arrays_reference_counts_as_they_were() -> None:
+def test_calls_from_counting_code_leave_the_arrays_counts_as_they_were() -> None:
     @njit_without_nrt()
     def total(a, b):  # type: ignore[no-untyped-def]
         return a.sum() + b[0]
@@ -78,6 +82,35 @@ def test_a_call_leaves_its_arrays_reference_counts_as_they_were() -> None:
     before = sys.getrefcount(a), sys.getrefcount(b)
     assert calls(a, b, 1000) == 1000 * 7
     assert (sys.getrefcount(a), sys.getrefcount(b)) == before
+
+
+def _hands_back_an_array(t: Any) -> bool:
+    if isinstance(t, numba.types.Array):
+        return True
+    return isinstance(t, numba.types.BaseTuple) and any(map(_hands_back_an_array, t.types))
+
+
+def test_no_helper_without_reference_counts_hands_back_an_array() -> None:
+    """A counting caller drops a reference on an array it gets back; a helper that never took
+    one would free it under the caller (tried: the process aborts on a corrupted heap at
+    exit). Every helper so compiled, as the kernels' warm-up compiles them, returns none."""
+    warm_up_kernels()
+    warm_up_lookup_kernels()
+    helpers = {
+        id(obj): (module.__name__, name, obj)
+        for module in list(sys.modules.values())
+        if module is not None and module.__name__.startswith("kvatlas.")
+        for name, obj in vars(module).items()
+        if (getattr(obj, "targetoptions", None) or {}).get("_nrt") is False
+    }
+    assert len(helpers) >= len(HOT_HELPERS)
+    handing_back = [
+        (module, name, sig.return_type)
+        for module, name, obj in helpers.values()
+        for sig in obj.nopython_signatures
+        if _hands_back_an_array(sig.return_type)
+    ]
+    assert handing_back == []
 
 
 @pytest.mark.parametrize("helper", HOT_HELPERS, ids=lambda h: h.py_func.__qualname__)

@@ -9,9 +9,9 @@ requests still loading wakes when the first is ready), the router's own policy a
 accounting (:class:`~kvatlas.router.policies.Policy`,
 :class:`~kvatlas.router.engines.EngineSet`, the engines' gauges refreshed every
 ``config.metrics_interval_s`` from the trace's start as the router scrapes them), the real
-directory and blend index fed by the engines' KV events and the nodes' stores (:mod:`.sim_coordinator`), and with the connector
-one node per engine (:mod:`.sim_node`) whose answer sets the request's reuse as the engine's
-connector does. Every stack starts cold; the same config, stack and requests give the same
+directory and blend index fed by the engines' KV events and the nodes' stores
+(:mod:`.sim_coordinator`), and with the connector one node per engine (:mod:`.sim_node`) whose
+answer sets the request's reuse as the engine's connector does. Every stack starts cold; the same config, stack and requests give the same
 records (ties and the random policy are seeded by ``config.seed``).
 """
 

@@ -31,8 +31,9 @@ released for the call, so other threads run meanwhile. A kernel called both shor
 scan, a batch of writes) is compiled both ways by ``kvatlas.kernel_twins.gil_twins``."""
 
 helper = njit_without_nrt(cache=True)
-"""For the helpers the write loop calls once an op (a lookup in the table, an occupant
-linked): compiled without reference counting (``kernel_twins.njit_without_nrt``)."""
+"""For the helpers the kernels call once an op or a window (a lookup in the table, an occupant
+linked, a fingerprint, a planes-form comparison): they allocate nothing, and are compiled
+without reference counting (``kernel_twins.njit_without_nrt``)."""
 
 inline = numba.njit(cache=True, inline="always")
 """For the small helpers of the hot loops: inlined at numba IR level so loops stay SIMD."""
