@@ -59,8 +59,8 @@ demo: $(DEMO_STAMP)
 	$(BIN)/kvatlas demo --serve
 
 lint: $(STAMP)
-	$(BIN)/ruff check kvatlas tests
-	$(BIN)/ruff format --check kvatlas tests
+	$(BIN)/ruff check kvatlas tests scripts
+	$(BIN)/ruff format --check kvatlas tests scripts
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -36,7 +36,7 @@ def batches(mixed: bool) -> tuple[list[EventBatch], list[EventBatch]]:
                 1 << 20,
                 None,
                 -1,
-            )  # fmt: skip
+            )
             for i in range(PER_BATCH)
         )
         first.append(EventBatch("n1", 1, b + 1, "store", "l2", "fs", False, float(b), entries))
