@@ -329,7 +329,9 @@ def test_a_redis_restart_without_persistence_resyncs_from_the_nodes(
     server.restart()  # empty: stream, group, retention registry, the unread entries
     coordinator.signal(signal.SIGCONT)
     assert wait_for(lambda: coordinator.state() == "resyncing", timeout=30), coordinator.output()
-    assert holds(coordinator, first + delivered) and not holds(coordinator, lost)
+    # (apart, with the coordinator's log: this failed once in a full run, not reproduced)
+    assert holds(coordinator, first + delivered), coordinator.output()
+    assert not holds(coordinator, lost), coordinator.output()
     assert coordinator.metric('kvatlas_stream_errors_total{kind="lost"}') == 1
     # its need is back in the (lost) retention registry: no other replica trims past it
     client = redis.Redis.from_url(server.url)
