@@ -226,8 +226,12 @@ class CoordinatorService:
         self._threads.append(thread)
 
     def _behind_trim(self) -> bool:
+        """Whether entries after the restored position were trimmed away (counted: nodes
+        talking to another replica do not repair it; docs/coordinator.md, "Stream retention")."""
         retention = self.snapshots.retention
-        return retention is not None and retention.behind(self._restored_position)
+        if behind := retention is not None and retention.behind(self._restored_position):
+            self.metrics.stream_errors.labels("trimmed").inc()
+        return behind
 
     def _stream_readiness(self, state: Readiness) -> None:
         """The consumer's readiness. ``resyncing`` from it means Redis lost events, and the

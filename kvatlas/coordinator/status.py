@@ -109,6 +109,8 @@ _FAULTS: tuple[tuple[str, str, dict[str, str], str], ...] = (
      "{n} digest exchange(s) found differences: resyncing"),
     ("stream", "kvatlas_stream_errors", {"kind": "lost"},
      "Redis lost events: resyncing from the nodes' digests"),
+    ("stream", "kvatlas_stream_errors", {"kind": "trimmed"},
+     "entries this replica needed were trimmed from the stream: resyncing from the nodes' digests"),
     ("stream", "kvatlas_stream_errors", {"kind": "redis"}, "{n} Redis stream read error(s)"),
     ("stream", "kvatlas_stream_errors", {"kind": "decode"}, "{n} stream entries undecodable"),
     ("snapshot", "kvatlas_snapshot_failures", {}, "{n} snapshot(s) failed"),

@@ -143,6 +143,14 @@ def visible(client: httpx.Client, hashes: list[bytes]) -> bool:
     )
 
 
+def trimmed_away(client: httpx.Client) -> float:
+    """``kvatlas_stream_errors_total{kind="trimmed"}`` (0 when never counted)."""
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith('kvatlas_stream_errors_total{kind="trimmed"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def test_a_replica_behind_the_trim_says_resyncing_then_converges(
     redis_server: RedisServer, rclient: redis.Redis, stream: str, tmp_path: Path
 ) -> None:
@@ -153,6 +161,7 @@ def test_a_replica_behind_the_trim_says_resyncing_then_converges(
         process.coordinator.stop_heartbeat()  # the test heartbeats by hand
         first = store(process, 100, 2)
         assert wait_for(lambda: visible(client, first))
+        assert trimmed_away(client) == 0  # negative control: read from where it started
     try:
         # while the replica is down: more chunks, and the stream is cut past its position
         lost = store(process, 300, 2)
@@ -162,6 +171,7 @@ def test_a_replica_behind_the_trim_says_resyncing_then_converges(
         with replica(redis_server, stream, "b", snap, port) as (server, client):
             assert wait_for(lambda: server.service.state != "catching_up")
             assert client.get("/readyz").json() == {"ready": False, "state": "resyncing"}
+            assert trimmed_away(client) == 1  # counted, not only logged
             assert wait_for(lambda: visible(client, last)) and not visible(client, lost)
             process.coordinator.heartbeat()  # the reply asks for a digest exchange
             assert wait_for(lambda: visible(client, first + lost + last))

@@ -49,3 +49,16 @@ def test_sparklines_are_left_out_until_a_minute_has_data() -> None:
     service = CoordinatorService(CoordinatorConfig(), Clock())
     body = render_body(service.status.view())
     assert "<svg" not in body  # a fresh fleet: no empty boxes
+
+
+def test_a_replica_trimmed_past_says_so() -> None:
+    """A restart behind the stream's trim (``kind="trimmed"``) is a recent event of its own,
+    worded for the operator (nodes talking to another replica do not repair it)."""
+    service = CoordinatorService(CoordinatorConfig(), Clock())
+    service.status.tick()
+    service.metrics.stream_errors.labels("trimmed").inc()
+    service.status.tick()
+    view = service.status.view()
+    assert [e.kind for e in view.recent] == ["stream", "start"]
+    assert "were trimmed from the stream" in view.recent[0].detail
+    assert "were trimmed from the stream" in render_body(view)
