@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvatlas.asgi_thread import ThreadedServer
 from kvatlas.coordinator.app import CoordinatorApp
@@ -25,6 +26,17 @@ from kvatlas.keys import chunk_hashes, pack_kv_rank
 CS = 4  # chunk size of every test server: small queries, same code paths
 RANK1 = pack_kv_rank(1, 0, 1, 0)
 _counter = itertools.count(1)
+
+
+def metric_value(client: httpx.Client, name: str, **labels: str) -> float:
+    """The sum of ``/metrics`` samples named ``name`` whose labels include ``labels`` (0 when
+    none is exported yet)."""
+    total = 0.0
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
 
 
 def fresh(prefix: str = "x") -> str:

@@ -21,6 +21,7 @@ from tests.coordinator.helpers import (
     hashes,
     holders,
     lookup_tokens,
+    metric_value,
     placements_by_key,
     post_batches,
     running,
@@ -384,16 +385,6 @@ def test_readyz(client: httpx.Client) -> None:
     assert r.json()["ready"] is True
 
 
-def _metric(client: httpx.Client, name: str, **labels: str) -> float:
-    text = client.get("/metrics").text
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
-
-
 def test_metrics_counters_and_histograms(client: httpx.Client) -> None:
     r = client.get("/metrics")
     assert r.status_code == 200
@@ -402,14 +393,14 @@ def test_metrics_counters_and_histograms(client: httpx.Client) -> None:
     post_batches(client, em.store_chunks(tokens))
     post_batches(client, wire_batch(em.instance_id, em.incarnation, 1))  # duplicate
     name = "kvatlas_event_batches_total"
-    assert _metric(client, name, instance_id=em.instance_id, outcome="applied") == 1
-    assert _metric(client, name, instance_id=em.instance_id, outcome="duplicate") == 1
-    n_lookup = _metric(client, "kvatlas_lookup_seconds_count", form="tokens")
-    n_blend = _metric(client, "kvatlas_blend_lookup_seconds_count")
+    assert metric_value(client, name, instance_id=em.instance_id, outcome="applied") == 1
+    assert metric_value(client, name, instance_id=em.instance_id, outcome="duplicate") == 1
+    n_lookup = metric_value(client, "kvatlas_lookup_seconds_count", form="tokens")
+    n_blend = metric_value(client, "kvatlas_blend_lookup_seconds_count")
     lookup_tokens(client, tokens)
     _blend(client, tokens)
-    assert _metric(client, "kvatlas_lookup_seconds_count", form="tokens") == n_lookup + 1
-    assert _metric(client, "kvatlas_blend_lookup_seconds_count") == n_blend + 1
+    assert metric_value(client, "kvatlas_lookup_seconds_count", form="tokens") == n_lookup + 1
+    assert metric_value(client, "kvatlas_blend_lookup_seconds_count") == n_blend + 1
     text = client.get("/metrics").text
     for needle in (
         'kvatlas_lookup_seconds_bucket{form="tokens",le="+Inf"}',
@@ -438,7 +429,7 @@ def test_every_tier_has_a_bytes_series_zero_when_empty(client: httpx.Client) -> 
 def test_metrics_gap_counter_per_emitter(client: httpx.Client) -> None:
     inst = fresh("gapm")
     post_batches(client, wire_batch(inst, 1, 1), wire_batch(inst, 1, 4))
-    assert _metric(client, "kvatlas_event_gaps_total", instance_id=inst) == 1
+    assert metric_value(client, "kvatlas_event_gaps_total", instance_id=inst) == 1
 
 
 def test_openapi_and_docs(client: httpx.Client) -> None:

@@ -24,7 +24,7 @@ from kvatlas.node.config import NodeConfig
 from kvatlas.node.server import NodeProcess
 from kvatlas.processes import spawn_service
 from tests.conftest import HTTP, RedisServer, wait_for
-from tests.coordinator.helpers import CS, wire_key
+from tests.coordinator.helpers import CS, metric_value, wire_key
 from tests.helpers import TINY
 from tests.helpers import node_config as toy_config
 
@@ -144,11 +144,7 @@ def visible(client: httpx.Client, hashes: list[bytes]) -> bool:
 
 
 def trimmed_away(client: httpx.Client) -> float:
-    """``kvatlas_stream_errors_total{kind="trimmed"}`` (0 when never counted)."""
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith('kvatlas_stream_errors_total{kind="trimmed"}'):
-            return float(line.split()[-1])
-    return 0.0
+    return metric_value(client, "kvatlas_stream_errors_total", kind="trimmed")
 
 
 def test_a_replica_behind_the_trim_says_resyncing_then_converges(
