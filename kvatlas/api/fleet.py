@@ -22,11 +22,14 @@ class RegisteredReply(msgspec.Struct, kw_only=True, frozen=True):
 
 class HeartbeatReply(msgspec.Struct, kw_only=True, frozen=True):
     """``PUT /instances/{id}/heartbeat``. ``resync: true`` (sent only when set) asks the
-    instance for a digest exchange; LMCache answers ``{"instance_id"}`` only."""
+    instance for a digest exchange; ``list_all: true`` (only when set, with ``resync``) for a
+    listing of everything it holds instead (another replica lost events); LMCache answers
+    ``{"instance_id"}`` only."""
 
     instance_id: str
     ok: bool = True
     resync: bool | UnsetType = UNSET
+    list_all: bool | UnsetType = UNSET
 
 
 class InstanceRow(msgspec.Struct, kw_only=True, frozen=True):

@@ -115,9 +115,13 @@ class CoordinatorClient:
         self.on_resync: Callable[[], object] | None = None
         """Called after every (re-)registration and when a heartbeat reply asks for a digest
         exchange (``resync: true``; see docs/coordinator.md, "Resync")."""
+        self.on_list_all: Callable[[], object] | None = None
+        """Called instead when a heartbeat reply asks for a listing of everything the node
+        holds (``list_all: true``: a replica lost events; docs/coordinator.md, "Stream
+        retention"); without it, ``on_resync`` is."""
 
-    def _want_resync(self) -> None:
-        hook = self.on_resync
+    def _want_resync(self, list_all: bool = False) -> None:
+        hook = (list_all and self.on_list_all) or self.on_resync
         if hook is not None:
             hook()
 
@@ -183,8 +187,8 @@ class CoordinatorClient:
             self._call("POST", "/instances", json=self._registration)
             self._want_resync()
             return
-        if reply is not None and reply.resync is True:
-            self._want_resync()
+        if reply is not None and (reply.resync is True or reply.list_all is True):
+            self._want_resync(reply.list_all is True)
 
     def report(self, body: dict[str, Any]) -> None:
         """``PUT /instances/{id}/report``: this node's value counters and tiers."""

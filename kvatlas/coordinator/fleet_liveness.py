@@ -12,20 +12,37 @@ instance id; value: the Redis server's time, in seconds, when a replica last saw
 registered, a space, and its ``engine_id`` or nothing); it forgets only an emitter no replica
 saw registered within its retention, and scores with the registrations seen within
 :data:`FRESH_S`.
+
+The same thread carries **asks for full listings**. A replica that lost events of the stream
+(its position was trimmed away, or Redis lost them) repairs its view of its own nodes by digest
+exchanges, but the nodes registered with other replicas never exchange with it. So it records
+an ask in the Redis hash ``<stream>:listings`` (field: its consumer group; value: the Redis
+server's time of the ask and a random tag), and every other replica that sees the ask within
+:data:`LISTING_ASK_WINDOW_S` asks each node registered with it to list everything it holds
+(heartbeat reply ``list_all: true``). The listings are ``resync`` batches on the stream that
+every replica reads: the asking replica replaces its view of each node, bucket by bucket.
 """
 
 from __future__ import annotations
 
+import logging
+import secrets
 from collections.abc import Iterable
 from typing import Any, Final
 
+from kvatlas.coordinator.instances import InstanceRegistry
 from kvatlas.errors import Unavailable
 from kvatlas.redis_clients import redis_client
+
+log = logging.getLogger(__name__)
 
 FRESH_S: Final = 5.0
 """A registration recorded this recently (Redis's clock) counts as live for scoring: several
 records, so one late record does not drop a peer; a node fenced by its replica stops being
 recorded and drops out within this."""
+LISTING_ASK_WINDOW_S: Final = 120.0
+"""An ask for listings this recent (Redis's clock) is acted on, also by a replica that starts
+after it; an older one is history."""
 
 
 class FleetLiveness:
@@ -38,6 +55,10 @@ class FleetLiveness:
         self._errors = redis.RedisError
         self.client = client
         self.key = f"{stream}:instances"
+        self.listings_key = f"{stream}:listings"
+        self._ask = False  # this replica's ask, written by the next listing_asks()
+        self._acted: dict[bytes, bytes] = {}  # asks acted on: consumer group -> its time
+        self.asks_error: str | None = None  # why the last listing_asks() failed
 
     @classmethod
     def connect(cls, redis_url: str, stream: str) -> FleetLiveness:
@@ -86,3 +107,64 @@ class FleetLiveness:
         except self._errors as exc:
             raise Unavailable(f"redis {self.key}: {exc}") from exc
         return alive
+
+    def ask_listings(self) -> None:
+        """Ask the nodes registered with the other replicas for full listings: recorded by the
+        next :meth:`listing_asks` (again after a failure)."""
+        self._ask = True
+
+    def listing_asks(self, group: str) -> list[str]:
+        """Record this replica's ask if one is pending (``group``: its consumer group), and
+        return the other replicas' asks not acted on yet, within :data:`LISTING_ASK_WINDOW_S`.
+        Raises :class:`Unavailable` when Redis cannot tell."""
+        pending, self._ask = self._ask, False
+        try:
+            sec, usec = self.client.time()
+            now = sec + usec / 1e6
+            if pending:
+                ask = f"{now:.3f} {secrets.token_hex(4)}"  # each ask its own, same ms or not
+                self.client.hset(self.listings_key, group, ask)
+            rows: dict[bytes, bytes] = self.client.hgetall(self.listings_key)
+        except self._errors as exc:
+            self._ask = self._ask or pending
+            raise Unavailable(f"redis {self.listings_key}: {exc}") from exc
+        asked = []
+        for field, value in rows.items():
+            if field == group.encode() or self._acted.get(field) == value:
+                continue
+            self._acted[field] = value
+            try:
+                recent = now - float(value.partition(b" ")[0]) <= LISTING_ASK_WINDOW_S
+            except ValueError:
+                recent = False  # not ours to read
+            if recent:
+                asked.append(field.decode(errors="replace"))
+        return asked
+
+
+def share_registrations(
+    liveness: FleetLiveness, instances: InstanceRegistry, group: str
+) -> dict[str, str | None]:
+    """One tick of a replica's registrations thread: the instances registered here, for the
+    other replicas (their departure sweeps and scores); this replica's ask for listings, and
+    the other replicas' asks for the nodes registered here (``group``: this replica's consumer
+    group). Returns the registrations seen within :data:`FRESH_S` (none while Redis cannot
+    tell: the next tick tries again)."""
+    try:
+        liveness.record((r.instance_id, r.registration.engine_id) for r in instances.records())
+        seen = liveness.seen(FRESH_S)
+    except Unavailable as exc:
+        log.debug("registrations not shared: %s", exc)
+        return {}
+    try:
+        asked = liveness.listing_asks(group)
+    except Unavailable as exc:  # e.g. an ACL without <stream>:listings: said once a streak
+        if liveness.asks_error is None:
+            log.warning("asks for listings not shared (retried every second): %s", exc)
+        liveness.asks_error = str(exc)
+        return seen
+    liveness.asks_error = None
+    for asker in asked:
+        n = instances.owe_listings()
+        log.warning("replica %s lost events: asking the %d nodes here for listings", asker, n)
+    return seen

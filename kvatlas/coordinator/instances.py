@@ -10,8 +10,10 @@ coordinator was down is fenced by the first sweep instead of staying a ghost. Ev
 instance, and every instance registered when a replica learns its stream position was trimmed
 (:meth:`owe_all`), *owes a digest exchange* (:meth:`wants_digest`) until it completes one
 (:meth:`digest_done`); heartbeat replies carry that hint (a node exchanges digests after each
-(re-)registration of its own accord). See docs/coordinator.md ("API":
-registration, liveness, fencing; "Resync").
+(re-)registration of its own accord). When another replica lost events of the stream, every
+registered instance *owes a full listing* (:meth:`owe_listings`), asked for once in its next
+heartbeat reply (:meth:`take_listing`). See docs/coordinator.md ("API": registration,
+liveness, fencing; "Resync"; "Stream retention").
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class InstanceRegistry:
         self._fencing = threading.Lock()
         self._records: dict[str, InstanceRecord] = {}
         self._owing: set[str] = set()  # instances that owe a digest exchange
+        self._listing: set[str] = set()  # instances asked to list everything they hold
         self.owe_on_register = False  # a registration owes one too (a replica resyncing)
         self.expired_total = 0
 
@@ -143,6 +146,7 @@ class InstanceRegistry:
     def deregister(self, instance_id: str) -> bool:
         with self._lock:
             self._owing.discard(instance_id)
+            self._listing.discard(instance_id)
             return self._records.pop(instance_id, None) is not None
 
     def known(self, instance_id: str) -> bool:
@@ -161,6 +165,7 @@ class InstanceRegistry:
                 for instance_id in dead:
                     del self._records[instance_id]
                     self._owing.discard(instance_id)
+                    self._listing.discard(instance_id)
                 self.expired_total += len(dead)
             for instance_id in dead:
                 self._on_fence(instance_id)
@@ -191,6 +196,22 @@ class InstanceRegistry:
     def digest_done(self, instance_id: str) -> None:
         with self._lock:
             self._owing.discard(instance_id)
+
+    def owe_listings(self) -> int:
+        """Every registered instance owes a full listing (another replica lost events);
+        returns how many."""
+        with self._lock:
+            self._listing = set(self._records)
+            return len(self._listing)
+
+    def take_listing(self, instance_id: str) -> bool:
+        """Whether the instance owes a full listing; it is asked for once (the node lists
+        again after a failure of its own)."""
+        with self._lock:
+            if instance_id not in self._listing:
+                return False
+            self._listing.discard(instance_id)
+            return True
 
     def owing(self) -> set[str]:
         """Registered instances that still owe a digest exchange."""

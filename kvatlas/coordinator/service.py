@@ -31,7 +31,7 @@ from kvatlas.coordinator.cache_control.fleet import cache_control_of
 from kvatlas.coordinator.cache_control.shared_store import SharedStore
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.emitters import EmitterBook, emitter_views, instance_views
-from kvatlas.coordinator.fleet_liveness import FRESH_S, FleetLiveness
+from kvatlas.coordinator.fleet_liveness import FleetLiveness, share_registrations
 from kvatlas.coordinator.ingestion import Ingestion
 from kvatlas.coordinator.instances import InstanceRegistry
 from kvatlas.coordinator.kv_events.links import KvEventsLinks
@@ -226,11 +226,12 @@ class CoordinatorService:
         self._threads.append(thread)
 
     def _behind_trim(self) -> bool:
-        """Whether entries after the restored position were trimmed away (counted: nodes
-        talking to another replica do not repair it; docs/coordinator.md, "Stream retention")."""
+        """Whether entries after the restored position were trimmed away (counted, and the
+        nodes of the other replicas asked for listings; docs/coordinator.md, "Stream retention")."""
         retention = self.snapshots.retention
         if behind := retention is not None and retention.behind(self._restored_position):
             self.metrics.stream_errors.labels("trimmed").inc()
+            self._ask_listings()
         return behind
 
     def _stream_readiness(self, state: Readiness) -> None:
@@ -239,7 +240,12 @@ class CoordinatorService:
         replica's trim cannot pass entries this one has not read before its next snapshot."""
         if state is Readiness.RESYNCING:
             self.snapshots.record_covered(self._restored_position)
+            self._ask_listings()
         self.readiness.set(state)
+
+    def _ask_listings(self) -> None:
+        if self.liveness is not None:  # the Redis transport
+            self.liveness.ask_listings()
 
     def _set_stream_position(self, position: str) -> None:
         self.stream_position = position
@@ -301,23 +307,13 @@ class CoordinatorService:
             self.readiness.check_resynced()
 
     def _registrations_loop(self) -> None:
-        """:meth:`_share_registrations` every second, on a thread of its own (a Redis that
-        hangs must not hold up the sweeper's fencing)."""
+        """:func:`share_registrations` every second, on a thread of its own (a Redis that
+        hangs must not hold up the sweeper's fencing); its view scores here (:attr:`elsewhere`)."""
+        assert self.liveness is not None
         while not self._stop.wait(1.0):
-            self._share_registrations()
-
-    def _share_registrations(self) -> None:
-        """The instances registered here, for the other replicas (their departure sweeps and
-        scores), and theirs for this one's scores (:attr:`elsewhere`)."""
-        if self.liveness is not None:
-            try:
-                self.liveness.record(
-                    (r.instance_id, r.registration.engine_id) for r in self.instances.records()
-                )
-                self.elsewhere = self.liveness.seen(FRESH_S)
-            except Unavailable as exc:  # the next tick tries again; meanwhile none known
-                self.elsewhere = {}
-                log.debug("registrations not shared: %s", exc)
+            self.elsewhere = share_registrations(
+                self.liveness, self.instances, self.config.group_name
+            )
 
     def forget_departed(self) -> list[str]:
         """Forget every instance that is not registered (with any replica, on the Redis

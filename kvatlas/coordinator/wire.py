@@ -236,9 +236,17 @@ def registered_to_wire(instance_id: str, re_registered: bool) -> api.RegisteredR
     return api.RegisteredReply(instance_id=instance_id, re_registered=re_registered)
 
 
-def heartbeat_to_wire(instance_id: str, *, resync: bool = False) -> api.HeartbeatReply:
-    """``resync: true`` (only when set) asks the instance for a digest exchange."""
-    return api.HeartbeatReply(instance_id=instance_id, ok=True, resync=True if resync else UNSET)
+def heartbeat_to_wire(
+    instance_id: str, *, resync: bool = False, list_all: bool = False
+) -> api.HeartbeatReply:
+    """``resync: true`` (only when set) asks the instance for a digest exchange; ``list_all``
+    for a listing of everything it holds (with ``resync: true``: an older node exchanges)."""
+    return api.HeartbeatReply(
+        instance_id=instance_id,
+        ok=True,
+        resync=True if resync or list_all else UNSET,
+        list_all=True if list_all else UNSET,
+    )
 
 
 def ingest_counts_to_wire(counts: IngestCounts) -> api.IngestCountsReply:

@@ -11,6 +11,9 @@ when the coordinator asks for one (heartbeat hint) and when the node's event sin
 placements by their one-byte digests, and sends a ``resync`` batch listing every placement of
 each differing prefix. The listing is taken while the emitter records nothing, and goes out
 behind every event recorded before it, so the coordinator's view after applying it is exact.
+A *full listing* (:meth:`ResyncDriver.want_listing`: a replica that lost events asked for it
+through the one the node heartbeats to) sends every bucket of every tier without asking: the
+batches reach every replica, and the one that asked has no exchange with this node.
 """
 
 from __future__ import annotations
@@ -187,6 +190,7 @@ class ResyncDriver:
         self.refine_above = refine_above
         self.max_entries = max_entries
         self.wanted = threading.Event()
+        self._listing = threading.Event()  # the next run lists everything
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.exchanges = 0
@@ -195,10 +199,18 @@ class ResyncDriver:
 
     # ------------------------------------------------------------------ one exchange
 
-    def run_once(self) -> ResyncReport:
-        """Compare digests with the coordinator and send resync batches where they differ.
-        Raises whatever ``exchange`` raises (the coordinator is unreachable, ...)."""
+    def want_listing(self) -> None:
+        """The next run lists every placement of every own tier (a full listing)."""
+        self._listing.set()
+        self.wanted.set()
+
+    def run_once(self, list_all: bool = False) -> ResyncReport:
+        """Compare digests with the coordinator and send resync batches where they differ;
+        with ``list_all``, send every bucket without comparing (a full listing). Raises
+        whatever ``exchange`` raises (the coordinator is unreachable, ...)."""
         self._settle()
+        if list_all:
+            return self._send({t: [bytes([b]) for b in range(BUCKETS)] for t in self.backends}, 0)
         inv = self.inventory
         root = {t: {"": digest_to_hex(inv.digest(t))} for t in self.backends}
         differ = self._exchange(root)
@@ -218,6 +230,10 @@ class ResyncDriver:
             for tier, prefixes in self._exchange(refine).items():
                 if tier in self.backends:
                     final.setdefault(tier, []).extend(map(bytes.fromhex, prefixes))
+        return self._send(final, rounds)
+
+    def _send(self, final: dict[str, list[bytes]], rounds: int) -> ResyncReport:
+        """Resync batches listing ``final``'s prefixes per tier, behind everything recorded."""
         sent = [0, 0]
 
         def send_all(send: SendResync) -> None:
@@ -234,8 +250,8 @@ class ResyncDriver:
         self.last = report
         if report.prefixes:
             log.info(
-                "resync: %d prefixes differed; %d batches, %d entries sent",
-                report.prefixes, report.batches, report.entries,
+                "resync: %d prefixes %s; %d batches, %d entries sent", report.prefixes,
+                "differed" if rounds else "listed", report.batches, report.entries,
             )  # fmt: skip
         return report
 
@@ -278,14 +294,18 @@ class ResyncDriver:
             if not (self.wanted.is_set() or lost != lost_seen or due):
                 continue
             self.wanted.clear()
+            list_all = self._listing.is_set()
+            self._listing.clear()
             try:
-                self.run_once()
+                self.run_once(list_all)
                 lost_seen = lost
                 streak = 0
             except Exception as exc:  # the coordinator may be down: try again, backing off
                 self.failures += 1
                 streak += 1
                 log.warning("digest exchange failed (%d in a row): %s", streak, exc)
+                if list_all:
+                    self._listing.set()
                 self.wanted.set()
                 self._stop.wait(min(self.interval, 0.5 * 2**streak))
             last_run = time.monotonic()

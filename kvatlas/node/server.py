@@ -266,6 +266,7 @@ class NodeProcess:
         )
         if driver is not None:
             coordinator.on_resync = driver.wanted.set
+            coordinator.on_list_all = driver.want_listing
             if now:
                 driver.wanted.set()
             driver.start()

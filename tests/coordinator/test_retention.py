@@ -211,3 +211,49 @@ def test_a_replica_that_crashed_before_its_first_snapshot_is_not_trimmed_past(
         if slow.poll() is None:
             slow.kill()
             slow.wait(timeout=30)
+
+
+def holders(client: httpx.Client, hashes: list[bytes]) -> list[set[str]]:
+    reply = client.post("/directory/lookup", json={"keys": [wire_key(h) for h in hashes]})
+    return [{p["instance_id"] for p in r["placements"]} for r in reply.json()["results"]]
+
+
+def test_a_replica_behind_the_trim_is_repaired_by_nodes_registered_with_another(
+    redis_server: RedisServer, rclient: redis.Redis, stream: str, tmp_path: Path
+) -> None:
+    """Found by ``kvatlas soak`` (seed 1): a replica restarted behind the stream's trim asked
+    only its own nodes for digest exchanges, so what it missed of a node registered with the
+    other replica (stores and deletes alike) stayed missing or a ghost for good. It now asks
+    the whole fleet: the other replica's heartbeat replies ask its nodes to list everything
+    they hold (``list_all``), through the stream that every replica reads."""
+    b_port = free_port()
+    with replica(redis_server, stream, "a", tmp_path / "a") as (a, a_client):
+        process = NodeProcess(node_config(a.url, redis_server.url, stream))
+        try:
+            assert process.coordinator is not None
+            process.coordinator.stop_heartbeat()  # the test heartbeats by hand
+            with replica(redis_server, stream, "b", tmp_path / "b", b_port) as (_, b_client):
+                first = store(process, 100, 2)
+                assert wait_for(lambda: visible(b_client, first))
+            # while b is down: the first chunks go, others come, the stream is cut past b
+            assert process.node.clear_l1(force=True)
+            process.node.flush_events()
+            assert process.sink is not None and process.sink.flush(10)
+            lost = store(process, 300, 2)
+            last = store(process, 700, 1)  # the one entry left after the cut
+            newest = rclient.xrevrange(stream, count=1)[0][0]
+            rclient.xtrim(stream, minid=newest, approximate=False)
+            assert wait_for(lambda: visible(a_client, lost + last))
+            with replica(redis_server, stream, "b", tmp_path / "b", b_port) as (_, b_client):
+                assert wait_for(lambda: visible(b_client, last))
+                assert holders(b_client, first) == [{"n1"}, {"n1"}]  # ghosts, before
+                assert holders(b_client, lost) == [set(), set()]  # missing, before
+
+                def repaired() -> bool:
+                    process.coordinator.heartbeat()  # type: ignore[union-attr]
+                    return holders(b_client, first + lost) == [set(), set(), {"n1"}, {"n1"}]
+
+                assert wait_for(repaired, timeout=30, interval=0.2)
+                assert holders(a_client, first + lost) == [set(), set(), {"n1"}, {"n1"}]
+        finally:
+            process.close()

@@ -150,6 +150,53 @@ def test_every_trigger_starts_an_exchange() -> None:
         driver.stop()
 
 
+def test_a_full_listing_repairs_a_directory_the_node_never_compares_with() -> None:
+    """A replica that lost events is repaired by nodes registered with another one: asked
+    (``list_all``), the node sends every bucket of every tier without an exchange, the empty
+    ones too, so ghosts under a prefix the node holds nothing in go as well."""
+    inv, coord = NodeInventory(), Coordinator()
+    entries = [CacheEntry(key(i), 10) for i in range(2_000)]
+    for e in entries:
+        inv.add("l1", "dram", e)
+    coord.emit(STORE, "l1", "dram", entries[:-30])  # 30 stores lost
+    coord.emit(STORE, "l1", "dram", [CacheEntry(key(10**6 + i), 10) for i in range(20)])  # ghosts
+
+    def exchange(tiers: dict[str, dict[str, str]]) -> dict[str, list[str]]:
+        raise AssertionError("a full listing asks nothing")
+
+    driver = ResyncDriver(
+        inv, {"l1": "dram"}, exchange=exchange, barrier=coord.barrier, interval=3600
+    )
+    report = driver.run_once(list_all=True)
+    assert coord.directory.digest("n", "l1") == inv.digest("l1")
+    assert coord.directory.stats().placements == len(entries)
+    assert (report.rounds, report.prefixes, report.entries) == (0, 256, len(entries))
+
+
+def test_a_full_listing_asked_for_runs_and_is_retried_after_a_failure() -> None:
+    inv, coord = NodeInventory(), Coordinator()
+    inv.add("l1", "dram", CacheEntry(key(1), 10))
+    calls: list[int] = []
+
+    def barrier(action: Callable[[SendResync], None]) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ConnectionError("sink gone")  # the first try fails
+        coord.barrier(action)
+
+    driver = ResyncDriver(
+        inv, {"l1": "dram"}, exchange=coord.exchange, barrier=barrier, interval=3600
+    )
+    driver.start()
+    try:
+        driver.want_listing()
+        assert wait_for(lambda: driver.exchanges == 1)
+        assert driver.last is not None and driver.last.prefixes == 256  # listed, not compared
+        assert coord.entries_sent == 1 and driver.failures == 1
+    finally:
+        driver.stop()
+
+
 def test_the_inventory_keeps_no_tokens_and_a_listing_takes_them_from_the_token_cache() -> None:
     inv, coord = NodeInventory(), Coordinator()
     coord.directory.enable_blend_lookup()

@@ -36,7 +36,11 @@ async def heartbeat(ctx: Context, call: Call[None, None]) -> HeartbeatReply:
     call.who.require_instance(instance_id)
     if not service.instances.heartbeat(instance_id):
         raise NotFound("unknown instance; re-register")
-    return heartbeat_to_wire(instance_id, resync=service.wants_digest(instance_id))
+    return heartbeat_to_wire(
+        instance_id,
+        resync=service.wants_digest(instance_id),
+        list_all=service.instances.take_listing(instance_id),
+    )
 
 
 async def deregister(ctx: Context, call: Call[None, None]) -> Reply:
