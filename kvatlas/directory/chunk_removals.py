@@ -95,6 +95,7 @@ class RemovalRules:
             self._rewrite(h, rec, keys)
         counts.l1_placements.pop(inst, None)
         counts.digests.pop((inst, "l1"), None)
+        table.parts[0].cols.l1.release(inst)
         return dropped
 
     def drop_unlisted(self, batch: EventBatch, cols: EntryColumns, sids: list[int]) -> int:

@@ -7,8 +7,9 @@ copy of the chunk (:func:`~kvatlas.directory.records.l1_owner`), :data:`NO_OWNER
 L1: rare). The columns keep it a function of the row's record: every write of a record sets
 it, and a freed row has none. 4 bytes a chunk, where a per-instance ``set`` of chunk hashes
 took a slot of ≈52 and was a container the cyclic collector walks. Listing one instance's
-rows is a pass over the column (fencing is rare); names are interned for the columns' life
-(instances are few).
+rows is a pass over the column (fencing is rare). Names are interned while rows have them: a
+fence releases its instance's id (:meth:`L1Owners.release`), which the next new name takes, so
+instances that come and go (ids assigned per registration) do not pile up.
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ SEVERAL: Final = -2
 class L1Owners:
     """The L1 owners of every row of one set of columns."""
 
-    __slots__ = ("_seen", "_seen_id", "ids", "names", "owner", "several")
+    __slots__ = ("_free", "_seen", "_seen_id", "ids", "names", "owner", "several")
 
     def __init__(self) -> None:
         self.owner = array("i")  # per row: an owner id, NO_OWNER or SEVERAL
         self.several: dict[int, tuple[int, ...]] = {}  # row -> its owners' ids (SEVERAL)
         self.ids: dict[str, int] = {}  # instance name -> id
-        self.names: list[str] = []  # id -> instance name
+        self.names: list[str] = []  # id -> instance name ("" for a released id)
+        self._free: list[int] = []  # released ids
         # the owner of the last one-key record written with a single placement row: rows are
         # shared by a batch's entries, so a batch's writes compute it once
         self._seen: Placements | None = None
@@ -43,9 +45,25 @@ class L1Owners:
     def intern(self, name: str) -> int:
         i = self.ids.get(name)
         if i is None:
-            i = self.ids[name] = len(self.names)
-            self.names.append(name)
+            if self._free:
+                i = self.ids[name] = self._free.pop()
+                self.names[i] = name
+            else:
+                i = self.ids[name] = len(self.names)
+                self.names.append(name)
         return i
+
+    def release(self, name: str) -> None:
+        """Forget ``name``'s id if no row has it any more (after its fence); the id is
+        reused."""
+        i = self.ids.get(name)
+        if i is None or len(self.rows_of(name)):
+            return
+        del self.ids[name]
+        self.names[i] = ""
+        self._free.append(i)
+        if self._seen_id == i:  # the one-record cache must not hand the id out again
+            self._seen, self._seen_id = None, NO_OWNER
 
     def of(self, placements: Placements, rest: tuple[Any, ...]) -> int | tuple[int, ...]:
         """The owner id of a record split as ``split_record`` splits it (first key's

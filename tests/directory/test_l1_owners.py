@@ -161,6 +161,7 @@ def test_the_l1_owner_column_equals_a_pass_over_the_records(
         check(d)
         assert inst not in l1_chunk_sets(d)
         assert held <= set(captured(d))  # chunks without its L1 copies are untouched
+        assert inst not in d._chunks.parts[0].cols.l1.ids  # its name released
 
 
 def test_a_chunk_two_instances_hold_in_l1_keeps_the_other_when_one_is_fenced() -> None:
@@ -173,6 +174,23 @@ def test_a_chunk_two_instances_hold_in_l1_keeps_the_other_when_one_is_fenced() -
     assert d.fence_instance("a") == 2
     check(d)
     assert not cols.l1.several and l1_chunk_sets(d) == {"b": {key(1).chunk_hash, key(2).chunk_hash}}
+
+
+def test_instances_that_come_and_go_do_not_pile_up_owner_names() -> None:
+    """Found in review: names were interned for the columns' life, so a fleet whose nodes
+    get a new id at each registration grew the name table without bound. A fence releases
+    the id, and the next new name takes it."""
+    d = KeyDirectory(CS)
+    d.consume(EventBatch("keep", 1, 1, "store", "l1", "dram", entries=(entry(key(1)),)))
+    for i in range(200):
+        inst = f"mp-{i}"
+        d.consume(EventBatch(inst, 1, 1, "store", "l1", "dram", entries=(entry(key(2 + i)),)))
+        check(d)
+        assert d.deregister(inst) == 1
+        check(d)
+    l1 = d._chunks.parts[0].cols.l1
+    assert set(l1.ids) == {"keep"} and len(l1.names) == 2  # one id reused 200 times
+    assert l1_chunk_sets(d) == {"keep": {key(1).chunk_hash}}
 
 
 def test_a_freed_row_reused_has_only_its_new_owners() -> None:
