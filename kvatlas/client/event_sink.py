@@ -230,6 +230,7 @@ class EventSink:
         self._outbox: deque[EventBatch] = deque()
         self._cond = threading.Condition()
         self._seq = 0
+        self._finished = 0  # every batch up to this seq was delivered, quarantined or dropped
         self._in_flight = 0
         self._closed = False
         self.sent_batches = 0
@@ -289,10 +290,13 @@ class EventSink:
             return len(self._outbox) + self._in_flight
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until everything queued so far was delivered (or dropped); False on timeout."""
+        """Wait until everything queued so far was delivered (or dropped); False on timeout.
+        What is queued after the call is not waited for (a busy node's outbox is seldom
+        empty)."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._outbox or self._in_flight:
+            target = self._seq
+            while (self._outbox or self._in_flight) and self._finished < target:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
@@ -315,6 +319,7 @@ class EventSink:
             self._deliver(batch_list, backoff)
             with self._cond:
                 self._in_flight = 0
+                self._finished = batch_list[-1].seq  # the outbox is in seq order
                 self._cond.notify_all()
 
     def _deliver(self, batch_list: list[EventBatch], backoff: Backoff) -> None:

@@ -3,13 +3,15 @@ drops beyond the bound are counted and show up as a gap at the coordinator."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from kvatlas.client import EventSink, HttpTransport, InProcessTransport
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.server import BackgroundServer, free_port
 from kvatlas.directory import KeyDirectory
-from kvatlas.events import CacheEntry
+from kvatlas.events import CacheEntry, EventBatch
 from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
 from tests.conftest import wait_for
 
@@ -98,4 +100,29 @@ def test_emitter_restarted_twice_within_a_second_is_fenced_each_time() -> None:
     assert sinks[0].flush()
     assert directory.stats().keys == 1 and directory.stats().batches["stale"] == 1
     for sink in sinks:
+        sink.close()
+
+
+def test_a_flush_waits_for_what_was_queued_before_it_not_after() -> None:
+    """A busy node's outbox is seldom empty: a flush that waited for an empty outbox kept
+    waiting for batches queued after it (the pool journal is cut after a flush)."""
+    gates = {1: threading.Event(), 2: threading.Event()}
+
+    def consume(batch: EventBatch) -> None:
+        gates[batch.seq].wait(30)
+
+    sink = EventSink("n", InProcessTransport(consume), incarnation=1, max_batches_per_send=1)
+    try:
+        assert sink.emit("store", "l1", "dram", [entry(1)])  # delivery waits at the gate
+        flushed: list[bool] = []
+        flusher = threading.Thread(target=lambda: flushed.append(sink.flush(timeout=20)))
+        flusher.start()
+        assert wait_for(lambda: sink.pending == 1)
+        assert sink.emit("store", "l1", "dram", [entry(2)])  # queued after the flush began
+        gates[1].set()
+        flusher.join(timeout=30)
+        assert flushed == [True] and sink.pending == 1  # batch 2 still in delivery
+        assert not sink.flush(timeout=0.2)  # negative control: now batch 2 is waited for
+    finally:
+        gates[2].set()
         sink.close()
