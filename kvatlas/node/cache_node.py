@@ -64,6 +64,7 @@ from kvatlas.node.l2 import FsL2, L2Backend
 from kvatlas.node.metrics import NodeTimings, hit_tokens
 from kvatlas.node.moves import MoveTarget
 from kvatlas.node.pins import PinnedKeys
+from kvatlas.node.pool_journal import journal_pool_changes
 from kvatlas.node.presence import Presence, Tier
 from kvatlas.node.results import BlendRetrieval, Deleted, HeldPlacement, NodeStats, Retrieved
 from kvatlas.node.segments import Segment
@@ -156,6 +157,10 @@ class CacheNode:
             l2.attach(self.writes.adopt_l2, self.writes.on_l2_lost)
             if isinstance(l2, FsL2) and l2.corrupt_deleted:  # found by the rescan, keys unknown
                 self.counters["l2_corrupt_deleted"] += l2.corrupt_deleted
+        # a shared pool's changes, journaled until their events left (pool_journal.py)
+        self.pool_journal = journal_pool_changes(
+            l2, sink, self.instance_id, self.flush_events, self.writes
+        )
 
     # ------------------------------------------------------------------ keys
 
@@ -399,6 +404,8 @@ class CacheNode:
         return asdict(stats) if is_dataclass(stats) and not isinstance(stats, type) else None
 
     def close(self) -> None:
+        if self.pool_journal is not None:
+            self.pool_journal.stop()
         if self.emitter is not None:
             self.emitter.close()
         if self.l2 is not None:

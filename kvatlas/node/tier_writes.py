@@ -21,6 +21,7 @@ from kvatlas.node.inventory import DigestExchange, NodeInventory, ResyncDriver, 
 from kvatlas.node.l1 import L1Cache
 from kvatlas.node.l2 import FsL2, L2Backend, L2FullOfPins, L2Unavailable
 from kvatlas.node.pins import PinnedKeys
+from kvatlas.node.pool_journal import PoolJournal
 from kvatlas.node.presence import L1, L2, Presence, Tier
 from kvatlas.node.results import Deleted, HeldPlacement
 from kvatlas.node.stored_chunk import StoredChunk
@@ -61,6 +62,8 @@ class TierWrites:
         self.emitter = emitter
         self.counters = counters
         self.report_lock = threading.RLock()  # a tier change and its event, together
+        # the shared pool's changes whose events may not have left (set by the node)
+        self.journal: PoolJournal | None = None
 
     def announce(self) -> None:
         """This incarnation's first event: a ``config`` batch declaring L1's capacity (and a
@@ -101,6 +104,16 @@ class TierWrites:
         assert self.l2 is not None
         if self.l2.contains(chunk.key):
             return
+        journal = self.journal
+        number = journal.begin(chunk.key) if journal is not None else -1
+        try:
+            self._put_l2(chunk)
+        finally:
+            if journal is not None:
+                journal.end(number)
+
+    def _put_l2(self, chunk: StoredChunk) -> None:
+        assert self.l2 is not None
         try:
             self.l2.put(chunk)
         except L2FullOfPins as exc:
@@ -217,13 +230,40 @@ class TierWrites:
 
     def drop_l2(self, key: ObjectKey) -> bool:
         assert self.l2 is not None
-        existed = self.l2.delete(key)
-        with self.report_lock:
-            # a copy this node reported, or a shared pool's copy another node wrote
-            if L2 in self.presence.tiers_of_key(key) or (existed and self.l2.shared):
-                self.record(DELETE, L2, self.l2.name, CacheEntry(key, 0), shared=self.l2.shared)
-                self.presence.lose(key, L2)
+        journal = self.journal
+        number = journal.begin(key) if journal is not None else -1
+        try:
+            existed = self.l2.delete(key)
+            with self.report_lock:
+                # a copy this node reported, or a shared pool's copy another node wrote
+                if L2 in self.presence.tiers_of_key(key) or (existed and self.l2.shared):
+                    self.record(DELETE, L2, self.l2.name, CacheEntry(key, 0), shared=self.l2.shared)
+                    self.presence.lose(key, L2)
+        finally:
+            if journal is not None:
+                journal.end(number)
         return existed
+
+    def announce_pool(self, keys: Sequence[ObjectKey]) -> int:
+        """Announce each of ``keys`` as the shared pool holds it now — a ``store`` for a file
+        that is there, a ``delete`` for one that is not, nothing for one it cannot read — for
+        pool changes whose events may have been lost (:mod:`kvatlas.node.pool_journal`);
+        returns how many were announced."""
+        l2, n = self.l2, 0
+        if l2 is None or not l2.shared:
+            return 0
+        for key in keys:
+            chunk = l2.get(key)
+            with self.report_lock:
+                if chunk is not None:
+                    self.record(STORE, L2, l2.name, self.entry(chunk), shared=True)
+                elif not l2.contains(key):
+                    self.record(DELETE, L2, l2.name, CacheEntry(key, 0), shared=True)
+                else:
+                    continue
+            n += 1
+        self.counters["pool_changes_announced"] += n
+        return n
 
     def inventory(self) -> list[HeldPlacement]:
         """Every placement this node holds, one per (key, tier) (a consistent snapshot)."""
