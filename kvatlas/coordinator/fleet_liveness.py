@@ -113,10 +113,10 @@ class FleetLiveness:
         next :meth:`listing_asks` (again after a failure)."""
         self._ask = True
 
-    def listing_asks(self, group: str) -> list[str]:
-        """Record this replica's ask if one is pending (``group``: its consumer group), and
-        return the other replicas' asks not acted on yet, within :data:`LISTING_ASK_WINDOW_S`.
-        Raises :class:`Unavailable` when Redis cannot tell."""
+    def listing_asks(self, group: str) -> tuple[bool, list[str]]:
+        """Record this replica's ask if one is pending (``group``: its consumer group); return
+        whether it did, and the other replicas' asks not acted on yet, within
+        :data:`LISTING_ASK_WINDOW_S`. Raises :class:`Unavailable` when Redis cannot tell."""
         pending, self._ask = self._ask, False
         try:
             sec, usec = self.client.time()
@@ -139,7 +139,7 @@ class FleetLiveness:
                 recent = False  # not ours to read
             if recent:
                 asked.append(field.decode(errors="replace"))
-        return asked
+        return pending, asked
 
 
 def share_registrations(
@@ -157,13 +157,15 @@ def share_registrations(
         log.debug("registrations not shared: %s", exc)
         return {}
     try:
-        asked = liveness.listing_asks(group)
+        recorded, asked = liveness.listing_asks(group)
     except Unavailable as exc:  # e.g. an ACL without <stream>:listings: said once a streak
         if liveness.asks_error is None:
             log.warning("asks for listings not shared (retried every second): %s", exc)
         liveness.asks_error = str(exc)
         return seen
     liveness.asks_error = None
+    if recorded:  # a listing is due from each node registered elsewhere
+        instances.await_listings(seen)
     for asker in asked:
         n = instances.owe_listings()
         log.warning("replica %s lost events: asking the %d nodes here for listings", asker, n)

@@ -89,6 +89,8 @@ class InstanceRegistry:
         self._records: dict[str, InstanceRecord] = {}
         self._owing: set[str] = set()  # instances that owe a digest exchange
         self._listing: set[str] = set()  # instances asked to list everything they hold
+        # listings this replica asked the fleet for: due from whom (None: not known yet)
+        self._awaited: set[str] | None = set()
         self.owe_on_register = False  # a registration owes one too (a replica resyncing)
         self.expired_total = 0
 
@@ -196,6 +198,28 @@ class InstanceRegistry:
     def digest_done(self, instance_id: str) -> None:
         with self._lock:
             self._owing.discard(instance_id)
+            if self._awaited:
+                self._awaited.discard(instance_id)
+
+    def expect_listings(self) -> None:
+        """This replica asked the fleet for listings; :meth:`await_listings` says from whom."""
+        with self._lock:
+            self._awaited = None
+
+    def await_listings(self, fleet: Iterable[str]) -> None:
+        """The ask is recorded: a listing is due from each of ``fleet`` registered elsewhere
+        (its ``resync`` batch, :meth:`digest_done`)."""
+        with self._lock:
+            self._awaited = set(fleet) - set(self._records)
+
+    def listings_due(self) -> bool:
+        """Whether listings this replica asked the fleet for are still due."""
+        with self._lock:
+            return self._awaited is None or bool(self._awaited)
+
+    def stop_awaiting(self) -> None:
+        with self._lock:
+            self._awaited = set()
 
     def owe_listings(self) -> int:
         """Every registered instance owes a full listing (another replica lost events);

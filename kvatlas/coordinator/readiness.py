@@ -73,7 +73,8 @@ class ReadinessTracker:
 
     def check_resynced(self) -> None:
         """``resyncing`` → ``serving`` once every live instance completed a digest exchange
-        since, or after twice the instance timeout (an instance that never exchanges — an
+        since and every node registered with another replica sent the listing this replica
+        asked for (if it asked), or after twice the instance timeout (an instance that never exchanges — an
         old node — must not keep the replica unready forever). A replica that knew no
         instance (no snapshot registry) first waits one instance timeout for the live ones to
         register: their heartbeats get 404, they re-register and exchange."""
@@ -83,8 +84,10 @@ class ReadinessTracker:
                 return
             elapsed = self._clock() - since
             waited = self._resync_known > 0 or elapsed > self._timeout
-            if (waited and not self._instances.owing()) or elapsed > 2 * self._timeout:
+            done = not self._instances.owing() and not self._instances.listings_due()
+            if (waited and done) or elapsed > 2 * self._timeout:
                 self._resyncing_since = None
                 self._instances.owe_on_register = False
+                self._instances.stop_awaiting()
                 self.state = Readiness.SERVING
                 log.info("resync finished after %.1f s: serving", elapsed)

@@ -245,6 +245,7 @@ class CoordinatorService:
 
     def _ask_listings(self) -> None:
         if self.liveness is not None:  # the Redis transport
+            self.instances.expect_listings()
             self.liveness.ask_listings()
 
     def _set_stream_position(self, position: str) -> None:

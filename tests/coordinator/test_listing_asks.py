@@ -19,6 +19,8 @@ from kvatlas.coordinator.fleet_liveness import (
     share_registrations,
 )
 from kvatlas.coordinator.instances import InstanceRegistry, Registration
+from kvatlas.coordinator.readiness import ReadinessTracker
+from kvatlas.coordinator.views import Readiness
 from kvatlas.errors import Unavailable
 from tests.conftest import RedisServer
 from tests.coordinator.helpers import running
@@ -41,13 +43,13 @@ def test_another_replica_acts_on_an_ask_once_and_the_asker_never(
     liveness: tuple[FleetLiveness, FleetLiveness],
 ) -> None:
     a, b = liveness
-    assert a.listing_asks("a") == [] and b.listing_asks("b") == []  # negative control
+    assert a.listing_asks("a") == b.listing_asks("b") == (False, [])  # negative control
     a.ask_listings()
-    assert a.listing_asks("a") == []  # its own ask: its nodes exchange digests with it
-    assert b.listing_asks("b") == ["a"]
-    assert b.listing_asks("b") == []  # acted on once
+    assert a.listing_asks("a") == (True, [])  # recorded; its own nodes exchange digests with it
+    assert b.listing_asks("b") == (False, ["a"])
+    assert b.listing_asks("b") == (False, [])  # acted on once
     a.ask_listings()  # lost events again: a new ask
-    assert a.listing_asks("a") == [] and b.listing_asks("b") == ["a"]
+    assert a.listing_asks("a") == (True, []) and b.listing_asks("b") == (False, ["a"])
 
 
 def test_an_old_ask_or_one_not_ours_to_read_is_not_acted_on(
@@ -59,7 +61,7 @@ def test_an_old_ask_or_one_not_ours_to_read_is_not_acted_on(
     a.client.hset(a.listings_key, "odd", "yesterday")
     a.client.hset(a.listings_key, "empty", "")
     a.client.hset(a.listings_key, "new", f"{sec - 5:.3f}")  # e.g. before this replica started
-    assert b.listing_asks("b") == ["new"]
+    assert b.listing_asks("b") == (False, ["new"])
 
 
 def test_an_ask_redis_did_not_take_is_made_again(
@@ -73,9 +75,9 @@ def test_an_ask_redis_did_not_take_is_made_again(
         a.listing_asks("a")
     a.client.close()
     a.client = good
-    assert b.listing_asks("b") == []  # not recorded yet
-    assert a.listing_asks("a") == []  # recorded now
-    assert b.listing_asks("b") == ["a"]
+    assert b.listing_asks("b") == (False, [])  # not recorded yet
+    assert a.listing_asks("a") == (True, [])  # recorded now
+    assert b.listing_asks("b") == (False, ["a"])
 
 
 def test_each_node_registered_here_is_asked_once_in_a_heartbeat_reply(
@@ -94,6 +96,42 @@ def test_each_node_registered_here_is_asked_once_in_a_heartbeat_reply(
     assert not registry.take_listing("n2")  # gone: nothing owed
     share_registrations(b, registry, "b")
     assert not registry.take_listing("n1")  # the same ask is not acted on twice
+
+
+def test_the_asking_replica_waits_for_the_listings_of_the_nodes_registered_elsewhere(
+    liveness: tuple[FleetLiveness, FleetLiveness],
+) -> None:
+    """``/readyz`` stays ``resyncing`` until the listings it asked for arrived (each node's
+    ``resync`` batch), not only its own nodes' digest exchanges; twice the instance timeout
+    still bounds it."""
+    a, b = liveness
+    now = [0.0]
+    mine, theirs = (InstanceRegistry(30.0, lambda _: None, lambda: now[0]) for _ in "ab")
+    mine.register("own", Registration())
+    theirs.register("n1", Registration())
+    share_registrations(b, theirs, "b")  # n1 is known to be registered with b
+    tracker = ReadinessTracker(mine, 30.0, lambda: now[0])
+    tracker.set(Readiness.RESYNCING)  # e.g. Redis lost events
+    tracker.set(Readiness.SERVING)
+    mine.expect_listings()  # what the service does when it asks
+    a.ask_listings()
+    mine.digest_done("own")
+    tracker.check_resynced()
+    assert tracker.state is Readiness.RESYNCING  # the ask is not even recorded yet
+    share_registrations(a, mine, "a")
+    tracker.check_resynced()
+    assert tracker.state is Readiness.RESYNCING  # n1's listing is due
+    mine.digest_done("n1")  # its resync batch was applied
+    tracker.check_resynced()
+    assert tracker.state is Readiness.SERVING
+    tracker.set(Readiness.RESYNCING)  # again, and the listing never comes
+    tracker.set(Readiness.SERVING)
+    mine.expect_listings()
+    tracker.check_resynced()
+    assert tracker.state is Readiness.RESYNCING
+    now[0] += 61
+    tracker.check_resynced()
+    assert tracker.state is Readiness.SERVING and not mine.listings_due()
 
 
 def test_the_heartbeat_reply_asks_once_and_the_client_calls_the_listing_hook() -> None:
