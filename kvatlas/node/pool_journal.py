@@ -84,8 +84,9 @@ class PoolJournal:
         with self._lock:
             number = self._keep(key, line)
             self._open.add(number)
-            self._file.write(line)
-            self._file.flush()
+            if not self._file.closed:  # (a write racing the node's shutdown goes unjournaled)
+                self._file.write(line)
+                self._file.flush()
         return number
 
     def end(self, number: int) -> None:
