@@ -158,8 +158,10 @@ class CacheNode:
             if isinstance(l2, FsL2) and l2.corrupt_deleted:  # found by the rescan, keys unknown
                 self.counters["l2_corrupt_deleted"] += l2.corrupt_deleted
         # a shared pool's changes, journaled until their events left (pool_journal.py)
-        self.pool_journal = journal_pool_changes(
-            l2, sink, self.instance_id, self.flush_events, self.writes
+        self.pool_journal = (  # (a restart finds its journal by a stable --instance-id)
+            journal_pool_changes(l2, sink, self.instance_id, self.flush_events, self.writes)
+            if config.instance_id
+            else None
         )
 
     # ------------------------------------------------------------------ keys
