@@ -202,7 +202,12 @@ def journal_pool_changes(
     flush, stats = getattr(sink, "flush", None), getattr(sink, "stats", None)
     if not (isinstance(l2, FsL2) and l2.shared and callable(flush) and callable(stats)):
         return None
-    journal = writes.journal = PoolJournal(l2.root, instance_id)
+    try:
+        journal = PoolJournal(l2.root, instance_id)
+    except OSError as exc:  # e.g. a pool mounted read-only here: the node serves without it
+        log.warning("shared pool changes not journaled (a kill may lose their events): %s", exc)
+        return None
+    writes.journal = journal
     if left := journal.left_over():
         log.info("announcing %d pool changes the previous run journaled", len(left))
         writes.announce_pool(left)

@@ -152,3 +152,19 @@ def test_a_sink_that_lost_batches_announces_the_journaled_keys_again(tmp_path: P
     assert cutter.tick() == 0 and announced == [[key(1)]]
     assert cutter.tick() == 1 and len(journal) == 0  # then cut once those left
     journal.close()
+
+
+def test_a_pool_the_node_cannot_write_a_journal_in_is_served_without_one(tmp_path: Path) -> None:
+    pool = tmp_path / "pool"
+    pool.mkdir()
+    (pool / ".journal").write_bytes(b"")  # a file where the directory goes: mkdir fails
+    directory = KeyDirectory(CS)
+    node, gate = pool_node(pool, directory, 1)
+    try:
+        assert node.pool_journal is None and node.writes.journal is None
+        stored = store(node, 100, 1)
+        node.flush_events()
+        assert node._sink.flush(10)  # type: ignore[union-attr]
+        assert in_pool(directory, stored) == [True]
+    finally:
+        kill(node, gate)
