@@ -43,6 +43,7 @@ class PoolJournal:
         self._lines: list[tuple[int, ObjectKey, bytes]] = []  # not cut yet, in order
         self._open: set[int] = set()  # numbers whose event is not recorded yet
         self._next = 0
+        self.failures = 0  # appends that failed (a full disk): those changes went unjournaled
         # the previous run's lines, kept (open) until :meth:`replayed`, then until a cut
         self._left_over = {key: self._keep(key, line) for key, line in self._read().items()}
         self._open.update(self._left_over.values())
@@ -85,8 +86,13 @@ class PoolJournal:
             number = self._keep(key, line)
             self._open.add(number)
             if not self._file.closed:  # (a write racing the node's shutdown goes unjournaled)
-                self._file.write(line)
-                self._file.flush()
+                try:
+                    self._file.write(line)
+                    self._file.flush()
+                except OSError as exc:  # the change goes on, unjournaled: counted, said once
+                    self.failures += 1
+                    if self.failures == 1:
+                        log.warning("pool journal %s not written: %s", self.path, exc)
         return number
 
     def end(self, number: int) -> None:

@@ -168,3 +168,22 @@ def test_a_pool_the_node_cannot_write_a_journal_in_is_served_without_one(tmp_pat
         assert in_pool(directory, stored) == [True]
     finally:
         kill(node, gate)
+
+
+def test_a_journal_append_that_fails_does_not_fail_the_change(tmp_path: Path) -> None:
+    class FullDisk:
+        closed = False
+
+        def write(self, _data: bytes) -> int:
+            raise OSError(28, "No space left on device")
+
+        def flush(self) -> None: ...
+
+        def close(self) -> None: ...
+
+    journal = PoolJournal(tmp_path, "n")
+    journal._file.close()
+    journal._file = FullDisk()  # type: ignore[assignment]
+    journal.end(journal.begin(key(1)))  # no exception: the pool write goes on
+    journal.end(journal.begin(key(2)))
+    assert journal.failures == 2
