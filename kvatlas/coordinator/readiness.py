@@ -74,10 +74,10 @@ class ReadinessTracker:
     def check_resynced(self) -> None:
         """``resyncing`` → ``serving`` once every live instance completed a digest exchange
         since and every node registered with another replica sent the listing this replica
-        asked for (if it asked), or after twice the instance timeout (an instance that never exchanges — an
-        old node — must not keep the replica unready forever). A replica that knew no
-        instance (no snapshot registry) first waits one instance timeout for the live ones to
-        register: their heartbeats get 404, they re-register and exchange."""
+        asked for (if it asked), or after twice the instance timeout (an instance that never
+        exchanges — an old node — must not keep the replica unready forever). A replica that
+        knew no instance (no snapshot registry) first waits one instance timeout for the live
+        ones to register: their heartbeats get 404, they re-register and exchange."""
         with self._lock:
             since = self._resyncing_since
             if since is None or not self._replayed:  # what the stream still has comes first

@@ -21,7 +21,8 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
@@ -98,6 +99,15 @@ class PoolJournal:
     def end(self, number: int) -> None:
         with self._lock:
             self._open.discard(number)
+
+    @contextmanager
+    def changing(self, key: ObjectKey) -> Iterator[None]:
+        """:meth:`begin` and :meth:`end` around a change of ``key`` and its event."""
+        number = self.begin(key)
+        try:
+            yield
+        finally:
+            self.end(number)
 
     def keys(self) -> list[ObjectKey]:
         """The keys of the lines not cut yet (each once)."""

@@ -11,6 +11,7 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Final
 
 from kvatlas.events import ACCESS, CONFIG, DELETE, STORE, CacheEntry
@@ -104,13 +105,12 @@ class TierWrites:
         assert self.l2 is not None
         if self.l2.contains(chunk.key):
             return
-        journal = self.journal
-        number = journal.begin(chunk.key) if journal is not None else -1
-        try:
+        with self._journaled(chunk.key):
             self._put_l2(chunk)
-        finally:
-            if journal is not None:
-                journal.end(number)
+
+    def _journaled(self, key: ObjectKey) -> AbstractContextManager[object]:
+        """A pool change of ``key``, journaled until its event is recorded (a shared pool)."""
+        return nullcontext() if self.journal is None else self.journal.changing(key)
 
     def _put_l2(self, chunk: StoredChunk) -> None:
         assert self.l2 is not None
@@ -230,18 +230,13 @@ class TierWrites:
 
     def drop_l2(self, key: ObjectKey) -> bool:
         assert self.l2 is not None
-        journal = self.journal
-        number = journal.begin(key) if journal is not None else -1
-        try:
+        with self._journaled(key):
             existed = self.l2.delete(key)
             with self.report_lock:
                 # a copy this node reported, or a shared pool's copy another node wrote
                 if L2 in self.presence.tiers_of_key(key) or (existed and self.l2.shared):
                     self.record(DELETE, L2, self.l2.name, CacheEntry(key, 0), shared=self.l2.shared)
                     self.presence.lose(key, L2)
-        finally:
-            if journal is not None:
-                journal.end(number)
         return existed
 
     def announce_pool(self, keys: Sequence[ObjectKey]) -> int:
