@@ -56,6 +56,8 @@ def checks(result: dict[str, Any]) -> list[Check]:
     times = [f["converged_s"] for f in result["faults"]]
     target = settings["convergence_target_s"]
     worst = None if None in times or not times else max(times)
+    seen = [f.get("confirmed_s") for f in result["faults"]]
+    confirmed = None if None in seen or not seen else max(seen)
     per_kind = {
         k: max(
             (f["converged_s"] for f in result["faults"] if f["kind"] == k), key=lambda v: v or 1e9
@@ -65,7 +67,8 @@ def checks(result: dict[str, Any]) -> list[Check]:
     out.append(Check(
         "max time to converge after a fault", _fmt_s(worst), f"≤ {target:g} s",
         worst is not None and worst <= target,
-        ", ".join(f"{k} {_fmt_s(v)}" for k, v in per_kind.items()),
+        ", ".join(f"{k} {_fmt_s(v)}" for k, v in per_kind.items())
+        + f"; the harness's comparisons confirmed each within {_fmt_s(confirmed)}",
     ))  # fmt: skip
     for rid, diff in final["replicas"].items():
         note = diff["error"] or "; ".join(diff["ghost_examples"][:2] + diff["missing_examples"][:2])

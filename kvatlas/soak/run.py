@@ -33,6 +33,7 @@ from kvatlas.soak.fleet import (
     SoakFleet,
 )
 from kvatlas.soak.truth import Difference, PlacementRow, compare, disk_bytes, node_truth
+from kvatlas.soak.watch import ChangeWatch
 from kvatlas.soak.workload import Workload
 
 POLL_S = 0.2
@@ -86,11 +87,12 @@ class Outcome:
     injected_at: float
     repaired_at: float
     converged_s: float | None
+    confirmed_s: float | None  # when the harness's comparison showed it (≥ converged_s)
     differences: dict[str, Difference] = field(default_factory=dict)
 
     def __str__(self) -> str:
         if self.converged_s is not None:
-            return f"converged in {self.converged_s:.2f} s"
+            return f"converged in {self.converged_s:.2f} s (confirmed at {self.confirmed_s:.2f} s)"
         return "not converged: " + "; ".join(f"{r} {d}" for r, d in self.differences.items())
 
     def to_json(self) -> dict[str, Any]:
@@ -99,6 +101,7 @@ class Outcome:
             "injected_at": round(self.injected_at, 3),
             "repaired_at": round(self.repaired_at, 3),
             "converged_s": None if self.converged_s is None else round(self.converged_s, 3),
+            "confirmed_s": None if self.confirmed_s is None else round(self.confirmed_s, 3),
             "replicas": {r: d.to_json() for r, d in self.differences.items()},
         }
 
@@ -130,20 +133,34 @@ class Soak:
         truth = self.truth()
         return {rid: compare(truth, s.url) for rid, s in self.fleet.replicas.items()}
 
-    def converge(self, since: float, timeout: float) -> tuple[float | None, dict[str, Difference]]:
-        """Poll until every replica agrees with the truth: seconds since ``since``, or
-        ``None`` when ``timeout`` passed first (with the last differences)."""
+    def converge(
+        self, since: float, timeout: float
+    ) -> tuple[float | None, float | None, dict[str, Difference]]:
+        """Poll until every replica agrees with the truth. Returns the seconds from ``since``
+        to the last change a replica made before it agreed (:class:`ChangeWatch`: no replica
+        changed during the agreeing comparison) and to the end of that comparison, with its
+        differences; ``None`` for both when ``timeout`` passed first (the last differences)."""
         deadline = since + timeout
-        while True:
-            try:
-                diffs = self.differences()
-            except Exception as exc:  # a node's inventory could not be read
-                diffs = {"truth": Difference(frozenset(), frozenset(), repr(exc))}
-            if all(d.agrees for d in diffs.values()):
-                return time.monotonic() - since, diffs
-            if time.monotonic() > deadline:
-                return None, diffs
-            time.sleep(POLL_S)
+        watch = ChangeWatch({rid: s.url for rid, s in self.fleet.replicas.items()})
+        watch.start()
+        try:
+            while True:
+                began = time.monotonic()
+                try:
+                    diffs = self.differences()
+                except Exception as exc:  # a node's inventory could not be read
+                    diffs = {"truth": Difference(frozenset(), frozenset(), repr(exc))}
+                if all(d.agrees for d in diffs.values()):
+                    confirmed = time.monotonic() - since
+                    settled = watch.settled_at()
+                    if settled is not None and settled <= began:
+                        return max(0.0, settled - since), confirmed, diffs
+                    # a replica changed while it was read: compare again
+                if time.monotonic() > deadline:
+                    return None, None, diffs
+                time.sleep(POLL_S)
+        finally:
+            watch.stop()
 
     # ------------------------------------------------------------------ faults
 
@@ -180,9 +197,9 @@ class Soak:
         if fault.target in fleet.nodes:
             workload.available = workload.available | {fault.target}
         timeout = max(30.0, 5 * self.settings.convergence_target)
-        converged, diffs = self.converge(repaired, timeout)
+        converged, confirmed, diffs = self.converge(repaired, timeout)
         workload.resume()
-        return Outcome(fault, injected, repaired - t0, converged, diffs)
+        return Outcome(fault, injected, repaired - t0, converged, confirmed, diffs)
 
     # ------------------------------------------------------------------ the run
 
@@ -209,7 +226,9 @@ class Soak:
             time.sleep(max(0.0, t0 + self.seconds - time.monotonic()))
             workload.pause()
             quiet = time.monotonic()
-            settled, final = self.converge(quiet, max(30.0, 5 * self.settings.convergence_target))
+            settled, _, final = self.converge(
+                quiet, max(30.0, 5 * self.settings.convergence_target)
+            )
             progress(
                 f"quiet period: {'never agreed' if settled is None else f'agreed after {settled:.2f} s'}"
             )

@@ -42,6 +42,9 @@ def test_a_short_soak_converges_to_the_truth(tmp_path: Path) -> None:
     assert result["workload"]["wrong_kv"] == 0, report
     checked = result["workload"]["chunks_checked"]
     assert checked.get("prefix", 0) > 0 and checked.get("blend", 0) > 0, report
+    for fault in result["faults"]:  # dated by the last change, confirmed by a comparison after
+        if fault["converged_s"] is not None:  # (the timings themselves are not judged here)
+            assert 0 <= fault["converged_s"] <= fault["confirmed_s"], (fault, report)
     for replica, diff in result["final"]["replicas"].items():
         assert (diff["ghosts"], diff["missing"], diff["error"]) == (0, 0, ""), (replica, report)
     assert set(result["final"]["replicas"]) == {"soak-r1", "soak-r2"}
