@@ -139,7 +139,8 @@ class Soak:
         """Poll until every replica agrees with the truth. Returns the seconds from ``since``
         to the last change a replica made before it agreed (:class:`ChangeWatch`: no replica
         changed during the agreeing comparison) and to the end of that comparison, with its
-        differences; ``None`` for both when ``timeout`` passed first (the last differences)."""
+        differences; ``None`` for both when ``timeout`` passed first (the last differences).
+        Replicas that agreed but never stood still until then are dated by the comparison."""
         deadline = since + timeout
         watch = ChangeWatch({rid: s.url for rid, s in self.fleet.replicas.items()})
         watch.start()
@@ -150,14 +151,15 @@ class Soak:
                     diffs = self.differences()
                 except Exception as exc:  # a node's inventory could not be read
                     diffs = {"truth": Difference(frozenset(), frozenset(), repr(exc))}
-                if all(d.agrees for d in diffs.values()):
+                agreed = all(d.agrees for d in diffs.values())
+                if agreed:
                     confirmed = time.monotonic() - since
                     settled = watch.settled_at()
                     if settled is not None and settled <= began:
                         return max(0.0, settled - since), confirmed, diffs
                     # a replica changed while it was read: compare again
-                if time.monotonic() > deadline:
-                    return None, None, diffs
+                if time.monotonic() > deadline:  # (agreeing, but never still: undated)
+                    return (confirmed, confirmed, diffs) if agreed else (None, None, diffs)
                 time.sleep(POLL_S)
         finally:
             watch.stop()
