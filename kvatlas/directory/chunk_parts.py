@@ -29,7 +29,7 @@ from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import compress, repeat
-from operator import attrgetter, is_, itemgetter
+from operator import attrgetter, is_, is_not, itemgetter
 from typing import Any, Final, NamedTuple
 
 import numpy as np
@@ -55,7 +55,7 @@ _EMPTY_ROW: Final = (None, 0, None, ())
 class ChunkColumns:
     """Every chunk's record fields, by row, for the partitions that share them."""
 
-    __slots__ = ("free", "l1", "objs", "offsets", "parts")
+    __slots__ = ("bound", "free", "l1", "objs", "offsets", "parts")
 
     def __init__(self) -> None:
         self.objs: list[Any] = []  # _WIDTH per row: content, 2 * shape id + indexed,
@@ -64,6 +64,7 @@ class ChunkColumns:
         self.l1 = L1Owners()  # per row: the instances owning an L1 placement of the chunk
         self.free: list[int] = []  # rows of removed chunks, reused last freed first
         self.parts: list[ChunkPart] = []
+        self.bound = 0  # rows whose content is known (kept by every write: stats read it)
 
     def record(self, r: int) -> Record:
         """The record at row ``r`` (every read builds one)."""
@@ -91,6 +92,7 @@ class ChunkColumns:
             return r
         tokens, offset, indexed, sid, pls, rest = split_record(rec)
         self.objs += (tokens, 2 * sid + indexed, pls, rest)
+        self.bound += tokens is not None
         self.offsets.append(offset)
         self.l1.add(pls, rest)
         return len(self.offsets) - 1
@@ -98,11 +100,13 @@ class ChunkColumns:
     def put(self, r: int, rec: Record) -> None:
         tokens, offset, indexed, sid, pls, rest = split_record(rec)
         o = _WIDTH * r
+        self.bound += (tokens is not None) - (self.objs[o] is not None)
         self.objs[o : o + _WIDTH] = (tokens, 2 * sid + indexed, pls, rest)
         self.offsets[r] = offset
         self.l1.put(r, pls, rest)
 
     def clear(self, r: int) -> None:
+        self.bound -= self.objs[_WIDTH * r] is not None
         self.objs[_WIDTH * r : _WIDTH * (r + 1)] = _EMPTY_ROW
         self.l1.set(r, NO_OWNER)
         self.free.append(r)
@@ -121,8 +125,14 @@ class ChunkColumns:
         :meth:`L1Owners.put`."""
         top, n = len(self.offsets), len(tokens)
         self.objs += _block(tokens, flagged, placements, rests)
+        self.bound += known(tokens)
         self.offsets.frombytes(np.ascontiguousarray(offsets, "<i8").tobytes())
         return range(top, top + n)
+
+
+def known(tokens: Sequence[StoredTokens | None]) -> int:
+    """How many of ``tokens`` are known contents (``is not None``: ``==`` compares arrays)."""
+    return sum(map(is_not, tokens, repeat(None)))
 
 
 class RowsCopy(NamedTuple):
@@ -216,12 +226,6 @@ class ChunkPart:
 
     def items(self) -> list[tuple[bytes, Record]]:
         return list(zip(self.row.keys(), self.values(), strict=True))
-
-    def bound_count(self) -> int:
-        """How many chunks have known content (no record built)."""
-        objs = self.cols.objs
-        contents = map(objs.__getitem__, map(_WIDTH.__mul__, self.row.values()))
-        return len(self.row) - sum(map(is_, contents, repeat(None)))  # (== compares arrays)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, ChunkPart | dict):
@@ -339,6 +343,7 @@ def add_fresh(
         into = map(slice, at, map(_WIDTH.__add__, at))
         rows = map(block.__getitem__, map(slice, heads, map(_WIDTH.__add__, heads)))
         deque(map(cols.objs.__setitem__, into, rows), maxlen=0)
+        cols.bound += known(tokens[:k])  # (the rows were free: no content)
         deque(map(cols.offsets.__setitem__, reused, offsets[:k].tolist()), maxlen=0)
         cols.l1.fill(reused, owner_id)
     cols.append_rows(tokens[k:], offsets[k:], flagged[k:], placements[k:])

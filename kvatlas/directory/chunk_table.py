@@ -124,6 +124,10 @@ class ChunkTable:
 
     # ------------------------------------------------------------------ reads
 
+    def bound_chunks(self) -> int:
+        """How many chunks have known content (a count the columns keep: no chunk read)."""
+        return self.parts[0].cols.bound
+
     def locate(self, key: ObjectKey) -> tuple[Record, int] | None:
         """The key's chunk record and the key's position in it (if stored)."""
         h = key.chunk_hash

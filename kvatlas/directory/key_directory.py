@@ -354,7 +354,7 @@ class KeyDirectory:
                 chunk_size=self.chunk_size,
                 keys=counts.keys,
                 chunks=sum(len(p) for p in chunks.parts),
-                bound_chunks=sum(p.bound_count() for p in chunks.parts),
+                bound_chunks=chunks.bound_chunks(),
                 placements=counts.placements,
                 l1_placements_by_instance=dict(+counts.l1_placements),
                 bytes_by_tier={t: n for t, n in counts.bytes_by_tier.items() if t in by_tier},

@@ -396,8 +396,3 @@ def with_key(rec: Record, shape_id: int, placements: Placements) -> Record:
 def rebound(rec: Record, tokens: StoredTokens | None, offset: int, indexed: bool) -> Record:
     """The record with its binding (content, offset, indexed) replaced, keys unchanged."""
     return (tokens, offset, indexed, *rec[_KEYS:])
-
-
-def bound_count(records: Iterable[Record]) -> int:
-    """How many of ``records`` have known content."""
-    return sum(1 for rec in records if rec[_TOKENS] is not None)

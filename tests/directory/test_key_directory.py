@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import numpy as np
 import pytest
@@ -175,3 +176,34 @@ def test_chunk_records_are_invisible_to_the_cyclic_gc() -> None:
     records = list(captured(d).values())
     assert len(records) == 8 and not any(gc.is_tracked(r) for r in records)
     assert d.lookup([key(1)])[0].placements[0].last_access == 5.0
+
+
+class _CountingReads(list[Any]):
+    """A column that counts the rows read from it."""
+
+    reads = 0
+
+    def __getitem__(self, i: Any) -> Any:
+        self.reads += 1
+        return super().__getitem__(i)
+
+
+def test_stats_visit_no_chunk() -> None:
+    """``GET /directory/stats``, the status page and every ``/metrics`` scrape read the
+    statistics under the directory's lock: counting the chunks with known content by a pass
+    over them held it ≈0.4 µs a chunk (84 ms at 200,000 chunks; a scrape stalled ingest and
+    lookups for that long). The count is kept as chunks change, and equals a pass."""
+    d, em = KeyDirectory(CS, enable_blend_lookup=True), Emitter()
+    d.consume(em.batch("store", [entry(key(n), toks(n, n, n, n), 0) for n in range(40)]))
+    d.consume(em.batch("store", [entry(key(n)) for n in range(40, 50)]))  # content unknown
+    d.consume(em.batch("store", [entry(key(n), toks(n, n, n, n), 0) for n in range(45, 48)]))
+    d.consume(em.batch("delete", [entry(key(n)) for n in (0, 1, 41)]))  # chunks gone
+    d.consume(em.batch("store", [entry(key(n), toks(n, 1, n, 1), 0) for n in (100, 101)]))
+    parts = d._chunks.parts
+    cols = parts[0].cols
+    reads = cols.objs = _CountingReads(cols.objs)
+    stats = d.stats()
+    assert reads.reads == 0
+    recs = [rec for p in parts for rec in p.values()]
+    assert stats.bound_chunks == sum(rec[0] is not None for rec in recs) == 38 + 3 + 2
+    assert stats.chunks == len(recs) == 40 - 2 + 10 - 1 + 2
