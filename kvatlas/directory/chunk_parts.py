@@ -224,6 +224,10 @@ class ChunkPart:
     def values(self) -> list[Record]:
         return self.cols.records(list(self.row.values()))
 
+    def records_at(self, hashes: list[bytes]) -> list[Record]:
+        """The records of ``hashes`` (each held), in that order, built by C-level maps."""
+        return self.cols.records([self.row[h] for h in hashes])
+
     def items(self) -> list[tuple[bytes, Record]]:
         return list(zip(self.row.keys(), self.values(), strict=True))
 

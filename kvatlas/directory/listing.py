@@ -80,34 +80,41 @@ def list_keys(
     limit: int = 100,
     max_scan: int | None = None,
 ) -> KeyPage:
-    """One page of the keys of ``chunks`` (read under ``lock``) that ``where`` admits.
-    Raises :class:`InvalidInput` on a bad cursor or limit."""
+    """One page of the keys of ``chunks`` that ``where`` admits: each partition's records
+    read under ``lock`` (a partition a hold), the page built from them after it. Raises
+    :class:`InvalidInput` on a bad cursor or limit."""
     if limit < 1:
         raise InvalidInput("limit must be >= 1")
     start, skip = _parse_cursor(cursor)
     budget = max_scan if max_scan is not None else max(4096, 64 * limit)
     items: list[KeyPlacements] = []
     scanned = 0
-    with lock:
-        shapes = chunks.shapes
-        for part_no in range(start[0] if start else 0, PARTS):
+    for part_no in range(start[0] if start else 0, PARTS):
+        # Under the lock: the partition's chunks in order and the records of as many as the
+        # page can still examine (a chunk has a key at least, and every key counts when the
+        # filter takes all), plus one; records are immutable, so the page is built after it.
+        room = limit - len(items) if where.takes_all else budget - scanned
+        with lock:
+            shapes = chunks.shapes.shapes
             part = chunks.parts[part_no]
             order = sorted(h for h in part if start is None or h >= start)
-            for h in order:
-                pairs = sorted(
-                    ((shapes[sid], pls) for sid, pls in record_keys(part[h])),
-                    key=lambda kv: kv[0].parts,
-                )
-                first = skip if h == start else 0
-                for n in range(first, len(pairs)):
-                    if len(items) == limit or scanned >= budget:
-                        return KeyPage(items, f"{h.hex()}:{n}")
-                    scanned += 1
-                    shape, pls = pairs[n]
-                    found = public_placements(pls)
-                    if any(where.admits(p) for p in found):
-                        items.append(KeyPlacements(shape.key(h), found, record_tokens(part[h])))
-            start = None
+            records = part.records_at(order[: room + 1])
+        for h, rec in zip(order, records, strict=False):
+            pairs = sorted(
+                ((shapes[sid], pls) for sid, pls in record_keys(rec)), key=lambda kv: kv[0].parts
+            )
+            first = skip if h == start else 0
+            for n in range(first, len(pairs)):
+                if len(items) == limit or scanned >= budget:
+                    return KeyPage(items, f"{h.hex()}:{n}")
+                scanned += 1
+                shape, pls = pairs[n]
+                found = public_placements(pls)
+                if any(where.admits(p) for p in found):
+                    items.append(KeyPlacements(shape.key(h), found, record_tokens(rec)))
+        if len(records) < len(order):  # (a start chunk's skipped keys left the page short)
+            return KeyPage(items, f"{order[len(records)].hex()}:0")
+        start = None
     return KeyPage(items, None)
 
 
