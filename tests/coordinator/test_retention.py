@@ -136,11 +136,13 @@ def store(process: NodeProcess, first_token: int, n: int) -> list[bytes]:
     return list(tracker.chunk_hashes())
 
 
-def visible(client: httpx.Client, hashes: list[bytes]) -> bool:
+def holders(client: httpx.Client, hashes: list[bytes]) -> list[set[str]]:
     reply = client.post("/directory/lookup", json={"keys": [wire_key(h) for h in hashes]})
-    return all(
-        {p["instance_id"] for p in r["placements"]} == {"n1"} for r in reply.json()["results"]
-    )
+    return [{p["instance_id"] for p in r["placements"]} for r in reply.json()["results"]]
+
+
+def visible(client: httpx.Client, hashes: list[bytes]) -> bool:
+    return all(held == {"n1"} for held in holders(client, hashes))
 
 
 def trimmed_away(client: httpx.Client) -> float:
@@ -211,11 +213,6 @@ def test_a_replica_that_crashed_before_its_first_snapshot_is_not_trimmed_past(
         if slow.poll() is None:
             slow.kill()
             slow.wait(timeout=30)
-
-
-def holders(client: httpx.Client, hashes: list[bytes]) -> list[set[str]]:
-    reply = client.post("/directory/lookup", json={"keys": [wire_key(h) for h in hashes]})
-    return [{p["instance_id"] for p in r["placements"]} for r in reply.json()["results"]]
 
 
 def test_a_replica_behind_the_trim_is_repaired_by_nodes_registered_with_another(

@@ -107,13 +107,20 @@ class Coordinator:
         action(send)
 
 
-def test_an_exchange_repairs_drift_listing_only_the_differing_prefixes() -> None:
+def drifted(n: int) -> tuple[NodeInventory, Coordinator, list[CacheEntry]]:
+    """A node holding ``n`` L1 entries and a directory that missed the last 30 of them and
+    holds 20 ghosts."""
     inv, coord = NodeInventory(), Coordinator()
-    entries = [CacheEntry(key(i), 10) for i in range(20_000)]
+    entries = [CacheEntry(key(i), 10) for i in range(n)]
     for e in entries:
         inv.add("l1", "dram", e)
     coord.emit(STORE, "l1", "dram", entries[:-30])  # 30 stores lost
     coord.emit(STORE, "l1", "dram", [CacheEntry(key(10**6 + i), 10) for i in range(20)])  # ghosts
+    return inv, coord, entries
+
+
+def test_an_exchange_repairs_drift_listing_only_the_differing_prefixes() -> None:
+    inv, coord, entries = drifted(20_000)
     coord.emit(DELETE, "l1", "dram", entries[:5])  # wrongly deleted
     driver = ResyncDriver(
         inv, {"l1": "dram"}, exchange=coord.exchange, barrier=coord.barrier, interval=3600
@@ -154,12 +161,7 @@ def test_a_full_listing_repairs_a_directory_the_node_never_compares_with() -> No
     """A replica that lost events is repaired by nodes registered with another one: asked
     (``list_all``), the node sends every bucket of every tier without an exchange, the empty
     ones too, so ghosts under a prefix the node holds nothing in go as well."""
-    inv, coord = NodeInventory(), Coordinator()
-    entries = [CacheEntry(key(i), 10) for i in range(2_000)]
-    for e in entries:
-        inv.add("l1", "dram", e)
-    coord.emit(STORE, "l1", "dram", entries[:-30])  # 30 stores lost
-    coord.emit(STORE, "l1", "dram", [CacheEntry(key(10**6 + i), 10) for i in range(20)])  # ghosts
+    inv, coord, entries = drifted(2_000)
 
     def exchange(tiers: dict[str, dict[str, str]]) -> dict[str, list[str]]:
         raise AssertionError("a full listing asks nothing")
