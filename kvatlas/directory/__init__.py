@@ -9,6 +9,7 @@ from kvatlas.directory.blend import (
     BlendStats,
     MatchColumns,
     RemoveChunkOp,
+    RemoveClaimColumns,
     RemoveClaimOp,
 )
 from kvatlas.directory.capture import Capture, CapturedPart, DirectoryState, Restored
@@ -66,6 +67,7 @@ __all__ = [
     "PlacementObserver",
     "PrefixHolder",
     "RemoveChunkOp",
+    "RemoveClaimColumns",
     "RemoveClaimOp",
     "Restored",
     "SnapshotError",

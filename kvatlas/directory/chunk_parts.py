@@ -111,6 +111,27 @@ class ChunkColumns:
         self.l1.set(r, NO_OWNER)
         self.free.append(r)
 
+    def fields(self, rows: list[int]) -> tuple[tuple[Any, ...], ...]:
+        """The rows' fields as four columns: contents, ``2 * shape id + indexed`` of the
+        first key, its placements, the other keys (C-level gathers)."""
+        refs = self.copy(rows).refs
+        return tuple(refs[i::_WIDTH] for i in range(_WIDTH))
+
+    def put_placements(self, rows: list[int], placements: Placements) -> None:
+        """Rows ``rows`` (one-key records) now hold ``placements`` as their key's."""
+        objs, at = self.objs, [_WIDTH * r + 2 for r in rows]
+        deque(map(objs.__setitem__, at, repeat(placements)), maxlen=0)
+        self.l1.fill_rows(rows, self.l1.of(placements, ()))
+
+    def clear_rows(self, rows: list[int]) -> None:
+        """:meth:`clear` of each row of ``rows``, in that order."""
+        objs, at = self.objs, [_WIDTH * r for r in rows]
+        self.bound -= known(list(map(objs.__getitem__, at)))
+        into = map(slice, at, map(_WIDTH.__add__, at))
+        deque(map(objs.__setitem__, into, repeat(_EMPTY_ROW)), maxlen=0)
+        self.l1.fill_rows(rows, NO_OWNER)
+        self.free += rows
+
     def append_rows(
         self,
         tokens: Sequence[StoredTokens | None],
@@ -355,6 +376,14 @@ def add_fresh(
     return True
 
 
+def remove_chunks(parts: Sequence[ChunkPart], hashes: list[bytes], rows: list[int]) -> None:
+    """``del parts[h[0]][h]`` of each chunk of ``hashes`` (held at ``rows``), the rows
+    cleared in bulk."""
+    for h in hashes:
+        del parts[h[0]].row[h]
+    parts[0].cols.clear_rows(rows)
+
+
 def _take_back(rows: dict[bytes, int], h: bytes, r: int) -> None:
     if rows.get(h) == r:
         del rows[h]
@@ -362,24 +391,32 @@ def _take_back(rows: dict[bytes, int], h: bytes, r: int) -> None:
 
 def l1_chunks(parts: Sequence[ChunkPart], name: str) -> list[bytes]:
     """The chunks of ``parts`` (the partitions of one set of columns) that have an L1
-    placement ``name`` owns, partition by partition: the column's rows, found in the
-    partitions' hash → row maps (a pass over them: what fencing, which is rare, visits)."""
+    placement ``name`` owns, partition by partition (:func:`l1_rows`' hashes)."""
+    return l1_rows(parts, name)[0]
+
+
+def l1_rows(parts: Sequence[ChunkPart], name: str) -> tuple[list[bytes], list[int]]:
+    """:func:`l1_chunks` and their rows: the column's rows, found in the partitions' hash →
+    row maps (a pass over them: what fencing, which is rare, visits)."""
     cols = parts[0].cols
     rows = cols.l1.rows_of(name)
     left = len(rows)
     if not left:
-        return []
+        return [], []
     hit = np.zeros(len(cols.offsets), np.bool_)
     hit[rows] = True
-    out: list[bytes] = []
+    hashes: list[bytes] = []
+    held: list[int] = []
     for part in parts:
         at = part.row
         if at:
-            found = hit[np.fromiter(at.values(), np.intp, len(at))]
+            at_rows = np.fromiter(at.values(), np.intp, len(at))
+            found = hit[at_rows]
             k = int(np.count_nonzero(found))
             if k:
-                out += compress(at, found.tolist())
+                hashes += compress(at, found.tolist())
+                held += at_rows[found].tolist()
                 left -= k
                 if not left:
                     break
-    return out
+    return hashes, held

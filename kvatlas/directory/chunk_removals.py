@@ -7,18 +7,23 @@ records, :mod:`~kvatlas.directory.l1_owners`). See
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from itertools import compress, repeat
+from operator import is_not
 
-from kvatlas.directory.blend import RemoveClaimOp
+import numpy as np
+
+from kvatlas.directory.blend import RemoveClaimColumns, RemoveClaimOp
 from kvatlas.directory.chunk_counts import L2_TIER
 from kvatlas.directory.chunk_digests import InventoryDigests
-from kvatlas.directory.chunk_parts import l1_chunks
+from kvatlas.directory.chunk_parts import l1_rows, remove_chunks
 from kvatlas.directory.chunk_state import ChunkState
 from kvatlas.directory.records import (
     KeyPair,
     PlacementRow,
     Placements,
     Record,
+    group_placements,
     l1_owner,
     make_record,
     pack_placements,
@@ -36,7 +41,8 @@ from kvatlas.directory.records import (
     row_size,
     row_tier,
 )
-from kvatlas.events import EventBatch
+from kvatlas.directory.token_store import StoredTokens
+from kvatlas.events import VOLATILE_TIERS, EventBatch
 from kvatlas.events.columns import EntryColumns
 
 
@@ -74,29 +80,110 @@ class RemovalRules:
             self._rewrite(h, rec, keys)
 
     def fence(self, inst: str) -> int:
-        """Drop every own L1 placement of ``inst``; returns how many were dropped."""
+        """Drop every own L1 placement of ``inst`` (its copies in process memory: any of the
+        volatile tiers); returns how many were dropped."""
         dropped = 0
         table = self._table
         counts = table.counts
-        # (an instance without own L1 placements has no chunks to visit)
-        for h in l1_chunks(table.parts, inst) if counts.l1_placements.get(inst) else ():
-            rec = table.parts[h[0]][h]
-            table.preserve(h, rec)
-            keys: list[tuple[int, Placements | None]] = []
-            for sid, pls in record_keys(rec):
-                kept = []
-                for p in placements_of(pls):
-                    if l1_owner(p) == inst:
-                        self._count(p, -1, sid)
-                        dropped += 1
-                    else:
-                        kept.append(p)
-                keys.append((sid, pack_placements(kept)))
-            self._rewrite(h, rec, keys)
+        if counts.l1_placements.get(inst):  # (else it has no chunks to visit)
+            hashes, rows = l1_rows(table.parts, inst)
+            if table.journal is None:  # (a capture saves each record before it changes)
+                dropped, hashes = self._fence_plain(inst, hashes, rows)
+            for h in hashes:
+                dropped += self._fence_chunk(inst, h)
         counts.l1_placements.pop(inst, None)
-        counts.digests.pop((inst, "l1"), None)
+        for tier in VOLATILE_TIERS:  # (its own copies on each: gone)
+            counts.digests.pop((inst, tier), None)
         table.parts[0].cols.l1.release(inst)
         return dropped
+
+    def _fence_chunk(self, inst: str, h: bytes) -> int:
+        """Fence one chunk (any record): returns the placements dropped."""
+        table = self._table
+        rec = table.parts[h[0]][h]
+        table.preserve(h, rec)
+        keys: list[tuple[int, Placements | None]] = []
+        dropped = 0
+        for sid, pls in record_keys(rec):
+            kept = []
+            for p in placements_of(pls):
+                if l1_owner(p) == inst:
+                    self._count(p, -1, sid)
+                    dropped += 1
+                else:
+                    kept.append(p)
+            keys.append((sid, pack_placements(kept)))
+        self._rewrite(h, rec, keys)
+        return dropped
+
+    def _fence_plain(
+        self, inst: str, hashes: list[bytes], rows: list[int]
+    ) -> tuple[int, list[bytes]]:
+        """Fence, by columns (no record built), the chunks of ``hashes`` (at ``rows``) with
+        one key and no other L1 owner: grouped by their placements (a batch's chunks share
+        them), each group counted once; the chunks left without placements removed in bulk,
+        their index claims dropped as one :class:`RemoveClaimColumns`. Returns the
+        placements dropped and the chunks left to fence one by one, in order."""
+        cols = self._table.parts[0].cols
+        n = len(rows)
+        at = np.array(rows, np.intp)
+        tokens, flagged, placements, rests = cols.fields(rows)
+        plain = np.frombuffer(cols.l1.owner, np.int32)[at] == cols.l1.ids[inst]
+        plain &= np.fromiter(map(len, rests), np.intp, n) == 0
+        chosen = np.flatnonzero(plain)
+        group_of = np.fromiter(map(id, placements), np.int64, n)[chosen]
+        order = np.argsort(group_of, kind="stable")
+        dropped = 0
+        gone = []
+        for group in np.split(chosen[order], np.flatnonzero(np.diff(group_of[order])) + 1):
+            if not len(group):
+                continue
+            m = len(group)
+            kept = []
+            for p in placements_of(placements[group[0]]):
+                if l1_owner(p) == inst:
+                    self._count(p, -m, -1)  # (an L1 copy: no shape's L2 bytes change)
+                    dropped += m
+                else:
+                    kept.append(p)
+            if kept:
+                cols.put_placements(at[group].tolist(), group_placements(kept))
+            else:
+                gone.append(group)
+        if gone:
+            emptied = np.sort(np.concatenate(gone)).tolist()
+            self._remove_plain(emptied, hashes, rows, tokens, flagged)
+        return dropped, list(compress(hashes, (~plain).tolist()))
+
+    def _remove_plain(
+        self,
+        emptied: list[int],
+        hashes: list[bytes],
+        rows: list[int],
+        tokens: Sequence[StoredTokens | None],
+        flagged: Sequence[int],
+    ) -> None:
+        """Remove chunks ``hashes[i]`` (one key each, now without placements; at
+        ``rows[i]``, their content ``tokens[i]``, ``2 * shape id + indexed`` ``flagged[i]``)
+        for each ``i`` of ``emptied``."""
+        table = self._table
+        gone = [hashes[i] for i in emptied]
+        table.counts.keys -= len(emptied)
+        if table.indexing:
+            contents = [tokens[i] for i in emptied]
+            flags = np.array([flagged[i] for i in emptied], np.int64)
+            known = np.fromiter(map(is_not, contents, repeat(None)), np.bool_, len(contents))
+            claimed = np.flatnonzero(known & (flags & 1 == 1)).tolist()
+            if claimed:
+                sids, which = np.unique(flags[claimed] >> 1, return_inverse=True)
+                table.queue([RemoveClaimColumns(
+                    [contents[i] for i in claimed],
+                    claimed_hashes := [gone[i] for i in claimed],
+                    [table.shapes[s].namespace for s in sids.tolist()],
+                    which,
+                    vouched=set(map(type, claimed_hashes)) == {bytes},
+                )])  # fmt: skip
+        remove_chunks(table.parts, gone, [rows[i] for i in emptied])
 
     def drop_unlisted(self, batch: EventBatch, cols: EntryColumns, sids: list[int]) -> int:
         """The removal half of a ``resync`` batch: remove the reporter's own placements on

@@ -15,6 +15,8 @@ instances that come and go (ids assigned per registration) do not pile up.
 from __future__ import annotations
 
 from array import array
+from collections import deque
+from itertools import repeat
 from typing import Any, Final
 
 import numpy as np
@@ -99,6 +101,13 @@ class L1Owners:
     def extend(self, owners: npt.NDArray[np.int32]) -> None:
         """New last rows with these owner ids (or :data:`NO_OWNER`; none :data:`SEVERAL`)."""
         self.owner.frombytes(np.ascontiguousarray(owners, np.int32).tobytes())
+
+    def fill_rows(self, rows: list[int], owner: int | tuple[int, ...]) -> None:
+        """Rows ``rows`` (existing) now have the owner ``owner`` (:meth:`set` of each)."""
+        if type(owner) is tuple or (self.several and any(map(self.several.__contains__, rows))):
+            deque(map(self.set, rows, repeat(owner)), maxlen=0)
+        else:
+            self.fill(rows, owner)  # type: ignore[arg-type]
 
     def fill(self, rows: list[int], owner: int) -> None:
         """Rows ``rows`` (emptied ones: no owners) now have the one owner id ``owner``."""

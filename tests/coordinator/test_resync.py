@@ -67,7 +67,7 @@ def test_digests_follow_store_delete_fence_resync_and_restore(tmp_path: Path) ->
     emitters = {i: Emitter(i) for i in ("a", "b")}
     own: Own = {}
     keys = [hkey(rng.randrange(4), n, salt=rng.choice(["", "s"])) for n in range(60)]
-    where = [("l1", "dram"), ("l2", "fs")]
+    where = [("l1", "dram"), ("gpu", "hbm"), ("l2", "fs")]  # (a fence drops l1 and gpu)
     for step in range(400):
         inst = rng.choice(["a", "b"])
         tier, backend = rng.choice(where)
@@ -86,6 +86,7 @@ def test_digests_follow_store_delete_fence_resync_and_restore(tmp_path: Path) ->
         elif op < 0.85:
             d.fence_instance(inst)
             own.pop((inst, "l1"), None)
+            own.pop((inst, "gpu"), None)
         elif op < 0.95:
             first = rng.randrange(4)
             listed = [k for k in rng.sample(keys, 8) if k.chunk_hash[0] == first]

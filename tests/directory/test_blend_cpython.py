@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvatlas.directory.blend import _cpython, op_columns
+from kvatlas.directory.blend import _cpython, op_checks
 from kvatlas.directory.token_store import stored_one
 from kvatlas.keys import BlendMatch
 
@@ -150,8 +150,8 @@ def test_compiled_column_check_equals_the_python_one(
     assert _cpython.OBJECT_LAYOUT is not None  # CPython + numpy: located
     tokens = [_token_object(kind, chunk, dtype, w) for kind, dtype, w, _ in entries]
     hashes = [h for *_, h in entries]
-    fast = op_columns.checked_objects(tokens, hashes, chunk)
-    slow = op_columns.checked_in_python(tokens, hashes, chunk)
+    fast = op_checks.checked_objects(tokens, hashes, chunk)
+    slow = op_checks.checked_in_python(tokens, hashes, chunk)
     if slow is None:
         assert fast is None
         return
@@ -165,8 +165,8 @@ def test_column_check_never_keeps_views() -> None:
     base = np.zeros(16, np.uint16)
     view = base[4:8]
     view.flags.writeable = False
-    assert op_columns.checked_objects([view], [b"h"], 4) is None
-    assert op_columns.checked_in_python([view], [b"h"], 4) is None
+    assert op_checks.checked_objects([view], [b"h"], 4) is None
+    assert op_checks.checked_in_python([view], [b"h"], 4) is None
     content = stored_one(np.arange(4, dtype=np.uint32))
-    checked = op_columns.checked_objects([content], [b"h"], 4)
+    checked = op_checks.checked_objects([content], [b"h"], 4)
     assert checked is not None and checked[1].tolist() == [2]

@@ -14,6 +14,7 @@ from kvatlas.directory import (
     BlendIndex,
     KeyDirectory,
     RemoveChunkOp,
+    RemoveClaimColumns,
     RemoveClaimOp,
 )
 from kvatlas.directory.records import record_stored_tokens, record_tokens
@@ -38,9 +39,10 @@ class SpyIndex(BlendIndex):
 
     def apply(self, ops: Any) -> None:
         """Every write (the single-op methods go through ``apply`` too), recorded per op (an
-        ``AddColumns`` as the adds it stands for)."""
+        ``AddColumns`` or ``RemoveClaimColumns`` as the ops it stands for)."""
         ops = list(ops)
-        for op in [one for o in ops for one in (o.ops() if isinstance(o, AddColumns) else [o])]:
+        columns = AddColumns | RemoveClaimColumns
+        for op in [one for o in ops for one in (o.ops() if isinstance(o, columns) else [o])]:
             if isinstance(op, AddOp):
                 self.calls.append(
                     ("add", op.chunk_hash[0], op.token_offset, op.namespace, id(op.tokens))

@@ -1,7 +1,8 @@
 """The blend (fragment) index: which cached chunks occur anywhere in a query (docs/blend-index.md).
 
 ``index.py`` is the façade (:class:`BlendIndex`: typed-op writes, ``match``, ``stats``);
-``ops.py`` the write ops, ``op_columns.py`` them as validated columns; ``state.py`` the state and its one write path; ``namespaces.py``
+``ops.py`` the write ops, ``op_columns.py`` them as validated columns (``op_checks.py``: which
+objects the index keeps as they are); ``state.py`` the state and its one write path; ``namespaces.py``
 namespace ids; ``_cpython.py`` the CPython-layout shortcuts of the hot paths; ``kernels/``
 the compiled kernels, one module per structure.
 """
@@ -12,6 +13,7 @@ from kvatlas.directory.blend.ops import (
     AddOp,
     BlendOp,
     RemoveChunkOp,
+    RemoveClaimColumns,
     RemoveClaimOp,
 )
 
@@ -23,5 +25,6 @@ __all__ = [
     "BlendStats",
     "MatchColumns",
     "RemoveChunkOp",
+    "RemoveClaimColumns",
     "RemoveClaimOp",
 ]

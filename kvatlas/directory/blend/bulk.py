@@ -33,7 +33,7 @@ from kvatlas.directory.blend.kernels.contents import vouched_layout
 from kvatlas.directory.blend.kernels.layout import IDS_CONTENTS, IDS_OCCUPANTS
 from kvatlas.directory.blend.kernels.objects import hash_lengths
 from kvatlas.directory.blend.namespaces import NamespaceIds
-from kvatlas.directory.blend.op_columns import HASH_WIDTH, token_nbytes
+from kvatlas.directory.blend.op_checks import HASH_WIDTH, token_nbytes
 from kvatlas.directory.blend.ops import AddColumns
 from kvatlas.directory.blend.state import IndexState
 

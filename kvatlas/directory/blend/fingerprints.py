@@ -27,7 +27,8 @@ from kvatlas.directory.blend.kernels.fingerprints import (
     content_fingerprints_releasing,
 )
 from kvatlas.directory.blend.kernels.modhash import MERSENNE61, SCHEME
-from kvatlas.directory.blend.op_columns import Tokens, addresses, token_widths
+from kvatlas.directory.blend.op_checks import Tokens, token_widths
+from kvatlas.directory.blend.op_columns import addresses
 
 
 @dataclass(frozen=True, slots=True)

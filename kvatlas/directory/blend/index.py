@@ -46,14 +46,20 @@ from kvatlas.directory.blend.bulk import build_empty, is_empty
 from kvatlas.directory.blend.fingerprints import FingerprintKey, Fingerprints
 from kvatlas.directory.blend.kernels import ADD, REMOVE_CHUNK, REMOVE_CLAIM
 from kvatlas.directory.blend.kernels.modhash import SCHEME
+from kvatlas.directory.blend.op_checks import HASH_WIDTH
 from kvatlas.directory.blend.op_columns import (
-    HASH_WIDTH,
     SingleOp,
     checked_op,
     op_columns,
     single_op,
 )
-from kvatlas.directory.blend.ops import AddColumns, AddOp, BlendOp, RemoveClaimOp
+from kvatlas.directory.blend.ops import (
+    AddColumns,
+    AddOp,
+    BlendOp,
+    RemoveClaimColumns,
+    RemoveClaimOp,
+)
 from kvatlas.directory.blend.state import IndexState
 from kvatlas.keys import BlendMatch, BlendNamespace, as_token_array
 
@@ -181,12 +187,13 @@ class BlendIndex:
         (so a ``remove_chunk`` followed by re-``add``s of a re-stored chunk has no window).
         Every op is validated before anything changes: an invalid op raises and applies none.
         An :class:`AddColumns` (many adds, as columns) is prepared without Python per entry
-        when its arrays are the kind the index keeps as they are (``op_columns.py``); a list
+        when its arrays are the kind the index keeps as they are (``op_columns.py``), a
+        vouched :class:`RemoveClaimColumns` (many claims dropped) as it is; a list
         or tuple of one other op is applied with scalars (``IndexState.apply_one``).
         """
         if type(ops) in (tuple, list) and len(ops) == 1:  # type: ignore[arg-type]
             (op,) = ops
-            if type(op) is not AddColumns:
+            if type(op) is not AddColumns and type(op) is not RemoveClaimColumns:
                 self._apply_one(checked_op(op, self.chunk_size))
                 return
         cols = op_columns(ops, self.chunk_size)

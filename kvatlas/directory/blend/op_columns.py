@@ -7,17 +7,17 @@ index may keep the caller's array, hashes and offsets checked; a content that is
 every column is already in the form the index keeps (the directory's stored arrays, exact
 hashes, valid offsets) is taken as it is, with C-level checks over whole columns and no Python
 per entry; any other is validated as the ``AddOp``s it stands for, so both give the same
-state and the same errors.
+state and the same errors. A :class:`RemoveClaimColumns` the directory vouches for is taken
+as it is; any other as the ``RemoveClaimOp``s it stands for.
 """
 
 from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import chain
-from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -25,35 +25,31 @@ import numpy.typing as npt
 
 from kvatlas.directory.blend import _cpython
 from kvatlas.directory.blend.kernels import ADD, REMOVE_CHUNK, REMOVE_CLAIM
-from kvatlas.directory.blend.kernels.contents import (
-    content_count,
-    kept_contents,
-    token_addresses,
-)
-from kvatlas.directory.blend.kernels.objects import (
-    C_CONTIGUOUS,
-    KEPT,
-    OWNDATA,
-    WRITEABLE,
-    hash_lengths,
-    kept_arrays,
-)
+from kvatlas.directory.blend.kernels.contents import content_count, token_addresses
+from kvatlas.directory.blend.kernels.objects import C_CONTIGUOUS, OWNDATA, WRITEABLE
 from kvatlas.directory.blend.kernels.planes import PLANES, planes_count
-from kvatlas.directory.blend.ops import AddColumns, AddOp, BlendOp, RemoveChunkOp, RemoveClaimOp
+from kvatlas.directory.blend.op_checks import (
+    HASH_WIDTH,
+    U16,
+    U32,
+    Tokens,
+    byte_lengths,
+    checked_objects,
+    filled,
+    token_width,
+    token_widths,
+)
+from kvatlas.directory.blend.ops import (
+    AddColumns,
+    AddOp,
+    BlendOp,
+    RemoveChunkOp,
+    RemoveClaimColumns,
+    RemoveClaimOp,
+)
 from kvatlas.keys import BlendNamespace, as_token_array
 
 log = logging.getLogger(__name__)
-
-HASH_WIDTH = 32
-_U32 = np.dtype(np.uint32)
-_U16 = np.dtype(np.uint16)
-_DTYPE = attrgetter("dtype")
-_NDIM = attrgetter("ndim")
-_FLAGS = attrgetter("flags.num")
-
-Tokens = npt.NDArray[Any] | bytes
-"""A content's ids: a C-contiguous ``uint32`` or ``uint16`` array, one in the planes form
-(``kernels/planes.py``), or a content as the directory keeps it (``kernels/contents.py``)."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -107,7 +103,7 @@ def single_op(
     if type(tokens) is bytes:
         arr, count = tokens, content_count(tokens)  # (a malformed one: ValueError)
     elif type(tokens) is np.ndarray and tokens.ndim == 1:
-        if tokens.dtype is _U16 or tokens.dtype is _U32:
+        if tokens.dtype is U16 or tokens.dtype is U32:
             arr = tokens  # the directory's arrays: no re-validation
         elif tokens.dtype is PLANES:
             arr, count = tokens, planes_count(tokens)  # (a malformed one: ValueError)
@@ -167,7 +163,7 @@ def _singles(ops: list[SingleOp]) -> OpColumns:
         np.array(kinds, np.int64),
         tokens,
         list(hashes),
-        _lengths(hashes),
+        byte_lengths(hashes),
         np.array(offsets, np.int64),
         widths,
         list(spaces),
@@ -176,20 +172,6 @@ def _singles(ops: list[SingleOp]) -> OpColumns:
         addresses(tokens, widths),
         set(map(type, tokens)) == {bytes},
     )
-
-
-def token_width(tokens: Tokens) -> int:
-    """Bytes per id of a content or array (1: the planes form)."""
-    if isinstance(tokens, bytes):
-        return 1 if tokens[0] else tokens[1]
-    return int(tokens.itemsize)
-
-
-def token_nbytes(tokens: Tokens) -> int:
-    """Bytes of the ids a content or array keeps (a content's header not counted)."""
-    if isinstance(tokens, bytes):
-        return len(tokens) - (0 if tokens[0] else tokens[1])
-    return int(tokens.nbytes)
 
 
 def addresses(tokens: list[Tokens], widths: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
@@ -220,8 +202,8 @@ def op_columns(ops: Iterable[BlendOp], chunk: int) -> OpColumns | None:
     parts: list[OpColumns] = []
     singles: list[SingleOp] = []
     for op in ops:
-        if type(op) is AddColumns:
-            whole = _kept_columns(op, chunk)
+        if type(op) is AddColumns or type(op) is RemoveClaimColumns:
+            whole = _kept_columns(op, chunk) if isinstance(op, AddColumns) else _claim_columns(op)
             if whole is None:
                 singles += filter(None, [checked_op(one, chunk) for one in op.ops()])
                 continue
@@ -258,7 +240,7 @@ def _kept_columns(op: AddColumns, chunk: int) -> OpColumns | None:
         return _EMPTY
     if op.vouched:
         widths = token_widths(tokens)
-        return _columns(tokens, widths, hashes, _lengths(hashes), offsets, spaces, which)
+        return _columns(tokens, widths, hashes, byte_lengths(hashes), offsets, spaces, which)
     if offsets.dtype.kind not in "iu" or which.dtype.kind not in "iu":
         return None
     checked = checked_objects(tokens, hashes, chunk)
@@ -271,81 +253,23 @@ def _kept_columns(op: AddColumns, chunk: int) -> OpColumns | None:
     return _columns(*checked, offsets, spaces, which)
 
 
-Checked = tuple[list[Tokens], npt.NDArray[np.int64], list[bytes], npt.NDArray[np.int64]]
-"""Columns an add batch's objects passed the checks with: ``(tokens, bytes per id of each,
-hashes, length of each)``."""
-
-
-def checked_objects(tokens: list[Any], hashes: list[Any], chunk: int) -> Checked | None:
-    """The contents and hashes with their widths and lengths if every content is one the
-    index keeps as it is (an exact ``bytes`` content of ``chunk`` ids, ``kernels/contents.py``,
-    or a read-only, C-contiguous, exact ``ndarray`` of ``chunk`` ``uint16`` or ``uint32``
-    ids or in the planes form, owning its memory) and every hash an exact ``bytes`` of at
-    most 32; else ``None``. Compiled (``kernels/objects.py``, ``kernels/contents.py``) where
-    the CPython layout was located, else :func:`checked_in_python` (the reference: tests
-    hold the two to each other)."""
-    layout = _cpython.OBJECT_LAYOUT
-    if layout is None:  # pragma: no cover - not CPython + numpy
-        return checked_in_python(tokens, hashes, chunk)
+def _claim_columns(op: RemoveClaimColumns) -> OpColumns | None:
+    """A vouched ``op`` as columns as it is (the directory's own contents and hashes); else
+    ``None`` (checked as the ops it stands for)."""
+    if not op.vouched:
+        return None
+    tokens, hashes = list(op.tokens), list(op.chunk_hashes)
     n = len(tokens)
-    widths = np.empty(n, np.int64)
-    handles = np.fromiter(map(id, tokens), np.int64, n)
-    at = tuple(layout)
-    if n and type(tokens[0]) is bytes:
-        kept = kept_contents(handles, chunk, at, id(bytes), _cpython.BYTES_DATA_OFFSET, widths)
-    else:
-        kept = kept_arrays(  # (views are copied: they may pin a larger buffer)
-            handles, chunk, at, id(np.ndarray), id(_U16), id(_U32), id(PLANES),
-            _cpython.ARRAY_DATA_OFFSET, widths,
-        ) == KEPT  # fmt: skip
-    if not kept:
+    which = np.zeros(n, np.int64) if op.namespace_of is None else np.asarray(op.namespace_of)
+    if not (len(hashes) == len(which) == n) or which.dtype.kind not in "iu":
         return None
-    lengths = np.empty(n, np.int64)
-    handles = np.fromiter(map(id, hashes), np.int64, n)
-    if not hash_lengths(handles, at, id(bytes), HASH_WIDTH, lengths):
-        return None
-    return tokens, widths, hashes, lengths
-
-
-def checked_in_python(tokens: list[Any], hashes: list[Any], chunk: int) -> Checked | None:
-    """:func:`checked_objects` by attribute reads (when no layout was located)."""
-    if set(map(type, hashes)) != {bytes}:
-        return None
-    hash_lens = _lengths(hashes)
-    if int(hash_lens.max()) > HASH_WIDTH:
-        return None
-    if set(map(type, tokens)) == {bytes}:
-        try:
-            if set(map(content_count, tokens)) != {chunk}:
-                return None
-        except ValueError:  # a malformed content
-            return None
-        return tokens, token_widths(tokens), hashes, hash_lens
-    if set(map(type, tokens)) != {np.ndarray}:
-        return None
-    dtypes = set(map(_DTYPE, tokens))
-    if not dtypes <= {_U16, _U32, PLANES} or set(map(_NDIM, tokens)) != {1}:
-        return None
-    try:
-        if {planes_count(t) if t.dtype is PLANES else len(t) for t in tokens} != {chunk}:
-            return None
-    except ValueError:  # a malformed planes-form array
-        return None
-    flags = set(map(_FLAGS, tokens))
-    if any(f & (C_CONTIGUOUS | WRITEABLE | OWNDATA) != C_CONTIGUOUS | OWNDATA for f in flags):
-        return None
-    return tokens, token_widths(tokens), hashes, hash_lens
-
-
-def token_widths(tokens: list[Tokens]) -> npt.NDArray[np.int64]:
-    """Bytes per id of each content or array (``uint16`` or ``uint32``; 1: the planes
-    form)."""
-    if tokens and type(tokens[0]) is bytes and set(map(type, tokens)) == {bytes}:
-        return np.fromiter(map(token_width, tokens), np.int64, len(tokens))
-    dtypes = set(map(_DTYPE, tokens))
-    if len(dtypes) == 1:
-        return filled(len(tokens), dtypes.pop().itemsize)
-    return np.fromiter(map(token_width, tokens), np.int64, len(tokens))
+    if n == 0:
+        return _EMPTY
+    widths = token_widths(tokens)
+    return _columns(
+        tokens, widths, hashes, byte_lengths(hashes), np.zeros(n, np.int64), list(op.namespaces),
+        which, REMOVE_CLAIM,
+    )  # fmt: skip
 
 
 def _columns(
@@ -356,11 +280,12 @@ def _columns(
     offsets: npt.NDArray[Any],
     spaces: list[BlendNamespace],
     which: npt.NDArray[Any],
+    kind: int = ADD,
 ) -> OpColumns:
-    """The adds of valid columns (contents the index keeps as they are)."""
+    """The adds (or ``kind``) of valid columns (contents the index keeps as they are)."""
     n = len(tokens)
     return OpColumns(
-        filled(n, ADD),
+        filled(n, kind),
         tokens,
         hashes,
         hash_lens,
@@ -399,17 +324,6 @@ _NONE = np.empty(0, np.int64)
 _EMPTY = OpColumns(
     _NONE, [], [], _NONE, _NONE, _NONE, [], _NONE, np.empty(0, np.bool_), _NONE, True
 )
-
-
-def filled(n: int, value: int) -> npt.NDArray[np.int64]:
-    """``n`` int64s of ``value`` (``np.full`` without its Python-level overhead)."""
-    out = np.empty(n, np.int64)
-    out.fill(value)
-    return out
-
-
-def _lengths(items: Sequence[bytes]) -> npt.NDArray[np.int64]:
-    return np.fromiter(map(len, items), np.int64, len(items))
 
 
 def _shareable(arr: npt.NDArray[Any]) -> bool:

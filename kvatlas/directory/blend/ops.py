@@ -72,10 +72,35 @@ class AddColumns(NamedTuple):
         ]
 
 
+class RemoveClaimColumns(NamedTuple):
+    """``RemoveClaimOp(tokens[j], chunk_hashes[j], namespaces[namespace_of[j]])`` for each
+    ``j``, in order, as columns: what fencing an instance queues for the chunks it empties
+    (no op object per chunk). ``namespace_of`` ``None``: every entry is ``namespaces[0]``'s.
+    ``vouched`` as for :class:`AddColumns` (the directory, for contents it keeps); otherwise
+    applied as the ``RemoveClaimOp``s it stands for (same validation, same errors)."""
+
+    tokens: Sequence[Any]
+    chunk_hashes: Sequence[bytes]
+    namespaces: Sequence[BlendNamespace]
+    namespace_of: Any = None  # a sequence of ints or an integer array
+    vouched: bool = False
+
+    def ops(self) -> list[RemoveClaimOp]:
+        """The ``RemoveClaimOp``s this stands for."""
+        spaces = self.namespaces
+        which = [0] * len(self.tokens) if self.namespace_of is None else _listed(self.namespace_of)
+        if len({len(self.tokens), len(self.chunk_hashes), len(which)}) != 1:
+            raise ValueError("RemoveClaimColumns: columns of different lengths")
+        return [
+            RemoveClaimOp(t, h, spaces[s])
+            for t, h, s in zip(self.tokens, self.chunk_hashes, which, strict=True)
+        ]
+
+
 def _listed(values: Any) -> list[Any]:
     return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
 
-BlendOp = AddOp | RemoveClaimOp | RemoveChunkOp | AddColumns
+BlendOp = AddOp | RemoveClaimOp | RemoveChunkOp | AddColumns | RemoveClaimColumns
 """One write of :meth:`BlendIndex.apply`: the arguments of the method of the same name
-(:class:`AddColumns`: many adds)."""
+(:class:`AddColumns`: many adds; :class:`RemoveClaimColumns`: many claims dropped)."""

@@ -42,15 +42,8 @@ from kvatlas.directory.blend.kernels.writes import (
     OP_TOKENS,
 )
 from kvatlas.directory.blend.namespaces import NamespaceIds
-from kvatlas.directory.blend.op_columns import (
-    OpColumns,
-    SingleOp,
-    Tokens,
-    filled,
-    hash_addresses,
-    token_nbytes,
-    token_width,
-)
+from kvatlas.directory.blend.op_checks import Tokens, filled, token_nbytes, token_width
+from kvatlas.directory.blend.op_columns import OpColumns, SingleOp, hash_addresses
 from kvatlas.keys import BlendNamespace
 
 MIN_CAPACITY = 1024

@@ -1,7 +1,7 @@
 """The column check of an add batch, compiled: Python objects read through their CPython
 layout (``_cpython.ObjectLayout``, located and read back at import).
 
-What it decides is what ``op_columns._kept_columns`` asks in Python when no layout was
+What it decides is what ``op_checks.checked_in_python`` asks in Python when no layout was
 located: whether every token array is one the index keeps as it is and every chunk hash an
 exact ``bytes`` of at most 32. In Python each of the six questions is an attribute read per
 array; here they are a few loads each. The caller keeps every
