@@ -19,6 +19,7 @@ from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.server import BackgroundServer, free_port
 from kvatlas.directory import KeyDirectory, load_snapshot, save_snapshot
 from kvatlas.events import (
+    ACCESS,
     DELETE,
     RESYNC,
     STORE,
@@ -83,8 +84,15 @@ def test_digests_follow_store_delete_fence_resync_and_restore(tmp_path: Path) ->
             d.consume(em.batch(DELETE, [CacheEntry(k, 8) for k in ks], tier, backend))
             for k in ks:
                 held.pop(k, None)
-        elif op < 0.85:
-            d.fence_instance(inst)
+        elif op < 0.85:  # a fence: by hand, a deregistration or a restart (a higher incarnation)
+            how = rng.choice(["fence", "deregister", "restart"])
+            if how == "fence":
+                d.fence_instance(inst)
+            elif how == "deregister":
+                d.deregister(inst)
+            else:
+                em.restart()
+                d.consume(em.batch(ACCESS, [], tier, backend))
             own.pop((inst, "l1"), None)
             own.pop((inst, "gpu"), None)
         elif op < 0.95:
@@ -113,9 +121,11 @@ def test_digests_follow_store_delete_fence_resync_and_restore(tmp_path: Path) ->
     load_snapshot(restored, path)
     # changes before the digests are first built (lazily, after a restore) are counted once
     extra = hkey(9, 999)
-    restored.consume(Emitter("a", incarnation=2).batch(STORE, [CacheEntry(extra, 8)], "l2", "fs"))
+    later = Emitter("a", incarnation=emitters["a"].incarnation + 1)
+    restored.consume(later.batch(STORE, [CacheEntry(extra, 8)], "l2", "fs"))
     own.setdefault(("a", "l2"), {})[extra] = "fs"
-    own.pop(("a", "l1"), None)  # the new incarnation fenced a's L1 first
+    own.pop(("a", "l1"), None)  # the new incarnation fenced a's L1 (and GPU) first
+    own.pop(("a", "gpu"), None)
     for i in ("a", "b"):
         for t, _ in where:
             assert restored.digest(i, t) == expected(own, i, t)
