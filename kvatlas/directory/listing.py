@@ -17,7 +17,6 @@ from kvatlas.directory.chunk_table import ChunkTable
 from kvatlas.directory.records import (
     KeyPage,
     KeyPlacements,
-    Placement,
     PlacementRow,
     placements_of,
     public_placements,
@@ -43,15 +42,9 @@ class KeyFilter:
     def takes_all(self) -> bool:
         return self.tier is None and self.instance_id is None and self.backend is None
 
-    def admits(self, p: Placement) -> bool:
-        return (
-            (self.tier is None or p.tier == self.tier)
-            and (self.backend is None or p.backend == self.backend)
-            and (self.instance_id is None or p.instance_id == self.instance_id)
-        )
-
     def admits_row(self, row: PlacementRow) -> bool:
-        """:meth:`admits` for a stored placement row (no :class:`Placement` built)."""
+        """Whether the filter takes a key with this stored placement row (read as it is
+        stored: no :class:`~kvatlas.directory.records.Placement` built)."""
         return (
             (self.tier is None or row_tier(row) == self.tier)
             and (self.backend is None or row_backend(row) == self.backend)
@@ -89,11 +82,12 @@ def list_keys(
     budget = max_scan if max_scan is not None else max(4096, 64 * limit)
     items: list[KeyPlacements] = []
     scanned = 0
+    takes_all = where.takes_all
     for part_no in range(start[0] if start else 0, PARTS):
         # Under the lock: the partition's chunks in order and the records of as many as the
         # page can still examine (a chunk has a key at least, and every key counts when the
         # filter takes all), plus one; records are immutable, so the page is built after it.
-        room = limit - len(items) if where.takes_all else budget - scanned
+        room = limit - len(items) if takes_all else budget - scanned
         with lock:
             shapes = chunks.shapes.shapes
             part = chunks.parts[part_no]
@@ -109,9 +103,10 @@ def list_keys(
                     return KeyPage(items, f"{h.hex()}:{n}")
                 scanned += 1
                 shape, pls = pairs[n]
-                found = public_placements(pls)
-                if any(where.admits(p) for p in found):
-                    items.append(KeyPlacements(shape.key(h), found, record_tokens(rec)))
+                if takes_all or any(map(where.admits_row, placements_of(pls))):
+                    items.append(
+                        KeyPlacements(shape.key(h), public_placements(pls), record_tokens(rec))
+                    )
         if len(records) < len(order):  # (a start chunk's skipped keys left the page short)
             return KeyPage(items, f"{order[len(records)].hex()}:0")
         start = None

@@ -220,9 +220,9 @@ def test_a_page_is_built_outside_the_directory_lock() -> None:
     held: list[bool] = []
 
     class Watched(KeyFilter):
-        def admits(self, p: Any) -> bool:
+        def admits_row(self, row: Any) -> bool:
             held.append(d._lock.locked())
-            return bool(super().admits(p))
+            return bool(super().admits_row(row))
 
     first = d.list_keys(Watched(tier="l1"), limit=25)
     rest = d.list_keys(Watched(tier="l1"), cursor=first.next_cursor, limit=100)
