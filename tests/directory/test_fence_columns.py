@@ -1,10 +1,12 @@
 """Fencing by columns (``RemovalRules._fence_plain``): the chunks an instance alone holds in
 L1 under one key are fenced without a record built per chunk, their index claims dropped as
-one ``RemoveClaimColumns``; every other chunk one by one. Held to the one-by-one path (the
-reference: the same steps with the columns path turned off) and to the op-by-op index."""
+one ``RemoveClaimColumns`` and settled as columns (``blend/drops.py``); every other chunk
+one by one. Held to the one-by-one paths (the reference: the same steps with both columns
+paths turned off) and to the op-by-op index."""
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 
+import kvatlas.directory.blend.state as state_module
 from kvatlas.directory import BlendIndex, KeyDirectory, RemoveClaimColumns, RemoveClaimOp
+from kvatlas.directory.blend.kernels import REMOVE_CLAIM
 from kvatlas.directory.chunk_parts import ChunkColumns
 from kvatlas.keys import BlendNamespace
 from tests.directory.helpers import CS, Emitter, captured, entry, key, toks
@@ -22,14 +26,36 @@ from tests.directory.test_snapshot_capture import restored_from
 NS = BlendNamespace("m", "", 1)
 
 
+_REFERENCE: weakref.WeakSet[Any] = weakref.WeakSet()  # index states settling op by op
+
+
 def one_by_one(d: KeyDirectory) -> KeyDirectory:
-    """``d`` with the columns path turned off: every chunk fenced one by one."""
+    """``d`` with the columns paths turned off: every chunk fenced one by one, every dropped
+    claim of its index settled op by op (:func:`_reference_drops_one_by_one`)."""
 
     def none_plain(inst: str, hashes: list[bytes], rows: list[int]) -> tuple[int, list[bytes]]:
         return 0, hashes
 
     d._chunks.removals._fence_plain = none_plain  # type: ignore[method-assign]
+    if d._index is not None:
+        _REFERENCE.add(d._index._state)
     return d
+
+
+@pytest.fixture(autouse=True)
+def _reference_drops_one_by_one(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    real = state_module.settle_drops
+
+    def settle(st: Any, results: Any, nss: Any) -> None:
+        if st in _REFERENCE:
+            kinds = [REMOVE_CLAIM] * len(results)
+            st._settle_removals(zip(kinds, results.tolist(), nss.tolist(), strict=True))
+        else:
+            real(st, results, nss)
+
+    monkeypatch.setattr(state_module, "settle_drops", settle)
+    (tmp_path / "fast").mkdir()
+    (tmp_path / "slow").mkdir()
 
 
 def state(d: KeyDirectory) -> tuple[Any, ...]:
@@ -39,7 +65,21 @@ def state(d: KeyDirectory) -> tuple[Any, ...]:
     }
     query = np.concatenate([toks(n, n, n, n) for n in range(1, 25)])
     matches = sorted((m.chunk_hash, m.cur_st, m.old_st) for m in d.blend_match(query, NS))
-    return captured(d), d.stats(), d.usage(), digests, matches
+    return captured(d), d.stats(), d.usage(), digests, matches, index_state(d)
+
+
+def index_state(d: KeyDirectory) -> tuple[Any, ...]:
+    """What the blend index keeps beside its arrays, whatever ids it handed out: the live
+    contents and hashes it holds alive, its counters, each namespace's claims."""
+    assert d._index is not None
+    s = d._index._state
+    ns = s.namespaces
+    return (
+        sorted(t for t in s.tokens if t is not None),
+        sorted(h for h in s.hashes if h is not None),
+        (s.contents, s.occupants, s.claims, s.token_bytes, s.owned_bytes, s.n_extra, s._stale),
+        {name: ns.claims[i] for name, i in ns._ids.items()},
+    )
 
 
 @settings(
@@ -80,12 +120,6 @@ def test_fencing_by_columns_equals_fencing_one_by_one(
     assert state(run(fast, fleets[0], again, tmp_path)) == state(
         run(slow, fleets[1], again, tmp_path)
     )
-
-
-@pytest.fixture(autouse=True)
-def _dirs(tmp_path: Path) -> None:
-    (tmp_path / "fast").mkdir()
-    (tmp_path / "slow").mkdir()
 
 
 def test_a_fence_builds_no_record_of_the_chunks_the_instance_alone_held(

@@ -56,8 +56,9 @@ class NamespaceIds:
         self._last, self._last_id = namespace, ns
         return ns
 
-    def release(self, ns: int) -> None:
-        self.claims[ns] -= 1
+    def release(self, ns: int, dropped: int) -> None:
+        """``dropped`` claims of ``ns`` went."""
+        self.claims[ns] -= dropped
         if self.claims[ns] == 0:
             self._unclaimed.add(ns)
 

@@ -16,6 +16,7 @@ import numpy.typing as npt
 
 from kvatlas.directory.blend import _cpython, kernels
 from kvatlas.directory.blend._cpython import array_handle, bytes_address
+from kvatlas.directory.blend.drops import settle_drops
 from kvatlas.directory.blend.id_lists import chosen, put, put_one
 from kvatlas.directory.blend.kernels import (
     ADD,
@@ -57,7 +58,8 @@ grows separately, by doubling (``_make_room``)."""
 _ALL_NEW = F_NEW_CONTENT | F_NEW_OCCUPANT | F_NEW_CLAIM
 """The flags of an add of a new content, occupant and inline claim: a fresh chunk's add."""
 _OP_BY_OP = F_EXTRA_CLAIM | F_CLAIM_DROPPED | F_OCCUPANT_GONE | F_CONTENT_GONE
-"""Flags settled op by op (:meth:`IndexState._settle`)."""
+"""Flags settled op by op (:meth:`IndexState._settle`), but for plain drops (``drops.py``)."""
+_NOT_A_DROP = F_NEW_CONTENT | F_NEW_OCCUPANT | F_NEW_CLAIM | F_EXTRA_CLAIM
 
 
 class IndexState:
@@ -252,7 +254,12 @@ class IndexState:
             for ns in np.flatnonzero(counts).tolist():
                 ns_claims[ns] += int(counts[ns])
             self.claims += int(np.count_nonzero(new))
-        rest = np.flatnonzero((flags & _OP_BY_OP != 0) | (kinds == REMOVE_CHUNK))
+        by_op = (flags & _OP_BY_OP != 0) | (kinds == REMOVE_CHUNK)
+        drops = by_op & (kinds == REMOVE_CLAIM) & (flags & _NOT_A_DROP == 0)
+        if drops.any():  # (a fence's: drops.py)
+            settle_drops(self, results[drops], nss[drops])
+            by_op &= ~drops
+        rest = np.flatnonzero(by_op)
         if len(rest):
             self._settle_removals(
                 zip(kinds[rest].tolist(), results[rest].tolist(), nss[rest].tolist(), strict=True)
@@ -324,18 +331,18 @@ class IndexState:
                 extra_claims.setdefault(occ, set()).add(ns)
                 self.n_extra += 1
             if flags & F_CLAIM_DROPPED:
-                namespaces.release(ns)
+                namespaces.release(ns, 1)
                 claims -= 1
                 if flags & F_EXTRA_CLAIM:
                     self._forget_extra(occ, ns)
             if kind == REMOVE_CHUNK:
                 if ns0 >= 0:
-                    namespaces.release(ns0)
+                    namespaces.release(ns0, 1)
                     claims -= 1
                 for other in extra_claims.pop(occ, ()):
                     kernels.drop_extra_claim(occ, other, self.arrays.claims)
                     self.n_extra -= 1
-                    namespaces.release(other)
+                    namespaces.release(other, 1)
                     claims -= 1
             if flags & F_OCCUPANT_GONE:
                 live_hashes[occ] = None
@@ -354,6 +361,10 @@ class IndexState:
         self.contents += contents
         self.occupants += occupants
         self.claims += claims
+
+    def mark_stale(self, contents: int) -> None:
+        """``contents`` contents were removed (their filter bits shed at the next rebuild)."""
+        self._stale += contents
 
     def _forget_extra(self, occ: int, ns: int) -> None:
         claims = self.extra_claims[occ]

@@ -1,0 +1,52 @@
+"""Settling a batch's dropped claims column-wise: what :meth:`IndexState._settle` hands over
+for the ``remove_claim`` ops that only dropped a claim (an occupant's inline one, not one of
+its extra set) or nothing, and with it maybe the occupant and the content (a fence's
+``RemoveClaimColumns``: one op a chunk). Settled one by one, each cost a Python pass of its
+own; for these ops any order settles the same (every count is a sum, and an occupant or
+content goes once: ids freed by a batch are not reused within it), so they are settled as
+columns. Tests: ``tests/directory/test_fence_columns.py`` (against the ops one by one).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from kvatlas.directory.blend.id_lists import put
+from kvatlas.directory.blend.kernels import F_CLAIM_DROPPED, F_CONTENT_GONE, F_OCCUPANT_GONE
+from kvatlas.directory.blend.op_checks import token_nbytes
+
+if TYPE_CHECKING:
+    from kvatlas.directory.blend.state import IndexState
+
+
+def settle_drops(
+    state: IndexState, results: npt.NDArray[np.int64], nss: npt.NDArray[np.int64]
+) -> None:
+    """The bookkeeping of such ops (per op the kernel's ``(flags, content id, occupant id,
+    ns0)`` and its namespace id), as ``_settle_removals`` does it op by op."""
+    flags = results[:, 0]
+    dropped = flags & F_CLAIM_DROPPED != 0
+    if dropped.any():
+        counts = np.bincount(nss[dropped])
+        for ns in np.flatnonzero(counts).tolist():
+            state.namespaces.release(ns, int(counts[ns]))
+        state.claims -= int(np.count_nonzero(dropped))
+    occupants = results[flags & F_OCCUPANT_GONE != 0, 2]
+    if len(occupants):
+        put(state.hashes, occupants, [None] * len(occupants))
+        state.occupants -= len(occupants)
+    ids = results[flags & F_CONTENT_GONE != 0, 1]
+    if len(ids):
+        gone = list(map(state.tokens.__getitem__, ids.tolist()))
+        state.token_bytes -= sum(map(token_nbytes, [t for t in gone if t is not None]))
+        if state.owned:
+            for cid, arr in zip(ids.tolist(), gone, strict=True):
+                if arr is not None and cid in state.owned:
+                    state.owned.discard(cid)
+                    state.owned_bytes -= token_nbytes(arr)
+        put(state.tokens, ids, [None] * len(ids))
+        state.contents -= len(ids)
+        state.mark_stale(len(ids))
