@@ -9,21 +9,35 @@ columns. Tests: ``tests/directory/test_fence_columns.py`` (against the ops one b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from kvatlas.directory.blend.id_lists import put
 from kvatlas.directory.blend.kernels import F_CLAIM_DROPPED, F_CONTENT_GONE, F_OCCUPANT_GONE
-from kvatlas.directory.blend.op_checks import token_nbytes
+from kvatlas.directory.blend.namespaces import NamespaceIds
+from kvatlas.directory.blend.op_checks import Tokens, token_nbytes
 
-if TYPE_CHECKING:
-    from kvatlas.directory.blend.state import IndexState
+
+class DropsOf(Protocol):
+    """What settling drops changes of an index's state (``state.IndexState``)."""
+
+    namespaces: NamespaceIds
+    tokens: list[Tokens | None]
+    hashes: list[bytes | None]
+    owned: set[int]
+    claims: int
+    occupants: int
+    contents: int
+    token_bytes: int
+    owned_bytes: int
+
+    def mark_stale(self, contents: int) -> None: ...
 
 
 def settle_drops(
-    state: IndexState, results: npt.NDArray[np.int64], nss: npt.NDArray[np.int64]
+    state: DropsOf, results: npt.NDArray[np.int64], nss: npt.NDArray[np.int64]
 ) -> None:
     """The bookkeeping of such ops (per op the kernel's ``(flags, content id, occupant id,
     ns0)`` and its namespace id), as ``_settle_removals`` does it op by op."""
