@@ -98,23 +98,10 @@ class RemovalRules:
         return dropped
 
     def _fence_chunk(self, inst: str, h: bytes) -> int:
-        """Fence one chunk (any record): returns the placements dropped."""
-        table = self._table
-        rec = table.parts[h[0]][h]
-        table.preserve(h, rec)
-        keys: list[tuple[int, Placements | None]] = []
-        dropped = 0
-        for sid, pls in record_keys(rec):
-            kept = []
-            for p in placements_of(pls):
-                if l1_owner(p) == inst:
-                    self._count(p, -1, sid)
-                    dropped += 1
-                else:
-                    kept.append(p)
-            keys.append((sid, pack_placements(kept)))
-        self._rewrite(h, rec, keys)
-        return dropped
+        """Fence one chunk (any record): returns the placements dropped (the digests they
+        were in go whole after the fence)."""
+        rec = self._table.parts[h[0]][h]
+        return self._drop_where(h, rec, lambda _h, _sid, p: l1_owner(p) == inst, digests=False)
 
     def _fence_plain(
         self, inst: str, hashes: list[bytes], rows: list[int]
@@ -216,9 +203,14 @@ class RemovalRules:
         return removed
 
     def _drop_where(
-        self, h: bytes, rec: Record, doomed: Callable[[bytes, int, PlacementRow], bool]
+        self,
+        h: bytes,
+        rec: Record,
+        doomed: Callable[[bytes, int, PlacementRow], bool],
+        digests: bool = True,
     ) -> int:
-        """Remove the chunk's placements ``doomed(h, shape id, row)`` selects."""
+        """Remove the chunk's placements ``doomed(h, shape id, row)`` selects (from their
+        digests too, unless ``digests`` is false); returns how many."""
         self._table.preserve(h, rec)
         keys: list[tuple[int, Placements | None]] = []
         dropped = 0
@@ -227,7 +219,8 @@ class RemovalRules:
             for p in placements_of(pls):
                 if doomed(h, sid, p):
                     self._count(p, -1, sid)
-                    self._digests.xor(row_instance(p), row_tier(p), h, sid, row_backend(p))
+                    if digests:
+                        self._digests.xor(row_instance(p), row_tier(p), h, sid, row_backend(p))
                     dropped += 1
                 else:
                     kept.append(p)
