@@ -335,3 +335,31 @@ def test_copies_stored_after_a_fence_during_an_overflow_stay_published(
         for v in views:
             v.close()
         p.close()
+
+
+def test_a_fence_of_an_instance_without_own_l2_copies_scans_nothing(published: Published) -> None:
+    """Its republish has nothing to send: the directory's counters say so, and the
+    publisher runs no listing (a pass over every key, ≈2 µs each)."""
+    view = published.router()
+    try:
+        published.emit("node-1", "store", "l1", "dram", [entry(0), entry(1)])
+        published.emit("node-2", "store", "l2", "disk", [entry(2)])
+        assert sees(view, published.directory)
+        listed: list[Any] = []  # the publisher's listings (the test's own are not counted)
+        list_keys = published.directory.list_keys
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread() is published.thread:
+                listed.append(args)
+            return list_keys(*args, **kwargs)
+
+        published.directory.list_keys = counted  # type: ignore[method-assign]
+        published.directory.fence_instance("node-1")
+        published.directory.fence_instance("node-2")  # its own L2 copy is published again
+        assert wait_for(lambda: listed, timeout=10)  # (fences are taken in order)
+        assert {args[0].instance_id for args in listed} == {"node-2"}  # none for node-1
+        assert sees(view, published.directory)
+        assert "kv@node-1@m" not in view.view()
+        assert view.view()["kv@node-2@m"] == {"kvatlas-l2-disk": {entry(2).key.chunk_hash}}
+    finally:
+        view.close()

@@ -283,6 +283,12 @@ class KvEventsPublisher:
             self._send(topic, events, ts)
             self.counts["blocks_stored"] += len(hashes)
 
+    def _holds_own_l2(self, instance_id: str) -> bool:
+        return any(
+            m.instance_id == instance_id and m.tier == "l2" and m.placements
+            for m in self._directory.usage().modules
+        )
+
     def _stored(self, hashes: list[bytes], medium: str, entries: list[Any]) -> BlockStored:
         tokens: list[int] = []
         for e in entries:
@@ -301,7 +307,10 @@ class KvEventsPublisher:
 
     def _republish(self, instance_id: str | None) -> None:
         """Publish the node placements now in the directory: every one (``None``), or the
-        own L2 copies of one instance (those survive its fence)."""
+        own L2 copies of one instance (those survive its fence; an instance without any, the
+        directory's counters say so, costs no pass over the directory)."""
+        if instance_id is not None and not self._holds_own_l2(instance_id):
+            return
         groups: defaultdict[tuple[str, str, str, bool, str], list[bytes]] = defaultdict(list)
         cursor: str | None = None
         while True:
