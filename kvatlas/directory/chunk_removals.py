@@ -112,19 +112,22 @@ class RemovalRules:
         their index claims dropped as one :class:`RemoveClaimColumns`. Returns the
         placements dropped and the chunks left to fence one by one, in order."""
         cols = self._table.parts[0].cols
+        owner = cols.l1.ids.get(inst)
+        if owner is None or not rows:
+            return 0, hashes
         n = len(rows)
         at = np.array(rows, np.intp)
         tokens, flagged, placements, rests = cols.fields(rows)
-        plain = np.frombuffer(cols.l1.owner, np.int32)[at] == cols.l1.ids[inst]
+        plain = np.frombuffer(cols.l1.owner, np.int32)[at] == owner
         plain &= np.fromiter(map(len, rests), np.intp, n) == 0
         chosen = np.flatnonzero(plain)
+        if not len(chosen):
+            return 0, hashes
         group_of = np.fromiter(map(id, placements), np.int64, n)[chosen]
         order = np.argsort(group_of, kind="stable")
         dropped = 0
         gone = []
         for group in np.split(chosen[order], np.flatnonzero(np.diff(group_of[order])) + 1):
-            if not len(group):
-                continue
             m = len(group)
             kept = []
             for p in placements_of(placements[group[0]]):

@@ -109,7 +109,7 @@ def index_state(d: KeyDirectory) -> tuple[Any, ...]:
 def test_fencing_by_columns_equals_fencing_one_by_one(
     steps: list[tuple[Any, ...]], tmp_path: Path
 ) -> None:
-    fast, slow, fleets = KeyDirectory(CS, enable_blend_lookup=True), None, (Fleet(), Fleet())
+    fast, fleets = KeyDirectory(CS, enable_blend_lookup=True), (Fleet(), Fleet())
     slow = one_by_one(KeyDirectory(CS, enable_blend_lookup=True))
     for step in [*steps, *(("fence", inst) for inst in INSTANCES)]:
         fast = run(fast, fleets[0], step, tmp_path / "fast")

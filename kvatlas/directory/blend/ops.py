@@ -61,8 +61,7 @@ class AddColumns(NamedTuple):
 
     def ops(self) -> list[AddOp]:
         """The ``AddOp``s this stands for."""
-        spaces = self.namespaces
-        which = [0] * len(self.tokens) if self.namespace_of is None else _listed(self.namespace_of)
+        spaces, which = self.namespaces, _namespace_ids(self.namespace_of, len(self.tokens))
         offsets = _listed(self.token_offsets)
         if len({len(self.tokens), len(self.chunk_hashes), len(offsets), len(which)}) != 1:
             raise ValueError("AddColumns: columns of different lengths")
@@ -87,14 +86,18 @@ class RemoveClaimColumns(NamedTuple):
 
     def ops(self) -> list[RemoveClaimOp]:
         """The ``RemoveClaimOp``s this stands for."""
-        spaces = self.namespaces
-        which = [0] * len(self.tokens) if self.namespace_of is None else _listed(self.namespace_of)
+        spaces, which = self.namespaces, _namespace_ids(self.namespace_of, len(self.tokens))
         if len({len(self.tokens), len(self.chunk_hashes), len(which)}) != 1:
             raise ValueError("RemoveClaimColumns: columns of different lengths")
         return [
             RemoveClaimOp(t, h, spaces[s])
             for t, h, s in zip(self.tokens, self.chunk_hashes, which, strict=True)
         ]
+
+
+def _namespace_ids(namespace_of: Any, n: int) -> list[int]:
+    """Each of ``n`` entries' index into ``namespaces`` (``None``: all the first)."""
+    return [0] * n if namespace_of is None else _listed(namespace_of)
 
 
 def _listed(values: Any) -> list[Any]:
