@@ -155,6 +155,11 @@ class _CollectorStats(Collector):
                 "longest malloc_trim so far (an arena's lock held as long)",
                 MEMORY_TRIM.longest_s,
             )
+            yield _gauge(
+                "kvatlas_memory_thresholds_pinned",
+                "1 if the C allocator's mmap and trim thresholds are pinned (runtime.MemoryTrim)",
+                float(MEMORY_TRIM.pinned),
+            )
 
 
 REPLICA_HEALTH = frozenset(

@@ -105,6 +105,16 @@ TRIM_INTERVAL_S = 10.0
 (:class:`MemoryTrim`): the default of ``--memory-trim-interval-s``."""
 
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+"""glibc's ``mallopt`` parameters (``malloc.h``)."""
+MMAP_THRESHOLD = 32 << 20
+"""Blocks below this come from the heaps, never from a map of their own: glibc's own ceiling
+for its sliding mmap threshold (``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit)."""
+TRIM_THRESHOLD = 2 * MMAP_THRESHOLD
+"""Free memory at a heap's top that glibc keeps rather than hands back after a ``free``: what
+glibc pairs with that ceiling (twice the mmap threshold)."""
+
+
 def _malloc_trim() -> Callable[[int], int] | None:
     """glibc's ``malloc_trim`` (``None`` elsewhere: musl, macOS). Called through ``ctypes``,
     which releases the GIL for the call."""
@@ -114,6 +124,16 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim  # type: ignore[no-any-return]
+
+
+def _mallopt() -> Callable[[int, int], int] | None:
+    """glibc's ``mallopt`` (``None`` elsewhere)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError):
+        return None
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt  # type: ignore[no-any-return]
 
 
 class MemoryTrim:
@@ -130,15 +150,27 @@ class MemoryTrim:
     per ingested entry, ≈+30%; every 10 s, none measurable), and each trim is a chance for
     that wait (13–33 ms were seen with 2 cores shared by ≈10 runnable processes: the trimming
     thread preempted holding a lock). What it returns does not grow with the interval: what
-    a request frees, the next ones reuse."""
+    a request frees, the next ones reuse.
+
+    Starting it also pins glibc's two thresholds (:data:`MMAP_THRESHOLD`,
+    :data:`TRIM_THRESHOLD`), so that the timer is the only one handing pages back. Left to
+    itself glibc trims a heap's top after any ``free`` that leaves more than twice its mmap
+    threshold there, a threshold that only rises when a block it had mapped on its own is
+    freed: a ``POST /events`` whose blocks are each below it (a msgpack body of a thousand
+    entries: a ``bytes`` per content and their join, ≈2 MB) was handed back at the end of
+    every request and faulted in again by the next, ≈0.5 faults an entry
+    (docs/performance.md, "Allocator thresholds")."""
 
     def __init__(
         self,
         interval_s: float = TRIM_INTERVAL_S,
         trim: Callable[[int], int] | None = None,
+        mallopt: Callable[[int, int], int] | None = None,
     ) -> None:
         self.interval_s = interval_s
         self._trim = trim if trim is not None else _malloc_trim()
+        self._mallopt = mallopt if mallopt is not None else _mallopt()
+        self.pinned = False  # whether start() pinned the thresholds
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.trims = 0
@@ -153,9 +185,16 @@ class MemoryTrim:
         return self._trim is not None
 
     def start(self) -> bool:
-        """Start trimming (False where the C library has no ``malloc_trim``)."""
+        """Pin the thresholds and start trimming (False where the C library has no
+        ``malloc_trim``: then nothing is pinned either, and glibc-less allocators keep their
+        own policy)."""
         if self._trim is None or self._thread is not None:
             return self._thread is not None
+        if self._mallopt is not None:
+            self.pinned = bool(
+                self._mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+                and self._mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+            )
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="kvatlas-memory-trim", daemon=True)
         self._thread.start()
