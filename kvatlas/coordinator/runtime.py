@@ -115,25 +115,15 @@ TRIM_THRESHOLD = 2 * MMAP_THRESHOLD
 glibc pairs with that ceiling (twice the mmap threshold)."""
 
 
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim`` (``None`` elsewhere: musl, macOS). Called through ``ctypes``,
-    which releases the GIL for the call."""
+def _glibc(name: str, *argtypes: type[ctypes._SimpleCData[int]]) -> Callable[..., int] | None:
+    """glibc's ``malloc_trim`` or ``mallopt`` (``None`` elsewhere: musl, macOS). Called
+    through ``ctypes``, which releases the GIL for the call."""
     try:
-        trim = ctypes.CDLL(None).malloc_trim
+        function = getattr(ctypes.CDLL(None), name)
     except (AttributeError, OSError):
         return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim  # type: ignore[no-any-return]
-
-
-def _mallopt() -> Callable[[int, int], int] | None:
-    """glibc's ``mallopt`` (``None`` elsewhere)."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (AttributeError, OSError):
-        return None
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt  # type: ignore[no-any-return]
+    function.argtypes, function.restype = list(argtypes), ctypes.c_int
+    return function  # type: ignore[no-any-return]
 
 
 class MemoryTrim:
@@ -159,7 +149,8 @@ class MemoryTrim:
     freed: a ``POST /events`` whose blocks are each below it (a msgpack body of a thousand
     entries: a ``bytes`` per content and their join, ≈2 MB) was handed back at the end of
     every request and faulted in again by the next, ≈0.5 faults an entry
-    (docs/performance.md, "Allocator thresholds")."""
+    (docs/performance.md, "Allocator thresholds"). :meth:`stop` leaves them pinned (glibc
+    cannot slide them again): the process is ending."""
 
     def __init__(
         self,
@@ -168,8 +159,10 @@ class MemoryTrim:
         mallopt: Callable[[int, int], int] | None = None,
     ) -> None:
         self.interval_s = interval_s
-        self._trim = trim if trim is not None else _malloc_trim()
-        self._mallopt = mallopt if mallopt is not None else _mallopt()
+        self._trim = trim if trim is not None else _glibc("malloc_trim", ctypes.c_size_t)
+        self._mallopt = (
+            mallopt if mallopt is not None else _glibc("mallopt", ctypes.c_int, ctypes.c_int)
+        )
         self.pinned = False  # whether start() pinned the thresholds
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
