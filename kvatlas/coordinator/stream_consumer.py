@@ -65,6 +65,17 @@ from kvatlas.redis_clients import redis_client
 log = logging.getLogger(__name__)
 
 READ_COUNT = 256
+"""The most entries one read asks for (a stream of small entries: one round trip per 256)."""
+READ_BYTES = 8 << 20
+"""About how many bytes of entries a read asks for: each read's count is this over the mean
+size of the previous read's entries (1 to :data:`READ_COUNT`; :data:`READ_FIRST` before
+any). A reply is held whole in memory and parsed at once, so a backlog of large entries
+(bodies of a thousand entries, ≈1 MB each in msgpack) read 256 at a time was a reply of
+≈280 MB; at ≈8 MB it stays below the allocator's mmap threshold (``runtime.MMAP_THRESHOLD``)
+and its memory is reused read after read instead of mapped and faulted in each time
+(docs/performance.md, "Allocator thresholds")."""
+READ_FIRST = 16
+"""The count of a consumer's first read, before it has seen an entry's size."""
 BLOCK_MS = 500
 LAG_PERIOD_S = 1.0
 """How often a replica that is behind asks Redis how far (``XINFO GROUPS``)."""
@@ -180,6 +191,7 @@ class StreamConsumer:
         # Redis restart sees this replica alive before it would take the group over.
         self.retry_max_s = min(RETRY_MAX_S, self._touch_s)
         self._block_ms = max(1, min(BLOCK_MS, int(self._touch_s * 1000)))
+        self._count = READ_FIRST  # the next read's count (read_count)
         # One name per process run: a second replica with this group is never taken for us.
         self.consumer = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.client = redis_client(config.redis_url or "", socket_timeout=self._block_ms / 1000 + 5)
@@ -294,18 +306,20 @@ class StreamConsumer:
     def _read_once(self) -> bool:
         """Read, apply and acknowledge one batch of entries; True when the stream had no more."""
         self._show_alive()
+        count = self._count
         reply: Any = self.client.xreadgroup(
-            self.group, self.consumer, {self.stream: ">"}, count=READ_COUNT, block=self._block_ms
+            self.group, self.consumer, {self.stream: ">"}, count=count, block=self._block_ms
         )
         if not reply:
             self.lag_entries = 0
             return True
         _, entries = reply[0]
+        self._count = read_count(entries)
         for entry_id, fields in entries:
             self._apply(entry_id, fields)
             self._show_alive()
-        self._note_lag(len(entries) < READ_COUNT)
-        return len(entries) < READ_COUNT
+        self._note_lag(len(entries) < count)
+        return len(entries) < count
 
     def _note_lag(self, at_end: bool) -> None:
         """:attr:`lag_entries`: 0 after a read that reached the stream's end; while behind,
@@ -345,3 +359,10 @@ class StreamConsumer:
         self.position = entry_id.decode()
         self._on_position(self.position)
         self.client.xack(self.stream, self.group, entry_id)
+
+
+def read_count(entries: Sequence[tuple[bytes, Mapping[bytes, bytes]]]) -> int:
+    """The count of the read after one that returned ``entries`` (not empty): about
+    :data:`READ_BYTES` of entries of their mean size, 1 to :data:`READ_COUNT`."""
+    size = sum(len(value) for _, fields in entries for value in fields.values())
+    return max(1, min(READ_COUNT, READ_BYTES * len(entries) // max(1, size)))

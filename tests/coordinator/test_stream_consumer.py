@@ -12,6 +12,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
+from kvatlas.coordinator import stream_consumer
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.instances import InstanceRegistry, Registration
 from kvatlas.coordinator.readiness import ReadinessTracker
@@ -41,6 +42,7 @@ class FakeRedis:
     def xreadgroup(self, group: str, consumer: str, streams: dict[str, str], **kw: Any) -> Any:
         if ">" not in streams.values():  # a read of its own pending entries: showing itself
             return []
+        self.log.append(("read", kw["count"]))
         return self.replies.pop(0) if self.replies else []
 
     def pipeline(self, transaction: bool) -> Any:
@@ -65,8 +67,9 @@ class FakeRedis:
         self.log.append(("ack", entry_id.decode()))
 
 
-def test_consumer_applies_reports_and_becomes_ready() -> None:
-    log: list[tuple[str, Any]] = []
+def _run(replies: list[Any], log: list[tuple[str, Any]]) -> tuple[StreamConsumer, Any]:
+    """A consumer of ``replies`` (from position 5-0), run until it says ``serving``; its
+    calls in ``log``; returns it and its metrics' registry."""
     stop = threading.Event()
     registry = CollectorRegistry()
     errors = Counter("errors", "stream errors", ["kind"], registry=registry)
@@ -80,8 +83,6 @@ def test_consumer_applies_reports_and_becomes_ready() -> None:
         if state is Readiness.SERVING:
             stop.set()
 
-    good = encode_stream_fields([EventBatch("a", 1, 1, "access", "l1", "dram")])
-    bad = {b"fmt": b"json", b"data": b"{not json"}
     consumer = StreamConsumer(
         CoordinatorConfig(event_transport="redis", redis_url="redis://127.0.0.1:1/0"),
         attribute=lambda fields: None,
@@ -93,14 +94,23 @@ def test_consumer_applies_reports_and_becomes_ready() -> None:
         errors=errors,
         rejected=rejected,
     )
-    consumer.client = FakeRedis([[("s", [(b"6-0", good), (b"7-0", bad)])]], log)  # type: ignore[assignment]
+    consumer.client = FakeRedis(replies, log)  # type: ignore[assignment]
     thread = threading.Thread(target=consumer.run)
     thread.start()
     thread.join(timeout=10)
     assert not thread.is_alive()
+    return consumer, registry
+
+
+def test_consumer_applies_reports_and_becomes_ready() -> None:
+    log: list[tuple[str, Any]] = []
+    good = encode_stream_fields([EventBatch("a", 1, 1, "access", "l1", "dram")])
+    bad = {b"fmt": b"json", b"data": b"{not json"}
+    consumer, registry = _run([[("s", [(b"6-0", good), (b"7-0", bad)])]], log)
     assert log == [
         ("group", "5-0"),  # rewound to the position it was given
         ("ready", Readiness.CATCHING_UP),
+        ("read", 16),
         ("ingest", [1]),
         ("position", "6-0"),
         ("ack", "6-0"),
@@ -111,6 +121,28 @@ def test_consumer_applies_reports_and_becomes_ready() -> None:
     assert consumer.position == "7-0"
     assert (consumer.applied_entries, consumer.bad_entries) == (1, 1)
     assert registry.get_sample_value("errors_total", {"kind": "decode"}) == 1
+
+
+def test_a_read_asks_for_about_8_mb_of_entries_of_the_size_the_last_one_returned() -> None:
+    """Each read's count follows the previous read's entries: 1 MB entries are read 8 at a
+    time (not 256: a reply of 256 MB held at once), small ones 256 at a time; every entry is
+    still applied (here: refused as undecodable, and acknowledged) in order."""
+    log: list[tuple[str, Any]] = []
+    big = {b"fmt": b"json", b"data": b"x" * ((1 << 20) - 4)}  # 1 MiB, undecodable: skipped
+    small = {b"fmt": b"json", b"data": b"x" * 100}
+    ids = iter(range(6, 1000))
+
+    def reply(fields: dict[bytes, bytes], n: int) -> list[Any]:
+        return [("s", [(f"{next(ids)}-0".encode(), fields) for _ in range(n)])]
+
+    replies = [reply(big, 16), reply(big, 8), reply(small, 8), reply(small, 2)]
+    consumer, _ = _run(replies, log)
+    assert [count for what, count in log if what == "read"] == [16, 8, 8, 256]
+    assert consumer.bad_entries == 34 and consumer.position == "39-0"
+    acks = [entry for what, entry in log if what == "ack"]
+    assert acks == [f"{n}-0" for n in range(6, 40)]
+    assert stream_consumer.read_count([(b"1-0", {b"data": b"x" * (64 << 20)})]) == 1
+    assert stream_consumer.read_count([(b"1-0", {})]) == stream_consumer.READ_COUNT
 
 
 def test_events_lost_after_serving_wait_for_the_stream_to_be_read_again() -> None:
