@@ -74,8 +74,9 @@ any). A reply is held whole in memory and parsed at once, so a backlog of large 
 ≈280 MB; at ≈8 MB it stays below the allocator's mmap threshold (``runtime.MMAP_THRESHOLD``)
 and its memory is reused read after read instead of mapped and faulted in each time
 (docs/performance.md, "Allocator thresholds")."""
-READ_FIRST = 16
-"""The count of a consumer's first read, before it has seen an entry's size."""
+READ_FIRST = 1
+"""The count of a consumer's first read, before it has seen an entry's size (an emitter's
+entry may be up to 64 batches: tens of MB)."""
 BLOCK_MS = 500
 LAG_PERIOD_S = 1.0
 """How often a replica that is behind asks Redis how far (``XINFO GROUPS``)."""

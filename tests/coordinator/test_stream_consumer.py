@@ -106,14 +106,15 @@ def test_consumer_applies_reports_and_becomes_ready() -> None:
     log: list[tuple[str, Any]] = []
     good = encode_stream_fields([EventBatch("a", 1, 1, "access", "l1", "dram")])
     bad = {b"fmt": b"json", b"data": b"{not json"}
-    consumer, registry = _run([[("s", [(b"6-0", good), (b"7-0", bad)])]], log)
+    consumer, registry = _run([[("s", [(b"6-0", good)])], [("s", [(b"7-0", bad)])]], log)
     assert log == [
         ("group", "5-0"),  # rewound to the position it was given
         ("ready", Readiness.CATCHING_UP),
-        ("read", 16),
+        ("read", 1),
         ("ingest", [1]),
         ("position", "6-0"),
         ("ack", "6-0"),
+        ("read", 256),  # about 8 MB of entries of its size: as many as a read may ask for
         ("position", "7-0"),  # skipped, never blocks the stream
         ("ack", "7-0"),
         ("ready", Readiness.SERVING),
@@ -124,9 +125,10 @@ def test_consumer_applies_reports_and_becomes_ready() -> None:
 
 
 def test_a_read_asks_for_about_8_mb_of_entries_of_the_size_the_last_one_returned() -> None:
-    """Each read's count follows the previous read's entries: 1 MB entries are read 8 at a
-    time (not 256: a reply of 256 MB held at once), small ones 256 at a time; every entry is
-    still applied (here: refused as undecodable, and acknowledged) in order."""
+    """Each read's count follows the previous read's entries (the first asks for one): 1 MB
+    entries are read 8 at a time (not 256: a reply of 256 MB held at once), small ones 256 at
+    a time; every entry is still applied (here: refused as undecodable, and acknowledged) in
+    order."""
     log: list[tuple[str, Any]] = []
     big = {b"fmt": b"json", b"data": b"x" * ((1 << 20) - 4)}  # 1 MiB, undecodable: skipped
     small = {b"fmt": b"json", b"data": b"x" * 100}
@@ -135,12 +137,12 @@ def test_a_read_asks_for_about_8_mb_of_entries_of_the_size_the_last_one_returned
     def reply(fields: dict[bytes, bytes], n: int) -> list[Any]:
         return [("s", [(f"{next(ids)}-0".encode(), fields) for _ in range(n)])]
 
-    replies = [reply(big, 16), reply(big, 8), reply(small, 8), reply(small, 2)]
+    replies = [reply(big, 1), reply(big, 8), reply(small, 8), reply(small, 2)]
     consumer, _ = _run(replies, log)
-    assert [count for what, count in log if what == "read"] == [16, 8, 8, 256]
-    assert consumer.bad_entries == 34 and consumer.position == "39-0"
+    assert [count for what, count in log if what == "read"] == [1, 8, 8, 256]
+    assert consumer.bad_entries == 19 and consumer.position == "24-0"
     acks = [entry for what, entry in log if what == "ack"]
-    assert acks == [f"{n}-0" for n in range(6, 40)]
+    assert acks == [f"{n}-0" for n in range(6, 25)]
     assert stream_consumer.read_count([(b"1-0", {b"data": b"x" * (64 << 20)})]) == 1
     assert stream_consumer.read_count([(b"1-0", {})]) == stream_consumer.READ_COUNT
 
