@@ -193,6 +193,7 @@ class StreamConsumer:
         self.retry_max_s = min(RETRY_MAX_S, self._touch_s)
         self._block_ms = max(1, min(BLOCK_MS, int(self._touch_s * 1000)))
         self._count = READ_FIRST  # the next read's count (read_count)
+        self._more = False  # the last read was full: more entries may be waiting
         # One name per process run: a second replica with this group is never taken for us.
         self.consumer = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.client = redis_client(config.redis_url or "", socket_timeout=self._block_ms / 1000 + 5)
@@ -305,22 +306,28 @@ class StreamConsumer:
             self._shown_at = time.monotonic()
 
     def _read_once(self) -> bool:
-        """Read, apply and acknowledge one batch of entries; True when the stream had no more."""
+        """Read, apply and acknowledge one batch of entries; True when the stream had no more.
+        A read waits for new entries (up to the block time) only when the one before it
+        reached the end: after a full read, whether more follow is asked without waiting, so
+        a backlog read to its end is ``serving`` at once, not a block time later."""
         self._show_alive()
         count = self._count
+        block = None if self._more else self._block_ms
         reply: Any = self.client.xreadgroup(
-            self.group, self.consumer, {self.stream: ">"}, count=count, block=self._block_ms
+            self.group, self.consumer, {self.stream: ">"}, count=count, block=block
         )
         if not reply:
             self.lag_entries = 0
+            self._more = False
             return True
         _, entries = reply[0]
         self._count = read_count(entries)
         for entry_id, fields in entries:
             self._apply(entry_id, fields)
             self._show_alive()
-        self._note_lag(len(entries) < count)
-        return len(entries) < count
+        self._more = len(entries) == count
+        self._note_lag(not self._more)
+        return not self._more
 
     def _note_lag(self, at_end: bool) -> None:
         """:attr:`lag_entries`: 0 after a read that reached the stream's end; while behind,

@@ -42,7 +42,7 @@ class FakeRedis:
     def xreadgroup(self, group: str, consumer: str, streams: dict[str, str], **kw: Any) -> Any:
         if ">" not in streams.values():  # a read of its own pending entries: showing itself
             return []
-        self.log.append(("read", kw["count"]))
+        self.log.append(("read", kw["count"]) if kw["block"] else ("read at once", kw["count"]))
         return self.replies.pop(0) if self.replies else []
 
     def pipeline(self, transaction: bool) -> Any:
@@ -114,7 +114,9 @@ def test_consumer_applies_reports_and_becomes_ready() -> None:
         ("ingest", [1]),
         ("position", "6-0"),
         ("ack", "6-0"),
-        ("read", 256),  # about 8 MB of entries of its size: as many as a read may ask for
+        # a full read: the next asks without waiting, for about 8 MB of entries of the size
+        # seen (as many as a read may ask for)
+        ("read at once", 256),
         ("position", "7-0"),  # skipped, never blocks the stream
         ("ack", "7-0"),
         ("ready", Readiness.SERVING),
@@ -139,11 +141,24 @@ def test_a_read_asks_for_about_8_mb_of_entries_of_the_size_the_last_one_returned
 
     replies = [reply(big, 1), reply(big, 8), reply(small, 8), reply(small, 2)]
     consumer, _ = _run(replies, log)
-    assert [count for what, count in log if what == "read"] == [1, 8, 8, 256]
+    reads = [(what, count) for what, count in log if what in ("read", "read at once")]
+    assert reads == [("read", 1), ("read at once", 8), ("read at once", 8), ("read at once", 256)]
     assert consumer.bad_entries == 19 and consumer.position == "24-0"
     acks = [entry for what, entry in log if what == "ack"]
     assert acks == [f"{n}-0" for n in range(6, 25)]
     assert stream_consumer.read_count([(b"1-0", {b"data": b"x" * (64 << 20)})]) == 1
+
+
+def test_a_backlog_read_to_its_end_is_serving_without_waiting_a_block_time() -> None:
+    """A read that came back full is followed by one that does not wait for new entries:
+    the empty answer says the backlog was read to its end (``serving`` at once); only then
+    does the consumer wait on the stream again."""
+    log: list[tuple[str, Any]] = []
+    good = encode_stream_fields([EventBatch("a", 1, 1, "access", "l1", "dram")])
+    _run([[("s", [(b"6-0", good)])], []], log)
+    reads = [what for what, _count in log if what in ("read", "read at once")]
+    assert reads == ["read", "read at once"]  # the second, empty, ended the catching up
+    assert log[-1] == ("ready", Readiness.SERVING)
     assert stream_consumer.read_count([(b"1-0", {})]) == stream_consumer.READ_COUNT
 
 
