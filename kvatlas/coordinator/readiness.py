@@ -23,27 +23,24 @@ log = logging.getLogger(__name__)
 
 
 class ReadinessTracker:
-    """``behind_trim()`` tells, once, when the stream is first read to its end, whether
-    entries after the restored position were trimmed away (then ``serving`` becomes
-    ``resyncing``)."""
+    """The readiness the transports report and the resync that ends ``resyncing`` (whether
+    the stream was trimmed past the restored position is the service's to ask, when its
+    consumer joins: ``service.CoordinatorService``)."""
 
     def __init__(
         self,
         instances: InstanceRegistry,
         instance_timeout: float,
         clock: Callable[[], float],
-        behind_trim: Callable[[], bool] = lambda: False,
     ) -> None:
         self.state = Readiness.RESTORING
         self._instances = instances
         self._timeout = instance_timeout
         self._clock = clock
-        self._behind_trim = behind_trim
         self._lock = threading.Lock()
         self._resyncing_since: float | None = None
         self._resync_known = 0  # registered instances when resyncing began
         self._replayed = False  # the stream was read to its end once (HTTP: nothing to read)
-        self._trim_checked = False
 
     def set(self, state: Readiness) -> None:
         """The readiness a transport reports (``serving``: it read the stream to its end;
@@ -52,10 +49,6 @@ class ReadinessTracker:
             self._replayed = False
         if state is Readiness.SERVING:
             self._replayed = True
-            if not self._trim_checked:
-                self._trim_checked = True
-                if self._behind_trim():
-                    state = Readiness.RESYNCING
         with self._lock:
             if state is Readiness.RESYNCING:
                 self._resyncing_since = self._clock()

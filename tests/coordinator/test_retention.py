@@ -17,7 +17,10 @@ import redis
 
 from kvatlas.client import EventSink, RedisStreamTransport
 from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.retention import StreamRetention
 from kvatlas.coordinator.server import BackgroundServer, free_port
+from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.coordinator.views import Readiness
 from kvatlas.events import STORE, CacheEntry
 from kvatlas.keys import ObjectKey, pack_kv_rank
 from kvatlas.node.config import NodeConfig
@@ -254,3 +257,38 @@ def test_a_replica_behind_the_trim_is_repaired_by_nodes_registered_with_another(
                 assert holders(a_client, first + lost) == [set(), set(), {"n1"}, {"n1"}]
         finally:
             process.close()
+
+
+def test_a_trim_past_the_restored_position_after_joining_the_stream_is_no_loss(
+    redis_server: RedisServer, rclient: redis.Redis, stream: str
+) -> None:
+    """Whether the stream was trimmed past the restored position is asked when the consumer
+    joins, before it reads. A trim after that loses nothing (while it catches up, the
+    replica's own snapshots record newer positions, and another replica may then trim past
+    the restored one): not counted, ``serving``. Found by the ACL fleet test, where a replica
+    restarted with snapshots every 0.3 s counted such a trim. A trim before joining is a
+    loss: counted, ``resyncing`` (the negative control)."""
+    ids = [rclient.xadd(stream, {"n": str(n)}).decode() for n in range(4)]
+
+    def restored_at(position: str) -> CoordinatorService:
+        service = CoordinatorService(CoordinatorConfig(chunk_size=CS))  # not started
+        service.snapshots.retention = StreamRetention.connect(redis_server.url, stream, "g")
+        service._restored_position = position
+        return service
+
+    def trims(service: CoordinatorService) -> float | None:
+        return service.metrics.registry.get_sample_value(
+            "kvatlas_stream_errors_total", {"kind": "trimmed"}
+        )
+
+    later = restored_at(ids[0])
+    later._stream_readiness(Readiness.CATCHING_UP)  # joined: nothing trimmed yet
+    rclient.xtrim(stream, minid=ids[2], approximate=False)  # after its snapshot at ids[2]
+    later._stream_readiness(Readiness.SERVING)  # read to the end
+    assert later.readiness.state is Readiness.SERVING and not trims(later)
+
+    before = restored_at(ids[0])  # restored before the trim, joins after it
+    before._stream_readiness(Readiness.CATCHING_UP)
+    assert before.readiness.state is Readiness.RESYNCING and trims(before) == 1
+    before._stream_readiness(Readiness.SERVING)
+    assert before.readiness.state is Readiness.RESYNCING  # until the nodes resynced it
