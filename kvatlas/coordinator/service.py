@@ -119,7 +119,7 @@ class CoordinatorService:
             else None
         )
         self.readiness = ReadinessTracker(self.instances, config.instance_timeout, clock)
-        self._trim_checked = False  # whether the restored position was checked (on joining)
+        self._trim_checked = False  # the restored position checked against trims (joining)
         self._restored = False  # a snapshot was restored
         self.stream_position: str | None = None
         self._restored_position: str | None = None
@@ -235,17 +235,12 @@ class CoordinatorService:
 
     def _stream_readiness(self, state: Readiness) -> None:
         """The consumer's readiness. ``resyncing`` from it means Redis lost events, and the
-        retention registry with them: this replica's need goes back in at once, so another
-        replica's trim cannot pass entries this one has not read before its next snapshot.
-        Its first ``catching_up`` (it joined the stream, nothing read yet) is when to ask
-        whether entries after the restored position were trimmed away: later, this replica's
-        own snapshots record newer positions and another replica may trim past the restored
-        one with nothing lost (asked at the end of the catching up, such a trim was counted
-        as a loss and started a resync)."""
+        retention registry with them: this replica's need goes back in at once. Its first
+        ``catching_up`` (joined, nothing read) is when to ask whether the restored position
+        was trimmed past: later, its own snapshots may let another replica trim past it."""
         if state is Readiness.CATCHING_UP and not self._trim_checked:
             self._trim_checked = True
-            if self._behind_trim():
-                state = Readiness.RESYNCING
+            state = Readiness.RESYNCING if self._behind_trim() else state
         elif state is Readiness.RESYNCING:
             self.snapshots.record_covered(self._restored_position)
             self._ask_listings()
