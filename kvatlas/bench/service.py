@@ -105,7 +105,7 @@ COORDINATOR = [
 
 
 @contextmanager
-def _service(args: list[str]) -> Iterator[tuple[str, int]]:
+def service_process(args: list[str]) -> Iterator[tuple[str, int]]:
     """A service process on a free port: its URL and pid (for its CPU time)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -168,7 +168,7 @@ def _bench_ingest(
     for _ in range(args.repeats):
         for run in RUNS:
             fmt = _FORMAT[run]
-            with _service(service[run]) as (url, pid):
+            with service_process(service[run]) as (url, pid):
                 settle = SETTLE_S if fmt == "json" and run != "naive" else 0.0
                 runs[run].append(
                     timed_streams(
@@ -300,7 +300,7 @@ def kvatlas_lookups(
     after_each: Callable[[], object] = lambda: None,
 ) -> LookupFigures:
     """``--repeats`` load runs against one coordinator indexing ``workload``'s chunks."""
-    with _service([*COORDINATOR, "--max-body-bytes", str(1 << 30)]) as (url, pid):
+    with service_process([*COORDINATOR, "--max-body-bytes", str(1 << 30)]) as (url, pid):
         post_all(url, bodies_of(workload.index_batches, 4, encode_msgpack), "application/msgpack")
         after_each()
         first = matches_of(url, workload.bodies[0])

@@ -59,7 +59,8 @@ _ALL_NEW = F_NEW_CONTENT | F_NEW_OCCUPANT | F_NEW_CLAIM
 """The flags of an add of a new content, occupant and inline claim: a fresh chunk's add."""
 _OP_BY_OP = F_EXTRA_CLAIM | F_CLAIM_DROPPED | F_OCCUPANT_GONE | F_CONTENT_GONE
 """Flags settled op by op (:meth:`IndexState._settle`), but for plain drops (``drops.py``)."""
-_NOT_A_DROP = F_NEW_CONTENT | F_NEW_OCCUPANT | F_NEW_CLAIM | F_EXTRA_CLAIM
+_NOT_A_DROP = _ALL_NEW | F_EXTRA_CLAIM
+"""Flags no plain drop has (``drops.py`` settles the others as columns)."""
 
 
 class IndexState:
