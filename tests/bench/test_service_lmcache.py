@@ -223,7 +223,7 @@ def test_lmcache_side_gives_every_row_on_the_same_work(
     rng = np.random.default_rng(0)
     workload = service._ingest_workload(args, rng)
     lookup = lookup_workload(rng, args.index_chunks, args.query_tokens, LLAMA3)
-    with service._service(service.COORDINATOR) as (url, pid):
+    with service.service_process(service.COORDINATOR) as (url, pid):
         ours_run = timed_streams(
             url, pid, workload.streams["json"], "application/json", workload.warmups["json"]
         )
