@@ -41,6 +41,7 @@ from kvatlas.directory.records import (
     Record,
     join_record,
     l1_owner,
+    other_key,
     records_from_columns,
     split_columns,
     split_record,
@@ -116,6 +117,18 @@ class ChunkColumns:
         first key, its placements, the other keys (C-level gathers)."""
         refs = self.copy(rows).refs
         return tuple(refs[i::_WIDTH] for i in range(_WIDTH))
+
+    def key_placements(
+        self, rows: list[int], shape_ids: Sequence[int | None]
+    ) -> tuple[list[Placements | None], tuple[StoredTokens | None, ...]]:
+        """For each row and shape id, that key's placements in the row's record (``None``: no
+        such key), and each row's content: one gather, no record built (a lookup's read)."""
+        contents, flagged, firsts, rests = self.fields(rows)
+        found = [
+            pls if f >> 1 == sid else (other_key(rest, sid) if rest else None)
+            for f, pls, rest, sid in zip(flagged, firsts, rests, shape_ids, strict=True)
+        ]
+        return found, contents
 
     def put_placements(self, rows: list[int], placements: Placements) -> None:
         """Rows ``rows`` (one-key records) now hold ``placements`` as their key's."""
@@ -374,6 +387,11 @@ def add_fresh(
     cols.append_rows(tokens[k:], offsets[k:], flagged[k:], placements[k:])
     cols.l1.extend(np.full(n - k, owner_id, np.int32))
     return True
+
+
+def rows_of(parts: Sequence[ChunkPart], hashes: Iterable[bytes]) -> list[int | None]:
+    """The row of each chunk of ``hashes`` (``None``: not held)."""
+    return [parts[h[0]].row.get(h) for h in hashes]
 
 
 def remove_chunks(parts: Sequence[ChunkPart], hashes: list[bytes], rows: list[int]) -> None:

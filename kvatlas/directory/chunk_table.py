@@ -25,11 +25,12 @@ partition was not captured yet preserves its record (copy-on-write, see
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import islice
 
 from kvatlas.directory.blend import BlendIndex, BlendOp
 from kvatlas.directory.chunk_counts import PARTS, ChangeJournal, ChunkCounts, Partition
 from kvatlas.directory.chunk_digests import InventoryDigests
-from kvatlas.directory.chunk_parts import ChunkPart, new_parts
+from kvatlas.directory.chunk_parts import ChunkPart, new_parts, rows_of
 from kvatlas.directory.chunk_removals import RemovalRules
 from kvatlas.directory.chunk_stores import StoreRules
 from kvatlas.directory.records import (
@@ -42,9 +43,9 @@ from kvatlas.directory.records import (
     group_placements,
     placements_at,
     placements_of,
+    public_groups,
     public_placements,
     record_keys,
-    record_tokens,
     row_backend,
     row_instance,
     row_last_access,
@@ -55,6 +56,7 @@ from kvatlas.directory.records import (
 )
 from kvatlas.directory.reindex import reindex_records
 from kvatlas.directory.shapes import ShapeTable
+from kvatlas.directory.token_store import widened_many
 from kvatlas.errors import Conflict
 from kvatlas.events import EventBatch
 from kvatlas.events.columns import EntryColumns
@@ -138,12 +140,44 @@ class ChunkTable:
         k = -1 if sid is None else find_key(rec, sid)
         return None if k < 0 else (rec, k)
 
-    def key_placements(self, key: ObjectKey) -> KeyPlacements:
-        """The key's placements and its chunk's bound content."""
-        found = self.locate(key)
-        if found is None:
-            return KeyPlacements(key, ())
-        return KeyPlacements(key, public_placements(placements_at(*found)), record_tokens(found[0]))
+    def lookup(self, keys: Sequence[ObjectKey]) -> list[KeyPlacements]:
+        """Each key's placements and its chunk's bound content, read as one batch: the keys' rows, their
+        fields gathered from the columns (no record built), the contents widened by one
+        compiled call, each distinct placements group made public once."""
+        rows = rows_of(self.parts, [k.chunk_hash for k in keys])
+        held = [i for i, r in enumerate(rows) if r is not None]
+        id_of = self.shapes.id_of
+        found, contents = self.parts[0].cols.key_placements(
+            [r for r in rows if r is not None], [id_of(keys[i]) for i in held]
+        )
+        hits = [j for j, pls in enumerate(found) if pls is not None]
+        answers = zip(
+            public_groups([found[j] for j in hits]),
+            widened_many([contents[j] for j in hits]),
+            strict=True,
+        )
+        at = dict(zip([held[j] for j in hits], answers, strict=True))
+        return [
+            KeyPlacements(k, ()) if i not in at else KeyPlacements(k, *at[i])
+            for i, k in enumerate(keys)
+        ]
+
+    def rank_placements(
+        self, hashes: Sequence[bytes], shape_ids: Sequence[int | None]
+    ) -> list[tuple[Placement, ...]]:
+        """The placements of the keys of ``hashes`` × ``shape_ids`` (chunk-major; ``()``:
+        not held), read as :meth:`lookup` reads them (no content)."""
+        rows = rows_of(self.parts, hashes)
+        held = [r for r in rows if r is not None]
+        w = len(shape_ids)
+        found, _ = self.parts[0].cols.key_placements(
+            [r for r in held for _ in range(w)], list(shape_ids) * len(held)
+        )
+        public = iter(public_groups(found))
+        out: list[tuple[Placement, ...]] = []
+        for r in rows:
+            out += [()] * w if r is None else islice(public, w)
+        return out
 
     def chunk_placements(
         self, h: bytes, namespace: BlendNamespace

@@ -32,10 +32,7 @@ from kvatlas.directory.records import (
     KeyPlacements,
     Placement,
     TokenLookup,
-    find_key,
-    placements_at,
     prefix_summary,
-    public_placements,
 )
 from kvatlas.directory.salt_usage import SaltKey, bytes_by_salt, keys_of_salts, salt_bytes
 from kvatlas.directory.summaries import DirectoryStats, DirectoryUsage, ModuleUsage
@@ -227,8 +224,7 @@ class KeyDirectory:
     def lookup(self, keys: Sequence[ObjectKey]) -> list[KeyPlacements]:
         """Placements per key, sorted by (instance, tier, backend); absent keys get ``()``."""
         with self._lock:
-            find = self._chunks.key_placements
-            return [find(k) for k in keys]
+            return self._chunks.lookup(keys)
 
     def lookup_placements(
         self,
@@ -241,20 +237,10 @@ class KeyDirectory:
         """The placements :meth:`lookup` gives for the keys of ``hashes`` × ``kv_ranks``
         (chunk-major, rank-minor, as :func:`~kvatlas.keys.expand_prefix_keys` lays them out),
         without building the keys or reading the chunks' tokens: the route scorer's lookup."""
-        out: list[tuple[Placement, ...]] = []
         with self._lock:
             id_of = self._chunks.shapes.id_of_parts
             sids = [id_of((model_name, r, object_group_id, cache_salt)) for r in kv_ranks]
-            parts = self._chunks.parts
-            for h in hashes:
-                rec = parts[h[0]].get(h)
-                if rec is None:
-                    out.extend(() for _ in sids)
-                    continue
-                for sid in sids:
-                    k = -1 if sid is None else find_key(rec, sid)
-                    out.append(() if k < 0 else public_placements(placements_at(rec, k)))
-        return out
+            return self._chunks.rank_placements(hashes, sids)
 
     def lookup_tokens(
         self,

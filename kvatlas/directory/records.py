@@ -219,6 +219,23 @@ def public_placements(pls: Placements) -> tuple[Placement, ...]:
 _row_order = itemgetter(_INSTANCE, _TIER, _BACKEND)
 
 
+def public_groups(groups: Sequence[Placements | None]) -> list[tuple[Placement, ...]]:
+    """:func:`public_placements` of each group (``None``: ``()``), built once per distinct
+    group object: the keys of one batch share their placements, and ``groups`` holds every
+    one alive for the call, so an ``id`` names one group throughout."""
+    built: dict[int, tuple[Placement, ...]] = {}
+    out: list[tuple[Placement, ...]] = []
+    for pls in groups:
+        if pls is None:
+            out.append(())
+            continue
+        public = built.get(id(pls))
+        if public is None:
+            public = built[id(pls)] = public_placements(pls)
+        out.append(public)
+    return out
+
+
 # ------------------------------------------------------------------ chunk records
 
 Record = tuple[Any, ...]
@@ -376,6 +393,15 @@ def find_key(rec: Record, shape_id: int) -> int:
         if rec[i] == shape_id:
             return (i - _KEYS) >> 1
     return -1
+
+
+def other_key(rest: tuple[Any, ...], shape_id: int | None) -> Placements | None:
+    """The placements of the key with ``shape_id`` among a record's other keys (``rest``, as
+    :func:`split_record` splits them: flat (shape id, placements) pairs); ``None``: absent."""
+    for i in range(0, len(rest), 2):
+        if rest[i] == shape_id:
+            return rest[i + 1]  # type: ignore[no-any-return]
+    return None
 
 
 def placements_at(rec: Record, k: int) -> Placements:

@@ -32,6 +32,7 @@ from kvatlas.directory.token_store import (
     stored_view,
     token_count,
     widened,
+    widened_many,
 )
 from kvatlas.events import decode_json_columns
 from kvatlas.keys import BlendNamespace
@@ -129,6 +130,22 @@ def test_stored_batch_round_trips_every_id(rows: list[list[int] | None]) -> None
             check_stored(s, a.tolist())
     if len(arrays) > 1 and arrays[0] is not None:
         assert stored[-1] is stored[0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.none(), st.lists(token_ids, max_size=300)), max_size=12))
+def test_widened_many_is_widened_of_each_content(rows: list[list[int] | None]) -> None:
+    stored = stored_batch([None if r is None else ro(r) for r in rows])
+    if len(stored) > 1:
+        stored[-1] = stored[0]  # ranks of one chunk: one content twice
+    wide = widened_many(stored)
+    assert len(wide) == len(stored)
+    for s, w in zip(stored, wide, strict=True):
+        if s is None:
+            assert w is None
+        else:
+            assert w is not None and w.dtype == np.uint32 and not w.flags.writeable
+            assert w.tolist() == widened(s).tolist()
 
 
 @settings(max_examples=100, deadline=None)
