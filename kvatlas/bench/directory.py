@@ -1,5 +1,6 @@
-"""Directory benchmark: consume rate and memory (token-bearing stores, blend on), snapshot pause
-and restore rate — against a naive dict-of-dicts, tuple-of-ints reference in the same run.
+"""Directory benchmark: consume rate and memory (token-bearing stores, blend on), prefix
+lookups, snapshot pause and restore rate — against a naive dict-of-dicts, tuple-of-ints
+reference in the same run.
 
 Token ids come from Llama 3's vocabulary (they do not fit 16 bits); the consume and memory
 rows are repeated with Llama 2's (they do) as second rows, labelled as such."""
@@ -45,6 +46,7 @@ from kvatlas.workloads import LLAMA2, LLAMA3, Vocabulary, random_token_ids
 
 CHUNK = 256
 BATCH = 256
+PROMPT_KEYS = 128  # a 32k-token prompt's chunks
 _T = TypeVar("_T")
 
 
@@ -127,6 +129,17 @@ class NaiveDirectory:
                 binding["keys"].setdefault(ns, set()).add(e.key)
                 if self.blend and e.token_offset >= 0 and len(tokens) == CHUNK:
                     self.index.setdefault(tokens, {})[e.key.chunk_hash] = e.token_offset
+
+    def lookup(self, keys: list[ObjectKey]) -> list[tuple[ObjectKey, list[Any], Any]]:
+        """Each key's placements and its chunk's bound token ids (``None``: none)."""
+        out = []
+        for k in keys:
+            held = self.placements.get(k)
+            binding = self.bindings.get(k.chunk_hash) if held else None
+            out.append(
+                (k, [] if held is None else list(held.values()), binding and binding["tokens"])
+            )
+        return out
 
 
 def _median_time(fn: Callable[[], object], repeats: int) -> float:
@@ -317,9 +330,42 @@ def _consume_rows(n: int, memory_chunks: int, seed: int, repeats: int) -> list[B
         )
     )
     rows += _body_rows(min(n, 50_000), seed, repeats)
+    rows.append(_lookup_row(min(n, 100_000), seed, repeats))
     rows.append(_kinder_consume_row(n, seed, repeats))
     rows.append(memory_row(memory_chunks, 1, LLAMA2))
     return rows
+
+
+def _lookup_row(n: int, seed: int, repeats: int) -> BenchRow:
+    """Prefix lookups in a directory of ``n`` chunks: the 128 keys of a 32k-token prompt (its
+    chunks stored by one batch, as a node stores a request's), each key's placements and bound
+    ids, against the naive directory's lookup of the same keys."""
+    batches = _workload(n, seed)
+    ours, naive = KeyDirectory(CHUNK, enable_blend_lookup=True), NaiveDirectory()
+    _consume_all(ours, batches)
+    _consume_all(naive, batches)
+    rng = np.random.default_rng(seed)
+    picked = rng.choice(len(batches), 64).tolist()
+    prompts = [[e.key for e in batches[b].entries[:PROMPT_KEYS]] for b in picked]
+    del batches
+    rounds = 10
+
+    def time_lookups(target: Any) -> float:
+        def lookups() -> None:
+            for _ in range(rounds):
+                for keys in prompts:
+                    target.lookup(keys)
+
+        return _median_time(lookups, repeats) / (rounds * len(prompts))
+
+    ours_s, naive_s = time_lookups(ours), time_lookups(naive)
+    return BenchRow(
+        f"prefix lookup, {PROMPT_KEYS} keys of one stored batch, {n:,} chunks ({LLAMA3.label})",
+        ours_s,
+        naive_s,
+        "",
+        {"µs/key": f"{ours_s / PROMPT_KEYS * 1e6:.2f}", "reference": "naive dict lookups"},
+    )
 
 
 def _kinder_consume_row(n: int, seed: int, repeats: int) -> BenchRow:

@@ -181,3 +181,15 @@ def test_wrk_never_gets_more_threads_than_connections(connections: int, threads:
     router benchmark's default) failed every run where wrk is installed."""
     command = server_cpu.wrk_command("wrk", connections, 0.4, Path("post.lua"), "http://h:1")
     assert command[1:5] == [f"-t{threads}", f"-c{connections}", "-d1s", "-s"]
+
+
+def test_bench_directory_times_prefix_lookups_against_the_naive_directory(tmp_path: Path) -> None:
+    from kvatlas.bench import directory
+
+    out = tmp_path / "d.json"
+    argv = ("directory", "--only", "consume", "--entries", "512", "--memory-chunks", "256")
+    assert directory.run(_args(*argv, "--repeats", "1", "--json", str(out))) == 0
+    (row,) = [r for r in json.loads(out.read_text())["rows"] if "prefix lookup" in r["case"]]
+    assert row["case"].startswith("prefix lookup, 128 keys of one stored batch, 512 chunks")
+    assert row["ours_s"] > 0 and row["reference_s"] > 0
+    assert float(row["extra"]["µs/key"]) > 0
