@@ -10,40 +10,40 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from kvatlas.api import KeyListingQuery, KeyPageReply, LookupReply
+from kvatlas.api import KeyListingQuery, KeyPageReply
 from kvatlas.coordinator.query import KeysQuery, decode_lookup_body, lookup_query
 from kvatlas.coordinator.routes.context import Context
+from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.coordinator.wire import key_page_to_wire, lookup_to_wire, stats_to_wire
 from kvatlas.directory import KeyFilter
 from kvatlas.routing import Call, Reply
 
 
-async def lookup(ctx: Context, call: Call[None, None]) -> LookupReply:
+async def lookup(ctx: Context, call: Call[None, None]) -> Reply:
     started = time.perf_counter()
-    service, who = ctx.service, call.who
     # A body may be tens of MB (its route's limit): it is parsed on a worker thread, never on
-    # the event loop, and sized up from its bytes before a token is decoded.
+    # the event loop, and sized up from its bytes before a token is decoded; the reply (a
+    # 32k-token prompt's is ≈0.25 MB of JSON) is built and encoded there too, in one hop.
+    form, reply = await run_in_threadpool(_lookup, ctx.service, call)
+    ctx.service.metrics.lookup_latency.labels(form).observe(time.perf_counter() - started)
+    return reply
+
+
+def _lookup(service: CoordinatorService, call: Call[None, None]) -> tuple[str, Reply]:
+    """The lookup's form and its reply, from the body's bytes (on a worker thread)."""
     config = service.config
-    body = await run_in_threadpool(
-        decode_lookup_body, call.raw, config.max_query_tokens, config.max_lookup_keys
-    )
-    query = await run_in_threadpool(
-        lookup_query, body, config.max_query_tokens, config.max_lookup_keys
-    )
-    who.require_salts(query.salts)
+    body = decode_lookup_body(call.raw, config.max_query_tokens, config.max_lookup_keys)
+    query = lookup_query(body, config.max_query_tokens, config.max_lookup_keys)
+    call.who.require_salts(query.salts)
     if isinstance(query, KeysQuery):
-        found = await run_in_threadpool(service.lookup_keys, query.keys)
+        found = service.lookup_keys(query.keys)
     else:
-        found = await run_in_threadpool(
-            service.directory.lookup_tokens,
-            query.tokens,
-            query.model_name,
-            query.world_size,
-            query.cache_salt,
+        found = service.directory.lookup_tokens(
+            query.tokens, query.model_name, query.world_size, query.cache_salt,
             query.object_group_id,
-        )
-    service.metrics.lookup_latency.labels(query.form).observe(time.perf_counter() - started)
-    return lookup_to_wire(found)
+        )  # fmt: skip
+    codec = call.codec
+    return query.form, Reply(codec.encode(lookup_to_wire(found)), media_type=codec.media_type)
 
 
 def blend_lookup(ctx: Context, call: Call[None, None]) -> Awaitable[Reply]:
