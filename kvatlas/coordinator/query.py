@@ -24,7 +24,13 @@ from kvatlas.coordinator.body_size import check_item_count, lookup_size
 from kvatlas.errors import PayloadTooLarge, Unprocessable
 from kvatlas.events import ColumnBatch, EventBatch, decode_json_columns, decode_msgpack_columns
 from kvatlas.fields import decode_fields, field_error, field_errors
-from kvatlas.keys import BlendNamespace, ObjectKey, TokenArray, as_token_array
+from kvatlas.keys import (
+    BlendNamespace,
+    ObjectKey,
+    TokenArray,
+    as_token_array,
+    parse_chunk_hash_hex,
+)
 
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 
@@ -207,8 +213,19 @@ def lookup_query(body: LookupRequest, max_tokens: int, max_keys: int) -> KeysQue
     if keys is not None:
         if len(keys) > max_keys:
             raise PayloadTooLarge(f"{len(keys)} keys exceed the query limit")
-        try:
-            return KeysQuery([ObjectKey.from_wire(k.as_dict()) for k in keys])
+        try:  # (the rows' fields are the ones ObjectKey.from_wire reads, typed: no dict each)
+            return KeysQuery(
+                [
+                    ObjectKey(
+                        parse_chunk_hash_hex(k.chunk_hash_hex),
+                        k.model_name,
+                        k.kv_rank,
+                        k.object_group_id,
+                        k.cache_salt,
+                    )
+                    for k in keys
+                ]
+            )
         except ValueError as exc:
             raise Unprocessable(f"keys: {exc}") from None
     tokens = query_tokens(token_ids, body.tokens_b64, max_tokens)

@@ -61,12 +61,16 @@ ACCESS_COUNT_UNTRACKED = 0
 (``last_access``), not how often (docs/coordinator.md, "Differences from LMCache")."""
 
 
-def lookup_result_to_wire(kp: KeyPlacements) -> api.LookupResultRow:
-    """One result of a lookup: the key, its placements and its chunk's content (``[]``:
-    unknown), as LMCache answers it."""
+def lookup_result_to_wire(
+    kp: KeyPlacements, placements: list[api.PlacementRow] | None = None
+) -> api.LookupResultRow:
+    """One result of a lookup: the key, its placements (``placements``: already converted)
+    and its chunk's content (``[]``: unknown), as LMCache answers it."""
+    if placements is None:
+        placements = [placement_to_wire(p) for p in kp.placements]
     return api.LookupResultRow(
         key=key_to_wire(kp.key),
-        placements=[placement_to_wire(p) for p in kp.placements],
+        placements=placements,
         token_ids=[] if kp.content is None else kp.content.tolist(),
         access_count=ACCESS_COUNT_UNTRACKED,
     )
@@ -89,11 +93,18 @@ def prefix_to_wire(h: PrefixHolder) -> api.PrefixRow:
 
 
 def lookup_to_wire(found: TokenLookup) -> api.LookupReply:
-    """``POST /directory/lookup`` (both forms): chunks asked, placements per key, prefix."""
+    """``POST /directory/lookup`` (both forms): chunks asked, placements per key, prefix.
+    Keys sharing one placements tuple (a lookup makes a batch's keys share it) share its
+    wire rows, converted once."""
+    rows: dict[int, list[api.PlacementRow]] = {}  # ``found`` keeps every tuple alive meanwhile
+    results = []
+    for kp in found.results:
+        placements = rows.get(id(kp.placements))
+        if placements is None:
+            placements = rows[id(kp.placements)] = [placement_to_wire(p) for p in kp.placements]
+        results.append(lookup_result_to_wire(kp, placements))
     return api.LookupReply(
-        chunks=found.chunks,
-        results=[lookup_result_to_wire(kp) for kp in found.results],
-        prefix=[prefix_to_wire(h) for h in found.prefix],
+        chunks=found.chunks, results=results, prefix=[prefix_to_wire(h) for h in found.prefix]
     )
 
 
