@@ -141,9 +141,9 @@ class ChunkTable:
         return None if k < 0 else (rec, k)
 
     def lookup(self, keys: Sequence[ObjectKey]) -> list[KeyPlacements]:
-        """Each key's placements and its chunk's bound content, read as one batch: the keys' rows, their
-        fields gathered from the columns (no record built), the contents widened by one
-        compiled call, each distinct placements group made public once."""
+        """Each key's placements and its chunk's bound content, read as one batch: the keys'
+        rows, their fields gathered from the columns (no record built), the contents widened
+        by one compiled call, each distinct placements group made public once."""
         rows = rows_of(self.parts, [k.chunk_hash for k in keys])
         held = [i for i, r in enumerate(rows) if r is not None]
         id_of = self.shapes.id_of
