@@ -80,7 +80,11 @@ def create_app(service: CoordinatorService, table: RouteTable = TABLE) -> Coordi
     # JSON token parser releases the GIL on a large body) while another applies.
     events = EventsIngest(service, ThreadPoolExecutor(2, thread_name_prefix="kvatlas-ingest"))
     context = Context(
-        service, BlendLookup(service, match_pool), RouteScoring(service, match_pool), events
+        service,
+        BlendLookup(service, match_pool),
+        RouteScoring(service, match_pool),
+        events,
+        match_pool,
     )
     public = {"metrics"} if config.metrics_public else set()
     if config.docs_public:

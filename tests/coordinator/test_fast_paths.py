@@ -23,6 +23,7 @@ from kvatlas.coordinator.app import TABLE, create_app
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.errors import Unprocessable
+from kvatlas.keys import pack_kv_rank
 from kvatlas.routing import Access, Call, Reply, Route, RouteTable
 from tests.coordinator.helpers import assert_error, running
 from tests.coordinator.security_support import bearer, raw_request, status_of, write_tokens
@@ -122,3 +123,34 @@ def test_a_long_blend_query_is_matched_off_the_event_loop(
         assert reply.result().status_code == 200
         short = c.post("/directory/blend-lookup", json={"token_ids": [1, 2], "model_name": "m"})
         assert short.status_code == 200
+
+
+def test_a_prefix_lookup_is_answered_on_the_match_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole lookup (body, query, directory, reply) runs on one of the match pool's
+    threads, as many as the cores: while it runs, /healthz answers on the loop."""
+    answering, answered = threading.Event(), threading.Event()
+    threads: list[str] = []
+    real = CoordinatorService.lookup_keys
+
+    def held(self: CoordinatorService, keys: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        answering.set()
+        if not answered.wait(30):
+            raise AssertionError("/healthz did not answer while a lookup was answered")
+        return real(self, keys)
+
+    monkeypatch.setattr(CoordinatorService, "lookup_keys", held)
+    key = {"chunk_hash_hex": "ab" * 32, "model_name": "m", "kv_rank": pack_kv_rank(1, 0, 1, 0)}
+    with (
+        running() as (server, c),
+        httpx.Client(base_url=server.url, timeout=30) as other,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        reply = pool.submit(c.post, "/directory/lookup", json={"keys": [key]})
+        assert answering.wait(30)
+        assert other.get("/healthz").status_code == 200
+        answered.set()
+        result = reply.result()
+        assert result.status_code == 200, result.text
+        assert result.json()["results"][0]["placements"] == []
+    assert len(threads) == 1 and threads[0].startswith("kvatlas-match"), threads

@@ -1,9 +1,11 @@
-"""What every route's handler works on: the service and the handlers the hot routes share
-their pools through (blend lookup, route scoring, events ingest). ``app.py`` makes one per app.
+"""What every route's handler works on: the service, the handlers the hot routes share their
+pools through (blend lookup, route scoring, events ingest) and the match pool itself (prefix
+lookups run there too). ``app.py`` makes one per app.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from kvatlas.coordinator.blend_lookup import BlendLookup
@@ -18,3 +20,5 @@ class Context:
     blend: BlendLookup
     scoring: RouteScoring
     events: EventsIngest
+    match_pool: Executor
+    """The threads long queries run on, as many as there are cores (``app.new_match_pool``)."""
