@@ -64,12 +64,10 @@ class CoordinatorApp(Dispatcher):
         return api_document()
 
 
-def new_match_pool() -> ThreadPoolExecutor:
-    """The threads long queries are matched on, off the event loop: as many as there are
-    cores (more would only contend for the GIL between the compiled, nogil scans)."""
-    return ThreadPoolExecutor(
-        max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="kvatlas-match"
-    )
+def new_match_pool(name: str = "kvatlas-match") -> ThreadPoolExecutor:
+    """Threads for long queries, off the event loop: as many as there are cores (more would
+    only contend for the GIL and the directory lock)."""
+    return ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix=name)
 
 
 def create_app(service: CoordinatorService, table: RouteTable = TABLE) -> CoordinatorApp:
@@ -84,7 +82,9 @@ def create_app(service: CoordinatorService, table: RouteTable = TABLE) -> Coordi
         BlendLookup(service, match_pool),
         RouteScoring(service, match_pool),
         events,
-        match_pool,
+        # prefix lookups on a pool of their own: one of tens of MB never holds up the
+        # matches and scores of the pool above
+        new_match_pool("kvatlas-lookup"),
     )
     public = {"metrics"} if config.metrics_public else set()
     if config.docs_public:

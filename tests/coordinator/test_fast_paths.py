@@ -7,6 +7,7 @@ pool while the loop goes on. Real HTTP on loopback."""
 from __future__ import annotations
 
 import base64
+import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -125,8 +126,8 @@ def test_a_long_blend_query_is_matched_off_the_event_loop(
         assert short.status_code == 200
 
 
-def test_a_prefix_lookup_is_answered_on_the_match_pool(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The whole lookup (body, query, directory, reply) runs on one of the match pool's
+def test_a_prefix_lookup_is_answered_on_its_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole lookup (body, query, directory, reply) runs on one of the lookup pool's
     threads, as many as the cores: while it runs, /healthz answers on the loop."""
     answering, answered = threading.Event(), threading.Event()
     threads: list[str] = []
@@ -153,4 +154,40 @@ def test_a_prefix_lookup_is_answered_on_the_match_pool(monkeypatch: pytest.Monke
         result = reply.result()
         assert result.status_code == 200, result.text
         assert result.json()["results"][0]["placements"] == []
-    assert len(threads) == 1 and threads[0].startswith("kvatlas-match"), threads
+    assert len(threads) == 1 and threads[0].startswith("kvatlas-lookup"), threads
+
+
+def test_prefix_lookups_filling_their_pool_hold_up_no_blend_match(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As many lookups in flight as the lookup pool has threads: a long blend lookup (the
+    match pool's) is still answered meanwhile."""
+    threads = max(2, os.cpu_count() or 2)
+    started, release = threading.Semaphore(0), threading.Event()
+    real = CoordinatorService.lookup_keys
+
+    def held(self: CoordinatorService, keys: Any) -> Any:
+        started.release()
+        if not release.wait(30):
+            raise AssertionError("the blend lookup was not answered while lookups were held")
+        return real(self, keys)
+
+    monkeypatch.setattr(CoordinatorService, "lookup_keys", held)
+    key = {"chunk_hash_hex": "ab" * 32, "model_name": "m", "kv_rank": pack_kv_rank(1, 0, 1, 0)}
+    tokens = np.arange(blend_lookup.INLINE_BODY_BYTES // 4, dtype="<u4")  # off the loop
+    blend = {"tokens_b64": base64.b64encode(tokens.tobytes()).decode(), "model_name": "m"}
+    with (
+        running(enable_blend_lookup=True) as (server, _),
+        ThreadPoolExecutor(threads) as pool,
+    ):
+
+        def post(path: str, body: Any) -> httpx.Response:
+            with httpx.Client(base_url=server.url, timeout=60) as client:
+                return client.post(path, json=body)
+
+        lookups = [pool.submit(post, "/directory/lookup", {"keys": [key]}) for _ in range(threads)]
+        for _ in range(threads):
+            assert started.acquire(timeout=30)
+        assert post("/directory/blend-lookup", blend).status_code == 200
+        release.set()
+        assert [r.result().status_code for r in lookups] == [200] * threads

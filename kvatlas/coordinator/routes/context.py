@@ -1,6 +1,6 @@
 """What every route's handler works on: the service, the handlers the hot routes share their
-pools through (blend lookup, route scoring, events ingest) and the match pool itself (prefix
-lookups run there too). ``app.py`` makes one per app.
+pools through (blend lookup, route scoring, events ingest) and the prefix lookups' pool.
+``app.py`` makes one per app.
 """
 
 from __future__ import annotations
@@ -20,5 +20,5 @@ class Context:
     blend: BlendLookup
     scoring: RouteScoring
     events: EventsIngest
-    match_pool: Executor
-    """The threads long queries run on, as many as there are cores (``app.new_match_pool``)."""
+    lookup_pool: Executor
+    """The threads prefix lookups run on, as many as there are cores (``app.new_match_pool``)."""

@@ -22,14 +22,14 @@ from kvatlas.routing import Call, Reply
 
 async def lookup(ctx: Context, call: Call[None, None]) -> Reply:
     started = time.perf_counter()
-    # A body may be tens of MB (its route's limit): it is parsed on the match pool, never on
+    # A body may be tens of MB (its route's limit): it is parsed on the lookup pool, never on
     # the event loop, and sized up from its bytes before a token is decoded; the reply (a
     # 32k-token prompt's is ≈0.25 MB of JSON) is built and encoded there too, in one hop. A
     # pool as large as the cores, not a thread per request: with eight lookups in flight,
     # 15% less CPU a lookup than eight threads taking turns at the GIL and the directory
     # lock (docs/performance.md, "Prefix lookups").
     loop = asyncio.get_running_loop()
-    form, reply = await loop.run_in_executor(ctx.match_pool, _lookup, ctx.service, call)
+    form, reply = await loop.run_in_executor(ctx.lookup_pool, _lookup, ctx.service, call)
     ctx.service.metrics.lookup_latency.labels(form).observe(time.perf_counter() - started)
     return reply
 
