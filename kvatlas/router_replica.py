@@ -251,7 +251,7 @@ def run(launch: RouterLaunch) -> int:
 
 
 def _run_with_replica(config: RouterConfig, replica: CoordinatorConfig) -> int:
-    from kvatlas.coordinator.app import new_match_pool
+    from kvatlas.coordinator.app import new_query_pool
     from kvatlas.coordinator.route_score import RouteScoring
     from kvatlas.coordinator.runtime import set_switch_interval
     from kvatlas.coordinator.server import claim_or_exit, claim_state
@@ -269,7 +269,7 @@ def _run_with_replica(config: RouterConfig, replica: CoordinatorConfig) -> int:
         log.error("%s; not starting", exc)
         return 2
     lock = claim_or_exit(lambda: claim_state(replica), "replica with this id")
-    pool = new_match_pool()
+    pool = new_query_pool()
     try:
         service = CoordinatorService(replica, delivers=False)  # sends no commands: no MP servers
         service.start()  # failing, it never started: nothing to snapshot, nothing to stop

@@ -64,7 +64,7 @@ class CoordinatorApp(Dispatcher):
         return api_document()
 
 
-def new_match_pool(name: str = "kvatlas-match") -> ThreadPoolExecutor:
+def new_query_pool(name: str = "kvatlas-match") -> ThreadPoolExecutor:
     """Threads for long queries, off the event loop: as many as there are cores (more would
     only contend for the GIL and the directory lock)."""
     return ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix=name)
@@ -73,7 +73,7 @@ def new_match_pool(name: str = "kvatlas-match") -> ThreadPoolExecutor:
 def create_app(service: CoordinatorService, table: RouteTable = TABLE) -> CoordinatorApp:
     """The app serving ``table`` (the coordinator's, or one with more routes) for ``service``."""
     config = service.config
-    match_pool = new_match_pool()
+    match_pool = new_query_pool()
     # Applying is serialised by the directory lock; a second thread lets one body decode (the
     # JSON token parser releases the GIL on a large body) while another applies.
     events = EventsIngest(service, ThreadPoolExecutor(2, thread_name_prefix="kvatlas-ingest"))
@@ -84,7 +84,7 @@ def create_app(service: CoordinatorService, table: RouteTable = TABLE) -> Coordi
         events,
         # prefix lookups on a pool of their own: one of tens of MB never holds up the
         # matches and scores of the pool above
-        new_match_pool("kvatlas-lookup"),
+        new_query_pool("kvatlas-lookup"),
     )
     public = {"metrics"} if config.metrics_public else set()
     if config.docs_public:

@@ -146,13 +146,13 @@ class IdleReplica:
 
 @pytest.fixture
 def idle_replica() -> Iterator[IdleReplica]:
-    from kvatlas.coordinator.app import new_match_pool
+    from kvatlas.coordinator.app import new_query_pool
     from kvatlas.coordinator.config import CoordinatorConfig
     from kvatlas.coordinator.service import CoordinatorService
 
     config = CoordinatorConfig(chunk_size=C, event_transport="redis",
                                redis_url=f"redis://127.0.0.1:{free_port()}/0")  # fmt: skip
-    pool = new_match_pool()
+    pool = new_query_pool()
     try:
         yield IdleReplica(CoordinatorService(config), pool)  # not started: nothing of it runs
     finally:

@@ -21,4 +21,4 @@ class Context:
     scoring: RouteScoring
     events: EventsIngest
     lookup_pool: Executor
-    """The threads prefix lookups run on, as many as there are cores (``app.new_match_pool``)."""
+    """The threads prefix lookups run on, as many as there are cores (``app.new_query_pool``)."""
