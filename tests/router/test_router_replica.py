@@ -333,8 +333,9 @@ def test_the_routers_metrics_are_the_same_set_whichever_scorer(
             return {f.name for f in text_string_to_metric_families(text)
                     if f.name.startswith("kvatlas_router_")}  # fmt: skip
 
-        assert router_families(url) == router_families(fleet["routers"]["http"])
-        assert router_families(url) == router_families(fleet["routers"]["replica"])
+        for kind in ("http", "replica"):  # a labelled family shows once a request used it
+            route(fleet["routers"][kind], [*DOC_B.tolist(), 6])
+            assert router_families(url) == router_families(fleet["routers"][kind]), kind
     finally:
         old.shutdown()
         old.server_close()
