@@ -118,11 +118,12 @@ def widened_many(contents: Sequence[StoredTokens | None]) -> list[TokenArray | N
         return list(contents)  # type: ignore[arg-type]
     counts, forms = stored_shapes(present)
     ends = np.cumsum(counts)
+    starts = ends - counts
     out = np.empty(int(ends[-1]), np.uint32)
     addrs = np.fromiter(map(id, present), np.int64, len(present)) + BYTES_DATA_OFFSET
-    _widen_rows(addrs, counts, forms, ends - counts, out)
+    _widen_rows(addrs, counts, forms, starts, out)
     out.flags.writeable = False
-    views = iter(list(map(out.__getitem__, map(slice, (ends - counts).tolist(), ends.tolist()))))
+    views = map(out.__getitem__, map(slice, starts.tolist(), ends.tolist()))
     return [None if c is None else next(views) for c in contents]
 
 

@@ -126,35 +126,45 @@ def test_a_long_blend_query_is_matched_off_the_event_loop(
         assert short.status_code == 200
 
 
+KEY = {"chunk_hash_hex": "ab" * 32, "model_name": "m", "kv_rank": pack_kv_rank(1, 0, 1, 0)}
+
+
+class HeldLookups:
+    """``CoordinatorService.lookup_keys`` patched to note its thread and count itself in
+    (``started``), then wait for ``release`` (``why``: the failure if it never comes)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, why: str) -> None:
+        self.started, self.release = threading.Semaphore(0), threading.Event()
+        self.threads: list[str] = []
+        real = CoordinatorService.lookup_keys
+
+        def held(service: CoordinatorService, keys: Any) -> Any:
+            self.threads.append(threading.current_thread().name)
+            self.started.release()
+            if not self.release.wait(30):
+                raise AssertionError(why)
+            return real(service, keys)
+
+        monkeypatch.setattr(CoordinatorService, "lookup_keys", held)
+
+
 def test_a_prefix_lookup_is_answered_on_its_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole lookup (body, query, directory, reply) runs on one of the lookup pool's
     threads, as many as the cores: while it runs, /healthz answers on the loop."""
-    answering, answered = threading.Event(), threading.Event()
-    threads: list[str] = []
-    real = CoordinatorService.lookup_keys
-
-    def held(self: CoordinatorService, keys: Any) -> Any:
-        threads.append(threading.current_thread().name)
-        answering.set()
-        if not answered.wait(30):
-            raise AssertionError("/healthz did not answer while a lookup was answered")
-        return real(self, keys)
-
-    monkeypatch.setattr(CoordinatorService, "lookup_keys", held)
-    key = {"chunk_hash_hex": "ab" * 32, "model_name": "m", "kv_rank": pack_kv_rank(1, 0, 1, 0)}
+    held = HeldLookups(monkeypatch, "/healthz did not answer while a lookup was answered")
     with (
         running() as (server, c),
         httpx.Client(base_url=server.url, timeout=30) as other,
         ThreadPoolExecutor(1) as pool,
     ):
-        reply = pool.submit(c.post, "/directory/lookup", json={"keys": [key]})
-        assert answering.wait(30)
+        reply = pool.submit(c.post, "/directory/lookup", json={"keys": [KEY]})
+        assert held.started.acquire(timeout=30)
         assert other.get("/healthz").status_code == 200
-        answered.set()
+        held.release.set()
         result = reply.result()
         assert result.status_code == 200, result.text
         assert result.json()["results"][0]["placements"] == []
-    assert len(threads) == 1 and threads[0].startswith("kvatlas-lookup"), threads
+    assert len(held.threads) == 1 and held.threads[0].startswith("kvatlas-lookup"), held.threads
 
 
 def test_prefix_lookups_filling_their_pool_hold_up_no_blend_match(
@@ -163,17 +173,7 @@ def test_prefix_lookups_filling_their_pool_hold_up_no_blend_match(
     """As many lookups in flight as the lookup pool has threads: a long blend lookup (the
     match pool's) is still answered meanwhile."""
     threads = max(2, os.cpu_count() or 2)
-    started, release = threading.Semaphore(0), threading.Event()
-    real = CoordinatorService.lookup_keys
-
-    def held(self: CoordinatorService, keys: Any) -> Any:
-        started.release()
-        if not release.wait(30):
-            raise AssertionError("the blend lookup was not answered while lookups were held")
-        return real(self, keys)
-
-    monkeypatch.setattr(CoordinatorService, "lookup_keys", held)
-    key = {"chunk_hash_hex": "ab" * 32, "model_name": "m", "kv_rank": pack_kv_rank(1, 0, 1, 0)}
+    held = HeldLookups(monkeypatch, "the blend lookup was not answered while lookups were held")
     tokens = np.arange(blend_lookup.INLINE_BODY_BYTES // 4, dtype="<u4")  # off the loop
     blend = {"tokens_b64": base64.b64encode(tokens.tobytes()).decode(), "model_name": "m"}
     with (
@@ -185,9 +185,9 @@ def test_prefix_lookups_filling_their_pool_hold_up_no_blend_match(
             with httpx.Client(base_url=server.url, timeout=60) as client:
                 return client.post(path, json=body)
 
-        lookups = [pool.submit(post, "/directory/lookup", {"keys": [key]}) for _ in range(threads)]
+        lookups = [pool.submit(post, "/directory/lookup", {"keys": [KEY]}) for _ in range(threads)]
         for _ in range(threads):
-            assert started.acquire(timeout=30)
+            assert held.started.acquire(timeout=30)
         assert post("/directory/blend-lookup", blend).status_code == 200
-        release.set()
+        held.release.set()
         assert [r.result().status_code for r in lookups] == [200] * threads

@@ -147,6 +147,7 @@ def test_a_read_asks_for_about_8_mb_of_entries_of_the_size_the_last_one_returned
     acks = [entry for what, entry in log if what == "ack"]
     assert acks == [f"{n}-0" for n in range(6, 25)]
     assert stream_consumer.read_count([(b"1-0", {b"data": b"x" * (64 << 20)})]) == 1
+    assert stream_consumer.read_count([(b"1-0", {})]) == stream_consumer.READ_COUNT
 
 
 def test_a_backlog_read_to_its_end_is_serving_without_waiting_a_block_time() -> None:
@@ -159,7 +160,6 @@ def test_a_backlog_read_to_its_end_is_serving_without_waiting_a_block_time() -> 
     reads = [what for what, _count in log if what in ("read", "read at once")]
     assert reads == ["read", "read at once"]  # the second, empty, ended the catching up
     assert log[-1] == ("ready", Readiness.SERVING)
-    assert stream_consumer.read_count([(b"1-0", {})]) == stream_consumer.READ_COUNT
 
 
 def test_events_lost_after_serving_wait_for_the_stream_to_be_read_again() -> None:
