@@ -2,8 +2,9 @@
 per lookup, lookups/s and p99 with ``wrk``, against a coordinator of this tree and, with
 ``--lmcache PATH``, LMCache's own coordinator (one server at a time, each fed the same
 chunks). ``--chunks`` Llama 3 chunks are stored in batches of 1,024 (msgpack for ours, JSON
-for LMCache's); each of 64 bodies asks for the 128 keys of a 32k-token prompt, consecutive
-chunks of one stored batch, and the first reply is checked (every key held, 256 ids each).
+for LMCache's); each body asks for the 128 keys of a 32k-token prompt, consecutive chunks of
+one stored batch, one body for every 128 stored chunks (784 at the default size), and the
+first reply is checked (every key held, 256 ids each).
 Run it from the tree to measure (the coordinator imports the working directory's kvatlas):
 
     PYTHONPATH=$PWD python scripts/bench_prefix_lookup.py --lmcache .venv-lmcache
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import tempfile
 from pathlib import Path
@@ -32,12 +34,15 @@ PROMPT_KEYS = 128
 PER_BATCH = 1024
 
 
-def _bodies(batches: list[EventBatch], rng: np.random.Generator) -> list[bytes]:
-    bodies = []
-    for b in rng.choice(len(batches), 64).tolist():
-        start = int(rng.integers(0, len(batches[b].entries) - PROMPT_KEYS + 1))
-        keys = batches[b].entries[start : start + PROMPT_KEYS]
-        bodies.append(json.dumps({"keys": [e.key.to_wire() for e in keys]}).encode())
+def _bodies(batches: list[EventBatch]) -> list[bytes]:
+    """A body per 128 consecutive keys of every stored batch, in an order of their own: ``wrk``
+    cycles through all, so a lookup reads chunks no lookup just before it read."""
+    bodies = [
+        json.dumps({"keys": [e.key.to_wire() for e in b.entries[i : i + PROMPT_KEYS]]}).encode()
+        for b in batches
+        for i in range(0, len(b.entries) - PROMPT_KEYS + 1, PROMPT_KEYS)
+    ]
+    random.Random(0).shuffle(bodies)
     return bodies
 
 
@@ -73,7 +78,7 @@ def main() -> int:
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     batches, _ = store_batches(rng, args.chunks, PER_BATCH, "node-1", LLAMA3)
-    bodies = _bodies(batches, rng)
+    bodies = _bodies(batches)
     with service_process([*COORDINATOR, "--max-body-bytes", str(1 << 30)]) as (url, pid):
         post_all(url, bodies_of(batches, 4, encode_msgpack), "application/msgpack")
         print(f"kvatlas: {_measure(url, pid, bodies, args)}", flush=True)
