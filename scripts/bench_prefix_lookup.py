@@ -82,7 +82,7 @@ def main() -> int:
     with service_process([*COORDINATOR, "--max-body-bytes", str(1 << 30)]) as (url, pid):
         post_all(url, bodies_of(batches, 4, encode_msgpack), "application/msgpack")
         print(f"kvatlas: {_measure(url, pid, bodies, args)}", flush=True)
-    lmcache = find_lmcache(args.lmcache) if args.lmcache else None
+    lmcache = find_lmcache(str(Path(args.lmcache).resolve())) if args.lmcache else None
     if lmcache is not None:
         with (
             tempfile.TemporaryDirectory() as tmp,
