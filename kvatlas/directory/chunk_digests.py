@@ -86,6 +86,15 @@ class InventoryDigests:
             if hs:
                 xor_elements(dig, hs, multiplier, kept)
 
+    def xor_own(self, inst: str, tier: str, pending: Iterable[tuple[int, list[bytes]]]) -> None:
+        """Remove (or add: the same thing) own copies of ``inst`` on ``tier`` in its digest,
+        per tag multiplier their chunk hashes (:meth:`xor_many`; the digest is not made for
+        copies only in partitions not yet digested, as :meth:`xor` leaves it)."""
+        pending = list(pending)
+        if not self._all_digested and not any(self.digested[h[0]] for _, hs in pending for h in hs):
+            return
+        self.xor_many(self._table.counts.digest_for(inst, tier), pending)
+
     def digest_of_prefix(self, inst: str, tier: str, prefix: bytes) -> list[int]:
         """The digest of ``inst``'s own placements on ``tier`` under a one-byte ``prefix``
         (computed from that partition: 1/256 of the directory)."""

@@ -8,7 +8,7 @@ records, :mod:`~kvatlas.directory.l1_owners`). See
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import compress, repeat
+from itertools import compress, count, repeat
 from operator import is_not
 
 import numpy as np
@@ -16,13 +16,14 @@ import numpy as np
 from kvatlas.directory.blend import RemoveClaimColumns, RemoveClaimOp
 from kvatlas.directory.chunk_counts import L2_TIER
 from kvatlas.directory.chunk_digests import InventoryDigests
-from kvatlas.directory.chunk_parts import l1_rows, remove_chunks
+from kvatlas.directory.chunk_parts import l1_rows, remove_chunks, rows_of
 from kvatlas.directory.chunk_state import ChunkState
 from kvatlas.directory.records import (
     KeyPair,
     PlacementRow,
     Placements,
     Record,
+    find_key,
     group_placements,
     l1_owner,
     make_record,
@@ -54,30 +55,97 @@ class RemovalRules:
         self._table = table
         self._digests = digests
 
-    def delete(self, batch: EventBatch) -> None:
-        """Apply a ``delete`` batch."""
+    def delete(self, batch: EventBatch, cols: EntryColumns) -> None:
+        """Apply a ``delete`` batch (its header; the entries are ``cols``): the chunks held
+        under one key by columns (:meth:`_delete_plain`), the others entry by entry."""
         ident = (batch.tier, batch.backend, None if batch.shared else batch.instance_id)
         table = self._table
-        for entry in batch.entries:
-            found = table.locate(entry.key)
-            if found is None:
-                continue
-            rec, k = found
-            h = entry.key.chunk_hash
-            old = placements_of(placements_at(rec, k))
+        hashes, sids = cols.chunk_hashes, table.shapes.ids_of_columns(cols)
+        left: Sequence[int] = range(len(hashes))
+        if table.journal is None:  # (a capture saves each record before it changes)
+            left = self._delete_plain(batch, ident, hashes, sids)
+        for i in left:
+            self._delete_key(batch, ident, hashes[i], sids[i])
+
+    def _delete_key(
+        self, batch: EventBatch, ident: tuple[str, str, str | None], h: bytes, sid: int | None
+    ) -> None:
+        """Delete one entry: the copy ``ident`` of key (``h``, shape ``sid``), if held."""
+        table = self._table
+        rec = None if sid is None else table.parts[h[0]].get(h)
+        if rec is None or sid is None or (k := find_key(rec, sid)) < 0:
+            return
+        old = placements_of(placements_at(rec, k))
+        kept = [q for q in old if row_ident(q) != ident]
+        if len(kept) == len(old):
+            return
+        table.preserve(h, rec)
+        for q in old:
+            if row_ident(q) == ident:
+                self._count(q, -1, sid)
+        if not batch.shared:
+            self._digests.xor(batch.instance_id, batch.tier, h, sid, batch.backend)
+        keys: list[tuple[int, Placements | None]] = list(record_keys(rec))
+        keys[k] = (keys[k][0], pack_placements(kept))
+        self._rewrite(h, rec, keys)
+
+    def _delete_plain(
+        self,
+        batch: EventBatch,
+        ident: tuple[str, str, str | None],
+        hashes: list[bytes],
+        sids: list[int | None],
+    ) -> list[int]:
+        """Delete, by columns (no record built), the entries whose chunk is held under one
+        key: grouped by that key's placements and shape (a stored batch's chunks share
+        them), each group's kept placements computed and counted once; the chunks left
+        without placements removed in bulk (:meth:`_remove_plain`). Entries of an absent
+        chunk or key, and repeats of a chunk so deleted, change nothing. Returns the entries
+        left to delete one by one (chunks under several keys), in order."""
+        table = self._table
+        cols = table.parts[0].cols
+        found = [
+            (i, r, s)
+            for i, r, s in zip(count(), rows_of(table.parts, hashes), sids)
+            if r is not None and s is not None
+        ]
+        if not found:
+            return []
+        held, at, shapes = map(list, zip(*found, strict=True))
+        tokens, flagged, placements, rests = cols.fields(at)
+        left: list[int] = []
+        first: dict[int, int] = {}  # row -> its chunk's first entry (a position in ``held``)
+        for j, rest, f, sid in zip(count(), rests, flagged, shapes):
+            if rest:
+                left.append(held[j])
+            elif f >> 1 == sid:
+                first.setdefault(at[j], j)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for j in first.values():
+            groups.setdefault((id(placements[j]), shapes[j]), []).append(j)
+        emptied: list[int] = []
+        pending: dict[int, list[bytes]] = {}
+        for (_, sid), group in groups.items():
+            old = placements_of(placements[group[0]])
             kept = [q for q in old if row_ident(q) != ident]
             if len(kept) == len(old):
                 continue
-            table.preserve(h, rec)
-            sid = record_keys(rec)[k][0]
             for q in old:
                 if row_ident(q) == ident:
-                    self._count(q, -1, sid)
+                    self._count(q, -len(group), sid)
             if not batch.shared:
-                self._digests.xor(batch.instance_id, batch.tier, h, sid, batch.backend)
-            keys: list[tuple[int, Placements | None]] = list(record_keys(rec))
-            keys[k] = (keys[k][0], pack_placements(kept))
-            self._rewrite(h, rec, keys)
+                tag = self._digests.tag(sid, batch.tier, batch.backend)
+                pending.setdefault(tag, []).extend(hashes[held[j]] for j in group)
+            if kept:
+                cols.put_placements([at[j] for j in group], group_placements(kept))
+            else:
+                emptied += group
+        if pending:
+            self._digests.xor_own(batch.instance_id, batch.tier, pending.items())
+        if emptied:
+            emptied.sort()
+            self._remove_plain(emptied, [hashes[i] for i in held], at, tokens, flagged)
+        return left
 
     def fence(self, inst: str) -> int:
         """Drop every own L1 placement of ``inst`` (its copies in process memory: any of the

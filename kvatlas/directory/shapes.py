@@ -75,6 +75,14 @@ class ShapeTable:
             return [ids[0]] * len(cols)
         return [ids[s] for s in cols.shape_of.tolist()]
 
+    def ids_of_columns(self, cols: EntryColumns) -> list[int | None]:
+        """:meth:`id_of` of every entry's key shape, in order (``None``: a shape never
+        interned, so no key of it is held); interns nothing."""
+        ids = list(map(self._ids.get, cols.shapes))
+        if len(ids) == 1:
+            return ids * len(cols)
+        return list(map(ids.__getitem__, cols.shape_of.tolist()))
+
     def id_of(self, key: ObjectKey) -> int | None:
         """``key``'s shape id, ``None`` if no key of that shape was ever interned."""
         return self._ids.get((key.model_name, key.kv_rank, key.object_group_id, key.cache_salt))

@@ -1,0 +1,167 @@
+"""Deleting by columns (``RemovalRules._delete_plain``): the entries of a ``delete`` batch
+whose chunk is held under one key are applied without a record built per chunk (grouped by
+that key's placements; the chunks left without placements removed in bulk); chunks under
+several keys entry by entry. Held to the entry-by-entry path (the reference: the same steps
+with the columns path turned off), whatever the batch holds: repeats, other shapes, absent
+chunks, shared copies, a capture in progress."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from kvatlas.directory import KeyDirectory
+from kvatlas.directory.chunk_parts import ChunkColumns
+from kvatlas.events import EventBatch
+from tests.directory.helpers import CS, Emitter, entry, key, toks
+from tests.directory.test_fence_columns import state
+from tests.directory.test_l1_owners import INSTANCES, PLACES, Fleet, check, run
+
+SALTS = ("", "x", "never-stored")
+"""Key shapes a delete names: the L1 one, the L2 one (a chunk's second key), one never
+interned."""
+
+
+def entry_by_entry(d: KeyDirectory) -> KeyDirectory:
+    """``d`` deleting entry by entry (the columns path turned off)."""
+
+    def none_plain(batch: Any, ident: Any, hashes: list[bytes], sids: Any) -> list[int]:
+        return list(range(len(hashes)))
+
+    d._chunks.removals._delete_plain = none_plain  # type: ignore[method-assign]
+    return d
+
+
+@st.composite
+def program(draw: st.DrawFn) -> list[tuple[Any, ...]]:
+    """Stores (one or two keys a chunk: the L2 copies are under another salt), moves, fences,
+    snapshots and deletes of any entries: repeats, other shapes, absent chunks."""
+    chunks = st.lists(st.integers(1, 24), min_size=1, max_size=8, unique=True)
+    doomed = st.lists(st.tuples(st.integers(1, 26), st.sampled_from(SALTS)), max_size=10)
+    op = st.one_of(
+        st.tuples(st.just("store"), st.sampled_from(INSTANCES), st.sampled_from(PLACES), chunks),
+        st.tuples(
+            st.just("remove"), st.sampled_from(INSTANCES), st.sampled_from(PLACES), doomed
+        ),
+        st.tuples(st.just("move"), st.sampled_from(INSTANCES), chunks),
+        st.tuples(st.just("fence"), st.sampled_from(INSTANCES)),
+        st.tuples(st.just("install")),
+        st.tuples(st.just("snapshot")),
+    )
+    return draw(st.lists(op, min_size=1, max_size=25))
+
+
+def step_on(d: KeyDirectory, fleet: Fleet, step: tuple[Any, ...], tmp: Path) -> KeyDirectory:
+    if step[0] != "remove":
+        return run(d, fleet, step, tmp)
+    _, inst, place, doomed = step
+    es = [entry(key(n, salt=salt), toks(n, n, n, n), 4 * n) for n, salt in doomed]
+    d.consume(fleet.batch(inst, "delete", place, es))
+    return d
+
+
+@settings(
+    max_examples=80,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(steps=program())
+@example(  # one chunk named twice, then under a shape it is not held under
+    steps=[
+        ("store", "a", PLACES[0], [1, 2, 3]),
+        ("remove", "a", PLACES[0], [(1, ""), (1, ""), (2, "x"), (3, "never-stored")]),
+    ]
+)
+@example(  # chunks in L1 and L2 (two keys), some of them only in L1, then shared copies
+    steps=[
+        ("store", "a", PLACES[0], [1, 2, 3, 4]),
+        ("move", "a", [1, 2]),
+        ("store", "b", PLACES[3], [3, 4, 5]),
+        ("remove", "a", PLACES[0], [(1, ""), (3, ""), (4, ""), (2, "x")]),
+        ("remove", "b", PLACES[3], [(3, ""), (5, ""), (9, "")]),
+        ("remove", "a", PLACES[2], [(1, "x"), (2, "x")]),
+    ]
+)
+@example(  # restored records share one placements value among chunks
+    steps=[
+        ("store", "a", PLACES[0], [1, 2, 3]),
+        ("store", "b", PLACES[0], [2, 3]),
+        ("snapshot",),
+        ("remove", "a", PLACES[0], [(3, ""), (2, ""), (1, "")]),
+        ("remove", "b", PLACES[0], [(2, "")]),
+    ]
+)
+def test_deleting_by_columns_equals_deleting_entry_by_entry(
+    steps: list[tuple[Any, ...]], tmp_path: Path
+) -> None:
+    (tmp_path / "fast").mkdir(exist_ok=True)
+    (tmp_path / "slow").mkdir(exist_ok=True)
+    fast, fleets = KeyDirectory(CS, enable_blend_lookup=True), (Fleet(), Fleet())
+    slow = entry_by_entry(KeyDirectory(CS, enable_blend_lookup=True))
+    for step in steps:
+        fast = step_on(fast, fleets[0], step, tmp_path / "fast")
+        slow = entry_by_entry(step_on(slow, fleets[1], step, tmp_path / "slow"))
+        assert state(fast) == state(slow), step
+        check(fast)
+    again = ("store", "a", PLACES[0], list(range(1, 25)))  # freed rows reused
+    assert state(run(fast, fleets[0], again, tmp_path)) == state(
+        run(slow, fleets[1], again, tmp_path)
+    )
+
+
+def unbatched(seen: tuple[Any, ...]) -> tuple[Any, ...]:
+    """:func:`state` but for the count of batches applied."""
+    return (seen[0], replace(seen[1], batches={}), *seen[2:])
+
+
+def _stored(d: KeyDirectory, a: Emitter) -> None:
+    d.consume(a.batch("store", [entry(key(n), toks(n, n, n, n), 4 * n) for n in range(1, 31)]))
+    d.consume(a.batch("store", [entry(key(n, salt="x")) for n in range(1, 4)], tier="l2"))
+
+
+def test_a_delete_builds_no_record_of_the_chunks_held_under_one_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    d, a = KeyDirectory(CS, enable_blend_lookup=True), Emitter("a")
+    _stored(d, a)
+    built: list[int] = []
+    record = ChunkColumns.record
+
+    def counted(self: ChunkColumns, r: int) -> Any:
+        built.append(r)
+        return record(self, r)
+
+    monkeypatch.setattr(ChunkColumns, "record", counted)
+    d.consume(a.batch("delete", [entry(key(n)) for n in range(1, 31)]))
+    assert len(built) == 3  # the chunks under two keys (an L2 copy under salt "x")
+    monkeypatch.undo()
+    stats = d.stats()
+    assert (stats.chunks, stats.keys, stats.placements) == (3, 3, 3)
+    assert [len(kp.placements) for kp in d.lookup([key(n, salt="x") for n in (1, 2, 3)])] == [1] * 3
+
+
+def test_a_delete_while_a_capture_is_open_saves_each_record_first() -> None:
+    d, a = KeyDirectory(CS, enable_blend_lookup=True), Emitter("a")
+    _stored(d, a)
+    before = {h: rec for part in d._chunks.parts for h, rec in part.items()}
+    with d.capture() as capture:
+        d.consume(a.batch("delete", [entry(key(n)) for n in range(1, 31)]))
+        taken = {h: rec for part in capture.parts() for h, rec in part.records}
+    assert taken == before  # the capture sees the directory as it was when it began
+    assert d.stats().chunks == 3
+
+
+def test_a_delete_batch_of_unknown_shapes_and_absent_chunks_changes_nothing() -> None:
+    d, a = KeyDirectory(CS, enable_blend_lookup=True), Emitter("a")
+    _stored(d, a)
+    before = unbatched(state(d))
+    es = [entry(key(n, salt="never-stored")) for n in range(1, 5)] + [entry(key(40))]
+    d.consume(a.batch("delete", es))
+    d.consume(a.batch("delete", [entry(key(1))], tier="l2"))  # a copy it does not hold there
+    assert unbatched(state(d)) == before
+    assert d.consume(EventBatch("b", 1, 1, "delete", "l1", "dram", False, 0.0, ())) is not None
