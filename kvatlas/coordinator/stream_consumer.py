@@ -148,9 +148,9 @@ class StreamConsumer:
 
     ``attribute`` says who an entry's raw fields speak for (a principal; ``None`` with auth
     off), before anything is decoded, or refuses it (unsigned, bad signature); ``ingest``
-    applies the decoded batches (store entries as columns, as ``POST /events`` bodies) as
-    that principal; ``on_position`` is told each entry id
-    once the entry is applied (the snapshot records it); ``set_readiness(SERVING)`` is called once, when the
+    applies the decoded batches (store and delete entries as columns, as ``POST /events``
+    bodies) as that principal; ``on_position`` is told each entry id once the entry is
+    applied (the snapshot records it); ``set_readiness(SERVING)`` is called once, when the
     consumer first reaches the end of the stream; ``errors`` counts failures by kind
     (``redis``, ``decode``, ``internal``, ``group_held``: another live replica joined the group
     first, and this one stops consuming rather than share it). Every entry passes the checks a

@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from kvatlas.api.events import UNKNOWN_OFFSET, BatchHeader
 from kvatlas.events.model import (
+    DELETE,
     I64_MAX,
     STORE,
     U64_MAX,
@@ -186,8 +187,9 @@ class EntryColumns:
 @dataclass(frozen=True, slots=True, eq=False)
 class ColumnBatch:
     """One batch: its header (an :class:`EventBatch`, validated like any) and, for a ``store``
-    batch decoded from a wire body, its entries as :class:`EntryColumns` (then the header
-    carries no entries). Other batches carry their entries in the header (``columns`` None)."""
+    or ``delete`` batch decoded from a wire body, its entries as :class:`EntryColumns` (then
+    the header carries no entries). Other batches carry their entries in the header
+    (``columns`` None)."""
 
     header: EventBatch
     columns: EntryColumns | None = None
@@ -226,12 +228,12 @@ class ColumnBatch:
 
 
 def column_batch(wb: BatchHeader, backend: str, cols: EntryColumns) -> ColumnBatch | None:
-    """A decoded wire batch with its entries as ``cols``: a ``store`` batch keeps them as
-    columns, others carry them as objects. ``None`` when the header breaks a rule (the decoder
-    then asks the per-entry path which and why)."""
-    store = wb.event_type == STORE
+    """A decoded wire batch with its entries as ``cols``: a ``store`` or ``delete`` batch
+    keeps them as columns, others carry them as objects. ``None`` when the header breaks a
+    rule (the decoder then asks the per-entry path which and why)."""
+    kept = wb.event_type in (STORE, DELETE)
     try:
-        header = batch_from_wire(wb, () if store else cols.entries(), wb.instance_id, backend)
+        header = batch_from_wire(wb, () if kept else cols.entries(), wb.instance_id, backend)
     except ValueError:
         return None
-    return ColumnBatch(header, cols if store else None)
+    return ColumnBatch(header, cols if kept else None)
