@@ -45,9 +45,7 @@ def program(draw: st.DrawFn) -> list[tuple[Any, ...]]:
     doomed = st.lists(st.tuples(st.integers(1, 26), st.sampled_from(SALTS)), max_size=10)
     op = st.one_of(
         st.tuples(st.just("store"), st.sampled_from(INSTANCES), st.sampled_from(PLACES), chunks),
-        st.tuples(
-            st.just("remove"), st.sampled_from(INSTANCES), st.sampled_from(PLACES), doomed
-        ),
+        st.tuples(st.just("remove"), st.sampled_from(INSTANCES), st.sampled_from(PLACES), doomed),
         st.tuples(st.just("move"), st.sampled_from(INSTANCES), chunks),
         st.tuples(st.just("fence"), st.sampled_from(INSTANCES)),
         st.tuples(st.just("install")),
