@@ -148,7 +148,7 @@ class StreamConsumer:
 
     ``attribute`` says who an entry's raw fields speak for (a principal; ``None`` with auth
     off), before anything is decoded, or refuses it (unsigned, bad signature); ``ingest``
-    applies the decoded batches (store and delete entries as columns, as ``POST /events``
+    applies the decoded batches (entries as columns but a resync's, as ``POST /events``
     bodies) as that principal; ``on_position`` is told each entry id once the entry is
     applied (the snapshot records it); ``set_readiness(SERVING)`` is called once, when the
     consumer first reaches the end of the stream; ``errors`` counts failures by kind

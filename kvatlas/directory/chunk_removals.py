@@ -8,7 +8,7 @@ records, :mod:`~kvatlas.directory.l1_owners`). See
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import compress, count, repeat
+from itertools import compress, repeat
 from operator import is_not
 
 import numpy as np
@@ -16,8 +16,9 @@ import numpy as np
 from kvatlas.directory.blend import RemoveClaimColumns, RemoveClaimOp
 from kvatlas.directory.chunk_counts import L2_TIER
 from kvatlas.directory.chunk_digests import InventoryDigests
-from kvatlas.directory.chunk_parts import l1_rows, remove_chunks, rows_of
+from kvatlas.directory.chunk_parts import l1_rows, remove_chunks
 from kvatlas.directory.chunk_state import ChunkState
+from kvatlas.directory.key_groups import key_groups
 from kvatlas.directory.records import (
     KeyPair,
     PlacementRow,
@@ -103,30 +104,14 @@ class RemovalRules:
         chunk or key, and repeats of a chunk so deleted, change nothing. Returns the entries
         left to delete one by one (chunks under several keys), in order."""
         table = self._table
-        cols = table.parts[0].cols
-        found = [
-            (i, r, s)
-            for i, r, s in zip(count(), rows_of(table.parts, hashes), sids)
-            if r is not None and s is not None
-        ]
-        if not found:
+        kg = key_groups(table.parts, hashes, sids)
+        if kg is None:
             return []
-        held, at, shapes = map(list, zip(*found, strict=True))
-        tokens, flagged, placements, rests = cols.fields(at)
-        left: list[int] = []
-        first: dict[int, int] = {}  # row -> its chunk's first entry (a position in ``held``)
-        for j, rest, f, sid in zip(count(), rests, flagged, shapes):
-            if rest:
-                left.append(held[j])
-            elif f >> 1 == sid:
-                first.setdefault(at[j], j)
-        groups: dict[tuple[int, int], list[int]] = {}
-        for j in first.values():
-            groups.setdefault((id(placements[j]), shapes[j]), []).append(j)
+        held, rows = kg.held, kg.rows
         emptied: list[int] = []
         pending: dict[int, list[bytes]] = {}
-        for (_, sid), group in groups.items():
-            old = placements_of(placements[group[0]])
+        for (_, sid), group in kg.groups.items():
+            old = placements_of(kg.placements(group))
             kept = [q for q in old if row_ident(q) != ident]
             if len(kept) == len(old):
                 continue
@@ -137,15 +122,16 @@ class RemovalRules:
                 tag = self._digests.tag(sid, batch.tier, batch.backend)
                 pending.setdefault(tag, []).extend(hashes[held[j]] for j in group)
             if kept:
-                cols.put_placements([at[j] for j in group], group_placements(kept))
+                table.parts[0].cols.put_placements([rows[j] for j in group], group_placements(kept))
             else:
                 emptied += group
         if pending:
             self._digests.xor_own(batch.instance_id, batch.tier, pending.items())
         if emptied:
             emptied.sort()
-            self._remove_plain(emptied, [hashes[i] for i in held], at, tokens, flagged)
-        return left
+            tokens, flagged = kg.fields[:2]
+            self._remove_plain(emptied, [hashes[i] for i in held], rows, tokens, flagged)
+        return kg.left
 
     def fence(self, inst: str) -> int:
         """Drop every own L1 placement of ``inst`` (its copies in process memory: any of the

@@ -19,7 +19,7 @@ from kvatlas.directory.chunk_counts import ChangeJournal, ChunkCounts
 from kvatlas.directory.chunk_parts import ChunkPart
 from kvatlas.directory.records import Record
 from kvatlas.directory.shapes import ShapeTable
-from kvatlas.keys import BlendNamespace, ObjectKey
+from kvatlas.keys import BlendNamespace
 
 
 class ChunkState(Protocol):
@@ -52,9 +52,6 @@ class ChunkState(Protocol):
     def ops(self) -> list[BlendOp]:
         """The queued index writes, in order (appended to in place; the flush takes the list:
         read it on every use)."""
-
-    def locate(self, key: ObjectKey) -> tuple[Record, int] | None:
-        """The key's chunk record and the key's position in it (if stored)."""
 
     def preserve(self, h: bytes, rec: Record | None) -> None:
         """Keep the record a chunk has before its first change of a capture (if capturing)."""

@@ -24,7 +24,7 @@ partition was not captured yet preserves its record (copy-on-write, see
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 
 from kvatlas.directory.blend import BlendIndex, BlendOp
@@ -33,6 +33,7 @@ from kvatlas.directory.chunk_digests import InventoryDigests
 from kvatlas.directory.chunk_parts import ChunkPart, new_parts, rows_of
 from kvatlas.directory.chunk_removals import RemovalRules
 from kvatlas.directory.chunk_stores import StoreRules
+from kvatlas.directory.key_groups import KeyGroups, key_groups
 from kvatlas.directory.records import (
     KeyPlacements,
     Placement,
@@ -130,16 +131,6 @@ class ChunkTable:
         """How many chunks have known content (a count the columns keep: no chunk read)."""
         return self.parts[0].cols.bound
 
-    def locate(self, key: ObjectKey) -> tuple[Record, int] | None:
-        """The key's chunk record and the key's position in it (if stored)."""
-        h = key.chunk_hash
-        rec = self.parts[h[0]].get(h)
-        if rec is None:
-            return None
-        sid = self.shapes.id_of(key)
-        k = -1 if sid is None else find_key(rec, sid)
-        return None if k < 0 else (rec, k)
-
     def lookup(self, keys: Sequence[ObjectKey]) -> list[KeyPlacements]:
         """Each key's placements and its chunk's bound content, read as one batch: the keys'
         rows, their fields gathered from the columns (no record built), the contents widened
@@ -209,8 +200,11 @@ class ChunkTable:
         self.store(batch, cols, sids)
         return removed
 
-    def access(self, batch: EventBatch) -> None:
-        """Apply an ``access`` batch: newer ``last_access`` on the reporter's copies."""
+    def access(self, batch: EventBatch, cols: EntryColumns) -> None:
+        """Apply an ``access`` batch (its header; the entries are ``cols``): newer
+        ``last_access`` on the reporter's copies. Chunks held under one key are read as
+        columns and changed by groups sharing one placements value (each group's new
+        placements made once, no record built); the others entry by entry."""
         tier, backend, ts, shared, inst = (
             batch.tier, batch.backend, batch.ts, batch.shared, batch.instance_id
         )  # fmt: skip
@@ -222,15 +216,30 @@ class ChunkTable:
                 return False
             return row_shared(p) if shared else (not row_shared(p) and row_instance(p) == inst)
 
-        for entry in batch.entries:
-            found = self.locate(entry.key)
-            if found is None:
+        hashes, sids = cols.chunk_hashes, self.shapes.ids_of_columns(cols)
+        left: Sequence[int] = range(len(hashes))
+        if self.journal is None:  # (a capture saves each record before it changes)
+            kg = key_groups(self.parts, hashes, sids)
+            left = [] if kg is None else self._access_groups(kg, hit, ts)
+        for i in left:
+            h, sid = hashes[i], sids[i]
+            rec = None if sid is None else self.parts[h[0]].get(h)
+            if rec is None or sid is None or (k := find_key(rec, sid)) < 0:
                 continue
-            rec, k = found
             old = placements_of(placements_at(rec, k))
-            if not any(hit(p) for p in old):
-                continue
-            h = entry.key.chunk_hash
-            self.preserve(h, rec)
-            new = [accessed_at(p, ts) if hit(p) else p for p in old]
-            self.parts[h[0]][h] = with_placements_at(rec, k, group_placements(new))
+            if any(map(hit, old)):
+                self.preserve(h, rec)
+                new = group_placements([accessed_at(p, ts) if hit(p) else p for p in old])
+                self.parts[h[0]][h] = with_placements_at(rec, k, new)
+
+    def _access_groups(
+        self, kg: KeyGroups, hit: Callable[[PlacementRow], bool], ts: float
+    ) -> list[int]:
+        """:meth:`access` of the chunks ``kg`` groups: a group's new placements made once,
+        set on each of its rows; returns the entries left (chunks under several keys)."""
+        for group in kg.groups.values():
+            old = placements_of(kg.placements(group))
+            if any(map(hit, old)):
+                new = group_placements([accessed_at(p, ts) if hit(p) else p for p in old])
+                self.parts[0].cols.put_placements([kg.rows[j] for j in group], new)
+        return kg.left

@@ -185,17 +185,20 @@ class KeyDirectory:
     def _apply_admitted(self, cb: ColumnBatch, admission: Admission) -> None:
         # A validated batch never fails halfway: shapes first, updates raise on no valid input.
         batch, kind, chunks = cb.header, cb.header.event_type, self._chunks
-        cols = cb.entry_columns() if kind in (STORE, RESYNC, DELETE) else None
-        sids = [] if cols is None or kind == DELETE else chunks.shapes.intern_columns(cols)
+        cols = None if kind == CONFIG else cb.entry_columns()
+        sids = (
+            chunks.shapes.intern_columns(cols)
+            if cols is not None and kind in (STORE, RESYNC)
+            else []
+        )
         if admission.fence_first:
             chunks.removals.fence(batch.instance_id)
         if cols is None:
-            if kind == ACCESS:
-                chunks.access(batch)
-            elif kind == CONFIG:
-                self._apply_config(batch)
+            self._apply_config(batch)
         elif kind == DELETE:
             chunks.removals.delete(batch, cols)
+        elif kind == ACCESS:
+            chunks.access(batch, cols)
         else:
             (chunks.store if kind == STORE else chunks.resync)(batch, cols, sids)
         self._gate.commit(batch, admission)

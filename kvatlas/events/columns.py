@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from kvatlas.api.events import UNKNOWN_OFFSET, BatchHeader
 from kvatlas.events.model import (
+    ACCESS,
     DELETE,
     I64_MAX,
     STORE,
@@ -186,10 +187,10 @@ class EntryColumns:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ColumnBatch:
-    """One batch: its header (an :class:`EventBatch`, validated like any) and, for a ``store``
-    or ``delete`` batch decoded from a wire body, its entries as :class:`EntryColumns` (then
-    the header carries no entries). Other batches carry their entries in the header
-    (``columns`` None)."""
+    """One batch: its header (an :class:`EventBatch`, validated like any) and, for a ``store``,
+    ``delete`` or ``access`` batch decoded from a wire body, its entries as
+    :class:`EntryColumns` (then the header carries no entries). Other batches carry their
+    entries in the header (``columns`` None)."""
 
     header: EventBatch
     columns: EntryColumns | None = None
@@ -228,10 +229,11 @@ class ColumnBatch:
 
 
 def column_batch(wb: BatchHeader, backend: str, cols: EntryColumns) -> ColumnBatch | None:
-    """A decoded wire batch with its entries as ``cols``: a ``store`` or ``delete`` batch
-    keeps them as columns, others carry them as objects. ``None`` when the header breaks a
-    rule (the decoder then asks the per-entry path which and why)."""
-    kept = wb.event_type in (STORE, DELETE)
+    """A decoded wire batch with its entries as ``cols``: a ``store``, ``delete`` or
+    ``access`` batch keeps them as columns; a ``resync`` batch carries them as objects (its
+    header checks their hashes against its prefixes). ``None`` when the header breaks a rule
+    (the decoder then asks the per-entry path which and why)."""
+    kept = wb.event_type in (STORE, DELETE, ACCESS)
     try:
         header = batch_from_wire(wb, () if kept else cols.entries(), wb.instance_id, backend)
     except ValueError:

@@ -48,8 +48,8 @@ def decode_stream_fields(fields: Mapping[bytes, bytes]) -> list[EventBatch]:
 
 
 def decode_stream_columns(fields: Mapping[bytes, bytes]) -> list[ColumnBatch]:
-    """An entry's batches with their store and delete entries as columns: the batches and
-    the errors of :func:`decode_stream_fields`, without an object per entry."""
+    """An entry's batches with their entries as columns (a resync's as objects): the batches
+    and the errors of :func:`decode_stream_fields`, without an object per entry."""
     fmt, data = _format_and_data(fields)
     return decode_msgpack_columns(data) if fmt == b"msgpack" else decode_json_columns(data)
 

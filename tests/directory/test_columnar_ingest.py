@@ -217,8 +217,8 @@ def test_columns_equal_per_entry_path(fmt: str, data: st.DataObject) -> None:
             assert (new_err.detail, new_err.extra) == (old_err.detail, old_err.extra)
             continue
         assert [cb.batch() for cb in new] == old
-        kept = [cb.columns is not None for cb in new]  # store and delete entries: columns
-        assert kept == [b.event_type in ("store", "delete") for b in old]
+        kept = [cb.columns is not None for cb in new]  # entries as columns: all but these
+        assert kept == [b.event_type not in ("resync", "config") for b in old]
         outcomes = [old_dir.consume(b) for b in old]
         assert new_dir.apply_columns(new) == outcomes
         assert _state(new_dir) == _state(old_dir)

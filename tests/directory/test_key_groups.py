@@ -1,9 +1,9 @@
-"""Deleting by columns (``RemovalRules._delete_plain``): the entries of a ``delete`` batch
-whose chunk is held under one key are applied without a record built per chunk (grouped by
-that key's placements; the chunks left without placements removed in bulk); chunks under
-several keys entry by entry. Held to the entry-by-entry path (the reference: the same steps
-with the columns path turned off), whatever the batch holds: repeats, other shapes, absent
-chunks, shared copies, a capture in progress."""
+"""Deletes and accesses by columns (``directory/key_groups.py``): the entries of a ``delete``
+or ``access`` batch whose chunk is held under one key are applied without a record built per
+chunk (grouped by that key's placements; on a delete, the chunks left without placements
+removed in bulk); chunks under several keys entry by entry. Held to the entry-by-entry paths
+(the reference: the same steps with the columns paths turned off), whatever the batch
+holds: repeats, other shapes, absent chunks, shared copies, a capture in progress."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from kvatlas.directory import KeyDirectory
 from kvatlas.directory.chunk_parts import ChunkColumns
+from kvatlas.directory.key_groups import KeyGroups
 from kvatlas.events import EventBatch
 from tests.directory.helpers import CS, Emitter, entry, key, toks
 from tests.directory.test_fence_columns import state
@@ -28,19 +29,24 @@ interned."""
 
 
 def entry_by_entry(d: KeyDirectory) -> KeyDirectory:
-    """``d`` deleting entry by entry (the columns path turned off)."""
+    """``d`` deleting and accessing entry by entry (the columns paths turned off)."""
 
     def none_plain(batch: Any, ident: Any, hashes: list[bytes], sids: Any) -> list[int]:
         return list(range(len(hashes)))
 
+    def no_groups(kg: KeyGroups, hit: Any, ts: float) -> list[int]:
+        return kg.held  # (every entry that names a held chunk, in order)
+
     d._chunks.removals._delete_plain = none_plain  # type: ignore[method-assign]
+    d._chunks._access_groups = no_groups  # type: ignore[method-assign]
     return d
 
 
 @st.composite
 def program(draw: st.DrawFn) -> list[tuple[Any, ...]]:
     """Stores (one or two keys a chunk: the L2 copies are under another salt), moves, fences,
-    snapshots and deletes of any entries: repeats, other shapes, absent chunks."""
+    snapshots, and deletes and accesses of any entries: repeats, other shapes, absent
+    chunks."""
     chunks = st.lists(st.integers(1, 24), min_size=1, max_size=8, unique=True)
     doomed = st.lists(st.tuples(st.integers(1, 26), st.sampled_from(SALTS)), max_size=10)
     op = st.one_of(
@@ -55,11 +61,18 @@ def program(draw: st.DrawFn) -> list[tuple[Any, ...]]:
 
 
 def step_on(d: KeyDirectory, fleet: Fleet, step: tuple[Any, ...], tmp: Path) -> KeyDirectory:
-    if step[0] != "remove":
+    if step[0] not in ("remove", "touch"):
         return run(d, fleet, step, tmp)
-    _, inst, place, doomed = step
-    es = [entry(key(n, salt=salt), toks(n, n, n, n), 4 * n) for n, salt in doomed]
-    d.consume(fleet.batch(inst, "delete", place, es))
+    inst, place, named = step[1:4]
+    es = [entry(key(n, salt=salt), toks(n, n, n, n), 4 * n) for n, salt in named]
+    if step[0] == "remove":
+        d.consume(fleet.batch(inst, "delete", place, es))
+    else:
+        fleet.seq[inst] += 1
+        tier, backend, shared = place
+        ts = float(step[4])
+        d.consume(EventBatch(inst, fleet.inc[inst], fleet.seq[inst], "access", tier, backend,
+                             shared, ts, tuple(es)))  # fmt: skip
     return d
 
 
@@ -94,7 +107,26 @@ def step_on(d: KeyDirectory, fleet: Fleet, step: tuple[Any, ...], tmp: Path) -> 
         ("remove", "b", PLACES[0], [(2, "")]),
     ]
 )
-def test_deleting_by_columns_equals_deleting_entry_by_entry(
+@example(  # accesses of one batch's chunks, repeated, then later, then of L2 copies
+    steps=[
+        ("store", "a", PLACES[0], [1, 2, 3]),
+        ("move", "a", [3]),
+        ("touch", "a", PLACES[0], [(1, ""), (2, ""), (1, ""), (3, "")], 2),
+        ("touch", "a", PLACES[0], [(2, ""), (9, "")], 1),
+        ("touch", "a", PLACES[0], [(2, ""), (3, "x")], 3),
+        ("touch", "a", ("l2", "", False), [(3, "x")], 4),
+    ]
+)
+@example(  # one key's copies of two instances and two tiers: only the reporter's are touched
+    steps=[
+        ("store", "a", PLACES[0], [1, 2]),
+        ("store", "b", PLACES[0], [1, 2]),
+        ("store", "a", PLACES[1], [2]),
+        ("touch", "a", PLACES[0], [(1, ""), (2, "")], 2),
+        ("touch", "b", PLACES[3], [(1, "")], 3),
+    ]
+)
+def test_deletes_and_accesses_by_columns_equal_them_entry_by_entry(
     steps: list[tuple[Any, ...]], tmp_path: Path
 ) -> None:
     (tmp_path / "fast").mkdir(exist_ok=True)
@@ -163,3 +195,30 @@ def test_a_delete_batch_of_unknown_shapes_and_absent_chunks_changes_nothing() ->
     d.consume(a.batch("delete", [entry(key(1))], tier="l2"))  # a copy it does not hold there
     assert unbatched(state(d)) == before
     assert d.consume(EventBatch("b", 1, 1, "delete", "l1", "dram", False, 0.0, ())) is not None
+
+
+def test_an_access_builds_no_record_and_leaves_a_batch_sharing_one_placements_value(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Entry by entry, an access gave every chunk a placements value of its own (≈100 B
+    each); by groups, the chunks a batch stored share the accessed one as they shared the
+    stored one."""
+    d, a = KeyDirectory(CS, enable_blend_lookup=True), Emitter("a")
+    _stored(d, a)
+    built: list[int] = []
+    record = ChunkColumns.record
+
+    def counted(self: ChunkColumns, r: int) -> Any:
+        built.append(r)
+        return record(self, r)
+
+    monkeypatch.setattr(ChunkColumns, "record", counted)
+    d.consume(a.batch("access", [entry(key(n)) for n in range(1, 31)], ts=5.0))
+    assert len(built) == 3  # the chunks under two keys
+    monkeypatch.undo()
+    cols = d._chunks.parts[0].cols
+    rows = [d._chunks.parts[n].row[bytes([n]) * 32] for n in range(4, 31)]
+    values = {id(v) for v in cols.fields(rows)[2]}
+    assert len(values) == 1
+    looked = d.lookup([key(n) for n in range(1, 31)])
+    assert {p.last_access for kp in looked for p in kp.placements} == {5.0}
