@@ -51,6 +51,9 @@ from kvatlas.directory.token_store import StoredTokens
 _WIDTH: Final = 4  # references per row
 _FLAGS: Final = (False, True)
 _EMPTY_ROW: Final = (None, 0, None, ())
+_FIELDS: Final = np.arange(_WIDTH)
+"""A row's offsets in ``objs``, made once: ``np.arange`` releases the GIL while it fills (a
+release per batch read starves a waiting thread; tests/directory/test_gil_holding.py)."""
 
 
 class ChunkColumns:
@@ -186,7 +189,7 @@ def copy_rows(objs: list[Any], offsets: array[int], rows: list[int]) -> RowsCopy
     """The fields at ``rows`` of columns ``objs`` and ``offsets`` (two C-level gathers)."""
     if not rows:
         return RowsCopy((), ())
-    at = (np.array(rows, np.int64)[:, None] * _WIDTH + np.arange(_WIDTH)).ravel().tolist()
+    at = (np.array(rows, np.int64)[:, None] * _WIDTH + _FIELDS).ravel().tolist()
     return RowsCopy(_gather(objs, at), _gather(offsets, rows))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Sequence
 
 from kvatlas.directory.blend import AddOp, RemoveChunkOp
 from kvatlas.directory.chunk_counts import L2_TIER, DigestArray
@@ -15,6 +16,7 @@ from kvatlas.directory.chunk_digests import InventoryDigests
 from kvatlas.directory.chunk_parts import ChunkPart
 from kvatlas.directory.chunk_state import ChunkState
 from kvatlas.directory.fresh_chunks import store_adds, store_fresh
+from kvatlas.directory.key_groups import key_groups
 from kvatlas.directory.records import (
     PlacementRow,
     Record,
@@ -76,8 +78,20 @@ class StoreRules:
                 table.ops.append(store_adds(added, cols, stored, sids, shapes))
             if dig is not None:
                 pending[self._digests.tag(sids[0], tier, backend)] = cols.chunk_hashes
-        else:
-            n_keys, n_pl, n_bytes = self._store_each(batch, cols, sids, stored, dig, pending, mixed)
+        else:  # re-stores of chunks held under one key by columns, the rest entry by entry
+            left: Sequence[int] = range(len(cols))
+            plain_pl = plain_bytes = 0
+            made: dict[int, PlacementRow] = {}  # the batch's placement rows, one a size
+            if table.journal is None:
+                own = None if dig is None else pending
+                left, plain_pl, plain_bytes = self._store_plain(
+                    batch, cols, sids, stored, own, mixed, made
+                )
+            n_keys, n_pl, n_bytes = self._store_each(
+                batch, cols, sids, stored, dig, pending, mixed, left, made
+            )
+            n_pl += plain_pl
+            n_bytes += plain_bytes
         if one_shape:
             counts.l2_bytes_by_shape[sids[0]] += n_bytes
         if dig is not None:
@@ -100,13 +114,15 @@ class StoreRules:
         dig: DigestArray | None,
         pending: dict[int, list[bytes]],
         l2_by_shape: Counter[int] | None,
+        which: Sequence[int],
+        by_size: dict[int, PlacementRow],
     ) -> tuple[int, int, int]:
-        """:meth:`store`, entry by entry (any batch); returns the (keys, placements, bytes)
-        added. New own copies' hashes go to ``pending`` by tag multiplier (if ``dig``); the
-        bytes added per shape to ``l2_by_shape`` (an L2 batch of several shapes)."""
+        """:meth:`store`, entry by entry (any entries ``which`` of the batch, in order);
+        returns the (keys, placements, bytes) added. New own copies' hashes go to ``pending``
+        by tag multiplier (if ``dig``); the bytes added per shape to ``l2_by_shape`` (an L2
+        batch of several shapes); the batch's placement rows by size to ``by_size``."""
         inst, inc, tier, backend = batch.instance_id, batch.incarnation, batch.tier, batch.backend
         shared, ts = batch.shared, batch.ts
-        by_size: dict[int, PlacementRow] = {}
         table = self._table
         parts = table.parts
         journal = table.journal
@@ -122,15 +138,13 @@ class StoreRules:
         # instance: the counters move by one sum per batch instead of per entry.
         n_keys = n_pl = n_bytes = 0
         added: list[int] = []  # entries whose new chunk is indexed: one AddColumns for all
-        for j, h, sid, size, tokens, offset in zip(
-            range(len(cols)),
+        hashes, sizes, offsets = (
             cols.chunk_hashes,
-            sids,
             cols.size_bytes.tolist(),
-            stored,
             cols.token_offsets.tolist(),
-            strict=True,
-        ):
+        )
+        for j in which:
+            h, sid, size, tokens, offset = hashes[j], sids[j], sizes[j], stored[j], offsets[j]
             p = by_size.get(size)
             if p is None:
                 p = by_size[size] = placement_row(inst, inc, tier, backend, size, shared, ts)
@@ -180,6 +194,69 @@ class StoreRules:
         if added:
             ops.append(store_adds(added, cols, stored, sids, shapes))
         return n_keys, n_pl, n_bytes
+
+    def _store_plain(
+        self,
+        batch: EventBatch,
+        cols: EntryColumns,
+        sids: list[int],
+        stored: list[StoredTokens | None],
+        pending: dict[int, list[bytes]] | None,
+        l2_by_shape: Counter[int] | None,
+        by_size: dict[int, PlacementRow],
+    ) -> tuple[Sequence[int], int, int]:
+        """Store, by columns, the entries that add or replace a copy of the one key their
+        chunk is held under, its content unchanged (the usual re-store: a copy on another
+        tier, another instance's, a report repeated): grouped by that key's placements value
+        and the entry's size, each group's placements made once and set on its rows, no
+        record built. Returns the entries left to :meth:`_store_each` (in order) and the
+        (placements, bytes) added; new own copies' hashes go to ``pending`` (if given). The
+        batch's placement row of each size is taken from ``by_size`` (or made into it): the
+        entry-by-entry path shares them, as a snapshot stores each row once."""
+        table = self._table
+        kg = key_groups(table.parts, cols.chunk_hashes, sids, keep_rest=True)
+        if kg is None or not kg.groups:
+            return range(len(cols)), 0, 0
+        b = batch
+        ident = (b.tier, b.backend, None if b.shared else b.instance_id)
+        held, rows, (contents, flagged, _, _) = kg.held, kg.rows, kg.fields
+        sizes, offsets = cols.size_bytes.tolist(), cols.token_offsets.tolist()
+        at, indexing = table.parts[0].cols.offsets, table.indexing
+        sized: dict[tuple[tuple[int, int], int], list[int]] = {}
+        rebinding: list[int] = []  # entries that would (re)bind content: left
+        for g, group in kg.groups.items():
+            for j in group:
+                i, new = held[j], stored[held[j]]
+                if new is not None and not (
+                    contents[j] == new  # (forms are canonical: equal ids, equal bytes)
+                    and offsets[i] in (UNKNOWN_OFFSET, at[rows[j]])
+                    and (flagged[j] & 1 or not indexing)
+                ):
+                    rebinding.append(i)
+                else:
+                    sized.setdefault((g, sizes[i]), []).append(j)
+        n_pl = n_bytes = 0
+        for ((_, sid), size), group in sized.items():
+            old = placements_of(kg.placements(group))
+            kept = [q for q in old if row_ident(q) != ident]
+            p = by_size.get(size)
+            if p is None:
+                p = by_size[size] = placement_row(
+                    b.instance_id, b.incarnation, b.tier, b.backend, size, b.shared, b.ts
+                )
+            table.parts[0].cols.put_placements(
+                [rows[j] for j in group], group_placements([*kept, p])
+            )
+            dp = 1 - (len(old) - len(kept))  # 0: a copy replaced (the same digest element)
+            db = size - sum(row_size(q) for q in old if row_ident(q) == ident)
+            n_pl += dp * len(group)
+            n_bytes += db * len(group)
+            if l2_by_shape is not None:
+                l2_by_shape[sid] += db * len(group)
+            if pending is not None and dp:
+                tag = self._digests.tag(sid, b.tier, b.backend)
+                pending.setdefault(tag, []).extend(cols.chunk_hashes[held[j]] for j in group)
+        return sorted(kg.left + rebinding) if rebinding else kg.left, n_pl, n_bytes
 
 
 # Storing into a known chunk and binding its content: functions given the table, not methods,

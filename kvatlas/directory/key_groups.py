@@ -7,6 +7,7 @@ several keys are left to the rules' entry-by-entry paths.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import count
@@ -23,7 +24,8 @@ class KeyGroups:
     ``groups`` maps (``id`` of a placements value, shape id) to the positions ``j`` of the
     chunks under one key, that key the entry's, each chunk once (its first entry: a repeat
     reads what the first one left); ``left`` are the entries of chunks under several keys,
-    in order. An entry in neither names no held key: it changes nothing."""
+    in order (with ``keep_rest``: every entry not grouped). An entry in neither names no held
+    key: it changes nothing."""
 
     held: list[int]
     rows: list[int]
@@ -37,10 +39,17 @@ class KeyGroups:
 
 
 def key_groups(
-    parts: Sequence[ChunkPart], hashes: list[bytes], sids: Sequence[int | None]
+    parts: Sequence[ChunkPart],
+    hashes: list[bytes],
+    sids: Sequence[int | None],
+    *,
+    keep_rest: bool = False,
 ) -> KeyGroups | None:
     """The :class:`KeyGroups` of entries (chunk ``hashes``, shape ids ``sids``; ``None``: a
-    shape never interned), or ``None`` if no entry names a held chunk under a known shape."""
+    shape never interned), or ``None`` if no entry names a held chunk under a known shape.
+    With ``keep_rest`` (a store: an entry that names no held key adds one, and a repeat of a
+    chunk may change it again) every entry not grouped is ``left``, and so is every entry
+    of a chunk the batch names more than once."""
     found = [
         (i, r, s)
         for i, r, s in zip(count(), rows_of(parts, hashes), sids)
@@ -58,6 +67,14 @@ def key_groups(
             left.append(held[j])
         elif f >> 1 == sid:
             first.setdefault(rows[j], j)
+    if keep_rest:
+        once = set(first.values())
+        if len(rows) != len(set(rows)):  # chunks named twice: every entry of them left
+            named = Counter(rows)
+            once = {j for j in once if named[rows[j]] == 1}
+        grouped = {held[j] for j in once}
+        left = [i for i in range(len(hashes)) if i not in grouped]
+        first = {rows[j]: j for j in sorted(once)}
     groups: dict[tuple[int, int], list[int]] = {}
     for j in first.values():
         groups.setdefault((id(placements[j]), shapes[j]), []).append(j)

@@ -101,6 +101,28 @@ def test_storing_chunks_again_in_small_batches_never_releases_the_gil() -> None:
     assert woken[0] < 20  # a release per batch wakes it ≈400 times
 
 
+def test_short_lookups_and_accesses_never_release_the_gil() -> None:
+    """What a router's prefix lookup of a few chunks does, and a node's access reports: each
+    reads its chunks' rows as one batch (``np.arange`` there released the GIL on every call:
+    a release per lookup)."""
+    batches = _batches(100, 8, seed=4)
+    d = KeyDirectory(CHUNK, enable_blend_lookup=True)
+    for b in batches:
+        d.consume(b)
+    keys = [[e.key for e in b.entries] for b in batches]
+    d.lookup(keys[0])  # warm
+    seq = len(batches)
+    with _gil_waiter() as woken:
+        for _ in range(4):
+            for ks in keys:
+                d.lookup(ks)
+        for b in batches:
+            seq += 1
+            d.consume(replace(b, seq=seq, event_type="access", ts=1.0))
+    assert all(p.last_access == 1.0 for kp in d.lookup(keys[-1]) for p in kp.placements)
+    assert woken[0] < 20  # a release per lookup or batch wakes it hundreds of times
+
+
 def test_single_blend_writes_never_release_the_gil() -> None:
     """What a cache node does as it stores and evicts chunks one at a time."""
     rng = np.random.default_rng(3)

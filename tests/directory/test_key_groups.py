@@ -1,7 +1,8 @@
-"""Deletes and accesses by columns (``directory/key_groups.py``): the entries of a ``delete``
-or ``access`` batch whose chunk is held under one key are applied without a record built per
-chunk (grouped by that key's placements; on a delete, the chunks left without placements
-removed in bulk); chunks under several keys entry by entry. Held to the entry-by-entry paths
+"""Deletes, accesses and re-stores by columns (``directory/key_groups.py``): the entries of a
+``delete``, ``access`` or ``store`` batch whose chunk is held under one key (a store's: that
+key, the content unchanged) are applied without a record built per chunk (grouped by that
+key's placements; on a delete, the chunks left without placements removed in bulk); the
+others entry by entry. Held to the entry-by-entry paths
 (the reference: the same steps with the columns paths turned off), whatever the batch
 holds: repeats, other shapes, absent chunks, shared copies, a capture in progress."""
 
@@ -11,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -19,10 +21,15 @@ from kvatlas.directory import KeyDirectory
 from kvatlas.directory.chunk_parts import ChunkColumns
 from kvatlas.directory.key_groups import KeyGroups
 from kvatlas.events import EventBatch
+from kvatlas.keys import BlendNamespace
 from tests.directory.helpers import CS, Emitter, entry, key, toks
 from tests.directory.test_fence_columns import state
 from tests.directory.test_l1_owners import INSTANCES, PLACES, Fleet, check, run
 
+VARIANTS = ("same", "same", "bigger", "no tokens", "offset unknown", "other offset",
+            "other tokens", "shorter")  # fmt: skip
+"""How a store entry of a chunk again differs from its first (:func:`restored_entry`)."""
+NS = BlendNamespace("m", "", 1)
 SALTS = ("", "x", "never-stored")
 """Key shapes a delete names: the L1 one, the L2 one (a chunk's second key), one never
 interned."""
@@ -37,8 +44,12 @@ def entry_by_entry(d: KeyDirectory) -> KeyDirectory:
     def no_groups(kg: KeyGroups, hit: Any, ts: float) -> list[int]:
         return kg.held  # (every entry that names a held chunk, in order)
 
+    def each(batch: Any, cols: Any, *rest: Any) -> tuple[range, int, int]:
+        return range(len(cols)), 0, 0
+
     d._chunks.removals._delete_plain = none_plain  # type: ignore[method-assign]
     d._chunks._access_groups = no_groups  # type: ignore[method-assign]
+    d._chunks.stores._store_plain = each  # type: ignore[method-assign]
     return d
 
 
@@ -53,6 +64,12 @@ def program(draw: st.DrawFn) -> list[tuple[Any, ...]]:
         st.tuples(st.just("store"), st.sampled_from(INSTANCES), st.sampled_from(PLACES), chunks),
         st.tuples(st.just("remove"), st.sampled_from(INSTANCES), st.sampled_from(PLACES), doomed),
         st.tuples(st.just("move"), st.sampled_from(INSTANCES), chunks),
+        st.tuples(
+            st.just("again"),
+            st.sampled_from(INSTANCES),
+            st.sampled_from(PLACES),
+            st.lists(st.tuples(st.integers(1, 26), st.sampled_from(VARIANTS)), max_size=10),
+        ),
         st.tuples(st.just("fence"), st.sampled_from(INSTANCES)),
         st.tuples(st.just("install")),
         st.tuples(st.just("snapshot")),
@@ -60,7 +77,30 @@ def program(draw: st.DrawFn) -> list[tuple[Any, ...]]:
     return draw(st.lists(op, min_size=1, max_size=25))
 
 
+def restored_entry(n: int, variant: str) -> Any:
+    """A store entry of chunk ``n`` as a report of it again may differ from its first."""
+    tokens, offset, size = toks(n, n, n, n), 4 * n, 10
+    if variant == "bigger":
+        size = 20
+    elif variant == "no tokens":
+        tokens, offset = None, -1
+    elif variant == "offset unknown":
+        offset = -1
+    elif variant == "other offset":
+        offset = 4 * n + 1
+    elif variant == "other tokens":
+        tokens = toks(n, n, n, n + 1)
+    elif variant == "shorter":
+        tokens = toks(n, n, n)
+    return entry(key(n), tokens, offset, size)
+
+
 def step_on(d: KeyDirectory, fleet: Fleet, step: tuple[Any, ...], tmp: Path) -> KeyDirectory:
+    if step[0] == "again":  # the same key of chunks reported again, as reports may differ
+        _, inst, place, named = step
+        es = [restored_entry(n, variant) for n, variant in named]
+        d.consume(fleet.batch(inst, "store", place, es))
+        return d
     if step[0] not in ("remove", "touch"):
         return run(d, fleet, step, tmp)
     inst, place, named = step[1:4]
@@ -117,6 +157,16 @@ def step_on(d: KeyDirectory, fleet: Fleet, step: tuple[Any, ...], tmp: Path) -> 
         ("touch", "a", ("l2", "", False), [(3, "x")], 4),
     ]
 )
+@example(  # chunks stored again: the same, bigger, by another, in L2, with other content
+    steps=[
+        ("store", "a", PLACES[0], [1, 2, 3, 4]),
+        ("again", "a", PLACES[0], [(1, "same"), (2, "bigger"), (3, "no tokens"), (5, "same")]),
+        ("again", "b", PLACES[0], [(1, "same"), (2, "same"), (4, "other tokens")]),
+        ("again", "a", PLACES[2], [(1, "offset unknown"), (2, "other offset"), (1, "same")]),
+        ("again", "c", PLACES[3], [(3, "shorter"), (2, "bigger"), (4, "same")]),
+        ("remove", "a", PLACES[0], [(1, ""), (2, "")]),
+    ]
+)
 @example(  # one key's copies of two instances and two tiers: only the reporter's are touched
     steps=[
         ("store", "a", PLACES[0], [1, 2]),
@@ -126,7 +176,7 @@ def step_on(d: KeyDirectory, fleet: Fleet, step: tuple[Any, ...], tmp: Path) -> 
         ("touch", "b", PLACES[3], [(1, "")], 3),
     ]
 )
-def test_deletes_and_accesses_by_columns_equal_them_entry_by_entry(
+def test_deletes_accesses_and_restores_by_columns_equal_them_entry_by_entry(
     steps: list[tuple[Any, ...]], tmp_path: Path
 ) -> None:
     (tmp_path / "fast").mkdir(exist_ok=True)
@@ -222,3 +272,21 @@ def test_an_access_builds_no_record_and_leaves_a_batch_sharing_one_placements_va
     assert len(values) == 1
     looked = d.lookup([key(n) for n in range(1, 31)])
     assert {p.last_access for kp in looked for p in kp.placements} == {5.0}
+
+
+def test_a_store_again_indexes_what_was_bound_before_blend_was_on() -> None:
+    """A re-store that binds nothing new stays on the columns path, but one that indexes a
+    chunk bound before blend was on takes the entry-by-entry path (which queues its add)."""
+    built = []
+    for d in (KeyDirectory(CS), entry_by_entry(KeyDirectory(CS))):
+        a = Emitter("a")
+        es = [entry(key(n), toks(n, n, n, n), 4 * n) for n in range(1, 9)]
+        d.consume(a.batch("store", es))
+        d.enable_blend_lookup()
+        d.consume(a.batch("store", es[:4], tier="l2", backend="fs"))
+        d.consume(a.batch("store", [entry(key(n)) for n in range(5, 9)], tier="l2", backend="fs"))
+        query = np.concatenate([toks(n, n, n, n) for n in range(1, 9)])
+        matches = sorted(m.chunk_hash[0] for m in d.blend_match(query, NS))
+        assert matches == [1, 2, 3, 4]  # (a store without tokens binds nothing)
+        built.append(state(d))
+    assert built[0] == built[1]
