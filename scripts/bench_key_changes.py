@@ -31,6 +31,8 @@ from kvatlas.workloads import LLAMA3, random_token_ids
 BATCH = 256
 PER_BODY = 4
 CHUNK = 256
+FIRST = ("store", "a", "l1", "dram", 0.0)
+"""The first report of every chunk (older than every change: an access is newer)."""
 KINDS = {  # kind: (event type, instance, tier, backend, ts)
     "delete": ("delete", "a", "l1", "dram", 0.0),
     "access": ("access", "a", "l1", "dram", 5.0),
@@ -65,7 +67,7 @@ def entries(chunks: int, seed: int) -> list[list[CacheEntry]]:
 
 def bodies(batches: list[list[CacheEntry]], kind: str, seq0: int) -> list[bytes]:
     """JSON bodies of ``kind`` over every stored chunk (``seq0``: the emitter's next seq)."""
-    event, inst, tier, backend, ts = KINDS[kind]
+    event, inst, tier, backend, ts = FIRST if kind == "first" else KINDS[kind]
     out = []
     seq = seq0 if inst == "a" else 1
     for lo in range(0, len(batches), PER_BODY):
@@ -100,7 +102,7 @@ def main() -> None:
     args = parser.parse_args()
     warm_up_kernels()
     batches = entries(args.chunks, args.seed)
-    stores = bodies(batches, "again", 1)  # (the first report: seq 1 on)
+    stores = bodies(batches, "first", 1)
     seq0 = len(batches) + 1
     for kind in args.kinds.split(","):
         change = bodies(batches, kind, seq0)
