@@ -7,12 +7,26 @@ from typing import Any
 import numpy as np
 
 from kvatlas.directory import KeyDirectory
-from kvatlas.directory.chunk_parts import ChunkPart, l1_chunks
+from kvatlas.directory.chunk_parts import ChunkColumns, ChunkPart, l1_chunks
 from kvatlas.directory.records import Record, l1_owner, placement_groups, placements_of
 from kvatlas.events import CacheEntry, EventBatch
 from kvatlas.keys import ObjectKey, pack_kv_rank
 
 CS = 4  # chunk size used by the directory tests
+
+
+def records_built(monkeypatch: Any) -> list[int]:
+    """The rows whose record is built from now on (``ChunkColumns.record`` counted) until
+    ``monkeypatch.undo()``: what a path by columns must not build."""
+    built: list[int] = []
+    record = ChunkColumns.record
+
+    def counted(self: ChunkColumns, r: int) -> Any:
+        built.append(r)
+        return record(self, r)
+
+    monkeypatch.setattr(ChunkColumns, "record", counted)
+    return built
 
 
 def key(n: int, model: str = "m", salt: str = "", ws: int = 1, rank: int = 0) -> ObjectKey:

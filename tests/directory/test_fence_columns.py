@@ -17,9 +17,8 @@ from hypothesis import HealthCheck, example, given, settings
 import kvatlas.directory.blend.state as state_module
 from kvatlas.directory import BlendIndex, KeyDirectory, RemoveClaimColumns, RemoveClaimOp
 from kvatlas.directory.blend.kernels import REMOVE_CLAIM
-from kvatlas.directory.chunk_parts import ChunkColumns
 from kvatlas.keys import BlendNamespace
-from tests.directory.helpers import CS, Emitter, captured, entry, key, toks
+from tests.directory.helpers import CS, Emitter, captured, entry, key, records_built, toks
 from tests.directory.test_l1_owners import INSTANCES, PLACES, Fleet, check, program, run
 from tests.directory.test_snapshot_capture import restored_from
 
@@ -130,14 +129,7 @@ def test_a_fence_builds_no_record_of_the_chunks_the_instance_alone_held(
     d.consume(a.batch("store", [entry(key(n), toks(n, n, n, n), 4 * n) for n in range(31, 41)]))
     d.consume(a.batch("store", [entry(key(n)) for n in range(1, 4)], tier="l2", backend="fs"))
     d.consume(b.batch("store", [entry(key(n)) for n in range(38, 41)]))  # two L1 owners
-    built: list[int] = []
-    record = ChunkColumns.record
-
-    def counted(self: ChunkColumns, r: int) -> Any:
-        built.append(r)
-        return record(self, r)
-
-    monkeypatch.setattr(ChunkColumns, "record", counted)
+    built = records_built(monkeypatch)
     assert d.fence_instance("a") == 40
     assert len(built) == 3  # the chunks b also holds in L1, one by one; none of the others
     monkeypatch.undo()

@@ -18,11 +18,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvatlas.directory import KeyDirectory
-from kvatlas.directory.chunk_parts import ChunkColumns
 from kvatlas.directory.key_groups import KeyGroups
 from kvatlas.events import EventBatch
 from kvatlas.keys import BlendNamespace
-from tests.directory.helpers import CS, Emitter, entry, key, toks
+from tests.directory.helpers import CS, Emitter, entry, key, records_built, toks
 from tests.directory.test_fence_columns import state
 from tests.directory.test_l1_owners import INSTANCES, PLACES, Fleet, check, run
 
@@ -79,7 +78,8 @@ def program(draw: st.DrawFn) -> list[tuple[Any, ...]]:
 
 def restored_entry(n: int, variant: str) -> Any:
     """A store entry of chunk ``n`` as a report of it again may differ from its first."""
-    tokens, offset, size = toks(n, n, n, n), 4 * n, 10
+    tokens: Any = toks(n, n, n, n)
+    offset, size = 4 * n, 10
     if variant == "bigger":
         size = 20
     elif variant == "no tokens":
@@ -209,14 +209,7 @@ def test_a_delete_builds_no_record_of_the_chunks_held_under_one_key(
 ) -> None:
     d, a = KeyDirectory(CS, enable_blend_lookup=True), Emitter("a")
     _stored(d, a)
-    built: list[int] = []
-    record = ChunkColumns.record
-
-    def counted(self: ChunkColumns, r: int) -> Any:
-        built.append(r)
-        return record(self, r)
-
-    monkeypatch.setattr(ChunkColumns, "record", counted)
+    built = records_built(monkeypatch)
     d.consume(a.batch("delete", [entry(key(n)) for n in range(1, 31)]))
     assert len(built) == 3  # the chunks under two keys (an L2 copy under salt "x")
     monkeypatch.undo()
@@ -255,14 +248,7 @@ def test_an_access_builds_no_record_and_leaves_a_batch_sharing_one_placements_va
     stored one."""
     d, a = KeyDirectory(CS, enable_blend_lookup=True), Emitter("a")
     _stored(d, a)
-    built: list[int] = []
-    record = ChunkColumns.record
-
-    def counted(self: ChunkColumns, r: int) -> Any:
-        built.append(r)
-        return record(self, r)
-
-    monkeypatch.setattr(ChunkColumns, "record", counted)
+    built = records_built(monkeypatch)
     d.consume(a.batch("access", [entry(key(n)) for n in range(1, 31)], ts=5.0))
     assert len(built) == 3  # the chunks under two keys
     monkeypatch.undo()
