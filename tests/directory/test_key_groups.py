@@ -22,7 +22,7 @@ from kvatlas.directory.key_groups import KeyGroups
 from kvatlas.events import EventBatch
 from kvatlas.keys import BlendNamespace
 from tests.directory.helpers import CS, Emitter, entry, key, records_built, toks
-from tests.directory.test_fence_columns import state
+from tests.directory.test_fence_columns import state as fence_state
 from tests.directory.test_l1_owners import INSTANCES, PLACES, Fleet, check, run
 
 VARIANTS = ("same", "same", "bigger", "no tokens", "offset unknown", "other offset",
@@ -32,6 +32,11 @@ NS = BlendNamespace("m", "", 1)
 SALTS = ("", "x", "never-stored")
 """Key shapes a delete names: the L1 one, the L2 one (a chunk's second key), one never
 interned."""
+
+
+def state(d: KeyDirectory) -> tuple[Any, ...]:
+    """What a reader can see of ``d`` (the fence tests' view) and its L2 bytes by salt."""
+    return (*fence_state(d), d.bytes_by_salt())
 
 
 def entry_by_entry(d: KeyDirectory) -> KeyDirectory:
@@ -67,7 +72,12 @@ def program(draw: st.DrawFn) -> list[tuple[Any, ...]]:
             st.just("again"),
             st.sampled_from(INSTANCES),
             st.sampled_from(PLACES),
-            st.lists(st.tuples(st.integers(1, 26), st.sampled_from(VARIANTS)), max_size=10),
+            st.lists(
+                st.tuples(
+                    st.integers(1, 26), st.sampled_from(VARIANTS), st.sampled_from(SALTS[:2])
+                ),
+                max_size=10,
+            ),
         ),
         st.tuples(st.just("fence"), st.sampled_from(INSTANCES)),
         st.tuples(st.just("install")),
@@ -76,8 +86,9 @@ def program(draw: st.DrawFn) -> list[tuple[Any, ...]]:
     return draw(st.lists(op, min_size=1, max_size=25))
 
 
-def restored_entry(n: int, variant: str) -> Any:
-    """A store entry of chunk ``n`` as a report of it again may differ from its first."""
+def restored_entry(n: int, variant: str, salt: str = "") -> Any:
+    """A store entry of chunk ``n`` (its key of ``salt``) as a report of it again may differ
+    from its first."""
     tokens: Any = toks(n, n, n, n)
     offset, size = 4 * n, 10
     if variant == "bigger":
@@ -92,13 +103,13 @@ def restored_entry(n: int, variant: str) -> Any:
         tokens = toks(n, n, n, n + 1)
     elif variant == "shorter":
         tokens = toks(n, n, n)
-    return entry(key(n), tokens, offset, size)
+    return entry(key(n, salt=salt), tokens, offset, size)
 
 
 def step_on(d: KeyDirectory, fleet: Fleet, step: tuple[Any, ...], tmp: Path) -> KeyDirectory:
     if step[0] == "again":  # the same key of chunks reported again, as reports may differ
         _, inst, place, named = step
-        es = [restored_entry(n, variant) for n, variant in named]
+        es = [restored_entry(*e) for e in named]
         d.consume(fleet.batch(inst, "store", place, es))
         return d
     if step[0] not in ("remove", "touch"):
@@ -165,6 +176,14 @@ def step_on(d: KeyDirectory, fleet: Fleet, step: tuple[Any, ...], tmp: Path) -> 
         ("again", "a", PLACES[2], [(1, "offset unknown"), (2, "other offset"), (1, "same")]),
         ("again", "c", PLACES[3], [(3, "shorter"), (2, "bigger"), (4, "same")]),
         ("remove", "a", PLACES[0], [(1, ""), (2, "")]),
+    ]
+)
+@example(  # an L2 batch of two shapes stored again, bigger: L2 bytes counted per shape
+    steps=[
+        ("store", "a", PLACES[2], [1, 2]),
+        ("store", "a", PLACES[0], [3]),
+        ("move", "a", [3]),
+        ("again", "a", PLACES[2], [(1, "bigger", "x"), (3, "bigger", ""), (2, "same", "x")]),
     ]
 )
 @example(  # one key's copies of two instances and two tiers: only the reporter's are touched
