@@ -2,9 +2,9 @@
 ``delete``, ``access`` or ``store`` batch whose chunk is held under one key (a store's: that
 key, the content unchanged) are applied without a record built per chunk (grouped by that
 key's placements; on a delete, the chunks left without placements removed in bulk); the
-others entry by entry. Held to the entry-by-entry paths
-(the reference: the same steps with the columns paths turned off), whatever the batch
-holds: repeats, other shapes, absent chunks, shared copies, a capture in progress."""
+others entry by entry. Held to the entry-by-entry paths (the reference: the same steps with
+the columns paths turned off), whatever the batch holds: repeats, other shapes, absent
+chunks, shared copies, a capture in progress."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def state(d: KeyDirectory) -> tuple[Any, ...]:
 
 
 def entry_by_entry(d: KeyDirectory) -> KeyDirectory:
-    """``d`` deleting and accessing entry by entry (the columns paths turned off)."""
+    """``d`` deleting, accessing and storing again entry by entry (the columns paths off)."""
 
     def none_plain(batch: Any, ident: Any, hashes: list[bytes], sids: Any) -> list[int]:
         return list(range(len(hashes)))
@@ -60,8 +60,8 @@ def entry_by_entry(d: KeyDirectory) -> KeyDirectory:
 @st.composite
 def program(draw: st.DrawFn) -> list[tuple[Any, ...]]:
     """Stores (one or two keys a chunk: the L2 copies are under another salt), moves, fences,
-    snapshots, and deletes and accesses of any entries: repeats, other shapes, absent
-    chunks."""
+    snapshots, stores again that differ in every way (:data:`VARIANTS`), and deletes and
+    accesses of any entries: repeats, other shapes, absent chunks."""
     chunks = st.lists(st.integers(1, 24), min_size=1, max_size=8, unique=True)
     doomed = st.lists(st.tuples(st.integers(1, 26), st.sampled_from(SALTS)), max_size=10)
     op = st.one_of(
