@@ -20,6 +20,7 @@ from kvatlas.events import (
     decode_json_columns,
     encode_json,
 )
+from kvatlas.events.inventory import BUCKETS, xor_elements
 from kvatlas.kernel_twins import compile_releasing_twins
 from kvatlas.keys import BlendNamespace, ObjectKey, pack_kv_rank
 
@@ -69,9 +70,13 @@ def warm_up_index() -> None:
 
 
 def warm_up_events() -> None:
-    """The event decoders' kernels (the JSON token cut and entry parser)."""
+    """The event decoders' kernels (the JSON token cut and entry parser) and the inventory
+    digests' step."""
     tokens = np.array([1, 2], dtype=np.uint32)
     entry = CacheEntry(ObjectKey(bytes(32), "warm-up", pack_kv_rank(1, 0, 1, 0)), 0, tokens, 0)
     body = encode_json([EventBatch("warm-up", 1, 1, "store", "l1", "dram", entries=(entry,))])
     decode_json(body)
     decode_json_columns(body)  # the service's path: the compiled token cut
+    digest = np.zeros(BUCKETS, np.uint64)  # the inventory digests' step, every bucket or some
+    xor_elements(digest, [bytes(32)], 1)
+    xor_elements(digest, [bytes(32)], 1, np.ones(BUCKETS, np.uint8))

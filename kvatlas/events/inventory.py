@@ -24,6 +24,7 @@ from typing import Any, Final
 import numpy as np
 from blake3 import blake3
 
+from kvatlas.events._digest_kernel import xor_into
 from kvatlas.keys import ObjectKey
 
 BUCKETS: Final = 256
@@ -78,17 +79,15 @@ def xor_elements(
     buckets_kept: np.ndarray[Any, Any] | None = None,
 ) -> None:
     """XOR the elements of ``chunk_hashes`` (one tag, ``multiplier``) into ``digest`` (256
-    ``uint64``) in one vectorised step — the directory's ingest path calls this once per batch
-    instead of computing an element per entry in Python. With ``buckets_kept`` (256 flags),
-    only hashes whose bucket is flagged count."""
-    raw = b"".join(chunk_hashes)
-    buckets = np.frombuffer(raw, dtype=np.uint8)[::32]
-    first = np.frombuffer(raw, dtype="<u8")[::4]  # each hash's first 8 bytes, little-endian
-    elements = first * np.uint64(multiplier)
-    if buckets_kept is not None:
-        keep = buckets_kept[buckets].astype(bool)
-        buckets, elements = buckets[keep], elements[keep]
-    np.bitwise_xor.at(digest, buckets, elements)
+    ``uint64``) in one compiled step that holds the GIL — the directory's ingest path calls
+    this once per batch instead of computing an element per entry in Python. With
+    ``buckets_kept`` (256 flags), only hashes whose bucket is flagged count."""
+    raw = np.frombuffer(b"".join(chunk_hashes), dtype=np.uint8)
+    kept = _EVERY if buckets_kept is None else buckets_kept.view(np.uint8)
+    xor_into(digest, raw, np.uint64(multiplier), kept)
+
+
+_EVERY: Final = np.ones(1, np.uint8)
 
 
 def empty_digest() -> Digest:

@@ -101,6 +101,26 @@ def test_storing_chunks_again_in_small_batches_never_releases_the_gil() -> None:
     assert woken[0] < 20  # a release per batch wakes it ≈400 times
 
 
+def test_storing_new_chunks_in_small_batches_never_releases_the_gil() -> None:
+    """What a node storing chunks a few at a time does (the inventory digests' step was
+    numpy's ``ufunc.at``, which releases the GIL on every call: a release per batch)."""
+    batches = _batches(200, 8, seed=6)
+    d = KeyDirectory(CHUNK, enable_blend_lookup=True)
+    for b in batches:  # compiled, warm, and grown (then emptied: the rows and ids are reused)
+        d.consume(b)
+    seq = len(batches)
+    for b in batches:
+        seq += 1
+        d.consume(replace(b, seq=seq, event_type="delete"))
+    assert d.stats().keys == 0
+    with _gil_waiter() as woken:
+        for b in batches:
+            seq += 1
+            d.consume(replace(b, seq=seq))
+    assert d.stats().keys == 8 * len(batches)
+    assert woken[0] < 20  # a release per batch wakes it ≈200 times
+
+
 def test_short_lookups_and_accesses_never_release_the_gil() -> None:
     """What a router's prefix lookup of a few chunks does, and a node's access reports: each
     reads its chunks' rows as one batch (``np.arange`` there released the GIL on every call:

@@ -1,6 +1,6 @@
 """``warm_up_kernels`` loads the compiled write paths of the blend index, the match and the JSON
-decoder (each with its GIL-releasing twin for long calls) before serving, from numba's
-on-disk cache when it holds them."""
+decoder (each with its GIL-releasing twin for long calls) and the inventory digests' step
+before serving, from numba's on-disk cache when it holds them."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from kvatlas import kernel_twins
 from kvatlas.directory import warm_up_kernels
 from kvatlas.directory.blend import kernels
 from kvatlas.directory.blend.kernels import objects, writes
-from kvatlas.events import _json_cut, _json_tokens
+from kvatlas.events import _digest_kernel, _json_cut, _json_tokens
 for name in {TWIN_MODULES!r}:  # every module with twins, warmed up or not
     importlib.import_module(name)
 warm_up_kernels()
@@ -24,7 +24,7 @@ cold = [k.__name__ for k in (writes.apply_op, writes.apply_ops, objects.kept_arr
         objects.hash_lengths, writes.apply_ops_releasing, kernels.scan, kernels.scan_releasing,
         kernels.rebuild,
         _json_cut._cut, _json_cut._cut_releasing, _json_tokens._parse_lists,
-        _json_tokens._parse_lists_releasing) if not k.signatures]
+        _json_tokens._parse_lists_releasing, _digest_kernel.xor_into) if not k.signatures]
 twins = [
     dict(
         name=t.holding.__name__,
