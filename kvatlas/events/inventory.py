@@ -24,7 +24,6 @@ from typing import Any, Final
 import numpy as np
 from blake3 import blake3
 
-from kvatlas.events._digest_kernel import xor_into
 from kvatlas.keys import ObjectKey
 
 BUCKETS: Final = 256
@@ -84,10 +83,21 @@ def xor_elements(
     ``buckets_kept`` (256 flags), only hashes whose bucket is flagged count."""
     raw = np.frombuffer(b"".join(chunk_hashes), dtype=np.uint8)
     kept = _EVERY if buckets_kept is None else buckets_kept.view(np.uint8)
-    xor_into(digest, raw, np.uint64(multiplier), kept)
+    _xor_into(digest, raw, np.uint64(multiplier), kept)
 
 
 _EVERY: Final = np.ones(1, np.uint8)
+
+
+def _xor_into(digest: Any, raw: Any, multiplier: Any, kept: Any) -> None:
+    """Stand-in for the compiled step until its first use: imports it (so ``import
+    kvatlas.events`` loads no numba: a node or a router may never digest), rebinds this
+    module's name to it and calls it."""
+    global _xor_into
+    from kvatlas.events._digest_kernel import xor_into
+
+    _xor_into = xor_into
+    xor_into(digest, raw, multiplier, kept)
 
 
 def empty_digest() -> Digest:
