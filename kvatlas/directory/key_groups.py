@@ -1,8 +1,8 @@
 """A batch's entries read as columns, grouped for the rules that change one key's placements
-in bulk (deletes, accesses): the chunks held under one key, grouped by that key's placements
-value (a stored batch's chunks share one) and shape, so a rule computes each group's new
-placements once and writes them to every row of it, no record built. Chunks held under
-several keys are left to the rules' entry-by-entry paths.
+in bulk (deletes, accesses, re-stores): the chunks held under one key, grouped by that key's
+placements value (a stored batch's chunks share one) and shape, so a rule computes each
+group's new placements once and writes them to every row of it, no record built. Chunks
+held under several keys are left to the rules' entry-by-entry paths.
 """
 
 from __future__ import annotations
