@@ -24,7 +24,6 @@ from kvatlas.directory.records import (
     PlacementRow,
     Placements,
     Record,
-    find_key,
     group_placements,
     l1_owner,
     make_record,
@@ -73,9 +72,10 @@ class RemovalRules:
     ) -> None:
         """Delete one entry: the copy ``ident`` of key (``h``, shape ``sid``), if held."""
         table = self._table
-        rec = None if sid is None else table.parts[h[0]].get(h)
-        if rec is None or sid is None or (k := find_key(rec, sid)) < 0:
+        found = table.locate(h, sid)
+        if found is None or sid is None:
             return
+        rec, k = found
         old = placements_of(placements_at(rec, k))
         kept = [q for q in old if row_ident(q) != ident]
         if len(kept) == len(old):

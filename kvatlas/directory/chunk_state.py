@@ -53,6 +53,9 @@ class ChunkState(Protocol):
         """The queued index writes, in order (appended to in place; the flush takes the list:
         read it on every use)."""
 
+    def locate(self, h: bytes, sid: int | None) -> tuple[Record, int] | None:
+        """Chunk ``h``'s record and its key of shape ``sid``'s position (if held)."""
+
     def preserve(self, h: bytes, rec: Record | None) -> None:
         """Keep the record a chunk has before its first change of a capture (if capturing)."""
 

@@ -218,7 +218,6 @@ class StoreRules:
         if kg is None or not kg.groups:
             return range(len(cols)), 0, 0
         b = batch
-        ident = (b.tier, b.backend, None if b.shared else b.instance_id)
         held, rows, (contents, flagged, _, _) = kg.held, kg.rows, kg.fields
         sizes, offsets = cols.size_bytes.tolist(), cols.token_offsets.tolist()
         at, indexing = table.parts[0].cols.offsets, table.indexing
@@ -227,23 +226,25 @@ class StoreRules:
         for g, group in kg.groups.items():
             for j in group:
                 i, new = held[j], stored[held[j]]
+                old = contents[j]
                 if new is not None and not (
-                    contents[j] == new  # (forms are canonical: equal ids, equal bytes)
-                    and offsets[i] in (UNKNOWN_OFFSET, at[rows[j]])
-                    and (flagged[j] & 1 or not indexing)
+                    old is not None
+                    and stored_equal(old, new)
+                    and _keeps_binding(offsets[i], at[rows[j]], flagged[j] & 1 == 1, indexing)
                 ):
                     rebinding.append(i)
                 else:
                     sized.setdefault((g, sizes[i]), []).append(j)
         n_pl = n_bytes = 0
         for ((_, sid), size), group in sized.items():
-            old = placements_of(kg.placements(group))
-            kept = [q for q in old if row_ident(q) != ident]
             p = by_size.get(size)
             if p is None:
                 p = by_size[size] = placement_row(
                     b.instance_id, b.incarnation, b.tier, b.backend, size, b.shared, b.ts
                 )
+            ident = row_ident(p)
+            old = placements_of(kg.placements(group))
+            kept = [q for q in old if row_ident(q) != ident]
             table.parts[0].cols.put_placements(
                 [rows[j] for j in group], group_placements([*kept, p])
             )
@@ -325,9 +326,9 @@ def _bind(
     that follow. Returns the chunk's new ``(tokens, token_offset, indexed)`` and whether
     it (re)added every namespace."""
     if old is not None and stored_equal(old, tokens):
-        if offset in (UNKNOWN_OFFSET, old_offset):
-            if indexed or not table.indexing:
-                return old, old_offset, indexed, False
+        if _keeps_binding(offset, old_offset, indexed, table.indexing):
+            return old, old_offset, indexed, False
+        if offset == UNKNOWN_OFFSET:
             # bound before blend was on: this fresh report of the content indexes it
             offset = old_offset
         bound = old
@@ -347,3 +348,10 @@ def _bind(
         return bound, offset, indexed, False
     table.ops.extend([AddOp(bound, h, offset, ns) for ns in table.namespaces(rec)])
     return bound, offset, True, True
+
+
+def _keeps_binding(offset: int, old_offset: int, indexed: bool, indexing: bool) -> bool:
+    """Whether a report of a chunk's own content (equal ids) at ``offset`` leaves its binding
+    as it is (the chunk bound at ``old_offset``, ``indexed`` or not): no offset or the same,
+    and nothing to index (blend off, or indexed already)."""
+    return offset in (UNKNOWN_OFFSET, old_offset) and (indexed or not indexing)

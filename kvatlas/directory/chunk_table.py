@@ -38,6 +38,7 @@ from kvatlas.directory.records import (
     KeyPlacements,
     Placement,
     PlacementRow,
+    Placements,
     Record,
     accessed_at,
     find_key,
@@ -131,6 +132,15 @@ class ChunkTable:
         """How many chunks have known content (a count the columns keep: no chunk read)."""
         return self.parts[0].cols.bound
 
+    def locate(self, h: bytes, sid: int | None) -> tuple[Record, int] | None:
+        """Chunk ``h``'s record and the position in it of its key of shape ``sid`` (``None``:
+        the chunk or that key is not held, or the shape was never interned)."""
+        rec = None if sid is None else self.parts[h[0]].get(h)
+        if rec is None or sid is None:
+            return None
+        k = find_key(rec, sid)
+        return None if k < 0 else (rec, k)
+
     def lookup(self, keys: Sequence[ObjectKey]) -> list[KeyPlacements]:
         """Each key's placements and its chunk's bound content, read as one batch: the keys'
         rows, their fields gathered from the columns (no record built), the contents widened
@@ -216,30 +226,35 @@ class ChunkTable:
                 return False
             return row_shared(p) if shared else (not row_shared(p) and row_instance(p) == inst)
 
+        def accessed(pls: Placements) -> Placements | None:
+            """A key's placements with the reporter's copies accessed (``None``: none)."""
+            old = placements_of(pls)
+            if not any(map(hit, old)):
+                return None
+            return group_placements([accessed_at(p, ts) if hit(p) else p for p in old])
+
         hashes, sids = cols.chunk_hashes, self.shapes.ids_of_columns(cols)
         left: Sequence[int] = range(len(hashes))
         if self.journal is None:  # (a capture saves each record before it changes)
             kg = key_groups(self.parts, hashes, sids)
-            left = [] if kg is None else self._access_groups(kg, hit, ts)
+            left = [] if kg is None else self._access_groups(kg, accessed)
         for i in left:
-            h, sid = hashes[i], sids[i]
-            rec = None if sid is None else self.parts[h[0]].get(h)
-            if rec is None or sid is None or (k := find_key(rec, sid)) < 0:
-                continue
-            old = placements_of(placements_at(rec, k))
-            if any(map(hit, old)):
-                self.preserve(h, rec)
-                new = group_placements([accessed_at(p, ts) if hit(p) else p for p in old])
-                self.parts[h[0]][h] = with_placements_at(rec, k, new)
+            found = self.locate(hashes[i], sids[i])
+            if found is not None:
+                rec, k = found
+                new = accessed(placements_at(rec, k))
+                if new is not None:
+                    h = hashes[i]
+                    self.preserve(h, rec)
+                    self.parts[h[0]][h] = with_placements_at(rec, k, new)
 
     def _access_groups(
-        self, kg: KeyGroups, hit: Callable[[PlacementRow], bool], ts: float
+        self, kg: KeyGroups, accessed: Callable[[Placements], Placements | None]
     ) -> list[int]:
         """:meth:`access` of the chunks ``kg`` groups: a group's new placements made once,
         set on each of its rows; returns the entries left (chunks under several keys)."""
         for group in kg.groups.values():
-            old = placements_of(kg.placements(group))
-            if any(map(hit, old)):
-                new = group_placements([accessed_at(p, ts) if hit(p) else p for p in old])
+            new = accessed(kg.placements(group))
+            if new is not None:
                 self.parts[0].cols.put_placements([kg.rows[j] for j in group], new)
         return kg.left

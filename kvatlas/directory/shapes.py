@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from kvatlas.events.columns import EntryColumns, ShapeParts
 from kvatlas.keys import BlendNamespace, ObjectKey
@@ -71,17 +72,12 @@ class ShapeTable:
         for parts in cols.shapes:
             sid = get(parts)
             ids.append(self.intern(ObjectKey(bytes(32), *parts)) if sid is None else sid)
-        if len(ids) == 1:
-            return [ids[0]] * len(cols)
-        return [ids[s] for s in cols.shape_of.tolist()]
+        return _per_entry(ids, cols)
 
     def ids_of_columns(self, cols: EntryColumns) -> list[int | None]:
         """:meth:`id_of` of every entry's key shape, in order (``None``: a shape never
         interned, so no key of it is held); interns nothing."""
-        ids = list(map(self._ids.get, cols.shapes))
-        if len(ids) == 1:
-            return ids * len(cols)
-        return list(map(ids.__getitem__, cols.shape_of.tolist()))
+        return _per_entry(list(map(self._ids.get, cols.shapes)), cols)
 
     def id_of(self, key: ObjectKey) -> int | None:
         """``key``'s shape id, ``None`` if no key of that shape was ever interned."""
@@ -97,3 +93,14 @@ class ShapeTable:
         if len(shape_ids) == 1:
             return {shapes[shape_ids[0]].namespace}
         return {shapes[s].namespace for s in shape_ids}
+
+
+_T = TypeVar("_T")
+
+
+def _per_entry(ids: list[_T], cols: EntryColumns) -> list[_T]:
+    """Each entry's id of its shape, from the ids of ``cols.shapes`` (one shape, the usual
+    batch: no lookup per entry)."""
+    if len(ids) == 1:
+        return ids * len(cols)
+    return list(map(ids.__getitem__, cols.shape_of.tolist()))
