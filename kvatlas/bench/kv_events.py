@@ -101,7 +101,7 @@ def coordinator_bytes_per_block(requests: int, tokens: int, block_size: int, chu
     for payload in payloads[:4]:  # compile the kernels first: their code is not the data's
         for op in warm_map.translate("warm", "m", split_batch(payload)):
             assert not isinstance(op, Cleared)
-            warm.consume(op)
+            warm.apply_columns([op])
     del warm, warm_map
     gc.collect()
     before = rss()
@@ -110,7 +110,7 @@ def coordinator_bytes_per_block(requests: int, tokens: int, block_size: int, chu
     for payload in payloads:
         for op in rekeyer.translate("pod-a", "m", split_batch(payload)):
             assert not isinstance(op, Cleared)
-            directory.consume(op)
+            directory.apply_columns([op])
     gc.collect()
     return (rss() - before) / rekeyer.total_blocks
 
@@ -197,7 +197,7 @@ def _rekey_rows(args: argparse.Namespace, rng: np.random.Generator) -> list[Benc
         for payload in payloads:
             for op in rekeyer.translate("pod-a", "m", split_batch(payload)):
                 assert not isinstance(op, Cleared)
-                directory.consume(op)
+                directory.apply_columns([op])
 
     # Decoding: half of each request prefilled at once, then one block per event (the naive
     # code rebuilds and hashes the whole prefix for each).

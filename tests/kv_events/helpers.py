@@ -41,7 +41,7 @@ def apply(rekeyer: Rekeyer, directory: KeyDirectory, instance: str, model: str,
         if isinstance(op, Cleared):
             directory.fence_instance(op.instance_id)
         else:
-            directory.consume(op)
+            directory.apply_columns([op])
 
 
 def fed(scheme: str = "blake3", chunk_size: int = 32, max_blocks: int = 1000,
@@ -130,7 +130,7 @@ class Subscribed:
         settings = SubscriberSettings(links, max_blocks=max_blocks, replay_timeout=replay_timeout)
         self.sub = KvEventsSubscriber(
             settings, KeyScheme(scheme, chunk_size),
-            ingest=lambda batches: [directory.consume(b) for b in batches],
+            ingest=directory.apply_columns,
             clear=directory.fence_instance, stop=self.stop,
         )  # fmt: skip
         self.thread = threading.Thread(target=self.sub.run, daemon=True)

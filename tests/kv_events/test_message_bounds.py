@@ -29,7 +29,7 @@ from kvatlas.coordinator.kv_events import KvEventsSubscriber, LinkSpec, Subscrib
 from kvatlas.coordinator.kv_events.batch_checks import BadBatch
 from kvatlas.coordinator.kv_events.rekey import SLICE_ENTRIES
 from kvatlas.coordinator.server import free_port
-from kvatlas.events import EventBatch
+from kvatlas.events import ColumnBatch
 from kvatlas.events.vllm_wire import (
     DECODE_GROUP_BYTES,
     BlockRemoved,
@@ -185,13 +185,12 @@ class FailingIngest:
         _, self.directory = fed(chunk_size=C)
         self.fail_at, self.big, self.seen = fail_at, big, 0
 
-    def __call__(self, batches: list[EventBatch]) -> None:
-        if sum(len(b.entries) for b in batches) >= self.big:
+    def __call__(self, batches: list[ColumnBatch]) -> None:
+        if sum(b.n_entries for b in batches) >= self.big:
             self.seen += 1
             if self.seen == self.fail_at:
                 raise RuntimeError("the directory failed")
-        for b in batches:
-            self.directory.consume(b)
+        self.directory.apply_columns(batches)
 
 
 def test_a_slice_that_fails_leaves_the_rest_of_its_batch_a_gap_at_once() -> None:
@@ -235,7 +234,7 @@ def test_an_oversized_replay_reply_is_refused_and_the_gap_stays_visible() -> Non
         replay_timeout=0.5, max_message_bytes=1 << 20,
     )  # fmt: skip
     sub = KvEventsSubscriber(settings, KeyScheme("blake3", C),
-                             ingest=lambda bs: [directory.consume(b) for b in bs],
+                             ingest=directory.apply_columns,
                              clear=directory.fence_instance, stop=stop)  # fmt: skip
     thread = threading.Thread(target=sub.run, daemon=True)
     thread.start()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -13,14 +14,14 @@ import pytest
 
 from kvatlas.coordinator.kv_events import BadBatch, Cleared, Rekeyer, SubscriberStats
 from kvatlas.directory import load_snapshot, save_snapshot
-from kvatlas.events import EventBatch
+from kvatlas.events import CacheEntry, ColumnBatch, EventBatch
 from kvatlas.events.vllm_wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
 )
-from kvatlas.keys import BlendNamespace, KeyScheme, chunk_hashes
+from kvatlas.keys import BlendNamespace, KeyScheme, ObjectKey, chunk_hashes
 from tests.kv_events.helpers import HASHES, TOKENS, apply, fed, golden_batch
 
 TEXT = BlockStored(HASHES[:2], None, TOKENS[:32], 16, medium="GPU")
@@ -101,6 +102,7 @@ def test_engine_text_chunks_feed_the_blend_index() -> None:
 
 
 def mm_and_lora(scheme: str) -> tuple[Rekeyer, object, list[EventBatch]]:
+    """The batches each engine's chain makes (as objects), applied as translated."""
     rekeyer, directory = fed(scheme, chunk_size=16, blend=True)
     ops = []
     for instance, event in (
@@ -109,9 +111,9 @@ def mm_and_lora(scheme: str) -> tuple[Rekeyer, object, list[EventBatch]]:
         ("lora", msgspec.structs.replace(TEXT, lora_name="adapter-a")),
     ):
         for op in rekeyer.translate(instance, "llama", batch(event)):
-            assert isinstance(op, EventBatch)
-            directory.consume(op)
-            ops.append(op)
+            assert isinstance(op, ColumnBatch)
+            directory.apply_columns([op])
+            ops.append(op.batch())
     return rekeyer, directory, ops
 
 
@@ -233,9 +235,9 @@ def test_a_restart_opens_a_new_incarnation_that_fences_the_old_one() -> None:
 def test_cleared_is_an_op_in_order() -> None:
     rekeyer, _ = fed(chunk_size=16)
     ops = rekeyer.translate("pod-a", "llama", batch(TEXT, AllBlocksCleared(), TEXT))
-    assert [type(op).__name__ for op in ops] == ["EventBatch", "Cleared", "EventBatch"]
+    assert [type(op).__name__ for op in ops] == ["ColumnBatch", "Cleared", "ColumnBatch"]
     assert isinstance(ops[1], Cleared) and ops[1].instance_id == "pod-a"
-    assert [op.seq for op in ops if isinstance(op, EventBatch)] == [1, 2]
+    assert [op.header.seq for op in ops if isinstance(op, ColumnBatch)] == [1, 2]
 
 
 def test_engine_tiers_survive_a_snapshot_and_are_fenced_after_it(tmp_path: Path) -> None:
@@ -256,7 +258,7 @@ def test_any_extra_key_value_is_an_identity_and_a_bad_ts_refuses_the_batch() -> 
     rekeyer, _ = fed("blake3-x1", chunk_size=16)
     odd = msgspec.structs.replace(TEXT, extra_keys=[[{1: b"\x00"}, 7, None], [["a", 1.5]]])
     (op,) = rekeyer.translate("pod-a", "llama", batch(odd))
-    assert isinstance(op, EventBatch) and len(op.entries) == 2
+    assert isinstance(op, ColumnBatch) and op.n_entries == 2
     with pytest.raises(BadBatch):
         rekeyer.translate("pod-a", "llama", KVEventBatch(float("nan"), [TEXT]))
 
@@ -315,3 +317,44 @@ def test_the_block_map_of_text_chains_is_invisible_to_the_cyclic_collector() -> 
         gc.collect()  # finds its values untracked (nested ones: within a few collections)
     blocks = list(rekeyer.engines["pod-a"].blocks.values())
     assert len(blocks) == n_blocks and not any(gc.is_tracked(b) for b in blocks)
+
+
+def test_engine_chunks_reach_the_directory_as_columns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 31: no ``CacheEntry`` and no ``ObjectKey`` per chunk between an engine batch and
+    the directory (stores, removals, evictions of a full map): entries are columns, one key
+    shape checked per batch (and the directory interns a shape it never saw). The directory ends as the same batches as objects leave it."""
+    made = {"entries": 0, "keys": 0}
+    entry_init, key_init = CacheEntry.__post_init__, ObjectKey.__post_init__
+
+    def counted(name: str, init: Any) -> Any:
+        def wrapped(self: Any) -> None:
+            made[name] += 1
+            init(self)
+
+        return wrapped
+
+    rekeyer, directory = fed(chunk_size=16, max_blocks=4, blend=True)
+    _, as_objects = fed(chunk_size=16, max_blocks=4, blend=True)
+    more = BlockStored([b"\x07" * 32, b"\x08" * 32], None, [9] * 32, 16, medium="CPU")
+    engine = [batch(TEXT, TEXT_MORE), batch(BlockRemoved([HASHES[2]], "GPU"), more)]
+    for engine_batch in engine:
+        monkeypatch.setattr(CacheEntry, "__post_init__", counted("entries", entry_init))
+        monkeypatch.setattr(ObjectKey, "__post_init__", counted("keys", key_init))
+        ops = rekeyer.translate("pod-a", "llama", engine_batch)
+        directory.apply_columns([op for op in ops if isinstance(op, ColumnBatch)])
+        monkeypatch.undo()
+        n_ops = sum(isinstance(op, ColumnBatch) for op in ops)  # (+ 1: the shape interned)
+        assert made["entries"] == 0 and made["keys"] <= n_ops + 1
+        for op in ops:
+            assert isinstance(op, ColumnBatch) and op.columns is not None
+            as_objects.consume(op.batch())
+        made.update(entries=0, keys=0)
+    assert rekeyer.counts["evicted_blocks"] > 0 and rekeyer.counts["chunks_removed"] == 1
+    listed, expected = directory.list_keys(limit=100), as_objects.list_keys(limit=100)
+    assert listed == expected and len(listed.items) >= 2
+    for mine, theirs in zip(listed.items, expected.items, strict=True):
+        assert mine.content is not None and theirs.content is not None
+        assert mine.content.tolist() == theirs.content.tolist()
+    ns = BlendNamespace("llama", "", 1)
+    query = np.array([0] * 5 + TOKENS[:32] + [9] * 16, np.uint32)
+    assert directory.blend_match(query, ns) == as_objects.blend_match(query, ns)

@@ -1,8 +1,8 @@
 """Re-keying against an oracle: an engine that shares prefixes between requests at block
 granularity (stores only its new blocks, parent = the last shared block, in events of any
 split) must leave exactly the kvatlas keys of every full chunk of every request's tokens, for
-any chunk size that is a multiple of the block size; removing a block removes exactly the full
-chunks that hold it."""
+any chunk size that is a multiple of the block size, each bound to exactly its tokens; removing
+a block removes exactly the full chunks that hold it."""
 
 from __future__ import annotations
 
@@ -49,7 +49,9 @@ def test_keys_equal_the_full_chunks_of_every_request(
             parent = hashes[-1] if hashes else None
             new_tokens, new_hashes = [], []
             for _ in part:
-                t = rng.integers(0, 3, B).tolist()  # tiny alphabet: many equal blocks
+                # tiny alphabet: many equal blocks; ids above 2^16 (and for 1 byte-swapped,
+                # below: both halves of the wire's big-endian words matter)
+                t = (rng.integers(0, 3, B) * 0x1000001 + 70_000).tolist()
                 h = block_hash(hashes[-1] if hashes else None, t)
                 tokens += t
                 hashes.append(h)
@@ -60,11 +62,17 @@ def test_keys_equal_the_full_chunks_of_every_request(
         seqs.append(tokens)
         chains.append(hashes)
 
-    def oracle(seqs: list[list[int]]) -> set[bytes]:
-        return {h for s in seqs for h in chunk_hashes(np.asarray(s, np.uint32), chunk)}
+    def oracle(seqs: list[list[int]]) -> dict[bytes, list[int]]:
+        return {
+            h: s[i * chunk : (i + 1) * chunk]
+            for s in seqs
+            for i, h in enumerate(chunk_hashes(np.asarray(s, np.uint32), chunk))
+        }
 
-    def placed() -> set[bytes]:
-        return {item.key.chunk_hash for item in directory.list_keys(limit=100_000).items}
+    def placed() -> dict[bytes, list[int]]:
+        items = directory.list_keys(limit=100_000).items
+        assert all(item.content is not None for item in items)
+        return {item.key.chunk_hash: item.content.tolist() for item in items}  # type: ignore[union-attr]
 
     assert placed() == oracle(seqs)
     if remove:
@@ -77,4 +85,4 @@ def test_keys_equal_the_full_chunks_of_every_request(
             for i, h in enumerate(hashes):
                 if h == last and i * B // chunk < len(full):
                     gone.add(full[i * B // chunk])
-        assert placed() == oracle(seqs) - gone
+        assert placed() == {h: t for h, t in oracle(seqs).items() if h not in gone}

@@ -195,7 +195,7 @@ def test_an_unnamed_endpoint_cannot_take_an_engine_named_for_another() -> None:
     settings = SubscriberSettings(links, default_model="llama")
     sub = KvEventsSubscriber(
         settings, KeyScheme("blake3", 16), stop=threading.Event(),
-        ingest=lambda batches: applied.extend(b.instance_id for b in batches),
+        ingest=lambda batches: applied.extend(b.header.instance_id for b in batches),
         clear=lambda _instance: 0,
     )  # fmt: skip
     unnamed, named = sub._links

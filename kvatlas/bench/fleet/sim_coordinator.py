@@ -55,8 +55,8 @@ class SimCoordinator:
         )
         self._seqs: dict[str, int] = {}
 
-    def _ingest(self, batches: Sequence[EventBatch]) -> None:
-        self.directory.apply_columns([ColumnBatch.of(b) for b in batches])
+    def _ingest(self, batches: Sequence[ColumnBatch]) -> None:
+        self.directory.apply_columns(batches)
 
     # ------------------------------------------------------------------ events in
 

@@ -27,21 +27,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Final
 
-import numpy as np
-
 from kvatlas.coordinator.kv_events.batch_checks import checked_tokens, groups
 from kvatlas.coordinator.kv_events.chain import BLOCK, START, Block, ChainPoint, advance, partial
-from kvatlas.coordinator.kv_events.changes import Cleared, Pending, net_effect
-from kvatlas.events import ACCESS, STORE, CacheEntry, EventBatch
+from kvatlas.coordinator.kv_events.changes import Cleared, Pending, entry_columns, net_effect
+from kvatlas.events import ACCESS, STORE, ColumnBatch, EventBatch
 from kvatlas.events.vllm_wire import BlockHash, BlockRemoved, BlockStored, KVEventBatch, SplitBatch
-from kvatlas.keys import KeyScheme, ObjectKey, pack_kv_rank
+from kvatlas.keys import KeyScheme
 
 log = logging.getLogger(__name__)
 
 GPU_TIER: Final = "gpu"
 CPU_TIER: Final = "engine-cpu"
 ENGINE_BACKEND: Final = "vllm"
-ENGINE_RANK: Final = pack_kv_rank(1, 0, 1, 0)
 SLICE_ENTRIES: Final = 4096
 """Most entries in one gated batch the re-keyer yields (one directory lock hold)."""
 
@@ -51,7 +48,7 @@ def engine_tier(medium: str | None) -> str:
     return CPU_TIER if medium is not None and medium.lower() == "cpu" else GPU_TIER
 
 
-Op = EventBatch | Cleared
+Op = ColumnBatch | Cleared
 
 
 @dataclass(slots=True)
@@ -60,11 +57,6 @@ class EngineState:
     incarnation: int
     seq: int = 0  # last kvatlas seq handed out
     blocks: OrderedDict[BlockHash, Block] = field(default_factory=OrderedDict)
-
-
-def _gone(chunk_hash: bytes, model: str) -> CacheEntry:
-    """The delete entry of an engine chunk."""
-    return CacheEntry(ObjectKey(chunk_hash, model, ENGINE_RANK))
 
 
 class Rekeyer:
@@ -101,14 +93,14 @@ class Rekeyer:
         state.incarnation += 1
         state.seq = 0
 
-    def marker(self, instance_id: str, missing: int = 0) -> EventBatch:
+    def marker(self, instance_id: str, missing: int = 0) -> ColumnBatch:
         """An empty batch that tells the gate now what happened: ``missing`` engine batches
         lost (a gap at the gate), or (after :meth:`restart`) a new incarnation (the old one's
         placements fenced). It changes no placement and is never re-published."""
         state = self.engine(instance_id)
         state.seq += missing + 1
-        return EventBatch(instance_id, state.incarnation, state.seq, ACCESS, GPU_TIER,
-                          ENGINE_BACKEND, ts=time.time())  # fmt: skip
+        return ColumnBatch.of(EventBatch(instance_id, state.incarnation, state.seq, ACCESS,
+                                         GPU_TIER, ENGINE_BACKEND, ts=time.time()))  # fmt: skip
 
     def _forget_blocks(self, state: EngineState) -> None:
         self.total_blocks -= len(state.blocks)
@@ -179,10 +171,10 @@ class Rekeyer:
                 if bh is None or (held := state.blocks.get(bh)) is None or placed in held[2]:
                     continue
                 state.blocks[bh] = (held[0], held[1], (*held[2], placed))
-            tokens_of = np.frombuffer(chunk, dtype=">u4").astype(np.uint32) if plain else None
             offset = (n_chunks - 1) * self.chunk_size
-            entry = CacheEntry(ObjectKey(prev, model, ENGINE_RANK), 0, tokens_of, offset)
-            pending.add(state.instance_id, STORE, tier, entry)
+            pending.add(
+                state.instance_id, STORE, tier, (prev, model, offset, chunk if plain else None)
+            )
             self.counts["chunks_stored"] += 1
 
     def _remember(
@@ -212,7 +204,7 @@ class Rekeyer:
                         "them; raise the limit above the blocks the engines hold (GPU + CPU)",
                         self.max_blocks, n)  # fmt: skip
         for chunk_hash, model, tier in block[2]:
-            pending.delete(victim.instance_id, tier, _gone(chunk_hash, model))
+            pending.delete(victim.instance_id, tier, chunk_hash, model)
 
     def _removed(self, state: EngineState, event: BlockRemoved, pending: Pending) -> None:
         tier = engine_tier(event.medium)
@@ -227,7 +219,7 @@ class Rekeyer:
             point, tiers, placed = block
             for chunk_hash, model, placed_in in placed:
                 if placed_in == tier:
-                    pending.delete(state.instance_id, tier, _gone(chunk_hash, model))
+                    pending.delete(state.instance_id, tier, chunk_hash, model)
                     self.counts["chunks_removed"] += 1
             tiers = tuple(t for t in tiers if t != tier)
             if tiers:
@@ -242,11 +234,10 @@ class Rekeyer:
             if isinstance(op, Cleared):
                 yield op
                 continue
-            instance_id, kind, tier, entries = op
+            instance_id, kind, tier, chunks = op
             state = self.engines[instance_id]
-            for start in range(0, len(entries), self.slice_entries):
+            for start in range(0, len(chunks), self.slice_entries):
                 state.seq += 1
-                yield EventBatch(
-                    instance_id, state.incarnation, state.seq, kind, tier, ENGINE_BACKEND,
-                    ts=ts, entries=tuple(entries[start : start + self.slice_entries]),
-                )  # fmt: skip
+                header = EventBatch(instance_id, state.incarnation, state.seq, kind, tier,
+                                    ENGINE_BACKEND, ts=ts)  # fmt: skip
+                yield ColumnBatch(header, entry_columns(chunks[start : start + self.slice_entries]))

@@ -44,7 +44,7 @@ from kvatlas.coordinator.kv_events.settings import (
     engine_of,
 )
 from kvatlas.coordinator.kv_events.stats import REJECT_KINDS, SubscriberStats, view, zeroed
-from kvatlas.events import EventBatch
+from kvatlas.events import ColumnBatch
 from kvatlas.events.vllm_wire import (
     REPLAY_END_SEQ,
     KVEventBatch,
@@ -63,7 +63,7 @@ MAX_DP_RANK: Final = 1 << 16
 SLICE_PAUSE_S: Final = 0.0005
 """Pause after each applied slice: a thread waiting for the directory lock gets it (a plain
 lock is not handed over; released and taken again at once, it would rarely change hands)."""
-Ingest = Callable[[Sequence[EventBatch]], object]
+Ingest = Callable[[Sequence[ColumnBatch]], object]
 Clear = Callable[[str], int]
 
 
@@ -266,10 +266,10 @@ class KvEventsSubscriber:
         # Runs of at most SLICE_ENTRIES entries, one directory call each; a message that
         # needs several pauses between them (the directory lock and the GIL change hands).
         limit, slices = self.rekeyer.slice_entries, 0
-        run: list[EventBatch] = []
+        run: list[ColumnBatch] = []
         size = 0
         for op in [*ops, None]:
-            if run and (op is None or isinstance(op, Cleared) or size + len(op.entries) > limit):
+            if run and (op is None or isinstance(op, Cleared) or size + op.n_entries > limit):
                 if slices:
                     time.sleep(SLICE_PAUSE_S)
                 if not self._applied(instance, run):
@@ -281,10 +281,10 @@ class KvEventsSubscriber:
                     return
             elif op is not None:
                 run.append(op)
-                size += len(op.entries)
+                size += op.n_entries
         self.counts["batches"] += 1  # (once all of it is applied)
 
-    def _applied(self, instance: str, run: list[EventBatch] | Cleared) -> bool:
+    def _applied(self, instance: str, run: list[ColumnBatch] | Cleared) -> bool:
         """Apply one slice (or a clear); if it fails, the rest of the batch is lost: their seqs
         are taken, so a marker after them is at once a gap of the engine at the gate (never a
         silent loss)."""
