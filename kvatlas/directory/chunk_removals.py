@@ -44,7 +44,7 @@ from kvatlas.directory.records import (
 )
 from kvatlas.directory.token_store import StoredTokens
 from kvatlas.events import VOLATILE_TIERS, EventBatch
-from kvatlas.events.columns import EntryColumns
+from kvatlas.events.columns import EntryColumns, shape_index
 
 
 class RemovalRules:
@@ -219,11 +219,11 @@ class RemovalRules:
             known = np.fromiter(map(is_not, contents, repeat(None)), np.bool_, len(contents))
             claimed = np.flatnonzero(known & (flags & 1 == 1)).tolist()
             if claimed:
-                sids, which = np.unique(flags[claimed] >> 1, return_inverse=True)
+                sids, which = shape_index((flags[claimed] >> 1).tolist())
                 table.queue([RemoveClaimColumns(
                     [contents[i] for i in claimed],
                     claimed_hashes := [gone[i] for i in claimed],
-                    [table.shapes[s].namespace for s in sids.tolist()],
+                    [table.shapes[s].namespace for s in sids],
                     which,
                     vouched=set(map(type, claimed_hashes)) == {bytes},
                 )])  # fmt: skip

@@ -11,8 +11,9 @@ they hold exactly what the :class:`~kvatlas.events.CacheEntry` objects of the sa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -31,6 +32,7 @@ from kvatlas.events.model import (
 from kvatlas.keys import ObjectKey, TokenArray
 
 ShapeParts = tuple[str, int, int, str]  # (model_name, kv_rank, object_group_id, cache_salt)
+_Shape = TypeVar("_Shape", bound=Hashable)
 Int64s = npt.NDArray[np.int64]
 _ZERO_HASH = bytes(32)
 assert np.iinfo(np.int64).max == I64_MAX  # sizes and offsets fit int64 columns exactly
@@ -45,9 +47,10 @@ def shape_ok(shape: ShapeParts) -> bool:
     return shape[2] <= U64_MAX
 
 
-def shape_index(parts: list[ShapeParts]) -> tuple[list[ShapeParts], npt.NDArray[np.intp]]:
+def shape_index(parts: list[_Shape]) -> tuple[list[_Shape], npt.NDArray[np.intp]]:
     """The distinct shapes of ``parts`` in order of first use, and each part's index among
-    them (one shape, the usual batch: compared with ``list.count``, no lookup each)."""
+    them (one shape, the usual batch: compared with ``list.count``, no lookup each; no
+    numpy call that releases the GIL, as ``np.unique`` does)."""
     n = len(parts)
     if not n or parts.count(parts[0]) == n:
         return parts[:1], np.zeros(n, np.intp)

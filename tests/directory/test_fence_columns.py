@@ -7,6 +7,7 @@ paths turned off) and to the op-by-op index."""
 from __future__ import annotations
 
 import weakref
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +46,13 @@ def one_by_one(d: KeyDirectory) -> KeyDirectory:
 def _reference_drops_one_by_one(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     real = state_module.settle_drops
 
-    def settle(st: Any, results: Any, nss: Any) -> None:
-        if st in _REFERENCE:
-            kinds = [REMOVE_CLAIM] * len(results)
-            st._settle_removals(zip(kinds, results.tolist(), nss.tolist(), strict=True))
+    def settle(st: Any, flags: Any, contents: Any, occupants: Any, nss: Any) -> None:
+        if st in _REFERENCE:  # (ns0, the results' last column, is read by chunk removals only)
+            kinds = [REMOVE_CLAIM] * len(flags)
+            results = zip(flags.tolist(), contents.tolist(), occupants.tolist(), repeat(-1))
+            st._settle_removals(zip(kinds, results, nss.tolist(), strict=True))
         else:
-            real(st, results, nss)
+            real(st, flags, contents, occupants, nss)
 
     monkeypatch.setattr(state_module, "settle_drops", settle)
     (tmp_path / "fast").mkdir()

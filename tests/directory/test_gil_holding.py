@@ -243,3 +243,34 @@ def test_the_releasing_form_of_a_kernel_releases_the_gil() -> None:
     print(woken)
     assert woken["_parse_lists_releasing"] >= 10, woken
     assert woken["_parse_lists"] < 5, woken
+
+
+def test_deleting_chunks_in_small_batches_never_releases_the_gil() -> None:
+    """What a node evicting chunks a few at a time does, and an engine's removed blocks: the
+    removal's settling (2-D masks, ``np.bincount``, ``np.unique``) released the GIL three or
+    four times a batch. Each delete batch names chunks of eight store batches (eight groups
+    of placements), as evictions do."""
+    batches = _batches(100, 8, seed=8)
+    n = len(batches)
+    evictions = [
+        replace(batches[k], event_type="delete",
+                entries=tuple(batches[(k + i) % n].entries[i] for i in range(8)))
+        for k in range(n)
+    ]  # fmt: skip
+    d = KeyDirectory(CHUNK, enable_blend_lookup=True)
+    seq = 0
+    for _ in range(2):  # compiled and warm: stored, deleted, stored again
+        for b in (*batches, *evictions):
+            seq += 1
+            d.consume(replace(b, seq=seq))
+        assert d.stats().keys == 0
+    for b in batches:
+        seq += 1
+        d.consume(replace(b, seq=seq))
+    assert d.stats().keys == 8 * n
+    with _gil_waiter() as woken:
+        for b in evictions:
+            seq += 1
+            d.consume(replace(b, seq=seq))
+    assert d.stats().keys == 0
+    assert woken[0] < 20  # a release per batch wakes it ≥ 100 times

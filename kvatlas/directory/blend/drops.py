@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.directory.blend.id_lists import put
+from kvatlas.directory.blend.id_lists import put, tally
 from kvatlas.directory.blend.kernels import F_CLAIM_DROPPED, F_CONTENT_GONE, F_OCCUPANT_GONE
 from kvatlas.directory.blend.namespaces import NamespaceIds
 from kvatlas.directory.blend.op_checks import Tokens, token_nbytes
@@ -37,22 +37,25 @@ class DropsOf(Protocol):
 
 
 def settle_drops(
-    state: DropsOf, results: npt.NDArray[np.int64], nss: npt.NDArray[np.int64]
+    state: DropsOf,
+    flags: npt.NDArray[np.int64],
+    contents: npt.NDArray[np.int64],
+    occupants: npt.NDArray[np.int64],
+    nss: npt.NDArray[np.int64],
 ) -> None:
-    """The bookkeeping of such ops (per op the kernel's ``(flags, content id, occupant id,
-    ns0)`` and its namespace id), as ``_settle_removals`` does it op by op."""
-    flags = results[:, 0]
+    """The bookkeeping of such ops (per op the kernel's flags, content id and occupant id,
+    and its namespace id: columns, so a small batch settles without releasing the GIL), as
+    ``_settle_removals`` does it op by op."""
     dropped = flags & F_CLAIM_DROPPED != 0
     if dropped.any():
-        counts = np.bincount(nss[dropped])
-        for ns in np.flatnonzero(counts).tolist():
-            state.namespaces.release(ns, int(counts[ns]))
+        for ns, n in tally(nss[dropped]):
+            state.namespaces.release(ns, n)
         state.claims -= int(np.count_nonzero(dropped))
-    occupants = results[flags & F_OCCUPANT_GONE != 0, 2]
+    occupants = occupants[flags & F_OCCUPANT_GONE != 0]
     if len(occupants):
         put(state.hashes, occupants, [None] * len(occupants))
         state.occupants -= len(occupants)
-    ids = results[flags & F_CONTENT_GONE != 0, 1]
+    ids = contents[flags & F_CONTENT_GONE != 0]
     if len(ids):
         gone = list(map(state.tokens.__getitem__, ids.tolist()))
         state.token_bytes -= sum(map(token_nbytes, [t for t in gone if t is not None]))

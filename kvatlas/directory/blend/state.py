@@ -17,7 +17,7 @@ import numpy.typing as npt
 from kvatlas.directory.blend import _cpython, kernels
 from kvatlas.directory.blend._cpython import array_handle, bytes_address
 from kvatlas.directory.blend.drops import settle_drops
-from kvatlas.directory.blend.id_lists import chosen, put, put_one
+from kvatlas.directory.blend.id_lists import chosen, put, put_one, tally
 from kvatlas.directory.blend.kernels import (
     ADD,
     F_CLAIM_DROPPED,
@@ -236,29 +236,29 @@ class IndexState:
         equivalent: ids freed by a batch are not reused within it, so an id that is new in
         a batch is new before anything can remove it, and claim counts only meet zero at the
         end of the write (``NamespaceIds.end_write``)."""
-        flags = results[:, 0]
+        # (columns, then 1-D masks: a 2-D mask or index releases the GIL on every call)
+        flags, contents, occupants = results[:, 0], results[:, 1], results[:, 2]
         if len(cols.spaces) == 1 and bool((flags == _ALL_NEW).all()):
             self._settle_fresh(cols, results, nss)
             return
         new = flags & F_NEW_CONTENT != 0
         if new.any():
-            self._new_contents(cols, results[new, 1], new)
+            self._new_contents(cols, contents[new], new)
         new = flags & F_NEW_OCCUPANT != 0
         if new.any():
-            occs = results[new, 2]
+            occs = occupants[new]
             put(self.hashes, occs, chosen(cols.hashes, new))
             self.occupants += len(occs)
         new = flags & F_NEW_CLAIM != 0
         if new.any():
             ns_claims = self.namespaces.claims
-            counts = np.bincount(nss[new])
-            for ns in np.flatnonzero(counts).tolist():
-                ns_claims[ns] += int(counts[ns])
+            for ns, n in tally(nss[new]):
+                ns_claims[ns] += n
             self.claims += int(np.count_nonzero(new))
         by_op = (flags & _OP_BY_OP != 0) | (kinds == REMOVE_CHUNK)
         drops = by_op & (kinds == REMOVE_CLAIM) & (flags & _NOT_A_DROP == 0)
-        if drops.any():  # (a fence's: drops.py)
-            settle_drops(self, results[drops], nss[drops])
+        if drops.any():  # (a fence's or a delete's: drops.py)
+            settle_drops(self, flags[drops], contents[drops], occupants[drops], nss[drops])
             by_op &= ~drops
         rest = np.flatnonzero(by_op)
         if len(rest):
