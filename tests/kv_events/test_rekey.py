@@ -322,7 +322,8 @@ def test_the_block_map_of_text_chains_is_invisible_to_the_cyclic_collector() -> 
 def test_engine_chunks_reach_the_directory_as_columns(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 31: no ``CacheEntry`` and no ``ObjectKey`` per chunk between an engine batch and
     the directory (stores, removals, evictions of a full map): entries are columns, one key
-    shape checked per batch (and the directory interns a shape it never saw). The directory ends as the same batches as objects leave it."""
+    shape checked per batch (and the directory interns a shape it never saw). The directory
+    ends as the same batches applied as objects leave it."""
     made = {"entries": 0, "keys": 0}
     entry_init, key_init = CacheEntry.__post_init__, ObjectKey.__post_init__
 
@@ -357,4 +358,5 @@ def test_engine_chunks_reach_the_directory_as_columns(monkeypatch: pytest.Monkey
         assert mine.content.tolist() == theirs.content.tolist()
     ns = BlendNamespace("llama", "", 1)
     query = np.array([0] * 5 + TOKENS[:32] + [9] * 16, np.uint32)
-    assert directory.blend_match(query, ns) == as_objects.blend_match(query, ns)
+    matches = directory.blend_match(query, ns)
+    assert matches == as_objects.blend_match(query, ns) and matches
