@@ -25,7 +25,7 @@ from kvatlas.directory.records import placement_row
 from kvatlas.directory.shapes import KeyShape
 from kvatlas.directory.token_store import StoredTokens
 from kvatlas.events import UNKNOWN_OFFSET, EventBatch
-from kvatlas.events.columns import EntryColumns
+from kvatlas.events.columns import EntryColumns, shape_index
 
 _FIRST_BYTE = itemgetter(0)  # a chunk hash's partition
 
@@ -86,12 +86,11 @@ def store_adds(
         tokens, hashes, offsets = stored, cols.chunk_hashes, cols.token_offsets
         spaces, which = [shapes[sids[0]].namespace], None
     else:
-        at = np.array(rows, np.intp)
-        used, which = np.unique(np.asarray(sids, np.intp)[at], return_inverse=True)
+        used, which = shape_index(list(map(sids.__getitem__, rows)))  # (np.unique: the GIL)
         tokens = list(map(stored.__getitem__, rows))
         hashes = list(map(cols.chunk_hashes.__getitem__, rows))
-        offsets = cols.token_offsets[at]
-        spaces = [shapes[s].namespace for s in used.tolist()]
+        offsets = cols.token_offsets[np.array(rows, np.intp)]
+        spaces = [shapes[s].namespace for s in used]
     # entries built from objects: a key's hash may be a ``bytes`` subclass, which the index
     # would keep by reference unchecked (decoded bodies' hashes are exact ``bytes``)
     exact = cols.token_objects is None or set(map(type, hashes)) == {bytes}

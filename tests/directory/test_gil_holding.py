@@ -121,6 +121,35 @@ def test_storing_new_chunks_in_small_batches_never_releases_the_gil() -> None:
     assert woken[0] < 20  # a release per batch wakes it ≈200 times
 
 
+def test_storing_batches_of_mixed_keys_never_releases_the_gil() -> None:
+    """What a node storing a batch of several models' (or salts') chunks does, or a batch
+    with chunks of unknown offset (stored, not indexed): the index adds of such a batch were
+    indexed by ``np.unique``, which releases the GIL on every call."""
+    batches = _batches(200, 8, seed=10)
+    mixed = []
+    for b in batches:
+        entries = list(b.entries)
+        k = entries[1].key
+        entries[1] = replace(entries[1], key=replace(k, model_name="other"))  # another shape
+        entries[2] = replace(entries[2], token_offset=-1)  # offset unknown: not indexed
+        mixed.append(replace(b, entries=tuple(entries)))
+    d = KeyDirectory(CHUNK, enable_blend_lookup=True)
+    seq = 0
+    for b in mixed:  # compiled, warm, and grown (then emptied: the rows and ids are reused)
+        seq += 1
+        d.consume(replace(b, seq=seq))
+    for b in mixed:
+        seq += 1
+        d.consume(replace(b, seq=seq, event_type="delete"))
+    assert d.stats().keys == 0
+    with _gil_waiter() as woken:
+        for b in mixed:
+            seq += 1
+            d.consume(replace(b, seq=seq))
+    assert d.stats().keys == 8 * len(mixed)
+    assert woken[0] < 20  # a release per batch wakes it ≈200 times
+
+
 def test_short_lookups_and_accesses_never_release_the_gil() -> None:
     """What a router's prefix lookup of a few chunks does, and a node's access reports: each
     reads its chunks' rows as one batch (``np.arange`` there released the GIL on every call:

@@ -200,7 +200,7 @@ class IndexState:
         if len(cols.spaces) == 1:  # one namespace: no unique to take
             added = {0} if adds.any() else set()
         else:
-            added = set(np.unique(cols.space_of[adds]).tolist())
+            added = set(cols.space_of[adds].tolist())  # (np.unique would release the GIL)
         ids = [
             self._namespace_id(ADD if s in added else REMOVE_CLAIM, namespace)
             for s, namespace in enumerate(cols.spaces)
