@@ -360,3 +360,11 @@ def test_engine_chunks_reach_the_directory_as_columns(monkeypatch: pytest.Monkey
     query = np.array([0] * 5 + TOKENS[:32] + [9] * 16, np.uint32)
     matches = directory.blend_match(query, ns)
     assert matches == as_objects.blend_match(query, ns) and matches
+
+
+def test_a_model_name_no_key_can_carry_is_refused_not_applied() -> None:
+    """The subscriber checks a topic's model before translating; the columns check it again
+    (as a decoded body's are) rather than hand the directory a key it would refuse."""
+    rekeyer, _ = fed(chunk_size=16)
+    with pytest.raises(ValueError, match="model name"):
+        rekeyer.translate("pod-a", "", batch(TEXT))

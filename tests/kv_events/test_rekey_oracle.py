@@ -49,8 +49,8 @@ def test_keys_equal_the_full_chunks_of_every_request(
             parent = hashes[-1] if hashes else None
             new_tokens, new_hashes = [], []
             for _ in part:
-                # tiny alphabet: many equal blocks; ids above 2^16 (and for 1 byte-swapped,
-                # below: both halves of the wire's big-endian words matter)
+                # tiny alphabet: many equal blocks; ids above 2^16 that a wrong byte order
+                # would read as other ids (70,000 = 0x00011170; 0x01012171; 0x02023172)
                 t = (rng.integers(0, 3, B) * 0x1000001 + 70_000).tolist()
                 h = block_hash(hashes[-1] if hashes else None, t)
                 tokens += t

@@ -22,7 +22,7 @@ from kvatlas.coordinator.query import BlendQuery
 from kvatlas.coordinator.route_score import score_routes
 from kvatlas.coordinator.scoring import DEFAULT_FRAGMENT_WEIGHT, InstanceScore, Weights
 from kvatlas.directory import KeyDirectory
-from kvatlas.events import CONFIG, ColumnBatch, EventBatch
+from kvatlas.events import CONFIG, EventBatch
 from kvatlas.events.model import CacheEntry
 from kvatlas.events.vllm_wire import KVEvent, KVEventBatch
 from kvatlas.keys import BlendMatch, BlendNamespace, KeyScheme, ObjectKey, expand_prefix_keys
@@ -49,14 +49,11 @@ class SimCoordinator:
         self.subscriber = KvEventsSubscriber(
             SubscriberSettings((), max_blocks=max_engine_blocks),
             scheme,
-            ingest=self._ingest,
+            ingest=self.directory.apply_columns,
             clear=self.directory.fence_instance,
             stop=threading.Event(),
         )
         self._seqs: dict[str, int] = {}
-
-    def _ingest(self, batches: Sequence[ColumnBatch]) -> None:
-        self.directory.apply_columns(batches)
 
     # ------------------------------------------------------------------ events in
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from kvatlas.api.events import UNKNOWN_OFFSET
 from kvatlas.events import DELETE, STORE
-from kvatlas.events.columns import EntryColumns, shape_index, shape_ok
+from kvatlas.events.columns import EntryColumns
 from kvatlas.keys import pack_kv_rank
 
 ENGINE_RANK: Final = pack_kv_rank(1, 0, 1, 0)
@@ -105,22 +105,21 @@ def net_effect(ops: list[Change | Cleared]) -> list[Change | Cleared]:
 
 
 def entry_columns(chunks: list[Chunk]) -> EntryColumns:
-    """The chunks as a batch's entries: one key shape per model (``ValueError`` if a model
-    name is not a valid key's: the subscriber checks it before translating), sizes 0, and
-    the offered tokens in one native ``uint32`` arena, converted from big-endian in one call."""
-    shapes, shape_of = shape_index([(c[1], ENGINE_RANK, 0, "") for c in chunks])
-    if not all(map(shape_ok, shapes)):
-        raise ValueError(f"not a valid model name among {[s[0] for s in shapes]!r:.200}")
+    """The chunks as a batch's entries, checked as a decoded body's are
+    (:meth:`EntryColumns.checked`: ``ValueError`` if a model name is not a valid key's; the
+    subscriber checks it before translating): sizes 0, and the offered tokens in one native
+    ``uint32`` arena, converted from big-endian in one call."""
     packed = [c[3] for c in chunks]
     lengths = np.array([0 if p is None else len(p) >> 2 for p in packed], np.int64)
-    arena = np.frombuffer(b"".join([p for p in packed if p]), ">u4").astype(np.uint32)
-    return EntryColumns(
+    columns = EntryColumns.checked(
         [c[0] for c in chunks],
-        shapes,
-        shape_of,
-        np.zeros(len(chunks), np.int64),
-        np.array([c[2] for c in chunks], np.int64),
-        arena,
+        [(c[1], ENGINE_RANK, 0, "") for c in chunks],
+        [0] * len(chunks),
+        [c[2] for c in chunks],
+        np.frombuffer(b"".join([p for p in packed if p]), ">u4").astype(np.uint32),
         np.cumsum(lengths) - lengths,
         lengths,
     )
+    if columns is None:
+        raise ValueError(f"not a valid model name among {sorted({c[1] for c in chunks})!r:.200}")
+    return columns
