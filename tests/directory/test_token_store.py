@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 from kvatlas.directory import BlendIndex, KeyDirectory, load_snapshot, save_snapshot, token_store
 from kvatlas.directory.blend.kernels.contents import content_count
 from kvatlas.directory.blend.kernels.planes import PLANES, planes_count, stored_nbytes
+from kvatlas.directory.blend.op_checks import token_widths
+from kvatlas.directory.blend.op_columns import addresses, vouched_addresses
 from kvatlas.directory.records import record_stored_tokens, record_tokens
 from kvatlas.directory.snapshot.format import PREFIX, Header
 from kvatlas.directory.token_store import (
@@ -442,3 +444,17 @@ def test_a_malformed_plain_content_is_refused_not_read(raw: bytes) -> None:
     with pytest.raises(ValueError):
         index.add_many([(raw, b"h", 0, NS)])
     assert index.stats().contents == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(token_ids, min_size=1, max_size=300), min_size=1, max_size=12))
+def test_vouched_contents_widths_and_addresses_in_one_pass(rows: list[list[int]]) -> None:
+    """The compiled pass over stored contents' headers (what an ingest batch's index adds
+    read) gives each one's bytes per id and ids' address as the call per content does;
+    arrays take that call."""
+    arrays = [ro(r) for r in rows]
+    stored = [s for s in stored_batch(arrays) if s is not None]
+    for tokens in (stored, arrays):
+        widths, addrs = vouched_addresses(tokens)
+        assert widths.tolist() == token_widths(tokens).tolist()
+        assert addrs.tolist() == addresses(tokens, token_widths(tokens)).tolist()

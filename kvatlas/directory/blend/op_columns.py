@@ -25,7 +25,11 @@ import numpy.typing as npt
 
 from kvatlas.directory.blend import _cpython
 from kvatlas.directory.blend.kernels import ADD, REMOVE_CHUNK, REMOVE_CLAIM
-from kvatlas.directory.blend.kernels.contents import content_count, token_addresses
+from kvatlas.directory.blend.kernels.contents import (
+    content_count,
+    token_addresses,
+    vouched_layout,
+)
 from kvatlas.directory.blend.kernels.objects import C_CONTIGUOUS, OWNDATA, WRITEABLE
 from kvatlas.directory.blend.kernels.planes import PLANES, planes_count
 from kvatlas.directory.blend.op_checks import (
@@ -239,8 +243,10 @@ def _kept_columns(op: AddColumns, chunk: int) -> OpColumns | None:
     if n == 0:
         return _EMPTY
     if op.vouched:
-        widths = token_widths(tokens)
-        return _columns(tokens, widths, hashes, byte_lengths(hashes), offsets, spaces, which)
+        widths, addrs = vouched_addresses(tokens)
+        return _columns(
+            tokens, widths, hashes, byte_lengths(hashes), offsets, spaces, which, addrs=addrs
+        )
     if offsets.dtype.kind not in "iu" or which.dtype.kind not in "iu":
         return None
     checked = checked_objects(tokens, hashes, chunk)
@@ -265,10 +271,10 @@ def _claim_columns(op: RemoveClaimColumns) -> OpColumns | None:
         return None
     if n == 0:
         return _EMPTY
-    widths = token_widths(tokens)
+    widths, addrs = vouched_addresses(tokens)
     return _columns(
         tokens, widths, hashes, byte_lengths(hashes), np.zeros(n, np.int64), list(op.namespaces),
-        which, REMOVE_CLAIM,
+        which, REMOVE_CLAIM, addrs,
     )  # fmt: skip
 
 
@@ -281,8 +287,10 @@ def _columns(
     spaces: list[BlendNamespace],
     which: npt.NDArray[Any],
     kind: int = ADD,
+    addrs: npt.NDArray[np.int64] | None = None,
 ) -> OpColumns:
-    """The adds (or ``kind``) of valid columns (contents the index keeps as they are)."""
+    """The adds (or ``kind``) of valid columns (contents the index keeps as they are);
+    ``addrs``: the address of each one's ids, when already read."""
     n = len(tokens)
     return OpColumns(
         filled(n, kind),
@@ -294,9 +302,28 @@ def _columns(
         spaces,
         which.astype(np.int64),
         np.zeros(n, np.bool_),
-        addresses(tokens, token_bytes),
+        addresses(tokens, token_bytes) if addrs is None else addrs,
         set(map(type, tokens)) == {bytes},
     )
+
+
+def vouched_addresses(
+    tokens: list[Tokens],
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Each vouched content's or array's bytes per id and the address of its ids: for
+    ``bytes`` contents (what the directory stores) one compiled pass over their headers
+    (``contents.vouched_layout``), no call per content; else :func:`token_widths` and
+    :func:`addresses`."""
+    n = len(tokens)
+    layout = _cpython.OBJECT_LAYOUT
+    if layout is not None and n and type(tokens[0]) is bytes:
+        widths, addrs = np.empty(n, np.int64), np.empty(n, np.int64)
+        handles = np.fromiter(map(id, tokens), np.int64, n)
+        data_off = _cpython.BYTES_DATA_OFFSET
+        if vouched_layout(handles, tuple(layout), id(bytes), data_off, widths, addrs) >= 0:
+            return widths, addrs
+    widths = token_widths(tokens)
+    return widths, addresses(tokens, widths)
 
 
 def _joined(parts: list[OpColumns]) -> OpColumns:
