@@ -62,16 +62,19 @@ ACCESS_COUNT_UNTRACKED = 0
 
 
 def lookup_result_to_wire(
-    kp: KeyPlacements, placements: list[api.PlacementRow] | None = None
+    kp: KeyPlacements, placements: list[api.PlacementRow] | None = None, token_ids: Any = None
 ) -> api.LookupResultRow:
     """One result of a lookup: the key, its placements (``placements``: already converted)
-    and its chunk's content (``[]``: unknown), as LMCache answers it."""
+    and its chunk's content (``[]``: unknown; ``token_ids``: already encoded), as LMCache
+    answers it."""
     if placements is None:
         placements = [placement_to_wire(p) for p in kp.placements]
+    if token_ids is None:
+        token_ids = [] if kp.content is None else kp.content.tolist()
     return api.LookupResultRow(
         key=key_to_wire(kp.key),
         placements=placements,
-        token_ids=[] if kp.content is None else kp.content.tolist(),
+        token_ids=token_ids,
         access_count=ACCESS_COUNT_UNTRACKED,
     )
 
@@ -92,17 +95,20 @@ def prefix_to_wire(h: PrefixHolder) -> api.PrefixRow:
     )
 
 
-def lookup_to_wire(found: TokenLookup) -> api.LookupReply:
+def lookup_to_wire(found: TokenLookup, token_ids: Sequence[Any] | None = None) -> api.LookupReply:
     """``POST /directory/lookup`` (both forms): chunks asked, placements per key, prefix.
     Keys sharing one placements tuple (a lookup makes a batch's keys share it) share its
-    wire rows, converted once."""
+    wire rows, converted once. ``token_ids``: each result's ids already written as JSON
+    (``msgspec.Raw``, :func:`~kvatlas.coordinator._lookup_reply.json_id_lists`), which the
+    reply then holds instead of lists: a reply for the JSON encoder only."""
     rows: dict[int, list[api.PlacementRow]] = {}  # ``found`` keeps every tuple alive meanwhile
     results = []
-    for kp in found.results:
+    ids_of = [None] * len(found.results) if token_ids is None else token_ids
+    for kp, ids in zip(found.results, ids_of, strict=True):
         placements = rows.get(id(kp.placements))
         if placements is None:
             placements = rows[id(kp.placements)] = [placement_to_wire(p) for p in kp.placements]
-        results.append(lookup_result_to_wire(kp, placements))
+        results.append(lookup_result_to_wire(kp, placements, ids))  # (an encoder writes a Raw)
     return api.LookupReply(
         chunks=found.chunks, results=results, prefix=[prefix_to_wire(h) for h in found.prefix]
     )

@@ -51,9 +51,6 @@ from kvatlas.directory.token_store import StoredTokens
 _WIDTH: Final = 4  # references per row
 _FLAGS: Final = (False, True)
 _EMPTY_ROW: Final = (None, 0, None, ())
-_FIELDS: Final = np.arange(_WIDTH)
-"""A row's offsets in ``objs``, made once: ``np.arange`` releases the GIL while it fills (a
-release per batch read starves a waiting thread; tests/directory/test_gil_holding.py)."""
 
 
 class ChunkColumns:
@@ -189,8 +186,12 @@ def copy_rows(objs: list[Any], offsets: array[int], rows: list[int]) -> RowsCopy
     """The fields at ``rows`` of columns ``objs`` and ``offsets`` (two C-level gathers)."""
     if not rows:
         return RowsCopy((), ())
-    at = (np.array(rows, np.int64)[:, None] * _WIDTH + _FIELDS).ravel().tolist()
-    return RowsCopy(_gather(objs, at), _gather(offsets, rows))
+    first = np.array(rows, np.int64) * _WIDTH
+    at = np.empty(_WIDTH * len(rows), np.int64)
+    for k in range(_WIDTH):  # one item a row: numpy releases the GIL from 500 items on, which
+        # a 2-D broadcast of the fields reached at 125 rows (a long prompt's lookup)
+        at[k::_WIDTH] = first + k
+    return RowsCopy(_gather(objs, at.tolist()), _gather(offsets, rows))
 
 
 def copied_records(copy: RowsCopy) -> list[Record]:

@@ -12,12 +12,13 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from kvatlas.api import KeyListingQuery, KeyPageReply
+from kvatlas.coordinator._lookup_reply import json_id_lists
 from kvatlas.coordinator.query import KeysQuery, decode_lookup_body, lookup_query
 from kvatlas.coordinator.routes.context import Context
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.coordinator.wire import key_page_to_wire, lookup_to_wire, stats_to_wire
 from kvatlas.directory import KeyFilter
-from kvatlas.routing import Call, Reply
+from kvatlas.routing import JSON, Call, Reply
 
 
 async def lookup(ctx: Context, call: Call[None, None]) -> Reply:
@@ -48,7 +49,8 @@ def _lookup(service: CoordinatorService, call: Call[None, None]) -> tuple[str, R
             query.object_group_id,
         )  # fmt: skip
     codec = call.codec
-    return query.form, Reply(codec.encode(lookup_to_wire(found)), media_type=codec.media_type)
+    ids = json_id_lists([kp.content for kp in found.results]) if codec is JSON else None
+    return query.form, Reply(codec.encode(lookup_to_wire(found, ids)), media_type=codec.media_type)
 
 
 def blend_lookup(ctx: Context, call: Call[None, None]) -> Awaitable[Reply]:
