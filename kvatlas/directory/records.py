@@ -108,15 +108,23 @@ def prefix_summary(results: list[KeyPlacements], world_size: int = 1) -> list[Pr
     one of the ``world_size`` ranks; ``results`` are chunk-major, rank-minor. Longest first."""
     counts: dict[Holder, int] = {}
     alive: set[Holder] | None = None
+    holders: dict[int, set[Holder]] = {}  # by placements tuple (``results`` keep each alive)
+    last: tuple[int, ...] = ()
     for c in range(len(results) // world_size):
-        held: set[Holder] | None = None
-        for r in results[c * world_size : (c + 1) * world_size]:
-            here = {
-                (None if p.shared else p.instance_id, p.tier, p.backend, p.shared)
-                for p in r.placements
-            }
-            held = here if held is None else held & here
-        alive = (held or set()) if alive is None else alive & (held or set())
+        ranks = results[c * world_size : (c + 1) * world_size]
+        shared = tuple(id(r.placements) for r in ranks)
+        if shared != last:  # (a chunk whose ranks share the last one's tuples keeps ``alive``)
+            last = shared
+            held: set[Holder] | None = None
+            for r in ranks:
+                here = holders.get(id(r.placements))
+                if here is None:
+                    here = holders[id(r.placements)] = {
+                        (None if p.shared else p.instance_id, p.tier, p.backend, p.shared)
+                        for p in r.placements
+                    }
+                held = here if held is None else held & here
+            alive = (held or set()) if alive is None else alive & (held or set())
         if not alive:
             break
         for holder in alive:

@@ -1,0 +1,62 @@
+"""The prefix summary (how many leading chunks each holder has) against the chunk-by-chunk
+count it was first written as, on results whose keys share placements tuples (as a lookup's
+keys of one stored batch do) and hold equal but distinct ones."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvatlas.directory import KeyPlacements, Placement, PrefixHolder
+from kvatlas.directory.records import prefix_summary
+from kvatlas.keys import ObjectKey, pack_kv_rank
+
+KEY = ObjectKey(bytes(32), "m", pack_kv_rank(1, 0, 1, 0))
+COPIES = [
+    Placement("a", 1, "l1", "dram", 8, False, 0.0),
+    Placement("b", 1, "l1", "dram", 8, False, 0.0),
+    Placement("a", 1, "l2", "disk", 8, False, 0.0),
+    Placement("p", 1, "l2", "redis", 8, True, 0.0),
+    Placement("q", 1, "l2", "redis", 8, True, 0.0),  # the same pool, another reporter
+]
+
+
+def reference(results: list[KeyPlacements], world_size: int) -> list[PrefixHolder]:
+    counts: dict[tuple[str | None, str, str, bool], int] = {}
+    alive: set[tuple[str | None, str, str, bool]] | None = None
+    for c in range(len(results) // world_size):
+        held: set[tuple[str | None, str, str, bool]] | None = None
+        for r in results[c * world_size : (c + 1) * world_size]:
+            here = {
+                (None if p.shared else p.instance_id, p.tier, p.backend, p.shared)
+                for p in r.placements
+            }
+            held = here if held is None else held & here
+        alive = (held or set()) if alive is None else alive & (held or set())
+        if not alive:
+            break
+        for holder in alive:
+            counts[holder] = counts.get(holder, 0) + 1
+    summary = [PrefixHolder(*holder, chunks=n) for holder, n in counts.items()]
+    summary.sort(key=lambda h: (-h.chunks, h.instance_id or "", h.tier, h.backend))
+    return summary
+
+
+copies = st.lists(st.sampled_from(COPIES), max_size=4, unique=True).map(tuple)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(copies, min_size=1, max_size=4),  # a few tuples, shared by many keys
+    st.lists(st.tuples(st.integers(0, 3), st.booleans()), max_size=40),
+    st.integers(1, 3),
+)
+def test_summary_equals_the_chunk_by_chunk_count(
+    groups: list[tuple[Placement, ...]], picks: list[tuple[int, bool]], world_size: int
+) -> None:
+    """Keys name one of the shared tuples, or (``True``) an equal copy of their own."""
+    results = [
+        KeyPlacements(KEY, tuple(list(groups[i % len(groups)])) if own else groups[i % len(groups)])
+        for i, own in picks
+    ]
+    assert prefix_summary(results, world_size) == reference(results, world_size)
