@@ -29,7 +29,7 @@ from kvatlas.keys import (
     ObjectKey,
     TokenArray,
     as_token_array,
-    parse_chunk_hash_hex,
+    object_keys,
 )
 
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
@@ -215,16 +215,10 @@ def lookup_query(body: LookupRequest, max_tokens: int, max_keys: int) -> KeysQue
             raise PayloadTooLarge(f"{len(keys)} keys exceed the query limit")
         try:  # (the rows' fields are the ones ObjectKey.from_wire reads, typed: no dict each)
             return KeysQuery(
-                [
-                    ObjectKey(
-                        parse_chunk_hash_hex(k.chunk_hash_hex),
-                        k.model_name,
-                        k.kv_rank,
-                        k.object_group_id,
-                        k.cache_salt,
-                    )
-                    for k in keys
-                ]
+                object_keys(
+                    [k.chunk_hash_hex for k in keys],
+                    [(k.model_name, k.kv_rank, k.object_group_id, k.cache_salt) for k in keys],
+                )
             )
         except ValueError as exc:
             raise Unprocessable(f"keys: {exc}") from None

@@ -7,7 +7,7 @@ string keys downstream.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,6 +160,62 @@ class ObjectKey:
             object_group_id=obj.get("object_group_id", 0),
             cache_salt=obj.get("cache_salt", ""),
         )
+
+
+ShapeParts = tuple[str, int, int, str]
+"""A key's fields but its hash: model name, kv rank, object group id, cache salt."""
+
+_SHAPE_TYPES = (str, int, int, str)
+_SET_FIELDS = tuple(
+    ObjectKey.__dict__[f].__set__
+    for f in ("chunk_hash", "model_name", "kv_rank", "object_group_id", "cache_salt")
+)
+
+
+def object_keys(hashes_hex: Sequence[str], parts: Sequence[ShapeParts]) -> list[ObjectKey]:
+    """``ObjectKey(parse_chunk_hash_hex(h), *p)`` for each pair, in order: equal keys, and the
+    same ``ValueError`` for the first key that breaks a rule. The hashes are parsed by one
+    ``bytes.fromhex`` and each distinct shape checked once by building its first key; the
+    others are then made without a check each (≈0.8 µs a key of a lookup's 128, a third of
+    building each). Anything unusual (a hash not of 64 characters, not hex, with white space)
+    takes the key-by-key path, which says what is wrong."""
+    raw = _hex_hashes(hashes_hex)
+    if raw is None:
+        return [
+            ObjectKey(parse_chunk_hash_hex(h), *p) for h, p in zip(hashes_hex, parts, strict=True)
+        ]
+    hashes = [raw[i : i + 32] for i in range(0, len(raw), 32)]
+    seen: set[ShapeParts] = set()
+    for h, p in zip(hashes, parts, strict=True):
+        if tuple(map(type, p)) != _SHAPE_TYPES:  # (checked one by one)
+            return [ObjectKey(h, *p) for h, p in zip(hashes, parts, strict=True)]
+        if p not in seen:
+            ObjectKey(h, *p)  # the checks a key of this shape passes, raising as it would
+            seen.add(p)
+    new, set_hash, set_model, set_rank, set_group, set_salt = object.__new__, *_SET_FIELDS
+    keys = []
+    for h, (model, rank, group, salt) in zip(hashes, parts, strict=True):
+        k = new(ObjectKey)
+        set_hash(k, h)
+        set_model(k, model)
+        set_rank(k, rank)
+        set_group(k, group)
+        set_salt(k, salt)
+        keys.append(k)
+    return keys
+
+
+def _hex_hashes(texts: Sequence[str]) -> bytes | None:
+    """The 32 bytes of each of ``texts`` back to back, if each is a ``str`` of 64 hex
+    characters (``bytes.fromhex`` refuses any other character but white space, which would
+    leave fewer than 32 bytes a text); else ``None``."""
+    if set(map(type, texts)) - {str} or set(map(len, texts)) - {64}:
+        return None
+    try:
+        raw = bytes.fromhex("".join(texts))
+    except ValueError:
+        return None
+    return raw if len(raw) == 32 * len(texts) else None
 
 
 def expand_prefix_keys(

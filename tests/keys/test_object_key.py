@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvatlas.keys import (
     BlendNamespace,
     ObjectKey,
     expand_prefix_keys,
+    object_keys,
     pack_kv_rank,
     parse_chunk_hash_hex,
     unpack_kv_rank,
@@ -166,3 +167,54 @@ def test_prefix_expansion_is_chunk_major_rank_minor() -> None:
     ]
     assert {k.cache_salt for k in keys} == {"s"}
     assert len(expand_prefix_keys(hashes, "m")) == 2
+
+
+_GOOD_HEX = st.binary(min_size=32, max_size=32).flatmap(
+    lambda b: st.sampled_from([b.hex(), b.hex().upper()])
+)
+_ODD_HEX = st.one_of(
+    st.text(max_size=70),  # anything, mostly not 64 hex characters
+    _GOOD_HEX.map(lambda h: h[:10] + "  " + h[12:]),  # white space, still 64 characters
+    _GOOD_HEX.map(lambda h: h[:-2] + "\u0663\u0663"),  # non-ASCII digits
+    _GOOD_HEX.map(lambda h: h[:63]),
+)
+_RANK = pack_kv_rank(1, 0, 1, 0)
+_PARTS = st.one_of(
+    st.just(("m", _RANK, 0, "")),
+    st.just(("other/model", pack_kv_rank(2, 1, 2, 1), 7, "tenant")),
+    st.tuples(
+        st.sampled_from(["m", "", "a@b", "x" * 300]),
+        st.sampled_from([_RANK, 0, -1, 1 << 40, True]),
+        st.sampled_from([0, -1, 1 << 70, False]),
+        st.sampled_from(["", "s", "a/b", "\x00"]),
+    ),
+)
+
+
+def _one_by_one(hexes: list[str], parts: list[tuple[object, ...]]) -> list[ObjectKey] | str:
+    try:
+        return [ObjectKey(parse_chunk_hash_hex(h), *p) for h, p in zip(hexes, parts, strict=True)]  # type: ignore[arg-type]
+    except ValueError as exc:
+        return str(exc)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.lists(st.tuples(st.one_of(_GOOD_HEX, _GOOD_HEX, _GOOD_HEX, _ODD_HEX), _PARTS), max_size=12)
+)
+def test_keys_built_together_equal_keys_built_one_by_one(
+    rows: list[tuple[str, tuple[object, ...]]],
+) -> None:
+    """The same keys (equal, same hash, same fields), or the same error for the first key that
+    breaks a rule: hashes not hex, of another length, with white space or other digits; model
+    names, ranks, groups and salts out of their rules, ``True`` for an int."""
+    hexes, parts = [h for h, _ in rows], [p for _, p in rows]
+    try:
+        built: list[ObjectKey] | str = object_keys(hexes, parts)  # type: ignore[arg-type]
+    except ValueError as exc:
+        built = str(exc)
+    expected = _one_by_one(hexes, parts)
+    assert built == expected
+    if isinstance(built, list):
+        assert [hash(k) for k in built] == [hash(k) for k in expected]  # type: ignore[union-attr]
+        assert all(type(k.kv_rank) is int for k in built)
