@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvatlas.coordinator._lookup_reply import json_id_lists
+from kvatlas.coordinator._lookup_reply import _write_lists, json_id_lists
 from kvatlas.coordinator.query import KeysQuery, decode_lookup_body, lookup_query
+from kvatlas.coordinator.service import warm_up_lookup_kernels
 from kvatlas.coordinator.wire import key_to_wire, lookup_to_wire
 from kvatlas.directory import KeyDirectory
 from kvatlas.directory.records import TokenLookup, prefix_summary
@@ -155,3 +156,9 @@ def test_a_long_prompts_lookup_never_releases_the_gil() -> None:
             replies = [answer(raw) for raw in prompts]
     assert all(len(msgspec.json.decode(r)["results"]) == 128 for r in replies)
     assert woken[0] < 10  # two releases a lookup: ≈80
+
+
+def test_the_services_warm_up_compiles_the_writer() -> None:
+    """Else a coordinator's first prefix lookup compiles it (seconds without numba's cache)."""
+    warm_up_lookup_kernels()
+    assert _write_lists.signatures
