@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvatlas.coordinator import service
 from kvatlas.coordinator._lookup_reply import _write_lists, json_id_lists
 from kvatlas.coordinator.query import KeysQuery, decode_lookup_body, lookup_query
 from kvatlas.coordinator.service import warm_up_lookup_kernels
@@ -158,7 +159,10 @@ def test_a_long_prompts_lookup_never_releases_the_gil() -> None:
     assert woken[0] < 10  # two releases a lookup: ≈80
 
 
-def test_the_services_warm_up_compiles_the_writer() -> None:
-    """Else a coordinator's first prefix lookup compiles it (seconds without numba's cache)."""
+def test_the_services_warm_up_compiles_the_writer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Else a coordinator's first prefix lookup compiles it (seconds without numba's cache):
+    the warm-up writes a lookup's ids (and so compiles :func:`_write_lists` in its process)."""
+    written: list[object] = []
+    monkeypatch.setattr(service, "json_id_lists", lambda c: written.append(json_id_lists(c)))
     warm_up_lookup_kernels()
-    assert _write_lists.signatures
+    assert written and written[0] is not None and _write_lists.signatures
