@@ -54,7 +54,7 @@ KEY = re.compile("[0-9a-f]{20}")
 PARTS = {
     "index": "kvatlas.directory.warm_up:warm_up_index",
     "events": "kvatlas.directory.warm_up:warm_up_events",
-    "lookup": "kvatlas.coordinator.service:warm_up_lookup_kernels",
+    "lookup": "kvatlas.coordinator.warm_up:warm_up_lookup_kernels",
     "keys": "kvatlas.keys:warm_up_mm_values",
 }
 """What a service's start-up warms, in processes of their own: both cores compile."""

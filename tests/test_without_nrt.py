@@ -18,7 +18,7 @@ import numba
 import numpy as np
 import pytest
 
-from kvatlas.coordinator.service import warm_up_lookup_kernels
+from kvatlas.coordinator.warm_up import warm_up_lookup_kernels
 from kvatlas.directory.blend.kernels import filter as bloom
 from kvatlas.directory.blend.kernels import modhash, occupants, planes, table, writes
 from kvatlas.directory.warm_up import warm_up_kernels

@@ -20,12 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
-from kvatlas.coordinator._base64 import b64decode_strict
-from kvatlas.coordinator._blend_reply import blend_reply
-from kvatlas.coordinator._lookup_reply import json_id_lists
 from kvatlas.coordinator.cache_control.delivery_contract import MpServers
 from kvatlas.coordinator.cache_control.eviction import EvictionPolicy
 from kvatlas.coordinator.cache_control.fleet import cache_control_of
@@ -51,12 +46,12 @@ from kvatlas.coordinator.views import (
     Readiness,
     StatsView,
 )
+from kvatlas.coordinator.warm_up import warm_up_lookup_kernels
 from kvatlas.directory import (
     IngestCounts,
     KeyDirectory,
     KeyFilter,
     KeyPage,
-    MatchColumns,
     SnapshotInfo,
     TokenLookup,
     page_keys,
@@ -442,12 +437,3 @@ class CoordinatorService:
             consumer_group=self.config.group_name if redis else None,
             kv_events=self.kv_events.stats(),
         )
-
-
-def warm_up_lookup_kernels() -> None:
-    """The lookups' own kernels, which the directory's warm-up cannot reach (the base64
-    decode of ``tokens_b64``, the blend reply's writer, the prefix lookup reply's ids): else
-    the first lookup compiles them."""
-    b64decode_strict(b"AAAAAQ==" * 12)  # whole 64-character blocks and a padded rest
-    blend_reply(MatchColumns([bytes(32)], np.zeros(1, np.int64), np.ones(1, np.int64)), True)
-    json_id_lists([np.arange(3, dtype=np.uint32)])

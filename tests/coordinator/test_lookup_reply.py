@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvatlas.coordinator import service
+from kvatlas.coordinator import warm_up
 from kvatlas.coordinator._lookup_reply import _write_lists, json_id_lists
 from kvatlas.coordinator.query import KeysQuery, decode_lookup_body, lookup_query
-from kvatlas.coordinator.service import warm_up_lookup_kernels
+from kvatlas.coordinator.warm_up import warm_up_lookup_kernels
 from kvatlas.coordinator.wire import key_to_wire, lookup_to_wire
 from kvatlas.directory import KeyDirectory
 from kvatlas.directory.records import TokenLookup, prefix_summary
@@ -163,6 +163,6 @@ def test_the_services_warm_up_compiles_the_writer(monkeypatch: pytest.MonkeyPatc
     """Else a coordinator's first prefix lookup compiles it (seconds without numba's cache):
     the warm-up writes a lookup's ids (and so compiles :func:`_write_lists` in its process)."""
     written: list[object] = []
-    monkeypatch.setattr(service, "json_id_lists", lambda c: written.append(json_id_lists(c)))
+    monkeypatch.setattr(warm_up, "json_id_lists", lambda c: written.append(json_id_lists(c)))
     warm_up_lookup_kernels()
     assert written and written[0] is not None and _write_lists.signatures
