@@ -293,3 +293,31 @@ def test_deleting_chunks_in_small_batches_never_releases_the_gil() -> None:
             d.consume(replace(b, seq=seq))
     assert d.stats().keys == 0
     assert woken[0] < 20  # a release per batch wakes it ≥ 100 times
+
+
+def test_a_second_models_claims_in_small_batches_never_release_the_gil() -> None:
+    """What a node storing chunks another model (or salt) already stored does: each chunk's
+    occupant gets a claim in the extra-claim set, which the index settles op by op; reading
+    those ops' results was a 2-D index (a release per batch)."""
+    batches = _batches(100, 8, seed=12)
+    again = [
+        replace(
+            b,
+            instance_id="second",
+            entries=tuple(replace(e, key=replace(e.key, model_name="other")) for e in b.entries),
+        )
+        for b in batches
+    ]
+    d = KeyDirectory(CHUNK, enable_blend_lookup=True)
+    for b in batches[:4] + again[:4]:  # compiled and warm
+        d.consume(b)
+    for b in batches[4:]:
+        d.consume(b)
+    index = d.blend_index
+    assert index is not None
+    extra = index.stats().claims
+    with _gil_waiter() as woken:
+        for b in again[4:]:
+            d.consume(b)
+    assert index.stats().claims == extra + 8 * 96  # each chunk claimed again, for "other"
+    assert woken[0] < 20  # a release per batch wakes it ≈100 times

@@ -261,10 +261,11 @@ class IndexState:
             settle_drops(self, flags[drops], contents[drops], occupants[drops], nss[drops])
             by_op &= ~drops
         rest = np.flatnonzero(by_op)
-        if len(rest):
-            self._settle_removals(
-                zip(kinds[rest].tolist(), results[rest].tolist(), nss[rest].tolist(), strict=True)
+        if len(rest):  # (the results' rows as 1-D columns: ``results[rest]`` released the GIL)
+            rows = zip(
+                *(results[:, k][rest].tolist() for k in range(results.shape[1])), strict=True
             )
+            self._settle_removals(zip(kinds[rest].tolist(), rows, nss[rest].tolist(), strict=True))
 
     def _settle_fresh(
         self, cols: OpColumns, results: npt.NDArray[np.int64], nss: npt.NDArray[np.int64]
