@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from kvatlas.events.columns import EntryColumns, ShapeParts
+from kvatlas.events.columns import EntryColumns
 from kvatlas.keys import BlendNamespace, ObjectKey
+from kvatlas.keys.object_key import ShapeParts
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,8 +30,8 @@ from kvatlas.events.model import (
     batch_from_wire,
 )
 from kvatlas.keys import ObjectKey, TokenArray
+from kvatlas.keys.object_key import ShapeParts
 
-ShapeParts = tuple[str, int, int, str]  # (model_name, kv_rank, object_group_id, cache_salt)
 _Shape = TypeVar("_Shape", bound=Hashable)
 Int64s = npt.NDArray[np.int64]
 _ZERO_HASH = bytes(32)

@@ -24,7 +24,6 @@ from kvatlas.events._cut_types import CutBody
 from kvatlas.events.columns import (
     ColumnBatch,
     EntryColumns,
-    ShapeParts,
     column_batch,
     shape_index,
     shape_ok,
@@ -38,6 +37,7 @@ from kvatlas.keys import (
     parse_chunk_hash_hex,
     unpack_kv_rank,
 )
+from kvatlas.keys.object_key import ShapeParts
 
 _WireEntry = EventEntry[msgspec.Raw]  # token lists handed over raw, parsed in bulk
 _WireBatch = EventBatchRow[msgspec.Raw]

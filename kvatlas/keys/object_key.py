@@ -18,7 +18,9 @@ MAX_INSTANCE_ID_CHARS = 128
 _SALT_FORBIDDEN = frozenset("@/\\\x00")
 _HEX = frozenset("0123456789abcdefABCDEF")
 _MAX_CACHED_SHAPES = 4096
-_VALID_SHAPES: set[tuple[str, int, int, str]] = set()
+ShapeParts = tuple[str, int, int, str]
+"""A key's fields but its hash: model name, kv rank, object group id, cache salt."""
+_VALID_SHAPES: set[ShapeParts] = set()
 
 
 def _check_byte_field(name: str, value: int, lo: int, hi: int) -> None:
@@ -161,9 +163,6 @@ class ObjectKey:
             cache_salt=obj.get("cache_salt", ""),
         )
 
-
-ShapeParts = tuple[str, int, int, str]
-"""A key's fields but its hash: model name, kv rank, object group id, cache salt."""
 
 _SHAPE_TYPES = (str, int, int, str)
 _SET_FIELDS = tuple(
