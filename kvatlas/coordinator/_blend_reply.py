@@ -3,6 +3,12 @@
 The bytes are exactly those of ``kvatlas.api.BlendReply`` built by ``wire.blend_to_wire``
 (the wire shape has one definition; the tests compare the two on random matches), without an
 object and a hex string per match in Python (docs/performance.md).
+
+The reply is on the serving path of every blend lookup: its constant texts are the kernel's
+own (numba freezes global arrays; each array argument costs its call ≈0.25 µs to unbox), a
+hash's byte is written as two hex digits by one table read, and an offset below 2^32 (every
+offset a query can have) by counted digits written two at a time, divided by 100 without a
+division; larger and negative ones by the general loop.
 """
 
 from __future__ import annotations
@@ -12,14 +18,27 @@ import numpy as np
 import numpy.typing as npt
 
 from kvatlas.directory import MatchColumns
+from kvatlas.directory.blend.op_checks import HASH_WIDTH
 
-_HEX = np.frombuffer(b"0123456789abcdef", np.uint8)
+_HEX_PAIRS = np.frombuffer(b"".join(b"%02x" % b for b in range(256)), np.uint8)
+"""``"00"`` to ``"ff"``: a byte's two hex digits at ``2 * byte``."""
+_DEC_PAIRS = np.frombuffer(b"".join(b"%02d" % i for i in range(100)), np.uint8)
+"""``"00"`` to ``"99"``: two decimal digits at ``2 * value``."""
+_HEAD = np.frombuffer(b'{"matches":[', np.uint8)
 _HASH = np.frombuffer(b'{"chunk_hash":"', np.uint8)
 _OLD_ST = np.frombuffer(b'","old_st":', np.uint8)
 _CUR_ST = np.frombuffer(b',"cur_st":', np.uint8)
-_HEAD = b'{"matches":['
-_TAIL = {True: b'],"enable_blend_lookup":true}', False: b'],"enable_blend_lookup":false}'}
+_TAIL_ON = np.frombuffer(b'],"enable_blend_lookup":true}', np.uint8)
+_TAIL_OFF = np.frombuffer(b'],"enable_blend_lookup":false}', np.uint8)
 _PER_MATCH = len(_HASH) + len(_OLD_ST) + len(_CUR_ST) + 2 * 20 + 2  # "}", ","; ints <= 20
+_FIXED = len(_HEAD) + len(_TAIL_OFF)
+_HASH_BYTES = HASH_WIDTH
+"""What the index keeps a chunk hash to at most (``HASH_WIDTH``): a match's hashes all of
+this length, the usual case, need no length each."""
+_POWERS = 10 ** np.arange(10, dtype=np.int64)
+"""``10^n``: an offset below 2^32 has ``n`` digits for the first ``10^n`` above it."""
+_DIV100 = 1374389535
+"""``(v * _DIV100) >> 37 == v // 100`` for every ``v`` below 2^32 (no division)."""
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -31,8 +50,33 @@ def _put(out, k, text):  # type: ignore[no-untyped-def]  # pragma: no cover - co
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
 def _put_int(out, k, value):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
-    """``value`` (int64) in decimal, as JSON writes it (unsigned arithmetic throughout: numba
-    would take a uint64 mixed with a literal to float64)."""
+    """``value`` (int64) in decimal, as JSON writes it."""
+    if 0 <= value < 4294967296:
+        v = np.int64(value)
+        n = 1
+        while n < 10 and v >= _POWERS[n]:
+            n += 1
+        e = k + n
+        while v >= 100:
+            q = (v * _DIV100) >> 37
+            r = 2 * (v - 100 * q)
+            out[e - 1] = _DEC_PAIRS[r + 1]
+            out[e - 2] = _DEC_PAIRS[r]
+            e -= 2
+            v = q
+        if v >= 10:
+            out[e - 1] = _DEC_PAIRS[2 * v + 1]
+            out[e - 2] = _DEC_PAIRS[2 * v]
+        else:
+            out[e - 1] = 48 + v
+        return k + n
+    return _put_wide(out, k, value)
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _put_wide(out, k, value):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """Any int64 (unsigned arithmetic throughout: numba would take a uint64 mixed with a
+    literal to float64)."""
     ten = np.uint64(10)
     v = np.uint64(value)
     if value < 0:
@@ -51,38 +95,46 @@ def _put_int(out, k, value):  # type: ignore[no-untyped-def]  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def _write(blob, lengths, old, cur, hexd, hash_, old_st, cur_st, out):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
-    """The matches' JSON objects, comma-separated, into ``out``; returns the bytes written."""
-    k = 0
+def _write(blob, lengths, old, cur, enabled, out):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """The whole reply into ``out``: the head, the matches' JSON objects comma-separated,
+    the tail; returns the bytes written. ``lengths``: each hash's bytes in ``blob``, or empty
+    when every hash has :data:`_HASH_BYTES`."""
+    k = _put(out, 0, _HEAD)
     j = 0
-    for i in range(len(lengths)):
+    fixed = len(lengths) == 0
+    for i in range(len(old)):
         if i:
             out[k] = 44  # ","
             k += 1
-        k = _put(out, k, hash_)
-        for _ in range(lengths[i]):
-            b = blob[j]
-            out[k] = hexd[b >> 4]
-            out[k + 1] = hexd[b & 15]
+        k = _put(out, k, _HASH)
+        for _ in range(_HASH_BYTES if fixed else lengths[i]):
+            b = 2 * np.int64(blob[j])
+            out[k] = _HEX_PAIRS[b]
+            out[k + 1] = _HEX_PAIRS[b + 1]
             k += 2
             j += 1
-        k = _put(out, k, old_st)
+        k = _put(out, k, _OLD_ST)
         k = _put_int(out, k, old[i])
-        k = _put(out, k, cur_st)
+        k = _put(out, k, _CUR_ST)
         k = _put_int(out, k, cur[i])
         out[k] = 125  # "}"
         k += 1
-    return k
+    return _put(out, k, _TAIL_ON if enabled else _TAIL_OFF)
+
+
+_ALL_FIXED: npt.NDArray[np.uint8] = np.empty(0, np.uint8)
 
 
 def blend_reply(columns: MatchColumns, enabled: bool) -> bytes:
     """The ``POST /directory/blend-lookup`` reply (without placements) of ``columns``."""
     hashes = columns.chunk_hashes
     blob = b"".join(hashes)
-    lengths = np.frombuffer(bytes(map(len, hashes)), np.uint8)  # each <= 32 bytes
-    out: npt.NDArray[np.uint8] = np.empty(len(hashes) * _PER_MATCH + 2 * len(blob), np.uint8)
-    n = _write(
-        np.frombuffer(blob, np.uint8), lengths, columns.old_st, columns.cur_st,
-        _HEX, _HASH, _OLD_ST, _CUR_ST, out,
-    )  # fmt: skip
-    return b"".join((_HEAD, out[:n].tobytes(), _TAIL[enabled]))
+    if len(blob) == _HASH_BYTES * len(hashes):  # each has 32 (none has more: HASH_WIDTH)
+        lengths = _ALL_FIXED
+    else:
+        lengths = np.frombuffer(bytes(map(len, hashes)), np.uint8)
+    out: npt.NDArray[np.uint8] = np.empty(
+        _FIXED + len(hashes) * _PER_MATCH + 2 * len(blob), np.uint8
+    )
+    n = _write(np.frombuffer(blob, np.uint8), lengths, columns.old_st, columns.cur_st, enabled, out)
+    return out[:n].tobytes()

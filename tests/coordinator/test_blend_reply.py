@@ -43,3 +43,49 @@ def test_reply_of_an_index_match() -> None:
     assert blend_reply(columns, True) == json_encoder.encode(
         blend_to_wire(index.match(query, ns), True)
     )
+
+
+EDGES = sorted(
+    {10**p + d for p in range(19) for d in (-1, 0, 1)}
+    | {(1 << 32) + d for d in (-1, 0, 1)}
+    | {0, (1 << 63) - 1}
+)
+"""Each side of every power of ten and of 2^32 (where the fast digits give way to the loop)."""
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.binary(min_size=32, max_size=32),
+            st.one_of(st.sampled_from(EDGES), INT64),
+            st.one_of(st.sampled_from(EDGES), st.integers(0, 1 << 33)),
+        ),
+        max_size=20,
+    ),
+    st.booleans(),
+)
+def test_reply_of_full_width_hashes(rows: list[tuple[bytes, int, int]], enabled: bool) -> None:
+    """Hashes all of 32 bytes (every chunk hash: written without a length each) and offsets at
+    the digit counts' edges."""
+    columns = MatchColumns(
+        [h for h, _, _ in rows],
+        np.array([o for _, o, _ in rows], np.int64),
+        np.array([c for _, _, c in rows], np.int64),
+    )
+    matches = [BlendMatch(h, o, c) for h, o, c in rows]
+    assert blend_reply(columns, enabled) == json_encoder.encode(blend_to_wire(matches, enabled))
+
+
+def test_reply_of_many_offsets() -> None:
+    """A hundred thousand random offsets below 2^32 and every one up to 10^5 (what the digits
+    without a division must get right for each value, not only at the edges)."""
+    rng = np.random.default_rng(0)
+    old = np.concatenate([rng.integers(0, 1 << 32, 100_000), np.arange(100_000)])
+    cur = rng.permutation(old)
+    hashes = [bytes(32)] * len(old)
+    matches = [
+        BlendMatch(h, o, c) for h, o, c in zip(hashes, old.tolist(), cur.tolist(), strict=True)
+    ]
+    columns = MatchColumns(hashes, old, cur)
+    assert blend_reply(columns, True) == json_encoder.encode(blend_to_wire(matches, True))
