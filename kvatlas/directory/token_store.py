@@ -265,24 +265,40 @@ def stored_from_arena(
     arena: TokenArray, starts: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64]
 ) -> list[StoredTokens | None]:
     """Stored arrays of ``arena[starts[j]:starts[j] + lengths[j]]`` (length 0: ``None``), each
-    a content of its own (never a view that would pin the arena): two compiled passes for all
-    (which form each row needs, then the copies into contents of that form)."""
+    a content of its own (never a view that would pin the arena): three compiled passes for
+    all (the rows checked and their addresses, which form each row needs, then the copies
+    into contents of that form)."""
     arena = np.ascontiguousarray(arena, dtype=np.uint32)
     starts, lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
-    lens = lengths.tolist()
-    if len(starts) != len(lens) or (
-        len(lens)
-        and (min(lens) < 0 or int(starts.min()) < 0 or int((starts + lengths).max()) > len(arena))
-    ):
+    if len(starts) != len(lengths):
         raise ValueError("token rows outside the arena")
-    every = not lens or min(lens) > 0  # no empty row (the usual batch): no mask, no None
+    addresses = np.empty(len(starts), np.int64)
+    empty = _arena_rows(arena, starts, lengths, addresses)
+    if empty < 0:
+        raise ValueError("token rows outside the arena")
+    if not empty:  # no empty row (the usual batch): no mask, no None
+        return _stored_rows(addresses, -1, lengths)  # type: ignore[return-value]
     present = lengths > 0
-    addresses = arena.ctypes.data + 4 * (starts if every else starts[present])
-    rows = _stored_rows(addresses, -1, lengths if every else lengths[present])
-    if every:
-        return rows  # type: ignore[return-value]
-    it = iter(rows)
-    return [next(it) if n else None for n in lens]
+    it = iter(_stored_rows(addresses[present], -1, lengths[present]))
+    return [next(it) if n else None for n in lengths.tolist()]
+
+
+@jit
+def _arena_rows(arena: Any, starts: Any, lengths: Any, addresses: Any) -> Any:
+    """``addresses[j]``: where row ``j`` (``lengths[j]`` ids from ``starts[j]``) starts in
+    ``arena``; the count of empty rows, or -1 when a row is not inside the arena (then the
+    addresses are not all written)."""
+    size = arena.shape[0]
+    base = arena.ctypes.data
+    empty = 0
+    for j in range(starts.shape[0]):
+        start, n = starts[j], lengths[j]
+        if start < 0 or n < 0 or start > size or n > size - start:
+            return -1
+        addresses[j] = base + 4 * start
+        if n == 0:
+            empty += 1
+    return empty
 
 
 def stored_columns(cols: EntryColumns) -> list[StoredTokens | None]:

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from kvatlas.directory import KeyDirectory
 from kvatlas.directory import chunk_stores as stores_module
 from kvatlas.directory.blend import AddColumns
+from kvatlas.directory.blend import index as index_module
 from kvatlas.directory.blend import op_columns as op_module
 from kvatlas.directory.blend.op_columns import OpColumns
 from kvatlas.events import (
@@ -145,11 +146,13 @@ def test_a_batch_with_a_held_chunk_leaves_the_table_as_the_loop_does(held: int) 
 @given(data=st.data())
 def test_vouched_adds_pass_the_checks_they_skip(fmt: str, data: st.DataObject) -> None:
     """The directory vouches for the index adds of a batch whose arrays it allocated itself
-    (``AddColumns.vouched``: the index then skips its column checks). Every such add, taken
-    unvouched, passes those checks and gives the same columns. ``objects``: batches of
-    entry objects (``consume``, the Redis stream's and in-process path)."""
+    (``AddColumns.vouched``: the index then skips its column checks, or, for a batch of at
+    most ``SMALL_BATCH`` adds, the single ops' checks). Every such add, taken unvouched,
+    passes those checks and gives the same columns, or the same single ops. ``objects``:
+    batches of entry objects (``consume``, the Redis stream's and in-process path)."""
     vouched = []
     kept = op_module._kept_columns
+    singles = index_module.vouched_singles
 
     def checked(op: AddColumns, chunk: int) -> Any:
         out = kept(op, chunk)
@@ -158,6 +161,14 @@ def test_vouched_adds_pass_the_checks_they_skip(fmt: str, data: st.DataObject) -
             plain = kept(op._replace(vouched=False), chunk)
             assert plain is not None and out is not None
             assert _fields(out) == _fields(plain)
+        return out
+
+    def checked_singles(op: AddColumns) -> Any:
+        out = singles(op)
+        if out is not None:
+            vouched.append(op)
+            plain = [op_module.checked_op(one, CHUNK) for one in op.ops()]
+            assert [_single(one) for one in out] == [_single(one) for one in plain]
         return out
 
     codec: dict[str, Callable[[EventBatch], list[ColumnBatch]]] = {
@@ -169,10 +180,18 @@ def test_vouched_adds_pass_the_checks_they_skip(fmt: str, data: st.DataObject) -
     d = KeyDirectory(CHUNK, enable_blend_lookup=True)
     with pytest.MonkeyPatch.context() as m:
         m.setattr(op_module, "_kept_columns", checked)
+        m.setattr(index_module, "vouched_singles", checked_singles)
         for seq in range(1, data.draw(st.integers(1, 4)) + 1):
             d.apply_columns(columns(data.draw(store_st(seq))))
         d.apply_columns(columns(_fresh_batch(seq + 1)))
     assert vouched
+
+
+def _single(op: Any) -> tuple[Any, ...]:
+    """Comparable: the token array or content by identity (the index keeps it)."""
+    assert op is not None
+    kind, tokens, chunk_hash, offset, namespace, owned = op
+    return kind, id(tokens), chunk_hash, type(offset), offset, namespace, owned
 
 
 def _fields(cols: OpColumns) -> list[Any]:
@@ -259,13 +278,20 @@ def test_adds_of_hashes_that_are_not_exact_bytes_are_not_vouched(
     """The index keeps a vouched add's hashes by reference, unchecked; entry objects may carry
     a ``bytes`` subclass, so their adds are checked (and the hashes copied to exact bytes)."""
     seen: list[bool] = []
-    kept = op_module._kept_columns
+    kept, singles = op_module._kept_columns, index_module.vouched_singles
 
     def checked(op: AddColumns, chunk: int) -> Any:
         seen.append(op.vouched)
         return kept(op, chunk)
 
+    def taken(op: AddColumns) -> Any:  # (a small batch: as single ops if vouched)
+        out = singles(op)
+        if out is not None:
+            seen.append(op.vouched)
+        return out
+
     monkeypatch.setattr(op_module, "_kept_columns", checked)
+    monkeypatch.setattr(index_module, "vouched_singles", taken)
     d = KeyDirectory(CHUNK, enable_blend_lookup=True)
     for seq, make in enumerate((bytes, _Hash), start=1):
         key = ObjectKey(make(bytes([seq]) * 32), *SHAPES[0])

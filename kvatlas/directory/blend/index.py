@@ -52,6 +52,7 @@ from kvatlas.directory.blend.op_columns import (
     checked_op,
     op_columns,
     single_op,
+    vouched_singles,
 )
 from kvatlas.directory.blend.ops import (
     AddColumns,
@@ -189,12 +190,19 @@ class BlendIndex:
         An :class:`AddColumns` (many adds, as columns) is prepared without Python per entry
         when its arrays are the kind the index keeps as they are (``op_columns.py``), a
         vouched :class:`RemoveClaimColumns` (many claims dropped) as it is; a list
-        or tuple of one other op is applied with scalars (``IndexState.apply_one``).
+        or tuple of one other op, or of one vouched batch of a few ops
+        (``op_columns.SMALL_BATCH``), is applied with scalars (``IndexState.apply_one``).
         """
         if type(ops) in (tuple, list) and len(ops) == 1:  # type: ignore[arg-type]
             (op,) = ops
             if type(op) is not AddColumns and type(op) is not RemoveClaimColumns:
                 self._apply_one(checked_op(op, self.chunk_size))
+                return
+            singles = vouched_singles(op)
+            if singles is not None:  # a few of the directory's own: with scalars
+                with self._lock:
+                    for one in singles:
+                        self._state.apply_one(one)
                 return
         cols = op_columns(ops, self.chunk_size)
         if cols is not None and len(cols):
