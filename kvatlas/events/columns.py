@@ -137,6 +137,8 @@ class EntryColumns:
     def rows_shared(self) -> bool:
         """Whether two entries with tokens share a row of the arena (one content for several
         ranks). A token-less entry has no row, though its start is the next entry's."""
+        if len(self.token_starts) < 2:
+            return False
         rows = self.token_starts[self.token_lengths > 0]
         if len(rows) < 2 or bool((rows[1:] > rows[:-1]).all()):
             return False  # rising starts (every decoded body's): no sort needed

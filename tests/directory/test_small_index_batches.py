@@ -20,13 +20,16 @@ from tests.directory.test_columnar_ingest import CHUNK, _state, batch_st
 
 
 def _held(d: KeyDirectory) -> Any:
-    """What the index holds and counts (its contents and hashes by value)."""
+    """What the index holds and counts: its contents (by value) and hashes by id, each live
+    namespace's claims."""
     index = d.blend_index
     assert index is not None
     state = index._state
     contents = [t if t is None or type(t) is bytes else t.tobytes() for t in state.tokens]
     counts = (state.contents, state.occupants, state.claims, state.n_extra)
-    return contents, list(state.hashes), list(state.namespaces.claims), counts
+    spaces = state.namespaces  # (the ids are internal: a namespace's may differ between paths)
+    claims = {namespace: spaces.claims[ns] for namespace, ns in spaces._ids.items()}
+    return contents, list(state.hashes), claims, counts
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

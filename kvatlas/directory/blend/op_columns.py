@@ -50,6 +50,8 @@ from kvatlas.directory.blend.ops import (
     RemoveChunkOp,
     RemoveClaimColumns,
     RemoveClaimOp,
+    listed,
+    namespace_ids,
 )
 from kvatlas.keys import BlendNamespace, as_token_array
 
@@ -164,10 +166,9 @@ def vouched_singles(op: AddColumns | RemoveClaimColumns) -> list[SingleOp] | Non
     n = len(op.tokens)
     if not op.vouched or n > SMALL_BATCH:
         return None
-    spaces = op.namespaces
-    which = [0] * n if op.namespace_of is None else list(op.namespace_of)
+    spaces, which = op.namespaces, namespace_ids(op.namespace_of, n)
     if type(op) is AddColumns:
-        kind, offsets = ADD, [int(o) for o in op.token_offsets]
+        kind, offsets = ADD, listed(op.token_offsets)
     else:
         kind, offsets = REMOVE_CLAIM, [0] * n
     hashes = op.chunk_hashes

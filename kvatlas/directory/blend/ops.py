@@ -61,8 +61,8 @@ class AddColumns(NamedTuple):
 
     def ops(self) -> list[AddOp]:
         """The ``AddOp``s this stands for."""
-        spaces, which = self.namespaces, _namespace_ids(self.namespace_of, len(self.tokens))
-        offsets = _listed(self.token_offsets)
+        spaces, which = self.namespaces, namespace_ids(self.namespace_of, len(self.tokens))
+        offsets = listed(self.token_offsets)
         if len({len(self.tokens), len(self.chunk_hashes), len(offsets), len(which)}) != 1:
             raise ValueError("AddColumns: columns of different lengths")
         return [
@@ -86,7 +86,7 @@ class RemoveClaimColumns(NamedTuple):
 
     def ops(self) -> list[RemoveClaimOp]:
         """The ``RemoveClaimOp``s this stands for."""
-        spaces, which = self.namespaces, _namespace_ids(self.namespace_of, len(self.tokens))
+        spaces, which = self.namespaces, namespace_ids(self.namespace_of, len(self.tokens))
         if len({len(self.tokens), len(self.chunk_hashes), len(which)}) != 1:
             raise ValueError("RemoveClaimColumns: columns of different lengths")
         return [
@@ -95,12 +95,12 @@ class RemoveClaimColumns(NamedTuple):
         ]
 
 
-def _namespace_ids(namespace_of: Any, n: int) -> list[int]:
+def namespace_ids(namespace_of: Any, n: int) -> list[int]:
     """Each of ``n`` entries' index into ``namespaces`` (``None``: all the first)."""
-    return [0] * n if namespace_of is None else _listed(namespace_of)
+    return [0] * n if namespace_of is None else listed(namespace_of)
 
 
-def _listed(values: Any) -> list[Any]:
+def listed(values: Any) -> list[Any]:
     return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
 
