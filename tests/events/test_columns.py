@@ -3,6 +3,7 @@ obvious loop over the entries."""
 
 from __future__ import annotations
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,3 +36,18 @@ def test_columns_of_entries_are_the_loops(es: list[CacheEntry], shapes: list[obj
     assert cols.token_objects is not None
     assert all(a is e.token_ids for a, e in zip(cols.token_objects, es, strict=True))
     assert cols.entries() == tuple(es)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 12), st.integers(0, 3)), max_size=40))
+def test_rows_shared_is_two_entries_with_tokens_at_one_start(rows: list[tuple[int, int]]) -> None:
+    """Against the definition: starts in any order, repeated, with and without tokens (the
+    check skips its sort when the starts rise, as a decoded body's do)."""
+    n = len(rows)
+    cols = EntryColumns(
+        [bytes(32)] * n, [], np.zeros(n, np.intp), np.zeros(n, np.int64), np.zeros(n, np.int64),
+        np.zeros(64, np.uint32), np.array([s for s, _ in rows], np.int64),
+        np.array([k for _, k in rows], np.int64),
+    )  # fmt: skip
+    with_tokens = [s for s, k in rows if k > 0]
+    assert cols.rows_shared() == (len(set(with_tokens)) != len(with_tokens))
