@@ -16,11 +16,8 @@ from kvatlas.web import json_encoder
 INT64 = st.integers(-(1 << 63), (1 << 63) - 1)
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.binary(max_size=32), INT64, INT64), max_size=20), st.booleans())
-def test_reply_is_the_encoded_wire_shape(rows: list[tuple[bytes, int, int]], enabled: bool) -> None:
-    """Any hash of up to 32 bytes and any int64 (large values: digits from unsigned
-    arithmetic, not floats)."""
+def _check(rows: list[tuple[bytes, int, int]], enabled: bool) -> None:
+    """The reply of ``rows`` (hash, old_st, cur_st) as columns is the encoded wire shape."""
     columns = MatchColumns(
         [h for h, _, _ in rows],
         np.array([o for _, o, _ in rows], np.int64),
@@ -28,6 +25,14 @@ def test_reply_is_the_encoded_wire_shape(rows: list[tuple[bytes, int, int]], ena
     )
     matches = [BlendMatch(h, o, c) for h, o, c in rows]
     assert blend_reply(columns, enabled) == json_encoder.encode(blend_to_wire(matches, enabled))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.binary(max_size=32), INT64, INT64), max_size=20), st.booleans())
+def test_reply_is_the_encoded_wire_shape(rows: list[tuple[bytes, int, int]], enabled: bool) -> None:
+    """Any hash of up to 32 bytes and any int64 (large values: digits from unsigned
+    arithmetic, not floats)."""
+    _check(rows, enabled)
 
 
 def test_reply_of_an_index_match() -> None:
@@ -68,13 +73,7 @@ EDGES = sorted(
 def test_reply_of_full_width_hashes(rows: list[tuple[bytes, int, int]], enabled: bool) -> None:
     """Hashes all of 32 bytes (every chunk hash: written without a length each) and offsets at
     the digit counts' edges."""
-    columns = MatchColumns(
-        [h for h, _, _ in rows],
-        np.array([o for _, o, _ in rows], np.int64),
-        np.array([c for _, _, c in rows], np.int64),
-    )
-    matches = [BlendMatch(h, o, c) for h, o, c in rows]
-    assert blend_reply(columns, enabled) == json_encoder.encode(blend_to_wire(matches, enabled))
+    _check(rows, enabled)
 
 
 def test_reply_of_many_offsets() -> None:
