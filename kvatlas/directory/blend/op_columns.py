@@ -154,8 +154,10 @@ def checked_op(op: BlendOp, chunk: int) -> SingleOp | None:
 
 SMALL_BATCH = 8
 """A vouched batch of at most this many ops is applied op by op with scalars
-(:func:`vouched_singles`): the columns' fixed cost (≈40 µs a batch: masks, bookkeeping,
-≈30 small numpy calls) is more than a single write's (≈4 µs) times this."""
+(:func:`vouched_singles`): the columns' fixed cost (≈30 µs a batch: masks, bookkeeping,
+≈30 small numpy calls) is more than this many single writes (≈4–6 µs each) cost above the
+columns' ≈3 µs an op (crossover measured between 8 and 12; docs/performance.md, "Small
+batches")."""
 
 
 def vouched_singles(op: AddColumns | RemoveClaimColumns) -> list[SingleOp] | None:
