@@ -19,15 +19,15 @@ import numpy.typing as npt
 
 from kvatlas.keys.tokens import TokenArray
 
-_PAIRS = np.frombuffer("".join(f"{i:02d}" for i in range(100)).encode(), np.uint8)
+DECIMAL_PAIRS = np.frombuffer("".join(f"{i:02d}" for i in range(100)).encode(), np.uint8)
 """``"00"`` to ``"99"``: two digits a step."""
 _MAX_DIGITS = 10
 """Of an id below 2^32."""
 _EMPTY = msgspec.Raw(b"[]")
 
 
-_DIV100 = 1374389535
-"""``(v * _DIV100) >> 37 == v // 100`` for every ``v`` below 2^32 (no division)."""
+DIV100 = 1374389535
+"""``(v * DIV100) >> 37 == v // 100`` for every ``v`` below 2^32 (no division)."""
 
 
 @numba.njit(cache=True, boundscheck=False)
@@ -66,7 +66,7 @@ def _write_lists(ids, lens, pairs, out, ends):  # type: ignore[no-untyped-def]  
                 n = 10
             e = k + n
             while v >= 100:
-                q = (v * _DIV100) >> 37
+                q = (v * DIV100) >> 37
                 r = 2 * (v - 100 * q)
                 out[e - 1] = pairs[r + 1]
                 out[e - 2] = pairs[r]
@@ -102,7 +102,7 @@ def json_id_lists(contents: Sequence[TokenArray | None]) -> list[msgspec.Raw] | 
     ids = np.concatenate(arrays).astype(np.uint32, copy=False)
     out = np.empty(len(ids) * (_MAX_DIGITS + 1) + 2 * len(arrays), np.uint8)
     ends = np.empty(len(arrays), np.int64)
-    _write_lists(ids, lens, _PAIRS, out, ends)
+    _write_lists(ids, lens, DECIMAL_PAIRS, out, ends)
     view = memoryview(out[: int(ends[-1])].tobytes())
     bounds = [0, *ends.tolist()]
     written = iter(map(msgspec.Raw, map(view.__getitem__, map(slice, bounds, bounds[1:]))))
