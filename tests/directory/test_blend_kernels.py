@@ -53,18 +53,39 @@ def test_rolling_lanes_equal_the_direct_fingerprint(n: int, chunk: int) -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(1, 3000), st.integers(0, 200), st.integers(1, 200), st.integers(0, 400))
-def test_lane_load_equals_the_clamped_transpose(m: int, start: int, blk: int, rows: int) -> None:
+@given(
+    st.integers(1, 3000),
+    st.integers(0, 200),
+    st.integers(1, 200),
+    st.integers(0, 400),
+    st.sampled_from(["contiguous", "strided query", "strided scratch"]),
+)
+def test_lane_load_equals_the_clamped_transpose(
+    m: int, start: int, blk: int, rows: int, layout: str
+) -> None:
     """The tiled copy and the clamped rows together are the definition, at every size: rows
-    wholly inside the query, rows past its end, tiles cut short."""
-    q = np.random.default_rng(m).integers(0, 1 << 32, m, dtype=np.uint64).astype(np.uint32)
-    qt = np.zeros((rows + 1, kernels.LANES), np.uint32)
+    wholly inside the query, rows past its end, tiles cut short; through pointers (both
+    arrays contiguous) and by index (either one strided)."""
+    wide = np.random.default_rng(m).integers(0, 1 << 32, 2 * m, dtype=np.uint64).astype(np.uint32)
+    q = wide[::2] if layout == "strided query" else wide[:m].copy()
+    if layout == "strided scratch":
+        qt = np.zeros((rows + 1, 2 * kernels.LANES), np.uint32)[:, ::2]
+    else:
+        qt = np.zeros((rows + 1, kernels.LANES), np.uint32)
     got = kernels.lane_load(q, start, blk, rows, qt)
     r, j = np.meshgrid(np.arange(rows), np.arange(kernels.LANES), indexing="ij")
     want = q[np.minimum(start + j * blk + r, m - 1)]
     assert got.shape == (rows, kernels.LANES)
     assert np.array_equal(got, want)
     assert not qt[rows].any()  # nothing written past rows
+
+
+def test_lane_load_refuses_a_scratch_too_small() -> None:
+    q = np.arange(1000, dtype=np.uint32)
+    with pytest.raises(ValueError, match="fewer rows"):
+        kernels.lane_load(q, 0, 10, 40, np.zeros((39, kernels.LANES), np.uint32))
+    with pytest.raises(ValueError, match="LANES columns"):
+        kernels.lane_load(q, 0, 10, 40, np.zeros((40, kernels.LANES - 1), np.uint32))
 
 
 @settings(max_examples=200, deadline=None)
