@@ -123,14 +123,12 @@ _ALL_FIXED: npt.NDArray[np.uint8] = np.empty(0, np.uint8)
 
 def blend_reply(columns: MatchColumns, enabled: bool) -> bytes:
     """The ``POST /directory/blend-lookup`` reply (without placements) of ``columns``."""
-    hashes = columns.chunk_hashes
-    blob = b"".join(hashes)
-    if len(blob) == HASH_WIDTH * len(hashes):  # each has 32 (none has more: HASH_WIDTH)
-        lengths = _ALL_FIXED
-    else:
-        lengths = np.frombuffer(bytes(map(len, hashes)), np.uint8)
+    blob = columns.hash_bytes
+    n_matches = columns.n_matches
+    # each has 32 bytes (none has more: HASH_WIDTH): no length per hash
+    lengths = _ALL_FIXED if blob.shape[0] == HASH_WIDTH * n_matches else columns.hash_lengths
     out: npt.NDArray[np.uint8] = np.empty(
-        _FIXED + len(hashes) * _PER_MATCH + 2 * len(blob), np.uint8
+        _FIXED + n_matches * _PER_MATCH + 2 * blob.shape[0], np.uint8
     )
-    n = _write(np.frombuffer(blob, np.uint8), lengths, columns.old_st, columns.cur_st, enabled, out)
+    n = _write(blob, lengths, columns.old_st, columns.cur_st, enabled, out)
     return out[:n].tobytes()

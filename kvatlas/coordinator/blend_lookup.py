@@ -95,5 +95,5 @@ class BlendLookup:
         else:  # the common reply, written from the columns (no object per match)
             reply = blend_reply(columns, enabled)
         service.metrics.blend_latency.observe(time.perf_counter() - started)
-        service.metrics.blend_matches.inc(len(columns.chunk_hashes))
+        service.metrics.blend_matches.inc(columns.n_matches)
         return reply, enabled

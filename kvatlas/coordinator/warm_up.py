@@ -16,5 +16,5 @@ def warm_up_lookup_kernels() -> None:
     """The base64 decode of ``tokens_b64``, the blend reply's writer, the prefix lookup reply's
     ids."""
     b64decode_strict(b"AAAAAQ==" * 12)  # whole 64-character blocks and a padded rest
-    blend_reply(MatchColumns([bytes(32)], np.zeros(1, np.int64), np.ones(1, np.int64)), True)
+    blend_reply(MatchColumns.of([bytes(32)], np.zeros(1, np.int64), np.ones(1, np.int64)), True)
     json_id_lists([np.arange(3, dtype=np.uint32)])

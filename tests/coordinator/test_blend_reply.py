@@ -18,7 +18,7 @@ INT64 = st.integers(-(1 << 63), (1 << 63) - 1)
 
 def _check(rows: list[tuple[bytes, int, int]], enabled: bool) -> None:
     """The reply of ``rows`` (hash, old_st, cur_st) as columns is the encoded wire shape."""
-    columns = MatchColumns(
+    columns = MatchColumns.of(
         [h for h, _, _ in rows],
         np.array([o for _, o, _ in rows], np.int64),
         np.array([c for _, _, c in rows], np.int64),
@@ -43,8 +43,25 @@ def test_reply_of_an_index_match() -> None:
         index.add([i, i + 1, i + 2, i + 3], bytes([i]) * 32, 1000 + i, ns)
     query = np.arange(0, 12, dtype=np.uint32)
     columns = index.match_columns(query, ns)
-    assert len(columns.chunk_hashes) == 5
+    assert columns.n_matches == 5
     assert columns.matches() == index.match(query, ns)
+    assert blend_reply(columns, True) == json_encoder.encode(
+        blend_to_wire(index.match(query, ns), True)
+    )
+
+
+def test_reply_of_a_match_with_short_and_shared_hashes() -> None:
+    """Hashes shorter than 32 bytes come out of the scan with their lengths, and a hash two
+    contents carry comes out once (at its first hit)."""
+    index = BlendIndex(chunk_size=4)
+    ns = BlendNamespace("m")
+    hashes = [b"a", b"bb" * 8, bytes(32), b"a", b"c" * 31]
+    for i, h in enumerate(hashes):
+        index.add([i, i + 1, i + 2, i + 3], h, 1000 + i, ns)
+    query = np.arange(0, 12, dtype=np.uint32)
+    columns = index.match_columns(query, ns)
+    assert columns.chunk_hashes() == [b"a", b"bb" * 8, bytes(32), b"c" * 31]
+    assert columns.cur_st.tolist() == [0, 1, 2, 4]
     assert blend_reply(columns, True) == json_encoder.encode(
         blend_to_wire(index.match(query, ns), True)
     )
@@ -86,5 +103,5 @@ def test_reply_of_many_offsets() -> None:
     matches = [
         BlendMatch(h, o, c) for h, o, c in zip(hashes, old.tolist(), cur.tolist(), strict=True)
     ]
-    columns = MatchColumns(hashes, old, cur)
+    columns = MatchColumns.of(hashes, old, cur)
     assert blend_reply(columns, True) == json_encoder.encode(blend_to_wire(matches, True))

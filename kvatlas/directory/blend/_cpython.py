@@ -8,15 +8,13 @@ Python work per hit and per op. These shortcuts remove most of it:
 - ``array_handle`` / ``array_handles``: a write hands the kernel each token array's ``id``;
   the kernel reads the ndarray's data pointer itself at ``ARRAY_DATA_OFFSET`` instead of
   Python asking ``arr.ctypes.data`` per op.
-- ``list_items_address(names)``: the scan prefetches the slots of the occupant → chunk_hash
-  list that the caller reads for each hit.
 - ``make_match`` / ``make_matches``: :class:`BlendMatch` values built by writing their slots
   directly, without the frozen-dataclass ``__init__`` (which dominates per-hit cost).
 
 Guarantees: every offset is located on a live probe object at import and verified by reading
 a known value back. Without the ``bytes`` offset the index cannot work, so failing to locate
-it raises ``RuntimeError`` at import; the ndarray and list offsets fall back (data addresses
-computed in Python; no prefetch). The fast construction is checked at import to produce a
+it raises ``RuntimeError`` at import; the ndarray offset falls back (data addresses computed
+in Python). The fast construction is checked at import to produce a
 value equal to ``BlendMatch(...)``, and refused loudly if ``BlendMatch`` stops being a plain
 slotted dataclass (e.g. gains a ``__post_init__`` the shortcut would skip). Tested in
 ``tests/directory/test_blend_cpython.py``.
@@ -69,20 +67,8 @@ def _array_data_offset() -> int:
     return find_field(probe, lambda value: value == probe.ctypes.data)
 
 
-def _list_items_offset() -> int:
-    """Offset of a ``list``'s item-array pointer from its ``id`` (-1: not found)."""
-    probe: list[object] = [None, None]
-    first = id(probe[0])
-    # fields before ob_item are a type pointer and a small size: only plausible addresses
-    # are dereferenced
-    return find_field(
-        probe, lambda value: value > 4096 and ctypes.c_int64.from_address(value).value == first
-    )
-
-
 BYTES_DATA_OFFSET = _bytes_data_offset()
 ARRAY_DATA_OFFSET = _array_data_offset()
-LIST_ITEMS_OFFSET = _list_items_offset()
 
 
 class ObjectLayout(NamedTuple):
@@ -153,13 +139,6 @@ def array_handles(arrays: list[npt.NDArray[Any]]) -> list[int]:
     if ARRAY_DATA_OFFSET >= 0:
         return list(map(id, arrays))
     return [a.ctypes.data for a in arrays]  # pragma: no cover
-
-
-def list_items_address(items: list[Any]) -> int:
-    """Address of ``items``' item array (valid until it is resized), 0 if not located."""
-    if LIST_ITEMS_OFFSET < 0:
-        return 0  # pragma: no cover
-    return int(ctypes.c_int64.from_address(id(items) + LIST_ITEMS_OFFSET).value)
 
 
 def _slot_setter(name: str) -> Callable[[BlendMatch, Any], None]:

@@ -34,7 +34,6 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import pairwise
-from operator import itemgetter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -97,18 +96,46 @@ class BlendStats:
 
 class MatchColumns(NamedTuple):
     """Matches as columns, in :meth:`BlendIndex.match` order: the k-th match is
-    ``BlendMatch(chunk_hashes[k], old_st[k], cur_st[k])``."""
+    ``BlendMatch(chunk_hashes()[k], old_st[k], cur_st[k])``. The hashes are kept as their bytes
+    end to end (``hash_bytes``) and each one's length (``hash_lengths``, at most
+    ``HASH_WIDTH``): what the scan copies out and the reply writes, no object per match."""
 
-    chunk_hashes: list[bytes]
+    hash_bytes: npt.NDArray[np.uint8]
+    hash_lengths: npt.NDArray[np.uint8]
     old_st: npt.NDArray[np.int64]
     cur_st: npt.NDArray[np.int64]
 
     @classmethod
     def empty(cls) -> MatchColumns:
-        return cls([], np.empty(0, np.int64), np.empty(0, np.int64))
+        return cls.of([], np.empty(0, np.int64), np.empty(0, np.int64))
+
+    @classmethod
+    def of(
+        cls, hashes: list[bytes], old_st: npt.NDArray[np.int64], cur_st: npt.NDArray[np.int64]
+    ) -> MatchColumns:
+        """The columns of ``hashes`` (each at most ``HASH_WIDTH`` bytes) and the offsets."""
+        lengths = np.fromiter(map(len, hashes), np.int64, len(hashes))
+        if len(hashes) and int(lengths.max()) > HASH_WIDTH:
+            raise ValueError(f"a chunk_hash longer than {HASH_WIDTH} bytes")
+        raw = np.frombuffer(b"".join(hashes), np.uint8)
+        return cls(raw, lengths.astype(np.uint8), old_st, cur_st)
+
+    @property
+    def n_matches(self) -> int:
+        return int(self.old_st.shape[0])
+
+    def chunk_hashes(self) -> list[bytes]:
+        """Each match's chunk_hash as ``bytes``."""
+        raw = self.hash_bytes.tobytes()
+        if len(raw) == HASH_WIDTH * self.n_matches:
+            return [raw[i : i + HASH_WIDTH] for i in range(0, len(raw), HASH_WIDTH)]
+        ends = np.cumsum(self.hash_lengths, dtype=np.int64).tolist()
+        return [raw[a:b] for a, b in zip([0, *ends], ends, strict=False)]
 
     def matches(self) -> list[BlendMatch]:
-        return _cpython.make_matches(self.chunk_hashes, self.old_st.tolist(), self.cur_st.tolist())
+        return _cpython.make_matches(
+            self.chunk_hashes(), self.old_st.tolist(), self.cur_st.tolist()
+        )
 
 
 class BlendIndex:
@@ -323,45 +350,26 @@ class BlendIndex:
         scratch = tuple(self._scratch_for(min(seg, n_starts)))  # the scan takes plain tuples
         state = self._state
         parts: list[MatchColumns] = []
-        seen: set[bytes] = set()
         for start in range(0, n_starts, seg):
             stop = min(start + seg, n_starts)
             with self._lock:
                 ns = state.namespaces.get(namespace)
                 if ns is None:
                     continue
-                names = state.hashes
                 long = stop - start >= kernels.RELEASE_WINDOWS
                 scan = kernels.scan_releasing if long else kernels.scan
-                pos, occ, off, false_probes = scan(
+                pos, off, hash_bytes, hash_lengths, false_probes = scan(
                     q, start, stop, stride, chunk, ns, self._base, self._base_pow, self._fmask,
-                    state.kernel_arrays, scratch, _cpython.list_items_address(names),
-                    _cpython.BYTES_DATA_OFFSET,
+                    state.kernel_arrays, scratch,
                 )  # fmt: skip
                 self.false_probes += false_probes
-                if pos.shape[0] == 0:
-                    continue
-                ids = occ.tolist()  # occupant -> chunk_hash by one C-level call (no call per hit)
-                hashes: list[bytes] = (
-                    list(itemgetter(*ids)(names)) if len(ids) > 1 else [names[ids[0]]]
-                )
-            fresh = set(hashes)
-            if len(fresh) != len(hashes) or not seen.isdisjoint(fresh):
-                # a chunk_hash seen before (another segment, another content): its first only
-                keep = [i for i, h in enumerate(hashes) if not (h in seen or seen.add(h))]  # type: ignore[func-returns-value]
-                hashes, off, pos = [hashes[i] for i in keep], off[keep], pos[keep]
-            if stop < n_starts:  # another segment follows
-                seen |= fresh
-            parts.append(MatchColumns(hashes, off, pos))
-        if len(parts) == 1:
+            if pos.shape[0]:
+                parts.append(MatchColumns(hash_bytes, hash_lengths, off, pos))
+        if len(parts) == 1:  # (the scan kept the first hit of each chunk_hash)
             return parts[0]
         if not parts:
             return MatchColumns.empty()
-        return MatchColumns(
-            [h for part in parts for h in part.chunk_hashes],
-            np.concatenate([part.old_st for part in parts]),
-            np.concatenate([part.cur_st for part in parts]),
-        )
+        return _first_of_each_hash(parts)
 
     def stats(self) -> BlendStats:
         """Counts, table sizes and bytes (see :class:`BlendStats`)."""
@@ -406,3 +414,19 @@ def _tokens(tokens: Any) -> npt.NDArray[np.uint32]:
     if type(tokens) is np.ndarray and tokens.dtype == np.uint32 and tokens.ndim == 1:
         return tokens  # a caller's array: skip re-validation on the serving path
     return as_token_array(tokens)
+
+
+def _first_of_each_hash(parts: list[MatchColumns]) -> MatchColumns:
+    """The segments' matches in order, each chunk_hash at its first (a long query's segments
+    are scanned apart: a chunk may be found in two)."""
+    seen: set[bytes] = set()
+    hashes: list[bytes] = []
+    old: list[npt.NDArray[np.int64]] = []
+    cur: list[npt.NDArray[np.int64]] = []
+    for part in parts:
+        found = part.chunk_hashes()
+        keep = [i for i, h in enumerate(found) if not (h in seen or seen.add(h))]  # type: ignore[func-returns-value]
+        hashes.extend(found[i] for i in keep)
+        old.append(part.old_st[keep])
+        cur.append(part.cur_st[keep])
+    return MatchColumns.of(hashes, np.concatenate(old), np.concatenate(cur))

@@ -33,9 +33,12 @@ from kvatlas.directory.blend.kernels.modhash import (
 )
 from kvatlas.directory.blend.kernels.occupants import claimed
 from kvatlas.directory.blend.kernels.planes import planes_nbytes
-from kvatlas.directory.blend.kernels.pointers import jit, prefetch, prefetch_addr
+from kvatlas.directory.blend.kernels.pointers import jit, prefetch, prefetch_addr, u8_ptr
 from kvatlas.directory.blend.kernels.table import content_home, equal_at
 from kvatlas.kernel_twins import gil_twins, releasing_twin
+
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+"""Spreads a hit's hash key over the slots of :func:`_first_of_each_hash`'s set."""
 
 SCAN_ROWS = 64
 """Rows (of ``LANES`` windows) rolled per block: the block's fingerprints stay in L1 between
@@ -83,17 +86,14 @@ def scan(
     fmask: Any,
     arrays: Any,
     buffers: Any,
-    names_items: Any,
-    hash_data_off: Any,
 ) -> Any:
     """Hits of namespace ``ns`` among the probed windows of ``q[start:stop + chunk - 1]``.
 
     ``arrays`` is the index's ``BlendArrays``, ``buffers`` a :class:`ScanScratch` that fits
-    ``stop - start`` windows, both as plain tuples (see ``BlendArrays``). Returns (positions,
-    occupants, stored offsets, false-positive probes: windows the filter passed whose
-    fingerprint no content has). ``names_items`` (address of the caller's occupant →
-    chunk_hash list items) and ``hash_data_off`` only steer prefetches of what the caller
-    reads next."""
+    ``stop - start`` windows, both as plain tuples (see ``BlendArrays``). Returns the hits,
+    the first of each chunk_hash (:func:`_first_of_each_hash`), as (positions, stored offsets,
+    the hashes' bytes end to end, their lengths), and the false-positive probes: windows the
+    filter passed whose fingerprint no content has."""
     s = BlendArrays(*arrays)
     scratch = ScanScratch(*buffers)
     # arrays are read through locals named once, never through a field inside a loop (each
@@ -101,7 +101,8 @@ def scan(
     filt, cand_pos, cand_fp = s.filt, scratch.cand_pos, scratch.cand_fp
     n = stop - start
     if n <= 0:
-        return np.empty(0, np.int64), np.empty(0, np.int32), np.empty(0, np.int64), 0
+        no_hits = np.empty(0, np.int64)
+        return no_hits, no_hits, np.empty(0, np.uint8), np.empty(0, np.uint8), 0
     if cand_pos.shape[0] < n or cand_fp.shape[0] < n:
         raise ValueError("scan scratch too small (see ScanScratch.for_windows)")
     if stride * 2 < chunk:
@@ -117,7 +118,7 @@ def scan(
                 cand_pos[n_c] = p
                 cand_fp[n_c] = fp
                 n_c += 1
-    return _resolve(q, n_c, cand_pos, cand_fp, chunk, ns, s, names_items, hash_data_off)
+    return _resolve(q, n_c, cand_pos, cand_fp, chunk, ns, s)
 
 
 RELEASE_WINDOWS = 16384
@@ -262,8 +263,6 @@ def _resolve(
     chunk: Any,
     ns: Any,
     s: Any,
-    names_items: Any,
-    hash_data_off: Any,
 ) -> Any:
     """Table → namespace → token comparison of the filter's candidates (ascending).
 
@@ -271,8 +270,7 @@ def _resolve(
     prefetches per level: table slots, the run's fingerprints, content heads, occupant rows
     and token lines), so the cache misses of all candidates overlap instead of costing one
     serial chain per candidate; the decisions are then taken in candidate order, exactly as
-    a one-candidate-at-a-time walk would. Returns (positions, occupants, stored offsets,
-    false-positive probes)."""
+    a one-candidate-at-a-time walk would. Returns what :func:`scan` returns."""
     table, c_fp, c_addr, c_first = s.table, s.c_fp, s.c_addr, s.c_first
     o_i32, o_i64, claims = s.o_i32, s.o_i64, s.claims
     tmask = table.shape[0] - 1
@@ -373,13 +371,79 @@ def _resolve(
                     out_pos[n_out] = pos
                     out_occ[n_out] = o
                     n_out += 1
+                    prefetch_addr(o_i64[o, O_HADDR])  # type: ignore[call-arg]  # copied at the end
             o = o_i32[o, O_NEXT]
-    out_off = np.empty(n_out, np.int64)
-    for k in range(n_out):
+    pos, off, blob, lengths = _first_of_each_hash(out_pos, out_occ, n_out, s.o_i64, s.o_hlen)
+    return pos, off, blob, lengths, n_false
+
+
+@jit
+def _first_of_each_hash(out_pos: Any, out_occ: Any, n_out: Any, o_i64: Any, o_hlen: Any) -> Any:
+    """The hits ``[0, n_out)`` (occupant ``out_occ[k]`` at ``out_pos[k]``, ascending) kept at
+    the first of each chunk_hash — two contents may carry one hash; the hashes compared by
+    their bytes — as (positions, stored offsets, the kept hashes' bytes end to end, their
+    lengths). The bytes are copied here, under the caller's lock, from the ``bytes`` objects
+    the index references (``O_HADDR``): the caller makes no object per hit."""
+    keys = np.empty(n_out, np.uint64)
+    for k in range(n_out):  # independent loads: the hashes' cache misses overlap
         o = out_occ[k]
-        out_off[k] = o_i64[o, O_OFF]
-        # what the caller reads next, per result: its slot of the occupant -> chunk_hash list
-        # and the chunk_hash object's header (refcount, cached hash)
-        prefetch_addr(names_items + 8 * o)  # type: ignore[call-arg]
-        prefetch_addr(o_i64[o, O_HADDR] - hash_data_off)  # type: ignore[call-arg]
-    return out_pos[:n_out], out_occ[:n_out], out_off, n_false
+        p: Any = u8_ptr(o_i64[o, O_HADDR])  # type: ignore[call-arg]
+        key = np.uint64(o_hlen[o])
+        for i in range(min(8, o_hlen[o])):
+            key = (key << np.uint64(8)) | np.uint64(p[i])
+        keys[k] = key
+    smask = 15
+    while smask + 1 < 2 * n_out:
+        smask = 2 * smask + 1
+    slots = np.full(smask + 1, -1, np.int64)  # open-addressed set of kept hits
+    kept = np.empty(n_out, np.int64)
+    n_kept = 0
+    total = 0
+    for k in range(n_out):
+        key = keys[k]
+        h = np.int64(((key ^ (key >> np.uint64(29))) * _MIX) >> np.uint64(32)) & smask
+        dup = False
+        while slots[h] != -1:
+            j = slots[h]
+            if keys[j] == key and _same_hash(out_occ[j], out_occ[k], o_i64, o_hlen):
+                dup = True
+                break
+            h = (h + 1) & smask
+        if not dup:
+            slots[h] = k
+            kept[n_kept] = k
+            n_kept += 1
+            total += o_hlen[out_occ[k]]
+    pos = np.empty(n_kept, np.int64)
+    off = np.empty(n_kept, np.int64)
+    blob = np.empty(total, np.uint8)
+    lengths = np.empty(n_kept, np.uint8)
+    at = 0
+    for i in range(n_kept):
+        k = kept[i]
+        o = out_occ[k]
+        pos[i] = out_pos[k]
+        off[i] = o_i64[o, O_OFF]
+        n = o_hlen[o]
+        lengths[i] = n
+        src: Any = u8_ptr(o_i64[o, O_HADDR])  # type: ignore[call-arg]
+        for b in range(n):
+            blob[at + b] = src[b]
+        at += n
+    return pos, off, blob, lengths
+
+
+@jit
+def _same_hash(a: Any, b: Any, o_i64: Any, o_hlen: Any) -> Any:
+    """Whether occupants ``a`` and ``b`` carry chunk_hashes of equal bytes."""
+    n = o_hlen[a]
+    if o_hlen[b] != n:
+        return False
+    pa: Any = u8_ptr(o_i64[a, O_HADDR])  # type: ignore[call-arg]
+    pb: Any = u8_ptr(o_i64[b, O_HADDR])  # type: ignore[call-arg]
+    same = True
+    for i in range(n):
+        if pa[i] != pb[i]:
+            same = False
+            break
+    return same
