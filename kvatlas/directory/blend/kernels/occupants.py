@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvatlas.directory.blend.kernels.layout import O_HADDR, O_NCLAIMS, O_NEXT, O_NS0
-from kvatlas.directory.blend.kernels.pointers import helper, u8_ptr
+from kvatlas.directory.blend.kernels.pointers import helper, inline, u8_ptr
 from kvatlas.directory.blend.kernels.table import (
     claim_key,
     claims_contains,
@@ -77,23 +77,28 @@ def drop_claim(o: Any, ns: Any, o_i32: Any, claims: Any) -> Any:
     return flags
 
 
+@inline
+def equal_bytes(a_addr: Any, b_addr: Any, n: Any) -> Any:
+    """Whether the ``n`` bytes at ``a_addr`` and at ``b_addr`` are equal (chunk_hashes)."""
+    a: Any = u8_ptr(a_addr)  # type: ignore[call-arg]
+    b: Any = u8_ptr(b_addr)  # type: ignore[call-arg]
+    same = True
+    for k in range(n):
+        if a[k] != b[k]:
+            same = False
+            break
+    return same
+
+
 @helper
 def find_occupant(
     c_first: Any, cid: Any, o_i64: Any, o_i32: Any, o_hlen: Any, h_addr: Any, n: Any
 ) -> Any:
     """The occupant of content ``cid`` whose chunk_hash equals the ``n`` bytes at ``h_addr``."""
-    h: Any = u8_ptr(h_addr)  # type: ignore[call-arg]
     o = c_first[cid]
     while o != -1:
-        if o_hlen[o] == n:
-            p: Any = u8_ptr(o_i64[o, O_HADDR])  # type: ignore[call-arg]
-            same = True
-            for k in range(n):
-                if p[k] != h[k]:
-                    same = False
-                    break
-            if same:
-                return o
+        if o_hlen[o] == n and equal_bytes(o_i64[o, O_HADDR], h_addr, n):
+            return o
         o = o_i32[o, O_NEXT]
     return -1
 

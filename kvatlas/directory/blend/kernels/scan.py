@@ -31,7 +31,7 @@ from kvatlas.directory.blend.kernels.modhash import (
     lane_load,
     lane_step,
 )
-from kvatlas.directory.blend.kernels.occupants import claimed
+from kvatlas.directory.blend.kernels.occupants import claimed, equal_bytes
 from kvatlas.directory.blend.kernels.planes import planes_nbytes
 from kvatlas.directory.blend.kernels.pointers import jit, prefetch, prefetch_addr, u8_ptr
 from kvatlas.directory.blend.kernels.table import content_home, equal_at
@@ -405,7 +405,12 @@ def _first_of_each_hash(out_pos: Any, out_occ: Any, n_out: Any, o_i64: Any, o_hl
         dup = False
         while slots[h] != -1:
             j = slots[h]
-            if keys[j] == key and _same_hash(out_occ[j], out_occ[k], o_i64, o_hlen):
+            oj, ok = out_occ[j], out_occ[k]
+            if (
+                keys[j] == key
+                and o_hlen[oj] == o_hlen[ok]
+                and equal_bytes(o_i64[oj, O_HADDR], o_i64[ok, O_HADDR], o_hlen[oj])
+            ):
                 dup = True
                 break
             h = (h + 1) & smask
@@ -431,19 +436,3 @@ def _first_of_each_hash(out_pos: Any, out_occ: Any, n_out: Any, o_i64: Any, o_hl
             blob[at + b] = src[b]
         at += n
     return pos, off, blob, lengths
-
-
-@jit
-def _same_hash(a: Any, b: Any, o_i64: Any, o_hlen: Any) -> Any:
-    """Whether occupants ``a`` and ``b`` carry chunk_hashes of equal bytes."""
-    n = o_hlen[a]
-    if o_hlen[b] != n:
-        return False
-    pa: Any = u8_ptr(o_i64[a, O_HADDR])  # type: ignore[call-arg]
-    pb: Any = u8_ptr(o_i64[b, O_HADDR])  # type: ignore[call-arg]
-    same = True
-    for i in range(n):
-        if pa[i] != pb[i]:
-            same = False
-            break
-    return same
