@@ -124,11 +124,9 @@ _ALL_FIXED: npt.NDArray[np.uint8] = np.empty(0, np.uint8)
 def blend_reply(columns: MatchColumns, enabled: bool) -> bytes:
     """The ``POST /directory/blend-lookup`` reply (without placements) of ``columns``."""
     blob = columns.hash_bytes
-    n_matches = columns.n_matches
-    # each has 32 bytes (none has more: HASH_WIDTH): no length per hash
-    lengths = _ALL_FIXED if blob.shape[0] == HASH_WIDTH * n_matches else columns.hash_lengths
+    lengths = _ALL_FIXED if columns.full_width else columns.hash_lengths
     out: npt.NDArray[np.uint8] = np.empty(
-        _FIXED + n_matches * _PER_MATCH + 2 * blob.shape[0], np.uint8
+        _FIXED + columns.n_matches * _PER_MATCH + 2 * blob.shape[0], np.uint8
     )
     n = _write(blob, lengths, columns.old_st, columns.cur_st, enabled, out)
     return out[:n].tobytes()

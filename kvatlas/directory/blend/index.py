@@ -107,7 +107,8 @@ class MatchColumns(NamedTuple):
 
     @classmethod
     def empty(cls) -> MatchColumns:
-        return cls.of([], np.empty(0, np.int64), np.empty(0, np.int64))
+        no_hits = np.empty(0, np.int64)  # (a lookup without hits: no join, no length pass)
+        return cls(np.empty(0, np.uint8), np.empty(0, np.uint8), no_hits, no_hits)
 
     @classmethod
     def of(
@@ -124,10 +125,16 @@ class MatchColumns(NamedTuple):
     def n_matches(self) -> int:
         return int(self.old_st.shape[0])
 
+    @property
+    def full_width(self) -> bool:
+        """Whether every hash has ``HASH_WIDTH`` bytes (none has more: then none has fewer);
+        the usual case, which needs no length each."""
+        return int(self.hash_bytes.shape[0]) == HASH_WIDTH * self.n_matches
+
     def chunk_hashes(self) -> list[bytes]:
         """Each match's chunk_hash as ``bytes``."""
         raw = self.hash_bytes.tobytes()
-        if len(raw) == HASH_WIDTH * self.n_matches:
+        if self.full_width:
             return [raw[i : i + HASH_WIDTH] for i in range(0, len(raw), HASH_WIDTH)]
         ends = np.cumsum(self.hash_lengths, dtype=np.int64).tolist()
         return [raw[a:b] for a, b in zip([0, *ends], ends, strict=False)]

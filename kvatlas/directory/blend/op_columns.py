@@ -50,8 +50,6 @@ from kvatlas.directory.blend.ops import (
     RemoveChunkOp,
     RemoveClaimColumns,
     RemoveClaimOp,
-    listed,
-    namespace_ids,
 )
 from kvatlas.keys import BlendNamespace, as_token_array
 
@@ -161,25 +159,18 @@ batches")."""
 
 
 def vouched_singles(op: AddColumns | RemoveClaimColumns) -> list[SingleOp] | None:
-    """The single ops a small vouched ``op`` stands for (its contents the directory's own:
-    nothing to check; ``owned`` never), or ``None``: not vouched, more than
+    """The single ops a small vouched ``op`` stands for (its ``rows()``, unchecked: its
+    contents are the directory's own; ``owned`` never), or ``None``: not vouched, more than
     :data:`SMALL_BATCH` ops, or columns of different lengths (then the columns path, which
     applies what it can, decides)."""
-    n = len(op.tokens)
-    if not op.vouched or n > SMALL_BATCH:
+    if not op.vouched or len(op.tokens) > SMALL_BATCH:
         return None
-    spaces, which = op.namespaces, namespace_ids(op.namespace_of, n)
-    if type(op) is AddColumns:
-        kind, offsets = ADD, listed(op.token_offsets)
-    else:
-        kind, offsets = REMOVE_CLAIM, [0] * n
-    hashes = op.chunk_hashes
-    if not len(hashes) == len(offsets) == len(which) == n:
+    try:  # (a ValueError: columns of different lengths)
+        if isinstance(op, AddColumns):
+            return [(ADD, t, h, o, ns, False) for t, h, o, ns in op.rows()]
+        return [(REMOVE_CLAIM, t, h, 0, ns, False) for t, h, ns in op.rows()]
+    except ValueError:
         return None
-    return [
-        (kind, t, h, o, spaces[s], False)
-        for t, h, o, s in zip(op.tokens, hashes, offsets, which, strict=True)
-    ]
 
 
 def _singles(ops: list[SingleOp]) -> OpColumns:

@@ -61,12 +61,16 @@ class AddColumns(NamedTuple):
 
     def ops(self) -> list[AddOp]:
         """The ``AddOp``s this stands for."""
-        spaces, which = self.namespaces, namespace_ids(self.namespace_of, len(self.tokens))
-        offsets = listed(self.token_offsets)
+        return [AddOp(*row) for row in self.rows()]
+
+    def rows(self) -> list[tuple[Any, bytes, Any, BlendNamespace]]:
+        """The ``AddOp``s' fields, as plain tuples (cheaper to make)."""
+        spaces, which = self.namespaces, _namespace_ids(self.namespace_of, len(self.tokens))
+        offsets = _listed(self.token_offsets)
         if len({len(self.tokens), len(self.chunk_hashes), len(offsets), len(which)}) != 1:
             raise ValueError("AddColumns: columns of different lengths")
         return [
-            AddOp(t, h, o, spaces[s])
+            (t, h, o, spaces[s])
             for t, h, o, s in zip(self.tokens, self.chunk_hashes, offsets, which, strict=True)
         ]
 
@@ -86,21 +90,24 @@ class RemoveClaimColumns(NamedTuple):
 
     def ops(self) -> list[RemoveClaimOp]:
         """The ``RemoveClaimOp``s this stands for."""
-        spaces, which = self.namespaces, namespace_ids(self.namespace_of, len(self.tokens))
+        return [RemoveClaimOp(*row) for row in self.rows()]
+
+    def rows(self) -> list[tuple[Any, bytes, BlendNamespace]]:
+        """The ``RemoveClaimOp``s' fields, as plain tuples (cheaper to make)."""
+        spaces, which = self.namespaces, _namespace_ids(self.namespace_of, len(self.tokens))
         if len({len(self.tokens), len(self.chunk_hashes), len(which)}) != 1:
             raise ValueError("RemoveClaimColumns: columns of different lengths")
         return [
-            RemoveClaimOp(t, h, spaces[s])
-            for t, h, s in zip(self.tokens, self.chunk_hashes, which, strict=True)
+            (t, h, spaces[s]) for t, h, s in zip(self.tokens, self.chunk_hashes, which, strict=True)
         ]
 
 
-def namespace_ids(namespace_of: Any, n: int) -> list[int]:
+def _namespace_ids(namespace_of: Any, n: int) -> list[int]:
     """Each of ``n`` entries' index into ``namespaces`` (``None``: all the first)."""
-    return [0] * n if namespace_of is None else listed(namespace_of)
+    return [0] * n if namespace_of is None else _listed(namespace_of)
 
 
-def listed(values: Any) -> list[Any]:
+def _listed(values: Any) -> list[Any]:
     return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
 
