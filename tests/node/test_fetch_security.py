@@ -66,11 +66,15 @@ NODE_FLAGS = [
 
 class HostilePeer:
     """A 'peer' on a loopback socket: reads each ``POST /peer/kv`` and hands the connection
-    and the requested keys to ``behave``, which writes whatever it likes. ``sent`` counts the
-    bytes it managed to write; every behaviour stops when the client hangs up or at close."""
+    and the requested keys to ``behave``, which writes whatever it likes. ``asked`` lists the
+    keys of each request, recorded before any reply byte leaves (so a client that has its
+    answer sees it); ``sent`` counts the bytes written, after each write returns (a client may
+    read them before the count moves). Every behaviour stops when the client hangs up or at
+    close."""
 
     def __init__(self, behave: Callable[[HostilePeer, socket.socket, list[ObjectKey]], None]):
         self.behave = behave
+        self.asked: list[list[ObjectKey]] = []
         self.sent = 0
         self.stopping = threading.Event()
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -102,6 +106,7 @@ class HostilePeer:
             while len(body) < length:
                 body += conn.recv(65536)
             keys = [ObjectKey.from_wire(w) for w in json.loads(body)["keys"]]
+            self.asked.append(keys)
             with contextlib.suppress(OSError):  # the client gave up: that is the point
                 self.behave(self, conn, keys)
 
@@ -382,7 +387,10 @@ def test_forged_kv_from_a_registered_attacker_is_never_served(
 
     kv, sources = fleet.victim.retrieve(prompt, cache_salt=salt)
 
-    assert attacker.sent > 0  # the victim did ask the attacker's peer
+    # the victim did ask the attacker's peer, for planted keys (counted as the request
+    # arrives: ``sent`` moves only after the reply's write returns, which can be after the
+    # victim has answered)
+    assert attacker.asked and set().union(*attacker.asked) <= set(keys)
     assert kv == [] and sources == {}  # and served none of its bytes
     assert fleet.counters()[cause] >= 1
 
