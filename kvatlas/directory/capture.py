@@ -10,21 +10,31 @@ See docs/directory.md.
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Container, Iterator, Sequence
+from dataclasses import dataclass, replace
+from itertools import compress
 from types import TracebackType
+from typing import Any
+
+import numpy as np
 
 from kvatlas.directory.blend import AddColumns
 from kvatlas.directory.blend.fingerprints import FingerprintKey, Fingerprints
 from kvatlas.directory.chunk_counts import PARTS, ChunkCounts, Partition
-from kvatlas.directory.chunk_parts import ChunkPart, copied_records, copy_rows
+from kvatlas.directory.chunk_parts import ChunkPart, copy_rows
 from kvatlas.directory.chunk_table import ChunkTable
 from kvatlas.directory.gate import EmitterCursor
-from kvatlas.directory.records import CapacityDeclaration, Record
+from kvatlas.directory.records import (
+    CapacityDeclaration,
+    Placements,
+    Record,
+    records_from_columns,
+    split_columns,
+)
 from kvatlas.directory.shapes import ShapeTable
+from kvatlas.directory.token_store import StoredTokens
 from kvatlas.errors import Conflict
 
 
@@ -42,11 +52,51 @@ class DirectoryState:
 
 @dataclass(frozen=True, slots=True)
 class CapturedPart:
-    """One partition's records at capture start, as (chunk hash, record) pairs in no
-    particular order, and how long the directory lock was held to take them."""
+    """One partition's chunks at capture start, in no particular order, as columns: their
+    ``hashes`` and their records split as :func:`~kvatlas.directory.records.split_record`
+    splits them (``flagged``: ``2 * shape id + indexed`` of the first key; ``placements``
+    that key's; ``rests`` the other keys as flat (shape id, placements) pairs) — no object
+    per chunk; and how long the directory lock was held to take them."""
 
-    records: list[tuple[bytes, Record]]
-    lock_held_s: float
+    hashes: list[bytes]
+    tokens: Sequence[StoredTokens | None]
+    offsets: Sequence[int]
+    flagged: Sequence[int]
+    placements: Sequence[Placements]
+    rests: Sequence[tuple[Any, ...]]
+    lock_held_s: float = 0.0
+
+    @classmethod
+    def of_records(cls, records: Sequence[tuple[bytes, Record]]) -> CapturedPart:
+        """The columns of (chunk hash, record) pairs."""
+        tokens, offsets, indexed, sids, pls, rests = split_columns([r for _, r in records])
+        flagged = [2 * sid + i for sid, i in zip(sids, indexed, strict=True)]
+        return cls([h for h, _ in records], tokens, offsets, flagged, pls, rests)
+
+    def records(self) -> list[tuple[bytes, Record]]:
+        """The (chunk hash, record) pairs (built on demand: tests, tools)."""
+        flagged = np.asarray(self.flagged, np.int64)
+        records = records_from_columns(
+            self.tokens,
+            self.offsets,
+            (flagged >> 1).tolist(),
+            self.placements,
+            (flagged & 1).astype(bool).tolist(),
+            self.rests,
+        )
+        return list(zip(self.hashes, records, strict=True))
+
+    def without(self, gone: Container[bytes], more: CapturedPart) -> CapturedPart:
+        """These chunks but those of ``gone``, then ``more``'s."""
+        keep = [h not in gone for h in self.hashes]
+        pairs = zip(self._columns(), more._columns(), strict=True)
+        hashes, tokens, offsets, flagged, placements, rests = (
+            [*compress(mine, keep), *theirs] for mine, theirs in pairs
+        )
+        return CapturedPart(hashes, tokens, offsets, flagged, placements, rests)
+
+    def _columns(self) -> tuple[Sequence[Any], ...]:
+        return (self.hashes, self.tokens, self.offsets, self.flagged, self.placements, self.rests)
 
 
 class Capture:
@@ -80,16 +130,12 @@ class Capture:
                 held_from = time.perf_counter()
                 build = self._journal.take(part_no, self._chunks.parts[part_no])
                 held = time.perf_counter() - held_from
-            taken = build()  # the records, built without the lock (see CowJournal.take)
+            taken = build()  # the rows' fields, copied without the lock (CowJournal.take)
             with self._lock:
                 held_from = time.perf_counter()
-                records = self._journal.finish(part_no, taken)
+                part = self._journal.finish(part_no, taken)
                 held += time.perf_counter() - held_from
-            # the records are built for the capture (the table keeps columns): one young
-            # collection untracks them (their contents are untracked), so a writer holding
-            # a whole directory's adds nothing to full-collection pauses
-            gc.collect(0)
-            yield CapturedPart(records, held)
+            yield replace(part, lock_held_s=held)
 
     def close(self) -> None:
         with self._lock:
@@ -126,41 +172,32 @@ class CowJournal:
             if h not in saved:
                 saved[h] = rec
 
-    def take(self, part_no: int, part: ChunkPart) -> Callable[[], list[tuple[bytes, Record]]]:
-        """Start taking partition ``part_no`` (under the lock): its hash → row pairs are
-        copied, and the function returned builds their records from the columns (without the
-        lock: the rows may change meanwhile, but each change journals the record it replaces
-        first, and :meth:`finish` puts those back). Records are immutable: no copy of their
-        contents."""
-        pairs, cols = list(part.row.items()), part.cols
+    def take(self, part_no: int, part: ChunkPart) -> Callable[[], CapturedPart]:
+        """Start taking partition ``part_no`` (under the lock): its hashes and rows are
+        copied, and the function returned copies the rows' fields from the columns (without
+        the lock: the rows may change meanwhile, but each change journals the record it
+        replaces first, and :meth:`finish` puts those back). Records are immutable: no copy
+        of their contents."""
+        hashes, rows, cols = list(part.row), list(part.row.values()), part.cols
         objs, offsets = cols.objs, cols.offsets  # (a compaction replaces, never changes them)
 
-        def build() -> list[tuple[bytes, Record]]:
-            hashes = [h for h, _ in pairs]
-            rows = [r for _, r in pairs]
-            return list(zip(hashes, copied_records(copy_rows(objs, offsets, rows)), strict=True))
+        def build() -> CapturedPart:
+            copied = copy_rows(objs, offsets, rows)
+            tokens, flagged, placements, rests = copied.fields()
+            return CapturedPart(hashes, tokens, copied.offsets, flagged, placements, rests)
 
         return build
 
-    def finish(self, part_no: int, rows: list[tuple[bytes, Record]]) -> list[tuple[bytes, Record]]:
-        """Partition ``part_no`` as it was at capture start, from the records :meth:`take`
+    def finish(self, part_no: int, taken: CapturedPart) -> CapturedPart:
+        """Partition ``part_no`` as it was at capture start, from the columns :meth:`take`
         built and the records journaled since the capture started (under the lock); later
         changes to it are no longer journaled."""
         saved, self.saved[part_no] = self.saved[part_no], {}
         self.done[part_no] = True
         if not saved:
-            return rows
-        out = []
-        for h, rec in rows:
-            if h in saved:
-                old = saved[h]
-                if old is not None:
-                    out.append((h, old))
-            else:
-                out.append((h, rec))
-        held = {h for h, _ in rows}
-        out += [(h, old) for h, old in saved.items() if old is not None and h not in held]
-        return out
+            return taken
+        old = [(h, rec) for h, rec in saved.items() if rec is not None]
+        return taken.without(saved, CapturedPart.of_records(old))
 
 
 @dataclass(frozen=True, slots=True)

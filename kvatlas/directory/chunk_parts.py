@@ -113,10 +113,8 @@ class ChunkColumns:
         self.free.append(r)
 
     def fields(self, rows: list[int]) -> tuple[tuple[Any, ...], ...]:
-        """The rows' fields as four columns: contents, ``2 * shape id + indexed`` of the
-        first key, its placements, the other keys (C-level gathers)."""
-        refs = self.copy(rows).refs
-        return tuple(refs[i::_WIDTH] for i in range(_WIDTH))
+        """The rows' fields as four columns (:meth:`RowsCopy.fields`; C-level gathers)."""
+        return self.copy(rows).fields()
 
     def key_placements(
         self, rows: list[int], shape_ids: Sequence[int | None]
@@ -175,6 +173,11 @@ class RowsCopy(NamedTuple):
 
     refs: tuple[Any, ...]
     offsets: tuple[int, ...]
+
+    def fields(self) -> tuple[tuple[Any, ...], ...]:
+        """The rows' references as four columns: contents, ``2 * shape id + indexed`` of the
+        first key, its placements, the other keys."""
+        return tuple(self.refs[i::_WIDTH] for i in range(_WIDTH))
 
 
 def _gather(seq: Sequence[Any], at: list[int]) -> tuple[Any, ...]:

@@ -81,7 +81,7 @@ class Emitter:
 def captured(d: KeyDirectory) -> dict[bytes, Record]:
     """Every chunk's record, through a capture (records are immutable: the live ones)."""
     with d.capture() as capture:
-        return {h: rec for part in capture.parts() for h, rec in part.records}
+        return {h: rec for part in capture.parts() for h, rec in part.records()}
 
 
 def l1_chunk_sets(d: KeyDirectory) -> dict[str, set[bytes]]:

@@ -260,10 +260,10 @@ def test_a_capture_open_during_a_bulk_store_keeps_the_records_at_its_start() -> 
     ]
     with d.capture() as capture:
         parts = capture.parts()
-        taken = dict(next(parts).records)  # partition 0 only
+        taken = dict(next(parts).records())  # partition 0 only
         d.consume(EventBatch("a", 1, 2, "store", "l1", "dram", entries=tuple(new)))
         for part in parts:
-            taken.update(part.records)
+            taken.update(part.records())
     assert set(taken) == {first[0].key.chunk_hash}
     assert set(captured(d)) == {first[0].key.chunk_hash} | {e.key.chunk_hash for e in new}
 

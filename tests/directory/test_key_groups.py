@@ -244,7 +244,7 @@ def test_a_delete_while_a_capture_is_open_saves_each_record_first() -> None:
     before = {h: rec for part in d._chunks.parts for h, rec in part.items()}
     with d.capture() as capture:
         d.consume(a.batch("delete", [entry(key(n)) for n in range(1, 31)]))
-        taken = {h: rec for part in capture.parts() for h, rec in part.records}
+        taken = {h: rec for part in capture.parts() for h, rec in part.records()}
     assert taken == before  # the capture sees the directory as it was when it began
     assert d.stats().chunks == 3
 

@@ -61,13 +61,13 @@ def test_changes_during_a_snapshot_do_not_leak_into_it(tmp_path: Path) -> None:
     with d.capture() as capture:
         parts = capture.parts()
         for _ in range(128):
-            rows += next(parts).records
+            rows += next(parts).records()
         # meanwhile ingestion continues: deletes, re-stores with new content, new keys
         d.consume(em.batch("delete", [entry(key(n)) for n in range(1, 60)]))
         d.consume(em.batch("store", [entry(key(n), toks(1, 1, 1, n), 0) for n in range(60, 90)]))
         d.consume(em.batch("store", [entry(key(n)) for n in range(40, 60)], tier="l2", backend="x"))
         for part in parts:
-            rows += part.records
+            rows += part.records()
     assert len(rows) == 59
     assert {h for h, _ in rows} == {key(n).chunk_hash for n in range(1, 60)}
     # the records too (not only which chunks) are the capture-start ones: installed, they give

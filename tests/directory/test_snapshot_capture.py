@@ -22,7 +22,7 @@ def restored_from(d: KeyDirectory, counts: ChunkCounts | None = None) -> Restore
     parts: list[Partition] = [{} for _ in range(PARTS)]
     with d.capture() as capture:
         for part in capture.parts():
-            for h, rec in part.records:
+            for h, rec in part.records():
                 parts[h[0]][h] = rec
     return Restored(capture.state, capture.shapes, parts, counts)
 

@@ -173,7 +173,7 @@ def test_install_of_a_capture_with_interleaved_changes_is_the_start_state() -> N
     parts: list[Partition] = [{} for _ in range(PARTS)]
     with d.capture() as capture:
         for part in interleaved(d, a, b, c)(capture):
-            for h, rec in part.records:
+            for h, rec in part.records():
                 parts[h[0]][h] = rec
     restored = KeyDirectory(CS, enable_blend_lookup=True)
     restored.install(Restored(capture.state, capture.shapes, parts))

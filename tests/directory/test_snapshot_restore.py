@@ -52,7 +52,7 @@ def oracle_of(d: KeyDirectory) -> Oracle:
     with d.capture() as capture:
         shapes = capture.shapes
         for part in capture.parts():
-            for h, rec in part.records:
+            for h, rec in part.records():
                 tokens = record_tokens(rec)
                 if tokens is None or record_offset(rec) < 0:
                     continue

@@ -18,6 +18,7 @@ docs/directory.md.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,7 +125,7 @@ class Header(msgspec.Struct, omit_defaults=True):
     fingerprint_digest: bytes = b""  # FingerprintKey.digest of the key and the column
 
 
-def encode_column(name: str, values: list[Any]) -> bytes:
+def encode_column(name: str, values: Sequence[Any] | np.ndarray[Any, Any]) -> bytes:
     return np.array(values, dtype=COLUMNS[name]).tobytes()
 
 
