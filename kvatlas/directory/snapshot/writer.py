@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
-from functools import partial
+from collections.abc import Sequence
 from itertools import compress, repeat
 from operator import is_not
 from pathlib import Path
@@ -36,7 +35,6 @@ from kvatlas.directory.gate import EmitterCursor
 from kvatlas.directory.key_directory import KeyDirectory
 from kvatlas.directory.records import (
     PlacementRow,
-    Placements,
     placements_of,
     row_backend,
     row_incarnation,
@@ -232,7 +230,29 @@ class _Columns:
         return i
 
     def add(self, part: CapturedPart) -> None:
-        tokens, n = part.tokens, len(part.hashes)
+        lens, widths = self._add_contents(part.tokens)
+        key_counts, key_shapes, pl_counts, key_pls = self._add_keys(part)
+        encoded = self.encoded
+        encoded["chunk_hashes"] += _join_slices(part.hashes)
+        for name, values in (
+            ("chunk_offsets", part.offsets),
+            ("chunk_token_lens", lens),
+            ("chunk_token_widths", widths),
+            ("chunk_key_counts", key_counts),
+            ("key_shapes", key_shapes),
+            ("key_pl_counts", pl_counts),
+            ("key_pls", key_pls),
+        ):
+            encoded[name] += _column_slices(name, values)
+        self.chunks += len(part.hashes)
+        self.keys += len(key_shapes)
+
+    def _add_contents(
+        self, tokens: Sequence[StoredTokens | None]
+    ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """Keeps a partition's contents (and their fingerprints, blend on); returns each
+        chunk's count of ids and form (0 and 4 without a content)."""
+        n = len(tokens)
         has = np.fromiter(map(is_not, tokens, repeat(None)), np.bool_, n)
         bound: list[StoredTokens] = list(compress(tokens, has.tolist()))  # type: ignore[arg-type]
         counts, forms = stored_shapes(bound)  # ids and form of each (one compiled pass)
@@ -248,57 +268,37 @@ class _Columns:
             if len(full):
                 fps[np.flatnonzero(has)[full]] = self.key.of([bound[i] for i in full.tolist()])
             self.fingerprints.append(fps)
-        key_counts: list[int] = []
-        shapes: list[int] = []
-        pl_counts: list[int] = []
-        pls: list[int] = []
-        add_key = partial(self._add_key, shapes.append, pl_counts.append, pls.append)
-        for flagged, first, rest in zip(part.flagged, part.placements, part.rests, strict=True):
-            key_counts.append(1 + len(rest) // 2)
-            add_key(flagged >> 1, first)
-            for i in range(0, len(rest), 2):
-                add_key(rest[i], rest[i + 1])
-        encoded = self.encoded
-        encoded["chunk_hashes"] += _join_slices(part.hashes)
-        for name, values in (
-            ("chunk_offsets", part.offsets),
-            ("chunk_token_lens", lens),
-            ("chunk_token_widths", widths),
-            ("chunk_key_counts", key_counts),
-            ("key_shapes", shapes),
-            ("key_pl_counts", pl_counts),
-            ("key_pls", pls),
-        ):
-            encoded[name] += _column_slices(name, values)
-        self.chunks += n
-        self.keys += len(shapes)
+        return lens, widths
 
-    def _add_key(
-        self,
-        add_shape: Callable[[int], None],
-        add_pl_count: Callable[[int], None],
-        add_pl: Callable[[int], None],
-        sid: int,
-        group: Placements,
-    ) -> None:
-        """One key of a chunk: its shape and its placement rows (each stored once: rows are
-        shared, one per batch and size)."""
-        ref = self.shape_ids.get(sid)
-        if ref is None:
-            shape = self.table[sid]
-            ref = self.shape_ids[sid] = len(self.shapes)
-            model, salt = self.ref(shape.model_name), self.ref(shape.cache_salt)
-            self.shapes.append((model, shape.kv_rank, shape.object_group_id, salt))
-        add_shape(ref)
-        rows = placements_of(group)
-        add_pl_count(len(rows))
-        pl_ids, pls = self.pl_ids, self.pls
-        for p in rows:
-            pid = pl_ids.get(id(p))
-            if pid is None:
-                pid = pl_ids[id(p)] = len(pls)
-                pls.append(p)
-            add_pl(pid)
+    def _add_keys(self, part: CapturedPart) -> tuple[list[int], ...]:
+        """A partition's keys: each chunk's count of keys, each key's shape, count of
+        placements and placement ids (a shape or placement row seen first is added to the
+        tables)."""
+        key_counts: list[int] = []
+        key_shapes: list[int] = []
+        pl_counts: list[int] = []
+        key_pls: list[int] = []
+        shape_ids, pl_ids, pls = self.shape_ids, self.pl_ids, self.pls
+        for flagged, first, rest in zip(part.flagged, part.placements, part.rests, strict=True):
+            keys = ((flagged >> 1, first), *zip(rest[0::2], rest[1::2], strict=True))
+            key_counts.append(len(keys))
+            for sid, group in keys:
+                ref = shape_ids.get(sid)
+                if ref is None:
+                    shape = self.table[sid]
+                    ref = shape_ids[sid] = len(self.shapes)
+                    model, salt = self.ref(shape.model_name), self.ref(shape.cache_salt)
+                    self.shapes.append((model, shape.kv_rank, shape.object_group_id, salt))
+                key_shapes.append(ref)
+                rows = placements_of(group)
+                pl_counts.append(len(rows))
+                for p in rows:  # rows are shared (one per batch and size): store each once
+                    pid = pl_ids.get(id(p))
+                    if pid is None:
+                        pid = pl_ids[id(p)] = len(pls)
+                        pls.append(p)
+                    key_pls.append(pid)
+        return key_counts, key_shapes, pl_counts, key_pls
 
     def release(self) -> None:
         """Drop every column a slice at a time (see the module docstring)."""
