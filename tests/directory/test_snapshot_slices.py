@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvatlas.directory import KeyDirectory, load_snapshot, save_snapshot
-from kvatlas.directory.snapshot import writer
+from kvatlas.directory.snapshot import SnapshotError, writer
 from kvatlas.events import CacheEntry, EventBatch
 from kvatlas.keys import ObjectKey, pack_kv_rank
 from tests.directory.helpers import CS, Emitter, entry, key
@@ -178,3 +178,38 @@ def test_writing_keeps_no_tracked_container_of_a_reference_per_chunk(
     save_snapshot(d, tmp_path / "s.snap")
     assert large == []
     assert load_snapshot(KeyDirectory(16, enable_blend_lookup=True), tmp_path / "s.snap").keys == n
+
+
+def test_a_restore_runs_no_collection_and_leaves_the_collector_as_it_was(
+    tmp_path: Path,
+) -> None:
+    """A restore builds lists of a reference per chunk that each young collection traversed
+    while they were young: the collector is paused for it (and enabled again after, also
+    when the restore is refused; left off if it was off)."""
+    path = tmp_path / "s.snap"
+    save_snapshot(_directory(500, size=100), path)
+    bad = tmp_path / "bad.snap"
+    bad.write_bytes(path.read_bytes()[:-1])  # the token section cut short
+    targets = [KeyDirectory(16, enable_blend_lookup=True) for _ in range(3)]
+    collections: list[int] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(10)  # a collection every 10 new containers, were it on
+    gc.callbacks.append(count)
+    try:
+        assert load_snapshot(targets[0], path).keys == 500
+        assert collections == [] and gc.isenabled()
+        with pytest.raises(SnapshotError):
+            load_snapshot(targets[1], bad)
+        assert gc.isenabled()
+        gc.disable()
+        load_snapshot(targets[2], path)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.callbacks.remove(count)
+        gc.set_threshold(*threshold)

@@ -97,6 +97,21 @@ def read_token_section(
     return tokens, finish
 
 
+def read_exactly(f: io.FileIO, n: int) -> bytearray:
+    """Up to ``n`` bytes from the unbuffered ``f``: one ``read`` returns at most ≈2 GiB on
+    Linux, so this loops until ``n`` or the end of the file (then fewer)."""
+    out = bytearray(n)
+    view, got = memoryview(out), 0
+    while got < n:
+        k = f.readinto(view[got:])
+        if not k:
+            break
+        got += k
+    view.release()
+    del out[got:]
+    return out
+
+
 def fill(f: io.FileIO, view: memoryview, pos: int) -> None:
     """``view`` filled from the file at ``pos`` (a truncated file: :class:`SnapshotError`)."""
     f.seek(pos)
