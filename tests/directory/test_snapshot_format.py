@@ -202,7 +202,7 @@ def test_header_layout_is_pinned() -> None:
 def test_a_header_read_in_short_pieces_is_read_whole() -> None:
     """An unbuffered read may return fewer bytes than asked (Linux: ≈2 GiB at most a call):
     the header is read until it is whole or the file ends."""
-    from kvatlas.directory.snapshot.reader import _read_exactly
+    from kvatlas.directory.snapshot.token_section import read_exactly
 
     class Trickle(io.FileIO):
         def readinto(self, buffer: Any) -> int:
@@ -213,5 +213,5 @@ def test_a_header_read_in_short_pieces_is_read_whole() -> None:
         f.write(bytes(range(256)) * 4)
         f.flush()
         with Trickle(f.name, "rb") as t:
-            assert _read_exactly(t, 1000) == (bytes(range(256)) * 4)[:1000]
-            assert _read_exactly(t, 100) == (bytes(range(256)) * 4)[1000:]  # the end: fewer
+            assert read_exactly(t, 1000) == (bytes(range(256)) * 4)[:1000]
+            assert read_exactly(t, 100) == (bytes(range(256)) * 4)[1000:]  # the end: fewer
