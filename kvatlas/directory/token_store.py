@@ -54,7 +54,14 @@ from kvatlas.directory.blend.kernels.planes import (
     planes_nbytes,
     planes_store,
 )
-from kvatlas.directory.blend.kernels.pointers import i64_ptr, jit, u8_ptr, u16_ptr, u32_ptr
+from kvatlas.directory.blend.kernels.pointers import (
+    i64_ptr,
+    jit,
+    releasing,
+    u8_ptr,
+    u16_ptr,
+    u32_ptr,
+)
 from kvatlas.events.columns import EntryColumns
 from kvatlas.keys.tokens import TokenArray
 
@@ -391,7 +398,7 @@ def fill_contents(
     _fill(payloads, sizes, kept, dsts)
 
 
-@jit
+@releasing  # (a restore fills on its reading thread while the partitions are built)
 def _fill(payloads: Any, sizes: Any, forms: Any, dsts: Any) -> None:
     """Content ``j`` (at ``dsts[j]``) = its header and the next ``sizes[j]`` bytes."""
     at = 0

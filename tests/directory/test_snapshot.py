@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -150,11 +151,50 @@ def test_a_file_cut_short_while_its_ids_are_read_is_refused_and_changes_nothing(
     assert state(target) == before
 
 
+def test_contents_are_filled_on_the_reading_thread_and_joined_before_any_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The contents are filled on the reading thread while the reader builds the partitions
+    and the index adds: here the fill starts late, so anything that read a content before the
+    join would see zeros; and a failed read still waits for the fill (which writes into the
+    contents) before the restore fails and drops them."""
+    from kvatlas.directory.snapshot import token_section
+
+    d, _ = populated()
+    path = tmp_path / "s.snap"
+    save_snapshot(d, path)
+    fill_contents, fills = token_section.fill_contents, []
+
+    def late(*args: Any) -> None:
+        time.sleep(0.3)
+        fill_contents(*args)
+        fills.append(threading.current_thread())
+
+    monkeypatch.setattr(token_section, "fill_contents", late)
+    restored = KeyDirectory(CS, enable_blend_lookup=True)
+    load_snapshot(restored, path)
+    assert fills and fills[0] is not threading.main_thread()
+    assert state(restored) == state(d)
+    assert [m.old_st for m in restored.blend_match(toks(7, 7, 7, 7), NS)] == [28]
+
+    fill, fills[:] = token_section.fill, []
+
+    def cut_short(f: Any, view: memoryview, pos: int) -> None:
+        with open(path, "r+b") as out:
+            out.truncate(pos + len(view) // 2)
+        fill(f, view, pos)
+
+    monkeypatch.setattr(token_section, "fill", cut_short)
+    with pytest.raises(SnapshotError, match="truncated snapshot token arena"):
+        load_snapshot(KeyDirectory(CS, enable_blend_lookup=True), path)
+    assert len(fills) == 1  # the fill had ended when the restore failed
+
+
 def test_contents_are_filled_only_once_the_ids_are_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each chunk's content is allocated while the ids are read on another thread, and
-    filled from them once the read is joined (here the read starts only when it is waited
+    filled from them once the read is in (here the read starts only when it is waited
     for: a content filled before would hold zeros). Odd lengths and every form, one after
     another in the section."""
     from kvatlas.directory.snapshot import token_section

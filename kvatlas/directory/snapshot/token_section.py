@@ -54,9 +54,10 @@ def read_token_section(
     """Each chunk's content (``None`` for unknown content) in its stored form (``widths``:
     form codes), and what finishes them (``None``: they are done): the whole section is
     read into one buffer on a thread of its own (it releases the GIL) while the contents
-    are allocated; ``finish`` joins the read and fills them. Call it before anything reads
-    a content, and whatever happens (a failed read raises from it: the restore fails before
-    anything is installed). A version-1 section (every width 4) is put in the forms its ids
+    are allocated, and the contents filled from it on that thread after the read, while the
+    caller goes on; ``finish`` joins both. Call it before anything reads a content, and
+    whatever happens (a failed read raises from it: the restore fails before anything is
+    installed). A version-1 section (every width 4) is put in the forms its ids
     need as it is read, on the calling thread; so are a version-2 section's uint32 contents
     (written before the planes form existed), once the read is in."""
     if version < 2:  # a group of chunks at a time: no second copy of a whole uint32 section
@@ -75,16 +76,23 @@ def read_token_section(
     buffer, into = _zeroed(int(form_sizes(lens, widths).sum()))
     pool = ThreadPoolExecutor(1, thread_name_prefix="kvatlas-restore-read")
     reading = pool.submit(fill, f, into, start)
-    pool.shutdown(wait=False)  # (the read still runs; the thread ends with it)
     try:
         tokens = empty_contents(lens, widths)
     except BaseException:
+        pool.shutdown(wait=False)
         futures.wait([reading])  # no read outlives the restore that started it
         raise
+    # the contents are filled on the same thread once the read is in (the copy and its page
+    # faults, GIL released), while the caller builds the partitions
+    filling = pool.submit(fill_contents, tokens, buffer, lens, widths)
+    pool.shutdown(wait=False)  # (the tasks still run; the thread ends with them)
 
     def finish() -> None:
-        reading.result()
-        fill_contents(tokens, buffer, lens, widths)
+        try:
+            reading.result()
+        finally:  # the fill runs after the read, whatever the read did: nothing is dropped
+            futures.wait([filling])  # while it writes into the contents
+        filling.result()
 
     if version < 3:
         wide = np.flatnonzero((widths == FORM_U32) & (lens > 0)).tolist()
