@@ -6,7 +6,7 @@ built. Restore works column-wise: vectorised checks, records zipped from columns
 only for chunks with several keys or placements), partitions built from the file's partition
 order (the chunks sorted by it if the file's are not), counters and each chunk's L1 owners
 computed from the columns instead of a pass over the records. Token ids are read into one
-buffer on a thread of its own and copied into each chunk's content (``token_section.py``).
+buffer on a thread of its own and copied into each chunk's content there (``token_section.py``).
 See docs/directory.md.
 """
 

@@ -2,9 +2,10 @@
 
 Restore overlaps what does not need the GIL with what does: the token section is read into
 one buffer (the kernel faults the pages in and copies, the GIL released) while the calling
-thread allocates each chunk's content and builds the records. The contents are filled from
-the buffer once the read is joined (the returned ``finish``), before anything reads them, and
-the buffer is freed. See docs/directory.md.
+thread allocates each chunk's content, and the contents are filled from the buffer on the
+same thread once the read is in (the copy and the contents' page faults, the GIL released)
+while the calling thread builds the records. The returned ``finish`` joins both, before
+anything reads a content, and the buffer is freed. See docs/directory.md.
 
 Measured and left out (docs/performance.md, "Measured and left out"): building the blend
 index on a thread of its own as well (its kernel runs without the GIL: +0.2 s of CPU per
