@@ -158,19 +158,28 @@ def test_writing_keeps_no_tracked_container_of_a_reference_per_chunk(
     traverses the whole directory's (8–27 ms at 300,000 chunks)."""
     n = 3000
     d = _directory(n, size=100)  # one placement row (a batch's chunks of one size share it)
+    parts = d._chunks.parts
+    # the chunks' own objects: their hashes and contents (what a per-chunk column refers to)
+    chunk_objects = {id(h) for part in parts for h in part.row}
+    chunk_objects |= {id(c) for c in parts[0].cols.objs[0::4] if c is not None}
     gc.collect()
     before = gc.get_objects()  # (kept alive: their ids cannot be reused meanwhile)
-    old = {id(o) for o in before} | {id(before)}
+    old = {id(o) for o in before} | {id(before), id(chunk_objects)}
     old.add(id(old))
     large: list[str] = []
     write = writer._write_atomically
 
+    def per_chunk(o: list[Any] | tuple[Any, ...] | dict[Any, Any]) -> bool:
+        items = [*o, *o.values()] if isinstance(o, dict) else o
+        return len(o) >= n and sum(id(x) in chunk_objects for x in items) >= n
+
     def spy(path: Path, header: list[bytes], arena: Any) -> int:
-        # every column is added and the header encoded: what the writer holds now
+        # every column is added and the header encoded: what the writer holds now (new
+        # containers of the chunks' objects only: other threads' allocations do not count)
         large.extend(
             f"{type(o).__name__} of {len(o)}"
             for o in gc.get_objects()
-            if id(o) not in old and isinstance(o, list | tuple | dict) and len(o) >= n
+            if id(o) not in old and isinstance(o, list | tuple | dict) and per_chunk(o)
         )
         return write(path, header, arena)
 
