@@ -133,9 +133,9 @@ class Capture:
             taken = build()  # the rows' fields, copied without the lock (CowJournal.take)
             with self._lock:
                 held_from = time.perf_counter()
-                part = self._journal.finish(part_no, taken)
+                saved = self._journal.finish(part_no)
                 held += time.perf_counter() - held_from
-            yield replace(part, lock_held_s=held)
+            yield replace(at_start(taken, saved), lock_held_s=held)
 
     def close(self) -> None:
         with self._lock:
@@ -188,16 +188,22 @@ class CowJournal:
 
         return build
 
-    def finish(self, part_no: int, taken: CapturedPart) -> CapturedPart:
-        """Partition ``part_no`` as it was at capture start, from the columns :meth:`take`
-        built and the records journaled since the capture started (under the lock); later
-        changes to it are no longer journaled."""
+    def finish(self, part_no: int) -> dict[bytes, Record | None]:
+        """The records of partition ``part_no`` journaled since the capture started (under
+        the lock); later changes to it are no longer journaled. :func:`at_start` puts them
+        back into the columns :meth:`take` built (no lock needed: both are the capture's)."""
         saved, self.saved[part_no] = self.saved[part_no], {}
         self.done[part_no] = True
-        if not saved:
-            return taken
-        old = [(h, rec) for h, rec in saved.items() if rec is not None]
-        return taken.without(saved, CapturedPart.of_records(old))
+        return saved
+
+
+def at_start(taken: CapturedPart, saved: dict[bytes, Record | None]) -> CapturedPart:
+    """A partition as it was at capture start: the columns taken, each chunk journaled since
+    replaced by its capture-start record (or gone: ``None``, it did not exist)."""
+    if not saved:
+        return taken
+    old = [(h, rec) for h, rec in saved.items() if rec is not None]
+    return taken.without(saved, CapturedPart.of_records(old))
 
 
 @dataclass(frozen=True, slots=True)
