@@ -70,8 +70,8 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
 
     The cyclic collector is paused meanwhile: a restore builds no cycle, but lists of a
     reference per chunk (hashes, contents, the table's columns), which each young collection
-    traversed while they were young (2 collections, 43–85 ms of a 0.42 s restore of 300,000
-    chunks)."""
+    traversed while they were young (docs/performance.md, "Snapshot and restore without
+    young collections")."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

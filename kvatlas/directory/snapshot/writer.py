@@ -196,8 +196,8 @@ class _Columns:
     share of a column is encoded when it is added (:data:`_CHUNK_COLUMNS`: a list of
     ``bytes`` pieces per column), its contents kept in an object array per partition. No
     container the cyclic collector tracks holds a reference per chunk: a young collection
-    while the snapshot is written does not traverse every chunk so far (lists of 300,000
-    chunks' fields and contents took 8–27 ms to traverse, holding the GIL)."""
+    while the snapshot is written does not traverse every chunk so far, holding the GIL
+    (docs/performance.md, "Snapshot and restore without young collections")."""
 
     def __init__(self, shapes: ShapeTable, key: FingerprintKey | None) -> None:
         self.table = shapes

@@ -4,7 +4,8 @@ Probes the window starts ``p`` in ``[start, stop)`` with ``p % stride == 0`` and
 verified, claimed hits in ascending order, each chunk_hash at most once (its first occurrence),
 with the hashes' bytes copied out. The namespace test precedes the token comparison. Recall is
 complete: the filter has no false negatives and the table never loses an entry, so every stored
-content at a probed window is compared. Prefetches only steer the cache: a wrong address costs speed, never a result.
+content at a probed window is compared. Prefetches only steer the cache: a wrong address costs
+speed, never a result.
 """
 
 from __future__ import annotations
