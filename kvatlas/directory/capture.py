@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from kvatlas.directory.blend import AddColumns
-from kvatlas.directory.blend.fingerprints import FingerprintKey, Fingerprints
+from kvatlas.directory.blend import BlendIndex
+from kvatlas.directory.blend.fingerprints import FingerprintKey
 from kvatlas.directory.chunk_counts import PARTS, ChunkCounts, Partition
 from kvatlas.directory.chunk_parts import ChunkPart, copy_rows
 from kvatlas.directory.chunk_table import ChunkTable
@@ -213,18 +213,16 @@ class Restored:
     ``parts`` are :data:`~kvatlas.directory.chunk_counts.PARTS` dicts, each chunk in partition
     ``hash[0]``, its records unindexed and their shape ids indexing ``shapes``. ``counts``, if
     given, must equal ``ChunkCounts.scan(parts)`` (a loader that can compute them faster than
-    that pass passes them; ``None``: install scans). ``adds``, if given, are the blend-index adds
-    of every record marked indexed, vouched for (``AddColumns.vouched``: a snapshot reader
-    builds them from its columns; ``None``: the rebuild reads the records). ``fingerprints``:
-    theirs, one per add, from the snapshot (checked by the reader; the index takes them only
-    under its own function and bits, ``BlendIndex.build``)."""
+    that pass passes them; ``None``: install scans). ``index``, if given, is the blend index of
+    every record marked indexed, built on one :meth:`KeyDirectory.new_blend_index` gave (a
+    snapshot reader builds it from its columns while the contents are filled; ``None``: the
+    rebuild reads the records)."""
 
     state: DirectoryState
     shapes: ShapeTable
     parts: Sequence[Partition | ChunkPart]
     counts: ChunkCounts | None = None
-    adds: AddColumns | None = None
-    fingerprints: Fingerprints | None = None
+    index: BlendIndex | None = None
 
     def counts_or_scan(self) -> ChunkCounts:
         """``counts``, or (none given) one pass over the records."""

@@ -115,6 +115,14 @@ class KeyDirectory:
     def blend_index(self) -> BlendIndex | None:  # None while blend is off
         return self._index
 
+    def new_blend_index(self) -> BlendIndex:
+        """An empty blend index as :meth:`enable_blend_lookup` made this directory's, for a
+        loader to build a :class:`Restored`'s on. Raises :class:`InvalidInput` while blend
+        is off."""
+        if self._index is None:
+            raise InvalidInput("blend lookup is off: no index to build")
+        return self._new_index(self.chunk_size, self._probe_stride)
+
     @property
     def blend_false_probes(self) -> int:
         """Probes the blend index's filter let through for nothing (0 while blend is off)."""
@@ -400,8 +408,8 @@ class KeyDirectory:
             return Capture(self._lock, self._chunks, state)
 
     def install(self, restored: Restored) -> None:
-        """Replace all state with ``restored``; the blend index (if on) is rebuilt from the
-        bindings. Raises :class:`~kvatlas.errors.InvalidInput` on a chunk-size mismatch and
+        """Replace all state with ``restored``; the blend index (if on) is ``restored``'s or
+        rebuilt from the bindings. Raises :class:`~kvatlas.errors.InvalidInput` on a chunk-size mismatch and
         :class:`~kvatlas.errors.Conflict` while a capture is open; then nothing changed."""
         state = restored.state
         if state.chunk_size != self.chunk_size:
@@ -410,18 +418,14 @@ class KeyDirectory:
             )
         counts = restored.counts_or_scan()
         with self._lock:
-            index = None
-            if self._index is not None:
-                # built whole, then published: blend_match sees the old one or all the new one
-                index = self._new_index(self.chunk_size, self._probe_stride)
-                if restored.adds is not None:  # before anything changes: a failed build
-                    index.build(restored.adds, restored.fingerprints)  # leaves all as it was
             self._chunks.restore(restored.shapes, restored.parts, counts)
             self._gate.restore(state.cursors)
             self._capacities = dict(state.capacities)
             self._shared_pools = set()
-            if index is not None:
-                if restored.adds is None:  # built from the restored records
+            if self._index is not None:  # built whole, then published: blend_match sees
+                index = restored.index  # the old one or all the new one
+                if index is None:  # built from the restored records
+                    index = self._new_index(self.chunk_size, self._probe_stride)
                     self._chunks.reindex(index)
                 self._index = index
 

@@ -139,8 +139,8 @@ def test_restore_with_blend_on_answers_as_the_live_directory(
     path = Path(tmp_path_factory.mktemp("snap")) / "s.snap"
     save_snapshot(live, path, stream_position="0-0")
     restored = KeyDirectory(CS, enable_blend_lookup=True)
-    reads = reader._reads_blend
-    with mock.patch.object(reader, "_reads_blend", lambda *a: marked and reads(*a)):
+    reads = reader.indexable_chunks
+    with mock.patch.object(reader, "indexable_chunks", lambda *a: reads(*a) if marked else None):
         load_snapshot(restored, path)
     query = np.concatenate(bodies + bodies[::-1])
     for ns in NAMESPACES:

@@ -151,13 +151,14 @@ def test_a_file_cut_short_while_its_ids_are_read_is_refused_and_changes_nothing(
     assert state(target) == before
 
 
-def test_contents_are_filled_on_the_reading_thread_and_joined_before_any_use(
+def test_contents_are_filled_before_any_use(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The contents are filled on the reading thread while the reader builds the partitions
-    and the index adds: here the fill starts late, so anything that read a content before the
-    join would see zeros; and a failed read still waits for the fill (which writes into the
-    contents) before the restore fails and drops them."""
+    """The contents are filled (by the reading thread, or by the reader when it waits for a
+    piece nobody started) while the reader builds the partitions and the index: here the
+    fill ends late, so anything that read a content before it would see zeros; and a failed
+    read still waits for the fill (which writes into the contents) before the restore fails
+    and drops them."""
     from kvatlas.directory.snapshot import token_section
 
     d, _ = populated()
@@ -173,7 +174,7 @@ def test_contents_are_filled_on_the_reading_thread_and_joined_before_any_use(
     monkeypatch.setattr(token_section, "fill_contents", late)
     restored = KeyDirectory(CS, enable_blend_lookup=True)
     load_snapshot(restored, path)
-    assert fills and fills[0] is not threading.main_thread()
+    assert fills
     assert state(restored) == state(d)
     assert [m.old_st for m in restored.blend_match(toks(7, 7, 7, 7), NS)] == [28]
 
@@ -188,6 +189,51 @@ def test_contents_are_filled_on_the_reading_thread_and_joined_before_any_use(
     with pytest.raises(SnapshotError, match="truncated snapshot token arena"):
         load_snapshot(KeyDirectory(CS, enable_blend_lookup=True), path)
     assert len(fills) == 1  # the fill had ended when the restore failed
+
+
+def test_the_index_reads_each_content_only_once_its_piece_is_filled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With blend on, the index is built while the reading thread fills the contents, a
+    piece at a time: each slice of adds waits for the pieces holding its contents. Here
+    pieces of 2 chunks fill slowly and the index is built in slices of 2 adds: every
+    content the build's first read of a slice (its layout pass) is handed must be filled
+    by then, and the build must start before the last piece is in (the overlap)."""
+    from kvatlas.directory.blend import bulk, index
+    from kvatlas.directory.snapshot import token_section
+
+    d, _ = populated()
+    path = tmp_path / "s.snap"
+    save_snapshot(d, path)
+    monkeypatch.setattr(token_section, "FILL_PIECE", 2)
+    monkeypatch.setattr(index, "BUILD_SLICE", 2)
+    fill_contents, filled, pieces = token_section.fill_contents, set(), []
+    lock = threading.Lock()
+
+    def slow(contents: list[Any], *rest: Any) -> None:
+        time.sleep(0.02)
+        fill_contents(contents, *rest)
+        with lock:
+            filled.update(id(c) for c in contents if c is not None)
+            pieces.append(len(contents))
+
+    layout, unfilled, pending = bulk.vouched_layout, [], []
+
+    def checked(handles: Any, *rest: Any) -> Any:
+        with lock:
+            unfilled.extend(h for h in handles.tolist() if h not in filled)
+            pending.append(len(pieces) < -(-59 // 2))
+        return layout(handles, *rest)
+
+    monkeypatch.setattr(token_section, "fill_contents", slow)
+    monkeypatch.setattr(bulk, "vouched_layout", checked)
+    restored = KeyDirectory(CS, enable_blend_lookup=True)
+    load_snapshot(restored, path)
+    assert pending and not unfilled
+    assert any(pending)  # some slice was built while pieces were still being filled
+    assert state(restored) == state(d)
+    for n in (1, 7, 39):
+        assert [m.old_st for m in restored.blend_match(toks(n, n, n, n), NS)] == [4 * n]
 
 
 def test_contents_are_filled_only_once_the_ids_are_read(

@@ -15,6 +15,7 @@ the one :meth:`IndexState.apply` builds (``tests/directory/test_blend_bulk_build
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import compress, pairwise
 from typing import Any
 
@@ -40,6 +41,9 @@ from kvatlas.directory.blend.state import IndexState
 _EXTRA = F_NEW_CLAIM | F_EXTRA_CLAIM
 """The flags of an add whose claim went to the extra-claim set (a further namespace)."""
 
+_ANY_SIZE = 1 << 62
+"""A bound no object's size reaches (``hash_lengths`` as a check of type alone)."""
+
 
 def is_empty(state: IndexState) -> bool:
     """Whether ``state`` never held anything (its id lists only ever grow)."""
@@ -51,25 +55,28 @@ def build_empty(
     adds: AddColumns,
     fps: npt.NDArray[np.uint64] | None,
     slice_size: int,
+    ready: Callable[[int], None] | None = None,
 ) -> bool:
     """Apply ``adds`` (``vouched``, at least one) to the empty ``state`` as
     ``IndexState.apply`` of each slice of ``slice_size`` adds, the last add on its own,
     would, then shrink the extra-claim set as ``BlendIndex.build`` does. ``fps``: each
-    add's fingerprint under the state's base and bits, or ``None``. Returns ``False``,
-    having changed nothing, unless every content is a ``bytes`` content, every hash a
-    ``bytes`` of at most ``HASH_WIDTH`` and every column one entry per add (then the caller
-    takes the general path, which refuses what is wrong). An exception midway leaves
-    ``state`` partly written: the caller discards it."""
+    add's fingerprint under the state's base and bits, or ``None``. ``ready(k)``, if given,
+    is called before the payloads of the first ``k`` adds' contents are read, slice by
+    slice, and blocks until they may be (``BlendIndex.build``). Returns ``False``, having
+    changed nothing, unless every content is a ``bytes`` content, every hash a ``bytes`` of
+    at most ``HASH_WIDTH`` and every column one entry per add (then the caller takes the
+    general path, which refuses what is wrong). An exception midway leaves ``state`` partly
+    written: the caller discards it."""
     tokens = adds.tokens if type(adds.tokens) is list else list(adds.tokens)
     n = len(tokens)
     layout = _cpython.OBJECT_LAYOUT
     if layout is None or not n:  # pragma: no cover - not CPython + numpy
         return False
-    widths, addrs = np.empty(n, np.int64), np.empty(n, np.int64)
-    handles = np.fromiter(map(id, tokens), np.int64, n)
+    contents = np.fromiter(map(id, tokens), np.int64, n)
     data_off = _cpython.BYTES_DATA_OFFSET
-    nbytes = vouched_layout(handles, tuple(layout), id(bytes), data_off, widths, addrs)
-    if nbytes < 0:
+    widths, addrs = np.empty(n, np.int64), np.empty(n, np.int64)
+    # each content's type (its size into widths, written over below): no payload read yet
+    if not hash_lengths(contents, tuple(layout), id(bytes), _ANY_SIZE, widths):
         return False
     hashes = list(adds.chunk_hashes)
     which_n = n if adds.namespace_of is None else len(adds.namespace_of)
@@ -92,7 +99,13 @@ def build_empty(
     state.reserve(n, 0 if bool((ns == ns[0]).all()) else None)
     flags = np.empty(n, np.int64)
     extra: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]] = []
+    nbytes = 0
     for lo, hi in pairwise(bounds):
+        if ready is not None:
+            ready(hi)
+        nbytes += vouched_layout(
+            contents[lo:hi], tuple(layout), id(bytes), data_off, widths[lo:hi], addrs[lo:hi]
+        )
         out = state.run_ops(
             ADD,
             addrs[lo:hi],

@@ -31,7 +31,7 @@ from __future__ import annotations
 import secrets
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, NamedTuple
@@ -255,7 +255,12 @@ class BlendIndex:
         its fingerprint column; never on the wire)."""
         return FingerprintKey(SCHEME, self.chunk_size, self._fmask.bit_length(), self._base)
 
-    def build(self, adds: AddColumns, fingerprints: Fingerprints | None = None) -> None:
+    def build(
+        self,
+        adds: AddColumns,
+        fingerprints: Fingerprints | None = None,
+        ready: Callable[[int], None] | None = None,
+    ) -> None:
         """``apply([adds])`` to a fresh index nobody queries yet (a restore's rebuild): its
         arrays and table sized once for all the adds, applied in slices of
         :data:`BUILD_SLICE` (bounded scratch), the last add on its own, then the extra-claim
@@ -271,7 +276,11 @@ class BlendIndex:
         ignored and the fingerprints computed.
 
         Vouched adds of ``bytes`` contents to an empty index take ``bulk.build_empty``: the
-        same kernel calls and the same state, the Python around them done column-wise."""
+        same kernel calls and the same state, the Python around them done column-wise.
+
+        ``ready(k)``: called before the ids of the first ``k`` adds' contents are read, it
+        blocks until they may be (a restore builds while its contents are filled:
+        ``snapshot/token_section.py``); ``None``: they all may be."""
         n = len(adds.tokens)
         if not n:
             return
@@ -284,13 +293,15 @@ class BlendIndex:
                 fps = np.ascontiguousarray(fingerprints.values, np.uint64)
             if adds.vouched and is_empty(self._state):
                 try:
-                    built = build_empty(self._state, adds, fps, BUILD_SLICE)
+                    built = build_empty(self._state, adds, fps, BUILD_SLICE, ready)
                 except BaseException:  # the kernel wrote part of it: empty again (exact: it was)
                     self._state = IndexState(self.chunk_size, self._base, self._fmask)
                     raise
                 if built:
                     return
             self._state.reserve(n)
+        if ready is not None:
+            ready(n)
         which = adds.namespace_of
         # slices of all adds but the last, then the last on its own
         bounds = [*range(0, n - 1, BUILD_SLICE), n - 1, n]

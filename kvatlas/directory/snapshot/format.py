@@ -125,6 +125,20 @@ class Header(msgspec.Struct, omit_defaults=True):
     fingerprint_digest: bytes = b""  # FingerprintKey.digest of the key and the column
 
 
+@dataclass(frozen=True, slots=True)
+class Columns:
+    """The chunk and key columns of a header, checked for consistency (``reader._columns``)."""
+
+    offsets: np.ndarray[Any, Any]
+    lens: np.ndarray[Any, Any]
+    widths: np.ndarray[Any, Any]  # form codes (int64: 2, 4 or 16 + h, the planes form)
+    counts: np.ndarray[Any, Any]  # keys per chunk (int64)
+    first_key: np.ndarray[Any, Any]  # each chunk's first key (int64)
+    key_shapes: np.ndarray[Any, Any]
+    key_pl_counts: np.ndarray[Any, Any]
+    key_pls: np.ndarray[Any, Any]
+
+
 def encode_column(name: str, values: Sequence[Any] | np.ndarray[Any, Any]) -> bytes:
     return np.array(values, dtype=COLUMNS[name]).tobytes()
 

@@ -16,16 +16,12 @@ import gc
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass
-from itertools import compress
 from typing import Any
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.directory.blend import AddColumns
-from kvatlas.directory.blend.fingerprints import Fingerprints
 from kvatlas.directory.blend.kernels.planes import FORM_PLANES, FORM_U16, FORM_U32, MAX_HIGH_BITS
 from kvatlas.directory.capture import DirectoryState, Restored
 from kvatlas.directory.chunk_counts import L2_TIER, PARTS, ChunkCounts
@@ -44,15 +40,15 @@ from kvatlas.directory.records import (
     record_stored_tokens,
     rows_from_columns,
 )
-from kvatlas.directory.reindex import index_adds
 from kvatlas.directory.shapes import ShapeTable
-from kvatlas.directory.snapshot.fingerprint_column import check_sample, saved_fingerprints
+from kvatlas.directory.snapshot.blend_build import built_index, indexable_chunks
 from kvatlas.directory.snapshot.format import (
     HASH_BYTES,
     MAGIC,
     PREFIX,
     READABLE,
     TIERS,
+    Columns,
     Header,
     SnapshotError,
     SnapshotInfo,
@@ -60,7 +56,7 @@ from kvatlas.directory.snapshot.format import (
 )
 from kvatlas.directory.snapshot.token_section import read_exactly, read_token_section
 from kvatlas.directory.token_store import form_sizes
-from kvatlas.events import UNKNOWN_OFFSET, VOLATILE_TIERS
+from kvatlas.events import VOLATILE_TIERS
 from kvatlas.keys import ObjectKey
 
 
@@ -110,32 +106,26 @@ def _load(directory: KeyDirectory, path: str | os.PathLike[str]) -> SnapshotInfo
         columns = _columns(header)
         if size - body != int(form_sizes(columns.lens, columns.widths).sum()):
             raise SnapshotError("token arena length does not match the header")
-        tokens, finish = read_token_section(f, body, columns.lens, columns.widths, header.version)
+        tokens, filling = read_token_section(f, body, columns.lens, columns.widths, header.version)
         try:
             table, sids = _shapes(header, columns)
             hashes: list[bytes] = np.frombuffer(header.chunk_hashes, f"V{HASH_BYTES}").tolist()
             # With blend on (it is never turned off), records the index will hold are built
-            # marked, and its adds built from the columns (directory/reindex.py).
-            indexable = _indexable(header, columns) if _reads_blend(directory, header) else None
-            adds = fingerprints = None
-            if indexable is not None:
-                saved = saved_fingerprints(header, len(hashes))
-                adds, fps = _index_adds(
-                    columns, indexable, tokens, hashes, sids, table,
-                    None if saved is None else saved[1],
-                )  # fmt: skip
-                if saved is not None and fps is not None:
-                    fingerprints = Fingerprints(saved[0], fps)
+            # marked, and the index built from the columns (directory/reindex.py).
+            indexable = indexable_chunks(directory, header, columns)
             parts = _build(header, columns, tokens, hashes, sids, indexable)
-            del tokens
             counts = _counts(header, columns, sids)
             state = DirectoryState(header.chunk_size, _cursors(header), _capacities(header))
-        finally:  # nothing reads a content before the whole section is in
-            if finish is not None:
-                finish()
-        if fingerprints is not None and adds is not None:
-            check_sample(fingerprints, adds.tokens)
-        directory.install(Restored(state, table, parts, counts, adds, fingerprints))
+            index = None
+            if indexable is not None:  # while the contents are filled
+                index = built_index(
+                    directory, header, columns, indexable, tokens, hashes, sids, table, filling
+                )
+            del tokens
+        finally:  # nothing else reads a content before the whole section is in
+            if filling is not None:
+                filling.finish()
+        directory.install(Restored(state, table, parts, counts, index))
     return SnapshotInfo(
         str(path),
         len(hashes),
@@ -149,20 +139,6 @@ def _load(directory: KeyDirectory, path: str | os.PathLike[str]) -> SnapshotInfo
     )
 
 
-@dataclass(frozen=True, slots=True)
-class _Columns:
-    """The chunk and key columns of a header, checked for consistency."""
-
-    offsets: np.ndarray[Any, Any]
-    lens: np.ndarray[Any, Any]
-    widths: np.ndarray[Any, Any]  # form codes (int64: 2, 4 or 16 + h, the planes form)
-    counts: np.ndarray[Any, Any]  # keys per chunk (int64)
-    first_key: np.ndarray[Any, Any]  # each chunk's first key (int64)
-    key_shapes: np.ndarray[Any, Any]
-    key_pl_counts: np.ndarray[Any, Any]
-    key_pls: np.ndarray[Any, Any]
-
-
 def _known_forms(widths: np.ndarray[Any, Any], version: int) -> np.ndarray[Any, Any]:
     """Which form codes the snapshot's version may hold (planes forms from version 3 on)."""
     known: np.ndarray[Any, Any] = (widths == FORM_U16) | (widths == FORM_U32)
@@ -171,7 +147,7 @@ def _known_forms(widths: np.ndarray[Any, Any], version: int) -> np.ndarray[Any, 
     return known
 
 
-def _columns(header: Header) -> _Columns:
+def _columns(header: Header) -> Columns:
     offsets = decode_column(header, "chunk_offsets")
     lens = decode_column(header, "chunk_token_lens")
     counts = decode_column(header, "chunk_key_counts")
@@ -201,10 +177,10 @@ def _columns(header: Header) -> _Columns:
         raise SnapshotError("inconsistent snapshot columns")
     counts = counts.astype(np.int64)
     first_key = np.cumsum(counts) - counts
-    return _Columns(offsets, lens, widths, counts, first_key, key_shapes, key_pl_counts, key_pls)
+    return Columns(offsets, lens, widths, counts, first_key, key_shapes, key_pl_counts, key_pls)
 
 
-def _shapes(header: Header, cols: _Columns) -> tuple[ShapeTable, npt.NDArray[np.int64]]:
+def _shapes(header: Header, cols: Columns) -> tuple[ShapeTable, npt.NDArray[np.int64]]:
     """The directory's shape table, and each key's shape id in it."""
     strings = header.strings
     table = ShapeTable()
@@ -251,15 +227,16 @@ def _placements(header: Header) -> list[PlacementRow]:
 
 def _build(
     header: Header,
-    cols: _Columns,
+    cols: Columns,
     tokens: list[Any],
     hashes: list[bytes],
     sids: npt.NDArray[np.int64],
     marks: npt.NDArray[np.bool_] | None,
 ) -> list[ChunkPart]:
     """The partitions of records (``sids``: each key's shape id), marked indexed where
-    ``marks`` says (``None``: none; see :func:`_indexable`), as the table's columns: no record
-    built but for chunks with several keys or placements (then the record is written over)."""
+    ``marks`` says (``None``: none; ``blend_build.indexable_chunks``), as the table's
+    columns: no record built but for chunks with several keys or placements (then the
+    record is written over)."""
     pls = _placements(header)
     # Column-wise: each chunk's first key, that key's first placement, its shape id.
     counts, first_key = cols.counts, cols.first_key
@@ -319,58 +296,6 @@ def _l1_owners(header: Header) -> npt.NDArray[np.int64]:
     return np.where(own, decode_column(header, "pl_instance").astype(np.int64), -1)
 
 
-def _reads_blend(directory: KeyDirectory, header: Header) -> bool:
-    """Whether the restore marks records indexed and gives ``install`` their index adds
-    (else ``install`` reads them from the records, if blend is on by then)."""
-    return directory.blend_lookup_enabled and header.chunk_size == directory.chunk_size
-
-
-def _index_adds(
-    cols: _Columns,
-    indexable: npt.NDArray[np.bool_],
-    tokens: list[Any],
-    hashes: list[bytes],
-    sids: npt.NDArray[np.int64],
-    table: ShapeTable,
-    saved: npt.NDArray[np.uint64] | None,
-) -> tuple[AddColumns, npt.NDArray[np.uint64] | None]:
-    """The blend-index adds of the ``indexable`` chunks (all: the columns as they are), from
-    the columns: what the records :func:`_build` marks indexed hold, vouched for (the index
-    takes them without looking at each content: ``AddColumns.vouched``), safe because of
-    where they come from: each content is a ``bytes`` this restore made itself in its form
-    (``token_section.py``), of ``chunk_size`` ids (``_indexable``); each hash is 32 exact bytes (cut
-    from ``chunk_hashes``, whose length ``_columns`` checked); each offset is >= 0
-    (``_columns`` refuses < -1, ``_indexable`` drops -1); namespaces index their list. And
-    each add's fingerprint, from the chunks' ``saved`` ones (``None``: none saved)."""
-    at = np.flatnonzero(indexable)
-    counts, first_key = cols.counts, cols.first_key
-    several = [  # (row, every key's shape id) of the chunks with several keys
-        (r, sids[first_key[c] : first_key[c] + counts[c]].tolist())
-        for r in np.flatnonzero(counts[at] > 1).tolist()
-        for c in (int(at[r]),)
-    ]
-    if len(at) < len(tokens):
-        marks = indexable.tolist()
-        tokens, hashes = list(compress(tokens, marks)), list(compress(hashes, marks))
-    adds, fps = index_adds(
-        tokens,
-        hashes,
-        cols.offsets[at].astype(np.int64),
-        sids[first_key[at]],
-        several,
-        table,
-        None if saved is None else saved[at],
-    )
-    return adds._replace(vouched=True), fps
-
-
-def _indexable(header: Header, cols: _Columns) -> npt.NDArray[np.bool_]:
-    """Chunks the blend index holds: bound content of ``chunk_size`` tokens, a known offset
-    (as ``chunk_stores._bind`` decides)."""
-    out: npt.NDArray[np.bool_] = (cols.lens == header.chunk_size) & (cols.offsets != UNKNOWN_OFFSET)
-    return out
-
-
 def _cursors(header: Header) -> dict[str, EmitterCursor]:
     out = {}
     for name, inc, last_seq, gaps, missing, last in header.cursors:
@@ -386,7 +311,7 @@ def _capacities(header: Header) -> dict[str, CapacityDeclaration]:
     }
 
 
-def _counts(header: Header, cols: _Columns, sids: npt.NDArray[np.int64]) -> ChunkCounts:
+def _counts(header: Header, cols: Columns, sids: npt.NDArray[np.int64]) -> ChunkCounts:
     """:class:`ChunkCounts` computed column-wise (no pass over the records): first how many
     keys reference each placement row (rows are shared: one per batch and size, so there are
     few), then everything per row. ``sids``: each key's interned shape id."""

@@ -3,9 +3,12 @@
 Restore overlaps what does not need the GIL with what does: the token section is read into
 one buffer (the kernel faults the pages in and copies, the GIL released) while the calling
 thread allocates each chunk's content, and the contents are filled from the buffer on the
-same thread once the read is in (the copy and the contents' page faults, the GIL released)
-while the calling thread builds the records. The returned ``finish`` joins both, before
-anything reads a content, and the buffer is freed. See docs/directory.md.
+same thread once the read is in, a piece of :data:`FILL_PIECE` chunks at a time in chunk
+order (the copy and the contents' page faults, the GIL released), while the calling thread
+builds the records and then the blend index. The index waits only for the pieces whose
+contents it reads (:meth:`Filling.wait`), and a caller that waits fills the next piece
+nobody has started itself; :meth:`Filling.finish` joins both (filling what is left on both
+threads) before anything else reads a content. See docs/directory.md.
 
 Measured and left out (docs/performance.md, "Measured and left out"): building the blend
 index on a thread of its own as well (its kernel runs without the GIL: +0.2 s of CPU per
@@ -20,10 +23,10 @@ import ctypes
 import io
 import mmap
 import sys
+import threading
 import weakref
-from collections.abc import Callable
 from concurrent import futures
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -44,6 +47,73 @@ from kvatlas.directory.token_store import (
 V1_GROUP = 65_536
 """Chunks of a version-1 token section read (and compacted) at a time."""
 
+FILL_PIECE = 65_536
+"""Chunks whose contents the reading thread fills at a time (the unit :meth:`Filling.wait`
+waits for: a blend-index rebuild reads a slice's contents once their pieces are in)."""
+
+
+class Filling:
+    """The contents of a token section being filled: the read, then each piece of
+    :data:`FILL_PIECE` chunks in chunk order, by the reading thread and by whoever waits for
+    a piece nobody has started (a waiting caller fills it itself: the two threads share the
+    copy and its page faults instead of one waiting for the other)."""
+
+    def __init__(
+        self, pool: ThreadPoolExecutor, reading: Future[None], pieces: list[tuple[Any, ...]]
+    ) -> None:
+        """``pieces``: :func:`fill_contents`'s arguments for each piece; the reading thread
+        (``pool``'s, ``reading`` its read) fills them once the read is in."""
+        self._reading, self._pieces = reading, pieces
+        self._lock = threading.Lock()
+        self._next = 0  # the first piece nobody has started
+        self._done = [threading.Event() for _ in pieces]
+        self._failed: dict[int, BaseException] = {}
+        self._filler = pool.submit(self._fill_all)
+
+    def wait(self, chunks: int) -> None:
+        """Return once the contents of the first ``chunks`` chunks are filled, filling those
+        of them nobody has started; raises what the read or their fill raised (then call
+        :meth:`finish` all the same)."""
+        self._reading.result()
+        need = min(-(-chunks // FILL_PIECE), len(self._pieces))
+        while (i := self._claim(need)) is not None:
+            self._fill(i)
+        for i in range(need):
+            self._done[i].wait()
+            if i in self._failed:
+                raise self._failed[i]
+
+    def finish(self) -> None:
+        """Join the read and every piece, whatever happened, filling those nobody has
+        started: call it before anything but :meth:`wait`'s caller reads a content, and
+        before the contents are dropped (a failed read raises from here once no piece
+        writes into them any more)."""
+        try:
+            self.wait(FILL_PIECE * len(self._pieces))
+        finally:  # the reading thread fills after the read, whatever the read did
+            futures.wait([self._filler])
+        self._filler.result()
+
+    def _fill_all(self) -> None:
+        while (i := self._claim(len(self._pieces))) is not None:
+            self._fill(i)
+
+    def _claim(self, below: int) -> int | None:
+        with self._lock:
+            i = self._next
+            if i >= below:
+                return None
+            self._next += 1
+            return i
+
+    def _fill(self, i: int) -> None:
+        try:
+            fill_contents(*self._pieces[i])
+        except BaseException as exc:
+            self._failed[i] = exc
+        finally:
+            self._done[i].set()
+
 
 def read_token_section(
     f: io.FileIO,
@@ -51,16 +121,16 @@ def read_token_section(
     lens: np.ndarray[Any, Any],
     widths: np.ndarray[Any, Any],
     version: int,
-) -> tuple[list[Any], Callable[[], None] | None]:
+) -> tuple[list[Any], Filling | None]:
     """Each chunk's content (``None`` for unknown content) in its stored form (``widths``:
-    form codes), and what finishes them (``None``: they are done): the whole section is
+    form codes), and their :class:`Filling` (``None``: they are done): the whole section is
     read into one buffer on a thread of its own (it releases the GIL) while the contents
-    are allocated, and the contents filled from it on that thread after the read, while the
-    caller goes on; ``finish`` joins both. Call it before anything reads a content, and
-    whatever happens (a failed read raises from it: the restore fails before anything is
-    installed). A version-1 section (every width 4) is put in the forms its ids
-    need as it is read, on the calling thread; so are a version-2 section's uint32 contents
-    (written before the planes form existed), once the read is in."""
+    are allocated, and the contents filled from it on that thread after the read, piece by
+    piece, while the caller goes on. Call ``finish`` before anything reads a content (but
+    through ``wait``), and whatever happens (a failed read raises from it: the restore fails
+    before anything is installed). A version-1 section (every width 4) is put in the forms
+    its ids need as it is read, on the calling thread; so are a version-2 section's uint32
+    contents (written before the planes form existed), once the read is in."""
     if version < 2:  # a group of chunks at a time: no second copy of a whole uint32 section
         lengths, out, pos = lens.astype(np.int64), [], start
         for lo in range(0, len(lengths), V1_GROUP):
@@ -74,7 +144,8 @@ def read_token_section(
         return out, None
     refuse_big_endian("a snapshot's token section", SnapshotError)
     lens = lens.astype(np.int64)
-    buffer, into = _zeroed(int(form_sizes(lens, widths).sum()))
+    ends = np.cumsum(form_sizes(lens, widths))
+    buffer, into = _zeroed(int(ends[-1]) if len(ends) else 0)
     pool = ThreadPoolExecutor(1, thread_name_prefix="kvatlas-restore-read")
     reading = pool.submit(fill, f, into, start)
     try:
@@ -83,27 +154,24 @@ def read_token_section(
         pool.shutdown(wait=False)
         futures.wait([reading])  # no read outlives the restore that started it
         raise
-    # the contents are filled on the same thread once the read is in (the copy and its page
-    # faults, GIL released), while the caller builds the partitions
-    filling = pool.submit(fill_contents, tokens, buffer, lens, widths)
+    # the contents are filled on the same thread once the read is in, piece by piece (the
+    # copy and its page faults, GIL released), while the caller builds the partitions
+    pieces = []
+    for lo in range(0, len(tokens), FILL_PIECE):
+        hi = min(lo + FILL_PIECE, len(tokens))
+        at = int(ends[lo - 1]) if lo else 0
+        pieces.append((tokens[lo:hi], buffer[at : int(ends[hi - 1])], lens[lo:hi], widths[lo:hi]))
+    filling = Filling(pool, reading, pieces)
     pool.shutdown(wait=False)  # (the tasks still run; the thread ends with them)
-
-    def finish() -> None:
-        try:
-            reading.result()
-        finally:  # the fill runs after the read, whatever the read did: nothing is dropped
-            futures.wait([filling])  # while it writes into the contents
-        filling.result()
-
     if version < 3:
         wide = np.flatnonzero((widths == FORM_U32) & (lens > 0)).tolist()
         if wide:
-            finish()
+            filling.finish()
             refit = stored_batch([widened(tokens[i]) for i in wide])  # type: ignore[arg-type]
             for i, stored in zip(wide, refit, strict=True):
                 tokens[i] = stored
             return tokens, None
-    return tokens, finish
+    return tokens, filling
 
 
 def read_exactly(f: io.FileIO, n: int) -> bytearray:

@@ -1,0 +1,92 @@
+"""A restore's blend index, built from a snapshot's columns while its contents are filled.
+
+With blend on (it is never turned off) the reader builds the records the index will hold
+marked indexed, and the index from the columns (``directory/reindex.py``), not from the
+records: each slice of adds once the reading thread has filled its contents
+(``token_section.Filling``), while the rest are filled. ``install`` publishes it whole.
+"""
+
+from __future__ import annotations
+
+from itertools import compress
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvatlas.directory.blend import BlendIndex
+from kvatlas.directory.blend.fingerprints import Fingerprints
+from kvatlas.directory.key_directory import KeyDirectory
+from kvatlas.directory.reindex import index_adds
+from kvatlas.directory.shapes import ShapeTable
+from kvatlas.directory.snapshot.fingerprint_column import check_sample, saved_fingerprints
+from kvatlas.directory.snapshot.format import Columns, Header
+from kvatlas.directory.snapshot.token_section import Filling
+from kvatlas.events import UNKNOWN_OFFSET
+
+
+def indexable_chunks(
+    directory: KeyDirectory, header: Header, cols: Columns
+) -> npt.NDArray[np.bool_] | None:
+    """Chunks the blend index holds: bound content of ``chunk_size`` tokens, a known offset
+    (as ``chunk_stores._bind`` decides); ``None`` when the restore builds no index (blend
+    off: then ``install`` reads the records, if blend is on by then)."""
+    if not directory.blend_lookup_enabled or header.chunk_size != directory.chunk_size:
+        return None
+    out: npt.NDArray[np.bool_] = (cols.lens == header.chunk_size) & (cols.offsets != UNKNOWN_OFFSET)
+    return out
+
+
+def built_index(
+    directory: KeyDirectory,
+    header: Header,
+    cols: Columns,
+    indexable: npt.NDArray[np.bool_],
+    tokens: list[Any],
+    hashes: list[bytes],
+    sids: npt.NDArray[np.int64],
+    table: ShapeTable,
+    filling: Filling | None,
+) -> BlendIndex:
+    """The blend index of the ``indexable`` chunks (all: the columns as they are), built
+    from the columns while ``filling`` fills their contents (each slice once its contents
+    are in). The adds are what the records ``reader._build`` marks indexed hold, vouched for
+    (the index takes them without looking at each content: ``AddColumns.vouched``), safe
+    because of where they come from: each content is a ``bytes`` this restore made itself
+    in its form (``token_section.py``), of ``chunk_size`` ids (:func:`indexable_chunks`);
+    each hash is 32 exact bytes (cut from ``chunk_hashes``, whose length ``reader._columns``
+    checked); each offset is >= 0 (``reader._columns`` refuses < -1, the indexable drop -1);
+    namespaces index their list. Each add's fingerprint is the saved one, if any (checked
+    here on a sample once the contents are in)."""
+    at = np.flatnonzero(indexable)
+    saved = saved_fingerprints(header, len(hashes))
+    counts, first_key = cols.counts, cols.first_key
+    several = [  # (row, every key's shape id) of the chunks with several keys
+        (r, sids[first_key[c] : first_key[c] + counts[c]].tolist())
+        for r in np.flatnonzero(counts[at] > 1).tolist()
+        for c in (int(at[r]),)
+    ]
+    if len(at) < len(tokens):
+        marks = indexable.tolist()
+        tokens, hashes = list(compress(tokens, marks)), list(compress(hashes, marks))
+    adds, fps = index_adds(
+        tokens,
+        hashes,
+        cols.offsets[at].astype(np.int64),
+        sids[first_key[at]],
+        several,
+        table,
+        None if saved is None else saved[1][at],
+    )
+    fingerprints = None if saved is None or fps is None else Fingerprints(saved[0], fps)
+
+    def ready(k: int) -> None:  # the contents of the first k adds filled (those after
+        if filling is not None and k:  # the first len(at) are further namespaces' adds of them)
+            filling.wait(int(at[min(k, len(at)) - 1]) + 1)
+
+    index = directory.new_blend_index()
+    index.build(adds._replace(vouched=True), fingerprints, ready)
+    if fingerprints is not None:
+        ready(len(fingerprints.values))
+        check_sample(fingerprints, adds.tokens)
+    return index
