@@ -188,6 +188,35 @@ def test_the_read_buffer_is_seen_by_tracemalloc_until_it_is_freed() -> None:
         tracemalloc.stop()
 
 
+def test_the_read_buffer_is_freed_before_the_restore_installs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The token section's buffer (as large as the section) is gone once the contents are
+    filled: nothing of it is alive while the restored state is installed."""
+    from kvatlas.directory.snapshot import token_section
+
+    d, em = KeyDirectory(CS, enable_blend_lookup=True), Emitter("a")
+    d.consume(em.batch("store", [entry(key(n), toks(n, n, n, n), 4 * n) for n in range(1, 9)]))
+    save_snapshot(d, tmp_path / "s.snap")
+    monkeypatch.setattr(token_section, "FILL_PIECE", 2)  # several pieces
+    alive: list[int] = []
+    install = KeyDirectory.install
+
+    def measured(self: KeyDirectory, restored: Any) -> None:
+        domain = tracemalloc.DomainFilter(True, token_section._TRACE_DOMAIN)
+        traces = tracemalloc.take_snapshot().filter_traces([domain])
+        alive.append(sum(s.size for s in traces.statistics("filename")))
+        install(self, restored)
+
+    monkeypatch.setattr(KeyDirectory, "install", measured)
+    tracemalloc.start()
+    try:
+        load_snapshot(KeyDirectory(CS, enable_blend_lookup=True), tmp_path / "s.snap")
+    finally:
+        tracemalloc.stop()
+    assert alive == [0]
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 300), st.sampled_from([2, 4, 17, 18, 24]))))
 def test_filled_contents_hold_each_chunks_ids(shapes: list[tuple[int, int]]) -> None:

@@ -63,7 +63,7 @@ class Filling:
     ) -> None:
         """``pieces``: :func:`fill_contents`'s arguments for each piece; the reading thread
         (``pool``'s, ``reading`` its read) fills them once the read is in."""
-        self._reading, self._pieces = reading, pieces
+        self._reading, self._pieces, self._n = reading, pieces, len(pieces)
         self._lock = threading.Lock()
         self._next = 0  # the first piece nobody has started
         self._done = [threading.Event() for _ in pieces]
@@ -75,7 +75,7 @@ class Filling:
         of them nobody has started; raises what the read or their fill raised (then call
         :meth:`finish` all the same)."""
         self._reading.result()
-        need = min(-(-chunks // FILL_PIECE), len(self._pieces))
+        need = min(-(-chunks // FILL_PIECE), self._n)
         while (i := self._claim(need)) is not None:
             self._fill(i)
         for i in range(need):
@@ -89,13 +89,13 @@ class Filling:
         before the contents are dropped (a failed read raises from here once no piece
         writes into them any more)."""
         try:
-            self.wait(FILL_PIECE * len(self._pieces))
+            self.wait(FILL_PIECE * self._n)
         finally:  # the reading thread fills after the read, whatever the read did
             futures.wait([self._filler])
         self._filler.result()
 
     def _fill_all(self) -> None:
-        while (i := self._claim(len(self._pieces))) is not None:
+        while (i := self._claim(self._n)) is not None:
             self._fill(i)
 
     def _claim(self, below: int) -> int | None:
@@ -107,11 +107,13 @@ class Filling:
             return i
 
     def _fill(self, i: int) -> None:
+        piece, self._pieces[i] = self._pieces[i], ()  # (its share of the buffer: freed after)
         try:
-            fill_contents(*self._pieces[i])
+            fill_contents(*piece)
         except BaseException as exc:
             self._failed[i] = exc
         finally:
+            del piece
             self._done[i].set()
 
 
