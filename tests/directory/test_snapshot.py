@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -179,16 +178,28 @@ def test_contents_are_filled_before_any_use(
     assert [m.old_st for m in restored.blend_match(toks(7, 7, 7, 7), NS)] == [28]
 
     fill, fills[:] = token_section.fill, []
+    monkeypatch.setattr(token_section, "FILL_PIECE", 2)  # pieces read and filled one by one
+    running: list[int] = []
+
+    def counted(*args: Any) -> None:
+        running.append(1)
+        late(*args)
+        running.pop()
+
+    reads: list[int] = []
 
     def cut_short(f: Any, view: memoryview, pos: int) -> None:
-        with open(path, "r+b") as out:
-            out.truncate(pos + len(view) // 2)
+        reads.append(pos)
+        if len(reads) == 3:  # the file cut short in the third piece read (once)
+            with open(path, "r+b") as out:
+                out.truncate(pos + len(view) // 2)
         fill(f, view, pos)
 
+    monkeypatch.setattr(token_section, "fill_contents", counted)
     monkeypatch.setattr(token_section, "fill", cut_short)
     with pytest.raises(SnapshotError, match="truncated snapshot token arena"):
         load_snapshot(KeyDirectory(CS, enable_blend_lookup=True), path)
-    assert len(fills) == 1  # the fill had ended when the restore failed
+    assert fills and not running  # pieces were filled, and none was when the restore failed
 
 
 def test_the_index_reads_each_content_only_once_its_piece_is_filled(
@@ -240,8 +251,8 @@ def test_contents_are_filled_only_once_the_ids_are_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each chunk's content is allocated while the ids are read on another thread, and
-    filled from them once the read is in (here the read starts only when it is waited
-    for: a content filled before would hold zeros). Odd lengths and every form, one after
+    filled from them once the read is in (here the read starts only when the reader waits
+    for the contents: a content filled before would hold zeros). Odd lengths and every form, one after
     another in the section."""
     from kvatlas.directory.snapshot import token_section
 
@@ -256,7 +267,7 @@ def test_contents_are_filled_only_once_the_ids_are_read(
     )
     save_snapshot(d, tmp_path / "s.snap")
     waiting = threading.Event()
-    fill, wait = token_section.fill, Future.result
+    fill, wait = token_section.fill, token_section.Filling.wait
 
     def held_fill(f: Any, view: memoryview, pos: int) -> None:
         waiting.wait(10)  # (a deadline for liveness only: the outcome does not depend on it)
@@ -267,7 +278,7 @@ def test_contents_are_filled_only_once_the_ids_are_read(
         return wait(self, *args)
 
     monkeypatch.setattr(token_section, "fill", held_fill)
-    monkeypatch.setattr(Future, "result", waited)  # the read, waited for
+    monkeypatch.setattr(token_section.Filling, "wait", waited)  # the read, waited for
     restored = KeyDirectory(CS)
     load_snapshot(restored, tmp_path / "s.snap")
     a, b, c = restored.lookup([key(1), key(2), key(3)])
@@ -289,7 +300,7 @@ def test_the_index_rebuilt_from_the_readers_adds_sees_the_ids_read_last(
     path = tmp_path / "s.snap"
     save_snapshot(d, path)
     waiting = threading.Event()
-    fill, wait = token_section.fill, Future.result
+    fill, wait = token_section.fill, token_section.Filling.wait
 
     def held_fill(f: Any, view: memoryview, pos: int) -> None:
         waiting.wait(10)  # (a deadline for liveness only: the outcome does not depend on it)
@@ -300,7 +311,7 @@ def test_the_index_rebuilt_from_the_readers_adds_sees_the_ids_read_last(
         return wait(self, *args)
 
     monkeypatch.setattr(token_section, "fill", held_fill)
-    monkeypatch.setattr(Future, "result", waited)  # the read, waited for
+    monkeypatch.setattr(token_section.Filling, "wait", waited)  # the read, waited for
     restored = KeyDirectory(CS, enable_blend_lookup=True)
     load_snapshot(restored, path)
     assert state(restored) == state(d)

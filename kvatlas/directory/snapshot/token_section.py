@@ -22,11 +22,12 @@ from __future__ import annotations
 import ctypes
 import io
 import mmap
+import os
 import sys
 import threading
 import weakref
 from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -47,56 +48,80 @@ from kvatlas.directory.token_store import (
 V1_GROUP = 65_536
 """Chunks of a version-1 token section read (and compacted) at a time."""
 
-FILL_PIECE = 65_536
-"""Chunks whose contents the reading thread fills at a time (the unit :meth:`Filling.wait`
-waits for: a blend-index rebuild reads a slice's contents once their pieces are in)."""
+FILL_PIECE = 16_384
+"""Chunks read and filled at a time: each piece is read into a scratch buffer of the thread
+that takes it (reused, so its pages are faulted in once and stay in cache) and its
+contents filled from there; and the unit :meth:`Filling.wait` waits for."""
 
 
 class Filling:
-    """The contents of a token section being filled: the read, then each piece of
-    :data:`FILL_PIECE` chunks in chunk order, by the reading thread and by whoever waits for
-    a piece nobody has started (a waiting caller fills it itself: the two threads share the
-    copy and its page faults instead of one waiting for the other)."""
+    """A token section read into its contents a piece of :data:`FILL_PIECE` chunks at a
+    time, in chunk order: by a reading thread of its own, which starts at once (reading the
+    first piece while the contents are allocated), and by whoever waits for a piece nobody
+    has started (a waiting caller takes it itself: the two threads share the reads, the
+    copies and their page faults instead of one waiting for the other). One caller thread."""
 
     def __init__(
-        self, pool: ThreadPoolExecutor, reading: Future[None], pieces: list[tuple[Any, ...]]
+        self, f: io.FileIO, start: int, ends: npt.NDArray[np.int64], lens: Any, forms: Any
     ) -> None:
-        """``pieces``: :func:`fill_contents`'s arguments for each piece; the reading thread
-        (``pool``'s, ``reading`` its read) fills them once the read is in."""
-        self._reading, self._pieces, self._n = reading, pieces, len(pieces)
+        """``ends``: where each chunk's bytes end in the section (from ``start`` in ``f``)."""
+        self._f, self._start, self._lens, self._forms = f, start, lens, forms
+        self._n = -(-len(lens) // FILL_PIECE)
+        starts = np.concatenate(([0], ends))  # each piece's bytes: bounds[i] to bounds[i + 1]
+        at = np.minimum(np.arange(self._n + 1) * FILL_PIECE, len(lens))
+        self._bounds: list[int] = starts[at].tolist()
+        self._widest = int(np.diff(starts[at]).max(initial=0))
+        self._contents: list[Any] | None = None
+        self._allocated = threading.Event()
         self._lock = threading.Lock()
-        self._next = 0  # the first piece nobody has started
-        self._done = [threading.Event() for _ in pieces]
+        self._next = 1  # the first piece nobody has started (the reading thread starts at 0)
+        self._done = [threading.Event() for _ in range(self._n)]
         self._failed: dict[int, BaseException] = {}
-        self._filler = pool.submit(self._fill_all)
+        self._scratch = threading.local()
+        pool = ThreadPoolExecutor(1, thread_name_prefix="kvatlas-restore-read")
+        self._reader = pool.submit(self._read_all)
+        pool.shutdown(wait=False)  # (the task still runs; the thread ends with it)
+
+    def allocated(self, contents: list[Any]) -> None:
+        """The contents to fill (:func:`empty_contents`)."""
+        self._contents = contents
+        self._allocated.set()
+
+    def abandon(self) -> None:
+        """The contents' allocation failed: return once the reading thread has ended (the
+        pieces it reads are dropped)."""
+        self._allocated.set()
+        futures.wait([self._reader])
 
     def wait(self, chunks: int) -> None:
-        """Return once the contents of the first ``chunks`` chunks are filled, filling those
-        of them nobody has started; raises what the read or their fill raised (then call
+        """Return once the contents of the first ``chunks`` chunks are filled, taking those
+        pieces nobody has started; raises what their read or fill raised (then call
         :meth:`finish` all the same)."""
-        self._reading.result()
         need = min(-(-chunks // FILL_PIECE), self._n)
         while (i := self._claim(need)) is not None:
-            self._fill(i)
+            self._piece(i)
         for i in range(need):
             self._done[i].wait()
             if i in self._failed:
                 raise self._failed[i]
 
     def finish(self) -> None:
-        """Join the read and every piece, whatever happened, filling those nobody has
-        started: call it before anything but :meth:`wait`'s caller reads a content, and
-        before the contents are dropped (a failed read raises from here once no piece
-        writes into them any more)."""
+        """Fill every piece (taking those nobody has started) and join the reading thread,
+        whatever happened: call it before anything but :meth:`wait`'s caller reads a
+        content, and before the contents are dropped (a failed piece raises from here once
+        no piece writes into them any more). The scratch buffers are freed."""
         try:
             self.wait(FILL_PIECE * self._n)
-        finally:  # the reading thread fills after the read, whatever the read did
-            futures.wait([self._filler])
-        self._filler.result()
+        finally:
+            futures.wait([self._reader])
+            self._scratch = threading.local()
+        self._reader.result()
 
-    def _fill_all(self) -> None:
+    def _read_all(self) -> None:
+        if self._n:
+            self._piece(0)
         while (i := self._claim(self._n)) is not None:
-            self._fill(i)
+            self._piece(i)
 
     def _claim(self, below: int) -> int | None:
         with self._lock:
@@ -106,14 +131,23 @@ class Filling:
             self._next += 1
             return i
 
-    def _fill(self, i: int) -> None:
-        piece, self._pieces[i] = self._pieces[i], ()  # (its share of the buffer: freed after)
+    def _piece(self, i: int) -> None:
+        """Read piece ``i`` into this thread's scratch, then (once they are allocated) fill
+        its contents from there."""
+        lo, hi = self._bounds[i], self._bounds[i + 1]
         try:
-            fill_contents(*piece)
+            scratch = getattr(self._scratch, "buffer", None)
+            if scratch is None:
+                scratch = self._scratch.buffer = _zeroed(self._widest)
+            fill(self._f, scratch[1][: hi - lo], self._start + lo)
+            self._allocated.wait()
+            if self._contents is not None:
+                at = slice(i * FILL_PIECE, (i + 1) * FILL_PIECE)
+                contents = self._contents[at]
+                fill_contents(contents, scratch[0][: hi - lo], self._lens[at], self._forms[at])
         except BaseException as exc:
             self._failed[i] = exc
         finally:
-            del piece
             self._done[i].set()
 
 
@@ -125,14 +159,14 @@ def read_token_section(
     version: int,
 ) -> tuple[list[Any], Filling | None]:
     """Each chunk's content (``None`` for unknown content) in its stored form (``widths``:
-    form codes), and their :class:`Filling` (``None``: they are done): the whole section is
-    read into one buffer on a thread of its own (it releases the GIL) while the contents
-    are allocated, and the contents filled from it on that thread after the read, piece by
-    piece, while the caller goes on. Call ``finish`` before anything reads a content (but
-    through ``wait``), and whatever happens (a failed read raises from it: the restore fails
-    before anything is installed). A version-1 section (every width 4) is put in the forms
-    its ids need as it is read, on the calling thread; so are a version-2 section's uint32
-    contents (written before the planes form existed), once the read is in."""
+    form codes), and their :class:`Filling` (``None``: they are done): the section is read
+    and the contents filled a piece at a time on a thread of its own (the reads and the
+    copies release the GIL) while the contents are allocated and the caller goes on. Call
+    ``finish`` before anything reads a content (but through ``wait``), and whatever
+    happens (a failed read raises from it: the restore fails before anything is
+    installed). A version-1 section (every width 4) is put in the forms its ids need as it
+    is read, on the calling thread; so are a version-2 section's uint32 contents (written
+    before the planes form existed), once they are read."""
     if version < 2:  # a group of chunks at a time: no second copy of a whole uint32 section
         lengths, out, pos = lens.astype(np.int64), [], start
         for lo in range(0, len(lengths), V1_GROUP):
@@ -146,25 +180,13 @@ def read_token_section(
         return out, None
     refuse_big_endian("a snapshot's token section", SnapshotError)
     lens = lens.astype(np.int64)
-    ends = np.cumsum(form_sizes(lens, widths))
-    buffer, into = _zeroed(int(ends[-1]) if len(ends) else 0)
-    pool = ThreadPoolExecutor(1, thread_name_prefix="kvatlas-restore-read")
-    reading = pool.submit(fill, f, into, start)
+    filling = Filling(f, start, np.cumsum(form_sizes(lens, widths)), lens, widths)
     try:
         tokens = empty_contents(lens, widths)
     except BaseException:
-        pool.shutdown(wait=False)
-        futures.wait([reading])  # no read outlives the restore that started it
+        filling.abandon()  # no read outlives the restore that started it
         raise
-    # the contents are filled on the same thread once the read is in, piece by piece (the
-    # copy and its page faults, GIL released), while the caller builds the partitions
-    pieces = []
-    for lo in range(0, len(tokens), FILL_PIECE):
-        hi = min(lo + FILL_PIECE, len(tokens))
-        at = int(ends[lo - 1]) if lo else 0
-        pieces.append((tokens[lo:hi], buffer[at : int(ends[hi - 1])], lens[lo:hi], widths[lo:hi]))
-    filling = Filling(pool, reading, pieces)
-    pool.shutdown(wait=False)  # (the tasks still run; the thread ends with them)
+    filling.allocated(tokens)
     if version < 3:
         wide = np.flatnonzero((widths == FORM_U32) & (lens > 0)).tolist()
         if wide:
@@ -192,11 +214,11 @@ def read_exactly(f: io.FileIO, n: int) -> bytearray:
 
 
 def fill(f: io.FileIO, view: memoryview, pos: int) -> None:
-    """``view`` filled from the file at ``pos`` (a truncated file: :class:`SnapshotError`)."""
-    f.seek(pos)
+    """``view`` filled from the file at ``pos`` (a truncated file: :class:`SnapshotError`),
+    by positional reads (threads may read one file at once)."""
     filled = 0
     while filled < len(view):
-        got = f.readinto(view[filled:])
+        got = os.preadv(f.fileno(), [view[filled:]], pos + filled)
         if not got:
             raise SnapshotError("truncated snapshot token arena")
         filled += got
