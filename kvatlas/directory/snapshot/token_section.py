@@ -54,6 +54,10 @@ that takes it (reused, so its pages are faulted in once and stay in cache) and i
 contents filled from there; and the unit :meth:`Filling.wait` waits for."""
 
 
+Scratch = tuple[npt.NDArray[np.uint8], memoryview]
+"""A buffer a thread reads a piece into (:func:`_zeroed`'s array and writable view)."""
+
+
 class Filling:
     """A token section read into its contents a piece of :data:`FILL_PIECE` chunks at a
     time, in chunk order: by a reading thread of its own, which starts at once (reading the
@@ -77,7 +81,7 @@ class Filling:
         self._next = 1  # the first piece nobody has started (the reading thread starts at 0)
         self._done = [threading.Event() for _ in range(self._n)]
         self._failed: dict[int, BaseException] = {}
-        self._scratch = threading.local()
+        self._callers: Scratch | None = None  # the caller's scratch (the reader's: its own)
         pool = ThreadPoolExecutor(1, thread_name_prefix="kvatlas-restore-read")
         self._reader = pool.submit(self._read_all)
         pool.shutdown(wait=False)  # (the task still runs; the thread ends with it)
@@ -99,7 +103,9 @@ class Filling:
         :meth:`finish` all the same)."""
         need = min(-(-chunks // FILL_PIECE), self._n)
         while (i := self._claim(need)) is not None:
-            self._piece(i)
+            if self._callers is None:
+                self._callers = _zeroed(self._widest)
+            self._piece(i, self._callers)
         for i in range(need):
             self._done[i].wait()
             if i in self._failed:
@@ -114,14 +120,15 @@ class Filling:
             self.wait(FILL_PIECE * self._n)
         finally:
             futures.wait([self._reader])
-            self._scratch = threading.local()
+            self._callers = None
         self._reader.result()
 
     def _read_all(self) -> None:
+        scratch = _zeroed(self._widest)
         if self._n:
-            self._piece(0)
+            self._piece(0, scratch)
         while (i := self._claim(self._n)) is not None:
-            self._piece(i)
+            self._piece(i, scratch)
 
     def _claim(self, below: int) -> int | None:
         with self._lock:
@@ -131,14 +138,11 @@ class Filling:
             self._next += 1
             return i
 
-    def _piece(self, i: int) -> None:
-        """Read piece ``i`` into this thread's scratch, then (once they are allocated) fill
+    def _piece(self, i: int, scratch: Scratch) -> None:
+        """Read piece ``i`` into this thread's ``scratch``, then (once they are allocated) fill
         its contents from there."""
         lo, hi = self._bounds[i], self._bounds[i + 1]
         try:
-            scratch = getattr(self._scratch, "buffer", None)
-            if scratch is None:
-                scratch = self._scratch.buffer = _zeroed(self._widest)
             fill(self._f, scratch[1][: hi - lo], self._start + lo)
             self._allocated.wait()
             if self._contents is not None:
