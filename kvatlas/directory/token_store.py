@@ -398,7 +398,7 @@ def fill_contents(
     _fill(payloads, sizes, kept, dsts)
 
 
-@releasing  # (a restore fills on its reading thread while the partitions are built)
+@releasing  # (a restore fills pieces on two threads while the partitions and index are built)
 def _fill(payloads: Any, sizes: Any, forms: Any, dsts: Any) -> None:
     """Content ``j`` (at ``dsts[j]``) = its header and the next ``sizes[j]`` bytes."""
     at = 0

@@ -2,8 +2,8 @@
 
 With blend on (it is never turned off) the reader builds the records the index will hold
 marked indexed, and the index from the columns (``directory/reindex.py``), not from the
-records: each slice of adds once the reading thread has filled its contents
-(``token_section.Filling``), while the rest are filled. ``install`` publishes it whole.
+records: each slice of adds once its contents are filled (``token_section.Filling``), while
+the rest are filled. ``install`` publishes it whole.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ leaves the directory as it was: every column is checked against the others befor
 built. Restore works column-wise: vectorised checks, records zipped from columns (a Python loop
 only for chunks with several keys or placements), partitions built from the file's partition
 order (the chunks sorted by it if the file's are not), counters and each chunk's L1 owners
-computed from the columns instead of a pass over the records. Token ids are read into one
-buffer on a thread of its own and copied into each chunk's content there (``token_section.py``).
-See docs/directory.md.
+computed from the columns instead of a pass over the records. Token ids are read and copied
+into each chunk's content piece by piece (``token_section.py``) while the reader builds the
+records and, blend on, the index (``blend_build.py``). See docs/directory.md.
 """
 
 from __future__ import annotations

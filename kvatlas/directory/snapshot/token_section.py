@@ -1,20 +1,19 @@
-"""A snapshot's token section read into place, on a thread of its own.
+"""A snapshot's token section read into place, piece by piece, beside the caller.
 
-Restore overlaps what does not need the GIL with what does: the token section is read into
-one buffer (the kernel faults the pages in and copies, the GIL released) while the calling
-thread allocates each chunk's content, and the contents are filled from the buffer on the
-same thread once the read is in, a piece of :data:`FILL_PIECE` chunks at a time in chunk
-order (the copy and the contents' page faults, the GIL released), while the calling thread
-builds the records and then the blend index. The index waits only for the pieces whose
-contents it reads (:meth:`Filling.wait`), and a caller that waits fills the next piece
-nobody has started itself; :meth:`Filling.finish` joins both (filling what is left on both
-threads) before anything else reads a content. See docs/directory.md.
+Restore overlaps what does not need the GIL with what does: the token section is read a
+piece of :data:`FILL_PIECE` chunks at a time, in chunk order, each piece into a scratch
+buffer of the thread that takes it and its contents filled from there (the reads, the copies
+and the contents' page faults release the GIL). A reading thread starts on the first piece
+while the calling thread allocates each chunk's content, and goes on while the caller builds
+the records and then the blend index; the index waits only for the pieces whose contents it
+reads (:meth:`Filling.wait`), and a caller that waits takes the next piece nobody has started
+itself. :meth:`Filling.finish` joins both (filling what is left on both threads) before
+anything else reads a content, and frees the scratch buffers. See docs/directory.md.
 
-Measured and left out (docs/performance.md, "Measured and left out"): building the blend
+Measured and left out (docs/performance.md): building the blend
 index on a thread of its own as well (its kernel runs without the GIL: +0.2 s of CPU per
-10^6 keys at load 2.5 and no wall time); faulting the pages in first with one
-``madvise(MADV_POPULATE_WRITE)`` (0.03 s less CPU, but it holds the process's memory-map
-lock while the calling thread allocates: 0.17 s more wall time).
+10^6 keys at load 2.5 and no wall time); one buffer for the whole section (a page fault per
+4 KB of it: ≈0.3 s more CPU per 10^6 keys than the pieces' reused scratch buffers).
 """
 
 from __future__ import annotations
