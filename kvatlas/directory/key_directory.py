@@ -409,8 +409,9 @@ class KeyDirectory:
 
     def install(self, restored: Restored) -> None:
         """Replace all state with ``restored``; the blend index (if on) is ``restored``'s or
-        rebuilt from the bindings. Raises :class:`~kvatlas.errors.InvalidInput` on a chunk-size mismatch and
-        :class:`~kvatlas.errors.Conflict` while a capture is open; then nothing changed."""
+        rebuilt from the bindings. Raises :class:`~kvatlas.errors.InvalidInput` on a
+        chunk-size mismatch and :class:`~kvatlas.errors.Conflict` while a capture is open;
+        then nothing changed."""
         state = restored.state
         if state.chunk_size != self.chunk_size:
             raise InvalidInput(

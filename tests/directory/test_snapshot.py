@@ -252,8 +252,8 @@ def test_contents_are_filled_only_once_the_ids_are_read(
 ) -> None:
     """Each chunk's content is allocated while the ids are read on another thread, and
     filled from them once the read is in (here the read starts only when the reader waits
-    for the contents: a content filled before would hold zeros). Odd lengths and every form, one after
-    another in the section."""
+    for the contents: a content filled before would hold zeros). Odd lengths and every
+    form, one after another in the section."""
     from kvatlas.directory.snapshot import token_section
 
     d, em = KeyDirectory(CS), Emitter("a")

@@ -10,10 +10,10 @@ reads (:meth:`Filling.wait`), and a caller that waits takes the next piece nobod
 itself. :meth:`Filling.finish` joins both (filling what is left on both threads) before
 anything else reads a content, and frees the scratch buffers. See docs/directory.md.
 
-Measured and left out (docs/performance.md): building the blend
-index on a thread of its own as well (its kernel runs without the GIL: +0.2 s of CPU per
-10^6 keys at load 2.5 and no wall time); one buffer for the whole section (a page fault per
-4 KB of it: ≈0.3 s more CPU per 10^6 keys than the pieces' reused scratch buffers).
+Measured and left out (docs/performance.md): building the blend index on a thread of its own
+as well (its kernel runs without the GIL: +0.2 s of CPU per 10^6 keys at load 2.5 and no wall
+time); one buffer for the whole section (a page fault per 4 KB of it: ≈0.3 s more CPU per
+10^6 keys than the pieces' reused scratch buffers).
 """
 
 from __future__ import annotations
