@@ -48,6 +48,8 @@ from kvatlas.workloads import LLAMA2, LLAMA3, Vocabulary, random_token_ids
 CHUNK = 256
 BATCH = 256
 PROMPT_KEYS = 128  # a 32k-token prompt's chunks
+CONSUME_RATE, CHUNK_BYTES = 1_000_000, 900
+"""quality.md's directory targets: consume (blend on) entries/s, bytes a chunk keeps."""
 _T = TypeVar("_T")
 
 
@@ -198,9 +200,9 @@ def memory_row(n: int, seed: int, vocab: Vocabulary = LLAMA3) -> BenchRow:
         f"memory at {n:,} chunks (256 tokens, {vocab.label})",
         None,
         None,
-        "≤ 1.2 KB/chunk blend on, index ≤ 128 B/chunk",
+        f"≤ {CHUNK_BYTES / 1000} KB/chunk blend on, index ≤ 128 B/chunk",
         {"blend off B/chunk": f"{off:,.0f}", "index B/chunk": f"{index:,.1f}"},
-        met=on <= 1200 and index <= 128,
+        met=on <= CHUNK_BYTES and index <= 128,
         shown=f"{on:,.0f} B/chunk",
     )
 
@@ -309,14 +311,14 @@ def _consume_rows(n: int, memory_chunks: int, seed: int, repeats: int) -> list[B
             f"consume {n:,} token-bearing store entries, blend on ({LLAMA3.label})",
             ours_s,
             naive_s,
-            "≥ 300k entries/s, ≤ 1.2 KB/chunk",
+            f"≥ {CONSUME_RATE // 1_000_000}M entries/s, ≤ {CHUNK_BYTES / 1000} KB/chunk",
             {
                 "entries/s": f"{n / ours_s:,.0f}",
                 "naive entries/s": f"{n / naive_s:,.0f}",
                 "B/chunk": f"{ours_mem:,.0f}",
                 "naive B/chunk": f"{naive_mem:,.0f}",
             },
-            met=n / ours_s >= 300_000 and ours_mem <= 1200,
+            met=n / ours_s >= CONSUME_RATE and ours_mem <= CHUNK_BYTES,
         )
     )
 

@@ -1,4 +1,5 @@
-"""Every benchmark is in the README, has a smoke size, and warns on a busy machine."""
+"""Every benchmark is in the README, has a smoke size, warns on a busy machine, and judges
+the project's targets."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from kvatlas.bench import BENCHMARKS
 from kvatlas.bench.common import warn_if_busy
+from kvatlas.bench.directory import CHUNK_BYTES, CONSUME_RATE
 from kvatlas.cli import _build_parser
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
@@ -34,3 +36,10 @@ def test_a_busy_machine_is_warned_about(monkeypatch: pytest.MonkeyPatch,
     assert "the machine is busy (load average 64.0 on 2 cores)" in capsys.readouterr().err
     monkeypatch.setattr("os.getloadavg", lambda: (0.5, 1.0, 1.0))
     assert not warn_if_busy("keys")
+
+
+def test_the_directory_benchmark_judges_the_quality_targets() -> None:
+    """``bench directory``'s consume and memory rows judge the project's quality targets
+    ("directory consume, token-bearing store entries, blend on: ≥ 1M entries/s, ≤ 0.9 KB per
+    chunk"), not weaker ones of their own (≥ 300k entries/s, ≤ 1.2 KB until 2026-12-04)."""
+    assert (CONSUME_RATE, CHUNK_BYTES) == (1_000_000, 900)
