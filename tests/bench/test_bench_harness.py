@@ -146,8 +146,8 @@ def test_bench_directory_runs_the_snapshot_part_alone(
     rows = json.loads(out.read_text())["rows"]
     assert [r["case"].split(":")[0] for r in rows] == [
         "snapshot at 256 keys",
-        "restore 256 keys (blend off)",
-        "restore 256 keys (blend on",  # ": the index rebuilt)"
+        "restore 256 keys (blend off) in a fresh process",
+        "restore 256 keys (blend on",  # ": the index rebuilt) in a fresh process"
     ]
     notes = rows[0]["extra"]
     assert {"same thread, as long, alone", "beside plain Python (floor)"} <= set(notes)
