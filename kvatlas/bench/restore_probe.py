@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvatlas.directory import KeyDirectory, load_snapshot, warm_up_kernels
+
 
 def restore_in_fresh_process(path: Path, chunk_size: int, blend: bool) -> tuple[float, float]:
     """The restore's seconds and process CPU, measured in a process of its own."""
@@ -27,8 +29,6 @@ def restore_in_fresh_process(path: Path, chunk_size: int, blend: bool) -> tuple[
 
 
 def main(argv: list[str]) -> None:
-    from kvatlas.directory import KeyDirectory, load_snapshot, warm_up_kernels
-
     path, chunk_size, blend = argv
     warm_up_kernels()
     directory = KeyDirectory(int(chunk_size), enable_blend_lookup=blend == "on")
