@@ -407,12 +407,15 @@ def _snapshot_rows(snap_keys: int, seed: int, repeats: int) -> list[BenchRow]:
         (probe,) = _workload(8, seed, instance="probe")
         row = snapshot_stall_row(directory, snap_keys, path, probe.entries, repeats)
         rows.append(finished("directory", row))
+        saved = directory.key_count  # (with the stall probe's keys)
         del directory
         gc.collect()
         for blend in (False, True):
             restore_s, cpu_s = [], []
             for i in range(repeats):  # as a coordinator's start: fresh memory, warm kernels
-                seconds, cpu = restore_in_fresh_process(path, CHUNK, blend)
+                seconds, cpu, keys = restore_in_fresh_process(path, CHUNK, blend)
+                if keys != saved:  # a row times a whole restore or none
+                    raise RuntimeError(f"restored {keys:,} keys of {saved:,}")
                 restore_s.append(seconds)
                 cpu_s.append(cpu)
                 progress(

@@ -18,14 +18,14 @@ from pathlib import Path
 from kvatlas.directory import KeyDirectory, load_snapshot, warm_up_kernels
 
 
-def restore_in_fresh_process(path: Path, chunk_size: int, blend: bool) -> tuple[float, float]:
-    """The restore's seconds and process CPU, measured in a process of its own."""
+def restore_in_fresh_process(path: Path, chunk_size: int, blend: bool) -> tuple[float, float, int]:
+    """The restore's seconds, process CPU and keys restored, in a process of its own."""
     argv = [sys.executable, "-m", __name__, str(path), str(chunk_size), "on" if blend else "off"]
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"restore probe failed ({done.returncode}): {done.stderr.strip()}")
     out = json.loads(done.stdout)
-    return float(out["seconds"]), float(out["cpu_s"])
+    return float(out["seconds"]), float(out["cpu_s"]), int(out["keys"])
 
 
 def main(argv: list[str]) -> None:

@@ -104,9 +104,12 @@ def _load(directory: KeyDirectory, path: str | os.PathLike[str]) -> SnapshotInfo
         if header.version not in READABLE:
             raise SnapshotError(f"unsupported snapshot version {header.version}")
         columns = _columns(header)
-        if size - body != int(form_sizes(columns.lens, columns.widths).sum()):
+        ends = np.cumsum(form_sizes(columns.lens, columns.widths))  # each chunk's, in the section
+        if size - body != (int(ends[-1]) if len(ends) else 0):
             raise SnapshotError("token arena length does not match the header")
-        tokens, filling = read_token_section(f, body, columns.lens, columns.widths, header.version)
+        tokens, filling = read_token_section(
+            f, body, columns.lens, columns.widths, ends, header.version
+        )
         try:
             table, sids = _shapes(header, columns)
             hashes: list[bytes] = np.frombuffer(header.chunk_hashes, f"V{HASH_BYTES}").tolist()

@@ -38,7 +38,6 @@ from kvatlas.directory.snapshot.format import SnapshotError
 from kvatlas.directory.token_store import (
     empty_contents,
     fill_contents,
-    form_sizes,
     stored_batch,
     stored_from_arena,
     widened,
@@ -159,10 +158,12 @@ def read_token_section(
     start: int,
     lens: np.ndarray[Any, Any],
     widths: np.ndarray[Any, Any],
+    ends: npt.NDArray[np.int64],
     version: int,
 ) -> tuple[list[Any], Filling | None]:
     """Each chunk's content (``None`` for unknown content) in its stored form (``widths``:
-    form codes), and their :class:`Filling` (``None``: they are done): the section is read
+    form codes; ``ends``: where each chunk's bytes end in the section, ``form_sizes``
+    summed, which the caller checked against the file), and their :class:`Filling` (``None``: they are done): the section is read
     and the contents filled a piece at a time on a thread of its own (the reads and the
     copies release the GIL) while the contents are allocated and the caller goes on. Call
     ``finish`` before anything reads a content (but through ``wait``), and whatever
@@ -183,7 +184,7 @@ def read_token_section(
         return out, None
     refuse_big_endian("a snapshot's token section", SnapshotError)
     lens = lens.astype(np.int64)
-    filling = Filling(f, start, np.cumsum(form_sizes(lens, widths)), lens, widths)
+    filling = Filling(f, start, ends, lens, widths)
     try:
         tokens = empty_contents(lens, widths)
     except BaseException:
