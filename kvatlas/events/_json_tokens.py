@@ -104,11 +104,17 @@ def _short_number(x):  # type: ignore[no-untyped-def]  # pragma: no cover - comp
     bits = _trailing_zeros(stops) - np.uint64(7)  # type: ignore[call-arg]  # 8 x the digits
     if bits == 0 or (bits > _U64_8 and (x & np.uint64(0xFF)) == np.uint64(48)):
         return 0, np.uint64(0)
+    return np.int64(bits >> np.uint64(3)), _digits_value(x, bits)
+
+
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
+def _digits_value(x, bits):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """The value of the decimal digits that are the low ``bits // 8`` bytes of ``x`` (1–8 of
+    them, little-endian: the first digit in the lowest byte)."""
     v = (x << (_U64_64 - bits)) & _LOW_NIBBLES  # the digits at the top, zeros before them
     v = (v * _BY_10) >> _U64_8  # pairs of digits
     v = ((v & _LOW_BYTES) * _BY_100) >> _U64_16  # fours
-    v = ((v & _LOW_PAIRS) * _BY_10000) >> _U64_32  # eights
-    return np.int64(bits >> np.uint64(3)), v
+    return ((v & _LOW_PAIRS) * _BY_10000) >> _U64_32  # eights
 
 
 _QUOTES = np.uint64(0x2222222222222222)
@@ -144,6 +150,72 @@ def skip_space(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover -
     return i
 
 
+_SEVEN_BITS = np.uint64(0x7F7F7F7F7F7F7F7F)
+_GATHER_TOPS = np.uint64(0x0002040810204081)  # the top bit of byte j to bit 56 + j
+_U64_56 = np.uint64(56)
+BLOCK = 64
+"""Bytes a digit mask covers (:func:`_digit_mask`)."""
+
+
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
+def _digit_mask(buf, b):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """Bit ``t`` set iff ``buf[b + t]`` is an ASCII digit, for ``t`` < 64 (the caller's bounds
+    check: ``b + 64 <= len``). Exact for every byte: each byte's top bit is set before '0' is
+    subtracted and cleared before the add, so no borrow or carry crosses into the next."""
+    m = np.uint64(0)
+    for j in range(8):
+        x = _word(buf, b + 8 * j)  # type: ignore[call-arg]
+        low = x & _SEVEN_BITS
+        tops = ((low | _TOPS) - _ZEROS) & ~(low + _ABOVE_NINE) & ~x & _TOPS
+        m |= ((tops * _GATHER_TOPS) >> _U64_56) << np.uint64(8 * j)
+    return m
+
+
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
+def _usual_numbers(buf, i, n, arena, k):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Read the numbers of an int array from ``i`` (its first number's first byte) while
+    they come in the usual form: 1–8 digits, no leading zero, each followed by ``,`` (and
+    spaces) or by the closing ``]``. Returns ``(closed, i, k)``: whether it read the
+    ``]`` (then ``i`` is just after it), else ``i`` is the first number it did not read (or
+    the space before it), where :func:`parse_array`'s loop goes on as if it had read them all
+    itself; ``k`` the arena's new fill.
+
+    By blocks of :data:`BLOCK` bytes: one mask of the digit bytes per block, then each
+    number is read where it lies, between two non-digits of the mask. The byte-by-byte loop
+    can only find a number's start once it has read the number before; here the next
+    start comes from the mask, and the numbers of a block are read independently."""
+    start = i  # the current number's first byte
+    b = i
+    # (a block read only with room for a word at any number in it and for its numbers, at
+    # most 32: no bounds check per number)
+    while b + BLOCK + 8 <= n and k + BLOCK // 2 <= len(arena):
+        stops = ~_digit_mask(buf, b)
+        while stops != 0:
+            p = b + np.int64(_trailing_zeros(stops))  # type: ignore[call-arg]
+            stops &= stops - np.uint64(1)
+            digits = p - start
+            c = buf[p]
+            if digits == 0:  # a space after a comma (a byte after ``,`` or another space)
+                if c == 32:
+                    start = p + 1
+                    continue
+                return False, start, k
+            x = _word(buf, start)  # type: ignore[call-arg]
+            if (
+                (digits > 8)
+                | ((digits > 1) & ((x & np.uint64(0xFF)) == np.uint64(48)))
+                | ((c != 44) & (c != 93))
+            ):
+                return False, start, k
+            arena[k] = _digits_value(x, np.uint64(8 * digits))
+            k += 1
+            if c == 93:
+                return True, p + 1, k
+            start = p + 1
+        b += BLOCK
+    return False, start, k
+
+
 @njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def parse_array(buf, i, n, arena, k):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Parse the JSON int array at ``buf[i]`` (``i`` must point at its ``[``, ``n`` bounds
@@ -155,7 +227,10 @@ def parse_array(buf, i, n, arena, k):  # type: ignore[no-untyped-def]  # pragma:
     i = skip_space(buf, i + 1, n)
     if i < n and buf[i] == 93:  # ']': the empty list
         return i + 1, k
-    while i < n:
+    closed, i, k = _usual_numbers(buf, i, n, arena, k)
+    if closed:
+        return i, k
+    while i < n:  # from the first number not in the usual form, if any
         digits, v = 0, np.int64(0)
         if i + 8 <= n:  # the common number: 1-7 digits and the byte after, read as one word
             digits, word = _short_number(_word(buf, i))  # type: ignore[call-arg]

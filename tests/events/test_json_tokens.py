@@ -210,3 +210,48 @@ def test_short_number_of_any_word_against_the_bytes(word: list[int]) -> None:
         expected = (digits, int(raw[:digits]))
     got = _short_number(np.uint64(int.from_bytes(raw, "little")))
     assert (int(got[0]), int(got[1])) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=64, max_size=64), st.lists(st.sampled_from(b"0123456789"), max_size=64))
+def test_digit_mask_marks_exactly_the_digit_bytes(raw: bytes, digits: list[int]) -> None:
+    """``_digit_mask`` (the block-at-a-time numbers' mask) on any 64 bytes, digits mixed in
+    anywhere: bit ``t`` set iff byte ``t`` is '0'-'9', whatever the bytes beside it (a borrow
+    or carry crossing a byte would mark a neighbour)."""
+    from kvatlas.events._json_tokens import _digit_mask
+
+    block = bytearray(raw)
+    for t, d in enumerate(digits):
+        block[(t * 7) % 64] = d
+    want = sum(1 << t for t, c in enumerate(block) if 48 <= c <= 57)
+    assert int(_digit_mask(np.frombuffer(bytes(block), np.uint8), 0)) == want
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(
+        st.one_of(st.integers(0, 128_255), st.integers(0, 99_999_999), st.integers(0, 10**11)),
+        min_size=20,
+        max_size=300,
+    ),
+    st.lists(
+        st.tuples(st.integers(0, 1 << 16), st.sampled_from(b"0123456789 ,]-+.eE\x80\xff\x00:/\t[")),
+        max_size=3,
+    ),
+    st.sampled_from(["", " ", "  "]),
+    st.integers(0, 80),
+)
+def test_block_at_a_time_numbers_agree_with_reference(
+    values: list[int], edits: list[tuple[int, int]], space: str, pad: int
+) -> None:
+    """Lists long enough for the block-at-a-time path (``_usual_numbers``: 1-8 digits
+    between the non-digits of a 64-byte mask), numbers of up to 12 digits, separators with
+    no, one or two spaces, a few bytes overwritten anywhere and white space after the list
+    (so that its end falls anywhere in a block): the same ids and verdict as the reference,
+    whether the list is parsed alone or after another."""
+    raw = bytearray(("[" + ("," + space).join(map(str, values)) + "]").encode())
+    for at, byte in edits:
+        raw[at % len(raw)] = byte
+    text = bytes(raw) + b" " * pad
+    check([text])
+    check([b"[1,2,3]", text, b"[4]"])
