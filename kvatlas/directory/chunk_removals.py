@@ -14,6 +14,7 @@ from operator import is_not
 import numpy as np
 
 from kvatlas.directory.blend import RemoveClaimColumns, RemoveClaimOp
+from kvatlas.directory.blend.kernels.objects import object_handles
 from kvatlas.directory.chunk_counts import L2_TIER
 from kvatlas.directory.chunk_digests import InventoryDigests
 from kvatlas.directory.chunk_parts import l1_rows, remove_chunks
@@ -177,7 +178,7 @@ class RemovalRules:
         chosen = np.flatnonzero(plain)
         if not len(chosen):
             return 0, hashes
-        group_of = np.fromiter(map(id, placements), np.int64, n)[chosen]
+        group_of = object_handles(placements)[chosen]
         order = np.argsort(group_of, kind="stable")
         dropped = 0
         gone = []

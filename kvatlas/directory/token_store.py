@@ -41,7 +41,7 @@ from kvatlas.directory.blend.kernels.contents import (
     data_offset,
 )
 from kvatlas.directory.blend.kernels.contents import token_count as token_count
-from kvatlas.directory.blend.kernels.objects import u32_rows
+from kvatlas.directory.blend.kernels.objects import object_handles, u32_rows
 from kvatlas.directory.blend.kernels.planes import (
     FORM_PLANES,
     FORM_U16,
@@ -127,7 +127,7 @@ def widened_many(contents: Sequence[StoredTokens | None]) -> list[TokenArray | N
     ends = np.cumsum(counts)
     starts = ends - counts
     out = np.empty(int(ends[-1]), np.uint32)
-    addrs = np.fromiter(map(id, present), np.int64, len(present)) + BYTES_DATA_OFFSET
+    addrs = object_handles(present) + BYTES_DATA_OFFSET
     _widen_rows(addrs, counts, forms, starts, out)
     out.flags.writeable = False
     views = map(out.__getitem__, map(slice, starts.tolist(), ends.tolist()))
@@ -197,7 +197,7 @@ def stored_shapes(
         counts[:] = list(map(token_count, contents))
         forms[:] = list(map(content_form, contents))
         return counts, forms
-    handles = np.fromiter(map(id, contents), np.int64, n)
+    handles = object_handles(contents)
     if not content_shapes(handles, OBJECT_LAYOUT.size, BYTES_DATA_OFFSET, counts, forms):
         raise ValueError("not a token content (bad header or length)")
     return counts, forms
@@ -243,7 +243,7 @@ def _u32_rows(
     n = len(srcs)
     if layout is None or not n:
         return None
-    handles = np.fromiter(map(id, srcs), np.int64, n)
+    handles = object_handles(srcs)
     lens = np.empty(n, np.int64)
     if not u32_rows(handles, tuple(layout), id(np.ndarray), id(_U32), lens):
         return None  # (also when entries share an array: it is stored once, as theirs)
@@ -262,7 +262,7 @@ def _stored_rows(
     sizes = np.empty(n, np.int64)
     _forms(srcs, src_off, lens, forms, sizes)
     outs: list[StoredTokens] = list(map(bytes, sizes.tolist()))
-    dsts = np.fromiter(map(id, outs), np.int64, n)
+    dsts = object_handles(outs)
     dsts += BYTES_DATA_OFFSET
     _write_rows(srcs, src_off, lens, dsts, forms)
     return outs
@@ -389,7 +389,7 @@ def fill_contents(
     snapshot's token section, little-endian): one compiled pass."""
     present = lens > 0
     made = [c for c in contents if c is not None] if not bool(present.all()) else contents
-    dsts = np.fromiter(map(id, made), np.int64, len(made))
+    dsts = object_handles(made)
     dsts += BYTES_DATA_OFFSET
     kept = forms[present]
     sizes = form_sizes(lens[present], kept)

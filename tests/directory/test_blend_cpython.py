@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+from collections import deque
 
 import numpy as np
 import pytest
@@ -167,3 +168,26 @@ def test_column_check_never_keeps_views() -> None:
     content = stored_one(np.arange(4, dtype=np.uint32))
     checked = op_checks.checked_objects([content], [b"h"], 4)
     assert checked is not None and checked[1].tolist() == [2]
+
+
+class _Listed(list):  # type: ignore[type-arg]
+    """A list subclass: not an exact list, so handles come the ``map(id, ...)`` way."""
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.one_of(st.binary(max_size=40), st.integers(), st.none()), max_size=300))
+def test_object_handles_are_the_ids(items: list[object]) -> None:
+    """The handles copied from a list's or tuple's item pointers are the items' ``id``s, in
+    order, for any length (resized lists included); other sequences give the same by
+    ``map``; the located item arrays read back."""
+    from kvatlas.directory.blend.kernels.objects import object_handles
+
+    assert _cpython.ITEM_ARRAYS is not None
+    grown = list(items)
+    grown += [object()] * 3  # (a list whose item array was reallocated)
+    for seq in (items, tuple(items), grown, _Listed(items), deque(items)):
+        ids = list(map(id, seq))
+        got = object_handles(seq)  # type: ignore[arg-type]
+        assert got.dtype == np.int64 and got.tolist() == ids
+    assert _cpython.items_address(_Listed(items)) is None
+    assert _cpython.items_address(deque(items)) is None

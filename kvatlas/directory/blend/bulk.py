@@ -32,7 +32,7 @@ from kvatlas.directory.blend.kernels import (
 )
 from kvatlas.directory.blend.kernels.contents import vouched_layout
 from kvatlas.directory.blend.kernels.layout import IDS_CONTENTS, IDS_OCCUPANTS
-from kvatlas.directory.blend.kernels.objects import hash_lengths
+from kvatlas.directory.blend.kernels.objects import hash_lengths, object_handles
 from kvatlas.directory.blend.namespaces import NamespaceIds
 from kvatlas.directory.blend.op_checks import HASH_WIDTH, token_nbytes
 from kvatlas.directory.blend.ops import AddColumns
@@ -72,7 +72,7 @@ def build_empty(
     layout = _cpython.OBJECT_LAYOUT
     if layout is None or not n:  # pragma: no cover - not CPython + numpy
         return False
-    contents = np.fromiter(map(id, tokens), np.int64, n)
+    contents = object_handles(tokens)
     data_off = _cpython.BYTES_DATA_OFFSET
     widths, addrs = np.empty(n, np.int64), np.empty(n, np.int64)
     # each content's type (its size into widths, written over below): no payload read yet
@@ -82,7 +82,7 @@ def build_empty(
     which_n = n if adds.namespace_of is None else len(adds.namespace_of)
     if len(hashes) != n or len(adds.token_offsets) != n or which_n != n:
         return False  # (the general path refuses them)
-    handles = np.fromiter(map(id, hashes), np.int64, n)
+    handles = object_handles(hashes)
     hash_lens = np.empty(n, np.int64)
     if not hash_lengths(handles, tuple(layout), id(bytes), HASH_WIDTH, hash_lens):
         return False

@@ -21,6 +21,7 @@ from kvatlas.directory.blend.kernels.objects import (
     WRITEABLE,
     hash_lengths,
     kept_arrays,
+    object_handles,
 )
 from kvatlas.directory.blend.kernels.planes import PLANES, planes_count
 
@@ -68,7 +69,7 @@ def checked_objects(tokens: list[Any], hashes: list[Any], chunk: int) -> Checked
         return checked_in_python(tokens, hashes, chunk)
     n = len(tokens)
     widths = np.empty(n, np.int64)
-    handles = np.fromiter(map(id, tokens), np.int64, n)
+    handles = object_handles(tokens)
     at = tuple(layout)
     if n and type(tokens[0]) is bytes:
         kept = kept_contents(handles, chunk, at, id(bytes), _cpython.BYTES_DATA_OFFSET, widths)
@@ -80,7 +81,7 @@ def checked_objects(tokens: list[Any], hashes: list[Any], chunk: int) -> Checked
     if not kept:
         return None
     lengths = np.empty(n, np.int64)
-    handles = np.fromiter(map(id, hashes), np.int64, n)
+    handles = object_handles(hashes)
     if not hash_lengths(handles, at, id(bytes), HASH_WIDTH, lengths):
         return None
     return tokens, widths, hashes, lengths

@@ -30,7 +30,12 @@ from kvatlas.directory.blend.kernels.contents import (
     token_addresses,
     vouched_layout,
 )
-from kvatlas.directory.blend.kernels.objects import C_CONTIGUOUS, OWNDATA, WRITEABLE
+from kvatlas.directory.blend.kernels.objects import (
+    C_CONTIGUOUS,
+    OWNDATA,
+    WRITEABLE,
+    object_handles,
+)
 from kvatlas.directory.blend.kernels.planes import PLANES, planes_count
 from kvatlas.directory.blend.op_checks import (
     HASH_WIDTH,
@@ -215,7 +220,7 @@ def addresses(tokens: list[Tokens], widths: npt.NDArray[np.int64]) -> npt.NDArra
                 else t.ctypes.data
             )
         return out
-    handles = np.fromiter(map(id, tokens), np.int64, n)
+    handles = object_handles(tokens)
     token_addresses(
         handles, layout.ob_type, id(bytes), _cpython.BYTES_DATA_OFFSET,
         _cpython.ARRAY_DATA_OFFSET, widths, out,
@@ -341,7 +346,7 @@ def vouched_addresses(
     layout = _cpython.OBJECT_LAYOUT
     if layout is not None and n and type(tokens[0]) is bytes:
         widths, addrs = np.empty(n, np.int64), np.empty(n, np.int64)
-        handles = np.fromiter(map(id, tokens), np.int64, n)
+        handles = object_handles(tokens)
         data_off = _cpython.BYTES_DATA_OFFSET
         if vouched_layout(handles, tuple(layout), id(bytes), data_off, widths, addrs) >= 0:
             return widths, addrs
@@ -405,6 +410,6 @@ def _offset(token_offset: Any) -> int:
 
 def hash_addresses(hashes: list[bytes], data_offset: int) -> npt.NDArray[np.int64]:
     """The payload addresses of ``hashes`` (exact ``bytes``): ``id`` + the header size."""
-    out = np.fromiter(map(id, hashes), np.int64, len(hashes))
+    out = object_handles(hashes)
     out += data_offset
     return out
