@@ -265,7 +265,8 @@ def _build(
         )
         at = order.tolist()
         in_order, in_order_tokens = [hashes[i] for i in at], [tokens[i] for i in at]
-    bounds = np.searchsorted(first, np.arange(PARTS + 1)).tolist()
+    # (the partitions' first bytes as uint8 too: an int64 query would cast all n of ``first``)
+    bounds = [*np.searchsorted(first, np.arange(PARTS, dtype=np.uint8)).tolist(), n]
     parts = parts_of_columns(
         PARTS, in_order, bounds, in_order_tokens, offsets, flagged.tolist(),
         rows[first_pl].tolist(), _l1_owners(header)[first_pl], header.strings,
