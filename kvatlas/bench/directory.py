@@ -172,7 +172,12 @@ def _memory_per_chunk(
 def _retained(
     make: Callable[[], _T], n: int, seed: int, vocab: Vocabulary = LLAMA3
 ) -> tuple[float, _T]:
-    """Bytes retained per chunk by ``make()`` after consuming ``n`` chunks, and the target."""
+    """Bytes retained per chunk by ``make()`` after consuming ``n`` chunks, and the target.
+    The kernels are warmed and a smaller target consumes a few batches first, untraced: what
+    a process allocates once (lazy imports, kernels compiled or loaded on first use) is not
+    the target's."""
+    warm_up_kernels()
+    _consume_all(make(), _workload(2 * BATCH, seed + 1, vocab=vocab))
     gc.collect()
     tracemalloc.start()
     try:
