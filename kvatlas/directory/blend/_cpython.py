@@ -118,10 +118,11 @@ OBJECT_LAYOUT = _object_layout()
 
 
 class ItemArrays(NamedTuple):
-    """Where a ``list``'s and a ``tuple``'s item pointers are, from their ``id``: the offset
-    of a list's ``ob_item`` pointer (its items are where it points) and the offset of a
-    tuple's first item (its items are inline)."""
+    """Where a ``list``'s and a ``tuple``'s items are, from their ``id``: the offset of their
+    length (``ob_size``), of a list's ``ob_item`` pointer (its items are where it points) and
+    of a tuple's first item (its items are inline)."""
 
+    size: int
     list_items: int
     tuple_items: int
 
@@ -131,12 +132,12 @@ def _item_arrays() -> ItemArrays | None:
     object header and read back on probes of several lengths; ``None`` (callers fall back to
     ``map(id, ...)``) when one does not read back."""
     i64 = ctypes.c_int64.from_address
-    at = ItemArrays(24, 24)
+    at = ItemArrays(16, 24, 24)
     for n in (1, 3, 17):
         items = [object() for _ in range(n)]
         for probe in (items, tuple(items)):
             # the header first (type, length): the item pointer is read only behind one
-            if i64(id(probe) + 8).value != id(type(probe)) or i64(id(probe) + 16).value != n:
+            if i64(id(probe) + 8).value != id(type(probe)) or i64(id(probe) + at.size).value != n:
                 return None  # pragma: no cover - another object header
             first = id(probe) + at.tuple_items
             if type(probe) is list:
@@ -147,19 +148,6 @@ def _item_arrays() -> ItemArrays | None:
 
 
 ITEM_ARRAYS = _item_arrays()
-
-
-def items_address(items: object) -> int | None:
-    """The address of the item pointers of an exact ``list`` or ``tuple`` (valid while it is
-    neither resized nor freed: use it with the GIL held throughout), else ``None``."""
-    if ITEM_ARRAYS is None:
-        return None  # pragma: no cover - another layout
-    kind = type(items)
-    if kind is list:
-        return ctypes.c_int64.from_address(id(items) + ITEM_ARRAYS.list_items).value
-    if kind is tuple:
-        return id(items) + ITEM_ARRAYS.tuple_items
-    return None
 
 
 def bytes_address(raw: bytes) -> int:
