@@ -355,11 +355,18 @@ def vouched_addresses(
 
 
 def _joined(parts: list[OpColumns]) -> OpColumns:
-    spaces: list[BlendNamespace] = []
+    """The parts' ops in order, as one; a namespace several parts name (equal, as the index
+    keys them) listed once, so that batches of one namespace join as one namespace's ops
+    (the write's one-namespace paths: ``IndexState._apply_batch``, ``_settle``)."""
+    ids: dict[BlendNamespace, int] = {}
     space_of = []
     for p in parts:
-        space_of.append(np.where(p.space_of >= 0, p.space_of + len(spaces), -1))
-        spaces += p.spaces
+        if p.spaces:
+            joined_ids = np.array([ids.setdefault(s, len(ids)) for s in p.spaces], np.int64)
+            space_of.append(np.where(p.space_of >= 0, joined_ids[p.space_of], -1))
+        else:
+            space_of.append(p.space_of)  # (every op without a namespace: -1)
+    spaces = list(ids)
     return OpColumns(
         np.concatenate([p.kinds for p in parts]),
         list(chain.from_iterable(p.tokens for p in parts)),
