@@ -191,8 +191,9 @@ def test_the_read_buffer_is_seen_by_tracemalloc_until_it_is_freed() -> None:
 def test_the_read_buffer_is_freed_before_the_restore_installs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The token section's buffer (as large as the section) is gone once the contents are
-    filled: nothing of it is alive while the restored state is installed."""
+    """The token section's read buffers (each thread's scratch for its pieces) are gone once
+    the contents are filled: nothing of them is alive while the restored state is
+    installed."""
     from kvatlas.directory.snapshot import token_section
 
     d, em = KeyDirectory(CS, enable_blend_lookup=True), Emitter("a")

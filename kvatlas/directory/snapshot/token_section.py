@@ -163,14 +163,15 @@ def read_token_section(
 ) -> tuple[list[Any], Filling | None]:
     """Each chunk's content (``None`` for unknown content) in its stored form (``widths``:
     form codes; ``ends``: where each chunk's bytes end in the section, ``form_sizes``
-    summed, which the caller checked against the file), and their :class:`Filling` (``None``: they are done): the section is read
-    and the contents filled a piece at a time on a thread of its own (the reads and the
-    copies release the GIL) while the contents are allocated and the caller goes on. Call
-    ``finish`` before anything reads a content (but through ``wait``), and whatever
-    happens (a failed read raises from it: the restore fails before anything is
-    installed). A version-1 section (every width 4) is put in the forms its ids need as it
-    is read, on the calling thread; so are a version-2 section's uint32 contents (written
-    before the planes form existed), once they are read."""
+    summed, which the caller checked against the file), and their :class:`Filling`
+    (``None``: they are done): the section is read and the contents filled a piece at a
+    time on a thread of its own (the reads and the copies release the GIL) while the
+    contents are allocated and the caller goes on. Call ``finish`` before anything reads a
+    content (but through ``wait``), and whatever happens (a failed read raises from it: the
+    restore fails before anything is installed). A version-1 section (every width 4) is put
+    in the forms its ids need as it is read, on the calling thread; so are a version-2
+    section's uint32 contents (written before the planes form existed), once they are
+    read."""
     if version < 2:  # a group of chunks at a time: no second copy of a whole uint32 section
         lengths, out, pos = lens.astype(np.int64), [], start
         for lo in range(0, len(lengths), V1_GROUP):
