@@ -56,6 +56,7 @@ SHARED = (
     "backoff",
     "kernel_twins",  # numba kernels compiled in a GIL-holding and a GIL-releasing form
     "kernel_cache",  # numba's cache directory, keyed by the sources (stdlib only)
+    "c_heap",  # glibc's allocator through ctypes: room faulted in ahead of a burst
     "redis_clients",
     "workloads",  # benchmark inputs: numpy only
 )

@@ -21,6 +21,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from kvatlas.c_heap import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, glibc
+
 SWITCH_INTERVAL_S = 0.001
 """The coordinator's GIL switch interval (``sys.setswitchinterval``)."""
 
@@ -105,25 +107,12 @@ TRIM_INTERVAL_S = 10.0
 (:class:`MemoryTrim`): the default of ``--memory-trim-interval-s``."""
 
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-"""glibc's ``mallopt`` parameters (``malloc.h``)."""
 MMAP_THRESHOLD = 32 << 20
 """Blocks below this come from the heaps, never from a map of their own: glibc's own ceiling
 for its sliding mmap threshold (``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit)."""
 TRIM_THRESHOLD = 2 * MMAP_THRESHOLD
 """Free memory at a heap's top that glibc keeps rather than hands back after a ``free``: what
 glibc pairs with that ceiling (twice the mmap threshold)."""
-
-
-def _glibc(name: str, *argtypes: type[ctypes._SimpleCData[int]]) -> Callable[..., int] | None:
-    """glibc's ``malloc_trim`` or ``mallopt`` (``None`` elsewhere: musl, macOS). Called
-    through ``ctypes``, which releases the GIL for the call."""
-    try:
-        function = getattr(ctypes.CDLL(None), name)
-    except (AttributeError, OSError):
-        return None
-    function.argtypes, function.restype = list(argtypes), ctypes.c_int
-    return function  # type: ignore[no-any-return]
 
 
 class MemoryTrim:
@@ -159,9 +148,13 @@ class MemoryTrim:
         mallopt: Callable[[int, int], int] | None = None,
     ) -> None:
         self.interval_s = interval_s
-        self._trim = trim if trim is not None else _glibc("malloc_trim", ctypes.c_size_t)
+        self._trim = (
+            trim if trim is not None else glibc("malloc_trim", ctypes.c_int, ctypes.c_size_t)
+        )
         self._mallopt = (
-            mallopt if mallopt is not None else _glibc("mallopt", ctypes.c_int, ctypes.c_int)
+            mallopt
+            if mallopt is not None
+            else glibc("mallopt", ctypes.c_int, ctypes.c_int, ctypes.c_int)
         )
         self.pinned = False  # whether start() pinned the thresholds
         self._stop = threading.Event()

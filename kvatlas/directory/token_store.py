@@ -366,16 +366,16 @@ def _write_rows(srcs: Any, src_off: Any, lens: Any, dsts: Any, forms: Any) -> No
             planes_store(src, n, dst, form - FORM_PLANES)
 
 
-def empty_contents(lens: npt.NDArray[Any], forms: npt.NDArray[np.int64]) -> list[bytes | None]:
-    """A zeroed content for each of ``lens[i]`` ids in form ``forms[i]`` (0 ids: ``None``),
-    to be filled by :func:`fill_contents` before anyone reads it (one allocation each, by a
-    C-level map)."""
-    sizes = content_sizes(lens, forms)
-    present = lens > 0
+def empty_contents(
+    sizes: npt.NDArray[np.int64], present: npt.NDArray[np.bool_]
+) -> list[bytes | None]:
+    """A zeroed content of ``sizes[i]`` bytes (:func:`content_sizes`) for each chunk
+    ``present`` selects (``None`` for the others: no ids), to be filled by
+    :func:`fill_contents` before anyone reads it (one allocation each, by a C-level map)."""
     if bool(present.all()):
         return list(map(bytes, sizes.tolist()))  # type: ignore[arg-type]
     made = iter(map(bytes, sizes[present].tolist()))
-    return [next(made) if n else None for n in present.tolist()]
+    return [next(made) if p else None for p in present.tolist()]
 
 
 def fill_contents(

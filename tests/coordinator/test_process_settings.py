@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvatlas import c_heap
 from kvatlas.coordinator import runtime
 from kvatlas.coordinator.server import free_port
 from kvatlas.directory import KeyDirectory, save_snapshot
@@ -94,8 +95,8 @@ def test_the_memory_trim_runs_on_its_own_thread_until_stopped() -> None:
     assert calls[0] == (0, "kvatlas-memory-trim") and trimmer.trims == after
     assert trimmer.longest_s >= 0
     assert trimmer.pinned and pinned == [
-        (runtime.M_MMAP_THRESHOLD, 32 << 20),
-        (runtime.M_TRIM_THRESHOLD, 64 << 20),
+        (c_heap.M_MMAP_THRESHOLD, 32 << 20),
+        (c_heap.M_TRIM_THRESHOLD, 64 << 20),
     ]
 
 

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from kvatlas.directory import KeyDirectory, load_snapshot, save_snapshot
 from kvatlas.directory.blend.kernels.planes import FORM_U16
 from kvatlas.directory.records import record_offset, record_stored_tokens, record_tokens, shape_ids
+from kvatlas.directory.snapshot.token_section import allocated_contents
 from kvatlas.directory.token_store import (
-    empty_contents,
     fill_contents,
     stored_form,
     stored_one,
@@ -236,7 +236,7 @@ def test_filled_contents_hold_each_chunks_ids(shapes: list[tuple[int, int]]) -> 
     lens = np.array([n for n, _ in shapes], np.int64)
     forms_of = np.array(forms, np.int64)
     section = b"".join(bytes(stored_payload(c)) for (r, c) in rows if len(r))
-    got = empty_contents(lens, forms_of)
+    got = allocated_contents(lens, forms_of)
     fill_contents(got, np.frombuffer(section, np.uint8), lens, forms_of)
     for out, (row, stored) in zip(got, rows, strict=True):
         if not len(row):

@@ -32,10 +32,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvatlas.c_heap import HeapRoom, malloc_blocks
 from kvatlas.checks import refuse_big_endian
 from kvatlas.directory.blend.kernels.planes import FORM_U32
 from kvatlas.directory.snapshot.format import SnapshotError
 from kvatlas.directory.token_store import (
+    content_sizes,
     empty_contents,
     fill_contents,
     stored_batch,
@@ -45,6 +47,10 @@ from kvatlas.directory.token_store import (
 
 V1_GROUP = 65_536
 """Chunks of a version-1 token section read (and compacted) at a time."""
+
+ALLOCATE_PIECE = 4_096
+"""Contents allocated at a time by :func:`allocated_contents` (between two pieces its heap
+room may start: pages faulted in and never used are at most one piece's, ≈2.4 MB)."""
 
 FILL_PIECE = 16_384
 """Chunks read and filled at a time: each piece is read into a scratch buffer of the thread
@@ -187,7 +193,7 @@ def read_token_section(
     lens = lens.astype(np.int64)
     filling = Filling(f, start, ends, lens, widths)
     try:
-        tokens = empty_contents(lens, widths)
+        tokens = allocated_contents(lens, widths)
     except BaseException:
         filling.abandon()  # no read outlives the restore that started it
         raise
@@ -201,6 +207,27 @@ def read_token_section(
                 tokens[i] = stored
             return tokens, None
     return tokens, filling
+
+
+def allocated_contents(lens: npt.NDArray[np.int64], forms: Any) -> list[bytes | None]:
+    """:func:`empty_contents` of every chunk, a piece of :data:`ALLOCATE_PIECE` at a time, in
+    a :class:`~kvatlas.c_heap.HeapRoom` of their size: their pages are faulted in on another
+    core while this thread allocates (in a fresh process, one page fault per 4 KiB of
+    contents otherwise: a third of a restore's wall time)."""
+    sizes, present = content_sizes(lens, forms), lens > 0
+    made = np.cumsum(malloc_blocks(sizes + _BYTES_SIZE) * present)  # blocks up to each one
+    total = int(made[-1]) if len(made) else 0
+    contents: list[bytes | None] = [None] * len(lens)
+    with HeapRoom(total) as room:
+        for lo in range(0, len(lens), ALLOCATE_PIECE):
+            hi = min(lo + ALLOCATE_PIECE, len(lens))
+            contents[lo:hi] = empty_contents(sizes[lo:hi], present[lo:hi])
+            room.made(total - int(made[hi - 1]))
+    return contents
+
+
+_BYTES_SIZE = sys.getsizeof(b"")
+"""What a ``bytes`` object asks ``malloc`` for beyond its length (its header and the NUL)."""
 
 
 def read_exactly(f: io.FileIO, n: int) -> bytearray:

@@ -1,0 +1,126 @@
+"""The C allocator's main heap (glibc): its functions through ``ctypes``, and room faulted in
+on another core ahead of a burst of allocations (:class:`HeapRoom`).
+
+Why the room: the first write to each fresh 4 KiB page of the heap is a page fault, ≈1.5 µs of
+kernel time apiece on these VMs, taken by the thread that writes it while it holds the GIL. A
+restore of 10^6 chunks allocates ≈580 MB of contents in one burst (≈145,000 faults, a third
+of its wall time in a fresh process) while its reading thread waits for them. With the room,
+the heap grows once for the whole burst and a thread of its own asks the kernel to fault the
+new pages in (``madvise(MADV_POPULATE_WRITE)``, one call, the GIL released) while the
+allocating thread goes on: the faults move to the other core (docs/performance.md, "Restore:
+the contents' pages faulted in on the other core"). Elsewhere (no glibc, a kernel before
+5.14) nothing happens: the room is a hint, never a condition of anything.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+"""glibc's ``mallopt`` parameters (``malloc.h``)."""
+DEFAULT_TOP_PAD = 128 * 1024
+"""glibc's own ``M_TOP_PAD`` (``DEFAULT_TOP_PAD``): what a heap grows by beyond a request."""
+MADV_POPULATE_WRITE = 23
+"""``madvise``: fault the range in, writable, now (Linux 5.14; an error before: nothing)."""
+PAGE = 4096
+
+
+def glibc(name: str, restype: Any, *argtypes: Any) -> Callable[..., Any] | None:
+    """glibc's (or the C library's) function ``name`` (``None`` where there is none: musl
+    has no ``malloc_trim``, macOS no ``mallopt``). Called through ``ctypes``, which releases
+    the GIL for the call."""
+    try:
+        function = getattr(ctypes.CDLL(None), name)
+    except (AttributeError, OSError):
+        return None
+    function.argtypes, function.restype = list(argtypes), restype
+    return function  # type: ignore[no-any-return]
+
+
+def malloc_blocks(requested: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """What glibc's ``malloc`` takes for each request of ``requested`` bytes: its 8-byte
+    header added, rounded up to 16, at least 32."""
+    return np.maximum((requested + 8 + 15) // 16 * 16, 32)
+
+
+class HeapRoom:
+    """Room for ``nbytes`` of blocks this thread is about to allocate from glibc's main heap,
+    faulted in on a thread of its own while they are allocated. Inside ``with``, the heap's
+    next growth is by ``nbytes`` at once (``M_TOP_PAD``); call :meth:`made` between pieces of
+    the burst: the first time the heap has grown, the new pages the rest of the burst will
+    take are handed to a thread that faults them in. On leaving, ``M_TOP_PAD`` is glibc's
+    default again and the thread is joined. Pages faulted in and never used: at most what
+    one piece took from below the old break (the heap's top is trimmed as usual later)."""
+
+    def __init__(
+        self,
+        nbytes: int,
+        *,
+        mallopt: Callable[[int, int], int] | None = None,
+        sbrk: Callable[[int], int] | None = None,
+        madvise: Callable[[int, int, int], int] | None = None,
+    ) -> None:
+        self.nbytes = nbytes
+        self._mallopt = mallopt or glibc("mallopt", ctypes.c_int, ctypes.c_int, ctypes.c_int)
+        self._sbrk = sbrk or glibc("sbrk", ctypes.c_void_p, ctypes.c_ssize_t)
+        self._madvise = madvise or glibc(
+            "madvise", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+        )
+        self._break = 0  # the heap's break on entering (0: no room is made)
+        self._padded = False
+        self._thread: threading.Thread | None = None
+        self.faulted: tuple[int, int] | None = None  # the range handed to the thread
+
+    def __enter__(self) -> HeapRoom:
+        if self._mallopt is None or self._sbrk is None or self._madvise is None:
+            return self
+        if self.nbytes <= DEFAULT_TOP_PAD or not self._mallopt(M_TOP_PAD, self.nbytes):
+            return self
+        self._padded = True
+        self._break = int(self._sbrk(0) or 0)
+        return self
+
+    def made(self, left: int) -> None:
+        """A piece of the burst is allocated; ``left``: the bytes of blocks still to come."""
+        if not self._break or self._thread is not None or left <= 0:
+            return
+        assert self._sbrk is not None
+        now = int(self._sbrk(0) or 0)
+        if now <= self._break:  # not grown yet (the piece fitted in free blocks)
+            return
+        # The blocks still to come are carved from the new top, which starts below the old
+        # break by at most what this piece took from there.
+        lo = -(-self._break // PAGE) * PAGE
+        hi = min(now, self._break + left) // PAGE * PAGE
+        if hi <= lo:
+            return
+        self.faulted = (lo, hi)
+        self._thread = threading.Thread(
+            target=self._fault_in, args=(lo, hi - lo), name="kvatlas-heap-room", daemon=True
+        )
+        self._thread.start()
+
+    def _fault_in(self, address: int, length: int) -> None:
+        assert self._madvise is not None
+        self._madvise(address, length, MADV_POPULATE_WRITE)
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if self._padded:
+            assert self._mallopt is not None
+            self._mallopt(M_TOP_PAD, DEFAULT_TOP_PAD)
+            self._padded = False
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
