@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from operator import attrgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -175,14 +175,33 @@ def stored_one(tokens: npt.NDArray[Any]) -> StoredTokens:
 
 def form_sizes(lens: npt.NDArray[Any], forms: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     """Bytes of each content stored (``lens[i]`` ids in form ``forms[i]``)."""
-    n = lens.astype(np.int64)
-    planes = HEADER + 2 * n + (forms - FORM_PLANES) * (((n + 15) >> 4) << 1)
-    return np.where(forms < FORM_PLANES, n * forms, planes)
+    out: npt.NDArray[np.int64] = _sizes(
+        np.asarray(lens, np.int64), np.asarray(forms, np.int64), False
+    )
+    return out
 
 
 def content_sizes(lens: npt.NDArray[Any], forms: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     """Bytes of each content (``lens[i]`` ids in form ``forms[i]``), its header included."""
-    return form_sizes(lens, forms) + np.where(forms < FORM_PLANES, forms, 0)
+    out: npt.NDArray[np.int64] = _sizes(
+        np.asarray(lens, np.int64), np.asarray(forms, np.int64), True
+    )
+    return out
+
+
+@jit
+def _sizes(lens: Any, forms: Any, headers: Any) -> Any:
+    """:func:`form_sizes` (or with ``headers``, :func:`content_sizes`) in one pass: a restore
+    takes them for 10^6 chunks, which numpy's expression made 8 arrays as long for (each a
+    fresh map, faulted in page by page)."""
+    out = np.empty(lens.shape[0], np.int64)
+    for i in range(lens.shape[0]):
+        n, form = lens[i], forms[i]
+        if form < FORM_PLANES:
+            out[i] = n * form + (form if headers else 0)
+        else:
+            out[i] = HEADER + 2 * n + (form - FORM_PLANES) * (((n + 15) >> 4) << 1)
+    return out
 
 
 def stored_shapes(
@@ -378,24 +397,53 @@ def empty_contents(
     return [next(made) if p else None for p in present.tolist()]
 
 
+class FillTargets(NamedTuple):
+    """Where the contents of :func:`empty_contents` are filled (:func:`fill_targets`), as
+    columns over the present ones, in order: the address of each one's bytes, the bytes of
+    its ids in a snapshot's token section (:func:`form_sizes`), its form code."""
+
+    dsts: npt.NDArray[np.int64]
+    sizes: npt.NDArray[np.int64]
+    forms: npt.NDArray[np.int64]
+
+    def part(self, lo: int, hi: int) -> FillTargets:
+        """The targets ``[lo, hi)`` (of the present contents)."""
+        return FillTargets(self.dsts[lo:hi], self.sizes[lo:hi], self.forms[lo:hi])
+
+
+def fill_targets(
+    contents: list[bytes | None], lens: npt.NDArray[Any], forms: npt.NDArray[np.int64]
+) -> FillTargets:
+    """The :class:`FillTargets` of the contents of :func:`empty_contents` (``None`` where
+    ``lens`` is 0)."""
+    present = lens > 0
+    made = [c for c in contents if c is not None] if not bool(present.all()) else contents
+    dsts = object_handles(made)
+    dsts += BYTES_DATA_OFFSET
+    kept = forms[present]
+    return FillTargets(dsts, form_sizes(lens[present], kept), kept)
+
+
+def fill_piece(targets: FillTargets, payloads: npt.NDArray[np.uint8]) -> None:
+    """Write into the contents of ``targets`` (nobody else holds them yet) their headers and,
+    one after another in ``payloads``, the bytes of their ids in their form (a snapshot's
+    token section, little-endian): one compiled pass, the GIL released. The caller checked
+    that ``payloads`` is as long as ``targets.sizes`` add up to."""
+    _fill(payloads, targets.sizes, targets.forms, targets.dsts)
+
+
 def fill_contents(
     contents: list[bytes | None],
     payloads: npt.NDArray[np.uint8],
     lens: npt.NDArray[Any],
     forms: npt.NDArray[np.int64],
 ) -> None:
-    """Write into the contents of :func:`empty_contents` (nobody else holds them yet) their
-    headers and, one after another in ``payloads``, the bytes of their ids in their form (a
-    snapshot's token section, little-endian): one compiled pass."""
-    present = lens > 0
-    made = [c for c in contents if c is not None] if not bool(present.all()) else contents
-    dsts = object_handles(made)
-    dsts += BYTES_DATA_OFFSET
-    kept = forms[present]
-    sizes = form_sizes(lens[present], kept)
-    if int(sizes.sum()) != len(payloads):
+    """:func:`fill_piece` of all of ``contents`` (:func:`empty_contents`), ``payloads``
+    checked against them."""
+    targets = fill_targets(contents, lens, forms)
+    if int(targets.sizes.sum()) != len(payloads):
         raise ValueError("token rows do not fill the section")
-    _fill(payloads, sizes, kept, dsts)
+    fill_piece(targets, payloads)
 
 
 @releasing  # (a restore fills pieces on two threads while the partitions and index are built)

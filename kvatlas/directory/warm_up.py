@@ -12,7 +12,12 @@ import time
 import numpy as np
 
 from kvatlas.directory.blend import AddColumns, AddOp, BlendIndex, RemoveChunkOp
-from kvatlas.directory.token_store import stored_batch, stored_from_arena, stored_shapes
+from kvatlas.directory.token_store import (
+    content_sizes,
+    stored_batch,
+    stored_from_arena,
+    stored_shapes,
+)
 from kvatlas.events import (
     CacheEntry,
     EventBatch,
@@ -57,6 +62,7 @@ def warm_up_index() -> None:
     (planes,) = stored_batch([wide])  # the planes form (16 ids of 17 bits)
     assert compact is not None and planes is not None
     stored_shapes([compact, planes])  # what a snapshot reads of each content
+    content_sizes(np.ones(1, np.int64), np.full(1, 17, np.int64))  # what a restore allocates
     planes_index = BlendIndex(chunk_size=16)
     planes_index.add(planes, bytes(32), 0, namespace)
     planes_index.match(np.concatenate([wide, wide]), namespace)

@@ -15,6 +15,7 @@ from kvatlas.directory.blend import BlendIndex
 from kvatlas.directory.chunk_counts import PARTS, Partition
 from kvatlas.directory.records import Record, record_tokens
 from kvatlas.directory.snapshot import SnapshotError
+from kvatlas.directory.token_store import BYTES_DATA_OFFSET, FillTargets
 from kvatlas.keys import BlendNamespace
 from tests.directory.helpers import CS, Emitter, captured, entry, key, toks
 
@@ -163,14 +164,14 @@ def test_contents_are_filled_before_any_use(
     d, _ = populated()
     path = tmp_path / "s.snap"
     save_snapshot(d, path)
-    fill_contents, fills = token_section.fill_contents, []
+    fill_piece, fills = token_section.fill_piece, []
 
     def late(*args: Any) -> None:
         time.sleep(0.3)
-        fill_contents(*args)
+        fill_piece(*args)
         fills.append(threading.current_thread())
 
-    monkeypatch.setattr(token_section, "fill_contents", late)
+    monkeypatch.setattr(token_section, "fill_piece", late)
     restored = KeyDirectory(CS, enable_blend_lookup=True)
     load_snapshot(restored, path)
     assert fills
@@ -195,7 +196,7 @@ def test_contents_are_filled_before_any_use(
                 out.truncate(pos + len(view) // 2)
         fill(f, view, pos)
 
-    monkeypatch.setattr(token_section, "fill_contents", counted)
+    monkeypatch.setattr(token_section, "fill_piece", counted)
     monkeypatch.setattr(token_section, "fill", cut_short)
     with pytest.raises(SnapshotError, match="truncated snapshot token arena"):
         load_snapshot(KeyDirectory(CS, enable_blend_lookup=True), path)
@@ -218,15 +219,15 @@ def test_the_index_reads_each_content_only_once_its_piece_is_filled(
     save_snapshot(d, path)
     monkeypatch.setattr(token_section, "FILL_PIECE", 2)
     monkeypatch.setattr(index, "BUILD_SLICE", 2)
-    fill_contents, filled, pieces = token_section.fill_contents, set(), []
+    fill_piece, filled, pieces = token_section.fill_piece, set(), []
     lock = threading.Lock()
 
-    def slow(contents: list[Any], *rest: Any) -> None:
+    def slow(targets: FillTargets, payloads: Any) -> None:
         time.sleep(0.02)
-        fill_contents(contents, *rest)
+        fill_piece(targets, payloads)
         with lock:
-            filled.update(id(c) for c in contents if c is not None)
-            pieces.append(len(contents))
+            filled.update((targets.dsts - BYTES_DATA_OFFSET).tolist())
+            pieces.append(len(targets.dsts))
 
     layout, unfilled, pending = bulk.vouched_layout, [], []
 
@@ -236,7 +237,7 @@ def test_the_index_reads_each_content_only_once_its_piece_is_filled(
             pending.append(len(pieces) < -(-59 // 2))
         return layout(handles, *rest)
 
-    monkeypatch.setattr(token_section, "fill_contents", slow)
+    monkeypatch.setattr(token_section, "fill_piece", slow)
     monkeypatch.setattr(bulk, "vouched_layout", checked)
     restored = KeyDirectory(CS, enable_blend_lookup=True)
     load_snapshot(restored, path)

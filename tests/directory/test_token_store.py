@@ -458,3 +458,27 @@ def test_vouched_contents_widths_and_addresses_in_one_pass(rows: list[list[int]]
         widths, addrs = vouched_addresses(tokens)
         assert widths.tolist() == token_widths(tokens).tolist()
         assert addrs.tolist() == addresses(tokens, token_widths(tokens)).tolist()
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 65_535), st.sampled_from([2, 4, 17, 18, 19, 24])),
+        max_size=60,
+    ),
+    st.sampled_from([np.uint16, np.uint32, np.int64]),
+)
+def test_form_and_content_sizes_are_the_bytes_each_form_takes(
+    shapes: list[tuple[int, int]], dtype: Any
+) -> None:
+    """The sizes the restore allocates and reads by (one compiled pass) against each form's
+    layout written out: ``uint16`` and ``uint32`` ids after a header of the id width, the
+    planes form's header, low halves and ``h`` planes of ``2·⌈n/16⌉`` bytes."""
+    lens = np.array([n for n, _ in shapes], dtype)
+    forms = np.array([f for _, f in shapes], np.int64)
+    stored = [n * f if f < 16 else 2 + 2 * n + (f - 16) * 2 * (-(-n // 16)) for n, f in shapes]
+    assert token_store.form_sizes(lens, forms).tolist() == stored
+    headers = [f if f < 16 else 0 for _, f in shapes]
+    assert token_store.content_sizes(lens, forms).tolist() == [
+        s + h for s, h in zip(stored, headers, strict=True)
+    ]

@@ -37,9 +37,11 @@ from kvatlas.checks import refuse_big_endian
 from kvatlas.directory.blend.kernels.planes import FORM_U32
 from kvatlas.directory.snapshot.format import SnapshotError
 from kvatlas.directory.token_store import (
+    FillTargets,
     content_sizes,
     empty_contents,
-    fill_contents,
+    fill_piece,
+    fill_targets,
     stored_batch,
     stored_from_arena,
     widened,
@@ -79,7 +81,9 @@ class Filling:
         at = np.minimum(np.arange(self._n + 1) * FILL_PIECE, len(lens))
         self._bounds: list[int] = starts[at].tolist()
         self._widest = int(np.diff(starts[at]).max(initial=0))
-        self._contents: list[Any] | None = None
+        self._at = at  # each piece's first chunk (and the end)
+        self._targets: FillTargets | None = None  # where the contents' bytes go
+        self._made: list[int] = []  # each piece's first target (and the end)
         self._allocated = threading.Event()
         self._lock = threading.Lock()
         self._next = 1  # the first piece nobody has started (the reading thread starts at 0)
@@ -91,8 +95,21 @@ class Filling:
         pool.shutdown(wait=False)  # (the task still runs; the thread ends with it)
 
     def allocated(self, contents: list[Any]) -> None:
-        """The contents to fill (:func:`empty_contents`)."""
-        self._contents = contents
+        """The contents to fill (:func:`allocated_contents`). Where each piece's bytes go is
+        worked out here, for all pieces at once, so that filling one takes the GIL only to
+        start its copy: a thread that needs it between steps waits, each time, for whatever
+        long C-level pass the caller is in (building the partitions: 0.4 s for the first
+        piece at 10^6 keys, docs/performance.md)."""
+        try:
+            targets = fill_targets(contents, self._lens, self._forms)
+            made = np.concatenate(([0], np.cumsum(self._lens > 0)))[self._at]
+            ends = np.concatenate(([0], np.cumsum(targets.sizes)))[made]
+            if ends.tolist() != self._bounds:
+                raise ValueError("token rows do not fill the section")
+        except BaseException:
+            self.abandon()
+            raise
+        self._targets, self._made = targets, made.tolist()
         self._allocated.set()
 
     def abandon(self) -> None:
@@ -119,12 +136,12 @@ class Filling:
         """Fill every piece (taking those nobody has started) and join the reading thread,
         whatever happened: call it before anything but :meth:`wait`'s caller reads a
         content, and before the contents are dropped (a failed piece raises from here once
-        no piece writes into them any more). The scratch buffers are freed."""
+        no piece writes into them any more). The scratch buffers and targets are freed."""
         try:
             self.wait(FILL_PIECE * self._n)
         finally:
             futures.wait([self._reader])
-            self._callers = None
+            self._callers, self._targets = None, None
         self._reader.result()
 
     def _read_all(self) -> None:
@@ -149,10 +166,9 @@ class Filling:
         try:
             fill(self._f, scratch[1][: hi - lo], self._start + lo)
             self._allocated.wait()
-            if self._contents is not None:
-                at = slice(i * FILL_PIECE, (i + 1) * FILL_PIECE)
-                contents = self._contents[at]
-                fill_contents(contents, scratch[0][: hi - lo], self._lens[at], self._forms[at])
+            if self._targets is not None:
+                part = self._targets.part(self._made[i], self._made[i + 1])
+                fill_piece(part, scratch[0][: hi - lo])
         except BaseException as exc:
             self._failed[i] = exc
         finally:
@@ -215,14 +231,16 @@ def allocated_contents(lens: npt.NDArray[np.int64], forms: Any) -> list[bytes | 
     core while this thread allocates (in a fresh process, one page fault per 4 KiB of
     contents otherwise: a third of a restore's wall time)."""
     sizes, present = content_sizes(lens, forms), lens > 0
-    made = np.cumsum(malloc_blocks(sizes + _BYTES_SIZE) * present)  # blocks up to each one
-    total = int(made[-1]) if len(made) else 0
+    at = [slice(lo, lo + ALLOCATE_PIECE) for lo in range(0, len(lens), ALLOCATE_PIECE)]
+    # glibc's bytes for each piece's contents (a piece at a time: small arrays, in cache)
+    blocks = [int(malloc_blocks(sizes[p] + _BYTES_SIZE)[present[p]].sum()) for p in at]
+    left = sum(blocks)
     contents: list[bytes | None] = [None] * len(lens)
-    with HeapRoom(total) as room:
-        for lo in range(0, len(lens), ALLOCATE_PIECE):
-            hi = min(lo + ALLOCATE_PIECE, len(lens))
-            contents[lo:hi] = empty_contents(sizes[lo:hi], present[lo:hi])
-            room.made(total - int(made[hi - 1]))
+    with HeapRoom(left) as room:
+        for p, piece in zip(at, blocks, strict=True):
+            contents[p] = empty_contents(sizes[p], present[p])
+            left -= piece
+            room.made(left)
     return contents
 
 
