@@ -156,7 +156,11 @@ class ChunkColumns:
         per row); returns them. Their L1 owners follow by :meth:`L1Owners.extend` or
         :meth:`L1Owners.put`."""
         top, n = len(self.offsets), len(tokens)
-        self.objs += _block(tokens, flagged, placements, rests)
+        block = _block(tokens, flagged, placements, rests)
+        if self.objs:
+            self.objs += block
+        else:  # the block is the column (a restore's, 4 refs per chunk: no second copy)
+            self.objs = block
         self.bound += known(tokens)
         self.offsets.frombytes(np.ascontiguousarray(offsets, "<i8").tobytes())
         return range(top, top + n)
