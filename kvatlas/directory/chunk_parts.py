@@ -155,8 +155,7 @@ class ChunkColumns:
         indexed; ``rests`` the other keys, ``None``: none), by slice assignment (no tuple
         per row); returns them. Their L1 owners follow by :meth:`L1Owners.extend` or
         :meth:`L1Owners.put`."""
-        top, n = len(self.offsets), len(tokens)
-        block = _block(tokens, flagged, placements, rests)
+        top, n, block = len(self.offsets), len(tokens), _block(tokens, flagged, placements, rests)
         if self.objs:
             self.objs += block
         else:  # the block is the column (a restore's, 4 refs per chunk: no second copy)

@@ -12,10 +12,11 @@ import pytest
 
 from kvatlas.directory import KeyDirectory, Restored, load_snapshot, save_snapshot
 from kvatlas.directory.blend import BlendIndex
+from kvatlas.directory.blend._cpython import BYTES_DATA_OFFSET
 from kvatlas.directory.chunk_counts import PARTS, Partition
 from kvatlas.directory.records import Record, record_tokens
 from kvatlas.directory.snapshot import SnapshotError
-from kvatlas.directory.token_store import BYTES_DATA_OFFSET, FillTargets
+from kvatlas.directory.snapshot.token_section import FillTargets
 from kvatlas.keys import BlendNamespace
 from tests.directory.helpers import CS, Emitter, captured, entry, key, toks
 

@@ -19,9 +19,8 @@ from hypothesis import strategies as st
 from kvatlas.directory import KeyDirectory, load_snapshot, save_snapshot
 from kvatlas.directory.blend.kernels.planes import FORM_U16
 from kvatlas.directory.records import record_offset, record_stored_tokens, record_tokens, shape_ids
-from kvatlas.directory.snapshot.token_section import allocated_contents
+from kvatlas.directory.snapshot.token_section import allocated_contents, fill_contents
 from kvatlas.directory.token_store import (
-    fill_contents,
     stored_form,
     stored_one,
     stored_payload,

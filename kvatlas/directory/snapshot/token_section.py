@@ -27,21 +27,22 @@ import threading
 import weakref
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from kvatlas.c_heap import HeapRoom, malloc_blocks
 from kvatlas.checks import refuse_big_endian
-from kvatlas.directory.blend.kernels.planes import FORM_U32
+from kvatlas.directory.blend._cpython import BYTES_DATA_OFFSET
+from kvatlas.directory.blend.kernels.objects import object_handles
+from kvatlas.directory.blend.kernels.planes import FORM_PLANES, FORM_U32
+from kvatlas.directory.blend.kernels.pointers import releasing, u8_ptr
 from kvatlas.directory.snapshot.format import SnapshotError
 from kvatlas.directory.token_store import (
-    FillTargets,
     content_sizes,
     empty_contents,
-    fill_piece,
-    fill_targets,
+    form_sizes,
     stored_batch,
     stored_from_arena,
     widened,
@@ -246,6 +247,76 @@ def allocated_contents(lens: npt.NDArray[np.int64], forms: Any) -> list[bytes | 
 
 _BYTES_SIZE = sys.getsizeof(b"")
 """What a ``bytes`` object asks ``malloc`` for beyond its length (its header and the NUL)."""
+
+
+class FillTargets(NamedTuple):
+    """Where the contents of :func:`empty_contents` are filled (:func:`fill_targets`), as
+    columns over the present ones, in order: the address of each one's bytes, the bytes of
+    its ids in a snapshot's token section (:func:`form_sizes`), its form code."""
+
+    dsts: npt.NDArray[np.int64]
+    sizes: npt.NDArray[np.int64]
+    forms: npt.NDArray[np.int64]
+
+    def part(self, lo: int, hi: int) -> FillTargets:
+        """The targets ``[lo, hi)`` (of the present contents)."""
+        return FillTargets(self.dsts[lo:hi], self.sizes[lo:hi], self.forms[lo:hi])
+
+
+def fill_targets(
+    contents: list[bytes | None], lens: npt.NDArray[Any], forms: npt.NDArray[np.int64]
+) -> FillTargets:
+    """The :class:`FillTargets` of the contents of :func:`empty_contents` (``None`` where
+    ``lens`` is 0)."""
+    present = lens > 0
+    made = [c for c in contents if c is not None] if not bool(present.all()) else contents
+    dsts = object_handles(made)
+    dsts += BYTES_DATA_OFFSET
+    kept = forms[present]
+    return FillTargets(dsts, form_sizes(lens[present], kept), kept)
+
+
+def fill_piece(targets: FillTargets, payloads: npt.NDArray[np.uint8]) -> None:
+    """Write into the contents of ``targets`` (nobody else holds them yet) their headers and,
+    one after another in ``payloads``, the bytes of their ids in their form (a snapshot's
+    token section, little-endian): one compiled pass, the GIL released. The caller checked
+    that ``payloads`` is as long as ``targets.sizes`` add up to."""
+    _fill(payloads, targets.sizes, targets.forms, targets.dsts)
+
+
+def fill_contents(
+    contents: list[bytes | None],
+    payloads: npt.NDArray[np.uint8],
+    lens: npt.NDArray[Any],
+    forms: npt.NDArray[np.int64],
+) -> None:
+    """:func:`fill_piece` of all of ``contents`` (:func:`empty_contents`), ``payloads``
+    checked against them."""
+    targets = fill_targets(contents, lens, forms)
+    if int(targets.sizes.sum()) != len(payloads):
+        raise ValueError("token rows do not fill the section")
+    fill_piece(targets, payloads)
+
+
+@releasing  # (a restore fills pieces on two threads while the partitions and index are built)
+def _fill(payloads: Any, sizes: Any, forms: Any, dsts: Any) -> None:
+    """Content ``j`` (at ``dsts[j]``) = its header and the next ``sizes[j]`` bytes. The
+    payloads are read through a pointer: indexed, each read checked for a negative index and
+    the copy ran a byte at a time (6.8 against 0.8 ms for a piece of 16,384 Llama 3
+    contents). ``payloads`` holds the ``sizes`` (the caller checked)."""
+    src: Any = u8_ptr(payloads.ctypes.data)  # type: ignore[call-arg]
+    at = 0
+    for j in range(dsts.shape[0]):
+        dst: Any = u8_ptr(dsts[j])  # type: ignore[call-arg]
+        form = forms[j]
+        skip = 0
+        if form < FORM_PLANES:
+            dst[1] = np.uint8(form)
+            skip = form
+        n = sizes[j]
+        for k in range(n):
+            dst[skip + k] = src[at + k]
+        at += n
 
 
 def read_exactly(f: io.FileIO, n: int) -> bytearray:
