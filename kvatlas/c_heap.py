@@ -7,9 +7,10 @@ restore of 10^6 chunks allocates ≈580 MB of contents in one burst (≈145,000 
 of its wall time in a fresh process) while its reading thread waits for them. With the room,
 the heap grows once for the whole burst and a thread of its own asks the kernel to fault the
 new pages in (``madvise(MADV_POPULATE_WRITE)``, one call, the GIL released) while the
-allocating thread goes on: the faults move to the other core (docs/performance.md, "Restore:
-the contents' pages faulted in on the other core"). Elsewhere (no glibc, a kernel before
-5.14) nothing happens: the room is a hint, never a condition of anything.
+allocating thread goes on: the faults move to the other core (docs/performance.md, "Restore
+in a fresh process: page faults on the other core, fills that do not wait"). Elsewhere (no
+glibc, a kernel before 5.14) nothing happens: the room is a hint, never a condition of
+anything.
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
 """glibc's ``mallopt`` parameters (``malloc.h``)."""
 DEFAULT_TOP_PAD = 128 * 1024
 """glibc's own ``M_TOP_PAD`` (``DEFAULT_TOP_PAD``): what a heap grows by beyond a request."""
+MMAP_THRESHOLD = 32 << 20
+"""Blocks below this come from the heaps, never from a map of their own: glibc's own ceiling
+for its sliding mmap threshold (``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit)."""
+TRIM_THRESHOLD = 2 * MMAP_THRESHOLD
+"""Free memory at a heap's top that glibc keeps rather than hands back after a ``free``: what
+glibc pairs with that ceiling (twice the mmap threshold)."""
+ROOM_MIN = 64 << 20
+"""Bursts smaller than this get no room: their faults cost little (≈16,000 at most, ≈25 ms),
+and setting ``M_TOP_PAD`` changes the process's allocator for good (see :class:`HeapRoom`)."""
 MADV_POPULATE_WRITE = 23
 """``madvise``: fault the range in, writable, now (Linux 5.14; an error before: nothing)."""
 PAGE = 4096
@@ -57,7 +67,14 @@ class HeapRoom:
     the burst: the first time the heap has grown, the new pages the rest of the burst will
     take are handed to a thread that faults them in. On leaving, ``M_TOP_PAD`` is glibc's
     default again and the thread is joined. Pages faulted in and never used: at most what
-    one piece took from below the old break (the heap's top is trimmed as usual later)."""
+    one piece took from below the old break (the heap's top is trimmed as usual later).
+
+    Setting any of glibc's thresholds stops it sliding its mmap and trim thresholds for the
+    rest of the process (glibc's ``no_dyn_threshold``), ``M_TOP_PAD`` included; so a room
+    leaves them pinned where they would slide to under load, and where the coordinator's
+    memory trim pins them anyway (:data:`MMAP_THRESHOLD`, :data:`TRIM_THRESHOLD`): left
+    where they were, a process's large buffers could be mapped and faulted in afresh on
+    every request. Bursts below :data:`ROOM_MIN` get no room."""
 
     def __init__(
         self,
@@ -81,7 +98,7 @@ class HeapRoom:
     def __enter__(self) -> HeapRoom:
         if self._mallopt is None or self._sbrk is None or self._madvise is None:
             return self
-        if self.nbytes <= DEFAULT_TOP_PAD or not self._mallopt(M_TOP_PAD, self.nbytes):
+        if self.nbytes < ROOM_MIN or not self._mallopt(M_TOP_PAD, self.nbytes):
             return self
         self._padded = True
         self._break = int(self._sbrk(0) or 0)
@@ -120,6 +137,8 @@ class HeapRoom:
         if self._padded:
             assert self._mallopt is not None
             self._mallopt(M_TOP_PAD, DEFAULT_TOP_PAD)
+            self._mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+            self._mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
             self._padded = False
         if self._thread is not None:
             self._thread.join()

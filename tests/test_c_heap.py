@@ -12,9 +12,27 @@ import threading
 import numpy as np
 import pytest
 
-from kvatlas.c_heap import DEFAULT_TOP_PAD, M_TOP_PAD, MADV_POPULATE_WRITE, PAGE, HeapRoom
+from kvatlas import c_heap
+from kvatlas.c_heap import (
+    DEFAULT_TOP_PAD,
+    M_MMAP_THRESHOLD,
+    M_TOP_PAD,
+    M_TRIM_THRESHOLD,
+    MADV_POPULATE_WRITE,
+    MMAP_THRESHOLD,
+    PAGE,
+    ROOM_MIN,
+    TRIM_THRESHOLD,
+    HeapRoom,
+)
 from kvatlas.directory.snapshot.token_section import ALLOCATE_PIECE, allocated_contents
 from kvatlas.directory.token_store import content_sizes
+
+LEFT = [  # what a room leaves: glibc's pad, and its thresholds pinned (they no longer slide)
+    (M_TOP_PAD, DEFAULT_TOP_PAD),
+    (M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+    (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+]
 
 
 class FakeGlibc:
@@ -57,7 +75,7 @@ def test_the_room_pads_the_next_growth_and_faults_in_what_the_rest_of_the_burst_
     assert room.faulted == (lo, hi)
     assert [a[:3] for a in glibc.advised] == [(lo, hi - lo, MADV_POPULATE_WRITE)]
     assert glibc.advised[0][3] == "kvatlas-heap-room"  # not the allocating thread
-    assert glibc.options[-1] == (M_TOP_PAD, DEFAULT_TOP_PAD)
+    assert glibc.options[1:] == LEFT
 
 
 def test_the_room_ends_at_the_heaps_break() -> None:
@@ -68,15 +86,14 @@ def test_the_room_ends_at_the_heaps_break() -> None:
     assert room.faulted == (64 * PAGE, 69 * PAGE)
 
 
-def test_a_small_burst_or_a_missing_function_asks_nothing() -> None:
+def test_a_small_burst_or_a_missing_function_asks_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     glibc = FakeGlibc()
-    with glibc.room(DEFAULT_TOP_PAD) as room:
+    with glibc.room(ROOM_MIN - 1) as room:  # (its faults cost little: no process-wide change)
         glibc.brk += 10**6
         room.made(10**5)
     assert glibc.options == [] and glibc.advised == []
-    no_sbrk = HeapRoom(10**8, mallopt=glibc.mallopt, sbrk=None, madvise=glibc.madvise)
-    no_sbrk._sbrk = None  # (the default would find the real one)
-    with no_sbrk as room:
+    monkeypatch.setattr(c_heap, "glibc", lambda name, *types: None)  # a C library without sbrk
+    with HeapRoom(10**8, mallopt=glibc.mallopt, madvise=glibc.madvise) as room:
         room.made(10**5)
     assert glibc.options == [] and glibc.advised == []
 
@@ -85,7 +102,7 @@ def test_the_pad_is_glibcs_default_again_whatever_the_burst_raised() -> None:
     glibc = FakeGlibc()
     with pytest.raises(MemoryError), glibc.room(10**8):
         raise MemoryError
-    assert glibc.options == [(M_TOP_PAD, 10**8), (M_TOP_PAD, DEFAULT_TOP_PAD)]
+    assert glibc.options == [(M_TOP_PAD, 10**8), *LEFT]
 
 
 def test_allocated_contents_are_the_zeroed_contents_piece_by_piece() -> None:

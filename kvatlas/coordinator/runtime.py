@@ -21,7 +21,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvatlas.c_heap import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, glibc
+from kvatlas.c_heap import (
+    M_MMAP_THRESHOLD,
+    M_TRIM_THRESHOLD,
+    MMAP_THRESHOLD,
+    TRIM_THRESHOLD,
+    glibc,
+)
 
 SWITCH_INTERVAL_S = 0.001
 """The coordinator's GIL switch interval (``sys.setswitchinterval``)."""
@@ -107,14 +113,6 @@ TRIM_INTERVAL_S = 10.0
 (:class:`MemoryTrim`): the default of ``--memory-trim-interval-s``."""
 
 
-MMAP_THRESHOLD = 32 << 20
-"""Blocks below this come from the heaps, never from a map of their own: glibc's own ceiling
-for its sliding mmap threshold (``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit)."""
-TRIM_THRESHOLD = 2 * MMAP_THRESHOLD
-"""Free memory at a heap's top that glibc keeps rather than hands back after a ``free``: what
-glibc pairs with that ceiling (twice the mmap threshold)."""
-
-
 class MemoryTrim:
     """Every ``interval_s`` seconds, on a thread of its own, ``malloc_trim(0)``: the pages of
     the C allocator's free chunks go back to the kernel. Why: each ``POST /events`` of a
@@ -131,8 +129,8 @@ class MemoryTrim:
     thread preempted holding a lock). What it returns does not grow with the interval: what
     a request frees, the next ones reuse.
 
-    Starting it also pins glibc's two thresholds (:data:`MMAP_THRESHOLD`,
-    :data:`TRIM_THRESHOLD`), so that the timer is the only one handing pages back. Left to
+    Starting it also pins glibc's two thresholds (``c_heap.MMAP_THRESHOLD``,
+    ``c_heap.TRIM_THRESHOLD``), so that the timer is the only one handing pages back. Left to
     itself glibc trims a heap's top after any ``free`` that leaves more than twice its mmap
     threshold there, a threshold that only rises when a block it had mapped on its own is
     freed: a ``POST /events`` whose blocks are each below it (a msgpack body of a thousand

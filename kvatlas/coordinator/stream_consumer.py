@@ -71,7 +71,7 @@ READ_BYTES = 8 << 20
 size of the previous read's entries (1 to :data:`READ_COUNT`; :data:`READ_FIRST` before
 any). A reply is held whole in memory and parsed at once, so a backlog of large entries
 (bodies of a thousand entries, ≈1 MB each in msgpack) read 256 at a time was a reply of
-≈280 MB; at ≈8 MB it stays below the allocator's mmap threshold (``runtime.MMAP_THRESHOLD``)
+≈280 MB; at ≈8 MB it stays below the allocator's mmap threshold (``c_heap.MMAP_THRESHOLD``)
 and its memory is reused read after read instead of mapped and faulted in each time
 (docs/performance.md, "Allocator thresholds")."""
 READ_FIRST = 1

@@ -388,8 +388,9 @@ def empty_contents(
     sizes: npt.NDArray[np.int64], present: npt.NDArray[np.bool_]
 ) -> list[bytes | None]:
     """A zeroed content of ``sizes[i]`` bytes (:func:`content_sizes`) for each chunk
-    ``present`` selects (``None`` for the others: no ids), to be filled by
-    ``snapshot.token_section.fill_contents`` before anyone reads it (one allocation each, by a C-level map)."""
+    ``present`` selects (``None`` for the others: no ids), to be filled (a restore's
+    ``snapshot.token_section.fill_piece``) before anyone reads it: one allocation each, by a
+    C-level map."""
     if bool(present.all()):
         return list(map(bytes, sizes.tolist()))  # type: ignore[arg-type]
     made = iter(map(bytes, sizes[present].tolist()))

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from kvatlas.directory import KeyDirectory, load_snapshot, save_snapshot
 from kvatlas.directory.blend.kernels.planes import FORM_U16
 from kvatlas.directory.records import record_offset, record_stored_tokens, record_tokens, shape_ids
-from kvatlas.directory.snapshot.token_section import allocated_contents, fill_contents
+from kvatlas.directory.snapshot.token_section import allocated_contents, fill_piece, fill_targets
 from kvatlas.directory.token_store import (
     stored_form,
     stored_one,
@@ -236,7 +236,7 @@ def test_filled_contents_hold_each_chunks_ids(shapes: list[tuple[int, int]]) -> 
     forms_of = np.array(forms, np.int64)
     section = b"".join(bytes(stored_payload(c)) for (r, c) in rows if len(r))
     got = allocated_contents(lens, forms_of)
-    fill_contents(got, np.frombuffer(section, np.uint8), lens, forms_of)
+    fill_piece(fill_targets(got, lens, forms_of), np.frombuffer(section, np.uint8))
     for out, (row, stored) in zip(got, rows, strict=True):
         if not len(row):
             assert out is None

@@ -284,20 +284,6 @@ def fill_piece(targets: FillTargets, payloads: npt.NDArray[np.uint8]) -> None:
     _fill(payloads, targets.sizes, targets.forms, targets.dsts)
 
 
-def fill_contents(
-    contents: list[bytes | None],
-    payloads: npt.NDArray[np.uint8],
-    lens: npt.NDArray[Any],
-    forms: npt.NDArray[np.int64],
-) -> None:
-    """:func:`fill_piece` of all of ``contents`` (:func:`empty_contents`), ``payloads``
-    checked against them."""
-    targets = fill_targets(contents, lens, forms)
-    if int(targets.sizes.sum()) != len(payloads):
-        raise ValueError("token rows do not fill the section")
-    fill_piece(targets, payloads)
-
-
 @releasing  # (a restore fills pieces on two threads while the partitions and index are built)
 def _fill(payloads: Any, sizes: Any, forms: Any, dsts: Any) -> None:
     """Content ``j`` (at ``dsts[j]``) = its header and the next ``sizes[j]`` bytes. The
