@@ -41,7 +41,7 @@ from kvatlas.directory.blend.kernels.contents import (
     data_offset,
 )
 from kvatlas.directory.blend.kernels.contents import token_count as token_count
-from kvatlas.directory.blend.kernels.objects import object_handles, u32_rows
+from kvatlas.directory.blend.kernels.objects import object_handles, payload_addresses, u32_rows
 from kvatlas.directory.blend.kernels.planes import (
     FORM_PLANES,
     FORM_U16,
@@ -126,7 +126,7 @@ def widened_many(contents: Sequence[StoredTokens | None]) -> list[TokenArray | N
     ends = np.cumsum(counts)
     starts = ends - counts
     out = np.empty(int(ends[-1]), np.uint32)
-    addrs = object_handles(present) + BYTES_DATA_OFFSET
+    addrs = payload_addresses(present)
     _widen_rows(addrs, counts, forms, starts, out)
     out.flags.writeable = False
     views = map(out.__getitem__, map(slice, starts.tolist(), ends.tolist()))
@@ -280,8 +280,7 @@ def _stored_rows(
     sizes = np.empty(n, np.int64)
     _forms(srcs, src_off, lens, forms, sizes)
     outs: list[StoredTokens] = list(map(bytes, sizes.tolist()))
-    dsts = object_handles(outs)
-    dsts += BYTES_DATA_OFFSET
+    dsts = payload_addresses(outs)
     _write_rows(srcs, src_off, lens, dsts, forms)
     return outs
 

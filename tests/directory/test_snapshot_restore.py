@@ -21,6 +21,7 @@ from kvatlas.directory.blend.kernels.planes import FORM_U16
 from kvatlas.directory.records import record_offset, record_stored_tokens, record_tokens, shape_ids
 from kvatlas.directory.snapshot.token_section import allocated_contents, fill_piece, fill_targets
 from kvatlas.directory.token_store import (
+    form_sizes,
     stored_form,
     stored_one,
     stored_payload,
@@ -236,7 +237,8 @@ def test_filled_contents_hold_each_chunks_ids(shapes: list[tuple[int, int]]) -> 
     forms_of = np.array(forms, np.int64)
     section = b"".join(bytes(stored_payload(c)) for (r, c) in rows if len(r))
     got = allocated_contents(lens, forms_of)
-    fill_piece(fill_targets(got, lens, forms_of), np.frombuffer(section, np.uint8))
+    targets = fill_targets(got, lens > 0, forms_of, form_sizes(lens, forms_of))
+    fill_piece(targets, np.frombuffer(section, np.uint8))
     for out, (row, stored) in zip(got, rows, strict=True):
         if not len(row):
             assert out is None

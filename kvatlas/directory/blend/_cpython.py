@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import operator
 from collections import deque
 from collections.abc import Callable
 from itertools import repeat
@@ -153,11 +152,6 @@ ITEM_ARRAYS = _item_arrays()
 def bytes_address(raw: bytes) -> int:
     """Address of the payload of ``raw`` (an exact ``bytes``; valid while it is alive)."""
     return id(raw) + BYTES_DATA_OFFSET
-
-
-def bytes_addresses(raws: list[bytes]) -> list[int]:
-    """``[bytes_address(raw) for raw in raws]`` by C-level ``map``s: no Python frame per item."""
-    return list(map(operator.add, map(id, raws), repeat(BYTES_DATA_OFFSET, len(raws))))
 
 
 def array_handle(array: npt.NDArray[Any]) -> int:

@@ -413,10 +413,3 @@ def _offset(token_offset: Any) -> int:
     if not 0 <= offset < 1 << 63:
         raise ValueError(f"token_offset must be >= 0, got {offset}")
     return offset
-
-
-def hash_addresses(hashes: list[bytes], data_offset: int) -> npt.NDArray[np.int64]:
-    """The payload addresses of ``hashes`` (exact ``bytes``): ``id`` + the header size."""
-    out = object_handles(hashes)
-    out += data_offset
-    return out

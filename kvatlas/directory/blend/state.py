@@ -32,6 +32,7 @@ from kvatlas.directory.blend.kernels import (
     SKIP,
 )
 from kvatlas.directory.blend.kernels.layout import write_context
+from kvatlas.directory.blend.kernels.objects import payload_addresses
 from kvatlas.directory.blend.kernels.writes import (
     OP_FP,
     OP_HASH,
@@ -44,7 +45,7 @@ from kvatlas.directory.blend.kernels.writes import (
 )
 from kvatlas.directory.blend.namespaces import NamespaceIds
 from kvatlas.directory.blend.op_checks import Tokens, filled, token_nbytes, token_width
-from kvatlas.directory.blend.op_columns import OpColumns, SingleOp, hash_addresses
+from kvatlas.directory.blend.op_columns import OpColumns, SingleOp
 from kvatlas.keys import BlendNamespace
 
 MIN_CAPACITY = 1024
@@ -157,7 +158,7 @@ class IndexState:
                 kinds[skip] = SKIP
         if not self._has_room(n_add):
             self._make_room(n_add)
-        hashes = hash_addresses(cols.hashes, _cpython.BYTES_DATA_OFFSET)
+        hashes = payload_addresses(cols.hashes)
         out = self.run_ops(
             kinds, cols.addrs, cols.token_bytes, hashes, cols.hash_lens, cols.offsets, ns, fps
         )

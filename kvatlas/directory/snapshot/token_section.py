@@ -34,15 +34,13 @@ import numpy.typing as npt
 
 from kvatlas.c_heap import HeapRoom, malloc_blocks
 from kvatlas.checks import refuse_big_endian
-from kvatlas.directory.blend._cpython import BYTES_DATA_OFFSET
-from kvatlas.directory.blend.kernels.objects import object_handles
+from kvatlas.directory.blend.kernels.objects import payload_addresses
 from kvatlas.directory.blend.kernels.planes import FORM_PLANES, FORM_U32
 from kvatlas.directory.blend.kernels.pointers import releasing, u8_ptr
 from kvatlas.directory.snapshot.format import SnapshotError
 from kvatlas.directory.token_store import (
     content_sizes,
     empty_contents,
-    form_sizes,
     stored_batch,
     stored_from_arena,
     widened,
@@ -82,6 +80,7 @@ class Filling:
         at = np.minimum(np.arange(self._n + 1) * FILL_PIECE, len(lens))
         self._bounds: list[int] = starts[at].tolist()
         self._widest = int(np.diff(starts[at]).max(initial=0))
+        self._sizes = np.diff(starts)  # each chunk's bytes in the section
         self._at = at  # each piece's first chunk (and the end)
         self._targets: FillTargets | None = None  # where the contents' bytes go
         self._made: list[int] = []  # each piece's first target (and the end)
@@ -100,17 +99,16 @@ class Filling:
         worked out here, for all pieces at once, so that filling one takes the GIL only to
         start its copy: a thread that needs it between steps waits, each time, for whatever
         long C-level pass the caller is in (building the partitions: 0.4 s for the first
-        piece at 10^6 keys, docs/performance.md)."""
+        piece at 10^6 keys, docs/performance.md). The targets' sizes are the section's own
+        (the pieces' bounds come from them): each piece's fill takes exactly its bytes."""
+        present = self._lens > 0
         try:
-            targets = fill_targets(contents, self._lens, self._forms)
-            made = np.concatenate(([0], np.cumsum(self._lens > 0)))[self._at]
-            ends = np.concatenate(([0], np.cumsum(targets.sizes)))[made]
-            if ends.tolist() != self._bounds:
-                raise ValueError("token rows do not fill the section")
+            targets = fill_targets(contents, present, self._forms, self._sizes)
         except BaseException:
             self.abandon()
             raise
-        self._targets, self._made = targets, made.tolist()
+        self._targets = targets
+        self._made = np.concatenate(([0], np.cumsum(present)))[self._at].tolist()
         self._allocated.set()
 
     def abandon(self) -> None:
@@ -252,7 +250,7 @@ _BYTES_SIZE = sys.getsizeof(b"")
 class FillTargets(NamedTuple):
     """Where the contents of :func:`empty_contents` are filled (:func:`fill_targets`), as
     columns over the present ones, in order: the address of each one's bytes, the bytes of
-    its ids in a snapshot's token section (:func:`form_sizes`), its form code."""
+    its ids in a snapshot's token section (``token_store.form_sizes``), its form code."""
 
     dsts: npt.NDArray[np.int64]
     sizes: npt.NDArray[np.int64]
@@ -264,16 +262,18 @@ class FillTargets(NamedTuple):
 
 
 def fill_targets(
-    contents: list[bytes | None], lens: npt.NDArray[Any], forms: npt.NDArray[np.int64]
+    contents: list[bytes | None],
+    present: npt.NDArray[np.bool_],
+    forms: npt.NDArray[np.int64],
+    sizes: npt.NDArray[np.int64],
 ) -> FillTargets:
-    """The :class:`FillTargets` of the contents of :func:`empty_contents` (``None`` where
-    ``lens`` is 0)."""
-    present = lens > 0
-    made = [c for c in contents if c is not None] if not bool(present.all()) else contents
-    dsts = object_handles(made)
-    dsts += BYTES_DATA_OFFSET
-    kept = forms[present]
-    return FillTargets(dsts, form_sizes(lens[present], kept), kept)
+    """The :class:`FillTargets` of the contents of :func:`empty_contents` (``present``: where
+    they are not ``None``), of each chunk's form and its bytes in the section
+    (:func:`~kvatlas.directory.token_store.form_sizes`)."""
+    if bool(present.all()):
+        return FillTargets(payload_addresses(contents), sizes, forms)  # type: ignore[arg-type]
+    made: list[bytes] = [c for c in contents if c is not None]
+    return FillTargets(payload_addresses(made), sizes[present], forms[present])
 
 
 def fill_piece(targets: FillTargets, payloads: npt.NDArray[np.uint8]) -> None:

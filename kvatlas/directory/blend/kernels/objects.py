@@ -147,3 +147,11 @@ def object_handles(items: Sequence[object]) -> npt.NDArray[np.int64]:
         if _copied_items(id(items), layout.size, offset, listed, out):
             return out
     return np.fromiter(map(id, items), np.int64, n)
+
+
+def payload_addresses(items: Sequence[bytes]) -> npt.NDArray[np.int64]:
+    """Where each exact ``bytes`` of ``items`` keeps its payload (:func:`object_handles` +
+    the header's size); valid while they live."""
+    out = object_handles(items)
+    out += _cpython.BYTES_DATA_OFFSET
+    return out
