@@ -85,18 +85,18 @@ def rewrite(path: Path, **fields: Any) -> None:
     """The file at ``path`` with header ``fields`` replaced (the token section unchanged)."""
     raw = path.read_bytes()
     _, n = PREFIX.unpack_from(raw)
-    header = msgspec.msgpack.decode(raw[PREFIX.size : PREFIX.size + n], type=Header)
+    header = msgspec.msgpack.decode(raw[PREFIX.size : PREFIX.size + n], type=Header[bytes])
     encoded = msgspec.msgpack.encode(msgspec.structs.replace(header, **fields))
     path.write_bytes(PREFIX.pack(raw[:8], len(encoded)) + encoded + raw[PREFIX.size + n :])
 
 
-def header_of(path: Path) -> Header:
+def header_of(path: Path) -> Header[bytes]:
     raw = path.read_bytes()
     _, n = PREFIX.unpack_from(raw)
-    return msgspec.msgpack.decode(raw[PREFIX.size : PREFIX.size + n], type=Header)
+    return msgspec.msgpack.decode(raw[PREFIX.size : PREFIX.size + n], type=Header[bytes])
 
 
-def saved(tmp_path: Path) -> tuple[KeyDirectory, Path, Header]:
+def saved(tmp_path: Path) -> tuple[KeyDirectory, Path, Header[bytes]]:
     d = directory_of_every_form()
     path = tmp_path / "s.snap"
     save_snapshot(d, path)

@@ -245,7 +245,7 @@ def downgrade(v3: bytes, version: int) -> bytes:
     """The file an older writer makes of the same directory: version 2 (uint16 and uint32
     only: every planes-form chunk uint32) or version 1 (no widths, every token a uint32)."""
     _, header_len = PREFIX.unpack_from(v3)
-    header = msgspec.msgpack.decode(v3[PREFIX.size : PREFIX.size + header_len], type=Header)
+    header = msgspec.msgpack.decode(v3[PREFIX.size : PREFIX.size + header_len], type=Header[bytes])
     forms = np.frombuffer(header.chunk_token_widths, np.uint8).tolist()
     lens = np.frombuffer(header.chunk_token_lens, "<u4").tolist()
     arena, pos, tokens = v3[PREFIX.size + header_len :], 0, []

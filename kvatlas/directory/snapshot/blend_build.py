@@ -26,7 +26,7 @@ from kvatlas.events import UNKNOWN_OFFSET
 
 
 def indexable_chunks(
-    directory: KeyDirectory, header: Header, cols: Columns
+    directory: KeyDirectory, header: Header[memoryview], cols: Columns
 ) -> npt.NDArray[np.bool_] | None:
     """Chunks the blend index holds: bound content of ``chunk_size`` tokens, a known offset
     (as ``chunk_stores._bind`` decides); ``None`` when the restore builds no index (blend
@@ -39,7 +39,7 @@ def indexable_chunks(
 
 def built_index(
     directory: KeyDirectory,
-    header: Header,
+    header: Header[memoryview],
     cols: Columns,
     indexable: npt.NDArray[np.bool_],
     tokens: list[Any],

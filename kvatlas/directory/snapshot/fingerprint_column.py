@@ -28,7 +28,9 @@ SAMPLE = 64
 """Contents whose fingerprints a restore recomputes to check the column (≈20 µs)."""
 
 
-def saved_fingerprints(header: Header, chunks: int) -> tuple[FingerprintKey, Any] | None:
+def saved_fingerprints(
+    header: Header[memoryview], chunks: int
+) -> tuple[FingerprintKey, Any] | None:
     """The header's fingerprint key and column (one ``uint64`` per chunk), checked against
     its digest; ``None`` when none was saved or it is under a key this build cannot compute.
     Raises :class:`SnapshotError` when the column is corrupt."""

@@ -13,6 +13,7 @@ records and, blend on, the index (``blend_build.py``). See docs/directory.md.
 from __future__ import annotations
 
 import gc
+import io
 import os
 import time
 from collections import Counter
@@ -84,25 +85,7 @@ def _load(directory: KeyDirectory, path: str | os.PathLike[str]) -> SnapshotInfo
     # header's size)
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
-        prefix = read_exactly(f, PREFIX.size)
-        if len(prefix) < PREFIX.size:
-            raise SnapshotError("file too short for a snapshot")
-        magic, header_len = PREFIX.unpack(prefix)
-        if magic != MAGIC:
-            raise SnapshotError("not a kvatlas snapshot (bad magic)")
-        body = PREFIX.size + header_len
-        if body > size:
-            raise SnapshotError("truncated snapshot header")
-        raw_header = read_exactly(f, header_len)
-        if len(raw_header) != header_len:
-            raise SnapshotError("truncated snapshot header")
-        try:
-            header = msgspec.msgpack.decode(raw_header, type=Header)
-        except msgspec.MsgspecError as exc:
-            raise SnapshotError(f"corrupt snapshot header: {exc}") from None
-        del raw_header
-        if header.version not in READABLE:
-            raise SnapshotError(f"unsupported snapshot version {header.version}")
+        header, body = read_header(f, size)
         columns = _columns(header)
         ends = np.cumsum(form_sizes(columns.lens, columns.widths))  # each chunk's, in the section
         if size - body != (int(ends[-1]) if len(ends) else 0):
@@ -142,6 +125,31 @@ def _load(directory: KeyDirectory, path: str | os.PathLike[str]) -> SnapshotInfo
     )
 
 
+def read_header(f: io.FileIO, size: int) -> tuple[Header[memoryview], int]:
+    """The header of the snapshot open as ``f`` (unbuffered, at its start; ``size`` bytes)
+    and where its token section starts. The header's columns are read-only views of the one
+    buffer read (``Header[memoryview]``: no copy of them)."""
+    prefix = read_exactly(f, PREFIX.size)
+    if len(prefix) < PREFIX.size:
+        raise SnapshotError("file too short for a snapshot")
+    magic, header_len = PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise SnapshotError("not a kvatlas snapshot (bad magic)")
+    body = PREFIX.size + header_len
+    if body > size:
+        raise SnapshotError("truncated snapshot header")
+    raw = read_exactly(f, header_len)
+    if len(raw) != header_len:
+        raise SnapshotError("truncated snapshot header")
+    try:
+        header = msgspec.msgpack.decode(raw, type=Header[memoryview])
+    except msgspec.MsgspecError as exc:
+        raise SnapshotError(f"corrupt snapshot header: {exc}") from None
+    if header.version not in READABLE:
+        raise SnapshotError(f"unsupported snapshot version {header.version}")
+    return header, body
+
+
 def _known_forms(widths: np.ndarray[Any, Any], version: int) -> np.ndarray[Any, Any]:
     """Which form codes the snapshot's version may hold (planes forms from version 3 on)."""
     known: np.ndarray[Any, Any] = (widths == FORM_U16) | (widths == FORM_U32)
@@ -150,7 +158,7 @@ def _known_forms(widths: np.ndarray[Any, Any], version: int) -> np.ndarray[Any, 
     return known
 
 
-def _columns(header: Header) -> Columns:
+def _columns(header: Header[memoryview]) -> Columns:
     offsets = decode_column(header, "chunk_offsets")
     lens = decode_column(header, "chunk_token_lens")
     counts = decode_column(header, "chunk_key_counts")
@@ -183,7 +191,7 @@ def _columns(header: Header) -> Columns:
     return Columns(offsets, lens, widths, counts, first_key, key_shapes, key_pl_counts, key_pls)
 
 
-def _shapes(header: Header, cols: Columns) -> tuple[ShapeTable, npt.NDArray[np.int64]]:
+def _shapes(header: Header[memoryview], cols: Columns) -> tuple[ShapeTable, npt.NDArray[np.int64]]:
     """The directory's shape table, and each key's shape id in it."""
     strings = header.strings
     table = ShapeTable()
@@ -197,7 +205,7 @@ def _shapes(header: Header, cols: Columns) -> tuple[ShapeTable, npt.NDArray[np.i
     return table, np.asarray(ids, dtype=np.int64)[cols.key_shapes]
 
 
-def _placements(header: Header) -> list[PlacementRow]:
+def _placements(header: Header[memoryview]) -> list[PlacementRow]:
     names = ("pl_instance", "pl_incarnation", "pl_tier", "pl_backend", "pl_size")
     instance, incarnation, tier, backend, size = (decode_column(header, n) for n in names)
     shared, access = decode_column(header, "pl_shared"), decode_column(header, "pl_access")
@@ -229,7 +237,7 @@ def _placements(header: Header) -> list[PlacementRow]:
 
 
 def _build(
-    header: Header,
+    header: Header[memoryview],
     cols: Columns,
     tokens: list[Any],
     hashes: list[bytes],
@@ -291,7 +299,7 @@ def _build(
     return parts
 
 
-def _l1_owners(header: Header) -> npt.NDArray[np.int64]:
+def _l1_owners(header: Header[memoryview]) -> npt.NDArray[np.int64]:
     """Each placement row's :func:`~kvatlas.directory.records.l1_owner`, as an index of the
     header's strings (-1: none)."""
     tier = decode_column(header, "pl_tier").astype(np.int64)
@@ -300,7 +308,7 @@ def _l1_owners(header: Header) -> npt.NDArray[np.int64]:
     return np.where(own, decode_column(header, "pl_instance").astype(np.int64), -1)
 
 
-def _cursors(header: Header) -> dict[str, EmitterCursor]:
+def _cursors(header: Header[memoryview]) -> dict[str, EmitterCursor]:
     out = {}
     for name, inc, last_seq, gaps, missing, last in header.cursors:
         gap = None if last is None else GapRecord(*last)
@@ -308,14 +316,14 @@ def _cursors(header: Header) -> dict[str, EmitterCursor]:
     return out
 
 
-def _capacities(header: Header) -> dict[str, CapacityDeclaration]:
+def _capacities(header: Header[memoryview]) -> dict[str, CapacityDeclaration]:
     return {
         inst: CapacityDeclaration(inc, rev, {(t, b): n for t, b, n in caps})
         for inst, inc, rev, caps in header.capacities
     }
 
 
-def _counts(header: Header, cols: Columns, sids: npt.NDArray[np.int64]) -> ChunkCounts:
+def _counts(header: Header[memoryview], cols: Columns, sids: npt.NDArray[np.int64]) -> ChunkCounts:
     """:class:`ChunkCounts` computed column-wise (no pass over the records): first how many
     keys reference each placement row (rows are shared: one per batch and size, so there are
     few), then everything per row. ``sids``: each key's interned shape id."""

@@ -305,19 +305,18 @@ def _fill(payloads: Any, sizes: Any, forms: Any, dsts: Any) -> None:
         at += n
 
 
-def read_exactly(f: io.FileIO, n: int) -> bytearray:
-    """Up to ``n`` bytes from the unbuffered ``f``: one ``read`` returns at most ≈2 GiB on
-    Linux, so this loops until ``n`` or the end of the file (then fewer)."""
-    out = bytearray(n)
-    view, got = memoryview(out), 0
+def read_exactly(f: io.FileIO, n: int) -> memoryview:
+    """Up to ``n`` bytes from the unbuffered ``f`` (fewer at the end of the file), as a
+    read-only view of a map of their own, read into as the kernel hands it out (no zeroing
+    pass, small pages: numpy would ask for huge ones, which can stall on compaction). One
+    ``read`` returns at most ≈2 GiB on Linux, so this loops until ``n`` or the end."""
+    view, got = memoryview(mmap.mmap(-1, max(n, 1))), 0
     while got < n:
         k = f.readinto(view[got:])
         if not k:
             break
         got += k
-    view.release()
-    del out[got:]
-    return out
+    return view[:got].toreadonly()
 
 
 def fill(f: io.FileIO, view: memoryview, pos: int) -> None:

@@ -124,7 +124,7 @@ class HeaderPieces:
         self.fields[marker] = pieces
         return marker
 
-    def encode(self, header: Header) -> list[bytes]:
+    def encode(self, header: Header[bytes]) -> list[bytes]:
         encoded = msgspec.msgpack.encode(header)
         found = []
         for marker, pieces in self.fields.items():
@@ -141,7 +141,7 @@ class HeaderPieces:
         out.append(encoded[pos:])
         return out
 
-    def joined(self, header: Header) -> Header:
+    def joined(self, header: Header[bytes]) -> Header[bytes]:
         """``header`` with every marker replaced by its field's bytes."""
         fields = {
             name: b"".join(self.fields[value])
@@ -309,7 +309,7 @@ class _Columns:
         self.encoded.clear()
         self.pieces.fields.clear()
 
-    def header(self, state: DirectoryState, stream_position: str | None) -> Header:
+    def header(self, state: DirectoryState, stream_position: str | None) -> Header[bytes]:
         pls = self.pls
         key, fps = self.key, [a.tobytes() for a in self.fingerprints]
         instances = [self.ref(row_instance(p)) for p in pls]  # before backends: string order
