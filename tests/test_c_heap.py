@@ -165,3 +165,21 @@ def test_in_a_fresh_process_the_room_is_where_the_contents_land_and_costs_no_mem
     contents = 200_000 * 592  # glibc's block for a bytes object of 546
     assert runs["room"]["grown"] <= runs["none"]["grown"] + 4 * (1 << 20), runs
     assert runs["room"]["grown"] <= contents * 1.1, runs
+
+
+def test_fault_in_asks_for_each_large_arrays_whole_pages_and_changes_nothing() -> None:
+    glibc = FakeGlibc()
+    big = np.arange(300_000, dtype=np.int64)  # 2.4 MB
+    small = np.arange(1_000, dtype=np.int64)
+    asked = c_heap.fault_in([big, small, big[1:]], madvise=glibc.madvise)
+    ranges = [(a, n) for a, n, advice, _ in glibc.advised if advice == MADV_POPULATE_WRITE]
+    assert len(ranges) == len(glibc.advised) == 2  # the small array is left alone
+    for (address, length), arr in zip(ranges, (big, big[1:]), strict=True):
+        start, end = arr.ctypes.data, arr.ctypes.data + arr.nbytes
+        assert address % PAGE == 0 and length % PAGE == 0
+        assert start <= address < start + PAGE and end - PAGE < address + length <= end
+    assert asked == sum(n for _, n in ranges)
+    # the real call (Linux >= 5.14; a no-op elsewhere): every value as it was
+    before = big.copy()
+    c_heap.fault_in([big])
+    assert np.array_equal(big, before)

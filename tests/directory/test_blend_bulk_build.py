@@ -332,3 +332,38 @@ def test_a_bulk_build_past_the_first_capacity_and_the_releasing_kernel(spaces: i
     assert n > kernels.RELEASE_OPS
     with mock.patch.object(blend_index, "BUILD_SLICE", 5_000):
         _same(_general(adds, None), _bulk(adds, None), contents)
+
+
+@pytest.mark.parametrize("saved", [False, True])
+@pytest.mark.parametrize("spaces", [1, 3])
+def test_a_build_into_the_room_reserved_before_is_the_same_build(saved: bool, spaces: int) -> None:
+    """``reserve(n)`` (a restore's thread, while the records are built) makes the room a
+    build of ``n`` adds would make, faulted in: the build then writes into those very arrays
+    (also when it adopts a snapshot's fingerprint base: ``_rekey`` keeps an empty state's
+    arrays) and leaves the state the build without it leaves."""
+    rng = np.random.default_rng(spaces)
+    contents = pool(spaces)
+    n = 3_000
+    adds = AddColumns(
+        [contents[i] for i in rng.integers(0, len(contents), n).tolist()],
+        [int(i).to_bytes(32, "little") for i in range(n)],
+        np.arange(n, dtype=np.int64) * CS,
+        list(SPACES[:spaces]),
+        rng.integers(0, spaces, n).astype(np.int64),
+        vouched=True,
+    )
+    key = BlendIndex(CS, _fingerprint_base=BASE).fingerprint_key
+    fps = Fingerprints(key, key.of(list(adds.tokens))) if saved else None
+    reserved = BlendIndex(CS, _fingerprint_base=None if saved else BASE)
+    faulted: list[int] = []
+    with mock.patch.object(blend_index, "fault_in", lambda arrays: faulted.extend(map(id, arrays))):
+        reserved.reserve(n)
+    room = reserved._state.arrays
+    assert room.content_capacity >= n and room.occupant_capacity >= n
+    assert faulted == list(map(id, room))
+    with bulk_builds() as taken:
+        reserved.build(adds, fps)
+    assert taken == [True]
+    after = reserved._state.arrays
+    assert all(getattr(after, f) is getattr(room, f) for f in ("c_fp", "c_addr", "o_i64", "o_i32"))
+    _same(_bulk(adds, fps), reserved, contents)

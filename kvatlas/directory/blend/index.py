@@ -16,14 +16,13 @@ A derived view of the directory's token bindings (docs/blend-index.md). Guarante
   validated and applied with scalars (``op_columns.single_op``, ``kernels.apply_op``):
   the same checks, errors and state as its column form.
 
-Memory: tokens are not copied when the caller hands in a content as the directory keeps
-it (one ``bytes`` object, its ids inline in the form they need: ``kernels/contents.py``,
-``directory/token_store.py``) or a read-only, self-owned ``uint32`` or ``uint16`` array, or
-one in the planes form: the index keeps a reference and its ids' address, so the directory
-binding and the index share one object per content. Any other array is copied once
-(``uint16`` stays ``uint16``, the rest becomes ``uint32``). Chunk hashes
-are kept the same way: a reference to the caller's ``bytes`` (the directory's dict key), read by
-the kernels through its address.
+Memory: tokens are not copied when the caller hands in a content as the directory keeps it (one
+``bytes`` object, its ids inline in the form they need: ``kernels/contents.py``,
+``directory/token_store.py``) or a read-only, self-owned ``uint32`` or ``uint16`` array, or one
+in the planes form: the index keeps a reference and its ids' address, so the directory binding
+and the index share one object per content. Any other array is copied once (``uint16`` stays
+``uint16``, the rest becomes ``uint32``). Chunk hashes are kept the same way: a reference to the
+caller's ``bytes`` (the directory's dict key), read by the kernels through its address.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from kvatlas.c_heap import fault_in
 from kvatlas.checks import is_plain_int
 from kvatlas.directory.blend import _cpython, kernels
 from kvatlas.directory.blend.bulk import build_empty, is_empty
@@ -218,14 +218,14 @@ class BlendIndex:
         """Apply writes in order, atomically: one lock hold and one compiled call for all.
 
         Each op has the effect of the method it names (see :data:`BlendOp`), in sequence; a
-        concurrent ``match`` sees the state before the batch or after it, never in between
-        (so a ``remove_chunk`` followed by re-``add``s of a re-stored chunk has no window).
-        Every op is validated before anything changes: an invalid op raises and applies none.
-        An :class:`AddColumns` (many adds, as columns) is prepared without Python per entry
-        when its arrays are the kind the index keeps as they are (``op_columns.py``), a
-        vouched :class:`RemoveClaimColumns` (many claims dropped) as it is; a list
-        or tuple of one other op, or of one vouched batch of a few ops
-        (``op_columns.SMALL_BATCH``), is applied with scalars (``IndexState.apply_one``).
+        concurrent ``match`` sees the state before the batch or after it, never in between (so a
+        ``remove_chunk`` followed by re-``add``s of a re-stored chunk has no window). Every op
+        is validated before anything changes: an invalid op raises and applies none. An
+        :class:`AddColumns` (many adds, as columns) is prepared without Python per entry when
+        its arrays are the kind the index keeps as they are (``op_columns.py``), a vouched
+        :class:`RemoveClaimColumns` (many claims dropped) as it is; a list or tuple of one other
+        op, or of one vouched batch of a few ops (``op_columns.SMALL_BATCH``), is applied with
+        scalars (``IndexState.apply_one``).
         """
         if type(ops) in (tuple, list) and len(ops) == 1:  # type: ignore[arg-type]
             (op,) = ops
@@ -262,25 +262,19 @@ class BlendIndex:
         ready: Callable[[int], None] | None = None,
     ) -> None:
         """``apply([adds])`` to a fresh index nobody queries yet (a restore's rebuild): its
-        arrays and table sized once for all the adds, applied in slices of
-        :data:`BUILD_SLICE` (bounded scratch), the last add on its own, then the extra-claim
-        set shrunk to the size adding them one by one would have grown it to (a batch
-        reserves room for one per add; one by one, the set grows before an add, so its size
-        depends on how many extra claims there were before the last one). ``adds.vouched``
-        holds for every slice.
+        arrays and table sized once for all the adds (see :meth:`reserve`), applied in
+        slices of :data:`BUILD_SLICE`, the last add on its own, then the extra-claim set
+        shrunk to the size adding them one by one would have grown it to (that size depends
+        on the extra claims before the last add). ``adds.vouched`` holds for every slice.
 
         ``fingerprints``: each add's content fingerprint, computed before (a snapshot's
         column, checked by its reader: ``blend/fingerprints.py``). Taken only under this
         index's function, chunk size and bits, and only while the index is empty: it then
-        adopts their base (its answers are the same under any base); otherwise they are
-        ignored and the fingerprints computed.
-
-        Vouched adds of ``bytes`` contents to an empty index take ``bulk.build_empty``: the
-        same kernel calls and the same state, the Python around them done column-wise.
-
-        ``ready(k)``: called before the ids of the first ``k`` adds' contents are read, it
-        blocks until they may be (a restore builds while its contents are filled:
-        ``snapshot/token_section.py``); ``None``: they all may be."""
+        adopts their base (its answers are the same under any base); otherwise ignored.
+        Vouched adds of ``bytes`` contents to an empty index take ``bulk.build_empty`` (the
+        same kernel calls and state, the Python around them column-wise). ``ready(k)``:
+        called before the ids of the first ``k`` adds' contents are read, it blocks until
+        they may be (``snapshot/token_section.py``); ``None``: they all may be."""
         n = len(adds.tokens)
         if not n:
             return
@@ -303,8 +297,7 @@ class BlendIndex:
         if ready is not None:
             ready(n)
         which = adds.namespace_of
-        # slices of all adds but the last, then the last on its own
-        bounds = [*range(0, n - 1, BUILD_SLICE), n - 1, n]
+        bounds = [*range(0, n - 1, BUILD_SLICE), n - 1, n]  # (the last add on its own)
         before_last = 0  # extra claims before the last add
         for lo, hi in pairwise(bounds):
             if lo == n - 1:
@@ -333,19 +326,26 @@ class BlendIndex:
     def _adopts(self, key: FingerprintKey) -> bool:
         """Whether :meth:`build` takes fingerprints under ``key`` (see there)."""
         own = self.fingerprint_key
-        state = self._state
         return (
             key.usable()
             and (key.scheme, key.chunk_size, key.bits) == (own.scheme, own.chunk_size, own.bits)
-            and not state.tokens
-            and not state.hashes
+            and not (self._state.tokens or self._state.hashes)
         )
 
+    def reserve(self, n: int) -> None:
+        """Room for a :meth:`build` of ``n`` adds in one namespace, faulted in now (a restore's
+        thread, while it builds the records: ≈60 MB at 10^6 adds, faults off its main thread)."""
+        with self._lock:
+            self._state.reserve(n, 0)
+            fault_in(self._state.arrays)
+
     def _rekey(self, base: int) -> None:
-        """A fresh state under fingerprint base ``base`` (the index is empty)."""
+        """A fresh state under base ``base`` (the index is empty; a :meth:`reserve`'s arrays kept)."""
         self._base = base
         self._base_pow = pow(base, self.chunk_size, kernels.MERSENNE61)
+        room = self._state.arrays
         self._state = IndexState(self.chunk_size, base, self._fmask)
+        self._state.arrays = room
 
     # ------------------------------------------------------------------ reads
 

@@ -42,7 +42,7 @@ from kvatlas.directory.records import (
     rows_from_columns,
 )
 from kvatlas.directory.shapes import ShapeTable
-from kvatlas.directory.snapshot.blend_build import built_index, indexable_chunks
+from kvatlas.directory.snapshot.blend_build import built_index, index_room, indexable_chunks
 from kvatlas.directory.snapshot.format import (
     HASH_BYTES,
     MAGIC,
@@ -99,14 +99,13 @@ def _load(directory: KeyDirectory, path: str | os.PathLike[str]) -> SnapshotInfo
             # With blend on (it is never turned off), records the index will hold are built
             # marked, and the index built from the columns (directory/reindex.py).
             indexable = indexable_chunks(directory, header, columns)
+            room = None if indexable is None else index_room(directory, indexable)
             parts = _build(header, columns, tokens, hashes, sids, indexable)
             counts = _counts(header, columns, sids)
             state = DirectoryState(header.chunk_size, _cursors(header), _capacities(header))
             index = None
-            if indexable is not None:  # while the contents are filled
-                index = built_index(
-                    directory, header, columns, indexable, tokens, hashes, sids, table, filling
-                )
+            if room is not None:  # while the contents are filled
+                index = built_index(room, header, columns, tokens, hashes, sids, table, filling)
             del tokens
         finally:  # nothing else reads a content before the whole section is in
             if filling is not None:
