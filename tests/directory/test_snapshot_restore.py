@@ -192,8 +192,9 @@ def test_the_read_buffer_is_freed_before_the_restore_installs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The token section's read buffers (each thread's scratch for its pieces) are gone once
-    the contents are filled: nothing of them is alive while the restored state is
-    installed."""
+    the contents are filled, and so is the header's (its columns are views of it, so no view
+    of it lives on in the restored state): nothing of them is alive while the restored state
+    is installed."""
     from kvatlas.directory.snapshot import token_section
 
     d, em = KeyDirectory(CS, enable_blend_lookup=True), Emitter("a")

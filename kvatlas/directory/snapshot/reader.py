@@ -110,17 +110,20 @@ def _load(directory: KeyDirectory, path: str | os.PathLike[str]) -> SnapshotInfo
         finally:  # nothing else reads a content before the whole section is in
             if filling is not None:
                 filling.finish()
+        shapes, position = len(columns.key_shapes), header.stream_position
+        instances, sections = header.instances, header.sections
+        del header, columns, filling  # the header's buffer (its columns are views) goes first
         directory.install(Restored(state, table, parts, counts, index))
     return SnapshotInfo(
         str(path),
         len(hashes),
-        len(columns.key_shapes),
+        shapes,
         size,
         time.perf_counter() - started,
         0.0,
-        header.stream_position,
-        header.instances,
-        header.sections,
+        position,
+        instances,
+        sections,
     )
 
 

@@ -307,10 +307,10 @@ def _fill(payloads: Any, sizes: Any, forms: Any, dsts: Any) -> None:
 
 def read_exactly(f: io.FileIO, n: int) -> memoryview:
     """Up to ``n`` bytes from the unbuffered ``f`` (fewer at the end of the file), as a
-    read-only view of a map of their own, read into as the kernel hands it out (no zeroing
-    pass, small pages: numpy would ask for huge ones, which can stall on compaction). One
-    ``read`` returns at most ≈2 GiB on Linux, so this loops until ``n`` or the end."""
-    view, got = memoryview(mmap.mmap(-1, max(n, 1))), 0
+    read-only view of a buffer of their own (:func:`_zeroed`'s: read into as the kernel hands
+    it out, no zeroing pass, small pages). One ``read`` returns at most ≈2 GiB on Linux, so
+    this loops until ``n`` or the end."""
+    view, got = _zeroed(n)[1], 0
     while got < n:
         k = f.readinto(view[got:])
         if not k:
