@@ -1,5 +1,4 @@
-"""The chunk table's records as columns (issue 31 item 2, first stage; docs/directory.md,
-"Records as columns").
+"""The chunk table's records as columns (issue 31 item 2; docs/directory.md, "Records as columns").
 
 Each of the table's partitions is a :class:`ChunkPart`: it reads and writes like the
 ``dict[bytes, Record]`` it replaces (the :data:`~kvatlas.directory.chunk_counts.Partition`
@@ -12,12 +11,12 @@ again when read. Per chunk that is the dict slot, the row ``int`` (32 B) and 40 
 columns, where a record tuple (80 B) and its offset (32 B) were; and no object per chunk that
 the cyclic collector tracks (a batch of new chunks made ≈1.4 young collections per 1,000).
 
-Rows of removed chunks are emptied (references dropped) and reused by the next new chunks, so
-the columns stay as long as the most chunks the table held at once (as a ``dict`` keeps its
-slots) and are never compacted under the lock. A batch of new chunks fills free rows and
-appends the rest as whole columns (:func:`add_fresh`). One more column follows from each
-row's record, kept by every write: which instances own an L1 placement of the chunk
-(:mod:`~kvatlas.directory.l1_owners`; what fencing visits, :func:`l1_chunks`).
+Rows of removed chunks are emptied (references dropped) and reused by the next new chunks, so the
+columns stay as long as the most chunks the table held at once (as a ``dict`` keeps its slots)
+and are never compacted under the lock. A batch of new chunks fills free rows and appends the
+rest as whole columns (:func:`add_fresh`). One more column follows from each row's record, kept
+by every write: which instances own an L1 placement (:mod:`~kvatlas.directory.l1_owners`, what
+fencing visits).
 
 The record's layout is :mod:`~kvatlas.directory.records`' own: records are split and joined
 by its functions (:func:`~kvatlas.directory.records.split_record` and the column forms).
@@ -77,8 +76,7 @@ class ChunkColumns:
         )
 
     def records(self, rows: list[int]) -> list[Record]:
-        """The records at ``rows``, built by C-level maps over the columns (a listing's
-        partition, a walk)."""
+        """The records at ``rows``, built by C-level maps (a listing's partition, a walk)."""
         return copied_records(self.copy(rows))
 
     def copy(self, rows: list[int]) -> RowsCopy:
@@ -150,17 +148,18 @@ class ChunkColumns:
         flagged: Sequence[int],
         placements: Sequence[Placements],
         rests: Sequence[tuple[Any, ...]] | None = None,
+        bound: int | None = None,
     ) -> range:
         """New rows at the end, a record's fields per column (``flagged``: 2 * shape id +
-        indexed; ``rests`` the other keys, ``None``: none), by slice assignment (no tuple
-        per row); returns them. Their L1 owners follow by :meth:`L1Owners.extend` or
-        :meth:`L1Owners.put`."""
+        indexed; ``rests`` the other keys, ``None``: none; ``bound``: how many ``tokens`` are
+        known, if the caller knows), by slice assignment (no tuple per row); returns them.
+        Their L1 owners follow by :meth:`L1Owners.extend` or :meth:`L1Owners.put`."""
         top, n, block = len(self.offsets), len(tokens), _block(tokens, flagged, placements, rests)
         if self.objs:
             self.objs += block
         else:  # the block is the column (a restore's, 4 refs per chunk: no second copy)
             self.objs = block
-        self.bound += known(tokens)
+        self.bound += known(tokens) if bound is None else bound
         self.offsets.frombytes(np.ascontiguousarray(offsets, "<i8").tobytes())
         return range(top, top + n)
 
@@ -335,14 +334,15 @@ def parts_of_columns(
     placements: list[Placements],
     owners: npt.NDArray[np.int64],
     names: Sequence[str],
+    bound: int,
 ) -> list[ChunkPart]:
     """``n`` partitions of one-key records given as columns (``flagged``: 2 * shape id +
-    indexed; ``owners``: each one's :func:`~kvatlas.directory.records.l1_owner` as an index
-    of ``names``, -1 if none), in partition order: partition ``p`` holds rows
-    ``bounds[p]:bounds[p + 1]``. A restore's path: no record built. Change a row's keys
-    afterwards with ``part[h] = rec``."""
+    indexed; ``owners``: each one's :func:`~kvatlas.directory.records.l1_owner` as an index of
+    ``names``, -1 if none; ``bound``: how many ``tokens`` are known), in partition order:
+    partition ``p`` holds rows ``bounds[p]:bounds[p + 1]``. A restore's path: no record built.
+    Change a row's keys afterwards with ``part[h] = rec``."""
     cols = ChunkColumns()
-    cols.append_rows(tokens, offsets, flagged, placements)
+    cols.append_rows(tokens, offsets, flagged, placements, None, bound)
     ids = np.full(len(names) + 1, NO_OWNER, np.int32)  # (-1 takes the last: NO_OWNER)
     for i in np.unique(owners[owners >= 0]).tolist():
         ids[i] = cols.l1.intern(names[i])

@@ -280,6 +280,7 @@ def _build(
     parts = parts_of_columns(
         PARTS, in_order, bounds, in_order_tokens, offsets, flagged.tolist(),
         rows[first_pl].tolist(), _l1_owners(header)[first_pl], header.strings,
+        int(np.count_nonzero(cols.lens)),  # (the known contents: a chunk of no ids has none)
     )  # fmt: skip
     if sum(map(len, parts)) != n:
         raise SnapshotError("duplicate chunk hashes in snapshot")
