@@ -57,6 +57,16 @@ def glibc(name: str, restype: Any, *argtypes: Any) -> Callable[..., Any] | None:
     return function  # type: ignore[no-any-return]
 
 
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """glibc's ``madvise`` (``None`` where there is none)."""
+    return glibc("madvise", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def whole_pages(start: int, end: int) -> tuple[int, int]:
+    """The page-aligned range of the whole pages inside ``[start, end)`` (empty: ``lo >= hi``)."""
+    return -(-start // PAGE) * PAGE, end // PAGE * PAGE
+
+
 def malloc_blocks(requested: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     """What glibc's ``malloc`` takes for each request of ``requested`` bytes: its 8-byte
     header added, rounded up to 16, at least 32."""
@@ -70,13 +80,10 @@ def fault_in(
     writable, without changing a byte (``madvise(MADV_POPULATE_WRITE)``, the GIL released):
     whoever writes them next takes no page fault. Returns the bytes asked for; nothing
     happens without glibc's ``madvise`` or before Linux 5.14 (a hint, like the room)."""
-    madvise = madvise or glibc(
-        "madvise", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
-    )
+    madvise = madvise or _madvise()
     asked = 0
     for a in arrays:
-        lo = -(-a.ctypes.data // PAGE) * PAGE
-        hi = (a.ctypes.data + a.nbytes) // PAGE * PAGE
+        lo, hi = whole_pages(a.ctypes.data, a.ctypes.data + a.nbytes)
         if madvise is not None and a.nbytes >= FAULT_IN_MIN and hi > lo:
             madvise(lo, hi - lo, MADV_POPULATE_WRITE)
             asked += hi - lo
@@ -110,9 +117,7 @@ class HeapRoom:
         self.nbytes = nbytes
         self._mallopt = mallopt or glibc("mallopt", ctypes.c_int, ctypes.c_int, ctypes.c_int)
         self._sbrk = sbrk or glibc("sbrk", ctypes.c_void_p, ctypes.c_ssize_t)
-        self._madvise = madvise or glibc(
-            "madvise", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
-        )
+        self._madvise = madvise or _madvise()
         self._break = 0  # the heap's break on entering (0: no room is made)
         self._padded = False
         self._thread: threading.Thread | None = None
@@ -137,8 +142,7 @@ class HeapRoom:
             return
         # The blocks still to come are carved from the new top, which starts below the old
         # break by at most what this piece took from there.
-        lo = -(-self._break // PAGE) * PAGE
-        hi = min(now, self._break + left) // PAGE * PAGE
+        lo, hi = whole_pages(self._break, min(now, self._break + left))
         if hi <= lo:
             return
         self.faulted = (lo, hi)

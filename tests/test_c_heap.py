@@ -152,8 +152,8 @@ print(json.dumps({"grown": grown, "inside": inside, "span": int(at.max() - at.mi
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap on Linux")
 def test_in_a_fresh_process_the_room_is_where_the_contents_land_and_costs_no_memory() -> None:
     """With the real glibc: the faulted range holds most contents (those allocated after the
-    heap grew), and the process grows by what the contents take, as without the room (pages
-    faulted in and never used would show here)."""
+    heap grew), and the process grows by what the contents take, as it does without the room
+    (the second run, the baseline: pages faulted in and never used would show here)."""
     runs = {}
     for mode in ("room", "none"):
         out = subprocess.run(
@@ -161,7 +161,6 @@ def test_in_a_fresh_process_the_room_is_where_the_contents_land_and_costs_no_mem
         )
         runs[mode] = json.loads(out.stdout)
     assert runs["room"]["inside"] >= 0.8, runs
-    assert runs["none"]["inside"] == 0.0  # (the control: no room, no range)
     contents = 200_000 * 592  # glibc's block for a bytes object of 546
     assert runs["room"]["grown"] <= runs["none"]["grown"] + 4 * (1 << 20), runs
     assert runs["room"]["grown"] <= contents * 1.1, runs

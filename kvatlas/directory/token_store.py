@@ -174,16 +174,17 @@ def stored_one(tokens: npt.NDArray[Any]) -> StoredTokens:
 
 def form_sizes(lens: npt.NDArray[Any], forms: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     """Bytes of each content stored (``lens[i]`` ids in form ``forms[i]``)."""
-    out: npt.NDArray[np.int64] = _sizes(
-        np.asarray(lens, np.int64), np.asarray(forms, np.int64), False
-    )
-    return out
+    return _sized(lens, forms, False)
 
 
 def content_sizes(lens: npt.NDArray[Any], forms: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     """Bytes of each content (``lens[i]`` ids in form ``forms[i]``), its header included."""
+    return _sized(lens, forms, True)
+
+
+def _sized(lens: npt.NDArray[Any], forms: npt.NDArray[Any], headers: bool) -> npt.NDArray[np.int64]:
     out: npt.NDArray[np.int64] = _sizes(
-        np.asarray(lens, np.int64), np.asarray(forms, np.int64), True
+        np.asarray(lens, np.int64), np.asarray(forms, np.int64), headers
     )
     return out
 
