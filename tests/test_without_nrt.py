@@ -38,6 +38,8 @@ HOT_HELPERS = [
     _json_tokens.skip_space,
     _json_tokens.string_end,
     modhash.fingerprint_in,
+    modhash.fingerprint_at,
+    modhash.power_table,
     planes.planes_equal,
     planes.planes_load,
     table.find_content,

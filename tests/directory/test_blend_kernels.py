@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvatlas.bench.fingerprint_floor import scratch_shapes, window_fingerprints
 from kvatlas.directory import BlendIndex
 from kvatlas.directory.blend import kernels
-from kvatlas.directory.blend.kernels import table
+from kvatlas.directory.blend.kernels import modhash, table
 from kvatlas.keys import BlendNamespace
 
 P = kernels.MERSENNE61
@@ -35,6 +35,61 @@ def test_fingerprint_equals_the_polynomial(length: int) -> None:
             want = reference_fingerprint(window, base)
             assert kernels.fingerprint(tokens, start, length, base, P) == want
             assert kernels.fingerprint(tokens, start, length, base, 7) == want & 7
+
+
+@pytest.mark.parametrize("length", [1, 2, 15, 16, 17, 31, 32, 33, 255, 256, 257, 1000])
+def test_the_power_table_holds_each_ids_weight(length: int) -> None:
+    rng = np.random.default_rng(length)
+    for base in (1, 2, P - 2, P - 1, int(rng.integers(2, P - 1))):
+        out = np.full(length + 1, 7, np.uint64)  # one more: nothing written past length
+        modhash.power_table(base, length, out)
+        assert out[:length].tolist() == [pow(base, length - 1 - i, P) for i in range(length)]
+        assert int(out[length]) == 7
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 600),
+    st.integers(0, 9),
+    st.one_of(st.sampled_from([1, 2, P - 2, P - 1]), st.integers(2, P - 2)),
+    st.sampled_from([P, 7, (1 << 40) - 1, 1]),
+    st.sampled_from(["random", "largest", "smallest"]),
+    st.integers(0, 2**32 - 1),
+)
+def test_the_fingerprint_by_weights_equals_the_polynomial(
+    length: int, start: int, base: int, fmask: int, ids: str, seed: int
+) -> None:
+    """:func:`fingerprint_at` against the polynomial computed with Python's integers and
+    against Horner's rule (``fingerprint_in``, what a single write and the rolling scan
+    agree with): every length around the SIMD width, ids from the whole ``uint32`` range
+    (all of them 2^32 - 1: the largest products and sums)."""
+    rng = np.random.default_rng(seed)
+    if ids == "random":
+        tokens = rng.integers(0, 1 << 32, start + length, dtype=np.uint64).astype(np.uint32)
+    else:
+        tokens = np.full(start + length, 0xFFFFFFFF if ids == "largest" else 0, np.uint32)
+    powers = np.empty(length, np.uint64)
+    modhash.power_table(base, length, powers)
+    want = reference_fingerprint(tokens[start:].tolist(), base) & fmask
+    assert modhash.fingerprint_at(tokens, start, length, powers, fmask) == want
+    horner = modhash.fingerprint_in(tokens, start, length, base, fmask, np.empty(16, np.uint64))
+    assert horner == want
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5, 300])
+def test_a_writes_fingerprints_are_the_polynomial_alone_or_in_a_batch(batch: int) -> None:
+    """A batch of adds fingerprints by the power table, a single add by Horner's rule: the
+    index holds each content under its polynomial either way (negative control: a wrong
+    weight fails every batch of two or more)."""
+    rng = np.random.default_rng(batch)
+    index = BlendIndex(chunk_size=256)
+    ns = BlendNamespace("m")
+    contents = rng.integers(0, 1 << 32, (batch, 256), dtype=np.uint64).astype(np.uint32)
+    index.add_many([(c, i.to_bytes(32, "big"), 0, ns) for i, c in enumerate(contents)])
+    state = index._state
+    held = state.arrays.c_fp[: state.contents].tolist()
+    want = [reference_fingerprint(c.tolist(), index._base) & index._fmask for c in contents]
+    assert sorted(held) == sorted(want)
 
 
 @pytest.mark.parametrize(("n", "chunk"), [(1, 4), (17, 4), (100, 16), (1000, 256)])

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from kvatlas.directory.blend.kernels.layout import ADDRESS_BITS, TOKENS_PLANES, TOKENS_U16
-from kvatlas.directory.blend.kernels.modhash import LANES, fingerprint_in
+from kvatlas.directory.blend.kernels.modhash import fingerprint_at, power_table
 from kvatlas.directory.blend.kernels.planes import planes_load
 from kvatlas.directory.blend.kernels.pointers import i64_ptr, inline, jit, u16_ptr, u32_ptr
 from kvatlas.kernel_twins import gil_twins, releasing_twin
@@ -56,13 +56,14 @@ def content_fingerprints(
     ``id``, the data pointer read at ``data_off``, or with ``data_off < 0`` the data address
     itself; ``token_bytes[i]``: its form, as :func:`tagged` takes it)."""
     row = np.empty(chunk, np.uint32)
-    lanes = np.empty(LANES, np.uint64)
+    powers = np.empty(chunk, np.uint64)
+    power_table(base, chunk, powers)
     for i in range(handles.shape[0]):
         addr = handles[i]
         if data_off >= 0:
             addr = i64_ptr(addr + data_off)[0]  # type: ignore[call-arg]
         load_ids(row, tagged(addr, token_bytes[i]), chunk)
-        out[i] = fingerprint_in(row, 0, chunk, base, fmask, lanes)
+        out[i] = fingerprint_at(row, 0, chunk, powers, fmask)
 
 
 RELEASE_CONTENTS = 1024

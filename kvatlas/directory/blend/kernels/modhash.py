@@ -6,9 +6,10 @@ two different windows of ``len`` tokens collide for at most ``len - 1`` of the 2
 without knowing ``B``. Mod 2^64 they can: a Thue-Morse pattern over tokens {0, 2^31} collides
 for every odd base.
 
-The modular step is written once (:func:`horner`, :func:`roll`); every reduction ends in the
-canonical residue, so the direct :func:`fingerprint` and the rolling lanes of the scan agree bit
-for bit, whatever order their reductions run in.
+The modular step is written once (:func:`mul_lazy`, :func:`fold`; :func:`horner`, :func:`roll`);
+every reduction ends in the canonical residue, so the direct :func:`fingerprint`, the sum by a
+table of the base's powers (:func:`fingerprint_at`, what batches use) and the rolling lanes of
+the scan agree bit for bit, whatever order their reductions run in.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ _P = np.uint64(MERSENNE61)
 _2P = np.uint64(2 * MERSENNE61)
 _M31 = np.uint64((1 << 31) - 1)
 _M30 = np.uint64((1 << 30) - 1)
+_M29 = np.uint64((1 << 29) - 1)
+_M32 = np.uint64((1 << 32) - 1)
 _U0 = np.uint64(0)
 _U1 = np.uint64(1)
 
@@ -124,6 +127,46 @@ def fingerprint_in(tokens: Any, start: Any, length: Any, base: Any, fmask: Any, 
             tail = horner(tail, b, lanes[j])
         h = fold(mul_lazy(h, powmod61(b, LANES * q)) + tail) if head > 0 else tail
     return h & np.uint64(fmask)
+
+
+@helper
+def power_table(base: Any, length: Any, out: Any) -> None:
+    """``out[i] = B^(length-1-i)`` (canonical residues) for ``i < length``: what
+    :func:`fingerprint_at` weighs each id of a window of ``length`` by. ``B^e`` is taken as
+    ``B^(LANES·a)·B^k`` (``e = LANES·a + k``): two serial chains of at most
+    ``LANES`` and ``length / LANES`` steps, then independent products (a table of 256 powers
+    costs about one :func:`fingerprint_in`)."""
+    b = np.uint64(base)
+    p = _U1
+    for k in range(min(LANES, length)):
+        out[length - 1 - k] = p
+        p = fold(mul_lazy(p, b))
+    big = p  # B^LANES (when length > LANES)
+    for a in range(1, (length + LANES - 1) // LANES):
+        top = length - 1 - a * LANES
+        for k in range(min(LANES, top + 1)):
+            out[top - k] = fold(mul_lazy(big, out[length - 1 - k]))
+        big = fold(mul_lazy(big, p))
+
+
+@helper
+def fingerprint_at(tokens: Any, start: Any, length: Any, powers: Any, fmask: Any) -> Any:
+    """:func:`fingerprint_in` with the weights given: ``Σ tokens[start+i]·powers[i]``, with
+    ``powers`` :func:`power_table`'s for the same base and ``length``, for the batches that
+    fingerprint many windows of one length (an index write, a snapshot's column) and build
+    the table once. Every product is independent of the others and the sum needs no modular
+    step but the last (each product, < 2^61 + 4, is added as its low and high 32 bits), so
+    the loop compiles to SIMD with no serial chain: ≈40% less time than Horner's rule for 256
+    ids (docs/performance.md)."""
+    lo = _U0
+    hi = _U0
+    for i in range(length):
+        r = mul_lazy(np.uint64(tokens[start + i]), powers[i])
+        lo += r & _M32
+        hi += r >> np.uint64(32)
+    # hi·2^32 = (hi mod 2^29)·2^32 + (hi >> 29)·2^61, and 2^61 = 1 (mod 2^61-1)
+    h = fold(lo) + fold(((hi & _M29) << np.uint64(32)) + (hi >> np.uint64(29)))
+    return fold(h) & np.uint64(fmask)
 
 
 _TILE = 32

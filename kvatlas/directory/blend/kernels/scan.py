@@ -27,10 +27,11 @@ from kvatlas.directory.blend.kernels.layout import (
 )
 from kvatlas.directory.blend.kernels.modhash import (
     LANES,
-    fingerprint_in,
+    fingerprint_at,
     lane_init,
     lane_load,
     lane_step,
+    power_table,
 )
 from kvatlas.directory.blend.kernels.occupants import claimed, equal_bytes
 from kvatlas.directory.blend.kernels.planes import planes_nbytes
@@ -111,10 +112,11 @@ def scan(
     else:
         # sparse probes: hashing each probed window directly costs <= 2 passes over q
         fshift = word_shift(filt)
-        lanes = np.empty(LANES, np.uint64)
+        powers = np.empty(chunk, np.uint64)
+        power_table(base, chunk, powers)
         n_c = 0
         for p in range(((start + stride - 1) // stride) * stride, stop, stride):
-            fp = fingerprint_in(q, p, chunk, base, fmask, lanes)
+            fp = fingerprint_at(q, p, chunk, powers, fmask)
             if may_contain(filt, fp, fshift):
                 cand_pos[n_c] = p
                 cand_fp[n_c] = fp

@@ -29,7 +29,12 @@ from kvatlas.directory.blend.kernels.layout import (
     O_OFF,
     BlendArrays,
 )
-from kvatlas.directory.blend.kernels.modhash import LANES, fingerprint_in
+from kvatlas.directory.blend.kernels.modhash import (
+    LANES,
+    fingerprint_at,
+    fingerprint_in,
+    power_table,
+)
 from kvatlas.directory.blend.kernels.occupants import (
     F_CONTENT_GONE,
     F_NEW_CONTENT,
@@ -106,15 +111,22 @@ def apply_ops(
     lanes = np.empty(LANES, np.uint64)  # the fingerprints' scratch
     fshift = word_shift(filt)
     n = ops.shape[1]
-    for i in range(min(_LOOKAHEAD, n)):
-        _take_op(ops, i, chunk, data_off, base, fmask, ring, fps, addrs, table, filt, fshift, lanes)
     given = ops.shape[0] > OP_FP
+    # the ids' weights, once for the batch (one op: Horner's rule, cheaper than the table)
+    powers = np.empty(chunk if n >= 2 and not given else 0, np.uint64)
+    if powers.shape[0]:
+        power_table(base, chunk, powers)
+    for i in range(min(_LOOKAHEAD, n)):
+        _take_op(
+            ops, i, chunk, data_off, base, fmask, ring, fps, addrs, table, filt, fshift, lanes,
+            powers,
+        )  # fmt: skip
     for i in range(n):
         _prefetch_tokens(ops, i, n, data_off, given)
         if i + _LOOKAHEAD < n:
             _take_op(
                 ops, i + _LOOKAHEAD, chunk, data_off, base, fmask, ring, fps, addrs, table,
-                filt, fshift, lanes,
+                filt, fshift, lanes, powers,
             )  # fmt: skip
         out[i, 0] = 0
         out[i, 1] = -1
@@ -258,9 +270,11 @@ def _take_op(
     filt: Any,
     fshift: Any,
     lanes: Any,
+    powers: Any,
 ) -> None:
     """Op ``j``'s ids into row ``j % _RING`` of ``ring`` (``uint32``), their fingerprint
-    (``lanes``: its scratch) and the token address its content keeps (``layout.py``: tagged
+    (by the weights ``powers`` if not empty, else Horner's rule with ``lanes`` as its
+    scratch) and the token address its content keeps (``layout.py``: tagged
     with the array's form) into ``fps`` and ``addrs``; then request the table slot and filter
     word the op will read. With the fingerprint given (row ``OP_FP``) the ids are not read
     here: the op reads them only if a content of that fingerprint is in the table. (A skipped
@@ -277,7 +291,10 @@ def _take_op(
     else:
         row = ring[r]
         load_ids(row, addr, chunk)
-        fp = fingerprint_in(row, 0, chunk, base, fmask, lanes)
+        if powers.shape[0]:
+            fp = fingerprint_at(row, 0, chunk, powers, fmask)
+        else:
+            fp = fingerprint_in(row, 0, chunk, base, fmask, lanes)
     fps[r] = fp
     addrs[r] = addr
     prefetch(table, content_home(fp, table.shape[0] - 1))  # type: ignore[call-arg]
