@@ -41,10 +41,12 @@ def test_fingerprint_equals_the_polynomial(length: int) -> None:
 def test_the_power_table_holds_each_ids_weight(length: int) -> None:
     rng = np.random.default_rng(length)
     for base in (1, 2, P - 2, P - 1, int(rng.integers(2, P - 1))):
-        out = np.full(length + 1, 7, np.uint64)  # one more: nothing written past length
+        out = np.full((2, length + 1), 7, np.uint64)  # one more: nothing written past length
         modhash.power_table(base, length, out)
-        assert out[:length].tolist() == [pow(base, length - 1 - i, P) for i in range(length)]
-        assert int(out[length]) == 7
+        weights = (out[0, :length] + (out[1, :length] << np.uint64(31))).tolist()
+        assert weights == [pow(base, length - 1 - i, P) for i in range(length)]
+        assert (out[0, :length] < 1 << 31).all() and (out[1, :length] < 1 << 30).all()
+        assert out[:, length].tolist() == [7, 7]
 
 
 @settings(max_examples=300, deadline=None)
@@ -68,7 +70,7 @@ def test_the_fingerprint_by_weights_equals_the_polynomial(
         tokens = rng.integers(0, 1 << 32, start + length, dtype=np.uint64).astype(np.uint32)
     else:
         tokens = np.full(start + length, 0xFFFFFFFF if ids == "largest" else 0, np.uint32)
-    powers = np.empty(length, np.uint64)
+    powers = np.empty((2, length), np.uint64)
     modhash.power_table(base, length, powers)
     want = reference_fingerprint(tokens[start:].tolist(), base) & fmask
     assert modhash.fingerprint_at(tokens, start, length, powers, fmask) == want

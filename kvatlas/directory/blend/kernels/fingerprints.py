@@ -56,7 +56,7 @@ def content_fingerprints(
     ``id``, the data pointer read at ``data_off``, or with ``data_off < 0`` the data address
     itself; ``token_bytes[i]``: its form, as :func:`tagged` takes it)."""
     row = np.empty(chunk, np.uint32)
-    powers = np.empty(chunk, np.uint64)
+    powers = np.empty((2, chunk), np.uint64)
     power_table(base, chunk, powers)
     for i in range(handles.shape[0]):
         addr = handles[i]

@@ -131,39 +131,51 @@ def fingerprint_in(tokens: Any, start: Any, length: Any, base: Any, fmask: Any, 
 
 @helper
 def power_table(base: Any, length: Any, out: Any) -> None:
-    """``out[i] = B^(length-1-i)`` (canonical residues) for ``i < length``: what
-    :func:`fingerprint_at` weighs each id of a window of ``length`` by. ``B^e`` is taken as
-    ``B^(LANES·a)·B^k`` (``e = LANES·a + k``): two serial chains of at most
-    ``LANES`` and ``length / LANES`` steps, then independent products (a table of 256 powers
-    costs about one :func:`fingerprint_in`)."""
+    """The weights :func:`fingerprint_at` gives the ids of a window of ``length``: ``B^e``
+    for the id at ``i = length-1-e`` (canonical residue), split as ``out[0, i]`` its low 31
+    bits and ``out[1, i]`` the high 30 (``out``: ``uint64``, shape ``(2, length)``). ``B^e``
+    is taken as ``B^(LANES·a)·B^k`` (``e = LANES·a + k``): two serial chains of at most
+    ``LANES`` and ``length / LANES`` steps, then independent products (a table of 256 weights
+    costs less than one :func:`fingerprint_in`)."""
     b = np.uint64(base)
+    full = out[0]
     p = _U1
     for k in range(min(LANES, length)):
-        out[length - 1 - k] = p
+        full[length - 1 - k] = p
         p = fold(mul_lazy(p, b))
     big = p  # B^LANES (when length > LANES)
     for a in range(1, (length + LANES - 1) // LANES):
         top = length - 1 - a * LANES
         for k in range(min(LANES, top + 1)):
-            out[top - k] = fold(mul_lazy(big, out[length - 1 - k]))
+            full[top - k] = fold(mul_lazy(big, full[length - 1 - k]))
         big = fold(mul_lazy(big, p))
+    high = out[1]
+    for i in range(length):
+        high[i] = full[i] >> np.uint64(31)
+        full[i] &= _M31
 
 
 @helper
-def fingerprint_at(tokens: Any, start: Any, length: Any, powers: Any, fmask: Any) -> Any:
-    """:func:`fingerprint_in` with the weights given: ``Σ tokens[start+i]·powers[i]``, with
-    ``powers`` :func:`power_table`'s for the same base and ``length``, for the batches that
-    fingerprint many windows of one length (an index write, a snapshot's column) and build
-    the table once. Every product is independent of the others and the sum needs no modular
-    step but the last (each product, < 2^61 + 4, is added as its low and high 32 bits), so
-    the loop compiles to SIMD with no serial chain: ≈40% less time than Horner's rule for 256
-    ids (docs/performance.md)."""
+def fingerprint_at(tokens: Any, start: Any, length: Any, weights: Any, fmask: Any) -> Any:
+    """:func:`fingerprint_in` with the weights given (:func:`power_table`'s for the same base
+    and ``length``), for the batches that fingerprint many windows of one length (an index
+    write, a snapshot's column, a lookup's sparse probes) and build the table once (``length``
+    below 2^31). Every product is independent of the others and the sum needs no modular step
+    but the last, so the loop compiles to SIMD with no serial chain (Horner's rule is one of
+    ``length / LANES`` steps): 256 ids in ≈40% less time (docs/performance.md).
+
+    An id ``t < 2^32`` times a weight ``w = h·2^31 + l`` is ``t·l + (t·h)·2^31``; with
+    ``t·h = u·2^30 + v`` and ``2^61 = 1`` that is ``t·l + u + v·2^31`` modulo 2^61-1, below
+    2^64 (two 32 x 32-bit products), added to the sum as its low and high 32 bits."""
+    low, high = weights[0], weights[1]
     lo = _U0
     hi = _U0
     for i in range(length):
-        r = mul_lazy(np.uint64(tokens[start + i]), powers[i])
-        lo += r & _M32
-        hi += r >> np.uint64(32)
+        t = np.uint64(tokens[start + i])
+        th = t * (high[i] & _M31)  # (the masks show the compiler 32 x 32-bit products)
+        x = t * (low[i] & _M31) + (th >> np.uint64(30)) + ((th & _M30) << np.uint64(31))
+        lo += x & _M32
+        hi += x >> np.uint64(32)
     # hi·2^32 = (hi mod 2^29)·2^32 + (hi >> 29)·2^61, and 2^61 = 1 (mod 2^61-1)
     h = fold(lo) + fold(((hi & _M29) << np.uint64(32)) + (hi >> np.uint64(29)))
     return fold(h) & np.uint64(fmask)

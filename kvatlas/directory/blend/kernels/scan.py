@@ -112,7 +112,7 @@ def scan(
     else:
         # sparse probes: hashing each probed window directly costs <= 2 passes over q
         fshift = word_shift(filt)
-        powers = np.empty(chunk, np.uint64)
+        powers = np.empty((2, chunk), np.uint64)
         power_table(base, chunk, powers)
         n_c = 0
         for p in range(((start + stride - 1) // stride) * stride, stop, stride):

@@ -113,8 +113,8 @@ def apply_ops(
     n = ops.shape[1]
     given = ops.shape[0] > OP_FP
     # the ids' weights, once for the batch (one op: Horner's rule, cheaper than the table)
-    powers = np.empty(chunk if n >= 2 and not given else 0, np.uint64)
-    if powers.shape[0]:
+    powers = np.empty((2, chunk if n >= 2 and not given else 0), np.uint64)
+    if powers.shape[1]:
         power_table(base, chunk, powers)
     for i in range(min(_LOOKAHEAD, n)):
         _take_op(
@@ -291,7 +291,7 @@ def _take_op(
     else:
         row = ring[r]
         load_ids(row, addr, chunk)
-        if powers.shape[0]:
+        if powers.shape[1]:
             fp = fingerprint_at(row, 0, chunk, powers, fmask)
         else:
             fp = fingerprint_in(row, 0, chunk, base, fmask, lanes)
