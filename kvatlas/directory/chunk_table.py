@@ -24,6 +24,7 @@ partition was not captured yet preserves its record (copy-on-write, see
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 
@@ -43,6 +44,7 @@ from kvatlas.directory.records import (
     accessed_at,
     find_key,
     group_placements,
+    key_placements_of,
     placements_at,
     placements_of,
     public_groups,
@@ -63,6 +65,7 @@ from kvatlas.errors import Conflict
 from kvatlas.events import EventBatch
 from kvatlas.events.columns import EntryColumns
 from kvatlas.keys import BlendNamespace, ObjectKey
+from kvatlas.keys.tokens import TokenArray
 
 
 class ChunkTable:
@@ -152,16 +155,12 @@ class ChunkTable:
             [r for r in rows if r is not None], [id_of(keys[i]) for i in held]
         )
         hits = [j for j, pls in enumerate(found) if pls is not None]
-        answers = zip(
-            public_groups([found[j] for j in hits]),
-            widened_many([contents[j] for j in hits]),
-            strict=True,
-        )
-        at = dict(zip([held[j] for j in hits], answers, strict=True))
-        return [
-            KeyPlacements(k, ()) if i not in at else KeyPlacements(k, *at[i])
-            for i, k in enumerate(keys)
-        ]
+        at = [held[j] for j in hits]
+        placements: list[tuple[Placement, ...]] = [()] * len(keys)
+        bound: list[TokenArray | None] = [None] * len(keys)
+        deque(map(placements.__setitem__, at, public_groups([found[j] for j in hits])), maxlen=0)
+        deque(map(bound.__setitem__, at, widened_many([contents[j] for j in hits])), maxlen=0)
+        return key_placements_of(keys, placements, bound)
 
     def rank_placements(
         self, hashes: Sequence[bytes], shape_ids: Sequence[int | None]

@@ -15,6 +15,7 @@ them through the functions below (see docs/directory.md).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, repeat
@@ -56,6 +57,26 @@ class KeyPlacements:
     key: ObjectKey
     placements: tuple[Placement, ...]
     content: TokenArray | None = field(default=None, compare=False)
+
+
+def key_placements_of(
+    keys: Sequence[ObjectKey],
+    placements: Sequence[tuple[Placement, ...]],
+    contents: Sequence[TokenArray | None],
+) -> list[KeyPlacements]:
+    """``KeyPlacements(keys[i], placements[i], contents[i])`` of each ``i``, made by C-level
+    maps (a lookup's answers: the frozen class's ``__init__`` is a Python call setting each
+    field through ``object.__setattr__``, twice the time)."""
+    out = list(map(object.__new__, repeat(KeyPlacements, len(keys))))
+    for setter, values in zip(_KEY_PLACEMENTS_FIELDS, (keys, placements, contents), strict=True):
+        deque(map(setter, out, values), maxlen=0)
+    return out
+
+
+_KEY_PLACEMENTS_FIELDS = tuple(
+    getattr(KeyPlacements, name).__set__ for name in ("key", "placements", "content")
+)
+"""Each field's slot setter (what the frozen ``__init__`` sets through ``object.__setattr__``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,7 +129,12 @@ def widened_many(contents: Sequence[StoredTokens | None]) -> list[TokenArray | N
     addrs = payload_addresses(present)
     _widen_rows(addrs, counts, forms, starts, out)
     out.flags.writeable = False
-    views = map(out.__getitem__, map(slice, starts.tolist(), ends.tolist()))
+    if counts.min() == counts.max():  # one length (a lookup's chunks): rows of one 2-D view
+        views = iter(out.reshape(len(present), int(counts[0])))
+    else:
+        views = map(out.__getitem__, map(slice, starts.tolist(), ends.tolist()))
+    if len(present) == len(contents):
+        return list(views)
     return [None if c is None else next(views) for c in contents]
 
 

@@ -7,14 +7,18 @@ chunks without content, contents of every form."""
 
 from __future__ import annotations
 
+from dataclasses import FrozenInstanceError
 from typing import Any
 
 import numpy as np
+import pytest
 
 from kvatlas.directory import KeyDirectory
 from kvatlas.directory.records import (
     KeyPlacements,
+    Placement,
     find_key,
+    key_placements_of,
     placements_at,
     public_placements,
     record_tokens,
@@ -31,7 +35,8 @@ def _hash(i: int) -> bytes:
     return i.to_bytes(2, "little") * 16
 
 
-def _directory(rng: np.random.Generator) -> KeyDirectory:
+def _directory(rng: np.random.Generator, short: bool = True) -> KeyDirectory:
+    """``short``: some contents shorter than a chunk (else one length: the uniform read)."""
     d = KeyDirectory(CHUNK, enable_blend_lookup=True)
     stores = (
         ("a", "l1", RANKS[:1], "", range(0, 40)),
@@ -42,7 +47,7 @@ def _directory(rng: np.random.Generator) -> KeyDirectory:
         entries = []
         for i in chunks:
             hi = FORMS[i % len(FORMS)]
-            n = CHUNK if i % 7 else 5  # some contents shorter than a chunk
+            n = CHUNK if i % 7 or not short else 5
             tokens = None if i % 11 == 3 else rng.integers(0, hi, n, dtype=np.uint64)
             ids = None if tokens is None else tokens.astype(np.uint32)
             entries += [
@@ -72,8 +77,9 @@ def _same(got: list[KeyPlacements], want: list[KeyPlacements]) -> None:
         ), g.key
 
 
-def test_a_batch_lookup_answers_what_each_key_read_alone_answers() -> None:
-    d = _directory(np.random.default_rng(0))
+@pytest.mark.parametrize("short", [True, False])
+def test_a_batch_lookup_answers_what_each_key_read_alone_answers(short: bool) -> None:
+    d = _directory(np.random.default_rng(0), short)
     keys = [
         ObjectKey(_hash(i), model, r, 0, salt)
         for i in range(-5, 65)
@@ -95,3 +101,19 @@ def test_a_batch_lookup_answers_what_each_key_read_alone_answers() -> None:
             _alone(d, ObjectKey(h, "m", r, 0, salt)).placements for h in hashes for r in RANKS
         ]
         assert d.lookup_placements(hashes, "m", RANKS, salt) == expected
+
+
+def test_key_placements_of_is_the_constructor_of_each() -> None:
+    """The answers made by maps are what the class's own constructor makes, field for field,
+    and stay frozen."""
+    keys = [ObjectKey(_hash(i), "m", RANKS[0], 0, "") for i in range(5)]
+    placements = [(), (Placement("n", 1, "l1", "dram", 1, False, 0.0),), (), (), ()]
+    contents = [None, np.arange(3, dtype=np.uint32), None, np.zeros(2, np.uint32), None]
+    got = key_placements_of(keys, placements, contents)
+    want = [KeyPlacements(*fields) for fields in zip(keys, placements, contents, strict=True)]
+    assert got == want
+    assert [g.content for g in got] == [w.content for w in want]  # the very arrays
+    assert all(type(g) is KeyPlacements for g in got)
+    with pytest.raises(FrozenInstanceError):
+        got[0].placements = ()  # type: ignore[misc]
+    assert key_placements_of([], [], []) == []

@@ -151,6 +151,33 @@ def test_widened_many_is_widened_of_each_content(rows: list[list[int] | None]) -
 
 
 @settings(max_examples=100, deadline=None)
+@given(
+    st.integers(1, 300),
+    st.lists(st.sampled_from([None, 1 << 16, 1 << 24, 1 << 32]), min_size=1, max_size=12),
+    st.integers(0, 2**32 - 1),
+)
+def test_widened_many_of_one_length_is_rows_of_one_array(
+    n: int, bounds: list[int | None], seed: int
+) -> None:
+    """Contents of one length (a lookup's chunks), in every form and with absent ones among
+    them: each is widened as alone, as a read-only row of one array (the uniform path)."""
+    rng = np.random.default_rng(seed)
+    rows = [None if b is None else rng.integers(0, b, n, dtype=np.uint64).tolist() for b in bounds]
+    stored = stored_batch([None if r is None else ro(r) for r in rows])
+    wide = widened_many(stored)
+    assert len(wide) == len(stored)
+    present = [w for w in wide if w is not None]
+    for r, w in zip(rows, wide, strict=True):
+        assert (w is None) == (r is None)
+        if w is not None:
+            assert w.dtype == np.uint32 and w.shape == (n,) and not w.flags.writeable
+            assert w.tolist() == r
+    if present:  # one buffer: consecutive rows
+        base = present[0].ctypes.data
+        assert [w.ctypes.data for w in present] == [base + 4 * n * i for i in range(len(present))]
+
+
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.lists(token_ids, max_size=300), max_size=10))
 def test_stored_from_arena_round_trips_every_row(rows: list[list[int]]) -> None:
     arena = np.array([t for r in rows for t in r], dtype=np.uint32)
