@@ -65,18 +65,14 @@ def key_placements_of(
     contents: Sequence[TokenArray | None],
 ) -> list[KeyPlacements]:
     """``KeyPlacements(keys[i], placements[i], contents[i])`` of each ``i``, made by C-level
-    maps (a lookup's answers: the frozen class's ``__init__`` is a Python call setting each
-    field through ``object.__setattr__``, twice the time)."""
+    maps setting each slot through its descriptor (a lookup's answers: the frozen class's
+    ``__init__``, a Python call setting each through ``object.__setattr__``, takes twice as
+    long)."""
     out = list(map(object.__new__, repeat(KeyPlacements, len(keys))))
-    for setter, values in zip(_KEY_PLACEMENTS_FIELDS, (keys, placements, contents), strict=True):
-        deque(map(setter, out, values), maxlen=0)
+    fields = zip(("key", "placements", "content"), (keys, placements, contents), strict=True)
+    for name, values in fields:
+        deque(map(getattr(KeyPlacements, name).__set__, out, values), maxlen=0)
     return out
-
-
-_KEY_PLACEMENTS_FIELDS = tuple(
-    getattr(KeyPlacements, name).__set__ for name in ("key", "placements", "content")
-)
-"""Each field's slot setter (what the frozen ``__init__`` sets through ``object.__setattr__``)."""
 
 
 @dataclass(frozen=True, slots=True)
