@@ -12,7 +12,10 @@ from hypothesis import strategies as st
 from kvatlas.bench.fingerprint_floor import scratch_shapes, window_fingerprints
 from kvatlas.directory import BlendIndex
 from kvatlas.directory.blend import kernels
+from kvatlas.directory.blend.fingerprints import FingerprintKey
 from kvatlas.directory.blend.kernels import modhash, table
+from kvatlas.directory.blend.op_checks import token_widths
+from kvatlas.directory.token_store import stored_batch
 from kvatlas.keys import BlendNamespace
 
 P = kernels.MERSENNE61
@@ -76,6 +79,30 @@ def test_the_fingerprint_by_weights_equals_the_polynomial(
     assert modhash.fingerprint_at(tokens, start, length, powers, fmask) == want
     horner = modhash.fingerprint_in(tokens, start, length, base, fmask, np.empty(16, np.uint64))
     assert horner == want
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 8, 9, 16, 17, 63, 65, 256, 257])
+def test_the_fingerprint_of_a_stored_content_is_its_ids_polynomial(chunk: int) -> None:
+    """Contents in every stored form (``uint16``, the planes form with 1 to 8 high bits,
+    ``uint32``), fingerprinted from their stored bytes as a snapshot's column and a batch's
+    writes do (``fingerprints.stored_fingerprint``: the planes form without widening it),
+    equal the polynomial of their ids; chunk sizes whose last plane byte is partial."""
+    rng = np.random.default_rng(chunk)
+    arrays = []
+    for top in (1 << 16, 1 << 17, 128_256, 1 << 20, 1 << 24, 1 << 32):
+        for _ in range(3):
+            ids = rng.integers(0, top, chunk, dtype=np.uint64).astype(np.uint32)
+            ids[rng.integers(0, chunk)] = top - 1  # the form's largest id
+            ids.flags.writeable = False
+            arrays.append(ids)
+    stored = stored_batch(arrays)
+    forms = {token_widths([c])[0] for c in stored}
+    assert len(forms) == (3 if chunk > 2 else 2)  # every form (1 or 2 ids: never planes)
+    for base in (2, P - 2, int(rng.integers(2, P - 2))):
+        for bits in (61, 20):
+            got = FingerprintKey(kernels.modhash.SCHEME, chunk, bits, base).of(stored)
+            want = [reference_fingerprint(a.tolist(), base) & ((1 << bits) - 1) for a in arrays]
+            assert got.tolist() == want
 
 
 @pytest.mark.parametrize("batch", [1, 2, 5, 300])

@@ -13,10 +13,26 @@ from typing import Any
 import numpy as np
 
 from kvatlas.directory.blend.kernels.layout import ADDRESS_BITS, TOKENS_PLANES, TOKENS_U16
-from kvatlas.directory.blend.kernels.modhash import fingerprint_at, power_table
-from kvatlas.directory.blend.kernels.planes import planes_load
-from kvatlas.directory.blend.kernels.pointers import i64_ptr, inline, jit, u16_ptr, u32_ptr
+from kvatlas.directory.blend.kernels.modhash import (
+    fingerprint_at,
+    fold,
+    mul_lazy,
+    power_table,
+    weighted_sum,
+)
+from kvatlas.directory.blend.kernels.planes import HEADER, plane_bytes, planes_load
+from kvatlas.directory.blend.kernels.pointers import (
+    helper,
+    i64_ptr,
+    inline,
+    jit,
+    u8_ptr,
+    u16_ptr,
+    u32_ptr,
+)
 from kvatlas.kernel_twins import gil_twins, releasing_twin
+
+_M30 = np.uint64((1 << 30) - 1)
 
 
 @inline
@@ -48,6 +64,37 @@ def _load(out: Any, p: Any, chunk: Any) -> None:
         out[k] = p[k]
 
 
+@helper
+def stored_fingerprint(addr: Any, chunk: Any, weights: Any, fmask: Any) -> Any:
+    """:func:`~kvatlas.directory.blend.kernels.modhash.fingerprint_at` of the ``chunk`` ids at
+    the tagged token address ``addr``, read in their stored form (no copy into a row first).
+    A planes-form id is its low half plus ``2^(16+p)`` for each plane ``p`` with its bit set,
+    so the sum is the low halves' plus, per plane, ``2^(16+p)`` times the sum of the weights
+    of the ids whose bit is set (each weight masked by its bit: no branch, SIMD)."""
+    if addr & TOKENS_U16:
+        return fingerprint_at(u16_ptr(addr & ADDRESS_BITS), 0, chunk, weights, fmask)  # type: ignore[call-arg]
+    if not addr & TOKENS_PLANES:
+        return fingerprint_at(u32_ptr(addr), 0, chunk, weights, fmask)  # type: ignore[call-arg]
+    at = addr & ADDRESS_BITS
+    h = np.int64(u8_ptr(at)[0])  # type: ignore[call-arg]
+    total = weighted_sum(u16_ptr(at + HEADER), 0, chunk, weights)  # type: ignore[call-arg]
+    planes: Any = u8_ptr(at + HEADER + 2 * chunk)  # type: ignore[call-arg]
+    stride = plane_bytes(chunk)
+    low, high = weights[0], weights[1]
+    for p in range(h):
+        row = p * stride
+        lo = np.uint64(0)
+        hi = np.uint64(0)
+        for k in range(chunk):
+            bit = (np.uint64(planes[row + (k >> 3)]) >> np.uint64(k & 7)) & np.uint64(1)
+            lo += low[k] & (np.uint64(0) - bit)
+            hi += high[k] & (np.uint64(0) - bit)
+        # the weights' sum: lo + hi·2^31, and hi·2^31 = (hi mod 2^30)·2^31 + (hi >> 30)·2^61
+        sum_p = fold(lo + ((hi & _M30) << np.uint64(31)) + (hi >> np.uint64(30)))
+        total = fold(total + mul_lazy(sum_p, np.uint64(1 << (16 + p))))
+    return total & np.uint64(fmask)
+
+
 @gil_twins()
 def content_fingerprints(
     handles: Any, data_off: Any, token_bytes: Any, chunk: Any, base: Any, fmask: Any, out: Any
@@ -55,15 +102,13 @@ def content_fingerprints(
     """``out[i]`` = the fingerprint of the ``chunk`` ids of array ``i`` (``handles[i]``: its
     ``id``, the data pointer read at ``data_off``, or with ``data_off < 0`` the data address
     itself; ``token_bytes[i]``: its form, as :func:`tagged` takes it)."""
-    row = np.empty(chunk, np.uint32)
     powers = np.empty((2, chunk), np.uint64)
     power_table(base, chunk, powers)
     for i in range(handles.shape[0]):
         addr = handles[i]
         if data_off >= 0:
             addr = i64_ptr(addr + data_off)[0]  # type: ignore[call-arg]
-        load_ids(row, tagged(addr, token_bytes[i]), chunk)
-        out[i] = fingerprint_at(row, 0, chunk, powers, fmask)
+        out[i] = stored_fingerprint(tagged(addr, token_bytes[i]), chunk, powers, fmask)
 
 
 RELEASE_CONTENTS = 1024

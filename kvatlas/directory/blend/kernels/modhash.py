@@ -167,6 +167,13 @@ def fingerprint_at(tokens: Any, start: Any, length: Any, weights: Any, fmask: An
     An id ``t < 2^32`` times a weight ``w = h·2^31 + l`` is ``t·l + (t·h)·2^31``; with
     ``t·h = u·2^30 + v`` and ``2^61 = 1`` that is ``t·l + u + v·2^31`` modulo 2^61-1, below
     2^64 (two 32 x 32-bit products), added to the sum as its low and high 32 bits."""
+    return weighted_sum(tokens, start, length, weights) & np.uint64(fmask)
+
+
+@helper
+def weighted_sum(tokens: Any, start: Any, length: Any, weights: Any) -> Any:
+    """:func:`fingerprint_at` before the mask: the canonical residue. ``tokens``: an array or
+    a typed pointer to ``uint16`` or ``uint32`` ids."""
     low, high = weights[0], weights[1]
     lo = _U0
     hi = _U0
@@ -177,8 +184,7 @@ def fingerprint_at(tokens: Any, start: Any, length: Any, weights: Any, fmask: An
         lo += x & _M32
         hi += x >> np.uint64(32)
     # hi·2^32 = (hi mod 2^29)·2^32 + (hi >> 29)·2^61, and 2^61 = 1 (mod 2^61-1)
-    h = fold(lo) + fold(((hi & _M29) << np.uint64(32)) + (hi >> np.uint64(29)))
-    return fold(h) & np.uint64(fmask)
+    return fold(fold(lo) + fold(((hi & _M29) << np.uint64(32)) + (hi >> np.uint64(29))))
 
 
 _TILE = 32

@@ -13,7 +13,7 @@ import numpy as np
 from numba.np.numpy_support import carray
 
 from kvatlas.directory.blend.kernels.filter import bloom_word, filter_add, mix, word_shift
-from kvatlas.directory.blend.kernels.fingerprints import load_ids, tagged
+from kvatlas.directory.blend.kernels.fingerprints import load_ids, stored_fingerprint, tagged
 from kvatlas.directory.blend.kernels.layout import (
     CTX_ARRAYS,
     CTX_BASE,
@@ -29,12 +29,7 @@ from kvatlas.directory.blend.kernels.layout import (
     O_OFF,
     BlendArrays,
 )
-from kvatlas.directory.blend.kernels.modhash import (
-    LANES,
-    fingerprint_at,
-    fingerprint_in,
-    power_table,
-)
+from kvatlas.directory.blend.kernels.modhash import LANES, fingerprint_in, power_table
 from kvatlas.directory.blend.kernels.occupants import (
     F_CONTENT_GONE,
     F_NEW_CONTENT,
@@ -116,6 +111,7 @@ def apply_ops(
     powers = np.empty((2, chunk if n >= 2 and not given else 0), np.uint64)
     if powers.shape[1]:
         power_table(base, chunk, powers)
+    read_later = powers.shape[1] > 0 or given  # ids read only to compare (Horner reads them)
     for i in range(min(_LOOKAHEAD, n)):
         _take_op(
             ops, i, chunk, data_off, base, fmask, ring, fps, addrs, table, filt, fshift, lanes,
@@ -137,7 +133,7 @@ def apply_ops(
             continue
         r = i % _RING
         tokens, fp, addr = ring[r], fps[r], addrs[r]
-        if given and fp_listed(fp, table, c_fp):
+        if read_later and fp_listed(fp, table, c_fp):
             load_ids(tokens, addr, chunk)  # to compare with that content's
         h_addr, h_len, ns = ops[OP_HASH, i], ops[OP_HASH_LEN, i], ops[OP_NS, i]
         cid, slot = find_content(tokens, fp, chunk, table, c_fp, c_addr)
@@ -272,13 +268,14 @@ def _take_op(
     lanes: Any,
     powers: Any,
 ) -> None:
-    """Op ``j``'s ids into row ``j % _RING`` of ``ring`` (``uint32``), their fingerprint
-    (by the weights ``powers`` if not empty, else Horner's rule with ``lanes`` as its
-    scratch) and the token address its content keeps (``layout.py``: tagged
+    """Op ``j``'s fingerprint and the token address its content keeps (``layout.py``: tagged
     with the array's form) into ``fps`` and ``addrs``; then request the table slot and filter
-    word the op will read. With the fingerprint given (row ``OP_FP``) the ids are not read
-    here: the op reads them only if a content of that fingerprint is in the table. (A skipped
-    op reads nothing.)"""
+    word the op will read. The fingerprint is given (row ``OP_FP``), or taken by the weights
+    ``powers`` from the ids in their stored form (``stored_fingerprint``), or, with no
+    weights (a single op), by Horner's rule (``lanes``: its scratch) from the ids read into
+    row ``j % _RING`` of ``ring`` (``uint32``). In the first two cases the op reads the ids
+    into its row only if a content of that fingerprint is in the table, to compare them. (A
+    skipped op reads nothing.)"""
     if ops[OP_KIND, j] == SKIP:
         return
     r = j % _RING
@@ -288,13 +285,12 @@ def _take_op(
     addr = tagged(addr, ops[OP_TOKEN_BYTES, j])
     if ops.shape[0] > OP_FP:
         fp = np.uint64(ops[OP_FP, j])
+    elif powers.shape[1]:
+        fp = stored_fingerprint(addr, chunk, powers, fmask)
     else:
         row = ring[r]
         load_ids(row, addr, chunk)
-        if powers.shape[1]:
-            fp = fingerprint_at(row, 0, chunk, powers, fmask)
-        else:
-            fp = fingerprint_in(row, 0, chunk, base, fmask, lanes)
+        fp = fingerprint_in(row, 0, chunk, base, fmask, lanes)
     fps[r] = fp
     addrs[r] = addr
     prefetch(table, content_home(fp, table.shape[0] - 1))  # type: ignore[call-arg]
