@@ -1,9 +1,11 @@
-"""A content's ids read from its stored form, and content fingerprints outside a write.
+"""A content's ids read from its stored form, and its fingerprint taken there.
 
-The write kernel fingerprints each added content from its ids (``writes.py``); a snapshot
-writer fingerprints the contents it saves (the column a restore takes instead of reading and
-hashing every id again: docs/directory.md, "Snapshots"). Both read the ids through
-:func:`load_ids`, so a content's fingerprint is one function of its ids whatever its form.
+The write kernel fingerprints each added content (``writes.py``); a snapshot writer
+fingerprints the contents it saves (the column a restore takes instead of reading and hashing
+every id again: docs/directory.md, "Snapshots"). A batch of either takes each fingerprint from
+the stored form (:func:`stored_fingerprint`), a single write from the ids read into a row
+(:func:`load_ids`); both are the polynomial of the ids, whatever their form
+(``tests/directory/test_blend_kernels.py``).
 """
 
 from __future__ import annotations
