@@ -114,7 +114,7 @@ def content_fingerprints(
 
 
 RELEASE_CONTENTS = 1024
-"""Calls of at least this many contents (≈0.3 ms) release the GIL (``kernel_twins.py``)."""
+"""Calls of at least this many contents (≈0.25 ms) release the GIL (``kernel_twins.py``)."""
 
 content_fingerprints_releasing = releasing_twin(content_fingerprints)
 """:func:`content_fingerprints`, the GIL released for the call."""
