@@ -107,9 +107,9 @@ def test_the_fingerprint_of_a_stored_content_is_its_ids_polynomial(chunk: int) -
 
 @pytest.mark.parametrize("batch", [1, 2, 5, 300])
 def test_a_writes_fingerprints_are_the_polynomial_alone_or_in_a_batch(batch: int) -> None:
-    """A batch of adds fingerprints by the power table, a single add by Horner's rule: the
-    index holds each content under its polynomial either way (negative control: a wrong
-    weight fails every batch of two or more)."""
+    """A batch of adds (``apply_ops``) and a single add (``apply_op``, the weights through
+    the write context) fingerprint by the index's table of weights: the index holds each
+    content under its polynomial either way (negative control: a wrong weight fails it)."""
     rng = np.random.default_rng(batch)
     index = BlendIndex(chunk_size=256)
     ns = BlendNamespace("m")

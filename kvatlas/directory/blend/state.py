@@ -32,6 +32,7 @@ from kvatlas.directory.blend.kernels import (
     SKIP,
 )
 from kvatlas.directory.blend.kernels.layout import write_context
+from kvatlas.directory.blend.kernels.modhash import power_table
 from kvatlas.directory.blend.kernels.objects import payload_addresses
 from kvatlas.directory.blend.kernels.writes import (
     OP_FP,
@@ -67,8 +68,9 @@ _NOT_A_DROP = _ALL_NEW | F_EXTRA_CLAIM
 class IndexState:
     def __init__(self, chunk_size: int, base: int, fmask: int) -> None:
         self.chunk_size = chunk_size
-        self.base = base
         self.fmask = fmask
+        self.weights = np.empty((2, chunk_size), np.uint64)  # the fingerprints', by the base
+        power_table(base, chunk_size, self.weights)
         self.arrays = kernels.BlendArrays.empty(MIN_CAPACITY)
         self.namespaces = NamespaceIds()
         self.tokens: list[Tokens | None] = []  # per content id: the array c_addr points into
@@ -92,7 +94,7 @@ class IndexState:
         self._arrays = arrays
         self.kernel_arrays = tuple(arrays)  # what the kernels take
         # the same arrays as one address (single writes), kept alive with them
-        self._context = write_context(arrays, self.chunk_size, self.base, self.fmask)
+        self._context = write_context(arrays, self.chunk_size, self.weights, self.fmask)
         self._context_address = int(self._context.ctypes.data)
         # capacities as plain ints, for the check every add makes (_has_room)
         self._room = (
@@ -192,7 +194,7 @@ class IndexState:
         ops[OP_TOKEN_BYTES] = token_bytes
         out = np.empty((n, 4), np.int64)
         apply = kernels.apply_ops if n < kernels.RELEASE_OPS else kernels.apply_ops_releasing
-        apply(ops, self.chunk_size, -1, self.base, self.fmask, self.kernel_arrays, out)
+        apply(ops, self.chunk_size, -1, self.weights, self.fmask, self.kernel_arrays, out)
         return out
 
     def _op_namespaces(self, cols: OpColumns, adds: npt.NDArray[np.bool_]) -> npt.NDArray[np.int64]:

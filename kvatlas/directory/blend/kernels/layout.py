@@ -46,10 +46,10 @@ content ids ever used (the high-water mark); the same for occupants (linked thro
 ``o_i32[:, O_NEXT]``)."""
 
 
-CTX_CHUNK, CTX_BASE, CTX_FMASK, CTX_ARRAYS = range(4)
-"""Entries of a write context (:func:`write_context`): the write kernel's scalar arguments,
-then from ``CTX_ARRAYS`` on, per field of :class:`BlendArrays` in order, its data address and
-its number of rows."""
+CTX_CHUNK, CTX_WEIGHTS, CTX_FMASK, CTX_ARRAYS = range(4)
+"""Entries of a write context (:func:`write_context`): the write kernel's scalar arguments
+(the weights as the address of their ``(2, chunk)`` table), then from ``CTX_ARRAYS`` on, per
+field of :class:`BlendArrays` in order, its data address and its number of rows."""
 
 
 class BlendArrays(NamedTuple):
@@ -118,13 +118,17 @@ class BlendArrays(NamedTuple):
         )
 
 
-def write_context(arrays: BlendArrays, chunk: int, base: int, fmask: int) -> npt.NDArray[np.int64]:
-    """``arrays`` and the write kernel's scalars as one int64 array of addresses and sizes
-    (``CTX_*``): a single write passes its address, one integer, where passing the arrays
-    would cost numba an unboxing of each on every call (``writes.apply_op``). Valid
-    while ``arrays`` live unchanged: the index makes a new one whenever it replaces them."""
+def write_context(
+    arrays: BlendArrays, chunk: int, weights: npt.NDArray[np.uint64], fmask: int
+) -> npt.NDArray[np.int64]:
+    """``arrays`` and the write kernel's other arguments (``weights``: the fingerprints'
+    ``modhash.power_table``) as one int64 array of addresses and sizes (``CTX_*``): a single
+    write passes its address, one integer, where passing the arrays would cost numba an
+    unboxing of each on every call (``writes.apply_op``). Valid while ``arrays`` and
+    ``weights`` live unchanged: the index makes a new one whenever it replaces them."""
+    assert weights.flags.c_contiguous and weights.shape == (2, chunk)
     ctx = np.empty(CTX_ARRAYS + 2 * len(arrays), np.int64)
-    ctx[:CTX_ARRAYS] = chunk, base, fmask
+    ctx[:CTX_ARRAYS] = chunk, weights.ctypes.data, fmask
     for k, field in enumerate(BlendArrays._fields):
         arr: npt.NDArray[Any] = getattr(arrays, field)
         assert arr.flags.c_contiguous

@@ -16,9 +16,9 @@ from kvatlas.directory.blend.kernels.filter import bloom_word, filter_add, mix, 
 from kvatlas.directory.blend.kernels.fingerprints import load_ids, stored_fingerprint, tagged
 from kvatlas.directory.blend.kernels.layout import (
     CTX_ARRAYS,
-    CTX_BASE,
     CTX_CHUNK,
     CTX_FMASK,
+    CTX_WEIGHTS,
     IDS_CONTENTS,
     IDS_FREE_CONTENT,
     IDS_FREE_OCCUPANT,
@@ -29,7 +29,6 @@ from kvatlas.directory.blend.kernels.layout import (
     O_OFF,
     BlendArrays,
 )
-from kvatlas.directory.blend.kernels.modhash import LANES, fingerprint_in, power_table
 from kvatlas.directory.blend.kernels.occupants import (
     F_CONTENT_GONE,
     F_NEW_CONTENT,
@@ -78,9 +77,10 @@ to compare them with a content of the same fingerprint."""
 
 @gil_twins()
 def apply_ops(
-    ops: Any, chunk: Any, data_off: Any, base: Any, fmask: Any, arrays: Any, out: Any
+    ops: Any, chunk: Any, data_off: Any, weights: Any, fmask: Any, arrays: Any, out: Any
 ) -> None:
-    """Apply ``ops`` (see ``OP_*``) to ``arrays`` (a ``BlendArrays`` as a plain tuple) in order.
+    """Apply ``ops`` (see ``OP_*``) to ``arrays`` (a ``BlendArrays`` as a plain tuple) in order;
+    ``weights``: the fingerprints' (``modhash.power_table`` of the index's base and ``chunk``).
 
     ``out[i] = (flags, content id, occupant id, ns0)`` where ``ns0`` is the inline claim a
     ``REMOVE_CHUNK`` dropped (-1 if none; its extra-set claims are the caller's to drop: it
@@ -97,32 +97,22 @@ def apply_ops(
     table, filt, c_fp, c_addr, c_first = s.table, s.filt, s.c_fp, s.c_addr, s.c_first
     o_i64, o_i32, o_hlen, claims, ids = s.o_i64, s.o_i32, s.o_hlen, s.claims, s.ids
     o_links = o_i32[:, O_NEXT]
-    # each op's ids (whatever width they are stored at), fingerprint and token address,
-    # taken _LOOKAHEAD ops ahead (a ring of rows): its table slot and filter word are
-    # requested then, so those misses overlap the ops in between
-    ring = np.empty((_RING, chunk), np.uint32)
+    # each op's fingerprint and token address, taken _LOOKAHEAD ops ahead (a ring): its
+    # table slot and filter word are requested then, so those misses overlap the ops between
     fps = np.empty(_RING, np.uint64)
     addrs = np.empty(_RING, np.int64)
-    lanes = np.empty(LANES, np.uint64)  # the fingerprints' scratch
+    tokens = np.empty(chunk, np.uint32)  # an op's ids, when a content has its fingerprint
     fshift = word_shift(filt)
     n = ops.shape[1]
     given = ops.shape[0] > OP_FP
-    # the ids' weights, once for the batch (one op: Horner's rule, cheaper than the table)
-    powers = np.empty((2, chunk if n >= 2 and not given else 0), np.uint64)
-    if powers.shape[1]:
-        power_table(base, chunk, powers)
-    read_later = powers.shape[1] > 0 or given  # ids read only to compare (Horner reads them)
     for i in range(min(_LOOKAHEAD, n)):
-        _take_op(
-            ops, i, chunk, data_off, base, fmask, ring, fps, addrs, table, filt, fshift, lanes,
-            powers,
-        )  # fmt: skip
+        _take_op(ops, i, chunk, data_off, weights, fmask, fps, addrs, table, filt, fshift)
     for i in range(n):
         _prefetch_tokens(ops, i, n, data_off, given)
         if i + _LOOKAHEAD < n:
             _take_op(
-                ops, i + _LOOKAHEAD, chunk, data_off, base, fmask, ring, fps, addrs, table,
-                filt, fshift, lanes, powers,
+                ops, i + _LOOKAHEAD, chunk, data_off, weights, fmask, fps, addrs, table, filt,
+                fshift,
             )  # fmt: skip
         out[i, 0] = 0
         out[i, 1] = -1
@@ -131,9 +121,8 @@ def apply_ops(
         kind = ops[OP_KIND, i]
         if kind == SKIP:
             continue
-        r = i % _RING
-        tokens, fp, addr = ring[r], fps[r], addrs[r]
-        if read_later and fp_listed(fp, table, c_fp):
+        fp, addr = fps[i % _RING], addrs[i % _RING]
+        if fp_listed(fp, table, c_fp):
             load_ids(tokens, addr, chunk)  # to compare with that content's
         h_addr, h_len, ns = ops[OP_HASH, i], ops[OP_HASH_LEN, i], ops[OP_NS, i]
         cid, slot = find_content(tokens, fp, chunk, table, c_fp, c_addr)
@@ -221,7 +210,8 @@ def apply_op(
     ops[OP_NS, 0] = ns
     out = np.empty((1, 4), np.int64)
     arrays = _arrays_at(c)
-    apply_ops(ops, c[CTX_CHUNK], data_off, c[CTX_BASE], c[CTX_FMASK], arrays, out)
+    weights = carray(u64_ptr(c[CTX_WEIGHTS]), (2, c[CTX_CHUNK]))  # type: ignore[call-arg]
+    apply_ops(ops, c[CTX_CHUNK], data_off, weights, c[CTX_FMASK], arrays, out)
     return out[0, 0], out[0, 1], out[0, 2], out[0, 3]
 
 
@@ -244,11 +234,11 @@ def _arrays_at(c: Any) -> Any:
 
 
 _LOOKAHEAD = 4
-"""How many ops ahead :func:`apply_ops` reads an op's ids and fingerprints them
-(:func:`_take_op`): far enough for its table slot and filter word to arrive, near enough
-for the ids to stay in L1."""
+"""How many ops ahead :func:`apply_ops` fingerprints an op (:func:`_take_op`): far enough
+for its table slot and filter word to arrive, near enough for its ids to stay in L1."""
 _RING = _LOOKAHEAD + 1
-"""Rows of the ids ring: the current op's and the ``_LOOKAHEAD`` ops after it."""
+"""Entries of the fingerprints' and addresses' ring: the current op's and the
+``_LOOKAHEAD`` ops after it."""
 
 
 @inline
@@ -257,24 +247,19 @@ def _take_op(
     j: Any,
     chunk: Any,
     data_off: Any,
-    base: Any,
+    weights: Any,
     fmask: Any,
-    ring: Any,
     fps: Any,
     addrs: Any,
     table: Any,
     filt: Any,
     fshift: Any,
-    lanes: Any,
-    powers: Any,
 ) -> None:
     """Op ``j``'s fingerprint and the token address its content keeps (``layout.py``: tagged
-    with the array's form) into ``fps`` and ``addrs``; then request the table slot and filter
-    word the op will read. The fingerprint is given (row ``OP_FP``), or taken by the weights
-    ``powers`` from the ids in their stored form (``stored_fingerprint``), or, with no
-    weights (a single op), by Horner's rule (``lanes``: its scratch) from the ids read into
-    row ``j % _RING`` of ``ring`` (``uint32``). In the first two cases the op reads the ids
-    into its row only if a content of that fingerprint is in the table, to compare them. (A
+    with the array's form) into row ``j % _RING`` of ``fps`` and ``addrs``; then request the
+    table slot and filter word the op will read. The fingerprint is given (row ``OP_FP``) or
+    taken by ``weights`` from the ids in their stored form (``stored_fingerprint``); the op
+    reads its ids only if a content of that fingerprint is in the table, to compare them. (A
     skipped op reads nothing.)"""
     if ops[OP_KIND, j] == SKIP:
         return
@@ -285,12 +270,8 @@ def _take_op(
     addr = tagged(addr, ops[OP_TOKEN_BYTES, j])
     if ops.shape[0] > OP_FP:
         fp = np.uint64(ops[OP_FP, j])
-    elif powers.shape[1]:
-        fp = stored_fingerprint(addr, chunk, powers, fmask)
     else:
-        row = ring[r]
-        load_ids(row, addr, chunk)
-        fp = fingerprint_in(row, 0, chunk, base, fmask, lanes)
+        fp = stored_fingerprint(addr, chunk, weights, fmask)
     fps[r] = fp
     addrs[r] = addr
     prefetch(table, content_home(fp, table.shape[0] - 1))  # type: ignore[call-arg]
