@@ -37,7 +37,6 @@ HOT_HELPERS = [
     _json_tokens.parse_array,
     _json_tokens.skip_space,
     _json_tokens.string_end,
-    modhash.fingerprint_in,
     modhash.fingerprint_at,
     modhash.power_table,
     planes.planes_equal,

@@ -78,55 +78,12 @@ def roll(h: Any, t_in: Any, t_out: Any, b: Any, b_pow: Any) -> Any:
 
 
 @jit
-def powmod61(base: Any, exp: Any) -> Any:
-    result = _U1
-    b = np.uint64(base)
-    e = exp
-    while e > 0:
-        if e & 1:
-            result = fold(mul_lazy(result, b))
-        b = fold(mul_lazy(b, b))
-        e >>= 1
-    return result
-
-
-@jit
 def fingerprint(tokens: Any, start: Any, length: Any, base: Any, fmask: Any) -> Any:
-    """Fingerprint of ``tokens[start:start+length]``, masked to the configured bits
-    (:func:`fingerprint_in` with a scratch of its own)."""
-    return fingerprint_in(tokens, start, length, base, fmask, np.empty(LANES, np.uint64))
-
-
-@helper
-def fingerprint_in(tokens: Any, start: Any, length: Any, base: Any, fmask: Any, lanes: Any) -> Any:
-    """:func:`fingerprint` with the caller's ``lanes`` (``uint64``, :data:`LANES` long) as its
-    scratch: a loop fingerprinting one window per op or per content allocates it once, not
-    once a window (an allocation and its release cost as much as the rest of a short call).
-
-    One serial Horner chain is latency-bound (every add and removal hashes its chunk, a
-    restore a million of them), so after a head of ``length % LANES`` tokens the window runs
-    as :data:`LANES` chains interleaved token by token, advanced together in one SIMD loop:
-    chain ``j`` takes tokens ``j, j + LANES, ...`` at base ``B^LANES``, and the chains are
-    joined as ``Σ h_j·B^(LANES-1-j)``, the head as ``h_head·B^(LANES·q)``."""
-    b = np.uint64(base)
-    q = length // LANES
-    head = length - LANES * q
-    h = _U0
-    for i in range(start, start + head):
-        h = horner(h, b, tokens[i])
-    if q > 0:
-        s0 = start + head
-        b_lanes = powmod61(b, LANES)
-        lanes[:] = 0
-        for k in range(q):
-            at = s0 + k * LANES
-            for j in range(LANES):
-                lanes[j] = horner(lanes[j], b_lanes, tokens[at + j])
-        tail = _U0
-        for j in range(LANES):
-            tail = horner(tail, b, lanes[j])
-        h = fold(mul_lazy(h, powmod61(b, LANES * q)) + tail) if head > 0 else tail
-    return h & np.uint64(fmask)
+    """Fingerprint of ``tokens[start:start+length]``, masked to the configured bits: one
+    window on its own (:func:`fingerprint_at` with a table of weights of its own)."""
+    weights = np.empty((2, length), np.uint64)
+    power_table(base, length, weights)
+    return fingerprint_at(tokens, start, length, weights, fmask)
 
 
 @helper
@@ -135,8 +92,8 @@ def power_table(base: Any, length: Any, out: Any) -> None:
     for the id at ``i = length-1-e`` (canonical residue), split as ``out[0, i]`` its low 31
     bits and ``out[1, i]`` the high 30 (``out``: ``uint64``, shape ``(2, length)``). ``B^e``
     is taken as ``B^(LANES·a)·B^k`` (``e = LANES·a + k``): two serial chains of at most
-    ``LANES`` and ``length / LANES`` steps, then independent products (a table of 256 weights
-    costs less than one :func:`fingerprint_in`)."""
+    ``LANES`` and ``length / LANES`` steps, then independent products (≈0.2 µs for 256
+    weights: an index keeps its table, a snapshot's column or a lookup builds one a call)."""
     b = np.uint64(base)
     full = out[0]
     p = _U1
@@ -157,12 +114,11 @@ def power_table(base: Any, length: Any, out: Any) -> None:
 
 @helper
 def fingerprint_at(tokens: Any, start: Any, length: Any, weights: Any, fmask: Any) -> Any:
-    """:func:`fingerprint_in` with the weights given (:func:`power_table`'s for the same base
-    and ``length``), for the batches that fingerprint many windows of one length (an index
-    write, a snapshot's column, a lookup's sparse probes) and build the table once (``length``
-    below 2^31). Every product is independent of the others and the sum needs no modular step
-    but the last, so the loop compiles to SIMD with no serial chain (Horner's rule is one of
-    ``length / LANES`` steps): 256 ids in ≈40% less time (docs/performance.md).
+    """The fingerprint of ``tokens[start:start+length]`` by its weights (:func:`power_table`'s
+    for the base and ``length``; ``length`` below 2^31), masked to ``fmask``. Every product is
+    independent of the others and the sum needs no modular step but the last, so the loop
+    compiles to SIMD with no serial chain (Horner's rule, 16 chains interleaved, took ≈2× as
+    long for 256 ids: docs/performance.md).
 
     An id ``t < 2^32`` times a weight ``w = h·2^31 + l`` is ``t·l + (t·h)·2^31``; with
     ``t·h = u·2^30 + v`` and ``2^61 = 1`` that is ``t·l + u + v·2^31`` modulo 2^61-1, below
