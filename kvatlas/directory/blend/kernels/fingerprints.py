@@ -1,11 +1,11 @@
 """A content's ids read from its stored form, and its fingerprint taken there.
 
-The write kernel fingerprints each added content (``writes.py``); a snapshot writer
+The write kernel fingerprints each content an op names (``writes.py``); a snapshot writer
 fingerprints the contents it saves (the column a restore takes instead of reading and hashing
-every id again: docs/directory.md, "Snapshots"). A batch of either takes each fingerprint from
-the stored form (:func:`stored_fingerprint`), a single write from the ids read into a row
-(:func:`load_ids`); both are the polynomial of the ids, whatever their form
-(``tests/directory/test_blend_kernels.py``).
+every id again: docs/directory.md, "Snapshots"). Both take each fingerprint from the stored
+form (:func:`stored_fingerprint`: the polynomial of the ids, whatever their form,
+``tests/directory/test_blend_kernels.py``); the write kernel reads the ids into a row
+(:func:`load_ids`) only to compare them with a content of the same fingerprint.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from kvatlas.directory.blend.kernels.modhash import (
     mul_lazy,
     power_table,
     weighted_sum,
+    weights_sum,
 )
 from kvatlas.directory.blend.kernels.planes import HEADER, plane_bytes, planes_load
 from kvatlas.directory.blend.kernels.pointers import (
@@ -33,8 +34,6 @@ from kvatlas.directory.blend.kernels.pointers import (
     u32_ptr,
 )
 from kvatlas.kernel_twins import gil_twins, releasing_twin
-
-_M30 = np.uint64((1 << 30) - 1)
 
 
 @inline
@@ -91,9 +90,7 @@ def stored_fingerprint(addr: Any, chunk: Any, weights: Any, fmask: Any) -> Any:
             bit = (np.uint64(planes[row + (k >> 3)]) >> np.uint64(k & 7)) & np.uint64(1)
             lo += low[k] & (np.uint64(0) - bit)
             hi += high[k] & (np.uint64(0) - bit)
-        # the weights' sum: lo + hi·2^31, and hi·2^31 = (hi mod 2^30)·2^31 + (hi >> 30)·2^61
-        sum_p = fold(lo + ((hi & _M30) << np.uint64(31)) + (hi >> np.uint64(30)))
-        total = fold(total + mul_lazy(sum_p, np.uint64(1 << (16 + p))))
+        total = fold(total + mul_lazy(weights_sum(lo, hi), np.uint64(1 << (16 + p))))
     return total & np.uint64(fmask)
 
 

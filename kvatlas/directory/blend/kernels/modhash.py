@@ -7,8 +7,8 @@ without knowing ``B``. Mod 2^64 they can: a Thue-Morse pattern over tokens {0, 2
 for every odd base.
 
 The modular step is written once (:func:`mul_lazy`, :func:`fold`; :func:`horner`, :func:`roll`);
-every reduction ends in the canonical residue, so the direct :func:`fingerprint`, the sum by a
-table of the base's powers (:func:`fingerprint_at`, what batches use) and the rolling lanes of
+every reduction ends in the canonical residue, so the direct fingerprint (:func:`fingerprint_at`:
+the ids weighed by a table of the base's powers, :func:`power_table`) and the rolling lanes of
 the scan agree bit for bit, whatever order their reductions run in.
 """
 
@@ -110,6 +110,14 @@ def power_table(base: Any, length: Any, out: Any) -> None:
     for i in range(length):
         high[i] = full[i] >> np.uint64(31)
         full[i] &= _M31
+
+
+@inline
+def weights_sum(lo: Any, hi: Any) -> Any:
+    """The canonical residue of a sum of weights given as the sums of their low (31-bit) and
+    high (30-bit) parts (:func:`power_table`'s split; each sum below 2^62): ``lo + hi·2^31``,
+    where ``hi·2^31 = (hi mod 2^30)·2^31 + (hi >> 30)·2^61`` and ``2^61 = 1``."""
+    return fold(lo + ((hi & _M30) << np.uint64(31)) + (hi >> np.uint64(30)))
 
 
 @helper
