@@ -8,12 +8,13 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-KV_RANK, GROUP, SIZE, OFFSET, TOKENS, MODEL_AT, MODEL_END, SALT_AT, SALT_END, RUN = range(10)
-COLUMNS = 10
+KV_RANK, GROUP, SIZE, OFFSET, TOKENS, MODEL_AT, MODEL_END, SALT_AT, SALT_END, RUN, START = range(11)
+COLUMNS = 11
 """Rows of the integer column matrix (``cols[c, e]``: column ``c`` of entry ``e``): the key's
 ``kv_rank`` and ``object_group_id``, ``size_bytes``, ``token_offset``, the count of token
-ids, the model name's and the cache salt's spans in the body, and the entry's run (entries
-one after the other with one key shape share a run; runs count up from 0)."""
+ids, the model name's and the cache salt's spans in the body, the entry's run (entries one
+after the other with one key shape share a run; runs count up from 0) and where its token
+ids start in the arena (the ids of the entries before it, all of them)."""
 
 
 class CutBody(NamedTuple):

@@ -9,11 +9,12 @@ Every entry becomes a row of integer columns (``_cut_types.COLUMNS``), its chunk
 Invariant: an entry is taken only in the form whose meaning is certain — the fields of
 ``EventEntry`` and ``EventKey`` each at most once, in any order, with white space anywhere
 JSON allows; strings without escapes or control characters; integers without fraction,
-exponent, leading zero or ``-0``, of at most 18 digits; ``token_ids`` an array read by
-``parse_array`` or ``null``. Anything else (a field the struct would ignore or refuse, a
-wrong type, a missing required field) gives up (``-1``): the caller then decodes the body the
-per-entry way, which accepts or words the error. So a body taken here yields what msgspec
-and the per-entry checks would have; what those checks refuse (a negative size, a bad
+exponent, leading zero or ``-0``, of at most 18 digits; ``size_bytes`` at least 0 and
+``token_offset`` at least -1 (unknown); ``token_ids`` an array read by ``parse_array`` or
+``null``. Anything else (a field the struct would ignore or refuse, a wrong type, a missing
+required field, a size or offset out of range) gives up (``-1``): the caller then decodes the
+body the per-entry way, which accepts or words the error. So a body taken here yields what
+msgspec and the per-entry checks would have; what those checks refuse of the key (a bad
 shape) is for the caller to check on the columns.
 
 This module imports numba: ``json_codec`` imports it on first use only (through
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvatlas.api.events import UNKNOWN_OFFSET
 from kvatlas.events._cut_types import (
     GROUP,
     KV_RANK,
@@ -35,6 +37,7 @@ from kvatlas.events._cut_types import (
     SALT_AT,
     SALT_END,
     SIZE,
+    START,
     TOKENS,
 )
 from kvatlas.events._json_tokens import parse_array, skip_space, string_end
@@ -216,6 +219,7 @@ def _entry(buf, i, n, e, hashes, cols, arena, k):  # type: ignore[no-untyped-def
     cols[SIZE, e] = 0
     cols[OFFSET, e] = -1
     cols[TOKENS, e] = 0
+    cols[START, e] = k
     seen = 0
     field = -1  # the field before (none yet)
     i = skip_space(buf, i + 1, n)
@@ -246,6 +250,8 @@ def _entry(buf, i, n, e, hashes, cols, arena, k):  # type: ignore[no-untyped-def
                 return -1, k
         else:
             i, v = _integer(buf, i, n)
+            if v < (0 if field == _SIZE else UNKNOWN_OFFSET):  # (the per-entry path words why)
+                return -1, k
             cols[SIZE if field == _SIZE else OFFSET, e] = v
         if i < 0:
             return -1, k

@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.api.events import UNKNOWN_OFFSET, EventBatchRow, EventEntry, EventKey, EventsBodyOf
+from kvatlas.api.events import EventBatchRow, EventEntry, EventKey, EventsBodyOf
 from kvatlas.checks import is_plain_int
 from kvatlas.events import _cut_types as cut_types
 from kvatlas.events._cut_types import CutBody
@@ -240,13 +240,10 @@ def _cut_column_batches(body: bytes, wire: _WireBody, cut: CutBody) -> list[Colu
     shapes = _run_shapes(body, cut)
     if shapes is None:
         return None
-    cols = cut.cols
-    lengths = cols[cut_types.TOKENS]
-    starts = np.cumsum(lengths) - lengths
+    cols = cut.cols  # (sizes and offsets in range: the cut took no other entry)
+    lengths, starts = cols[cut_types.TOKENS], cols[cut_types.START]
     run_of, sizes, offsets = cols[cut_types.RUN], cols[cut_types.SIZE], cols[cut_types.OFFSET]
     hashes = cut.hashes.reshape(-1).data  # sliced per batch: views, not copies
-    if len(sizes) and (int(sizes.min()) < 0 or int(offsets.min()) < UNKNOWN_OFFSET):
-        return None
     out = []
     first = 0
     for wb, n in zip(wire.batches, cut.counts.tolist(), strict=True):
