@@ -190,3 +190,4 @@ def test_object_handles_are_the_ids(items: list[object]) -> None:
         ids = list(map(id, seq))
         got = object_handles(seq)  # type: ignore[arg-type]
         assert got.dtype == np.int64 and got.tolist() == ids
+        assert object_handles(seq, 24).tolist() == [i + 24 for i in ids]  # type: ignore[arg-type]

@@ -117,6 +117,31 @@ def test_a_batch_of_new_chunks_takes_the_bulk_path(monkeypatch: pytest.MonkeyPat
     assert taken == [True, False]
 
 
+@pytest.mark.parametrize("n", [3, 20])  # (a column of at most 16 entries is read as a list)
+@pytest.mark.parametrize("odd", [None, "unknown offset", "short content"])
+def test_the_bulk_checks_read_short_and_long_batches_alike(n: int, odd: str | None) -> None:
+    """Whether every content is a whole chunk and every offset known (which decide the bulk
+    path and what it indexes) is read the same from a batch of a few entries as of many:
+    one odd entry last, as the loop stores it."""
+    bulk = KeyDirectory(CHUNK, enable_blend_lookup=True)
+    loop = KeyDirectory(CHUNK, enable_blend_lookup=True)
+    entries = [
+        CacheEntry(ObjectKey(h, *SHAPES[0]), 2, CONTENTS[k % 3], CHUNK * k)
+        for k, h in enumerate(HASHES[:n])
+    ]
+    if odd == "unknown offset":
+        entries[-1] = replace(entries[-1], token_offset=-1)
+    elif odd == "short content":
+        entries[-1] = replace(entries[-1], token_ids=CONTENTS[3])
+    b = EventBatch("a", 1, 1, "store", "l1", "dram", entries=tuple(entries))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(stores_module, "store_fresh", lambda *args: None)
+        loop.consume(b)
+    bulk.consume(b)
+    assert _inside(bulk) == _inside(loop)
+    assert _state(bulk) == _state(loop)
+
+
 @pytest.mark.parametrize("held", [0, 1, 3])
 def test_a_batch_with_a_held_chunk_leaves_the_table_as_the_loop_does(held: int) -> None:
     """The bulk path inserts where absent in one pass; a chunk the table already holds at any

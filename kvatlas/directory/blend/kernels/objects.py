@@ -119,39 +119,39 @@ def u32_rows(handles: Any, layout: Any, ndarray_type: Any, u32: Any, lengths: An
 
 
 @jit
-def _copied_items(at: Any, size: Any, items: Any, indirect: Any, out: Any) -> Any:
+def _copied_items(at: Any, size: Any, items: Any, indirect: Any, plus: Any, out: Any) -> Any:
     """``out[k]`` = the ``k``-th item pointer of the ``list`` (``indirect``: its items are
     where the pointer at ``at + items`` points) or ``tuple`` (at ``at + items``) whose ``id``
-    is ``at``, if its length (at ``at + size``) is that of ``out``; else ``False``. One
-    compiled call with the GIL held: no other thread changes the list meanwhile."""
+    is ``at``, plus ``plus``, if its length (at ``at + size``) is that of ``out``; else
+    ``False``. One compiled call with the GIL held: no other thread changes the list
+    meanwhile."""
     n = out.shape[0]
     if i64_ptr(at + size)[0] != n:  # type: ignore[call-arg]
         return False
     first = i64_ptr(at + items)[0] if indirect else at + items  # type: ignore[call-arg]
     words = i64_ptr(first)  # type: ignore[call-arg]
     for k in range(n):
-        out[k] = words[k]
+        out[k] = words[k] + plus
     return True
 
 
-def object_handles(items: Sequence[object]) -> npt.NDArray[np.int64]:
-    """``np.fromiter(map(id, items), np.int64)``: for an exact ``list`` or ``tuple``, its
-    item pointers copied as they are (``map(id, ...)`` makes an ``int`` per item: ≈40 ns
-    each, 10 µs a batch of 256), anything else by ``map``. Valid while the objects live."""
+def object_handles(items: Sequence[object], plus: int = 0) -> npt.NDArray[np.int64]:
+    """``np.fromiter(map(id, items), np.int64)`` (each plus ``plus``): for an exact ``list``
+    or ``tuple``, its item pointers copied as they are (``map(id, ...)`` makes an ``int`` per
+    item: ≈40 ns each, 10 µs a batch of 256), anything else by ``map``. Valid while the
+    objects live."""
     n = len(items)
     layout, kind = _cpython.ITEM_ARRAYS, type(items)
     if layout is not None and (kind is list or kind is tuple):
         out = np.empty(n, np.int64)
         listed = kind is list
         offset = layout.list_items if listed else layout.tuple_items
-        if _copied_items(id(items), layout.size, offset, listed, out):
+        if _copied_items(id(items), layout.size, offset, listed, plus, out):
             return out
-    return np.fromiter(map(id, items), np.int64, n)
+    return np.fromiter(map(plus.__add__, map(id, items)), np.int64, n)
 
 
 def payload_addresses(items: Sequence[bytes]) -> npt.NDArray[np.int64]:
     """Where each exact ``bytes`` of ``items`` keeps its payload (:func:`object_handles` +
     the header's size); valid while they live."""
-    out = object_handles(items)
-    out += _cpython.BYTES_DATA_OFFSET
-    return out
+    return object_handles(items, _cpython.BYTES_DATA_OFFSET)
