@@ -23,7 +23,9 @@ from kvatlas.events import (
     EventBatch,
     decode_json,
     decode_json_columns,
+    decode_msgpack_columns,
     encode_json,
+    encode_msgpack,
 )
 from kvatlas.events.inventory import BUCKETS, xor_elements
 from kvatlas.kernel_twins import compile_releasing_twins
@@ -76,13 +78,15 @@ def warm_up_index() -> None:
 
 
 def warm_up_events() -> None:
-    """The event decoders' kernels (the JSON token cut and entry parser) and the inventory
-    digests' step."""
+    """The event decoders' kernels (the JSON token cut and entry parser, the msgpack rows)
+    and the inventory digests' step."""
     tokens = np.array([1, 2], dtype=np.uint32)
     entry = CacheEntry(ObjectKey(bytes(32), "warm-up", pack_kv_rank(1, 0, 1, 0)), 0, tokens, 0)
-    body = encode_json([EventBatch("warm-up", 1, 1, "store", "l1", "dram", entries=(entry,))])
+    batches = [EventBatch("warm-up", 1, 1, "store", "l1", "dram", entries=(entry,))]
+    body = encode_json(batches)
     decode_json(body)
     decode_json_columns(body)  # the service's path: the compiled token cut
+    decode_msgpack_columns(encode_msgpack(batches))
     digest = np.zeros(BUCKETS, np.uint64)  # the inventory digests' step, every bucket or some
     xor_elements(digest, [bytes(32)], 1)
     xor_elements(digest, [bytes(32)], 1, np.ones(BUCKETS, np.uint8))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from operator import attrgetter
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -136,19 +137,29 @@ def decode_msgpack_columns(body: bytes) -> list[ColumnBatch]:
     return out
 
 
+def _packed_rows(sizes: Any, refs: Any, firsts: Any, starts: Any, lengths: Any) -> bool:
+    """Stand-in for the compiled step until its first use (``_packed_rows.py``): imports it
+    (so ``import kvatlas.events`` loads no numba), rebinds this module's name to it and
+    calls it."""
+    global _packed_rows
+    from kvatlas.events._packed_rows import packed_rows
+
+    _packed_rows = packed_rows
+    return packed_rows(sizes, refs, firsts, starts, lengths)
+
+
 def _columns_from_packed(pb: PackedBatch) -> EntryColumns | None:
     contents, entries = pb.contents, pb.entries
-    sizes = np.fromiter(map(len, contents), dtype=np.int64, count=len(contents))
-    if (sizes % 4).any():
-        return None
     hashes = list(map(_HASH, entries))
     if hashes and set(map(len, hashes)) != {32}:
         return None
-    refs = np.fromiter(map(_CONTENT, entries), dtype=np.int64, count=len(entries))
-    if len(refs) and (int(refs.min()) < -1 or int(refs.max()) >= len(contents)):
-        return None
-    lengths = np.append(sizes // 4, 0)  # ref -1 (no tokens) reads the 0 at the end
-    starts = np.append(np.cumsum(lengths[:-1]) - lengths[:-1], 0)
+    n = len(entries)
+    sizes = np.fromiter(map(len, contents), dtype=np.int64, count=len(contents))
+    refs = np.fromiter(map(_CONTENT, entries), dtype=np.int64, count=n)
+    firsts = np.empty(len(contents) + 1, np.int64)
+    starts, lengths = np.empty(n, np.int64), np.empty(n, np.int64)
+    if not _packed_rows(sizes, refs, firsts, starts, lengths):
+        return None  # (a content not whole ids, a reference to no content)
     arena = np.frombuffer(b"".join(contents), dtype=_LE_U32).astype(np.uint32, copy=False)
     return EntryColumns.checked(
         hashes,
@@ -156,8 +167,8 @@ def _columns_from_packed(pb: PackedBatch) -> EntryColumns | None:
         list(map(_SIZE, entries)),
         list(map(_OFFSET, entries)),
         arena,
-        starts[refs],
-        lengths[refs],
+        starts,
+        lengths,
     )
 
 
