@@ -342,7 +342,11 @@ def _consume_rows(n: int, memory_chunks: int, seed: int, repeats: int) -> list[B
     )
     rows += _body_rows(min(n, 50_000), seed, repeats)
     rows.append(_lookup_row(min(n, 100_000), seed, repeats))
-    rows += [_small_batches_row(size, min(n, 50_000), seed, repeats) for size in SMALL_BATCHES]
+    rows += [
+        _small_batches_row(fmt, size, min(n, 50_000), seed, repeats)
+        for fmt in _SMALL_BODY_CODECS
+        for size in SMALL_BATCHES
+    ]
     rows.append(_kinder_consume_row(n, seed, repeats))
     rows.append(memory_row(memory_chunks, 1, LLAMA2))
     return rows
@@ -380,15 +384,23 @@ def _lookup_row(n: int, seed: int, repeats: int) -> BenchRow:
     )
 
 
-def _small_batches_row(size: int, n: int, seed: int, repeats: int) -> BenchRow:
-    """Store batches of ``size`` new chunks, each its own JSON body (a node reports a chunk at
-    a time; a vLLM step's KV events make a few chunks a batch), decoded into columns and
-    applied into a directory already holding ``n`` chunks (filled untimed, afresh each pass):
-    the time a body, against the naive directory's decode into objects and consume. What a
-    batch costs beyond its entries shows here, not at 256 a batch."""
+_SMALL_BODY_CODECS = {
+    "JSON": (encode_json, decode_json, decode_json_columns),
+    "msgpack": (encode_msgpack, decode_msgpack, decode_msgpack_columns),
+}
+
+
+def _small_batches_row(fmt: str, size: int, n: int, seed: int, repeats: int) -> BenchRow:
+    """Store batches of ``size`` new chunks, each its own ``fmt`` body (a node reports a chunk
+    at a time, in msgpack; LMCache's workers in JSON; a vLLM step's KV events make a few chunks
+    a batch), decoded into columns and applied into a directory already holding ``n`` chunks
+    (filled untimed, afresh each pass): the time a body, against the naive directory's decode
+    into objects and consume. What a batch costs beyond its entries shows here, not at 256 a
+    batch."""
+    encode, per_entry, columnar = _SMALL_BODY_CODECS[fmt]
     base = _workload(n, seed)
     bodies = [
-        encode_json([b]) for b in _workload(min(n, 20_000), seed + 2, instance="node-1", batch=size)
+        encode([b]) for b in _workload(min(n, 20_000), seed + 2, instance="node-1", batch=size)
     ]
 
     def time_bodies(target: Any, apply: Callable[[Any, bytes], object]) -> float:
@@ -401,15 +413,15 @@ def _small_batches_row(size: int, n: int, seed: int, repeats: int) -> BenchRow:
 
     def ours() -> float:
         directory = KeyDirectory(CHUNK, enable_blend_lookup=True)
-        return time_bodies(directory, lambda d, body: d.apply_columns(decode_json_columns(body)))
+        return time_bodies(directory, lambda d, body: d.apply_columns(columnar(body)))
 
     def naive() -> float:
-        return time_bodies(NaiveDirectory(), lambda d, body: _consume_all(d, decode_json(body)))
+        return time_bodies(NaiveDirectory(), lambda d, body: _consume_all(d, per_entry(body)))
 
     ours_s = statistics.median(ours() for _ in range(repeats))
     naive_s = statistics.median(naive() for _ in range(repeats))
     return BenchRow(
-        f"decode + apply JSON bodies of {size} new chunk{'s' * (size > 1)} "
+        f"decode + apply {fmt} bodies of {size} new chunk{'s' * (size > 1)} "
         f"({n:,} held, blend on; {LLAMA3.label}), a body",
         ours_s,
         naive_s,
