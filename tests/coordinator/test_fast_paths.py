@@ -2,7 +2,8 @@
 handler, and gets, without writing any of it, what every route gets — the token checked from
 the headers before a byte of the body is read, the body limits, errors rendered by
 ``kvatlas.web``. And a blend lookup too long to be answered on the event loop is matched on the
-pool while the loop goes on. Real HTTP on loopback."""
+pool while the loop goes on, and a small events body is applied on the loop only while the
+directory is free. Real HTTP on loopback."""
 
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ import numpy as np
 import pytest
 
 from kvatlas.asgi_thread import ThreadedServer, free_port
-from kvatlas.coordinator import blend_lookup
+from kvatlas.coordinator import blend_lookup, events_ingest
 from kvatlas.coordinator.app import TABLE, create_app
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.errors import Unprocessable
-from kvatlas.keys import pack_kv_rank
+from kvatlas.events import UNKNOWN_OFFSET, CacheEntry, EventBatch, encode_msgpack
+from kvatlas.keys import ObjectKey, pack_kv_rank
 from kvatlas.routing import Access, Call, Reply, Route, RouteTable
 from tests.coordinator.helpers import assert_error, running
 from tests.coordinator.security_support import bearer, raw_request, status_of, write_tokens
@@ -191,3 +193,47 @@ def test_prefix_lookups_filling_their_pool_hold_up_no_blend_match(
         assert post("/directory/blend-lookup", blend).status_code == 200
         held.release.set()
         assert [r.result().status_code for r in lookups] == [200] * threads
+
+
+def _store_body(instance: str, seq: int, tokens: int) -> bytes:
+    """A ``POST /events`` body storing one chunk of ``tokens`` ids (msgpack)."""
+    key = ObjectKey(seq.to_bytes(32, "big"), "m", pack_kv_rank(1, 0, 1, 0))
+    entry = CacheEntry(key, 1, np.arange(tokens, dtype=np.uint32), UNKNOWN_OFFSET)
+    return encode_msgpack([EventBatch(instance, 1, seq, "store", "l1", "dram", entries=(entry,))])
+
+
+def test_a_small_events_body_is_applied_on_the_loop_while_the_directory_is_free(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A node's batch of a chunk (a body up to ``INLINE_BODY_BYTES``) is applied on the event
+    loop, with no hop to the ingest pool; a larger body on the pool; and a small body while a
+    change holds the directory goes to the pool too, so the loop never waits for the lock:
+    /healthz answers meanwhile, and the body is applied once the directory is free."""
+    threads: list[str] = []
+    real = events_ingest.EventsIngest.answer
+
+    def noted(self: events_ingest.EventsIngest, *args: Any) -> bytes:
+        threads.append(threading.current_thread().name)
+        return real(self, *args)
+
+    monkeypatch.setattr(events_ingest.EventsIngest, "answer", noted)
+    headers = {"content-type": "application/msgpack"}
+    small, large = _store_body("node", 1, 16), _store_body("node", 2, 8192)
+    assert len(small) <= events_ingest.INLINE_BODY_BYTES < len(large)
+    with (
+        running(chunk_size=16) as (server, c),
+        httpx.Client(base_url=server.url, timeout=30) as other,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        assert c.post("/events", content=small, headers=headers).status_code == 200
+        assert c.post("/events", content=large, headers=headers).status_code == 200
+        assert not threads[0].startswith("kvatlas-ingest"), threads
+        assert threads[1].startswith("kvatlas-ingest"), threads
+        directory_lock = server.service.directory._lock
+        with directory_lock:  # a change holds the directory
+            reply = pool.submit(c.post, "/events", content=_store_body("node", 3, 16),
+                                headers=headers)  # fmt: skip
+            assert other.get("/healthz").status_code == 200
+            assert not reply.done()
+        assert reply.result().json()["applied"] == 1
+        assert threads[2].startswith("kvatlas-ingest"), threads
