@@ -8,8 +8,10 @@ directory is free. Real HTTP on loopback."""
 from __future__ import annotations
 
 import base64
+import json
 import os
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,6 +25,7 @@ from kvatlas.asgi_thread import ThreadedServer, free_port
 from kvatlas.coordinator import blend_lookup, events_ingest
 from kvatlas.coordinator.app import TABLE, create_app
 from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.routes import directory as directory_routes
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.errors import Unprocessable
 from kvatlas.events import UNKNOWN_OFFSET, CacheEntry, EventBatch, encode_msgpack
@@ -129,6 +132,8 @@ def test_a_long_blend_query_is_matched_off_the_event_loop(
 
 
 KEY = {"chunk_hash_hex": "ab" * 32, "model_name": "m", "kv_rank": pack_kv_rank(1, 0, 1, 0)}
+LONG = {"keys": [{**KEY, "chunk_hash_hex": f"{i:064x}"} for i in range(256)]}
+"""A 64k-token prompt's keys: a body over the lookup's ``INLINE_BODY_BYTES`` (the pool's)."""
 
 
 class HeldLookups:
@@ -151,15 +156,17 @@ class HeldLookups:
 
 
 def test_a_prefix_lookup_is_answered_on_its_pool(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The whole lookup (body, query, directory, reply) runs on one of the lookup pool's
-    threads, as many as the cores: while it runs, /healthz answers on the loop."""
+    """The whole lookup (body, query, directory, reply) of a body over ``INLINE_BODY_BYTES``
+    runs on one of the lookup pool's threads, as many as the cores: while it runs, /healthz
+    answers on the loop."""
+    assert len(json.dumps(LONG, separators=(",", ":"))) > directory_routes.INLINE_BODY_BYTES
     held = HeldLookups(monkeypatch, "/healthz did not answer while a lookup was answered")
     with (
         running() as (server, c),
         httpx.Client(base_url=server.url, timeout=30) as other,
         ThreadPoolExecutor(1) as pool,
     ):
-        reply = pool.submit(c.post, "/directory/lookup", json={"keys": [KEY]})
+        reply = pool.submit(c.post, "/directory/lookup", json=LONG)
         assert held.started.acquire(timeout=30)
         assert other.get("/healthz").status_code == 200
         held.release.set()
@@ -167,6 +174,44 @@ def test_a_prefix_lookup_is_answered_on_its_pool(monkeypatch: pytest.MonkeyPatch
         assert result.status_code == 200, result.text
         assert result.json()["results"][0]["placements"] == []
     assert len(held.threads) == 1 and held.threads[0].startswith("kvatlas-lookup"), held.threads
+
+
+def test_a_short_prefix_lookup_is_answered_on_the_loop_while_the_directory_is_free(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lookup of a few keys (a body up to ``INLINE_BODY_BYTES``) is answered on the event
+    loop, with no hop to the pool; while a change holds the directory it goes to the pool, so
+    the loop never waits for the lock: /healthz answers meanwhile."""
+    threads: list[str] = []
+    real = CoordinatorService.lookup_keys
+
+    def noted(service: CoordinatorService, keys: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(service, keys)
+
+    monkeypatch.setattr(CoordinatorService, "lookup_keys", noted)
+    with (
+        running() as (server, c),
+        httpx.Client(base_url=server.url, timeout=30) as other,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        assert c.post("/directory/lookup", json={"keys": [KEY]}).status_code == 200
+        assert not threads[0].startswith("kvatlas-lookup"), threads
+        with server.service.directory._lock:  # a change holds the directory
+            reply = pool.submit(c.post, "/directory/lookup", json={"keys": [KEY]})
+            assert _arrived(threads, 2)  # (and waits for the lock)
+            assert threads[1].startswith("kvatlas-lookup"), threads
+            assert other.get("/healthz").status_code == 200
+            assert not reply.done()
+        assert reply.result().status_code == 200
+
+
+def _arrived(threads: list[str], n: int) -> bool:
+    """Whether ``threads`` (a patched handler's record) gets its ``n``-th entry in time."""
+    deadline = time.monotonic() + 30
+    while len(threads) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return len(threads) >= n
 
 
 def test_prefix_lookups_filling_their_pool_hold_up_no_blend_match(
@@ -187,7 +232,7 @@ def test_prefix_lookups_filling_their_pool_hold_up_no_blend_match(
             with httpx.Client(base_url=server.url, timeout=60) as client:
                 return client.post(path, json=body)
 
-        lookups = [pool.submit(post, "/directory/lookup", {"keys": [KEY]}) for _ in range(threads)]
+        lookups = [pool.submit(post, "/directory/lookup", LONG) for _ in range(threads)]
         for _ in range(threads):
             assert held.started.acquire(timeout=30)
         assert post("/directory/blend-lookup", blend).status_code == 200
@@ -233,7 +278,8 @@ def test_a_small_events_body_is_applied_on_the_loop_while_the_directory_is_free(
         with directory_lock:  # a change holds the directory
             reply = pool.submit(c.post, "/events", content=_store_body("node", 3, 16),
                                 headers=headers)  # fmt: skip
+            assert _arrived(threads, 3)  # (and waits for the lock)
+            assert threads[2].startswith("kvatlas-ingest"), threads
             assert other.get("/healthz").status_code == 200
             assert not reply.done()
         assert reply.result().json()["applied"] == 1
-        assert threads[2].startswith("kvatlas-ingest"), threads
