@@ -6,6 +6,7 @@ legitimate request, derived from the other limits. Against a real coordinator pr
 from __future__ import annotations
 
 import base64
+import json
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -156,7 +157,8 @@ def test_lookup_body_is_parsed_like_before(tmp_path: Path) -> None:
 def test_lookup_body_is_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     """While a lookup body is being parsed, /healthz answers: the parse holds until it has
     (a parse on the event loop would block /healthz, and the parse would give up after
-    30 s with a failed request)."""
+    30 s with a failed request). Only a body of at most ``INLINE_BODY_BYTES`` (16 KiB: work
+    bounded by its size) is answered on the loop; this one is larger."""
     parsing, answered = threading.Event(), threading.Event()
     real = directory_routes.decode_lookup_body
 
@@ -172,7 +174,8 @@ def test_lookup_body_is_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPatc
         httpx.Client(base_url=server.url, timeout=30) as other,
         ThreadPoolExecutor(1) as pool,
     ):
-        body = {"token_ids": fresh_tokens(2), "model_name": "m"}
+        body = {"token_ids": fresh_tokens(2_000), "model_name": "m"}
+        assert len(json.dumps(body)) > directory_routes.INLINE_BODY_BYTES
         reply = pool.submit(c.post, "/directory/lookup", json=body)
         assert parsing.wait(30)
         assert other.get("/healthz").status_code == 200
