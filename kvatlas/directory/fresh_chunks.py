@@ -85,7 +85,7 @@ def _holds(column: npt.NDArray[np.int64], value: int, n: int) -> bool:
 def _holds_other(column: npt.NDArray[np.int64], value: int, n: int) -> bool:
     """Whether ``column`` (``n`` long) holds anything but ``value``."""
     if n <= _FEW:
-        return column.tolist().count(value) != n
+        return bool(column.tolist().count(value) != n)
     return not bool((column == value).all())
 
 

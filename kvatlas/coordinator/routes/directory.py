@@ -20,7 +20,6 @@ from kvatlas.coordinator.wire import key_page_to_wire, lookup_to_wire, stats_to_
 from kvatlas.directory import KeyFilter
 from kvatlas.routing import JSON, Call, Reply
 
-
 INLINE_BODY_BYTES = 16 * 1024
 """Lookup bodies up to this size (≈100 keys, or ≈2,000 tokens as JSON) are answered on the
 event loop while the directory is free (:meth:`~kvatlas.directory.KeyDirectory.busy`): the
