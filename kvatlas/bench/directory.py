@@ -13,14 +13,10 @@ import gc
 import random
 import statistics
 import tempfile
-import time
 import tracemalloc
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
-
-import numpy as np
 
 from kvatlas.bench.common import (
     BenchRow,
@@ -30,27 +26,21 @@ from kvatlas.bench.common import (
     refuse,
     report,
 )
+from kvatlas.bench.directory_bodies import body_rows, small_batches_rows
+from kvatlas.bench.directory_workload import (
+    BATCH,
+    CHUNK,
+    NaiveDirectory,
+    consume_all,
+    median_time,
+    workload,
+)
 from kvatlas.bench.restore_probe import restore_in_fresh_process
 from kvatlas.bench.snapshot_stall import snapshot_stall_row
 from kvatlas.directory import KeyDirectory, warm_up_kernels
-from kvatlas.events import (
-    CacheEntry,
-    ColumnBatch,
-    EventBatch,
-    decode_json,
-    decode_json_columns,
-    decode_msgpack,
-    decode_msgpack_columns,
-    encode_json,
-    encode_msgpack,
-)
-from kvatlas.keys import ObjectKey, pack_kv_rank
-from kvatlas.workloads import LLAMA2, LLAMA3, Vocabulary, random_token_ids
+from kvatlas.workloads import LLAMA2, LLAMA3, Vocabulary
 
-CHUNK = 256
-BATCH = 256
 PROMPT_KEYS = 128  # a 32k-token prompt's chunks
-SMALL_BATCHES = (1, 8)  # a node's single store; a vLLM step's chunks
 CONSUME_RATE, CHUNK_BYTES = 1_000_000, 900
 """quality.md's directory targets: consume (blend on) entries/s, bytes a chunk keeps."""
 _T = TypeVar("_T")
@@ -75,94 +65,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _workload(
-    n: int, seed: int, instance: str = "node-0", vocab: Vocabulary = LLAMA3, batch: int = BATCH
-) -> list[EventBatch]:
-    """``n`` token-bearing L1 store entries (one rank, distinct 256-token chunks, ids from
-    ``vocab``) in batches of ``batch``."""
-    rng = np.random.default_rng(seed)
-    rank = pack_kv_rank(1, 0, 1, 0)
-    batches = []
-    for b, start in enumerate(range(0, n, batch)):
-        count = min(batch, n - start)
-        tokens = random_token_ids(rng, (count, CHUNK), vocab)
-        hashes = rng.bytes(32 * count)
-        entries = []
-        for i in range(count):
-            arr = tokens[i].copy()  # decoded bodies give each content its own array
-            arr.flags.writeable = False
-            h = hashes[32 * i : 32 * i + 32]
-            entries.append(CacheEntry(ObjectKey(h, "model", rank), 65536, arr, (start + i) * CHUNK))
-        batches.append(
-            EventBatch(instance, 1, b + 1, "store", "l1", "dram", False, 0.0, tuple(entries))
-        )
-    return batches
-
-
-class NaiveDirectory:
-    """The reference's design: per-entry dict-of-dicts placements, tuple-of-ints token
-    bindings, a dict-of-sets per-namespace claim map and a content-keyed dict index."""
-
-    def __init__(self, blend: bool = True) -> None:
-        self.blend = blend
-        self.cursors: dict[str, tuple[int, int]] = {}
-        self.placements: dict[ObjectKey, dict[tuple[str, str, str], dict[str, Any]]] = {}
-        self.bindings: dict[bytes, dict[str, Any]] = {}
-        self.index: dict[tuple[int, ...], dict[bytes, int]] = {}
-
-    def consume(self, batch: EventBatch) -> None:
-        cur = self.cursors.get(batch.instance_id)
-        if cur is not None and (batch.incarnation, batch.seq) <= cur:
-            return
-        self.cursors[batch.instance_id] = (batch.incarnation, batch.seq)
-        for e in batch.entries:
-            ident = (batch.instance_id, batch.tier, batch.backend)
-            self.placements.setdefault(e.key, {})[ident] = {
-                "instance_id": batch.instance_id,
-                "incarnation": batch.incarnation,
-                "tier": batch.tier,
-                "backend": batch.backend,
-                "size": e.size_bytes,
-                "shared": batch.shared,
-                "ts": batch.ts,
-            }
-            if e.token_ids is not None:
-                tokens = tuple(e.token_ids.tolist())
-                ns = (e.key.model_name, e.key.cache_salt, e.key.world_size)
-                binding = self.bindings.setdefault(
-                    e.key.chunk_hash, {"tokens": tokens, "offset": e.token_offset, "keys": {}}
-                )
-                binding["keys"].setdefault(ns, set()).add(e.key)
-                if self.blend and e.token_offset >= 0 and len(tokens) == CHUNK:
-                    self.index.setdefault(tokens, {})[e.key.chunk_hash] = e.token_offset
-
-    def lookup(self, keys: list[ObjectKey]) -> list[tuple[ObjectKey, list[Any], Any]]:
-        """Each key's placements and its chunk's bound token ids (``None``: none)."""
-        out = []
-        for k in keys:
-            held = self.placements.get(k)
-            binding = self.bindings.get(k.chunk_hash) if held else None
-            out.append(
-                (k, [] if held is None else list(held.values()), binding and binding["tokens"])
-            )
-        return out
-
-
-def _median_time(fn: Callable[[], object], repeats: int) -> float:
-    samples = []
-    for _ in range(repeats):
-        gc.collect()
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
-def _consume_all(target: Any, batches: list[EventBatch]) -> None:
-    for b in batches:
-        target.consume(b)
-
-
 def _memory_per_chunk(
     make: Callable[[], Any], n: int, seed: int, vocab: Vocabulary = LLAMA3
 ) -> float:
@@ -178,14 +80,14 @@ def _retained(
     a process allocates once (lazy imports, kernels compiled or loaded on first use) is not
     the target's."""
     warm_up_kernels()
-    _consume_all(make(), _workload(2 * BATCH, seed + 1, vocab=vocab))
+    consume_all(make(), workload(2 * BATCH, seed + 1, vocab=vocab))
     gc.collect()
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
         target = make()
-        batches = _workload(n, seed, vocab=vocab)
-        _consume_all(target, batches)
+        batches = workload(n, seed, vocab=vocab)
+        consume_all(target, batches)
         del batches
         gc.collect()
         used = tracemalloc.get_traced_memory()[0] - base
@@ -213,49 +115,6 @@ def memory_row(n: int, seed: int, vocab: Vocabulary = LLAMA3) -> BenchRow:
         met=on <= CHUNK_BYTES and index <= 128,
         shown=f"{on:,.0f} B/chunk",
     )
-
-
-def _apply_bodies(bodies: list[bytes], decode: Callable[[bytes], list[ColumnBatch]]) -> None:
-    d = KeyDirectory(CHUNK, enable_blend_lookup=True)
-    for body in bodies:
-        d.apply_columns(decode(body))
-
-
-def _consume_bodies(bodies: list[bytes], decode: Callable[[bytes], list[EventBatch]]) -> None:
-    d = KeyDirectory(CHUNK, enable_blend_lookup=True)
-    for body in bodies:
-        _consume_all(d, decode(body))
-
-
-def _body_rows(n: int, seed: int, repeats: int) -> list[BenchRow]:
-    """Wire bodies (4 batches of 256 entries each, what ``POST /events`` gets) decoded into
-    columns and applied with ``apply_columns``, against the per-entry path: decoded into
-    objects and applied batch by batch with ``consume``. Same bodies, same directory after."""
-    batches = _workload(n, seed)
-    rows = []
-    for fmt, encode, per_entry, columnar in (  # Llama 3 vocabulary (_workload's default)
-        ("JSON", encode_json, decode_json, decode_json_columns),
-        ("msgpack", encode_msgpack, decode_msgpack, decode_msgpack_columns),
-    ):
-        bodies = [encode(batches[i : i + 4]) for i in range(0, len(batches), 4)]
-        ours = partial(_apply_bodies, bodies, columnar)
-        reference = partial(_consume_bodies, bodies, per_entry)
-        ours_s = _median_time(ours, repeats)
-        ref_s = _median_time(reference, repeats)
-        rows.append(
-            BenchRow(
-                f"decode + apply {n:,} entries in {fmt} bodies, blend on: columns ({LLAMA3.label})",
-                ours_s,
-                ref_s,
-                "",
-                {
-                    "entries/s": f"{n / ours_s:,.0f}",
-                    "µs/entry": f"{ours_s / n * 1e6:.2f}",
-                    "reference": "per-entry decode + consume",
-                },
-            )
-        )
-    return rows
 
 
 def run(args: argparse.Namespace) -> int:
@@ -292,24 +151,24 @@ def _consume_rows(n: int, memory_chunks: int, seed: int, repeats: int) -> list[B
     """Consume rate and memory against the naive directory; decode + apply of wire bodies;
     then the consume and memory rows again with ids that fit 16 bits (the kinder case)."""
     rows: list[BenchRow] = []
-    batches = _workload(n, seed)
+    batches = workload(n, seed)
 
     def ours() -> None:
-        _consume_all(KeyDirectory(CHUNK, enable_blend_lookup=True), batches)
+        consume_all(KeyDirectory(CHUNK, enable_blend_lookup=True), batches)
 
     def naive() -> None:
-        _consume_all(NaiveDirectory(), batches)
+        consume_all(NaiveDirectory(), batches)
 
     def naive_no_blend() -> None:
-        _consume_all(NaiveDirectory(blend=False), batches)
+        consume_all(NaiveDirectory(blend=False), batches)
 
     def ours_no_blend() -> None:
-        _consume_all(KeyDirectory(CHUNK), batches)
+        consume_all(KeyDirectory(CHUNK), batches)
 
-    ours_s = _median_time(ours, repeats)
-    naive_s = _median_time(naive, repeats)
-    plain_s = _median_time(ours_no_blend, repeats)
-    naive_plain_s = _median_time(naive_no_blend, repeats)
+    ours_s = median_time(ours, repeats)
+    naive_s = median_time(naive, repeats)
+    plain_s = median_time(ours_no_blend, repeats)
+    naive_plain_s = median_time(naive_no_blend, repeats)
     batches = []  # free the inputs before the memory pass
     mem_n = min(n, 50_000)
     ours_mem = _memory_per_chunk(lambda: KeyDirectory(CHUNK, enable_blend_lookup=True), mem_n, 1)
@@ -340,13 +199,9 @@ def _consume_rows(n: int, memory_chunks: int, seed: int, repeats: int) -> list[B
             {"entries/s": f"{n / plain_s:,.0f}", "reference": "naive without its content index"},
         )
     )
-    rows += _body_rows(min(n, 50_000), seed, repeats)
+    rows += body_rows(min(n, 50_000), seed, repeats)
     rows.append(_lookup_row(min(n, 100_000), seed, repeats))
-    rows += [
-        _small_batches_row(fmt, size, min(n, 50_000), seed, repeats)
-        for fmt in _SMALL_BODY_CODECS
-        for size in SMALL_BATCHES
-    ]
+    rows += small_batches_rows(min(n, 50_000), seed, repeats)
     rows.append(_kinder_consume_row(n, seed, repeats))
     rows.append(memory_row(memory_chunks, 1, LLAMA2))
     return rows
@@ -358,10 +213,10 @@ def _lookup_row(n: int, seed: int, repeats: int) -> BenchRow:
     ids, against the naive directory's lookup of the same keys. Every chunk is in one prompt,
     each prompt looked up once a pass (in an order of their own): a pass reads the whole
     directory, not a few prompts left in the cache by the ones before."""
-    batches = _workload(n, seed)
+    batches = workload(n, seed)
     ours, naive = KeyDirectory(CHUNK, enable_blend_lookup=True), NaiveDirectory()
-    _consume_all(ours, batches)
-    _consume_all(naive, batches)
+    consume_all(ours, batches)
+    consume_all(naive, batches)
     keys = [e.key for b in batches for e in b.entries]
     prompts = [keys[i : i + PROMPT_KEYS] for i in range(0, len(keys), PROMPT_KEYS)]
     random.Random(seed).shuffle(prompts)
@@ -372,7 +227,7 @@ def _lookup_row(n: int, seed: int, repeats: int) -> BenchRow:
             for keys in prompts:
                 target.lookup(keys)
 
-        return _median_time(lookups, repeats) / len(prompts)
+        return median_time(lookups, repeats) / len(prompts)
 
     ours_s, naive_s = time_lookups(ours), time_lookups(naive)
     return BenchRow(
@@ -384,60 +239,14 @@ def _lookup_row(n: int, seed: int, repeats: int) -> BenchRow:
     )
 
 
-_SMALL_BODY_CODECS = {
-    "JSON": (encode_json, decode_json, decode_json_columns),
-    "msgpack": (encode_msgpack, decode_msgpack, decode_msgpack_columns),
-}
-
-
-def _small_batches_row(fmt: str, size: int, n: int, seed: int, repeats: int) -> BenchRow:
-    """Store batches of ``size`` new chunks, each its own ``fmt`` body (a node reports a chunk
-    at a time, in msgpack; LMCache's workers in JSON; a vLLM step's KV events make a few chunks
-    a batch), decoded into columns and applied into a directory already holding ``n`` chunks
-    (filled untimed, afresh each pass): the time a body, against the naive directory's decode
-    into objects and consume. What a batch costs beyond its entries shows here, not at 256 a
-    batch."""
-    encode, per_entry, columnar = _SMALL_BODY_CODECS[fmt]
-    base = _workload(n, seed)
-    bodies = [
-        encode([b]) for b in _workload(min(n, 20_000), seed + 2, instance="node-1", batch=size)
-    ]
-
-    def time_bodies(target: Any, apply: Callable[[Any, bytes], object]) -> float:
-        _consume_all(target, base)
-        gc.collect()
-        start = time.perf_counter()
-        for body in bodies:
-            apply(target, body)
-        return (time.perf_counter() - start) / len(bodies)
-
-    def ours() -> float:
-        directory = KeyDirectory(CHUNK, enable_blend_lookup=True)
-        return time_bodies(directory, lambda d, body: d.apply_columns(columnar(body)))
-
-    def naive() -> float:
-        return time_bodies(NaiveDirectory(), lambda d, body: _consume_all(d, per_entry(body)))
-
-    ours_s = statistics.median(ours() for _ in range(repeats))
-    naive_s = statistics.median(naive() for _ in range(repeats))
-    return BenchRow(
-        f"decode + apply {fmt} bodies of {size} new chunk{'s' * (size > 1)} "
-        f"({n:,} held, blend on; {LLAMA3.label}), a body",
-        ours_s,
-        naive_s,
-        "",
-        {"µs/entry": f"{ours_s / size * 1e6:.2f}", "bodies": f"{len(bodies):,}"},
-    )
-
-
 def _kinder_consume_row(n: int, seed: int, repeats: int) -> BenchRow:
     """The consume row with ids that fit 16 bits (Llama 2's vocabulary): the second row."""
-    batches = _workload(n, seed, vocab=LLAMA2)
+    batches = workload(n, seed, vocab=LLAMA2)
 
     def ours() -> None:
-        _consume_all(KeyDirectory(CHUNK, enable_blend_lookup=True), batches)
+        consume_all(KeyDirectory(CHUNK, enable_blend_lookup=True), batches)
 
-    ours_s = _median_time(ours, repeats)
+    ours_s = median_time(ours, repeats)
     batches.clear()  # free the inputs before the memory pass
     mem = _memory_per_chunk(
         lambda: KeyDirectory(CHUNK, enable_blend_lookup=True), min(n, 50_000), 1, LLAMA2
@@ -457,11 +266,11 @@ def _snapshot_rows(snap_keys: int, seed: int, repeats: int) -> list[BenchRow]:
     progress("directory", f"building {snap_keys:,} keys")
     # blend on, as a coordinator's: the snapshot saves the contents' fingerprints
     directory = KeyDirectory(CHUNK, enable_blend_lookup=True)
-    _consume_all(directory, _workload(snap_keys, seed + 1))
+    consume_all(directory, workload(snap_keys, seed + 1))
     gc.collect()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "directory.snap"
-        (probe,) = _workload(8, seed, instance="probe")
+        (probe,) = workload(8, seed, instance="probe")
         row = snapshot_stall_row(directory, snap_keys, path, probe.entries, repeats)
         rows.append(finished("directory", row))
         saved = directory.key_count  # (with the stall probe's keys)
