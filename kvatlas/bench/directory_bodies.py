@@ -34,6 +34,11 @@ from kvatlas.events import (
 from kvatlas.workloads import LLAMA3
 
 SMALL_BATCHES = (1, 8)  # a node's single store; a vLLM step's chunks
+CODECS = {
+    "JSON": (encode_json, decode_json, decode_json_columns),
+    "msgpack": (encode_msgpack, decode_msgpack, decode_msgpack_columns),
+}
+"""Each wire format's encoder, per-entry decoder (the reference's) and columnar decoder."""
 
 
 def _apply_bodies(bodies: list[bytes], decode: Callable[[bytes], list[ColumnBatch]]) -> None:
@@ -54,10 +59,7 @@ def body_rows(n: int, seed: int, repeats: int) -> list[BenchRow]:
     objects and applied batch by batch with ``consume``. Same bodies, same directory after."""
     batches = workload(n, seed)
     rows = []
-    for fmt, encode, per_entry, columnar in (  # Llama 3 vocabulary (_workload's default)
-        ("JSON", encode_json, decode_json, decode_json_columns),
-        ("msgpack", encode_msgpack, decode_msgpack, decode_msgpack_columns),
-    ):
+    for fmt, (encode, per_entry, columnar) in CODECS.items():  # Llama 3 ids (the default)
         bodies = [encode(batches[i : i + 4]) for i in range(0, len(batches), 4)]
         ours = partial(_apply_bodies, bodies, columnar)
         reference = partial(_consume_bodies, bodies, per_entry)
@@ -79,12 +81,6 @@ def body_rows(n: int, seed: int, repeats: int) -> list[BenchRow]:
     return rows
 
 
-_SMALL_BODY_CODECS = {
-    "JSON": (encode_json, decode_json, decode_json_columns),
-    "msgpack": (encode_msgpack, decode_msgpack, decode_msgpack_columns),
-}
-
-
 def small_batches_row(fmt: str, size: int, n: int, seed: int, repeats: int) -> BenchRow:
     """Store batches of ``size`` new chunks, each its own ``fmt`` body (a node reports a chunk
     at a time, in msgpack; LMCache's workers in JSON; a vLLM step's KV events make a few chunks
@@ -92,7 +88,7 @@ def small_batches_row(fmt: str, size: int, n: int, seed: int, repeats: int) -> B
     (filled untimed, afresh each pass): the time a body, against the naive directory's decode
     into objects and consume. What a batch costs beyond its entries shows here, not at 256 a
     batch."""
-    encode, per_entry, columnar = _SMALL_BODY_CODECS[fmt]
+    encode, per_entry, columnar = CODECS[fmt]
     base = workload(n, seed)
     bodies = [
         encode([b]) for b in workload(min(n, 20_000), seed + 2, instance="node-1", batch=size)
@@ -128,7 +124,5 @@ def small_batches_row(fmt: str, size: int, n: int, seed: int, repeats: int) -> B
 def small_batches_rows(n: int, seed: int, repeats: int) -> list[BenchRow]:
     """:func:`small_batches_row` for each format and each of :data:`SMALL_BATCHES`."""
     return [
-        small_batches_row(fmt, size, n, seed, repeats)
-        for fmt in _SMALL_BODY_CODECS
-        for size in SMALL_BATCHES
+        small_batches_row(fmt, size, n, seed, repeats) for fmt in CODECS for size in SMALL_BATCHES
     ]
