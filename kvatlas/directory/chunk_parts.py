@@ -48,6 +48,9 @@ from kvatlas.directory.records import (
 from kvatlas.directory.token_store import StoredTokens
 
 _WIDTH: Final = 4  # references per row
+_FIELDS: Final = range(_WIDTH)
+_LISTED_ROWS: Final = 16
+"""Rows up to this many are addressed by a list (:func:`copy_rows`), more by numpy."""
 _FLAGS: Final = (False, True)
 _EMPTY_ROW: Final = (None, 0, None, ())
 
@@ -191,12 +194,15 @@ def copy_rows(objs: list[Any], offsets: array[int], rows: list[int]) -> RowsCopy
     """The fields at ``rows`` of columns ``objs`` and ``offsets`` (two C-level gathers)."""
     if not rows:
         return RowsCopy((), ())
+    if len(rows) <= _LISTED_ROWS:  # a short lookup's: numpy's fixed cost would be most of it
+        at = [r + k for r in map(_WIDTH.__mul__, rows) for k in _FIELDS]
+        return RowsCopy(_gather(objs, at), _gather(offsets, rows))
     first = np.array(rows, np.int64) * _WIDTH
-    at = np.empty(_WIDTH * len(rows), np.int64)
-    for k in range(_WIDTH):  # one item a row: numpy releases the GIL from 500 items on, which
+    ats = np.empty(_WIDTH * len(rows), np.int64)
+    for k in _FIELDS:  # one item a row: numpy releases the GIL from 500 items on, which
         # a 2-D broadcast of the fields reached at 125 rows (a long prompt's lookup)
-        at[k::_WIDTH] = first + k
-    return RowsCopy(_gather(objs, at.tolist()), _gather(offsets, rows))
+        ats[k::_WIDTH] = first + k
+    return RowsCopy(_gather(objs, ats.tolist()), _gather(offsets, rows))
 
 
 def copied_records(copy: RowsCopy) -> list[Record]:

@@ -129,8 +129,9 @@ def widened_many(contents: Sequence[StoredTokens | None]) -> list[TokenArray | N
     addrs = payload_addresses(present)
     _widen_rows(addrs, counts, forms, starts, out)
     out.flags.writeable = False
-    if counts.min() == counts.max():  # one length (a lookup's chunks): rows of one 2-D view
-        views = iter(out.reshape(len(present), int(counts[0])))
+    lengths = counts.tolist()  # (a list: two numpy reductions cost more for a short lookup)
+    if lengths.count(lengths[0]) == len(lengths):  # one length (a lookup's chunks): rows of
+        views = iter(out.reshape(len(present), lengths[0]))  # one 2-D view
     else:
         views = map(out.__getitem__, map(slice, starts.tolist(), ends.tolist()))
     if len(present) == len(contents):

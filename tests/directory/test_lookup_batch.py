@@ -95,6 +95,9 @@ def test_a_batch_lookup_answers_what_each_key_read_alone_answers(short: bool) ->
     _same(d.lookup(keys), want)
     _same(d.lookup(keys[::-1]), want[::-1])
     _same(d.lookup([]), [])
+    for size in (1, 7, 16, 17):  # short lookups (rows addressed by a list up to 16) and longer
+        for at in range(0, len(keys), 41 * size):
+            _same(d.lookup(keys[at : at + size]), want[at : at + size])
     hashes = [_hash(i) for i in range(70)]
     for salt in ("", "t", "nobody"):
         expected = [
