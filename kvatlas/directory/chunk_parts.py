@@ -18,8 +18,7 @@ rest as whole columns (:func:`add_fresh`). One more column follows from each row
 by every write: which instances own an L1 placement (:mod:`~kvatlas.directory.l1_owners`, what
 fencing visits).
 
-The record's layout is :mod:`~kvatlas.directory.records`' own: records are split and joined
-by its functions (:func:`~kvatlas.directory.records.split_record` and the column forms).
+Records are split and joined by :mod:`~kvatlas.directory.records`' functions (its layout).
 """
 
 from __future__ import annotations
@@ -48,9 +47,7 @@ from kvatlas.directory.records import (
 from kvatlas.directory.token_store import StoredTokens
 
 _WIDTH: Final = 4  # references per row
-_FIELDS: Final = range(_WIDTH)
-_LISTED_ROWS: Final = 16
-"""Rows up to this many are addressed by a list (:func:`copy_rows`), more by numpy."""
+_LISTED_ROWS: Final = 16  # rows up to this many are addressed by a list (copy_rows)
 _FLAGS: Final = (False, True)
 _EMPTY_ROW: Final = (None, 0, None, ())
 
@@ -173,8 +170,7 @@ def known(tokens: Sequence[StoredTokens | None]) -> int:
 
 
 class RowsCopy(NamedTuple):
-    """Some rows' fields, copied: ``refs`` the rows' references (``_WIDTH`` each, in order),
-    ``offsets`` their offsets."""
+    """Some rows' fields, copied: their references (``_WIDTH`` a row, in order), offsets."""
 
     refs: tuple[Any, ...]
     offsets: tuple[int, ...]
@@ -194,15 +190,14 @@ def copy_rows(objs: list[Any], offsets: array[int], rows: list[int]) -> RowsCopy
     """The fields at ``rows`` of columns ``objs`` and ``offsets`` (two C-level gathers)."""
     if not rows:
         return RowsCopy((), ())
-    if len(rows) <= _LISTED_ROWS:  # a short lookup's: numpy's fixed cost would be most of it
-        at = [r + k for r in map(_WIDTH.__mul__, rows) for k in _FIELDS]
-        return RowsCopy(_gather(objs, at), _gather(offsets, rows))
-    first = np.array(rows, np.int64) * _WIDTH
-    ats = np.empty(_WIDTH * len(rows), np.int64)
-    for k in _FIELDS:  # one item a row: numpy releases the GIL from 500 items on, which
-        # a 2-D broadcast of the fields reached at 125 rows (a long prompt's lookup)
-        ats[k::_WIDTH] = first + k
-    return RowsCopy(_gather(objs, ats.tolist()), _gather(offsets, rows))
+    if len(rows) <= _LISTED_ROWS:  # a short lookup's (numpy's fixed cost: most of it)
+        at = [r + k for r in map(_WIDTH.__mul__, rows) for k in range(_WIDTH)]
+    else:  # one item a row: numpy releases the GIL from 500 items on, which a 2-D
+        first, ats = np.array(rows, np.int64) * _WIDTH, np.empty(_WIDTH * len(rows), np.int64)
+        for k in range(_WIDTH):  # broadcast of the fields reached at 125 rows (a long prompt)
+            ats[k::_WIDTH] = first + k
+        at = ats.tolist()
+    return RowsCopy(_gather(objs, at), _gather(offsets, rows))
 
 
 def copied_records(copy: RowsCopy) -> list[Record]:
@@ -411,8 +406,7 @@ def rows_of(parts: Sequence[ChunkPart], hashes: Iterable[bytes]) -> list[int | N
 
 
 def remove_chunks(parts: Sequence[ChunkPart], hashes: list[bytes], rows: list[int]) -> None:
-    """``del parts[h[0]][h]`` of each chunk of ``hashes`` (held at ``rows``), the rows
-    cleared in bulk."""
+    """``del parts[h[0]][h]`` of each of ``hashes`` (held at ``rows``), rows cleared in bulk."""
     for h in hashes:
         del parts[h[0]].row[h]
     parts[0].cols.clear_rows(rows)
