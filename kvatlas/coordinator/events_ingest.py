@@ -1,7 +1,8 @@
 """``POST /events`` from body bytes to reply bytes (:class:`EventsIngest`, the route's
 handler). The body is decoded into columns and applied in one directory call: on the event
-loop for a small body while the directory is free (:data:`INLINE_BODY_BYTES`), else on one
-worker thread (one hop off the event loop for the whole request). See docs/coordinator.md.
+loop for a small body while the directory is free (``CoordinatorService.answers_on_loop``),
+else on one worker thread (one hop off the event loop for the whole request). See
+docs/coordinator.md.
 
 Order of the checks (each refuses the whole body; nothing is applied): the ``emit`` role
 (before the body is read: :mod:`kvatlas.dispatch`), the body (422
@@ -24,14 +25,6 @@ from kvatlas.routing import Call, Reply
 from kvatlas.web import json_encoder
 
 JSON_TYPE = "application/json"
-INLINE_BODY_BYTES = 16 * 1024
-"""Bodies up to this size (a node's batch of a chunk or a few: ≈1.1 KB a 256-token chunk in
-msgpack, ≈1.9 KB in JSON) are answered on the event loop when the directory is free (no
-change holds its lock: :meth:`~kvatlas.directory.KeyDirectory.busy`). The hop to a pool thread
-and back (a futex wake, the loop's wake-up, both threads' caches gone cold) cost 2–3× the
-work itself (≈50–70 µs in process), which stays far inside the GIL switch interval that a
-pool thread's Python may hold the loop for anyway (``runtime``). Larger bodies, and any body
-while the directory is busy, go to the pool: the loop never waits out a large apply."""
 
 
 class EventsIngest:
@@ -43,10 +36,10 @@ class EventsIngest:
 
     async def handle(self, call: Call[None, None]) -> Reply:
         """The route's handler: the ingest counts, answered on the event loop for a small
-        body while the directory is free (:data:`INLINE_BODY_BYTES`), else on the pool."""
+        body while the directory is free (``answers_on_loop``), else on the pool."""
         content_type = call.header(b"content-type") or JSON_TYPE
         raw = call.raw
-        if len(raw) <= INLINE_BODY_BYTES and not self.service.directory.busy():
+        if self.service.answers_on_loop(raw):
             return Reply(self.answer(raw, content_type, call.who))
         loop = asyncio.get_running_loop()
         reply = await loop.run_in_executor(self.pool, self.answer, raw, content_type, call.who)

@@ -68,6 +68,12 @@ if TYPE_CHECKING:  # redis is imported only on the Redis transport
 
 log = logging.getLogger(__name__)
 
+INLINE_BODY_BYTES = 16 * 1024
+"""A ``POST /events`` or prefix-lookup body up to this size (a node's batch of a chunk or a few,
+≈100 keys) is answered on the event loop while no change holds the directory: the hop to a
+pool and back cost more server CPU than such a request's work (docs/performance.md, "Small
+store batches"). Larger ones, and any while the directory is busy, go to their pool."""
+
 
 def shared_store(config: CoordinatorConfig) -> SharedStore | None:
     """With the Redis transport, the store every replica keeps pins, quotas and commands in
@@ -249,6 +255,11 @@ class CoordinatorService:
 
     def _set_stream_position(self, position: str) -> None:
         self.stream_position = position
+
+    def answers_on_loop(self, body: bytes) -> bool:
+        """Whether a request of ``body`` is answered on the event loop: small and the
+        directory free (:data:`INLINE_BODY_BYTES`)."""
+        return len(body) <= INLINE_BODY_BYTES and not self.directory.busy()
 
     # ------------------------------------------------------------------ ingestion
 

@@ -18,7 +18,6 @@ from itertools import compress
 from operator import itemgetter
 
 import numpy as np
-import numpy.typing as npt
 
 from kvatlas.directory.blend import AddColumns
 from kvatlas.directory.chunk_parts import ChunkPart, add_fresh
@@ -45,7 +44,7 @@ def store_fresh(
     bytes stored and the entries whose chunk is indexed (``indexing``: blend is on; offset
     known), or ``None``, having changed nothing."""
     hashes, n = cols.chunk_hashes, len(cols)
-    if sids.count(sids[0]) != n or _holds_other(cols.token_lengths, chunk_size, n):
+    if sids.count(sids[0]) != n or cols.token_lengths.tolist().count(chunk_size) != n:
         return None
     if len(set(hashes)) != n:
         return None
@@ -60,7 +59,7 @@ def store_fresh(
     }
     # (one placement row, every offset known: the usual batch, without a lookup per entry)
     placements = [*rows.values()] * n if len(rows) == 1 else list(map(rows.__getitem__, sizes))
-    every = indexing and not _holds(cols.token_offsets, UNKNOWN_OFFSET, n)
+    every = indexing and UNKNOWN_OFFSET not in offsets
     if every:
         indexed = [True] * n
     else:
@@ -70,23 +69,6 @@ def store_fresh(
     if not add_fresh(parts_of, hashes, stored, cols.token_offsets, indexed, sids[0], placements):
         return None
     return sum(sizes), list(range(n)) if every else list(compress(range(n), indexed))
-
-
-_FEW = 16
-"""Columns of at most this many entries are searched as lists: a numpy comparison and
-reduction costs ≈1.5 µs however short the column (a node's batch is a chunk or a few)."""
-
-
-def _holds(column: npt.NDArray[np.int64], value: int, n: int) -> bool:
-    """Whether ``value`` is in ``column`` (``n`` long)."""
-    return value in column.tolist() if n <= _FEW else bool((column == value).any())
-
-
-def _holds_other(column: npt.NDArray[np.int64], value: int, n: int) -> bool:
-    """Whether ``column`` (``n`` long) holds anything but ``value``."""
-    if n <= _FEW:
-        return bool(column.tolist().count(value) != n)
-    return not bool((column == value).all())
 
 
 def store_adds(

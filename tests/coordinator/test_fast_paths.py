@@ -23,9 +23,9 @@ import pytest
 
 from kvatlas.asgi_thread import ThreadedServer, free_port
 from kvatlas.coordinator import blend_lookup, events_ingest
+from kvatlas.coordinator import service as service_module
 from kvatlas.coordinator.app import TABLE, create_app
 from kvatlas.coordinator.config import CoordinatorConfig
-from kvatlas.coordinator.routes import directory as directory_routes
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.errors import Unprocessable
 from kvatlas.events import UNKNOWN_OFFSET, CacheEntry, EventBatch, encode_msgpack
@@ -159,7 +159,7 @@ def test_a_prefix_lookup_is_answered_on_its_pool(monkeypatch: pytest.MonkeyPatch
     """The whole lookup (body, query, directory, reply) of a body over ``INLINE_BODY_BYTES``
     runs on one of the lookup pool's threads, as many as the cores: while it runs, /healthz
     answers on the loop."""
-    assert len(json.dumps(LONG, separators=(",", ":"))) > directory_routes.INLINE_BODY_BYTES
+    assert len(json.dumps(LONG, separators=(",", ":"))) > service_module.INLINE_BODY_BYTES
     held = HeldLookups(monkeypatch, "/healthz did not answer while a lookup was answered")
     with (
         running() as (server, c),
@@ -264,7 +264,7 @@ def test_a_small_events_body_is_applied_on_the_loop_while_the_directory_is_free(
     monkeypatch.setattr(events_ingest.EventsIngest, "answer", noted)
     headers = {"content-type": "application/msgpack"}
     small, large = _store_body("node", 1, 16), _store_body("node", 2, 8192)
-    assert len(small) <= events_ingest.INLINE_BODY_BYTES < len(large)
+    assert len(small) <= service_module.INLINE_BODY_BYTES < len(large)
     with (
         running(chunk_size=16) as (server, c),
         httpx.Client(base_url=server.url, timeout=30) as other,

@@ -17,6 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
+from kvatlas.coordinator import service as service_module
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.routes import directory as directory_routes
 from kvatlas.coordinator.server import free_port
@@ -175,7 +176,7 @@ def test_lookup_body_is_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPatc
         ThreadPoolExecutor(1) as pool,
     ):
         body = {"token_ids": fresh_tokens(2_000), "model_name": "m"}
-        assert len(json.dumps(body)) > directory_routes.INLINE_BODY_BYTES
+        assert len(json.dumps(body)) > service_module.INLINE_BODY_BYTES
         reply = pool.submit(c.post, "/directory/lookup", json=body)
         assert parsing.wait(30)
         assert other.get("/healthz").status_code == 200

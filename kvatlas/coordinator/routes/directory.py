@@ -20,23 +20,17 @@ from kvatlas.coordinator.wire import key_page_to_wire, lookup_to_wire, stats_to_
 from kvatlas.directory import KeyFilter
 from kvatlas.routing import JSON, Call, Reply
 
-INLINE_BODY_BYTES = 16 * 1024
-"""Lookup bodies up to this size (≈100 keys, or ≈2,000 tokens as JSON) are answered on the
-event loop while the directory is free (:meth:`~kvatlas.directory.KeyDirectory.busy`): the
-hop to the pool and back costs more server CPU than such a lookup (a 1-key lookup 402 → 288 µs
-a request; docs/performance.md, "Small store batches")."""
-
 
 async def lookup(ctx: Context, call: Call[None, None]) -> Reply:
     started = time.perf_counter()
-    # A body may be tens of MB (its route's limit): one over INLINE_BODY_BYTES, or any while
-    # a change holds the directory, is parsed on the lookup pool, never on the event loop,
-    # and sized up from its bytes before a token is decoded; the reply (a 32k-token prompt's
-    # is ≈0.25 MB of JSON) is built and encoded there too, in one hop. A pool as large as the
-    # cores, not a thread per request: with eight lookups in flight, 15% less CPU a lookup
-    # than eight threads taking turns at the GIL and the directory lock (docs/performance.md,
-    # "Prefix lookups").
-    if len(call.raw) <= INLINE_BODY_BYTES and not ctx.service.directory.busy():
+    # A body may be tens of MB (its route's limit): one not answered on the loop (over
+    # service.INLINE_BODY_BYTES, or any while a change holds the directory) is parsed on the
+    # lookup pool, never on the event loop, and sized up from its bytes before a token is
+    # decoded; the reply (a 32k-token prompt's is ≈0.25 MB of JSON) is built and encoded
+    # there too, in one hop. A pool as large as the cores, not a thread per request: with
+    # eight lookups in flight, 15% less CPU a lookup than eight threads taking turns at the
+    # GIL and the directory lock (docs/performance.md, "Prefix lookups").
+    if ctx.service.answers_on_loop(call.raw):
         form, reply = _lookup(ctx.service, call)
     else:
         loop = asyncio.get_running_loop()
