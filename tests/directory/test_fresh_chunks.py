@@ -117,7 +117,7 @@ def test_a_batch_of_new_chunks_takes_the_bulk_path(monkeypatch: pytest.MonkeyPat
     assert taken == [True, False]
 
 
-@pytest.mark.parametrize("n", [3, 20])  # (a column of at most 16 entries is read as a list)
+@pytest.mark.parametrize("n", [3, 20])  # a node's few entries and more
 @pytest.mark.parametrize("odd", [None, "unknown offset", "short content"])
 def test_the_bulk_checks_read_short_and_long_batches_alike(n: int, odd: str | None) -> None:
     """Whether every content is a whole chunk and every offset known (which decide the bulk
