@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, quote
 
@@ -29,7 +30,7 @@ from starlette.types import Receive, Scope, Send
 from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
 from kvatlas.errors import KvatlasError, NotFound
 from kvatlas.fields import decode_body, field_error, field_errors
-from kvatlas.http_guard import OnRefused
+from kvatlas.http_guard import Answer, OnRefused
 from kvatlas.routing import (
     JSON,
     NO_PARAMS,
@@ -53,6 +54,9 @@ log = logging.getLogger(__name__)
 
 _NOT_FOUND = Reply(b'{"detail":"Not Found"}', 404)
 _SERVER_ERROR = Reply(b"Internal Server Error", 500, media_type="text/plain; charset=utf-8")
+_SERVER_ERROR_CLOSE = Reply(
+    _SERVER_ERROR.payload, 500, ((b"connection", b"close"),), _SERVER_ERROR.media_type
+)  # what uvicorn sends when an app raises before its reply
 _NO_LENGTH = (204, 304)
 
 
@@ -87,6 +91,7 @@ class Dispatcher:
         self.small = small
         self.on_refused = on_refused
         self.limits = {route: body_limit(route) for route in table.routes}
+        self._any_in_turn = any(route.in_turn is not None for route in table.routes)
 
     def admit(self, access: Access, scope: Scope) -> Principal:
         """The caller, from the headers alone (401/403 as a :class:`KvatlasError`; 404 on a
@@ -116,6 +121,57 @@ class Dispatcher:
             return None, NO_PARAMS, self.small
         route, params = found
         return route, params, self.limits[route]
+
+    def in_turn(self, scope: Scope) -> _Ticket | None:
+        """At the end of a request's headers (:class:`kvatlas.http_guard.AnswersInTurn`):
+        a ticket if its route answers in turn (``Route.in_turn``), the caller is admitted and
+        the body's declared length is within the route's limit; else ``None``, and the ASGI
+        path answers it, refusals included."""
+        if not self._any_in_turn:
+            return None
+        method = scope["method"]
+        found = self.table.match(method, scope["path"])
+        if found is None or found[0].in_turn is None:
+            return None
+        route, params = found
+        declared = None
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                declared = value
+            elif name == b"transfer-encoding":
+                return None
+        try:
+            who = self.admit(route.access, scope)
+            if declared is None and route.reads_body:
+                return None
+            check_declared_length(declared, self.limits[route])
+        except KvatlasError:
+            return None
+        codec = JSON if route.codec is None else route.codec(scope)
+        return _Ticket(route, params, who, codec, scope)
+
+    def answer_in_turn(self, ticket: _Ticket, body: bytes) -> Answer | None:
+        """The reply to the request of ``ticket`` with its whole ``body``, from the route's
+        ``in_turn`` (``None``: it declined; the ASGI path answers)."""
+        route, codec, scope = ticket.route, ticket.codec, ticket.scope
+        try:
+            call = Call(
+                ticket.who, ticket.params, self._body(route, body, scope), _query(route, scope),
+                body, scope, codec,
+            )  # fmt: skip
+            assert route.in_turn is not None
+            result = route.in_turn(self.context, call)
+            if result is None:
+                return None
+            reply = _reply(route, result, codec)
+        except KvatlasError as exc:
+            reply = _error(exc, codec)
+        except RecursionError:
+            reply = _error(nested_too_deep(self.on_refused), codec)
+        except Exception:
+            log.exception("Exception answering %s %s", scope["method"], scope["path"])
+            reply = _SERVER_ERROR_CLOSE
+        return reply.status, _headers(reply), reply.payload
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -217,11 +273,27 @@ def _url(scope: Scope, path: str) -> str:
     return quote(url + ("?" + query.decode("latin-1") if query else ""), safe=":/%#?=@[]!$&'()*+,;")
 
 
-async def _send(send: Send, reply: Reply) -> None:
+@dataclass(frozen=True, slots=True)
+class _Ticket:
+    """A request its route answers in turn: what the dispatcher found at its headers."""
+
+    route: Route
+    params: Mapping[str, str]
+    who: Principal
+    codec: Codec
+    scope: Scope
+
+
+def _headers(reply: Reply) -> list[tuple[bytes, bytes]]:
     headers = [(b"content-type", reply.media_type.encode())] if reply.media_type else []
     headers.extend(reply.headers)
     if reply.status not in _NO_LENGTH:
         headers.append((b"content-length", str(len(reply.payload)).encode()))
+    return headers
+
+
+async def _send(send: Send, reply: Reply) -> None:
+    headers = _headers(reply)
     await send({"type": "http.response.start", "status": reply.status, "headers": headers})
     await send({"type": "http.response.body", "body": reply.payload})
 

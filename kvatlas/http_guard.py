@@ -29,19 +29,22 @@ piece reaches the app, by either read, as the parser's own ``bytes``: no copy at
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import resource
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Final
+from typing import Any, Final, Protocol, runtime_checkable
 
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from kvatlas.errors import PayloadTooLarge
+from kvatlas.http_coalescing import CoalescingTransport
 
 RESERVED_FDS = 64
 """File descriptors kept out of the connection cap at least (an eighth of the limit when
@@ -133,73 +136,6 @@ _TIMEOUT_REPLY = (
 )
 
 
-COALESCE_BYTES: Final = 64 * 1024
-"""What :class:`CoalescingTransport` holds at most before sending (asyncio's default high-water
-mark of a transport's buffer)."""
-
-
-class CoalescingTransport:
-    """A connection's transport whose writes made in one turn of the event loop leave in one
-    ``send``: uvicorn writes a reply's head and its body separately, which on a socket with
-    ``TCP_NODELAY`` (asyncio's default) are two segments — two system calls here, and often two
-    wake-ups and reads for the client (the router's score call read 1.5 times per reply). The
-    buffer is flushed at the end of the turn (``call_soon``), before a ``close`` or a
-    ``write_eof`` and never after an ``abort``; once it holds :data:`COALESCE_BYTES` it is
-    flushed at once, and a write that large goes out as it is after what is pending (no extra
-    copy of a large body; the transport's own flow control sees it within the turn).
-    Everything else is the transport's own."""
-
-    __slots__ = ("_loop", "_pending", "_pending_bytes", "_transport")
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._pending: list[bytes] = []
-        self._pending_bytes = 0
-
-    def write(self, data: bytes) -> None:
-        if not data:
-            return
-        if len(data) >= COALESCE_BYTES:
-            self._flush()
-            if not self._transport.is_closing():
-                self._transport.write(data)
-            return
-        if not self._pending:
-            self._loop.call_soon(self._flush)
-        self._pending.append(bytes(data))
-        self._pending_bytes += len(data)
-        if self._pending_bytes >= COALESCE_BYTES:
-            self._flush()
-
-    def writelines(self, lines: Any) -> None:
-        for data in lines:
-            self.write(data)
-
-    def _flush(self) -> None:
-        pending, self._pending, self._pending_bytes = self._pending, [], 0
-        if pending and not self._transport.is_closing():
-            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
-
-    def write_eof(self) -> None:
-        self._flush()
-        self._transport.write_eof()
-
-    def close(self) -> None:
-        self._flush()
-        self._transport.close()
-
-    def abort(self) -> None:
-        self._pending, self._pending_bytes = [], 0
-        self._transport.abort()
-
-    def get_write_buffer_size(self) -> int:
-        return self._transport.get_write_buffer_size() + self._pending_bytes
-
-    def __getattr__(self, name: str) -> Any:  # everything else: the transport's own
-        return getattr(self._transport, name)
-
-
 WHOLE_BODY: Final = "kvatlas.whole_body"
 """The ASGI scope extension (``scope["extensions"]``) under which the guarded protocol offers
 the request's whole body: an async callable ``(max_bytes) -> bytes | None`` (``None``: the
@@ -275,7 +211,25 @@ class _Collecting:
 
 _WHOLE_BODY_PARSER = hasattr(AutoHTTPProtocol, "on_body")
 """Whether uvicorn's protocol is httptools' (its parser hands each piece of a body to
-``on_body``); with h11 the extension is not offered and bodies come through ``receive``."""
+``on_body``); with h11 the extension is not offered and bodies come through ``receive``, and no
+request is answered in the parser's turn (:class:`AnswersInTurn`)."""
+
+Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
+"""A reply as the wire needs it: status, headers (names in lower case), body."""
+
+
+@runtime_checkable
+class AnswersInTurn(Protocol):
+    """An app (``uvicorn.Config(app)``) that may answer a request in the turn the parser
+    reads its last byte, without an ASGI cycle (:class:`kvatlas.dispatch.Dispatcher`). At the
+    end of the headers :meth:`in_turn` says whether it may (a ticket: the request is its
+    route's, the caller admitted, the declared length within the route's limit; ``None``: the
+    ASGI app answers it, refusals included); with the body complete, :meth:`answer_in_turn`
+    answers (``None``: it declines, and the ASGI app answers with the body already there)."""
+
+    def in_turn(self, scope: dict[str, Any]) -> object | None: ...
+
+    def answer_in_turn(self, ticket: Any, body: bytes) -> Answer | None: ...
 
 
 def guarded_protocol(limits: HttpLimits, on_refused: OnRefused) -> type[asyncio.Protocol]:
@@ -286,17 +240,91 @@ def guarded_protocol(limits: HttpLimits, on_refused: OnRefused) -> type[asyncio.
         _timer: asyncio.TimerHandle | None = None
         _timer_body = False  # whether the armed timer is the body timer
         _collecting: _Collecting | None = None  # the body read for the extension, if any
+        _in_turn: AnswersInTurn | None = None  # the app, if it answers requests in turn
+        _pending: tuple[Any, object] | None = None  # (cycle, ticket) answered in turn
+        _parsing_headers = False
+
+        def on_message_begin(self) -> None:
+            # A request parsed in the turn that answered the one before it (pipelined):
+            # uvicorn's keep-alive timer, armed by that answer, is for idle connections only.
+            self._unset_keepalive_if_required()
+            super().on_message_begin()
 
         def on_headers_complete(self) -> None:
-            super().on_headers_complete()
+            self._parsing_headers = True
+            try:
+                super().on_headers_complete()
+            finally:
+                self._parsing_headers = False
             cycle = self.cycle
             if _WHOLE_BODY_PARSER and cycle is not None and cycle.scope is self.scope:
                 whole: WholeBody = partial(self._whole_body, cycle)
                 self.scope.setdefault("extensions", {})[WHOLE_BODY] = whole
                 cycle.body = _Pieces()  # what comes before the app asks, kept as it comes
 
+        def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+            """uvicorn's start of the app for a request whose headers are complete; a request
+            the app may answer in turn waits for its body instead (not one queued behind
+            another, one uvicorn turned away, one expecting ``100 Continue``, or while the
+            client is not reading its replies: the ASGI path waits for it)."""
+            in_turn = self._in_turn
+            if (
+                in_turn is not None
+                and self._parsing_headers
+                and app is self.app
+                and not cycle.waiting_for_100_continue
+                and not self.flow.write_paused
+            ):
+                ticket = in_turn.in_turn(cycle.scope)
+                if ticket is not None:
+                    self._pending = (cycle, ticket)
+                    return
+            super()._start_asgi_task(cycle, app)
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            pending, cycle = self._pending, self.cycle
+            if pending is None or pending[0] is not cycle:
+                return
+            self._pending = None
+            assert self._in_turn is not None
+            answer = self._in_turn.answer_in_turn(pending[1], bytes(cycle.body))
+            if answer is None:  # declined: the app reads the body kept as it came
+                super()._start_asgi_task(cycle, self.app)
+            else:
+                self._write_answer(cycle, *answer)
+
+        def _write_answer(
+            self, cycle: Any, status: int, headers: list[tuple[bytes, bytes]], body: bytes
+        ) -> None:
+            """What uvicorn's ``send`` writes for this reply (its default headers first, a
+            ``connection: close`` where the connection is not kept), then the end of the
+            request as after the app's last ``send``."""
+            cycle.response_started = True
+            head = [STATUS_LINE[status]]
+            closes = False
+            for name, value in (*cycle.default_headers, *headers):
+                if name == b"connection" and b"close" in value.lower():
+                    closes = True
+                head += (name, b": ", value, b"\r\n")
+            if not cycle.keep_alive and not closes:
+                head.append(b"connection: close\r\n")
+            head.append(b"\r\n")
+            transport = self.transport
+            transport.write(b"".join(head))
+            transport.write(body)
+            cycle.response_complete = True
+            if closes or not cycle.keep_alive:
+                cycle.keep_alive = False
+                transport.close()
+            cycle.on_response()
+
         def on_body(self, body: bytes) -> None:
             collecting, cycle = self._collecting, self.cycle
+            pending = self._pending
+            if pending is not None and pending[0] is cycle:
+                cycle.body += body  # the declared length, within the route's limit: no pause
+                return
             if collecting is None or collecting.cycle is not cycle:
                 super().on_body(body)
                 return
@@ -342,6 +370,10 @@ def guarded_protocol(limits: HttpLimits, on_refused: OnRefused) -> type[asyncio.
         def connection_made(self, transport: Any) -> None:
             transport = CoalescingTransport(transport, asyncio.get_running_loop())
             super().connection_made(transport)
+            app = self.config.app
+            logs_access = self.access_log and self.access_logger.isEnabledFor(logging.INFO)
+            if _WHOLE_BODY_PARSER and not logs_access and isinstance(app, AnswersInTurn):
+                self._in_turn = app  # (only uvicorn's send writes access lines)
             if len(self.connections) > cap:
                 on_refused("over_cap")
                 transport.abort()

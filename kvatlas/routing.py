@@ -118,6 +118,9 @@ class Reply:
 Handler = Callable[[Any, Call[Any, Any]], Awaitable[Any]]
 """``handler(context, call)``: a Struct (or JSON value) is the 200 reply; a :class:`Reply` is
 sent as it is; a :class:`~kvatlas.errors.KvatlasError` is the error reply."""
+InTurn = Callable[[Any, Call[Any, Any]], Any]
+"""``in_turn(context, call)``: a :data:`Handler`'s reply, answered in the turn the request's
+last byte is read, or ``None`` (the handler answers)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -130,7 +133,10 @@ class Route:
     parameters' type. ``body``: picks the route's body limit from the service's limits (the
     largest legitimate body of *this* route; ``None``: the small one). ``docs``: OpenAPI to
     merge into the operation (a body that is not a Struct); ``hidden``: not documented.
-    ``codec``: the format of the reply and of every error, per call (``None``: JSON)."""
+    ``codec``: the format of the reply and of every error, per call (``None``: JSON).
+    ``in_turn``: answers a request the moment its body is complete, in the parser's turn
+    without an ASGI cycle (:class:`kvatlas.http_guard.AnswersInTurn`), when it can (a
+    ``Reply``; ``None``: ``handler`` answers); the same reply as ``handler``'s."""
 
     method: str
     path: str
@@ -147,6 +153,7 @@ class Route:
     docs: Mapping[str, Any] = field(default_factory=dict)
     hidden: bool = False
     codec: Negotiate | None = None
+    in_turn: InTurn | None = None
 
     @property
     def reads_body(self) -> bool:

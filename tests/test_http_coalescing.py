@@ -11,7 +11,8 @@ import socket
 from typing import Any
 
 from kvatlas.asgi_thread import free_port, serve
-from kvatlas.http_guard import CoalescingTransport, HttpLimits
+from kvatlas.http_coalescing import CoalescingTransport
+from kvatlas.http_guard import HttpLimits
 from kvatlas.processes import spawn_service, stop
 
 

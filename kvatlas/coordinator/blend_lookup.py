@@ -57,18 +57,25 @@ class BlendLookup:
         self.service = service
         self.pool = pool
 
-    async def handle(self, call: Call[None, None]) -> Reply:
-        """The route's handler: answered on the event loop up to :data:`INLINE_BODY_BYTES`, on
-        the pool beyond."""
-        raw, who = call.raw, call.who
+    def in_turn(self, call: Call[None, None]) -> Reply | None:
+        """The reply, on the event loop, to a body of at most :data:`INLINE_BODY_BYTES`; else
+        ``None``."""
+        if len(call.raw) > INLINE_BODY_BYTES:
+            return None
         placements = wants_placements(call.scope.get("query_string", b""))
-        if len(raw) <= INLINE_BODY_BYTES:
-            payload, enabled = self.answer(raw, who, placements)
-        else:
-            loop = asyncio.get_running_loop()
-            payload, enabled = await loop.run_in_executor(
-                self.pool, self.answer, raw, who, placements
-            )
+        payload, enabled = self.answer(call.raw, call.who, placements)
+        return Reply(payload, headers=(BLEND_HEADERS[enabled],))
+
+    async def handle(self, call: Call[None, None]) -> Reply:
+        """The route's handler: :meth:`in_turn`'s reply, else the one from the pool."""
+        reply = self.in_turn(call)
+        if reply is not None:
+            return reply
+        placements = wants_placements(call.scope.get("query_string", b""))
+        loop = asyncio.get_running_loop()
+        payload, enabled = await loop.run_in_executor(
+            self.pool, self.answer, call.raw, call.who, placements
+        )
         return Reply(payload, headers=(BLEND_HEADERS[enabled],))
 
     def answer(

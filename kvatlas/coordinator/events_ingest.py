@@ -34,16 +34,24 @@ class EventsIngest:
         self.service = service
         self.pool = pool
 
+    def in_turn(self, call: Call[None, None]) -> Reply | None:
+        """The ingest counts, on the event loop, for a small body while the directory is free
+        (``answers_on_loop``); else ``None``."""
+        if not self.service.answers_on_loop(call.raw):
+            return None
+        return Reply(self.answer(call.raw, call.header(b"content-type") or JSON_TYPE, call.who))
+
     async def handle(self, call: Call[None, None]) -> Reply:
-        """The route's handler: the ingest counts, answered on the event loop for a small
-        body while the directory is free (``answers_on_loop``), else on the pool."""
+        """The route's handler: :meth:`in_turn`'s reply, else the ingest counts from the pool."""
+        reply = self.in_turn(call)
+        if reply is not None:
+            return reply
         content_type = call.header(b"content-type") or JSON_TYPE
-        raw = call.raw
-        if self.service.answers_on_loop(raw):
-            return Reply(self.answer(raw, content_type, call.who))
         loop = asyncio.get_running_loop()
-        reply = await loop.run_in_executor(self.pool, self.answer, raw, content_type, call.who)
-        return Reply(reply)
+        counts = await loop.run_in_executor(
+            self.pool, self.answer, call.raw, content_type, call.who
+        )
+        return Reply(counts)
 
     def answer(self, body: bytes, content_type: str, who: Principal) -> bytes:
         """The reply to a body from ``who`` (whose ``emit`` role the gate checked from the

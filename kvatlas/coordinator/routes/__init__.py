@@ -40,16 +40,18 @@ ROUTES: tuple[Route, ...] = (
     Route(
         "POST", "/events", EMIT, events.post_events, "Ingest cache-event batches",
         request=bytes, reply=api.IngestCountsReply, docs=events.EVENTS_DOCS,
-        body=lambda b: b.events,
+        body=lambda b: b.events, in_turn=events.post_events_in_turn,
     ),
     Route(
         "POST", "/directory/lookup", LOOKUP, directory.lookup, "Prefix lookup by keys or by tokens",
         request=api.LookupRequest, decode=False, reply=api.LookupReply, body=lambda b: b.lookup,
+        in_turn=directory.lookup_in_turn,
     ),
     Route(
         "POST", "/directory/blend-lookup", LOOKUP, directory.blend_lookup,
         "Fragment (blend) lookup", request=api.BlendLookupBody, decode=False,
         query=api.BlendLookupQuery, reply=api.BlendReply, body=lambda b: b.blend_lookup,
+        in_turn=directory.blend_lookup_in_turn,
     ),
     Route(
         "GET", "/directory/stats",

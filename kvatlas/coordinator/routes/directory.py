@@ -21,8 +21,21 @@ from kvatlas.directory import KeyFilter
 from kvatlas.routing import JSON, Call, Reply
 
 
-async def lookup(ctx: Context, call: Call[None, None]) -> Reply:
+def lookup_in_turn(ctx: Context, call: Call[None, None]) -> Reply | None:
+    """The reply, on the event loop, to a small body while the directory is free
+    (``answers_on_loop``); else ``None``."""
+    if not ctx.service.answers_on_loop(call.raw):
+        return None
     started = time.perf_counter()
+    form, reply = _lookup(ctx.service, call)
+    ctx.service.metrics.lookup_latency.labels(form).observe(time.perf_counter() - started)
+    return reply
+
+
+async def lookup(ctx: Context, call: Call[None, None]) -> Reply:
+    now = lookup_in_turn(ctx, call)
+    if now is not None:
+        return now
     # A body may be tens of MB (its route's limit): one not answered on the loop (over
     # service.INLINE_BODY_BYTES, or any while a change holds the directory) is parsed on the
     # lookup pool, never on the event loop, and sized up from its bytes before a token is
@@ -30,11 +43,9 @@ async def lookup(ctx: Context, call: Call[None, None]) -> Reply:
     # there too, in one hop. A pool as large as the cores, not a thread per request: with
     # eight lookups in flight, 15% less CPU a lookup than eight threads taking turns at the
     # GIL and the directory lock (docs/performance.md, "Prefix lookups").
-    if ctx.service.answers_on_loop(call.raw):
-        form, reply = _lookup(ctx.service, call)
-    else:
-        loop = asyncio.get_running_loop()
-        form, reply = await loop.run_in_executor(ctx.lookup_pool, _lookup, ctx.service, call)
+    started = time.perf_counter()
+    loop = asyncio.get_running_loop()
+    form, reply = await loop.run_in_executor(ctx.lookup_pool, _lookup, ctx.service, call)
     ctx.service.metrics.lookup_latency.labels(form).observe(time.perf_counter() - started)
     return reply
 
@@ -59,6 +70,10 @@ def _lookup(service: CoordinatorService, call: Call[None, None]) -> tuple[str, R
 
 def blend_lookup(ctx: Context, call: Call[None, None]) -> Awaitable[Reply]:
     return ctx.blend.handle(call)  # the hottest route: no coroutine of its own
+
+
+def blend_lookup_in_turn(ctx: Context, call: Call[None, None]) -> Reply | None:
+    return ctx.blend.in_turn(call)
 
 
 async def stats(ctx: Context, call: Call[None, None]) -> dict[str, Any]:

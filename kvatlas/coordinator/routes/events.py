@@ -30,6 +30,10 @@ def post_events(ctx: Context, call: Call[None, None]) -> Awaitable[Reply]:
     return ctx.events.handle(call)
 
 
+def post_events_in_turn(ctx: Context, call: Call[None, None]) -> Reply | None:
+    return ctx.events.in_turn(call)
+
+
 _JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", bool: "boolean", float: "number"}
 _ENUMS: dict[str, frozenset[str]] = {"event_type": EVENT_TYPES, "tier": TIERS}
 _MAX_CHARS = {"instance_id": MAX_ID_CHARS, "backend": MAX_ID_CHARS}

@@ -1,0 +1,281 @@
+"""Requests answered in turn (``Route.in_turn``, :class:`kvatlas.http_guard.AnswersInTurn`):
+the guarded protocol hands a request whose route may answer it to the dispatcher the moment
+its body is complete, without an ASGI cycle. What a client sees must not change: the same
+bytes as the ASGI path's reply, every body whatever pieces it came in, pipelined requests in
+order, the ASGI path for what the route declines or the protocol does not take (chunked,
+``Expect: 100-continue``), errors rendered as the dispatcher's, a connection kept alive while a
+pipelined request behind an answer in turn is still being answered. One real server on
+loopback, the dispatcher of a small route table, a keep-alive timeout of a fraction of a
+second."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import uvicorn
+
+from kvatlas.asgi_thread import free_port
+from kvatlas.dispatch import Dispatcher
+from kvatlas.errors import InvalidInput
+from kvatlas.http_guard import HttpLimits, guarded_protocol
+from kvatlas.logs import uvicorn_log_options
+from kvatlas.routing import OPEN, Call, Reply, Route, RouteTable
+
+LIMIT = 300_000
+KEEP_ALIVE_S = 1.0
+
+
+def _reply(call: Call[None, None], path: str) -> Reply:
+    raw = call.raw
+    digest = hashlib.sha256(raw).hexdigest()
+    payload = json.dumps({"length": len(raw), "sha": digest}).encode()
+    return Reply(payload, headers=((b"x-answered", path.encode()),))
+
+
+def _in_turn(ctx: list[str], call: Call[None, None]) -> Reply | None:
+    raw = call.raw
+    if raw.startswith(b"decline") or raw.startswith(b"slow"):
+        return None
+    if raw == b"bad":
+        raise InvalidInput("a bad body")
+    if raw == b"bug":
+        raise RuntimeError("a bug")
+    ctx.append("in_turn")
+    return _reply(call, "in_turn")
+
+
+async def _handler(ctx: list[str], call: Call[None, None]) -> Reply:
+    if call.raw.startswith(b"slow"):
+        await _sleep(2 * KEEP_ALIVE_S)
+    ctx.append("handler")
+    return _reply(call, "in_turn" if call.raw.startswith(b"decline-same") else "handler")
+
+
+async def _sleep(seconds: float) -> None:
+    await asyncio.sleep(seconds)
+
+
+TABLE = RouteTable(
+    (
+        Route(
+            "POST",
+            "/turn",
+            OPEN,
+            _handler,
+            request=bytes,
+            body=lambda _b: LIMIT,
+            in_turn=_in_turn,
+        ),
+        Route("POST", "/plain", OPEN, _handler, request=bytes, body=lambda _b: LIMIT),
+    )
+)
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[list[str], int]]:
+    """The services' settings (``logs.uvicorn_log_options``: no access log, whose lines only
+    the ASGI path writes), a short keep-alive timeout."""
+    answered: list[str] = []
+    app = Dispatcher(answered, TABLE, None, frozenset(), lambda r: LIMIT, 1024)
+    port = free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, lifespan="off", timeout_keep_alive=KEEP_ALIVE_S,
+        http=guarded_protocol(HttpLimits(), lambda _reason: None),
+        **uvicorn_log_options("warning", access_log=False),
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="kvatlas-in-turn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    yield answered, port
+    server.should_exit = True
+    thread.join(10)
+
+
+def _request(path: str, body: bytes, *, chunked: bool = False, head: str = "") -> bytes:
+    start = f"POST {path} HTTP/1.1\r\nHost: x\r\n{head}"
+    if chunked:
+        return (start + "Transfer-Encoding: chunked\r\n\r\n").encode() + (
+            b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body) if body else b"0\r\n\r\n"
+        )
+    return (start + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def _exchange(
+    port: int, wire: bytes, cuts: list[int], count: int, *, linger: float = 0.0
+) -> tuple[list[tuple[bytes, bytes]], bool]:
+    """Send ``wire`` cut at ``cuts`` on one connection and read ``count`` replies: each as
+    (head, body), and whether the server closed the connection within ``linger`` seconds
+    after the last."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        at = 0
+        for cut in [*sorted(cuts), len(wire)]:
+            conn.sendall(wire[at:cut])
+            at = cut
+        data, out = b"", []
+        while len(out) < count:
+            while b"\r\n\r\n" not in data:
+                part = conn.recv(65536)
+                assert part, f"closed after {len(out)} replies: {data!r}"
+                data += part
+            head, _, data = data.partition(b"\r\n\r\n")
+            if head.startswith(b"HTTP/1.1 100"):
+                continue
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            while len(data) < length:
+                data += conn.recv(65536)
+            out.append((head, data[:length]))
+            data = data[length:]
+        if not linger:
+            return out, False
+        conn.settimeout(linger)
+        try:
+            closed = conn.recv(1) == b""
+        except TimeoutError:
+            closed = False
+    return out, closed
+
+
+def _digest(body: bytes) -> dict[str, Any]:
+    return {"length": len(body), "sha": hashlib.sha256(body).hexdigest()}
+
+
+@pytest.mark.parametrize("size", [0, 1, 1000, 65_536, 200_000, LIMIT])
+def test_every_body_is_answered_in_turn_whatever_pieces_it_came_in(
+    served: tuple[list[str], int], size: int
+) -> None:
+    """Bodies past uvicorn's 64 KiB mark arrive in pieces: the protocol must not pause reading
+    for an app that is not asking (the body would never complete)."""
+    answered, port = served
+    rng = random.Random(size)
+    body = rng.randbytes(size)
+    wire = _request("/turn", body)
+    answered.clear()
+    (reply,), _ = _exchange(port, wire, [rng.randrange(len(wire)) for _ in range(8)], 1)
+    head, payload = reply
+    assert head.startswith(b"HTTP/1.1 200 OK") and b"x-answered: in_turn" in head
+    assert json.loads(payload) == _digest(body)
+    assert answered == ["in_turn"]
+
+
+def test_an_answer_in_turn_is_the_asgi_paths_reply_byte_for_byte(
+    served: tuple[list[str], int],
+) -> None:
+    """``decline-same``: the route declines and its handler sends the very same Reply."""
+    answered, port = served
+    answered.clear()
+    body = b"decline-same" + b"x" * 20
+    ((asgi_head, asgi_body),), _ = _exchange(port, _request("/turn", body), [], 1)
+    (turn,), _ = _exchange(port, _request("/turn", body[len(b"decline-same") :]), [], 1)
+    assert answered == ["handler", "in_turn"]
+    assert json.loads(asgi_body)["length"] == len(body)
+    # the payloads differ in their digest only (same length); uvicorn's date may have ticked
+    assert _undated(asgi_head) == _undated(turn[0])
+    assert b"\r\ndate: " in asgi_head and b"\r\nserver: uvicorn" in turn[0]
+
+
+def _undated(head: bytes) -> list[bytes]:
+    return [line for line in head.split(b"\r\n") if not line.startswith(b"date: ")]
+
+
+def test_pipelined_requests_are_answered_in_order_by_whichever_path(
+    served: tuple[list[str], int],
+) -> None:
+    answered, port = served
+    answered.clear()
+    bodies = [b"a" * 10, b"decline" + b"b" * 70_000, b"c" * 90_000, b"", b"decline"]
+    wire = b"".join(_request("/turn", b) for b in bodies) + _request("/plain", b"d")
+    replies, closed = _exchange(
+        port, wire, [len(wire) // 3], len(bodies) + 1, linger=KEEP_ALIVE_S / 2
+    )
+    assert [json.loads(p) for _, p in replies] == [_digest(b) for b in [*bodies, b"d"]]
+    # a request parsed while the one before it is still an ASGI cycle waits for it, and is
+    # then an ASGI cycle too: which of the last ones come in turn is the network's timing
+    assert answered[:2] == ["in_turn", "handler"] and answered[-1] == "handler"
+    assert [p.split(b"x-answered: ")[1].split(b"\r\n")[0] for p, _ in replies[:2]] == [
+        b"in_turn",
+        b"handler",
+    ]
+    assert not closed
+
+
+@pytest.mark.parametrize(
+    ("chunked", "head"),
+    [(True, ""), (False, "Expect: 100-continue\r\n")],
+    ids=["chunked", "expect-100-continue"],
+)
+def test_what_the_protocol_does_not_take_goes_the_asgi_way(
+    served: tuple[list[str], int], chunked: bool, head: str
+) -> None:
+    answered, port = served
+    answered.clear()
+    body = b"e" * 5000
+    ((reply_head, payload),), _ = _exchange(
+        port, _request("/turn", body, chunked=chunked, head=head), [], 1
+    )
+    assert json.loads(payload) == _digest(body)
+    assert answered == ["handler"] and b"x-answered: handler" in reply_head
+
+
+def test_over_the_routes_limit_is_refused_by_the_dispatcher(
+    served: tuple[list[str], int],
+) -> None:
+    answered, port = served
+    answered.clear()
+    wire = b"POST /turn HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (LIMIT + 1)
+    ((head, payload),), _ = _exchange(port, wire, [], 1)
+    assert head.startswith(b"HTTP/1.1 413") and answered == []
+    assert "exceeds" in json.loads(payload)["detail"]
+
+
+def test_errors_in_turn_are_the_dispatchers(served: tuple[list[str], int]) -> None:
+    _, port = served
+    ((head, payload),), closed = _exchange(
+        port, _request("/turn", b"bad"), [], 1, linger=KEEP_ALIVE_S / 2
+    )
+    assert head.startswith(b"HTTP/1.1 400") and json.loads(payload) == {"detail": "a bad body"}
+    assert not closed
+    ((head, payload),), closed = _exchange(port, _request("/turn", b"bug"), [], 1, linger=30)
+    assert head.startswith(b"HTTP/1.1 500") and b"connection: close" in head
+    assert payload == b"Internal Server Error" and closed
+
+
+def test_http_1_0_is_answered_and_closed(served: tuple[list[str], int]) -> None:
+    _, port = served
+    wire = _request("/turn", b"f" * 10).replace(b"HTTP/1.1", b"HTTP/1.0", 1)
+    ((head, payload),), closed = _exchange(port, wire, [], 1, linger=30)
+    assert b"connection: close" in head and json.loads(payload) == _digest(b"f" * 10)
+    assert closed
+
+
+def test_a_request_pipelined_behind_an_answer_in_turn_outlives_the_keep_alive_timeout(
+    served: tuple[list[str], int],
+) -> None:
+    """The answer in turn arms uvicorn's idle timer (as the end of any reply does); the
+    request parsed right after it in the same read (``slow``: answered after twice that
+    timeout) must not find its connection closed."""
+    _, port = served
+    wire = _request("/turn", b"g") + _request("/turn", b"slow")
+    replies, _ = _exchange(port, wire, [], 2)
+    assert [json.loads(p) for _, p in replies] == [_digest(b"g"), _digest(b"slow")]
+
+
+def test_an_idle_connection_still_closes_after_the_keep_alive_timeout(
+    served: tuple[list[str], int],
+) -> None:
+    _, port = served
+    _, closed = _exchange(port, _request("/turn", b"h"), [], 1, linger=30)
+    assert closed
