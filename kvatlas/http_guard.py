@@ -288,8 +288,11 @@ def guarded_protocol(limits: HttpLimits, on_refused: OnRefused) -> type[asyncio.
                 return
             self._pending = None
             assert self._in_turn is not None
-            answer = self._in_turn.answer_in_turn(pending[1], bytes(cycle.body))
+            # the body is not kept past its answer (the cycle lives until the next request)
+            pieces, cycle.body = cycle.body, bytearray()
+            answer = self._in_turn.answer_in_turn(pending[1], bytes(pieces))
             if answer is None:  # declined: the app reads the body kept as it came
+                cycle.body = pieces
                 super()._start_asgi_task(cycle, self.app)
             else:
                 self._write_answer(cycle, *answer)
@@ -310,9 +313,9 @@ def guarded_protocol(limits: HttpLimits, on_refused: OnRefused) -> type[asyncio.
             if not cycle.keep_alive and not closes:
                 head.append(b"connection: close\r\n")
             head.append(b"\r\n")
-            transport = self.transport
-            transport.write(b"".join(head))
-            transport.write(body)
+            transport = self.transport  # sent at the end of the turn, as an app's reply: the
+            transport.write(b"".join(head))  # replies to the requests read in one turn leave
+            transport.write(body)  # together (sent at once, p99 under load rose by half)
             cycle.response_complete = True
             if closes or not cycle.keep_alive:
                 cycle.keep_alive = False

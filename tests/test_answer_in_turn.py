@@ -22,12 +22,14 @@ from typing import Any
 
 import pytest
 import uvicorn
+from uvicorn.server import ServerState
 
 from kvatlas.asgi_thread import free_port
 from kvatlas.dispatch import Dispatcher
 from kvatlas.errors import InvalidInput
 from kvatlas.http_guard import HttpLimits, guarded_protocol
 from kvatlas.logs import uvicorn_log_options
+from kvatlas.memory_transport import MemoryTransport
 from kvatlas.routing import OPEN, Call, Reply, Route, RouteTable
 
 LIMIT = 300_000
@@ -279,3 +281,30 @@ def test_an_idle_connection_still_closes_after_the_keep_alive_timeout(
     _, port = served
     _, closed = _exchange(port, _request("/turn", b"h"), [], 1, linger=30)
     assert closed
+
+
+def test_the_body_is_not_kept_past_its_answer() -> None:
+    """The cycle of the last request lives until the next one: an answered body held by it
+    (175 KB a blend lookup, a connection each) would fault fresh heap pages in at every
+    request (measured: 0.5 faults a lookup under load)."""
+    answered: list[str] = []
+    app = Dispatcher(answered, TABLE, None, frozenset(), lambda r: LIMIT, 1024)
+    protocol_class = guarded_protocol(HttpLimits(), lambda _reason: None)
+    config = uvicorn.Config(app, lifespan="off", http=protocol_class,
+                            **uvicorn_log_options("warning", access_log=False))  # fmt: skip
+    config.load()
+    loop = asyncio.new_event_loop()
+    transport = MemoryTransport()
+    protocol = protocol_class(config=config, server_state=ServerState(), app_state={}, _loop=loop)
+
+    async def post() -> None:
+        protocol.connection_made(transport)
+        protocol.data_received(_request("/turn", b"i" * 100_000))
+        await asyncio.sleep(0)
+
+    try:
+        loop.run_until_complete(post())
+    finally:
+        loop.close()
+    assert answered == ["in_turn"] and b"".join(transport.written).startswith(b"HTTP/1.1 200")
+    assert len(protocol.cycle.body) == 0
