@@ -34,6 +34,7 @@ from kvatlas.routing import OPEN, Call, Reply, Route, RouteTable
 
 LIMIT = 300_000
 KEEP_ALIVE_S = 1.0
+BODY_TIMEOUT_S = 1.0
 
 
 def _reply(call: Call[None, None], path: str) -> Reply:
@@ -91,7 +92,7 @@ def served() -> Iterator[tuple[list[str], int]]:
     port = free_port()
     config = uvicorn.Config(
         app, host="127.0.0.1", port=port, lifespan="off", timeout_keep_alive=KEEP_ALIVE_S,
-        http=guarded_protocol(HttpLimits(), lambda _reason: None),
+        http=guarded_protocol(HttpLimits(body_timeout_s=BODY_TIMEOUT_S), lambda _reason: None),
         **uvicorn_log_options("warning", access_log=False),
     )  # fmt: skip
     server = uvicorn.Server(config)
@@ -273,6 +274,19 @@ def test_a_request_pipelined_behind_an_answer_in_turn_outlives_the_keep_alive_ti
     wire = _request("/turn", b"g") + _request("/turn", b"slow")
     replies, _ = _exchange(port, wire, [], 2)
     assert [json.loads(p) for _, p in replies] == [_digest(b"g"), _digest(b"slow")]
+
+
+def test_a_body_that_stops_coming_is_a_408_as_on_the_asgi_path(
+    served: tuple[list[str], int],
+) -> None:
+    """The guard's body timer watches a request waiting to be answered in turn as any other
+    (``--http-body-timeout-s``: a client dripping or stalling a body is closed)."""
+    answered, port = served
+    answered.clear()
+    wire = _request("/turn", b"j" * 100_000)[:50_000]
+    ((head, payload),), closed = _exchange(port, wire, [], 1, linger=30)
+    assert head.startswith(b"HTTP/1.1 408") and b"not received in time" in payload
+    assert closed and answered == []
 
 
 def test_an_idle_connection_still_closes_after_the_keep_alive_timeout(
