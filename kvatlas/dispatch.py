@@ -2,7 +2,10 @@
 RouteTable` as a plain ASGI app. Per request: find the route, check the caller against its
 :class:`~kvatlas.routing.Access` from the headers, check the declared length against the
 route's body limit, read the body under that limit, decode the request, call the handler, send
-the reply. Every route, the hottest included, goes this one way.
+the reply. Every route, the hottest included, goes this one way; a route with an ``in_turn``
+may be answered the moment its body is complete, without the ASGI cycle, after the same checks
+from the same headers (:meth:`Dispatcher.in_turn`, :meth:`Dispatcher.answer_in_turn`, called by
+:mod:`kvatlas.http_guard`'s protocol): the same reply, the same errors.
 
 Invariant: with auth on, no byte of a request body is read before the bearer token in its
 headers was checked against the route's roles; a refusal closes the connection, so the rest of

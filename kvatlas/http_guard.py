@@ -24,6 +24,12 @@ come; past it the socket is paused and nothing more is kept (413, as with ``rece
 comes before the app asks (a whole 175 KB blend lookup arrives in one read, before the app's
 task runs) is kept as the parser's pieces too (:class:`_Pieces`), so a body that came in one
 piece reaches the app, by either read, as the parser's own ``bytes``: no copy at all.
+
+With an app that answers requests in turn (:class:`AnswersInTurn`, the dispatcher), a request
+it takes at the end of its headers is answered in the parser's turn once its body is complete
+(its pieces kept as they come, never paused: its declared length is within the route's limit),
+its reply written as uvicorn's ``send`` writes it; everything else starts the app as uvicorn
+does, and so does a request the app declines, its body already there.
 """
 
 from __future__ import annotations

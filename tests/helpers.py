@@ -4,6 +4,7 @@ fleet (coordinator + nodes as real processes on loopback) with its clients."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -99,3 +100,45 @@ def process_fleet(
         for client in clients.values():
             client.close()
         stop(procs)
+
+
+# ------------------------------------------------------------------ raw HTTP/1.1 exchanges
+
+
+def exchange(
+    port: int, wire: bytes, cuts: list[int], count: int, *, linger: float = 0.0
+) -> tuple[list[tuple[bytes, bytes]], bool]:
+    """Send ``wire`` (requests as raw bytes) cut at ``cuts`` on one connection to ``port`` (a
+    server closing on the way ends the sending) and read ``count`` replies with a
+    ``Content-Length``, each as (head, body), ``100 Continue`` passed over; and whether the
+    server closed the connection within ``linger`` seconds after the last."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        at = 0
+        for cut in [*sorted(cuts), len(wire)]:
+            try:
+                conn.sendall(wire[at:cut])
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            at = cut
+        data, out = b"", []
+        while len(out) < count:
+            while b"\r\n\r\n" not in data:
+                part = conn.recv(65536)
+                assert part, f"closed after {len(out)} replies: {data!r}"
+                data += part
+            head, _, data = data.partition(b"\r\n\r\n")
+            if head.startswith(b"HTTP/1.1 100"):
+                continue
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            while len(data) < length:
+                data += conn.recv(65536)
+            out.append((head, data[:length]))
+            data = data[length:]
+        if not linger:
+            return out, False
+        conn.settimeout(linger)
+        try:
+            return out, conn.recv(1) == b""
+        except TimeoutError:
+            return out, False

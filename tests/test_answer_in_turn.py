@@ -14,7 +14,6 @@ import asyncio
 import hashlib
 import json
 import random
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -31,6 +30,7 @@ from kvatlas.http_guard import HttpLimits, guarded_protocol
 from kvatlas.logs import uvicorn_log_options
 from kvatlas.memory_transport import MemoryTransport
 from kvatlas.routing import OPEN, Call, Reply, Route, RouteTable
+from tests.helpers import exchange
 
 LIMIT = 300_000
 KEEP_ALIVE_S = 1.0
@@ -116,42 +116,6 @@ def _request(path: str, body: bytes, *, chunked: bool = False, head: str = "") -
     return (start + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
 
-def _exchange(
-    port: int, wire: bytes, cuts: list[int], count: int, *, linger: float = 0.0
-) -> tuple[list[tuple[bytes, bytes]], bool]:
-    """Send ``wire`` cut at ``cuts`` on one connection and read ``count`` replies: each as
-    (head, body), and whether the server closed the connection within ``linger`` seconds
-    after the last."""
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        at = 0
-        for cut in [*sorted(cuts), len(wire)]:
-            conn.sendall(wire[at:cut])
-            at = cut
-        data, out = b"", []
-        while len(out) < count:
-            while b"\r\n\r\n" not in data:
-                part = conn.recv(65536)
-                assert part, f"closed after {len(out)} replies: {data!r}"
-                data += part
-            head, _, data = data.partition(b"\r\n\r\n")
-            if head.startswith(b"HTTP/1.1 100"):
-                continue
-            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
-            while len(data) < length:
-                data += conn.recv(65536)
-            out.append((head, data[:length]))
-            data = data[length:]
-        if not linger:
-            return out, False
-        conn.settimeout(linger)
-        try:
-            closed = conn.recv(1) == b""
-        except TimeoutError:
-            closed = False
-    return out, closed
-
-
 def _digest(body: bytes) -> dict[str, Any]:
     return {"length": len(body), "sha": hashlib.sha256(body).hexdigest()}
 
@@ -167,7 +131,7 @@ def test_every_body_is_answered_in_turn_whatever_pieces_it_came_in(
     body = rng.randbytes(size)
     wire = _request("/turn", body)
     answered.clear()
-    (reply,), _ = _exchange(port, wire, [rng.randrange(len(wire)) for _ in range(8)], 1)
+    (reply,), _ = exchange(port, wire, [rng.randrange(len(wire)) for _ in range(8)], 1)
     head, payload = reply
     assert head.startswith(b"HTTP/1.1 200 OK") and b"x-answered: in_turn" in head
     assert json.loads(payload) == _digest(body)
@@ -181,8 +145,8 @@ def test_an_answer_in_turn_is_the_asgi_paths_reply_byte_for_byte(
     answered, port = served
     answered.clear()
     body = b"decline-same" + b"x" * 20
-    ((asgi_head, asgi_body),), _ = _exchange(port, _request("/turn", body), [], 1)
-    (turn,), _ = _exchange(port, _request("/turn", body[len(b"decline-same") :]), [], 1)
+    ((asgi_head, asgi_body),), _ = exchange(port, _request("/turn", body), [], 1)
+    (turn,), _ = exchange(port, _request("/turn", body[len(b"decline-same") :]), [], 1)
     assert answered == ["handler", "in_turn"]
     assert json.loads(asgi_body)["length"] == len(body)
     # the payloads differ in their digest only (same length); uvicorn's date may have ticked
@@ -201,7 +165,7 @@ def test_pipelined_requests_are_answered_in_order_by_whichever_path(
     answered.clear()
     bodies = [b"a" * 10, b"decline" + b"b" * 70_000, b"c" * 90_000, b"", b"decline"]
     wire = b"".join(_request("/turn", b) for b in bodies) + _request("/plain", b"d")
-    replies, closed = _exchange(
+    replies, closed = exchange(
         port, wire, [len(wire) // 3], len(bodies) + 1, linger=KEEP_ALIVE_S / 2
     )
     assert [json.loads(p) for _, p in replies] == [_digest(b) for b in [*bodies, b"d"]]
@@ -226,7 +190,7 @@ def test_what_the_protocol_does_not_take_goes_the_asgi_way(
     answered, port = served
     answered.clear()
     body = b"e" * 5000
-    ((reply_head, payload),), _ = _exchange(
+    ((reply_head, payload),), _ = exchange(
         port, _request("/turn", body, chunked=chunked, head=head), [], 1
     )
     assert json.loads(payload) == _digest(body)
@@ -239,19 +203,19 @@ def test_over_the_routes_limit_is_refused_by_the_dispatcher(
     answered, port = served
     answered.clear()
     wire = b"POST /turn HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (LIMIT + 1)
-    ((head, payload),), _ = _exchange(port, wire, [], 1)
+    ((head, payload),), _ = exchange(port, wire, [], 1)
     assert head.startswith(b"HTTP/1.1 413") and answered == []
     assert "exceeds" in json.loads(payload)["detail"]
 
 
 def test_errors_in_turn_are_the_dispatchers(served: tuple[list[str], int]) -> None:
     _, port = served
-    ((head, payload),), closed = _exchange(
+    ((head, payload),), closed = exchange(
         port, _request("/turn", b"bad"), [], 1, linger=KEEP_ALIVE_S / 2
     )
     assert head.startswith(b"HTTP/1.1 400") and json.loads(payload) == {"detail": "a bad body"}
     assert not closed
-    ((head, payload),), closed = _exchange(port, _request("/turn", b"bug"), [], 1, linger=30)
+    ((head, payload),), closed = exchange(port, _request("/turn", b"bug"), [], 1, linger=30)
     assert head.startswith(b"HTTP/1.1 500") and b"connection: close" in head
     assert payload == b"Internal Server Error" and closed
 
@@ -259,7 +223,7 @@ def test_errors_in_turn_are_the_dispatchers(served: tuple[list[str], int]) -> No
 def test_http_1_0_is_answered_and_closed(served: tuple[list[str], int]) -> None:
     _, port = served
     wire = _request("/turn", b"f" * 10).replace(b"HTTP/1.1", b"HTTP/1.0", 1)
-    ((head, payload),), closed = _exchange(port, wire, [], 1, linger=30)
+    ((head, payload),), closed = exchange(port, wire, [], 1, linger=30)
     assert b"connection: close" in head and json.loads(payload) == _digest(b"f" * 10)
     assert closed
 
@@ -272,7 +236,7 @@ def test_a_request_pipelined_behind_an_answer_in_turn_outlives_the_keep_alive_ti
     timeout) must not find its connection closed."""
     _, port = served
     wire = _request("/turn", b"g") + _request("/turn", b"slow")
-    replies, _ = _exchange(port, wire, [], 2)
+    replies, _ = exchange(port, wire, [], 2)
     assert [json.loads(p) for _, p in replies] == [_digest(b"g"), _digest(b"slow")]
 
 
@@ -284,7 +248,7 @@ def test_a_body_that_stops_coming_is_a_408_as_on_the_asgi_path(
     answered, port = served
     answered.clear()
     wire = _request("/turn", b"j" * 100_000)[:50_000]
-    ((head, payload),), closed = _exchange(port, wire, [], 1, linger=30)
+    ((head, payload),), closed = exchange(port, wire, [], 1, linger=30)
     assert head.startswith(b"HTTP/1.1 408") and b"not received in time" in payload
     assert closed and answered == []
 
@@ -293,7 +257,7 @@ def test_an_idle_connection_still_closes_after_the_keep_alive_timeout(
     served: tuple[list[str], int],
 ) -> None:
     _, port = served
-    _, closed = _exchange(port, _request("/turn", b"h"), [], 1, linger=30)
+    _, closed = exchange(port, _request("/turn", b"h"), [], 1, linger=30)
     assert closed
 
 

@@ -30,6 +30,7 @@ from kvatlas.errors import PayloadTooLarge
 from kvatlas.http_guard import WHOLE_BODY, HttpLimits, guarded_protocol
 from kvatlas.memory_transport import MemoryTransport
 from kvatlas.web import receive_body
+from tests.helpers import exchange
 
 LIMIT = 300_000
 
@@ -103,31 +104,8 @@ def _replies(
     port: int, wire: bytes, cuts: list[int], count: int
 ) -> list[tuple[int, dict[str, Any]]]:
     """Send ``wire`` in pieces cut at ``cuts`` on one connection; read ``count`` replies."""
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        at = 0
-        for cut in [*sorted(cuts), len(wire)]:
-            try:
-                conn.sendall(wire[at:cut])
-            except (BrokenPipeError, ConnectionResetError):
-                break
-            at = cut
-        data = b""
-        out = []
-        while len(out) < count:
-            while b"\r\n\r\n" not in data:
-                part = conn.recv(65536)
-                assert part, f"closed after {len(out)} replies: {data!r}"
-                data += part
-            head, _, data = data.partition(b"\r\n\r\n")
-            if head.startswith(b"HTTP/1.1 100"):
-                continue
-            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
-            while len(data) < length:
-                data += conn.recv(65536)
-            out.append((int(head.split()[1]), json.loads(data[:length])))
-            data = data[length:]
-    return out
+    replies, _ = exchange(port, wire, cuts, count)
+    return [(int(head.split()[1]), json.loads(body)) for head, body in replies]
 
 
 CASES = [
