@@ -14,10 +14,12 @@ the spot (exit 143, no ``finally``); the one :func:`serve` installs only records
 from __future__ import annotations
 
 import logging
+import random
 import signal
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -83,15 +85,36 @@ def serve(
 
 _HANDED_OUT: set[int] = set()
 _HANDED_OUT_LOCK = threading.Lock()
+_PICK = random.SystemRandom()  # not the seeded ``random``: processes started alike pick apart
+LOWEST_PORT = 10_000
+"""The lowest port :func:`free_port` picks."""
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeral_start() -> int:
+    """Where the kernel's range for outgoing connections' ports begins (Linux's default
+    32768 where it cannot be read)."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on ``host`` now and never handed out before by this process: the ports
-    picked for a fleet before any of them is bound are distinct (the kernel may offer a port
-    again as soon as the probe's socket is closed)."""
+    """A port free on ``host`` now and never handed out before by this process, at random below
+    the kernel's range for outgoing connections: between the pick and the server binding it,
+    no client's connection (of this process or another) is given it, and processes picking at
+    the same moment (test workers) rarely meet; the ports picked for a fleet before any of them
+    is bound are distinct. Where that range leaves fewer than 1,000 ports below it, the kernel
+    picks (any port it would give a listener)."""
+    top = _ephemeral_start()
     while True:
+        wanted = _PICK.randrange(LOWEST_PORT, top) if top - LOWEST_PORT >= 1_000 else 0
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
+            try:
+                sock.bind((host, wanted))
+            except OSError:  # taken (or just released): another
+                continue
             port = int(sock.getsockname()[1])
         with _HANDED_OUT_LOCK:
             if port not in _HANDED_OUT or len(_HANDED_OUT) > 20_000:
