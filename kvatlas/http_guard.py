@@ -249,6 +249,7 @@ def guarded_protocol(limits: HttpLimits, on_refused: OnRefused) -> type[asyncio.
         _in_turn: AnswersInTurn | None = None  # the app, if it answers requests in turn
         _pending: tuple[Any, object] | None = None  # (cycle, ticket) answered in turn
         _parsing_headers = False
+        _answered_in_read = False  # a request of the data being parsed was answered in turn
 
         def on_message_begin(self) -> None:
             # A request parsed in the turn that answered the one before it (pipelined):
@@ -269,14 +270,16 @@ def guarded_protocol(limits: HttpLimits, on_refused: OnRefused) -> type[asyncio.
                 cycle.body = _Pieces()  # what comes before the app asks, kept as it comes
 
         def _start_asgi_task(self, cycle: Any, app: Any) -> None:
-            """uvicorn's start of the app for a request whose headers are complete; a request
-            the app may answer in turn waits for its body instead (not one queued behind
-            another, one uvicorn turned away, one expecting ``100 Continue``, or while the
-            client is not reading its replies: the ASGI path waits for it)."""
+            """uvicorn's start of the app for a request whose headers are complete; one the
+            app may answer in turn waits for its body instead (not one queued behind another,
+            one uvicorn turned away, one expecting ``100 Continue``, one while the client is
+            not reading its replies, nor one behind an answer in turn in the same read: a read
+            of many small requests would hold the loop for all; the ASGI path takes turns)."""
             in_turn = self._in_turn
             if (
                 in_turn is not None
                 and self._parsing_headers
+                and not self._answered_in_read
                 and app is self.app
                 and not cycle.waiting_for_100_continue
                 and not self.flow.write_paused
@@ -301,6 +304,7 @@ def guarded_protocol(limits: HttpLimits, on_refused: OnRefused) -> type[asyncio.
                 cycle.body = pieces
                 super()._start_asgi_task(cycle, self.app)
             else:
+                self._answered_in_read = True
                 self._write_answer(cycle, *answer)
 
         def _write_answer(
@@ -394,6 +398,7 @@ def guarded_protocol(limits: HttpLimits, on_refused: OnRefused) -> type[asyncio.
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
+            self._answered_in_read = False
             super().data_received(data)
             self._watch()
 

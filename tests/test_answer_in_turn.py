@@ -179,6 +179,20 @@ def test_pipelined_requests_are_answered_in_order_by_whichever_path(
     assert not closed
 
 
+def test_one_read_of_many_requests_is_not_all_answered_in_turn(
+    served: tuple[list[str], int],
+) -> None:
+    """Only the first request of a read is answered in turn: the rest go the ASGI way, taking
+    turns with other connections' requests (60 small lookups in one read would otherwise hold
+    the loop for all 60)."""
+    answered, port = served
+    answered.clear()
+    wire = b"".join(_request("/turn", b"k%d" % i) for i in range(60))
+    replies, _ = exchange(port, wire, [], 60)
+    assert [json.loads(p) for _, p in replies] == [_digest(b"k%d" % i) for i in range(60)]
+    assert answered[0] == "in_turn" and answered.count("in_turn") < 10
+
+
 @pytest.mark.parametrize(
     ("chunked", "head"),
     [(True, ""), (False, "Expect: 100-continue\r\n")],
