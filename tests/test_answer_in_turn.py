@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import random
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -83,17 +85,15 @@ TABLE = RouteTable(
 )
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[tuple[list[str], int]]:
-    """The services' settings (``logs.uvicorn_log_options``: no access log, whose lines only
-    the ASGI path writes), a short keep-alive timeout."""
-    answered: list[str] = []
+@contextmanager
+def _serving(answered: list[str], level: str, access_log: bool) -> Iterator[int]:
+    """The dispatcher of :data:`TABLE` on a real server with these log settings; its port."""
     app = Dispatcher(answered, TABLE, None, frozenset(), lambda r: LIMIT, 1024)
     port = free_port()
     config = uvicorn.Config(
         app, host="127.0.0.1", port=port, lifespan="off", timeout_keep_alive=KEEP_ALIVE_S,
         http=guarded_protocol(HttpLimits(body_timeout_s=BODY_TIMEOUT_S), lambda _reason: None),
-        **uvicorn_log_options("warning", access_log=False),
+        **uvicorn_log_options(level, access_log=access_log),
     )  # fmt: skip
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="kvatlas-in-turn", daemon=True)
@@ -102,9 +102,20 @@ def served() -> Iterator[tuple[list[str], int]]:
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.01)
-    yield answered, port
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[list[str], int]]:
+    """The services' settings (``logs.uvicorn_log_options``: no access log, whose lines only
+    the ASGI path writes), a short keep-alive timeout."""
+    answered: list[str] = []
+    with _serving(answered, "warning", access_log=False) as port:
+        yield answered, port
 
 
 def _request(path: str, body: bytes, *, chunked: bool = False, head: str = "") -> bytes:
@@ -300,3 +311,21 @@ def test_the_body_is_not_kept_past_its_answer() -> None:
         loop.close()
     assert answered == ["in_turn"] and b"".join(transport.written).startswith(b"HTTP/1.1 200")
     assert len(protocol.cycle.body) == 0
+
+
+def test_an_access_log_being_written_takes_the_asgi_path(caplog: pytest.LogCaptureFixture) -> None:
+    """``--access-log`` at ``--log-level info``: only uvicorn's ``send`` writes access lines,
+    so no request is answered in turn and every one has its line."""
+    access = logging.getLogger("uvicorn.access")
+    saved = (access.level, access.propagate, list(access.handlers))
+    answered: list[str] = []
+    try:
+        with (
+            caplog.at_level(logging.INFO, "uvicorn.access"),
+            _serving(answered, "info", True) as port,
+        ):
+            replies, _ = exchange(port, _request("/turn", b"l"), [], 1)
+    finally:
+        access.level, access.propagate, access.handlers = saved
+    assert json.loads(replies[0][1]) == _digest(b"l") and answered == ["handler"]
+    assert any('"POST /turn HTTP/1.1" 200' in r.getMessage() for r in caplog.records)
