@@ -35,7 +35,8 @@ from kvatlas.routing import OPEN, Call, Reply, Route, RouteTable
 from tests.helpers import exchange
 
 LIMIT = 300_000
-KEEP_ALIVE_S = 1.0
+KEEP_ALIVE_S = 2.0
+STILL_OPEN_S = 0.5  # how long a connection must stay open to count as kept (< KEEP_ALIVE_S)
 BODY_TIMEOUT_S = 1.0
 
 
@@ -60,7 +61,7 @@ def _in_turn(ctx: list[str], call: Call[None, None]) -> Reply | None:
 
 async def _handler(ctx: list[str], call: Call[None, None]) -> Reply:
     if call.raw.startswith(b"slow"):
-        await _sleep(2 * KEEP_ALIVE_S)
+        await _sleep(1.5 * KEEP_ALIVE_S)
     ctx.append("handler")
     return _reply(call, "in_turn" if call.raw.startswith(b"decline-same") else "handler")
 
@@ -176,9 +177,7 @@ def test_pipelined_requests_are_answered_in_order_by_whichever_path(
     answered.clear()
     bodies = [b"a" * 10, b"decline" + b"b" * 70_000, b"c" * 90_000, b"", b"decline"]
     wire = b"".join(_request("/turn", b) for b in bodies) + _request("/plain", b"d")
-    replies, closed = exchange(
-        port, wire, [len(wire) // 3], len(bodies) + 1, linger=KEEP_ALIVE_S / 2
-    )
+    replies, closed = exchange(port, wire, [len(wire) // 3], len(bodies) + 1, linger=STILL_OPEN_S)
     assert [json.loads(p) for _, p in replies] == [_digest(b) for b in [*bodies, b"d"]]
     # a request parsed while the one before it is still an ASGI cycle waits for it, and is
     # then an ASGI cycle too: which of the last ones come in turn is the network's timing
@@ -236,7 +235,7 @@ def test_over_the_routes_limit_is_refused_by_the_dispatcher(
 def test_errors_in_turn_are_the_dispatchers(served: tuple[list[str], int]) -> None:
     _, port = served
     ((head, payload),), closed = exchange(
-        port, _request("/turn", b"bad"), [], 1, linger=KEEP_ALIVE_S / 2
+        port, _request("/turn", b"bad"), [], 1, linger=STILL_OPEN_S
     )
     assert head.startswith(b"HTTP/1.1 400") and json.loads(payload) == {"detail": "a bad body"}
     assert not closed
@@ -257,7 +256,7 @@ def test_a_request_pipelined_behind_an_answer_in_turn_outlives_the_keep_alive_ti
     served: tuple[list[str], int],
 ) -> None:
     """The answer in turn arms uvicorn's idle timer (as the end of any reply does); the
-    request parsed right after it in the same read (``slow``: answered after twice that
+    request parsed right after it in the same read (``slow``: answered 1.5 times that
     timeout) must not find its connection closed."""
     _, port = served
     wire = _request("/turn", b"g") + _request("/turn", b"slow")
