@@ -132,22 +132,20 @@ class Dispatcher:
         path answers it, refusals included."""
         if not self._any_in_turn:
             return None
-        method = scope["method"]
-        found = self.table.match(method, scope["path"])
-        if found is None or found[0].in_turn is None:
+        route, params, limit = self.route_of(scope["method"], scope["path"])
+        if route is None or route.in_turn is None or route.method != scope["method"]:
             return None
-        route, params = found
         declared = None
         for name, value in scope["headers"]:
             if name == b"content-length":
                 declared = value
             elif name == b"transfer-encoding":
                 return None
+        if declared is None and route.reads_body:
+            return None
         try:
             who = self.admit(route.access, scope)
-            if declared is None and route.reads_body:
-                return None
-            check_declared_length(declared, self.limits[route])
+            check_declared_length(declared, limit)
         except KvatlasError:
             return None
         codec = JSON if route.codec is None else route.codec(scope)
@@ -167,14 +165,20 @@ class Dispatcher:
             if result is None:
                 return None
             reply = _reply(route, result, codec)
-        except KvatlasError as exc:
-            reply = _error(exc, codec)
-        except RecursionError:
-            reply = _error(nested_too_deep(self.on_refused), codec)
-        except Exception:
-            log.exception("Exception answering %s %s", scope["method"], scope["path"])
-            reply = _SERVER_ERROR_CLOSE
+        except Exception as exc:
+            refused = self._refusal(exc, codec)
+            if refused is None:
+                log.exception("Exception answering %s %s", scope["method"], scope["path"])
+            reply = _SERVER_ERROR_CLOSE if refused is None else refused
         return reply.status, _headers(reply), reply.payload
+
+    def _refusal(self, exc: Exception, codec: Codec) -> Reply | None:
+        """The error reply of what a request raised (``None``: a bug, a 500)."""
+        if isinstance(exc, KvatlasError):
+            return _error(exc, codec)
+        if isinstance(exc, RecursionError):  # a body nested deeper than the decoders follow
+            return _error(nested_too_deep(self.on_refused), codec)
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -210,13 +214,12 @@ class Dispatcher:
                     codec,
                 )  # fmt: skip
                 reply = _reply(route, await route.handler(self.context, call), codec)
-        except KvatlasError as exc:
-            reply = _error(exc, codec)
-        except RecursionError:
-            reply = _error(nested_too_deep(self.on_refused), codec)
-        except Exception:
-            await _send(send, _SERVER_ERROR)
-            raise
+        except Exception as exc:
+            refused = self._refusal(exc, codec)
+            if refused is None:
+                await _send(send, _SERVER_ERROR)
+                raise
+            reply = refused
         await _send(send, reply)
 
     @staticmethod

@@ -49,7 +49,7 @@ def _reply(call: Call[None, None], path: str) -> Reply:
 
 def _in_turn(ctx: list[str], call: Call[None, None]) -> Reply | None:
     raw = call.raw
-    if raw.startswith(b"decline") or raw.startswith(b"slow"):
+    if raw.startswith((b"decline", b"slow")):
         return None
     if raw == b"bad":
         raise InvalidInput("a bad body")
@@ -61,13 +61,9 @@ def _in_turn(ctx: list[str], call: Call[None, None]) -> Reply | None:
 
 async def _handler(ctx: list[str], call: Call[None, None]) -> Reply:
     if call.raw.startswith(b"slow"):
-        await _sleep(1.5 * KEEP_ALIVE_S)
+        await asyncio.sleep(1.5 * KEEP_ALIVE_S)
     ctx.append("handler")
     return _reply(call, "in_turn" if call.raw.startswith(b"decline-same") else "handler")
-
-
-async def _sleep(seconds: float) -> None:
-    await asyncio.sleep(seconds)
 
 
 TABLE = RouteTable(
