@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from kvatlas.errors import KvatlasError
 from kvatlas.events import decode_json, decode_json_columns, json_codec
+from kvatlas.events._cut_types import COLUMNS
 from kvatlas.events._json_cut import ENTRY_BYTES, cut_entries
 from kvatlas.keys import pack_kv_rank
 
@@ -260,3 +261,29 @@ def test_the_row_bound_takes_a_body_of_the_smallest_entries() -> None:
     _same(body)  # refused (rank 0 is no packed rank), after the cut took every entry
     valid = body.replace(b'"kv_rank":0}', b'"kv_rank":16777472}')
     _same(valid, fast=True)
+
+
+def test_decoded_columns_keep_no_more_than_their_entries_need() -> None:
+    """A body's columns live until the directory applies them (with the next body decoded
+    meanwhile): they hold the ids the entries carry and the entries' integers, not the
+    scanner's worst-case buffers (the arena is sized for ids of one digit, the integer
+    matrix for the smallest entries: ≈3.6 MB and 1.3 MB for a 1.8 MB body of 1,024 chunks)."""
+    rnd = random.Random(7)
+    entries = [
+        {"key": {"chunk_hash_hex": rnd.randbytes(32).hex(), "model_name": "m",
+                 "kv_rank": RANKS[1]},
+         "token_ids": [rnd.randrange(128_256) for _ in range(256)], "token_offset": 256 * i}
+        for i in range(300)
+    ]  # fmt: skip
+    body = _body([entries[:100], entries[100:]], rnd, spaced=False)
+    with fast_path_only():
+        batches = decode_json_columns(body)
+    ids = 256 * len(entries)
+    for cb in batches:
+        cols = cb.columns
+        assert cols is not None
+        assert cols.tokens.nbytes == 4 * ids  # (the body's ids: 4 bytes each)
+        for column in (cols.token_starts, cols.token_lengths):
+            owner = column if column.base is None else column.base
+            assert owner.nbytes <= COLUMNS * 8 * len(entries), owner.shape
+    _same(body, fast=True)
