@@ -37,6 +37,7 @@ from kvatlas.bench.service_runs import (
     lookup_workload,
     matches_of,
     run_lookups,
+    second_half_entries,
     timed_streams,
 )
 from kvatlas.errors import InvalidInput, Unavailable
@@ -178,7 +179,17 @@ def _bench_ingest(
                 )  # fmt: skip
             progress.advance(task)
     total = workload.per_emitter * args.emitters
-    figures = {run: IngestFigures(total, tuple(runs[run])) for run in RUNS}
+    figures = {
+        run: IngestFigures(
+            total,
+            tuple(runs[run]),
+            sum(
+                second_half_entries(workload.per_emitter, workload.per_body, len(stream))
+                for stream in workload.streams[run]
+            ),
+        )
+        for run in RUNS
+    }
     naive = figures["naive"]
     naive_faults = statistics.median(r.minor_faults for r in naive.runs) / total
     rows = []
@@ -230,6 +241,7 @@ def _bench_ingest(
                     extra={
                         "spread": _spread([r.rss_growth / total for r in fig.runs], 1, "B"),
                         f"after {SETTLE_S:g} s idle": f"{fig.rss_idle_per_chunk:,.0f} B",
+                        "second half": f"{fig.rss_late_per_chunk or 0:,.0f} B",
                     }
                     | ({} if kinder else {"naive": f"{naive.rss_per_chunk:,.0f} B"}),
                 )

@@ -41,14 +41,16 @@ LOOKUP_PATH = "/directory/blend-lookup"
 @dataclass(frozen=True)
 class IngestRun:
     """One run of every stream on a fresh server (the warm-up body not counted): wall time,
-    server CPU seconds, server minor page faults, growth of its resident memory (bytes), and
-    that growth again after the idle time."""
+    server CPU seconds, server minor page faults, growth of its resident memory (bytes), that
+    growth again after the idle time, and the growth once the first half of each stream was
+    applied."""
 
     wall_s: float
     cpu_s: float
     minor_faults: int
     rss_growth: int
     rss_growth_idle: int
+    rss_growth_half: int
 
 
 def timed_streams(
@@ -59,8 +61,11 @@ def timed_streams(
     warmup: bytes,
     settle_s: float = 0.0,
 ) -> IngestRun:
-    """Post ``warmup``, then every stream (one connection each, in order), then stay idle
-    ``settle_s`` and read the resident memory again."""
+    """Post ``warmup``, then every stream (one connection each, in order: the first half of
+    each stream's bodies, the resident memory read, then the rest), then stay idle
+    ``settle_s`` and read the resident memory again. The growth over the second halves is what
+    the chunks themselves cost: the first large bodies also grow the heap by what applying one
+    takes (the body, its copies, the decoder's buffers), once."""
     headers = {"Content-Type": content_type}
     httpx.post(f"{url}/events", content=warmup, headers=headers, timeout=120).raise_for_status()
     cpu0, faults0, rss0 = (
@@ -68,14 +73,22 @@ def timed_streams(
         process_minor_faults(pid),
         process_rss_bytes(pid),
     )
-    wall = post_streams(url, streams, content_type)
+    wall = post_streams(url, [s[: len(s) // 2] for s in streams], content_type)
+    rss_half = process_rss_bytes(pid) - rss0
+    wall += post_streams(url, [s[len(s) // 2 :] for s in streams], content_type)
     cpu, faults, rss = (
         process_cpu_seconds(pid) - cpu0,
         process_minor_faults(pid) - faults0,
         process_rss_bytes(pid) - rss0,
     )
     time.sleep(settle_s)
-    return IngestRun(wall, cpu, faults, rss, process_rss_bytes(pid) - rss0)
+    return IngestRun(wall, cpu, faults, rss, process_rss_bytes(pid) - rss0, rss_half)
+
+
+def second_half_entries(per_stream: int, per_body: int, bodies: int) -> int:
+    """Entries a stream of ``per_stream`` entries in ``bodies`` bodies of ``per_body`` (the
+    last one the rest) posts after its first half of bodies (:func:`timed_streams`)."""
+    return per_stream - min(per_stream, bodies // 2 * per_body)
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,8 @@ class IngestFigures:
 
     entries: int
     runs: tuple[IngestRun, ...]
+    late_entries: int | None = None
+    """Entries posted in the streams' second halves (``None``: not known)."""
 
     def _median(self, field: Callable[[IngestRun], float]) -> float:
         return statistics.median(field(r) for r in self.runs)
@@ -103,6 +118,14 @@ class IngestFigures:
     @property
     def rss_idle_per_chunk(self) -> float:
         return self._median(lambda r: r.rss_growth_idle) / self.entries
+
+    @property
+    def rss_late_per_chunk(self) -> float | None:
+        """Growth a chunk over the streams' second halves (the heap already holds what
+        applying a body takes): what a chunk costs, without what the first bodies cost once."""
+        if not self.late_entries:
+            return None
+        return self._median(lambda r: r.rss_growth - r.rss_growth_half) / self.late_entries
 
 
 @dataclass(frozen=True)

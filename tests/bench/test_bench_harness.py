@@ -12,10 +12,11 @@ import mmap
 import os
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
-from kvatlas.bench import blend, common, keys, kv_events, server_cpu, service
+from kvatlas.bench import blend, common, keys, kv_events, server_cpu, service, service_runs
 from kvatlas.bench.server_cpu import process_cpu_seconds, process_minor_faults
 from kvatlas.cli import _build_parser as build_parser
 from kvatlas.directory import BlendIndex
@@ -193,3 +194,49 @@ def test_bench_directory_times_prefix_lookups_against_the_naive_directory(tmp_pa
     assert row["case"].startswith("prefix lookup, 128 keys of one stored batch, 512 chunks")
     assert row["ours_s"] > 0 and row["reference_s"] > 0
     assert float(row["extra"]["µs/key"]) > 0
+
+
+@pytest.mark.parametrize(
+    ("per_stream", "per_body", "bodies", "late"),
+    [(1000, 256, 4, 488), (1024, 256, 4, 512), (100, 256, 1, 100), (768, 256, 3, 512)],
+)
+def test_the_second_half_counts_the_entries_of_its_bodies(
+    per_stream: int, per_body: int, bodies: int, late: int
+) -> None:
+    """Bodies of ``per_body`` entries, the last one the rest: the first ``bodies // 2`` are
+    full, the second half holds the others (a lone body is all second half)."""
+    assert service_runs.second_half_entries(per_stream, per_body, bodies) == late
+
+
+def test_the_second_half_row_divides_its_own_growth() -> None:
+    """Growth over the second halves over the entries posted there: the run's median, not the
+    whole stream's growth over all its entries."""
+    runs = tuple(
+        service_runs.IngestRun(1.0, 1.0, 0, rss_growth=total, rss_growth_idle=0, rss_growth_half=h)
+        for total, h in ((10_000, 6_000), (12_000, 7_000), (9_000, 6_000))
+    )
+    figures = service_runs.IngestFigures(10, runs, late_entries=5)
+    assert figures.rss_per_chunk == 1_000  # the median run's growth over all 10 entries
+    assert figures.rss_late_per_chunk == 4_000 / 5  # the median of 4,000, 5,000, 3,000
+    assert service_runs.IngestFigures(10, runs).rss_late_per_chunk is None
+
+
+def test_timed_streams_applies_every_body_once_in_two_halves() -> None:
+    """Against a real coordinator: two emitters' streams posted as two halves (the resident
+    memory read between them) leave exactly their chunks."""
+    args = _args("service", "--entries", "3000", "--emitters", "2", "--batch-entries", "250")
+    workload = service._ingest_workload(args, np.random.default_rng(0))
+    streams = workload.streams["json"]
+    assert [len(s) for s in streams] == [2, 2]  # 1,500 entries each: a body of 1,000, of 500
+    with service.service_process(service.COORDINATOR) as (url, pid):
+        run = service_runs.timed_streams(
+            url, pid, streams, "application/json", workload.warmups["json"]
+        )
+        stats = httpx.get(f"{url}/directory/stats", timeout=30).json()
+    assert stats["keys"] == 64 + 3000  # the warm-up's and every stream's, once
+    assert run.wall_s > 0
+    late = sum(
+        service_runs.second_half_entries(workload.per_emitter, workload.per_body, len(s))
+        for s in streams
+    )
+    assert late == 2 * 500
