@@ -241,12 +241,18 @@ def _bench_ingest(
                     extra={
                         "spread": _spread([r.rss_growth / total for r in fig.runs], 1, "B"),
                         f"after {SETTLE_S:g} s idle": f"{fig.rss_idle_per_chunk:,.0f} B",
-                        "second half": f"{fig.rss_late_per_chunk or 0:,.0f} B",
                     }
+                    | _second_half(fig)
                     | ({} if kinder else {"naive": f"{naive.rss_per_chunk:,.0f} B"}),
                 )
             )
     return rows, figures["json"]
+
+
+def _second_half(fig: IngestFigures) -> dict[str, str]:
+    """The RSS row's note of the growth a chunk over the streams' second halves, if known."""
+    late = fig.rss_late_per_chunk
+    return {} if late is None else {"second half": f"{late:,.0f} B"}
 
 
 def _bench_lookup(

@@ -186,16 +186,14 @@ def cut_entries(body: bytes) -> CutBody | None:
     status, m, n_entries, n_batches, n_runs = cut(buf, out, arena, counts, hashes, cols, runs)
     if status != OK:
         return None
-    # The columns outlive the cut (until the directory applies them, the next body decoded
-    # meanwhile): the arena, sized for ids of one digit, shrunk in place to the ids there are
-    # (a 1.8 MB body of 1,024 chunks: 3.6 MB to 1 MB, no copy), the integers copied out of
-    # their matrix, sized for the smallest entries (1.3 MB for 90 KB).
+    # The columns outlive the cut (until the caller applies them, maybe beside other bodies'):
+    # the arena, sized for ids of one digit, shrunk in place to the ids there are (a 1.8 MB
+    # body of 1,024 chunks: 3.6 MB to 1 MB, no copy), the integers copied out of their
+    # matrix, sized for the smallest entries (1.3 MB for 90 KB).
     ids = int(cols[START, n_entries - 1] + cols[TOKENS, n_entries - 1]) if n_entries else 0
     try:
         arena.resize(ids)  # in place (its only reference is this function's)
     except ValueError:  # referenced elsewhere (numba's compiling call keeps its arguments)
         arena = arena[:ids].copy()
-    return CutBody(
-        out[:m], arena, counts[:n_batches], hashes[:n_entries], cols[:, :n_entries].copy(),
-        runs[:n_runs],
-    )  # fmt: skip
+    small, ints = out[:m], cols[:, :n_entries].copy()
+    return CutBody(small, arena, counts[:n_batches], hashes[:n_entries], ints, runs[:n_runs])

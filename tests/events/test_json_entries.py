@@ -264,9 +264,9 @@ def test_the_row_bound_takes_a_body_of_the_smallest_entries() -> None:
 
 
 def test_decoded_columns_keep_no_more_than_their_entries_need() -> None:
-    """A body's columns live until the directory applies them (with the next body decoded
-    meanwhile): they hold the ids the entries carry and the entries' integers, not the
-    scanner's worst-case buffers (the arena is sized for ids of one digit, the integer
+    """A body's columns live until the caller applies them (maybe beside other bodies'): they
+    hold the ids the entries carry and the entries' integers, not the scanner's worst-case
+    buffers (the arena is sized for ids of one digit, the integer
     matrix for the smallest entries: ≈3.6 MB and 1.3 MB for a 1.8 MB body of 1,024 chunks)."""
     rnd = random.Random(7)
     entries = [
