@@ -183,10 +183,7 @@ def _bench_ingest(
         run: IngestFigures(
             total,
             tuple(runs[run]),
-            sum(
-                second_half_entries(workload.per_emitter, workload.per_body, len(stream))
-                for stream in workload.streams[run]
-            ),
+            second_half_entries(workload.streams[run], workload.per_emitter, workload.per_body),
         )
         for run in RUNS
     }
@@ -428,6 +425,7 @@ def _against_lmcache(
             warmup=ingest[0].warmups["json"] if ingest is not None else b"",
             lookup=lookup[0] if lookup is not None else None, use_wrk=use_wrk,
             settle_s=SETTLE_S, progress=progress,
+            per_body=ingest[0].per_body if ingest is not None else None,
         )  # fmt: skip
     except (Unavailable, httpx.HTTPError) as e:
         print(f"kvatlas bench service: {lmcache.label} could not be measured: {e}", file=sys.stderr)

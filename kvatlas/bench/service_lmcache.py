@@ -29,6 +29,7 @@ from kvatlas.bench.service_runs import (
     LookupWorkload,
     matches_of,
     run_lookups,
+    second_half_entries,
     timed_streams,
 )
 from kvatlas.events import encode_json
@@ -58,12 +59,14 @@ def measure_lmcache(
     use_wrk: bool,
     settle_s: float = SETTLE_S,
     progress: Progress | None = None,
+    per_body: int | None = None,
 ) -> tuple[IngestFigures | None, LookupFigures | None]:
     """Ingest ``streams`` (``entries`` entries, after ``warmup``) into a fresh LMCache
     coordinator, stop it, then run ``lookup`` against another fresh one, as ours run (one
     process at a time: the two never share the cores or memory): its ingest figures (one run)
     and its lookup figures (``--repeats`` runs of ``--lookup-seconds``, ``--clients``
-    connections)."""
+    connections). ``per_body``: entries a body (the last of a stream the rest), for the
+    growth a chunk over the streams' second halves."""
     if streams is None and lookup is None:
         return None, None
     task = (
@@ -84,7 +87,12 @@ def measure_lmcache(
                 with lmcache_coordinator(lmcache, CHUNK, Path(tmp), "ingest") as (url, pid):
                     say(f"ingesting {entries:,} JSON entries")
                     run = timed_streams(url, pid, streams, "application/json", warmup, settle_s)
-                    ingest = IngestFigures(entries, (run,))
+                    late = (
+                        None
+                        if per_body is None
+                        else second_half_entries(streams, entries // len(streams), per_body)
+                    )
+                    ingest = IngestFigures(entries, (run,), late)
             if lookup is not None:
                 say("starting its coordinator for lookups")
                 with lmcache_coordinator(lmcache, CHUNK, Path(tmp), "lookup") as (url, pid):
@@ -148,11 +156,19 @@ def _ingest_rows(
         "B", ours.rss_per_chunk, theirs.rss_per_chunk, lower_is_better=True,
         target="≤ 0.9 KB", met=ours.rss_per_chunk <= 900,
         notes=f"after {SETTLE_S:g} s idle: kvatlas {ours.rss_idle_per_chunk:,.0f} B, "
-        f"{label} {theirs.rss_idle_per_chunk:,.0f} B",
+        f"{label} {theirs.rss_idle_per_chunk:,.0f} B" + _second_halves(ours, theirs, label),
     )  # fmt: skip
     factor = cpu.factor or 0.0
     cpu = _judged(cpu, ours.cpu_per_entry_s <= 7e-6 and factor >= 20)
     return [cpu, rate, rss]
+
+
+def _second_halves(ours: IngestFigures, theirs: IngestFigures, label: str) -> str:
+    """The RSS row's note of both sides' growth a chunk over the streams' second halves."""
+    mine, their = ours.rss_late_per_chunk, theirs.rss_late_per_chunk
+    if mine is None or their is None:
+        return ""
+    return f"; over the second halves: kvatlas {mine:,.0f} B, {label} {their:,.0f} B"
 
 
 def _lookup_rows(

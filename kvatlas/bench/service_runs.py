@@ -85,10 +85,10 @@ def timed_streams(
     return IngestRun(wall, cpu, faults, rss, process_rss_bytes(pid) - rss0, rss_half)
 
 
-def second_half_entries(per_stream: int, per_body: int, bodies: int) -> int:
-    """Entries a stream of ``per_stream`` entries in ``bodies`` bodies of ``per_body`` (the
-    last one the rest) posts after its first half of bodies (:func:`timed_streams`)."""
-    return per_stream - min(per_stream, bodies // 2 * per_body)
+def second_half_entries(streams: list[list[bytes]], per_stream: int, per_body: int) -> int:
+    """Entries ``streams`` post after the first half of their bodies (:func:`timed_streams`),
+    each stream ``per_stream`` entries in bodies of ``per_body`` (its last body the rest)."""
+    return sum(per_stream - min(per_stream, len(s) // 2 * per_body) for s in streams)
 
 
 @dataclass(frozen=True)

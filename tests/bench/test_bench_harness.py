@@ -204,8 +204,10 @@ def test_the_second_half_counts_the_entries_of_its_bodies(
     per_stream: int, per_body: int, bodies: int, late: int
 ) -> None:
     """Bodies of ``per_body`` entries, the last one the rest: the first ``bodies // 2`` are
-    full, the second half holds the others (a lone body is all second half)."""
-    assert service_runs.second_half_entries(per_stream, per_body, bodies) == late
+    full, the second half holds the others (a lone body is all second half); streams add."""
+    stream = [b""] * bodies
+    assert service_runs.second_half_entries([stream], per_stream, per_body) == late
+    assert service_runs.second_half_entries([stream] * 3, per_stream, per_body) == 3 * late
 
 
 def test_the_second_half_row_divides_its_own_growth() -> None:
@@ -235,8 +237,5 @@ def test_timed_streams_applies_every_body_once_in_two_halves() -> None:
         stats = httpx.get(f"{url}/directory/stats", timeout=30).json()
     assert stats["keys"] == 64 + 3000  # the warm-up's and every stream's, once
     assert run.wall_s > 0
-    late = sum(
-        service_runs.second_half_entries(workload.per_emitter, workload.per_body, len(s))
-        for s in streams
-    )
+    late = service_runs.second_half_entries(streams, workload.per_emitter, workload.per_body)
     assert late == 2 * 500

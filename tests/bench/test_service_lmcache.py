@@ -33,6 +33,7 @@ from kvatlas.bench.service_runs import (
     IngestFigures,
     LookupFigures,
     lookup_workload,
+    second_half_entries,
     timed_streams,
 )
 from kvatlas.cli import _build_parser as build_parser
@@ -227,7 +228,8 @@ def test_lmcache_side_gives_every_row_on_the_same_work(
         ours_run = timed_streams(
             url, pid, workload.streams["json"], "application/json", workload.warmups["json"]
         )
-    ours_ingest = IngestFigures(4096, (ours_run,))
+    ours_late = second_half_entries(workload.streams["json"], 4096, workload.per_body)
+    ours_ingest = IngestFigures(4096, (ours_run,), ours_late)
     args.lookup_seconds = 0.3  # the Python load generator: no whole seconds needed
     ours_lookup = service.kvatlas_lookups(args, lookup, use_wrk=False)
     streams, entries = lmcache_entries(
@@ -236,7 +238,7 @@ def test_lmcache_side_gives_every_row_on_the_same_work(
     began = time.perf_counter()
     theirs_ingest, theirs_lookup = measure_lmcache(
         lmcache, args, streams=streams, entries=entries, warmup=workload.warmups["json"],
-        lookup=lookup, use_wrk=False, settle_s=0.0,
+        lookup=lookup, use_wrk=False, settle_s=0.0, per_body=workload.per_body,
     )  # fmt: skip
     measured_s = time.perf_counter() - began
     assert theirs_ingest is not None and theirs_lookup is not None
@@ -247,6 +249,7 @@ def test_lmcache_side_gives_every_row_on_the_same_work(
     assert theirs_lookup.first_matches == ours_lookup.first_matches
     assert len(ours_lookup.first_matches) > 0
     assert theirs_ingest.entries == 1024 and len(theirs_ingest.runs) == 1
+    assert (ours_late, theirs_ingest.late_entries) == (2048, 1024)  # 4 bodies · a lone one
     assert theirs_lookup.requests > 0 and len(theirs_lookup.runs) == 1
 
     rows = comparisons(args, ours_ingest, theirs_ingest, ours_lookup, theirs_lookup, lmcache.label)
@@ -272,6 +275,9 @@ def test_lmcache_side_gives_every_row_on_the_same_work(
     assert 0 < theirs_lookup.p50_s <= theirs_lookup.p99_s < measured_s
     assert "kvatlas 1 run × 4,096 entries, LMCache 0.5.6 1 run × 1,024" in rows[0].notes
     assert f"the same {len(ours_lookup.first_matches)} matches" in rows[3].notes
+    assert (
+        "; over the second halves: kvatlas " in rows[2].notes and "LMCache 0.5.6 " in rows[2].notes
+    )
 
     out = tmp_path / "out.json"
     common.report("t", [], argparse.Namespace(json=out, plot=None), {})
