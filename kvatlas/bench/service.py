@@ -248,8 +248,8 @@ def _bench_ingest(
 
 def _second_half(fig: IngestFigures) -> dict[str, str]:
     """The RSS row's note of the growth a chunk over the streams' second halves, if known."""
-    late = fig.rss_late_per_chunk
-    return {} if late is None else {"second half": f"{late:,.0f} B"}
+    grown = fig.rss_second_half_per_chunk
+    return {} if grown is None else {"second half": f"{grown:,.0f} B"}
 
 
 def _bench_lookup(

@@ -87,12 +87,12 @@ def measure_lmcache(
                 with lmcache_coordinator(lmcache, CHUNK, Path(tmp), "ingest") as (url, pid):
                     say(f"ingesting {entries:,} JSON entries")
                     run = timed_streams(url, pid, streams, "application/json", warmup, settle_s)
-                    late = (
+                    second_half = (
                         None
                         if per_body is None
                         else second_half_entries(streams, entries // len(streams), per_body)
                     )
-                    ingest = IngestFigures(entries, (run,), late)
+                    ingest = IngestFigures(entries, (run,), second_half)
             if lookup is not None:
                 say("starting its coordinator for lookups")
                 with lmcache_coordinator(lmcache, CHUNK, Path(tmp), "lookup") as (url, pid):
@@ -165,7 +165,7 @@ def _ingest_rows(
 
 def _second_halves(ours: IngestFigures, theirs: IngestFigures, label: str) -> str:
     """The RSS row's note of both sides' growth a chunk over the streams' second halves."""
-    mine, their = ours.rss_late_per_chunk, theirs.rss_late_per_chunk
+    mine, their = ours.rss_second_half_per_chunk, theirs.rss_second_half_per_chunk
     if mine is None or their is None:
         return ""
     return f"; over the second halves: kvatlas {mine:,.0f} B, {label} {their:,.0f} B"

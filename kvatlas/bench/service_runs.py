@@ -50,7 +50,7 @@ class IngestRun:
     minor_faults: int
     rss_growth: int
     rss_growth_idle: int
-    rss_growth_half: int
+    rss_growth_first_half: int
 
 
 def timed_streams(
@@ -97,7 +97,7 @@ class IngestFigures:
 
     entries: int
     runs: tuple[IngestRun, ...]
-    late_entries: int | None = None
+    second_half: int | None = None
     """Entries posted in the streams' second halves (``None``: not known)."""
 
     def _median(self, field: Callable[[IngestRun], float]) -> float:
@@ -120,12 +120,12 @@ class IngestFigures:
         return self._median(lambda r: r.rss_growth_idle) / self.entries
 
     @property
-    def rss_late_per_chunk(self) -> float | None:
+    def rss_second_half_per_chunk(self) -> float | None:
         """Growth a chunk over the streams' second halves (the heap already holds what
         applying a body takes): what a chunk costs, without what the first bodies cost once."""
-        if not self.late_entries:
+        if not self.second_half:
             return None
-        return self._median(lambda r: r.rss_growth - r.rss_growth_half) / self.late_entries
+        return self._median(lambda r: r.rss_growth - r.rss_growth_first_half) / self.second_half
 
 
 @dataclass(frozen=True)

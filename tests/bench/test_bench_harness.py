@@ -214,13 +214,15 @@ def test_the_second_half_row_divides_its_own_growth() -> None:
     """Growth over the second halves over the entries posted there: the run's median, not the
     whole stream's growth over all its entries."""
     runs = tuple(
-        service_runs.IngestRun(1.0, 1.0, 0, rss_growth=total, rss_growth_idle=0, rss_growth_half=h)
+        service_runs.IngestRun(
+            1.0, 1.0, 0, rss_growth=total, rss_growth_idle=0, rss_growth_first_half=h
+        )
         for total, h in ((10_000, 6_000), (12_000, 7_000), (9_000, 6_000))
     )
-    figures = service_runs.IngestFigures(10, runs, late_entries=5)
+    figures = service_runs.IngestFigures(10, runs, second_half=5)
     assert figures.rss_per_chunk == 1_000  # the median run's growth over all 10 entries
-    assert figures.rss_late_per_chunk == 4_000 / 5  # the median of 4,000, 5,000, 3,000
-    assert service_runs.IngestFigures(10, runs).rss_late_per_chunk is None
+    assert figures.rss_second_half_per_chunk == 4_000 / 5  # the median of 4,000, 5,000, 3,000
+    assert service_runs.IngestFigures(10, runs).rss_second_half_per_chunk is None
 
 
 def test_timed_streams_applies_every_body_once_in_two_halves() -> None:
@@ -235,7 +237,7 @@ def test_timed_streams_applies_every_body_once_in_two_halves() -> None:
             url, pid, streams, "application/json", workload.warmups["json"]
         )
         stats = httpx.get(f"{url}/directory/stats", timeout=30).json()
-    assert stats["keys"] == 64 + 3000  # the warm-up's and every stream's, once
+    assert stats["keys"] == 64 + 3000  # the warm-up's and every stream's
+    # every batch applied once: the warm-up's one and each stream's six, none posted twice
+    assert stats["batches"] == {"applied": 1 + 2 * 6, "duplicate": 0, "stale": 0}
     assert run.wall_s > 0
-    late = service_runs.second_half_entries(streams, workload.per_emitter, workload.per_body)
-    assert late == 2 * 500

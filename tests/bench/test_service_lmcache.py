@@ -228,8 +228,8 @@ def test_lmcache_side_gives_every_row_on_the_same_work(
         ours_run = timed_streams(
             url, pid, workload.streams["json"], "application/json", workload.warmups["json"]
         )
-    ours_late = second_half_entries(workload.streams["json"], 4096, workload.per_body)
-    ours_ingest = IngestFigures(4096, (ours_run,), ours_late)
+    ours_second_half = second_half_entries(workload.streams["json"], 4096, workload.per_body)
+    ours_ingest = IngestFigures(4096, (ours_run,), ours_second_half)
     args.lookup_seconds = 0.3  # the Python load generator: no whole seconds needed
     ours_lookup = service.kvatlas_lookups(args, lookup, use_wrk=False)
     streams, entries = lmcache_entries(
@@ -249,7 +249,7 @@ def test_lmcache_side_gives_every_row_on_the_same_work(
     assert theirs_lookup.first_matches == ours_lookup.first_matches
     assert len(ours_lookup.first_matches) > 0
     assert theirs_ingest.entries == 1024 and len(theirs_ingest.runs) == 1
-    assert (ours_late, theirs_ingest.late_entries) == (2048, 1024)  # 4 bodies · a lone one
+    assert (ours_second_half, theirs_ingest.second_half) == (2048, 1024)  # 4 bodies · a lone one
     assert theirs_lookup.requests > 0 and len(theirs_lookup.runs) == 1
 
     rows = comparisons(args, ours_ingest, theirs_ingest, ours_lookup, theirs_lookup, lmcache.label)
