@@ -22,7 +22,7 @@ the app asks for more (a large ``POST /events`` body was copied four times over 
 reads, each a wake-up of the app). The body limit is the caller's and is checked as the pieces
 come; past it the socket is paused and nothing more is kept (413, as with ``receive``). What
 comes before the app asks (a whole 175 KB blend lookup arrives in one read, before the app's
-task runs) is kept as the parser's pieces too (:class:`_Pieces`), so a body that came in one
+task runs) is kept as the parser's pieces too (:class:`Pieces`), so a body that came in one
 piece reaches the app, by either read, as the parser's own ``bytes``: no copy at all.
 
 With an app that answers requests in turn (:class:`AnswersInTurn`, the dispatcher), a request
@@ -49,7 +49,14 @@ from prometheus_client.registry import Collector
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
-from kvatlas.errors import PayloadTooLarge
+from kvatlas.http_body import (
+    Collecting,
+    Pieces,
+    body_too_large,
+    declared_length,
+    new_parser,
+    read_rest_directly,
+)
 from kvatlas.http_coalescing import CoalescingTransport
 
 RESERVED_FDS = 64
@@ -154,67 +161,6 @@ WholeBody = Callable[[int], Awaitable[bytes | None]]
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
-def body_too_large(max_bytes: int) -> PayloadTooLarge:
-    """The error of a body found longer than ``max_bytes`` while it was read."""
-    return PayloadTooLarge(f"body exceeds {max_bytes} bytes")
-
-
-class _Pieces:
-    """A request's body as the parser handed it over, before the app asks for it: the cycle's
-    ``body`` in place of uvicorn's ``bytearray``. uvicorn appends each piece with ``+=`` and
-    sizes the body with ``len`` (to pause the socket past 64 KiB), and its ``receive`` takes
-    ``bytes(body)``: here a piece is kept as the object it came as, and joined only if
-    ``receive`` asks, so a body read through :data:`WHOLE_BODY` that came in one piece reaches
-    the app as that very ``bytes`` object (no copy into a buffer, none out of it)."""
-
-    __slots__ = ("pieces", "size")
-
-    def __init__(self) -> None:
-        self.pieces: list[bytes] = []
-        self.size = 0
-
-    def __iadd__(self, piece: bytes) -> _Pieces:
-        self.pieces.append(piece)
-        self.size += len(piece)
-        return self
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __bytes__(self) -> bytes:
-        pieces = self.pieces
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
-
-
-class _Collecting:
-    """The body of the request answered by ``cycle``, as the parser hands it over."""
-
-    __slots__ = ("cycle", "exceeded", "max_bytes", "pieces", "size")
-
-    def __init__(self, cycle: Any, max_bytes: int) -> None:
-        self.cycle = cycle
-        self.max_bytes = max_bytes
-        self.pieces: list[bytes | bytearray] = []
-        self.size = 0
-        self.exceeded = False
-
-    def add(self, piece: bytes | bytearray) -> bool:
-        """Keep ``piece``; whether the body is now over the limit (then nothing is kept)."""
-        self.size += len(piece)
-        if self.size > self.max_bytes:
-            self.exceeded = True
-            self.pieces = []
-            return True
-        self.pieces.append(piece)
-        return False
-
-    def joined(self) -> bytes:
-        pieces = self.pieces
-        if len(pieces) == 1 and type(pieces[0]) is bytes:
-            return pieces[0]
-        return b"".join(pieces)
-
-
 _WHOLE_BODY_PARSER = hasattr(AutoHTTPProtocol, "on_body")
 """Whether uvicorn's protocol is httptools' (its parser hands each piece of a body to
 ``on_body``); with h11 the extension is not offered and bodies come through ``receive``, and no
@@ -245,7 +191,7 @@ def guarded_protocol(limits: HttpLimits, on_refused: OnRefused) -> type[asyncio.
     class GuardedHTTP(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         _timer: asyncio.TimerHandle | None = None
         _timer_body = False  # whether the armed timer is the body timer
-        _collecting: _Collecting | None = None  # the body read for the extension, if any
+        _collecting: Collecting | None = None  # the body read for the extension, if any
         _in_turn: AnswersInTurn | None = None  # the app, if it answers requests in turn
         _pending: tuple[Any, object] | None = None  # (cycle, ticket) answered in turn
         _parsing_headers = False
@@ -267,7 +213,7 @@ def guarded_protocol(limits: HttpLimits, on_refused: OnRefused) -> type[asyncio.
             if _WHOLE_BODY_PARSER and cycle is not None and cycle.scope is self.scope:
                 whole: WholeBody = partial(self._whole_body, cycle)
                 self.scope.setdefault("extensions", {})[WHOLE_BODY] = whole
-                cycle.body = _Pieces()  # what comes before the app asks, kept as it comes
+                cycle.body = Pieces()  # what comes before the app asks, kept as it comes
 
         def _start_asgi_task(self, cycle: Any, app: Any) -> None:
             """uvicorn's start of the app for a request whose headers are complete; one the
@@ -354,12 +300,14 @@ def guarded_protocol(limits: HttpLimits, on_refused: OnRefused) -> type[asyncio.
             if cycle.waiting_for_100_continue and not cycle.transport.is_closing():
                 cycle.transport.write(_CONTINUE)  # as uvicorn's receive
                 cycle.waiting_for_100_continue = False
-            collecting = _Collecting(cycle, max_bytes)
+            collecting = Collecting(cycle, max_bytes)
             early, cycle.body = cycle.body, bytearray()  # what came before the app asked
-            for piece in early.pieces if type(early) is _Pieces else (early,):
+            for piece in early.pieces if type(early) is Pieces else (early,):
                 if piece and collecting.add(piece):
                     raise body_too_large(max_bytes)
             self._collecting = collecting
+            if self._read_directly(cycle, collecting.pieces, max_bytes):
+                collecting.pieces, collecting.size = [], 0  # (copied: the body comes whole)
             try:
                 self.flow.resume_reading()  # paused past 64 KiB before the app asked
                 while (
@@ -379,6 +327,35 @@ def guarded_protocol(limits: HttpLimits, on_refused: OnRefused) -> type[asyncio.
             if cycle.disconnected or cycle.response_complete:
                 return None
             return collecting.joined()
+
+        def _read_directly(self, cycle: Any, pieces: list[Any], max_bytes: int | None) -> bool:
+            """Read the rest of ``cycle``'s body straight into one ``bytes``
+            (:func:`~kvatlas.http_body.read_rest_directly`), ``pieces`` of it there already,
+            if its headers declare its length and that is within ``max_bytes`` (``None``: the
+            app's ticket checked it). Then the body comes whole, to :meth:`_direct_done`."""
+            declared = declared_length(cycle.scope["headers"])
+            if (
+                declared is None
+                or (max_bytes is not None and declared > max_bytes)
+                or cycle is not self.cycle
+                or not cycle.more_body
+                or cycle.response_complete
+                or self.transport.is_closing()
+            ):
+                return False
+            return read_rest_directly(
+                self.transport, self, declared, pieces, self._watch, self._direct_done
+            )
+
+        def _direct_done(self, body: bytes) -> None:
+            """The body read directly is complete: the transport reads for this protocol
+            again, through a fresh parser (this one has not seen the body), and the body
+            is handed over as the parser would have, in one piece."""
+            self.transport.set_protocol(self)
+            self.parser = new_parser(self)
+            self.on_body(body)
+            self.on_message_complete()
+            self._watch()
 
         def connection_made(self, transport: Any) -> None:
             transport = CoalescingTransport(transport, asyncio.get_running_loop())
@@ -400,6 +377,11 @@ def guarded_protocol(limits: HttpLimits, on_refused: OnRefused) -> type[asyncio.
         def data_received(self, data: bytes) -> None:
             self._answered_in_read = False
             super().data_received(data)
+            pending = self._pending  # a body answered in turn, not complete in this read
+            if pending is not None and self._read_directly(
+                pending[0], pending[0].body.pieces, None
+            ):
+                pending[0].body = Pieces()  # (copied: the body comes whole)
             self._watch()
 
         def on_response_complete(self) -> None:

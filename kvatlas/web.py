@@ -22,7 +22,8 @@ from kvatlas.errors import (
     Unauthorized,
     Unprocessable,
 )
-from kvatlas.http_guard import NESTED_TOO_DEEP, WHOLE_BODY, OnRefused, WholeBody, body_too_large
+from kvatlas.http_body import body_too_large
+from kvatlas.http_guard import NESTED_TOO_DEEP, WHOLE_BODY, OnRefused, WholeBody
 
 json_encoder = msgspec.json.Encoder()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -106,16 +107,25 @@ def process_fleet(
 
 
 def exchange(
-    port: int, wire: bytes, cuts: list[int], count: int, *, linger: float = 0.0
+    port: int,
+    wire: bytes,
+    cuts: list[int],
+    count: int,
+    *,
+    linger: float = 0.0,
+    pause: float = 0.0,
 ) -> tuple[list[tuple[bytes, bytes]], bool]:
     """Send ``wire`` (requests as raw bytes) cut at ``cuts`` on one connection to ``port`` (a
-    server closing on the way ends the sending) and read ``count`` replies with a
-    ``Content-Length``, each as (head, body), ``100 Continue`` passed over; and whether the
-    server closed the connection within ``linger`` seconds after the last."""
+    server closing on the way ends the sending; ``pause`` seconds between pieces, for the
+    server to read each on its own) and read ``count`` replies with a ``Content-Length``,
+    each as (head, body), ``100 Continue`` passed over; and whether the server closed the
+    connection within ``linger`` seconds after the last."""
     with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         at = 0
-        for cut in [*sorted(cuts), len(wire)]:
+        for k, cut in enumerate([*sorted(cuts), len(wire)]):
+            if k and pause:
+                time.sleep(pause)
             try:
                 conn.sendall(wire[at:cut])
             except (BrokenPipeError, ConnectionResetError):

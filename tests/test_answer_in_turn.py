@@ -25,6 +25,7 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
+from kvatlas import http_guard
 from kvatlas.asgi_thread import free_port
 from kvatlas.dispatch import Dispatcher
 from kvatlas.errors import InvalidInput
@@ -324,3 +325,44 @@ def test_an_access_log_being_written_takes_the_asgi_path(caplog: pytest.LogCaptu
         access.level, access.propagate, access.handlers = saved
     assert json.loads(replies[0][1]) == _digest(b"l") and answered == ["handler"]
     assert any('"POST /turn HTTP/1.1" 200' in r.getMessage() for r in caplog.records)
+
+
+@pytest.fixture()
+def direct_reads(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each body the guard considered reading straight into its ``bytes`` was."""
+    taken: list[bool] = []
+
+    def counted(*args: Any) -> bool:
+        taken.append(real(*args))
+        return taken[-1]
+
+    real = http_guard.read_rest_directly
+    monkeypatch.setattr(http_guard, "read_rest_directly", counted)
+    return taken
+
+
+def test_a_large_body_answered_in_turn_is_read_straight_into_its_bytes(
+    served: tuple[list[str], int], direct_reads: list[bool]
+) -> None:
+    """The rest of a body past its first read goes by the socket into the ``bytes`` the
+    route answers from; the request pipelined right behind it is the next one."""
+    answered, port = served
+    answered.clear()
+    body = random.Random(3).randbytes(LIMIT)
+    wire = _request("/turn", body) + _request("/turn", b"next")
+    replies, _ = exchange(port, wire, [200, 90_000, len(wire) - 50], 2, pause=0.1)
+    assert [json.loads(payload) for _, payload in replies] == [_digest(body), _digest(b"next")]
+    assert answered == ["in_turn", "in_turn"]
+    assert direct_reads[0] is True  # the control: the case under test was the direct read
+
+
+def test_a_body_read_directly_that_stops_coming_is_a_408(
+    served: tuple[list[str], int], direct_reads: list[bool]
+) -> None:
+    answered, port = served
+    answered.clear()
+    wire = _request("/turn", b"k" * LIMIT)[:150_000]
+    ((head, payload),), closed = exchange(port, wire, [300], 1, linger=30, pause=0.1)
+    assert head.startswith(b"HTTP/1.1 408") and b"not received in time" in payload
+    assert closed and answered == []
+    assert direct_reads == [True]

@@ -48,6 +48,7 @@ SHARED = (
     "dispatch",  # the one request stack serving a route table
     "openapi",  # a route table's documentation
     "http_guard",
+    "http_body",  # how the guard keeps a request body; a large one read straight into its bytes
     "http_coalescing",  # a transport whose writes of one event-loop turn leave in one send
     "memory_transport",  # an asyncio transport in memory: an HTTP protocol without sockets
     "config_flags",

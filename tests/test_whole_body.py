@@ -14,6 +14,7 @@ import json
 import random
 import socket
 import threading
+import time
 import tracemalloc
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +26,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from uvicorn.server import ServerState
 
+from kvatlas import http_guard
 from kvatlas.asgi_thread import ThreadedServer, free_port
 from kvatlas.errors import PayloadTooLarge
 from kvatlas.http_guard import WHOLE_BODY, HttpLimits, guarded_protocol
@@ -253,3 +255,66 @@ class Recorder(App):
             self.bodies.append(await receive_body(receive, LIMIT, scope if whole else None) or b"")
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b""})
+
+
+@pytest.fixture()
+def direct_reads(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each body the guard considered reading straight into its ``bytes`` was."""
+    taken: list[bool] = []
+
+    def counted(*args: Any) -> bool:
+        taken.append(real(*args))
+        return taken[-1]
+
+    real = http_guard.read_rest_directly
+    monkeypatch.setattr(http_guard, "read_rest_directly", counted)
+    return taken
+
+
+@pytest.mark.parametrize("cut", [40, 10_000, 100_000, 150_000])
+def test_a_large_body_is_read_straight_into_its_bytes(
+    served: tuple[App, int], direct_reads: list[bool], cut: int
+) -> None:
+    """Past what came before the app asked, a body whose length the headers declare is read
+    by the socket into the ``bytes`` the app gets (``kvatlas.http_body``): the same bytes,
+    and the request pipelined right behind it is the next one's (read only once the body is
+    complete, by the parser again)."""
+    _, port = served
+    body = random.Random(cut).randbytes(LIMIT - 10)
+    after = b"after"
+    wire = _request("/whole", body, chunked=False) + _request("/whole", after, chunked=False)
+    cuts = [cut, cut + 70_000, len(wire) - 100]
+    replies, _ = exchange(port, wire, cuts, 2, pause=0.1)
+    assert [(int(h.split()[1]), json.loads(b)["sha"]) for h, b in replies] == [
+        (200, hashlib.sha256(body).hexdigest()),
+        (200, hashlib.sha256(after).hexdigest()),
+    ]
+    assert direct_reads[0] is True  # the control: the case under test was the direct read
+
+
+def test_a_body_declared_past_the_limit_is_not_read_directly(
+    served: tuple[App, int], direct_reads: list[bool]
+) -> None:
+    """The ``bytes`` is as long as the declared length: never made for a length past the
+    app's limit (413 as before, from what came)."""
+    _, port = served
+    wire = _request("/whole", b"y" * (LIMIT + 100_000), chunked=False)
+    ((head, payload),), _ = exchange(port, wire, [100], 1, pause=0.1)
+    assert head.startswith(b"HTTP/1.1 413") and b"exceeds" in payload
+    assert True not in direct_reads
+
+
+def test_a_client_gone_mid_direct_body_reads_as_none(
+    served: tuple[App, int], direct_reads: list[bool]
+) -> None:
+    app, port = served
+    app.gone_event.clear()
+    head = b"POST /whole HTTP/1.1\r\nHost: x\r\nContent-Length: 290000\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        conn.sendall(head + b"x" * 1000)
+        time.sleep(0.1)
+        conn.sendall(b"x" * 100_000)
+        time.sleep(0.1)
+    assert app.gone_event.wait(10)
+    assert app.gone[-1] == "/whole"
+    assert direct_reads == [True]
