@@ -195,14 +195,9 @@ def _vector_digit_mask(typingctx: Any, buf: Any, b: Any) -> Any:
     return sig, codegen
 
 
-_block_mask = _vector_digit_mask if sys.byteorder == "little" else _swar_digit_mask
-
-
-@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
-def _digit_mask(buf, b):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
-    """Bit ``t`` set iff ``buf[b + t]`` is an ASCII digit, for ``t`` < 64 (the caller's bounds
-    check: ``b + 64 <= len``)."""
-    return _block_mask(buf, b)
+_digit_mask = _vector_digit_mask if sys.byteorder == "little" else _swar_digit_mask
+"""Bit ``t`` set iff ``buf[b + t]`` is an ASCII digit, for ``t`` < 64 (the caller's bounds
+check: ``b + 64 <= len``)."""
 
 
 @njit_without_nrt(cache=True, nogil=True, boundscheck=False)
@@ -223,7 +218,7 @@ def _usual_numbers(buf, i, n, arena, k):  # type: ignore[no-untyped-def]  # prag
     # (a block read only with room for a word at any number in it and for its numbers, at
     # most 32: no bounds check per number)
     while b + BLOCK + 8 <= n and k + BLOCK // 2 <= len(arena):
-        stops = ~_digit_mask(buf, b)
+        stops = ~_digit_mask(buf, b)  # type: ignore[call-arg]
         while stops != 0:
             p = b + np.int64(_trailing_zeros(stops))  # type: ignore[call-arg]
             stops &= stops - np.uint64(1)
