@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -18,6 +19,7 @@ from tests.numba_cache import use_keyed_cache, wait_until_warm, warm_for_workers
 
 use_keyed_cache()  # before anything imports numba (tests/numba_cache.py says why)
 
+from kvatlas import http_guard  # noqa: E402
 from kvatlas.asgi_thread import free_port  # noqa: E402
 from kvatlas.processes import stop  # noqa: E402
 from tests.torch_support import torch_import_error, torch_status  # noqa: E402
@@ -145,6 +147,20 @@ class RedisServer:
     def restart(self) -> None:
         self.stop()
         self.start()
+
+
+@pytest.fixture
+def direct_reads(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each body the guard considered reading straight into its ``bytes`` was."""
+    taken: list[bool] = []
+
+    def counted(*args: Any) -> bool:
+        taken.append(real(*args))
+        return taken[-1]
+
+    real = http_guard.read_rest_directly
+    monkeypatch.setattr(http_guard, "read_rest_directly", counted)
+    return taken
 
 
 @pytest.fixture

@@ -25,7 +25,6 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from kvatlas import http_guard
 from kvatlas.asgi_thread import free_port
 from kvatlas.dispatch import Dispatcher
 from kvatlas.errors import InvalidInput
@@ -325,20 +324,6 @@ def test_an_access_log_being_written_takes_the_asgi_path(caplog: pytest.LogCaptu
         access.level, access.propagate, access.handlers = saved
     assert json.loads(replies[0][1]) == _digest(b"l") and answered == ["handler"]
     assert any('"POST /turn HTTP/1.1" 200' in r.getMessage() for r in caplog.records)
-
-
-@pytest.fixture()
-def direct_reads(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Whether each body the guard considered reading straight into its ``bytes`` was."""
-    taken: list[bool] = []
-
-    def counted(*args: Any) -> bool:
-        taken.append(real(*args))
-        return taken[-1]
-
-    real = http_guard.read_rest_directly
-    monkeypatch.setattr(http_guard, "read_rest_directly", counted)
-    return taken
 
 
 def test_a_large_body_answered_in_turn_is_read_straight_into_its_bytes(

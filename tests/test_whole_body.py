@@ -26,7 +26,6 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from uvicorn.server import ServerState
 
-from kvatlas import http_guard
 from kvatlas.asgi_thread import ThreadedServer, free_port
 from kvatlas.errors import PayloadTooLarge
 from kvatlas.http_guard import WHOLE_BODY, HttpLimits, guarded_protocol
@@ -255,20 +254,6 @@ class Recorder(App):
             self.bodies.append(await receive_body(receive, LIMIT, scope if whole else None) or b"")
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b""})
-
-
-@pytest.fixture()
-def direct_reads(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Whether each body the guard considered reading straight into its ``bytes`` was."""
-    taken: list[bool] = []
-
-    def counted(*args: Any) -> bool:
-        taken.append(real(*args))
-        return taken[-1]
-
-    real = http_guard.read_rest_directly
-    monkeypatch.setattr(http_guard, "read_rest_directly", counted)
-    return taken
 
 
 @pytest.mark.parametrize("cut", [40, 10_000, 100_000, 150_000])

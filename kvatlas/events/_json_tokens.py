@@ -62,17 +62,23 @@ _BY_100 = np.uint64(100 * 65536 + 1)
 _BY_10000 = np.uint64(10000 * (1 << 32) + 1)
 
 
+def _item_pointer(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+    """In an intrinsic ``(array, index)``: the address of ``array[index]`` (no bounds check:
+    the caller's)."""
+    aryty = signature.args[0]
+    ary = context.make_array(aryty)(context, builder, args[0])
+    return cgutils.get_item_pointer(  # type: ignore[no-untyped-call]
+        context, builder, aryty, ary, [args[1]], wraparound=False, boundscheck=False
+    )
+
+
 @intrinsic
 def _load_word(typingctx: Any, buf: Any, i: Any) -> Any:
     """``buf[i:i + 8]`` as one unaligned 64-bit load (no bounds check: the caller's)."""
     sig = types.uint64(buf, i)  # type: ignore[no-untyped-call]
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(  # type: ignore[no-untyped-call]
-            context, builder, aryty, ary, [args[1]], wraparound=False, boundscheck=False
-        )
+        ptr = _item_pointer(context, builder, signature, args)
         return builder.load(builder.bitcast(ptr, ir.IntType(64).as_pointer()), align=1)
 
     return sig, codegen
@@ -181,11 +187,7 @@ def _vector_digit_mask(typingctx: Any, buf: Any, b: Any) -> Any:
     sig = types.uint64(buf, b)  # type: ignore[no-untyped-call]
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(  # type: ignore[no-untyped-call]
-            context, builder, aryty, ary, [args[1]], wraparound=False, boundscheck=False
-        )
+        ptr = _item_pointer(context, builder, signature, args)
         lanes = ir.VectorType(ir.IntType(8), BLOCK)
         block = builder.load(builder.bitcast(ptr, lanes.as_pointer()), align=1)
         above_zero = builder.sub(block, ir.Constant(lanes, [48] * BLOCK))
