@@ -303,3 +303,20 @@ def test_a_client_gone_mid_direct_body_reads_as_none(
     assert app.gone_event.wait(10)
     assert app.gone[-1] == "/whole"
     assert direct_reads == [True]
+
+
+def test_what_follows_a_direct_body_is_parsed_afresh(
+    served: tuple[App, int], direct_reads: list[bool]
+) -> None:
+    """The parser that takes over after a body read directly starts at the next request, as
+    at a connection's start: bytes that are no request are a 400 (and the close), the
+    body's reply having gone first."""
+    _, port = served
+    body = random.Random(5).randbytes(LIMIT - 10)
+    garbage = b"NOT HTTP AT ALL\r\n\r\n"  # (sent after the body's reply: uvicorn answers a
+    wire = _request("/whole", body, chunked=False) + garbage  # bad request at once, and closes)
+    cuts = [100, len(wire) - len(garbage)]
+    replies, closed = exchange(port, wire, cuts, 2, linger=10, pause=0.3)
+    assert [head.split()[1] for head, _ in replies] == [b"200", b"400"]
+    assert json.loads(replies[0][1])["sha"] == hashlib.sha256(body).hexdigest()
+    assert closed and direct_reads[0] is True
