@@ -176,6 +176,11 @@ class DirectBody(asyncio.BufferedProtocol):
         self.owner.resume_writing()
 
 
+_CANNOT: Final = asyncio.BaseTransport.set_protocol
+"""A transport's ``set_protocol`` that raises ``NotImplementedError`` (asyncio's base class's,
+what :class:`kvatlas.memory_transport.MemoryTransport` keeps)."""
+
+
 def read_rest_directly(
     transport: Any,
     owner: asyncio.Protocol,
@@ -202,11 +207,6 @@ def read_rest_directly(
         at += len(piece)
     switch(DirectBody(owner, body, view, at, on_piece, done))
     return True
-
-
-_CANNOT: Final = asyncio.BaseTransport.set_protocol
-"""A transport's ``set_protocol`` that raises ``NotImplementedError`` (asyncio's base class's,
-what :class:`kvatlas.memory_transport.MemoryTransport` keeps)."""
 
 
 def new_parser(protocol: Any) -> Any:

@@ -23,7 +23,9 @@ reads, each a wake-up of the app). The body limit is the caller's and is checked
 come; past it the socket is paused and nothing more is kept (413, as with ``receive``). What
 comes before the app asks (a whole 175 KB blend lookup arrives in one read, before the app's
 task runs) is kept as the parser's pieces too (:class:`Pieces`), so a body that came in one
-piece reaches the app, by either read, as the parser's own ``bytes``: no copy at all.
+piece reaches the app, by either read, as the parser's own ``bytes``: no copy at all; and
+the rest of a large body whose length the headers declare within the limit is read by the
+socket straight into the ``bytes`` the app gets (:mod:`kvatlas.http_body`).
 
 With an app that answers requests in turn (:class:`AnswersInTurn`, the dispatcher), a request
 it takes at the end of its headers is answered in the parser's turn once its body is complete
