@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import uvicorn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from uvicorn.config import Config
@@ -320,3 +321,32 @@ def test_what_follows_a_direct_body_is_parsed_afresh(
     assert [head.split()[1] for head, _ in replies] == [b"200", b"400"]
     assert json.loads(replies[0][1])["sha"] == hashlib.sha256(body).hexdigest()
     assert closed and direct_reads[0] is True
+
+
+def test_the_direct_read_on_asyncios_own_event_loop(direct_reads: list[bool]) -> None:
+    """The services run on uvloop; asyncio's selector transport changes protocols too (to a
+    ``BufferedProtocol`` and back), so a server on asyncio's loop reads the same bytes."""
+    port = free_port()
+    config = uvicorn.Config(
+        App(), host="127.0.0.1", port=port, lifespan="off", loop="asyncio", log_level="warning",
+        http=guarded_protocol(HttpLimits(), lambda _reason: None),
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="whole-body-asyncio", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        body = random.Random(11).randbytes(LIMIT - 10)
+        wire = _request("/whole", body, chunked=False) + _request("/whole", b"next", chunked=False)
+        replies, _ = exchange(port, wire, [100, 70_000, len(wire) - 100], 2, pause=0.1)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert [json.loads(payload)["sha"] for _, payload in replies] == [
+        hashlib.sha256(body).hexdigest(),
+        hashlib.sha256(b"next").hexdigest(),
+    ]
+    assert direct_reads[0] is True
