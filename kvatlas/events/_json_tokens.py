@@ -160,46 +160,91 @@ _SEVEN_BITS = np.uint64(0x7F7F7F7F7F7F7F7F)
 _GATHER_TOPS = np.uint64(0x0002040810204081)  # the top bit of byte j to bit 56 + j
 _U64_56 = np.uint64(56)
 BLOCK = 64
-"""Bytes a digit mask covers (:func:`_digit_mask`)."""
+"""Bytes a mask covers (:func:`_masks`)."""
+
+
+_COMMAS = np.uint64(0x2C2C2C2C2C2C2C2C)  # eight ASCII ','
+_ALL_BITS = np.uint64(0xFFFFFFFFFFFFFFFF)
+_TOP_BIT = np.uint64(1 << 63)
+_U64_1 = np.uint64(1)
 
 
 @njit_without_nrt(cache=True, nogil=True, boundscheck=False)
-def _swar_digit_mask(buf, b):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
-    """:func:`_digit_mask` eight bytes a word (big-endian machines). Exact for every byte:
-    each byte's top bit is set before '0' is subtracted and cleared before the add, so no
-    borrow or carry crosses into the next."""
-    m = np.uint64(0)
+def _gathered(tops, j):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """The top bits of word ``j``'s eight bytes (``tops``) as bits ``8 * j`` to ``8 * j + 7``."""
+    return ((tops * _GATHER_TOPS) >> _U64_56) << np.uint64(8 * j)
+
+
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
+def _swar_masks(buf, b):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """:func:`_masks` eight bytes a word (big-endian machines). Exact for every byte: each
+    byte's top bit is set (or cleared) before the subtraction or addition that tests it, so
+    no borrow or carry crosses into the next."""
+    digits = commas = zeros = np.uint64(0)
     for j in range(8):
         x = _word(buf, b + 8 * j)  # type: ignore[call-arg]
         low = x & _SEVEN_BITS
-        tops = ((low | _TOPS) - _ZEROS) & ~(low + _ABOVE_NINE) & ~x & _TOPS
-        m |= ((tops * _GATHER_TOPS) >> _U64_56) << np.uint64(8 * j)
-    return m
+        digits |= _gathered(((low | _TOPS) - _ZEROS) & ~(low + _ABOVE_NINE) & ~x & _TOPS, j)
+        commas |= _gathered(_equal_tops(x, _COMMAS), j)
+        zeros |= _gathered(_equal_tops(x, _ZEROS), j)
+    return digits, commas, zeros
+
+
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
+def _equal_tops(x, pattern):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """The top bit of each byte of ``x`` equal to ``pattern``'s (its eight bytes alike), set;
+    every other bit clear. Exact for every byte (the low seven bits are added apart)."""
+    y = x ^ pattern  # a byte equal to the pattern's: zero
+    return ~(((y & _SEVEN_BITS) + _SEVEN_BITS) | y) & _TOPS
 
 
 @intrinsic
-def _vector_digit_mask(typingctx: Any, buf: Any, b: Any) -> Any:
-    """:func:`_digit_mask` as one vector of 64 bytes: ``byte - '0' < 10`` unsigned per lane,
-    the 64 lanes' flags as the mask's bits (lane ``t``, bit ``t``: little-endian). LLVM
-    lowers it to the machine's vector compares (AVX-512: a subtract, a compare into a mask
-    register and a move; AVX2: two halves and their byte masks), where the word-by-word
-    form takes ≈80 instructions a block."""
-    sig = types.uint64(buf, b)  # type: ignore[no-untyped-call]
+def _vector_masks(typingctx: Any, buf: Any, b: Any) -> Any:
+    """:func:`_masks` as one vector of 64 bytes and three compares (``byte - '0' < 10``
+    unsigned, ``byte == ','``, ``byte == '0'`` per lane), each's 64 lanes' flags as a mask's
+    bits (lane ``t``, bit ``t``: little-endian). LLVM lowers them to the machine's vector
+    compares (AVX-512: a compare into a mask register and a move each; AVX2: two halves and
+    their byte masks), where the word-by-word form takes ≈80 instructions a mask."""
+    mask = types.uint64
+    sig = types.UniTuple(mask, 3)(buf, b)  # type: ignore[no-untyped-call]
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         ptr = _item_pointer(context, builder, signature, args)
         lanes = ir.VectorType(ir.IntType(8), BLOCK)
         block = builder.load(builder.bitcast(ptr, lanes.as_pointer()), align=1)
+
+        def bits(flags: Any) -> Any:
+            return builder.bitcast(flags, ir.IntType(BLOCK))
+
         above_zero = builder.sub(block, ir.Constant(lanes, [48] * BLOCK))
         digits = builder.icmp_unsigned("<", above_zero, ir.Constant(lanes, [10] * BLOCK))
-        return builder.bitcast(digits, ir.IntType(BLOCK))
+        commas = builder.icmp_unsigned("==", block, ir.Constant(lanes, [44] * BLOCK))
+        zeros = builder.icmp_unsigned("==", block, ir.Constant(lanes, [48] * BLOCK))
+        return context.make_tuple(
+            builder, signature.return_type, [bits(digits), bits(commas), bits(zeros)]
+        )
 
     return sig, codegen
 
 
-_digit_mask = _vector_digit_mask if sys.byteorder == "little" else _swar_digit_mask
-"""Bit ``t`` set iff ``buf[b + t]`` is an ASCII digit, for ``t`` < 64 (the caller's bounds
-check: ``b + 64 <= len``)."""
+_masks = _vector_masks if sys.byteorder == "little" else _swar_masks
+"""``(digits, commas, zeros)`` of the block at ``buf[b]``: bit ``t`` of each set iff
+``buf[b + t]`` is an ASCII digit, ``,``, ``0``, for ``t`` < 64 (the caller's bounds check:
+``b + 64 <= len``)."""
+
+
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
+def _zero_led(buf, b, start, digits, zeros):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Whether a number of the block at ``b`` (its masks ``digits`` and ``zeros``; the current
+    number starting at ``start`` <= ``b``) may have a leading zero: the number carried over
+    from the block before starts with ``0``, or a ``0`` starts a number here and a digit
+    follows it (or the next block's first byte does: not known here)."""
+    carried = start < b
+    if carried and buf[start] == 48:
+        return True
+    before = (digits << _U64_1) | (_U64_1 if carried else np.uint64(0))  # a digit before
+    starts = digits & ~before
+    return (starts & zeros & ((digits >> _U64_1) | _TOP_BIT)) != 0
 
 
 @njit_without_nrt(cache=True, nogil=True, boundscheck=False)
@@ -211,16 +256,36 @@ def _usual_numbers(buf, i, n, arena, k):  # type: ignore[no-untyped-def]  # prag
     the space before it), where :func:`parse_array`'s loop goes on as if it had read them all
     itself; ``k`` the arena's new fill.
 
-    By blocks of :data:`BLOCK` bytes: one mask of the digit bytes per block, then each
-    number is read where it lies, between two non-digits of the mask. The byte-by-byte loop
-    can only find a number's start once it has read the number before; here the next
-    start comes from the mask, and the numbers of a block are read independently."""
+    By blocks of :data:`BLOCK` bytes: masks of the block's digit bytes (and commas and
+    zeros), then each number is read where it lies, between two non-digits of the mask. The
+    byte-by-byte loop can only find a number's start once it has read the number before;
+    here the next start comes from the mask, and the numbers of a block are read
+    independently. A block of digits and commas only with no leading zero in it (most of a
+    compact list: all but its last block) is checked once for all its numbers; each then
+    needs only its length checked (1–8 digits). Any other block is read number by number,
+    each separator and leading digit checked."""
     start = i  # the current number's first byte
     b = i
     # (a block read only with room for a word at any number in it and for its numbers, at
     # most 32: no bounds check per number)
     while b + BLOCK + 8 <= n and k + BLOCK // 2 <= len(arena):
-        stops = ~_digit_mask(buf, b)  # type: ignore[call-arg]
+        digits_at, commas_at, zeros_at = _masks(buf, b)  # type: ignore[call-arg]
+        if (digits_at | commas_at) == _ALL_BITS and not _zero_led(
+            buf, b, start, digits_at, zeros_at
+        ):
+            stops = commas_at
+            while stops != 0:
+                p = b + np.int64(_trailing_zeros(stops))  # type: ignore[call-arg]
+                stops &= stops - np.uint64(1)
+                digits = p - start
+                if (digits - 1) >> 3 != 0:  # no digit (",,"), or more than 8
+                    return False, start, k
+                arena[k] = _digits_value(_word(buf, start), np.uint64(8 * digits))  # type: ignore[call-arg]
+                k += 1
+                start = p + 1
+            b += BLOCK
+            continue
+        stops = ~digits_at
         while stops != 0:
             p = b + np.int64(_trailing_zeros(stops))  # type: ignore[call-arg]
             stops &= stops - np.uint64(1)

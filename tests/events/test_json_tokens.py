@@ -216,29 +216,47 @@ def test_short_number_of_any_word_against_the_bytes(word: list[int]) -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.binary(min_size=64, max_size=64), st.lists(st.sampled_from(b"0123456789"), max_size=64))
-def test_digit_mask_marks_exactly_the_digit_bytes(raw: bytes, digits: list[int]) -> None:
-    """``_digit_mask`` (the block-at-a-time numbers' mask) on any 64 bytes, digits mixed in
-    anywhere: bit ``t`` set iff byte ``t`` is '0'-'9', whatever the bytes beside it (a borrow
-    or carry crossing a byte would mark a neighbour)."""
-    from kvatlas.events._json_tokens import _swar_digit_mask
+@given(st.binary(min_size=64, max_size=64), st.lists(st.sampled_from(b"0123456789,"), max_size=64))
+def test_masks_mark_exactly_the_digit_comma_and_zero_bytes(raw: bytes, marks: list[int]) -> None:
+    """``_masks`` (the block-at-a-time numbers' masks) on any 64 bytes, digits and commas
+    mixed in anywhere: bit ``t`` of each set iff byte ``t`` is '0'-'9', ',', '0', whatever
+    the bytes beside it (a borrow or carry crossing a byte would mark a neighbour)."""
+    from kvatlas.events._json_tokens import _swar_masks
 
     block = bytearray(raw)
-    for t, d in enumerate(digits):
+    for t, d in enumerate(marks):
         block[(t * 7) % 64] = d
-    want = sum(1 << t for t, c in enumerate(block) if 48 <= c <= 57)
+    want = tuple(
+        sum(1 << t for t, c in enumerate(block) if test(c))
+        for test in (lambda c: 48 <= c <= 57, lambda c: c == 44, lambda c: c == 48)
+    )
     buf = np.frombuffer(bytes(block), np.uint8)
-    assert int(_machines_digit_mask()(buf)) == want  # vector compares on this machine
-    assert int(_swar_digit_mask(buf, 0)) == want  # word by word, a big-endian machine's
+    assert tuple(map(int, _machines_masks()(buf))) == want  # vector compares on this machine
+    assert tuple(map(int, _swar_masks(buf, 0))) == want  # word by word, a big-endian machine's
 
 
 @functools.cache
-def _machines_digit_mask() -> Any:
-    """``_digit_mask`` of an array's first 64 bytes, callable from Python (an intrinsic is
+def _machines_masks() -> Any:
+    """``_masks`` of an array's first 64 bytes, callable from Python (an intrinsic is
     callable from compiled code only)."""
-    from kvatlas.events._json_tokens import _digit_mask
+    from kvatlas.events._json_tokens import _masks
 
-    return numba.njit(lambda buf: _digit_mask(buf, 0))
+    return numba.njit(lambda buf: _masks(buf, 0))
+
+
+@pytest.mark.parametrize("lead", [b"0", b"012", b"00", b"0123456"])
+def test_a_leading_zero_anywhere_in_a_compact_list_reads_as_the_reference(lead: bytes) -> None:
+    """Blocks of digits and commas only are checked once for all their numbers: a number
+    with a leading zero at every offset of a long compact list (starting in one block and
+    going on in the next, carried from a block read number by number, at a block's last
+    byte) is refused, a lone 0 taken, as the reference does."""
+    values = [str(v).encode() for v in range(100_000, 100_000 + 400 * 7919, 7919)]
+    for at in range(1, 130):
+        body = b",".join(values)
+        body = body[:at] + b"," + lead + b"," + body[at:]
+        body = body.replace(b",,", b",1,")
+        for text in (b"[" + body + b"]", b"[" + body.replace(b",", b", ", 3) + b"]"):
+            check([text])
 
 
 @settings(max_examples=400, deadline=None)
