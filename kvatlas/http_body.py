@@ -109,8 +109,6 @@ def declared_length(headers: Sequence[tuple[bytes, bytes]]) -> int | None:
 _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
 _new_bytes.restype = ctypes.py_object
 _new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
-_PAYLOAD: Final = bytes.__basicsize__ - 1
-"""Where a ``bytes`` object's payload starts (``ob_sval``, after its header)."""
 
 
 def fresh_bytes(n: int) -> tuple[bytes, memoryview]:
@@ -120,7 +118,9 @@ def fresh_bytes(n: int) -> tuple[bytes, memoryview]:
     it does not keep the ``bytes`` alive."""
     assert n > 1  # (0 and 1 bytes are shared objects)
     body = _new_bytes(None, n)
-    view = memoryview((ctypes.c_char * n).from_address(id(body) + _PAYLOAD)).cast("B")
+    payload = ctypes.cast(ctypes.c_char_p(body), ctypes.c_void_p).value  # (a bytes' own data)
+    assert payload is not None
+    view = memoryview((ctypes.c_char * n).from_address(payload)).cast("B")
     return body, view
 
 

@@ -335,15 +335,15 @@ def guarded_protocol(limits: HttpLimits, on_refused: OnRefused) -> type[asyncio.
             (:func:`~kvatlas.http_body.read_rest_directly`), ``pieces`` of it there already,
             if its headers declare its length and that is within ``max_bytes`` (``None``: the
             app's ticket checked it). Then the body comes whole, to :meth:`_direct_done`."""
-            declared = declared_length(cycle.scope["headers"])
             if (
-                declared is None
-                or (max_bytes is not None and declared > max_bytes)
-                or cycle is not self.cycle
+                cycle is not self.cycle
                 or not cycle.more_body
                 or cycle.response_complete
                 or self.transport.is_closing()
             ):
+                return False
+            declared = declared_length(cycle.scope["headers"])
+            if declared is None or (max_bytes is not None and declared > max_bytes):
                 return False
             return read_rest_directly(
                 self.transport, self, declared, pieces, self._watch, self._direct_done

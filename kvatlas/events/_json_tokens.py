@@ -205,8 +205,7 @@ def _vector_masks(typingctx: Any, buf: Any, b: Any) -> Any:
     bits (lane ``t``, bit ``t``: little-endian). LLVM lowers them to the machine's vector
     compares (AVX-512: a compare into a mask register and a move each; AVX2: two halves and
     their byte masks), where the word-by-word form takes ≈80 instructions a mask."""
-    mask = types.uint64
-    sig = types.UniTuple(mask, 3)(buf, b)  # type: ignore[no-untyped-call]
+    sig = types.UniTuple(types.uint64, 3)(buf, b)  # type: ignore[no-untyped-call]
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         ptr = _item_pointer(context, builder, signature, args)
