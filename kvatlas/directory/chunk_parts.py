@@ -110,16 +110,23 @@ class ChunkColumns:
         self.l1.set(r, NO_OWNER)
         self.free.append(r)
 
-    def fields(self, rows: list[int]) -> tuple[tuple[Any, ...], ...]:
+    def fields(self, rows: list[int]) -> tuple[Sequence[Any], ...]:
         """The rows' fields as four columns (:meth:`RowsCopy.fields`; C-level gathers)."""
         return self.copy(rows).fields()
 
     def key_placements(
         self, rows: list[int], shape_ids: Sequence[int | None]
-    ) -> tuple[list[Placements | None], tuple[StoredTokens | None, ...]]:
+    ) -> tuple[list[Placements | None], Sequence[StoredTokens | None]]:
         """For each row and shape id, that key's placements in the row's record (``None``: no
         such key), and each row's content: one gather, no record built (a lookup's read)."""
         contents, flagged, firsts, rests = self.fields(rows)
+        n, sid = len(rows), shape_ids[0] if rows else None
+        if (  # one shape (a prompt's keys), every row's first key the one asked
+            sid is not None
+            and shape_ids.count(sid) == n
+            and flagged.count(2 * sid) + flagged.count(2 * sid + 1) == n
+        ):
+            return list(firsts), contents
         found = [
             pls if f >> 1 == sid else (other_key(rest, sid) if rest else None)
             for f, pls, rest, sid in zip(flagged, firsts, rests, shape_ids, strict=True)
@@ -172,10 +179,10 @@ def known(tokens: Sequence[StoredTokens | None]) -> int:
 class RowsCopy(NamedTuple):
     """Some rows' fields, copied: their references (``_WIDTH`` a row, in order), offsets."""
 
-    refs: tuple[Any, ...]
-    offsets: tuple[int, ...]
+    refs: Sequence[Any]
+    offsets: Sequence[int]
 
-    def fields(self) -> tuple[tuple[Any, ...], ...]:
+    def fields(self) -> tuple[Sequence[Any], ...]:
         """The rows' references as four columns: contents, ``2 * shape id + indexed`` of the
         first key, its placements, the other keys."""
         return tuple(self.refs[i::_WIDTH] for i in range(_WIDTH))
@@ -187,15 +194,20 @@ def _gather(seq: Sequence[Any], at: list[int]) -> tuple[Any, ...]:
 
 
 def copy_rows(objs: list[Any], offsets: array[int], rows: list[int]) -> RowsCopy:
-    """The fields at ``rows`` of columns ``objs`` and ``offsets`` (two C-level gathers)."""
+    """The fields at ``rows`` of columns ``objs`` and ``offsets`` (two C-level gathers; two
+    slices for consecutive rows, what a batch of new chunks is given)."""
     if not rows:
         return RowsCopy((), ())
-    if len(rows) <= _LISTED_ROWS:  # a short lookup's (numpy's fixed cost: most of it)
+    first, n = rows[0], len(rows)
+    if rows[-1] == first + n - 1 and n > 1 and rows == list(range(first, first + n)):
+        refs = objs[_WIDTH * first : _WIDTH * (first + n)]
+        return RowsCopy(refs, offsets[first : first + n].tolist())
+    if n <= _LISTED_ROWS:  # a short lookup's (numpy's fixed cost: most of it)
         at = [r + k for r in map(_WIDTH.__mul__, rows) for k in range(_WIDTH)]
     else:  # one item a row: numpy releases the GIL from 500 items on, which a 2-D
-        first, ats = np.array(rows, np.int64) * _WIDTH, np.empty(_WIDTH * len(rows), np.int64)
+        heads, ats = np.array(rows, np.int64) * _WIDTH, np.empty(_WIDTH * n, np.int64)
         for k in range(_WIDTH):  # broadcast of the fields reached at 125 rows (a long prompt)
-            ats[k::_WIDTH] = first + k
+            ats[k::_WIDTH] = heads + k
         at = ats.tolist()
     return RowsCopy(_gather(objs, at), _gather(offsets, rows))
 

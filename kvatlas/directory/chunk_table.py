@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
+from operator import attrgetter
 
 from kvatlas.directory.blend import BlendIndex, BlendOp
 from kvatlas.directory.chunk_counts import PARTS, ChangeJournal, ChunkCounts, Partition
@@ -66,6 +67,8 @@ from kvatlas.events import EventBatch
 from kvatlas.events.columns import EntryColumns
 from kvatlas.keys import BlendNamespace, ObjectKey
 from kvatlas.keys.tokens import TokenArray
+
+_CHUNK_HASH = attrgetter("chunk_hash")
 
 
 class ChunkTable:
@@ -148,12 +151,15 @@ class ChunkTable:
         """Each key's placements and its chunk's bound content, read as one batch: the keys'
         rows, their fields gathered from the columns (no record built), the contents widened
         by one compiled call, each distinct placements group made public once."""
-        rows = rows_of(self.parts, [k.chunk_hash for k in keys])
-        held = [i for i, r in enumerate(rows) if r is not None]
-        id_of = self.shapes.id_of
-        found, contents = self.parts[0].cols.key_placements(
-            [r for r in rows if r is not None], [id_of(keys[i]) for i in held]
-        )
+        rows = rows_of(self.parts, list(map(_CHUNK_HASH, keys)))
+        sids = self.shapes.ids_of(keys)
+        held: Sequence[int] = range(len(keys))
+        if None in rows:
+            held = [i for i, r in enumerate(rows) if r is not None]
+            rows, sids = [rows[i] for i in held], [sids[i] for i in held]
+        found, contents = self.parts[0].cols.key_placements(rows, sids)  # type: ignore[arg-type]
+        if len(held) == len(keys) and None not in found:  # every key held: a prompt's lookup
+            return key_placements_of(keys, public_groups(found), widened_many(contents))
         hits = [j for j, pls in enumerate(found) if pls is not None]
         at = [held[j] for j in hits]
         placements: list[tuple[Placement, ...]] = [()] * len(keys)

@@ -29,7 +29,7 @@ class KeyGroups:
 
     held: list[int]
     rows: list[int]
-    fields: tuple[tuple[Any, ...], ...]
+    fields: tuple[Sequence[Any], ...]
     groups: dict[tuple[int, int], list[int]]
     left: list[int]
 

@@ -248,6 +248,9 @@ def public_groups(groups: Sequence[Placements | None]) -> list[tuple[Placement, 
     """:func:`public_placements` of each group (``None``: ``()``), built once per distinct
     group object: the keys of one batch share their placements, and ``groups`` holds every
     one alive for the call, so an ``id`` names one group throughout."""
+    if groups and groups.count(groups[0]) == len(groups):  # one group (a batch's keys)
+        first = groups[0]
+        return [() if first is None else public_placements(first)] * len(groups)
     built: dict[int, tuple[Placement, ...]] = {}
     out: list[tuple[Placement, ...]] = []
     for pls in groups:

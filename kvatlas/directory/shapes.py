@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from kvatlas.events.columns import EntryColumns
 from kvatlas.keys import BlendNamespace, ObjectKey
-from kvatlas.keys.object_key import ShapeParts
+from kvatlas.keys.object_key import ShapeParts, shape_parts
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +83,14 @@ class ShapeTable:
     def id_of(self, key: ObjectKey) -> int | None:
         """``key``'s shape id, ``None`` if no key of that shape was ever interned."""
         return self._ids.get((key.model_name, key.kv_rank, key.object_group_id, key.cache_salt))
+
+    def ids_of(self, keys: Sequence[ObjectKey]) -> list[int | None]:
+        """:meth:`id_of` of each key (C-level maps: a lookup's keys; keys of one shape, the
+        usual lookup, compared rather than each looked up)."""
+        parts = list(map(shape_parts, keys))
+        if parts and parts.count(parts[0]) == len(parts):
+            return [self._ids.get(parts[0])] * len(parts)
+        return list(map(self._ids.get, parts))
 
     def id_of_parts(self, parts: tuple[str, int, int, str]) -> int | None:
         """:meth:`id_of` for ``(model_name, kv_rank, object_group_id, cache_salt)``."""

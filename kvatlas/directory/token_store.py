@@ -23,8 +23,9 @@ per batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import attrgetter
-from typing import Any
+from itertools import accumulate
+from operator import attrgetter, sub
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -119,33 +120,36 @@ def widened_many(contents: Sequence[StoredTokens | None]) -> list[TokenArray | N
     """:func:`widened` of each content (``None`` stays ``None``), decoded in one compiled pass
     into one read-only ``uint32`` array of which each is a view (a lookup's contents: one
     call instead of one per key)."""
-    present = [c for c in contents if c is not None]
+    whole = None not in contents  # (a lookup's usual contents: no list of the present ones)
+    present = (
+        cast(Sequence[StoredTokens], contents) if whole else [c for c in contents if c is not None]
+    )
     if not present:
         return list(contents)  # type: ignore[arg-type]
     counts, forms = stored_shapes(present)
-    ends = np.cumsum(counts)
-    starts = ends - counts
-    out = np.empty(int(ends[-1]), np.uint32)
-    addrs = payload_addresses(present)
-    _widen_rows(addrs, counts, forms, starts, out)
+    lengths = counts.tolist()  # (a list: numpy's reductions cost more for a short lookup)
+    out = np.empty(sum(lengths), np.uint32)
+    _widen_rows(payload_addresses(present), counts, forms, out)
     out.flags.writeable = False
-    lengths = counts.tolist()  # (a list: two numpy reductions cost more for a short lookup)
     if lengths.count(lengths[0]) == len(lengths):  # one length (a lookup's chunks): rows of
         views = iter(out.reshape(len(present), lengths[0]))  # one 2-D view
     else:
-        views = map(out.__getitem__, map(slice, starts.tolist(), ends.tolist()))
-    if len(present) == len(contents):
+        ends = list(accumulate(lengths))
+        views = map(out.__getitem__, map(slice, map(sub, ends, lengths), ends))
+    if whole:
         return list(views)
     return [None if c is None else next(views) for c in contents]
 
 
 @jit
-def _widen_rows(addrs: Any, counts: Any, forms: Any, starts: Any, out: Any) -> None:
+def _widen_rows(addrs: Any, counts: Any, forms: Any, out: Any) -> None:
     """Content ``j`` (its bytes at ``addrs[j]``: ``counts[j]`` ids in form ``forms[j]``) as
-    ``uint32`` into ``out[starts[j]:]``."""
+    ``uint32`` into ``out``, one after the other."""
+    start = 0
     for j in range(addrs.shape[0]):
         n, at, form = counts[j], addrs[j], forms[j]
-        dst = out[starts[j] : starts[j] + n]
+        dst = out[start : start + n]
+        start += n
         if form == FORM_U16:
             narrow: Any = u16_ptr(at + FORM_U16)  # type: ignore[call-arg]
             for k in range(n):

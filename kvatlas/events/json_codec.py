@@ -37,7 +37,7 @@ from kvatlas.keys import (
     parse_chunk_hash_hex,
     unpack_kv_rank,
 )
-from kvatlas.keys.object_key import ShapeParts
+from kvatlas.keys.object_key import ShapeParts, shape_parts
 
 _WireEntry = EventEntry[msgspec.Raw]  # token lists handed over raw, parsed in bulk
 _WireBatch = EventBatchRow[msgspec.Raw]
@@ -45,7 +45,6 @@ _WireBody = EventsBodyOf[msgspec.Raw]
 
 _KEY = attrgetter("key")
 _HEX = attrgetter("chunk_hash_hex")
-_SHAPE = attrgetter("model_name", "kv_rank", "object_group_id", "cache_salt")
 _SIZE = attrgetter("size_bytes")
 _OFFSET = attrgetter("token_offset")
 _decoder = msgspec.json.Decoder(_WireBody)
@@ -325,7 +324,7 @@ def _columns_from_wire(
         return None
     return EntryColumns.checked(
         _split_hashes(raw, len(hexes)),
-        list(map(_SHAPE, keys)),
+        list(map(shape_parts, keys)),
         list(map(_SIZE, entries)),
         list(map(_OFFSET, entries)),
         arena,

@@ -21,12 +21,12 @@ from kvatlas.events.errors import EventDecodeError, EventValidationError, decode
 from kvatlas.events.json_codec import decode_json, decode_json_columns, explain, key_from_parts
 from kvatlas.events.model import CacheEntry, EventBatch, batch_from_wire, header_to_wire
 from kvatlas.keys import TokenArray
+from kvatlas.keys.object_key import shape_parts
 
 FORMAT_VERSION = PACKED_FORMAT_VERSION
 _ENTRY_FIELDS = PackedEntry.__struct_fields__
 
 _HASH = attrgetter("chunk_hash")
-_SHAPE = attrgetter("model_name", "kv_rank", "object_group_id", "cache_salt")
 _SIZE = attrgetter("size_bytes")
 _OFFSET = attrgetter("token_offset")
 _CONTENT = attrgetter("content")
@@ -163,7 +163,7 @@ def _columns_from_packed(pb: PackedBatch) -> EntryColumns | None:
     arena = np.frombuffer(b"".join(contents), dtype=_LE_U32).astype(np.uint32, copy=False)
     return EntryColumns.checked(
         hashes,
-        list(map(_SHAPE, entries)),
+        list(map(shape_parts, entries)),
         list(map(_SIZE, entries)),
         list(map(_OFFSET, entries)),
         arena,

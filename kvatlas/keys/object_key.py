@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 from kvatlas.checks import is_plain_int
@@ -20,6 +21,8 @@ _HEX = frozenset("0123456789abcdefABCDEF")
 _MAX_CACHED_SHAPES = 4096
 ShapeParts = tuple[str, int, int, str]
 """A key's fields but its hash: model name, kv rank, object group id, cache salt."""
+shape_parts = attrgetter("model_name", "kv_rank", "object_group_id", "cache_salt")
+"""The :data:`ShapeParts` of a key, or of any object with its fields (a wire entry)."""
 _VALID_SHAPES: set[ShapeParts] = set()
 
 

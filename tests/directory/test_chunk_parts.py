@@ -117,3 +117,55 @@ def test_a_capture_holds_the_records_taken_while_others_change_them() -> None:
         during = captured(d)
     assert changed and during == before
     assert captured(d) != before  # (the changes happened)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.integers(0, 39), max_size=40),
+    st.integers(0, 39),
+    st.integers(0, 40),
+)
+def test_copied_rows_are_the_rows_fields_whichever_way_they_are_gathered(
+    scattered: list[int], first: int, run: int
+) -> None:
+    """Any rows (scattered, repeated, or one run of consecutive rows — what a batch of new
+    chunks is given, copied as two slices) copy each row's fields as they are, in order, and
+    the copy stays as it was when the columns change afterwards."""
+    cols = ChunkColumns()
+    for n in range(40):
+        cols.append(record(n + 1, 1 + n % 3))
+    consecutive = list(range(first, min(first + run, 40)))
+    for rows in (scattered, consecutive, scattered + consecutive):
+        copied = cols.copy(rows)
+        want = [cols.record(r) for r in rows]
+        assert cols.records(rows) == want
+        assert list(copied.offsets) == [rec[1] for rec in want]
+        assert [list(f) for f in copied.fields()] == [
+            [cols.objs[4 * r + k] for r in rows] for k in range(4)
+        ]
+        for r in rows:
+            cols.put(r, record(99, 2))
+        assert list(copied.fields()[0]) == [rec[0] for rec in want]
+        for r, rec in zip(rows, want, strict=True):
+            cols.put(r, rec)
+
+
+def test_key_placements_of_rows_whose_first_key_is_not_the_one_asked() -> None:
+    """A lookup's read of one shape over many rows (compared, not read key by key) answers as
+    the key-by-key read: rows whose first key is another shape answer from their other keys,
+    or ``None``."""
+    cols = ChunkColumns()
+    recs = [record(n + 1, 1 + n % 3) for n in range(30)]  # shapes 0.., first key shape 0
+    rows = [cols.append(rec) for rec in recs]
+    for sid in (0, 1, 2, 5):
+        found, contents = cols.key_placements(rows, [sid] * len(rows))
+        want = [
+            next(
+                (rec[4 + 2 * k] for k in range((len(rec) - 3) // 2) if rec[3 + 2 * k] == sid), None
+            )
+            for rec in recs
+        ]
+        assert found == want and list(contents) == [rec[0] for rec in recs]
+    shifted = [cols.append(make_record(None, 0, False, [(1, ROW), (0, OTHER)])) for _ in range(3)]
+    found, _ = cols.key_placements(rows + shifted, [0] * (len(rows) + 3))
+    assert found[-3:] == [OTHER] * 3 and found[: len(rows)] == [rec[4] for rec in recs]
