@@ -11,7 +11,7 @@ import itertools
 import json
 
 import msgspec
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvatlas.coordinator.cache_control import CacheControl, CommandLog, PinTable, QuotaTable
@@ -85,6 +85,7 @@ replica_pin_ops = st.lists(
     ops=replica_pin_ops,
     log_weight=st.sampled_from([3, 8, 1000]),
 )
+@example(seeded=[], ops=[("pin", KEYS[:1])], log_weight=1000)  # B's copy: an unchanged Redis
 def test_a_replicas_copy_of_the_pins_follows_the_changes_as_a_full_read_would(
     redis_server: RedisServer,
     seeded: list[ObjectKey],

@@ -137,11 +137,13 @@ class SharedPinTable:
         try:
             raw, epoch = self.store.call("hmget", self._meta, self.VERSION_FIELD, self.EPOCH_FIELD)
             version = int(raw or 0)
-            with self._lock:
-                have = self._version if self._epoch == epoch else None
-            if have == version:
+            with self._lock:  # a copy of a Redis never changed (no epoch yet) is the empty
+                mine = self._epoch  # state every epoch's log starts from
+                same = mine == epoch or (mine is None and self._version == 0)
+                have = self._version if same else None
+            if have == version and mine == epoch:
                 return
-            if have is not None and self._apply_log(have, epoch):
+            if have is not None and self._apply_log(have, mine, epoch):
                 return
             self._read_all()
         except Unavailable:
@@ -149,10 +151,10 @@ class SharedPinTable:
                 self._version = None
             raise
 
-    def _apply_log(self, have: int, epoch: bytes | None) -> bool:
-        """Apply the logged changes after version ``have`` of ``epoch``; ``False`` when the
-        log lacks one of them (trimmed, too large to log, a seed) or the copy moved
-        meanwhile."""
+    def _apply_log(self, have: int, mine: bytes | None, epoch: bytes | None) -> bool:
+        """Apply the logged changes of ``epoch`` after version ``have`` to the copy (of
+        ``mine``: ``epoch``, or none at version 0); ``False`` when the log lacks one of them
+        (trimmed, too large to log, a seed) or the copy moved meanwhile."""
         entries, raw, now_epoch = self.store.transaction(
             lambda pipe: (
                 pipe.zrangebyscore(self._log, f"({have}", "+inf"),
@@ -172,7 +174,7 @@ class SharedPinTable:
         if have + len(found) != version:
             return False
         with self._lock:
-            if self._version != have or self._epoch != epoch:  # another thread, meanwhile
+            if self._version != have or self._epoch != mine:  # another thread, meanwhile
                 return (
                     self._epoch == epoch and self._version is not None and self._version >= version
                 )
@@ -190,7 +192,7 @@ class SharedPinTable:
                     else:  # pinned anew: last in first-pinned order
                         counts.pop(key, None)
                         counts[key] = count
-            self._version = version
+            self._version, self._epoch = version, epoch
         return True
 
     def _read_all(self) -> None:
