@@ -62,6 +62,7 @@ from kvatlas.errors import Conflict, Unavailable, Unprocessable
 from kvatlas.events import ColumnBatch, EventBatch
 from kvatlas.events.inventory import Digest, differing
 from kvatlas.keys import MM_BYPASS_GUARD, ObjectKey
+from kvatlas.keys.object_key import chunk_hash_of
 
 if TYPE_CHECKING:  # redis is imported only on the Redis transport
     from kvatlas.coordinator.stream_consumer import StreamConsumer
@@ -278,7 +279,7 @@ class CoordinatorService:
     def lookup_keys(self, keys: Sequence[ObjectKey]) -> TokenLookup:
         """Placements of each key, and how many leading keys each holder has."""
         results = self.directory.lookup(keys)
-        return TokenLookup(len({k.chunk_hash for k in keys}), results, prefix_summary(results))
+        return TokenLookup(len(set(map(chunk_hash_of, keys))), results, prefix_summary(results))
 
     def page_keys(
         self, where: KeyFilter, *, offset: int, limit: int, cursor: str | None

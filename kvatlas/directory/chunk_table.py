@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
-from operator import attrgetter
 
 from kvatlas.directory.blend import BlendIndex, BlendOp
 from kvatlas.directory.chunk_counts import PARTS, ChangeJournal, ChunkCounts, Partition
@@ -66,9 +65,8 @@ from kvatlas.errors import Conflict
 from kvatlas.events import EventBatch
 from kvatlas.events.columns import EntryColumns
 from kvatlas.keys import BlendNamespace, ObjectKey
+from kvatlas.keys.object_key import chunk_hash_of
 from kvatlas.keys.tokens import TokenArray
-
-_CHUNK_HASH = attrgetter("chunk_hash")
 
 
 class ChunkTable:
@@ -151,7 +149,7 @@ class ChunkTable:
         """Each key's placements and its chunk's bound content, read as one batch: the keys'
         rows, their fields gathered from the columns (no record built), the contents widened
         by one compiled call, each distinct placements group made public once."""
-        rows = rows_of(self.parts, list(map(_CHUNK_HASH, keys)))
+        rows = rows_of(self.parts, list(map(chunk_hash_of, keys)))
         sids = self.shapes.ids_of(keys)
         held: Sequence[int] = range(len(keys))
         if None in rows:

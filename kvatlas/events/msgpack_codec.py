@@ -21,12 +21,11 @@ from kvatlas.events.errors import EventDecodeError, EventValidationError, decode
 from kvatlas.events.json_codec import decode_json, decode_json_columns, explain, key_from_parts
 from kvatlas.events.model import CacheEntry, EventBatch, batch_from_wire, header_to_wire
 from kvatlas.keys import TokenArray
-from kvatlas.keys.object_key import shape_parts
+from kvatlas.keys.object_key import chunk_hash_of, shape_parts
 
 FORMAT_VERSION = PACKED_FORMAT_VERSION
 _ENTRY_FIELDS = PackedEntry.__struct_fields__
 
-_HASH = attrgetter("chunk_hash")
 _SIZE = attrgetter("size_bytes")
 _OFFSET = attrgetter("token_offset")
 _CONTENT = attrgetter("content")
@@ -150,7 +149,7 @@ def _packed_rows(sizes: Any, refs: Any, firsts: Any, starts: Any, lengths: Any) 
 
 def _columns_from_packed(pb: PackedBatch) -> EntryColumns | None:
     contents, entries = pb.contents, pb.entries
-    hashes = list(map(_HASH, entries))
+    hashes = list(map(chunk_hash_of, entries))
     if hashes and set(map(len, hashes)) != {32}:
         return None
     n = len(entries)

@@ -23,6 +23,8 @@ ShapeParts = tuple[str, int, int, str]
 """A key's fields but its hash: model name, kv rank, object group id, cache salt."""
 shape_parts = attrgetter("model_name", "kv_rank", "object_group_id", "cache_salt")
 """The :data:`ShapeParts` of a key, or of any object with its fields (a wire entry)."""
+chunk_hash_of = attrgetter("chunk_hash")
+"""A key's chunk hash (or a wire entry's): for C-level maps over many."""
 _VALID_SHAPES: set[ShapeParts] = set()
 
 

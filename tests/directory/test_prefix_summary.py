@@ -60,3 +60,14 @@ def test_summary_equals_the_chunk_by_chunk_count(
         for i, own in picks
     ]
     assert prefix_summary(results, world_size) == reference(results, world_size)
+
+
+@settings(max_examples=100, deadline=None)
+@given(copies, st.integers(0, 40), st.integers(1, 3))
+def test_keys_sharing_one_tuple_are_counted_as_the_chunk_by_chunk_count(
+    group: tuple[Placement, ...], n: int, world_size: int
+) -> None:
+    """A prompt's lookup: every key names the one tuple of its stored batch (counted at once
+    for one rank), empty or not."""
+    results = [KeyPlacements(KEY, group) for _ in range(n)]
+    assert prefix_summary(results, world_size) == reference(results, world_size)
