@@ -61,8 +61,7 @@ from kvatlas.directory import (
 from kvatlas.errors import Conflict, Unavailable, Unprocessable
 from kvatlas.events import ColumnBatch, EventBatch
 from kvatlas.events.inventory import Digest, differing
-from kvatlas.keys import MM_BYPASS_GUARD, ObjectKey
-from kvatlas.keys.object_key import chunk_hash_of
+from kvatlas.keys import MM_BYPASS_GUARD, ObjectKey, chunk_hash_of
 
 if TYPE_CHECKING:  # redis is imported only on the Redis transport
     from kvatlas.coordinator.stream_consumer import StreamConsumer

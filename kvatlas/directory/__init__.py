@@ -16,6 +16,7 @@ from kvatlas.directory.capture import Capture, CapturedPart, DirectoryState, Res
 from kvatlas.directory.gate import Admission, EmitterCursor, GapRecord, IngestGate, Outcome
 from kvatlas.directory.key_directory import KeyDirectory, PlacementObserver
 from kvatlas.directory.listing import ALL_KEYS, KeyFilter, page_keys
+from kvatlas.directory.prefixes import prefix_summary
 from kvatlas.directory.records import (
     CapacityDeclaration,
     KeyPage,
@@ -23,7 +24,6 @@ from kvatlas.directory.records import (
     Placement,
     PrefixHolder,
     TokenLookup,
-    prefix_summary,
 )
 from kvatlas.directory.snapshot import (
     InstanceRow,

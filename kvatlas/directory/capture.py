@@ -23,7 +23,7 @@ import numpy as np
 from kvatlas.directory.blend import BlendIndex
 from kvatlas.directory.blend.fingerprints import FingerprintKey
 from kvatlas.directory.chunk_counts import PARTS, ChunkCounts, Partition
-from kvatlas.directory.chunk_parts import ChunkPart, copy_rows
+from kvatlas.directory.chunk_parts import ChunkPart
 from kvatlas.directory.chunk_table import ChunkTable
 from kvatlas.directory.gate import EmitterCursor
 from kvatlas.directory.records import (
@@ -33,6 +33,7 @@ from kvatlas.directory.records import (
     records_from_columns,
     split_columns,
 )
+from kvatlas.directory.row_copies import copy_rows
 from kvatlas.directory.shapes import ShapeTable
 from kvatlas.directory.token_store import StoredTokens
 from kvatlas.errors import Conflict

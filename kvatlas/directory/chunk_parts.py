@@ -27,8 +27,8 @@ from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import compress, repeat
-from operator import attrgetter, is_, is_not, itemgetter
-from typing import Any, Final, NamedTuple
+from operator import attrgetter, is_, is_not
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -40,15 +40,12 @@ from kvatlas.directory.records import (
     join_record,
     l1_owner,
     other_key,
-    records_from_columns,
     split_columns,
     split_record,
 )
+from kvatlas.directory.row_copies import WIDTH, RowsCopy, copied_records, copy_rows
 from kvatlas.directory.token_store import StoredTokens
 
-_WIDTH: Final = 4  # references per row
-_LISTED_ROWS: Final = 16  # rows up to this many are addressed by a list (copy_rows)
-_FLAGS: Final = (False, True)
 _EMPTY_ROW: Final = (None, 0, None, ())
 
 
@@ -58,7 +55,7 @@ class ChunkColumns:
     __slots__ = ("bound", "free", "l1", "objs", "offsets", "parts")
 
     def __init__(self) -> None:
-        self.objs: list[Any] = []  # _WIDTH per row: content, 2 * shape id + indexed,
+        self.objs: list[Any] = []  # WIDTH per row: content, 2 * shape id + indexed,
         # the first key's placements, the other keys as flat (shape id, placements) pairs
         self.offsets = array("q")  # per row: the content's offset
         self.l1 = L1Owners()  # per row: the instances owning an L1 placement of the chunk
@@ -68,7 +65,7 @@ class ChunkColumns:
 
     def record(self, r: int) -> Record:
         """The record at row ``r`` (every read builds one)."""
-        o = _WIDTH * r
+        o = WIDTH * r
         objs = self.objs
         flagged = objs[o + 1]
         return join_record(
@@ -98,15 +95,15 @@ class ChunkColumns:
 
     def put(self, r: int, rec: Record) -> None:
         tokens, offset, indexed, sid, pls, rest = split_record(rec)
-        o = _WIDTH * r
+        o = WIDTH * r
         self.bound += (tokens is not None) - (self.objs[o] is not None)
-        self.objs[o : o + _WIDTH] = (tokens, 2 * sid + indexed, pls, rest)
+        self.objs[o : o + WIDTH] = (tokens, 2 * sid + indexed, pls, rest)
         self.offsets[r] = offset
         self.l1.put(r, pls, rest)
 
     def clear(self, r: int) -> None:
-        self.bound -= self.objs[_WIDTH * r] is not None
-        self.objs[_WIDTH * r : _WIDTH * (r + 1)] = _EMPTY_ROW
+        self.bound -= self.objs[WIDTH * r] is not None
+        self.objs[WIDTH * r : WIDTH * (r + 1)] = _EMPTY_ROW
         self.l1.set(r, NO_OWNER)
         self.free.append(r)
 
@@ -135,15 +132,15 @@ class ChunkColumns:
 
     def put_placements(self, rows: list[int], placements: Placements) -> None:
         """Rows ``rows`` (one-key records) now hold ``placements`` as their key's."""
-        objs, at = self.objs, [_WIDTH * r + 2 for r in rows]
+        objs, at = self.objs, [WIDTH * r + 2 for r in rows]
         deque(map(objs.__setitem__, at, repeat(placements)), maxlen=0)
         self.l1.fill_rows(rows, self.l1.of(placements, ()))
 
     def clear_rows(self, rows: list[int]) -> None:
         """:meth:`clear` of each row of ``rows``, in that order."""
-        objs, at = self.objs, [_WIDTH * r for r in rows]
+        objs, at = self.objs, [WIDTH * r for r in rows]
         self.bound -= known(list(map(objs.__getitem__, at)))
-        into = map(slice, at, map(_WIDTH.__add__, at))
+        into = map(slice, at, map(WIDTH.__add__, at))
         deque(map(objs.__setitem__, into, repeat(_EMPTY_ROW)), maxlen=0)
         self.l1.fill_rows(rows, NO_OWNER)
         self.free += rows
@@ -176,71 +173,19 @@ def known(tokens: Sequence[StoredTokens | None]) -> int:
     return sum(map(is_not, tokens, repeat(None)))
 
 
-class RowsCopy(NamedTuple):
-    """Some rows' fields, copied: their references (``_WIDTH`` a row, in order), offsets."""
-
-    refs: Sequence[Any]
-    offsets: Sequence[int]
-
-    def fields(self) -> tuple[Sequence[Any], ...]:
-        """The rows' references as four columns: contents, ``2 * shape id + indexed`` of the
-        first key, its placements, the other keys."""
-        return tuple(self.refs[i::_WIDTH] for i in range(_WIDTH))
-
-
-def _gather(seq: Sequence[Any], at: list[int]) -> tuple[Any, ...]:
-    """``tuple(seq[i] for i in at)`` in one C-level call."""
-    return (seq[at[0]],) if len(at) == 1 else itemgetter(*at)(seq)  # type: ignore[no-any-return]
-
-
-def copy_rows(objs: list[Any], offsets: array[int], rows: list[int]) -> RowsCopy:
-    """The fields at ``rows`` of columns ``objs`` and ``offsets`` (two C-level gathers; two
-    slices for consecutive rows, what a batch of new chunks is given)."""
-    if not rows:
-        return RowsCopy((), ())
-    first, n = rows[0], len(rows)
-    if rows[-1] == first + n - 1 and n > 1 and rows == list(range(first, first + n)):
-        refs = objs[_WIDTH * first : _WIDTH * (first + n)]
-        return RowsCopy(refs, offsets[first : first + n].tolist())
-    if n <= _LISTED_ROWS:  # a short lookup's (numpy's fixed cost: most of it)
-        at = [r + k for r in map(_WIDTH.__mul__, rows) for k in range(_WIDTH)]
-    else:  # one item a row: numpy releases the GIL from 500 items on, which a 2-D
-        heads, ats = np.array(rows, np.int64) * _WIDTH, np.empty(_WIDTH * n, np.int64)
-        for k in range(_WIDTH):  # broadcast of the fields reached at 125 rows (a long prompt)
-            ats[k::_WIDTH] = heads + k
-        at = ats.tolist()
-    return RowsCopy(_gather(objs, at), _gather(offsets, rows))
-
-
-def copied_records(copy: RowsCopy) -> list[Record]:
-    """The records of copied rows (C-level maps; no Python code per record)."""
-    refs = copy.refs
-    if not refs:
-        return []
-    flagged = np.array(refs[1::_WIDTH], np.int64)
-    return records_from_columns(
-        refs[0::_WIDTH],
-        copy.offsets,
-        (flagged >> 1).tolist(),
-        refs[2::_WIDTH],
-        map(_FLAGS.__getitem__, (flagged & 1).tolist()),
-        refs[3::_WIDTH],
-    )
-
-
 def _block(
     tokens: Sequence[StoredTokens | None],
     flagged: Sequence[int],
     placements: Sequence[Placements],
     rests: Sequence[tuple[Any, ...]] | None,
 ) -> list[Any]:
-    """Rows' references, ``_WIDTH`` per row, by slice assignment (no tuple per row)."""
-    block: list[Any] = [()] * (_WIDTH * len(tokens))
-    block[0::_WIDTH] = tokens
-    block[1::_WIDTH] = flagged
-    block[2::_WIDTH] = placements
+    """Rows' references, ``WIDTH`` per row, by slice assignment (no tuple per row)."""
+    block: list[Any] = [()] * (WIDTH * len(tokens))
+    block[0::WIDTH] = tokens
+    block[1::WIDTH] = flagged
+    block[2::WIDTH] = placements
     if rests is not None:
-        block[3::_WIDTH] = rests
+        block[3::WIDTH] = rests
     return block
 
 
@@ -399,10 +344,10 @@ def add_fresh(
     if k:
         del free[len(free) - k :]
         block = _block(tokens[:k], flagged[:k], placements[:k], None)
-        at = [_WIDTH * r for r in reused]
-        heads = [_WIDTH * i for i in range(k)]
-        into = map(slice, at, map(_WIDTH.__add__, at))
-        rows = map(block.__getitem__, map(slice, heads, map(_WIDTH.__add__, heads)))
+        at = [WIDTH * r for r in reused]
+        heads = [WIDTH * i for i in range(k)]
+        into = map(slice, at, map(WIDTH.__add__, at))
+        rows = map(block.__getitem__, map(slice, heads, map(WIDTH.__add__, heads)))
         deque(map(cols.objs.__setitem__, into, rows), maxlen=0)
         cols.bound += known(tokens[:k])  # (the rows were free: no content)
         deque(map(cols.offsets.__setitem__, reused, offsets[:k].tolist()), maxlen=0)

@@ -64,8 +64,7 @@ from kvatlas.directory.token_store import widened_many
 from kvatlas.errors import Conflict
 from kvatlas.events import EventBatch
 from kvatlas.events.columns import EntryColumns
-from kvatlas.keys import BlendNamespace, ObjectKey
-from kvatlas.keys.object_key import chunk_hash_of
+from kvatlas.keys import BlendNamespace, ObjectKey, chunk_hash_of
 from kvatlas.keys.tokens import TokenArray
 
 

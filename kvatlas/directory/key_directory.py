@@ -26,13 +26,13 @@ from kvatlas.directory.capture import Capture, DirectoryState, Restored
 from kvatlas.directory.chunk_counts import L2_TIER
 from kvatlas.directory.chunk_table import ChunkTable
 from kvatlas.directory.gate import Admission, EmitterCursor, IngestGate, Outcome
+from kvatlas.directory.prefixes import prefix_summary
 from kvatlas.directory.records import (
     CapacityDeclaration,
     KeyPage,
     KeyPlacements,
     Placement,
     TokenLookup,
-    prefix_summary,
 )
 from kvatlas.directory.salt_usage import SaltKey, bytes_by_salt, keys_of_salts, salt_bytes
 from kvatlas.directory.summaries import DirectoryStats, DirectoryUsage, ModuleUsage

@@ -16,7 +16,8 @@ from kvatlas.coordinator.query import KeysQuery, decode_lookup_body, lookup_quer
 from kvatlas.coordinator.warm_up import warm_up_lookup_kernels
 from kvatlas.coordinator.wire import key_to_wire, lookup_to_wire
 from kvatlas.directory import KeyDirectory
-from kvatlas.directory.records import TokenLookup, prefix_summary
+from kvatlas.directory.prefixes import prefix_summary
+from kvatlas.directory.records import TokenLookup
 from kvatlas.events import CacheEntry, EventBatch
 from kvatlas.keys import ObjectKey, pack_kv_rank
 from kvatlas.routing import JSON

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvatlas.directory import KeyPlacements, Placement, PrefixHolder
-from kvatlas.directory.records import prefix_summary
+from kvatlas.directory.prefixes import prefix_summary
 from kvatlas.keys import ObjectKey, pack_kv_rank
 
 KEY = ObjectKey(bytes(32), "m", pack_kv_rank(1, 0, 1, 0))
