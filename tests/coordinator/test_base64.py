@@ -5,11 +5,16 @@ from __future__ import annotations
 import base64
 import binascii
 
+import llvmlite.binding as llvm
+import numba
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvatlas.coordinator import _base64
 from kvatlas.coordinator._base64 import b64decode_strict, decode_base64
+
+ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/-_"
 
 
 @settings(max_examples=300, deadline=None)
@@ -151,3 +156,34 @@ def test_block_path_is_taken_and_refuses_per_character() -> None:
             broken = bytearray(text)
             broken[at] = byte
             assert decode_base64(np.frombuffer(bytes(broken), dtype=np.uint8)) is None, (at, byte)
+
+
+@numba.njit
+def _blocks_both(src, out_runs, out_lookup, lookup):  # type: ignore[no-untyped-def]
+    runs = _base64._decode_block_by_runs(src.ctypes.data, out_runs.ctypes.data)
+    if not lookup:
+        return runs, runs
+    return runs, _base64._decode_block_by_lookup(src.ctypes.data, out_lookup.ctypes.data)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.one_of(st.sampled_from(ALPHABET), st.integers(0, 255)), min_size=64, max_size=64)
+)
+def test_both_block_decoders_read_64_characters_as_the_alphabet_says(chars: list[int]) -> None:
+    """The range compares (any machine) and the table lookup (AVX-512 VBMI) decode a block's
+    characters alike: the same mask of characters outside the alphabet (every byte value,
+    128-255 included: the lookup reads 7 bits) and, where all are inside, the same 48 bytes as
+    the standard library. The machine's choice is the lookup exactly where VBMI is."""
+    vbmi = bool(llvm.get_host_cpu_features().get("avx512vbmi", False))
+    expected = _base64._decode_block_by_lookup if vbmi else _base64._decode_block_by_runs
+    assert _base64._decode_block is expected
+    src = np.array(chars, np.uint8)
+    outs = np.zeros(48, np.uint8), np.zeros(48, np.uint8)
+    runs, lookup = _blocks_both(src, *outs, vbmi)
+    inside = [c in ALPHABET for c in chars]
+    assert int(runs) == sum(1 << k for k, ok in enumerate(inside) if not ok) == int(lookup)
+    if all(inside):
+        text = bytes(chars).replace(b"-", b"+").replace(b"_", b"/")
+        assert outs[0].tobytes() == base64.b64decode(text, validate=True)
+        assert not vbmi or outs[1].tobytes() == outs[0].tobytes()
