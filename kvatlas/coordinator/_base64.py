@@ -179,14 +179,21 @@ def _block_decoder(
 
 _decode_block_by_runs = _block_decoder(_by_runs)
 _decode_block_by_lookup = _block_decoder(_by_lookup)
-_decode_block = (
-    _decode_block_by_lookup
-    if llvm.get_host_cpu_features().get("avx512vbmi", False)
-    else _decode_block_by_runs
-)
-"""The block decoder of this machine: the table lookup where AVX-512 VBMI is (the host's
-features: numba compiles for the host, and keys its cache by them), the range compares
-elsewhere (any target)."""
+
+
+def _compiled_with_vbmi() -> bool:
+    """Whether numba compiles for AVX-512 VBMI: the features it is told to
+    (``NUMBA_CPU_FEATURES``), else the host's (numba's own choice; it keys its cache by
+    them)."""
+    told = getattr(numba.config, "CPU_FEATURES", None)  # (set by NUMBA_CPU_FEATURES)
+    if told is not None:
+        return "+avx512vbmi" in told.split(",")
+    return bool(llvm.get_host_cpu_features().get("avx512vbmi", False))
+
+
+_decode_block = _decode_block_by_lookup if _compiled_with_vbmi() else _decode_block_by_runs
+"""The block decoder: the table lookup where the compiled code has AVX-512 VBMI, the range
+compares elsewhere (any target)."""
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
