@@ -17,67 +17,56 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
+from kvatlas.checks import refuse_big_endian
+from kvatlas.directory.blend.kernels.pointers import inline, u32_ptr
 from kvatlas.keys.tokens import TokenArray
 
-DECIMAL_PAIRS = np.frombuffer("".join(f"{i:02d}" for i in range(100)).encode(), np.uint8)
-"""``"00"`` to ``"99"``: two digits a step."""
+_GROUPS = np.frombuffer("".join(f"{i:04d}" for i in range(10_000)).encode(), np.uint32).copy()
+"""``"0000"`` to ``"9999"``: four digits as one word, the first digit its low byte (the byte
+order of every target numba compiles for, checked at import)."""
+_SIGNIFICANT = np.array([len(str(i)) for i in range(10_000)], np.uint8)
+"""How many of a group's four digits are not leading zeros (one for 0)."""
+refuse_big_endian("kvatlas's JSON id writer")
 _MAX_DIGITS = 10
 """Of an id below 2^32."""
 _EMPTY = msgspec.Raw(b"[]")
 
 
-DIV100 = 1374389535
-"""``(v * DIV100) >> 37 == v // 100`` for every ``v`` below 2^32 (no division)."""
-
-
 @numba.njit(cache=True, boundscheck=False)
-def _write_lists(ids, lens, pairs, out, ends):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+def _write_lists(ids, lens, groups, significant, out, ends):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """``ids`` (``uint32``) cut into arrays of ``lens[i]`` ids, each written as a JSON array
     (``[1,2,3]``, no space) into ``out`` back to back; ``ends[i]``: where array ``i`` ends.
-    Each id is followed by a comma, the last one's overwritten by the ``]``; its digits are
-    counted by compares (their count varies from id to id) and written two at a time from the
-    right, divided by 100 without a division."""
+    An id is one, two or three groups of four digits (divided by 10,000 with a multiply), each
+    a word of :data:`_GROUPS` stored whole; the first without its leading zeros (shifted out:
+    the word's bytes past the id's last digit are overwritten by what follows). Each id is
+    followed by a comma, the last one's overwritten by the ``]``. (Digits counted by compares
+    and written two at a time took 2.6× as long: the count varies from id to id, and branches
+    on it mispredict.)"""
+    base = out.ctypes.data
+    ten_thousand = np.uint64(10_000)
     k = 0
     j = 0
     for i in range(lens.shape[0]):
         out[k] = 91  # "["
         k += 1
         for _ in range(lens[i]):
-            v = np.int64(ids[j])
+            v = np.uint64(ids[j])
             j += 1
-            n = 1
-            if v >= 10:
-                n = 2
-            if v >= 100:
-                n = 3
-            if v >= 1000:
-                n = 4
-            if v >= 10000:
-                n = 5
-            if v >= 100000:
-                n = 6
-            if v >= 1000000:
-                n = 7
-            if v >= 10000000:
-                n = 8
-            if v >= 100000000:
-                n = 9
-            if v >= 1000000000:
-                n = 10
-            e = k + n
-            while v >= 100:
-                q = (v * DIV100) >> 37
-                r = 2 * (v - 100 * q)
-                out[e - 1] = pairs[r + 1]
-                out[e - 2] = pairs[r]
-                e -= 2
-                v = q
-            if v >= 10:
-                out[e - 1] = pairs[2 * v + 1]
-                out[e - 2] = pairs[2 * v]
+            low = v
+            if v >= ten_thousand:
+                head = v // ten_thousand
+                low = v - head * ten_thousand
+                if head >= ten_thousand:  # ten digits at most: three groups
+                    top = head // ten_thousand
+                    k = _put_leading(base, k, top, groups, significant)
+                    u32_ptr(base + k)[0] = groups[head - top * ten_thousand]  # type: ignore[call-arg]
+                    k += 4
+                else:
+                    k = _put_leading(base, k, head, groups, significant)
+                u32_ptr(base + k)[0] = groups[low]  # type: ignore[call-arg]
+                k += 4
             else:
-                out[e - 1] = 48 + v
-            k += n
+                k = _put_leading(base, k, low, groups, significant)
             out[k] = 44  # ","
             k += 1
         if lens[i]:
@@ -85,6 +74,14 @@ def _write_lists(ids, lens, pairs, out, ends):  # type: ignore[no-untyped-def]  
         out[k] = 93  # "]"
         k += 1
         ends[i] = k
+
+
+@inline
+def _put_leading(base, k, group, groups, significant):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """The group's digits but its leading zeros at ``base + k``; returns where they end."""
+    n = np.int64(significant[group])
+    u32_ptr(base + k)[0] = groups[group] >> np.uint32(8 * (4 - n))  # type: ignore[call-arg]
+    return k + n
 
 
 def json_id_lists(contents: Sequence[TokenArray | None]) -> list[msgspec.Raw] | None:
@@ -102,7 +99,7 @@ def json_id_lists(contents: Sequence[TokenArray | None]) -> list[msgspec.Raw] | 
     ids = np.concatenate(arrays).astype(np.uint32, copy=False)
     out = np.empty(len(ids) * (_MAX_DIGITS + 1) + 2 * len(arrays), np.uint8)
     ends = np.empty(len(arrays), np.int64)
-    _write_lists(ids, lens, DECIMAL_PAIRS, out, ends)
+    _write_lists(ids, lens, _GROUPS, _SIGNIFICANT, out, ends)
     view = memoryview(out[: int(ends[-1])].tobytes())
     bounds = [0, *ends.tolist()]
     written = iter(map(msgspec.Raw, map(view.__getitem__, map(slice, bounds, bounds[1:]))))
