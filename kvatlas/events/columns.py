@@ -35,7 +35,10 @@ from kvatlas.keys.object_key import ShapeParts
 _Shape = TypeVar("_Shape", bound=Hashable)
 Int64s = npt.NDArray[np.int64]
 _ZERO_HASH = bytes(32)
-_LISTED = 16  # entries up to this many are checked as lists (see EntryColumns.checked)
+LISTED_ENTRIES = 16
+"""Batches of at most this many entries are checked and laid out by Python on lists (a
+node's report of a chunk or a few): each numpy call, and a compiled step's dispatch, costs
+≈1–1.5 µs however short."""
 assert np.iinfo(np.int64).max == I64_MAX  # sizes and offsets fit int64 columns exactly
 
 
@@ -122,7 +125,7 @@ class EntryColumns:
             offsets = np.array(token_offsets, dtype=np.int64)
         except (OverflowError, TypeError, ValueError):
             return None
-        if len(sizes) <= _LISTED:  # (the lists' own minimum: numpy's costs ≈1.5 µs however few)
+        if len(sizes) <= LISTED_ENTRIES:  # (the lists' own minimum)
             low = (min(size_bytes), min(token_offsets)) if len(sizes) else (0, UNKNOWN_OFFSET)
         else:
             low = (int(sizes.min()), int(offsets.min()))

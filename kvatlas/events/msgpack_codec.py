@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 
 from kvatlas.api.events import PACKED_FORMAT_VERSION, PackedBatch, PackedEntry, PackedEventsBody
-from kvatlas.events.columns import ColumnBatch, EntryColumns, column_batch
+from kvatlas.events.columns import LISTED_ENTRIES, ColumnBatch, EntryColumns, column_batch
 from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
 from kvatlas.events.json_codec import decode_json, decode_json_columns, explain, key_from_parts
 from kvatlas.events.model import CacheEntry, EventBatch, batch_from_wire, header_to_wire
@@ -153,7 +153,7 @@ def _columns_from_packed(pb: PackedBatch) -> EntryColumns | None:
     if hashes and set(map(len, hashes)) != {32}:
         return None
     n = len(entries)
-    if n <= _LISTED and len(contents) <= _LISTED:  # a node's report of a chunk or a few
+    if n <= LISTED_ENTRIES and len(contents) <= LISTED_ENTRIES:  # a node's report
         rows = _listed_rows(list(map(len, contents)), list(map(_CONTENT, entries)))
         if rows is None:
             return None
@@ -175,11 +175,6 @@ def _columns_from_packed(pb: PackedBatch) -> EntryColumns | None:
         starts,
         lengths,
     )
-
-
-_LISTED = 16
-"""Batches of at most this many entries and contents have their rows found by Python on
-lists: each numpy call and the compiled step's dispatch cost ≈1 µs however short."""
 
 
 def _listed_rows(sizes: list[int], refs: list[int]) -> tuple[Any, Any] | None:

@@ -197,8 +197,8 @@ def test_columns_equal_per_entry_path(fmt: str, listed: int, data: st.DataObject
     """Batches of up to 6 entries: read as lists (their rows and checks), and with the lists'
     bound at 0 the way longer batches are read (numpy and the compiled rows)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(msgpack_codec, "_LISTED", listed)
-        patch.setattr(columns, "_LISTED", listed)
+        patch.setattr(msgpack_codec, "LISTED_ENTRIES", listed)
+        patch.setattr(columns, "LISTED_ENTRIES", listed)
         _columns_equal_per_entry_path(fmt, data)
 
 
