@@ -30,10 +30,10 @@ _TAIL_ON = np.frombuffer(b'],"enable_blend_lookup":true}', np.uint8)
 _TAIL_OFF = np.frombuffer(b'],"enable_blend_lookup":false}', np.uint8)
 _PER_MATCH = len(_HASH) + len(_OLD_ST) + len(_CUR_ST) + 2 * 20 + 2  # "}", ","; ints <= 20
 _FIXED = len(_HEAD) + len(_TAIL_OFF)
-DECIMAL_PAIRS = np.frombuffer("".join(f"{i:02d}" for i in range(100)).encode(), np.uint8)
+_DECIMAL_PAIRS = np.frombuffer("".join(f"{i:02d}" for i in range(100)).encode(), np.uint8)
 """``"00"`` to ``"99"``: two digits a step."""
-DIV100 = 1374389535
-"""``(v * DIV100) >> 37 == v // 100`` for every ``v`` below 2^32 (no division)."""
+_DIV100 = 1374389535
+"""``(v * _DIV100) >> 37 == v // 100`` for every ``v`` below 2^32 (no division)."""
 _POWERS = 10 ** np.arange(10, dtype=np.int64)
 """``10^n``: an offset below 2^32 has ``n`` digits for the first ``10^n`` above it."""
 
@@ -57,15 +57,15 @@ def _put_int(out, k, value):  # type: ignore[no-untyped-def]  # pragma: no cover
             n += 1
         e = k + n
         while v >= 100:
-            q = (v * DIV100) >> 37
+            q = (v * _DIV100) >> 37
             r = 2 * (v - 100 * q)
-            out[e - 1] = DECIMAL_PAIRS[r + 1]
-            out[e - 2] = DECIMAL_PAIRS[r]
+            out[e - 1] = _DECIMAL_PAIRS[r + 1]
+            out[e - 2] = _DECIMAL_PAIRS[r]
             e -= 2
             v = q
         if v >= 10:
-            out[e - 1] = DECIMAL_PAIRS[2 * v + 1]
-            out[e - 2] = DECIMAL_PAIRS[2 * v]
+            out[e - 1] = _DECIMAL_PAIRS[2 * v + 1]
+            out[e - 2] = _DECIMAL_PAIRS[2 * v]
         else:
             out[e - 1] = 48 + v
         return k + n

@@ -82,7 +82,7 @@ class ShapeTable:
 
     def id_of(self, key: ObjectKey) -> int | None:
         """``key``'s shape id, ``None`` if no key of that shape was ever interned."""
-        return self._ids.get((key.model_name, key.kv_rank, key.object_group_id, key.cache_salt))
+        return self._ids.get(shape_parts(key))
 
     def ids_of(self, keys: Sequence[ObjectKey]) -> list[int | None]:
         """:meth:`id_of` of each key (C-level maps: a lookup's keys; keys of one shape, the

@@ -36,9 +36,8 @@ _Shape = TypeVar("_Shape", bound=Hashable)
 Int64s = npt.NDArray[np.int64]
 _ZERO_HASH = bytes(32)
 LISTED_ENTRIES = 16
-"""Batches of at most this many entries are checked and laid out by Python on lists (a
-node's report of a chunk or a few): each numpy call, and a compiled step's dispatch, costs
-≈1–1.5 µs however short."""
+"""Batches of at most this many entries have their sizes and offsets bounded by the lists'
+own minimum (a node's report of a chunk or a few): numpy's costs ≈1.5 µs however short."""
 assert np.iinfo(np.int64).max == I64_MAX  # sizes and offsets fit int64 columns exactly
 
 
@@ -125,11 +124,11 @@ class EntryColumns:
             offsets = np.array(token_offsets, dtype=np.int64)
         except (OverflowError, TypeError, ValueError):
             return None
-        if len(sizes) <= LISTED_ENTRIES:  # (the lists' own minimum)
-            low = (min(size_bytes), min(token_offsets)) if len(sizes) else (0, UNKNOWN_OFFSET)
+        if len(sizes) <= LISTED_ENTRIES:
+            least_size, least_offset = min(size_bytes, default=0), min(token_offsets, default=0)
         else:
-            low = (int(sizes.min()), int(offsets.min()))
-        if low[0] < 0 or low[1] < UNKNOWN_OFFSET:
+            least_size, least_offset = int(sizes.min()), int(offsets.min())
+        if least_size < 0 or least_offset < UNKNOWN_OFFSET:
             return None  # the upper bounds are int64's (I64_MAX)
         return cls(
             chunk_hashes,

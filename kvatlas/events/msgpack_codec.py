@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 
 from kvatlas.api.events import PACKED_FORMAT_VERSION, PackedBatch, PackedEntry, PackedEventsBody
-from kvatlas.events.columns import LISTED_ENTRIES, ColumnBatch, EntryColumns, column_batch
+from kvatlas.events.columns import ColumnBatch, EntryColumns, column_batch
 from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
 from kvatlas.events.json_codec import decode_json, decode_json_columns, explain, key_from_parts
 from kvatlas.events.model import CacheEntry, EventBatch, batch_from_wire, header_to_wire
@@ -153,18 +153,12 @@ def _columns_from_packed(pb: PackedBatch) -> EntryColumns | None:
     if hashes and set(map(len, hashes)) != {32}:
         return None
     n = len(entries)
-    if n <= LISTED_ENTRIES and len(contents) <= LISTED_ENTRIES:  # a node's report
-        rows = _listed_rows(list(map(len, contents)), list(map(_CONTENT, entries)))
-        if rows is None:
-            return None
-        starts, lengths = rows
-    else:
-        sizes = np.fromiter(map(len, contents), dtype=np.int64, count=len(contents))
-        refs = np.fromiter(map(_CONTENT, entries), dtype=np.int64, count=n)
-        firsts = np.empty(len(contents) + 1, np.int64)
-        starts, lengths = np.empty(n, np.int64), np.empty(n, np.int64)
-        if not _packed_rows(sizes, refs, firsts, starts, lengths):
-            return None  # (a content not whole ids, a reference to no content)
+    sizes = np.fromiter(map(len, contents), dtype=np.int64, count=len(contents))
+    refs = np.fromiter(map(_CONTENT, entries), dtype=np.int64, count=n)
+    firsts = np.empty(len(contents) + 1, np.int64)
+    starts, lengths = np.empty(n, np.int64), np.empty(n, np.int64)
+    if not _packed_rows(sizes, refs, firsts, starts, lengths):
+        return None  # (a content not whole ids, a reference to no content)
     arena = np.frombuffer(b"".join(contents), dtype=_LE_U32).astype(np.uint32, copy=False)
     return EntryColumns.checked(
         hashes,
@@ -175,24 +169,6 @@ def _columns_from_packed(pb: PackedBatch) -> EntryColumns | None:
         starts,
         lengths,
     )
-
-
-def _listed_rows(sizes: list[int], refs: list[int]) -> tuple[Any, Any] | None:
-    """:func:`_packed_rows` of a short batch (``sizes``: its contents' bytes; ``refs``: each
-    entry's content, -1 none) as ``starts`` and ``lengths`` arrays; ``None`` when a content
-    is not whole ids or a reference names no content."""
-    firsts = [0]
-    for size in sizes:
-        if size % 4:
-            return None
-        firsts.append(firsts[-1] + size // 4)
-    starts, lengths = [], []
-    for r in refs:
-        if r < -1 or r >= len(sizes):
-            return None
-        starts.append(firsts[r] if r >= 0 else 0)
-        lengths.append(firsts[r + 1] - firsts[r] if r >= 0 else 0)
-    return np.array(starts, np.int64), np.array(lengths, np.int64)
 
 
 def _json_shaped(body: bytes) -> bytes | None:

@@ -25,7 +25,6 @@ from kvatlas.events import (
     decode_json_columns,
     decode_msgpack,
     decode_msgpack_columns,
-    msgpack_codec,
 )
 from kvatlas.events._cut_types import TOKENS
 from kvatlas.events._json_cut import cut_entries
@@ -189,15 +188,14 @@ def _state(d: KeyDirectory) -> Any:
     return held, plain, counts, matches, d.emitters(), d.usage()
 
 
-@pytest.mark.parametrize("listed", [16, 0], ids=["short batches as lists", "as arrays"])
+@pytest.mark.parametrize("listed", [16, 0], ids=["short batches bounded as lists", "as arrays"])
 @pytest.mark.parametrize("fmt", ["json", "msgpack", "json-shaped msgpack"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_columns_equal_per_entry_path(fmt: str, listed: int, data: st.DataObject) -> None:
-    """Batches of up to 6 entries: read as lists (their rows and checks), and with the lists'
-    bound at 0 the way longer batches are read (numpy and the compiled rows)."""
+    """Batches of up to 6 entries: their sizes and offsets bounded as lists, and with the
+    lists' bound at 0 the way longer batches' are (numpy)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(msgpack_codec, "LISTED_ENTRIES", listed)
         patch.setattr(columns, "LISTED_ENTRIES", listed)
         _columns_equal_per_entry_path(fmt, data)
 
