@@ -204,6 +204,11 @@ def _rekey_rows(args: argparse.Namespace, rng: np.random.Generator) -> list[Benc
     stepped = engine_payloads(rng, args.requests, tokens, b, tokens // 2 // c * c)
     for events in (payloads, stepped):
         assert rekey(events).counts["chunks_stored"] == naive_rekey(events, c)
+    # Both re-keyers run in a coordinator, which freezes what it holds at start-up
+    # (runtime.freeze_long_lived): without it every full collection here walks numba's and
+    # numpy's objects, ≈30 ms each, the same for either re-keyer.
+    gc.collect()
+    gc.freeze()
     rows = [
         BenchRow(
             f"decode + re-key, per block: one event per request ({blocks} blocks, no parents)",

@@ -8,10 +8,9 @@ decoded a group of events at a time (:func:`groups`) and token ids are converted
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Iterator
 from typing import Final
-
-import numpy as np
 
 from kvatlas.events.vllm_wire import (
     AllBlocksCleared,
@@ -21,11 +20,9 @@ from kvatlas.events.vllm_wire import (
     SplitBatch,
     VllmWireError,
 )
-from kvatlas.keys.tokens import TokenArray, tokens_be_bytes
 
-_MAX_TOKEN: Final = (1 << 32) - 1
 TOKEN_PIECE: Final = 1 << 16
-"""Token ids converted per numpy call (a bounded GIL-holding call, whatever the event)."""
+"""Token ids packed per ``struct`` call (a bounded GIL-holding call, whatever the event)."""
 
 
 class BadBatch(ValueError):
@@ -43,23 +40,32 @@ def groups(batch: KVEventBatch | SplitBatch) -> Iterator[tuple[int, list[KVEvent
     return iter([(0, batch.events)])
 
 
+def decoded_once(batch: KVEventBatch | SplitBatch) -> KVEventBatch | SplitBatch:
+    """A split batch of one group (every real vLLM step) as that group decoded: the checks
+    and the translation then read one decoding instead of two (either way only one group's
+    events are ever Python objects); :class:`BadBatch` if it does not decode."""
+    if not isinstance(batch, SplitBatch) or len(batch.bodies) != 1:
+        return batch
+    try:
+        ((_, events),) = batch.groups()
+    except VllmWireError as exc:
+        raise BadBatch(exc.kind, exc.reason) from None
+    return KVEventBatch(batch.ts, events, batch.data_parallel_rank)
+
+
 def checked_tokens(
     batch: KVEventBatch | SplitBatch, chunk_size: int, max_blocks: int
 ) -> dict[int, bytes]:
     """Check everything that could fail later; returns each stored event's token ids,
-    packed big-endian (the hashing form). A group's token ids are converted together:
-    engines with CPU offload send one event per block, and a conversion per event would
-    cost more than the rest of its re-keying."""
+    packed big-endian (the hashing form), by event index."""
     tokens: dict[int, bytes] = {}
     if not math.isfinite(batch.ts):
         raise BadBatch("invalid", f"ts must be a finite number, got {batch.ts}")
     blocks = 0
     try:
         for start, events in groups(batch):
-            ids: dict[int, list[int]] = {}
             for i, event in enumerate(events, start):
-                blocks += _check(event, i, chunk_size, ids)
-            tokens.update(_packed_tokens(ids))
+                blocks += _check(event, i, chunk_size, tokens)
     except VllmWireError as exc:
         raise BadBatch(exc.kind, exc.reason) from None
     if blocks > max_blocks:
@@ -70,14 +76,17 @@ def checked_tokens(
     return tokens
 
 
-def _check(event: KVEvent, i: int, chunk_size: int, tokens: dict[int, list[int]]) -> int:
-    """One event's checks; its blocks (a stored event's token ids go into ``tokens``)."""
+def _check(event: KVEvent, i: int, chunk_size: int, tokens: dict[int, bytes]) -> int:
+    """One event's checks; its blocks (a stored event's token ids, packed, go into
+    ``tokens``)."""
     if isinstance(event, AllBlocksCleared):
         return 0
-    for h in event.block_hashes:
-        if isinstance(h, bytes) and not 0 < len(h) <= 64:
-            raise BadBatch("invalid", f"events[{i}]: block hash of {len(h)} bytes")
-    n = len(event.block_hashes)
+    hashes = event.block_hashes
+    sizes = [len(h) for h in hashes if isinstance(h, bytes)]  # (an int hash has no size)
+    if sizes and not (min(sizes) > 0 and max(sizes) <= 64):
+        bad = next(n for n in sizes if not 0 < n <= 64)
+        raise BadBatch("invalid", f"events[{i}]: block hash of {bad} bytes")
+    n = len(hashes)
     if not isinstance(event, BlockStored):
         return n
     size = event.block_size
@@ -93,42 +102,18 @@ def _check(event: KVEvent, i: int, chunk_size: int, tokens: dict[int, list[int]]
     if event.extra_keys is not None and len(event.extra_keys) != n:
         raise BadBatch("invalid", f"events[{i}]: extra_keys for {len(event.extra_keys)}"
                        f" of {n} blocks")  # fmt: skip
-    tokens[i] = event.token_ids
+    tokens[i] = _packed(event.token_ids, i)
     return n
 
 
-def _token_array(token_ids: list[int], i: int) -> TokenArray:
-    """``token_ids`` as uint32, or :class:`BadBatch` (``token_range``) if any is outside;
-    converted :data:`TOKEN_PIECE` at a time."""
-    out = np.empty(len(token_ids), np.uint32)
-    for start in range(0, len(token_ids), TOKEN_PIECE):
-        try:
-            arr = np.asarray(token_ids[start : start + TOKEN_PIECE])
-        except (OverflowError, ValueError):
-            arr = np.asarray([-1])
-        if arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() > _MAX_TOKEN:
-            raise BadBatch("token_range", f"events[{i}]: token id outside [0, 2^32)")
-        out[start : start + len(arr)] = arr
-    return out
-
-
-def _packed_tokens(ids: dict[int, list[int]]) -> dict[int, bytes]:
-    """Each event's token ids (``ids``: event index → ids) as big-endian uint32 bytes, all
-    converted at once; :class:`BadBatch` (``token_range``) names the first event with an id
-    outside ``[0, 2^32)``."""
-    if not ids:
-        return {}
-    every = [t for token_ids in ids.values() for t in token_ids]
+def _packed(token_ids: list[int], i: int) -> bytes:
+    """``token_ids`` packed as big-endian ``uint32`` (one ``struct`` call per
+    :data:`TOKEN_PIECE` ids, each id checked by it), or :class:`BadBatch` (``token_range``)
+    naming event ``i`` if any is not an integer in ``[0, 2^32)``."""
     try:
-        packed = tokens_be_bytes(_token_array(every, -1))
-    except BadBatch:
-        for i, token_ids in ids.items():
-            _token_array(token_ids, i)
-        raise
-    out: dict[int, bytes] = {}
-    at = 0
-    for i, token_ids in ids.items():
-        end = at + 4 * len(token_ids)
-        out[i] = packed[at:end]
-        at = end
-    return out
+        if len(token_ids) <= TOKEN_PIECE:
+            return struct.pack(f">{len(token_ids)}I", *token_ids)
+        pieces = [token_ids[at : at + TOKEN_PIECE] for at in range(0, len(token_ids), TOKEN_PIECE)]
+        return b"".join([struct.pack(f">{len(p)}I", *p) for p in pieces])
+    except struct.error:
+        raise BadBatch("token_range", f"events[{i}]: token id outside [0, 2^32)") from None

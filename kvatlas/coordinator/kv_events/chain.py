@@ -48,6 +48,9 @@ _BACK: Final = 3
 BLOCK: Final = 4
 _PACKED: Final = 5
 _ITEMS: Final = 6
+_LORA: Final = 7
+_PLAIN: Final = 8
+_KEYABLE: Final = 9
 
 START: Final[ChainPoint] = (NONE_HASH, 0, 0, None, None, b"", (), None, True, True)
 
@@ -109,3 +112,54 @@ def advance(
         suffix = x1_chunk_suffix_fn(chunk_size, all_items, request)
     prev = chain_hashes(chunk, chunk_size, prev, n_chunks, suffix)[0]
     return (prev, n_chunks + 1, 0, None, h, b"", (), lora, plain, keyable), chunk
+
+
+def plain_run(point: ChainPoint, size: int, lora: str | int | None) -> bool:
+    """Whether :func:`advance_run` can take blocks of ``size`` tokens after ``point``: no
+    adapter, the chain plain and keyable so far, and ``point``'s partial chunk a whole
+    number of such blocks (so each chunk ends at a block's end). Extra keys are the caller's
+    to rule out."""
+    return (
+        lora is None
+        and point[_PLAIN]
+        and point[_KEYABLE]
+        and point[_LORA] is None
+        and point[_FILL] % size == 0
+    )
+
+
+def advance_run(
+    scheme: KeyScheme, point: ChainPoint, hashes: list[BlockHash], packed: bytes
+) -> tuple[list[ChainPoint], list[bytes], list[bytes]]:
+    """:func:`advance` over each of ``hashes``' blocks in turn (``packed``: their tokens end
+    to end, as many per block), when :func:`plain_run` holds and no block has extra keys:
+    each block's point, then the hashes and tokens of the chunks the run completed, in
+    order. The run's chunks are hashed by one :func:`chain_hashes` call and each block is a
+    tuple built in one loop, where :func:`advance` builds the chain block by block."""
+    chunk_size = scheme.chunk_size
+    prev, n_chunks, fill = point[0], point[1], point[_FILL]
+    step = len(packed) // len(hashes)
+    size = step // 4
+    done = (fill + len(hashes) * size) // chunk_size
+    stream = b"".join([p[_PACKED] for p in partial(point)] + [packed]) if fill and done else packed
+    cstep = 4 * chunk_size
+    chunks = [stream[i * cstep : (i + 1) * cstep] for i in range(done)]
+    suffix = x1_chunk_suffix_fn(chunk_size, [], None) if scheme.carries_extra_keys else None
+    done_hashes = chain_hashes(stream[: done * cstep], chunk_size, prev, n_chunks, suffix)
+    points: list[ChainPoint] = []
+    back: ChainPoint | None = point if fill else None
+    at, c = 0, 0
+    for h in hashes:
+        fill += size
+        if fill < chunk_size:
+            back = (prev, n_chunks, fill, back, h, packed[at : at + step], (), None, True, True)
+            points.append(back)
+        else:
+            prev = done_hashes[c]
+            c += 1
+            n_chunks += 1
+            fill = 0
+            back = None
+            points.append((prev, n_chunks, 0, None, h, b"", (), None, True, True))
+        at += step
+    return points, done_hashes, chunks

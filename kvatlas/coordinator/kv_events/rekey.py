@@ -25,10 +25,21 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Final
 
-from kvatlas.coordinator.kv_events.batch_checks import checked_tokens, groups
-from kvatlas.coordinator.kv_events.chain import BLOCK, START, Block, ChainPoint, advance, partial
+from kvatlas.coordinator.kv_events.batch_checks import checked_tokens, decoded_once, groups
+from kvatlas.coordinator.kv_events.chain import (
+    BLOCK,
+    START,
+    Block,
+    ChainPoint,
+    Placed,
+    advance,
+    advance_run,
+    partial,
+    plain_run,
+)
 from kvatlas.coordinator.kv_events.changes import Cleared, Pending, entry_columns, net_effect
 from kvatlas.events import ACCESS, STORE, ColumnBatch, EventBatch
 from kvatlas.events.vllm_wire import BlockHash, BlockRemoved, BlockStored, KVEventBatch, SplitBatch
@@ -41,6 +52,9 @@ CPU_TIER: Final = "engine-cpu"
 ENGINE_BACKEND: Final = "vllm"
 SLICE_ENTRIES: Final = 4096
 """Most entries in one gated batch the re-keyer yields (one directory lock hold)."""
+RUNS = True
+"""Store an event's new blocks of a plain chain as one run (:meth:`Rekeyer._stored_run`);
+tests turn it off to compare with the block-by-block loop."""
 
 
 def engine_tier(medium: str | None) -> str:
@@ -112,6 +126,7 @@ class Rekeyer:
         """The ops one engine batch means, in order, each batch at most ``slice_entries``
         entries; :class:`~.batch_checks.BadBatch` (nothing changed) if any event of it is
         invalid."""
+        batch = decoded_once(batch)
         tokens = checked_tokens(batch, self.chunk_size, self.max_blocks)
         state = self.engine(instance_id)
         pending = Pending()
@@ -151,9 +166,12 @@ class Rekeyer:
         tier = engine_tier(event.medium)
         size = event.block_size
         lora = event.lora_name if event.lora_name is not None else event.lora_id
+        self.counts["blocks_stored"] += len(event.block_hashes)
+        if RUNS and self._new_run(state, event) and plain_run(point, size, lora):
+            self._stored_run(state, model, event.block_hashes, packed, point, tier, pending)
+            return
         extras = event.extra_keys or [None] * len(event.block_hashes)
         step = 4 * size
-        self.counts["blocks_stored"] += len(event.block_hashes)
         for i, h in enumerate(event.block_hashes):
             before = point
             own = packed[i * step : (i + 1) * step]
@@ -167,15 +185,67 @@ class Rekeyer:
                 continue
             placed = (prev, model, tier)
             for b in (*partial(before), point):
-                bh = b[BLOCK]
-                if bh is None or (held := state.blocks.get(bh)) is None or placed in held[2]:
-                    continue
-                state.blocks[bh] = (held[0], held[1], (*held[2], placed))
+                self._place(state, b[BLOCK], placed)
             offset = (n_chunks - 1) * self.chunk_size
             pending.add(
                 state.instance_id, STORE, tier, (prev, model, offset, chunk if plain else None)
             )
             self.counts["chunks_stored"] += 1
+
+    def _new_run(self, state: EngineState, event: BlockStored) -> bool:
+        """Whether ``event``'s blocks are all new to the map (and to each other), none has
+        extra keys, and the map takes them all without an eviction: then they are stored
+        as one run (:meth:`_stored_run`)."""
+        hashes = event.block_hashes
+        return (
+            len(hashes) > 1  # (one block: the loop costs less)
+            and self.total_blocks + len(hashes) <= self.max_blocks
+            and not (event.extra_keys and any(event.extra_keys))
+            and not any(map(state.blocks.__contains__, hashes))
+            and len(set(hashes)) == len(hashes)
+        )
+
+    def _stored_run(
+        self,
+        state: EngineState,
+        model: str,
+        hashes: list[BlockHash],
+        packed: bytes,
+        point: ChainPoint,
+        tier: str,
+        pending: Pending,
+    ) -> None:
+        """:meth:`_stored`'s loop for new blocks of a plain chain (:func:`advance_run`): each
+        block's map entry built once, with the chunk that holds it when the run completes
+        that chunk; the blocks of the partial chunk the run started in get the first
+        chunk's placement as the loop gives it to them."""
+        points, done, chunks = advance_run(self.scheme, point, hashes, packed)
+        placed = [((h, model, tier),) for h in done]
+        size = len(packed) // (4 * len(hashes))
+        per_chunk = self.chunk_size // size
+        first = point[2] // size  # the run's first chunk's tokens before it, in its blocks
+        held: list[tuple[Placed, ...]] = [()] * len(hashes)
+        for i, p in enumerate(placed):
+            lo = max(0, i * per_chunk - first)
+            held[lo : (i + 1) * per_chunk - first] = [p] * ((i + 1) * per_chunk - first - lo)
+        tiers = (tier,)
+        state.blocks.update(zip(hashes, zip(points, repeat(tiers), held), strict=False))
+        self.total_blocks += len(hashes)
+        if done and point[2]:
+            for b in partial(point):
+                self._place(state, b[BLOCK], placed[0][0])
+        n_chunks = point[1]
+        for i, (h, chunk) in enumerate(zip(done, chunks, strict=True)):
+            offset = (n_chunks + i) * self.chunk_size
+            pending.add(state.instance_id, STORE, tier, (h, model, offset, chunk))
+            self.counts["chunks_stored"] += 1
+
+    @staticmethod
+    def _place(state: EngineState, bh: BlockHash | None, placed: Placed) -> None:
+        """Mark block ``bh`` (if still mapped) as held by the chunk ``placed``."""
+        if bh is None or (held := state.blocks.get(bh)) is None or placed in held[2]:
+            return
+        state.blocks[bh] = (held[0], held[1], (*held[2], placed))
 
     def _remember(
         self, state: EngineState, h: BlockHash, point: ChainPoint, tier: str, pending: Pending
