@@ -70,7 +70,7 @@ def find_lmcache(choice: str, cwd: Path | None = None) -> LMCacheEnv | None:
         except InvalidInput as e:
             _note(f"{e} (--lmcache off says not to look)")
             return None
-    return _usable(Path(choice), choice)
+    return _usable(Path(choice).absolute(), choice)  # (LMCache starts in a directory of its own)
 
 
 def _note(why: str) -> None:

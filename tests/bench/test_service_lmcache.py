@@ -27,7 +27,12 @@ from rich.progress import Progress
 
 from kvatlas.bench import common, service, service_lmcache
 from kvatlas.bench.comparison import add_to_json, print_comparison
-from kvatlas.bench.lmcache_reference import REFERENCE_VERSION, LMCacheEnv, find_lmcache
+from kvatlas.bench.lmcache_reference import (
+    REFERENCE_VERSION,
+    LMCacheEnv,
+    find_lmcache,
+    lmcache_coordinator,
+)
 from kvatlas.bench.service_lmcache import comparisons, lmcache_entries, measure_lmcache
 from kvatlas.bench.service_runs import (
     IngestFigures,
@@ -37,6 +42,7 @@ from kvatlas.bench.service_runs import (
     timed_streams,
 )
 from kvatlas.cli import _build_parser as build_parser
+from kvatlas.errors import Unavailable
 from kvatlas.workloads import LLAMA3
 from tests.lmcache_mp.server import require_lmcache
 
@@ -95,6 +101,24 @@ def test_another_version_is_measured_under_its_own_name_with_a_warning(
     found = find_lmcache(str(_fake_env(tmp_path, "0.5.7", "exit 0").parent))
     assert found is not None and found.label == "LMCache 0.5.7"
     assert "holds LMCache 0.5.7; quality.md's reference is 0.5.6" in capsys.readouterr().err
+
+
+def test_a_relative_path_names_the_environment_where_the_bench_was_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--lmcache .venv-lmcache`` is the environment under the directory the bench runs in,
+    though LMCache's coordinator is started in a work directory of its own (a relative path
+    used to be looked up there: `FileNotFoundError`, the whole side-by-side run lost)."""
+    started = tmp_path / "started"
+    _fake_env(tmp_path, REFERENCE_VERSION, f"touch {started}; exit 3")
+    monkeypatch.chdir(tmp_path)
+    found = find_lmcache("fake-venv")
+    assert found is not None
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    with pytest.raises(Unavailable, match=r"exited \(3\)"), lmcache_coordinator(found, 16, workdir):
+        pass
+    assert started.exists()
 
 
 def test_an_lmcache_that_does_not_start_is_reported_and_our_rows_stand(
