@@ -221,9 +221,10 @@ class Rekeyer:
         chunk's placement as the loop gives it to them."""
         points, done, chunks = advance_run(self.scheme, point, hashes, packed)
         placed = [((h, model, tier),) for h in done]
+        _, n_chunks, fill, *_ = point
         size = len(packed) // (4 * len(hashes))
         per_chunk = self.chunk_size // size
-        first = point[2] // size  # the run's first chunk's tokens before it, in its blocks
+        first = fill // size  # the run's first chunk's tokens before it, in its blocks
         held: list[tuple[Placed, ...]] = [()] * len(hashes)
         for i, p in enumerate(placed):
             lo = max(0, i * per_chunk - first)
@@ -231,10 +232,9 @@ class Rekeyer:
         tiers = (tier,)
         state.blocks.update(zip(hashes, zip(points, repeat(tiers), held), strict=False))
         self.total_blocks += len(hashes)
-        if done and point[2]:
+        if done and fill:
             for b in partial(point):
                 self._place(state, b[BLOCK], placed[0][0])
-        n_chunks = point[1]
         for i, (h, chunk) in enumerate(zip(done, chunks, strict=True)):
             offset = (n_chunks + i) * self.chunk_size
             pending.add(state.instance_id, STORE, tier, (h, model, offset, chunk))
