@@ -319,6 +319,29 @@ def test_the_block_map_of_text_chains_is_invisible_to_the_cyclic_collector() -> 
     assert len(blocks) == n_blocks and not any(gc.is_tracked(b) for b in blocks)
 
 
+@pytest.mark.parametrize("run", [True, False], ids=["one-event", "block-by-block"])
+def test_blocks_share_their_tiers_and_a_chunks_blocks_its_placement(run: bool) -> None:
+    """A block's tiers and the chunks holding it are tuples its neighbours share (an engine's
+    blocks one tiers tuple per tier, a chunk's blocks one placement), not one of each per
+    block: ≈80 B a block of the map, in events of a request and in events of one block."""
+    rng = np.random.default_rng(1)
+    rekeyer = Rekeyer(KeyScheme("blake3", 64), 10_000)
+    hashes = [rng.bytes(32) for _ in range(8)]  # two chunks of four blocks
+    ids = rng.integers(0, 150_000, 8 * 16).tolist()
+    if run:
+        events = [BlockStored(hashes, None, ids, 16, medium="GPU")]
+    else:
+        events = [BlockStored([h], hashes[i - 1] if i else None, ids[16 * i : 16 * (i + 1)], 16,
+                              medium="GPU") for i, h in enumerate(hashes)]  # fmt: skip
+    for event in events:
+        rekeyer.translate("pod-a", "llama", batch(event))
+    blocks = [rekeyer.engines["pod-a"].blocks[h] for h in hashes]
+    assert len({id(tiers) for _, tiers, _ in blocks}) == 1
+    held = [placed for _, _, placed in blocks]
+    assert len({id(p) for p in held[:4]}) == 1 and len({id(p) for p in held[4:]}) == 1
+    assert held[0] != held[4] and all(len(p) == 1 for p in held)
+
+
 def test_engine_chunks_reach_the_directory_as_columns(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 31: no ``CacheEntry`` and no ``ObjectKey`` per chunk between an engine batch and
     the directory (stores, removals, evictions of a full map): entries are columns, one key

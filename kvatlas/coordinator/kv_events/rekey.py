@@ -57,6 +57,10 @@ RUNS = True
 tests turn it off to compare with the block-by-block loop."""
 
 
+_ALONE: Final = {GPU_TIER: (GPU_TIER,), CPU_TIER: (CPU_TIER,)}
+"""Each tier as a block's only one: a tuple the map's blocks share instead of one each."""
+
+
 def engine_tier(medium: str | None) -> str:
     """``CPU`` (any case) → ``engine-cpu``; GPU, unset or anything else → ``gpu``."""
     return CPU_TIER if medium is not None and medium.lower() == "cpu" else GPU_TIER
@@ -183,7 +187,7 @@ class Rekeyer:
             if not keyable:
                 self.counts["unindexable_chunks"] += 1
                 continue
-            placed = (prev, model, tier)
+            placed = ((prev, model, tier),)  # (shared by the chunk's blocks)
             for b in (*partial(before), point):
                 self._place(state, b[BLOCK], placed)
             offset = (n_chunks - 1) * self.chunk_size
@@ -229,23 +233,23 @@ class Rekeyer:
         for i, p in enumerate(placed):
             lo = max(0, i * per_chunk - first)
             held[lo : (i + 1) * per_chunk - first] = [p] * ((i + 1) * per_chunk - first - lo)
-        tiers = (tier,)
-        state.blocks.update(zip(hashes, zip(points, repeat(tiers), held), strict=False))
+        state.blocks.update(zip(hashes, zip(points, repeat(_ALONE[tier]), held), strict=False))
         self.total_blocks += len(hashes)
         if done and fill:
             for b in partial(point):
-                self._place(state, b[BLOCK], placed[0][0])
+                self._place(state, b[BLOCK], placed[0])
         for i, (h, chunk) in enumerate(zip(done, chunks, strict=True)):
             offset = (n_chunks + i) * self.chunk_size
             pending.add(state.instance_id, STORE, tier, (h, model, offset, chunk))
             self.counts["chunks_stored"] += 1
 
     @staticmethod
-    def _place(state: EngineState, bh: BlockHash | None, placed: Placed) -> None:
-        """Mark block ``bh`` (if still mapped) as held by the chunk ``placed``."""
-        if bh is None or (held := state.blocks.get(bh)) is None or placed in held[2]:
+    def _place(state: EngineState, bh: BlockHash | None, placed: tuple[Placed]) -> None:
+        """Mark block ``bh`` (if still mapped) as held by the chunk ``placed`` (a 1-tuple,
+        which a block held by no other chunk takes as it is)."""
+        if bh is None or (held := state.blocks.get(bh)) is None or placed[0] in held[2]:
             return
-        state.blocks[bh] = (held[0], held[1], (*held[2], placed))
+        state.blocks[bh] = (held[0], held[1], (*held[2], *placed) if held[2] else placed)
 
     def _remember(
         self, state: EngineState, h: BlockHash, point: ChainPoint, tier: str, pending: Pending
@@ -253,7 +257,7 @@ class Rekeyer:
         block = state.blocks.pop(h, None)
         if block is None:
             self.total_blocks += 1
-            block = (point, (tier,), ())
+            block = (point, _ALONE[tier], ())
         elif tier not in block[1]:  # stored again (same hash: same prefix, same chunks)
             block = (block[0], (*block[1], tier), block[2])  # in another medium
         state.blocks[h] = block
