@@ -340,6 +340,11 @@ def test_blocks_share_their_tiers_and_a_chunks_blocks_its_placement(run: bool) -
     held = [placed for _, _, placed in blocks]
     assert len({id(p) for p in held[:4]}) == 1 and len({id(p) for p in held[4:]}) == 1
     assert held[0] != held[4] and all(len(p) == 1 for p in held)
+    # offloaded to the CPU, then evicted from the GPU: still one tiers tuple for all
+    rekeyer.translate("pod-a", "llama", batch(BlockStored(hashes, None, ids, 16, medium="CPU")))
+    rekeyer.translate("pod-a", "llama", batch(BlockRemoved(hashes, "GPU")))
+    tiers = [rekeyer.engines["pod-a"].blocks[h][1] for h in hashes]
+    assert tiers[0] == ("engine-cpu",) and len({id(t) for t in tiers}) == 1
 
 
 def test_engine_chunks_reach_the_directory_as_columns(monkeypatch: pytest.MonkeyPatch) -> None:

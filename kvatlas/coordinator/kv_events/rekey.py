@@ -57,8 +57,13 @@ RUNS = True
 tests turn it off to compare with the block-by-block loop."""
 
 
-_ALONE: Final = {GPU_TIER: (GPU_TIER,), CPU_TIER: (CPU_TIER,)}
-"""Each tier as a block's only one: a tuple the map's blocks share instead of one each."""
+_TIERS: Final[dict[tuple[str, ...], tuple[str, ...]]] = {}
+"""The tiers tuples blocks hold, each kept once and shared by every block holding that
+combination (a few: the engine tiers) instead of one per block."""
+
+
+def _shared(tiers: tuple[str, ...]) -> tuple[str, ...]:
+    return _TIERS.setdefault(tiers, tiers)
 
 
 def engine_tier(medium: str | None) -> str:
@@ -233,7 +238,7 @@ class Rekeyer:
         for i, p in enumerate(placed):
             lo = max(0, i * per_chunk - first)
             held[lo : (i + 1) * per_chunk - first] = [p] * ((i + 1) * per_chunk - first - lo)
-        state.blocks.update(zip(hashes, zip(points, repeat(_ALONE[tier]), held), strict=False))
+        state.blocks.update(zip(hashes, zip(points, repeat(_shared((tier,))), held), strict=False))
         self.total_blocks += len(hashes)
         if done and fill:
             for b in partial(point):
@@ -257,9 +262,9 @@ class Rekeyer:
         block = state.blocks.pop(h, None)
         if block is None:
             self.total_blocks += 1
-            block = (point, _ALONE[tier], ())
+            block = (point, _shared((tier,)), ())
         elif tier not in block[1]:  # stored again (same hash: same prefix, same chunks)
-            block = (block[0], (*block[1], tier), block[2])  # in another medium
+            block = (block[0], _shared((*block[1], tier)), block[2])  # in another medium
         state.blocks[h] = block
         while self.total_blocks > self.max_blocks:
             self._evict_one(state, pending)
@@ -295,7 +300,7 @@ class Rekeyer:
                 if placed_in == tier:
                     pending.delete(state.instance_id, tier, chunk_hash, model)
                     self.counts["chunks_removed"] += 1
-            tiers = tuple(t for t in tiers if t != tier)
+            tiers = _shared(tuple(t for t in tiers if t != tier))
             if tiers:
                 state.blocks[h] = (point, tiers, tuple(p for p in placed if p[2] != tier))
             else:
