@@ -340,11 +340,22 @@ def test_blocks_share_their_tiers_and_a_chunks_blocks_its_placement(run: bool) -
     held = [placed for _, _, placed in blocks]
     assert len({id(p) for p in held[:4]}) == 1 and len({id(p) for p in held[4:]}) == 1
     assert held[0] != held[4] and all(len(p) == 1 for p in held)
-    # offloaded to the CPU, then evicted from the GPU: still one tiers tuple for all
+
+    # offloaded to the CPU, then evicted from the GPU: still one tiers tuple for all, and
+    # one placements tuple a chunk at each step
+    def shared() -> tuple[list[Any], list[Any]]:
+        blocks = [rekeyer.engines["pod-a"].blocks[h] for h in hashes]
+        return [t for _, t, _ in blocks], [p for _, _, p in blocks]
+
     rekeyer.translate("pod-a", "llama", batch(BlockStored(hashes, None, ids, 16, medium="CPU")))
+    tiers, held = shared()
+    assert len({id(t) for t in tiers}) == 1 and all(len(p) == 2 for p in held)
+    assert len({id(p) for p in held[:4]}) == 1 and len({id(p) for p in held[4:]}) == 1
     rekeyer.translate("pod-a", "llama", batch(BlockRemoved(hashes, "GPU")))
-    tiers = [rekeyer.engines["pod-a"].blocks[h][1] for h in hashes]
+    tiers, held = shared()
     assert tiers[0] == ("engine-cpu",) and len({id(t) for t in tiers}) == 1
+    assert all(p[0][2] == "engine-cpu" for p in held)
+    assert len({id(p) for p in held[:4]}) == 1 and len({id(p) for p in held[4:]}) == 1
 
 
 def test_engine_chunks_reach_the_directory_as_columns(monkeypatch: pytest.MonkeyPatch) -> None:

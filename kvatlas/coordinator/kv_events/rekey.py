@@ -193,8 +193,9 @@ class Rekeyer:
                 self.counts["unindexable_chunks"] += 1
                 continue
             placed = ((prev, model, tier),)  # (shared by the chunk's blocks)
+            merged: dict[tuple[Placed, ...], tuple[Placed, ...]] = {}
             for b in (*partial(before), point):
-                self._place(state, b[BLOCK], placed)
+                self._place(state, b[BLOCK], placed, merged)
             offset = (n_chunks - 1) * self.chunk_size
             pending.add(
                 state.instance_id, STORE, tier, (prev, model, offset, chunk if plain else None)
@@ -241,20 +242,29 @@ class Rekeyer:
         state.blocks.update(zip(hashes, zip(points, repeat(_shared((tier,))), held), strict=False))
         self.total_blocks += len(hashes)
         if done and fill:
+            merged: dict[tuple[Placed, ...], tuple[Placed, ...]] = {}
             for b in partial(point):
-                self._place(state, b[BLOCK], placed[0])
+                self._place(state, b[BLOCK], placed[0], merged)
         for i, (h, chunk) in enumerate(zip(done, chunks, strict=True)):
             offset = (n_chunks + i) * self.chunk_size
             pending.add(state.instance_id, STORE, tier, (h, model, offset, chunk))
             self.counts["chunks_stored"] += 1
 
     @staticmethod
-    def _place(state: EngineState, bh: BlockHash | None, placed: tuple[Placed]) -> None:
+    def _place(
+        state: EngineState,
+        bh: BlockHash | None,
+        placed: tuple[Placed],
+        merged: dict[tuple[Placed, ...], tuple[Placed, ...]],
+    ) -> None:
         """Mark block ``bh`` (if still mapped) as held by the chunk ``placed`` (a 1-tuple,
-        which a block held by no other chunk takes as it is)."""
+        which a block held by no other chunk takes as it is; ``merged``: the chunk's blocks'
+        placements with it so far, by what they were, shared among them)."""
         if bh is None or (held := state.blocks.get(bh)) is None or placed[0] in held[2]:
             return
-        state.blocks[bh] = (held[0], held[1], (*held[2], *placed) if held[2] else placed)
+        was = held[2]
+        now = placed if not was else merged.setdefault(was, (*was, *placed))
+        state.blocks[bh] = (held[0], held[1], now)
 
     def _remember(
         self, state: EngineState, h: BlockHash, point: ChainPoint, tier: str, pending: Pending
@@ -287,6 +297,7 @@ class Rekeyer:
 
     def _removed(self, state: EngineState, event: BlockRemoved, pending: Pending) -> None:
         tier = engine_tier(event.medium)
+        kept: dict[tuple[Placed, ...], tuple[Placed, ...]] = {}  # (shared, as placements are)
         for h in event.block_hashes:
             block = state.blocks.get(h)
             if block is None or tier not in block[1]:
@@ -302,7 +313,10 @@ class Rekeyer:
                     self.counts["chunks_removed"] += 1
             tiers = _shared(tuple(t for t in tiers if t != tier))
             if tiers:
-                state.blocks[h] = (point, tiers, tuple(p for p in placed if p[2] != tier))
+                left = kept.get(placed)
+                if left is None:
+                    left = kept[placed] = tuple(p for p in placed if p[2] != tier)
+                state.blocks[h] = (point, tiers, left)
             else:
                 del state.blocks[h]
                 self.total_blocks -= 1
