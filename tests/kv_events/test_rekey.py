@@ -358,6 +358,30 @@ def test_blocks_share_their_tiers_and_a_chunks_blocks_its_placement(run: bool) -
     assert len({id(p) for p in held[:4]}) == 1 and len({id(p) for p in held[4:]}) == 1
 
 
+def test_a_block_stored_again_keeps_its_place_in_the_map_and_becomes_the_newest() -> None:
+    """A CPU offload stores every GPU block again: each becomes the newest (evicted last) in
+    place, so the map does not grow by a deleted slot per block (which a pop and a new
+    insert left: ≈140 B a block until the table was rebuilt)."""
+    import sys
+
+    rng = np.random.default_rng(2)
+    rekeyer = Rekeyer(KeyScheme("blake3", 64), 100_000)
+    requests = [
+        ([rng.bytes(32) for _ in range(64)], rng.integers(0, 150_000, 64 * 16).tolist())
+        for _ in range(40)
+    ]
+    for hashes, ids in requests:
+        rekeyer.translate("pod-a", "llama", batch(BlockStored(hashes, None, ids, 16, medium="GPU")))
+    blocks = rekeyer.engines["pod-a"].blocks
+    size, first = sys.getsizeof(blocks), list(blocks)
+    for hashes, ids in requests[:20]:
+        rekeyer.translate("pod-a", "llama", batch(BlockStored(hashes, None, ids, 16, medium="CPU")))
+    assert sys.getsizeof(blocks) == size
+    offloaded = [h for hashes, _ in requests[:20] for h in hashes]
+    moved = set(offloaded)
+    assert list(blocks) == [h for h in first if h not in moved] + offloaded
+
+
 def test_engine_chunks_reach_the_directory_as_columns(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 31: no ``CacheEntry`` and no ``ObjectKey`` per chunk between an engine batch and
     the directory (stores, removals, evictions of a full map): entries are columns, one key

@@ -269,13 +269,14 @@ class Rekeyer:
     def _remember(
         self, state: EngineState, h: BlockHash, point: ChainPoint, tier: str, pending: Pending
     ) -> None:
-        block = state.blocks.pop(h, None)
+        block = state.blocks.get(h)
         if block is None:
             self.total_blocks += 1
-            block = (point, _shared((tier,)), ())
-        elif tier not in block[1]:  # stored again (same hash: same prefix, same chunks)
-            block = (block[0], _shared((*block[1], tier)), block[2])  # in another medium
-        state.blocks[h] = block
+            state.blocks[h] = (point, _shared((tier,)), ())
+        else:  # stored again (same hash: same prefix, same chunks): now the newest
+            state.blocks.move_to_end(h)  # (in place: a pop and an insert would leave a hole)
+            if tier not in block[1]:  # in another medium
+                state.blocks[h] = (block[0], _shared((*block[1], tier)), block[2])
         while self.total_blocks > self.max_blocks:
             self._evict_one(state, pending)
 
