@@ -7,8 +7,8 @@ object and a hex string per match in Python (docs/performance.md).
 The reply is on the serving path of every blend lookup: its constant texts are the kernel's
 own (numba freezes global arrays; each array argument costs its call ≈0.25 µs to unbox), a
 hash's byte is written as two hex digits by one table read, and an offset below 2^32 (every
-offset a query can have) by counted digits written two at a time, divided by 100 without a
-division; larger and negative ones by the general loop.
+offset a query can have) as the prefix lookup's reply writes its ids, by groups of four
+digits (``_lookup_reply.put_u32``); larger and negative ones by the general loop.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
+from kvatlas.coordinator._lookup_reply import GROUPS, SIGNIFICANT, put_u32
 from kvatlas.directory import MatchColumns
 from kvatlas.directory.blend.op_checks import HASH_WIDTH
 
@@ -30,12 +31,6 @@ _TAIL_ON = np.frombuffer(b'],"enable_blend_lookup":true}', np.uint8)
 _TAIL_OFF = np.frombuffer(b'],"enable_blend_lookup":false}', np.uint8)
 _PER_MATCH = len(_HASH) + len(_OLD_ST) + len(_CUR_ST) + 2 * 20 + 2  # "}", ","; ints <= 20
 _FIXED = len(_HEAD) + len(_TAIL_OFF)
-_DECIMAL_PAIRS = np.frombuffer("".join(f"{i:02d}" for i in range(100)).encode(), np.uint8)
-"""``"00"`` to ``"99"``: two digits a step."""
-_DIV100 = 1374389535
-"""``(v * _DIV100) >> 37 == v // 100`` for every ``v`` below 2^32 (no division)."""
-_POWERS = 10 ** np.arange(10, dtype=np.int64)
-"""``10^n``: an offset below 2^32 has ``n`` digits for the first ``10^n`` above it."""
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -47,28 +42,10 @@ def _put(out, k, text):  # type: ignore[no-untyped-def]  # pragma: no cover - co
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
 def _put_int(out, k, value):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
-    """``value`` (int64) in decimal, as JSON writes it: below 2^32 by counted digits written
-    two at a time from the right, divided by 100 without a division (a reply's few offsets:
-    the prefix lookup's 32,768 ids are written by groups of four, ``_lookup_reply``)."""
+    """``value`` (int64) in decimal, as JSON writes it: below 2^32 as the prefix lookup's
+    reply writes its ids (:func:`~kvatlas.coordinator._lookup_reply.put_u32`)."""
     if 0 <= value < 4294967296:
-        v = np.int64(value)
-        n = 1
-        while n < 10 and v >= _POWERS[n]:
-            n += 1
-        e = k + n
-        while v >= 100:
-            q = (v * _DIV100) >> 37
-            r = 2 * (v - 100 * q)
-            out[e - 1] = _DECIMAL_PAIRS[r + 1]
-            out[e - 2] = _DECIMAL_PAIRS[r]
-            e -= 2
-            v = q
-        if v >= 10:
-            out[e - 1] = _DECIMAL_PAIRS[2 * v + 1]
-            out[e - 2] = _DECIMAL_PAIRS[2 * v]
-        else:
-            out[e - 1] = 48 + v
-        return k + n
+        return put_u32(out.ctypes.data, k, np.uint64(value), GROUPS, SIGNIFICANT)
     return _put_wide(out, k, value)
 
 

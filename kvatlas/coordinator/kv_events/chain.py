@@ -145,7 +145,7 @@ def advance_run(
     cstep = 4 * chunk_size
     chunks = [stream[i * cstep : (i + 1) * cstep] for i in range(done)]
     suffix = x1_chunk_suffix_fn(chunk_size, [], None) if scheme.carries_extra_keys else None
-    done_hashes = chain_hashes(stream[: done * cstep], chunk_size, prev, n_chunks, suffix)
+    done_hashes = chain_hashes(stream, chunk_size, prev, n_chunks, suffix)  # (its whole chunks)
     points: list[ChainPoint] = []
     back: ChainPoint | None = point if fill else None
     at, c = 0, 0
