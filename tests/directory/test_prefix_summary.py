@@ -1,6 +1,6 @@
-"""The prefix summary (how many leading chunks each holder has) against the chunk-by-chunk
-count it was first written as, on results whose keys share placements tuples (as a lookup's
-keys of one stored batch do) and hold equal but distinct ones."""
+"""The prefix summary (how many leading chunks each holder has) against its definition, holder
+by holder, on results whose keys share placements tuples (as a lookup's keys of one stored
+batch do) and hold equal but distinct ones."""
 
 from __future__ import annotations
 
@@ -22,24 +22,30 @@ COPIES = [
 
 
 def reference(results: list[KeyPlacements], world_size: int) -> list[PrefixHolder]:
-    counts: dict[tuple[str | None, str, str, bool], int] = {}
-    alive: set[tuple[str | None, str, str, bool]] | None = None
-    for c in range(len(results) // world_size):
-        held: set[tuple[str | None, str, str, bool]] | None = None
-        for r in results[c * world_size : (c + 1) * world_size]:
-            here = {
-                (None if p.shared else p.instance_id, p.tier, p.backend, p.shared)
-                for p in r.placements
-            }
-            held = here if held is None else held & here
-        alive = (held or set()) if alive is None else alive & (held or set())
-        if not alive:
-            break
-        for holder in alive:
-            counts[holder] = counts.get(holder, 0) + 1
-    summary = [PrefixHolder(*holder, chunks=n) for holder, n in counts.items()]
-    summary.sort(key=lambda h: (-h.chunks, h.instance_id or "", h.tier, h.backend))
-    return summary
+    """The definition: each holder's count of leading chunks every rank of which it holds."""
+    chunks = [
+        results[c * world_size : (c + 1) * world_size] for c in range(len(results) // world_size)
+    ]
+
+    def holds(holder: tuple[str | None, str, str, bool], r: KeyPlacements) -> bool:
+        return any(
+            (None if p.shared else p.instance_id, p.tier, p.backend, p.shared) == holder
+            for p in r.placements
+        )
+
+    everyone = {
+        (None if p.shared else p.instance_id, p.tier, p.backend, p.shared)
+        for r in results
+        for p in r.placements
+    }
+    summary = []
+    for holder in everyone:
+        n = 0
+        while n < len(chunks) and all(holds(holder, r) for r in chunks[n]):
+            n += 1
+        if n:
+            summary.append(PrefixHolder(*holder, chunks=n))
+    return sorted(summary, key=lambda h: (-h.chunks, h.instance_id or "", h.tier, h.backend))
 
 
 copies = st.lists(st.sampled_from(COPIES), max_size=4, unique=True).map(tuple)
