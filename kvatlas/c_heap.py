@@ -8,10 +8,9 @@ restore of 10^6 chunks allocates ≈580 MB of contents in one burst (≈145,000 
 of its wall time in a fresh process) while its reading thread waits for them. With the room,
 the heap grows once for the whole burst and a thread of its own asks the kernel to fault the
 new pages in (``madvise(MADV_POPULATE_WRITE)``, one call, the GIL released) while the
-allocating thread goes on: the faults move to the other core (docs/performance.md, "Restore
-in a fresh process: page faults on the other core, fills that do not wait"). Elsewhere (no
-glibc, a kernel before 5.14) nothing happens: the room is a hint, never a condition of
-anything.
+allocating thread goes on: the faults move to the other core (docs/performance.md, "Directory:
+design figures"). Elsewhere (no glibc, a kernel before 5.14) nothing happens: the room is a hint,
+never a condition of anything.
 """
 
 from __future__ import annotations

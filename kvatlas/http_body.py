@@ -6,7 +6,7 @@ Why the direct read: a body that reaches the app through the event loop and the 
 copied twice before anyone reads it (the loop makes a ``bytes`` of each read, the parser a
 ``bytes`` of each piece of body in it) and a third time when the pieces are joined. For a
 1.8 MB ``POST /events`` these copies were a third of the event loop's CPU, ≈6% of a JSON
-entry's (docs/performance.md, "Bodies read straight into their bytes"). Once a request's
+entry's (docs/performance.md, "Service: design figures"). Once a request's
 headers say how long its body is and that length is admitted (the route's limit), the rest
 is read by the transport into one ``bytes`` of that length (an ``asyncio.BufferedProtocol``
 standing in for the HTTP protocol until the body is complete): the kernel's copy from the

@@ -5,7 +5,7 @@ process: the base's blend-index state (``blend/state.py``), write kernel
 in and out run by run, alternating which goes first. On a shared, busy machine the wall time
 of one run moves 2x between runs of one tree; pairs of runs made seconds apart in one process
 see the same load, so the paired difference of thread CPU per entry is what to quote
-(docs/performance.md, "Consume: the index write and the bulk store"). The rest of the
+(docs/performance.md, "Directory: design figures"). The rest of the
 package is this tree's: compare only trees whose other modules agree.
 
     PYTHONPATH=$PWD python scripts/bench_consume_ab.py --base ../wt-base --entries 100000 --repeats 12

@@ -2,7 +2,7 @@
 in L1 (256 Llama 3 ids each, blend on, batches of 1,024), ``--shared`` of them also held in
 L1 by a second instance; then ``fence_instance`` of the first, timed in thread CPU (the whole
 call is one hold of the directory's lock). A fresh directory each repeat; the median and
-the spread are printed (docs/performance.md, "Fencing by columns").
+the spread are printed (docs/performance.md, "Directory: design figures").
 
     PYTHONPATH=$PWD python scripts/bench_fence.py --chunks 100000 --shared 0 --repeats 3
 """

@@ -7,7 +7,7 @@ Per kind: the thread CPU per entry of decoding and applying the change (median o
 chunk (tracemalloc, one more directory). Kinds: ``delete`` (the L1 copies dropped: the
 chunks go), ``access`` (newer ``last_access``), ``again`` (the same copy reported again),
 ``l2`` (a copy in L2 of the same key, tokens included), ``other`` (another instance's L1
-copy). docs/performance.md, "Deletes, accesses and re-stores by columns".
+copy). docs/performance.md, "Directory: design figures".
 
     PYTHONPATH=$PWD python scripts/bench_key_changes.py --chunks 100000 --repeats 3
 """

@@ -3,8 +3,8 @@
 on, or (``--deletes``) those chunks stored in batches of 256 and then deleted in batches of
 the size (no tokens: as a node or a KV-event eviction reports them); this thread's CPU a batch
 and an entry, the median (and min) of ``--repeats`` passes of ``--entries`` entries per batch
-size. What the fixed cost of a batch is (docs/performance.md, "Small batches"). Compare trees
-by running it with each on ``PYTHONPATH``, alternating.
+size. What the fixed cost of a batch is (docs/performance.md, "Directory: design figures"). Compare
+trees by running it with each on ``PYTHONPATH``, alternating.
 
     PYTHONPATH=$PWD python scripts/bench_small_batches.py --sizes 1,8,256 [--deletes]
 """

@@ -6,7 +6,7 @@ msgpack stream entries of ``--batches-per-entry`` batches of 256 (4: ≈1.1 MB, 
 /events`` body of ``bench service``; 1: ≈280 KB), and the coordinator's CPU and faults are read
 from ``/proc`` until its consumer group has acknowledged them all. The wait asks Redis, not
 the coordinator, so the server's CPU is its consumption alone; its key count is checked
-after (docs/performance.md, "Allocator thresholds"). Needs a Redis server
+after (docs/performance.md, "Service: design figures"). Needs a Redis server
 (``scripts/ensure-redis.sh``).
 
     PYTHONPATH=$PWD python scripts/bench_stream_ingest.py --batches-per-entry 4 --repeats 2

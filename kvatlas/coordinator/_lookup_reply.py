@@ -2,10 +2,11 @@
 
 A 32k-token prompt's reply holds 32,768 ids (≈0.25 MB of JSON): building each key's
 ``token_ids`` as a Python list (``ndarray.tolist``, an ``int`` per id) and encoding those was
-most of the reply's cost (docs/performance.md, "Prefix lookups"). Here every key's ids are
-written as its JSON array by one kernel and handed to the encoder as ``msgspec.Raw``, which it
-copies as they are: the bytes are exactly those ``msgspec.json`` writes for the lists (the
-tests compare the two on random lookups). JSON only: a msgpack reply encodes the lists.
+most of the reply's cost (docs/performance.md, "Directory: where the time and memory go"). Here
+every key's ids are written as its JSON array by one kernel and handed to the encoder as
+``msgspec.Raw``, which it copies as they are: the bytes are exactly those ``msgspec.json``
+writes for the lists (the tests compare the two on random lookups). JSON only: a msgpack reply
+encodes the lists.
 """
 
 from __future__ import annotations

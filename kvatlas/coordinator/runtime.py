@@ -61,8 +61,9 @@ class GrowthFreeze:
     """Freeze again after a snapshot once the directory has doubled since the last freeze: a
     coordinator that started small and ingested 10^6 keys has containers (the L1 chunk set of
     each instance, partition dicts) that every full collection would otherwise walk, a stall
-    that grows with the keys (docs/performance.md, "Collections"). Doubling bounds the freezes to ≈log2(keys) over the process's life, and with them
-    what :func:`freeze_long_lived` may keep."""
+    that grows with the keys (docs/performance.md, "Directory: design figures"). Doubling bounds
+    the freezes to ≈log2(keys) over the process's life, and with them what
+    :func:`freeze_long_lived` may keep."""
 
     def __init__(self, keys: int, minimum: int = 100_000) -> None:
         self.frozen_at = max(keys, minimum // 2)
@@ -136,7 +137,7 @@ class MemoryTrim:
     freed: a ``POST /events`` whose blocks are each below it (a msgpack body of a thousand
     entries: a ``bytes`` per content and their join, ≈2 MB) was handed back at the end of
     every request and faulted in again by the next, ≈0.5 faults an entry
-    (docs/performance.md, "Allocator thresholds"). :meth:`stop` leaves them pinned (glibc
+    (docs/performance.md, "Service: design figures"). :meth:`stop` leaves them pinned (glibc
     cannot slide them again): the process is ending."""
 
     def __init__(

@@ -71,8 +71,8 @@ log = logging.getLogger(__name__)
 INLINE_BODY_BYTES = 16 * 1024
 """A ``POST /events`` or prefix-lookup body up to this size (a node's batch of a chunk or a few,
 ≈100 keys) is answered on the event loop while no change holds the directory: the hop to a
-pool and back cost more server CPU than such a request's work (docs/performance.md, "Small
-store batches"). Larger ones, and any while the directory is busy, go to their pool."""
+pool and back cost more server CPU than such a request's work (docs/performance.md, "Directory:
+design figures"). Larger ones, and any while the directory is busy, go to their pool."""
 
 
 def shared_store(config: CoordinatorConfig) -> SharedStore | None:

@@ -73,7 +73,7 @@ any). A reply is held whole in memory and parsed at once, so a backlog of large 
 (bodies of a thousand entries, ≈1 MB each in msgpack) read 256 at a time was a reply of
 ≈280 MB; at ≈8 MB it stays below the allocator's mmap threshold (``c_heap.MMAP_THRESHOLD``)
 and its memory is reused read after read instead of mapped and faulted in each time
-(docs/performance.md, "Allocator thresholds")."""
+(docs/performance.md, "Service: design figures")."""
 READ_FIRST = 1
 """The count of a consumer's first read, before it has seen an entry's size (an emitter's
 entry may be up to 64 batches: tens of MB)."""

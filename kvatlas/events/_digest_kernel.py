@@ -3,7 +3,7 @@ element XORed into its bucket, in one call that holds the GIL.
 
 numpy's ``ufunc.at`` (what the step was) releases the GIL on every call, whatever its size:
 a release per batch of a few new chunks wakes a waiting thread each time and starves it
-(docs/performance.md, "Threads and the GIL"). This loop is as fast and never releases it.
+(docs/performance.md, "Directory: design figures"). This loop is as fast and never releases it.
 """
 
 from __future__ import annotations

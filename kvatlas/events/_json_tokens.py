@@ -378,7 +378,7 @@ RELEASE_BYTES = 1 << 18
 lets a waiting thread run meanwhile (one body decoded while another is applied). Smaller
 ones, what a node sends per batch, hold it: a release per short parse would wake a waiting
 thread only to starve it (``kvatlas/kernel_twins.py``; the figures: docs/performance.md,
-"Threads and the GIL")."""
+"Directory: design figures")."""
 
 
 @gil_twins(boundscheck=False)

@@ -42,7 +42,7 @@ async def lookup(ctx: Context, call: Call[None, None]) -> Reply:
     # decoded; the reply (a 32k-token prompt's is ≈0.25 MB of JSON) is built and encoded
     # there too, in one hop. A pool as large as the cores, not a thread per request: with
     # eight lookups in flight, 15% less CPU a lookup than eight threads taking turns at the
-    # GIL and the directory lock (docs/performance.md, "Prefix lookups").
+    # GIL and the directory lock (docs/performance.md, "Directory: design figures").
     started = time.perf_counter()
     loop = asyncio.get_running_loop()
     form, reply = await loop.run_in_executor(ctx.lookup_pool, _lookup, ctx.service, call)

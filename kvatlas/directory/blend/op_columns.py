@@ -159,8 +159,8 @@ SMALL_BATCH = 8
 """A vouched batch of at most this many ops is applied op by op with scalars
 (:func:`vouched_singles`): the columns' fixed cost (≈30 µs a batch: masks, bookkeeping,
 ≈30 small numpy calls) is more than this many single writes (≈4–6 µs each) cost above the
-columns' ≈3 µs an op (crossover measured between 8 and 12; docs/performance.md, "Small
-batches")."""
+columns' ≈3 µs an op (crossover measured between 8 and 12; docs/performance.md, "Directory:
+design figures")."""
 
 
 def vouched_singles(op: AddColumns | RemoveClaimColumns) -> list[SingleOp] | None:

@@ -67,8 +67,7 @@ def load_snapshot(directory: KeyDirectory, path: str | os.PathLike[str]) -> Snap
 
     The cyclic collector is paused meanwhile: a restore builds no cycle, but lists of a
     reference per chunk (hashes, contents, the table's columns), which each young collection
-    traversed while they were young (docs/performance.md, "Snapshot and restore without
-    young collections")."""
+    traversed while they were young (docs/performance.md, "Directory: design figures")."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

@@ -197,7 +197,7 @@ class _Columns:
     ``bytes`` pieces per column), its contents kept in an object array per partition. No
     container the cyclic collector tracks holds a reference per chunk: a young collection
     while the snapshot is written does not traverse every chunk so far, holding the GIL
-    (docs/performance.md, "Snapshot and restore without young collections")."""
+    (docs/performance.md, "Directory: design figures")."""
 
     def __init__(self, shapes: ShapeTable, key: FingerprintKey | None) -> None:
         self.table = shapes
