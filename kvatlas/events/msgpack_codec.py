@@ -154,7 +154,10 @@ def _columns_from_packed(pb: PackedBatch) -> EntryColumns | None:
         return None
     n = len(entries)
     sizes = np.fromiter(map(len, contents), dtype=np.int64, count=len(contents))
-    refs = np.fromiter(map(_CONTENT, entries), dtype=np.int64, count=n)
+    try:
+        refs = np.fromiter(map(_CONTENT, entries), dtype=np.int64, count=n)
+    except OverflowError:  # a reference outside int64: the slow path names the entry
+        return None
     firsts = np.empty(len(contents) + 1, np.int64)
     starts, lengths = np.empty(n, np.int64), np.empty(n, np.int64)
     if not _packed_rows(sizes, refs, firsts, starts, lengths):

@@ -14,6 +14,7 @@ from kvatlas.events import (
     EventDecodeError,
     decode_json,
     decode_msgpack,
+    decode_msgpack_columns,
     encode_json,
     encode_msgpack,
 )
@@ -222,3 +223,16 @@ def test_split_hashes_cuts_32_byte_hashes_in_order(n: int) -> None:
     hashes = _split_hashes(raw, n)
     assert hashes == [raw[i : i + 32] for i in range(0, 32 * n, 32)]
     assert all(type(h) is bytes for h in hashes)
+
+
+@pytest.mark.parametrize("ref", [1 << 63, (1 << 64) - 1])
+def test_a_content_reference_outside_int64_is_refused_naming_the_field(ref: int) -> None:
+    """The column decoder converted every entry's content reference to int64 in one call:
+    2^63 raised ``OverflowError`` (a 500 on ``POST /events``) where 2^63 - 1 was refused."""
+    doc = msgspec.msgpack.decode(encode_msgpack([_sample_batch(2)]))
+    doc["batches"][0]["entries"][1][7] = ref
+    raw = msgspec.msgpack.encode(doc)
+    for decode in (decode_msgpack, decode_msgpack_columns):
+        with pytest.raises(EventDecodeError) as info:
+            decode(raw)
+        assert info.value.field == "batches[0].entries[1].content"
