@@ -4,6 +4,7 @@ another service's API). Errors come from :mod:`kvatlas.errors` (422, 413 for met
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Any
 
@@ -18,6 +19,7 @@ MAX_ADDRESS_CHARS = 256  # ip, p2p_advertised_url
 MAX_METADATA_BYTES = 16 * 1024  # registration metadata, as JSON
 MAX_SIGNATURE_CHARS = 128  # p2p_url_signature: hex (a node's is 64)
 _HEX = re.compile(r"[0-9A-Fa-f]*")
+_HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?")
 _HOST_PORT = re.compile(r"(?:[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(?::(?P<port>[0-9]{1,5}))?")
 
 
@@ -32,6 +34,12 @@ def registration(body: RegisterRequest) -> tuple[str | None, Registration]:
             raise Unprocessable(str(exc)) from None
     if len(body.ip) > MAX_ADDRESS_CHARS:
         raise Unprocessable(f"ip must be at most {MAX_ADDRESS_CHARS} characters")
+    if body.ip and not _host(body.ip):
+        raise Unprocessable(
+            f"ip must be an IP address or a host name, without a port: got {body.ip!r:.80}"
+        )
+    if body.http_port is not None and not 0 <= body.http_port <= 65535:
+        raise Unprocessable(f"http_port must be in [0, 65535] (0: none), got {body.http_port}")
     if body.chunk_size is not None and body.chunk_size < 1:
         raise Unprocessable(f"chunk_size must be >= 1, got {body.chunk_size}")
     metadata: dict[str, Any] = body.metadata
@@ -48,6 +56,16 @@ def registration(body: RegisterRequest) -> tuple[str | None, Registration]:
         url_signature(body.p2p_url_signature) if url else None,
         engine_id(body.engine_id, body.instance_id),
     )
+
+
+def _host(ip: str) -> bool:
+    """An IP address (v4 or v6, unbracketed) or a host name: what ``http://{ip}:{http_port}``
+    (IPv6 in brackets) makes a URL of."""
+    try:
+        ipaddress.ip_address(ip)
+    except ValueError:
+        return _HOST_NAME.fullmatch(ip) is not None
+    return True
 
 
 def engine_id(engine: str | None, instance_id: str | None) -> str | None:

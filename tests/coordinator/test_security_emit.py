@@ -149,6 +149,44 @@ def test_registration_field_limits(auth_pair: tuple[BackgroundServer, httpx.Clie
     assert_error(c.post("/instances", json=huge, headers=h), 413)
 
 
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"http_port": -1},
+        {"http_port": 70_000},
+        {"http_port": 2**64},
+        {"ip": "127.0.0.1:9"},  # a port inside the ip: the MP server's URL would be invalid
+        {"ip": "a b/c?d#e"},
+        {"ip": "[::1]"},
+        {"ip": "10.0.0.1/24"},
+    ],
+)
+def test_an_address_that_makes_no_url_is_refused_at_registration(
+    auth_pair: tuple[BackgroundServer, httpx.Client], field: dict[str, object]
+) -> None:
+    """The coordinator calls a registered instance at ``http://ip:http_port`` (cache-control
+    commands); an ``ip`` with a port or a path, or a port outside [0, 65535], was accepted, and
+    every command to that instance then answered 500 (``httpx.InvalidURL``, an
+    ``OverflowError`` in ``getaddrinfo``) or 502 naming ``http://127.0.0.1:-1/``."""
+    _, c = auth_pair
+    (name,) = field
+    r = c.post("/instances", json={"instance_id": "node-a", **field}, headers=bearer(NODE_A))
+    assert name in assert_error(r, 422)["detail"]
+
+
+@pytest.mark.parametrize(
+    "field",
+    [{"ip": "10.0.0.8", "http_port": 8080}, {"ip": "::1"}, {"ip": "node-a.example"},
+     {"ip": "", "http_port": 0}, {"http_port": 65535}],
+)  # fmt: skip
+def test_addresses_an_mp_server_sends_are_accepted(
+    auth_pair: tuple[BackgroundServer, httpx.Client], field: dict[str, object]
+) -> None:
+    _, c = auth_pair
+    r = c.post("/instances", json={"instance_id": "node-a", **field}, headers=bearer(NODE_A))
+    assert r.status_code == 200, r.text
+
+
 def test_only_registered_instances_emit_with_auth(
     auth_pair: tuple[BackgroundServer, httpx.Client],
 ) -> None:
