@@ -46,6 +46,12 @@ NO_ATTACHMENTS: Final[Mapping[str, str]] = {}
 """No node serves an engine (``attached``: node id → the engine whose KV connector it is)."""
 
 
+MAX_WEIGHT: Final = 1e12
+"""The largest tier weight a query may set: a score is a sum of tokens times weights, and at
+this bound the longest query's stays finite (any finite weight let a 512-token query's score
+overflow to inf, which JSON carries as ``null``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Weights:
     """Tier weights by class id, and the share at which fragment tokens count."""
@@ -67,8 +73,10 @@ class Weights:
         for name, weight in (overrides or {}).items():
             if name not in merged:
                 raise ValueError(f"weights: unknown tier {name!r:.40} (one of {TIER_CLASSES})")
-            if not math.isfinite(weight) or weight < 0:
-                raise ValueError(f"weights.{name}: must be a finite number >= 0, got {weight}")
+            if not 0 <= weight <= MAX_WEIGHT:  # (NaN fails both)
+                raise ValueError(
+                    f"weights.{name}: must be a number in [0, {MAX_WEIGHT:g}], got {weight}"
+                )
             merged[name] = float(weight)
         if not math.isfinite(fragment) or fragment < 0:
             raise ValueError(f"fragment weight must be a finite number >= 0, got {fragment}")

@@ -6,6 +6,7 @@ lookup answers it."""
 from __future__ import annotations
 
 import json
+import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from kvatlas.client import RouteClient
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.instances import Registration
 from kvatlas.coordinator.route_score import RouteScoring
+from kvatlas.coordinator.scoring import MAX_WEIGHT
 from kvatlas.coordinator.server import BackgroundServer
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.events import CacheEntry, EventBatch
@@ -198,6 +200,8 @@ def test_bad_bodies_answered_like_blend_lookup(client: httpx.Client, body: objec
         ({"weights": {"nvme": 1.0}}, 422, "unknown tier"),
         ({"weights": {"l1": -1}}, 422, "weights.l1"),
         ({"weights": {"l1": "x"}}, 422, "weights"),
+        ({"weights": {"l1": 1e306}}, 422, "weights.l1"),  # x 256 tokens: inf, sent as null
+        ({"weights": {"gpu": 1.0000001e12}}, 422, "weights.gpu"),
         ({"instances": ["../etc"]}, 422, "instances[0]"),
         ({"instances": "a"}, 422, "instances"),
         ({"instances": [f"i{k}" for k in range(10_001)]}, 413, "--max-instances"),
@@ -208,6 +212,19 @@ def test_bad_instances_and_weights(
 ) -> None:
     r = client.post("/route/score", json={"token_ids": [1, 2], "model_name": "m", **extra})
     assert words in assert_error(r, status)["detail"]
+
+
+def test_the_largest_weights_give_finite_scores_the_client_reads(client: httpx.Client) -> None:
+    """Weights were any finite number: 1e306 made a 512-token query's score overflow to inf,
+    which the reply carries as ``null`` and ``RouteClient`` refuses. The largest weight allowed
+    scores the longest query finitely."""
+    tokens = list(range(10, 10 + 2 * CS))
+    body = {"token_ids": tokens, "model_name": "m", "instances": ["n1"]}
+    weights = dict.fromkeys(("gpu", "l1", "l2", "peer"), MAX_WEIGHT)
+    r = client.post("/route/score", json={**body, "weights": weights})
+    assert r.status_code == 200, r.text
+    assert all(math.isfinite(row["score"]) for row in r.json()["instances"])
+    assert math.isfinite(MAX_WEIGHT * CoordinatorConfig().max_query_tokens * 4)
 
 
 @pytest.mark.parametrize(("tier", "score_class"), [("gpu", "gpu"), ("engine-cpu", "l1")])
