@@ -144,10 +144,11 @@ class ChunkTable:
         k = find_key(rec, sid)
         return None if k < 0 else (rec, k)
 
-    def lookup(self, keys: Sequence[ObjectKey]) -> list[KeyPlacements]:
+    def lookup(self, keys: Sequence[ObjectKey], max_ids: int | None = None) -> list[KeyPlacements]:
         """Each key's placements and its chunk's bound content, read as one batch: the keys'
         rows, their fields gathered from the columns (no record built), the contents widened
-        by one compiled call, each distinct placements group made public once."""
+        by one compiled call (at most ``max_ids`` ids: ``widened_many``), each distinct
+        placements group made public once."""
         rows = rows_of(self.parts, list(map(chunk_hash_of, keys)))
         sids = self.shapes.ids_of(keys)
         held: Sequence[int] = range(len(keys))
@@ -156,13 +157,15 @@ class ChunkTable:
             rows, sids = [rows[i] for i in held], [sids[i] for i in held]
         found, contents = self.parts[0].cols.key_placements(rows, sids)  # type: ignore[arg-type]
         if len(held) == len(keys) and None not in found:  # every key held: a prompt's lookup
-            return key_placements_of(keys, public_groups(found), widened_many(contents))
+            widened = widened_many(contents, max_ids)
+            return key_placements_of(keys, public_groups(found), widened)
         hits = [j for j, pls in enumerate(found) if pls is not None]
         at = [held[j] for j in hits]
         placements: list[tuple[Placement, ...]] = [()] * len(keys)
+        some = widened_many([contents[j] for j in hits], max_ids)
         bound: list[TokenArray | None] = [None] * len(keys)
         deque(map(placements.__setitem__, at, public_groups([found[j] for j in hits])), maxlen=0)
-        deque(map(bound.__setitem__, at, widened_many([contents[j] for j in hits])), maxlen=0)
+        deque(map(bound.__setitem__, at, some), maxlen=0)
         return key_placements_of(keys, placements, bound)
 
     def rank_placements(

@@ -235,10 +235,11 @@ class KeyDirectory:
 
     # ------------------------------------------------------------------ reads
 
-    def lookup(self, keys: Sequence[ObjectKey]) -> list[KeyPlacements]:
-        """Placements per key, sorted by (instance, tier, backend); absent keys get ``()``."""
+    def lookup(self, keys: Sequence[ObjectKey], max_ids: int | None = None) -> list[KeyPlacements]:
+        """Placements per key, sorted by (instance, tier, backend); absent keys get ``()``.
+        ``PayloadTooLarge`` if the keys' contents hold more than ``max_ids`` token ids."""
         with self._lock:
-            return self._chunks.lookup(keys)
+            return self._chunks.lookup(keys, max_ids)
 
     def lookup_placements(
         self,
@@ -263,13 +264,15 @@ class KeyDirectory:
         world_size: int = 1,
         cache_salt: str = "",
         object_group_id: int = 0,
+        max_ids: int | None = None,
     ) -> TokenLookup:
         """Prefix lookup: hash the full chunks, expand to ``world_size`` ranks, and summarise
-        per holder how many *leading* chunks it has on all ranks (what a router needs)."""
+        per holder how many *leading* chunks it has on all ranks (what a router needs); the
+        keys' contents at most ``max_ids`` token ids (:meth:`lookup`)."""
         tokens = as_token_array(token_ids)
         hashes = self._hash_chunks(tokens, self.chunk_size)
         keys = expand_prefix_keys(hashes, model_name, world_size, cache_salt, object_group_id)
-        results = self.lookup(keys)
+        results = self.lookup(keys, max_ids)
         return TokenLookup(len(hashes), results, prefix_summary(results, world_size))
 
     def blend_match(self, tokens: Any, namespace: BlendNamespace) -> list[BlendMatch]:

@@ -62,6 +62,7 @@ from kvatlas.directory.blend.kernels.pointers import (
     u16_ptr,
     u32_ptr,
 )
+from kvatlas.errors import PayloadTooLarge
 from kvatlas.events.columns import EntryColumns
 from kvatlas.keys.tokens import TokenArray
 
@@ -116,10 +117,14 @@ def widened(stored: StoredTokens) -> TokenArray:
     return out
 
 
-def widened_many(contents: Sequence[StoredTokens | None]) -> list[TokenArray | None]:
+def widened_many(
+    contents: Sequence[StoredTokens | None], max_ids: int | None = None
+) -> list[TokenArray | None]:
     """:func:`widened` of each content (``None`` stays ``None``), decoded in one compiled pass
     into one read-only ``uint32`` array of which each is a view (a lookup's contents: one
-    call instead of one per key)."""
+    call instead of one per key). ``PayloadTooLarge`` before anything is allocated when they
+    hold more than ``max_ids`` ids (a content is bound whatever its length, and a lookup may
+    ask for a key many times)."""
     whole = None not in contents  # (a lookup's usual contents: no list of the present ones)
     present = (
         cast(Sequence[StoredTokens], contents) if whole else [c for c in contents if c is not None]
@@ -128,7 +133,12 @@ def widened_many(contents: Sequence[StoredTokens | None]) -> list[TokenArray | N
         return list(contents)  # type: ignore[arg-type]
     counts, forms = stored_shapes(present)
     lengths = counts.tolist()  # (a list: numpy's reductions cost more for a short lookup)
-    out = np.empty(sum(lengths), np.uint32)
+    total = sum(lengths)
+    if max_ids is not None and total > max_ids:
+        raise PayloadTooLarge(
+            f"the contents asked for hold {total:,} token ids, more than {max_ids:,}"
+        )
+    out = np.empty(total, np.uint32)
     _widen_rows(payload_addresses(present), counts, forms, out)
     out.flags.writeable = False
     if lengths.count(lengths[0]) == len(lengths):  # one length (a lookup's chunks): rows of

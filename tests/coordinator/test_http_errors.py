@@ -17,6 +17,7 @@ from kvatlas.coordinator.server import BackgroundServer
 from kvatlas.events import CacheEntry, EventBatch, encode_msgpack
 from kvatlas.keys import ObjectKey
 from tests.coordinator.helpers import (
+    CS,
     RANK1,
     Emitter,
     assert_error,
@@ -460,3 +461,26 @@ def test_unknown_route_and_method(client: httpx.Client) -> None:
     assert client.get("/nope").status_code == 404
     assert client.get("/events").status_code == 405
     assert client.get("/healthz").status_code == 200
+
+
+def test_a_lookup_reply_carries_at_most_max_query_tokens_ids() -> None:
+    """A content longer than the chunk size is bound (never an error: docs/directory.md), and
+    the keys form answers every key asked, duplicates too, each with its content's ids: one
+    stored 100,000-token content and 1,500 copies of its key made a 258 KB request an 883 MB
+    reply and 2 GB of server memory. Now a reply whose ids would exceed --max-query-tokens is
+    refused (413, naming the flag) before any is written; one at the limit is answered."""
+    limit, length = 4 * CS * 8, 2 * CS
+    with running(max_query_tokens=limit) as (_, client):
+        key = wire_key(fresh("long").encode().ljust(32, b"\0"))
+        entry = wire_entry(key, tokens=fresh_tokens(length // CS), offset=0)
+        r = client.post(
+            "/events", json={"batches": [wire_batch(fresh("i"), 1, 1, entries=[entry])]}
+        )
+        assert r.status_code == 200 and r.json()["applied"] == 1, r.text
+        fits = _lookup(client, {"keys": [key] * (limit // length)})
+        assert fits.status_code == 200, fits.text
+        assert [len(row["token_ids"]) for row in fits.json()["results"]] == [length] * (
+            limit // length
+        )
+        detail = assert_error(_lookup(client, {"keys": [key] * (limit // length + 1)}), 413)
+        assert "--max-query-tokens" in detail["detail"]

@@ -18,6 +18,7 @@ from kvatlas.coordinator.routes.context import Context
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.coordinator.wire import key_page_to_wire, lookup_to_wire, stats_to_wire
 from kvatlas.directory import KeyFilter
+from kvatlas.errors import PayloadTooLarge
 from kvatlas.routing import JSON, Call, Reply
 
 
@@ -56,13 +57,20 @@ def _lookup(service: CoordinatorService, call: Call[None, None]) -> tuple[str, R
     body = decode_lookup_body(call.raw, config.max_query_tokens, config.max_lookup_keys)
     query = lookup_query(body, config.max_query_tokens, config.max_lookup_keys)
     call.who.require_salts(query.salts)
-    if isinstance(query, KeysQuery):
-        found = service.lookup_keys(query.keys)
-    else:
-        found = service.directory.lookup_tokens(
-            query.tokens, query.model_name, query.world_size, query.cache_salt,
-            query.object_group_id,
-        )  # fmt: skip
+    limit = config.max_query_tokens  # a reply carries at most as many ids as a query may
+    try:
+        if isinstance(query, KeysQuery):
+            found = service.lookup_keys(query.keys, limit)
+        else:
+            found = service.directory.lookup_tokens(
+                query.tokens, query.model_name, query.world_size, query.cache_salt,
+                query.object_group_id, limit,
+            )  # fmt: skip
+    except PayloadTooLarge as exc:
+        raise PayloadTooLarge(
+            f"the reply would carry too many token ids: {exc} (--max-query-tokens); ask for "
+            "fewer keys (each key asked is answered, a repeated one again)"
+        ) from None
     codec = call.codec
     ids = json_id_lists([kp.content for kp in found.results]) if codec is JSON else None
     return query.form, Reply(codec.encode(lookup_to_wire(found, ids)), media_type=codec.media_type)
