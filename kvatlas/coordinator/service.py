@@ -276,8 +276,7 @@ class CoordinatorService:
     # ------------------------------------------------------------------ lookups
 
     def lookup_keys(self, keys: Sequence[ObjectKey], max_ids: int | None = None) -> TokenLookup:
-        """Placements of each key, and how many leading keys each holder has; the keys'
-        contents at most ``max_ids`` token ids (``PayloadTooLarge``)."""
+        """Placements of each key (contents of at most ``max_ids`` ids), holders' prefixes."""
         results = self.directory.lookup(keys, max_ids)
         return TokenLookup(len(set(map(chunk_hash_of, keys))), results, prefix_summary(results))
 

@@ -145,12 +145,12 @@ class HeldLookups:
         self.threads: list[str] = []
         real = CoordinatorService.lookup_keys
 
-        def held(service: CoordinatorService, keys: Any) -> Any:
+        def held(service: CoordinatorService, keys: Any, *limits: Any) -> Any:
             self.threads.append(threading.current_thread().name)
             self.started.release()
             if not self.release.wait(30):
                 raise AssertionError(why)
-            return real(service, keys)
+            return real(service, keys, *limits)
 
         monkeypatch.setattr(CoordinatorService, "lookup_keys", held)
 
@@ -185,9 +185,9 @@ def test_a_short_prefix_lookup_is_answered_on_the_loop_while_the_directory_is_fr
     threads: list[str] = []
     real = CoordinatorService.lookup_keys
 
-    def noted(service: CoordinatorService, keys: Any) -> Any:
+    def noted(service: CoordinatorService, keys: Any, *limits: Any) -> Any:
         threads.append(threading.current_thread().name)
-        return real(service, keys)
+        return real(service, keys, *limits)
 
     monkeypatch.setattr(CoordinatorService, "lookup_keys", noted)
     with (
