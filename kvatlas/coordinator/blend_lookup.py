@@ -21,11 +21,13 @@ from kvatlas.coordinator.query import blend_query, decode_blend_lookup
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.coordinator.wire import blend_to_wire
 from kvatlas.directory import MatchColumns
+from kvatlas.errors import Unprocessable
 from kvatlas.routing import Call, Reply
 from kvatlas.web import json_encoder
 
 WITH_PLACEMENTS = "with_placements"
-"""Query parameter: ``true`` (or ``1``) adds the holders of each match to the reply."""
+"""Query parameter: ``true`` (or ``1``) adds the holders of each match to the reply; ``false``
+(or ``0``) does not; any other value is refused (422)."""
 INLINE_BODY_BYTES = 256 * 1024
 """Bodies up to this size (a query of up to ≈49k tokens in ``tokens_b64``) are answered on the
 event loop: their work (docs/performance.md, `bench service`) stays within the GIL switch
@@ -37,8 +39,11 @@ def wants_placements(query_string: bytes) -> bool:
     """Whether a blend lookup's query string asks for ``with_placements``."""
     if not query_string:  # the default request: no parsing at all
         return False
-    values = parse_qs(query_string.decode("latin-1")).get(WITH_PLACEMENTS, [])
-    return any(v.lower() in ("true", "1") for v in values)
+    values = parse_qs(query_string.decode("latin-1"), keep_blank_values=True)
+    asked = {v.lower() for v in values.get(WITH_PLACEMENTS, ())}
+    if not asked <= {"true", "1", "false", "0"}:
+        raise Unprocessable(f"{WITH_PLACEMENTS} must be true or false (or 1, 0)")
+    return bool(asked & {"true", "1"})
 
 
 BLEND_HEADER = "x-kvatlas-blend"

@@ -451,6 +451,7 @@ def test_register_bad_input(client: httpx.Client, body: Any) -> None:
         {"cursor": "00" * 31},
         {"cursor": "00" * 32 + ":-1"},
         {"cursor": "00" * 32 + ":x"},
+        {"tier": "l9"},  # was 200 with total 0: a filter no key can match, read as asked
     ],
 )
 def test_keys_listing_bad_params(client: httpx.Client, params: dict[str, Any]) -> None:
@@ -484,3 +485,17 @@ def test_a_lookup_reply_carries_at_most_max_query_tokens_ids() -> None:
         )
         detail = assert_error(_lookup(client, {"keys": [key] * (limit // length + 1)}), 413)
         assert "--max-query-tokens" in detail["detail"]
+
+
+@pytest.mark.parametrize("value", ["yes", "", "%ff", "2"])
+def test_with_placements_other_than_true_or_false_is_refused(
+    client: httpx.Client, value: str
+) -> None:
+    """``?with_placements=yes`` (or empty, or undecodable) was read as false: a 200 without the
+    placements asked for."""
+    body = {"tokens_b64": b64(list(range(2 * CS))), "model_name": "m"}
+    r = client.post(f"/directory/blend-lookup?with_placements={value}", json=body)
+    assert "with_placements" in assert_error(r, 422)["detail"]
+    for ok in ("true", "TRUE", "1", "false", "0"):
+        r = client.post(f"/directory/blend-lookup?with_placements={ok}", json=body)
+        assert r.status_code == 200, r.text

@@ -18,7 +18,8 @@ from kvatlas.coordinator.routes.context import Context
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.coordinator.wire import key_page_to_wire, lookup_to_wire, stats_to_wire
 from kvatlas.directory import KeyFilter
-from kvatlas.errors import PayloadTooLarge
+from kvatlas.errors import PayloadTooLarge, Unprocessable
+from kvatlas.events import TIERS
 from kvatlas.routing import JSON, Call, Reply
 
 
@@ -91,6 +92,8 @@ async def stats(ctx: Context, call: Call[None, None]) -> dict[str, Any]:
 
 async def list_keys(ctx: Context, call: Call[None, KeyListingQuery]) -> KeyPageReply:
     q, service = call.query, ctx.service
+    if q.tier is not None and q.tier not in TIERS:  # (a filter no key could match)
+        raise Unprocessable(f"tier: unknown tier {q.tier!r:.40} (one of {sorted(TIERS)})")
 
     def page() -> KeyPageReply:
         return key_page_to_wire(
