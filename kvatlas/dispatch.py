@@ -269,12 +269,9 @@ def _error(exc: KvatlasError, codec: Codec, *extra: tuple[bytes, bytes]) -> Repl
 
 
 def _url(scope: Scope, path: str) -> str:
-    """The request's URL with ``path`` (what a redirect names)."""
-    host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), None)
-    if host is None:
-        server = scope.get("server") or ("localhost", 80)
-        host = f"{server[0]}:{server[1]}"
-    url = f"{scope.get('scheme', 'http')}://{host}{scope.get('root_path', '')}{path}"
+    """``path`` (and the request's query) on this server: what a redirect names. Relative, not
+    built from the ``Host`` header, which the client chooses."""
+    url = f"{scope.get('root_path', '')}{path}"
     query = scope.get("query_string", b"")
     return quote(url + ("?" + query.decode("latin-1") if query else ""), safe=":/%#?=@[]!$&'()*+,;")
 

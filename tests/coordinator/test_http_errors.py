@@ -499,3 +499,13 @@ def test_with_placements_other_than_true_or_false_is_refused(
     for ok in ("true", "TRUE", "1", "false", "0"):
         r = client.post(f"/directory/blend-lookup?with_placements={ok}", json=body)
         assert r.status_code == 200, r.text
+
+
+def test_a_trailing_slash_redirect_stays_on_this_server(client: httpx.Client) -> None:
+    """The 307 to the path served without (or with) its trailing ``/`` named an absolute URL
+    built from the request's ``Host`` header: ``Host: evil.example:1`` redirected there, an
+    empty one to ``http:///healthz``. It names the path (and query) on this server now."""
+    for host in ("evil.example:1", ""):
+        r = client.get("/healthz/?x=1", headers={"host": host}, follow_redirects=False)
+        assert (r.status_code, r.headers["location"]) == (307, "/healthz?x=1")
+    assert client.get("/healthz/", follow_redirects=True).status_code == 200
