@@ -464,19 +464,20 @@ def test_unknown_route_and_method(client: httpx.Client) -> None:
     assert client.get("/healthz").status_code == 200
 
 
-def test_a_lookup_reply_carries_at_most_max_query_tokens_ids() -> None:
+def test_a_lookup_reply_carries_at_most_what_its_chunks_hold() -> None:
     """A content longer than the chunk size is bound (never an error: docs/directory.md), and
     the keys form answers every key asked, duplicates too, each with its content's ids: one
     stored 100,000-token content and 1,500 copies of its key made a 258 KB request an 883 MB
-    reply and 2 GB of server memory. Now a reply whose ids would exceed --max-query-tokens is
-    refused (413, naming the flag) before any is written; one at the limit is answered."""
-    limit, length = 4 * CS * 8, 2 * CS
+    reply and 2 GB of server memory. Now a reply is refused (413) before any id is written when
+    its ids exceed what the keys' chunks hold at ``chunk_size`` each (the most keys a lookup
+    may ask, ``--max-query-tokens / chunk_size``); one at that bound is answered, and so is a
+    tokens-form lookup of every rank of the longest query (negative control: world_size times
+    --max-query-tokens ids)."""
+    limit, length = 4 * CS * 8, 2 * CS  # the most keys: limit // CS = 32, holding 128 ids
     with running(max_query_tokens=limit) as (_, client):
         key = wire_key(fresh("long").encode().ljust(32, b"\0"))
         entry = wire_entry(key, tokens=fresh_tokens(length // CS), offset=0)
-        r = client.post(
-            "/events", json={"batches": [wire_batch(fresh("i"), 1, 1, entries=[entry])]}
-        )
+        r = post_batches(client, wire_batch(fresh("i"), 1, 1, entries=[entry]))
         assert r.status_code == 200 and r.json()["applied"] == 1, r.text
         fits = _lookup(client, {"keys": [key] * (limit // length)})
         assert fits.status_code == 200, fits.text
@@ -485,6 +486,10 @@ def test_a_lookup_reply_carries_at_most_max_query_tokens_ids() -> None:
         )
         detail = assert_error(_lookup(client, {"keys": [key] * (limit // length + 1)}), 413)
         assert "--max-query-tokens" in detail["detail"]
+        tokens, em = fresh_tokens(limit // CS), Emitter()
+        assert post_batches(client, em.store_chunks(tokens, ws=2)).status_code == 200
+        reply = lookup_tokens(client, tokens, world_size=2)
+        assert sum(len(row["token_ids"]) for row in reply["results"]) == 2 * limit
 
 
 @pytest.mark.parametrize("value", ["yes", "", "%ff", "2"])

@@ -58,19 +58,21 @@ def _lookup(service: CoordinatorService, call: Call[None, None]) -> tuple[str, R
     body = decode_lookup_body(call.raw, config.max_query_tokens, config.max_lookup_keys)
     query = lookup_query(body, config.max_query_tokens, config.max_lookup_keys)
     call.who.require_salts(query.salts)
-    limit = config.max_query_tokens  # a reply carries at most as many ids as a query may
+    # A reply's ids: at most what its keys' chunks hold at chunk_size each (the longest a
+    # legitimate content is), which bounds a content bound longer than a chunk asked many times
+    chunk = config.chunk_size
     try:
         if isinstance(query, KeysQuery):
-            found = service.lookup_keys(query.keys, limit)
+            found = service.lookup_keys(query.keys, config.max_lookup_keys * chunk)
         else:
             found = service.directory.lookup_tokens(
                 query.tokens, query.model_name, query.world_size, query.cache_salt,
-                query.object_group_id, limit,
+                query.object_group_id, query.world_size * (len(query.tokens) // chunk) * chunk,
             )  # fmt: skip
     except PayloadTooLarge as exc:
         raise PayloadTooLarge(
-            f"the reply would carry too many token ids: {exc} (--max-query-tokens); ask for "
-            "fewer keys (each key asked is answered, a repeated one again)"
+            f"the reply would carry too many token ids: {exc}, what the chunks asked for hold "
+            f"at {chunk} ids each (--max-query-tokens, --chunk-size); ask for fewer keys"
         ) from None
     codec = call.codec
     ids = json_id_lists([kp.content for kp in found.results]) if codec is JSON else None
