@@ -218,12 +218,14 @@ def test_the_largest_weights_give_finite_scores_the_client_reads(client: httpx.C
     """Weights were any finite number: 1e306 made a 512-token query's score overflow to inf,
     which the reply carries as ``null`` and ``RouteClient`` refuses. The largest weight allowed
     scores the longest query finitely."""
-    tokens = list(range(10, 10 + 2 * CS))
-    body = {"token_ids": tokens, "model_name": "m", "instances": ["n1"]}
+    tokens, em = fresh_tokens(2), Emitter()
+    assert post_batches(client, em.store_chunks(tokens)).status_code == 200  # on its L1
+    body = {"token_ids": tokens, "model_name": "m", "instances": [em.instance_id]}
     weights = dict.fromkeys(("gpu", "l1", "l2", "peer"), MAX_WEIGHT)
     r = client.post("/route/score", json={**body, "weights": weights})
     assert r.status_code == 200, r.text
-    assert all(math.isfinite(row["score"]) for row in r.json()["instances"])
+    (row,) = r.json()["instances"]
+    assert row["prefix_tokens"] == 2 * CS and math.isfinite(row["score"]) and row["score"] > 0
     assert math.isfinite(MAX_WEIGHT * CoordinatorConfig().max_query_tokens * 4)
 
 
