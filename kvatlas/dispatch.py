@@ -117,8 +117,8 @@ class Dispatcher:
         return self.auth.authenticate(bearer_header(scope))
 
     def route_of(self, method: str, path: str) -> tuple[Route | None, Mapping[str, str], int]:
-        """The route of a request, its path parameters and its body limit (HEAD is checked as
-        GET, and then refused: no route answers HEAD)."""
+        """The route of a request, its path parameters and its body limit (HEAD is a GET
+        route's: answered as GET, its body left out by the server)."""
         found = self.table.match("GET" if method == "HEAD" else method, path)
         if found is None:
             return None, NO_PARAMS, self.small
@@ -200,7 +200,7 @@ class Dispatcher:
         try:
             declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
             check_declared_length(declared, limit)
-            if route is None or scope["method"] == "HEAD":
+            if route is None:
                 reply = self._unrouted(scope)
             else:
                 raw = b""

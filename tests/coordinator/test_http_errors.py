@@ -514,3 +514,15 @@ def test_a_trailing_slash_redirect_stays_on_this_server(client: httpx.Client) ->
         r = client.get("/healthz/?x=1", headers={"host": host}, follow_redirects=False)
         assert (r.status_code, r.headers["location"]) == (307, "/healthz?x=1")
     assert client.get("/healthz/", follow_redirects=True).status_code == 200
+
+
+def test_head_is_answered_as_get_without_a_body(client: httpx.Client) -> None:
+    """A load balancer's health check may use HEAD: it was a 405 on every route. A GET route
+    answers HEAD with the GET reply's status and headers (its length too) and no body; a path
+    served only by POST still answers 405."""
+    get, head = client.get("/healthz"), client.head("/healthz")
+    assert (head.status_code, head.content) == (200, b"")
+    assert head.headers["content-length"] == str(len(get.content))
+    assert head.headers["content-type"] == get.headers["content-type"]
+    assert client.head("/nope").status_code == 404
+    assert client.head("/events").status_code == 405
