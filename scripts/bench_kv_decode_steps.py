@@ -22,6 +22,7 @@ import numpy as np
 from kvatlas.coordinator.kv_events import Rekeyer
 from kvatlas.events.vllm_wire import BlockStored, KVEventBatch, encode_batch, split_batch
 from kvatlas.keys import KeyScheme
+from kvatlas.workloads import random_token_ids
 
 BLOCK, CHUNK = 16, 256
 
@@ -33,7 +34,7 @@ def payloads(
     first, chains = [], []
     for _ in range(requests):
         hashes = [rng.bytes(32) for _ in range(prefill + decode)]
-        ids = rng.integers(0, 128_256, (prefill + decode) * BLOCK).tolist()
+        ids = random_token_ids(rng, (prefill + decode) * BLOCK).tolist()
         chains.append((hashes, ids))
         event = BlockStored(hashes[:prefill], None, ids[: prefill * BLOCK], BLOCK, medium="GPU")
         first.append(encode_batch(KVEventBatch(1.0, [event])))

@@ -24,6 +24,7 @@ from kvatlas.events.vllm_wire import (
     split_batch,
 )
 from kvatlas.keys import KeyScheme
+from kvatlas.workloads import random_token_ids
 
 
 def main() -> None:
@@ -35,7 +36,7 @@ def main() -> None:
     steps: dict[str, list[bytes]] = {"GPU": [], "+CPU": [], "GPU evicted": []}
     for _ in range(args.requests):
         hashes = [rng.bytes(32) for _ in range(args.blocks)]
-        ids = rng.integers(0, 128_256, args.blocks * 16).tolist()
+        ids = random_token_ids(rng, args.blocks * 16).tolist()
         for name, event in (
             ("GPU", BlockStored(hashes, None, ids, 16, medium="GPU")),
             ("+CPU", BlockStored(hashes, None, ids, 16, medium="CPU")),

@@ -129,17 +129,16 @@ def plain_run(point: ChainPoint, size: int, lora: str | int | None) -> bool:
 
 
 def advance_run(
-    scheme: KeyScheme, point: ChainPoint, hashes: list[BlockHash], packed: bytes
+    scheme: KeyScheme, point: ChainPoint, hashes: list[BlockHash], packed: bytes, size: int
 ) -> tuple[list[ChainPoint], list[bytes], list[bytes]]:
     """:func:`advance` over each of ``hashes``' blocks in turn (``packed``: their tokens end
-    to end, as many per block), when :func:`plain_run` holds and no block has extra keys:
+    to end, ``size`` per block), when :func:`plain_run` holds and no block has extra keys:
     each block's point, then the hashes and tokens of the chunks the run completed, in
     order. The run's chunks are hashed by one :func:`chain_hashes` call and each block is a
     tuple built in one loop, where :func:`advance` builds the chain block by block."""
     chunk_size = scheme.chunk_size
     prev, n_chunks, fill = point[0], point[1], point[_FILL]
-    step = len(packed) // len(hashes)
-    size = step // 4
+    step = 4 * size
     done = (fill + len(hashes) * size) // chunk_size
     stream = b"".join([p[_PACKED] for p in partial(point)] + [packed]) if fill and done else packed
     cstep = 4 * chunk_size

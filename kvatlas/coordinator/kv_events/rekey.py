@@ -177,7 +177,7 @@ class Rekeyer:
         lora = event.lora_name if event.lora_name is not None else event.lora_id
         self.counts["blocks_stored"] += len(event.block_hashes)
         if RUNS and self._new_run(state, event) and plain_run(point, size, lora):
-            self._stored_run(state, model, event.block_hashes, packed, point, tier, pending)
+            self._stored_run(state, model, event.block_hashes, packed, size, point, tier, pending)
             return
         extras = event.extra_keys or [None] * len(event.block_hashes)
         step = 4 * size
@@ -221,6 +221,7 @@ class Rekeyer:
         model: str,
         hashes: list[BlockHash],
         packed: bytes,
+        size: int,
         point: ChainPoint,
         tier: str,
         pending: Pending,
@@ -229,10 +230,9 @@ class Rekeyer:
         block's map entry built once, with the chunk that holds it when the run completes
         that chunk; the blocks of the partial chunk the run started in get the first
         chunk's placement as the loop gives it to them."""
-        points, done, chunks = advance_run(self.scheme, point, hashes, packed)
+        points, done, chunks = advance_run(self.scheme, point, hashes, packed, size)
         placed = [((h, model, tier),) for h in done]
         _, n_chunks, fill, *_ = point
-        size = len(packed) // (4 * len(hashes))
         per_chunk = self.chunk_size // size
         first = fill // size  # the run's first chunk's tokens before it, in its blocks
         held: list[tuple[Placed, ...]] = [()] * len(hashes)
