@@ -5,6 +5,7 @@ the bounded map, AllBlocksCleared, and bad batches refused whole."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -362,8 +363,6 @@ def test_a_block_stored_again_keeps_its_place_in_the_map_and_becomes_the_newest(
     """A CPU offload stores every GPU block again: each becomes the newest (evicted last) in
     place, so the map does not grow by a deleted slot per block (which a pop and a new
     insert left: ≈140 B a block until the table was rebuilt)."""
-    import sys
-
     rng = np.random.default_rng(2)
     rekeyer = Rekeyer(KeyScheme("blake3", 64), 100_000)
     requests = [
