@@ -19,8 +19,8 @@ MAX_ADDRESS_CHARS = 256  # ip, p2p_advertised_url
 MAX_METADATA_BYTES = 16 * 1024  # registration metadata, as JSON
 MAX_SIGNATURE_CHARS = 128  # p2p_url_signature: hex (a node's is 64)
 _HEX = re.compile(r"[0-9A-Fa-f]*")
-_HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?")
-_HOST_PORT = re.compile(r"(?:[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\])(?::(?P<port>[0-9]{1,5}))?")
+_HOST_NAME = r"[A-Za-z0-9._-]+"  # a host name or an IPv4 address, as a URL's host
+_HOST_PORT = re.compile(rf"(?:{_HOST_NAME}|\[[0-9A-Fa-f:.]+\])(?::(?P<port>[0-9]{{1,5}}))?")
 
 
 def registration(body: RegisterRequest) -> tuple[str | None, Registration]:
@@ -64,7 +64,7 @@ def _host(ip: str) -> bool:
     try:
         ipaddress.ip_address(ip)
     except ValueError:
-        return _HOST_NAME.fullmatch(ip) is not None
+        return re.fullmatch(_HOST_NAME, ip) is not None
     return True
 
 
