@@ -116,10 +116,13 @@ class Dispatcher:
         assert self.auth is not None
         return self.auth.authenticate(bearer_header(scope))
 
-    def route_of(self, method: str, path: str) -> tuple[Route | None, Mapping[str, str], int]:
+    def route_of(self, scope: Scope) -> tuple[Route | None, Mapping[str, str], int]:
         """The route of a request, its path parameters and its body limit (HEAD is a GET
         route's: answered as GET, its body left out by the server)."""
-        found = self.table.match("GET" if method == "HEAD" else method, path)
+        method = scope["method"]
+        found = self.table.match(
+            "GET" if method == "HEAD" else method, scope["path"], scope.get("raw_path")
+        )
         if found is None:
             return None, NO_PARAMS, self.small
         route, params = found
@@ -132,7 +135,7 @@ class Dispatcher:
         path answers it, refusals included."""
         if not self._any_in_turn:
             return None
-        route, params, limit = self.route_of(scope["method"], scope["path"])
+        route, params, limit = self.route_of(scope)
         if route is None or route.in_turn is None or route.method != scope["method"]:
             return None
         declared = None
@@ -185,7 +188,7 @@ class Dispatcher:
             if scope["type"] == "lifespan":
                 await _lifespan(receive, send)
             return
-        route, params, limit = self.route_of(scope["method"], scope["path"])
+        route, params, limit = self.route_of(scope)
         if route is not None:
             access, negotiate = route.access, route.codec
         else:

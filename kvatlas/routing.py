@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
+from urllib.parse import unquote
 
 import msgspec
 from starlette.types import Scope
@@ -203,11 +204,20 @@ class RouteTable:
             else:
                 self._literal[key] = route
 
-    def match(self, method: str, path: str) -> tuple[Route, Mapping[str, str]] | None:
+    def match(
+        self, method: str, path: str, raw_path: bytes | None = None
+    ) -> tuple[Route, Mapping[str, str]] | None:
+        """The route of ``(method, path)`` and its parameters. ``raw_path`` (the request's
+        path as sent) matters when it holds an encoded ``/``: ``%2F`` stays inside its
+        segment (an instance id ``rack/a`` is ``/instances/rack%2Fa``), where the decoded
+        ``path`` would split it."""
         route = self._literal.get((method, path))
         if route is not None:
             return route, NO_PARAMS
-        for found, params in self._paths(path):
+        segments = path.split("/")
+        if raw_path is not None and b"%2f" in raw_path.lower():
+            segments = [unquote(s) for s in raw_path.decode("ascii", "replace").split("/")]
+        for found, params in self._paths(segments):
             if found.method == method:
                 return found, params
         return None
@@ -218,14 +228,13 @@ class RouteTable:
 
     def methods(self, path: str) -> list[str]:
         """The methods of the first route whose path is ``path`` (what a 405 allows)."""
-        templated = {id(route) for route, _ in self._paths(path)}
+        templated = {id(route) for route, _ in self._paths(path.split("/"))}
         for route in self.routes:
             if route.path == path or id(route) in templated:
                 return [route.method]
         return []
 
-    def _paths(self, path: str) -> Sequence[tuple[Route, Mapping[str, str]]]:
-        segments = path.split("/")
+    def _paths(self, segments: list[str]) -> Sequence[tuple[Route, Mapping[str, str]]]:
         found = []
         for route, shape in self._templates.get(len(segments), ()):
             params: dict[str, str] = {}

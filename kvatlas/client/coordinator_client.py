@@ -11,6 +11,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import msgspec
@@ -179,7 +180,7 @@ class CoordinatorClient:
         if self.instance_id is None:
             raise CoordinatorError("register() first")
         try:
-            reply = self._call("PUT", f"/instances/{self.instance_id}/heartbeat", HeartbeatReply)
+            reply = self._call("PUT", self._own("/heartbeat"), HeartbeatReply)
         except CoordinatorError as exc:
             if exc.reply_status != 404:
                 raise
@@ -194,7 +195,7 @@ class CoordinatorClient:
         """``PUT /instances/{id}/report``: this node's value counters and tiers."""
         if self.instance_id is None:
             raise CoordinatorError("register() first")
-        self._call("PUT", f"/instances/{self.instance_id}/report", json=body)
+        self._call("PUT", self._own("/report"), json=body)
 
     def start_heartbeat(
         self, interval: float = 5.0, report: Callable[[], dict[str, Any]] | None = None
@@ -231,17 +232,22 @@ class CoordinatorClient:
         prefixes whose buckets differ, by tier."""
         if self.instance_id is None:
             raise CoordinatorError("register() first")
-        path = f"/instances/{self.instance_id}/digest"
+        path = self._own("/digest")
         body = encode(DigestBody(tiers=tiers))
         reply: DigestReply = self._call(
             "POST", path, DigestReply, content=body, headers=JSON_HEADERS
         )
         return reply.tiers
 
+    def _own(self, tail: str = "") -> str:
+        """This instance's path (``tail`` after it): its id as one path segment, encoded
+        (an id may hold ``# ? %`` and spaces)."""
+        return f"/instances/{quote(str(self.instance_id), safe='')}{tail}"
+
     def deregister(self) -> None:
         self.stop_heartbeat()
         if self.instance_id is not None:
-            self._call("DELETE", f"/instances/{self.instance_id}")
+            self._call("DELETE", self._own())
 
     # ------------------------------------------------------------------ lookups
 
@@ -278,9 +284,7 @@ class CoordinatorClient:
         rows: list[PinRow] = []
         while True:
             params = {"model_name": model_name, "offset": len(rows), "limit": page_size}
-            page: PinsReply = self._call(
-                "GET", f"/instances/{self.instance_id}/pins", PinsReply, params=params
-            )
+            page: PinsReply = self._call("GET", self._own("/pins"), PinsReply, params=params)
             rows.extend(page.pins)
             if not page.pins or len(rows) >= page.total:
                 return rows

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -104,6 +105,25 @@ def test_deregister_fences_l1_keeps_l2_forgets_cursor(client: httpx.Client) -> N
         placements_by_key(lookup_tokens(client, tokens))
         == [{(em.instance_id, "l1", "dram"), (em.instance_id, "l2", "fs")}] * 2
     )
+
+
+@pytest.mark.parametrize("name", ["rack/a", "pool:fs@x", "a%b", "sp ace", "ünï"])
+def test_deregister_reaches_every_id_events_accept(client: httpx.Client, name: str) -> None:
+    """``POST /events`` takes any id of up to 256 characters (``/`` and ``@`` too): its
+    placements are fenced by ``DELETE /instances/{id}`` with the id percent-encoded as one
+    path segment (a ``%2F`` used to split it: 404, and the L1 copies stayed)."""
+    em = Emitter(instance_id=f"{fresh('emit')}-{name}")
+    tokens = fresh_tokens(2)
+    post_batches(client, em.store_chunks(tokens))
+    assert (
+        placements_by_key(lookup_tokens(client, tokens)) == [{(em.instance_id, "l1", "dram")}] * 2
+    )
+    r = client.delete(f"/instances/{quote(em.instance_id, safe='')}")
+    assert (r.status_code, r.content) == (204, b""), r.text
+    assert placements_by_key(lookup_tokens(client, tokens)) == [set()] * 2
+    # a heartbeat names the same segment: the instance is gone (not "no such route")
+    r = client.put(f"/instances/{quote(em.instance_id, safe='')}/heartbeat")
+    assert (r.status_code, r.json()["detail"]) == (404, "unknown instance; re-register")
 
 
 def test_deregister_unknown_instance_is_harmless(client: httpx.Client) -> None:

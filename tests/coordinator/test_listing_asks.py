@@ -156,3 +156,23 @@ def test_the_heartbeat_reply_asks_once_and_the_client_calls_the_listing_hook() -
             assert called == ["resync", "resync", "list_all"]
         finally:
             client.close()
+
+
+@pytest.mark.parametrize("name", ["n#1", "n?x=1", "n 1%2F", "n%"])
+def test_the_client_names_its_instance_as_one_path_segment(
+    name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A registered id may hold ``# ? %`` and spaces (the salt rule forbids only ``@ / \\``
+    and NUL): the client's heartbeat, report, digest, pins and deregistration name it
+    percent-encoded (``/instances/n#1/heartbeat`` was a fragment: 404, re-registered)."""
+    with running() as (server, _http):
+        client = CoordinatorClient(server.url)
+        try:
+            assert client.register(name) == name
+            client.heartbeat()
+            assert "re-registering" not in caplog.text  # the heartbeat reached its instance
+            assert client.pins() == []
+            client.deregister()
+            assert not server.service.instances.known(name)
+        finally:
+            client.close()
