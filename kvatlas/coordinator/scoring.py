@@ -16,7 +16,6 @@ query needs every rank, and counts as its worst rank.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
@@ -49,7 +48,7 @@ NO_ATTACHMENTS: Final[Mapping[str, str]] = {}
 MAX_WEIGHT: Final = 1e12
 """The largest tier weight a query may set: a score is a sum of tokens times weights, and at
 this bound the longest query's stays finite (any finite weight let a 512-token query's score
-overflow to inf, which JSON carries as ``null``)."""
+overflow to inf, which JSON carries as ``null``). The fragment weight has the same bound."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +77,10 @@ class Weights:
                     f"weights.{name}: must be a number in [0, {MAX_WEIGHT:g}], got {weight}"
                 )
             merged[name] = float(weight)
-        if not math.isfinite(fragment) or fragment < 0:
-            raise ValueError(f"fragment weight must be a finite number >= 0, got {fragment}")
+        if not 0 <= fragment <= MAX_WEIGHT:
+            raise ValueError(
+                f"fragment weight must be a number in [0, {MAX_WEIGHT:g}], got {fragment}"
+            )
         return cls(tuple(merged[name] for name in TIER_CLASSES), fragment)
 
     def preference(self, c: Class) -> tuple[float, int]:

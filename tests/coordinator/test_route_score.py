@@ -21,7 +21,7 @@ from kvatlas.client import RouteClient
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.instances import Registration
 from kvatlas.coordinator.route_score import RouteScoring
-from kvatlas.coordinator.scoring import MAX_WEIGHT
+from kvatlas.coordinator.scoring import MAX_WEIGHT, TIER_CLASSES, Weights, instance_score
 from kvatlas.coordinator.server import BackgroundServer
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.events import CacheEntry, EventBatch
@@ -227,6 +227,21 @@ def test_the_largest_weights_give_finite_scores_the_client_reads(client: httpx.C
     (row,) = r.json()["instances"]
     assert row["prefix_tokens"] == 2 * CS and math.isfinite(row["score"]) and row["score"] > 0
     assert math.isfinite(MAX_WEIGHT * CoordinatorConfig().max_query_tokens * 4)
+
+
+def test_the_fragment_weight_is_bounded_as_the_tier_weights_are() -> None:
+    """``--fragment-weight`` multiplies a fragment score: any finite one was taken, and 1e308
+    times one fragment chunk is inf (a ``null`` score). At the bounds every score is finite."""
+    for bad in (1e308, MAX_WEIGHT * 1.0000001, -1.0, math.nan):
+        with pytest.raises(ValueError, match="fragment"):
+            Weights.of(None, bad)
+        with pytest.raises(ValueError, match="--fragment-weight"):
+            CoordinatorConfig(fragment_weight=bad)
+    chunks = CoordinatorConfig().max_query_tokens // CS
+    weights = Weights.of(dict.fromkeys(TIER_CLASSES, MAX_WEIGHT), MAX_WEIGHT)
+    classes = [c for c in range(len(TIER_CLASSES)) for _ in range(chunks // len(TIER_CLASSES))]
+    score = instance_score("i", classes, classes, CS, weights).score
+    assert math.isfinite(score) and score > 0
 
 
 @pytest.mark.parametrize(("tier", "score_class"), [("gpu", "gpu"), ("engine-cpu", "l1")])
