@@ -61,7 +61,7 @@ from kvatlas.directory import (
 from kvatlas.errors import Conflict, Unavailable, Unprocessable
 from kvatlas.events import ColumnBatch, EventBatch
 from kvatlas.events.inventory import Digest, differing
-from kvatlas.keys import MM_BYPASS_GUARD, ObjectKey, chunk_hash_of
+from kvatlas.keys import MM_BYPASS_GUARD, ObjectKey
 
 if TYPE_CHECKING:  # redis is imported only on the Redis transport
     from kvatlas.coordinator.stream_consumer import StreamConsumer
@@ -276,9 +276,10 @@ class CoordinatorService:
     # ------------------------------------------------------------------ lookups
 
     def lookup_keys(self, keys: Sequence[ObjectKey], max_ids: int | None = None) -> TokenLookup:
-        """Placements of each key (contents of at most ``max_ids`` ids), holders' prefixes."""
+        """Placements of each key (contents of at most ``max_ids`` ids), holders' prefixes;
+        ``chunks`` is how many keys were asked, repeats included (as LMCache counts them)."""
         results = self.directory.lookup(keys, max_ids)
-        return TokenLookup(len(set(map(chunk_hash_of, keys))), results, prefix_summary(results))
+        return TokenLookup(len(keys), results, prefix_summary(results))
 
     def page_keys(
         self, where: KeyFilter, *, offset: int, limit: int, cursor: str | None

@@ -166,6 +166,21 @@ def test_lookup_keys_form(client: httpx.Client) -> None:
     }
 
 
+def test_lookup_keys_form_counts_the_keys_asked(client: httpx.Client) -> None:
+    """``chunks`` of the keys form is how many keys were asked, repeats and other ranks of
+    one chunk included, as LMCache 0.5.6's coordinator answers (``len(obj_keys)``; measured
+    against it: 3 keys of 2 hashes → 3, one key 5 times → 5). It counted distinct hashes."""
+    em = Emitter()
+    tokens = fresh_tokens(2)
+    post_batches(client, em.store_chunks(tokens, ws=2))
+    h0, h1 = hashes(tokens)
+    rank0, rank1 = wire_key(h0, ws=2, rank=0), wire_key(h0, ws=2, rank=1)
+    for keys, n in (([rank0, rank0, wire_key(h1, ws=2)], 3), ([rank0] * 5, 5), ([rank0, rank1], 2)):
+        r = client.post("/directory/lookup", json={"keys": keys})
+        assert r.status_code == 200, r.text
+        assert (r.json()["chunks"], len(r.json()["results"])) == (n, n)
+
+
 def test_lookup_tokens_form_prefix_summary(client: httpx.Client) -> None:
     """Prefix summary per instance, per tier and per shared pool (one row for the pool)."""
     a, b, c = Emitter(fresh("a")), Emitter(fresh("b")), Emitter(fresh("c"))
