@@ -376,16 +376,6 @@ def guarded_protocol(limits: HttpLimits, on_refused: OnRefused) -> type[asyncio.
             self._stop_watching()
             super().connection_lost(exc)
 
-        def eof_received(self) -> bool | None:
-            """The client shut its sending side: a whole request being answered keeps ours
-            open until its reply is written, then the connection closes (returning nothing
-            closed it at once, the reply dropped); else close, as uvicorn does."""
-            cycle = self.cycle
-            if cycle is not None and not cycle.response_complete and not cycle.more_body:
-                cycle.keep_alive = False
-                return True
-            return None
-
         def data_received(self, data: bytes) -> None:
             self._answered_in_read = False
             super().data_received(data)
