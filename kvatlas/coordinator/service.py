@@ -276,10 +276,9 @@ class CoordinatorService:
     # ------------------------------------------------------------------ lookups
 
     def lookup_keys(self, keys: Sequence[ObjectKey], max_ids: int | None = None) -> TokenLookup:
-        """Placements of each key (contents of at most ``max_ids`` ids), holders' prefixes;
-        ``chunks`` is how many keys were asked, repeats included (as LMCache counts them)."""
+        """Placements of each key (contents of at most ``max_ids`` ids), holders' prefixes."""
         results = self.directory.lookup(keys, max_ids)
-        return TokenLookup(len(keys), results, prefix_summary(results))
+        return TokenLookup(len(keys), results, prefix_summary(results))  # LMCache's count
 
     def page_keys(
         self, where: KeyFilter, *, offset: int, limit: int, cursor: str | None
