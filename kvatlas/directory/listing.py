@@ -18,6 +18,7 @@ from kvatlas.directory.records import (
     KeyPage,
     KeyPlacements,
     PlacementRow,
+    group_placements,
     placements_of,
     public_placements,
     record_keys,
@@ -32,7 +33,8 @@ from kvatlas.errors import InvalidInput
 @dataclass(frozen=True, slots=True)
 class KeyFilter:
     """Which keys a listing or a count takes: those with a placement in ``tier``, on
-    ``instance_id`` and in ``backend`` (``None``: any), one placement meeting all three."""
+    ``instance_id`` and in ``backend`` (``None``: any), one placement meeting all three; a
+    listed key carries those of its placements only (as LMCache's listing does)."""
 
     tier: str | None = None
     instance_id: str | None = None
@@ -103,7 +105,10 @@ def list_keys(
                     return KeyPage(items, f"{h.hex()}:{n}")
                 scanned += 1
                 shape, pls = pairs[n]
-                if takes_all or any(map(where.admits_row, placements_of(pls))):
+                if not takes_all:  # a filtered key carries the placements it admits
+                    kept = list(filter(where.admits_row, placements_of(pls)))
+                    pls = group_placements(kept) if kept else None
+                if pls is not None:
                     items.append(
                         KeyPlacements(shape.key(h), public_placements(pls), record_tokens(rec))
                     )

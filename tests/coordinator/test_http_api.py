@@ -374,6 +374,36 @@ def test_keys_listing_pagination_and_filters() -> None:
         assert _page_all(client, "offset", 3) == _page_all(client, "cursor", 3)
 
 
+def test_keys_listing_filters_as_lmcache_does() -> None:
+    """Measured against LMCache 0.5.6's coordinator: a filtered listing's keys carry only the
+    placements the filter admits (a key with an L1 and an L2 copy listed under ``tier=l2``
+    carried both), and the filters' defaults sent explicitly — ``tier=all``,
+    ``instance_id=``, ``backend=`` — take every key (they were a 422 and an empty page)."""
+    with running() as (_, client):
+        a, b = Emitter("node-a"), Emitter("node-b")
+        tokens = fresh_tokens(3)
+        post_batches(client, a.store_chunks(tokens))
+        post_batches(client, a.store_chunks(tokens, n_chunks=2, tier="l2", backend="fs"))
+        post_batches(client, b.store_chunks(tokens, n_chunks=1))
+
+        def listed(**params: str) -> list[set[tuple[str, str, str]]]:
+            r = client.get("/directory/keys", params={"limit": 100, **params})
+            assert r.status_code == 200, r.text
+            return [
+                {(p["instance_id"], p["tier"], p["backend"]) for p in k["placements"]}
+                for k in r.json()["keys"]
+            ]
+
+        everything = listed()
+        assert sorted(map(len, everything)) == [1, 2, 3]
+        for defaults in ({"tier": "all"}, {"instance_id": "", "backend": ""}):
+            assert listed(**defaults) == everything
+        assert listed(tier="l2") == [{("node-a", "l2", "fs")}] * 2
+        assert listed(instance_id="node-b") == [{("node-b", "l1", "dram")}]
+        assert sorted(map(len, listed(instance_id="node-a"))) == [1, 2, 2]
+        assert listed(backend="fs", instance_id="node-b") == []
+
+
 # ------------------------------------------------------------------------- health and metrics
 
 

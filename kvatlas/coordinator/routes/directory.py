@@ -94,13 +94,15 @@ async def stats(ctx: Context, call: Call[None, None]) -> dict[str, Any]:
 
 async def list_keys(ctx: Context, call: Call[None, KeyListingQuery]) -> KeyPageReply:
     q, service = call.query, ctx.service
-    if q.tier is not None and q.tier not in TIERS:  # (a filter no key could match)
-        raise Unprocessable(f"tier: unknown tier {q.tier!r:.40} (one of {sorted(TIERS)})")
+    tier = None if q.tier == "all" else q.tier  # LMCache's defaults: all, "" and "" take any
+    if tier is not None and tier not in TIERS:  # (a filter no key could match)
+        raise Unprocessable(f"tier: unknown tier {tier!r:.40} (all or one of {sorted(TIERS)})")
+    where = KeyFilter(tier=tier, instance_id=q.instance_id or None, backend=q.backend or None)
 
     def page() -> KeyPageReply:
         return key_page_to_wire(
             service.page_keys(
-                KeyFilter(tier=q.tier, instance_id=q.instance_id, backend=q.backend),
+                where,
                 offset=q.offset,
                 limit=q.limit,
                 cursor=q.cursor,
