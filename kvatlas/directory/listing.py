@@ -18,7 +18,8 @@ from kvatlas.directory.records import (
     KeyPage,
     KeyPlacements,
     PlacementRow,
-    group_placements,
+    Placements,
+    pack_placements,
     placements_of,
     public_placements,
     record_keys,
@@ -55,6 +56,11 @@ class KeyFilter:
 
 
 ALL_KEYS: Final = KeyFilter()
+
+
+def admitted(where: KeyFilter, pls: Placements) -> Placements | None:
+    """The placements of ``pls`` that ``where`` admits (``None``: none)."""
+    return pack_placements(list(filter(where.admits_row, placements_of(pls))))
 
 
 class Listable(Protocol):
@@ -105,12 +111,10 @@ def list_keys(
                     return KeyPage(items, f"{h.hex()}:{n}")
                 scanned += 1
                 shape, pls = pairs[n]
-                if not takes_all:  # a filtered key carries the placements it admits
-                    kept = list(filter(where.admits_row, placements_of(pls)))
-                    pls = group_placements(kept) if kept else None
-                if pls is not None:
+                shown = pls if takes_all else admitted(where, pls)
+                if shown is not None:
                     items.append(
-                        KeyPlacements(shape.key(h), public_placements(pls), record_tokens(rec))
+                        KeyPlacements(shape.key(h), public_placements(shown), record_tokens(rec))
                     )
         if len(records) < len(order):  # (a start chunk's skipped keys left the page short)
             return KeyPage(items, f"{order[len(records)].hex()}:0")
