@@ -267,12 +267,13 @@ class InstanceRegistry:
         ]
 
     def restore(self, rows: list[InstanceRow]) -> None:
-        """Adopt a snapshot's rows: each instance keeps how long ago it was last heard of
-        (downtime included), so :meth:`expire` fences those silent for too long; every
-        restored instance owes a digest exchange."""
-        now, wall = self._clock(), time.time()
+        """Adopt a snapshot's rows. Each instance has a whole timeout from now to be heard
+        from (the downtime is not its silence: its heartbeats could not reach a coordinator
+        that was down), then :meth:`expire` fences it. Every restored instance owes a
+        digest exchange."""
+        now = self._clock()
         records = {}
-        for instance_id, registration_time, last_heard, blob in rows:
+        for instance_id, registration_time, _last_heard, blob in rows:
             salts: frozenset[str] | None = frozenset()  # unreadable: bound to no tenant
             try:
                 fields = json.loads(blob)
@@ -281,9 +282,8 @@ class InstanceRegistry:
                 registration = Registration(**fields)
             except (ValueError, TypeError, AttributeError):
                 registration = Registration()
-            age = max(0.0, wall - last_heard)
             records[instance_id] = InstanceRecord(
-                instance_id, registration, registration_time, now - age, salts
+                instance_id, registration, registration_time, now, salts
             )
         with self._lock:
             self._records = records

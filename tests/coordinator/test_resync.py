@@ -5,6 +5,7 @@ was fenced, or a coordinator that restarted, converges through a digest exchange
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -353,6 +354,35 @@ def test_instances_silent_past_the_timeout_after_a_restart_are_fenced(tmp_path: 
         server.service.instances.expire()
         assert l1_holders(client, [h]) == [set()]
         assert "ghost" not in {r.instance_id for r in server.service.instances_view() if r.alive}
+
+
+def test_a_restart_longer_than_the_timeout_does_not_fence_live_instances(
+    tmp_path: Path,
+) -> None:
+    """A node's heartbeats cannot reach a coordinator that is down: a restart that took
+    longer than ``--instance-timeout`` (or came long after the last snapshot) is not the
+    node's silence. Restored instances used to keep their age, downtime included, so the
+    first sweep fenced every live node (its L1 copies dropped, a move in flight failed).
+    Now each has a full timeout from the restart to be heard from; one that is not is
+    fenced then."""
+    snap = tmp_path / "dir.snap"
+    h = hashes(list(range(40, 40 + CS)))[0]
+    with running(snapshot_path=snap) as (server, client):
+        for name in ("live", "ghost"):
+            client.post("/instances", json={"instance_id": name}).raise_for_status()
+            batch = wire_batch(name, 1, 1, entries=[wire_entry(wire_key(h))])
+            client.post("/events", json={"batches": [batch]}).raise_for_status()
+    time.sleep(0.6)  # the coordinator was down longer than the timeout below
+    clock = FakeClock()
+    with running(clock, snapshot_path=snap, instance_timeout=0.5) as (server, client):
+        server.service.instances.expire()  # the first sweep
+        assert l1_holders(client, [h]) == [{"live", "ghost"}]
+        clock.now += 0.3
+        assert client.put("/instances/live/heartbeat").status_code == 200
+        assert server.service.instances.expire() == []  # within its timeout: not yet
+        clock.now += 0.3  # ghost: silent for a whole timeout since the restart
+        assert server.service.instances.expire() == ["ghost"]
+        assert l1_holders(client, [h]) == [{"live"}]
 
 
 def test_a_snapshot_without_a_registry_still_loads(tmp_path: Path) -> None:
