@@ -252,16 +252,22 @@ class CoordinatorPrefetchReply(msgspec.Struct):
     status: Literal["submitted", "noop"]
 
 
+MAX_QUOTA_GB: Final = float(1 << 33)
+"""The largest quota: 2^33 GB is 2^63 bytes, the most a byte count (``int64``) holds; an
+infinite limit or one beyond it cannot be counted against (the status page's bar was a 500)."""
+QuotaGB = Annotated[float, msgspec.Meta(ge=0, le=MAX_QUOTA_GB)]
+
+
 class QuotaConfig(msgspec.Struct, forbid_unknown_fields=True):
     """``PUT``/``GET /quota/config``: ``None`` = salts without a quota of their own are exempt;
     ``0`` = they may hold nothing (evicted)."""
 
-    default_limit_gb: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    default_limit_gb: QuotaGB | None = None
     tier: Literal["l2"] | msgspec.UnsetType = msgspec.UNSET  # LMCache's clients send it
 
 
 class QuotaSetBody(msgspec.Struct, forbid_unknown_fields=True):
-    limit_gb: Annotated[float, msgspec.Meta(ge=0)]
+    limit_gb: QuotaGB
     tier: Literal["l2"] = "l2"
 
 

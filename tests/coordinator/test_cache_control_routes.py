@@ -159,6 +159,12 @@ BAD: list[tuple[str, str, Any, int]] = [
     ("PUT", "/quota/tenant-a", {"limit_gb": 1, "tier": "l9"}, 422),
     ("PUT", "/quota/a@b", {"limit_gb": 1}, 400),
     ("PUT", "/quota/config", {"default_limit_gb": -0.5}, 422),
+    # an infinite limit (or one whose bytes are): the status page's int() of it was a 500
+    ("PUT", "/quota/tenant-a", {"limit_gb": "inf"}, 422),
+    ("PUT", "/quota/tenant-a", {"limit_gb": 1e300}, 422),
+    ("PUT", "/quota/tenant-a", {"limit_gb": 2.0**33 * 1.0001}, 422),
+    ("PUT", "/quota/config", {"default_limit_gb": "inf"}, 422),
+    ("PUT", "/quota/config", {"default_limit_gb": 1e300}, 422),
     ("GET", "/cache/pins?limit=0", None, 422),
     ("GET", "/cache/pins?limit=10001", None, 422),
     ("GET", "/cache/pins?offset=-1", None, 422),
