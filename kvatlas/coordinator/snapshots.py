@@ -112,6 +112,10 @@ class Snapshots:
                 self.metrics.snapshot_failures.inc()
                 log.error("snapshot to %s failed: %s", path, exc)
                 return None
+            except Exception:  # a bug: counted, and the next snapshot is taken all the same
+                self.metrics.snapshot_failures.inc()
+                log.exception("snapshot to %s failed", path)
+                return None
         self.last, self.last_at = info, self._clock()
         self._retain(position)
         if self.after is not None:

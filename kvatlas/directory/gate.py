@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass
 
 from kvatlas.events import EventBatch
+from kvatlas.events.model import U64_MAX
 
 
 class Outcome(enum.StrEnum):
@@ -38,7 +39,8 @@ class GapRecord:
 
 @dataclass(slots=True)
 class EmitterCursor:
-    """Where one emitter stands; gap counters survive restarts until deregistration."""
+    """Where one emitter stands; gap counters survive restarts until deregistration
+    (``missing_batches`` stops at 2^64 − 1, the most a snapshot encodes)."""
 
     incarnation: int
     last_seq: int
@@ -89,7 +91,7 @@ class IngestGate:
         if admission.missing or batch.dropped_events:  # events the emitter dropped: a gap too
             cur.gaps += 1
         if admission.missing:
-            cur.missing_batches += admission.missing
+            cur.missing_batches = min(U64_MAX, cur.missing_batches + admission.missing)
             cur.last_gap = GapRecord(batch.incarnation, cur.last_seq, batch.seq)
         cur.last_seq = batch.seq
 

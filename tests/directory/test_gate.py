@@ -109,3 +109,14 @@ def test_directory_gap_visible_and_deregister_forgets() -> None:
     assert d.deregister("a") == 2
     assert d.gap_state("a") is None
     assert all(not kp.placements for kp in d.lookup([key(1), key(2)]))
+
+
+def test_missing_batches_saturate_at_the_largest_count_a_snapshot_holds() -> None:
+    """An engine whose seq jumps 0 → 2^63−1 → 0 → … (each jump back a new incarnation) made
+    ``missing_batches`` grow past 2^64, which no snapshot can encode: the snapshot thread
+    died. The count stops at 2^64 − 1 (as many batches as a seq can name)."""
+    gate = IngestGate()
+    for incarnation in range(1, 7):
+        feed(gate, b(incarnation, 2**63 - 1))
+    cur = gate.cursor("a")
+    assert cur is not None and cur.missing_batches == 2**64 - 1 and cur.gaps == 6

@@ -1,0 +1,30 @@
+"""A snapshot that fails, whatever the reason, is counted and the next one is taken."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvatlas.coordinator import snapshots
+from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.service import CoordinatorService
+
+
+def test_a_failed_snapshot_is_counted_and_the_next_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only ``OSError`` was caught: an ``OverflowError`` from encoding a counter past 2^64
+    ended the snapshot thread for good, with ``kvatlas_snapshot_failures`` still 0."""
+    service = CoordinatorService(CoordinatorConfig(chunk_size=16, snapshot_path=tmp_path / "s"))
+    real = snapshots.save_snapshot
+
+    def overflowing(*args: object, **kwargs: object) -> object:
+        raise OverflowError("can't serialize ints > 2**64 - 1")
+
+    monkeypatch.setattr(snapshots, "save_snapshot", overflowing)
+    assert service.snapshots.take() is None
+    assert service.metrics.snapshot_failures._value.get() == 1
+    monkeypatch.setattr(snapshots, "save_snapshot", real)
+    assert service.snapshots.take() is not None
+    assert service.metrics.snapshot_failures._value.get() == 1
