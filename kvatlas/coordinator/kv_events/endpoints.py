@@ -57,29 +57,48 @@ class Endpoints:
         here, at start-up, not later in the thread)."""
         import zmq
 
-        self._ctx = ctx = zmq.Context()
-        self._poller = poller = zmq.Poller()
+        self._ctx = zmq.Context()
+        self._poller = zmq.Poller()
         try:
             for link in self.links:
-                sock = ctx.socket(zmq.SUB)
-                self._socks[sock] = link
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.MAXMSGSIZE, self.settings.message_limit_bytes)
-                # ZMQ drops a peer whose frame is above the limit: seen here as a disconnect
-                monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-                self._monitors[monitor] = (sock, link)
-                poller.register(monitor, zmq.POLLIN)
-                # a named endpoint also takes vLLM's default topic, the empty one
-                wanted = "" if link.spec.engine else self.settings.topic_prefix
-                sock.setsockopt(zmq.SUBSCRIBE, wanted.encode())
-                if link.spec.bind:
-                    sock.bind(link.endpoint)
-                else:
-                    sock.connect(link.endpoint)
-                poller.register(sock, zmq.POLLIN)
+                self._open(link)
         except zmq.ZMQError:
             self.close()
             raise
+
+    def _open(self, link: Link) -> None:
+        """``link``'s SUB socket and its monitor, registered with the poller."""
+        import zmq
+
+        assert self._ctx is not None and self._poller is not None
+        sock = self._ctx.socket(zmq.SUB)
+        self._socks[sock] = link
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.settings.message_limit_bytes)
+        # ZMQ drops a peer whose frame is above the limit: seen here as a disconnect
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitors[monitor] = (sock, link)
+        self._poller.register(monitor, zmq.POLLIN)
+        # a named endpoint also takes vLLM's default topic, the empty one
+        wanted = "" if link.spec.engine else self.settings.topic_prefix
+        sock.setsockopt(zmq.SUBSCRIBE, wanted.encode())
+        if link.spec.bind:
+            sock.bind(link.endpoint)
+        else:
+            sock.connect(link.endpoint)
+        self._poller.register(sock, zmq.POLLIN)
+
+    def _close(self, monitor: Any) -> None:
+        """Close a monitor and its SUB socket, unregistered from the poller."""
+        sock, _ = self._monitors.pop(monitor)
+        for s in (monitor, sock):
+            if self._poller is not None:
+                with contextlib.suppress(KeyError):
+                    self._poller.unregister(s)
+        sock.disable_monitor()
+        monitor.close(0)
+        del self._socks[sock]
+        sock.close(0)
 
     def run(self, stop: threading.Event, handle: Callable[[Link, Sequence[bytes]], None]) -> None:
         """Hand every message to ``handle`` until ``stop`` is set; then close every socket."""
@@ -94,6 +113,8 @@ class Endpoints:
                 for sock, _ in poller.poll(100):
                     if sock in self._monitors:
                         self._disconnected(sock)
+                        continue
+                    if sock not in socks:  # replaced meanwhile (:meth:`_disconnected`)
                         continue
                     for _ in range(1000):  # bounded: every socket gets its turn
                         try:
@@ -126,35 +147,32 @@ class Endpoints:
     def _disconnected(self, monitor: Any) -> None:
         """A peer's connection closed: it went away, or ZMQ dropped it (a frame above the
         limit, another protocol error). ZMQ reconnects after the first, never after the others:
-        a connected endpoint is connected again here, whatever the cause."""
+        a connected endpoint's socket is replaced by a new one, whatever the cause. (Not
+        ``disconnect`` and ``connect`` on it: a message still queued from the old connection
+        then fails libzmq's check that a message's frames come together, which aborts the
+        process — ``Assertion failed: !_more (src/fq.cpp:80)``.)"""
         import zmq
         from zmq.utils.monitor import recv_monitor_message
 
-        sock, link = self._monitors[monitor]
+        _, link = self._monitors[monitor]
+        seen = 0
         while monitor.poll(0):
-            event = recv_monitor_message(monitor)
-            if event["event"] != zmq.EVENT_DISCONNECTED:
-                continue
+            seen += recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+        for _ in range(seen):
             self._counts["disconnects"] += 1
             n = self._counts["disconnects"]
             if n <= 10 or n & (n - 1) == 0:
                 log.warning("kv events: a publisher on %s disconnected (#%d; one cause: a frame "
                             "above --kv-events-max-message-bytes %d)", link.endpoint, n,
                             self.settings.message_limit_bytes)  # fmt: skip
-            if not link.spec.bind:
-                with contextlib.suppress(zmq.ZMQError):  # (already gone)
-                    sock.disconnect(link.endpoint)
-                sock.connect(link.endpoint)
+        if seen and not link.spec.bind:
+            self._close(monitor)
+            self._open(link)
 
     def close(self) -> None:
         for link in self.links:
             self.drop_dealer(link)
-        for monitor, (sock, _) in self._monitors.items():
-            sock.disable_monitor()
-            monitor.close(0)
-        self._monitors.clear()
-        for sock in self._socks:
-            sock.close(0)
-        self._socks.clear()
+        for monitor in list(self._monitors):
+            self._close(monitor)
         if self._ctx is not None:
             self._ctx.term()

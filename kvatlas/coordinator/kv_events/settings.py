@@ -59,7 +59,8 @@ class SubscriberSettings:
     topic_prefix: str = "kv@"
     default_model: str | None = None
     max_blocks: int = DEFAULT_MAX_BLOCKS
-    replay_timeout: float = 2.0
+    replay_timeout: float = 2.0  # the longest wait for one reply of a replay
+    replay_deadline: float = 10.0  # the longest one replay takes, however its replies trickle
     replay_backoff: float = 30.0
     max_engines_per_endpoint: int = 1  # engine instances (an engine's dp ranks count apart)
     max_message_bytes: int | None = None  # None: largest_message_bytes(max_blocks)

@@ -315,12 +315,17 @@ class KvEventsSubscriber:
     # ------------------------------------------------------------------ replay
 
     def _replay(self, link: Link, topic: str, start: int, end: int) -> None:
-        """Ask the publisher's replay socket for ``start``..``end - 1`` and apply them."""
-        replay = link.spec.replay
+        """Ask the publisher's replay socket for ``start``..``end - 1`` and apply them. Other
+        engines' batches wait meanwhile: a replay ends at its end marker, a reply's timeout or
+        its deadline, whichever comes first (a publisher trickling replies must not stall
+        every engine)."""
+        replay, settings = link.spec.replay, self.settings
         dealer = self._endpoints.dealer(link)
         dealer.send_multipart([b"", pack_seq(start)])
-        timeout_ms = int(self.settings.replay_timeout * 1000)
-        while dealer.poll(timeout_ms):
+        deadline = time.monotonic() + settings.replay_deadline
+        while dealer.poll(
+            int(1000 * max(0.0, min(settings.replay_timeout, deadline - time.monotonic())))
+        ):
             frames = dealer.recv_multipart()
             if frames[:1] == [b""]:
                 frames = frames[1:]
@@ -348,6 +353,6 @@ class KvEventsSubscriber:
         # and ask again only after a while (a dead replay endpoint must not stall every gap).
         self.counts["replay_failures"] += 1
         log.warning("kv events: replay from %s timed out; gaps stay gaps for %.0f s",
-                    replay, self.settings.replay_backoff)  # fmt: skip
+                    replay, settings.replay_backoff)  # fmt: skip
         self._endpoints.drop_dealer(link)
-        link.replay_after = time.monotonic() + self.settings.replay_backoff
+        link.replay_after = time.monotonic() + settings.replay_backoff
