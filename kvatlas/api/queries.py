@@ -85,7 +85,7 @@ class LookupRequest(msgspec.Struct):
 class RegisterRequest(msgspec.Struct):
     """``POST /instances``. LMCache's defaults mean "absent": ``instance_id: ""`` (the
     coordinator assigns one), ``p2p_advertised_url: ""``, ``mq_port: 0``, ``chunk_size: null``.
-    Lax, as LMCache reads it: ``"8000"`` is a port."""
+    Lax, as LMCache reads it: ``"8000"`` is a port, ``" b "`` the id ``b``."""
 
     instance_id: str | None = None
     ip: str = ""
@@ -109,6 +109,15 @@ class RegisterRequest(msgspec.Struct):
             "count as that engine's own in POST /route/score)"
         ),
     ] = None
+
+    def __post_init__(self) -> None:
+        # LMCache strips these (pydantic ``strip_whitespace``): " b " registers "b", a blank
+        # id is assigned one
+        if self.instance_id is not None:
+            self.instance_id = self.instance_id.strip()
+        self.ip = self.ip.strip()
+        if self.p2p_advertised_url is not None:
+            self.p2p_advertised_url = self.p2p_advertised_url.strip()
 
 
 class ChunkSizeRequest(msgspec.Struct):

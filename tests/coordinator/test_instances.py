@@ -71,6 +71,25 @@ def test_register_again_is_re_registered_and_ignores_unknown_fields(client: http
     assert "lmcache_future_field" not in row
 
 
+def test_registration_strips_whitespace_as_lmcache_does(client: httpx.Client) -> None:
+    """LMCache 0.5.6 strips ``instance_id``, ``ip`` and ``p2p_advertised_url`` (pydantic
+    ``strip_whitespace``): ``"  b  "`` registers ``b`` (kvatlas registered ``"  b  "``, whose
+    heartbeat as ``b`` was a 404), a blank id is assigned one, ``" 10.0.0.9 "`` is an address
+    (a 422 here)."""
+    name = fresh("ws")
+    r = client.post(
+        "/instances",
+        json={"instance_id": f"  {name}\t", "ip": " 10.0.0.9 ", "http_port": 1,
+              "p2p_advertised_url": " http://10.0.0.9:9000 "},
+    )  # fmt: skip
+    assert r.json() == {"instance_id": name, "re_registered": False}, r.text
+    assert client.put(f"/instances/{name}/heartbeat").status_code == 200
+    row = _instances(client)[name]
+    assert (row["ip"], row["p2p_advertised_url"]) == ("10.0.0.9", "http://10.0.0.9:9000")
+    blank = client.post("/instances", json={"instance_id": "   ", "ip": "10.0.0.9"})
+    assert blank.status_code == 200 and blank.json()["instance_id"].strip(), blank.text
+
+
 def test_heartbeat_known_and_unknown(client: httpx.Client) -> None:
     inst = fresh("hb")
     assert client.post("/instances", json={"instance_id": inst}).status_code == 200
