@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
+from operator import attrgetter
 
 from kvatlas.directory.blend import BlendIndex, BlendOp
 from kvatlas.directory.chunk_counts import PARTS, ChangeJournal, ChunkCounts, Partition
@@ -66,6 +67,8 @@ from kvatlas.events import EventBatch
 from kvatlas.events.columns import EntryColumns
 from kvatlas.keys import BlendNamespace, ObjectKey, chunk_hash_of
 from kvatlas.keys.tokens import TokenArray
+
+_GROUP = attrgetter("object_group_id")
 
 
 class ChunkTable:
@@ -167,6 +170,55 @@ class ChunkTable:
         deque(map(placements.__setitem__, at, public_groups([found[j] for j in hits])), maxlen=0)
         deque(map(bound.__setitem__, at, some), maxlen=0)
         return key_placements_of(keys, placements, bound)
+
+    def lookup_groups(
+        self, keys: Sequence[ObjectKey], max_ids: int | None = None
+    ) -> tuple[list[KeyPlacements], list[KeyPlacements]]:
+        """:meth:`lookup` of ``keys``, and of ``keys`` each followed by its chunk's keys in
+        other object groups, in ascending group order (the list itself when there are none):
+        what a token lookup answers, as LMCache does."""
+        results = self.lookup(keys, max_ids)
+        others = self.in_other_groups(keys)
+        if not any(others):
+            return results, results
+        asked = [
+            k
+            for key, more in zip(keys, others, strict=True)
+            for k in sorted((key, *more), key=_GROUP)
+        ]
+        if max_ids is not None:  # (each key of a chunk carries the same ids)
+            max_ids = max_ids * len(asked) // len(keys)
+        return results, self.lookup(asked, max_ids)
+
+    def in_other_groups(self, keys: Sequence[ObjectKey]) -> list[list[ObjectKey]]:
+        """Per key, the keys its chunk is stored under that differ from it only in the
+        object group, in ascending group order (LMCache's ``get_keys_across_object_groups``):
+        a token lookup's keys are group 0's. Only chunks with another key than the one asked
+        are read as records."""
+        out: list[list[ObjectKey]] = [[] for _ in keys]
+        rows = rows_of(self.parts, list(map(chunk_hash_of, keys)))
+        held = [i for i, r in enumerate(rows) if r is not None]
+        if not held:
+            return out
+        cols, shapes = self.parts[0].cols, self.shapes.shapes
+        _, flagged, _, rests = cols.fields([rows[i] for i in held])  # type: ignore[misc]
+        sids = self.shapes.ids_of([keys[i] for i in held])
+        for i, first, rest, sid in zip(held, flagged, rests, sids, strict=True):
+            if not rest and first >> 1 == sid:  # one key, the one asked: most chunks
+                continue
+            key = keys[i]
+            model, rank, group, salt = (
+                key.model_name,
+                key.kv_rank,
+                key.object_group_id,
+                key.cache_salt,
+            )
+            for other, _ in record_keys(cols.record(rows[i])):  # type: ignore[arg-type]
+                m, k, g, s = shapes[other].parts
+                if g != group and k == rank and m == model and s == salt:
+                    out[i].append(shapes[other].key(key.chunk_hash))
+            out[i].sort(key=_GROUP)
+        return out
 
     def rank_placements(
         self, hashes: Sequence[bytes], shape_ids: Sequence[int | None]

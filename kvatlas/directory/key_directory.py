@@ -268,12 +268,15 @@ class KeyDirectory:
     ) -> TokenLookup:
         """Prefix lookup: hash the full chunks, expand to ``world_size`` ranks, and summarise
         per holder how many *leading* chunks it has on all ranks (what a router needs); the
-        keys' contents at most ``max_ids`` token ids (:meth:`lookup`)."""
+        keys' contents at most ``max_ids`` token ids (:meth:`lookup`). Each key's result is
+        followed by its chunk's keys in other object groups (as LMCache answers), which the
+        summary does not count."""
         tokens = as_token_array(token_ids)
         hashes = self._hash_chunks(tokens, self.chunk_size)
         keys = expand_prefix_keys(hashes, model_name, world_size, cache_salt, object_group_id)
-        results = self.lookup(keys, max_ids)
-        return TokenLookup(len(hashes), results, prefix_summary(results, world_size))
+        with self._lock:
+            results, every = self._chunks.lookup_groups(keys, max_ids)
+        return TokenLookup(len(hashes), every, prefix_summary(results, world_size))
 
     def blend_match(self, tokens: Any, namespace: BlendNamespace) -> list[BlendMatch]:
         """Fragment lookup; ``[]`` while blend is off. Takes only the index lock."""

@@ -181,6 +181,29 @@ def test_lookup_keys_form_counts_the_keys_asked(client: httpx.Client) -> None:
         assert (r.json()["chunks"], len(r.json()["results"])) == (n, n)
 
 
+def test_lookup_tokens_form_reaches_every_object_group(client: httpx.Client) -> None:
+    """As LMCache 0.5.6's coordinator answers (``get_keys_across_object_groups``): each key of
+    a token lookup (object group 0) is followed by the keys its chunk is stored under in other
+    groups (same model, rank and salt), in ascending group order; ``chunks`` and the prefix
+    summary stay those of the query's own keys. A copy stored in group 1 only was missing."""
+    em, tokens = Emitter(), fresh_tokens(2)
+    h0, h1 = hashes(tokens)
+    entries = [
+        wire_entry(wire_key(h0, group=3), size=100, tokens=tokens[:CS], offset=0),
+        wire_entry(wire_key(h0, group=1), size=100, tokens=tokens[:CS], offset=0),
+        wire_entry(wire_key(h1), size=100, tokens=tokens[CS:], offset=CS),
+        wire_entry(wire_key(h1, salt="other", group=2), size=100, tokens=tokens[CS:], offset=CS),
+    ]
+    assert post_batches(client, em.batch("store", entries=entries)).status_code == 200
+    reply = lookup_tokens(client, tokens)
+    assert reply["chunks"] == 2
+    got = [(r["key"]["chunk_hash_hex"], r["key"]["object_group_id"], len(r["placements"]))
+           for r in reply["results"]]  # fmt: skip
+    assert got == [(h0.hex(), 0, 0), (h0.hex(), 1, 1), (h0.hex(), 3, 1), (h1.hex(), 0, 1)]
+    assert all(r["token_ids"] for r in reply["results"][1:])
+    assert holders(reply) == {}  # chunk 0 is not held in the query's group: no prefix
+
+
 def test_lookup_tokens_form_prefix_summary(client: httpx.Client) -> None:
     """Prefix summary per instance, per tier and per shared pool (one row for the pool)."""
     a, b, c = Emitter(fresh("a")), Emitter(fresh("b")), Emitter(fresh("c"))
