@@ -72,6 +72,8 @@ class EngineSimConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.port > 65535:
+            raise ValueError("--port must be in [1, 65535]")
         if self.gpu_blocks < 2:
             raise ValueError("--gpu-blocks must be at least 2 (block 0 is vLLM's null block)")
         if self.cpu_blocks < 0:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,14 +105,18 @@ class RouterConfig:
                 ) from None
         if self.chat_template is not None and self.tokenizer is None:
             raise ValueError("--chat-template needs --tokenizer (the template's text is tokenized)")
-        for name in ("max_body_bytes", "kv_bytes_per_token", "port"):
+        for name in ("kv_bytes_per_token", "port"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        if self.port > 65535:
+            raise ValueError("--port must be in [0, 65535]")
+        if self.max_body_bytes < 1:
+            raise ValueError("--max-body-bytes must be >= 1")
         positive = ("score_timeout_s", "engine_timeout_s", "connect_timeout_s",
                     "health_interval_s", "metrics_interval_s", "prefill_tokens_per_s")  # fmt: skip
         for name in positive:
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0")
         for tier in ("gpu", "l1", "l2", "peer"):
             if getattr(self, f"{tier}_bandwidth_bytes_per_s") < 0:
                 raise ValueError(f"--{tier}-bandwidth-bytes-per-s must be >= 0 (0 = free)")

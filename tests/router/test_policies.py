@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kvatlas.engine_sim.config import EngineSimConfig
 from kvatlas.router import Candidate, CostModel, Coverage, EngineLoad, Policy, RouterConfig
 from kvatlas.router.engines import Engine, EngineSet, parse_models, parse_vllm_gauges
 from kvatlas.router.policies import llmd_prefix_score, prefix_costs
@@ -173,6 +174,11 @@ def test_models_and_engines_from_the_coordinator() -> None:
             {"engine": "a=http://x", "policy": "random", "http_max_connections": 0},
             "--http-max-connections",
         ),
+        # a port above 65535 was taken and the socket bound modulo 2^16 (70000 → 4464)
+        ({"engine": "a=http://x", "policy": "random", "port": 70000}, "--port"),
+        ({"engine": "a=http://x", "policy": "random", "connect_timeout_s": float("inf")}, "finite"),
+        # 0 refused every request's body (413 for 53 bytes)
+        ({"engine": "a=http://x", "policy": "random", "max_body_bytes": 0}, "--max-body-bytes"),
     ],
 )
 def test_config_refuses(kwargs: dict[str, object], message: str) -> None:
@@ -227,3 +233,9 @@ def test_concurrent_scrapes_each_show_every_engines_in_flight_series() -> None:
         bodies = list(pool.map(lambda _: metrics.render(0, 2, engines), range(400)))
     missing = [b for b in bodies if b.count(b"kvatlas_router_in_flight{") != 2]
     assert not missing
+
+
+def test_the_simulated_engine_refuses_a_port_above_65535() -> None:
+    """``kvatlas engine-sim --port 70001`` listened on 4465 (the port modulo 2^16)."""
+    with pytest.raises(ValueError, match="--port"):
+        EngineSimConfig(port=70001)
