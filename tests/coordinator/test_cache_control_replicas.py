@@ -170,6 +170,29 @@ def test_a_delete_queued_while_the_node_is_down_is_delivered_once_by_two_replica
         node.stop()
 
 
+def test_a_command_through_either_replica_reaches_a_node_registered_with_one(
+    redis_server: RedisServer, stream: str
+) -> None:
+    """docs/cache-control.md, "Replicas": every replica answers the same. ``n1`` registered
+    with replica A only: a delete sent to B was a 404 ("no MP server registered"), though B
+    lists it (``registered: false``) and A delivers B's commands for it. Now B records it
+    and A delivers it."""
+    node = FakeMpServer()
+    node.start()
+    configs = [redis_config(redis_server, stream, r) for r in ("a", "b")]
+    try:
+        with replicas(*configs) as (a, b):
+            register(a, "n1", node.port)  # with A only
+            # B learns of it through <stream>:instances (shared once a second)
+            assert wait_for(lambda: b.post("/cache/delete", json=tokens(instance_id="n1"))
+                            .status_code != 404, timeout=30)  # fmt: skip
+            assert wait_for(lambda: node.count("DELETE", "/cache/objects") >= 1, timeout=30)
+            r = b.post("/cache/delete", json=tokens(instance_id="nobody"))
+            assert r.status_code == 404, r.text  # registered nowhere: still unknown
+    finally:
+        node.stop()
+
+
 def test_a_replica_killed_while_it_holds_a_command_has_it_taken_over(
     redis_server: RedisServer, stream: str, procs: list[subprocess.Popen[bytes]]
 ) -> None:

@@ -103,8 +103,12 @@ def cache_control_of(
             "commands": SharedCommandLog(store, lease_s=lease_s),
             "store": store,
         }
+
+    def is_instance(instance_id: str) -> bool:  # registered with this replica or another
+        return instances.known(instance_id) or instance_id in seen()
+
     control = CacheControl(
-        chunk_size, is_instance=instances.known, usage_by_salt=directory.bytes_by_salt,
+        chunk_size, is_instance=is_instance, usage_by_salt=directory.bytes_by_salt,
         hash_chunks=hash_chunks, **shared,
     )  # fmt: skip
     fleet = CoordinatorFleet(instances, directory, seen)
