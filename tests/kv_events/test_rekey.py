@@ -430,3 +430,36 @@ def test_a_model_name_no_key_can_carry_is_refused_not_applied() -> None:
     rekeyer, _ = fed(chunk_size=16)
     with pytest.raises(ValueError, match="model name"):
         rekeyer.translate("pod-a", "", batch(TEXT))
+
+
+def _two_block_chunk(j: int) -> BlockStored:
+    """One 32-token chunk as two 16-token blocks, distinct per ``j``."""
+    hashes: list[bytes | int] = [
+        (100 + 2 * j).to_bytes(32, "big"),
+        (101 + 2 * j).to_bytes(32, "big"),
+    ]
+    return BlockStored(hashes, None, list(range(1000 + 32 * j, 1032 + 32 * j)), 16, medium="GPU")
+
+
+def test_a_chunk_whose_block_a_full_map_evicted_is_not_placed() -> None:
+    """A full map (10 blocks, engine A's) while engine B stores a chunk of two blocks: the
+    first block's eviction of B's own oldest could evict that chunk's first block before
+    the chunk was complete, and the chunk was placed all the same — a copy the directory
+    could not take back (B's removal of that block was an unknown block; the chunk stayed
+    listed on B's GPU). Every placed chunk has all its blocks in the map, so removing any
+    of them removes it."""
+    rekeyer, directory = fed(chunk_size=32, max_blocks=10)
+    for j in range(5):
+        apply(rekeyer, directory, "eng-a", "llama", batch(_two_block_chunk(j)))
+    for j in range(10, 13):
+        apply(rekeyer, directory, "eng-b", "llama", batch(_two_block_chunk(j)))
+    assert rekeyer.total_blocks == 10
+    for j in range(10, 13):  # each of B's chunks: placed only with both its blocks mapped
+        tokens = list(range(1000 + 32 * j, 1032 + 32 * j))
+        first, second = _two_block_chunk(j).block_hashes
+        mapped = first in rekeyer.engines["eng-b"].blocks, second in rekeyer.engines["eng-b"].blocks
+        held = holders(directory, tokens) == {("eng-b", "gpu"): 1}
+        assert held == all(mapped), (j, mapped, held)
+        if held:  # removing its first block removes it
+            apply(rekeyer, directory, "eng-b", "llama", batch(BlockRemoved([first], medium="GPU")))
+            assert holders(directory, tokens) == {}

@@ -192,10 +192,13 @@ class Rekeyer:
             if not keyable:
                 self.counts["unindexable_chunks"] += 1
                 continue
+            blocks = [b[BLOCK] for b in (*partial(before), point)]
+            if not all(bh is None or bh in state.blocks for bh in blocks):
+                continue  # a full map evicted one of its blocks: a copy it could not take back
             placed = ((prev, model, tier),)  # (shared by the chunk's blocks)
             merged: dict[tuple[Placed, ...], tuple[Placed, ...]] = {}
-            for b in (*partial(before), point):
-                self._place(state, b[BLOCK], placed, merged)
+            for bh in blocks:
+                self._place(state, bh, placed, merged)
             offset = (n_chunks - 1) * self.chunk_size
             pending.add(
                 state.instance_id, STORE, tier, (prev, model, offset, chunk if plain else None)
