@@ -463,3 +463,20 @@ def test_a_chunk_whose_block_a_full_map_evicted_is_not_placed() -> None:
         if held:  # removing its first block removes it
             apply(rekeyer, directory, "eng-b", "llama", batch(BlockRemoved([first], medium="GPU")))
             assert holders(directory, tokens) == {}
+
+
+def test_a_block_size_change_inside_a_chunk_is_counted_and_skipped() -> None:
+    """A 16-token block, then its child of 32 tokens, with chunks of 32: the chain made one
+    chunk of 48 tokens (listed with ``num_tokens: 48``; a lookup of it a 413). The child is
+    skipped and counted; a chain whose size changes at a chunk boundary is whole chunks."""
+    rekeyer, directory = fed(chunk_size=32)
+    first = BlockStored([b"\x01" * 32], None, list(range(72000, 72016)), 16, medium="GPU")
+    child = BlockStored([b"\x02" * 32], b"\x01" * 32, list(range(72016, 72048)), 32, medium="GPU")
+    apply(rekeyer, directory, "eng", "llama", batch(first, child))
+    assert rekeyer.counts["block_size_changes"] == 1 and rekeyer.counts["chunks_stored"] == 0
+    assert directory.stats().keys == 0
+    second = BlockStored([b"\x03" * 32], b"\x01" * 32, list(range(72016, 72032)), 16, medium="GPU")
+    bigger = BlockStored([b"\x04" * 32], b"\x03" * 32, list(range(72032, 72064)), 32, medium="GPU")
+    apply(rekeyer, directory, "eng", "llama", batch(second, bigger))
+    assert rekeyer.counts["block_size_changes"] == 1 and rekeyer.counts["chunks_stored"] == 2
+    assert holders(directory, list(range(72000, 72064))) == {("eng", "gpu"): 2}

@@ -174,6 +174,9 @@ class Rekeyer:
             point = parent[0]
         tier = engine_tier(event.medium)
         size = event.block_size
+        if point[2] % size:  # a block size other than the partial chunk's: it would straddle
+            self.counts["block_size_changes"] += 1  # the chunk boundary (a 48-token chunk)
+            return
         lora = event.lora_name if event.lora_name is not None else event.lora_id
         self.counts["blocks_stored"] += len(event.block_hashes)
         if RUNS and self._new_run(state, event) and plain_run(point, size, lora):

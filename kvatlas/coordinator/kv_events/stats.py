@@ -26,6 +26,7 @@ class SubscriberStats:
     chunks_stored: int = 0
     chunks_removed: int = 0
     unknown_parents: int = 0  # BlockStored skipped: parent never seen
+    block_size_changes: int = 0  # BlockStored skipped: its blocks straddle a chunk boundary
     unknown_removed_blocks: int = 0
     unindexable_chunks: int = 0  # extra keys / adapter the scheme cannot carry
     other_group_blocks: int = 0  # KV-cache groups other than 0
