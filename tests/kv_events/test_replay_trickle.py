@@ -8,7 +8,6 @@ import threading
 import time
 from typing import Any
 
-import httpx
 import msgspec
 import numpy as np
 import zmq
@@ -17,7 +16,7 @@ from kvatlas.bench.kv_events_stall import maximal_message
 from kvatlas.coordinator.server import free_port
 from kvatlas.events.vllm_wire import pack_seq
 from kvatlas.processes import spawn_service, stop
-from tests.conftest import wait_for
+from tests.conftest import HTTP, wait_for
 
 CHUNK = 32
 
@@ -38,7 +37,7 @@ def stored(j: int) -> bytes:
 
 
 def last_seq(url: str, engine: str) -> int | None:
-    rows = httpx.get(f"{url}/instances", timeout=10).json()["instances"]
+    rows = HTTP.get(f"{url}/instances").json()["instances"]
     return next((r["last_seq"] for r in rows if r["instance_id"] == engine), None)
 
 
@@ -104,7 +103,7 @@ def test_a_trickling_replay_stalls_other_engines_at_most_its_deadline_and_nothin
             sock.close(0)
         time.sleep(4)  # the big batch applied, the disconnects seen and handled
         assert proc.poll() is None, "the coordinator died"
-        assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+        assert HTTP.get(f"{url}/healthz").status_code == 200
     finally:
         done.set()
         for sock in (router, pub_r, pub_s):
