@@ -178,6 +178,8 @@ class ChunkTable:
         other object groups, in ascending group order (the list itself when there are none):
         what a token lookup answers, as LMCache does."""
         results = self.lookup(keys, max_ids)
+        if len(self.shapes.groups) < 2:  # every key in one group: no other (most fleets)
+            return results, results
         others = self.in_other_groups(keys)
         if not any(others):
             return results, results

@@ -39,11 +39,13 @@ class ShapeTable:
     """Shape id → :class:`KeyShape`, append-only. Not thread-safe on its own (the directory's
     lock covers interning; reading ids already handed out needs no lock)."""
 
-    __slots__ = ("_ids", "_shapes")
+    __slots__ = ("_ids", "_shapes", "groups")
 
     def __init__(self) -> None:
         self._ids: dict[ShapeParts, int] = {}
         self._shapes: list[KeyShape] = []
+        self.groups: set[int] = set()
+        """The object groups of the shapes (one, 0, unless a fleet separates them)."""
 
     @property
     def shapes(self) -> Sequence[KeyShape]:
@@ -64,6 +66,7 @@ class ShapeTable:
             ns = BlendNamespace(key.model_name, key.cache_salt, key.world_size)
             sid = self._ids[parts] = len(self._shapes)
             self._shapes.append(KeyShape(*parts, ns))
+            self.groups.add(key.object_group_id)
         return sid
 
     def intern_columns(self, cols: EntryColumns) -> list[int]:
