@@ -8,7 +8,9 @@ then trims what no replica needs.
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -68,14 +70,17 @@ class Snapshots:
     def restore(self) -> SnapshotInfo | None:
         """Load the snapshot, if there is one, into the directory, cache control, the KV-event
         links and the instance registry; ``None``: nothing restored (a snapshot that cannot be
-        read is logged and the service starts empty)."""
+        read is logged, counted, moved aside — the next snapshot must not overwrite it: a
+        newer release's, for one — and the service starts empty)."""
         path = self.config.snapshot_path
         if path is None or not Path(path).exists():
             return None
         try:
             info = load_snapshot(self.directory, path)
         except (SnapshotError, OSError) as exc:
-            log.error("snapshot %s could not be restored (%s); starting empty", path, exc)
+            self.metrics.snapshot_failures.inc()
+            log.error("snapshot %s could not be restored (%s); %s; starting empty",
+                      path, exc, _set_aside(Path(path)))  # fmt: skip
             return None
         restore_section(self.cache_control, info.sections, path)
         if info.sections is not None and SECTION in info.sections:
@@ -182,3 +187,16 @@ class Snapshots:
 
 
 __all__ = ["Snapshots"]
+
+
+def _set_aside(path: Path) -> str:
+    """Move an unreadable snapshot to ``<name>.unreadable-<UTC time>`` beside it; what
+    became of it, for the log."""
+    aside = path.with_name(
+        f"{path.name}.unreadable-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    )
+    try:
+        os.replace(path, aside)
+    except OSError as exc:
+        return f"it could not be kept aside ({exc}): the next snapshot replaces it"
+    return f"kept as {aside}"

@@ -28,3 +28,20 @@ def test_a_failed_snapshot_is_counted_and_the_next_is_taken(
     monkeypatch.setattr(snapshots, "save_snapshot", real)
     assert service.snapshots.take() is not None
     assert service.metrics.snapshot_failures._value.get() == 1
+
+
+def test_a_snapshot_that_cannot_be_read_is_kept_aside_not_overwritten(tmp_path: Path) -> None:
+    """A snapshot a restart cannot read (truncated, garbage, a newer release's) was logged
+    and then overwritten by the next snapshot, an empty one: what it held was lost for good,
+    a rollback's too. It is moved aside (``<name>.unreadable-<time>``), counted as a snapshot
+    failure, and the coordinator starts empty."""
+    path = tmp_path / "dir.snap"
+    path.write_bytes(b"KVAS\x09" + b"\x00" * 100)  # not a snapshot this release reads
+    service = CoordinatorService(CoordinatorConfig(chunk_size=16, snapshot_path=path))
+    assert service.snapshots.restore() is None
+    aside = list(tmp_path.glob("dir.snap.unreadable-*"))
+    assert len(aside) == 1 and aside[0].read_bytes() == b"KVAS\x09" + b"\x00" * 100
+    assert service.metrics.snapshot_failures._value.get() == 1
+    assert not path.exists()
+    assert service.snapshots.take() is not None and path.exists()  # the next one is written
+    assert aside[0].exists()
