@@ -64,6 +64,30 @@ def test_a_gap_without_replay_is_visible_at_the_gate(engine: FakeEngine) -> None
         s.close()
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [b"\xc1", msgspec.msgpack.encode({"x": 1}), msgspec.msgpack.encode([1.0, [], 10**6])],
+    ids=["malformed", "invalid", "bad-dp-rank"],
+)
+def test_a_batch_refused_before_translation_is_a_gap_at_the_gate(
+    engine: FakeEngine, bad: bytes
+) -> None:
+    """docs/kv-events.md, "Gaps": a rejected batch is at once a gap of its engine. One that
+    fails to decode (or names a data-parallel rank out of range) was counted as rejected and
+    its seq taken, but the engine's gate saw no gap (only a token-range refusal made one); a
+    seq jump right after it reported 0 missing batches for it."""
+    s = Subscribed([engine.endpoint], [None])
+    try:
+        engine.send_until(0, golden("current-stored"), lambda: s.sub.stats().batches == 1)
+        engine.send(1, bad)
+        engine.send(4, removed(HASHES[1]))  # 2 and 3 never sent: lost
+        assert wait_for(lambda: s.sub.stats().batches == 2)
+        cursor = s.directory.gap_state("pod-a")
+        assert cursor is not None and cursor.missing_batches == 3, cursor
+    finally:
+        s.close()
+
+
 def test_a_gap_is_recovered_through_replay(engine: FakeEngine) -> None:
     s = Subscribed([engine.endpoint], [engine.replay_endpoint])
     try:

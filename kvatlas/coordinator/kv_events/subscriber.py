@@ -157,9 +157,13 @@ class KvEventsSubscriber:
             return
         parsed = self._parse(link, topic, payload)
         if parsed is None:  # counted; a jump before it is still a gap (of unknown instance)
-            if last is not None and seq > last + 1:
+            jump = seq - last - 1 if last is not None and seq > last + 1 else 0
+            if jump:
                 self.counts["gaps"] += 1
-                self.counts["missing_batches"] += seq - last - 1
+                self.counts["missing_batches"] += jump
+            lost = self._refused_engine(link, topic)
+            if lost is not None:  # a batch of an engine it speaks for: lost, a gap at its gate
+                self._ingest([self.rekeyer.marker(lost, jump + 1)])
             if last is not None:  # (a refused topic never gets an entry: the map stays bounded)
                 link.seqs[topic] = seq
             return
@@ -224,6 +228,13 @@ class KvEventsSubscriber:
             return None
         instance = engine_instance(emitter, rank)
         return (instance, model, split) if self._may_speak(link, instance) else None
+
+    def _refused_engine(self, link: Link, topic: str) -> str | None:
+        """The engine a refused message of ``topic`` came from, if this endpoint speaks for
+        it (its batch could not be read: its data-parallel rank taken as none)."""
+        emitter, _ = self._emitter(link, topic)
+        instance = engine_instance(emitter, None) if emitter else None
+        return instance if instance in link.instances else None
 
     def _may_speak(self, link: Link, instance: str) -> bool:
         """Whether this endpoint may speak for engine ``instance``: not a registered node, not
