@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Final
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -21,6 +22,7 @@ from kvatlas.logs import configure_logging, uvicorn_log_options
 from kvatlas.router.app import Router
 from kvatlas.router.config import RouterConfig
 from kvatlas.router.openai_body import Kind
+from kvatlas.router.replies import openai_error
 from kvatlas.router.scores import ScorerOf
 from kvatlas.router.tokenizer import PromptTokenizer
 from kvatlas.web import is_loopback
@@ -71,8 +73,18 @@ def create_app(router: Router) -> ASGIApp:
             Route("/metrics", router.prometheus, methods=["GET"]),
         ],
         lifespan=lifespan,
+        exception_handlers={HTTPException: _openai_http_error},
     )
     return _Completions(app, router)
+
+
+async def _openai_http_error(_: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (an unknown path 404, a wrong method 405 with its ``allow``)
+    as OpenAI error objects, as the router's other errors are."""
+    assert isinstance(exc, HTTPException)
+    reply = openai_error(exc.status_code, exc.detail)
+    reply.headers.update(exc.headers or {})
+    return reply
 
 
 def build_router(config: RouterConfig, scorer_of: ScorerOf | None = None) -> Router:

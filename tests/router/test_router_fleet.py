@@ -227,6 +227,17 @@ def test_bad_input_gets_an_openai_error(fleet: dict[str, Any], body: Any, status
     assert (error["code"], isinstance(error["type"], str)) == (status, True)
 
 
+def test_an_unknown_path_or_method_gets_an_openai_error(fleet: dict[str, Any]) -> None:
+    """docs/router.md, "Endpoints": errors the router raises itself are OpenAI error objects;
+    an unknown path and a wrong method were Starlette's ``text/plain`` 404 and 405."""
+    for method, path, status in (("GET", "/v1/nothing", 404), ("PUT", "/v1/completions", 405)):
+        reply = HTTP.request(method, f"{fleet['router']}{path}", headers=bearer(ROUTE_ANY))
+        assert reply.status_code == status, reply.text
+        assert reply.headers["content-type"] == "application/json"
+        assert reply.json()["error"]["code"] == status
+    assert reply.headers["allow"] == "POST"  # (the 405's header stays)
+
+
 def test_a_body_nested_too_deeply_is_a_422_counted_never_a_500(fleet: dict[str, Any]) -> None:
     """msgspec, like ``json``, gives up after about a thousand levels with a RecursionError;
     the router answers as the coordinator and the node do (it was a 500 with a traceback)."""
