@@ -106,7 +106,8 @@ class RouterMetrics:
         )  # fmt: skip
         self.aborted_streams = Counter(
             "kvatlas_router_aborted_streams",
-            "replies cut after their first byte (engine failed or client left)", registry=r,
+            "replies not relayed to their end (the engine cut them, or the client left)",
+            registry=r,
         )  # fmt: skip
         self.engines_out = Gauge(
             "kvatlas_router_engines_out", "engines out of the candidate set (unhealthy)",

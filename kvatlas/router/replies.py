@@ -96,7 +96,6 @@ class Relay:
         try:
             chunk = await self.reply.read_some()
         except (OSError, TimeoutError) as exc:
-            self.metrics.aborted_streams.inc()
             log.info("engine %s: reply cut: %r", self.engine.engine_id, exc)
             self.close()
             raise ReplyCut from None
@@ -120,7 +119,10 @@ class Relay:
         if self.first:
             self.engines.first_byte(engine, self.uncomputed)
         self.engines.finished(engine)
-        self.metrics.e2e_seconds.observe(time.perf_counter() - self.arrived)
+        if read_whole:
+            self.metrics.e2e_seconds.observe(time.perf_counter() - self.arrived)
+        else:  # cut by the engine, or the client left (shutdown too): no last byte to time
+            self.metrics.aborted_streams.inc()
         reply.close()  # a whole reply's connection is back in the pool; any other closed
         if read_whole and reply.status == 200 and reply.header(b"content-encoding") is None:
             found = cached_tokens(bytes(self.kept), self.req.stream)

@@ -180,11 +180,15 @@ def test_an_engines_error_passes_through(fleet: dict[str, Any]) -> None:
 
 def test_a_client_leaving_mid_stream_frees_the_engine(fleet: dict[str, Any]) -> None:
     """The client goes after the first event while the engine still holds the rest: the
-    router's count of requests in flight returns to zero (no leak, no hang)."""
+    router's count of requests in flight returns to zero (no leak, no hang), and the reply
+    is counted as aborted, not as a whole reply in ``kvatlas_router_e2e_seconds`` (it was
+    counted there, and ``aborted_streams`` only counted engines' cuts)."""
     body = {"model": MODEL, "prompt": list(range(40, 60)), "stream": True}
     engines = fleet["engines"].values()
     for engine in engines:
         engine.release.clear()
+    aborted = metric(fleet, "kvatlas_router_aborted_streams_total")
+    finished = metric(fleet, "kvatlas_router_e2e_seconds_count")
 
     def in_flight(name: str) -> int:
         return int(HTTP.get(f"{fleet['router']}/healthz").json()["engines"][name]["in_flight"])
@@ -198,6 +202,8 @@ def test_a_client_leaving_mid_stream_frees_the_engine(fleet: dict[str, Any]) -> 
             assert in_flight(chosen) == 1  # the engine still holds the rest
             reply.close()  # the client leaves
             assert wait_for(lambda: in_flight(chosen) == 0, timeout=10)
+        assert metric(fleet, "kvatlas_router_aborted_streams_total") == aborted + 1
+        assert metric(fleet, "kvatlas_router_e2e_seconds_count") == finished
     finally:
         for engine in engines:
             engine.release.set()
