@@ -174,11 +174,12 @@ class ChunkTable:
     def lookup_groups(
         self, keys: Sequence[ObjectKey], max_ids: int | None = None
     ) -> tuple[list[KeyPlacements], list[KeyPlacements]]:
-        """:meth:`lookup` of ``keys``, and of ``keys`` each followed by its chunk's keys in
-        other object groups, in ascending group order (the list itself when there are none):
-        what a token lookup answers, as LMCache does."""
+        """:meth:`lookup` of ``keys`` (of one object group: a token lookup's), and of
+        ``keys`` each followed by its chunk's keys in other object groups, in ascending group
+        order (the list itself when there are none): what a token lookup answers, as LMCache
+        does."""
         results = self.lookup(keys, max_ids)
-        if len(self.shapes.groups) < 2:  # every key in one group: no other (most fleets)
+        if not keys or self.shapes.groups <= {keys[0].object_group_id}:  # (most fleets)
             return results, results
         others = self.in_other_groups(keys)
         if not any(others):

@@ -204,6 +204,21 @@ def test_lookup_tokens_form_reaches_every_object_group(client: httpx.Client) -> 
     assert holders(reply) == {}  # chunk 0 is not held in the query's group: no prefix
 
 
+def test_a_token_lookup_finds_copies_when_no_key_is_in_group_0() -> None:
+    """The other groups were looked for only once the directory's keys spanned two groups:
+    with every key in group 1 (none in the query's group 0) a token lookup missed them all."""
+    with running() as (_, client):
+        em, tokens = Emitter(), fresh_tokens(1)
+        (h,) = hashes(tokens)
+        entry = wire_entry(wire_key(h, group=1), size=100, tokens=tokens, offset=0)
+        assert post_batches(client, em.batch("store", entries=[entry])).status_code == 200
+        results = lookup_tokens(client, tokens)["results"]
+        assert [(r["key"]["object_group_id"], len(r["placements"])) for r in results] == [
+            (0, 0),
+            (1, 1),
+        ]
+
+
 def test_lookup_tokens_form_prefix_summary(client: httpx.Client) -> None:
     """Prefix summary per instance, per tier and per shared pool (one row for the pool)."""
     a, b, c = Emitter(fresh("a")), Emitter(fresh("b")), Emitter(fresh("c"))
