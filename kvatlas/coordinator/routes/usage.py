@@ -11,6 +11,7 @@ from kvatlas.coordinator.routes.context import Context
 from kvatlas.coordinator.usage import fleet_usage as fleet_usage_of
 from kvatlas.coordinator.usage import instance_usage as instance_usage_of
 from kvatlas.coordinator.usage import instance_usage_to_wire, usage_to_wire
+from kvatlas.errors import NotFound
 from kvatlas.routing import Call
 
 
@@ -23,7 +24,10 @@ async def fleet_usage(ctx: Context, call: Call[None, None]) -> FleetUsageReply:
 
 async def instance_usage(ctx: Context, call: Call[None, None]) -> InstanceUsageReply:
     service = ctx.service
+    instance_id = call.params["instance_id"]
     usage = await run_in_threadpool(
-        instance_usage_of, service.directory, service.instances, call.params["instance_id"]
+        instance_usage_of, service.directory, service.instances, instance_id
     )
+    if not (usage.registered or usage.declared_capacity or usage.modules):
+        raise NotFound(f"unknown instance {instance_id!r}")  # (as LMCache answers it)
     return instance_usage_to_wire(usage)
