@@ -13,9 +13,12 @@ HELP = {
         "what it states; a flag that contradicts it is refused, one it does not state must "
         "be given"
     ),
-    "num_layers": "KV layout: transformer layers (the model's num_hidden_layers; default 2)",
-    "num_kv_heads": "KV layout: KV heads per layer (on this rank; default 2)",
-    "head_dim": "KV layout: dims per head (default 64)",
+    "num_layers": (
+        "KV layout: transformer layers (the model's num_hidden_layers; required unless "
+        "--hf-config states it)"
+    ),
+    "num_kv_heads": "KV layout: KV heads per layer (on this rank; required unless --hf-config)",
+    "head_dim": "KV layout: dims per head (required unless --hf-config states it)",
     "chunk_size": "tokens per chunk; must equal the coordinator's --chunk-size",
     "dtype": "KV cache dtype (the engine's KV cache dtype; default float16)",
     "rope_style": (
