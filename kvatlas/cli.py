@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from kvatlas import __version__
 from kvatlas.bench import BENCHMARKS
 from kvatlas.config_flags import FlagParser
+from kvatlas.errors import KvatlasError
 
 if TYPE_CHECKING:
     from kvatlas.client.mp_server_client import MPServerClient
@@ -232,7 +233,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = parse(args)
         except ValueError as exc:
             own.error(str(exc))
-        result: int = getattr(importlib.import_module(where), entry)(config)
+        try:
+            result: int = getattr(importlib.import_module(where), entry)(config)
+        except KvatlasError as exc:  # (a socket it cannot open, ...: said, not a traceback)
+            print(f"kvatlas {args.command}: error: {exc}", file=sys.stderr)
+            return 1
         return result
     if args.command == "route":
         from kvatlas.client.route_client import (

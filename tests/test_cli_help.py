@@ -14,6 +14,7 @@ import pytest
 
 from kvatlas import __version__
 from kvatlas.cli import _build_parser, main
+from kvatlas.errors import Unavailable
 
 WHERE = (
     "add a help text: a config flag's goes in the HELP dict of kvatlas/node/config_help.py or "
@@ -121,3 +122,25 @@ def test_one_commands_parser_is_that_command_of_the_whole_parser(command: str) -
         path: p.format_help() for path, p in ours.items()
     }
     assert alone[()].format_help() == PARSERS[()].format_help()
+
+
+def test_a_service_that_cannot_start_says_why_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A service's own error at start (``--kv-events-subscribe nonsense``: an endpoint ZMQ
+    refuses when the coordinator opens its sockets, a bind port in use, ...) ended the process
+    with a Python traceback; now one line naming it, exit 1 (checked by hand against a real
+    coordinator: ``kvatlas coordinator: error: --kv-events-subscribe / --kv-events-bind:
+    Invalid argument (addr='nonsense')``)."""
+    from kvatlas.coordinator import server
+
+    def refused(*_: object) -> int:
+        raise Unavailable("--kv-events-subscribe / --kv-events-bind: Invalid argument")
+
+    monkeypatch.setattr(server, "run_coordinator", refused)
+    assert main(["coordinator", "--port", "1"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        err
+        == "kvatlas coordinator: error: --kv-events-subscribe / --kv-events-bind: Invalid argument\n"
+    )
