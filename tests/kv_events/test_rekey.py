@@ -480,3 +480,23 @@ def test_a_block_size_change_inside_a_chunk_is_counted_and_skipped() -> None:
     apply(rekeyer, directory, "eng", "llama", batch(second, bigger))
     assert rekeyer.counts["block_size_changes"] == 1 and rekeyer.counts["chunks_stored"] == 2
     assert holders(directory, list(range(72000, 72064))) == {("eng", "gpu"): 2}
+
+
+def test_a_run_continuing_a_partial_chunk_whose_block_went_is_not_placed() -> None:
+    """The run path (new blocks of a plain chain in one event) placed the chunk it completed
+    even when a block of the partial chunk it continued had been evicted (found in review):
+    64-token chunks of 16-token blocks, a map of 4 blocks; b1, b2 stored, an unrelated chain
+    evicts b1 and is removed, then [b3, b4] complete the chunk in one event."""
+    rekeyer, directory = fed(chunk_size=64, max_blocks=4)
+    ids = list(range(9000, 9064))
+    b = [bytes([k]) * 32 for k in range(1, 5)]
+    first = BlockStored(b[:2], None, ids[:32], 16, medium="GPU")
+    apply(rekeyer, directory, "eng", "llama", batch(first))
+    other = [bytes([k]) * 32 for k in range(10, 13)]
+    apply(rekeyer, directory, "eng", "llama",
+          batch(BlockStored(other, None, list(range(5000, 5048)), 16, medium="GPU")))  # fmt: skip
+    assert b[0] not in rekeyer.engines["eng"].blocks  # b1 evicted, b2 kept
+    apply(rekeyer, directory, "eng", "llama", batch(BlockRemoved(other, medium="GPU")))
+    apply(rekeyer, directory, "eng", "llama",
+          batch(BlockStored(b[2:], b[1], ids[32:], 16, medium="GPU")))  # fmt: skip
+    assert holders(directory, ids) == {}  # not placed: its first block is not in the map

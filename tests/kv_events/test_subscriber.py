@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from kvatlas.coordinator.server import free_port
-from kvatlas.events.vllm_wire import BlockRemoved, KVEventBatch, encode_batch
+from kvatlas.events.vllm_wire import BlockRemoved, KVEventBatch, decode_batch, encode_batch
 from tests.conftest import wait_for
 from tests.kv_events.helpers import HASHES, TOKENS, FakeEngine, Subscribed, golden
 
@@ -64,25 +64,31 @@ def test_a_gap_without_replay_is_visible_at_the_gate(engine: FakeEngine) -> None
         s.close()
 
 
+@pytest.mark.parametrize("rank", [None, 1])
 @pytest.mark.parametrize(
     "bad",
     [b"\xc1", msgspec.msgpack.encode({"x": 1}), msgspec.msgpack.encode([1.0, [], 10**6])],
     ids=["malformed", "invalid", "bad-dp-rank"],
 )
 def test_a_batch_refused_before_translation_is_a_gap_at_the_gate(
-    engine: FakeEngine, bad: bytes
+    engine: FakeEngine, bad: bytes, rank: int | None
 ) -> None:
     """docs/kv-events.md, "Gaps": a rejected batch is at once a gap of its engine. One that
     fails to decode (or names a data-parallel rank out of range) was counted as rejected and
     its seq taken, but the engine's gate saw no gap (only a token-range refusal made one); a
-    seq jump right after it reported 0 missing batches for it."""
+    seq jump right after it reported 0 missing batches for it. The gap is the engine's whose
+    batch the topic carried last (its data-parallel rank's instance: ``pod-a:dp1``)."""
     s = Subscribed([engine.endpoint], [None])
     try:
-        engine.send_until(0, golden("current-stored"), lambda: s.sub.stats().batches == 1)
+        stored = msgspec.structs.replace(
+            decode_batch(golden("current-stored")), data_parallel_rank=rank
+        )
+        engine.send_until(0, encode_batch(stored), lambda: s.sub.stats().batches == 1)
         engine.send(1, bad)
-        engine.send(4, removed(HASHES[1]))  # 2 and 3 never sent: lost
+        gone = KVEventBatch(2.0, [BlockRemoved([HASHES[1]], "GPU")], rank)
+        engine.send(4, encode_batch(gone))  # 2 and 3 never sent: lost
         assert wait_for(lambda: s.sub.stats().batches == 2)
-        cursor = s.directory.gap_state("pod-a")
+        cursor = s.directory.gap_state("pod-a" if rank is None else "pod-a:dp1")
         assert cursor is not None and cursor.missing_batches == 3, cursor
     finally:
         s.close()

@@ -29,6 +29,7 @@ class Link:
 
     spec: LinkSpec
     seqs: dict[str, int] = field(default_factory=dict)  # topic -> last seq
+    engine_of: dict[str, str] = field(default_factory=dict)  # topic -> engine of its last batch
     instances: set[str] = field(default_factory=set)  # the engines it speaks for
     dealer: Any = None  # the replay socket, opened on first use
     replay_after: float = 0.0  # monotonic time before which no replay is asked (after a failure)
@@ -112,7 +113,7 @@ class Endpoints:
             while not stop.is_set():
                 for sock, _ in poller.poll(100):
                     if sock in self._monitors:
-                        self._disconnected(sock)
+                        self._disconnected(sock, handle)
                         continue
                     if sock not in socks:  # replaced meanwhile (:meth:`_disconnected`)
                         continue
@@ -144,17 +145,18 @@ class Endpoints:
             link.dealer.close(0)
             link.dealer = None
 
-    def _disconnected(self, monitor: Any) -> None:
+    def _disconnected(self, monitor: Any, handle: Callable[[Link, Sequence[bytes]], None]) -> None:
         """A peer's connection closed: it went away, or ZMQ dropped it (a frame above the
         limit, another protocol error). ZMQ reconnects after the first, never after the others:
         a connected endpoint's socket is replaced by a new one, whatever the cause. (Not
         ``disconnect`` and ``connect`` on it: a message still queued from the old connection
         then fails libzmq's check that a message's frames come together, which aborts the
-        process — ``Assertion failed: !_more (src/fq.cpp:80)``.)"""
+        process — ``Assertion failed: !_more (src/fq.cpp:80)``.) What the old one still
+        queues is handed to ``handle`` first: a batch that arrived is never dropped."""
         import zmq
         from zmq.utils.monitor import recv_monitor_message
 
-        _, link = self._monitors[monitor]
+        sock, link = self._monitors[monitor]
         seen = 0
         while monitor.poll(0):
             seen += recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
@@ -166,6 +168,12 @@ class Endpoints:
                             "above --kv-events-max-message-bytes %d)", link.endpoint, n,
                             self.settings.message_limit_bytes)  # fmt: skip
         if seen and not link.spec.bind:
+            while True:  # (a finite queue: its publisher is gone)
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                handle(link, frames)
             self._close(monitor)
             self._open(link)
 

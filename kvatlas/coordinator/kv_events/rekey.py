@@ -179,7 +179,7 @@ class Rekeyer:
             return
         lora = event.lora_name if event.lora_name is not None else event.lora_id
         self.counts["blocks_stored"] += len(event.block_hashes)
-        if RUNS and self._new_run(state, event) and plain_run(point, size, lora):
+        if RUNS and self._new_run(state, event, point) and plain_run(point, size, lora):
             self._stored_run(state, model, event.block_hashes, packed, size, point, tier, pending)
             return
         extras = event.extra_keys or [None] * len(event.block_hashes)
@@ -208,10 +208,11 @@ class Rekeyer:
             )
             self.counts["chunks_stored"] += 1
 
-    def _new_run(self, state: EngineState, event: BlockStored) -> bool:
+    def _new_run(self, state: EngineState, event: BlockStored, point: ChainPoint) -> bool:
         """Whether ``event``'s blocks are all new to the map (and to each other), none has
-        extra keys, and the map takes them all without an eviction: then they are stored
-        as one run (:meth:`_stored_run`)."""
+        extra keys, the map takes them all without an eviction and still holds the blocks of
+        the partial chunk they continue (:meth:`_stored` does not place a chunk one of whose
+        blocks went): then they are stored as one run (:meth:`_stored_run`)."""
         hashes = event.block_hashes
         return (
             len(hashes) > 1  # (one block: the loop costs less)
@@ -219,6 +220,7 @@ class Rekeyer:
             and not (event.extra_keys and any(event.extra_keys))
             and not any(map(state.blocks.__contains__, hashes))
             and len(set(hashes)) == len(hashes)
+            and all(b[BLOCK] is None or b[BLOCK] in state.blocks for b in partial(point))
         )
 
     def _stored_run(

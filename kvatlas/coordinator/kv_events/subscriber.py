@@ -168,6 +168,7 @@ class KvEventsSubscriber:
                 link.seqs[topic] = seq
             return
         instance, model, batch = parsed
+        link.engine_of[topic] = instance
         if last is not None and seq < last:
             self.counts["engine_restarts"] += 1
             log.warning("kv events: %s restarted (seq %d after %d)", instance, seq, last)
@@ -230,10 +231,9 @@ class KvEventsSubscriber:
         return (instance, model, split) if self._may_speak(link, instance) else None
 
     def _refused_engine(self, link: Link, topic: str) -> str | None:
-        """The engine a refused message of ``topic`` came from, if this endpoint speaks for
-        it (its batch could not be read: its data-parallel rank taken as none)."""
-        emitter, _ = self._emitter(link, topic)
-        instance = engine_instance(emitter, None) if emitter else None
+        """The engine a refused message of ``topic`` came from (its batch could not be read:
+        the engine of the topic's last batch read, its data-parallel rank with it)."""
+        instance = link.engine_of.get(topic)
         return instance if instance in link.instances else None
 
     def _may_speak(self, link: Link, instance: str) -> bool:
@@ -334,8 +334,8 @@ class KvEventsSubscriber:
         dealer = self._endpoints.dealer(link)
         dealer.send_multipart([b"", pack_seq(start)])
         deadline = time.monotonic() + settings.replay_deadline
-        while dealer.poll(
-            int(1000 * max(0.0, min(settings.replay_timeout, deadline - time.monotonic())))
+        while (left := deadline - time.monotonic()) > 0 and dealer.poll(
+            int(1000 * min(settings.replay_timeout, left))
         ):
             frames = dealer.recv_multipart()
             if frames[:1] == [b""]:
