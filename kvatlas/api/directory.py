@@ -68,7 +68,9 @@ class PrefixRow(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class LookupReply(msgspec.Struct, kw_only=True, frozen=True):
-    """``POST /directory/lookup``: chunks asked, placements per key (request order), prefix."""
+    """``POST /directory/lookup``: ``chunks`` (the keys asked; a token query's full chunks),
+    placements per key (request order; a token query's keys each followed by its chunk's keys
+    in other object groups), prefix."""
 
     chunks: int
     results: list[LookupResultRow]

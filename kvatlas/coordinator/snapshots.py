@@ -113,13 +113,11 @@ class Snapshots:
                     instances=self.instances.rows(),
                     sections=self._sections(),
                 )  # fmt: skip
-            except OSError as exc:
+            except Exception as exc:  # a disk's error, or a bug: the next one is taken
                 self.metrics.snapshot_failures.inc()
-                log.error("snapshot to %s failed: %s", path, exc)
-                return None
-            except Exception:  # a bug: counted, and the next snapshot is taken all the same
-                self.metrics.snapshot_failures.inc()
-                log.exception("snapshot to %s failed", path)
+                log.error(
+                    "snapshot to %s failed: %s", path, exc, exc_info=not isinstance(exc, OSError)
+                )
                 return None
         self.last, self.last_at = info, self._clock()
         self._retain(position)
