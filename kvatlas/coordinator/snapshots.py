@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Final
 
 from kvatlas.coordinator.cache_control import SECTION, CacheControl, encode_state, restore_section
 from kvatlas.coordinator.config import CoordinatorConfig
@@ -28,9 +29,12 @@ from kvatlas.directory import (
     load_snapshot,
     save_snapshot,
 )
-from kvatlas.errors import Unavailable
+from kvatlas.errors import InvalidInput, Unavailable
 
 log = logging.getLogger(__name__)
+KEY_SCHEME: Final = "key_scheme"
+"""The snapshot section naming the ``--hash-scheme`` its keys were made with (a restore under
+another one is refused: its keys are out of every lookup's reach)."""
 
 
 class Snapshots:
@@ -82,6 +86,13 @@ class Snapshots:
             log.error("snapshot %s could not be restored (%s); %s; starting empty",
                       path, exc, _set_aside(Path(path)))  # fmt: skip
             return None
+        written = (info.sections or {}).get(KEY_SCHEME)
+        if written is not None and written.decode(errors="replace") != self.config.hash_scheme:
+            raise InvalidInput(
+                f"snapshot {path} holds keys of --hash-scheme {written.decode(errors='replace')}, "
+                f"not {self.config.hash_scheme}: start with that scheme, or move the snapshot "
+                "away to start empty"
+            )
         restore_section(self.cache_control, info.sections, path)
         if info.sections is not None and SECTION in info.sections:
             # what a snapshot taken while the shared store's Redis is away carries on with
@@ -153,7 +164,10 @@ class Snapshots:
         except Unavailable as exc:
             log.warning("snapshot: cache control not read from Redis (%s); last copy kept", exc)
         section = self._cache_control_section
-        sections = self.kv_events.snapshot_sections()
+        sections = {
+            KEY_SCHEME: self.config.hash_scheme.encode(),
+            **self.kv_events.snapshot_sections(),
+        }
         return sections if section is None else {SECTION: section, **sections}
 
     def _retain(self, position: str | None) -> None:

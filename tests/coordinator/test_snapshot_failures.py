@@ -9,6 +9,7 @@ import pytest
 from kvatlas.coordinator import snapshots
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.errors import InvalidInput
 
 
 def test_a_failed_snapshot_is_counted_and_the_next_is_taken(
@@ -45,3 +46,20 @@ def test_a_snapshot_that_cannot_be_read_is_kept_aside_not_overwritten(tmp_path: 
     assert not path.exists()
     assert service.snapshots.take() is not None and path.exists()  # the next one is written
     assert aside[0].exists()
+
+
+def test_a_snapshot_of_another_key_scheme_is_refused(tmp_path: Path) -> None:
+    """A snapshot written under ``--hash-scheme blake3`` restored into a ``blake3-x1``
+    coordinator without a word: keys no lookup of the new scheme can reach. It is refused
+    at start, naming both schemes, as a chunk size that differs is; a snapshot written before
+    the scheme was recorded restores as before."""
+    path = tmp_path / "dir.snap"
+    old = CoordinatorService(CoordinatorConfig(chunk_size=16, snapshot_path=path))
+    assert old.snapshots.take() is not None
+    other = CoordinatorService(
+        CoordinatorConfig(chunk_size=16, snapshot_path=path, hash_scheme="blake3-x1")
+    )
+    with pytest.raises(InvalidInput, match=r"blake3, not blake3-x1"):
+        other.snapshots.restore()
+    same = CoordinatorService(CoordinatorConfig(chunk_size=16, snapshot_path=path))
+    assert same.snapshots.restore() is not None
