@@ -238,7 +238,7 @@ class Dispatcher:
         """404, 405 (the path is served with another method) or a 307 to the path with its
         trailing ``/`` added or removed when that one is served."""
         path = scope["path"]
-        allowed = self.table.methods(path)
+        allowed = self.table.methods(path, scope.get("raw_path"))
         if allowed:
             return Reply(
                 b'{"detail":"Method Not Allowed"}', 405, ((b"allow", ", ".join(allowed).encode()),)

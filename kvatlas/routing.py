@@ -165,6 +165,14 @@ class Route:
         return tuple(s[1:-1] for s in self.path.split("/") if _is_param(s))
 
 
+def _encoded_segments(raw_path: bytes | None) -> list[str] | None:
+    """The segments of a raw path that holds an encoded ``/``, each decoded (``None``: it
+    holds none, the decoded path splits as sent)."""
+    if raw_path is None or b"%2f" not in raw_path.lower():
+        return None
+    return [unquote(s) for s in raw_path.decode("ascii", "replace").split("/")]
+
+
 def _is_param(segment: str) -> bool:
     return segment.startswith("{") and segment.endswith("}")
 
@@ -210,13 +218,13 @@ class RouteTable:
         """The route of ``(method, path)`` and its parameters. ``raw_path`` (the request's
         path as sent) matters when it holds an encoded ``/``: ``%2F`` stays inside its
         segment (an instance id ``rack/a`` is ``/instances/rack%2Fa``), where the decoded
-        ``path`` would split it."""
-        route = self._literal.get((method, path))
-        if route is not None:
-            return route, NO_PARAMS
-        segments = path.split("/")
-        if raw_path is not None and b"%2f" in raw_path.lower():
-            segments = [unquote(s) for s in raw_path.decode("ascii", "replace").split("/")]
+        ``path`` would split it; such a path is no literal route's."""
+        segments = _encoded_segments(raw_path)
+        if segments is None:
+            route = self._literal.get((method, path))
+            if route is not None:
+                return route, NO_PARAMS
+            segments = path.split("/")
         for found, params in self._paths(segments):
             if found.method == method:
                 return found, params
@@ -226,11 +234,14 @@ class RouteTable:
         """The :class:`Area` of a path no route serves."""
         return next((a for a in self.areas if path.startswith(a.prefix)), self.unrouted)
 
-    def methods(self, path: str) -> list[str]:
-        """The methods of the first route whose path is ``path`` (what a 405 allows)."""
-        templated = {id(route) for route, _ in self._paths(path.split("/"))}
+    def methods(self, path: str, raw_path: bytes | None = None) -> list[str]:
+        """The methods of the first route whose path is ``path`` (what a 405 allows; an
+        encoded ``/`` in ``raw_path`` as :meth:`match` reads it)."""
+        segments = _encoded_segments(raw_path)
+        literal = segments is None
+        templated = {id(route) for route, _ in self._paths(segments or path.split("/"))}
         for route in self.routes:
-            if route.path == path or id(route) in templated:
+            if (literal and route.path == path) or id(route) in templated:
                 return [route.method]
         return []
 

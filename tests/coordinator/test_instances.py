@@ -143,6 +143,17 @@ def test_deregister_reaches_every_id_events_accept(client: httpx.Client, name: s
     # a heartbeat names the same segment: the instance is gone (not "no such route")
     r = client.put(f"/instances/{quote(em.instance_id, safe='')}/heartbeat")
     assert (r.status_code, r.json()["detail"]) == (404, "unknown instance; re-register")
+    # a wrong method on it is a 405 naming the route's, as for any id
+    r = client.get(f"/instances/{quote(em.instance_id, safe='')}/heartbeat")
+    assert (r.status_code, r.headers.get("allow")) == (405, "PUT"), r.text
+
+
+def test_an_encoded_slash_is_no_literal_routes() -> None:
+    """``/directory%2Fkeys`` is one segment, ``directory/keys``: no route's (it was served as
+    ``/directory/keys``, the decoded path matched first)."""
+    with running() as (_, client):
+        assert client.get("/directory%2Fkeys").status_code == 404
+        assert client.get("/directory/keys").status_code == 200
 
 
 def test_deregister_unknown_instance_is_harmless(client: httpx.Client) -> None:
