@@ -23,7 +23,7 @@ from kvatlas.coordinator.cache_control.eviction import POLICY_NAMES as EVICTION_
 from kvatlas.coordinator.kv_events.exposure import StreamExposure
 from kvatlas.coordinator.kv_events.settings import DEFAULT_MAX_BLOCKS, MIN_MESSAGE_BYTES, LinkSpec
 from kvatlas.coordinator.runtime import TRIM_INTERVAL_S
-from kvatlas.coordinator.scoring import DEFAULT_FRAGMENT_WEIGHT, MAX_WEIGHT
+from kvatlas.coordinator.scoring import DEFAULT_FRAGMENT_WEIGHT, checked_weight
 from kvatlas.events import EVENT_TRANSPORTS
 from kvatlas.events.vllm_wire import DEFAULT_ENCODING, ENCODINGS
 from kvatlas.http_guard import (
@@ -124,8 +124,7 @@ class CoordinatorConfig:
             raise ValueError("--max-body-bytes must be >= 1")
         if not math.isfinite(self.memory_trim_interval_s) or self.memory_trim_interval_s < 0:
             raise ValueError("--memory-trim-interval-s must be a finite number >= 0 (0: off)")
-        if not 0 <= self.fragment_weight <= MAX_WEIGHT:  # (NaN fails both)
-            raise ValueError(f"--fragment-weight must be a number in [0, {MAX_WEIGHT:g}]")
+        checked_weight("--fragment-weight", self.fragment_weight)
         for name in (
             "snapshot_interval",
             "instance_timeout",

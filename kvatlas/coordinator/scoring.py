@@ -51,6 +51,14 @@ this bound the longest query's stays finite (any finite weight let a 512-token q
 overflow to inf, which JSON carries as ``null``). The fragment weight has the same bound."""
 
 
+def checked_weight(what: str, weight: float) -> float:
+    """``weight`` as a float, if a number in [0, :data:`MAX_WEIGHT`] (``ValueError`` naming
+    ``what`` otherwise; NaN fails both bounds)."""
+    if not 0 <= weight <= MAX_WEIGHT:
+        raise ValueError(f"{what} must be a number in [0, {MAX_WEIGHT:g}], got {weight}")
+    return float(weight)
+
+
 @dataclass(frozen=True, slots=True)
 class Weights:
     """Tier weights by class id, and the share at which fragment tokens count."""
@@ -72,16 +80,11 @@ class Weights:
         for name, weight in (overrides or {}).items():
             if name not in merged:
                 raise ValueError(f"weights: unknown tier {name!r:.40} (one of {TIER_CLASSES})")
-            if not 0 <= weight <= MAX_WEIGHT:  # (NaN fails both)
-                raise ValueError(
-                    f"weights.{name}: must be a number in [0, {MAX_WEIGHT:g}], got {weight}"
-                )
-            merged[name] = float(weight)
-        if not 0 <= fragment <= MAX_WEIGHT:
-            raise ValueError(
-                f"fragment weight must be a number in [0, {MAX_WEIGHT:g}], got {fragment}"
-            )
-        return cls(tuple(merged[name] for name in TIER_CLASSES), fragment)
+            merged[name] = checked_weight(f"weights.{name}", weight)
+        return cls(
+            tuple(merged[name] for name in TIER_CLASSES),
+            checked_weight("fragment weight", fragment),
+        )
 
     def preference(self, c: Class) -> tuple[float, int]:
         """Higher is better: the weight, then the class order (gpu before l1 before l2)."""

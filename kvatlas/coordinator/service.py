@@ -157,7 +157,6 @@ class CoordinatorService:
         if restored is not None:
             self._restored = True
             self.stream_position = self._restored_position = restored.stream_position
-        self.instances.expire()  # (a restored instance has a whole timeout from now: none yet)
         self._spawn("instance-sweeper", self._sweep_loop)
         if self.liveness is not None:
             self._spawn("registrations", self._registrations_loop)

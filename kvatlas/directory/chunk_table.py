@@ -66,9 +66,11 @@ from kvatlas.errors import Conflict
 from kvatlas.events import EventBatch
 from kvatlas.events.columns import EntryColumns
 from kvatlas.keys import BlendNamespace, ObjectKey, chunk_hash_of
+from kvatlas.keys.object_key import shape_parts
 from kvatlas.keys.tokens import TokenArray
 
 _GROUP = attrgetter("object_group_id")
+_KEY_GROUP = attrgetter("key.object_group_id")
 
 
 class ChunkTable:
@@ -182,16 +184,16 @@ class ChunkTable:
         if not keys or self.shapes.groups <= {keys[0].object_group_id}:  # (most fleets)
             return results, results
         others = self.in_other_groups(keys)
-        if not any(others):
+        extra = [k for more in others for k in more]
+        if not extra:
             return results, results
-        asked = [
-            k
-            for key, more in zip(keys, others, strict=True)
-            for k in sorted((key, *more), key=_GROUP)
-        ]
         if max_ids is not None:  # (each key of a chunk carries the same ids)
-            max_ids = max_ids * len(asked) // len(keys)
-        return results, self.lookup(asked, max_ids)
+            max_ids = max_ids * len(extra) // len(keys)
+        found = iter(self.lookup(extra, max_ids))
+        every: list[KeyPlacements] = []
+        for own, more in zip(results, others, strict=True):
+            every += sorted([own, *islice(found, len(more))], key=_KEY_GROUP)
+        return results, every
 
     def in_other_groups(self, keys: Sequence[ObjectKey]) -> list[list[ObjectKey]]:
         """Per key, the keys its chunk is stored under that differ from it only in the
@@ -210,12 +212,7 @@ class ChunkTable:
             if not rest and first >> 1 == sid:  # one key, the one asked: most chunks
                 continue
             key = keys[i]
-            model, rank, group, salt = (
-                key.model_name,
-                key.kv_rank,
-                key.object_group_id,
-                key.cache_salt,
-            )
+            model, rank, group, salt = shape_parts(key)
             for other, _ in record_keys(cols.record(rows[i])):  # type: ignore[arg-type]
                 m, k, g, s = shapes[other].parts
                 if g != group and k == rank and m == model and s == salt:

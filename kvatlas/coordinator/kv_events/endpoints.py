@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     import zmq
 
 log = logging.getLogger(__name__)
+TURN = 1000
+"""The most messages read from one socket before the others get their turn (ZMQ's default
+receive high-water mark: all a socket can queue)."""
 
 
 @dataclass(slots=True)
@@ -117,7 +120,7 @@ class Endpoints:
                         continue
                     if sock not in socks:  # replaced meanwhile (:meth:`_disconnected`)
                         continue
-                    for _ in range(1000):  # bounded: every socket gets its turn
+                    for _ in range(TURN):  # bounded: every socket gets its turn
                         try:
                             frames = sock.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
@@ -168,7 +171,7 @@ class Endpoints:
                             "above --kv-events-max-message-bytes %d)", link.endpoint, n,
                             self.settings.message_limit_bytes)  # fmt: skip
         if seen and not link.spec.bind:
-            while True:  # (a finite queue: its publisher is gone)
+            for _ in range(TURN):  # (what it queues: at most ZMQ's receive high-water mark)
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
