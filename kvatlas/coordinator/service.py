@@ -214,7 +214,7 @@ class CoordinatorService:
         if self.liveness is not None:
             self.liveness.close()
         if self.config.snapshot_path is not None:
-            self.take_snapshot()
+            self.snapshots.take(last=True)
 
     @property
     def state(self) -> Readiness:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Final
 
 from kvatlas.coordinator.cache_control import SECTION, CacheControl, encode_state, restore_section
+from kvatlas.coordinator.cache_control.journal import Journal
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.instances import InstanceRegistry
 from kvatlas.coordinator.kv_events.links import KvEventsLinks
@@ -70,22 +71,43 @@ class Snapshots:
         self.retention: StreamRetention | None = None  # set by the service (redis transport)
         self._lock = threading.Lock()
         self._cache_control_section: bytes | None = None  # the last one written
+        self.journal = (
+            Journal(config.snapshot_path)
+            if config.snapshot_path is not None and cache_control.store is None
+            else None
+        )
+        """Cache control's changes between snapshots (the HTTP transport: with Redis, the
+        state is Redis's)."""
 
     def restore(self) -> SnapshotInfo | None:
         """Load the snapshot, if there is one, into the directory, cache control, the KV-event
-        links and the instance registry; ``None``: nothing restored (a snapshot that cannot be
-        read is logged, counted, moved aside — the next snapshot must not overwrite it: a
-        newer release's, for one — and the service starts empty)."""
+        links and the instance registry, then replay cache control's journal from the
+        generation the snapshot names; ``None``: no snapshot restored (a snapshot that cannot
+        be read is logged, counted, moved aside — the next snapshot must not overwrite it: a
+        newer release's, for one — and the service starts from the journal alone)."""
+        info, journal_from = self._load()
+        journal = self.journal
+        if journal is not None:
+            replayed = journal.replay(self.cache_control, journal_from)
+            self.metrics.snapshot_failures.inc(replayed.damaged)
+            if replayed.records:
+                log.info("replayed %d cache-control changes from the journal beside %s",
+                         replayed.records, self.config.snapshot_path)  # fmt: skip
+            journal.attach(self.cache_control)
+        return info
+
+    def _load(self) -> tuple[SnapshotInfo | None, int]:
+        """The snapshot restored, and the journal generation its cache control names."""
         path = self.config.snapshot_path
         if path is None or not Path(path).exists():
-            return None
+            return None, 0
         try:
             info = load_snapshot(self.directory, path)
         except (SnapshotError, OSError) as exc:
             self.metrics.snapshot_failures.inc()
             log.error("snapshot %s could not be restored (%s); %s; starting empty",
                       path, exc, _set_aside(Path(path)))  # fmt: skip
-            return None
+            return None, 0
         written = (info.sections or {}).get(KEY_SCHEME)
         if written is not None and written.decode(errors="replace") != self.config.hash_scheme:
             raise InvalidInput(
@@ -93,7 +115,7 @@ class Snapshots:
                 f"not {self.config.hash_scheme}: start with that scheme, or move the snapshot "
                 "away to start empty"
             )
-        restore_section(self.cache_control, info.sections, path)
+        journal_from = restore_section(self.cache_control, info.sections, path)
         if info.sections is not None and SECTION in info.sections:
             # what a snapshot taken while the shared store's Redis is away carries on with
             self._cache_control_section = info.sections[SECTION]
@@ -107,22 +129,26 @@ class Snapshots:
             "restored %d keys / %d chunks from %s in %.3f s (%.0f keys/s), stream position %s",
             info.keys, info.chunks, path, info.seconds, rate, info.stream_position,
         )  # fmt: skip
-        return info
+        return info, journal_from
 
-    def take(self) -> SnapshotInfo | None:
+    def take(self, last: bool = False) -> SnapshotInfo | None:
         """Write a snapshot; the recorded stream position is read *before* the snapshot starts,
         so a restore may replay a few batches already in it, which the gate drops as
-        duplicates (never the other way round: nothing applied is lost)."""
+        duplicates (never the other way round: nothing applied is lost). Cache control's
+        journal starts a new generation first, and the older ones go once the snapshot is
+        written (:mod:`~kvatlas.coordinator.cache_control.journal`); ``last``: the service
+        stops, the journal is closed after it."""
         path = self.config.snapshot_path
         if path is None:
             return None
         with self._lock:
             position = self._position()
             try:
+                generation = self.journal.rotate() if self.journal is not None else 0
                 info = save_snapshot(
                     self.directory, path, stream_position=position,
                     instances=self.instances.rows(),
-                    sections=self._sections(),
+                    sections=self._sections(generation),
                 )  # fmt: skip
             except Exception as exc:  # a disk's error, or a bug: the next one is taken
                 self.metrics.snapshot_failures.inc()
@@ -130,6 +156,11 @@ class Snapshots:
                     "snapshot to %s failed: %s", path, exc, exc_info=not isinstance(exc, OSError)
                 )
                 return None
+            finally:
+                if last and self.journal is not None:
+                    self.journal.close()
+            if self.journal is not None:
+                self.journal.forget_before(generation)
         self.last, self.last_at = info, self._clock()
         self._retain(position)
         if self.after is not None:
@@ -156,11 +187,12 @@ class Snapshots:
             covered = self.last.stream_position if self.last else None
             self._record(retention, covered or fallback)
 
-    def _sections(self) -> dict[str, bytes]:
+    def _sections(self, journal: int) -> dict[str, bytes]:
         """The snapshot's named sections: the KV-event engines' and cache control's (with the
-        Redis transport a copy of Redis's, the last one read when Redis is away)."""
+        Redis transport a copy of Redis's, the last one read when Redis is away; ``journal``:
+        the generation of cache control's journal replayed after it)."""
         try:
-            self._cache_control_section = encode_state(self.cache_control)
+            self._cache_control_section = encode_state(self.cache_control, journal)
         except Unavailable as exc:
             log.warning("snapshot: cache control not read from Redis (%s); last copy kept", exc)
         section = self._cache_control_section

@@ -417,7 +417,7 @@ def test_a_snapshot_taken_while_the_shared_store_is_away_keeps_the_restored_sect
     first.cache_control.pin(fields(48))
     assert first.take_snapshot() is not None
 
-    def away(_control: object) -> bytes:
+    def away(*_state: object) -> bytes:
         raise Unavailable("redis away")
 
     restarted = CoordinatorService(config)

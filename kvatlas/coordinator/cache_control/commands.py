@@ -12,7 +12,8 @@ asked a handful of times, and a ``sent`` command whose events do not come within
 
 Times are wall-clock seconds (``time.time``): they must mean the same after a restart. This
 log keeps the commands in the process's memory and the coordinator's snapshot
-(:meth:`CommandLog.to_snapshot`); with the Redis transport the replicas share one log kept in
+(:meth:`CommandLog.to_snapshot`), each change written ahead to the journal between snapshots
+(:attr:`CommandLog.on_change`); with the Redis transport the replicas share one log kept in
 Redis instead (:class:`~.shared_commands.SharedCommandLog`: the same methods, every change
 through :meth:`CommandLog.record` or :meth:`CommandLog.update`, and a lease so that one replica
 at a time works on a command: :meth:`CommandLog.claim`). Finished commands are kept
@@ -122,8 +123,9 @@ class CommandLog:
         self._jitter = jitter
         self._lock = threading.Lock()
         self._commands: dict[str, Command] = {c.command_id: c for c in commands}
-        self.on_record: Callable[[str, Command], object] | None = None
-        """Called with each transition (``op``, the command after it): the stream's hook."""
+        self.on_change: Callable[[Command], object] | None = None
+        """Called under the log's lock with each command as a change leaves it, before the
+        change is applied (the journal's write-ahead): raising refuses the change."""
 
     def new(
         self,
@@ -141,9 +143,9 @@ class CommandLog:
 
     def record(self, op: str, command: Command) -> Command:
         with self._lock:
+            if self.on_change is not None:
+                self.on_change(command)
             self._commands[command.command_id] = command
-        if self.on_record is not None:
-            self.on_record(op, command)
         return command
 
     def get(self, command_id: str) -> Command | None:
@@ -174,11 +176,11 @@ class CommandLog:
             if current is None:
                 raise KeyError(command_id)
             new = change(current)
-            if current.state in FINISHED and new.state != current.state:
+            if new == current or (current.state in FINISHED and new.state != current.state):
                 return current
+            if self.on_change is not None:
+                self.on_change(new)
             self._commands[command_id] = new
-        if self.on_record is not None:
-            self.on_record(op, new)
         return new
 
     def now(self) -> float:
@@ -299,7 +301,12 @@ def restored_commands(data: bytes) -> list[Command]:
     snap = _decoder.decode(data)
     if snap.version != 1:
         raise ValueError(f"command snapshot version {snap.version} is not 1")
-    return [
+    return [resumed(c) for c in snap.commands]
+
+
+def resumed(c: Command) -> Command:
+    """A command as a restart resumes it: what was ``sent`` is pending and due at once (its
+    events may never come)."""
+    return (
         msgspec.structs.replace(c, state="pending", next_attempt_at=0.0) if c.state == "sent" else c
-        for c in snap.commands
-    ]
+    )

@@ -4,13 +4,14 @@ never goes below zero, so two operators pinning the same document must both unpi
 
 Listing follows LMCache's coordinator: keys in the order they were first pinned (a key whose
 count reached zero is gone; pinning it again appends it), filtered by salt and model, paged by
-``offset``/``limit``. The table is part of the coordinator's snapshot (:meth:`PinTable.rows`).
+``offset``/``limit``. The table is part of the coordinator's snapshot (:meth:`PinTable.rows`),
+and each change of it is written ahead to the journal (:attr:`PinTable.on_change`).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Container, Iterable
+from collections.abc import Callable, Container, Iterable
 from typing import Protocol
 
 from kvatlas.keys import ObjectKey
@@ -47,13 +48,15 @@ class PinTable:
     def __init__(self, rows: Iterable[tuple[ObjectKey, int]] = ()) -> None:
         self._counts: dict[ObjectKey, int] = {k: n for k, n in rows if n > 0}
         self._lock = threading.Lock()
+        self.on_change: Callable[[list[tuple[ObjectKey, int]]], object] | None = None
+        """Called under the table's lock with the new count of each key a change sets, before
+        the change is applied (the journal's write-ahead): raising refuses the change."""
 
     def pin(self, keys: Iterable[ObjectKey]) -> int:
         """Add one pin to each of ``keys``; returns how many keys (duplicates count once)."""
         unique = list(dict.fromkeys(keys))
         with self._lock:
-            for key in unique:
-                self._counts[key] = self._counts.get(key, 0) + 1
+            self._set([(k, self._counts.get(k, 0) + 1) for k in unique])
         return len(unique)
 
     def unpin(self, keys: Iterable[ObjectKey]) -> int:
@@ -61,13 +64,23 @@ class PinTable:
         returns how many keys were named, as LMCache counts them."""
         unique = list(dict.fromkeys(keys))
         with self._lock:
-            for key in unique:
-                left = self._counts.get(key, 0) - 1
-                if left > 0:
-                    self._counts[key] = left
-                else:
-                    self._counts.pop(key, None)
+            self._set([(k, self._counts[k] - 1) for k in unique if k in self._counts])
         return len(unique)
+
+    def set_counts(self, rows: Iterable[tuple[ObjectKey, int]]) -> None:
+        """Set each key's count (0 unpins it; a key newly pinned goes last): the journal's
+        records replayed."""
+        with self._lock:
+            self._set(list(rows))
+
+    def _set(self, rows: list[tuple[ObjectKey, int]]) -> None:
+        if self.on_change is not None and rows:
+            self.on_change(rows)
+        for key, n in rows:
+            if n > 0:
+                self._counts[key] = n
+            else:
+                self._counts.pop(key, None)
 
     def count(self, key: ObjectKey) -> int:
         with self._lock:

@@ -1,13 +1,14 @@
 """Quotas per cache salt, with LMCache's semantics: a salt's own limit when it has one, else the
 default limit, where ``None`` means exempt (no eviction for it) and ``0`` means it may hold
 nothing (everything it stores is evicted). In paths the empty salt is named ``_default``.
-Limits are GB of 2^30 bytes, as LMCache reports them. Part of the coordinator's snapshot.
+Limits are GB of 2^30 bytes, as LMCache reports them. Part of the coordinator's snapshot; each
+change is written ahead to the journal (:attr:`QuotaTable.on_change`).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Final, Protocol
 
 from kvatlas.api.cache_control import DEFAULT_SALT_NAME
@@ -52,6 +53,10 @@ class QuotaTable:
         self._default = default_limit_gb
         self._limits: dict[str, float] = dict(limits or {})
         self._lock = threading.Lock()
+        self.on_change: Callable[[str | None, float | None], object] | None = None
+        """Called under the table's lock before a change is applied, with the salt (``None``:
+        the default limit) and its new limit (``None``: exempt, or a salt's own removed);
+        raising refuses the change (the journal's write-ahead)."""
 
     @property
     def default_limit_gb(self) -> float | None:
@@ -62,17 +67,26 @@ class QuotaTable:
         if limit_gb is not None and limit_gb < 0:
             raise ValueError("default_limit_gb must be >= 0 or null")
         with self._lock:
+            if self.on_change is not None:
+                self.on_change(None, limit_gb)
             self._default = limit_gb
 
     def set(self, cache_salt: str, limit_gb: float) -> None:
         if limit_gb < 0:
             raise ValueError("limit_gb must be >= 0")
         with self._lock:
+            if self.on_change is not None:
+                self.on_change(cache_salt, limit_gb)
             self._limits[cache_salt] = limit_gb
 
     def remove(self, cache_salt: str) -> bool:
         with self._lock:
-            return self._limits.pop(cache_salt, None) is not None
+            if cache_salt not in self._limits:
+                return False
+            if self.on_change is not None:
+                self.on_change(cache_salt, None)
+            del self._limits[cache_salt]
+            return True
 
     def own(self, cache_salt: str) -> float | None:
         """The salt's own limit, ``None`` when it has none."""

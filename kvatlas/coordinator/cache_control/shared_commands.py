@@ -72,10 +72,7 @@ class SharedCommandLog(CommandLog):
     # ------------------------------------------------------------------ writes
 
     def record(self, op: str, command: Command) -> Command:
-        stored = self._write(command, expected="")
-        if self.on_record is not None:
-            self.on_record(op, stored)
-        return stored
+        return self._write(command, expected="")
 
     def update(self, command_id: str, op: str, change: Callable[[Command], Command]) -> Command:
         for _ in range(_UPDATE_TRIES):
@@ -90,8 +87,6 @@ class SharedCommandLog(CommandLog):
                 continue  # another replica changed it: read again, apply again
             if rev_after == _FINAL:
                 return self._read(command_id)[0] or current
-            if self.on_record is not None:
-                self.on_record(op, new)
             return new
         raise Unavailable(f"command {command_id}: changed concurrently {_UPDATE_TRIES} times")
 

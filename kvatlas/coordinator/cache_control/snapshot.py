@@ -2,8 +2,9 @@
 (``save_snapshot(..., sections={SECTION: encode_state(control)})``; restored with
 :func:`restore_state` from ``SnapshotInfo.sections``), so a restarted coordinator keeps every
 pin, every quota and every command that had not finished (what was ``sent`` is delivered
-again: :meth:`CommandLog.from_snapshot`). Versioned: a section this code does not know is
-refused, never half-read.
+again: :meth:`CommandLog.from_snapshot`); the changes since are in the journal
+(:mod:`.journal`), whose generation the section names. Versioned: a section this code does
+not know is refused, never half-read.
 
 With the state shared in Redis (``CacheControl.store``), Redis wins: the section is a copy,
 written with every snapshot, that seeds Redis only if Redis holds no cache-control state when
@@ -38,9 +39,12 @@ class _State(msgspec.Struct):
     default_limit_gb: float | None
     limits: dict[str, float]
     commands: bytes  # CommandLog.to_snapshot
+    journal: int = 0  # the journal generation replayed after it (0: none recorded, every one)
 
 
-def encode_state(control: CacheControl) -> bytes:
+def encode_state(control: CacheControl, journal: int = 0) -> bytes:
+    """The section; ``journal``: the generation of :mod:`.journal` started before the state
+    was read (a restore replays it and every later one)."""
     return msgspec.msgpack.encode(
         _State(
             _VERSION,
@@ -48,6 +52,7 @@ def encode_state(control: CacheControl) -> bytes:
             control.quotas.default_limit_gb,
             control.quotas.limits(),
             control.commands.to_snapshot(),
+            journal,
         )
     )
 
@@ -64,9 +69,10 @@ def _decode(data: bytes) -> tuple[_State, list[tuple[ObjectKey, int]]]:
     return state, pins
 
 
-def restore_state(control: CacheControl, data: bytes, **command_options: object) -> None:
+def restore_state(control: CacheControl, data: bytes, **command_options: object) -> int:
     """Replace ``control``'s pins, quotas and commands with the section's
-    (:class:`~kvatlas.errors.InvalidInput` for a section that does not decode)."""
+    (:class:`~kvatlas.errors.InvalidInput` for a section that does not decode); returns the
+    journal generation to replay from."""
     try:
         state, rows = _decode(data)
         pins = PinTable(rows)
@@ -75,6 +81,7 @@ def restore_state(control: CacheControl, data: bytes, **command_options: object)
     except (msgspec.MsgspecError, ValueError) as exc:
         raise InvalidInput(f"cache-control snapshot section: {exc}") from None
     control.pins, control.quotas, control.commands = pins, quotas, commands
+    return state.journal
 
 
 def seed_shared(control: CacheControl, data: bytes) -> None:
@@ -102,17 +109,19 @@ def seed_shared(control: CacheControl, data: bytes) -> None:
 
 def restore_section(
     control: CacheControl, sections: dict[str, bytes] | None, where: str | Path
-) -> None:
+) -> int:
     """Restore ``control`` from a snapshot's sections, if they hold one; a section that does
     not decode is logged and left out (the directory stays restored, cache control empty).
-    Shared (Redis) state is not replaced: the section becomes the store's ``seed``."""
+    Shared (Redis) state is not replaced: the section becomes the store's ``seed``. Returns
+    the journal generation to replay from (0: every one)."""
     if sections is None or SECTION not in sections:
-        return
+        return 0
     if control.store is not None:  # Redis wins: the section only seeds a Redis holding none
         section = sections[SECTION]
         control.store.seed = lambda: seed_shared(control, section)
-        return
+        return 0
     try:
-        restore_state(control, sections[SECTION])
+        return restore_state(control, sections[SECTION])
     except InvalidInput as exc:
         log.error("snapshot %s: cache control not restored (%s)", where, exc)
+        return 0

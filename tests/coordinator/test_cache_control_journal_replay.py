@@ -1,0 +1,237 @@
+"""The cache-control journal (:mod:`kvatlas.coordinator.cache_control.journal`) against an
+oracle: whatever the changes, however snapshots fall among them and wherever the process dies,
+the last snapshot plus the journal replayed equals the state that was acknowledged — with
+snapshots taken concurrently with changes (the rotation must come before the state is read),
+a last record cut by the crash, a damaged record, and a disk that refuses a write (the change
+is refused, not applied unrecorded)."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvatlas.api.cache_control import TokenFields
+from kvatlas.coordinator.cache_control import CacheControl
+from kvatlas.coordinator.cache_control.commands import restored_commands
+from kvatlas.coordinator.cache_control.journal import Journal, PinCounts, _decode
+from kvatlas.coordinator.cache_control.service import wire_key
+from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.errors import Unavailable
+
+C = 16
+
+
+def control() -> CacheControl:
+    return CacheControl(C, is_instance={"a"}.__contains__, usage_by_salt=dict)
+
+
+def tokens(doc: int, chunks: int) -> list[int]:
+    return [doc * 1000 + i for i in range(chunks * C)]
+
+
+def fields(doc: int, chunks: int, salt: str = "") -> TokenFields:
+    return TokenFields(model_name="m", world_size=1, token_ids=tokens(doc, chunks), cache_salt=salt)
+
+
+def state(c: CacheControl) -> Any:
+    """Everything the journal must carry, every command as a restart resumes it."""
+    commands = sorted(restored_commands(c.commands.to_snapshot()), key=lambda x: x.command_id)
+    return (c.pins.rows(), c.quotas.default_limit_gb, c.quotas.limits(), commands)
+
+
+class Coordinator:
+    """A coordinator's cache control and snapshots (:class:`CoordinatorService`, not started):
+    restored from the snapshot and the journal beside it, as at a start."""
+
+    def __init__(self, path: Path) -> None:
+        self.service = CoordinatorService(CoordinatorConfig(chunk_size=C, snapshot_path=str(path)))
+        self.service.snapshots.restore()
+        self.control = self.service.cache_control
+        journal = self.service.snapshots.journal
+        assert journal is not None
+        self.journal = journal
+
+    def snapshot(self) -> None:
+        assert self.service.take_snapshot() is not None
+
+    def crash(self) -> None:
+        self.journal.close()  # the fd goes with the process; nothing else is written
+
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["pin", "unpin", "quota", "unquota", "default", "delete", "fail",
+                         "send", "finish", "snapshot"]),
+        st.integers(0, 5),
+        st.integers(1, 3),
+    ),
+    max_size=40,
+)  # fmt: skip
+
+
+def run(c: Coordinator, op: str, doc: int, n: int) -> None:
+    control = c.control
+    salt = "t" if doc % 2 else ""
+    if op == "pin":
+        control.pin(fields(doc, n, salt))
+    elif op == "unpin":
+        control.unpin(fields(doc, n, salt))
+    elif op == "quota":
+        control.quotas.set(salt, doc * 0.5)
+    elif op == "unquota":
+        control.quotas.remove(salt)
+    elif op == "default":
+        control.quotas.set_default(None if doc == 0 else float(doc))
+    elif op == "delete":
+        keys = control.resolve(fields(doc, n, salt)).keys
+        control.commands.new("delete", ["a"], [wire_key(k) for k in keys], force=True)
+    elif op == "snapshot":
+        c.snapshot()
+    else:
+        unfinished = control.commands.unfinished()
+        if unfinished:
+            target = unfinished[doc % len(unfinished)].command_id
+            if op == "fail":
+                control.commands.delivery_failed(target, f"refused {doc}")
+            elif op == "send":
+                control.commands.delivered(target)
+            else:
+                control.commands.finish(target, "completed")
+
+
+@settings(max_examples=60, deadline=None)
+@given(OPS, OPS, st.booleans())
+def test_the_snapshot_and_the_journal_give_back_what_was_acknowledged(
+    tmp_path_factory: pytest.TempPathFactory,
+    first: list[tuple[str, int, int]],
+    second: list[tuple[str, int, int]],
+    cut: bool,
+) -> None:
+    path = tmp_path_factory.mktemp("j") / "snap"
+    live = Coordinator(path)
+    for step in first:
+        run(live, *step)
+    expected = state(live.control)
+    live.crash()
+    if cut:  # a record whose write the kill cut: never acknowledged, ignored
+        with open(live.journal.path(live.journal.generation), "ab") as f:
+            f.write(b"\x40\x00\x00\x00\x01\x02")
+    again = Coordinator(path)
+    assert state(again.control) == expected
+    for step in second:  # the restarted one journals on, and dies again
+        run(again, *step)
+    expected = state(again.control)
+    again.crash()
+    third = Coordinator(path)
+    assert state(third.control) == expected
+    third.snapshot()  # one generation per start until a snapshot holds them
+    assert third.journal.generations() == [third.journal.generation]
+    third.crash()
+    assert state(Coordinator(path).control) == expected
+
+
+def test_snapshots_taken_while_changes_go_on_lose_none(tmp_path: Path) -> None:
+    """Pins and unpins from four threads while snapshots are taken in a loop: the state read
+    after the rotation, so a change is in the older generation (and applied before the read)
+    or in the newer one (replayed). Reading first, then rotating, loses changes here."""
+    live = Coordinator(tmp_path / "snap")
+    stop = threading.Event()
+
+    def changes(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(300):
+            doc, n = rng.randrange(8), rng.randrange(1, 4)
+            (live.control.pin if rng.random() < 0.6 else live.control.unpin)(fields(doc, n))
+
+    def snapshots() -> None:
+        while not stop.is_set():
+            live.snapshot()
+
+    taker = threading.Thread(target=snapshots)
+    taker.start()
+    workers = [threading.Thread(target=changes, args=(s,)) for s in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    stop.set()
+    taker.join()
+    expected = live.control.pins.rows()
+    assert expected  # the run pinned something
+    live.crash()
+    assert Coordinator(tmp_path / "snap").control.pins.rows() == expected
+
+
+def test_a_damaged_record_ends_its_files_replay_and_is_counted(tmp_path: Path) -> None:
+    live = Coordinator(tmp_path / "snap")
+    for doc in range(3):
+        live.control.pin(fields(doc, 1))
+    live.crash()
+    journal = live.journal.path(live.journal.generation)
+    data = bytearray(journal.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # the second of three records
+    journal.write_bytes(bytes(data))
+    again = control()
+    replayed = Journal(tmp_path / "snap").replay(again, 0)
+    assert (replayed.records, replayed.damaged) == (1, 1)
+    assert len(again.pins.rows()) == 1
+
+
+def test_a_write_the_disk_refuses_refuses_the_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No change is applied that the journal does not hold (a 503 for the route); the next
+    change, the disk back, goes to a new generation (the cut frame ends the old one's
+    replay), and a restart holds exactly the changes acknowledged."""
+    live = Coordinator(tmp_path / "snap")
+    live.control.pin(fields(1, 1))
+    before = state(live.control)
+    real_write = os.write
+
+    def full(fd: int, data: bytes) -> int:
+        real_write(fd, data[:5])  # a frame cut short, as a full disk leaves it
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(Unavailable) as refused:
+        live.control.pin(fields(2, 1))
+    assert refused.value.status == 503 and "No space left" in str(refused.value)
+    with pytest.raises(Unavailable):
+        live.control.quotas.set("t", 1.0)
+    assert state(live.control) == before
+    monkeypatch.setattr(os, "write", real_write)
+    live.control.pin(fields(3, 1))
+    expected = state(live.control)
+    live.crash()
+    assert state(Coordinator(tmp_path / "snap").control) == expected
+
+
+def test_a_record_is_absolute_so_replaying_one_the_snapshot_holds_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    """Records are counts, not increments: a change in both the snapshot and the journal (it
+    landed between the rotation and the read) is not applied twice."""
+    live = Coordinator(tmp_path / "snap")
+    live.control.pin(fields(1, 2))
+    live.control.pin(fields(1, 1))
+    written = live.journal.path(live.journal.generation).read_bytes()
+    frames, records = written, []
+    while frames:
+        length = int.from_bytes(frames[:4], "little")
+        records.append(_decode(frames[8 : 8 + length]))
+        frames = frames[8 + length :]
+    assert [type(r) for r in records] == [PinCounts, PinCounts]
+    assert [[n for _k, n in r.rows] for r in records] == [[1, 1], [2]]  # type: ignore[union-attr]
+    live.snapshot()  # holds counts 2 and 1; the journal's new generation is empty
+    with open(live.journal.path(live.journal.generation), "ab") as f:
+        f.write(written)  # the same changes again, after the snapshot
+    live.crash()
+    assert [n for _k, n in Coordinator(tmp_path / "snap").control.pins.rows()] == [2, 1]
