@@ -163,10 +163,9 @@ class CoordinatorService:
         if self.delivers:
             self._spawn("cache-control", functools.partial(self.delivery.run, self._stop))
         store = self.cache_control.store
-        if store is not None:  # seeds Redis from the snapshot if it holds no cache control
-            self._spawn(
-                "cache-control-store", functools.partial(store.ensure_when_reachable, self._stop)
-            )
+        if store is not None:  # seeds Redis from the snapshot if it holds no cache control,
+            # at start-up or later (it lost its data)
+            self._spawn("cache-control-store", functools.partial(store.watch, self._stop))
         for name, run in self.kv_events.start():
             self._spawn(name, run)
         if self.config.snapshot_path is not None:

@@ -17,6 +17,7 @@ from typing import Final
 
 from kvatlas.coordinator.cache_control import SECTION, CacheControl, encode_state, restore_section
 from kvatlas.coordinator.cache_control.journal import Journal
+from kvatlas.coordinator.cache_control.snapshot import seed_with
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.instances import InstanceRegistry
 from kvatlas.coordinator.kv_events.links import KvEventsLinks
@@ -191,16 +192,33 @@ class Snapshots:
         """The snapshot's named sections: the KV-event engines' and cache control's (with the
         Redis transport a copy of Redis's, the last one read when Redis is away; ``journal``:
         the generation of cache control's journal replayed after it)."""
-        try:
-            self._cache_control_section = encode_state(self.cache_control, journal)
-        except Unavailable as exc:
-            log.warning("snapshot: cache control not read from Redis (%s); last copy kept", exc)
+        self._copy_cache_control(journal)
         section = self._cache_control_section
         sections = {
             KEY_SCHEME: self.config.hash_scheme.encode(),
             **self.kv_events.snapshot_sections(),
         }
         return sections if section is None else {SECTION: section, **sections}
+
+    def _copy_cache_control(self, journal: int) -> None:
+        """Read cache control for the snapshot. With the Redis transport the copy is Redis's,
+        and what a Redis that lost the state is seeded with again (:func:`seed_with`); one
+        read while Redis is away, or from a Redis that lost the state and is not seeded again
+        yet (``meta.seeded`` gone by the end of the read), keeps the last copy: the empty
+        state must not replace it, nor seed Redis."""
+        control = self.cache_control
+        try:
+            section = encode_state(control, journal)
+            held = control.store is None or control.store.holds_state()
+        except Unavailable as exc:
+            log.warning("snapshot: cache control not read from Redis (%s); last copy kept", exc)
+            return
+        if held:
+            self._cache_control_section = section
+            seed_with(control, section)
+        elif self._cache_control_section is not None:
+            log.warning("snapshot: Redis holds no cache-control state (it lost its data?); "
+                        "the last copy kept, to seed it again")  # fmt: skip
 
     def _retain(self, position: str | None) -> None:
         """Record what this replica's snapshot covers, and trim what no replica needs."""

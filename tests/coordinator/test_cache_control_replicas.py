@@ -290,6 +290,66 @@ def test_the_snapshot_seeds_an_empty_redis_and_never_overrides_it(
         admin.close()
 
 
+def metric(client: httpx.Client, name: str) -> float:
+    """A counter or gauge without labels on ``client``'s ``/metrics`` (0 when absent)."""
+    found = re.search(rf"^{name} ([0-9.e+]+)$", client.get("/metrics").text, re.M)
+    return float(found[1]) if found else 0.0
+
+
+def test_a_redis_that_loses_the_state_while_the_replicas_run_is_seeded_again(
+    tmp_path: Path, stream: str
+) -> None:
+    """docs/cache-control.md, "Restart and snapshots": Redis loses its data (FLUSHALL) while
+    both replicas run. The old code seeded Redis only at start-up: pins, quotas and the
+    pending delete were gone for good (the replicas' next snapshots copied the empty state).
+    Now the first replica to notice seeds Redis again from its last copy (read from Redis at
+    its last snapshot before the loss; a snapshot every 0.2 s, so several are taken between
+    the loss and the seed and must keep that copy), counted once across the replicas."""
+    server = RedisServer(tmp_path)  # this test's own: it is flushed mid-test
+    server.start()
+    node = FakeMpServer()  # registered, never listening: the delete stays unfinished
+    admin = redis.Redis.from_url(server.url)
+    configs = [
+        redis_config(server, stream, r, snapshot_path=tmp_path / f"{r}.snap",
+                     snapshot_interval=0.2)
+        for r in ("a", "b")
+    ]  # fmt: skip
+    try:
+        with replicas(*configs) as (a, b):
+            for client in (a, b):
+                register(client, "n1", node.port)
+            assert a.post("/cache/pins", json=tokens()).status_code == 200
+            assert a.put(f"/quota/{SALT}", json={"limit_gb": 1.5}).status_code == 200
+            assert b.put("/quota/config", json={"default_limit_gb": 4.0}).status_code == 200
+            r = b.post("/cache/delete", json=tokens(instance_id="n1", force=True))
+            assert r.status_code == 502, r.text  # kept for retry
+
+            def unfinished(client: httpx.Client) -> float:
+                return sum(n for (kind, state), n in commands(client).items()
+                           if kind == "delete" and state in ("pending", "sent"))  # fmt: skip
+
+            assert unfinished(a) == 1
+            # each replica's copy: a snapshot begun after the changes (the second from now)
+            taken = {c: metric(c, "kvatlas_snapshots_total") for c in (a, b)}
+            assert wait_for(
+                lambda: all(metric(c, "kvatlas_snapshots_total") >= n + 2
+                            for c, n in taken.items()), timeout=30,
+            )  # fmt: skip
+            admin.flushall()  # the data lost while both replicas run
+            assert wait_for(lambda: pins(b) == [1, 1], timeout=30), pins(b)
+            assert pins(a) == [1, 1]
+            assert a.get(f"/quota/{SALT}").json()["quota_limit_gb"] == 1.5
+            assert a.get("/quota/config").json() == {"default_limit_gb": 4.0}
+            assert unfinished(b) == 1
+            reseeds = [metric(c, "kvatlas_cache_store_reseeds_total") for c in (a, b)]
+            assert sorted(reseeds) == [0.0, 1.0], reseeds  # one replica seeded, once
+            assert admin.hget(f"{stream}:cache:meta", "seeded") is not None
+    finally:
+        admin.close()
+        node.stop()
+        server.stop()
+
+
 # ------------------------------------------------------------------ Redis away
 
 

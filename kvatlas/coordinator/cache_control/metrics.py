@@ -2,7 +2,8 @@
 (:meth:`CommandLog.counts`; every kind and state, 0 when none, so no series vanishes), pinned
 keys and the bytes of their copies (every tier), each salt's own quota in bytes, and from the
 fleet eviction passes: each salt's L2 usage at the last pass and its ratio to the limit that
-applies, and the bytes evicted by salt and reason (the policy)."""
+applies, and the bytes evicted by salt and reason (the policy); with the Redis transport, how
+many times this replica seeded again a Redis that had lost the shared state."""
 
 from __future__ import annotations
 
@@ -34,6 +35,12 @@ class CacheControlCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         control = self._control()
+        if control.store is not None:  # counted in this process: there while Redis is away
+            yield CounterMetricFamily(
+                "kvatlas_cache_store_reseeds",
+                "times this replica seeded again a Redis that lost the cache-control state",
+                value=control.store.reseeds,
+            )
         try:  # with the Redis transport these are read from Redis: none while it is away
             counts, rows = control.commands.counts(), control.pins.rows()
             limits_gb = control.quotas.limits()

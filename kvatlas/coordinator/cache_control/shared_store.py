@@ -23,7 +23,10 @@ Keys, all under ``<event stream>:cache:`` (so one ACL key pattern covers them,
 ``cache_control`` section), which seeds Redis only when Redis holds no cache-control state at
 all (``meta.seeded`` absent: the first start on Redis, or a Redis that lost its data) — once,
 by the first replica with a snapshot that reaches Redis (:meth:`SharedStore.ensure`); any
-change marks Redis as holding state, so a snapshot never overrides what the fleet did.
+change marks Redis as holding state, so a snapshot never overrides what the fleet did. A
+Redis that loses its data while the replicas run (FLUSHALL, a restart without persistence) is
+seeded again the same way, from the last copy a replica read from Redis
+(:meth:`SharedStore.watch`: every :data:`WATCH_S`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from kvatlas.errors import Unavailable
 from kvatlas.redis_clients import redis_client
 
 log = logging.getLogger(__name__)
+WATCH_S: Final = 1.0
+"""How often a replica with a copy of the state checks that Redis still holds it."""
 
 _PIN_LOG: Final = """
 -- the change's entry in pins:log (KEYS[4]), scored by its version: a weight (its keys + 1:
@@ -180,8 +185,9 @@ class SharedStore:
 
     Every Redis error surfaces as :class:`~kvatlas.errors.Unavailable` (a route answers 503,
     the delivery loop tries again at its next pass). :meth:`ensure` runs before the first
-    operation (and from :meth:`ensure_when_reachable` at start-up): it seeds an empty Redis
-    with ``seed`` (the snapshot's section, when the replica restored one)."""
+    operation (and from :meth:`watch` at start-up): it seeds an empty Redis with ``seed`` (the
+    snapshot's section, when the replica restored one, then each copy its snapshots read from
+    Redis); :meth:`watch` seeds it again should Redis lose the state later."""
 
     def __init__(self, client: Any, stream: str, owner: str) -> None:
         import redis
@@ -191,8 +197,12 @@ class SharedStore:
         self.prefix = f"{stream}:cache:"
         self.owner = owner  # this process's name on leases (replica id, pid, random)
         self.seed: Callable[[], None] | None = None
-        """Writes a snapshot's state into a Redis that holds none (set by the restore)."""
+        """Writes this replica's last copy of the state into a Redis that holds none (set by
+        the restore, then by each snapshot that read the state from Redis)."""
+        self.reseeds = 0
+        """How many times this replica seeded a Redis that had lost the state it held."""
         self._ensured = False
+        self._held = False  # this process saw Redis hold the state (a seed now is a re-seed)
         self._ensure_lock = threading.Lock()
         self._scripts = {name: client.register_script(text) for name, text in SCRIPTS.items()}
 
@@ -235,46 +245,79 @@ class SharedStore:
 
     def ensure(self, *, write: bool = False) -> None:
         """Before a change (``write``), mark Redis as holding this fleet's cache-control state;
-        a replica that restored a snapshot does it at once, and if Redis held no state yet it
-        seeds it first (``seed``). Reads and leases mark nothing (a replica that only reads
+        a replica with a copy of the state (``seed``) does it at once, and if Redis held no
+        state yet it seeds it first. Reads and leases mark nothing (a replica that only reads
         cannot stop another's snapshot from seeding an empty Redis). At most once per process
-        once done; raises :class:`Unavailable` while Redis is away."""
+        once done (:meth:`check` undoes it when Redis lost the state); raises
+        :class:`Unavailable` while Redis is away."""
         if self._ensured or (self.seed is None and not write):
             return
         with self._ensure_lock:
-            if self._ensured:
-                return
-            first = bool(self._raw("hsetnx", self.key("meta"), "seeded", self.owner))
-            if first and self.seed is not None:
-                log.info("cache control: Redis held none; seeding it from the snapshot")
-                self._ensured = True  # the seed's own calls go through
-                try:
-                    self.seed()
-                except BaseException:
-                    self._ensured = False
-                    self._raw("hdel", self.key("meta"), "seeded")
-                    raise
-            elif self.seed is not None:
-                log.info(
-                    "cache control: Redis holds the fleet's state; the snapshot's is not applied"
-                )
-            self._ensured = True
+            if not self._ensured:
+                self._mark()
 
-    def ensure_when_reachable(self, stop: threading.Event) -> None:
-        """:meth:`ensure` for a replica that restored a snapshot (nothing to do otherwise),
-        retried with backoff while Redis is away, until done or ``stop``."""
+    def _mark(self, *, noticed: bool = False) -> bool:
+        """:meth:`ensure`'s step, under its lock: mark Redis (``HSETNX meta.seeded``, atomic:
+        one replica is first) and, if first, seed it; True: this replica seeded a Redis that
+        had lost the state it saw (counted in :attr:`reseeds`). ``noticed``: :meth:`check`
+        found the state gone."""
+        seed, lost = self.seed, self._held
+        first = bool(self._raw("hsetnx", self.key("meta"), "seeded", self.owner))
+        if first and seed is not None:
+            if lost:
+                log.warning("cache control: Redis lost the fleet's pins, quotas and commands; "
+                            "seeding it again from this replica's last copy")  # fmt: skip
+            else:
+                log.info("cache control: Redis held none; seeding it from the snapshot")
+            self._ensured = True  # the seed's own calls go through
+            try:
+                seed()
+            except BaseException:
+                self._ensured = False
+                self._raw("hdel", self.key("meta"), "seeded")
+                raise
+            self.reseeds += lost
+        elif noticed:
+            log.warning("cache control: Redis lost the fleet's state; another replica seeded it")
+        elif seed is not None:
+            log.info("cache control: Redis holds the fleet's state; the snapshot's is not applied")
+        self._ensured = self._held = True
+        return first and seed is not None and lost
+
+    def holds_state(self) -> bool:
+        """Whether Redis holds this fleet's cache-control state (``meta.seeded``)."""
+        held = bool(self._raw("hexists", self.key("meta"), "seeded"))
+        self._held = self._held or held
+        return held
+
+    def check(self) -> bool:
+        """For a replica with a copy of the state (``seed``; nothing to do otherwise): at
+        start-up :meth:`ensure`, and later, should Redis no longer hold the state (it lost its
+        data), seed it again — the first replica to notice does, the others find it seeded.
+        True: this replica seeded it again. Raises :class:`Unavailable` while Redis is away."""
         if self.seed is None:
-            return
+            return False
+        with self._ensure_lock:  # another thread's ensure waits for this one
+            noticed = self._ensured
+            if noticed and self.holds_state():
+                return False
+            self._ensured = False
+            return self._mark(noticed=noticed)
+
+    def watch(self, stop: threading.Event, every_s: float = WATCH_S) -> None:
+        """:meth:`check` every ``every_s`` (with backoff while Redis is away) until ``stop``."""
         from kvatlas.backoff import Backoff
 
         backoff = Backoff(0.1, 2.0)
         while not stop.is_set():
             try:
-                self.ensure(write=True)
-                return
+                self.check()
             except Unavailable as exc:
-                log.debug("cache-control store not reached yet: %s", exc)
+                log.debug("cache-control store not reached: %s", exc)
                 stop.wait(backoff.next_wait())
+                continue
+            backoff.reset()
+            stop.wait(every_s)
 
     def _raw(self, command: str, *args: Any, **kwargs: Any) -> Any:
         try:

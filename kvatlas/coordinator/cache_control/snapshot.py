@@ -8,7 +8,9 @@ not know is refused, never half-read.
 
 With the state shared in Redis (``CacheControl.store``), Redis wins: the section is a copy,
 written with every snapshot, that seeds Redis only if Redis holds no cache-control state when
-the replica first reaches it (:class:`~.shared_store.SharedStore`); otherwise it is ignored."""
+the replica first reaches it (:class:`~.shared_store.SharedStore`), or later should Redis lose
+its data (:meth:`~.shared_store.SharedStore.watch`: the last copy read from Redis while it
+held the state); otherwise it is ignored."""
 
 from __future__ import annotations
 
@@ -107,6 +109,13 @@ def seed_shared(control: CacheControl, data: bytes) -> None:
     )  # fmt: skip
 
 
+def seed_with(control: CacheControl, section: bytes) -> None:
+    """Make ``section`` what the shared store of ``control`` seeds a Redis holding no
+    cache-control state with (the one restored, then each one a snapshot read from Redis)."""
+    if control.store is not None:
+        control.store.seed = lambda: seed_shared(control, section)
+
+
 def restore_section(
     control: CacheControl, sections: dict[str, bytes] | None, where: str | Path
 ) -> int:
@@ -117,8 +126,7 @@ def restore_section(
     if sections is None or SECTION not in sections:
         return 0
     if control.store is not None:  # Redis wins: the section only seeds a Redis holding none
-        section = sections[SECTION]
-        control.store.seed = lambda: seed_shared(control, section)
+        seed_with(control, sections[SECTION])
         return 0
     try:
         return restore_state(control, sections[SECTION])

@@ -1,0 +1,93 @@
+"""A Redis that lost the shared cache-control state while the replicas run is seeded again
+(docs/cache-control.md, "Restart and snapshots: Redis wins"), on a real redis-server: by one
+replica only, from its last copy of the state, and a snapshot taken between the loss and the
+seed keeps that copy (it read the empty state). The replicas' test
+(``test_cache_control_replicas.py::test_a_redis_that_loses_the_state_while_the_replicas_run_is_seeded_again``)
+runs the same through two coordinators."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import redis
+
+from kvatlas.coordinator.cache_control import SECTION, CacheControl, restore_state
+from kvatlas.coordinator.cache_control.shared_store import SharedStore
+from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.directory import KeyDirectory
+from kvatlas.directory.snapshot import load_snapshot
+from tests.conftest import RedisServer
+from tests.coordinator.test_cache_control_model import fields
+
+_streams = itertools.count()
+
+
+def lose(redis_server: RedisServer, stream: str) -> None:
+    """Redis loses the fleet's data (as FLUSHALL would, for this stream's keys only)."""
+    admin = redis.Redis.from_url(redis_server.url)
+    try:
+        admin.delete(*admin.keys(f"{stream}:*"))
+    finally:
+        admin.close()
+
+
+def test_one_replica_seeds_a_redis_that_lost_the_state_again(redis_server: RedisServer) -> None:
+    """Both replicas hold a copy and notice the loss; the first to mark Redis seeds it, the
+    other finds it seeded. A replica without a copy marks nothing (a replica with one seeds)."""
+    stream = f"kvatlas:reseed-test-{next(_streams)}"
+    stores = [SharedStore.connect(redis_server.url, stream, o) for o in ("a", "b", "c")]
+    seeds: list[str] = []
+    try:
+        for store in stores[:2]:
+            store.seed = lambda owner=store.owner: seeds.append(owner)
+        assert [s.check() for s in stores] == [False] * 3  # the start: a seeds, not a re-seed
+        assert seeds == ["a"]
+        assert [s.check() for s in stores] == [False] * 3  # Redis holds the state
+        lose(redis_server, stream)
+        assert stores[2].check() is False  # no copy: Redis still holds nothing
+        assert not stores[0].holds_state()
+        assert [s.check() for s in reversed(stores)] == [False, True, False]  # b first
+        assert seeds == ["a", "b"]
+        assert [s.reseeds for s in stores] == [0, 1, 0]
+        assert [s.check() for s in stores] == [False] * 3  # seeded once
+        assert seeds == ["a", "b"]
+    finally:
+        for store in stores:
+            store.client.close()
+
+
+def test_a_snapshot_between_the_loss_and_the_seed_keeps_the_last_copy(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The key edge: a snapshot reads Redis after it lost the state and before a replica seeded
+    it again. The old code copied the empty state into the snapshot and made it the copy Redis
+    would be seeded from: the pins and the quota were gone for good."""
+    stream = f"kvatlas:reseed-test-{next(_streams)}"
+    config = CoordinatorConfig(
+        chunk_size=16, event_transport="redis", redis_url=redis_server.url, event_stream=stream,
+        replica_id="a", snapshot_path=tmp_path / "a.snap",
+    )  # fmt: skip
+    service = CoordinatorService(config)
+    control, store = service.cache_control, service.cache_control.store
+    assert store is not None
+    try:
+        assert control.pin(fields(48)).affected == 3
+        control.quotas.set("tenant", 2.0)
+        assert service.take_snapshot() is not None  # the copy: read from Redis
+        lose(redis_server, stream)
+        assert control.pins.rows() == []  # the loss, seen by every read
+        assert service.take_snapshot() is not None  # after the loss, before the seed
+        sections = load_snapshot(KeyDirectory(16), config.snapshot_path).sections
+        assert sections is not None and SECTION in sections
+        copy = CacheControl(16, is_instance=lambda _i: True, usage_by_salt=dict)
+        restore_state(copy, sections[SECTION])
+        assert len(copy.pins.rows()) == 3  # the copy, not the empty state
+        assert copy.quotas.limits() == {"tenant": 2.0}
+        assert store.check() is True  # seeded again, from the copy
+        assert [n for _k, n in control.pins.rows()] == [1, 1, 1]
+        assert control.quotas.limits() == {"tenant": 2.0}
+        assert store.reseeds == 1
+    finally:
+        store.client.close()
