@@ -24,7 +24,7 @@ from typing import Any
 
 import uvicorn
 
-from kvatlas.http_guard import HttpLimits, OnRefused, guarded_protocol
+from kvatlas.http_guard import ErrorBody, HttpLimits, OnRefused, guarded_protocol
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +56,16 @@ def serve(
     sock: socket.socket | list[socket.socket] | None = None,
     limits: HttpLimits | None = None,
     on_refused: OnRefused = lambda _reason: None,
+    error_body: ErrorBody | None = None,
     **kwargs: Any,
 ) -> None:
     """``uvicorn.run(app, ...)`` that returns normally after a graceful shutdown on SIGINT or
     SIGTERM (the previous handlers are back in place when it returns). With ``sock`` (from
     :func:`bind_listener`; or several) uvicorn serves on those already-bound sockets; with
-    ``limits``, under them (:mod:`kvatlas.http_guard`; ``on_refused`` counts)."""
+    ``limits``, under them (:mod:`kvatlas.http_guard`; ``on_refused`` counts, ``error_body``
+    is the body of the guard's own refusals)."""
     if limits is not None:
-        kwargs["http"] = guarded_protocol(limits, on_refused)
+        kwargs["http"] = guarded_protocol(limits, on_refused, error_body)
     received: list[int] = []
 
     def remember(signum: int, _frame: object) -> None:

@@ -37,6 +37,7 @@ does, and so does a request the app declines, its body already there.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import resource
@@ -145,10 +146,15 @@ class HttpRefusals(Collector):
         yield family
 
 
-_TIMEOUT_REPLY = (
-    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-    b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
-)
+ErrorBody = Callable[[int, str], bytes]
+"""The JSON body of a refusal the guard writes itself, from status and message: a 408 and the
+400 of a request the parser cannot read (default: ``{"detail": ...}`` and uvicorn's 400)."""
+_BODY_LATE = "request body not received in time"
+
+
+def _refusal(status: int, body: bytes) -> bytes:
+    head = b"%scontent-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n"
+    return head % (STATUS_LINE[status], len(body)) + body
 
 
 WHOLE_BODY: Final = "kvatlas.whole_body"
@@ -186,9 +192,12 @@ class AnswersInTurn(Protocol):
     def answer_in_turn(self, ticket: Any, body: bytes) -> Answer | None: ...
 
 
-def guarded_protocol(limits: HttpLimits, on_refused: OnRefused) -> type[asyncio.Protocol]:
+def guarded_protocol(
+    limits: HttpLimits, on_refused: OnRefused, error_body: ErrorBody | None = None
+) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol class with ``limits`` applied; ``on_refused`` counts."""
     cap = limits.connection_cap
+    refusal_body = error_body or (lambda _status, text: json.dumps({"detail": text}).encode())
 
     class GuardedHTTP(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         _timer: asyncio.TimerHandle | None = None
@@ -359,6 +368,14 @@ def guarded_protocol(limits: HttpLimits, on_refused: OnRefused) -> type[asyncio.
             self.on_message_complete()
             self._watch()
 
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's 400 to a request its parser cannot read, with ``error_body``'s body."""
+            if error_body is None:
+                super().send_400_response(msg)
+                return
+            self.transport.write(_refusal(400, error_body(400, msg)))
+            self.transport.close()
+
         def connection_made(self, transport: Any) -> None:
             transport = CoalescingTransport(transport, asyncio.get_running_loop())
             super().connection_made(transport)
@@ -427,8 +444,7 @@ def guarded_protocol(limits: HttpLimits, on_refused: OnRefused) -> type[asyncio.
                     self._arm(limits.body_timeout_s, body=True)
                     return
                 on_refused("body_timeout")
-                detail = b'{"detail":"request body not received in time"}'
-                transport.write(_TIMEOUT_REPLY % (len(detail), detail))
+                transport.write(_refusal(408, refusal_body(408, _BODY_LATE)))
                 transport.close()
 
     return GuardedHTTP

@@ -12,6 +12,7 @@ guard's write coalescing (one send per loop turn) still lets each piece go as it
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import socket
 import subprocess
@@ -212,6 +213,13 @@ def test_stalled_body_gets_408_after_the_body_timeout(guarded: tuple[int, str]) 
     port, name = guarded
     before = _refused(port, "body_timeout")
     path = {"coordinator": "/events", "node": "/engine/lookup", "router": "/v1/completions"}[name]
+    reply = _stalled_body_reply(port, path)
+    assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
+    assert _refused(port, "body_timeout") - before >= 1
+
+
+def _stalled_body_reply(port: int, path: str) -> bytes:
+    """What a request whose body stops after 13 of its 1000 bytes gets, read to the close."""
     head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     with socket.create_connection(("127.0.0.1", port), timeout=HANG) as conn:
         conn.sendall(f'{head}Content-Length: 1000\r\n\r\n{{"batches": ['.encode())
@@ -219,8 +227,20 @@ def test_stalled_body_gets_408_after_the_body_timeout(guarded: tuple[int, str]) 
         with contextlib.suppress(ConnectionResetError):
             while part := conn.recv(65536):
                 reply += part
-    assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
-    assert _refused(port, "body_timeout") - before >= 1
+    return reply
+
+
+def test_the_routers_408_is_an_openai_error(one_second_guard: Callable[[str], int]) -> None:
+    """docs/router.md, "Endpoints": errors the router raises itself are OpenAI error objects;
+    its guard's 408 was the coordinator's ``{"detail": ...}``. The coordinator's and node's
+    408 keep their ``detail`` (``test_answer_in_turn.py``)."""
+    reply = _stalled_body_reply(one_second_guard("router"), "/v1/completions")
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 "), reply[:300]
+    assert b"content-type: application/json" in head.lower().split(b"\r\n"), head
+    error = json.loads(body)["error"]
+    assert (error["code"], error["type"], error["param"]) == (408, "RequestTimeoutError", None)
+    assert "not received in time" in error["message"]
 
 
 def test_connections_beyond_the_cap_are_closed_at_once(service: Spawn) -> None:

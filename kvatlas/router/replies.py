@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 
 _ERROR_TYPES: Final = {
     400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-    404: "NotFoundError", 413: "RequestTooLargeError", 422: "BadRequestError",
-    503: "ServiceUnavailableError",
+    404: "NotFoundError", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
+    422: "BadRequestError", 503: "ServiceUnavailableError",
 }  # fmt: skip
 _USAGE_TAIL_BYTES: Final = 16_384
 _json = msgspec.json.Encoder()
@@ -34,7 +34,8 @@ class ReplyCut(Exception):
     sees an incomplete reply, never a complete-looking one."""
 
 
-def _error_body(status: int, message: str) -> bytes:
+def error_body(status: int, message: str) -> bytes:
+    """The JSON of an OpenAI error object (also the HTTP guard's refusals', the 408 and 400)."""
     body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"),
                       "param": None, "code": status}}  # fmt: skip
     return _json.encode(body)
@@ -43,12 +44,12 @@ def _error_body(status: int, message: str) -> bytes:
 def openai_error(status: int, message: str) -> Response:
     """An OpenAI error object, the shape vLLM answers with."""
     headers = {"www-authenticate": "Bearer"} if status == 401 else None
-    return Response(_error_body(status, message), status, headers, media_type="application/json")
+    return Response(error_body(status, message), status, headers, media_type="application/json")
 
 
 async def send_openai_error(send: Send, status: int, message: str) -> None:
     """:func:`openai_error`, sent as plain ASGI messages."""
-    body = _error_body(status, message)
+    body = error_body(status, message)
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]  # fmt: skip
     if status == 401:

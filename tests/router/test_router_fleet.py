@@ -9,6 +9,7 @@ until they recover."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 from collections.abc import Iterator
 from typing import Any
@@ -242,6 +243,36 @@ def test_an_unknown_path_or_method_gets_an_openai_error(fleet: dict[str, Any]) -
         assert reply.headers["content-type"] == "application/json"
         assert reply.json()["error"]["code"] == status
     assert reply.headers["allow"] == "POST"  # (the 405's header stays)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"NOT AN HTTP REQUEST\r\n\r\n",  # the request line
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n",  # a header
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Bad: a\x00b\r\n\r\n",  # a header's value
+    ],
+    ids=["request-line", "header", "header-value"],
+)
+def test_a_request_the_parser_cannot_read_gets_an_openai_400(
+    fleet: dict[str, Any], raw: bytes
+) -> None:
+    """docs/router.md, "Endpoints": uvicorn answered a request it cannot parse with its own
+    ``text/plain`` 400 ("Invalid HTTP request received."); the router's guard writes it as an
+    OpenAI error object, and the connection is closed. Negative control: the router answers."""
+    port = int(fleet["router"].rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        conn.sendall(raw)
+        reply = b""
+        while part := conn.recv(65536):  # to the close (a hang: the socket's timeout)
+            reply += part
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 "), reply[:300]
+    assert b"content-type: application/json" in head.lower().split(b"\r\n"), head
+    error = json.loads(body)["error"]
+    assert (error["code"], error["type"], error["param"]) == (400, "BadRequestError", None)
+    assert "Invalid HTTP request" in error["message"]
+    assert HTTP.get(f"{fleet['router']}/healthz").status_code == 200
 
 
 def test_a_body_nested_too_deeply_is_a_422_counted_never_a_500(fleet: dict[str, Any]) -> None:
