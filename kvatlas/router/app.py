@@ -98,6 +98,7 @@ class Router:
         self.config = config
         self.tokenizer = tokenizer
         self.auth: TokenAuth | None = config.auth()
+        token = config.coordinator_bearer()  # read whatever the policy: a bad file stops it
         self.metrics = RouterMetrics(lambda: () if self.scorer is None else self.scorer.series())
         self.policy = Policy(config.policy, config.cost_model(), config.seed)
         self._pools: dict[str, KeepAliveClient] = {}
@@ -106,7 +107,7 @@ class Router:
         self.coordinator = (
             AsyncRouteClient(
                 config.coordinator_url,
-                token=config.coordinator_bearer(),
+                token=token,
                 on_json_fallback=self.metrics.score_json_fallbacks.inc,
             )
             if config.coordinator_url

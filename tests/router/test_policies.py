@@ -3,14 +3,19 @@ router counts corrected by vLLM's gauges, and engines learned from the coordinat
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
+from kvatlas.asgi_thread import free_port
 from kvatlas.engine_sim.config import EngineSimConfig
 from kvatlas.router import Candidate, CostModel, Coverage, EngineLoad, Policy, RouterConfig
 from kvatlas.router.engines import Engine, EngineSet, parse_models, parse_vllm_gauges
 from kvatlas.router.policies import llmd_prefix_score, prefix_costs
+from tests.conftest import HTTP, wait_for
 
 IDLE = EngineLoad(in_flight=0, waiting=0.0, pending_prefill_tokens=0.0, kv_usage=0.0)
 BW = {"gpu": 0.0, "l1": 25e9, "l2": 7e9, "peer": 12.5e9}  # the defaults
@@ -218,6 +223,45 @@ def test_the_coordinator_token_is_read_by_the_one_secret_rule(tmp_path: Path) ->
     path.chmod(0o644)
     with pytest.raises(ValueError, match="chmod 600"):
         from_file.coordinator_bearer()
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "least-loaded", "random", "kvatlas"])
+def test_a_coordinator_token_file_that_cannot_be_read_stops_the_start(
+    tmp_path: Path, policy: str
+) -> None:
+    """``--coordinator-token-file`` naming no file: one line naming the flag and the file, exit
+    2, whatever the policy. It was read only to build the coordinator's client, so without
+    ``--coordinator-url`` (round-robin, least-loaded, random) the router started and served;
+    ``kvatlas`` (with the URL it needs) is the negative control, refused before too."""
+    missing = tmp_path / "no-such.token"
+    port = free_port()
+    url = ["--coordinator-url", f"http://127.0.0.1:{free_port()}"] if policy == "kvatlas" else []
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvatlas.cli", "router", "--port", str(port), "--policy", policy,
+         "--engine", "e=http://127.0.0.1:9", *url, "--coordinator-token-file", str(missing),
+         "--log-format", "text"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+    def answers() -> bool:  # any status: it is serving
+        try:
+            HTTP.get(f"http://127.0.0.1:{port}/healthz")
+        except httpx.HTTPError:
+            return False
+        return True
+
+    try:
+        assert wait_for(lambda: proc.poll() is not None or answers(), timeout=120)
+        assert proc.poll() is not None, "the router started with a token file it cannot read"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _, err = proc.communicate(timeout=60)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 2, err
+    assert len(lines) == 1, err
+    assert "--coordinator-token-file" in lines[0] and str(missing) in lines[0], lines[0]
+    assert "not starting" in lines[0]
 
 
 def test_concurrent_scrapes_each_show_every_engines_in_flight_series() -> None:
