@@ -40,6 +40,8 @@ class Engine:
     healthy: bool = False
     models: dict[str, int | None] | None = None
     """Served model → max_model_len (``None`` until ``/v1/models`` answered)."""
+    logged_healthy: bool | None = None
+    """The health last logged (``None``: none yet): a change is logged once, not every probe."""
     in_flight: int = 0
     awaiting_first_byte: int = 0
     pending_tokens: int = 0
@@ -153,6 +155,7 @@ class EngineSet:
             log.warning(
                 "engine %s refused a connection: out of the set until healthy", engine.engine_id
             )
+            engine.logged_healthy = False  # (said: the health checks that fail say no more)
         engine.healthy = False
 
     # ------------------------------------------------------------------ probes
@@ -164,20 +167,39 @@ class EngineSet:
             return reply.status, await reply.read()
 
     async def check(self, engine: Engine) -> None:
-        """``/health`` then ``/v1/models``; either failing takes the engine out."""
+        """``/health`` then ``/v1/models``; either failing takes the engine out. Each change is
+        logged once: a WARNING with the reason when the engine goes out (or is out from its
+        first check), an INFO when it is healthy again (or from the first); a probe that fails
+        like the one before is logged at DEBUG only."""
         try:
-            status, _ = await self._get(f"{engine.url}/health")
-            ok = status == 200
+            reason = await self._probe(engine)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        ok = reason is None
+        if ok != engine.logged_healthy:
+            engine.logged_healthy = ok
             if ok:
-                status, raw = await self._get(f"{engine.url}/v1/models")
-                engine.models = parse_models(msgspec.json.decode(raw))
-                ok = status == 200
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            log.debug("engine %s: health check failed: %s", engine.engine_id, exc)
-            ok = False
-        if ok != engine.healthy:
-            log.info("engine %s is %s", engine.engine_id, "healthy" if ok else "out of the set")
+                log.info("engine %s (%s) is healthy: in the set", engine.engine_id, engine.url)
+            else:
+                log.warning("engine %s (%s) is unhealthy, out of the set until a health check "
+                            "passes: %s", engine.engine_id, engine.url, reason)  # fmt: skip
+        elif reason is not None:
+            log.debug("engine %s: health check failed: %s", engine.engine_id, reason)
         engine.healthy = ok
+
+    async def _probe(self, engine: Engine) -> str | None:
+        """Why ``engine`` is not healthy (``None``: it is; its models are read)."""
+        status, _ = await self._get(f"{engine.url}/health")
+        if status != 200:
+            return f"GET /health answered {status}"
+        status, raw = await self._get(f"{engine.url}/v1/models")
+        if status != 200:
+            return f"GET /v1/models answered {status}"
+        try:
+            engine.models = parse_models(msgspec.json.decode(raw))
+        except ValueError as exc:  # (msgspec.DecodeError is one)
+            return f"GET /v1/models: not vLLM's model list ({exc})"
+        return None
 
     async def scrape(self, engine: Engine) -> None:
         try:
