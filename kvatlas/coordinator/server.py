@@ -7,6 +7,7 @@ docs/coordinator.md.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import socket
@@ -14,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, TypeVar
+from typing import IO, Final, TypeVar
 
 from kvatlas.asgi_thread import ThreadedServer, bind_listener, free_port, serve
 from kvatlas.auth import TokenAuth
@@ -111,6 +112,10 @@ def claim_state(config: CoordinatorConfig) -> IO[str] | None:
     return lock
 
 
+_HELD: Final = frozenset({errno.EADDRINUSE, errno.EAGAIN, errno.EWOULDBLOCK})
+"""The errors of a port or lock another process holds."""
+
+
 def claim_or_exit(claim: Callable[[], T], holder: str) -> T:
     """``claim()`` (:func:`claim_replica`, :func:`claim_state`), or, once the reason is logged,
     ``SystemExit(1)``: the port, the snapshot lock or the consumer group is another process's
@@ -118,7 +123,10 @@ def claim_or_exit(claim: Callable[[], T], holder: str) -> T:
     try:
         return claim()
     except OSError as exc:
-        log.error("%s; is another %s running? not starting", exc.strerror or exc, holder)
+        if exc.errno in _HELD:
+            log.error("%s; is another %s running? not starting", exc.strerror or exc, holder)
+        else:  # a path that cannot be (under a file, in /proc, not writable): say which
+            log.error("%s; not starting", exc)
     except KvatlasError as exc:
         log.error("%s; not starting", exc)
     raise SystemExit(1)
