@@ -63,9 +63,11 @@ def serve(
     SIGTERM (the previous handlers are back in place when it returns). With ``sock`` (from
     :func:`bind_listener`; or several) uvicorn serves on those already-bound sockets; with
     ``limits``, under them (:mod:`kvatlas.http_guard`; ``on_refused`` counts, ``error_body``
-    is the body of the guard's own refusals)."""
+    is the body of the guard's own refusals), an idle connection kept for the header timeout
+    (the time a client has to send its next request; uvicorn's own keep-alive is 5 s)."""
     if limits is not None:
         kwargs["http"] = guarded_protocol(limits, on_refused, error_body)
+        kwargs.setdefault("timeout_keep_alive", limits.header_timeout_s)
     received: list[int] = []
 
     def remember(signum: int, _frame: object) -> None:

@@ -315,3 +315,31 @@ def test_snapshots_keep_working_with_connections_at_the_cap(tmp_path: Path) -> N
         assert _refused(port, "over_cap") >= 150 - 64 - 5
     finally:
         stop([proc])
+
+
+def test_an_idle_connection_is_kept_for_the_header_timeout(engine: LockstepEngine) -> None:
+    """``--http-header-timeout-s`` is the time a client has to send its next request after a
+    reply (docs/router.md, docs/coordinator.md): with 8 s, a request sent 6.5 s after the last
+    reply on the same connection is answered. uvicorn's own keep-alive closed every idle
+    connection after 5 s whatever the flag (a client pool that keeps connections longer, as
+    aiohttp's 15 s, then meets a closed one)."""
+    url = engine.server.url
+    base = {"router": ["--engine", f"e={url}", "--policy", "round-robin"]}
+    started = {
+        name: _spawn(name, *base.get(name, []), "--http-header-timeout-s", "8")
+        for name in ("coordinator", "node", "router")
+    }
+    request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    try:
+        conns = {}
+        for name, (_proc, port) in started.items():
+            conns[name] = socket.create_connection(("127.0.0.1", port), timeout=HANG)
+            conns[name].sendall(request)
+            assert conns[name].recv(65536).startswith(b"HTTP/1.1 200 "), name
+        time.sleep(6.5)  # idle: past uvicorn's 5 s, within the 8 s the flag gives
+        for name, conn in conns.items():
+            conn.sendall(request)
+            assert conn.recv(65536).startswith(b"HTTP/1.1 200 "), f"{name}: closed when idle"
+            conn.close()
+    finally:
+        stop([proc for proc, _port in started.values()])
