@@ -94,7 +94,7 @@ class Snapshots:
             if replayed.records:
                 log.info("replayed %d cache-control changes from the journal beside %s",
                          replayed.records, self.config.snapshot_path)  # fmt: skip
-            journal.attach(self.cache_control)
+            journal.attach(self.cache_control, journal_from)
         return info
 
     def _load(self) -> tuple[SnapshotInfo | None, int]:

@@ -141,12 +141,16 @@ class Journal:
                         path, len(data) - at)  # fmt: skip
         return records
 
-    def attach(self, control: CacheControl) -> None:
-        """Open a new generation and write every later change of ``control`` ahead to it."""
+    def attach(self, control: CacheControl, restored: int = 0) -> None:
+        """Open a new generation and write every later change of ``control`` ahead to it;
+        ``restored``: the generation the restored snapshot names. The new one is later than
+        it and than every file on disk: a snapshot brought back without its journal files
+        (moved, or from a backup) names one the next restart replays from, and changes
+        written to an earlier one would be skipped."""
         known = self.generations()
         self.snapshot_path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
-            self._open_locked(known[-1] + 1 if known else 1)
+            self._open_locked(max(known[-1] if known else 0, restored) + 1)
         pins, quotas = control.pins, control.quotas
         if not isinstance(pins, PinTable) or not isinstance(quotas, QuotaTable):
             raise TypeError("a journal records the in-memory tables")
