@@ -14,6 +14,7 @@ it (``-``: to standard output instead of the text).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,7 +206,9 @@ def _hint(status: int | None, action: str) -> str:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    if getattr(args, "wait_timeout_s", 1.0) <= 0 or getattr(args, "poll_interval_s", 1.0) <= 0:
-        raise UsageError("--wait-timeout-s and --poll-interval-s must be > 0")
+    waits = (getattr(args, "wait_timeout_s", 1.0), getattr(args, "poll_interval_s", 1.0))
+    if not all(math.isfinite(s) and s > 0 for s in waits):  # NaN: sleep() refuses it only
+        # after the command was sent, and a timeout of NaN never ends the wait
+        raise UsageError("--wait-timeout-s and --poll-interval-s must be finite numbers > 0")
     if getattr(args, "world_size", 1) < 1:
         raise UsageError("--world-size must be >= 1")

@@ -267,11 +267,14 @@ ROUTE_HELP = {
 
 def read_tokens(path: Path) -> list[int]:
     """Token ids from a file: a JSON list, or integers separated by whitespace or commas."""
-    text = path.read_text()
-    if text.lstrip().startswith("["):
-        ids = json.loads(text)
-    else:
-        ids = [int(t) for t in text.replace(",", " ").split()]
+    text = path.read_bytes()
+    try:  # not UTF-8, not JSON, not integers: say which file
+        if text.lstrip().startswith(b"["):
+            ids = json.loads(text)
+        else:
+            ids = [int(t) for t in text.decode().replace(",", " ").split()]
+    except ValueError as exc:
+        raise ValueError(f"{path}: not a list of integer token ids ({exc})") from None
     if not isinstance(ids, list) or not all(is_plain_int(t) for t in ids):
         raise ValueError(f"{path}: not a list of integer token ids")
     return ids

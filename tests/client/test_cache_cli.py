@@ -293,7 +293,13 @@ def test_bad_command_lines_exit_2_and_no_token_is_a_401_with_a_hint(
     loose = fleet.tmp / "loose.token"
     loose.write_text(ADMIN)
     loose.chmod(0o644)
+    cut = fleet.tmp / "cut.json"
+    cut.write_text("[1, 2,")
+    nan_wait = ("prefetch", *doc(fleet, "--instance-id", "node-a", "--wait"))
     for argv, who, says in (
+        ((*nan_wait, "--poll-interval-s", "nan"), None, "must be finite numbers > 0"),
+        ((*nan_wait, "--wait-timeout-s", "nan"), None, "must be finite numbers > 0"),
+        (("pin", "--model-name", "toy", "--tokens-file", str(cut)), None, f"{cut}: not a list"),
         (("pin", "--model-name", "toy"), None, "give the tokens: --token-ids or --tokens-file"),
         (("pin", *doc(fleet), "--token-ids", "1"), None, "one of them"),
         (("pin", "--model-name", "toy", "--token-ids", "1,x"), None, "--token-ids: integers"),
