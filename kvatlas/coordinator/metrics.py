@@ -223,7 +223,10 @@ class CoordinatorMetrics:
         )
         self.snapshots = Counter("kvatlas_snapshots", "snapshots written", registry=r)
         self.snapshot_failures = Counter(
-            "kvatlas_snapshot_failures", "snapshots that failed", registry=r
+            "kvatlas_snapshot_failures",
+            "snapshots that failed or could not be read; cache-control journal writes refused, "
+            "records damaged, or a journal without its snapshot",
+            registry=r,
         )
         self.instances_expired = Counter(
             "kvatlas_instances_expired", "instances fenced on timeout", registry=r

@@ -73,7 +73,7 @@ class Snapshots:
         self._lock = threading.Lock()
         self._cache_control_section: bytes | None = None  # the last one written
         self.journal = (
-            Journal(config.snapshot_path)
+            Journal(config.snapshot_path, metrics.snapshot_failures.inc)
             if config.snapshot_path is not None and cache_control.store is None
             else None
         )
@@ -89,6 +89,14 @@ class Snapshots:
         info, journal_from = self._load()
         journal = self.journal
         if journal is not None:
+            generations = journal.generations()
+            if info is None and generations and generations[0] > 1:
+                self.metrics.snapshot_failures.inc()
+                log.warning(
+                    "cache-control journal beside %s starts at generation %d without its "
+                    "snapshot: the pins, quotas and commands before it are not restored",
+                    self.config.snapshot_path, generations[0],
+                )  # fmt: skip
             replayed = journal.replay(self.cache_control, journal_from)
             self.metrics.snapshot_failures.inc(replayed.damaged)
             if replayed.records:

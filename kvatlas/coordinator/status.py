@@ -113,7 +113,7 @@ _FAULTS: tuple[tuple[str, str, dict[str, str], str], ...] = (
      "entries this replica needed were trimmed from the stream: resyncing from the nodes' digests"),
     ("stream", "kvatlas_stream_errors", {"kind": "redis"}, "{n} Redis stream read error(s)"),
     ("stream", "kvatlas_stream_errors", {"kind": "decode"}, "{n} stream entries undecodable"),
-    ("snapshot", "kvatlas_snapshot_failures", {}, "{n} snapshot(s) failed"),
+    ("snapshot", "kvatlas_snapshot_failures", {}, "{n} snapshot or journal failure(s)"),
 )  # fmt: skip
 
 

@@ -186,14 +186,16 @@ def test_a_damaged_record_ends_its_files_replay_and_is_counted(tmp_path: Path) -
 
 
 def test_a_write_the_disk_refuses_refuses_the_change(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """No change is applied that the journal does not hold (a 503 for the route); the next
-    change, the disk back, goes to a new generation (the cut frame ends the old one's
-    replay), and a restart holds exactly the changes acknowledged."""
+    """No change is applied that the journal does not hold (a 503 for the route), and each
+    refusal is logged and counted; what the failed write left is cut off the file, so the next
+    change, the disk back, is appended to the same generation (not a new file per refusal),
+    and a restart holds exactly the changes acknowledged."""
     live = Coordinator(tmp_path / "snap")
     live.control.pin(fields(1, 1))
-    before = state(live.control)
+    before, files = state(live.control), live.journal.generations()
+    failures = live.service.metrics.snapshot_failures
     real_write = os.write
 
     def full(fd: int, data: bytes) -> int:
@@ -207,11 +209,36 @@ def test_a_write_the_disk_refuses_refuses_the_change(
     with pytest.raises(Unavailable):
         live.control.quotas.set("t", 1.0)
     assert state(live.control) == before
+    assert failures._value.get() == 2  # type: ignore[attr-defined]
+    assert [r.levelname for r in caplog.records if "No space left" in r.getMessage()] == [
+        "ERROR"
+    ] * 2
     monkeypatch.setattr(os, "write", real_write)
     live.control.pin(fields(3, 1))
+    assert live.journal.generations() == files
     expected = state(live.control)
     live.crash()
     assert state(Coordinator(tmp_path / "snap").control) == expected
+
+
+def test_journal_files_without_their_snapshot_are_replayed_and_reported(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The snapshot gone (deleted, or moved aside as unreadable) and its journal files kept:
+    what they hold is replayed, and the state before them — in the snapshot — is reported
+    missing (logged, counted), not passed off as the whole of it."""
+    live = Coordinator(tmp_path / "snap")
+    live.control.pin(fields(1, 1))
+    live.snapshot()
+    live.control.pin(fields(2, 1))
+    live.crash()
+    (tmp_path / "snap").unlink()
+    again = Coordinator(tmp_path / "snap")
+    assert len(again.control.pins.rows()) == 1  # the pin after the snapshot only
+    assert again.service.metrics.snapshot_failures._value.get() == 1  # type: ignore[attr-defined]
+    assert any(
+        r.levelname == "WARNING" and "not restored" in r.getMessage() for r in caplog.records
+    ), caplog.text
 
 
 def test_a_record_is_absolute_so_replaying_one_the_snapshot_holds_changes_nothing(

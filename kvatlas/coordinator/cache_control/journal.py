@@ -26,6 +26,7 @@ import os
 import struct
 import threading
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -75,8 +76,10 @@ class Replayed:
 class Journal:
     """The journal of the coordinator whose snapshot is ``snapshot_path``."""
 
-    def __init__(self, snapshot_path: str | Path) -> None:
+    def __init__(self, snapshot_path: str | Path, failed: Callable[[], object] = lambda: None):
+        """``failed``: called for each write the disk refused (the coordinator counts it)."""
         self.snapshot_path = Path(snapshot_path)
+        self.failed = failed
         self._lock = threading.Lock()
         self._fd: int | None = None
         self.generation = 0  # the file written now (once attached)
@@ -162,24 +165,28 @@ class Journal:
 
     def write(self, record: Record) -> None:
         """Append ``record`` and sync it to disk (``Unavailable``: it could not be; the change
-        is refused). After a failed write the next one starts a new generation: a frame cut
-        by a full disk ends its file's replay, so nothing is appended after it."""
+        is refused, logged and counted). What a failed write left is cut off the file, so the
+        next record follows the last whole one; a file that cannot be cut is closed, and the
+        next write starts a new generation (the cut frame ends the old one's replay)."""
         payload = _encode(record)
         frame = _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
         with self._lock:
+            end: int | None = None
             try:
                 if self._fd is None:
                     self._open_locked(self.generation + 1)
                 assert self._fd is not None
+                end = os.lseek(self._fd, 0, os.SEEK_END)
                 written = os.write(self._fd, frame)
                 if written != len(frame):
                     raise OSError(f"short write ({written} of {len(frame)} bytes)")
                 os.fdatasync(self._fd)
             except OSError as exc:
-                self._close_locked()
-                raise Unavailable(
-                    f"cache-control journal {self.path(self.generation)}: {exc}"
-                ) from None
+                self._cut_locked(end)
+                error = f"cache-control journal {self.path(self.generation)}: {exc}"
+                log.error("%s: the change is refused", error)
+                self.failed()
+                raise Unavailable(error) from None
 
     def rotate(self) -> int:
         """Start the next generation (a snapshot does, before it reads the state); returns it."""
@@ -203,6 +210,16 @@ class Journal:
         _sync_directory(path.parent)
         self._close_locked()
         self._fd, self.generation = fd, generation
+
+    def _cut_locked(self, end: int | None) -> None:
+        """Cut the file back to ``end`` (its length before a failed write), or close it."""
+        if self._fd is not None and end is not None:
+            try:
+                os.ftruncate(self._fd, end)
+                return
+            except OSError:
+                pass
+        self._close_locked()
 
     def _close_locked(self) -> None:
         if self._fd is not None:
