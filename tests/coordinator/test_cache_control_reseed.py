@@ -91,3 +91,31 @@ def test_a_snapshot_between_the_loss_and_the_seed_keeps_the_last_copy(
         assert store.reseeds == 1
     finally:
         store.client.close()
+
+
+def test_a_seeded_command_is_read_afresh_by_every_replica(redis_server: RedisServer) -> None:
+    """Replica b keeps the unfinished commands it read by their revision. A seed writes each
+    command anew; had its revision restarted at 1, b would go on with its own copy of revision
+    1 — here one without the failed attempt the seed's copy records — for as long as nothing
+    changes the command (the delivery loop skips a due copy whose command changed since)."""
+    from kvatlas.coordinator.cache_control.commands import CommandLog
+    from kvatlas.coordinator.cache_control.service import wire_key
+    from kvatlas.coordinator.cache_control.shared_commands import SharedCommandLog
+    from kvatlas.keys import ObjectKey, pack_kv_rank
+
+    stream = f"kvatlas:reseed-test-{next(_streams)}"
+    stores = [SharedStore.connect(redis_server.url, stream, o) for o in ("a", "b")]
+    a, b = (SharedCommandLog(s) for s in stores)
+    try:
+        key = wire_key(ObjectKey(bytes(32), "m", pack_kv_rank(1, 0, 1, 0), 0, ""))
+        command = a.new("delete", ["n1"], [key])
+        assert [c.attempts for c in b.unfinished()] == [0]  # b keeps revision 1
+        a.delivery_failed(command.command_id, "n1 is down")  # revision 2: a's copy
+        copy = a.to_snapshot()
+        lose(redis_server, stream)
+        a.seed(copy)
+        assert [c.attempts for c in b.unfinished()] == [1]
+        assert b.get(command.command_id) == CommandLog.from_snapshot(copy).get(command.command_id)
+    finally:
+        for store in stores:
+            store.client.close()

@@ -96,16 +96,20 @@ class SharedCommandLog(CommandLog):
             return self._read(command.command_id)[0] or command
         return command
 
-    def _script_record(self, c: Command, expected: str) -> int:
+    def _script_record(self, c: Command, expected: str, base: int = 0) -> int:
         finished = c.state in FINISHED
         args = [c.command_id, c.kind, c.state, _encode(c), "1" if finished else "0",
-                repr(c.updated_at), expected]  # fmt: skip
+                repr(c.updated_at), expected, base]  # fmt: skip
         return int(self.store.script("record", self._keys, args))
 
     def seed(self, data: bytes) -> None:
-        """Write the commands of a snapshot section (as a restart resumes them)."""
+        """Write the commands of a snapshot section (as a restart resumes them). Their
+        revisions start from the time in ms, above any a replica may keep from before Redis
+        lost them: a revision that started at 1 again would match another replica's copy of
+        the old revision 1 (:meth:`unfinished` reads only what changed revision)."""
+        base = time.time_ns() // 1_000_000
         for c in restored_commands(data):
-            self._script_record(c, "")
+            self._script_record(c, "", base)
 
     # ------------------------------------------------------------------ reads
 

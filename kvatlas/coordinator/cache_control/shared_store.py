@@ -108,9 +108,11 @@ return log_change(entry)
 )
 RECORD_SCRIPT: Final = """
 -- KEYS: commands, commands:meta, commands:open, commands:counts, commands:done
--- ARGV: id, kind, state, record, finished (0/1), finished at, expected revision ('': any)
+-- ARGV: id, kind, state, record, finished (0/1), finished at, expected revision ('': any),
+-- a new record's revision before its first ('': 0; a seed's is its time in ms, 13 digits,
+-- which Lua's number format keeps whole)
 local id, finished = ARGV[1], ARGV[5] == '1'
-local rev = 0
+local rev = tonumber(ARGV[8]) or 0
 local m = redis.call('HGET', KEYS[2], id)
 if m then
   local kind, state, r = string.match(m, '^([^/]*)/([^/]*)/(%d+)$')
