@@ -241,6 +241,8 @@ class CoordinatorService:
         if state is Readiness.CATCHING_UP and not self._trim_checked:
             self._trim_checked = True
             state = Readiness.RESYNCING if self._behind_trim() else state
+            if self.cache_control.store is not None:  # joined: no other run of this replica
+                self.cache_control.store.succeed(self.config.resolved_replica_id)
         elif state is Readiness.RESYNCING:
             self.snapshots.record_covered(self._restored_position)
             self._ask_listings()

@@ -226,6 +226,37 @@ def test_a_replica_killed_while_it_holds_a_command_has_it_taken_over(
         node.stop()
 
 
+def test_a_replica_restarted_after_kill_9_takes_its_own_leases_at_once(
+    redis_server: RedisServer, stream: str, procs: list[subprocess.Popen[bytes]]
+) -> None:
+    """A replica killed (-9) while it holds a command's lease, restarted under the same
+    replica id: once it holds its consumer group again, its previous run is known gone, and
+    the leases that run held are its own — the command is delivered at once, not after the
+    lease lapses (here 120 s; the old code waited it out)."""
+    node = FakeMpServer()
+    port = free_port()
+    flags = ["--chunk-size", str(CS), "--event-transport", "redis", "--redis-url",
+             redis_server.url, "--event-stream", stream, "--replica-id", "a",
+             "--cache-command-lease-s", "120", "--consumer-heartbeat-s", "1",
+             "--instance-timeout", "120"]  # fmt: skip
+    procs.append(spawn_coordinator(port, *flags))
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as a:
+            register(a, "n1", node.port)
+            r = a.post("/cache/prefetches", json=tokens(instance_id="n1"))
+            assert r.status_code == 502, r.text  # the run holds the command's lease
+            status = f"/cache/prefetches/n1/{r.json()['request_id']}"
+            procs[-1].send_signal(signal.SIGKILL)
+            procs[-1].wait(timeout=30)
+            node.start()
+            procs.append(spawn_coordinator(port, *flags))
+            register(a, "n1", node.port)  # back: its commands are due now
+            assert wait_for(lambda: a.get(status).json()["status"] == "completed", timeout=60)
+            assert node.count("POST", "/cache/prefetches") == 1
+    finally:
+        node.stop()
+
+
 def test_prefetch_502_names_the_command_that_is_kept(stream: str) -> None:
     """Item 2 of the brief: LMCache's 502 (status and ``detail``) plus the ``request_id`` of
     the command kept for retry, whose status reads ``pending`` until it is delivered."""

@@ -172,10 +172,7 @@ class SharedCommandLog(CommandLog):
         ids = list(command_ids)
         if not ids:
             return set()
-        held = self.store.script(
-            "claim", [self.store.key(f"lease:{i}") for i in ids],
-            [self.store.owner, int(self.lease_s * 1000)], write=False,
-        )  # fmt: skip
+        held = self._claim([self.store.key(f"lease:{i}") for i in ids])
         return {ids[int(n) - 1] for n in held}
 
     def release(self, command_ids: Iterable[str]) -> None:
@@ -185,10 +182,9 @@ class SharedCommandLog(CommandLog):
             self.store.script("release", keys, [self.store.owner], write=False)
 
     def leads(self, task: str) -> bool:
-        held = self.store.script(
-            "claim",
-            [self.store.key(f"lease:{task}")],
-            [self.store.owner, int(self.lease_s * 1000)],
-            write=False,
-        )
-        return bool(held)
+        return bool(self._claim([self.store.key(f"lease:{task}")]))
+
+    def _claim(self, leases: list[str]) -> list[int]:
+        """The 1-based indexes of ``leases`` this replica holds now (taken or renewed)."""
+        args = [self.store.owner, int(self.lease_s * 1000), self.store.predecessor]
+        return list(self.store.script("claim", leases, args, write=False))

@@ -151,11 +151,12 @@ end
 return #ids
 """
 CLAIM_SCRIPT: Final = """
--- KEYS: leases; ARGV: owner, lease in ms. Returns the 1-based indexes now held by owner.
+-- KEYS: leases; ARGV: owner, lease in ms, the owner of this replica's previous run ('': none):
+-- its leases are this run's. Returns the 1-based indexes now held by owner.
 local held = {}
 for i, k in ipairs(KEYS) do
   local v = redis.call('GET', k)
-  if not v then
+  if not v or (ARGV[3] ~= '' and v == ARGV[3]) then
     redis.call('SET', k, ARGV[1], 'PX', ARGV[2])
     held[#held + 1] = i
   elseif v == ARGV[1] then
@@ -198,6 +199,9 @@ class SharedStore:
         self.client = client
         self.prefix = f"{stream}:cache:"
         self.owner = owner  # this process's name on leases (replica id, pid, random)
+        self.predecessor = ""
+        """The owner of this replica's previous run, once known gone (:meth:`succeed`): the
+        leases it held are this run's to take at once, not when they lapse."""
         self.seed: Callable[[], None] | None = None
         """Writes this replica's last copy of the state into a Redis that holds none (set by
         the restore, then by each snapshot that read the state from Redis)."""
@@ -320,6 +324,21 @@ class SharedStore:
                 continue
             backoff.reset()
             stop.wait(every_s)
+
+    def succeed(self, replica_id: str) -> None:
+        """This run of replica ``replica_id`` holds its consumer group, so no other run of it
+        is alive (``consumer_group.ensure_group_free``): record this run as the replica's
+        owner, and the one recorded before as its predecessor, whose command leases (a run
+        killed with ``-9``) this one takes at once. Redis away: they lapse, as before."""
+        try:
+            before = self._raw("set", self.key(f"owner:{replica_id}"), self.owner, get=True)
+        except Unavailable as exc:
+            log.warning("cache control: the previous run's leases are left to lapse (%s)", exc)
+            return
+        if before is not None and before.decode() != self.owner:
+            self.predecessor = before.decode()
+            log.info("cache control: this run takes over the leases of replica %s's previous "
+                     "run (%s)", replica_id, self.predecessor)  # fmt: skip
 
     def _raw(self, command: str, *args: Any, **kwargs: Any) -> Any:
         try:
