@@ -18,6 +18,7 @@ import httpx
 
 from kvatlas.client import EngineCallError, EngineClient, EngineLayout
 from kvatlas.connector.settings import ConnectorSettings
+from kvatlas.errors import Unavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -41,7 +42,16 @@ class NodeLink:
         return self._client
 
     def layout(self) -> EngineLayout:
-        layout = self.client().layout
+        """The node's layout, read at start-up; a node that does not give it is refused naming
+        its URL (a bare ``ConnectError`` would not say which connector or node)."""
+        try:
+            layout = self.client().layout
+        except (httpx.HTTPError, EngineCallError) as exc:
+            raise Unavailable(
+                f"kvatlas connector: no layout from the node at {self.settings.node_url} "
+                f"(GET /engine/layout: {type(exc).__name__}: {exc}); the node must be up when "
+                "the engine starts (kv_connector_extra_config.node_url)"
+            ) from None
         assert isinstance(layout, EngineLayout)
         return layout
 
