@@ -101,6 +101,13 @@ class KvatlasConnector(KVConnectorBase_V1):
         settings = ConnectorSettings.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config
         )
+        policy = self._kv_transfer_config.kv_load_failure_policy
+        if policy != "recompute":
+            raise InvalidInput(
+                f"kvatlas connector: kv_load_failure_policy is {policy!r} (vLLM's default): a "
+                "chunk the node loses between lookup and load would fail the request; set "
+                '"kv_load_failure_policy": "recompute" in --kv-transfer-config (docs/vllm.md)'
+            )
         spec = check_cache(vllm_config, kv_cache_config)
         self._node = NodeLink(settings)
         layout = self._node.layout()  # the node must be up: its layout decides everything

@@ -75,11 +75,11 @@ class Engine:
 
     @classmethod
     def start(cls, node_url: str, model: ToyRopeModel, *, packing: str = "split_tokens",
-              blend: bool = False, **extra: object) -> Engine:  # fmt: skip
+              blend: bool = False, policy: str = "recompute", **extra: object) -> Engine:  # fmt: skip
         lay = model.layout
         kv_config = KVTransferConfig(
             kv_connector="KvatlasConnector", kv_connector_module_path="kvatlas.connector",
-            kv_role="kv_both",
+            kv_role="kv_both", kv_load_failure_policy=policy,  # type: ignore[arg-type]
             kv_connector_extra_config={"node_url": node_url, "blend": blend, "kv_packing": packing, **extra},
         )  # fmt: skip
         vllm_config = VllmConfig(

@@ -3,16 +3,20 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
 from kvatlas.coordinator.server import free_port
-from kvatlas.errors import Unavailable
+from kvatlas.errors import InvalidInput, Unavailable
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.toy_model import ToyRopeModel
+from kvatlas.processes import spawn_service, stop
+from tests.connector.test_vllm_connector import TINY_LLAMA
 from tests.vllm_support import require_vllm
 
 
@@ -67,3 +71,30 @@ def test_a_url_that_is_no_node_is_refused_naming_it(model: ToyRopeModel, not_a_n
     with pytest.raises(Unavailable, match="kvatlas connector: no layout from the node at") as err:
         Engine.start(not_a_node, model)
     assert not_a_node in str(err.value) and "404" in str(err.value)
+
+
+def test_vllms_fail_policy_is_refused(model: ToyRopeModel, tmp_path: Path) -> None:
+    """vLLM's default kv_load_failure_policy, 'fail', turns every block the connector reports
+    as not loaded (a chunk evicted since the lookup, a node gone) into a failed request; the
+    connector promises a recompute, so it refuses to start without 'recompute'. The old code
+    started (a live node here), and such requests failed."""
+    from vllm.config import KVTransferConfig
+
+    from tests.connector.harness import Engine
+
+    assert KVTransferConfig().kv_load_failure_policy == "fail"  # vLLM's default
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    node = spawn_service(
+        ["-m", "kvatlas.cli", "node", "--port", str(port), "--hf-config", str(tmp_path),
+         "--model-name", "tiny", "--chunk-size", "16", "--l2", "none", "--log-level", "warning"],
+        url,
+    )  # fmt: skip
+    try:
+        with pytest.raises(InvalidInput, match="kv_load_failure_policy is 'fail'") as err:
+            Engine.start(url, model, policy="fail")
+        assert '"kv_load_failure_policy": "recompute"' in str(err.value)
+        Engine.start(url, model, policy="recompute").close()  # the positive control
+    finally:
+        stop([node])
