@@ -6,7 +6,8 @@ Order within a step (vLLM's ``KVConnectorModelRunnerMixin`` and attention hook):
 rows of every chunk to save), then ``wait_for_save`` (send the saves). A row the node could
 not supply is never left looking loaded: its block is reported by
 ``get_block_ids_with_load_errors`` and vLLM recomputes from there. A layer the model never
-asked for is written late and reported the same way (its attention ran without it).
+asked for is written late and reported the same way (its attention ran without it). A store
+whose chunks were computed over such rows in the same step is dropped (counted), never sent.
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ class WorkerSide:
         self._loaded_layers: set[int] = set()
         self._saves: dict[int, list[torch.Tensor | None]] = {}
         self._load_errors: set[int] = set()
-        self.counters: dict[str, int] = {"rows_loaded": 0, "rows_missed": 0, "chunks_saved": 0}
+        self.counters: dict[str, int] = {
+            "rows_loaded": 0, "rows_missed": 0, "chunks_saved": 0, "stores_dropped_load_error": 0,
+        }  # fmt: skip
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         lay = self.layout
@@ -204,8 +207,18 @@ class WorkerSide:
         self._loads = []
         if meta is not None:
             for i, op in enumerate(meta.stores):
+                if self._after_failed_load(op):
+                    self.counters["stores_dropped_load_error"] += 1
+                    continue
                 self._send(op, self._saves.get(i, [None] * self.layout.num_layers))
         self._saves = {}
+
+    def _after_failed_load(self, op: StoreOp) -> bool:
+        """Whether ``op``'s chunks were computed over rows this step failed to load (its blocks
+        up to the chunks' end hold one reported as a load error): their KV attended to rows
+        that were never written, so it must not reach the node under its exact prefix key."""
+        end = (op.first_chunk + op.n_chunks) * self.layout.chunk_size
+        return not self._load_errors.isdisjoint(op.block_ids[: -(-end // self.block_size)])
 
     def _send(self, op: StoreOp, staged: list[torch.Tensor | None]) -> None:
         layers = [

@@ -23,6 +23,7 @@ from tests.conftest import HTTP, wait_for
 from tests.vllm_support import require_vllm
 
 C = 16
+HEADERS = {"Accept": "application/json"}
 TINY_LLAMA = {  # the engine's model: what both the nodes (--hf-config) and the engine read
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
     "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
@@ -218,3 +219,40 @@ def test_a_node_that_lost_the_chunks_is_a_load_error(
     engine.close()
     other.close()
     stop([lone])
+
+
+def test_no_store_from_a_step_whose_load_failed(fleet: dict[str, str], model: ToyRopeModel) -> None:
+    """A chunk computed in the step whose load failed attended to rows that were never written
+    (left as they were: NaN here, another request's KV in a real cache): its KV must not reach
+    the node under its exact prefix key (vLLM recomputes from the failed block; the chunk is a
+    miss, not wrong KV). The toy model's KV ignores context, so what is checked is the send:
+    the old code stored chunk 2 in that step. Positive control: the same step with its load
+    served stores it."""
+    from tests.connector.harness import Engine, make_request
+
+    engine = Engine.start(fleet["a"], model)
+    head = tokens(70, 2 * C)
+    engine.run(make_request("f1", [*head, *tokens(71, 3)]))
+    port = free_port()  # a node outside the fleet: it cannot have the head
+    url = f"http://127.0.0.1:{port}"
+    lone = spawn_service(
+        ["-m", "kvatlas.cli", "node", "--port", str(port), "--hf-config", fleet["hf_config"],
+         "--model-name", "tiny", "--chunk-size", str(C), "--l2", "none", "--log-level", "warning"],
+        url,
+    )  # fmt: skip
+    try:
+        other = Engine.start(url, model)
+        mixed = Engine(engine.scheduler, other.worker, other.pages, model, "split_tokens")
+        got = mixed.run(make_request("f2", [*head, *tokens(72, C + 3)]))  # one step: 2C loaded
+        assert got.matched == 2 * C and mixed.load_errors[0]  # ... and failed
+        stats = other.worker.worker.stats()
+        assert stats["chunks_saved"] == 0 and stats["stores_dropped_load_error"] == 1
+        assert httpx.get(f"{url}/engine/stats", headers=HEADERS).json()["l1_chunks"] == 0
+        saved = engine.worker.worker.stats()["chunks_saved"]
+        ok = engine.run(make_request("f3", [*head, *tokens(73, C + 3)]))
+        assert ok.matched == 2 * C and engine.load_errors[-1] == set()
+        assert engine.worker.worker.stats()["chunks_saved"] == saved + 1
+        other.close()
+    finally:
+        engine.close()
+        stop([lone])
