@@ -58,8 +58,14 @@ class Tracked:
 
 
 def request_keys(request: Request) -> RequestKeys | None:
-    """The node's keys of ``request`` (``None``: no token ids, e.g. prompt embeddings)."""
-    if request.prompt_token_ids is None or request.prompt_embeds is not None:
+    """The node's keys of ``request`` (``None``: no token ids, e.g. prompt embeddings, or a
+    LoRA adapter: the engine API's keys do not carry it, so its KV would share the base
+    model's keys and load into, or from, requests of another adapter)."""
+    if (
+        request.prompt_token_ids is None
+        or request.prompt_embeds is not None
+        or request.lora_request is not None
+    ):
         return None
     items = tuple(
         MMItem.of(f.identifier, f.mm_position.offset, f.mm_position.length)

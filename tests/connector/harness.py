@@ -26,6 +26,7 @@ from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -48,7 +49,7 @@ def layer_names(n: int) -> list[str]:
 
 def make_request(
     rid: str, tokens: Sequence[int], *, salt: str | None = None,
-    images: Sequence[tuple[str, int, int]] = (),
+    images: Sequence[tuple[str, int, int]] = (), lora: LoRARequest | None = None,
 ) -> Request:  # fmt: skip
     mm = [
         MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
@@ -57,7 +58,7 @@ def make_request(
     ]  # fmt: skip
     return Request(
         rid, [int(t) for t in tokens], SamplingParams(max_tokens=1), None,
-        cache_salt=salt, mm_features=mm or None,
+        cache_salt=salt, mm_features=mm or None, lora_request=lora,
     )  # fmt: skip
 
 

@@ -256,3 +256,28 @@ def test_no_store_from_a_step_whose_load_failed(fleet: dict[str, str], model: To
     finally:
         engine.close()
         stop([lone])
+
+
+def test_a_lora_request_neither_loads_nor_stores(
+    fleet: dict[str, str], model: ToyRopeModel
+) -> None:
+    """vLLM keys its own prefix cache by the LoRA adapter too; the node's engine API has no
+    field for it, so an adapter's KV and the base model's would share keys. A request under
+    an adapter is left out (as prompt embeddings are): it loads nothing the base model (or
+    another adapter) stored, and stores nothing a base-model request would load. The old code
+    loaded the base model's KV into it (matched 2C) and stored the adapter's for the base."""
+    from vllm.lora.request import LoRARequest
+
+    from tests.connector.harness import Engine, make_request
+
+    engine = Engine.start(fleet["a"], model)
+    base, tuned = tokens(80, 2 * C), tokens(81, 2 * C)
+    adapter = LoRARequest("tenant-adapter", 1, "/adapters/tenant")
+    engine.run(make_request("base", [*base, *tokens(82, 3)]))
+    assert engine.match(make_request("base-again", [*base, *tokens(83, 3)])) == 2 * C  # control
+    assert engine.match(make_request("lora-1", [*base, *tokens(83, 3)], lora=adapter)) == 0
+    saved = engine.worker.worker.stats()["chunks_saved"]
+    engine.run(make_request("lora-2", [*tuned, *tokens(84, 3)], lora=adapter))
+    assert engine.worker.worker.stats()["chunks_saved"] == saved
+    assert engine.match(make_request("base-2", [*tuned, *tokens(85, 3)])) == 0
+    engine.close()
