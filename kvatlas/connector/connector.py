@@ -120,6 +120,15 @@ class KvatlasConnector(KVConnectorBase_V1):
             self._worker = WorkerSide(self._node, layout, spec.block_size, settings.kv_packing)
         log.info("kvatlas connector (%s) on node %s: %s", role.name, settings.node_url, layout)
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Loads are written in ``wait_for_layer_load`` and saves copied in ``save_kv_layer``,
+        hooks a full CUDA graph's replay skips: a step vLLM runs as one (a batch of one token
+        per request, e.g. a prompt the node holds but for its last token) would have every
+        load written late, reported as failed and recomputed. vLLM then keeps attention out
+        of the graphs (PIECEWISE)."""
+        return True
+
     @property
     def scheduler(self) -> SchedulerSide:
         assert self._scheduler is not None, "a scheduler-side call on the worker's connector"

@@ -98,3 +98,23 @@ def test_vllms_fail_policy_is_refused(model: ToyRopeModel, tmp_path: Path) -> No
         Engine.start(url, model, policy="recompute").close()  # the positive control
     finally:
         stop([node])
+
+
+def test_cuda_graphs_keep_the_layer_hooks() -> None:
+    """The connector's loads and saves run in vLLM's per-layer hooks (wait_for_layer_load,
+    save_kv_layer), which a FULL CUDA graph replay skips (KVConnectorBase_V1's
+    requires_piecewise_for_cudagraph): the connector must ask for PIECEWISE, which vLLM's
+    VllmConfig then sets over FULL_AND_PIECEWISE. The old code answered the base's False."""
+    require_vllm("vllm.distributed.kv_transfer.kv_connector.v1.base")
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvatlas.connector import KvatlasConnector
+
+    config = KVTransferConfig(
+        kv_connector="KvatlasConnector", kv_connector_module_path="kvatlas.connector",
+        kv_role="kv_both", kv_connector_extra_config={"node_url": "http://127.0.0.1:9400"},
+    )  # fmt: skip
+    cls = KVConnectorFactory.get_connector_class(config)  # what VllmConfig asks
+    assert cls is KvatlasConnector
+    assert cls.requires_piecewise_for_cudagraph(config.kv_connector_extra_config) is True
