@@ -55,6 +55,20 @@ class NodeLink:
         assert isinstance(layout, EngineLayout)
         return layout
 
+    def same_layout(self, layout: EngineLayout) -> bool:
+        """Whether the node still has ``layout``, read again: a node restarted with another
+        chunk size, model or dtype would answer every call, in its new layout, and the bytes
+        read in the old one would be wrong KV. A node that does not answer is not the same."""
+        got: EngineLayout | None = self.call("layout", lambda c: c.node_layout(), None)
+        if got is not None and got != layout:
+            self.failures["layout_changed"] += 1
+            log.error(
+                "kvatlas node %s: its layout is now %s, not %s as when the engine started; "
+                "nothing is loaded from it or stored to it (restart the engine)",
+                self.settings.node_url, got, layout,
+            )  # fmt: skip
+        return got == layout
+
     def call(self, what: str, fn: Callable[[EngineClient], T], fallback: T) -> T:
         """``fn(client)``, or ``fallback`` when the node fails (counted as ``what``)."""
         if time.monotonic() < self._down_until:

@@ -8,6 +8,8 @@ not supply is never left looking loaded: its block is reported by
 ``get_block_ids_with_load_errors`` and vLLM recomputes from there. A layer the model never
 asked for is written late and reported the same way (its attention ran without it). A store
 whose chunks were computed over such rows in the same step is dropped (counted), never sent.
+Before a step's loads, and before its stores, the node's layout is read again: a node
+restarted in another layout is used for nothing (its bytes read in ours would be wrong KV).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self.counters: dict[str, int] = {
             "rows_loaded": 0, "rows_missed": 0, "chunks_saved": 0, "stores_dropped_load_error": 0,
+            "stores_dropped_layout_unconfirmed": 0,
         }  # fmt: skip
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -105,10 +108,11 @@ class WorkerSide:
     # -- loads ---------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KvatlasConnectorMetadata) -> None:
-        self._loads = [self._fetch(op) for op in meta.loads]
+        same = not meta.loads or self.node.same_layout(self.layout)
+        self._loads = [self._fetch(op, same) for op in meta.loads]
         self._loaded_layers = set()
 
-    def _fetch(self, op: LoadOp) -> _Load:
+    def _fetch(self, op: LoadOp, same_layout: bool = True) -> _Load:
         lay, keys = self.layout, op.keys
         n = op.end - op.start
         kv = torch.zeros((lay.num_layers, 2, n, lay.num_kv_heads, lay.head_dim),
@@ -123,7 +127,7 @@ class WorkerSide:
                 kv[:, :, lo - op.start : hi - op.start] = part[:, :, lo - first : hi - first]
                 ok[lo - op.start : hi - op.start] = True
 
-        if op.prefix_hit > op.start:
+        if op.prefix_hit > op.start and same_layout:
             nothing: tuple[list[Any], dict[str, int]] = ([], {})
             chunks, _ = self.node.call(
                 "retrieve",
@@ -134,7 +138,7 @@ class WorkerSide:
             )  # fmt: skip
             for i, chunk in enumerate(chunks[: -(-op.prefix_hit // lay.chunk_size)]):
                 place(i * lay.chunk_size, from_numpy(chunk))
-        if op.segments:
+        if op.segments and same_layout:
             no_parts: dict[str, Any] = {"parts": []}
             got = self.node.call(
                 "blend_retrieve",
@@ -206,7 +210,11 @@ class WorkerSide:
                 self._load_errors.update(int(b) for b in torch.unique(blocks).tolist())
         self._loads = []
         if meta is not None:
+            same = not meta.stores or self.node.same_layout(self.layout)
             for i, op in enumerate(meta.stores):
+                if not same:
+                    self.counters["stores_dropped_layout_unconfirmed"] += 1
+                    continue
                 if self._after_failed_load(op):
                     self.counters["stores_dropped_load_error"] += 1
                     continue

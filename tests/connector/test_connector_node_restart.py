@@ -1,0 +1,71 @@
+"""A node restarted under the engine with another layout (here ``--chunk-size`` 32 where the
+engine started against 16): it answers every call, in its new layout. The connector reads the
+layout again before a step's loads and stores, and loads and stores nothing from such a node
+(its rows become load errors: vLLM recomputes). The old code read the new node's chunks in
+the old layout: wrong KV in the paged cache, no load error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from kvatlas.client import EngineClient
+from kvatlas.coordinator.server import free_port
+from kvatlas.node.config import NodeConfig
+from kvatlas.node.toy_model import ToyRopeModel
+from kvatlas.processes import spawn_service, stop
+from tests.connector.test_vllm_connector import TINY_LLAMA
+from tests.vllm_support import require_vllm
+
+
+def toy(chunk: int) -> ToyRopeModel:
+    layout = NodeConfig(
+        model_name="tiny", num_layers=2, num_kv_heads=2, head_dim=16, chunk_size=chunk,
+        dtype="float32",
+    ).layout  # fmt: skip
+    return ToyRopeModel(layout, seed=3)
+
+
+def test_a_node_restarted_with_another_layout_is_not_used(tmp_path: Path) -> None:
+    require_vllm("vllm.distributed.kv_transfer.kv_connector.v1.base")
+    from tests.connector.harness import BLOCK, Engine, make_request
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    def node(chunk: int) -> object:
+        return spawn_service(
+            ["-m", "kvatlas.cli", "node", "--port", str(port), "--hf-config", str(tmp_path),
+             "--model-name", "tiny", "--chunk-size", str(chunk), "--l2", "none",
+             "--log-level", "warning"],
+            url, timeout=180,
+        )  # fmt: skip
+
+    m16, m32 = toy(16), toy(32)  # the same KV per token and position, chunked differently
+    prefix = np.random.default_rng(5).integers(0, 100_000, 64)
+    procs = [node(16)]
+    try:
+        engine = Engine.start(url, m16)
+        control = engine.run(make_request("before", [*prefix, 7]))  # the positive control
+        assert control.matched == 0 and engine.worker.worker.stats()["chunks_saved"] == 4
+        again = engine.run(make_request("before-2", [*prefix, 8]))
+        assert again.matched == 64 and np.array_equal(
+            again.stack().numpy(), m16.kv_chunk(prefix, 0)
+        )
+        stop(procs)
+        procs = [node(32)]  # the operator restarts the node with --chunk-size 32
+        with EngineClient(url) as other:  # another engine, started against the new node
+            kv = m32.kv_chunk(prefix, 0)
+            assert other.store(prefix, [kv[:, :, :32], kv[:, :, 32:]]) == 2
+        got = engine.run(make_request("after", [*prefix, *range(9, 9 + 20)]))
+        assert got.matched == 64  # the scheduler's lookup still counts it ...
+        assert np.isnan(got.stack().numpy()).all()  # ... but nothing is loaded from it
+        assert engine.load_errors[-1] == set(got.block_ids[: 64 // BLOCK])
+        stats = engine.worker.worker.stats()
+        assert stats["chunks_saved"] == 4 and stats["node_failures"]["layout_changed"] >= 1
+        engine.close()
+    finally:
+        stop(procs)  # type: ignore[arg-type]
