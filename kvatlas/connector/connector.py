@@ -109,7 +109,8 @@ class KvatlasConnector(KVConnectorBase_V1):
                 '"kv_load_failure_policy": "recompute" in --kv-transfer-config (docs/vllm.md)'
             )
         spec = check_cache(vllm_config, kv_cache_config)
-        self._node = NodeLink(settings)
+        scheduler = role == KVConnectorRole.SCHEDULER  # its calls hold vLLM's scheduler
+        self._node = NodeLink(settings, settings.lookup_timeout_s if scheduler else None)
         layout = self._node.layout()  # the node must be up: its layout decides everything
         check_layout(layout, spec, len(kv_cache_config.kv_cache_groups[0].layer_names))
         self._scheduler: SchedulerSide | None = None

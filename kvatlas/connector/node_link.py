@@ -26,8 +26,9 @@ _WARN_EVERY_S = 60.0
 
 
 class NodeLink:
-    def __init__(self, settings: ConnectorSettings) -> None:
+    def __init__(self, settings: ConnectorSettings, timeout_s: float | None = None) -> None:
         self.settings = settings
+        self.timeout_s = settings.timeout_s if timeout_s is None else timeout_s
         self.failures: Counter[str] = Counter()
         self._client: EngineClient | None = None
         self._down_until = 0.0
@@ -37,7 +38,7 @@ class NodeLink:
         """The client (reads the node's layout on first contact); raises when unreachable."""
         if self._client is None:
             self._client = EngineClient(
-                self.settings.node_url, timeout=self.settings.timeout_s, token=self.settings.token
+                self.settings.node_url, timeout=self.timeout_s, token=self.settings.token
             )
         return self._client
 

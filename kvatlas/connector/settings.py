@@ -26,7 +26,9 @@ BACKEND_PACKINGS: Final = {
     "CPU_ATTN": "split_tokens",
 }
 TOKEN_ENV: Final = "KVATLAS_ENGINE_TOKEN"
-_KEYS: Final = ("node_url", "token_file", "blend", "kv_packing", "timeout_s", "retry_s")
+_KEYS: Final = (
+    "node_url", "token_file", "blend", "kv_packing", "timeout_s", "lookup_timeout_s", "retry_s",
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +36,9 @@ class ConnectorSettings:
     """``node_url``: the node's engine API; ``token``: its engine token (``None``: no auth);
     ``blend``: reuse fragments after the prefix (re-RoPE'd; see docs/vllm.md for what that
     changes); ``kv_packing``: ``None`` = from the attention backend; ``timeout_s``: one node
-    call; ``retry_s``: how long an unreachable node is left alone before the next attempt."""
+    call of the worker (KV moves); ``lookup_timeout_s``: one call of the scheduler (vLLM's
+    scheduler, every request, waits on it); ``retry_s``: how long an unreachable node is left
+    alone before the next attempt."""
 
     node_url: str
     token: str | None = None
@@ -42,6 +46,7 @@ class ConnectorSettings:
     kv_packing: str | None = None
     timeout_s: float = 30.0
     retry_s: float = 5.0
+    lookup_timeout_s: float = 2.0
 
     @classmethod
     def from_extra_config(
@@ -69,7 +74,7 @@ class ConnectorSettings:
                 f"kv_connector_extra_config.kv_packing must be one of {KV_PACKINGS}, got {packing!r}"
             )
         numbers = {}
-        for name, default in (("timeout_s", 30.0), ("retry_s", 5.0)):
+        for name, default in (("timeout_s", 30.0), ("retry_s", 5.0), ("lookup_timeout_s", 2.0)):
             value = extra.get(name, default)
             if (
                 isinstance(value, bool)
@@ -86,7 +91,7 @@ class ConnectorSettings:
                 f"kv_connector_extra_config.token_file must be a path, got {token_file!r}"
             )
         token = _read_token(Path(token_file)) if token_file else env.get(TOKEN_ENV) or None
-        return cls(url.rstrip("/"), token, blend, packing, numbers["timeout_s"], numbers["retry_s"])
+        return cls(url.rstrip("/"), token, blend, packing, **numbers)
 
 
 def _read_token(path: Path) -> str:
