@@ -102,12 +102,13 @@ class KvatlasConnector(KVConnectorBase_V1):
             self._kv_transfer_config.kv_connector_extra_config
         )
         policy = self._kv_transfer_config.kv_load_failure_policy
-        if policy != "recompute":
-            raise InvalidInput(
-                f"kvatlas connector: kv_load_failure_policy is {policy!r} (vLLM's default): a "
-                "chunk the node loses between lookup and load would fail the request; set "
-                '"kv_load_failure_policy": "recompute" in --kv-transfer-config (docs/vllm.md)'
-            )
+        if policy != "recompute":  # the operator's choice (vLLM's default): said, not overridden
+            log.warning(
+                "kvatlas connector: kv_load_failure_policy is %r (vLLM's default): a request "
+                "whose chunks the node loses between lookup and load fails instead of being "
+                'recomputed; set "kv_load_failure_policy": "recompute" in --kv-transfer-config '
+                "(docs/vllm.md)", policy,
+            )  # fmt: skip
         spec = check_cache(vllm_config, kv_cache_config)
         scheduler = role == KVConnectorRole.SCHEDULER  # its calls hold vLLM's scheduler
         self._node = NodeLink(settings, settings.lookup_timeout_s if scheduler else None)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvatlas.coordinator.server import free_port
-from kvatlas.errors import InvalidInput, Unavailable
+from kvatlas.errors import Unavailable
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import spawn_service, stop
@@ -73,11 +74,13 @@ def test_a_url_that_is_no_node_is_refused_naming_it(model: ToyRopeModel, not_a_n
     assert not_a_node in str(err.value) and "404" in str(err.value)
 
 
-def test_vllms_fail_policy_is_refused(model: ToyRopeModel, tmp_path: Path) -> None:
+def test_vllms_fail_policy_is_said_at_start(
+    model: ToyRopeModel, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """vLLM's default kv_load_failure_policy, 'fail', turns every block the connector reports
-    as not loaded (a chunk evicted since the lookup, a node gone) into a failed request; the
-    connector promises a recompute, so it refuses to start without 'recompute'. The old code
-    started (a live node here), and such requests failed."""
+    as not loaded (a chunk evicted since the lookup, a node gone) into a failed request where
+    the connector's promise is a recompute: the connector starts (the policy is the
+    operator's) and says so at start, naming the setting. The old code said nothing."""
     from vllm.config import KVTransferConfig
 
     from tests.connector.harness import Engine
@@ -92,10 +95,14 @@ def test_vllms_fail_policy_is_refused(model: ToyRopeModel, tmp_path: Path) -> No
         url,
     )  # fmt: skip
     try:
-        with pytest.raises(InvalidInput, match="kv_load_failure_policy is 'fail'") as err:
-            Engine.start(url, model, policy="fail")
-        assert '"kv_load_failure_policy": "recompute"' in str(err.value)
-        Engine.start(url, model, policy="recompute").close()  # the positive control
+        with caplog.at_level(logging.WARNING, logger="kvatlas.connector"):
+            Engine.start(url, model, policy="fail").close()
+            said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+            assert any("kv_load_failure_policy is 'fail'" in m for m in said), said
+            assert any('"kv_load_failure_policy": "recompute"' in m for m in said), said
+            caplog.clear()
+            Engine.start(url, model, policy="recompute").close()  # the positive control
+            assert not [r for r in caplog.records if "kv_load_failure_policy" in r.getMessage()]
     finally:
         stop([node])
 
