@@ -9,10 +9,11 @@ does not wait on a dead node again and again.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Final, TypeVar
 
 import httpx
 
@@ -23,6 +24,8 @@ from kvatlas.errors import Unavailable
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _WARN_EVERY_S = 60.0
+LAYOUT_CHECK_S: Final = 1.0
+"""How long the node's layout, read again, is taken as unchanged (:meth:`NodeLink.same_layout`)."""
 
 
 class NodeLink:
@@ -32,6 +35,7 @@ class NodeLink:
         self.failures: Counter[str] = Counter()
         self._client: EngineClient | None = None
         self._down_until = 0.0
+        self._layout_good_until = -math.inf  # same_layout's last confirmation holds until
         self._warned_at = -_WARN_EVERY_S
 
     def client(self) -> EngineClient:
@@ -59,8 +63,16 @@ class NodeLink:
     def same_layout(self, layout: EngineLayout) -> bool:
         """Whether the node still has ``layout``, read again: a node restarted with another
         chunk size, model or dtype would answer every call, in its new layout, and the bytes
-        read in the old one would be wrong KV. A node that does not answer is not the same."""
+        read in the old one would be wrong KV. A node that does not answer is not the same.
+        A confirmation holds :data:`LAYOUT_CHECK_S` (a node's restart takes longer: it is
+        down, and its calls fail, in between), so a busy engine reads it once a second, not
+        once a step."""
+        now = time.monotonic()
+        if now < self._layout_good_until:
+            return True
         got: EngineLayout | None = self.call("layout", lambda c: c.node_layout(), None)
+        if got == layout:
+            self._layout_good_until = now + LAYOUT_CHECK_S
         if got is not None and got != layout:
             self.failures["layout_changed"] += 1
             log.error(
