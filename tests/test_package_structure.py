@@ -56,6 +56,7 @@ SHARED = (
     "logs",
     "processes",
     "backoff",
+    "durable",  # a file's name made durable (its directory fsync'd)
     "kernel_twins",  # numba kernels compiled in a GIL-holding and a GIL-releasing form
     "kernel_cache",  # numba's cache directory, keyed by the sources (stdlib only)
     "c_heap",  # glibc's allocator through ctypes: room faulted in ahead of a burst

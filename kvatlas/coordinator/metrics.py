@@ -223,9 +223,13 @@ class CoordinatorMetrics:
         )
         self.snapshots = Counter("kvatlas_snapshots", "snapshots written", registry=r)
         self.snapshot_failures = Counter(
-            "kvatlas_snapshot_failures",
-            "snapshots that failed or could not be read; cache-control journal writes refused, "
-            "records damaged, or a journal without its snapshot",
+            "kvatlas_snapshot_failures", "snapshots that failed", registry=r
+        )
+        self.journal_failures = Counter(
+            "kvatlas_cache_journal_failures",
+            "cache-control journal failures: write (refused by the disk, the change refused), "
+            "damaged (a record that fails its checksum), orphaned (files without their snapshot)",
+            ["reason"],
             registry=r,
         )
         self.instances_expired = Counter(

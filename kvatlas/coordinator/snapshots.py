@@ -73,7 +73,9 @@ class Snapshots:
         self._lock = threading.Lock()
         self._cache_control_section: bytes | None = None  # the last one written
         self.journal = (
-            Journal(config.snapshot_path, metrics.snapshot_failures.inc)
+            Journal(
+                config.snapshot_path, lambda reason: metrics.journal_failures.labels(reason).inc()
+            )
             if config.snapshot_path is not None and cache_control.store is None
             else None
         )
@@ -86,23 +88,22 @@ class Snapshots:
         generation the snapshot names; ``None``: no snapshot restored (a snapshot that cannot
         be read is logged, counted, moved aside — the next snapshot must not overwrite it: a
         newer release's, for one — and the service starts from the journal alone)."""
-        info, journal_from = self._load()
+        info, journal_generation = self._load()
         journal = self.journal
         if journal is not None:
             generations = journal.generations()
             if info is None and generations and generations[0] > 1:
-                self.metrics.snapshot_failures.inc()
+                journal.failed("orphaned")
                 log.warning(
                     "cache-control journal beside %s starts at generation %d without its "
                     "snapshot: the pins, quotas and commands before it are not restored",
                     self.config.snapshot_path, generations[0],
                 )  # fmt: skip
-            replayed = journal.replay(self.cache_control, journal_from)
-            self.metrics.snapshot_failures.inc(replayed.damaged)
+            replayed = journal.replay(self.cache_control, journal_generation)
             if replayed.records:
                 log.info("replayed %d cache-control changes from the journal beside %s",
                          replayed.records, self.config.snapshot_path)  # fmt: skip
-            journal.attach(self.cache_control, journal_from)
+            journal.attach(self.cache_control, journal_generation)
         return info
 
     def _load(self) -> tuple[SnapshotInfo | None, int]:
@@ -124,7 +125,7 @@ class Snapshots:
                 f"not {self.config.hash_scheme}: start with that scheme, or move the snapshot "
                 "away to start empty"
             )
-        journal_from = restore_section(self.cache_control, info.sections, path)
+        journal_generation = restore_section(self.cache_control, info.sections, path)
         if info.sections is not None and SECTION in info.sections:
             # what a snapshot taken while the shared store's Redis is away carries on with
             self._cache_control_section = info.sections[SECTION]
@@ -138,7 +139,7 @@ class Snapshots:
             "restored %d keys / %d chunks from %s in %.3f s (%.0f keys/s), stream position %s",
             info.keys, info.chunks, path, info.seconds, rate, info.stream_position,
         )  # fmt: skip
-        return info, journal_from
+        return info, journal_generation
 
     def take(self, last: bool = False) -> SnapshotInfo | None:
         """Write a snapshot; the recorded stream position is read *before* the snapshot starts,
@@ -153,7 +154,8 @@ class Snapshots:
         with self._lock:
             position = self._position()
             try:
-                generation = self.journal.rotate() if self.journal is not None else 0
+                # -1: written without a journal (Redis): a restore replays none of the files
+                generation = self.journal.rotate() if self.journal is not None else -1
                 info = save_snapshot(
                     self.directory, path, stream_position=position,
                     instances=self.instances.rows(),
@@ -169,7 +171,7 @@ class Snapshots:
                 if last and self.journal is not None:
                     self.journal.close()
             if self.journal is not None:
-                self.journal.forget_before(generation)
+                self._forget_before(self.journal, generation)
         self.last, self.last_at = info, self._clock()
         self._retain(position)
         if self.after is not None:
@@ -196,11 +198,11 @@ class Snapshots:
             covered = self.last.stream_position if self.last else None
             self._record(retention, covered or fallback)
 
-    def _sections(self, journal: int) -> dict[str, bytes]:
+    def _sections(self, journal_generation: int) -> dict[str, bytes]:
         """The snapshot's named sections: the KV-event engines' and cache control's (with the
-        Redis transport a copy of Redis's, the last one read when Redis is away; ``journal``:
-        the generation of cache control's journal replayed after it)."""
-        self._copy_cache_control(journal)
+        Redis transport a copy of Redis's, the last one read when Redis is away;
+        ``journal_generation``: the generation of cache control's journal replayed after it)."""
+        self._copy_cache_control(journal_generation)
         section = self._cache_control_section
         sections = {
             KEY_SCHEME: self.config.hash_scheme.encode(),
@@ -208,7 +210,7 @@ class Snapshots:
         }
         return sections if section is None else {SECTION: section, **sections}
 
-    def _copy_cache_control(self, journal: int) -> None:
+    def _copy_cache_control(self, journal_generation: int) -> None:
         """Read cache control for the snapshot. With the Redis transport the copy is Redis's,
         and what a Redis that lost the state is seeded with again (:func:`seed_with`); one
         read while Redis is away, or from a Redis that lost the state and is not seeded again
@@ -216,7 +218,7 @@ class Snapshots:
         state must not replace it, nor seed Redis."""
         control = self.cache_control
         try:
-            section = encode_state(control, journal)
+            section = encode_state(control, journal_generation)
             held = control.store is None or control.store.holds_state()
         except Unavailable as exc:
             log.warning("snapshot: cache control not read from Redis (%s); last copy kept", exc)
@@ -227,6 +229,14 @@ class Snapshots:
         elif self._cache_control_section is not None:
             log.warning("snapshot: Redis holds no cache-control state (it lost its data?); "
                         "the last copy kept, to seed it again")  # fmt: skip
+
+    def _forget_before(self, journal: Journal, generation: int) -> None:
+        """The journal's files the snapshot just written holds, removed; a file that cannot
+        be is left (logged; the next snapshot removes it), never a reason to stop snapshots."""
+        try:
+            journal.forget_before(generation)
+        except OSError as exc:
+            log.warning("cache-control journal: older generations not removed (%s)", exc)
 
     def _retain(self, position: str | None) -> None:
         """Record what this replica's snapshot covers, and trim what no replica needs."""

@@ -113,7 +113,8 @@ _FAULTS: tuple[tuple[str, str, dict[str, str], str], ...] = (
      "entries this replica needed were trimmed from the stream: resyncing from the nodes' digests"),
     ("stream", "kvatlas_stream_errors", {"kind": "redis"}, "{n} Redis stream read error(s)"),
     ("stream", "kvatlas_stream_errors", {"kind": "decode"}, "{n} stream entries undecodable"),
-    ("snapshot", "kvatlas_snapshot_failures", {}, "{n} snapshot or journal failure(s)"),
+    ("snapshot", "kvatlas_snapshot_failures", {}, "{n} snapshot(s) failed"),
+    ("snapshot", "kvatlas_cache_journal_failures", {}, "{n} cache-control journal failure(s)"),
 )  # fmt: skip
 
 
@@ -124,6 +125,7 @@ def _count(metrics: CoordinatorMetrics, family: str, labels: dict[str, str]) -> 
         "kvatlas_digest_exchanges": metrics.digest_exchanges,
         "kvatlas_stream_errors": metrics.stream_errors,
         "kvatlas_snapshot_failures": metrics.snapshot_failures,
+        "kvatlas_cache_journal_failures": metrics.journal_failures,
     }[family]
     return sum(
         s.value

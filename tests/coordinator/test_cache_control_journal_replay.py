@@ -170,6 +170,117 @@ def test_snapshots_taken_while_changes_go_on_lose_none(tmp_path: Path) -> None:
     assert Coordinator(tmp_path / "snap").control.pins.rows() == expected
 
 
+def test_a_change_made_as_the_journal_rotates_is_in_the_snapshot(tmp_path: Path) -> None:
+    """Deterministic: a pin made at the last moment before the rotation (in the older
+    generation, which the snapshot's write removes) must be in the snapshot, so the snapshot
+    must read the state after the rotation. Reading it first, then rotating, loses the pin
+    (checked by swapping the two in ``Snapshots.take``)."""
+    live = Coordinator(tmp_path / "snap")
+    rotate = live.journal.rotate
+
+    def pin_then_rotate() -> int:
+        live.control.pin(fields(7, 2))
+        return rotate()
+
+    live.journal.rotate = pin_then_rotate  # type: ignore[method-assign]
+    live.snapshot()
+    expected = state(live.control)
+    assert len(expected[0]) == 2
+    live.crash()
+    assert state(Coordinator(tmp_path / "snap").control) == expected
+
+
+def test_journal_files_older_than_a_snapshot_written_without_a_journal_are_not_replayed(
+    tmp_path: Path,
+) -> None:
+    """A snapshot written on the Redis transport (no journal: generation -1) beside journal
+    files an earlier HTTP run left: its state is the newer, so none of them is replayed over
+    it (they were, as generation 0 meant every file: a pin Redis no longer had came back, a
+    stale quota removal deleted one)."""
+    from kvatlas.coordinator.cache_control import SECTION, encode_state
+    from kvatlas.directory import KeyDirectory
+    from kvatlas.directory.snapshot import save_snapshot
+
+    path = tmp_path / "snap"
+    live = Coordinator(path)
+    live.control.pin(fields(1, 1))  # in the journal only
+    live.crash()
+    redis_era = control()
+    redis_era.quotas.set("t", 3.0)
+    section = encode_state(redis_era, -1)
+    save_snapshot(KeyDirectory(C), path, sections={SECTION: section})
+    again = Coordinator(path)
+    assert state(again.control) == state(redis_era)
+    again.snapshot()  # the stale files go with the first snapshot
+    assert again.journal.generations() == [again.journal.generation]
+
+
+def test_a_journal_that_cannot_open_its_next_file_leaks_nothing_and_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the shutdown's close, a change opens the next generation; a directory that
+    cannot be synced refuses it naming that file, and closes what it opened (each refusal
+    leaked a descriptor)."""
+    from kvatlas.coordinator.cache_control import journal as journal_module
+
+    live = Coordinator(tmp_path / "snap")
+    live.journal.close()
+
+    def eio(_path: Path) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(journal_module, "fsync_directory", eio)
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        with pytest.raises(Unavailable) as refused:
+            live.control.pin(fields(1, 1))
+    assert str(live.journal.path(live.journal.generation + 1)) in str(refused.value)
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert live.control.pins.rows() == []
+
+
+def test_a_refused_record_that_cannot_be_cut_off_seals_the_file_until_a_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fdatasync fails after the whole frame was written, and the file cannot be cut back:
+    the refused record is whole in it. Every change is refused until a snapshot starts a new
+    generation (which removes the sealed file): a restart then holds only what was
+    acknowledged."""
+    live = Coordinator(tmp_path / "snap")
+    live.control.pin(fields(1, 1))
+
+    def fails(*_args: object) -> None:
+        raise OSError(5, "Input/output error")
+
+    with monkeypatch.context() as broken:
+        broken.setattr(os, "fdatasync", fails)
+        broken.setattr(os, "ftruncate", fails)
+        with pytest.raises(Unavailable):
+            live.control.pin(fields(2, 1))  # refused, but whole in the file
+    with pytest.raises(Unavailable, match="sealed"):
+        live.control.pin(fields(3, 1))  # the disk is back: still refused until a snapshot
+    live.snapshot()
+    live.control.pin(fields(4, 1))
+    expected = state(live.control)
+    assert len(expected[0]) == 2  # documents 1 and 4
+    live.crash()
+    assert state(Coordinator(tmp_path / "snap").control) == expected
+
+
+def test_a_journal_file_that_cannot_be_removed_does_not_stop_snapshots(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    live = Coordinator(tmp_path / "snap")
+
+    def refuse(_generation: int) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(live.journal, "forget_before", refuse)
+    live.control.pin(fields(1, 1))
+    live.snapshot()  # written; the old file left, and said
+    live.snapshot()
+
+
 def test_a_damaged_record_ends_its_files_replay_and_is_counted(tmp_path: Path) -> None:
     live = Coordinator(tmp_path / "snap")
     for doc in range(3):
@@ -195,7 +306,7 @@ def test_a_write_the_disk_refuses_refuses_the_change(
     live = Coordinator(tmp_path / "snap")
     live.control.pin(fields(1, 1))
     before, files = state(live.control), live.journal.generations()
-    failures = live.service.metrics.snapshot_failures
+    failures = live.service.metrics.journal_failures.labels("write")
     real_write = os.write
 
     def full(fd: int, data: bytes) -> int:
@@ -235,7 +346,8 @@ def test_journal_files_without_their_snapshot_are_replayed_and_reported(
     (tmp_path / "snap").unlink()
     again = Coordinator(tmp_path / "snap")
     assert len(again.control.pins.rows()) == 1  # the pin after the snapshot only
-    assert again.service.metrics.snapshot_failures._value.get() == 1  # type: ignore[attr-defined]
+    orphaned = again.service.metrics.journal_failures.labels("orphaned")
+    assert orphaned._value.get() == 1  # type: ignore[attr-defined]
     assert any(
         r.levelname == "WARNING" and "not restored" in r.getMessage() for r in caplog.records
     ), caplog.text

@@ -119,3 +119,33 @@ def test_a_seeded_command_is_read_afresh_by_every_replica(redis_server: RedisSer
     finally:
         for store in stores:
             store.client.close()
+
+
+def test_a_seed_that_fails_leaves_the_watch_going(redis_server: RedisServer) -> None:
+    """A copy that does not seed (here a ValueError, as a section of another version raises)
+    is logged and tried again: the watch thread used to end on anything but Unavailable, and
+    with it every later re-seed of the process."""
+    import threading
+
+    from tests.conftest import wait_for
+
+    stream = f"kvatlas:reseed-test-{next(_streams)}"
+    store = SharedStore.connect(redis_server.url, stream, "a")
+    tries: list[int] = []
+
+    def seed() -> None:
+        tries.append(len(tries))
+        if len(tries) == 1:
+            raise ValueError("command snapshot version 9 is not 1")
+
+    store.seed = seed
+    stop = threading.Event()
+    watch = threading.Thread(target=store.watch, args=(stop, 0.05), daemon=True)
+    watch.start()
+    try:
+        assert wait_for(lambda: len(tries) >= 2 and store.holds_state(), timeout=30)
+        assert watch.is_alive()
+    finally:
+        stop.set()
+        watch.join(timeout=10)
+        store.client.close()

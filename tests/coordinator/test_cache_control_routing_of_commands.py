@@ -553,7 +553,7 @@ def test_two_commands_never_wait_for_each_others_delivery() -> None:
     first = next(i for i in ids if any(slot[j] == slot[i] for j in ids if j != i))
     second = next(j for j in ids if j != first and slot[j] == slot[first])
     for command_id, target in ((first, "a"), (second, "b")):
-        log.record("add", Command(command_id=command_id, kind="delete", targets=(target,),
+        log.record(Command(command_id=command_id, kind="delete", targets=(target,),
                                   keys=tuple(KEYS), tier="l1"))  # fmt: skip
     b_seen = threading.Event()
     waited: list[bool] = []

@@ -231,7 +231,7 @@ def test_the_shared_command_log_answers_as_the_in_memory_log(
                 continue
             if op == "new":
                 c = oracle.new("delete", [f"i{n}"], [], tier="l1")
-                assert shared.record("add", c) == c
+                assert shared.record(c) == c
                 ids.append(c.command_id)
                 continue
             open_ids = [c.command_id for c in oracle.unfinished()]
@@ -276,13 +276,13 @@ def test_a_concurrent_change_by_another_replica_is_reapplied_not_lost(
                 b.progress(c.command_id, last_error="seen by b")
             return msgspec.structs.replace(current, state="sent")  # type: ignore[type-var]
 
-        after = a.update(c.command_id, "sent", deliver)  # type: ignore[arg-type]
+        after = a.update(c.command_id, deliver)  # type: ignore[arg-type]
         assert len(calls) == 2  # A read again and re-applied its change
         assert (after.state, after.last_error) == ("sent", "seen by b")
         assert b.get(c.command_id) == after
         # a finished command stays finished: a stale copy written later does not revive it
         a.finish(c.command_id, "completed")
-        assert b.record("retry", msgspec.structs.replace(c, state="pending")).state == "completed"
+        assert b.record(msgspec.structs.replace(c, state="pending")).state == "completed"
         assert b.get(c.command_id).state == "completed"  # type: ignore[union-attr]
         assert b.unfinished() == [] and b.counts() == {("delete", "completed"): 1}
     finally:

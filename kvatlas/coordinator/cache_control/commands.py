@@ -139,9 +139,9 @@ class CommandLog:
             command_id=uuid.uuid4().hex, kind=kind, targets=tuple(targets), keys=tuple(keys),
             created_at=now, updated_at=now, next_attempt_at=now, **fields,  # type: ignore[arg-type]
         )  # fmt: skip
-        return self.record("add", command)
+        return self.record(command)
 
-    def record(self, op: str, command: Command) -> Command:
+    def record(self, command: Command) -> Command:
         with self._lock:
             if self.on_change is not None:
                 self.on_change(command)
@@ -165,7 +165,7 @@ class CommandLog:
             c.state == "sent" and now - c.updated_at > self.confirm_s
         )
 
-    def update(self, command_id: str, op: str, change: Callable[[Command], Command]) -> Command:
+    def update(self, command_id: str, change: Callable[[Command], Command]) -> Command:
         """Record ``change`` of the command as it stands now (``KeyError``: no such command).
         Every read-modify-write goes through here: the shared log applies it atomically (a
         concurrent change by another replica makes it read again and re-apply ``change``).
@@ -214,17 +214,17 @@ class CommandLog:
                 updated_at=now, last_error=error,
             )  # fmt: skip
 
-        return self.update(command_id, "retry", change)
+        return self.update(command_id, change)
 
     def due_now(self, command_id: str) -> Command:
         """Deliver a pending command at the next pass (its instance is back)."""
         now = self._clock()
-        return self.update(command_id, "retry", lambda c: msgspec.structs.replace(
+        return self.update(command_id, lambda c: msgspec.structs.replace(
             c, next_attempt_at=now, updated_at=now) if c.state == "pending" else c)  # fmt: skip
 
     def delivered(self, command_id: str, remote_ids: tuple[str, ...] = ()) -> Command:
         now = self._clock()
-        return self.update(command_id, "sent", lambda c: msgspec.structs.replace(
+        return self.update(command_id, lambda c: msgspec.structs.replace(
             c, state="sent", attempts=c.attempts + 1, updated_at=now,
             remote_ids=remote_ids or c.remote_ids, last_error="",
         ))  # fmt: skip
@@ -237,7 +237,7 @@ class CommandLog:
         found_keys: int | None = None,
     ) -> Command:
         now = self._clock()
-        return self.update(command_id, state, lambda c: msgspec.structs.replace(
+        return self.update(command_id, lambda c: msgspec.structs.replace(
             c, state=state, updated_at=now, last_error=error or c.last_error,
             found_keys=found_keys if found_keys is not None else c.found_keys,
         ))  # fmt: skip
@@ -260,7 +260,6 @@ class CommandLog:
         changing its state."""
         return self.update(
             command_id,
-            "progress",
             lambda c: msgspec.structs.replace(c, **fields),  # type: ignore[arg-type]
         )
 

@@ -38,10 +38,14 @@ from kvatlas.coordinator.cache_control.commands import Command, CommandLog, obje
 from kvatlas.coordinator.cache_control.pins import PinTable
 from kvatlas.coordinator.cache_control.quotas import Quotas, QuotaTable
 from kvatlas.coordinator.cache_control.service import CacheControl, wire_key
+from kvatlas.durable import fsync_directory
 from kvatlas.errors import Unavailable
 
 log = logging.getLogger(__name__)
 _FRAME: Final = struct.Struct("<II")  # length, crc32 of the payload
+FAILURES: Final = ("write", "damaged", "orphaned")
+"""Why a journal failed: a write the disk refused (the change refused with it), a record that
+fails its checksum (its file's replay ends there), files without the snapshot they follow."""
 
 
 class PinCounts(msgspec.Struct, tag="pins"):
@@ -76,12 +80,15 @@ class Replayed:
 class Journal:
     """The journal of the coordinator whose snapshot is ``snapshot_path``."""
 
-    def __init__(self, snapshot_path: str | Path, failed: Callable[[], object] = lambda: None):
-        """``failed``: called for each write the disk refused (the coordinator counts it)."""
+    def __init__(
+        self, snapshot_path: str | Path, failed: Callable[[str], object] = lambda _reason: None
+    ) -> None:
+        """``failed``: called with the reason of each failure (:data:`FAILURES`; counted)."""
         self.snapshot_path = Path(snapshot_path)
         self.failed = failed
         self._lock = threading.Lock()
         self._fd: int | None = None
+        self._sealed = False  # a refused record is whole in the file: no write until rotate
         self.generation = 0  # the file written now (once attached)
 
     def path(self, generation: int) -> Path:
@@ -103,13 +110,15 @@ class Journal:
 
     def replay(self, control: CacheControl, start: int = 0) -> Replayed:
         """Apply every record of generations ``start`` and later to ``control``'s in-memory
-        tables, oldest first (before :meth:`attach`: nothing is written meanwhile)."""
+        tables, oldest first (before :meth:`attach`: nothing is written meanwhile); ``start``
+        below 0: none (the snapshot was written without a journal, on the Redis transport: any
+        file beside it is from an earlier run on HTTP, older than the snapshot)."""
         pins = control.pins
         if not isinstance(pins, PinTable):
             raise TypeError("a journal replays into the in-memory tables")
         done = Replayed()
         for generation in self.generations():
-            if generation < start:
+            if start < 0 or generation < start:
                 continue
             path = self.path(generation)
             for record in self._records(path, done):
@@ -134,6 +143,7 @@ class Journal:
                 records.append(_decode(payload))
             except (ValueError, msgspec.MsgspecError) as exc:
                 done.damaged += 1
+                self.failed("damaged")
                 log.error("cache-control journal %s: record at byte %d unreadable (%s); "
                           "the rest of this file is not replayed", path, at, exc)  # fmt: skip
                 return records
@@ -144,16 +154,16 @@ class Journal:
                         path, len(data) - at)  # fmt: skip
         return records
 
-    def attach(self, control: CacheControl, restored: int = 0) -> None:
+    def attach(self, control: CacheControl, restored_generation: int = 0) -> None:
         """Open a new generation and write every later change of ``control`` ahead to it;
-        ``restored``: the generation the restored snapshot names. The new one is later than
-        it and than every file on disk: a snapshot brought back without its journal files
-        (moved, or from a backup) names one the next restart replays from, and changes
+        ``restored_generation``: the one the restored snapshot names. The new one is later
+        than it and than every file on disk: a snapshot brought back without its journal
+        files (moved, or from a backup) names one the next restart replays from, and changes
         written to an earlier one would be skipped."""
         known = self.generations()
         self.snapshot_path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
-            self._open_locked(max(known[-1] if known else 0, restored) + 1)
+            self._open_locked(max(known[-1] if known else 0, restored_generation) + 1)
         pins, quotas = control.pins, control.quotas
         if not isinstance(pins, PinTable) or not isinstance(quotas, QuotaTable):
             raise TypeError("a journal records the in-memory tables")
@@ -166,15 +176,21 @@ class Journal:
     def write(self, record: Record) -> None:
         """Append ``record`` and sync it to disk (``Unavailable``: it could not be; the change
         is refused, logged and counted). What a failed write left is cut off the file, so the
-        next record follows the last whole one; a file that cannot be cut is closed, and the
-        next write starts a new generation (the cut frame ends the old one's replay)."""
+        next record follows the last whole one. A file that cannot be cut may hold the refused
+        record whole: it is sealed, and every change is refused until a snapshot starts a new
+        generation (the snapshot, which does not hold the change, then replaces the sealed
+        file; only a crash before it would replay the record)."""
         payload = _encode(record)
         frame = _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
         with self._lock:
-            end: int | None = None
+            target, end = self.generation, None
             try:
+                if self._sealed:
+                    raise OSError("a refused record could not be cut off: sealed until the next "
+                                  "snapshot")  # fmt: skip
                 if self._fd is None:
-                    self._open_locked(self.generation + 1)
+                    target = self.generation + 1
+                    self._open_locked(target)
                 assert self._fd is not None
                 end = os.lseek(self._fd, 0, os.SEEK_END)
                 written = os.write(self._fd, frame)
@@ -183,15 +199,16 @@ class Journal:
                 os.fdatasync(self._fd)
             except OSError as exc:
                 self._cut_locked(end)
-                error = f"cache-control journal {self.path(self.generation)}: {exc}"
+                error = f"cache-control journal {self.path(target)}: {exc}"
                 log.error("%s: the change is refused", error)
-                self.failed()
+                self.failed("write")
                 raise Unavailable(error) from None
 
     def rotate(self) -> int:
         """Start the next generation (a snapshot does, before it reads the state); returns it."""
         with self._lock:
             self._open_locked(self.generation + 1)
+            self._sealed = False
             return self.generation
 
     def forget_before(self, generation: int) -> None:
@@ -207,19 +224,24 @@ class Journal:
     def _open_locked(self, generation: int) -> None:
         path = self.path(generation)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        _sync_directory(path.parent)
+        try:
+            fsync_directory(path.parent)
+        except BaseException:
+            os.close(fd)
+            raise
         self._close_locked()
         self._fd, self.generation = fd, generation
 
     def _cut_locked(self, end: int | None) -> None:
-        """Cut the file back to ``end`` (its length before a failed write), or close it."""
-        if self._fd is not None and end is not None:
-            try:
-                os.ftruncate(self._fd, end)
-                return
-            except OSError:
-                pass
-        self._close_locked()
+        """Cut the file back to ``end`` (its length before a failed write); one that cannot
+        be cut is closed and, if the write may have reached it, sealed."""
+        if self._fd is None or end is None:
+            return
+        try:
+            os.ftruncate(self._fd, end)
+        except OSError:
+            self._close_locked()
+            self._sealed = True
 
     def _close_locked(self) -> None:
         if self._fd is not None:
@@ -238,15 +260,7 @@ def _apply(record: Record, pins: PinTable, quotas: Quotas, commands: CommandLog)
         else:
             quotas.set(record.salt, record.limit_gb)
     else:
-        commands.record("replay", resumed(record.command))
-
-
-def _sync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        commands.record(resumed(record.command))
 
 
 __all__ = ["Journal", "Replayed"]

@@ -261,7 +261,7 @@ class MoveSteps:
                 done = self.d.call(source_url, _delete_l1(batch))
             except Unavailable as exc:
                 return _failure(exc)
-            c = log.update(c.command_id, "progress", _count_deleted(done.deleted))
+            c = log.update(c.command_id, _count_deleted(done.deleted))
             if c.state in FINISHED:
                 return None
         log.delivered(c.command_id)

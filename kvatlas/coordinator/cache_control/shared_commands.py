@@ -71,10 +71,10 @@ class SharedCommandLog(CommandLog):
 
     # ------------------------------------------------------------------ writes
 
-    def record(self, op: str, command: Command) -> Command:
+    def record(self, command: Command) -> Command:
         return self._write(command, expected="")
 
-    def update(self, command_id: str, op: str, change: Callable[[Command], Command]) -> Command:
+    def update(self, command_id: str, change: Callable[[Command], Command]) -> Command:
         for _ in range(_UPDATE_TRIES):
             current, rev = self._read(command_id)
             if current is None:

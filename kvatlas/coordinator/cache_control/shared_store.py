@@ -311,7 +311,8 @@ class SharedStore:
             return self._mark(noticed=noticed)
 
     def watch(self, stop: threading.Event, every_s: float = WATCH_S) -> None:
-        """:meth:`check` every ``every_s`` (with backoff while Redis is away) until ``stop``."""
+        """:meth:`check` every ``every_s`` (with backoff while Redis is away, or after a seed
+        failed: logged, tried again) until ``stop``."""
         from kvatlas.backoff import Backoff
 
         backoff = Backoff(0.1, 2.0)
@@ -321,6 +322,10 @@ class SharedStore:
             except Unavailable as exc:
                 log.debug("cache-control store not reached: %s", exc)
                 stop.wait(backoff.next_wait())
+                continue
+            except Exception:  # a copy that does not seed: the watch goes on
+                log.exception("cache control: seeding Redis failed")
+                stop.wait(max(backoff.next_wait(), every_s))
                 continue
             backoff.reset()
             stop.wait(every_s)

@@ -41,12 +41,14 @@ class _State(msgspec.Struct):
     default_limit_gb: float | None
     limits: dict[str, float]
     commands: bytes  # CommandLog.to_snapshot
-    journal: int = 0  # the journal generation replayed after it (0: none recorded, every one)
+    journal_generation: int = 0
+    """The journal generation replayed after it (0: a section written before journals, every
+    one; -1: written without a journal, on the Redis transport, none)."""
 
 
-def encode_state(control: CacheControl, journal: int = 0) -> bytes:
-    """The section; ``journal``: the generation of :mod:`.journal` started before the state
-    was read (a restore replays it and every later one)."""
+def encode_state(control: CacheControl, journal_generation: int = 0) -> bytes:
+    """The section; ``journal_generation``: the generation of :mod:`.journal` started before
+    the state was read (a restore replays it and every later one; -1: none)."""
     return msgspec.msgpack.encode(
         _State(
             _VERSION,
@@ -54,7 +56,7 @@ def encode_state(control: CacheControl, journal: int = 0) -> bytes:
             control.quotas.default_limit_gb,
             control.quotas.limits(),
             control.commands.to_snapshot(),
-            journal,
+            journal_generation,
         )
     )
 
@@ -83,7 +85,7 @@ def restore_state(control: CacheControl, data: bytes, **command_options: object)
     except (msgspec.MsgspecError, ValueError) as exc:
         raise InvalidInput(f"cache-control snapshot section: {exc}") from None
     control.pins, control.quotas, control.commands = pins, quotas, commands
-    return state.journal
+    return state.journal_generation
 
 
 def seed_shared(control: CacheControl, data: bytes) -> None:

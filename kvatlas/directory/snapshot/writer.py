@@ -57,6 +57,7 @@ from kvatlas.directory.snapshot.format import (
     encode_column,
 )
 from kvatlas.directory.token_store import StoredTokens, stored_payload, stored_shapes
+from kvatlas.durable import fsync_directory
 
 _SLICE = 1 << 13  # items per GIL-holding conversion, copy or release: bounds the longest hold
 
@@ -376,9 +377,5 @@ def _write_atomically(path: Path, header: list[bytes], arena: list[np.ndarray[An
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_directory(path.parent)
     return size

@@ -14,6 +14,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvatlas.durable import fsync_directory
 from kvatlas.keys import ObjectKey
 from kvatlas.node.l2.backend import (
     CORRUPT_DELETED,
@@ -185,7 +186,7 @@ class FsL2:
         try:
             if not path.parent.is_dir():
                 path.parent.mkdir(exist_ok=True)
-                _fsync_dir(self.root)
+                fsync_directory(self.root)
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".part")
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -193,7 +194,7 @@ class FsL2:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
             tmp = None
-            _fsync_dir(path.parent)
+            fsync_directory(path.parent)
         except OSError as exc:
             raise L2Unavailable(f"fs L2 write to {path} failed: {exc}") from exc
         finally:
@@ -334,12 +335,3 @@ class FsL2:
             with contextlib.suppress(OSError):
                 if tmp.stat().st_mtime < cutoff:
                     tmp.unlink()
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename/creation in ``path`` durable (the entry lives in the directory)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
