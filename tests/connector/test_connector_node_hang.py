@@ -6,7 +6,6 @@ requests arriving, the engine served nothing 30 s of every 35."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -17,9 +16,9 @@ import pytest
 from kvatlas.connector import ConnectorSettings
 from kvatlas.coordinator.server import free_port
 from kvatlas.errors import InvalidInput
-from kvatlas.processes import spawn_service, stop
+from kvatlas.processes import stop
 from tests.connector.test_connector_node_restart import toy
-from tests.connector.test_vllm_connector import TINY_LLAMA
+from tests.connector.test_vllm_connector import tiny_node
 from tests.vllm_support import require_vllm
 
 
@@ -27,14 +26,9 @@ def test_a_hung_node_holds_the_scheduler_for_the_lookup_timeout_only(tmp_path: P
     require_vllm("vllm.distributed.kv_transfer.kv_connector.v1.base")
     from tests.connector.harness import Engine, make_request
 
-    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    node = spawn_service(
-        ["-m", "kvatlas.cli", "node", "--port", str(port), "--hf-config", str(tmp_path),
-         "--model-name", "tiny", "--chunk-size", "16", "--l2", "none", "--log-level", "warning"],
-        url, timeout=180,
-    )  # fmt: skip
+    node = tiny_node(tmp_path, port, timeout=180)
     try:
         engine = Engine.start(url, toy(16))
         os.kill(node.pid, signal.SIGSTOP)

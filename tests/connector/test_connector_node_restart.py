@@ -6,7 +6,6 @@ the old layout: wrong KV in the paged cache, no load error."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +14,8 @@ from kvatlas.client import EngineClient
 from kvatlas.coordinator.server import free_port
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.toy_model import ToyRopeModel
-from kvatlas.processes import spawn_service, stop
-from tests.connector.test_vllm_connector import TINY_LLAMA
+from kvatlas.processes import stop
+from tests.connector.test_vllm_connector import tiny_node
 from tests.vllm_support import require_vllm
 
 
@@ -32,17 +31,11 @@ def test_a_node_restarted_with_another_layout_is_not_used(tmp_path: Path) -> Non
     require_vllm("vllm.distributed.kv_transfer.kv_connector.v1.base")
     from tests.connector.harness import BLOCK, Engine, make_request
 
-    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
 
     def node(chunk: int) -> object:
-        return spawn_service(
-            ["-m", "kvatlas.cli", "node", "--port", str(port), "--hf-config", str(tmp_path),
-             "--model-name", "tiny", "--chunk-size", str(chunk), "--l2", "none",
-             "--log-level", "warning"],
-            url, timeout=180,
-        )  # fmt: skip
+        return tiny_node(tmp_path, port, chunk, timeout=180)
 
     m16, m32 = toy(16), toy(32)  # the same KV per token and position, chunked differently
     prefix = np.random.default_rng(5).integers(0, 100_000, 64)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Iterator
@@ -16,8 +15,8 @@ from kvatlas.coordinator.server import free_port
 from kvatlas.errors import Unavailable
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.toy_model import ToyRopeModel
-from kvatlas.processes import spawn_service, stop
-from tests.connector.test_vllm_connector import TINY_LLAMA
+from kvatlas.processes import stop
+from tests.connector.test_vllm_connector import tiny_node
 from tests.vllm_support import require_vllm
 
 
@@ -86,14 +85,9 @@ def test_vllms_fail_policy_is_said_at_start(
     from tests.connector.harness import Engine
 
     assert KVTransferConfig().kv_load_failure_policy == "fail"  # vLLM's default
-    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    node = spawn_service(
-        ["-m", "kvatlas.cli", "node", "--port", str(port), "--hf-config", str(tmp_path),
-         "--model-name", "tiny", "--chunk-size", "16", "--l2", "none", "--log-level", "warning"],
-        url,
-    )  # fmt: skip
+    node = tiny_node(tmp_path, port)
     try:
         with caplog.at_level(logging.WARNING, logger="kvatlas.connector"):
             Engine.start(url, model, policy="fail").close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -29,6 +30,20 @@ TINY_LLAMA = {  # the engine's model: what both the nodes (--hf-config) and the 
     "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
     "rope_theta": 10000.0, "torch_dtype": "float32", "vocab_size": 512,
 }  # fmt: skip
+
+
+def tiny_node(
+    hf_config: Path, port: int, chunk: int = C, timeout: float = 60.0
+) -> subprocess.Popen[bytes]:
+    """A lone ``kvatlas node`` of :data:`TINY_LLAMA` on ``port`` (no coordinator, no L2);
+    ``hf_config``: a directory, its ``config.json`` written here."""
+    (hf_config / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return spawn_service(
+        ["-m", "kvatlas.cli", "node", "--port", str(port), "--hf-config", str(hf_config),
+         "--model-name", "tiny", "--chunk-size", str(chunk), "--l2", "none",
+         "--log-level", "warning"],
+        f"http://127.0.0.1:{port}", timeout=timeout,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -204,11 +219,7 @@ def test_a_node_that_lost_the_chunks_is_a_load_error(
     prompt = [*tokens(60, 2 * C), *tokens(61, 3)]
     engine.run(make_request("l1", prompt))
     port = free_port()  # a node outside the fleet: it cannot have them
-    lone = spawn_service(
-        ["-m", "kvatlas.cli", "node", "--port", str(port), "--hf-config", fleet["hf_config"],
-         "--model-name", "tiny", "--chunk-size", str(C), "--l2", "none", "--log-level", "warning"],
-        f"http://127.0.0.1:{port}",
-    )  # fmt: skip
+    lone = tiny_node(Path(fleet["hf_config"]), port)
     other = Engine.start(f"http://127.0.0.1:{port}", model)
     # A's scheduler plans the load, a worker whose node lacks the chunks carries it out
     mixed = Engine(engine.scheduler, other.worker, other.pages, model, "split_tokens")
