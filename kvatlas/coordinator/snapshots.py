@@ -213,13 +213,15 @@ class Snapshots:
     def _copy_cache_control(self, journal_generation: int) -> None:
         """Read cache control for the snapshot. With the Redis transport the copy is Redis's,
         and what a Redis that lost the state is seeded with again (:func:`seed_with`); one
-        read while Redis is away, or from a Redis that lost the state and is not seeded again
-        yet (``meta.seeded`` gone by the end of the read), keeps the last copy: the empty
-        state must not replace it, nor seed Redis."""
-        control = self.cache_control
+        read while Redis is away, or from a Redis that lost the state during the read or
+        before it (``meta.seeded`` gone, or another seeding's by the end of the read: what was
+        read may mix two states), keeps the last copy: the empty state must not replace it,
+        nor seed Redis."""
+        control, store = self.cache_control, self.cache_control.store
         try:
+            before = None if store is None else store.seeding()
             section = encode_state(control, journal_generation)
-            held = control.store is None or control.store.holds_state()
+            held = store is None or (before is not None and store.seeding() == before)
         except Unavailable as exc:
             log.warning("snapshot: cache control not read from Redis (%s); last copy kept", exc)
             return

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
+import pytest
 import redis
 
 from kvatlas.coordinator.cache_control import SECTION, CacheControl, restore_state
@@ -148,4 +150,43 @@ def test_a_seed_that_fails_leaves_the_watch_going(redis_server: RedisServer) -> 
     finally:
         stop.set()
         watch.join(timeout=10)
+        store.client.close()
+
+
+def test_a_snapshot_whose_read_spans_a_loss_and_a_seed_keeps_the_last_copy(
+    redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis loses the state and is seeded again while a snapshot reads it: what the read got
+    may mix the two (here: nothing at all), though Redis holds state before and after. Which
+    seeding Redis holds is read before and after the copy, and the copy kept only if it is
+    the same one (the old code asked only afterwards: the empty read became the copy)."""
+    from kvatlas.coordinator import snapshots
+
+    stream = f"kvatlas:reseed-test-{next(_streams)}"
+    config = CoordinatorConfig(
+        chunk_size=16, event_transport="redis", redis_url=redis_server.url, event_stream=stream,
+        replica_id="a", snapshot_path=tmp_path / "a.snap",
+    )  # fmt: skip
+    service = CoordinatorService(config)
+    control, store = service.cache_control, service.cache_control.store
+    assert store is not None
+    try:
+        assert control.pin(fields(48)).affected == 3
+        assert service.take_snapshot() is not None  # the copy: 3 pins
+        real = snapshots.encode_state
+
+        def read_across_a_loss(*args: Any) -> bytes:
+            lose(redis_server, stream)
+            data = real(*args)  # reads the empty state
+            assert store.check() is True  # seeded again, before the read is checked
+            return data
+
+        monkeypatch.setattr(snapshots, "encode_state", read_across_a_loss)
+        assert service.take_snapshot() is not None
+        sections = load_snapshot(KeyDirectory(16), config.snapshot_path).sections
+        assert sections is not None
+        copy = CacheControl(16, is_instance=lambda _i: True, usage_by_salt=dict)
+        restore_state(copy, sections[SECTION])
+        assert len(copy.pins.rows()) == 3
+    finally:
         store.client.close()

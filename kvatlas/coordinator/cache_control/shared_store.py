@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -268,7 +269,8 @@ class SharedStore:
         had lost the state it saw (counted in :attr:`reseeds`). ``noticed``: :meth:`check`
         found the state gone."""
         seed, lost = self.seed, self._held
-        first = bool(self._raw("hsetnx", self.key("meta"), "seeded", self.owner))
+        mark = f"{self.owner}/{time.time_ns()}"  # which seeding: a new one reads differently
+        first = bool(self._raw("hsetnx", self.key("meta"), "seeded", mark))
         if first and seed is not None:
             if lost:
                 log.warning("cache control: Redis lost the fleet's pins, quotas and commands; "
@@ -292,9 +294,14 @@ class SharedStore:
 
     def holds_state(self) -> bool:
         """Whether Redis holds this fleet's cache-control state (``meta.seeded``)."""
-        held = bool(self._raw("hexists", self.key("meta"), "seeded"))
-        self._held = self._held or held
-        return held
+        return self.seeding() is not None
+
+    def seeding(self) -> bytes | None:
+        """Which seeding of the state Redis holds (``meta.seeded``: who marked it, when);
+        ``None``: it holds none. A copy read between two equal answers is of one state."""
+        mark: bytes | None = self._raw("hget", self.key("meta"), "seeded")
+        self._held = self._held or mark is not None
+        return mark
 
     def check(self) -> bool:
         """For a replica with a copy of the state (``seed``; nothing to do otherwise): at
