@@ -76,8 +76,14 @@ class Engine:
 
     @classmethod
     def start(cls, node_url: str, model: ToyRopeModel, *, packing: str = "split_tokens",
-              blend: bool = False, policy: str = "recompute", **extra: object) -> Engine:  # fmt: skip
+              blend: bool = False, policy: str = "recompute",
+              lookup_timeout_s: float | None = 30.0, **extra: object) -> Engine:  # fmt: skip
+        """``lookup_timeout_s``: the scheduler's wait for a lookup — 30 s here, as long as the
+        nodes give the coordinator for a blend lookup: on a loaded test machine one through
+        the fleet may take seconds; ``None``: the connector's default (2 s)."""
         lay = model.layout
+        if lookup_timeout_s is not None:
+            extra["lookup_timeout_s"] = lookup_timeout_s
         kv_config = KVTransferConfig(
             kv_connector="KvatlasConnector", kv_connector_module_path="kvatlas.connector",
             kv_role="kv_both", kv_load_failure_policy=policy,  # type: ignore[arg-type]

@@ -30,7 +30,7 @@ def test_a_hung_node_holds_the_scheduler_for_the_lookup_timeout_only(tmp_path: P
     url = f"http://127.0.0.1:{port}"
     node = tiny_node(tmp_path, port, timeout=180)
     try:
-        engine = Engine.start(url, toy(16))
+        engine = Engine.start(url, toy(16), lookup_timeout_s=None)  # the default, 2 s
         os.kill(node.pid, signal.SIGSTOP)
         try:
             started = time.monotonic()
