@@ -64,9 +64,9 @@ class NodeLink:
         """Whether the node still has ``layout``, read again: a node restarted with another
         chunk size, model or dtype would answer every call, in its new layout, and the bytes
         read in the old one would be wrong KV. A node that does not answer is not the same.
-        A confirmation holds :data:`LAYOUT_CHECK_S` (a node's restart takes longer: it is
-        down, and its calls fail, in between), so a busy engine reads it once a second, not
-        once a step."""
+        A confirmation holds :data:`LAYOUT_CHECK_S`, or until a call fails (a node's restart
+        takes longer, and its calls fail in between), so a busy engine reads it once a second,
+        not once a step."""
         now = time.monotonic()
         if now < self._layout_good_until:
             return True
@@ -90,6 +90,7 @@ class NodeLink:
         try:
             return fn(self.client())
         except (httpx.HTTPError, EngineCallError) as exc:
+            self._layout_good_until = -math.inf  # a node restarting? its layout is read again
             unreachable = isinstance(exc, httpx.TransportError)
             if unreachable:
                 self._down_until = time.monotonic() + self.settings.retry_s

@@ -62,3 +62,18 @@ def test_a_node_restarted_with_another_layout_is_not_used(tmp_path: Path) -> Non
         engine.close()
     finally:
         stop(procs)  # type: ignore[arg-type]
+
+
+def test_a_failed_call_drops_the_layouts_confirmation() -> None:
+    """The layout, once confirmed, holds a second — unless a call fails in between (a node
+    restarting is down first): then the next loads or stores read it again."""
+    from kvatlas.client import EngineLayout
+    from kvatlas.connector.node_link import NodeLink
+    from kvatlas.connector.settings import ConnectorSettings
+
+    link = NodeLink(ConnectorSettings(f"http://127.0.0.1:{free_port()}", retry_s=0.0))
+    layout = EngineLayout("tiny", "blake3", 16, 2, 2, 16, "float32", 16, "neox", 1e4, 1, 0, 0)
+    link._layout_good_until = float("inf")  # confirmed
+    assert link.same_layout(layout)  # held: not read
+    assert link.call("retrieve", lambda c: c.node_layout(), None) is None  # nobody listens
+    assert not link.same_layout(layout)  # read again: the node does not answer
