@@ -30,6 +30,13 @@ def check_http_url(url: str, flag: str) -> str:
     return url.rstrip("/")
 
 
+def check_port(flag: str, port: int, lowest: int = 1) -> None:
+    """``ValueError`` naming ``flag`` when ``port`` is outside [``lowest``, 65535] (a socket
+    binds a larger one modulo 2^16: 70000 listened on 4464); ``lowest`` 0: the system picks."""
+    if not lowest <= port <= 65535:
+        raise ValueError(f"{flag} must be in [{lowest}, 65535], got {port}")
+
+
 def uint32_token_bytes(token_ids: object) -> bytes:
     """Token ids as little-endian uint32 bytes (every wire's form of a prompt), refusing what
     does not fit — a negative or ≥ 2^32 id, a float, a bool, a string — with

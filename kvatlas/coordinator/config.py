@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvatlas.auth import public_unless_auth, read_secret
+from kvatlas.checks import check_port
 from kvatlas.config_flags import FlagParser, add_dataclass_arguments, dataclass_from_args
 from kvatlas.coordinator.body_limits import RouteBodies, largest_request_bytes
 from kvatlas.coordinator.cache_control.eviction import DEFAULT_POLICY as DEFAULT_EVICTION_POLICY
@@ -118,8 +119,7 @@ class CoordinatorConfig:
         for name in ("max_query_tokens", "max_batch_entries", "max_instances", "port"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.port > 65535:
-            raise ValueError("--port must be <= 65535")
+        check_port("--port", self.port)
         if self.max_body_bytes is not None and self.max_body_bytes < 1:
             raise ValueError("--max-body-bytes must be >= 1")
         if not math.isfinite(self.memory_trim_interval_s) or self.memory_trim_interval_s < 0:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvatlas.checks import check_http_url
+from kvatlas.checks import check_http_url, check_port
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args
 from kvatlas.engine_sim.cost_model import CostModel
 from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
@@ -66,14 +66,13 @@ class EngineSimConfig:
     log_format: str = "json"
 
     def __post_init__(self) -> None:
-        positive = ("port", "block_size", "max_num_batched_tokens", "max_num_seqs",
+        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs",
                     "max_model_len", "natural_output_tokens", "kv_events_buffer_steps",
                     "model_layers", "model_hidden", "kv_bytes_per_token", "max_body_bytes")  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
-        if self.port > 65535:
-            raise ValueError("--port must be in [1, 65535]")
+        check_port("--port", self.port)
         if self.gpu_blocks < 2:
             raise ValueError("--gpu-blocks must be at least 2 (block 0 is vLLM's null block)")
         if self.cpu_blocks < 0:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvatlas.auth import TokenAuth, public_unless_auth, read_secret
-from kvatlas.checks import check_http_url
+from kvatlas.checks import check_http_url, check_port
 from kvatlas.config_flags import (
     add_dataclass_arguments,
     dataclass_from_args,
@@ -164,8 +164,7 @@ class NodeConfig:
             raise ValueError("--l1-bytes and --token-cache-chunks must be >= 0")
         if not 0 < self.coordinator_blend_timeout < 3600:
             raise ValueError("--coordinator-blend-timeout must be in (0, 3600) seconds")
-        if not 0 <= self.port <= 65535:
-            raise ValueError("--port must be in [0, 65535]")
+        check_port("--port", self.port, 0)
         if self.engine_port is not None and not (
             0 < self.engine_port <= 65535 and self.engine_port != self.port
         ):

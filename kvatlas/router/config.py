@@ -20,7 +20,7 @@ from types import MappingProxyType, SimpleNamespace
 from typing import Any, Final
 
 from kvatlas.auth import TokenAuth, read_secret
-from kvatlas.checks import check_http_url
+from kvatlas.checks import check_http_url, check_port
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args, env_name
 from kvatlas.http_guard import (
     BODY_TIMEOUT_HELP,
@@ -105,11 +105,9 @@ class RouterConfig:
                 ) from None
         if self.chat_template is not None and self.tokenizer is None:
             raise ValueError("--chat-template needs --tokenizer (the template's text is tokenized)")
-        for name in ("kv_bytes_per_token", "port"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
-        if self.port > 65535:
-            raise ValueError("--port must be in [0, 65535]")
+        if self.kv_bytes_per_token < 0:
+            raise ValueError("--kv-bytes-per-token must be >= 0")
+        check_port("--port", self.port, 0)
         if self.max_body_bytes < 1:
             raise ValueError("--max-body-bytes must be >= 1")
         positive = ("score_timeout_s", "engine_timeout_s", "connect_timeout_s",

@@ -106,7 +106,6 @@ class Endpoints:
 
     def run(self, stop: threading.Event, handle: Callable[[Link, Sequence[bytes]], None]) -> None:
         """Hand every message to ``handle`` until ``stop`` is set; then close every socket."""
-        import zmq
 
         if self._ctx is None:
             self.open()
@@ -118,14 +117,8 @@ class Endpoints:
                     if sock in self._monitors:
                         self._disconnected(sock, handle)
                         continue
-                    if sock not in socks:  # replaced meanwhile (:meth:`_disconnected`)
-                        continue
-                    for _ in range(TURN):  # bounded: every socket gets its turn
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        handle(socks[sock], frames)
+                    if sock in socks:  # (not replaced meanwhile: :meth:`_disconnected`)
+                        _read_turn(sock, socks[sock], handle)
         finally:
             self.close()
 
@@ -171,12 +164,7 @@ class Endpoints:
                             "above --kv-events-max-message-bytes %d)", link.endpoint, n,
                             self.settings.message_limit_bytes)  # fmt: skip
         if seen and not link.spec.bind:
-            for _ in range(TURN):  # (what it queues: at most ZMQ's receive high-water mark)
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                handle(link, frames)
+            _read_turn(sock, link, handle)  # (all it queues: at most the high-water mark)
             self._close(monitor)
             self._open(link)
 
@@ -187,3 +175,16 @@ class Endpoints:
             self._close(monitor)
         if self._ctx is not None:
             self._ctx.term()
+
+
+def _read_turn(sock: Any, link: Link, handle: Callable[[Link, Sequence[bytes]], None]) -> None:
+    """Hand ``handle`` what ``sock`` holds, at most :data:`TURN` messages (every socket gets
+    its turn)."""
+    import zmq
+
+    for _ in range(TURN):
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        handle(link, frames)
