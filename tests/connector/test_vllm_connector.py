@@ -246,11 +246,7 @@ def test_no_store_from_a_step_whose_load_failed(fleet: dict[str, str], model: To
     engine.run(make_request("f1", [*head, *tokens(71, 3)]))
     port = free_port()  # a node outside the fleet: it cannot have the head
     url = f"http://127.0.0.1:{port}"
-    lone = spawn_service(
-        ["-m", "kvatlas.cli", "node", "--port", str(port), "--hf-config", fleet["hf_config"],
-         "--model-name", "tiny", "--chunk-size", str(C), "--l2", "none", "--log-level", "warning"],
-        url,
-    )  # fmt: skip
+    lone = tiny_node(Path(fleet["hf_config"]), port)
     try:
         other = Engine.start(url, model)
         mixed = Engine(engine.scheduler, other.worker, other.pages, model, "split_tokens")

@@ -35,6 +35,31 @@ def lose(redis_server: RedisServer, stream: str) -> None:
         admin.close()
 
 
+def redis_replica(
+    redis_server: RedisServer, tmp_path: Path
+) -> tuple[str, CoordinatorService, SharedStore]:
+    """A coordinator (not started) on its own stream, its cache control in Redis, and its
+    store."""
+    stream = f"kvatlas:reseed-test-{next(_streams)}"
+    config = CoordinatorConfig(
+        chunk_size=16, event_transport="redis", redis_url=redis_server.url, event_stream=stream,
+        replica_id="a", snapshot_path=tmp_path / "a.snap",
+    )  # fmt: skip
+    service = CoordinatorService(config)
+    assert service.cache_control.store is not None
+    return stream, service, service.cache_control.store
+
+
+def snapshot_copy(path: Path | None) -> CacheControl:
+    """The cache control a snapshot file's section holds."""
+    assert path is not None
+    sections = load_snapshot(KeyDirectory(16), path).sections
+    assert sections is not None and SECTION in sections
+    copy = CacheControl(16, is_instance=lambda _i: True, usage_by_salt=dict)
+    restore_state(copy, sections[SECTION])
+    return copy
+
+
 def test_one_replica_seeds_a_redis_that_lost_the_state_again(redis_server: RedisServer) -> None:
     """Both replicas hold a copy and notice the loss; the first to mark Redis seeds it, the
     other finds it seeded. A replica without a copy marks nothing (a replica with one seeds)."""
@@ -66,14 +91,8 @@ def test_a_snapshot_between_the_loss_and_the_seed_keeps_the_last_copy(
     """The key edge: a snapshot reads Redis after it lost the state and before a replica seeded
     it again. The old code copied the empty state into the snapshot and made it the copy Redis
     would be seeded from: the pins and the quota were gone for good."""
-    stream = f"kvatlas:reseed-test-{next(_streams)}"
-    config = CoordinatorConfig(
-        chunk_size=16, event_transport="redis", redis_url=redis_server.url, event_stream=stream,
-        replica_id="a", snapshot_path=tmp_path / "a.snap",
-    )  # fmt: skip
-    service = CoordinatorService(config)
-    control, store = service.cache_control, service.cache_control.store
-    assert store is not None
+    stream, service, store = redis_replica(redis_server, tmp_path)
+    control, config = service.cache_control, service.config
     try:
         assert control.pin(fields(48)).affected == 3
         control.quotas.set("tenant", 2.0)
@@ -81,10 +100,7 @@ def test_a_snapshot_between_the_loss_and_the_seed_keeps_the_last_copy(
         lose(redis_server, stream)
         assert control.pins.rows() == []  # the loss, seen by every read
         assert service.take_snapshot() is not None  # after the loss, before the seed
-        sections = load_snapshot(KeyDirectory(16), config.snapshot_path).sections
-        assert sections is not None and SECTION in sections
-        copy = CacheControl(16, is_instance=lambda _i: True, usage_by_salt=dict)
-        restore_state(copy, sections[SECTION])
+        copy = snapshot_copy(config.snapshot_path)
         assert len(copy.pins.rows()) == 3  # the copy, not the empty state
         assert copy.quotas.limits() == {"tenant": 2.0}
         assert store.check() is True  # seeded again, from the copy
@@ -162,14 +178,8 @@ def test_a_snapshot_whose_read_spans_a_loss_and_a_seed_keeps_the_last_copy(
     the same one (the old code asked only afterwards: the empty read became the copy)."""
     from kvatlas.coordinator import snapshots
 
-    stream = f"kvatlas:reseed-test-{next(_streams)}"
-    config = CoordinatorConfig(
-        chunk_size=16, event_transport="redis", redis_url=redis_server.url, event_stream=stream,
-        replica_id="a", snapshot_path=tmp_path / "a.snap",
-    )  # fmt: skip
-    service = CoordinatorService(config)
-    control, store = service.cache_control, service.cache_control.store
-    assert store is not None
+    stream, service, store = redis_replica(redis_server, tmp_path)
+    control, config = service.cache_control, service.config
     try:
         assert control.pin(fields(48)).affected == 3
         assert service.take_snapshot() is not None  # the copy: 3 pins
@@ -183,10 +193,7 @@ def test_a_snapshot_whose_read_spans_a_loss_and_a_seed_keeps_the_last_copy(
 
         monkeypatch.setattr(snapshots, "encode_state", read_across_a_loss)
         assert service.take_snapshot() is not None
-        sections = load_snapshot(KeyDirectory(16), config.snapshot_path).sections
-        assert sections is not None
-        copy = CacheControl(16, is_instance=lambda _i: True, usage_by_salt=dict)
-        restore_state(copy, sections[SECTION])
+        copy = snapshot_copy(config.snapshot_path)
         assert len(copy.pins.rows()) == 3
     finally:
         store.client.close()

@@ -463,6 +463,15 @@ def test_a_chunk_whose_block_a_full_map_evicted_is_not_placed() -> None:
         if held:  # removing its first block removes it
             apply(rekeyer, directory, "eng-b", "llama", batch(BlockRemoved([first], medium="GPU")))
             assert holders(directory, tokens) == {}
+    roomy, listed = fed(chunk_size=32, max_blocks=100)  # the control: a map that evicts nothing
+    for j in (*range(5), *range(10, 13)):
+        apply(roomy, listed, "eng-a" if j < 5 else "eng-b", "llama", batch(_two_block_chunk(j)))
+    for j in range(10, 13):  # each placed, and taken back by its first block's removal
+        tokens = list(range(1000 + 32 * j, 1032 + 32 * j))
+        assert holders(listed, tokens) == {("eng-b", "gpu"): 1}
+        first = _two_block_chunk(j).block_hashes[0]
+        apply(roomy, listed, "eng-b", "llama", batch(BlockRemoved([first], medium="GPU")))
+        assert holders(listed, tokens) == {}
 
 
 def test_a_block_size_change_inside_a_chunk_is_counted_and_skipped() -> None:
@@ -500,3 +509,9 @@ def test_a_run_continuing_a_partial_chunk_whose_block_went_is_not_placed() -> No
     apply(rekeyer, directory, "eng", "llama",
           batch(BlockStored(b[2:], b[1], ids[32:], 16, medium="GPU")))  # fmt: skip
     assert holders(directory, ids) == {}  # not placed: its first block is not in the map
+    roomy, listed = fed(chunk_size=64, max_blocks=8)  # the control: the same, nothing evicted
+    apply(roomy, listed, "eng", "llama", batch(first))
+    apply(
+        roomy, listed, "eng", "llama", batch(BlockStored(b[2:], b[1], ids[32:], 16, medium="GPU"))
+    )
+    assert holders(listed, ids) == {("eng", "gpu"): 1}
