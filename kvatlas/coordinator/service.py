@@ -168,7 +168,7 @@ class CoordinatorService:
             self._spawn("cache-control-store", functools.partial(store.watch, self._stop))
         for name, run in self.kv_events.start():
             self._spawn(name, run)
-        if self.config.snapshot_path is not None:
+        if self.config.snapshot_path is not None or store is not None:  # (or a copy in memory)
             self._spawn("snapshotter", functools.partial(self.snapshots.run, self._stop))
         if self.config.event_transport == "redis":
             from kvatlas.coordinator.stream_consumer import StreamConsumer

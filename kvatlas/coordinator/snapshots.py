@@ -186,9 +186,22 @@ class Snapshots:
         return info
 
     def run(self, stop: threading.Event) -> None:
-        """Take a snapshot every ``--snapshot-interval`` until ``stop`` is set."""
+        """Take a snapshot every ``--snapshot-interval`` until ``stop`` is set; without
+        ``--snapshot-path``, with cache control in Redis, keep a copy of it in memory instead
+        (:meth:`keep_copy`: the first at once)."""
+        if self.config.snapshot_path is None:
+            self.keep_copy()
+        step = self.take if self.config.snapshot_path is not None else self.keep_copy
         while not stop.wait(self.config.snapshot_interval):
-            self.take()
+            step()
+
+    def keep_copy(self) -> None:
+        """Read cache control's shared state from Redis into this replica's copy, kept in
+        memory only: what a Redis that lost the state is seeded with again. A replica without
+        ``--snapshot-path`` held none, so a fleet of them lost every pin, quota and command
+        to a FLUSHALL."""
+        with self._lock:
+            self._copy_cache_control(-1)
 
     def record_covered(self, fallback: str | None) -> None:
         """Record again what the last snapshot covers (else ``fallback``): Redis lost events,
@@ -223,13 +236,13 @@ class Snapshots:
             section = encode_state(control, journal_generation)
             held = store is None or (before is not None and store.seeding() == before)
         except Unavailable as exc:
-            log.warning("snapshot: cache control not read from Redis (%s); last copy kept", exc)
+            log.warning("cache control not copied from Redis (%s); last copy kept", exc)
             return
         if held:
             self._cache_control_section = section
             seed_with(control, section)
         elif self._cache_control_section is not None:
-            log.warning("snapshot: Redis holds no cache-control state (it lost its data?); "
+            log.warning("cache control: Redis holds no state (it lost its data?); "
                         "the last copy kept, to seed it again")  # fmt: skip
 
     def _forget_before(self, journal: Journal, generation: int) -> None:

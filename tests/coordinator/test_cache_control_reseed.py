@@ -197,3 +197,38 @@ def test_a_snapshot_whose_read_spans_a_loss_and_a_seed_keeps_the_last_copy(
         assert len(copy.pins.rows()) == 3
     finally:
         store.client.close()
+
+
+def test_a_replica_without_a_snapshot_path_keeps_a_copy_to_seed_with(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """A replica without ``--snapshot-path`` held no copy of the shared state, so a fleet of
+    them lost every pin and quota to a FLUSHALL (the old code: no seed, pins ``[]``). Its
+    snapshot loop keeps a copy in memory instead, every ``--snapshot-interval`` (the first at
+    once), which seeds Redis again."""
+    import dataclasses
+    import threading
+
+    from tests.conftest import wait_for
+
+    stream, service, store = redis_replica(redis_server, tmp_path)
+    config = service.snapshots.config = dataclasses.replace(
+        service.config, snapshot_path=None, snapshot_interval=0.05
+    )
+    control, stop = service.cache_control, threading.Event()
+    loop = threading.Thread(target=service.snapshots.run, args=(stop,), daemon=True)
+    try:
+        assert control.pin(fields(48)).affected == 3
+        control.quotas.set("tenant", 2.0)
+        loop.start()
+        assert wait_for(lambda: store.seed is not None, timeout=30)
+        lose(redis_server, stream)
+        assert control.pins.rows() == []
+        assert store.check() is True  # seeded again, from the copy in memory
+        assert [n for _k, n in control.pins.rows()] == [1, 1, 1]
+        assert control.quotas.limits() == {"tenant": 2.0}
+        assert config.snapshot_path is None and not list(tmp_path.iterdir())  # no file
+    finally:
+        stop.set()
+        loop.join(timeout=10)
+        store.client.close()
