@@ -7,6 +7,7 @@ runs the same through two coordinators."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 from typing import Any
@@ -206,7 +207,6 @@ def test_a_replica_without_a_snapshot_path_keeps_a_copy_to_seed_with(
     them lost every pin and quota to a FLUSHALL (the old code: no seed, pins ``[]``). Its
     snapshot loop keeps a copy in memory instead, every ``--snapshot-interval`` (the first at
     once), which seeds Redis again."""
-    import dataclasses
     import threading
 
     from tests.conftest import wait_for
@@ -232,3 +232,34 @@ def test_a_replica_without_a_snapshot_path_keeps_a_copy_to_seed_with(
         stop.set()
         loop.join(timeout=10)
         store.client.close()
+
+
+def test_a_change_between_the_loss_and_the_seed_is_not_written_over(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Redis loses the state; before any replica's watch notices, replica b pins keys its copy
+    holds and sets a quota (b has made a change before, so it does not check Redis first).
+    The old code wrote both into the empty Redis, then a's watch
+    seeded its copy over them: the pins counted once, not twice, and the quota was the old
+    one. A change's script now refuses a Redis without the state, and the replica seeds it
+    first (b, from its own copy), then makes the change."""
+    stream, a, _store = redis_replica(redis_server, tmp_path)
+    config = dataclasses.replace(a.config, replica_id="b", snapshot_path=None)
+    b = CoordinatorService(config)
+    stores = [s for s in (a.cache_control.store, b.cache_control.store) if s is not None]
+    try:
+        assert a.cache_control.pin(fields(48)).affected == 3
+        a.cache_control.quotas.set("tenant", 2.0)
+        b.cache_control.quotas.set("other", 1.0)  # b has marked Redis: its next change is as any
+        for service in (a, b):
+            service.snapshots.keep_copy()
+        lose(redis_server, stream)
+        assert b.cache_control.pin(fields(48)).affected == 3
+        b.cache_control.quotas.set("tenant", 3.0)
+        assert [s.check() for s in stores] == [False, False]  # Redis holds the state
+        assert [n for _k, n in a.cache_control.pins.rows()] == [2, 2, 2]
+        assert a.cache_control.quotas.limits() == {"tenant": 3.0, "other": 1.0}
+        assert [s.reseeds for s in stores] == [0, 1]
+    finally:
+        for store in stores:
+            store.client.close()

@@ -100,7 +100,7 @@ class SharedCommandLog(CommandLog):
         finished = c.state in FINISHED
         args = [c.command_id, c.kind, c.state, _encode(c), "1" if finished else "0",
                 repr(c.updated_at), expected, base]  # fmt: skip
-        return int(self.store.script("record", self._keys, args))
+        return int(self.store.script("record", [*self._keys, self.store.key("meta")], args))
 
     def seed(self, data: bytes) -> None:
         """Write the commands of a snapshot section (as a restart resumes them). Their

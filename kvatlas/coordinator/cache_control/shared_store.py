@@ -26,7 +26,9 @@ by the first replica with a snapshot that reaches Redis (:meth:`SharedStore.ensu
 change marks Redis as holding state, so a snapshot never overrides what the fleet did. A
 Redis that loses its data while the replicas run (FLUSHALL, a restart without persistence) is
 seeded again the same way, from the last copy a replica read from Redis
-(:meth:`SharedStore.watch`: every :data:`WATCH_S`).
+(:meth:`SharedStore.watch`: every :data:`WATCH_S`); a change that finds it so before then
+seeds it first (each change's script refuses a Redis without ``meta.seeded``:
+:data:`UNSEEDED`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,22 @@ from kvatlas.redis_clients import redis_client
 log = logging.getLogger(__name__)
 WATCH_S: Final = 1.0
 """How often a replica with a copy of the state checks that Redis still holds it."""
+
+UNSEEDED: Final = "KVATLAS_UNSEEDED"
+"""The error a change's script answers on a Redis holding no cache-control state
+(``meta.seeded`` absent: it lost its data since this replica marked it)."""
+
+
+def _guarded(meta: str, body: str) -> str:
+    """``body`` run only while Redis holds the state (``meta``: the KEYS entry of ``meta``):
+    a change made to a Redis that lost its data before a replica seeded it again would be
+    written over by the seed (:meth:`SharedStore.script` seeds or marks first, then retries)."""
+    return (
+        f"if redis.call('HEXISTS', {meta}, 'seeded') == 0 then\n"
+        f"  return redis.error_reply('{UNSEEDED} Redis holds no cache-control state')\n"
+        f"end\n{body}"
+    )
+
 
 _PIN_LOG: Final = """
 -- the change's entry in pins:log (KEYS[4]), scored by its version: a weight (its keys + 1:
@@ -68,7 +86,8 @@ local function log_change(entry)
   return v
 end
 """
-PIN_SCRIPT: Final = (
+PIN_SCRIPT: Final = _guarded(
+    "KEYS[3]",
     _PIN_LOG
     + """
 -- KEYS: pins, pins:order, meta, pins:log; ARGV: the log's weight, packed keys
@@ -84,9 +103,10 @@ for i = 2, #ARGV do
   entry[#entry + 1] = f
 end
 return log_change(entry)
-"""
+""",
 )
-UNPIN_SCRIPT: Final = (
+UNPIN_SCRIPT: Final = _guarded(
+    "KEYS[3]",
     _PIN_LOG
     + """
 -- KEYS: pins, pins:order, meta, pins:log; ARGV: the log's weight, packed keys
@@ -105,10 +125,12 @@ for i = 2, #ARGV do
   end
 end
 return log_change(entry)
-"""
+""",
 )
-RECORD_SCRIPT: Final = """
--- KEYS: commands, commands:meta, commands:open, commands:counts, commands:done
+RECORD_SCRIPT: Final = _guarded(
+    "KEYS[6]",
+    """
+-- KEYS: commands, commands:meta, commands:open, commands:counts, commands:done, meta
 -- ARGV: id, kind, state, record, finished (0/1), finished at, expected revision ('': any),
 -- a new record's revision before its first ('': 0; a seed's is its time in ms, 13 digits,
 -- which Lua's number format keeps whole)
@@ -136,7 +158,16 @@ else
   redis.call('HSET', KEYS[3], id, rev)
 end
 return rev
-"""
+""",
+)
+FIELD_SCRIPT: Final = _guarded(
+    "KEYS[1]",
+    """
+-- KEYS: meta, a hash; ARGV: field, value ('': delete the field). Returns HSET's or HDEL's reply.
+if ARGV[2] == '' then return redis.call('HDEL', KEYS[2], ARGV[1]) end
+return redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+""",
+)
 PRUNE_SCRIPT: Final = """
 -- KEYS as RECORD_SCRIPT's; ARGV: cutoff, most to drop
 local ids = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
@@ -178,6 +209,7 @@ SCRIPTS: Final = {
     "pin": PIN_SCRIPT,
     "unpin": UNPIN_SCRIPT,
     "record": RECORD_SCRIPT,
+    "field": FIELD_SCRIPT,
     "prune": PRUNE_SCRIPT,
     "claim": CLAIM_SCRIPT,
     "release": RELEASE_SCRIPT,
@@ -225,18 +257,35 @@ class SharedStore:
         return [self.key(n) for n in ("commands", "commands:meta", "commands:open",
                                       "commands:counts", "commands:done")]  # fmt: skip
 
-    def call(self, command: str, *args: Any, write: bool = False, **kwargs: Any) -> Any:
-        """One Redis command (after :meth:`ensure`)."""
-        self.ensure(write=write)
+    def call(self, command: str, *args: Any, **kwargs: Any) -> Any:
+        """One Redis command that reads (after :meth:`ensure`)."""
+        self.ensure()
         return self._raw(command, *args, **kwargs)
 
     def script(self, name: str, keys: list[str], args: list[Any], *, write: bool = True) -> Any:
-        """One of :data:`SCRIPTS` (``write``: it changes pins, quotas or commands)."""
+        """One of :data:`SCRIPTS` (``write``: it changes pins, quotas or commands). A change
+        that finds Redis without the state (it lost its data since this replica marked it,
+        and no replica has seeded it yet) seeds it first, or marks it if this replica has no
+        copy, then runs: the seed would otherwise write over it."""
         self.ensure(write=write)
         try:
             return self._scripts[name](keys=keys, args=args)
         except self._errors as exc:
+            if not (write and str(exc).startswith(UNSEEDED)):
+                raise Unavailable(f"cache-control store (redis {name} script): {exc}") from exc
+        with self._ensure_lock:
+            self._ensured = False
+            self._mark(noticed=True)
+        try:
+            return self._scripts[name](keys=keys, args=args)
+        except self._errors as exc:
             raise Unavailable(f"cache-control store (redis {name} script): {exc}") from exc
+
+    def set_field(self, hash_name: str, field: str, value: str | None) -> int:
+        """``HSET`` (``HDEL`` for ``None``) of one field of the hash ``hash_name`` (a key
+        name: :meth:`key`), as a change (:meth:`script`)."""
+        keys = [self.key("meta"), self.key(hash_name)]
+        return int(self.script("field", keys, [field, "" if value is None else value]))
 
     def transaction(self, build: Callable[[Any], object], *, write: bool = False) -> list[Any]:
         """The replies of the commands ``build`` queues on a MULTI/EXEC pipeline: one
@@ -285,6 +334,9 @@ class SharedStore:
                 self._raw("hdel", self.key("meta"), "seeded")
                 raise
             self.reseeds += lost
+        elif first and noticed:  # (a change found the state gone: :meth:`script`)
+            log.warning("cache control: Redis lost the fleet's state and this replica holds "
+                        "no copy to seed it with; it holds the changes made since")  # fmt: skip
         elif noticed:
             log.warning("cache control: Redis lost the fleet's state; another replica seeded it")
         elif seed is not None:

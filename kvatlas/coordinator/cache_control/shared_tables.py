@@ -242,20 +242,16 @@ class SharedQuotaTable:
     def set_default(self, limit_gb: float | None) -> None:
         if limit_gb is not None and limit_gb < 0:
             raise ValueError("default_limit_gb must be >= 0 or null")
-        if limit_gb is None:
-            self.store.call("hdel", self._meta, self.DEFAULT_FIELD, write=True)
-        else:
-            self.store.call(
-                "hset", self._meta, self.DEFAULT_FIELD, repr(float(limit_gb)), write=True
-            )
+        value = None if limit_gb is None else repr(float(limit_gb))
+        self.store.set_field("meta", self.DEFAULT_FIELD, value)
 
     def set(self, cache_salt: str, limit_gb: float) -> None:
         if limit_gb < 0:
             raise ValueError("limit_gb must be >= 0")
-        self.store.call("hset", self._limits, cache_salt, repr(float(limit_gb)), write=True)
+        self.store.set_field("quotas", cache_salt, repr(float(limit_gb)))
 
     def remove(self, cache_salt: str) -> bool:
-        return bool(self.store.call("hdel", self._limits, cache_salt, write=True))
+        return bool(self.store.set_field("quotas", cache_salt, None))
 
     def own(self, cache_salt: str) -> float | None:
         return _gb(self.store.call("hget", self._limits, cache_salt))
