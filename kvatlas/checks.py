@@ -21,13 +21,29 @@ def refuse_big_endian(what: str, error: Callable[[str], Exception] = ImportError
 
 def check_http_url(url: str, flag: str) -> str:
     """``url`` without a trailing slash, or ``ValueError`` naming ``flag`` when it is not an
-    ``http(s)://host...`` URL (``127.0.0.1:9300`` would be retried forever as a path)."""
+    ``http(s)://host...`` URL (``127.0.0.1:9300`` would be retried forever as a path) or
+    carries credentials (:func:`has_userinfo`; the message does not repeat them)."""
     from urllib.parse import urlsplit
 
+    if has_userinfo(url):
+        raise ValueError(
+            f"{flag}: a URL must not carry user:password@ (it would show in logs, on /healthz "
+            "and in the process list); kvatlas authenticates with bearer tokens from files"
+        )
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{flag}: {url!r} is not an http(s) URL (e.g. http://127.0.0.1:9300)")
     return url.rstrip("/")
+
+
+def has_userinfo(url: str) -> bool:
+    """Whether ``url``'s authority has a ``user[:password]@`` part."""
+    from urllib.parse import urlsplit
+
+    try:
+        return "@" in urlsplit(url).netloc
+    except ValueError:  # (e.g. an unclosed IPv6 bracket: not a URL either)
+        return False
 
 
 def check_port(flag: str, port: int, lowest: int = 1) -> None:

@@ -41,6 +41,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvatlas.api import InstanceRow
 from kvatlas.auth import Principal, TokenAuth
+from kvatlas.checks import has_userinfo
 from kvatlas.client.coordinator_client import CoordinatorError
 from kvatlas.client.keepalive import KeepAliveClient, Refused, StreamedReply
 from kvatlas.client.route_client import AsyncRouteClient
@@ -184,7 +185,11 @@ class Router:
             url = row.meta.get("openai_url")
             if not isinstance(url, str) and template:
                 url = template.format(instance_id=engine_id)
-            if isinstance(url, str) and url.startswith(("http://", "https://")):
+            if (
+                isinstance(url, str)
+                and url.startswith(("http://", "https://"))
+                and not has_userinfo(url)  # (it would show on /healthz: check_http_url)
+            ):
                 found[engine_id] = url.rstrip("/")
         return found
 

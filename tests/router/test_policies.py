@@ -147,11 +147,12 @@ def test_models_and_engines_from_the_coordinator() -> None:
     router.config = config
     rows = [InstanceRow(instance_id="pod-a", metadata={"openai_url": "http://10.0.0.1:8000/"}),
             InstanceRow(instance_id="pod-b", alive=False, registered=False),
-            InstanceRow(instance_id="node-c", metadata={"openai_url": "ftp://nope"})]  # fmt: skip
+            InstanceRow(instance_id="node-c", metadata={"openai_url": "ftp://nope"}),
+            InstanceRow(instance_id="pod-d", metadata={"openai_url": "http://u:pw@10.0.0.4:80"})]  # fmt: skip
     assert router.listed_engines(rows) == {
         "pod-a": "http://10.0.0.1:8000",
         "pod-b": "http://pod-b.engines:8000",
-    }  # node-c's URL is not http(s): skipped, not guessed
+    }  # node-c's URL is not http(s), pod-d's carries a password (shown on /healthz): skipped
     router.config = RouterConfig(engines_from_coordinator=True, coordinator_url="http://c")
     assert router.listed_engines(rows) == {"pod-a": "http://10.0.0.1:8000"}
     # a node serving an engine (kvatlas node --engine-id) is no engine: its engine is routed
