@@ -5,7 +5,12 @@ Imports vLLM: load it only inside a vLLM engine (``--kv-transfer-config`` names
 ``kvatlas.connector`` as ``kv_connector_module_path`` and ``KvatlasConnector``).
 """
 
-from kvatlas.connector.connector import KvatlasConnector, check_cache, check_layout
+from kvatlas.connector.connector import (
+    KvatlasConnector,
+    check_cache,
+    check_layout,
+    check_model,
+)
 from kvatlas.connector.metadata import KvatlasConnectorMetadata, LoadOp, RequestKeys, StoreOp
 from kvatlas.connector.settings import KV_PACKINGS, ConnectorSettings
 
@@ -19,4 +24,5 @@ __all__ = [
     "StoreOp",
     "check_cache",
     "check_layout",
+    "check_model",
 ]

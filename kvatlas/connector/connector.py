@@ -4,8 +4,8 @@ vLLM builds one instance per role: in the scheduler process it answers how many 
 node can supply and plans each step's loads and stores (:mod:`.scheduler_side`); in each
 worker it moves KV between the paged cache and the node (:mod:`.worker_side`). Both refuse
 to start on a cache or layout they cannot serve exactly (hybrid groups, MLA, quantized or
-packed caches, tensor or pipeline parallelism, a node whose layout differs from vLLM's):
-a wrong layout would not fail, it would load wrong KV.
+packed caches, tensor or pipeline parallelism, a node whose layout differs from vLLM's, a
+node of another model): a wrong layout or model would not fail, it would load wrong KV.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from kvatlas.connector.worker_side import WorkerSide
 from kvatlas.errors import InvalidInput
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import ModelConfig, VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -93,6 +93,41 @@ def check_layout(layout: EngineLayout, spec: FullAttentionSpec, num_layers: int)
         )
 
 
+def check_model(
+    layout: EngineLayout, settings: ConnectorSettings, model_config: ModelConfig | None
+) -> None:
+    """The node's KV must be this engine's model's: another model of the same shapes (a
+    fine-tune, another revision) passes every shape check and its KV is wrong. The node's
+    ``--model-name`` is a label, so the rule is exact names: ``model_name`` in
+    ``kv_connector_extra_config`` when set, else vLLM's served model name or its model (the
+    name or path given to ``vllm serve``). Nothing is guessed (not a path's last part: two
+    fine-tunes in ``/models/a/llama`` and ``/models/b/llama`` share it)."""
+    node, url = layout.model_name, settings.node_url
+    key = "kv_connector_extra_config.model_name"
+    if settings.model_name is not None:
+        if settings.model_name != node:
+            raise InvalidInput(
+                f"kvatlas connector: the node at {url} holds KV of model_name {node!r} (its "
+                f"--model-name), not {settings.model_name!r} ({key}): point node_url at a node "
+                f"of {settings.model_name!r}, or correct {key}"
+            )
+        return
+    if model_config is None:
+        raise InvalidInput(
+            f"kvatlas connector: vLLM's config names no model to compare with the node's "
+            f"model_name {node!r} (at {url}); set {key} to the model whose KV this engine's "
+            "node must hold"
+        )
+    served, model = str(model_config.served_model_name), model_config.model
+    if node not in (served, model):
+        raise InvalidInput(
+            f"kvatlas connector: the node at {url} holds KV of model_name {node!r} (its "
+            f"--model-name), not of vLLM's model: served model name {served!r}, model "
+            f"{model!r}; if the node's KV is this model's, set {key} to {node!r} (or serve it "
+            f"as --served-model-name {node!r}); else point node_url at a node of this model"
+        )
+
+
 class KvatlasConnector(KVConnectorBase_V1):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -114,6 +149,7 @@ class KvatlasConnector(KVConnectorBase_V1):
         self._node = NodeLink(settings, settings.lookup_timeout_s if scheduler else None)
         layout = self._node.layout()  # the node must be up: its layout decides everything
         check_layout(layout, spec, len(kv_cache_config.kv_cache_groups[0].layer_names))
+        check_model(layout, settings, vllm_config.model_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

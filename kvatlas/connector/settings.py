@@ -15,6 +15,7 @@ from typing import Final
 
 from kvatlas.auth import read_secret_file
 from kvatlas.errors import InvalidInput
+from kvatlas.keys import check_model_name
 
 KV_PACKINGS: Final = ("split_last", "split_tokens")
 """How a backend packs K and V in one page cell ``[B, H, N, C]`` (``C`` = K dims + V dims):
@@ -27,14 +28,16 @@ BACKEND_PACKINGS: Final = {
 }
 TOKEN_ENV: Final = "KVATLAS_ENGINE_TOKEN"
 _KEYS: Final = (
-    "node_url", "token_file", "blend", "kv_packing", "timeout_s", "lookup_timeout_s", "retry_s",
+    "node_url", "token_file", "model_name", "blend", "kv_packing", "timeout_s",
+    "lookup_timeout_s", "retry_s",
 )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
 class ConnectorSettings:
     """``node_url``: the node's engine API; ``token``: its engine token (``None``: no auth);
-    ``blend``: reuse fragments after the prefix (re-RoPE'd; see docs/vllm.md for what that
+    ``model_name``: the node's ``--model-name`` this engine's KV is keyed under (``None``:
+    vLLM's served model name or model, :func:`kvatlas.connector.check_model`); ``blend``: reuse fragments after the prefix (re-RoPE'd; see docs/vllm.md for what that
     changes); ``kv_packing``: ``None`` = from the attention backend; ``timeout_s``: one node
     call of the worker (KV moves); ``lookup_timeout_s``: one call of the scheduler (vLLM's
     scheduler, every request, waits on it); ``retry_s``: how long an unreachable node is left
@@ -47,6 +50,7 @@ class ConnectorSettings:
     timeout_s: float = 30.0
     retry_s: float = 5.0
     lookup_timeout_s: float = 2.0
+    model_name: str | None = None
 
     @classmethod
     def from_extra_config(
@@ -91,7 +95,21 @@ class ConnectorSettings:
                 f"kv_connector_extra_config.token_file must be a path, got {token_file!r}"
             )
         token = _read_token(Path(token_file)) if token_file else env.get(TOKEN_ENV) or None
-        return cls(url.rstrip("/"), token, blend, packing, **numbers)
+        model_name = _model_name(extra.get("model_name"))
+        return cls(url.rstrip("/"), token, blend, packing, **numbers, model_name=model_name)
+
+
+def _model_name(value: object) -> str | None:
+    """The ``model_name`` key (``None``: not set), by the keys' rule for a model name."""
+    if value is None:
+        return None
+    try:
+        return check_model_name(value)  # type: ignore[arg-type]  # checks the type too
+    except ValueError as exc:
+        raise InvalidInput(
+            f"kv_connector_extra_config.model_name must be the node's --model-name ({exc}), "
+            f"got {value!r}"
+        ) from None
 
 
 def _read_token(path: Path) -> str:

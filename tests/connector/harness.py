@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -77,10 +78,14 @@ class Engine:
     @classmethod
     def start(cls, node_url: str, model: ToyRopeModel, *, packing: str = "split_tokens",
               blend: bool = False, policy: str = "recompute",
-              lookup_timeout_s: float | None = 30.0, **extra: object) -> Engine:  # fmt: skip
+              lookup_timeout_s: float | None = 30.0, served_model_name: str | None = "tiny",
+              model_path: str | None = "/models/tiny-llama", **extra: object) -> Engine:  # fmt: skip
         """``lookup_timeout_s``: the scheduler's wait for a lookup — 30 s here, as long as the
         nodes give the coordinator for a blend lookup: on a loaded test machine one through
-        the fleet may take seconds; ``None``: the connector's default (2 s)."""
+        the fleet may take seconds; ``None``: the connector's default (2 s).
+        ``model_path``, ``served_model_name``: ``vllm serve MODEL_PATH --served-model-name
+        NAME`` (``None``: no ``--served-model-name``; ``model_path=None``: a config without a
+        model)."""
         lay = model.layout
         if lookup_timeout_s is not None:
             extra["lookup_timeout_s"] = lookup_timeout_s
@@ -93,6 +98,13 @@ class Engine:
             cache_config=CacheConfig(block_size=BLOCK), kv_transfer_config=kv_config,
             device_config=DeviceConfig(device="cpu"),
         )  # fmt: skip
+        if model_path is not None:
+            # The two fields of vLLM's ModelConfig the connector reads, as vLLM sets them (its
+            # served name falls back to the model). A real ModelConfig inspects the model's
+            # architecture, importing modules this CPU install of vLLM leaves out.
+            vllm_config.model_config = SimpleNamespace(  # type: ignore[assignment]
+                model=model_path, served_model_name=served_model_name or model_path
+            )
         names = layer_names(lay.num_layers)
         spec = FullAttentionSpec(
             block_size=BLOCK, num_kv_heads=lay.num_kv_heads, head_size=lay.head_dim,

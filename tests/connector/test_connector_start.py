@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from kvatlas.connector import ConnectorSettings
 from kvatlas.coordinator.server import free_port
-from kvatlas.errors import Unavailable
+from kvatlas.errors import InvalidInput, Unavailable
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import stop
@@ -119,3 +120,66 @@ def test_cuda_graphs_keep_the_layer_hooks() -> None:
     cls = KVConnectorFactory.get_connector_class(config)  # what VllmConfig asks
     assert cls is KvatlasConnector
     assert cls.requires_piecewise_for_cudagraph(config.kv_connector_extra_config) is True
+
+
+@pytest.fixture(scope="module")
+def base_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A node started with ``--model-name tiny-base`` (the tiny Llama's shapes)."""
+    require_vllm("vllm.distributed.kv_transfer.kv_connector.v1.base")
+    port = free_port()
+    node = tiny_node(tmp_path_factory.mktemp("base"), port, timeout=180, model_name="tiny-base")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop([node])
+
+
+def test_a_node_of_another_model_is_refused(model: ToyRopeModel, base_node: str) -> None:
+    """The node holds KV of model ``tiny-base``; the engine serves a fine-tune of it (the same
+    shapes, other weights): every check of shapes passes, and the old code started and loaded
+    the base model's KV into the fine-tune's requests. Refused, naming both models and the key
+    that says which model the node's KV is; the node's model name must be vLLM's served model
+    name or its model (the positive controls start)."""
+    from tests.connector.harness import Engine
+
+    with pytest.raises(InvalidInput, match="model_name 'tiny-base'") as err:
+        Engine.start(base_node, model, served_model_name="tiny-ft", model_path="/models/tiny-ft")
+    said = str(err.value)
+    assert base_node in said and "'tiny-ft'" in said and "'/models/tiny-ft'" in said, said
+    assert "kv_connector_extra_config.model_name" in said, said
+    with pytest.raises(InvalidInput, match="model_name 'tiny-base'"):  # no basename guessing
+        Engine.start(base_node, model, served_model_name=None, model_path="/ft/tiny-base/x")
+    Engine.start(base_node, model, served_model_name="tiny-base").close()  # --served-model-name
+    Engine.start(base_node, model, served_model_name=None, model_path="tiny-base").close()
+    Engine.start(base_node, model, served_model_name="alias", model_path="tiny-base").close()
+
+
+def test_the_model_name_key_is_the_nodes_model(model: ToyRopeModel, base_node: str) -> None:
+    """``kv_connector_extra_config.model_name`` says which node model is this engine's (a node
+    named otherwise than vLLM's served name): it must be the node's, and it is what counts."""
+    from tests.connector.harness import Engine
+
+    with pytest.raises(InvalidInput, match="model_name 'tiny-base'") as err:
+        Engine.start(base_node, model, served_model_name="tiny-base", model_name="tiny-ft")
+    said = str(err.value)
+    assert "'tiny-ft'" in said and "kv_connector_extra_config.model_name" in said, said
+    Engine.start(base_node, model, served_model_name="llama-ft", model_name="tiny-base").close()
+    # a vLLM config without a model (vLLM's engines always have one): the key is required
+    with pytest.raises(InvalidInput, match=r"kv_connector_extra_config\.model_name") as err:
+        Engine.start(base_node, model, model_path=None)
+    assert "'tiny-base'" in str(err.value)
+    Engine.start(base_node, model, model_path=None, model_name="tiny-base").close()
+
+
+@pytest.mark.parametrize("value", ["", 3, "a@b", True])
+def test_the_model_name_key_must_be_a_model_name(value: object) -> None:
+    with pytest.raises(InvalidInput, match=r"kv_connector_extra_config\.model_name must be"):
+        ConnectorSettings.from_extra_config(
+            {"node_url": "http://127.0.0.1:9400", "model_name": value}, environ={}
+        )
+    got = ConnectorSettings.from_extra_config(
+        {"node_url": "http://127.0.0.1:9400", "model_name": "llama-3-8b"}, environ={}
+    )
+    assert got.model_name == "llama-3-8b"
+    unset = {"node_url": "http://127.0.0.1:9400", "model_name": None}  # null: not set
+    assert ConnectorSettings.from_extra_config(unset, environ={}).model_name is None

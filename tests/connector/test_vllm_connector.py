@@ -33,14 +33,14 @@ TINY_LLAMA = {  # the engine's model: what both the nodes (--hf-config) and the 
 
 
 def tiny_node(
-    hf_config: Path, port: int, chunk: int = C, timeout: float = 60.0
+    hf_config: Path, port: int, chunk: int = C, timeout: float = 60.0, model_name: str = "tiny"
 ) -> subprocess.Popen[bytes]:
     """A lone ``kvatlas node`` of :data:`TINY_LLAMA` on ``port`` (no coordinator, no L2);
     ``hf_config``: a directory, its ``config.json`` written here."""
     (hf_config / "config.json").write_text(json.dumps(TINY_LLAMA))
     return spawn_service(
         ["-m", "kvatlas.cli", "node", "--port", str(port), "--hf-config", str(hf_config),
-         "--model-name", "tiny", "--chunk-size", str(chunk), "--l2", "none",
+         "--model-name", model_name, "--chunk-size", str(chunk), "--l2", "none",
          "--log-level", "warning"],
         f"http://127.0.0.1:{port}", timeout=timeout,
     )  # fmt: skip
