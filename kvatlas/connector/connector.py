@@ -153,7 +153,7 @@ class KvatlasConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self._node, layout.chunk_size, blend=settings.blend)
+            self._scheduler = SchedulerSide(self._node, layout, blend=settings.blend)
         else:
             self._worker = WorkerSide(self._node, layout, spec.block_size, settings.kv_packing)
         log.info("kvatlas connector (%s) on node %s: %s", role.name, settings.node_url, layout)

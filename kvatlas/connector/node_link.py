@@ -37,6 +37,7 @@ class NodeLink:
         self._down_until = 0.0
         self._layout_good_until = -math.inf  # same_layout's last confirmation holds until
         self._warned_at = -_WARN_EVERY_S
+        self._layout_said: tuple[EngineLayout | None, float] = (None, -_WARN_EVERY_S)
 
     def client(self) -> EngineClient:
         """The client (reads the node's layout on first contact); raises when unreachable."""
@@ -66,7 +67,8 @@ class NodeLink:
         read in the old one would be wrong KV. A node that does not answer is not the same.
         A confirmation holds :data:`LAYOUT_CHECK_S`, or until a call fails (a node's restart
         takes longer, and its calls fail in between), so a busy engine reads it once a second,
-        not once a step."""
+        not once a step. Another layout is counted at every read and logged when it is new,
+        else once a minute."""
         now = time.monotonic()
         if now < self._layout_good_until:
             return True
@@ -75,6 +77,10 @@ class NodeLink:
             self._layout_good_until = now + LAYOUT_CHECK_S
         if got is not None and got != layout:
             self.failures["layout_changed"] += 1
+            said, said_at = self._layout_said
+            if got == said and now - said_at < _WARN_EVERY_S:
+                return False
+            self._layout_said = (got, now)
             log.error(
                 "kvatlas node %s: its layout is now %s, not %s as when the engine started; "
                 "nothing is loaded from it or stored to it (restart the engine)",

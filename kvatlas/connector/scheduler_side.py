@@ -7,7 +7,9 @@ prefix hit, then (with ``blend``) fragments that continue it exactly, none after
 fragment's KV was computed after another context, so it is an approximation (CacheBlend
 without its recompute); a request that used one stores nothing from its first fragment on,
 so approximate KV never reaches the node under an exact prefix key. Only prompt chunks are
-stored, each once, in the step that computes its last token.
+stored, each once, in the step that computes its last token. Nothing is claimed from a node
+whose layout (chunk size, model, ...) is no longer the one checked at start: its hits are in
+its new layout, and the worker would load none of them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvatlas.checks import uint32_token_bytes
+from kvatlas.client import EngineLayout
 from kvatlas.client.engine_client import WireSegment
 from kvatlas.connector.metadata import (
     KvatlasConnectorMetadata,
@@ -80,9 +83,10 @@ def request_keys(request: Request) -> RequestKeys | None:
 
 
 class SchedulerSide:
-    def __init__(self, node: NodeLink, chunk_size: int, *, blend: bool) -> None:
+    def __init__(self, node: NodeLink, layout: EngineLayout, *, blend: bool) -> None:
         self.node = node
-        self.chunk_size = chunk_size
+        self.layout = layout  # the node's, checked against vLLM's at start
+        self.chunk_size = layout.chunk_size
         self.blend = blend
         self._plans: dict[str, Plan] = {}
         self._tracked: dict[str, Tracked] = {}
@@ -95,12 +99,16 @@ class SchedulerSide:
         if keys is None:
             return 0, False
         plan = self._lookup(keys, num_computed_tokens)
+        self._plans.pop(request.request_id, None)
         if plan is None:
             return None, False  # the fleet leg of a blend lookup is pending: ask again
-        self._plans[request.request_id] = plan
         # vLLM must compute at least the last token itself (it samples from its logits).
         usable = min(plan.covered, request.num_tokens - 1)
-        return max(0, usable - num_computed_tokens), False
+        claim = max(0, usable - num_computed_tokens)
+        if claim and not self.node.same_layout(self.layout):
+            return 0, False  # the hit is in the node's new layout: nothing to load, no plan
+        self._plans[request.request_id] = plan
+        return claim, False
 
     def _lookup(self, keys: RequestKeys, local: int) -> Plan | None:
         tokens, salt, items = keys.token_ids(), keys.cache_salt, keys.mm_items
