@@ -37,11 +37,12 @@ _KEYS: Final = (
 class ConnectorSettings:
     """``node_url``: the node's engine API; ``token``: its engine token (``None``: no auth);
     ``model_name``: the node's ``--model-name`` this engine's KV is keyed under (``None``:
-    vLLM's served model name or model, :func:`kvatlas.connector.check_model`); ``blend``: reuse fragments after the prefix (re-RoPE'd; see docs/vllm.md for what that
-    changes); ``kv_packing``: ``None`` = from the attention backend; ``timeout_s``: one node
-    call of the worker (KV moves); ``lookup_timeout_s``: one call of the scheduler (vLLM's
-    scheduler, every request, waits on it); ``retry_s``: how long an unreachable node is left
-    alone before the next attempt."""
+    vLLM's served model name or model, :func:`kvatlas.connector.check_model`); ``blend``:
+    reuse fragments after the prefix (re-RoPE'd; see docs/vllm.md for what that changes);
+    ``kv_packing``: ``None`` = from the attention backend; ``timeout_s``: one node call of the
+    worker (KV moves); ``lookup_timeout_s``: one call of the scheduler (vLLM's scheduler,
+    every request, waits on it); ``retry_s``: how long an unreachable node is left alone
+    before the next attempt."""
 
     node_url: str
     token: str | None = None
