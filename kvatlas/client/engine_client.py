@@ -162,15 +162,21 @@ class EngineClient:
 
     def retrieve(
         self, tokens: Any, *, cache_salt: str = "", request_id: str = "",
-        mm_items: Sequence[MMItem] = (),
+        mm_items: Sequence[MMItem] = (), first_chunk: int = 0, n_chunks: int = 0,
     ) -> tuple[list[Any], dict[str, int]]:  # fmt: skip
-        """Prefix retrieval: the KV of the leading chunks any tier has, and where each came from."""
+        """Prefix retrieval: the KV of the leading chunks any tier has, from chunk
+        ``first_chunk`` (the caller holds those before it; the first returned is that one),
+        at most ``n_chunks`` (0: all), and where each came from."""
         reply: RetrieveReply = self._call(
             "/engine/retrieve", tokens=tokens, cache_salt=cache_salt, request_id=request_id,
-            mm_items=mm_items,
+            mm_items=mm_items, first_chunk=first_chunk, n_chunks=n_chunks,
         )  # fmt: skip
         flat = np.frombuffer(reply.kv, dtype=self.layout.numpy_dtype())
         chunks = list(flat.reshape((-1, *self.layout.shape))) if flat.size else []
+        if first_chunk and chunks and reply.hit_tokens == len(chunks) * self.layout.shape[2]:
+            # a node from before first_chunk answers from chunk 0 (its hit_tokens counts only
+            # the chunks sent; this one's counts first_chunk's predecessors): skip to it
+            chunks = chunks[first_chunk:]
         return chunks, reply.sources
 
     def blend_segments(

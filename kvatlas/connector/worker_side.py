@@ -128,15 +128,20 @@ class WorkerSide:
                 ok[lo - op.start : hi - op.start] = True
 
         if op.prefix_hit > op.start and same_layout:
+            # from the chunk holding op.start: vLLM holds the rows before it (its own prefix
+            # cache), which the node would otherwise fetch and send for nothing
+            first = op.start // lay.chunk_size
+            n_chunks = -(-op.prefix_hit // lay.chunk_size) - first
             nothing: tuple[list[Any], dict[str, int]] = ([], {})
             chunks, _ = self.node.call(
                 "retrieve",
                 lambda c: c.retrieve(
-                    tokens, cache_salt=salt, request_id=keys.request_id, mm_items=items
+                    tokens, cache_salt=salt, request_id=keys.request_id, mm_items=items,
+                    first_chunk=first, n_chunks=n_chunks,
                 ),
                 nothing,
             )  # fmt: skip
-            for i, chunk in enumerate(chunks[: -(-op.prefix_hit // lay.chunk_size)]):
+            for i, chunk in enumerate(chunks[:n_chunks], start=first):
                 place(i * lay.chunk_size, from_numpy(chunk))
         if op.segments and same_layout:
             no_parts: dict[str, Any] = {"parts": []}

@@ -131,13 +131,14 @@ class Engine:
 
     # -- the scheduler's side of one request -----------------------------------------
 
-    def match(self, request: Request) -> int:
-        """``get_num_new_matched_tokens``, asked again while it answers ``None`` (a pending
-        blend lookup), as vLLM's scheduler does on its next steps."""
+    def match(self, request: Request, local: int = 0) -> int:
+        """``get_num_new_matched_tokens`` (``local``: the tokens vLLM's own prefix cache
+        holds), asked again while it answers ``None`` (a pending blend lookup), as vLLM's
+        scheduler does on its next steps."""
         answers: list[tuple[int | None, bool]] = []
         asked = wait_for(
             lambda: (
-                answers.append(self.scheduler.get_num_new_matched_tokens(request, 0))
+                answers.append(self.scheduler.get_num_new_matched_tokens(request, local))
                 or answers[-1][0] is not None
             ),
             timeout=30,
@@ -146,15 +147,21 @@ class Engine:
         assert asked and matched is not None and is_async is False
         return matched
 
-    def run(self, request: Request, *, budget: int = 1 << 30) -> RunResult:
+    def run(self, request: Request, *, budget: int = 1 << 30, local: int = 0) -> RunResult:
         """Schedule ``request`` from nothing computed to its whole prompt, ``budget`` tokens
-        per step (chunked prefill), each step run through the worker; then finish it."""
-        matched = self.match(request)
+        per step (chunked prefill), each step run through the worker; then finish it.
+        ``local``: the leading tokens vLLM's own prefix cache holds (a multiple of the block
+        size), their KV in the request's first blocks already."""
+        matched = self.match(request, local)
         n_blocks = -(-request.num_tokens // BLOCK)
         block_ids = [self.free.pop() for _ in range(n_blocks)]
+        if local:
+            held = self.model.kv_chunk(np.asarray(request.all_token_ids[:local], np.int64), 0)
+            for layer, name in enumerate(self.pages):
+                self.write(name, block_ids, 0, torch.from_numpy(held[layer]))
         blocks = KVCacheBlocks((tuple(KVCacheBlock(b) for b in block_ids),))
         self.scheduler.update_state_after_alloc(request, blocks, matched)
-        computed, first = matched, True
+        computed, first = local + matched, True
         loaded_rows: dict[str, torch.Tensor] = {}
         while computed < request.num_tokens:
             step = min(budget, request.num_tokens - computed)

@@ -116,6 +116,36 @@ def test_cold_request_stores_and_same_prefix_loads_bit_exactly(
     engine.close()
 
 
+def node_prefix_hits(url: str) -> float:
+    """The node's ``kvatlas_node_hit_tokens_total{kind="prefix"}``: tokens its retrievals sent."""
+    import re
+
+    found = re.search(r'^kvatlas_node_hit_tokens_total\{kind="prefix"\} ([0-9.e+]+)$',
+                      HTTP.get(f"{url}/metrics").text, re.M)  # fmt: skip
+    return float(found[1]) if found else 0.0
+
+
+def test_the_chunks_vllm_holds_itself_are_not_retrieved(
+    fleet: dict[str, str], model: ToyRopeModel
+) -> None:
+    """vLLM's own prefix cache holds a prompt's first chunk: the connector claims and loads the
+    next two, and the node sends those two only (``first_chunk``). The old worker retrieved
+    every leading chunk and dropped the ones vLLM held: here a third of the transfer, in a
+    long conversation nearly all of it."""
+    from tests.connector.harness import Engine, make_request
+
+    engine = Engine.start(fleet["a"], model)
+    prefix = tokens(41, 3 * C)
+    engine.run(make_request("cold-held", [*prefix, *tokens(42, 5)]))
+    before = node_prefix_hits(fleet["a"])
+    warm = engine.run(make_request("warm-held", [*prefix, *tokens(43, 5)]), local=C)
+    assert warm.matched == 2 * C
+    assert np.array_equal(warm.stack().numpy(), fresh(model, prefix))  # held + loaded rows
+    assert engine.load_errors[-1] == set()
+    assert node_prefix_hits(fleet["a"]) - before == 2 * C  # the old worker: 3 chunks
+    engine.close()
+
+
 def test_packing_split_last_round_trips(fleet: dict[str, str], model: ToyRopeModel) -> None:
     """The other K/V packing (FlashAttention's cell layout): store and load through it."""
     from tests.connector.harness import Engine, make_request

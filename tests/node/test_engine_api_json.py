@@ -93,3 +93,48 @@ def test_engine_client_reads_the_layout_from_the_node(node_url: str) -> None:
         assert [(s.cur_st, s.old_st) for s in segments] == [(4, 0)]
         parts = client.blend_parts(query, "r", segments)["parts"]
         assert parts[0][1].shape == SHAPE
+
+
+def test_retrieve_from_first_chunk_sends_only_the_chunks_asked(node_url: str) -> None:
+    """An engine holding a prompt's first chunks in its own prefix cache asks for the rest only
+    (``first_chunk``, ``n_chunks``): the node used to fetch and send every leading chunk (the
+    vLLM connector placed the ones it needed and dropped the others). ``hit_tokens`` still
+    counts from the request's start."""
+    tokens = np.arange(11_000, 11_000 + 4 * C, dtype="<u4")
+    kv = np.random.default_rng(2).integers(0, 1 << 16, size=(4, *SHAPE), dtype="<u2")
+    with EngineClient(node_url) as client:
+        assert client.store(tokens, kv.view(client.layout.numpy_dtype())) == 4
+        chunks, sources = client.retrieve(tokens, first_chunk=1, n_chunks=2)
+        assert [c.view("<u2").tobytes() for c in chunks] == [kv[1].tobytes(), kv[2].tobytes()]
+        assert sum(sources.values()) == 2
+        chunks, _ = client.retrieve(tokens, first_chunk=3)  # to the end
+        assert [c.view("<u2").tobytes() for c in chunks] == [kv[3].tobytes()]
+        assert client.retrieve(tokens, first_chunk=4) == ([], {})  # nothing left to send
+    body = {"tokens": _b64(tokens.tobytes()), "first_chunk": 2}
+    got = httpx.post(f"{node_url}/engine/retrieve", json=body).json()
+    assert got["hit_tokens"] == 4 * C  # from the request's start
+    assert base64.b64decode(got["kv"]) == kv[2:].tobytes()
+
+
+def test_a_node_that_ignores_first_chunk_is_read_from_chunk_0(
+    node_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node from before ``first_chunk`` answers from chunk 0 (its ``hit_tokens`` counts the
+    chunks sent): the client skips to ``first_chunk``, never placing chunk 0's KV at 2's."""
+    from kvatlas.api.engine import RetrieveReply
+
+    tokens = np.arange(12_000, 12_000 + 3 * C, dtype="<u4")
+    kv = np.random.default_rng(3).integers(0, 1 << 16, size=(3, *SHAPE), dtype="<u2")
+    with EngineClient(node_url) as client:
+        assert client.store(tokens, kv.view(client.layout.numpy_dtype())) == 3
+        real = client._call
+
+        def old_node(path: str, **fields: object) -> object:
+            fields.pop("first_chunk", None), fields.pop("n_chunks", None)
+            return real(path, **fields)
+
+        monkeypatch.setattr(client, "_call", old_node)
+        chunks, _ = client.retrieve(tokens, first_chunk=2)
+        assert [c.view("<u2").tobytes() for c in chunks] == [kv[2].tobytes()]
+        reply = real("/engine/retrieve", tokens=tokens)
+        assert isinstance(reply, RetrieveReply) and reply.hit_tokens == 3 * C
