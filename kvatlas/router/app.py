@@ -57,7 +57,7 @@ from kvatlas.router.policies import (
     Policy,
     uncomputed_tokens,
 )
-from kvatlas.router.replies import Relay, ReplyCut, openai_error, send_openai_error
+from kvatlas.router.replies import Relay, ReplyCut, mark_cut, openai_error, send_openai_error
 from kvatlas.router.scores import HttpScorer, Scorer, ScorerOf
 from kvatlas.router.tokenizer import PromptTokenizer
 from kvatlas.web import check_declared_length, nested_too_deep, receive_body
@@ -329,7 +329,7 @@ class Router:
             state["done"] = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except ReplyCut:
-            pass  # no end of body: the server closes the client's connection
+            mark_cut()  # no end of body: the server closes the client's connection
         except asyncio.CancelledError:
             if not state["left"] or task.uncancel() > 0:
                 raise  # cancelled by someone else (shutdown): not ours to swallow

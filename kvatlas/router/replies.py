@@ -4,6 +4,7 @@ when it ends (:class:`Relay`), and the cached tokens an engine reports in its re
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import time
 from typing import Final
@@ -32,6 +33,26 @@ class ReplyCut(Exception):
     """The engine's reply ended before its end (connection closed, read timed out): the
     client's reply is cut too — its connection closed without the body's end, so the client
     sees an incomplete reply, never a complete-looking one."""
+
+
+_CUT: Final = contextvars.ContextVar("kvatlas_router_reply_cut", default=False)
+_UNCOMPLETED: Final = "ASGI callable returned without completing response"
+
+
+def mark_cut() -> None:
+    """The request being answered (this task) had its reply cut on purpose (:class:`ReplyCut`:
+    counted, logged by the relay): :class:`CutReplyFilter` drops uvicorn's ERROR for it."""
+    _CUT.set(True)
+
+
+class CutReplyFilter(logging.Filter):
+    """Drops uvicorn's ERROR "ASGI callable returned without completing response" for a reply
+    the router cut on purpose (:func:`mark_cut`; uvicorn logs it from the request's task
+    after the app returns), one per engine failure: alerts on ERROR lines fired for what the
+    router had handled. The same line for any other reply (a bug's) stays."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_CUT.get() and record.getMessage().startswith(_UNCOMPLETED))
 
 
 def error_body(status: int, message: str) -> bytes:

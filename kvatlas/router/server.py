@@ -22,7 +22,7 @@ from kvatlas.logs import configure_logging, uvicorn_log_options
 from kvatlas.router.app import Router
 from kvatlas.router.config import RouterConfig
 from kvatlas.router.openai_body import Kind
-from kvatlas.router.replies import error_body, openai_error
+from kvatlas.router.replies import CutReplyFilter, error_body, openai_error
 from kvatlas.router.scores import ScorerOf
 from kvatlas.router.tokenizer import PromptTokenizer
 from kvatlas.web import is_loopback
@@ -119,6 +119,7 @@ def run_router(config: RouterConfig, scorer_of: ScorerOf | None = None) -> int:
         " + the coordinator's" if config.engines_from_coordinator else "",
         "on" if router.tokenizer is not None else "off (text routed by load)",
     )  # fmt: skip
+    logging.getLogger("uvicorn.error").addFilter(CutReplyFilter())  # (cut replies: counted)
     try:
         serve(create_app(router), host=config.host, port=config.port, sock=sock,
               limits=config.http_limits, on_refused=router.metrics.http_refused.count,
