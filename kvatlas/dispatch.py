@@ -32,7 +32,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
 from kvatlas.errors import KvatlasError, NotFound
-from kvatlas.fields import decode_body, field_error, field_errors
+from kvatlas.fields import check_query_pairs, decode_body, field_error, field_errors
 from kvatlas.http_guard import Answer, OnRefused
 from kvatlas.routing import (
     JSON,
@@ -254,6 +254,7 @@ def _query(route: Route, scope: Scope) -> Any:
     if route.query is None or not route.decode:
         return None  # the handler reads the query string itself
     pairs = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+    check_query_pairs(pairs, route.query)
     try:
         return msgspec.convert(dict(pairs), route.query, strict=False)
     except msgspec.ValidationError as exc:

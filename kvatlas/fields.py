@@ -4,6 +4,11 @@ bodies of LMCache's own routes (registration, chunk size, prefix lookup, the key
 query) are refused this way: the shape LMCache's (pydantic) coordinator answers, which its
 clients may read. msgspec says the same in its own words; :func:`field_error` words it as they
 expect. Shared by every service (the dispatcher decodes request bodies with :func:`decode_body`).
+
+Strict unless a type says otherwise: ``"1"`` and ``1.0`` are not the integer 1, ``"NaN"`` is
+not a number, and a key given twice in one object is refused rather than read as its last
+value. A request type that LMCache reads laxly and whose laxness is part of the contract
+(registration: ``"8000"`` is a port) sets ``LAX_NUMBERS``.
 """
 
 from __future__ import annotations
@@ -91,8 +96,16 @@ def field_error(exc: msgspec.ValidationError, type_: type, *, strict: bool) -> d
         return {"loc": [*loc, missing.group(1)], "msg": "Field required", "type": "missing"}
     expected = _EXPECTED.fullmatch(text)
     if expected is None:
+        bounds = _number_bounds(type_, loc) if text == "Number out of range" else None
+        if bounds is not None:  # 1e400: no float holds it
+            return {"loc": loc, "msg": f"Input should be a finite number {bounds}", "type": "finite_number"}  # fmt: skip
         return {"loc": loc, "msg": text, "type": "value_error"}
     want, got, op, bound = expected.groups()
+    if want.startswith("float"):
+        bounds = _number_bounds(type_, loc)
+        if bounds is not None:  # a string ("NaN"), or out of range: say what a value may be
+            kind = _BOUNDS[op][0] if op is not None else "float_type"
+            return {"loc": loc, "msg": f"Input should be a finite number {bounds}", "type": kind}
     if op is not None:
         kind, words = _BOUNDS[op]
         return {"loc": loc, "msg": f"Input should be {words} {bound}", "type": kind}
@@ -125,6 +138,37 @@ def _type_at(type_: Any, loc: Sequence[str | int]) -> Any:
     return _unwrap(type_)
 
 
+def _number_bounds(type_: Any, loc: Sequence[str | int]) -> str | None:
+    """The bounds of the ``float`` field at ``loc`` inside ``type_`` as words (``>= 0 and <=
+    8589934592``); ``None`` when it is no bounded float field."""
+    if not loc or not isinstance(loc[-1], str):
+        return None
+    parent = _type_at(type_, loc[:-1])
+    if not _is_struct(parent):
+        return None
+    declared = typing.get_type_hints(parent, include_extras=True).get(loc[-1])
+    args = [a for a in typing.get_args(declared) if a is not type(None)]
+    if type(None) in typing.get_args(declared) and len(args) == 1:
+        declared = args[0]  # Optional: the number's bounds
+    if typing.get_origin(declared) is not Annotated:
+        return None
+    base, *metas = typing.get_args(declared)
+    if base is not float:
+        return None
+    words = [
+        f"{op} {_plain(value)}"
+        for meta in metas
+        if isinstance(meta, msgspec.Meta)
+        for op, value in ((">=", meta.ge), (">", meta.gt), ("<=", meta.le), ("<", meta.lt))
+        if value is not None
+    ]
+    return " and ".join(words) or None
+
+
+def _plain(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
 def _unwrap(type_: Any) -> Any:
     if typing.get_origin(type_) is Annotated:
         type_ = typing.get_args(type_)[0]
@@ -151,14 +195,74 @@ def decode_fields(raw: bytes, type_: type[T], *, strict: bool = True) -> T:
 
 def decode_body(raw: bytes, content_type: str | None, type_: type[T]) -> T:
     """A request body of ``type_`` read as LMCache's coordinator reads one: JSON only when the
-    request says so (``application/json`` or ``application/*+json``), laxly
-    (:func:`decode_fields`); an empty body is a missing one."""
+    request says so (``application/json`` or ``application/*+json``); an empty body is a
+    missing one. Strict (:func:`decode_fields`) unless ``type_`` sets ``LAX_NUMBERS``; a key
+    given twice in one object is a 422 naming it (:func:`check_unique_keys`)."""
     if not raw:
         raise field_errors([{"loc": [], "msg": "Field required", "type": "missing"}], ("body",))
     if not is_json(content_type):
         error = {"loc": [], "msg": ROOT_NOT_OBJECT, "type": "model_attributes_type"}
         raise field_errors([error], ("body",))
-    return decode_fields(raw, type_, strict=False)
+    body = decode_fields(raw, type_, strict=not getattr(type_, "LAX_NUMBERS", False))
+    check_unique_keys(raw)
+    return body
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
+    return found
+
+
+def check_unique_keys(raw: bytes) -> None:
+    """A 422 naming the first key given twice in one object of the JSON ``raw`` (which
+    msgspec, as most decoders, reads as its last value: a body that says ``world_size`` twice
+    does not say which it means). A parse by the standard library's C scanner with a check per
+    object: for the routes whose bodies are small or rare (registration, cache control,
+    quotas), not for the hot ones (``POST /events``, the lookups; docs/coordinator.md)."""
+    try:
+        json.loads(raw, object_pairs_hook=_unique_pairs)
+    except _DuplicateKey as dup:
+        msg = f"Duplicate key {dup.key!r:.80}: a key may be given once per object"
+        raise field_errors(
+            [{"loc": [dup.key], "msg": msg, "type": "duplicate_key"}], ("body",)
+        ) from None
+    except (ValueError, RecursionError):  # msgspec read it: what it took stands
+        pass
+
+
+_INTEGER = re.compile(r"-?[0-9]+")
+_int_params: dict[type, frozenset[str]] = {}
+
+
+def check_query_pairs(pairs: Sequence[tuple[str, str]], type_: type) -> None:
+    """A 422 for a query parameter given twice (``limit=1&limit=2``: which one?) or, for an
+    integer field of ``type_``, not written as an integer's digits: a query string is text,
+    converted laxly, which reads ``limit=1.0`` and ``limit=1e3`` as numbers."""
+    names = _int_params.get(type_)
+    if names is None:
+        names = _int_params[type_] = frozenset(
+            f.encode_name for f in msgspec.structs.fields(type_) if _unwrap(f.type) is int
+        )
+    seen: set[str] = set()
+    for name, value in pairs:
+        if name in seen:
+            msg = f"Duplicate query parameter {name!r:.80}: a parameter may be given once"
+            raise field_errors([{"loc": [name], "msg": msg, "type": "duplicate_key"}], ("query",))
+        seen.add(name)
+        if name in names and _INTEGER.fullmatch(value) is None:
+            msg, kind = _LAX_INT["str"]
+            raise field_errors([{"loc": [name], "msg": msg, "type": kind}], ("query",))
 
 
 def is_json(content_type: str | None) -> bool:

@@ -256,6 +256,8 @@ MAX_QUOTA_GB: Final = float(1 << 33)
 """The largest quota: 2^33 GB is 2^63 bytes, the most a byte count (``int64``) holds; an
 infinite limit or one beyond it cannot be counted against (the status page's bar was a 500)."""
 QuotaGB = Annotated[float, msgspec.Meta(ge=0, le=MAX_QUOTA_GB)]
+"""A quota in GB: a finite number in [0, 2^33] (a string, ``"NaN"`` included, is refused: the
+bodies are decoded strictly); ``-0.0`` is taken as ``0.0``."""
 
 
 class QuotaConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -265,10 +267,22 @@ class QuotaConfig(msgspec.Struct, forbid_unknown_fields=True):
     default_limit_gb: QuotaGB | None = None
     tier: Literal["l2"] | msgspec.UnsetType = msgspec.UNSET  # LMCache's clients send it
 
+    def __post_init__(self) -> None:
+        if self.default_limit_gb is not None:
+            self.default_limit_gb = _no_minus_zero(self.default_limit_gb)
+
 
 class QuotaSetBody(msgspec.Struct, forbid_unknown_fields=True):
     limit_gb: QuotaGB
     tier: Literal["l2"] = "l2"
+
+    def __post_init__(self) -> None:
+        self.limit_gb = _no_minus_zero(self.limit_gb)
+
+
+def _no_minus_zero(limit_gb: float) -> float:
+    """``-0.0`` (which is ``>= 0``) is the quota ``0.0``: kept, listed and answered as ``0.0``."""
+    return limit_gb + 0.0
 
 
 class QuotaSetReply(msgspec.Struct):

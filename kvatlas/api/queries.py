@@ -8,7 +8,7 @@ names follow LMCache's coordinator; unknown fields are ignored (be liberal in wh
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
@@ -86,6 +86,10 @@ class RegisterRequest(msgspec.Struct):
     """``POST /instances``. LMCache's defaults mean "absent": ``instance_id: ""`` (the
     coordinator assigns one), ``p2p_advertised_url: ""``, ``mq_port: 0``, ``chunk_size: null``.
     Lax, as LMCache reads it: ``"8000"`` is a port, ``" b "`` the id ``b``."""
+
+    LAX_NUMBERS: ClassVar[bool] = True
+    """Numbers in strings and integral floats are integers here (``kvatlas.fields``); every
+    other request body is strict."""
 
     instance_id: str | None = None
     ip: str = ""

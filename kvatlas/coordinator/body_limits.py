@@ -14,7 +14,9 @@ QUERY_ENVELOPE_BYTES = 64 * 1024
 """A lookup body's JSON beside its tokens: field names, model name, salt, whitespace."""
 ENTRY_ENVELOPE_BYTES = 768
 """One event entry's JSON beside its token ids: the key (64 hex digits, a model name of up to
-256 and a salt of up to 128 characters, ``kv_rank``, group), size, offset, field names."""
+256 and a salt of up to 128 characters, ``kv_rank``, group), size, offset, field names. A model
+name may be longer (up to ``MAX_MODEL_NAME_CHARS``): a batch of such entries reaches the
+route's limit with fewer entries (413 at the largest batches)."""
 KEY_JSON_BYTES = ENTRY_ENVELOPE_BYTES
 """One key of a keys-form lookup in JSON, at most (the key part of an entry's envelope)."""
 TOKEN_JSON_BYTES = 11

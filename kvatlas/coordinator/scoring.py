@@ -53,10 +53,11 @@ overflow to inf, which JSON carries as ``null``). The fragment weight has the sa
 
 def checked_weight(what: str, weight: float) -> float:
     """``weight`` as a float, if a number in [0, :data:`MAX_WEIGHT`] (``ValueError`` naming
-    ``what`` otherwise; NaN fails both bounds)."""
+    ``what`` otherwise; NaN fails both bounds); ``-0.0`` is ``0.0`` (a score of ``-0.0`` is
+    never answered)."""
     if not 0 <= weight <= MAX_WEIGHT:
         raise ValueError(f"{what} must be a number in [0, {MAX_WEIGHT:g}], got {weight}")
-    return float(weight)
+    return float(weight) + 0.0
 
 
 @dataclass(frozen=True, slots=True)

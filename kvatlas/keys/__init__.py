@@ -23,6 +23,7 @@ from kvatlas.keys.mm_values import (
 )
 from kvatlas.keys.namespace import BlendMatch, BlendNamespace, leftmost_greedy
 from kvatlas.keys.object_key import (
+    MAX_MODEL_NAME_CHARS,
     ObjectKey,
     check_cache_salt,
     check_instance_id,
@@ -46,6 +47,7 @@ from kvatlas.keys.tracker import MM_BYPASS_GUARD, BypassGuard, RequestTracker
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
+    "MAX_MODEL_NAME_CHARS",
     "MM_BYPASS_GUARD",
     "NONE_HASH",
     "SCHEMES",
