@@ -85,6 +85,9 @@ def _fields(args: argparse.Namespace) -> TokenFields:
             raise UsageError("--token-ids: integers separated by commas or spaces") from None
     if not all(is_plain_int(t) and abs(t) < 1 << 63 for t in ids):
         raise UsageError("token ids must be integers (of at most 63 bits)")
+    if not ids:  # an empty variable or file: the action would do nothing, and say it did
+        given = "--tokens-file" if args.tokens_file is not None else "--token-ids"
+        raise UsageError(f"{given}: no token ids given")
     return token_fields(
         args.model_name, ids, world_size=args.world_size, cache_salt=args.cache_salt
     )

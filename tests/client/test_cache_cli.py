@@ -295,6 +295,8 @@ def test_bad_command_lines_exit_2_and_no_token_is_a_401_with_a_hint(
     loose.chmod(0o644)
     cut = fleet.tmp / "cut.json"
     cut.write_text("[1, 2,")
+    empty = fleet.tmp / "empty.json"
+    empty.write_text("[]")
     nan_wait = ("prefetch", *doc(fleet, "--instance-id", "node-a", "--wait"))
     for argv, who, says in (
         ((*nan_wait, "--poll-interval-s", "nan"), None, "must be finite numbers > 0"),
@@ -303,6 +305,9 @@ def test_bad_command_lines_exit_2_and_no_token_is_a_401_with_a_hint(
         (("pin", "--model-name", "toy"), None, "give the tokens: --token-ids or --tokens-file"),
         (("pin", *doc(fleet), "--token-ids", "1"), None, "one of them"),
         (("pin", "--model-name", "toy", "--token-ids", "1,x"), None, "--token-ids: integers"),
+        (("pin", "--model-name", "toy", "--token-ids", ""), None, "--token-ids: no token ids"),
+        (("unpin", "--model-name", "toy", "--token-ids", " , "), None, "no token ids given"),
+        (("pin", "--model-name", "toy", "--tokens-file", str(empty)), None, "--tokens-file: no"),
         (("pins", "--limit", "0"), None, "--limit must be 1-10,000"),
         (("quota", "set", "--cache-salt", "t", "--limit-gb", "-1"), None, "finite number >= 0"),
         (("quota", "set", "--cache-salt", "t", "--limit-gb", "inf"), None, "finite number >= 0"),
