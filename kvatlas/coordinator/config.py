@@ -38,7 +38,7 @@ from kvatlas.keys import (
     SCHEMES,
     KeyScheme,
     check_cache_salt,
-    check_model_name,
+    check_wire_model_name,
 )
 from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
 
@@ -163,7 +163,7 @@ class CoordinatorConfig:
                 "to the handshake too)"
             )
         if self.kv_events_model is not None:
-            check_model_name(self.kv_events_model)
+            check_wire_model_name(self.kv_events_model)
         if self.kv_events_publish_encoding not in ENCODINGS:
             raise ValueError(f"--kv-events-publish-encoding must be one of {', '.join(ENCODINGS)}")
         for salt in self.kv_events_salts or ():

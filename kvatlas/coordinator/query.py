@@ -29,6 +29,7 @@ from kvatlas.keys import (
     ObjectKey,
     TokenArray,
     as_token_array,
+    check_wire_model_name,
     object_keys,
 )
 
@@ -214,6 +215,8 @@ def lookup_query(body: LookupRequest, max_tokens: int, max_keys: int) -> KeysQue
         if len(keys) > max_keys:
             raise PayloadTooLarge(f"{len(keys)} keys exceed the query limit")
         try:  # (the rows' fields are the ones ObjectKey.from_wire reads, typed: no dict each)
+            for model_name in {k.model_name for k in keys}:
+                check_wire_model_name(model_name)
             return KeysQuery(
                 object_keys(
                     [k.chunk_hash_hex for k in keys],
@@ -226,6 +229,7 @@ def lookup_query(body: LookupRequest, max_tokens: int, max_keys: int) -> KeysQue
     if not body.model_name:
         raise Unprocessable("model_name is required with token_ids")
     try:
+        check_wire_model_name(body.model_name)
         BlendNamespace(body.model_name, body.cache_salt, body.world_size)
         if body.object_group_id < 0:
             raise ValueError("object_group_id must be >= 0")
@@ -353,6 +357,7 @@ def blend_query(
     if not body.model_name:
         raise Unprocessable("model_name is required with non-empty tokens")
     try:
+        check_wire_model_name(body.model_name)
         namespace = BlendNamespace(body.model_name, body.cache_salt, body.world_size)
     except ValueError as exc:
         raise Unprocessable(str(exc)) from None

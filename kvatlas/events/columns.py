@@ -29,7 +29,7 @@ from kvatlas.events.model import (
     EventBatch,
     batch_from_wire,
 )
-from kvatlas.keys import ObjectKey, TokenArray
+from kvatlas.keys import MAX_MODEL_NAME_CHARS, ObjectKey, TokenArray
 from kvatlas.keys.object_key import ShapeParts
 
 _Shape = TypeVar("_Shape", bound=Hashable)
@@ -42,12 +42,13 @@ assert np.iinfo(np.int64).max == I64_MAX  # sizes and offsets fit int64 columns 
 
 
 def shape_ok(shape: ShapeParts) -> bool:
-    """Whether a key of this shape is valid (what an :class:`ObjectKey` would accept)."""
+    """Whether a key of this shape is valid as the wire gives it (what an :class:`ObjectKey`
+    would accept, its model name at most ``MAX_MODEL_NAME_CHARS`` characters)."""
     try:
         ObjectKey(_ZERO_HASH, *shape)
     except (ValueError, TypeError):
         return False
-    return shape[2] <= U64_MAX
+    return shape[2] <= U64_MAX and len(shape[0]) <= MAX_MODEL_NAME_CHARS
 
 
 def shape_index(parts: list[_Shape]) -> tuple[list[_Shape], npt.NDArray[np.intp]]:

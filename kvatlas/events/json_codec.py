@@ -31,9 +31,10 @@ from kvatlas.events.columns import (
 from kvatlas.events.errors import EventDecodeError, EventValidationError, decode_error_from_msgspec
 from kvatlas.events.model import CacheEntry, EventBatch, batch_from_wire, header_to_wire
 from kvatlas.keys import (
+    MAX_MODEL_NAME_CHARS,
     ObjectKey,
     check_cache_salt,
-    check_model_name,
+    check_wire_model_name,
     parse_chunk_hash_hex,
     unpack_kv_rank,
 )
@@ -76,12 +77,15 @@ def _cut_entries(body: bytes) -> CutBody | None:
 def key_from_parts(
     chunk_hash: Any, model_name: str, kv_rank: int, object_group_id: int, cache_salt: str
 ) -> ObjectKey:
-    """Build an ObjectKey; on failure raise an error naming the first bad field."""
+    """Build an ObjectKey of a wire entry (its model name at most ``MAX_MODEL_NAME_CHARS``
+    characters); on failure raise an error naming the first bad field."""
     try:
+        if len(model_name) > MAX_MODEL_NAME_CHARS:
+            raise ValueError("model_name too long")
         return ObjectKey(chunk_hash, model_name, kv_rank, object_group_id, cache_salt)
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:
         checks: list[tuple[str, Any]] = [
-            ("model_name", lambda: check_model_name(model_name)),
+            ("model_name", lambda: check_wire_model_name(model_name)),
             ("kv_rank", lambda: unpack_kv_rank(kv_rank)),
             ("cache_salt", lambda: check_cache_salt(cache_salt)),
         ]

@@ -16,9 +16,10 @@ from kvatlas.checks import is_plain_int
 
 MAX_SALT_CHARS = 128
 MAX_MODEL_NAME_CHARS = 1024
-"""The longest model name a key may carry: a Hugging Face id (``meta-llama/Llama-3.1-8B-Instruct``)
-or a local path (a snapshot in a Hugging Face cache is about 150 characters) fits many times
-over; a name of 100,000 characters would be held in every key, listing and snapshot of it."""
+"""The longest model name a request or an event may give (:func:`check_wire_model_name`): a
+Hugging Face id (``meta-llama/Llama-3.1-8B-Instruct``) or a local path (a snapshot in a Hugging
+Face cache is about 150 characters) fits many times over; a name of 100,000 characters would
+be held in every key, listing and snapshot of it."""
 MAX_INSTANCE_ID_CHARS = 128
 _SALT_FORBIDDEN = frozenset("@/\\\x00")
 _HEX = frozenset("0123456789abcdefABCDEF")
@@ -58,12 +59,22 @@ def unpack_kv_rank(kv_rank: int) -> tuple[int, int, int, int]:
 def check_model_name(model_name: str) -> str:
     if not isinstance(model_name, str) or not model_name:
         raise ValueError("model_name must be a non-empty string")
+    if "@" in model_name:
+        raise ValueError(f"model_name must not contain '@': {model_name!r:.200}")
+    return model_name
+
+
+def check_wire_model_name(model_name: str) -> str:
+    """A model name as a request, an event or a setting gives it: the key rule
+    (:func:`check_model_name`) and at most :data:`MAX_MODEL_NAME_CHARS` characters. Checked
+    where keys are parsed from the wire, not by :class:`ObjectKey` itself: keys already held (a
+    snapshot or a journal written before the cap) are restored as they were, never dropped
+    with the whole snapshot."""
+    check_model_name(model_name)
     if len(model_name) > MAX_MODEL_NAME_CHARS:
         raise ValueError(
             f"model_name longer than {MAX_MODEL_NAME_CHARS} characters ({len(model_name)})"
         )
-    if "@" in model_name:
-        raise ValueError(f"model_name must not contain '@': {model_name!r}")
     return model_name
 
 

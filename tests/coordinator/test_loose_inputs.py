@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import msgspec
 import pytest
 
-from kvatlas.coordinator.server import BackgroundServer
-from kvatlas.keys import MAX_MODEL_NAME_CHARS
+from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.server import BackgroundServer, free_port
+from kvatlas.events import CacheEntry, EventBatch
+from kvatlas.keys import MAX_MODEL_NAME_CHARS, ObjectKey, pack_kv_rank
 from tests.coordinator.helpers import (
+    CS,
     assert_error,
     b64,
     fresh,
@@ -291,3 +295,21 @@ def test_a_model_name_beyond_the_cap_is_refused_wherever_keys_are_parsed(
                headers={"content-type": "application/msgpack"})  # fmt: skip
     assert r.status_code == 422 and "model_name" in r.text, r.text
     assert (state(server), c.get("/directory/stats").json()["num_keys"]) == before
+
+
+def test_a_key_held_before_the_cap_is_restored_from_a_snapshot(tmp_path: Path) -> None:
+    """The cap is checked where keys come in (requests, events, settings), not by ``ObjectKey``
+    itself: a snapshot written before it, holding a longer name, restores whole (with the cap
+    in ``ObjectKey`` the reader refused the snapshot and the coordinator started empty: every
+    tenant's keys lost for one name). The name is refused anew at the wire."""
+    config = CoordinatorConfig(port=free_port(), chunk_size=CS, snapshot_path=tmp_path / "d.snap")
+    held = ObjectKey(hashes(TOKENS[:CS])[0], TOO_LONG, pack_kv_rank(1, 0, 1, 0))
+    other = ObjectKey(hashes(TOKENS[CS : 2 * CS])[0], "m", pack_kv_rank(1, 0, 1, 0))
+    entries = (CacheEntry(held, 64, None, 0), CacheEntry(other, 64, None, CS))
+    with BackgroundServer(config) as server:  # as a coordinator before the cap took it
+        server.service.directory.consume(EventBatch("old", 1, 1, "store", "l1", "dram", entries=entries))  # fmt: skip
+    with BackgroundServer(config) as server, httpx.Client(base_url=server.url) as c:
+        listed = c.get("/directory/keys").json()
+        assert sorted(len(row["key"]["model_name"]) for row in listed["keys"]) == [1, len(TOO_LONG)]
+        key = wire_key(held.chunk_hash, model=TOO_LONG)
+        _says_model_name(send(c, "POST", "/directory/lookup", {"keys": [key]}), 422)

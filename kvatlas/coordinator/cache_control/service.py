@@ -45,7 +45,7 @@ from kvatlas.errors import InvalidInput, NotFound, Unprocessable
 from kvatlas.keys import (
     ObjectKey,
     check_cache_salt,
-    check_model_name,
+    check_wire_model_name,
     chunk_hashes,
     expand_prefix_keys,
 )
@@ -117,7 +117,7 @@ class CacheControl:
         check_token_count(fields.token_ids)
         try:
             check_cache_salt(fields.cache_salt)
-            check_model_name(fields.model_name)
+            check_wire_model_name(fields.model_name)
             hashes = self.hash_chunks(fields.token_ids)
             keys = expand_prefix_keys(
                 hashes, fields.model_name, fields.world_size, fields.cache_salt

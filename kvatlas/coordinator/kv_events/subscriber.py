@@ -55,7 +55,7 @@ from kvatlas.events.vllm_wire import (
     split_topic,
     unpack_seq,
 )
-from kvatlas.keys import KeyScheme, check_instance_id, check_model_name
+from kvatlas.keys import KeyScheme, check_instance_id, check_wire_model_name
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ class KvEventsSubscriber:
         model = model or self.settings.default_model
         try:
             check_instance_id(emitter)
-            check_model_name(model or "")
+            check_wire_model_name(model or "")
         except ValueError as exc:
             self._reject("topic", f"topic {topic!r:.80}: {exc} (--kv-events-model sets a "
                          "default model)")  # fmt: skip
