@@ -27,7 +27,7 @@ from kvatlas.web import json_encoder
 
 WITH_PLACEMENTS = "with_placements"
 """Query parameter: ``true`` (or ``1``) adds the holders of each match to the reply; ``false``
-(or ``0``) does not; any other value is refused (422)."""
+(or ``0``) does not; any other value, or the parameter given twice, is refused (422)."""
 INLINE_BODY_BYTES = 256 * 1024
 """Bodies up to this size (a query of up to ≈49k tokens in ``tokens_b64``) are answered on the
 event loop: their work (docs/performance.md, `bench service`) stays within the GIL switch
@@ -40,7 +40,10 @@ def wants_placements(query_string: bytes) -> bool:
     if not query_string:  # the default request: no parsing at all
         return False
     values = parse_qs(query_string.decode("latin-1"), keep_blank_values=True)
-    asked = {v.lower() for v in values.get(WITH_PLACEMENTS, ())}
+    given = values.get(WITH_PLACEMENTS, ())
+    if len(given) > 1:  # "true&...=false": which one?
+        raise Unprocessable(f"{WITH_PLACEMENTS} given {len(given)} times: give it once")
+    asked = {v.lower() for v in given}
     if not asked <= {"true", "1", "false", "0"}:
         raise Unprocessable(f"{WITH_PLACEMENTS} must be true or false (or 1, 0)")
     return bool(asked & {"true", "1"})

@@ -168,6 +168,18 @@ def test_a_query_parameter_given_twice_is_refused(
     assert c.get(f"{path}?limit=1&offset=0").status_code == 200
 
 
+def test_with_placements_given_twice_is_refused(
+    served: tuple[BackgroundServer, httpx.Client],
+) -> None:
+    """Was 200 with placements: ``true`` won over ``false`` whatever the order."""
+    _, c = served
+    body = {"tokens_b64": b64(TOKENS), "model_name": "m"}
+    for query in ("with_placements=false&with_placements=true", "with_placements=1&with_placements=1"):  # fmt: skip
+        r = c.post(f"/directory/blend-lookup?{query}", json=body)
+        assert "given 2 times" in assert_error(r, 422)["detail"], r.text
+    assert c.post("/directory/blend-lookup?with_placements=false", json=body).status_code == 200
+
+
 # ------------------------------------------------------------------ a key given twice
 
 
