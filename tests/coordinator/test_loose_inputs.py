@@ -1,9 +1,10 @@
 """Inputs the coordinator refuses rather than guesses at (docs/coordinator.md, "Differences
 from LMCache"; docs/cache-control.md), over real loopback HTTP: an integer given as a string
-or a float, a query parameter that is no integer's digits, a key given twice in one object, a
-quota that is no finite number, ``-0.0``, a model name beyond ``MAX_MODEL_NAME_CHARS``. Each
-refusal is a 422 (400 where cache control checks a key rule, as LMCache answers a bad salt)
-that names the field, and changes nothing; what LMCache's clients send still passes."""
+or a float, a query parameter that is no integer's digits or is given twice, a key given twice
+in one object, a quota that is no finite number, ``-0.0`` (taken as ``0.0``), a model name
+beyond ``MAX_MODEL_NAME_CHARS``. Each refusal is a 422 (400 where cache control checks a key
+rule, as LMCache answers a bad salt) that names the field, and changes nothing; what LMCache's
+clients send still passes, and a key held before the cap is restored from a snapshot."""
 
 from __future__ import annotations
 
