@@ -333,6 +333,23 @@ def test_unknown_fields_are_refused_where_lmcache_ignores_them(
     assert held(node, one) == {"l1": 3, "l2": 3, "presence": 3}
 
 
+def test_a_key_given_twice_is_refused_and_named(client: httpx.Client, node: CacheNode) -> None:
+    """Was a delete from the last ``tier`` given (here L1, the first said L2): a 422 naming the
+    key, nothing deleted; the same body with the key once deletes."""
+    one = keys_of(sequence(1))
+    raw = json.dumps({"keys": wire(one), "tier": "l2"})[:-1] + ', "tier": "l1"}'
+    r = client.request("DELETE", "/cache/objects", content=raw,
+                       headers={"content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 422 and "Duplicate key 'tier'" in r.json()["detail"], r.text
+    assert held(node, one) == {"l1": 3, "l2": 3, "presence": 3}
+    raw = json.dumps({"model_name": MODEL, "world_size": 1, "token_ids": sequence(1)})
+    r = client.post("/cache/prefetches", content=raw[:-1] + ', "world_size": 2}',
+                    headers={"content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 422 and "world_size" in r.json()["detail"], r.text
+    assert delete(client, {"keys": wire(one), "tier": "l1"}).status_code == 200
+    assert held(node, one)["l1"] == 0
+
+
 def test_a_node_without_l2_refuses_l2_deletes_but_deletes_l1(tmp_path: Path) -> None:
     node = CacheNode(CONFIG, instance_id="n2")
     node.store(
