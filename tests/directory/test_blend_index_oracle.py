@@ -229,6 +229,29 @@ def test_segmented_match_equals_single_pass(monkeypatch: pytest.MonkeyPatch) -> 
     assert canonical(whole) == canonical(oracle.match(query.tolist(), ns))
 
 
+def test_segmented_match_full_width_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Segments joined by the hashes' bytes: 32-byte hashes that share their first 8 bytes
+    (the join's set key) are told apart, one hash stored with two contents is answered once,
+    at its first hit across segments, and a hash with a zero last byte keeps it."""
+    index = BlendIndex(chunk_size=4)
+    ns = SPACES[0]
+    rng = np.random.default_rng(5)
+    pool = rng.integers(0, 6, (30, 4), dtype=np.uint32)
+    hashes = [b"shared-8" + bytes([i % 12]) * 23 + bytes(1) for i in range(len(pool))]
+    for i, c in enumerate(pool):  # i and i + 12 share a hash: two contents, one hash
+        index.add(c, hashes[i], i, ns)
+    query = rng.integers(0, 6, 3000, dtype=np.uint32)
+    whole = index.match(query, ns)
+    assert len(whole) > 1 and all(len(m.chunk_hash) == 32 for m in whole)
+    monkeypatch.setattr(blend_module, "_SEGMENT_WINDOWS", 7)
+    assert index.match(query, ns) == whole
+    assert index.match_columns(query, ns).matches() == whole
+    oracle = Oracle(4)
+    for i, c in enumerate(pool):
+        oracle.add(c.tolist(), hashes[i], i, ns)
+    assert canonical(whole) == canonical(oracle.match(query.tolist(), ns))
+
+
 def test_concurrent_add_remove_match(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(blend_module, "_SEGMENT_WINDOWS", 64)  # many lock hand-offs per query
     chunk_size = 4

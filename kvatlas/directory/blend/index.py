@@ -94,6 +94,9 @@ class BlendStats:
     token_bytes_shared: int
 
 
+_FULL_HASH = np.dtype(f"V{HASH_WIDTH}")  # a full-width hash as one item (tolist: its bytes)
+
+
 class MatchColumns(NamedTuple):
     """Matches as columns, in :meth:`BlendIndex.match` order: the k-th match is
     ``BlendMatch(chunk_hashes()[k], old_st[k], cur_st[k])``. The hashes are kept as their bytes
@@ -133,9 +136,10 @@ class MatchColumns(NamedTuple):
 
     def chunk_hashes(self) -> list[bytes]:
         """Each match's chunk_hash as ``bytes``."""
+        if self.full_width:  # (a void item is its bytes: one C-level pass, no slicing)
+            hashes: list[bytes] = np.ascontiguousarray(self.hash_bytes).view(_FULL_HASH).tolist()
+            return hashes
         raw = self.hash_bytes.tobytes()
-        if self.full_width:
-            return [raw[i : i + HASH_WIDTH] for i in range(0, len(raw), HASH_WIDTH)]
         ends = np.cumsum(self.hash_lengths, dtype=np.int64).tolist()
         return [raw[a:b] for a, b in zip([0, *ends], ends, strict=False)]
 
@@ -436,15 +440,12 @@ def _tokens(tokens: Any) -> npt.NDArray[np.uint32]:
 
 def _first_of_each_hash(parts: list[MatchColumns]) -> MatchColumns:
     """The segments' matches in order, each chunk_hash at its first (a long query's segments
-    are scanned apart: a chunk may be found in two)."""
-    seen: set[bytes] = set()
-    hashes: list[bytes] = []
-    old: list[npt.NDArray[np.int64]] = []
-    cur: list[npt.NDArray[np.int64]] = []
-    for part in parts:
-        found = part.chunk_hashes()
-        keep = [i for i, h in enumerate(found) if not (h in seen or seen.add(h))]  # type: ignore[func-returns-value]
-        hashes.extend(found[i] for i in keep)
-        old.append(part.old_st[keep])
-        cur.append(part.cur_st[keep])
-    return MatchColumns.of(hashes, np.concatenate(old), np.concatenate(cur))
+    are scanned apart: a chunk may be found in two), kept by one compiled pass over their
+    hashes' bytes (``kernels.joined_firsts``)."""
+    kept, hash_bytes, hash_lengths = kernels.joined_firsts(
+        np.concatenate([p.hash_bytes for p in parts]),
+        np.concatenate([p.hash_lengths for p in parts]),
+    )
+    old = np.concatenate([p.old_st for p in parts])
+    cur = np.concatenate([p.cur_st for p in parts])
+    return MatchColumns(hash_bytes, hash_lengths, old[kept], cur[kept])

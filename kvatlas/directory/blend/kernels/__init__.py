@@ -3,12 +3,13 @@
 One module per structure: ``modhash`` (the keyed mod 2^61-1 fingerprint and its rolling
 lanes), ``table`` (open addressing with one backward-shift delete), ``filter`` (the Bloom
 filter), ``occupants`` (chunk hashes and their namespace claims), ``writes`` (the one write
-kernel), ``scan`` (the match kernel), ``planes`` (the planes form of stored token ids:
+kernel), ``scan`` (the match kernel), ``firsts`` (the first hit of each chunk_hash), ``planes`` (the planes form of stored token ids:
 ``directory/token_store.py``) and ``contents`` (a stored content: one ``bytes``, its ids
 inline after a header naming their form). ``pointers`` holds the raw-memory intrinsics they
 share. Kernels run only while the caller holds the index lock.
 """
 
+from kvatlas.directory.blend.kernels.firsts import joined_firsts
 from kvatlas.directory.blend.kernels.layout import BlendArrays
 from kvatlas.directory.blend.kernels.modhash import (
     LANES,
@@ -68,6 +69,7 @@ __all__ = [
     "drop_extra_claim",
     "fingerprint",
     "jit",
+    "joined_firsts",
     "lane_init",
     "lane_load",
     "lane_step",

@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvatlas.directory.blend.kernels.filter import bloom_mask, may_contain, mix, word_shift
+from kvatlas.directory.blend.kernels.firsts import first_of_each
 from kvatlas.directory.blend.kernels.layout import (
     ADDRESS_BITS,
     O_HADDR,
@@ -33,14 +34,11 @@ from kvatlas.directory.blend.kernels.modhash import (
     lane_step,
     power_table,
 )
-from kvatlas.directory.blend.kernels.occupants import claimed, equal_bytes
+from kvatlas.directory.blend.kernels.occupants import claimed
 from kvatlas.directory.blend.kernels.planes import planes_nbytes
 from kvatlas.directory.blend.kernels.pointers import jit, prefetch, prefetch_addr, u8_ptr
 from kvatlas.directory.blend.kernels.table import content_home, equal_at
 from kvatlas.kernel_twins import gil_twins, releasing_twin
-
-_MIX = np.uint64(0x9E3779B97F4A7C15)
-"""Spreads a hit's hash key over the slots of :func:`_first_of_each_hash`'s set."""
 
 SCAN_ROWS = 64
 """Rows (of ``LANES`` windows) rolled per block: the block's fingerprints stay in L1 between
@@ -383,45 +381,20 @@ def _resolve(
 @jit
 def _first_of_each_hash(out_pos: Any, out_occ: Any, n_out: Any, o_i64: Any, o_hlen: Any) -> Any:
     """The hits ``[0, n_out)`` (occupant ``out_occ[k]`` at ``out_pos[k]``, ascending) kept at
-    the first of each chunk_hash — two contents may carry one hash; the hashes compared by
-    their bytes — as (positions, stored offsets, the kept hashes' bytes end to end, their
-    lengths). The bytes are copied here, under the caller's lock, from the ``bytes`` objects
-    the index references (``O_HADDR``): the caller makes no object per hit."""
-    keys = np.empty(n_out, np.uint64)
-    for k in range(n_out):  # independent loads: the hashes' cache misses overlap
-        o = out_occ[k]
-        p: Any = u8_ptr(o_i64[o, O_HADDR])  # type: ignore[call-arg]
-        key = np.uint64(o_hlen[o])
-        for i in range(min(8, o_hlen[o])):
-            key = (key << np.uint64(8)) | np.uint64(p[i])
-        keys[k] = key
-    smask = 15
-    while smask + 1 < 2 * n_out:
-        smask = 2 * smask + 1
-    slots = np.full(smask + 1, -1, np.int64)  # open-addressed set of kept hits
-    kept = np.empty(n_out, np.int64)
-    n_kept = 0
-    total = 0
+    the first of each chunk_hash (``firsts.first_of_each``), as (positions, stored offsets,
+    the kept hashes' bytes end to end, their lengths). The bytes are copied here, under the
+    caller's lock, from the ``bytes`` objects the index references (``O_HADDR``): the caller
+    makes no object per hit."""
+    addrs = np.empty(n_out, np.int64)
+    lens = np.empty(n_out, np.int64)
     for k in range(n_out):
-        key = keys[k]
-        h = np.int64(((key ^ (key >> np.uint64(29))) * _MIX) >> np.uint64(32)) & smask
-        dup = False
-        while slots[h] != -1:
-            j = slots[h]
-            oj, ok = out_occ[j], out_occ[k]
-            if (
-                keys[j] == key
-                and o_hlen[oj] == o_hlen[ok]
-                and equal_bytes(o_i64[oj, O_HADDR], o_i64[ok, O_HADDR], o_hlen[oj])
-            ):
-                dup = True
-                break
-            h = (h + 1) & smask
-        if not dup:
-            slots[h] = k
-            kept[n_kept] = k
-            n_kept += 1
-            total += o_hlen[out_occ[k]]
+        o = out_occ[k]
+        addrs[k] = o_i64[o, O_HADDR]
+        lens[k] = o_hlen[o]
+    kept, n_kept = first_of_each(addrs, lens, n_out)
+    total = 0
+    for i in range(n_kept):
+        total += lens[kept[i]]
     pos = np.empty(n_kept, np.int64)
     off = np.empty(n_kept, np.int64)
     blob = np.empty(total, np.uint8)
@@ -432,9 +405,9 @@ def _first_of_each_hash(out_pos: Any, out_occ: Any, n_out: Any, o_i64: Any, o_hl
         o = out_occ[k]
         pos[i] = out_pos[k]
         off[i] = o_i64[o, O_OFF]
-        n = o_hlen[o]
+        n = lens[k]
         lengths[i] = n
-        src: Any = u8_ptr(o_i64[o, O_HADDR])  # type: ignore[call-arg]
+        src: Any = u8_ptr(addrs[k])  # type: ignore[call-arg]
         for b in range(n):
             blob[at + b] = src[b]
         at += n
