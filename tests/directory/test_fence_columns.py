@@ -7,7 +7,6 @@ paths turned off) and to the op-by-op index."""
 from __future__ import annotations
 
 import weakref
-from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +47,11 @@ def _reference_drops_one_by_one(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
 
     def settle(st: Any, flags: Any, contents: Any, occupants: Any, nss: Any) -> None:
         if st in _REFERENCE:  # (ns0, the results' last column, is read by chunk removals only)
-            kinds = [REMOVE_CLAIM] * len(flags)
-            results = zip(flags.tolist(), contents.tolist(), occupants.tolist(), repeat(-1))
-            st._settle_removals(zip(kinds, results, nss.tolist(), strict=True))
+            results = zip(
+                flags.tolist(), contents.tolist(), occupants.tolist(), nss.tolist(), strict=True
+            )
+            for flag, cid, occ, ns in results:
+                st._settle_removal(REMOVE_CLAIM, flag, cid, occ, -1, ns)
         else:
             real(st, flags, contents, occupants, nss)
 

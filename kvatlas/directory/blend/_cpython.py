@@ -4,7 +4,9 @@ Why this exists: once the kernels are compiled, what a lookup or an ingest batch
 Python work per hit and per op. These shortcuts remove most of it:
 
 - ``bytes_address(h)``: the kernels read a chunk_hash through its ``bytes`` object's payload
-  address, so the index keeps the caller's ``bytes`` by reference (no copy per occupant).
+  address, so the index keeps the caller's ``bytes`` by reference (no copy per occupant); a
+  single write hands the kernel the object's ``id`` and the kernel reads its length at
+  ``BYTES_SIZE_OFFSET`` (and a content's header, its ids' form) itself.
 - ``array_handle`` / ``array_handles``: a write hands the kernel each token array's ``id``;
   the kernel reads the ndarray's data pointer itself at ``ARRAY_DATA_OFFSET`` instead of
   Python asking ``arr.ctypes.data`` per op.
@@ -12,7 +14,7 @@ Python work per hit and per op. These shortcuts remove most of it:
   directly, without the frozen-dataclass ``__init__`` (which dominates per-hit cost).
 
 Guarantees: every offset is located on a live probe object at import and verified by reading
-a known value back. Without the ``bytes`` offset the index cannot work, so failing to locate
+a known value back. Without the ``bytes`` offsets the index cannot work, so failing to locate
 it raises ``RuntimeError`` at import; the ndarray offset falls back (data addresses computed
 in Python). The fast construction is checked at import to produce a
 value equal to ``BlendMatch(...)``, and refused loudly if ``BlendMatch`` stops being a plain
@@ -66,7 +68,16 @@ def _array_data_offset() -> int:
     return find_field(probe, lambda value: value == probe.ctypes.data)
 
 
+def _bytes_size_offset() -> int:
+    """Offset of a ``bytes`` object's length (``ob_size``) from its ``id``."""
+    offsets = {find_field(probe, len(probe).__eq__) for probe in (b"x" * 37, bytes(83))}
+    if len(offsets) != 1 or -1 in offsets:  # pragma: no cover - not CPython
+        raise RuntimeError("cannot locate the length of bytes objects")
+    return offsets.pop()
+
+
 BYTES_DATA_OFFSET = _bytes_data_offset()
+BYTES_SIZE_OFFSET = _bytes_size_offset()
 ARRAY_DATA_OFFSET = _array_data_offset()
 
 

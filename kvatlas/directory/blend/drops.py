@@ -45,7 +45,7 @@ def settle_drops(
 ) -> None:
     """The bookkeeping of such ops (per op the kernel's flags, content id and occupant id,
     and its namespace id: columns, so a small batch settles without releasing the GIL), as
-    ``_settle_removals`` does it op by op."""
+    ``_settle_removal`` does it op by op."""
     dropped = flags & F_CLAIM_DROPPED != 0
     if dropped.any():
         for ns, n in tally(nss[dropped]):

@@ -9,13 +9,11 @@ followed by the bookkeeping the kernel reports for each op, so the two never dis
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-
 import numpy as np
 import numpy.typing as npt
 
 from kvatlas.directory.blend import _cpython, kernels
-from kvatlas.directory.blend._cpython import array_handle, bytes_address
+from kvatlas.directory.blend._cpython import array_handle
 from kvatlas.directory.blend.drops import settle_drops
 from kvatlas.directory.blend.id_lists import chosen, put, put_one, tally
 from kvatlas.directory.blend.kernels import (
@@ -45,9 +43,12 @@ from kvatlas.directory.blend.kernels.writes import (
     OP_TOKENS,
 )
 from kvatlas.directory.blend.namespaces import NamespaceIds
-from kvatlas.directory.blend.op_checks import Tokens, filled, token_nbytes, token_width
+from kvatlas.directory.blend.op_checks import Tokens, filled, token_nbytes
 from kvatlas.directory.blend.op_columns import OpColumns, SingleOp
 from kvatlas.keys import BlendNamespace
+
+_OFFSETS = (_cpython.BYTES_DATA_OFFSET, _cpython.BYTES_SIZE_OFFSET, _cpython.ARRAY_DATA_OFFSET)
+"""Where a single write's kernel reads its objects (``kernels.layout.write_context``)."""
 
 MIN_CAPACITY = 1024
 """Initial content and occupant capacity."""
@@ -71,6 +72,7 @@ class IndexState:
         self.fmask = fmask
         self.weights = np.empty((2, chunk_size), np.uint64)  # the fingerprints', by the base
         power_table(base, chunk_size, self.weights)
+        self._single = np.empty(chunk_size, np.uint32), np.empty(4, np.int64)  # its scratch
         self.arrays = kernels.BlendArrays.empty(MIN_CAPACITY)
         self.namespaces = NamespaceIds()
         self.tokens: list[Tokens | None] = []  # per content id: the array c_addr points into
@@ -94,7 +96,9 @@ class IndexState:
         self._arrays = arrays
         self.kernel_arrays = tuple(arrays)  # what the kernels take
         # the same arrays as one address (single writes), kept alive with them
-        self._context = write_context(arrays, self.chunk_size, self.weights, self.fmask)
+        self._context = write_context(
+            arrays, self.chunk_size, self.weights, self.fmask, self._single, _OFFSETS
+        )
         self._context_address = int(self._context.ctypes.data)
         # capacities as plain ints, for the check every add makes (_has_room)
         self._room = (
@@ -113,20 +117,13 @@ class IndexState:
         if ns >= 0 or kind != REMOVE_CLAIM:  # else: no claims, nothing to drop
             if kind == ADD and not self._has_room(1):
                 self._make_room(1)
-            if isinstance(arr, bytes):  # a content: its ids' address (contents.py)
-                width = token_width(arr)
-                at = bytes_address(arr) + (0 if width == 1 else width)
-                handle, data_off = at, -1
+            if isinstance(arr, bytes):  # a content: the kernel reads its header
+                handle, width = id(arr), 0
             else:
-                handle, data_off, width = (
-                    array_handle(arr),
-                    _cpython.ARRAY_DATA_OFFSET,
-                    arr.itemsize,
-                )
+                handle, width = array_handle(arr), arr.itemsize
             result = kernels.apply_op(
-                kind, handle, data_off, width, bytes_address(chunk_hash), len(chunk_hash),
-                offset, ns, self._context_address,
-            )  # fmt: skip
+                kind, handle, width, id(chunk_hash), offset, ns, self._context_address
+            )
             if result[0]:
                 self._settle_one(op, result, ns)
         self._end_write()
@@ -265,10 +262,9 @@ class IndexState:
             by_op &= ~drops
         rest = np.flatnonzero(by_op)
         if len(rest):  # (the results' rows as 1-D columns: ``results[rest]`` released the GIL)
-            rows = zip(
-                *(results[:, k][rest].tolist() for k in range(results.shape[1])), strict=True
-            )
-            self._settle_removals(zip(kinds[rest].tolist(), rows, nss[rest].tolist(), strict=True))
+            rows = [results[:, k][rest].tolist() for k in range(results.shape[1])]
+            for kind, *row, ns in zip(kinds[rest].tolist(), *rows, nss[rest].tolist(), strict=True):
+                self._settle_removal(kind, *row, ns)  # (in order)
 
     def _settle_fresh(
         self, cols: OpColumns, results: npt.NDArray[np.int64], nss: npt.NDArray[np.int64]
@@ -303,7 +299,7 @@ class IndexState:
             self.namespaces.claims[ns] += 1
             self.claims += 1
         if flags & _OP_BY_OP or kind == REMOVE_CHUNK:
-            self._settle_removals([(kind, result, ns)])
+            self._settle_removal(kind, flags, cid, occ, result[3], ns)
 
     def _new_contents(
         self, cols: OpColumns, ids: npt.NDArray[np.int64], new: npt.NDArray[np.bool_] | None
@@ -325,47 +321,43 @@ class IndexState:
                 self.owned.add(int(ids[k]))
                 self.owned_bytes += token_nbytes(arrays[k])
 
-    def _settle_removals(self, ops: Iterable[tuple[int, Sequence[int], int]]) -> None:
-        """The op-by-op part of :meth:`_settle`: per op (in order) its kind, the kernel's
-        result and its namespace id."""
-        live_tokens, live_hashes, extra_claims = self.tokens, self.hashes, self.extra_claims
+    def _settle_removal(self, kind: int, flags: int, cid: int, occ: int, ns0: int, ns: int) -> None:
+        """What an op's extra-set claim, dropped claim, removed chunk, gone occupant or gone
+        content changes (its kind, the kernel's result row and its namespace id)."""
         namespaces = self.namespaces
-        contents = occupants = claims = 0  # changes, added to the counters at the end
-        for kind, (flags, cid, occ, ns0), ns in ops:
-            if flags & F_NEW_CLAIM and flags & F_EXTRA_CLAIM:
-                extra_claims.setdefault(occ, set()).add(ns)
-                self.n_extra += 1
-            if flags & F_CLAIM_DROPPED:
-                namespaces.release(ns, 1)
-                claims -= 1
-                if flags & F_EXTRA_CLAIM:
-                    self._forget_extra(occ, ns)
-            if kind == REMOVE_CHUNK:
-                if ns0 >= 0:
-                    namespaces.release(ns0, 1)
-                    claims -= 1
-                for other in extra_claims.pop(occ, ()):
+        if flags & F_NEW_CLAIM and flags & F_EXTRA_CLAIM:
+            self.extra_claims.setdefault(occ, set()).add(ns)
+            self.n_extra += 1
+        if flags & F_CLAIM_DROPPED:
+            namespaces.release(ns, 1)
+            self.claims -= 1
+            if flags & F_EXTRA_CLAIM:
+                self._forget_extra(occ, ns)
+        if kind == REMOVE_CHUNK:
+            if ns0 >= 0:
+                namespaces.release(ns0, 1)
+                self.claims -= 1
+            if occ in self.extra_claims:
+                for other in self.extra_claims.pop(occ):
                     kernels.drop_extra_claim(occ, other, self.arrays.claims)
                     self.n_extra -= 1
                     namespaces.release(other, 1)
-                    claims -= 1
-            if flags & F_OCCUPANT_GONE:
-                live_hashes[occ] = None
-                occupants -= 1
-            if flags & F_CONTENT_GONE:
-                gone = live_tokens[cid]
-                if gone is not None:
-                    nbytes = token_nbytes(gone)
-                    self.token_bytes -= nbytes
-                    if cid in self.owned:
-                        self.owned.discard(cid)
-                        self.owned_bytes -= nbytes
-                live_tokens[cid] = None
-                contents -= 1
-                self._stale += 1
-        self.contents += contents
-        self.occupants += occupants
-        self.claims += claims
+                    self.claims -= 1
+        if flags & F_OCCUPANT_GONE:
+            self.hashes[occ] = None
+            self.occupants -= 1
+        if flags & F_CONTENT_GONE:
+            live_tokens = self.tokens
+            gone = live_tokens[cid]
+            if gone is not None:
+                nbytes = token_nbytes(gone)
+                self.token_bytes -= nbytes
+                if cid in self.owned:
+                    self.owned.discard(cid)
+                    self.owned_bytes -= nbytes
+            live_tokens[cid] = None
+            self.contents -= 1
+            self._stale += 1
 
     def mark_stale(self, contents: int) -> None:
         """``contents`` contents were removed (their filter bits shed at the next rebuild)."""
@@ -379,12 +371,14 @@ class IndexState:
         self.n_extra -= 1
 
     def _has_room(self, n_add: int) -> bool:
-        """Room for ``n_add`` adds (a new content, occupant and extra claim each) without
-        counting free ids: the cheap check."""
+        """Room for ``n_add`` adds (a new content, occupant and extra claim each), free ids
+        counted as :meth:`_make_room` counts them (an index built to its capacity, a
+        restore's, has room for an add wherever a removal left an id free)."""
         contents, occupants, extra, live = self._room
+        used, held = len(self.tokens), len(self.hashes)
         return (
-            len(self.tokens) + n_add <= contents
-            and len(self.hashes) + n_add <= occupants
+            used + n_add - min(n_add, used - self.contents) <= contents
+            and held + n_add - min(n_add, held - self.occupants) <= occupants
             and self.n_extra + n_add <= extra
             and self.contents + n_add <= live
         )

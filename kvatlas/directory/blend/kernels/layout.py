@@ -46,9 +46,22 @@ content ids ever used (the high-water mark); the same for occupants (linked thro
 ``o_i32[:, O_NEXT]``)."""
 
 
-CTX_CHUNK, CTX_WEIGHTS, CTX_FMASK, CTX_ARRAYS = range(4)
+(
+    CTX_CHUNK,
+    CTX_WEIGHTS,
+    CTX_FMASK,
+    CTX_ROW,
+    CTX_OUT,
+    CTX_BYTES_DATA,
+    CTX_BYTES_SIZE,
+    CTX_ARRAY_DATA,
+    CTX_ARRAYS,
+) = range(9)
 """Entries of a write context (:func:`write_context`): the write kernel's scalar arguments
-(the weights as the address of their ``(2, chunk)`` table), then from ``CTX_ARRAYS`` on, per
+(the weights as the address of their ``(2, chunk)`` table), the addresses of a single
+write's scratch (a row of ``chunk`` ``uint32`` ids, a report row of 4 ``int64``), the
+CPython offsets a single write reads its objects through (a ``bytes``' payload and length, an
+ndarray's data pointer, -1 if not located: ``_cpython.py``), then from ``CTX_ARRAYS`` on, per
 field of :class:`BlendArrays` in order, its data address and its number of rows."""
 
 
@@ -119,16 +132,26 @@ class BlendArrays(NamedTuple):
 
 
 def write_context(
-    arrays: BlendArrays, chunk: int, weights: npt.NDArray[np.uint64], fmask: int
+    arrays: BlendArrays,
+    chunk: int,
+    weights: npt.NDArray[np.uint64],
+    fmask: int,
+    scratch: tuple[npt.NDArray[np.uint32], npt.NDArray[np.int64]],
+    offsets: tuple[int, int, int],
 ) -> npt.NDArray[np.int64]:
     """``arrays`` and the write kernel's other arguments (``weights``: the fingerprints'
-    ``modhash.power_table``) as one int64 array of addresses and sizes (``CTX_*``): a single
-    write passes its address, one integer, where passing the arrays would cost numba an
-    unboxing of each on every call (``writes.apply_op``). Valid while ``arrays`` and
-    ``weights`` live unchanged: the index makes a new one whenever it replaces them."""
+    ``modhash.power_table``; ``scratch``: a row of ``chunk`` ids and a report row of 4;
+    ``offsets``: a ``bytes``' payload and length and an ndarray's data pointer from the
+    object's ``id``) as one int64 array of addresses and sizes (``CTX_*``): a single write
+    passes its address, one integer, where passing the arrays would cost numba an unboxing of
+    each on every call (``writes.apply_op``). Valid while ``arrays``, ``weights`` and
+    ``scratch`` live unchanged: the index makes a new one whenever it replaces them."""
     assert weights.flags.c_contiguous and weights.shape == (2, chunk)
+    row, out = scratch
+    assert row.flags.c_contiguous and row.shape == (chunk,) and row.dtype == np.uint32
+    assert out.flags.c_contiguous and out.shape == (4,) and out.dtype == np.int64
     ctx = np.empty(CTX_ARRAYS + 2 * len(arrays), np.int64)
-    ctx[:CTX_ARRAYS] = chunk, weights.ctypes.data, fmask
+    ctx[:CTX_ARRAYS] = chunk, weights.ctypes.data, fmask, row.ctypes.data, out.ctypes.data, *offsets
     for k, field in enumerate(BlendArrays._fields):
         arr: npt.NDArray[Any] = getattr(arrays, field)
         assert arr.flags.c_contiguous

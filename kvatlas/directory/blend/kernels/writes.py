@@ -15,9 +15,14 @@ from numba.np.numpy_support import carray
 from kvatlas.directory.blend.kernels.filter import bloom_word, filter_add, mix, word_shift
 from kvatlas.directory.blend.kernels.fingerprints import load_ids, stored_fingerprint, tagged
 from kvatlas.directory.blend.kernels.layout import (
+    CTX_ARRAY_DATA,
     CTX_ARRAYS,
+    CTX_BYTES_DATA,
+    CTX_BYTES_SIZE,
     CTX_CHUNK,
     CTX_FMASK,
+    CTX_OUT,
+    CTX_ROW,
     CTX_WEIGHTS,
     IDS_CONTENTS,
     IDS_FREE_CONTENT,
@@ -50,6 +55,7 @@ from kvatlas.directory.blend.kernels.pointers import (
     prefetch_addr,
     releasing,
     u8_ptr,
+    u32_ptr,
     u64_ptr,
 )
 from kvatlas.directory.blend.kernels.table import (
@@ -96,7 +102,6 @@ def apply_ops(
     # count update on every use
     table, filt, c_fp, c_addr, c_first = s.table, s.filt, s.c_fp, s.c_addr, s.c_first
     o_i64, o_i32, o_hlen, claims, ids = s.o_i64, s.o_i32, s.o_hlen, s.claims, s.ids
-    o_links = o_i32[:, O_NEXT]
     # each op's fingerprint and token address, taken _LOOKAHEAD ops ahead (a ring): its
     # table slot and filter word are requested then, so those misses overlap the ops between
     fps = np.empty(_RING, np.uint64)
@@ -119,59 +124,117 @@ def apply_ops(
         out[i, 2] = -1
         out[i, 3] = -1
         kind = ops[OP_KIND, i]
-        if kind == SKIP:
-            continue
-        fp, addr = fps[i % _RING], addrs[i % _RING]
-        if fp_listed(fp, table, c_fp):
-            load_ids(tokens, addr, chunk)  # to compare with that content's
-        h_addr, h_len, ns = ops[OP_HASH, i], ops[OP_HASH_LEN, i], ops[OP_NS, i]
-        cid, slot = find_content(tokens, fp, chunk, table, c_fp, c_addr)
-        out[i, 1] = cid
-        flags = 0
-        o = -1
-        if kind == ADD:
-            if cid == -1:
-                cid = _take_id(ids, IDS_FREE_CONTENT, IDS_CONTENTS, c_first)
-                out[i, 1] = cid
-                flags = F_NEW_CONTENT
-                c_fp[cid] = fp
-                c_addr[cid] = addr
-                c_first[cid] = -1
-                table[slot] = cid
-                filter_add(filt, fp)
-            else:
-                o = find_occupant(c_first, cid, o_i64, o_i32, o_hlen, h_addr, h_len)
-            if o == -1:
-                o = _take_id(ids, IDS_FREE_OCCUPANT, IDS_OCCUPANTS, o_links)
-                flags |= F_NEW_OCCUPANT
-                link_occupant(cid, o, h_addr, h_len, c_first, o_i64, o_i32, o_hlen)
-            o_i64[o, O_OFF] = ops[OP_OFFSET, i]
-            out[i, 0] = flags | add_claim(o, ns, o_i32, claims)
-            out[i, 2] = o
-            continue
-        if cid != -1:
+        if kind != SKIP:
+            _apply_at(
+                kind, fps[i % _RING], addrs[i % _RING], ops[OP_HASH, i], ops[OP_HASH_LEN, i],
+                ops[OP_OFFSET, i], ops[OP_NS, i], tokens, chunk, table, filt, c_fp, c_addr,
+                c_first, o_i64, o_i32, o_hlen, claims, ids, out[i],
+            )  # fmt: skip
+    for i in range(n):
+        _release_ids(out[i], ids, c_first, o_i32)
+
+
+@helper
+def _apply_at(
+    kind: Any,
+    fp: Any,
+    addr: Any,
+    h_addr: Any,
+    h_len: Any,
+    offset: Any,
+    ns: Any,
+    tokens: Any,
+    chunk: Any,
+    table: Any,
+    filt: Any,
+    c_fp: Any,
+    c_addr: Any,
+    c_first: Any,
+    o_i64: Any,
+    o_i32: Any,
+    o_hlen: Any,
+    claims: Any,
+    ids: Any,
+    out: Any,
+) -> None:
+    """One op of :func:`apply_ops` (not a ``SKIP``): its content of fingerprint ``fp`` at the
+    tagged token address ``addr`` (``tokens``: a row its ids are read into, to compare them),
+    its chunk_hash (``h_len`` bytes at ``h_addr``), offset and namespace id; ``out``: its
+    report row, ``(0, -1, -1, -1)`` on entry (see there).
+
+    The memory the op depends on comes in waves, each requested at once before any of it is
+    read: the table's probe run; then each listed content's fingerprint, address and first
+    occupant (also what a removal's backward shift reads); then the occupant's rows. The
+    misses of one wave overlap instead of forming one serial chain (at 10^6 contents each
+    array is larger than the cache)."""
+    tmask = table.shape[0] - 1
+    slot = content_home(fp, tmask)
+    while table[slot] != -1:
+        cid = table[slot]
+        prefetch(c_fp, cid)  # type: ignore[call-arg]
+        prefetch(c_addr, cid)  # type: ignore[call-arg]
+        prefetch(c_first, cid)  # type: ignore[call-arg]
+        slot = (slot + 1) & tmask
+    if fp_listed(fp, table, c_fp):
+        load_ids(tokens, addr, chunk)  # to compare with that content's
+    cid, slot = find_content(tokens, fp, chunk, table, c_fp, c_addr)
+    out[1] = cid
+    o = -1
+    if cid != -1:
+        o = c_first[cid]
+        if o != -1:
+            prefetch(o_hlen, o)  # type: ignore[call-arg]
+            prefetch_addr(o_i64.ctypes.data + o * o_i64.strides[0])  # type: ignore[call-arg]
+            prefetch_addr(o_i32.ctypes.data + o * o_i32.strides[0])  # type: ignore[call-arg]
+    flags = 0
+    o = -1
+    if kind == ADD:
+        if cid == -1:
+            cid = _take_id(ids, IDS_FREE_CONTENT, IDS_CONTENTS, c_first)
+            out[1] = cid
+            flags = F_NEW_CONTENT
+            c_fp[cid] = fp
+            c_addr[cid] = addr
+            c_first[cid] = -1
+            table[slot] = cid
+            filter_add(filt, fp)
+        else:
             o = find_occupant(c_first, cid, o_i64, o_i32, o_hlen, h_addr, h_len)
         if o == -1:
-            continue
-        out[i, 2] = o
-        if kind == REMOVE_CLAIM:
-            flags = drop_claim(o, ns, o_i32, claims)
-            if flags == 0 or o_i32[o, O_NCLAIMS] > 0:
-                out[i, 0] = flags
-                continue
-        else:
-            out[i, 3] = o_i32[o, O_NS0]
-            o_i32[o, O_NS0] = -1
-            o_i32[o, O_NCLAIMS] = 0
-        flags |= F_OCCUPANT_GONE
-        if unlink_occupant(cid, slot, o, table, c_fp, c_addr, c_first, o_i32):
-            flags |= F_CONTENT_GONE
-        out[i, 0] = flags
-    for i in range(n):
-        if out[i, 0] & F_OCCUPANT_GONE:
-            _release_id(ids, IDS_FREE_OCCUPANT, o_links, out[i, 2])
-        if out[i, 0] & F_CONTENT_GONE:
-            _release_id(ids, IDS_FREE_CONTENT, c_first, out[i, 1])
+            o = _take_id(ids, IDS_FREE_OCCUPANT, IDS_OCCUPANTS, o_i32[:, O_NEXT])
+            flags |= F_NEW_OCCUPANT
+            link_occupant(cid, o, h_addr, h_len, c_first, o_i64, o_i32, o_hlen)
+        o_i64[o, O_OFF] = offset
+        out[0] = flags | add_claim(o, ns, o_i32, claims)
+        out[2] = o
+        return
+    if cid != -1:
+        o = find_occupant(c_first, cid, o_i64, o_i32, o_hlen, h_addr, h_len)
+    if o == -1:
+        return
+    out[2] = o
+    if kind == REMOVE_CLAIM:
+        flags = drop_claim(o, ns, o_i32, claims)
+        if flags == 0 or o_i32[o, O_NCLAIMS] > 0:
+            out[0] = flags
+            return
+    else:
+        out[3] = o_i32[o, O_NS0]
+        o_i32[o, O_NS0] = -1
+        o_i32[o, O_NCLAIMS] = 0
+    flags |= F_OCCUPANT_GONE
+    if unlink_occupant(cid, slot, o, table, c_fp, c_addr, c_first, o_i32):
+        flags |= F_CONTENT_GONE
+    out[0] = flags
+
+
+@helper
+def _release_ids(out: Any, ids: Any, c_first: Any, o_i32: Any) -> None:
+    """Free the ids an op's report row ``out`` says went (at the end of its batch)."""
+    if out[0] & F_OCCUPANT_GONE:
+        _release_id(ids, IDS_FREE_OCCUPANT, o_i32[:, O_NEXT], out[2])
+    if out[0] & F_CONTENT_GONE:
+        _release_id(ids, IDS_FREE_CONTENT, c_first, out[1])
 
 
 RELEASE_OPS = 4096
@@ -185,34 +248,47 @@ apply_ops_releasing = releasing_twin(apply_ops)
 
 @jit
 def apply_op(
-    kind: Any,
-    tokens: Any,
-    data_off: Any,
-    token_bytes: Any,
-    h_addr: Any,
-    h_len: Any,
-    offset: Any,
-    ns: Any,
-    ctx: Any,
+    kind: Any, tokens: Any, token_bytes: Any, chunk_hash: Any, offset: Any, ns: Any, ctx: Any
 ) -> Any:
-    """:func:`apply_ops` for a batch of one op passed as scalars (the common single write:
-    no op arrays for the caller to build; ``tokens`` read through ``data_off`` as there), on the arrays of the write context at address
-    ``ctx`` (``layout.write_context``: one integer to pass instead of ten arrays); returns
-    its ``out`` row."""
+    """:func:`apply_ops` for a batch of one op passed as scalars (the common single write: no
+    op arrays to build, seven arguments to unbox), on the arrays of the write context at
+    address ``ctx`` (``layout.write_context``: one integer instead of ten arrays); returns its
+    ``out`` row. ``tokens``: the ``id`` of a content (``token_bytes`` 0: a ``bytes`` whose
+    header names its form, ``contents.py``) or of an array (``token_bytes`` its bytes per id,
+    1: the planes form; with the context's ``CTX_ARRAY_DATA`` < 0 its data address itself);
+    ``chunk_hash``: the ``id`` of an exact ``bytes``, read through the context's object
+    offsets (``_cpython.py``)."""
     c = i64_ptr(ctx)  # type: ignore[call-arg]
-    ops = np.empty((7, 1), np.int64)
-    ops[OP_KIND, 0] = kind
-    ops[OP_TOKENS, 0] = tokens
-    ops[OP_TOKEN_BYTES, 0] = token_bytes
-    ops[OP_HASH, 0] = h_addr
-    ops[OP_HASH_LEN, 0] = h_len
-    ops[OP_OFFSET, 0] = offset
-    ops[OP_NS, 0] = ns
-    out = np.empty((1, 4), np.int64)
-    arrays = _arrays_at(c)
-    weights = carray(u64_ptr(c[CTX_WEIGHTS]), (2, c[CTX_CHUNK]))  # type: ignore[call-arg]
-    apply_ops(ops, c[CTX_CHUNK], data_off, weights, c[CTX_FMASK], arrays, out)
-    return out[0, 0], out[0, 1], out[0, 2], out[0, 3]
+    s = _arrays_at(c)
+    table, filt, c_fp, c_addr, c_first, o_i64, o_i32, o_hlen, claims, ids = s
+    chunk = c[CTX_CHUNK]
+    weights = carray(u64_ptr(c[CTX_WEIGHTS]), (2, chunk))  # type: ignore[call-arg]
+    row = carray(u32_ptr(c[CTX_ROW]), chunk)  # type: ignore[call-arg]
+    out = carray(i64_ptr(c[CTX_OUT]), 4)  # type: ignore[call-arg]
+    if token_bytes == 0:  # a content: its ids after its header (none for the planes form)
+        at = tokens + c[CTX_BYTES_DATA]
+        head: Any = u8_ptr(at)  # type: ignore[call-arg]
+        token_bytes = 1 if head[0] else np.int64(head[1])
+        addr = at if token_bytes == 1 else at + token_bytes
+    elif c[CTX_ARRAY_DATA] >= 0:
+        addr = i64_ptr(tokens + c[CTX_ARRAY_DATA])[0]  # type: ignore[call-arg]
+    else:
+        addr = tokens
+    addr = tagged(addr, token_bytes)
+    h_addr = chunk_hash + c[CTX_BYTES_DATA]
+    h_len = i64_ptr(chunk_hash + c[CTX_BYTES_SIZE])[0]  # type: ignore[call-arg]
+    prefetch_addr(h_addr)  # type: ignore[call-arg]
+    fp = stored_fingerprint(addr, chunk, weights, c[CTX_FMASK])
+    out[0] = 0
+    out[1] = -1
+    out[2] = -1
+    out[3] = -1
+    _apply_at(
+        kind, fp, addr, h_addr, h_len, offset, ns, row, chunk, table, filt, c_fp, c_addr,
+        c_first, o_i64, o_i32, o_hlen, claims, ids, out,
+    )  # fmt: skip
+    _release_ids(out, ids, c_first, o_i32)
+    return out[0], out[1], out[2], out[3]
 
 
 @inline
