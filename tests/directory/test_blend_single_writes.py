@@ -12,7 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvatlas.directory import AddOp, BlendIndex, BlendOp, RemoveChunkOp, RemoveClaimOp
+from kvatlas.directory.blend.kernels import REMOVE_CLAIM
+from kvatlas.directory.blend.kernels.contents import content_count
 from kvatlas.directory.blend.kernels.layout import O_OFF, TOKENS_U16
+from kvatlas.directory.blend.op_columns import _sizes, single_op
 from tests.directory.test_blend_index_oracle import SPACES, canonical, workloads
 
 
@@ -186,3 +189,35 @@ def test_single_writes_equal_the_column_path_through_growth_and_rebuilds() -> No
                 columns.match(contents[i], ns)
             )
     assert len(single.match(contents[0], SPACES[1])) == 1
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 16, 17, 256])
+def test_a_single_writes_content_check_is_content_counts(chunk: int) -> None:
+    """A ``bytes`` content of a single write is checked by one lookup of its header and
+    length (``op_columns._sizes``) where ``content_count`` would say it holds ``chunk`` ids,
+    else by ``content_count``: every header and every length near each form's is taken,
+    skipped or refused exactly as ``content_count`` decides (negative control: a content one
+    byte short of a listed length is not taken)."""
+    ns = SPACES[0]
+    lengths = {2 + 2 * chunk, 4 + 4 * chunk}
+    lengths |= {2 + 2 * chunk + 2 * h * ((chunk + 15) // 16) for h in range(1, 10)}
+    taken = 0
+    for b0 in range(11):
+        for b1 in range(7):
+            for size in {0, 1, 2, 3} | {n + d for n in lengths for d in range(-3, 4)}:
+                content = bytes([b0, b1][:size]) + bytes(max(0, size - 2))
+                try:
+                    want: str | int = content_count(content)
+                except ValueError:
+                    want = "refused"
+                try:
+                    op = single_op(REMOVE_CLAIM, content, b"h", 0, ns, chunk)
+                    got: str | int = chunk if op is not None else "skipped"
+                except ValueError:
+                    got = "refused"
+                if want == chunk:
+                    taken += 1
+                    assert got == chunk, (b0, b1, size)
+                else:
+                    assert got == ("refused" if want == "refused" else "skipped"), (b0, b1, size)
+    assert taken == len(_sizes(chunk)) == 10

@@ -159,6 +159,16 @@ def _item_arrays() -> ItemArrays | None:
 
 ITEM_ARRAYS = _item_arrays()
 
+WRITE_OFFSETS = (
+    BYTES_DATA_OFFSET,
+    BYTES_SIZE_OFFSET,
+    ARRAY_DATA_OFFSET,
+    -1 if ITEM_ARRAYS is None else ITEM_ARRAYS.list_items,
+)
+"""Where a single write's kernel reads its objects from their ``id`` (a ``bytes``' payload
+and length, an ndarray's data pointer, a list's item pointer; -1: not located):
+``kernels.layout.write_context``."""
+
 
 def bytes_address(raw: bytes) -> int:
     """Address of the payload of ``raw`` (an exact ``bytes``; valid while it is alive)."""

@@ -110,7 +110,12 @@ def single_op(
     count = -1
     arr: Any
     if type(tokens) is bytes:
-        arr, count = tokens, content_count(tokens)  # (a malformed one: ValueError)
+        arr, size = tokens, len(tokens)
+        sizes = _SIZES.get(chunk) or _sizes(chunk)
+        if size < 2 or sizes.get(tokens[0] << 8 | tokens[1]) != size:
+            count = content_count(tokens)  # (a malformed one: ValueError)
+        else:
+            count = chunk
     elif type(tokens) is np.ndarray and tokens.ndim == 1:
         if tokens.dtype is U16 or tokens.dtype is U32:
             arr = tokens  # the directory's arrays: no re-validation
@@ -138,6 +143,26 @@ def single_op(
     elif not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)
     return kind, arr, chunk_hash, offset, namespace, own
+
+
+_SIZES: dict[int, dict[int, int]] = {}
+"""Per chunk size, :func:`_sizes`."""
+
+
+def _sizes(chunk: int) -> dict[int, int]:
+    """The byte length of a content of ``chunk`` ids under each header (its first two bytes,
+    ``b0 << 8 | b1``), each one checked by ``content_count`` here: a content of that header
+    and length is well formed and holds ``chunk`` ids (the common single write's check, one
+    lookup; any other goes through ``content_count``)."""
+    forms = {2: 2 + 2 * chunk, 4: 4 + 4 * chunk}  # uint16, uint32
+    forms |= {h << 8: 2 + 2 * chunk + 2 * h * ((chunk + 15) // 16) for h in range(1, 9)}
+    sizes = {}
+    for head, size in forms.items():
+        probe = bytes([head >> 8, head & 255]) + bytes(size - 2)
+        if content_count(probe) == chunk:
+            sizes[head] = size
+    _SIZES[chunk] = sizes
+    return sizes
 
 
 def checked_op(op: BlendOp, chunk: int) -> SingleOp | None:

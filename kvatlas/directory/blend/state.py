@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.directory.blend import _cpython, kernels
-from kvatlas.directory.blend._cpython import array_handle
+from kvatlas.directory.blend import kernels
+from kvatlas.directory.blend._cpython import WRITE_OFFSETS, array_handle
 from kvatlas.directory.blend.drops import settle_drops
 from kvatlas.directory.blend.id_lists import chosen, put, put_one, tally
 from kvatlas.directory.blend.kernels import (
@@ -41,14 +41,12 @@ from kvatlas.directory.blend.kernels.writes import (
     OP_OFFSET,
     OP_TOKEN_BYTES,
     OP_TOKENS,
+    single_write,
 )
 from kvatlas.directory.blend.namespaces import NamespaceIds
 from kvatlas.directory.blend.op_checks import Tokens, filled, token_nbytes
 from kvatlas.directory.blend.op_columns import OpColumns, SingleOp
 from kvatlas.keys import BlendNamespace
-
-_OFFSETS = (_cpython.BYTES_DATA_OFFSET, _cpython.BYTES_SIZE_OFFSET, _cpython.ARRAY_DATA_OFFSET)
-"""Where a single write's kernel reads its objects (``kernels.layout.write_context``)."""
 
 MIN_CAPACITY = 1024
 """Initial content and occupant capacity."""
@@ -73,10 +71,11 @@ class IndexState:
         self.weights = np.empty((2, chunk_size), np.uint64)  # the fingerprints', by the base
         power_table(base, chunk_size, self.weights)
         self._single = np.empty(chunk_size, np.uint32), np.empty(4, np.int64)  # its scratch
-        self.arrays = kernels.BlendArrays.empty(MIN_CAPACITY)
-        self.namespaces = NamespaceIds()
+        self._single_write = single_write()  # (kernels.apply_op, without numba's dispatch)
         self.tokens: list[Tokens | None] = []  # per content id: the array c_addr points into
         self.hashes: list[bytes | None] = []  # per occupant id: the bytes o_i64 points into
+        self.arrays = kernels.BlendArrays.empty(MIN_CAPACITY)
+        self.namespaces = NamespaceIds()
         self.owned: set[int] = set()  # content ids whose array is the index's own copy
         self.extra_claims: dict[int, set[int]] = {}  # occupant -> its extra-set namespaces
         self.contents = 0
@@ -96,8 +95,9 @@ class IndexState:
         self._arrays = arrays
         self.kernel_arrays = tuple(arrays)  # what the kernels take
         # the same arrays as one address (single writes), kept alive with them
+        lists = id(self.tokens), id(self.hashes)
         self._context = write_context(
-            arrays, self.chunk_size, self.weights, self.fmask, self._single, _OFFSETS
+            arrays, self.chunk_size, self.weights, self.fmask, self._single, WRITE_OFFSETS, lists
         )
         self._context_address = int(self._context.ctypes.data)
         # capacities as plain ints, for the check every add makes (_has_room)
@@ -121,7 +121,7 @@ class IndexState:
                 handle, width = id(arr), 0
             else:
                 handle, width = array_handle(arr), arr.itemsize
-            result = kernels.apply_op(
+            result = self._single_write(
                 kind, handle, width, id(chunk_hash), offset, ns, self._context_address
             )
             if result[0]:
@@ -262,9 +262,12 @@ class IndexState:
             by_op &= ~drops
         rest = np.flatnonzero(by_op)
         if len(rest):  # (the results' rows as 1-D columns: ``results[rest]`` released the GIL)
-            rows = [results[:, k][rest].tolist() for k in range(results.shape[1])]
-            for kind, *row, ns in zip(kinds[rest].tolist(), *rows, nss[rest].tolist(), strict=True):
-                self._settle_removal(kind, *row, ns)  # (in order)
+            flags, cids, occs, ns0s = (results[:, k][rest].tolist() for k in range(4))
+            ops = zip(
+                kinds[rest].tolist(), flags, cids, occs, ns0s, nss[rest].tolist(), strict=True
+            )
+            for kind, flag, cid, occ, ns0, ns in ops:  # (in order)
+                self._settle_removal(kind, flag, cid, occ, ns0, ns)
 
     def _settle_fresh(
         self, cols: OpColumns, results: npt.NDArray[np.int64], nss: npt.NDArray[np.int64]

@@ -55,14 +55,19 @@ content ids ever used (the high-water mark); the same for occupants (linked thro
     CTX_BYTES_DATA,
     CTX_BYTES_SIZE,
     CTX_ARRAY_DATA,
+    CTX_LIST_ITEMS,
+    CTX_TOKEN_LIST,
+    CTX_HASH_LIST,
     CTX_ARRAYS,
-) = range(9)
+) = range(12)
 """Entries of a write context (:func:`write_context`): the write kernel's scalar arguments
 (the weights as the address of their ``(2, chunk)`` table), the addresses of a single
 write's scratch (a row of ``chunk`` ``uint32`` ids, a report row of 4 ``int64``), the
 CPython offsets a single write reads its objects through (a ``bytes``' payload and length, an
-ndarray's data pointer, -1 if not located: ``_cpython.py``), then from ``CTX_ARRAYS`` on, per
-field of :class:`BlendArrays` in order, its data address and its number of rows."""
+ndarray's data pointer, a list's item pointer; -1 if not located: ``_cpython.py``), the ``id``
+of the index's lists of contents and of hashes (whose items at an op's ids its caller then
+settles), then from ``CTX_ARRAYS`` on, per field of :class:`BlendArrays` in order, its data
+address and its number of rows."""
 
 
 class BlendArrays(NamedTuple):
@@ -137,21 +142,25 @@ def write_context(
     weights: npt.NDArray[np.uint64],
     fmask: int,
     scratch: tuple[npt.NDArray[np.uint32], npt.NDArray[np.int64]],
-    offsets: tuple[int, int, int],
+    offsets: tuple[int, int, int, int],
+    lists: tuple[int, int],
 ) -> npt.NDArray[np.int64]:
     """``arrays`` and the write kernel's other arguments (``weights``: the fingerprints'
     ``modhash.power_table``; ``scratch``: a row of ``chunk`` ids and a report row of 4;
-    ``offsets``: a ``bytes``' payload and length and an ndarray's data pointer from the
-    object's ``id``) as one int64 array of addresses and sizes (``CTX_*``): a single write
+    ``offsets``: a ``bytes``' payload and length, an ndarray's data pointer and a list's item
+    pointer from the object's ``id``; ``lists``: the ``id`` of the lists of contents and of
+    hashes) as one int64 array of addresses and sizes (``CTX_*``): a single write
     passes its address, one integer, where passing the arrays would cost numba an unboxing of
     each on every call (``writes.apply_op``). Valid while ``arrays``, ``weights`` and
-    ``scratch`` live unchanged: the index makes a new one whenever it replaces them."""
+    ``scratch`` and the lists live unchanged: the index makes a new one whenever it replaces
+    them."""
     assert weights.flags.c_contiguous and weights.shape == (2, chunk)
     row, out = scratch
     assert row.flags.c_contiguous and row.shape == (chunk,) and row.dtype == np.uint32
     assert out.flags.c_contiguous and out.shape == (4,) and out.dtype == np.int64
     ctx = np.empty(CTX_ARRAYS + 2 * len(arrays), np.int64)
-    ctx[:CTX_ARRAYS] = chunk, weights.ctypes.data, fmask, row.ctypes.data, out.ctypes.data, *offsets
+    scalars = chunk, weights.ctypes.data, fmask, row.ctypes.data, out.ctypes.data
+    ctx[:CTX_ARRAYS] = *scalars, *offsets, *lists
     for k, field in enumerate(BlendArrays._fields):
         arr: npt.NDArray[Any] = getattr(arrays, field)
         assert arr.flags.c_contiguous

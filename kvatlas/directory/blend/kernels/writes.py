@@ -7,9 +7,11 @@ that hold token arrays and chunk_hash bytes alive, and its counters, in step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from numba import types
 from numba.np.numpy_support import carray
 
 from kvatlas.directory.blend.kernels.filter import bloom_word, filter_add, mix, word_shift
@@ -21,8 +23,11 @@ from kvatlas.directory.blend.kernels.layout import (
     CTX_BYTES_SIZE,
     CTX_CHUNK,
     CTX_FMASK,
+    CTX_HASH_LIST,
+    CTX_LIST_ITEMS,
     CTX_OUT,
     CTX_ROW,
+    CTX_TOKEN_LIST,
     CTX_WEIGHTS,
     IDS_CONTENTS,
     IDS_FREE_CONTENT,
@@ -166,7 +171,8 @@ def _apply_at(
     read: the table's probe run; then each listed content's fingerprint, address and first
     occupant (also what a removal's backward shift reads); then the occupant's rows. The
     misses of one wave overlap instead of forming one serial chain (at 10^6 contents each
-    array is larger than the cache)."""
+    array is larger than the cache). An add that takes a free id requests the lines of the
+    next free one, which the next add takes (ids are reused last freed first)."""
     tmask = table.shape[0] - 1
     slot = content_home(fp, tmask)
     while table[slot] != -1:
@@ -183,14 +189,17 @@ def _apply_at(
     if cid != -1:
         o = c_first[cid]
         if o != -1:
-            prefetch(o_hlen, o)  # type: ignore[call-arg]
-            prefetch_addr(o_i64.ctypes.data + o * o_i64.strides[0])  # type: ignore[call-arg]
-            prefetch_addr(o_i32.ctypes.data + o * o_i32.strides[0])  # type: ignore[call-arg]
+            _prefetch_occupant(o, o_i64, o_i32, o_hlen)
     flags = 0
     o = -1
     if kind == ADD:
         if cid == -1:
             cid = _take_id(ids, IDS_FREE_CONTENT, IDS_CONTENTS, c_first)
+            nxt = ids[IDS_FREE_CONTENT]  # the next new content's lines, for a later add
+            if nxt != -1:
+                prefetch(c_fp, nxt)  # type: ignore[call-arg]
+                prefetch(c_addr, nxt)  # type: ignore[call-arg]
+                prefetch(c_first, nxt)  # type: ignore[call-arg]
             out[1] = cid
             flags = F_NEW_CONTENT
             c_fp[cid] = fp
@@ -202,6 +211,9 @@ def _apply_at(
             o = find_occupant(c_first, cid, o_i64, o_i32, o_hlen, h_addr, h_len)
         if o == -1:
             o = _take_id(ids, IDS_FREE_OCCUPANT, IDS_OCCUPANTS, o_i32[:, O_NEXT])
+            nxt = ids[IDS_FREE_OCCUPANT]  # the next new occupant's rows, for a later add
+            if nxt != -1:
+                _prefetch_occupant(nxt, o_i64, o_i32, o_hlen)
             flags |= F_NEW_OCCUPANT
             link_occupant(cid, o, h_addr, h_len, c_first, o_i64, o_i32, o_hlen)
         o_i64[o, O_OFF] = offset
@@ -226,6 +238,14 @@ def _apply_at(
     if unlink_occupant(cid, slot, o, table, c_fp, c_addr, c_first, o_i32):
         flags |= F_CONTENT_GONE
     out[0] = flags
+
+
+@inline
+def _prefetch_occupant(o: Any, o_i64: Any, o_i32: Any, o_hlen: Any) -> None:
+    """Request occupant ``o``'s rows (hints only)."""
+    prefetch(o_hlen, o)  # type: ignore[call-arg]
+    prefetch_addr(o_i64.ctypes.data + o * o_i64.strides[0])  # type: ignore[call-arg]
+    prefetch_addr(o_i32.ctypes.data + o * o_i32.strides[0])  # type: ignore[call-arg]
 
 
 @helper
@@ -279,6 +299,8 @@ def apply_op(
     h_len = i64_ptr(chunk_hash + c[CTX_BYTES_SIZE])[0]  # type: ignore[call-arg]
     prefetch_addr(h_addr)  # type: ignore[call-arg]
     fp = stored_fingerprint(addr, chunk, weights, c[CTX_FMASK])
+    if kind == ADD:  # the filter word a new content sets
+        prefetch(filt, bloom_word(mix(fp), word_shift(filt)))  # type: ignore[call-arg]
     out[0] = 0
     out[1] = -1
     out[2] = -1
@@ -288,7 +310,30 @@ def apply_op(
         c_first, o_i64, o_i32, o_hlen, claims, ids, out,
     )  # fmt: skip
     _release_ids(out, ids, c_first, o_i32)
+    items = c[CTX_LIST_ITEMS]
+    if items >= 0:  # the list items the caller settles next (hints only)
+        if out[1] >= 0:
+            prefetch_addr(i64_ptr(c[CTX_TOKEN_LIST] + items)[0] + 8 * out[1])  # type: ignore[call-arg]
+        if out[2] >= 0:
+            prefetch_addr(i64_ptr(c[CTX_HASH_LIST] + items)[0] + 8 * out[2])  # type: ignore[call-arg]
     return out[0], out[1], out[2], out[3]
+
+
+SingleWrite = Callable[[int, int, int, int, int, int, int], tuple[int, int, int, int]]
+""":func:`apply_op`'s signature: seven integers in, its report row out."""
+
+
+def single_write() -> SingleWrite:
+    """:func:`apply_op` compiled (or loaded from numba's cache) for its one signature, seven
+    ``int64``, and returned as that signature's compiled entry point: a call then skips
+    numba's dispatch, which types every argument of every call (≈0.2–0.3 µs of a single
+    write's ≈4 µs; docs/performance.md). Every caller passes Python integers (ids,
+    addresses, small codes), which the entry point converts as the dispatcher's would; one
+    out of ``int64``'s range raises ``OverflowError``."""
+    signature = (types.int64,) * 7
+    apply_op.compile(signature)
+    entry: SingleWrite = apply_op.overloads[signature].entry_point  # type: ignore[attr-defined]
+    return entry
 
 
 @inline
