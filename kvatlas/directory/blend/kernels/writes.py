@@ -319,8 +319,7 @@ def apply_op(
     return out[0], out[1], out[2], out[3]
 
 
-SingleWrite = Callable[[int, int, int, int, int, int, int], tuple[int, int, int, int]]
-""":func:`apply_op`'s signature: seven integers in, its report row out."""
+SingleWrite = Callable[[int, int, int, int, int, int, int], tuple[int, int, int, int]]  # apply_op
 
 
 def single_write() -> SingleWrite:
