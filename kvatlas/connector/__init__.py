@@ -12,6 +12,7 @@ from kvatlas.connector.connector import (
     check_model,
 )
 from kvatlas.connector.metadata import KvatlasConnectorMetadata, LoadOp, RequestKeys, StoreOp
+from kvatlas.connector.rope_check import Rope, check_rope, vllm_rope
 from kvatlas.connector.settings import KV_PACKINGS, ConnectorSettings
 
 __all__ = [
@@ -21,8 +22,11 @@ __all__ = [
     "KvatlasConnectorMetadata",
     "LoadOp",
     "RequestKeys",
+    "Rope",
     "StoreOp",
     "check_cache",
     "check_layout",
     "check_model",
+    "check_rope",
+    "vllm_rope",
 ]

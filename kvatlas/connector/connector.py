@@ -5,7 +5,8 @@ node can supply and plans each step's loads and stores (:mod:`.scheduler_side`);
 worker it moves KV between the paged cache and the node (:mod:`.worker_side`). Both refuse
 to start on a cache or layout they cannot serve exactly (hybrid groups, MLA, quantized or
 packed caches, tensor or pipeline parallelism, a node whose layout differs from vLLM's, a
-node of another model): a wrong layout or model would not fail, it would load wrong KV.
+node of another model, with blend a node whose RoPE is not the model's): a wrong layout or
+model would not fail, it would load wrong KV.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kvatlas.client import EngineLayout
 from kvatlas.connector.metadata import KvatlasConnectorMetadata
 from kvatlas.connector.node_link import NodeLink
 from kvatlas.connector.pages import dtype_name
+from kvatlas.connector.rope_check import check_rope
 from kvatlas.connector.scheduler_side import SchedulerSide
 from kvatlas.connector.settings import ConnectorSettings
 from kvatlas.connector.worker_side import WorkerSide
@@ -150,6 +152,8 @@ class KvatlasConnector(KVConnectorBase_V1):
         layout = self._node.layout()  # the node must be up: its layout decides everything
         check_layout(layout, spec, len(kv_cache_config.kv_cache_groups[0].layer_names))
         check_model(layout, settings, vllm_config.model_config)
+        check_rope(layout, settings.node_url, settings.blend, vllm_config.model_config,
+                   spec.head_size)  # fmt: skip
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

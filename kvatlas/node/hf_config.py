@@ -119,11 +119,16 @@ def hf_layout(config: Mapping[str, object]) -> HfLayout:
         dtype=_dtype(config),
         rope_theta=_rope_theta(config),
         rotary_dim=_rotary_dim(config, head_dim),
-        rope_style=(
-            "neox" if model_type in ROTATE_HALF_MODELS
-            else "gptj" if model_type in INTERLEAVED_MODELS else None
-        ),
+        rope_style=rope_style_of(model_type),
     )  # fmt: skip
+
+
+def rope_style_of(model_type: str) -> str | None:
+    """The rotary style of a ``model_type``'s attention (``neox``: halves, ``gptj``: adjacent
+    pairs); ``None``: not one this module knows (a guess would re-RoPE wrongly)."""
+    if model_type in ROTATE_HALF_MODELS:
+        return "neox"
+    return "gptj" if model_type in INTERLEAVED_MODELS else None
 
 
 def _field(config: Mapping[str, object], name: str) -> object:

@@ -16,8 +16,11 @@ on the token and its position, so the exact KV of any token at any position is k
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.transformers_utils.config import get_config, get_hf_text_config
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -37,6 +41,7 @@ from vllm.v1.request import Request
 
 from kvatlas.connector import KvatlasConnector
 from kvatlas.connector.pages import kv_planes
+from kvatlas.node import KVLayout
 from kvatlas.node.toy_model import ToyRopeModel
 from tests.conftest import wait_for
 
@@ -46,6 +51,32 @@ NUM_BLOCKS = 64
 
 def layer_names(n: int) -> list[str]:
     return [f"model.layers.{i}.self_attn.attn" for i in range(n)]
+
+
+def llama_config(layout: KVLayout, **changes: object) -> dict[str, object]:
+    """A Llama ``config.json`` of ``layout``'s shapes and RoPE (the model ``vllm serve``
+    reads), with ``changes``."""
+    assert layout.rope_style == "neox", "a Llama rotates halves"
+    heads, dim = layout.num_kv_heads, layout.head_dim
+    config: dict[str, object] = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "head_dim": dim,
+        "hidden_size": heads * dim, "num_attention_heads": heads, "num_key_value_heads": heads,
+        "num_hidden_layers": layout.num_layers, "rope_theta": layout.rope_theta,
+        "torch_dtype": layout.dtype, "vocab_size": 512,
+    }  # fmt: skip
+    if layout.rope_dim != dim:
+        config["partial_rotary_factor"] = layout.rope_dim / dim
+    return {**config, **changes}
+
+
+def hf_configs(config: Mapping[str, object]) -> tuple[Any, Any]:
+    """vLLM's ``ModelConfig.hf_config`` and ``hf_text_config`` of a ``config.json``: read by
+    vLLM's own ``get_config`` (transformers' config class, vLLM's RoPE patches), as
+    ``vllm serve`` reads the model's."""
+    with tempfile.TemporaryDirectory() as model_dir:
+        (Path(model_dir) / "config.json").write_text(json.dumps(config))
+        hf_config = get_config(model_dir, trust_remote_code=False)
+    return hf_config, get_hf_text_config(hf_config)
 
 
 def make_request(
@@ -79,13 +110,15 @@ class Engine:
     def start(cls, node_url: str, model: ToyRopeModel, *, packing: str = "split_tokens",
               blend: bool = False, policy: str = "recompute",
               lookup_timeout_s: float | None = 30.0, served_model_name: str | None = "tiny",
-              model_path: str | None = "/models/tiny-llama", **extra: object) -> Engine:  # fmt: skip
+              model_path: str | None = "/models/tiny-llama",
+              hf_config: Mapping[str, object] | None = None, **extra: object) -> Engine:  # fmt: skip
         """``lookup_timeout_s``: the scheduler's wait for a lookup — 30 s here, as long as the
         nodes give the coordinator for a blend lookup: on a loaded test machine one through
         the fleet may take seconds; ``None``: the connector's default (2 s).
         ``model_path``, ``served_model_name``: ``vllm serve MODEL_PATH --served-model-name
         NAME`` (``None``: no ``--served-model-name``; ``model_path=None``: a config without a
-        model)."""
+        model); ``hf_config``: the model's ``config.json`` (default: :func:`llama_config` of
+        the toy model's layout)."""
         lay = model.layout
         if lookup_timeout_s is not None:
             extra["lookup_timeout_s"] = lookup_timeout_s
@@ -99,12 +132,15 @@ class Engine:
             device_config=DeviceConfig(device="cpu"),
         )  # fmt: skip
         if model_path is not None:
-            # The two fields of vLLM's ModelConfig the connector reads, as vLLM sets them (its
-            # served name falls back to the model). A real ModelConfig inspects the model's
-            # architecture, importing modules this CPU install of vLLM leaves out.
+            # The fields of vLLM's ModelConfig the connector reads, as vLLM sets them (its
+            # served name falls back to the model; hf_config and hf_text_config read from the
+            # model's config.json by vLLM's get_config). A real ModelConfig inspects the
+            # model's architecture, importing modules this CPU install of vLLM leaves out.
+            hf, hf_text = hf_configs(hf_config or llama_config(lay))
             vllm_config.model_config = SimpleNamespace(  # type: ignore[assignment]
-                model=model_path, served_model_name=served_model_name or model_path
-            )
+                model=model_path, served_model_name=served_model_name or model_path,
+                hf_config=hf, hf_text_config=hf_text,
+            )  # fmt: skip
         names = layer_names(lay.num_layers)
         spec = FullAttentionSpec(
             block_size=BLOCK, num_kv_heads=lay.num_kv_heads, head_size=lay.head_dim,

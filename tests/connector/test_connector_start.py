@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,7 +18,7 @@ from kvatlas.errors import InvalidInput, Unavailable
 from kvatlas.node.config import NodeConfig
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import stop
-from tests.connector.test_vllm_connector import tiny_node
+from tests.connector.test_vllm_connector import TINY_LLAMA, tiny_node
 from tests.vllm_support import require_vllm
 
 
@@ -183,3 +184,95 @@ def test_the_model_name_key_must_be_a_model_name(value: object) -> None:
     assert got.model_name == "llama-3-8b"
     unset = {"node_url": "http://127.0.0.1:9400", "model_name": None}  # null: not set
     assert ConnectorSettings.from_extra_config(unset, environ={}).model_name is None
+
+
+# -- RoPE: with blend, the node re-RoPEs fragments with its own; it must be vLLM's model's ----
+
+OTHER_ROPES = {  # the engine's model (its config.json) against the tiny Llama's node
+    "rope_theta": ({"rope_theta": 500000.0}, "rope_theta", "10000.0", "500000.0"),
+    "rope_style": (
+        {"model_type": "cohere", "architectures": ["CohereForCausalLM"]}, "rope_style",
+        "'neox'", "'gptj'",
+    ),
+    "rotary_dim": ({"partial_rotary_factor": 0.5}, "rotary_dim", "16", "8"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(OTHER_ROPES))
+def test_blend_refuses_a_node_that_re_ropes_otherwise(
+    model: ToyRopeModel, base_node: str, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The node re-RoPEs fragments with its --rope-theta, --rope-style and --rotary-dim; the
+    engine's model (vLLM's hf_config) uses another: every shape and the model name agree, and
+    the old code started and loaded fragments rotated to wrong positions. With blend, refused
+    naming both values; without blend nothing is re-RoPE'd: it starts, and says the
+    difference (a WARNING). The same engine with the node's RoPE starts with blend."""
+    from tests.connector.harness import Engine, llama_config
+
+    changes, field, node_value, vllm_value = OTHER_ROPES[case]
+    hf = llama_config(model.layout, **changes)
+    with pytest.raises(InvalidInput, match=re.escape(f"{field} {node_value}")) as err:
+        Engine.start(base_node, model, served_model_name="tiny-base", hf_config=hf, blend=True)
+    said = str(err.value)
+    assert f"vLLM's model uses {vllm_value}" in said and base_node in said, said
+    with caplog.at_level(logging.WARNING, logger="kvatlas.connector"):
+        Engine.start(base_node, model, served_model_name="tiny-base", hf_config=hf).close()
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(f"{field} {node_value}" in m and "blend" in m for m in warned), warned
+    Engine.start(base_node, model, served_model_name="tiny-base", blend=True).close()
+
+
+SCALED_ROPES = {
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 1024},
+    "yarn": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 1024},
+    "linear": {"type": "linear", "factor": 2.0},  # the legacy key
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("rope_type", list(SCALED_ROPES))
+def test_blend_refuses_rope_scaling_the_node_cannot_apply(
+    model: ToyRopeModel, base_node: str, rope_type: str
+) -> None:
+    """vLLM's model rescales its RoPE frequencies (rope_scaling); the node re-RoPEs plain RoPE
+    only, so every fragment it moves would be rotated wrongly: blend is refused, naming the
+    scaling. Without blend, nothing is re-RoPE'd: the engine starts."""
+    from tests.connector.harness import Engine, llama_config
+
+    hf = llama_config(model.layout, rope_scaling=SCALED_ROPES[rope_type])
+    with pytest.raises(InvalidInput, match=f"rope_type '{rope_type}'") as err:
+        Engine.start(base_node, model, served_model_name="tiny-base", hf_config=hf, blend=True)
+    assert "blend" in str(err.value) and base_node in str(err.value), str(err.value)
+    Engine.start(base_node, model, served_model_name="tiny-base", hf_config=hf).close()
+
+
+def test_blend_needs_vllms_model_to_read_its_rope(model: ToyRopeModel, base_node: str) -> None:
+    """A vLLM config without a model (vLLM's engines always have one) gives no RoPE to compare
+    the node's with: blend is refused rather than assumed; without blend it starts."""
+    from tests.connector.harness import Engine
+
+    with pytest.raises(InvalidInput, match="RoPE") as err:
+        Engine.start(base_node, model, model_path=None, model_name="tiny-base", blend=True)
+    assert "blend" in str(err.value), str(err.value)
+    Engine.start(base_node, model, model_path=None, model_name="tiny-base").close()
+
+
+def test_blend_refuses_a_node_started_with_another_rope_theta(
+    model: ToyRopeModel, tmp_path: Path
+) -> None:
+    """The node was started from another model's config.json (rope_theta 500000, a Llama 3):
+    the engine's model (rope_theta 10000) is refused with blend, naming both values and the
+    node's flag."""
+    from tests.connector.harness import Engine
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    node = tiny_node(tmp_path, port, timeout=180, config={**TINY_LLAMA, "rope_theta": 500000.0})
+    try:
+        with pytest.raises(InvalidInput, match=r"rope_theta 500000\.0") as err:
+            Engine.start(url, model, blend=True)
+        said = str(err.value)
+        assert "vLLM's model uses 10000.0" in said and "--rope-theta" in said, said
+        Engine.start(url, model).close()  # no blend: nothing re-RoPE'd
+    finally:
+        stop([node])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import httpx
@@ -33,11 +33,12 @@ TINY_LLAMA = {  # the engine's model: what both the nodes (--hf-config) and the 
 
 
 def tiny_node(
-    hf_config: Path, port: int, chunk: int = C, timeout: float = 60.0, model_name: str = "tiny"
-) -> subprocess.Popen[bytes]:
-    """A lone ``kvatlas node`` of :data:`TINY_LLAMA` on ``port`` (no coordinator, no L2);
-    ``hf_config``: a directory, its ``config.json`` written here."""
-    (hf_config / "config.json").write_text(json.dumps(TINY_LLAMA))
+    hf_config: Path, port: int, chunk: int = C, timeout: float = 60.0, model_name: str = "tiny",
+    config: Mapping[str, object] = TINY_LLAMA,
+) -> subprocess.Popen[bytes]:  # fmt: skip
+    """A lone ``kvatlas node`` of :data:`TINY_LLAMA` (or ``config``) on ``port`` (no
+    coordinator, no L2); ``hf_config``: a directory, its ``config.json`` written here."""
+    (hf_config / "config.json").write_text(json.dumps(config))
     return spawn_service(
         ["-m", "kvatlas.cli", "node", "--port", str(port), "--hf-config", str(hf_config),
          "--model-name", model_name, "--chunk-size", str(chunk), "--l2", "none",
