@@ -61,6 +61,7 @@ SHARED = (
     "kernel_cache",  # numba's cache directory, keyed by the sources (stdlib only)
     "c_heap",  # glibc's allocator through ctypes: room faulted in ahead of a burst
     "redis_clients",
+    "rope_styles",  # which rotary style a model type uses: the node's and the connector's
     "workloads",  # benchmark inputs: numpy only
 )
 TOP = ("bench", "demo", "soak", "cli", "router_replica")  # router_replica: the router

@@ -21,7 +21,7 @@ from vllm.transformers_utils.config import iter_rope_parameters
 
 from kvatlas.client import EngineLayout
 from kvatlas.errors import InvalidInput
-from kvatlas.node import rope_style_of
+from kvatlas.rope_styles import rope_style_of
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig

@@ -15,7 +15,6 @@ if TYPE_CHECKING:
     from kvatlas.node.config import NodeConfig
     from kvatlas.node.embedded import EmbeddedFleet
     from kvatlas.node.engine_client import EngineCallError, NodeEngineClient
-    from kvatlas.node.hf_config import rope_style_of
     from kvatlas.node.kv_layout import KVLayout
     from kvatlas.node.rope import rerope_chunks, rerope_k
     from kvatlas.node.segments import FetchCost, Segment
@@ -44,7 +43,6 @@ _EXPORTS = {
     "UnifiedBlendLookup": "unified_lookup",
     "rerope_chunks": "rope",
     "rerope_k": "rope",
-    "rope_style_of": "hf_config",
 }
 __all__ = [
     "BlendRetrieval",
@@ -66,7 +64,6 @@ __all__ = [
     "UnifiedBlendLookup",
     "rerope_chunks",
     "rerope_k",
-    "rope_style_of",
 ]
 
 

@@ -21,14 +21,8 @@ from typing import Final
 from kvatlas.checks import is_plain_int
 from kvatlas.errors import InvalidInput
 from kvatlas.node.kv_dtype import KV_DTYPES
+from kvatlas.rope_styles import rope_style_of
 
-ROTATE_HALF_MODELS: Final = frozenset(
-    {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma",
-     "gemma2", "phi3", "granite", "olmo", "olmo2", "starcoder2", "stablelm", "gpt_neox"}
-)  # fmt: skip
-"""``model_type``s whose transformers implementation rotates halves (``neox``)."""
-INTERLEAVED_MODELS: Final = frozenset({"gptj", "codegen", "cohere"})
-"""``model_type``s whose implementation rotates adjacent pairs (``gptj``)."""
 _PLAIN_ROPE_TYPES: Final = (None, "default")
 _ALIASES: Final = {
     "num_hidden_layers": ("num_hidden_layers", "n_layer"),
@@ -121,14 +115,6 @@ def hf_layout(config: Mapping[str, object]) -> HfLayout:
         rotary_dim=_rotary_dim(config, head_dim),
         rope_style=rope_style_of(model_type),
     )  # fmt: skip
-
-
-def rope_style_of(model_type: str) -> str | None:
-    """The rotary style of a ``model_type``'s attention (``neox``: halves, ``gptj``: adjacent
-    pairs); ``None``: not one this module knows (a guess would re-RoPE wrongly)."""
-    if model_type in ROTATE_HALF_MODELS:
-        return "neox"
-    return "gptj" if model_type in INTERLEAVED_MODELS else None
 
 
 def _field(config: Mapping[str, object], name: str) -> object:
