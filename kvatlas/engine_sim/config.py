@@ -142,7 +142,8 @@ _HELP: Mapping[str, str] = {
     "step_overhead_s": "cost model: fixed seconds per step",
     "cpu_link_bytes_per_s": "cost model: CPU offload → GPU bytes/s",
     "node_url": "the kvatlas connector: a kvatlas node's engine API URL; prefixes and "
-    "fragments are reused through it and computed chunks stored there; unset: vLLM alone",
+    "fragments are reused through it and computed chunks (zeros) stored there; the node's "
+    "--model-name must be --model (another model's node is refused); unset: vLLM alone",
     "node_token_file": "a file holding the engine bearer token for --node-url",
     "node_timeout_s": "seconds per node call (a failed call is a miss)",
     "recompute_share": "share of a reused fragment's tokens still computed (CacheBlend's "

@@ -10,6 +10,10 @@ costs is priced at the simulated model's size (``--kv-bytes-per-token``) over th
 the tier the node says it came from. A fragment also pays its recompute share (CacheBlend
 recomputes a share of a reused fragment's tokens to repair cross-attention). A node that fails
 or refuses is a miss, counted, never a failed request.
+
+The KV it stores is zeros: only a node of the simulated model (its ``--model-name`` is the
+simulator's ``--model``) is used. Another model's node, a real model's, would keep zeros under
+that model's keys and serve them to its engines: it is refused (the connector stays off).
 """
 
 from __future__ import annotations
@@ -87,9 +91,12 @@ class NodeReuse:
 
 
 class NodeConnector:
-    def __init__(self, url: str, block_size: int, kv_bytes_per_token: int, rates: TierRates,
-                 timeout_s: float = 10.0, token: str | None = None) -> None:  # fmt: skip
+    """``model``: the simulator's ``--model``, which the node's ``model_name`` must be."""
+
+    def __init__(self, url: str, model: str, block_size: int, kv_bytes_per_token: int,
+                 rates: TierRates, timeout_s: float = 10.0, token: str | None = None) -> None:  # fmt: skip
         self.url = url
+        self.model = model
         self.block_size = block_size
         self.kv_bytes_per_token = kv_bytes_per_token
         self.rates = rates
@@ -103,8 +110,9 @@ class NodeConnector:
 
     def client(self) -> EngineClient | None:
         """The node's client, made at first contact (any start order: a node that is not up
-        yet is a miss, and the next request tries again); ``None`` while unreachable or when
-        its chunk size does not fit the block size (logged once)."""
+        yet is a miss, and the next request tries again); ``None`` while unreachable, or for
+        good when the node is of another model or its chunk size does not fit the block size
+        (logged once, counted as ``node_refused``)."""
         if self._client is not None or self.incompatible:
             return self._client
         try:
@@ -114,16 +122,32 @@ class NodeConnector:
             return None
         layout = client.layout
         assert isinstance(layout, EngineLayout)
-        if layout.chunk_size % self.block_size:
-            log.error("node %s: chunk size %d is not a multiple of --block-size %d; the "
-                      "connector is off", self.url, layout.chunk_size, self.block_size)  # fmt: skip
+        refusal = self._refusal(layout)
+        if refusal is not None:
+            log.error("node %s: %s; the connector is off", self.url, refusal)
             self.incompatible = True
+            self.counts["node_refused"] += 1
             client.close()
             return None
         self.chunk_size = layout.chunk_size
         self._zeros = np.zeros(layout.shape, dtype=layout.numpy_dtype())
         self._client = client
         return client
+
+    def _refusal(self, layout: EngineLayout) -> str | None:
+        """Why this node cannot serve the simulator (``None``: it can)."""
+        if layout.model_name != self.model:
+            return (
+                f"it holds KV of model_name {layout.model_name!r} (its --model-name), not of "
+                f"--model {self.model!r}: the simulator would store zeros under that model's "
+                f"keys; point --node-url at a node started with --model-name {self.model!r}"
+            )
+        if layout.chunk_size % self.block_size:
+            return (
+                f"chunk size {layout.chunk_size} is not a multiple of --block-size "
+                f"{self.block_size}"
+            )
+        return None
 
     def close(self) -> None:
         if self._client is not None:

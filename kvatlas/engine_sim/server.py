@@ -30,8 +30,8 @@ def build_connector(config: EngineSimConfig) -> NodeConnector | None:
         config.l2_bandwidth_bytes_per_s,
         config.peer_bandwidth_bytes_per_s,
     )
-    return NodeConnector(config.node_url, config.block_size, config.kv_bytes_per_token, rates,
-                         config.node_timeout_s, token)  # fmt: skip
+    return NodeConnector(config.node_url, config.model, config.block_size,
+                         config.kv_bytes_per_token, rates, config.node_timeout_s, token)  # fmt: skip
 
 
 def build_driver(config: EngineSimConfig, tokenizer: Tokenizer,

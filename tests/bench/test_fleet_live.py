@@ -63,6 +63,8 @@ def test_plan_gives_each_stack_its_processes(tmp_path: Path) -> None:
     for engine, node in zip(wired.engines, wired.nodes, strict=True):
         assert flag(engine.args, "--cpu-blocks") == "0"  # the host memory is the node's L1
         assert flag(engine.args, "--node-url") == node.url
+        # the engine uses only a node of its model (it stores zeros: docs/engine-sim.md)
+        assert flag(node.args, "--model-name") == flag(engine.args, "--model")
         assert flag(node.args, "--l1-bytes") == str(
             l1_chunks * cfg.chunk_size * NODE_CHUNK_KV_BYTES
         )
