@@ -72,7 +72,7 @@ def vllm_rope(model_config: ModelConfig | None, head_size: int) -> Rope | str:
 def _plain(params: Mapping[str, Any], head_size: int) -> tuple[float, int] | str:
     """``(rope_theta, rotary_dim)`` of one ``rope_parameters`` as ``get_rope`` reads them, or
     why they are not plain RoPE."""
-    rope_type = params.get("rope_type", "default")
+    rope_type = params.get("rope_type", params.get("type", "default"))  # vLLM patches "type"
     if rope_type != "default":
         return (
             f"vLLM's model uses rope_type {rope_type!r} (hf_config rope_parameters): RoPE "

@@ -276,3 +276,40 @@ def test_blend_refuses_a_node_started_with_another_rope_theta(
         Engine.start(url, model).close()  # no blend: nothing re-RoPE'd
     finally:
         stop([node])
+
+
+VLLM_ROPES = {  # config.json changes → what vLLM's get_rope builds for a head of 16 dims
+    "gptj": (
+        {"architectures": ["GPTJForCausalLM"], "model_type": "gptj", "rotary_dim": 8},
+        (10000.0, 8, "gptj"),  # the rotated dims: gpt_j.py passes its rotary_dim
+    ),
+    "stablelm": (
+        {"model_type": "stablelm", "partial_rotary_factor": 0.25},
+        (10000.0, 4, "neox"),
+    ),
+    "an int theta": ({"rope_theta": 500000}, (500000.0, 16, "neox")),
+    "gemma3": (
+        {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"},
+        "model_type 'gemma3_text' is not one whose rotary style",
+    ),
+    "M-RoPE": ({"rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3]}}, "M-RoPE"),
+}
+
+
+@pytest.mark.parametrize("case", list(VLLM_ROPES))
+def test_vllms_rope_is_read_as_get_rope_reads_it(model: ToyRopeModel, case: str) -> None:
+    """vLLM's RoPE from its hf_text_config (built by vLLM's get_config), as vLLM's get_rope
+    reads it; what is not plain RoPE, or a model type whose rotary style is not known, is a
+    reason (blend refused), never a guess."""
+    from types import SimpleNamespace
+
+    from kvatlas.connector import Rope, vllm_rope
+    from tests.connector.harness import hf_configs, llama_config
+
+    changes, expected = VLLM_ROPES[case]
+    _, text = hf_configs(llama_config(model.layout, **changes))
+    got = vllm_rope(SimpleNamespace(hf_text_config=text), 16)  # type: ignore[arg-type]
+    if isinstance(expected, str):
+        assert isinstance(got, str) and expected in got, got
+    else:
+        assert got == Rope(*expected)
