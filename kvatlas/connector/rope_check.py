@@ -62,7 +62,10 @@ def vllm_rope(model_config: ModelConfig | None, head_size: int) -> Rope | str:
             return plain
         found.add(plain)
     if model_type == "gptj":  # vLLM's gpt_j.py: partial_rotary_factor = rotary_dim / head_size
-        found = {(theta, int(text.rotary_dim)) for theta, _ in found}
+        rotary_dim = getattr(text, "rotary_dim", None)
+        if not isinstance(rotary_dim, int) or isinstance(rotary_dim, bool):
+            return f"vLLM's GPT-J config gives no rotary_dim (got {rotary_dim!r})"
+        found = {(theta, rotary_dim) for theta, _ in found}
     if len(found) > 1:
         return f"vLLM's model uses a RoPE per layer type (rope_theta, rotary_dim: {sorted(found)})"
     theta, dim = found.pop()
