@@ -45,9 +45,13 @@ class FakeFleet:
     elsewhere: set[str] = field(default_factory=set)  # registered with another replica
     pools: dict[str, set[str]] = field(default_factory=dict)  # instance -> shared backends
     held: dict[ObjectKey, list[Copy]] = field(default_factory=dict)
+    starting: bool = False  # not every live instance has had its timeout to register yet
 
     def url_of(self, instance_id: str) -> str | None:
         return self.urls.get(instance_id)
+
+    def gone(self, instance_id: str) -> bool:
+        return not (self.starting or instance_id in self.urls or instance_id in self.elsewhere)
 
     def registered_elsewhere(self, instance_id: str) -> bool:
         return instance_id in self.elsewhere and instance_id not in self.urls
@@ -213,6 +217,38 @@ def test_an_instance_down_with_only_l1_copies_has_nothing_left_to_delete() -> No
     c = log.new("delete", ["a"], KEYS, tier="l1")
     delivery.run_once()
     assert servers.calls == [] and log.get(c.command_id).state == "completed"  # type: ignore[union-attr]
+
+
+def test_an_instance_not_registered_since_a_restart_is_not_gone_until_its_timeout() -> None:
+    """A coordinator restarted without a snapshot (or with one older than a registration)
+    knows neither the instance nor its copies until the node registers and reports again.
+    The old code took the unregistered target as gone and the empty directory as nothing
+    left: the delete completed unsent, and the node's private L2 copies, reported again when
+    it registered, stayed (the journal test saw it as a delete completed after a kill -9).
+    Until every live instance has had ``--instance-timeout`` to register, it waits."""
+    log, fleet, servers, delivery = setup(starting=True)
+    c = log.new("delete", ["a"], KEYS, tier="all")
+    delivery.run_once()
+    got = log.get(c.command_id)
+    assert servers.calls == [] and got is not None and got.state == "pending"
+    assert "not registered" in got.last_error
+    fleet.starting = False  # a whole timeout later, a is not back: gone, its L1 with it
+    delivery.instance_back("a")  # (due at once, instead of after its backoff)
+    delivery.run_once()
+    assert servers.calls == [] and log.get(c.command_id).state == "completed"  # type: ignore[union-attr]
+
+
+def test_the_coordinators_fleet_takes_an_instance_as_gone_after_its_timeout_only() -> None:
+    from kvatlas.coordinator.cache_control.fleet import CoordinatorFleet
+    from kvatlas.coordinator.instances import InstanceRegistry
+    from kvatlas.directory import KeyDirectory
+
+    now = [100.0]
+    registry = InstanceRegistry(30.0, on_fence=lambda _i: None, clock=lambda: now[0])
+    fleet = CoordinatorFleet(registry, KeyDirectory(16), seen=lambda: {"b": None})
+    assert not fleet.gone("a") and not fleet.gone("b")  # just started: a may register yet
+    now[0] += 30.0
+    assert fleet.gone("a") and not fleet.gone("b")  # b: registered with another replica
 
 
 def test_deregistration_fails_the_commands_that_need_the_instance() -> None:

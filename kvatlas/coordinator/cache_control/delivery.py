@@ -327,8 +327,10 @@ class Delivery:
                 return _failure(exc)
             self.commands.delivered(c.command_id)
             return None
-        # not registered: its L1 went with its process; a shared pool's copies go through
-        # another member; its private L2 copies wait for it
+        if not self.fleet.gone(target):  # (a restart: it may be alive and not heard yet)
+            return f"instance {target!r} is not registered (yet, since this start)", None
+        # gone: its L1 went with its process; a shared pool's copies go through another
+        # member; its private L2 copies wait for it
         left = self._left(c)
         if any(not cp.shared for copies in left for cp in copies):
             return f"instance {target!r} is not registered (or gave no http_port)", None
@@ -386,10 +388,7 @@ class Delivery:
         if c.kind not in ("delete", "evict"):
             return
         target = c.targets[0]
-        target_gone = self.fleet.url_of(target) is None and not self.fleet.registered_elsewhere(
-            target
-        )
-        if c.state != "sent" and not target_gone:
+        if c.state != "sent" and not self.fleet.gone(target):
             return  # its instance is up: it is asked before the command can be done
         if not any(self._left(c)):
             self.commands.finish(c.command_id, "completed")

@@ -41,6 +41,17 @@ class CoordinatorFleet:
         replica's to call)."""
         return instance_id in self.seen() and not self.instances.known(instance_id)
 
+    def gone(self, instance_id: str) -> bool:
+        """Not to be asked (no MP server registered here, not registered with another
+        replica), and every live instance has had its timeout to register since this one
+        started (:meth:`InstanceRegistry.heard_all`): after a restart an unregistered
+        instance may be alive and not heard yet."""
+        return (
+            self.url_of(instance_id) is None
+            and not self.registered_elsewhere(instance_id)
+            and self.instances.heard_all()
+        )
+
     def url_of(self, instance_id: str) -> str | None:
         """The MP-server URL a registered instance gave (``http://ip:http_port``, as LMCache's
         coordinator calls it); ``None``: not registered, or no port."""
