@@ -18,7 +18,7 @@ import kvatlas.directory.blend.state as state_module
 from kvatlas.directory import BlendIndex, KeyDirectory, RemoveClaimColumns, RemoveClaimOp
 from kvatlas.directory.blend.kernels import REMOVE_CLAIM
 from kvatlas.keys import BlendNamespace
-from tests.directory.helpers import CS, Emitter, captured, entry, key, records_built, toks
+from tests.directory.helpers import CS, Emitter, entry, key, live_records, records_built, toks
 from tests.directory.test_l1_owners import INSTANCES, PLACES, Fleet, check, program, run
 from tests.directory.test_snapshot_capture import restored_from
 
@@ -67,7 +67,7 @@ def state(d: KeyDirectory) -> tuple[Any, ...]:
     }
     query = np.concatenate([toks(n, n, n, n) for n in range(1, 25)])
     matches = sorted((m.chunk_hash, m.cur_st, m.old_st) for m in d.blend_match(query, NS))
-    return captured(d), d.stats(), d.usage(), digests, matches, index_state(d)
+    return live_records(d), d.stats(), d.usage(), digests, matches, index_state(d)
 
 
 def index_state(d: KeyDirectory) -> tuple[Any, ...]:

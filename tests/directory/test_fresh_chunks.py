@@ -30,7 +30,7 @@ from kvatlas.events import (
     encode_msgpack,
 )
 from kvatlas.keys import ObjectKey
-from tests.directory.helpers import captured, l1_chunk_sets
+from tests.directory.helpers import captured, l1_chunk_sets, live_records
 from tests.directory.test_columnar_ingest import CHUNK, CONTENTS, SHAPES, _state
 
 HASHES = [bytes([i % 256, i // 256]) + bytes(29) + bytes([i % 7]) for i in range(40)]
@@ -72,7 +72,7 @@ def _records(d: KeyDirectory) -> dict[bytes, Any]:
             return (value.dtype.str, value.tolist(), value.flags.writeable)
         return tuple(map(plain, value)) if isinstance(value, tuple) else value
 
-    return {h: plain(rec) for h, rec in captured(d).items()}
+    return {h: plain(rec) for h, rec in live_records(d).items()}
 
 
 def _inside(d: KeyDirectory) -> Any:

@@ -34,6 +34,7 @@ from tests.directory.helpers import (
     key,
     l1_chunk_model,
     l1_chunk_sets,
+    live_records,
     toks,
 )
 from tests.directory.test_snapshot_capture import restored_from
@@ -57,10 +58,11 @@ def check_rows(cols: ChunkColumns) -> None:
 
 
 def check(d: KeyDirectory) -> None:
-    assert l1_chunk_sets(d) == l1_chunk_model(captured(d))
+    records = live_records(d)
+    assert l1_chunk_sets(d) == l1_chunk_model(records)
     check_rows(d._chunks.parts[0].cols)
     want: dict[str, int] = {}  # (the counts still follow the records)
-    for rec in captured(d).values():
+    for rec in records.values():
         for pls in placement_groups(rec):
             for owner in map(l1_owner, placements_of(pls)):
                 if owner is not None:
