@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import itertools
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -37,6 +38,17 @@ def metric_value(client: httpx.Client, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value
     return total
+
+
+CACHE_COMMANDS = re.compile(
+    r'^kvatlas_cache_commands\{kind="(\w+)",state="(\w+)"\} ([0-9.e+]+)$', re.M
+)
+"""One sample of ``kvatlas_cache_commands`` in a ``/metrics`` text: kind, state, count."""
+
+
+def cache_commands(metrics_text: str) -> dict[tuple[str, str], float]:
+    """The cache-control commands by ``(kind, state)`` in a ``/metrics`` text (zeros kept)."""
+    return {(k, s): float(v) for k, s, v in CACHE_COMMANDS.findall(metrics_text)}
 
 
 def fresh(prefix: str = "x") -> str:

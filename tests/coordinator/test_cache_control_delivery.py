@@ -20,6 +20,7 @@ from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import spawn_service
 from tests.conftest import HTTP, wait_for
+from tests.coordinator.helpers import cache_commands
 from tests.helpers import C, node_config, spawn_coordinator, toy_node_flags
 
 DOC, DOC2 = (list(np.random.default_rng(seed).integers(0, 500, 3 * C)) for seed in (30, 31))
@@ -60,9 +61,7 @@ def tiers(coordinator: str, doc: list[int]) -> list[list[str]]:
 
 
 def commands(coordinator: str) -> dict[tuple[str, str], float]:
-    text = HTTP.get(f"{coordinator}/metrics").text
-    pattern = r'^kvatlas_cache_commands\{kind="(\w+)",state="(\w+)"\} ([0-9.e+]+)$'
-    return {(k, s): float(v) for k, s, v in re.findall(pattern, text, re.M)}
+    return cache_commands(HTTP.get(f"{coordinator}/metrics").text)
 
 
 def delete_doc(coordinator: str, doc: list[int], tier: str = "all") -> httpx.Response:

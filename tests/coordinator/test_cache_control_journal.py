@@ -7,7 +7,6 @@ that keeps cache control only in memory and its snapshots: everything is gone af
 
 from __future__ import annotations
 
-import re
 import signal
 import subprocess
 from pathlib import Path
@@ -17,6 +16,7 @@ import httpx
 
 from kvatlas.asgi_thread import free_port
 from tests.conftest import HTTP
+from tests.coordinator.helpers import cache_commands
 from tests.helpers import spawn_coordinator
 
 C = 16
@@ -31,8 +31,7 @@ def fields(doc: list[int], salt: str = "tenant-a", **more: Any) -> dict[str, Any
 def seen(url: str) -> dict[str, Any]:
     """What an operator reads of cache control: pins, quotas, commands by kind and state."""
     pins = HTTP.get(f"{url}/cache/pins", params={"limit": 1000}).json()
-    text = HTTP.get(f"{url}/metrics").text
-    pattern = r'^kvatlas_cache_commands\{kind="(\w+)",state="(\w+)"\} ([0-9.e+]+)$'
+    commands = cache_commands(HTTP.get(f"{url}/metrics").text)
     return {
         "pins": [(row["key"]["chunk_hash_hex"], row["pin_count"]) for row in pins["pins"]],
         "default": HTTP.get(f"{url}/quota/config").json(),
@@ -40,7 +39,7 @@ def seen(url: str) -> dict[str, Any]:
             row["cache_salt"]: (row["quota_limit_gb"], row["quota_exists"])
             for row in HTTP.get(f"{url}/quota").json()["by_cache_salt"]
         },
-        "commands": {(k, s): float(v) for k, s, v in re.findall(pattern, text, re.M) if float(v)},
+        "commands": {kind_state: n for kind_state, n in commands.items() if n},
     }
 
 

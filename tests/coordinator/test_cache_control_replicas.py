@@ -30,7 +30,7 @@ from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.server import BackgroundServer, free_port
 from tests.conftest import RedisServer, wait_for
 from tests.coordinator.fake_mp_server import FakeMpServer
-from tests.coordinator.helpers import CS
+from tests.coordinator.helpers import CS, cache_commands
 from tests.helpers import spawn_coordinator
 
 _streams = itertools.count()
@@ -79,9 +79,7 @@ def pins(client: httpx.Client) -> list[int]:
 
 
 def commands(client: httpx.Client) -> dict[tuple[str, str], float]:
-    text = client.get("/metrics").text
-    pattern = r'^kvatlas_cache_commands\{kind="(\w+)",state="(\w+)"\} ([0-9.e+]+)$'
-    return {(k, s): float(v) for k, s, v in re.findall(pattern, text, re.M)}
+    return cache_commands(client.get("/metrics").text)
 
 
 def register(client: httpx.Client, instance_id: str, port: int) -> None:
