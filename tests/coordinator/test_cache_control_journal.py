@@ -12,8 +12,6 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from kvatlas.asgi_thread import free_port
 from tests.conftest import HTTP
 from tests.coordinator.helpers import cache_commands
@@ -63,15 +61,43 @@ def change(url: str, doc: list[int], salt: str, limit_gb: float) -> None:
     assert r.status_code == 502, r.text  # recorded, retried later: pending
 
 
+class Coordinator:
+    """``kvatlas coordinator`` processes on one port with one snapshot path (an hour between
+    snapshots: only the journal carries what a kill -9 would lose), one after the other; each
+    started is appended to ``procs`` (the fixture stops what is left)."""
+
+    def __init__(self, tmp_path: Path, procs: list[subprocess.Popen[bytes]]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.snapshot = tmp_path / "snap"
+        self.procs = procs
+        self.flags = ["--chunk-size", str(C), "--snapshot-path", str(self.snapshot),
+                      "--snapshot-interval", "3600", "--instance-timeout", "3600"]  # fmt: skip
+
+    def start(self) -> None:
+        self.procs.append(spawn_coordinator(self.port, *self.flags))
+
+    def kill(self) -> None:
+        """kill -9: no snapshot written on the way out."""
+        self.procs[-1].kill()
+        self.procs[-1].wait(timeout=30)
+
+    def stop(self) -> None:
+        """A clean stop (SIGTERM): it writes a snapshot."""
+        self.procs[-1].send_signal(signal.SIGTERM)
+        assert self.procs[-1].wait(timeout=60) == 0
+
+    def killed_and_started(self) -> None:
+        self.kill()
+        self.start()
+
+
 def test_a_coordinator_killed_between_snapshots_keeps_its_cache_control(
     tmp_path: Path, procs: list[subprocess.Popen[bytes]]
 ) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    snapshot = tmp_path / "snap"
-    flags = ["--chunk-size", str(C), "--snapshot-path", str(snapshot),
-             "--snapshot-interval", "3600", "--instance-timeout", "3600"]  # fmt: skip
-    procs.append(spawn_coordinator(port, *flags))
+    coordinator = Coordinator(tmp_path, procs)
+    url = coordinator.url
+    coordinator.start()
     register(url)
 
     # 1. no snapshot was ever written: a kill -9 keeps what was acknowledged
@@ -79,17 +105,15 @@ def test_a_coordinator_killed_between_snapshots_keeps_its_cache_control(
     before = seen(url)
     assert before["commands"] == {("delete", "pending"): 1.0}
     assert len(before["pins"]) == 2  # chunk 1 unpinned, chunk 0 pinned twice then unpinned once
-    procs[-1].kill()
-    procs[-1].wait(timeout=30)
-    assert not snapshot.exists()
-    procs.append(spawn_coordinator(port, *flags))
+    coordinator.kill()
+    assert not coordinator.snapshot.exists()
+    coordinator.start()
     assert seen(url) == before
 
     # 2. changes after a snapshot (a clean stop writes one), then a kill -9: both kept
-    procs[-1].send_signal(signal.SIGTERM)
-    procs[-1].wait(timeout=60)
-    assert snapshot.exists()
-    procs.append(spawn_coordinator(port, *flags))
+    coordinator.stop()
+    assert coordinator.snapshot.exists()
+    coordinator.start()
     assert seen(url) == before
     register(url)  # (registrations are the snapshot's, not the journal's)
     change(url, DOC2, "tenant-b", 0.25)
@@ -97,16 +121,12 @@ def test_a_coordinator_killed_between_snapshots_keeps_its_cache_control(
     assert r.status_code == 200, r.text
     after = seen(url)
     assert after != before and after["commands"] == {("delete", "pending"): 2.0}
-    procs[-1].kill()
-    procs[-1].wait(timeout=30)
-    procs.append(spawn_coordinator(port, *flags))
+    coordinator.killed_and_started()
     assert seen(url) == after
     # ... and again (the journal of a restored coordinator is replayed once, not twice)
-    procs[-1].kill()
-    procs[-1].wait(timeout=30)
-    procs.append(spawn_coordinator(port, *flags))
+    coordinator.killed_and_started()
     assert seen(url) == after
-    assert httpx.get(f"{url}/cache/pins", params={"limit": 1000}).json()["total"] == 3
+    assert HTTP.get(f"{url}/cache/pins", params={"limit": 1000}).json()["total"] == 3
 
 
 def test_a_snapshot_brought_back_without_its_journal_keeps_what_is_acknowledged_after(
@@ -116,24 +136,18 @@ def test_a_snapshot_brought_back_without_its_journal_keeps_what_is_acknowledged_
     acknowledged after that start are journaled in a generation its next restart replays.
     (Failed on the old code: the new journal began at generation 1 again, below the one the
     snapshot names, and a ``kill -9`` lost the pin acknowledged since.)"""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    snapshot = tmp_path / "snap"
-    flags = ["--chunk-size", str(C), "--snapshot-path", str(snapshot),
-             "--snapshot-interval", "3600", "--instance-timeout", "3600"]  # fmt: skip
+    coordinator = Coordinator(tmp_path, procs)
+    url = coordinator.url
     for _ in range(3):  # each clean stop writes a snapshot naming a later generation
-        procs.append(spawn_coordinator(port, *flags))
+        coordinator.start()
         assert HTTP.post(f"{url}/cache/pins", json=fields(DOC[:C])).status_code == 200
-        procs[-1].send_signal(signal.SIGTERM)
-        assert procs[-1].wait(timeout=60) == 0
+        coordinator.stop()
     for journal in tmp_path.glob("snap.journal-*"):
         journal.unlink()  # the snapshot alone is brought back
 
-    procs.append(spawn_coordinator(port, *flags))
+    coordinator.start()
     assert HTTP.post(f"{url}/cache/pins", json=fields(DOC2)).status_code == 200
     before = seen(url)
     assert sorted(n for _, n in before["pins"]) == [1, 1, 3]
-    procs[-1].kill()
-    procs[-1].wait(timeout=30)
-    procs.append(spawn_coordinator(port, *flags))
+    coordinator.killed_and_started()
     assert seen(url) == before
