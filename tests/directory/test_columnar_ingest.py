@@ -45,38 +45,58 @@ CONTENTS = [np.arange(CHUNK, dtype=np.uint32) + 10 * i for i in range(3)] + [
 KEYS = [ObjectKey(h, *s) for h in HASHES for s in SHAPES]
 
 
+# The strategies are built once, here: one built inside a draw is validated, labelled and
+# has its properties computed again at every draw (hypothesis caches them per object), which
+# took most of these tests' time. The same strategies, drawn in the same order.
+_KEY = st.sampled_from(KEYS)
+_SIZE = st.integers(0, 1 << 20)
+_CONTENT = st.none() | st.sampled_from(CONTENTS)
+_OFFSET = st.sampled_from([-1, 0, CHUNK, 2 * CHUNK])
+
+
 @st.composite
 def entry_st(draw: st.DrawFn) -> CacheEntry:
-    return CacheEntry(
-        draw(st.sampled_from(KEYS)),
-        draw(st.integers(0, 1 << 20)),
-        draw(st.none() | st.sampled_from(CONTENTS)),
-        draw(st.sampled_from([-1, 0, CHUNK, 2 * CHUNK])),
-    )
+    return CacheEntry(draw(_KEY), draw(_SIZE), draw(_CONTENT), draw(_OFFSET))
+
+
+_KIND = st.sampled_from(["store"] * 5 + ["delete", "access", "config", "resync"])
+_ENTRIES = st.lists(entry_st(), max_size=6)
+_CAPACITY = st.integers(0, 1 << 30)
+_INSTANCE = st.sampled_from(["a", "b"])
+_INCARNATION = st.integers(1, 2)
+_SEQ = st.integers(1, 4)
+_TIER = st.sampled_from(["l1", "l2"])
+_BACKEND = st.sampled_from(["dram", "disk"])
+_TS = st.integers(0, 5)
+_DROPPED = st.sampled_from([0, 0, 2])
 
 
 @st.composite
 def batch_st(draw: st.DrawFn) -> EventBatch:
-    kind = draw(st.sampled_from(["store"] * 5 + ["delete", "access", "config", "resync"]))
-    es = tuple(draw(st.lists(entry_st(), max_size=6))) if kind != "config" else ()
+    kind = draw(_KIND)
+    es = tuple(draw(_ENTRIES)) if kind != "config" else ()
     extra: dict[str, Any] = {}
     if kind == "config":
-        extra = {"capacity_bytes": draw(st.integers(0, 1 << 30)), "capacity_revision": 1}
+        extra = {"capacity_bytes": draw(_CAPACITY), "capacity_revision": 1}
     if kind == "resync":
         extra = {"prefixes": tuple(sorted({e.key.chunk_hash[:1].hex() for e in es})) or ("00",)}
     return EventBatch(
-        draw(st.sampled_from(["a", "b"])),
-        draw(st.integers(1, 2)),
-        draw(st.integers(1, 4)),
+        draw(_INSTANCE),
+        draw(_INCARNATION),
+        draw(_SEQ),
         kind,
-        draw(st.sampled_from(["l1", "l2"])),
-        draw(st.sampled_from(["dram", "disk"])),
+        draw(_TIER),
+        draw(_BACKEND),
         kind != "resync" and draw(st.booleans()),
-        ts=float(draw(st.integers(0, 5))),
+        ts=float(draw(_TS)),
         entries=es,
-        dropped_events=draw(st.sampled_from([0, 0, 2])),
+        dropped_events=draw(_DROPPED),
         **extra,
     )
+
+
+BATCHES = st.lists(batch_st(), min_size=1, max_size=3)
+"""One body's batches (1 to 3)."""
 
 
 # (where, field, bad value): "h" a batch header field, "k" a JSON key field, "e" a JSON entry
@@ -188,6 +208,14 @@ def _state(d: KeyDirectory) -> Any:
     return held, plain, counts, matches, d.emitters(), d.usage()
 
 
+_BODIES = st.integers(1, 6)
+_BREAK = {
+    msgpack: st.none() | st.sampled_from(PACKED_BREAKS if msgpack else JSON_BREAKS)
+    for msgpack in (False, True)
+}  # by whether the format is compact msgpack
+_AT = st.integers(0, 20)
+
+
 @pytest.mark.parametrize("listed", [16, 0], ids=["short batches bounded as lists", "as arrays"])
 @pytest.mark.parametrize("fmt", ["json", "msgpack", "json-shaped msgpack"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -201,7 +229,6 @@ def test_columns_equal_per_entry_path(fmt: str, listed: int, data: st.DataObject
 
 
 def _columns_equal_per_entry_path(fmt: str, data: st.DataObject) -> None:
-    breaks: list[Any] = PACKED_BREAKS if fmt == "msgpack" else JSON_BREAKS
     old_decode, new_decode = {
         "json": (decode_json, decode_json_columns),
         "msgpack": (decode_msgpack, decode_msgpack_columns),
@@ -209,10 +236,10 @@ def _columns_equal_per_entry_path(fmt: str, data: st.DataObject) -> None:
     }[fmt]
     old_dir = KeyDirectory(CHUNK, enable_blend_lookup=True)
     new_dir = KeyDirectory(CHUNK, enable_blend_lookup=True)
-    for _ in range(data.draw(st.integers(1, 6))):
-        batches = data.draw(st.lists(batch_st(), min_size=1, max_size=3))
-        brk = data.draw(st.none() | st.sampled_from(breaks))
-        at = data.draw(st.integers(0, 20))
+    for _ in range(data.draw(_BODIES)):
+        batches = data.draw(BATCHES)
+        brk = data.draw(_BREAK[fmt == "msgpack"])
+        at = data.draw(_AT)
         if fmt == "msgpack":
             body = _packed_body(batches, brk, at)
         else:
@@ -306,7 +333,7 @@ def test_json_token_cut_equals_per_entry_decoder(data: st.DataObject) -> None:
     ``null``, empty lists, truncated and mutated bodies): the columnar decoder, which cuts
     the token lists out of the body in one compiled pass where it can, gives exactly the
     per-entry decoder's batches or its error."""
-    batches = data.draw(st.lists(batch_st(), min_size=1, max_size=3))
+    batches = data.draw(BATCHES)
     wire: dict[str, Any] = {"batches": [msgspec.to_builtins(batch_to_wire(b)) for b in batches]}
     rnd = data.draw(st.randoms(use_true_random=True))
     for b in wire["batches"]:
