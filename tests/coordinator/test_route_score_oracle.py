@@ -55,25 +55,34 @@ class Fleet:
         }
 
 
+_WS = st.sampled_from([1, 1, 2])
+_ALPHABET = st.sampled_from([3, 50])  # 3: repeats and look-alike chunks
+_DOC = {a: st.lists(st.integers(0, a), min_size=C, max_size=4 * C) for a in (3, 50)}
+_NOISE = {a: st.lists(st.integers(0, a), max_size=3) for a in (3, 50)}
+_COPIES = st.sets(st.tuples(st.sampled_from(INSTANCES), st.sampled_from(WHERE)), max_size=3)
+_FENCED = st.sampled_from([None, "i0", "i1"])
+_WEIGHTS = st.dictionaries(
+    st.sampled_from(TIER_CLASSES), st.sampled_from([0.0, 0.5, 0.6, 1.0, 2.0])
+)
+"""Built once: a strategy built inside a draw is validated and labelled again at every draw
+(hypothesis caches that per strategy object), most of this test's time before. The same
+strategies, drawn in the same order."""
+
+
 @st.composite
 def fleets(draw: st.DrawFn) -> tuple[Fleet, np.ndarray[Any, Any], dict[str, float]]:
-    ws = draw(st.sampled_from([1, 1, 2]))
-    alphabet = draw(st.sampled_from([3, 50]))  # 3: repeats and look-alike chunks
+    ws = draw(_WS)
+    alphabet = draw(_ALPHABET)
     n_docs = draw(st.integers(1, 4))
-    docs = [
-        np.array(draw(st.lists(st.integers(0, alphabet), min_size=C, max_size=4 * C)), np.uint32)
-        for _ in range(n_docs)
-    ]
+    docs = [np.array(draw(_DOC[alphabet]), np.uint32) for _ in range(n_docs)]
     fleet = Fleet(ws, docs)
     for h in fleet.chunks():
         for r in range(ws):
-            copies = draw(
-                st.sets(st.tuples(st.sampled_from(INSTANCES), st.sampled_from(WHERE)), max_size=3)
-            )
+            copies = draw(_COPIES)
             fleet.held[h, r] = {
                 ("pool" if shared else inst, tier, shared) for inst, (tier, shared) in copies
             }
-    fleet.fenced = draw(st.sampled_from([None, "i0", "i1"]))
+    fleet.fenced = draw(_FENCED)
     pieces = []
     first = draw(st.integers(0, n_docs - 1))
     pieces.append(docs[first][: draw(st.integers(0, len(docs[first])))])
@@ -81,12 +90,10 @@ def fleets(draw: st.DrawFn) -> tuple[Fleet, np.ndarray[Any, Any], dict[str, floa
         d = draw(st.integers(0, n_docs - 1))
         a = draw(st.integers(0, len(docs[d])))
         b = draw(st.integers(a, len(docs[d])))
-        noise = draw(st.lists(st.integers(0, alphabet), max_size=3))
+        noise = draw(_NOISE[alphabet])
         pieces += [np.array(noise, np.uint32), docs[d][a:b]]
     query = np.concatenate([*pieces, np.zeros(0, np.uint32)]).astype(np.uint32)
-    weights = draw(
-        st.dictionaries(st.sampled_from(TIER_CLASSES), st.sampled_from([0.0, 0.5, 0.6, 1.0, 2.0]))
-    )
+    weights = draw(_WEIGHTS)
     return fleet, query, weights
 
 
