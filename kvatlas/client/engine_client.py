@@ -162,14 +162,14 @@ class EngineClient:
 
     def retrieve(
         self, tokens: Any, *, cache_salt: str = "", request_id: str = "",
-        mm_items: Sequence[MMItem] = (), first_chunk: int = 0, n_chunks: int = 0,
+        mm_items: Sequence[MMItem] = (), first_chunk: int = 0,
     ) -> tuple[list[Any], dict[str, int]]:  # fmt: skip
         """Prefix retrieval: the KV of the leading chunks any tier has, from chunk
         ``first_chunk`` (the caller holds those before it; the first returned is that one),
-        at most ``n_chunks`` (0: all), and where each came from."""
+        and where each came from."""
         reply: RetrieveReply = self._call(
             "/engine/retrieve", tokens=tokens, cache_salt=cache_salt, request_id=request_id,
-            mm_items=mm_items, first_chunk=first_chunk, n_chunks=n_chunks,
+            mm_items=mm_items, first_chunk=first_chunk,
         )  # fmt: skip
         flat = np.frombuffer(reply.kv, dtype=self.layout.numpy_dtype())
         chunks = list(flat.reshape((-1, *self.layout.shape))) if flat.size else []

@@ -131,17 +131,17 @@ class WorkerSide:
             # from the chunk holding op.start: vLLM holds the rows before it (its own prefix
             # cache), which the node would otherwise fetch and send for nothing
             first = op.start // lay.chunk_size
-            n_chunks = -(-op.prefix_hit // lay.chunk_size) - first
             nothing: tuple[list[Any], dict[str, int]] = ([], {})
             chunks, _ = self.node.call(
                 "retrieve",
                 lambda c: c.retrieve(
                     tokens, cache_salt=salt, request_id=keys.request_id, mm_items=items,
-                    first_chunk=first, n_chunks=n_chunks,
+                    first_chunk=first,
                 ),
                 nothing,
             )  # fmt: skip
-            for i, chunk in enumerate(chunks[:n_chunks], start=first):
+            for i, chunk in enumerate(chunks[: -(-op.prefix_hit // lay.chunk_size) - first],
+                                      start=first):  # fmt: skip
                 place(i * lay.chunk_size, from_numpy(chunk))
         if op.segments and same_layout:
             no_parts: dict[str, Any] = {"parts": []}

@@ -88,7 +88,7 @@ class InstanceRegistry:
         self._fencing = threading.Lock()
         self._records: dict[str, InstanceRecord] = {}
         self._owing: set[str] = set()  # instances that owe a digest exchange
-        self._since = clock()  # this registry's start (heard_all)
+        self._since = clock()  # when registrations were first taken (open, heard_all)
         self._listing: set[str] = set()  # instances asked to list everything they hold
         # listings this replica asked the fleet for: due from whom (None: not known yet)
         self._awaited: set[str] | None = set()
@@ -267,11 +267,16 @@ class InstanceRegistry:
             for r in records
         ]
 
+    def open(self) -> None:
+        """Registrations are taken from now (the service has started: restored, warmed up):
+        :meth:`heard_all` counts from here."""
+        self._since = self._clock()
+
     def heard_all(self) -> bool:
         """Whether every instance alive now has had a whole timeout to register since this
-        registry started: one not registered by then is gone. Before, one may be alive and
-        not heard yet (a coordinator restarted without a snapshot, or with one older than a
-        registration, starts without them)."""
+        registry was opened (:meth:`open`; else made): one not registered by then is gone.
+        Before, one may be alive and not heard yet (a coordinator restarted without a
+        snapshot, or with one older than a registration, starts without them)."""
         return self._clock() - self._since >= self.timeout_s
 
     def restore(self, rows: list[InstanceRow]) -> None:

@@ -157,14 +157,14 @@ class CoordinatorService:
         if restored is not None:
             self._restored = True
             self.stream_position = self._restored_position = restored.stream_position
+        self.instances.open()  # (an instance not heard by a timeout from now is gone)
         self._spawn("instance-sweeper", self._sweep_loop)
         if self.liveness is not None:
             self._spawn("registrations", self._registrations_loop)
         if self.delivers:
             self._spawn("cache-control", functools.partial(self.delivery.run, self._stop))
         store = self.cache_control.store
-        if store is not None:  # seeds Redis from the snapshot if it holds no cache control,
-            # at start-up or later (it lost its data)
+        if store is not None:  # seeds a Redis holding no cache control (at start, or later)
             self._spawn("cache-control-store", functools.partial(store.watch, self._stop))
         for name, run in self.kv_events.start():
             self._spawn(name, run)

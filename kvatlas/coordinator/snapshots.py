@@ -188,9 +188,9 @@ class Snapshots:
     def run(self, stop: threading.Event) -> None:
         """Take a snapshot every ``--snapshot-interval`` until ``stop`` is set; without
         ``--snapshot-path``, with cache control in Redis, keep a copy of it in memory instead
-        (:meth:`keep_copy`: the first at once)."""
-        if self.config.snapshot_path is None:
-            self.keep_copy()
+        (:meth:`keep_copy`); with Redis, the first copy at once."""
+        if self.cache_control.store is not None:
+            self.keep_copy()  # (with snapshots too: the first is an interval away)
         step = self.take if self.config.snapshot_path is not None else self.keep_copy
         while not stop.wait(self.config.snapshot_interval):
             step()

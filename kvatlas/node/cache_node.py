@@ -242,18 +242,16 @@ class CacheNode:
         return self.tiers.prefix_hits(keys) * self.chunk_size
 
     def retrieve(
-        self, tracker: RequestTracker, num_tokens: int | None = None, *,
-        first_chunk: int = 0, n_chunks: int = 0,
-    ) -> Retrieved:  # fmt: skip
+        self, tracker: RequestTracker, num_tokens: int | None = None, *, first_chunk: int = 0
+    ) -> Retrieved:
         """KV of the leading chunks from chunk ``first_chunk`` (the caller holds those before
-        it), at most ``n_chunks`` of them (0: every one); stops at the first chunk no tier
-        has, or whose tokens are not the request's. ``hit_tokens``: the prefix covered from
-        the request's start, ``first_chunk``'s predecessors included when one came."""
+        it); stops at the first chunk no tier has, or whose tokens are not the request's.
+        ``hit_tokens``: the prefix covered from the request's start, ``first_chunk``'s
+        predecessors included when one came. The value counters count the request from
+        ``first_chunk`` on (what was asked of this node)."""
         if not tracker.cacheable:
             return Retrieved([], 0)
         hashes = tracker.chunk_hashes(num_tokens)[first_chunk:]
-        if n_chunks:
-            hashes = hashes[:n_chunks]
         tokens = tracker.get_token_ids()
         keys = [self.key(h, tracker.cache_salt) for h in hashes]
         listed: set[ObjectKey] = set()  # keys the directory lists on another instance
@@ -269,8 +267,6 @@ class CacheNode:
             sources[got.source] += 1
         self.counters["prefix_chunks_retrieved"] += len(kv)
         asked = len(tokens) if num_tokens is None else min(num_tokens, len(tokens))
-        if n_chunks:
-            asked = min(asked, (first_chunk + n_chunks) * c)
         self._count_value(max(0, asked - first_chunk * c), len(kv) * c,
                           sum(k in listed for k in keys[len(kv):]))  # fmt: skip
         return Retrieved(kv, (first_chunk + len(kv)) * c if kv else 0, sources)

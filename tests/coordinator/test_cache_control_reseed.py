@@ -132,7 +132,8 @@ def test_a_seeded_command_is_read_afresh_by_every_replica(redis_server: RedisSer
         a.delivery_failed(command.command_id, "n1 is down")  # revision 2: a's copy
         copy = a.to_snapshot()
         lose(redis_server, stream)
-        a.seed(copy)
+        stores[0].seed = lambda: a.seed(copy)  # (seeded as a watch seeds: Redis marked first)
+        assert stores[0].check() is True
         assert [c.attempts for c in b.unfinished()] == [1]
         assert b.get(command.command_id) == CommandLog.from_snapshot(copy).get(command.command_id)
     finally:
@@ -260,6 +261,41 @@ def test_a_change_between_the_loss_and_the_seed_is_not_written_over(
         assert [n for _k, n in a.cache_control.pins.rows()] == [2, 2, 2]
         assert a.cache_control.quotas.limits() == {"tenant": 3.0, "other": 1.0}
         assert [s.reseeds for s in stores] == [0, 1]
+    finally:
+        for store in stores:
+            store.client.close()
+
+
+def test_a_replica_without_a_copy_waits_for_one_with_a_copy_to_seed(
+    redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replica b holds no copy (its first would come later). Its change after the loss is
+    refused for a moment (503), so that a's copy seeds Redis: had b marked Redis, a's watch
+    would have found it seeded and the fleet's pins and quota were gone. With no replica
+    seeding within NO_COPY_WAIT_S, b marks Redis itself (a fleet with no copy anywhere)."""
+    from kvatlas.coordinator.cache_control import shared_store
+    from kvatlas.errors import Unavailable
+
+    stream, a, _store = redis_replica(redis_server, tmp_path)
+    b = CoordinatorService(dataclasses.replace(a.config, replica_id="b", snapshot_path=None))
+    stores = [s for s in (a.cache_control.store, b.cache_control.store) if s is not None]
+    try:
+        assert a.cache_control.pin(fields(48)).affected == 3
+        a.cache_control.quotas.set("tenant", 2.0)
+        b.cache_control.quotas.set("other", 1.0)  # b has marked Redis, and holds no copy
+        a.snapshots.keep_copy()
+        lose(redis_server, stream)
+        with pytest.raises(Unavailable, match="holds none"):
+            b.cache_control.pin(fields(48))
+        assert not stores[0].holds_state()  # b marked nothing
+        assert stores[0].check() is True  # a's watch: seeded from its copy
+        assert b.cache_control.pin(fields(48)).affected == 3
+        assert [n for _k, n in a.cache_control.pins.rows()] == [2, 2, 2]
+        assert a.cache_control.quotas.limits() == {"tenant": 2.0, "other": 1.0}
+        lose(redis_server, stream)  # again, and no replica with a copy notices in time
+        monkeypatch.setattr(shared_store, "NO_COPY_WAIT_S", 0.0)
+        b.cache_control.quotas.set("other", 3.0)
+        assert stores[1].holds_state() and a.cache_control.quotas.limits() == {"other": 3.0}
     finally:
         for store in stores:
             store.client.close()

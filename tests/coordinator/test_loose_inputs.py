@@ -122,7 +122,8 @@ def test_a_token_id_that_is_no_integer_is_refused(
 def test_the_integers_lmcache_sends_still_pass(
     served: tuple[BackgroundServer, httpx.Client],
 ) -> None:
-    """The positive control: LMCache's own clients send JSON integers (its goldens)."""
+    """The positive control: JSON integers, the form LMCache's own clients send (the goldens
+    under /work/shared/wire replay through the golden and conformance tests)."""
     _, c = served
     r = send(c, "POST", "/cache/pins", fields(model_name=fresh("int")))
     assert (r.status_code, r.json()["affected"]) == (200, 12), r.text

@@ -97,16 +97,17 @@ def test_engine_client_reads_the_layout_from_the_node(node_url: str) -> None:
 
 def test_retrieve_from_first_chunk_sends_only_the_chunks_asked(node_url: str) -> None:
     """An engine holding a prompt's first chunks in its own prefix cache asks for the rest only
-    (``first_chunk``, ``n_chunks``): the node used to fetch and send every leading chunk (the
+    (``first_chunk``): the node used to fetch and send every leading chunk (the
     vLLM connector placed the ones it needed and dropped the others). ``hit_tokens`` still
     counts from the request's start."""
     tokens = np.arange(11_000, 11_000 + 4 * C, dtype="<u4")
     kv = np.random.default_rng(2).integers(0, 1 << 16, size=(4, *SHAPE), dtype="<u2")
     with EngineClient(node_url) as client:
         assert client.store(tokens, kv.view(client.layout.numpy_dtype())) == 4
-        chunks, sources = client.retrieve(tokens, first_chunk=1, n_chunks=2)
-        assert [c.view("<u2").tobytes() for c in chunks] == [kv[1].tobytes(), kv[2].tobytes()]
-        assert sum(sources.values()) == 2
+        chunks, sources = client.retrieve(tokens, first_chunk=1)
+        want = [kv[1].tobytes(), kv[2].tobytes(), kv[3].tobytes()]
+        assert [c.view("<u2").tobytes() for c in chunks] == want
+        assert sum(sources.values()) == 3
         chunks, _ = client.retrieve(tokens, first_chunk=3)  # to the end
         assert [c.view("<u2").tobytes() for c in chunks] == [kv[3].tobytes()]
         assert client.retrieve(tokens, first_chunk=4) == ([], {})  # nothing left to send
@@ -130,7 +131,7 @@ def test_a_node_that_ignores_first_chunk_is_read_from_chunk_0(
         real = client._call
 
         def old_node(path: str, **fields: object) -> object:
-            fields.pop("first_chunk", None), fields.pop("n_chunks", None)
+            fields.pop("first_chunk", None)
             return real(path, **fields)
 
         monkeypatch.setattr(client, "_call", old_node)

@@ -45,6 +45,10 @@ from kvatlas.redis_clients import redis_client
 log = logging.getLogger(__name__)
 WATCH_S: Final = 1.0
 """How often a replica with a copy of the state checks that Redis still holds it."""
+NO_COPY_WAIT_S: Final = 3 * WATCH_S
+"""How long a replica holding no copy refuses changes (503) to a Redis that lost the state
+before it marks it itself: the replicas with a copy seed it within :data:`WATCH_S`; marking
+it first would stop them (the fleet's pins, quotas and commands lost)."""
 
 UNSEEDED: Final = "KVATLAS_UNSEEDED"
 """The error a change's script answers on a Redis holding no cache-control state
@@ -241,6 +245,7 @@ class SharedStore:
         self.reseeds = 0
         """How many times this replica seeded a Redis that had lost the state it held."""
         self._ensured = False
+        self._unseeded_at: float | None = None  # a change first found the state gone (no copy)
         self._held = False  # this process saw Redis hold the state (a seed now is a re-seed)
         self._ensure_lock = threading.Lock()
         self._scripts = {name: client.register_script(text) for name, text in SCRIPTS.items()}
@@ -265,15 +270,27 @@ class SharedStore:
     def script(self, name: str, keys: list[str], args: list[Any], *, write: bool = True) -> Any:
         """One of :data:`SCRIPTS` (``write``: it changes pins, quotas or commands). A change
         that finds Redis without the state (it lost its data since this replica marked it,
-        and no replica has seeded it yet) seeds it first, or marks it if this replica has no
-        copy, then runs: the seed would otherwise write over it."""
+        and no replica has seeded it yet) seeds it first, then runs: the seed would otherwise
+        write over it. A replica holding no copy refuses the change (``Unavailable``) for
+        :data:`NO_COPY_WAIT_S`, for one with a copy to seed, then marks Redis itself."""
         self.ensure(write=write)
         try:
-            return self._scripts[name](keys=keys, args=args)
+            reply = self._scripts[name](keys=keys, args=args)
         except self._errors as exc:
             if not (write and str(exc).startswith(UNSEEDED)):
                 raise Unavailable(f"cache-control store (redis {name} script): {exc}") from exc
+        else:
+            self._unseeded_at = None  # (Redis holds the state: a later loss waits again)
+            return reply
         with self._ensure_lock:
+            now = time.monotonic()
+            if self.seed is None and now - (self._unseeded_at or now) < NO_COPY_WAIT_S:
+                self._unseeded_at = self._unseeded_at or now
+                raise Unavailable(
+                    "cache-control store: Redis lost the cache-control state; a replica with a "
+                    "copy seeds it again within seconds (this one holds none): try again"
+                )
+            self._unseeded_at = None
             self._ensured = False
             self._mark(noticed=True)
         try:

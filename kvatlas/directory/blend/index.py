@@ -446,6 +446,5 @@ def _first_of_each_hash(parts: list[MatchColumns]) -> MatchColumns:
         np.concatenate([p.hash_bytes for p in parts]),
         np.concatenate([p.hash_lengths for p in parts]),
     )
-    old = np.concatenate([p.old_st for p in parts])
-    cur = np.concatenate([p.cur_st for p in parts])
-    return MatchColumns(hash_bytes, hash_lengths, old[kept], cur[kept])
+    old, cur = (np.concatenate([getattr(p, f) for p in parts])[kept] for f in ("old_st", "cur_st"))
+    return MatchColumns(hash_bytes, hash_lengths, old, cur)

@@ -150,12 +150,10 @@ async def lookup(context: Context, call: EngineCall, who: Principal) -> HitReply
 @engine_call()
 async def retrieve(context: Context, call: EngineCall, who: Principal) -> RetrieveReply:
     """Prefix retrieval: the KV of the leading chunks held anywhere, from chunk `first_chunk`
-    (the caller holds those before it), at most `n_chunks` (0: all). Reply `{hit_tokens, kv,
-    sources}` (`kv`: the chunks in the node's layout, back to back)."""
+    (the caller holds those before it). Reply `{hit_tokens, kv, sources}` (`kv`: the chunks
+    in the node's layout, back to back)."""
     tracker, _ = tracker_for(context, call, who)
-    got = await run_in_threadpool(
-        context.node.retrieve, tracker, first_chunk=call.first_chunk, n_chunks=call.n_chunks
-    )
+    got = await run_in_threadpool(context.node.retrieve, tracker, first_chunk=call.first_chunk)
     context.trackers.drop(who, call.request_id, tracker)
     kv = b"".join(np.ascontiguousarray(k).tobytes() for k in got.kv)
     return RetrieveReply(got.hit_tokens, kv, dict(got.sources))
