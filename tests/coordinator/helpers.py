@@ -51,6 +51,18 @@ def cache_commands(metrics_text: str) -> dict[tuple[str, str], float]:
     return {(k, s): float(v) for k, s, v in CACHE_COMMANDS.findall(metrics_text)}
 
 
+def cache_control_state(server: BackgroundServer) -> Any:
+    """Pins, quotas and command counts of ``server``'s cache control (what a refused request
+    must leave as it was)."""
+    control = server.service.cache_control
+    return (
+        control.pins.rows(),
+        control.quotas.default_limit_gb,
+        control.quotas.limits(),
+        control.commands.counts(),
+    )
+
+
 def fresh(prefix: str = "x") -> str:
     """A name no other test uses (tests share a server per module)."""
     return f"{prefix}-{next(_counter)}"

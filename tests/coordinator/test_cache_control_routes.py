@@ -15,6 +15,7 @@ import pytest
 from kvatlas.coordinator.server import BackgroundServer
 from tests.coordinator.helpers import (
     assert_error,
+    cache_control_state,
     post_batches,
     running,
     wire_batch,
@@ -54,16 +55,6 @@ def served(
         yield server, client
 
 
-def state(server: BackgroundServer) -> Any:
-    control = server.service.cache_control
-    return (
-        control.pins.rows(),
-        control.quotas.default_limit_gb,
-        control.quotas.limits(),
-        control.commands.counts(),
-    )
-
-
 def test_a_salt_bound_token_acts_on_its_salts_only_and_nothing_else_is_applied(
     served: tuple[BackgroundServer, httpx.Client],
 ) -> None:
@@ -72,7 +63,7 @@ def test_a_salt_bound_token_acts_on_its_salts_only_and_nothing_else_is_applied(
     r = c.post("/cache/pins", json=fields(), headers=a)
     assert (r.status_code, r.json()["affected"]) == (200, 3), r.text
     assert c.get("/cache/pins", params={"cache_salt": "tenant-a"}, headers=a).json()["total"] == 3
-    before = state(server)
+    before = cache_control_state(server)
     foreign = fields("tenant-b")
     refused = [
         c.post("/cache/pins", json=foreign, headers=a),
@@ -95,7 +86,7 @@ def test_a_salt_bound_token_acts_on_its_salts_only_and_nothing_else_is_applied(
     ]
     for r in refused:
         assert_error(r, 403)
-    assert state(server) == before  # nothing pinned, recorded or set
+    assert cache_control_state(server) == before  # nothing pinned, recorded or set
     # its own salt: a quota, and a delete recorded (its MP server unreachable: LMCache's 502)
     assert c.put("/quota/tenant-a", json={"limit_gb": 1.5}, headers=a).status_code == 200
     r = c.post("/cache/delete", json={**fields(), "instance_id": "n1", "force": True}, headers=a)
@@ -111,7 +102,7 @@ def test_other_roles_and_no_token_are_refused(
     served: tuple[BackgroundServer, httpx.Client],
 ) -> None:
     server, c = served
-    before = state(server)
+    before = cache_control_state(server)
     assert_error(c.post("/cache/pins", json=fields()), 401)
     # a node's token (emit, lookup) bound to the salt may not touch the cache of its fleet
     for r in (
@@ -120,7 +111,7 @@ def test_other_roles_and_no_token_are_refused(
         c.get("/quota/tenant-a", headers=bearer(NODE)),
     ):
         assert_error(r, 403)
-    assert state(server) == before
+    assert cache_control_state(server) == before
 
 
 BAD: list[tuple[str, str, Any, int]] = [
@@ -183,10 +174,10 @@ def test_bad_input_is_a_clear_4xx_that_changes_nothing(
     status: int,
 ) -> None:
     server, c = served
-    before = state(server)
+    before = cache_control_state(server)
     r = c.request(method, path, json=body, headers=bearer(ADMIN))
     assert_error(r, status)
-    assert state(server) == before
+    assert cache_control_state(server) == before
 
 
 def test_metrics_show_commands_by_kind_and_state_and_pins(
@@ -252,7 +243,7 @@ def test_a_node_reads_its_own_pins_in_its_salts_only(
     for salt in ("tenant-a", "tenant-b"):
         assert c.post("/cache/pins", json=fields(salt, token_ids=other), headers=admin).is_success
     try:
-        before = state(server)
+        before = cache_control_state(server)
         r = c.get("/instances/n1/pins", params={"model_name": "m"}, headers=bearer(NODE))
         assert r.status_code == 200, r.text
         salts = {row["key"]["cache_salt"] for row in r.json()["pins"]}
@@ -266,7 +257,7 @@ def test_a_node_reads_its_own_pins_in_its_salts_only(
         assert_error(c.get("/instances/n1/pins"), 401)
         assert_error(c.get("/instances/n1/pins", params={"limit": 0}, headers=admin), 422)
         assert_error(c.get("/cache/pins", headers=bearer(NODE)), 403)  # still cache's route
-        assert state(server) == before
+        assert cache_control_state(server) == before
     finally:
         for salt in ("tenant-a", "tenant-b"):
             c.request("DELETE", "/cache/pins", json=fields(salt, token_ids=other), headers=admin)

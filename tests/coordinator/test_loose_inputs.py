@@ -25,6 +25,7 @@ from tests.coordinator.helpers import (
     CS,
     assert_error,
     b64,
+    cache_control_state,
     fresh,
     hashes,
     post_batches,
@@ -47,16 +48,6 @@ def served() -> Iterator[tuple[BackgroundServer, httpx.Client]]:
             r = client.post("/instances", json={"instance_id": inst, "ip": "127.0.0.1", "http_port": 9})  # fmt: skip
             assert r.status_code == 200, r.text
         yield server, client
-
-
-def state(server: BackgroundServer) -> Any:
-    control = server.service.cache_control
-    return (
-        control.pins.rows(),
-        control.quotas.default_limit_gb,
-        control.quotas.limits(),
-        control.commands.counts(),
-    )
 
 
 def send(c: httpx.Client, method: str, path: str, body: bytes | dict[str, Any]) -> httpx.Response:
@@ -102,11 +93,11 @@ def test_a_world_size_that_is_no_integer_is_refused_on_every_cache_control_route
     """Was 200 (pins recorded, a delete or prefetch sent, a move recorded): the cache-control
     bodies were decoded laxly, as pydantic reads them; the lookups were strict already."""
     server, c = served
-    before = state(server)
+    before = cache_control_state(server)
     r = send(c, method, path, fields(world_size=world_size, **extra))
     field_named(r, "world_size")
     assert r.json()["errors"][0]["type"] == "int_type"
-    assert state(server) == before
+    assert cache_control_state(server) == before
 
 
 @pytest.mark.parametrize("token", ["100", 100.0])
@@ -114,9 +105,9 @@ def test_a_token_id_that_is_no_integer_is_refused(
     served: tuple[BackgroundServer, httpx.Client], token: Any
 ) -> None:
     server, c = served
-    before = state(server)
+    before = cache_control_state(server)
     field_named(send(c, "POST", "/cache/pins", fields(token_ids=[token] * 4)), "token_ids", 0)
-    assert state(server) == before
+    assert cache_control_state(server) == before
 
 
 def test_the_integers_lmcache_sends_still_pass(
@@ -206,12 +197,12 @@ def test_a_key_given_twice_is_refused_and_named(
 ) -> None:
     """Was 200 with the last value taken: which one the sender meant, no one can tell."""
     server, c = served
-    before = state(server), ids(c)
+    before = cache_control_state(server), ids(c)
     r = send(c, method, path, raw)
     field_named(r, key)
     assert r.json()["errors"][0]["type"] == "duplicate_key"
     assert key in r.json()["detail"]
-    assert (state(server), ids(c)) == before
+    assert (cache_control_state(server), ids(c)) == before
     once = json.dumps(json.loads(raw)).encode()  # the same body with the key once: accepted
     assert send(c, method, path, once).status_code in (200, 502), once
 
@@ -229,14 +220,14 @@ def test_a_quota_that_is_no_finite_number_in_range_says_what_it_must_be(
 ) -> None:
     """Was ``should be >= 0`` for ``"NaN"`` (and ``"1"`` was taken as 1.0)."""
     server, c = served
-    before = state(server)
+    before = cache_control_state(server)
     r = send(c, "PUT", "/quota/tenant-q", raw)
     field_named(r, "limit_gb")
     assert r.json()["detail"] == "limit_gb: Input should be a finite number >= 0 and <= 8589934592"
     default = raw.replace(b"limit_gb", b"default_limit_gb")
     r = send(c, "PUT", "/quota/config", default)
     assert r.json()["detail"].startswith("default_limit_gb: Input should be a finite number >= 0")
-    assert state(server) == before
+    assert cache_control_state(server) == before
 
 
 def test_minus_zero_is_the_quota_zero(served: tuple[BackgroundServer, httpx.Client]) -> None:
@@ -291,7 +282,7 @@ def test_a_model_name_beyond_the_cap_is_refused_wherever_keys_are_parsed(
     """Was accepted and pinned (a 100,000-character name): held in every key, listing and
     snapshot. Now one rule (``check_model_name``) for every path that parses a key."""
     server, c = served
-    before = state(server), c.get("/directory/stats").json()["num_keys"]
+    before = cache_control_state(server), c.get("/directory/stats").json()["num_keys"]
     for method, path, extra in TOKEN_ROUTES:
         _says_model_name(send(c, method, path, fields(model_name=TOO_LONG, **extra)), 400)
     key = wire_key(hashes(TOKENS[:4])[0], model=TOO_LONG)
@@ -308,7 +299,7 @@ def test_a_model_name_beyond_the_cap_is_refused_wherever_keys_are_parsed(
     r = c.post("/events", content=msgspec.msgpack.encode({"batches": [batch]}),
                headers={"content-type": "application/msgpack"})  # fmt: skip
     assert r.status_code == 422 and "model_name" in r.text, r.text
-    assert (state(server), c.get("/directory/stats").json()["num_keys"]) == before
+    assert (cache_control_state(server), c.get("/directory/stats").json()["num_keys"]) == before
 
 
 def test_a_key_held_before_the_cap_is_restored_from_a_snapshot(tmp_path: Path) -> None:
