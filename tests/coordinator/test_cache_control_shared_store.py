@@ -11,6 +11,7 @@ import itertools
 import json
 
 import msgspec
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -121,11 +122,15 @@ def test_a_replicas_copy_of_the_pins_follows_the_changes_as_a_full_read_would(
 
 
 def test_a_copy_of_the_pins_is_read_anew_after_redis_lost_its_data(
-    redis_server: RedisServer,
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Redis loses its data (a restart without persistence) and counts versions from 0 again:
     a replica whose copy was at version N must not apply the new Redis's changes N+1… on top
-    of the old copy. (The old code: B kept the lost pins and missed the new ones 1…N.)"""
+    of the old copy. (The old code: B kept the lost pins and missed the new ones 1…N.) No
+    replica here holds a copy to seed with, so A's change does not wait for one."""
+    from kvatlas.coordinator.cache_control import shared_store
+
+    monkeypatch.setattr(shared_store, "NO_COPY_WAIT_S", 0.0)
     stream = f"kvatlas:shared-test-{next(_prefixes)}"
     a_store, b_store = new_store(redis_server, stream, "a"), new_store(redis_server, stream, "b")
     try:
