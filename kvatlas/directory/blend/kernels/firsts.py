@@ -75,17 +75,26 @@ def joined_firsts(blob: Any, lengths: Any) -> Any:
         lens[k] = lengths[k]
         at += lengths[k]
     kept, n_kept = first_of_each(addrs, lens, n)
+    out, out_lengths = kept_bytes(addrs, lens, kept, n_kept)
+    return kept[:n_kept].copy(), out, out_lengths
+
+
+@jit
+def kept_bytes(addrs: Any, lens: Any, kept: Any, n_kept: Any) -> Any:
+    """The bytes of the hits ``kept[:n_kept]`` (``lens[k]`` bytes at ``addrs[k]`` each) end to
+    end, and their lengths."""
     total = 0
     for i in range(n_kept):
         total += lens[kept[i]]
-    out = np.empty(total, np.uint8)
-    out_lengths = np.empty(n_kept, np.uint8)
+    blob = np.empty(total, np.uint8)
+    lengths = np.empty(n_kept, np.uint8)
     at = 0
     for i in range(n_kept):
         k = kept[i]
-        out_lengths[i] = lengths[k]
+        n = lens[k]
+        lengths[i] = n
         src: Any = u8_ptr(addrs[k])  # type: ignore[call-arg]
-        for b in range(lens[k]):
-            out[at + b] = src[b]
-        at += lens[k]
-    return kept[:n_kept].copy(), out, out_lengths
+        for b in range(n):
+            blob[at + b] = src[b]
+        at += n
+    return blob, lengths

@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvatlas.directory.blend.kernels.filter import bloom_mask, may_contain, mix, word_shift
-from kvatlas.directory.blend.kernels.firsts import first_of_each
+from kvatlas.directory.blend.kernels.firsts import first_of_each, kept_bytes
 from kvatlas.directory.blend.kernels.layout import (
     ADDRESS_BITS,
     O_HADDR,
@@ -36,7 +36,7 @@ from kvatlas.directory.blend.kernels.modhash import (
 )
 from kvatlas.directory.blend.kernels.occupants import claimed
 from kvatlas.directory.blend.kernels.planes import planes_nbytes
-from kvatlas.directory.blend.kernels.pointers import jit, prefetch, prefetch_addr, u8_ptr
+from kvatlas.directory.blend.kernels.pointers import jit, prefetch, prefetch_addr
 from kvatlas.directory.blend.kernels.table import content_home, equal_at
 from kvatlas.kernel_twins import gil_twins, releasing_twin
 
@@ -392,23 +392,11 @@ def _first_of_each_hash(out_pos: Any, out_occ: Any, n_out: Any, o_i64: Any, o_hl
         addrs[k] = o_i64[o, O_HADDR]
         lens[k] = o_hlen[o]
     kept, n_kept = first_of_each(addrs, lens, n_out)
-    total = 0
-    for i in range(n_kept):
-        total += lens[kept[i]]
     pos = np.empty(n_kept, np.int64)
     off = np.empty(n_kept, np.int64)
-    blob = np.empty(total, np.uint8)
-    lengths = np.empty(n_kept, np.uint8)
-    at = 0
     for i in range(n_kept):
         k = kept[i]
-        o = out_occ[k]
         pos[i] = out_pos[k]
-        off[i] = o_i64[o, O_OFF]
-        n = lens[k]
-        lengths[i] = n
-        src: Any = u8_ptr(addrs[k])  # type: ignore[call-arg]
-        for b in range(n):
-            blob[at + b] = src[b]
-        at += n
+        off[i] = o_i64[out_occ[k], O_OFF]
+    blob, lengths = kept_bytes(addrs, lens, kept, n_kept)
     return pos, off, blob, lengths
