@@ -20,6 +20,7 @@ import httpx
 from kvatlas.client import EngineCallError, EngineClient, EngineLayout
 from kvatlas.connector.settings import ConnectorSettings
 from kvatlas.errors import Unavailable
+from kvatlas.logs import Throttle
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -36,8 +37,7 @@ class NodeLink:
         self._client: EngineClient | None = None
         self._down_until = 0.0
         self._layout_good_until = -math.inf  # same_layout's last confirmation holds until
-        self._warned_at = -_WARN_EVERY_S
-        self._layout_said: tuple[EngineLayout | None, float] = (None, -_WARN_EVERY_S)
+        self._say = Throttle(_WARN_EVERY_S)  # a failure, each other layout: once a minute
 
     def client(self) -> EngineClient:
         """The client (reads the node's layout on first contact); raises when unreachable."""
@@ -67,8 +67,8 @@ class NodeLink:
         read in the old one would be wrong KV. A node that does not answer is not the same.
         A confirmation holds :data:`LAYOUT_CHECK_S`, or until a call fails (a node's restart
         takes longer, and its calls fail in between), so a busy engine reads it once a second,
-        not once a step. Another layout is counted at every read and logged when it is new,
-        else once a minute."""
+        not once a step. Another layout is counted at every read and logged once a minute
+        (each layout)."""
         now = time.monotonic()
         if now < self._layout_good_until:
             return True
@@ -77,15 +77,12 @@ class NodeLink:
             self._layout_good_until = now + LAYOUT_CHECK_S
         if got is not None and got != layout:
             self.failures["layout_changed"] += 1
-            said, said_at = self._layout_said
-            if got == said and now - said_at < _WARN_EVERY_S:
-                return False
-            self._layout_said = (got, now)
-            log.error(
-                "kvatlas node %s: its layout is now %s, not %s as when the engine started; "
-                "nothing is loaded from it or stored to it (restart the engine)",
-                self.settings.node_url, got, layout,
-            )  # fmt: skip
+            if self._say(f"layout {got!r}"):
+                log.error(
+                    "kvatlas node %s: its layout is now %s, not %s as when the engine started; "
+                    "nothing is loaded from it or stored to it (restart the engine)",
+                    self.settings.node_url, got, layout,
+                )  # fmt: skip
         return got == layout
 
     def call(self, what: str, fn: Callable[[EngineClient], T], fallback: T) -> T:
@@ -101,9 +98,7 @@ class NodeLink:
             if unreachable:
                 self._down_until = time.monotonic() + self.settings.retry_s
             self.failures[what] += 1
-            now = time.monotonic()
-            if now - self._warned_at >= _WARN_EVERY_S:
-                self._warned_at = now
+            if self._say("failure"):
                 log.warning(
                     "kvatlas node %s: %s failed (%s); treated as a miss%s (failures so far: %s)",
                     self.settings.node_url, what, exc,

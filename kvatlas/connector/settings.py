@@ -79,8 +79,8 @@ class ConnectorSettings:
                 f"kv_connector_extra_config.kv_packing must be one of {KV_PACKINGS}, got {packing!r}"
             )
         numbers = {}
-        for name, default in (("timeout_s", 30.0), ("retry_s", 5.0), ("lookup_timeout_s", 2.0)):
-            value = extra.get(name, default)
+        for name in ("timeout_s", "retry_s", "lookup_timeout_s"):
+            value = extra.get(name, cls.__dataclass_fields__[name].default)
             if (
                 isinstance(value, bool)
                 or not isinstance(value, int | float)

@@ -55,6 +55,10 @@ UNSEEDED: Final = "KVATLAS_UNSEEDED"
 (``meta.seeded`` absent: it lost its data since this replica marked it)."""
 
 
+class _Unseeded(Exception):
+    """A change's script found Redis without the state (:data:`UNSEEDED`)."""
+
+
 def _guarded(meta: str, body: str) -> str:
     """``body`` run only while Redis holds the state (``meta``: the KEYS entry of ``meta``):
     a change made to a Redis that lost its data before a replica seeded it again would be
@@ -275,10 +279,9 @@ class SharedStore:
         :data:`NO_COPY_WAIT_S`, for one with a copy to seed, then marks Redis itself."""
         self.ensure(write=write)
         try:
-            reply = self._scripts[name](keys=keys, args=args)
-        except self._errors as exc:
-            if not (write and str(exc).startswith(UNSEEDED)):
-                raise Unavailable(f"cache-control store (redis {name} script): {exc}") from exc
+            reply = self._run(name, keys, args, unseeded=write)
+        except _Unseeded:
+            pass
         else:
             self._unseeded_at = None  # (Redis holds the state: a later loss waits again)
             return reply
@@ -293,9 +296,16 @@ class SharedStore:
             self._unseeded_at = None
             self._ensured = False
             self._mark(noticed=True)
+        return self._run(name, keys, args, unseeded=False)
+
+    def _run(self, name: str, keys: list[str], args: list[Any], *, unseeded: bool) -> Any:
+        """The script's reply; :class:`_Unseeded` when it refused a Redis without the state
+        and ``unseeded`` (else every Redis error is :class:`Unavailable`)."""
         try:
             return self._scripts[name](keys=keys, args=args)
         except self._errors as exc:
+            if unseeded and str(exc).startswith(UNSEEDED):
+                raise _Unseeded from None
             raise Unavailable(f"cache-control store (redis {name} script): {exc}") from exc
 
     def set_field(self, hash_name: str, field: str, value: str | None) -> int:
