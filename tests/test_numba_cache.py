@@ -33,9 +33,9 @@ def two_trees(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         trees.append(copy)
     layout = trees[1] / "directory" / "blend" / "kernels" / "layout.py"
     text = layout.read_text()
-    constant = "O_OFF, O_HADDR = 0, 1"
+    constant = "O_OFF, O_HASH = 0, 1"
     assert constant in text
-    layout.write_text(text.replace(constant, "O_OFF, O_HADDR = 1, 0", 1))
+    layout.write_text(text.replace(constant, "O_OFF, O_HASH = 1, 0", 1))
     return trees[0], trees[1]
 
 

@@ -7,6 +7,8 @@ from typing import Any
 import numpy as np
 
 from kvatlas.directory import KeyDirectory
+from kvatlas.directory.blend.kernels.layout import IDS_FREE_OCCUPANT, IDS_OCCUPANTS, O_HASH, O_NEXT
+from kvatlas.directory.blend.state import IndexState
 from kvatlas.directory.chunk_parts import ChunkColumns, ChunkPart, l1_chunks
 from kvatlas.directory.records import Record, l1_owner, placement_groups, placements_of
 from kvatlas.events import CacheEntry, EventBatch
@@ -123,3 +125,17 @@ def change_later(index: Any, tokens: Any, chunk_hash: bytes, offset: int, ns: An
         index.remove_chunk(tokens, chunk_hash)
     else:
         index.add(tokens, chunk_hash, offset, ns)
+
+
+def occupant_hashes(state: IndexState) -> list[bytes | None]:
+    """Each occupant id's chunk_hash as a blend index's state holds it (by value, in its
+    ``o_i64`` row), ``None`` for a free id (one on the free list): what the state kept as a
+    list of the writers' ``bytes`` before it kept them as a column."""
+    arrays = state.arrays
+    free, o = set(), int(arrays.ids[IDS_FREE_OCCUPANT])
+    while o != -1:
+        free.add(o)
+        o = int(arrays.o_i32[o, O_NEXT])
+    rows, lengths = arrays.o_i64[:, O_HASH:], arrays.o_hlen.tolist()
+    n = int(arrays.ids[IDS_OCCUPANTS])
+    return [None if o in free else rows[o].tobytes()[: lengths[o]] for o in range(n)]

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from kvatlas.directory import AddOp, BlendIndex, BlendOp, RemoveChunkOp, RemoveClaimOp
 from kvatlas.directory.blend.kernels import REMOVE_CLAIM
 from kvatlas.directory.blend.kernels.contents import content_count
-from kvatlas.directory.blend.kernels.layout import O_OFF, TOKENS_U16
+from kvatlas.directory.blend.kernels.layout import TOKENS_U16
 from kvatlas.directory.blend.op_columns import _sizes, single_op
+from tests.directory.helpers import occupant_hashes
 from tests.directory.test_blend_index_oracle import SPACES, canonical, workloads
 
 
@@ -77,14 +78,13 @@ def _state(index: BlendIndex) -> dict[str, Any]:
     kernels' arrays, what Python keeps for them, counters and namespace ids."""
     s = index._state
     a = s.arrays
-    arrays = {n: arr.tolist() for n, arr in a._asdict().items() if n not in ("c_addr", "o_i64")}
-    arrays["o_off"] = a.o_i64[:, O_OFF].tolist()
+    arrays = {n: arr.tolist() for n, arr in a._asdict().items() if n != "c_addr"}
     arrays["c_live"] = (a.c_addr != 0).tolist()
     arrays["c_u16"] = (a.c_addr & TOKENS_U16 != 0).tolist()
     return {
         "arrays": arrays,
         "tokens": [None if t is None else (t.dtype.str, t.tolist()) for t in s.tokens],
-        "hashes": s.hashes,
+        "hashes": occupant_hashes(s),
         "owned": s.owned,
         "extra": s.extra_claims,
         "counts": (s.contents, s.occupants, s.claims, s.n_extra, s.owned_bytes, s.token_bytes),

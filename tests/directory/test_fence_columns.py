@@ -18,7 +18,16 @@ import kvatlas.directory.blend.state as state_module
 from kvatlas.directory import BlendIndex, KeyDirectory, RemoveClaimColumns, RemoveClaimOp
 from kvatlas.directory.blend.kernels import REMOVE_CLAIM
 from kvatlas.keys import BlendNamespace
-from tests.directory.helpers import CS, Emitter, entry, key, live_records, records_built, toks
+from tests.directory.helpers import (
+    CS,
+    Emitter,
+    entry,
+    key,
+    live_records,
+    occupant_hashes,
+    records_built,
+    toks,
+)
 from tests.directory.test_l1_owners import INSTANCES, PLACES, Fleet, check, program, run
 from tests.directory.test_snapshot_capture import restored_from
 
@@ -78,7 +87,7 @@ def index_state(d: KeyDirectory) -> tuple[Any, ...]:
     ns = s.namespaces
     return (
         sorted(t for t in s.tokens if t is not None),
-        sorted(h for h in s.hashes if h is not None),
+        sorted(h for h in occupant_hashes(s) if h is not None),
         (s.contents, s.occupants, s.claims, s.token_bytes, s.owned_bytes, s.n_extra, s._stale),
         {name: ns.claims[i] for name, i in ns._ids.items()},
     )

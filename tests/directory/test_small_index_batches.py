@@ -16,6 +16,7 @@ from kvatlas.directory.blend import index as index_module
 from kvatlas.directory.blend import op_columns as op_module
 from kvatlas.events import CacheEntry, EventBatch, decode_json_columns, encode_json
 from kvatlas.keys import ObjectKey, pack_kv_rank
+from tests.directory.helpers import occupant_hashes
 from tests.directory.test_columnar_ingest import CHUNK, _state, batch_st
 
 
@@ -29,7 +30,7 @@ def _held(d: KeyDirectory) -> Any:
     counts = (state.contents, state.occupants, state.claims, state.n_extra)
     spaces = state.namespaces  # (the ids are internal: a namespace's may differ between paths)
     claims = {namespace: spaces.claims[ns] for namespace, ns in spaces._ids.items()}
-    return contents, list(state.hashes), claims, counts
+    return contents, occupant_hashes(state), claims, counts
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

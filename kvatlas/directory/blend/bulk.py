@@ -7,8 +7,9 @@ address are read in one compiled pass (``contents.vouched_layout``) instead of a
 content; the op arrays are filled from whole columns; and the bookkeeping is settled once
 for all adds. That is exact because the index starts empty: nothing is freed, so ids are
 handed out fresh and in order, and the k-th add the kernel reports a new content (occupant)
-for is content (occupant) id k. The index's per-id lists are then the adds' columns where
-the kernel said so, its counters sums over the reported flags. Namespaces are registered in
+for is content (occupant) id k. The index's list of contents is then the adds' column where
+the kernel said so (it copied each new occupant's hash into its row), its counters sums over
+the reported flags. Namespaces are registered in
 the order the sliced path registers them, so its ids are the same too: the state is exactly
 the one :meth:`IndexState.apply` builds (``tests/directory/test_blend_bulk_build.py``).
 """
@@ -47,7 +48,7 @@ _ANY_SIZE = 1 << 62
 
 def is_empty(state: IndexState) -> bool:
     """Whether ``state`` never held anything (its id lists only ever grow)."""
-    return not state.tokens and not state.hashes and not len(state.namespaces)
+    return not state.tokens and not state.occupant_ids and not len(state.namespaces)
 
 
 def build_empty(
@@ -120,7 +121,7 @@ def build_empty(
         at = np.flatnonzero(out[:, 0] & _EXTRA == _EXTRA)
         if len(at):
             extra.append((at + lo, out[at, 2]))
-    _settle(state, tokens, hashes, flags, ns, nbytes)
+    _settle(state, tokens, flags, ns, nbytes)
     before_last = 0  # extra claims before the last add (BlendIndex.build)
     for at, occs in extra:
         before_last += int(np.count_nonzero(at < n - 1))
@@ -154,13 +155,13 @@ def _registered(
 def _settle(
     state: IndexState,
     tokens: list[Any],
-    hashes: list[bytes],
     flags: npt.NDArray[np.int64],
     ns: npt.NDArray[np.int64],
     nbytes: int,
 ) -> None:
     """The bookkeeping of all adds at once (``IndexState._settle`` of each slice): fresh
-    ids in order, so the per-id lists are the columns where the flags say new."""
+    ids in order, so the list of contents is the column where the flags say new (the
+    kernel copied each new occupant's hash into its row)."""
     new = flags & F_NEW_CONTENT != 0
     if new.all():
         state.tokens += tokens
@@ -170,11 +171,9 @@ def _settle(
         state.tokens += kept
         state.token_bytes += sum(map(token_nbytes, kept))
     state.contents += int(np.count_nonzero(new))
-    new = flags & F_NEW_OCCUPANT != 0
-    state.hashes += hashes if new.all() else compress(hashes, new.tolist())
-    state.occupants += int(np.count_nonzero(new))
+    state.occupants += int(np.count_nonzero(flags & F_NEW_OCCUPANT))
     ids = state.arrays.ids
-    if int(ids[IDS_CONTENTS]) != len(state.tokens) or int(ids[IDS_OCCUPANTS]) != len(state.hashes):
+    if int(ids[IDS_CONTENTS]) != len(state.tokens) or int(ids[IDS_OCCUPANTS]) != state.occupants:
         raise AssertionError("bulk build: ids not handed out fresh and in order")
     new = flags & F_NEW_CLAIM != 0
     counts = np.bincount(ns[new])

@@ -25,7 +25,6 @@ class DropsOf(Protocol):
 
     namespaces: NamespaceIds
     tokens: list[Tokens | None]
-    hashes: list[bytes | None]
     owned: set[int]
     claims: int
     occupants: int
@@ -51,10 +50,7 @@ def settle_drops(
         for ns, n in tally(nss[dropped]):
             state.namespaces.release(ns, n)
         state.claims -= int(np.count_nonzero(dropped))
-    occupants = occupants[flags & F_OCCUPANT_GONE != 0]
-    if len(occupants):
-        put(state.hashes, occupants, [None] * len(occupants))
-        state.occupants -= len(occupants)
+    state.occupants -= int(np.count_nonzero(flags & F_OCCUPANT_GONE))
     ids = contents[flags & F_CONTENT_GONE != 0]
     if len(ids):
         gone = list(map(state.tokens.__getitem__, ids.tolist()))

@@ -21,8 +21,8 @@ Memory: tokens are not copied when the caller hands in a content as the director
 ``directory/token_store.py``) or a read-only, self-owned ``uint32`` or ``uint16`` array, or one
 in the planes form: the index keeps a reference and its ids' address, so the directory binding
 and the index share one object per content. Any other array is copied once (``uint16`` stays
-``uint16``, the rest becomes ``uint32``). Chunk hashes are kept the same way: a reference to the
-caller's ``bytes`` (the directory's dict key), read by the kernels through its address.
+``uint16``, the rest becomes ``uint32``). Chunk hashes are kept by value, in the occupants'
+rows (``kernels/layout.py``): the index keeps no reference to a caller's hash ``bytes``.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class BlendStats:
 
     ``index_bytes`` excludes token arrays (``token_bytes``: ``token_bytes_owned`` = copies the
     index made, ``token_bytes_shared`` = the callers' arrays it references) but includes the
-    chunk_hash payloads the index references."""
+    chunk_hashes' column (every occupant row has ``HASH_WIDTH`` bytes for its hash)."""
 
     contents: int
     occupants: int
@@ -333,7 +333,7 @@ class BlendIndex:
         return (
             key.usable()
             and (key.scheme, key.chunk_size, key.bits) == (own.scheme, own.chunk_size, own.bits)
-            and not (self._state.tokens or self._state.hashes)
+            and not (self._state.tokens or self._state.occupant_ids)
         )
 
     def reserve(self, n: int) -> None:
@@ -399,7 +399,6 @@ class BlendIndex:
             state = self._state
             arrays = state.arrays
             index_bytes = sum(a.nbytes for a in arrays) + 8 * len(state.tokens)
-            index_bytes += 8 * len(state.hashes) + HASH_WIDTH * state.occupants
             index_bytes += sum(
                 100 + sys.getsizeof(s) for s in state.extra_claims.values()
             )  # dict entry + set: multi-namespace occupants only

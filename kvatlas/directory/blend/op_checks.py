@@ -14,6 +14,7 @@ import numpy.typing as npt
 
 from kvatlas.directory.blend import _cpython
 from kvatlas.directory.blend.kernels.contents import content_count, kept_contents
+from kvatlas.directory.blend.kernels.layout import HASH_WIDTH as HASH_WIDTH  # (re-exported)
 from kvatlas.directory.blend.kernels.objects import (
     C_CONTIGUOUS,
     KEPT,
@@ -25,7 +26,6 @@ from kvatlas.directory.blend.kernels.objects import (
 )
 from kvatlas.directory.blend.kernels.planes import PLANES, planes_count
 
-HASH_WIDTH = 32
 U32 = np.dtype(np.uint32)
 U16 = np.dtype(np.uint16)
 _DTYPE = attrgetter("dtype")

@@ -1,8 +1,8 @@
 """The blend index's state, and the one way it changes: :meth:`IndexState.apply`.
 
-State is the kernels' arrays (``kernels.BlendArrays``) plus what Python holds for them: the
-token arrays and chunk_hash ``bytes`` whose addresses those arrays store (kept alive here, by
-reference), free id lists, counters and namespace ids. A batch of writes is one compiled call
+State is the kernels' arrays (``kernels.BlendArrays``, the occupants' chunk_hashes among them,
+by value) plus what Python holds for them: the token arrays whose addresses those arrays
+store (kept alive here, by reference), counters and namespace ids. A batch of writes is one compiled call
 followed by the bookkeeping the kernel reports for each op, so the two never disagree once
 ``apply`` returns. Not thread-safe: :class:`BlendIndex` holds its lock around every use.
 """
@@ -29,7 +29,7 @@ from kvatlas.directory.blend.kernels import (
     REMOVE_CLAIM,
     SKIP,
 )
-from kvatlas.directory.blend.kernels.layout import write_context
+from kvatlas.directory.blend.kernels.layout import IDS_OCCUPANTS, write_context
 from kvatlas.directory.blend.kernels.modhash import power_table
 from kvatlas.directory.blend.kernels.objects import payload_addresses
 from kvatlas.directory.blend.kernels.writes import (
@@ -73,7 +73,6 @@ class IndexState:
         self._single = np.empty(chunk_size, np.uint32), np.empty(4, np.int64)  # its scratch
         self._single_write = single_write()  # (kernels.apply_op, without numba's dispatch)
         self.tokens: list[Tokens | None] = []  # per content id: the array c_addr points into
-        self.hashes: list[bytes | None] = []  # per occupant id: the bytes o_i64 points into
         self.arrays = kernels.BlendArrays.empty(MIN_CAPACITY)
         self.namespaces = NamespaceIds()
         self.owned: set[int] = set()  # content ids whose array is the index's own copy
@@ -94,10 +93,11 @@ class IndexState:
     def arrays(self, arrays: kernels.BlendArrays) -> None:
         self._arrays = arrays
         self.kernel_arrays = tuple(arrays)  # what the kernels take
+        self._ids = arrays.ids.data  # (a memoryview: its items as Python ints, occupant_ids)
         # the same arrays as one address (single writes), kept alive with them
-        lists = id(self.tokens), id(self.hashes)
+        contents = id(self.tokens)
         self._context = write_context(
-            arrays, self.chunk_size, self.weights, self.fmask, self._single, WRITE_OFFSETS, lists
+            arrays, self.chunk_size, self.weights, self.fmask, self._single, WRITE_OFFSETS, contents
         )
         self._context_address = int(self._context.ctypes.data)
         # capacities as plain ints, for the check every add makes (_has_room)
@@ -107,6 +107,11 @@ class IndexState:
             int(arrays.claims.shape[0]) // 2,
             arrays.table_slots // 2,
         )
+
+    @property
+    def occupant_ids(self) -> int:
+        """Occupant ids ever handed out (live or free: the rows in use)."""
+        return self._ids[IDS_OCCUPANTS]  # type: ignore[no-any-return]
 
     def apply_one(self, op: SingleOp) -> None:
         """Apply one validated op: :meth:`apply` with scalars (a node adds and drops its
@@ -228,7 +233,7 @@ class IndexState:
         nss: npt.NDArray[np.int64],
     ) -> None:
         """Python-side bookkeeping of applied ops (per op, the kernel's ``(flags, content id,
-        occupant id, ns0)``): the references that keep token arrays and hashes alive,
+        occupant id, ns0)``): the references that keep token arrays alive,
         counters, free lists, namespace claims.
 
         What adds do (new contents, occupants and claims) is settled column-wise; the rest
@@ -244,11 +249,7 @@ class IndexState:
         new = flags & F_NEW_CONTENT != 0
         if new.any():
             self._new_contents(cols, contents[new], new)
-        new = flags & F_NEW_OCCUPANT != 0
-        if new.any():
-            occs = occupants[new]
-            put(self.hashes, occs, chosen(cols.hashes, new))
-            self.occupants += len(occs)
+        self.occupants += int(np.count_nonzero(flags & F_NEW_OCCUPANT))
         new = flags & F_NEW_CLAIM != 0
         if new.any():
             ns_claims = self.namespaces.claims
@@ -277,7 +278,6 @@ class IndexState:
         no per-op pass."""
         n = len(results)
         self._new_contents(cols, results[:, 1], None)
-        put(self.hashes, results[:, 2], cols.hashes)
         self.occupants += n
         self.namespaces.claims[int(nss[0])] += n
         self.claims += n
@@ -286,7 +286,7 @@ class IndexState:
         """:meth:`_settle` of a single op, with scalars (the column-wise bookkeeping's fixed
         cost outweighs one op)."""
         flags, cid, occ, _ = result
-        kind, arr, chunk_hash, _offset, _namespace, owned = op  # SingleOp's fields, named
+        kind, arr, _chunk_hash, _offset, _namespace, owned = op  # SingleOp's fields, named
         if flags & F_NEW_CONTENT:
             put_one(self.tokens, cid, arr)
             nbytes = token_nbytes(arr)
@@ -296,7 +296,6 @@ class IndexState:
                 self.owned.add(cid)
                 self.owned_bytes += nbytes
         if flags & F_NEW_OCCUPANT:
-            put_one(self.hashes, occ, chunk_hash)
             self.occupants += 1
         if flags & F_NEW_CLAIM:
             self.namespaces.claims[ns] += 1
@@ -347,7 +346,6 @@ class IndexState:
                     namespaces.release(other, 1)
                     self.claims -= 1
         if flags & F_OCCUPANT_GONE:
-            self.hashes[occ] = None
             self.occupants -= 1
         if flags & F_CONTENT_GONE:
             live_tokens = self.tokens
@@ -378,7 +376,7 @@ class IndexState:
         counted as :meth:`_make_room` counts them (an index built to its capacity, a
         restore's, has room for an add wherever a removal left an id free)."""
         contents, occupants, extra, live = self._room
-        used, held = len(self.tokens), len(self.hashes)
+        used, held = len(self.tokens), self.occupant_ids
         return (
             used + n_add - min(n_add, used - self.contents) <= contents
             and held + n_add - min(n_add, held - self.occupants) <= occupants
@@ -394,7 +392,8 @@ class IndexState:
             self.arrays = self.arrays.with_content_capacity(
                 _grown(self.arrays.content_capacity, need)
             )
-        need = len(self.hashes) + n_add - min(n_add, len(self.hashes) - self.occupants)
+        held = self.occupant_ids
+        need = held + n_add - min(n_add, held - self.occupants)
         if need > self.arrays.occupant_capacity:
             self.arrays = self.arrays.with_occupant_capacity(
                 _grown(self.arrays.occupant_capacity, need)

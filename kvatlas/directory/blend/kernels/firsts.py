@@ -4,7 +4,7 @@ Two contents may carry one chunk_hash, and a long query's segments are scanned a
 hash may be hit more than once; a lookup answers each at its first hit only. The hashes are
 compared by their bytes (never by a digest of them): the set's key (a hash's length and first
 8 bytes) only places a hash, equal keys are compared byte for byte. The scan keeps a
-segment's hits with :func:`first_of_each` (over the hashes the index references) and the
+segment's hits with :func:`first_of_each` (over the hashes in the occupants' rows) and the
 index joins segments with :func:`joined_firsts` (over the bytes the segments copied out).
 """
 

@@ -12,10 +12,12 @@ holds the index lock.
   contents (load <= 1/2), independent of the content capacity: content ids are its values.
 - ``filt``: the content filter (see ``filter.py``), one word per 8 table slots (16 to 32 bits
   per live content).
-- occupants (one chunk_hash stored with one content): ``o_i64[o] = (token_offset, address of
-  the chunk_hash bytes)`` (kept alive by the index, shared with the caller: no copy),
-  ``o_hlen`` (hash length), ``o_i32[o] = (next occupant of the content, inline first claim or
-  -1, number of claims)``: one row per occupant, so the namespace test reads one cache line.
+- occupants (one chunk_hash stored with one content): ``o_i64[o] = (token_offset, the
+  chunk_hash's bytes)``, the bytes by value in the :data:`HASH_WIDTH` bytes of the row from
+  column ``O_HASH`` on (zero-padded; copied in by the kernel that links the occupant, so no
+  caller's ``bytes`` is referenced after a write), ``o_hlen`` (hash length), ``o_i32[o] =
+  (next occupant of the content, inline first claim or -1, number of claims)``: one row per
+  occupant, so the namespace test reads one cache line, and a hit's offset and hash another.
 - ``claims``: the extra-claim set (see ``table.py``), load <= 1/2.
 - ``ids``: the id allocator (``IDS_*``): ids are dense, freed ones are reused (last freed
   first) and a free id's ``c_first`` / ``O_NEXT`` links it to the next free one.
@@ -36,8 +38,12 @@ TOKENS_PLANES = 1 << 61
 ADDRESS_BITS = TOKENS_PLANES - 1
 """Mask that takes the tags off a token address."""
 
-O_OFF, O_HADDR = 0, 1
-"""Columns of ``o_i64``."""
+HASH_WIDTH = 32
+"""Bytes of the longest chunk_hash the index takes (a blake3 digest: the directory's keys)."""
+O_OFF, O_HASH = 0, 1
+"""Columns of ``o_i64``: the token offset, then the chunk_hash's bytes from ``O_HASH`` on."""
+O_COLUMNS = O_HASH + HASH_WIDTH // 8
+"""Columns of ``o_i64`` (int64 words): the offset and the hash's."""
 O_NEXT, O_NS0, O_NCLAIMS = 0, 1, 2
 """Columns of ``o_i32``."""
 IDS_FREE_CONTENT, IDS_CONTENTS, IDS_FREE_OCCUPANT, IDS_OCCUPANTS = 0, 1, 2, 3
@@ -57,16 +63,15 @@ content ids ever used (the high-water mark); the same for occupants (linked thro
     CTX_ARRAY_DATA,
     CTX_LIST_ITEMS,
     CTX_TOKEN_LIST,
-    CTX_HASH_LIST,
     CTX_ARRAYS,
-) = range(12)
+) = range(11)
 """Entries of a write context (:func:`write_context`): the write kernel's scalar arguments
 (the weights as the address of their ``(2, chunk)`` table), the addresses of a single
 write's scratch (a row of ``chunk`` ``uint32`` ids, a report row of 4 ``int64``), the
 CPython offsets a single write reads its objects through (a ``bytes``' payload and length, an
 ndarray's data pointer, a list's item pointer; -1 if not located: ``_cpython.py``), the ``id``
-of the index's lists of contents and of hashes (whose items at an op's ids its caller then
-settles), then from ``CTX_ARRAYS`` on, per field of :class:`BlendArrays` in order, its data
+of the index's list of contents (whose item at an op's content id its caller then settles),
+then from ``CTX_ARRAYS`` on, per field of :class:`BlendArrays` in order, its data
 address and its number of rows."""
 
 
@@ -94,7 +99,7 @@ class BlendArrays(NamedTuple):
             c_fp=np.zeros(capacity, np.uint64),
             c_addr=np.zeros(capacity, np.int64),
             c_first=np.full(capacity, -1, np.int32),
-            o_i64=np.zeros((capacity, 2), np.int64),
+            o_i64=np.zeros((capacity, O_COLUMNS), np.int64),
             o_i32=np.zeros((capacity, 3), np.int32),  # rows are initialised on first use
             o_hlen=np.zeros(capacity, np.uint8),
             claims=np.full(16, -1, np.int64),
@@ -143,24 +148,23 @@ def write_context(
     fmask: int,
     scratch: tuple[npt.NDArray[np.uint32], npt.NDArray[np.int64]],
     offsets: tuple[int, int, int, int],
-    lists: tuple[int, int],
+    contents: int,
 ) -> npt.NDArray[np.int64]:
     """``arrays`` and the write kernel's other arguments (``weights``: the fingerprints'
     ``modhash.power_table``; ``scratch``: a row of ``chunk`` ids and a report row of 4;
     ``offsets``: a ``bytes``' payload and length, an ndarray's data pointer and a list's item
-    pointer from the object's ``id``; ``lists``: the ``id`` of the lists of contents and of
-    hashes) as one int64 array of addresses and sizes (``CTX_*``): a single write
-    passes its address, one integer, where passing the arrays would cost numba an unboxing of
-    each on every call (``writes.apply_op``). Valid while ``arrays``, ``weights`` and
-    ``scratch`` and the lists live unchanged: the index makes a new one whenever it replaces
-    them."""
+    pointer from the object's ``id``; ``contents``: the ``id`` of the list of contents) as
+    one int64 array of addresses and sizes (``CTX_*``): a single write passes its address,
+    one integer, where passing the arrays would cost numba an unboxing of each on every call
+    (``writes.apply_op``). Valid while ``arrays``, ``weights``, ``scratch`` and the list live
+    unchanged: the index makes a new one whenever it replaces them."""
     assert weights.flags.c_contiguous and weights.shape == (2, chunk)
     row, out = scratch
     assert row.flags.c_contiguous and row.shape == (chunk,) and row.dtype == np.uint32
     assert out.flags.c_contiguous and out.shape == (4,) and out.dtype == np.int64
     ctx = np.empty(CTX_ARRAYS + 2 * len(arrays), np.int64)
     scalars = chunk, weights.ctypes.data, fmask, row.ctypes.data, out.ctypes.data
-    ctx[:CTX_ARRAYS] = *scalars, *offsets, *lists
+    ctx[:CTX_ARRAYS] = *scalars, *offsets, contents
     for k, field in enumerate(BlendArrays._fields):
         arr: npt.NDArray[Any] = getattr(arrays, field)
         assert arr.flags.c_contiguous

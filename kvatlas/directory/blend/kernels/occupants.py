@@ -2,15 +2,24 @@
 
 A content's occupants form a singly linked chain from ``c_first``. An occupant's first claim
 is kept inline (``O_NS0``), further ones in the extra-claim set; ``O_NCLAIMS`` counts both, so
-the common single-claim occupant never touches the set.
+the common single-claim occupant never touches the set. Its chunk_hash is kept by value in its
+``o_i64`` row (``layout.py``): copied in when it is linked, compared and read from there, so
+the index holds no reference to a writer's ``bytes``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvatlas.directory.blend.kernels.layout import O_HADDR, O_NCLAIMS, O_NEXT, O_NS0
-from kvatlas.directory.blend.kernels.pointers import helper, inline, u8_ptr
+from kvatlas.directory.blend.kernels.layout import (
+    HASH_WIDTH,
+    O_COLUMNS,
+    O_HASH,
+    O_NCLAIMS,
+    O_NEXT,
+    O_NS0,
+)
+from kvatlas.directory.blend.kernels.pointers import helper, inline, u8_ptr, u64_ptr
 from kvatlas.directory.blend.kernels.table import (
     claim_key,
     claims_contains,
@@ -79,15 +88,30 @@ def drop_claim(o: Any, ns: Any, o_i32: Any, claims: Any) -> Any:
 
 @inline
 def equal_bytes(a_addr: Any, b_addr: Any, n: Any) -> Any:
-    """Whether the ``n`` bytes at ``a_addr`` and at ``b_addr`` are equal (chunk_hashes)."""
+    """Whether the ``n`` bytes at ``a_addr`` and at ``b_addr`` are equal (chunk_hashes):
+    8 bytes at a time (unaligned loads), then the rest byte by byte."""
+    words = n >> 3
+    a8: Any = u64_ptr(a_addr)  # type: ignore[call-arg]
+    b8: Any = u64_ptr(b_addr)  # type: ignore[call-arg]
     a: Any = u8_ptr(a_addr)  # type: ignore[call-arg]
     b: Any = u8_ptr(b_addr)  # type: ignore[call-arg]
     same = True
-    for k in range(n):
-        if a[k] != b[k]:
+    for k in range(words):
+        if a8[k] != b8[k]:
             same = False
             break
+    if same:
+        for k in range(8 * words, n):
+            if a[k] != b[k]:
+                same = False
+                break
     return same
+
+
+@inline
+def hash_address(o: Any, o_i64: Any) -> Any:
+    """Address of occupant ``o``'s chunk_hash bytes (its ``o_i64`` row from ``O_HASH`` on)."""
+    return o_i64.ctypes.data + o * o_i64.strides[0] + 8 * O_HASH
 
 
 @helper
@@ -97,7 +121,7 @@ def find_occupant(
     """The occupant of content ``cid`` whose chunk_hash equals the ``n`` bytes at ``h_addr``."""
     o = c_first[cid]
     while o != -1:
-        if o_hlen[o] == n and equal_bytes(o_i64[o, O_HADDR], h_addr, n):
+        if o_hlen[o] == n and equal_bytes(hash_address(o, o_i64), h_addr, n):
             return o
         o = o_i32[o, O_NEXT]
     return -1
@@ -107,8 +131,15 @@ def find_occupant(
 def link_occupant(
     cid: Any, o: Any, h_addr: Any, h_len: Any, c_first: Any, o_i64: Any, o_i32: Any, o_hlen: Any
 ) -> None:
-    """Make ``o`` (a free id) an unclaimed occupant of ``cid``, head of its chain."""
-    o_i64[o, O_HADDR] = h_addr
+    """Make ``o`` (a free id) an unclaimed occupant of ``cid``, head of its chain, with the
+    chunk_hash of ``h_len`` (at most ``HASH_WIDTH``) bytes at ``h_addr`` copied into its row
+    (zero-padded: a reused id keeps nothing of its last hash)."""
+    for w in range(O_HASH, O_COLUMNS):
+        o_i64[o, w] = 0
+    dst: Any = u8_ptr(hash_address(o, o_i64))  # type: ignore[call-arg]
+    src: Any = u8_ptr(h_addr)  # type: ignore[call-arg]
+    for k in range(min(h_len, HASH_WIDTH)):
+        dst[k] = src[k]
     o_hlen[o] = h_len
     o_i32[o, O_NEXT] = c_first[cid]
     o_i32[o, O_NS0] = -1

@@ -1,8 +1,8 @@
 """Raw memory access for the kernels: integer addresses read as typed pointers, and prefetch.
 
-The index keeps token arrays and chunk_hash ``bytes`` by reference (shared with the
-directory, never copied) and hands the kernels their addresses; these intrinsics turn such an
-address back into a pointer. A prefetch is a hint only: it never faults and never changes a
+The index keeps token arrays by reference (shared with the directory, never copied) and hands
+the kernels their addresses, and a write hands them its chunk_hash's; these intrinsics turn
+such an address back into a pointer. A prefetch is a hint only: it never faults and never changes a
 value, so a wrong address costs speed, never correctness.
 """
 
@@ -59,7 +59,7 @@ u32_ptr = _pointer_cast(types.uint32)
 u16_ptr = _pointer_cast(types.uint16)
 """``uint16*`` at an address: a compact token array (every id below 2^16)."""
 u8_ptr = _pointer_cast(types.uint8)
-"""``uint8*`` at an address: the payload of a chunk_hash ``bytes`` the index keeps."""
+"""``uint8*`` at an address: a chunk_hash's bytes (a writer's ``bytes``, an occupant's row)."""
 i64_ptr = _pointer_cast(types.int64)
 """``int64*`` at an address: a field of a Python object (an ndarray's data pointer)."""
 i32_ptr = _pointer_cast(types.int32)

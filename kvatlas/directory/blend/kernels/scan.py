@@ -19,7 +19,6 @@ from kvatlas.directory.blend.kernels.filter import bloom_mask, may_contain, mix,
 from kvatlas.directory.blend.kernels.firsts import first_of_each, kept_bytes
 from kvatlas.directory.blend.kernels.layout import (
     ADDRESS_BITS,
-    O_HADDR,
     O_NEXT,
     O_OFF,
     TOKENS_PLANES,
@@ -34,7 +33,7 @@ from kvatlas.directory.blend.kernels.modhash import (
     lane_step,
     power_table,
 )
-from kvatlas.directory.blend.kernels.occupants import claimed
+from kvatlas.directory.blend.kernels.occupants import claimed, hash_address
 from kvatlas.directory.blend.kernels.planes import planes_nbytes
 from kvatlas.directory.blend.kernels.pointers import jit, prefetch, prefetch_addr
 from kvatlas.directory.blend.kernels.table import content_home, equal_at
@@ -372,7 +371,8 @@ def _resolve(
                     out_pos[n_out] = pos
                     out_occ[n_out] = o
                     n_out += 1
-                    prefetch_addr(o_i64[o, O_HADDR])  # type: ignore[call-arg]  # copied at the end
+                    # its row's end (the hash, copied at the end; its start was requested)
+                    prefetch_addr(o64_base + (o + 1) * o64_row - 1)  # type: ignore[call-arg]
             o = o_i32[o, O_NEXT]
     pos, off, blob, lengths = _first_of_each_hash(out_pos, out_occ, n_out, s.o_i64, s.o_hlen)
     return pos, off, blob, lengths, n_false
@@ -383,13 +383,13 @@ def _first_of_each_hash(out_pos: Any, out_occ: Any, n_out: Any, o_i64: Any, o_hl
     """The hits ``[0, n_out)`` (occupant ``out_occ[k]`` at ``out_pos[k]``, ascending) kept at
     the first of each chunk_hash (``firsts.first_of_each``), as (positions, stored offsets,
     the kept hashes' bytes end to end, their lengths). The bytes are copied here, under the
-    caller's lock, from the ``bytes`` objects the index references (``O_HADDR``): the caller
-    makes no object per hit."""
+    caller's lock, from the occupants' rows (``occupants.hash_address``): the caller makes no
+    object per hit."""
     addrs = np.empty(n_out, np.int64)
     lens = np.empty(n_out, np.int64)
     for k in range(n_out):
         o = out_occ[k]
-        addrs[k] = o_i64[o, O_HADDR]
+        addrs[k] = hash_address(o, o_i64)
         lens[k] = o_hlen[o]
     kept, n_kept = first_of_each(addrs, lens, n_out)
     pos = np.empty(n_kept, np.int64)

@@ -2,7 +2,8 @@
 
 Every write of the index goes through :func:`apply_ops`; it reports per op what changed
 (``F_*`` flags of ``occupants.py``) and which ids, so the caller can keep the Python references
-that hold token arrays and chunk_hash bytes alive, and its counters, in step.
+that hold token arrays alive, and its counters, in step. An op's chunk_hash is read from the
+caller's ``bytes`` during the call only: a new occupant keeps a copy in its row.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from kvatlas.directory.blend.kernels.layout import (
     CTX_BYTES_SIZE,
     CTX_CHUNK,
     CTX_FMASK,
-    CTX_HASH_LIST,
     CTX_LIST_ITEMS,
     CTX_OUT,
     CTX_ROW,
@@ -33,6 +33,7 @@ from kvatlas.directory.blend.kernels.layout import (
     IDS_FREE_CONTENT,
     IDS_FREE_OCCUPANT,
     IDS_OCCUPANTS,
+    O_COLUMNS,
     O_NCLAIMS,
     O_NEXT,
     O_NS0,
@@ -242,9 +243,12 @@ def _apply_at(
 
 @inline
 def _prefetch_occupant(o: Any, o_i64: Any, o_i32: Any, o_hlen: Any) -> None:
-    """Request occupant ``o``'s rows (hints only)."""
+    """Request occupant ``o``'s rows (hints only; its ``o_i64`` row, offset and hash, may
+    straddle two cache lines: both are requested)."""
     prefetch(o_hlen, o)  # type: ignore[call-arg]
-    prefetch_addr(o_i64.ctypes.data + o * o_i64.strides[0])  # type: ignore[call-arg]
+    row = o_i64.ctypes.data + o * o_i64.strides[0]
+    prefetch_addr(row)  # type: ignore[call-arg]
+    prefetch_addr(row + o_i64.strides[0] - 1)  # type: ignore[call-arg]
     prefetch_addr(o_i32.ctypes.data + o * o_i32.strides[0])  # type: ignore[call-arg]
 
 
@@ -277,7 +281,7 @@ def apply_op(
     header names its form, ``contents.py``) or of an array (``token_bytes`` its bytes per id,
     1: the planes form; with the context's ``CTX_ARRAY_DATA`` < 0 its data address itself);
     ``chunk_hash``: the ``id`` of an exact ``bytes``, read through the context's object
-    offsets (``_cpython.py``)."""
+    offsets (``_cpython.py``) during the call only (a new occupant copies it)."""
     c = i64_ptr(ctx)  # type: ignore[call-arg]
     s = _arrays_at(c)
     table, filt, c_fp, c_addr, c_first, o_i64, o_i32, o_hlen, claims, ids = s
@@ -311,11 +315,8 @@ def apply_op(
     )  # fmt: skip
     _release_ids(out, ids, c_first, o_i32)
     items = c[CTX_LIST_ITEMS]
-    if items >= 0:  # the list items the caller settles next (hints only)
-        if out[1] >= 0:
-            prefetch_addr(i64_ptr(c[CTX_TOKEN_LIST] + items)[0] + 8 * out[1])  # type: ignore[call-arg]
-        if out[2] >= 0:
-            prefetch_addr(i64_ptr(c[CTX_HASH_LIST] + items)[0] + 8 * out[2])  # type: ignore[call-arg]
+    if items >= 0 and out[1] >= 0:  # the list item the caller settles next (a hint only)
+        prefetch_addr(i64_ptr(c[CTX_TOKEN_LIST] + items)[0] + 8 * out[1])  # type: ignore[call-arg]
     return out[0], out[1], out[2], out[3]
 
 
@@ -345,7 +346,7 @@ def _arrays_at(c: Any) -> Any:
         carray(u64_ptr(c[a + 4]), c[a + 5]),  # type: ignore[call-arg]
         carray(i64_ptr(c[a + 6]), c[a + 7]),  # type: ignore[call-arg]
         carray(i32_ptr(c[a + 8]), c[a + 9]),  # type: ignore[call-arg]
-        carray(i64_ptr(c[a + 10]), (c[a + 11], 2)),  # type: ignore[call-arg]
+        carray(i64_ptr(c[a + 10]), (c[a + 11], O_COLUMNS)),  # type: ignore[call-arg]
         carray(i32_ptr(c[a + 12]), (c[a + 13], 3)),  # type: ignore[call-arg]
         carray(u8_ptr(c[a + 14]), c[a + 15]),  # type: ignore[call-arg]
         carray(i64_ptr(c[a + 16]), c[a + 17]),  # type: ignore[call-arg]
