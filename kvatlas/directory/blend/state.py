@@ -376,7 +376,7 @@ class IndexState:
         counted as :meth:`_make_room` counts them (an index built to its capacity, a
         restore's, has room for an add wherever a removal left an id free)."""
         contents, occupants, extra, live = self._room
-        used, held = len(self.tokens), self.occupant_ids
+        used, held = len(self.tokens), self._ids[IDS_OCCUPANTS]
         return (
             used + n_add - min(n_add, used - self.contents) <= contents
             and held + n_add - min(n_add, held - self.occupants) <= occupants

@@ -19,7 +19,7 @@ from kvatlas.directory.blend.kernels.layout import (
     O_NEXT,
     O_NS0,
 )
-from kvatlas.directory.blend.kernels.pointers import helper, inline, u8_ptr, u64_ptr
+from kvatlas.directory.blend.kernels.pointers import helper, i64_ptr, inline, u8_ptr, u64_ptr
 from kvatlas.directory.blend.kernels.table import (
     claim_key,
     claims_contains,
@@ -134,12 +134,18 @@ def link_occupant(
     """Make ``o`` (a free id) an unclaimed occupant of ``cid``, head of its chain, with the
     chunk_hash of ``h_len`` (at most ``HASH_WIDTH``) bytes at ``h_addr`` copied into its row
     (zero-padded: a reused id keeps nothing of its last hash)."""
-    for w in range(O_HASH, O_COLUMNS):
+    n = min(h_len, HASH_WIDTH)
+    words = n >> 3
+    src8: Any = i64_ptr(h_addr)  # type: ignore[call-arg]
+    for w in range(words):  # (whole words: a full-width hash is 4 loads and 4 stores)
+        o_i64[o, O_HASH + w] = src8[w]
+    for w in range(O_HASH + words, O_COLUMNS):
         o_i64[o, w] = 0
-    dst: Any = u8_ptr(hash_address(o, o_i64))  # type: ignore[call-arg]
-    src: Any = u8_ptr(h_addr)  # type: ignore[call-arg]
-    for k in range(min(h_len, HASH_WIDTH)):
-        dst[k] = src[k]
+    if n > 8 * words:
+        dst: Any = u8_ptr(hash_address(o, o_i64))  # type: ignore[call-arg]
+        src: Any = u8_ptr(h_addr)  # type: ignore[call-arg]
+        for k in range(8 * words, n):
+            dst[k] = src[k]
     o_hlen[o] = h_len
     o_i32[o, O_NEXT] = c_first[cid]
     o_i32[o, O_NS0] = -1
