@@ -1,4 +1,4 @@
-"""Lists indexed by a content's or occupant's id (the index's per-id Python objects): stores
+"""Lists indexed by a content's id (the index's per-id Python objects: the contents): stores
 that grow the list to the ids given, appending when they are the next fresh ones in order (a
 bulk build), the selection of a batch's items by mask, and the count of each id a batch names
 (:func:`tally`)."""

@@ -243,8 +243,7 @@ def _apply_at(
 
 @inline
 def _prefetch_occupant(o: Any, o_i64: Any, o_i32: Any, o_hlen: Any) -> None:
-    """Request occupant ``o``'s rows (hints only; its ``o_i64`` row, offset and hash, may
-    straddle two cache lines: both are requested)."""
+    """Request occupant ``o``'s rows, both lines its ``o_i64`` row may span (hints only)."""
     prefetch(o_hlen, o)  # type: ignore[call-arg]
     row = o_i64.ctypes.data + o * o_i64.strides[0]
     prefetch_addr(row)  # type: ignore[call-arg]
