@@ -2,9 +2,9 @@
 
 State is the kernels' arrays (``kernels.BlendArrays``, the occupants' chunk_hashes among them,
 by value) plus what Python holds for them: the token arrays whose addresses those arrays
-store (kept alive here, by reference), counters and namespace ids. A batch of writes is one compiled call
-followed by the bookkeeping the kernel reports for each op, so the two never disagree once
-``apply`` returns. Not thread-safe: :class:`BlendIndex` holds its lock around every use.
+store (kept alive here, by reference), counters and namespace ids. A batch of writes is one
+compiled call followed by the bookkeeping the kernel reports for each op, so the two never
+disagree once ``apply`` returns. Not thread-safe: :class:`BlendIndex` holds its lock around every use.
 """
 
 from __future__ import annotations
