@@ -179,7 +179,7 @@ class CowJournal:
         the lock: the rows may change meanwhile, but each change journals the record it
         replaces first, and :meth:`finish` puts those back). Records are immutable: no copy
         of their contents."""
-        hashes, rows, cols = list(part.row), list(part.row.values()), part.cols
+        (hashes, rows), cols = part.hashes_and_rows(), part.cols
         objs, offsets = cols.objs, cols.offsets  # (a compaction replaces, never changes them)
 
         def build() -> CapturedPart:

@@ -1,236 +1,139 @@
-"""The chunk table's records as columns (issue 31 item 2; docs/directory.md, "Records as columns").
+"""The chunk table's partitions (issue 31 item 2; docs/directory.md, "Records as columns").
 
 Each of the table's partitions is a :class:`ChunkPart`: it reads and writes like the
 ``dict[bytes, Record]`` it replaces (the :data:`~kvatlas.directory.chunk_counts.Partition`
 captures and restores exchange): same keys, same iteration order (insertion; a replaced record
-keeps its place), same records. But no record tuple and no offset ``int`` is kept per chunk:
-the partition maps a chunk hash to a row of :class:`ChunkColumns`, shared by all partitions,
-where a record is split into four references (content; first key's shape id and indexed flag
-as one small ``int``; that key's placements; the other keys) and an ``int64`` offset, and built
-again when read. Per chunk that is the dict slot, the row ``int`` (32 B) and 40 bytes of
-columns, where a record tuple (80 B) and its offset (32 B) were; and no object per chunk that
-the cyclic collector tracks (a batch of new chunks made ≈1.4 young collections per 1,000).
+keeps its place), same records. But no Python object is kept per chunk: the record is a row of
+:class:`~kvatlas.directory.chunk_columns.ChunkColumns`, shared by all partitions, and the
+partition maps the chunk's hash to that row by open addressing over the rows' hash column
+(:class:`~kvatlas.directory.row_maps.RowMaps`): no ``bytes``, dict slot or row ``int``. Its
+hashes are ``bytes`` made when read. A write whose hash is not an exact 32-byte ``bytes`` is
+refused (:class:`~kvatlas.errors.InvalidInput`), nothing changed.
 
-Rows of removed chunks are emptied (references dropped) and reused by the next new chunks, so the
-columns stay as long as the most chunks the table held at once (as a ``dict`` keeps its slots)
-and are never compacted under the lock. A batch of new chunks fills free rows and appends the
-rest as whole columns (:func:`add_fresh`). One more column follows from each row's record, kept
-by every write: which instances own an L1 placement (:mod:`~kvatlas.directory.l1_owners`, what
-fencing visits).
-
-Records are split and joined by :mod:`~kvatlas.directory.records`' functions (its layout).
+Batches are compiled passes over the maps: a batch of new chunks fills free rows and appends
+the rest as whole columns, inserted where absent or not at all (:func:`add_fresh`); a batch's
+rows (:func:`rows_of`), removals (:func:`remove_chunks`), a restore's maps in one pass
+(:func:`parts_of_columns`).
 """
 
 from __future__ import annotations
 
-from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from itertools import compress, repeat
-from operator import attrgetter, is_, is_not
-from typing import Any, Final
+from itertools import chain
+from operator import attrgetter, is_
 
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.directory.l1_owners import NO_OWNER, L1Owners
-from kvatlas.directory.records import (
-    Placements,
-    Record,
-    join_record,
-    l1_owner,
-    other_key,
-    split_columns,
-    split_record,
-)
-from kvatlas.directory.row_copies import WIDTH, RowsCopy, copied_records, copy_rows
+from kvatlas.directory.chunk_columns import ChunkColumns, block_of, known
+from kvatlas.directory.l1_owners import NO_OWNER
+from kvatlas.directory.records import Placements, Record, l1_owner, split_columns
+from kvatlas.directory.row_copies import WIDTH
+from kvatlas.directory.row_map_kernels import ABSENT, BAD_KEY, NO_ROOM, P_LIVE, PART_WORDS
+from kvatlas.directory.row_maps import BY_FIRST_BYTE, bad_hash, exact
 from kvatlas.directory.token_store import StoredTokens
 
-_EMPTY_ROW: Final = (None, 0, None, ())
-
-
-class ChunkColumns:
-    """Every chunk's record fields, by row, for the partitions that share them."""
-
-    __slots__ = ("bound", "free", "l1", "objs", "offsets", "parts")
-
-    def __init__(self) -> None:
-        self.objs: list[Any] = []  # WIDTH per row: content, 2 * shape id + indexed,
-        # the first key's placements, the other keys as flat (shape id, placements) pairs
-        self.offsets = array("q")  # per row: the content's offset
-        self.l1 = L1Owners()  # per row: the instances owning an L1 placement of the chunk
-        self.free: list[int] = []  # rows of removed chunks, reused last freed first
-        self.parts: list[ChunkPart] = []
-        self.bound = 0  # rows whose content is known (kept by every write: stats read it)
-
-    def record(self, r: int) -> Record:
-        """The record at row ``r`` (every read builds one)."""
-        o = WIDTH * r
-        objs = self.objs
-        flagged = objs[o + 1]
-        return join_record(
-            objs[o], self.offsets[r], flagged & 1 == 1, flagged >> 1, objs[o + 2], objs[o + 3]
-        )
-
-    def records(self, rows: list[int]) -> list[Record]:
-        """The records at ``rows``, built by C-level maps (a listing's partition, a walk)."""
-        return copied_records(self.copy(rows))
-
-    def copy(self, rows: list[int]) -> RowsCopy:
-        """The fields at ``rows`` as they are now."""
-        return copy_rows(self.objs, self.offsets, rows)
-
-    def append(self, rec: Record) -> int:
-        """A row for a new chunk: a free one, else a new one."""
-        if self.free:
-            r = self.free.pop()
-            self.put(r, rec)
-            return r
-        tokens, offset, indexed, sid, pls, rest = split_record(rec)
-        self.objs += (tokens, 2 * sid + indexed, pls, rest)
-        self.bound += tokens is not None
-        self.offsets.append(offset)
-        self.l1.add(pls, rest)
-        return len(self.offsets) - 1
-
-    def put(self, r: int, rec: Record) -> None:
-        tokens, offset, indexed, sid, pls, rest = split_record(rec)
-        o = WIDTH * r
-        self.bound += (tokens is not None) - (self.objs[o] is not None)
-        self.objs[o : o + WIDTH] = (tokens, 2 * sid + indexed, pls, rest)
-        self.offsets[r] = offset
-        self.l1.put(r, pls, rest)
-
-    def clear(self, r: int) -> None:
-        self.bound -= self.objs[WIDTH * r] is not None
-        self.objs[WIDTH * r : WIDTH * (r + 1)] = _EMPTY_ROW
-        self.l1.set(r, NO_OWNER)
-        self.free.append(r)
-
-    def fields(self, rows: list[int]) -> tuple[Sequence[Any], ...]:
-        """The rows' fields as four columns (:meth:`RowsCopy.fields`; C-level gathers)."""
-        return self.copy(rows).fields()
-
-    def key_placements(
-        self, rows: list[int], shape_ids: Sequence[int | None]
-    ) -> tuple[list[Placements | None], Sequence[StoredTokens | None]]:
-        """For each row and shape id, that key's placements in the row's record (``None``: no
-        such key), and each row's content: one gather, no record built (a lookup's read)."""
-        contents, flagged, firsts, rests = self.fields(rows)
-        n, sid = len(rows), shape_ids[0] if rows else None
-        if (  # one shape (a prompt's keys), every row's first key the one asked
-            sid is not None
-            and shape_ids.count(sid) == n
-            and flagged.count(2 * sid) + flagged.count(2 * sid + 1) == n
-        ):
-            return list(firsts), contents
-        found = [
-            pls if f >> 1 == sid else (other_key(rest, sid) if rest else None)
-            for f, pls, rest, sid in zip(flagged, firsts, rests, shape_ids, strict=True)
-        ]
-        return found, contents
-
-    def put_placements(self, rows: list[int], placements: Placements) -> None:
-        """Rows ``rows`` (one-key records) now hold ``placements`` as their key's."""
-        objs, at = self.objs, [WIDTH * r + 2 for r in rows]
-        deque(map(objs.__setitem__, at, repeat(placements)), maxlen=0)
-        self.l1.fill_rows(rows, self.l1.of(placements, ()))
-
-    def clear_rows(self, rows: list[int]) -> None:
-        """:meth:`clear` of each row of ``rows``, in that order."""
-        objs, at = self.objs, [WIDTH * r for r in rows]
-        self.bound -= known(list(map(objs.__getitem__, at)))
-        into = map(slice, at, map(WIDTH.__add__, at))
-        deque(map(objs.__setitem__, into, repeat(_EMPTY_ROW)), maxlen=0)
-        self.l1.fill_rows(rows, NO_OWNER)
-        self.free += rows
-
-    def append_rows(
-        self,
-        tokens: Sequence[StoredTokens | None],
-        offsets: npt.NDArray[np.int64],
-        flagged: Sequence[int],
-        placements: Sequence[Placements],
-        rests: Sequence[tuple[Any, ...]] | None = None,
-        bound: int | None = None,
-    ) -> range:
-        """New rows at the end, a record's fields per column (``flagged``: 2 * shape id +
-        indexed; ``rests`` the other keys, ``None``: none; ``bound``: how many ``tokens`` are
-        known, if the caller knows), by slice assignment (no tuple per row); returns them.
-        Their L1 owners follow by :meth:`L1Owners.extend` or :meth:`L1Owners.put`."""
-        top, n, block = len(self.offsets), len(tokens), _block(tokens, flagged, placements, rests)
-        if self.objs:
-            self.objs += block
-        else:  # the block is the column (a restore's, 4 refs per chunk: no second copy)
-            self.objs = block
-        self.bound += known(tokens) if bound is None else bound
-        self.offsets.frombytes(np.ascontiguousarray(offsets, "<i8").tobytes())
-        return range(top, top + n)
-
-
-def known(tokens: Sequence[StoredTokens | None]) -> int:
-    """How many of ``tokens`` are known contents (``is not None``: ``==`` compares arrays)."""
-    return sum(map(is_not, tokens, repeat(None)))
-
-
-def _block(
-    tokens: Sequence[StoredTokens | None],
-    flagged: Sequence[int],
-    placements: Sequence[Placements],
-    rests: Sequence[tuple[Any, ...]] | None,
-) -> list[Any]:
-    """Rows' references, ``WIDTH`` per row, by slice assignment (no tuple per row)."""
-    block: list[Any] = [()] * (WIDTH * len(tokens))
-    block[0::WIDTH] = tokens
-    block[1::WIDTH] = flagged
-    block[2::WIDTH] = placements
-    if rests is not None:
-        block[3::WIDTH] = rests
-    return block
+__all__ = [
+    "ChunkColumns",
+    "ChunkPart",
+    "RowView",
+    "add_fresh",
+    "known",
+    "l1_chunks",
+    "l1_rows",
+    "new_parts",
+    "parts_of_columns",
+    "remove_chunks",
+    "rows_of",
+]
 
 
 class ChunkPart:
     """One partition: chunk hash → row of the shared :class:`ChunkColumns`, read and written
-    as a ``dict[bytes, Record]``."""
+    as a ``dict[bytes, Record]`` (its map: :class:`~kvatlas.directory.row_maps.RowMaps`)."""
 
-    __slots__ = ("cols", "row")
+    __slots__ = ("_add", "_ctx", "_find", "_live", "_remove", "cols", "index")
 
     def __init__(self, cols: ChunkColumns, records: Iterable[tuple[bytes, Record]] = ()) -> None:
+        maps = cols.maps
         self.cols = cols
-        self.row: dict[bytes, int] = {}
+        self.index = maps.add_part()  # its number among its columns' partitions
+        self._ctx, self._find, self._add, self._remove = (
+            maps.ctx_addr,
+            maps.find,
+            maps.add,
+            maps.take,
+        )
+        self._live = PART_WORDS * self.index + P_LIVE
         cols.parts.append(self)
         self.update(records)
+
+    @property
+    def row(self) -> RowView:
+        """Hash → row, as a read-only mapping (tests and walkers that want the rows)."""
+        return RowView(self)
+
+    def row_of(self, h: object) -> int | None:
+        r: int = self._find(self._ctx, self.index, id(h), 0)
+        if r == BAD_KEY:
+            return self._row_of_exact(h)
+        return None if r < 0 else r
+
+    def _row_of_exact(self, h: object) -> int | None:
+        """:meth:`row_of` of a key that is not an exact 32-byte ``bytes``."""
+        e = exact(h)
+        return None if e is h else self.row_of(e)
+
+    def hashes_and_rows(self) -> tuple[list[bytes], list[int]]:
+        """The partition's hashes and rows, in order, as two columns (a capture's)."""
+        maps = self.cols.maps
+        rows = maps.rows(self.index)
+        return maps.hashes_of(rows), rows.tolist()
 
     # ------------------------------------------------------------------ reads
 
     def get(self, h: bytes, default: Record | None = None) -> Record | None:
-        r = self.row.get(h)
-        return default if r is None else self.cols.record(r)
+        r = self._find(self._ctx, self.index, id(h), 0)
+        if r >= 0:
+            return self.cols.record(r)
+        if r == BAD_KEY and (e := self._row_of_exact(h)) is not None:
+            return self.cols.record(e)
+        return default
 
     def __getitem__(self, h: bytes) -> Record:
-        return self.cols.record(self.row[h])
+        r = self._find(self._ctx, self.index, id(h), 0)
+        if r < 0 and (r == ABSENT or (r := self._row_of_exact(h)) is None):
+            raise KeyError(h)
+        return self.cols.record(r)
 
     def __contains__(self, h: object) -> bool:
-        return h in self.row
+        r = self._find(self._ctx, self.index, id(h), 0)
+        return r >= 0 or (r == BAD_KEY and self._row_of_exact(h) is not None)
 
     def __len__(self) -> int:
-        return len(self.row)
+        return self.cols.maps.meta[self._live]
 
     def __iter__(self) -> Iterator[bytes]:
-        return iter(self.row)
+        return iter(self.keys())
 
-    def keys(self) -> Iterable[bytes]:
-        return self.row.keys()
+    def keys(self) -> list[bytes]:
+        return self.hashes_and_rows()[0]
 
     def values(self) -> list[Record]:
-        return self.cols.records(list(self.row.values()))
+        return self.cols.records(self.cols.maps.rows(self.index).tolist())
 
     def records_at(self, hashes: list[bytes]) -> list[Record]:
         """The records of ``hashes`` (each held), in that order, built by C-level maps."""
-        return self.cols.records([self.row[h] for h in hashes])
+        parts = np.full(len(hashes), self.index, np.int64)
+        rows = self.cols.maps.rows_of(hashes, parts)
+        if None in rows:
+            raise KeyError(hashes[rows.index(None)])
+        return self.cols.records(rows)  # type: ignore[arg-type]
 
     def items(self) -> list[tuple[bytes, Record]]:
-        return list(zip(self.row.keys(), self.values(), strict=True))
+        hashes, rows = self.hashes_and_rows()
+        return list(zip(hashes, self.cols.records(rows), strict=True))
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, ChunkPart | dict):
@@ -245,25 +148,68 @@ class ChunkPart:
     # ------------------------------------------------------------------ writes
 
     def __setitem__(self, h: bytes, rec: Record) -> None:
-        r = self.row.get(h)
-        if r is None:
-            self.row[h] = self.cols.append(rec)
-        else:
+        r = self._find(self._ctx, self.index, id(h), 0)
+        if r >= 0:
             self.cols.put(r, rec)
+            return
+        if r == BAD_KEY:
+            e = exact(h)
+            if e is h:
+                raise bad_hash(h)
+            self[e] = rec  # type: ignore[index]
+            return
+        row = self.cols.append(rec)
+        while self._add(self._ctx, self.index, id(h), row) == NO_ROOM:
+            self.cols.maps.relocate(self.index, 1)
 
     def __delitem__(self, h: bytes) -> None:
-        self.cols.clear(self.row.pop(h))
+        r = self._remove(self._ctx, self.index, id(h), 0)
+        if r < 0:
+            e = exact(h)
+            if r == ABSENT or e is h:
+                raise KeyError(h)
+            del self[e]  # type: ignore[arg-type]
+            return
+        self.cols.clear(r)
 
     def update(self, records: Iterable[tuple[bytes, Record]]) -> None:
         for h, rec in records:
             self[h] = rec
 
 
+class RowView(Mapping[bytes, int]):
+    """A partition's hash → row map, read-only, in the partition's order."""
+
+    __slots__ = ("_part",)
+
+    def __init__(self, part: ChunkPart) -> None:
+        self._part = part
+
+    def __getitem__(self, h: bytes) -> int:
+        r = self._part.row_of(h)
+        if r is None:
+            raise KeyError(h)
+        return r
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._part.keys())
+
+    def __len__(self) -> int:
+        return len(self._part)
+
+    def values(self) -> list[int]:  # type: ignore[override]
+        return self._part.hashes_and_rows()[1]
+
+    def items(self) -> list[tuple[bytes, int]]:  # type: ignore[override]
+        return list(zip(*self._part.hashes_and_rows(), strict=True))
+
+
 def new_parts(n: int, parts: Sequence[Mapping[bytes, Record] | ChunkPart] = ()) -> list[ChunkPart]:
     """``n`` empty partitions sharing new columns, or (``parts`` given) holding their records
-    (split into the columns by C-level maps)."""
+    (split into the columns by C-level maps); the list is the columns' own
+    (:attr:`ChunkColumns.parts`: batches address partitions by their hashes' first byte)."""
     if _whole(n, parts):  # the partitions of one set of columns (a reader's): adopted
-        return list(parts)  # type: ignore[arg-type]
+        return parts[0].cols.parts  # type: ignore[union-attr]
     cols = ChunkColumns()
     out = [ChunkPart(cols) for _ in range(n)]
     for part, records in zip(out, parts, strict=False):
@@ -273,13 +219,19 @@ def new_parts(n: int, parts: Sequence[Mapping[bytes, Record] | ChunkPart] = ()) 
         rows = cols.append_rows(tokens, np.asarray(offsets, np.int64), flagged.tolist(), pls, rests)
         cols.l1.extend(np.full(len(rows), NO_OWNER, np.int32))
         deque(map(cols.l1.put, rows, pls, rests), maxlen=0)
-        part.row = dict(zip(records.keys(), rows, strict=True))
-    return out
+        hashes = list(records.keys())
+        at = np.full(len(hashes), part.index, np.int64)
+        cols.maps.fill(hashes, at, np.arange(rows.start, rows.stop, dtype=np.int64), rows.stop)
+    return cols.parts
 
 
 def _whole(n: int, parts: Sequence[Mapping[bytes, Record] | ChunkPart]) -> bool:
     first = parts[0] if len(parts) == n else None
-    return isinstance(first, ChunkPart) and all(map(is_, first.cols.parts, parts))
+    return (
+        isinstance(first, ChunkPart)
+        and len(first.cols.parts) == n
+        and all(map(is_, first.cols.parts, parts))
+    )
 
 
 def parts_of_columns(
@@ -297,7 +249,8 @@ def parts_of_columns(
     """``n`` partitions of one-key records given as columns (``flagged``: 2 * shape id +
     indexed; ``owners``: each one's :func:`~kvatlas.directory.records.l1_owner` as an index of
     ``names``, -1 if none; ``bound``: how many ``tokens`` are known), in partition order:
-    partition ``p`` holds rows ``bounds[p]:bounds[p + 1]``. A restore's path: no record built.
+    partition ``p`` holds rows ``bounds[p]:bounds[p + 1]``. A restore's path: no record built,
+    the maps filled by one compiled pass (a hash twice: its later row, as a dict's).
     Change a row's keys afterwards with ``part[h] = rec``."""
     cols = ChunkColumns()
     cols.append_rows(tokens, offsets, flagged, placements, None, bound)
@@ -305,13 +258,15 @@ def parts_of_columns(
     for i in np.unique(owners[owners >= 0]).tolist():
         ids[i] = cols.l1.intern(names[i])
     cols.l1.extend(ids[owners])
-    out = [ChunkPart(cols) for _ in range(n)]
-    for part, lo, hi in zip(out, bounds, bounds[1:], strict=False):
-        part.row = dict(zip(hashes[lo:hi], range(lo, hi), strict=True))
-    return out
+    for _ in range(n):
+        ChunkPart(cols)
+    edges = np.asarray(bounds[: n + 1], np.int64)
+    at = np.repeat(np.arange(len(edges) - 1, dtype=np.int64), np.diff(edges))
+    cols.maps.fill(hashes, at, np.arange(len(hashes), dtype=np.int64), len(hashes))
+    return cols.parts
 
 
-_ROWS_OF = attrgetter("row")
+_INDEX = attrgetter("index")
 
 
 def add_fresh(
@@ -326,24 +281,25 @@ def add_fresh(
     """Append one-key records of new chunks, entry ``i`` into ``parts_of[i]`` (its
     partition; all share one :class:`ChunkColumns`), the hashes distinct, the placements
     one batch's (one instance, tier and sharing: one L1 owner). Inserted where absent, in
-    one pass: if a chunk is held, the rows this inserted are taken out again and ``False``
-    is returned (nothing changed)."""
+    one compiled pass: if a chunk is held, the inserts are taken back and ``False`` is
+    returned (nothing changed). A hash not an exact 32-byte ``bytes`` raises
+    :class:`~kvatlas.errors.InvalidInput`, nothing changed."""
     n = len(hashes)
     cols = parts_of[0].cols
     free, top = cols.free, len(cols.offsets)
     k = min(len(free), n)  # free rows first (last freed first), then new ones
     reused = free[len(free) - k :][::-1]
-    new: Sequence[int] = range(top, top + n) if not k else [*reused, *range(top, top + n - k)]
-    dicts = list(map(_ROWS_OF, parts_of))
-    if not all(map(int.__eq__, map(dict.setdefault, dicts, hashes, new), new)):
-        deque(map(_take_back, dicts, hashes, new), maxlen=0)
+    # (by iterators: numpy's arange releases the GIL, which a batch of a few chunks must not)
+    new = np.fromiter(chain(reused, range(top, top + n - k)), np.int64, n)
+    part_nos = np.fromiter(map(_INDEX, parts_of), np.int64, n)
+    if not cols.maps.add_fresh(hashes, part_nos, new, top + n - k):
         return False
     owner = l1_owner(placements[0])  # type: ignore[arg-type]
     owner_id = NO_OWNER if owner is None else cols.l1.intern(owner)
     flagged = list(map((2 * sid, 2 * sid + 1).__getitem__, indexed))
     if k:
         del free[len(free) - k :]
-        block = _block(tokens[:k], flagged[:k], placements[:k], None)
+        block = block_of(tokens[:k], flagged[:k], placements[:k], None)
         at = [WIDTH * r for r in reused]
         heads = [WIDTH * i for i in range(k)]
         into = map(slice, at, map(WIDTH.__add__, at))
@@ -358,20 +314,30 @@ def add_fresh(
 
 
 def rows_of(parts: Sequence[ChunkPart], hashes: Iterable[bytes]) -> list[int | None]:
-    """The row of each chunk of ``hashes`` (``None``: not held)."""
-    return [parts[h[0]].row.get(h) for h in hashes]
+    """The row of each chunk of ``hashes`` (``None``: not held) in its partition
+    ``parts[h[0]]``."""
+    listed = hashes if isinstance(hashes, list | tuple) else list(hashes)
+    if not listed:
+        return []
+    cols = parts[0].cols
+    if parts is cols.parts:
+        return cols.maps.rows_of(listed, BY_FIRST_BYTE)
+    at = np.fromiter((parts[h[0]].index for h in listed), np.int64, len(listed))
+    return cols.maps.rows_of(listed, at)
 
 
 def remove_chunks(parts: Sequence[ChunkPart], hashes: list[bytes], rows: list[int]) -> None:
     """``del parts[h[0]][h]`` of each of ``hashes`` (held at ``rows``), rows cleared in bulk."""
-    for h in hashes:
-        del parts[h[0]].row[h]
-    parts[0].cols.clear_rows(rows)
-
-
-def _take_back(rows: dict[bytes, int], h: bytes, r: int) -> None:
-    if rows.get(h) == r:
-        del rows[h]
+    if not hashes:
+        return
+    cols = parts[0].cols
+    at = BY_FIRST_BYTE
+    if parts is not cols.parts:
+        at = np.fromiter((parts[h[0]].index for h in hashes), np.int64, len(hashes))
+    taken = cols.maps.remove_many(hashes, at)
+    if -1 in taken:
+        raise KeyError(hashes[taken.index(-1)])
+    cols.clear_rows(rows)
 
 
 def l1_chunks(parts: Sequence[ChunkPart], name: str) -> list[bytes]:
@@ -393,15 +359,13 @@ def l1_rows(parts: Sequence[ChunkPart], name: str) -> tuple[list[bytes], list[in
     hashes: list[bytes] = []
     held: list[int] = []
     for part in parts:
-        at = part.row
-        if at:
-            at_rows = np.fromiter(at.values(), np.intp, len(at))
-            found = hit[at_rows]
-            k = int(np.count_nonzero(found))
-            if k:
-                hashes += compress(at, found.tolist())
-                held += at_rows[found].tolist()
-                left -= k
+        if len(part):
+            at_rows = cols.maps.rows(part.index)
+            found = at_rows[hit[at_rows]]
+            if len(found):
+                hashes += cols.maps.hashes_of(found)
+                held += found.tolist()
+                left -= len(found)
                 if not left:
                     break
     return hashes, held

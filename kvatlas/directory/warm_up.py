@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from kvatlas.directory.blend import AddColumns, AddOp, BlendIndex, RemoveChunkOp
+from kvatlas.directory.row_maps import warm_up_row_maps
 from kvatlas.directory.token_store import (
     content_sizes,
     stored_batch,
@@ -38,6 +39,7 @@ def warm_up_kernels() -> float:
     """Exercise every compiled path once; returns the seconds it took."""
     started = time.perf_counter()
     warm_up_index()
+    warm_up_row_maps()  # the chunk table's hash → row maps
     warm_up_events()
     compile_releasing_twins()  # what long calls take: each kernel above, the GIL released
     elapsed = time.perf_counter() - started

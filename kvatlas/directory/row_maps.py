@@ -1,0 +1,220 @@
+"""The chunk table's hash → row maps, one per partition, without a Python object per chunk
+(docs/directory.md, "Records as columns", stage (2); the kernels: ``row_map_kernels.py``).
+
+A chunk's hash is kept once, by value: 32 bytes in the hash column of its row. A partition
+maps it to the row by open addressing over positions in its ``order`` (insertion order; a
+replaced chunk keeps its position), so it iterates as the ``dict`` it replaced did. Every
+write is refused, with nothing changed, unless its hash is an exact 32-byte ``bytes``; a read
+of anything else finds nothing (as a ``dict`` of such hashes would). A partition's arrays
+are only ever moved whole, by one compiled pass over its ≤ 1/256 of the chunks, when a write
+finds no room; the hash column grows by ``array``'s reallocation.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+from collections.abc import Sequence
+from functools import cache
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from kvatlas.directory import row_map_kernels as k
+from kvatlas.directory.blend._cpython import BYTES_DATA_OFFSET, BYTES_SIZE_OFFSET
+from kvatlas.directory.blend.kernels.objects import object_handles
+from kvatlas.errors import InvalidInput
+
+BY_FIRST_BYTE: Final = np.empty(0, np.int64)
+"""A batch's partitions given as none: each hash's first byte (the table's partitions)."""
+MIN_SLOTS, MIN_ORDER = 8, 4
+HASH_BYTES: Final = 32
+
+
+def bad_hash(h: object) -> InvalidInput:
+    """The error of a write whose chunk hash is not an exact 32-byte ``bytes``."""
+    if type(h) is bytes:
+        return InvalidInput(f"a chunk hash is {HASH_BYTES} bytes, not {len(h)}: {h.hex()[:80]}")
+    return InvalidInput(f"a chunk hash is {HASH_BYTES} bytes, not a {type(h).__name__}")
+
+
+def exact(h: object) -> object:
+    """``h`` as an exact ``bytes`` if it is a ``bytes`` subclass (an ``ObjectKey`` accepts
+    one), else ``h`` itself."""
+    return bytes(h) if isinstance(h, bytes) and type(h) is not bytes else h
+
+
+@cache
+def single_entries() -> tuple[Any, Any, Any]:
+    """The compiled entry points of ``find_one``, ``add_one``, ``remove_one``."""
+    return (
+        k.entry_point(k.find_one),
+        k.entry_point(k.add_one),
+        k.entry_point(k.remove_one),
+    )
+
+
+class RowMaps:
+    """The maps of the partitions sharing one set of columns, and the columns' hashes."""
+
+    __slots__ = (
+        "add", "counts", "ctx", "ctx_addr", "find", "hashes", "meta", "orders", "short", "slots",
+        "take",
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        self.ctx = array("q", bytes(8 * k.CONTEXT_WORDS))  # (never resized: a fixed address)
+        self.ctx_addr: int = self.ctx.buffer_info()[0]
+        keys = np.frombuffer(os.urandom(32), np.uint64) | np.uint64(1)  # odd, per process
+        self.ctx[k.C_KEYS : k.C_KEYS + 4] = array("q", keys.view(np.int64).tolist())
+        self.ctx[k.C_BYTES_TYPE] = id(bytes)
+        self.ctx[k.C_SIZE], self.ctx[k.C_DATA] = BYTES_SIZE_OFFSET, BYTES_DATA_OFFSET
+        self.find, self.add, self.take = single_entries()
+        self.meta = array("q")  # PART_WORDS per partition
+        self.hashes = array("Q")  # HASH_WORDS per row
+        self.slots: list[npt.NDArray[np.int32]] = []
+        self.orders: list[npt.NDArray[np.int32]] = []
+        # a batch's scratch: per partition its entries (zeros between batches), the short ones
+        # (numpy's zeros of a few KB releases the GIL: a short batch must not)
+        self.counts = np.zeros(0, np.int64)
+        self.short = np.zeros(0, np.int64)
+
+    def _moved(self) -> None:
+        ctx = self.ctx
+        ctx[k.C_PARTS] = self.meta.buffer_info()[0]
+        ctx[k.C_NPARTS] = len(self.meta) // k.PART_WORDS
+        ctx[k.C_HASHES] = self.hashes.buffer_info()[0]
+
+    def add_part(self) -> int:
+        """A new empty partition's number."""
+        p = len(self.orders)
+        self.meta.frombytes(bytes(8 * k.PART_WORDS))
+        self.slots.append(np.full(MIN_SLOTS, k.EMPTY, np.int32))
+        self.orders.append(np.empty(MIN_ORDER, np.int32))
+        self.counts = np.zeros(p + 1, np.int64)
+        self.short = np.zeros(2 * (p + 1), np.int64)
+        self._moved()
+        self.relocate(p, 0)
+        return p
+
+    def ensure_rows(self, rows: int) -> None:
+        """Room in the hash column for ``rows`` rows."""
+        have = len(self.hashes) // k.HASH_WORDS
+        if have < rows:
+            self.hashes.frombytes(bytes(HASH_BYTES * (rows - have)))
+            self.ctx[k.C_HASHES] = self.hashes.buffer_info()[0]
+
+    def live(self, p: int) -> int:
+        return self.meta[k.PART_WORDS * p + k.P_LIVE]
+
+    def relocate(self, p: int, extra: int) -> None:
+        """Partition ``p`` moved into arrays with room for ``extra`` more chunks (and 1/2 of
+        its chunks more, so growth is amortized); a partition that shrank shrinks."""
+        need = self.live(p) + extra
+        order = np.empty(max(MIN_ORDER, need + need // 2), np.int32)
+        size = max(MIN_SLOTS, 1 << (3 * need // 2).bit_length())
+        slots = np.full(size, k.EMPTY, np.int32)
+        k.relocate(self.ctx_addr, p, order, slots)
+        self.orders[p], self.slots[p] = order, slots
+
+    def prepare(
+        self, hashes: Sequence[object], parts: npt.NDArray[np.int64]
+    ) -> tuple[npt.NDArray[np.int64], Sequence[object]]:
+        """Check a batch of writes (``parts``: the hashes' partitions, or
+        :data:`BY_FIRST_BYTE`) and make room for it; returns the hashes' ``id``s and the hashes
+        they are of (``bytes`` subclasses copied: keep them for the write). Raises
+        :class:`InvalidInput` (nothing changed) at a hash that is not 32 bytes."""
+        n = len(self.orders)
+        handles = object_handles(hashes)
+        found = k.short_parts(self.ctx_addr, handles, parts, self.counts, self.short)
+        if found < 0:
+            h = hashes[-1 - found]
+            if exact(h) is h:
+                raise bad_hash(h)
+            return self.prepare(list(map(exact, hashes)), parts)
+        if found:
+            short = self.short
+            for p, more in zip(short[:found].tolist(), short[n : n + found].tolist(), strict=True):
+                self.relocate(p, more)
+        return handles, hashes
+
+    def rows(self, p: int) -> npt.NDArray[np.int32]:
+        """Partition ``p``'s rows in order."""
+        out = np.empty(self.live(p), np.int32)
+        k.part_rows(self.ctx_addr, p, out)
+        return out
+
+    def hashes_of(self, rows: npt.NDArray[Any] | Sequence[int]) -> list[bytes]:
+        """The hashes at ``rows``, each a new ``bytes``."""
+        if not len(rows):
+            return []
+        words = np.frombuffer(self.hashes, np.uint64).reshape(-1, k.HASH_WORDS)
+        raw = words[np.asarray(rows, np.intp)].tobytes()
+        del words  # (the column may grow again)
+        ends = range(HASH_BYTES, len(raw) + 1, HASH_BYTES)
+        return list(map(raw.__getitem__, map(slice, range(0, len(raw), HASH_BYTES), ends)))
+
+    def rows_of(self, hashes: Sequence[object], parts: npt.NDArray[np.int64]) -> list[int | None]:
+        """The row of each of ``hashes`` (``None``: not held, or not 32 bytes)."""
+        out = np.empty(len(hashes), np.int64)
+        k.rows_of(self.ctx_addr, object_handles(hashes), parts, out)
+        rows = out.tolist()
+        if k.BAD_KEY in rows and any(exact(h) is not h for h in hashes):
+            return self.rows_of(list(map(exact, hashes)), parts)
+        return [None if r < 0 else r for r in rows]
+
+    def fill(
+        self,
+        hashes: Sequence[bytes],
+        parts: npt.NDArray[np.int64],
+        rows: npt.NDArray[np.int64],
+        end: int,
+    ) -> None:
+        """Map each of ``hashes`` to its row of ``rows`` (all below ``end``) in its partition
+        (a chunk held: its position keeps the new row, as a dict's)."""
+        handles, kept = self.prepare(hashes, parts)
+        self.ensure_rows(end)
+        k.add_rows(self.ctx_addr, handles, parts, rows, True)
+        del kept
+
+    def add_fresh(
+        self,
+        hashes: Sequence[bytes],
+        parts: npt.NDArray[np.int64],
+        rows: npt.NDArray[np.int64],
+        end: int,
+    ) -> bool:
+        """Map each of ``hashes`` to its row of ``rows`` (all below ``end``) if none is held;
+        else nothing changes, ``False``. (No numpy reduction: a short batch's would release
+        the GIL.)"""
+        handles, kept = self.prepare(hashes, parts)
+        self.ensure_rows(end)
+        added = k.add_rows(self.ctx_addr, handles, parts, rows, False)
+        del kept
+        return bool(added >= 0)
+
+    def remove_many(self, hashes: Sequence[object], parts: npt.NDArray[np.int64]) -> list[int]:
+        """Take each of ``hashes`` out of its partition; their rows (-1: not held)."""
+        out = np.empty(len(hashes), np.int64)
+        k.remove_rows(self.ctx_addr, object_handles(hashes), parts, out)
+        rows: list[int] = out.tolist()
+        if k.BAD_KEY in rows and any(exact(h) is not h for h in hashes):
+            return self.remove_many(list(map(exact, hashes)), parts)
+        return [max(r, -1) for r in rows]
+
+
+def warm_up_row_maps() -> None:
+    """Every kernel above, compiled or loaded (servers do not compile on first use)."""
+    maps = RowMaps()
+    for _ in range(2):
+        maps.add_part()
+    h = [bytes([i % 2]) + bytes(30) + bytes([i]) for i in range(20)]
+    rows = np.arange(20, dtype=np.int64)
+    maps.add_fresh(h[:10], BY_FIRST_BYTE, rows[:10], 10)
+    maps.fill(h[10:], np.full(10, 1, np.int64), rows[10:], 20)
+    maps.rows_of(h, BY_FIRST_BYTE)
+    maps.hashes_of(maps.rows(0))
+    maps.remove_many(h[:4], BY_FIRST_BYTE)
+    for one in (maps.find, maps.add, maps.take):
+        one(maps.ctx_addr, 0, id(h[0]), 0)
