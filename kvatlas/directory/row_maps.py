@@ -45,6 +45,14 @@ def exact(h: object) -> object:
     return bytes(h) if isinstance(h, bytes) and type(h) is not bytes else h
 
 
+def mix_keys() -> list[int]:
+    """The probe's four multipliers, drawn for each set of maps (odd): a node cannot craft
+    hashes that share a home without knowing them."""
+    keys = np.frombuffer(os.urandom(32), np.uint64) | np.uint64(1)
+    out: list[int] = keys.view(np.int64).tolist()
+    return out
+
+
 @cache
 def single_entries() -> tuple[Any, Any, Any]:
     """The compiled entry points of ``find_one``, ``add_one``, ``remove_one``."""
@@ -66,8 +74,7 @@ class RowMaps:
     def __init__(self) -> None:
         self.ctx = array("q", bytes(8 * k.CONTEXT_WORDS))  # (never resized: a fixed address)
         self.ctx_addr: int = self.ctx.buffer_info()[0]
-        keys = np.frombuffer(os.urandom(32), np.uint64) | np.uint64(1)  # odd, per process
-        self.ctx[k.C_KEYS : k.C_KEYS + 4] = array("q", keys.view(np.int64).tolist())
+        self.ctx[k.C_KEYS : k.C_KEYS + 4] = array("q", mix_keys())
         self.ctx[k.C_BYTES_TYPE] = id(bytes)
         self.ctx[k.C_SIZE], self.ctx[k.C_DATA] = BYTES_SIZE_OFFSET, BYTES_DATA_OFFSET
         self.find, self.add, self.take = single_entries()
