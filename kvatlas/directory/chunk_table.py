@@ -238,18 +238,24 @@ class ChunkTable:
         return out
 
     def chunk_placements(
-        self, h: bytes, namespace: BlendNamespace
-    ) -> list[tuple[int, tuple[Placement, ...]]]:
-        """``(kv_rank, placements)`` of each key of chunk ``h`` in ``namespace`` (any rank or
-        group): who holds a blend match."""
-        rec = self.parts[h[0]].get(h)
-        if rec is None:
-            return []
+        self, hashes: Sequence[bytes], namespace: BlendNamespace
+    ) -> list[list[tuple[int, tuple[Placement, ...]]]]:
+        """For each chunk of ``hashes``, ``(kv_rank, placements)`` of each of its keys in
+        ``namespace`` (any rank or group): who holds a blend match. The rows read as one batch,
+        the records built by C-level maps."""
+        rows = rows_of(self.parts, hashes)
+        held = [r for r in rows if r is not None]
+        records = iter(self.parts[0].cols.records(held))  # type: ignore[arg-type]
         shapes = self.shapes.shapes
         return [
-            (shapes[sid].kv_rank, public_placements(pls))
-            for sid, pls in record_keys(rec)
-            if shapes[sid].namespace == namespace
+            []
+            if r is None
+            else [
+                (shapes[sid].kv_rank, public_placements(pls))
+                for sid, pls in record_keys(next(records))
+                if shapes[sid].namespace == namespace
+            ]
+            for r in rows
         ]
 
     # ------------------------------------------------------------------ changes

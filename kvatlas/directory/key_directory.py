@@ -287,7 +287,7 @@ class KeyDirectory:
     ) -> list[list[tuple[int, tuple[Placement, ...]]]]:
         """For each blend match, ``(kv_rank, placements)`` of its keys in ``namespace``."""
         with self._lock:
-            return [self._chunks.chunk_placements(m.chunk_hash, namespace) for m in matches]
+            return self._chunks.chunk_placements([m.chunk_hash for m in matches], namespace)
 
     def list_keys(
         self,
