@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from itertools import chain
 from operator import attrgetter, is_
 
 import numpy as np
@@ -221,7 +220,7 @@ def new_parts(n: int, parts: Sequence[Mapping[bytes, Record] | ChunkPart] = ()) 
         deque(map(cols.l1.put, rows, pls, rests), maxlen=0)
         hashes = list(records.keys())
         at = np.full(len(hashes), part.index, np.int64)
-        cols.maps.fill(hashes, at, np.arange(rows.start, rows.stop, dtype=np.int64), rows.stop)
+        cols.maps.fill(hashes, at, rows.start)
     return cols.parts
 
 
@@ -262,7 +261,7 @@ def parts_of_columns(
         ChunkPart(cols)
     edges = np.asarray(bounds[: n + 1], np.int64)
     at = np.repeat(np.arange(len(edges) - 1, dtype=np.int64), np.diff(edges))
-    cols.maps.fill(hashes, at, np.arange(len(hashes), dtype=np.int64), len(hashes))
+    cols.maps.fill(hashes, at, 0)
     return cols.parts
 
 
@@ -279,7 +278,9 @@ def add_fresh(
     placements: Sequence[Placements],
 ) -> bool:
     """Append one-key records of new chunks, entry ``i`` into ``parts_of[i]`` (its
-    partition; all share one :class:`ChunkColumns`), the hashes distinct, the placements
+    partition; all share one :class:`ChunkColumns`; or ``parts_of`` is the columns' own list
+    of partitions, :attr:`ChunkColumns.parts`, each entry's ``parts_of[h[0]]``), the hashes
+    distinct, the placements
     one batch's (one instance, tier and sharing: one L1 owner). Inserted where absent, in
     one compiled pass: if a chunk is held, the inserts are taken back and ``False`` is
     returned (nothing changed). A hash not an exact 32-byte ``bytes`` raises
@@ -289,10 +290,12 @@ def add_fresh(
     free, top = cols.free, len(cols.offsets)
     k = min(len(free), n)  # free rows first (last freed first), then new ones
     reused = free[len(free) - k :][::-1]
-    # (by iterators: numpy's arange releases the GIL, which a batch of a few chunks must not)
-    new = np.fromiter(chain(reused, range(top, top + n - k)), np.int64, n)
-    part_nos = np.fromiter(map(_INDEX, parts_of), np.int64, n)
-    if not cols.maps.add_fresh(hashes, part_nos, new, top + n - k):
+    part_nos = BY_FIRST_BYTE
+    if parts_of is not cols.parts:
+        if len(parts_of) != n:
+            raise ValueError(f"{len(parts_of)} partitions for {n} chunks")
+        part_nos = np.fromiter(map(_INDEX, parts_of), np.int64, n)
+    if not cols.maps.add_fresh(hashes, part_nos, np.array(reused, np.int64), top):
         return False
     owner = l1_owner(placements[0])  # type: ignore[arg-type]
     owner_id = NO_OWNER if owner is None else cols.l1.intern(owner)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import compress
-from operator import itemgetter
 
 import numpy as np
 
@@ -26,8 +25,6 @@ from kvatlas.directory.shapes import KeyShape
 from kvatlas.directory.token_store import StoredTokens
 from kvatlas.events import UNKNOWN_OFFSET, EventBatch
 from kvatlas.events.columns import EntryColumns, shape_index
-
-_FIRST_BYTE = itemgetter(0)  # a chunk hash's partition
 
 
 def store_fresh(
@@ -48,8 +45,7 @@ def store_fresh(
         return None
     if len(set(hashes)) != n:
         return None
-    parts_of = list(map(parts.__getitem__, map(_FIRST_BYTE, hashes)))
-    if hashes[0] in parts_of[0]:  # a batch of re-stores (the usual other kind): no records built
+    if hashes[0] in parts[hashes[0][0]]:  # a batch of re-stores (the usual other kind)
         return None
     sizes, offsets = cols.size_bytes.tolist(), cols.token_offsets.tolist()
     b = batch
@@ -66,7 +62,8 @@ def store_fresh(
         indexed = list(map(UNKNOWN_OFFSET.__ne__, offsets)) if indexing else [False] * n
     # inserted where absent, in one pass: a chunk the table holds keeps its record (then every
     # row this inserted is taken out again, and the entry-by-entry loop runs)
-    if not add_fresh(parts_of, hashes, stored, cols.token_offsets, indexed, sids[0], placements):
+    # (``parts``, the table's list: each entry into ``parts[h[0]]``)
+    if not add_fresh(parts, hashes, stored, cols.token_offsets, indexed, sids[0], placements):
         return None
     return sum(sizes), list(range(n)) if every else list(compress(range(n), indexed))
 

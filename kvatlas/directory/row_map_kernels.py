@@ -241,12 +241,19 @@ def short_parts(ctx: Any, handles: Any, parts: Any, counts: Any, short: Any) -> 
     return k
 
 
+@inline
+def _row(rows: Any, first: Any, i: Any) -> Any:
+    """Entry ``i``'s row: ``rows[i]``, past them ``first`` onwards."""
+    k = rows.shape[0]
+    return rows[i] if i < k else first + (i - k)
+
+
 @jit
-def add_rows(ctx: Any, handles: Any, parts: Any, rows: Any, replace: Any) -> Any:
-    """Map each object ``handles[i]`` (checked by :func:`short_parts`, room made) to
-    ``rows[i]``. A chunk already held: with ``replace``, its position keeps the new row (as
-    a dict's ``d[h] = r``); else every insert of this call is taken back (nothing changed)
-    and -1 - ``i`` returned. Returns how many were inserted."""
+def add_rows(ctx: Any, handles: Any, parts: Any, rows: Any, first: Any, replace: Any) -> Any:
+    """Map each object ``handles[i]`` (checked by :func:`short_parts`, room made) to row
+    ``rows[i]``, past them ``first + i - len(rows)``. A chunk already held: with ``replace``,
+    its position keeps the new row (as a dict's ``d[h] = r``); else every insert of this call
+    is taken back (nothing changed) and -1 - ``i`` returned. Returns how many were inserted."""
     c = i64_ptr(ctx)  # type: ignore[call-arg]
     n = handles.shape[0]
     for i in range(n):
@@ -255,9 +262,9 @@ def add_rows(ctx: Any, handles: Any, parts: Any, rows: Any, replace: Any) -> Any
         h = u64_ptr(words)  # type: ignore[call-arg]
         s = _slot_of(c, m, h)
         if s < 0:
-            _take(c, m, -1 - s, h, rows[i])
+            _take(c, m, -1 - s, h, _row(rows, first, i))
         elif replace:
-            i32_ptr(m[P_ORDER])[i32_ptr(m[P_SLOTS])[s]] = rows[i]  # type: ignore[call-arg]
+            i32_ptr(m[P_ORDER])[i32_ptr(m[P_SLOTS])[s]] = _row(rows, first, i)  # type: ignore[call-arg]
         else:
             for j in range(i - 1, -1, -1):
                 words = c[C_DATA] + handles[j]

@@ -28,6 +28,7 @@ from kvatlas.errors import InvalidInput
 
 BY_FIRST_BYTE: Final = np.empty(0, np.int64)
 """A batch's partitions given as none: each hash's first byte (the table's partitions)."""
+_NO_ROWS: Final = np.empty(0, np.int64)
 MIN_SLOTS, MIN_ORDER = 8, 4
 HASH_BYTES: Final = 32
 
@@ -171,18 +172,12 @@ class RowMaps:
             return self.rows_of(list(map(exact, hashes)), parts)
         return [None if r < 0 else r for r in rows]
 
-    def fill(
-        self,
-        hashes: Sequence[bytes],
-        parts: npt.NDArray[np.int64],
-        rows: npt.NDArray[np.int64],
-        end: int,
-    ) -> None:
-        """Map each of ``hashes`` to its row of ``rows`` (all below ``end``) in its partition
-        (a chunk held: its position keeps the new row, as a dict's)."""
+    def fill(self, hashes: Sequence[bytes], parts: npt.NDArray[np.int64], first: int) -> None:
+        """Map each of ``hashes`` to rows ``first`` onwards in its partition (a chunk held:
+        its position keeps the new row, as a dict's)."""
         handles, kept = self.prepare(hashes, parts)
-        self.ensure_rows(end)
-        k.add_rows(self.ctx_addr, handles, parts, rows, True)
+        self.ensure_rows(first + len(hashes))
+        k.add_rows(self.ctx_addr, handles, parts, _NO_ROWS, first, True)
         del kept
 
     def add_fresh(
@@ -190,14 +185,14 @@ class RowMaps:
         hashes: Sequence[bytes],
         parts: npt.NDArray[np.int64],
         rows: npt.NDArray[np.int64],
-        end: int,
+        first: int,
     ) -> bool:
-        """Map each of ``hashes`` to its row of ``rows`` (all below ``end``) if none is held;
-        else nothing changes, ``False``. (No numpy reduction: a short batch's would release
-        the GIL.)"""
+        """Map each of ``hashes`` to its row (``rows``, then ``first`` onwards) if none is
+        held; else nothing changes, ``False``. (No numpy reduction or range: on a short batch
+        they release the GIL.)"""
         handles, kept = self.prepare(hashes, parts)
-        self.ensure_rows(end)
-        added = k.add_rows(self.ctx_addr, handles, parts, rows, False)
+        self.ensure_rows(first + len(hashes) - len(rows))
+        added = k.add_rows(self.ctx_addr, handles, parts, rows, first, False)
         del kept
         return bool(added >= 0)
 
@@ -217,9 +212,8 @@ def warm_up_row_maps() -> None:
     for _ in range(2):
         maps.add_part()
     h = [bytes([i % 2]) + bytes(30) + bytes([i]) for i in range(20)]
-    rows = np.arange(20, dtype=np.int64)
-    maps.add_fresh(h[:10], BY_FIRST_BYTE, rows[:10], 10)
-    maps.fill(h[10:], np.full(10, 1, np.int64), rows[10:], 20)
+    maps.add_fresh(h[:10], BY_FIRST_BYTE, np.arange(2, dtype=np.int64), 2)
+    maps.fill(h[10:], np.full(10, 1, np.int64), 10)
     maps.rows_of(h, BY_FIRST_BYTE)
     maps.hashes_of(maps.rows(0))
     maps.remove_many(h[:4], BY_FIRST_BYTE)
