@@ -29,7 +29,7 @@ from kvatlas.errors import InvalidInput
 BY_FIRST_BYTE: Final = np.empty(0, np.int64)
 """A batch's partitions given as none: each hash's first byte (the table's partitions)."""
 _NO_ROWS: Final = np.empty(0, np.int64)
-MIN_SLOTS, MIN_ORDER = 8, 4
+MIN_SLOTS, MIN_ORDER = 16, 10
 HASH_BYTES: Final = 32
 
 
@@ -107,21 +107,23 @@ class RowMaps:
         return p
 
     def ensure_rows(self, rows: int) -> None:
-        """Room in the hash column for ``rows`` rows."""
+        """Room in the hash column for ``rows`` rows (the rows past the table's are room)."""
         have = len(self.hashes) // k.HASH_WORDS
-        if have < rows:
-            self.hashes.frombytes(bytes(HASH_BYTES * (rows - have)))
+        if have < rows:  # (by a quarter at least: each growth may copy the column)
+            more = max(rows - have, have // 4)
+            self.hashes.frombytes(bytes(HASH_BYTES * more))
             self.ctx[k.C_HASHES] = self.hashes.buffer_info()[0]
 
     def live(self, p: int) -> int:
         return self.meta[k.PART_WORDS * p + k.P_LIVE]
 
     def relocate(self, p: int, extra: int) -> None:
-        """Partition ``p`` moved into arrays with room for ``extra`` more chunks (and 1/2 of
-        its chunks more, so growth is amortized); a partition that shrank shrinks."""
+        """Partition ``p`` moved into arrays with room for ``extra`` more chunks: slots a
+        power of two at most 1/3 full after it (so growth doubles them, amortized), positions
+        for as many chunks as 2/3 of the slots take; a partition that shrank shrinks."""
         need = self.live(p) + extra
-        order = np.empty(max(MIN_ORDER, need + need // 2), np.int32)
-        size = max(MIN_SLOTS, 1 << (3 * need // 2).bit_length())
+        size = max(MIN_SLOTS, 1 << (3 * need).bit_length())
+        order = np.empty(max(need, 2 * size // 3), np.int32)
         slots = np.full(size, k.EMPTY, np.int32)
         k.relocate(self.ctx_addr, p, order, slots)
         self.orders[p], self.slots[p] = order, slots
