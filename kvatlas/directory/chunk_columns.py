@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 from itertools import repeat
 from operator import is_not
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -34,9 +34,6 @@ from kvatlas.directory.row_copies import WIDTH, RowsCopy, copied_records, copy_r
 from kvatlas.directory.row_maps import RowMaps
 from kvatlas.directory.token_store import StoredTokens
 
-if TYPE_CHECKING:
-    from kvatlas.directory.chunk_parts import ChunkPart
-
 _EMPTY_ROW: Final = (None, 0, None, ())
 
 
@@ -51,7 +48,7 @@ class ChunkColumns:
         self.offsets = array("q")  # per row: the content's offset
         self.l1 = L1Owners()  # per row: the instances owning an L1 placement of the chunk
         self.free: list[int] = []  # rows of removed chunks, reused last freed first
-        self.parts: list[ChunkPart] = []
+        self.parts: list[Any] = []  # the ChunkParts over these rows (chunk_parts.py's)
         self.bound = 0  # rows whose content is known (kept by every write: stats read it)
         self.maps = RowMaps()  # per row its chunk's hash; the partitions' hash → row maps
 
