@@ -244,12 +244,14 @@ def parts_of_columns(
     owners: npt.NDArray[np.int64],
     names: Sequence[str],
     bound: int,
+    words: npt.NDArray[np.uint64] | None = None,
 ) -> list[ChunkPart]:
     """``n`` partitions of one-key records given as columns (``flagged``: 2 * shape id +
     indexed; ``owners``: each one's :func:`~kvatlas.directory.records.l1_owner` as an index of
     ``names``, -1 if none; ``bound``: how many ``tokens`` are known), in partition order:
     partition ``p`` holds rows ``bounds[p]:bounds[p + 1]``. A restore's path: no record built,
-    the maps filled by one compiled pass (a hash twice: its later row, as a dict's).
+    the maps filled by one compiled pass (a hash twice: its later row, as a dict's), from
+    ``words`` if given (the same hashes, four ``uint64`` each: no object read).
     Change a row's keys afterwards with ``part[h] = rec``."""
     cols = ChunkColumns()
     cols.append_rows(tokens, offsets, flagged, placements, None, bound)
@@ -261,7 +263,10 @@ def parts_of_columns(
         ChunkPart(cols)
     edges = np.asarray(bounds[: n + 1], np.int64)
     at = np.repeat(np.arange(len(edges) - 1, dtype=np.int64), np.diff(edges))
-    cols.maps.fill(hashes, at, 0)
+    if words is None:
+        cols.maps.fill(hashes, at, 0)
+    else:
+        cols.maps.fill_words(words, at)
     return cols.parts
 
 

@@ -275,6 +275,26 @@ def add_rows(ctx: Any, handles: Any, parts: Any, rows: Any, first: Any, replace:
 
 
 @jit
+def fill_words(ctx: Any, words: Any, parts: Any) -> None:
+    """A restore's maps: hash ``words[i]`` (four ``uint64``) at row ``i`` of partition
+    ``parts[i]`` (room made), written into the hash column and mapped (a hash twice: its
+    later row, as a dict's)."""
+    c = i64_ptr(ctx)  # type: ignore[call-arg]
+    column = u64_ptr(c[C_HASHES])  # type: ignore[call-arg]
+    for i in range(words.shape[0]):
+        for k in range(HASH_WORDS):
+            column[HASH_WORDS * i + k] = words[i, k]
+    for i in range(words.shape[0]):
+        m = _part(c, parts[i])
+        h = u64_ptr(c[C_HASHES] + 32 * i)  # type: ignore[call-arg]
+        s = _slot_of(c, m, h)
+        if s < 0:
+            _take(c, m, -1 - s, h, i)
+        else:
+            i32_ptr(m[P_ORDER])[i32_ptr(m[P_SLOTS])[s]] = i  # type: ignore[call-arg]
+
+
+@jit
 def remove_rows(ctx: Any, handles: Any, parts: Any, out: Any) -> None:
     """Take each object ``handles[i]`` out of its partition; ``out[i]`` its row (-1: absent;
     ``BAD_KEY``: not an exact 32-byte ``bytes``)."""

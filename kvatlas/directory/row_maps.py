@@ -29,7 +29,8 @@ from kvatlas.errors import InvalidInput
 BY_FIRST_BYTE: Final = np.empty(0, np.int64)
 """A batch's partitions given as none: each hash's first byte (the table's partitions)."""
 _NO_ROWS: Final = np.empty(0, np.int64)
-MIN_SLOTS, MIN_ORDER = 16, 10
+_NO_SLOTS: Final = np.empty(0, np.int32)
+MIN_SLOTS = 16
 HASH_BYTES: Final = 32
 
 
@@ -98,8 +99,8 @@ class RowMaps:
         """A new empty partition's number."""
         p = len(self.orders)
         self.meta.frombytes(bytes(8 * k.PART_WORDS))
-        self.slots.append(np.full(MIN_SLOTS, k.EMPTY, np.int32))
-        self.orders.append(np.empty(MIN_ORDER, np.int32))
+        self.slots.append(_NO_SLOTS)  # (relocate sets both)
+        self.orders.append(_NO_SLOTS)
         self.counts = np.zeros(p + 1, np.int64)
         self.short = np.zeros(2 * (p + 1), np.int64)
         self._moved()
@@ -119,10 +120,10 @@ class RowMaps:
 
     def relocate(self, p: int, extra: int) -> None:
         """Partition ``p`` moved into arrays with room for ``extra`` more chunks: slots a
-        power of two at most 1/3 full after it (so growth doubles them, amortized), positions
-        for as many chunks as 2/3 of the slots take; a partition that shrank shrinks."""
+        power of two less than 1/2 full after it (so growth doubles them, amortized),
+        positions for as many chunks as 2/3 of the slots take; one that shrank shrinks."""
         need = self.live(p) + extra
-        size = max(MIN_SLOTS, 1 << (3 * need).bit_length())
+        size = max(MIN_SLOTS, 1 << (2 * need).bit_length())
         order = np.empty(max(need, 2 * size // 3), np.int32)
         slots = np.full(size, k.EMPTY, np.int32)
         k.relocate(self.ctx_addr, p, order, slots)
@@ -182,6 +183,16 @@ class RowMaps:
         k.add_rows(self.ctx_addr, handles, parts, _NO_ROWS, first, True)
         del kept
 
+    def fill_words(self, words: npt.NDArray[np.uint64], parts: npt.NDArray[np.int64]) -> None:
+        """A restore's maps, its rows ``0..n`` (the first rows of these columns): hash
+        ``words[i]`` (``uint64``, four a hash) at row ``i`` of partition ``parts[i]``."""
+        counts = np.bincount(parts, minlength=len(self.orders)).tolist()
+        for p, more in enumerate(counts):
+            if more:
+                self.relocate(p, more)
+        self.ensure_rows(len(words))
+        k.fill_words(self.ctx_addr, np.require(words, np.uint64, ["C", "A"]), parts)
+
     def add_fresh(
         self,
         hashes: Sequence[bytes],
@@ -216,6 +227,10 @@ def warm_up_row_maps() -> None:
     h = [bytes([i % 2]) + bytes(30) + bytes([i]) for i in range(20)]
     maps.add_fresh(h[:10], BY_FIRST_BYTE, np.arange(2, dtype=np.int64), 2)
     maps.fill(h[10:], np.full(10, 1, np.int64), 10)
+    restored = RowMaps()
+    restored.add_part()
+    words = np.frombuffer(b"".join(h[:3]), np.uint64).reshape(3, k.HASH_WORDS)
+    restored.fill_words(words, np.zeros(3, np.int64))
     maps.rows_of(h, BY_FIRST_BYTE)
     maps.hashes_of(maps.rows(0))
     maps.remove_many(h[:4], BY_FIRST_BYTE)

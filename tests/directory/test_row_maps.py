@@ -71,17 +71,19 @@ def check(parts: list[ChunkPart], model: Model, pool: list[bytes]) -> None:
     assert sorted(live + cols.free) == list(range(len(cols.offsets)))
 
 
-def restored_from_columns(model: Model) -> list[ChunkPart]:
-    """What a snapshot's reader builds: one-key records as columns, then the others set."""
+def restored_from_columns(model: Model, as_words: bool) -> list[ChunkPart]:
+    """What a snapshot's reader builds: one-key records as columns (the hashes as objects,
+    or as the file's words), then the others set."""
     hashes = [x for ref in model for x in ref]
     recs = [rec[:5] for ref in model for rec in ref.values()]
     tokens, offsets, indexed, sids, pls, _ = split_columns(recs)
     flagged = [2 * s + i for s, i in zip(sids, indexed, strict=True)]
     bounds = np.cumsum([0, *map(len, model)]).tolist()
     owners = np.full(len(hashes), -1, np.int64)
+    words = np.frombuffer(b"".join(hashes), np.uint64).reshape(-1, 4) if as_words else None
     parts = parts_of_columns(
         PARTS, hashes, bounds, tokens, np.asarray(offsets, np.int64), flagged, pls, owners, [],
-        sum(t is not None for t in tokens),
+        sum(t is not None for t in tokens), words,
     )  # fmt: skip
     for ref, part in zip(model, parts, strict=True):
         for x, rec in ref.items():
@@ -142,7 +144,7 @@ def run_keyed(program: list[Op], shared: bool, hook: Callable[[int, Any], None])
         elif op == "restore":
             parts = new_parts(PARTS, [dict(p.items()) for p in parts])
         elif op == "columns":
-            parts = restored_from_columns(model)
+            parts = restored_from_columns(model, as_words=keys % 2 == 1)
         elif op == "capture":  # what a capture takes under the lock
             for p, r in zip(parts, model, strict=True):
                 hashes, rows = p.hashes_and_rows()

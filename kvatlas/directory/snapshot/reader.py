@@ -264,8 +264,10 @@ def _build(
     n = len(hashes)
     offsets, first_pl = cols.offsets.astype(np.int64), cols.key_pls[first_ref]
     in_order, in_order_tokens = hashes, tokens
+    words = np.frombuffer(header.chunk_hashes, np.uint64).reshape(n, HASH_BYTES // 8)
     if n and not bool((first[1:] >= first[:-1]).all()):  # not as written: sorted (stable)
         order = np.argsort(first, kind="stable")
+        words = words[order]
         first, offsets, flagged, first_pl = (
             first[order],
             offsets[order],
@@ -280,6 +282,7 @@ def _build(
         PARTS, in_order, bounds, in_order_tokens, offsets, flagged.tolist(),
         rows[first_pl].tolist(), _l1_owners(header)[first_pl], header.strings,
         int(np.count_nonzero(cols.lens)),  # (the known contents: a chunk of no ids has none)
+        words,  # (the same hashes as the file's words: the maps copy them, no object read)
     )  # fmt: skip
     if sum(map(len, parts)) != n:
         raise SnapshotError("duplicate chunk hashes in snapshot")
