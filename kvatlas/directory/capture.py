@@ -34,6 +34,7 @@ from kvatlas.directory.records import (
     split_columns,
 )
 from kvatlas.directory.row_copies import copy_rows
+from kvatlas.directory.row_maps import split_hashes
 from kvatlas.directory.shapes import ShapeTable
 from kvatlas.directory.token_store import StoredTokens
 from kvatlas.errors import Conflict
@@ -179,10 +180,11 @@ class CowJournal:
         the lock: the rows may change meanwhile, but each change journals the record it
         replaces first, and :meth:`finish` puts those back). Records are immutable: no copy
         of their contents."""
-        (hashes, rows), cols = part.hashes_and_rows(), part.cols
+        (raw, rows), cols = part.raw_hashes_and_rows(), part.cols
         objs, offsets = cols.objs, cols.offsets  # (a compaction replaces, never changes them)
 
         def build() -> CapturedPart:
+            hashes = split_hashes(raw)  # (the hashes' bytes made after the lock)
             copied = copy_rows(objs, offsets, rows)
             tokens, flagged, placements, rests = copied.fields()
             return CapturedPart(hashes, tokens, copied.offsets, flagged, placements, rests)

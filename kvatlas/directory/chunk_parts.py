@@ -30,7 +30,7 @@ from kvatlas.directory.l1_owners import NO_OWNER
 from kvatlas.directory.records import Placements, Record, l1_owner, split_columns
 from kvatlas.directory.row_copies import WIDTH
 from kvatlas.directory.row_map_kernels import ABSENT, BAD_KEY, NO_ROOM, P_LIVE, PART_WORDS
-from kvatlas.directory.row_maps import BY_FIRST_BYTE, bad_hash, exact
+from kvatlas.directory.row_maps import BY_FIRST_BYTE, bad_hash, exact, split_hashes
 from kvatlas.directory.token_store import StoredTokens
 
 __all__ = [
@@ -85,10 +85,16 @@ class ChunkPart:
         return None if e is h else self.row_of(e)
 
     def hashes_and_rows(self) -> tuple[list[bytes], list[int]]:
-        """The partition's hashes and rows, in order, as two columns (a capture's)."""
+        """The partition's hashes and rows, in order, as two columns."""
+        raw, rows = self.raw_hashes_and_rows()
+        return split_hashes(raw), rows
+
+    def raw_hashes_and_rows(self) -> tuple[bytes, list[int]]:
+        """:meth:`hashes_and_rows` with the hashes end to end, one copy (what a capture
+        takes under the lock: ``row_maps.split_hashes`` makes them after it)."""
         maps = self.cols.maps
         rows = maps.rows(self.index)
-        return maps.hashes_of(rows), rows.tolist()
+        return maps.raw_hashes(rows), rows.tolist()
 
     # ------------------------------------------------------------------ reads
 

@@ -158,13 +158,16 @@ class RowMaps:
 
     def hashes_of(self, rows: npt.NDArray[Any] | Sequence[int]) -> list[bytes]:
         """The hashes at ``rows``, each a new ``bytes``."""
+        return split_hashes(self.raw_hashes(rows))
+
+    def raw_hashes(self, rows: npt.NDArray[Any] | Sequence[int]) -> bytes:
+        """The hashes at ``rows``, end to end (one copy: :func:`split_hashes` makes them)."""
         if not len(rows):
-            return []
+            return b""
         words = np.frombuffer(self.hashes, np.uint64).reshape(-1, k.HASH_WORDS)
         raw = words[np.asarray(rows, np.intp)].tobytes()
         del words  # (the column may grow again)
-        ends = range(HASH_BYTES, len(raw) + 1, HASH_BYTES)
-        return list(map(raw.__getitem__, map(slice, range(0, len(raw), HASH_BYTES), ends)))
+        return raw
 
     def rows_of(self, hashes: Sequence[object], parts: npt.NDArray[np.int64]) -> list[int | None]:
         """The row of each of ``hashes`` (``None``: not held, or not 32 bytes)."""
@@ -217,6 +220,12 @@ class RowMaps:
         if k.BAD_KEY in rows and any(exact(h) is not h for h in hashes):
             return self.remove_many(list(map(exact, hashes)), parts)
         return [max(r, -1) for r in rows]
+
+
+def split_hashes(raw: bytes) -> list[bytes]:
+    """32-byte hashes end to end, each a ``bytes``."""
+    ends = range(HASH_BYTES, len(raw) + 1, HASH_BYTES)
+    return list(map(raw.__getitem__, map(slice, range(0, len(raw), HASH_BYTES), ends)))
 
 
 def warm_up_row_maps() -> None:
