@@ -120,10 +120,10 @@ class RowMaps:
 
     def relocate(self, p: int, extra: int) -> None:
         """Partition ``p`` moved into arrays with room for ``extra`` more chunks: slots a
-        power of two less than 1/2 full after it (so growth doubles them, amortized),
-        positions for as many chunks as 2/3 of the slots take; one that shrank shrinks."""
+        power of two at most 2/3 full after it (so growth doubles them, amortized), positions
+        for as many chunks as 2/3 of the slots take; one that shrank shrinks."""
         need = self.live(p) + extra
-        size = max(MIN_SLOTS, 1 << (2 * need).bit_length())
+        size = max(MIN_SLOTS, 1 << (3 * need // 2).bit_length())
         order = np.empty(max(need, 2 * size // 3), np.int32)
         slots = np.full(size, k.EMPTY, np.int32)
         k.relocate(self.ctx_addr, p, order, slots)
