@@ -12,6 +12,9 @@ check catches a probe that misses.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -247,3 +250,42 @@ def test_negative_control_a_probe_that_misses_is_caught() -> None:
     with pytest.raises(AssertionError):
         run(program, "drawn", False, break_probe)
     run(program, "drawn", False, no_hook)  # (the same program, unbroken, passes)
+
+
+WARMED = """
+import json, os, sys, tempfile
+from kvatlas.bench.directory_workload import CHUNK, workload
+from kvatlas.directory import KeyDirectory, warm_up_kernels
+from kvatlas.directory import row_map_kernels as k
+from kvatlas.directory.snapshot.reader import load_snapshot
+from kvatlas.directory.snapshot.writer import save_snapshot
+from kvatlas.events import EventBatch
+warm_up_kernels()
+names = [n for n in dir(k) if hasattr(getattr(k, n), "signatures")]
+before = {n: list(map(str, getattr(k, n).signatures)) for n in names}
+d = KeyDirectory(CHUNK, enable_blend_lookup=True)
+bs = workload(1500, 1)
+for b in bs:
+    d.consume(b)
+d.lookup([e.key for e in bs[0].entries[:5]])
+first = bs[0]
+d.consume(EventBatch(first.instance_id, first.incarnation, 100, "delete", "l1", "dram",
+                     entries=bs[1].entries))
+with tempfile.TemporaryDirectory() as t:
+    path = os.path.join(t, "snapshot")
+    save_snapshot(d, path)
+    load_snapshot(KeyDirectory(CHUNK, enable_blend_lookup=True), path)
+after = {n: list(map(str, getattr(k, n).signatures)) for n in names}
+print(json.dumps({n: [s for s in after[n] if s not in before[n]] for n in names}))
+"""
+
+
+def test_the_warm_up_compiles_every_map_kernel_a_server_calls() -> None:
+    """After ``warm_up_kernels`` no row-map kernel compiles for a new signature while a
+    directory consumes, looks up, deletes, saves a snapshot and restores it (a fresh
+    process: in this one, other tests may have compiled them already)."""
+    out = subprocess.run(
+        [sys.executable, "-c", WARMED], capture_output=True, text=True, check=True, timeout=600
+    )
+    new = json.loads(out.stdout.strip().splitlines()[-1])
+    assert new and not any(new.values()), new
