@@ -41,8 +41,14 @@ def contents(n: int) -> list[np.ndarray]:
 
 def fresh_hashes(n: int) -> list[bytes]:
     """``n`` distinct hashes, each a new object (never interned or shared), of lengths
-    cycling through :data:`LENGTHS`."""
-    return [os.urandom(LENGTHS[i % len(LENGTHS)]) for i in range(n)]
+    cycling through :data:`LENGTHS` (drawn again on a repeat: two random one-byte hashes are
+    equal one time in 256, and a match reports each hash once)."""
+    out: list[bytes] = []
+    while len(out) < n:
+        h = os.urandom(LENGTHS[len(out) % len(LENGTHS)])
+        if h not in out:
+            out.append(h)
+    return out
 
 
 def _single(index: BlendIndex, rows: list[np.ndarray], hashes: list[bytes]) -> None:
