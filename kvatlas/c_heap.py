@@ -16,6 +16,8 @@ never a condition of anything.
 from __future__ import annotations
 
 import ctypes
+import math
+import mmap
 import threading
 from collections.abc import Callable, Iterable
 from types import TracebackType
@@ -42,6 +44,9 @@ MADV_POPULATE_WRITE = 23
 PAGE = 4096
 FAULT_IN_MIN = 1 << 20
 """Arrays :func:`fault_in` leaves alone: smaller ones cost a few faults at most."""
+MAPPED_MIN = 1 << 20
+"""Arrays :func:`mapped_empty` places in a map of their own from this size on (below it, the
+heap's holes they could leave are small)."""
 
 
 def glibc(name: str, restype: Any, *argtypes: Any) -> Callable[..., Any] | None:
@@ -87,6 +92,25 @@ def fault_in(
             madvise(lo, hi - lo, MADV_POPULATE_WRITE)
             asked += hi - lo
     return asked
+
+
+def mapped_empty(shape: int | tuple[int, ...], dtype: npt.DTypeLike) -> npt.NDArray[Any]:
+    """An uninitialised array (zeros, when mapped) for a long-lived array that is replaced by a
+    larger copy as it grows: from :data:`MAPPED_MIN` bytes on, in an anonymous private map
+    of its own, unmapped when the last array viewing it is gone. In glibc's heap, each old
+    copy freed is a hole of free but resident pages between younger blocks (glibc hands back
+    only a heap's top), ≈100 B a chunk at 10^5 chunks in a coordinator until the next
+    ``malloc_trim`` (docs/performance.md, "Service: design figures"); a map's pages go back
+    to the kernel when it is freed. Per-request buffers stay in the heap: there, a map would
+    be faulted in afresh on every request."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    dt = np.dtype(dtype)
+    nbytes = math.prod(shape) * dt.itemsize
+    if nbytes < MAPPED_MIN:
+        return np.empty(shape, dt)
+    # MAP_PRIVATE: Python's default for an anonymous map is shared (shmem-backed) memory.
+    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    return np.frombuffer(area, dt, math.prod(shape)).reshape(shape)
 
 
 class HeapRoom:

@@ -30,6 +30,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from kvatlas.c_heap import mapped_empty
+
 TOKENS_U16 = 1 << 62
 """Tag bit of a token address (``c_addr``): the array is ``uint16``. User-space addresses stay
 far below 2^62, so the tag never collides with an address bit."""
@@ -176,11 +178,15 @@ def write_context(
 def _lookup(slots: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.uint64]]:
     """An empty table of ``slots`` slots and its filter (one word per 8 slots: 16 bits per
     content at the table's highest load)."""
-    return np.full(slots, -1, np.int32), np.zeros(max(2, slots // 8), np.uint64)
+    table = mapped_empty(slots, np.int32)
+    table.fill(-1)
+    filt = mapped_empty(max(2, slots // 8), np.uint64)
+    filt.fill(0)
+    return table, filt
 
 
 def _resized(arr: npt.NDArray[Any], capacity: int, fill: int) -> npt.NDArray[Any]:
-    out = np.empty((capacity, *arr.shape[1:]), dtype=arr.dtype)
+    out = mapped_empty((capacity, *arr.shape[1:]), arr.dtype)  # (no hole left when it grows)
     out[: arr.shape[0]] = arr
     out[arr.shape[0] :] = fill  # each byte written once (np.full then a copy: twice)
     return out

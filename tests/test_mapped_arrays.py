@@ -1,0 +1,98 @@
+"""Long-lived growing arrays in maps of their own (``c_heap.mapped_empty``, used by the blend
+index's arrays in ``directory/blend/kernels/layout.py``): a large one is a private map that
+goes back to the kernel with the array, a small one stays in the heap, and growing the blend
+index's arrays keeps their contents, and the addresses handed to kernels are the new arrays'."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+
+import numpy as np
+
+from kvatlas.c_heap import MAPPED_MIN, PAGE, mapped_empty
+from kvatlas.directory.blend.kernels.layout import CTX_ARRAYS, BlendArrays, write_context
+
+
+def _mapping_of(address: int) -> str | None:
+    """The line of ``/proc/self/maps`` whose range holds ``address`` (``None``: unmapped)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return line
+    return None
+
+
+def _map_of(a: np.ndarray) -> object:
+    base = a
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    return base.obj if isinstance(base, memoryview) else base
+
+
+def test_a_large_array_is_a_private_zeroed_map_unmapped_with_the_array() -> None:
+    a = mapped_empty((MAPPED_MIN // 40 + 1, 5), np.int64)
+    assert a.shape == (MAPPED_MIN // 40 + 1, 5) and a.dtype == np.int64
+    assert isinstance(_map_of(a), mmap.mmap) and a.flags.writeable and a.flags.c_contiguous
+    assert a.ctypes.data % PAGE == 0 and not a.any()
+    line = _mapping_of(a.ctypes.data)
+    assert line is not None and line.split()[1] == "rw-p", line  # private, not shmem
+    a[:] = 7
+    assert int(a.sum()) == 7 * a.size
+    address = a.ctypes.data
+    del a, line
+    gc.collect()
+    assert _mapping_of(address) is None  # the pages went back with the array
+
+
+def test_a_small_array_stays_in_the_heap() -> None:
+    a = mapped_empty(MAPPED_MIN // 8 - 1, np.int64)
+    assert a.base is None and a.shape == (MAPPED_MIN // 8 - 1,)
+    assert mapped_empty(0, np.uint8).shape == (0,)
+
+
+def test_growing_the_blend_arrays_past_the_map_size_keeps_contents_and_fills_the_rest() -> None:
+    rng = np.random.default_rng(5)
+    arrays = BlendArrays.empty(1024)
+    fields = ("c_fp", "c_addr", "c_first", "o_i64", "o_i32", "o_hlen")
+    for f in fields:
+        a = getattr(arrays, f)
+        a[...] = rng.integers(0, 100, a.shape, dtype=np.int64).astype(a.dtype)
+    before = {f: getattr(arrays, f).copy() for f in fields}
+    grown = MAPPED_MIN // 8  # every content and occupant column of >= 8 bytes a row is mapped
+    old = arrays
+    arrays = arrays.with_content_capacity(grown).with_occupant_capacity(grown)
+    fills = {"c_first": -1}
+    for f in fields:
+        a = getattr(arrays, f)
+        assert (
+            a.shape[0] == grown
+            and a.shape[1:] == before[f].shape[1:]
+            and a.dtype == before[f].dtype
+        )
+        assert np.array_equal(a[:1024], before[f]), f
+        assert (a[1024:] == fills.get(f, 0)).all(), f
+    assert isinstance(_map_of(arrays.c_fp), mmap.mmap) and isinstance(
+        _map_of(arrays.o_i64), mmap.mmap
+    )
+    table = arrays.with_empty_lookup(MAPPED_MIN // 2).table
+    assert isinstance(_map_of(table), mmap.mmap) and (table == -1).all()
+    # the addresses a single write is handed are the grown arrays', and stay mapped
+    ctx = write_context(
+        arrays,
+        4,
+        np.zeros((2, 4), np.uint64),
+        0,
+        (np.zeros(4, np.uint32), np.zeros(4, np.int64)),
+        (0, 0, 0, 0),
+        0,
+    )
+    del old
+    gc.collect()
+    for k, f in enumerate(BlendArrays._fields):
+        a = getattr(arrays, f)
+        assert (
+            ctx[CTX_ARRAYS + 2 * k] == a.ctypes.data and ctx[CTX_ARRAYS + 2 * k + 1] == a.shape[0]
+        )
+        assert _mapping_of(a.ctypes.data) is not None
