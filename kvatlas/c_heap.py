@@ -1,6 +1,7 @@
 """The C allocator's main heap (glibc): its functions through ``ctypes``, room faulted in on
-another core ahead of a burst of allocations (:class:`HeapRoom`), and arrays faulted in ahead
-of their first writes (:func:`fault_in`).
+another core ahead of a burst of allocations (:class:`HeapRoom`), arrays faulted in ahead of
+their first writes (:func:`fault_in`), and long-lived growing arrays kept out of the heap, in
+maps of their own (:func:`mapped_empty`).
 
 Why the room: the first write to each fresh 4 KiB page of the heap is a page fault, ≈1.5 µs of
 kernel time apiece on these VMs, taken by the thread that writes it while it holds the GIL. A
