@@ -45,6 +45,8 @@ MADV_POPULATE_WRITE = 23
 PAGE = 4096
 FAULT_IN_MIN = 1 << 20
 """Arrays :func:`fault_in` leaves alone: smaller ones cost a few faults at most."""
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0)
+"""A map's unused room is not counted against the system's commit limit."""
 MAPPED_MIN = 1 << 20
 """Arrays :func:`mapped_empty` places in a map of their own from this size on (below it, the
 heap's holes they could leave are small)."""
@@ -95,7 +97,9 @@ def fault_in(
     return asked
 
 
-def mapped_empty(shape: int | tuple[int, ...], dtype: npt.DTypeLike) -> npt.NDArray[Any]:
+def mapped_empty(
+    shape: int | tuple[int, ...], dtype: npt.DTypeLike, room: int = 1
+) -> npt.NDArray[Any]:
     """An uninitialised array (zeros, when mapped) for a long-lived array that is replaced by a
     larger copy as it grows: from :data:`MAPPED_MIN` bytes on, in an anonymous private map
     of its own, unmapped when the last array viewing it is gone. In glibc's heap, each old
@@ -103,15 +107,45 @@ def mapped_empty(shape: int | tuple[int, ...], dtype: npt.DTypeLike) -> npt.NDAr
     only a heap's top), ≈100 B a chunk at 10^5 chunks in a coordinator until the next
     ``malloc_trim`` (docs/performance.md, "Service: design figures"); a map's pages go back
     to the kernel when it is freed. Per-request buffers stay in the heap: there, a map would
-    be faulted in afresh on every request."""
+    be faulted in afresh on every request. ``room``: the map is that many times the array's
+    size (address space only: pages never written are not resident), so that
+    :func:`mapped_grown` can grow the array in place that far."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     dt = np.dtype(dtype)
     nbytes = math.prod(shape) * dt.itemsize
     if nbytes < MAPPED_MIN:
         return np.empty(shape, dt)
     # MAP_PRIVATE: Python's default for an anonymous map is shared (shmem-backed) memory.
-    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    area = mmap.mmap(-1, room * nbytes, flags=mmap.MAP_PRIVATE | MAP_NORESERVE)
     return np.frombuffer(area, dt, math.prod(shape)).reshape(shape)
+
+
+def mapped_grown(arr: npt.NDArray[Any], rows: int) -> npt.NDArray[Any] | None:
+    """``arr`` (an array of :func:`mapped_empty`, the whole of it from its map's start) as
+    ``rows`` rows in place: the same address, its contents kept, the rows past them the map's
+    (zeros, or what a smaller view wrote there); ``None`` when it has no map or too little
+    room. The old array stays valid and sees the new one's first rows."""
+    view = arr.base
+    while (
+        isinstance(view, np.ndarray)
+        and view.base is not None
+        and not isinstance(view.base, memoryview)
+    ):
+        view = view.base
+    if not isinstance(view, np.ndarray) or not isinstance(view.base, memoryview):
+        return None
+    area = view.base.obj
+    row = arr.itemsize * math.prod(arr.shape[1:])
+    if (
+        not isinstance(area, mmap.mmap)
+        or view.ctypes.data != arr.ctypes.data
+        or not arr.flags.c_contiguous
+        or rows * row > len(area)
+    ):
+        return None
+    return np.frombuffer(area, arr.dtype, rows * math.prod(arr.shape[1:])).reshape(
+        (rows, *arr.shape[1:])
+    )
 
 
 class HeapRoom:

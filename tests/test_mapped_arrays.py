@@ -10,8 +10,13 @@ import mmap
 
 import numpy as np
 
-from kvatlas.c_heap import MAPPED_MIN, PAGE, mapped_empty
-from kvatlas.directory.blend.kernels.layout import CTX_ARRAYS, BlendArrays, write_context
+from kvatlas.c_heap import MAPPED_MIN, PAGE, mapped_empty, mapped_grown
+from kvatlas.directory.blend.kernels.layout import (
+    CTX_ARRAYS,
+    GROWTH_ROOM,
+    BlendArrays,
+    write_context,
+)
 
 
 def _mapping_of(address: int) -> str | None:
@@ -96,3 +101,34 @@ def test_growing_the_blend_arrays_past_the_map_size_keeps_contents_and_fills_the
             ctx[CTX_ARRAYS + 2 * k] == a.ctypes.data and ctx[CTX_ARRAYS + 2 * k + 1] == a.shape[0]
         )
         assert _mapping_of(a.ctypes.data) is not None
+
+
+def test_a_mapped_array_grows_in_place_within_its_room_and_keeps_its_contents() -> None:
+    rows = MAPPED_MIN // 40 + 1
+    a = mapped_empty((rows, 5), np.int64, 3)
+    a[:] = np.arange(a.size).reshape(a.shape)
+    grown = mapped_grown(a, 3 * rows)
+    assert grown is not None and grown.ctypes.data == a.ctypes.data
+    assert grown.shape == (3 * rows, 5) and grown.dtype == np.int64
+    assert np.array_equal(grown[:rows], np.arange(a.size).reshape(a.shape))
+    assert not grown[rows:].any()  # the room: zeros
+    grown[0, 0] = -5
+    assert a[0, 0] == -5  # the old array stays valid: the new one's first rows
+    assert mapped_grown(a, 3 * rows + 1) is None  # past the room
+    assert mapped_grown(a[1:], rows) is None  # not from the map's start
+    assert mapped_grown(np.zeros((rows, 5), np.int64), rows + 1) is None  # not mapped
+
+
+def test_the_blend_arrays_grow_in_place_then_move_when_their_room_is_used() -> None:
+    arrays = BlendArrays.empty(1024).with_occupant_capacity(MAPPED_MIN // 8)
+    arrays.o_i64[:, 1] = np.arange(arrays.o_i64.shape[0])
+    at = arrays.o_i64.ctypes.data
+    rows = arrays.o_i64.shape[0]
+    within = arrays.with_occupant_capacity(GROWTH_ROOM * rows)
+    assert within.o_i64.ctypes.data == at
+    assert np.array_equal(within.o_i64[:rows, 1], np.arange(rows))
+    assert not within.o_i64[rows:].any()
+    beyond = within.with_occupant_capacity(GROWTH_ROOM * rows + 1)
+    assert beyond.o_i64.ctypes.data != at
+    assert np.array_equal(beyond.o_i64[:rows, 1], np.arange(rows)) and not beyond.o_i64[rows:].any()
+    assert (beyond.o_i32[rows:] == 0).all() and (beyond.o_hlen[rows:] == 0).all()

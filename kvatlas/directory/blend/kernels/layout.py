@@ -30,7 +30,11 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.c_heap import mapped_empty
+from kvatlas.c_heap import mapped_empty, mapped_grown
+
+GROWTH_ROOM = 4
+"""Content and occupant arrays are mapped with room for this many times their rows (address
+space only): they grow in place, copied once every ≈12 growths by an eighth."""
 
 TOKENS_U16 = 1 << 62
 """Tag bit of a token address (``c_addr``): the array is ``uint16``. User-space addresses stay
@@ -186,7 +190,9 @@ def _lookup(slots: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.uint64]]:
 
 
 def _resized(arr: npt.NDArray[Any], capacity: int, fill: int) -> npt.NDArray[Any]:
-    out = mapped_empty((capacity, *arr.shape[1:]), arr.dtype)  # (no hole left when it grows)
-    out[: arr.shape[0]] = arr
+    out = mapped_grown(arr, capacity)  # in place (the same address), where its map has room
+    if out is None:  # a new map with room for GROWTH_ROOM times the rows (no hole left behind)
+        out = mapped_empty((capacity, *arr.shape[1:]), arr.dtype, GROWTH_ROOM)
+        out[: arr.shape[0]] = arr
     out[arr.shape[0] :] = fill  # each byte written once (np.full then a copy: twice)
     return out
