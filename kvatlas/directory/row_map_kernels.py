@@ -263,8 +263,12 @@ def add_rows(ctx: Any, handles: Any, parts: Any, rows: Any, first: Any, replace:
         s = _slot_of(c, m, h)
         if s < 0:
             _take(c, m, -1 - s, h, _row(rows, first, i))
-        elif replace:
-            i32_ptr(m[P_ORDER])[i32_ptr(m[P_SLOTS])[s]] = _row(rows, first, i)  # type: ignore[call-arg]
+        elif replace:  # the position keeps the new row, whose column gets the hash
+            r = _row(rows, first, i)
+            i32_ptr(m[P_ORDER])[i32_ptr(m[P_SLOTS])[s]] = r  # type: ignore[call-arg]
+            column = u64_ptr(c[C_HASHES] + 32 * r)  # type: ignore[call-arg]
+            for k in range(HASH_WORDS):
+                column[k] = h[k]
         else:
             for j in range(i - 1, -1, -1):
                 words = c[C_DATA] + handles[j]

@@ -43,8 +43,8 @@ def bad_hash(h: object) -> InvalidInput:
 
 def exact(h: object) -> object:
     """``h`` as an exact ``bytes`` if it is a ``bytes`` subclass (an ``ObjectKey`` accepts
-    one), else ``h`` itself."""
-    return bytes(h) if isinstance(h, bytes) and type(h) is not bytes else h
+    one), else ``h`` itself: its own bytes (``bytes(h)`` would call a ``__bytes__``)."""
+    return bytes(memoryview(h)) if isinstance(h, bytes) and type(h) is not bytes else h
 
 
 def mix_keys() -> list[int]:

@@ -237,6 +237,38 @@ def test_a_bytes_subclass_is_kept_by_value() -> None:
     assert not any(len(p) for p in parts)
 
 
+def test_a_hash_filled_twice_keeps_its_later_row_and_no_other_hash_finds_it() -> None:
+    """``RowMaps.fill`` of one hash twice (as a dict's ``d[h] = r`` twice): the later row is
+    the hash's, its column holds the hash, and after a relocation no hash that was never stored
+    finds that row (found by review: the replacing branch left the new row's column unwritten)."""
+    maps = row_maps.RowMaps()
+    maps.add_part()
+    a = bytes([0]) + bytes(range(1, 32))
+    none = np.zeros(1, np.int64)
+    maps.fill([a, a], np.zeros(2, np.int64), 0)
+    assert maps.rows_of([a], none) == [1]
+    maps.relocate(0, 0)
+    assert maps.rows_of([a], none) == [1]
+    assert maps.rows_of([bytes(32)], none) == [None]
+
+
+def test_a_bytes_subclass_is_kept_by_its_own_value() -> None:
+    """A ``bytes`` subclass whose ``__bytes__`` says another hash is kept and found by its own
+    32 bytes, as a dict would (found by review: ``bytes(h)`` called ``__bytes__``)."""
+    parts = new_parts(PARTS)
+    other = h(7, False)
+
+    class Odd(bytes):
+        def __bytes__(self) -> bytes:
+            return other
+
+    parts[other[0]][other] = record(7, 1)
+    x = Odd(h(5, False))
+    assert x not in parts[x[0]]
+    parts[x[0]][x] = record(5, 2)
+    assert rows_of(parts, [bytes(memoryview(x)), other]) == [1, 0]
+
+
 def test_negative_control_a_probe_that_misses_is_caught() -> None:
     """The probe's keys changed under the map (every later probe homes elsewhere): the
     checks above must fail."""
