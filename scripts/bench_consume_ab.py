@@ -27,7 +27,7 @@ import kvatlas.directory.blend.index as index_module
 import kvatlas.directory.blend.state as state_module
 import kvatlas.directory.chunk_stores as stores_module
 import kvatlas.events.columns as columns_module
-from kvatlas.bench.directory import CHUNK, _workload
+from kvatlas.bench.directory_workload import CHUNK, workload
 from kvatlas.directory import KeyDirectory, warm_up_kernels
 from kvatlas.directory.blend import kernels
 from kvatlas.workloads import LLAMA2, LLAMA3
@@ -78,7 +78,7 @@ def main() -> None:
     ours = _variant(state_module, writes_module, fresh_module, columns_module)
     warm_up_kernels()  # (both trees' kernels: each registers its twins)
     n = args.entries
-    batches = _workload(n, 7, vocab=LLAMA2 if args.vocab == "llama2" else LLAMA3)
+    batches = workload(n, 7, vocab=LLAMA2 if args.vocab == "llama2" else LLAMA3)
     runs: dict[str, list[float]] = {"base": [], "this tree": []}
     for r in range(args.repeats):
         order = [("base", base), ("this tree", ours)]
