@@ -34,10 +34,10 @@ from kvatlas.directory.records import (
     split_columns,
 )
 from kvatlas.directory.row_copies import copy_rows
-from kvatlas.directory.row_maps import split_hashes
 from kvatlas.directory.shapes import ShapeTable
 from kvatlas.directory.token_store import StoredTokens
 from kvatlas.errors import Conflict
+from kvatlas.events.json_codec import split_hashes
 
 
 @dataclass(frozen=True, slots=True)

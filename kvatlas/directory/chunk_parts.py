@@ -30,8 +30,9 @@ from kvatlas.directory.l1_owners import NO_OWNER
 from kvatlas.directory.records import Placements, Record, l1_owner, split_columns
 from kvatlas.directory.row_copies import WIDTH
 from kvatlas.directory.row_map_kernels import ABSENT, BAD_KEY, NO_ROOM, P_LIVE, PART_WORDS
-from kvatlas.directory.row_maps import BY_FIRST_BYTE, bad_hash, exact, split_hashes
+from kvatlas.directory.row_maps import BY_FIRST_BYTE, bad_hash, exact
 from kvatlas.directory.token_store import StoredTokens
+from kvatlas.events.json_codec import split_hashes
 
 __all__ = [
     "ChunkColumns",
@@ -91,7 +92,7 @@ class ChunkPart:
 
     def raw_hashes_and_rows(self) -> tuple[bytes, list[int]]:
         """:meth:`hashes_and_rows` with the hashes end to end, one copy (what a capture
-        takes under the lock: ``row_maps.split_hashes`` makes them after it)."""
+        takes under the lock: ``json_codec.split_hashes`` makes them after it)."""
         maps = self.cols.maps
         rows = maps.rows(self.index)
         return maps.raw_hashes(rows), rows.tolist()

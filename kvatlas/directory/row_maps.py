@@ -25,6 +25,7 @@ from kvatlas.directory import row_map_kernels as k
 from kvatlas.directory.blend._cpython import BYTES_DATA_OFFSET, BYTES_SIZE_OFFSET
 from kvatlas.directory.blend.kernels.objects import object_handles
 from kvatlas.errors import InvalidInput
+from kvatlas.events.json_codec import split_hashes
 
 BY_FIRST_BYTE: Final = np.empty(0, np.int64)
 """A batch's partitions given as none: each hash's first byte (the table's partitions)."""
@@ -161,7 +162,7 @@ class RowMaps:
         return split_hashes(self.raw_hashes(rows))
 
     def raw_hashes(self, rows: npt.NDArray[Any] | Sequence[int]) -> bytes:
-        """The hashes at ``rows``, end to end (one copy: :func:`split_hashes` makes them)."""
+        """The hashes at ``rows``, end to end (one copy: ``json_codec.split_hashes`` makes them)."""
         if not len(rows):
             return b""
         words = np.frombuffer(self.hashes, np.uint64).reshape(-1, k.HASH_WORDS)
@@ -220,12 +221,6 @@ class RowMaps:
         if k.BAD_KEY in rows and any(exact(h) is not h for h in hashes):
             return self.remove_many(list(map(exact, hashes)), parts)
         return [max(r, -1) for r in rows]
-
-
-def split_hashes(raw: bytes) -> list[bytes]:
-    """32-byte hashes end to end, each a ``bytes``."""
-    ends = range(HASH_BYTES, len(raw) + 1, HASH_BYTES)
-    return list(map(raw.__getitem__, map(slice, range(0, len(raw), HASH_BYTES), ends)))
 
 
 def warm_up_row_maps() -> None:

@@ -255,7 +255,7 @@ def _cut_column_batches(body: bytes, wire: _WireBody, cut: CutBody) -> list[Colu
         r0 = int(runs[0]) if n else 0  # the batch's runs are r0, r0 + 1, ... (rising)
         batch_shapes, by_run = shape_index(shapes[r0 : int(runs[-1]) + 1] if n else [])
         entries = EntryColumns(
-            _split_hashes(hashes[32 * first : 32 * end], n),
+            split_hashes(hashes[32 * first : 32 * end], n),
             batch_shapes,
             by_run[runs - r0] if len(batch_shapes) > 1 else np.zeros(n, np.intp),
             sizes[first:end].copy(),
@@ -327,7 +327,7 @@ def _columns_from_wire(
     if len(raw) != 32 * len(hexes):  # fromhex skips white space; a hash holds none
         return None
     return EntryColumns.checked(
-        _split_hashes(raw, len(hexes)),
+        split_hashes(raw, len(hexes)),
         list(map(shape_parts, keys)),
         list(map(_SIZE, entries)),
         list(map(_OFFSET, entries)),
@@ -337,9 +337,12 @@ def _columns_from_wire(
     )
 
 
-def _split_hashes(raw: bytes | memoryview, n: int) -> list[bytes]:
-    """``raw`` (``32 * n`` bytes, or a view of them) cut into its ``n`` 32-byte chunk hashes
-    (one C call for a batch of usual size, no copy of ``raw`` first)."""
+def split_hashes(raw: bytes | memoryview, n: int | None = None) -> list[bytes]:
+    """``raw`` (``32 * n`` bytes, or a view of them; ``n`` by default all of it) cut into its
+    ``n`` 32-byte chunk hashes (one C call for a batch of usual size, no copy of ``raw``
+    first)."""
+    if n is None:
+        n = len(raw) // 32
     if n > _SPLIT_MAX:
         view = memoryview(raw).cast("B")
         return [view[i : i + 32].tobytes() for i in range(0, 32 * n, 32)]

@@ -217,10 +217,10 @@ def test_msgpack_shaped_like_the_json_body_is_accepted() -> None:
 @pytest.mark.parametrize("n", [0, 1, 256, 4096, 4097])
 def test_split_hashes_cuts_32_byte_hashes_in_order(n: int) -> None:
     """The JSON columns' chunk hashes, cut by a cached struct layout (or slices past 4,096)."""
-    from kvatlas.events.json_codec import _split_hashes
+    from kvatlas.events.json_codec import split_hashes
 
     raw = bytes(range(256)) * (n // 8) + bytes(32 * (n % 8))
-    hashes = _split_hashes(raw, n)
+    hashes = split_hashes(raw, n)
     assert hashes == [raw[i : i + 32] for i in range(0, 32 * n, 32)]
     assert all(type(h) is bytes for h in hashes)
 
