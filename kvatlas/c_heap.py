@@ -148,6 +148,24 @@ def mapped_grown(arr: npt.NDArray[Any], rows: int) -> npt.NDArray[Any] | None:
     )
 
 
+GROWTH_ROOM = 4
+"""A map made by :func:`mapped_resized` has room for this many times its rows (address space
+only): the array grows in place, copied once every ≈12 growths by an eighth."""
+
+
+def mapped_resized(arr: npt.NDArray[Any], capacity: int, fill: int) -> npt.NDArray[Any]:
+    """``arr``, a long-lived array of :func:`mapped_empty` that grows, as ``capacity`` rows:
+    in place (the same address) where its map has room, else in a new map with room for
+    :data:`GROWTH_ROOM` times the rows (no hole left behind in a heap, as a reallocation
+    leaves); the rows past ``arr``'s set to ``fill``."""
+    out = mapped_grown(arr, capacity)
+    if out is None:
+        out = mapped_empty((capacity, *arr.shape[1:]), arr.dtype, GROWTH_ROOM)
+        out[: arr.shape[0]] = arr
+    out[arr.shape[0] :] = fill  # each byte written once (np.full then a copy: twice)
+    return out
+
+
 class HeapRoom:
     """Room for ``nbytes`` of blocks this thread is about to allocate from glibc's main heap,
     faulted in on a thread of its own while they are allocated. Inside ``with``, the heap's

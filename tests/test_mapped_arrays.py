@@ -10,13 +10,8 @@ import mmap
 
 import numpy as np
 
-from kvatlas.c_heap import MAPPED_MIN, PAGE, mapped_empty, mapped_grown
-from kvatlas.directory.blend.kernels.layout import (
-    CTX_ARRAYS,
-    GROWTH_ROOM,
-    BlendArrays,
-    write_context,
-)
+from kvatlas.c_heap import GROWTH_ROOM, MAPPED_MIN, PAGE, mapped_empty, mapped_grown
+from kvatlas.directory.blend.kernels.layout import CTX_ARRAYS, BlendArrays, write_context
 
 
 def _mapping_of(address: int) -> str | None:

@@ -341,8 +341,8 @@ def rows_of(parts: Sequence[ChunkPart], hashes: Iterable[bytes]) -> list[int | N
     return cols.maps.rows_of(listed, at)
 
 
-def remove_chunks(parts: Sequence[ChunkPart], hashes: list[bytes], rows: list[int]) -> None:
-    """``del parts[h[0]][h]`` of each of ``hashes`` (held at ``rows``), rows cleared in bulk."""
+def remove_chunks(parts: Sequence[ChunkPart], hashes: list[bytes]) -> None:
+    """``del parts[h[0]][h]`` of each of ``hashes``, their rows cleared in bulk."""
     if not hashes:
         return
     cols = parts[0].cols
@@ -352,7 +352,7 @@ def remove_chunks(parts: Sequence[ChunkPart], hashes: list[bytes], rows: list[in
     taken = cols.maps.remove_many(hashes, at)
     if -1 in taken:
         raise KeyError(hashes[taken.index(-1)])
-    cols.clear_rows(rows)
+    cols.clear_rows(taken)
 
 
 def l1_chunks(parts: Sequence[ChunkPart], name: str) -> list[bytes]:

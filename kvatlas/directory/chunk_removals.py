@@ -131,7 +131,7 @@ class RemovalRules:
         if emptied:
             emptied.sort()
             tokens, flagged = kg.fields[:2]
-            self._remove_plain(emptied, [hashes[i] for i in held], rows, tokens, flagged)
+            self._remove_plain(emptied, [hashes[i] for i in held], tokens, flagged)
         return kg.left
 
     def fence(self, inst: str) -> int:
@@ -197,19 +197,18 @@ class RemovalRules:
                 gone.append(group)
         if gone:
             emptied = np.sort(np.concatenate(gone)).tolist()
-            self._remove_plain(emptied, hashes, rows, tokens, flagged)
+            self._remove_plain(emptied, hashes, tokens, flagged)
         return dropped, list(compress(hashes, (~plain).tolist()))
 
     def _remove_plain(
         self,
         emptied: list[int],
         hashes: list[bytes],
-        rows: list[int],
         tokens: Sequence[StoredTokens | None],
         flagged: Sequence[int],
     ) -> None:
-        """Remove chunks ``hashes[i]`` (one key each, now without placements; at
-        ``rows[i]``, their content ``tokens[i]``, ``2 * shape id + indexed`` ``flagged[i]``)
+        """Remove chunks ``hashes[i]`` (one key each, now without placements; their
+        content ``tokens[i]``, ``2 * shape id + indexed`` ``flagged[i]``)
         for each ``i`` of ``emptied``."""
         table = self._table
         gone = [hashes[i] for i in emptied]
@@ -228,7 +227,7 @@ class RemovalRules:
                     which,
                     vouched=set(map(type, claimed_hashes)) == {bytes},
                 )])  # fmt: skip
-        remove_chunks(table.parts, gone, [rows[i] for i in emptied])
+        remove_chunks(table.parts, gone)
 
     def drop_unlisted(self, batch: EventBatch, cols: EntryColumns, sids: list[int]) -> int:
         """The removal half of a ``resync`` batch: remove the reporter's own placements on

@@ -198,20 +198,22 @@ def _part_no(c: Any, at: Any, words: Any, parts: Any, i: Any) -> Any:
 
 
 @jit
-def rows_of(ctx: Any, handles: Any, parts: Any, out: Any) -> None:
+def rows_of(ctx: Any, handles: Any, parts: Any, out: Any, take: Any) -> None:
     """``out[i]``: the row of the object ``handles[i]`` (an ``id``) in partition
     ``parts[i]`` (``parts`` empty: its first byte), -1 if absent, ``BAD_KEY`` if not an
-    exact 32-byte ``bytes``."""
+    exact 32-byte ``bytes``; with ``take``, each found is taken out of its partition."""
     c = i64_ptr(ctx)  # type: ignore[call-arg]
     for i in range(handles.shape[0]):
         words = _key_words(c, handles[i])
         out[i] = ABSENT if words != 0 else BAD_KEY
         if words != 0:
             p = _part_no(c, handles[i], words, parts, i)
-            if p < c[C_NPARTS]:
+            if 0 <= p < c[C_NPARTS]:
                 m = _part(c, p)
                 s = _slot_of(c, m, u64_ptr(words))  # type: ignore[call-arg]
-                if s >= 0:
+                if s >= 0 and take:
+                    out[i] = _drop(m, s)
+                elif s >= 0:
                     out[i] = i32_ptr(m[P_ORDER])[i32_ptr(m[P_SLOTS])[s]]  # type: ignore[call-arg]
 
 
@@ -224,9 +226,7 @@ def short_parts(ctx: Any, handles: Any, parts: Any, counts: Any, short: Any) -> 
     c = i64_ptr(ctx)  # type: ignore[call-arg]
     for i in range(handles.shape[0]):
         words = _key_words(c, handles[i])
-        if words == 0:
-            return -1 - i
-        p = _part_no(c, handles[i], words, parts, i)
+        p = -1 if words == 0 else _part_no(c, handles[i], words, parts, i)
         if p < 0 or p >= c[C_NPARTS]:
             counts[:] = 0
             return -1 - i
@@ -296,23 +296,6 @@ def fill_words(ctx: Any, words: Any, parts: Any) -> None:
             _take(c, m, -1 - s, h, i)
         else:
             i32_ptr(m[P_ORDER])[i32_ptr(m[P_SLOTS])[s]] = i  # type: ignore[call-arg]
-
-
-@jit
-def remove_rows(ctx: Any, handles: Any, parts: Any, out: Any) -> None:
-    """Take each object ``handles[i]`` out of its partition; ``out[i]`` its row (-1: absent;
-    ``BAD_KEY``: not an exact 32-byte ``bytes``)."""
-    c = i64_ptr(ctx)  # type: ignore[call-arg]
-    for i in range(handles.shape[0]):
-        words = _key_words(c, handles[i])
-        out[i] = ABSENT if words != 0 else BAD_KEY
-        if words != 0:
-            p = _part_no(c, handles[i], words, parts, i)
-            if p < c[C_NPARTS]:
-                m = _part(c, p)
-                s = _slot_of(c, m, u64_ptr(words))  # type: ignore[call-arg]
-                if s >= 0:
-                    out[i] = _drop(m, s)
 
 
 @jit

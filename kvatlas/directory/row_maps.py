@@ -7,7 +7,8 @@ replaced chunk keeps its position), so it iterates as the ``dict`` it replaced d
 write is refused, with nothing changed, unless its hash is an exact 32-byte ``bytes``; a read
 of anything else finds nothing (as a ``dict`` of such hashes would). A partition's arrays
 are only ever moved whole, by one compiled pass over its ≤ 1/256 of the chunks, when a write
-finds no room; the hash column grows by ``array``'s reallocation.
+finds no room; the hash column grows in a map of its own (``c_heap.mapped_resized``: no hole
+left in the heap by each growth's old copy, as the blend index's arrays grow).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from kvatlas.c_heap import mapped_empty, mapped_resized
 from kvatlas.directory import row_map_kernels as k
 from kvatlas.directory.blend._cpython import BYTES_DATA_OFFSET, BYTES_SIZE_OFFSET
 from kvatlas.directory.blend.kernels.objects import object_handles
@@ -82,7 +84,7 @@ class RowMaps:
         self.ctx[k.C_SIZE], self.ctx[k.C_DATA] = BYTES_SIZE_OFFSET, BYTES_DATA_OFFSET
         self.find, self.add, self.take = single_entries()
         self.meta = array("q")  # PART_WORDS per partition
-        self.hashes = array("Q")  # HASH_WORDS per row
+        self.hashes = mapped_empty((0, k.HASH_WORDS), np.uint64)  # a row's hash, as words
         self.slots: list[npt.NDArray[np.int32]] = []
         self.orders: list[npt.NDArray[np.int32]] = []
         # a batch's scratch: per partition its entries (zeros between batches), the short ones
@@ -94,7 +96,7 @@ class RowMaps:
         ctx = self.ctx
         ctx[k.C_PARTS] = self.meta.buffer_info()[0]
         ctx[k.C_NPARTS] = len(self.meta) // k.PART_WORDS
-        ctx[k.C_HASHES] = self.hashes.buffer_info()[0]
+        ctx[k.C_HASHES] = self.hashes.ctypes.data
 
     def add_part(self) -> int:
         """A new empty partition's number."""
@@ -110,11 +112,10 @@ class RowMaps:
 
     def ensure_rows(self, rows: int) -> None:
         """Room in the hash column for ``rows`` rows (the rows past the table's are room)."""
-        have = len(self.hashes) // k.HASH_WORDS
-        if have < rows:  # (by a quarter at least: each growth may copy the column)
-            more = max(rows - have, have // 4)
-            self.hashes.frombytes(bytes(HASH_BYTES * more))
-            self.ctx[k.C_HASHES] = self.hashes.buffer_info()[0]
+        have = len(self.hashes)
+        if have < rows:  # (by a quarter at least: a growth past the map's room copies it)
+            self.hashes = mapped_resized(self.hashes, max(rows, have + have // 4), 0)
+            self.ctx[k.C_HASHES] = self.hashes.ctypes.data
 
     def live(self, p: int) -> int:
         return self.meta[k.PART_WORDS * p + k.P_LIVE]
@@ -142,6 +143,8 @@ class RowMaps:
         found = k.short_parts(self.ctx_addr, handles, parts, self.counts, self.short)
         if found < 0:
             h = hashes[-1 - found]
+            if type(h) is bytes and len(h) == HASH_BYTES:  # (a caller's bug: no such partition)
+                raise IndexError(f"no partition {int(parts[-1 - found])} of {n}")
             if exact(h) is h:
                 raise bad_hash(h)
             return self.prepare(list(map(exact, hashes)), parts)
@@ -165,15 +168,12 @@ class RowMaps:
         """The hashes at ``rows``, end to end (one copy: ``json_codec.split_hashes`` makes them)."""
         if not len(rows):
             return b""
-        words = np.frombuffer(self.hashes, np.uint64).reshape(-1, k.HASH_WORDS)
-        raw = words[np.asarray(rows, np.intp)].tobytes()
-        del words  # (the column may grow again)
-        return raw
+        return self.hashes[np.asarray(rows, np.intp)].tobytes()
 
     def rows_of(self, hashes: Sequence[object], parts: npt.NDArray[np.int64]) -> list[int | None]:
         """The row of each of ``hashes`` (``None``: not held, or not 32 bytes)."""
         out = np.empty(len(hashes), np.int64)
-        k.rows_of(self.ctx_addr, object_handles(hashes), parts, out)
+        k.rows_of(self.ctx_addr, object_handles(hashes), parts, out, False)
         rows = out.tolist()
         if k.BAD_KEY in rows and any(exact(h) is not h for h in hashes):
             return self.rows_of(list(map(exact, hashes)), parts)
@@ -216,7 +216,7 @@ class RowMaps:
     def remove_many(self, hashes: Sequence[object], parts: npt.NDArray[np.int64]) -> list[int]:
         """Take each of ``hashes`` out of its partition; their rows (-1: not held)."""
         out = np.empty(len(hashes), np.int64)
-        k.remove_rows(self.ctx_addr, object_handles(hashes), parts, out)
+        k.rows_of(self.ctx_addr, object_handles(hashes), parts, out, True)
         rows: list[int] = out.tolist()
         if k.BAD_KEY in rows and any(exact(h) is not h for h in hashes):
             return self.remove_many(list(map(exact, hashes)), parts)

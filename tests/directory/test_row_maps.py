@@ -33,7 +33,7 @@ from kvatlas.directory.chunk_parts import (
     rows_of,
 )
 from kvatlas.directory.records import Record, make_record, new_record, placement_row, split_columns
-from kvatlas.directory.row_map_kernels import C_KEYS
+from kvatlas.directory.row_map_kernels import C_HASHES, C_KEYS
 from kvatlas.errors import InvalidInput
 from tests.directory.helpers import toks
 
@@ -140,8 +140,7 @@ def run_keyed(program: list[Op], shared: bool, hook: Callable[[int, Any], None])
         elif op == "remove":  # chunks taken out in bulk (a fence's, a delete's)
             gone = [y for y in dict.fromkeys(h(n + i, shared) for i in range(keys * 5))
                     if y in model[y[0]]]  # fmt: skip
-            rows = [parts[y[0]].row[y] for y in gone]
-            remove_chunks(parts, gone, rows)
+            remove_chunks(parts, gone)
             for y in gone:
                 del model[y[0]][y]
         elif op == "restore":
@@ -232,7 +231,7 @@ def test_a_bytes_subclass_is_kept_by_value() -> None:
     assert rows_of(parts, [x, bytes(x)]) == [0, 0]
     assert add_fresh([parts[x[0]]], [Sub(h(9, False))], [None], np.zeros(1, np.int64), [False],
                      0, [ROW])  # fmt: skip
-    remove_chunks(parts, [Sub(h(9, False))], [1])
+    remove_chunks(parts, [Sub(h(9, False))])
     del parts[x[0]][x]
     assert not any(len(p) for p in parts)
 
@@ -321,3 +320,56 @@ def test_the_warm_up_compiles_every_map_kernel_a_server_calls() -> None:
     )
     new = json.loads(out.stdout.strip().splitlines()[-1])
     assert new and not any(new.values()), new
+
+
+def _mapping_of(address: int) -> str | None:
+    """The line of ``/proc/self/maps`` whose range holds ``address``."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return line
+    return None
+
+
+def test_the_hash_column_grows_in_a_private_map_of_its_own_in_place() -> None:
+    """Past ``c_heap.MAPPED_MIN`` bytes the column is an anonymous private map (not the heap,
+    where each growth's old copy was a resident hole), grown in place while its room lasts;
+    every hash stays found across the growths and the copy into a larger map."""
+    maps = row_maps.RowMaps()
+    maps.add_part()
+    addresses = []
+    held = 0
+    for batch in (1000, 40_000, 20_000, 60_000, 200_000):  # 32 B a row: 1 MiB at 32,768
+        hs = [bytes(1) + (held + i).to_bytes(31, "little") for i in range(batch)]
+        maps.fill(hs, np.zeros(batch, np.int64), held)
+        held += batch
+        addresses.append(maps.hashes.ctypes.data)
+        assert maps.ctx[C_HASHES] == maps.hashes.ctypes.data
+        if held > 40_000:
+            line = _mapping_of(addresses[-1])
+            assert line is not None and line.split()[1] == "rw-p" and len(line.split()) == 5, line
+    assert addresses[1] == addresses[2] == addresses[3] != addresses[4]  # in place, then a copy
+    everything = [bytes(1) + i.to_bytes(31, "little") for i in range(held)]
+    assert maps.rows_of(everything, row_maps.BY_FIRST_BYTE) == list(range(held))
+    assert maps.hashes_of(np.arange(held)) == everything
+
+
+def test_a_refused_batch_leaves_its_scratch_counts_zero() -> None:
+    """A hash refused after others were counted: the counts go back to zero (else the next
+    batch's partitions look fuller than they are and move once more than needed)."""
+    maps = row_maps.RowMaps()
+    maps.add_part()
+    good = [bytes(32), bytes([0, 1]) + bytes(30)]
+    with pytest.raises(InvalidInput, match="32 bytes, not 5"):
+        maps.fill([*good, b"short"], row_maps.BY_FIRST_BYTE, 0)
+    assert not maps.counts.any()
+
+
+def test_a_partition_that_does_not_exist_is_named_not_blamed_on_the_hash() -> None:
+    maps = row_maps.RowMaps()
+    maps.add_part()
+    with pytest.raises(IndexError, match="no partition 3 of 1"):
+        maps.fill([bytes(32)], np.array([3], np.int64), 0)
+    assert maps.rows_of([bytes(32)], np.array([-1], np.int64)) == [None]
+    assert maps.remove_many([bytes(32)], np.array([-1], np.int64)) == [-1]

@@ -30,11 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.c_heap import mapped_empty, mapped_grown
-
-GROWTH_ROOM = 4
-"""Content and occupant arrays are mapped with room for this many times their rows (address
-space only): they grow in place, copied once every ≈12 growths by an eighth."""
+from kvatlas.c_heap import mapped_empty, mapped_resized
 
 TOKENS_U16 = 1 << 62
 """Tag bit of a token address (``c_addr``): the array is ``uint16``. User-space addresses stay
@@ -134,16 +130,16 @@ class BlendArrays(NamedTuple):
         """Content arrays grown to ``capacity`` (the table and filter are unchanged: they
         hold content ids, not positions)."""
         return self._replace(
-            c_fp=_resized(self.c_fp, capacity, 0),
-            c_addr=_resized(self.c_addr, capacity, 0),
-            c_first=_resized(self.c_first, capacity, -1),
+            c_fp=mapped_resized(self.c_fp, capacity, 0),
+            c_addr=mapped_resized(self.c_addr, capacity, 0),
+            c_first=mapped_resized(self.c_first, capacity, -1),
         )
 
     def with_occupant_capacity(self, capacity: int) -> BlendArrays:
         return self._replace(
-            o_i64=_resized(self.o_i64, capacity, 0),
-            o_i32=_resized(self.o_i32, capacity, 0),
-            o_hlen=_resized(self.o_hlen, capacity, 0),
+            o_i64=mapped_resized(self.o_i64, capacity, 0),
+            o_i32=mapped_resized(self.o_i32, capacity, 0),
+            o_hlen=mapped_resized(self.o_hlen, capacity, 0),
         )
 
 
@@ -187,12 +183,3 @@ def _lookup(slots: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.uint64]]:
     filt = mapped_empty(max(2, slots // 8), np.uint64)
     filt.fill(0)
     return table, filt
-
-
-def _resized(arr: npt.NDArray[Any], capacity: int, fill: int) -> npt.NDArray[Any]:
-    out = mapped_grown(arr, capacity)  # in place (the same address), where its map has room
-    if out is None:  # a new map with room for GROWTH_ROOM times the rows (no hole left behind)
-        out = mapped_empty((capacity, *arr.shape[1:]), arr.dtype, GROWTH_ROOM)
-        out[: arr.shape[0]] = arr
-    out[arr.shape[0] :] = fill  # each byte written once (np.full then a copy: twice)
-    return out
