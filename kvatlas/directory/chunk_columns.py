@@ -47,7 +47,7 @@ class ChunkColumns:
         # the first key's placements, the other keys as flat (shape id, placements) pairs
         self.offsets = array("q")  # per row: the content's offset
         self.l1 = L1Owners()  # per row: the instances owning an L1 placement of the chunk
-        self.free: list[int] = []  # rows of removed chunks, reused last freed first
+        self.free = array("q")  # rows of removed chunks, reused last freed first (no int each)
         self.parts: list[Any] = []  # the ChunkParts over these rows (chunk_parts.py's)
         self.bound = 0  # rows whose content is known (kept by every write: stats read it)
         self.maps = RowMaps()  # per row its chunk's hash; the partitions' hash → row maps
@@ -133,7 +133,7 @@ class ChunkColumns:
         into = map(slice, at, map(WIDTH.__add__, at))
         deque(map(objs.__setitem__, into, repeat(_EMPTY_ROW)), maxlen=0)
         self.l1.fill_rows(rows, NO_OWNER)
-        self.free += rows
+        self.free.extend(rows)
 
     def append_rows(
         self,

@@ -301,7 +301,7 @@ def add_fresh(
     cols = parts_of[0].cols
     free, top = cols.free, len(cols.offsets)
     k = min(len(free), n)  # free rows first (last freed first), then new ones
-    reused = free[len(free) - k :][::-1]
+    reused = free[len(free) - k :][::-1].tolist()
     part_nos = BY_FIRST_BYTE
     if parts_of is not cols.parts:
         if len(parts_of) != n:

@@ -4,6 +4,7 @@ records as they were when it took the partition."""
 
 from __future__ import annotations
 
+import tracemalloc
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,13 @@ from hypothesis import strategies as st
 
 import kvatlas.directory.capture as capture_module
 from kvatlas.directory import KeyDirectory
-from kvatlas.directory.chunk_parts import ChunkColumns, ChunkPart, add_fresh, new_parts
+from kvatlas.directory.chunk_parts import (
+    ChunkColumns,
+    ChunkPart,
+    add_fresh,
+    new_parts,
+    remove_chunks,
+)
 from kvatlas.directory.records import make_record, new_record, placement_row
 from kvatlas.keys import ObjectKey, pack_kv_rank
 from tests.directory.helpers import CS, Emitter, captured, entry, toks
@@ -68,7 +75,9 @@ def test_partitions_behave_as_dicts_as_rows_are_freed_and_reused(
     cols = parts[0].cols
     assert all(p.cols is cols for p in parts)
     live = sorted(r for p in parts for r in p.row.values())
-    assert sorted(live + cols.free) == list(range(len(cols.offsets)))  # every row used once
+    assert sorted(live + cols.free.tolist()) == list(
+        range(len(cols.offsets))
+    )  # every row used once
 
 
 def test_a_fresh_batch_with_a_held_chunk_changes_nothing() -> None:
@@ -169,3 +178,28 @@ def test_key_placements_of_rows_whose_first_key_is_not_the_one_asked() -> None:
     shifted = [cols.append(make_record(None, 0, False, [(1, ROW), (0, OTHER)])) for _ in range(3)]
     found, _ = cols.key_placements(rows + shifted, [0] * (len(rows) + 3))
     assert found[-3:] == [OTHER] * 3 and found[: len(rows)] == [rec[4] for rec in recs]
+
+
+def test_freed_rows_are_kept_as_machine_words_not_an_int_object_each() -> None:
+    """A mass removal (an eviction, a fence) frees many rows: the free list keeps each as
+    8 bytes (a list kept a slot and, past 256, an ``int`` object: ≈40 B a row), and rows are
+    still reused last freed first."""
+    parts = new_parts(4)
+    n = 20_000
+    hs = [h(i) for i in range(n)]
+    offs = np.zeros(n, np.int64)
+    assert add_fresh([parts[x[0]] for x in hs], hs, [None] * n, offs, [False] * n, 0, [ROW] * n)
+    cols = parts[0].cols
+    rows = [parts[x[0]].row[x] for x in hs]
+    remove_chunks(parts, hs[999:1000])  # (the kernel compiled or loaded before tracing)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        remove_chunks(parts, hs[1000:])
+        grown = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert grown / (n - 1000) < 16, grown / (n - 1000)
+    assert cols.free.tolist() == rows[999:]
+    assert add_fresh([parts[0]], [h(4 * n)], [None], offs[:1], [False], 0, [ROW])
+    assert parts[0].row[h(4 * n)] == rows[-1]
