@@ -22,6 +22,7 @@ from kvatlas.directory.chunk_parts import (
     remove_chunks,
 )
 from kvatlas.directory.records import make_record, new_record, placement_row
+from kvatlas.errors import InvalidInput
 from kvatlas.keys import ObjectKey, pack_kv_rank
 from tests.directory.helpers import CS, Emitter, captured, entry, toks
 
@@ -203,3 +204,43 @@ def test_freed_rows_are_kept_as_machine_words_not_an_int_object_each() -> None:
     assert cols.free.tolist() == rows[999:]
     assert add_fresh([parts[0]], [h(4 * n)], [None], offs[:1], [False], 0, [ROW])
     assert parts[0].row[h(4 * n)] == rows[-1]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_a_few_fresh_chunks_land_as_a_batch_of_them_does(
+    size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chunk-by-chunk path for a few new chunks (``FEW_FRESH``) against the batch
+    kernels: the same rows (free ones last freed first), records, L1 owners and refusals
+    (a held chunk: nothing changed; a hash not 32 bytes: ``InvalidInput``, nothing changed)."""
+    import kvatlas.directory.chunk_parts as chunk_parts
+
+    states = []
+    for few in (0, 100):
+        monkeypatch.setattr(chunk_parts, "FEW_FRESH", few)
+        parts = new_parts(4)
+        cols = parts[0].cols
+        outcomes = []
+        for step in range(12):
+            hs = [h(step * 10 + i) for i in range(size)]
+            if step % 4 == 3:  # one held: refused
+                hs[-1] = h(0)
+            tokens = [toks(step, 1, 2, 3) if i % 2 else None for i in range(size)]
+            offs = np.arange(size, dtype=np.int64) + step
+            pls = [ROW if step % 2 else OTHER] * size
+            outcomes.append(add_fresh(parts, hs, tokens, offs, [True] * size, 2, pls))
+            if step % 3 == 2:  # rows freed for the next steps to reuse
+                remove_chunks(parts, [x for x in hs if x in parts[x[0]] and x != h(0)])
+        with pytest.raises(InvalidInput):
+            bad = [h(500 + i) for i in range(size - 1)] + [b"short"]
+            add_fresh(parts, bad, [None] * size, np.zeros(size, np.int64), [False] * size, 0,
+                      [ROW] * size)  # fmt: skip
+        states.append((
+            outcomes,
+            [[(k, repr(v)) for k, v in p.items()] for p in parts],
+            [dict(p.row) for p in parts],
+            cols.free.tolist(),
+            np.frombuffer(cols.l1.owner, np.int32).tolist(),
+            cols.bound,
+        ))  # fmt: skip
+    assert states[0] == states[1]
