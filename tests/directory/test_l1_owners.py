@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvatlas.directory import KeyDirectory, load_snapshot, save_snapshot
 from kvatlas.directory.capture import Capture
-from kvatlas.directory.chunk_parts import ChunkColumns, add_fresh, new_parts
+from kvatlas.directory.chunk_parts import FEW_FRESH, ChunkColumns, add_fresh, new_parts
 from kvatlas.directory.l1_owners import NO_OWNER, SEVERAL, L1Owners
 from kvatlas.directory.records import (
     l1_owner,
@@ -238,7 +238,8 @@ def test_the_checks_catch_a_freed_row_that_keeps_its_owner(
     d.consume(fleet.batch("a", "delete", PLACES[0], [entry(key(1))]))
     with pytest.raises(AssertionError):
         check_rows(d._chunks.parts[0].cols)
-    fresh = [entry(key(2), toks(2, 2, 2, 2), 8)]  # a batch of new chunks: the bulk path
+    # a batch of new chunks, more than the few added chunk by chunk: the bulk path
+    fresh = [entry(key(n), toks(n, n, n, n), 8) for n in range(2, 3 + FEW_FRESH)]
     d.consume(fleet.batch("b", "store", PLACES[2], fresh))  # reuses the row
     assert l1_chunk_sets(d) == {"a": {key(2).chunk_hash}}  # wrong: what the check catches
     with pytest.raises(AssertionError):
