@@ -154,15 +154,21 @@ only): the array grows in place, copied once every ≈12 growths by an eighth.""
 
 
 def mapped_resized(arr: npt.NDArray[Any], capacity: int, fill: int) -> npt.NDArray[Any]:
-    """``arr``, a long-lived array of :func:`mapped_empty` that grows, as ``capacity`` rows:
-    in place (the same address) where its map has room, else in a new map with room for
-    :data:`GROWTH_ROOM` times the rows (no hole left behind in a heap, as a reallocation
-    leaves); the rows past ``arr``'s set to ``fill``."""
+    """``arr``, a long-lived array of :func:`mapped_empty` that only grows (its largest view
+    so far), as ``capacity`` rows: in place (the same address) where its map has room, else
+    in a new map with room for :data:`GROWTH_ROOM` times the rows (no hole left behind in a
+    heap, as a reallocation leaves); the rows past ``arr``'s set to ``fill``. In a map, rows
+    no view has reached yet are the kernel's zero pages: a ``fill`` of 0 leaves them
+    untouched, so a growth's room is not resident before rows are written there."""
+    assert capacity >= arr.shape[0]
     out = mapped_grown(arr, capacity)
+    zeros = out is not None  # (in place: past the largest view, nothing was ever written)
     if out is None:
         out = mapped_empty((capacity, *arr.shape[1:]), arr.dtype, GROWTH_ROOM)
+        zeros = out.base is not None  # (a new map: zeros past the copy; else the heap's)
         out[: arr.shape[0]] = arr
-    out[arr.shape[0] :] = fill  # each byte written once (np.full then a copy: twice)
+    if fill or not zeros:
+        out[arr.shape[0] :] = fill  # each byte written once (np.full then a copy: twice)
     return out
 
 

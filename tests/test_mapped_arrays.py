@@ -5,12 +5,20 @@ index's arrays keeps their contents, and the addresses handed to kernels are the
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import mmap
 
 import numpy as np
 
-from kvatlas.c_heap import GROWTH_ROOM, MAPPED_MIN, PAGE, mapped_empty, mapped_grown
+from kvatlas.c_heap import (
+    GROWTH_ROOM,
+    MAPPED_MIN,
+    PAGE,
+    mapped_empty,
+    mapped_grown,
+    mapped_resized,
+)
 from kvatlas.directory.blend.kernels.layout import CTX_ARRAYS, BlendArrays, write_context
 
 
@@ -127,3 +135,36 @@ def test_the_blend_arrays_grow_in_place_then_move_when_their_room_is_used() -> N
     assert beyond.o_i64.ctypes.data != at
     assert np.array_equal(beyond.o_i64[:rows, 1], np.arange(rows)) and not beyond.o_i64[rows:].any()
     assert (beyond.o_i32[rows:] == 0).all() and (beyond.o_hlen[rows:] == 0).all()
+
+
+def _resident_bytes(a: np.ndarray) -> int:
+    """How many bytes of ``a``'s pages are resident (``mincore``: per page, not per mapping;
+    the kernel merges neighbouring anonymous maps into one). A read of a page never written
+    maps the zero page, which counts here: measure before reading the room."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    start = a.ctypes.data
+    pages = -(-a.nbytes // PAGE)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * PAGE), vec) == 0
+    return PAGE * sum(v & 1 for v in vec)
+
+
+def test_a_growths_room_is_not_resident_until_written_and_reads_as_its_fill() -> None:
+    """Growing by zeros leaves the new rows as the kernel's zero pages (resident only once
+    written: each growth's room is not part of the process's RSS); other fills are written;
+    the heap's arrays are filled as before."""
+    rows = MAPPED_MIN // 8
+    a = mapped_empty(rows, np.int64, GROWTH_ROOM)
+    a[:] = 3
+    grown = mapped_resized(a, 3 * rows, 0)
+    assert grown.ctypes.data == a.ctypes.data  # in place
+    assert _resident_bytes(grown) == a.nbytes  # the room (2 MiB) untouched
+    assert not grown[rows:].any() and (grown[:rows] == 3).all()
+    moved = mapped_resized(grown, 5 * rows, 0)  # past the room: a new map, the copy written
+    assert _resident_bytes(moved) == grown.nbytes  # (the copy; 2 of 5 MiB untouched)
+    assert moved.ctypes.data != a.ctypes.data and not moved[rows:].any()
+    assert (moved[:rows] == 3).all()
+    filled = mapped_resized(moved, 6 * rows, -1)
+    assert (filled[5 * rows :] == -1).all() and not filled[rows : 5 * rows].any()
+    small = mapped_resized(np.full(4, 7, np.int64), 8, 0)  # (the heap's: np.empty, filled)
+    assert small.tolist() == [7] * 4 + [0] * 4
