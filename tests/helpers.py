@@ -17,6 +17,19 @@ from kvatlas.node.config import NodeConfig
 from kvatlas.node.engine_client import NodeEngineClient
 from kvatlas.processes import spawn_service, spawn_services, stop
 
+# ------------------------------------------------------------------ memory maps
+
+
+def mapping_of(address: int) -> str | None:
+    """The line of ``/proc/self/maps`` whose range holds ``address`` (``None``: unmapped)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return line
+    return None
+
+
 # ------------------------------------------------------------------ token files
 
 

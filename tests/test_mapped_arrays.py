@@ -20,16 +20,7 @@ from kvatlas.c_heap import (
     mapped_resized,
 )
 from kvatlas.directory.blend.kernels.layout import CTX_ARRAYS, BlendArrays, write_context
-
-
-def _mapping_of(address: int) -> str | None:
-    """The line of ``/proc/self/maps`` whose range holds ``address`` (``None``: unmapped)."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= address < hi:
-                return line
-    return None
+from tests.helpers import mapping_of
 
 
 def _map_of(a: np.ndarray) -> object:
@@ -44,14 +35,14 @@ def test_a_large_array_is_a_private_zeroed_map_unmapped_with_the_array() -> None
     assert a.shape == (MAPPED_MIN // 40 + 1, 5) and a.dtype == np.int64
     assert isinstance(_map_of(a), mmap.mmap) and a.flags.writeable and a.flags.c_contiguous
     assert a.ctypes.data % PAGE == 0 and not a.any()
-    line = _mapping_of(a.ctypes.data)
+    line = mapping_of(a.ctypes.data)
     assert line is not None and line.split()[1] == "rw-p", line  # private, not shmem
     a[:] = 7
     assert int(a.sum()) == 7 * a.size
     address = a.ctypes.data
     del a, line
     gc.collect()
-    assert _mapping_of(address) is None  # the pages went back with the array
+    assert mapping_of(address) is None  # the pages went back with the array
 
 
 def test_a_small_array_stays_in_the_heap() -> None:
@@ -103,7 +94,7 @@ def test_growing_the_blend_arrays_past_the_map_size_keeps_contents_and_fills_the
         assert (
             ctx[CTX_ARRAYS + 2 * k] == a.ctypes.data and ctx[CTX_ARRAYS + 2 * k + 1] == a.shape[0]
         )
-        assert _mapping_of(a.ctypes.data) is not None
+        assert mapping_of(a.ctypes.data) is not None
 
 
 def test_a_mapped_array_grows_in_place_within_its_room_and_keeps_its_contents() -> None:

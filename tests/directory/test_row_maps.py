@@ -36,6 +36,7 @@ from kvatlas.directory.records import Record, make_record, new_record, placement
 from kvatlas.directory.row_map_kernels import C_HASHES, C_KEYS
 from kvatlas.errors import InvalidInput
 from tests.directory.helpers import toks
+from tests.helpers import mapping_of
 
 ROW = placement_row("a", 1, "l1", "dram", 10, False, 0.0)
 OTHER = placement_row("b", 2, "l2", "fs", 20, False, 1.0)
@@ -322,16 +323,6 @@ def test_the_warm_up_compiles_every_map_kernel_a_server_calls() -> None:
     assert new and not any(new.values()), new
 
 
-def _mapping_of(address: int) -> str | None:
-    """The line of ``/proc/self/maps`` whose range holds ``address``."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= address < hi:
-                return line
-    return None
-
-
 def test_the_hash_column_grows_in_a_private_map_of_its_own_in_place() -> None:
     """Past ``c_heap.MAPPED_MIN`` bytes the column is an anonymous private map (not the heap,
     where each growth's old copy was a resident hole), grown in place while its room lasts;
@@ -347,7 +338,7 @@ def test_the_hash_column_grows_in_a_private_map_of_its_own_in_place() -> None:
         addresses.append(maps.hashes.ctypes.data)
         assert maps.ctx[C_HASHES] == maps.hashes.ctypes.data
         if held > 40_000:
-            line = _mapping_of(addresses[-1])
+            line = mapping_of(addresses[-1])
             assert line is not None and line.split()[1] == "rw-p" and len(line.split()) == 5, line
     assert addresses[1] == addresses[2] == addresses[3] != addresses[4]  # in place, then a copy
     everything = [bytes(1) + i.to_bytes(31, "little") for i in range(held)]
