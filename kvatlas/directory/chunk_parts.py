@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from itertools import repeat
 from operator import attrgetter, is_
 
 import numpy as np
@@ -300,7 +301,8 @@ def add_fresh(
     n = len(hashes)
     cols = parts_of[0].cols
     if n <= FEW_FRESH:
-        return _add_few(parts_of, hashes, tokens, offsets, indexed, sid, placements)
+        fields = (tokens, offsets.tolist(), indexed, repeat(sid), placements)
+        return _add_few(parts_of, hashes, list(map(new_record, *fields)))
     free, top = cols.free, len(cols.offsets)
     k = min(len(free), n)  # free rows first (last freed first), then new ones
     reused = free[len(free) - k :][::-1].tolist()
@@ -336,29 +338,18 @@ entry points (≈0.3 µs a read or insert): the batch kernels' fixed cost is ≈
 one-chunk KV event, a node's small store)."""
 
 
-def _add_few(
-    parts_of: Sequence[ChunkPart],
-    hashes: Sequence[bytes],
-    tokens: Sequence[StoredTokens | None],
-    offsets: npt.NDArray[np.int64],
-    indexed: Sequence[bool],
-    sid: int,
-    placements: Sequence[Placements],
-) -> bool:
+def _add_few(parts_of: Sequence[ChunkPart], hashes: Sequence[bytes], records: list[Record]) -> bool:
     """:func:`add_fresh` of a few chunks: every hash checked and found absent before any is
     added (rows reused in the same order: last freed first)."""
     for h in hashes:
         if not isinstance(h, bytes) or len(h) != HASH_BYTES:
             raise bad_hash(h)
     at = parts_of if parts_of is not parts_of[0].cols.parts else [parts_of[h[0]] for h in hashes]
-    if len(at) != len(hashes):
-        raise ValueError(f"{len(at)} partitions for {len(hashes)} chunks")
+    if not len(at) == len(records) == len(hashes):
+        raise ValueError(f"{len(at)} partitions, {len(records)} records, {len(hashes)} chunks")
     if any(map(ChunkPart.__contains__, at, hashes)):
         return False
-    for part, h, tok, offset, ix, pls in zip(
-        at, hashes, tokens, offsets.tolist(), indexed, placements, strict=True
-    ):
-        part[h] = new_record(tok, offset, ix, sid, pls)
+    deque(map(ChunkPart.__setitem__, at, hashes, records), maxlen=0)
     return True
 
 
