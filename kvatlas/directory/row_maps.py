@@ -144,7 +144,8 @@ class RowMaps:
         if found < 0:
             h = hashes[-1 - found]
             if type(h) is bytes and len(h) == HASH_BYTES:  # (a caller's bug: no such partition)
-                raise IndexError(f"no partition {int(parts[-1 - found])} of {n}")
+                p = int(parts[-1 - found]) if len(parts) else h[0]
+                raise IndexError(f"no partition {p} of {n}")
             if exact(h) is h:
                 raise bad_hash(h)
             return self.prepare(list(map(exact, hashes)), parts)

@@ -362,5 +362,7 @@ def test_a_partition_that_does_not_exist_is_named_not_blamed_on_the_hash() -> No
     maps.add_part()
     with pytest.raises(IndexError, match="no partition 3 of 1"):
         maps.fill([bytes(32)], np.array([3], np.int64), 0)
+    with pytest.raises(IndexError, match="no partition 7 of 1"):  # (partitions by first byte)
+        maps.fill([bytes([7]) + bytes(31)], row_maps.BY_FIRST_BYTE, 0)
     assert maps.rows_of([bytes(32)], np.array([-1], np.int64)) == [None]
     assert maps.remove_many([bytes(32)], np.array([-1], np.int64)) == [-1]
