@@ -359,11 +359,15 @@ def rows_of(parts: Sequence[ChunkPart], hashes: Iterable[bytes]) -> list[int | N
     listed = hashes if isinstance(hashes, list | tuple) else list(hashes)
     if not listed:
         return []
-    cols = parts[0].cols
-    if parts is cols.parts:
-        return cols.maps.rows_of(listed, BY_FIRST_BYTE)
-    at = np.fromiter((parts[h[0]].index for h in listed), np.int64, len(listed))
-    return cols.maps.rows_of(listed, at)
+    return parts[0].cols.maps.rows_of(listed, _part_numbers(parts, listed))
+
+
+def _part_numbers(parts: Sequence[ChunkPart], hashes: Sequence[bytes]) -> npt.NDArray[np.int64]:
+    """Each hash's partition ``parts[h[0]]`` as the maps number it (:data:`BY_FIRST_BYTE`
+    when ``parts`` is the columns' own list: its first byte)."""
+    if parts is parts[0].cols.parts:
+        return BY_FIRST_BYTE
+    return np.fromiter((parts[h[0]].index for h in hashes), np.int64, len(hashes))
 
 
 def remove_chunks(parts: Sequence[ChunkPart], hashes: list[bytes]) -> None:
@@ -371,10 +375,7 @@ def remove_chunks(parts: Sequence[ChunkPart], hashes: list[bytes]) -> None:
     if not hashes:
         return
     cols = parts[0].cols
-    at = BY_FIRST_BYTE
-    if parts is not cols.parts:
-        at = np.fromiter((parts[h[0]].index for h in hashes), np.int64, len(hashes))
-    taken = cols.maps.remove_many(hashes, at)
+    taken = cols.maps.remove_many(hashes, _part_numbers(parts, hashes))
     if -1 in taken:
         raise KeyError(hashes[taken.index(-1)])
     cols.clear_rows(taken)
