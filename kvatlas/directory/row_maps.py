@@ -219,8 +219,18 @@ class RowMaps:
         out = np.empty(len(hashes), np.int64)
         k.rows_of(self.ctx_addr, object_handles(hashes), parts, out, True)
         rows: list[int] = out.tolist()
-        if k.BAD_KEY in rows and any(exact(h) is not h for h in hashes):
-            return self.remove_many(list(map(exact, hashes)), parts)
+        if k.BAD_KEY in rows:  # ``bytes`` subclasses: only they again, as exact copies (the
+            # others are out already: a second pass over them would find them absent)
+            again = [
+                i
+                for i, r in enumerate(rows)
+                if r == k.BAD_KEY and exact(hashes[i]) is not hashes[i]
+            ]
+            taken = self.remove_many(
+                [exact(hashes[i]) for i in again], parts[again] if len(parts) else parts
+            )
+            for i, r in zip(again, taken, strict=True):
+                rows[i] = r
         return [max(r, -1) for r in rows]
 
 

@@ -366,3 +366,20 @@ def test_a_partition_that_does_not_exist_is_named_not_blamed_on_the_hash() -> No
         maps.fill([bytes([7]) + bytes(31)], row_maps.BY_FIRST_BYTE, 0)
     assert maps.rows_of([bytes(32)], np.array([-1], np.int64)) == [None]
     assert maps.remove_many([bytes(32)], np.array([-1], np.int64)) == [-1]
+
+
+def test_a_removal_mixing_exact_hashes_and_a_bytes_subclass_takes_each_out_once() -> None:
+    """The exact hashes are out after the first pass; only the subclass goes again (as its
+    exact copy): every row comes back and is freed, none is reported missing."""
+
+    class Sub(bytes):
+        pass
+
+    parts = new_parts(PARTS)
+    a, b = h(1, False), h(2, False)
+    parts[a[0]][a] = record(1, 1)
+    parts[b[0]][b] = record(2, 1)
+    rows = [parts[a[0]].row[a], parts[b[0]].row[b]]
+    remove_chunks(parts, [a, Sub(b)])
+    assert not any(len(p) for p in parts)
+    assert sorted(parts[0].cols.free.tolist()) == sorted(rows)
