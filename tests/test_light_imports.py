@@ -88,3 +88,15 @@ def test_starting_a_service_imports_no_other_commands_modules() -> None:
         "kvatlas.bench.service", "kvatlas.soak.run", "kvatlas.client.cache_cli",
     )  # fmt: skip
     assert _loaded_after(start, others) == []
+
+
+def test_the_connectors_settings_import_without_vllm() -> None:
+    """``kvatlas.connector``'s settings are read and checked without vLLM or torch (≈10 s of
+    CPU to import: every pytest worker paid it collecting the connector's settings tests).
+    The connector itself imports them when vLLM's loader asks for it by name
+    (tests/connector/harness.py loads it through vLLM's ``KVConnectorFactory``)."""
+    settings = (
+        "from kvatlas.connector import ConnectorSettings\n"
+        "ConnectorSettings.from_extra_config({'node_url': 'http://127.0.0.1:1'}, environ={})"
+    )
+    assert _loaded_after(settings, ("vllm", "torch")) == []

@@ -1,19 +1,57 @@
 """kvatlas as vLLM's KV connector (docs/vllm.md): a ``KVConnectorBase_V1`` whose KV store is
 a kvatlas cache node, reached over its engine API (:class:`kvatlas.client.EngineClient`).
 
-Imports vLLM: load it only inside a vLLM engine (``--kv-transfer-config`` names
-``kvatlas.connector`` as ``kv_connector_module_path`` and ``KvatlasConnector``).
+vLLM loads it inside an engine (``--kv-transfer-config`` names ``kvatlas.connector`` as
+``kv_connector_module_path`` and ``KvatlasConnector``). Its settings (:class:`ConnectorSettings`,
+:data:`KV_PACKINGS`) import without vLLM; every other name imports vLLM (and torch) when it is
+first used, so reading or checking a connector's settings does not cost their ≈10 s import.
 """
 
-from kvatlas.connector.connector import (
-    KvatlasConnector,
-    check_cache,
-    check_layout,
-    check_model,
-)
-from kvatlas.connector.metadata import KvatlasConnectorMetadata, LoadOp, RequestKeys, StoreOp
-from kvatlas.connector.rope_check import Rope, check_rope, vllm_rope
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from kvatlas.connector.settings import KV_PACKINGS, ConnectorSettings
+
+if TYPE_CHECKING:
+    from kvatlas.connector.connector import (
+        KvatlasConnector,
+        check_cache,
+        check_layout,
+        check_model,
+    )
+    from kvatlas.connector.metadata import (
+        KvatlasConnectorMetadata,
+        LoadOp,
+        RequestKeys,
+        StoreOp,
+    )
+    from kvatlas.connector.rope_check import Rope, check_rope, vllm_rope
+
+_WITH_VLLM = {
+    **dict.fromkeys(
+        ("KvatlasConnector", "check_cache", "check_layout", "check_model"),
+        "kvatlas.connector.connector",
+    ),
+    **dict.fromkeys(
+        ("KvatlasConnectorMetadata", "LoadOp", "RequestKeys", "StoreOp"),
+        "kvatlas.connector.metadata",
+    ),
+    **dict.fromkeys(("Rope", "check_rope", "vllm_rope"), "kvatlas.connector.rope_check"),
+}
+"""The names that import vLLM, and the module of each."""
+
+
+def __getattr__(name: str) -> Any:
+    """A name of :data:`_WITH_VLLM`, imported on first use (PEP 562)."""
+    module = _WITH_VLLM.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "KV_PACKINGS",
