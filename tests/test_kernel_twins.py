@@ -32,11 +32,15 @@ ROOT = Path(kvatlas.__file__).parent
 SUFFIX = kernel_twins.RELEASING_SUFFIX
 
 
-def _sources() -> list[tuple[str, ast.Module]]:
+def _sources(naming: str = "") -> list[tuple[str, ast.Module]]:
+    """Every kvatlas module's name and tree; with ``naming``, only those whose text has it (the
+    others are not parsed: this runs at collection, in every worker)."""
     out = []
     for path in sorted(ROOT.rglob("*.py")):
-        module = ".".join(("kvatlas", *path.relative_to(ROOT).with_suffix("").parts))
-        out.append((module.removesuffix(".__init__"), ast.parse(path.read_text())))
+        text = path.read_text()
+        if naming in text:
+            module = ".".join(("kvatlas", *path.relative_to(ROOT).with_suffix("").parts))
+            out.append((module.removesuffix(".__init__"), ast.parse(text)))
     return out
 
 
@@ -44,7 +48,7 @@ def _twin_modules() -> list[str]:
     """The modules that compile kernels with ``gil_twins``."""
     return [
         module
-        for module, tree in _sources()
+        for module, tree in _sources("gil_twins")
         if module != "kvatlas.kernel_twins"
         and any(isinstance(n, ast.Name) and n.id == "gil_twins" for n in ast.walk(tree))
     ]

@@ -16,6 +16,7 @@ The rules name packages, not files, so a package can be reorganised freely insid
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 from collections import defaultdict
 from dataclasses import dataclass
@@ -150,7 +151,11 @@ def imports_of(module: str) -> list[Import]:
     return found
 
 
-ALL_IMPORTS = [imp for module in MODULES for imp in imports_of(module)]
+@functools.cache
+def all_imports() -> list[Import]:
+    """Every import of every kvatlas module (parsed on first use, not at collection, where
+    every pytest worker would parse all of them)."""
+    return [imp for module in MODULES for imp in imports_of(module)]
 
 
 def unit(module: str) -> str:
@@ -176,7 +181,7 @@ def test_every_package_and_module_has_a_place() -> None:
 def test_no_package_imports_a_higher_layer() -> None:
     bad = [
         f"{i.importer} (line {i.line}) imports {i.target}"
-        for i in ALL_IMPORTS
+        for i in all_imports()
         if unit(i.importer) in LAYERS and rank(unit(i.target)) > rank(unit(i.importer))
     ]
     assert not bad, "layering: " + "; ".join(bad)
@@ -185,7 +190,7 @@ def test_no_package_imports_a_higher_layer() -> None:
 def test_shared_modules_import_no_layered_package() -> None:
     bad = [
         f"{i.importer} (line {i.line}) imports {i.target}"
-        for i in ALL_IMPORTS
+        for i in all_imports()
         if unit(i.importer) in SHARED and unit(i.target) not in SHARED
     ]
     assert not bad, "shared modules sit underneath every layer: " + "; ".join(bad)
@@ -194,7 +199,7 @@ def test_shared_modules_import_no_layered_package() -> None:
 def test_nothing_imports_the_top() -> None:
     bad = [
         f"{i.importer} (line {i.line}) imports {i.target}"
-        for i in ALL_IMPORTS
+        for i in all_imports()
         if unit(i.target) in TOP and unit(i.importer) not in TOP
     ]
     assert not bad, "bench, demo, soak and cli are entry points, not libraries: " + "; ".join(bad)
@@ -203,7 +208,7 @@ def test_nothing_imports_the_top() -> None:
 def test_forbidden_imports_below_the_order() -> None:
     bad = [
         f"{i.importer} (line {i.line}) imports {i.target}"
-        for i in ALL_IMPORTS
+        for i in all_imports()
         if unit(i.target) in FORBIDDEN.get(unit(i.importer), ())
     ]
     assert not bad, "; ".join(bad)
@@ -252,7 +257,7 @@ def test_cycle_finder_finds_cycles() -> None:
 
 def test_no_import_cycle_between_modules() -> None:
     edges: dict[str, set[str]] = defaultdict(set)
-    for i in ALL_IMPORTS:
+    for i in all_imports():
         if (i.module_level or i.type_only) and i.target != i.importer:
             edges[i.importer].add(i.target)
     assert _cycles(edges) == [], "module-level import cycles (type-only imports count)"
