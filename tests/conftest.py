@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import compileall
 import gc
 import shutil
 import socket
@@ -16,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.numba_cache import ROOT, use_keyed_cache, wait_until_warm, warm_for_workers
+from tests.numba_cache import use_keyed_cache, wait_until_warm, warm_for_workers
 
 use_keyed_cache()  # before anything imports numba (tests/numba_cache.py says why)
 
@@ -27,24 +26,10 @@ from tests.torch_support import torch_import_error, torch_status  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Before the run: kvatlas's bytecode written (:func:`write_bytecode`); on several
-    workers (``-n``) the numba cache warmed once for all of them, while they start
-    (tests/numba_cache.py, ``warm_for_workers``)."""
-    if hasattr(config, "workerinput"):
-        return
-    write_bytecode()
-    if config.getoption("numprocesses", None):
+    """A run on several workers (``-n``) warms the numba cache once for all of them, while
+    they start (tests/numba_cache.py, ``warm_for_workers``)."""
+    if not hasattr(config, "workerinput") and config.getoption("numprocesses", None):
         warm_for_workers()
-
-
-def write_bytecode() -> None:
-    """Compile kvatlas's and the tests' modules to bytecode (``__pycache__``, up-to-date files
-    skipped). Where ``PYTHONDONTWRITEBYTECODE`` is set — these machines and their CI set it —
-    Python reads bytecode but never writes it, so each of the hundreds of coordinators, nodes
-    and routers the tests start compiled the ≈170 modules it imports from source again:
-    ≈0.3–0.5 s of CPU a process (docs/performance.md, "The test suite")."""
-    for package in ("kvatlas", "tests"):
-        compileall.compile_dir(ROOT / package, quiet=1)
 
 
 @pytest.fixture(scope="session", autouse=True)
