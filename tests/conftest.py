@@ -64,16 +64,44 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 LONG_FILES = (
-    "tests/test_status_page.py",
-    "tests/coordinator/test_replicas.py",
-    "tests/coordinator/test_redis_transport.py",
-    "tests/soak/test_soak.py",
-    "tests/bench/test_fleet_live.py",
-    "tests/bench/test_fleet_agreement.py",
-    "tests/directory/test_slab_reclaim.py",
-    "tests/coordinator/test_redis_outages.py",
-)  # fmt: skip
-"""Files of 20 s and more in a run (`pytest --durations`), started first, longest first."""
+    "tests/coordinator/test_replicas.py",  # 60 s
+    "tests/soak/test_soak.py",  # 45
+    "tests/test_security_connections.py",  # 45
+    "tests/test_status_page.py",  # 44
+    "tests/coordinator/test_redis_outages.py",  # 35
+    "tests/coordinator/test_cache_control_delivery.py",  # 35
+    "tests/coordinator/test_cache_control_replicas.py",  # 34
+    "tests/coordinator/test_cache_control_journal.py",  # 34
+    "tests/directory/test_directory_oracle.py",  # 31
+    "tests/coordinator/test_fuzz.py",  # 28
+    "tests/bench/test_fleet_agreement.py",  # 28
+    "tests/bench/test_fleet_live.py",  # 26
+    "tests/coordinator/test_cache_control_moves.py",  # 26
+    "tests/test_security_one_rule.py",  # 25
+    "tests/node/test_fetch_security.py",  # 25
+    "tests/test_fleet_docs.py",  # 25
+    "tests/router/test_router_replica.py",  # 24
+    "tests/bench/test_service_lmcache.py",  # 22
+    "tests/directory/test_key_groups.py",  # 20
+    "tests/node/test_peer_credentials.py",  # 20
+    "tests/kv_events/test_vllm_interop.py",  # 20
+    "tests/router/test_bench_router.py",  # 19
+    "tests/test_signal_shutdown.py",  # 19
+    "tests/node/test_bf16.py",  # 18
+    "tests/coordinator/test_redis_transport.py",  # 18
+    "tests/kv_events/test_zmq_security.py",  # 17
+    "tests/directory/test_fence_columns.py",  # 17
+    "tests/kv_events/test_engine_node_link.py",  # 16
+    "tests/connector/test_vllm_connector.py",  # 16
+    "tests/directory/test_columnar_ingest.py",  # 16
+    "tests/lmcache_mp/test_lmcache_server.py",  # 16
+    "tests/router/test_router_fleet.py",  # 15
+    "tests/directory/test_snapshot_restore.py",  # 15
+)
+"""Files of 15 s and more (each file's tests, setup and teardown together; the mean of three
+runs' `--junitxml` on 2 busy cores), started first, longest first. The others follow in
+collection order, where the root's `tests/test_*.py` come after every subdirectory but
+`workloads`: left there, the 45 s of `test_security_connections.py` were the run's last file."""
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
