@@ -65,15 +65,18 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# Two workers (pytest-xdist), a whole file each at a time, so a module's shared fixtures (its
-# process fleet, server, browser) start once; every test takes its own ports (free_port) and
-# temp dirs, and each worker its own redis-server. PYTEST_WORKERS=0 runs one process.
+# Three workers (pytest-xdist) on 2 cores, a whole file each at a time, so a module's shared
+# fixtures (its process fleet, server, browser) start once; every test takes its own ports
+# (free_port) and temp dirs, and each worker its own redis-server. Three, not two: the tests wait
+# more than they compute (two workers kept 2 cores ≈75% busy); in two pairs of runs back to back
+# 12:13 · 11:46 against 13:04–13:16 · 13:10 of pytest (docs/performance.md, "The test suite").
+# PYTEST_WORKERS=0 runs one process.
 # Bytecode is written even where PYTHONDONTWRITEBYTECODE is set (these machines set it): else every
 # process the tests start (hundreds of coordinators, nodes, routers) compiles the ≈170 kvatlas
 # modules it imports from source, ≈0.3–0.5 s of CPU each, and every pytest process rewrites the
 # asserts of ≈360 plugin modules (schemathesis, hypothesis, anyio) again, ≈15 s each
 # (docs/performance.md, "The test suite").
-PYTEST_WORKERS ?= 2
+PYTEST_WORKERS ?= 3
 pytest: $(STAMP) $(LMCACHE_STAMP)
 	scripts/ensure-redis.sh
 	scripts/ensure-chromium.sh
