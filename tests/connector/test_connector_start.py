@@ -123,6 +123,18 @@ def test_cuda_graphs_keep_the_layer_hooks() -> None:
     assert cls.requires_piecewise_for_cudagraph(config.kv_connector_extra_config) is True
 
 
+def test_every_exported_name_resolves() -> None:
+    """``kvatlas.connector`` names its exports three times (``__all__``, the type checker's
+    imports and the lazy ones, ``_WITH_VLLM``): each exported name resolves, and the lazy ones
+    are exactly the exports but the settings."""
+    require_vllm("vllm.distributed.kv_transfer.kv_connector.v1.base")
+    import kvatlas.connector as package
+
+    assert set(package._WITH_VLLM) == set(package.__all__) - {"KV_PACKINGS", "ConnectorSettings"}
+    for name in package.__all__:
+        assert getattr(package, name) is not None, name
+
+
 @pytest.fixture(scope="module")
 def base_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A node started with ``--model-name tiny-base`` (the tiny Llama's shapes)."""
