@@ -150,7 +150,8 @@ not every command's)."""
 
 def _build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The command's parser: every subcommand listed; the flags of subcommand ``only``
-    (``None``: of every subcommand)."""
+    (``None``: of every subcommand; ``""``: of none, for a command line naming none, whose
+    ``--help``, ``--version`` or error needs no subcommand's flags)."""
     parser = FlagParser(prog="kvatlas", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"kvatlas {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -221,7 +222,7 @@ _SERVICES: dict[str, tuple[str, str, Callable[[argparse.Namespace], object]]] = 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = _build_parser(_command_in(argv))
+    parser = _build_parser(_command_in(argv) or "")
     args, extra = parser.parse_known_args(argv)
     names = [args.command, getattr(args, "bench_name", None) or getattr(args, "keys_command", "")]
     own = subcommand_parser(parser, [n for n in names if n])

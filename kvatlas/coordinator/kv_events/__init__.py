@@ -2,11 +2,18 @@
 the directory (:class:`KvEventsSubscriber`), and the directory's node placements re-published
 for routers (:class:`KvEventsPublisher`). Loads pyzmq only when a socket opens. See
 docs/kv-events.md.
+
+The publisher (:class:`KvEventsPublisher`, :func:`node_topic`) reads the directory, whose
+kernels bring numba in: it is imported when first used (PEP 562), so a process that reads only
+the settings here (a router parsing the coordinator's flags for ``--scores-from replica``)
+does not pay numba's import.
 """
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from kvatlas.coordinator.kv_events.batch_checks import BadBatch
 from kvatlas.coordinator.kv_events.changes import Cleared
-from kvatlas.coordinator.kv_events.publisher import KvEventsPublisher, node_topic
 from kvatlas.coordinator.kv_events.rekey import (
     CPU_TIER,
     ENGINE_BACKEND,
@@ -17,6 +24,22 @@ from kvatlas.coordinator.kv_events.rekey import (
 from kvatlas.coordinator.kv_events.settings import LinkSpec, SubscriberSettings, engine_instance
 from kvatlas.coordinator.kv_events.stats import KvEventsStats, PublisherStats, SubscriberStats
 from kvatlas.coordinator.kv_events.subscriber import KvEventsSubscriber
+
+if TYPE_CHECKING:
+    from kvatlas.coordinator.kv_events.publisher import KvEventsPublisher, node_topic
+
+_WITH_DIRECTORY = ("KvEventsPublisher", "node_topic")
+"""The names imported on first use, from ``kvatlas.coordinator.kv_events.publisher``."""
+
+
+def __getattr__(name: str) -> Any:
+    """A name of :data:`_WITH_DIRECTORY`, imported on first use (PEP 562)."""
+    if name not in _WITH_DIRECTORY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module("kvatlas.coordinator.kv_events.publisher"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CPU_TIER",
