@@ -119,6 +119,25 @@ def test_a_writes_fingerprints_are_the_polynomial_alone_or_in_a_batch(batch: int
     assert sorted(held) == sorted(want)
 
 
+_ID = st.one_of(st.sampled_from([0, 1, (1 << 32) - 1]), st.integers(0, (1 << 32) - 1))
+_RESIDUE = st.one_of(st.sampled_from([0, 1, P - 2, P - 1]), st.integers(0, P - 1))
+
+
+@settings(max_examples=500, deadline=None)
+@given(_RESIDUE, _ID, _ID, _RESIDUE, _RESIDUE)
+def test_one_roll_step_is_the_polynomials(
+    h: int, t_in: int, t_out: int, b: int, b_pow: int
+) -> None:
+    """A rolling step (the leaving id's product by ``mul_id``, two 32-bit products) is exact
+    at the extremes of every operand: ids up to 2^32 - 1, residues up to 2^61 - 2."""
+    u = np.uint64
+    assert modhash.roll(u(h), u(t_in), u(t_out), u(b), u(b_pow)) == (
+        (h * b + t_in - t_out * b_pow) % P
+    )
+    product = int(modhash.mul_id(u(t_out), u(b_pow)))
+    assert product % P == t_out * b_pow % P and product < (1 << 61) + 5
+
+
 @pytest.mark.parametrize(("n", "chunk"), [(1, 4), (17, 4), (100, 16), (1000, 256)])
 def test_rolling_lanes_equal_the_direct_fingerprint(n: int, chunk: int) -> None:
     rng = np.random.default_rng(n)

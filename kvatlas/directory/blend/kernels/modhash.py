@@ -58,6 +58,18 @@ def mul_lazy(a: Any, b: Any) -> Any:
 
 
 @inline
+def mul_id(t: Any, w: Any) -> Any:
+    """(t * w) mod 2^61-1 for an id ``t < 2^32`` and a residue ``w < 2^61``, left in
+    [0, 2^61 + 5): two 32 x 32-bit products where :func:`mul_lazy` takes four (an id has no
+    high half). ``w = h·2^31 + l`` (``l`` its low 31 bits, ``h`` the high 30); ``t·h = u·2^30 +
+    v``, and as ``2^61 = 1`` the product is ``t·l + u + v·2^31``, below 2^64 (as in
+    :func:`weighted_sum`). A constant ``w``'s halves are computed once, outside the loop."""
+    th = t * (w >> np.uint64(31))
+    x = t * (w & _M31) + (th >> np.uint64(30)) + ((th & _M30) << np.uint64(31))
+    return (x >> np.uint64(61)) + (x & _P)
+
+
+@inline
 def fold(x: Any) -> Any:
     """Reduce x < 2^63 to the canonical residue in [0, 2^61-1)."""
     x = (x >> np.uint64(61)) + (x & _P)
@@ -73,8 +85,10 @@ def horner(h: Any, b: Any, t: Any) -> Any:
 
 @inline
 def roll(h: Any, t_in: Any, t_out: Any, b: Any, b_pow: Any) -> Any:
-    """Slide a window one token: ``h·b + t_in - t_out·b^len`` (``b_pow = b^len``)."""
-    return fold(mul_lazy(h, b) + np.uint64(t_in) + (_2P - mul_lazy(np.uint64(t_out), b_pow)))
+    """Slide a window one token: ``h·b + t_in - t_out·b^len`` (``b_pow = b^len``; the ids
+    ``t_in``, ``t_out`` below 2^32). The leaving id's product by :func:`mul_id`: a rolling
+    scan 49.6 → 43.1 µs per 32k windows on AVX2 (docs/performance.md)."""
+    return fold(mul_lazy(h, b) + np.uint64(t_in) + (_2P - mul_id(np.uint64(t_out), b_pow)))
 
 
 @jit
