@@ -31,8 +31,8 @@ def test_the_filter_lets_through_few_absent_keys() -> None:
     shift = word_shift(filt)
     absent = _fingerprints(rng, base, 40_000)
     passed = sum(bool(may_contain(filt, fp, shift)) for fp in absent)
-    # ≈0.45% measured; with the word index read from bits 51..63 of the residue alone (its
-    # top three always zero: an eighth of the words), ≈65%
+    # ≈0.45% measured; with the word index read from the residue as it is (its bits 61..63
+    # always zero: an eighth of the words), ≈65%
     assert passed / len(absent) < 0.01
     used = np.count_nonzero(filt) / WORDS
     assert used > 0.95  # every word takes keys (≈98% at 4 keys a word on average)
