@@ -50,10 +50,13 @@ def rclient(redis_server: RedisServer) -> Iterator[redis.Redis]:
 def replica(
     redis_server: RedisServer, stream: str, group: str, snap: Path, port: int = 0, **kw: Any
 ) -> Iterator[tuple[BackgroundServer, httpx.Client]]:
+    # the tests with a node heartbeat and exchange digests by hand (node_config): no timer may
+    # fence it (instance_timeout) or list its chunks (digest_interval_s) behind their backs, as a
+    # slow run's 30 s defaults did (a chunk a test checks is still missing was already listed)
     config = CoordinatorConfig(
         port=port or free_port(), chunk_size=CS, event_transport="redis",
         redis_url=redis_server.url, event_stream=stream, consumer_group=group,
-        snapshot_path=snap, **kw,
+        snapshot_path=snap, **{"instance_timeout": 3600.0, **kw},
     )  # fmt: skip
     with (
         BackgroundServer(config) as server,
@@ -125,7 +128,7 @@ def node_config(url: str, redis_url: str, stream: str) -> NodeConfig:
     return toy_config(
         model_name="m", **TINY, chunk_size=CS, coordinator_url=url, port=free_port(),
         coordinator_event_reporting=True, instance_id="n1", event_transport="redis",
-        redis_url=redis_url, event_stream=stream,
+        redis_url=redis_url, event_stream=stream, digest_interval_s=3600,
     )  # fmt: skip
 
 
