@@ -292,8 +292,9 @@ def coordinator_at(port: int, **config: Any) -> Iterator[tuple[BackgroundServer,
 def test_coordinator_restart_on_http_converges_through_digests(tmp_path: Path) -> None:
     snap = tmp_path / "dir.snap"
     port = free_port()
-    with coordinator_at(port, snapshot_path=snap) as (server, client):
-        process = NodeProcess(node_config(tmp_path, server.url))
+    with coordinator_at(port, snapshot_path=snap, instance_timeout=3600.0) as (server, client):
+        # exchanges by hand only: a timed one (30 s) in a slow run lists ``after`` early
+        process = NodeProcess(node_config(tmp_path, server.url, digest_interval_s=3600.0))
         assert process.coordinator is not None
         process.coordinator.stop_heartbeat()
         before = store_chunks(process, 100, 2)
@@ -304,7 +305,7 @@ def test_coordinator_restart_on_http_converges_through_digests(tmp_path: Path) -
         assert wait_for(lambda: visible(client, after))
     snap.write_bytes(kept)  # a crash: the snapshot taken at stop never happened
     try:
-        with coordinator_at(port, snapshot_path=snap) as (server, client):
+        with coordinator_at(port, snapshot_path=snap, instance_timeout=3600.0) as (server, client):
             assert visible(client, before) and not visible(client, after)
             process.coordinator.heartbeat()  # the reply asks for a digest exchange
             assert wait_for(lambda: visible(client, before + after)), l1_holders(client, after)
@@ -319,15 +320,16 @@ def test_a_restart_on_http_is_not_ready_until_the_live_instances_resynced(tmp_pa
     start without a snapshot has nothing to miss."""
     snap = tmp_path / "dir.snap"
     port = free_port()
-    with coordinator_at(port, snapshot_path=snap) as (server, client):
+    with coordinator_at(port, snapshot_path=snap, instance_timeout=3600.0) as (server, client):
         assert client.get("/readyz").json() == {"ready": True, "state": "serving"}
-        process = NodeProcess(node_config(tmp_path, server.url))
+        # exchanges by hand only: a timed one (30 s) in a slow run would end "resyncing" early
+        process = NodeProcess(node_config(tmp_path, server.url, digest_interval_s=3600.0))
         assert process.coordinator is not None
         process.coordinator.stop_heartbeat()
         before = store_chunks(process, 100, 2)
         assert wait_for(lambda: visible(client, before))
     try:
-        with coordinator_at(port, snapshot_path=snap) as (server, client):
+        with coordinator_at(port, snapshot_path=snap, instance_timeout=3600.0) as (server, client):
             assert client.get("/readyz").json() == {"ready": False, "state": "resyncing"}
             after = store_chunks(process, 500, 1)  # events keep flowing meanwhile
             assert wait_for(lambda: visible(client, after))
