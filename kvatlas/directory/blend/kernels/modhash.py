@@ -58,14 +58,21 @@ def mul_lazy(a: Any, b: Any) -> Any:
 
 
 @inline
+def id_product(t: Any, low: Any, high: Any) -> Any:
+    """An id ``t < 2^32`` times a weight ``w = high·2^31 + low`` (``low < 2^31``, ``high <
+    2^30``), modulo 2^61-1 but not reduced: with ``t·high = u·2^30 + v`` and ``2^61 = 1``,
+    ``t·low + u + v·2^31``, below 2^64. Two 32 x 32-bit products (the masks, no-ops for these
+    inputs, show the compiler so)."""
+    th = t * (high & _M31)
+    return t * (low & _M31) + (th >> np.uint64(30)) + ((th & _M30) << np.uint64(31))
+
+
+@inline
 def mul_id(t: Any, w: Any) -> Any:
     """(t * w) mod 2^61-1 for an id ``t < 2^32`` and a residue ``w < 2^61``, left in
-    [0, 2^61 + 5): two 32 x 32-bit products where :func:`mul_lazy` takes four (an id has no
-    high half). ``w = h·2^31 + l`` (``l`` its low 31 bits, ``h`` the high 30); ``t·h = u·2^30 +
-    v``, and as ``2^61 = 1`` the product is ``t·l + u + v·2^31``, below 2^64 (as in
-    :func:`weighted_sum`). A constant ``w``'s halves are computed once, outside the loop."""
-    th = t * (w >> np.uint64(31))
-    x = t * (w & _M31) + (th >> np.uint64(30)) + ((th & _M30) << np.uint64(31))
+    [0, 2^61 + 5): :func:`id_product`'s two products where :func:`mul_lazy` takes four (an
+    id has no high half). A constant ``w``'s halves are computed once, outside the loop."""
+    x = id_product(t, w & _M31, w >> np.uint64(31))
     return (x >> np.uint64(61)) + (x & _P)
 
 
@@ -142,9 +149,8 @@ def fingerprint_at(tokens: Any, start: Any, length: Any, weights: Any, fmask: An
     compiles to SIMD with no serial chain (Horner's rule, 16 chains interleaved, took ≈2× as
     long for 256 ids: docs/performance.md).
 
-    An id ``t < 2^32`` times a weight ``w = h·2^31 + l`` is ``t·l + (t·h)·2^31``; with
-    ``t·h = u·2^30 + v`` and ``2^61 = 1`` that is ``t·l + u + v·2^31`` modulo 2^61-1, below
-    2^64 (two 32 x 32-bit products), added to the sum as its low and high 32 bits."""
+    Each id times its weight is :func:`id_product`, added to the sum as its low and high 32
+    bits."""
     return weighted_sum(tokens, start, length, weights) & np.uint64(fmask)
 
 
@@ -156,9 +162,7 @@ def weighted_sum(tokens: Any, start: Any, length: Any, weights: Any) -> Any:
     lo = _U0
     hi = _U0
     for i in range(length):
-        t = np.uint64(tokens[start + i])
-        th = t * (high[i] & _M31)  # (the masks show the compiler 32 x 32-bit products)
-        x = t * (low[i] & _M31) + (th >> np.uint64(30)) + ((th & _M30) << np.uint64(31))
+        x = id_product(np.uint64(tokens[start + i]), low[i], high[i])
         lo += x & _M32
         hi += x >> np.uint64(32)
     # hi·2^32 = (hi mod 2^29)·2^32 + (hi >> 29)·2^61, and 2^61 = 1 (mod 2^61-1)
