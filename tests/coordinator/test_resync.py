@@ -281,7 +281,10 @@ def test_a_node_fenced_by_timeout_re_registers_and_its_chunks_become_visible_aga
 
 @contextmanager
 def coordinator_at(port: int, **config: Any) -> Iterator[tuple[BackgroundServer, httpx.Client]]:
-    """A coordinator on ``port`` (a restarted one must be found where the node looks)."""
+    """A coordinator on ``port`` (a restarted one must be found where the node looks). Its
+    tests heartbeat by hand: no timer fences the node (``instance_timeout``), as a slow run's
+    30 s default did before their "not yet" assertions."""
+    config = {"instance_timeout": 3600.0, **config}
     with (
         BackgroundServer(CoordinatorConfig(port=port, chunk_size=CS, **config)) as server,
         httpx.Client(base_url=server.url, timeout=30.0) as client,
@@ -292,7 +295,7 @@ def coordinator_at(port: int, **config: Any) -> Iterator[tuple[BackgroundServer,
 def test_coordinator_restart_on_http_converges_through_digests(tmp_path: Path) -> None:
     snap = tmp_path / "dir.snap"
     port = free_port()
-    with coordinator_at(port, snapshot_path=snap, instance_timeout=3600.0) as (server, client):
+    with coordinator_at(port, snapshot_path=snap) as (server, client):
         # exchanges by hand only: a timed one (30 s) in a slow run lists ``after`` early
         process = NodeProcess(node_config(tmp_path, server.url, digest_interval_s=3600.0))
         assert process.coordinator is not None
@@ -305,7 +308,7 @@ def test_coordinator_restart_on_http_converges_through_digests(tmp_path: Path) -
         assert wait_for(lambda: visible(client, after))
     snap.write_bytes(kept)  # a crash: the snapshot taken at stop never happened
     try:
-        with coordinator_at(port, snapshot_path=snap, instance_timeout=3600.0) as (server, client):
+        with coordinator_at(port, snapshot_path=snap) as (server, client):
             assert visible(client, before) and not visible(client, after)
             process.coordinator.heartbeat()  # the reply asks for a digest exchange
             assert wait_for(lambda: visible(client, before + after)), l1_holders(client, after)
@@ -320,7 +323,7 @@ def test_a_restart_on_http_is_not_ready_until_the_live_instances_resynced(tmp_pa
     start without a snapshot has nothing to miss."""
     snap = tmp_path / "dir.snap"
     port = free_port()
-    with coordinator_at(port, snapshot_path=snap, instance_timeout=3600.0) as (server, client):
+    with coordinator_at(port, snapshot_path=snap) as (server, client):
         assert client.get("/readyz").json() == {"ready": True, "state": "serving"}
         # exchanges by hand only: a timed one (30 s) in a slow run would end "resyncing" early
         process = NodeProcess(node_config(tmp_path, server.url, digest_interval_s=3600.0))
@@ -329,7 +332,7 @@ def test_a_restart_on_http_is_not_ready_until_the_live_instances_resynced(tmp_pa
         before = store_chunks(process, 100, 2)
         assert wait_for(lambda: visible(client, before))
     try:
-        with coordinator_at(port, snapshot_path=snap, instance_timeout=3600.0) as (server, client):
+        with coordinator_at(port, snapshot_path=snap) as (server, client):
             assert client.get("/readyz").json() == {"ready": False, "state": "resyncing"}
             after = store_chunks(process, 500, 1)  # events keep flowing meanwhile
             assert wait_for(lambda: visible(client, after))

@@ -50,9 +50,9 @@ def rclient(redis_server: RedisServer) -> Iterator[redis.Redis]:
 def replica(
     redis_server: RedisServer, stream: str, group: str, snap: Path, port: int = 0, **kw: Any
 ) -> Iterator[tuple[BackgroundServer, httpx.Client]]:
-    # the tests with a node heartbeat and exchange digests by hand (node_config): no timer may
-    # fence it (instance_timeout) or list its chunks (digest_interval_s) behind their backs, as a
-    # slow run's 30 s defaults did (a chunk a test checks is still missing was already listed)
+    # the tests with a node heartbeat by hand: no timer fences it (instance_timeout; node_config
+    # turns off its timed digest exchanges), as a slow run's 30 s defaults did before a "still
+    # missing" assertion
     config = CoordinatorConfig(
         port=port or free_port(), chunk_size=CS, event_transport="redis",
         redis_url=redis_server.url, event_stream=stream, consumer_group=group,

@@ -28,15 +28,15 @@ from kvatlas.coordinator.kv_events.subscriber import KvEventsSubscriber
 if TYPE_CHECKING:
     from kvatlas.coordinator.kv_events.publisher import KvEventsPublisher, node_topic
 
-_WITH_DIRECTORY = ("KvEventsPublisher", "node_topic")
-"""The names imported on first use, from ``kvatlas.coordinator.kv_events.publisher``."""
+_EXPORTS = {"KvEventsPublisher": "publisher", "node_topic": "publisher"}
+"""The names imported on first use, and their submodule (as ``kvatlas.node`` and
+``kvatlas.coordinator`` do)."""
 
 
 def __getattr__(name: str) -> Any:
-    """A name of :data:`_WITH_DIRECTORY`, imported on first use (PEP 562)."""
-    if name not in _WITH_DIRECTORY:
+    if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module("kvatlas.coordinator.kv_events.publisher"), name)
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
     globals()[name] = value
     return value
 
