@@ -40,6 +40,7 @@ LAYERS = (
 )
 SHARED = (
     "kvatlas",  # the root package: __version__, and numba's cache directory chosen
+    "lazy_exports",  # a package's names imported on first use (PEP 562)
     "errors",
     "auth",
     "checks",

@@ -9,10 +9,10 @@ first used, so reading or checking a connector's settings does not cost their â‰
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
 from kvatlas.connector.settings import KV_PACKINGS, ConnectorSettings
+from kvatlas.lazy_exports import lazy_export
 
 if TYPE_CHECKING:
     from kvatlas.connector.connector import (
@@ -32,25 +32,20 @@ if TYPE_CHECKING:
 _WITH_VLLM = {
     **dict.fromkeys(
         ("KvatlasConnector", "check_cache", "check_layout", "check_model"),
-        "kvatlas.connector.connector",
+        "connector",
     ),
     **dict.fromkeys(
         ("KvatlasConnectorMetadata", "LoadOp", "RequestKeys", "StoreOp"),
-        "kvatlas.connector.metadata",
+        "metadata",
     ),
-    **dict.fromkeys(("Rope", "check_rope", "vllm_rope"), "kvatlas.connector.rope_check"),
+    **dict.fromkeys(("Rope", "check_rope", "vllm_rope"), "rope_check"),
 }
-"""The names that import vLLM, and the module of each."""
+"""The names that import vLLM, and the submodule of each."""
 
 
 def __getattr__(name: str) -> Any:
     """A name of :data:`_WITH_VLLM`, imported on first use (PEP 562)."""
-    module = _WITH_VLLM.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return lazy_export(__name__, _WITH_VLLM, globals(), name)
 
 
 __all__ = [

@@ -7,8 +7,9 @@ not load the web stack or the compiled kernels.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from kvatlas.lazy_exports import lazy_export
 
 if TYPE_CHECKING:
     from kvatlas.node.cache_node import BlendRetrieval, CacheNode, NodeStats, Retrieved
@@ -68,8 +69,4 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
+    return lazy_export(__name__, _EXPORTS, globals(), name)

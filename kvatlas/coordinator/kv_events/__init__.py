@@ -9,7 +9,6 @@ the settings here (a router parsing the coordinator's flags for ``--scores-from 
 does not pay numba's import.
 """
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
 from kvatlas.coordinator.kv_events.batch_checks import BadBatch
@@ -24,6 +23,7 @@ from kvatlas.coordinator.kv_events.rekey import (
 from kvatlas.coordinator.kv_events.settings import LinkSpec, SubscriberSettings, engine_instance
 from kvatlas.coordinator.kv_events.stats import KvEventsStats, PublisherStats, SubscriberStats
 from kvatlas.coordinator.kv_events.subscriber import KvEventsSubscriber
+from kvatlas.lazy_exports import lazy_export
 
 if TYPE_CHECKING:
     from kvatlas.coordinator.kv_events.publisher import KvEventsPublisher, node_topic
@@ -34,11 +34,7 @@ _EXPORTS = {"KvEventsPublisher": "publisher", "node_topic": "publisher"}
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
+    return lazy_export(__name__, _EXPORTS, globals(), name)
 
 
 __all__ = [
