@@ -322,7 +322,7 @@ def _split_tokens_b64(raw: bytes, max_tokens: int) -> tuple[bytes, npt.NDArray[n
     end = raw.find(b'"', start)
     if end < 0 or b64_too_long(end - start, max_tokens):
         return None
-    decoded = decode_base64(np.frombuffer(raw, dtype=np.uint8)[start:end])
+    decoded = decode_base64(memoryview(raw)[start:end])
     if decoded is None:
         return None
     tail = raw[end + 1 :].lstrip(_JSON_SPACE)  # "}" or ",<members>}"

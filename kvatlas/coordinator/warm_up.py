@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvatlas.coordinator._base64 import b64decode_strict
 from kvatlas.coordinator._blend_reply import blend_reply
 from kvatlas.coordinator._lookup_reply import json_id_lists
 from kvatlas.directory import MatchColumns
 
 
 def warm_up_lookup_kernels() -> None:
-    """The base64 decode of ``tokens_b64``, the blend reply's writer, the prefix lookup reply's
-    ids."""
-    b64decode_strict(b"AAAAAQ==" * 12)  # whole 64-character blocks and a padded rest
+    """The blend reply's writer, the prefix lookup reply's ids."""
     blend_reply(MatchColumns.of([bytes(32)], np.zeros(1, np.int64), np.ones(1, np.int64)), True)
     json_id_lists([np.arange(3, dtype=np.uint32)])
