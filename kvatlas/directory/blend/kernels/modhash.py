@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kvatlas.directory.blend.kernels.pointers import helper, inline, jit, u32_ptr
+from kvatlas.directory.blend.kernels.pointers import TILE, helper, inline, jit, transpose_tile
 
 MERSENNE61 = (1 << 61) - 1
 SCHEME = "poly-mod-2^61-1/1"
@@ -39,6 +39,7 @@ LANES = 16
 """Independent rolling-hash chains advanced together. The per-window recurrence is a serial
 dependency, so one chain is latency-bound; 16 chains over 16 sub-ranges of a query compile to
 SIMD (see docs/performance.md)."""
+assert LANES % TILE == 0  # lane_load turns whole tiles of lanes
 
 
 @inline
@@ -169,11 +170,6 @@ def weighted_sum(tokens: Any, start: Any, length: Any, weights: Any) -> Any:
     return fold(fold(lo) + fold(((hi & _M29) << np.uint64(32)) + (hi >> np.uint64(29))))
 
 
-_TILE = 32
-"""Rows :func:`lane_load` copies per lane at a time: each lane's read is a contiguous run and
-the tile's rows stay in L1 until all 16 lanes have written them."""
-
-
 @jit
 def lane_load(q: Any, start: Any, blk: Any, rows: Any, qt: Any) -> Any:
     """Transpose ``q`` into ``qt[:rows]`` for the lanes: lane ``j`` reads the tokens from
@@ -181,31 +177,27 @@ def lane_load(q: Any, start: Any, blk: Any, rows: Any, qt: Any) -> Any:
     Reads past the end of ``q`` are clamped: they feed only windows at or past ``start + n``
     (junk the caller discards). Returns the ``qt[:rows]`` view.
 
-    Rows whose every lane reads inside ``q`` are copied in tiles of ``_TILE`` rows, lane by
-    lane (no clamp, no gather: contiguous reads and writes), through pointers when both arrays
-    are contiguous (an index is checked for being negative, and that loop ran at two thirds of
-    the pointers' speed: docs/performance.md); the rest row by row."""
+    Rows whose every lane reads inside ``q`` are copied as tiles of :data:`TILE` rows and lanes,
+    each turned by vector shuffles (``pointers.transpose_tile``) when both arrays are
+    contiguous, copied id by id otherwise (a strided array: tests); the rest row by row."""
     m = q.shape[0]
     if rows > qt.shape[0] or qt.shape[1] != LANES:
         raise ValueError("lane_load: qt has fewer rows than asked, or not LANES columns")
     qv = qt[:rows]
     inside = min(rows, max(0, m - (start + (LANES - 1) * blk)))  # lane 15 reads furthest
-    tiled = inside - inside % _TILE
+    tiled = inside - inside % TILE
     if q.strides[0] == 4 and qt.strides[1] == 4 and qt.strides[0] == 4 * LANES:
-        src = u32_ptr(q.ctypes.data)  # type: ignore[call-arg]
-        dst = u32_ptr(qt.ctypes.data)  # type: ignore[call-arg]
-        for r0 in range(0, tiled, _TILE):
-            for j in range(LANES):
-                s = start + j * blk + r0
-                d = r0 * LANES + j
-                for r in range(_TILE):
-                    dst[d + LANES * r] = src[s + r]
+        src = q.ctypes.data + 4 * start
+        dst = qt.ctypes.data
+        for r0 in range(0, tiled, TILE):
+            for j0 in range(0, LANES, TILE):  # lanes j0.. from row r0: rows r0.. at column j0
+                at = src + 4 * (j0 * blk + r0)
+                transpose_tile(at, 4 * blk, dst + 4 * (r0 * LANES + j0), 4 * LANES)  # type: ignore[call-arg]
     else:
-        for r0 in range(0, tiled, _TILE):
+        for r in range(tiled):
+            row = qv[r]
             for j in range(LANES):
-                s = start + j * blk + r0
-                for r in range(_TILE):
-                    qv[r0 + r, j] = q[s + r]
+                row[j] = q[start + j * blk + r]
     for r in range(tiled, rows):
         row = qv[r]
         for j in range(LANES):
