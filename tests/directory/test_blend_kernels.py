@@ -138,6 +138,23 @@ def test_one_roll_step_is_the_polynomials(
     assert product % P == t_out * b_pow % P and product < (1 << 61) + 5
 
 
+@settings(max_examples=500, deadline=None)
+@given(
+    st.one_of(
+        st.sampled_from(
+            [0, 1, P - 1, P, P + 1, 1 << 61, (1 << 61) + 6, 2 * P - 1, 2 * P, 1 << 62,
+             (1 << 63) - 1, 1 << 63, (1 << 64) - 1]
+        ),
+        st.integers(0, (1 << 64) - 1),
+    )
+)  # fmt: skip
+def test_fold_is_the_canonical_residue_of_any_word(x: int) -> None:
+    """``fold`` (one step of 2^61 = 1 and one conditional subtraction) gives ``x mod P`` for
+    every 64-bit ``x``: at the prime, its multiples and around the sign bit, where its
+    compare reads the subtraction's sign."""
+    assert int(modhash.fold(np.uint64(x))) == x % P
+
+
 @pytest.mark.parametrize(("n", "chunk"), [(1, 4), (17, 4), (100, 16), (1000, 256)])
 def test_rolling_lanes_equal_the_direct_fingerprint(n: int, chunk: int) -> None:
     rng = np.random.default_rng(n)
