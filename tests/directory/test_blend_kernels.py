@@ -128,14 +128,16 @@ _RESIDUE = st.one_of(st.sampled_from([0, 1, P - 2, P - 1]), st.integers(0, P - 1
 def test_one_roll_step_is_the_polynomials(
     h: int, t_in: int, t_out: int, b: int, b_pow: int
 ) -> None:
-    """A rolling step (the leaving id's product by ``mul_id``, two 32-bit products) is exact
-    at the extremes of every operand: ids up to 2^32 - 1, residues up to 2^61 - 2."""
+    """A rolling step (the leaving id added times ``P - b^len`` by ``id_product``, two 32-bit
+    products, unreduced) is exact at the extremes of every operand: ids up to 2^32 - 1,
+    residues up to 2^61 - 2; the product stays within the bound the step's sum relies on."""
     u = np.uint64
     assert modhash.roll(u(h), u(t_in), u(t_out), u(b), u(b_pow)) == (
         (h * b + t_in - t_out * b_pow) % P
     )
-    product = int(modhash.mul_id(u(t_out), u(b_pow)))
-    assert product % P == t_out * b_pow % P and product < (1 << 61) + 5
+    minus = P - b_pow
+    product = int(modhash.id_product(u(t_out), u(minus & ((1 << 31) - 1)), u(minus >> 31)))
+    assert product % P == t_out * minus % P and product < (1 << 63) + (1 << 61) + (1 << 32)
 
 
 @settings(max_examples=500, deadline=None)
