@@ -162,8 +162,8 @@ def transpose_tile(typingctx: Any, src: Any, src_row: Any, dst: Any, dst_row: An
 
     Eight vector loads, three stages of eight shuffles (rows ``4``, ``2``, then ``1`` apart:
     ``vperm2i128``, then in-lane unpacks on AVX2) and eight vector stores, where a loop of
-    scalar copies takes a load and a store per id (a 32k-token query's lanes: 14.3 → 4.7 µs,
-    docs/performance.md). Reads and writes need 4-byte alignment only."""
+    scalar copies takes a load and a store per id (docs/performance.md, the lane transpose).
+    Reads and writes need 4-byte alignment only."""
     sig = types.void(types.int64, types.int64, types.int64, types.int64)  # type: ignore[no-untyped-call]
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
