@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     )
     from kvatlas.connector.rope_check import Rope, check_rope, vllm_rope
 
-_WITH_VLLM = {
+_EXPORTS = {
     **dict.fromkeys(
         ("KvatlasConnector", "check_cache", "check_layout", "check_model"),
         "connector",
@@ -40,12 +40,11 @@ _WITH_VLLM = {
     ),
     **dict.fromkeys(("Rope", "check_rope", "vllm_rope"), "rope_check"),
 }
-"""The names that import vLLM, and the submodule of each."""
+"""The names imported on first use (each imports vLLM), and their submodule."""
 
 
 def __getattr__(name: str) -> Any:
-    """A name of :data:`_WITH_VLLM`, imported on first use (PEP 562)."""
-    return lazy_export(__name__, _WITH_VLLM, globals(), name)
+    return lazy_export(__name__, _EXPORTS, globals(), name)
 
 
 __all__ = [

@@ -125,12 +125,12 @@ def test_cuda_graphs_keep_the_layer_hooks() -> None:
 
 def test_every_exported_name_resolves() -> None:
     """``kvatlas.connector`` names its exports three times (``__all__``, the type checker's
-    imports and the lazy ones, ``_WITH_VLLM``): each exported name resolves, and the lazy ones
+    imports and the lazy ones, ``_EXPORTS``): each exported name resolves, and the lazy ones
     are exactly the exports but the settings."""
     require_vllm("vllm.distributed.kv_transfer.kv_connector.v1.base")
     import kvatlas.connector as package
 
-    assert set(package._WITH_VLLM) == set(package.__all__) - {"KV_PACKINGS", "ConnectorSettings"}
+    assert set(package._EXPORTS) == set(package.__all__) - {"KV_PACKINGS", "ConnectorSettings"}
     for name in package.__all__:
         assert getattr(package, name) is not None, name
 

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from kvatlas.coordinator.kv_events.publisher import KvEventsPublisher, node_topic
 
 _EXPORTS = {"KvEventsPublisher": "publisher", "node_topic": "publisher"}
-"""The names imported on first use, and their submodule (as ``kvatlas.node`` and
-``kvatlas.coordinator`` do)."""
+"""The names imported on first use (the publisher reads the directory), and their
+submodule."""
 
 
 def __getattr__(name: str) -> Any:

@@ -24,11 +24,10 @@ def mix(fp: Any) -> Any:
     A fingerprint is a residue modulo 2^61-1 at a secret random base, so its bits are
     already uniform and unpredictable: one shift and xor brings its bits 58..60 to the top of
     the word (61..63, always zero in the residue); the positions come from the bottom 30 bits
-    (the residue's bottom 30), disjoint from those the word comes from (up to 2^31 words). A
-    64-bit multiply to mix them, as before, cost ≈11 µs of a 32k-token match on an AVX2
-    machine (no 64-bit vector multiply there: docs/performance.md). Fingerprints of fewer
-    bits (a test's ``_fingerprint_bits``) leave the top bits zero: every key in word 0,
-    correct but with more false positives."""
+    (the residue's bottom 30), disjoint from those the word comes from (up to 2^31 words). No
+    multiply mixes them: AVX2 has no 64-bit vector multiply (docs/performance.md).
+    Fingerprints of fewer bits (a test's ``_fingerprint_bits``) leave the top bits zero: every
+    key in word 0, correct but with more false positives."""
     return fp ^ (fp << np.uint64(3))
 
 

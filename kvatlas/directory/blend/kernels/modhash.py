@@ -73,8 +73,8 @@ def fold(x: Any) -> Any:
 
     One step of 2^61 = 1 leaves at most 2^61 + 6, below twice the prime, so one conditional
     subtraction finishes. The subtraction's sign decides it (below the prime, it wraps past
-    2^63): a signed compare, where the unsigned one is three more operations on AVX2 (it has
-    no unsigned 64-bit compare); the second step of 2^61 = 1 this took before was a no-op."""
+    2^63): a signed compare, where an unsigned one is three more operations on AVX2 (it has
+    no unsigned 64-bit compare)."""
     x = (x >> np.uint64(61)) + (x & _P)
     less = x - _P
     return x if np.int64(less) < 0 else less
