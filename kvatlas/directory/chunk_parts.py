@@ -292,11 +292,10 @@ def add_fresh(
 ) -> bool:
     """Append one-key records of new chunks, entry ``i`` into ``parts_of[i]`` (its
     partition; all share one :class:`ChunkColumns`; or ``parts_of`` is the columns' own list
-    of partitions, :attr:`ChunkColumns.parts`, each entry's ``parts_of[h[0]]``), the hashes
-    distinct, the placements
-    one batch's (one instance, tier and sharing: one L1 owner). Inserted where absent, in
-    one compiled pass: if a chunk is held, the inserts are taken back and ``False`` is
-    returned (nothing changed). A hash not an exact 32-byte ``bytes`` raises
+    of partitions, :attr:`ChunkColumns.parts`, each entry's ``parts_of[h[0]]``), the
+    placements one batch's (one instance, tier and sharing: one L1 owner). Inserted where
+    absent, in one compiled pass: if a chunk is held (or named twice: its second insert finds
+    the first), the inserts are taken back and ``False`` is returned (nothing changed). A hash not an exact 32-byte ``bytes`` raises
     :class:`~kvatlas.errors.InvalidInput`, nothing changed."""
     n = len(hashes)
     cols = parts_of[0].cols
@@ -339,16 +338,16 @@ one-chunk KV event, a node's small store)."""
 
 
 def _add_few(parts_of: Sequence[ChunkPart], hashes: Sequence[bytes], records: list[Record]) -> bool:
-    """:func:`add_fresh` of a few chunks: every hash checked and found absent before any is
-    added (rows reused in the same order: last freed first)."""
+    """:func:`add_fresh` of a few chunks: every hash checked, distinct and found absent before
+    any is added (rows reused in the same order: last freed first)."""
     for h in hashes:
         if not isinstance(h, bytes) or len(h) != HASH_BYTES:
             raise bad_hash(h)
     at = parts_of if parts_of is not parts_of[0].cols.parts else [parts_of[h[0]] for h in hashes]
     if not len(at) == len(records) == len(hashes):
         raise ValueError(f"{len(at)} partitions, {len(records)} records, {len(hashes)} chunks")
-    if any(map(ChunkPart.__contains__, at, hashes)):
-        return False
+    if len(set(hashes)) != len(hashes) or any(map(ChunkPart.__contains__, at, hashes)):
+        return False  # (a hash twice: as the batch kernel finds its first insert held)
     deque(map(ChunkPart.__setitem__, at, hashes, records), maxlen=0)
     return True
 

@@ -43,8 +43,6 @@ def store_fresh(
     hashes, n = cols.chunk_hashes, len(cols)
     if sids.count(sids[0]) != n or cols.token_lengths.tolist().count(chunk_size) != n:
         return None
-    if len(set(hashes)) != n:
-        return None
     if hashes[0] in parts[hashes[0][0]]:  # a batch of re-stores (the usual other kind)
         return None
     sizes, offsets = cols.size_bytes.tolist(), cols.token_offsets.tolist()
@@ -60,8 +58,9 @@ def store_fresh(
         indexed = [True] * n
     else:
         indexed = list(map(UNKNOWN_OFFSET.__ne__, offsets)) if indexing else [False] * n
-    # inserted where absent, in one pass: a chunk the table holds keeps its record (then every
-    # row this inserted is taken out again, and the entry-by-entry loop runs)
+    # inserted where absent, in one pass: a chunk the table holds (or the batch names twice)
+    # keeps its record (then every row this inserted is taken out again, and the
+    # entry-by-entry loop runs)
     # (``parts``, the table's list: each entry into ``parts[h[0]]``)
     if not add_fresh(parts, hashes, stored, cols.token_offsets, indexed, sids[0], placements):
         return None

@@ -97,6 +97,25 @@ def test_a_fresh_batch_with_a_held_chunk_changes_nothing() -> None:
     assert after == before
 
 
+@pytest.mark.parametrize("n", [2, 3, 6])
+def test_a_fresh_batch_naming_a_chunk_twice_changes_nothing(n: int) -> None:
+    """A hash twice in one batch is as a held chunk: ``False``, nothing changed (the bulk
+    store relies on it instead of checking the hashes distinct), chunk by chunk
+    (``FEW_FRESH``) as in the batch kernel."""
+    parts = new_parts(4)
+    parts[h(2)[0]][h(2)] = new_record(None, 0, False, 0, ROW)
+    del parts[h(2)[0]][h(2)]  # a free row
+    cols: ChunkColumns = parts[0].cols
+    before = (list(cols.objs), list(cols.offsets), [dict(p.row) for p in parts], list(cols.free))
+    hashes = [h(5 + i) for i in range(n - 1)] + [h(5)]
+    parts_of: list[ChunkPart] = [parts[x[0]] for x in hashes]
+    tokens = [toks(i, i, i, i) for i in range(n)]
+    ok = add_fresh(parts_of, hashes, tokens, np.arange(n) * CS, [True] * n, 0, [ROW] * n)
+    assert not ok
+    after = (list(cols.objs), list(cols.offsets), [dict(p.row) for p in parts], list(cols.free))
+    assert after == before
+
+
 def in_part_1(i: int) -> ObjectKey:
     return ObjectKey(bytes([1]) + bytes([i]) * 31, "m", pack_kv_rank(1, 0, 1, 0))
 

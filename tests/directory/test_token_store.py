@@ -477,14 +477,15 @@ def test_a_malformed_plain_content_is_refused_not_read(raw: bytes) -> None:
 @given(st.lists(st.lists(token_ids, min_size=1, max_size=300), min_size=1, max_size=12))
 def test_vouched_contents_widths_and_addresses_in_one_pass(rows: list[list[int]]) -> None:
     """The compiled pass over stored contents' headers (what an ingest batch's index adds
-    read) gives each one's bytes per id and ids' address as the call per content does;
-    arrays take that call."""
+    read) gives each one's bytes per id and ids' address as the call per content does, and
+    says they are all contents; arrays take that call (and are not said to be)."""
     arrays = [ro(r) for r in rows]
     stored = [s for s in stored_batch(arrays) if s is not None]
     for tokens in (stored, arrays):
-        widths, addrs = vouched_addresses(tokens)
+        widths, addrs, contents = vouched_addresses(tokens)
         assert widths.tolist() == token_widths(tokens).tolist()
         assert addrs.tolist() == addresses(tokens, token_widths(tokens)).tolist()
+        assert contents is (True if tokens is stored else None)
 
 
 @settings(max_examples=50, deadline=None)

@@ -296,10 +296,11 @@ def _kept_columns(op: AddColumns, chunk: int) -> OpColumns | None:
     if n == 0:
         return _EMPTY
     if op.vouched:
-        widths, addrs = vouched_addresses(tokens)
+        widths, addrs, contents = vouched_addresses(tokens)
         return _columns(
-            tokens, widths, hashes, byte_lengths(hashes), offsets, spaces, which, addrs=addrs
-        )
+            tokens, widths, hashes, byte_lengths(hashes), offsets, spaces, which,
+            addrs=addrs, contents=contents,
+        )  # fmt: skip
     if offsets.dtype.kind not in "iu" or which.dtype.kind not in "iu":
         return None
     checked = checked_objects(tokens, hashes, chunk)
@@ -324,10 +325,10 @@ def _claim_columns(op: RemoveClaimColumns) -> OpColumns | None:
         return None
     if n == 0:
         return _EMPTY
-    widths, addrs = vouched_addresses(tokens)
+    widths, addrs, contents = vouched_addresses(tokens)
     return _columns(
         tokens, widths, hashes, byte_lengths(hashes), np.zeros(n, np.int64), list(op.namespaces),
-        which, REMOVE_CLAIM, addrs,
+        which, REMOVE_CLAIM, addrs, contents,
     )  # fmt: skip
 
 
@@ -341,9 +342,11 @@ def _columns(
     which: npt.NDArray[Any],
     kind: int = ADD,
     addrs: npt.NDArray[np.int64] | None = None,
+    contents: bool | None = None,
 ) -> OpColumns:
     """The adds (or ``kind``) of valid columns (contents the index keeps as they are);
-    ``addrs``: the address of each one's ids, when already read."""
+    ``addrs``: the address of each one's ids, when already read; ``contents``: whether every
+    one is a ``bytes`` content, when already known."""
     n = len(tokens)
     return OpColumns(
         filled(n, kind),
@@ -356,17 +359,17 @@ def _columns(
         which.astype(np.int64),
         np.zeros(n, np.bool_),
         addresses(tokens, token_bytes) if addrs is None else addrs,
-        set(map(type, tokens)) == {bytes},
+        set(map(type, tokens)) == {bytes} if contents is None else contents,
     )
 
 
 def vouched_addresses(
     tokens: list[Tokens],
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """Each vouched content's or array's bytes per id and the address of its ids: for
-    ``bytes`` contents (what the directory stores) one compiled pass over their headers
-    (``contents.vouched_layout``), no call per content; else :func:`token_widths` and
-    :func:`addresses`."""
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], bool | None]:
+    """Each vouched content's or array's bytes per id and the address of its ids, and whether
+    every one is a ``bytes`` content (``None``: not looked at): for ``bytes`` contents (what
+    the directory stores) one compiled pass over their headers (``contents.vouched_layout``),
+    no call per content; else :func:`token_widths` and :func:`addresses`."""
     n = len(tokens)
     layout = _cpython.OBJECT_LAYOUT
     if layout is not None and n and type(tokens[0]) is bytes:
@@ -374,9 +377,9 @@ def vouched_addresses(
         handles = object_handles(tokens)
         data_off = _cpython.BYTES_DATA_OFFSET
         if vouched_layout(handles, tuple(layout), id(bytes), data_off, widths, addrs) >= 0:
-            return widths, addrs
+            return widths, addrs, True
     widths = token_widths(tokens)
-    return widths, addresses(tokens, widths)
+    return widths, addresses(tokens, widths), None
 
 
 def _joined(parts: list[OpColumns]) -> OpColumns:
