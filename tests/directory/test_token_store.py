@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from kvatlas.directory import BlendIndex, KeyDirectory, load_snapshot, save_snapshot, token_store
 from kvatlas.directory.blend.kernels.contents import content_count
 from kvatlas.directory.blend.kernels.planes import PLANES, planes_count, stored_nbytes
-from kvatlas.directory.blend.op_checks import token_widths
+from kvatlas.directory.blend.op_checks import token_nbytes, token_widths
 from kvatlas.directory.blend.op_columns import addresses, vouched_addresses
 from kvatlas.directory.records import record_stored_tokens, record_tokens
 from kvatlas.directory.snapshot.format import PREFIX, Header
@@ -478,14 +478,15 @@ def test_a_malformed_plain_content_is_refused_not_read(raw: bytes) -> None:
 def test_vouched_contents_widths_and_addresses_in_one_pass(rows: list[list[int]]) -> None:
     """The compiled pass over stored contents' headers (what an ingest batch's index adds
     read) gives each one's bytes per id and ids' address as the call per content does, and
-    says they are all contents; arrays take that call (and are not said to be)."""
+    the bytes of all their ids, as ``token_nbytes`` counts them; arrays take that call (and
+    are not counted)."""
     arrays = [ro(r) for r in rows]
     stored = [s for s in stored_batch(arrays) if s is not None]
     for tokens in (stored, arrays):
-        widths, addrs, contents = vouched_addresses(tokens)
+        widths, addrs, id_bytes = vouched_addresses(tokens)
         assert widths.tolist() == token_widths(tokens).tolist()
         assert addrs.tolist() == addresses(tokens, token_widths(tokens)).tolist()
-        assert contents is (True if tokens is stored else None)
+        assert id_bytes == (sum(map(token_nbytes, stored)) if tokens is stored else None)
 
 
 @settings(max_examples=50, deadline=None)

@@ -65,7 +65,8 @@ log = logging.getLogger(__name__)
 class OpColumns:
     """Op ``i``: ``kinds[i]`` of content ``tokens[i]`` (``chunk_size`` ids at address
     ``addrs[i]``, ``token_bytes[i]`` bytes each, 1: the planes form; ``owned[i]``: the index's
-    own copy; ``contents``: every one a ``bytes`` content) and chunk hash ``hashes[i]`` (exact
+    own copy; ``contents``: every one a ``bytes`` content; ``id_bytes``: the bytes of all their
+    ids, headers not counted, when read already) and chunk hash ``hashes[i]`` (exact
     ``bytes``, ``hash_lens[i]`` <= 32 long), offset ``offsets[i]`` (>= 0; 0 unless an add), namespace
     ``spaces[space_of[i]]`` (-1: none, a remove_chunk)."""
 
@@ -80,6 +81,7 @@ class OpColumns:
     owned: npt.NDArray[np.bool_]
     addrs: npt.NDArray[np.int64]
     contents: bool
+    id_bytes: int | None = None
 
     def __len__(self) -> int:
         return len(self.hashes)
@@ -296,10 +298,10 @@ def _kept_columns(op: AddColumns, chunk: int) -> OpColumns | None:
     if n == 0:
         return _EMPTY
     if op.vouched:
-        widths, addrs, contents = vouched_addresses(tokens)
+        widths, addrs, id_bytes = vouched_addresses(tokens)
         return _columns(
             tokens, widths, hashes, byte_lengths(hashes), offsets, spaces, which,
-            addrs=addrs, contents=contents,
+            addrs=addrs, id_bytes=id_bytes,
         )  # fmt: skip
     if offsets.dtype.kind not in "iu" or which.dtype.kind not in "iu":
         return None
@@ -325,10 +327,10 @@ def _claim_columns(op: RemoveClaimColumns) -> OpColumns | None:
         return None
     if n == 0:
         return _EMPTY
-    widths, addrs, contents = vouched_addresses(tokens)
+    widths, addrs, id_bytes = vouched_addresses(tokens)
     return _columns(
         tokens, widths, hashes, byte_lengths(hashes), np.zeros(n, np.int64), list(op.namespaces),
-        which, REMOVE_CLAIM, addrs, contents,
+        which, REMOVE_CLAIM, addrs, id_bytes,
     )  # fmt: skip
 
 
@@ -342,11 +344,11 @@ def _columns(
     which: npt.NDArray[Any],
     kind: int = ADD,
     addrs: npt.NDArray[np.int64] | None = None,
-    contents: bool | None = None,
+    id_bytes: int | None = None,
 ) -> OpColumns:
     """The adds (or ``kind``) of valid columns (contents the index keeps as they are);
-    ``addrs``: the address of each one's ids, when already read; ``contents``: whether every
-    one is a ``bytes`` content, when already known."""
+    ``addrs``: the address of each one's ids, when already read; ``id_bytes``: the bytes of
+    their ids when read with the addresses (every one a ``bytes`` content)."""
     n = len(tokens)
     return OpColumns(
         filled(n, kind),
@@ -359,25 +361,28 @@ def _columns(
         which.astype(np.int64),
         np.zeros(n, np.bool_),
         addresses(tokens, token_bytes) if addrs is None else addrs,
-        set(map(type, tokens)) == {bytes} if contents is None else contents,
+        id_bytes is not None or set(map(type, tokens)) == {bytes},
+        id_bytes,
     )
 
 
 def vouched_addresses(
     tokens: list[Tokens],
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], bool | None]:
-    """Each vouched content's or array's bytes per id and the address of its ids, and whether
-    every one is a ``bytes`` content (``None``: not looked at): for ``bytes`` contents (what
-    the directory stores) one compiled pass over their headers (``contents.vouched_layout``),
-    no call per content; else :func:`token_widths` and :func:`addresses`."""
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int | None]:
+    """Each vouched content's or array's bytes per id and the address of its ids, and the
+    bytes of all their ids (headers not counted) when every one is a ``bytes`` content (else
+    ``None``): for ``bytes`` contents (what the directory stores) one compiled pass over their
+    headers (``contents.vouched_layout``), no call per content; else :func:`token_widths` and
+    :func:`addresses`."""
     n = len(tokens)
     layout = _cpython.OBJECT_LAYOUT
     if layout is not None and n and type(tokens[0]) is bytes:
         widths, addrs = np.empty(n, np.int64), np.empty(n, np.int64)
         handles = object_handles(tokens)
         data_off = _cpython.BYTES_DATA_OFFSET
-        if vouched_layout(handles, tuple(layout), id(bytes), data_off, widths, addrs) >= 0:
-            return widths, addrs, True
+        id_bytes = vouched_layout(handles, tuple(layout), id(bytes), data_off, widths, addrs)
+        if id_bytes >= 0:
+            return widths, addrs, int(id_bytes)
     widths = token_widths(tokens)
     return widths, addresses(tokens, widths), None
 
@@ -407,12 +412,23 @@ def _joined(parts: list[OpColumns]) -> OpColumns:
         np.concatenate([p.owned for p in parts]),
         np.concatenate([p.addrs for p in parts]),
         all(p.contents for p in parts),
+        _id_bytes(parts),
     )
+
+
+def _id_bytes(parts: list[OpColumns]) -> int | None:
+    """The bytes of all the parts' ids, if each part's are known."""
+    total = 0
+    for p in parts:
+        if p.id_bytes is None:
+            return None
+        total += p.id_bytes
+    return total
 
 
 _NONE = np.empty(0, np.int64)
 _EMPTY = OpColumns(
-    _NONE, [], [], _NONE, _NONE, _NONE, [], _NONE, np.empty(0, np.bool_), _NONE, True
+    _NONE, [], [], _NONE, _NONE, _NONE, [], _NONE, np.empty(0, np.bool_), _NONE, True, 0
 )
 
 

@@ -310,8 +310,10 @@ class IndexState:
         ``ids``."""
         arrays = cols.tokens if new is None else chosen(cols.tokens, new)
         put(self.tokens, ids, arrays)
-        widths = cols.token_bytes if new is None else cols.token_bytes[new]
-        if cols.contents:  # (bytes: the length by a C-level map, less each plain header)
+        if new is None and cols.id_bytes is not None:  # (read with the addresses)
+            self.token_bytes += cols.id_bytes
+        elif cols.contents:  # (bytes: the length by a C-level map, less each plain header)
+            widths = cols.token_bytes if new is None else cols.token_bytes[new]
             headers = int(widths.sum()) - int(np.count_nonzero(widths == 1))
             self.token_bytes += sum(map(len, arrays)) - headers
         else:
