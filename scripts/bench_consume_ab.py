@@ -1,7 +1,7 @@
 """In-process consume, this tree against a base tree's versions of the consume path, in one
 process: the base's blend-index state (``blend/state.py``), write kernel
-(``blend/kernels/writes.py``), bulk store (``fresh_chunks.py``) and ``EntryColumns`` builder
-(``events/columns.py``) are loaded from ``--base`` (a worktree of the base commit) and swapped
+(``blend/kernels/writes.py``), index columns (``blend/op_columns.py``), bulk store
+(``fresh_chunks.py``) and ``EntryColumns`` builder (``events/columns.py``) are loaded from ``--base`` (a worktree of the base commit) and swapped
 in and out run by run, alternating which goes first. On a shared, busy machine the wall time
 of one run moves 2x between runs of one tree; pairs of runs made seconds apart in one process
 see the same load, so the paired difference of thread CPU per entry is what to quote
@@ -42,10 +42,11 @@ def _load(base: Path, rel: str, name: str) -> ModuleType:
     return module
 
 
-def _variant(state: Any, writes: Any, fresh: Any, columns: Any) -> dict[str, Any]:
+def _variant(state: Any, writes: Any, ops: Any, fresh: Any, columns: Any) -> dict[str, Any]:
     return {
         "state": state.IndexState,
         "kernels": (writes.apply_ops, writes.apply_ops_releasing),
+        "op_columns": ops.op_columns,
         "fresh": fresh.store_fresh,
         "of_entries": columns.EntryColumns.__dict__["of_entries"],
     }
@@ -54,6 +55,7 @@ def _variant(state: Any, writes: Any, fresh: Any, columns: Any) -> dict[str, Any
 def _use(v: dict[str, Any]) -> None:
     index_module.IndexState = v["state"]  # type: ignore[attr-defined]
     kernels.apply_ops, kernels.apply_ops_releasing = v["kernels"]
+    index_module.op_columns = v["op_columns"]  # type: ignore[attr-defined]
     stores_module.store_fresh = v["fresh"]  # type: ignore[attr-defined]
     columns_module.EntryColumns.of_entries = v["of_entries"]  # type: ignore[method-assign]
 
@@ -67,15 +69,17 @@ def main() -> None:
     parser.add_argument("--blend-off", action="store_true")
     args = parser.parse_args()
     import kvatlas.directory.blend.kernels.writes as writes_module
+    import kvatlas.directory.blend.op_columns as ops_module
     import kvatlas.directory.fresh_chunks as fresh_module
 
     base = _variant(
         _load(args.base, "directory/blend/state.py", "base_state"),
         _load(args.base, "directory/blend/kernels/writes.py", "base_writes"),
+        _load(args.base, "directory/blend/op_columns.py", "base_op_columns"),
         _load(args.base, "directory/fresh_chunks.py", "base_fresh"),
         _load(args.base, "events/columns.py", "base_columns"),
     )
-    ours = _variant(state_module, writes_module, fresh_module, columns_module)
+    ours = _variant(state_module, writes_module, ops_module, fresh_module, columns_module)
     warm_up_kernels()  # (both trees' kernels: each registers its twins)
     n = args.entries
     batches = workload(n, 7, vocab=LLAMA2 if args.vocab == "llama2" else LLAMA3)
