@@ -243,7 +243,7 @@ def _whole(n: int, parts: Sequence[Mapping[bytes, Record] | ChunkPart]) -> bool:
 
 def parts_of_columns(
     n: int,
-    hashes: list[bytes],
+    hashes: Sequence[bytes],
     bounds: list[int],
     tokens: list[StoredTokens | None],
     offsets: npt.NDArray[np.int64],

@@ -26,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvatlas.directory.blend import AddColumns, BlendIndex
+from kvatlas.directory.blend.hash_words import HashWords
 from kvatlas.directory.chunk_counts import Partition
 from kvatlas.directory.chunk_parts import ChunkPart
 from kvatlas.directory.records import (
@@ -100,7 +101,7 @@ def reindex_records(
 
 def index_adds(
     tokens: list[StoredTokens],
-    hashes: list[bytes],
+    hashes: list[bytes] | HashWords,
     offsets: npt.NDArray[np.int64],
     first_sids: npt.NDArray[np.int64],
     several: Sequence[tuple[int, Sequence[int]]],
@@ -125,7 +126,10 @@ def index_adds(
     if extra:
         more = np.array(extra[0::2], np.int64)
         tokens = tokens + list(map(tokens.__getitem__, more.tolist()))
-        hashes = hashes + list(map(hashes.__getitem__, more.tolist()))
+        if isinstance(hashes, HashWords):  # (a restore's column: rows, not objects)
+            hashes = hashes.take(np.concatenate((np.arange(len(hashes)), more)))
+        else:
+            hashes = hashes + list(map(hashes.__getitem__, more.tolist()))
         offsets = np.concatenate((offsets, offsets[more]))
         which = np.concatenate((which, np.array(extra[1::2], np.int64)))
         fps = None if fps is None else np.concatenate((fps, fps[more]))

@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvatlas.directory.blend import _cpython
+from kvatlas.directory.blend.hash_words import HashWords
 from kvatlas.directory.blend.kernels import (
     ADD,
     F_EXTRA_CLAIM,
@@ -65,7 +66,8 @@ def build_empty(
     is called before the payloads of the first ``k`` adds' contents are read, slice by
     slice, and blocks until they may be (``BlendIndex.build``). Returns ``False``, having
     changed nothing, unless every content is a ``bytes`` content, every hash a ``bytes`` of
-    at most ``HASH_WIDTH`` and every column one entry per add (then the caller takes the
+    at most ``HASH_WIDTH`` (or ``chunk_hashes`` is a :class:`HashWords` column, read where its
+    hashes are) and every column one entry per add (then the caller takes the
     general path, which refuses what is wrong). An exception midway leaves ``state`` partly
     written: the caller discards it."""
     tokens = adds.tokens if type(adds.tokens) is list else list(adds.tokens)
@@ -79,15 +81,19 @@ def build_empty(
     # each content's type (its size into widths, written over below): no payload read yet
     if not hash_lengths(contents, tuple(layout), id(bytes), _ANY_SIZE, widths):
         return False
-    hashes = list(adds.chunk_hashes)
+    given = adds.chunk_hashes
+    hashes = given if type(given) is HashWords else list(given)
     which_n = n if adds.namespace_of is None else len(adds.namespace_of)
     if len(hashes) != n or len(adds.token_offsets) != n or which_n != n:
         return False  # (the general path refuses them)
-    handles = object_handles(hashes)
-    hash_lens = np.empty(n, np.int64)
-    if not hash_lengths(handles, tuple(layout), id(bytes), HASH_WIDTH, hash_lens):
-        return False
-    handles += data_off  # each hash's payload
+    if type(hashes) is HashWords:  # (a snapshot's column: each hash read where it is)
+        handles, hash_lens = hashes.addresses(), np.full(n, HASH_WIDTH, np.int64)
+    else:
+        handles = object_handles(hashes)
+        hash_lens = np.empty(n, np.int64)
+        if not hash_lengths(handles, tuple(layout), id(bytes), HASH_WIDTH, hash_lens):
+            return False
+        handles += data_off  # each hash's payload
     offsets = np.asarray(adds.token_offsets).astype(np.int64, copy=False)
     which = (
         np.zeros(n, np.int64)

@@ -17,6 +17,7 @@ import numpy.typing as npt
 
 from kvatlas.directory.blend import BlendIndex
 from kvatlas.directory.blend.fingerprints import Fingerprints
+from kvatlas.directory.blend.hash_words import HashWords
 from kvatlas.directory.key_directory import KeyDirectory
 from kvatlas.directory.reindex import index_adds
 from kvatlas.directory.shapes import ShapeTable
@@ -62,7 +63,7 @@ def built_index(
     header: Header[memoryview],
     cols: Columns,
     tokens: list[Any],
-    hashes: list[bytes],
+    hashes: HashWords,
     sids: npt.NDArray[np.int64],
     table: ShapeTable,
     filling: Filling | None,
@@ -73,8 +74,8 @@ def built_index(
     (the index takes them without looking at each content: ``AddColumns.vouched``), safe
     because of where they come from: each content is a ``bytes`` this restore made itself
     in its form (``token_section.py``), of ``chunk_size`` ids (:func:`indexable_chunks`);
-    each hash is 32 exact bytes (cut from ``chunk_hashes``, whose length ``reader._columns``
-    checked); each offset is >= 0 (``reader._columns`` refuses < -1, the indexable drop -1);
+    each hash is 32 bytes of ``chunk_hashes`` (whose length ``reader._columns`` checked; read
+    where they are, no ``bytes`` made: :class:`HashWords`); each offset is >= 0 (``reader._columns`` refuses < -1, the indexable drop -1);
     namespaces index their list. Each add's fingerprint is the saved one, if any (checked
     here on a sample once the contents are in)."""
     indexable = room.indexable
@@ -88,7 +89,7 @@ def built_index(
     ]
     if len(at) < len(tokens):
         marks = indexable.tolist()
-        tokens, hashes = list(compress(tokens, marks)), list(compress(hashes, marks))
+        tokens, hashes = list(compress(tokens, marks)), hashes.take(at)
     adds, fps = index_adds(
         tokens,
         hashes,

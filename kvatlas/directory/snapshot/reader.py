@@ -23,6 +23,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from kvatlas.directory.blend.hash_words import HashWords
 from kvatlas.directory.blend.kernels.planes import FORM_PLANES, FORM_U16, FORM_U32, MAX_HIGH_BITS
 from kvatlas.directory.capture import DirectoryState, Restored
 from kvatlas.directory.chunk_counts import L2_TIER, PARTS, ChunkCounts
@@ -94,7 +95,7 @@ def _load(directory: KeyDirectory, path: str | os.PathLike[str]) -> SnapshotInfo
         )
         try:
             table, sids = _shapes(header, columns)
-            hashes: list[bytes] = np.frombuffer(header.chunk_hashes, f"V{HASH_BYTES}").tolist()
+            hashes = HashWords(header.chunk_hashes)  # (a hash's ``bytes`` made if read)
             # With blend on (it is never turned off), records the index will hold are built
             # marked, and the index built from the columns (directory/reindex.py).
             indexable = indexable_chunks(directory, header, columns)
@@ -241,7 +242,7 @@ def _build(
     header: Header[memoryview],
     cols: Columns,
     tokens: list[Any],
-    hashes: list[bytes],
+    hashes: HashWords,
     sids: npt.NDArray[np.int64],
     marks: npt.NDArray[np.bool_] | None,
 ) -> list[ChunkPart]:
@@ -274,8 +275,7 @@ def _build(
             flagged[order],
             first_pl[order],
         )
-        at = order.tolist()
-        in_order, in_order_tokens = [hashes[i] for i in at], [tokens[i] for i in at]
+        in_order, in_order_tokens = hashes.take(order), [tokens[i] for i in order.tolist()]
     # (the partitions' first bytes as uint8 too: an int64 query would cast all n of ``first``)
     bounds = [*np.searchsorted(first, np.arange(PARTS, dtype=np.uint8)).tolist(), n]
     parts = parts_of_columns(
