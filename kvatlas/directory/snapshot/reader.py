@@ -111,12 +111,13 @@ def _load(directory: KeyDirectory, path: str | os.PathLike[str]) -> SnapshotInfo
             if filling is not None:
                 filling.finish()
         shapes, position = len(columns.key_shapes), header.stream_position
-        instances, sections = header.instances, header.sections
-        del header, columns, filling  # the header's buffer (its columns are views) goes first
+        instances, sections, chunks = header.instances, header.sections, len(hashes)
+        # the header's buffer (its columns and the hashes are views of it) goes first
+        del header, columns, filling, hashes
         directory.install(Restored(state, table, parts, counts, index))
     return SnapshotInfo(
         str(path),
-        len(hashes),
+        chunks,
         shapes,
         size,
         time.perf_counter() - started,
