@@ -295,8 +295,9 @@ def add_fresh(
     of partitions, :attr:`ChunkColumns.parts`, each entry's ``parts_of[h[0]]``), the
     placements one batch's (one instance, tier and sharing: one L1 owner). Inserted where
     absent, in one compiled pass: if a chunk is held (or named twice: its second insert finds
-    the first), the inserts are taken back and ``False`` is returned (nothing changed). A hash not an exact 32-byte ``bytes`` raises
-    :class:`~kvatlas.errors.InvalidInput`, nothing changed."""
+    the first), the inserts are taken back and ``False`` is returned (nothing changed). A
+    hash not an exact 32-byte ``bytes`` raises :class:`~kvatlas.errors.InvalidInput`, nothing
+    changed."""
     n = len(hashes)
     cols = parts_of[0].cols
     if n <= FEW_FRESH:
