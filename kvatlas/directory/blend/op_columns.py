@@ -412,18 +412,8 @@ def _joined(parts: list[OpColumns]) -> OpColumns:
         np.concatenate([p.owned for p in parts]),
         np.concatenate([p.addrs for p in parts]),
         all(p.contents for p in parts),
-        _id_bytes(parts),
+        None if any(p.id_bytes is None for p in parts) else sum(p.id_bytes or 0 for p in parts),
     )
-
-
-def _id_bytes(parts: list[OpColumns]) -> int | None:
-    """The bytes of all the parts' ids, if each part's are known."""
-    total = 0
-    for p in parts:
-        if p.id_bytes is None:
-            return None
-        total += p.id_bytes
-    return total
 
 
 _NONE = np.empty(0, np.int64)
