@@ -1,8 +1,9 @@
 """In-process consume, this tree against a base tree's versions of the consume path, in one
 process: the base's blend-index state (``blend/state.py``), write kernel
 (``blend/kernels/writes.py``), index columns (``blend/op_columns.py``), bulk store
-(``fresh_chunks.py``) and ``EntryColumns`` builder (``events/columns.py``) are loaded from ``--base`` (a worktree of the base commit) and swapped
-in and out run by run, alternating which goes first. On a shared, busy machine the wall time
+(``fresh_chunks.py``) and ``EntryColumns`` builder (``events/columns.py``) are loaded from
+``--base`` (a worktree of the base commit) and swapped in and out run by run, alternating
+which goes first. On a shared, busy machine the wall time
 of one run moves 2x between runs of one tree; pairs of runs made seconds apart in one process
 see the same load, so the paired difference of thread CPU per entry is what to quote
 (docs/performance.md, "Directory: design figures"). The rest of the

@@ -75,8 +75,8 @@ def built_index(
     because of where they come from: each content is a ``bytes`` this restore made itself
     in its form (``token_section.py``), of ``chunk_size`` ids (:func:`indexable_chunks`);
     each hash is 32 bytes of ``chunk_hashes`` (whose length ``reader._columns`` checked; read
-    where they are, no ``bytes`` made: :class:`HashWords`); each offset is >= 0 (``reader._columns`` refuses < -1, the indexable drop -1);
-    namespaces index their list. Each add's fingerprint is the saved one, if any (checked
+    where they are, no ``bytes`` made: :class:`HashWords`); each offset is >= 0
+    (``reader._columns`` refuses < -1, the indexable drop -1); namespaces index their list. Each add's fingerprint is the saved one, if any (checked
     here on a sample once the contents are in)."""
     indexable = room.indexable
     at = np.flatnonzero(indexable)
