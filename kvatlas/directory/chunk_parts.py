@@ -243,7 +243,7 @@ def _whole(n: int, parts: Sequence[Mapping[bytes, Record] | ChunkPart]) -> bool:
 
 def parts_of_columns(
     n: int,
-    hashes: Sequence[bytes],
+    hashes: Sequence[bytes] | npt.NDArray[np.uint64],
     bounds: list[int],
     tokens: list[StoredTokens | None],
     offsets: npt.NDArray[np.int64],
@@ -252,14 +252,13 @@ def parts_of_columns(
     owners: npt.NDArray[np.int64],
     names: Sequence[str],
     bound: int,
-    words: npt.NDArray[np.uint64] | None = None,
 ) -> list[ChunkPart]:
     """``n`` partitions of one-key records given as columns (``flagged``: 2 * shape id +
     indexed; ``owners``: each one's :func:`~kvatlas.directory.records.l1_owner` as an index of
     ``names``, -1 if none; ``bound``: how many ``tokens`` are known), in partition order:
     partition ``p`` holds rows ``bounds[p]:bounds[p + 1]``. A restore's path: no record built,
     the maps filled by one compiled pass (a hash twice: its later row, as a dict's), from
-    ``words`` if given (the same hashes, four ``uint64`` each: no object read).
+    ``hashes`` as ``bytes`` or as a snapshot's words (four ``uint64`` a hash: no object read).
     Change a row's keys afterwards with ``part[h] = rec``."""
     cols = ChunkColumns()
     cols.append_rows(tokens, offsets, flagged, placements, None, bound)
@@ -271,10 +270,10 @@ def parts_of_columns(
         ChunkPart(cols)
     edges = np.asarray(bounds[: n + 1], np.int64)
     at = np.repeat(np.arange(len(edges) - 1, dtype=np.int64), np.diff(edges))
-    if words is None:
-        cols.maps.fill(hashes, at, 0)
+    if isinstance(hashes, np.ndarray):
+        cols.maps.fill_words(hashes, at)
     else:
-        cols.maps.fill_words(words, at)
+        cols.maps.fill(hashes, at, 0)
     return cols.parts
 
 

@@ -86,8 +86,8 @@ def restored_from_columns(model: Model, as_words: bool) -> list[ChunkPart]:
     owners = np.full(len(hashes), -1, np.int64)
     words = np.frombuffer(b"".join(hashes), np.uint64).reshape(-1, 4) if as_words else None
     parts = parts_of_columns(
-        PARTS, hashes, bounds, tokens, np.asarray(offsets, np.int64), flagged, pls, owners, [],
-        sum(t is not None for t in tokens), words,
+        PARTS, hashes if words is None else words, bounds, tokens, np.asarray(offsets, np.int64),
+        flagged, pls, owners, [], sum(t is not None for t in tokens),
     )  # fmt: skip
     for ref, part in zip(model, parts, strict=True):
         for x, rec in ref.items():

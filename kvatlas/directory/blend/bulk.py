@@ -81,14 +81,14 @@ def build_empty(
     # each content's type (its size into widths, written over below): no payload read yet
     if not hash_lengths(contents, tuple(layout), id(bytes), _ANY_SIZE, widths):
         return False
-    given = adds.chunk_hashes
-    hashes = given if type(given) is HashWords else list(given)
+    hashes = adds.chunk_hashes
     which_n = n if adds.namespace_of is None else len(adds.namespace_of)
     if len(hashes) != n or len(adds.token_offsets) != n or which_n != n:
         return False  # (the general path refuses them)
     if type(hashes) is HashWords:  # (a snapshot's column: each hash read where it is)
         handles, hash_lens = hashes.addresses(), np.full(n, HASH_WIDTH, np.int64)
     else:
+        hashes = list(hashes)  # (kept alive while their addresses are read)
         handles = object_handles(hashes)
         hash_lens = np.empty(n, np.int64)
         if not hash_lengths(handles, tuple(layout), id(bytes), HASH_WIDTH, hash_lens):

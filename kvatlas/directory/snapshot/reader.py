@@ -265,7 +265,7 @@ def _build(
     first = np.frombuffer(header.chunk_hashes, dtype=np.uint8)[::HASH_BYTES]
     n = len(hashes)
     offsets, first_pl = cols.offsets.astype(np.int64), cols.key_pls[first_ref]
-    in_order, in_order_tokens = hashes, tokens
+    in_order_tokens = tokens
     words = np.frombuffer(header.chunk_hashes, np.uint64).reshape(n, HASH_BYTES // 8)
     if n and not bool((first[1:] >= first[:-1]).all()):  # not as written: sorted (stable)
         order = np.argsort(first, kind="stable")
@@ -276,14 +276,15 @@ def _build(
             flagged[order],
             first_pl[order],
         )
-        in_order, in_order_tokens = hashes.take(order), [tokens[i] for i in order.tolist()]
+        in_order_tokens = [tokens[i] for i in order.tolist()]
     # (the partitions' first bytes as uint8 too: an int64 query would cast all n of ``first``)
     bounds = [*np.searchsorted(first, np.arange(PARTS, dtype=np.uint8)).tolist(), n]
     parts = parts_of_columns(
-        PARTS, in_order, bounds, in_order_tokens, offsets, flagged.tolist(),
-        rows[first_pl].tolist(), _l1_owners(header)[first_pl], header.strings,
+        PARTS,
+        words,  # (the hashes as the file's words: the maps copy them, no object read)
+        bounds, in_order_tokens, offsets, flagged.tolist(), rows[first_pl].tolist(),
+        _l1_owners(header)[first_pl], header.strings,
         int(np.count_nonzero(cols.lens)),  # (the known contents: a chunk of no ids has none)
-        words,  # (the same hashes as the file's words: the maps copy them, no object read)
     )  # fmt: skip
     if sum(map(len, parts)) != n:
         raise SnapshotError("duplicate chunk hashes in snapshot")

@@ -90,7 +90,8 @@ def horner(h: Any, b: Any, t: Any) -> Any:
 def roll(h: Any, t_in: Any, t_out: Any, b: Any, b_pow: Any) -> Any:
     """Slide a window one token: ``h·b + t_in - t_out·b^len`` (``b_pow = b^len``, canonical;
     the ids ``t_in``, ``t_out`` below 2^32). The leaving id is added times ``P - b^len``
-    (computed once, outside the loop) by :func:`id_product`'s two products, not reduced: with
+    (loop-invariant in a scan: the compiler hoists it and its halves) by :func:`id_product`'s
+    two products, not reduced: with
     ``h·b`` (below 2^61 + 4) and ``t_in`` the sum stays below 2^63 + 2^62 + 2^34, which
     :func:`fold` takes whole: no reduction of the product, no subtraction (docs/performance.md)."""
     minus = _P - b_pow
