@@ -15,7 +15,7 @@ from kvatlas.directory.chunk_counts import L2_TIER, DigestArray
 from kvatlas.directory.chunk_digests import InventoryDigests
 from kvatlas.directory.chunk_parts import ChunkPart
 from kvatlas.directory.chunk_state import ChunkState
-from kvatlas.directory.fresh_chunks import store_adds, store_fresh
+from kvatlas.directory.fresh_chunks import fresh_kind, store_adds, store_fresh
 from kvatlas.directory.key_groups import key_groups
 from kvatlas.directory.records import (
     PlacementRow,
@@ -55,7 +55,7 @@ class StoreRules:
         if not len(cols):
             return
         table = self._table
-        inst, tier, backend, shared = batch.instance_id, batch.tier, batch.backend, batch.shared
+        inst, tier, shared = batch.instance_id, batch.tier, batch.shared
         counts = table.counts
         # New own copies, by tag multiplier: their elements go into the digest after the loop,
         # in one vectorised step per multiplier (a batch is mostly one shape).
@@ -65,20 +65,17 @@ class StoreRules:
         fresh = None
         if table.journal is None:  # (a capture saves each record before its first change)
             fresh = store_fresh(
-                table.parts, batch, cols, sids, stored, table.chunk_size, table.indexing
-            )
-        # L2 bytes per shape: a batch of one shape (the usual) adds its total once; a mixed one
-        # is counted entry by entry
-        one_shape = tier == L2_TIER and sids.count(sids[0]) == len(sids)
-        mixed = counts.l2_bytes_by_shape if tier == L2_TIER and not one_shape else None
+                table.parts, [(batch, len(cols))], cols, sids, stored, table.chunk_size,
+                table.indexing,
+            )  # fmt: skip
         if fresh is not None:  # every entry a new chunk: stored in bulk
-            n_keys, n_pl, (n_bytes, added) = len(cols), len(cols), fresh
-            if added:
-                shapes = table.shapes.shapes
-                table.ops.append(store_adds(added, cols, stored, sids, shapes))
-            if dig is not None:
-                pending[self._digests.tag(sids[0], tier, backend)] = cols.chunk_hashes
+            n_keys = n_pl = len(cols)
+            n_bytes = self._fresh_stored(batch, cols, sids, stored, fresh, dig, pending)
         else:  # re-stores of chunks held under one key by columns, the rest entry by entry
+            # (L2 bytes per shape: a batch of one shape, the usual, adds its total once in
+            # ``_count``; a mixed one is counted entry by entry)
+            one_shape = sids.count(sids[0]) == len(sids)
+            mixed = counts.l2_bytes_by_shape if tier == L2_TIER and not one_shape else None
             left: Sequence[int] = range(len(cols))
             plain_pl = plain_bytes = 0
             made: dict[int, PlacementRow] = {}  # the batch's placement rows, one a size
@@ -92,7 +89,68 @@ class StoreRules:
             )
             n_pl += plain_pl
             n_bytes += plain_bytes
-        if one_shape:
+        self._count(batch, sids, n_keys, n_pl, n_bytes, dig, pending)
+
+    def store_run(
+        self, batches: Sequence[tuple[EventBatch, int]], cols: EntryColumns, sids: list[int]
+    ) -> bool:
+        """Store a run of ``store`` batches (:mod:`~kvatlas.directory.store_runs`: one
+        emitter's, one after another, of one tier and backend; each with its count of
+        entries, ``cols`` their entries end to end, ``sids`` their shape ids) in one bulk
+        store when every entry is a new chunk, exactly as :meth:`store` of each in turn
+        would; ``False``, having changed nothing, when not (the caller then stores them one
+        by one)."""
+        table = self._table
+        if table.journal is not None or not fresh_kind(table.parts, cols, sids, table.chunk_size):
+            return False
+        stored = stored_columns(cols)
+        fresh = store_fresh(
+            table.parts, batches, cols, sids, stored, table.chunk_size, table.indexing
+        )
+        if fresh is None:
+            return False
+        first = batches[0][0]
+        dig = None if first.shared else table.counts.digest_for(first.instance_id, first.tier)
+        pending: dict[int, list[bytes]] = {}
+        n_bytes = self._fresh_stored(first, cols, sids, stored, fresh, dig, pending)
+        self._count(first, sids, len(cols), len(cols), n_bytes, dig, pending)
+        return True
+
+    def _fresh_stored(
+        self,
+        batch: EventBatch,
+        cols: EntryColumns,
+        sids: list[int],
+        stored: list[StoredTokens | None],
+        fresh: tuple[int, list[int]],
+        dig: DigestArray | None,
+        pending: dict[int, list[bytes]],
+    ) -> int:
+        """After a bulk store (``fresh``: its bytes and the entries to index): the index adds
+        queued, the new own copies' hashes in ``pending`` (if ``dig``); returns the bytes."""
+        n_bytes, added = fresh
+        table = self._table
+        if added:
+            table.ops.append(store_adds(added, cols, stored, sids, table.shapes.shapes))
+        if dig is not None:
+            pending[self._digests.tag(sids[0], batch.tier, batch.backend)] = cols.chunk_hashes
+        return n_bytes
+
+    def _count(
+        self,
+        batch: EventBatch,
+        sids: list[int],
+        n_keys: int,
+        n_pl: int,
+        n_bytes: int,
+        dig: DigestArray | None,
+        pending: dict[int, list[bytes]],
+    ) -> None:
+        """The counters and digests after a store in ``batch``'s place (its instance, tier,
+        backend, sharing) added ``n_keys`` keys, ``n_pl`` placements and ``n_bytes``."""
+        counts = self._table.counts
+        inst, tier, backend, shared = batch.instance_id, batch.tier, batch.backend, batch.shared
+        if tier == L2_TIER and sids.count(sids[0]) == len(sids):
             counts.l2_bytes_by_shape[sids[0]] += n_bytes
         if dig is not None:
             self._digests.xor_many(dig, pending.items())

@@ -64,7 +64,7 @@ from kvatlas.directory.shapes import ShapeTable
 from kvatlas.directory.token_store import widened_many
 from kvatlas.errors import Conflict
 from kvatlas.events import EventBatch
-from kvatlas.events.columns import EntryColumns
+from kvatlas.events.columns import ColumnBatch, EntryColumns
 from kvatlas.keys import BlendNamespace, ObjectKey, chunk_hash_of
 from kvatlas.keys.object_key import shape_parts
 from kvatlas.keys.tokens import TokenArray
@@ -264,6 +264,16 @@ class ChunkTable:
         """Apply a ``store`` batch (its header; the entries are ``cols``); ``sids`` are the
         entries' interned shape ids (see :class:`~kvatlas.directory.chunk_stores.StoreRules`)."""
         self.stores.store(batch, cols, sids)
+
+    def store_run(self, run: Sequence[ColumnBatch]) -> bool:
+        """Store a run of store batches (:mod:`~kvatlas.directory.store_runs`) in one bulk
+        store, as storing each in turn would; ``False``, having changed nothing but the
+        shapes interned, when it cannot (then store them one by one)."""
+        cols = EntryColumns.joined([cb.entry_columns() for cb in run])
+        if cols is None or not len(cols):
+            return False
+        sids = self.shapes.intern_columns(cols)
+        return self.stores.store_run([(cb.header, cb.n_entries) for cb in run], cols, sids)
 
     def resync(self, batch: EventBatch, cols: EntryColumns, sids: list[int]) -> int:
         """Apply a ``resync`` batch: the reporter's own placements on the batch's tier under

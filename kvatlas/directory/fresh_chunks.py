@@ -20,39 +20,58 @@ import numpy as np
 
 from kvatlas.directory.blend import AddColumns
 from kvatlas.directory.chunk_parts import ChunkPart, add_fresh
-from kvatlas.directory.records import placement_row
+from kvatlas.directory.records import PlacementRow, placement_row
 from kvatlas.directory.shapes import KeyShape
 from kvatlas.directory.token_store import StoredTokens
 from kvatlas.events import UNKNOWN_OFFSET, EventBatch
 from kvatlas.events.columns import EntryColumns, shape_index
 
 
+def fresh_kind(
+    parts: list[ChunkPart], cols: EntryColumns, sids: list[int], chunk_size: int
+) -> bool:
+    """Whether the entries ``cols`` (shape ids ``sids``) may be of the bulk path's kind: one
+    shape, whole chunks of tokens, the first a chunk the table does not hold (a batch of
+    re-stores, the usual other kind, is told by its first). The rest :func:`store_fresh`
+    finds as it inserts."""
+    hashes, n = cols.chunk_hashes, len(cols)
+    if sids.count(sids[0]) != n or cols.token_lengths.tolist().count(chunk_size) != n:
+        return False
+    return hashes[0] not in parts[hashes[0][0]]
+
+
 def store_fresh(
     parts: list[ChunkPart],
-    batch: EventBatch,
+    batches: Sequence[tuple[EventBatch, int]],
     cols: EntryColumns,
     sids: list[int],
     stored: list[StoredTokens | None],
     chunk_size: int,
     indexing: bool,
 ) -> tuple[int, list[int]] | None:
-    """Store the entries ``cols`` of ``batch`` (shape ids ``sids``, tokens ``stored``) as new
-    chunks into ``parts`` if the batch qualifies (see the module docstring); returns the
-    bytes stored and the entries whose chunk is indexed (``indexing``: blend is on; offset
-    known), or ``None``, having changed nothing."""
+    """Store the entries ``cols`` (shape ids ``sids``, tokens ``stored``) as new chunks into
+    ``parts`` if they qualify (see the module docstring); returns the bytes stored and the
+    entries whose chunk is indexed (``indexing``: blend is on; offset known), or ``None``,
+    having changed nothing. ``batches``: each batch and how many of the entries are its, in
+    order (one batch, or a run of one emitter's: :mod:`~kvatlas.directory.store_runs`); an
+    entry is placed as its batch says."""
     hashes, n = cols.chunk_hashes, len(cols)
-    if sids.count(sids[0]) != n or cols.token_lengths.tolist().count(chunk_size) != n:
-        return None
-    if hashes[0] in parts[hashes[0][0]]:  # a batch of re-stores (the usual other kind)
+    if not fresh_kind(parts, cols, sids, chunk_size):
         return None
     sizes, offsets = cols.size_bytes.tolist(), cols.token_offsets.tolist()
-    b = batch
-    rows = {
-        size: placement_row(b.instance_id, b.incarnation, b.tier, b.backend, size, b.shared, b.ts)
-        for size in set(sizes)
-    }
-    # (one placement row, every offset known: the usual batch, without a lookup per entry)
-    placements = [*rows.values()] * n if len(rows) == 1 else list(map(rows.__getitem__, sizes))
+    placements: list[PlacementRow] = []
+    at = 0
+    for b, count in batches:
+        own = sizes[at : at + count] if len(batches) > 1 else sizes
+        rows = {
+            size: placement_row(
+                b.instance_id, b.incarnation, b.tier, b.backend, size, b.shared, b.ts
+            )
+            for size in set(own)
+        }
+        # (one placement row: the usual batch, without a lookup per entry)
+        placements += [*rows.values()] * count if len(rows) == 1 else map(rows.__getitem__, own)
+        at += count
     every = indexing and UNKNOWN_OFFSET not in offsets
     if every:
         indexed = [True] * n

@@ -35,6 +35,7 @@ from kvatlas.directory.records import (
     TokenLookup,
 )
 from kvatlas.directory.salt_usage import SaltKey, bytes_by_salt, keys_of_salts, salt_bytes
+from kvatlas.directory.store_runs import run_length
 from kvatlas.directory.summaries import DirectoryStats, DirectoryUsage, ModuleUsage
 from kvatlas.errors import InvalidInput
 from kvatlas.events import ACCESS, CONFIG, DELETE, RESYNC, STORE, EventBatch
@@ -150,21 +151,38 @@ class KeyDirectory:
 
     def apply_columns(self, batches: Sequence[ColumnBatch]) -> list[Outcome]:
         """Apply batches in order through the gate, each entirely or not at all, under one
-        lock hold and with one index write for all (see :meth:`_flush_index`)."""
-        outcomes = []
+        lock hold and with one index write for all (see :meth:`_flush_index`); a run of one
+        emitter's store batches in one bulk store (:mod:`~kvatlas.directory.store_runs`)."""
+        outcomes: list[Outcome] = []
         with self._lock:
             try:
-                for cb in batches:
-                    admission = self._gate.admit(cb.header)
-                    outcomes.append(admission.outcome)
-                    self._outcomes[admission.outcome] += 1
-                    if admission.outcome is Outcome.APPLIED:
-                        self._apply_admitted(cb, admission)
-                        if self.observer is not None:
-                            self.observer.applied(cb, admission.fence_first)
+                i = 0
+                while i < len(batches):
+                    i += self._apply_from(batches, i, outcomes)
             finally:
                 self._flush_index()
         return outcomes
+
+    def _apply_from(self, batches: Sequence[ColumnBatch], i: int, outcomes: list[Outcome]) -> int:
+        """Apply ``batches[i]``, or the run it starts stored at once; how many were applied."""
+        admission = self._gate.admit(batches[i].header)
+        run = batches[i : i + 1]
+        if admission.outcome is Outcome.APPLIED and not admission.fence_first:
+            run = batches[i : i + run_length(batches, i)]
+        together = len(run) > 1 and self._chunks.store_run(run)
+        for k, cb in enumerate(run):
+            if k:  # (after the batch before it was committed)
+                admission = self._gate.admit(cb.header)
+            outcomes.append(admission.outcome)
+            self._outcomes[admission.outcome] += 1
+            if admission.outcome is Outcome.APPLIED:
+                if together:
+                    self._gate.commit(cb.header, admission)
+                else:
+                    self._apply_admitted(cb, admission)
+                if self.observer is not None:
+                    self.observer.applied(cb, admission.fence_first)
+        return len(run)
 
     def fence_instance(self, instance_id: str) -> int:
         """Drop every L1 placement ``instance_id`` reported (its process memory is gone);
@@ -219,19 +237,11 @@ class KeyDirectory:
         self._chunks.flush_index(self._index)
 
     def _apply_config(self, batch: EventBatch) -> None:
-        assert batch.capacity_bytes is not None and batch.capacity_revision is not None
-        version = (batch.incarnation, batch.capacity_revision)
-        cur = self._capacities.get(batch.instance_id)
-        where = (batch.tier, batch.backend)
         if batch.shared:
-            self._shared_pools.add(where)
-        if cur is None or version > (cur.incarnation, cur.revision):
-            caps = {where: batch.capacity_bytes}
-        elif version == (cur.incarnation, cur.revision):
-            caps = {**cur.capacities, where: batch.capacity_bytes}
-        else:
-            return
-        self._capacities[batch.instance_id] = CapacityDeclaration(*version, caps)
+            self._shared_pools.add((batch.tier, batch.backend))
+        declared = CapacityDeclaration.after(self._capacities.get(batch.instance_id), batch)
+        if declared is not None:
+            self._capacities[batch.instance_id] = declared
 
     # ------------------------------------------------------------------ reads
 

@@ -26,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvatlas.directory.token_store import StoredTokens, widened
-from kvatlas.events import VOLATILE_TIERS
+from kvatlas.events import VOLATILE_TIERS, EventBatch
 from kvatlas.keys import ObjectKey
 from kvatlas.keys.tokens import TokenArray
 
@@ -115,6 +115,19 @@ class CapacityDeclaration:
     incarnation: int
     revision: int
     capacities: dict[tuple[str, str], int]  # (tier, backend) -> bytes
+
+    @staticmethod
+    def after(cur: CapacityDeclaration | None, batch: EventBatch) -> CapacityDeclaration | None:
+        """The declaration once the ``config`` batch is applied (``None``: older than
+        ``cur``, which stands); the same revision adds to it, a newer one replaces it."""
+        assert batch.capacity_bytes is not None and batch.capacity_revision is not None
+        version = (batch.incarnation, batch.capacity_revision)
+        where = (batch.tier, batch.backend)
+        if cur is None or version > (cur.incarnation, cur.revision):
+            return CapacityDeclaration(*version, {where: batch.capacity_bytes})
+        if version == (cur.incarnation, cur.revision):
+            return CapacityDeclaration(*version, {**cur.capacities, where: batch.capacity_bytes})
+        return None
 
 
 # ------------------------------------------------------------------ placement rows

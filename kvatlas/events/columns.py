@@ -11,9 +11,11 @@ they hold exactly what the :class:`~kvatlas.events.CacheEntry` objects of the sa
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from itertools import chain
+from operator import attrgetter
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -140,6 +142,36 @@ class EntryColumns:
             tokens,
             token_starts,
             token_lengths,
+        )
+
+    @classmethod
+    def joined(cls, parts: Sequence[EntryColumns]) -> EntryColumns | None:
+        """The entries of ``parts`` end to end, or ``None`` unless they have one list of
+        shapes and their tokens in one arena (the batches of one decoded body) or all as
+        objects: then nothing is copied but the integer columns."""
+        first = parts[0]
+        objects = first.token_objects is not None
+        if any(
+            p.shapes != first.shapes
+            or (p.token_objects is not None) != objects
+            or (not objects and p.tokens is not first.tokens)
+            for p in parts
+        ):
+            return None
+
+        def cat(column: Callable[[EntryColumns], npt.NDArray[Any]]) -> npt.NDArray[Any]:
+            return np.concatenate(list(map(column, parts)))
+
+        return cls(
+            list(chain.from_iterable(p.chunk_hashes for p in parts)),
+            first.shapes,
+            cat(attrgetter("shape_of")),
+            cat(attrgetter("size_bytes")),
+            cat(attrgetter("token_offsets")),
+            first.tokens,
+            cat(attrgetter("token_starts")),
+            cat(attrgetter("token_lengths")),
+            tuple(chain.from_iterable(p.token_objects or () for p in parts)) if objects else None,
         )
 
     def rows_shared(self) -> bool:

@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
 from kvatlas.api.events import PACKED_FORMAT_VERSION, PackedBatch, PackedEntry, PackedEventsBody
 from kvatlas.events.columns import ColumnBatch, EntryColumns, column_batch
@@ -126,9 +127,17 @@ def decode_msgpack_columns(body: bytes) -> list[ColumnBatch]:
         return explain(decode_msgpack, body)
     if wire.v != FORMAT_VERSION:
         return explain(decode_msgpack, body)
+    # every batch's contents in one arena (batches of one arena may be stored at once:
+    # ``directory/store_runs.py``), each batch's rows from its first id on
+    joined = b"".join([c for pb in wire.batches for c in pb.contents])
+    if len(joined) % 4:  # a content not whole ids
+        return explain(decode_msgpack, body)
+    arena = np.frombuffer(joined, dtype=_LE_U32).astype(np.uint32, copy=False)
     out = []
+    first = 0
     for pb in wire.batches:
-        cols = _columns_from_packed(pb)
+        cols = _columns_from_packed(pb, arena, first)
+        first += sum(map(len, pb.contents)) // 4
         cb = None if cols is None else column_batch(pb, pb.backend or "", cols)
         if cb is None:
             return explain(decode_msgpack, body)
@@ -147,7 +156,10 @@ def _packed_rows(sizes: Any, refs: Any, firsts: Any, starts: Any, lengths: Any) 
     return packed_rows(sizes, refs, firsts, starts, lengths)
 
 
-def _columns_from_packed(pb: PackedBatch) -> EntryColumns | None:
+def _columns_from_packed(
+    pb: PackedBatch, arena: npt.NDArray[np.uint32], first: int
+) -> EntryColumns | None:
+    """The entries of ``pb`` as columns, its contents in ``arena`` from id ``first`` on."""
     contents, entries = pb.contents, pb.entries
     hashes = list(map(chunk_hash_of, entries))
     if hashes and set(map(len, hashes)) != {32}:
@@ -162,7 +174,7 @@ def _columns_from_packed(pb: PackedBatch) -> EntryColumns | None:
     starts, lengths = np.empty(n, np.int64), np.empty(n, np.int64)
     if not _packed_rows(sizes, refs, firsts, starts, lengths):
         return None  # (a content not whole ids, a reference to no content)
-    arena = np.frombuffer(b"".join(contents), dtype=_LE_U32).astype(np.uint32, copy=False)
+    starts += first
     return EntryColumns.checked(
         hashes,
         list(map(shape_parts, entries)),
