@@ -11,18 +11,27 @@ This module imports numba: ``json_codec`` imports it on first use only, so that 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
-from typing import Any
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
-from llvmlite import ir
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
 
+from kvatlas.events._json_words import (
+    ABOVE_NINE,
+    ALL_BITS,
+    BLOCK,
+    ONES,
+    TOP_BIT,
+    TOPS,
+    U64_1,
+    U64_8,
+    ZEROS,
+    digits_value,
+    masks,
+    trailing_zeros,
+    word,
+)
 from kvatlas.kernel_twins import gil_twins, njit_without_nrt, releasing_twin
 
 
@@ -38,65 +47,6 @@ def _digit(c):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     return d if 0 <= d <= 9 else -1
 
 
-@intrinsic
-def _trailing_zeros(typingctx: Any, x: Any) -> Any:
-    """Count of trailing zero bits of a non-zero ``uint64`` (one instruction)."""
-    sig = types.uint64(types.uint64)  # type: ignore[no-untyped-call]
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.cttz(args[0], ir.Constant(ir.IntType(1), 1))
-
-    return sig, codegen
-
-
-_ONES = np.uint64(0x0101010101010101)
-_ZEROS = np.uint64(0x3030303030303030)  # eight ASCII '0'
-_ABOVE_NINE = np.uint64(0x4646464646464646)  # 0x80 - ':' per byte: a byte > '9' sets its top bit
-_TOPS = np.uint64(0x8080808080808080)
-_LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
-_LOW_BYTES = np.uint64(0x00FF00FF00FF00FF)
-_LOW_PAIRS = np.uint64(0x0000FFFF0000FFFF)
-_U64_8, _U64_16, _U64_32, _U64_64 = np.uint64(8), np.uint64(16), np.uint64(32), np.uint64(64)
-_BY_10 = np.uint64(10 * 256 + 1)
-_BY_100 = np.uint64(100 * 65536 + 1)
-_BY_10000 = np.uint64(10000 * (1 << 32) + 1)
-
-
-def _item_pointer(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-    """In an intrinsic ``(array, index)``: the address of ``array[index]`` (no bounds check:
-    the caller's)."""
-    aryty = signature.args[0]
-    ary = context.make_array(aryty)(context, builder, args[0])
-    return cgutils.get_item_pointer(  # type: ignore[no-untyped-call]
-        context, builder, aryty, ary, [args[1]], wraparound=False, boundscheck=False
-    )
-
-
-@intrinsic
-def _load_word(typingctx: Any, buf: Any, i: Any) -> Any:
-    """``buf[i:i + 8]`` as one unaligned 64-bit load (no bounds check: the caller's)."""
-    sig = types.uint64(buf, i)  # type: ignore[no-untyped-call]
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        ptr = _item_pointer(context, builder, signature, args)
-        return builder.load(builder.bitcast(ptr, ir.IntType(64).as_pointer()), align=1)
-
-    return sig, codegen
-
-
-@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
-def _assembled_word(buf, i):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
-    """:func:`_load_word`, byte by byte (big-endian machines)."""
-    x = np.uint64(0)
-    for t in range(8):
-        x |= np.uint64(buf[i + t]) << np.uint64(8 * t)
-    return x
-
-
-_word = _load_word if sys.byteorder == "little" else _assembled_word
-"""``buf[i:i + 8]`` as a little-endian ``uint64``."""
-
-
 @njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def _short_number(x):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """``(digits, value)`` of the number that eight bytes ``x`` (little-endian) start with,
@@ -104,23 +54,13 @@ def _short_number(x):  # type: ignore[no-untyped-def]  # pragma: no cover - comp
     byte in the word, or has a leading zero (the caller then reads it byte by byte).
     A non-digit byte is one whose top bit is set after ``- '0'`` (below '0') or ``+ 0x46``
     (above '9'); a borrow or carry only reaches bytes after the first non-digit."""
-    stops = ((x - _ZEROS) | (x + _ABOVE_NINE)) & _TOPS
+    stops = ((x - ZEROS) | (x + ABOVE_NINE)) & TOPS
     if stops == 0:
         return 0, np.uint64(0)
-    bits = _trailing_zeros(stops) - np.uint64(7)  # type: ignore[call-arg]  # 8 x the digits
-    if bits == 0 or (bits > _U64_8 and (x & np.uint64(0xFF)) == np.uint64(48)):
+    bits = trailing_zeros(stops) - np.uint64(7)  # type: ignore[call-arg]  # 8 x the digits
+    if bits == 0 or (bits > U64_8 and (x & np.uint64(0xFF)) == np.uint64(48)):
         return 0, np.uint64(0)
-    return np.int64(bits >> np.uint64(3)), _digits_value(x, bits)
-
-
-@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
-def _digits_value(x, bits):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
-    """The value of the decimal digits that are the low ``bits // 8`` bytes of ``x`` (1–8 of
-    them, little-endian: the first digit in the lowest byte)."""
-    v = (x << (_U64_64 - bits)) & _LOW_NIBBLES  # the digits at the top, zeros before them
-    v = (v * _BY_10) >> _U64_8  # pairs of digits
-    v = ((v & _LOW_BYTES) * _BY_100) >> _U64_16  # fours
-    return ((v & _LOW_PAIRS) * _BY_10000) >> _U64_32  # eights
+    return np.int64(bits >> np.uint64(3)), digits_value(x, bits)
 
 
 _QUOTES = np.uint64(0x2222222222222222)
@@ -131,7 +71,7 @@ _BACKSLASHES = np.uint64(0x5C5C5C5C5C5C5C5C)
 def _zero_bytes(x):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """Non-zero iff a byte of ``x`` is 0; its lowest set bit marks the first such byte (a
     borrow only reaches the bytes after it)."""
-    return (x - _ONES) & ~x & _TOPS
+    return (x - ONES) & ~x & TOPS
 
 
 @njit_without_nrt(cache=True, nogil=True, boundscheck=False)
@@ -139,10 +79,10 @@ def string_end(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover -
     """The index of the first ``"`` or ``\\`` at or after ``i`` (``n`` if none before ``n``),
     eight bytes at a time."""
     while i + 8 <= n:
-        x = _word(buf, i)  # type: ignore[call-arg]
+        x = word(buf, i)  # type: ignore[call-arg]
         stops = _zero_bytes(x ^ _QUOTES) | _zero_bytes(x ^ _BACKSLASHES)
         if stops != 0:
-            return i + np.int64(_trailing_zeros(stops) >> np.uint64(3))  # type: ignore[call-arg]
+            return i + np.int64(trailing_zeros(stops) >> np.uint64(3))  # type: ignore[call-arg]
         i += 8
     while i < n and buf[i] != 34 and buf[i] != 92:
         i += 1
@@ -156,82 +96,6 @@ def skip_space(buf, i, n):  # type: ignore[no-untyped-def]  # pragma: no cover -
     return i
 
 
-_SEVEN_BITS = np.uint64(0x7F7F7F7F7F7F7F7F)
-_GATHER_TOPS = np.uint64(0x0002040810204081)  # the top bit of byte j to bit 56 + j
-_U64_56 = np.uint64(56)
-BLOCK = 64
-"""Bytes a mask covers (:func:`_masks`)."""
-
-
-_COMMAS = np.uint64(0x2C2C2C2C2C2C2C2C)  # eight ASCII ','
-_ALL_BITS = np.uint64(0xFFFFFFFFFFFFFFFF)
-_TOP_BIT = np.uint64(1 << 63)
-_U64_1 = np.uint64(1)
-
-
-@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
-def _gathered(tops, j):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
-    """The top bits of word ``j``'s eight bytes (``tops``) as bits ``8 * j`` to ``8 * j + 7``."""
-    return ((tops * _GATHER_TOPS) >> _U64_56) << np.uint64(8 * j)
-
-
-@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
-def _swar_masks(buf, b):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
-    """:func:`_masks` eight bytes a word (big-endian machines). Exact for every byte: each
-    byte's top bit is set (or cleared) before the subtraction or addition that tests it, so
-    no borrow or carry crosses into the next."""
-    digits = commas = zeros = np.uint64(0)
-    for j in range(8):
-        x = _word(buf, b + 8 * j)  # type: ignore[call-arg]
-        low = x & _SEVEN_BITS
-        digits |= _gathered(((low | _TOPS) - _ZEROS) & ~(low + _ABOVE_NINE) & ~x & _TOPS, j)
-        commas |= _gathered(_equal_tops(x, _COMMAS), j)
-        zeros |= _gathered(_equal_tops(x, _ZEROS), j)
-    return digits, commas, zeros
-
-
-@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
-def _equal_tops(x, pattern):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
-    """The top bit of each byte of ``x`` equal to ``pattern``'s (its eight bytes alike), set;
-    every other bit clear. Exact for every byte (the low seven bits are added apart)."""
-    y = x ^ pattern  # a byte equal to the pattern's: zero
-    return ~(((y & _SEVEN_BITS) + _SEVEN_BITS) | y) & _TOPS
-
-
-@intrinsic
-def _vector_masks(typingctx: Any, buf: Any, b: Any) -> Any:
-    """:func:`_masks` as one vector of 64 bytes and three compares (``byte - '0' < 10``
-    unsigned, ``byte == ','``, ``byte == '0'`` per lane), each's 64 lanes' flags as a mask's
-    bits (lane ``t``, bit ``t``: little-endian). LLVM lowers them to the machine's vector
-    compares (AVX-512: a compare into a mask register and a move each; AVX2: two halves and
-    their byte masks), where the word-by-word form takes ≈80 instructions a mask."""
-    sig = types.UniTuple(types.uint64, 3)(buf, b)  # type: ignore[no-untyped-call]
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        ptr = _item_pointer(context, builder, signature, args)
-        lanes = ir.VectorType(ir.IntType(8), BLOCK)
-        block = builder.load(builder.bitcast(ptr, lanes.as_pointer()), align=1)
-
-        def bits(flags: Any) -> Any:
-            return builder.bitcast(flags, ir.IntType(BLOCK))
-
-        above_zero = builder.sub(block, ir.Constant(lanes, [48] * BLOCK))
-        digits = builder.icmp_unsigned("<", above_zero, ir.Constant(lanes, [10] * BLOCK))
-        commas = builder.icmp_unsigned("==", block, ir.Constant(lanes, [44] * BLOCK))
-        zeros = builder.icmp_unsigned("==", block, ir.Constant(lanes, [48] * BLOCK))
-        return context.make_tuple(
-            builder, signature.return_type, [bits(digits), bits(commas), bits(zeros)]
-        )
-
-    return sig, codegen
-
-
-_masks = _vector_masks if sys.byteorder == "little" else _swar_masks
-"""``(digits, commas, zeros)`` of the block at ``buf[b]``: bit ``t`` of each set iff
-``buf[b + t]`` is an ASCII digit, ``,``, ``0``, for ``t`` < 64 (the caller's bounds check:
-``b + 64 <= len``)."""
-
-
 @njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def _zero_led(buf, b, start, digits, zeros):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Whether a number of the block at ``b`` (its masks ``digits`` and ``zeros``; the current
@@ -241,9 +105,9 @@ def _zero_led(buf, b, start, digits, zeros):  # type: ignore[no-untyped-def]  # 
     carried = start < b
     if carried and buf[start] == 48:
         return True
-    before = (digits << _U64_1) | (_U64_1 if carried else np.uint64(0))  # a digit before
+    before = (digits << U64_1) | (U64_1 if carried else np.uint64(0))  # a digit before
     starts = digits & ~before
-    return (starts & zeros & ((digits >> _U64_1) | _TOP_BIT)) != 0
+    return (starts & zeros & ((digits >> U64_1) | TOP_BIT)) != 0
 
 
 @njit_without_nrt(cache=True, nogil=True, boundscheck=False)
@@ -268,25 +132,25 @@ def _usual_numbers(buf, i, n, arena, k):  # type: ignore[no-untyped-def]  # prag
     # (a block read only with room for a word at any number in it and for its numbers, at
     # most 32: no bounds check per number)
     while b + BLOCK + 8 <= n and k + BLOCK // 2 <= len(arena):
-        digits_at, commas_at, zeros_at = _masks(buf, b)  # type: ignore[call-arg]
-        if (digits_at | commas_at) == _ALL_BITS and not _zero_led(
+        digits_at, commas_at, zeros_at = masks(buf, b)  # type: ignore[call-arg]
+        if (digits_at | commas_at) == ALL_BITS and not _zero_led(
             buf, b, start, digits_at, zeros_at
         ):
             stops = commas_at
             while stops != 0:
-                p = b + np.int64(_trailing_zeros(stops))  # type: ignore[call-arg]
+                p = b + np.int64(trailing_zeros(stops))  # type: ignore[call-arg]
                 stops &= stops - np.uint64(1)
                 digits = p - start
                 if (digits - 1) >> 3 != 0:  # no digit (",,"), or more than 8
                     return False, start, k
-                arena[k] = _digits_value(_word(buf, start), np.uint64(8 * digits))  # type: ignore[call-arg]
+                arena[k] = digits_value(word(buf, start), np.uint64(8 * digits))  # type: ignore[call-arg]
                 k += 1
                 start = p + 1
             b += BLOCK
             continue
         stops = ~digits_at
         while stops != 0:
-            p = b + np.int64(_trailing_zeros(stops))  # type: ignore[call-arg]
+            p = b + np.int64(trailing_zeros(stops))  # type: ignore[call-arg]
             stops &= stops - np.uint64(1)
             digits = p - start
             c = buf[p]
@@ -295,14 +159,14 @@ def _usual_numbers(buf, i, n, arena, k):  # type: ignore[no-untyped-def]  # prag
                     start = p + 1
                     continue
                 return False, start, k
-            x = _word(buf, start)  # type: ignore[call-arg]
+            x = word(buf, start)  # type: ignore[call-arg]
             if (
                 (digits > 8)
                 | ((digits > 1) & ((x & np.uint64(0xFF)) == np.uint64(48)))
                 | ((c != 44) & (c != 93))
             ):
                 return False, start, k
-            arena[k] = _digits_value(x, np.uint64(8 * digits))
+            arena[k] = digits_value(x, np.uint64(8 * digits))
             k += 1
             if c == 93:
                 return True, p + 1, k
@@ -328,8 +192,8 @@ def parse_array(buf, i, n, arena, k):  # type: ignore[no-untyped-def]  # pragma:
     while i < n:  # from the first number not in the usual form, if any
         digits, v = 0, np.int64(0)
         if i + 8 <= n:  # the common number: 1-7 digits and the byte after, read as one word
-            digits, word = _short_number(_word(buf, i))  # type: ignore[call-arg]
-            v = np.int64(word)  # (int64: mixed with uint64, numba would compute in float64)
+            digits, value = _short_number(word(buf, i))  # type: ignore[call-arg]
+            v = np.int64(value)  # (int64: mixed with uint64, numba would compute in float64)
         if digits != 0:
             i += digits
         else:  # byte by byte

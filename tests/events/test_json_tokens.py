@@ -218,10 +218,10 @@ def test_short_number_of_any_word_against_the_bytes(word: list[int]) -> None:
 @settings(max_examples=300, deadline=None)
 @given(st.binary(min_size=64, max_size=64), st.lists(st.sampled_from(b"0123456789,"), max_size=64))
 def test_masks_mark_exactly_the_digit_comma_and_zero_bytes(raw: bytes, marks: list[int]) -> None:
-    """``_masks`` (the block-at-a-time numbers' masks) on any 64 bytes, digits and commas
+    """``masks`` (the block-at-a-time numbers' masks) on any 64 bytes, digits and commas
     mixed in anywhere: bit ``t`` of each set iff byte ``t`` is '0'-'9', ',', '0', whatever
     the bytes beside it (a borrow or carry crossing a byte would mark a neighbour)."""
-    from kvatlas.events._json_tokens import _swar_masks
+    from kvatlas.events._json_words import swar_masks
 
     block = bytearray(raw)
     for t, d in enumerate(marks):
@@ -232,16 +232,16 @@ def test_masks_mark_exactly_the_digit_comma_and_zero_bytes(raw: bytes, marks: li
     )
     buf = np.frombuffer(bytes(block), np.uint8)
     assert tuple(map(int, _machines_masks()(buf))) == want  # vector compares on this machine
-    assert tuple(map(int, _swar_masks(buf, 0))) == want  # word by word, a big-endian machine's
+    assert tuple(map(int, swar_masks(buf, 0))) == want  # word by word, a big-endian machine's
 
 
 @functools.cache
 def _machines_masks() -> Any:
-    """``_masks`` of an array's first 64 bytes, callable from Python (an intrinsic is
+    """``masks`` of an array's first 64 bytes, callable from Python (an intrinsic is
     callable from compiled code only)."""
-    from kvatlas.events._json_tokens import _masks
+    from kvatlas.events._json_words import masks
 
-    return numba.njit(lambda buf: _masks(buf, 0))
+    return numba.njit(lambda buf: masks(buf, 0))
 
 
 @pytest.mark.parametrize("lead", [b"0", b"012", b"00", b"0123456"])
