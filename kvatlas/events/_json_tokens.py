@@ -26,10 +26,12 @@ from kvatlas.events._json_words import (
     TOPS,
     U64_1,
     U64_8,
+    U64_64,
     ZEROS,
     digits_value,
     masks,
     trailing_zeros,
+    values4,
     word,
 )
 from kvatlas.kernel_twins import gil_twins, njit_without_nrt, releasing_twin
@@ -110,6 +112,19 @@ def _zero_led(buf, b, start, digits, zeros):  # type: ignore[no-untyped-def]  # 
     return (starts & zeros & ((digits >> U64_1) | TOP_BIT)) != 0
 
 
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False, inline="always")
+def _next(buf, b, stops, start, bad):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """The next number of a block of digits and commas (at ``b``; ``stops`` its commas not
+    read yet, ``start`` the number's first byte): ``(word, shift, stops, start, bad)`` for
+    :func:`values4`, the commas and first byte after it, and ``bad`` not 0 once a number had
+    no digit or more than 8 (its shift then meaningless)."""
+    p = b + np.int64(trailing_zeros(stops))  # type: ignore[call-arg]
+    digits = p - start
+    shift = (U64_64 - np.uint64(8 * digits)) & np.uint64(63)
+    x = word(buf, start)  # type: ignore[call-arg]
+    return x, shift, stops & (stops - U64_1), p + 1, bad | ((digits - 1) >> 3)
+
+
 @njit_without_nrt(cache=True, nogil=True, boundscheck=False)
 def _usual_numbers(buf, i, n, arena, k):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Read the numbers of an int array from ``i`` (its first number's first byte) while
@@ -133,21 +148,33 @@ def _usual_numbers(buf, i, n, arena, k):  # type: ignore[no-untyped-def]  # prag
     # most 32: no bounds check per number)
     while b + BLOCK + 8 <= n and k + BLOCK // 2 <= len(arena):
         digits_at, commas_at, zeros_at = masks(buf, b)  # type: ignore[call-arg]
-        if (digits_at | commas_at) == ALL_BITS and not _zero_led(
-            buf, b, start, digits_at, zeros_at
+        if (
+            (digits_at | commas_at) == ALL_BITS
+            and (commas_at & (commas_at >> U64_1)) == 0  # (at most 32 numbers then)
+            and not _zero_led(buf, b, start, digits_at, zeros_at)
         ):
             stops = commas_at
-            while stops != 0:
-                p = b + np.int64(trailing_zeros(stops))  # type: ignore[call-arg]
-                stops &= stops - np.uint64(1)
-                digits = p - start
-                if (digits - 1) >> 3 != 0:  # no digit (",,"), or more than 8
-                    return False, start, k
-                arena[k] = digits_value(word(buf, start), np.uint64(8 * digits))  # type: ignore[call-arg]
-                k += 1
-                start = p + 1
-            b += BLOCK
-            continue
+            before = start, k
+            bad = np.int64(0)  # any number of no digit (",,") or more than 8
+            while stops != 0:  # four numbers at a time (fewer at the block's end)
+                x1 = x2 = x3 = s1 = s2 = s3 = np.uint64(0)
+                x0, s0, stops, start, bad = _next(buf, b, stops, start, bad)
+                count = 1
+                if stops != 0:
+                    x1, s1, stops, start, bad = _next(buf, b, stops, start, bad)
+                    count = 2
+                    if stops != 0:
+                        x2, s2, stops, start, bad = _next(buf, b, stops, start, bad)
+                        count = 3
+                        if stops != 0:
+                            x3, s3, stops, start, bad = _next(buf, b, stops, start, bad)
+                            count = 4
+                values4(arena, k, x0, x1, x2, x3, s0, s1, s2, s3)  # type: ignore[call-arg]
+                k += count
+            if bad == 0:
+                b += BLOCK
+                continue
+            start, k = before  # the block again, number by number: which one, and where
         stops = ~digits_at
         while stops != 0:
             p = b + np.int64(trailing_zeros(stops))  # type: ignore[call-arg]

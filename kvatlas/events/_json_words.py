@@ -39,7 +39,7 @@ TOPS = np.uint64(0x8080808080808080)
 _LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
 _LOW_BYTES = np.uint64(0x00FF00FF00FF00FF)
 _LOW_PAIRS = np.uint64(0x0000FFFF0000FFFF)
-U64_8, _U64_16, _U64_32, _U64_64 = np.uint64(8), np.uint64(16), np.uint64(32), np.uint64(64)
+U64_8, _U64_16, _U64_32, U64_64 = np.uint64(8), np.uint64(16), np.uint64(32), np.uint64(64)
 _BY_10 = np.uint64(10 * 256 + 1)
 _BY_100 = np.uint64(100 * 65536 + 1)
 _BY_10000 = np.uint64(10000 * (1 << 32) + 1)
@@ -84,7 +84,7 @@ word = _load_word if sys.byteorder == "little" else _assembled_word
 def digits_value(x, bits):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """The value of the decimal digits that are the low ``bits // 8`` bytes of ``x`` (1–8 of
     them, little-endian: the first digit in the lowest byte)."""
-    v = (x << (_U64_64 - bits)) & _LOW_NIBBLES  # the digits at the top, zeros before them
+    v = (x << (U64_64 - bits)) & _LOW_NIBBLES  # the digits at the top, zeros before them
     v = (v * _BY_10) >> U64_8  # pairs of digits
     v = ((v & _LOW_BYTES) * _BY_100) >> _U64_16  # fours
     return ((v & _LOW_PAIRS) * _BY_10000) >> _U64_32  # eights
@@ -164,3 +164,62 @@ masks = _vector_masks if sys.byteorder == "little" else swar_masks
 """``(digits, commas, zeros)`` of the block at ``buf[b]``: bit ``t`` of each set iff
 ``buf[b + t]`` is an ASCII digit, ``,``, ``0``, for ``t`` < 64 (the caller's bounds check:
 ``b + 64 <= len``)."""
+
+
+@intrinsic
+def _vector_values4(
+    typingctx: Any,
+    arena: Any,
+    k: Any,
+    x0: Any,
+    x1: Any,
+    x2: Any,
+    x3: Any,
+    s0: Any,
+    s1: Any,
+    s2: Any,
+    s3: Any,
+) -> Any:
+    """:func:`values4` in four vector lanes: each word shifted, then :func:`digits_value`'s
+    three steps as multiplies of pairs of 8-, 16- and 32-bit lanes (the low half of a pair
+    the more significant: a little-endian word's first byte is its lowest), the four values
+    stored at once."""
+    sig = types.none(arena, k, x0, x1, x2, x3, s0, s1, s2, s3)  # type: ignore[no-untyped-call]
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        ptr = item_pointer(context, builder, signature, args[:2])
+        quad = ir.VectorType(ir.IntType(64), 4)
+        words = shifts = ir.Constant(quad, ir.Undefined)
+        for t in range(4):
+            lane = ir.Constant(ir.IntType(32), t)
+            words = builder.insert_element(words, args[2 + t], lane)
+            shifts = builder.insert_element(shifts, args[6 + t], lane)
+        v = builder.and_(builder.shl(words, shifts), ir.Constant(quad, [0x0F0F0F0F0F0F0F0F] * 4))
+        for bits, weight in ((16, 10), (32, 100), (64, 10000)):
+            pairs = ir.VectorType(ir.IntType(bits), 256 // bits)
+            w = builder.bitcast(v, pairs)
+            low = builder.and_(w, ir.Constant(pairs, [(1 << bits // 2) - 1] * pairs.count))
+            high = builder.lshr(w, ir.Constant(pairs, [bits // 2] * pairs.count))
+            v = builder.add(builder.mul(low, ir.Constant(pairs, [weight] * pairs.count)), high)
+        values = builder.trunc(v, ir.VectorType(ir.IntType(32), 4))
+        builder.store(values, builder.bitcast(ptr, values.type.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit_without_nrt(cache=True, nogil=True, boundscheck=False)
+def _word_values4(arena, k, x0, x1, x2, x3, s0, s1, s2, s3):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """:func:`values4` word by word (big-endian machines)."""
+    arena[k] = digits_value(x0, U64_64 - s0)
+    arena[k + 1] = digits_value(x1, U64_64 - s1)
+    arena[k + 2] = digits_value(x2, U64_64 - s2)
+    arena[k + 3] = digits_value(x3, U64_64 - s3)
+
+
+values4 = _vector_values4 if sys.byteorder == "little" else _word_values4
+"""``values4(arena, k, x0, x1, x2, x3, s0, s1, s2, s3)``: ``arena[k + t]`` = the value of
+the number whose digits are the low bytes of word ``xt`` (as :func:`word` reads it), ``st``
+being ``64 - 8 * digits`` (1–8 digits: the shift that brings them to the top of the word),
+for ``t`` < 4 (the caller's bounds check: ``k + 4 <= len(arena)``). A word of zeros reads as
+0: the caller's lanes beyond its last number."""
