@@ -215,6 +215,38 @@ def test_short_number_of_any_word_against_the_bytes(word: list[int]) -> None:
     assert (int(got[0]), int(got[1])) == expected
 
 
+@functools.cache
+def _into(values4: Any) -> Any:
+    @numba.njit
+    def call(arena: Any, w: Any, s: Any) -> None:  # (arena[0] untouched)
+        values4(arena, 1, w[0], w[1], w[2], w[3], s[0], s[1], s[2], s[3])
+
+    return call
+
+
+_NUMBER = st.tuples(st.integers(1, 8), st.binary(min_size=8, max_size=8))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_NUMBER, min_size=4, max_size=4))
+def test_four_numbers_at_once_read_as_one_at_a_time(numbers: list[tuple[int, bytes]]) -> None:
+    """``values4`` (the vector lanes, and the word-by-word form of big-endian machines) on
+    four words of 1-8 digits each, whatever bytes follow them in the word: each number's
+    value, as ``int`` reads its digits."""
+    from kvatlas.events import _json_words
+
+    words, shifts, expected = [], [], []
+    for digits, rest in numbers:
+        text = bytes(48 + b % 10 for b in rest[:digits]) + rest[digits:]
+        words.append(np.uint64(int.from_bytes(text, "little")))
+        shifts.append(np.uint64(64 - 8 * digits))
+        expected.append(int(text[:digits]))
+    for form in (_json_words._vector_values4, _json_words._word_values4):
+        arena = np.full(6, 7, np.uint32)
+        _into(form)(arena, tuple(words), tuple(shifts))
+        assert arena.tolist() == [7, *expected, 7]
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(min_size=64, max_size=64), st.lists(st.sampled_from(b"0123456789,"), max_size=64))
 def test_masks_mark_exactly_the_digit_comma_and_zero_bytes(raw: bytes, marks: list[int]) -> None:
