@@ -20,10 +20,11 @@ escaped key may decode to one of the names followed), a key seen twice in one ob
 those, nesting deeper than ``MAX_DEPTH``, an unterminated string or container, more entry
 or batch objects than a valid body of its size can hold.
 
-This module imports numba: ``json_codec`` imports it on first use only. numba's on-disk cache
-of :func:`_cut` is keyed by this file alone: after a change to ``_json_entries`` or
-``_json_tokens``, which it compiles in, clear ``__pycache__/_json_cut*.nb?`` (a fresh
-checkout has none).
+This module imports numba: ``json_codec`` imports it on first use only. numba keys its cache
+of :func:`_cut` by this file alone, though it compiles in ``_json_entries``, ``_json_tokens``
+and ``_json_words``: kvatlas keys the cache directory by every source
+(``kvatlas/kernel_cache.py``), so a change to any starts a fresh one, unless
+``NUMBA_CACHE_DIR`` was set by hand (then clear it).
 """
 
 from __future__ import annotations
