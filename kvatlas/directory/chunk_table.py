@@ -35,6 +35,7 @@ from kvatlas.directory.chunk_digests import InventoryDigests
 from kvatlas.directory.chunk_parts import ChunkPart, new_parts, rows_of
 from kvatlas.directory.chunk_removals import RemovalRules
 from kvatlas.directory.chunk_stores import StoreRules
+from kvatlas.directory.fresh_chunks import first_held
 from kvatlas.directory.key_groups import KeyGroups, key_groups
 from kvatlas.directory.records import (
     KeyPlacements,
@@ -269,7 +270,10 @@ class ChunkTable:
         """Store a run of store batches (:mod:`~kvatlas.directory.store_runs`) in one bulk
         store, as storing each in turn would; ``False``, having changed nothing but the
         shapes interned, when it cannot (then store them one by one)."""
-        cols = EntryColumns.joined([cb.entry_columns() for cb in run])
+        parts = [cb.entry_columns() for cb in run]
+        if first_held(self.parts, parts[0].chunk_hashes):  # re-stores: before any joining
+            return False
+        cols = EntryColumns.joined(parts)
         if cols is None or not len(cols):
             return False
         sids = self.shapes.intern_columns(cols)

@@ -34,10 +34,16 @@ def fresh_kind(
     shape, whole chunks of tokens, the first a chunk the table does not hold (a batch of
     re-stores, the usual other kind, is told by its first). The rest :func:`store_fresh`
     finds as it inserts."""
-    hashes, n = cols.chunk_hashes, len(cols)
+    n = len(cols)
     if sids.count(sids[0]) != n or cols.token_lengths.tolist().count(chunk_size) != n:
         return False
-    return hashes[0] not in parts[hashes[0][0]]
+    return not first_held(parts, cols.chunk_hashes)
+
+
+def first_held(parts: list[ChunkPart], hashes: Sequence[bytes]) -> bool:
+    """Whether the table holds the first of ``hashes`` (a batch of re-stores, the usual kind
+    the bulk path does not take, is told by its first)."""
+    return bool(hashes) and hashes[0] in parts[hashes[0][0]]
 
 
 def store_fresh(

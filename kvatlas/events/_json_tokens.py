@@ -140,8 +140,9 @@ def _usual_numbers(buf, i, n, arena, k):  # type: ignore[no-untyped-def]  # prag
     here the next start comes from the mask, and the numbers of a block are read
     independently. A block of digits and commas only with no leading zero in it (most of a
     compact list: all but its last block) is checked once for all its numbers; each then
-    needs only its length checked (1–8 digits). Any other block is read number by number,
-    each separator and leading digit checked."""
+    needs only its length checked (1–8 digits), and they are converted four at a time
+    (:func:`values4`). Any other block is read number by number, each separator and leading
+    digit checked."""
     start = i  # the current number's first byte
     b = i
     # (a block read only with room for a word at any number in it and for its numbers, at
