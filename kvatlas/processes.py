@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -76,14 +79,37 @@ def _sockets_of(pid: int) -> set[str]:
     return found
 
 
-def _start(args: list[str], quiet: bool, log: Path | None) -> subprocess.Popen[bytes]:
-    out: Any = subprocess.DEVNULL if quiet else None
+def _start(
+    args: list[str], quiet: bool, log: Path | None, outputs: contextlib.ExitStack
+) -> _Started:
+    """Run ``python <args>``. A quiet process's output goes to an unnamed file (gone with the
+    process; this side's handle closed with ``outputs``), read back only if it does not come up. ``PYTHONFAULTHANDLER`` makes a process
+    that does not answer print every thread's stack when it is sent SIGABRT."""
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
     if log is not None:
         with open(log, "ab") as sink:  # the child keeps its own descriptor
-            return subprocess.Popen(
-                [sys.executable, *args], stdout=sink, stderr=subprocess.STDOUT, env=dict(os.environ)
+            proc = subprocess.Popen(
+                [sys.executable, *args], stdout=sink, stderr=subprocess.STDOUT, env=env
             )
-    return subprocess.Popen([sys.executable, *args], stdout=out, stderr=out, env=dict(os.environ))
+        return _Started(proc, None)
+    kept = outputs.enter_context(tempfile.TemporaryFile()) if quiet else None  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, *args], stdout=kept, stderr=subprocess.STDOUT if quiet else None, env=env
+    )
+    return _Started(proc, kept)
+
+
+@dataclass
+class _Started:
+    proc: subprocess.Popen[bytes]
+    output: IO[bytes] | None  # a quiet process's output, None where it went elsewhere
+
+    def tail(self, limit: int = 4_000) -> str:
+        if self.output is None:
+            return ""
+        self.output.seek(0, os.SEEK_END)
+        self.output.seek(max(0, self.output.tell() - limit))
+        return self.output.read().decode(errors="replace")
 
 
 def spawn_service(
@@ -95,7 +121,8 @@ def spawn_service(
     log: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     """Run ``python <args>`` and return once ``<url>/healthz`` answers; kill it on timeout.
-    ``log``: append the process's output to this file (else ``quiet`` discards it)."""
+    ``log``: append the process's output to this file; else a ``quiet`` one's is kept only to
+    say why it did not come up (in the error raised), and a loud one's is this process's."""
     return spawn_services([(args, url)], timeout=timeout, quiet=quiet, log=log)[0]
 
 
@@ -109,16 +136,36 @@ def spawn_services(
     """:func:`spawn_service` for each ``(args, url)``, all started at once (a fleet's nodes come
     up side by side, not one after the other); returns once every one answers. If one exits or
     does not answer within ``timeout``, all are killed and reaped (no zombie is left)."""
-    procs = [_start(args, quiet, log) for args, _ in services]
-    stuck = wait_until_up(procs, [url for _, url in services], timeout)
-    if stuck is not None:
-        for proc in procs:
-            proc.kill()
-        for proc in procs:
-            proc.wait()
-        args, url = services[stuck]
-        raise RuntimeError(f"{' '.join(args[:4])} did not come up at {url}")
+    with contextlib.ExitStack() as outputs:  # the processes keep their own descriptors
+        started = [_start(args, quiet, log, outputs) for args, _ in services]
+        procs = [s.proc for s in started]
+        stuck = wait_until_up(procs, [url for _, url in services], timeout)
+        if stuck is not None:
+            why = _why_not_up(started[stuck], timeout, log)
+            for proc in procs:
+                proc.kill()
+            for proc in procs:
+                proc.wait()
+            args, url = services[stuck]
+            raise RuntimeError(f"{' '.join(args[:4])} did not come up at {url}: {why}")
     return procs
+
+
+def _why_not_up(started: _Started, timeout: float, log: Path | None) -> str:
+    """What a process that did not come up printed: one still running is sent SIGABRT first,
+    so its output ends with its threads' stacks."""
+    proc = started.proc
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGABRT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5.0)
+        what = f"no answer in {timeout:g} s (sent SIGABRT for its stacks)"
+    else:
+        what = f"it exited with status {proc.returncode}"
+    if log is not None:
+        return f"{what}; its output is in {log}"
+    output = started.tail()
+    return f"{what}; its output ends:\n{output}" if output else what
 
 
 def wait_until_up(

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -121,9 +122,10 @@ def test_services_that_fail_to_start_are_killed_and_reaped(
     started: list[subprocess.Popen[bytes]] = []
     real_start = processes._start
 
-    def recorded(*args: Any) -> subprocess.Popen[bytes]:
-        started.append(real_start(*args))
-        return started[-1]
+    def recorded(*args: Any) -> Any:
+        one = real_start(*args)
+        started.append(one.proc)
+        return one
 
     monkeypatch.setattr(processes, "_start", recorded)
     services = [
@@ -136,3 +138,31 @@ def test_services_that_fail_to_start_are_killed_and_reaped(
         assert [p.returncode for p in started] == [-9, 3]  # set only once reaped
     finally:
         stop(started)
+
+
+def test_a_service_that_exits_says_why_in_the_error() -> None:
+    """A quiet service's output is not thrown away when it fails to start: the error carries
+    its exit status and the end of what it printed (a suite's start-up failure says why)."""
+    dies = ["-c", "import sys; print('x' * 9000); sys.exit('port 1234 is taken')"]
+    with pytest.raises(RuntimeError) as raised:
+        spawn_service(dies, f"http://127.0.0.1:{free_port()}", timeout=30)
+    message = str(raised.value)
+    assert "exited with status 1" in message and message.endswith("port 1234 is taken\n")
+    assert 4_000 <= len(message) < 4_500  # the end of its output, not all of it
+
+
+def test_a_service_that_hangs_shows_its_stacks_in_the_error() -> None:
+    """One still running when the wait ends is sent SIGABRT first: the error shows where each
+    of its threads was (here, a function named after what it waits for)."""
+    hangs = ["-c", "import time\ndef importing_forever():\n    time.sleep(60)\nimporting_forever()"]
+    with pytest.raises(RuntimeError) as raised:
+        spawn_service(hangs, f"http://127.0.0.1:{free_port()}", timeout=2)
+    message = str(raised.value)
+    assert "no answer in 2 s" in message and "importing_forever" in message
+
+
+def test_a_logged_service_that_fails_names_its_log(tmp_path: Path) -> None:
+    log = tmp_path / "service.log"
+    with pytest.raises(RuntimeError, match=f"its output is in {log}"):
+        spawn_service(["-c", "print('bye')"], f"http://127.0.0.1:{free_port()}", log=log)
+    assert log.read_text() == "bye\n"
