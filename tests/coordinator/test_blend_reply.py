@@ -105,3 +105,13 @@ def test_reply_of_many_offsets() -> None:
     ]
     columns = MatchColumns.of(hashes, old, cur)
     assert blend_reply(columns, True) == json_encoder.encode(blend_to_wire(matches, True))
+
+
+def test_reply_of_every_byte_value_at_every_place() -> None:
+    """Every byte value at each of the four places of a word the hex digits are written from
+    (and in a hash's tail of fewer than four bytes): each hex digit from one table read
+    against the words' arithmetic."""
+    values = np.arange(256, dtype=np.uint8)
+    hashes = [bytes(np.roll(values, shift)[:32]) for shift in range(0, 256, 7)]
+    hashes += [bytes(values[i : i + n]) for n in (1, 2, 3, 5, 31) for i in range(0, 256 - n, n)]
+    _check([(h, i, 2 * i) for i, h in enumerate(hashes)], True)
