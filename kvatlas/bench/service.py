@@ -27,7 +27,12 @@ from kvatlas.bench.comparison import Comparison, add_to_json, print_comparison
 from kvatlas.bench.ingest_bodies import CHUNK, bodies_of, post_all, store_batches
 from kvatlas.bench.lmcache_reference import LMCacheEnv, find_lmcache
 from kvatlas.bench.server_cpu import warn_no_wrk, wrk_path
-from kvatlas.bench.service_lmcache import comparisons, lmcache_entries, measure_lmcache
+from kvatlas.bench.service_lmcache import (
+    LMCacheIngestRounds,
+    comparisons,
+    lmcache_entries,
+    lmcache_lookups,
+)
 from kvatlas.bench.service_runs import (
     SETTLE_S,
     IngestFigures,
@@ -89,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="JSON entries LMCache ingests, the first of ours (default: all of --entries, one "
-        "run: it takes ≈0.2 ms of CPU an entry)",
+        "run after each round of ours: it takes ≈0.1–0.2 ms of CPU an entry)",
     )
 
 
@@ -158,11 +163,15 @@ def _ingest_workload(args: argparse.Namespace, rng: np.random.Generator) -> Inge
 
 
 def _bench_ingest(
-    args: argparse.Namespace, workload: IngestWorkload, progress: Progress
+    args: argparse.Namespace,
+    workload: IngestWorkload,
+    progress: Progress,
+    after_round: Callable[[], None] | None = None,
 ) -> tuple[list[BenchRow], IngestFigures]:
     """JSON, msgpack and the naive service with Llama 3's vocabulary, then JSON again with
-    Llama 2's (ids that fit 16 bits: the second row), each run on a fresh coordinator; and the
-    figures of the JSON run with Llama 3's (what LMCache is compared with)."""
+    Llama 2's (ids that fit 16 bits: the second row), each run on a fresh coordinator, a round
+    of the four ``--repeats`` times, ``after_round`` called after each (LMCache's run of the
+    round); and the figures of the JSON run with Llama 3's (what LMCache is compared with)."""
     task = progress.add_task("ingestion over HTTP", total=args.repeats * 4)
     service = {run: COORDINATOR for run in RUNS} | {"naive": ["-m", "kvatlas.bench.naive_service"]}
     runs: dict[str, list[IngestRun]] = {run: [] for run in RUNS}
@@ -178,6 +187,8 @@ def _bench_ingest(
                     )
                 )  # fmt: skip
             progress.advance(task)
+        if after_round is not None:
+            after_round()
     total = workload.per_emitter * args.emitters
     figures = {
         run: IngestFigures(
@@ -368,10 +379,19 @@ def run(args: argparse.Namespace) -> int:
     rows: list[BenchRow] = []
     ingest: tuple[IngestWorkload, IngestFigures] | None = None
     lookup: tuple[LookupWorkload, LookupFigures] | None = None
+    rounds: LMCacheIngestRounds | None = None
     with Progress(transient=True) as progress:
         if args.only in (None, "ingest"):
             workload = _ingest_workload(args, rng)
-            ingest_rows, figures = _bench_ingest(args, workload, progress)
+            if lmcache is not None:
+                streams, entries = lmcache_entries(
+                    workload.streams["json"], workload.per_emitter, workload.per_body,
+                    args.lmcache_entries,
+                )  # fmt: skip
+                rounds = LMCacheIngestRounds(
+                    lmcache, streams, entries, workload.warmups["json"], workload.per_body, progress
+                )
+            ingest_rows, figures = _bench_ingest(args, workload, progress, rounds)
             rows += ingest_rows
             ingest = (workload, figures)
         if args.only in (None, "lookup"):
@@ -379,7 +399,7 @@ def run(args: argparse.Namespace) -> int:
             rows += lookup_rows
             lookup = (lookup_wl, lookup_figures)
         compared = (
-            _against_lmcache(args, lmcache, ingest, lookup, use_wrk, progress)
+            _against_lmcache(args, lmcache, ingest, rounds, lookup, use_wrk, progress)
             if lmcache is not None
             else None
         )
@@ -404,37 +424,34 @@ def _against_lmcache(
     args: argparse.Namespace,
     lmcache: LMCacheEnv,
     ingest: tuple[IngestWorkload, IngestFigures] | None,
+    rounds: LMCacheIngestRounds | None,
     lookup: tuple[LookupWorkload, LookupFigures] | None,
     use_wrk: bool,
     progress: Progress,
 ) -> list[Comparison] | None:
-    """LMCache's side of what ran (``service_lmcache``) and the rows comparing both, or
-    ``None`` (said on stderr) when LMCache's coordinator would not start or answer: our table
-    is still printed."""
-    streams, entries = (
-        lmcache_entries(
-            ingest[0].streams["json"], ingest[0].per_emitter, ingest[0].per_body,
-            args.lmcache_entries,
-        )
-        if ingest is not None
-        else (None, 0)
-    )  # fmt: skip
+    """LMCache's side of what ran (its ingest runs, one a round of ours, in ``rounds``; its
+    lookups here, ``service_lmcache``) and the rows comparing both, or ``None`` (said on
+    stderr) when LMCache's coordinator would not start or answer: our table is still
+    printed."""
+    if rounds is not None and rounds.failure is not None:
+        _unmeasured(lmcache, rounds.failure)
+        return None
     try:
-        lm_ingest, lm_lookup = measure_lmcache(
-            lmcache, args, streams=streams, entries=entries,
-            warmup=ingest[0].warmups["json"] if ingest is not None else b"",
-            lookup=lookup[0] if lookup is not None else None, use_wrk=use_wrk,
-            settle_s=SETTLE_S, progress=progress,
-            per_body=ingest[0].per_body if ingest is not None else None,
-        )  # fmt: skip
+        lm_lookup = (
+            None if lookup is None else lmcache_lookups(lmcache, args, lookup[0], use_wrk, progress)
+        )
     except (Unavailable, httpx.HTTPError) as e:
-        print(f"kvatlas bench service: {lmcache.label} could not be measured: {e}", file=sys.stderr)
+        _unmeasured(lmcache, str(e))
         return None
     return comparisons(
         args,
         ingest[1] if ingest is not None else None,
-        lm_ingest,
+        rounds.figures() if rounds is not None else None,
         lookup[1] if lookup is not None else None,
         lm_lookup,
         lmcache.label,
     )
+
+
+def _unmeasured(lmcache: LMCacheEnv, why: str) -> None:
+    print(f"kvatlas bench service: {lmcache.label} could not be measured: {why}", file=sys.stderr)

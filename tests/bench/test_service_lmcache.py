@@ -20,7 +20,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 from rich.progress import Progress
@@ -33,9 +32,15 @@ from kvatlas.bench.lmcache_reference import (
     find_lmcache,
     lmcache_coordinator,
 )
-from kvatlas.bench.service_lmcache import comparisons, lmcache_entries, measure_lmcache
+from kvatlas.bench.service_lmcache import (
+    LMCacheIngestRounds,
+    comparisons,
+    lmcache_entries,
+    lmcache_lookups,
+)
 from kvatlas.bench.service_runs import (
     IngestFigures,
+    IngestRun,
     LookupFigures,
     lookup_workload,
     second_half_entries,
@@ -129,7 +134,7 @@ def test_an_lmcache_that_does_not_start_is_reported_and_our_rows_stand(
     lookup = lookup_workload(np.random.default_rng(0), 10, 1024, LLAMA3)
     with Progress() as progress:
         compared = service._against_lmcache(
-            _args(), found, None, (lookup, LookupFigures((), ())), False, progress
+            _args(), found, None, None, (lookup, LookupFigures((), ())), False, progress
         )
     assert compared is None  # run() still prints our table, then exits 1
     err = capsys.readouterr().err
@@ -160,25 +165,71 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_a_coordinator_that_fails_mid_measurement_is_stopped_and_no_other_starts(
-    tmp_path: Path,
+def test_lmcache_rounds_end_at_the_first_coordinator_that_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """An LMCache coordinator that comes up and then refuses the ingest: the error reaches the
-    caller, that process is gone, and the lookup coordinator was never started."""
+    """LMCache's ingest runs one a round of ours: the first that fails is the last started
+    (its process gone), its reason is what the comparison reports, and no lookup
+    coordinator starts after it."""
     server, pids = tmp_path / "server.py", tmp_path / "pids"
     server.write_text(FAILING_COORDINATOR)
     found = find_lmcache(
         str(_fake_env(tmp_path, REFERENCE_VERSION, f'exec {sys.executable} {server} {pids} "$@"'))
     )
     assert found is not None
+    rounds = LMCacheIngestRounds(found, [[b"{}"]], 1, b"{}", None, settle_s=0.0)
+    for _ in range(3):
+        rounds()
+    assert rounds.failure is not None and "500" in rounds.failure
+    assert rounds.runs == [] and rounds.figures() is None
     lookup = lookup_workload(np.random.default_rng(0), 10, 1024, LLAMA3)
-    with pytest.raises(httpx.HTTPStatusError):
-        measure_lmcache(
-            found, _args(), streams=[[b"{}"]], entries=1, warmup=b"{}", lookup=lookup,
-            use_wrk=False, settle_s=0.0,
-        )  # fmt: skip
+    with Progress() as progress:
+        compared = service._against_lmcache(
+            _args(), found, None, rounds, (lookup, LookupFigures((), ())), False, progress
+        )
+    assert compared is None
+    assert "LMCache 0.5.6 could not be measured" in capsys.readouterr().err
     started = [int(line) for line in pids.read_text().split()]
     assert len(started) == 1 and not _alive(started[0])
+
+
+def test_lmcache_ingests_once_after_each_of_our_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our four runs of a round, then LMCache's run of that round, ``--repeats`` times: both
+    sides' medians come from the same stretch of the machine's time."""
+    order: list[str] = []
+    args = _args("--entries", "512", "--batch-entries", "64", "--repeats", "3")
+    workload = service._ingest_workload(args, np.random.default_rng(0))
+    names = {id(streams): run for run, streams in workload.streams.items()}
+
+    @contextmanager
+    def no_process(_args: list[str]) -> Iterator[tuple[str, int]]:
+        yield "http://127.0.0.1:9", 0
+
+    def recorded(_url: str, _pid: int, streams: list[list[bytes]], *_: Any) -> IngestRun:
+        order.append(names[id(streams)])
+        return IngestRun(1.0, 1.0, 0, 0, 0, 0)
+
+    monkeypatch.setattr(service, "service_process", no_process)
+    monkeypatch.setattr(service, "timed_streams", recorded)
+    with Progress() as progress:
+        service._bench_ingest(args, workload, progress, lambda: order.append("lmcache"))
+    assert order == [*service.RUNS, "lmcache"] * 3
+
+
+def test_the_cpu_row_gives_each_rounds_factor() -> None:
+    """Each round's factor (LMCache's run against ours of the same round) beside the factor
+    of the medians; a side of one run gives none."""
+
+    def run(cpu_s: float) -> IngestRun:
+        return IngestRun(1.0, cpu_s, 0, 0, 0, 0)
+
+    ours = IngestFigures(1000, (run(0.005), run(0.006), run(0.005)))
+    theirs = IngestFigures(500, (run(0.05), run(0.066), run(0.06)))
+    rows = comparisons(_args(), ours, theirs, None, None, "LMCache 0.5.6")
+    assert rows[0].notes.endswith("; round by round: 20.0× · 22.0× · 24.0×")
+    assert rows[0].factor == pytest.approx(24.0)  # medians: 120 µs against 5 µs an entry
+    lone = IngestFigures(500, (run(0.05),))
+    assert "round by round" not in comparisons(_args(), ours, lone, None, None, "L")[0].notes
 
 
 def test_auto_says_on_stderr_why_lmcache_is_not_measured(
@@ -260,12 +311,14 @@ def test_lmcache_side_gives_every_row_on_the_same_work(
         workload.streams["json"], workload.per_emitter, workload.per_body, 1024
     )
     began = time.perf_counter()
-    theirs_ingest, theirs_lookup = measure_lmcache(
-        lmcache, args, streams=streams, entries=entries, warmup=workload.warmups["json"],
-        lookup=lookup, use_wrk=False, settle_s=0.0, per_body=workload.per_body,
-    )  # fmt: skip
+    rounds = LMCacheIngestRounds(
+        lmcache, streams, entries, workload.warmups["json"], workload.per_body, settle_s=0.0
+    )
+    rounds()  # the run of a round
+    theirs_lookup = lmcache_lookups(lmcache, args, lookup, use_wrk=False)
     measured_s = time.perf_counter() - began
-    assert theirs_ingest is not None and theirs_lookup is not None
+    theirs_ingest = rounds.figures()
+    assert rounds.failure is None and theirs_ingest is not None
     # one LMCache process at a time, as ours run: the ingesting one is gone before the other
     assert len(started) == 2 and alive_when_starting == [[], []]
     assert not any(_alive(pid) for pid in started)
