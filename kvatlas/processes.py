@@ -82,9 +82,11 @@ def _sockets_of(pid: int) -> set[str]:
 def _start(
     args: list[str], quiet: bool, log: Path | None, outputs: contextlib.ExitStack
 ) -> _Started:
-    """Run ``python <args>``. A quiet process's output goes to an unnamed file (gone with the
-    process; this side's handle closed with ``outputs``), read back only if it does not come up. ``PYTHONFAULTHANDLER`` makes a process
-    that does not answer print every thread's stack when it is sent SIGABRT."""
+    """Run ``python <args>``. A quiet process's output goes to an unnamed file, read back only
+    if it does not come up (this side's handle is closed with ``outputs``; the file is gone
+    with the process: long-lived services that log much take ``log``).
+    ``PYTHONFAULTHANDLER`` makes a process that does not answer print every thread's stack
+    when it is sent SIGABRT."""
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
     if log is not None:
         with open(log, "ab") as sink:  # the child keeps its own descriptor
