@@ -11,28 +11,21 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import numpy as np
 from rich.progress import Progress
 
 from kvatlas.asgi_thread import free_port
 from kvatlas.bench.common import BenchRow, add_common_arguments, refuse, report
-from kvatlas.bench.comparison import Comparison, add_to_json, print_comparison
+from kvatlas.bench.comparison import add_to_json, print_comparison
 from kvatlas.bench.ingest_bodies import CHUNK, bodies_of, post_all, store_batches
-from kvatlas.bench.lmcache_reference import LMCacheEnv, find_lmcache
+from kvatlas.bench.lmcache_reference import find_lmcache
 from kvatlas.bench.server_cpu import warn_no_wrk, wrk_path
-from kvatlas.bench.service_lmcache import (
-    LMCacheIngestRounds,
-    comparisons,
-    lmcache_entries,
-    lmcache_lookups,
-)
+from kvatlas.bench.service_lmcache import LMCacheIngestRounds, against_lmcache, lmcache_entries
 from kvatlas.bench.service_runs import (
     SETTLE_S,
     IngestFigures,
@@ -45,7 +38,7 @@ from kvatlas.bench.service_runs import (
     second_half_entries,
     timed_streams,
 )
-from kvatlas.errors import InvalidInput, Unavailable
+from kvatlas.errors import InvalidInput
 from kvatlas.events import encode_json, encode_msgpack
 from kvatlas.processes import spawn_service, stop
 from kvatlas.workloads import LLAMA2, LLAMA3
@@ -398,10 +391,11 @@ def run(args: argparse.Namespace) -> int:
             lookup_rows, lookup_wl, lookup_figures = _bench_lookup(args, rng, progress, use_wrk)
             rows += lookup_rows
             lookup = (lookup_wl, lookup_figures)
+        ours_ingest = None if ingest is None else ingest[1]
         compared = (
-            _against_lmcache(args, lmcache, ingest, rounds, lookup, use_wrk, progress)
-            if lmcache is not None
-            else None
+            None
+            if lmcache is None
+            else against_lmcache(args, lmcache, ours_ingest, rounds, lookup, use_wrk, progress)
         )
     report("kvatlas bench service", rows, args, meta)
     if lmcache is None:
@@ -418,40 +412,3 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:
         add_to_json(args.json, lmcache.label, compared)
     return 0
-
-
-def _against_lmcache(
-    args: argparse.Namespace,
-    lmcache: LMCacheEnv,
-    ingest: tuple[IngestWorkload, IngestFigures] | None,
-    rounds: LMCacheIngestRounds | None,
-    lookup: tuple[LookupWorkload, LookupFigures] | None,
-    use_wrk: bool,
-    progress: Progress,
-) -> list[Comparison] | None:
-    """LMCache's side of what ran (its ingest runs, one a round of ours, in ``rounds``; its
-    lookups here, ``service_lmcache``) and the rows comparing both, or ``None`` (said on
-    stderr) when LMCache's coordinator would not start or answer: our table is still
-    printed."""
-    if rounds is not None and rounds.failure is not None:
-        _unmeasured(lmcache, rounds.failure)
-        return None
-    try:
-        lm_lookup = (
-            None if lookup is None else lmcache_lookups(lmcache, args, lookup[0], use_wrk, progress)
-        )
-    except (Unavailable, httpx.HTTPError) as e:
-        _unmeasured(lmcache, str(e))
-        return None
-    return comparisons(
-        args,
-        ingest[1] if ingest is not None else None,
-        rounds.figures() if rounds is not None else None,
-        lookup[1] if lookup is not None else None,
-        lm_lookup,
-        lmcache.label,
-    )
-
-
-def _unmeasured(lmcache: LMCacheEnv, why: str) -> None:
-    print(f"kvatlas bench service: {lmcache.label} could not be measured: {why}", file=sys.stderr)

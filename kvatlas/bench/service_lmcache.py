@@ -165,6 +165,42 @@ class LMCacheIngestRounds:
         )
 
 
+def against_lmcache(
+    args: argparse.Namespace,
+    lmcache: LMCacheEnv,
+    ours_ingest: IngestFigures | None,
+    rounds: LMCacheIngestRounds | None,
+    lookup: tuple[LookupWorkload, LookupFigures] | None,
+    use_wrk: bool,
+    progress: Progress | None = None,
+) -> list[Comparison] | None:
+    """LMCache's side of what ran (its ingest runs, one a round of ours, in ``rounds``; its
+    lookups here, after ours) and the rows comparing both, or ``None`` (said on stderr) when
+    one of its coordinators would not start or answer: ``bench service`` still prints our
+    table. No lookup coordinator starts after an ingest one failed."""
+    failure = None if rounds is None else rounds.failure
+    lm_lookup = None
+    if failure is None and lookup is not None:
+        try:
+            lm_lookup = lmcache_lookups(lmcache, args, lookup[0], use_wrk, progress)
+        except (Unavailable, httpx.HTTPError) as e:
+            failure = str(e)
+    if failure is not None:
+        print(
+            f"kvatlas bench service: {lmcache.label} could not be measured: {failure}",
+            file=sys.stderr,
+        )
+        return None
+    return comparisons(
+        args,
+        ours_ingest,
+        None if rounds is None else rounds.figures(),
+        None if lookup is None else lookup[1],
+        lm_lookup,
+        lmcache.label,
+    )
+
+
 def comparisons(
     args: argparse.Namespace,
     ours_ingest: IngestFigures | None,

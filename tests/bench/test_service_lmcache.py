@@ -133,7 +133,7 @@ def test_an_lmcache_that_does_not_start_is_reported_and_our_rows_stand(
     assert found is not None
     lookup = lookup_workload(np.random.default_rng(0), 10, 1024, LLAMA3)
     with Progress() as progress:
-        compared = service._against_lmcache(
+        compared = service_lmcache.against_lmcache(
             _args(), found, None, None, (lookup, LookupFigures((), ())), False, progress
         )
     assert compared is None  # run() still prints our table, then exits 1
@@ -184,7 +184,7 @@ def test_lmcache_rounds_end_at_the_first_coordinator_that_fails(
     assert rounds.runs == [] and rounds.figures() is None
     lookup = lookup_workload(np.random.default_rng(0), 10, 1024, LLAMA3)
     with Progress() as progress:
-        compared = service._against_lmcache(
+        compared = service_lmcache.against_lmcache(
             _args(), found, None, rounds, (lookup, LookupFigures((), ())), False, progress
         )
     assert compared is None
