@@ -370,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
     meta.pop("plot", None)
     meta["lmcache_measured"] = lmcache.label if lmcache is not None else None
     rows: list[BenchRow] = []
-    ingest: tuple[IngestWorkload, IngestFigures] | None = None
+    ours_ingest: IngestFigures | None = None
     lookup: tuple[LookupWorkload, LookupFigures] | None = None
     rounds: LMCacheIngestRounds | None = None
     with Progress(transient=True) as progress:
@@ -384,14 +384,12 @@ def run(args: argparse.Namespace) -> int:
                 rounds = LMCacheIngestRounds(
                     lmcache, streams, entries, workload.warmups["json"], workload.per_body, progress
                 )
-            ingest_rows, figures = _bench_ingest(args, workload, progress, rounds)
+            ingest_rows, ours_ingest = _bench_ingest(args, workload, progress, rounds)
             rows += ingest_rows
-            ingest = (workload, figures)
         if args.only in (None, "lookup"):
             lookup_rows, lookup_wl, lookup_figures = _bench_lookup(args, rng, progress, use_wrk)
             rows += lookup_rows
             lookup = (lookup_wl, lookup_figures)
-        ours_ingest = None if ingest is None else ingest[1]
         compared = (
             None
             if lmcache is None
