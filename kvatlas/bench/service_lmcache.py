@@ -3,7 +3,7 @@ with the same load generator, against LMCache's own coordinator (``lmcache_refer
 the rows quality.md states against it (kvatlas's figure, LMCache's, the factor, the target).
 
 LMCache spends ≈0.1–0.2 ms of CPU an ingested entry and ≈4–7 ms a 32k-token lookup. It ingests
-once a round of ours (:func:`lmcache_ingest_run`, by default the same entries as one of our
+once a round of ours (:class:`LMCacheIngestRounds`, by default the same entries as one of our
 runs; ``--lmcache-entries`` takes fewer, the first of ours), right after our runs of the round,
 so both sides' medians are taken over the same stretch of the machine's time (a run's figure
 moves by a tenth and more from one minute to the next on a shared machine), and it serves the
@@ -18,6 +18,8 @@ import argparse
 import dataclasses
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -54,6 +56,30 @@ def lmcache_entries(
     return [s[:bodies] for s in streams], len(streams) * min(per_emitter, bodies * per_body)
 
 
+@contextmanager
+def _fresh_coordinator(
+    lmcache: LMCacheEnv, name: str, progress: Progress | None, doing: str
+) -> Iterator[tuple[str, int, Callable[[str], None]]]:
+    """A fresh LMCache coordinator in a temporary directory of its own (its log there), on
+    ``progress`` while it is up: its URL, its pid and a function saying what it does now.
+    Stopped on the way out, whatever happened (``Unavailable`` when it would not start)."""
+    task = None if progress is None else progress.add_task(f"{lmcache.label}: {doing}", total=None)
+
+    def say(text: str) -> None:
+        if progress is not None and task is not None:
+            progress.update(task, description=f"{lmcache.label}: {text}")
+
+    try:
+        with (
+            tempfile.TemporaryDirectory(prefix="kvatlas-bench-lmcache-") as tmp,
+            lmcache_coordinator(lmcache, CHUNK, Path(tmp), name) as (url, pid),
+        ):
+            yield url, pid, say
+    finally:
+        if progress is not None and task is not None:
+            progress.remove_task(task)
+
+
 def lmcache_lookups(
     lmcache: LMCacheEnv,
     args: argparse.Namespace,
@@ -65,56 +91,24 @@ def lmcache_lookups(
     process of either side is up): its lookup figures (``--repeats`` runs of
     ``--lookup-seconds``, ``--clients`` connections). ``Unavailable`` or ``httpx.HTTPError``
     when it would not start or answer (it is stopped either way)."""
-    task = (
-        progress.add_task(f"{lmcache.label}: starting its coordinator", total=None)
-        if progress is not None
-        else None
-    )
-
-    def say(text: str) -> None:
-        if progress is not None and task is not None:
-            progress.update(task, description=f"{lmcache.label}: {text}")
-
-    try:
-        with (
-            tempfile.TemporaryDirectory(prefix="kvatlas-bench-lmcache-") as tmp,
-            lmcache_coordinator(lmcache, CHUNK, Path(tmp), "lookup") as (url, pid),
-        ):
-            chunks = sum(len(b.entries) for b in lookup.index_batches)
-            say(f"indexing {chunks:,} chunks")
-            post_all(url, bodies_of(lookup.index_batches, 4, encode_json), "application/json")
-            first = matches_of(url, lookup.bodies[0])
-            say("blend lookups")
-            results = run_lookups(
-                url, pid, lookup.bodies, clients=args.clients,
-                seconds=args.lookup_seconds, repeats=args.repeats, use_wrk=use_wrk,
-            )  # fmt: skip
-            return LookupFigures(tuple(results), tuple(first))
-    finally:
-        if task is not None and progress is not None:
-            progress.remove_task(task)
-
-
-def lmcache_ingest_run(
-    lmcache: LMCacheEnv, workdir: Path, streams: list[list[bytes]], warmup: bytes, settle_s: float
-) -> IngestRun:
-    """One ingest run of ``streams`` (after ``warmup``) into a fresh LMCache coordinator
-    started in ``workdir``, stopped before this returns (``Unavailable`` or
-    ``httpx.HTTPError`` when it would not start or answer)."""
-    with lmcache_coordinator(lmcache, CHUNK, workdir, "ingest") as (url, pid):
-        return timed_streams(url, pid, streams, "application/json", warmup, settle_s)
-
-
-def _second_half(streams: list[list[bytes]], entries: int, per_body: int | None) -> int | None:
-    if per_body is None:
-        return None
-    return second_half_entries(streams, entries // len(streams), per_body)
+    doing = "starting its coordinator"
+    with _fresh_coordinator(lmcache, "lookup", progress, doing) as (url, pid, say):
+        say(f"indexing {sum(len(b.entries) for b in lookup.index_batches):,} chunks")
+        post_all(url, bodies_of(lookup.index_batches, 4, encode_json), "application/json")
+        first = matches_of(url, lookup.bodies[0])
+        say("blend lookups")
+        results = run_lookups(
+            url, pid, lookup.bodies, clients=args.clients,
+            seconds=args.lookup_seconds, repeats=args.repeats, use_wrk=use_wrk,
+        )  # fmt: skip
+        return LookupFigures(tuple(results), tuple(first))
 
 
 class LMCacheIngestRounds:
-    """LMCache's ingest runs, one each time it is called: after each round of ours (``bench
-    service`` calls it between rounds). The first that fails ends them: its reason is kept
-    (:attr:`failure`) and no other starts."""
+    """LMCache's ingest runs, one each time it is called, each into a fresh coordinator
+    stopped after it: after each round of ours (``bench service`` calls it between rounds).
+    The first that fails ends them: its reason is kept (:attr:`failure`) and no other
+    starts."""
 
     def __init__(
         self,
@@ -135,34 +129,27 @@ class LMCacheIngestRounds:
     def __call__(self) -> None:
         if self.failure is not None:
             return
-        progress = self.progress
-        task = (
-            None
-            if progress is None
-            else progress.add_task(
-                f"{self.lmcache.label}: ingesting {self.entries:,} JSON entries", total=None
-            )
-        )
+        doing = f"ingesting {self.entries:,} JSON entries"
         try:
-            with tempfile.TemporaryDirectory(prefix="kvatlas-bench-lmcache-") as tmp:
-                self.runs.append(
-                    lmcache_ingest_run(
-                        self.lmcache, Path(tmp), self.streams, self.warmup, self.settle_s
-                    )
+            with _fresh_coordinator(self.lmcache, "ingest", self.progress, doing) as (url, pid, _):
+                run = timed_streams(
+                    url, pid, self.streams, "application/json", self.warmup, self.settle_s
                 )
+            self.runs.append(run)
         except (Unavailable, httpx.HTTPError) as e:
             self.failure = str(e)
-        finally:
-            if progress is not None and task is not None:
-                progress.remove_task(task)
 
     def figures(self) -> IngestFigures | None:
         """The runs as the figures its rows compare (``None``: none ran)."""
         if not self.runs:
             return None
-        return IngestFigures(
-            self.entries, tuple(self.runs), _second_half(self.streams, self.entries, self.per_body)
+        per_stream = self.entries // len(self.streams)
+        second_half = (
+            None
+            if self.per_body is None
+            else second_half_entries(self.streams, per_stream, self.per_body)
         )
+        return IngestFigures(self.entries, tuple(self.runs), second_half)
 
 
 def against_lmcache(
