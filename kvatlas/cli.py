@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -265,6 +266,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             own.error(str(exc))
         return 0
+    from kvatlas.processes import Interrupted, sigterm_as_interrupt
+
+    with sigterm_as_interrupt():  # the rest start processes: stopped on SIGTERM as on Ctrl-C
+        try:
+            return _run_with_processes(args)
+        except KeyboardInterrupt as exc:
+            name = " ".join(n for n in names if n)
+            print(f"kvatlas {name}: interrupted; the processes it started are stopped",
+                  file=sys.stderr)  # fmt: skip
+            return 128 + (exc.signum if isinstance(exc, Interrupted) else signal.SIGINT)
+
+
+def _run_with_processes(args: argparse.Namespace) -> int:
+    """``demo``, ``soak`` and ``bench NAME``: each starts services of its own and stops them
+    in its ``finally`` blocks."""
     if args.command == "demo":
         if args.keys:
             from kvatlas.demo.keys import run_demo

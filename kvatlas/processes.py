@@ -10,13 +10,43 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlsplit
 
 import httpx
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal (SIGTERM: a service manager's stop, ``timeout``, ``kill``) raised where
+    it arrived, under :func:`sigterm_as_interrupt`: it unwinds like Ctrl-C, through every
+    ``finally`` that stops a process it started."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises :class:`Interrupted` while processes are ours to stop (the main thread
+    only; in another thread the caller handles its own signals). Python's default SIGTERM
+    ends the process at once: the services it started would outlive it."""
+    try:
+        previous = signal.signal(signal.SIGTERM, _interrupt)
+    except ValueError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise Interrupted(signum)
 
 
 def is_healthy(url: str, client: httpx.Client | None = None) -> bool:
@@ -139,18 +169,28 @@ def spawn_services(
     up side by side, not one after the other); returns once every one answers. If one exits or
     does not answer within ``timeout``, all are killed and reaped (no zombie is left)."""
     with contextlib.ExitStack() as outputs:  # the processes keep their own descriptors
-        started = [_start(args, quiet, log, outputs) for args, _ in services]
-        procs = [s.proc for s in started]
-        stuck = wait_until_up(procs, [url for _, url in services], timeout)
+        started: list[_Started] = []
+        try:
+            for args, _ in services:
+                started.append(_start(args, quiet, log, outputs))
+            procs = [s.proc for s in started]
+            stuck = wait_until_up(procs, [url for _, url in services], timeout)
+        except BaseException:  # Ctrl-C or SIGTERM while they come up: none is left behind
+            _kill([s.proc for s in started])
+            raise
         if stuck is not None:
             why = _why_not_up(started[stuck], timeout, log)
-            for proc in procs:
-                proc.kill()
-            for proc in procs:
-                proc.wait()
+            _kill(procs)
             args, url = services[stuck]
             raise RuntimeError(f"{' '.join(args[:4])} did not come up at {url}: {why}")
     return procs
+
+
+def _kill(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        proc.kill()
+    for proc in procs:
+        proc.wait()
 
 
 def _why_not_up(started: _Started, timeout: float, log: Path | None) -> str:

@@ -4,9 +4,12 @@ not taken for the service having come up."""
 from __future__ import annotations
 
 import http.server
+import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +19,15 @@ import pytest
 
 from kvatlas import processes
 from kvatlas.asgi_thread import free_port
-from kvatlas.processes import listens, spawn_service, spawn_services, stop, wait_until_up
+from kvatlas.processes import (
+    Interrupted,
+    listens,
+    sigterm_as_interrupt,
+    spawn_service,
+    spawn_services,
+    stop,
+    wait_until_up,
+)
 
 HEALTHY_SERVER = """
 import http.server, sys
@@ -166,3 +177,82 @@ def test_a_logged_service_that_fails_names_its_log(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=f"its output is in {log}"):
         spawn_service(["-c", "print('bye')"], f"http://127.0.0.1:{free_port()}", log=log)
     assert log.read_text() == "bye\n"
+
+
+def test_services_interrupted_while_they_come_up_are_killed_and_reaped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ctrl-C (or SIGTERM under ``sigterm_as_interrupt``) during the wait: the services
+    already started do not outlive the caller."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def interrupted(procs: list[subprocess.Popen[bytes]], *args: Any) -> int | None:
+        started.extend(procs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(processes, "wait_until_up", interrupted)
+    services = [(["-c", "import time; time.sleep(60)"], f"http://127.0.0.1:{free_port()}")] * 2
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            spawn_services(services, timeout=30)
+        assert len(started) == 2 and [p.returncode for p in started] == [-9, -9]
+    finally:
+        stop(started)
+
+
+def test_sigterm_unwinds_like_ctrl_c_and_is_put_back() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Interrupted) as raised, sigterm_as_interrupt():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # (the handler runs at the next bytecode)
+    assert raised.value.signum == signal.SIGTERM
+    assert isinstance(raised.value, KeyboardInterrupt)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def _listening_children(pid: int) -> list[int]:
+    """``pid``'s children that listen on a TCP port (a service that bound its socket)."""
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                listening.add(f"socket:[{fields[9]}]")
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children if listening & processes._sockets_of(int(c))]
+
+
+def test_a_benchmark_stopped_by_sigterm_stops_the_services_it_started() -> None:
+    """``kvatlas bench service`` under a service manager's stop (or ``timeout``): Python's
+    default SIGTERM ended the bench at once and left its coordinator running."""
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "kvatlas.cli", "bench", "service", "--quick", "--lmcache", "off"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not children and bench.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            children = _listening_children(bench.pid)
+        assert children, "the bench started no service"
+        bench.send_signal(signal.SIGTERM)
+        err = bench.communicate(timeout=120)[1].decode()
+        left = [pid for pid in children if _running(pid)]
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        for pid in children:  # whatever the bench left behind, so a failure leaks nothing
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert left == [], err[-2000:]
+    assert bench.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "interrupted; the processes it started are stopped" in err
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie is reaped by init, not by us)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -42,11 +42,11 @@ from kvatlas.bench.fleet.live_fleet import (
     LiveFleet,
     memory_dir,
     plan_fleet,
-    sigterm_as_interrupt,
 )
 from kvatlas.bench.fleet.results import RequestRecord
 from kvatlas.bench.fleet.stacks import Stack
 from kvatlas.errors import Conflict, InvalidInput, Unavailable
+from kvatlas.processes import sigterm_as_interrupt
 from kvatlas.workloads import TraceRequest
 
 PROGRESS_EVERY_S: Final = 5.0

@@ -5,7 +5,7 @@ per engine (``n0``… beside ``e0``…; their L2 one shared fs pool), and ``kvat
 front. Every process logs to its own file in the run's directory; a fleet that does not come
 up, or a process that dies, is an :class:`Unavailable` naming it, and :meth:`LiveFleet.tails`
 gives the end of every log. Whatever happens (an error, Ctrl-C, or SIGTERM under
-:func:`sigterm_as_interrupt`), :meth:`LiveFleet.stop`
+:func:`kvatlas.processes.sigterm_as_interrupt`), :meth:`LiveFleet.stop`
 ends every process it started, and only those.
 
 Wiring (docs/kv-events.md): each engine's KV-event PUB connects to an endpoint the coordinator
@@ -17,13 +17,11 @@ the coordinator asks it for what it missed (``--kv-events-replay``); a connector
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -294,22 +292,3 @@ def _registered(http: httpx.Client, coordinator: str) -> set[str]:
         return set()
     items = reply.get("instances", []) if isinstance(reply, dict) else reply
     return {i.get("instance_id", "") for i in items if isinstance(i, dict)}
-
-
-@contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM unwinds like Ctrl-C while processes are ours to stop (main thread only; in
-    another thread the caller handles its own signals)."""
-    try:
-        previous = signal.signal(signal.SIGTERM, _sigterm)
-    except ValueError:
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _sigterm(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
