@@ -302,7 +302,7 @@ class _OperatorCollector(Collector):
         registered = {v.instance_id: v.alive for v in source.service.instances_view()}
         yield CounterMetricFamily(
             "kvatlas_blend_false_probes",
-            "blend index probes the filter let through that no content had",
+            "blend index candidates (anchor agreed) that differed from their window",
             value=source.service.directory.blend_false_probes,
         )
         fenced = sum(1 for alive in registered.values() if not alive)

@@ -126,7 +126,7 @@ class KeyDirectory:
 
     @property
     def blend_false_probes(self) -> int:
-        """Probes the blend index's filter let through for nothing (0 while blend is off)."""
+        """Blend index candidates that differed from their window (0 while blend is off)."""
         return 0 if self._index is None else self._index.false_probes
 
     def enable_blend_lookup(self, chunk_size: int | None = None, probe_stride: int = 1) -> None:

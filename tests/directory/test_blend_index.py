@@ -493,7 +493,7 @@ def test_scan_buffers_are_kept_between_queries() -> None:
     index.add(chunk(1), h(1), 0, NS)
     query = filler(100_000)
     index.match(query, NS)
-    first = index._scratch.buffers
+    first = index._state.anchors._scratch.buffers
     index.match(query, NS)
     index.match(query[:5_000], NS)
-    assert index._scratch.buffers is first
+    assert index._state.anchors._scratch.buffers is first

@@ -15,14 +15,15 @@ import importlib, json
 from kvatlas import kernel_twins
 from kvatlas.directory import warm_up_kernels
 from kvatlas.directory.blend import kernels
-from kvatlas.directory.blend.kernels import objects, writes
+from kvatlas.directory.blend.kernels import anchors, objects, writes
 from kvatlas.events import _digest_kernel, _json_cut, _json_tokens
 for name in {TWIN_MODULES!r}:  # every module with twins, warmed up or not
     importlib.import_module(name)
 warm_up_kernels()
 cold = [k.__name__ for k in (writes.apply_op, writes.apply_ops, objects.kept_arrays,
         objects.hash_lengths, writes.apply_ops_releasing, kernels.scan, kernels.scan_releasing,
-        kernels.rebuild,
+        kernels.rebuild, kernels.query_minima, kernels.query_minima_releasing,
+        anchors.anchor_contents,
         _json_cut._cut, _json_cut._cut_releasing, _json_tokens._parse_lists,
         _json_tokens._parse_lists_releasing, _digest_kernel.xor_into) if not k.signatures]
 twins = [

@@ -178,6 +178,7 @@ def _settle(
         state.token_bytes += sum(map(token_nbytes, kept))
     state.contents += int(np.count_nonzero(new))
     state.occupants += int(np.count_nonzero(flags & F_NEW_OCCUPANT))
+    state.anchors.note_all()
     ids = state.arrays.ids
     if int(ids[IDS_CONTENTS]) != len(state.tokens) or int(ids[IDS_OCCUPANTS]) != state.occupants:
         raise AssertionError("bulk build: ids not handed out fresh and in order")

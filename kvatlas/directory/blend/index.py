@@ -2,9 +2,9 @@
 
 A derived view of the directory's token bindings (docs/blend-index.md). Guarantees:
 
-- Complete recall: an open-addressed table with no eviction (backward-shift deletion, no
-  tombstones) plus a Bloom filter that never has false negatives; every live claimed chunk
-  whose content occurs at a probed position is returned.
+- Complete recall: every live content is in the anchor table (``anchors.py``), and a
+  content equal to a probed window has its anchor at one of that window's minima; every live
+  claimed chunk whose content occurs at a probed position is returned.
 - No wrong KV: entries are identified by (fingerprint, content); tokens are compared before
   an occupant is attached and before any match is returned. Hashes are for discovery only.
 - No constructible collisions: the fingerprint is keyed (a per-process secret base mod
@@ -184,8 +184,7 @@ class BlendIndex:
         self._fmask = (1 << _fingerprint_bits) - 1
         self._lock = threading.Lock()
         self.false_probes = 0
-        """Windows the filter let through that no content had (a counter: ``/metrics``)."""
-        self._scratch = threading.local()
+        """Candidates (anchor agreed) that differed from their window (a counter: ``/metrics``)."""
         self._state = IndexState(chunk_size, base, self._fmask)
 
     # ------------------------------------------------------------------ writes
@@ -368,9 +367,10 @@ class BlendIndex:
         n_starts = q.shape[0] - chunk + 1
         if n_starts <= 0:
             return MatchColumns.empty()
-        seg = max(1, _SEGMENT_WINDOWS // stride) * stride
-        scratch = tuple(self._scratch_for(min(seg, n_starts)))  # the scan takes plain tuples
         state = self._state
+        anchors = state.anchors
+        query = anchors.query(q)  # (the query's own k-grams and minima: no lock)
+        seg = max(1, _SEGMENT_WINDOWS // stride) * stride
         parts: list[MatchColumns] = []
         for start in range(0, n_starts, seg):
             stop = min(start + seg, n_starts)
@@ -378,12 +378,10 @@ class BlendIndex:
                 ns = state.namespaces.get(namespace)
                 if ns is None:
                     continue
-                long = stop - start >= kernels.RELEASE_WINDOWS
-                scan = kernels.scan_releasing if long else kernels.scan
-                pos, off, hash_bytes, hash_lengths, false_probes = scan(
-                    q, start, stop, stride, chunk, ns, self._base, self._base_pow, self._fmask,
-                    state.kernel_arrays, scratch,
-                )  # fmt: skip
+                anchors.sync(state.arrays, state.contents)
+                pos, off, hash_bytes, hash_lengths, false_probes = anchors.scan(
+                    q, query, start, stop, stride, ns, state.kernel_arrays
+                )
                 self.false_probes += false_probes
             if pos.shape[0]:
                 parts.append(MatchColumns(hash_bytes, hash_lengths, off, pos))
@@ -398,7 +396,9 @@ class BlendIndex:
         with self._lock:
             state = self._state
             arrays = state.arrays
+            state.anchors.sync(arrays, state.contents)  # (what a lookup would find)
             index_bytes = sum(a.nbytes for a in arrays) + 8 * len(state.tokens)
+            index_bytes += state.anchors.nbytes
             index_bytes += sum(
                 100 + sys.getsizeof(s) for s in state.extra_claims.values()
             )  # dict entry + set: multi-namespace occupants only
@@ -420,15 +420,6 @@ class BlendIndex:
             )
 
     # ------------------------------------------------------------------ internals
-
-    def _scratch_for(self, windows: int) -> kernels.ScanScratch:
-        """Per-thread scan buffers, kept between queries: fresh large arrays cost page
-        faults, more than the filter pass itself."""
-        cached: kernels.ScanScratch | None = getattr(self._scratch, "buffers", None)
-        if cached is None or not cached.fits(windows, self.chunk_size):
-            cached = kernels.ScanScratch.for_windows(windows, self.chunk_size)
-            self._scratch.buffers = cached
-        return cached
 
 
 def _tokens(tokens: Any) -> npt.NDArray[np.uint32]:

@@ -1,11 +1,10 @@
 """The blend index's state, and the one way it changes: :meth:`IndexState.apply`.
 
 State is the kernels' arrays (``kernels.BlendArrays``, the occupants' chunk_hashes among them,
-by value) plus what Python holds for them: the token arrays whose addresses those arrays
-store (kept alive here, by reference), counters and namespace ids. A batch of writes is one
-compiled call followed by the bookkeeping the kernel reports for each op, so the two never
-disagree once ``apply`` returns. Not thread-safe: :class:`BlendIndex` holds its lock around every use.
-"""
+by value) plus what Python holds for them: the token arrays whose addresses those arrays store
+(kept alive here), counters, namespace ids, the anchor table (``anchors.py``). A batch of
+writes is one compiled call followed by the bookkeeping the kernel reports for each op, so the
+two never disagree once ``apply`` returns. Not thread-safe: :class:`BlendIndex` locks around it."""
 
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ import numpy.typing as npt
 
 from kvatlas.directory.blend import kernels
 from kvatlas.directory.blend._cpython import WRITE_OFFSETS, array_handle
+from kvatlas.directory.blend.anchors import Anchors
 from kvatlas.directory.blend.drops import settle_drops
 from kvatlas.directory.blend.id_lists import chosen, put, put_one, tally
 from kvatlas.directory.blend.kernels import (
@@ -84,6 +84,7 @@ class IndexState:
         self.token_bytes = 0  # of the live contents' arrays
         self.n_extra = 0
         self._stale = 0  # contents removed since the filter was last rebuilt
+        self.anchors = Anchors(chunk_size)
 
     @property
     def arrays(self) -> kernels.BlendArrays:
@@ -289,6 +290,7 @@ class IndexState:
         kind, arr, _chunk_hash, _offset, _namespace, owned = op  # SingleOp's fields, named
         if flags & F_NEW_CONTENT:
             put_one(self.tokens, cid, arr)
+            self.anchors.note_one(cid)
             nbytes = token_nbytes(arr)
             self.token_bytes += nbytes
             self.contents += 1
@@ -310,6 +312,7 @@ class IndexState:
         ``ids``."""
         arrays = cols.tokens if new is None else chosen(cols.tokens, new)
         put(self.tokens, ids, arrays)
+        self.anchors.note(ids)
         if new is None and cols.id_bytes is not None:  # (read with the addresses)
             self.token_bytes += cols.id_bytes
         elif cols.contents:  # (bytes: the length by a C-level map, less each plain header)

@@ -4,11 +4,13 @@ One module per structure: ``modhash`` (the keyed mod 2^61-1 fingerprint and its 
 lanes), ``table`` (open addressing with one backward-shift delete), ``filter`` (the Bloom
 filter), ``occupants`` (chunk hashes and their namespace claims), ``writes`` (the one write
 kernel), ``scan`` (the match kernel), ``firsts`` (the first hit of each chunk_hash), ``planes`` (the planes form of stored token ids:
-``directory/token_store.py``) and ``contents`` (a stored content: one ``bytes``, its ids
-inline after a header naming their form). ``pointers`` holds the raw-memory intrinsics they
+``directory/token_store.py``), ``contents`` (a stored content: one ``bytes``, its ids
+inline after a header naming their form) and ``anchors`` (where a content can start in a query:
+its anchor table and the query's window minima, what the scan probes). ``pointers`` holds the raw-memory intrinsics they
 share. Kernels run only while the caller holds the index lock.
 """
 
+from kvatlas.directory.blend.kernels.anchors import query_minima, query_minima_releasing
 from kvatlas.directory.blend.kernels.firsts import joined_firsts
 from kvatlas.directory.blend.kernels.layout import BlendArrays
 from kvatlas.directory.blend.kernels.modhash import (
@@ -30,7 +32,7 @@ from kvatlas.directory.blend.kernels.occupants import (
     drop_extra_claim,
 )
 from kvatlas.directory.blend.kernels.pointers import jit
-from kvatlas.directory.blend.kernels.scan import RELEASE_WINDOWS, ScanScratch, scan, scan_releasing
+from kvatlas.directory.blend.kernels.scan import RELEASE_WINDOWS, scan, scan_releasing
 from kvatlas.directory.blend.kernels.table import claims_rehash
 from kvatlas.directory.blend.kernels.writes import (
     ADD,
@@ -61,7 +63,6 @@ __all__ = [
     "REMOVE_CLAIM",
     "SKIP",
     "BlendArrays",
-    "ScanScratch",
     "apply_op",
     "apply_ops",
     "apply_ops_releasing",
@@ -73,6 +74,8 @@ __all__ = [
     "lane_init",
     "lane_load",
     "lane_step",
+    "query_minima",
+    "query_minima_releasing",
     "rebuild",
     "scan",
     "scan_releasing",

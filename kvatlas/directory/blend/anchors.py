@@ -1,0 +1,127 @@
+"""The index's anchor table, kept up to date lazily: writes only note the contents they
+made, and the next lookup anchors them (``kernels/anchors.py`` says what an anchor is).
+
+A write pays nothing but the note (a node adds one chunk at a time, where a second compiled
+call would cost more than the write); a lookup first anchors what was written since the
+last one (≈0.2 µs a content). The table (content ids, linear probing, load ≤ 3/4: its bytes
+count against the index's 128 a chunk) is rebuilt from the live contents whenever the slots
+taken since the last rebuild would pass three quarters of it: that grows it with the contents and sheds the slots of removed ones, at a cost amortized
+over the inserts. Everything here runs under the index lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvatlas.directory.blend.kernels import RELEASE_WINDOWS, scan, scan_releasing
+from kvatlas.directory.blend.kernels.anchors import (
+    anchor_contents,
+    new_keys,
+    offset_bits,
+    query_minima,
+    query_minima_releasing,
+)
+from kvatlas.directory.blend.kernels.layout import IDS_CONTENTS, BlendArrays
+
+Query = tuple[npt.NDArray[np.uint32], npt.NDArray[np.int64], int]
+"""A query's k-gram hashes, the positions of its window minima and how many there are."""
+
+_MIN_SLOTS = 64
+
+
+class Anchors:
+    def __init__(self, chunk_size: int) -> None:
+        self.chunk_size = chunk_size
+        self.bits = offset_bits(chunk_size)
+        self.keys = new_keys()  # the hash's secret, for as long as the index
+        self.slots = np.full(_MIN_SLOTS, -1, np.int32)
+        self.tags = np.zeros(_MIN_SLOTS, np.uint8)  # beside each slot: its hash's low byte
+        self.c_anchor = np.zeros(0, np.uint32)  # by content id
+        self._row = np.empty(chunk_size, np.uint32)
+        self._taken = 0  # slots taken since the last rebuild (removed contents' too)
+        self._noted: list[npt.NDArray[np.int64]] = []
+        self._noted_one: list[int] = []
+        self._noted_count = 0
+        self._all = False  # every content is to be anchored (after a bulk build)
+        self._scratch = threading.local()  # a query's buffers, per thread
+
+    def query(self, q: npt.NDArray[np.uint32]) -> Query:
+        """``q``'s k-gram hashes and window minima (no lock: they are the query's own), in
+        buffers kept per thread between queries (fresh large arrays cost page faults)."""
+        if q.shape[0] >= 1 << 32:
+            raise ValueError(f"a query of {q.shape[0]} tokens: at most 2^32 - 1")
+        buffers: tuple[npt.NDArray[np.uint32], npt.NDArray[np.int64]] | None
+        buffers = getattr(self._scratch, "buffers", None)
+        if buffers is None or buffers[0].shape[0] < q.shape[0]:
+            buffers = np.empty(q.shape[0], np.uint32), np.empty(q.shape[0], np.int64)
+            self._scratch.buffers = buffers
+        kgrams, minima = buffers
+        find = query_minima_releasing if q.shape[0] >= RELEASE_WINDOWS else query_minima
+        return kgrams, minima, find(q, self.chunk_size, self.keys, kgrams, minima)
+
+    def scan(
+        self,
+        q: npt.NDArray[np.uint32],
+        query: Query,
+        start: int,
+        stop: int,
+        stride: int,
+        ns: int,
+        arrays: tuple[Any, ...],
+    ) -> Any:
+        """``kernels.scan`` of the windows ``[start, stop)`` (under the index lock, after
+        :meth:`sync`)."""
+        kernel = scan_releasing if stop - start >= RELEASE_WINDOWS else scan
+        kgrams, minima, n_minima = query
+        return kernel(
+            q, kgrams, minima, n_minima, start, stop, stride, self.chunk_size, self.bits, ns,
+            arrays, self.slots, self.tags, self.c_anchor,
+        )  # fmt: skip
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.slots.nbytes + self.tags.nbytes + self.c_anchor.nbytes)
+
+    def note(self, ids: npt.NDArray[np.int64]) -> None:
+        """Contents ``ids`` were made (under new ids or reused ones)."""
+        self._noted.append(ids)
+        self._noted_count += len(ids)
+
+    def note_one(self, cid: int) -> None:
+        self._noted_one.append(cid)
+        self._noted_count += 1
+
+    def note_all(self) -> None:
+        """Every content is to be anchored (a bulk build made them)."""
+        self._all = True
+
+    def sync(self, arrays: BlendArrays, live: int) -> None:
+        """Anchor the contents noted since the last call (``live``: how many are live)."""
+        if not self._noted_count and not self._all:
+            return
+        if self.c_anchor.shape[0] < arrays.content_capacity:  # (grown with the contents)
+            grown = np.zeros(arrays.content_capacity, np.uint32)
+            grown[: self.c_anchor.shape[0]] = self.c_anchor
+            self.c_anchor = grown
+        if self._all or 4 * (self._taken + self._noted_count) > 3 * self.slots.shape[0]:
+            cids = np.arange(int(arrays.ids[IDS_CONTENTS]), dtype=np.int64)
+            size = _MIN_SLOTS
+            while 2 * size < 3 * live:  # (load <= 2/3 after a rebuild, <= 3/4 before one)
+                size *= 2
+            self.slots = np.full(size, -1, np.int32)
+            self.tags = np.zeros(size, np.uint8)
+            self._taken = 0
+        else:
+            cids = np.concatenate([*self._noted, np.array(self._noted_one, np.int64)])
+        self._taken += anchor_contents(
+            cids, arrays.c_addr, self.chunk_size, self.keys, self.bits, self.c_anchor,
+            self.slots, self.tags, self._row,
+        )  # fmt: skip
+        self._noted.clear()
+        self._noted_one.clear()
+        self._noted_count = 0
+        self._all = False
