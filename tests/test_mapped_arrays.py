@@ -75,7 +75,7 @@ def test_growing_the_blend_arrays_past_the_map_size_keeps_contents_and_fills_the
     assert isinstance(_map_of(arrays.c_fp), mmap.mmap) and isinstance(
         _map_of(arrays.o_i64), mmap.mmap
     )
-    table = arrays.with_empty_lookup(MAPPED_MIN // 2).table
+    table = arrays.with_empty_table(MAPPED_MIN // 2).table
     assert isinstance(_map_of(table), mmap.mmap) and (table == -1).all()
     # the addresses a single write is handed are the grown arrays', and stay mapped
     ctx = write_context(

@@ -19,8 +19,7 @@ import numpy as np
 import pytest
 
 from kvatlas.coordinator.warm_up import warm_up_lookup_kernels
-from kvatlas.directory.blend.kernels import filter as bloom
-from kvatlas.directory.blend.kernels import modhash, occupants, planes, table, writes
+from kvatlas.directory.blend.kernels import anchors, modhash, occupants, planes, table, writes
 from kvatlas.directory.warm_up import warm_up_kernels
 from kvatlas.events import _json_entries, _json_tokens
 from kvatlas.kernel_twins import njit_without_nrt
@@ -53,8 +52,9 @@ HOT_HELPERS = [
     occupants.drop_claim,
     writes._take_id,
     writes._release_id,
-    bloom.filter_add,
-    bloom.word_shift,
+    anchors.content_anchor,
+    anchors._insert,
+    anchors._walk,
 ]
 
 

@@ -112,7 +112,6 @@ def state_of(index: BlendIndex) -> dict[str, Any]:
         owned=sorted(s.owned),
         extra_claims=list(s.extra_claims.items()),
         counters=(s.contents, s.occupants, s.claims, s.owned_bytes, s.token_bytes, s.n_extra),
-        stale=s._stale,
         namespaces=(dict(ns._ids), list(ns._names), list(ns.claims), list(ns._free)),
         base=index._base,
     )

@@ -323,7 +323,7 @@ def test_stats_counts_and_bytes() -> None:
     assert stats.namespaces == 2
     assert stats.token_bytes == 10 * C * 4
     assert stats.index_bytes > 0
-    for key in ("table_slots", "filter_bits", "content_capacity", "occupant_capacity"):
+    for key in ("table_slots", "content_capacity", "occupant_capacity"):
         assert getattr(stats, key) > 0
 
 

@@ -88,7 +88,6 @@ def _state(index: BlendIndex) -> dict[str, Any]:
         "owned": s.owned,
         "extra": s.extra_claims,
         "counts": (s.contents, s.occupants, s.claims, s.n_extra, s.owned_bytes, s.token_bytes),
-        "stale": s._stale,
         "namespaces": (s.namespaces._ids, s.namespaces.claims, s.namespaces._free),
         "stats": index.stats(),
     }

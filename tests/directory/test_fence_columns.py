@@ -88,7 +88,7 @@ def index_state(d: KeyDirectory) -> tuple[Any, ...]:
     return (
         sorted(t for t in s.tokens if t is not None),
         sorted(h for h in occupant_hashes(s) if h is not None),
-        (s.contents, s.occupants, s.claims, s.token_bytes, s.owned_bytes, s.n_extra, s._stale),
+        (s.contents, s.occupants, s.claims, s.token_bytes, s.owned_bytes, s.n_extra),
         {name: ns.claims[i] for name, i in ns._ids.items()},
     )
 

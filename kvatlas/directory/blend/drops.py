@@ -32,8 +32,6 @@ class DropsOf(Protocol):
     token_bytes: int
     owned_bytes: int
 
-    def mark_stale(self, contents: int) -> None: ...
-
 
 def settle_drops(
     state: DropsOf,
@@ -62,4 +60,3 @@ def settle_drops(
                     state.owned_bytes -= token_nbytes(arr)
         put(state.tokens, ids, [None] * len(ids))
         state.contents -= len(ids)
-        state.mark_stale(len(ids))

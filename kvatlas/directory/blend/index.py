@@ -86,7 +86,6 @@ class BlendStats:
     content_capacity: int
     occupant_capacity: int
     table_slots: int
-    filter_bits: int
     extra_claim_slots: int
     index_bytes: int
     token_bytes: int
@@ -411,7 +410,6 @@ class BlendIndex:
                 content_capacity=arrays.content_capacity,
                 occupant_capacity=arrays.occupant_capacity,
                 table_slots=int(arrays.table.shape[0]),
-                filter_bits=int(arrays.filt.shape[0]) * 64,
                 extra_claim_slots=int(arrays.claims.shape[0]),
                 index_bytes=int(index_bytes),
                 token_bytes=token_bytes,

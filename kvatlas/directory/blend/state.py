@@ -83,7 +83,6 @@ class IndexState:
         self.owned_bytes = 0
         self.token_bytes = 0  # of the live contents' arrays
         self.n_extra = 0
-        self._stale = 0  # contents removed since the filter was last rebuilt
         self.anchors = Anchors(chunk_size)
 
     @property
@@ -136,7 +135,7 @@ class IndexState:
 
     def apply(self, cols: OpColumns, fps: npt.NDArray[np.uint64] | None = None) -> None:
         """Apply validated ops in order (see :func:`kernels.apply_ops`), then release the
-        namespace ids left without claims and shed the filter bits of removed contents.
+        namespace ids left without claims.
         ``fps``: each op's content fingerprint under this state's base and bits, computed
         before (the kernel then reads an op's ids only to compare them)."""
         if len(cols):
@@ -145,8 +144,6 @@ class IndexState:
 
     def _end_write(self) -> None:
         self.namespaces.end_write()
-        if self._stale > self.contents // 2 + MIN_CAPACITY:
-            self.rebuild()  # the filter only ever gains bits: shed removed contents' bits
 
     def _apply_batch(self, cols: OpColumns, fps: npt.NDArray[np.uint64] | None) -> None:
         kinds = cols.kinds
@@ -363,11 +360,6 @@ class IndexState:
                     self.owned_bytes -= nbytes
             live_tokens[cid] = None
             self.contents -= 1
-            self._stale += 1
-
-    def mark_stale(self, contents: int) -> None:
-        """``contents`` contents were removed (their filter bits shed at the next rebuild)."""
-        self._stale += contents
 
     def _forget_extra(self, occ: int, ns: int) -> None:
         claims = self.extra_claims[occ]
@@ -439,11 +431,10 @@ class IndexState:
         self.arrays = self.arrays._replace(claims=new)
 
     def rebuild(self, slots: int | None = None) -> None:
-        """Fresh table and filter (``slots`` table slots; default: as many as now) holding
-        exactly the live contents."""
-        self.arrays = self.arrays.with_empty_lookup(slots)
+        """A fresh table (``slots`` slots; default: as many as now) holding exactly the live
+        contents."""
+        self.arrays = self.arrays.with_empty_table(slots)
         kernels.rebuild(self.kernel_arrays)
-        self._stale = 0
 
 
 def _grown(capacity: int, need: int) -> int:

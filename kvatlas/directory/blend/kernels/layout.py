@@ -10,8 +10,6 @@ holds the index lock.
   ``c_first`` (first occupant, -1 = none).
 - ``table``: the content table (see ``table.py``), a power of two of slots sized by the live
   contents (load <= 1/2), independent of the content capacity: content ids are its values.
-- ``filt``: the content filter (see ``filter.py``), one word per 8 table slots (16 to 32 bits
-  per live content).
 - occupants (one chunk_hash stored with one content): ``o_i64[o] = (token_offset, the
   chunk_hash's bytes)``, the bytes by value in the :data:`HASH_WIDTH` bytes of the row from
   column ``O_HASH`` on (zero-padded; copied in by the kernel that links the occupant, so no
@@ -83,7 +81,6 @@ class BlendArrays(NamedTuple):
     a fraction of the time a named one takes, a cost paid on every call."""
 
     table: npt.NDArray[np.int32]
-    filt: npt.NDArray[np.uint64]
     c_fp: npt.NDArray[np.uint64]
     c_addr: npt.NDArray[np.int64]
     c_first: npt.NDArray[np.int32]
@@ -97,7 +94,7 @@ class BlendArrays(NamedTuple):
     def empty(cls, capacity: int) -> BlendArrays:
         """Room for ``capacity`` contents and occupants (a power of two >= 8)."""
         return cls(
-            *_lookup(2 * capacity),
+            table=_table(2 * capacity),
             c_fp=np.zeros(capacity, np.uint64),
             c_addr=np.zeros(capacity, np.int64),
             c_first=np.full(capacity, -1, np.int32),
@@ -120,15 +117,14 @@ class BlendArrays(NamedTuple):
     def table_slots(self) -> int:
         return int(self.table.shape[0])
 
-    def with_empty_lookup(self, slots: int | None = None) -> BlendArrays:
-        """Fresh (empty) table and filter of ``slots`` table slots (a power of two; default:
-        as many as now): to be rebuilt."""
-        table, filt = _lookup(self.table_slots if slots is None else slots)
-        return self._replace(table=table, filt=filt)
+    def with_empty_table(self, slots: int | None = None) -> BlendArrays:
+        """A fresh (empty) table of ``slots`` slots (a power of two; default: as many as
+        now): to be rebuilt."""
+        return self._replace(table=_table(self.table_slots if slots is None else slots))
 
     def with_content_capacity(self, capacity: int) -> BlendArrays:
-        """Content arrays grown to ``capacity`` (the table and filter are unchanged: they
-        hold content ids, not positions)."""
+        """Content arrays grown to ``capacity`` (the table is unchanged: it holds content
+        ids, not positions)."""
         return self._replace(
             c_fp=mapped_resized(self.c_fp, capacity, 0),
             c_addr=mapped_resized(self.c_addr, capacity, 0),
@@ -175,11 +171,8 @@ def write_context(
     return ctx
 
 
-def _lookup(slots: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.uint64]]:
-    """An empty table of ``slots`` slots and its filter (one word per 8 slots: 16 bits per
-    content at the table's highest load)."""
+def _table(slots: int) -> npt.NDArray[np.int32]:
+    """An empty table of ``slots`` slots."""
     table = mapped_empty(slots, np.int32)
     table.fill(-1)
-    filt = mapped_empty(max(2, slots // 8), np.uint64)
-    filt.fill(0)
-    return table, filt
+    return table

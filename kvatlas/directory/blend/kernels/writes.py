@@ -15,7 +15,6 @@ import numpy as np
 from numba import types
 from numba.np.numpy_support import carray
 
-from kvatlas.directory.blend.kernels.filter import bloom_word, filter_add, mix, word_shift
 from kvatlas.directory.blend.kernels.fingerprints import load_ids, stored_fingerprint, tagged
 from kvatlas.directory.blend.kernels.layout import (
     CTX_ARRAY_DATA,
@@ -106,25 +105,21 @@ def apply_ops(
     s = BlendArrays(*arrays)
     # the arrays as locals, named once: a field read inside the loop would cost a reference
     # count update on every use
-    table, filt, c_fp, c_addr, c_first = s.table, s.filt, s.c_fp, s.c_addr, s.c_first
+    table, c_fp, c_addr, c_first = s.table, s.c_fp, s.c_addr, s.c_first
     o_i64, o_i32, o_hlen, claims, ids = s.o_i64, s.o_i32, s.o_hlen, s.claims, s.ids
     # each op's fingerprint and token address, taken _LOOKAHEAD ops ahead (a ring): its
-    # table slot and filter word are requested then, so those misses overlap the ops between
+    # table slot is requested then, so those misses overlap the ops between
     fps = np.empty(_RING, np.uint64)
     addrs = np.empty(_RING, np.int64)
     tokens = np.empty(chunk, np.uint32)  # an op's ids, when a content has its fingerprint
-    fshift = word_shift(filt)
     n = ops.shape[1]
     given = ops.shape[0] > OP_FP
     for i in range(min(_LOOKAHEAD, n)):
-        _take_op(ops, i, chunk, data_off, weights, fmask, fps, addrs, table, filt, fshift)
+        _take_op(ops, i, chunk, data_off, weights, fmask, fps, addrs, table)
     for i in range(n):
         _prefetch_tokens(ops, i, n, data_off, given)
         if i + _LOOKAHEAD < n:
-            _take_op(
-                ops, i + _LOOKAHEAD, chunk, data_off, weights, fmask, fps, addrs, table, filt,
-                fshift,
-            )  # fmt: skip
+            _take_op(ops, i + _LOOKAHEAD, chunk, data_off, weights, fmask, fps, addrs, table)
         out[i, 0] = 0
         out[i, 1] = -1
         out[i, 2] = -1
@@ -133,7 +128,7 @@ def apply_ops(
         if kind != SKIP:
             _apply_at(
                 kind, fps[i % _RING], addrs[i % _RING], ops[OP_HASH, i], ops[OP_HASH_LEN, i],
-                ops[OP_OFFSET, i], ops[OP_NS, i], tokens, chunk, table, filt, c_fp, c_addr,
+                ops[OP_OFFSET, i], ops[OP_NS, i], tokens, chunk, table, c_fp, c_addr,
                 c_first, o_i64, o_i32, o_hlen, claims, ids, out[i],
             )  # fmt: skip
     for i in range(n):
@@ -152,7 +147,6 @@ def _apply_at(
     tokens: Any,
     chunk: Any,
     table: Any,
-    filt: Any,
     c_fp: Any,
     c_addr: Any,
     c_first: Any,
@@ -207,7 +201,6 @@ def _apply_at(
             c_addr[cid] = addr
             c_first[cid] = -1
             table[slot] = cid
-            filter_add(filt, fp)
         else:
             o = find_occupant(c_first, cid, o_i64, o_i32, o_hlen, h_addr, h_len)
         if o == -1:
@@ -283,7 +276,7 @@ def apply_op(
     offsets (``_cpython.py``) during the call only (a new occupant copies it)."""
     c = i64_ptr(ctx)  # type: ignore[call-arg]
     s = _arrays_at(c)
-    table, filt, c_fp, c_addr, c_first, o_i64, o_i32, o_hlen, claims, ids = s
+    table, c_fp, c_addr, c_first, o_i64, o_i32, o_hlen, claims, ids = s
     chunk = c[CTX_CHUNK]
     weights = carray(u64_ptr(c[CTX_WEIGHTS]), (2, chunk))  # type: ignore[call-arg]
     row = carray(u32_ptr(c[CTX_ROW]), chunk)  # type: ignore[call-arg]
@@ -302,14 +295,12 @@ def apply_op(
     h_len = i64_ptr(chunk_hash + c[CTX_BYTES_SIZE])[0]  # type: ignore[call-arg]
     prefetch_addr(h_addr)  # type: ignore[call-arg]
     fp = stored_fingerprint(addr, chunk, weights, c[CTX_FMASK])
-    if kind == ADD:  # the filter word a new content sets
-        prefetch(filt, bloom_word(mix(fp), word_shift(filt)))  # type: ignore[call-arg]
     out[0] = 0
     out[1] = -1
     out[2] = -1
     out[3] = -1
     _apply_at(
-        kind, fp, addr, h_addr, h_len, offset, ns, row, chunk, table, filt, c_fp, c_addr,
+        kind, fp, addr, h_addr, h_len, offset, ns, row, chunk, table, c_fp, c_addr,
         c_first, o_i64, o_i32, o_hlen, claims, ids, out,
     )  # fmt: skip
     _release_ids(out, ids, c_first, o_i32)
@@ -342,20 +333,19 @@ def _arrays_at(c: Any) -> Any:
     return (
         carray(i32_ptr(c[a]), c[a + 1]),  # type: ignore[call-arg]
         carray(u64_ptr(c[a + 2]), c[a + 3]),  # type: ignore[call-arg]
-        carray(u64_ptr(c[a + 4]), c[a + 5]),  # type: ignore[call-arg]
-        carray(i64_ptr(c[a + 6]), c[a + 7]),  # type: ignore[call-arg]
-        carray(i32_ptr(c[a + 8]), c[a + 9]),  # type: ignore[call-arg]
-        carray(i64_ptr(c[a + 10]), (c[a + 11], O_COLUMNS)),  # type: ignore[call-arg]
-        carray(i32_ptr(c[a + 12]), (c[a + 13], 3)),  # type: ignore[call-arg]
-        carray(u8_ptr(c[a + 14]), c[a + 15]),  # type: ignore[call-arg]
+        carray(i64_ptr(c[a + 4]), c[a + 5]),  # type: ignore[call-arg]
+        carray(i32_ptr(c[a + 6]), c[a + 7]),  # type: ignore[call-arg]
+        carray(i64_ptr(c[a + 8]), (c[a + 9], O_COLUMNS)),  # type: ignore[call-arg]
+        carray(i32_ptr(c[a + 10]), (c[a + 11], 3)),  # type: ignore[call-arg]
+        carray(u8_ptr(c[a + 12]), c[a + 13]),  # type: ignore[call-arg]
+        carray(i64_ptr(c[a + 14]), c[a + 15]),  # type: ignore[call-arg]
         carray(i64_ptr(c[a + 16]), c[a + 17]),  # type: ignore[call-arg]
-        carray(i64_ptr(c[a + 18]), c[a + 19]),  # type: ignore[call-arg]
     )
 
 
 _LOOKAHEAD = 4
 """How many ops ahead :func:`apply_ops` fingerprints an op (:func:`_take_op`): far enough
-for its table slot and filter word to arrive, near enough for its ids to stay in L1."""
+for its table slot to arrive, near enough for its ids to stay in L1."""
 _RING = _LOOKAHEAD + 1
 """Entries of the fingerprints' and addresses' ring: the current op's and the
 ``_LOOKAHEAD`` ops after it."""
@@ -372,12 +362,10 @@ def _take_op(
     fps: Any,
     addrs: Any,
     table: Any,
-    filt: Any,
-    fshift: Any,
 ) -> None:
     """Op ``j``'s fingerprint and the token address its content keeps (``layout.py``: tagged
     with the array's form) into row ``j % _RING`` of ``fps`` and ``addrs``; then request the
-    table slot and filter word the op will read. The fingerprint is given (row ``OP_FP``) or
+    table slot the op will read. The fingerprint is given (row ``OP_FP``) or
     taken by ``weights`` from the ids in their stored form (``stored_fingerprint``); the op
     reads its ids only if a content of that fingerprint is in the table, to compare them. (A
     skipped op reads nothing.)"""
@@ -395,7 +383,6 @@ def _take_op(
     fps[r] = fp
     addrs[r] = addr
     prefetch(table, content_home(fp, table.shape[0] - 1))  # type: ignore[call-arg]
-    prefetch(filt, bloom_word(mix(fp), fshift))  # type: ignore[call-arg]
 
 
 _AHEAD_OBJECT, _AHEAD_DATA = 16, 8
@@ -440,11 +427,10 @@ def _release_id(ids: Any, free: Any, links: Any, i: Any) -> None:
 
 @releasing
 def rebuild(arrays: Any) -> None:
-    """Re-insert every live content into the fresh (empty) table and filter of ``arrays`` (a
+    """Re-insert every live content into the fresh (empty) table of ``arrays`` (a
     ``BlendArrays`` as a plain tuple)."""
     s = BlendArrays(*arrays)
-    table, filt, c_fp, c_addr = s.table, s.filt, s.c_fp, s.c_addr
+    table, c_fp, c_addr = s.table, s.c_fp, s.c_addr
     for cid in range(s.ids[IDS_CONTENTS]):
         if c_addr[cid] != 0:
             content_reinsert(table, c_fp[cid], cid)
-            filter_add(filt, c_fp[cid])
