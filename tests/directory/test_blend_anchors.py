@@ -120,3 +120,25 @@ def test_adds_and_removes_between_lookups_match_brute_force(data: st.DataObject)
                                or [np.zeros(0, np.uint32)]).astype(np.uint32)  # fmt: skip
             got = {m.chunk_hash: m.cur_st for m in index.match(q, NS)}
             assert got == _brute(stored, q, chunk)
+
+
+def test_an_index_that_is_only_written_keeps_no_list_of_its_contents() -> None:
+    """Without lookups the notes would grow with every content made (a coordinator that
+    only ingests): past what the table takes without a rebuild they are dropped, the next
+    lookup anchoring every live content instead."""
+    from kvatlas.directory import AddColumns
+
+    index = BlendIndex(chunk_size=4)
+    rows = np.arange(4 * 20_000, dtype=np.uint32).reshape(-1, 4)
+    rows.setflags(write=False)
+    for i in range(2_000):  # single writes
+        index.add(rows[i], i.to_bytes(32, "big"), 0, NS)
+    for start in range(2_000, 20_000, 500):  # batches
+        index.apply([AddColumns(list(rows[start : start + 500]),
+                                [i.to_bytes(32, "big") for i in range(start, start + 500)],
+                                [0] * 500, [NS])])  # fmt: skip
+    anchors = index._state.anchors
+    kept = sum(map(len, anchors._noted)) + len(anchors._noted_one)
+    assert kept <= anchors.slots.shape[0]  # (64 slots: nothing was ever anchored)
+    q = np.concatenate([rows[7], rows[19_999]])
+    assert [m.cur_st for m in index.match(q, NS)] == [0, 4]

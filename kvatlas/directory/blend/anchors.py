@@ -88,16 +88,29 @@ class Anchors:
 
     def note(self, ids: npt.NDArray[np.int64]) -> None:
         """Contents ``ids`` were made (under new ids or reused ones)."""
-        self._noted.append(ids)
         self._noted_count += len(ids)
+        if not self._bounded():
+            self._noted.append(np.array(ids, np.int64))  # (a copy: not a view of a report)
 
     def note_one(self, cid: int) -> None:
-        self._noted_one.append(cid)
         self._noted_count += 1
+        if not self._bounded():
+            self._noted_one.append(cid)
+
+    def _bounded(self) -> bool:
+        """Whether the notes are past what the table can take without a rebuild: the next
+        sync rebuilds from every live content then, so they are dropped (a coordinator that
+        only ingests keeps no list of every content it made)."""
+        if self._all or 4 * (self._taken + self._noted_count) > 3 * self.slots.shape[0]:
+            self.note_all()
+            return True
+        return False
 
     def note_all(self) -> None:
-        """Every content is to be anchored (a bulk build made them)."""
+        """Every content is to be anchored (a bulk build made them, or too many were noted)."""
         self._all = True
+        self._noted.clear()
+        self._noted_one.clear()
 
     def sync(self, arrays: BlendArrays, live: int) -> None:
         """Anchor the contents noted since the last call (``live``: how many are live)."""

@@ -1,22 +1,25 @@
 """Anchors: the few query positions where a stored content can start, found without a
 fingerprint at every window.
 
-A content's *anchor* is its leftmost least k-gram (:data:`K` ids) under a keyed hash, packed as
-``hash << 32 | offset``. A window of a query holds the same k-grams as the content it equals,
-at the same distances, so its leftmost least k-gram is the content's anchor shifted by the
-window's start. A query's candidates are therefore its *window minima* — the distinct
-leftmost least k-grams of its windows, ≈ 2n / (chunk - K + 2) of them (≈ 260 in 32k tokens)
-— each probed in a table of the contents by anchor hash: a content whose anchor hash agrees
-is a candidate at ``query position - anchor offset``, compared id for id before it is
-returned (``scan.resolve_pairs``). Recall is complete: a content equal to the window at ``o``
-has its anchor at a window minimum of ``o``. The hash is keyed by a per-index secret
+A content's *anchor* is its leftmost least k-gram (:data:`K` ids) under a keyed 32-bit hash,
+and that k-gram's offset in the content. A window of a query holds the same k-grams as the
+content it equals, at the same distances, so its leftmost least k-gram is the content's anchor
+shifted by the window's start. A query's candidates are therefore its *window minima* — the
+distinct leftmost least k-grams of its windows, ≈ 2n / (chunk - K + 2) of them (≈ 260 in 32k
+tokens) — each probed in a table of the contents by anchor hash: a content whose anchor hash
+agrees is a candidate at ``query position - anchor offset``, compared id for id before it is
+returned (``scan.py``). Recall is complete: a content equal to the window at ``o`` has its
+anchor at a window minimum of ``o``. The hash is keyed by a per-index secret
 (:func:`new_keys`), so no one can choose contents that share an anchor (they would make long
 probe runs, never a wrong match). Ties (a repeated k-gram) go to the leftmost, in the content
 and in the query alike.
 
 The table holds content ids (``int32``, -1 empty; linear probing, never deleted from: a
 removed content's slot stays until the next rebuild, and is skipped because its content is
-gone or now has another anchor); each content's anchor is in ``c_anchor`` by id.
+gone or now has another anchor) and beside each slot a byte of the anchor's hash (``tags``);
+each content's anchor is in ``c_anchor`` by id, as its hash's bits above :func:`offset_bits`
+and its offset below them. What is kept and homed by is the least hash *spread*
+(:func:`_spread`): the least of ≈250 hashes has its top bits clear.
 """
 
 from __future__ import annotations
