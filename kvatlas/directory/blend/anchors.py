@@ -20,6 +20,7 @@ import numpy.typing as npt
 from kvatlas.directory.blend.kernels import RELEASE_WINDOWS, scan, scan_releasing
 from kvatlas.directory.blend.kernels.anchors import (
     anchor_contents,
+    anchor_contents_releasing,
     new_keys,
     offset_bits,
     query_minima,
@@ -130,7 +131,8 @@ class Anchors:
             self._taken = 0
         else:
             cids = np.concatenate([*self._noted, np.array(self._noted_one, np.int64)])
-        self._taken += anchor_contents(
+        anchor = anchor_contents_releasing if len(cids) >= RELEASE_WINDOWS else anchor_contents
+        self._taken += anchor(
             cids, arrays.c_addr, self.chunk_size, self.keys, self.bits, self.c_anchor,
             self.slots, self.tags, self._row,
         )  # fmt: skip
