@@ -2,11 +2,12 @@
 made, and the next lookup anchors them (``kernels/anchors.py`` says what an anchor is).
 
 A write pays nothing but the note (a node adds one chunk at a time, where a second compiled
-call would cost more than the write); a lookup first anchors what was written since the
-last one (≈0.2 µs a content). The table (content ids, linear probing, load ≤ 3/4: its bytes
+call would cost more than the write); a lookup first anchors what was written since the last
+one (≈0.17–0.33 µs a content). The table (content ids, linear probing, load ≤ 3/4: its bytes
 count against the index's 128 a chunk) is rebuilt from the live contents whenever the slots
-taken since the last rebuild would pass three quarters of it: that grows it with the contents and sheds the slots of removed ones, at a cost amortized
-over the inserts. Everything here runs under the index lock.
+taken since the last rebuild would pass three quarters of it: that grows it with the contents
+and sheds the slots of removed ones, at a cost amortized over the inserts. Everything here
+runs under the index lock but :meth:`Anchors.query`, the query's own work.
 """
 
 from __future__ import annotations
