@@ -12,7 +12,6 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -24,6 +23,7 @@ from kvatlas.asgi_thread import free_port
 from kvatlas.auth import ANONYMOUS_ADMIN
 from kvatlas.bench.common import BenchRow, add_common_arguments, report
 from kvatlas.bench.loadgen import build_post, run_load
+from kvatlas.bench.server_cpu import process_cpu_seconds
 from kvatlas.client import encode_tokens_b64
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.instances import Registration
@@ -179,12 +179,6 @@ def _bench_in_process(
     ]
 
 
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, from /proc/<pid>/stat."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _bench_http(
     args: argparse.Namespace, work: Workload, bodies: list[bytes], progress: Progress
 ) -> list[BenchRow]:
@@ -205,9 +199,9 @@ def _bench_http(
         progress.advance(task)
         requests = [build_post("127.0.0.1", port, "/route/score", b) for b in bodies]
         run_load("127.0.0.1", port, requests[:8], args.clients, 0.5)  # warm-up
-        cpu0 = _cpu_seconds(proc.pid)
+        cpu0 = process_cpu_seconds(proc.pid)
         latencies = sorted(run_load("127.0.0.1", port, requests, args.clients, args.seconds))
-        cpu = _cpu_seconds(proc.pid) - cpu0
+        cpu = process_cpu_seconds(proc.pid) - cpu0
         progress.advance(task)
     finally:
         stop([proc])
