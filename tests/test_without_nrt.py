@@ -52,7 +52,6 @@ HOT_HELPERS = [
     occupants.drop_claim,
     writes._take_id,
     writes._release_id,
-    anchors.content_anchor,
     anchors._insert,
     anchors._walk,
 ]

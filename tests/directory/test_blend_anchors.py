@@ -64,7 +64,7 @@ def test_a_contents_anchor_is_a_minimum_of_every_window_holding_it(
     filler = rng.integers(0, 3, before + after).astype(np.uint32)
     q = np.concatenate([filler[:before], content, filler[before:]])
     k = kgram_size(chunk)
-    _, offset = content_anchor(content, chunk, k, keys)
+    _, offset = content_anchor(content, chunk, k, keys, np.empty(chunk, np.uint32))
     minima = np.empty(len(q), np.int64)
     kgrams = np.empty(len(q), np.uint32)
     n = query_minima(q, chunk, keys, kgrams, minima)

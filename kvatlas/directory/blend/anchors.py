@@ -43,7 +43,8 @@ class Anchors:
         self.slots = np.full(_MIN_SLOTS, -1, np.int32)
         self.tags = np.zeros(_MIN_SLOTS, np.uint8)  # beside each slot: its hash's low byte
         self.c_anchor = np.zeros(0, np.uint32)  # by content id
-        self._row = np.empty(chunk_size, np.uint32)
+        self._row = np.empty(chunk_size, np.uint32)  # a content's ids, then their k-grams' hashes
+        self._hashes = np.empty(chunk_size, np.uint32)
         self._taken = 0  # slots taken since the last rebuild (removed contents' too)
         self._noted: list[npt.NDArray[np.int64]] = []
         self._noted_one: list[int] = []
@@ -135,7 +136,7 @@ class Anchors:
         anchor = anchor_contents_releasing if len(cids) >= RELEASE_WINDOWS else anchor_contents
         self._taken += anchor(
             cids, arrays.c_addr, self.chunk_size, self.keys, self.bits, self.c_anchor,
-            self.slots, self.tags, self._row,
+            self.slots, self.tags, self._row, self._hashes,
         )  # fmt: skip
         self._noted.clear()
         self._noted_one.clear()

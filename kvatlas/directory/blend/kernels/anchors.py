@@ -107,21 +107,6 @@ def query_kgrams(q: Any, k: Any, keys: Any, out: Any) -> Any:
     return n
 
 
-@helper
-def content_anchor(row: Any, chunk: Any, k: Any, keys: Any) -> Any:
-    """The anchor of the content whose ``chunk`` ids are ``row``'s first: its leftmost
-    least k-gram, as (its spread hash, its offset)."""
-    best = np.uint64(0xFFFFFFFFFFFFFFFF)
-    for i in range(chunk - k + 1):
-        if k == K:
-            h = _hash(row[i], row[i + 1], row[i + 2], row[i + 3], keys)
-        else:
-            h = _short(row, i, k, keys)
-        v = (np.uint64(h) << np.uint64(32)) | np.uint64(i)
-        best = v if v < best else best
-    return _spread(np.uint32(best >> np.uint64(32))), np.uint32(best & np.uint64(0xFFFFFFFF))
-
-
 @inline
 def _leftmost_least(v: Any) -> Any:
     """The first index of ``v``'s least value (the value in SIMD, then its place)."""
@@ -185,6 +170,16 @@ def window_minima(kgrams: Any, n: Any, width: Any, out: Any) -> Any:
     return k
 
 
+@jit
+def content_anchor(row: Any, chunk: Any, k: Any, keys: Any, hashes: Any) -> Any:
+    """The anchor of the content whose ``chunk`` ids are ``row``'s first, taken as a query's
+    window least is (the same hashes, the same leftmost rule; ``hashes``: room for them):
+    (its spread hash, its offset)."""
+    n = query_kgrams(row[:chunk], k, keys, hashes)
+    at = _leftmost_least(hashes[:n])
+    return _spread(hashes[at]), np.uint32(at)
+
+
 @gil_twins()
 def query_minima(q: Any, chunk: Any, keys: Any, kgrams: Any, minima: Any) -> Any:
     """The hashes of ``q``'s k-grams into ``kgrams`` and the positions of the minima of its
@@ -226,6 +221,7 @@ def anchor_contents(
     slots: Any,
     tags: Any,
     row: Any,
+    hashes: Any,
 ) -> Any:
     """Anchor the live contents among ``cids`` (``c_addr`` not 0): each one's anchor into
     ``c_anchor`` (its spread hash's bits above ``bits``, its offset below them), its id
@@ -239,7 +235,7 @@ def anchor_contents(
         addr = c_addr[cid]
         if addr != 0:
             load_ids(row, addr, chunk)
-            spread, offset = content_anchor(row, chunk, k, keys)
+            spread, offset = content_anchor(row, chunk, k, keys, hashes)
             c_anchor[cid] = (spread & ~low) | offset
             _insert(slots, tags, spread, bits, cid)
             n += 1
@@ -274,28 +270,26 @@ def anchor_candidates(
     k = min(K, chunk)
     a0 = np.searchsorted(minima[:n_minima], start)
     a1 = np.searchsorted(minima[:n_minima], stop + chunk - k)  # (a window's least: <= o + c - k)
-    homes = np.empty(max(a1 - a0, 0), np.int64)
+    spreads = np.empty(max(a1 - a0, 0), np.uint32)
     for a in range(a0, a1):
-        s = _home(_spread(kgrams[minima[a]]), bits, mask)
-        homes[a - a0] = s
-        prefetch(slots, s)  # type: ignore[call-arg]
-    n = _walk(kgrams, minima, a0, a1, homes, start, stop, stride, bits, slots, tags, c_anchor,
-              c_addr, np.empty(0, np.int64), np.empty(0, np.int64))  # fmt: skip
+        spreads[a - a0] = _spread(kgrams[minima[a]])
+        prefetch(slots, _home(spreads[a - a0], bits, mask))  # type: ignore[call-arg]
+    n = _walk(minima, a0, a1, spreads, start, stop, stride, bits, slots, tags, c_anchor, c_addr,
+              np.empty(0, np.int64), np.empty(0, np.int64))  # fmt: skip
     pos = np.empty(n, np.int64)  # (sized by a first walk: an array grown in the loop would be
     cid_of = np.empty(n, np.int64)  # reference-counted on every iteration)
-    _walk(kgrams, minima, a0, a1, homes, start, stop, stride, bits, slots, tags, c_anchor, c_addr,
-          pos, cid_of)  # fmt: skip
+    _walk(minima, a0, a1, spreads, start, stop, stride, bits, slots, tags, c_anchor, c_addr, pos,
+          cid_of)  # fmt: skip
     order = np.argsort(pos, kind="mergesort")
     return pos[order], cid_of[order]
 
 
 @helper
 def _walk(
-    kgrams: Any,
     minima: Any,
     a0: Any,
     a1: Any,
-    homes: Any,
+    spreads: Any,
     start: Any,
     stop: Any,
     stride: Any,
@@ -307,18 +301,19 @@ def _walk(
     pos: Any,
     cid_of: Any,
 ) -> Any:
-    """The candidates of :func:`anchor_candidates`, into ``pos`` and ``cid_of`` when they
-    are not empty; returns how many there are."""
+    """The candidates of :func:`anchor_candidates` (``spreads``: the spread hash of each of
+    ``minima[a0:a1]``), into ``pos`` and ``cid_of`` when they are not empty; returns how many
+    there are."""
     mask = slots.shape[0] - 1
     low = np.uint32((1 << bits) - 1)
     fill = pos.shape[0] > 0
     n = 0
     for a in range(a0, a1):
-        spread = _spread(kgrams[minima[a]])
+        spread = spreads[a - a0]
         high = spread & ~low
         tag = np.uint8(spread & np.uint32(0xFF))
         at = minima[a]
-        s = homes[a - a0]
+        s = _home(spread, bits, mask)
         while slots[s] != _EMPTY:
             cid = slots[s]
             same = tags[s] == tag
