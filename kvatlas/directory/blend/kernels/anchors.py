@@ -114,9 +114,15 @@ def _leftmost_least(v: Any) -> Any:
     for i in range(1, v.shape[0]):
         x = v[i]
         m = x if x < m else m
+    return _first_at_most(v, m)
+
+
+@inline
+def _first_at_most(v: Any, m: Any) -> Any:
+    """The first index of ``v`` holding a value not above ``m``, else ``len(v)``."""
     if m == np.uint32(0xFFFFFFFF):
-        return 0  # (every value is the largest)
-    return _first_below(v, np.uint32(m + np.uint32(1)))  # (the first one not above it)
+        return 0
+    return _first_below(v, np.uint32(m + np.uint32(1)))
 
 
 @inline
@@ -159,8 +165,10 @@ def window_minima(kgrams: Any, n: Any, width: Any, out: Any) -> Any:
         if j < end + width - 1:  # a smaller one enters at j: the least of windows from j-w+1
             at = j
             o = j - width + 2
-        elif end <= last:  # it leaves: the window at ``end`` searched again
-            at = end + _leftmost_least(kgrams[end : end + width])
+        elif end <= last:  # it leaves: the window at ``end`` searched again, unless it
+            at = end + _first_at_most(kgrams[end : end + width], m)  # holds an equal one (a run)
+            if at == end + width or kgrams[end + width - 1] < m:
+                at = end + _leftmost_least(kgrams[end : end + width])
             o = end + 1
         else:
             break
