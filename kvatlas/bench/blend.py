@@ -295,6 +295,18 @@ def _bench_size(
                 extra={"×floor": f"{foreign_s / floor_s:.2f}"},
             )
         )
+        run = np.full(m, int(w.tokens[0, 0]), np.uint32)  # padding: every window a minimum
+        if index.match(run, OURS):
+            failures.append(f"false hit on a query of one repeated token N={n:,} m={m:,}")
+        run_s = _timed(partial(index.match, run, OURS), repeats)
+        rows.append(
+            BenchRow(
+                f"match one token repeated {n_label} m={m:,}",
+                run_s,
+                _timed(partial(naive.match, run, OURS), 3) if naive else None,
+                extra={"×floor": f"{run_s / floor_s:.2f}"},
+            )
+        )
     if not kinder:
         sample = rng.choice(n, min(n, 100_000), replace=False).tolist()
         rows += _rate_rows(index, w, sample, f"N={n:,}")

@@ -43,6 +43,20 @@ def test_window_minima_are_each_windows_leftmost_least(
     assert out[:n].tolist() == _leftmost_minima(values, width)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.integers(1, 80)), min_size=1, max_size=12),
+    st.integers(1, 40),
+)
+def test_window_minima_through_long_runs(runs: list[tuple[int, int]], width: int) -> None:
+    """Runs of one k-gram (a query of one repeated token) longer and shorter than a window,
+    broken by smaller and larger values: each window's least is the run's first in it."""
+    values = np.concatenate([np.full(n, v, np.uint32) for v, n in runs])
+    out = np.empty(len(values), np.int64)
+    n = window_minima(values, len(values), width, out)
+    assert out[:n].tolist() == _leftmost_minima(values, width)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.integers(1, 40),

@@ -144,6 +144,26 @@ def _first_below(v: Any, m: Any) -> Any:
     return n
 
 
+@inline
+def _first_other(v: Any, m: Any) -> Any:
+    """The first index of ``v`` holding a value other than ``m``, else ``len(v)``; 16 at a
+    time."""
+    n = v.shape[0]
+    i = 0
+    while i + 16 <= n:
+        other = 0
+        for j in range(16):
+            other |= v[i + j] != m
+        if other:
+            break
+        i += 16
+    while i < n:
+        if v[i] != m:
+            return i
+        i += 1
+    return n
+
+
 @jit
 def window_minima(kgrams: Any, n: Any, width: Any, out: Any) -> Any:
     """The positions of the distinct leftmost least of every ``width`` consecutive
@@ -170,6 +190,15 @@ def window_minima(kgrams: Any, n: Any, width: Any, out: Any) -> Any:
             if at == end + width or kgrams[end + width - 1] < m:
                 at = end + _leftmost_least(kgrams[end : end + width])
             o = end + 1
+            if at == end and at < last:  # a run of one k-gram from the window's start: each
+                v = kgrams[at]  # next window's least is its first, until the run ends or a
+                e = at + 1 + _first_other(kgrams[at + 1 : last + 1], v)  # smaller one enters
+                e = at + width + _first_below(kgrams[at + width : e + width - 1], v) - width + 1
+                for i in range(e - 1 - at):  # windows at .. e - 2 (e - 1: below)
+                    out[k + i] = at + i
+                k += e - 1 - at
+                at = e - 1
+                o = e
         else:
             break
         m = kgrams[at]
@@ -273,21 +302,34 @@ def anchor_candidates(
     """(window starts, content ids) of the contents whose anchor hash is the hash at one of
     the query's window minima (positions ``minima[:n_minima]``) and which would start at a
     probed window in ``[start, stop)``, by window start (a content found twice, through a
-    stale slot, is listed twice). The table's slots are requested for all minima first."""
+    stale slot, is listed twice). Consecutive minima of one hash (a run of one k-gram in
+    the query, a repeated phrase) are probed once; the table's slots are requested for all
+    probes first."""
     mask = slots.shape[0] - 1
     k = min(K, chunk)
     a0 = np.searchsorted(minima[:n_minima], start)
     a1 = np.searchsorted(minima[:n_minima], stop + chunk - k)  # (a window's least: <= o + c - k)
-    spreads = np.empty(max(a1 - a0, 0), np.uint32)
+    spreads = np.empty(max(a1 - a0, 0), np.uint32)  # each probe's spread hash, and
+    firsts = np.empty(max(a1 - a0, 0) + 1, np.int64)  # its first minimum
+    r = 0
+    h = np.uint32(0)
     for a in range(a0, a1):
-        spreads[a - a0] = _spread(kgrams[minima[a]])
-        prefetch(slots, _home(spreads[a - a0], bits, mask))  # type: ignore[call-arg]
-    n = _walk(minima, a0, a1, spreads, start, stop, stride, bits, slots, tags, c_anchor, c_addr,
+        if r == 0 or kgrams[minima[a]] != h:  # (equal hashes, equal spreads)
+            h = kgrams[minima[a]]
+            spread = _spread(h)
+            spreads[r] = spread
+            firsts[r] = a
+            r += 1
+            prefetch(slots, _home(spread, bits, mask))  # type: ignore[call-arg]
+    firsts[r] = a1
+    probes = spreads[:r], firsts[: r + 1]
+    n = _walk(minima, *probes, start, stop, stride, bits, slots, tags, c_anchor, c_addr,
               np.empty(0, np.int64), np.empty(0, np.int64))  # fmt: skip
     pos = np.empty(n, np.int64)  # (sized by a first walk: an array grown in the loop would be
     cid_of = np.empty(n, np.int64)  # reference-counted on every iteration)
-    _walk(minima, a0, a1, spreads, start, stop, stride, bits, slots, tags, c_anchor, c_addr, pos,
-          cid_of)  # fmt: skip
+    if n == 0:
+        return pos, cid_of
+    _walk(minima, *probes, start, stop, stride, bits, slots, tags, c_anchor, c_addr, pos, cid_of)
     order = np.argsort(pos, kind="mergesort")
     return pos[order], cid_of[order]
 
@@ -295,9 +337,8 @@ def anchor_candidates(
 @helper
 def _walk(
     minima: Any,
-    a0: Any,
-    a1: Any,
     spreads: Any,
+    firsts: Any,
     start: Any,
     stop: Any,
     stride: Any,
@@ -309,18 +350,17 @@ def _walk(
     pos: Any,
     cid_of: Any,
 ) -> Any:
-    """The candidates of :func:`anchor_candidates` (``spreads``: the spread hash of each of
-    ``minima[a0:a1]``), into ``pos`` and ``cid_of`` when they are not empty; returns how many
-    there are."""
+    """The candidates of :func:`anchor_candidates` (probe ``r``: spread hash ``spreads[r]``,
+    of the minima ``minima[firsts[r]:firsts[r + 1]]``), into ``pos`` and ``cid_of`` when
+    they are not empty; returns how many there are."""
     mask = slots.shape[0] - 1
     low = np.uint32((1 << bits) - 1)
     fill = pos.shape[0] > 0
     n = 0
-    for a in range(a0, a1):
-        spread = spreads[a - a0]
+    for r in range(spreads.shape[0]):
+        spread = spreads[r]
         high = spread & ~low
         tag = np.uint8(spread & np.uint32(0xFF))
-        at = minima[a]
         s = _home(spread, bits, mask)
         while slots[s] != _EMPTY:
             cid = slots[s]
@@ -331,11 +371,13 @@ def _walk(
             anchor = c_anchor[cid]
             if anchor & ~low != high or c_addr[cid] == 0:
                 continue
-            o = at - np.int64(anchor & low)
-            if o < start or o >= stop or (stride != 1 and o % stride != 0):
-                continue
-            if fill:
-                pos[n] = o
-                cid_of[n] = cid
-            n += 1
+            offset = np.int64(anchor & low)
+            for a in range(firsts[r], firsts[r + 1]):
+                o = minima[a] - offset
+                if o < start or o >= stop or (stride != 1 and o % stride != 0):
+                    continue
+                if fill:
+                    pos[n] = o
+                    cid_of[n] = cid
+                n += 1
     return n
