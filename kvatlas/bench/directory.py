@@ -277,13 +277,15 @@ def _snapshot_rows(snap_keys: int, seed: int, repeats: int) -> list[BenchRow]:
         del directory
         gc.collect()
         for blend in (False, True):
-            restore_s, cpu_s = [], []
+            restore_s, cpu_s, first_s = [], [], []
             for i in range(repeats):  # as a coordinator's start: fresh memory, warm kernels
-                seconds, cpu, keys = restore_in_fresh_process(path, CHUNK, blend)
+                seconds, cpu, keys, first = restore_in_fresh_process(path, CHUNK, blend)
                 if keys != saved:  # a row times a whole restore or none
                     raise RuntimeError(f"restored {keys:,} keys of {saved:,}")
                 restore_s.append(seconds)
                 cpu_s.append(cpu)
+                if first is not None:
+                    first_s.append(first)
                 progress(
                     "directory",
                     f"restore {i + 1}/{repeats} (blend {'on' if blend else 'off'}): "
@@ -299,6 +301,11 @@ def _snapshot_rows(snap_keys: int, seed: int, repeats: int) -> list[BenchRow]:
                 {
                     "keys/s": f"{snap_keys / restore:,.0f}",
                     "process CPU": f"{statistics.median(cpu_s):.2f} s",
+                    **(
+                        {"first lookup": f"{statistics.median(first_s) * 1e3:.1f} ms"}
+                        if first_s
+                        else {}
+                    ),
                 },
                 met=snap_keys / restore >= 1_000_000,
             )

@@ -18,6 +18,8 @@ from kvatlas.workloads import LLAMA3, Vocabulary, random_token_ids
 
 CHUNK = 256
 BATCH = 256
+MODEL = "model"
+"""The workload's model name: its chunks' blend namespace is ``(MODEL, "", 1)``."""
 
 
 def workload(
@@ -37,7 +39,7 @@ def workload(
             arr = tokens[i].copy()  # decoded bodies give each content its own array
             arr.flags.writeable = False
             h = hashes[32 * i : 32 * i + 32]
-            entries.append(CacheEntry(ObjectKey(h, "model", rank), 65536, arr, (start + i) * CHUNK))
+            entries.append(CacheEntry(ObjectKey(h, MODEL, rank), 65536, arr, (start + i) * CHUNK))
         batches.append(
             EventBatch(instance, 1, b + 1, "store", "l1", "dram", False, 0.0, tuple(entries))
         )

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvatlas.directory.blend import BlendIndex
+from kvatlas.directory.blend.anchors import AnchorKey
 from kvatlas.directory.blend.fingerprints import FingerprintKey
 from kvatlas.directory.chunk_counts import PARTS, ChunkCounts, Partition
 from kvatlas.directory.chunk_parts import ChunkPart
@@ -50,6 +51,8 @@ class DirectoryState:
     fingerprint_key: FingerprintKey | None = None
     """The blend index's at capture start (``None``: blend off): a snapshot saves the
     contents' fingerprints under it."""
+    anchor_key: AnchorKey | None = None
+    """The same for the contents' anchors."""
 
 
 @dataclass(frozen=True, slots=True)

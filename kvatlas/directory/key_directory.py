@@ -417,9 +417,13 @@ class KeyDirectory:
         result as a context manager. Raises :class:`~kvatlas.errors.Conflict` (a
         ``RuntimeError``) while another capture is open."""
         with self._lock:
-            key = None if self._index is None else self._index.fingerprint_key
+            index = self._index
             state = DirectoryState(
-                self.chunk_size, self._gate.cursors(), dict(self._capacities), key
+                self.chunk_size,
+                self._gate.cursors(),
+                dict(self._capacities),
+                None if index is None else index.fingerprint_key,
+                None if index is None else index.anchor_key,
             )
             return Capture(self._lock, self._chunks, state)
 

@@ -106,13 +106,14 @@ def index_adds(
     first_sids: npt.NDArray[np.int64],
     several: Sequence[tuple[int, Sequence[int]]],
     shapes: ShapeTable,
-    fps: npt.NDArray[np.uint64] | None = None,
-) -> tuple[AddColumns, npt.NDArray[np.uint64] | None]:
+    per_chunk: Sequence[npt.NDArray[np.uint64] | None] = (),
+) -> tuple[AddColumns, list[npt.NDArray[np.uint64] | None]]:
     """The index adds of indexable chunks given as columns (``tokens``, ``hashes``,
     ``offsets``, the shape id of each one's first key): one add per chunk for its first
     key's namespace, then one per further namespace of the chunks in ``several`` (``(row,
     every key's shape id)``: chunks with more than one key), in row and namespace order;
-    and the chunks' fingerprints ``fps`` (if given) the same way, one per add."""
+    and each column of ``per_chunk`` (a value per chunk, or ``None``) the same way, one value
+    per add (a snapshot's fingerprints and anchors)."""
     spaces: dict[BlendNamespace, int] = {}
     space_of_shape = np.array(
         [spaces.setdefault(s.namespace, len(spaces)) for s in shapes.shapes], np.int64
@@ -132,5 +133,5 @@ def index_adds(
             hashes = hashes + list(map(hashes.__getitem__, more.tolist()))
         offsets = np.concatenate((offsets, offsets[more]))
         which = np.concatenate((which, np.array(extra[1::2], np.int64)))
-        fps = None if fps is None else np.concatenate((fps, fps[more]))
-    return AddColumns(tokens, hashes, offsets, list(spaces), which), fps
+        per_chunk = [None if c is None else np.concatenate((c, c[more])) for c in per_chunk]
+    return AddColumns(tokens, hashes, offsets, list(spaces), which), list(per_chunk)

@@ -12,6 +12,8 @@ import time
 import numpy as np
 
 from kvatlas.directory.blend import AddColumns, AddOp, BlendIndex, RemoveChunkOp
+from kvatlas.directory.blend.anchors import Anchors
+from kvatlas.directory.blend.kernels.anchors import new_keys
 from kvatlas.directory.row_maps import warm_up_row_maps
 from kvatlas.directory.token_store import (
     content_sizes,
@@ -71,6 +73,8 @@ def warm_up_index() -> None:
     planes_index.add(planes, bytes(32), 0, namespace)
     planes_index.match(np.concatenate([wide, wide]), namespace)
     planes_index.fingerprint_key.of([planes])  # what a snapshot saves of each content
+    saved = planes_index.anchor_key.of([planes])  # (and its anchor), and a restore adopts
+    Anchors(16, new_keys()).adopt(planes_index.anchor_key, saved, 1)
     grown = BlendIndex(chunk_size=2)  # past its first table: the rebuild kernel
     many = 1100  # > half the slots of MIN_CAPACITY's table (state.py)
     grown.apply(

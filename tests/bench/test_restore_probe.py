@@ -18,7 +18,8 @@ def test_a_restore_is_timed_in_a_process_of_its_own(tmp_path: Path) -> None:
     path = tmp_path / "s.snap"
     save_snapshot(d, path)
     for blend in (False, True):
-        seconds, cpu, keys = restore_in_fresh_process(path, CS, blend)
+        seconds, cpu, keys, first = restore_in_fresh_process(path, CS, blend)
         assert seconds > 0 and cpu > 0 and keys == 29
+        assert (first is not None and first > 0) if blend else first is None
     with pytest.raises(RuntimeError, match="restore probe failed"):
         restore_in_fresh_process(path, CS * 2, True)  # (a chunk-size mismatch: refused)

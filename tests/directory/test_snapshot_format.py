@@ -1,11 +1,14 @@
-"""The snapshot file format is fixed: the writer produces ``data/snapshot-v4.snap`` (from the
-directory :func:`golden_directory` builds), ``data/snapshot-v4-wide.snap`` (ids of large
-vocabularies, :func:`wide_directory`) and ``data/snapshot-v4-fingerprints.snap`` (the wide
-directory with blend on, its fingerprints saved under a fixed base) byte for byte; files of
-earlier versions still load: the version-3 files the writer produced before the fingerprints
-(``data/snapshot-v3.snap``, ``data/snapshot-v3-wide.snap``), a version-2 file (``data/snapshot-v2.snap``, and ``data/snapshot-v2-wide.snap`` written by the
-code before the planes form, main at 7907e79) and a version-1 file written before the
-snapshot package was split (``data/snapshot-v1.snap``)."""
+"""The snapshot file format is fixed: the writer produces ``data/snapshot-v5.snap`` (from the
+directory :func:`golden_directory` builds), ``data/snapshot-v5-wide.snap`` (ids of large
+vocabularies, :func:`wide_directory`) and ``data/snapshot-v5-blend.snap`` (the wide directory
+with blend on, its fingerprints and anchors saved under a fixed base and secret) byte for
+byte; files of earlier versions still load: the version-4 files the writer produced before
+the anchors (``data/snapshot-v4.snap``, ``data/snapshot-v4-wide.snap``,
+``data/snapshot-v4-fingerprints.snap``), the version-3 files it produced before the
+fingerprints (``data/snapshot-v3.snap``, ``data/snapshot-v3-wide.snap``), a version-2 file
+(``data/snapshot-v2.snap``, and ``data/snapshot-v2-wide.snap`` written by the code before the
+planes form, main at 7907e79) and a version-1 file written before the snapshot package was
+split (``data/snapshot-v1.snap``)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ import numpy as np
 import pytest
 
 from kvatlas.directory import BlendIndex, KeyDirectory, load_snapshot, save_snapshot
+from kvatlas.directory.blend.anchors import SCHEME as ANCHOR_SCHEME
+from kvatlas.directory.blend.kernels.anchors import kgram_size
 from kvatlas.directory.blend.kernels.modhash import SCHEME
 from kvatlas.directory.records import record_stored_tokens
 from kvatlas.directory.snapshot.format import COLUMNS, MAGIC, PREFIX, VERSION, Header
@@ -27,14 +32,18 @@ from kvatlas.keys import BlendNamespace
 from tests.directory.helpers import CS, Emitter, captured, entry, key, toks
 
 DATA = Path(__file__).parent / "data"
-GOLDEN = DATA / "snapshot-v4.snap"
+GOLDEN = DATA / "snapshot-v5.snap"
+GOLDEN_V4 = DATA / "snapshot-v4.snap"
 GOLDEN_V3 = DATA / "snapshot-v3.snap"
 GOLDEN_V2 = DATA / "snapshot-v2.snap"
 GOLDEN_V1 = DATA / "snapshot-v1.snap"
-WIDE = DATA / "snapshot-v4-wide.snap"
+WIDE = DATA / "snapshot-v5-wide.snap"
+WIDE_V4 = DATA / "snapshot-v4-wide.snap"
 WIDE_V3 = DATA / "snapshot-v3-wide.snap"
+BLEND = DATA / "snapshot-v5-blend.snap"
 FINGERPRINTS = DATA / "snapshot-v4-fingerprints.snap"
-BASE = 0x1234_5678_9ABC_DEF  # the fingerprint base FINGERPRINTS was written under
+BASE = 0x1234_5678_9ABC_DEF  # the fingerprint base BLEND and FINGERPRINTS were written under
+ANCHOR_KEYS = (0x9E37_79B1, 0x85EB_CA6B, 0xC2B2_AE35, 0x27D4_EB2F)  # BLEND's anchor secret
 WIDE_V2 = DATA / "snapshot-v2-wide.snap"
 POSITION = "1700000000-7"
 WIDE_POSITION = "1700000000-9"
@@ -72,8 +81,9 @@ WIDE_CONTENTS = {
 
 
 def fixed_base(chunk_size: int, probe_stride: int) -> BlendIndex:
-    """A blend index whose fingerprint base is :data:`BASE` (a byte-stable file)."""
-    return BlendIndex(chunk_size, probe_stride, _fingerprint_base=BASE)
+    """A blend index whose fingerprint base is :data:`BASE` and anchor secret
+    :data:`ANCHOR_KEYS` (a byte-stable file)."""
+    return BlendIndex(chunk_size, probe_stride, _fingerprint_base=BASE, _anchor_keys=ANCHOR_KEYS)
 
 
 def wide_directory(blend: bool = False) -> KeyDirectory:
@@ -101,7 +111,9 @@ def test_writer_output_is_unchanged_byte_for_byte(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "golden", [GOLDEN, GOLDEN_V3, GOLDEN_V2, GOLDEN_V1], ids=["v4", "v3", "v2", "v1"]
+    "golden",
+    [GOLDEN, GOLDEN_V4, GOLDEN_V3, GOLDEN_V2, GOLDEN_V1],
+    ids=["v5", "v4", "v3", "v2", "v1"],
 )
 def test_a_file_from_the_unsplit_writer_loads(golden: Path) -> None:
     d = KeyDirectory(CS)
@@ -119,7 +131,9 @@ def test_wide_contents_are_written_unchanged_byte_for_byte(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize(
-    "golden", [WIDE, WIDE_V3, WIDE_V2, FINGERPRINTS], ids=["v4", "v3", "v2", "v4-fingerprints"]
+    "golden",
+    [WIDE, BLEND, WIDE_V4, FINGERPRINTS, WIDE_V3, WIDE_V2],
+    ids=["v5", "v5-blend", "v4", "v4-fingerprints", "v3", "v2"],
 )
 @pytest.mark.parametrize("blend", [False, True], ids=["plain", "blend"])
 def test_a_wide_file_from_before_the_planes_form_loads_in_the_forms_ids_need(
@@ -144,17 +158,23 @@ def test_a_wide_file_from_before_the_planes_form_loads_in_the_forms_ids_need(
             assert sorted(m.old_st for m in d.blend_match(q, BlendNamespace("m"))) == [4 * n]
 
 
-def test_saved_fingerprints_are_written_unchanged_byte_for_byte(tmp_path: Path) -> None:
-    """With blend on, each content's fingerprint is saved under the index's key: the same
-    bytes for the same ids, base and bits (a change of the fingerprint function shows here
-    and must come with a new ``SCHEME``)."""
+def test_saved_fingerprints_and_anchors_are_written_unchanged_byte_for_byte(
+    tmp_path: Path,
+) -> None:
+    """With blend on, each content's fingerprint and anchor are saved under the index's keys:
+    the same bytes for the same ids, base, bits and secret (a change of the fingerprint or
+    anchor function shows here and must come with a new ``SCHEME``)."""
     path = tmp_path / "s.snap"
     save_snapshot(wide_directory(blend=True), path, stream_position=WIDE_POSITION)
-    assert path.read_bytes() == FINGERPRINTS.read_bytes()
-    header = read_header(FINGERPRINTS)
+    assert path.read_bytes() == BLEND.read_bytes()
+    header = read_header(BLEND)
     assert header.fingerprint_key == (SCHEME, 61, BASE)
     fps = np.frombuffer(header.chunk_fingerprints, "<u8")
     assert np.count_nonzero(fps) == 8  # every chunk of CS ids; 0 for the short one
+    assert header.anchor_key == (ANCHOR_SCHEME, list(ANCHOR_KEYS))
+    anchors = np.frombuffer(header.chunk_anchors, "<u8")
+    assert np.count_nonzero(anchors >> np.uint64(32)) == 8  # a spread hash for each of them
+    assert (anchors & np.uint64(0xFFFF_FFFF) <= CS - kgram_size(CS)).all()  # offsets
 
 
 def read_header(path: Path) -> Header[bytes]:
@@ -163,7 +183,7 @@ def read_header(path: Path) -> Header[bytes]:
 
 def test_header_layout_is_pinned() -> None:
     raw = GOLDEN.read_bytes()
-    assert MAGIC == b"KVATSNP1" and VERSION == 4 and PREFIX.format == "<8sQ"
+    assert MAGIC == b"KVATSNP1" and VERSION == 5 and PREFIX.format == "<8sQ"
     assert PREFIX.unpack_from(raw)[0] == MAGIC
     header = read_header_bytes(raw)
     assert header.version == VERSION and header.chunk_size == CS
@@ -190,9 +210,11 @@ def test_header_layout_is_pinned() -> None:
         "chunk_token_widths",
         "chunk_fingerprints",
         "fingerprint_digest",
+        "chunk_anchors",
+        "anchor_digest",
     ]
     assert sorted(COLUMNS) == sorted(
-        c for c in columns if c not in ("chunk_hashes", "fingerprint_digest")
+        c for c in columns if c not in ("chunk_hashes", "fingerprint_digest", "anchor_digest")
     )
 
 
@@ -209,7 +231,7 @@ def test_the_reader_decodes_the_columns_as_views_of_the_bytes_read() -> None:
     buffers = set()
     for name in COLUMNS:
         value = getattr(header, name)
-        if name in ("chunk_token_widths", "chunk_fingerprints"):
+        if name in ("chunk_token_widths", "chunk_fingerprints", "chunk_anchors"):
             continue  # (fields with a default: ``bytes`` either way, a few bytes a chunk)
         assert isinstance(value, memoryview) and value.readonly, name
         assert bytes(value) == getattr(written, name), name

@@ -7,7 +7,8 @@ namespace ids; ``_cpython.py`` the CPython-layout shortcuts of the hot paths; ``
 the compiled kernels, one module per structure.
 """
 
-from kvatlas.directory.blend.index import BlendIndex, BlendStats, MatchColumns
+from kvatlas.directory.blend.index import BlendIndex, BlendStats
+from kvatlas.directory.blend.match_columns import MatchColumns
 from kvatlas.directory.blend.ops import (
     AddColumns,
     AddOp,

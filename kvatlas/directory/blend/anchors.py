@@ -6,40 +6,104 @@ call would cost more than the write); a lookup first anchors what was written si
 one (≈0.17–0.33 µs a content). The table (content ids, linear probing, load ≤ 3/4: its bytes
 count against the index's 128 a chunk) is rebuilt from the live contents whenever the slots
 taken since the last rebuild would pass three quarters of it: that grows it with the contents
-and sheds the slots of removed ones, at a cost amortized over the inserts. Everything here
+and sheds the slots of removed ones, at a cost amortized over the inserts. A restore adopts
+the anchors its snapshot saved (:class:`AnchorKey`, :meth:`Anchors.adopt`). Everything here
 runs under the index lock but :meth:`Anchors.query`, the query's own work.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
+import blake3
 import numpy as np
 import numpy.typing as npt
 
 from kvatlas.directory.blend.kernels import RELEASE_WINDOWS, scan, scan_releasing
 from kvatlas.directory.blend.kernels.anchors import (
+    K,
+    adopt_anchors,
+    adopt_anchors_releasing,
     anchor_contents,
     anchor_contents_releasing,
-    new_keys,
+    content_anchors,
+    content_anchors_releasing,
     offset_bits,
     query_minima,
     query_minima_releasing,
 )
+from kvatlas.directory.blend.kernels.fingerprints import RELEASE_CONTENTS
 from kvatlas.directory.blend.kernels.layout import IDS_CONTENTS, BlendArrays
+from kvatlas.directory.blend.op_checks import Tokens, token_widths
+from kvatlas.directory.blend.op_columns import addresses
 
 Query = tuple[npt.NDArray[np.uint32], npt.NDArray[np.int64], int]
 """A query's k-gram hashes, the positions of its window minima and how many there are."""
 
 _MIN_SLOTS = 64
 
+SCHEME = "kgram4-keyed-murmur3-spread-leftmost"
+"""What an anchor is (``kernels/anchors.py``): another k, hash, spread or tie rule is another
+scheme, and a snapshot's anchors under it are recomputed, never read."""
+
+
+@dataclass(frozen=True, slots=True)
+class AnchorKey:
+    """What a content's anchor depends on besides its ids: the scheme, the chunk size and
+    the hash's secret multipliers (saved in a snapshot beside the ids they key, as the
+    fingerprints' base is: docs/security.md)."""
+
+    scheme: str
+    chunk_size: int
+    keys: tuple[int, ...]
+
+    def usable(self) -> bool:
+        """Whether anchors under this key can be computed here: else a snapshot's column
+        under it is recomputed, never read."""
+        return (
+            self.scheme == SCHEME
+            and self.chunk_size >= 1
+            and len(self.keys) == K
+            and all(0 < k < 1 << 32 and k & 1 for k in self.keys)
+        )
+
+    def of(self, contents: Sequence[Tokens]) -> npt.NDArray[np.uint64]:
+        """The anchors of ``contents`` (as ``FingerprintKey.of`` takes them: stored forms of
+        ``chunk_size`` ids each, read by address), each its spread hash << 32 | its offset."""
+        n = len(contents)
+        out = np.empty(n, np.uint64)
+        if n:
+            tokens = list(contents)
+            widths = token_widths(tokens)
+            kernel = content_anchors if n < RELEASE_CONTENTS else content_anchors_releasing
+            secret = np.array(self.keys, np.uint32)
+            kernel(addresses(tokens, widths), -1, widths, self.chunk_size, secret, out)
+        return out
+
+    def digest(self, pieces: Iterable[bytes]) -> bytes:
+        """blake3 of this key and an anchor column (its bytes, as ``pieces``)."""
+        h = blake3.blake3(f"{self.scheme}|{self.chunk_size}|{self.keys}|".encode())
+        for piece in pieces:
+            h.update(piece)
+        return h.digest()
+
+
+class SavedAnchors(NamedTuple):
+    """Each add's content anchor under ``key`` (a snapshot's column, checked by its reader):
+    ``BlendIndex.build`` adopts them instead of anchoring every content on the first lookup."""
+
+    key: AnchorKey
+    values: npt.NDArray[np.uint64]
+
 
 class Anchors:
-    def __init__(self, chunk_size: int) -> None:
+    def __init__(self, chunk_size: int, keys: npt.NDArray[np.uint32]) -> None:
         self.chunk_size = chunk_size
         self.bits = offset_bits(chunk_size)
-        self.keys = new_keys()  # the hash's secret, for as long as the index
+        self.keys = keys  # the hash's secret (``kernels.anchors.new_keys``), the index's
         self.slots = np.full(_MIN_SLOTS, -1, np.int32)
         self.tags = np.zeros(_MIN_SLOTS, np.uint8)  # beside each slot: its hash's low byte
         self.c_anchor = np.zeros(0, np.uint32)  # by content id
@@ -51,6 +115,28 @@ class Anchors:
         self._noted_count = 0
         self._all = False  # every content is to be anchored (after a bulk build)
         self._scratch = threading.local()  # a query's buffers, per thread
+
+    @property
+    def key(self) -> AnchorKey:
+        return AnchorKey(SCHEME, self.chunk_size, tuple(int(k) for k in self.keys))
+
+    def adopt(self, key: AnchorKey, saved: npt.NDArray[np.uint64], capacity: int) -> None:
+        """Contents ``0 .. len(saved)`` anchored as ``saved`` says, under ``key``'s secret
+        (a fresh index's bulk build: nothing else is in the table; ``capacity``: the
+        contents' arrays' length)."""
+        self.keys = np.array(key.keys, np.uint32)
+        self.c_anchor = np.zeros(max(capacity, len(saved)), np.uint32)
+        size = _MIN_SLOTS
+        while 2 * size < 3 * len(saved):  # (as a rebuild sizes it)
+            size *= 2
+        self.slots = np.full(size, -1, np.int32)
+        self.tags = np.zeros(size, np.uint8)
+        adopt = adopt_anchors_releasing if len(saved) >= RELEASE_WINDOWS else adopt_anchors
+        self._taken = adopt(saved, self.bits, self.c_anchor, self.slots, self.tags)
+        self._noted.clear()
+        self._noted_one.clear()
+        self._noted_count = 0
+        self._all = False
 
     def query(self, q: npt.NDArray[np.uint32]) -> Query:
         """``q``'s k-gram hashes and window minima (no lock: they are the query's own), in

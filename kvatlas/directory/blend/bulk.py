@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvatlas.directory.blend import _cpython
+from kvatlas.directory.blend.anchors import SavedAnchors
 from kvatlas.directory.blend.hash_words import HashWords
 from kvatlas.directory.blend.kernels import (
     ADD,
@@ -58,13 +59,16 @@ def build_empty(
     fps: npt.NDArray[np.uint64] | None,
     slice_size: int,
     ready: Callable[[int], None] | None = None,
+    anchors: SavedAnchors | None = None,
 ) -> bool:
     """Apply ``adds`` (``vouched``, at least one) to the empty ``state`` as
     ``IndexState.apply`` of each slice of ``slice_size`` adds, the last add on its own,
     would, then shrink the extra-claim set as ``BlendIndex.build`` does. ``fps``: each
     add's fingerprint under the state's base and bits, or ``None``. ``ready(k)``, if given,
     is called before the payloads of the first ``k`` adds' contents are read, slice by
-    slice, and blocks until they may be (``BlendIndex.build``). Returns ``False``, having
+    slice, and blocks until they may be (``BlendIndex.build``). ``anchors``: each add's
+    content anchor under a key the caller checked, adopted instead of anchoring every content
+    on the first lookup. Returns ``False``, having
     changed nothing, unless every content is a ``bytes`` content, every hash a ``bytes`` of
     at most ``HASH_WIDTH`` (or ``chunk_hashes`` is a :class:`HashWords` column, read where its
     hashes are) and every column one entry per add (then the caller takes the
@@ -127,7 +131,7 @@ def build_empty(
         at = np.flatnonzero(out[:, 0] & _EXTRA == _EXTRA)
         if len(at):
             extra.append((at + lo, out[at, 2]))
-    _settle(state, tokens, flags, ns, nbytes)
+    _settle(state, tokens, flags, ns, nbytes, anchors)
     before_last = 0  # extra claims before the last add (BlendIndex.build)
     for at, occs in extra:
         before_last += int(np.count_nonzero(at < n - 1))
@@ -164,6 +168,7 @@ def _settle(
     flags: npt.NDArray[np.int64],
     ns: npt.NDArray[np.int64],
     nbytes: int,
+    anchors: SavedAnchors | None,
 ) -> None:
     """The bookkeeping of all adds at once (``IndexState._settle`` of each slice): fresh
     ids in order, so the list of contents is the column where the flags say new (the
@@ -178,7 +183,10 @@ def _settle(
         state.token_bytes += sum(map(token_nbytes, kept))
     state.contents += int(np.count_nonzero(new))
     state.occupants += int(np.count_nonzero(flags & F_NEW_OCCUPANT))
-    state.anchors.note_all()
+    if anchors is None:
+        state.anchors.note_all()
+    else:  # (the new contents' anchors: their ids are handed out in order)
+        state.anchors.adopt(anchors.key, anchors.values[new], state.arrays.content_capacity)
     ids = state.arrays.ids
     if int(ids[IDS_CONTENTS]) != len(state.tokens) or int(ids[IDS_OCCUPANTS]) != state.occupants:
         raise AssertionError("bulk build: ids not handed out fresh and in order")

@@ -30,22 +30,24 @@ from __future__ import annotations
 import secrets
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvatlas.c_heap import fault_in
 from kvatlas.checks import is_plain_int
-from kvatlas.directory.blend import _cpython, kernels
+from kvatlas.directory.blend import kernels
+from kvatlas.directory.blend.anchors import AnchorKey, SavedAnchors
 from kvatlas.directory.blend.bulk import build_empty, is_empty
 from kvatlas.directory.blend.fingerprints import FingerprintKey, Fingerprints
 from kvatlas.directory.blend.kernels import ADD, REMOVE_CHUNK, REMOVE_CLAIM
+from kvatlas.directory.blend.kernels.anchors import new_keys
 from kvatlas.directory.blend.kernels.modhash import SCHEME
-from kvatlas.directory.blend.op_checks import HASH_WIDTH
+from kvatlas.directory.blend.match_columns import MatchColumns, first_of_each_hash
 from kvatlas.directory.blend.op_columns import (
     SingleOp,
     checked_op,
@@ -93,61 +95,6 @@ class BlendStats:
     token_bytes_shared: int
 
 
-_FULL_HASH = np.dtype(f"V{HASH_WIDTH}")  # a full-width hash as one item (tolist: its bytes)
-
-
-class MatchColumns(NamedTuple):
-    """Matches as columns, in :meth:`BlendIndex.match` order: the k-th match is
-    ``BlendMatch(chunk_hashes()[k], old_st[k], cur_st[k])``. The hashes are kept as their bytes
-    end to end (``hash_bytes``) and each one's length (``hash_lengths``, at most
-    ``HASH_WIDTH``): what the scan copies out and the reply writes, no object per match."""
-
-    hash_bytes: npt.NDArray[np.uint8]
-    hash_lengths: npt.NDArray[np.uint8]
-    old_st: npt.NDArray[np.int64]
-    cur_st: npt.NDArray[np.int64]
-
-    @classmethod
-    def empty(cls) -> MatchColumns:
-        no_hits = np.empty(0, np.int64)  # (a lookup without hits: no join, no length pass)
-        return cls(np.empty(0, np.uint8), np.empty(0, np.uint8), no_hits, no_hits)
-
-    @classmethod
-    def of(
-        cls, hashes: list[bytes], old_st: npt.NDArray[np.int64], cur_st: npt.NDArray[np.int64]
-    ) -> MatchColumns:
-        """The columns of ``hashes`` (each at most ``HASH_WIDTH`` bytes) and the offsets."""
-        lengths = np.fromiter(map(len, hashes), np.int64, len(hashes))
-        if len(hashes) and int(lengths.max()) > HASH_WIDTH:
-            raise ValueError(f"a chunk_hash longer than {HASH_WIDTH} bytes")
-        raw = np.frombuffer(b"".join(hashes), np.uint8)
-        return cls(raw, lengths.astype(np.uint8), old_st, cur_st)
-
-    @property
-    def n_matches(self) -> int:
-        return int(self.old_st.shape[0])
-
-    @property
-    def full_width(self) -> bool:
-        """Whether every hash has ``HASH_WIDTH`` bytes (none has more: then none has fewer);
-        the usual case, which needs no length each."""
-        return int(self.hash_bytes.shape[0]) == HASH_WIDTH * self.n_matches
-
-    def chunk_hashes(self) -> list[bytes]:
-        """Each match's chunk_hash as ``bytes``."""
-        if self.full_width:  # (a void item is its bytes: one C-level pass, no slicing)
-            hashes: list[bytes] = np.ascontiguousarray(self.hash_bytes).view(_FULL_HASH).tolist()
-            return hashes
-        raw = self.hash_bytes.tobytes()
-        ends = np.cumsum(self.hash_lengths, dtype=np.int64).tolist()
-        return [raw[a:b] for a, b in zip([0, *ends], ends, strict=False)]
-
-    def matches(self) -> list[BlendMatch]:
-        return _cpython.make_matches(
-            self.chunk_hashes(), self.old_st.tolist(), self.cur_st.tolist()
-        )
-
-
 class BlendIndex:
     """Fragment index over chunk contents; see the module docstring for its guarantees.
 
@@ -165,6 +112,7 @@ class BlendIndex:
         *,
         _fingerprint_bits: int = 61,
         _fingerprint_base: int | None = None,
+        _anchor_keys: Sequence[int] | None = None,
     ) -> None:
         for name, value in (("chunk_size", chunk_size), ("probe_stride", probe_stride)):
             if not is_plain_int(value) or value < 1:
@@ -184,7 +132,10 @@ class BlendIndex:
         self._lock = threading.Lock()
         self.false_probes = 0
         """Candidates (anchor agreed) that differed from their window (a counter: ``/metrics``)."""
-        self._state = IndexState(chunk_size, base, self._fmask)
+        self._anchor_keys = (
+            new_keys() if _anchor_keys is None else np.array(_anchor_keys, np.uint32)
+        )
+        self._state = self._new_state()
 
     # ------------------------------------------------------------------ writes
 
@@ -257,11 +208,18 @@ class BlendIndex:
         its fingerprint column; never on the wire)."""
         return FingerprintKey(SCHEME, self.chunk_size, self._fmask.bit_length(), self._base)
 
+    @property
+    def anchor_key(self) -> AnchorKey:
+        """What this index's anchors depend on besides the ids (a snapshot saves it with its
+        anchor column; never on the wire)."""
+        return self._state.anchors.key
+
     def build(
         self,
         adds: AddColumns,
         fingerprints: Fingerprints | None = None,
         ready: Callable[[int], None] | None = None,
+        anchors: SavedAnchors | None = None,
     ) -> None:
         """``apply([adds])`` to a fresh index nobody queries yet (a restore's rebuild): its
         arrays and table sized once for all the adds (see :meth:`reserve`), applied in
@@ -276,7 +234,11 @@ class BlendIndex:
         Vouched adds of ``bytes`` contents to an empty index take ``bulk.build_empty`` (the
         same kernel calls and state, the Python around them column-wise). ``ready(k)``:
         called before the ids of the first ``k`` adds' contents are read, it blocks until
-        they may be (``snapshot/token_section.py``); ``None``: they all may be."""
+        they may be (``snapshot/token_section.py``); ``None``: they all may be.
+
+        ``anchors``: each add's content anchor (a snapshot's column, checked by its reader),
+        adopted with its secret on the bulk path when its key is usable at this chunk size
+        (the first lookup then anchors nothing); otherwise ignored."""
         n = len(adds.tokens)
         if not n:
             return
@@ -287,11 +249,14 @@ class BlendIndex:
                     raise ValueError("build: one fingerprint per add")
                 self._rekey(fingerprints.key.base)
                 fps = np.ascontiguousarray(fingerprints.values, np.uint64)
+            if anchors is not None and len(anchors.values) != n:
+                raise ValueError("build: one anchor per add")
             if adds.vouched and is_empty(self._state):
                 try:
-                    built = build_empty(self._state, adds, fps, BUILD_SLICE, ready)
+                    saved = anchors if anchors is not None and self._takes(anchors) else None
+                    built = build_empty(self._state, adds, fps, BUILD_SLICE, ready, saved)
                 except BaseException:  # the kernel wrote part of it: empty again (exact: it was)
-                    self._state = IndexState(self.chunk_size, self._base, self._fmask)
+                    self._state = self._new_state()
                     raise
                 if built:
                     return
@@ -334,6 +299,11 @@ class BlendIndex:
             and not (self._state.tokens or self._state.occupant_ids)
         )
 
+    def _takes(self, anchors: SavedAnchors) -> bool:
+        """Whether :meth:`build` adopts ``anchors`` (see there)."""
+        key = anchors.key
+        return key.usable() and key.chunk_size == self.chunk_size
+
     def reserve(self, n: int) -> None:
         """Room for a :meth:`build` of ``n`` adds in one namespace, faulted in now (a restore's
         thread, while it builds the records: ≈60 MB at 10^6 adds, faults off its main thread)."""
@@ -341,12 +311,15 @@ class BlendIndex:
             self._state.reserve(n, 0)
             fault_in(self._state.arrays)
 
+    def _new_state(self) -> IndexState:
+        return IndexState(self.chunk_size, self._base, self._fmask, self._anchor_keys)
+
     def _rekey(self, base: int) -> None:
         """A fresh state under base ``base`` (the index is empty; a :meth:`reserve`'s arrays kept)."""
         self._base = base
         self._base_pow = pow(base, self.chunk_size, kernels.MERSENNE61)
         room = self._state.arrays
-        self._state = IndexState(self.chunk_size, base, self._fmask)
+        self._state = self._new_state()
         self._state.arrays = room
 
     # ------------------------------------------------------------------ reads
@@ -388,7 +361,7 @@ class BlendIndex:
             return parts[0]
         if not parts:
             return MatchColumns.empty()
-        return _first_of_each_hash(parts)
+        return first_of_each_hash(parts)
 
     def stats(self) -> BlendStats:
         """Counts, table sizes and bytes (see :class:`BlendStats`)."""
@@ -424,15 +397,3 @@ def _tokens(tokens: Any) -> npt.NDArray[np.uint32]:
     if type(tokens) is np.ndarray and tokens.dtype == np.uint32 and tokens.ndim == 1:
         return tokens  # a caller's array: skip re-validation on the serving path
     return as_token_array(tokens)
-
-
-def _first_of_each_hash(parts: list[MatchColumns]) -> MatchColumns:
-    """The segments' matches in order, each chunk_hash at its first (a long query's segments
-    are scanned apart: a chunk may be found in two), kept by one compiled pass over their
-    hashes' bytes (``kernels.joined_firsts``)."""
-    kept, hash_bytes, hash_lengths = kernels.joined_firsts(
-        np.concatenate([p.hash_bytes for p in parts]),
-        np.concatenate([p.hash_lengths for p in parts]),
-    )
-    old, cur = (np.concatenate([getattr(p, f) for p in parts])[kept] for f in ("old_st", "cur_st"))
-    return MatchColumns(hash_bytes, hash_lengths, old, cur)

@@ -65,7 +65,9 @@ _NOT_A_DROP = _ALL_NEW | F_EXTRA_CLAIM
 
 
 class IndexState:
-    def __init__(self, chunk_size: int, base: int, fmask: int) -> None:
+    def __init__(
+        self, chunk_size: int, base: int, fmask: int, anchor_keys: npt.NDArray[np.uint32]
+    ) -> None:
         self.chunk_size = chunk_size
         self.fmask = fmask
         self.weights = np.empty((2, chunk_size), np.uint64)  # the fingerprints', by the base
@@ -83,7 +85,7 @@ class IndexState:
         self.owned_bytes = 0
         self.token_bytes = 0  # of the live contents' arrays
         self.n_extra = 0
-        self.anchors = Anchors(chunk_size)
+        self.anchors = Anchors(chunk_size, anchor_keys)
 
     @property
     def arrays(self) -> kernels.BlendArrays:

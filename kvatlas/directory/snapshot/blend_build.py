@@ -16,13 +16,18 @@ import numpy as np
 import numpy.typing as npt
 
 from kvatlas.directory.blend import BlendIndex
+from kvatlas.directory.blend.anchors import SavedAnchors
 from kvatlas.directory.blend.fingerprints import Fingerprints
 from kvatlas.directory.blend.hash_words import HashWords
 from kvatlas.directory.key_directory import KeyDirectory
 from kvatlas.directory.reindex import index_adds
 from kvatlas.directory.shapes import ShapeTable
-from kvatlas.directory.snapshot.fingerprint_column import check_sample, saved_fingerprints
 from kvatlas.directory.snapshot.format import Columns, Header
+from kvatlas.directory.snapshot.saved_columns import (
+    check_sample,
+    saved_anchors,
+    saved_fingerprints,
+)
 from kvatlas.directory.snapshot.token_section import Filling
 from kvatlas.events import UNKNOWN_OFFSET
 
@@ -76,11 +81,12 @@ def built_index(
     in its form (``token_section.py``), of ``chunk_size`` ids (:func:`indexable_chunks`);
     each hash is 32 bytes of ``chunk_hashes`` (whose length ``reader._columns`` checked; read
     where they are, no ``bytes`` made: :class:`HashWords`); each offset is >= 0
-    (``reader._columns`` refuses < -1, the indexable drop -1); namespaces index their list. Each add's fingerprint is the saved one, if any (checked
-    here on a sample once the contents are in)."""
+    (``reader._columns`` refuses < -1, the indexable drop -1); namespaces index their list.
+    Each add's fingerprint and anchor are the saved ones, if any (checked here on a sample
+    once the contents are in)."""
     indexable = room.indexable
     at = np.flatnonzero(indexable)
-    saved = saved_fingerprints(header, len(hashes))
+    saved, anchored = saved_fingerprints(header, len(hashes)), saved_anchors(header, len(hashes))
     counts, first_key = cols.counts, cols.first_key
     several = [  # (row, every key's shape id) of the chunks with several keys
         (r, sids[first_key[c] : first_key[c] + counts[c]].tolist())
@@ -90,16 +96,19 @@ def built_index(
     if len(at) < len(tokens):
         marks = indexable.tolist()
         tokens, hashes = list(compress(tokens, marks)), hashes.take(at)
-    adds, fps = index_adds(
+    adds, (fps, anchor_values) = index_adds(
         tokens,
         hashes,
         cols.offsets[at].astype(np.int64),
         sids[first_key[at]],
         several,
         table,
-        None if saved is None else saved[1][at],
+        [None if column is None else column[1][at] for column in (saved, anchored)],
     )
     fingerprints = None if saved is None or fps is None else Fingerprints(saved[0], fps)
+    anchors = None
+    if anchored is not None and anchor_values is not None:
+        anchors = SavedAnchors(anchored[0], anchor_values)
 
     def ready(k: int) -> None:  # the contents of the first k adds filled (those after
         if filling is not None and k:  # the first len(at) are further namespaces' adds of them)
@@ -107,8 +116,9 @@ def built_index(
 
     index = room.blend
     room.made.result()
-    index.build(adds._replace(vouched=True), fingerprints, ready)
-    if fingerprints is not None:
-        ready(len(fingerprints.values))
-        check_sample(fingerprints, adds.tokens)
+    index.build(adds._replace(vouched=True), fingerprints, ready, anchors)
+    for checked in (fingerprints, anchors):
+        if checked is not None:
+            ready(len(checked.values))
+            check_sample(checked, adds.tokens)
     return index

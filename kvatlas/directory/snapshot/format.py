@@ -11,8 +11,10 @@ uint32, 16 + h for the planes form with h high bits, its bytes as they are in me
 2 has only 2 and 4, version 1 no widths: all 4). Version 4 may add each chunk's content
 fingerprint (``chunk_fingerprints``, 0 for a chunk without ``chunk_size`` ids) under the key
 ``fingerprint_key`` (function, bits, base) with its digest (``blend/fingerprints.py``): a
-restore takes it instead of hashing every id again, if the key is its own. See
-docs/directory.md.
+restore takes it instead of hashing every id again, if the key is its own. Version 5 may add
+each chunk's content anchor (``chunk_anchors``: spread hash << 32 | offset) under
+``anchor_key`` (scheme, the hash's secret) with its digest (``blend/anchors.py``): a restore
+adopts them instead of anchoring every content on its first lookup. See docs/directory.md.
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ import numpy as np
 from kvatlas.errors import InvalidInput
 
 MAGIC = b"KVATSNP1"
-VERSION = 4
-"""What the writer writes. 4: version 3 and the content fingerprints (when the directory has
-a blend index). 3: tokens in their stored form (``chunk_token_widths``: 2, 4 or 16 + h, the
-planes form)."""
-READABLE = (1, 2, 3, 4)
-"""What the reader reads. 3: no fingerprints (computed on restore); 2: tokens as uint16 or
+VERSION = 5
+"""What the writer writes. 5: version 4 and the content anchors (when the directory has a
+blend index). 4: version 3 and the content fingerprints (the same). 3: tokens in their stored
+form (``chunk_token_widths``: 2, 4 or 16 + h, the planes form)."""
+READABLE = (1, 2, 3, 4, 5)
+"""What the reader reads. 4: no anchors (the first lookup anchors every content); 3: no
+fingerprints either (computed on restore); 2: tokens as uint16 or
 uint32 (each chunk's uint32 ids are put in the form they need on load); 1: every token as
 uint32 (the same)."""
 PREFIX = struct.Struct("<8sQ")  # magic, header length
@@ -55,6 +58,7 @@ COLUMNS: dict[str, str] = {
     "chunk_key_counts": "<u4",
     "chunk_token_widths": "u1",  # form code: 2, 4 (version >= 2), 16 + h (version >= 3)
     "chunk_fingerprints": "<u8",  # version >= 4, optional: under fingerprint_key
+    "chunk_anchors": "<u8",  # version >= 5, optional: under anchor_key
     # keys, chunk-major
     "key_shapes": "<u4",  # shape refs
     "key_pl_counts": "<u4",
@@ -130,6 +134,9 @@ class Header(msgspec.Struct, Generic[Buf], omit_defaults=True):
     chunk_fingerprints: bytes = b""  # version >= 4 (empty: none saved, computed on restore)
     fingerprint_key: tuple[str, int, int] | None = None  # scheme, bits, base
     fingerprint_digest: bytes = b""  # FingerprintKey.digest of the key and the column
+    chunk_anchors: bytes = b""  # version >= 5 (empty: none saved, the first lookup anchors)
+    anchor_key: tuple[str, list[int]] | None = None  # scheme, the hash's secret multipliers
+    anchor_digest: bytes = b""  # AnchorKey.digest of the key and the column
 
 
 @dataclass(frozen=True, slots=True)

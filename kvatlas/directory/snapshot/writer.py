@@ -29,7 +29,6 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvatlas.directory.blend.fingerprints import FingerprintKey
 from kvatlas.directory.capture import CapturedPart, DirectoryState
 from kvatlas.directory.gate import EmitterCursor
 from kvatlas.directory.key_directory import KeyDirectory
@@ -167,7 +166,7 @@ def save_snapshot(
     columns: _Columns | None = None
     try:
         with directory.capture() as capture:
-            columns = _Columns(capture.shapes, capture.state.fingerprint_key)
+            columns = _Columns(capture.shapes, capture.state)
             for part in capture.parts():
                 max_pause = max(max_pause, part.lock_held_s)
                 columns.add(part)
@@ -200,10 +199,12 @@ class _Columns:
     while the snapshot is written does not traverse every chunk so far, holding the GIL
     (docs/performance.md, "Directory: design figures")."""
 
-    def __init__(self, shapes: ShapeTable, key: FingerprintKey | None) -> None:
+    def __init__(self, shapes: ShapeTable, state: DirectoryState) -> None:
         self.table = shapes
-        self.key = key
+        self.key = state.fingerprint_key
+        self.anchor_key = state.anchor_key
         self.fingerprints: list[np.ndarray[Any, Any]] = []  # a piece per partition
+        self.anchors: list[np.ndarray[Any, Any]] = []  # the same
         self.strings: list[str] = []
         self.string_ids: dict[str, int] = {}
         self.shape_ids: dict[int, int] = {}  # directory shape id -> snapshot shape id
@@ -251,8 +252,8 @@ class _Columns:
     def _add_contents(
         self, tokens: Sequence[StoredTokens | None]
     ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-        """Keeps a partition's contents (and their fingerprints, blend on); returns each
-        chunk's count of ids and form (0 and 4 without a content)."""
+        """Keeps a partition's contents (and their fingerprints and anchors, blend on);
+        returns each chunk's count of ids and form (0 and 4 without a content)."""
         n = len(tokens)
         has = np.fromiter(map(is_not, tokens, repeat(None)), np.bool_, n)
         bound: list[StoredTokens] = list(compress(tokens, has.tolist()))  # type: ignore[arg-type]
@@ -263,12 +264,13 @@ class _Columns:
         contents = np.empty(len(bound), object)  # numpy arrays are not containers to the
         contents[:] = bound  # cyclic collector: no collection traverses a partition's contents
         self.arena.append(contents)
-        if self.key is not None:
-            fps = np.zeros(n, np.uint64)  # 0: no content of chunk_size ids
-            full = np.flatnonzero(counts == self.key.chunk_size)
-            if len(full):
-                fps[np.flatnonzero(has)[full]] = self.key.of([bound[i] for i in full.tolist()])
-            self.fingerprints.append(fps)
+        for key, pieces in ((self.key, self.fingerprints), (self.anchor_key, self.anchors)):
+            if key is not None:
+                values = np.zeros(n, np.uint64)  # 0: no content of chunk_size ids
+                full = np.flatnonzero(counts == key.chunk_size)
+                if len(full):
+                    values[np.flatnonzero(has)[full]] = key.of([bound[i] for i in full.tolist()])
+                pieces.append(values)
         return lens, widths
 
     def _add_keys(self, part: CapturedPart) -> tuple[list[int], ...]:
@@ -305,7 +307,7 @@ class _Columns:
         """Drop every column a slice at a time (see the module docstring)."""
         while self.arena:  # a partition's contents at a time (an array drops each reference)
             self.arena.pop()
-        for values in (self.pls, self.pl_ids, self.fingerprints):
+        for values in (self.pls, self.pl_ids, self.fingerprints, self.anchors):
             _release(values)
         self.encoded.clear()
         self.pieces.fields.clear()
@@ -313,6 +315,7 @@ class _Columns:
     def header(self, state: DirectoryState, stream_position: str | None) -> Header[bytes]:
         pls = self.pls
         key, fps = self.key, [a.tobytes() for a in self.fingerprints]
+        anchor_key, anchors = self.anchor_key, [a.tobytes() for a in self.anchors]
         instances = [self.ref(row_instance(p)) for p in pls]  # before backends: string order
         backends = [self.ref(row_backend(p)) for p in pls]
         return Header(
@@ -345,6 +348,9 @@ class _Columns:
             chunk_fingerprints=self.pieces.field(fps) if key is not None else b"",
             fingerprint_key=None if key is None else (key.scheme, key.bits, key.base),
             fingerprint_digest=b"" if key is None else key.digest(fps),
+            chunk_anchors=self.pieces.field(anchors) if anchor_key is not None else b"",
+            anchor_key=None if anchor_key is None else (anchor_key.scheme, list(anchor_key.keys)),
+            anchor_digest=b"" if anchor_key is None else anchor_key.digest(anchors),
         )
 
 
