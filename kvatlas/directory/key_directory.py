@@ -417,14 +417,9 @@ class KeyDirectory:
         result as a context manager. Raises :class:`~kvatlas.errors.Conflict` (a
         ``RuntimeError``) while another capture is open."""
         with self._lock:
-            index = self._index
-            state = DirectoryState(
-                self.chunk_size,
-                self._gate.cursors(),
-                dict(self._capacities),
-                None if index is None else index.fingerprint_key,
-                None if index is None else index.anchor_key,
-            )
+            index, cursors, capacities = self._index, self._gate.cursors(), dict(self._capacities)
+            keys = (None, None) if index is None else (index.fingerprint_key, index.anchor_key)
+            state = DirectoryState(self.chunk_size, cursors, capacities, *keys)
             return Capture(self._lock, self._chunks, state)
 
     def install(self, restored: Restored) -> None:
