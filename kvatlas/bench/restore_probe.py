@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from kvatlas.bench.directory_workload import MODEL
+from kvatlas.coordinator.runtime import freeze_long_lived
 from kvatlas.directory import KeyDirectory, load_snapshot, warm_up_kernels
 from kvatlas.keys import BlendNamespace
 
@@ -47,6 +48,7 @@ def main(argv: list[str]) -> None:
     cpu_s = time.process_time() - cpu
     first = None
     if blend == "on":
+        freeze_long_lived()  # as a coordinator before its first request (else a collection)
         query = np.arange(4 * int(chunk_size), dtype=np.uint32)
         started = time.perf_counter()
         directory.blend_match(query, BlendNamespace(MODEL, "", 1))  # (the workload's)
