@@ -271,42 +271,27 @@ def _bench_size(
                 extra={"×floor": f"{columns_s / floor_s:.2f}"},
             )
         )
-        miss = random_token_ids(rng, m, w.vocab)
-        if index.match(miss, OURS):
-            failures.append(f"false hit on an all-miss query N={n:,} m={m:,}")
-        miss_s = _timed(partial(index.match, miss, OURS), repeats)
-        rows.append(
-            BenchRow(
-                f"match all-miss {n_label} m={m:,}",
-                miss_s,
-                _timed(partial(naive.match, miss, OURS), 3) if naive else None,
-                extra={"×floor": f"{miss_s / floor_s:.2f}"},
-            )
+        no_hits = (  # each a query in which no window may match
+            ("all-miss", random_token_ids(rng, m, w.vocab), "false hit on an all-miss query"),
+            ("foreign-only", foreign_query(w, m, rng), "another namespace's chunk matched"),
+            (  # padding: every window a minimum
+                "one token repeated",
+                np.full(m, int(w.tokens[0, 0]), np.uint32),
+                "false hit on a query of one repeated token",
+            ),
         )
-        fq = foreign_query(w, m, rng)
-        if index.match(fq, OURS):
-            failures.append(f"another namespace's chunk matched N={n:,} m={m:,}")
-        foreign_s = _timed(partial(index.match, fq, OURS), repeats)
-        rows.append(
-            BenchRow(
-                f"match foreign-only {n_label} m={m:,}",
-                foreign_s,
-                _timed(partial(naive.match, fq, OURS), 3) if naive else None,
-                extra={"×floor": f"{foreign_s / floor_s:.2f}"},
+        for case, q, wrong in no_hits:
+            if index.match(q, OURS):
+                failures.append(f"{wrong} N={n:,} m={m:,}")
+            case_s = _timed(partial(index.match, q, OURS), repeats)
+            rows.append(
+                BenchRow(
+                    f"match {case} {n_label} m={m:,}",
+                    case_s,
+                    _timed(partial(naive.match, q, OURS), 3) if naive else None,
+                    extra={"×floor": f"{case_s / floor_s:.2f}"},
+                )
             )
-        )
-        run = np.full(m, int(w.tokens[0, 0]), np.uint32)  # padding: every window a minimum
-        if index.match(run, OURS):
-            failures.append(f"false hit on a query of one repeated token N={n:,} m={m:,}")
-        run_s = _timed(partial(index.match, run, OURS), repeats)
-        rows.append(
-            BenchRow(
-                f"match one token repeated {n_label} m={m:,}",
-                run_s,
-                _timed(partial(naive.match, run, OURS), 3) if naive else None,
-                extra={"×floor": f"{run_s / floor_s:.2f}"},
-            )
-        )
     if not kinder:
         sample = rng.choice(n, min(n, 100_000), replace=False).tolist()
         rows += _rate_rows(index, w, sample, f"N={n:,}")
