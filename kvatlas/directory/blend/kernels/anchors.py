@@ -164,6 +164,12 @@ def _first_other(v: Any, m: Any) -> Any:
     return n
 
 
+_NEAR = 32
+"""How far into a window whose least left :func:`window_minima` looks for an equal k-gram
+before it searches the whole window: far enough for a run or a repeated phrase, short enough
+that random ids (no equal) waste little."""
+
+
 @jit
 def window_minima(kgrams: Any, n: Any, width: Any, out: Any) -> Any:
     """The positions of the distinct leftmost least of every ``width`` consecutive
@@ -186,8 +192,9 @@ def window_minima(kgrams: Any, n: Any, width: Any, out: Any) -> Any:
             at = j
             o = j - width + 2
         elif end <= last:  # it leaves: the window at ``end`` searched again, unless it
-            at = end + _first_at_most(kgrams[end : end + width], m)  # holds an equal one (a run)
-            if at == end + width or kgrams[end + width - 1] < m:
+            near = min(width, _NEAR)  # holds an equal one near its start (a run, a phrase)
+            at = end + _first_at_most(kgrams[end : end + near], m)
+            if at == end + near or kgrams[end + width - 1] < m:
                 at = end + _leftmost_least(kgrams[end : end + width])
             o = end + 1
             if at == end and at < last:  # a run of one k-gram from the window's start: each
