@@ -14,6 +14,7 @@ import statistics
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -24,8 +25,13 @@ from kvatlas.bench.common import BenchRow, add_common_arguments, refuse, report
 from kvatlas.bench.comparison import add_to_json, print_comparison
 from kvatlas.bench.ingest_bodies import CHUNK, bodies_of, post_all, store_batches
 from kvatlas.bench.lmcache_reference import find_lmcache
-from kvatlas.bench.server_cpu import warn_no_wrk, wrk_path
-from kvatlas.bench.service_lmcache import LMCacheIngestRounds, against_lmcache, lmcache_entries
+from kvatlas.bench.server_cpu import LoadResult, warn_no_wrk, wrk_path
+from kvatlas.bench.service_lmcache import (
+    LMCacheIngestRounds,
+    LMCacheLookupRounds,
+    against_lmcache,
+    lmcache_entries,
+)
 from kvatlas.bench.service_runs import (
     SETTLE_S,
     IngestFigures,
@@ -257,15 +263,23 @@ def _second_half(fig: IngestFigures) -> dict[str, str]:
 
 
 def _bench_lookup(
-    args: argparse.Namespace, rng: np.random.Generator, progress: Progress, use_wrk: bool
-) -> tuple[list[BenchRow], LookupWorkload, LookupFigures]:
-    """``--repeats`` load runs of ``--lookup-seconds`` against one coordinator; each row is the
-    median run, with the spread (min–max) in its notes: one run moves with the machine's load
-    by ±10% and more. Llama 3's vocabulary, then the server CPU row again with Llama 2's. Also
-    the Llama 3 workload and figures (what LMCache is compared with)."""
+    args: argparse.Namespace,
+    rng: np.random.Generator,
+    progress: Progress,
+    use_wrk: bool,
+    lmcache: Callable[[LookupWorkload], LMCacheLookupRounds] | None = None,
+) -> tuple[list[BenchRow], LookupFigures, LMCacheLookupRounds | None]:
+    """``--repeats`` load runs of ``--lookup-seconds``, each against a fresh coordinator; each
+    row is the median run, with the spread (min–max) in its notes: one run moves with the
+    machine's load by ±10% and more. Llama 3's vocabulary, then the server CPU row again with
+    Llama 2's. Also the Llama 3 figures (what LMCache is compared with) and, given
+    ``lmcache`` (its rounds of a workload), LMCache's runs, one after each of those."""
     task = progress.add_task("blend lookups over HTTP", total=2 * (1 + args.repeats))
     workload = lookup_workload(rng, args.index_chunks, args.query_tokens, LLAMA3)
-    main = kvatlas_lookups(args, workload, use_wrk, lambda: progress.advance(task))
+    theirs = None if lmcache is None else lmcache(workload)
+    main = kvatlas_lookups(
+        args, workload, use_wrk, lambda: progress.advance(task), theirs or (lambda: None)
+    )
     compact_workload = lookup_workload(rng, args.index_chunks, args.query_tokens, LLAMA2)
     compact = kvatlas_lookups(args, compact_workload, use_wrk, lambda: progress.advance(task))
     cpu = [r.per_request_cpu_s for r in main.runs]
@@ -309,7 +323,7 @@ def _bench_lookup(
             },
         ),
     ]
-    return rows, workload, main
+    return rows, main, theirs
 
 
 def kvatlas_lookups(
@@ -317,16 +331,24 @@ def kvatlas_lookups(
     workload: LookupWorkload,
     use_wrk: bool,
     after_each: Callable[[], object] = lambda: None,
+    after_run: Callable[[], object] = lambda: None,
 ) -> LookupFigures:
-    """``--repeats`` load runs against one coordinator indexing ``workload``'s chunks."""
-    with service_process([*COORDINATOR, "--max-body-bytes", str(1 << 30)]) as (url, pid):
-        post_all(url, bodies_of(workload.index_batches, 4, encode_msgpack), "application/msgpack")
-        after_each()
-        first = matches_of(url, workload.bodies[0])
-        results = run_lookups(
-            url, pid, workload.bodies, clients=args.clients, seconds=args.lookup_seconds,
-            repeats=args.repeats, use_wrk=use_wrk, after_each=after_each,
-        )  # fmt: skip
+    """``--repeats`` load runs, each against a fresh coordinator indexing ``workload``'s
+    chunks (``after_run`` once it is stopped: LMCache's run of the round)."""
+    results: list[LoadResult] = []
+    first: list[tuple[str, int, int]] = []
+    for i in range(args.repeats):
+        with service_process([*COORDINATOR, "--max-body-bytes", str(1 << 30)]) as (url, pid):
+            index = bodies_of(workload.index_batches, 4, encode_msgpack)
+            post_all(url, index, "application/msgpack")
+            if i == 0:
+                after_each()
+                first = matches_of(url, workload.bodies[0])
+            results += run_lookups(
+                url, pid, workload.bodies, clients=args.clients, seconds=args.lookup_seconds,
+                repeats=1, use_wrk=use_wrk, after_each=after_each,
+            )  # fmt: skip
+        after_run()
     return LookupFigures(tuple(results), tuple(first))
 
 
@@ -371,7 +393,7 @@ def run(args: argparse.Namespace) -> int:
     meta["lmcache_measured"] = lmcache.label if lmcache is not None else None
     rows: list[BenchRow] = []
     ours_ingest: IngestFigures | None = None
-    lookup: tuple[LookupWorkload, LookupFigures] | None = None
+    lookup: tuple[LookupFigures, LMCacheLookupRounds] | None = None
     rounds: LMCacheIngestRounds | None = None
     with Progress(transient=True) as progress:
         if args.only in (None, "ingest"):
@@ -387,13 +409,18 @@ def run(args: argparse.Namespace) -> int:
             ingest_rows, ours_ingest = _bench_ingest(args, workload, progress, rounds)
             rows += ingest_rows
         if args.only in (None, "lookup"):
-            lookup_rows, lookup_wl, lookup_figures = _bench_lookup(args, rng, progress, use_wrk)
+            failed = None if rounds is None else rounds.failure  # (then none starts)
+            theirs = None if lmcache is None else partial(
+                LMCacheLookupRounds, lmcache, args, use_wrk=use_wrk, progress=progress,
+                failure=failed,
+            )  # fmt: skip
+            lookup_rows, lookup_figures, lm_lookups = _bench_lookup(
+                args, rng, progress, use_wrk, theirs
+            )
             rows += lookup_rows
-            lookup = (lookup_wl, lookup_figures)
+            lookup = None if lm_lookups is None else (lookup_figures, lm_lookups)
         compared = (
-            None
-            if lmcache is None
-            else against_lmcache(args, lmcache, ours_ingest, rounds, lookup, use_wrk, progress)
+            None if lmcache is None else against_lmcache(args, lmcache, ours_ingest, rounds, lookup)
         )
     report("kvatlas bench service", rows, args, meta)
     if lmcache is None:

@@ -7,7 +7,9 @@ once a round of ours (:class:`LMCacheIngestRounds`, by default the same entries 
 runs; ``--lmcache-entries`` takes fewer, the first of ours), right after our runs of the round,
 so both sides' medians are taken over the same stretch of the machine's time (a run's figure
 moves by a tenth and more from one minute to the next on a shared machine), and it serves the
-same lookups for the same time; every row says how many operations each side did,
+same lookups for the same time, once after each of our lookup runs
+(:class:`LMCacheLookupRounds`), each side's run in a fresh coordinator of its own; every row
+says how many operations each side did,
 per-operation figures being what compare. The answers must be the same: both sides' matches
 for the first query are compared, and a difference is reported.
 """
@@ -28,6 +30,7 @@ from rich.progress import Progress
 from kvatlas.bench.comparison import Comparison
 from kvatlas.bench.ingest_bodies import CHUNK, bodies_of, post_all
 from kvatlas.bench.lmcache_reference import LMCacheEnv, lmcache_coordinator
+from kvatlas.bench.server_cpu import LoadResult
 from kvatlas.bench.service_runs import (
     SETTLE_S,
     IngestFigures,
@@ -86,11 +89,12 @@ def lmcache_lookups(
     lookup: LookupWorkload,
     use_wrk: bool,
     progress: Progress | None = None,
+    repeats: int | None = None,
 ) -> LookupFigures:
     """``lookup`` run against a fresh LMCache coordinator, as ours runs (alone: no other
-    process of either side is up): its lookup figures (``--repeats`` runs of
-    ``--lookup-seconds``, ``--clients`` connections). ``Unavailable`` or ``httpx.HTTPError``
-    when it would not start or answer (it is stopped either way)."""
+    process of either side is up): its lookup figures (``repeats`` runs, by default
+    ``--repeats``, of ``--lookup-seconds``, ``--clients`` connections). ``Unavailable`` or
+    ``httpx.HTTPError`` when it would not start or answer (it is stopped either way)."""
     doing = "starting its coordinator"
     with _fresh_coordinator(lmcache, "lookup", progress, doing) as (url, pid, say):
         say(f"indexing {sum(len(b.entries) for b in lookup.index_batches):,} chunks")
@@ -99,9 +103,50 @@ def lmcache_lookups(
         say("blend lookups")
         results = run_lookups(
             url, pid, lookup.bodies, clients=args.clients,
-            seconds=args.lookup_seconds, repeats=args.repeats, use_wrk=use_wrk,
+            seconds=args.lookup_seconds, repeats=repeats or args.repeats, use_wrk=use_wrk,
         )  # fmt: skip
         return LookupFigures(tuple(results), tuple(first))
+
+
+class LMCacheLookupRounds:
+    """LMCache's lookup runs, one each time it is called, each against a fresh coordinator
+    indexing ``lookup``'s chunks, stopped after it: after each of our lookup runs (each in a
+    fresh coordinator of ours too), so both sides' medians come from the same stretch of the
+    machine's time and LMCache's from several of its processes (a process's figure moved by
+    half from one run of the bench to the next). The first that fails ends them, as
+    :class:`LMCacheIngestRounds`; ``failure``, if given, is an earlier one's (none starts)."""
+
+    def __init__(
+        self,
+        lmcache: LMCacheEnv,
+        args: argparse.Namespace,
+        lookup: LookupWorkload,
+        use_wrk: bool,
+        progress: Progress | None = None,
+        failure: str | None = None,
+    ) -> None:
+        self.lmcache, self.args, self.lookup = lmcache, args, lookup
+        self.use_wrk, self.progress = use_wrk, progress
+        self.runs: list[LoadResult] = []
+        self.first_matches: tuple[tuple[str, int, int], ...] = ()
+        self.failure = failure
+
+    def __call__(self) -> None:
+        if self.failure is not None:
+            return
+        try:
+            figures = lmcache_lookups(
+                self.lmcache, self.args, self.lookup, self.use_wrk, self.progress, repeats=1
+            )
+        except (Unavailable, httpx.HTTPError) as e:
+            self.failure = str(e)
+            return
+        self.runs += figures.runs
+        self.first_matches = self.first_matches or figures.first_matches
+
+    def figures(self) -> LookupFigures | None:
+        """The runs as the figures its rows compare (``None``: none ran)."""
+        return LookupFigures(tuple(self.runs), self.first_matches) if self.runs else None
 
 
 class LMCacheIngestRounds:
@@ -157,21 +202,19 @@ def against_lmcache(
     lmcache: LMCacheEnv,
     ours_ingest: IngestFigures | None,
     rounds: LMCacheIngestRounds | None,
-    lookup: tuple[LookupWorkload, LookupFigures] | None,
-    use_wrk: bool,
-    progress: Progress | None = None,
+    lookup: tuple[LookupFigures, LMCacheLookupRounds] | None,
 ) -> list[Comparison] | None:
     """LMCache's side of what ran (its ingest runs, one a round of ours, in ``rounds``; its
-    lookups here, after ours) and the rows comparing both, or ``None`` (said on stderr) when
-    one of its coordinators would not start or answer: ``bench service`` still prints our
-    table. No lookup coordinator starts after an ingest one failed."""
+    lookup runs, one after each of ours, in ``lookup``) and the rows comparing both, or
+    ``None`` (said on stderr) when one of its coordinators would not start or answer:
+    ``bench service`` still prints our table."""
     failure = None if rounds is None else rounds.failure
     lm_lookup = None
     if failure is None and lookup is not None:
-        try:
-            lm_lookup = lmcache_lookups(lmcache, args, lookup[0], use_wrk, progress)
-        except (Unavailable, httpx.HTTPError) as e:
-            failure = str(e)
+        failure = lookup[1].failure
+        lm_lookup = lookup[1].figures()
+        if failure is None and lm_lookup is None:
+            failure = "its lookups never ran"
     if failure is not None:
         print(
             f"kvatlas bench service: {lmcache.label} could not be measured: {failure}",
@@ -182,7 +225,7 @@ def against_lmcache(
         args,
         ours_ingest,
         None if rounds is None else rounds.figures(),
-        None if lookup is None else lookup[1],
+        None if lookup is None else lookup[0],
         lm_lookup,
         lmcache.label,
     )
@@ -216,7 +259,8 @@ def _ingest_rows(
     )
     cpu = Comparison(
         f"{case}: server CPU per entry", "s", ours.cpu_per_entry_s, theirs.cpu_per_entry_s,
-        lower_is_better=True, target="≤ 7 µs, ≥ 20×", notes=ops + _by_round(ours, theirs),
+        lower_is_better=True, target="≤ 7 µs, ≥ 20×",
+        notes=ops + _by_round(_per_entry(ours), _per_entry(theirs)),
     )  # fmt: skip
     rate = Comparison(
         f"{case}: entries/s, {'one sequential emitter' if one else f'{args.emitters} emitters'}",
@@ -237,15 +281,16 @@ def _ingest_rows(
     return [cpu, rate, rss]
 
 
-def _by_round(ours: IngestFigures, theirs: IngestFigures) -> str:
-    """The CPU row's note of each round's factor (LMCache's run against ours of the same
-    round), when both sides ran in the same rounds."""
-    if len(ours.runs) != len(theirs.runs) or len(ours.runs) < 2:
+def _per_entry(fig: IngestFigures) -> list[float]:
+    return [run.cpu_s / fig.entries for run in fig.runs]
+
+
+def _by_round(ours: list[float], theirs: list[float]) -> str:
+    """A CPU row's note of each round's factor (LMCache's CPU an operation in a run against
+    ours of the same round), when both sides ran in the same rounds."""
+    if len(ours) != len(theirs) or len(ours) < 2:
         return ""
-    factors = (
-        (t.cpu_s / theirs.entries) / (o.cpu_s / ours.entries)
-        for o, t in zip(ours.runs, theirs.runs, strict=True)
-    )
+    factors = (t / o for o, t in zip(ours, theirs, strict=True))
     return "; round by round: " + " · ".join(f"{f:.1f}×" for f in factors)
 
 
@@ -278,9 +323,10 @@ def _lookup_rows(
             else f"ANSWERS DIFFER ({len(ours.first_matches)} vs {len(theirs.first_matches)})"
         )
     )
+    per_lookup = [[r.per_request_cpu_s for r in fig.runs] for fig in (ours, theirs)]
     cpu = Comparison(
         f"{case}: server CPU per lookup", "s", ours.cpu_per_lookup_s, theirs.cpu_per_lookup_s,
-        lower_is_better=True, target="≤ 0.4 ms, ≥ 15×", notes=ops,
+        lower_is_better=True, target="≤ 0.4 ms, ≥ 15×", notes=ops + _by_round(*per_lookup),
     )  # fmt: skip
     rate = Comparison(
         f"{case}: requests/s", "req/s", ours.requests_per_s, theirs.requests_per_s,

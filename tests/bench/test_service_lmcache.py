@@ -32,8 +32,10 @@ from kvatlas.bench.lmcache_reference import (
     find_lmcache,
     lmcache_coordinator,
 )
+from kvatlas.bench.server_cpu import LoadResult
 from kvatlas.bench.service_lmcache import (
     LMCacheIngestRounds,
+    LMCacheLookupRounds,
     comparisons,
     lmcache_entries,
     lmcache_lookups,
@@ -133,8 +135,10 @@ def test_an_lmcache_that_does_not_start_is_reported_and_our_rows_stand(
     assert found is not None
     lookup = lookup_workload(np.random.default_rng(0), 10, 1024, LLAMA3)
     with Progress() as progress:
+        theirs = LMCacheLookupRounds(found, _args(), lookup, False, progress)
+        theirs()  # (after our first lookup run)
         compared = service_lmcache.against_lmcache(
-            _args(), found, None, None, (lookup, LookupFigures((), ())), False, progress
+            _args(), found, None, None, (LookupFigures((), ()), theirs)
         )
     assert compared is None  # run() still prints our table, then exits 1
     err = capsys.readouterr().err
@@ -184,8 +188,11 @@ def test_lmcache_rounds_end_at_the_first_coordinator_that_fails(
     assert rounds.runs == [] and rounds.figures() is None
     lookup = lookup_workload(np.random.default_rng(0), 10, 1024, LLAMA3)
     with Progress() as progress:
+        theirs = LMCacheLookupRounds(found, _args(), lookup, False, progress, rounds.failure)
+        for _ in range(3):
+            theirs()  # (as run() builds it after a failed ingest round: none starts)
         compared = service_lmcache.against_lmcache(
-            _args(), found, None, rounds, (lookup, LookupFigures((), ())), False, progress
+            _args(), found, None, rounds, (LookupFigures((), ()), theirs)
         )
     assert compared is None
     assert "LMCache 0.5.6 could not be measured" in capsys.readouterr().err
@@ -214,6 +221,44 @@ def test_lmcache_ingests_once_after_each_of_our_rounds(monkeypatch: pytest.Monke
     with Progress() as progress:
         service._bench_ingest(args, workload, progress, lambda: order.append("lmcache"))
     assert order == [*service.RUNS, "lmcache"] * 3
+
+
+def test_lmcache_looks_up_once_after_each_of_our_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each of our lookup runs in a coordinator of its own, then LMCache's run of that round,
+    ``--repeats`` times (ours stopped before LMCache's starts); our first run indexes and
+    takes the first query's answer once."""
+    order: list[str] = []
+    args = _args("--index-chunks", "10", "--query-tokens", "1024", "--repeats", "3")
+    lookup = lookup_workload(np.random.default_rng(0), 10, 1024, LLAMA3)
+
+    @contextmanager
+    def no_process(_args: list[str]) -> Iterator[tuple[str, int]]:
+        order.append("up")
+        yield "http://127.0.0.1:9", 0
+        order.append("down")
+
+    def ran(*_: Any, **kw: Any) -> list[LoadResult]:
+        order.append("ours")
+        return [LoadResult(kw["repeats"], 1.0, 0.001, 0.002, 0.2, "python")]
+
+    monkeypatch.setattr(service, "service_process", no_process)
+    monkeypatch.setattr(service, "post_all", lambda *_: None)
+    monkeypatch.setattr(service, "matches_of", lambda *_: [("h", 0, 0)])
+    monkeypatch.setattr(service, "run_lookups", ran)
+    figures = service.kvatlas_lookups(args, lookup, False, after_run=lambda: order.append("lm"))
+    assert order == ["up", "ours", "down", "lm"] * 3
+    assert len(figures.runs) == 3 and figures.first_matches == (("h", 0, 0),)
+
+
+def test_the_lookup_cpu_row_gives_each_rounds_factor() -> None:
+    def run(cpu_s: float) -> LoadResult:
+        return LoadResult(1000, 1.0, 0.001, 0.002, cpu_s, "wrk")
+
+    ours = LookupFigures((run(0.2), run(0.25), run(0.2)), ())
+    theirs = LookupFigures((run(3.0), run(4.0), run(5.0)), ())
+    rows = comparisons(_args(), None, None, ours, theirs, "LMCache 0.5.6")
+    assert rows[0].case.endswith("server CPU per lookup")
+    assert "; round by round: 15.0× · 16.0× · 25.0×" in rows[0].notes
 
 
 def test_the_cpu_row_gives_each_rounds_factor() -> None:
