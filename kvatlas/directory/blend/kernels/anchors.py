@@ -175,8 +175,11 @@ def window_minima(kgrams: Any, n: Any, width: Any, out: Any) -> Any:
     """The positions of the distinct leftmost least of every ``width`` consecutive
     ``kgrams[:n]``, ascending (a window's least moves only right as the window does), into
     ``out``; returns how many. A window's least is kept until a smaller k-gram enters
-    (an equal one does not: the left one stays the leftmost) or it leaves, then the window
-    is searched again."""
+    (an equal one does not: the left one stays the leftmost) or it leaves; then an equal one
+    among the window's first :data:`_NEAR` is the next least, else the window is searched
+    again. A run of one k-gram from a window's start gives each next window its first, until
+    the run ends or a smaller one enters: those windows are filled at once (searched for 16
+    at a time)."""
     last = n - width  # the last window's start
     if last < 0:
         return 0
