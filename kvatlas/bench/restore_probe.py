@@ -23,6 +23,7 @@ from kvatlas.bench.directory_workload import MODEL
 from kvatlas.coordinator.runtime import freeze_long_lived
 from kvatlas.directory import KeyDirectory, load_snapshot, warm_up_kernels
 from kvatlas.keys import BlendNamespace
+from kvatlas.workloads import LLAMA3, random_token_ids
 
 
 def restore_in_fresh_process(
@@ -49,7 +50,7 @@ def main(argv: list[str]) -> None:
     first = None
     if blend == "on":
         freeze_long_lived()  # as a coordinator before its first request (else a collection)
-        query = np.arange(4 * int(chunk_size), dtype=np.uint32)
+        query = random_token_ids(np.random.default_rng(0), 32_768, LLAMA3)  # (as bench service's)
         started = time.perf_counter()
         directory.blend_match(query, BlendNamespace(MODEL, "", 1))  # (the workload's)
         first = time.perf_counter() - started

@@ -23,7 +23,8 @@ warm_up_kernels()
 cold = [k.__name__ for k in (writes.apply_op, writes.apply_ops, objects.kept_arrays,
         objects.hash_lengths, writes.apply_ops_releasing, kernels.scan, kernels.scan_releasing,
         kernels.rebuild, kernels.query_minima, kernels.query_minima_releasing,
-        anchors.anchor_contents, anchors.anchor_contents_releasing,
+        anchors.anchor_contents, anchors.anchor_contents_releasing, anchors.content_anchors,
+        anchors.adopt_anchors,
         _json_cut._cut, _json_cut._cut_releasing, _json_tokens._parse_lists,
         _json_tokens._parse_lists_releasing, _digest_kernel.xor_into) if not k.signatures]
 twins = [

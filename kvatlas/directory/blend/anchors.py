@@ -126,17 +126,10 @@ class Anchors:
         contents' arrays' length)."""
         self.keys = np.array(key.keys, np.uint32)
         self.c_anchor = np.zeros(max(capacity, len(saved)), np.uint32)
-        size = _MIN_SLOTS
-        while 2 * size < 3 * len(saved):  # (as a rebuild sizes it)
-            size *= 2
-        self.slots = np.full(size, -1, np.int32)
-        self.tags = np.zeros(size, np.uint8)
+        self._empty_table(len(saved))
         adopt = adopt_anchors_releasing if len(saved) >= RELEASE_WINDOWS else adopt_anchors
         self._taken = adopt(saved, self.bits, self.c_anchor, self.slots, self.tags)
-        self._noted.clear()
-        self._noted_one.clear()
-        self._noted_count = 0
-        self._all = False
+        self._forget_notes()
 
     def query(self, q: npt.NDArray[np.uint32]) -> Query:
         """``q``'s k-gram hashes and window minima (no lock: they are the query's own), in
@@ -190,10 +183,14 @@ class Anchors:
         """Whether the notes are past what the table can take without a rebuild: the next
         sync rebuilds from every live content then, so they are dropped (a coordinator that
         only ingests keeps no list of every content it made)."""
-        if self._all or 4 * (self._taken + self._noted_count) > 3 * self.slots.shape[0]:
+        if self._all or self._past_room():
             self.note_all()
             return True
         return False
+
+    def _past_room(self) -> bool:
+        """Whether the noted contents would take the table past 3/4 (then it is rebuilt)."""
+        return 4 * (self._taken + self._noted_count) > 3 * self.slots.shape[0]
 
     def note_all(self) -> None:
         """Every content is to be anchored (a bulk build made them, or too many were noted)."""
@@ -209,14 +206,9 @@ class Anchors:
             grown = np.zeros(arrays.content_capacity, np.uint32)
             grown[: self.c_anchor.shape[0]] = self.c_anchor
             self.c_anchor = grown
-        if self._all or 4 * (self._taken + self._noted_count) > 3 * self.slots.shape[0]:
+        if self._all or self._past_room():
             cids = np.arange(int(arrays.ids[IDS_CONTENTS]), dtype=np.int64)
-            size = _MIN_SLOTS
-            while 2 * size < 3 * live:  # (load <= 2/3 after a rebuild, <= 3/4 before one)
-                size *= 2
-            self.slots = np.full(size, -1, np.int32)
-            self.tags = np.zeros(size, np.uint8)
-            self._taken = 0
+            self._empty_table(live)
         else:
             cids = np.concatenate([*self._noted, np.array(self._noted_one, np.int64)])
         anchor = anchor_contents_releasing if len(cids) >= RELEASE_WINDOWS else anchor_contents
@@ -224,6 +216,19 @@ class Anchors:
             cids, arrays.c_addr, self.chunk_size, self.keys, self.bits, self.c_anchor,
             self.slots, self.tags, self._row, self._hashes,
         )  # fmt: skip
+        self._forget_notes()
+
+    def _empty_table(self, live: int) -> None:
+        """An empty table for ``live`` contents (load <= 2/3 after a rebuild, <= 3/4 before
+        the next)."""
+        size = _MIN_SLOTS
+        while 2 * size < 3 * live:
+            size *= 2
+        self.slots = np.full(size, -1, np.int32)
+        self.tags = np.zeros(size, np.uint8)
+        self._taken = 0
+
+    def _forget_notes(self) -> None:
         self._noted.clear()
         self._noted_one.clear()
         self._noted_count = 0

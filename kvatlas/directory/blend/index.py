@@ -132,10 +132,8 @@ class BlendIndex:
         self._lock = threading.Lock()
         self.false_probes = 0
         """Candidates (anchor agreed) that differed from their window (a counter: ``/metrics``)."""
-        self._anchor_keys = (
-            new_keys() if _anchor_keys is None else np.array(_anchor_keys, np.uint32)
-        )
-        self._state = self._new_state()
+        keys = new_keys() if _anchor_keys is None else np.array(_anchor_keys, np.uint32)
+        self._state = IndexState(chunk_size, base, self._fmask, keys)
 
     # ------------------------------------------------------------------ writes
 
@@ -312,7 +310,9 @@ class BlendIndex:
             fault_in(self._state.arrays)
 
     def _new_state(self) -> IndexState:
-        return IndexState(self.chunk_size, self._base, self._fmask, self._anchor_keys)
+        """A fresh, empty state under this index's base and anchor secret."""
+        keys = self._state.anchors.keys
+        return IndexState(self.chunk_size, self._base, self._fmask, keys)
 
     def _rekey(self, base: int) -> None:
         """A fresh state under base ``base`` (the index is empty; a :meth:`reserve`'s arrays kept)."""

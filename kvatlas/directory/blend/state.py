@@ -133,7 +133,7 @@ class IndexState:
             )
             if result[0]:
                 self._settle_one(op, result, ns)
-        self._end_write()
+        self.namespaces.end_write()
 
     def apply(self, cols: OpColumns, fps: npt.NDArray[np.uint64] | None = None) -> None:
         """Apply validated ops in order (see :func:`kernels.apply_ops`), then release the
@@ -142,9 +142,6 @@ class IndexState:
         before (the kernel then reads an op's ids only to compare them)."""
         if len(cols):
             self._apply_batch(cols, fps)
-        self._end_write()
-
-    def _end_write(self) -> None:
         self.namespaces.end_write()
 
     def _apply_batch(self, cols: OpColumns, fps: npt.NDArray[np.uint64] | None) -> None:

@@ -264,12 +264,17 @@ class _Columns:
         contents = np.empty(len(bound), object)  # numpy arrays are not containers to the
         contents[:] = bound  # cyclic collector: no collection traverses a partition's contents
         self.arena.append(contents)
-        for key, pieces in ((self.key, self.fingerprints), (self.anchor_key, self.anchors)):
-            if key is not None:
+        keyed = [
+            (key, pieces)
+            for key, pieces in ((self.key, self.fingerprints), (self.anchor_key, self.anchors))
+            if key is not None
+        ]
+        if keyed:  # (both keys are the index's: one chunk size)
+            full = np.flatnonzero(counts == keyed[0][0].chunk_size)
+            at, chosen = np.flatnonzero(has)[full], [bound[i] for i in full.tolist()]
+            for key, pieces in keyed:
                 values = np.zeros(n, np.uint64)  # 0: no content of chunk_size ids
-                full = np.flatnonzero(counts == key.chunk_size)
-                if len(full):
-                    values[np.flatnonzero(has)[full]] = key.of([bound[i] for i in full.tolist()])
+                values[at] = key.of(chosen)
                 pieces.append(values)
         return lens, widths
 

@@ -1,12 +1,13 @@
 """Compiled (numba) kernels of the blend index; all state is in ``layout.BlendArrays``.
 
 One module per structure: ``modhash`` (the keyed mod 2^61-1 fingerprint and its rolling
-lanes), ``table`` (open addressing with one backward-shift delete), ``occupants`` (chunk hashes and their namespace claims), ``writes`` (the one write
-kernel), ``scan`` (the match kernel), ``firsts`` (the first hit of each chunk_hash), ``planes`` (the planes form of stored token ids:
-``directory/token_store.py``), ``contents`` (a stored content: one ``bytes``, its ids
-inline after a header naming their form) and ``anchors`` (where a content can start in a query:
-its anchor table and the query's window minima, what the scan probes). ``pointers`` holds the raw-memory intrinsics they
-share. Kernels run only while the caller holds the index lock.
+lanes), ``table`` (open addressing with one backward-shift delete), ``occupants`` (chunk hashes
+and their namespace claims), ``writes`` (the one write kernel), ``scan`` (the match kernel),
+``firsts`` (the first hit of each chunk_hash), ``planes`` (the planes form of stored token ids:
+``directory/token_store.py``), ``contents`` (a stored content: one ``bytes``, its ids inline
+after a header naming their form) and ``anchors`` (where a content can start in a query: its
+anchor table and the query's window minima, what the scan probes). ``pointers`` holds the
+raw-memory intrinsics they share. Kernels run only while the caller holds the index lock.
 """
 
 from kvatlas.directory.blend.kernels.anchors import query_minima, query_minima_releasing
