@@ -202,6 +202,7 @@ def guarded_protocol(
     class GuardedHTTP(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         _timer: asyncio.TimerHandle | None = None
         _timer_body = False  # whether the armed timer is the body timer
+        _idle_since = 0.0  # loop time of the connection or its last reply (the header timer's)
         _collecting: Collecting | None = None  # the body read for the extension, if any
         _in_turn: AnswersInTurn | None = None  # the app, if it answers requests in turn
         _pending: tuple[Any, object] | None = None  # (cycle, ticket) answered in turn
@@ -387,6 +388,7 @@ def guarded_protocol(
                 on_refused("over_cap")
                 transport.abort()
                 return
+            self._idle_since = self.loop.time()
             self._watch()
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -405,6 +407,7 @@ def guarded_protocol(
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            self._idle_since = self.loop.time()
             self._watch()  # the next request's headers
 
         def _stop_watching(self) -> None:
@@ -414,12 +417,15 @@ def guarded_protocol(
 
         def _watch(self) -> None:
             """(Re-)arm the one timer this connection's state calls for: the header timer
-            while no request is being answered (armed once: a drip does not reset it), the
-            body timer while a request's body is incomplete (reset by every piece)."""
+            while no request is being answered, the body timer while a request's body is
+            incomplete (reset by every piece). The header timer counts from the connection or
+            the last reply (``_idle_since``; a drip of header bytes does not reset it): armed
+            once, it finds at its expiry whether a reply came since (requests answered in
+            turn leave it armed) and then waits for the rest (no timer per request)."""
             cycle = self.cycle
             if cycle is None or cycle.response_complete:
                 if self._timer is None or self._timer_body:
-                    self._arm(limits.header_timeout_s, body=False)
+                    self._arm(self._header_time_left(), body=False)
             elif cycle.more_body and not cycle.response_started:
                 self._arm(limits.body_timeout_s, body=True)
             else:
@@ -430,6 +436,10 @@ def guarded_protocol(
             self._timer_body = body
             self._timer = self.loop.call_later(seconds, self._expired)
 
+        def _header_time_left(self) -> float:
+            now: float = self.loop.time()
+            return self._idle_since + limits.header_timeout_s - now
+
         def _expired(self) -> None:
             self._timer = None
             transport = self.transport
@@ -437,6 +447,10 @@ def guarded_protocol(
                 return
             cycle = self.cycle
             if cycle is None or cycle.response_complete:
+                left = self._header_time_left()
+                if left > 0:  # a reply came since the timer was armed
+                    self._arm(left, body=False)
+                    return
                 on_refused("header_timeout")
                 transport.close()
             elif cycle.more_body and not cycle.response_started:
