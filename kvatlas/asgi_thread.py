@@ -24,7 +24,8 @@ from typing import Any
 
 import uvicorn
 
-from kvatlas.http_guard import ErrorBody, HttpLimits, OnRefused, guarded_protocol
+from kvatlas.http_guard import ErrorBody, guarded_protocol
+from kvatlas.http_limits import HttpLimits, OnRefused
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,8 @@ from starlette.types import Receive, Scope, Send
 from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
 from kvatlas.errors import KvatlasError, NotFound
 from kvatlas.fields import check_query_pairs, decode_body, field_error, field_errors
-from kvatlas.http_guard import Answer, OnRefused
+from kvatlas.http_guard import Answer
+from kvatlas.http_limits import OnRefused
 from kvatlas.routing import (
     JSON,
     NO_PARAMS,

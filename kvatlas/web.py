@@ -23,7 +23,8 @@ from kvatlas.errors import (
     Unprocessable,
 )
 from kvatlas.http_body import body_too_large
-from kvatlas.http_guard import NESTED_TOO_DEEP, WHOLE_BODY, OnRefused, WholeBody
+from kvatlas.http_guard import WHOLE_BODY, WholeBody
+from kvatlas.http_limits import NESTED_TOO_DEEP, OnRefused
 
 json_encoder = msgspec.json.Encoder()
 

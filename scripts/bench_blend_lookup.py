@@ -56,7 +56,8 @@ def stack_driver(app: Any, bodies: list[bytes]) -> Callable[[], int]:
     from uvicorn.config import Config
     from uvicorn.server import ServerState
 
-    from kvatlas.http_guard import HttpLimits, guarded_protocol
+    from kvatlas.http_guard import guarded_protocol
+    from kvatlas.http_limits import HttpLimits
 
     hour = 3600.0  # no timer may close the connection between two rounds
     protocol_class = guarded_protocol(HttpLimits(hour, hour), lambda _reason: None)

@@ -30,7 +30,8 @@ from uvicorn.server import ServerState
 from kvatlas.asgi_thread import free_port
 from kvatlas.dispatch import Dispatcher
 from kvatlas.errors import InvalidInput
-from kvatlas.http_guard import HttpLimits, guarded_protocol
+from kvatlas.http_guard import guarded_protocol
+from kvatlas.http_limits import HttpLimits
 from kvatlas.logs import uvicorn_log_options
 from kvatlas.memory_transport import MemoryTransport
 from kvatlas.routing import OPEN, Call, Reply, Route, RouteTable

@@ -12,7 +12,7 @@ from typing import Any
 
 from kvatlas.asgi_thread import free_port, serve
 from kvatlas.http_coalescing import CoalescingTransport
-from kvatlas.http_guard import HttpLimits
+from kvatlas.http_limits import HttpLimits
 from kvatlas.processes import spawn_service, stop
 
 

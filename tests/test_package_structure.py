@@ -49,6 +49,7 @@ SHARED = (
     "routing",  # a service's route table
     "dispatch",  # the one request stack serving a route table
     "openapi",  # a route table's documentation
+    "http_limits",  # the HTTP guard's settings (--http-* flags) and its refusal counter
     "http_guard",
     "http_body",  # how the guard keeps a request body; a large one read straight into its bytes
     "http_coalescing",  # a transport whose writes of one event-loop turn leave in one send

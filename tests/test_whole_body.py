@@ -29,7 +29,8 @@ from uvicorn.server import ServerState
 
 from kvatlas.asgi_thread import ThreadedServer, free_port
 from kvatlas.errors import PayloadTooLarge
-from kvatlas.http_guard import WHOLE_BODY, HttpLimits, guarded_protocol
+from kvatlas.http_guard import WHOLE_BODY, guarded_protocol
+from kvatlas.http_limits import HttpLimits
 from kvatlas.memory_transport import MemoryTransport
 from kvatlas.web import receive_body
 from tests.helpers import exchange

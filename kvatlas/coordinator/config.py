@@ -27,7 +27,7 @@ from kvatlas.coordinator.runtime import TRIM_INTERVAL_S
 from kvatlas.coordinator.scoring import DEFAULT_FRAGMENT_WEIGHT, checked_weight
 from kvatlas.events import EVENT_TRANSPORTS
 from kvatlas.events.vllm_wire import DEFAULT_ENCODING, ENCODINGS
-from kvatlas.http_guard import (
+from kvatlas.http_limits import (
     BODY_TIMEOUT_HELP,
     HEADER_TIMEOUT_HELP,
     MAX_CONNECTIONS_HELP,

@@ -26,7 +26,7 @@ from kvatlas.coordinator.views import MetricsState, Readiness
 from kvatlas.coordinator.wire import directory_stats_to_wire, kv_events_to_wire
 from kvatlas.directory import Outcome
 from kvatlas.events import TIERS
-from kvatlas.http_guard import HttpRefusals
+from kvatlas.http_limits import HttpRefusals
 
 _LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,

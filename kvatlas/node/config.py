@@ -28,7 +28,7 @@ from kvatlas.config_flags import (
     warn_renamed,
 )
 from kvatlas.events import EVENT_TRANSPORTS
-from kvatlas.http_guard import HttpLimits
+from kvatlas.http_limits import HttpLimits
 from kvatlas.keys import DEFAULT_CHUNK_SIZE, SCHEMES, KeyScheme, check_instance_id, pack_kv_rank
 from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
 from kvatlas.node.config_help import HELP

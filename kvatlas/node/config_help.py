@@ -4,7 +4,7 @@ describe (``tests/test_cli_help.py`` fails for a flag without one)."""
 
 from __future__ import annotations
 
-from kvatlas.http_guard import BODY_TIMEOUT_HELP, HEADER_TIMEOUT_HELP, MAX_CONNECTIONS_HELP
+from kvatlas.http_limits import BODY_TIMEOUT_HELP, HEADER_TIMEOUT_HELP, MAX_CONNECTIONS_HELP
 
 HELP = {
     "model_name": "model name; part of every key (nodes of different models never share KV)",

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvatlas.http_guard import HttpRefusals
+from kvatlas.http_limits import HttpRefusals
 from kvatlas.keys import MM_BYPASS_GUARD
 
 _SECONDS = (

@@ -22,7 +22,7 @@ from typing import Any, Final
 from kvatlas.auth import TokenAuth, read_secret
 from kvatlas.checks import check_http_url, check_port
 from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args, env_name
-from kvatlas.http_guard import (
+from kvatlas.http_limits import (
     BODY_TIMEOUT_HELP,
     HEADER_TIMEOUT_HELP,
     MAX_CONNECTIONS_HELP,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric, generate_latest
 from prometheus_client.registry import Collector
 
-from kvatlas.http_guard import HttpRefusals
+from kvatlas.http_limits import HttpRefusals
 
 DECISION_BUCKETS = (
     *(round(k * 0.00025, 5) for k in range(1, 21)),  # every 0.25 ms up to the 5 ms target
