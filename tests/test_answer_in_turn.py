@@ -87,16 +87,21 @@ TABLE = RouteTable(
 
 @contextmanager
 def _serving(
-    answered: list[str], level: str, access_log: bool, limits: HttpLimits | None = None
+    answered: list[str],
+    level: str,
+    access_log: bool,
+    limits: HttpLimits | None = None,
+    refused: list[str] | None = None,
 ) -> Iterator[int]:
     """The dispatcher of :data:`TABLE` on a real server with these log settings and the
-    guard's ``limits`` (the body timeout :data:`BODY_TIMEOUT_S`); its port."""
+    guard's ``limits`` (the body timeout :data:`BODY_TIMEOUT_S`; what it refuses appended to
+    ``refused``); its port."""
     app = Dispatcher(answered, TABLE, None, frozenset(), lambda r: LIMIT, 1024)
     port = free_port()
     limits = dataclasses.replace(limits or HttpLimits(), body_timeout_s=BODY_TIMEOUT_S)
     config = uvicorn.Config(
         app, host="127.0.0.1", port=port, lifespan="off", timeout_keep_alive=KEEP_ALIVE_S,
-        http=guarded_protocol(limits, lambda _reason: None),
+        http=guarded_protocol(limits, (refused if refused is not None else []).append),
         **uvicorn_log_options(level, access_log=access_log),
     )  # fmt: skip
     server = uvicorn.Server(config)
@@ -306,6 +311,81 @@ def test_a_busy_connection_outlives_the_header_timeout(path: str, way: str) -> N
             assert head.startswith(b"HTTP/1.1 200"), f"request {k}: {head[:60]!r}"
             time.sleep(0.3)
     assert answered == [way] * 10
+
+
+@pytest.mark.parametrize(
+    ("header_s", "partial", "closed_after", "counted"),
+    [
+        (10.0, False, KEEP_ALIVE_S, []),  # idle after a reply: uvicorn's keep-alive, quiet
+        (1.0, False, 1.0, ["header_timeout"]),  # a shorter header timeout ends it first
+        (4.0, True, 4.0, ["header_timeout"]),  # bytes came: the header timeout, from the reply
+    ],
+)
+def test_after_a_reply_the_first_of_keep_alive_and_header_timeout_closes(
+    header_s: float, partial: bool, closed_after: float, counted: list[str]
+) -> None:
+    """After a reply, a connection is closed at the keep-alive timeout (``timeout_keep_alive``,
+    :data:`KEEP_ALIVE_S`: not a refusal) while no byte of a next request came, and at the
+    header timeout from that reply (counted ``header_timeout``), whichever comes first; bytes
+    of a next request end the keep-alive wait. One timer of the guard's does both (uvicorn's
+    own was armed and cancelled for every request)."""
+    refused: list[str] = []
+    with (
+        _serving([], "warning", False, HttpLimits(header_timeout_s=header_s), refused) as port,
+        socket.create_connection(("127.0.0.1", port), timeout=30) as conn,
+    ):
+        conn.sendall(_request("/turn", b"q"))
+        assert conn.recv(65536).startswith(b"HTTP/1.1 200")
+        replied = time.monotonic()
+        if partial:
+            conn.sendall(b"POST /turn HTTP/1.1\r\nHo")
+        if closed_after > KEEP_ALIVE_S:  # still open past the keep-alive timeout
+            time.sleep(KEEP_ALIVE_S + 0.5)
+            conn.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                conn.recv(1)
+            conn.setblocking(True)
+        assert conn.recv(1) == b""  # closed (the socket's timeout: 30 s)
+        assert time.monotonic() - replied >= closed_after - 0.1
+    assert refused == counted
+
+
+def test_no_timer_is_armed_for_each_request() -> None:
+    """Requests answered back to back on one connection arm no timer each: the guard's idle
+    timer, armed once, stays (uvicorn armed and cancelled its keep-alive timer for every
+    reply: ≈5 µs of a blend lookup's server CPU, docs/performance.md)."""
+    app = Dispatcher([], TABLE, None, frozenset(), lambda r: LIMIT, 1024)
+    protocol_class = guarded_protocol(HttpLimits(), lambda _reason: None)
+    config = uvicorn.Config(app, lifespan="off", http=protocol_class,
+                            **uvicorn_log_options("warning", access_log=False))  # fmt: skip
+    config.load()
+    loop = asyncio.new_event_loop()
+    armed: list[float] = []
+    call_later = loop.call_later
+
+    def counted(delay: float, *args: Any) -> asyncio.TimerHandle:
+        armed.append(delay)
+        return call_later(delay, *args)
+
+    loop.call_later = counted  # type: ignore[method-assign]
+    transport = MemoryTransport()
+    protocol = protocol_class(config=config, server_state=ServerState(), app_state={}, _loop=loop)
+
+    async def post(n: int) -> None:
+        if n == 1:
+            protocol.connection_made(transport)
+        for k in range(n):
+            protocol.data_received(_request("/turn", b"r%d" % k))
+            await asyncio.sleep(0)
+
+    try:
+        loop.run_until_complete(post(1))
+        before = len(armed)
+        loop.run_until_complete(post(20))
+    finally:
+        loop.close()
+    assert b"".join(transport.written).count(b"HTTP/1.1 200") == 21
+    assert len(armed) == before  # (the old code: one more a request)
 
 
 def test_the_body_is_not_kept_past_its_answer() -> None:
