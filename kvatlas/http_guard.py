@@ -123,8 +123,9 @@ def guarded_protocol(
         _answered_in_read = False  # a request of the data being parsed was answered in turn
 
         def on_message_begin(self) -> None:
-            # A request parsed in the turn that answered the one before it (pipelined):
-            # uvicorn's keep-alive timer, armed by that answer, is for idle connections only.
+            # A request parsed in the turn that answered the one before it (pipelined): with
+            # h11, uvicorn's keep-alive timer, armed by that answer, is for idle connections
+            # only (with httptools uvicorn arms none: see on_response_complete).
             self._unset_keepalive_if_required()
             super().on_message_begin()
 
