@@ -22,6 +22,7 @@ import blake3
 import numpy as np
 import numpy.typing as npt
 
+from kvatlas.directory.blend.fingerprints import ContentReads
 from kvatlas.directory.blend.kernels import RELEASE_WINDOWS, scan, scan_releasing
 from kvatlas.directory.blend.kernels.anchors import (
     K,
@@ -37,8 +38,7 @@ from kvatlas.directory.blend.kernels.anchors import (
 )
 from kvatlas.directory.blend.kernels.fingerprints import RELEASE_CONTENTS
 from kvatlas.directory.blend.kernels.layout import IDS_CONTENTS, BlendArrays
-from kvatlas.directory.blend.op_checks import Tokens, token_widths
-from kvatlas.directory.blend.op_columns import addresses
+from kvatlas.directory.blend.op_checks import Tokens
 
 Query = tuple[npt.NDArray[np.uint32], npt.NDArray[np.int64], int]
 """A query's k-gram hashes, the positions of its window minima and how many there are."""
@@ -73,14 +73,16 @@ class AnchorKey:
     def of(self, contents: Sequence[Tokens]) -> npt.NDArray[np.uint64]:
         """The anchors of ``contents`` (as ``FingerprintKey.of`` takes them: stored forms of
         ``chunk_size`` ids each, read by address), each its spread hash << 32 | its offset."""
-        n = len(contents)
+        return self.of_reads(ContentReads.of(contents))
+
+    def of_reads(self, reads: ContentReads) -> npt.NDArray[np.uint64]:
+        """:meth:`of` of contents whose reads were worked out already."""
+        n = len(reads.widths)
         out = np.empty(n, np.uint64)
         if n:
-            tokens = list(contents)
-            widths = token_widths(tokens)
             kernel = content_anchors if n < RELEASE_CONTENTS else content_anchors_releasing
             secret = np.array(self.keys, np.uint32)
-            kernel(addresses(tokens, widths), -1, widths, self.chunk_size, secret, out)
+            kernel(reads.addrs, -1, reads.widths, self.chunk_size, secret, out)
         return out
 
     def digest(self, pieces: Iterable[bytes]) -> bytes:

@@ -31,6 +31,23 @@ from kvatlas.directory.blend.op_checks import Tokens, token_widths
 from kvatlas.directory.blend.op_columns import addresses
 
 
+class ContentReads(NamedTuple):
+    """Where each of some contents' ids lie and their width (``token_widths``: 1, the planes
+    form): what the kernels reading contents by address take, worked out once for every
+    kernel that reads the same contents (a snapshot's fingerprints and anchors)."""
+
+    addrs: npt.NDArray[np.int64]
+    widths: npt.NDArray[np.int64]
+
+    @classmethod
+    def of(cls, contents: Sequence[Tokens]) -> ContentReads:
+        tokens = list(contents)
+        if not tokens:
+            return cls(np.empty(0, np.int64), np.empty(0, np.int64))
+        widths = token_widths(tokens)
+        return cls(addresses(tokens, widths), widths)
+
+
 @dataclass(frozen=True, slots=True)
 class FingerprintKey:
     """What a content's fingerprint depends on besides its ids."""
@@ -54,22 +71,18 @@ class FingerprintKey:
         """The fingerprints of ``contents``, as the directory stores them (``bytes`` contents,
         or read-only C-contiguous ``uint16``, ``uint32`` or planes-form arrays), of
         ``chunk_size`` ids each, which the caller guarantees: they are read by address."""
-        n = len(contents)
+        return self.of_reads(ContentReads.of(contents))
+
+    def of_reads(self, reads: ContentReads) -> npt.NDArray[np.uint64]:
+        """:meth:`of` of contents whose reads were worked out already."""
+        n = len(reads.widths)
         out = np.empty(n, np.uint64)
-        if not n:
-            return out
-        tokens = list(contents)
-        widths = token_widths(tokens)  # 1: the planes form
-        kernel = content_fingerprints if n < RELEASE_CONTENTS else content_fingerprints_releasing
-        kernel(
-            addresses(tokens, widths),
-            -1,
-            widths,
-            self.chunk_size,
-            self.base,
-            (1 << self.bits) - 1,
-            out,
-        )
+        if n:
+            kernel = (
+                content_fingerprints if n < RELEASE_CONTENTS else content_fingerprints_releasing
+            )
+            mask = (1 << self.bits) - 1
+            kernel(reads.addrs, -1, reads.widths, self.chunk_size, self.base, mask, out)
         return out
 
     def digest(self, pieces: Iterable[bytes]) -> bytes:

@@ -29,6 +29,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from kvatlas.directory.blend.fingerprints import ContentReads
 from kvatlas.directory.capture import CapturedPart, DirectoryState
 from kvatlas.directory.gate import EmitterCursor
 from kvatlas.directory.key_directory import KeyDirectory
@@ -271,10 +272,11 @@ class _Columns:
         ]
         if keyed:  # (both keys are the index's: one chunk size)
             full = np.flatnonzero(counts == keyed[0][0].chunk_size)
-            at, chosen = np.flatnonzero(has)[full], [bound[i] for i in full.tolist()]
+            at = np.flatnonzero(has)[full]
+            reads = ContentReads.of([bound[i] for i in full.tolist()])  # (once for both)
             for key, pieces in keyed:
                 values = np.zeros(n, np.uint64)  # 0: no content of chunk_size ids
-                values[at] = key.of(chosen)
+                values[at] = key.of_reads(reads)
                 pieces.append(values)
         return lens, widths
 
