@@ -10,7 +10,7 @@ Invariants (docs/router.md):
   (413), no engine healthy (503) — and passes an engine's own errors through untouched;
 * a request an engine refused before sending a byte is retried once, on the next engine of
   the same ranking; the refusing engine leaves the set until a health check passes;
-* a client that leaves mid-reply closes the engine's connection (the engine can abort); an
+* a client that leaves before its reply's end closes the engine's connection (it aborts); an
   engine's reply cut mid-way (closed, stalled past ``--engine-timeout-s``) cuts the client's:
   its connection closes without the body's end, never a reply that looks whole, never a hang.
 
@@ -57,7 +57,14 @@ from kvatlas.router.policies import (
     Policy,
     uncomputed_tokens,
 )
-from kvatlas.router.replies import Relay, ReplyCut, mark_cut, openai_error, send_openai_error
+from kvatlas.router.replies import (
+    ClientWatch,
+    Relay,
+    ReplyCut,
+    mark_cut,
+    openai_error,
+    send_openai_error,
+)
 from kvatlas.router.scores import HttpScorer, Scorer, ScorerOf
 from kvatlas.router.tokenizer import PromptTokenizer
 from kvatlas.web import check_declared_length, nested_too_deep, receive_body
@@ -257,6 +264,7 @@ class Router:
         """One completion request, from ASGI in to the engine's reply out (or an error)."""
         arrived = time.perf_counter()
         headers = _header_map(scope)
+        watch, sent = ClientWatch(receive), False
         try:
             auth = headers.get(b"authorization")
             who = self._caller(None if auth is None else auth.decode("latin-1"))
@@ -264,6 +272,7 @@ class Router:
             raw = await receive_body(receive, self.config.max_body_bytes)
             if raw is None:  # the client left before its body was in
                 return
+            watch.start()
             req = await self._parse(kind, raw)
             if who is not None:
                 who.require_salts([req.cache_salt], role="route")
@@ -279,30 +288,37 @@ class Router:
             ]
             ranked = self.policy.rank(candidates, n)
             self.metrics.decision_seconds.observe(time.perf_counter() - arrived)
+            sent = True
             engine, reply, uncomputed = await self._proxy(kind, headers, raw, req, ranked[:2])
-        except KvatlasError as exc:
+        except asyncio.CancelledError:
+            watch.stop()
+            if not watch.caused():
+                raise  # cancelled by someone else (shutdown): not ours to swallow
+            if sent:  # the engine had the request: its connection is closed (_proxy)
+                self.metrics.aborted_streams.inc()
+            return
+        except Exception as exc:  # refused; or a bug: logged, the client gets an error object
+            watch.stop()
+            if not isinstance(exc, KvatlasError):
+                log.exception("router failed on a %s request", kind)
+                exc = KvatlasError("internal router error (logged)")  # (500)
             self.metrics.errors.labels(str(exc.status)).inc()
             await send_openai_error(send, exc.status, exc.detail)
             return
-        except Exception:  # a bug: logged with its traceback, the client gets an error object
-            log.exception("router failed on a %s request", kind)
-            self.metrics.errors.labels("500").inc()
-            await send_openai_error(send, 500, "internal router error (logged)")
-            return
         out = [(k, v) for k, v in reply.headers if k in _FORWARD_REPLY_HEADERS]
         out.append((_ENGINE_HEADER_BYTES, engine.engine_id.encode()))
-        await self._stream(send, receive, reply.status, out,
+        await self._stream(send, watch, reply.status, out,
                            Relay(self.engines, self.metrics, self.policy.name, engine, reply, req, uncomputed, arrived))  # fmt: skip
 
     @staticmethod
-    async def _stream(send: Send, receive: Receive, status: int,
+    async def _stream(send: Send, watch: ClientWatch, status: int,
                       headers: list[tuple[bytes, bytes]], chunks: Relay) -> None:  # fmt: skip
-        """Send ``chunks`` as they come. A client that leaves cancels this (its ``receive``
-        says ``http.disconnect``), which closes the engine's reply in ``chunks``' cleanup:
-        what Starlette's StreamingResponse does, with one watcher task instead of a group.
-        A reply whose body came whole with its head (a non-streamed completion) has nothing
-        left to wait for: it goes out as one message, with no watcher."""
+        """Send ``chunks`` as they come. A client that leaves cancels this (``watch``), which
+        closes the engine's reply in ``chunks``' cleanup. A reply whose body came whole with
+        its head (a non-streamed completion) has nothing left to wait for: it goes out as one
+        message."""
         if chunks.reply.complete:
+            watch.stop()
             try:
                 body = b"".join([chunk async for chunk in chunks])
                 await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -310,32 +326,19 @@ class Router:
             finally:
                 chunks.close()
             return
-        task = asyncio.current_task()
-        assert task is not None
-        state = {"left": False, "done": False}
-
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            if not state["done"]:
-                state["left"] = True
-                task.cancel()
-
-        watcher = asyncio.ensure_future(watch())
         try:
             await send({"type": "http.response.start", "status": status, "headers": headers})
             async for chunk in chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            state["done"] = True
+            watch.stop()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except ReplyCut:
             mark_cut()  # no end of body: the server closes the client's connection
         except asyncio.CancelledError:
-            if not state["left"] or task.uncancel() > 0:
+            if not watch.caused():
                 raise  # cancelled by someone else (shutdown): not ours to swallow
         finally:
-            state["done"] = True
-            watcher.cancel()
+            watch.stop()
             chunks.close()  # also when it was never read (cancelled before the first piece)
 
     def _uncomputed(self, req: RouteRequest, cover: Coverage) -> int:

@@ -195,7 +195,6 @@ class _TokenIdsCompletion(msgspec.Struct):
     stream: Any = None
     cache_salt: Any = None
     max_tokens: Any = None
-    max_completion_tokens: Any = None
 
 
 _token_ids_decoder = msgspec.json.Decoder(_TokenIdsCompletion)
@@ -212,7 +211,7 @@ def _token_ids_body(raw: bytes) -> tuple[dict[str, Any], TokenIds] | None:
         checked: TokenIds = np.frombuffer(array("I", view.prompt), dtype=np.uint32)
     except OverflowError:
         raise InvalidInput("'prompt' must be token ids (integers in [0, 2^32))") from None
-    fields = ("model", "stream", "cache_salt", "max_tokens", "max_completion_tokens")
+    fields = ("model", "stream", "cache_salt", "max_tokens")
     body = {name: value for name in fields if (value := getattr(view, name)) is not None}
     return body, checked
 
@@ -229,9 +228,14 @@ def parse_request(kind: Kind, raw: bytes, tokenizer: PromptTokenizer | None) -> 
         salt = ""
     if not isinstance(salt, str):
         raise InvalidInput("'cache_salt' must be a string")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    # as vLLM reads them: a chat's max_completion_tokens unless null, else max_tokens (a
+    # completion has no max_completion_tokens: vLLM's CompletionRequest ignores it)
+    limit = "max_tokens"
+    if kind == "chat" and body.get("max_completion_tokens") is not None:
+        limit = "max_completion_tokens"
+    max_tokens = body.get(limit)
     if max_tokens is not None and (not is_plain_int(max_tokens) or max_tokens < 0):
-        raise InvalidInput("'max_tokens' must be a non-negative integer")
+        raise InvalidInput(f"'{limit}' must be a non-negative integer")
     tokens: TokenIds | None
     if fast is not None:
         tokens, reason = fast[1], None

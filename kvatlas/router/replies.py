@@ -1,9 +1,11 @@
 """What the router answers itself and how an engine's reply is relayed: OpenAI error objects
 (the shape vLLM answers with), the engine's body on its way to the client with the accounting
-when it ends (:class:`Relay`), and the cached tokens an engine reports in its reply."""
+when it ends (:class:`Relay`), the watch on a client that may leave before its reply's end
+(:class:`ClientWatch`), and the cached tokens an engine reports in its reply."""
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
 import time
@@ -11,7 +13,7 @@ from typing import Final
 
 import msgspec
 from starlette.responses import Response
-from starlette.types import Send
+from starlette.types import Receive, Send
 
 from kvatlas.client.keepalive import StreamedReply
 from kvatlas.router.engines import Engine, EngineSet
@@ -33,6 +35,44 @@ class ReplyCut(Exception):
     """The engine's reply ended before its end (connection closed, read timed out): the
     client's reply is cut too — its connection closed without the body's end, so the client
     sees an incomplete reply, never a complete-looking one."""
+
+
+class ClientWatch:
+    """A request's client, watched from when its body is in until its reply's end: a client
+    that leaves (its ``receive`` says ``http.disconnect``) cancels the request's task, so the
+    engine's connection is closed (the engine aborts the request, its slot is freed) — while
+    the router waits for the engine's reply head (a non-streamed completion has none until it
+    is done) as while the reply is relayed. One watcher task a request: what Starlette's
+    StreamingResponse does with a task group, only longer."""
+
+    def __init__(self, receive: Receive) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task, self._receive = task, receive
+        self.left = self.done = False
+        self._watcher: asyncio.Future[None] | None = None
+
+    def start(self) -> None:
+        """Watch from now on (the request's body is in: what comes next is a disconnect)."""
+        self._watcher = asyncio.ensure_future(self._watch(self._receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self.done:
+            self.left = True
+            self._task.cancel()
+
+    def stop(self) -> None:
+        """The reply is out (or about to be, whole): a client leaving now cancels nothing."""
+        self.done = True
+        if self._watcher is not None:
+            self._watcher.cancel()
+
+    def caused(self) -> bool:
+        """After a ``CancelledError``: whether the client's leaving caused it (and no other
+        cancellation, such as a shutdown's, is pending), so the request may end quietly."""
+        return self.left and self._task.uncancel() == 0
 
 
 _CUT: Final = contextvars.ContextVar("kvatlas_router_reply_cut", default=False)

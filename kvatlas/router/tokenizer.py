@@ -118,6 +118,11 @@ def compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+_ENCODE_RELEASING_CHARS = 16_384
+"""Texts from this long are encoded with the GIL released (the batch encoder's thread pool
+costs more than a short text's encoding)."""
+
+
 class PromptTokenizer:
     """``encode_text`` (completions) and ``encode_chat`` (chat) as the engine computes them."""
 
@@ -164,8 +169,14 @@ class PromptTokenizer:
         return self._template is not None
 
     def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        return ids
+        """The ids of ``text``; a long one by the batch encoder, which releases the GIL
+        (``encode`` holds it throughout: a few megabytes of text stopped the router's event
+        loop for seconds, every other client and the engines' health probes with it)."""
+        if len(text) < _ENCODE_RELEASING_CHARS:
+            ids: list[int] = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+            return ids
+        (encoding,) = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        return encoding.ids  # type: ignore[no-any-return]
 
     def render_chat(
         self,

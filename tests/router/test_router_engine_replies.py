@@ -41,6 +41,7 @@ class ScriptedEngine:
     def __init__(self, refuses: bool) -> None:
         self.refuses = refuses
         self.stall = threading.Event()  # what a stalled reply waits for (set at close)
+        self.held_closed = threading.Event()  # a held request's connection was closed
         self.loop = asyncio.new_event_loop()
         self.port = free_port()
         self.ready = threading.Event()
@@ -73,6 +74,11 @@ class ScriptedEngine:
                 length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
                                if line.lower().startswith(b"content-length:")), 0)  # fmt: skip
                 body = await reader.readexactly(length)
+                if b'"hold"' in body:  # no reply head, as vLLM computing a non-streamed
+                    # completion: wait for the router to close the connection (or time out)
+                    if await reader.read(1) == b"":
+                        self.held_closed.set()
+                    break
                 if not await self._answer(head.split(b" ")[1], body, writer):
                     break
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -196,6 +202,27 @@ def test_an_engine_failing_mid_reply_cuts_the_clients_reply(
     assert wait_for(lambda: _idle(router), timeout=10)
     after = httpx.post(f"{router['url']}/v1/completions", json=_body("plain"), timeout=30)
     assert after.status_code == 200
+
+
+def test_a_client_leaving_before_the_reply_head_stops_the_engines_request(
+    router: dict[str, Any],
+) -> None:
+    """A non-streamed completion has no reply head until the engine is done with it: a client
+    that leaves before then (its own timeout) closes the engine's connection (vLLM aborts the
+    request and frees its slot), counted as a reply whose client left — not kept until the
+    engine answers or ``--engine-timeout-s`` passes (then a 503 nobody reads)."""
+    aborted = _metric(router, "kvatlas_router_aborted_streams_total")
+    unavailable = _metric(router, 'kvatlas_router_errors_total{status="503"}')
+    for engine in router["engines"].values():
+        engine.held_closed.clear()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{router['url']}/v1/completions", json=_body("hold"),
+                   timeout=httpx.Timeout(30, read=0.3))  # fmt: skip
+    assert wait_for(lambda: any(e.held_closed.is_set() for e in router["engines"].values()),
+                    timeout=10)  # fmt: skip
+    assert wait_for(lambda: _idle(router), timeout=10)
+    assert _metric(router, "kvatlas_router_aborted_streams_total") == aborted + 1
+    assert _metric(router, 'kvatlas_router_errors_total{status="503"}') == unavailable
 
 
 def test_a_connection_closed_before_any_byte_is_retried_on_the_other_engine(

@@ -152,3 +152,64 @@ def test_the_typed_fast_path_agrees_with_the_general_one() -> None:
     req = parse_request("completions", raw, None)
     assert (req.model, req.stream, req.cache_salt, req.max_tokens) == ("m", True, "t", 5)
     assert _token_ids_body(b'{"model": "m", "prompt": "text"}') is None
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "limit"),
+    [  # vLLM: a completion has no max_completion_tokens; a chat's wins unless it is null
+        ("completions", {"prompt": [1, 2], "max_tokens": 3, "max_completion_tokens": 200_000}, 3),
+        ("completions", {"prompt": "hi", "max_tokens": 3, "max_completion_tokens": "x"}, 3),
+        ("completions", {"prompt": [1, 2], "max_completion_tokens": 7}, None),
+        ("chat", {"max_tokens": 3, "max_completion_tokens": 9}, 9),
+        ("chat", {"max_tokens": 3, "max_completion_tokens": None}, 3),
+        ("chat", {"max_completion_tokens": 0}, 0),
+    ],
+)
+def test_max_tokens_are_read_as_vllm_reads_them(
+    kind: str, body: dict[str, Any], limit: int | None
+) -> None:
+    """The router's context check takes the output limit vLLM takes (``max_completion_tokens``
+    is a chat field only; vLLM's ``CompletionRequest`` ignores it): a request every engine
+    accepts is never refused by the router."""
+    if kind == "chat":
+        body = {"messages": MESSAGES, **body}
+    req = parse_request(kind, json.dumps({"model": "m", **body}).encode(), None)  # type: ignore[arg-type]
+    assert req.max_tokens == limit
+
+
+def test_a_long_text_is_encoded_with_the_gil_released(directory: Path) -> None:
+    """The router's event loop runs beside a long prompt's encoding (``tokenizers``' ``encode``
+    holds the GIL throughout; its batch encoder releases it): every other client, and the
+    engines' health probes, waited seconds behind a few megabytes of text."""
+    import threading
+    import time
+
+    ours = PromptTokenizer(directory)
+    text = " ".join(f"w{i}x{i * 7}" for i in range(60_000))
+    short = "the quick brown fox"
+    assert ours.encode_text(text) == load_hf_tokenizer(directory)(text)["input_ids"]
+    assert (
+        ours.encode_text(short, add_special_tokens=False)
+        == load_hf_tokenizer(directory)(short, add_special_tokens=False)["input_ids"]
+    )
+    ran, started, done = [0], threading.Event(), threading.Event()
+
+    def beside() -> None:  # what the event loop's thread does meanwhile: short steps
+        started.wait()
+        while not done.is_set():
+            ran[0] += 1
+            time.sleep(0.0005)
+
+    def encode() -> None:
+        started.set()
+        ours.encode_text(text)
+        done.set()
+
+    threads = [threading.Thread(target=beside), threading.Thread(target=encode)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    # holding the GIL, the encoder lets the other thread in at most once or twice (its own
+    # start, the list of ids made at its end); released, the other thread steps throughout
+    assert ran[0] >= 20, f"the other thread stepped {ran[0]} times during the encoding"
