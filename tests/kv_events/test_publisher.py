@@ -5,6 +5,7 @@ restarts, without echoing engine-sourced placements, and again after a late join
 
 from __future__ import annotations
 
+import struct
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -363,3 +364,42 @@ def test_a_fence_of_an_instance_without_own_l2_copies_scans_nothing(published: P
         assert view.view()["kv@node-2@m"] == {"kvatlas-l2-disk": {entry(2).key.chunk_hash}}
     finally:
         view.close()
+
+
+def test_a_replay_read_a_moment_later_is_whole_and_ends() -> None:
+    """A router that asks for a replay and reads it only later (busy for a moment) gets the
+    whole ring and the end marker: the ROUTER socket queues a full replay (vLLM's publisher
+    raises its send limit for this; ZMQ's default, 1,000 messages, dropped the rest and the
+    marker without a word)."""
+    n, per = 4_000, 32
+    p = Published(ring=n)
+    rng = np.random.default_rng(5)
+    ctx: zmq.Context[Any] = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVHWM, 10)  # (a reader that does not read: back-pressure at once)
+    dealer.setsockopt(zmq.RCVBUF, 1 << 16)
+    try:
+        for _ in range(n):  # one message each, ≈4 KB
+            rows = rng.integers(0, 128_256, (per, C), dtype=np.uint32)
+            keys = [ObjectKey(chunk_hashes(r, C)[0], "m", RANK) for r in rows]
+            entries = [CacheEntry(k, 64, r, 0) for k, r in zip(keys, rows, strict=True)]
+            p.emit("node-1", "store", "l1", "dram", entries)
+        assert wait_for(lambda: p.pub.stats().messages >= n, timeout=60)
+        dealer.connect(p.replay)
+        dealer.send_multipart([b"", struct.pack(">q", 0)])
+        assert wait_for(lambda: p.pub.stats().replayed_messages >= n, timeout=60)
+        seqs = []
+        while dealer.poll(5000):
+            frames = dealer.recv_multipart()
+            seq = struct.unpack(">q", frames[-2])[0]
+            if seq == -1:
+                break
+            seqs.append(seq)
+        else:
+            raise AssertionError(f"no end marker after {len(seqs)} of {n} messages")
+        assert seqs == list(range(seqs[0], seqs[0] + n)) and len(seqs) == n
+    finally:
+        dealer.close(0)
+        ctx.term()
+        p.close()

@@ -173,6 +173,22 @@ def test_a_bad_event_refuses_the_whole_batch(event: BlockStored, kind: str) -> N
     assert rekeyer.engines == {} and rekeyer.total_blocks == 0
 
 
+@pytest.mark.parametrize("size", [0, 16])
+def test_a_tokenless_placeholder_is_counted_and_skipped_not_the_batch(size: int) -> None:
+    """vLLM 0.33's offloading connector (``self_describing_kv_events`` off, its default)
+    announces a CPU offload as ``BlockStored(token_ids=[], block_size=0, medium="CPU")`` — its
+    ``simple_kv_offload`` with the block size — in the same batch as the step's GPU blocks: it
+    cannot be re-keyed (no ids), so it is counted and skipped; the step's GPU blocks are not
+    lost with it (the whole batch was refused as a bad block size, a gap)."""
+    rekeyer, directory = fed(chunk_size=16)
+    placeholder = BlockStored([HASHES[3]], None, [], size, medium="CPU", group_idx=0)
+    apply(rekeyer, directory, "pod-a", "llama", batch(TEXT, placeholder))
+    assert holders(directory, TOKENS) == {("pod-a", "gpu"): 2}
+    assert rekeyer.counts["tokenless_blocks"] == 1
+    apply(rekeyer, directory, "pod-a", "llama", batch(BlockRemoved([HASHES[3]], "CPU")))
+    assert holders(directory, TOKENS) == {("pod-a", "gpu"): 2}
+
+
 def one_block_events() -> list[BlockStored]:
     """The blocks of TOKENS one event each, as vLLM's CPU offload sends them."""
     return [

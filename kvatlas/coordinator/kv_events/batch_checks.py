@@ -89,6 +89,8 @@ def _check(event: KVEvent, i: int, chunk_size: int, tokens: dict[int, bytes]) ->
     n = len(hashes)
     if not isinstance(event, BlockStored):
         return n
+    if n and not event.token_ids:  # a placeholder (an offloading connector's): no ids to
+        return n  # re-key it by, whatever its block size; skipped and counted, not the batch's
     size = event.block_size
     if size < 1 or size > chunk_size or chunk_size % size:
         raise BadBatch(

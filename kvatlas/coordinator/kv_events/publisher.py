@@ -178,6 +178,10 @@ class KvEventsPublisher:
                 # a request is [b"", 8-byte seq]; ZMQ's handshake (socket type, a routing id
                 # of up to 255 bytes) is held to the limit too
                 self._router.setsockopt(zmq.MAXMSGSIZE, REPLAY_REQUEST_MAX_BYTES)
+                # a whole replay and its end marker queue for a router that reads later (at
+                # ZMQ's 1,000 messages the ROUTER dropped the rest, the marker too, unsaid);
+                # twice, as vLLM's own publisher does: a second request may come before
+                self._router.setsockopt(zmq.SNDHWM, 2 * ((self._ring.maxlen or 0) + 1))
                 self.exposure.secure(self._router)
                 self._router.bind(self.replay_endpoint)
         except zmq.ZMQError:

@@ -142,7 +142,10 @@ class Rekeyer:
         for start, events in groups(batch):
             for i, event in enumerate(events, start):
                 if isinstance(event, BlockStored):
-                    self._stored(state, model, event, tokens[i], pending)
+                    if i in tokens:
+                        self._stored(state, model, event, tokens[i], pending)
+                    else:  # no token ids: an offload's placeholder (batch_checks)
+                        self.counts["tokenless_blocks"] += len(event.block_hashes)
                 elif isinstance(event, BlockRemoved):
                     self._removed(state, event, pending)
                 else:

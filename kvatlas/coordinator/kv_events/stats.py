@@ -30,6 +30,7 @@ class SubscriberStats:
     unknown_removed_blocks: int = 0
     unindexable_chunks: int = 0  # extra keys / adapter the scheme cannot carry
     other_group_blocks: int = 0  # KV-cache groups other than 0
+    tokenless_blocks: int = 0  # BlockStored skipped: no token ids (an offload's placeholder)
     evicted_blocks: int = 0  # beyond --kv-events-max-blocks
     errors: int = 0  # unexpected exceptions (logged)
     rejected_frames: int = 0
