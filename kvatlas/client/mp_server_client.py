@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import httpx
 import msgspec
@@ -41,6 +42,16 @@ class MPServerError(Unavailable):
     def __init__(self, message: str, reply_status: int | None) -> None:
         super().__init__(message)
         self.reply_status = reply_status
+
+
+def _segment(name: str) -> str:
+    """``name`` (a caller's id) as one segment of the server's path, escaped: unescaped, ``/``,
+    ``?`` or ``..`` in it steered the call to another route (with the node's admin token) and
+    CR/LF made an invalid URL. ``.`` and ``..`` cannot be a segment (a URL resolves them): no
+    server has such an id, so they are refused as unknown (404) without a call."""
+    if name in (".", ".."):
+        raise MPServerError(f"no resource is named {name!r}", 404)
+    return quote(name, safe="")
 
 
 class MPServerClient:
@@ -86,7 +97,9 @@ class MPServerClient:
         """``GET /cache/prefetches/{request_id}``; ``None`` when the server does not know it
         (never submitted, or forgotten: LMCache forgets at the first completed poll)."""
         try:
-            return self._call("GET", f"/cache/prefetches/{request_id}", PrefetchStatusReply)
+            return self._call(
+                "GET", f"/cache/prefetches/{_segment(request_id)}", PrefetchStatusReply
+            )
         except MPServerError as exc:
             if exc.reply_status == 404:
                 return None
@@ -108,11 +121,11 @@ class MPServerClient:
         body = {"model_name": model_name, "world_size": world_size,
                 "token_ids": list(token_ids), "cache_salt": cache_salt,
                 "source_instance_id": source_instance_id, "ttl_s": ttl_s}  # fmt: skip
-        return self._call("PUT", f"/cache/holds/{hold_id}", HoldReply, body)
+        return self._call("PUT", f"/cache/holds/{_segment(hold_id)}", HoldReply, body)
 
     def release(self, hold_id: str) -> ReleaseReply:
         """``DELETE /cache/holds/{hold_id}``: the move's keys are the target's LRU's again."""
-        return self._call("DELETE", f"/cache/holds/{hold_id}", ReleaseReply)
+        return self._call("DELETE", f"/cache/holds/{_segment(hold_id)}", ReleaseReply)
 
     def list_objects(
         self, *, page_size: int = 500, page_token: str | None = None, model_name: str | None = None
