@@ -115,10 +115,13 @@ def score_routes(
     peers: frozenset[str],
     weights: Weights,
     attached: Mapping[str, str] = NO_ATTACHMENTS,
+    plain: frozenset[str] = frozenset(),
 ) -> list[InstanceScore]:
     """Every candidate's score for ``query``, best first; ``peers`` are the live instances
     whose L1 others may fetch from; ``attached`` maps a node to the engine it serves (its
-    copies are that engine's own)."""
+    copies are that engine's own); ``plain`` candidates reuse no fragment (engines no node
+    serves: vLLM reuses a prefix of its own blocks, nothing at another offset, nothing of a
+    peer's)."""
     size = directory.chunk_size
     if query is None or not candidates:
         return rank_scores(instance_score(i, (), (), size, weights) for i in candidates)
@@ -152,8 +155,11 @@ def score_routes(
     distinct = list(dict.fromkeys(m.chunk_hash for m in late))
     by_hash = dict(zip(distinct, access(distinct, peers), strict=True))
     fragments: list[Fragment] = [(m.cur_st, by_hash[m.chunk_hash]) for m in late]
-    covered = cover_fragments(candidates, prefix_tokens, fragments, size, weights)
-    return rank_scores(instance_score(i, prefix[i], covered[i], size, weights) for i in candidates)
+    blending = [i for i in candidates if i not in plain]
+    covered = cover_fragments(blending, prefix_tokens, fragments, size, weights)
+    return rank_scores(
+        instance_score(i, prefix[i], covered.get(i, ()), size, weights) for i in candidates
+    )
 
 
 class RouteScoring:
@@ -207,13 +213,13 @@ class RouteScoring:
         elsewhere = service.elsewhere
         peers = frozenset(r.instance_id for r in records).union(elsewhere)
         attached = {i: e for i, e in elsewhere.items() if e} | attachments(records)
+        engines = service.kv_events.engines()
         if asked.instances is None:  # live instances the caller sees, and every engine
             alive = [v.instance_id for v in service.instances_view(who) if v.alive]
-            engines = sorted(service.kv_events.engines())
             # a node serving an engine is a candidate as that engine (its copies are the
             # engine's own): the engine is what a router can send the request to
             served = [attached.get(i, i) for i in alive]
-            candidates = list(dict.fromkeys([*served, *engines]))
+            candidates = list(dict.fromkeys([*served, *sorted(engines)]))
         else:
             candidates = asked.instances
         scores = score_routes(
@@ -224,6 +230,7 @@ class RouteScoring:
             peers,
             asked.weights,
             attached,
+            engines - set(attached.values()),  # no node, no connector: no fragment reuse
         )
         reply = route_scores_to_wire(scores, asked.query_tokens)
         service.metrics.route_latency.observe(time.perf_counter() - started)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -20,12 +21,14 @@ from kvatlas.cli import main
 from kvatlas.client import RouteClient
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.instances import Registration
-from kvatlas.coordinator.route_score import RouteScoring
+from kvatlas.coordinator.query import BlendQuery
+from kvatlas.coordinator.route_score import RouteScoring, score_routes
 from kvatlas.coordinator.scoring import MAX_WEIGHT, TIER_CLASSES, Weights, instance_score
 from kvatlas.coordinator.server import BackgroundServer
 from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.directory import KeyDirectory
 from kvatlas.events import CacheEntry, EventBatch
-from kvatlas.keys import ObjectKey, chunk_hashes
+from kvatlas.keys import BlendNamespace, KeyScheme, ObjectKey, chunk_hashes
 from tests.coordinator.helpers import (
     CS,
     RANK1,
@@ -292,3 +295,34 @@ def test_auth_role_and_salt(tmp_path: Path) -> None:
         )
         own = c.post("/route/score", json={**body, "cache_salt": "a"}, headers=bearer(lookup_a))
         assert own.status_code == 200 and own.json()["query_tokens"] == 4
+
+
+@pytest.mark.parametrize("plain", [True, False])
+def test_an_engine_no_node_serves_reuses_no_fragment(plain: bool) -> None:
+    """A plain vLLM engine (KV events, no kvatlas connector: no node serves it) reuses a prefix
+    of its own blocks and nothing else: a document it holds at another offset is no reuse for
+    it. Scored as fragments, it drew a request from the engine that holds the request's prefix
+    (which reused it) to one that reused nothing. ``plain=False``: an engine a node serves
+    (the connector blends), as before — the negative control."""
+    directory = KeyDirectory(CS, enable_blend_lookup=True)
+    system = list(range(1000, 1000 + 2 * CS))  # pod-b's prompt: the query's prefix
+    doc = list(range(2000, 2000 + 4 * CS))  # pod-a's prompt, after one other chunk
+    for engine, prompt in (("pod-b", system), ("pod-a", [7] * CS + doc)):
+        entries = tuple(
+            CacheEntry(ObjectKey(h, "m", RANK1), 1, prompt[j * CS : (j + 1) * CS], j * CS)
+            for j, h in enumerate(chunk_hashes(prompt, CS))
+        )
+        directory.consume(EventBatch(engine, 1, 1, "store", "gpu", "vllm", entries=entries))
+    query = np.array([*system, *doc, 9], np.uint32)
+    scores = score_routes(
+        directory,
+        KeyScheme(chunk_size=CS),
+        BlendQuery(query, BlendNamespace("m", "", 1)),
+        ["pod-a", "pod-b"],
+        frozenset(),
+        Weights.of(None, 0.85),
+        plain=frozenset({"pod-a", "pod-b"}) if plain else frozenset(),
+    )
+    got = {s.instance_id: (s.prefix_tokens, s.fragment_tokens) for s in scores}
+    assert got == {"pod-b": (2 * CS, 0), "pod-a": (0, 0 if plain else 4 * CS)}
+    assert scores[0].instance_id == ("pod-b" if plain else "pod-a")

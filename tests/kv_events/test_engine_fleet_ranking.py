@@ -3,7 +3,8 @@
 processes and a ``kvatlas coordinator`` with auth on, subscribed to the engine. The engine
 holds the document in GPU memory and ranks first, the node holding only a fragment second,
 the node whose copies sit under another tenant's salt last; after ``AllBlocksCleared`` on
-``pod-a`` the engine falls behind the fragment holder. Engines' chunks carry cache salt ""
+``pod-a`` the engine falls behind the fragment holders (no node serves it: it reuses no
+fragment, not even a peer's L1). Engines' chunks carry cache salt ""
 (vLLM has no kvatlas salt), so salt A here is "": a token bound to it gets no score from salt
 B's chunks, and a salt-B token none from the engine's."""
 
@@ -99,7 +100,9 @@ def test_engine_prefix_first_fragment_node_second_other_salt_last(fleet: dict[st
     assert b.store(head, model.kv_chunks(head), cache_salt=SALT_B, request_id="b1") == 6
 
     expected = [
-        ("pod-a", 4 * C, 2 * C, round(1.0 * 64 + 0.85 * 0.6 * 32, 3)),  # GPU + A's L1 as peer
+        # its GPU prefix; no fragment: no node serves pod-a (no connector), and vLLM reuses
+        # only a prefix of its own blocks, never a peer's L1 at another offset
+        ("pod-a", 4 * C, 0, round(1.0 * 64, 3)),
         ("node-a", 0, 2 * C, round(0.85 * 0.8 * 32, 3)),  # its own L1 (not the engine's GPU)
         ("node-b", 0, 2 * C, round(0.85 * 0.6 * 32, 3)),  # A's L1 as peer, nothing of salt B
     ]
@@ -139,8 +142,8 @@ def test_engine_prefix_first_fragment_node_second_other_salt_last(fleet: dict[st
                           lambda: engine_batches(coord) == 2, topic=TOPIC)  # fmt: skip
         after = [
             ("node-a", 0, 2 * C, round(0.85 * 0.8 * 32, 3)),
-            ("node-b", 0, 2 * C, round(0.85 * 0.6 * 32, 3)),  # ties with pod-a: by id
-            ("pod-a", 0, 2 * C, round(0.85 * 0.6 * 32, 3)),
+            ("node-b", 0, 2 * C, round(0.85 * 0.6 * 32, 3)),
+            ("pod-a", 0, 0, 0.0),  # nothing left it can reuse
         ]
         assert settles(router, SALT_A, after), f"{seen[-1]} {subscriber_counts(coord)}"
         # the node's copies under salt B survive the engine's clear
