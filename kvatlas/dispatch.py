@@ -25,13 +25,13 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl, quote
+from urllib.parse import parse_qsl, quote, unquote_to_bytes
 
 import msgspec
 from starlette.types import Receive, Scope, Send
 
 from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
-from kvatlas.errors import KvatlasError, NotFound
+from kvatlas.errors import InvalidInput, KvatlasError, NotFound
 from kvatlas.fields import check_query_pairs, decode_body, field_error, field_errors
 from kvatlas.http_guard import Answer
 from kvatlas.http_limits import OnRefused
@@ -161,8 +161,8 @@ class Dispatcher:
         route, codec, scope = ticket.route, ticket.codec, ticket.scope
         try:
             call = Call(
-                ticket.who, ticket.params, self._body(route, body, scope), _query(route, scope),
-                body, scope, codec,
+                ticket.who, _params(ticket.params, scope), self._body(route, body, scope),
+                _query(route, scope), body, scope, codec,
             )  # fmt: skip
             assert route.in_turn is not None
             result = route.in_turn(self.context, call)
@@ -214,8 +214,8 @@ class Dispatcher:
                         return
                     raw = body
                 call = Call(
-                    who, params, self._body(route, raw, scope), _query(route, scope), raw, scope,
-                    codec,
+                    who, _params(params, scope), self._body(route, raw, scope),
+                    _query(route, scope), raw, scope, codec,
                 )  # fmt: skip
                 reply = _reply(route, await route.handler(self.context, call), codec)
         except Exception as exc:
@@ -251,10 +251,27 @@ class Dispatcher:
         return _NOT_FOUND
 
 
+def _params(params: Mapping[str, str], scope: Scope) -> Mapping[str, str]:
+    """The path parameters, refused (400) when the path percent-encodes bytes that are not
+    UTF-8 (the server's decoding put U+FFFD in their place: a name nobody sent)."""
+    if params and any("\ufffd" in v for v in params.values()):
+        try:
+            unquote_to_bytes(scope.get("raw_path") or scope["path"].encode()).decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidInput("the path percent-encodes bytes that are not UTF-8") from None
+    return params
+
+
 def _query(route: Route, scope: Scope) -> Any:
     if route.query is None or not route.decode:
         return None  # the handler reads the query string itself
-    pairs = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+    try:
+        pairs = parse_qsl(
+            scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True,
+            errors="strict",
+        )  # fmt: skip
+    except UnicodeDecodeError:
+        raise InvalidInput("the query string percent-encodes bytes that are not UTF-8") from None
     check_query_pairs(pairs, route.query)
     try:
         return msgspec.convert(dict(pairs), route.query, strict=False)

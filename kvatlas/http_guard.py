@@ -59,7 +59,7 @@ from kvatlas.http_limits import HttpLimits, OnRefused
 
 ErrorBody = Callable[[int, str], bytes]
 """The JSON body of a refusal the guard writes itself, from status and message: a 408 and the
-400 of a request the parser cannot read (default: ``{"detail": ...}`` and uvicorn's 400)."""
+400 of a request the parser cannot read (default: ``{"detail": ...}``)."""
 _BODY_LATE = "request body not received in time"
 
 
@@ -284,11 +284,9 @@ def guarded_protocol(
             self._watch()
 
         def send_400_response(self, msg: str) -> None:
-            """uvicorn's 400 to a request its parser cannot read, with ``error_body``'s body."""
-            if error_body is None:
-                super().send_400_response(msg)
-                return
-            self.transport.write(_refusal(400, error_body(400, msg)))
+            """uvicorn's 400 to a request its parser cannot read, with the service's JSON
+            error body (uvicorn's is ``text/plain``)."""
+            self.transport.write(_refusal(400, refusal_body(400, msg)))
             self.transport.close()
 
         def connection_made(self, transport: Any) -> None:

@@ -230,6 +230,32 @@ def _stalled_body_reply(port: int, path: str) -> bytes:
     return reply
 
 
+@pytest.mark.parametrize(
+    "request_line",
+    [b"get /healthz HTTP/1.1\r\n", b"GET /healthz HTTP/1.1\r\nContent-Length: -1\r\n"],
+)
+def test_a_request_the_parser_cannot_read_gets_a_json_400(
+    guarded: tuple[int, str], request_line: bytes
+) -> None:
+    """A request line or header uvicorn's parser cannot read: a 400 with the service's JSON
+    error body (the coordinator's and node's ``detail``, the router's OpenAI error), then the
+    connection closed — it was uvicorn's ``text/plain`` "Invalid HTTP request received." on
+    the coordinator and node (every error a 4xx with a JSON body saying what was wrong)."""
+    port, name = guarded
+    with socket.create_connection(("127.0.0.1", port), timeout=HANG) as conn:
+        conn.sendall(request_line + b"Host: x\r\n\r\n")
+        reply = b""
+        with contextlib.suppress(ConnectionResetError):
+            while part := conn.recv(65536):
+                reply += part
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 "), reply[:300]
+    assert b"content-type: application/json" in head.lower().split(b"\r\n"), head
+    error = json.loads(body)
+    message = error["error"]["message"] if name == "router" else error["detail"]
+    assert "Invalid HTTP request" in message
+
+
 def test_the_routers_408_is_an_openai_error(one_second_guard: Callable[[str], int]) -> None:
     """docs/router.md, "Endpoints": errors the router raises itself are OpenAI error objects;
     its guard's 408 was the coordinator's ``{"detail": ...}``. The coordinator's and node's

@@ -156,6 +156,27 @@ def test_an_encoded_slash_is_no_literal_routes() -> None:
         assert client.get("/directory/keys").status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("method", "url", "body"),
+    [
+        ("PUT", "/quota/%ff", {"limit_gb": 1}),  # a path parameter
+        ("GET", "/quota/a%C3", None),  # a cut multi-byte sequence
+        ("GET", "/cache/pins?cache_salt=%ff", None),  # a query parameter
+        ("PUT", "/instances/%fe%ff/heartbeat", None),
+    ],
+)
+def test_a_percent_encoded_name_that_is_not_utf8_is_refused(
+    client: httpx.Client, method: str, url: str, body: Any
+) -> None:
+    """A name percent-encoded from bytes that are not UTF-8 is a 400 naming the cause: it was
+    read with U+FFFD in their place (a quota for salt "\ufffd", listed and kept over a
+    restart)."""
+    r = client.request(method, url, json=body)
+    assert r.status_code == 400, (r.status_code, r.text)
+    assert "UTF-8" in r.json()["detail"]
+    assert "\ufffd" not in client.get("/quota").text
+
+
 def test_deregister_unknown_instance_is_harmless(client: httpx.Client) -> None:
     r = client.delete(f"/instances/{fresh('nobody')}")
     assert (r.status_code, r.content) == (204, b""), r.text  # as LMCache answers it
