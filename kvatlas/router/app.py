@@ -77,8 +77,7 @@ _FORWARD_REQUEST_HEADERS: Final = (b"content-type", b"accept", b"x-request-id")
 _FORWARD_REPLY_HEADERS: Final = frozenset(
     (b"content-type", b"content-length", b"content-encoding", b"cache-control", b"x-request-id")
 )
-_MAX_IDLE: Final = 256
-"""Idle keep-alive connections kept per engine."""
+_MAX_IDLE: Final = 256  # idle keep-alive connections kept per engine
 _TOKENIZE_IN_THREAD_BYTES: Final = 16_384
 _json = msgspec.json.Encoder()
 
@@ -124,6 +123,7 @@ class Router:
         http = None if self.coordinator is None else HttpScorer(self.coordinator)
         self.scorer: Scorer | None = http if scorer_of is None else scorer_of(http)
         self._tasks: list[asyncio.Task[None]] = []
+        self._created = int(time.time())  # (/v1/models: an OpenAI model's creation time)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -418,8 +418,8 @@ class Router:
         for engine in self.engines.healthy():
             for model, length in (engine.models or {}).items():
                 seen[model] = max(length or 0, seen.get(model) or 0) or None
-        data = [{"id": m, "object": "model", "owned_by": "kvatlas-router", "max_model_len": n}
-                for m, n in sorted(seen.items())]  # fmt: skip
+        data = [{"id": m, "object": "model", "created": self._created, "owned_by": "kvatlas-router",
+                 "max_model_len": n} for m, n in sorted(seen.items())]  # fmt: skip
         return Response(
             _json.encode({"object": "list", "data": data}), media_type="application/json"
         )

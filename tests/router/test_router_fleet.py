@@ -298,6 +298,8 @@ def test_auth_and_salts(fleet: dict[str, Any]) -> None:
     assert httpx.get(f"{fleet['router']}/v1/models").status_code == 401
     models = httpx.get(f"{fleet['router']}/v1/models", headers=bearer(ROUTE_A)).json()
     assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [(MODEL, 256)]
+    for m in models["data"]:  # OpenAI's Model object: id, object, created (an int), owned_by
+        assert (m["object"], type(m["created"]), type(m["owned_by"])) == ("model", int, str)
     assert httpx.get(f"{fleet['router']}/metrics").status_code == 401
     assert httpx.get(f"{fleet['router']}/metrics", headers=bearer(ROUTE_ANY)).status_code == 403
 
