@@ -11,9 +11,10 @@ encodings exist and all decode into the same structs:
 
 Block hashes are 32-byte strings or 64-bit integers (older); unknown and newer fields are ignored
 in every encoding. :func:`encode_batch` writes ``vllm`` unless told otherwise. Decoding never
-lets a msgspec error out: it raises :class:`VllmWireError` with a ``reason`` the subscriber
-counts (``malformed``, ``unknown_event``, ``invalid``). Nor does it hold the GIL for a whole
-message: :func:`split_batch` leaves the events as msgpack, in groups of at most
+lets a msgspec error out (nor msgspec's ``RecursionError`` for values nested too deep): it
+raises :class:`VllmWireError` with a ``reason`` the subscriber counts (``malformed``,
+``unknown_event``, ``invalid``). Nor does it hold the GIL for a whole message:
+:func:`split_batch` leaves the events as msgpack, in groups of at most
 :data:`DECODE_GROUP_BYTES` (a larger event alone), decoded one group per call when asked
 (:meth:`SplitBatch.groups`), so other threads run between groups and a message's events never
 all live as Python objects at once (a garbage collection would walk each of them). See
@@ -239,8 +240,8 @@ class SplitBatch:
                 decoded: list[Any] = decoder.decode(body)
             except msgspec.ValidationError as exc:
                 raise VllmWireError(_unknown_tag_or(body), f"events[{start}:]: {exc}") from None
-            except msgspec.DecodeError as exc:  # (the split already parsed the structure)
-                raise VllmWireError("malformed", str(exc)) from None
+            except (msgspec.DecodeError, RecursionError) as exc:  # (e.g. a string not UTF-8)
+                raise VllmWireError("malformed", _malformed(exc)) from None
             yield start, decoded if self.maps else [_as_layout(e, None) for e in decoded]
             start += len(decoded)
 
@@ -256,8 +257,8 @@ def split_batch(payload: bytes) -> SplitBatch:
         top = (_RAW_ARRAY_DECODER if array else _RAW_MAP_DECODER).decode(payload)
     except msgspec.ValidationError as exc:  # well-formed msgpack, not a KVEventBatch
         raise VllmWireError("invalid", str(exc)) from None
-    except msgspec.DecodeError as exc:
-        raise VllmWireError("malformed", str(exc)) from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise VllmWireError("malformed", _malformed(exc)) from None
     events = memoryview(top.events)
     count, header = _array_header(events)
     maps = not array or not count or not _is_array(events[header:])
@@ -268,7 +269,11 @@ def split_batch(payload: bytes) -> SplitBatch:
     bodies: list[bytes | msgspec.Raw] = []
     group: list[msgspec.Raw] = []
     size = 0
-    for raw in _RAW_EVENTS.decode(top.events):
+    try:
+        raws = _RAW_EVENTS.decode(top.events)
+    except (msgspec.DecodeError, RecursionError) as exc:  # (parsed above, from a shallower stack)
+        raise VllmWireError("malformed", _malformed(exc)) from None
+    for raw in raws:
         n = memoryview(raw).nbytes
         if group and size + n > DECODE_GROUP_BYTES:
             bodies.append(_array_of(group))
@@ -297,10 +302,24 @@ def _array_of(items: list[msgspec.Raw]) -> bytes:
     return b"".join([b"\xdd" + len(items).to_bytes(4, "big"), *items])
 
 
-def _unknown_tag_or(events_body: bytes) -> str:
-    """``unknown_event`` when some event's tag is not one of :data:`EVENT_TAGS`, else ``invalid``
-    (only on the error path: a second, untyped decode of events that are valid msgpack)."""
-    for event in _RAW_DECODER.decode(events_body):
+def _malformed(exc: Exception) -> str:
+    """What a msgpack that does not decode is refused for (msgspec raises ``RecursionError``,
+    not a ``DecodeError``, for values nested deeper than it follows)."""
+    if isinstance(exc, RecursionError):
+        return "msgpack nested too deeply"
+    return str(exc)
+
+
+def _unknown_tag_or(events_body: bytes | msgspec.Raw) -> str:
+    """``unknown_event`` when some event's tag is not one of :data:`EVENT_TAGS`, ``malformed``
+    when the events are not valid msgpack after all (the typed decoder stops at the first
+    invalid value: a string further on that is not UTF-8, nesting too deep), else ``invalid``
+    (only on the error path: a second, untyped decode)."""
+    try:
+        events = _RAW_DECODER.decode(events_body)
+    except (msgspec.DecodeError, RecursionError):
+        return "malformed"
+    for event in events:
         tag = event.get("type") if isinstance(event, dict) else None
         if isinstance(event, list) and event:
             tag = event[0]

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import struct
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from kvatlas.coordinator.kv_events import (
     Cleared,
@@ -24,6 +27,16 @@ GOLDEN = Path("/work/shared/wire/vllm-kv-events")
 CASES = json.loads((GOLDEN / "index.json").read_text())["cases"]
 HASHES = [bytes.fromhex(h) for h in CASES[0]["block_hashes_hex"]]
 TOKENS = list(range(1000, 1064))
+
+# An unknown tag, then a string that is not UTF-8: the typed decoder stops at the tag, the
+# untyped one that tells an unknown tag from an invalid field at the string.
+UNKNOWN_TAG_THEN_BAD_UTF8 = (
+    b"\x93" + msgspec.msgpack.encode(1.0)
+    + b"\x92" + msgspec.msgpack.encode({"type": "Bogus"}) + b"\x81\xa4type\xa2\xff\xfe"
+    + b"\xc0"
+)  # fmt: skip
+# Arrays nested deeper than msgspec follows (it raises RecursionError)
+NESTED_TOO_DEEP = b"\x93\xcb" + struct.pack(">d", 1.0) + b"\x91" * 100_001 + b"\xc0" + b"\xc0"
 
 
 def golden(name: str) -> bytes:

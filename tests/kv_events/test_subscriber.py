@@ -12,7 +12,15 @@ import pytest
 from kvatlas.coordinator.server import free_port
 from kvatlas.events.vllm_wire import BlockRemoved, KVEventBatch, decode_batch, encode_batch
 from tests.conftest import wait_for
-from tests.kv_events.helpers import HASHES, TOKENS, FakeEngine, Subscribed, golden
+from tests.kv_events.helpers import (
+    HASHES,
+    NESTED_TOO_DEEP,
+    TOKENS,
+    UNKNOWN_TAG_THEN_BAD_UTF8,
+    FakeEngine,
+    Subscribed,
+    golden,
+)
 
 
 @pytest.fixture
@@ -90,6 +98,33 @@ def test_a_batch_refused_before_translation_is_a_gap_at_the_gate(
         assert wait_for(lambda: s.sub.stats().batches == 2)
         cursor = s.directory.gap_state("pod-a" if rank is None else "pod-a:dp1")
         assert cursor is not None and cursor.missing_batches == 3, cursor
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("bad", [UNKNOWN_TAG_THEN_BAD_UTF8, NESTED_TOO_DEEP],
+                         ids=["unknown-tag-then-bad-utf8", "nested-too-deep"])  # fmt: skip
+def test_a_payload_msgspec_cannot_read_is_refused_counted_and_a_gap(
+    engine: FakeEngine, bad: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """docs/kv-events.md, "Bad input": malformed msgpack is counted and logged, the batch
+    changes nothing, the subscriber goes on; a rejected batch is a gap of its engine. These
+    two escaped as msgspec's own errors (``DecodeError`` from the second, untyped decode that
+    names an invalid event's kind; ``RecursionError``): an ``errors`` count with a traceback,
+    the seq not taken, and the next batch's replay met the bad payload again and was lost."""
+    s = Subscribed([engine.endpoint], [engine.replay_endpoint])
+    try:
+        with caplog.at_level("WARNING", logger="kvatlas.coordinator.kv_events"):
+            engine.send_until(0, golden("current-stored"), lambda: s.sub.stats().batches == 1)
+            engine.send(1, bad)
+            engine.send(2, removed(HASHES[1]))
+            assert wait_for(lambda: s.sub.stats().batches == 2)
+        stats = s.sub.stats()
+        assert (stats.errors, stats.rejected_malformed) == (0, 1)
+        assert holders(s) == {("pod-a", "gpu"): 1}
+        cursor = s.directory.gap_state("pod-a")
+        assert cursor is not None and (cursor.gaps, cursor.missing_batches) == (1, 1), cursor
+        assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
     finally:
         s.close()
 

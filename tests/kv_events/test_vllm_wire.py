@@ -23,6 +23,7 @@ from kvatlas.events.vllm_wire import (
     split_topic,
     unpack_seq,
 )
+from tests.kv_events.helpers import NESTED_TOO_DEEP, UNKNOWN_TAG_THEN_BAD_UTF8
 
 GOLDEN = Path("/work/shared/wire/vllm-kv-events")
 INDEX = json.loads((GOLDEN / "index.json").read_text())["cases"]
@@ -138,6 +139,8 @@ def golden_bytes(name: str) -> bytes:
         (msgspec.msgpack.encode({"ts": "x", "events": []}), "invalid"),
         (msgspec.msgpack.encode(7), "invalid"),
         (msgspec.msgpack.encode({"ts": 1.0, "events": [], "data_parallel_rank": "x"}), "invalid"),
+        pytest.param(UNKNOWN_TAG_THEN_BAD_UTF8, "malformed", id="unknown-tag-then-bad-utf8"),
+        pytest.param(NESTED_TOO_DEEP, "malformed", id="nested-too-deep"),
     ],
 )
 def test_bad_payloads_raise_a_counted_kind(payload: bytes, kind: str) -> None:
