@@ -175,6 +175,42 @@ def test_an_engine_restart_fences_what_it_held(engine: FakeEngine) -> None:
         s.close()
 
 
+@pytest.mark.parametrize("with_replay", [True, False], ids=["replayed", "a-gap"])
+def test_a_restarted_engines_batches_before_the_first_heard_are_replayed_or_a_gap(
+    engine: FakeEngine, with_replay: bool
+) -> None:
+    """docs/kv-events.md, "Gaps": a restarted vLLM counts from seq 0 again, and its PUB drops
+    what it sends before the SUB has reconnected (ZMQ's slow joiner); its fresh replay ring
+    keeps it. Heard at seq 2 after 6, the restart fenced the old incarnation but seqs 0 and 1
+    of the new one were lost without a word: never asked of the replay socket, no gap."""
+    s = Subscribed([engine.endpoint], [engine.replay_endpoint if with_replay else None])
+    try:
+        engine.send_until(0, removed(b"\x01" * 32), lambda: s.sub.stats().batches == 1)
+        for seq in range(1, 7):
+            engine.send(seq, removed(b"\x01" * 32))
+        assert wait_for(lambda: s.sub.stats().batches == 7)
+        with engine.lock:
+            engine.ring.clear()  # the new process's ring
+        engine.record(0, golden("current-stored"))  # sent before the SUB reconnected
+        engine.record(1, removed(b"\x02" * 32))
+        engine.send(2, removed(b"\x03" * 32))
+        assert wait_for(lambda: s.sub.stats().batches == (10 if with_replay else 8))
+        stats = s.sub.stats()
+        assert stats.engine_restarts == 1
+        cursor = s.directory.gap_state("pod-a")
+        assert cursor is not None
+        if with_replay:
+            assert engine.requests == [0]
+            assert holders(s) == {("pod-a", "gpu"): 2}
+            assert (stats.replayed_batches, stats.gaps, cursor.gaps) == (2, 0, 0)
+        else:
+            assert holders(s) == {}
+            assert (stats.gaps, stats.missing_batches) == (1, 2)
+            assert (cursor.gaps, cursor.missing_batches) == (1, 2)
+    finally:
+        s.close()
+
+
 def test_bad_input_is_counted_and_the_subscriber_goes_on(engine: FakeEngine) -> None:
     s = Subscribed([engine.endpoint], [None], max_blocks=100)
     flood = msgspec.msgpack.decode(golden("current-int-hashes"))

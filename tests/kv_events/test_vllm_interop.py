@@ -237,6 +237,44 @@ def test_vllms_publisher_feeds_a_coordinator(kv_events: ModuleType) -> None:
         coordinator.close()
 
 
+def test_a_restarted_engines_first_batches_come_back_through_its_replay(
+    kv_events: ModuleType,
+) -> None:
+    """A restarted vLLM publishes its first step before the SUB has reconnected (ZMQ's slow
+    joiner: its PUB drops it, its new replay ring keeps it). The coordinator hears the restart
+    at a later seq (back below the old last one) and asks the replay socket for the new
+    incarnation's seqs from 0: the block stored in that first step is held. It was lost
+    without a word: no replay, no gap."""
+    pub_port, replay_port = free_port(), free_port()
+    endpoints = (f"tcp://*:{pub_port}", f"tcp://*:{replay_port}")
+    doc, other = prompt(5, 2), prompt(6, 2)
+    engine = Engine(kv_events, *endpoints)
+    coordinator = Coordinator(
+        "--kv-events-subscribe", f"tcp://127.0.0.1:{pub_port}",
+        "--kv-events-replay", f"tcp://127.0.0.1:{replay_port}",
+    )  # fmt: skip
+    try:
+        engine.stored(doc, block_hashes(5, 2))
+        for _ in range(30):  # the old incarnation's last seq: above what the new one sends
+            engine.publish()
+        engine.until_seen(coordinator, 31)
+        assert coordinator.holders(doc) == {("pod-a", "gpu"): 1}
+        engine.close()
+        engine = restarted(kv_events, *endpoints)
+        engine.stored(other, block_hashes(6, 2))  # seq 0, before the SUB reconnected
+        for _ in range(25):  # empty steps until one is heard (the restart)
+            engine.publish()
+            if wait_for(lambda: coordinator.subscriber()["engine_restarts"] > 0, 0.2):
+                break
+        assert wait_for(lambda: coordinator.holders(other) == {("pod-a", "gpu"): 1})
+        assert coordinator.holders(doc) == {}  # the old incarnation's copies: fenced
+        stats = coordinator.subscriber()
+        assert (stats["engine_restarts"], stats["gaps"], stats["errors"]) == (1, 0, 0)
+    finally:
+        engine.close()
+        coordinator.close()
+
+
 def candidates(coordinator: Coordinator, tokens: list[int]) -> list[tuple[str, int]]:
     """``POST /route/score``'s default candidates and their prefix tokens."""
     scores = HTTP.post(

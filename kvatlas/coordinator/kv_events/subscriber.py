@@ -14,7 +14,8 @@ replay endpoint (``--kv-events-replay``, same position in the list) the missing 
 asked for (DEALER → the engine's ROUTER; vLLM's reply frames ``topic, seq, payload`` or the
 older ``seq, payload``) and applied first; what stays missing shows as a gap of the engine's
 instance at the gate (``GET /instances``). A seq going back is an engine restart (a new
-incarnation). Bad input is counted and logged, never raised; a bad batch changes nothing.
+incarnation, counting from seq 0: the seqs before the one heard are asked of the replay endpoint
+from 0, else a gap). Bad input is counted and logged, never raised; a bad batch changes nothing.
 
 No message costs other threads more than a bounded pause: every socket that receives from
 outside refuses a frame above ``--kv-events-max-message-bytes`` (ZMQ drops that peer's
@@ -174,7 +175,10 @@ class KvEventsSubscriber:
             log.warning("kv events: %s restarted (seq %d after %d)", instance, seq, last)
             self.rekeyer.restart(instance)
             self._ingest([self.rekeyer.marker(instance)])
-        elif (
+            # The new incarnation counts from 0: what it sent before this (a PUB drops what it
+            # sends before the SUB reconnects) is asked of its replay ring, else a gap.
+            last = link.seqs[topic] = -1
+        if (
             live
             and link.spec.replay is not None
             and seq > (-1 if last is None else last) + 1
