@@ -5,8 +5,8 @@ Real processes on loopback: a coordinator subscribed to two fake vLLM engines (p
 ``pod-a`` holds an unrelated text in GPU memory, ``pod-b`` the query's first chunk) and two
 ``kvatlas node`` processes: ``node-a`` (``--engine-id pod-a``) holds the whole query in L1 and
 ``pod-a`` ranks first, ``node-a`` no candidate of its own; ``node-b``, pod-b's node but started
-without the flag (the negative control), holds a second query, and ``pod-b`` gets no prefix
-from it. The link survives a coordinator restart (snapshot) and works with the Redis
+without the flag (the negative control), holds a second query, and ``pod-b`` gets nothing
+from it (no node linked: a plain engine, which reuses no fragment). The link survives a coordinator restart (snapshot) and works with the Redis
 transport. The nodes register before either engine published anything: any start order."""
 
 from __future__ import annotations
@@ -41,13 +41,15 @@ OTHER = RNG.integers(500, 900, 2 * C).astype(np.uint32)
 PEER_4 = round(0.85 * 0.6 * 4 * C, 3)  # four chunks fetched from another node's L1
 LINKED = [
     ("pod-a", 4 * C, 0, round(0.8 * 4 * C, 3)),  # node-a's L1, its own
-    ("pod-b", C, 3 * C, round(1.0 * C + 0.85 * 0.6 * 3 * C, 3)),  # GPU, then node-a as peer
     ("node-b", 0, 4 * C, PEER_4),
+    # its GPU prefix only: no node is linked to pod-b, so it is a plain vLLM engine to the
+    # directory (it reuses a prefix of its own blocks, no fragment, no peer's L1)
+    ("pod-b", C, 0, round(1.0 * C, 3)),
 ]
-UNLINKED = [  # node-b's query: without the flag, node-b's L1 is only a peer's to pod-b
+UNLINKED = [  # node-b's query: without the flag, node-b's copies are nothing to pod-b
     ("node-b", 4 * C, 0, round(0.8 * 4 * C, 3)),
-    ("pod-a", 0, 4 * C, PEER_4),
-    ("pod-b", 0, 4 * C, PEER_4),
+    ("pod-a", 0, 4 * C, PEER_4),  # through node-a, which may fetch node-b's L1
+    ("pod-b", 0, 0, 0.0),
 ]
 
 
