@@ -65,6 +65,7 @@ SHARED = (
     "c_heap",  # glibc's allocator through ctypes: room faulted in ahead of a burst
     "redis_clients",
     "rope_styles",  # which rotary style a model type uses: the node's and the connector's
+    "chat_template",  # a chat template rendered as vLLM renders it: the router's and engine_sim's
     "workloads",  # benchmark inputs: numpy only
 )
 TOP = ("bench", "demo", "soak", "cli", "router_replica")  # router_replica: the router

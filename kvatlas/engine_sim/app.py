@@ -8,16 +8,19 @@ the driver delivers. ``/health``, ``/v1/models``, ``/metrics`` and ``POST
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive
 
 from kvatlas.engine_sim import openai_wire as wire
 from kvatlas.engine_sim.config import EngineSimConfig
@@ -79,7 +82,7 @@ class EngineApi:
     async def _guarded(self, request: Request, chat: bool) -> Response:
         try:
             body = await read_body(request, self.config.max_body_bytes)
-            return await self._generate(body, chat)
+            return await _unless_client_leaves(request.receive, self._generate(body, chat))
         except KvatlasError as exc:
             return self._error(exc.detail or str(exc), exc.status)
 
@@ -91,13 +94,15 @@ class EngineApi:
         cfg = self.config
         if chat:
             req = wire.decode_request(body, wire.ChatRequest)
-            prompt = self.tokenizer.chat_prompt(wire.chat_messages(req))
-            max_tokens = req.max_completion_tokens or req.max_tokens
+            prompt = self.tokenizer.chat_prompt(wire.chat_messages(req), **wire.chat_options(req))
+            max_tokens = req.max_tokens  # vLLM's: max_completion_tokens unless null
+            if req.max_completion_tokens is not None:
+                max_tokens = req.max_completion_tokens
         else:
             req = wire.decode_request(body, wire.CompletionRequest)
             text_or_ids = wire.prompt_of(req)
-            prompt = (self.tokenizer.encode(text_or_ids) if isinstance(text_or_ids, str)
-                      else list(text_or_ids))  # fmt: skip
+            prompt = (self.tokenizer.encode(text_or_ids, req.add_special_tokens)
+                      if isinstance(text_or_ids, str) else list(text_or_ids))  # fmt: skip
             max_tokens = req.max_tokens
         wire.check_model(req.model, cfg.model)
         if max_tokens is not None and max_tokens < 1:
@@ -161,13 +166,14 @@ class EngineApi:
         created = self.created_at(sim)
         chunk = wire.chat_chunk if chat else wire.completion_chunk
         n = 0
+        continuous = bool(options.include_usage and options.continuous_usage_stats)
         try:
             while (out := await stream.tokens.get()) is not None:
                 if chat and n == 0:
-                    yield wire.chat_role_chunk(sim.request_id, created, model)
+                    usage = wire.continuous_usage(len(sim.prompt), 0, chat) if continuous else None
+                    yield wire.chat_role_chunk(sim.request_id, created, model, usage)
                 n += 1
-                usage = (wire.continuous_usage(len(sim.prompt), n)
-                         if options.include_usage and options.continuous_usage_stats else None)  # fmt: skip
+                usage = wire.continuous_usage(len(sim.prompt), n, chat) if continuous else None
                 finish = sim.finish_reason if out.finished else None
                 yield chunk(sim.request_id, created, model, self.tokenizer.decode([out.token_id]),
                             finish, usage)  # fmt: skip
@@ -177,6 +183,34 @@ class EngineApi:
             yield wire.SSE_DONE
         finally:
             self.driver.abort(sim)  # a no-op once finished
+
+
+async def _client_left(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_client_leaves(receive: Receive, work: Coroutine[Any, Any, Response]) -> Response:
+    """``work``, cancelled when its client leaves first (vLLM's ``with_cancellation``): a
+    non-streamed request is aborted, its blocks freed. The body is in, so what ``receive``
+    says next is ``http.disconnect``; a stream's reply watches the client itself."""
+    task, left = asyncio.ensure_future(work), asyncio.ensure_future(_client_left(receive))
+    try:
+        await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task  # its abort has run
+    return task.result() if not task.cancelled() else Response()  # nobody reads it
+
+
+async def _as_fastapi_answers(_: Request, exc: Exception) -> Response:
+    """An unknown path (404) or a wrong method (405, ``Allow``) as vLLM's FastAPI answers it:
+    ``{"detail": ...}`` in JSON (Starlette's own answer is plain text)."""
+    assert isinstance(exc, HTTPException)
+    return JSONResponse({"detail": exc.detail}, exc.status_code, exc.headers)
 
 
 def create_app(config: EngineSimConfig, driver: EngineDriver, tokenizer: Tokenizer) -> Starlette:
@@ -199,4 +233,5 @@ def create_app(config: EngineSimConfig, driver: EngineDriver, tokenizer: Tokeniz
         Route("/metrics", api.metrics, methods=["GET"]),
         Route("/reset_prefix_cache", api.reset_prefix_cache, methods=["POST"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Starlette(routes=routes, lifespan=lifespan,
+                     exception_handlers={HTTPException: _as_fastapi_answers})  # fmt: skip

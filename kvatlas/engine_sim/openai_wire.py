@@ -49,6 +49,7 @@ class CompletionRequest(msgspec.Struct):
     n: int = 1
     cache_salt: str | None = None
     ignore_eos: bool = False
+    add_special_tokens: bool = True
 
 
 class ChatRequest(msgspec.Struct):
@@ -61,6 +62,10 @@ class ChatRequest(msgspec.Struct):
     n: int = 1
     cache_salt: str | None = None
     ignore_eos: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def decode_request(body: bytes, kind: type[Any]) -> Any:
@@ -93,13 +98,15 @@ def prompt_of(request: CompletionRequest) -> str | list[int]:
     return prompt
 
 
-def chat_messages(request: ChatRequest) -> list[tuple[str, str]]:
+def chat_messages(request: ChatRequest) -> list[dict[str, Any]]:
+    """The messages as a chat template reads them: ``role`` and text ``content`` (text parts
+    joined with newlines, vLLM's "string" content format)."""
     if not request.messages:
         raise InvalidInput("messages cannot be empty")
     out = []
     for m in request.messages:
         if m.content is None or isinstance(m.content, str):
-            out.append((m.role, m.content or ""))
+            out.append({"role": m.role, "content": m.content or ""})
             continue
         texts = []
         for part in m.content:
@@ -107,8 +114,17 @@ def chat_messages(request: ChatRequest) -> list[tuple[str, str]]:
                 raise InvalidInput(f"content part type {part.type!r} is not supported by "
                                    "this text-only model")  # fmt: skip
             texts.append(part.text)
-        out.append((m.role, "\n".join(texts)))
+        out.append({"role": m.role, "content": "\n".join(texts)})
     return out
+
+
+def chat_options(request: ChatRequest) -> dict[str, Any]:
+    """How the chat becomes a prompt, as vLLM reads the request (its defaults: the
+    generation prompt added, no special tokens beyond the template's)."""
+    return {"add_generation_prompt": request.add_generation_prompt,
+            "continue_final_message": request.continue_final_message,
+            "add_special_tokens": request.add_special_tokens,
+            "template_kwargs": request.chat_template_kwargs}  # fmt: skip
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -190,12 +206,16 @@ def completion_chunk(rid: str, created: int, model: str, text: str, finish: str 
     return sse(chunk)
 
 
-def chat_role_chunk(rid: str, created: int, model: str) -> bytes:
+def chat_role_chunk(rid: str, created: int, model: str,
+                    usage: dict[str, Any] | None = None) -> bytes:  # fmt: skip
     choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
               "finish_reason": None}  # fmt: skip
-    return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                "model": model, "choices": [choice], "prompt_token_ids": None,
-                "prompt_text": None})  # fmt: skip
+    chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                             "model": model, "choices": [choice]}  # fmt: skip
+    if usage is not None:
+        chunk["usage"] = usage
+    chunk["prompt_token_ids"] = chunk["prompt_text"] = None
+    return sse(chunk)
 
 
 def chat_chunk(rid: str, created: int, model: str, text: str, finish: str | None,
@@ -221,9 +241,14 @@ def usage_chunk(rid: str, created: int, model: str, chat: bool, usage: dict[str,
                 "usage": usage})  # fmt: skip
 
 
-def continuous_usage(prompt: int, completion: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
-            "completion_tokens": completion}  # fmt: skip
+def continuous_usage(prompt: int, completion: int, chat: bool) -> dict[str, Any]:
+    """A chunk's usage with ``stream_options.continuous_usage_stats`` (a chat's, the role
+    chunk's too, sets ``completion_tokens_details``; a completion's does not)."""
+    usage: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                             "completion_tokens": completion}  # fmt: skip
+    if chat:
+        usage["completion_tokens_details"] = None
+    return usage
 
 
 def models_reply(model: str, created: int, max_model_len: int) -> bytes:

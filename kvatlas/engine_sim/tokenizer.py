@@ -1,13 +1,16 @@
 """Text to token ids, as the engine's own tokenizer would do it.
 
 With ``--tokenizer tokenizer.json`` a Hugging Face tokenizer (the ``tokenizers`` package, the
-``tokenizer`` extra) encodes text exactly as the served model's does: completions with the
-model's special tokens (vLLM's ``add_special_tokens`` default), chat prompts without them (the
-template writes them). Without one, a documented deterministic fallback: one token per UTF-8
-byte (id = the byte's value), which any other program can reproduce. Chat messages become one
-prompt through a ChatML template (``<|im_start|>{role}\n{content}<|im_end|>\n`` per message,
-then ``<|im_start|>assistant\n``). Output tokens are drawn from :attr:`output_vocab` (with the
-fallback: lower-case letters and the space, so output text is readable ASCII).
+``tokenizer`` extra) encodes text exactly as the served model's does, with the model's special
+tokens as the request's ``add_special_tokens`` says (vLLM's defaults: true for completions,
+false for chat, whose template writes them). Without one, a documented deterministic fallback:
+one token per UTF-8 byte (id = the byte's value), which any other program can reproduce. Chat
+messages become one prompt through the ChatML template :data:`CHATML_TEMPLATE`
+(``<|im_start|>{role}\n{content}<|im_end|>\n`` per message, then ``<|im_start|>assistant\n``
+with ``add_generation_prompt``), rendered as vLLM renders a model's template
+(:class:`~kvatlas.chat_template.ChatTemplate`, the router's renderer too). Output tokens are
+drawn from :attr:`output_vocab` (with the fallback: lower-case letters and the space, so output
+text is readable ASCII).
 """
 
 from __future__ import annotations
@@ -16,13 +19,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-CHATML_START = "<|im_start|>"
-CHATML_END = "<|im_end|>"
+from kvatlas.chat_template import ChatTemplate
 
-
-def render_chatml(messages: Sequence[tuple[str, str]]) -> str:
-    parts = [f"{CHATML_START}{role}\n{content}{CHATML_END}\n" for role, content in messages]
-    return "".join(parts) + f"{CHATML_START}assistant\n"
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 class Tokenizer:
@@ -30,6 +32,7 @@ class Tokenizer:
 
     def __init__(self, hf: Any = None) -> None:
         self._hf = hf
+        self.chat_template = ChatTemplate(CHATML_TEMPLATE)
         if hf is None:
             self.output_vocab: Sequence[int] = [*range(ord("a"), ord("z") + 1), ord(" ")]
         else:
@@ -64,5 +67,9 @@ class Tokenizer:
             return bytes(ids).decode("utf-8", errors="replace")
         return str(self._hf.decode(list(ids), skip_special_tokens=True))
 
-    def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        return self.encode(render_chatml(messages), add_special_tokens=False)
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], *, add_special_tokens: bool = False, **render: Any
+    ) -> list[int]:
+        """``messages`` rendered (:meth:`ChatTemplate.render`'s options), then encoded."""
+        text = self.chat_template.render(messages, **render)
+        return self.encode(text, add_special_tokens=add_special_tokens)

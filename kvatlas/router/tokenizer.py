@@ -5,12 +5,10 @@ What vLLM does, and so what this does (docs/router.md, "Tokens"):
 
 * completions text: ``tokenizer(prompt, add_special_tokens=body.add_special_tokens)``
   (default true: the tokenizer's post-processor adds BOS where the model wants one);
-* chat: Hugging Face ``apply_chat_template`` semantics — the Jinja template rendered in a
-  sandbox with ``trim_blocks`` and ``lstrip_blocks``, ``loopcontrols``, the ``tojson`` filter
-  without HTML escaping, ``raise_exception`` and ``strftime_now``; variables ``messages``,
-  ``tools``, ``documents``, ``add_generation_prompt`` (default true), the tokenizer's special
-  tokens (``bos_token`` …) overridden by ``chat_template_kwargs``; then the text encoded with
-  ``add_special_tokens`` false (the template writes BOS itself), as vLLM's chat endpoint does.
+* chat: Hugging Face ``apply_chat_template`` semantics
+  (:class:`~kvatlas.chat_template.ChatTemplate`, the simulated engine's renderer too),
+  ``add_generation_prompt`` default true; then the text encoded with ``add_special_tokens``
+  false (the template writes BOS itself), as vLLM's chat endpoint does.
 
 A template that raises is the caller's error (400), as on the engine.
 """
@@ -18,23 +16,18 @@ A template that raises is the caller's error (400), as on the engine.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
-from datetime import datetime
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.sandbox
 from tokenizers import Tokenizer
 
+from kvatlas.chat_template import ChatTemplate
 from kvatlas.errors import InvalidInput
 
 SPECIAL_TOKEN_NAMES = (
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
 )  # fmt: skip
-_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 def _token_text(value: Any) -> str | None:
@@ -68,56 +61,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     return doc
 
 
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: Sequence[str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    seps = tuple(separators) if separators is not None else None
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=seps,  # type: ignore[arg-type]
-        sort_keys=sort_keys,
-    )  # fmt: skip
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-class _GenerationBlock(jinja2.ext.Extension):
-    """``{% generation %}…{% endgeneration %}`` renders its body, as Hugging Face's
-    ``AssistantTracker`` does when no assistant mask is asked for (training templates use it)."""
-
-    tags = {"generation"}  # noqa: RUF012 (jinja2 declares it an instance attribute)
-
-    def parse(self, parser: Any) -> Any:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render", []), [], [], body).set_lineno(
-            lineno
-        )
-
-    def _render(self, caller: Any) -> str:
-        return str(caller())
-
-
-def compile_chat_template(source: str) -> jinja2.Template:
-    """The template in Hugging Face's environment (see the module docstring)."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
-
-
 _ENCODE_RELEASING_CHARS = 16_384
 """Texts from this long are encoded with the GIL released (the batch encoder's thread pool
 costs more than a short text's encoding)."""
@@ -140,10 +83,7 @@ class PromptTokenizer:
         }
         source = self._template_source(chat_template, config, directory)
         self.chat_template_source = source
-        try:
-            self._template = compile_chat_template(source) if source is not None else None
-        except jinja2.TemplateError as exc:
-            raise ValueError(f"chat template does not compile: {exc}") from None
+        self._chat = ChatTemplate(source, self.special_tokens) if source is not None else None
 
     @staticmethod
     def _template_source(
@@ -166,7 +106,7 @@ class PromptTokenizer:
 
     @property
     def has_chat_template(self) -> bool:
-        return self._template is not None
+        return self._chat is not None
 
     def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """The ids of ``text``; a long one by the batch encoder, which releases the GIL
@@ -178,52 +118,11 @@ class PromptTokenizer:
         (encoding,) = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
         return encoding.ids  # type: ignore[no-any-return]
 
-    def render_chat(
-        self,
-        messages: list[dict[str, Any]],
-        *,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        tools: list[Any] | None = None,
-        documents: list[Any] | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> str:
-        """The chat as the template writes it (``InvalidInput`` when the template refuses)."""
-        if self._template is None:
+    def render_chat(self, messages: list[dict[str, Any]], **render: Any) -> str:
+        """The chat as the template writes it (:meth:`ChatTemplate.render`'s options)."""
+        if self._chat is None:
             raise InvalidInput("this router has no chat template for the model (--chat-template)")
-        if continue_final_message and add_generation_prompt:
-            raise InvalidInput(
-                "continue_final_message and add_generation_prompt exclude each other"
-            )
-        chat = messages
-        final = ""
-        if continue_final_message:
-            chat = [dict(m) for m in messages]
-            content = chat[-1].get("content")
-            if not isinstance(content, str):
-                raise InvalidInput("continue_final_message needs a final message with text content")
-            final = content
-            chat[-1]["content"] = content + _CONTINUE_TAG
-        variables = {**self.special_tokens, **(template_kwargs or {})}
-        try:
-            rendered: str = self._template.render(
-                messages=chat, tools=tools, documents=documents,
-                add_generation_prompt=add_generation_prompt, **variables,
-            )  # fmt: skip
-        except jinja2.TemplateError as exc:
-            raise InvalidInput(f"chat template: {exc}") from None
-        except (TypeError, ValueError, KeyError, AttributeError) as exc:
-            raise InvalidInput(f"chat template cannot render these messages: {exc}") from None
-        if continue_final_message:
-            tag = _CONTINUE_TAG.strip()
-            if final.strip() not in rendered or tag not in rendered:
-                raise InvalidInput("the chat template drops the final message to continue")
-            at = rendered.rindex(tag)
-            if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
-                rendered = rendered[:at]
-            else:
-                rendered = rendered[:at].rstrip()
-        return rendered
+        return self._chat.render(messages, **render)
 
     def encode_chat(
         self,

@@ -18,6 +18,7 @@ from tests.engine_sim.harness import MODEL, EngineProcess, compact, sse_events
 from tests.vllm_support import require_vllm
 
 BS = 16
+HI = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +148,45 @@ def test_chat_reply_and_stream_are_vllms(engine: EngineProcess, chat_models: Mod
     assert json.loads(usage)["usage"]["completion_tokens"] == 3
 
 
+def test_chat_stream_with_continuous_usage_is_vllms(
+    engine: EngineProcess, chat_models: ModuleType
+) -> None:
+    """``stream_options.continuous_usage_stats``: every chunk, the role chunk too, carries
+    the usage vLLM's chat stream builds (``completion_tokens_details`` null included),
+    rebuilt here as vLLM's serving code builds it."""
+    m = chat_models
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    raw = engine.post("/v1/chat/completions", {"messages": HI, "max_tokens": 2, "stream": True,
+                                                "stream_options": options}).content  # fmt: skip
+    role, *tokens, _ = sse_events(raw)
+    first = json.loads(role)
+    assert "usage" in first, role
+    n = first["usage"]["prompt_tokens"]
+    chunk = m.ChatCompletionStreamResponse(
+        id=first["id"], object="chat.completion.chunk", created=first["created"], model=MODEL,
+        choices=[m.ChatCompletionResponseStreamChoice(
+            index=0, delta=m.DeltaMessage(role="assistant", content=""), logprobs=None,
+            finish_reason=None)],
+        prompt_token_ids=None, prompt_text=None,
+    )  # fmt: skip
+    chunk.usage = m.UsageInfo(prompt_tokens=n, completion_tokens=0, total_tokens=n,
+                              completion_tokens_details=None)  # fmt: skip
+    assert chunk.model_dump_json(exclude_unset=True).encode() == role
+    for i, got in enumerate(tokens, 1):
+        last = i == len(tokens)
+        extra = {"finish_reason": "length", "stop_reason": None, "weight_versions": None}
+        choice = m.ChatCompletionResponseStreamChoice(
+            index=0, delta=m.DeltaMessage(content=json.loads(got)["choices"][0]["delta"]["content"]),
+            logprobs=None, token_ids=None, **(extra if last else {"finish_reason": None}),
+        )  # fmt: skip
+        chunk = m.ChatCompletionStreamResponse(id=first["id"], object="chat.completion.chunk",
+                                               created=first["created"], choices=[choice],
+                                               model=MODEL, kv_transfer_params=None)  # fmt: skip
+        chunk.usage = m.UsageInfo(prompt_tokens=n, completion_tokens=i, total_tokens=n + i,
+                                  completion_tokens_details=None)  # fmt: skip
+        assert chunk.model_dump_json(exclude_unset=True).encode() == got
+
+
 def test_models_and_health(engine: EngineProcess) -> None:
     models = engine.http.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL] and models["object"] == "list"
@@ -185,6 +225,19 @@ def test_models_and_health(engine: EngineProcess) -> None:
             400,
         ),
         ("/v1/chat/completions", {"messages": "hi"}, 400),
+        # vLLM: max_completion_tokens unless null (0 is no output: refused), else max_tokens
+        ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": 0}, 400),
+        (
+            "/v1/chat/completions",
+            {"messages": HI, "max_completion_tokens": 0, "max_tokens": 5},
+            400,
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": HI, "continue_final_message": True, "add_generation_prompt": True},
+            400,
+        ),
+        ("/v1/chat/completions", {"messages": HI, "chat_template_kwargs": "x"}, 400),
     ],
 )
 def test_bad_input_is_an_openai_error_object(
@@ -196,6 +249,27 @@ def test_bad_input_is_an_openai_error_object(
     assert list(error) == ["message", "type", "param", "code"]
     assert error["code"] == status and error["message"]
     assert error["type"] == ("BadRequestError" if status == 400 else "NotFoundError")
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "detail"),
+    [
+        ("GET", "/no/such/path", 404, "Not Found"),
+        ("POST", "/v1/model", 404, "Not Found"),
+        ("GET", "/v1/completions", 405, "Method Not Allowed"),
+        ("DELETE", "/v1/chat/completions", 405, "Method Not Allowed"),
+    ],
+)
+def test_unknown_paths_and_methods_are_answered_as_fastapi_answers(
+    engine: EngineProcess, method: str, path: str, status: int, detail: str
+) -> None:
+    """vLLM's server is FastAPI: an unknown path or a wrong method is its JSON ``detail``."""
+    reply = engine.http.request(method, path)
+    assert reply.status_code == status
+    assert reply.headers["content-type"] == "application/json"
+    assert reply.content == compact({"detail": detail})
+    if status == 405:
+        assert reply.headers["allow"] == "POST"
 
 
 def test_metrics_carry_vllms_names(engine: EngineProcess) -> None:
