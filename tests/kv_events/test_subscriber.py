@@ -211,6 +211,32 @@ def test_a_restarted_engines_batches_before_the_first_heard_are_replayed_or_a_ga
         s.close()
 
 
+def test_a_restart_whose_first_heard_batch_is_refused_is_still_a_restart(
+    engine: FakeEngine,
+) -> None:
+    """A restarted engine whose first batch heard (seq back below the old last one) is refused
+    (malformed): the seq going back is a restart all the same — the old incarnation fenced
+    (its copies were the dead process's memory), the lost batches a gap; it recorded the lower
+    seq and nothing else, so the next valid batch looked like the old incarnation's."""
+    s = Subscribed([engine.endpoint], [None])
+    try:
+        engine.send_until(0, golden("current-stored"), lambda: s.sub.stats().batches == 1)
+        for seq in range(1, 5):
+            engine.send(seq, removed(b"\x09" * 32))
+        assert wait_for(lambda: s.sub.stats().batches == 5)
+        assert holders(s) == {("pod-a", "gpu"): 2}
+        engine.send(1, b"\xc1\xc1")  # the new process's seq 1, unreadable (seq 0 missed)
+        engine.send(2, removed(b"\x09" * 32))
+        assert wait_for(lambda: s.sub.stats().batches == 6)
+        stats = s.sub.stats()
+        assert (stats.engine_restarts, stats.rejected_malformed) == (1, 1)
+        assert holders(s) == {}  # the old incarnation's copies are gone
+        cursor = s.directory.gap_state("pod-a")
+        assert cursor is not None and cursor.missing_batches == 2  # seq 0 and the refused 1
+    finally:
+        s.close()
+
+
 def test_bad_input_is_counted_and_the_subscriber_goes_on(engine: FakeEngine) -> None:
     s = Subscribed([engine.endpoint], [None], max_blocks=100)
     flood = msgspec.msgpack.decode(golden("current-int-hashes"))

@@ -158,11 +158,14 @@ class KvEventsSubscriber:
             return
         parsed = self._parse(link, topic, payload)
         if parsed is None:  # counted; a jump before it is still a gap (of unknown instance)
+            lost = self._refused_engine(link, topic)
+            if lost is not None and last is not None and seq < last:  # a restart all the same
+                self._restarted(lost, seq, last)
+                last = -1  # (the new incarnation's seqs before this one: missing too)
             jump = seq - last - 1 if last is not None and seq > last + 1 else 0
             if jump:
                 self.counts["gaps"] += 1
                 self.counts["missing_batches"] += jump
-            lost = self._refused_engine(link, topic)
             if lost is not None:  # a batch of an engine it speaks for: lost, a gap at its gate
                 self._ingest([self.rekeyer.marker(lost, jump + 1)])
             if last is not None:  # (a refused topic never gets an entry: the map stays bounded)
@@ -171,10 +174,7 @@ class KvEventsSubscriber:
         instance, model, batch = parsed
         link.engine_of[topic] = instance
         if last is not None and seq < last:
-            self.counts["engine_restarts"] += 1
-            log.warning("kv events: %s restarted (seq %d after %d)", instance, seq, last)
-            self.rekeyer.restart(instance)
-            self._ingest([self.rekeyer.marker(instance)])
+            self._restarted(instance, seq, last)
             # The new incarnation counts from 0: what it sent before this (a PUB drops what it
             # sends before the SUB reconnects) is asked of its replay ring, else a gap.
             last = link.seqs[topic] = -1
@@ -196,6 +196,14 @@ class KvEventsSubscriber:
                         last + 1, seq - 1)  # fmt: skip
         link.seqs[topic] = seq
         self.apply(instance, model, batch)
+
+    def _restarted(self, instance: str, seq: int, last: int) -> None:
+        """Engine ``instance``'s seq went back (``seq`` after ``last``): a new incarnation;
+        the old one's copies (the dead process's memory) are fenced."""
+        self.counts["engine_restarts"] += 1
+        log.warning("kv events: %s restarted (seq %d after %d)", instance, seq, last)
+        self.rekeyer.restart(instance)
+        self._ingest([self.rekeyer.marker(instance)])
 
     def _emitter(self, link: Link, topic: str) -> tuple[str, str | None]:
         """The engine and model a topic names on this endpoint (``""``: none)."""
