@@ -38,8 +38,9 @@ def registration(body: RegisterRequest) -> tuple[str | None, Registration]:
         raise Unprocessable(
             f"ip must be an IP address or a host name, without a port: got {body.ip!r:.80}"
         )
-    if body.http_port is not None and not 0 <= body.http_port <= 65535:
-        raise Unprocessable(f"http_port must be in [0, 65535] (0: none), got {body.http_port}")
+    for name, port in (("http_port", body.http_port), ("mq_port", body.mq_port)):
+        if port is not None and not 0 <= port <= 65535:
+            raise Unprocessable(f"{name} must be in [0, 65535] (0: none), got {port}")
     if body.chunk_size is not None and body.chunk_size < 1:
         raise Unprocessable(f"chunk_size must be >= 1, got {body.chunk_size}")
     metadata: dict[str, Any] = body.metadata

@@ -155,6 +155,8 @@ def test_registration_field_limits(auth_pair: tuple[BackgroundServer, httpx.Clie
         {"http_port": -1},
         {"http_port": 70_000},
         {"http_port": 2**64},
+        {"mq_port": -1},  # (LMCache's message-queue port: a port all the same)
+        {"mq_port": 70_000},
         {"ip": "127.0.0.1:9"},  # a port inside the ip: the MP server's URL would be invalid
         {"ip": "a b/c?d#e"},
         {"ip": "[::1]"},
