@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 import aiohttp
@@ -39,15 +39,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from kvatlas.api import InstanceRow
 from kvatlas.auth import Principal, TokenAuth
-from kvatlas.checks import has_userinfo
 from kvatlas.client.coordinator_client import CoordinatorError
 from kvatlas.client.keepalive import KeepAliveClient, Refused, StreamedReply
 from kvatlas.client.route_client import AsyncRouteClient
 from kvatlas.errors import InvalidInput, KvatlasError, NotFound, Unavailable
 from kvatlas.router.config import RouterConfig
-from kvatlas.router.engines import Engine, EngineSet
+from kvatlas.router.engines import Engine, EngineSet, listed_engines
 from kvatlas.router.metrics import RouterMetrics
 from kvatlas.router.openai_body import Kind, RouteRequest, parse_request
 from kvatlas.router.policies import (
@@ -124,6 +122,7 @@ class Router:
         self.scorer: Scorer | None = http if scorer_of is None else scorer_of(http)
         self._tasks: list[asyncio.Task[None]] = []
         self._created = int(time.time())  # (/v1/models: an OpenAI model's creation time)
+        self._scoring = True  # the last score call had its scores (logged when it changes)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -168,7 +167,7 @@ class Router:
         if self.config.engines_from_coordinator and self.coordinator is not None:
             try:
                 rows = await self.coordinator.instances()
-                self.engines.merge_listed(self.listed_engines(rows))
+                self.engines.merge_listed(listed_engines(rows, self.config.engine_url_template))
             except CoordinatorError as exc:
                 log.warning("cannot list engines at the coordinator: %s", exc)
         await asyncio.gather(*(self.engines.check(e) for e in self.engines.all()))
@@ -178,27 +177,6 @@ class Router:
 
     async def scrape_engines(self) -> None:
         await asyncio.gather(*(self.engines.scrape(e) for e in self.engines.healthy()))
-
-    def listed_engines(self, rows: Sequence[InstanceRow]) -> dict[str, str]:
-        """Instances with a URL to reach them: ``metadata.openai_url``, else the template.
-        A node that serves an engine (its row names an ``engine_id``) is not one: its copies
-        are scored as its engine's, which is routed by its own id."""
-        found: dict[str, str] = {}
-        template = self.config.engine_url_template
-        for row in rows:
-            if isinstance(row.engine_id, str) and row.engine_id:
-                continue
-            engine_id = row.instance_id
-            url = row.meta.get("openai_url")
-            if not isinstance(url, str) and template:
-                url = template.format(instance_id=engine_id)
-            if (
-                isinstance(url, str)
-                and url.startswith(("http://", "https://"))
-                and not has_userinfo(url)  # (it would show on /healthz: check_http_url)
-            ):
-                found[engine_id] = url.rstrip("/")
-        return found
 
     # ------------------------------------------------------------------ requests
 
@@ -253,8 +231,13 @@ class Router:
             )  # fmt: skip
         except CoordinatorError as exc:
             self.metrics.score_failures.inc()
-            log.debug("route score failed: %s", exc)
+            if self._scoring:  # (once, not a line a request: the counter counts each)
+                log.warning("no route scores (%s): routing by load until they are back", exc)
+            self._scoring = False
             return {}
+        if not self._scoring:
+            log.info("route scores are back")
+            self._scoring = True
         return {
             s.instance_id: Coverage(s.prefix_tokens, s.fragment_tokens, s.by_tier)
             for s in scores.instances

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -20,6 +20,8 @@ import aiohttp
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvatlas.api import InstanceRow
+from kvatlas.checks import has_userinfo
 from kvatlas.router.policies import EngineLoad
 
 log = logging.getLogger(__name__)
@@ -211,3 +213,25 @@ class EngineSet:
 
     def all(self) -> Iterable[Engine]:
         return list(self.engines.values())
+
+
+def listed_engines(rows: Sequence[InstanceRow], template: str | None) -> dict[str, str]:
+    """The coordinator's instances with a URL to reach them (``--engines-from-coordinator``):
+    ``metadata.openai_url``, else ``template`` (``--engine-url-template``). A node that serves
+    an engine (its row names an ``engine_id``) is not one: its copies are scored as its
+    engine's, which is routed by its own id."""
+    found: dict[str, str] = {}
+    for row in rows:
+        if isinstance(row.engine_id, str) and row.engine_id:
+            continue
+        engine_id = row.instance_id
+        url = row.meta.get("openai_url")
+        if not isinstance(url, str) and template:
+            url = template.format(instance_id=engine_id)
+        if (
+            isinstance(url, str)
+            and url.startswith(("http://", "https://"))
+            and not has_userinfo(url)  # (it would show on /healthz: check_http_url)
+        ):
+            found[engine_id] = url.rstrip("/")
+    return found

@@ -139,26 +139,22 @@ def test_models_and_engines_from_the_coordinator() -> None:
     assert not Engine("e", "u", models={"m": 10}).serves("x")
     assert Engine("e", "u").serves("x")  # models not known yet: any
     from kvatlas.api import InstanceRow
-    from kvatlas.router.app import Router
+    from kvatlas.router.engines import listed_engines
 
-    config = RouterConfig(engines_from_coordinator=True, coordinator_url="http://c",
-                          engine_url_template="http://{instance_id}.engines:8000")  # fmt: skip
-    router = Router.__new__(Router)
-    router.config = config
+    template = "http://{instance_id}.engines:8000"
     rows = [InstanceRow(instance_id="pod-a", metadata={"openai_url": "http://10.0.0.1:8000/"}),
             InstanceRow(instance_id="pod-b", alive=False, registered=False),
             InstanceRow(instance_id="node-c", metadata={"openai_url": "ftp://nope"}),
             InstanceRow(instance_id="pod-d", metadata={"openai_url": "http://u:pw@10.0.0.4:80"})]  # fmt: skip
-    assert router.listed_engines(rows) == {
+    assert listed_engines(rows, template) == {
         "pod-a": "http://10.0.0.1:8000",
         "pod-b": "http://pod-b.engines:8000",
     }  # node-c's URL is not http(s), pod-d's carries a password (shown on /healthz): skipped
-    router.config = RouterConfig(engines_from_coordinator=True, coordinator_url="http://c")
-    assert router.listed_engines(rows) == {"pod-a": "http://10.0.0.1:8000"}
+    assert listed_engines(rows, None) == {"pod-a": "http://10.0.0.1:8000"}
     # a node serving an engine (kvatlas node --engine-id) is no engine: its engine is routed
     node = InstanceRow(instance_id="node-a", engine_id="pod-a",
                        metadata={"openai_url": "http://10.0.0.9:8000"})  # fmt: skip
-    assert router.listed_engines([*rows, node]) == {"pod-a": "http://10.0.0.1:8000"}
+    assert listed_engines([*rows, node], None) == {"pod-a": "http://10.0.0.1:8000"}
 
 
 @pytest.mark.parametrize(
@@ -284,3 +280,48 @@ def test_the_simulated_engine_refuses_a_port_above_65535() -> None:
     """``kvatlas engine-sim --port 70001`` listened on 4465 (the port modulo 2^16)."""
     with pytest.raises(ValueError, match="--port"):
         EngineSimConfig(port=70001)
+
+
+def test_route_scores_stopping_and_coming_back_are_logged_once_each(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Scores the router cannot get (the coordinator down, a timeout) route by load and are
+    counted; an operator also reads it in the log — one WARNING when they stop, one INFO when
+    they are back — not one line a request (nor, as it was, nothing above DEBUG)."""
+    import asyncio
+    import logging
+
+    import numpy as np
+
+    from kvatlas.api import RouteScoresReply
+    from kvatlas.client.coordinator_client import CoordinatorError
+    from kvatlas.router.app import Router
+    from kvatlas.router.openai_body import RouteRequest
+
+    class Flaky:
+        def __init__(self) -> None:
+            self.up = False
+
+        async def score(self, *args: object) -> RouteScoresReply:
+            if not self.up:
+                raise CoordinatorError("connection refused", None)
+            return RouteScoresReply(instances=[], query_tokens=3)
+
+    scorer = Flaky()
+    config = RouterConfig(engine="e=http://127.0.0.1:9", coordinator_url="http://c")
+    router = Router(config, scorer_of=lambda _http: scorer)  # type: ignore[arg-type,return-value]
+    req = RouteRequest("completions", "m", False, "", None, np.array([1, 2, 3], np.uint32))
+    engines = router.engines.all()
+
+    async def requests(n: int) -> None:
+        for _ in range(n):
+            await router._coverage(req, engines, None)
+
+    with caplog.at_level(logging.INFO, logger="kvatlas.router.app"):
+        asyncio.run(requests(5))
+        scorer.up = True
+        asyncio.run(requests(3))
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in lines] == ["WARNING", "INFO"], lines
+    assert "connection refused" in lines[0][1] and "by load" in lines[0][1]
+    assert router.metrics.score_failures._value.get() == 5
