@@ -29,6 +29,7 @@ from kvatlas.directory import (
     SnapshotError,
     SnapshotInfo,
     load_snapshot,
+    remove_stale_temps,
     save_snapshot,
 )
 from kvatlas.errors import InvalidInput, Unavailable
@@ -109,7 +110,13 @@ class Snapshots:
     def _load(self) -> tuple[SnapshotInfo | None, int]:
         """The snapshot restored, and the journal generation its cache control names."""
         path = self.config.snapshot_path
-        if path is None or not Path(path).exists():
+        if path is None:
+            return None, 0
+        files, size = remove_stale_temps(path)
+        if files:
+            log.info("removed %d snapshot temp file(s) of %d bytes beside %s, left by a process "
+                     "killed while writing", files, size, path)  # fmt: skip
+        if not Path(path).exists():
             return None, 0
         try:
             info = load_snapshot(self.directory, path)

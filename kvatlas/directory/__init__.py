@@ -30,6 +30,7 @@ from kvatlas.directory.snapshot import (
     SnapshotError,
     SnapshotInfo,
     load_snapshot,
+    remove_stale_temps,
     save_snapshot,
 )
 from kvatlas.directory.summaries import DirectoryStats, DirectoryUsage, IngestCounts, ModuleUsage
@@ -76,6 +77,7 @@ __all__ = [
     "load_snapshot",
     "page_keys",
     "prefix_summary",
+    "remove_stale_temps",
     "save_snapshot",
     "warm_up_kernels",
 ]

@@ -63,3 +63,35 @@ def test_a_snapshot_of_another_key_scheme_is_refused(tmp_path: Path) -> None:
         other.snapshots.restore()
     same = CoordinatorService(CoordinatorConfig(chunk_size=16, snapshot_path=path))
     assert same.snapshots.restore() is not None
+
+
+@pytest.mark.parametrize("snapshot", [True, False])
+def test_temp_files_left_by_a_killed_writer_are_removed_at_start(
+    tmp_path: Path, snapshot: bool
+) -> None:
+    """A coordinator killed while writing a snapshot leaves ``.<name>.tmp-<pid>-<ns>`` beside it
+    (up to a snapshot's size, every tenant's token ids): none was ever removed, so a crash loop
+    during snapshots filled the disk. At start the coordinator removes its snapshot's temp files
+    whose process is gone (this process's pid included: a restart may be given its
+    predecessor's); a live process's and other files stay. (``snapshot``: with a snapshot
+    beside them to restore, or none yet.)"""
+    import os
+    import subprocess
+
+    path = tmp_path / "dir.snap"
+    if snapshot:
+        CoordinatorService(CoordinatorConfig(chunk_size=16, snapshot_path=path)).snapshots.take()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    left = [
+        tmp_path / f".dir.snap.tmp-{gone.pid}-12345",
+        tmp_path / f".dir.snap.tmp-{os.getpid()}-7",
+    ]
+    kept = [tmp_path / ".dir.snap.tmp-1-99",  # pid 1 runs: not a leftover
+            tmp_path / ".dir.snap.tmpx", tmp_path / ".other.snap.tmp-5-5", tmp_path / "dir.snap.tmp-5-5"]  # fmt: skip
+    for p in [*left, *kept]:
+        p.write_bytes(b"x" * 1000)
+    service = CoordinatorService(CoordinatorConfig(chunk_size=16, snapshot_path=path))
+    assert (service.snapshots.restore() is not None) == snapshot
+    assert [p.exists() for p in left] == [False, False]
+    assert [p.exists() for p in kept] == [True] * len(kept)

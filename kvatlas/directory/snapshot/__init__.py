@@ -8,6 +8,13 @@ directory lock held one partition at a time), and a restore installs all of it o
 
 from kvatlas.directory.snapshot.format import InstanceRow, SnapshotError, SnapshotInfo
 from kvatlas.directory.snapshot.reader import load_snapshot
-from kvatlas.directory.snapshot.writer import save_snapshot
+from kvatlas.directory.snapshot.writer import remove_stale_temps, save_snapshot
 
-__all__ = ["InstanceRow", "SnapshotError", "SnapshotInfo", "load_snapshot", "save_snapshot"]
+__all__ = [
+    "InstanceRow",
+    "SnapshotError",
+    "SnapshotInfo",
+    "load_snapshot",
+    "remove_stale_temps",
+    "save_snapshot",
+]

@@ -370,8 +370,48 @@ def _cursor_row(name: str, c: EmitterCursor) -> CursorRow:
 _ARENA_BLOCK = 256  # token arrays per write (256 chunks of 256 tokens: at most 256 KiB)
 
 
+def _temp_name(path: Path, pid: int) -> str:
+    """What a snapshot of ``path`` is written as by process ``pid`` until it is complete."""
+    return f".{path.name}.tmp-{pid}-{time.monotonic_ns()}"
+
+
+def remove_stale_temps(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """Remove the temporary files of ``path``'s snapshots that a process killed while writing
+    one left (``.<name>.tmp-<pid>-<ns>`` beside it: each up to a snapshot's size, and every
+    tenant's token ids) — not one whose process still runs, but this process's own (a restart
+    may be given its predecessor's pid). Returns (files, bytes) removed."""
+    path = Path(path)
+    prefix = f".{path.name}.tmp-"
+    files = size = 0
+    try:
+        found = [p for p in path.parent.iterdir() if p.name.startswith(prefix)]
+    except OSError:
+        return 0, 0
+    for tmp in found:
+        pid, _, ns = tmp.name[len(prefix) :].partition("-")
+        if not (pid.isdigit() and ns.isdigit()) or (int(pid) != os.getpid() and _alive(int(pid))):
+            continue
+        try:
+            n = tmp.stat().st_size
+            tmp.unlink()
+        except OSError:
+            continue
+        files, size = files + 1, size + n
+    return files, size
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (another user's: alive)
+        return True
+    return True
+
+
 def _write_atomically(path: Path, header: list[bytes], arena: list[np.ndarray[Any, Any]]) -> int:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+    tmp = path.with_name(_temp_name(path, os.getpid()))
     try:
         # 0600 from creation on: the file holds every tenant's token ids (docs/security.md)
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
