@@ -213,8 +213,8 @@ class CacheNode:
             chunk_tokens = np.array(tokens[i * c : (i + 1) * c], dtype=np.uint32)
             chunk_tokens.flags.writeable = False
             key = self.key(hashes[i], tracker.cache_salt)
-            self.writes.put_l1(StoredChunk(key, kv, chunk_tokens, i * c, self.layout.dtype))
-            stored += 1
+            chunk = StoredChunk(key, kv, chunk_tokens, i * c, self.layout.dtype)
+            stored += self.writes.put_l1(chunk)  # (False: no tier took it, counted)
         self.counters["chunks_stored"] += stored
         return stored
 

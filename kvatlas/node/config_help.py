@@ -48,7 +48,8 @@ HELP = {
         "$XDG_CACHE_HOME/kvatlas/l2 or ~/.cache/kvatlas/l2)"
     ),
     "l2_redis_url": "Redis URL of the redis L2, e.g. redis://127.0.0.1:6379/0",
-    "l2_write": "write L2 on every store (through) or when L1 evicts (evict)",
+    "l2_write": "write L2 on every store (through) or when a chunk leaves L1 (evict: evicted, "
+    "or refused by an L1 full of pinned or held chunks)",
     "l2_shared": "the fs L2 directory is mounted by every node: a fleet-wide pool",
     "coordinator_url": "coordinator base URL (not set: no fleet: local tiers and matcher only)",
     "coordinator_event_reporting": "report cache events (required for fleet matching)",

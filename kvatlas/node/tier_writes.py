@@ -83,13 +83,17 @@ class TierWrites:
 
         self.emitter.barrier(declare)
 
-    def put_l1(self, chunk: StoredChunk) -> None:
+    def put_l1(self, chunk: StoredChunk) -> bool:
+        """Store ``chunk`` in L1 (and in L2 when it writes through); whether a tier holds it
+        after. A chunk L1 refuses (too large, or no room but pinned or held chunks) leaves L1
+        at once: in ``evict`` mode it goes to L2 as an evicted chunk does."""
         if self.l1.contains(chunk.key):
             self.l1.get(chunk.key)  # moves it to the LRU's recent end
             self.l1_accessed(chunk.key)
-            return
+            return True
         rejected = self.l1.put(chunk)
-        if any(r is chunk for r in rejected):
+        refused = any(r is chunk for r in rejected)
+        if refused:
             self.counters["l1_rejected"] += 1
             if chunk.nbytes <= self.l1.capacity_bytes:  # it fits an empty L1: pins hold it
                 self.counters["l1_refused_pinned"] += 1
@@ -98,8 +102,9 @@ class TierWrites:
                 if self.l1.contains(chunk.key):  # else evicted already, its delete sent
                     self.gain(chunk, L1)
                     self.record(STORE, L1, L1_BACKEND, self.entry(chunk))
-        if self.l2 is not None and self.config.l2_write == "through":
+        if self.l2 is not None and (refused or self.config.l2_write == "through"):
             self.put_l2(chunk)
+        return not refused or (self.l2 is not None and self.l2.contains(chunk.key))
 
     def put_l2(self, chunk: StoredChunk) -> None:
         assert self.l2 is not None

@@ -110,6 +110,11 @@ def _short_store(tracker: RequestTracker, call: EngineCall, chunk_size: int) -> 
         return "the request has no cacheable key (a multimodal item without a usable identity)"
     tokens = len(call.tokens) // 4
     full = tokens // chunk_size
+    if call.first_chunk + call.n_chunks <= full:  # every chunk sent was whole
+        return (
+            "no tier could keep some chunks: L1 is full of pinned or held chunks (or smaller "
+            "than a chunk) and no L2 took them (counted: l1_refused_pinned, l1_rejected)"
+        )
     return (
         f"only full chunks are stored: {tokens} tokens hold {full} full chunk(s) of "
         f"{chunk_size}, and chunks {call.first_chunk}..{call.first_chunk + call.n_chunks - 1} "
