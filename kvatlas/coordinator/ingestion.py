@@ -10,9 +10,10 @@ batches) are capped per endpoint, never against nodes' capacity. See docs/coordi
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvatlas.auth import Principal, TokenAuth
 from kvatlas.coordinator.config import CoordinatorConfig
@@ -24,6 +25,12 @@ from kvatlas.coordinator.query import check_emit
 from kvatlas.directory import IngestCounts, KeyDirectory, Outcome
 from kvatlas.errors import Conflict
 from kvatlas.events import RESYNC, ColumnBatch, EventBatch
+
+log = logging.getLogger(__name__)
+
+LIVE_STALE_S = 60.0
+"""A stale batch sent this recently (its ``ts``) is a live process's, logged (older ones are
+history: a replica reading the stream after a restart)."""
 
 
 def refuse_engine_ids(instance_ids: Iterable[str], is_engine: Callable[[str], bool]) -> None:
@@ -45,6 +52,8 @@ class Ingestion:
     auth: TokenAuth | None
     clock: Callable[[], float]
     kv_events: KvEventsLinks | None = None  # set once the links exist (they ingest through us)
+    stale_runs: dict[str, int] = field(default_factory=dict)
+    """Live stale batches in a row, by instance (until one of its batches is applied)."""
 
     def ingest(
         self,
@@ -69,6 +78,7 @@ class Ingestion:
             self.metrics.batches.labels(batch.instance_id, outcome.value).inc()
             if outcome is Outcome.APPLIED:
                 applied += 1
+                self.stale_runs.pop(batch.instance_id, None)
                 if batch.event_type == RESYNC:
                     self.instances.digest_done(batch.instance_id)
                 self.metrics.entries.inc(cb.n_entries)
@@ -77,7 +87,27 @@ class Ingestion:
                 duplicates += 1
             else:
                 stale += 1
+                if abs(now - batch.ts) < LIVE_STALE_S:
+                    self._stale(batch)
         return IngestCounts(applied, duplicates, stale)
+
+    def _stale(self, batch: EventBatch) -> None:
+        """A live batch refused as stale: logged at the first of a run and every power of two
+        after (the metric counts each)."""
+        n = self.stale_runs[batch.instance_id] = self.stale_runs.get(batch.instance_id, 0) + 1
+        if n & (n - 1):
+            return
+        cursor = self.directory.gap_state(batch.instance_id)
+        log.warning(
+            "%s: %d live batch(es) in a row refused as stale: incarnation %d, older than the "
+            "%s it follows. Two processes emit as %s (two nodes given one --instance-id: each "
+            "start fences the other's copies), or it restarted with its clock stepped back "
+            "(an incarnation is the emitter's start time): its copies are not seen until it "
+            "restarts with a later clock, under its own id",
+            batch.instance_id, n, batch.incarnation,
+            "incarnation" if cursor is None else f"incarnation {cursor.incarnation}",
+            batch.instance_id,
+        )  # fmt: skip
 
     def ingest_as(
         self, who: Principal | None, batches: Sequence[EventBatch | ColumnBatch]
