@@ -157,6 +157,11 @@ class CacheNode:
             l2.attach(self.writes.adopt_l2, self.writes.on_l2_lost)
             if isinstance(l2, FsL2) and l2.corrupt_deleted:  # found by the rescan, keys unknown
                 self.counters["l2_corrupt_deleted"] += l2.corrupt_deleted
+            if foreign := self.counters["l2_foreign_layout_kept"]:
+                log.warning(
+                    "%d L2 chunks are of another KV layout than %s: kept on disk, not used",
+                    foreign, self.layout,
+                )  # fmt: skip
         # a shared pool's changes, journaled until their events left (pool_journal.py)
         self.pool_journal = (  # (a restart finds its journal by a stable --instance-id)
             journal_pool_changes(l2, sink, self.instance_id, self.flush_events, self.writes)

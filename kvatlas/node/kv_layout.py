@@ -90,6 +90,11 @@ class KVLayout:
         """``(num_layers, 2, chunk_size, num_kv_heads, head_dim)``; axis 1 is (K, V)."""
         return (self.num_layers, 2, self.chunk_size, self.num_kv_heads, self.head_dim)
 
+    def fits(self, shape: tuple[int, ...], dtype: str) -> bool:
+        """Whether a chunk of KV ``shape`` and cache ``dtype`` is of this layout (else it is
+        another layout's: never used by a node of this one)."""
+        return tuple(shape) == self.shape and dtype == self.dtype
+
     @property
     def itemsize(self) -> int:
         return KV_ITEMSIZE[self.dtype]

@@ -145,13 +145,19 @@ class TierWrites:
             self.record(DELETE, L1, L1_BACKEND, CacheEntry(chunk.key, chunk.nbytes))
             self.presence.lose(chunk.key, L1)
 
-    def adopt_l2(self, chunk: StoredChunk) -> None:
-        """A chunk the private L2 already held at start-up (a restart): held and reported."""
+    def adopt_l2(self, chunk: StoredChunk) -> bool:
+        """A chunk the private L2 already held at start-up (a restart): held and reported --
+        unless it is another KV layout's (a restart with other layout flags): this node can
+        never use it, so it is neither held nor announced, only counted (its file stays)."""
         assert self.l2 is not None
+        if not self.layout.fits(chunk.kv.shape, chunk.kv_dtype):
+            self.counters["l2_foreign_layout_kept"] += 1
+            return False
         with self.report_lock:
             self.gain(chunk, L2)
             self.record(STORE, L2, self.l2.name, self.entry(chunk), shared=self.l2.shared)
         self.counters["l2_rescanned"] += 1
+        return True
 
     def on_l2_lost(self, key: ObjectKey, cause: str) -> None:
         """``key`` left L2 without the node deleting it (``kvatlas.node.l2`` causes): counted

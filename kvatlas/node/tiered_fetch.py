@@ -273,7 +273,7 @@ class TieredFetch:
 
     def usable(self, chunk: StoredChunk) -> bool:
         """Whether ``chunk`` is in this node's layout (else counted ``fetched_wrong_layout``)."""
-        ok = tuple(chunk.kv.shape) == self.layout.shape and chunk.kv_dtype == self.layout.dtype
+        ok = self.layout.fits(chunk.kv.shape, chunk.kv_dtype)
         if not ok:
             self._counters["fetched_wrong_layout"] += 1
         return ok

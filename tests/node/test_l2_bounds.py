@@ -94,7 +94,7 @@ def test_fs_cap_evicts_least_recently_used_first_and_reports_each(tmp_path: Path
     size = len(encode_chunk(chunk(0)))
     lost: list[tuple[ObjectKey, str]] = []
     l2 = FsL2(tmp_path, max_bytes=3 * size)
-    l2.attach(lambda c: None, lambda k, cause: lost.append((k, cause)))
+    l2.attach(lambda c: True, lambda k, cause: lost.append((k, cause)))
     for i in range(3):
         l2.put(chunk(i))
     assert lost == []
@@ -123,7 +123,7 @@ def test_fs_cap_never_evicts_pinned_keys_and_refuses_when_only_pins_would_make_r
     size = len(encode_chunk(chunk(0)))
     lost: list[ObjectKey] = []
     l2 = FsL2(tmp_path, max_bytes=3 * size)
-    l2.attach(lambda c: None, lambda k, cause: lost.append(k))
+    l2.attach(lambda c: True, lambda k, cause: lost.append(k))
     pins = PinnedKeys([key(0)])
     l2.pinned = pins
     for i in range(4):
@@ -147,7 +147,7 @@ def test_a_put_into_a_full_l2_never_puts_more_than_the_cap_on_disk(
     the file is renamed into place, temp file included before, final file after."""
     size = len(encode_chunk(chunk(0)))
     l2 = FsL2(tmp_path, max_bytes=3 * size)
-    l2.attach(lambda c: None, lambda k, cause: None)
+    l2.attach(lambda c: True, lambda k, cause: None)
     seen: list[int] = []
     real_replace = os.replace
 

@@ -42,7 +42,9 @@ _key_json = msgspec.json.Encoder(order="sorted")
 LostCallback = Callable[[ObjectKey, str], None]
 """``on_lost(key, cause)``: ``key`` left L2 without the node deleting it; ``cause`` is one of
 :data:`EVICTED`, :data:`CORRUPT_DELETED`, :data:`EXPIRED`, :data:`VANISHED`."""
-FoundCallback = Callable[[StoredChunk], None]
+FoundCallback = Callable[[StoredChunk], bool]
+"""``on_found(chunk)``: a chunk a private store already held at start-up; returns whether the
+node holds it (``False``: another KV layout's chunk, kept on disk but not held)."""
 EVICTED: Final = "evicted"
 """Removed to stay under the byte cap (fs), or by Redis under ``maxmemory``."""
 CORRUPT_DELETED: Final = "corrupt_deleted"
@@ -111,7 +113,8 @@ class L2Backend(Protocol):
 
     def attach(self, on_found: FoundCallback, on_lost: LostCallback) -> None:
         """Start reporting: ``on_found`` for each chunk a private store already holds (a
-        restart), ``on_lost`` from now on for each chunk that leaves without ``delete``."""
+        restart; a chunk it refuses is not held), ``on_lost`` from now on for each chunk that
+        leaves without ``delete``."""
         ...
 
     def close(self) -> None: ...

@@ -60,7 +60,10 @@ class FsL2:
     written); a chunk larger than the whole cap is refused. The LRU is rebuilt from the files
     really there by :meth:`rescan` (the node calls it through :meth:`attach`; a capped L2 that
     was never attached scans on its first put). Puts are serialized: the byte count and the
-    files never disagree.
+    files never disagree. A file whose chunk the rescan's ``on_found`` refuses (another KV
+    layout's) stays on disk and in the LRU (the cap covers it; it is evicted like any other),
+    but is not held: :meth:`contains`, :meth:`get` and :meth:`keys` pass it over until a put
+    of its key replaces it.
 
     ``shared=True`` declares ``root`` a fleet-wide pool (a directory every node mounts): its
     placements are then the pool's, not this node's, and survive the node. A shared pool has no
@@ -91,6 +94,7 @@ class FsL2:
         self._lock = threading.Lock()  # guards the LRU and the counters
         self._write_lock = threading.Lock()  # serializes puts (write + account + evict)
         self._lru: OrderedDict[ObjectKey, int] = OrderedDict()  # key -> file bytes, LRU first
+        self._foreign: set[ObjectKey] = set()  # in the LRU, on disk, refused by on_found
         # the operator's pins (the node sets it: kvatlas.node.pins); the cap never evicts them
         self.pinned: Collection[ObjectKey] = frozenset()
         self._used = 0
@@ -112,26 +116,32 @@ class FsL2:
         """Rebuild the LRU and the byte count from the files really there (a private L2).
 
         Each file is read and verified; a truncated, corrupt or misnamed one is deleted and
-        counted, never kept. ``on_found`` gets every good chunk (decoded, tokens included).
-        Returns the keys held afterwards, least recently used first -- after evicting down to
-        the cap if it shrank since the files were written. A shared pool returns ``[]``.
+        counted, never kept. ``on_found`` gets every good chunk (decoded, tokens included);
+        one it refuses stays on disk, not held. Returns the keys held afterwards, least
+        recently used first -- after evicting down to the cap if it shrank since the files were
+        written. A shared pool returns ``[]``.
         """
         if self.shared:
             return []
         with self._write_lock:  # no put interleaves: the count matches the files
-            found = self._scan_files(on_found)
+            found, foreign = self._scan_files(on_found)
             with self._lock:
                 self._lru = OrderedDict((key, size) for _, key, size in found)
+                self._foreign = foreign
                 self._used = sum(size for _, _, size in found)
                 self._scanned = True
                 lost = self._evict_locked(None)
-                kept = list(self._lru)
+                kept = [key for key in self._lru if key not in self._foreign]
         self._report(lost, EVICTED)
         return kept
 
-    def _scan_files(self, on_found: FoundCallback | None) -> list[tuple[int, ObjectKey, int]]:
-        """``(mtime_ns, key, bytes)`` of every good file, oldest first; bad ones deleted."""
+    def _scan_files(
+        self, on_found: FoundCallback | None
+    ) -> tuple[list[tuple[int, ObjectKey, int]], set[ObjectKey]]:
+        """``(mtime_ns, key, bytes)`` of every good file, oldest first (bad ones deleted), and
+        the keys of those ``on_found`` refused."""
         found: list[tuple[int, ObjectKey, int]] = []
+        foreign: set[ObjectKey] = set()
         for path in self.root.glob("*/*.kvc"):
             try:
                 st = path.stat()
@@ -151,9 +161,9 @@ class FsL2:
                     self.corrupt_deleted += 1
                 continue
             found.append((st.st_mtime_ns, chunk.key, st.st_size))
-            if on_found is not None:
-                on_found(chunk)
-        return sorted(found, key=lambda f: f[0])
+            if on_found is not None and not on_found(chunk):
+                foreign.add(chunk.key)
+        return sorted(found, key=lambda f: f[0]), foreign
 
     def put(self, chunk: StoredChunk) -> None:
         data = encode_chunk(chunk)
@@ -178,6 +188,7 @@ class FsL2:
                 with self._lock:
                     self._used += len(data) - self._lru.pop(chunk.key, 0)
                     self._lru[chunk.key] = len(data)
+                    self._foreign.discard(chunk.key)
         finally:
             self._report(lost, EVICTED)  # gone whether or not the write succeeded
 
@@ -227,6 +238,7 @@ class FsL2:
             if victim is None:
                 break
             self._used -= self._lru.pop(victim)
+            self._foreign.discard(victim)
             with contextlib.suppress(FileNotFoundError):
                 try:
                     self.path_for(victim).unlink()
@@ -237,6 +249,8 @@ class FsL2:
         return lost
 
     def get(self, key: ObjectKey) -> StoredChunk | None:
+        if key in self._foreign:  # another layout's, not held
+            return None
         path = self.path_for(key)
         try:
             with open(path, "rb") as f:
@@ -281,17 +295,19 @@ class FsL2:
                 raise L2Unavailable(f"fs L2 delete of {path} failed: {exc}") from exc
             with self._lock:
                 self._used -= self._lru.pop(key, 0)
+                self._foreign.discard(key)
         return existed
 
     def contains(self, key: ObjectKey) -> bool:
-        """Existence only (no read): a corrupt file still counts until a ``get`` drops it."""
-        return self.path_for(key).is_file()
+        """Existence only (no read): a corrupt file still counts until a ``get`` drops it; one
+        the rescan left unheld (another layout's) does not."""
+        return key not in self._foreign and self.path_for(key).is_file()
 
     def keys(self) -> list[ObjectKey]:
         """The keys of a private L2's files, least recently used first (a shared pool:
-        ``[]``, its files are not this node's)."""
+        ``[]``, its files are not this node's; nor are files the rescan left unheld)."""
         with self._lock:
-            return list(self._lru)
+            return [key for key in self._lru if key not in self._foreign]
 
     def stats(self) -> FsL2Stats:
         with self._lock:
@@ -310,6 +326,7 @@ class FsL2:
             return
         with self._lock:
             size = self._lru.pop(key, None)
+            self._foreign.discard(key)
             if size is not None:
                 self._used -= size
         if size is not None:
