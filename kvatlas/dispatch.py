@@ -127,7 +127,12 @@ class Dispatcher:
         if found is None:
             return None, NO_PARAMS, self.small
         route, params = found
-        return route, params, self.limits[route]
+        return route, params, self.limit_of(route, scope)
+
+    def limit_of(self, route: Route, scope: Scope) -> int:
+        """The body limit of a request of ``route`` (a service whose limits depend on the
+        body's format overrides this; the headers are all it may read)."""
+        return self.limits[route]
 
     def in_turn(self, scope: Scope) -> _Ticket | None:
         """At the end of a request's headers (:class:`kvatlas.http_guard.AnswersInTurn`):

@@ -232,13 +232,31 @@ class NodeConfig:
         )
 
     @property
+    def max_json_call_bytes(self) -> int:
+        """:attr:`max_call_bytes` of a call in JSON: the tokens' bytes as base64."""
+        tokens = self.max_query_tokens * 4
+        return self.max_call_bytes - tokens + base64_chars(tokens)
+
+    @property
     def max_store_bytes(self) -> int:
         """Largest ``/engine/store`` body: ``--max-body-bytes``, or by default one request's
         KV for ``max_query_tokens`` tokens (whole chunks) on top of :attr:`max_call_bytes`."""
         if self.max_body_bytes is not None:
             return self.max_body_bytes
-        chunks = -(-self.max_query_tokens // self.chunk_size)
-        return self.max_call_bytes + chunks * self.layout.chunk_bytes
+        return self.max_call_bytes + self._max_kv_bytes
+
+    @property
+    def max_json_store_bytes(self) -> int:
+        """:attr:`max_store_bytes` of a store in JSON: the KV as base64 on top of
+        :attr:`max_json_call_bytes` (``--max-body-bytes`` bounds both formats alike)."""
+        if self.max_body_bytes is not None:
+            return self.max_body_bytes
+        return self.max_json_call_bytes + base64_chars(self._max_kv_bytes)
+
+    @property
+    def _max_kv_bytes(self) -> int:
+        """One request's KV: ``max_query_tokens`` tokens in whole chunks."""
+        return -(-self.max_query_tokens // self.chunk_size) * self.layout.chunk_bytes
 
     @property
     def metrics_public(self) -> bool:
@@ -285,6 +303,11 @@ class NodeConfig:
     def fleet_enabled(self) -> bool:
         """The gating rule: a coordinator URL alone is not enough (see module docstring)."""
         return bool(self.coordinator_url) and self.coordinator_event_reporting
+
+
+def base64_chars(n: int) -> int:
+    """Characters of ``n`` bytes in base64 (how a JSON engine call carries bytes)."""
+    return 4 * -(-n // 3)
 
 
 def default_l2_path(environ: Mapping[str, str] | None = None) -> Path:

@@ -11,7 +11,8 @@ Before any body byte is read, :class:`NodeApp` checks the listener (with ``--eng
 auth: an ``engine`` token on ``/engine/*``, the call's ``cache_salt`` inside its binding; on
 ``/peer/*`` this node's own peer credential, derived from the fleet's peer secret for this
 instance, :mod:`kvatlas.node.peer_credentials`, or a ``peer`` token of the auth file). Bodies
-are read under each route's limit (``NodeConfig.max_call_bytes``, store: ``max_store_bytes``).
+are read under each route's limit (``NodeConfig.max_call_bytes``, store: ``max_store_bytes``;
+an engine call in JSON: ``max_json_call_bytes``, ``max_json_store_bytes``).
 Blend lookups are poll-able: the node keeps each request's tracker for a while
 (:mod:`kvatlas.node.engine_trackers`, bound to the calling principal). See ``docs/node.md``.
 """
@@ -42,9 +43,11 @@ from kvatlas.node.routes import (
     PEER_LISTENER,
     ROUTES,
     Context,
+    call_format,
+    json_body_limit,
 )
 from kvatlas.node.routes.cache_control import CACHE_CONTROL_MAX_BYTES
-from kvatlas.routing import OPEN, Access, Route, RouteTable
+from kvatlas.routing import JSON, OPEN, Access, Route, RouteTable
 
 __all__ = ["CACHE_CONTROL_MAX_BYTES", "MSGPACK", "TABLE", "NodeApp", "create_node_app"]
 
@@ -101,6 +104,18 @@ class NodeApp(Dispatcher):
         self.state = context
         self.peer_secret = peer_secret
         self.instance_id = instance_id
+        self.json_limits = {
+            route: limit
+            for route in TABLE.routes
+            if (limit := json_body_limit(route, config)) is not None
+        }
+
+    def limit_of(self, route: Route, scope: Scope) -> int:
+        """An engine call's limit in its format: JSON carries bytes as base64."""
+        json_limit = self.json_limits.get(route)
+        if json_limit is not None and call_format(scope) is JSON:
+            return json_limit
+        return super().limit_of(route, scope)
 
     def authenticate(self, access: Access, scope: Scope) -> Principal:
         secret = self.peer_secret

@@ -92,6 +92,19 @@ def _store_bytes(config: NodeConfig) -> int:
     return config.max_store_bytes
 
 
+_JSON_BODIES: dict[object, Callable[[NodeConfig], int]] = {
+    _call_bytes: lambda config: config.max_json_call_bytes,
+    _store_bytes: lambda config: config.max_json_store_bytes,
+}
+
+
+def json_body_limit(route: Route, config: NodeConfig) -> int | None:
+    """The body limit of an engine call of ``route`` sent as JSON (its bytes as base64, 4/3
+    of msgpack's); ``None``: the route's limit does not depend on the format."""
+    json_limit = _JSON_BODIES.get(route.body) if route.codec is call_format else None
+    return None if json_limit is None else json_limit(config)
+
+
 def _cache_bytes(_config: NodeConfig) -> int:
     return CACHE_CONTROL_MAX_BYTES
 
