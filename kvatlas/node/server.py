@@ -357,6 +357,12 @@ def announce_security(config: NodeConfig) -> None:
         log.info("auth enabled (tokens from %s)", config.auth_token_file)
         warn_if_shared_peer_token(config)
         return
+    if config.peer_token is not None or config.peer_token_file is not None:
+        log.warning(
+            "--peer-token-file without --auth-token-file: this node's calls to its peers carry "
+            "its credential, but its own /peer routes check none (auth is off: any caller "
+            "reads its KV); use --auth-token-file"
+        )
     for host, port, what in listeners(config):
         if is_loopback(host):
             log.info("auth disabled: %s bound to loopback %s:%d only", what, host, port)

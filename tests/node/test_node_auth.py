@@ -343,6 +343,23 @@ def test_routable_bind_without_auth_is_warned_about(
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+def test_a_peer_secret_without_auth_is_warned_about(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """``--peer-token-file`` without ``--auth-token-file``: the node's calls to its peers carry
+    its credential, but its own ``/peer`` routes check none (auth is off) — any caller reads
+    its KV, also on loopback's neighbours; it logged only "auth disabled" (INFO on loopback),
+    as if the peer secret protected it."""
+    secret = tmp_path / "peer.secret"
+    secret.write_text("s" * 40)
+    secret.chmod(0o600)
+    with caplog.at_level(logging.INFO, logger="kvatlas.node"):
+        announce_security(NodeConfig(peer_token_file=secret))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "--peer-token-file" in warnings[0] and "--auth-token-file" in warnings[0]
+
+
 # ---------------------------------------------------------------------------- peers
 
 
