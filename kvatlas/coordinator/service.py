@@ -199,9 +199,9 @@ class CoordinatorService:
                 )
                 self._spawn("retention-register", register)
         else:
-            # Events posted after the snapshot may be lost (the sinks retry only what they
-            # still hold): the restored instances re-report through digests first.
-            if self._restored:
+            # Events posted after the snapshot may be lost (the sinks retry only what they still
+            # hold), or all of it (a snapshot not read): instances re-report by digests first.
+            if self._restored or self.snapshots.lost:
                 self.readiness.set(Readiness.RESYNCING)
             self.readiness.set(Readiness.SERVING)  # nothing to replay
 

@@ -60,6 +60,9 @@ class Snapshots:
         self.config = config
         self.directory = directory
         self.instances = instances
+        self.lost = False
+        """A snapshot was there but could not be restored: the service starts empty, having
+        lost what it knew (it resyncs before it serves)."""
         self.cache_control = cache_control
         self.kv_events = kv_events
         self.metrics = metrics
@@ -121,6 +124,7 @@ class Snapshots:
         try:
             info = load_snapshot(self.directory, path)
         except (SnapshotError, OSError) as exc:
+            self.lost = True
             self.metrics.snapshot_failures.inc()
             log.error("snapshot %s could not be restored (%s); %s; starting empty",
                       path, exc, _set_aside(Path(path)))  # fmt: skip

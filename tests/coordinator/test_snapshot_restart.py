@@ -52,3 +52,19 @@ def test_restart_restores_snapshot_and_outbox_fills_the_gap(tmp_path: Path) -> N
         matches = directory.blend_match(query, BlendNamespace("m"))
         assert [(m.old_st, m.cur_st) for m in matches] == [(3 * C, 2)]  # index rebuilt on restore
     sink.close(timeout=1)
+
+
+def test_a_restart_from_an_unreadable_snapshot_resyncs_before_serving(tmp_path: Path) -> None:
+    """A snapshot that cannot be read (truncated, corrupt) is set aside and the coordinator
+    starts empty: it lost what it knew, as surely as one restarted from a snapshot misses what
+    came after it — so it resyncs before it says ``serving`` (it said ``serving`` at once, an
+    empty directory a load balancer would send lookups to). A first start (no snapshot file)
+    has nothing to resync: ``serving``."""
+    path = tmp_path / "d.snap"
+    config = CoordinatorConfig(port=free_port(), chunk_size=C, snapshot_path=path)
+    with BackgroundServer(config) as server:
+        assert server.service.state == "serving"  # a first start
+    path.write_bytes(b"KVAS" + b"\x00" * 200)  # not a snapshot this release reads
+    with BackgroundServer(config) as server:
+        assert server.service.state == "resyncing"
+        assert list(tmp_path.glob("d.snap.unreadable-*"))
