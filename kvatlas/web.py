@@ -109,6 +109,13 @@ async def _collect(parts: AsyncIterator[bytes], max_bytes: int) -> bytes:
     return b"".join(out)
 
 
+async def client_gone(receive: Receive) -> None:
+    """Return when the client disconnects: what ``receive`` says once a request's body is in
+    (a watcher that cancels the request's work when its client leaves first)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 async def receive_body(
     receive: Receive, max_bytes: int, scope: Scope | None = None
 ) -> bytes | None:

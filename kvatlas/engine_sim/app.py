@@ -28,7 +28,7 @@ from kvatlas.engine_sim.engine import EngineDriver, Stream
 from kvatlas.engine_sim.scheduler import FINISH_LENGTH, FINISH_STOP, SimRequest
 from kvatlas.engine_sim.tokenizer import Tokenizer
 from kvatlas.errors import InvalidInput, KvatlasError
-from kvatlas.web import read_body
+from kvatlas.web import client_gone, read_body
 
 JSON = "application/json"
 
@@ -185,16 +185,11 @@ class EngineApi:
             self.driver.abort(sim)  # a no-op once finished
 
 
-async def _client_left(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 async def _unless_client_leaves(receive: Receive, work: Coroutine[Any, Any, Response]) -> Response:
     """``work``, cancelled when its client leaves first (vLLM's ``with_cancellation``): a
     non-streamed request is aborted, its blocks freed. The body is in, so what ``receive``
     says next is ``http.disconnect``; a stream's reply watches the client itself."""
-    task, left = asyncio.ensure_future(work), asyncio.ensure_future(_client_left(receive))
+    task, left = asyncio.ensure_future(work), asyncio.ensure_future(client_gone(receive))
     try:
         await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
     finally:

@@ -19,6 +19,7 @@ from kvatlas.client.keepalive import StreamedReply
 from kvatlas.router.engines import Engine, EngineSet
 from kvatlas.router.metrics import RouterMetrics
 from kvatlas.router.openai_body import RouteRequest
+from kvatlas.web import client_gone
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +55,10 @@ class ClientWatch:
 
     def start(self) -> None:
         """Watch from now on (the request's body is in: what comes next is a disconnect)."""
-        self._watcher = asyncio.ensure_future(self._watch(self._receive))
+        self._watcher = asyncio.ensure_future(self._watch())
 
-    async def _watch(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
+    async def _watch(self) -> None:
+        await client_gone(self._receive)
         if not self.done:
             self.left = True
             self._task.cancel()

@@ -370,9 +370,10 @@ def _cursor_row(name: str, c: EmitterCursor) -> CursorRow:
 _ARENA_BLOCK = 256  # token arrays per write (256 chunks of 256 tokens: at most 256 KiB)
 
 
-def _temp_name(path: Path, pid: int) -> str:
-    """What a snapshot of ``path`` is written as by process ``pid`` until it is complete."""
-    return f".{path.name}.tmp-{pid}-{time.monotonic_ns()}"
+def _temp_prefix(path: Path) -> str:
+    """How the name of a snapshot of ``path`` begins until it is complete: the writer's pid
+    and a time in ns follow (``.<name>.tmp-<pid>-<ns>``)."""
+    return f".{path.name}.tmp-"
 
 
 def remove_stale_temps(path: str | os.PathLike[str]) -> tuple[int, int]:
@@ -381,7 +382,7 @@ def remove_stale_temps(path: str | os.PathLike[str]) -> tuple[int, int]:
     tenant's token ids) — not one whose process still runs, but this process's own (a restart
     may be given its predecessor's pid). Returns (files, bytes) removed."""
     path = Path(path)
-    prefix = f".{path.name}.tmp-"
+    prefix = _temp_prefix(path)
     files = size = 0
     try:
         found = [p for p in path.parent.iterdir() if p.name.startswith(prefix)]
@@ -411,7 +412,7 @@ def _alive(pid: int) -> bool:
 
 
 def _write_atomically(path: Path, header: list[bytes], arena: list[np.ndarray[Any, Any]]) -> int:
-    tmp = path.with_name(_temp_name(path, os.getpid()))
+    tmp = path.with_name(f"{_temp_prefix(path)}{os.getpid()}-{time.monotonic_ns()}")
     try:
         # 0600 from creation on: the file holds every tenant's token ids (docs/security.md)
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
