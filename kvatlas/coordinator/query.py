@@ -233,6 +233,8 @@ def lookup_query(body: LookupRequest, max_tokens: int, max_keys: int) -> KeysQue
         BlendNamespace(body.model_name, body.cache_salt, body.world_size)
         if body.object_group_id < 0:
             raise ValueError("object_group_id must be >= 0")
+        if body.object_group_id >> 64:
+            raise ValueError("object_group_id must be < 2^64")
     except ValueError as exc:
         raise Unprocessable(str(exc)) from None
     return TokensQuery(

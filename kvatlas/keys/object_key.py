@@ -135,9 +135,9 @@ class ObjectKey:
                 pass
         check_model_name(self.model_name)
         unpack_kv_rank(self.kv_rank)
-        if not is_plain_int(self.object_group_id) or self.object_group_id < 0:
+        if not is_plain_int(self.object_group_id) or not 0 <= self.object_group_id < 1 << 64:
             raise ValueError(
-                f"object_group_id must be an integer >= 0, got {self.object_group_id!r}"
+                f"object_group_id must be an integer in [0, 2^64), got {self.object_group_id!r}"
             )
         check_cache_salt(self.cache_salt)
         if type(self.kv_rank) is int and type(self.object_group_id) is int:

@@ -166,6 +166,20 @@ def test_lookup_keys_form(client: httpx.Client) -> None:
     }
 
 
+def test_lookup_keys_form_refuses_a_group_id_no_event_can_carry(client: httpx.Client) -> None:
+    """An object group id is a u64 on every wire (``POST /events`` refuses 2^64): a key that
+    names one above it is a 422 naming the field (as a negative one), not a lookup of a key no copy can have."""
+    key = wire_key(b"\x07" * 32) | {"object_group_id": 1 << 64}
+    r = client.post("/directory/lookup", json={"keys": [key]})
+    assert r.status_code == 422, r.text
+    assert "object_group_id" in r.json()["detail"]
+    ok = client.post("/directory/lookup", json={"keys": [key | {"object_group_id": (1 << 64) - 1}]})
+    assert ok.status_code == 200, ok.text
+    tokens = {"token_ids": list(range(256)), "model_name": "m", "object_group_id": 1 << 64}
+    r = client.post("/directory/lookup", json=tokens)
+    assert r.status_code == 422 and "object_group_id" in r.json()["detail"], r.text
+
+
 def test_lookup_keys_form_counts_the_keys_asked(client: httpx.Client) -> None:
     """``chunks`` of the keys form is how many keys were asked, repeats and other ranks of
     one chunk included, as LMCache 0.5.6's coordinator answers (``len(obj_keys)``; measured

@@ -77,6 +77,7 @@ def test_object_key_is_hashable_and_immutable() -> None:
         {"cache_salt": "a@b"},
         {"cache_salt": "a\x00b"},
         {"object_group_id": -1},
+        {"object_group_id": 1 << 64},  # (an event's group id is a u64: refused there too)
         {"kv_rank": 0},
     ],
 )
