@@ -198,6 +198,16 @@ def token_digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8")).digest()
 
 
+def authorization_of(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+    """A request's ``Authorization`` header (ASGI's lower-case names). Two are refused (401):
+    which credential the caller meant would be a guess, and a proxy in front may have read the
+    other one."""
+    found = [value for name, value in headers if name == b"authorization"]
+    if len(found) > 1:
+        raise Unauthorized(f"{len(found)} Authorization headers: send one")
+    return found[0].decode("latin-1") if found else None
+
+
 def parse_bearer(authorization: str | None) -> str:
     """The token of an ``Authorization: Bearer <token>`` header (401 otherwise)."""
     if not authorization:

@@ -30,7 +30,7 @@ from urllib.parse import parse_qsl, quote, unquote_to_bytes
 import msgspec
 from starlette.types import Receive, Scope, Send
 
-from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth
+from kvatlas.auth import ANONYMOUS_ADMIN, Principal, TokenAuth, authorization_of
 from kvatlas.errors import InvalidInput, KvatlasError, NotFound
 from kvatlas.fields import check_query_pairs, decode_body, field_error, field_errors
 from kvatlas.http_guard import Answer
@@ -65,7 +65,7 @@ _NO_LENGTH = (204, 304)
 
 
 def bearer_header(scope: Scope) -> str | None:
-    return next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+    return authorization_of(scope["headers"])
 
 
 class Dispatcher:

@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Final
 
 import aiohttp
@@ -39,7 +39,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from kvatlas.auth import Principal, TokenAuth
+from kvatlas.auth import Principal, TokenAuth, authorization_of
 from kvatlas.client.coordinator_client import CoordinatorError
 from kvatlas.client.keepalive import KeepAliveClient, Refused, StreamedReply
 from kvatlas.client.route_client import AsyncRouteClient
@@ -180,10 +180,10 @@ class Router:
 
     # ------------------------------------------------------------------ requests
 
-    def _caller(self, authorization: str | None) -> Principal | None:
+    def _caller(self, headers: Iterable[tuple[bytes, bytes]]) -> Principal | None:
         if self.auth is None:
             return None
-        who = self.auth.authenticate(authorization)
+        who = self.auth.authenticate(authorization_of(headers))
         who.require("route")
         return who
 
@@ -249,8 +249,7 @@ class Router:
         headers = _header_map(scope)
         watch, sent = ClientWatch(receive), False
         try:
-            auth = headers.get(b"authorization")
-            who = self._caller(None if auth is None else auth.decode("latin-1"))
+            who = self._caller(scope["headers"])
             check_declared_length(headers.get(b"content-length"), self.config.max_body_bytes)
             raw = await receive_body(receive, self.config.max_body_bytes)
             if raw is None:  # the client left before its body was in
@@ -394,7 +393,7 @@ class Router:
 
     async def models(self, request: Request) -> Response:
         try:
-            self._caller(request.headers.get("authorization"))
+            self._caller(request.headers.raw)
         except KvatlasError as exc:
             return openai_error(exc.status, exc.detail)
         seen: dict[str, int | None] = {}
@@ -423,7 +422,7 @@ class Router:
     async def prometheus(self, request: Request) -> Response:
         if self.auth is not None:
             try:
-                self.auth.authenticate(request.headers.get("authorization")).require("admin")
+                self.auth.authenticate(authorization_of(request.headers.raw)).require("admin")
             except KvatlasError as exc:
                 return openai_error(exc.status, exc.detail)
         out, known = self.engines.out_of_set(), len(self.engines.engines)

@@ -106,6 +106,18 @@ def test_401_without_or_with_bad_token(c: httpx.Client, headers: dict[str, str])
     assert c.get("/directory/stats", headers=_h(ADMIN)).json() == before
 
 
+@pytest.mark.parametrize("second", [ADMIN, "wrong-token-123"])
+def test_two_authorization_headers_are_refused(c: httpx.Client, second: str) -> None:
+    """Which of two credentials a caller meant is a guess (and a proxy in front may read the
+    other one): refused as no credential is, whichever comes first, even both the admin's."""
+    for first, then in ((ADMIN, second), (second, ADMIN)):
+        headers = [("Authorization", f"Bearer {first}"), ("Authorization", f"Bearer {then}")]
+        r = c.get("/directory/stats", headers=headers)
+        assert r.status_code == 401, r.text
+        assert "Authorization" in r.json()["detail"]
+    assert c.get("/directory/stats", headers=_h(ADMIN)).status_code == 200
+
+
 def test_open_endpoints_need_no_token(c: httpx.Client) -> None:
     for path in ("/healthz", "/readyz"):  # /metrics and the docs: test_security_exposure.py
         assert c.get(path).status_code == 200, path

@@ -302,6 +302,13 @@ def test_auth_and_salts(fleet: dict[str, Any]) -> None:
         assert (m["object"], type(m["created"]), type(m["owned_by"])) == ("model", int, str)
     assert httpx.get(f"{fleet['router']}/metrics").status_code == 401
     assert httpx.get(f"{fleet['router']}/metrics", headers=bearer(ROUTE_ANY)).status_code == 403
+    two = [("content-type", "application/json"), *[("authorization", f"Bearer {t}")
+           for t in (ROUTE_ANY, LOOKUP)]]  # fmt: skip
+    for headers in (two, [two[0], two[2], two[1]]):  # two credentials: refused, either order
+        r = httpx.post(f"{fleet['router']}/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401, r.text
+        assert httpx.get(f"{fleet['router']}/v1/models", headers=headers).status_code == 401
+        assert httpx.get(f"{fleet['router']}/metrics", headers=headers).status_code == 401
 
 
 def test_a_salt_scores_only_its_own_copies(fleet: dict[str, Any]) -> None:
