@@ -160,9 +160,9 @@ class Endpoints:
             self._counts["disconnects"] += 1
             n = self._counts["disconnects"]
             if n <= 10 or n & (n - 1) == 0:
-                log.warning("kv events: a publisher on %s disconnected (#%d; one cause: a frame "
-                            "above --kv-events-max-message-bytes %d)", link.endpoint, n,
-                            self.settings.message_limit_bytes)  # fmt: skip
+                log.warning("kv events: a publisher on %s disconnected (#%d): it stopped, or "
+                            "ZMQ dropped it for a frame above --kv-events-max-message-bytes %d",
+                            link.endpoint, n, self.settings.message_limit_bytes)  # fmt: skip
         if seen and not link.spec.bind:
             _read_turn(sock, link, handle)  # (all it queues: at most the high-water mark)
             self._close(monitor)
