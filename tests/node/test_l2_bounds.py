@@ -298,6 +298,42 @@ def test_a_corrupt_file_found_by_a_read_is_deleted_counted_and_reported(tmp_path
         n.close()
 
 
+def test_a_shared_pools_corrupt_file_deleted_by_another_node_is_reported(tmp_path: Path) -> None:
+    """Node b finds the corrupt file node a wrote into the shared pool and deletes it: b's
+    delete takes the pool's placement away (a never learns its file is gone; the directory
+    kept promising a copy every retrieve misses)."""
+    directory = KeyDirectory(C)
+    sinks = [EventSink(i, InProcessTransport(directory.consume)) for i in ("a", "b")]
+    a, b = (CacheNode(CFG, instance_id=s.instance_id, l2=FsL2(tmp_path / "pool", shared=True),
+                      sink=s) for s in sinks)  # fmt: skip
+    try:
+        tokens = prompt(5, 2)
+        keys = keys_of(a, tokens)
+        a.store(a.tracker(token_ids=tokens), kv_chunks(CFG, 2))
+
+        def pooled() -> set[ObjectKey]:
+            for node, sink in ((a, sinks[0]), (b, sinks[1])):
+                node.flush_events()
+                assert sink.flush(30)
+            return {kp.key for kp in directory.lookup(keys)
+                    if any(p.tier == "l2" and p.shared for p in kp.placements)}  # fmt: skip
+
+        assert pooled() == set(keys)
+        assert isinstance(a.l2, FsL2)
+        path = a.l2.path_for(keys[0])
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+        assert b.retrieve(b.tracker(token_ids=tokens)).hit_tokens == 0  # never served
+        assert not path.exists() and b.counters["l2_corrupt_deleted"] == 1
+        assert pooled() == {keys[1]}
+    finally:
+        for node in (a, b):
+            node.close()
+        for sink in sinks:
+            sink.close()
+
+
 # -- redis: TTL and eviction reach a real coordinator -----------------------------------------
 
 
