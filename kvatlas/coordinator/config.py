@@ -125,6 +125,11 @@ class CoordinatorConfig:
         if not math.isfinite(self.memory_trim_interval_s) or self.memory_trim_interval_s < 0:
             raise ValueError("--memory-trim-interval-s must be a finite number >= 0 (0: off)")
         checked_weight("--fragment-weight", self.fragment_weight)
+        if self.snapshot_path is not None and self.snapshot_path.is_dir():
+            raise ValueError(
+                f"--snapshot-path {self.snapshot_path} is a directory: name the snapshot file "
+                f"in it (e.g. {self.snapshot_path / 'directory.snap'})"
+            )
         for name in (
             "snapshot_interval",
             "instance_timeout",

@@ -298,6 +298,8 @@ __all__ = ["Snapshots"]
 def _set_aside(path: Path) -> str:
     """Move an unreadable snapshot to ``<name>.unreadable-<UTC time>`` beside it; what
     became of it, for the log."""
+    if path.is_dir():  # refused at start (config); one made since is not ours to move
+        return "it is a directory, left where it is"
     aside = path.with_name(
         f"{path.name}.unreadable-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
     )

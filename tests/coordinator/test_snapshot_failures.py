@@ -95,3 +95,38 @@ def test_temp_files_left_by_a_killed_writer_are_removed_at_start(
     assert (service.snapshots.restore() is not None) == snapshot
     assert [p.exists() for p in left] == [False, False]
     assert [p.exists() for p in kept] == [True] * len(kept)
+
+
+def test_a_directory_as_the_snapshot_path_is_refused_and_left_alone(tmp_path: Path) -> None:
+    """``--snapshot-path`` naming an existing directory (the state directory instead of a
+    file in it) was read as an unreadable snapshot: the whole directory, every file in it,
+    was renamed ``<dir>.unreadable-<time>`` and the snapshot written in its place. It is a bad
+    setting: refused at start (exit 2, naming the flag), nothing moved."""
+    import subprocess
+    import sys
+
+    from kvatlas.asgi_thread import free_port
+    from kvatlas.coordinator.config import parse_config
+
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "other-service.db").write_text("not the coordinator's")
+    with pytest.raises(ValueError, match=r"--snapshot-path .* is a directory"):
+        parse_config(["--snapshot-path", str(state)], environ={})
+    with pytest.raises(ValueError, match="--snapshot-path"):
+        parse_config([], environ={"KVATLAS_SNAPSHOT_PATH": str(state)})
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvatlas.cli", "coordinator", "--port", str(free_port()),
+             "--snapshot-path", str(state), "--log-level", "warning"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as exc:  # it started (and was killed by the timeout)
+        raise AssertionError(f"started with a directory as its snapshot file: {exc}") from None
+    finally:
+        assert state.is_dir() and (state / "other-service.db").exists(), sorted(
+            p.name for p in tmp_path.iterdir()
+        )
+    assert proc.returncode == 2, proc.stderr
+    assert "--snapshot-path" in proc.stderr and "is a directory" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]
