@@ -28,7 +28,8 @@ Token file (JSON)::
         {"token": "<32+ chars>", "role": "admin"}
     ]}
 
-``"role": "x"`` is accepted as ``"roles": ["x"]``. Tokens are compared by SHA-256 digest
+``"role": "x"`` is accepted as ``"roles": ["x"]``, ``"name"`` names the principal (for the
+logs); any other field is refused, as is a token listed twice. Tokens are compared by SHA-256 digest
 (a dictionary lookup on a digest leaks nothing useful about the token through timing).
 
 A token also yields a **stream key** (:func:`stream_key`): the key its holder signs Redis
@@ -227,11 +228,21 @@ def _string_list(entry: Mapping[str, Any], field: str, where: str) -> frozenset[
     return frozenset(value)
 
 
+ENTRY_FIELDS = ("token", "role", "roles", "name", "instance_ids", "cache_salts")
+"""The fields of a token-file entry; any other is refused (a misspelt binding, ``cache_salt``,
+would leave the token bound to nothing: every salt, every instance)."""
+
+
 def principal_from_entry(entry: Any, where: str, name: str) -> tuple[str, Principal]:
     """One token-file entry → ``(token, principal)`` (named ``name`` unless the entry names
-    itself); ``ValueError`` naming ``where``."""
+    itself); ``ValueError`` naming ``where`` (and the field: an unknown one is refused)."""
     if not isinstance(entry, dict):
         raise ValueError(f"{where} must be an object")
+    unknown = sorted(str(k) for k in entry if k not in ENTRY_FIELDS)
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown field {unknown[0]!r} (an entry has {', '.join(ENTRY_FIELDS)})"
+        )
     token = entry.get("token")
     if not isinstance(token, str) or len(token) < MIN_TOKEN_CHARS:
         raise ValueError(f"{where}.token must be a string of >= {MIN_TOKEN_CHARS} characters")
@@ -289,10 +300,19 @@ class TokenAuth:
         entries = doc.get("tokens") if isinstance(doc, dict) else doc
         if not isinstance(entries, list) or not entries:
             raise ValueError(f"{path}: expected {{'tokens': [...]}} with at least one token")
-        return cls.from_tokens(
+        pairs = [
             principal_from_entry(entry, f"{path}: tokens[{i}]", f"token-{i}")
             for i, entry in enumerate(entries)
-        )
+        ]
+        first: dict[bytes, int] = {}
+        for i, (token, _) in enumerate(pairs):
+            j = first.setdefault(token_digest(token), i)
+            if j != i:  # which entry's roles and bindings it has would be the file's order
+                raise ValueError(
+                    f"{path}: tokens[{i}] repeats the token of tokens[{j}]: give each token one "
+                    "entry (with every role and binding it has)"
+                )
+        return cls.from_tokens(pairs)
 
     def bound_salts(self) -> frozenset[str]:
         """Every cache salt some token is bound to: the tenants' (what must stay theirs)."""

@@ -93,3 +93,40 @@ def test_bad_entries_refused(tmp_path: Path, entry: dict[str, object]) -> None:
     path = write_tokens(tmp_path / "t.json", entry)  # private: refused for the entry, not the mode
     with pytest.raises(ValueError):
         TokenAuth.from_file(path)
+
+
+@pytest.mark.parametrize(
+    ("entry", "field"),
+    [
+        ({"token": "x" * 32, "roles": ["lookup"], "cache_salt": ["t1"]}, "cache_salt"),
+        ({"token": "x" * 32, "roles": ["emit"], "instance_id": ["n1"]}, "instance_id"),
+        ({"token": "x" * 32, "roles": ["cache"], "salts": ["t1"]}, "salts"),
+    ],
+)
+def test_an_unknown_field_is_refused_naming_it(
+    tmp_path: Path, entry: dict[str, object], field: str
+) -> None:
+    """A binding under a misspelt name was ignored: the token started unbound (``None``:
+    any), so a tenant's token read every tenant's namespace, an emitter's acted for every
+    instance. An entry's unknown field is refused, named; ``name`` is one of its fields."""
+    path = write_tokens(tmp_path / "t.json", entry)
+    with pytest.raises(ValueError, match=rf"tokens\[0\]: unknown field '{field}'"):
+        TokenAuth.from_file(path)
+    named = write_tokens(tmp_path / "n.json", {"token": "x" * 32, "role": "peer", "name": "ops"})
+    assert TokenAuth.from_file(named).authenticate(f"Bearer {'x' * 32}").name == "ops"
+
+
+def test_a_token_listed_twice_is_refused(tmp_path: Path) -> None:
+    """A token listed twice took its *last* entry's roles and bindings: a tenant's
+    salt-bound lookup token pasted again below as admin became admin for every salt, without
+    a word, and which entry applied was the order of the file's lines. Refused, naming both
+    entries (not the token)."""
+    path = write_tokens(
+        tmp_path / "t.json",
+        {"token": NODE, "roles": ["lookup"], "cache_salts": ["t1"]},
+        {"token": PEER, "role": "peer"},
+        {"token": NODE, "roles": ["admin"]},
+    )
+    with pytest.raises(ValueError, match=r"tokens\[2\] repeats the token of tokens\[0\]") as err:
+        TokenAuth.from_file(path)
+    assert NODE not in str(err.value)
