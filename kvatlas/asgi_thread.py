@@ -49,6 +49,29 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
+class StopServing:
+    """A reason to stop a foreground :func:`serve` that a background thread found after
+    start-up (the coordinator's: Redis appeared and refused its credentials). :meth:`stop`
+    shuts the server down gracefully, as a signal would (given before it serves: as soon as
+    it has started); :attr:`reason` says why, for the exit code."""
+
+    def __init__(self) -> None:
+        self.reason: BaseException | None = None
+        self._server: uvicorn.Server | None = None
+        self._lock = threading.Lock()
+
+    def stop(self, reason: BaseException) -> None:
+        with self._lock:
+            self.reason = self.reason or reason
+            if self._server is not None:
+                self._server.should_exit = True
+
+    def bind(self, server: uvicorn.Server) -> None:
+        with self._lock:
+            self._server = server
+            server.should_exit = self.reason is not None
+
+
 def serve(
     app: Any,
     *,
@@ -58,14 +81,16 @@ def serve(
     limits: HttpLimits | None = None,
     on_refused: OnRefused = lambda _reason: None,
     error_body: ErrorBody | None = None,
+    stopper: StopServing | None = None,
     **kwargs: Any,
 ) -> None:
     """``uvicorn.run(app, ...)`` that returns normally after a graceful shutdown on SIGINT or
-    SIGTERM (the previous handlers are back in place when it returns). With ``sock`` (from
-    :func:`bind_listener`; or several) uvicorn serves on those already-bound sockets; with
-    ``limits``, under them (:mod:`kvatlas.http_guard`; ``on_refused`` counts, ``error_body``
-    is the body of the guard's own refusals), an idle connection kept for the header timeout
-    (the time a client has to send its next request; uvicorn's own keep-alive is 5 s)."""
+    SIGTERM (the previous handlers are back in place when it returns), or ``stopper``'s stop.
+    With ``sock`` (from :func:`bind_listener`; or several) uvicorn serves on those
+    already-bound sockets; with ``limits``, under them (:mod:`kvatlas.http_guard`;
+    ``on_refused`` counts, ``error_body`` is the body of the guard's own refusals), an idle
+    connection kept for the header timeout (the time a client has to send its next request;
+    uvicorn's own keep-alive is 5 s)."""
     if limits is not None:
         kwargs["http"] = guarded_protocol(limits, on_refused, error_body)
         kwargs.setdefault("timeout_keep_alive", limits.header_timeout_s)
@@ -76,11 +101,10 @@ def serve(
 
     previous = {sig: signal.signal(sig, remember) for sig in SHUTDOWN_SIGNALS}
     try:
-        if sock is None:
-            uvicorn.run(app, host=host, port=port, **kwargs)
-        else:
-            socks = sock if isinstance(sock, list) else [sock]
-            uvicorn.Server(uvicorn.Config(app, host=host, port=port, **kwargs)).run(sockets=socks)
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, **kwargs))
+        if stopper is not None:
+            stopper.bind(server)
+        server.run(sockets=None if sock is None else sock if isinstance(sock, list) else [sock])
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Final, TypeVar
 
-from kvatlas.asgi_thread import ThreadedServer, bind_listener, free_port, serve
+from kvatlas.asgi_thread import StopServing, ThreadedServer, bind_listener, free_port, serve
 from kvatlas.auth import TokenAuth
 from kvatlas.coordinator.app import create_app
 from kvatlas.coordinator.cache_control.delivery_contract import MpServers
@@ -197,7 +197,8 @@ class BackgroundServer:
 def run_coordinator(config: CoordinatorConfig, mp_servers: MpServers | None = None) -> int:
     """``kvatlas coordinator`` (``mp_servers``: the MP-server client cache-control commands
     are delivered with; ``kvatlas.cli`` hands in ``kvatlas.client.MPServerClient``). Exits 1
-    (``SystemExit``) when another process holds its port, snapshot or consumer group."""
+    (``SystemExit``) when another process holds its port, snapshot or consumer group;
+    returns 1 when a Redis first reached after start-up refuses the credentials."""
     configure_logging(config.log_level, config.log_format)
     set_switch_interval()  # runtime.py: one thread's Python work must not stall the others
     COLLECTIONS.install()
@@ -217,6 +218,11 @@ def run_coordinator(config: CoordinatorConfig, mp_servers: MpServers | None = No
     sock, lock = claim_or_exit(lambda: claim_replica(config), "coordinator")
     service = CoordinatorService(config, mp_servers=mp_servers)
     service.start()
+    stopper = StopServing()  # Redis appeared and refused the credentials: exit 1, as at start
+    if (consumer := service.stream_consumer) is not None:
+        consumer.on_fatal = stopper.stop
+        if consumer.fatal is not None:  # (found before on_fatal was set)
+            stopper.stop(consumer.fatal)
     log.info(
         "kvatlas coordinator on http://%s:%d (scheme %s/%d, blend %s, transport %s, replica %s)",
         config.host, config.port, config.hash_scheme, config.chunk_size,
@@ -242,6 +248,7 @@ def run_coordinator(config: CoordinatorConfig, mp_servers: MpServers | None = No
             sock=sock,
             limits=config.http_limits,
             on_refused=service.metrics.http_refused.count,
+            stopper=stopper,
             **options,
         )
     finally:
@@ -250,4 +257,7 @@ def run_coordinator(config: CoordinatorConfig, mp_servers: MpServers | None = No
         sock.close()
         if lock is not None:
             lock.close()
+    if stopper.reason is not None:
+        log.error("stopped: %s", stopper.reason)
+        return 1
     return 0

@@ -53,6 +53,7 @@ from kvatlas.errors import (
     InvalidInput,
     KvatlasError,
     Unauthorized,
+    Unavailable,
 )
 from kvatlas.events import (
     ColumnBatch,
@@ -205,6 +206,12 @@ class StreamConsumer:
         self._lag_at = -math.inf
         self._caught_up = False
         self._shown_at = -math.inf
+        self.fatal: Unavailable | None = None
+        """Why this replica must not run on (:meth:`run` returned): Redis answered, before it
+        was joined, and refused the credentials (as at start-up: ``refuse_held_group``)."""
+        self.on_fatal: Callable[[Unavailable], object] = lambda _exc: None
+        """Told :attr:`fatal` (``kvatlas coordinator`` stops, exit 1; set it, then read
+        :attr:`fatal`: one of the two sees the other)."""
 
     def _prepare_group(self, joined: bool) -> None:
         """Create the group, or rewind it, to the last applied position ("0" = everything);
@@ -271,6 +278,8 @@ class StreamConsumer:
                 return
             except self._redis_mod.RedisError as exc:
                 self._errors.labels("redis").inc()
+                if not joined and self._refused(exc):
+                    return
                 if not joined:
                     self._set_readiness(Readiness.WAITING_FOR_REDIS)
                 prepared = False  # Redis may have restarted: check the group and stream again
@@ -286,6 +295,20 @@ class StreamConsumer:
                 stop.wait(backoff.next_wait())
         if joined:
             self._leave()
+
+    def _refused(self, exc: Exception) -> bool:
+        """Whether ``exc`` is Redis refusing the credentials (or an ACL user's command): not an
+        outage to wait out but a setting, which stops a replica waiting to join as it stops one
+        at start-up (docs/coordinator.md, "Readiness, start order and Redis restarts")."""
+        redis = self._redis_mod
+        errors = redis.exceptions
+        refused = (errors.AuthenticationError, errors.AuthorizationError, errors.NoPermissionError)
+        if not isinstance(exc, refused):
+            return False
+        self.fatal = Unavailable(f"redis refused this coordinator's credentials: {exc}")
+        log.error("not starting: %s", self.fatal)
+        self.on_fatal(self.fatal)
+        return True
 
     def _leave(self) -> None:
         """A clean stop removes this consumer, so the replica may restart at once."""

@@ -280,6 +280,27 @@ def test_a_redis_that_refuses_the_credentials_still_stops_start_up(
     assert "refused this coordinator's credentials" in done.stdout + done.stderr
 
 
+def test_a_redis_that_appears_refusing_the_credentials_stops_a_waiting_coordinator(
+    tmp_path: Path, made: list[Any]
+) -> None:
+    """The same refusal met by a coordinator started before Redis: it retried for ever,
+    ``waiting_for_redis`` although Redis answered. It stops as at start-up (exit 1), having
+    served what it restored and taken its shutdown snapshot."""
+    server = RedisServer(tmp_path)  # not started yet
+    made.append(server)
+    # a user this Redis does not have (a wrong password for the default user is no refusal:
+    # without requirepass, Redis takes any)
+    wrong = f"redis://kvatlas-coordinator:s3cret@127.0.0.1:{server.port}/0"
+    coordinator = Coordinator(tmp_path, wrong)
+    made.append(coordinator)
+    coordinator.start()
+    assert wait_for(lambda: coordinator.state() == "waiting_for_redis"), coordinator.output()
+    server.start()
+    assert wait_for(coordinator.exited, timeout=60), coordinator.output()
+    assert coordinator.proc is not None and coordinator.proc.returncode == 1, coordinator.output()
+    assert lines(coordinator.output(), "refused this coordinator's credentials")
+
+
 # ------------------------------------------------------------------ Redis restarts mid-run
 
 
