@@ -77,6 +77,44 @@ def test_bad_flags_are_refused_with_one_line(flags: list[str],
     assert "refused" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--max-num-seqs", "0"],
+        ["--max-num-batched-tokens", "0"],
+        ["--block-size", "0"],
+        ["--gpu-blocks", "0"],
+        ["--gpu-blocks", "-1"],
+        ["--chunk-size", "0"],
+        ["--host-blocks", "-1"],
+        ["--l2-chunks", "-1"],
+        ["--load-scale", "nan"],
+        ["--speed", "inf"],
+        ["--json", "/nonexistent-dir/fleet.json"],
+        ["--plot", "/nonexistent-dir/fleet.png"],
+    ],
+)
+def test_a_size_that_cannot_work_is_refused_before_running(
+    flags: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A step budget or a running-request cap of 0 made the simulation run for ever; a block,
+    GPU size or chunk of 0 was a traceback; negative host blocks or L2 chunks ran; --json and
+    --plot into a missing directory failed after the whole run. Each is one line, exit 2,
+    before any stack runs."""
+    ran: list[str] = []
+
+    def never(mode: str) -> fleet_run.RunStack:
+        ran.append(mode)
+        return _stand_in()
+
+    monkeypatch.setattr(fleet_run, "_runner", never)
+    code = main(["bench", "fleet", "--trace", RAG, "--requests", "5", "--jobs", "1", *flags])
+    err = capsys.readouterr().err
+    assert (code, ran) == (2, []), err
+    refusals = [line for line in err.splitlines() if "refused" in line]
+    assert len(refusals) == 1 and f"refused: {flags[0]}" in refusals[0], err
+
+
 def test_a_generator_without_a_count_and_a_missing_trace_are_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -11,6 +11,7 @@ import argparse
 import functools
 import importlib
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -85,10 +86,21 @@ def config_of(args: argparse.Namespace) -> FleetConfig:
         raise InvalidInput("--requests must be at least 1")
     if args.minutes is not None and not args.minutes > 0:
         raise InvalidInput("--minutes must be positive")
+    for name in ("block_size", "gpu_blocks", "chunk_size", "max_num_batched_tokens",
+                 "max_num_seqs"):  # fmt: skip
+        if getattr(args, name) < 1:  # 0 steps nothing (the run never ended) or divides by 0
+            raise InvalidInput(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("host_blocks", "l2_chunks"):
+        if getattr(args, name) < 0:
+            raise InvalidInput(f"--{name.replace('_', '-')} must be at least 0")
     if args.chunk_size % args.block_size:
         raise InvalidInput("--chunk-size must be a multiple of --block-size")
-    if not args.load_scale > 0 or not args.speed > 0:
-        raise InvalidInput("--load-scale and --speed must be positive")
+    for name in ("load_scale", "speed"):
+        if not 0 < getattr(args, name) < math.inf:  # NaN too
+            raise InvalidInput(f"--{name.replace('_', '-')} must be a finite number > 0")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None and not path.parent.is_dir():  # found before the run, not after
+            raise InvalidInput(f"{flag} {path}: {path.parent} is not a directory")
     if not 0.0 <= args.recompute_share <= 1.0:
         raise InvalidInput("--recompute-share must be in [0, 1]")
     sizes = {name: getattr(args, name) for name in _SIZES}
