@@ -1,8 +1,8 @@
 """Dataclass configs as command-line flags, each also settable as ``KVATLAS_<NAME>``.
 
 Precedence: command line > environment > default. Values are converted by the field's declared
-type (``bool``, ``int``, ``float``, ``str``, ``Path``; ``X | None`` maps an empty value to None),
-so every service parses its flags and its environment the same way.
+type (``bool``, ``int``, ``float``: a finite one, ``str``, ``Path``; ``X | None`` maps an empty
+value to None), so every service parses its flags and its environment the same way.
 
 One name per setting: the field's name is its flag (``--a-b``), its variable (``KVATLAS_A_B``)
 and, where a reply reports it, its HTTP field (docs/configuration.md has the table). A renamed
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import types
 import typing
@@ -158,8 +159,11 @@ def _convert(raw: object, annotation: Any) -> object:
         return parse_bool(text)
     if base is int:
         return int(text)
-    if base is float:
-        return float(text)
+    if base is float:  # NaN and infinity are no setting's value (a NaN passes `< 0` checks)
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(f"not a finite number: {text!r}")
+        return value
     if base is Path:
         return Path(text)
     return text

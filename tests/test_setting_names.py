@@ -28,7 +28,7 @@ from kvatlas.node.cache_node import CacheNode
 from kvatlas.node.http_api import create_node_app
 from kvatlas.router import config as router_config
 from tests.coordinator.helpers import b64, running
-from tests.helpers import node_config
+from tests.helpers import node_config, toy_node_flags
 
 PAGE = Path(__file__).parents[1] / "docs" / "configuration.md"
 
@@ -260,3 +260,29 @@ def test_the_nodes_old_max_body_bytes_0_is_not_set_with_a_warning() -> None:
     assert node_config(max_body_bytes=4096).max_store_bytes == 4096
     with pytest.raises(ValueError, match="--max-body-bytes"):
         node_config(max_body_bytes=-1)
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_a_float_setting_refuses_nan_and_infinity(name: str) -> None:
+    """``--step-overhead-s nan`` started an engine-sim whose every request hung; the router's
+    ``--l1-bandwidth-bytes-per-s nan`` went into its cost model: checks written ``value < 0``
+    let NaN (and infinity) through. Every float setting of every service, as a flag or a
+    variable, refuses them, naming the flag."""
+    service = SERVICES[name]
+    hints = typing.get_type_hints(service.config)
+    floats = [
+        f.name
+        for f in dataclasses.fields(service.config)
+        if float in (hints[f.name], *typing.get_args(hints[f.name]))
+    ]
+    assert floats or name == "route", name
+    base = toy_node_flags() if name == "node" else []  # (the node reads its layout first)
+    for field in floats:
+        flag = "--" + field.replace("_", "-")
+        for value in ("nan", "inf", "-inf"):
+            parser = FlagParser()
+            service.add_arguments(parser)
+            with pytest.raises(ValueError, match=f"{flag}: not a finite number"):
+                service.parse(parser.parse_args([*base, f"{flag}={value}"]), {})
+            with pytest.raises(ValueError, match=f"{flag}: not a finite number"):
+                service.parse(parser.parse_args(base), {"KVATLAS_" + field.upper(): value})

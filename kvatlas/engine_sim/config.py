@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,10 +82,10 @@ class EngineSimConfig:
                  "gpu_hbm_efficiency", "cpu_link_bytes_per_s", "node_timeout_s", "l1_bandwidth_bytes_per_s",
                  "l2_bandwidth_bytes_per_s", "peer_bandwidth_bytes_per_s")  # fmt: skip
         for name in rates:
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive")
-        if self.step_overhead_s < 0:
-            raise ValueError("--step-overhead-s must be 0 or more")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0")
+        if not 0 <= self.step_overhead_s < math.inf:  # NaN: every request hung
+            raise ValueError("--step-overhead-s must be a finite number >= 0")
         if "@" in self.instance_id or not self.instance_id:
             raise ValueError("--instance-id must be non-empty and have no '@' (topic separator)")
         if not 0.0 <= self.recompute_share <= 1.0:

@@ -116,8 +116,10 @@ class RouterConfig:
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0")
         for tier in ("gpu", "l1", "l2", "peer"):
-            if getattr(self, f"{tier}_bandwidth_bytes_per_s") < 0:
-                raise ValueError(f"--{tier}-bandwidth-bytes-per-s must be >= 0 (0 = free)")
+            if not 0 <= getattr(self, f"{tier}_bandwidth_bytes_per_s") < math.inf:  # NaN too
+                raise ValueError(
+                    f"--{tier}-bandwidth-bytes-per-s must be a finite number >= 0 (0 = free)"
+                )
         if not 0.0 <= self.recompute_share <= 1.0:
             raise ValueError("--recompute-share must be in [0, 1]")
 

@@ -179,6 +179,15 @@ def test_models_and_engines_from_the_coordinator() -> None:
         # a port above 65535 was taken and the socket bound modulo 2^16 (70000 → 4464)
         ({"engine": "a=http://x", "policy": "random", "port": 70000}, "--port"),
         ({"engine": "a=http://x", "policy": "random", "connect_timeout_s": float("inf")}, "finite"),
+        # NaN passed a check written `< 0`: every cached tier's predicted TTFT was NaN
+        (
+            {"engine": "a=http://x", "policy": "random", "l1_bandwidth_bytes_per_s": float("nan")},
+            "--l1-bandwidth-bytes-per-s must be a finite number",
+        ),
+        (
+            {"engine": "a=http://x", "policy": "random", "gpu_bandwidth_bytes_per_s": float("inf")},
+            "--gpu-bandwidth-bytes-per-s must be a finite number",
+        ),
         # 0 refused every request's body (413 for 53 bytes)
         ({"engine": "a=http://x", "policy": "random", "max_body_bytes": 0}, "--max-body-bytes"),
     ],
@@ -280,6 +289,20 @@ def test_the_simulated_engine_refuses_a_port_above_65535() -> None:
     """``kvatlas engine-sim --port 70001`` listened on 4465 (the port modulo 2^16)."""
     with pytest.raises(ValueError, match="--port"):
         EngineSimConfig(port=70001)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("step_overhead_s", float("nan")), ("step_overhead_s", float("inf")),
+     ("speed", float("inf")), ("node_timeout_s", float("inf"))],
+)  # fmt: skip
+def test_the_simulated_engine_refuses_a_cost_that_is_not_a_finite_number(
+    field: str, value: float
+) -> None:
+    """``kvatlas engine-sim --step-overhead-s nan`` started (``/health`` 200) and every request
+    hung: the check was written ``< 0``; the rates' ``> 0`` let infinity through."""
+    with pytest.raises(ValueError, match=f"--{field.replace('_', '-')} must be a finite number"):
+        EngineSimConfig(**{field: value})  # type: ignore[arg-type]
 
 
 def test_route_scores_stopping_and_coming_back_are_logged_once_each(
