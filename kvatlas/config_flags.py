@@ -2,7 +2,9 @@
 
 Precedence: command line > environment > default. Values are converted by the field's declared
 type (``bool``, ``int``, ``float``: a finite one, ``str``, ``Path``; ``X | None`` maps an empty
-value to None), so every service parses its flags and its environment the same way.
+value to None; an empty value is not set, but a ``bool``'s: false), and a field with choices
+holds one of them (:func:`check_choices`), so every service parses its flags and its
+environment the same way.
 
 One name per setting: the field's name is its flag (``--a-b``), its variable (``KVATLAS_A_B``)
 and, where a reply reports it, its HTTP field (docs/configuration.md has the table). A renamed
@@ -169,6 +171,17 @@ def _convert(raw: object, annotation: Any) -> object:
     return text
 
 
+def check_choices(config: object, choices: Mapping[str, Sequence[str]]) -> None:
+    """A config's ``__post_init__``: each field of ``choices`` holds one of them. argparse
+    checks a flag's value only: a variable's (``KVATLAS_LOG_LEVEL=bogus``) crashed later."""
+    for name, allowed in choices.items():
+        value = getattr(config, name)
+        if value not in allowed:
+            raise ValueError(
+                f"{flag_name(name)}: invalid choice: {value!r} (choose from {', '.join(allowed)})"
+            )
+
+
 def dataclass_from_args(
     cls: type[T],
     args: argparse.Namespace,
@@ -192,8 +205,8 @@ def dataclass_from_args(
         raw = getattr(args, f.name, None)
         if raw is None and env_name(f.name) in env:
             raw = env[env_name(f.name)]
-        if raw is None or (raw == "" and f.default_factory is not MISSING):
-            continue  # not set (an empty value of a field with a computed default too)
+        if raw is None or (raw == "" and _base_type(hints[f.name])[0] is not bool):
+            continue  # not set: an empty value is too (`--event-stream ''` was a stream "")
         try:
             values[f.name] = _convert(raw, hints[f.name])
         except ValueError as exc:

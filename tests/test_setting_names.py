@@ -286,3 +286,56 @@ def test_a_float_setting_refuses_nan_and_infinity(name: str) -> None:
                 service.parse(parser.parse_args([*base, f"{flag}={value}"]), {})
             with pytest.raises(ValueError, match=f"{flag}: not a finite number"):
                 service.parse(parser.parse_args(base), {"KVATLAS_" + field.upper(): value})
+
+
+def _base_flags(name: str) -> list[str]:
+    """What a service needs to start at all (the node its layout, the router engines)."""
+    if name == "router":
+        return ["--engine", "e1=http://127.0.0.1:9", "--policy", "round-robin"]
+    return toy_node_flags() if name == "node" else []
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_a_variable_outside_a_settings_choices_is_refused_as_the_flag_is(name: str) -> None:
+    """``KVATLAS_LOG_LEVEL=bogus`` (every service), ``KVATLAS_EVICTION_POLICY=bogus``
+    (coordinator) passed the configs' checks (argparse's choices apply to the flag only) and
+    crashed later, a traceback and exit 1 where the flag is a usage error. Refused, naming the
+    flag or the value (``--log-level: invalid choice: 'bogus'``; a field with a check of its
+    own says it its way)."""
+    service = SERVICES[name]
+    base = _base_flags(name)
+    parser = FlagParser()
+    service.add_arguments(parser)
+    fields = {f.name for f in dataclasses.fields(service.config)}
+    given = {flag[2:].replace("-", "_") for flag in base if flag.startswith("--")}
+    chosen = [a.dest for a in parser._actions if a.choices and a.dest in fields - given]
+    assert chosen or name == "route", name
+    for field in chosen:
+        flag = "--" + field.replace("_", "-")
+        with pytest.raises(ValueError, match=f"'bogus'|{flag}"):  # (a usage error: exit 2)
+            service.parse(parser.parse_args(base), {"KVATLAS_" + field.upper(): "bogus"})
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_an_empty_value_is_not_set(name: str) -> None:
+    """docs/configuration.md: an empty value means not set. A setting with a default took an
+    empty one literally: ``KVATLAS_EVENT_STREAM=`` (or ``--event-stream ''``) made the Redis key
+    "" the stream (one service with it and one without split a fleet across two streams),
+    ``KVATLAS_HOST=`` the host "". Every setting but a bool (where empty is false) has its
+    default."""
+    service = SERVICES[name]
+    base = _base_flags(name)
+    hints = typing.get_type_hints(service.config)
+    parser = FlagParser()
+    service.add_arguments(parser)
+    default = service.parse(parser.parse_args(base), {})
+    chosen = {a.dest for a in parser._actions if a.choices}  # argparse refuses '' for these
+    for f in dataclasses.fields(service.config):
+        if bool in (hints[f.name], *typing.get_args(hints[f.name])):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        from_env = service.parse(parser.parse_args(base), {"KVATLAS_" + f.name.upper(): ""})
+        assert getattr(from_env, f.name) == getattr(default, f.name), f.name
+        if flag not in base and f.name not in chosen:
+            from_flag = service.parse(parser.parse_args([*base, f"{flag}="]), {})
+            assert getattr(from_flag, f.name) == getattr(default, f.name), f.name

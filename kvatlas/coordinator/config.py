@@ -17,7 +17,12 @@ from pathlib import Path
 
 from kvatlas.auth import public_unless_auth, read_secret
 from kvatlas.checks import check_port
-from kvatlas.config_flags import FlagParser, add_dataclass_arguments, dataclass_from_args
+from kvatlas.config_flags import (
+    FlagParser,
+    add_dataclass_arguments,
+    check_choices,
+    dataclass_from_args,
+)
 from kvatlas.coordinator.body_limits import RouteBodies, largest_request_bytes
 from kvatlas.coordinator.cache_control.eviction import DEFAULT_POLICY as DEFAULT_EVICTION_POLICY
 from kvatlas.coordinator.cache_control.eviction import POLICY_NAMES as EVICTION_POLICIES
@@ -142,6 +147,7 @@ class CoordinatorConfig:
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0")
         self._check_kv_events()
+        check_choices(self, _CHOICES)  # the rest (a variable's: argparse checks a flag's only)
 
     def _check_kv_events(self) -> None:
         for name in (

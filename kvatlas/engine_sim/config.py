@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvatlas.checks import check_http_url, check_port
-from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args
+from kvatlas.config_flags import add_dataclass_arguments, check_choices, dataclass_from_args
 from kvatlas.engine_sim.cost_model import CostModel
 from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
 
@@ -96,6 +96,7 @@ class EngineSimConfig:
             raise ValueError("--node-token-file needs --node-url")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        check_choices(self, _CHOICES)  # the rest (a variable's: argparse checks a flag's only)
 
     @property
     def topic(self) -> str:

@@ -23,6 +23,7 @@ from kvatlas.auth import TokenAuth, public_unless_auth, read_secret
 from kvatlas.checks import check_http_url, check_port
 from kvatlas.config_flags import (
     add_dataclass_arguments,
+    check_choices,
     dataclass_from_args,
     env_name,
     warn_renamed,
@@ -200,6 +201,7 @@ class NodeConfig:
         ):
             if not 0 < getattr(self, name) <= 3600:
                 raise ValueError(f"--{name.replace('_', '-')} must be in (0, 3600] seconds")
+        check_choices(self, _CHOICES)  # the rest (a variable's: argparse checks a flag's only)
 
     @property
     def http_limits(self) -> HttpLimits:

@@ -21,7 +21,12 @@ from typing import Any, Final
 
 from kvatlas.auth import TokenAuth, read_secret
 from kvatlas.checks import check_http_url, check_port
-from kvatlas.config_flags import add_dataclass_arguments, dataclass_from_args, env_name
+from kvatlas.config_flags import (
+    add_dataclass_arguments,
+    check_choices,
+    dataclass_from_args,
+    env_name,
+)
 from kvatlas.http_limits import (
     BODY_TIMEOUT_HELP,
     HEADER_TIMEOUT_HELP,
@@ -122,6 +127,7 @@ class RouterConfig:
                 )
         if not 0.0 <= self.recompute_share <= 1.0:
             raise ValueError("--recompute-share must be in [0, 1]")
+        check_choices(self, CHOICES)  # the rest (a variable's: argparse checks a flag's only)
 
     @property
     def http_limits(self) -> HttpLimits:

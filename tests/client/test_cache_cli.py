@@ -8,6 +8,7 @@ exits 2, and what was refused changed nothing."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
@@ -387,3 +388,20 @@ def test_waiting_gives_up_at_its_timeout_with_the_last_status() -> None:
     )  # fmt: skip
     assert (status, ended) == ("pending", False)
     assert slept == [1.0, 0.5]  # never past the timeout: the last sleep is what is left
+
+
+def test_an_empty_coordinator_url_variable_is_not_set(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``KVATLAS_COORDINATOR_URL=`` was the URL "": ``error: --coordinator-url: '' is not an
+    http(s) URL``, exit 2. Empty is not set (docs/configuration.md): the default URL."""
+    from kvatlas.client.cache_cli import CoordinatorLink
+    from kvatlas.config_flags import dataclass_from_args
+
+    empty = {"KVATLAS_COORDINATOR_URL": ""}
+    link = dataclass_from_args(CoordinatorLink, argparse.Namespace(), empty)
+    assert link.coordinator_url == CoordinatorLink().coordinator_url
+    monkeypatch.setenv("KVATLAS_COORDINATOR_URL", "")
+    code = main(["cache", "pins"])  # (the default's coordinator may or may not be there)
+    err = capsys.readouterr().err
+    assert code != 2 and "is not an http(s) URL" not in err, err

@@ -163,3 +163,18 @@ def test_cli_rejects_invalid_value_with_usage_error() -> None:
     )
     assert proc.returncode == 2
     assert "chunk" in proc.stderr
+
+
+@pytest.mark.parametrize("variable", ["KVATLAS_LOG_LEVEL", "KVATLAS_EVICTION_POLICY"])
+def test_a_variable_outside_the_choices_is_a_usage_error(variable: str) -> None:
+    """``KVATLAS_EVICTION_POLICY=bogus`` started and crashed (a traceback, exit 1) where
+    ``--eviction-policy bogus`` is a usage error: one line naming flag and value, exit 2."""
+    import os
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvatlas.cli", "coordinator", "--port", "1"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, variable: "bogus"},
+    )  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    flag = "--" + variable.removeprefix("KVATLAS_").lower().replace("_", "-")
+    assert f"error: {flag}: invalid choice: 'bogus'" in proc.stderr, proc.stderr
