@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import math
 import os
 import socket
 from collections.abc import Collection, Mapping, Sequence
@@ -48,6 +47,9 @@ from kvatlas.keys import (
 from kvatlas.logs import LOG_FORMATS, LOG_LEVELS
 
 DEFAULT_PORT = 9300
+MAX_INTERVAL_S = 365 * 86400.0
+"""The longest timer (a year): 1e308 s, finite, crashed start-up (a heartbeat in ms) or the
+snapshot and memory-trim threads (a wait past what the platform's clock holds)."""
 
 RENAMED_FLAGS = {
     "consumer_heartbeat": "consumer_heartbeat_s",
@@ -127,8 +129,10 @@ class CoordinatorConfig:
         check_port("--port", self.port)
         if self.max_body_bytes is not None and self.max_body_bytes < 1:
             raise ValueError("--max-body-bytes must be >= 1")
-        if not math.isfinite(self.memory_trim_interval_s) or self.memory_trim_interval_s < 0:
-            raise ValueError("--memory-trim-interval-s must be a finite number >= 0 (0: off)")
+        if not 0 <= self.memory_trim_interval_s <= MAX_INTERVAL_S:
+            raise ValueError(
+                f"--memory-trim-interval-s must be in [0, {MAX_INTERVAL_S:,.0f}] seconds (0: off)"
+            )
         checked_weight("--fragment-weight", self.fragment_weight)
         if self.snapshot_path is not None and self.snapshot_path.is_dir():
             raise ValueError(
@@ -143,9 +147,10 @@ class CoordinatorConfig:
             "max_clock_skew_s",
             "cache_command_lease_s",
         ):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0")
+            if not 0 < getattr(self, name) <= MAX_INTERVAL_S:  # NaN too
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be in (0, {MAX_INTERVAL_S:,.0f}] seconds"
+                )
         self._check_kv_events()
         check_choices(self, _CHOICES)  # the rest (a variable's: argparse checks a flag's only)
 

@@ -198,6 +198,7 @@ class NodeConfig:
             "coordinator_retry_max_s",
             "heartbeat_interval_s",
             "pin_refresh_interval_s",
+            "fleet_refresh_interval_s",  # (0 or NaN: a GET /instances per peer ask; inf: never)
         ):
             if not 0 < getattr(self, name) <= 3600:
                 raise ValueError(f"--{name.replace('_', '-')} must be in (0, 3600] seconds")

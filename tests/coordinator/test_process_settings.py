@@ -200,6 +200,36 @@ print(rss_at["freed"], rss_at["trimmed"])
 """
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["snapshot_interval", "instance_timeout", "emitter_retention_s", "consumer_heartbeat_s",
+     "max_clock_skew_s", "cache_command_lease_s", "memory_trim_interval_s"],
+)  # fmt: skip
+def test_a_timer_is_at_most_a_year(name: str) -> None:
+    """``--consumer-heartbeat-s 1e308`` (finite) crashed start-up (OverflowError, a
+    traceback); ``--snapshot-interval 1e308`` and ``--memory-trim-interval-s 1e308`` started,
+    then their threads died (a wait past what the platform's clock holds): the service ran on
+    without snapshots or trims. A timer is at most a year, refused naming the flag."""
+    from kvatlas.coordinator.config import MAX_INTERVAL_S, CoordinatorConfig
+
+    assert MAX_INTERVAL_S == 365 * 86400
+    assert getattr(CoordinatorConfig(**{name: MAX_INTERVAL_S}), name) == MAX_INTERVAL_S
+    for huge in (MAX_INTERVAL_S * 1.01, 1e308):
+        with pytest.raises(ValueError, match=f"--{name.replace('_', '-')} must be in"):
+            CoordinatorConfig(**{name: huge})
+
+
+def test_a_huge_interval_is_a_usage_error_not_a_traceback() -> None:
+    """The process as an operator starts it: one line naming the flag, exit 2."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvatlas.cli", "coordinator", "--port", "1",
+         "--consumer-heartbeat-s", "1e308"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "error: --consumer-heartbeat-s must be in (0, 31,536,000] seconds" in done.stderr
+
+
 def test_the_memory_trim_interval_is_a_flag_and_zero_turns_it_off() -> None:
     from kvatlas.config_flags import FlagParser
     from kvatlas.coordinator.config import CoordinatorConfig, add_arguments, config_from_args

@@ -115,6 +115,16 @@ def test_heartbeat_interval_flag_environment_and_bounds() -> None:
             NodeConfig(heartbeat_interval_s=bad)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, 0.0, float("inf"), 3601.0])
+def test_the_fleet_refresh_interval_is_bounded_as_its_siblings(bad: float) -> None:
+    """``--fleet-refresh-interval-s`` took NaN, -1, 0 and inf: the fleet view then asked the
+    coordinator for its instances on every peer lookup (0, negative, NaN) or never after the
+    first (inf: peers that joined later were never tried). (0, 3600] s, as its siblings."""
+    assert NodeConfig(fleet_refresh_interval_s=3600.0).fleet_refresh_interval_s == 3600.0
+    with pytest.raises(ValueError, match=r"--fleet-refresh-interval-s must be in \(0, 3600\]"):
+        NodeConfig(fleet_refresh_interval_s=bad)
+
+
 def test_event_delivery_retries_at_least_once_per_heartbeat() -> None:
     """Found by ``kvatlas soak``: after a Redis restart the nodes' event sinks waited up to
     their fixed 5 s backoff cap before delivering again, past the convergence target (twice
