@@ -25,6 +25,7 @@ from kvatlas.api.cache_control import (
 )
 from kvatlas.checks import is_plain_int
 from kvatlas.client.cache_client import CacheControlClient, token_fields, wait_for_status
+from kvatlas.client.coordinator_client import CoordinatorError
 from kvatlas.client.route_client import read_tokens
 
 EXIT_REFUSED: Final = 1
@@ -153,7 +154,13 @@ def _delete(client: CacheControlClient, args: argparse.Namespace, out: Out) -> i
 
 
 def _prefetch(client: CacheControlClient, args: argparse.Namespace, out: Out) -> int:
-    reply = client.prefetch(args.instance_id, _fields(args))
+    try:
+        reply = client.prefetch(args.instance_id, _fields(args))
+    except CoordinatorError as exc:  # a 502 whose command the coordinator kept and retries:
+        if not (args.wait and exc.reply_status == 502 and exc.request_id):  # waited on, as a
+            raise  # move to a target that is down is
+        print(f"kvatlas cache prefetch: {exc}; waiting for it", file=sys.stderr)
+        return _wait_prefetch(client, args, out, args.instance_id, exc.request_id)
     if reply.status == "noop" or not args.wait:
         out.reply(reply)
         out.say(f"{reply.status}: {reply.chunks} chunks to {reply.instance_id}'s L1")

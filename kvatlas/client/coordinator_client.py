@@ -45,12 +45,16 @@ class CoordinatorError(Unavailable):
     """The coordinator could not answer, or refused (an ``Unavailable``, so a ``RuntimeError``).
 
     ``reply_status`` is the HTTP status the coordinator replied with (``None`` when no reply
-    arrived); ``status`` is, as for every ``KvatlasError``, what this error maps to (503).
+    arrived); ``status`` is, as for every ``KvatlasError``, what this error maps to (503);
+    ``request_id``: the command the coordinator kept for retry (a prefetch's 502).
     """
 
-    def __init__(self, message: str, reply_status: int | None = None) -> None:
+    def __init__(
+        self, message: str, reply_status: int | None = None, request_id: str | None = None
+    ) -> None:
         super().__init__(message)
         self.reply_status = reply_status
+        self.request_id = request_id
 
 
 def auth_headers(token: str | None) -> dict[str, str]:
@@ -68,7 +72,8 @@ def read_reply(method: str, path: str, status: int, raw: bytes, reply: Any = Any
     the bad field for a reply that is not of its type. The one reading of a reply, whichever
     HTTP client (httpx here, ``kvatlas.client.keepalive`` in the router) carried it."""
     if status >= 400:
-        raise CoordinatorError(f"{method} {path}: {status} {_detail(raw)}", status)
+        detail, kept = _detail(raw)
+        raise CoordinatorError(f"{method} {path}: {status} {detail}", status, kept)
     if not raw:
         return None  # 204 (LMCache's DELETE /instances/{id})
     try:
@@ -80,17 +85,17 @@ def read_reply(method: str, path: str, status: int, raw: bytes, reply: Any = Any
         ) from None
 
 
-def _detail(raw: bytes) -> str:
-    """The ``detail`` of an error reply (and the ``request_id`` of a command kept for retry),
-    else its text (at most 200 characters)."""
+def _detail(raw: bytes) -> tuple[str, str | None]:
+    """The ``detail`` of an error reply (saying the ``request_id`` of a command kept for
+    retry), else its text (at most 200 characters); and that ``request_id``."""
     try:
         error = msgspec.json.decode(raw, type=ErrorReply)
     except msgspec.MsgspecError:
-        return raw[:200].decode("utf-8", "replace")
+        return raw[:200].decode("utf-8", "replace"), None
     if error.detail is None:
-        return raw[:200].decode("utf-8", "replace")
+        return raw[:200].decode("utf-8", "replace"), None
     kept = f" (kept for retry: request_id {error.request_id})" if error.request_id else ""
-    return f"{error.detail}{kept}"
+    return f"{error.detail}{kept}", error.request_id
 
 
 def call_json(http: httpx.Client, method: str, path: str, reply: Any = Any, **kwargs: Any) -> Any:

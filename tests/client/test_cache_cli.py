@@ -243,6 +243,22 @@ def test_a_delete_its_instance_cannot_take_yet_is_kept_and_says_so(
     assert counts().get(("delete", "pending"), 0) == pending + 1
 
 
+def test_prefetch_wait_waits_on_a_command_the_coordinator_kept(
+    capsys: pytest.CaptureFixture[str], fleet: Fleet
+) -> None:
+    """A prefetch to node-b (its MP port answers nothing) is a 502 whose command the
+    coordinator keeps and retries (its request_id in the reply). ``--wait`` exited 1 at once,
+    as if refused; it waits on the kept command as a move to a target that is down is waited
+    on: still pending at ``--wait-timeout-s``, exit 3 (it goes on)."""
+    code, out, err = cache(capsys, fleet, "prefetch", *doc(fleet, "--instance-id", "node-b"),
+                           "--wait", "--wait-timeout-s", "0.3", "--poll-interval-s", "0.05")  # fmt: skip
+    assert code == 3, err
+    assert "502" in err and "kept for retry: request_id " in err and "waiting for it" in err
+    assert "pending after --wait-timeout-s 0.3; it goes on" in out
+    code, out, err = cache(capsys, fleet, "prefetch", *doc(fleet, "--instance-id", "node-b"))
+    assert (code, out) == (1, "") and "kept for retry" in err  # without --wait: as before
+
+
 def test_every_quota_verb_and_a_token_bound_to_another_salt(
     capsys: pytest.CaptureFixture[str], fleet: Fleet
 ) -> None:
