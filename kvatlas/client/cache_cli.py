@@ -212,3 +212,12 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError("--wait-timeout-s and --poll-interval-s must be finite numbers > 0")
     if getattr(args, "world_size", 1) < 1:
         raise UsageError("--world-size must be >= 1")
+    for name in (
+        "instance_id",
+        "request_id",
+        "move_id",
+        "source_instance_id",
+        "target_instance_id",
+    ):
+        if getattr(args, name, None) == "":  # `GET /cache/moves/` is the listing: a traceback
+            raise UsageError(f"--{name.replace('_', '-')} is empty: give the id")

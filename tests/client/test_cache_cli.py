@@ -421,3 +421,30 @@ def test_an_empty_coordinator_url_variable_is_not_set(
     code = main(["cache", "pins"])  # (the default's coordinator may or may not be there)
     err = capsys.readouterr().err
     assert code != 2 and "is not an http(s) URL" not in err, err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["move-status", "--move-id", ""],
+        ["move-status", "--move-id", "", "--wait"],
+        ["prefetch-status", "--instance-id", "a", "--request-id", ""],
+        ["prefetch-status", "--instance-id", "", "--request-id", "r", "--wait"],
+        ["prefetch", "--instance-id", "", "--model-name", "m", "--token-ids", "1"],
+        ["delete", "--instance-id", "", "--model-name", "m", "--token-ids", "1"],
+        ["move", "--source-instance-id", "a", "--target-instance-id", "", "--model-name", "m",
+         "--token-ids", "1"],
+    ],
+)  # fmt: skip
+def test_an_empty_id_is_a_bad_command_line(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``move-status --move-id ''`` sent ``GET /cache/moves/``, which the coordinator
+    redirects to the moves listing: the reply held no move, an AttributeError traceback; an
+    empty ``--request-id`` was a 404 without a detail. An empty id is a bad command line, exit
+    2, naming the flag, nothing sent (nothing listens at the URL: a request would be exit 1)."""
+    url = f"http://127.0.0.1:{free_port()}"
+    code = main(["cache", argv[0], "--coordinator-url", url, *argv[1:]])
+    err = capsys.readouterr().err
+    flag = argv[argv.index("") - 1]
+    assert code == 2 and f"error: {flag} is empty" in err, err
