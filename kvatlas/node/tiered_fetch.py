@@ -210,12 +210,19 @@ class TieredFetch:
             self.health.succeeded(instance_id)
         if reply.dropped:
             self._counters["peer_records_dropped"] += reply.dropped
-        wanted = set(keys)
+        wanted, foreign = set(keys), False
         for key, (chunk, digest) in reply.chunks.items():
-            if key in wanted and key not in found and self.usable(chunk):
-                found[key] = Fetched(chunk, source, instance_id, digest)
-                if key in later:
-                    self._counters["peer_fallback_hits"] += 1
+            if key not in wanted or key in found:
+                continue
+            if not self.usable(chunk):
+                foreign = True
+                continue
+            found[key] = Fetched(chunk, source, instance_id, digest)
+            if key in later:
+                self._counters["peer_fallback_hits"] += 1
+        if foreign:  # (a peer that registered no layout): its copies must not count as hits
+            failed.add(instance_id)
+            self.health.failed(instance_id, "another KV layout")
 
     def _peer_batches(
         self,
