@@ -210,18 +210,19 @@ class TieredFetch:
             self.health.succeeded(instance_id)
         if reply.dropped:
             self._counters["peer_records_dropped"] += reply.dropped
-        wanted, foreign = set(keys), False
+        wanted, ours, foreign = set(keys), 0, 0
         for key, (chunk, digest) in reply.chunks.items():
             if key not in wanted or key in found:
                 continue
             if not self.usable(chunk):
-                foreign = True
+                foreign += 1
                 continue
+            ours += 1
             found[key] = Fetched(chunk, source, instance_id, digest)
             if key in later:
                 self._counters["peer_fallback_hits"] += 1
-        if foreign:  # (a peer that registered no layout): its copies must not count as hits
-            failed.add(instance_id)
+        if foreign and not ours:  # a peer of another layout that registered none: its
+            failed.add(instance_id)  # copies must not count as hits meanwhile
             self.health.failed(instance_id, "another KV layout")
 
     def _peer_batches(

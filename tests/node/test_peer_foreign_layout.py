@@ -61,8 +61,8 @@ def test_a_peers_chunks_in_another_layout_are_not_counted(fleet: dict[str, str])
         ours, theirs = ([int(t) for t in rng.integers(0, 128_256, 2 * C)] for _ in range(2))
         assert clients["b"].store(theirs, [np.ones(clients["b"].layout.shape, np.float16)] * 2) == 2
         assert clients["c"].store(ours, [np.ones(clients["c"].layout.shape, np.float32)] * 2) == 2
-        stats = f"{fleet['coordinator']}/directory/stats"
-        assert wait_for(lambda: httpx.get(stats).json()["keys"] >= 4, timeout=30)
+        with httpx.Client(base_url=fleet["coordinator"]) as coordinator:
+            assert wait_for(lambda: coordinator.get("/directory/stats").json()["keys"] >= 4, 30)
         # the control: a peer of A's layout counts (and is served)
         assert clients["a"].lookup(ours) == 2 * C
         chunks, sources = clients["a"].retrieve(ours)
