@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+import httpx
+
 from kvatlas.auth import read_secret_file
 from kvatlas.errors import InvalidInput
 from kvatlas.keys import check_model_name
@@ -63,11 +65,7 @@ class ConnectorSettings:
             raise InvalidInput(
                 f"kv_connector_extra_config: unknown keys {unknown} (known: {list(_KEYS)})"
             )
-        url = extra.get("node_url")
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise InvalidInput(
-                f"kv_connector_extra_config.node_url must be the node's http(s) URL, got {url!r}"
-            )
+        url = _node_url(extra.get("node_url"))
         blend = extra.get("blend", False)
         if not isinstance(blend, bool):
             raise InvalidInput(
@@ -98,6 +96,21 @@ class ConnectorSettings:
         token = _read_token(Path(token_file)) if token_file else env.get(TOKEN_ENV) or None
         model_name = _model_name(extra.get("model_name"))
         return cls(url.rstrip("/"), token, blend, packing, **numbers, model_name=model_name)
+
+
+def _node_url(value: object) -> str:
+    """The ``node_url`` key: an http(s) URL with a host that httpx can parse (a bracket left
+    open or a port that is no number would otherwise escape at the first call as httpx's bare
+    ``InvalidURL``, naming neither the key nor the URL)."""
+    if isinstance(value, str) and value.startswith(("http://", "https://")):
+        try:
+            if httpx.URL(value).host:
+                return value
+        except httpx.InvalidURL:
+            pass
+    raise InvalidInput(
+        f"kv_connector_extra_config.node_url must be the node's http(s) URL, got {value!r}"
+    )
 
 
 def _model_name(value: object) -> str | None:
