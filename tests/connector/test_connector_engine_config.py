@@ -1,0 +1,64 @@
+"""vLLM engine settings the connector must refuse at start or honour, as ``vllm serve`` would
+meet them (vLLM 0.33's ``KVConnectorFactory``): parallelism that shards a block's tokens
+across workers, an attention backend whose K/V packing is not known or contradicts
+``kv_packing``, and ``kv_role``. Each refusal names the setting; none waits for a forward."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvatlas.coordinator.server import free_port
+from kvatlas.errors import InvalidInput
+from kvatlas.node.config import NodeConfig
+from kvatlas.node.toy_model import ToyRopeModel
+from kvatlas.processes import stop
+from tests.connector.test_vllm_connector import tiny_node
+from tests.vllm_support import require_vllm
+
+
+@pytest.fixture(scope="module")
+def model() -> ToyRopeModel:
+    require_vllm("vllm.distributed.kv_transfer.kv_connector.v1.base")
+    layout = NodeConfig(
+        model_name="tiny", num_layers=2, num_kv_heads=2, head_dim=16, chunk_size=16, dtype="float32"
+    ).layout
+    return ToyRopeModel(layout, seed=3)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A node of the tiny Llama (``--model-name tiny``, 16-token chunks)."""
+    require_vllm("vllm.distributed.kv_transfer.kv_connector.v1.base")
+    port = free_port()
+    proc = tiny_node(tmp_path_factory.mktemp("node"), port, timeout=180)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop([proc])
+
+
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+@pytest.mark.parametrize(("pcp", "dcp"), [(2, 2), (2, 1)], ids=["dcp", "pcp"])
+def test_context_parallelism_is_refused(
+    model: ToyRopeModel, node: str, role: str, pcp: int, dcp: int
+) -> None:
+    """Context parallelism (vLLM 0.33: ``prefill_context_parallel_size``,
+    ``decode_context_parallel_size``; tp 1, a valid config of world size 2) shards each
+    block's tokens across the workers: rows addressed ``block_ids[t // block_size]``, and each
+    worker's share stored under the chunk's whole key, would be wrong KV. It started: only tp
+    and pp were refused."""
+    from vllm.config import ParallelConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from tests.connector.harness import engine_configs
+
+    parallel = ParallelConfig(prefill_context_parallel_size=pcp, decode_context_parallel_size=dcp)
+    config, cache = engine_configs(node, model.layout, parallel=parallel)
+    assert config.parallel_config.world_size == 2
+    assert config.parallel_config.tensor_parallel_size == 1
+    setting = "decode_context_parallel_size" if dcp > 1 else "prefill_context_parallel_size"
+    with pytest.raises(InvalidInput, match=f"parallelism.*{setting}={pcp if dcp == 1 else dcp}"):
+        KVConnectorFactory.create_connector(config, KVConnectorRole[role], cache).shutdown()
