@@ -200,7 +200,10 @@ class KvatlasConnector(KVConnectorBase_V1):
     # -- worker side ---------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker.register_kv_caches(kv_caches)
+        # the model's attention layers, built before the caches (vLLM's forward context)
+        layers = self._vllm_config.compilation_config.static_forward_context
+        backends = {n: layers[n].attn_backend.get_name() for n in kv_caches if n in layers}
+        self.worker.register_kv_caches(kv_caches, backends)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.start_load_kv(self._meta())

@@ -8,7 +8,7 @@ show in the process list): it comes from ``token_file`` (mode 600) or ``KVATLAS_
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -28,6 +28,34 @@ BACKEND_PACKINGS: Final = {
     "FLEX_ATTENTION": "split_last",
     "CPU_ATTN": "split_tokens",
 }
+
+
+def backend_packing(setting: str | None, backends: Collection[str]) -> str:
+    """The K/V packing of a cache whose attention layers run ``backends`` (vLLM's backend
+    names): ``kv_packing`` (``setting``) when set, unless a backend of known packing
+    (:data:`BACKEND_PACKINGS`) packs otherwise (stored chunks would be wrong KV for every
+    other engine); unset, the backends' one known packing. Refused otherwise, naming them."""
+    names = sorted(set(backends))
+    if setting is not None:
+        other = {
+            n: BACKEND_PACKINGS[n] for n in names if BACKEND_PACKINGS.get(n, setting) != setting
+        }
+        if other:
+            raise InvalidInput(
+                f"kv_connector_extra_config.kv_packing is {setting!r}, but the attention "
+                f"backends {other} pack K and V otherwise: remove kv_packing (the backend's is "
+                "known) or correct it (docs/vllm.md)"
+            )
+        return setting
+    packings = {BACKEND_PACKINGS.get(n) for n in names}
+    if len(packings) != 1 or None in packings:
+        raise InvalidInput(
+            f"kvatlas connector: attention backends {names}: no known K/V packing; set "
+            f"kv_connector_extra_config.kv_packing to one of {KV_PACKINGS} (docs/vllm.md)"
+        )
+    return str(packings.pop())
+
+
 TOKEN_ENV: Final = "KVATLAS_ENGINE_TOKEN"
 _KEYS: Final = (
     "node_url", "token_file", "model_name", "blend", "kv_packing", "timeout_s",

@@ -41,6 +41,7 @@ from vllm.v1.request import Request
 
 from kvatlas.connector import KvatlasConnector
 from kvatlas.connector.pages import kv_planes
+from kvatlas.connector.settings import BACKEND_PACKINGS
 from kvatlas.node import KVLayout
 from kvatlas.node.toy_model import ToyRopeModel
 from tests.conftest import wait_for
@@ -99,7 +100,7 @@ def engine_configs(
     policy: str = "recompute", lookup_timeout_s: float | None = 30.0,
     served_model_name: str | None = "tiny", model_path: str | None = "/models/tiny-llama",
     hf_config: Mapping[str, object] | None = None, kv_role: str = "kv_both",
-    parallel: ParallelConfig | None = None, **extra: object,
+    parallel: ParallelConfig | None = None, backend: str | None = None, **extra: object,
 ) -> tuple[VllmConfig, KVCacheConfig]:  # fmt: skip
     """vLLM's config of an engine of the toy model's ``lay`` on ``node_url``, and its KV cache
     config (one full-attention group of :data:`BLOCK`-token blocks).
@@ -111,6 +112,8 @@ def engine_configs(
     NAME`` (``None``: no ``--served-model-name``; ``model_path=None``: a config without a
     model); ``hf_config``: the model's ``config.json`` (default: :func:`llama_config` of
     ``lay``); ``kv_role``, ``parallel``: vLLM's (default: ``kv_both``, no parallelism);
+    ``backend``: every attention layer's backend name in vLLM's ``static_forward_context``,
+    as the model's build registers its layers (``None``: no layer registered);
     ``extra``: more ``kv_connector_extra_config`` keys."""
     if lookup_timeout_s is not None:
         extra["lookup_timeout_s"] = lookup_timeout_s
@@ -135,6 +138,10 @@ def engine_configs(
             model=model_path, served_model_name=served_model_name or model_path,
             hf_config=hf, hf_text_config=hf_text,
         )  # fmt: skip
+    if backend is not None:
+        attn = SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: backend))
+        context = vllm_config.compilation_config.static_forward_context
+        context.update(dict.fromkeys(layer_names(lay.num_layers), attn))
     spec = FullAttentionSpec(
         block_size=BLOCK, num_kv_heads=lay.num_kv_heads, head_size=lay.head_dim,
         dtype=getattr(torch, lay.dtype),
@@ -159,10 +166,11 @@ class Engine:
     load_errors: list[set[int]] = field(default_factory=list)
 
     @classmethod
-    def start(cls, node_url: str, model: ToyRopeModel, *, packing: str = "split_tokens",
+    def start(cls, node_url: str, model: ToyRopeModel, *, packing: str | None = "split_tokens",
               **settings: Any) -> Engine:  # fmt: skip
         """A scheduler-side and a worker-side connector of :func:`engine_configs` (``packing``
-        and ``settings`` as there), the worker's cache registered."""
+        and ``settings`` as there), the worker's cache registered; the cache is written in
+        ``packing``, else in the packing of the ``backend`` setting."""
         lay = model.layout
         vllm_config, cache_config = engine_configs(node_url, lay, packing=packing, **settings)
         names = cache_config.kv_cache_groups[0].layer_names
@@ -180,7 +188,7 @@ class Engine:
             for n in names
         }  # fmt: skip
         worker.register_kv_caches(pages)
-        return cls(sched, worker, pages, model, packing)
+        return cls(sched, worker, pages, model, packing or BACKEND_PACKINGS[settings["backend"]])
 
     # -- the scheduler's side of one request -----------------------------------------
 

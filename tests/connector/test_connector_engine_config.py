@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from kvatlas.coordinator.server import free_port
@@ -62,3 +63,44 @@ def test_context_parallelism_is_refused(
     setting = "decode_context_parallel_size" if dcp > 1 else "prefill_context_parallel_size"
     with pytest.raises(InvalidInput, match=f"parallelism.*{setting}={pcp if dcp == 1 else dcp}"):
         KVConnectorFactory.create_connector(config, KVConnectorRole[role], cache).shutdown()
+
+
+def test_an_unknown_attention_backend_is_refused_at_start(model: ToyRopeModel, node: str) -> None:
+    """Without ``kv_packing`` the packing is the attention backend's: one the connector does
+    not know (``FLASHINFER``) is refused when vLLM registers the KV caches (its layers, with
+    their backends, are in vLLM's ``static_forward_context`` by then). It was refused inside
+    the first forward that loaded or stored, which ends vLLM's engine."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from tests.connector.harness import engine_configs
+
+    config, cache = engine_configs(node, model.layout, packing=None, backend="FLASHINFER")
+    worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, cache)
+    pages = {n: torch.zeros(8, 2, 8, 32) for n in cache.kv_cache_groups[0].layer_names}
+    with pytest.raises(InvalidInput, match=r"\['FLASHINFER'\].*kv_packing"):
+        worker.register_kv_caches(pages)
+    worker.shutdown()
+
+
+def test_a_kv_packing_contradicting_a_known_backend_is_refused(
+    model: ToyRopeModel, node: str
+) -> None:
+    """``kv_packing: split_last`` on vLLM's CPU backend (``CPU_ATTN`` packs ``split_tokens``):
+    every chunk stored would hold K rows in place of V (a round trip through the same engine
+    is consistent, so nothing looked wrong), and another engine, or a blend re-RoPE of K, would
+    read wrong KV. It was taken as given. A setting that agrees with the backend, or none,
+    starts; the backend's packing round-trips."""
+    from tests.connector.harness import Engine, make_request
+
+    with pytest.raises(InvalidInput, match=r"kv_packing is 'split_last'.*CPU_ATTN"):
+        Engine.start(node, model, packing="split_last", backend="CPU_ATTN")
+    Engine.start(node, model, packing="split_tokens", backend="CPU_ATTN").close()
+    engine = Engine.start(node, model, packing=None, backend="CPU_ATTN")
+    prompt = list(range(100, 135))
+    assert engine.run(make_request("cold", prompt)).matched == 0
+    warm = engine.run(make_request("warm", prompt))
+    assert warm.matched == 32 and engine.load_errors[-1] == set()
+    assert warm.stack().numpy().tolist() == model.kv_chunk(np.asarray(prompt[:32]), 0).tolist()
+    engine.close()
