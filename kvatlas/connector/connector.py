@@ -168,7 +168,11 @@ class KvatlasConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self._node, layout, blend=settings.blend)
+            role_of = self._kv_transfer_config  # kv_role: kv_both, kv_producer, kv_consumer
+            self._scheduler = SchedulerSide(
+                self._node, layout, blend=settings.blend, load=role_of.is_kv_consumer,
+                store=role_of.is_kv_producer,
+            )  # fmt: skip
         else:
             self._worker = WorkerSide(self._node, layout, spec.block_size, settings.kv_packing)
         log.info("kvatlas connector (%s) on node %s: %s", role.name, settings.node_url, layout)
@@ -181,6 +185,13 @@ class KvatlasConnector(KVConnectorBase_V1):
         load written late, reported as failed and recomputed. vLLM then keeps attention out
         of the graphs (PIECEWISE)."""
         return True
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A kvatlas node is a best-effort cache (vLLM's default is ``is_kv_producer``, for a
+        producer that hands KV off): a save dropped with a preempted request is a later miss,
+        no reason to recompute the request."""
+        return False
 
     @property
     def scheduler(self) -> SchedulerSide:

@@ -83,11 +83,18 @@ def request_keys(request: Request) -> RequestKeys | None:
 
 
 class SchedulerSide:
-    def __init__(self, node: NodeLink, layout: EngineLayout, *, blend: bool) -> None:
+    def __init__(
+        self, node: NodeLink, layout: EngineLayout, *, blend: bool, load: bool = True,
+        store: bool = True,
+    ) -> None:  # fmt: skip
+        """``load``, ``store``: vLLM's ``kv_role`` (``is_kv_consumer``, ``is_kv_producer``):
+        without ``load`` nothing is looked up or claimed, without ``store`` nothing stored."""
         self.node = node
         self.layout = layout  # the node's, checked against vLLM's at start
         self.chunk_size = layout.chunk_size
         self.blend = blend
+        self.load = load
+        self.store = store
         self._plans: dict[str, Plan] = {}
         self._tracked: dict[str, Tracked] = {}
         self._loads: list[LoadOp] = []
@@ -96,7 +103,7 @@ class SchedulerSide:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         keys = request_keys(request)
-        if keys is None:
+        if keys is None or not self.load:
             return 0, False
         plan = self._lookup(keys, num_computed_tokens)
         self._plans.pop(request.request_id, None)
@@ -192,7 +199,7 @@ class SchedulerSide:
         """Save the chunks whose every token is computed once this step ends."""
         c = self.chunk_size
         ready = min(computed, tracked.store_limit) // c
-        if ready <= tracked.stored_chunks:
+        if ready <= tracked.stored_chunks or not self.store:
             return
         keys = tracked.keys
         tokens = RequestKeys(

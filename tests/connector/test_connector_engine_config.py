@@ -104,3 +104,26 @@ def test_a_kv_packing_contradicting_a_known_backend_is_refused(
     assert warm.matched == 32 and engine.load_errors[-1] == set()
     assert warm.stack().numpy().tolist() == model.kv_chunk(np.asarray(prompt[:32]), 0).tolist()
     engine.close()
+
+
+def test_kv_role_is_honoured(model: ToyRopeModel, node: str) -> None:
+    """vLLM's ``kv_role``, as its ``KVTransferConfig`` reads it (``is_kv_producer``:
+    ``kv_producer`` or ``kv_both``; ``is_kv_consumer``: ``kv_consumer`` or ``kv_both``): a
+    consumer (e.g. a decode instance that must not write) loads and stores nothing, a producer
+    stores and claims nothing. Both did both: the role was never read."""
+    from tests.connector.harness import Engine, make_request
+
+    prefix = [int(t) for t in np.random.default_rng(8).integers(0, 128_256, 32)]
+    consumer = Engine.start(node, model, kv_role="kv_consumer")
+    assert consumer.run(make_request("consumer-cold", [*prefix, 1, 2, 3])).matched == 0
+    assert consumer.worker.worker.stats()["chunks_saved"] == 0  # a consumer writes nothing
+    producer = Engine.start(node, model, kv_role="kv_producer")
+    assert producer.run(make_request("producer-cold", [*prefix, 4, 5])).matched == 0
+    assert producer.worker.worker.stats()["chunks_saved"] == 2
+    assert producer.run(make_request("producer-warm", [*prefix, 6])).matched == 0  # no loads
+    got = consumer.run(make_request("consumer-warm", [*prefix, 7]))
+    assert got.matched == 32 and consumer.load_errors[-1] == set()
+    assert consumer.worker.worker.stats()["chunks_saved"] == 0
+    assert not producer.scheduler.requires_kv_delivery  # a dropped save is a future miss
+    consumer.close()
+    producer.close()
