@@ -201,12 +201,12 @@ class SchedulerSide:
         ready = min(computed, tracked.store_limit) // c
         if ready <= tracked.stored_chunks or not self.store:
             return
-        keys = tracked.keys
-        tokens = RequestKeys(
-            keys.request_id, keys.tokens[: ready * c * 4], keys.cache_salt, keys.mm_items
-        )
+        # the whole prompt and every item, as the lookup and the retrieve send them: the node
+        # derives each chunk's key from the same input (an item past the stored chunks'
+        # tokens, sent with those tokens only, made the node refuse the call as a placeholder
+        # span outside the prompt)
         first = tracked.stored_chunks
-        meta.stores.append(StoreOp(tokens, first, ready - first, tuple(tracked.block_ids)))
+        meta.stores.append(StoreOp(tracked.keys, first, ready - first, tuple(tracked.block_ids)))
         tracked.stored_chunks = ready
 
     def request_finished(

@@ -239,6 +239,31 @@ def test_other_salt_or_image_does_not_hit(fleet: dict[str, str], model: ToyRopeM
     engine.close()
 
 
+@pytest.mark.parametrize(
+    "image", [(4, 6), (2 * C + 2, 4), (2 * C - 3, 6)], ids=["inside", "after", "straddling"]
+)
+def test_an_image_past_the_stored_chunks_is_stored_under_its_keys(
+    fleet: dict[str, str], model: ToyRopeModel, image: tuple[int, int]
+) -> None:
+    """Two full chunks and 9 tokens, an image inside the chunks, after them or across their
+    end: both chunks are stored, the same image and text hit them, and another image misses
+    every chunk holding or following any part of its span (chunks before it hit: their KV
+    does not depend on it). The store sent the stored chunks' tokens only with every image,
+    and the node refused a span past those tokens as outside the prompt: nothing stored."""
+    from tests.connector.harness import Engine, make_request
+
+    engine = Engine.start(fleet["a"], model)
+    offset, length = image
+    prompt = [*tokens(90 + offset, 2 * C), *tokens(91 + offset, 9)]
+    engine.run(make_request(f"img-cold-{offset}", prompt, images=[("img-1", offset, length)]))
+    assert engine.worker.worker.stats()["chunks_saved"] == 2
+    same = make_request(f"img-same-{offset}", prompt, images=[("img-1", offset, length)])
+    assert engine.match(same) == 2 * C
+    other = make_request(f"img-other-{offset}", prompt, images=[("img-2", offset, length)])
+    assert engine.match(other) == min(offset // C, 2) * C
+    engine.close()
+
+
 def test_a_node_that_lost_the_chunks_is_a_load_error(
     fleet: dict[str, str], model: ToyRopeModel
 ) -> None:
