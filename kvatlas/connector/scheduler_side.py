@@ -58,6 +58,7 @@ class Tracked:
     block_ids: list[int]
     stored_chunks: int  # chunks the node holds already (its prefix hit) or that were saved
     store_limit: int  # tokens that may be stored: the prompt, cut before the first fragment
+    cut: bool = False  # store_limit is a fragment's start: no later prompt token is exact
 
 
 def request_keys(request: Request) -> RequestKeys | None:
@@ -155,12 +156,15 @@ class SchedulerSide:
         if keys is None:
             return
         block_ids = list(blocks.get_block_ids()[0])
-        prompt_chunks_end = request.num_prompt_tokens
-        old = self._tracked.get(rid)  # a preempted request, scheduled again
+        # a request scheduled again: preempted, or a streaming session's next turn (vLLM
+        # appended it to the prompt: its keys and limit are the longer prompt's, unless a
+        # fragment cut the stores, which stay cut)
+        old = self._tracked.get(rid)
+        cut = old is not None and old.cut
         tracked = Tracked(
             keys, block_ids,
             stored_chunks=max(old.stored_chunks if old else 0, (plan.prefix_hit if plan else 0) // self.chunk_size),
-            store_limit=old.store_limit if old else prompt_chunks_end,
+            store_limit=old.store_limit if old and cut else request.num_prompt_tokens, cut=cut,
         )  # fmt: skip
         self._tracked[rid] = tracked
         if plan is None or num_external_tokens <= 0:
@@ -169,6 +173,7 @@ class SchedulerSide:
         segments = tuple(s for s in plan.segments if s.cur_st < end)
         if segments:
             tracked.store_limit = min(tracked.store_limit, segments[0].cur_st)
+            tracked.cut = True
         self._loads.append(
             LoadOp(keys, start, end, min(plan.prefix_hit, end), segments, tuple(block_ids))
         )

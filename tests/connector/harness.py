@@ -226,26 +226,8 @@ class Engine:
         loaded_rows: dict[str, torch.Tensor] = {}
         while computed < request.num_tokens:
             step = min(budget, request.num_tokens - computed)
-            rid = request.request_id
-            if first:
-                request.num_computed_tokens = computed  # as the scheduler sets it
-                new = [NewRequestData.from_request(request, (block_ids,))]
-                cached = CachedRequestData.make_empty()
-            else:
-                new = []
-                cached = CachedRequestData(
-                    req_ids=[rid], resumed_req_ids=set(), new_token_ids=[[]], all_token_ids={},
-                    new_block_ids=[None], num_computed_tokens=[computed], num_output_tokens=[0],
-                )  # fmt: skip
-            out = SchedulerOutput(
-                scheduled_new_reqs=new, scheduled_cached_reqs=cached,
-                num_scheduled_tokens={rid: step}, total_num_scheduled_tokens=step,
-                scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
-                finished_req_ids=set(), free_encoder_mm_hashes=[],
-                has_sync_kv_loads=first and matched > 0,
-            )  # fmt: skip
-            out.kv_connector_metadata = self.scheduler.build_connector_meta(out)
-            rows = self._worker_step(out, request, block_ids, computed, step)
+            rows = self.step(request, block_ids, computed, step, new=first,
+                             sync_loads=first and matched > 0)  # fmt: skip
             if first:
                 loaded_rows = rows
             computed += step
@@ -253,6 +235,34 @@ class Engine:
         finished = self.scheduler.request_finished(request, block_ids)
         assert finished == (False, None)
         return RunResult(matched, block_ids, loaded_rows)
+
+    def step(
+        self, request: Request, block_ids: list[int], computed: int, n: int, *, new: bool,
+        sync_loads: bool = False,
+    ) -> dict[str, torch.Tensor]:  # fmt: skip
+        """One step computing ``n`` tokens of ``request`` from ``computed``: scheduled as a new
+        request (``new``: its first step, or a streaming session's next turn) or a running
+        one, the connector's metadata built, the worker's forward run (as :meth:`_worker_step`
+        returns)."""
+        rid = request.request_id
+        if new:
+            request.num_computed_tokens = computed  # as the scheduler sets it
+            news = [NewRequestData.from_request(request, (block_ids,))]
+            cached = CachedRequestData.make_empty()
+        else:
+            news = []
+            cached = CachedRequestData(
+                req_ids=[rid], resumed_req_ids=set(), new_token_ids=[[]], all_token_ids={},
+                new_block_ids=[None], num_computed_tokens=[computed], num_output_tokens=[0],
+            )  # fmt: skip
+        out = SchedulerOutput(
+            scheduled_new_reqs=news, scheduled_cached_reqs=cached,
+            num_scheduled_tokens={rid: n}, total_num_scheduled_tokens=n,
+            scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+            finished_req_ids=set(), free_encoder_mm_hashes=[], has_sync_kv_loads=sync_loads,
+        )  # fmt: skip
+        out.kv_connector_metadata = self.scheduler.build_connector_meta(out)
+        return self._worker_step(out, request, block_ids, computed, n)
 
     # -- the worker's side of one step ------------------------------------------------
 

@@ -321,6 +321,43 @@ def test_no_store_from_a_step_whose_load_failed(fleet: dict[str, str], model: To
         stop([lone])
 
 
+def test_a_streaming_sessions_later_turns_are_stored(
+    fleet: dict[str, str], model: ToyRopeModel
+) -> None:
+    """vLLM 0.33's streaming-input session (``Scheduler._update_request_as_session``) appends
+    the next turn to ``prompt_token_ids`` (``num_prompt_tokens`` grows) and schedules the same
+    request again as new, from ``num_computed_tokens`` (no lookup; ``update_state_after_alloc``
+    with 0 external tokens; no ``request_finished`` in between). The second turn's complete
+    prompt chunks are stored, and a request with the whole history hits them; the first turn's
+    prompt length stayed the store limit, so no later turn was ever stored."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from tests.connector.harness import BLOCK, Engine, make_request
+
+    engine = Engine.start(fleet["a"], model)
+    turn1, turn2 = tokens(86, 2 * C + 3).tolist(), tokens(87, 2 * C).tolist()
+    request = make_request("session", turn1)
+    block_ids = [engine.free.pop() for _ in range(-(-(len(turn1) + len(turn2)) // BLOCK))]
+
+    def allocated(n_tokens: int) -> KVCacheBlocks:
+        return KVCacheBlocks((tuple(KVCacheBlock(b) for b in block_ids[: -(-n_tokens // BLOCK)]),))
+
+    assert engine.match(request) == 0
+    engine.scheduler.update_state_after_alloc(request, allocated(len(turn1)), 0)
+    engine.step(request, block_ids, 0, len(turn1), new=True)
+    assert engine.worker.worker.stats()["chunks_saved"] == 2
+    request.prompt_token_ids.extend(turn2)  # as _update_request_as_session does
+    request._all_token_ids.extend(turn2)
+    request.num_prompt_tokens = len(request.prompt_token_ids)
+    engine.scheduler.update_state_after_alloc(request, allocated(request.num_tokens), 0)
+    engine.step(request, block_ids, len(turn1), len(turn2), new=True)
+    assert engine.worker.worker.stats()["chunks_saved"] == 4  # chunks 2 and 3: complete now
+    history = make_request("history", [*turn1, *turn2, 5])
+    assert engine.match(history) == 4 * C
+    engine.close()
+
+
 def test_a_lora_request_neither_loads_nor_stores(
     fleet: dict[str, str], model: ToyRopeModel
 ) -> None:
