@@ -3,7 +3,8 @@ loads and stores each step's workers perform.
 
 vLLM's scheduler treats every token a connector claims as computed: it computes only what
 follows. So a claim is always one contiguous run from the tokens vLLM already has: the node's
-prefix hit, then (with ``blend``) fragments that continue it exactly, none after a gap. A
+prefix hit, then (with ``blend``) fragments that continue it, or vLLM's own prefix when that is
+longer, exactly, none after a gap. A
 fragment's KV was computed after another context, so it is an approximation (CacheBlend
 without its recompute); a request that used one stores nothing from its first fragment on,
 so approximate KV never reaches the node under an exact prefix key. Only prompt chunks are
@@ -40,8 +41,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """A lookup's answer for one request: the node holds ``[0, prefix_hit)``, and
-    ``segments`` continue it to ``covered``; vLLM had ``local`` tokens when it asked."""
+    """A lookup's answer for one request: the node holds ``[0, prefix_hit)``, vLLM had
+    ``local`` tokens when it asked, and ``segments`` continue the longer of the two to
+    ``covered``."""
 
     keys: RequestKeys
     local: int
@@ -126,13 +128,15 @@ class SchedulerSide:
             0,
         )  # fmt: skip
         segments: tuple[WireSegment, ...] = ()
-        covered = hit
+        # the run so far: the node's prefix, or vLLM's own when longer (a fragment that
+        # continues vLLM's prefix cache follows no gap)
+        covered = max(hit, local)
         if self.blend:
             nothing: list[WireSegment] | None = []
             found = self.node.call(
                 "blend_lookup",
                 lambda c: c.blend_segments(
-                    tokens, keys.request_id, prefix_len=hit, cache_salt=salt, mm_items=items
+                    tokens, keys.request_id, prefix_len=covered, cache_salt=salt, mm_items=items
                 ),
                 nothing,
             )  # fmt: skip

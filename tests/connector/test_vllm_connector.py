@@ -200,6 +200,27 @@ def test_fragment_after_a_gap_is_not_claimed(fleet: dict[str, str], model: ToyRo
     engine.close()
 
 
+def test_a_fragment_continuing_vllms_own_prefix_is_claimed(
+    fleet: dict[str, str], model: ToyRopeModel
+) -> None:
+    """vLLM's own prefix cache holds the query's first 2C tokens, the node none of them: a
+    fragment at 2C continues the run vLLM has, and is claimed (C). The run started at the
+    node's prefix hit (0), and the blend lookup was asked from there, so the fragment "followed
+    a gap" that was none. Control: the node holding those 2C itself claims 3C."""
+    from tests.connector.harness import Engine, make_request
+
+    engine = Engine.start(fleet["a"], model, blend=True)
+    doc, a, b = tokens(130, C), tokens(131, C), tokens(132, C)
+    engine.run(make_request("doc-at-c", [*tokens(133, C), *doc, *tokens(134, 3)]))
+    query = [*a, *b, *doc, *tokens(135, 5)]
+    assert engine.match(make_request("q-local", query), local=2 * C) == C
+    got = engine.run(make_request("q-local-run", query), local=2 * C)
+    assert got.matched == C and engine.load_errors[-1] == set()
+    engine.run(make_request("stores-ab", [*a, *b, *tokens(136, 3)]))
+    assert engine.match(make_request("q-node", query)) == 3 * C
+    engine.close()
+
+
 def test_prefix_stored_by_another_node(fleet: dict[str, str], model: ToyRopeModel) -> None:
     """Engine A stores through node A; engine B, on node B, finds the prefix through the
     fleet (coordinator) and loads it from node A's L1 (peer), bit for bit."""
