@@ -75,6 +75,18 @@ def test_a_url_that_is_no_node_is_refused_naming_it(model: ToyRopeModel, not_a_n
     assert not_a_node in str(err.value) and "404" in str(err.value)
 
 
+@pytest.mark.parametrize("url", ["http://[::1", "http://127.0.0.1:port", "http://"])
+def test_a_malformed_node_url_is_refused_naming_it(model: ToyRopeModel, url: str) -> None:
+    """A node_url with the http(s) prefix that is no URL (an unclosed IPv6 bracket, a port that
+    is no number, no host): refused naming the key and the URL (it escaped as httpx's bare
+    'InvalidURL: Invalid port' naming neither)."""
+    from tests.connector.harness import Engine
+
+    with pytest.raises(InvalidInput, match=r"kv_connector_extra_config\.node_url") as err:
+        Engine.start(url, model)
+    assert repr(url) in str(err.value)
+
+
 def test_vllms_fail_policy_is_said_at_start(
     model: ToyRopeModel, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
