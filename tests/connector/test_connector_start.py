@@ -15,20 +15,10 @@ import pytest
 from kvatlas.connector import ConnectorSettings
 from kvatlas.coordinator.server import free_port
 from kvatlas.errors import InvalidInput, Unavailable
-from kvatlas.node.config import NodeConfig
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import stop
 from tests.connector.test_vllm_connector import TINY_LLAMA, tiny_node
 from tests.vllm_support import require_vllm
-
-
-@pytest.fixture(scope="module")
-def model() -> ToyRopeModel:
-    require_vllm("vllm.distributed.kv_transfer.kv_connector.v1.base")
-    layout = NodeConfig(
-        model_name="tiny", num_layers=2, num_kv_heads=2, head_dim=16, chunk_size=16, dtype="float32"
-    ).layout
-    return ToyRopeModel(layout, seed=3)
 
 
 class _NotANode(BaseHTTPRequestHandler):

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from kvatlas.coordinator.server import free_port
-from kvatlas.node.config import NodeConfig
 from kvatlas.node.rope import rerope_k
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import spawn_service, spawn_services, stop
@@ -71,14 +70,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         yield {"coordinator": coord, "hf_config": str(tmp), **urls}
     finally:
         stop(procs)
-
-
-@pytest.fixture(scope="module")
-def model() -> ToyRopeModel:
-    layout = NodeConfig(
-        model_name="tiny", num_layers=2, num_kv_heads=2, head_dim=16, chunk_size=C, dtype="float32"
-    ).layout
-    return ToyRopeModel(layout, seed=3)
 
 
 def tokens(seed: int, n: int) -> np.ndarray:
