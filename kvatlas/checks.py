@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
-from typing import TypeGuard
+from collections.abc import Callable, Sequence
+from typing import Any, TypeGuard
 
 
 def is_plain_int(value: object) -> TypeGuard[int]:
@@ -53,6 +53,23 @@ def check_port(flag: str, port: int, lowest: int = 1) -> None:
         raise ValueError(f"{flag} must be in [{lowest}, 65535], got {port}")
 
 
+def bool_position(values: Sequence[object], ids: Any) -> int | None:
+    """Index of the first bool (Python's or numpy's) in the list or tuple ``values``, given
+    ``ids``, its 1-D integer array (an array built from a list takes ``True`` as the id 1).
+    Only positions whose id is 0 or 1 are looked at (a bool is one of them): one vectorized
+    comparison for a prompt without such ids, so the list path keeps its speed."""
+    import numpy as np
+
+    if ids.size == 0 or ids.min() > 1:
+        return None
+    small = np.flatnonzero(ids <= 1)
+    if len(small) > 256:  # many 0/1 ids: every element's type, at C speed
+        kinds = set(map(type, values))
+        if bool not in kinds and np.bool_ not in kinds:
+            return None
+    return next((i for i in small.tolist() if isinstance(values[i], (bool, np.bool_))), None)
+
+
 def uint32_token_bytes(token_ids: object) -> bytes:
     """Token ids as little-endian uint32 bytes (every wire's form of a prompt), refusing what
     does not fit — a negative or ≥ 2^32 id, a float, a bool, a string — with
@@ -67,6 +84,10 @@ def uint32_token_bytes(token_ids: object) -> bytes:
         raise InvalidInput(f"token ids must be integers in [0, 2^32): {exc}") from None
     if array.size == 0:
         return b""
+    if isinstance(token_ids, (list, tuple)) and array.ndim == 1 and array.dtype.kind in "iu":
+        at = bool_position(token_ids, array)
+        if at is not None:
+            raise InvalidInput(f"token id {token_ids[at]!r} (position {at}) is not an integer")
     if array.dtype.kind == "u" and array.dtype.itemsize <= 4:  # in range by its type
         return np.ascontiguousarray(array, dtype="<u4").tobytes()
     if array.dtype.kind == "O":  # Python ints beyond int64, or mixed types

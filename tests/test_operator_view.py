@@ -73,6 +73,56 @@ def test_reports_are_cumulative_so_repeats_and_losses_change_nothing() -> None:
     assert reports.totals().query_tokens == 260
 
 
+def fleet_query_tokens(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return next(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("kvatlas_fleet_query_tokens_total ")
+    )
+
+
+def test_a_node_running_through_a_coordinator_restart_is_counted_once(tmp_path: Path) -> None:
+    """The totals are the fleet's since this coordinator started: the first report of a node
+    that kept running through the restart (restored from the snapshot, same boot) is its
+    baseline, not 1,000 tokens again (Prometheus counts the growth on each side of the
+    counter's reset: 2,010 for 1,010 served)."""
+    settings = {"chunk_size": C, "snapshot_path": tmp_path / "c.snap",
+                "snapshot_interval": 3600.0, "instance_timeout": 600.0}  # fmt: skip
+    with BackgroundServer(CoordinatorConfig(port=free_port(), **settings)) as server:
+        url = server.url
+        assert httpx.post(f"{url}/instances", json={"instance_id": "n1"}).status_code == 200
+        assert httpx.put(f"{url}/instances/n1/report", json={"boot": "b1", "query_tokens": 1000})
+        assert fleet_query_tokens(url) == 1000
+    with BackgroundServer(CoordinatorConfig(port=free_port(), **settings)) as server:
+        url = server.url
+        restarted = fleet_query_tokens(url)
+        for served in (1010, 1030):  # the same node, same boot: 10 then 20 more tokens
+            put = httpx.put(
+                f"{url}/instances/n1/report", json={"boot": "b1", "query_tokens": served}
+            )
+            assert put.status_code == 200, put.text
+        assert fleet_query_tokens(url) - restarted == 20
+        # a node that restarts (a new boot, registered again) counts from zero
+        assert httpx.post(f"{url}/instances", json={"instance_id": "n1"}).status_code == 200
+        assert httpx.put(f"{url}/instances/n1/report", json={"boot": "b2", "query_tokens": 5})
+        # a node new to this coordinator counts whole: it served them since it started
+        assert httpx.post(f"{url}/instances", json={"instance_id": "n2"}).status_code == 200
+        assert httpx.put(f"{url}/instances/n2/report", json={"boot": "b1", "query_tokens": 7})
+        assert fleet_query_tokens(url) - restarted == 20 + 5 + 7
+
+
+def test_a_node_fenced_and_registered_again_is_not_counted_twice() -> None:
+    """A node whose heartbeats stopped long enough to be forgotten registers again with the
+    same boot: its next report counts its growth, not its whole counters again."""
+    reports = NodeReports()
+    reports.accept("a", report(query_tokens=100))
+    reports.retain(set())  # fenced: its tiers leave the status page
+    assert reports.tiers() == {}
+    reports.accept("a", report(query_tokens=120))
+    assert reports.totals().query_tokens == 120
+
+
 @pytest.mark.parametrize(
     "body",
     [

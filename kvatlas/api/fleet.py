@@ -12,6 +12,11 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
+PEER_METADATA = ("kv_shape", "kv_dtype")
+"""Registration ``metadata`` fields a kvatlas node sends that a peer needs (the layout of its
+KV: a peer of another layout is never asked, docs/node.md): shown to a salt-bound token's view
+of another instance, whose other metadata it never sees (docs/security.md)."""
+
 
 class RegisteredReply(msgspec.Struct, kw_only=True, frozen=True):
     """``POST /instances``: the instance's id (assigned when none was asked for)."""

@@ -4,7 +4,7 @@ vLLM builds one instance per role: in the scheduler process it answers how many 
 node can supply and plans each step's loads and stores (:mod:`.scheduler_side`); in each
 worker it moves KV between the paged cache and the node (:mod:`.worker_side`). Both refuse
 to start on a cache or layout they cannot serve exactly (hybrid groups, MLA, quantized or
-packed caches, tensor or pipeline parallelism, a node whose layout differs from vLLM's, a
+packed caches, tensor, pipeline or context parallelism, a node whose layout differs from vLLM's, a
 node of another model, with blend a node whose RoPE is not the model's): a wrong layout or
 model would not fail, it would load wrong KV.
 """
@@ -44,13 +44,24 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+_PARALLEL_SIZES = (
+    "tensor_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size",
+    "decode_context_parallel_size",
+)  # fmt: skip
+"""vLLM's parallelism settings that shard a request's KV across workers: each must be 1."""
+
+
 def check_cache(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> FullAttentionSpec:
     """vLLM's KV cache, if this connector can serve it exactly; else a refusal naming why."""
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+    sizes = {name: getattr(parallel, name) for name in _PARALLEL_SIZES}
+    if any(size != 1 for size in sizes.values()):
+        # each worker would hold a share of every layer's heads (tp), of the layers (pp) or of
+        # every block's tokens (context parallelism), and store it under the chunk's whole key
         raise InvalidInput(
-            "kvatlas connector: tensor and pipeline parallelism are not supported "
-            f"(tp={parallel.tensor_parallel_size}, pp={parallel.pipeline_parallel_size})"
+            "kvatlas connector: tensor, pipeline and context parallelism are not supported ("
+            + ", ".join(f"{name}={size}" for name, size in sizes.items() if size != 1)
+            + ")"
         )
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
@@ -157,7 +168,11 @@ class KvatlasConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self._node, layout, blend=settings.blend)
+            role_of = self._kv_transfer_config  # kv_role: kv_both, kv_producer, kv_consumer
+            self._scheduler = SchedulerSide(
+                self._node, layout, blend=settings.blend, load=role_of.is_kv_consumer,
+                store=role_of.is_kv_producer,
+            )  # fmt: skip
         else:
             self._worker = WorkerSide(self._node, layout, spec.block_size, settings.kv_packing)
         log.info("kvatlas connector (%s) on node %s: %s", role.name, settings.node_url, layout)
@@ -170,6 +185,13 @@ class KvatlasConnector(KVConnectorBase_V1):
         load written late, reported as failed and recomputed. vLLM then keeps attention out
         of the graphs (PIECEWISE)."""
         return True
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A kvatlas node is a best-effort cache (vLLM's default is ``is_kv_producer``, for a
+        producer that hands KV off): a save dropped with a preempted request is a later miss,
+        no reason to recompute the request."""
+        return False
 
     @property
     def scheduler(self) -> SchedulerSide:
@@ -189,7 +211,10 @@ class KvatlasConnector(KVConnectorBase_V1):
     # -- worker side ---------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker.register_kv_caches(kv_caches)
+        # the model's attention layers, built before the caches (vLLM's forward context)
+        layers = self._vllm_config.compilation_config.static_forward_context
+        backends = {n: layers[n].attn_backend.get_name() for n in kv_caches if n in layers}
+        self.worker.register_kv_caches(kv_caches, backends)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.start_load_kv(self._meta())

@@ -46,8 +46,8 @@ class LoadOp:
 
 @dataclass(frozen=True, slots=True)
 class StoreOp:
-    """Save chunks ``[first_chunk, first_chunk + n_chunks)`` (``keys.tokens`` covers them from
-    the request's start) from ``block_ids``."""
+    """Save chunks ``[first_chunk, first_chunk + n_chunks)`` from ``block_ids``; ``keys`` are
+    the request's whole prompt and items, as its lookup's (the node keys the chunks by them)."""
 
     keys: RequestKeys
     first_chunk: int

@@ -3,7 +3,8 @@ loads and stores each step's workers perform.
 
 vLLM's scheduler treats every token a connector claims as computed: it computes only what
 follows. So a claim is always one contiguous run from the tokens vLLM already has: the node's
-prefix hit, then (with ``blend``) fragments that continue it exactly, none after a gap. A
+prefix hit, then (with ``blend``) fragments that continue it, or vLLM's own prefix when that is
+longer, exactly, none after a gap. A
 fragment's KV was computed after another context, so it is an approximation (CacheBlend
 without its recompute); a request that used one stores nothing from its first fragment on,
 so approximate KV never reaches the node under an exact prefix key. Only prompt chunks are
@@ -40,8 +41,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """A lookup's answer for one request: the node holds ``[0, prefix_hit)``, and
-    ``segments`` continue it to ``covered``; vLLM had ``local`` tokens when it asked."""
+    """A lookup's answer for one request: the node holds ``[0, prefix_hit)``, vLLM had
+    ``local`` tokens when it asked, and ``segments`` continue the longer of the two to
+    ``covered``."""
 
     keys: RequestKeys
     local: int
@@ -58,6 +60,7 @@ class Tracked:
     block_ids: list[int]
     stored_chunks: int  # chunks the node holds already (its prefix hit) or that were saved
     store_limit: int  # tokens that may be stored: the prompt, cut before the first fragment
+    cut: bool = False  # store_limit is a fragment's start: no later prompt token is exact
 
 
 def request_keys(request: Request) -> RequestKeys | None:
@@ -83,11 +86,18 @@ def request_keys(request: Request) -> RequestKeys | None:
 
 
 class SchedulerSide:
-    def __init__(self, node: NodeLink, layout: EngineLayout, *, blend: bool) -> None:
+    def __init__(
+        self, node: NodeLink, layout: EngineLayout, *, blend: bool, load: bool = True,
+        store: bool = True,
+    ) -> None:  # fmt: skip
+        """``load``, ``store``: vLLM's ``kv_role`` (``is_kv_consumer``, ``is_kv_producer``):
+        without ``load`` nothing is looked up or claimed, without ``store`` nothing stored."""
         self.node = node
         self.layout = layout  # the node's, checked against vLLM's at start
         self.chunk_size = layout.chunk_size
         self.blend = blend
+        self.load = load
+        self.store = store
         self._plans: dict[str, Plan] = {}
         self._tracked: dict[str, Tracked] = {}
         self._loads: list[LoadOp] = []
@@ -96,7 +106,7 @@ class SchedulerSide:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         keys = request_keys(request)
-        if keys is None:
+        if keys is None or not self.load:
             return 0, False
         plan = self._lookup(keys, num_computed_tokens)
         self._plans.pop(request.request_id, None)
@@ -118,13 +128,15 @@ class SchedulerSide:
             0,
         )  # fmt: skip
         segments: tuple[WireSegment, ...] = ()
-        covered = hit
+        # the run so far: the node's prefix, or vLLM's own when longer (a fragment that
+        # continues vLLM's prefix cache follows no gap)
+        covered = max(hit, local)
         if self.blend:
             nothing: list[WireSegment] | None = []
             found = self.node.call(
                 "blend_lookup",
                 lambda c: c.blend_segments(
-                    tokens, keys.request_id, prefix_len=hit, cache_salt=salt, mm_items=items
+                    tokens, keys.request_id, prefix_len=covered, cache_salt=salt, mm_items=items
                 ),
                 nothing,
             )  # fmt: skip
@@ -148,12 +160,15 @@ class SchedulerSide:
         if keys is None:
             return
         block_ids = list(blocks.get_block_ids()[0])
-        prompt_chunks_end = request.num_prompt_tokens
-        old = self._tracked.get(rid)  # a preempted request, scheduled again
+        # a request scheduled again: preempted, or a streaming session's next turn (vLLM
+        # appended it to the prompt: its keys and limit are the longer prompt's, unless a
+        # fragment cut the stores, which stay cut)
+        old = self._tracked.get(rid)
+        cut = old is not None and old.cut
         tracked = Tracked(
             keys, block_ids,
             stored_chunks=max(old.stored_chunks if old else 0, (plan.prefix_hit if plan else 0) // self.chunk_size),
-            store_limit=old.store_limit if old else prompt_chunks_end,
+            store_limit=old.store_limit if old and cut else request.num_prompt_tokens, cut=cut,
         )  # fmt: skip
         self._tracked[rid] = tracked
         if plan is None or num_external_tokens <= 0:
@@ -162,6 +177,7 @@ class SchedulerSide:
         segments = tuple(s for s in plan.segments if s.cur_st < end)
         if segments:
             tracked.store_limit = min(tracked.store_limit, segments[0].cur_st)
+            tracked.cut = True
         self._loads.append(
             LoadOp(keys, start, end, min(plan.prefix_hit, end), segments, tuple(block_ids))
         )
@@ -192,14 +208,14 @@ class SchedulerSide:
         """Save the chunks whose every token is computed once this step ends."""
         c = self.chunk_size
         ready = min(computed, tracked.store_limit) // c
-        if ready <= tracked.stored_chunks:
+        if ready <= tracked.stored_chunks or not self.store:
             return
-        keys = tracked.keys
-        tokens = RequestKeys(
-            keys.request_id, keys.tokens[: ready * c * 4], keys.cache_salt, keys.mm_items
-        )
+        # the whole prompt and every item, as the lookup and the retrieve send them: the node
+        # derives each chunk's key from the same input (an item past the stored chunks'
+        # tokens, sent with those tokens only, made the node refuse the call as a placeholder
+        # span outside the prompt)
         first = tracked.stored_chunks
-        meta.stores.append(StoreOp(tokens, first, ready - first, tuple(tracked.block_ids)))
+        meta.stores.append(StoreOp(tracked.keys, first, ready - first, tuple(tracked.block_ids)))
         tracked.stored_chunks = ready
 
     def request_finished(

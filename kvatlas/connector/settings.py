@@ -8,10 +8,12 @@ show in the process list): it comes from ``token_file`` (mode 600) or ``KVATLAS_
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
+
+import httpx
 
 from kvatlas.auth import read_secret_file
 from kvatlas.errors import InvalidInput
@@ -26,6 +28,34 @@ BACKEND_PACKINGS: Final = {
     "FLEX_ATTENTION": "split_last",
     "CPU_ATTN": "split_tokens",
 }
+
+
+def backend_packing(setting: str | None, backends: Collection[str]) -> str:
+    """The K/V packing of a cache whose attention layers run ``backends`` (vLLM's backend
+    names): ``kv_packing`` (``setting``) when set, unless a backend of known packing
+    (:data:`BACKEND_PACKINGS`) packs otherwise (stored chunks would be wrong KV for every
+    other engine); unset, the backends' one known packing. Refused otherwise, naming them."""
+    names = sorted(set(backends))
+    if setting is not None:
+        other = {
+            n: BACKEND_PACKINGS[n] for n in names if BACKEND_PACKINGS.get(n, setting) != setting
+        }
+        if other:
+            raise InvalidInput(
+                f"kv_connector_extra_config.kv_packing is {setting!r}, but the attention "
+                f"backends {other} pack K and V otherwise: remove kv_packing (the backend's is "
+                "known) or correct it (docs/vllm.md)"
+            )
+        return setting
+    packings = {BACKEND_PACKINGS.get(n) for n in names}
+    if len(packings) != 1 or None in packings:
+        raise InvalidInput(
+            f"kvatlas connector: attention backends {names}: no known K/V packing; set "
+            f"kv_connector_extra_config.kv_packing to one of {KV_PACKINGS} (docs/vllm.md)"
+        )
+    return str(packings.pop())
+
+
 TOKEN_ENV: Final = "KVATLAS_ENGINE_TOKEN"
 _KEYS: Final = (
     "node_url", "token_file", "model_name", "blend", "kv_packing", "timeout_s",
@@ -63,11 +93,7 @@ class ConnectorSettings:
             raise InvalidInput(
                 f"kv_connector_extra_config: unknown keys {unknown} (known: {list(_KEYS)})"
             )
-        url = extra.get("node_url")
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise InvalidInput(
-                f"kv_connector_extra_config.node_url must be the node's http(s) URL, got {url!r}"
-            )
+        url = _node_url(extra.get("node_url"))
         blend = extra.get("blend", False)
         if not isinstance(blend, bool):
             raise InvalidInput(
@@ -98,6 +124,21 @@ class ConnectorSettings:
         token = _read_token(Path(token_file)) if token_file else env.get(TOKEN_ENV) or None
         model_name = _model_name(extra.get("model_name"))
         return cls(url.rstrip("/"), token, blend, packing, **numbers, model_name=model_name)
+
+
+def _node_url(value: object) -> str:
+    """The ``node_url`` key: an http(s) URL with a host that httpx can parse (a bracket left
+    open or a port that is no number would otherwise escape at the first call as httpx's bare
+    ``InvalidURL``, naming neither the key nor the URL)."""
+    if isinstance(value, str) and value.startswith(("http://", "https://")):
+        try:
+            if httpx.URL(value).host:
+                return value
+        except httpx.InvalidURL:
+            pass
+    raise InvalidInput(
+        f"kv_connector_extra_config.node_url must be the node's http(s) URL, got {value!r}"
+    )
 
 
 def _model_name(value: object) -> str | None:

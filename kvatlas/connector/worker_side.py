@@ -26,7 +26,7 @@ from kvatlas.client import EngineLayout
 from kvatlas.connector.metadata import KvatlasConnectorMetadata, LoadOp, StoreOp
 from kvatlas.connector.node_link import NodeLink
 from kvatlas.connector.pages import from_numpy, gather_rows, scatter_rows, to_numpy, token_rows
-from kvatlas.connector.settings import BACKEND_PACKINGS
+from kvatlas.connector.settings import backend_packing
 from kvatlas.errors import InvalidInput
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,8 @@ class WorkerSide:
         self.node = node
         self.layout = layout
         self.block_size = block_size
-        self._packing = packing
+        self._setting = packing  # kv_packing; the cache's, checked at register_kv_caches
+        self._packing = ""
         self._pages: list[torch.Tensor] = []
         self._index: dict[str, int] = {}
         self._loads: list[_Load] = []
@@ -76,9 +77,16 @@ class WorkerSide:
             "stores_dropped_layout_unconfirmed": 0,
         }  # fmt: skip
 
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+    def register_kv_caches(
+        self, kv_caches: Mapping[str, torch.Tensor], backends: Mapping[str, str]
+    ) -> None:
+        """``backends``: the attention backend's name of each layer vLLM registered (its
+        ``static_forward_context``): the packing is decided here, not in a forward."""
         lay = self.layout
         self._index = layer_order(list(kv_caches), lay.num_layers)
+        self._packing = backend_packing(
+            self._setting, [backends[n] for n in kv_caches if n in backends]
+        )
         self._pages = [torch.empty(0)] * lay.num_layers
         for name, page in kv_caches.items():
             want = (lay.num_kv_heads, self.block_size, 2 * lay.head_dim)
@@ -90,19 +98,8 @@ class WorkerSide:
             self._pages[self._index[name]] = page
 
     def packing(self) -> str:
-        """``kv_packing`` from the settings, else from the attention backend's name."""
-        if self._packing is None:
-            from vllm.forward_context import get_forward_context
-
-            layers = get_forward_context().no_compile_layers
-            names = {layers[n].attn_backend.get_name() for n in self._index if n in layers}
-            packings = {BACKEND_PACKINGS.get(n) for n in names}
-            if len(packings) != 1 or None in packings:
-                raise InvalidInput(
-                    f"attention backends {sorted(names)}: no known K/V packing; set "
-                    "kv_connector_extra_config.kv_packing (docs/vllm.md)"
-                )
-            self._packing = str(packings.pop())
+        """The cache's K/V packing (decided at :meth:`register_kv_caches`)."""
+        assert self._packing, "KV caches used before register_kv_caches"
         return self._packing
 
     # -- loads ---------------------------------------------------------------------------

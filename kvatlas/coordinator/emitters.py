@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from kvatlas.api.fleet import PEER_METADATA
 from kvatlas.auth import Principal
 from kvatlas.coordinator.instances import InstanceRecord, Registration
 from kvatlas.coordinator.views import NO_EMITTER, EmitterView, InstanceView
@@ -171,8 +172,8 @@ def instance_views(
     """Registered instances and emitters without registration, by instance id. A token bound
     to cache salts sees only its own instances in full and, of the others, those registered
     for one of its salts with just what a peer needs (id, liveness, ``p2p_advertised_url`` and
-    its signature):
-    no metadata, addresses or cursors."""
+    its signature, the :data:`~kvatlas.api.fleet.PEER_METADATA` of its metadata): no other
+    metadata, addresses or cursors."""
     rows: list[InstanceView] = []
     if who.sees_everything:
         found = emitters()
@@ -195,9 +196,11 @@ def instance_views(
                     InstanceView(r.instance_id, r.registration, r.registration_time, age, emitter)
                 )
             elif r.cache_salts is None or not r.cache_salts.isdisjoint(salts):
+                meta = r.registration.metadata
                 peer = Registration(
                     p2p_advertised_url=r.registration.p2p_advertised_url,
                     p2p_url_signature=r.registration.p2p_url_signature,
+                    metadata={k: meta[k] for k in PEER_METADATA if k in meta},
                 )
                 rows.append(InstanceView(r.instance_id, peer, r.registration_time, age, NO_EMITTER))
     rows.sort(key=lambda r: r.instance_id)

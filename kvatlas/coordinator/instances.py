@@ -92,6 +92,7 @@ class InstanceRegistry:
         self._listing: set[str] = set()  # instances asked to list everything they hold
         # listings this replica asked the fleet for: due from whom (None: not known yet)
         self._awaited: set[str] | None = set()
+        self._carried: set[str] = set()  # restored from the snapshot, not registered since
         self.owe_on_register = False  # a registration owes one too (a replica resyncing)
         self.expired_total = 0
 
@@ -127,6 +128,7 @@ class InstanceRegistry:
                     f"{len(self._records)} instances registered (--max-instances): "
                     "deregister one first"
                 )
+            self._carried.discard(instance_id)
             self._records[instance_id] = InstanceRecord(
                 instance_id,
                 registration,
@@ -155,6 +157,12 @@ class InstanceRegistry:
     def known(self, instance_id: str) -> bool:
         with self._lock:
             return instance_id in self._records
+
+    def carried_over(self, instance_id: str) -> bool:
+        """Restored from the snapshot and not registered since: its node kept running
+        through this coordinator's restart (a node registers whenever it starts)."""
+        with self._lock:
+            return instance_id in self._carried
 
     def expire(self) -> list[str]:
         """Fence and forget every instance whose heartbeats stopped; returns their ids. A
@@ -300,4 +308,5 @@ class InstanceRegistry:
             )
         with self._lock:
             self._records = records
+            self._carried = set(records)
             self._owing = set(records)

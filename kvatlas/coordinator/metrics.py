@@ -43,6 +43,11 @@ class _StateCollector(Collector):
         yield _gauge("kvatlas_directory_keys", "keys in the directory", directory["keys"])
         yield _gauge("kvatlas_directory_chunks", "distinct chunk hashes", directory["chunks"])
         yield _gauge("kvatlas_directory_placements", "live placements", directory["placements"])
+        yield CounterMetricFamily(
+            "kvatlas_directory_content_conflicts",
+            "stores of other token ids for a chunk other namespaces hold (binding kept)",
+            value=directory["content_conflicts"],
+        )
         by_tier = GaugeMetricFamily("kvatlas_directory_bytes", "bytes per tier", labels=["tier"])
         stored = directory.get("bytes_by_tier", {})
         for tier in sorted(TIERS):  # every tier, 0 when empty: a series never vanishes

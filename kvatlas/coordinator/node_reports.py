@@ -6,13 +6,15 @@ derived (query − prefix hits − fragment hits), so every reported counter onl
 A report carries a node's *cumulative* counters since it started (``boot``) plus its tier
 gauges, so a lost or repeated report changes nothing: the fleet totals grow by the difference
 to the instance's previous report of the same boot (a new boot, or a counter that went down,
-counts from zero). The totals only ever grow; they are exported as Prometheus counters and
+counts from zero). The first report of an instance restored from the snapshot (registered
+before this coordinator started, its node running on) is a baseline: it adds nothing. The totals only ever grow; they are exported as Prometheus counters and
 feed the status page. See docs/operator.md ("Regret").
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -115,28 +117,47 @@ def _counts(obj: Mapping[str, Any], cls: type) -> dict[str, int]:
     return out
 
 
+MAX_DEPARTED = 4096
+"""Departed instances whose last report is remembered (a fenced node that registers again
+with the same boot counts its growth, not its counters again)."""
+
+
 class NodeReports:
     """The last report of each instance and the fleet's totals (thread-safe)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._last: dict[str, NodeReport] = {}
+        self._departed: OrderedDict[str, NodeReport] = OrderedDict()
         self._totals = ValueCounters()
 
-    def accept(self, instance_id: str, report: NodeReport) -> None:
+    def accept(self, instance_id: str, report: NodeReport, *, carried_over: bool = False) -> None:
+        """Add the report's growth over the instance's previous one of the same boot; a new
+        boot counts whole. ``carried_over``: the instance was registered before this
+        coordinator started (restored from its snapshot) and has not registered since, so
+        its node kept running: its first report here is a baseline that adds nothing (its
+        counters hold tokens the previous coordinator counted)."""
         with self._lock:
-            before = self._last.get(instance_id)
-            base = before.counters if before is not None and before.boot == report.boot else None
-            growth = report.counters if base is None else report.counters.minus(base)
+            before = self._last.get(instance_id) or self._departed.pop(instance_id, None)
+            if before is None and carried_over:
+                growth = ValueCounters()
+            elif before is not None and before.boot == report.boot:
+                growth = report.counters.minus(before.counters)
+            else:
+                growth = report.counters
             self._totals = self._totals.plus(growth)
             self._last[instance_id] = report
 
     def retain(self, instance_ids: set[str]) -> None:
-        """Keep only these instances' last reports (the others departed); the totals keep
-        what every instance reported."""
+        """Keep only these instances' last reports (the others departed: their tiers leave
+        the status page; their counters are remembered, the latest :data:`MAX_DEPARTED`);
+        the totals keep what every instance reported."""
         with self._lock:
             for gone in set(self._last) - instance_ids:
-                del self._last[gone]
+                self._departed[gone] = self._last.pop(gone)
+                self._departed.move_to_end(gone)
+            while len(self._departed) > MAX_DEPARTED:
+                self._departed.popitem(last=False)
 
     def totals(self) -> ValueCounters:
         with self._lock:

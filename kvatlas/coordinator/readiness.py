@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 class ReadinessTracker:
     """The readiness the transports report and the resync that ends ``resyncing`` (whether
     the stream was trimmed past the restored position is the service's to ask, when its
-    consumer joins: ``service.CoordinatorService``)."""
+    consumer joins: ``service.CoordinatorService``; past what a running consumer has read,
+    the consumer's: ``StreamConsumer._check_trim``)."""
 
     def __init__(
         self,

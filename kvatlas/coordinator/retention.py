@@ -8,7 +8,8 @@ any registered replica would replay after a restart. Emitters cap the stream on 
 an approximate ``MAXLEN`` (``--stream-max-len``), so a replica that stays away for too long
 cannot make the stream grow without bound: when it comes back, the entries after its snapshot
 may be gone (:meth:`StreamRetention.trimmed_after`), and it rebuilds through resync instead of
-replay (readiness ``resyncing``).
+replay (readiness ``resyncing``). The cap also trims what a running replica that fell behind
+has not read: :func:`unread_trimmed` tells, from Redis 7's counters.
 
 A replica with snapshots registers when it starts (:meth:`StreamRetention.register`: what it
 restored, ``0-0`` without a snapshot), so it is never unprotected before its first record. A
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from kvatlas.backoff import Backoff
@@ -139,4 +141,35 @@ class StreamRetention:
             raise Unavailable(f"redis {command} on {self.stream}: {exc}") from exc
 
 
-__all__ = ["StreamRetention", "parse_id"]
+def unread_trimmed(
+    stream: Mapping[str, Any], group: Mapping[str, Any]
+) -> tuple[int | None, int] | None:
+    """Entries trimmed from the stream before ``group`` read them, from one consistent
+    ``XINFO STREAM`` and ``XINFO GROUPS`` row (Redis >= 7: ``entries-added``, the group's
+    ``entries-read``); ``None`` when none were (or Redis cannot tell). Else ``(lost,
+    entries_read)``: how many (``None``: some, Redis cannot count them: the group's counter is
+    not valid, and the stream's first entry lies after its last delivered id) and the
+    group's counter that makes its ``lag`` right again (``XGROUP SETID ... ENTRIESREAD``, so
+    one trim is counted once). Retention's ``MINID`` never trims past a replica's delivered id
+    (what it records is what its snapshot covers, at most what it applied): these are the
+    emitters' ``MAXLEN ~`` cap or an operator's ``XTRIM`` past a replica that fell behind."""
+    added = stream.get("entries-added")
+    if added is None:
+        return None
+    delivered = parse_id(group.get("last-delivered-id") or "0-0")
+    length = int(stream.get("length", 0))
+    behind = delivered < parse_id(stream.get("last-generated-id") or "0-0")
+    unread = 0
+    if behind:
+        first = stream.get("recorded-first-entry-id") or (stream.get("first-entry") or [None])[0]
+        if length and first is not None and parse_id(first) <= delivered:
+            return None  # the stream still holds everything after the group's position
+        unread = length  # everything the stream holds lies after it
+    entries_read = int(added) - unread
+    read = group.get("entries-read")
+    if isinstance(read, int):
+        return (entries_read - read, entries_read) if entries_read > read else None
+    return (None, entries_read) if behind else None  # caught up: Redis's estimate is exact
+
+
+__all__ = ["StreamRetention", "parse_id", "unread_trimmed"]

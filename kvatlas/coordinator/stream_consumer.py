@@ -11,7 +11,8 @@ Start order and Redis restarts: a replica started before Redis serves its snapsh
 (``waiting_for_redis``) and joins when Redis appears; after any Redis error it prepares the
 group again. A Redis that lost events (restarted without persistence, or from an older RDB
 file) is detected (:func:`stream_loss`) and the replica resyncs from the nodes' digests rather
-than stay silently wrong.
+than stay silently wrong; so are entries trimmed from the stream before a running replica read
+them (:meth:`StreamConsumer._check_trim`).
 
 One live consumer per group: :mod:`.consumer_group`.
 
@@ -44,7 +45,7 @@ from kvatlas.coordinator.consumer_group import (
 )
 from kvatlas.coordinator.emitters import IncarnationAhead
 from kvatlas.coordinator.query import check_entry_count
-from kvatlas.coordinator.retention import parse_id
+from kvatlas.coordinator.retention import parse_id, unread_trimmed
 from kvatlas.coordinator.stream_auth import UnsignedEntry
 from kvatlas.coordinator.views import Readiness
 from kvatlas.errors import (
@@ -80,7 +81,8 @@ READ_FIRST = 1
 entry may be up to 64 batches: tens of MB)."""
 BLOCK_MS = 500
 LAG_PERIOD_S = 1.0
-"""How often a replica that is behind asks Redis how far (``XINFO GROUPS``)."""
+"""How often a replica that is behind asks Redis how far (``XINFO GROUPS``), and how often a
+replica asks whether entries it has not read were trimmed away (:meth:`StreamConsumer._check_trim`)."""
 TOUCHES_PER_HEARTBEAT = 4
 """A live consumer shows itself to Redis this often per heartbeat, idle stream or busy: a
 read of its own pending entries (``XREADGROUP ... 0``), which refreshes the consumer's idle
@@ -203,7 +205,7 @@ class StreamConsumer:
         self.rejected_entries = 0
         self.lag_entries: int | None = None
         """Entries of the stream this replica's group has not read (``None``: not known)."""
-        self._lag_at = -math.inf
+        self._lag_at = self._trim_at = -math.inf
         self._caught_up = False
         self._shown_at = -math.inf
         self.fatal: Unavailable | None = None
@@ -220,6 +222,8 @@ class StreamConsumer:
         Events Redis lost since (:func:`stream_loss`; ``joined``: this process had joined the
         group before) turn the replica to ``resyncing``."""
         ensure_group_free(self.client, self.stream, self.group, self.heartbeat_s, own=self.consumer)
+        if joined:  # a trim past this replica before the error that brought it here
+            self._check_trim(now=True)
         start, lost = stream_loss(
             self.client, self.stream, self.group, self.position, joined=joined
         )
@@ -237,6 +241,9 @@ class StreamConsumer:
             if "BUSYGROUP" not in str(exc):
                 raise
             self.client.xgroup_setid(self.stream, self.group, id=start)
+        # What lies before the position the group starts from is the join's to judge (the
+        # restored position against the trim: service._behind_trim; stream_loss above)
+        self._check_trim(now=True, count=False)
         self._show_alive(now=True)  # from here on this replica holds the group
         for name, idle_ms in group_consumers(self.client, self.stream, self.group):
             if name != self.consumer and idle_ms >= self.heartbeat_s * 1000:
@@ -334,6 +341,7 @@ class StreamConsumer:
         reached the end: after a full read, whether more follow is asked without waiting, so
         a backlog read to its end is ``serving`` at once, not a block time later."""
         self._show_alive()
+        self._check_trim()
         count = self._count
         block = None if self._more else self._block_ms
         reply: Any = self.client.xreadgroup(
@@ -367,6 +375,50 @@ class StreamConsumer:
             if text_of(row["name"]) == self.group:
                 lag = row.get("lag")
                 self.lag_entries = lag if isinstance(lag, int) else None
+
+    def _check_trim(self, now: bool = False, count: bool = True) -> None:
+        """Whether entries this replica has not read were trimmed from the stream (an
+        emitter's ``MAXLEN ~ --stream-max-len`` cap or an ``XTRIM`` while it was behind:
+        paused, slow, a burst above the cap; :func:`~.retention.unread_trimmed`): counted as
+        ``trimmed``, logged, and the replica resyncs as after a Redis that lost events. Asked
+        at most every :data:`LAG_PERIOD_S` (``now``: at once); cheap while the group's
+        ``lag`` is 0. The group's counter is set right afterwards, so one trim counts once
+        (``count`` False: only that, on joining)."""
+        if not now and time.monotonic() - self._trim_at < LAG_PERIOD_S:
+            return
+        self._trim_at = time.monotonic()
+        try:
+            row = self._group_row(self.client.xinfo_groups(self.stream))
+            if row is None or "entries-read" not in row or row.get("lag") == 0:
+                return  # no group yet, Redis < 7 (cannot tell), or nothing unread
+            pipe = self.client.pipeline(transaction=True)
+            pipe.xinfo_stream(self.stream)
+            pipe.xinfo_groups(self.stream)
+            info, rows = pipe.execute()
+        except self._redis_mod.ResponseError as exc:
+            if "no such key" in str(exc):
+                return  # the stream is gone: stream_loss's to judge when the group is prepared
+            raise
+        row = self._group_row(rows)
+        found = None if row is None else unread_trimmed(info, row)
+        if row is None or found is None:
+            return
+        lost, entries_read = found
+        delivered = text_of(row.get("last-delivered-id") or b"0-0")
+        self.client.xgroup_setid(self.stream, self.group, id=delivered, entries_read=entries_read)
+        if not count:
+            return
+        self._errors.labels("trimmed").inc()
+        log.warning(
+            "%s entries of %s after %s were trimmed before this replica read them (the "
+            "emitters' --stream-max-len or an XTRIM while it was behind): resyncing from the "
+            "nodes' digests", "some" if lost is None else lost, self.stream, delivered,
+        )  # fmt: skip
+        self._caught_up = False  # what the stream still has is read to its end first
+        self._set_readiness(Readiness.RESYNCING)
+
+    def _group_row(self, rows: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+        return next((row for row in rows if text_of(row["name"]) == self.group), None)
 
     def _apply(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         try:

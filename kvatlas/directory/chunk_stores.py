@@ -357,6 +357,8 @@ def _store_existing(
         kept.append(p)
         rec = with_placements_at(rec, k, group_placements(kept))
     reindexed = False
+    if new_tokens is not None and _conflicts(table, rec, sid, tokens, new_tokens):
+        new_tokens = None  # the chunk's binding stays (its keys' claims are on it, as ever)
     if new_tokens is not None:
         tokens, offset, indexed, reindexed = _bind(
             table, h, tokens, offset, indexed, rec, new_tokens, new_offset
@@ -368,6 +370,31 @@ def _store_existing(
         table.ops.append(AddOp(tokens, h, offset, table.shapes[sid].namespace))
     part[h] = rebound(rec, tokens, offset, indexed)
     return dk, dp, db
+
+
+def _conflicts(
+    table: ChunkState, rec: Record, sid: int, old: StoredTokens | None, new: StoredTokens
+) -> bool:
+    """Whether a store under shape ``sid`` of ids other than the chunk's bound ones must leave
+    the binding as it is: another namespace (another tenant's salt, model, world size) holds
+    keys of the chunk. A chunk hash is one text's for every tenant; a store of other ids under
+    it comes from an emitter that lies or is broken, and must not change what the other
+    tenants match, reuse or read back. Counted (``content_conflicts``), logged at the first
+    and every power of two."""
+    if old is None or stored_equal(old, new):
+        return False
+    if not table.namespaces(rec) - {table.shapes[sid].namespace}:
+        return False  # its namespace's alone: the last writer rebinds
+    counts = table.counts
+    counts.content_conflicts += 1
+    n = counts.content_conflicts
+    if n & (n - 1) == 0:
+        log.warning(
+            "a store under %s gave other token ids for a chunk other namespaces hold (#%d): "
+            "the chunk's content is kept (an emitter that lies about chunk hashes, or is "
+            "broken)", table.shapes[sid].namespace, n,
+        )  # fmt: skip
+    return True
 
 
 def _bind(

@@ -382,6 +382,7 @@ class KeyDirectory:
                     inst: sum(d.capacities.values()) for inst, d in self._capacities.items()
                 },
                 blend=None,
+                content_conflicts=counts.content_conflicts,
             )
             index = self._index
         if index is None:

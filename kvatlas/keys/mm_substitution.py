@@ -60,8 +60,10 @@ def _as_int(value: Any) -> int:
         raise ValueError(f"expected an integer, got {value!r}")
     if isinstance(value, int):
         return value
-    if isinstance(value, np.integer) or (hasattr(value, "item") and hasattr(value, "dtype")):
-        return int(value.item())  # numpy / torch scalar
+    if hasattr(value, "item") and hasattr(value, "dtype"):  # numpy / torch scalar
+        item = value.item()
+        if is_plain_int(item):  # (not a float's or a bool's item)
+            return item
     raise ValueError(f"expected an integer, got {value!r:.80}")
 
 
@@ -78,6 +80,23 @@ def _view_start(token_ids: Any) -> int:
     if base is not None and getattr(base, "dim", lambda: 0)() == 1:
         return int(token_ids.storage_offset() - base.storage_offset())
     return 0
+
+
+def _is_torch_tensor(token_ids: object) -> bool:
+    """Without importing torch (an optional dependency)."""
+    return type(token_ids).__module__.startswith("torch") and hasattr(token_ids, "dtype")
+
+
+def _base_offset(base_offset: object) -> int:
+    if base_offset is None:
+        return 0
+    try:
+        start = _as_int(base_offset)
+    except ValueError:
+        raise ValueError(f"base_offset must be an integer >= 0, got {base_offset!r:.80}") from None
+    if start < 0:
+        raise ValueError(f"base_offset must be >= 0, got {start}")
+    return start
 
 
 def _check_writable_dtype(dtype: Any) -> None:
@@ -101,6 +120,11 @@ def apply_mm_hashes_to_token_ids(
     ``base_offset=k`` only when ``token_ids`` deliberately starts at absolute position ``k``.
     """
     is_list = isinstance(token_ids, list)
+    if not (is_list or isinstance(token_ids, np.ndarray) or _is_torch_tensor(token_ids)):
+        raise ValueError(
+            "token_ids must be a list, a numpy array or a torch tensor (the values are written "
+            f"in place), got {type(token_ids).__name__}"
+        )
     if not is_list:
         _check_writable_dtype(getattr(token_ids, "dtype", None))
         detected = _view_start(token_ids)
@@ -110,9 +134,7 @@ def apply_mm_hashes_to_token_ids(
                 "placeholder offsets are absolute in the full prompt: pass the full prompt "
                 "(or base_offset= if the slice is intended)"
             )
-    start = base_offset or 0
-    if start < 0:
-        raise ValueError(f"base_offset must be >= 0, got {start}")
+    start = _base_offset(base_offset)
     n = len(token_ids)  # type: ignore[arg-type]
     for identifier, position in zip(mm_hashes, mm_positions, strict=False):
         span = as_span(position)

@@ -10,14 +10,13 @@ a few hundred same-shape images (the birthday bound). See docs/keys.md.
 from __future__ import annotations
 
 import hashlib
+import operator
 import struct
 import threading
 from collections import OrderedDict
 
 import numpy as np
 import numpy.typing as npt
-
-from kvatlas.checks import is_plain_int
 
 VALUE_MASK = 0x7FFFFFFF
 _VALUES_PER_BLOCK = 8
@@ -95,10 +94,20 @@ class _ValueCache:
 _CACHE = _ValueCache(max_values=4 << 20)
 
 
+def _as_length(length: object) -> int:
+    """Any integer (a numpy or torch one too: engines compute span lengths with them, and
+    LMCache takes them), never a bool."""
+    if not isinstance(length, (bool, np.bool_)):
+        try:
+            return operator.index(length)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise ValueError(f"length must be an integer, got {length!r:.80}")
+
+
 def mm_hash_values(identifier: object, length: int) -> npt.NDArray[np.uint32]:
     """The contract's values as a read-only ``uint32`` array (the fast path used internally)."""
-    if not is_plain_int(length):
-        raise ValueError(f"length must be an integer, got {length!r}")
+    length = _as_length(length)
     if length < 0:
         raise ValueError(f"length must be >= 0, got {length}")
     if length == 0:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.checks import is_plain_int
+from kvatlas.checks import bool_position, is_plain_int
 
 TOKEN_LIMIT = 1 << 32
 
@@ -39,6 +39,13 @@ def _from_python_ints(arr: npt.NDArray[np.object_]) -> npt.NDArray[np.int64]:
     return arr.astype(np.int64)
 
 
+def _refuse_bools(tokens: Any, ids: npt.NDArray[Any]) -> None:
+    """A bool is an int to Python, never a token id: refused as a numpy bool array is."""
+    at = bool_position(tokens, ids)
+    if at is not None:
+        raise ValueError(f"token ids must be integers, got {tokens[at]!r} at position {at}")
+
+
 def as_token_array(tokens: Any) -> TokenArray:
     """Return ``tokens`` as a 1-D ``uint32`` array, or raise ``ValueError`` naming the bad id.
 
@@ -46,16 +53,22 @@ def as_token_array(tokens: Any) -> TokenArray:
     is returned as is (no copy).
     """
     tokens = _torch_to_numpy(tokens)
-    if isinstance(tokens, (list, tuple)) and _UINT32_ARRAY_CODE:
+    is_sequence = isinstance(tokens, (list, tuple))
+    if is_sequence and _UINT32_ARRAY_CODE:
         try:  # array('I') range-checks every element in C, faster than np.asarray(list)
-            return np.frombuffer(array(_UINT32_ARRAY_CODE, tokens), dtype=np.uint32)
+            ids = np.frombuffer(array(_UINT32_ARRAY_CODE, tokens), dtype=np.uint32)
         except (OverflowError, TypeError):
             pass  # fall through for a precise error message
+        else:
+            _refuse_bools(tokens, ids)  # array('I') takes True as 1
+            return ids
     arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
     if arr.dtype == object:
         arr = _from_python_ints(arr)
     if arr.ndim != 1:
         raise ValueError(f"token ids must be 1-D, got shape {arr.shape}")
+    if is_sequence and arr.dtype.kind in "iu":
+        _refuse_bools(tokens, arr)  # numpy takes np.True_ among ints as 1
     if arr.dtype == np.uint32:
         return arr
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):

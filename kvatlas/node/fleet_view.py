@@ -76,6 +76,7 @@ class HttpFleetView:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._client = client
+        self._layout = layout
         self._max_chunk_bytes = max_chunk_bytes(layout)
         self._peer_deadline = peer_deadline
         self._secret = peer_secret
@@ -84,6 +85,7 @@ class HttpFleetView:
         self._refreshed_at: float | None = None
         self._urls: dict[str, str] = {}
         self._unverified: dict[str, str] = {}  # instance id -> a URL no node signed
+        self._foreign: dict[str, str] = {}  # instance id -> the other KV layout it registered
         self._peers: dict[str, PeerClient] = {}
         self._lock = threading.Lock()
         self._warnings = Throttle(60.0)
@@ -119,6 +121,17 @@ class HttpFleetView:
                     deadline=self._peer_deadline, token=token,
                 )  # fmt: skip
             unverified = self._unverified.get(instance_id) if client is None else None
+            foreign = self._foreign.get(instance_id)
+        if foreign is not None:
+            self.counters["peer_skipped_foreign_layout"] += 1
+            if self._warnings(instance_id):
+                log.warning(
+                    "instance %s holds KV of another layout (%s; this node's %s, %s) under this "
+                    "node's keys: its copies are not used (another dtype or shape of the model "
+                    "under one --model-name)", instance_id, foreign, self._layout.dtype,
+                    list(self._layout.shape),
+                )  # fmt: skip
+            return None
         if unverified is not None:
             self.counters["peer_url_unverified"] += 1
             if self._warnings(instance_id):
@@ -149,9 +162,14 @@ class HttpFleetView:
             return
         urls: dict[str, str] = {}
         unverified: dict[str, str] = {}
+        foreign: dict[str, str] = {}
         for row in rows:
             url = row.peer_url
             if url is None:
+                continue
+            other = self._other_layout(row.metadata)
+            if other is not None:
+                foreign[row.instance_id] = other
                 continue
             secret = self._secret
             if secret is None or secret.url_signed(row.instance_id, url, row.signature):
@@ -161,10 +179,24 @@ class HttpFleetView:
         with self._lock:
             self._urls = urls
             self._unverified = unverified
+            self._foreign = foreign
             moved = [i for i, c in self._peers.items() if urls.get(i) != c.url]
             gone = [self._peers.pop(i) for i in moved]
         for client in gone:
             client.close()
+
+    def _other_layout(self, metadata: object) -> str | None:
+        """The KV layout a peer registered (``kv_shape``, ``kv_dtype``: kvatlas nodes since
+        they are sent) when it is not this node's, as text; ``None`` when it is this node's or
+        unsaid (then a chunk of another layout is refused at fetch: ``tiered_fetch``)."""
+        if not isinstance(metadata, dict):
+            return None
+        shape, dtype = metadata.get("kv_shape"), metadata.get("kv_dtype")
+        if not isinstance(shape, list) or not isinstance(dtype, str):
+            return None
+        if self._layout.fits(tuple(shape), dtype):
+            return None
+        return f"{dtype}, {shape}"
 
     def close(self) -> None:
         with self._lock:

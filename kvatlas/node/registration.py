@@ -151,6 +151,8 @@ def register(client: CoordinatorClient, config: NodeConfig, instance_id: str | N
             metadata={
                 "model_name": config.model_name, "kv_rank": config.kv_rank,
                 "mode": "fleet" if config.fleet_enabled else "lookup only",
+                # (api.fleet.PEER_METADATA: what a peer reads of them)
+                "kv_shape": list(config.layout.shape), "kv_dtype": config.layout.dtype,
             },
             chunk_size=config.chunk_size, p2p_url_signature=signature,
             engine_id=config.engine_id,

@@ -210,12 +210,20 @@ class TieredFetch:
             self.health.succeeded(instance_id)
         if reply.dropped:
             self._counters["peer_records_dropped"] += reply.dropped
-        wanted = set(keys)
+        wanted, ours, foreign = set(keys), 0, 0
         for key, (chunk, digest) in reply.chunks.items():
-            if key in wanted and key not in found and self.usable(chunk):
-                found[key] = Fetched(chunk, source, instance_id, digest)
-                if key in later:
-                    self._counters["peer_fallback_hits"] += 1
+            if key not in wanted or key in found:
+                continue
+            if not self.usable(chunk):
+                foreign += 1
+                continue
+            ours += 1
+            found[key] = Fetched(chunk, source, instance_id, digest)
+            if key in later:
+                self._counters["peer_fallback_hits"] += 1
+        if foreign and not ours:  # a peer of another layout that registered none: its
+            failed.add(instance_id)  # copies must not count as hits meanwhile
+            self.health.failed(instance_id, "another KV layout")
 
     def _peer_batches(
         self,

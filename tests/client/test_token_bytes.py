@@ -24,9 +24,21 @@ from kvatlas.errors import InvalidInput
         np.array([-3], dtype=np.int32),
         [1.5],
         [True],
+        [1, True, 3],
+        [np.bool_(False), 2],
         ["12"],
     ],
-    ids=["list-2^32", "negative", "int64-wraps", "int32-negative", "float", "bool", "str"],
+    ids=[
+        "list-2^32",
+        "negative",
+        "int64-wraps",
+        "int32-negative",
+        "float",
+        "bool",
+        "bool-among-ints",
+        "numpy-bool-among-ints",
+        "str",
+    ],
 )
 def test_ids_outside_uint32_are_refused_by_name(tokens: object) -> None:
     with pytest.raises(InvalidInput, match="token id"):

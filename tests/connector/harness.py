@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 from vllm import SamplingParams
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ParallelConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.lora.request import LoRARequest
@@ -41,6 +41,7 @@ from vllm.v1.request import Request
 
 from kvatlas.connector import KvatlasConnector
 from kvatlas.connector.pages import kv_planes
+from kvatlas.connector.settings import BACKEND_PACKINGS
 from kvatlas.node import KVLayout
 from kvatlas.node.toy_model import ToyRopeModel
 from tests.conftest import wait_for
@@ -94,6 +95,64 @@ def make_request(
     )  # fmt: skip
 
 
+def engine_configs(
+    node_url: str, lay: KVLayout, *, packing: str | None = "split_tokens", blend: bool = False,
+    policy: str = "recompute", lookup_timeout_s: float | None = 30.0,
+    served_model_name: str | None = "tiny", model_path: str | None = "/models/tiny-llama",
+    hf_config: Mapping[str, object] | None = None, kv_role: str = "kv_both",
+    parallel: ParallelConfig | None = None, backend: str | None = None, **extra: object,
+) -> tuple[VllmConfig, KVCacheConfig]:  # fmt: skip
+    """vLLM's config of an engine of the toy model's ``lay`` on ``node_url``, and its KV cache
+    config (one full-attention group of :data:`BLOCK`-token blocks).
+    ``packing``: ``kv_packing`` (``None``: not set, the connector reads the attention
+    backend's); ``lookup_timeout_s``: the scheduler's wait for a lookup — 30 s here, as long as
+    the nodes give the coordinator for a blend lookup: on a loaded test machine one through
+    the fleet may take seconds; ``None``: the connector's default (2 s).
+    ``model_path``, ``served_model_name``: ``vllm serve MODEL_PATH --served-model-name
+    NAME`` (``None``: no ``--served-model-name``; ``model_path=None``: a config without a
+    model); ``hf_config``: the model's ``config.json`` (default: :func:`llama_config` of
+    ``lay``); ``kv_role``, ``parallel``: vLLM's (default: ``kv_both``, no parallelism);
+    ``backend``: every attention layer's backend name in vLLM's ``static_forward_context``,
+    as the model's build registers its layers (``None``: no layer registered);
+    ``extra``: more ``kv_connector_extra_config`` keys."""
+    if lookup_timeout_s is not None:
+        extra["lookup_timeout_s"] = lookup_timeout_s
+    if packing is not None:
+        extra["kv_packing"] = packing
+    kv_config = KVTransferConfig(
+        kv_connector="KvatlasConnector", kv_connector_module_path="kvatlas.connector",
+        kv_role=kv_role, kv_load_failure_policy=policy,  # type: ignore[arg-type]
+        kv_connector_extra_config={"node_url": node_url, "blend": blend, **extra},
+    )  # fmt: skip
+    vllm_config = VllmConfig(
+        cache_config=CacheConfig(block_size=BLOCK), kv_transfer_config=kv_config,
+        device_config=DeviceConfig(device="cpu"), parallel_config=parallel or ParallelConfig(),
+    )  # fmt: skip
+    if model_path is not None:
+        # The fields of vLLM's ModelConfig the connector reads, as vLLM sets them (its
+        # served name falls back to the model; hf_config and hf_text_config read from the
+        # model's config.json by vLLM's get_config). A real ModelConfig inspects the
+        # model's architecture, importing modules this CPU install of vLLM leaves out.
+        hf, hf_text = hf_configs(hf_config or llama_config(lay))
+        vllm_config.model_config = SimpleNamespace(  # type: ignore[assignment]
+            model=model_path, served_model_name=served_model_name or model_path,
+            hf_config=hf, hf_text_config=hf_text,
+        )  # fmt: skip
+    if backend is not None:
+        attn = SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: backend))
+        context = vllm_config.compilation_config.static_forward_context
+        context.update(dict.fromkeys(layer_names(lay.num_layers), attn))
+    spec = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=lay.num_kv_heads, head_size=lay.head_dim,
+        dtype=getattr(torch, lay.dtype),
+    )  # fmt: skip
+    cache_config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=layer_names(lay.num_layers), kv_cache_spec=spec)],
+    )  # fmt: skip
+    return vllm_config, cache_config
+
+
 @dataclass
 class Engine:
     """One vLLM engine: a scheduler-side and a worker-side connector, a paged CPU cache."""
@@ -107,49 +166,15 @@ class Engine:
     load_errors: list[set[int]] = field(default_factory=list)
 
     @classmethod
-    def start(cls, node_url: str, model: ToyRopeModel, *, packing: str = "split_tokens",
-              blend: bool = False, policy: str = "recompute",
-              lookup_timeout_s: float | None = 30.0, served_model_name: str | None = "tiny",
-              model_path: str | None = "/models/tiny-llama",
-              hf_config: Mapping[str, object] | None = None, **extra: object) -> Engine:  # fmt: skip
-        """``lookup_timeout_s``: the scheduler's wait for a lookup — 30 s here, as long as the
-        nodes give the coordinator for a blend lookup: on a loaded test machine one through
-        the fleet may take seconds; ``None``: the connector's default (2 s).
-        ``model_path``, ``served_model_name``: ``vllm serve MODEL_PATH --served-model-name
-        NAME`` (``None``: no ``--served-model-name``; ``model_path=None``: a config without a
-        model); ``hf_config``: the model's ``config.json`` (default: :func:`llama_config` of
-        the toy model's layout)."""
+    def start(cls, node_url: str, model: ToyRopeModel, *, packing: str | None = "split_tokens",
+              **settings: Any) -> Engine:  # fmt: skip
+        """A scheduler-side and a worker-side connector of :func:`engine_configs` (``packing``
+        and ``settings`` as there), the worker's cache registered; the cache is written in
+        ``packing``, else in the packing of the ``backend`` setting."""
         lay = model.layout
-        if lookup_timeout_s is not None:
-            extra["lookup_timeout_s"] = lookup_timeout_s
-        kv_config = KVTransferConfig(
-            kv_connector="KvatlasConnector", kv_connector_module_path="kvatlas.connector",
-            kv_role="kv_both", kv_load_failure_policy=policy,  # type: ignore[arg-type]
-            kv_connector_extra_config={"node_url": node_url, "blend": blend, "kv_packing": packing, **extra},
-        )  # fmt: skip
-        vllm_config = VllmConfig(
-            cache_config=CacheConfig(block_size=BLOCK), kv_transfer_config=kv_config,
-            device_config=DeviceConfig(device="cpu"),
-        )  # fmt: skip
-        if model_path is not None:
-            # The fields of vLLM's ModelConfig the connector reads, as vLLM sets them (its
-            # served name falls back to the model; hf_config and hf_text_config read from the
-            # model's config.json by vLLM's get_config). A real ModelConfig inspects the
-            # model's architecture, importing modules this CPU install of vLLM leaves out.
-            hf, hf_text = hf_configs(hf_config or llama_config(lay))
-            vllm_config.model_config = SimpleNamespace(  # type: ignore[assignment]
-                model=model_path, served_model_name=served_model_name or model_path,
-                hf_config=hf, hf_text_config=hf_text,
-            )  # fmt: skip
-        names = layer_names(lay.num_layers)
-        spec = FullAttentionSpec(
-            block_size=BLOCK, num_kv_heads=lay.num_kv_heads, head_size=lay.head_dim,
-            dtype=getattr(torch, lay.dtype),
-        )  # fmt: skip
-        cache_config = KVCacheConfig(
-            num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)],
-        )  # fmt: skip
+        vllm_config, cache_config = engine_configs(node_url, lay, packing=packing, **settings)
+        names = cache_config.kv_cache_groups[0].layer_names
+        spec = cache_config.kv_cache_groups[0].kv_cache_spec
         sched = KVConnectorFactory.create_connector(
             vllm_config, KVConnectorRole.SCHEDULER, cache_config
         )
@@ -163,7 +188,7 @@ class Engine:
             for n in names
         }  # fmt: skip
         worker.register_kv_caches(pages)
-        return cls(sched, worker, pages, model, packing)
+        return cls(sched, worker, pages, model, packing or BACKEND_PACKINGS[settings["backend"]])
 
     # -- the scheduler's side of one request -----------------------------------------
 
@@ -201,26 +226,8 @@ class Engine:
         loaded_rows: dict[str, torch.Tensor] = {}
         while computed < request.num_tokens:
             step = min(budget, request.num_tokens - computed)
-            rid = request.request_id
-            if first:
-                request.num_computed_tokens = computed  # as the scheduler sets it
-                new = [NewRequestData.from_request(request, (block_ids,))]
-                cached = CachedRequestData.make_empty()
-            else:
-                new = []
-                cached = CachedRequestData(
-                    req_ids=[rid], resumed_req_ids=set(), new_token_ids=[[]], all_token_ids={},
-                    new_block_ids=[None], num_computed_tokens=[computed], num_output_tokens=[0],
-                )  # fmt: skip
-            out = SchedulerOutput(
-                scheduled_new_reqs=new, scheduled_cached_reqs=cached,
-                num_scheduled_tokens={rid: step}, total_num_scheduled_tokens=step,
-                scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
-                finished_req_ids=set(), free_encoder_mm_hashes=[],
-                has_sync_kv_loads=first and matched > 0,
-            )  # fmt: skip
-            out.kv_connector_metadata = self.scheduler.build_connector_meta(out)
-            rows = self._worker_step(out, request, block_ids, computed, step)
+            rows = self.step(request, block_ids, computed, step, new=first,
+                             sync_loads=first and matched > 0)  # fmt: skip
             if first:
                 loaded_rows = rows
             computed += step
@@ -228,6 +235,34 @@ class Engine:
         finished = self.scheduler.request_finished(request, block_ids)
         assert finished == (False, None)
         return RunResult(matched, block_ids, loaded_rows)
+
+    def step(
+        self, request: Request, block_ids: list[int], computed: int, n: int, *, new: bool,
+        sync_loads: bool = False,
+    ) -> dict[str, torch.Tensor]:  # fmt: skip
+        """One step computing ``n`` tokens of ``request`` from ``computed``: scheduled as a new
+        request (``new``: its first step, or a streaming session's next turn) or a running
+        one, the connector's metadata built, the worker's forward run (as :meth:`_worker_step`
+        returns)."""
+        rid = request.request_id
+        if new:
+            request.num_computed_tokens = computed  # as the scheduler sets it
+            news = [NewRequestData.from_request(request, (block_ids,))]
+            cached = CachedRequestData.make_empty()
+        else:
+            news = []
+            cached = CachedRequestData(
+                req_ids=[rid], resumed_req_ids=set(), new_token_ids=[[]], all_token_ids={},
+                new_block_ids=[None], num_computed_tokens=[computed], num_output_tokens=[0],
+            )  # fmt: skip
+        out = SchedulerOutput(
+            scheduled_new_reqs=news, scheduled_cached_reqs=cached,
+            num_scheduled_tokens={rid: n}, total_num_scheduled_tokens=n,
+            scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+            finished_req_ids=set(), free_encoder_mm_hashes=[], has_sync_kv_loads=sync_loads,
+        )  # fmt: skip
+        out.kv_connector_metadata = self.scheduler.build_connector_meta(out)
+        return self._worker_step(out, request, block_ids, computed, n)
 
     # -- the worker's side of one step ------------------------------------------------
 

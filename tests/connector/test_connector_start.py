@@ -15,20 +15,10 @@ import pytest
 from kvatlas.connector import ConnectorSettings
 from kvatlas.coordinator.server import free_port
 from kvatlas.errors import InvalidInput, Unavailable
-from kvatlas.node.config import NodeConfig
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import stop
 from tests.connector.test_vllm_connector import TINY_LLAMA, tiny_node
 from tests.vllm_support import require_vllm
-
-
-@pytest.fixture(scope="module")
-def model() -> ToyRopeModel:
-    require_vllm("vllm.distributed.kv_transfer.kv_connector.v1.base")
-    layout = NodeConfig(
-        model_name="tiny", num_layers=2, num_kv_heads=2, head_dim=16, chunk_size=16, dtype="float32"
-    ).layout
-    return ToyRopeModel(layout, seed=3)
 
 
 class _NotANode(BaseHTTPRequestHandler):
@@ -73,6 +63,18 @@ def test_a_url_that_is_no_node_is_refused_naming_it(model: ToyRopeModel, not_a_n
     with pytest.raises(Unavailable, match="kvatlas connector: no layout from the node at") as err:
         Engine.start(not_a_node, model)
     assert not_a_node in str(err.value) and "404" in str(err.value)
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "http://127.0.0.1:port", "http://"])
+def test_a_malformed_node_url_is_refused_naming_it(model: ToyRopeModel, url: str) -> None:
+    """A node_url with the http(s) prefix that is no URL (an unclosed IPv6 bracket, a port that
+    is no number, no host): refused naming the key and the URL (it escaped as httpx's bare
+    'InvalidURL: Invalid port' naming neither)."""
+    from tests.connector.harness import Engine
+
+    with pytest.raises(InvalidInput, match=r"kv_connector_extra_config\.node_url") as err:
+        Engine.start(url, model)
+    assert repr(url) in str(err.value)
 
 
 def test_vllms_fail_policy_is_said_at_start(

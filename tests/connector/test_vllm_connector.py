@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from kvatlas.coordinator.server import free_port
-from kvatlas.node.config import NodeConfig
 from kvatlas.node.rope import rerope_k
 from kvatlas.node.toy_model import ToyRopeModel
 from kvatlas.processes import spawn_service, spawn_services, stop
@@ -71,14 +70,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         yield {"coordinator": coord, "hf_config": str(tmp), **urls}
     finally:
         stop(procs)
-
-
-@pytest.fixture(scope="module")
-def model() -> ToyRopeModel:
-    layout = NodeConfig(
-        model_name="tiny", num_layers=2, num_kv_heads=2, head_dim=16, chunk_size=C, dtype="float32"
-    ).layout
-    return ToyRopeModel(layout, seed=3)
 
 
 def tokens(seed: int, n: int) -> np.ndarray:
@@ -200,6 +191,27 @@ def test_fragment_after_a_gap_is_not_claimed(fleet: dict[str, str], model: ToyRo
     engine.close()
 
 
+def test_a_fragment_continuing_vllms_own_prefix_is_claimed(
+    fleet: dict[str, str], model: ToyRopeModel
+) -> None:
+    """vLLM's own prefix cache holds the query's first 2C tokens, the node none of them: a
+    fragment at 2C continues the run vLLM has, and is claimed (C). The run started at the
+    node's prefix hit (0), and the blend lookup was asked from there, so the fragment "followed
+    a gap" that was none. Control: the node holding those 2C itself claims 3C."""
+    from tests.connector.harness import Engine, make_request
+
+    engine = Engine.start(fleet["a"], model, blend=True)
+    doc, a, b = tokens(130, C), tokens(131, C), tokens(132, C)
+    engine.run(make_request("doc-at-c", [*tokens(133, C), *doc, *tokens(134, 3)]))
+    query = [*a, *b, *doc, *tokens(135, 5)]
+    assert engine.match(make_request("q-local", query), local=2 * C) == C
+    got = engine.run(make_request("q-local-run", query), local=2 * C)
+    assert got.matched == C and engine.load_errors[-1] == set()
+    engine.run(make_request("stores-ab", [*a, *b, *tokens(136, 3)]))
+    assert engine.match(make_request("q-node", query)) == 3 * C
+    engine.close()
+
+
 def test_prefix_stored_by_another_node(fleet: dict[str, str], model: ToyRopeModel) -> None:
     """Engine A stores through node A; engine B, on node B, finds the prefix through the
     fleet (coordinator) and loads it from node A's L1 (peer), bit for bit."""
@@ -236,6 +248,31 @@ def test_other_salt_or_image_does_not_hit(fleet: dict[str, str], model: ToyRopeM
     assert matched(salt=None, images=[("img-1", 4, 6)]) == 0
     assert matched(salt="tenant-a", images=[("img-2", 4, 6)]) == 0
     assert matched(salt="tenant-a") == 0
+    engine.close()
+
+
+@pytest.mark.parametrize(
+    "image", [(4, 6), (2 * C + 2, 4), (2 * C - 3, 6)], ids=["inside", "after", "straddling"]
+)
+def test_an_image_past_the_stored_chunks_is_stored_under_its_keys(
+    fleet: dict[str, str], model: ToyRopeModel, image: tuple[int, int]
+) -> None:
+    """Two full chunks and 9 tokens, an image inside the chunks, after them or across their
+    end: both chunks are stored, the same image and text hit them, and another image misses
+    every chunk holding or following any part of its span (chunks before it hit: their KV
+    does not depend on it). The store sent the stored chunks' tokens only with every image,
+    and the node refused a span past those tokens as outside the prompt: nothing stored."""
+    from tests.connector.harness import Engine, make_request
+
+    engine = Engine.start(fleet["a"], model)
+    offset, length = image
+    prompt = [*tokens(90 + offset, 2 * C), *tokens(91 + offset, 9)]
+    engine.run(make_request(f"img-cold-{offset}", prompt, images=[("img-1", offset, length)]))
+    assert engine.worker.worker.stats()["chunks_saved"] == 2
+    same = make_request(f"img-same-{offset}", prompt, images=[("img-1", offset, length)])
+    assert engine.match(same) == 2 * C
+    other = make_request(f"img-other-{offset}", prompt, images=[("img-2", offset, length)])
+    assert engine.match(other) == min(offset // C, 2) * C
     engine.close()
 
 
@@ -294,6 +331,43 @@ def test_no_store_from_a_step_whose_load_failed(fleet: dict[str, str], model: To
     finally:
         engine.close()
         stop([lone])
+
+
+def test_a_streaming_sessions_later_turns_are_stored(
+    fleet: dict[str, str], model: ToyRopeModel
+) -> None:
+    """vLLM 0.33's streaming-input session (``Scheduler._update_request_as_session``) appends
+    the next turn to ``prompt_token_ids`` (``num_prompt_tokens`` grows) and schedules the same
+    request again as new, from ``num_computed_tokens`` (no lookup; ``update_state_after_alloc``
+    with 0 external tokens; no ``request_finished`` in between). The second turn's complete
+    prompt chunks are stored, and a request with the whole history hits them; the first turn's
+    prompt length stayed the store limit, so no later turn was ever stored."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from tests.connector.harness import BLOCK, Engine, make_request
+
+    engine = Engine.start(fleet["a"], model)
+    turn1, turn2 = tokens(86, 2 * C + 3).tolist(), tokens(87, 2 * C).tolist()
+    request = make_request("session", turn1)
+    block_ids = [engine.free.pop() for _ in range(-(-(len(turn1) + len(turn2)) // BLOCK))]
+
+    def allocated(n_tokens: int) -> KVCacheBlocks:
+        return KVCacheBlocks((tuple(KVCacheBlock(b) for b in block_ids[: -(-n_tokens // BLOCK)]),))
+
+    assert engine.match(request) == 0
+    engine.scheduler.update_state_after_alloc(request, allocated(len(turn1)), 0)
+    engine.step(request, block_ids, 0, len(turn1), new=True)
+    assert engine.worker.worker.stats()["chunks_saved"] == 2
+    request.prompt_token_ids.extend(turn2)  # as _update_request_as_session does
+    request._all_token_ids.extend(turn2)
+    request.num_prompt_tokens = len(request.prompt_token_ids)
+    engine.scheduler.update_state_after_alloc(request, allocated(request.num_tokens), 0)
+    engine.step(request, block_ids, len(turn1), len(turn2), new=True)
+    assert engine.worker.worker.stats()["chunks_saved"] == 4  # chunks 2 and 3: complete now
+    history = make_request("history", [*turn1, *turn2, 5])
+    assert engine.match(history) == 4 * C
+    engine.close()
 
 
 def test_a_lora_request_neither_loads_nor_stores(

@@ -5,6 +5,8 @@ replica whose position was trimmed away says ``resyncing`` until the nodes resyn
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,9 +19,10 @@ import redis
 
 from kvatlas.client import EventSink, RedisStreamTransport
 from kvatlas.coordinator.config import CoordinatorConfig
-from kvatlas.coordinator.retention import StreamRetention
+from kvatlas.coordinator.retention import StreamRetention, unread_trimmed
 from kvatlas.coordinator.server import BackgroundServer, free_port
 from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.coordinator.stream_consumer import LAG_PERIOD_S
 from kvatlas.coordinator.views import Readiness
 from kvatlas.events import STORE, CacheEntry
 from kvatlas.keys import ObjectKey, pack_kv_rank
@@ -297,3 +300,92 @@ def test_a_trim_past_the_restored_position_after_joining_the_stream_is_no_loss(
     assert before.readiness.state is Readiness.RESYNCING and trims(before) == 1
     before._stream_readiness(Readiness.SERVING)
     assert before.readiness.state is Readiness.RESYNCING  # until the nodes resynced it
+
+
+def test_entries_trimmed_before_a_live_replica_read_them_are_counted_and_resynced(
+    redis_server: RedisServer,
+    rclient: redis.Redis,
+    stream: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by black-box probing: a running replica that fell behind (paused, slow, a burst
+    above the cap) had entries it had not read trimmed away by the emitters' ``MAXLEN ~``
+    cap or an ``XTRIM``, and stayed ``serving``, counted nothing and logged nothing: the
+    stream was checked for a trim only when the consumer joined. Redis 7 counts what was
+    added and what the group read: the loss is now counted, logged and resynced. A trim of
+    what the replica has read (retention's ``MINID``) is none (the negative control)."""
+    caplog.set_level("WARNING", logger="kvatlas.coordinator.stream_consumer")
+    sink = EventSink("n1", RedisStreamTransport(redis_server.url, stream), incarnation=1)
+
+    def emit(numbers: range) -> None:
+        for n in numbers:
+            sink.emit(STORE, "l1", "dram", [CacheEntry(key(n), 1)])
+            assert sink.flush(30)  # one stream entry per batch
+
+    try:
+        with replica(redis_server, stream, "live", tmp_path / "s") as (server, client):
+            assert wait_for(lambda: client.get("/readyz").status_code == 200)
+            emit(range(3))
+            assert wait_for(lambda: applied(server, 3))
+            newest = rclient.xrevrange(stream, count=1)[0][0]
+            assert rclient.xtrim(stream, minid=newest, approximate=False) == 2  # read: no loss
+            emit(range(3, 4))
+            assert wait_for(lambda: applied(server, 4))
+            consumer = server.service.stream_consumer
+            assert consumer is not None
+            gate, ingest = threading.Event(), consumer._ingest
+
+            def held(who: Any, batches: Any) -> object:
+                gate.wait(30)  # the replica falls behind
+                return ingest(who, batches)
+
+            consumer._ingest = held
+            emit(range(4, 20))
+            assert rclient.xtrim(stream, maxlen=2, approximate=False) > 0  # the cap, past it
+            gate.set()
+            assert wait_for(lambda: trimmed_away(client) == 1)
+            assert client.get("/readyz").json() == {"ready": False, "state": "resyncing"}
+            assert "trimmed before this replica read them" in caplog.text
+            assert wait_for(lambda: rclient.xinfo_groups(stream)[0]["lag"] == 0)
+            emit(range(20, 22))  # counted once: the group's counter was set right
+            assert wait_for(lambda: rclient.xinfo_groups(stream)[0]["lag"] == 0)
+            time.sleep(2 * LAG_PERIOD_S)  # the consumer asked again
+            assert trimmed_away(client) == 1
+    finally:
+        sink.close()
+
+
+STREAM_AT_9 = {"entries-added": 9, "length": 2, "last-generated-id": b"9-0"}
+
+
+@pytest.mark.parametrize(
+    ("stream_info", "group", "found"),
+    [
+        # read to the end: what the counters lack was trimmed unread (the probe's 19/4/2 case)
+        (STREAM_AT_9, {"last-delivered-id": b"9-0", "entries-read": 5}, (4, 9)),
+        (STREAM_AT_9, {"last-delivered-id": b"9-0", "entries-read": 9}, None),
+        # behind, the stream's first entry after its position: all of it is unread
+        ({**STREAM_AT_9, "recorded-first-entry-id": b"8-0"},
+         {"last-delivered-id": b"3-0", "entries-read": 3}, (4, 7)),
+        ({**STREAM_AT_9, "recorded-first-entry-id": b"8-0"},
+         {"last-delivered-id": b"7-0", "entries-read": 7}, None),
+        # the stream still holds what follows its position: nothing was trimmed past it
+        ({**STREAM_AT_9, "first-entry": (b"3-0", {})},
+         {"last-delivered-id": b"3-0", "entries-read": 1}, None),
+        # a counter Redis cannot tell (after XGROUP SETID): the first entry after it counts
+        ({**STREAM_AT_9, "first-entry": (b"8-0", {})},
+         {"last-delivered-id": b"3-0", "entries-read": None}, (None, 7)),
+        ({**STREAM_AT_9, "first-entry": (b"8-0", {})},
+         {"last-delivered-id": b"9-0", "entries-read": None}, None),
+        # an emptied stream past its position
+        ({"entries-added": 9, "length": 0, "last-generated-id": b"9-0"},
+         {"last-delivered-id": b"5-0", "entries-read": 5}, (4, 9)),
+        # Redis < 7 counts nothing
+        ({"length": 2, "last-generated-id": b"9-0"}, {"last-delivered-id": b"9-0"}, None),
+    ],
+)  # fmt: skip
+def test_unread_trimmed_counts_what_the_group_never_read(
+    stream_info: dict[str, Any], group: dict[str, Any], found: object
+) -> None:
+    assert unread_trimmed(stream_info, group) == found

@@ -53,6 +53,9 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+LAYOUT = {"kv_shape": [2, 2, 16, 2, 16], "kv_dtype": "float16"}  # (node metadata: PEER_METADATA)
+
+
 @pytest.fixture(scope="module")
 def pair(tokens: Path) -> Iterator[tuple[BackgroundServer, httpx.Client]]:
     with running(auth_token_file=tokens) as pair:
@@ -61,7 +64,7 @@ def pair(tokens: Path) -> Iterator[tuple[BackgroundServer, httpx.Client]]:
             body = {
                 "instance_id": inst,
                 "ip": f"10.0.0.{len(inst)}",
-                "metadata": {"secret": f"{inst}-internal"},
+                "metadata": {"secret": f"{inst}-internal", **LAYOUT},
                 "p2p_advertised_url": f"http://{inst}.internal:9400",
             }
             assert c.post("/instances", json=body, headers=bearer(tok)).status_code == 200
@@ -181,14 +184,15 @@ def test_instances_scoped_to_the_tokens_tenants(
     _, c = pair
     rows = _rows(c, NODE_A)
     assert set(rows) == {"node-a", "node-a2"}  # node-b serves another tenant
-    assert rows["node-a"]["metadata"] == {"secret": "node-a-internal"}  # its own, in full
+    assert rows["node-a"]["metadata"] == {"secret": "node-a-internal", **LAYOUT}  # its own, in full
     assert rows["node-a"]["last_seq"] == 1
     peer = rows["node-a2"]
     assert peer["p2p_advertised_url"] == "http://node-a2.internal:9400"  # what a fetch needs
     assert peer["alive"] is True
-    assert peer["metadata"] == {} and peer["ip"] == "" and peer["last_seq"] is None
+    # of the metadata, only the KV layout (a peer of another layout is never asked)
+    assert peer["metadata"] == LAYOUT and peer["ip"] == "" and peer["last_seq"] is None
     assert set(_rows(c, LOOKUP_A)) == {"node-a", "node-a2"}
-    assert all(row["metadata"] == {} for row in _rows(c, LOOKUP_A).values())
+    assert all(row["metadata"] == LAYOUT for row in _rows(c, LOOKUP_A).values())
     everything = _rows(c, ADMIN)
     assert {"node-a", "node-a2", "node-b"} <= set(everything)
-    assert everything["node-b"]["metadata"] == {"secret": "node-b-internal"}
+    assert everything["node-b"]["metadata"] == {"secret": "node-b-internal", **LAYOUT}

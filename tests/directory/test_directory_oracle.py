@@ -74,9 +74,14 @@ class Model:
                 if e.token_ids is not None:
                     tokens = tuple(e.token_ids.tolist())
                     old = self.bindings.get(e.key.chunk_hash)
-                    if old and old[0] == tokens and e.token_offset == -1:
-                        pass
-                    else:
+                    ns = BlendNamespace.from_object_key(e.key)
+                    others = any(  # another namespace's binding stays (docs/security.md)
+                        k.chunk_hash == e.key.chunk_hash and BlendNamespace.from_object_key(k) != ns
+                        for k in self.placements
+                    )
+                    conflict = old and old[0] != tokens and others
+                    no_news = old and old[0] == tokens and e.token_offset == -1
+                    if not (conflict or no_news):
                         self.bindings[e.key.chunk_hash] = (tokens, e.token_offset)
             elif b.event_type == "delete":
                 pls.pop(ident, None)

@@ -112,17 +112,30 @@ def test_first_content_for_existing_keys_adds_every_namespace(spy: type[SpyIndex
 
 
 def test_different_content_is_retired_then_readded(spy: type[SpyIndex]) -> None:
+    """Within the one namespace that holds the chunk (two nodes' copies): the last writer
+    rebinds, the old content retired before the new one is added."""
     d, em = blend_dir(), Emitter()
-    d.consume(em.batch("store", [entry(key(1), A, 0), entry(key(1, salt="tenant-b"), A, 0)]))
+    d.consume(em.batch("store", [entry(key(1), A, 0)]))
+    d.consume(Emitter("b").batch("store", [entry(key(1), A, 0)]))
     calls(d)
     d.consume(em.batch("store", [entry(key(1), B, 4)]))
     got = calls(d)
     assert got[0] == ("remove_chunk", 1)
-    assert sorted((c[0], c[2], c[3].cache_salt) for c in got[1:]) == [
-        ("add", 4, ""),
-        ("add", 4, "tenant-b"),
-    ]
-    assert found(d, A) == [] and found(d, B) == [(1, 4)] and found(d, B, NS_B) == [(1, 4)]
+    assert [(c[0], c[2], c[3].cache_salt) for c in got[1:]] == [("add", 4, "")]
+    assert found(d, A) == [] and found(d, B) == [(1, 4)]
+
+
+def test_different_content_leaves_another_namespaces_binding(spy: type[SpyIndex]) -> None:
+    """Held under two salts (tenants), a store of other ids under one of them changes
+    nothing: not tenant-b's matches, not the writer's own (the chunk's content is the
+    tenants' together), counted as a content conflict (it rebound both before)."""
+    d, em = blend_dir(), Emitter()
+    d.consume(em.batch("store", [entry(key(1), A, 0), entry(key(1, salt="tenant-b"), A, 0)]))
+    calls(d)
+    d.consume(em.batch("store", [entry(key(1), B, 4)]))
+    assert calls(d) == []
+    assert found(d, A) == [(1, 0)] and found(d, A, NS_B) == [(1, 0)] and found(d, B) == []
+    assert d.stats().content_conflicts == 1
 
 
 def test_tokenless_store_claims_known_content_at_once(spy: type[SpyIndex]) -> None:

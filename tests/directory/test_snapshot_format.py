@@ -100,7 +100,8 @@ def wide_directory(blend: bool = False) -> KeyDirectory:
 
 
 def view(d: KeyDirectory) -> tuple[object, ...]:
-    stats = dataclasses.replace(d.stats(), batches={})  # batch outcomes are not snapshotted
+    # (batch outcomes and content conflicts are counts since the start, not snapshotted)
+    stats = dataclasses.replace(d.stats(), batches={}, content_conflicts=0)
     return (d.list_keys(limit=1000).items, d.emitters(), d.capacities(), stats)
 
 

@@ -41,8 +41,9 @@ def view(d: KeyDirectory) -> tuple[object, ...]:
     leaves them out)."""
     items = d.list_keys(limit=100_000).items
     contents = [(kp.key, None if kp.content is None else kp.content.tolist()) for kp in items]
-    # batch outcomes are not snapshotted; the blend index's sizes depend on its history
-    stats = dataclasses.replace(d.stats(), batches={}, blend=None)
+    # batch outcomes and content conflicts are counts since the start, not snapshotted; the
+    # blend index's sizes depend on its history
+    stats = dataclasses.replace(d.stats(), batches={}, blend=None, content_conflicts=0)
     return items, contents, d.emitters(), d.capacities(), stats, d.usage()
 
 

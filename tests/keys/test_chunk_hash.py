@@ -86,6 +86,22 @@ def test_non_integer_tokens_rejected(bad: object) -> None:
         chunk_hashes(bad, 1)
 
 
+@pytest.mark.parametrize(
+    "tokens",
+    [[True, False, True, False], [np.bool_(True), 2, 3, 4], [1, 2, True, 4], (5, 6, 7, False)],
+    ids=["bools", "numpy-bool-first", "bool-among-ints", "tuple"],
+)
+def test_bool_tokens_in_a_list_are_refused_as_numpy_bool_arrays_are(tokens: object) -> None:
+    """``True`` is the int 1 to Python, never a token id to kvatlas: a list or tuple holding a
+    bool is refused as a numpy bool array is (it used to hash as the ids 0/1)."""
+    with pytest.raises(ValueError, match="integers"):
+        chunk_hashes(np.array([True, False, True, False]), 4)
+    with pytest.raises(ValueError, match="integers"):
+        chunk_hashes(tokens, 4)
+    with pytest.raises(ValueError, match="integers"):
+        ChunkHashChain(4).update(tokens)
+
+
 @pytest.mark.parametrize("size", [0, -1, 1.5, True])
 def test_bad_chunk_size(size: object) -> None:
     with pytest.raises(ValueError, match="chunk_size"):

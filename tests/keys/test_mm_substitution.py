@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from array import array
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -126,7 +128,37 @@ def test_torch_tensor_in_place() -> None:
     assert int32.tolist() == list(mm_hash_to_token_values("img", 8))
 
 
-@pytest.mark.parametrize("position", [(-1, 3), (2, -3), "ab", (1,), {"offset": 1}])
+@pytest.mark.parametrize(
+    "make",
+    [tuple, lambda xs: iter(list(xs)), lambda xs: array("l", xs), str],
+    ids=["tuple", "iterator", "array.array", "str"],
+)
+def test_a_container_it_cannot_write_into_is_a_value_error_saying_what_is_taken(
+    make: Any,
+) -> None:
+    """The values are written in place: a tuple, an iterator or an ``array.array`` is refused
+    by a ValueError naming what is taken (it was numpy's "data type 'None' not understood")."""
+    with pytest.raises(ValueError, match="a list, a numpy array or a torch tensor"):
+        apply_mm_hashes_to_token_ids(make(prompt(8)), ["img"], [(2, 4)])
+
+
+@pytest.mark.parametrize("offset", [1.5, "1", True, -1, np.float64(2.5), np.bool_(True)])
+def test_a_base_offset_that_is_not_an_integer_at_least_zero_is_refused_by_name(
+    offset: Any,
+) -> None:
+    with pytest.raises(ValueError, match="base_offset"):
+        apply_mm_hashes_to_token_ids(prompt(8), ["img"], [(2, 4)], base_offset=offset)
+
+
+def test_a_numpy_integer_base_offset_is_taken() -> None:
+    tokens = np.full(20, P, dtype=np.int64)
+    apply_mm_hashes_to_token_ids(tokens[5:], ["img"], [(8, 4)], base_offset=np.int64(5))
+    assert tokens[8:12].tolist() == list(mm_hash_to_token_values("img", 4))
+
+
+@pytest.mark.parametrize(
+    "position", [(-1, 3), (2, -3), "ab", (1,), {"offset": 1}, (np.float64(1.5), 2)]
+)
 def test_bad_positions_rejected(position: object) -> None:
     with pytest.raises((ValueError, KeyError)):
         apply_mm_hashes_to_token_ids(prompt(), ["img"], [position])

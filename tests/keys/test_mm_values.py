@@ -44,6 +44,21 @@ def test_zero_and_negative_length() -> None:
         mm_hash_to_token_values("x", -1)
 
 
+@pytest.mark.parametrize("length", [np.int64(10), np.int32(10), np.uint16(10)])
+def test_a_numpy_integer_length_gives_the_vector(length: int) -> None:
+    """LMCache takes any integer length (``range(ceil(length / 8))``) and engines compute span
+    lengths as numpy or torch integers: the values are the same as for the Python int."""
+    assert mm_hash_to_token_values("some-image-hash", length) == reference_values(
+        "some-image-hash", 10
+    )
+
+
+@pytest.mark.parametrize("length", [np.int64(-1), True, np.bool_(True), 2.0, "3"])
+def test_a_negative_bool_or_non_integer_length_is_refused(length: int) -> None:
+    with pytest.raises(ValueError, match="length"):
+        mm_hash_to_token_values("some-image-hash", length)
+
+
 @settings(max_examples=50, deadline=None)
 @given(
     identifier=st.one_of(st.text(max_size=20), st.integers(), st.binary(max_size=8)),

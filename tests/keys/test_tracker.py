@@ -337,6 +337,15 @@ def test_append_generated_rejects_out_of_range_tokens() -> None:
     assert len(t.get_token_ids()) == C
 
 
+def test_bool_tokens_are_refused_in_the_prompt_and_the_generated_tokens() -> None:
+    with pytest.raises(ValueError, match="integers"):
+        RequestTracker([True, False] * (C // 2), scheme=KeyScheme("blake3", C))
+    t = RequestTracker(list(range(C)), scheme=KeyScheme("blake3", C))
+    with pytest.raises(ValueError, match="integers"):
+        t.append_generated([7, True])
+    assert len(t.get_token_ids()) == C
+
+
 def test_prefix_keys_carry_namespace_and_ranks() -> None:
     t = RequestTracker(
         image_prompt(), [MMItem.of("img", 20, 40)], scheme=KeyScheme("blake3", C), cache_salt="s"

@@ -246,3 +246,28 @@ def test_a_peer_that_answers_again_is_forgotten() -> None:
     for i in range(10):
         health.failed(f"flood-{i}", "unreachable")
         assert len(health) <= 2
+
+
+def test_a_peer_that_sends_another_layouts_chunks_is_down_for_a_while(
+    tmp_path: Path, real_peer: tuple[str, L1Cache]
+) -> None:
+    """A peer that registered no layout (an older node) sends a float16 chunk to this float32
+    node: refused (``fetched_wrong_layout``), and the peer is down as a failing one is, so
+    lookups stop counting its copies (each would be a claim whose load fails) until its
+    down-time passes."""
+    url, l1 = real_peer
+    l1.put(StoredChunk(key(1), np.full(LAYOUT.shape, 1.0, dtype=np.float16)))
+    fleet = Fleet({key(1): [in_l1("other")]}, {"other": url}, SERVED)
+    counters: Counter[str] = Counter()
+    now = [0.0]
+    try:
+        tiers = tiered(tmp_path, fleet, counters, lambda: now[0])
+        assert tiers.prefix_hits([key(1)]) == 1  # (nothing says its layout yet)
+        assert tiers.fetch([key(1)]) == {}
+        assert counters["fetched_wrong_layout"] == 1
+        assert tiers.prefix_hits([key(1)]) == 0
+        now[0] = 11.0  # past the first down-time: asked again, and down again
+        assert tiers.prefix_hits([key(1)]) == 1
+        assert tiers.fetch([key(1)]) == {} and tiers.prefix_hits([key(1)]) == 0
+    finally:
+        fleet.close()

@@ -58,5 +58,6 @@ async def report(ctx: Context, call: Call[None, None]) -> ReportReply:
     parsed = NodeReport.from_wire(body)
     if not service.instances.known(instance_id):
         raise NotFound("unknown instance; re-register")
-    service.status.reports.accept(instance_id, parsed)
+    carried = service.instances.carried_over(instance_id)
+    service.status.reports.accept(instance_id, parsed, carried_over=carried)
     return ReportReply(instance_id=instance_id)

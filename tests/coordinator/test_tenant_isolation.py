@@ -1,0 +1,98 @@
+"""A chunk hash is shared by every tenant that stores the same text (the salt is part of the
+key, not of the hash), and so is the content the coordinator binds to it. A store by node B,
+whose emit token is bound to salt ``tenant-b``, of tenant A's chunk hash with other token ids
+must not rebind that content for tenant A (it did: A's blend lookup then returned A's chunk
+hash at B's tokens, a match A never stored; A's own content stopped matching; A's keys-form
+lookup handed back B's ids). The binding stays, counted as a content conflict.
+
+Contract: spec/keys.md §2 ("A match is only ever served to a requester of a namespace that
+stored the chunk ... another tenant's salt is isolated by design"), docs/security.md ("A
+tenant is a cache_salt ... isolation holds as long as nobody can store under ... a salt they
+do not own"; a node token "cannot ... store ... under another salt"), spec/blend-index.md
+"No wrong KV, ever"."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvatlas.keys import chunk_hashes
+from tests.coordinator.helpers import Emitter, b64, post_batches, running, wire_entry, wire_key
+from tests.coordinator.security_support import bearer, token
+from tests.helpers import write_tokens
+
+A_TOKENS = [11, 12, 13, 14]
+H = chunk_hashes(A_TOKENS, 4)[0]
+B_TOKENS = [900, 901, 902, 903]
+NODE_A, NODE_B = token("node-a"), token("node-b")
+A_MATCH = {"chunk_hash": H.hex(), "old_st": 0, "cur_st": 1}
+
+
+@pytest.fixture()
+def fleet(tmp_path: Path) -> Iterator[httpx.Client]:
+    """Auth on; node-a (tenant-a) has stored its chunk; node-b may only emit for tenant-b."""
+    tokens = write_tokens(
+        tmp_path / "tokens.json",
+        {"token": NODE_A, "roles": ["emit", "lookup"], "instance_ids": ["node-a"],
+         "cache_salts": ["tenant-a"]},
+        {"token": NODE_B, "roles": ["emit", "lookup"], "instance_ids": ["node-b"],
+         "cache_salts": ["tenant-b"]},
+    )  # fmt: skip
+    with running(auth_token_file=tokens, chunk_size=4, enable_blend_lookup=True) as (_, client):
+        for iid, tok in (("node-a", NODE_A), ("node-b", NODE_B)):
+            r = client.post(
+                "/instances",
+                json={"instance_id": iid, "ip": "127.0.0.1", "http_port": 1, "metadata": {}},
+                headers=bearer(tok),
+            )
+            assert r.status_code == 200, r.text
+        a = Emitter("node-a")
+        stored = a.batch(
+            "store", entries=[wire_entry(wire_key(H, salt="tenant-a"), 10, A_TOKENS, 0)]
+        )
+        assert post_batches(client, stored, headers=bearer(NODE_A)).status_code == 200
+        yield client
+
+
+def _a_matches(client: httpx.Client, query: list[int]) -> list[dict[str, object]]:
+    r = client.post(
+        "/directory/blend-lookup",
+        json={"tokens_b64": b64(query), "model_name": "m", "cache_salt": "tenant-a"},
+        headers=bearer(NODE_A),
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["matches"]  # type: ignore[no-any-return]
+
+
+def _forge(client: httpx.Client) -> None:
+    b = Emitter("node-b")
+    forged = b.batch("store", entries=[wire_entry(wire_key(H, salt="tenant-b"), 10, B_TOKENS, 0)])
+    r = post_batches(client, forged, headers=bearer(NODE_B))
+    assert r.status_code in (200, 409, 422), r.text  # refusing it would do too
+
+
+def test_another_tenants_tokens_never_match_under_tenant_as_chunk_hash(
+    fleet: httpx.Client,
+) -> None:
+    assert _a_matches(fleet, [1, *A_TOKENS]) == [A_MATCH]
+    _forge(fleet)
+    assert _a_matches(fleet, [1, *B_TOKENS]) == []  # A never stored H with these tokens
+
+
+def test_another_tenants_store_does_not_take_tenant_as_match_away(fleet: httpx.Client) -> None:
+    _forge(fleet)
+    assert _a_matches(fleet, [1, *A_TOKENS]) == [A_MATCH]
+
+
+def test_tenant_as_key_lookup_returns_tenant_as_tokens(fleet: httpx.Client) -> None:
+    _forge(fleet)
+    r = fleet.post(
+        "/directory/lookup",
+        json={"keys": [wire_key(H, salt="tenant-a")]},
+        headers=bearer(NODE_A),
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["results"][0]["token_ids"] == A_TOKENS
