@@ -400,8 +400,7 @@ class StreamConsumer:
                 return  # the stream is gone: stream_loss's to judge when the group is prepared
             raise
         row = self._group_row(rows)
-        found = None if row is None else unread_trimmed(info, row)
-        if row is None or found is None:
+        if row is None or (found := unread_trimmed(info, row)) is None:
             return
         lost, entries_read = found
         delivered = text_of(row.get("last-delivered-id") or b"0-0")
