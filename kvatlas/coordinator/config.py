@@ -134,10 +134,10 @@ class CoordinatorConfig:
                 f"--memory-trim-interval-s must be in [0, {MAX_INTERVAL_S:,.0f}] seconds (0: off)"
             )
         checked_weight("--fragment-weight", self.fragment_weight)
-        if self.snapshot_path is not None and self.snapshot_path.is_dir():
+        if self.snapshot_path is not None and Path(self.snapshot_path).is_dir():
             raise ValueError(
                 f"--snapshot-path {self.snapshot_path} is a directory: name the snapshot file "
-                f"in it (e.g. {self.snapshot_path / 'directory.snap'})"
+                f"in it (e.g. {Path(self.snapshot_path) / 'directory.snap'})"
             )
         for name in (
             "snapshot_interval",

@@ -198,10 +198,11 @@ class NodeConfig:
             "coordinator_retry_max_s",
             "heartbeat_interval_s",
             "pin_refresh_interval_s",
-            "fleet_refresh_interval_s",  # (0 or NaN: a GET /instances per peer ask; inf: never)
         ):
             if not 0 < getattr(self, name) <= 3600:
                 raise ValueError(f"--{name.replace('_', '-')} must be in (0, 3600] seconds")
+        if not 0 <= self.fleet_refresh_interval_s <= 3600:  # (0: at every peer ask; inf: never)
+            raise ValueError("--fleet-refresh-interval-s must be in [0, 3600] seconds (0: always)")
         check_choices(self, _CHOICES)  # the rest (a variable's: argparse checks a flag's only)
 
     @property
