@@ -254,7 +254,7 @@ def _run_with_replica(config: RouterConfig, replica: CoordinatorConfig) -> int:
     from kvatlas.coordinator.app import new_query_pool
     from kvatlas.coordinator.route_score import RouteScoring
     from kvatlas.coordinator.runtime import set_switch_interval
-    from kvatlas.coordinator.server import claim_or_exit, claim_state
+    from kvatlas.coordinator.server import claim_or_exit, claim_state, stopper_of
     from kvatlas.coordinator.service import CoordinatorService
     from kvatlas.logs import configure_logging
     from kvatlas.router.server import run_router
@@ -277,7 +277,9 @@ def _run_with_replica(config: RouterConfig, replica: CoordinatorConfig) -> int:
             scoring = RouteScoring(service, pool)
             # meanwhile, the router's own HTTP scorer (--coordinator-url): one client, counted
             return run_router(
-                config, lambda http: ReplicaScorer(service, scoring, pool, http, scores_as)
+                config,
+                lambda http: ReplicaScorer(service, scoring, pool, http, scores_as),
+                stopper_of(service),
             )
         finally:
             service.stop()

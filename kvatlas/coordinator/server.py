@@ -116,6 +116,17 @@ _HELD: Final = frozenset({errno.EADDRINUSE, errno.EAGAIN, errno.EWOULDBLOCK})
 """The errors of a port or lock another process holds."""
 
 
+def stopper_of(service: CoordinatorService) -> StopServing:
+    """What stops serving when Redis, first reached after start-up, refuses the credentials of
+    ``service``'s stream consumer: exit 1, as at start (the coordinator's, a router's replica)."""
+    stopper = StopServing()
+    if (consumer := service.stream_consumer) is not None:
+        consumer.on_fatal = stopper.stop
+        if consumer.fatal is not None:  # (found before on_fatal was set)
+            stopper.stop(consumer.fatal)
+    return stopper
+
+
 def claim_or_exit(claim: Callable[[], T], holder: str) -> T:
     """``claim()`` (:func:`claim_replica`, :func:`claim_state`), or, once the reason is logged,
     ``SystemExit(1)``: the port, the snapshot lock or the consumer group is another process's
@@ -218,11 +229,7 @@ def run_coordinator(config: CoordinatorConfig, mp_servers: MpServers | None = No
     sock, lock = claim_or_exit(lambda: claim_replica(config), "coordinator")
     service = CoordinatorService(config, mp_servers=mp_servers)
     service.start()
-    stopper = StopServing()  # Redis appeared and refused the credentials: exit 1, as at start
-    if (consumer := service.stream_consumer) is not None:
-        consumer.on_fatal = stopper.stop
-        if consumer.fatal is not None:  # (found before on_fatal was set)
-            stopper.stop(consumer.fatal)
+    stopper = stopper_of(service)
     log.info(
         "kvatlas coordinator on http://%s:%d (scheme %s/%d, blend %s, transport %s, replica %s)",
         config.host, config.port, config.hash_scheme, config.chunk_size,

@@ -17,7 +17,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvatlas.asgi_thread import bind_listener, serve
+from kvatlas.asgi_thread import StopServing, bind_listener, serve
 from kvatlas.logs import configure_logging, uvicorn_log_options
 from kvatlas.router.app import Router
 from kvatlas.router.config import RouterConfig
@@ -96,9 +96,12 @@ def build_router(config: RouterConfig, scorer_of: ScorerOf | None = None) -> Rou
     return Router(config, tokenizer, scorer_of)
 
 
-def run_router(config: RouterConfig, scorer_of: ScorerOf | None = None) -> int:
-    """``kvatlas router`` (``scorer_of``: handed in by ``--scores-from replica``'s
-    composition, ``kvatlas.router_replica``, which configured the logging already)."""
+def run_router(
+    config: RouterConfig, scorer_of: ScorerOf | None = None, stopper: StopServing | None = None
+) -> int:
+    """``kvatlas router`` (``scorer_of``, ``stopper``: handed in by ``--scores-from replica``'s
+    composition, ``kvatlas.router_replica``, which configured the logging already; its replica
+    stops the router, exit 1, when Redis refuses its credentials)."""
     configure_logging(config.log_level, config.log_format)
     try:
         router = build_router(config, scorer_of)
@@ -123,7 +126,11 @@ def run_router(config: RouterConfig, scorer_of: ScorerOf | None = None) -> int:
     try:
         serve(create_app(router), host=config.host, port=config.port, sock=sock,
               limits=config.http_limits, on_refused=router.metrics.http_refused.count,
-              error_body=error_body, **uvicorn_log_options(config.log_level, False))  # fmt: skip
+              error_body=error_body, stopper=stopper,
+              **uvicorn_log_options(config.log_level, False))  # fmt: skip
     finally:
         sock.close()
+    if stopper is not None and stopper.reason is not None:
+        log.error("stopped: %s", stopper.reason)
+        return 1
     return 0

@@ -605,3 +605,37 @@ def test_a_second_router_replica_with_the_same_snapshot_exits_1(tmp_path: Path) 
     assert done.returncode == 1, done.stderr
     assert "is another replica with this id running? not starting" in done.stderr
     assert not snapshot.exists()
+
+
+def test_a_redis_that_appears_refusing_the_credentials_stops_the_router(tmp_path: Path) -> None:
+    """The router's replica meets what a coordinator started before Redis meets: Redis comes
+    up and refuses its credentials. It retried for ever (routing by load, its replica
+    ``waiting_for_redis``); it stops, exit 1, naming the refusal, as ``kvatlas coordinator``."""
+    import sys
+
+    server = RedisServer(tmp_path)  # not started yet
+    # a user this Redis does not have (without requirepass any password is the default user's)
+    wrong = f"redis://kvatlas-router:s3cret@127.0.0.1:{server.port}/0"
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvatlas.cli", "router", "--port", str(port),
+         "--engine", "pod-a=http://127.0.0.1:9", "--scores-from", "replica",
+         *replica_flags(wrong, "router-refused")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert wait_for(lambda: _answers(f"http://127.0.0.1:{port}/healthz"), timeout=120)
+        server.start()
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1, err
+        assert "refused this coordinator's credentials" in err, err
+    finally:
+        proc.kill()
+        server.stop()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code in (200, 503)
+    except httpx.HTTPError:
+        return False
