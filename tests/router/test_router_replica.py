@@ -636,6 +636,6 @@ def test_a_redis_that_appears_refusing_the_credentials_stops_the_router(tmp_path
 
 def _answers(url: str) -> bool:
     try:
-        return httpx.get(url, timeout=5).status_code in (200, 503)
+        return HTTP.get(url, timeout=5).status_code in (200, 503)
     except httpx.HTTPError:
         return False
