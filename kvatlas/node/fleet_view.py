@@ -123,24 +123,26 @@ class HttpFleetView:
             unverified = self._unverified.get(instance_id) if client is None else None
             foreign = self._foreign.get(instance_id)
         if foreign is not None:
-            self.counters["peer_skipped_foreign_layout"] += 1
-            if self._warnings(instance_id):
-                log.warning(
-                    "instance %s holds KV of another layout (%s; this node's %s, %s) under this "
-                    "node's keys: its copies are not used (another dtype or shape of the model "
-                    "under one --model-name)", instance_id, foreign, self._layout.dtype,
-                    list(self._layout.shape),
-                )  # fmt: skip
+            self._skipped(
+                instance_id, "peer_skipped_foreign_layout", "instance %s holds KV of another "
+                "layout (%s; this node's %s, %s) under this node's keys: its copies are not used "
+                "(another dtype or shape of the model under one --model-name)", foreign,
+                self._layout.dtype, list(self._layout.shape),
+            )  # fmt: skip
             return None
         if unverified is not None:
-            self.counters["peer_url_unverified"] += 1
-            if self._warnings(instance_id):
-                log.warning(
-                    "instance %s advertises %s without a valid signature of the fleet's peer "
-                    "secret (registered by a caller that is not a node, or a node with another "
-                    "or no --peer-token-file): not contacted", instance_id, unverified,
-                )  # fmt: skip
+            self._skipped(
+                instance_id, "peer_url_unverified", "instance %s advertises %s without a valid "
+                "signature of the fleet's peer secret (registered by a caller that is not a "
+                "node, or a node with another or no --peer-token-file): not contacted", unverified,
+            )  # fmt: skip
         return client
+
+    def _skipped(self, instance_id: str, counter: str, message: str, *args: object) -> None:
+        """A listed peer not asked: counted, and a WARNING at most once a minute per peer."""
+        self.counters[counter] += 1
+        if self._warnings(instance_id):
+            log.warning(message, instance_id, *args)
 
     def _refresh_due(self) -> bool:
         """Claims the refresh when one is due, so concurrent callers make one call."""
