@@ -1,12 +1,11 @@
 """The coordinator's moving parts, independent of HTTP: directory, instances, auth, snapshots,
 the Redis Streams consumer and the background threads that tie them together.
 
-Readiness (:class:`~kvatlas.coordinator.views.Readiness`) goes ``restoring`` → (Redis
-transport: ``waiting_for_redis`` → ``catching_up``) → ``serving``, through ``resyncing`` when
-events may be missing (a restart from a snapshot on the HTTP transport, a trimmed or lost
-stream), which ends once the live instances exchanged digests; lookups are answered in every
-state. Everything the service reports is an immutable view
-(:mod:`kvatlas.coordinator.views`). See docs/coordinator.md.
+Readiness (:class:`~kvatlas.coordinator.views.Readiness`) goes ``restoring`` → (Redis transport:
+``waiting_for_redis`` → ``catching_up``) → ``serving``, through ``resyncing`` when events may be
+missing (a restart from a snapshot on the HTTP transport, a trimmed or lost stream), which ends
+once the live instances exchanged digests; lookups are answered in every state. Everything the
+service reports is an immutable view (:mod:`kvatlas.coordinator.views`). See docs/coordinator.md.
 """
 
 from __future__ import annotations
@@ -62,6 +61,7 @@ from kvatlas.errors import Conflict, Unavailable, Unprocessable
 from kvatlas.events import ColumnBatch, EventBatch
 from kvatlas.events.inventory import Digest, differing
 from kvatlas.keys import MM_BYPASS_GUARD, ObjectKey
+from kvatlas.logs import Throttle
 
 if TYPE_CHECKING:  # redis is imported only on the Redis transport
     from kvatlas.coordinator.stream_consumer import StreamConsumer
@@ -112,8 +112,8 @@ class CoordinatorService:
         self._clock = self.clock = clock
         self.emitters = EmitterBook()
         self._next_departure_sweep = 0.0
-        # the fleet's registrations across replicas (the Redis transport: each replica sees only
-        # its own; fleet_liveness.py), and those recently seen: instance -> its engine_id
+        self._say = Throttle(60.0, clock=clock)  # a WARNING a minute per cause
+        # registrations with other replicas, recently seen (fleet_liveness.py): id -> engine_id
         self.elsewhere: dict[str, str | None] = {}
         self.liveness = (
             FleetLiveness.connect(config.redis_url or "", config.event_stream)
@@ -327,10 +327,9 @@ class CoordinatorService:
             )
 
     def forget_departed(self) -> list[str]:
-        """Forget every instance that is not registered (with any replica, on the Redis
-        transport) and sent no batch for ``--emitter-retention-s`` seconds: its cursor (L1
-        fenced), lag and metric series, so departed emitters cannot accumulate. Runs at most every ``retention / 8`` seconds;
-        returns the ids forgotten."""
+        """Forget every instance not registered (with any replica, on the Redis transport) that
+        sent no batch for ``--emitter-retention-s`` seconds: its cursor (L1 fenced), lag and metric
+        series. Runs at most every ``retention / 8`` seconds; returns the ids forgotten."""
         now = self._clock()
         retention = self.config.emitter_retention_s
         if now < self._next_departure_sweep:
@@ -342,7 +341,8 @@ class CoordinatorService:
                 registered |= set(self.liveness.seen(retention))
             except Unavailable as exc:  # cannot tell: nothing forgotten, asked again soon
                 self._next_departure_sweep = now + min(retention / 8, 5.0)
-                log.warning("departed emitters not forgotten now: %s", exc)
+                if self._say("departed"):  # not every 5 s through a Redis outage
+                    log.warning("departed emitters not forgotten now: %s", exc)
                 return []
         departed = self.emitters.departed(self.directory.emitters(), registered, now, retention)
         for instance_id in departed:

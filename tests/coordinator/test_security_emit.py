@@ -5,6 +5,7 @@ series expire; with auth on, only registered instances emit."""
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ import httpx
 import pytest
 
 from kvatlas.coordinator.server import BackgroundServer
+from kvatlas.errors import Unavailable
 from tests.conftest import wait_for
 from tests.coordinator.helpers import (
     Emitter,
@@ -272,6 +274,30 @@ def test_departed_emitters_are_forgotten() -> None:
         rows = {r["instance_id"]: r for r in c.get("/instances").json()["instances"]}
         assert set(rows) == {"stayer"} and rows["stayer"]["last_seq"] == 1
         assert c.get("/directory/stats").json()["emitters"] == 1
+
+
+class _RedisDown:
+    def seen(self, _within: float) -> list[str]:
+        raise Unavailable("redis: connection refused")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_redis_outage_warns_of_departed_emitters_once_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """While Redis cannot say which instances other replicas hold, nothing is forgotten and
+    the sweep is asked again every 5 s: the WARNING says so once a minute, not every sweep."""
+    clock = Clock()
+    with running(clock, emitter_retention_s=60.0, instance_timeout=1e6) as (server, _):
+        server.service.liveness = _RedisDown()  # type: ignore[assignment]
+        with caplog.at_level(logging.WARNING, logger="kvatlas.coordinator.service"):
+            for _ in range(24):  # two minutes of sweeps
+                assert server.service.forget_departed() == []
+                clock.now += 5.0
+        said = [r for r in caplog.records if "not forgotten" in r.getMessage()]
+        assert len(said) == 2, [r.getMessage() for r in said]
 
 
 def test_salt_bound_emit_token_without_lookup_stays_bound(tmp_path: Path) -> None:
