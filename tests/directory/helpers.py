@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from kvatlas.directory import KeyDirectory
@@ -11,6 +12,9 @@ from kvatlas.directory.blend.kernels.layout import IDS_FREE_OCCUPANT, IDS_OCCUPA
 from kvatlas.directory.blend.state import IndexState
 from kvatlas.directory.chunk_parts import ChunkColumns, ChunkPart, l1_chunks
 from kvatlas.directory.records import Record, l1_owner, placement_groups, placements_of
+from kvatlas.directory.snapshot.format import PREFIX, Header
+from kvatlas.directory.snapshot.integrity import PieceDigests
+from kvatlas.directory.token_store import form_sizes
 from kvatlas.events import CacheEntry, EventBatch
 from kvatlas.keys import ObjectKey, pack_kv_rank
 
@@ -139,3 +143,20 @@ def occupant_hashes(state: IndexState) -> list[bytes | None]:
     rows, lengths = arrays.o_i64[:, O_HASH:], arrays.o_hlen.tolist()
     n = int(arrays.ids[IDS_OCCUPANTS])
     return [None if o in free else rows[o].tobytes()[: lengths[o]] for o in range(n)]
+
+
+def sealed(raw: bytes) -> bytes:
+    """``raw``, a version-6 snapshot whose header or token section a test edited (as a writer
+    of the file could), with its checksums made again for the bytes it now holds (its old
+    trailer, if any, replaced): the checks behind the checksums are what such a test tests."""
+    _, n = PREFIX.unpack_from(raw)
+    header = msgspec.msgpack.decode(raw[PREFIX.size : PREFIX.size + n], type=Header[bytes])
+    lens = np.frombuffer(header.chunk_token_lens, "<u4")
+    forms = np.frombuffer(header.chunk_token_widths, np.uint8).astype(np.int64)
+    sizes = form_sizes(lens, forms)
+    body = PREFIX.size + n
+    end = body + int(sizes.sum())
+    digests = PieceDigests([sizes], header.checksum_piece)
+    digests.header(raw[:body])
+    digests.arena(raw[body:end])
+    return raw[:end] + digests.trailer()

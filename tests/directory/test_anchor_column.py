@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 
 from kvatlas.directory import BlendIndex, KeyDirectory, load_snapshot, save_snapshot
 from kvatlas.directory.blend.anchors import SCHEME, AnchorKey
-from kvatlas.directory.snapshot.format import SnapshotError
+from kvatlas.directory.snapshot.format import VERSION, SnapshotError
 from kvatlas.keys import BlendNamespace
 from tests.directory.helpers import CS, Emitter, entry, key
 from tests.directory.test_fingerprint_column import (
@@ -86,7 +86,7 @@ def test_the_secret_is_saved_and_a_restore_adopts_it_over_its_own(tmp_path: Path
     d = directory_of_every_form(fixed_keys)
     path = tmp_path / "s.snap"
     save_snapshot(d, path)
-    assert header_of(path).version == 5 and header_of(path).anchor_key == (SCHEME, list(KEYS))
+    assert header_of(path).version == VERSION and header_of(path).anchor_key == (SCHEME, list(KEYS))
     restored = KeyDirectory(CS, enable_blend_lookup=True)  # a fresh secret of its own
     load_snapshot(restored, path)
     assert index_of(restored).anchor_key == AnchorKey(SCHEME, CS, KEYS)

@@ -19,7 +19,7 @@ from kvatlas.directory.blend.fingerprints import FingerprintKey
 from kvatlas.directory.blend.kernels.modhash import MERSENNE61, SCHEME
 from kvatlas.directory.snapshot.format import PREFIX, Header, SnapshotError
 from kvatlas.directory.token_store import stored_batch
-from tests.directory.helpers import CS, Emitter
+from tests.directory.helpers import CS, Emitter, sealed
 from tests.directory.test_snapshot_restore import apply, assert_same_answers, view
 
 FORMS = [7, (1 << 16) + 5, (1 << 24) + 3]  # uint16, the planes form, uint32
@@ -82,12 +82,13 @@ def directory_of_every_form(factory: Any = BlendIndex) -> KeyDirectory:
 
 
 def rewrite(path: Path, **fields: Any) -> None:
-    """The file at ``path`` with header ``fields`` replaced (the token section unchanged)."""
+    """The file at ``path`` with header ``fields`` replaced (the token section unchanged), its
+    checksums made again (:func:`sealed`: the checks tested here are those behind them)."""
     raw = path.read_bytes()
     _, n = PREFIX.unpack_from(raw)
     header = msgspec.msgpack.decode(raw[PREFIX.size : PREFIX.size + n], type=Header[bytes])
     encoded = msgspec.msgpack.encode(msgspec.structs.replace(header, **fields))
-    path.write_bytes(PREFIX.pack(raw[:8], len(encoded)) + encoded + raw[PREFIX.size + n :])
+    path.write_bytes(sealed(PREFIX.pack(raw[:8], len(encoded)) + encoded + raw[PREFIX.size + n :]))
 
 
 def header_of(path: Path) -> Header[bytes]:

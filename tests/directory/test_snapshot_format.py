@@ -1,8 +1,10 @@
-"""The snapshot file format is fixed: the writer produces ``data/snapshot-v5.snap`` (from the
-directory :func:`golden_directory` builds), ``data/snapshot-v5-wide.snap`` (ids of large
-vocabularies, :func:`wide_directory`) and ``data/snapshot-v5-blend.snap`` (the wide directory
+"""The snapshot file format is fixed: the writer produces ``data/snapshot-v6.snap`` (from the
+directory :func:`golden_directory` builds), ``data/snapshot-v6-wide.snap`` (ids of large
+vocabularies, :func:`wide_directory`) and ``data/snapshot-v6-blend.snap`` (the wide directory
 with blend on, its fingerprints and anchors saved under a fixed base and secret) byte for
-byte; files of earlier versions still load: the version-4 files the writer produced before
+byte; files of earlier versions still load: the version-5 files the writer produced before
+the checksums (``data/snapshot-v5.snap``, ``data/snapshot-v5-wide.snap``,
+``data/snapshot-v5-blend.snap``), the version-4 files the writer produced before
 the anchors (``data/snapshot-v4.snap``, ``data/snapshot-v4-wide.snap``,
 ``data/snapshot-v4-fingerprints.snap``), the version-3 files it produced before the
 fingerprints (``data/snapshot-v3.snap``, ``data/snapshot-v3-wide.snap``), a version-2 file
@@ -32,15 +34,18 @@ from kvatlas.keys import BlendNamespace
 from tests.directory.helpers import CS, Emitter, captured, entry, key, toks
 
 DATA = Path(__file__).parent / "data"
-GOLDEN = DATA / "snapshot-v5.snap"
+GOLDEN = DATA / "snapshot-v6.snap"
+GOLDEN_V5 = DATA / "snapshot-v5.snap"
 GOLDEN_V4 = DATA / "snapshot-v4.snap"
 GOLDEN_V3 = DATA / "snapshot-v3.snap"
 GOLDEN_V2 = DATA / "snapshot-v2.snap"
 GOLDEN_V1 = DATA / "snapshot-v1.snap"
-WIDE = DATA / "snapshot-v5-wide.snap"
+WIDE = DATA / "snapshot-v6-wide.snap"
+WIDE_V5 = DATA / "snapshot-v5-wide.snap"
 WIDE_V4 = DATA / "snapshot-v4-wide.snap"
 WIDE_V3 = DATA / "snapshot-v3-wide.snap"
-BLEND = DATA / "snapshot-v5-blend.snap"
+BLEND = DATA / "snapshot-v6-blend.snap"
+BLEND_V5 = DATA / "snapshot-v5-blend.snap"
 FINGERPRINTS = DATA / "snapshot-v4-fingerprints.snap"
 BASE = 0x1234_5678_9ABC_DEF  # the fingerprint base BLEND and FINGERPRINTS were written under
 ANCHOR_KEYS = (0x9E37_79B1, 0x85EB_CA6B, 0xC2B2_AE35, 0x27D4_EB2F)  # BLEND's anchor secret
@@ -113,8 +118,8 @@ def test_writer_output_is_unchanged_byte_for_byte(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "golden",
-    [GOLDEN, GOLDEN_V4, GOLDEN_V3, GOLDEN_V2, GOLDEN_V1],
-    ids=["v5", "v4", "v3", "v2", "v1"],
+    [GOLDEN, GOLDEN_V5, GOLDEN_V4, GOLDEN_V3, GOLDEN_V2, GOLDEN_V1],
+    ids=["v6", "v5", "v4", "v3", "v2", "v1"],
 )
 def test_a_file_from_the_unsplit_writer_loads(golden: Path) -> None:
     d = KeyDirectory(CS)
@@ -133,8 +138,8 @@ def test_wide_contents_are_written_unchanged_byte_for_byte(tmp_path: Path) -> No
 
 @pytest.mark.parametrize(
     "golden",
-    [WIDE, BLEND, WIDE_V4, FINGERPRINTS, WIDE_V3, WIDE_V2],
-    ids=["v5", "v5-blend", "v4", "v4-fingerprints", "v3", "v2"],
+    [WIDE, BLEND, WIDE_V5, BLEND_V5, WIDE_V4, FINGERPRINTS, WIDE_V3, WIDE_V2],
+    ids=["v6", "v6-blend", "v5", "v5-blend", "v4", "v4-fingerprints", "v3", "v2"],
 )
 @pytest.mark.parametrize("blend", [False, True], ids=["plain", "blend"])
 def test_a_wide_file_from_before_the_planes_form_loads_in_the_forms_ids_need(
@@ -184,7 +189,7 @@ def read_header(path: Path) -> Header[bytes]:
 
 def test_header_layout_is_pinned() -> None:
     raw = GOLDEN.read_bytes()
-    assert MAGIC == b"KVATSNP1" and VERSION == 5 and PREFIX.format == "<8sQ"
+    assert MAGIC == b"KVATSNP1" and VERSION == 6 and PREFIX.format == "<8sQ"
     assert PREFIX.unpack_from(raw)[0] == MAGIC
     header = read_header_bytes(raw)
     assert header.version == VERSION and header.chunk_size == CS

@@ -200,8 +200,8 @@ def test_the_read_buffer_is_freed_before_the_restore_installs(
 
     d, em = KeyDirectory(CS, enable_blend_lookup=True), Emitter("a")
     d.consume(em.batch("store", [entry(key(n), toks(n, n, n, n), 4 * n) for n in range(1, 9)]))
+    monkeypatch.setattr(token_section, "FILL_PIECE", 2)  # several pieces (the file's too)
     save_snapshot(d, tmp_path / "s.snap")
-    monkeypatch.setattr(token_section, "FILL_PIECE", 2)  # several pieces
     alive: list[int] = []
     install = KeyDirectory.install
 

@@ -173,7 +173,7 @@ def test_writing_keeps_no_tracked_container_of_a_reference_per_chunk(
         items = [*o, *o.values()] if isinstance(o, dict) else o
         return len(o) >= n and sum(id(x) in chunk_objects for x in items) >= n
 
-    def spy(path: Path, header: list[bytes], arena: Any) -> int:
+    def spy(path: Path, header: list[bytes], arena: Any, *rest: Any) -> int:
         # every column is added and the header encoded: what the writer holds now (new
         # containers of the chunks' objects only: other threads' allocations do not count)
         large.extend(
@@ -181,7 +181,7 @@ def test_writing_keeps_no_tracked_container_of_a_reference_per_chunk(
             for o in gc.get_objects()
             if id(o) not in old and isinstance(o, list | tuple | dict) and per_chunk(o)
         )
-        return write(path, header, arena)
+        return write(path, header, arena, *rest)
 
     monkeypatch.setattr(writer, "_write_atomically", spy)
     save_snapshot(d, tmp_path / "s.snap")

@@ -22,6 +22,8 @@ from kvatlas.directory.blend.op_checks import token_nbytes, token_widths
 from kvatlas.directory.blend.op_columns import addresses, vouched_addresses
 from kvatlas.directory.records import record_stored_tokens, record_tokens
 from kvatlas.directory.snapshot.format import PREFIX, Header
+from kvatlas.directory.snapshot.integrity import trailer_size
+from kvatlas.directory.snapshot.token_section import FILL_PIECE
 from kvatlas.directory.token_store import (
     COMPACT_LIMIT,
     stored_batch,
@@ -270,12 +272,14 @@ def test_a_content_stored_again_wide_is_the_same_content() -> None:
 
 def downgrade(v3: bytes, version: int) -> bytes:
     """The file an older writer makes of the same directory: version 2 (uint16 and uint32
-    only: every planes-form chunk uint32) or version 1 (no widths, every token a uint32)."""
+    only: every planes-form chunk uint32) or version 1 (no widths, every token a uint32);
+    ``v3``: the writer's (version 6, its checksums after the token section)."""
     _, header_len = PREFIX.unpack_from(v3)
     header = msgspec.msgpack.decode(v3[PREFIX.size : PREFIX.size + header_len], type=Header[bytes])
     forms = np.frombuffer(header.chunk_token_widths, np.uint8).tolist()
     lens = np.frombuffer(header.chunk_token_lens, "<u4").tolist()
-    arena, pos, tokens = v3[PREFIX.size + header_len :], 0, []
+    trailer = trailer_size(len(lens), header.checksum_piece)  # (version 6: the checksums)
+    arena, pos, tokens = v3[PREFIX.size + header_len : len(v3) - trailer], 0, []
     for n, form in zip(lens, forms, strict=True):
         size = stored_nbytes(n, form)
         raw = arena[pos : pos + size]
@@ -315,7 +319,8 @@ def test_snapshots_keep_every_form_and_older_files_load_in_the_forms_ids_need(
     path = tmp_path / "s.snap"
     save_snapshot(d, path)
     header_len = PREFIX.unpack_from(path.read_bytes())[1]
-    assert path.stat().st_size == PREFIX.size + header_len + 5 * 2 * CS + 2 * 4 * CS + 12
+    arena = 5 * 2 * CS + 2 * 4 * CS + 12
+    assert path.stat().st_size == PREFIX.size + header_len + arena + trailer_size(9, FILL_PIECE)
     if version < 3:
         path.write_bytes(downgrade(path.read_bytes(), version))
     restored = KeyDirectory(CS, enable_blend_lookup=True)

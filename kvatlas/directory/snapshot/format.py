@@ -14,7 +14,10 @@ fingerprint (``chunk_fingerprints``, 0 for a chunk without ``chunk_size`` ids) u
 restore takes it instead of hashing every id again, if the key is its own. Version 5 may add
 each chunk's content anchor (``chunk_anchors``: spread hash << 32 | offset) under
 ``anchor_key`` (scheme, the hash's secret) with its digest (``blend/anchors.py``): a restore
-adopts them instead of anchoring every content on its first lookup. See docs/directory.md.
+adopts them instead of anchoring every content on its first lookup. Version 6 adds a
+trailer of checksums after the token arena (:mod:`~kvatlas.directory.snapshot.integrity`):
+one per piece of the arena and one of the prefix, the header and those, so that a file
+damaged on disk is refused, never restored as another directory. See docs/directory.md.
 """
 
 from __future__ import annotations
@@ -30,12 +33,12 @@ import numpy as np
 from kvatlas.errors import InvalidInput
 
 MAGIC = b"KVATSNP1"
-VERSION = 5
-"""What the writer writes. 5: version 4 and the content anchors (when the directory has a
+VERSION = 6
+"""What the writer writes. 6: version 5 and the checksums' trailer. 5: version 4 and the content anchors (when the directory has a
 blend index). 4: version 3 and the content fingerprints (the same). 3: tokens in their stored
 form (``chunk_token_widths``: 2, 4 or 16 + h, the planes form)."""
-READABLE = (1, 2, 3, 4, 5)
-"""What the reader reads. 4: no anchors (the first lookup anchors every content); 3: no
+READABLE = (1, 2, 3, 4, 5, 6)
+"""What the reader reads. 5: no checksums (a damaged file may restore another directory); 4: no anchors (the first lookup anchors every content); 3: no
 fingerprints either (computed on restore); 2: tokens as uint16 or
 uint32 (each chunk's uint32 ids are put in the form they need on load); 1: every token as
 uint32 (the same)."""
@@ -137,6 +140,7 @@ class Header(msgspec.Struct, Generic[Buf], omit_defaults=True):
     chunk_anchors: bytes = b""  # version >= 5 (empty: none saved, the first lookup anchors)
     anchor_key: tuple[str, list[int]] | None = None  # scheme, the hash's secret multipliers
     anchor_digest: bytes = b""  # AnchorKey.digest of the key and the column
+    checksum_piece: int = 0  # version >= 6: chunks per checksummed piece of the token arena
 
 
 @dataclass(frozen=True, slots=True)

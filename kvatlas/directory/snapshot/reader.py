@@ -56,6 +56,7 @@ from kvatlas.directory.snapshot.format import (
     SnapshotInfo,
     decode_column,
 )
+from kvatlas.directory.snapshot.integrity import checked_trailer, trailer_size
 from kvatlas.directory.snapshot.token_section import read_exactly, read_token_section
 from kvatlas.directory.token_store import form_sizes
 from kvatlas.events import VOLATILE_TIERS
@@ -85,13 +86,20 @@ def _load(directory: KeyDirectory, path: str | os.PathLike[str]) -> SnapshotInfo
     # header's size)
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
-        header, body = read_header(f, size)
+        header, body, prefix, raw = _read_header(f, size)
+        digests, trailer, piece = None, 0, None
+        if header.version >= 6:  # checked before any column is decoded
+            chunks = len(header.chunk_hashes) // HASH_BYTES
+            piece = header.checksum_piece
+            digests = checked_trailer(f, size, chunks, piece, prefix, raw)
+            trailer = trailer_size(chunks, piece)
+        del prefix, raw
         columns = _columns(header)
         ends = np.cumsum(form_sizes(columns.lens, columns.widths))  # each chunk's, in the section
-        if size - body != (int(ends[-1]) if len(ends) else 0):
+        if size - body - trailer != (int(ends[-1]) if len(ends) else 0):
             raise SnapshotError("token arena length does not match the header")
         tokens, filling = read_token_section(
-            f, body, columns.lens, columns.widths, ends, header.version
+            f, body, columns.lens, columns.widths, ends, header.version, digests, piece
         )
         try:
             table, sids = _shapes(header, columns)
@@ -132,6 +140,12 @@ def read_header(f: io.FileIO, size: int) -> tuple[Header[memoryview], int]:
     """The header of the snapshot open as ``f`` (unbuffered, at its start; ``size`` bytes)
     and where its token section starts. The header's columns are read-only views of the one
     buffer read (``Header[memoryview]``: no copy of them)."""
+    header, body, _, _ = _read_header(f, size)
+    return header, body
+
+
+def _read_header(f: io.FileIO, size: int) -> tuple[Header[memoryview], int, memoryview, memoryview]:
+    """:func:`read_header`, and the prefix and header bytes read (their checksum's)."""
     prefix = read_exactly(f, PREFIX.size)
     if len(prefix) < PREFIX.size:
         raise SnapshotError("file too short for a snapshot")
@@ -150,7 +164,7 @@ def read_header(f: io.FileIO, size: int) -> tuple[Header[memoryview], int]:
         raise SnapshotError(f"corrupt snapshot header: {exc}") from None
     if header.version not in READABLE:
         raise SnapshotError(f"unsupported snapshot version {header.version}")
-    return header, body
+    return header, body, prefix, raw
 
 
 def _known_forms(widths: np.ndarray[Any, Any], version: int) -> np.ndarray[Any, Any]:

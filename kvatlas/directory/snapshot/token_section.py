@@ -29,6 +29,7 @@ from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
+import blake3
 import numpy as np
 import numpy.typing as npt
 
@@ -71,16 +72,27 @@ class Filling:
     copies and their page faults instead of one waiting for the other). One caller thread."""
 
     def __init__(
-        self, f: io.FileIO, start: int, ends: npt.NDArray[np.int64], lens: Any, forms: Any
+        self,
+        f: io.FileIO,
+        start: int,
+        ends: npt.NDArray[np.int64],
+        lens: Any,
+        forms: Any,
+        digests: list[bytes] | None = None,
+        piece: int | None = None,
     ) -> None:
-        """``ends``: where each chunk's bytes end in the section (from ``start`` in ``f``)."""
+        """``ends``: where each chunk's bytes end in the section (from ``start`` in ``f``);
+        ``digests``: each piece's checksum (version 6: pieces of ``piece`` chunks, the
+        file's), checked when it is read."""
         self._f, self._start, self._lens, self._forms = f, start, lens, forms
-        self._n = -(-len(lens) // FILL_PIECE)
-        starts = np.concatenate(([0], ends))  # each piece's bytes: bounds[i] to bounds[i + 1]
-        at = np.minimum(np.arange(self._n + 1) * FILL_PIECE, len(lens))
-        self._bounds: list[int] = starts[at].tolist()
-        self._widest = int(np.diff(starts[at]).max(initial=0))
+        piece = piece or FILL_PIECE
+        self._n = -(-len(lens) // piece)
+        starts = np.concatenate(([0], ends))
+        at = np.minimum(np.arange(self._n + 1) * piece, len(lens))
+        self._bounds = piece_bounds(ends, piece)  # each piece's bytes: bounds[i] to bounds[i + 1]
+        self._widest = int(np.diff(self._bounds).max(initial=0))
         self._sizes = np.diff(starts)  # each chunk's bytes in the section
+        self._digests = digests
         self._at = at  # each piece's first chunk (and the end)
         self._targets: FillTargets | None = None  # where the contents' bytes go
         self._made: list[int] = []  # each piece's first target (and the end)
@@ -164,6 +176,11 @@ class Filling:
         lo, hi = self._bounds[i], self._bounds[i + 1]
         try:
             fill(self._f, scratch[1][: hi - lo], self._start + lo)
+            if (
+                self._digests is not None
+                and piece_digest(scratch[1][: hi - lo]) != (self._digests[i])
+            ):
+                raise SnapshotError(f"snapshot token arena piece {i} fails its checksum")
             self._allocated.wait()
             if self._targets is not None:
                 part = self._targets.part(self._made[i], self._made[i + 1])
@@ -181,6 +198,8 @@ def read_token_section(
     widths: np.ndarray[Any, Any],
     ends: npt.NDArray[np.int64],
     version: int,
+    digests: list[bytes] | None = None,
+    piece: int | None = None,
 ) -> tuple[list[Any], Filling | None]:
     """Each chunk's content (``None`` for unknown content) in its stored form (``widths``:
     form codes; ``ends``: where each chunk's bytes end in the section, ``form_sizes``
@@ -206,7 +225,7 @@ def read_token_section(
         return out, None
     refuse_big_endian("a snapshot's token section", SnapshotError)
     lens = lens.astype(np.int64)
-    filling = Filling(f, start, ends, lens, widths)
+    filling = Filling(f, start, ends, lens, widths, digests, piece)
     try:
         tokens = allocated_contents(lens, widths)
     except BaseException:
@@ -304,6 +323,21 @@ def _fill(payloads: Any, sizes: Any, forms: Any, dsts: Any) -> None:
         for k in range(n):
             dst[skip + k] = src[at + k]
         at += n
+
+
+def piece_bounds(ends: npt.NDArray[np.int64], piece: int) -> list[int]:
+    """Where each piece of ``piece`` chunks starts in a token section whose chunks' bytes end
+    at ``ends``, and where the last ends: the pieces a restore reads, and those a version-6
+    snapshot has a checksum for."""
+    pieces = -(-len(ends) // piece)
+    starts = np.concatenate(([0], ends)).astype(np.int64)
+    bounds: list[int] = starts[np.minimum(np.arange(pieces + 1) * piece, len(ends))].tolist()
+    return bounds
+
+
+def piece_digest(data: bytes | memoryview) -> bytes:
+    """The checksum of one piece of a token section (or of a snapshot's header: version 6)."""
+    return blake3.blake3(data).digest()
 
 
 def read_exactly(f: io.FileIO, n: int) -> memoryview:

@@ -56,7 +56,8 @@ from kvatlas.directory.snapshot.format import (
     SnapshotInfo,
     encode_column,
 )
-from kvatlas.directory.token_store import StoredTokens, stored_payload, stored_shapes
+from kvatlas.directory.snapshot.integrity import PieceDigests
+from kvatlas.directory.token_store import StoredTokens, form_sizes, stored_payload, stored_shapes
 from kvatlas.durable import fsync_directory
 
 _SLICE = 1 << 13  # items per GIL-holding conversion, copy or release: bounds the longest hold
@@ -175,7 +176,10 @@ def save_snapshot(
         header = columns.header(capture.state, stream_position)
         header.instances = instances
         header.sections = sections
-        size = _write_atomically(Path(path), columns.pieces.encode(header), columns.arena)
+        digests = PieceDigests(columns.sizes)
+        header.checksum_piece = digests.piece
+        pieces = columns.pieces.encode(header)
+        size = _write_atomically(Path(path), pieces, columns.arena, digests)
     finally:
         if columns is not None:
             columns.release()
@@ -214,6 +218,7 @@ class _Columns:
         self.pls: list[PlacementRow] = []
         self.encoded: dict[str, list[bytes]] = {name: [] for name in _CHUNK_COLUMNS}
         self.arena: list[np.ndarray[Any, Any]] = []  # each partition's contents
+        self.sizes: list[np.ndarray[Any, Any]] = []  # each partition's chunks' arena bytes
         self.arena_tokens = 0
         self.chunks = self.keys = 0
         self.pieces = HeaderPieces()
@@ -261,6 +266,7 @@ class _Columns:
         counts, forms = stored_shapes(bound)  # ids and form of each (one compiled pass)
         lens, widths = np.zeros(n, np.int64), np.full(n, 4, np.int64)
         lens[has], widths[has] = counts, forms
+        self.sizes.append(form_sizes(lens, widths))
         self.arena_tokens += int(counts.sum())
         contents = np.empty(len(bound), object)  # numpy arrays are not containers to the
         contents[:] = bound  # cyclic collector: no collection traverses a partition's contents
@@ -314,6 +320,7 @@ class _Columns:
         """Drop every column a slice at a time (see the module docstring)."""
         while self.arena:  # a partition's contents at a time (an array drops each reference)
             self.arena.pop()
+        self.sizes.clear()
         for values in (self.pls, self.pl_ids, self.fingerprints, self.anchors):
             _release(values)
         self.encoded.clear()
@@ -411,19 +418,27 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _write_atomically(path: Path, header: list[bytes], arena: list[np.ndarray[Any, Any]]) -> int:
+def _write_atomically(
+    path: Path, header: list[bytes], arena: list[np.ndarray[Any, Any]], digests: PieceDigests
+) -> int:
     tmp = path.with_name(f"{_temp_prefix(path)}{os.getpid()}-{time.monotonic_ns()}")
     try:
         # 0600 from creation on: the file holds every tenant's token ids (docs/security.md)
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
-            f.write(PREFIX.pack(MAGIC, sum(map(len, header))))
+            prefix = PREFIX.pack(MAGIC, sum(map(len, header)))
+            f.write(prefix)
+            digests.header(prefix)
             for piece in header:
                 f.write(piece)  # a large piece is written without a copy, the GIL released
+                digests.header(piece)
             for contents in arena:  # a partition's
                 for start in range(0, len(contents), _ARENA_BLOCK):
                     block = contents[start : start + _ARENA_BLOCK]
                     # each content's ids in its stored form; the write drops the GIL
-                    f.write(b"".join(list(map(stored_payload, block))))
+                    data = b"".join(list(map(stored_payload, block)))
+                    f.write(data)
+                    digests.arena(data)
+            f.write(digests.trailer())  # (version 6: the checksums, integrity.py)
             f.flush()
             os.fsync(f.fileno())
             size = f.tell()
