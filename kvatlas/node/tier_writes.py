@@ -20,7 +20,14 @@ from kvatlas.node.config import NodeConfig
 from kvatlas.node.emitter import BatchSink, EventEmitter
 from kvatlas.node.inventory import DigestExchange, NodeInventory, ResyncDriver, resync_sender
 from kvatlas.node.l1 import L1Cache
-from kvatlas.node.l2 import CORRUPT_DELETED, FsL2, L2Backend, L2FullOfPins, L2Unavailable
+from kvatlas.node.l2 import (
+    CORRUPT_DELETED,
+    UNREADABLE,
+    FsL2,
+    L2Backend,
+    L2FullOfPins,
+    L2Unavailable,
+)
 from kvatlas.node.pins import PinnedKeys
 from kvatlas.node.pool_journal import PoolJournal
 from kvatlas.node.presence import L1, L2, Presence, Tier
@@ -162,12 +169,12 @@ class TierWrites:
     def on_l2_lost(self, key: ObjectKey, cause: str) -> None:
         """``key`` left L2 without the node deleting it (``kvatlas.node.l2`` causes): counted
         as ``l2_<cause>`` and reported as a delete if this node held it there, or if it
-        deleted a shared pool's corrupt file (whichever node wrote it: the writer never
-        learns its file is gone, so its placement would stay)."""
+        dropped a shared pool's corrupt or unreadable file (whichever node wrote it: the writer
+        never learns its file is gone, so its placement would stay)."""
         assert self.l2 is not None
         self.counters[f"l2_{cause}"] += 1
         with self.report_lock:
-            removed_shared = self.l2.shared and cause == CORRUPT_DELETED
+            removed_shared = self.l2.shared and cause in (CORRUPT_DELETED, UNREADABLE)
             if L2 not in self.presence.tiers_of_key(key) and not removed_shared:
                 return
             self.record(DELETE, L2, self.l2.name, CacheEntry(key, 0), shared=self.l2.shared)

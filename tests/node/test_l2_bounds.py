@@ -454,3 +454,71 @@ def test_a_chunk_lost_between_write_and_report_is_no_ghost(tmp_path: Path) -> No
         assert [p for p in n.node.inventory() if p.tier == "l2"] == []
     finally:
         n.close()
+
+
+def test_an_unreadable_file_is_dropped_reported_and_written_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file the filesystem refuses to read (EIO) is a miss, is no longer held (counted,
+    reported as a delete) and the next put of its key writes it again; a read failing for a
+    reason that says nothing of the file (EMFILE) is a miss that keeps it."""
+    import builtins
+    import errno
+
+    lost: list[tuple[ObjectKey, str]] = []
+    l2 = FsL2(tmp_path)
+    l2.attach(lambda c: True, lambda k, cause: lost.append((k, cause)))
+    l2.put(chunk(1))
+    l2.put(chunk(2))
+    real_open = builtins.open
+    failing = {str(l2.path_for(key(1))): errno.EMFILE, str(l2.path_for(key(2))): errno.EIO}
+
+    def flaky_open(file: object, *args: object, **kwargs: object) -> object:
+        code = failing.get(str(file))
+        if code is not None and args and "r" in str(args[0]):
+            raise OSError(code, os.strerror(code), str(file))
+        return real_open(file, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(builtins, "open", flaky_open)
+    assert l2.get(key(1)) is None and l2.get(key(2)) is None
+    assert lost == [(key(2), "unreadable")]
+    held = l2.keys()
+    assert l2.contains(key(1)) and key(1) in held  # kept: the next read may work
+    assert not l2.contains(key(2)) and key(2) not in held
+    monkeypatch.setattr(builtins, "open", real_open)
+    l2.put(chunk(2))  # written again (a held file would be skipped)
+    got = l2.get(key(2))
+    assert got is not None and np.array_equal(got.kv, chunk(2).kv)
+    assert l2.get(key(1)) is not None
+
+
+def test_a_node_reports_an_unreadable_l2_file_as_a_delete_and_stores_it_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import builtins
+    import errno
+
+    n = InProcessNode(FsL2(tmp_path / "n1"))
+    try:
+        tokens = prompt(5, 2)
+        keys = keys_of(n.node, tokens)
+        n.node.store(n.node.tracker(token_ids=tokens), kv_chunks(CFG, 2))
+        n.node.l1.remove(keys[0])
+        assert isinstance(n.node.l2, FsL2)
+        bad, real_open = str(n.node.l2.path_for(keys[0])), builtins.open
+
+        def eio_open(file: object, *args: object, **kwargs: object) -> object:
+            if str(file) == bad:
+                raise OSError(errno.EIO, os.strerror(errno.EIO), bad)
+            return real_open(file, *args, **kwargs)  # type: ignore[call-overload]
+
+        monkeypatch.setattr(builtins, "open", eio_open)
+        assert n.node.retrieve(n.node.tracker(token_ids=tokens)).hit_tokens == 0
+        monkeypatch.setattr(builtins, "open", real_open)
+        assert n.node.counters["l2_unreadable"] == 1
+        assert n.placements(keys, "l2") == {keys[1]}
+        n.node.store(n.node.tracker(token_ids=tokens), kv_chunks(CFG, 2))
+        assert n.placements(keys, "l2") == set(keys)
+        assert n.node.retrieve(n.node.tracker(token_ids=tokens)).hit_tokens == 2 * C
+    finally:
+        n.close()

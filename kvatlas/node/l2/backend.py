@@ -41,7 +41,8 @@ _key_json = msgspec.json.Encoder(order="sorted")
 
 LostCallback = Callable[[ObjectKey, str], None]
 """``on_lost(key, cause)``: ``key`` left L2 without the node deleting it; ``cause`` is one of
-:data:`EVICTED`, :data:`CORRUPT_DELETED`, :data:`EXPIRED`, :data:`VANISHED`."""
+:data:`EVICTED`, :data:`CORRUPT_DELETED`, :data:`EXPIRED`, :data:`VANISHED`,
+:data:`UNREADABLE`."""
 FoundCallback = Callable[[StoredChunk], bool]
 """``on_found(chunk)``: a chunk a private store already held at start-up; returns whether the
 node holds it (``False``: another KV layout's chunk, kept on disk but not held)."""
@@ -53,6 +54,9 @@ EXPIRED: Final = "expired"
 """Its Redis TTL ran out."""
 VANISHED: Final = "vanished"
 """Gone without a word (someone else deleted it; a Redis restart; seen by a sweep or a read)."""
+UNREADABLE: Final = "unreadable"
+"""A file the filesystem refuses to read (``EIO``, ``EACCES``, ...): removed when it can be,
+no longer held, so the next store of its key writes it again."""
 
 
 class L2Unavailable(Unavailable):

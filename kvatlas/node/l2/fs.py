@@ -4,6 +4,7 @@ restart rescan) or a shared pool every node mounts (see :class:`FsL2`)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import tempfile
@@ -16,9 +17,11 @@ from pathlib import Path
 
 from kvatlas.durable import fsync_directory
 from kvatlas.keys import ObjectKey
+from kvatlas.logs import Throttle
 from kvatlas.node.l2.backend import (
     CORRUPT_DELETED,
     EVICTED,
+    UNREADABLE,
     VANISHED,
     FoundCallback,
     L2FullOfPins,
@@ -30,6 +33,9 @@ from kvatlas.node.l2.backend import (
 from kvatlas.node.stored_chunk import ChunkDecodeError, StoredChunk, decode_chunk, encode_chunk
 
 log = logging.getLogger(__name__)
+
+_TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR})
+"""Read errors that say nothing of the file: a miss now, the file kept for the next read."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +97,7 @@ class FsL2:
         self.corrupt_deleted = 0
         self.evicted = 0
         self._on_lost: LostCallback | None = None
+        self._say = Throttle()  # a WARNING a minute per errno of the reads that failed for now
         self._lock = threading.Lock()  # guards the LRU and the counters
         self._write_lock = threading.Lock()  # serializes puts (write + account + evict)
         self._lru: OrderedDict[ObjectKey, int] = OrderedDict()  # key -> file bytes, LRU first
@@ -260,7 +267,15 @@ class FsL2:
             self._forget(key, VANISHED)
             return None
         except OSError as exc:
-            log.warning("fs L2 read of %s failed: %s", path, exc)
+            if exc.errno in _TRANSIENT:  # a full descriptor table, memory: a miss, file kept
+                if self._say(str(exc.errno)):
+                    log.warning("fs L2 read of %s failed: %s", path, exc)
+                return None
+            # (EIO, EACCES, ...): not held any more, so the next put of the key writes it again
+            log.warning("fs L2 file %s cannot be read (%s): dropped", path, exc)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            self._forget(key, UNREADABLE)
             return None
         chunk = decode_for(key, data, str(path))
         if chunk is None:
