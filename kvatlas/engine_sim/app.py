@@ -84,40 +84,30 @@ class EngineApi:
             body = await read_body(request, self.config.max_body_bytes)
             return await _unless_client_leaves(request.receive, self._generate(body, chat))
         except KvatlasError as exc:
-            return self._error(exc.detail or str(exc), exc.status)
+            return self._error(exc.detail or str(exc), exc.status, exc.extra.get("param"))
 
     @staticmethod
-    def _error(message: str, status: int) -> Response:
-        return Response(wire.error_body(message, status), status_code=status, media_type=JSON)
+    def _error(message: str, status: int, param: str | None = None) -> Response:
+        body = wire.error_body(message, status, param)
+        return Response(body, status_code=status, media_type=JSON)
 
     async def _generate(self, body: bytes, chat: bool) -> Response:
         cfg = self.config
         if chat:
             req = wire.decode_request(body, wire.ChatRequest)
             prompt = self.tokenizer.chat_prompt(wire.chat_messages(req), **wire.chat_options(req))
-            max_tokens = req.max_tokens  # vLLM's: max_completion_tokens unless null
-            if req.max_completion_tokens is not None:
-                max_tokens = req.max_completion_tokens
+            max_tokens, limit_name = req.max_tokens, "max_tokens"
+            if req.max_completion_tokens is not None:  # vLLM's: max_completion_tokens unless null
+                max_tokens, limit_name = req.max_completion_tokens, "max_completion_tokens"
         else:
             req = wire.decode_request(body, wire.CompletionRequest)
             text_or_ids = wire.prompt_of(req)
             prompt = (self.tokenizer.encode(text_or_ids, req.add_special_tokens)
                       if isinstance(text_or_ids, str) else list(text_or_ids))  # fmt: skip
-            max_tokens = req.max_tokens
+            max_tokens, limit_name = req.max_tokens, "max_tokens"
         wire.check_model(req.model, cfg.model)
-        if max_tokens is not None and max_tokens < 1:
-            raise InvalidInput("max_tokens must be at least 1")
-        finish = FINISH_LENGTH
-        if max_tokens is None:  # the model would stop on its own
-            max_tokens = max(1, min(cfg.natural_output_tokens, cfg.max_model_len - len(prompt)))
-            finish = FINISH_STOP
+        max_tokens, finish = _output_limit(cfg, len(prompt), max_tokens, limit_name)
         total = len(prompt) + max_tokens
-        if total > cfg.max_model_len:
-            raise InvalidInput(
-                f"This model's maximum context length is {cfg.max_model_len} tokens. However, "
-                f"you requested {total} tokens ({len(prompt)} in the messages, {max_tokens} in "
-                "the completion). Please reduce the length of the messages or completion."
-            )
         if -(-total // cfg.block_size) > self.driver.pool.usable_blocks:
             raise InvalidInput(f"{total} tokens need more KV blocks than the engine has "
                                f"({self.driver.pool.usable_blocks} of {cfg.block_size} tokens)")  # fmt: skip
@@ -183,6 +173,34 @@ class EngineApi:
             yield wire.SSE_DONE
         finally:
             self.driver.abort(sim)  # a no-op once finished
+
+
+def _output_limit(cfg: EngineSimConfig, prompt_tokens: int, asked: int | None,
+                  name: str) -> tuple[int, str]:  # fmt: skip
+    """The request's output limit and the finish reason it ends with, as vLLM 0.33 sets them:
+    an output limit over the whole context (``TokenizeParams``) or a prompt over it is refused,
+    naming the parameter; otherwise the limit is cut to the context the prompt leaves
+    (``get_max_tokens``), and below 1 it is refused (``SamplingParams``)."""
+    context = cfg.max_model_len
+    if asked is not None and asked > context:
+        raise InvalidInput(f"{name}={asked} cannot be greater than max_model_len={context}. "
+                           "Please request fewer output tokens.", param=name)  # fmt: skip
+    if prompt_tokens > context:
+        raise InvalidInput(
+            f"This model's maximum context length is {context} tokens. However, your prompt "
+            f"contains {prompt_tokens} input tokens, which exceeds this limit even without any "
+            "output tokens. Please reduce the length of the input prompt.",
+            param="input_tokens",
+        )
+    left = context - prompt_tokens
+    if asked is None:  # the model would stop on its own, unless the context ends first
+        natural = cfg.natural_output_tokens
+        limit, finish = (natural, FINISH_STOP) if natural <= left else (left, FINISH_LENGTH)
+    else:
+        limit, finish = min(asked, left), FINISH_LENGTH
+    if limit < 1:
+        raise InvalidInput(f"max_tokens must be at least 1, got {limit}.", param="max_tokens")
+    return limit, finish
 
 
 async def _unless_client_leaves(receive: Receive, work: Coroutine[Any, Any, Response]) -> Response:

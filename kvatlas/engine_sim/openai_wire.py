@@ -132,11 +132,11 @@ def check_model(requested: str | None, served: str) -> None:
         raise NotFound(f"The model `{requested}` does not exist.")
 
 
-def error_body(message: str, status: int) -> bytes:
+def error_body(message: str, status: int, param: str | None = None) -> bytes:
     kind = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError",
             503: "ServiceUnavailableError"}.get(status, "InternalServerError")  # fmt: skip
     return _ENCODER.encode(
-        {"error": {"message": message, "type": kind, "param": None, "code": status}}
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}
     )
 
 

@@ -1,8 +1,11 @@
 """What vLLM 0.33 does on the wire that a black-box probe caught engine-sim not doing (real
 processes on loopback): a non-streamed request whose client leaves is aborted (vLLM's
-``with_cancellation``)."""
+``with_cancellation``); an output limit that with the prompt passes the context is cut to what
+the prompt leaves, not refused (vLLM's ``get_max_tokens``)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -31,3 +34,52 @@ def test_a_non_streamed_request_whose_client_leaves_is_aborted(path: str) -> Non
         assert health["scheduler"]["generation_tokens"] < 100_000
     finally:
         sim.close()
+
+
+@pytest.fixture(scope="module")
+def short_context() -> Iterator[EngineProcess]:
+    sim = EngineProcess("--max-model-len", "256", "--speed", "100")
+    yield sim
+    sim.close()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_an_output_limit_past_the_context_is_clamped_as_vllm_does(
+    short_context: EngineProcess, path: str
+) -> None:
+    """vLLM 0.33 (``get_max_tokens``) serves a prompt that fits with ``max_tokens`` cut to the
+    context left (``max_model_len − prompt``), ``finish_reason`` ``length``; it refuses only an
+    output limit over the whole context (``TokenizeParams``: param ``max_tokens``) or a prompt
+    over it (param ``input_tokens``)."""
+    body: dict[str, object] = {"model": MODEL, "max_tokens": 250}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "x" * 100}]
+    else:
+        body["prompt"] = list(range(100))
+    reply = short_context.post(path, body)
+    assert reply.status_code == 200, reply.text
+    usage = reply.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 256
+    assert reply.json()["choices"][0]["finish_reason"] == "length"
+
+    over = short_context.post(path, {**body, "max_tokens": 257})
+    assert over.status_code == 400
+    assert over.json()["error"]["param"] == "max_tokens"
+    assert over.json()["error"]["message"] == (
+        "max_tokens=257 cannot be greater than max_model_len=256. "
+        "Please request fewer output tokens."
+    )
+
+
+def test_a_prompt_past_the_context_is_refused_as_vllm_does(
+    short_context: EngineProcess,
+) -> None:
+    reply = short_context.post("/v1/completions", {"prompt": list(range(300)), "max_tokens": 1})
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "input_tokens" and error["type"] == "BadRequestError"
+    assert error["message"] == (
+        "This model's maximum context length is 256 tokens. However, your prompt contains "
+        "300 input tokens, which exceeds this limit even without any output tokens. Please "
+        "reduce the length of the input prompt."
+    )
