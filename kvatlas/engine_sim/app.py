@@ -178,20 +178,21 @@ class EngineApi:
 def _output_limit(cfg: EngineSimConfig, prompt_tokens: int, asked: int | None,
                   name: str) -> tuple[int, str]:  # fmt: skip
     """The request's output limit and the finish reason it ends with, as vLLM 0.33 sets them:
-    an output limit over the whole context (``TokenizeParams``) or a prompt over it is refused,
-    naming the parameter; otherwise the limit is cut to the context the prompt leaves
-    (``get_max_tokens``), and below 1 it is refused (``SamplingParams``)."""
+    an output limit over the whole context (``TokenizeParams``) or a prompt over it is refused;
+    otherwise the limit is cut to the context the prompt leaves (``get_max_tokens``), and below
+    1 it is refused (``SamplingParams``). Each refusal is a ``VLLMValidationError``: its message
+    ends with its parameter and value, and ``param`` names the parameter."""
     context = cfg.max_model_len
     if asked is not None and asked > context:
-        raise InvalidInput(f"{name}={asked} cannot be greater than max_model_len={context}. "
-                           "Please request fewer output tokens.", param=name)  # fmt: skip
+        raise _vllm_validation_error(f"{name}={asked} cannot be greater than max_model_len="
+                                     f"{context}. Please request fewer output tokens.", name, asked)  # fmt: skip
     if prompt_tokens > context:
-        raise InvalidInput(
+        raise _vllm_validation_error(
             f"This model's maximum context length is {context} tokens. However, your prompt "
             f"contains {prompt_tokens} input tokens, which exceeds this limit even without any "
             "output tokens. Please reduce the length of the input prompt.",
-            param="input_tokens",
-        )
+            "input_tokens", prompt_tokens,
+        )  # fmt: skip
     left = context - prompt_tokens
     if asked is None:  # the model would stop on its own, unless the context ends first
         natural = cfg.natural_output_tokens
@@ -199,8 +200,14 @@ def _output_limit(cfg: EngineSimConfig, prompt_tokens: int, asked: int | None,
     else:
         limit, finish = min(asked, left), FINISH_LENGTH
     if limit < 1:
-        raise InvalidInput(f"max_tokens must be at least 1, got {limit}.", param="max_tokens")
+        raise _vllm_validation_error(f"max_tokens must be at least 1, got {limit}.",
+                                     "max_tokens", limit)  # fmt: skip
     return limit, finish
+
+
+def _vllm_validation_error(message: str, param: str, value: int) -> InvalidInput:
+    """vLLM's ``VLLMValidationError`` as its handler writes it (``str`` adds the extras)."""
+    return InvalidInput(f"{message} (parameter={param}, value={value})", param=param)
 
 
 async def _unless_client_leaves(receive: Receive, work: Coroutine[Any, Any, Response]) -> Response:

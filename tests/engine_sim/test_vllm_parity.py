@@ -50,7 +50,8 @@ def test_an_output_limit_past_the_context_is_clamped_as_vllm_does(
     """vLLM 0.33 (``get_max_tokens``) serves a prompt that fits with ``max_tokens`` cut to the
     context left (``max_model_len − prompt``), ``finish_reason`` ``length``; it refuses only an
     output limit over the whole context (``TokenizeParams``: param ``max_tokens``) or a prompt
-    over it (param ``input_tokens``)."""
+    over it (param ``input_tokens``), each a ``VLLMValidationError`` whose ``str`` (the message)
+    ends with its parameter and value."""
     body: dict[str, object] = {"model": MODEL, "max_tokens": 250}
     if path.endswith("chat/completions"):
         body["messages"] = [{"role": "user", "content": "x" * 100}]
@@ -67,7 +68,7 @@ def test_an_output_limit_past_the_context_is_clamped_as_vllm_does(
     assert over.json()["error"]["param"] == "max_tokens"
     assert over.json()["error"]["message"] == (
         "max_tokens=257 cannot be greater than max_model_len=256. "
-        "Please request fewer output tokens."
+        "Please request fewer output tokens. (parameter=max_tokens, value=257)"
     )
 
 
@@ -81,5 +82,5 @@ def test_a_prompt_past_the_context_is_refused_as_vllm_does(
     assert error["message"] == (
         "This model's maximum context length is 256 tokens. However, your prompt contains "
         "300 input tokens, which exceeds this limit even without any output tokens. Please "
-        "reduce the length of the input prompt."
+        "reduce the length of the input prompt. (parameter=input_tokens, value=300)"
     )
