@@ -82,6 +82,8 @@ class EngineApi:
     async def _guarded(self, request: Request, chat: bool) -> Response:
         try:
             body = await read_body(request, self.config.max_body_bytes)
+            if not wire.sent_as_json(request.headers.get("content-type"), body):
+                return Response(wire.UNSUPPORTED_MEDIA_TYPE, status_code=400, media_type=JSON)
             return await _unless_client_leaves(request.receive, self._generate(body, chat))
         except KvatlasError as exc:
             return self._error(exc.detail or str(exc), exc.status, exc.extra.get("param"))

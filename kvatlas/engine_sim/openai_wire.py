@@ -12,7 +12,7 @@ Errors are vLLM's ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
@@ -130,6 +130,26 @@ def chat_options(request: ChatRequest) -> dict[str, Any]:
 def check_model(requested: str | None, served: str) -> None:
     if requested is not None and requested != served:
         raise NotFound(f"The model `{requested}` does not exist.")
+
+
+UNSUPPORTED_MEDIA_TYPE: Final = _ENCODER.encode({"error": {
+    "message": "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+    "type": "Bad Request", "param": None, "code": 400}})  # fmt: skip
+"""vLLM 0.33's answer (400) to a body not sent as JSON: its ``validate_json_request`` raises a
+``RequestValidationError`` that its handler writes with the status's phrase as ``type``."""
+
+
+def sent_as_json(content_type: str | None, body: bytes) -> bool:
+    """Whether vLLM would read the body: its media type is ``application/json`` (vLLM's exact
+    test). Without a content type FastAPI decodes the body first, so a body that is not JSON
+    gets the decoder's error (``True`` here: the request decoder reports it)."""
+    if content_type is None:
+        try:
+            msgspec.json.decode(body)
+        except msgspec.DecodeError:
+            return True
+        return False
+    return content_type.lower().split(";", maxsplit=1)[0] == "application/json"
 
 
 def error_body(message: str, status: int, param: str | None = None) -> bytes:

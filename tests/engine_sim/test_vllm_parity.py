@@ -1,10 +1,12 @@
 """What vLLM 0.33 does on the wire that a black-box probe caught engine-sim not doing (real
 processes on loopback): a non-streamed request whose client leaves is aborted (vLLM's
 ``with_cancellation``); an output limit that with the prompt passes the context is cut to what
-the prompt leaves, not refused (vLLM's ``get_max_tokens``)."""
+the prompt leaves, not refused (vLLM's ``get_max_tokens``); a body not sent as JSON is refused
+(vLLM's ``validate_json_request``)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -84,3 +86,37 @@ def test_a_prompt_past_the_context_is_refused_as_vllm_does(
         "300 input tokens, which exceeds this limit even without any output tokens. Please "
         "reduce the length of the input prompt. (parameter=input_tokens, value=300)"
     )
+
+
+UNSUPPORTED_MEDIA_TYPE = {
+    "error": {
+        "message": "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+        "type": "Bad Request",
+        "param": None,
+        "code": 400,
+    }
+}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_not_sent_as_json_is_refused_as_vllm_does(
+    short_context: EngineProcess, path: str, content_type: str | None
+) -> None:
+    """vLLM 0.33's ``validate_json_request`` (a dependency of both routes) refuses a request
+    whose content type is not ``application/json`` — curl's ``-d`` without ``-H`` — with
+    FastAPI's validation error as vLLM's handler writes it."""
+    body: dict[str, object] = {"model": MODEL, "max_tokens": 1}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    headers = {} if content_type is None else {"content-type": content_type}
+    reply = short_context.http.post(path, content=json.dumps(body).encode(), headers=headers)
+    assert reply.status_code == 400
+    assert reply.json() == UNSUPPORTED_MEDIA_TYPE
+    sent_as_json = short_context.http.post(
+        path, content=json.dumps(body).encode(),
+        headers={"content-type": "Application/JSON; charset=utf-8"},
+    )  # fmt: skip
+    assert sent_as_json.status_code == 200, sent_as_json.text
