@@ -23,8 +23,14 @@ _ENCODER = msgspec.json.Encoder()
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None
+    """Unset fields stay ``UNSET`` (falsy): ``{}`` is told from a set field, as vLLM's check
+    (``data.get("stream_options")``) tells an empty object from a non-empty one."""
+
+    include_usage: bool | msgspec.UnsetType | None = msgspec.UNSET
+    continuous_usage_stats: bool | msgspec.UnsetType | None = msgspec.UNSET
+
+    def given(self) -> bool:
+        return any(v is not msgspec.UNSET for v in msgspec.structs.astuple(self))
 
 
 class TextPart(msgspec.Struct):
@@ -77,6 +83,9 @@ def decode_request(body: bytes, kind: type[Any]) -> Any:
         raise InvalidInput("n must be 1 (the simulated engine samples one sequence)")
     if request.cache_salt == "":
         raise InvalidInput("Parameter 'cache_salt' must be a non-empty string if provided.")
+    if request.stream_options is not None and request.stream_options.given() and not request.stream:
+        raise InvalidInput("Stream options can only be defined when `stream=True`. "
+                           "(parameter=stream_options)", param="stream_options")  # fmt: skip
     return request
 
 

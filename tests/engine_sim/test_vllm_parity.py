@@ -2,7 +2,7 @@
 processes on loopback): a non-streamed request whose client leaves is aborted (vLLM's
 ``with_cancellation``); an output limit that with the prompt passes the context is cut to what
 the prompt leaves, not refused (vLLM's ``get_max_tokens``); a body not sent as JSON is refused
-(vLLM's ``validate_json_request``)."""
+(vLLM's ``validate_json_request``), and so are ``stream_options`` without ``stream``."""
 
 from __future__ import annotations
 
@@ -120,3 +120,27 @@ def test_a_body_not_sent_as_json_is_refused_as_vllm_does(
         headers={"content-type": "Application/JSON; charset=utf-8"},
     )  # fmt: skip
     assert sent_as_json.status_code == 200, sent_as_json.text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_options_without_stream_are_refused_as_vllm_does(
+    short_context: EngineProcess, path: str
+) -> None:
+    """vLLM 0.33's request models refuse ``stream_options`` (any non-empty object) unless
+    ``stream`` is true: a ``VLLMValidationError`` raised by a pydantic validator, which its
+    handler answers with 400 ``BadRequestError``, ``param`` ``stream_options``."""
+    body: dict[str, object] = {"model": MODEL, "max_tokens": 1}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    for options in ({"include_usage": True}, {"include_usage": False}):
+        reply = short_context.post(path, {**body, "stream_options": options})
+        assert reply.status_code == 400, reply.text
+        assert reply.json() == {"error": {
+            "message": "Stream options can only be defined when `stream=True`. "
+                       "(parameter=stream_options)",
+            "type": "BadRequestError", "param": "stream_options", "code": 400}}  # fmt: skip
+    for allowed in ({**body, "stream_options": {}}, {**body, "stream_options": None},
+                    {**body, "stream": False}):  # fmt: skip
+        assert short_context.post(path, allowed).status_code == 200
