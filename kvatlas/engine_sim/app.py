@@ -106,7 +106,7 @@ class EngineApi:
             text_or_ids = wire.prompt_of(req)
             prompt = (self.tokenizer.encode(text_or_ids, req.add_special_tokens)
                       if isinstance(text_or_ids, str) else list(text_or_ids))  # fmt: skip
-            max_tokens, limit_name = req.max_tokens, "max_tokens"
+            max_tokens, limit_name = wire.completion_limit(req), "max_tokens"
         wire.check_model(req.model, cfg.model)
         max_tokens, finish = _output_limit(cfg, len(prompt), max_tokens, limit_name)
         total = len(prompt) + max_tokens

@@ -50,6 +50,7 @@ class CompletionRequest(msgspec.Struct):
     prompt: str | list[Any]  # text, token ids, or a one-element list of either
     model: str | None = None
     max_tokens: int | None = 16
+    """``null`` is this default too (vLLM's ``normalize_null_max_tokens``): :func:`completion_limit`."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -72,6 +73,11 @@ class ChatRequest(msgspec.Struct):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+def completion_limit(request: CompletionRequest) -> int:
+    """A completion's output limit: ``max_tokens``, its default (16) when ``null``."""
+    return 16 if request.max_tokens is None else request.max_tokens
 
 
 def decode_request(body: bytes, kind: type[Any]) -> Any:

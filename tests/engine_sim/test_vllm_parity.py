@@ -2,7 +2,8 @@
 processes on loopback): a non-streamed request whose client leaves is aborted (vLLM's
 ``with_cancellation``); an output limit that with the prompt passes the context is cut to what
 the prompt leaves, not refused (vLLM's ``get_max_tokens``); a body not sent as JSON is refused
-(vLLM's ``validate_json_request``), and so are ``stream_options`` without ``stream``."""
+(vLLM's ``validate_json_request``), and so are ``stream_options`` without ``stream``; a
+completion's ``"max_tokens": null`` is vLLM's default."""
 
 from __future__ import annotations
 
@@ -144,3 +145,16 @@ def test_stream_options_without_stream_are_refused_as_vllm_does(
     for allowed in ({**body, "stream_options": {}}, {**body, "stream_options": None},
                     {**body, "stream": False}):  # fmt: skip
         assert short_context.post(path, allowed).status_code == 200
+
+
+def test_a_completion_with_a_null_max_tokens_gets_vllms_default(
+    short_context: EngineProcess,
+) -> None:
+    """vLLM 0.33's ``CompletionRequest.normalize_null_max_tokens``: ``"max_tokens": null`` is
+    the field's default, 16 tokens (``finish_reason`` ``length``), as if it were absent; it is
+    not the natural output a chat without a limit gets."""
+    for body in ({"prompt": "hi", "max_tokens": None}, {"prompt": "hi"}):
+        reply = short_context.post("/v1/completions", body)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 16
+        assert reply.json()["choices"][0]["finish_reason"] == "length"
