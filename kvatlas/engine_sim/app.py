@@ -84,7 +84,9 @@ class EngineApi:
             body = await read_body(request, self.config.max_body_bytes)
             if not wire.sent_as_json(request.headers.get("content-type"), body):
                 return Response(wire.UNSUPPORTED_MEDIA_TYPE, status_code=400, media_type=JSON)
-            return await _unless_client_leaves(request.receive, self._generate(body, chat))
+            caller_id = request.headers.get("x-request-id")
+            work = self._generate(body, chat, caller_id)
+            return await _unless_client_leaves(request.receive, work)
         except KvatlasError as exc:
             return self._error(exc.detail or str(exc), exc.status, exc.extra.get("param"))
 
@@ -93,7 +95,7 @@ class EngineApi:
         body = wire.error_body(message, status, param)
         return Response(body, status_code=status, media_type=JSON)
 
-    async def _generate(self, body: bytes, chat: bool) -> Response:
+    async def _generate(self, body: bytes, chat: bool, caller_id: str | None) -> Response:
         cfg = self.config
         if chat:
             req = wire.decode_request(body, wire.ChatRequest)
@@ -114,6 +116,7 @@ class EngineApi:
             raise InvalidInput(f"{total} tokens need more KV blocks than the engine has "
                                f"({self.driver.pool.usable_blocks} of {cfg.block_size} tokens)")  # fmt: skip
         rid = wire.request_id(chat)
+        reply_id = wire.reply_id(chat, caller_id, req.request_id, rid)
         sim = SimRequest(rid, prompt, max_tokens, 0.0, req.cache_salt, finish)
         if self.driver.connector is not None:
             await self._ask_node(sim)
@@ -122,7 +125,7 @@ class EngineApi:
         if req.stream:
             options = req.stream_options or wire.StreamOptions()
             return StreamingResponse(
-                self._sse(stream, chat, options), media_type="text/event-stream"
+                self._sse(stream, chat, options, reply_id), media_type="text/event-stream"
             )
         try:
             text = await self._collect(stream)
@@ -131,7 +134,7 @@ class EngineApi:
             raise
         usage = wire.usage_full(len(prompt), len(sim.output_ids), sim.num_cached_tokens or 0)
         reply = wire.chat_reply if chat else wire.completion_reply
-        body = reply(sim.request_id, self.created_at(sim), cfg.model, text,
+        body = reply(reply_id, self.created_at(sim), cfg.model, text,
                      sim.finish_reason or finish, usage)  # fmt: skip
         return Response(body, media_type=JSON)
 
@@ -152,8 +155,8 @@ class EngineApi:
             ids.append(out.token_id)
         return self.tokenizer.decode(ids)
 
-    async def _sse(self, stream: Stream, chat: bool, options: wire.StreamOptions
-                   ) -> AsyncIterator[bytes]:  # fmt: skip
+    async def _sse(self, stream: Stream, chat: bool, options: wire.StreamOptions,
+                   rid: str) -> AsyncIterator[bytes]:  # fmt: skip
         sim, model = stream.request, self.config.model
         created = self.created_at(sim)
         chunk = wire.chat_chunk if chat else wire.completion_chunk
@@ -163,15 +166,15 @@ class EngineApi:
             while (out := await stream.tokens.get()) is not None:
                 if chat and n == 0:
                     usage = wire.continuous_usage(len(sim.prompt), 0, chat) if continuous else None
-                    yield wire.chat_role_chunk(sim.request_id, created, model, usage)
+                    yield wire.chat_role_chunk(rid, created, model, usage)
                 n += 1
                 usage = wire.continuous_usage(len(sim.prompt), n, chat) if continuous else None
                 finish = sim.finish_reason if out.finished else None
-                yield chunk(sim.request_id, created, model, self.tokenizer.decode([out.token_id]),
-                            finish, usage)  # fmt: skip
+                yield chunk(rid, created, model, self.tokenizer.decode([out.token_id]), finish,
+                            usage)  # fmt: skip
             if options.include_usage:
                 usage_all = wire.usage_closing(len(sim.prompt), n, sim.num_cached_tokens or 0)
-                yield wire.usage_chunk(sim.request_id, created, model, chat, usage_all)
+                yield wire.usage_chunk(rid, created, model, chat, usage_all)
             yield wire.SSE_DONE
         finally:
             self.driver.abort(sim)  # a no-op once finished

@@ -55,6 +55,7 @@ class CompletionRequest(msgspec.Struct):
     stream_options: StreamOptions | None = None
     n: int = 1
     cache_salt: str | None = None
+    request_id: str | None = None
     ignore_eos: bool = False
     add_special_tokens: bool = True
 
@@ -68,6 +69,7 @@ class ChatRequest(msgspec.Struct):
     stream_options: StreamOptions | None = None
     n: int = 1
     cache_salt: str | None = None
+    request_id: str | None = None
     ignore_eos: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -176,7 +178,15 @@ def error_body(message: str, status: int, param: str | None = None) -> bytes:
 
 
 def request_id(chat: bool) -> str:
+    """A unique id for the simulation's own bookkeeping (its streams, the node's calls)."""
     return ("chatcmpl-" if chat else "cmpl-") + f"{uuid.uuid4().int & (2**64 - 1):016x}"
+
+
+def reply_id(chat: bool, header: str | None, body_id: str | None, own: str) -> str:
+    """The ``id`` a reply carries, as vLLM 0.33 makes it (``_base_request_id``): the
+    ``X-Request-Id`` header, else the body's ``request_id``, else a random id (``own``)."""
+    base = header if header is not None else body_id
+    return own if base is None else ("chatcmpl-" if chat else "cmpl-") + base
 
 
 def _details(cached: int) -> dict[str, Any]:

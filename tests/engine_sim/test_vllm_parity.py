@@ -3,18 +3,20 @@ processes on loopback): a non-streamed request whose client leaves is aborted (v
 ``with_cancellation``); an output limit that with the prompt passes the context is cut to what
 the prompt leaves, not refused (vLLM's ``get_max_tokens``); a body not sent as JSON is refused
 (vLLM's ``validate_json_request``), and so are ``stream_options`` without ``stream``; a
-completion's ``"max_tokens": null`` is vLLM's default."""
+completion's ``"max_tokens": null`` is vLLM's default; a reply's ``id`` is made from the
+caller's request id."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from tests.conftest import wait_for
-from tests.engine_sim.harness import MODEL, EngineProcess
+from tests.engine_sim.harness import MODEL, EngineProcess, sse_events
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -158,3 +160,29 @@ def test_a_completion_with_a_null_max_tokens_gets_vllms_default(
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 16
         assert reply.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(("path", "prefix"), [("/v1/completions", "cmpl-"),
+                                              ("/v1/chat/completions", "chatcmpl-")])  # fmt: skip
+def test_a_reply_id_is_the_callers_request_id_as_vllm_makes_it(
+    short_context: EngineProcess, path: str, prefix: str
+) -> None:
+    """vLLM 0.33 (``_base_request_id``): a reply's ``id`` is its prefix and the
+    ``X-Request-Id`` header, else the body's ``request_id``, else 16 random hex digits; a
+    stream's chunks carry it too."""
+    body: dict[str, object] = {"model": MODEL, "max_tokens": 2}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    http = short_context.http
+    by_header = http.post(path, json=body, headers={"x-request-id": "trace-7"})
+    assert by_header.json()["id"] == prefix + "trace-7"
+    by_body = http.post(path, json={**body, "request_id": "mine"})
+    assert by_body.json()["id"] == prefix + "mine"
+    both = http.post(path, json={**body, "request_id": "mine"}, headers={"X-Request-Id": "hdr"})
+    assert both.json()["id"] == prefix + "hdr"
+    assert re.fullmatch(prefix + "[0-9a-f]{16}", http.post(path, json=body).json()["id"])
+    streamed = http.post(path, json={**body, "stream": True}, headers={"x-request-id": "s-1"})
+    ids = {json.loads(e)["id"] for e in sse_events(streamed.content)}
+    assert ids == {prefix + "s-1"}
