@@ -82,46 +82,41 @@ class EngineApi:
     async def _guarded(self, request: Request, chat: bool) -> Response:
         try:
             body = await read_body(request, self.config.max_body_bytes)
-            return await _unless_client_leaves(request.receive, self._generate(body, chat))
+            if not wire.sent_as_json(request.headers.get("content-type"), body):
+                return Response(wire.UNSUPPORTED_MEDIA_TYPE, status_code=400, media_type=JSON)
+            caller_id = request.headers.get("x-request-id")
+            work = self._generate(body, chat, caller_id)
+            return await _unless_client_leaves(request.receive, work)
         except KvatlasError as exc:
-            return self._error(exc.detail or str(exc), exc.status)
+            return self._error(exc.detail or str(exc), exc.status, exc.extra.get("param"))
 
     @staticmethod
-    def _error(message: str, status: int) -> Response:
-        return Response(wire.error_body(message, status), status_code=status, media_type=JSON)
+    def _error(message: str, status: int, param: str | None = None) -> Response:
+        body = wire.error_body(message, status, param)
+        return Response(body, status_code=status, media_type=JSON)
 
-    async def _generate(self, body: bytes, chat: bool) -> Response:
+    async def _generate(self, body: bytes, chat: bool, caller_id: str | None) -> Response:
         cfg = self.config
         if chat:
             req = wire.decode_request(body, wire.ChatRequest)
             prompt = self.tokenizer.chat_prompt(wire.chat_messages(req), **wire.chat_options(req))
-            max_tokens = req.max_tokens  # vLLM's: max_completion_tokens unless null
-            if req.max_completion_tokens is not None:
-                max_tokens = req.max_completion_tokens
+            max_tokens, limit_name = req.max_tokens, "max_tokens"
+            if req.max_completion_tokens is not None:  # vLLM's: max_completion_tokens unless null
+                max_tokens, limit_name = req.max_completion_tokens, "max_completion_tokens"
         else:
             req = wire.decode_request(body, wire.CompletionRequest)
             text_or_ids = wire.prompt_of(req)
             prompt = (self.tokenizer.encode(text_or_ids, req.add_special_tokens)
                       if isinstance(text_or_ids, str) else list(text_or_ids))  # fmt: skip
-            max_tokens = req.max_tokens
+            max_tokens, limit_name = wire.completion_limit(req), "max_tokens"
         wire.check_model(req.model, cfg.model)
-        if max_tokens is not None and max_tokens < 1:
-            raise InvalidInput("max_tokens must be at least 1")
-        finish = FINISH_LENGTH
-        if max_tokens is None:  # the model would stop on its own
-            max_tokens = max(1, min(cfg.natural_output_tokens, cfg.max_model_len - len(prompt)))
-            finish = FINISH_STOP
+        max_tokens, finish = _output_limit(cfg, len(prompt), max_tokens, limit_name)
         total = len(prompt) + max_tokens
-        if total > cfg.max_model_len:
-            raise InvalidInput(
-                f"This model's maximum context length is {cfg.max_model_len} tokens. However, "
-                f"you requested {total} tokens ({len(prompt)} in the messages, {max_tokens} in "
-                "the completion). Please reduce the length of the messages or completion."
-            )
         if -(-total // cfg.block_size) > self.driver.pool.usable_blocks:
             raise InvalidInput(f"{total} tokens need more KV blocks than the engine has "
                                f"({self.driver.pool.usable_blocks} of {cfg.block_size} tokens)")  # fmt: skip
         rid = wire.request_id(chat)
+        reply_id = wire.reply_id(chat, caller_id, req.request_id, rid)
         sim = SimRequest(rid, prompt, max_tokens, 0.0, req.cache_salt, finish)
         if self.driver.connector is not None:
             await self._ask_node(sim)
@@ -130,7 +125,7 @@ class EngineApi:
         if req.stream:
             options = req.stream_options or wire.StreamOptions()
             return StreamingResponse(
-                self._sse(stream, chat, options), media_type="text/event-stream"
+                self._sse(stream, chat, options, reply_id), media_type="text/event-stream"
             )
         try:
             text = await self._collect(stream)
@@ -139,7 +134,7 @@ class EngineApi:
             raise
         usage = wire.usage_full(len(prompt), len(sim.output_ids), sim.num_cached_tokens or 0)
         reply = wire.chat_reply if chat else wire.completion_reply
-        body = reply(sim.request_id, self.created_at(sim), cfg.model, text,
+        body = reply(reply_id, self.created_at(sim), cfg.model, text,
                      sim.finish_reason or finish, usage)  # fmt: skip
         return Response(body, media_type=JSON)
 
@@ -160,8 +155,8 @@ class EngineApi:
             ids.append(out.token_id)
         return self.tokenizer.decode(ids)
 
-    async def _sse(self, stream: Stream, chat: bool, options: wire.StreamOptions
-                   ) -> AsyncIterator[bytes]:  # fmt: skip
+    async def _sse(self, stream: Stream, chat: bool, options: wire.StreamOptions,
+                   rid: str) -> AsyncIterator[bytes]:  # fmt: skip
         sim, model = stream.request, self.config.model
         created = self.created_at(sim)
         chunk = wire.chat_chunk if chat else wire.completion_chunk
@@ -171,18 +166,53 @@ class EngineApi:
             while (out := await stream.tokens.get()) is not None:
                 if chat and n == 0:
                     usage = wire.continuous_usage(len(sim.prompt), 0, chat) if continuous else None
-                    yield wire.chat_role_chunk(sim.request_id, created, model, usage)
+                    yield wire.chat_role_chunk(rid, created, model, usage)
                 n += 1
                 usage = wire.continuous_usage(len(sim.prompt), n, chat) if continuous else None
                 finish = sim.finish_reason if out.finished else None
-                yield chunk(sim.request_id, created, model, self.tokenizer.decode([out.token_id]),
-                            finish, usage)  # fmt: skip
+                yield chunk(rid, created, model, self.tokenizer.decode([out.token_id]), finish,
+                            usage)  # fmt: skip
             if options.include_usage:
                 usage_all = wire.usage_closing(len(sim.prompt), n, sim.num_cached_tokens or 0)
-                yield wire.usage_chunk(sim.request_id, created, model, chat, usage_all)
+                yield wire.usage_chunk(rid, created, model, chat, usage_all)
             yield wire.SSE_DONE
         finally:
             self.driver.abort(sim)  # a no-op once finished
+
+
+def _output_limit(cfg: EngineSimConfig, prompt_tokens: int, asked: int | None,
+                  name: str) -> tuple[int, str]:  # fmt: skip
+    """The request's output limit and the finish reason it ends with, as vLLM 0.33 sets them:
+    an output limit over the whole context (``TokenizeParams``) or a prompt over it is refused;
+    otherwise the limit is cut to the context the prompt leaves (``get_max_tokens``), and below
+    1 it is refused (``SamplingParams``). Each refusal is a ``VLLMValidationError``: its message
+    ends with its parameter and value, and ``param`` names the parameter."""
+    context = cfg.max_model_len
+    if asked is not None and asked > context:
+        raise _vllm_validation_error(f"{name}={asked} cannot be greater than max_model_len="
+                                     f"{context}. Please request fewer output tokens.", name, asked)  # fmt: skip
+    if prompt_tokens > context:
+        raise _vllm_validation_error(
+            f"This model's maximum context length is {context} tokens. However, your prompt "
+            f"contains {prompt_tokens} input tokens, which exceeds this limit even without any "
+            "output tokens. Please reduce the length of the input prompt.",
+            "input_tokens", prompt_tokens,
+        )  # fmt: skip
+    left = context - prompt_tokens
+    if asked is None:  # the model would stop on its own, unless the context ends first
+        natural = cfg.natural_output_tokens
+        limit, finish = (natural, FINISH_STOP) if natural <= left else (left, FINISH_LENGTH)
+    else:
+        limit, finish = min(asked, left), FINISH_LENGTH
+    if limit < 1:
+        raise _vllm_validation_error(f"max_tokens must be at least 1, got {limit}.",
+                                     "max_tokens", limit)  # fmt: skip
+    return limit, finish
+
+
+def _vllm_validation_error(message: str, param: str, value: int) -> InvalidInput:
+    """vLLM's ``VLLMValidationError`` as its handler writes it (``str`` adds the extras)."""
+    return InvalidInput(f"{message} (parameter={param}, value={value})", param=param)
 
 
 async def _unless_client_leaves(receive: Receive, work: Coroutine[Any, Any, Response]) -> Response:

@@ -12,7 +12,7 @@ Errors are vLLM's ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
@@ -23,8 +23,14 @@ _ENCODER = msgspec.json.Encoder()
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None
+    """Unset fields stay ``UNSET`` (falsy): ``{}`` is told from a set field, as vLLM's check
+    (``data.get("stream_options")``) tells an empty object from a non-empty one."""
+
+    include_usage: bool | msgspec.UnsetType | None = msgspec.UNSET
+    continuous_usage_stats: bool | msgspec.UnsetType | None = msgspec.UNSET
+
+    def given(self) -> bool:
+        return any(v is not msgspec.UNSET for v in msgspec.structs.astuple(self))
 
 
 class TextPart(msgspec.Struct):
@@ -44,10 +50,12 @@ class CompletionRequest(msgspec.Struct):
     prompt: str | list[Any]  # text, token ids, or a one-element list of either
     model: str | None = None
     max_tokens: int | None = 16
+    """``null`` is this default too (vLLM's ``normalize_null_max_tokens``): :func:`completion_limit`."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
     cache_salt: str | None = None
+    request_id: str | None = None
     ignore_eos: bool = False
     add_special_tokens: bool = True
 
@@ -61,11 +69,17 @@ class ChatRequest(msgspec.Struct):
     stream_options: StreamOptions | None = None
     n: int = 1
     cache_salt: str | None = None
+    request_id: str | None = None
     ignore_eos: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+def completion_limit(request: CompletionRequest) -> int:
+    """A completion's output limit: ``max_tokens``, its default (16) when ``null``."""
+    return 16 if request.max_tokens is None else request.max_tokens
 
 
 def decode_request(body: bytes, kind: type[Any]) -> Any:
@@ -77,6 +91,9 @@ def decode_request(body: bytes, kind: type[Any]) -> Any:
         raise InvalidInput("n must be 1 (the simulated engine samples one sequence)")
     if request.cache_salt == "":
         raise InvalidInput("Parameter 'cache_salt' must be a non-empty string if provided.")
+    if request.stream_options is not None and request.stream_options.given() and not request.stream:
+        raise InvalidInput("Stream options can only be defined when `stream=True`. "
+                           "(parameter=stream_options)", param="stream_options")  # fmt: skip
     return request
 
 
@@ -132,16 +149,44 @@ def check_model(requested: str | None, served: str) -> None:
         raise NotFound(f"The model `{requested}` does not exist.")
 
 
-def error_body(message: str, status: int) -> bytes:
+UNSUPPORTED_MEDIA_TYPE: Final = _ENCODER.encode({"error": {
+    "message": "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+    "type": "Bad Request", "param": None, "code": 400}})  # fmt: skip
+"""vLLM 0.33's answer (400) to a body not sent as JSON: its ``validate_json_request`` raises a
+``RequestValidationError`` that its handler writes with the status's phrase as ``type``."""
+
+
+def sent_as_json(content_type: str | None, body: bytes) -> bool:
+    """Whether vLLM would read the body: its media type is ``application/json`` (vLLM's exact
+    test). Without a content type FastAPI decodes the body first, so a body that is not JSON
+    gets the decoder's error (``True`` here: the request decoder reports it)."""
+    if content_type is None:
+        try:
+            msgspec.json.decode(body)
+        except msgspec.DecodeError:
+            return True
+        return False
+    return content_type.lower().split(";", maxsplit=1)[0] == "application/json"
+
+
+def error_body(message: str, status: int, param: str | None = None) -> bytes:
     kind = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError",
             503: "ServiceUnavailableError"}.get(status, "InternalServerError")  # fmt: skip
     return _ENCODER.encode(
-        {"error": {"message": message, "type": kind, "param": None, "code": status}}
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}
     )
 
 
 def request_id(chat: bool) -> str:
+    """A unique id for the simulation's own bookkeeping (its streams, the node's calls)."""
     return ("chatcmpl-" if chat else "cmpl-") + f"{uuid.uuid4().int & (2**64 - 1):016x}"
+
+
+def reply_id(chat: bool, header: str | None, body_id: str | None, own: str) -> str:
+    """The ``id`` a reply carries, as vLLM 0.33 makes it (``_base_request_id``): the
+    ``X-Request-Id`` header, else the body's ``request_id``, else a random id (``own``)."""
+    base = header if header is not None else body_id
+    return own if base is None else ("chatcmpl-" if chat else "cmpl-") + base
 
 
 def _details(cached: int) -> dict[str, Any]:

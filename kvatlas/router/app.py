@@ -212,10 +212,12 @@ class Router:
         fitting = [e for e in serving if e.fits(req.model, n, req.max_tokens)]
         if not fitting:
             longest = max(e.max_model_len(req.model) or 0 for e in serving)
-            asked = "" if req.max_tokens is None else f" + {req.max_tokens} max_tokens"
+            if req.max_tokens is not None and req.max_tokens > longest:
+                raise InvalidInput(f"max_tokens={req.max_tokens} cannot be greater than "
+                                   f"max_model_len={longest}. Please request fewer output tokens.")  # fmt: skip
             raise InvalidInput(
                 f"This model's maximum context length is {longest} tokens. However, your "
-                f"request has {n} input tokens{asked}. Please reduce the length of the input."
+                f"request has {n} input tokens. Please reduce the length of the input."
             )
         return fitting
 

@@ -56,13 +56,13 @@ class Engine:
         return None if self.models is None else self.models.get(model)
 
     def fits(self, model: str, prompt_tokens: int, max_tokens: int | None) -> bool:
-        """vLLM's check: prompt + max_tokens within the context, or a prompt that leaves room."""
+        """vLLM 0.33's check: a prompt that leaves room for an output token and an output limit
+        within the context (a limit past what the prompt leaves is cut to it, ``get_max_tokens``,
+        not refused)."""
         limit = self.max_model_len(model)
         if limit is None:
             return True
-        if max_tokens is None:
-            return prompt_tokens < limit
-        return prompt_tokens + max_tokens <= limit
+        return prompt_tokens < limit and (max_tokens is None or max_tokens <= limit)
 
 
 def parse_vllm_gauges(text: str) -> dict[str, float]:

@@ -34,7 +34,7 @@ class EngineProcess:
 
     def post(self, path: str, body: dict[str, Any] | bytes) -> httpx.Response:
         if isinstance(body, bytes):
-            return self.http.post(path, content=body)
+            return self.http.post(path, content=body, headers={"content-type": "application/json"})
         return self.http.post(path, json=body)
 
     def complete(

@@ -209,7 +209,8 @@ def test_models_and_health(engine: EngineProcess) -> None:
         ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400),
         ("/v1/completions", {"prompt": "x", "n": 2}, 400),
         ("/v1/completions", {"prompt": "x", "cache_salt": ""}, 400),
-        ("/v1/completions", {"prompt": "x" * 2000, "max_tokens": 100}, 400),  # > max-model-len
+        ("/v1/completions", {"prompt": "x" * 2049, "max_tokens": 1}, 400),  # > max-model-len
+        ("/v1/completions", {"prompt": "x", "max_tokens": 2049}, 400),  # > max-model-len
         ("/v1/completions", {"prompt": "x", "model": "other"}, 404),
         ("/v1/chat/completions", {"messages": []}, 400),
         (

@@ -132,6 +132,19 @@ def test_vllm_gauges_correct_the_routers_own_count() -> None:
     assert (engine.in_flight, engine.awaiting_first_byte, engine.pending_tokens) == (0, 0, 0)
 
 
+def test_a_request_fits_an_engine_as_vllm_0_33_admits_it() -> None:
+    """vLLM 0.33 cuts an output limit to the context the prompt leaves (``get_max_tokens``):
+    it refuses only a limit over the whole context or a prompt that leaves no output token. A
+    prompt of 200 with ``max_tokens`` 100 on a 256-token engine is served (56 tokens), not
+    refused by the router."""
+    engine = Engine("e", "u", models={"m": 256})
+    assert engine.fits("m", 200, 100)
+    assert engine.fits("m", 255, 256) and engine.fits("m", 255, None)
+    assert not engine.fits("m", 200, 257)  # max_tokens=257 cannot be greater than 256
+    assert not engine.fits("m", 256, 1) and not engine.fits("m", 256, None)  # no room left
+    assert not engine.fits("m", 300, None)
+
+
 def test_models_and_engines_from_the_coordinator() -> None:
     assert parse_models({"data": [{"id": "m", "max_model_len": 8192}, {"id": "n"}]}) == {
         "m": 8192, "n": None}  # fmt: skip

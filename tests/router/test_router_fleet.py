@@ -221,7 +221,8 @@ def test_a_client_leaving_mid_stream_frees_the_engine(fleet: dict[str, Any]) -> 
         ({"model": MODEL, "prompt": ""}, 400, "empty"),
         ({"model": MODEL, "prompt": []}, 400, "empty"),
         ({"model": MODEL, "prompt": list(range(300))}, 400, "maximum context length is 256"),
-        ({"model": MODEL, "prompt": [1] * 200, "max_tokens": 100}, 400, "maximum context"),
+        ({"model": MODEL, "prompt": [1] * 200, "max_tokens": 257}, 400, "max_model_len=256"),
+        ({"model": MODEL, "prompt": [1] * 256, "max_tokens": 1}, 400, "maximum context"),
         ({"model": MODEL, "prompt": [1] * 30000}, 413, "exceeds 65536"),
     ],
 )
