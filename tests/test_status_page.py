@@ -211,6 +211,52 @@ def test_with_auth_the_page_asks_for_a_token_and_keeps_it_in_the_tab(tmp_path: P
             browser.close()
 
 
+def test_a_token_no_header_can_carry_is_refused_on_the_page_not_taken_for_an_outage(
+    tmp_path: Path,
+) -> None:
+    """A token pasted with a typographic quote cannot go in an Authorization header (fetch
+    throws before sending): the page says so and asks again, and one left in the tab is
+    dropped at the next load. The old page said "coordinator unreachable", kept the token and
+    retried it every 5 s; reloaded, it showed neither a login box nor "forget token" until
+    the tab was closed."""
+    chromium = require_chromium()
+    admin = "admin-" + "a" * 32
+    tokens = write_tokens(tmp_path / "tokens.json", {"token": admin, "roles": ["admin"]})
+    config = CoordinatorConfig(port=free_port(), auth_token_file=tokens, log_level="warning")
+    message = "(document.querySelector('#login p') || {}).textContent || ''"
+    note = "document.getElementById('note').textContent"
+    with BackgroundServer(config) as server:
+        browser = Browser(chromium, tmp_path / "profile")
+        try:
+            browser.navigate(f"{server.url}/")
+            browser.evaluate(
+                f"document.querySelector('#login input').value = '\u201c{admin}\u201d';"
+                "document.getElementById('login').requestSubmit()"
+            )
+            browser.wait_for(
+                lambda: "cannot carry" in browser.evaluate(message) or browser.evaluate(note), 30
+            )
+            assert "cannot carry" in browser.evaluate(message)
+            assert browser.evaluate(note) == ""
+            assert browser.evaluate("sessionStorage.getItem('kvatlas.token')") is None
+            # one already in the tab (kept by the old page): dropped, the login offered again
+            browser.evaluate(f"sessionStorage.setItem('kvatlas.token', '\u201c{admin}')")
+            browser.navigate(f"{server.url}/")
+            browser.wait_for(
+                lambda: "cannot carry" in browser.evaluate(message) or browser.evaluate(note), 30
+            )
+            assert browser.evaluate("document.querySelectorAll('#login input').length") == 1
+            assert browser.evaluate(note) == ""
+            browser.evaluate(
+                f"document.querySelector('#login input').value = '{admin}';"
+                "document.getElementById('login').requestSubmit()"
+            )
+            browser.wait_for(lambda: browser.evaluate("!!document.getElementById('fleet')"), 30)
+            assert browser.problems == [], browser.problems
+        finally:
+            browser.close()
+
+
 EVIL_SALT = "<img src=x onerror=alert(2)>"
 
 

@@ -34,7 +34,8 @@ class EmitterBook:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._last_emit: dict[str, float] = {}  # clock of its last batch (any outcome)
+        self._last_emit: dict[str, float] = {}  # its retention clock: last batch, or since known
+        self._last_batch: dict[str, float] = {}  # clock of its last batch (any outcome)
         self._delivery: dict[str, Delivery] = {}  # of applied batches
         self._gaps_seen: dict[str, int] = {}  # gap count at its last digest exchange
 
@@ -42,6 +43,7 @@ class EmitterBook:
         with self._lock:
             for batch in batches:
                 self._last_emit[batch.instance_id] = tick
+                self._last_batch[batch.instance_id] = tick
 
     def applied(self, batch: EventBatch, now: float, tick: float) -> None:
         """``batch`` was applied at wall clock ``now``."""
@@ -77,14 +79,17 @@ class EmitterBook:
             ]
             for instance_id in gone:
                 del self._last_emit[instance_id]
+                self._last_batch.pop(instance_id, None)
                 self._delivery.pop(instance_id, None)
                 self._gaps_seen.pop(instance_id, None)
         return gone
 
     def ages(self, tick: float) -> dict[str, float]:
-        """Seconds since each emitter's last batch."""
+        """Seconds since each emitter's last batch received by this process: none for an
+        emitter restored from a snapshot or known only by its registration (their retention
+        clocks start when this process first sees them, which is no batch's time)."""
         with self._lock:
-            return {inst: tick - seen for inst, seen in self._last_emit.items()}
+            return {inst: tick - seen for inst, seen in self._last_batch.items()}
 
     def deliveries(self) -> dict[str, tuple[float, float | None, int]]:
         """``(last_event, delay_s, events_dropped)`` per emitter with an applied batch."""

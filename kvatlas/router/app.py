@@ -171,6 +171,7 @@ class Router:
             except CoordinatorError as exc:
                 log.warning("cannot list engines at the coordinator: %s", exc)
         await asyncio.gather(*(self.engines.check(e) for e in self.engines.all()))
+        self.metrics.retain(e.engine_id for e in self.engines.all())
         urls = {e.url for e in self.engines.all()}
         for url in [u for u in self._pools if u not in urls]:  # an engine that left
             self._pools.pop(url).close()

@@ -30,6 +30,7 @@ class EngineSeries:
     """One engine's labelled counters, looked up once (``labels()`` takes a lock and builds
     a key on every call: once per engine, not four times per request)."""
 
+    policy: str
     decisions: Counter
     prompt_tokens: Counter
     predicted_reused: Counter
@@ -141,9 +142,21 @@ class RouterMetrics:
         series = self._engines.get(engine_id)
         if series is None:
             series = self._engines[engine_id] = EngineSeries(
+                policy,
                 self.decisions.labels(policy, engine_id),
                 self.prompt_tokens.labels(engine_id),
                 self.predicted_reused.labels(engine_id),
                 self.reported_reused.labels(engine_id),
             )
         return series
+
+    def retain(self, engine_ids: Iterable[str]) -> None:
+        """Drop the labelled series of every engine not in ``engine_ids`` (it left the set:
+        engines that come and go under new ids must not grow the exposition for ever, as
+        the coordinator drops a departed instance's). On the event loop, as :meth:`engine`."""
+        keep = set(engine_ids)
+        for engine_id in [e for e in self._engines if e not in keep]:
+            series = self._engines.pop(engine_id)
+            self.decisions.remove(series.policy, engine_id)
+            for counter in (self.prompt_tokens, self.predicted_reused, self.reported_reused):
+                counter.remove(engine_id)

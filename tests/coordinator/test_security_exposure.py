@@ -161,6 +161,25 @@ def test_public_flags_open_metrics_and_docs(tokens: Path) -> None:
             assert c.get(path).status_code == 200, path
 
 
+def test_public_metrics_name_no_tenant_salt(tokens: Path) -> None:
+    """``--public-metrics`` opens ``/metrics`` to anyone: the series that name a cache salt
+    (quotas, usage, evictions: a tenant, which nobody may learn about unless it owns it) are
+    left out of it, as ``GET /quota`` refuses them; a scrape with a token that sees every
+    tenant still gets them (the old coordinator published every salt with a quota)."""
+    secret = "tenant-b-secret"
+    with running(auth_token_file=tokens, public_metrics=True) as (_, c):
+        put = c.put(f"/quota/{secret}", json={"limit_gb": 1}, headers=bearer(CACHE_ALL))
+        assert put.status_code == 200, put.text
+        assert_error(c.get("/quota"), 401)
+        public = c.get("/metrics")
+        assert public.status_code == 200
+        assert secret not in public.text and "kvatlas_directory_keys" in public.text
+        for tok in (ADMIN, LOOKUP_ALL):
+            assert secret in c.get("/metrics", headers=bearer(tok)).text
+        for tok in (LOOKUP_A, "x" * 40):  # a token that may not see every tenant, or none
+            assert secret not in c.get("/metrics", headers=bearer(tok)).text
+
+
 def test_salt_bound_token_gets_no_global_stats(pair: tuple[BackgroundServer, httpx.Client]) -> None:
     """Per-salt figures are not kept, and global ones are every tenant's: 403."""
     _, c = pair

@@ -429,3 +429,33 @@ def test_the_prefix_baseline_also_routes_to_the_holder(fleet: dict[str, Any]) ->
             assert (reply.status_code, reply.headers["x-kvatlas-engine"]) == (200, holder)
     finally:
         stop([proc])
+
+
+def test_an_engine_that_left_the_set_leaves_no_series_behind(fleet: dict[str, Any]) -> None:
+    """An engine listed by the coordinator that deregisters takes its labelled series with it
+    (``kvatlas_router_decisions_total{engine}`` and the token counters): a fleet whose engines
+    come and go under new ids (pods) must not grow the router's ``/metrics`` for ever (the old
+    router kept every engine's series it had ever routed to)."""
+    from kvatlas.client import CoordinatorClient
+
+    extra = FakeVllm("pod-gone", MODEL, max_model_len=256)
+    port = free_port()
+    router = f"http://127.0.0.1:{port}"
+    client = CoordinatorClient(fleet["coordinator"])
+    client.register("pod-gone", metadata={"openai_url": extra.url})
+    proc = spawn_router(port, "--coordinator-url", fleet["coordinator"],
+                        "--engines-from-coordinator", "--policy", "least-loaded",
+                        "--health-interval-s", "0.2")  # fmt: skip
+    try:
+        reply = post(fleet, "/v1/completions", {"model": MODEL, "prompt": [1, 2]}, router=router)
+        assert (reply.status_code, reply.headers["x-kvatlas-engine"]) == (200, "pod-gone")
+        assert 'engine="pod-gone"' in HTTP.get(f"{router}/metrics").text
+        httpx.delete(f"{fleet['coordinator']}/instances/pod-gone")
+        assert wait_for(lambda: HTTP.get(f"{router}/healthz").status_code == 503, timeout=10)
+        text = HTTP.get(f"{router}/metrics").text
+        assert "pod-gone" not in text
+        assert "kvatlas_router_decisions_total" in text  # the family stays, without the engine
+    finally:
+        stop([proc])
+        client.close()
+        extra.close()
