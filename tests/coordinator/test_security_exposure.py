@@ -178,6 +178,8 @@ def test_public_metrics_name_no_tenant_salt(tokens: Path) -> None:
             assert secret in c.get("/metrics", headers=bearer(tok)).text
         for tok in (LOOKUP_A, "x" * 40):  # a token that may not see every tenant, or none
             assert secret not in c.get("/metrics", headers=bearer(tok)).text
+        two = [("Authorization", f"Bearer {ADMIN}"), ("Authorization", f"Bearer {LOOKUP_A}")]
+        assert secret not in c.get("/metrics", headers=two).text  # which one was meant?
 
 
 def test_salt_bound_token_gets_no_global_stats(pair: tuple[BackgroundServer, httpx.Client]) -> None:
