@@ -28,6 +28,7 @@ from kvatlas.engine_sim.engine import EngineDriver, Stream
 from kvatlas.engine_sim.scheduler import FINISH_LENGTH, FINISH_STOP, SimRequest
 from kvatlas.engine_sim.tokenizer import Tokenizer
 from kvatlas.errors import InvalidInput, KvatlasError
+from kvatlas.vllm_limits import over_context, too_few_output_tokens
 from kvatlas.web import client_gone, read_body
 
 JSON = "application/json"
@@ -182,22 +183,13 @@ class EngineApi:
 
 def _output_limit(cfg: EngineSimConfig, prompt_tokens: int, asked: int | None,
                   name: str) -> tuple[int, str]:  # fmt: skip
-    """The request's output limit and the finish reason it ends with, as vLLM 0.33 sets them:
-    an output limit over the whole context (``TokenizeParams``) or a prompt over it is refused;
-    otherwise the limit is cut to the context the prompt leaves (``get_max_tokens``), and below
-    1 it is refused (``SamplingParams``). Each refusal is a ``VLLMValidationError``: its message
-    ends with its parameter and value, and ``param`` names the parameter."""
+    """The request's output limit and the finish reason it ends with, as vLLM 0.33 sets them
+    (:mod:`kvatlas.vllm_limits`: what it refuses, and the limit cut to the context the prompt
+    leaves, ``get_max_tokens``)."""
     context = cfg.max_model_len
-    if asked is not None and asked > context:
-        raise _vllm_validation_error(f"{name}={asked} cannot be greater than max_model_len="
-                                     f"{context}. Please request fewer output tokens.", name, asked)  # fmt: skip
-    if prompt_tokens > context:
-        raise _vllm_validation_error(
-            f"This model's maximum context length is {context} tokens. However, your prompt "
-            f"contains {prompt_tokens} input tokens, which exceeds this limit even without any "
-            "output tokens. Please reduce the length of the input prompt.",
-            "input_tokens", prompt_tokens,
-        )  # fmt: skip
+    refused = over_context(context, prompt_tokens, asked, name)
+    if refused is not None:
+        raise refused
     left = context - prompt_tokens
     if asked is None:  # the model would stop on its own, unless the context ends first
         natural = cfg.natural_output_tokens
@@ -205,14 +197,8 @@ def _output_limit(cfg: EngineSimConfig, prompt_tokens: int, asked: int | None,
     else:
         limit, finish = min(asked, left), FINISH_LENGTH
     if limit < 1:
-        raise _vllm_validation_error(f"max_tokens must be at least 1, got {limit}.",
-                                     "max_tokens", limit)  # fmt: skip
+        raise too_few_output_tokens(limit)
     return limit, finish
-
-
-def _vllm_validation_error(message: str, param: str, value: int) -> InvalidInput:
-    """vLLM's ``VLLMValidationError`` as its handler writes it (``str`` adds the extras)."""
-    return InvalidInput(f"{message} (parameter={param}, value={value})", param=param)
 
 
 async def _unless_client_leaves(receive: Receive, work: Coroutine[Any, Any, Response]) -> Response:

@@ -43,7 +43,7 @@ from kvatlas.auth import Principal, TokenAuth, authorization_of
 from kvatlas.client.coordinator_client import CoordinatorError
 from kvatlas.client.keepalive import KeepAliveClient, Refused, StreamedReply
 from kvatlas.client.route_client import AsyncRouteClient
-from kvatlas.errors import InvalidInput, KvatlasError, NotFound, Unavailable
+from kvatlas.errors import KvatlasError, NotFound, Unavailable
 from kvatlas.router.config import RouterConfig
 from kvatlas.router.engines import Engine, EngineSet, listed_engines
 from kvatlas.router.metrics import RouterMetrics
@@ -65,6 +65,7 @@ from kvatlas.router.replies import (
 )
 from kvatlas.router.scores import HttpScorer, Scorer, ScorerOf
 from kvatlas.router.tokenizer import PromptTokenizer
+from kvatlas.vllm_limits import over_context, too_few_output_tokens
 from kvatlas.web import check_declared_length, nested_too_deep, receive_body
 
 log = logging.getLogger(__name__)
@@ -211,15 +212,10 @@ class Router:
             return serving
         n = len(req.prompt_tokens)
         fitting = [e for e in serving if e.fits(req.model, n, req.max_tokens)]
-        if not fitting:
+        if not fitting:  # what the longest context's engine would answer, in vLLM's words
             longest = max(e.max_model_len(req.model) or 0 for e in serving)
-            if req.max_tokens is not None and req.max_tokens > longest:
-                raise InvalidInput(f"max_tokens={req.max_tokens} cannot be greater than "
-                                   f"max_model_len={longest}. Please request fewer output tokens.")  # fmt: skip
-            raise InvalidInput(
-                f"This model's maximum context length is {longest} tokens. However, your "
-                f"request has {n} input tokens. Please reduce the length of the input."
-            )
+            refused = over_context(longest, n, req.max_tokens, req.max_tokens_field)
+            raise refused or too_few_output_tokens(longest - n)  # (the prompt fills it)
         return fitting
 
     async def _coverage(
@@ -288,7 +284,7 @@ class Router:
                 log.exception("router failed on a %s request", kind)
                 exc = KvatlasError("internal router error (logged)")  # (500)
             self.metrics.errors.labels(str(exc.status)).inc()
-            await send_openai_error(send, exc.status, exc.detail)
+            await send_openai_error(send, exc.status, exc.detail, exc.extra.get("param"))
             return
         out = [(k, v) for k, v in reply.headers if k in _FORWARD_REPLY_HEADERS]
         out.append((_ENGINE_HEADER_BYTES, engine.engine_id.encode()))

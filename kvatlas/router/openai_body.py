@@ -40,6 +40,8 @@ class RouteRequest:
     """uint32 ids (a token-id prompt is checked and converted in one numpy pass)."""
     untokenized_reason: str | None = None
     """Why ``prompt_tokens`` is ``None``: ``"no_tokenizer"`` or ``"multimodal"``."""
+    max_tokens_field: str = "max_tokens"
+    """The field ``max_tokens`` came from (a chat's ``max_completion_tokens`` unless null)."""
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -243,4 +245,6 @@ def parse_request(kind: Kind, raw: bytes, tokenizer: PromptTokenizer | None) -> 
         tokens, reason = _completion_tokens(body, tokenizer)
     else:
         tokens, reason = _chat_tokens(body, tokenizer)
-    return RouteRequest(kind, model, _flag(body, "stream", False), salt, max_tokens, tokens, reason)
+    return RouteRequest(
+        kind, model, _flag(body, "stream", False), salt, max_tokens, tokens, reason, limit
+    )

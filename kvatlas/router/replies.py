@@ -95,10 +95,11 @@ class CutReplyFilter(logging.Filter):
         return not (_CUT.get() and record.getMessage().startswith(_UNCOMPLETED))
 
 
-def error_body(status: int, message: str) -> bytes:
-    """The JSON of an OpenAI error object (also the HTTP guard's refusals', the 408 and 400)."""
+def error_body(status: int, message: str, param: str | None = None) -> bytes:
+    """The JSON of an OpenAI error object (also the HTTP guard's refusals', the 408 and 400);
+    ``param``: the request field it is about, as vLLM names it."""
     body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"),
-                      "param": None, "code": status}}  # fmt: skip
+                      "param": param, "code": status}}  # fmt: skip
     return _json.encode(body)
 
 
@@ -108,9 +109,11 @@ def openai_error(status: int, message: str) -> Response:
     return Response(error_body(status, message), status, headers, media_type="application/json")
 
 
-async def send_openai_error(send: Send, status: int, message: str) -> None:
+async def send_openai_error(
+    send: Send, status: int, message: str, param: str | None = None
+) -> None:
     """:func:`openai_error`, sent as plain ASGI messages."""
-    body = error_body(status, message)
+    body = error_body(status, message, param)
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]  # fmt: skip
     if status == 401:

@@ -222,7 +222,7 @@ def test_a_client_leaving_mid_stream_frees_the_engine(fleet: dict[str, Any]) -> 
         ({"model": MODEL, "prompt": []}, 400, "empty"),
         ({"model": MODEL, "prompt": list(range(300))}, 400, "maximum context length is 256"),
         ({"model": MODEL, "prompt": [1] * 200, "max_tokens": 257}, 400, "max_model_len=256"),
-        ({"model": MODEL, "prompt": [1] * 256, "max_tokens": 1}, 400, "maximum context"),
+        ({"model": MODEL, "prompt": [1] * 256, "max_tokens": 1}, 400, "at least 1, got 0"),
         ({"model": MODEL, "prompt": [1] * 30000}, 413, "exceeds 65536"),
     ],
 )
@@ -233,6 +233,35 @@ def test_bad_input_gets_an_openai_error(fleet: dict[str, Any], body: Any, status
     error = reply.json()["error"]
     assert message in error["message"]
     assert (error["code"], isinstance(error["type"], str)) == (status, True)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "message", "param"),
+    [
+        ("/v1/completions", {"prompt": list(range(300))},
+         "This model's maximum context length is 256 tokens. However, your prompt contains 300 "
+         "input tokens, which exceeds this limit even without any output tokens. Please reduce "
+         "the length of the input prompt. (parameter=input_tokens, value=300)", "input_tokens"),
+        ("/v1/completions", {"prompt": [1] * 200, "max_tokens": 257},
+         "max_tokens=257 cannot be greater than max_model_len=256. Please request fewer output "
+         "tokens. (parameter=max_tokens, value=257)", "max_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                  "max_tokens": 10, "max_completion_tokens": 300},
+         "max_completion_tokens=300 cannot be greater than max_model_len=256. Please request "
+         "fewer output tokens. (parameter=max_completion_tokens, value=300)",
+         "max_completion_tokens"),
+        ("/v1/completions", {"prompt": [1] * 256},
+         "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)", "max_tokens"),
+    ],
+)  # fmt: skip
+def test_a_request_no_engine_can_serve_is_refused_in_vllms_words(
+    fleet: dict[str, Any], path: str, body: dict[str, Any], message: str, param: str
+) -> None:
+    """What every engine would refuse (vLLM 0.33, ``kvatlas.vllm_limits``), the router refuses
+    with the engine's message and ``param``: a chat's ``max_completion_tokens`` named as such
+    (the router said ``max_tokens=``), a prompt over the context or filling it in vLLM's words."""
+    error = post(fleet, path, {"model": MODEL, **body}).json()["error"]
+    assert (error["message"], error["param"], error["code"]) == (message, param, 400)
 
 
 def test_an_unknown_path_or_method_gets_an_openai_error(fleet: dict[str, Any]) -> None:
