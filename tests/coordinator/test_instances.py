@@ -209,6 +209,22 @@ def test_unregistered_emitter_listed(client: httpx.Client) -> None:
     assert (row["incarnation"], row["last_seq"]) == (2, 1)
 
 
+def test_unregistered_emitter_row_carries_lmcaches_registration_fields(
+    client: httpx.Client,
+) -> None:
+    """LMCache's own CLI (`lmcache query coordinator --api instances`) reads ``instance["ip"]``
+    and ``instance["http_port"]`` of every row: a row without them was a KeyError there (found
+    driving its CLI against kvatlas). An emitter that never registered carries LMCache's
+    "absent" values; ``registration_time`` is ``null`` (it never registered)."""
+    inst = fresh("unreg")
+    post_batches(client, wire_batch(inst, 2, 1))
+    row = _instances(client)[inst]
+    assert row["registered"] is False and row["alive"] is False
+    absent = {"ip": "", "http_port": 0, "metadata": {}, "p2p_advertised_url": "", "mq_port": 0}
+    assert {k: row[k] for k in absent} == absent
+    assert row["registration_time"] is None
+
+
 # ------------------------------------------------------------------------------------- timeout
 
 
