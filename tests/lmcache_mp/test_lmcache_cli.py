@@ -56,3 +56,16 @@ def test_instances_lists_an_emitter_that_never_registered(
     assert rows["cli-a"]["address"] == "10.0.0.7:8080"
     assert "cli-b" in rows
 
+
+def test_quota_delete_of_a_salt_without_one_exits_0_as_against_lmcache(
+    coordinator: tuple[str, httpx.Client], tmp_path: Path
+) -> None:
+    """``lmcache quota delete`` of a salt without a quota: LMCache's coordinator answers 200
+    ``not_found`` and its CLI reports it (exit 0); kvatlas's 404 made it exit 1."""
+    url, _ = coordinator
+    code, report, err = lmcache_cli(tmp_path, "quota", "delete", "cli-none", "--url", url)
+    assert code == 0, err
+    assert report["metrics"] == {"cache_salt": "cli-none", "status": "not_found"}
+    assert lmcache_cli(tmp_path, "quota", "set", "cli-t", "--limit-gb", "1", "--url", url)[0] == 0
+    code, report, err = lmcache_cli(tmp_path, "quota", "delete", "cli-t", "--url", url)
+    assert (code, report["metrics"]) == (0, {"cache_salt": "cli-t", "status": "removed"}), err
