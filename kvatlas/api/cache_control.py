@@ -286,12 +286,12 @@ def _no_minus_zero(limit_gb: float) -> float:
 
 
 class QuotaSetReply(msgspec.Struct):
-    """``PUT``/``DELETE /quota/{cache_salt}``: ``status`` ``ok`` or ``removed`` (``limit_gb``
-    0.0 then)."""
+    """``PUT``/``DELETE /quota/{cache_salt}``: ``status`` ``ok``, or ``removed`` / ``not_found``
+    (no quota to remove; LMCache's answer) with ``limit_gb`` 0.0."""
 
     cache_salt: str
     limit_gb: float
-    status: Literal["ok", "removed"]
+    status: Literal["ok", "removed", "not_found"]
 
 
 class QuotaStatus(msgspec.Struct):

@@ -40,7 +40,9 @@ class HeartbeatReply(msgspec.Struct, kw_only=True, frozen=True):
 class InstanceRow(msgspec.Struct, kw_only=True, frozen=True):
     """One ``GET /instances`` row. A registered instance (``alive``) carries its registration
     fields, LMCache's "absent" values as LMCache writes them (``""``, ``0``); an instance that
-    emits without having registered carries none of them; ``registered`` says which. Then the
+    emits without having registered carries them as those absent values (LMCache's CLI reads
+    ``ip`` and ``http_port`` of every row), ``registration_time`` ``None``; ``registered`` says
+    which. (A row from an older coordinator may lack them: each defaults to unset.) Then the
     emitter's cursor (``None``: it never emitted). ``p2p_url_signature`` only for a kvatlas
     node that signed its URL (docs/security.md); ``engine_id`` only for a kvatlas node that
     serves an engine (docs/route-scoring.md)."""

@@ -345,6 +345,10 @@ def _quota_set(client: CacheControlClient, args: argparse.Namespace, out: Out) -
 def _quota_delete(client: CacheControlClient, args: argparse.Namespace, out: Out) -> int:
     reply = client.remove_quota(args.cache_salt)
     out.reply(reply)
+    if reply.status == "not_found":
+        print(f"kvatlas cache quota delete: no quota for cache_salt={reply.cache_salt!r}",
+              file=sys.stderr)  # fmt: skip
+        return 1
     out.say(f"{_salt(reply.cache_salt)}: quota removed (the default applies)")
     return 0
 

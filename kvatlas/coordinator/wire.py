@@ -214,15 +214,23 @@ def stats_to_wire(view: StatsView) -> dict[str, Any]:
 
 
 def instance_to_wire(view: InstanceView) -> api.InstanceRow:
-    """One ``GET /instances`` row: registration fields (if registered), liveness, cursor (the
-    emitter's fields). An absent peer URL or message-queue port is ``""`` / ``0``, as LMCache
-    answers them."""
+    """One ``GET /instances`` row: registration fields, liveness, cursor (the emitter's
+    fields). An absent peer URL or message-queue port is ``""`` / ``0``, as LMCache answers
+    them; an emitter that never registered carries every registration field LMCache's rows
+    carry, as LMCache's "absent" values (LMCache's CLI reads ``ip`` and ``http_port`` of every
+    row), and ``registration_time`` ``null``."""
     reg = view.registration
     if reg is None:
         return api.from_attributes(
             api.InstanceRow,
             view.emitter,
             instance_id=view.instance_id,
+            ip="",
+            http_port=0,
+            metadata={},
+            p2p_advertised_url="",
+            mq_port=0,
+            registration_time=None,
             alive=False,
             registered=False,
         )

@@ -36,7 +36,7 @@ from kvatlas.directory.records import (
 )
 from kvatlas.directory.salt_usage import SaltKey, bytes_by_salt, keys_of_salts, salt_bytes
 from kvatlas.directory.store_runs import run_length
-from kvatlas.directory.summaries import DirectoryStats, DirectoryUsage, ModuleUsage
+from kvatlas.directory.summaries import DirectoryStats, DirectoryUsage, module_usage
 from kvatlas.errors import InvalidInput
 from kvatlas.events import ACCESS, CONFIG, DELETE, RESYNC, STORE, EventBatch
 from kvatlas.events.columns import ColumnBatch
@@ -87,6 +87,7 @@ class KeyDirectory:
         self._chunks = ChunkTable(chunk_size)
         self._capacities: dict[str, CapacityDeclaration] = {}
         self._shared_pools: set[tuple[str, str]] = set()  # (tier, backend) declared shared
+        self._private: set[tuple[str, str, str]] = set()  # (instance, tier, backend) likewise
         self._index: BlendIndex | None = None
         self._probe_stride = 1
         self._outcomes: Counter[str] = Counter()
@@ -237,11 +238,13 @@ class KeyDirectory:
         self._chunks.flush_index(self._index)
 
     def _apply_config(self, batch: EventBatch) -> None:
+        module = (batch.instance_id, batch.tier, batch.backend)
         if batch.shared:
-            self._shared_pools.add((batch.tier, batch.backend))
+            self._shared_pools.add(module[1:])
         declared = CapacityDeclaration.after(self._capacities.get(batch.instance_id), batch)
         if declared is not None:
             self._capacities[batch.instance_id] = declared
+            (self._private.discard if batch.shared else self._private.add)(module)
 
     # ------------------------------------------------------------------ reads
 
@@ -396,19 +399,10 @@ class KeyDirectory:
             counts = self._chunks.counts
             placements = +counts.module_placements
             used = counts.module_bytes
-            declarations = dict(self._capacities)
+            declarations = {i: d.capacities for i, d in self._capacities.items()}
             pools = self._shared_pools | {(t, b) for i, t, b in placements if i is None}
-        capacity: dict[tuple[str | None, str, str], int] = {}
-        for inst, declared in declarations.items():
-            for (tier, backend), n in declared.capacities.items():
-                module = (
-                    (None, tier, backend) if (tier, backend) in pools else (inst, tier, backend)
-                )
-                capacity[module] = max(n, capacity.get(module, 0))
-        modules = [
-            ModuleUsage(*m, placements.get(m, 0), used.get(m, 0), capacity.get(m, 0))
-            for m in sorted(placements.keys() | capacity.keys(), key=lambda m: (m[0] or "", m[1:]))
-        ]
+            private = set(self._private)
+        modules = module_usage(placements, used, declarations, pools, private)
         return DirectoryUsage(modules, frozenset(declarations))
 
     # ------------------------------------------------------------------ capture and install
@@ -438,7 +432,7 @@ class KeyDirectory:
             self._chunks.restore(restored.shapes, restored.parts, counts)
             self._gate.restore(state.cursors)
             self._capacities = dict(state.capacities)
-            self._shared_pools = set()
+            self._shared_pools, self._private = set(), set()
             if self._index is not None:  # built whole, then published: blend_match sees
                 index = restored.index  # the old one or all the new one
                 if index is None:  # built from the restored records

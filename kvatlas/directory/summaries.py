@@ -5,9 +5,13 @@ beside declared capacities (``GET /instances/usage``). See :mod:`kvatlas.directo
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from kvatlas.directory.blend import BlendStats
+
+Module = tuple[str | None, str, str]
+"""An instance's own ``(instance_id, tier, backend)``, or a shared pool's (``None``, ...)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,3 +63,26 @@ class DirectoryUsage:
 
     modules: list[ModuleUsage]
     declared: frozenset[str]
+
+
+def module_usage(
+    placements: Mapping[Module, int],
+    used: Mapping[Module, int],
+    capacities: Mapping[str, Mapping[tuple[str, str], int]],
+    pools: Collection[tuple[str, str]],
+    private: Collection[tuple[str, str, str]],
+) -> list[ModuleUsage]:
+    """Every module holding copies or declared, by (instance, tier, backend). An instance's
+    declared ``(tier, backend)`` is a shared pool's when that is a pool (``pools``: declared
+    shared, or holding shared copies), unless the instance's own config batch declared it
+    private (``private``: as LMCache attributes each declaration by its ``shared`` flag)."""
+    capacity: dict[Module, int] = {}
+    for inst, declared in capacities.items():
+        for (tier, backend), n in declared.items():
+            shared = (tier, backend) in pools and (inst, tier, backend) not in private
+            module = (None, tier, backend) if shared else (inst, tier, backend)
+            capacity[module] = max(n, capacity.get(module, 0))
+    return [
+        ModuleUsage(*m, placements.get(m, 0), used.get(m, 0), capacity.get(m, 0))
+        for m in sorted(placements.keys() | capacity.keys(), key=lambda m: (m[0] or "", m[1:]))
+    ]

@@ -209,6 +209,22 @@ def test_unregistered_emitter_listed(client: httpx.Client) -> None:
     assert (row["incarnation"], row["last_seq"]) == (2, 1)
 
 
+def test_unregistered_emitter_row_carries_lmcaches_registration_fields(
+    client: httpx.Client,
+) -> None:
+    """LMCache's own CLI (`lmcache query coordinator --api instances`) reads ``instance["ip"]``
+    and ``instance["http_port"]`` of every row: a row without them was a KeyError there (found
+    driving its CLI against kvatlas). An emitter that never registered carries LMCache's
+    "absent" values; ``registration_time`` is ``null`` (it never registered)."""
+    inst = fresh("unreg")
+    post_batches(client, wire_batch(inst, 2, 1))
+    row = _instances(client)[inst]
+    assert row["registered"] is False and row["alive"] is False
+    absent = {"ip": "", "http_port": 0, "metadata": {}, "p2p_advertised_url": "", "mq_port": 0}
+    assert {k: row[k] for k in absent} == absent
+    assert row["registration_time"] is None
+
+
 # ------------------------------------------------------------------------------------- timeout
 
 
@@ -301,3 +317,28 @@ def test_a_re_registration_waits_for_the_fence_of_the_instance_it_replaces() -> 
     node.join(timeout=30)
     assert order == ["fenced n1", "registered n1"]
     assert registry.known("n1") and registry.expired_total == 1
+
+
+def test_a_private_declaration_stays_its_instances_beside_a_shared_pool_of_that_backend() -> None:
+    """LMCache attributes each config batch by its ``shared`` flag: an instance's private fs
+    L2 (``shared: false``) is its own module even while another instance declares a shared fs
+    pool. kvatlas folded it into the pool (its capacity became the pool's; the instance's row
+    lost it), found running LMCache 0.5.6's coordinator and its CLI side by side."""
+
+    def config(instance: str, shared: bool, capacity: int) -> dict[str, Any]:
+        return wire_batch(instance, 1, 1, "config", tier="l2", backend="fs", shared=shared,
+                          capacity_bytes=capacity, capacity_revision=1)  # fmt: skip
+
+    with running(chunk_size=16) as (_, client):
+        pool, private = fresh("pool"), fresh("private")
+        assert post_batches(client, config(pool, True, 8192)).json()["applied"] == 1
+        assert post_batches(client, config(private, False, 1 << 20)).json()["applied"] == 1
+        usage = client.get("/instances/usage").json()
+        assert usage["shared_modules"] == [
+            {"tier": "l2", "backend": "fs", "shared": True, "used_bytes": 0,
+             "capacity_bytes": 8192, "usage_ratio": 0.0},
+        ]  # fmt: skip
+        assert client.get(f"/instances/{private}/usage").json()["modules"] == [
+            {"tier": "l2", "backend": "fs", "shared": False, "used_bytes": 0,
+             "capacity_bytes": 1 << 20, "usage_ratio": 0.0},
+        ]  # fmt: skip

@@ -159,8 +159,14 @@ def test_instance_rows_registered_and_not() -> None:
         "event_delivery_delay_seconds",
     ]
     row = _json_round_trip(wire.instance_to_wire(UNREGISTERED))
-    assert row == {
+    assert row == {  # LMCache's registration fields as its "absent" values (its CLI reads them)
         "instance_id": "node-b",
+        "ip": "",
+        "http_port": 0,
+        "metadata": {},
+        "p2p_advertised_url": "",
+        "mq_port": 0,
+        "registration_time": None,
         "alive": False,
         "registered": False,
         "incarnation": 1,

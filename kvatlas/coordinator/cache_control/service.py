@@ -269,10 +269,9 @@ class CacheControl:
         return QuotaSetReply(salt, body.limit_gb, "ok")
 
     def remove_quota(self, salt_segment: str) -> QuotaSetReply:
+        """``removed``, or ``not_found`` (200, as LMCache answers: its CLI fails on a 404)."""
         salt = self._salt(salt_segment)
-        if not self.quotas.remove(salt):
-            raise NotFound(f"no quota for cache_salt={salt!r}")
-        return QuotaSetReply(salt, 0.0, "removed")
+        return QuotaSetReply(salt, 0.0, "removed" if self.quotas.remove(salt) else "not_found")
 
     def quota(self, salt_segment: str) -> QuotaStatus:
         salt = self._salt(salt_segment)
