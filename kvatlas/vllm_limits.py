@@ -18,7 +18,9 @@ def validation_error(message: str, param: str, value: int) -> InvalidInput:
     return InvalidInput(f"{message} (parameter={param}, value={value})", param=param)
 
 
-def over_context(context: int, prompt_tokens: int, asked: int | None, name: str) -> InvalidInput | None:
+def over_context(
+    context: int, prompt_tokens: int, asked: int | None, name: str
+) -> InvalidInput | None:
     """The refusal of an output limit ``asked`` (the request's field ``name``: ``max_tokens``
     or ``max_completion_tokens``) over the whole context, or of a prompt over it; ``None``
     when neither is."""

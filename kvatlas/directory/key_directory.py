@@ -207,6 +207,7 @@ class KeyDirectory:
                     self.observer.fenced(instance_id)
             self._gate.forget(instance_id)
             self._capacities.pop(instance_id, None)
+            self._private = {m for m in self._private if m[0] != instance_id}
             return dropped
 
     def _apply_admitted(self, cb: ColumnBatch, admission: Admission) -> None:

@@ -157,6 +157,19 @@ def test_config_capacity_newest_revision_wins() -> None:
     assert d.capacities() == {}
 
 
+def test_a_deregistered_instances_private_declarations_are_forgotten() -> None:
+    """Departed emitters must not accumulate: each private (``shared: false``) declaration
+    the usage view keeps its instance's goes with the instance."""
+    d = KeyDirectory(CS)
+    for i in range(50):
+        em = Emitter(f"e{i}")
+        d.consume(em.batch("config", tier="l2", backend="fs", capacity_bytes=1 << 20,
+                           capacity_revision=1))  # fmt: skip
+        d.deregister(em.instance_id)
+    assert d.capacities() == {} and d.usage().modules == []
+    assert not d._private  # (the set the usage view reads; it kept all 50)
+
+
 def test_blend_lookup_chunk_size_must_match() -> None:
     with pytest.raises(ValueError):
         KeyDirectory(CS).enable_blend_lookup(CS + 1)
