@@ -254,6 +254,24 @@ def test_the_coordinators_fleet_takes_an_instance_as_gone_after_its_timeout_only
     assert fleet.gone("a") and not fleet.gone("b")  # b: registered with another replica
 
 
+def test_a_private_l2_of_a_pools_backend_is_no_membership_of_the_pool() -> None:
+    """A shared fs pool's commands (a gone member's deletes) go through its members only: an
+    instance whose own fs L2 is private (``shared: false``) is none of them (it was listed,
+    and would have deleted the keys from its private L2 while the pool's copies stayed)."""
+    from kvatlas.coordinator.cache_control.fleet import CoordinatorFleet
+    from kvatlas.coordinator.instances import InstanceRegistry
+    from kvatlas.directory import KeyDirectory
+    from tests.directory.helpers import Emitter
+
+    directory = KeyDirectory(16)
+    for name, shared in (("pool-a", True), ("pool-b", True), ("private", False)):
+        directory.consume(Emitter(name).batch("config", tier="l2", backend="fs", shared=shared,
+                                              capacity_bytes=1 << 20, capacity_revision=1))  # fmt: skip
+    fleet = CoordinatorFleet(InstanceRegistry(30.0, on_fence=lambda _i: None), directory)
+    assert fleet.pools_of("pool-a") == fleet.pools_of("pool-b") == {"fs"}
+    assert fleet.pools_of("private") == set()
+
+
 def test_deregistration_fails_the_commands_that_need_the_instance() -> None:
     log, _fleet, _servers, delivery = setup()
     c = log.new("prefetch", ["a"], KEYS, token_ids=tuple(range(32)))

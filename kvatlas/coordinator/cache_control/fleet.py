@@ -63,11 +63,15 @@ class CoordinatorFleet:
         return f"http://{host}:{record.registration.http_port}"
 
     def pools_of(self, instance_id: str) -> set[str]:
-        """The shared L2 pools (by backend) the instance declared capacity in."""
-        shared = {m.backend for m in self.directory.usage().modules if m.instance_id is None}
+        """The shared L2 pools (by backend) the instance declared capacity in (an L2 it
+        declared private, ``shared: false``, is its own module even beside a pool of that
+        backend: no membership)."""
+        modules = self.directory.usage().modules
+        shared = {m.backend for m in modules if m.instance_id is None}
+        private = {m.backend for m in modules if m.instance_id == instance_id and m.tier == "l2"}
         declared = self.directory.capacities().get(instance_id)
         own = set() if declared is None else {b for t, b in declared.capacities if t == "l2"}
-        return shared & own
+        return (shared & own) - private
 
     def pool_members(self, backend: str) -> list[str]:
         """Registered instances that declared capacity in the shared L2 pool ``backend``."""
