@@ -213,6 +213,8 @@ def test_with_auth_the_page_is_a_shell_and_the_data_needs_an_unbound_token(secur
         assert httpx.get(url + path, headers=bearer(NODE)).status_code == 403
         allowed = httpx.get(url + path, headers=bearer(ADMIN))
         assert allowed.status_code == 200 and "node-a" in allowed.text
+    fragment = httpx.get(url + "/status/fragment", headers=bearer(ADMIN))  # opened on its own:
+    assert "default-src 'none'" in fragment.headers["content-security-policy"]  # nothing runs
 
 
 def test_a_node_reports_only_for_itself_and_only_registered(secured: str) -> None:

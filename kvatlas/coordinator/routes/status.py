@@ -40,7 +40,10 @@ async def status_page(ctx: Context, call: Call[None, None]) -> Reply:
 
 
 async def status_fragment(ctx: Context, call: Call[None, None]) -> Reply:
-    return _html(render_body(await run_in_threadpool(ctx.service.status.view)))
+    # the page's script inserts it (no CSP of its own applies there); opened as a document of
+    # its own, nothing in it may run or load
+    body = render_body(await run_in_threadpool(ctx.service.status.view))
+    return _html(body, "default-src 'none'; style-src 'unsafe-inline'")
 
 
 async def status_json(ctx: Context, call: Call[None, None]) -> Reply:
