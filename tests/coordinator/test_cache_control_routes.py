@@ -225,6 +225,39 @@ def test_a_move_is_recorded_and_its_status_kept(
     assert (status["source_instance_id"], status["target_instance_id"]) == ("n1", "n2")
 
 
+def test_another_salts_command_status_is_answered_as_an_unknown_id(
+    served: tuple[BackgroundServer, httpx.Client],
+) -> None:
+    """A token bound to tenant-a asking for the status of tenant-b's move or prefetch by its
+    id learns nothing of it: the answer is an unknown id's (a move: 404; a prefetch: the 403
+    of one this coordinator did not record), never naming tenant-b (the 403 said "this token
+    may not use cache_salt 'tenant-b'": another tenant's salt echoed to whoever held the id)."""
+    _, c = served
+    admin, a = bearer(ADMIN), bearer(TENANT_A)
+    b = fields("tenant-b")
+    move = c.post(
+        "/cache/moves", json={**b, "source_instance_id": "n1", "target_instance_id": "n2"},
+        headers=admin,
+    ).json()["move_id"]  # fmt: skip
+    prefetch = c.post("/cache/prefetches", json={**b, "instance_id": "n1"}, headers=admin)
+    assert prefetch.status_code == 502, prefetch.text  # recorded (n1's MP server is down)
+    request_id = prefetch.json()["request_id"]
+    assert c.get(f"/cache/moves/{move}", headers=admin).status_code == 200
+    unknown_move = assert_error(c.get("/cache/moves/0123abcd", headers=a), 404)
+    theirs = assert_error(c.get(f"/cache/moves/{move}", headers=a), 404)
+    assert "tenant-b" not in theirs["detail"]
+    assert theirs["detail"] == unknown_move["detail"].replace("0123abcd", move)
+    unknown = assert_error(c.get("/cache/prefetches/n1/0123abcd", headers=a), 403)
+    theirs = assert_error(c.get(f"/cache/prefetches/n1/{request_id}", headers=a), 403)
+    assert theirs == unknown and "tenant-b" not in theirs["detail"]
+    # its own salt's are answered
+    mine = c.post(
+        "/cache/moves", json={**fields(), "source_instance_id": "n1", "target_instance_id": "n2"},
+        headers=a,
+    ).json()["move_id"]  # fmt: skip
+    assert c.get(f"/cache/moves/{mine}", headers=a).status_code == 200
+
+
 def test_quota_usage_counts_the_directorys_l2_bytes_per_salt() -> None:
     """The bytes of L2 copies per salt, as LMCache reports a salt's usage (L1 not counted)."""
     with running(chunk_size=16) as (_, c):
