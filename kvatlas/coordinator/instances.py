@@ -158,6 +158,13 @@ class InstanceRegistry:
         with self._lock:
             return instance_id in self._records
 
+    def may_hold(self, instance_id: str, cache_salt: str) -> bool:
+        """Whether the token that registered ``instance_id`` may store under ``cache_salt``
+        (an instance not registered here, with another replica: not known, so yes)."""
+        with self._lock:
+            r = self._records.get(instance_id)
+        return r is None or r.cache_salts is None or cache_salt in r.cache_salts
+
     def carried_over(self, instance_id: str) -> bool:
         """Restored from the snapshot and not registered since: its node kept running
         through this coordinator's restart (a node registers whenever it starts)."""

@@ -25,7 +25,9 @@ from tests.coordinator.helpers import (
 from tests.coordinator.security_support import bearer, token
 from tests.helpers import write_tokens
 
-ADMIN, TENANT_A, ANY_CACHE, NODE = (token(n) for n in ("admin", "cache-a", "cache-any", "node"))
+ADMIN, TENANT_A, ANY_CACHE, NODE, NODE_B = (
+    token(n) for n in ("admin", "cache-a", "cache-any", "node", "node-b")
+)
 TOKENS = list(range(100, 148))  # three chunks of 16
 
 
@@ -44,12 +46,14 @@ def served(
         {"token": ANY_CACHE, "roles": ["cache"]},
         {"token": NODE, "roles": ["emit", "lookup"], "instance_ids": ["n1", "n2"],
          "cache_salts": ["tenant-a"]},
+        {"token": NODE_B, "roles": ["emit", "lookup"], "instance_ids": ["n3"],
+         "cache_salts": ["tenant-b"]},
     )  # fmt: skip
     with running(chunk_size=16, auth_token_file=path) as (server, client):
-        for inst in ("n1", "n2"):  # MP servers at a port where nothing listens
-            r = client.post(
+        for inst, node in (("n1", NODE), ("n2", NODE), ("n3", NODE_B)):
+            r = client.post(  # MP servers at a port where nothing listens
                 "/instances", json={"instance_id": inst, "ip": "127.0.0.1", "http_port": 9},
-                headers=bearer(NODE),
+                headers=bearer(node),
             )  # fmt: skip
             assert r.status_code == 200, r.text
         yield server, client
@@ -223,6 +227,72 @@ def test_a_move_is_recorded_and_its_status_kept(
     # so it stays pending, loading, retried)
     assert status["status"] == "pending" and status["phase"] in ("queued", "loading")
     assert (status["source_instance_id"], status["target_instance_id"]) == ("n1", "n2")
+
+
+def test_another_salts_command_status_is_answered_as_an_unknown_id(
+    served: tuple[BackgroundServer, httpx.Client],
+) -> None:
+    """A token bound to tenant-a asking for the status of tenant-b's move or prefetch by its
+    id learns nothing of it: the answer is an unknown id's (a move: 404; a prefetch: the 403
+    of one this coordinator did not record), never naming tenant-b (the 403 said "this token
+    may not use cache_salt 'tenant-b'": another tenant's salt echoed to whoever held the id)."""
+    _, c = served
+    admin, a = bearer(ADMIN), bearer(TENANT_A)
+    b = fields("tenant-b")
+    move = c.post(  # n3 serves tenant-b
+        "/cache/moves", json={**b, "source_instance_id": "n1", "target_instance_id": "n3"},
+        headers=admin,
+    ).json()["move_id"]  # fmt: skip
+    prefetch = c.post("/cache/prefetches", json={**b, "instance_id": "n3"}, headers=admin)
+    assert prefetch.status_code == 502, prefetch.text  # recorded (n3's MP server is down)
+    request_id = prefetch.json()["request_id"]
+    assert c.get(f"/cache/moves/{move}", headers=admin).status_code == 200
+    unknown_move = assert_error(c.get("/cache/moves/0123abcd", headers=a), 404)
+    theirs = assert_error(c.get(f"/cache/moves/{move}", headers=a), 404)
+    assert "tenant-b" not in theirs["detail"]
+    assert theirs["detail"] == unknown_move["detail"].replace("0123abcd", move)
+    unknown = assert_error(c.get("/cache/prefetches/n3/0123abcd", headers=a), 403)
+    theirs = assert_error(c.get(f"/cache/prefetches/n3/{request_id}", headers=a), 403)
+    assert theirs == unknown and "tenant-b" not in theirs["detail"]
+    # its own salt's are answered
+    mine = c.post(
+        "/cache/moves", json={**fields(), "source_instance_id": "n1", "target_instance_id": "n2"},
+        headers=a,
+    ).json()["move_id"]  # fmt: skip
+    assert c.get(f"/cache/moves/{mine}", headers=a).status_code == 200
+
+
+def test_an_instance_is_never_asked_to_load_a_salt_its_token_may_not_store(
+    served: tuple[BackgroundServer, httpx.Client],
+) -> None:
+    """A prefetch onto, or a move to, an instance registered by a token bound to other salts
+    is a 409 that records nothing, for a tenant's cache token and admin alike. The keys it
+    loaded would be store events its token may not send: the coordinator refuses the whole
+    batch (403) and the node's event sink retries it forever, so one prefetch by tenant-a's
+    cache operator onto tenant-b's node (a shared L2 pool, or a source it can fetch from)
+    stopped that node's event reporting (found on real processes: tenant-b's later stores
+    never reached the directory). Its own salt's are recorded as before."""
+    server, c = served
+    before = cache_control_state(server)
+    for who in (TENANT_A, ADMIN):
+        for r in (
+            c.post(
+                "/cache/prefetches", json={**fields(), "instance_id": "n3"}, headers=bearer(who)
+            ),
+            c.post(
+                "/cache/moves",
+                json={**fields(), "source_instance_id": "n1", "target_instance_id": "n3"},
+                headers=bearer(who),
+            ),
+        ):
+            assert "n3" in assert_error(r, 409)["detail"]
+    assert cache_control_state(server) == before
+    r = c.post(
+        "/cache/prefetches", json={**fields(), "instance_id": "n2"}, headers=bearer(TENANT_A)
+    )
+    assert r.status_code == 502 and r.json()["request_id"], r.text  # recorded, n2 down
+    move = {**fields(), "source_instance_id": "n3", "target_instance_id": "n1"}  # any source
+    assert c.post("/cache/moves", json=move, headers=bearer(TENANT_A)).status_code == 200
 
 
 def test_quota_usage_counts_the_directorys_l2_bytes_per_salt() -> None:

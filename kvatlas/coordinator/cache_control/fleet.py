@@ -124,7 +124,7 @@ def cache_control_of(
 
     control = CacheControl(
         chunk_size, is_instance=is_instance, usage_by_salt=directory.bytes_by_salt,
-        hash_chunks=hash_chunks, **shared,
+        hash_chunks=hash_chunks, may_hold=instances.may_hold, **shared,
     )  # fmt: skip
     fleet = CoordinatorFleet(instances, directory, seen)
     delivery = Delivery(lambda: control.commands, fleet, mp_servers or no_servers)

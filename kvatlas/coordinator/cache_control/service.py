@@ -41,7 +41,7 @@ from kvatlas.coordinator.cache_control.commands import Command, CommandLog
 from kvatlas.coordinator.cache_control.pins import Pins, PinTable
 from kvatlas.coordinator.cache_control.quotas import GB, Quotas, QuotaTable, salt_of_path
 from kvatlas.coordinator.cache_control.shared_store import SharedStore
-from kvatlas.errors import InvalidInput, NotFound, Unprocessable
+from kvatlas.errors import Conflict, InvalidInput, NotFound, Unprocessable
 from kvatlas.keys import (
     ObjectKey,
     check_cache_salt,
@@ -96,9 +96,13 @@ class CacheControl:
         quotas: Quotas | None = None,
         commands: CommandLog | None = None,
         store: SharedStore | None = None,
+        may_hold: Callable[[str, str], bool] = lambda _instance_id, _salt: True,
     ) -> None:
         self.chunk_size = chunk_size
         self.is_instance = is_instance
+        self.may_hold = may_hold
+        """Whether an instance may store keys of a salt (its registering token's binding):
+        one that may not is never asked to load them (its store events would be refused)."""
         self.usage_by_salt = usage_by_salt  # bytes of L2 copies per salt (the directory's)
         self.hash_chunks = hash_chunks or (lambda tokens: chunk_hashes(tokens, chunk_size))
         self.pins: Pins = pins or PinTable()
@@ -184,6 +188,7 @@ class CacheControl:
 
     def prefetch(self, body: CoordinatorPrefetchBody) -> PrefetchOutcome:
         self._require_instance(body.instance_id)
+        self._require_holder(body.instance_id, body.cache_salt)
         found = self.resolve(body)
         if not found.keys:
             return PrefetchOutcome(CoordinatorPrefetchReply(body.instance_id, "", 0, "noop"), None)
@@ -224,6 +229,7 @@ class CacheControl:
             raise InvalidInput(f"source and target are the same instance ({source!r})")
         self._require_instance(source)
         self._require_instance(target)
+        self._require_holder(target, body.cache_salt)
         found = self.resolve(body)
         if not found.keys:
             return MoveReply("", source, target, 0, "noop"), None
@@ -253,6 +259,16 @@ class CacheControl:
     def _require_instance(self, instance_id: str) -> None:
         if not self.is_instance(instance_id):
             raise NotFound(_UNKNOWN.format(instance_id))
+
+    def _require_holder(self, instance_id: str, cache_salt: str) -> None:
+        """409 unless ``instance_id`` may store keys of ``cache_salt``: keys loaded there
+        (a prefetch, a move's target) would be store events its token may not send, refused
+        whole, and its event reporting would stop at them (another tenant's node blinded)."""
+        if not self.may_hold(instance_id, cache_salt):
+            raise Conflict(
+                f"instance {instance_id!r} does not serve cache_salt {cache_salt!r} (the token "
+                "it registered with is bound to other salts): it cannot load its keys"
+            )
 
     # ------------------------------------------------------------------ quotas
 

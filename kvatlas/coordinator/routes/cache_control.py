@@ -58,8 +58,11 @@ def _path_salt(segment: str) -> str:
         raise InvalidInput(str(exc)) from None
 
 
-def _command_salts(command: Command) -> set[str]:
-    return {k.cache_salt for k in command.keys}
+def _foreign(who: Principal, command: Command | None) -> bool:
+    """Whether ``command`` acts in a salt outside ``who``'s binding: its status is then
+    answered as an unknown id's (a refusal naming the salt would tell another tenant's salt,
+    and that the id is one, to whoever holds the id)."""
+    return command is not None and bool(who.foreign_salts(k.cache_salt for k in command.keys))
 
 
 # ------------------------------------------------------------------ pins
@@ -129,11 +132,11 @@ async def prefetch_status(ctx: Context, call: Call[None, None]) -> CoordinatorPr
     instance_id, request_id = call.params["instance_id"], call.params["request_id"]
     service = ctx.service
     control = service.cache_control
-    status = await run_in_threadpool(control.prefetch_status, instance_id, request_id)
-    if status is not None:
-        command = await run_in_threadpool(control.commands.get, request_id)
-        _may(call.who, *(_command_salts(command) if command else ()))
-        return status
+    command = await run_in_threadpool(control.commands.get, request_id)
+    if not _foreign(call.who, command):
+        status = await run_in_threadpool(control.prefetch_status, instance_id, request_id)
+        if status is not None:
+            return status
     if not call.who.sees_everything:
         raise Forbidden("a prefetch this coordinator did not record: for a token not bound to cache_salts only")  # fmt: skip
     url = service.delivery.fleet.url_of(instance_id)
@@ -167,10 +170,10 @@ async def move(ctx: Context, call: Call[MoveBody, None]) -> MoveReply:
 async def move_status(ctx: Context, call: Call[None, None]) -> MoveStatus:
     control = ctx.service.cache_control
     move_id = call.params["move_id"]
-    status = await run_in_threadpool(control.move_status, move_id)
     command = await run_in_threadpool(control.commands.get, move_id)
-    _may(call.who, *(_command_salts(command) if command else ()))
-    return status
+    if _foreign(call.who, command):
+        raise NotFound(f"unknown move_id={move_id!r}")  # as control.move_status answers it
+    return await run_in_threadpool(control.move_status, move_id)
 
 
 # ------------------------------------------------------------------ quotas
