@@ -8,6 +8,8 @@ Redis SCAN does). :func:`page_keys` adds offset pagination on top. See docs/dire
 
 from __future__ import annotations
 
+import bisect
+import json
 import threading
 from dataclasses import dataclass
 from typing import Final, Protocol
@@ -28,7 +30,9 @@ from kvatlas.directory.records import (
     row_instance,
     row_tier,
 )
+from kvatlas.directory.shapes import KeyShape
 from kvatlas.errors import InvalidInput
+from kvatlas.keys.object_key import ShapeParts
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +90,7 @@ def list_keys(
     :class:`InvalidInput` on a bad cursor or limit."""
     if limit < 1:
         raise InvalidInput("limit must be >= 1")
-    start, skip = _parse_cursor(cursor)
+    start, skip, after = _parse_cursor(cursor)
     budget = max_scan if max_scan is not None else max(4096, 64 * limit)
     items: list[KeyPlacements] = []
     scanned = 0
@@ -105,10 +109,12 @@ def list_keys(
             pairs = sorted(
                 ((shapes[sid], pls) for sid, pls in record_keys(rec)), key=lambda kv: kv[0].parts
             )
-            first = skip if h == start else 0
+            first = 0
+            if h == start:  # the keys of the cursor's chunk it had not reached, by key
+                first = skip if after is None else bisect.bisect_left(pairs, after, key=_parts)
             for n in range(first, len(pairs)):
                 if len(items) == limit or scanned >= budget:
-                    return KeyPage(items, f"{h.hex()}:{n}")
+                    return KeyPage(items, _cursor_at(h, n, pairs[n][0].parts))
                 scanned += 1
                 shape, pls = pairs[n]
                 shown = pls if takes_all else admitted(where, pls)
@@ -170,16 +176,36 @@ def page_keys(
     return KeyPage(items[:limit], next_cursor, next_offset, total)
 
 
-def _parse_cursor(cursor: str | None) -> tuple[bytes | None, int]:
-    """``(chunk hash, keys of that chunk to skip)`` of a cursor (``(None, 0)``: the start)."""
+def _parts(pair: tuple[KeyShape, object]) -> ShapeParts:
+    return pair[0].parts
+
+
+def _cursor_at(h: bytes, n: int, parts: ShapeParts) -> str:
+    """A cursor at the ``n``-th key (``parts``) of chunk ``h``: a page from it resumes at
+    the first of that chunk's keys not before ``parts`` (keys going or coming before it
+    between pages shift the positions: a position alone skipped or repeated keys)."""
+    return f"{h.hex()}:{n}:{json.dumps(parts, separators=(',', ':')).encode().hex()}"
+
+
+def _parse_cursor(cursor: str | None) -> tuple[bytes | None, int, ShapeParts | None]:
+    """``(chunk hash, keys of that chunk to skip, the first key of it to return)`` of a
+    cursor (``(None, 0, None)``: the start; a cursor without the key skips by position)."""
     if not cursor:
-        return None, 0
+        return None, 0, None
     try:
-        text, _, n = cursor.partition(":")
+        text, n, *rest = cursor.split(":", 2)
         h = bytes.fromhex(text)
         skip = int(n or 0)
-    except ValueError:
+        after = None
+        if rest:
+            model, rank, group, salt = json.loads(bytes.fromhex(rest[0]))
+            after = (model, rank, group, salt)
+            if not (isinstance(model, str) and isinstance(salt, str)) or not all(
+                type(x) is int for x in (rank, group)
+            ):
+                raise ValueError(after)
+    except (ValueError, TypeError):
         raise InvalidInput(f"invalid cursor {cursor!r:.80}") from None
     if len(h) != 32 or skip < 0:
         raise InvalidInput(f"invalid cursor {cursor!r:.80}")
-    return h, skip
+    return h, skip, after

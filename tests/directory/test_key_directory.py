@@ -307,3 +307,22 @@ def test_paging_returns_each_admitted_key_once_in_order(
             break
         cursor = page.next_cursor
     assert seen == expected
+
+
+@pytest.mark.parametrize("change", ["earlier key gone", "earlier key added"])
+def test_a_cursor_inside_a_chunk_resumes_after_the_last_key_returned(change: str) -> None:
+    """A page that ends inside a chunk's keys resumes after the last key it returned, not at
+    a position: a key of that chunk that sorts before the cursor going (or coming) between
+    pages shifted the positions, so a key present throughout the listing was skipped (or
+    returned twice). Found by a concurrency probe's listings under churn (a repeat)."""
+    d, a = KeyDirectory(CS), Emitter("a")
+    ranks = [1, 2] if change == "earlier key added" else [0, 1, 2]
+    d.consume(a.batch("store", [entry(_pk(3, r)) for r in ranks]))
+    first = d.list_keys(limit=len(ranks) - 1)
+    assert [kp.key for kp in first.items] == [_pk(3, r) for r in ranks[:-1]]
+    if change == "earlier key gone":
+        d.consume(a.batch("delete", [entry(_pk(3, 0))]))
+    else:
+        d.consume(a.batch("store", [entry(_pk(3, 0))]))
+    rest = d.list_keys(cursor=first.next_cursor, limit=10)
+    assert [kp.key for kp in rest.items] == [_pk(3, 2)] and rest.next_cursor is None
