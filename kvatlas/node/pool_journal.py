@@ -16,7 +16,6 @@ one it does not).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Protocol
 
 from kvatlas.keys import ObjectKey
-from kvatlas.node.l2 import FsL2
+from kvatlas.node.l2 import FsL2, RedisL2
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +36,12 @@ JOURNAL_DIR = ".journal"
 class PoolJournal:
     """The journal of one node (``instance_id``) on the pool at ``root``."""
 
+    errors: tuple[type[Exception], ...] = (OSError,)
+    """What a failed append or cut of this journal's storage raises."""
+
     def __init__(self, root: Path, instance_id: str) -> None:
         self.path = Path(root) / JOURNAL_DIR / f"{instance_id}.log"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._open_storage()
         self._lock = threading.Lock()
         self._lines: list[tuple[int, ObjectKey, bytes]] = []  # not cut yet, in order
         self._open: set[int] = set()  # numbers whose event is not recorded yet
@@ -48,19 +50,40 @@ class PoolJournal:
         # the previous run's lines, kept (open) until :meth:`replayed`, then until a cut
         self._left_over = {key: self._keep(key, line) for key, line in self._read().items()}
         self._open.update(self._left_over.values())
+
+    # the storage of the lines: a file in the pool (a Redis pool: RedisPoolJournal)
+    def _open_storage(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "ab")  # noqa: SIM115 - held open, closed by close()
+
+    def _stored(self) -> bytes:
+        try:
+            return self.path.read_bytes()
+        except FileNotFoundError:
+            return b""
+
+    def _append(self, line: bytes) -> None:
+        if not self._file.closed:  # (a write racing the node's shutdown goes unjournaled)
+            self._file.write(line)
+            self._file.flush()
+
+    def _rewrite(self, data: bytes) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, self.path)
+        self._file.close()
+        self._file = open(self.path, "ab")  # noqa: SIM115
 
     def _read(self) -> dict[ObjectKey, bytes]:
         """The keys of the previous run's lines (the last line of a key wins; a torn or
         foreign line is skipped)."""
         found: dict[ObjectKey, bytes] = {}
-        with contextlib.suppress(FileNotFoundError):
-            for line in self.path.read_bytes().splitlines():
-                try:
-                    key = ObjectKey.from_wire(json.loads(line)["key"])
-                except (ValueError, KeyError, TypeError):
-                    continue
-                found[key] = line + b"\n"
+        for line in self._stored().splitlines():
+            try:
+                key = ObjectKey.from_wire(json.loads(line)["key"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            found[key] = line + b"\n"
         return found
 
     def _keep(self, key: ObjectKey, line: bytes) -> int:
@@ -86,14 +109,12 @@ class PoolJournal:
         with self._lock:
             number = self._keep(key, line)
             self._open.add(number)
-            if not self._file.closed:  # (a write racing the node's shutdown goes unjournaled)
-                try:
-                    self._file.write(line)
-                    self._file.flush()
-                except OSError as exc:  # the change goes on, unjournaled: counted, said once
-                    self.failures += 1
-                    if self.failures == 1:
-                        log.warning("pool journal %s not written: %s", self.path, exc)
+            try:
+                self._append(line)
+            except self.errors as exc:  # the change goes on, unjournaled: counted, said once
+                self.failures += 1
+                if self.failures == 1:
+                    log.warning("pool journal %s not written: %s", self.path, exc)
         return number
 
     def end(self, number: int) -> None:
@@ -130,17 +151,49 @@ class PoolJournal:
             dropped = len(self._lines) - len(kept)
             if not dropped:
                 return 0
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_bytes(b"".join(line for _, _, line in kept))
-            os.replace(tmp, self.path)
-            self._file.close()
-            self._file = open(self.path, "ab")  # noqa: SIM115
+            self._rewrite(b"".join(line for _, _, line in kept))
             self._lines = kept
         return dropped
 
     def close(self) -> None:
         with self._lock:
             self._file.close()
+
+
+class RedisPoolJournal(PoolJournal):
+    """The journal of one node on a Redis pool: its lines in a Redis list beside the values
+    (``<prefix>journal:<instance id>``; a value's name is a 64-hex digest, never that), so a
+    node killed between writing a value and its event leaving announces it at its restart as
+    a node on an fs pool does."""
+
+    def __init__(self, l2: RedisL2, instance_id: str) -> None:
+        self._redis = l2.client
+        self._name = f"{l2.prefix}journal:{instance_id}"
+        self._closed = False
+        self.errors = (OSError, *l2.errors)
+        super().__init__(Path("."), instance_id)
+
+    def _open_storage(self) -> None:
+        self.path = Path(self._name)  # (named in log lines; no file)
+
+    def _stored(self) -> bytes:
+        return b"".join(self._redis.lrange(self._name, 0, -1))
+
+    def _append(self, line: bytes) -> None:
+        if not self._closed:
+            self._redis.rpush(self._name, line)
+
+    def _rewrite(self, data: bytes) -> None:
+        lines = data.splitlines(keepends=True)
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.delete(self._name)
+        if lines:
+            pipe.rpush(self._name, *lines)
+        pipe.execute()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
 
 
 class JournalCutter:
@@ -187,7 +240,7 @@ class JournalCutter:
         while not self._stop.wait(self.interval):
             try:
                 self.tick()
-            except OSError as exc:  # the pool's disk: try again next round
+            except self.journal.errors as exc:  # the pool's disk: try again next round
                 log.warning("pool journal not cut: %s", exc)
 
     def stop(self) -> None:
@@ -216,11 +269,16 @@ def journal_pool_changes(
     the node's pool changes (``writes.journal``), announce what the previous run left
     journaled, and cut the journal as the events leave. ``None`` otherwise."""
     flush, stats = getattr(sink, "flush", None), getattr(sink, "stats", None)
-    if not (isinstance(l2, FsL2) and l2.shared and callable(flush) and callable(stats)):
+    if not (isinstance(l2, FsL2 | RedisL2) and l2.shared and callable(flush) and callable(stats)):
         return None
     try:
-        journal = PoolJournal(l2.root, instance_id)
-    except OSError as exc:  # e.g. a pool mounted read-only here: the node serves without it
+        journal = (
+            PoolJournal(l2.root, instance_id)
+            if isinstance(l2, FsL2)
+            else RedisPoolJournal(l2, instance_id)
+        )
+    except (OSError, *getattr(l2, "errors", ())) as exc:  # e.g. a pool mounted read-only
+        # here, a Redis that does not answer: the node serves without it
         log.warning("shared pool changes not journaled (a kill may lose their events): %s", exc)
         return None
     writes.journal = journal

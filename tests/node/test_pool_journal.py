@@ -5,20 +5,22 @@ sink that lost batches makes the journaled keys go out again."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kvatlas.client import EventSink, InProcessTransport
 from kvatlas.directory import KeyDirectory
 from kvatlas.events import EventBatch
 from kvatlas.keys import ObjectKey, pack_kv_rank
 from kvatlas.node.cache_node import CacheNode
-from kvatlas.node.l2 import FsL2
+from kvatlas.node.l2 import FsL2, L2Backend, RedisL2
 from kvatlas.node.pool_journal import JournalCutter, PoolJournal
-from tests.conftest import wait_for
+from tests.conftest import RedisServer, wait_for
 from tests.helpers import TINY, node_config
 
 CS = 4
@@ -39,11 +41,19 @@ class Gate:
         self.directory.consume(batch)
 
 
-def pool_node(pool: Path, directory: KeyDirectory, incarnation: int) -> tuple[CacheNode, Gate]:
+def pool_node(
+    pool: Path | str, directory: KeyDirectory, incarnation: int
+) -> tuple[CacheNode, Gate]:
+    """A node on the fs pool at ``pool``, or on the Redis pool of that ``redis://`` URL."""
     gate = Gate(directory)
     sink = EventSink("p1", InProcessTransport(gate.consume), incarnation=incarnation)
-    node = CacheNode(config(), l2=FsL2(pool, "fs-shared", shared=True), sink=sink)
-    return node, gate
+    l2: L2Backend
+    if isinstance(pool, str):
+        url, _, prefix = pool.partition("#")
+        l2 = RedisL2(url, prefix=prefix)
+    else:
+        l2 = FsL2(pool, "fs-shared", shared=True)
+    return CacheNode(config(), l2=l2, sink=sink), gate
 
 
 def kill(node: CacheNode, gate: Gate) -> None:
@@ -68,12 +78,19 @@ def store(node: CacheNode, first: int, n: int) -> list[ObjectKey]:
     return [node.key(h, "") for h in tracker.chunk_hashes()]
 
 
+@pytest.mark.parametrize("backend", ["fs", "redis"])
 def test_a_pool_change_whose_event_died_with_the_node_is_announced_at_its_restart(
-    tmp_path: Path,
+    tmp_path: Path, backend: str, request: pytest.FixtureRequest
 ) -> None:
     """Found by ``kvatlas soak`` (seed 2: a pool file written at the instant its node was
-    killed stayed unknown to both replicas for good)."""
-    directory, pool = KeyDirectory(CS), tmp_path / "pool"
+    killed stayed unknown to both replicas for good). A Redis L2 is a pool too: a value written
+    at the instant of a ``kill -9`` of its node stayed unknown for good (found by a kill -9
+    probe of real node processes on a Redis L2)."""
+    pool: Path | str = tmp_path / "pool"
+    if backend == "redis":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        pool = f"{server.url}#test:{uuid.uuid4().hex}:"
+    directory = KeyDirectory(CS)
     node, gate = pool_node(pool, directory, 1)
     kept = store(node, 100, 2)
     node.flush_events()

@@ -84,6 +84,16 @@ class RedisL2:
         self._watcher: threading.Thread | None = None
         self._causes: dict[str, str] = {}
 
+    @property
+    def client(self) -> Any:
+        """The Redis client (the pool journal keeps its list beside the values)."""
+        return self._redis
+
+    @property
+    def errors(self) -> tuple[type[Exception], ...]:
+        """What a failed call of :attr:`client` raises."""
+        return self._errors
+
     def redis_key(self, key: ObjectKey) -> str:
         return self.prefix + key_digest(key)
 
