@@ -8,6 +8,7 @@ until they recover."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -400,32 +401,40 @@ def test_refusal_is_retried_once_and_the_engine_recovers(fleet: dict[str, Any]) 
     assert metric(fleet, "kvatlas_router_engines_out") == 0
 
 
-def test_engines_from_the_coordinator(fleet: dict[str, Any]) -> None:
-    """An instance registered with ``metadata.openai_url`` is an engine of a router run with
-    ``--engines-from-coordinator``; deregistered, it leaves the set."""
+@contextlib.contextmanager
+def listed_engine_router(fleet: dict[str, Any], name: str) -> Iterator[str]:
+    """A router run with ``--engines-from-coordinator`` (its URL) whose one engine ``name`` is
+    registered with the coordinator under ``metadata.openai_url``, and has served a request."""
     from kvatlas.client import CoordinatorClient
 
-    extra = FakeVllm("pod-c", MODEL, max_model_len=256)
+    extra = FakeVllm(name, MODEL, max_model_len=256)
     port = free_port()
     router = f"http://127.0.0.1:{port}"
     client = CoordinatorClient(fleet["coordinator"])
-    client.register("pod-c", metadata={"openai_url": extra.url})
+    client.register(name, metadata={"openai_url": extra.url})
     proc = spawn_router(port, "--coordinator-url", fleet["coordinator"],
                         "--engines-from-coordinator", "--policy", "least-loaded",
                         "--health-interval-s", "0.2")  # fmt: skip
     try:
         reply = post(fleet, "/v1/completions", {"model": MODEL, "prompt": [1, 2]}, router=router)
-        assert (reply.status_code, reply.headers["x-kvatlas-engine"]) == (200, "pod-c")
+        assert (reply.status_code, reply.headers["x-kvatlas-engine"]) == (200, name)
+        yield router
+    finally:
+        stop([proc])
+        client.close()
+        extra.close()
+
+
+def test_engines_from_the_coordinator(fleet: dict[str, Any]) -> None:
+    """An instance registered with ``metadata.openai_url`` is an engine of a router run with
+    ``--engines-from-coordinator``; deregistered, it leaves the set."""
+    with listed_engine_router(fleet, "pod-c") as router:
         engines = httpx.get(f"{router}/healthz").json()["engines"]
         assert set(engines) == {"pod-c"}  # pod-a, pod-b: no URL known to the coordinator
         httpx.delete(f"{fleet['coordinator']}/instances/pod-c")
         assert wait_for(lambda: HTTP.get(f"{router}/healthz").status_code == 503, timeout=10)
         gone = post(fleet, "/v1/completions", {"model": MODEL, "prompt": [1, 2]}, router=router)
         assert gone.status_code == 503
-    finally:
-        stop([proc])
-        client.close()
-        extra.close()
 
 
 def test_multimodal_and_untokenized_requests_are_routed_by_load_and_counted(
@@ -465,26 +474,10 @@ def test_an_engine_that_left_the_set_leaves_no_series_behind(fleet: dict[str, An
     (``kvatlas_router_decisions_total{engine}`` and the token counters): a fleet whose engines
     come and go under new ids (pods) must not grow the router's ``/metrics`` for ever (the old
     router kept every engine's series it had ever routed to)."""
-    from kvatlas.client import CoordinatorClient
-
-    extra = FakeVllm("pod-gone", MODEL, max_model_len=256)
-    port = free_port()
-    router = f"http://127.0.0.1:{port}"
-    client = CoordinatorClient(fleet["coordinator"])
-    client.register("pod-gone", metadata={"openai_url": extra.url})
-    proc = spawn_router(port, "--coordinator-url", fleet["coordinator"],
-                        "--engines-from-coordinator", "--policy", "least-loaded",
-                        "--health-interval-s", "0.2")  # fmt: skip
-    try:
-        reply = post(fleet, "/v1/completions", {"model": MODEL, "prompt": [1, 2]}, router=router)
-        assert (reply.status_code, reply.headers["x-kvatlas-engine"]) == (200, "pod-gone")
+    with listed_engine_router(fleet, "pod-gone") as router:
         assert 'engine="pod-gone"' in HTTP.get(f"{router}/metrics").text
         httpx.delete(f"{fleet['coordinator']}/instances/pod-gone")
         assert wait_for(lambda: HTTP.get(f"{router}/healthz").status_code == 503, timeout=10)
         text = HTTP.get(f"{router}/metrics").text
         assert "pod-gone" not in text
         assert "kvatlas_router_decisions_total" in text  # the family stays, without the engine
-    finally:
-        stop([proc])
-        client.close()
-        extra.close()
