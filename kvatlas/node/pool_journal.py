@@ -6,7 +6,7 @@ or removing a pool file and its event leaving the sink left every replica withou
 for good (``kvatlas soak``, seed 2: a file written at the instant of a ``kill -9`` was never
 announced). So before each change the node appends the chunk's key to
 ``<pool>/.journal/<instance id>.log`` (one JSON line; no fsync: it is there for a process that
-dies, as the event it stands for is), and once the events of the changes journaled so far were
+dies, as the event it stands for is; on a Redis pool, a Redis list beside the values), and once the events of the changes journaled so far were
 delivered, :meth:`PoolJournal.cut` drops their lines. A node that starts on the pool with the
 same instance id announces each key its previous run left journaled as the pool holds it now
 (:meth:`PoolJournal.left_over`): a ``store`` for a file that is there, a ``delete`` for one
@@ -33,15 +33,90 @@ log = logging.getLogger(__name__)
 JOURNAL_DIR = ".journal"
 
 
-class PoolJournal:
-    """The journal of one node (``instance_id``) on the pool at ``root``."""
+class JournalLines(Protocol):
+    """Where a journal's lines are kept: :class:`FileLines` (an fs pool), :class:`RedisLines`
+    (a Redis pool). ``name`` names them in log lines; ``errors``: what a failed call raises."""
+
+    name: str
+    errors: tuple[type[Exception], ...]
+
+    def stored(self) -> bytes: ...
+
+    def append(self, line: bytes) -> None: ...
+
+    def rewrite(self, data: bytes) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class FileLines:
+    """``<pool>/.journal/<instance id>.log``, held open for appends."""
 
     errors: tuple[type[Exception], ...] = (OSError,)
-    """What a failed append or cut of this journal's storage raises."""
 
     def __init__(self, root: Path, instance_id: str) -> None:
         self.path = Path(root) / JOURNAL_DIR / f"{instance_id}.log"
-        self._open_storage()
+        self.name = str(self.path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "ab")  # noqa: SIM115 - held open, closed by close()
+
+    def stored(self) -> bytes:
+        try:
+            return self.path.read_bytes()
+        except FileNotFoundError:
+            return b""
+
+    def append(self, line: bytes) -> None:
+        if not self._file.closed:  # (a write racing the node's shutdown goes unjournaled)
+            self._file.write(line)
+            self._file.flush()
+
+    def rewrite(self, data: bytes) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, self.path)
+        self._file.close()
+        self._file = open(self.path, "ab")  # noqa: SIM115
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class RedisLines:
+    """A Redis list beside a Redis pool's values (``<prefix>journal:<instance id>``; a value's
+    name is a 64-hex digest, never that)."""
+
+    def __init__(self, l2: RedisL2, instance_id: str) -> None:
+        self._redis = l2.client
+        self.name = f"{l2.prefix}journal:{instance_id}"
+        self.errors: tuple[type[Exception], ...] = (OSError, *l2.errors)
+        self._closed = False
+
+    def stored(self) -> bytes:
+        return b"".join(self._redis.lrange(self.name, 0, -1))
+
+    def append(self, line: bytes) -> None:
+        if not self._closed:
+            self._redis.rpush(self.name, line)
+
+    def rewrite(self, data: bytes) -> None:
+        lines = data.splitlines(keepends=True)
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.delete(self.name)
+        if lines:
+            pipe.rpush(self.name, *lines)
+        pipe.execute()
+
+    def close(self) -> None:
+        self._closed = True
+
+
+class PoolJournal:
+    """The journal of one node, its lines kept in ``lines``."""
+
+    def __init__(self, lines: JournalLines) -> None:
+        self.lines = lines
+        self.errors = lines.errors
         self._lock = threading.Lock()
         self._lines: list[tuple[int, ObjectKey, bytes]] = []  # not cut yet, in order
         self._open: set[int] = set()  # numbers whose event is not recorded yet
@@ -51,34 +126,11 @@ class PoolJournal:
         self._left_over = {key: self._keep(key, line) for key, line in self._read().items()}
         self._open.update(self._left_over.values())
 
-    # the storage of the lines: a file in the pool (a Redis pool: RedisPoolJournal)
-    def _open_storage(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "ab")  # noqa: SIM115 - held open, closed by close()
-
-    def _stored(self) -> bytes:
-        try:
-            return self.path.read_bytes()
-        except FileNotFoundError:
-            return b""
-
-    def _append(self, line: bytes) -> None:
-        if not self._file.closed:  # (a write racing the node's shutdown goes unjournaled)
-            self._file.write(line)
-            self._file.flush()
-
-    def _rewrite(self, data: bytes) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, self.path)
-        self._file.close()
-        self._file = open(self.path, "ab")  # noqa: SIM115
-
     def _read(self) -> dict[ObjectKey, bytes]:
         """The keys of the previous run's lines (the last line of a key wins; a torn or
         foreign line is skipped)."""
         found: dict[ObjectKey, bytes] = {}
-        for line in self._stored().splitlines():
+        for line in self.lines.stored().splitlines():
             try:
                 key = ObjectKey.from_wire(json.loads(line)["key"])
             except (ValueError, KeyError, TypeError):
@@ -110,11 +162,11 @@ class PoolJournal:
             number = self._keep(key, line)
             self._open.add(number)
             try:
-                self._append(line)
+                self.lines.append(line)
             except self.errors as exc:  # the change goes on, unjournaled: counted, said once
                 self.failures += 1
                 if self.failures == 1:
-                    log.warning("pool journal %s not written: %s", self.path, exc)
+                    log.warning("pool journal %s not written: %s", self.lines.name, exc)
         return number
 
     def end(self, number: int) -> None:
@@ -151,49 +203,13 @@ class PoolJournal:
             dropped = len(self._lines) - len(kept)
             if not dropped:
                 return 0
-            self._rewrite(b"".join(line for _, _, line in kept))
+            self.lines.rewrite(b"".join(line for _, _, line in kept))
             self._lines = kept
         return dropped
 
     def close(self) -> None:
         with self._lock:
-            self._file.close()
-
-
-class RedisPoolJournal(PoolJournal):
-    """The journal of one node on a Redis pool: its lines in a Redis list beside the values
-    (``<prefix>journal:<instance id>``; a value's name is a 64-hex digest, never that), so a
-    node killed between writing a value and its event leaving announces it at its restart as
-    a node on an fs pool does."""
-
-    def __init__(self, l2: RedisL2, instance_id: str) -> None:
-        self._redis = l2.client
-        self._name = f"{l2.prefix}journal:{instance_id}"
-        self._closed = False
-        self.errors = (OSError, *l2.errors)
-        super().__init__(Path("."), instance_id)
-
-    def _open_storage(self) -> None:
-        self.path = Path(self._name)  # (named in log lines; no file)
-
-    def _stored(self) -> bytes:
-        return b"".join(self._redis.lrange(self._name, 0, -1))
-
-    def _append(self, line: bytes) -> None:
-        if not self._closed:
-            self._redis.rpush(self._name, line)
-
-    def _rewrite(self, data: bytes) -> None:
-        lines = data.splitlines(keepends=True)
-        pipe = self._redis.pipeline(transaction=True)
-        pipe.delete(self._name)
-        if lines:
-            pipe.rpush(self._name, *lines)
-        pipe.execute()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
+            self.lines.close()
 
 
 class JournalCutter:
@@ -265,18 +281,17 @@ def journal_pool_changes(
     flush_events: Callable[[], object],
     writes: PoolWrites,
 ) -> JournalCutter | None:
-    """For a shared fs pool (``l2``) and an event sink that says what it delivered: journal
+    """For a shared pool (``l2``: fs or Redis) and an event sink that says what it delivered: journal
     the node's pool changes (``writes.journal``), announce what the previous run left
     journaled, and cut the journal as the events leave. ``None`` otherwise."""
     flush, stats = getattr(sink, "flush", None), getattr(sink, "stats", None)
     if not (isinstance(l2, FsL2 | RedisL2) and l2.shared and callable(flush) and callable(stats)):
         return None
     try:
-        journal = (
-            PoolJournal(l2.root, instance_id)
-            if isinstance(l2, FsL2)
-            else RedisPoolJournal(l2, instance_id)
+        lines = (
+            FileLines(l2.root, instance_id) if isinstance(l2, FsL2) else RedisLines(l2, instance_id)
         )
+        journal = PoolJournal(lines)  # (reads what the previous run left)
     except (OSError, *getattr(l2, "errors", ())) as exc:  # e.g. a pool mounted read-only
         # here, a Redis that does not answer: the node serves without it
         log.warning("shared pool changes not journaled (a kill may lose their events): %s", exc)

@@ -19,7 +19,7 @@ from kvatlas.events import EventBatch
 from kvatlas.keys import ObjectKey, pack_kv_rank
 from kvatlas.node.cache_node import CacheNode
 from kvatlas.node.l2 import FsL2, L2Backend, RedisL2
-from kvatlas.node.pool_journal import JournalCutter, PoolJournal
+from kvatlas.node.pool_journal import FileLines, JournalCutter, PoolJournal
 from tests.conftest import RedisServer, wait_for
 from tests.helpers import TINY, node_config
 
@@ -119,7 +119,7 @@ def test_a_clean_restart_announces_nothing(tmp_path: Path) -> None:
     store(node, 100, 2)
     assert node.pool_journal is not None
     assert wait_for(lambda: len(node.pool_journal.journal) == 0)  # type: ignore[union-attr]
-    assert node.pool_journal.journal.path.read_bytes() == b""
+    assert node.pool_journal.journal.lines.stored() == b""
     kill(node, gate)
     restarted, gate = pool_node(pool, directory, 2)
     try:
@@ -133,7 +133,7 @@ def key(n: int) -> ObjectKey:
 
 
 def test_lines_go_only_once_their_events_left_and_none_still_open(tmp_path: Path) -> None:
-    journal = PoolJournal(tmp_path, "n")
+    journal = PoolJournal(FileLines(tmp_path, "n"))
     done, still = journal.begin(key(1)), journal.begin(key(2))
     journal.end(done)
     assert journal.cut(lambda: False) == 0 and len(journal) == 2  # not delivered yet
@@ -141,25 +141,26 @@ def test_lines_go_only_once_their_events_left_and_none_still_open(tmp_path: Path
     assert journal.keys() == [key(2)]
     journal.end(still)
     journal.close()
-    again = PoolJournal(tmp_path, "n")  # what a restart finds
+    again = PoolJournal(FileLines(tmp_path, "n"))  # what a restart finds
     assert again.left_over() == [key(2)]
     assert again.cut(lambda: True) == 0  # not announced yet: kept
     again.replayed()
-    assert again.cut(lambda: True) == 1 and again.path.read_bytes() == b""
+    assert again.cut(lambda: True) == 1 and again.lines.stored() == b""
     again.close()
 
 
 def test_a_torn_line_is_skipped(tmp_path: Path) -> None:
-    journal = PoolJournal(tmp_path, "n")
+    lines = FileLines(tmp_path, "n")
+    journal = PoolJournal(lines)
     journal.begin(key(1))
     journal.close()
-    with open(journal.path, "ab") as f:
+    with open(lines.path, "ab") as f:
         f.write(b'{"key": {"chunk_hash": "0a')  # killed in the middle of a line
-    assert PoolJournal(tmp_path, "n").left_over() == [key(1)]
+    assert PoolJournal(FileLines(tmp_path, "n")).left_over() == [key(1)]
 
 
 def test_a_sink_that_lost_batches_announces_the_journaled_keys_again(tmp_path: Path) -> None:
-    journal = PoolJournal(tmp_path, "n")
+    journal = PoolJournal(FileLines(tmp_path, "n"))
     journal.end(journal.begin(key(1)))
     lost, announced = [0], []
     cutter = JournalCutter(
@@ -198,9 +199,10 @@ def test_a_journal_append_that_fails_does_not_fail_the_change(tmp_path: Path) ->
 
         def close(self) -> None: ...
 
-    journal = PoolJournal(tmp_path, "n")
-    journal._file.close()
-    journal._file = FullDisk()  # type: ignore[assignment]
+    lines = FileLines(tmp_path, "n")
+    lines._file.close()
+    lines._file = FullDisk()  # type: ignore[assignment]
+    journal = PoolJournal(lines)
     journal.end(journal.begin(key(1)))  # no exception: the pool write goes on
     journal.end(journal.begin(key(2)))
     assert journal.failures == 2
