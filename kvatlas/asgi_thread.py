@@ -71,6 +71,13 @@ class StopServing:
             self._server = server
             server.should_exit = self.reason is not None
 
+    def exit_code(self) -> int:
+        """After :func:`serve` returned: 1 (the reason logged) if this stopped it, else 0."""
+        if self.reason is None:
+            return 0
+        log.error("stopped: %s", self.reason)
+        return 1
+
 
 def serve(
     app: Any,

@@ -264,7 +264,4 @@ def run_coordinator(config: CoordinatorConfig, mp_servers: MpServers | None = No
         sock.close()
         if lock is not None:
             lock.close()
-    if stopper.reason is not None:
-        log.error("stopped: %s", stopper.reason)
-        return 1
-    return 0
+    return stopper.exit_code()

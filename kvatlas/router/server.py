@@ -130,7 +130,4 @@ def run_router(
               **uvicorn_log_options(config.log_level, False))  # fmt: skip
     finally:
         sock.close()
-    if stopper is not None and stopper.reason is not None:
-        log.error("stopped: %s", stopper.reason)
-        return 1
-    return 0
+    return 0 if stopper is None else stopper.exit_code()
