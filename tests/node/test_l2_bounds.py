@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
@@ -277,15 +277,38 @@ def test_a_lower_cap_after_restart_evicts_the_oldest_files_and_reports_them(
         second.close()
 
 
+def in_l2_only(n: InProcessNode, seed: int) -> tuple[np.ndarray, list[ObjectKey], FsL2]:
+    """Two chunks stored, the first then dropped from L1: its only copy is its L2 file."""
+    tokens = prompt(seed, 2)
+    keys = keys_of(n.node, tokens)
+    n.node.store(n.node.tracker(token_ids=tokens), kv_chunks(CFG, 2))
+    n.node.l1.remove(keys[0])
+    assert isinstance(n.node.l2, FsL2)
+    return tokens, keys, n.node.l2
+
+
+def failing_reads(monkeypatch: pytest.MonkeyPatch, errors: dict[Path, int]) -> Callable[[], None]:
+    """Reads of these files fail with these errnos (``open`` patched) until the returned
+    function is called."""
+    import builtins
+
+    real_open, failing = builtins.open, {str(p): code for p, code in errors.items()}
+
+    def flaky_open(file: object, *args: object, **kwargs: object) -> object:
+        code = failing.get(str(file))
+        if code is not None and (not args or "r" in str(args[0])):
+            raise OSError(code, os.strerror(code), str(file))
+        return real_open(file, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(builtins, "open", flaky_open)
+    return lambda: monkeypatch.setattr(builtins, "open", real_open)
+
+
 def test_a_corrupt_file_found_by_a_read_is_deleted_counted_and_reported(tmp_path: Path) -> None:
     n = InProcessNode(FsL2(tmp_path / "n1"))
     try:
-        tokens = prompt(4, 2)
-        keys = keys_of(n.node, tokens)
-        n.node.store(n.node.tracker(token_ids=tokens), kv_chunks(CFG, 2))
-        n.node.l1.remove(keys[0])
-        assert n.node.l2 is not None and isinstance(n.node.l2, FsL2)
-        path = n.node.l2.path_for(keys[0])
+        tokens, keys, l2 = in_l2_only(n, 4)
+        path = l2.path_for(keys[0])
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0x01
         path.write_bytes(bytes(data))
@@ -462,7 +485,6 @@ def test_an_unreadable_file_is_dropped_reported_and_written_again(
     """A file the filesystem refuses to read (EIO) is a miss, is no longer held (counted,
     reported as a delete) and the next put of its key writes it again; a read failing for a
     reason that says nothing of the file (EMFILE) is a miss that keeps it."""
-    import builtins
     import errno
 
     lost: list[tuple[ObjectKey, str]] = []
@@ -470,22 +492,14 @@ def test_an_unreadable_file_is_dropped_reported_and_written_again(
     l2.attach(lambda c: True, lambda k, cause: lost.append((k, cause)))
     l2.put(chunk(1))
     l2.put(chunk(2))
-    real_open = builtins.open
-    failing = {str(l2.path_for(key(1))): errno.EMFILE, str(l2.path_for(key(2))): errno.EIO}
-
-    def flaky_open(file: object, *args: object, **kwargs: object) -> object:
-        code = failing.get(str(file))
-        if code is not None and args and "r" in str(args[0]):
-            raise OSError(code, os.strerror(code), str(file))
-        return real_open(file, *args, **kwargs)  # type: ignore[call-overload]
-
-    monkeypatch.setattr(builtins, "open", flaky_open)
+    errors = {l2.path_for(key(1)): errno.EMFILE, l2.path_for(key(2)): errno.EIO}
+    readable_again = failing_reads(monkeypatch, errors)
     assert l2.get(key(1)) is None and l2.get(key(2)) is None
     assert lost == [(key(2), "unreadable")]
     held = l2.keys()
     assert l2.contains(key(1)) and key(1) in held  # kept: the next read may work
     assert not l2.contains(key(2)) and key(2) not in held
-    monkeypatch.setattr(builtins, "open", real_open)
+    readable_again()
     l2.put(chunk(2))  # written again (a held file would be skipped)
     got = l2.get(key(2))
     assert got is not None and np.array_equal(got.kv, chunk(2).kv)
@@ -495,26 +509,14 @@ def test_an_unreadable_file_is_dropped_reported_and_written_again(
 def test_a_node_reports_an_unreadable_l2_file_as_a_delete_and_stores_it_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import builtins
     import errno
 
     n = InProcessNode(FsL2(tmp_path / "n1"))
     try:
-        tokens = prompt(5, 2)
-        keys = keys_of(n.node, tokens)
-        n.node.store(n.node.tracker(token_ids=tokens), kv_chunks(CFG, 2))
-        n.node.l1.remove(keys[0])
-        assert isinstance(n.node.l2, FsL2)
-        bad, real_open = str(n.node.l2.path_for(keys[0])), builtins.open
-
-        def eio_open(file: object, *args: object, **kwargs: object) -> object:
-            if str(file) == bad:
-                raise OSError(errno.EIO, os.strerror(errno.EIO), bad)
-            return real_open(file, *args, **kwargs)  # type: ignore[call-overload]
-
-        monkeypatch.setattr(builtins, "open", eio_open)
+        tokens, keys, l2 = in_l2_only(n, 5)
+        readable_again = failing_reads(monkeypatch, {l2.path_for(keys[0]): errno.EIO})
         assert n.node.retrieve(n.node.tracker(token_ids=tokens)).hit_tokens == 0
-        monkeypatch.setattr(builtins, "open", real_open)
+        readable_again()
         assert n.node.counters["l2_unreadable"] == 1
         assert n.placements(keys, "l2") == {keys[1]}
         n.node.store(n.node.tracker(token_ids=tokens), kv_chunks(CFG, 2))
