@@ -34,14 +34,15 @@ from kvatlas.errors import InvalidInput
 
 MAGIC = b"KVATSNP1"
 VERSION = 6
-"""What the writer writes. 6: version 5 and the checksums' trailer. 5: version 4 and the content anchors (when the directory has a
-blend index). 4: version 3 and the content fingerprints (the same). 3: tokens in their stored
-form (``chunk_token_widths``: 2, 4 or 16 + h, the planes form)."""
+"""What the writer writes. 6: version 5 and the checksums' trailer. 5: version 4 and the
+content anchors (when the directory has a blend index). 4: version 3 and the content
+fingerprints (the same). 3: tokens in their stored form (``chunk_token_widths``: 2, 4 or
+16 + h, the planes form)."""
 READABLE = (1, 2, 3, 4, 5, 6)
-"""What the reader reads. 5: no checksums (a damaged file may restore another directory); 4: no anchors (the first lookup anchors every content); 3: no
-fingerprints either (computed on restore); 2: tokens as uint16 or
-uint32 (each chunk's uint32 ids are put in the form they need on load); 1: every token as
-uint32 (the same)."""
+"""What the reader reads. 5: no checksums (a damaged file may restore another directory); 4:
+no anchors (the first lookup anchors every content); 3: no fingerprints either (computed on
+restore); 2: tokens as uint16 or uint32 (each chunk's uint32 ids are put in the form they need
+on load); 1: every token as uint32 (the same)."""
 PREFIX = struct.Struct("<8sQ")  # magic, header length
 TIERS = ("l1", "l2", "gpu", "engine-cpu")  # pl_tier codes (append only)
 HASH_BYTES = 32  # chunk_hashes: the chunks' hashes, concatenated

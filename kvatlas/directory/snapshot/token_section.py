@@ -87,11 +87,10 @@ class Filling:
         self._f, self._start, self._lens, self._forms = f, start, lens, forms
         piece = piece or FILL_PIECE
         self._n = -(-len(lens) // piece)
-        starts = np.concatenate(([0], ends))
         at = np.minimum(np.arange(self._n + 1) * piece, len(lens))
         self._bounds = piece_bounds(ends, piece)  # each piece's bytes: bounds[i] to bounds[i + 1]
         self._widest = int(np.diff(self._bounds).max(initial=0))
-        self._sizes = np.diff(starts)  # each chunk's bytes in the section
+        self._sizes = np.diff(ends, prepend=0)  # each chunk's bytes in the section
         self._digests = digests
         self._at = at  # each piece's first chunk (and the end)
         self._targets: FillTargets | None = None  # where the contents' bytes go
@@ -178,7 +177,7 @@ class Filling:
             fill(self._f, scratch[1][: hi - lo], self._start + lo)
             if (
                 self._digests is not None
-                and piece_digest(scratch[1][: hi - lo]) != (self._digests[i])
+                and piece_digest(scratch[1][: hi - lo]) != self._digests[i]
             ):
                 raise SnapshotError(f"snapshot token arena piece {i} fails its checksum")
             self._allocated.wait()
@@ -336,7 +335,7 @@ def piece_bounds(ends: npt.NDArray[np.int64], piece: int) -> list[int]:
 
 
 def piece_digest(data: bytes | memoryview) -> bytes:
-    """The checksum of one piece of a token section (or of a snapshot's header: version 6)."""
+    """The checksum of one piece of a version-6 snapshot's token section."""
     return blake3.blake3(data).digest()
 
 
