@@ -13,15 +13,14 @@ from kvatlas.client.coordinator_client import (
     encode_tokens_b64,
 )
 from kvatlas.client.engine_client import EngineCallError, EngineClient, EngineLayout
-from kvatlas.client.event_sink import (
+from kvatlas.client.event_sink import EventSink, SinkStats
+from kvatlas.client.event_transports import (
     AuthSendError,
-    EventSink,
     HttpTransport,
     InProcessTransport,
     PermanentSendError,
     RedisStreamTransport,
     SendTooLargeError,
-    SinkStats,
     TransientSendError,
     Transport,
 )
