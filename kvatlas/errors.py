@@ -8,7 +8,8 @@
     │   ├── ChunkDecodeError         (kvatlas.node) a stored/fetched chunk is torn or foreign
     │   ├── SnapshotError            (kvatlas.directory) a snapshot file is unusable
     │   └── PermanentSendError       (kvatlas.client) the receiver refused a batch: quarantine it
-    │       └── SendTooLargeError    (kvatlas.client) 413: halve the send
+    │       ├── SendTooLargeError    (kvatlas.client) 413: halve the send
+    │       └── SaltRefusedError     (kvatlas.client) 403 naming entries' salts: send without them
     │                                (also still a RuntimeError)
     ├── Unauthorized                 no or unknown credentials (401)
     ├── Forbidden                    credentials that may not do this (403)
@@ -20,7 +21,7 @@
         ├── BadGateway               a server this one forwards to did not answer (502)
         ├── L2Unavailable            (kvatlas.node)
         ├── TransientSendError       (kvatlas.client) worth retrying the delivery
-        │   └── AuthSendError        (kvatlas.client) 401/403: retried with backoff, counted
+        │   └── AuthSendError        (kvatlas.client) 401/403 for the sender: retried, counted
         ├── CoordinatorError         (kvatlas.client) no answer, or a refusal, from the
         │                            coordinator (``reply_status`` says which)
         └── EngineCallError          (kvatlas.node) the same for a node's engine API

@@ -55,9 +55,11 @@ def from_attributes(type_: type[S], value: object, **given: Any) -> S:
 class ErrorReply(msgspec.Struct):
     """Any refusal's body (``kvatlas.web.error_payload``): its ``detail`` and, for an event
     that broke a rule, the ``field`` path (``batches[i]...``); for a prefetch whose instance
-    could not be reached (502), the ``request_id`` of the command kept for retry. Other
-    fields an error carries are ignored."""
+    could not be reached (502), the ``request_id`` of the command kept for retry; for events
+    refused for their keys' salts (403), every such salt (``cache_salts``). Other fields an
+    error carries are ignored."""
 
     detail: Any = None
     field: str | None = None
     request_id: str | None = None
+    cache_salts: list[str] | None = None

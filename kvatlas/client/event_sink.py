@@ -5,7 +5,9 @@ outbox; a sender thread delivers in order, retrying with capped, jittered backof
 (:class:`~kvatlas.backoff.Backoff`; one warning per new wait length) through coordinator or
 Redis restarts and network blips. Beyond ``max_outbox`` batches the newest are dropped
 and counted; their sequence numbers were already taken, so the coordinator sees the gap and
-reports it (placements may be missing — visible, not silent).
+reports it (placements may be missing — visible, not silent). A refusal that retrying cannot
+change never holds up what follows: entries whose cache salt the node's token may not store
+for are left out of their batches (counted), a batch refused as malformed is quarantined.
 """
 
 from __future__ import annotations
@@ -15,17 +17,19 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvatlas.backoff import Backoff
 from kvatlas.client.event_transports import (
     AuthSendError,
     PermanentSendError,
+    SaltRefusedError,
     SendTooLargeError,
     Transport,
 )
-from kvatlas.events import CacheEntry, EventBatch
+from kvatlas.events import RESYNC, CacheEntry, EventBatch
+from kvatlas.logs import Throttle
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +48,17 @@ class SinkStats:
     quarantined_batches: int
     """Refused by the receiver (:class:`PermanentSendError`), one batch at a time, while the
     rest of the send was delivered: never retried; the coordinator sees each as a gap."""
+    quarantined_entries: int
+    """The entries of :attr:`quarantined_batches`."""
+    salt_refused_entries: int
+    """Entries left out of their batches because the receiver refused their cache salt
+    (:class:`SaltRefusedError`); the batches went without them, so no gap. A resync's
+    listing of them is left out the same way, not counted again."""
     retries: int
     """Failed attempts that were retried (including :attr:`auth_failures`)."""
     auth_failures: int
-    """Sends refused with 401/403: retried with backoff, never dropped."""
+    """Sends refused with 401/403 for the sender itself: retried with backoff, never
+    dropped."""
     splits: int
     """Sends halved because the receiver said too large (413) or refused one batch unnamed."""
 
@@ -88,6 +99,9 @@ class EventSink:
         self.sent_batches = 0
         self.dropped_batches = 0
         self.quarantined_batches = 0
+        self.quarantined_entries = 0
+        self.salt_refused_entries = 0
+        self._say = Throttle(60.0)  # a refused salt's ERROR: at once, then once a minute
         self.auth_failures = 0
         self.splits = 0
         self.retries = 0
@@ -175,56 +189,110 @@ class EventSink:
                 self._cond.notify_all()
 
     def _deliver(self, batch_list: list[EventBatch], backoff: Backoff) -> None:
-        """Deliver one send, in order: a refused batch is quarantined and the rest delivered,
-        a send too large is halved, anything else is retried with ``backoff`` (reset by a
-        delivery)."""
+        """Deliver one send, in order: entries refused for their salt are left out and their
+        batches sent again, a refused batch is quarantined and the rest delivered, a send too
+        large is halved, anything else is retried with ``backoff`` (reset by a delivery)."""
         parts: deque[list[EventBatch]] = deque([batch_list])
         while parts:
             part = parts.popleft()
             try:
                 self.transport.send(part)
+            except SaltRefusedError as exc:
+                kept = self._without_salts(part, exc)
+                if kept is not None:
+                    parts.appendleft(kept)
+                elif not self._retry(part, parts, AuthSendError(exc.detail), backoff):
+                    return  # (none of the send's salts: a refusal of the sender, retried)
             except PermanentSendError as exc:
-                index = exc.batch_index
-                if isinstance(exc, SendTooLargeError) or index is None or index >= len(part):
-                    if len(part) == 1:
-                        self._quarantine(part[0], exc)
-                    else:  # halve it: too large, or which batch is bad is unknown (bisect)
-                        half = len(part) // 2
-                        parts.extendleft([part[half:], part[:half]])
-                        with self._cond:
-                            self.splits += 1
-                    continue
-                self._quarantine(part[index], exc)
-                parts.extendleft([p for p in (part[index + 1 :], part[:index]) if p])
-                continue
+                self._set_aside(part, exc, parts)
             except Exception as exc:
+                if not self._retry(part, parts, exc, backoff):
+                    return
+            else:
                 with self._cond:
-                    self.retries += 1
-                    if isinstance(exc, AuthSendError):
-                        self.auth_failures += 1
-                        log.warning("coordinator refused our credentials (%s); retrying", exc)
-                    elif backoff.report():
-                        log.warning(
-                            "event delivery failed (%s); %d batches queued, retrying every "
-                            "%.3g s at most", exc, len(self._outbox) + self._in_flight,
-                            backoff.step,
-                        )  # fmt: skip
-                    if self._closed:  # closing gave up waiting: count, don't hang
-                        self.dropped_batches += sum(len(p) for p in (part, *parts))
-                        return
-                    self._cond.wait(backoff.next_wait())
-                parts.appendleft(part)
-                continue
-            with self._cond:
-                self.sent_batches += len(part)
-                self._in_flight -= len(part)
-            backoff.reset()
+                    self.sent_batches += len(part)
+                    self._in_flight -= len(part)
+                backoff.reset()
+
+    def _retry(
+        self, part: list[EventBatch], parts: deque[list[EventBatch]], exc: Exception,
+        backoff: Backoff,
+    ) -> bool:  # fmt: skip
+        """Wait ``backoff``'s next step, then send ``part`` again; False (the rest counted as
+        dropped) when closing gave up waiting."""
+        with self._cond:
+            self.retries += 1
+            if isinstance(exc, AuthSendError):
+                self.auth_failures += 1
+                log.warning("coordinator refused our credentials (%s); retrying", exc)
+            elif backoff.report():
+                log.warning(
+                    "event delivery failed (%s); %d batches queued, retrying every "
+                    "%.3g s at most", exc, len(self._outbox) + self._in_flight,
+                    backoff.step,
+                )  # fmt: skip
+            if self._closed:  # closing gave up waiting: count, don't hang
+                self.dropped_batches += sum(len(p) for p in (part, *parts))
+                return False
+            self._cond.wait(backoff.next_wait())
+        parts.appendleft(part)
+        return True
+
+    def _set_aside(
+        self, part: list[EventBatch], exc: PermanentSendError, parts: deque[list[EventBatch]]
+    ) -> None:
+        """Quarantine the batch the refusal names and queue the rest of ``part``; halve
+        ``part`` when it was too large or the batch is not named (bisecting to it)."""
+        index = exc.batch_index
+        if isinstance(exc, SendTooLargeError) or index is None or index >= len(part):
+            if len(part) == 1:
+                self._quarantine(part[0], exc)
+            else:  # halve it: too large, or which batch is bad is unknown (bisect)
+                half = len(part) // 2
+                parts.extendleft([part[half:], part[:half]])
+                with self._cond:
+                    self.splits += 1
+            return
+        self._quarantine(part[index], exc)
+        parts.extendleft([p for p in (part[index + 1 :], part[:index]) if p])
+
+    def _without_salts(
+        self, part: list[EventBatch], exc: SaltRefusedError
+    ) -> list[EventBatch] | None:
+        """``part`` without the entries of the refused salts (a batch left empty still goes:
+        its seq arrives, so the coordinator sees no gap, and a resync's prefixes are still
+        replaced, by what the node may tell); ``None`` if it holds none of them."""
+        kept: list[EventBatch] = []
+        left_out = counted = 0
+        for batch in part:
+            entries = tuple(e for e in batch.entries if e.key.cache_salt not in exc.cache_salts)
+            if len(entries) < len(batch.entries):
+                left_out += len(batch.entries) - len(entries)
+                if batch.event_type != RESYNC:  # a listing: its entries were counted as events
+                    counted += len(batch.entries) - len(entries)
+                batch = replace(batch, entries=entries)
+            kept.append(batch)
+        if not left_out:
+            return None
+        with self._cond:
+            self.salt_refused_entries += counted
+            total = self.salt_refused_entries
+        for salt in sorted(exc.cache_salts):
+            if self._say(salt):
+                log.error(
+                    "coordinator refused cache_salt %r for this node's token: its entries are "
+                    "left out of the node's events (%d so far, logged once a minute a salt; "
+                    "give the node's coordinator token the salt, or store no KV under it)",
+                    salt, total,
+                )  # fmt: skip
+        return kept
 
     def _quarantine(self, batch: EventBatch, exc: Exception) -> None:
         """Set aside one batch the receiver refused: counted and logged; its seq is never
         delivered, so the coordinator reports it as a gap."""
         with self._cond:
             self.quarantined_batches += 1
+            self.quarantined_entries += len(batch.entries)
             self._in_flight -= 1
         log.error("coordinator refused batch seq %d (quarantined, a gap): %s", batch.seq, exc)
 
@@ -247,6 +315,8 @@ class EventSink:
                 sent_batches=self.sent_batches,
                 dropped_batches=self.dropped_batches,
                 quarantined_batches=self.quarantined_batches,
+                quarantined_entries=self.quarantined_entries,
+                salt_refused_entries=self.salt_refused_entries,
                 retries=self.retries,
                 auth_failures=self.auth_failures,
                 splits=self.splits,

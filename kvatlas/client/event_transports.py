@@ -2,13 +2,14 @@
 stream entry, a consumer in the same process), and the refusals it tells apart: worth
 retrying (:class:`TransientSendError`, :class:`AuthSendError`) or not
 (:class:`PermanentSendError`: quarantine the batch; :class:`SendTooLargeError`: halve the
-send). See docs/coordinator.md, "Durability and transports".
+send; :class:`SaltRefusedError`: send it without the refused salts' entries). See
+docs/coordinator.md, "Durability and transports".
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import httpx
@@ -27,8 +28,11 @@ class TransientSendError(Unavailable):
 
 
 class AuthSendError(TransientSendError):
-    """The receiver refused our credentials (401/403): retried with backoff, since a token
-    rotation or an ACL fix on the coordinator makes the same batches acceptable again."""
+    """The receiver refused our credentials (401/403 for the node itself: its token, role,
+    instance or registration): retried with backoff, since a token rotation, an ACL fix or
+    the node's registration makes the same batches acceptable again (and every batch of the
+    node would be refused alike meanwhile). A 403 for some entries' salts is a
+    :class:`SaltRefusedError`."""
 
 
 class PermanentSendError(InvalidInput, RuntimeError):
@@ -47,15 +51,29 @@ class SendTooLargeError(PermanentSendError):
     """The receiver refused the send as too large (413): send fewer batches at a time."""
 
 
+class SaltRefusedError(PermanentSendError):
+    """The receiver refused the send for the cache salts of some of its entries (a 403 naming
+    them in ``cache_salts``): the sender's token may not store for them, which no retry
+    changes; the batches go again without those entries."""
+
+    def __init__(self, detail: str = "", *, cache_salts: Iterable[str]) -> None:
+        super().__init__(detail)
+        self.cache_salts = frozenset(cache_salts)
+
+
 _BATCH_FIELD = re.compile(r"^batches\[(\d+)\]")
+
+
+def _error_reply(response: httpx.Response) -> ErrorReply:
+    try:
+        return decode(response.content, ErrorReply, "reply")
+    except Unprocessable:
+        return ErrorReply()
 
 
 def _batch_index(response: httpx.Response) -> int | None:
     """The ``i`` of a 422 reply whose ``field`` is ``batches[i]...`` (see docs/coordinator.md)."""
-    try:
-        field = decode(response.content, ErrorReply, "reply").field
-    except Unprocessable:
-        return None
+    field = _error_reply(response).field
     match = _BATCH_FIELD.match(field) if field else None
     return int(match.group(1)) if match else None
 
@@ -95,6 +113,9 @@ class HttpTransport:
             raise TransientSendError(f"status {response.status_code}")
         text = f"status {response.status_code}: {response.text[:200]}"
         if response.status_code in (401, 403):
+            salts = _error_reply(response).cache_salts if response.status_code == 403 else None
+            if salts:
+                raise SaltRefusedError(text, cache_salts=salts)
             raise AuthSendError(text)
         if response.status_code == 413:
             raise SendTooLargeError(text)
@@ -167,6 +188,7 @@ __all__ = [
     "InProcessTransport",
     "PermanentSendError",
     "RedisStreamTransport",
+    "SaltRefusedError",
     "SendTooLargeError",
     "TransientSendError",
     "Transport",

@@ -21,7 +21,7 @@ from kvatlas.auth import Principal
 from kvatlas.coordinator._base64 import b64decode_strict, decode_base64
 from kvatlas.coordinator.body_limits import KEY_JSON_BYTES, QUERY_ENVELOPE_BYTES
 from kvatlas.coordinator.body_size import check_item_count, lookup_size
-from kvatlas.errors import PayloadTooLarge, Unprocessable
+from kvatlas.errors import Forbidden, PayloadTooLarge, Unprocessable
 from kvatlas.events import ColumnBatch, EventBatch, decode_json_columns, decode_msgpack_columns
 from kvatlas.fields import decode_fields, field_error, field_errors
 from kvatlas.keys import (
@@ -70,12 +70,17 @@ def batch_salts(batches: Sequence[ColumnBatch]) -> set[str]:
 
 def check_emit(who: Principal, batches: Sequence[ColumnBatch]) -> None:
     """``who`` may post every batch: each names one of its instances, every key one of its
-    salts (:class:`~kvatlas.errors.Forbidden` otherwise). One rule for ``POST /events`` and
-    signed stream entries."""
+    salts (:class:`~kvatlas.errors.Forbidden` otherwise; a refusal for salts lists them all in
+    ``cache_salts``, so a node's sink can send its batches again without their entries). One
+    rule for ``POST /events`` and signed stream entries."""
     for batch in batches:
         who.require_instance(batch.header.instance_id)
     if not who.sees_everything:  # an emit token stores only under its own salts
-        who.require_salts(batch_salts(batches), role="emit")
+        salts = batch_salts(batches)
+        try:
+            who.require_salts(salts, role="emit")
+        except Forbidden as exc:
+            raise Forbidden(exc.detail, cache_salts=sorted(who.foreign_salts(salts))) from None
 
 
 def b64_too_long(chars: int, max_tokens: int) -> bool:

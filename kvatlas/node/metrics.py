@@ -169,6 +169,15 @@ class _StateCollector(Collector):
             "event batches dropped (full outbox, refused, close)",
             value=outbox.get("dropped_batches", 0) + outbox.get("quarantined_batches", 0),
         )
+        refused = CounterMetricFamily(
+            "kvatlas_node_events_refused",
+            "cache events the coordinator refused for good, by reason (cache_salt: left out of "
+            "their delivered batch; batch: in a batch quarantined whole, a gap)",
+            labels=["reason"],
+        )
+        refused.add_metric(["cache_salt"], outbox.get("salt_refused_entries", 0))
+        refused.add_metric(["batch"], outbox.get("quarantined_entries", 0))
+        yield refused
         yield CounterMetricFamily(
             "kvatlas_node_coordinator_call_failures",
             "coordinator calls that failed (registration, heartbeats, lookups, blend, reports)",

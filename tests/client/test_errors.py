@@ -133,6 +133,8 @@ def test_permanent_errors_are_dropped_and_counted_not_retried() -> None:
         sent_batches=0,
         dropped_batches=0,
         quarantined_batches=1,
+        quarantined_entries=1,
+        salt_refused_entries=0,
         retries=0,
         auth_failures=0,
         splits=0,

@@ -1,21 +1,27 @@
 """EventSink facing refusals: one bad batch is quarantined (counted, its seq a gap at the
-coordinator) while the rest of the send is delivered; 401/403 are retried with backoff and
-counted; 413 halves the send (a single batch still too large is quarantined)."""
+coordinator) while the rest of the send is delivered; entries of salts the token may not
+store for (a 403 naming them) are left out and their batches delivered; other 401/403 are
+retried with backoff and counted; 413 halves the send (a single batch still too large is
+quarantined)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
+import httpx
 import pytest
 
 from kvatlas.client import EventSink, HttpTransport
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.server import BackgroundServer, free_port
-from kvatlas.events import EventBatch, decode_json, encode_json
+from kvatlas.events import CacheEntry, EventBatch, decode_json, encode_json
 from tests.client.test_event_sink import CHUNK, entry
+from tests.helpers import write_tokens
 
 
 class PoisoningTransport(HttpTransport):
@@ -68,6 +74,50 @@ def test_one_bad_batch_in_a_send_is_quarantined_the_rest_delivered() -> None:
     sink.close(timeout=0.5)
 
 
+def salted(i: int, salt: str) -> CacheEntry:
+    e = entry(i)
+    return CacheEntry(dataclasses.replace(e.key, cache_salt=salt), e.size_bytes, e.token_ids, 0)
+
+
+def test_entries_of_refused_salts_are_left_out_and_later_batches_delivered(
+    tmp_path: Path,
+) -> None:
+    """A real coordinator whose token for ``node-s`` holds salt ``a`` only: one send holds a
+    batch mixing ``a`` with ``b`` and ``c``, a batch of ``b`` alone and later batches of ``a``.
+    The 403 names both refused salts; everything else arrives, every seq with it (no gap)."""
+    token = "node-s-" + "x" * 32
+    tokens = write_tokens(
+        tmp_path / "tokens.json",
+        {"token": token, "roles": ["emit"], "instance_ids": ["node-s"], "cache_salts": ["a"]},
+    )
+    port = free_port()
+    config = CoordinatorConfig(port=port, chunk_size=CHUNK, auth_token_file=tokens)
+    with BackgroundServer(config) as server:
+        r = httpx.post(f"{server.url}/instances", json={"instance_id": "node-s"},
+                       headers={"Authorization": f"Bearer {token}"})  # fmt: skip
+        assert r.status_code == 200, r.text
+        transport = HttpTransport(f"http://127.0.0.1:{port}", fmt="json", token=token)
+        sink = EventSink("node-s", transport, incarnation=1, backoff_max=0.2)
+        gate = _hold(sink)
+        sink.emit("store", "l1", "dram", [salted(1, "a"), salted(2, "b"), salted(3, "c")])
+        sink.emit("store", "l1", "dram", [salted(4, "b")])
+        for i in range(5, 8):
+            sink.emit("store", "l1", "dram", [salted(i, "a")])
+        gate.set()
+        assert sink.flush(timeout=20)
+        directory = server.service.directory
+        held = directory.lookup([salted(i, s).key for i, s in [(1, "a"), (5, "a"), (7, "a")]])
+        assert all(row.placements for row in held)
+        assert all(not row.placements for row in directory.lookup([salted(2, "b").key]))
+        assert directory.stats().keys == 4
+        stats = sink.stats()
+        assert stats.salt_refused_entries == 3 and stats.sent_batches == 5
+        assert stats.quarantined_batches == stats.auth_failures == 0
+        cursor = directory.gap_state("node-s")
+        assert cursor is not None and cursor.gaps == 0 and cursor.last_seq == 5
+    sink.close(timeout=0.5)
+
+
 # ---------------------------------------------------------------- scripted receiver
 
 
@@ -76,8 +126,15 @@ class Scripted:
     script runs out, a body with more than ``max_batches`` batches gets 413, a body holding a
     seq in ``bad_seqs`` gets 422 without a field, anything else 200 (and is recorded)."""
 
-    def __init__(self, script: list[int], max_batches: int = 1_000, bad_seqs: Iterable[int] = ()):
+    def __init__(
+        self,
+        script: list[int],
+        max_batches: int = 1_000,
+        bad_seqs: Iterable[int] = (),
+        reply: dict[str, object] | None = None,
+    ):
         self.script = list(script)
+        self.reply = reply or {}  # more fields of a scripted refusal's body
         self.max_batches = max_batches
         self.bad_seqs = set(bad_seqs)
         self.delivered: list[int] = []
@@ -98,7 +155,8 @@ class Scripted:
                     status = 200
                     outer.delivered.extend(seqs)
                 outer.statuses.append(status)
-                reply = json.dumps({"detail": f"status {status}"}).encode()
+                extra = outer.reply if status >= 400 else {}
+                reply = json.dumps({"detail": f"status {status}", **extra}).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(reply)))
@@ -150,6 +208,23 @@ def test_auth_refusals_are_retried_and_counted(status: int, scripted: list[Scrip
     assert stats.auth_failures == 3 and stats.retries >= 3
     assert stats.sent_batches == 5
     assert stats.quarantined_batches == 0
+    sink.close(timeout=0.5)
+
+
+def test_a_403_naming_salts_the_send_does_not_hold_is_retried(
+    scripted: list[Scripted],
+) -> None:
+    """Nothing to leave out: the refusal is the sender's own (retried, never a hot loop)."""
+    server = Scripted([403, 403], reply={"cache_salts": ["elsewhere"]})
+    scripted.append(server)
+    sink, gate = _sink(server, "node-elsewhere")
+    for i in range(3):
+        sink.emit("store", "l1", "dram", [entry(i)])
+    gate.set()
+    assert sink.flush(timeout=20)
+    assert server.delivered == [1, 2, 3]
+    stats = sink.stats()
+    assert stats.auth_failures == 2 and stats.salt_refused_entries == 0
     sink.close(timeout=0.5)
 
 

@@ -70,21 +70,25 @@ def test_emit_token_cannot_store_for_a_foreign_salt(
     em = Emitter("node-a", incarnation=fresh_tokens(1)[0] % 1000 + 10)
     tokens = fresh_tokens(2)
     before = _admin_stats(c)
-    for batch in (
-        em.store_chunks(tokens, salt=SALT_B),
-        em.store_chunks(tokens, salt=""),  # the default salt is a tenant too
-        em.batch(
-            "store",
-            entries=[
-                wire_entry(wire_key(b"\1" * 32, salt=SALT_A)),
-                wire_entry(wire_key(b"\2" * 32, salt=SALT_B)),
-            ],
+    for batch, foreign in (
+        (em.store_chunks(tokens, salt=SALT_B), [SALT_B]),
+        (em.store_chunks(tokens, salt=""), [""]),  # the default salt is a tenant too
+        (
+            em.batch(
+                "store",
+                entries=[
+                    wire_entry(wire_key(b"\1" * 32, salt=SALT_A)),
+                    wire_entry(wire_key(b"\2" * 32, salt=SALT_B)),
+                ],
+            ),
+            [SALT_B],
         ),
-        em.batch("delete", entries=[wire_entry(wire_key(b"\3" * 32, salt=SALT_B))]),
+        (em.batch("delete", entries=[wire_entry(wire_key(b"\3" * 32, salt=SALT_B))]), [SALT_B]),
     ):
         r = c.post("/events", json={"batches": [batch]}, headers=bearer(NODE_A))
         body = assert_error(r, 403)
         assert "cache_salt" in body["detail"], body
+        assert body["cache_salts"] == foreign, body  # every refused salt (a sink leaves them out)
     assert _admin_stats(c)["keys"] == before["keys"]
     rows = {
         r["instance_id"]: r for r in c.get("/instances", headers=bearer(ADMIN)).json()["instances"]
