@@ -55,8 +55,9 @@ class Access:
 
 OPEN = Access(open=True)
 ANY_TOKEN = Access()
-NOBODY = Principal("anonymous", frozenset())
-"""The caller of an open route when auth is on: no token was asked for, so no role is held."""
+NOBODY = Principal("anonymous", frozenset(), cache_salts=frozenset())
+"""The caller of an open route when auth is on: no token was asked for, so no role and no
+tenant's salt is held (it sees no tenant)."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -19,7 +19,7 @@ from kvatlas.asgi_thread import ThreadedServer, free_port
 from kvatlas.auth import Principal, TokenAuth
 from kvatlas.dispatch import Dispatcher
 from kvatlas.openapi import document
-from kvatlas.routing import MSGPACK, OPEN, Access, Area, Call, Reply, Route, RouteTable
+from kvatlas.routing import MSGPACK, NOBODY, OPEN, Access, Area, Call, Reply, Route, RouteTable
 
 OPERATOR = "operator-token-" + "o" * 32
 ENGINE = "engine-token-" + "e" * 32
@@ -213,3 +213,11 @@ def test_an_unserved_path_is_refused_as_its_area(zoned: httpx.Client) -> None:
     assert zoned.get("/zone/elsewhere", headers={"x-listener": "b"}).status_code == 404
     assert zoned.get("/zone/elsewhere", headers=_as(ENGINE)).json() == {"detail": "Not Found"}
     assert zoned.get("/elsewhere").json() == {"detail": "Not Found"}  # unrouted: open
+
+
+def test_the_caller_of_an_open_route_sees_no_tenant() -> None:
+    """No token was asked for: the anonymous caller holds no role and no tenant's salt, so a
+    handler that asks ``sees_everything`` or filters by its salts shows it nothing (it saw
+    every tenant: ``cache_salts`` unset reads as "any")."""
+    assert not NOBODY.sees_everything
+    assert NOBODY.foreign_salts(["", "tenant-a"]) == {"", "tenant-a"}
