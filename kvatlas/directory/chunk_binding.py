@@ -25,6 +25,7 @@ from kvatlas.directory.records import (
     record_stored_tokens,
     row_ident,
     row_size,
+    shape_ids,
     with_key,
     with_placements_at,
 )
@@ -67,9 +68,11 @@ def store_existing(
                 kept.append(q)
         kept.append(p)
         rec = with_placements_at(rec, k, group_placements(kept))
+    shapes = table.shapes.shapes
     if h in table.tenants.rows or (
-        k < 0 and table.shapes[sid].cache_salt not in salt_namespaces(table.shapes, old_rec)
-    ):  # a chunk of several salts: each salt's binding its own (directory/tenant_bindings.py)
+        k < 0 and shapes[sid].cache_salt != shapes[shape_ids(old_rec)[0]].cache_salt
+    ):  # a chunk of several salts: each salt's binding its own (directory/tenant_bindings.py;
+        # a chunk without an entry there is one salt's)
         _store_tenant(table, h, part, old_rec, rec, sid, new_tokens, new_offset)
         return dk, dp, db
     tokens = record_stored_tokens(rec)

@@ -24,7 +24,7 @@ and keys (:func:`claims`); a change queues the difference (:func:`claim_ops`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
 from kvatlas.directory.blend import AddOp, BlendOp, RemoveClaimOp
@@ -36,8 +36,9 @@ from kvatlas.keys import BlendNamespace
 
 Binding = tuple[StoredTokens, int]
 """A salt's content of a chunk, as stored, and its token offset."""
-Bindings = dict[str, Binding]
-"""A chunk's bindings by salt (a salt that bound nothing: absent)."""
+Bindings = Mapping[str, Binding]
+"""A chunk's bindings by salt (a salt that bound nothing: absent); replaced on a change,
+never changed in place (a capture copies the entries, not them)."""
 Claim = tuple[StoredTokens, int, BlendNamespace]
 """One namespace's claim in the blend index: content, offset, namespace."""
 
@@ -55,8 +56,9 @@ class TenantBindings:
         self.rows: dict[bytes, Bindings] = {} if rows is None else rows
 
     def copy(self) -> dict[bytes, Bindings]:
-        """The entries as they are now (a capture's: bindings are immutable tuples)."""
-        return {h: dict(b) for h, b in self.rows.items()}
+        """The entries as they are now (a capture's, under the directory's lock: one C-level
+        copy, the :data:`Bindings` are never changed in place)."""
+        return dict(self.rows)
 
     def bound(self) -> int:
         """How many of these chunks some salt bound content to."""

@@ -73,7 +73,9 @@ def test_a_restore_from_saved_anchors_answers_as_the_saved_directory_and_the_ora
     restored = KeyDirectory(CS, enable_blend_lookup=True)  # a secret of its own, replaced
     load_snapshot(restored, path)
     if index_of(d).stats().contents:  # the saved anchors were adopted, with their secret
-        assert not pending(restored)
+        # (but for the per-salt bindings of chunks of several salts, added after the build
+        # and anchored on the first lookup: directory/tenant_bindings.py)
+        assert not pending(restored) or restored._chunks.tenants.bound()
         assert index_of(restored).anchor_key == index_of(d).anchor_key
     assert view(restored) == view(d)
     assert_same_answers(restored, d)

@@ -155,10 +155,7 @@ def test_wide_contents_are_written_unchanged_byte_for_byte(tmp_path: Path) -> No
 @pytest.mark.parametrize(
     "golden",
     [WIDE, BLEND, WIDE_V6, BLEND_V6, WIDE_V5, BLEND_V5, WIDE_V4, FINGERPRINTS, WIDE_V3, WIDE_V2],
-    ids=[
-        "v7", "v7-blend", "v6", "v6-blend", "v5", "v5-blend", "v4", "v4-fingerprints", "v3",
-        "v2",
-    ],  # fmt: skip
+    ids=["v7", "v7-blend", "v6", "v6-blend", "v5", "v5-blend", "v4", "v4-fp", "v3", "v2"],
 )
 @pytest.mark.parametrize("blend", [False, True], ids=["plain", "blend"])
 def test_a_wide_file_from_before_the_planes_form_loads_in_the_forms_ids_need(

@@ -76,8 +76,7 @@ def bindings_of(
     return [
         (ids, at, salt)
         for salt, (ids, at) in own.items()
-        if at >= 0
-        and not any(s != salt and i == ids and a != at for s, (i, a) in own.items())
+        if at >= 0 and not any(s != salt and i == ids and a != at for s, (i, a) in own.items())
     ]
 
 

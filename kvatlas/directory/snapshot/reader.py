@@ -58,7 +58,7 @@ from kvatlas.directory.snapshot.format import (
 )
 from kvatlas.directory.snapshot.integrity import checked_trailer, trailer_size
 from kvatlas.directory.snapshot.token_section import read_exactly, read_token_section
-from kvatlas.directory.tenant_bindings import Bindings
+from kvatlas.directory.tenant_bindings import Binding, Bindings
 from kvatlas.directory.token_store import form_sizes, stored_one
 from kvatlas.events import VOLATILE_TIERS
 from kvatlas.keys import ObjectKey
@@ -349,7 +349,7 @@ def _tenants(header: Header[memoryview], cols: Columns, hashes: HashWords) -> di
     salts = np.array([shape[3] for shape in header.shapes], np.int64)[cols.key_shapes]
     firsts = np.repeat(salts[cols.first_key], cols.counts)
     chunks = np.repeat(np.arange(len(cols.counts)), cols.counts)
-    out: dict[bytes, Bindings] = {
+    out: dict[bytes, dict[str, Binding]] = {
         hashes[c]: {} for c in np.unique(chunks[salts != firsts]).tolist()
     }
     for h, salt, ids, offset in header.tenant_bindings:
@@ -357,7 +357,8 @@ def _tenants(header: Header[memoryview], cols: Columns, hashes: HashWords) -> di
         if bindings is None or not ids or len(ids) % 4 or offset < -1:
             raise SnapshotError(f"invalid binding of chunk {bytes(h).hex()} for salt {salt!r}")
         bindings[salt] = (stored_one(np.frombuffer(ids, "<u4")), offset)
-    return out
+    tenants: dict[bytes, Bindings] = dict(out)
+    return tenants
 
 
 def _capacities(header: Header[memoryview]) -> dict[str, CapacityDeclaration]:
