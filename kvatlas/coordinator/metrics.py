@@ -45,7 +45,7 @@ class _StateCollector(Collector):
         yield _gauge("kvatlas_directory_placements", "live placements", directory["placements"])
         yield CounterMetricFamily(
             "kvatlas_directory_content_conflicts",
-            "stores of other token ids for a chunk other namespaces hold (binding kept)",
+            "stores of other token ids for a chunk other namespaces of the salt hold (binding kept)",
             value=directory["content_conflicts"],
         )
         by_tier = GaugeMetricFamily("kvatlas_directory_bytes", "bytes per tier", labels=["tier"])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Container, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import compress
 from types import TracebackType
 from typing import Any
@@ -36,6 +36,7 @@ from kvatlas.directory.records import (
 )
 from kvatlas.directory.row_copies import copy_rows
 from kvatlas.directory.shapes import ShapeTable
+from kvatlas.directory.tenant_bindings import Bindings
 from kvatlas.directory.token_store import StoredTokens
 from kvatlas.errors import Conflict
 from kvatlas.events.json_codec import split_hashes
@@ -53,6 +54,9 @@ class DirectoryState:
     contents' fingerprints under it."""
     anchor_key: AnchorKey | None = None
     """The same for the contents' anchors."""
+    tenants: dict[bytes, Bindings] = field(default_factory=dict)
+    """The per-salt bindings of the chunks held under keys of several salts, an entry for
+    each such chunk (:mod:`~kvatlas.directory.tenant_bindings`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,9 +51,9 @@ class ChunkCounts:
     module_bytes: Counter[Module] = field(default_factory=Counter)
     digests: dict[tuple[str, str], DigestArray] = field(default_factory=dict)
     content_conflicts: int = 0
-    """Stores whose ids differed from a chunk's bound content while another namespace held
-    keys of it, left unbound (:func:`~kvatlas.directory.chunk_stores._conflicts`): since the
-    start (not in a snapshot)."""
+    """Stores whose ids differed from a chunk's bound content while another namespace of the
+    salt held keys of it, left unbound (:func:`~kvatlas.directory.chunk_binding._conflicts`):
+    since the start (not in a snapshot)."""
     l2_bytes_by_shape: Counter[int] = field(default_factory=Counter)
     """Bytes of the L2 placements of each key shape (model, rank, group, salt): summed by
     salt, what quotas count (:func:`~kvatlas.directory.salt_usage.salt_bytes`)."""

@@ -43,8 +43,9 @@ from kvatlas.directory.records import (
     row_size,
     row_tier,
 )
+from kvatlas.directory.tenant_bindings import Bindings, claim_ops, claims, salt_namespaces
 from kvatlas.directory.token_store import StoredTokens
-from kvatlas.events import VOLATILE_TIERS, EventBatch
+from kvatlas.events import UNKNOWN_OFFSET, VOLATILE_TIERS, EventBatch
 from kvatlas.events.columns import EntryColumns, shape_index
 
 
@@ -304,6 +305,10 @@ class RemovalRules:
         table = self._table
         kept: list[KeyPair] = [(sid, pls) for sid, pls in keys if pls is not None]
         table.counts.keys -= len(keys) - len(kept)
+        bindings = table.tenants.rows.get(h)
+        if bindings is not None:
+            _rewrite_tenant(table, h, rec, kept, bindings)
+            return
         tokens, indexed = record_stored_tokens(rec), record_indexed(rec)
         if indexed and table.indexing and tokens is not None:
             left = table.shapes.namespaces([sid for sid, _ in kept])
@@ -313,3 +318,28 @@ class RemovalRules:
             part[h] = make_record(tokens, record_offset(rec), indexed, kept)
         else:
             del part[h]
+
+
+def _rewrite_tenant(
+    table: ChunkState, h: bytes, rec: Record, kept: list[KeyPair], bindings: Bindings
+) -> None:
+    """:meth:`RemovalRules._rewrite` of a chunk of several salts (its keys ``rec``'s, then
+    ``kept``): a salt without keys left loses its binding, and a chunk back to one salt gets
+    that salt's binding into its record (directory/tenant_bindings.py)."""
+    shapes, part = table.shapes, table.parts[h[0]]
+    before = claims(shapes, rec, bindings, table.chunk_size) if table.indexing else set()
+    new = make_record(None, UNKNOWN_OFFSET, False, kept)
+    salts = salt_namespaces(shapes, new)
+    left = {salt: b for salt, b in bindings.items() if salt in salts}
+    after = claims(shapes, new, left, table.chunk_size) if table.indexing else set()
+    table.queue(claim_ops(h, before, after))
+    if len(salts) > 1:
+        table.tenants.rows[h] = left
+        part[h] = new
+        return
+    del table.tenants.rows[h]
+    if not kept:
+        del part[h]
+        return
+    own = left.get(next(iter(salts)))
+    part[h] = new if own is None else make_record(*own, bool(after), kept)

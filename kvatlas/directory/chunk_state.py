@@ -19,6 +19,7 @@ from kvatlas.directory.chunk_counts import ChangeJournal, ChunkCounts
 from kvatlas.directory.chunk_parts import ChunkPart
 from kvatlas.directory.records import Record
 from kvatlas.directory.shapes import ShapeTable
+from kvatlas.directory.tenant_bindings import TenantBindings
 from kvatlas.keys import BlendNamespace
 
 
@@ -31,6 +32,10 @@ class ChunkState(Protocol):
 
     @property
     def shapes(self) -> ShapeTable: ...
+
+    @property
+    def tenants(self) -> TenantBindings:
+        """The per-salt bindings of the chunks held under keys of several salts."""
 
     @property
     def counts(self) -> ChunkCounts:

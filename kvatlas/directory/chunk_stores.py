@@ -1,7 +1,8 @@
 """Store rules of the chunk table: a ``store`` batch (and the store half of a ``resync``),
 in bulk when every entry is a new chunk (:mod:`~kvatlas.directory.fresh_chunks`), else entry
-by entry; storing into a known chunk and binding its content, with the blend-index writes that
-follow, queued in the order the changes happened. See :mod:`kvatlas.directory.chunk_table`.
+by entry (storing into a known chunk and binding its content:
+:mod:`~kvatlas.directory.chunk_binding`), with the blend-index writes that follow, queued in
+the order the changes happened. See :mod:`kvatlas.directory.chunk_table`.
 """
 
 from __future__ import annotations
@@ -10,29 +11,19 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 
-from kvatlas.directory.blend import AddOp, RemoveChunkOp
+from kvatlas.directory.chunk_binding import keeps_binding, store_existing
 from kvatlas.directory.chunk_counts import L2_TIER, DigestArray
 from kvatlas.directory.chunk_digests import InventoryDigests
-from kvatlas.directory.chunk_parts import ChunkPart
 from kvatlas.directory.chunk_state import ChunkState
 from kvatlas.directory.fresh_chunks import fresh_kind, store_adds, store_fresh
 from kvatlas.directory.key_groups import key_groups
 from kvatlas.directory.records import (
     PlacementRow,
-    Record,
-    find_key,
     group_placements,
     placement_row,
-    placements_at,
     placements_of,
-    rebound,
-    record_indexed,
-    record_offset,
-    record_stored_tokens,
     row_ident,
     row_size,
-    with_key,
-    with_placements_at,
 )
 from kvatlas.directory.token_store import StoredTokens, stored_columns, stored_equal, token_count
 from kvatlas.events import UNKNOWN_OFFSET, VOLATILE_TIERS, EventBatch
@@ -238,7 +229,7 @@ class StoreRules:
                     new_own.append(h)
             else:
                 queued = len(ops)
-                dk, dp, db = _store_existing(table, h, part, rec, sid, p, tokens, offset, debug)
+                dk, dp, db = store_existing(table, h, part, rec, sid, p, tokens, offset, debug)
                 if added and len(ops) > queued:  # the adds so far go first, as they happened
                     ops.insert(queued, store_adds(added, cols, stored, sids, shapes))
                     added = []
@@ -288,7 +279,7 @@ class StoreRules:
                 if new is not None and not (
                     old is not None
                     and stored_equal(old, new)
-                    and _keeps_binding(offsets[i], at[rows[j]], flagged[j] & 1 == 1, indexing)
+                    and keeps_binding(offsets[i], at[rows[j]], flagged[j] & 1 == 1, indexing)
                 ):
                     rebinding.append(i)
                 else:
@@ -316,127 +307,3 @@ class StoreRules:
                 tag = self._digests.tag(sid, b.tier, b.backend)
                 pending.setdefault(tag, []).extend(cols.chunk_hashes[held[j]] for j in group)
         return sorted(kg.left + rebinding) if rebinding else kg.left, n_pl, n_bytes
-
-
-# Storing into a known chunk and binding its content: functions given the table, not methods,
-# so the entry-by-entry path reaches the table's state as directly as the table itself would.
-
-
-def _store_existing(
-    table: ChunkState,
-    h: bytes,
-    part: ChunkPart,
-    rec: Record,
-    sid: int,
-    p: PlacementRow,
-    new_tokens: StoredTokens | None,
-    new_offset: int,
-    debug: bool,
-) -> tuple[int, int, int]:
-    """Store into a known chunk (``new_tokens``: the entry's tokens, stored); returns the
-    (keys, placements, bytes) deltas."""
-    k = find_key(rec, sid)
-    tokens = record_stored_tokens(rec)
-    offset, indexed = record_offset(rec), record_indexed(rec)
-    new_claim = False
-    size = row_size(p)
-    if k < 0:
-        new_claim = indexed and table.shapes[sid].namespace not in table.namespaces(rec)
-        rec = with_key(rec, sid, p)
-        dk, dp, db = 1, 1, size
-    else:
-        ident = row_ident(p)
-        kept = []
-        dk, dp, db = 0, 1, size
-        for q in placements_of(placements_at(rec, k)):
-            if row_ident(q) == ident:
-                dp -= 1
-                db -= row_size(q)
-            else:
-                kept.append(q)
-        kept.append(p)
-        rec = with_placements_at(rec, k, group_placements(kept))
-    reindexed = False
-    if new_tokens is not None and _conflicts(table, rec, sid, tokens, new_tokens):
-        new_tokens = None  # the chunk's binding stays (its keys' claims are on it, as ever)
-    if new_tokens is not None:
-        tokens, offset, indexed, reindexed = _bind(
-            table, h, tokens, offset, indexed, rec, new_tokens, new_offset
-        )
-    elif tokens is None and debug:
-        log.debug("store without tokens for unbound chunk %s: not indexed", h.hex())
-    if new_claim and not reindexed and indexed and table.indexing:
-        assert tokens is not None
-        table.ops.append(AddOp(tokens, h, offset, table.shapes[sid].namespace))
-    part[h] = rebound(rec, tokens, offset, indexed)
-    return dk, dp, db
-
-
-def _conflicts(
-    table: ChunkState, rec: Record, sid: int, old: StoredTokens | None, new: StoredTokens
-) -> bool:
-    """Whether a store under shape ``sid`` of ids other than the chunk's bound ones must leave
-    the binding as it is: another namespace (another tenant's salt, model, world size) holds
-    keys of the chunk. A chunk hash is one text's for every tenant; a store of other ids under
-    it comes from an emitter that lies or is broken, and must not change what the other
-    tenants match, reuse or read back. Counted (``content_conflicts``), logged at the first
-    and every power of two."""
-    if old is None or stored_equal(old, new):
-        return False
-    if not table.namespaces(rec) - {table.shapes[sid].namespace}:
-        return False  # its namespace's alone: the last writer rebinds
-    counts = table.counts
-    counts.content_conflicts += 1
-    n = counts.content_conflicts
-    if n & (n - 1) == 0:
-        log.warning(
-            "a store under %s gave other token ids for a chunk other namespaces hold (#%d): "
-            "the chunk's content is kept (an emitter that lies about chunk hashes, or is "
-            "broken)", table.shapes[sid].namespace, n,
-        )  # fmt: skip
-    return True
-
-
-def _bind(
-    table: ChunkState,
-    h: bytes,
-    old: StoredTokens | None,
-    old_offset: int,
-    indexed: bool,
-    rec: Record,
-    tokens: StoredTokens,
-    offset: int,
-) -> tuple[StoredTokens | None, int, bool, bool]:
-    """Bind ``tokens`` to the chunk (whose keys are ``rec``'s) and queue the index writes
-    that follow. Returns the chunk's new ``(tokens, token_offset, indexed)`` and whether
-    it (re)added every namespace."""
-    if old is not None and stored_equal(old, tokens):
-        if _keeps_binding(offset, old_offset, indexed, table.indexing):
-            return old, old_offset, indexed, False
-        if offset == UNKNOWN_OFFSET:
-            # bound before blend was on: this fresh report of the content indexes it
-            offset = old_offset
-        bound = old
-    else:
-        if indexed and table.indexing and old is not None:
-            # Retire the old content before the new one appears: no window in which a match
-            # returns new content at the old position (both go in one index batch).
-            table.ops.append(RemoveChunkOp(old, h))
-        indexed = False
-        bound = tokens
-        if token_count(tokens) != table.chunk_size:
-            n = token_count(tokens)
-            log.info("chunk %s bound with %d tokens (not indexed)", h.hex(), n)
-    # offset -1 is never indexed: a match without its stored position would be re-RoPEd
-    # from the wrong place, i.e. wrong KV, which is worse than a miss.
-    if not table.indexing or offset == UNKNOWN_OFFSET or token_count(bound) != table.chunk_size:
-        return bound, offset, indexed, False
-    table.ops.extend([AddOp(bound, h, offset, ns) for ns in table.namespaces(rec)])
-    return bound, offset, True, True
-
-
-def _keeps_binding(offset: int, old_offset: int, indexed: bool, indexing: bool) -> bool:
-    """Whether a report of a chunk's own content (equal ids) at ``offset`` leaves its binding
-    as it is (the chunk bound at ``old_offset``, ``indexed`` or not): no offset or the same,
-    and nothing to index (blend off, or indexed already)."""
-    return offset in (UNKNOWN_OFFSET, old_offset) and (indexed or not indexing)

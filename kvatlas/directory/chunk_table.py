@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 from operator import attrgetter
 
-from kvatlas.directory.blend import BlendIndex, BlendOp
+from kvatlas.directory.blend import BlendIndex, BlendOp, RemoveClaimOp
 from kvatlas.directory.chunk_counts import PARTS, ChangeJournal, ChunkCounts, Partition
 from kvatlas.directory.chunk_digests import InventoryDigests
 from kvatlas.directory.chunk_parts import ChunkPart, new_parts, rows_of
@@ -51,7 +51,10 @@ from kvatlas.directory.records import (
     placements_of,
     public_groups,
     public_placements,
+    rebound,
+    record_indexed,
     record_keys,
+    record_stored_tokens,
     row_backend,
     row_instance,
     row_last_access,
@@ -62,9 +65,10 @@ from kvatlas.directory.records import (
 )
 from kvatlas.directory.reindex import reindex_records
 from kvatlas.directory.shapes import ShapeTable
+from kvatlas.directory.tenant_bindings import Bindings, TenantBindings, claim_ops, claims
 from kvatlas.directory.token_store import widened_many
 from kvatlas.errors import Conflict
-from kvatlas.events import EventBatch
+from kvatlas.events import UNKNOWN_OFFSET, EventBatch
 from kvatlas.events.columns import ColumnBatch, EntryColumns
 from kvatlas.keys import BlendNamespace, ObjectKey, chunk_hash_of
 from kvatlas.keys.object_key import shape_parts
@@ -83,6 +87,7 @@ class ChunkTable:
         self.shapes = ShapeTable()
         self.parts = new_parts(PARTS)
         self.counts = ChunkCounts()
+        self.tenants = TenantBindings()
         self.indexing = False  # whether changes queue blend-index writes
         self.journal: ChangeJournal | None = None  # set while a capture is in progress
         self.ops: list[BlendOp] = []  # the queued index writes, in order
@@ -130,6 +135,26 @@ class ChunkTable:
         self.counts.digests = {}
         self.digests.restart(False)  # digests are built partition by partition, later
 
+    def adopt_tenants(self, tenants: dict[bytes, Bindings]) -> list[BlendOp]:
+        """Take restored per-salt bindings (:mod:`~kvatlas.directory.tenant_bindings`, an
+        entry for each chunk held under keys of several salts): such a chunk's record loses
+        the binding it carries (one for all its salts, from a snapshot written before
+        bindings were per salt: nobody can tell whose it was). Returns the index writes that
+        follow, for an index built from the records."""
+        self.tenants = TenantBindings(tenants)
+        ops: list[BlendOp] = []
+        for h, bindings in tenants.items():
+            part = self.parts[h[0]]
+            rec = part[h]
+            held = record_stored_tokens(rec)
+            if held is not None:
+                if record_indexed(rec):
+                    ops += [RemoveClaimOp(held, h, ns) for ns in self.namespaces(rec)]
+                part[h] = rebound(rec, None, UNKNOWN_OFFSET, False)
+            if self.indexing:
+                ops += claim_ops(h, set(), claims(self.shapes, rec, bindings, self.chunk_size))
+        return ops
+
     def reindex(self, index: BlendIndex) -> None:
         """Add every indexable chunk to ``index`` (fresh: one columnar build, see
         :mod:`kvatlas.directory.reindex`) and mark its record indexed."""
@@ -138,8 +163,9 @@ class ChunkTable:
     # ------------------------------------------------------------------ reads
 
     def bound_chunks(self) -> int:
-        """How many chunks have known content (a count the columns keep: no chunk read)."""
-        return self.parts[0].cols.bound
+        """How many chunks have known content (a count the columns keep, and the chunks of
+        several salts some salt bound)."""
+        return self.parts[0].cols.bound + self.tenants.bound()
 
     def locate(self, h: bytes, sid: int | None) -> tuple[Record, int] | None:
         """Chunk ``h``'s record and the position in it of its key of shape ``sid`` (``None``:
@@ -155,13 +181,17 @@ class ChunkTable:
         rows, their fields gathered from the columns (no record built), the contents widened
         by one compiled call (at most ``max_ids`` ids: ``widened_many``), each distinct
         placements group made public once."""
-        rows = rows_of(self.parts, list(map(chunk_hash_of, keys)))
+        hashes = list(map(chunk_hash_of, keys))
+        rows = rows_of(self.parts, hashes)
         sids = self.shapes.ids_of(keys)
         held: Sequence[int] = range(len(keys))
         if None in rows:
             held = [i for i, r in enumerate(rows) if r is not None]
             rows, sids = [rows[i] for i in held], [sids[i] for i in held]
         found, contents = self.parts[0].cols.key_placements(rows, sids)  # type: ignore[arg-type]
+        if self.tenants.rows:  # chunks of several salts: each key its salt's content
+            at = [hashes[i] for i in held]
+            contents = self.tenants.contents(at, [keys[i].cache_salt for i in held], contents)
         if len(held) == len(keys) and None not in found:  # every key held: a prompt's lookup
             widened = widened_many(contents, max_ids)
             return key_placements_of(keys, public_groups(found), widened)

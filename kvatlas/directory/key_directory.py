@@ -414,8 +414,11 @@ class KeyDirectory:
         ``RuntimeError``) while another capture is open."""
         with self._lock:
             index, cursors, capacities = self._index, self._gate.cursors(), dict(self._capacities)
-            keys = (None, None) if index is None else (index.fingerprint_key, index.anchor_key)
-            state = DirectoryState(self.chunk_size, cursors, capacities, *keys)
+            fp, anchors = (
+                (None, None) if index is None else (index.fingerprint_key, index.anchor_key)
+            )
+            tenants = self._chunks.tenants.copy()
+            state = DirectoryState(self.chunk_size, cursors, capacities, fp, anchors, tenants)
             return Capture(self._lock, self._chunks, state)
 
     def install(self, restored: Restored) -> None:
@@ -431,6 +434,7 @@ class KeyDirectory:
         counts = restored.counts_or_scan()
         with self._lock:
             self._chunks.restore(restored.shapes, restored.parts, counts)
+            ops = self._chunks.adopt_tenants(state.tenants)
             self._gate.restore(state.cursors)
             self._capacities = dict(state.capacities)
             self._shared_pools, self._private = set(), set()
@@ -439,6 +443,8 @@ class KeyDirectory:
                 if index is None:  # built from the restored records
                     index = self._new_index(self.chunk_size, self._probe_stride)
                     self._chunks.reindex(index)
+                if ops:
+                    index.apply(ops)
                 self._index = index
 
 

@@ -31,6 +31,7 @@ from kvatlas.directory.records import (
     row_tier,
 )
 from kvatlas.directory.shapes import KeyShape
+from kvatlas.directory.token_store import widened
 from kvatlas.errors import InvalidInput
 from kvatlas.keys.object_key import ShapeParts
 
@@ -105,6 +106,8 @@ def list_keys(
             part = chunks.parts[part_no]
             order = sorted(h for h in part if start is None or h >= start)
             records = part.records_at(order[: room + 1])
+            tenants = chunks.tenants.rows
+            salted = {h: tenants[h] for h in order[: room + 1] if h in tenants} if tenants else {}
         for h, rec in zip(order, records, strict=False):
             pairs = sorted(
                 ((shapes[sid], pls) for sid, pls in record_keys(rec)), key=lambda kv: kv[0].parts
@@ -119,9 +122,11 @@ def list_keys(
                 shape, pls = pairs[n]
                 shown = pls if takes_all else admitted(where, pls)
                 if shown is not None:
-                    items.append(
-                        KeyPlacements(shape.key(h), public_placements(shown), record_tokens(rec))
-                    )
+                    content = record_tokens(rec)
+                    if h in salted:  # a chunk of several salts: the key's salt's content
+                        own = salted[h].get(shape.cache_salt)
+                        content = None if own is None else widened(own[0])
+                    items.append(KeyPlacements(shape.key(h), public_placements(shown), content))
         if len(records) < len(order):  # (a start chunk's skipped keys left the page short)
             return KeyPage(items, f"{order[len(records)].hex()}:0")
         start = None

@@ -41,7 +41,9 @@ class DirectoryStats:
     gaps: int
     capacity_bytes_by_instance: dict[str, int]
     blend: BlendStats | None  # the blend index's stats; None while blend lookup is off
-    content_conflicts: int = 0  # stores of other ids refused a binding other tenants hold
+    content_conflicts: int = (
+        0  # stores of other ids refused a binding other namespaces of the salt hold
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,11 @@
 """A chunk hash is shared by every tenant that stores the same text (the salt is part of the
-key, not of the hash), and so is the content the coordinator binds to it. A store by node B,
-whose emit token is bound to salt ``tenant-b``, of tenant A's chunk hash with other token ids
-must not rebind that content for tenant A (it did: A's blend lookup then returned A's chunk
-hash at B's tokens, a match A never stored; A's own content stopped matching; A's keys-form
-lookup handed back B's ids). The binding stays, counted as a content conflict.
+key, not of the hash). A store by node B, whose emit token is bound to salt ``tenant-b``, of
+tenant A's chunk hash must change nothing of what tenant A sees (with other ids it did: A's
+blend lookup then returned A's chunk hash at B's tokens, a match A never stored; A's own
+content stopped matching; A's keys-form lookup handed back B's ids), and must show B nothing
+of A's (a token-less store of A's chunk hash under B's salt read A's ids back: an existence
+oracle across tenants). Each salt's binding of the chunk is its own
+(directory/tenant_bindings.py).
 
 Contract: spec/keys.md §2 ("A match is only ever served to a requester of a namespace that
 stored the chunk ... another tenant's salt is isolated by design"), docs/security.md ("A
@@ -67,9 +69,9 @@ def _a_matches(client: httpx.Client, query: list[int]) -> list[dict[str, object]
     return r.json()["matches"]  # type: ignore[no-any-return]
 
 
-def _forge(client: httpx.Client) -> None:
+def _forge(client: httpx.Client, ids: list[int] | None = B_TOKENS) -> None:
     b = Emitter("node-b")
-    forged = b.batch("store", entries=[wire_entry(wire_key(H, salt="tenant-b"), 10, B_TOKENS, 0)])
+    forged = b.batch("store", entries=[wire_entry(wire_key(H, salt="tenant-b"), 10, ids, 0)])
     r = post_batches(client, forged, headers=bearer(NODE_B))
     assert r.status_code in (200, 409, 422), r.text  # refusing it would do too
 
@@ -96,3 +98,25 @@ def test_tenant_as_key_lookup_returns_tenant_as_tokens(fleet: httpx.Client) -> N
     )
     assert r.status_code == 200, r.text
     assert r.json()["results"][0]["token_ids"] == A_TOKENS
+
+
+@pytest.mark.parametrize("ids", [None, B_TOKENS], ids=["no-ids", "junk"])
+def test_tenant_b_reads_back_and_matches_nothing_of_tenant_as_chunk(
+    fleet: httpx.Client, ids: list[int] | None
+) -> None:
+    _forge(fleet, ids)
+    r = fleet.post(
+        "/directory/lookup",
+        json={"keys": [wire_key(H, salt="tenant-b")]},
+        headers=bearer(NODE_B),
+    )
+    assert r.status_code == 200, r.text
+    (row,) = r.json()["results"]
+    assert row["placements"] and row["token_ids"] == (ids or [])  # its own, never A's
+    r = fleet.post(
+        "/directory/blend-lookup",
+        json={"tokens_b64": b64([1, *A_TOKENS]), "model_name": "m", "cache_salt": "tenant-b"},
+        headers=bearer(NODE_B),
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["matches"] == []

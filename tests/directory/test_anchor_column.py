@@ -15,9 +15,10 @@ from hypothesis import HealthCheck, given, settings
 
 from kvatlas.directory import BlendIndex, KeyDirectory, load_snapshot, save_snapshot
 from kvatlas.directory.blend.anchors import SCHEME, AnchorKey
+from kvatlas.directory.records import record_indexed
 from kvatlas.directory.snapshot.format import VERSION, SnapshotError
 from kvatlas.keys import BlendNamespace
-from tests.directory.helpers import CS, Emitter, entry, key
+from tests.directory.helpers import CS, Emitter, captured, entry, key
 from tests.directory.test_fingerprint_column import (
     directory_of_every_form,
     header_of,
@@ -72,8 +73,10 @@ def test_a_restore_from_saved_anchors_answers_as_the_saved_directory_and_the_ora
     assert saved_key(path) == index_of(d).anchor_key
     restored = KeyDirectory(CS, enable_blend_lookup=True)  # a secret of its own, replaced
     load_snapshot(restored, path)
-    if index_of(d).stats().contents:  # the saved anchors were adopted, with their secret
-        assert not pending(restored)
+    if any(map(record_indexed, captured(d).values())):  # the saved anchors were adopted,
+        # with their secret (but for the per-salt bindings of chunks of several salts, which
+        # records do not carry: added after the build, anchored on the first lookup)
+        assert not pending(restored) or restored._chunks.tenants.bound()
         assert index_of(restored).anchor_key == index_of(d).anchor_key
     assert view(restored) == view(d)
     assert_same_answers(restored, d)

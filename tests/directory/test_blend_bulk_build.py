@@ -23,9 +23,18 @@ from kvatlas.directory.blend.fingerprints import Fingerprints
 from kvatlas.directory.blend.kernels.contents import content_form
 from kvatlas.directory.blend.kernels.layout import O_OFF
 from kvatlas.directory.blend.kernels.planes import FORM_PLANES, FORM_U16, FORM_U32
+from kvatlas.directory.records import record_indexed
 from kvatlas.directory.token_store import stored_one
 from kvatlas.keys import BlendNamespace
-from tests.directory.helpers import CS, Emitter, change_later, entry, key, occupant_hashes
+from tests.directory.helpers import (
+    CS,
+    Emitter,
+    captured,
+    change_later,
+    entry,
+    key,
+    occupant_hashes,
+)
 from tests.directory.test_blend_index_oracle import SPACES, canonical
 
 BASE = 1_234_567_891
@@ -253,18 +262,20 @@ def test_a_restore_builds_the_index_the_general_path_builds(
         load_snapshot(general, path)
     a, b = general._index, built._index
     assert a is not None and b is not None
-    indexed = b.stats().contents > 0
+    indexed = any(map(record_indexed, captured(built).values()))
     assert taken == ([True] if indexed else [])  # the bulk path, not the general one
-    sa, sb = state_of(a), state_of(b)
-    # the two restores made their own contents: the same ones, other objects
-    for name in ("tokens", "c_addr"):
-        assert len(sa.pop(name)) == len(sb.pop(name))
-    if not indexed:  # (each empty index has its own base)
-        del sa["base"], sb["base"]
-    assert sa == sb
-    assert [bytes(t) for t in a._state.tokens] == [bytes(t) for t in b._state.tokens]  # type: ignore[arg-type]
-    assert occupant_hashes(a._state) == occupant_hashes(b._state)
-    assert np.array_equal(a._state.arrays.o_i64[:, O_OFF], b._state.arrays.o_i64[:, O_OFF])
+    if indexed or not b.stats().contents:  # (else the index holds only the per-salt bindings
+        # of chunks of several salts, added after the build, each index under its own base)
+        sa, sb = state_of(a), state_of(b)
+        # the two restores made their own contents: the same ones, other objects
+        for name in ("tokens", "c_addr"):
+            assert len(sa.pop(name)) == len(sb.pop(name))
+        if not indexed:  # (each empty index has its own base)
+            del sa["base"], sb["base"]
+        assert sa == sb
+        assert [bytes(t) for t in a._state.tokens] == [bytes(t) for t in b._state.tokens]  # type: ignore[arg-type]
+        assert occupant_hashes(a._state) == occupant_hashes(b._state)
+        assert np.array_equal(a._state.arrays.o_i64[:, O_OFF], b._state.arrays.o_i64[:, O_OFF])
     query = np.concatenate(bodies + bodies[::-1])
     for ns in NAMESPACES:
         assert canonical(general.blend_match(query, ns)) == canonical(built.blend_match(query, ns))

@@ -1,7 +1,8 @@
 """Oracle property test: KeyDirectory + gate == a naive model applying the same events.
 
 Random interleavings of store/delete/access/fence/deregister plus duplicated, reordered,
-stale and gapped batches, optionally a snapshot/restore round trip in the middle.
+stale and gapped batches, optionally a snapshot/restore round trip in the middle. Keys of two
+cache salts share chunk hashes: each salt's binding is its own (directory/tenant_bindings.py).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class Model:
     placements: dict[ObjectKey, dict[tuple[Any, ...], tuple[Any, ...]]] = field(
         default_factory=dict
     )
-    bindings: dict[bytes, tuple[tuple[int, ...], int]] = field(default_factory=dict)
+    bindings: dict[tuple[bytes, str], tuple[tuple[int, ...], int]] = field(default_factory=dict)
+    """(chunk hash, cache salt) -> (ids, offset): each salt's own binding of a chunk."""
 
     def consume(self, b: EventBatch) -> str:
         cur = self.cursors.get(b.instance_id)
@@ -73,16 +75,19 @@ class Model:
                 )
                 if e.token_ids is not None:
                     tokens = tuple(e.token_ids.tolist())
-                    old = self.bindings.get(e.key.chunk_hash)
+                    at = (e.key.chunk_hash, e.key.cache_salt)
+                    old = self.bindings.get(at)
                     ns = BlendNamespace.from_object_key(e.key)
-                    others = any(  # another namespace's binding stays (docs/security.md)
-                        k.chunk_hash == e.key.chunk_hash and BlendNamespace.from_object_key(k) != ns
+                    others = any(  # another namespace of the salt: its binding stays
+                        k.chunk_hash == e.key.chunk_hash
+                        and k.cache_salt == e.key.cache_salt
+                        and BlendNamespace.from_object_key(k) != ns
                         for k in self.placements
                     )
                     conflict = old and old[0] != tokens and others
                     no_news = old and old[0] == tokens and e.token_offset == -1
                     if not (conflict or no_news):
-                        self.bindings[e.key.chunk_hash] = (tokens, e.token_offset)
+                        self.bindings[at] = (tokens, e.token_offset)
             elif b.event_type == "delete":
                 pls.pop(ident, None)
             self._cleanup(e.key)
@@ -102,14 +107,22 @@ class Model:
     def _cleanup(self, k: ObjectKey) -> None:
         if not self.placements.get(k):
             self.placements.pop(k, None)
-            if not any(o.chunk_hash == k.chunk_hash for o in self.placements):
-                self.bindings.pop(k.chunk_hash, None)
+            if not any(
+                o.chunk_hash == k.chunk_hash and o.cache_salt == k.cache_salt
+                for o in self.placements
+            ):
+                self.bindings.pop((k.chunk_hash, k.cache_salt), None)
 
     def expected_matches(self, content: np.ndarray[Any, Any], ns: BlendNamespace) -> set[Any]:
         want = tuple(content.tolist())
         out = set()
-        for h, (tokens, offset) in self.bindings.items():
-            if tokens != want or offset == -1 or len(tokens) != CS:
+        for (h, salt), (tokens, offset) in self.bindings.items():
+            if salt != ns.cache_salt or tokens != want or offset == -1 or len(tokens) != CS:
+                continue
+            if any(  # equal ids of another salt at another offset: neither indexed
+                hh == h and ss != salt and t == tokens and o != offset
+                for (hh, ss), (t, o) in self.bindings.items()
+            ):
                 continue
             if any(
                 k.chunk_hash == h and BlendNamespace.from_object_key(k) == ns
@@ -136,7 +149,8 @@ def check(d: KeyDirectory, m: Model) -> None:
     listed = {kp.key for kp in d.list_keys(limit=10_000).items}
     assert listed == set(m.placements)
     for kp in d.lookup(KEYS):  # the bound content comes with a stored key, none without
-        bound = m.bindings.get(kp.key.chunk_hash) if kp.key in m.placements else None
+        at = (kp.key.chunk_hash, kp.key.cache_salt)
+        bound = m.bindings.get(at) if kp.key in m.placements else None
         assert (None if kp.content is None else tuple(kp.content.tolist())) == (
             None if bound is None else bound[0]
         ), kp.key

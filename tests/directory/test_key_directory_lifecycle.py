@@ -22,7 +22,8 @@ from kvatlas.keys import BlendNamespace
 from tests.directory.helpers import CS, Emitter, captured, entry, key, toks
 
 NS_A = BlendNamespace("m", "", 1)
-NS_B = BlendNamespace("m", "tenant-b", 1)
+NS_B = BlendNamespace("m", "tenant-b", 1)  # another tenant: its binding is its own
+NS_X = BlendNamespace("x", "", 1)  # another namespace of NS_A's salt: one binding with it
 A = toks(1, 2, 3, 4)
 B = toks(5, 6, 7, 8)
 
@@ -102,13 +103,17 @@ def test_first_content_binds_and_adds(spy: type[SpyIndex]) -> None:
     assert found(d, A) == [(1, 8)]
 
 
-def test_first_content_for_existing_keys_adds_every_namespace(spy: type[SpyIndex]) -> None:
+def test_first_content_for_existing_keys_adds_every_namespace_of_its_salt(
+    spy: type[SpyIndex],
+) -> None:
     d, em = blend_dir(), Emitter()
-    d.consume(em.batch("store", [entry(key(1)), entry(key(1, salt="tenant-b"))]))
+    keys = [entry(key(1)), entry(key(1, model="x")), entry(key(1, salt="tenant-b"))]
+    d.consume(em.batch("store", keys))
     assert calls(d) == []
     d.consume(em.batch("store", [entry(key(1), A, 0)], tier="l2", backend="fs"))
-    assert sorted(c[3].cache_salt for c in calls(d)) == ["", "tenant-b"]
-    assert found(d, A, NS_A) == [(1, 0)] and found(d, A, NS_B) == [(1, 0)]
+    assert sorted(c[3].model_name for c in calls(d)) == ["m", "x"]
+    assert found(d, A, NS_A) == [(1, 0)] and found(d, A, NS_X) == [(1, 0)]
+    assert found(d, A, NS_B) == []  # tenant-b stored no ids: it matches nothing
 
 
 def test_different_content_is_retired_then_readded(spy: type[SpyIndex]) -> None:
@@ -126,16 +131,29 @@ def test_different_content_is_retired_then_readded(spy: type[SpyIndex]) -> None:
 
 
 def test_different_content_leaves_another_namespaces_binding(spy: type[SpyIndex]) -> None:
-    """Held under two salts (tenants), a store of other ids under one of them changes
-    nothing: not tenant-b's matches, not the writer's own (the chunk's content is the
-    tenants' together), counted as a content conflict (it rebound both before)."""
+    """Held under two namespaces of one salt (two models), a store of other ids under one of
+    them changes nothing: not model x's matches, not the writer's own (the chunk's content is
+    the namespaces' together), counted as a content conflict."""
     d, em = blend_dir(), Emitter()
-    d.consume(em.batch("store", [entry(key(1), A, 0), entry(key(1, salt="tenant-b"), A, 0)]))
+    d.consume(em.batch("store", [entry(key(1), A, 0), entry(key(1, model="x"), A, 0)]))
     calls(d)
     d.consume(em.batch("store", [entry(key(1), B, 4)]))
     assert calls(d) == []
-    assert found(d, A) == [(1, 0)] and found(d, A, NS_B) == [(1, 0)] and found(d, B) == []
+    assert found(d, A) == [(1, 0)] and found(d, A, NS_X) == [(1, 0)] and found(d, B) == []
     assert d.stats().content_conflicts == 1
+
+
+def test_another_salts_other_content_is_its_own_binding(spy: type[SpyIndex]) -> None:
+    """Held under two salts (tenants), a store of other ids under one of them binds that
+    salt's own content: the other's binding and matches are untouched, no conflict."""
+    d, em = blend_dir(), Emitter()
+    d.consume(em.batch("store", [entry(key(1), A, 0), entry(key(1, salt="tenant-b"), A, 0)]))
+    calls(d)
+    d.consume(em.batch("store", [entry(key(1, salt="tenant-b"), B, 4)]))
+    assert [c[:4] for c in calls(d)] == [("remove_claim", 1, NS_B), ("add", 1, 4, NS_B)]
+    assert found(d, A) == [(1, 0)] and found(d, B, NS_B) == [(1, 4)]
+    assert found(d, A, NS_B) == [] and found(d, B) == []
+    assert d.stats().content_conflicts == 0
 
 
 def test_tokenless_store_claims_known_content_at_once(spy: type[SpyIndex]) -> None:
@@ -143,9 +161,12 @@ def test_tokenless_store_claims_known_content_at_once(spy: type[SpyIndex]) -> No
     d.consume(em.batch("store", [entry(key(1), A, 0)]))
     assert found(d, A, NS_B) == []
     calls(d)
+    d.consume(Emitter("b").batch("store", [entry(key(1, model="x"))]))
+    assert [c[:4] for c in calls(d)] == [("add", 1, 0, NS_X)]
+    assert found(d, A, NS_X) == [(1, 0)]
     d.consume(Emitter("b").batch("store", [entry(key(1, salt="tenant-b"))]))
-    assert [c[:4] for c in calls(d)] == [("add", 1, 0, NS_B)]
-    assert found(d, A, NS_B) == [(1, 0)]
+    assert calls(d) == []  # another salt's key claims nothing of this salt's binding
+    assert found(d, A, NS_B) == [] and d.lookup([key(1, salt="tenant-b")])[0].content is None
 
 
 def test_tokenless_unknown_content_is_not_indexed_until_repaired(spy: type[SpyIndex]) -> None:
@@ -168,10 +189,10 @@ def test_unknown_offset_is_bound_never_indexed_until_a_real_offset(spy: type[Spy
     d, em = blend_dir(), Emitter()
     d.consume(em.batch("store", [entry(key(1), A, -1)]))
     assert calls(d) == [] and found(d, A) == [] and d.stats().bound_chunks == 1
-    d.consume(em.batch("store", [entry(key(1, salt="tenant-b"))]))
+    d.consume(em.batch("store", [entry(key(1, model="x"))]))
     assert calls(d) == []  # a claim on unindexable content indexes nothing either
     d.consume(em.batch("store", [entry(key(1), A, 12)]))
-    assert sorted(c[3].cache_salt for c in calls(d)) == ["", "tenant-b"]
+    assert sorted(c[3].model_name for c in calls(d)) == ["m", "x"]
     assert found(d, A) == [(1, 12)]
     d.consume(em.batch("store", [entry(key(1), A, -1)]))  # unknown never erases a known offset
     assert calls(d) == [] and found(d, A) == [(1, 12)]

@@ -1,7 +1,7 @@
 """A lookup reads its keys as one batch (``ChunkTable.lookup``, ``rank_placements``: rows, then
 fields gathered from the columns, contents widened by one compiled call) and answers exactly
 what reading each key's record on its own answers (the record API: ``find_key``,
-``placements_at``, ``record_tokens``): placements
+``placements_at``, ``record_tokens``; a chunk of several salts' bindings): placements
 and bound content, for chunks of one key and of several, keys absent, shapes never stored,
 chunks without content, contents of every form."""
 
@@ -23,6 +23,7 @@ from kvatlas.directory.records import (
     public_placements,
     record_tokens,
 )
+from kvatlas.directory.token_store import widened
 from kvatlas.events import CacheEntry, EventBatch
 from kvatlas.keys import ObjectKey, pack_kv_rank
 
@@ -66,7 +67,12 @@ def _alone(d: KeyDirectory, k: ObjectKey) -> KeyPlacements:
     at = -1 if rec is None or sid is None else find_key(rec, sid)
     if at < 0:
         return KeyPlacements(k, ())
-    return KeyPlacements(k, public_placements(placements_at(rec, at)), record_tokens(rec))
+    content = record_tokens(rec)
+    bindings = table.tenants.rows.get(h)  # a chunk of several salts: the key's salt's own
+    if bindings is not None:
+        own = bindings.get(k.cache_salt)
+        content = None if own is None else widened(own[0])
+    return KeyPlacements(k, public_placements(placements_at(rec, at)), content)
 
 
 def _same(got: list[KeyPlacements], want: list[KeyPlacements]) -> None:

@@ -1,9 +1,11 @@
-"""The snapshot file format is fixed: the writer produces ``data/snapshot-v6.snap`` (from the
-directory :func:`golden_directory` builds), ``data/snapshot-v6-wide.snap`` (ids of large
-vocabularies, :func:`wide_directory`) and ``data/snapshot-v6-blend.snap`` (the wide directory
+"""The snapshot file format is fixed: the writer produces ``data/snapshot-v7.snap`` (from the
+directory :func:`golden_directory` builds), ``data/snapshot-v7-wide.snap`` (ids of large
+vocabularies, :func:`wide_directory`) and ``data/snapshot-v7-blend.snap`` (the wide directory
 with blend on, its fingerprints and anchors saved under a fixed base and secret) byte for
-byte; files of earlier versions still load: the version-5 files the writer produced before
-the checksums (``data/snapshot-v5.snap``, ``data/snapshot-v5-wide.snap``,
+byte; files of earlier versions still load: the version-6 files the writer produced before
+bindings were per salt (``data/snapshot-v6.snap``, ``-wide``, ``-blend``; restored without
+the one binding of a chunk held under keys of two salts), the version-5 files it produced
+before the checksums (``data/snapshot-v5.snap``, ``data/snapshot-v5-wide.snap``,
 ``data/snapshot-v5-blend.snap``), the version-4 files the writer produced before
 the anchors (``data/snapshot-v4.snap``, ``data/snapshot-v4-wide.snap``,
 ``data/snapshot-v4-fingerprints.snap``), the version-3 files it produced before the
@@ -34,17 +36,20 @@ from kvatlas.keys import BlendNamespace
 from tests.directory.helpers import CS, Emitter, captured, entry, key, toks
 
 DATA = Path(__file__).parent / "data"
-GOLDEN = DATA / "snapshot-v6.snap"
+GOLDEN = DATA / "snapshot-v7.snap"
+GOLDEN_V6 = DATA / "snapshot-v6.snap"
 GOLDEN_V5 = DATA / "snapshot-v5.snap"
 GOLDEN_V4 = DATA / "snapshot-v4.snap"
 GOLDEN_V3 = DATA / "snapshot-v3.snap"
 GOLDEN_V2 = DATA / "snapshot-v2.snap"
 GOLDEN_V1 = DATA / "snapshot-v1.snap"
-WIDE = DATA / "snapshot-v6-wide.snap"
+WIDE = DATA / "snapshot-v7-wide.snap"
+WIDE_V6 = DATA / "snapshot-v6-wide.snap"
 WIDE_V5 = DATA / "snapshot-v5-wide.snap"
 WIDE_V4 = DATA / "snapshot-v4-wide.snap"
 WIDE_V3 = DATA / "snapshot-v3-wide.snap"
-BLEND = DATA / "snapshot-v6-blend.snap"
+BLEND = DATA / "snapshot-v7-blend.snap"
+BLEND_V6 = DATA / "snapshot-v6-blend.snap"
 BLEND_V5 = DATA / "snapshot-v5-blend.snap"
 FINGERPRINTS = DATA / "snapshot-v4-fingerprints.snap"
 BASE = 0x1234_5678_9ABC_DEF  # the fingerprint base BLEND and FINGERPRINTS were written under
@@ -54,12 +59,17 @@ POSITION = "1700000000-7"
 WIDE_POSITION = "1700000000-9"
 
 
-def golden_directory() -> KeyDirectory:
-    """Several keys per chunk, several placements per key, shared and unbound content, an
-    access, a gap, a capacity declaration and a delete."""
+def golden_directory(before_v7: bool = False) -> KeyDirectory:
+    """Several keys per chunk (chunk 1's of two salts), several placements per key, shared
+    and unbound content, an access, a gap, a capacity declaration and a delete.
+    ``before_v7``: as a file written before bindings were per salt restores it (chunk 1's
+    one binding for both salts dropped: nobody can tell whose it was)."""
     d = KeyDirectory(CS)
     a, b = Emitter("a"), Emitter("b", incarnation=3)
-    first = [entry(key(n), toks(n, n, n, n), 4 * n, size=10 + n) for n in range(1, 9)]
+    first = [
+        entry(key(n), None if before_v7 and n == 1 else toks(n, n, n, n), 4 * n, size=10 + n)
+        for n in range(1, 9)
+    ]
     d.consume(a.batch("store", first, ts=1.5))
     more = [entry(key(1, salt="t")), entry(key(2, ws=2, rank=1), toks(2, 2, 2, 2), 8)]
     d.consume(a.batch("store", more, ts=2.0))
@@ -118,14 +128,20 @@ def test_writer_output_is_unchanged_byte_for_byte(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "golden",
-    [GOLDEN, GOLDEN_V5, GOLDEN_V4, GOLDEN_V3, GOLDEN_V2, GOLDEN_V1],
-    ids=["v6", "v5", "v4", "v3", "v2", "v1"],
+    [GOLDEN, GOLDEN_V6, GOLDEN_V5, GOLDEN_V4, GOLDEN_V3, GOLDEN_V2, GOLDEN_V1],
+    ids=["v7", "v6", "v5", "v4", "v3", "v2", "v1"],
 )
 def test_a_file_from_the_unsplit_writer_loads(golden: Path) -> None:
     d = KeyDirectory(CS)
     info = load_snapshot(d, golden)
     assert (info.chunks, info.keys, info.stream_position) == (7, 9, POSITION)
-    assert view(d) == view(golden_directory())
+    assert view(d) == view(golden_directory(before_v7=golden != GOLDEN))
+    content = {kp.key: kp.content for kp in d.lookup([key(1), key(1, salt="t"), key(2)])}
+    chunk_1 = content[key(1)]
+    assert (chunk_1 is None) == (golden != GOLDEN)  # (a v7 file keeps salt ""'s binding)
+    assert chunk_1 is None or chunk_1.tolist() == [1, 1, 1, 1]
+    assert content[key(1, salt="t")] is None  # salt "t" stored no ids
+    assert content[key(2)].tolist() == [2, 2, 2, 2]  # type: ignore[union-attr]
     cursor = d.gap_state("a")
     assert cursor is not None and cursor.gaps == 1
 
@@ -138,8 +154,8 @@ def test_wide_contents_are_written_unchanged_byte_for_byte(tmp_path: Path) -> No
 
 @pytest.mark.parametrize(
     "golden",
-    [WIDE, BLEND, WIDE_V5, BLEND_V5, WIDE_V4, FINGERPRINTS, WIDE_V3, WIDE_V2],
-    ids=["v6", "v6-blend", "v5", "v5-blend", "v4", "v4-fingerprints", "v3", "v2"],
+    [WIDE, BLEND, WIDE_V6, BLEND_V6, WIDE_V5, BLEND_V5, WIDE_V4, FINGERPRINTS, WIDE_V3, WIDE_V2],
+    ids=["v7", "v7-blend", "v6", "v6-blend", "v5", "v5-blend", "v4", "v4-fp", "v3", "v2"],
 )
 @pytest.mark.parametrize("blend", [False, True], ids=["plain", "blend"])
 def test_a_wide_file_from_before_the_planes_form_loads_in_the_forms_ids_need(
@@ -189,7 +205,7 @@ def read_header(path: Path) -> Header[bytes]:
 
 def test_header_layout_is_pinned() -> None:
     raw = GOLDEN.read_bytes()
-    assert MAGIC == b"KVATSNP1" and VERSION == 6 and PREFIX.format == "<8sQ"
+    assert MAGIC == b"KVATSNP1" and VERSION == 7 and PREFIX.format == "<8sQ"
     assert PREFIX.unpack_from(raw)[0] == MAGIC
     header = read_header_bytes(raw)
     assert header.version == VERSION and header.chunk_size == CS

@@ -36,7 +36,7 @@ def indexable_chunks(
     directory: KeyDirectory, header: Header[memoryview], cols: Columns
 ) -> npt.NDArray[np.bool_] | None:
     """Chunks the blend index holds: bound content of ``chunk_size`` tokens, a known offset
-    (as ``chunk_stores._bind`` decides); ``None`` when the restore builds no index (blend
+    (as ``chunk_binding._bind`` decides); ``None`` when the restore builds no index (blend
     off: then ``install`` reads the records, if blend is on by then)."""
     if not directory.blend_lookup_enabled or header.chunk_size != directory.chunk_size:
         return None

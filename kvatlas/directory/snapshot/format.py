@@ -17,7 +17,10 @@ each chunk's content anchor (``chunk_anchors``: spread hash << 32 | offset) unde
 adopts them instead of anchoring every content on its first lookup. Version 6 adds a
 trailer of checksums after the token arena (:mod:`~kvatlas.directory.snapshot.integrity`):
 one per piece of the arena and one of the prefix, the header and those, so that a file
-damaged on disk is refused, never restored as another directory. See docs/directory.md.
+damaged on disk is refused, never restored as another directory. Version 7 adds the bindings
+of the chunks held under keys of several salts, one per salt (``tenant_bindings``,
+:mod:`~kvatlas.directory.tenant_bindings`: the records of such chunks carry none). See
+docs/directory.md.
 """
 
 from __future__ import annotations
@@ -30,16 +33,21 @@ from typing import Any, Generic, TypeVar
 import msgspec
 import numpy as np
 
+from kvatlas.directory.gate import EmitterCursor
+from kvatlas.directory.tenant_bindings import Bindings
+from kvatlas.directory.token_store import widened
 from kvatlas.errors import InvalidInput
 
 MAGIC = b"KVATSNP1"
-VERSION = 6
-"""What the writer writes. 6: version 5 and the checksums' trailer. 5: version 4 and the
+VERSION = 7
+"""What the writer writes. 7: version 6 and the per-salt bindings. 6: version 5 and the
+checksums' trailer. 5: version 4 and the
 content anchors (when the directory has a blend index). 4: version 3 and the content
 fingerprints (the same). 3: tokens in their stored form (``chunk_token_widths``: 2, 4 or
 16 + h, the planes form)."""
-READABLE = (1, 2, 3, 4, 5, 6)
-"""What the reader reads. 5: no checksums (a damaged file may restore another directory); 4:
+READABLE = (1, 2, 3, 4, 5, 6, 7)
+"""What the reader reads. 1-6: one binding for all the salts of a chunk held under keys of
+several (restored without it: nobody can tell whose it was); 5: no checksums (a damaged file may restore another directory); 4:
 no anchors (the first lookup anchors every content); 3: no fingerprints either (computed on
 restore); 2: tokens as uint16 or uint32 (each chunk's uint32 ids are put in the form they need
 on load); 1: every token as uint32 (the same)."""
@@ -95,9 +103,31 @@ CursorRow = tuple[str, int, int, int, int, tuple[int, int, int] | None]
 CapacityRow = tuple[str, int, int, list[tuple[str, str, int]]]
 Sections = dict[str, bytes]
 """Named opaque state of the layers above the directory, saved with its snapshot."""
+
+
+def cursor_row(name: str, c: EmitterCursor) -> CursorRow:
+    gap = c.last_gap
+    last = None if gap is None else (gap.incarnation, gap.after_seq, gap.seq)
+    return (name, c.incarnation, c.last_seq, c.gaps, c.missing_batches, last)
+
+
 InstanceRow = tuple[str, float, float, bytes]
 """A registered instance: id, registered at, last heard of (both wall clock), and its
 registration as the coordinator encoded it (opaque here)."""
+
+
+TenantRow = tuple[bytes, str, bytes, int]
+"""One salt's binding of a chunk held under keys of several salts: chunk hash, salt, the
+ids as little-endian uint32, offset."""
+
+
+def tenant_rows(tenants: dict[bytes, Bindings]) -> list[TenantRow]:
+    """The rows of ``tenants`` (:attr:`~kvatlas.directory.capture.DirectoryState.tenants`)."""
+    return [
+        (h, salt, widened(tokens).astype("<u4").tobytes(), offset)
+        for h, bindings in tenants.items()
+        for salt, (tokens, offset) in bindings.items()
+    ]
 
 
 Buf = TypeVar("Buf", bytes, memoryview)
@@ -142,6 +172,7 @@ class Header(msgspec.Struct, Generic[Buf], omit_defaults=True):
     anchor_key: tuple[str, list[int]] | None = None  # scheme, the hash's secret multipliers
     anchor_digest: bytes = b""  # AnchorKey.digest of the key and the column
     checksum_piece: int = 0  # version >= 6: chunks per checksummed piece of the token arena
+    tenant_bindings: list[TenantRow] = []  # version >= 7 (empty: no chunk of several salts bound)
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,7 +58,8 @@ from kvatlas.directory.snapshot.format import (
 )
 from kvatlas.directory.snapshot.integrity import checked_trailer, trailer_size
 from kvatlas.directory.snapshot.token_section import read_exactly, read_token_section
-from kvatlas.directory.token_store import form_sizes
+from kvatlas.directory.tenant_bindings import Binding, Bindings
+from kvatlas.directory.token_store import form_sizes, stored_one
 from kvatlas.events import VOLATILE_TIERS
 from kvatlas.keys import ObjectKey
 
@@ -110,7 +111,9 @@ def _load(directory: KeyDirectory, path: str | os.PathLike[str]) -> SnapshotInfo
             room = None if indexable is None else index_room(directory, indexable)
             parts = _build(header, columns, tokens, hashes, sids, indexable)
             counts = _counts(header, columns, sids)
-            state = DirectoryState(header.chunk_size, _cursors(header), _capacities(header))
+            cursors, capacities = _cursors(header), _capacities(header)
+            tenants = _tenants(header, columns, hashes)
+            state = DirectoryState(header.chunk_size, cursors, capacities, tenants=tenants)
             index = None
             if room is not None:  # while the contents are filled
                 index = built_index(room, header, columns, tokens, hashes, sids, table, filling)
@@ -335,6 +338,27 @@ def _cursors(header: Header[memoryview]) -> dict[str, EmitterCursor]:
         gap = None if last is None else GapRecord(*last)
         out[name] = EmitterCursor(inc, last_seq, gaps, missing, gap)
     return out
+
+
+def _tenants(header: Header[memoryview], cols: Columns, hashes: HashWords) -> dict[bytes, Bindings]:
+    """An entry for each chunk held under keys of several salts, with the bindings saved
+    (version >= 7; an older file's one binding for all of a chunk's salts is dropped at the
+    install, ``ChunkTable.adopt_tenants``)."""
+    if not len(cols.counts) or int(cols.counts.max()) < 2:
+        return {}
+    salts = np.array([shape[3] for shape in header.shapes], np.int64)[cols.key_shapes]
+    firsts = np.repeat(salts[cols.first_key], cols.counts)
+    chunks = np.repeat(np.arange(len(cols.counts)), cols.counts)
+    out: dict[bytes, dict[str, Binding]] = {
+        hashes[c]: {} for c in np.unique(chunks[salts != firsts]).tolist()
+    }
+    for h, salt, ids, offset in header.tenant_bindings:
+        bindings = out.get(h)
+        if bindings is None or not ids or len(ids) % 4 or offset < -1:
+            raise SnapshotError(f"invalid binding of chunk {bytes(h).hex()} for salt {salt!r}")
+        bindings[salt] = (stored_one(np.frombuffer(ids, "<u4")), offset)
+    tenants: dict[bytes, Bindings] = dict(out)
+    return tenants
 
 
 def _capacities(header: Header[memoryview]) -> dict[str, CapacityDeclaration]:

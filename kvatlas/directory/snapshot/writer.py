@@ -3,9 +3,10 @@
 The snapshot is the directory as it was when :func:`save_snapshot` started its capture (see
 :mod:`kvatlas.directory.capture`); serialisation and I/O run outside the directory lock. The
 file is written as temp file + fsync + rename + directory fsync, so a crash leaves the previous
-snapshot intact. It is created mode 0600 (it holds every tenant's token ids; docs/security.md). The blend index is not stored (a restore rebuilds it from the bindings), but with
-blend on each content's fingerprint is, under the index's key (``blend/fingerprints.py``), so
-the rebuild need not read and hash every id.
+snapshot intact. It is created mode 0600 (it holds every tenant's token ids; docs/security.md).
+The blend index is not stored (a restore rebuilds it from the bindings), but with blend on
+each content's fingerprint is, under the index's key (``blend/fingerprints.py``), so the
+rebuild need not read and hash every id.
 
 Ingestion goes on while a snapshot is written, on other threads that need the GIL: no single
 call here converts, copies, sums or frees a whole column at once (:data:`_SLICE` items at a
@@ -31,7 +32,6 @@ import numpy as np
 
 from kvatlas.directory.blend.fingerprints import ContentReads
 from kvatlas.directory.capture import CapturedPart, DirectoryState
-from kvatlas.directory.gate import EmitterCursor
 from kvatlas.directory.key_directory import KeyDirectory
 from kvatlas.directory.records import (
     PlacementRow,
@@ -50,11 +50,12 @@ from kvatlas.directory.snapshot.format import (
     PREFIX,
     TIERS,
     VERSION,
-    CursorRow,
     Header,
     InstanceRow,
     SnapshotInfo,
+    cursor_row,
     encode_column,
+    tenant_rows,
 )
 from kvatlas.directory.snapshot.integrity import PieceDigests
 from kvatlas.directory.token_store import StoredTokens, form_sizes, stored_payload, stored_shapes
@@ -352,7 +353,7 @@ class _Columns:
             key_shapes=self.encoded_field("key_shapes"),
             key_pl_counts=self.encoded_field("key_pl_counts"),
             key_pls=self.encoded_field("key_pls"),
-            cursors=[_cursor_row(name, c) for name, c in state.cursors.items()],
+            cursors=[cursor_row(name, c) for name, c in state.cursors.items()],
             capacities=[
                 (inst, d.incarnation, d.revision, [(t, b, n) for (t, b), n in d.capacities.items()])
                 for inst, d in state.capacities.items()
@@ -365,13 +366,8 @@ class _Columns:
             chunk_anchors=self.pieces.field(anchors) if anchor_key is not None else b"",
             anchor_key=None if anchor_key is None else (anchor_key.scheme, list(anchor_key.keys)),
             anchor_digest=b"" if anchor_key is None else anchor_key.digest(anchors),
+            tenant_bindings=tenant_rows(state.tenants),
         )
-
-
-def _cursor_row(name: str, c: EmitterCursor) -> CursorRow:
-    gap = c.last_gap
-    last = None if gap is None else (gap.incarnation, gap.after_seq, gap.seq)
-    return (name, c.incarnation, c.last_seq, c.gaps, c.missing_batches, last)
 
 
 _ARENA_BLOCK = 256  # token arrays per write (256 chunks of 256 tokens: at most 256 KiB)

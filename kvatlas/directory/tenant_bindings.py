@@ -1,0 +1,128 @@
+"""Tenant bindings: a chunk held under keys of several cache salts has one binding per salt.
+
+A chunk hash names one text for every tenant (the salt is in the key, not in the hash), so
+tenants that store the same text, or claim to, hold keys of one chunk. What a tenant sees of
+it must not depend on another tenant's data: the content its keys' lookups and listings
+return, what its namespaces' blend matches find. With one binding per chunk, a tenant storing
+a key of its own salt under another tenant's chunk hash (with no ids, or junk ones) read the
+other's ids back — an existence oracle across tenants — and a tenant's junk bound first kept
+another's real ids out.
+
+So while a chunk's keys span several salts its record carries no binding (content ``None``,
+unindexed: a path that reads records sees an unbound chunk) and each salt's binding — the
+content and offset that salt's stores bound, by the rules a chunk of one salt follows — is
+kept here. The blend index holds each salt's claims on its own binding. When the chunk's keys
+come back to one salt, that salt's binding goes back into the record and the entry goes.
+Chunks of one salt, nearly all of them, have no entry and pay nothing.
+
+The index keeps one occupant per (content, chunk hash), with one offset: two salts' bindings
+of equal content at different offsets would answer each other's matches with the wrong
+``old_st`` (wrong KV after re-RoPE), so neither is indexed while both are held (their
+lookups still return them). Which claims the index holds is a function of a chunk's bindings
+and keys (:func:`claims`); a change queues the difference (:func:`claim_ops`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TypeVar
+
+from kvatlas.directory.blend import AddOp, BlendOp, RemoveClaimOp
+from kvatlas.directory.records import Record, shape_ids
+from kvatlas.directory.shapes import ShapeTable
+from kvatlas.directory.token_store import StoredTokens, stored_equal, token_count
+from kvatlas.events import UNKNOWN_OFFSET
+from kvatlas.keys import BlendNamespace
+
+Binding = tuple[StoredTokens, int]
+"""A salt's content of a chunk, as stored, and its token offset."""
+Bindings = Mapping[str, Binding]
+"""A chunk's bindings by salt (a salt that bound nothing: absent); replaced on a change,
+never changed in place (a capture copies the entries, not them)."""
+Claim = tuple[StoredTokens, int, BlendNamespace]
+"""One namespace's claim in the blend index: content, offset, namespace."""
+
+_T = TypeVar("_T")
+
+
+class TenantBindings:
+    """Chunk hash → :data:`Bindings` for every chunk held under keys of several salts (an
+    empty one while none of its salts bound content); changed by the store and removal rules
+    under the directory's lock."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: dict[bytes, Bindings] | None = None) -> None:
+        self.rows: dict[bytes, Bindings] = {} if rows is None else rows
+
+    def copy(self) -> dict[bytes, Bindings]:
+        """The entries as they are now (a capture's, under the directory's lock: one C-level
+        copy, the :data:`Bindings` are never changed in place)."""
+        return dict(self.rows)
+
+    def bound(self) -> int:
+        """How many of these chunks some salt bound content to."""
+        return sum(1 for b in self.rows.values() if b)
+
+    def contents(
+        self, hashes: Sequence[bytes], salts: Sequence[str], contents: Sequence[_T | None]
+    ) -> list[_T | StoredTokens | None]:
+        """``contents`` (what the records of ``hashes`` hold, aligned with them) with each
+        chunk of several salts' content replaced by the one ``salts[i]`` bound (``None``:
+        that salt bound none)."""
+        out: list[_T | StoredTokens | None] = list(contents)
+        rows = self.rows
+        for i, h in enumerate(hashes):
+            bindings = rows.get(h)
+            if bindings is not None:
+                own = bindings.get(salts[i])
+                out[i] = None if own is None else own[0]
+        return out
+
+
+def salt_namespaces(shapes: ShapeTable, rec: Record) -> dict[str, set[BlendNamespace]]:
+    """The namespaces of a record's keys, by cache salt."""
+    out: dict[str, set[BlendNamespace]] = {}
+    for sid in shape_ids(rec):
+        shape = shapes[sid]
+        out.setdefault(shape.cache_salt, set()).add(shape.namespace)
+    return out
+
+
+def claims(shapes: ShapeTable, rec: Record, bindings: Bindings, chunk_size: int) -> set[Claim]:
+    """The index claims of a chunk of several salts (keys ``rec``'s, bindings ``bindings``):
+    each salt's namespaces on its binding when it is indexable (a known offset, a whole
+    chunk) and no other salt binds equal content at another offset."""
+    spaces = salt_namespaces(shapes, rec)
+    out: set[Claim] = set()
+    for salt, (tokens, offset) in bindings.items():
+        if salt not in spaces or offset == UNKNOWN_OFFSET or token_count(tokens) != chunk_size:
+            continue
+        if any(
+            other != salt and at != offset and stored_equal(content, tokens)
+            for other, (content, at) in bindings.items()
+        ):
+            continue
+        out.update((tokens, offset, ns) for ns in spaces[salt])
+    return out
+
+
+def claim_ops(h: bytes, before: set[Claim], after: set[Claim]) -> list[BlendOp]:
+    """The index writes that take chunk ``h``'s claims from ``before`` to ``after``: the
+    dropped claims first (an occupant whose offset changes goes with its last claim and comes
+    back with the new one)."""
+    ops: list[BlendOp] = [RemoveClaimOp(t, h, ns) for t, _, ns in before - after]
+    return ops + [AddOp(t, h, at, ns) for t, at, ns in after - before]
+
+
+def bound_after(
+    old: Binding | None, tokens: StoredTokens | None, offset: int, keep: bool
+) -> Binding | None:
+    """A salt's binding after one of its stores (``tokens`` ``None``: a store without ids,
+    which leaves it): equal ids keep the content (a known offset replaces the old one), other
+    ids rebind it unless ``keep`` (another namespace of the salt holds the chunk)."""
+    if tokens is None:
+        return old
+    if old is not None and stored_equal(old[0], tokens):
+        return old if offset in (UNKNOWN_OFFSET, old[1]) else (old[0], offset)
+    return old if old is not None and keep else (tokens, offset)
