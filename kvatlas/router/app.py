@@ -284,7 +284,8 @@ class Router:
                 log.exception("router failed on a %s request", kind)
                 exc = KvatlasError("internal router error (logged)")  # (500)
             self.metrics.errors.labels(str(exc.status)).inc()
-            await send_openai_error(send, exc.status, exc.detail, exc.extra.get("param"))
+            await send_openai_error(send, exc.status, exc.detail, exc.extra.get("param"),
+                                    exc.extra.get("type"))  # fmt: skip
             return
         out = [(k, v) for k, v in reply.headers if k in _FORWARD_REPLY_HEADERS]
         out.append((_ENGINE_HEADER_BYTES, engine.engine_id.encode()))
