@@ -198,3 +198,31 @@ def test_the_shared_reader_answers_as_vllm(
     assert expected.status_code == 200, expected.text
     fields = {k: v for k, v in request.model_dump(mode="json").items() if k in READ}
     assert fields == expected.json()
+
+
+EMPTY_PROMPT = {"error": {"message": "The decoder prompt cannot be empty",
+                          "type": "BadRequestError", "param": None, "code": 400}}  # fmt: skip
+"""vLLM 0.33's refusal of a prompt of no tokens, which its request models accept: the input
+processor's ``_validate_prompt_len`` (vllm/v1/engine/input_processor.py), a
+``VLLMValidationError`` without a parameter."""
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [(C, {"prompt": []}), (C, {"prompt": [[]]}), (C, {"prompt": [""]}),  # (no BOS: bytes)
+     (H, {"messages": [], "add_generation_prompt": False})],
+)  # fmt: skip
+def test_a_prompt_of_no_tokens_is_refused_as_vllm_refuses_it(
+    engine: EngineProcess, path: str, body: dict[str, Any]
+) -> None:
+    assert vllm_answer(path, json.dumps(body).encode(), JSON).status_code == 200  # (models: ok)
+    reply = engine.post(path, body)
+    assert (reply.status_code, reply.json()) == (400, EMPTY_PROMPT)
+
+
+def test_a_chat_of_no_messages_is_served_as_vllm_serves_it(engine: EngineProcess) -> None:
+    """vLLM's chat route renders an empty ``messages`` through the template: the generation
+    prompt alone is a prompt."""
+    reply = engine.post(H, {"messages": [], "max_tokens": 2})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 2

@@ -107,7 +107,7 @@ def test_template_errors_are_400s(tokenizers: tuple[PromptTokenizer, Any]) -> No
         ("completions", b'{"model": "m", "prompt": [1, 18446744073709551616]}', "token ids"),
         ("completions", b'{"model": "m", "prompt": [1, [2]]}', "validation errors"),
         ("completions", b'{"model": "m", "prompt": [1, 99999999999999999999999]}', "token ids"),
-        ("completions", b'{"model": "m", "prompt": [[1], []]}', "prompt 1 is empty"),
+        ("completions", b'{"model": "m", "prompt": [[1], []]}', "decoder prompt cannot be empty"),
         ("completions", b'{"model": "m", "prompt": [[1], [4294967296]]}', "prompt 1 must be token"),
         ("completions", b'{"model": "m", "prompt": [[-1]]}', "greater than or equal to 0"),
         ("completions", b'{"model": "m"}', "Either prompt or prompt_embeds"),

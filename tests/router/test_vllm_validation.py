@@ -95,3 +95,15 @@ def test_a_negative_output_limit_is_refused_as_vllm_refuses_it() -> None:
         "max_tokens must be at least 1, got -1. (parameter=max_tokens, value=-1)"
     )
     assert refused.value.extra == {"param": "max_tokens"}
+
+
+@pytest.mark.parametrize(
+    "raw", [_body(b'"prompt": []'), _body(b'"prompt": [[]]'), _body(b'"prompt": [[1], []]')]
+)
+def test_a_prompt_of_no_tokens_is_refused_as_vllm_refuses_it(raw: bytes) -> None:
+    """vLLM's input processor (``_validate_prompt_len``): ``The decoder prompt cannot be
+    empty``, no ``param`` (its models accept the body)."""
+    assert vllm_answer("/v1/completions", raw, JSON).status_code == 200
+    with pytest.raises(InvalidInput) as refused:
+        parse_request("completions", raw, None)
+    assert (refused.value.detail, refused.value.extra) == ("The decoder prompt cannot be empty", {})
