@@ -28,7 +28,7 @@ from kvatlas.engine_sim.engine import EngineDriver, Stream
 from kvatlas.engine_sim.scheduler import FINISH_LENGTH, FINISH_STOP, SimRequest
 from kvatlas.engine_sim.tokenizer import Tokenizer
 from kvatlas.errors import InvalidInput, KvatlasError
-from kvatlas.vllm_limits import over_context, too_few_output_tokens
+from kvatlas.vllm_limits import empty_prompt, over_context, too_few_output_tokens
 from kvatlas.vllm_request_models import StreamOptions, given_request_id
 from kvatlas.web import client_gone, read_body
 
@@ -115,6 +115,8 @@ class EngineApi:
             max_tokens, limit_name = wire.completion_limit(req), "max_tokens"
         wire.check_model(req.model, cfg.model)
         max_tokens, finish = _output_limit(cfg, len(prompt), max_tokens, limit_name)
+        if not prompt:  # after the output limit's checks, as vLLM's input processor
+            raise empty_prompt()
         total = len(prompt) + max_tokens
         if -(-total // cfg.block_size) > self.driver.pool.usable_blocks:
             raise InvalidInput(f"{total} tokens need more KV blocks than the engine has "

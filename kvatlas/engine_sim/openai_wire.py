@@ -43,15 +43,14 @@ def read_request(kind: Kind, body: bytes, content_type: str | None) -> Any:
 
 def prompt_of(request: CompletionRequest) -> str | list[int]:
     """The one prompt of a completion request (vLLM's model has checked its type): text, or
-    token ids below 2**32."""
+    token ids below 2**32 (none at all is refused once the output limit is checked, as vLLM
+    does: :func:`kvatlas.vllm_limits.empty_prompt`)."""
     prompt: Any = request.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
             raise InvalidInput("one prompt per request (the simulated engine takes no batches)")
         prompt = prompt[0]
-    if not prompt:
-        raise InvalidInput("prompt cannot be empty")
-    if isinstance(prompt, list) and max(prompt) >= 1 << 32:
+    if isinstance(prompt, list) and prompt and max(prompt) >= 1 << 32:
         raise InvalidInput("prompt must be text or a list of token ids in [0, 2**32)")
     return cast("str | list[int]", prompt)
 
@@ -59,9 +58,7 @@ def prompt_of(request: CompletionRequest) -> str | list[int]:
 def chat_messages(request: ChatRequest) -> list[dict[str, Any]]:
     """The messages as a chat template reads them: ``role`` and text ``content`` (text parts
     joined with newlines, vLLM's "string" content format)."""
-    if not request.messages:
-        raise InvalidInput("messages cannot be empty")
-    out = []
+    out = []  # (none at all: the template renders them, as vLLM's does)
     for m in request.messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InvalidInput("every message must be an object with a 'role'")

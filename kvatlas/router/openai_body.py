@@ -22,7 +22,7 @@ from kvatlas import vllm_requests
 from kvatlas.checks import is_plain_int
 from kvatlas.errors import InvalidInput
 from kvatlas.router.tokenizer import PromptTokenizer
-from kvatlas.vllm_limits import too_few_output_tokens
+from kvatlas.vllm_limits import empty_prompt, too_few_output_tokens
 
 Kind = Literal["completions", "chat"]
 MAX_TOKEN_ID: Final = (1 << 32) - 1
@@ -62,7 +62,7 @@ def _token_ids(value: list[Any], where: str) -> TokenIds:
     string, float, bool-only or nested item gives another dtype; an int beyond int64 an
     overflow), instead of a Python check per token."""
     if not value:
-        raise InvalidInput(f"{where} is empty")
+        raise empty_prompt()  # vLLM's words
     try:
         ids = np.asarray(value)
     except (OverflowError, ValueError):
@@ -100,7 +100,7 @@ def _completion_tokens(
     else:
         raise InvalidInput("'prompt' must be a string, token ids, or a list of either")
     if not prompts:
-        raise InvalidInput("'prompt' is empty")
+        raise empty_prompt()
     checked: list[TokenIds] = []
     for i, item in enumerate(prompts):
         if isinstance(item, str):
