@@ -150,8 +150,8 @@ def _chat_tokens(
     body: dict[str, Any], tokenizer: PromptTokenizer | None
 ) -> tuple[TokenIds | None, str | None]:
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidInput("'messages' must be a non-empty list")
+    if not isinstance(messages, list):  # (none at all: rendered, as vLLM's chat route does)
+        raise InvalidInput("'messages' must be a list")
     if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
         raise InvalidInput("every message must be an object with a 'role'")
     if _is_multimodal(messages):
@@ -177,7 +177,7 @@ def _chat_tokens(
         template_kwargs=kwargs,
     )
     if not tokens:
-        raise InvalidInput("the chat renders to an empty prompt")
+        raise empty_prompt()
     return _ids(tokens), None
 
 
@@ -230,8 +230,8 @@ def parse_request(kind: Kind, raw: bytes, tokenizer: PromptTokenizer | None) -> 
     does not parse, a field of the wrong type, no prompt) is refused in vLLM's words, ``type``
     and ``param``; what its lax mode coerces (``"stream": "true"``, ``"max_tokens": 5.0``, a
     token id ``true``) is routed by the values vLLM reads, the body still sent unchanged; what
-    vLLM accepts but the router cannot route (no ``model``, an empty prompt) keeps the router's
-    own refusal."""
+    vLLM accepts but the router cannot route (no ``model``, a token id past 2^32) keeps the
+    router's own refusal."""
     try:
         return _parse(kind, raw, tokenizer)
     except InvalidInput:
