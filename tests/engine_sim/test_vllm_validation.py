@@ -226,3 +226,15 @@ def test_a_chat_of_no_messages_is_served_as_vllm_serves_it(engine: EngineProcess
     reply = engine.post(H, {"messages": [], "max_tokens": 2})
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 2
+
+
+def test_an_unknown_model_is_refused_first_as_vllm_refuses_it(engine: EngineProcess) -> None:
+    """vLLM 0.33's ``_check_model`` (vllm/entrypoints/serve/engine/serving.py), the first check
+    once its models accept the body: 404 ``NotFoundError``, ``param`` ``model``, the served
+    names listed; an empty ``model`` is the served one."""
+    for body in ({"model": "other", "prompt": "x"}, {"model": "other", "prompt": ["a", "b"]}):
+        reply = engine.post(C, body)
+        assert (reply.status_code, reply.json()) == (404, {"error": {
+            "message": "The model `other` does not exist. Valid aliases: sim.",
+            "type": "NotFoundError", "param": "model", "code": 404}})  # fmt: skip
+    assert engine.post(C, {"model": "", "prompt": "x", "max_tokens": 1}).status_code == 200

@@ -237,6 +237,15 @@ def test_bad_input_gets_an_openai_error(fleet: dict[str, Any], body: Any, status
     assert (error["code"], isinstance(error["type"], str)) == (status, True)
 
 
+def test_a_model_no_engine_serves_is_refused_as_vllm_refuses_it(fleet: dict[str, Any]) -> None:
+    """vLLM 0.33's ``_check_model``: 404 ``NotFoundError``, ``param`` ``model``, the served
+    names listed (here every engine's)."""
+    reply = post(fleet, "/v1/completions", {"model": "no-such-model", "prompt": [1, 2]})
+    assert (reply.status_code, reply.json()) == (404, {"error": {
+        "message": f"The model `no-such-model` does not exist. Valid aliases: {MODEL}.",
+        "type": "NotFoundError", "param": "model", "code": 404}})  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "body",
     [b"{not json", b'{"model": "toy", "prompt": [1, 2], "max_tokens": "x"}', b'{"model": "toy"}',
