@@ -85,7 +85,7 @@ class EngineApi:
         try:
             body = await read_body(request, self.config.max_body_bytes)
             req = wire.read_request("chat" if chat else "completions", body,
-                                    request.headers.get("content-type"))  # fmt: skip
+                                    request.headers.get("content-type"), self.config.model)  # fmt: skip
             caller_id = request.headers.get("x-request-id")
             work = self._generate(req, chat, caller_id)
             return await _unless_client_leaves(request.receive, work)
@@ -113,7 +113,6 @@ class EngineApi:
             prompt = (self.tokenizer.encode(text_or_ids, req.add_special_tokens)
                       if isinstance(text_or_ids, str) else list(text_or_ids))  # fmt: skip
             max_tokens, limit_name = wire.completion_limit(req), "max_tokens"
-        wire.check_model(req.model, cfg.model)
         max_tokens, finish = _output_limit(cfg, len(prompt), max_tokens, limit_name)
         if not prompt:  # after the output limit's checks, as vLLM's input processor
             raise empty_prompt()

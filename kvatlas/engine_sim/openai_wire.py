@@ -32,10 +32,12 @@ def completion_limit(request: CompletionRequest) -> int:
     return 16 if request.max_tokens is None else request.max_tokens
 
 
-def read_request(kind: Kind, body: bytes, content_type: str | None) -> Any:
+def read_request(kind: Kind, body: bytes, content_type: str | None, served: str) -> Any:
     """The body as vLLM's request model reads it, or vLLM's refusal
-    (:mod:`kvatlas.vllm_requests`); then what the simulation itself cannot serve."""
+    (:mod:`kvatlas.vllm_requests`); then its model checked, as vLLM does first; then what the
+    simulation itself cannot serve."""
     request = vllm_requests.read_request(kind, body, content_type)
+    check_model(request.model, served)
     if request.n not in (1, None):
         raise InvalidInput("n must be 1 (the simulated engine samples one sequence)")
     return request
@@ -89,8 +91,11 @@ def chat_options(request: ChatRequest) -> dict[str, Any]:
 
 
 def check_model(requested: str | None, served: str) -> None:
-    if requested is not None and requested != served:
-        raise NotFound(f"The model `{requested}` does not exist.")
+    """vLLM 0.33's ``_check_model``, its first check of a request its models accept: no or an
+    empty ``model`` is the served one."""
+    if requested and requested != served:
+        raise NotFound(f"The model `{requested}` does not exist. Valid aliases: {served}.",
+                       param="model")  # fmt: skip
 
 
 def error_body(message: str, status: int, param: str | None = None,

@@ -207,7 +207,9 @@ class Router:
         if not serving:
             if any(e.serves(req.model) for e in self.engines.all()):
                 raise Unavailable(f"no engine serving model {req.model!r} is healthy")
-            raise NotFound(f"The model `{req.model}` does not exist.")
+            served = sorted({m for e in self.engines.all() for m in e.models or ()})
+            raise NotFound(f"The model `{req.model}` does not exist. Valid aliases: "  # vLLM's
+                           f"{', '.join(served)}.", param="model")  # fmt: skip
         if req.prompt_tokens is None:
             return serving
         n = len(req.prompt_tokens)
