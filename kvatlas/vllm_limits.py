@@ -5,7 +5,8 @@ request to would refuse (docs/router.md, docs/engine-sim.md).
 
 vLLM refuses an output limit over the whole context (``TokenizeParams``) and a prompt over it
 (its renderer's length check); a limit past what the prompt leaves is cut to it
-(``get_max_tokens``), and a cut limit below 1 is refused (``SamplingParams``).
+(``get_max_tokens``), and a cut limit below 1 is refused (``SamplingParams``); then a prompt of
+no tokens (its input processor).
 """
 
 from __future__ import annotations
@@ -40,3 +41,9 @@ def over_context(
 def too_few_output_tokens(limit: int) -> InvalidInput:
     """The refusal of an output limit, once cut to the context the prompt leaves, below 1."""
     return validation_error(f"max_tokens must be at least 1, got {limit}.", "max_tokens", limit)
+
+
+def empty_prompt() -> InvalidInput:
+    """The refusal of a prompt of no tokens (its request models accept ``[]``): the input
+    processor's ``_validate_prompt_len``, a ``VLLMValidationError`` without a parameter."""
+    return InvalidInput("The decoder prompt cannot be empty")

@@ -67,6 +67,8 @@ SHARED = (
     "rope_styles",  # which rotary style a model type uses: the node's and the connector's
     "chat_template",  # a chat template rendered as vLLM renders it: the router's and engine_sim's
     "vllm_limits",  # vLLM's refusals of a request's length: the router's and engine_sim's
+    "vllm_requests",  # a request body read and refused as vLLM's server does: the same two's
+    "vllm_request_models",  # vLLM's request models (the fields those two read)
     "workloads",  # benchmark inputs: numpy only
 )
 TOP = ("bench", "demo", "soak", "cli", "router_replica")  # router_replica: the router

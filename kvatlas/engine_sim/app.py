@@ -28,7 +28,8 @@ from kvatlas.engine_sim.engine import EngineDriver, Stream
 from kvatlas.engine_sim.scheduler import FINISH_LENGTH, FINISH_STOP, SimRequest
 from kvatlas.engine_sim.tokenizer import Tokenizer
 from kvatlas.errors import InvalidInput, KvatlasError
-from kvatlas.vllm_limits import over_context, too_few_output_tokens
+from kvatlas.vllm_limits import empty_prompt, over_context, too_few_output_tokens
+from kvatlas.vllm_request_models import StreamOptions, given_request_id
 from kvatlas.web import client_gone, read_body
 
 JSON = "application/json"
@@ -83,48 +84,51 @@ class EngineApi:
     async def _guarded(self, request: Request, chat: bool) -> Response:
         try:
             body = await read_body(request, self.config.max_body_bytes)
-            if not wire.sent_as_json(request.headers.get("content-type"), body):
-                return Response(wire.UNSUPPORTED_MEDIA_TYPE, status_code=400, media_type=JSON)
+            req = wire.read_request("chat" if chat else "completions", body,
+                                    request.headers.get("content-type"), self.config.model)  # fmt: skip
             caller_id = request.headers.get("x-request-id")
-            work = self._generate(body, chat, caller_id)
+            work = self._generate(req, chat, caller_id)
             return await _unless_client_leaves(request.receive, work)
         except KvatlasError as exc:
-            return self._error(exc.detail or str(exc), exc.status, exc.extra.get("param"))
+            if exc.extra.get("detail_only"):  # FastAPI's own answer (kvatlas.vllm_requests)
+                return JSONResponse({"detail": exc.detail}, exc.status)
+            return self._error(exc.detail or str(exc), exc.status, exc.extra.get("param"),
+                               exc.extra.get("type"))  # fmt: skip
 
     @staticmethod
-    def _error(message: str, status: int, param: str | None = None) -> Response:
-        body = wire.error_body(message, status, param)
+    def _error(message: str, status: int, param: str | None = None,
+               kind: str | None = None) -> Response:  # fmt: skip
+        body = wire.error_body(message, status, param, kind)
         return Response(body, status_code=status, media_type=JSON)
 
-    async def _generate(self, body: bytes, chat: bool, caller_id: str | None) -> Response:
+    async def _generate(self, req: Any, chat: bool, caller_id: str | None) -> Response:
         cfg = self.config
         if chat:
-            req = wire.decode_request(body, wire.ChatRequest)
             prompt = self.tokenizer.chat_prompt(wire.chat_messages(req), **wire.chat_options(req))
             max_tokens, limit_name = req.max_tokens, "max_tokens"
             if req.max_completion_tokens is not None:  # vLLM's: max_completion_tokens unless null
                 max_tokens, limit_name = req.max_completion_tokens, "max_completion_tokens"
         else:
-            req = wire.decode_request(body, wire.CompletionRequest)
             text_or_ids = wire.prompt_of(req)
             prompt = (self.tokenizer.encode(text_or_ids, req.add_special_tokens)
                       if isinstance(text_or_ids, str) else list(text_or_ids))  # fmt: skip
             max_tokens, limit_name = wire.completion_limit(req), "max_tokens"
-        wire.check_model(req.model, cfg.model)
         max_tokens, finish = _output_limit(cfg, len(prompt), max_tokens, limit_name)
+        if not prompt:  # after the output limit's checks, as vLLM's input processor
+            raise empty_prompt()
         total = len(prompt) + max_tokens
         if -(-total // cfg.block_size) > self.driver.pool.usable_blocks:
             raise InvalidInput(f"{total} tokens need more KV blocks than the engine has "
                                f"({self.driver.pool.usable_blocks} of {cfg.block_size} tokens)")  # fmt: skip
         rid = wire.request_id(chat)
-        reply_id = wire.reply_id(chat, caller_id, req.request_id, rid)
+        reply_id = wire.reply_id(chat, caller_id, given_request_id(req), rid)
         sim = SimRequest(rid, prompt, max_tokens, 0.0, req.cache_salt, finish)
         if self.driver.connector is not None:
             await self._ask_node(sim)
         sim.arrival_s = self.driver.now_s()  # after the node's answer (docs/engine-sim.md)
         stream = self.driver.submit(sim)
         if req.stream:
-            options = req.stream_options or wire.StreamOptions()
+            options = req.stream_options or StreamOptions()
             return StreamingResponse(
                 self._sse(stream, chat, options, reply_id), media_type="text/event-stream"
             )
@@ -156,7 +160,7 @@ class EngineApi:
             ids.append(out.token_id)
         return self.tokenizer.decode(ids)
 
-    async def _sse(self, stream: Stream, chat: bool, options: wire.StreamOptions,
+    async def _sse(self, stream: Stream, chat: bool, options: StreamOptions,
                    rid: str) -> AsyncIterator[bytes]:  # fmt: skip
         sim, model = stream.request, self.config.model
         created = self.created_at(sim)

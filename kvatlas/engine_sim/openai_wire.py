@@ -5,76 +5,26 @@ Replies carry vLLM's fields in vLLM's order: a whole reply is its pydantic model
 vLLM sets (``exclude_unset``); the closing usage chunk drops ``null`` fields; every SSE event is
 ``data: <json>\n\n`` and the stream ends with ``data: [DONE]\n\n``. ``usage`` always carries
 ``prompt_tokens_details.cached_tokens`` (vLLM with ``--enable-prompt-tokens-details``).
-Errors are vLLM's ``{"error": {"message", "type", "param", "code"}}``.
+Errors are vLLM's ``{"error": {"message", "type", "param", "code"}}``; a request is read and
+refused as vLLM reads it (:mod:`kvatlas.vllm_requests`).
 ``tests/engine_sim/test_openai_api.py`` re-reads every shape with vLLM's own models.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
-from kvatlas.checks import is_plain_int
+from kvatlas import vllm_requests
 from kvatlas.errors import InvalidInput, NotFound
+from kvatlas.vllm_requests import Kind
+
+if TYPE_CHECKING:
+    from kvatlas.vllm_request_models import ChatRequest, CompletionRequest
 
 _ENCODER = msgspec.json.Encoder()
-
-
-class StreamOptions(msgspec.Struct):
-    """Unset fields stay ``UNSET`` (falsy): ``{}`` is told from a set field, as vLLM's check
-    (``data.get("stream_options")``) tells an empty object from a non-empty one."""
-
-    include_usage: bool | msgspec.UnsetType | None = msgspec.UNSET
-    continuous_usage_stats: bool | msgspec.UnsetType | None = msgspec.UNSET
-
-    def given(self) -> bool:
-        return any(v is not msgspec.UNSET for v in msgspec.structs.astuple(self))
-
-
-class TextPart(msgspec.Struct):
-    type: str
-    text: str | None = None
-
-
-class ChatMessageIn(msgspec.Struct):
-    role: str
-    content: str | list[TextPart] | None = None
-
-
-class CompletionRequest(msgspec.Struct):
-    """The fields the simulation honours; any other field is accepted and ignored (vLLM
-    accepts unknown fields too)."""
-
-    prompt: str | list[Any]  # text, token ids, or a one-element list of either
-    model: str | None = None
-    max_tokens: int | None = 16
-    """``null`` is this default too (vLLM's ``normalize_null_max_tokens``): :func:`completion_limit`."""
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = 1
-    cache_salt: str | None = None
-    request_id: str | None = None
-    ignore_eos: bool = False
-    add_special_tokens: bool = True
-
-
-class ChatRequest(msgspec.Struct):
-    messages: list[ChatMessageIn]
-    model: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = 1
-    cache_salt: str | None = None
-    request_id: str | None = None
-    ignore_eos: bool = False
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def completion_limit(request: CompletionRequest) -> int:
@@ -82,56 +32,52 @@ def completion_limit(request: CompletionRequest) -> int:
     return 16 if request.max_tokens is None else request.max_tokens
 
 
-def decode_request(body: bytes, kind: type[Any]) -> Any:
-    try:
-        request = msgspec.json.decode(body, type=kind)
-    except msgspec.DecodeError as exc:
-        raise InvalidInput(str(exc)) from None
-    if request.n != 1:
+def read_request(kind: Kind, body: bytes, content_type: str | None, served: str) -> Any:
+    """The body as vLLM's request model reads it, or vLLM's refusal
+    (:mod:`kvatlas.vllm_requests`); then its model checked, as vLLM does first; then what the
+    simulation itself cannot serve."""
+    request = vllm_requests.read_request(kind, body, content_type)
+    check_model(request.model, served)
+    if request.n not in (1, None):
         raise InvalidInput("n must be 1 (the simulated engine samples one sequence)")
-    if request.cache_salt == "":
-        raise InvalidInput("Parameter 'cache_salt' must be a non-empty string if provided.")
-    if request.stream_options is not None and request.stream_options.given() and not request.stream:
-        raise InvalidInput("Stream options can only be defined when `stream=True`. "
-                           "(parameter=stream_options)", param="stream_options")  # fmt: skip
     return request
 
 
 def prompt_of(request: CompletionRequest) -> str | list[int]:
-    """The one prompt of a completion request: text, or token ids in [0, 2**32)."""
+    """The one prompt of a completion request (vLLM's model has checked its type): text, or
+    token ids below 2**32 (none at all is refused once the output limit is checked, as vLLM
+    does: :func:`kvatlas.vllm_limits.empty_prompt`)."""
     prompt: Any = request.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
             raise InvalidInput("one prompt per request (the simulated engine takes no batches)")
         prompt = prompt[0]
-    if not prompt:
-        raise InvalidInput("prompt cannot be empty")
-    if isinstance(prompt, str):
-        return prompt
-    if not isinstance(prompt, list) or not all(
-        is_plain_int(t) and 0 <= t < 1 << 32 for t in prompt
-    ):
+    if isinstance(prompt, list) and prompt and max(prompt) >= 1 << 32:
         raise InvalidInput("prompt must be text or a list of token ids in [0, 2**32)")
-    return prompt
+    return cast("str | list[int]", prompt)
 
 
 def chat_messages(request: ChatRequest) -> list[dict[str, Any]]:
     """The messages as a chat template reads them: ``role`` and text ``content`` (text parts
     joined with newlines, vLLM's "string" content format)."""
-    if not request.messages:
-        raise InvalidInput("messages cannot be empty")
-    out = []
+    out = []  # (none at all: the template renders them, as vLLM's does)
     for m in request.messages:
-        if m.content is None or isinstance(m.content, str):
-            out.append({"role": m.role, "content": m.content or ""})
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidInput("every message must be an object with a 'role'")
+        content = m.get("content")
+        if content is None or isinstance(content, str):
+            out.append({"role": m["role"], "content": content or ""})
             continue
+        if not isinstance(content, list):
+            raise InvalidInput("a message's content must be text or a list of parts")
         texts = []
-        for part in m.content:
-            if part.type != "text" or part.text is None:
-                raise InvalidInput(f"content part type {part.type!r} is not supported by "
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise InvalidInput(f"content part type {kind!r} is not supported by "
                                    "this text-only model")  # fmt: skip
-            texts.append(part.text)
-        out.append({"role": m.role, "content": "\n".join(texts)})
+            texts.append(part["text"])
+        out.append({"role": m["role"], "content": "\n".join(texts)})
     return out
 
 
@@ -145,33 +91,19 @@ def chat_options(request: ChatRequest) -> dict[str, Any]:
 
 
 def check_model(requested: str | None, served: str) -> None:
-    if requested is not None and requested != served:
-        raise NotFound(f"The model `{requested}` does not exist.")
+    """vLLM 0.33's ``_check_model``, its first check of a request its models accept: no or an
+    empty ``model`` is the served one."""
+    if requested and requested != served:
+        raise NotFound(f"The model `{requested}` does not exist. Valid aliases: {served}.",
+                       param="model")  # fmt: skip
 
 
-UNSUPPORTED_MEDIA_TYPE: Final = _ENCODER.encode({"error": {
-    "message": "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
-    "type": "Bad Request", "param": None, "code": 400}})  # fmt: skip
-"""vLLM 0.33's answer (400) to a body not sent as JSON: its ``validate_json_request`` raises a
-``RequestValidationError`` that its handler writes with the status's phrase as ``type``."""
-
-
-def sent_as_json(content_type: str | None, body: bytes) -> bool:
-    """Whether vLLM would read the body: its media type is ``application/json`` (vLLM's exact
-    test). Without a content type FastAPI decodes the body first, so a body that is not JSON
-    gets the decoder's error (``True`` here: the request decoder reports it)."""
-    if content_type is None:
-        try:
-            msgspec.json.decode(body)
-        except msgspec.DecodeError:
-            return True
-        return False
-    return content_type.lower().split(";", maxsplit=1)[0] == "application/json"
-
-
-def error_body(message: str, status: int, param: str | None = None) -> bytes:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError",
-            503: "ServiceUnavailableError"}.get(status, "InternalServerError")  # fmt: skip
+def error_body(message: str, status: int, param: str | None = None,
+               kind: str | None = None) -> bytes:  # fmt: skip
+    """vLLM's error object; ``kind`` (its ``type``) by the status unless given."""
+    if kind is None:
+        kind = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError",
+                503: "ServiceUnavailableError"}.get(status, "InternalServerError")  # fmt: skip
     return _ENCODER.encode(
         {"error": {"message": message, "type": kind, "param": param, "code": status}}
     )

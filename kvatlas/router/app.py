@@ -207,7 +207,9 @@ class Router:
         if not serving:
             if any(e.serves(req.model) for e in self.engines.all()):
                 raise Unavailable(f"no engine serving model {req.model!r} is healthy")
-            raise NotFound(f"The model `{req.model}` does not exist.")
+            served = sorted({m for e in self.engines.all() for m in e.models or ()})
+            raise NotFound(f"The model `{req.model}` does not exist. Valid aliases: "  # vLLM's
+                           f"{', '.join(served)}.", param="model")  # fmt: skip
         if req.prompt_tokens is None:
             return serving
         n = len(req.prompt_tokens)
@@ -284,7 +286,8 @@ class Router:
                 log.exception("router failed on a %s request", kind)
                 exc = KvatlasError("internal router error (logged)")  # (500)
             self.metrics.errors.labels(str(exc.status)).inc()
-            await send_openai_error(send, exc.status, exc.detail, exc.extra.get("param"))
+            await send_openai_error(send, exc.status, exc.detail, exc.extra.get("param"),
+                                    exc.extra.get("type"))  # fmt: skip
             return
         out = [(k, v) for k, v in reply.headers if k in _FORWARD_REPLY_HEADERS]
         out.append((_ENGINE_HEADER_BYTES, engine.engine_id.encode()))

@@ -1,7 +1,8 @@
 """What the router reads of an OpenAI request body, and nothing more: the body itself goes to
 the engine unchanged. Every bad input is an :class:`~kvatlas.errors.InvalidInput` (400) that
-names what is wrong — invalid JSON, no model, an empty prompt, a token id that is not one —
-never a traceback.
+names what is wrong, never a traceback: in vLLM 0.33's words where vLLM refuses it too (invalid
+JSON, a field of the wrong type, no prompt: :func:`parse_request`), in the router's where only
+the router must (no model, an empty prompt, a token id past 2^32).
 
 ``prompt_tokens`` is what the route is scored with: token ids as given, or text and chat
 through :class:`~kvatlas.router.tokenizer.PromptTokenizer`; ``None`` when the router cannot
@@ -17,14 +18,17 @@ from typing import Any, Final, Literal
 import msgspec
 import numpy as np
 
+from kvatlas import vllm_requests
 from kvatlas.checks import is_plain_int
 from kvatlas.errors import InvalidInput
 from kvatlas.router.tokenizer import PromptTokenizer
+from kvatlas.vllm_limits import empty_prompt, too_few_output_tokens
 
 Kind = Literal["completions", "chat"]
 MAX_TOKEN_ID: Final = (1 << 32) - 1
 TokenIds = np.ndarray[Any, np.dtype[np.uint32]]
 _decoder = msgspec.json.Decoder()
+_encoder = msgspec.json.Encoder()
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +62,7 @@ def _token_ids(value: list[Any], where: str) -> TokenIds:
     string, float, bool-only or nested item gives another dtype; an int beyond int64 an
     overflow), instead of a Python check per token."""
     if not value:
-        raise InvalidInput(f"{where} is empty")
+        raise empty_prompt()  # vLLM's words
     try:
         ids = np.asarray(value)
     except (OverflowError, ValueError):
@@ -96,7 +100,7 @@ def _completion_tokens(
     else:
         raise InvalidInput("'prompt' must be a string, token ids, or a list of either")
     if not prompts:
-        raise InvalidInput("'prompt' is empty")
+        raise empty_prompt()
     checked: list[TokenIds] = []
     for i, item in enumerate(prompts):
         if isinstance(item, str):
@@ -146,8 +150,8 @@ def _chat_tokens(
     body: dict[str, Any], tokenizer: PromptTokenizer | None
 ) -> tuple[TokenIds | None, str | None]:
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidInput("'messages' must be a non-empty list")
+    if not isinstance(messages, list):  # (none at all: rendered, as vLLM's chat route does)
+        raise InvalidInput("'messages' must be a list")
     if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
         raise InvalidInput("every message must be an object with a 'role'")
     if _is_multimodal(messages):
@@ -173,7 +177,7 @@ def _chat_tokens(
         template_kwargs=kwargs,
     )
     if not tokens:
-        raise InvalidInput("the chat renders to an empty prompt")
+        raise empty_prompt()
     return _ids(tokens), None
 
 
@@ -219,7 +223,31 @@ def _token_ids_body(raw: bytes) -> tuple[dict[str, Any], TokenIds] | None:
 
 
 def parse_request(kind: Kind, raw: bytes, tokenizer: PromptTokenizer | None) -> RouteRequest:
-    """The routing view of a ``/v1/completions`` or ``/v1/chat/completions`` body."""
+    """The routing view of a ``/v1/completions`` or ``/v1/chat/completions`` body.
+
+    A body the router's own reading refuses is read again as vLLM's server reads it
+    (:mod:`kvatlas.vllm_requests`, pydantic on this path only): what vLLM refuses (JSON that
+    does not parse, a field of the wrong type, no prompt) is refused in vLLM's words, ``type``
+    and ``param``; what its lax mode coerces (``"stream": "true"``, ``"max_tokens": 5.0``, a
+    token id ``true``) is routed by the values vLLM reads, the body still sent unchanged; what
+    vLLM accepts but the router cannot route (no ``model``, a token id past 2^32) keeps the
+    router's own refusal."""
+    try:
+        return _parse(kind, raw, tokenizer)
+    except InvalidInput:
+        as_vllm_reads_it = _coerced(kind, raw)  # or vLLM's refusal
+        return _parse(kind, as_vllm_reads_it, tokenizer)  # (its refusal again: the router's)
+
+
+def _coerced(kind: Kind, raw: bytes) -> bytes:
+    """The body's fields as vLLM's request model reads them, as JSON; vLLM's refusal when
+    its model refuses them. Every body is read as JSON (the router sends one without a
+    content type as ``application/json``)."""
+    request = vllm_requests.read_request(kind, raw, "application/json")
+    return _encoder.encode(request.model_dump(mode="json", exclude_unset=True))
+
+
+def _parse(kind: Kind, raw: bytes, tokenizer: PromptTokenizer | None) -> RouteRequest:
     fast = _token_ids_body(raw) if kind == "completions" else None
     body = fast[0] if fast is not None else decode_body(raw)
     model = body.get("model")
@@ -236,8 +264,10 @@ def parse_request(kind: Kind, raw: bytes, tokenizer: PromptTokenizer | None) -> 
     if kind == "chat" and body.get("max_completion_tokens") is not None:
         limit = "max_completion_tokens"
     max_tokens = body.get(limit)
-    if max_tokens is not None and (not is_plain_int(max_tokens) or max_tokens < 0):
-        raise InvalidInput(f"'{limit}' must be a non-negative integer")
+    if max_tokens is not None and not is_plain_int(max_tokens):
+        raise InvalidInput(f"'{limit}' must be an integer")  # (read again as vLLM reads it)
+    if max_tokens is not None and max_tokens < 0:  # what vLLM's SamplingParams answers
+        raise too_few_output_tokens(max_tokens)
     tokens: TokenIds | None
     if fast is not None:
         tokens, reason = fast[1], None

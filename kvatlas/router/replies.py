@@ -95,10 +95,12 @@ class CutReplyFilter(logging.Filter):
         return not (_CUT.get() and record.getMessage().startswith(_UNCOMPLETED))
 
 
-def error_body(status: int, message: str, param: str | None = None) -> bytes:
+def error_body(status: int, message: str, param: str | None = None,
+               kind: str | None = None) -> bytes:  # fmt: skip
     """The JSON of an OpenAI error object (also the HTTP guard's refusals', the 408 and 400);
-    ``param``: the request field it is about, as vLLM names it."""
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"),
+    ``param``: the request field it is about, as vLLM names it; ``kind`` its ``type`` (by the
+    status unless given: vLLM's ``"Bad Request"`` for what its request validation refuses)."""
+    body = {"error": {"message": message, "type": kind or _ERROR_TYPES.get(status, "APIError"),
                       "param": param, "code": status}}  # fmt: skip
     return _json.encode(body)
 
@@ -110,10 +112,10 @@ def openai_error(status: int, message: str) -> Response:
 
 
 async def send_openai_error(
-    send: Send, status: int, message: str, param: str | None = None
+    send: Send, status: int, message: str, param: str | None = None, kind: str | None = None
 ) -> None:
     """:func:`openai_error`, sent as plain ASGI messages."""
-    body = error_body(status, message, param)
+    body = error_body(status, message, param, kind)
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]  # fmt: skip
     if status == 401:

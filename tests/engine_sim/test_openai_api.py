@@ -197,22 +197,17 @@ def test_models_and_health(engine: EngineProcess) -> None:
 @pytest.mark.parametrize(
     ("path", "body", "status"),
     [
-        ("/v1/completions", b"{not json", 400),
         ("/v1/completions", b"{}", 400),  # no prompt
         ("/v1/completions", {"prompt": ""}, 400),
         ("/v1/completions", {"prompt": []}, 400),
-        ("/v1/completions", {"prompt": [1, -2]}, 400),
-        ("/v1/completions", {"prompt": [1, True]}, 400),
         ("/v1/completions", {"prompt": [1, 2**40]}, 400),
         ("/v1/completions", {"prompt": ["a", "b"]}, 400),  # batches are not simulated
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400),
-        ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400),
         ("/v1/completions", {"prompt": "x", "n": 2}, 400),
         ("/v1/completions", {"prompt": "x", "cache_salt": ""}, 400),
         ("/v1/completions", {"prompt": "x" * 2049, "max_tokens": 1}, 400),  # > max-model-len
         ("/v1/completions", {"prompt": "x", "max_tokens": 2049}, 400),  # > max-model-len
         ("/v1/completions", {"prompt": "x", "model": "other"}, 404),
-        ("/v1/chat/completions", {"messages": []}, 400),
         (
             "/v1/chat/completions",
             {
@@ -225,7 +220,6 @@ def test_models_and_health(engine: EngineProcess) -> None:
             },
             400,
         ),
-        ("/v1/chat/completions", {"messages": "hi"}, 400),
         # vLLM: max_completion_tokens unless null (0 is no output: refused), else max_tokens
         ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": 0}, 400),
         (
@@ -238,12 +232,13 @@ def test_models_and_health(engine: EngineProcess) -> None:
             {"messages": HI, "continue_final_message": True, "add_generation_prompt": True},
             400,
         ),
-        ("/v1/chat/completions", {"messages": HI, "chat_template_kwargs": "x"}, 400),
     ],
 )
 def test_bad_input_is_an_openai_error_object(
     engine: EngineProcess, path: str, body: dict[str, Any] | bytes, status: int
 ) -> None:
+    """What vLLM's checks refuse past its request models (a body its models refuse, vLLM's
+    ``"Bad Request"`` answers: test_vllm_validation.py) or the simulation cannot serve."""
     reply = engine.post(path, body)
     assert reply.status_code == status
     error = reply.json()["error"]

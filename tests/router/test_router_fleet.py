@@ -25,6 +25,7 @@ from tests.conftest import HTTP, wait_for
 from tests.coordinator.security_support import bearer, spawn_coordinator, token, write_tokens
 from tests.router.fake_vllm import FakeVllm, load_hf_tokenizer
 from tests.router.tokenizer_support import train_tokenizer
+from tests.vllm_oracle import vllm_answer
 
 MODEL = "toy"
 ENGINES = ("pod-a", "pod-b")
@@ -214,7 +215,7 @@ def test_a_client_leaving_mid_stream_frees_the_engine(fleet: dict[str, Any]) -> 
 @pytest.mark.parametrize(
     ("body", "status", "message"),
     [
-        (b"{not json", 400, "not valid JSON"),
+        (b"{not json", 400, "JSON decode error"),
         (b'{"model": "m", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 422, "nests too deeply"),
         (b'{"model": "m", "x": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5001, 422, "nests too deeply"),
         ({"prompt": [1, 2]}, 400, "'model' is required"),
@@ -234,6 +235,28 @@ def test_bad_input_gets_an_openai_error(fleet: dict[str, Any], body: Any, status
     error = reply.json()["error"]
     assert message in error["message"]
     assert (error["code"], isinstance(error["type"], str)) == (status, True)
+
+
+def test_a_model_no_engine_serves_is_refused_as_vllm_refuses_it(fleet: dict[str, Any]) -> None:
+    """vLLM 0.33's ``_check_model``: 404 ``NotFoundError``, ``param`` ``model``, the served
+    names listed (here every engine's)."""
+    reply = post(fleet, "/v1/completions", {"model": "no-such-model", "prompt": [1, 2]})
+    assert (reply.status_code, reply.json()) == (404, {"error": {
+        "message": f"The model `no-such-model` does not exist. Valid aliases: {MODEL}.",
+        "type": "NotFoundError", "param": "model", "code": 404}})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"{not json", b'{"model": "toy", "prompt": [1, 2], "max_tokens": "x"}', b'{"model": "toy"}',
+     b'{"model": "toy", "prompt": [1, -2], "stream": "maybe"}'],
+)  # fmt: skip
+def test_a_body_vllm_refuses_is_refused_in_vllms_words(fleet: dict[str, Any], body: bytes) -> None:
+    """Its ``type`` (``"Bad Request"`` for what FastAPI refuses), ``param`` and message, as
+    vLLM 0.33's server answers (tests/router/test_vllm_validation.py has more)."""
+    expected = vllm_answer("/v1/completions", body, "application/json")
+    reply = post(fleet, "/v1/completions", body)
+    assert (reply.status_code, reply.json()) == (400, expected.json())
 
 
 @pytest.mark.parametrize(
