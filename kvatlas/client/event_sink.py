@@ -101,7 +101,7 @@ class EventSink:
         self.quarantined_batches = 0
         self.quarantined_entries = 0
         self.salt_refused_entries = 0
-        self._say = Throttle(60.0)  # a refused salt's ERROR: at once, then once a minute
+        self._say = Throttle(60.0)  # a refusal's ERROR: at once, then once a minute
         self.auth_failures = 0
         self.splits = 0
         self.retries = 0
@@ -278,7 +278,7 @@ class EventSink:
             self.salt_refused_entries += counted
             total = self.salt_refused_entries
         for salt in sorted(exc.cache_salts):
-            if self._say(salt):
+            if self._say(f"salt {salt}"):
                 log.error(
                     "coordinator refused cache_salt %r for this node's token: its entries are "
                     "left out of the node's events (%d so far, logged once a minute a salt; "
@@ -287,14 +287,20 @@ class EventSink:
                 )  # fmt: skip
         return kept
 
-    def _quarantine(self, batch: EventBatch, exc: Exception) -> None:
-        """Set aside one batch the receiver refused: counted and logged; its seq is never
-        delivered, so the coordinator reports it as a gap."""
+    def _quarantine(self, batch: EventBatch, exc: PermanentSendError) -> None:
+        """Set aside one batch the receiver refused: counted and logged (an ERROR at once,
+        then once a minute per kind of refusal: one that persists, a clock far ahead, refuses
+        every batch); its seq is never delivered, so the coordinator reports it as a gap."""
         with self._cond:
             self.quarantined_batches += 1
             self.quarantined_entries += len(batch.entries)
             self._in_flight -= 1
-        log.error("coordinator refused batch seq %d (quarantined, a gap): %s", batch.seq, exc)
+            total = self.quarantined_batches
+        if self._say(f"quarantine {exc.reason}"):
+            log.error(
+                "coordinator refused batch seq %d (quarantined, a gap; %d batches so far, "
+                "logged once a minute per kind of refusal): %s", batch.seq, total, exc,
+            )  # fmt: skip
 
     def close(self, timeout: float = 5.0) -> None:
         """Deliver what is queued (up to ``timeout``), then stop; undelivered batches are counted as dropped."""

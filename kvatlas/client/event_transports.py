@@ -40,11 +40,17 @@ class PermanentSendError(InvalidInput, RuntimeError):
 
     ``batch_index`` is the position in the send of the batch the receiver named (a 422 whose
     ``field`` starts ``batches[i]``), if it named one. An ``InvalidInput``, and still the
-    ``RuntimeError`` it always was, for callers that catch it as one."""
+    ``RuntimeError`` it always was, for callers that catch it as one. ``reason`` says what
+    kind of refusal it is, the same for every batch refused alike (the reply's status and
+    ``field`` without the batch's index: ``422 batches[].incarnation``), so a refusal that
+    persists is logged once a minute, not once per batch."""
 
-    def __init__(self, detail: str = "", *, batch_index: int | None = None) -> None:
+    def __init__(
+        self, detail: str = "", *, batch_index: int | None = None, reason: str = ""
+    ) -> None:
         super().__init__(detail)
         self.batch_index = batch_index
+        self.reason = reason or type(self).__name__
 
 
 class SendTooLargeError(PermanentSendError):
@@ -71,11 +77,15 @@ def _error_reply(response: httpx.Response) -> ErrorReply:
         return ErrorReply()
 
 
-def _batch_index(response: httpx.Response) -> int | None:
+def _batch_index(field: str | None) -> int | None:
     """The ``i`` of a 422 reply whose ``field`` is ``batches[i]...`` (see docs/coordinator.md)."""
-    field = _error_reply(response).field
     match = _BATCH_FIELD.match(field) if field else None
     return int(match.group(1)) if match else None
+
+
+def _refusal_reason(status: int, field: str | None) -> str:
+    """A refusal's kind: its status and ``field`` without the batch's index."""
+    return f"{status} {_BATCH_FIELD.sub('batches[]', field or '')}".rstrip()
 
 
 class Transport(Protocol):
@@ -120,7 +130,12 @@ class HttpTransport:
         if response.status_code == 413:
             raise SendTooLargeError(text)
         if response.status_code >= 400:
-            raise PermanentSendError(text, batch_index=_batch_index(response))
+            field = _error_reply(response).field
+            raise PermanentSendError(
+                text,
+                batch_index=_batch_index(field),
+                reason=_refusal_reason(response.status_code, field),
+            )
 
     def close(self) -> None:
         self._http.close()

@@ -17,10 +17,12 @@ import asyncio
 from concurrent.futures import Executor
 
 from kvatlas.auth import Principal
-from kvatlas.coordinator.query import check_emit, decode_events
+from kvatlas.coordinator.ingestion import rejection_reason
+from kvatlas.coordinator.query import check_emit, decode_events, salt_entries
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.coordinator.wire import ingest_counts_to_wire
-from kvatlas.errors import InvalidInput
+from kvatlas.errors import Conflict, Forbidden, InvalidInput
+from kvatlas.events import ColumnBatch
 from kvatlas.routing import Call, Reply
 from kvatlas.web import json_encoder
 
@@ -55,17 +57,21 @@ class EventsIngest:
 
     def answer(self, body: bytes, content_type: str, who: Principal) -> bytes:
         """The reply to a body from ``who`` (whose ``emit`` role the gate checked from the
-        headers, before the body was read)."""
+        headers, before the body was read). A refused body is counted by reason
+        (``kvatlas_event_rejected_bodies``; a 403 for salts also its entries under them,
+        ``kvatlas_event_refused_entries{transport="http"}``)."""
         service = self.service
+        metrics = service.metrics
+        batches: list[ColumnBatch] = []
         try:
             batches = decode_events(body, content_type, service.config.max_batch_entries)
-        except InvalidInput:
-            service.metrics.rejected.inc()
-            raise
-        check_emit(who, batches)
-        try:
-            counts = service.ingest(batches)
-        except InvalidInput:  # an incarnation no restart of the emitter can reach
-            service.metrics.rejected.inc()
+            check_emit(who, batches)
+            counts = service.ingest(batches)  # (an incarnation no restart can reach: 422)
+        except (InvalidInput, Forbidden, Conflict) as exc:
+            reason = rejection_reason(exc)
+            metrics.rejected.labels(reason).inc()
+            if reason == "cache_salt":
+                salts = frozenset(exc.extra["cache_salts"])
+                metrics.refused_entries.labels("http", reason).inc(salt_entries(batches, salts))
             raise
         return json_encoder.encode(ingest_counts_to_wire(counts))

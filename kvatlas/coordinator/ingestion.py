@@ -17,20 +17,43 @@ from dataclasses import dataclass, field
 
 from kvatlas.auth import Principal, TokenAuth
 from kvatlas.coordinator.config import CoordinatorConfig
-from kvatlas.coordinator.emitters import EmitterBook, admit, check_incarnations
+from kvatlas.coordinator.emitters import (
+    EmitterBook,
+    IncarnationAhead,
+    admit,
+    check_incarnations,
+)
 from kvatlas.coordinator.instances import InstanceRegistry
 from kvatlas.coordinator.kv_events.links import KvEventsLinks
 from kvatlas.coordinator.metrics import CoordinatorMetrics
-from kvatlas.coordinator.query import check_emit
+from kvatlas.coordinator.query import refused_salts, salt_entries
+from kvatlas.coordinator.stream_auth import UnsignedEntry
 from kvatlas.directory import IngestCounts, KeyDirectory, Outcome
-from kvatlas.errors import Conflict
+from kvatlas.errors import Conflict, Forbidden, KvatlasError, Unauthorized
 from kvatlas.events import RESYNC, ColumnBatch, EventBatch
+from kvatlas.logs import Throttle
 
 log = logging.getLogger(__name__)
 
 LIVE_STALE_S = 60.0
 """A stale batch sent this recently (its ``ts``) is a live process's, logged (older ones are
 history: a replica reading the stream after a restart)."""
+
+
+def rejection_reason(exc: KvatlasError) -> str:
+    """The ``reason`` label of a refused stream entry or ``POST /events`` body
+    (docs/security.md, "Redis transport")."""
+    if isinstance(exc, UnsignedEntry):
+        return "unsigned"
+    if isinstance(exc, Unauthorized):
+        return "bad_signature"
+    if isinstance(exc, IncarnationAhead):
+        return "incarnation_ahead"
+    if isinstance(exc, Forbidden):  # an instance outside the sender's, unregistered; a salt
+        return "cache_salt" if exc.extra.get("cache_salts") else "forbidden"
+    if isinstance(exc, Conflict):
+        return "emitter_cap"
+    return "too_large" if exc.status == 413 else "invalid"
 
 
 def refuse_engine_ids(instance_ids: Iterable[str], is_engine: Callable[[str], bool]) -> None:
@@ -54,6 +77,9 @@ class Ingestion:
     kv_events: KvEventsLinks | None = None  # set once the links exist (they ingest through us)
     stale_runs: dict[str, int] = field(default_factory=dict)
     """Live stale batches in a row, by instance (until one of its batches is applied)."""
+    salt_refused: int = 0
+    """Entries of stream entries left out for their salt (:meth:`ingest_as`), listings not."""
+    _say: Throttle = field(default_factory=lambda: Throttle(60.0))
 
     def ingest(
         self,
@@ -113,14 +139,41 @@ class Ingestion:
         self, who: Principal | None, batches: Sequence[EventBatch | ColumnBatch]
     ) -> IngestCounts:
         """Apply a stream entry's batches as ``who`` (its signer; ``None``: auth off): the
-        checks of ``POST /events`` (its instances, its salts). A signed entry stands for a
-        registration: a replica that never saw the node register (it registered with
-        another one) admits its entries all the same."""
+        checks of ``POST /events``. An instance the signer may not act for refuses the entry
+        whole; entries under a salt it may not store for are left out, the rest applied,
+        every batch's seq with it (over HTTP the node's sink does this after a 403; a stream
+        entry's producer cannot be answered, and refusing the entry whole lost the allowed
+        salts' entries and left a gap, whose digest exchange listed the same salts and was
+        refused again). A signed entry stands for a registration: a replica that never saw
+        the node register (it registered with another one) admits its entries all the same."""
         if who is None:
             return self.ingest(batches)
         columns = [b if isinstance(b, ColumnBatch) else ColumnBatch.of(b) for b in batches]
-        check_emit(who, columns)
-        return self.ingest(columns, registered=False)
+        foreign = refused_salts(who, columns)
+        if not foreign:
+            return self.ingest(columns, registered=False)
+        counts = self.ingest([b.without_salts(foreign) for b in columns], registered=False)
+        self._left_out(who, columns, foreign)  # (not when the entry was refused whole)
+        return counts
+
+    def _left_out(
+        self, who: Principal, batches: Sequence[ColumnBatch], salts: frozenset[str]
+    ) -> None:
+        """Count (a resync's listing not again) and log, once a minute per signer and salt,
+        entries of a stream entry left out for their salt."""
+        n = salt_entries(batches, salts)
+        self.metrics.refused_entries.labels("stream", "cache_salt").inc(n)
+        self.salt_refused += n
+        instances = sorted({b.header.instance_id for b in batches})
+        for salt in sorted(salts):
+            if self._say(f"{who.name} {salt}"):
+                log.warning(
+                    "stream entries of %s signed by %r hold keys under cache_salt %r, which "
+                    "that token may not store for: applied without them (%d such entries so "
+                    "far; logged once a minute per token and salt; give the node's coordinator "
+                    "token the salt, or store no KV under it)",
+                    ", ".join(instances), who.name, salt, self.salt_refused,
+                )  # fmt: skip
 
     def _admit(self, batches: Sequence[EventBatch], registered: bool) -> None:
         """Refuse the whole request when it would add an emitter under an engine's id, or one

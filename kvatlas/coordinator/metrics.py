@@ -170,7 +170,8 @@ class _CollectorStats(Collector):
 REPLICA_HEALTH = frozenset(
     {
         "kvatlas_readiness", "kvatlas_stream_position_seconds", "kvatlas_stream_lag_entries",
-        "kvatlas_stream_errors", "kvatlas_stream_rejected_entries", "kvatlas_event_entries",
+        "kvatlas_stream_errors", "kvatlas_stream_rejected_entries",
+        "kvatlas_event_refused_entries", "kvatlas_event_entries",
         "kvatlas_event_gaps", "kvatlas_ingest_lag_seconds", "kvatlas_directory_keys",
         "kvatlas_directory_chunks", "kvatlas_directory_placements", "kvatlas_directory_bytes",
         "kvatlas_route_score_seconds", "kvatlas_snapshots", "kvatlas_snapshot_failures",
@@ -198,7 +199,19 @@ class CoordinatorMetrics:
         )
         self.entries = Counter("kvatlas_event_entries", "event entries applied", registry=r)
         self.rejected = Counter(
-            "kvatlas_event_rejected_bodies", "event bodies rejected (4xx)", registry=r
+            "kvatlas_event_rejected_bodies",
+            "POST /events bodies refused whole (4xx, nothing applied), by reason (those of "
+            "kvatlas_stream_rejected_entries)",
+            ["reason"],
+            registry=r,
+        )
+        self.refused_entries = Counter(
+            "kvatlas_event_refused_entries",
+            "cache events refused for their key's cache salt (the emitter's token may not store "
+            "for it), by transport: http, in bodies refused whole (the node's sink sends them "
+            "again without those); stream, left out of entries applied without them",
+            ["transport", "reason"],
+            registry=r,
         )
         self.lookup_latency = Histogram(
             "kvatlas_lookup_seconds",
@@ -265,7 +278,8 @@ class CoordinatorMetrics:
         """The series that say whether this replica is healthy (:data:`REPLICA_HEALTH`),
         as this registry exports them, read without a call to Redis (a process hosting the
         replica exports them beside its own: ``kvatlas router --scores-from replica``)."""
-        for collector in (self._state, self.stream_errors, self.stream_rejected, self.entries,
+        for collector in (self._state, self.stream_errors, self.stream_rejected,
+                          self.refused_entries, self.entries,
                           self.route_latency, self.snapshots, self.snapshot_failures,
                           self.snapshot_duration, self.snapshot_pause):  # fmt: skip
             for family in collector.collect():

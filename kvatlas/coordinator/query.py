@@ -22,7 +22,13 @@ from kvatlas.coordinator._base64 import b64decode_strict, decode_base64
 from kvatlas.coordinator.body_limits import KEY_JSON_BYTES, QUERY_ENVELOPE_BYTES
 from kvatlas.coordinator.body_size import check_item_count, lookup_size
 from kvatlas.errors import Forbidden, PayloadTooLarge, Unprocessable
-from kvatlas.events import ColumnBatch, EventBatch, decode_json_columns, decode_msgpack_columns
+from kvatlas.events import (
+    RESYNC,
+    ColumnBatch,
+    EventBatch,
+    decode_json_columns,
+    decode_msgpack_columns,
+)
 from kvatlas.fields import decode_fields, field_error, field_errors
 from kvatlas.keys import (
     BlendNamespace,
@@ -72,15 +78,36 @@ def check_emit(who: Principal, batches: Sequence[ColumnBatch]) -> None:
     """``who`` may post every batch: each names one of its instances, every key one of its
     salts (:class:`~kvatlas.errors.Forbidden` otherwise; a refusal for salts lists them all in
     ``cache_salts``, so a node's sink can send its batches again without their entries). One
-    rule for ``POST /events`` and signed stream entries."""
+    rule for ``POST /events`` and signed stream entries (:func:`refused_salts`)."""
+    foreign = refused_salts(who, batches)
+    if foreign:
+        try:
+            who.require_salts(foreign, role="emit")
+        except Forbidden as exc:
+            raise Forbidden(exc.detail, cache_salts=sorted(foreign)) from None
+
+
+def refused_salts(who: Principal, batches: Sequence[ColumnBatch]) -> frozenset[str]:
+    """The cache salts of the batches' keys that ``who`` may not store for (an emit token
+    stores only under its own); :class:`~kvatlas.errors.Forbidden` for a batch of an instance
+    it may not act for. A signed stream entry is applied without those salts' entries (its
+    producer cannot be answered: docs/coordinator.md, "Durability and transports"); a
+    ``POST /events`` body is refused (:func:`check_emit`)."""
     for batch in batches:
         who.require_instance(batch.header.instance_id)
-    if not who.sees_everything:  # an emit token stores only under its own salts
-        salts = batch_salts(batches)
-        try:
-            who.require_salts(salts, role="emit")
-        except Forbidden as exc:
-            raise Forbidden(exc.detail, cache_salts=sorted(who.foreign_salts(salts))) from None
+    if who.sees_everything:
+        return frozenset()
+    return frozenset(who.foreign_salts(batch_salts(batches)))
+
+
+def salt_entries(batches: Sequence[ColumnBatch], salts: frozenset[str]) -> int:
+    """How many of the batches' entries (a resync's listing left out) have a key under one
+    of ``salts``: the events refused for their salt (``kvatlas_event_refused_entries``)."""
+    return sum(
+        b.n_entries - b.without_salts(salts).n_entries
+        for b in batches
+        if b.header.event_type != RESYNC
+    )
 
 
 def b64_too_long(chars: int, max_tokens: int) -> bool:

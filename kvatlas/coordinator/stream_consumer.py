@@ -43,10 +43,9 @@ from kvatlas.coordinator.consumer_group import (
     group_consumers,
     text_of,
 )
-from kvatlas.coordinator.emitters import IncarnationAhead
+from kvatlas.coordinator.ingestion import rejection_reason
 from kvatlas.coordinator.query import check_entry_count
 from kvatlas.coordinator.retention import parse_id, unread_trimmed
-from kvatlas.coordinator.stream_auth import UnsignedEntry
 from kvatlas.coordinator.views import Readiness
 from kvatlas.errors import (
     Conflict,
@@ -130,21 +129,6 @@ def stream_loss(
     return position, None
 
 
-def rejection_reason(exc: KvatlasError) -> str:
-    """The ``reason`` label of a refused stream entry (docs/security.md, "Redis transport")."""
-    if isinstance(exc, UnsignedEntry):
-        return "unsigned"
-    if isinstance(exc, Unauthorized):
-        return "bad_signature"
-    if isinstance(exc, IncarnationAhead):
-        return "incarnation_ahead"
-    if isinstance(exc, Forbidden):  # an instance or salt outside the signer's, unregistered
-        return "forbidden"
-    if isinstance(exc, Conflict):
-        return "emitter_cap"
-    return "too_large" if exc.status == 413 else "invalid"
-
-
 class StreamConsumer:
     """Consumes ``config.event_stream`` from ``position`` (the snapshot's stream id; ``None``
     = from the beginning) until ``stop`` is set.
@@ -160,7 +144,8 @@ class StreamConsumer:
     ``POST /events`` body passes (``--max-batch-entries``; the signer's instances and salts,
     the incarnation bound and the emitter admission inside ``ingest``): a producer with
     stream access cannot do more than the emitter whose key it holds over HTTP. A refused
-    entry is counted in ``rejected`` by reason, acknowledged and never applied."""
+    entry is counted in ``rejected`` by reason, acknowledged and never applied (entries under
+    a salt the signer may not store for are left out by ``ingest``, the rest applied)."""
 
     def __init__(
         self,

@@ -12,7 +12,7 @@ they hold exactly what the :class:`~kvatlas.events.CacheEntry` objects of the sa
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 from operator import attrgetter
 from typing import Any, TypeVar
@@ -214,6 +214,26 @@ class EntryColumns:
         used = np.unique(self.shape_of).tolist() if len(self) else []
         return {self.shapes[s][3] for s in used}
 
+    def without_salts(self, salts: frozenset[str]) -> EntryColumns:
+        """The entries whose key's cache salt is not in ``salts`` (the same arena of tokens)."""
+        gone = [i for i, shape in enumerate(self.shapes) if shape[3] in salts]
+        if not gone:
+            return self
+        keep = ~np.isin(self.shape_of, gone)
+        kept = keep.tolist()
+        objects = self.token_objects
+        return EntryColumns(
+            [h for h, k in zip(self.chunk_hashes, kept, strict=True) if k],
+            self.shapes,
+            self.shape_of[keep],
+            self.size_bytes[keep],
+            self.token_offsets[keep],
+            self.tokens,
+            self.token_starts[keep],
+            self.token_lengths[keep],
+            None if objects is None else tuple(t for t, k in zip(objects, kept, strict=True) if k),
+        )
+
     def entries(self) -> tuple[CacheEntry, ...]:
         """The same entries as objects."""
         shapes = self.shapes
@@ -271,6 +291,18 @@ class ColumnBatch:
         if cols is None:
             return {e.key.cache_salt for e in self.header.entries}
         return cols.salts()
+
+    def without_salts(self, salts: frozenset[str]) -> ColumnBatch:
+        """The same batch (its header, its seq) without the entries whose key's cache salt is
+        in ``salts``; itself when it has none."""
+        cols = self.columns
+        if cols is not None:
+            kept = cols.without_salts(salts)
+            return self if kept is cols else ColumnBatch(self.header, kept)
+        entries = tuple(e for e in self.header.entries if e.key.cache_salt not in salts)
+        if len(entries) == len(self.header.entries):
+            return self
+        return ColumnBatch(replace(self.header, entries=entries))
 
 
 def column_batch(wb: BatchHeader, backend: str, cols: EntryColumns) -> ColumnBatch | None:

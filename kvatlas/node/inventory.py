@@ -285,19 +285,29 @@ class ResyncDriver:
         last_run = float("-inf")
         lost_seen = self._lost()
         streak = 0  # failed exchanges in a row
+        pause = 0.0  # before an exchange for losses that follow one for losses (see below)
         while not self._stop.is_set():
             self.wanted.wait(min(1.0, self.interval))
             if self._stop.is_set():
                 return
             lost = self._lost()
-            due = time.monotonic() - last_run >= self.interval
-            if not (self.wanted.is_set() or lost != lost_seen or due):
+            since = time.monotonic() - last_run
+            if lost == lost_seen and since >= max(pause, 1.0):
+                pause = 0.0  # the last exchange's batches were not lost
+            if not (self.wanted.is_set() or lost != lost_seen or since >= self.interval):
+                continue
+            # The sink lost batches again since the last exchange, whose listing may be among
+            # them (a refusal that persists, a clock far ahead, refuses every listing): wait
+            # twice as long each time (2 s, 4 s, ... up to the interval) rather than list the
+            # same prefixes each second for nothing
+            if lost != lost_seen and since < pause:
                 continue
             self.wanted.clear()
             list_all = self._listing.is_set()
             self._listing.clear()
             try:
                 self.run_once(list_all)
+                pause = min(self.interval, max(2.0, 2 * pause)) if lost != lost_seen else 0.0
                 lost_seen = lost
                 streak = 0
             except Exception as exc:  # the coordinator may be down: try again, backing off

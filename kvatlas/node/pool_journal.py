@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -212,11 +214,25 @@ class PoolJournal:
             self.lines.close()
 
 
+ANNOUNCE_MAX_S = 300.0
+"""The longest wait between two announcements of the journaled keys while each one is lost
+again (:class:`JournalCutter`)."""
+
+
 class JournalCutter:
     """Cuts ``journal`` every ``interval`` seconds once the events recorded so far left:
     ``flush(timeout)`` flushes them and says whether they were delivered. When the sink lost
     batches meanwhile (``losses()`` grew: dropped, or refused), the journaled keys are
-    announced again (``announce(keys)``) instead, and cut once those left."""
+    announced again (``announce(keys)``) instead, and cut once those left.
+
+    A refusal that persists (the coordinator refuses every batch of the node: its clock runs
+    too far ahead, ...) refuses each announcement too, which the next round sees as a loss:
+    announced every round, that was every key's pool file read and sent again each second,
+    for nothing. So while announcements keep being lost the next waits twice as long as the
+    one before (2 s, 4 s, ... up to :data:`ANNOUNCE_MAX_S`), and a round that delivered
+    everything without a loss makes the next one go at once again. The lines are kept
+    meanwhile, not cut: the refusal may end (the clock is fixed, the coordinator's
+    ``--max-clock-skew-s`` raised), and then the next announcement delivers them."""
 
     def __init__(
         self,
@@ -226,6 +242,7 @@ class JournalCutter:
         losses: Callable[[], int],
         announce: Callable[[Sequence[ObjectKey]], object],
         interval: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.journal = journal
         self._flush = flush
@@ -233,6 +250,11 @@ class JournalCutter:
         self._announce = announce
         self._seen = losses()
         self.interval = interval
+        self._clock = clock
+        self._owed = False  # a loss was seen: announce once the wait below is over
+        self._wait = 0.0  # after the last announcement (0: none was lost since a delivery)
+        self._next_at = -math.inf
+        self.announcements = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -243,10 +265,32 @@ class JournalCutter:
         losses = self._losses()
         if losses != self._seen:  # some journaled change's event may be among them
             self._seen = losses
-            log.warning("the event sink lost batches: announcing the journaled pool keys again")
+            self._owed = True
+        if self._owed:
+            now = self._clock()
+            if now < self._next_at:
+                return 0
+            self._owed = False
+            self._wait = min(ANNOUNCE_MAX_S, max(2 * self.interval, 2 * self._wait))
+            self._next_at = now + self._wait
+            self.announcements += 1
+            log.warning(
+                "the event sink lost batches: announcing the journaled pool keys again (the "
+                "next announcement, should this one be lost too, in %.0f s)", self._wait,
+            )  # fmt: skip
             self._announce(self.journal.keys())
             return 0
-        return self.journal.cut(lambda: self._flush(5.0) and self._losses() == losses)
+        delivered = False
+
+        def all_delivered() -> bool:
+            nonlocal delivered
+            delivered = self._flush(5.0) and self._losses() == losses
+            return delivered
+
+        cut = self.journal.cut(all_delivered)
+        if delivered:  # nothing lost since the last announcement: the next goes at once
+            self._wait, self._next_at = 0.0, -math.inf
+        return cut
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvatlas-pool-journal", daemon=True)

@@ -70,6 +70,7 @@ def test_emit_token_cannot_store_for_a_foreign_salt(
     em = Emitter("node-a", incarnation=fresh_tokens(1)[0] % 1000 + 10)
     tokens = fresh_tokens(2)
     before = _admin_stats(c)
+    bodies, entries = _refusals(c)
     for batch, foreign in (
         (em.store_chunks(tokens, salt=SALT_B), [SALT_B]),
         (em.store_chunks(tokens, salt=""), [""]),  # the default salt is a tenant too
@@ -90,6 +91,8 @@ def test_emit_token_cannot_store_for_a_foreign_salt(
         assert "cache_salt" in body["detail"], body
         assert body["cache_salts"] == foreign, body  # every refused salt (a sink leaves them out)
     assert _admin_stats(c)["keys"] == before["keys"]
+    # counted: each body (it was not), and its entries under the refused salts
+    assert _refusals(c) == (bodies + 4, entries + 2 + 2 + 1 + 1)
     rows = {
         r["instance_id"]: r for r in c.get("/instances", headers=bearer(ADMIN)).json()["instances"]
     }
@@ -209,6 +212,20 @@ def test_only_registered_instances_emit_with_auth(
     assert c.post("/instances", json={"instance_id": inst}, headers=h).status_code == 200
     r = c.post("/events", json={"batches": [wire_batch(inst, 1, 1)]}, headers=h)
     assert r.status_code == 200 and r.json()["applied"] == 1, r.text
+
+
+def _refusals(c: httpx.Client) -> tuple[float, float]:
+    """Bodies refused for salts, and their entries under those salts, as ``/metrics`` says."""
+    text = c.get("/metrics", headers=bearer(ADMIN)).text
+
+    def value(series: str) -> float:
+        found = re.search(rf"^{re.escape(series)} (\S+)$", text, re.MULTILINE)
+        return float(found[1]) if found else 0.0
+
+    return (
+        value('kvatlas_event_rejected_bodies_total{reason="cache_salt"}'),
+        value('kvatlas_event_refused_entries_total{reason="cache_salt",transport="http"}'),
+    )
 
 
 def _series(metrics: str) -> set[str]:

@@ -116,6 +116,14 @@ class Fleet:
         pattern = r'kvatlas_stream_rejected_entries_total\{reason="([a-z_]+)"\} ([0-9.e+]+)'
         return {reason: float(v) for reason, v in re.findall(pattern, text)}
 
+    def refused(self) -> dict[str, float]:
+        """``kvatlas_event_refused_entries_total{reason="cache_salt"}`` by transport."""
+        text = self.http.get("/metrics", headers=bearer(ADMIN)).text
+        pattern = (
+            r'kvatlas_event_refused_entries_total\{reason="cache_salt",transport="([a-z]+)"\} (\S+)'
+        )
+        return {transport: float(v) for transport, v in re.findall(pattern, text)}
+
     def emit(self, tok: str, *batches: dict[str, Any]) -> httpx.Response:
         return post_batches(self.http, *batches, headers=bearer(tok))
 
@@ -203,19 +211,31 @@ def test_node_a_signature_cannot_speak_for_node_v(fleet: Fleet) -> None:
 
 
 def test_node_a_cannot_store_under_a_foreign_salt(fleet: Fleet) -> None:
-    """Node A's signed entry for itself, with a key of the victim's tenant: refused whole
-    (``forbidden``), like ``POST /events`` answers 403; A's own salt in the same entry is not
-    applied either."""
-    before = fleet.rejected().get("forbidden", 0.0)
+    """Node A's signed entry for itself, with a key of the victim's tenant: that key is left
+    out (counted in ``kvatlas_event_refused_entries_total{transport="stream"}``), like
+    ``POST /events`` answers 403 naming the salt and the node's sink sends the rest again;
+    A's own salt in the same entry is applied, under the batch's seq (no gap). It was refused
+    whole: A's own keys were lost too, and the gap set off a digest exchange whose listing
+    was refused whole again."""
+    before = fleet.rejected()
+    refused = fleet.refused().get("stream", 0.0)
     inc = time.time_ns()
     store = _batch("node-a", inc, 1, "store", _key(0x21, ATTACKER_SALT), _key(0x22, VICTIM_SALT))
     fleet.xadd(signed(encode_stream_fields([store]), fleet.stream, ATTACKER))
-    assert fleet.placements("node-a") == set()
-    assert fleet.rejected().get("forbidden", 0.0) == before + 1
-    # negative control: the same node, its own salt only, signed: applied
-    own = _batch("node-a", inc, 1, "store", _key(0x21, ATTACKER_SALT))
-    fleet.xadd(signed(encode_stream_fields([own]), fleet.stream, ATTACKER))
     assert fleet.placements("node-a") == {("21", ATTACKER_SALT, inc)}
+    assert fleet.refused().get("stream", 0.0) == refused + 1
+    assert fleet.rejected() == before  # the entry was applied, without the victim's key
+    nothing = _batch("node-a", inc, 2, "delete", _key(0x11, VICTIM_SALT))  # left empty
+    fleet.xadd(signed(encode_stream_fields([nothing]), fleet.stream, ATTACKER))
+    own = _batch("node-a", inc, 3, "store", _key(0x23, ATTACKER_SALT))
+    fleet.xadd(signed(encode_stream_fields([own]), fleet.stream, ATTACKER))
+    assert fleet.placements("node-a") == {("21", ATTACKER_SALT, inc), ("23", ATTACKER_SALT, inc)}
+    assert fleet.refused().get("stream", 0.0) == refused + 2
+    row = next(
+        r for r in fleet.http.get("/instances", headers=bearer(ADMIN)).json()["instances"]
+        if r["instance_id"] == "node-a"
+    )  # fmt: skip
+    assert row["last_seq"] == 3 and row["gaps"] == 0, row
 
 
 def test_forged_incarnation_cannot_lock_a_node_out(fleet: Fleet) -> None:
@@ -278,4 +298,4 @@ def test_tampered_or_moved_entries_are_refused(fleet: Fleet) -> None:
     fleet.xadd(signed(other, fleet.stream + "-elsewhere", ATTACKER))
     fleet.xadd(signed(other, fleet.stream, token("not-in-the-token-file")))
     assert fleet.rejected().get("bad_signature", 0.0) == before + 3
-    assert {p[0] for p in fleet.placements("node-a")} <= {"21"}  # none of these
+    assert not {p[0] for p in fleet.placements("node-a")} & {"31", "32"}  # none of these

@@ -7,8 +7,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvatlas.events import CacheEntry
-from kvatlas.events.columns import EntryColumns
+from kvatlas.events import CacheEntry, EventBatch, decode_json_columns, encode_json
+from kvatlas.events.columns import ColumnBatch, EntryColumns
+from kvatlas.keys import ObjectKey
 from tests.events.strategies import entries, object_keys
 
 
@@ -51,3 +52,25 @@ def test_rows_shared_is_two_entries_with_tokens_at_one_start(rows: list[tuple[in
     )  # fmt: skip
     with_tokens = [s for s, k in rows if k > 0]
     assert cols.rows_shared() == (len(set(with_tokens)) != len(with_tokens))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(entries(), max_size=12), st.lists(object_keys(), max_size=3), st.data())
+def test_without_salts_is_the_filtered_loop(
+    es: list[CacheEntry], keys: list[ObjectKey], data: st.DataObject
+) -> None:
+    """A batch without the entries of some salts (a stream entry applied without the salts
+    its signer may not store for) holds exactly the other entries, in order, tokens and all:
+    built from objects, and decoded from a body (one arena of tokens), alike."""
+    es = es + [CacheEntry(k, 1, e.token_ids, e.token_offset) for k in keys for e in es[:3]]
+    salts = sorted({e.key.cache_salt for e in es})
+    gone = frozenset(data.draw(st.lists(st.sampled_from(salts), unique=True)) if salts else [])
+    kept = tuple(e for e in es if e.key.cache_salt not in gone)
+    assert EntryColumns.of_entries(es).without_salts(gone).entries() == kept
+    batch = EventBatch("n", 1, 1, "store", "l1", "dram", entries=tuple(es))
+    (decoded,) = decode_json_columns(encode_json([batch]))
+    filtered = decoded.without_salts(gone)
+    assert filtered.header.seq == 1 and filtered.batch().entries == kept
+    assert (filtered is decoded) == (len(kept) == len(es))
+    header_only = ColumnBatch(batch).without_salts(gone)  # a resync's: entries in the header
+    assert header_only.batch().entries == kept and header_only.header.seq == 1

@@ -172,6 +172,39 @@ def test_a_sink_that_lost_batches_announces_the_journaled_keys_again(tmp_path: P
     journal.close()
 
 
+def test_announcements_lost_again_back_off_and_go_at_once_after_a_delivery(
+    tmp_path: Path,
+) -> None:
+    """A refusal that persists (every batch refused: a clock far ahead) loses each
+    announcement too: the next waits 2 s, 4 s, ... (it was one a second, each reading every
+    journaled key's pool file), the lines are kept, and once the refusal ends the next
+    announcement delivers them, and a later loss is announced again at once."""
+    journal = PoolJournal(FileLines(tmp_path, "n"))
+    journal.end(journal.begin(key(1)))
+    now, lost, announced = [0.0], [0], []
+    cutter = JournalCutter(
+        journal, flush=lambda _: True, losses=lambda: lost[0], announce=announced.append,
+        clock=lambda: now[0],
+    )  # fmt: skip
+    at = []
+    for second in range(20):  # a tick a second; each announcement refused (a loss)
+        now[0] = float(second)
+        lost[0] += 1
+        before = len(announced)
+        assert cutter.tick() == 0
+        if len(announced) > before:
+            at.append(second)
+    assert at == [0, 2, 6, 14], at  # waits of 2, 4, 8 s (then 16, ... up to 300 s)
+    assert len(journal) == 1  # kept: nothing delivered it yet
+    now[0] = 30.0  # the refusal ended: the owed announcement goes, and is delivered
+    assert cutter.tick() == 0 and len(announced) == 5
+    assert cutter.tick() == 1 and len(journal) == 0
+    journal.end(journal.begin(key(2)))
+    lost[0] += 1  # a later loss (a full outbox): announced at the next tick, no wait
+    assert cutter.tick() == 0 and announced[-1] == [key(2)]
+    journal.close()
+
+
 def test_a_pool_the_node_cannot_write_a_journal_in_is_served_without_one(tmp_path: Path) -> None:
     pool = tmp_path / "pool"
     pool.mkdir()
