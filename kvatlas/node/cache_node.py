@@ -135,7 +135,7 @@ class CacheNode:
             observe=self.timings.observe_fetch,
         )
         self.blend = UnifiedBlendLookup(
-            self.index,
+            self.presence,  # (matches under real chunk hashes, each salt's own offsets)
             fleet_matcher,
             chunk_size=config.chunk_size,
             deadline_s=config.coordinator_blend_timeout,

@@ -1,10 +1,20 @@
 """Presence: which of this node's own tiers (its L1, its L2) hold each chunk.
 
-Two guarantees, both kept under one lock:
+Three guarantees, all kept under one lock:
 
 * the node's local blend index claims a chunk exactly while some tier of this node holds it
   with known tokens and offset: the local matcher only offers what this node can serve itself
   (the claim goes with the last tier that drops the chunk);
+* a cache salt's local matches (:meth:`Presence.match`) carry that salt's own offsets, and
+  what one salt holds or drops never changes another's. The index keeps one occupant per
+  (content, chunk hash) with one offset, and a chunk hash names one text for every salt:
+  equal ids under one hash at another offset for a second salt (a chunk handed over by a
+  move, a prefetch or a shared pool carries its own offset) would move the first salt's
+  ``old_st``. So the first salt to claim a chunk hash claims it under the hash itself and
+  every other salt holding it meanwhile under a surrogate, a keyed hash of (salt, chunk hash)
+  under a per-process secret, never on the wire: one occupant each. A match maps the
+  surrogates back to the chunk hash and keeps only hits that are the querying salt's claims
+  now (a claim dropped while the match ran is left out);
 * :meth:`Presence.cost_of` reads the per-hash tier count, so ranking a blend segment's fetch
   cost is one dictionary read however many chunks the node holds.
 
@@ -13,14 +23,16 @@ See ``docs/node.md`` (pieces, blend lookup).
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from kvatlas.directory import BlendIndex
-from kvatlas.keys import BlendNamespace, ObjectKey, TokenArray
+from kvatlas.keys import BlendMatch, BlendNamespace, ObjectKey, TokenArray
 from kvatlas.node.segments import FetchCost, Segment
 from kvatlas.node.stored_chunk import StoredChunk
 
@@ -34,6 +46,16 @@ class _Held:
     tiers: set[Tier]
     tokens: TokenArray | None
     token_offset: int
+    occupant: bytes | None = None  # the hash its index claim is under (None: not indexed)
+
+
+@dataclass(slots=True)
+class _Occupant:
+    """The hash one salt's claims of one chunk hash are under, and how many held keys of that
+    salt and chunk hash have a claim in the index."""
+
+    under: bytes
+    claims: int = 0
 
 
 class Presence:
@@ -44,10 +66,15 @@ class Presence:
 
     def __init__(self, index: BlendIndex, namespace: Callable[[str], BlendNamespace]) -> None:
         self.index = index
+        self.chunk_size = index.chunk_size
         self._namespace = namespace
         self._lock = threading.Lock()
         self._held: dict[ObjectKey, _Held] = {}
         self._tiers_by_hash: dict[bytes, Counter[Tier]] = {}
+        self._secret = secrets.token_bytes(32)  # the surrogates' key, never on the wire
+        self._occupants: dict[tuple[bytes, str], _Occupant] = {}  # (chunk hash, salt) ->
+        self._first_salt: dict[bytes, str] = {}  # chunk hash -> the salt claiming it as itself
+        self._surrogates: dict[bytes, tuple[bytes, str]] = {}  # -> (chunk hash, salt)
 
     def gain(self, chunk: StoredChunk, tier: Tier) -> None:
         """``tier`` now holds ``chunk``; the first tier to hold it adds its index claim (when
@@ -62,12 +89,18 @@ class Presence:
                     and len(chunk.tokens) == self.index.chunk_size
                     and chunk.token_offset >= 0
                 ):
-                    self.index.add(
-                        chunk.tokens,
-                        key.chunk_hash,
-                        chunk.token_offset,
-                        self._namespace(key.cache_salt),
-                    )
+                    occupant = self._claim(key.chunk_hash, key.cache_salt)
+                    try:
+                        self.index.add(
+                            chunk.tokens,
+                            occupant,
+                            chunk.token_offset,
+                            self._namespace(key.cache_salt),
+                        )
+                    except BaseException:
+                        self._unclaim(key.chunk_hash, key.cache_salt)
+                        raise
+                    held.occupant = occupant
             if tier not in held.tiers:
                 held.tiers.add(tier)
                 self._tiers_by_hash.setdefault(key.chunk_hash, Counter())[tier] += 1
@@ -86,10 +119,63 @@ class Presence:
             if held.tiers:
                 return
             del self._held[key]
-            if held.tokens is not None and held.token_offset >= 0:
-                self.index.remove_claim(
-                    held.tokens, key.chunk_hash, self._namespace(key.cache_salt)
-                )
+            if held.occupant is not None:
+                assert held.tokens is not None
+                self._unclaim(key.chunk_hash, key.cache_salt)
+                self.index.remove_claim(held.tokens, held.occupant, self._namespace(key.cache_salt))
+
+    def match(self, tokens: Any, namespace: BlendNamespace) -> list[BlendMatch]:
+        """The local index's matches for ``namespace`` (:meth:`BlendIndex.match`), each under
+        its real chunk hash: only hits that are claims of the namespace's salt, as they are
+        once the scan is done (the index prunes other namespaces; a claim dropped meanwhile
+        is left out, so a surrogate is never handed out)."""
+        hits = self.index.match(tokens, namespace)
+        salt = namespace.cache_salt
+        out: list[BlendMatch] = []
+        with self._lock:
+            for hit in hits:
+                h = hit.chunk_hash
+                own = self._occupants.get((h, salt))
+                if own is not None and own.under == h:
+                    out.append(hit)
+                elif (real := self._surrogates.get(h)) is not None and real[1] == salt:
+                    out.append(BlendMatch(real[0], hit.old_st, hit.cur_st))
+        return out
+
+    def _claim(self, chunk_hash: bytes, salt: str) -> bytes:
+        """The hash a held key of ``salt`` claims ``chunk_hash`` under in the index: the chunk
+        hash itself for the first salt to claim it, else the salt's surrogate (lock held)."""
+        own = self._occupants.get((chunk_hash, salt))
+        if own is None:
+            if self._first_salt.setdefault(chunk_hash, salt) == salt:
+                own = _Occupant(chunk_hash)
+            else:
+                surrogate = self._surrogate(chunk_hash, salt)
+                self._surrogates[surrogate] = (chunk_hash, salt)
+                own = _Occupant(surrogate)
+            self._occupants[(chunk_hash, salt)] = own
+        own.claims += 1
+        return own.under
+
+    def _unclaim(self, chunk_hash: bytes, salt: str) -> None:
+        """One claim of ``salt`` on ``chunk_hash`` is gone; its occupant hash with the last
+        (lock held)."""
+        own = self._occupants[(chunk_hash, salt)]
+        own.claims -= 1
+        if own.claims > 0:
+            return
+        del self._occupants[(chunk_hash, salt)]
+        if own.under == chunk_hash:
+            del self._first_salt[chunk_hash]
+        else:
+            del self._surrogates[own.under]
+
+    def _surrogate(self, chunk_hash: bytes, salt: str) -> bytes:
+        """A keyed hash of (salt, chunk hash): 32 bytes no one without the secret can aim at
+        another chunk's hash or surrogate."""
+        name = salt.encode()
+        data = len(name).to_bytes(4, "big") + name + chunk_hash
+        return hashlib.blake2b(data, key=self._secret, digest_size=32).digest()
 
     def tiers_of_key(self, key: ObjectKey) -> frozenset[Tier]:
         """The tiers of this node holding ``key``."""

@@ -26,14 +26,23 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from kvatlas.client import FleetMatcher
-from kvatlas.directory import BlendIndex
 from kvatlas.keys import BlendMatch, BlendNamespace, as_token_array
 from kvatlas.node.segments import Segment, filter_prefix, merge_union, resolve_overlaps
 
 log = logging.getLogger(__name__)
+
+
+class LocalMatcher(Protocol):
+    """The node's local matcher: a ``BlendIndex``, or the node's :class:`Presence` over its
+    index, which hands out real chunk hashes and each salt's own offsets."""
+
+    @property
+    def chunk_size(self) -> int: ...
+
+    def match(self, tokens: Any, namespace: BlendNamespace) -> list[BlendMatch]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +109,7 @@ class UnifiedBlendLookup:
 
     def __init__(
         self,
-        local_index: BlendIndex,
+        local_index: LocalMatcher,
         fleet: FleetMatcher | None,
         *,
         chunk_size: int,
