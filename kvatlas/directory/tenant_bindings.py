@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+from typing import Final, TypeVar
 
 import blake3
 
@@ -50,6 +50,9 @@ Claim = tuple[StoredTokens, bytes, int, BlendNamespace]
 """One namespace's claim in the blend index: content, occupant hash, offset, namespace."""
 
 _T = TypeVar("_T")
+_SECRET: Final = os.urandom(32)
+"""The key of occupant hashes: this process's, never saved or sent (the index is rebuilt on
+restore); one for every directory of the process, so two built alike hold alike."""
 
 
 class TenantBindings:
@@ -57,19 +60,18 @@ class TenantBindings:
     empty one while none of its salts bound content); changed by the store and removal rules
     under the directory's lock."""
 
-    __slots__ = ("_key", "_leaving", "real", "rows")
+    __slots__ = ("_leaving", "real", "rows")
 
     def __init__(self, rows: Mapping[bytes, Bindings] | None = None) -> None:
         self.rows: dict[bytes, Bindings] = {} if rows is None else dict(rows)
         self.real: dict[bytes, bytes] = {}
         """Occupant hash → chunk hash, of each salt's binding the index may hold."""
-        self._key = os.urandom(32)
         self._leaving: list[tuple[bytes, bytes, str]] = []
 
     def occupant(self, h: bytes, salt: str) -> bytes:
         """The hash the blend index holds ``salt``'s binding of chunk ``h`` under (as long
         as ``h``: the index's hash width)."""
-        occupant = blake3.blake3(salt.encode() + b"\0" + h, key=self._key).digest(len(h))
+        occupant = blake3.blake3(salt.encode() + b"\0" + h, key=_SECRET).digest(len(h))
         self.real[occupant] = h
         return occupant
 
