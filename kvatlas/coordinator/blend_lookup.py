@@ -102,7 +102,9 @@ class BlendLookup:
         if index is None:
             columns = MatchColumns.empty()
         else:
-            columns = index.match_columns(query.tokens, query.namespace)
+            columns = service.directory.chunk_matches(
+                index.match_columns(query.tokens, query.namespace)
+            )
         if with_placements:
             matches = columns.matches()
             held = service.directory.match_placements(matches, query.namespace)

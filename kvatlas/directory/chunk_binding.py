@@ -29,7 +29,7 @@ from kvatlas.directory.records import (
     with_key,
     with_placements_at,
 )
-from kvatlas.directory.tenant_bindings import Claim, bound_after, claim_ops, claims, salt_namespaces
+from kvatlas.directory.tenant_bindings import Claim, bound_after, claim_ops, salt_namespaces
 from kvatlas.directory.token_store import StoredTokens, stored_equal, token_count
 from kvatlas.events import UNKNOWN_OFFSET
 from kvatlas.keys import BlendNamespace
@@ -108,8 +108,8 @@ def _store_tenant(
     the store, ``rec`` after): the store's salt's binding changes by the rules of one salt's
     chunk, and the index claims follow. A chunk's first key of a second salt first moves the
     record's binding to the salt of its keys."""
-    shapes, chunk_size = table.shapes, table.chunk_size
-    bindings = table.tenants.rows.get(h)
+    shapes, chunk_size, tenants = table.shapes, table.chunk_size, table.tenants
+    bindings = tenants.rows.get(h)
     before: set[Claim] = set()
     if bindings is None:
         salts = salt_namespaces(shapes, old_rec)
@@ -117,19 +117,20 @@ def _store_tenant(
         bindings = {}  # (the record's binding is its one salt's)
         if held is not None and len(salts) == 1:
             bindings[next(iter(salts))] = (held, record_offset(old_rec))
-        if held is not None and record_indexed(old_rec):
-            before = {(held, record_offset(old_rec), ns) for ns in table.namespaces(old_rec)}
+        if held is not None and record_indexed(old_rec):  # (under the chunk hash itself)
+            offset_held = record_offset(old_rec)
+            before = {(held, h, offset_held, ns) for ns in table.namespaces(old_rec)}
     elif table.indexing:
-        before = claims(shapes, old_rec, bindings, chunk_size)
+        before = tenants.claims(h, shapes, old_rec, bindings, chunk_size)
     shape = shapes[sid]
     old = bindings.get(shape.cache_salt)
     if tokens is not None:
         spaces = salt_namespaces(shapes, rec)[shape.cache_salt]
         keep = old is not None and _conflicts(table, spaces, sid, old[0], tokens)
         bindings = {**bindings, shape.cache_salt: bound_after(old, tokens, offset, keep)}  # type: ignore[dict-item]
-    table.tenants.rows[h] = bindings
+    tenants.rows[h] = bindings
     if table.indexing:
-        table.queue(claim_ops(h, before, claims(shapes, rec, bindings, chunk_size)))
+        table.queue(claim_ops(before, tenants.claims(h, shapes, rec, bindings, chunk_size)))
     part[h] = rebound(rec, None, UNKNOWN_OFFSET, False)
 
 

@@ -9,6 +9,7 @@ digests alone.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 
 import numpy as np
 
@@ -22,7 +23,15 @@ from kvatlas.directory.records import (
     row_shared,
     row_tier,
 )
-from kvatlas.events.inventory import element, shape_tag, tag_multiplier, xor_elements
+from kvatlas.errors import InvalidInput
+from kvatlas.events.inventory import (
+    Digest,
+    element,
+    empty_digest,
+    shape_tag,
+    tag_multiplier,
+    xor_elements,
+)
 
 
 class InventoryDigests:
@@ -94,6 +103,24 @@ class InventoryDigests:
         if not self._all_digested and not any(self.digested[h[0]] for _, hs in pending for h in hs):
             return
         self.xor_many(self._table.counts.digest_for(inst, tier), pending)
+
+    def read(
+        self, lock: AbstractContextManager[object], inst: str, tier: str, prefix: bytes
+    ) -> Digest:
+        """The inventory digest of ``inst``'s own placements on ``tier`` (``KeyDirectory.digest``):
+        every partition digested first, one per hold of ``lock`` (after a restore they are
+        built on first use), then the root (``prefix`` empty) or a one-byte prefix's."""
+        for b in range(len(self.digested)):
+            if not self.digested[b]:
+                with lock:
+                    self.digest_partition(b)
+        with lock:
+            if not prefix:
+                root = self._table.counts.digests.get((inst, tier))
+                return empty_digest() if root is None else [int(b) for b in root.tolist()]
+            if len(prefix) != 1:
+                raise InvalidInput("a digest prefix is empty or one byte")
+            return self.digest_of_prefix(inst, tier, prefix)
 
     def digest_of_prefix(self, inst: str, tier: str, prefix: bytes) -> list[int]:
         """The digest of ``inst``'s own placements on ``tier`` under a one-byte ``prefix``

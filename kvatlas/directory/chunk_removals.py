@@ -326,18 +326,23 @@ def _rewrite_tenant(
     """:meth:`RemovalRules._rewrite` of a chunk of several salts (its keys ``rec``'s, then
     ``kept``): a salt without keys left loses its binding, and a chunk back to one salt gets
     that salt's binding into its record (directory/tenant_bindings.py)."""
-    shapes, part = table.shapes, table.parts[h[0]]
-    before = claims(shapes, rec, bindings, table.chunk_size) if table.indexing else set()
+    shapes, part, tenants, size = table.shapes, table.parts[h[0]], table.tenants, table.chunk_size
+    before = tenants.claims(h, shapes, rec, bindings, size) if table.indexing else set()
     new = make_record(None, UNKNOWN_OFFSET, False, kept)
     salts = salt_namespaces(shapes, new)
     left = {salt: b for salt, b in bindings.items() if salt in salts}
-    after = claims(shapes, new, left, table.chunk_size) if table.indexing else set()
-    table.queue(claim_ops(h, before, after))
     if len(salts) > 1:
-        table.tenants.rows[h] = left
+        after = tenants.claims(h, shapes, new, left, size) if table.indexing else set()
+        table.queue(claim_ops(before, after))
+        tenants.leave(h, [salt for salt in bindings if salt not in left])
+        tenants.rows[h] = left
         part[h] = new
         return
-    del table.tenants.rows[h]
+    # back to one salt (or none): its binding indexed under the chunk hash itself again
+    after = claims(shapes, new, left, lambda _: h, size) if table.indexing and kept else set()
+    table.queue(claim_ops(before, after))
+    tenants.leave(h, list(bindings))
+    del tenants.rows[h]
     if not kept:
         del part[h]
         return

@@ -65,7 +65,7 @@ from kvatlas.directory.records import (
 )
 from kvatlas.directory.reindex import reindex_records
 from kvatlas.directory.shapes import ShapeTable
-from kvatlas.directory.tenant_bindings import Bindings, TenantBindings, claim_ops, claims
+from kvatlas.directory.tenant_bindings import Bindings, TenantBindings, claim_ops
 from kvatlas.directory.token_store import widened_many
 from kvatlas.errors import Conflict
 from kvatlas.events import UNKNOWN_OFFSET, EventBatch
@@ -117,6 +117,7 @@ class ChunkTable:
             self.ops = []
             if index is not None:
                 index.apply(ops)
+            self.tenants.applied()
 
     # ------------------------------------------------------------------ restore
 
@@ -143,7 +144,7 @@ class ChunkTable:
         follow, for an index built from the records."""
         self.tenants = TenantBindings(tenants)
         ops: list[BlendOp] = []
-        for h, bindings in tenants.items():
+        for h in tenants:
             part = self.parts[h[0]]
             rec = part[h]
             held = record_stored_tokens(rec)
@@ -151,9 +152,22 @@ class ChunkTable:
                 if record_indexed(rec):
                     ops += [RemoveClaimOp(held, h, ns) for ns in self.namespaces(rec)]
                 part[h] = rebound(rec, None, UNKNOWN_OFFSET, False)
-            if self.indexing:
-                ops += claim_ops(h, set(), claims(self.shapes, rec, bindings, self.chunk_size))
-        return ops
+        return ops + self.tenant_claims()
+
+    def tenant_claims(self) -> list[BlendOp]:
+        """The index adds of every chunk of several salts' claims (none while not indexing):
+        a restore's, or a new index's."""
+        if not self.indexing:
+            return []
+        tenants, parts, shapes, size = self.tenants, self.parts, self.shapes, self.chunk_size
+        return claim_ops(
+            set(),
+            {
+                claim
+                for h, bindings in tenants.rows.items()
+                for claim in tenants.claims(h, shapes, parts[h[0]][h], bindings, size)
+            },
+        )
 
     def reindex(self, index: BlendIndex) -> None:
         """Add every indexable chunk to ``index`` (fresh: one columnar build, see

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from kvatlas.checks import is_plain_int
 from kvatlas.directory import listing
-from kvatlas.directory.blend import BlendIndex
+from kvatlas.directory.blend import BlendIndex, MatchColumns
 from kvatlas.directory.capture import Capture, DirectoryState, Restored
 from kvatlas.directory.chunk_counts import L2_TIER
 from kvatlas.directory.chunk_table import ChunkTable
@@ -40,7 +40,7 @@ from kvatlas.directory.summaries import DirectoryStats, DirectoryUsage, module_u
 from kvatlas.errors import InvalidInput
 from kvatlas.events import ACCESS, CONFIG, DELETE, RESYNC, STORE, EventBatch
 from kvatlas.events.columns import ColumnBatch
-from kvatlas.events.inventory import Digest, empty_digest
+from kvatlas.events.inventory import Digest
 from kvatlas.keys import (
     DEFAULT_CHUNK_SIZE,
     BlendMatch,
@@ -141,6 +141,7 @@ class KeyDirectory:
                 self._index = self._new_index(self.chunk_size, probe_stride)
                 self._probe_stride = probe_stride
                 self._chunks.indexing = True
+                self._index.apply(self._chunks.tenant_claims())  # (claims follow bindings)
 
     # ------------------------------------------------------------------ ingestion
 
@@ -294,7 +295,13 @@ class KeyDirectory:
 
     def blend_match(self, tokens: Any, namespace: BlendNamespace) -> list[BlendMatch]:
         """Fragment lookup; ``[]`` while blend is off. Takes only the index lock."""
-        return [] if self._index is None else self._index.match(tokens, namespace)
+        index = self._index
+        return [] if index is None else self._chunks.tenants.matched(index.match(tokens, namespace))
+
+    def chunk_matches(self, columns: MatchColumns) -> MatchColumns:
+        """Matches the index gave as columns, each hash its chunk's (as :meth:`blend_match`:
+        a chunk of several salts is indexed under an occupant hash per salt)."""
+        return self._chunks.tenants.matched_columns(columns)
 
     def match_placements(
         self, matches: Sequence[BlendMatch], namespace: BlendNamespace
@@ -338,18 +345,7 @@ class KeyDirectory:
         """The inventory digest of the instance's own placements on ``tier``: the root digest
         (kept up to date as placements change), or a one-byte prefix's (computed from one
         partition on demand). See :mod:`kvatlas.events.inventory`."""
-        digests = self._chunks.digests
-        for b in range(len(digests.digested)):  # after a restore: built on first use
-            if not digests.digested[b]:
-                with self._lock:
-                    digests.digest_partition(b)
-        with self._lock:
-            if not prefix:
-                root = self._chunks.counts.digests.get((instance_id, tier))
-                return empty_digest() if root is None else [int(b) for b in root.tolist()]
-            if len(prefix) != 1:
-                raise InvalidInput("a digest prefix is empty or one byte")
-            return digests.digest_of_prefix(instance_id, tier, prefix)
+        return self._chunks.digests.read(self._lock, instance_id, tier, prefix)
 
     def gap_state(self, instance_id: str) -> EmitterCursor | None:
         """The emitter's cursor with its gap counters (``None`` if unknown)."""

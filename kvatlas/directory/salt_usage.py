@@ -27,6 +27,7 @@ from kvatlas.directory.records import (
     row_size,
     row_tier,
 )
+from kvatlas.events import UNKNOWN_OFFSET
 from kvatlas.keys import ObjectKey
 
 
@@ -96,12 +97,16 @@ def keys_of_salts(
         with lock:
             table = chunks.shapes.shapes
             chunk_size = chunks.chunk_size
+            tenants = chunks.tenants.rows
             for h, rec in chunks.parts[b].items():
                 offset = record_offset(rec)
+                bindings = tenants.get(h)  # a chunk of several salts: each salt's offset
                 for sid, pls in record_keys(rec):
                     shape = table[sid]
                     if shape.cache_salt not in wanted:
                         continue
+                    if bindings is not None:
+                        offset = bindings.get(shape.cache_salt, (None, UNKNOWN_OFFSET))[1]
                     rows = placements_of(pls)
                     on_tier = [p for p in rows if row_tier(p) == tier]
                     if not on_tier:

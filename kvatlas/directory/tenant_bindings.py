@@ -15,34 +15,44 @@ kept here. The blend index holds each salt's claims on its own binding. When the
 come back to one salt, that salt's binding goes back into the record and the entry goes.
 Chunks of one salt, nearly all of them, have no entry and pay nothing.
 
-The index keeps one occupant per (content, chunk hash), with one offset: two salts' bindings
-of equal content at different offsets would answer each other's matches with the wrong
-``old_st`` (wrong KV after re-RoPE), so neither is indexed while both are held (their
-lookups still return them). Which claims the index holds is a function of a chunk's bindings
-and keys (:func:`claims`); a change queues the difference (:func:`claim_ops`).
+The blend index keeps one occupant per (content, chunk hash), with one offset: two salts'
+bindings of equal ids at different offsets would answer each other's matches with the wrong
+``old_st`` (wrong KV after re-RoPE), and leaving either out would tell one tenant what the
+other holds. So each salt's binding of such a chunk is indexed under an occupant hash of its
+own (:meth:`TenantBindings.occupant`: a keyed hash of the salt and the chunk hash, under a
+secret of this process no tenant knows, so none can aim one at another's), which matches map
+back to the chunk hash (:meth:`TenantBindings.chunk_of`). Which claims the index holds is a
+function of a chunk's bindings and keys (:meth:`TenantBindings.claims`); a change queues the
+difference (:func:`claim_ops`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TypeVar
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Final, TypeVar
 
-from kvatlas.directory.blend import AddOp, BlendOp, RemoveClaimOp
+import blake3
+
+from kvatlas.directory.blend import AddOp, BlendOp, MatchColumns, RemoveClaimOp
 from kvatlas.directory.records import Record, shape_ids
 from kvatlas.directory.shapes import ShapeTable
 from kvatlas.directory.token_store import StoredTokens, stored_equal, token_count
 from kvatlas.events import UNKNOWN_OFFSET
-from kvatlas.keys import BlendNamespace
+from kvatlas.keys import BlendMatch, BlendNamespace
 
 Binding = tuple[StoredTokens, int]
 """A salt's content of a chunk, as stored, and its token offset."""
 Bindings = Mapping[str, Binding]
 """A chunk's bindings by salt (a salt that bound nothing: absent); replaced on a change,
 never changed in place (a capture copies the entries, not them)."""
-Claim = tuple[StoredTokens, int, BlendNamespace]
-"""One namespace's claim in the blend index: content, offset, namespace."""
+Claim = tuple[StoredTokens, bytes, int, BlendNamespace]
+"""One namespace's claim in the blend index: content, occupant hash, offset, namespace."""
 
 _T = TypeVar("_T")
+_SECRET: Final = os.urandom(32)
+"""The key of occupant hashes: this process's, never saved or sent (the index is rebuilt on
+restore); one for every directory of the process, so two built alike hold alike."""
 
 
 class TenantBindings:
@@ -50,10 +60,69 @@ class TenantBindings:
     empty one while none of its salts bound content); changed by the store and removal rules
     under the directory's lock."""
 
-    __slots__ = ("rows",)
+    __slots__ = ("_leaving", "real", "rows")
 
-    def __init__(self, rows: dict[bytes, Bindings] | None = None) -> None:
-        self.rows: dict[bytes, Bindings] = {} if rows is None else rows
+    def __init__(self, rows: Mapping[bytes, Bindings] | None = None) -> None:
+        self.rows: dict[bytes, Bindings] = {} if rows is None else dict(rows)
+        self.real: dict[bytes, bytes] = {}
+        """Occupant hash → chunk hash, of each salt's binding the index may hold."""
+        self._leaving: list[tuple[bytes, bytes, str]] = []
+
+    def occupant(self, h: bytes, salt: str) -> bytes:
+        """The hash the blend index holds ``salt``'s binding of chunk ``h`` under (as long
+        as ``h``: the index's hash width)."""
+        occupant = blake3.blake3(salt.encode() + b"\0" + h, key=_SECRET).digest(len(h))
+        self.real[occupant] = h
+        return occupant
+
+    def chunk_of(self, occupant: bytes) -> bytes:
+        """The chunk hash of an occupant hash a match returned (itself: a chunk of one
+        salt's)."""
+        return self.real.get(occupant, occupant)
+
+    def claims(
+        self, h: bytes, shapes: ShapeTable, rec: Record, bindings: Bindings, chunk_size: int
+    ) -> set[Claim]:
+        """The index claims of chunk ``h`` of several salts (keys ``rec``'s): :func:`claims`,
+        each salt's under its own occupant."""
+        return claims(shapes, rec, bindings, lambda salt: self.occupant(h, salt), chunk_size)
+
+    def matched(self, matches: list[BlendMatch]) -> list[BlendMatch]:
+        """Blend matches, each occupant hash mapped back to its chunk hash."""
+        real = self.real
+        if not real:
+            return matches
+        return [
+            m
+            if m.chunk_hash not in real
+            else BlendMatch(real.get(m.chunk_hash, m.chunk_hash), m.old_st, m.cur_st)
+            for m in matches
+        ]
+
+    def matched_columns(self, columns: MatchColumns) -> MatchColumns:
+        """:meth:`matched` of matches as columns."""
+        real = self.real
+        if not real or not len(columns.old_st):
+            return columns
+        hashes = columns.chunk_hashes()
+        if real.keys().isdisjoint(hashes):
+            return columns
+        chunks = [real.get(h, h) for h in hashes]
+        return MatchColumns.of(chunks, columns.old_st, columns.cur_st)
+
+    def leave(self, h: bytes, salts: Sequence[str]) -> None:
+        """``salts`` no longer hold bindings of chunk ``h`` under occupants of their own: their
+        occupants are forgotten once the index writes queued meanwhile are applied
+        (:meth:`applied`; a match before still maps them back)."""
+        self._leaving += [(self.occupant(h, salt), h, salt) for salt in salts]
+
+    def applied(self) -> None:
+        """The queued index writes were applied: forget the occupants that left (unless
+        their salt bound the chunk again since)."""
+        for occupant, h, salt in self._leaving:
+            if salt not in self.rows.get(h, ()):
+                self.real.pop(occupant, None)
+        self._leaving = []
 
     def copy(self) -> dict[bytes, Bindings]:
         """The entries as they are now (a capture's, under the directory's lock: one C-level
@@ -72,6 +141,8 @@ class TenantBindings:
         that salt bound none)."""
         out: list[_T | StoredTokens | None] = list(contents)
         rows = self.rows
+        if rows.keys().isdisjoint(hashes):
+            return out
         for i, h in enumerate(hashes):
             bindings = rows.get(h)
             if bindings is not None:
@@ -89,30 +160,32 @@ def salt_namespaces(shapes: ShapeTable, rec: Record) -> dict[str, set[BlendNames
     return out
 
 
-def claims(shapes: ShapeTable, rec: Record, bindings: Bindings, chunk_size: int) -> set[Claim]:
-    """The index claims of a chunk of several salts (keys ``rec``'s, bindings ``bindings``):
-    each salt's namespaces on its binding when it is indexable (a known offset, a whole
-    chunk) and no other salt binds equal content at another offset."""
+def claims(
+    shapes: ShapeTable,
+    rec: Record,
+    bindings: Bindings,
+    occupant: Callable[[str], bytes],
+    chunk_size: int,
+) -> set[Claim]:
+    """The index claims of a chunk (keys ``rec``'s, bindings ``bindings``): each salt's
+    namespaces on its binding, under ``occupant(salt)``, when it is indexable (a known offset,
+    ``chunk_size`` ids)."""
     spaces = salt_namespaces(shapes, rec)
     out: set[Claim] = set()
     for salt, (tokens, offset) in bindings.items():
         if salt not in spaces or offset == UNKNOWN_OFFSET or token_count(tokens) != chunk_size:
             continue
-        if any(
-            other != salt and at != offset and stored_equal(content, tokens)
-            for other, (content, at) in bindings.items()
-        ):
-            continue
-        out.update((tokens, offset, ns) for ns in spaces[salt])
+        at = occupant(salt)
+        out.update((tokens, at, offset, ns) for ns in spaces[salt])
     return out
 
 
-def claim_ops(h: bytes, before: set[Claim], after: set[Claim]) -> list[BlendOp]:
-    """The index writes that take chunk ``h``'s claims from ``before`` to ``after``: the
-    dropped claims first (an occupant whose offset changes goes with its last claim and comes
-    back with the new one)."""
-    ops: list[BlendOp] = [RemoveClaimOp(t, h, ns) for t, _, ns in before - after]
-    return ops + [AddOp(t, h, at, ns) for t, at, ns in after - before]
+def claim_ops(before: set[Claim], after: set[Claim]) -> list[BlendOp]:
+    """The index writes that take a chunk's claims from ``before`` to ``after``: the dropped
+    claims first (an occupant whose offset changes goes with its last claim and comes back
+    with the new one)."""
+    ops: list[BlendOp] = [RemoveClaimOp(t, h, ns) for t, h, _, ns in before - after]
+    return ops + [AddOp(t, h, at, ns) for t, h, at, ns in after - before]
 
 
 def bound_after(

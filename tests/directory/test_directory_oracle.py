@@ -119,11 +119,6 @@ class Model:
         for (h, salt), (tokens, offset) in self.bindings.items():
             if salt != ns.cache_salt or tokens != want or offset == -1 or len(tokens) != CS:
                 continue
-            if any(  # equal ids of another salt at another offset: neither indexed
-                hh == h and ss != salt and t == tokens and o != offset
-                for (hh, ss), (t, o) in self.bindings.items()
-            ):
-                continue
             if any(
                 k.chunk_hash == h and BlendNamespace.from_object_key(k) == ns
                 for k in self.placements

@@ -150,7 +150,9 @@ def test_another_salts_other_content_is_its_own_binding(spy: type[SpyIndex]) -> 
     d.consume(em.batch("store", [entry(key(1), A, 0), entry(key(1, salt="tenant-b"), A, 0)]))
     calls(d)
     d.consume(em.batch("store", [entry(key(1, salt="tenant-b"), B, 4)]))
-    assert [c[:4] for c in calls(d)] == [("remove_claim", 1, NS_B), ("add", 1, 4, NS_B)]
+    got = calls(d)  # (under tenant-b's own occupant hash: tenant_bindings.py)
+    assert [c[0] for c in got] == ["remove_claim", "add"]
+    assert got[0][2] == NS_B and got[1][2:4] == (4, NS_B)
     assert found(d, A) == [(1, 0)] and found(d, B, NS_B) == [(1, 4)]
     assert found(d, A, NS_B) == [] and found(d, B) == []
     assert d.stats().content_conflicts == 0
@@ -200,12 +202,27 @@ def test_unknown_offset_is_bound_never_indexed_until_a_real_offset(spy: type[Spy
 
 def test_last_key_of_a_namespace_removes_its_claim(spy: type[SpyIndex]) -> None:
     d, em = blend_dir(), Emitter()
+    both = [entry(key(1), A, 0), entry(key(1, model="x"), A, 0)]
+    d.consume(em.batch("store", both))
+    calls(d)
+    d.consume(em.batch("delete", [entry(key(1, model="x"))]))
+    assert calls(d) == [("remove_claim", 1, NS_X)]
+    assert found(d, A, NS_X) == [] and found(d, A) == [(1, 0)]
+
+
+def test_last_key_of_another_salt_leaves_the_chunk_to_the_first(spy: type[SpyIndex]) -> None:
+    """Its claim goes, and the first salt's binding is indexed under the chunk hash again."""
+    d, em = blend_dir(), Emitter()
     both = [entry(key(1), A, 0), entry(key(1, salt="tenant-b"), A, 0)]
     d.consume(em.batch("store", both))
     calls(d)
     d.consume(em.batch("delete", [entry(key(1, salt="tenant-b"))]))
-    assert calls(d) == [("remove_claim", 1, NS_B)]
+    got = calls(d)
+    removed = sorted((c[2] for c in got if c[0] == "remove_claim"), key=str)
+    assert removed == sorted([NS_A, NS_B], key=str)
+    assert [c[1:4] for c in got if c[0] == "add"] == [(1, 0, NS_A)]
     assert found(d, A, NS_B) == [] and found(d, A) == [(1, 0)]
+    assert blend_stat(d, "occupants") == 1
 
 
 def test_namespace_claim_stays_while_another_rank_lives(spy: type[SpyIndex]) -> None:

@@ -28,7 +28,7 @@ from kvatlas.directory.token_store import (
     widened,
 )
 from kvatlas.events import CacheEntry
-from kvatlas.keys import BlendNamespace
+from kvatlas.keys import BlendMatch, BlendNamespace
 from tests.directory.helpers import CS, Emitter, captured, entry, key, toks
 from tests.directory.test_blend_index_oracle import Oracle, canonical
 
@@ -55,9 +55,11 @@ def oracle_of(d: KeyDirectory) -> Oracle:
         for part in capture.parts():
             for h, rec in part.records():
                 for ids, offset, salt in bindings_of(h, rec, tenants):
+                    # (a salt's binding of a chunk of several salts: an occupant of its own)
+                    at = h if salt is None else h + b"\0" + salt.encode()
                     for sid in shape_ids(rec):
                         if salt is None or shapes[sid].cache_salt == salt:
-                            oracle.add(ids, h, offset, shapes[sid].namespace)
+                            oracle.add(ids, at, offset, shapes[sid].namespace)
     return oracle
 
 
@@ -65,19 +67,13 @@ def bindings_of(
     h: bytes, rec: Any, tenants: dict[bytes, Any]
 ) -> list[tuple[list[int], int, str | None]]:
     """A chunk's matchable bindings (ids, offset, salt): its record's (for every salt,
-    ``None``), or for a chunk of several salts each salt's, but none of two salts with equal
-    ids at other offsets (directory/tenant_bindings.py)."""
+    ``None``), or for a chunk of several salts each salt's (directory/tenant_bindings.py)."""
     if h not in tenants:
         tokens = record_tokens(rec)
         if tokens is None or record_offset(rec) < 0:
             return []
         return [(tokens.tolist(), record_offset(rec), None)]
-    own = {salt: (widened(t).tolist(), at) for salt, (t, at) in tenants[h].items()}
-    return [
-        (ids, at, salt)
-        for salt, (ids, at) in own.items()
-        if at >= 0 and not any(s != salt and i == ids and a != at for s, (i, a) in own.items())
-    ]
+    return [(widened(t).tolist(), at, salt) for salt, (t, at) in tenants[h].items() if at >= 0]
 
 
 def queries(d: KeyDirectory) -> list[np.ndarray[Any, Any]]:
@@ -104,7 +100,9 @@ def assert_same_answers(restored: KeyDirectory, d: KeyDirectory) -> None:
         query = tuple(q.tolist())
         for ns in NAMESPACES:
             if (query, ns) not in answers:
-                answers[query, ns] = canonical(oracle.match(query, ns))
+                found = oracle.match(query, ns)  # (an occupant of a salt's own: its chunk's)
+                chunks = [BlendMatch(m.chunk_hash[:32], m.old_st, m.cur_st) for m in found]
+                answers[query, ns] = canonical(chunks)
             want = answers[query, ns]
             assert canonical(restored.blend_match(q, ns)) == want
             assert canonical(d.blend_match(q, ns)) == want

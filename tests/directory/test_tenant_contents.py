@@ -67,22 +67,23 @@ def test_a_tenant_sees_nothing_of_another_tenants_binding(ids: object, first: st
     assert d._chunks.tenants.rows == {}
 
 
-def test_equal_ids_of_two_salts_at_two_offsets_are_matched_by_neither() -> None:
-    """The index keeps one offset per (content, chunk hash): B's equal ids at another offset
-    would answer A's matches with B's ``old_st`` (wrong KV after re-RoPE). Neither is matched
-    while both are held; lookups still return each its own; once B leaves A is matched."""
+def test_equal_ids_of_two_salts_at_two_offsets_are_each_matched_at_their_own() -> None:
+    """The index keeps one offset per (content, chunk hash): each salt's binding of a chunk of
+    several salts is indexed under an occupant of its own, so B's equal ids at another offset
+    never answer A's matches with B's ``old_st`` (wrong KV after re-RoPE), nor take them away
+    (which would tell B that A holds them); once B leaves, A's are under the chunk hash."""
     d = KeyDirectory(CS, enable_blend_lookup=True)
     a, b = Emitter("a"), Emitter("b")
     h = key(1).chunk_hash
     d.consume(a.batch("store", [entry(key(1, salt="tenant-a"), OURS, 0)]))
     d.consume(b.batch("store", [entry(key(1, salt="tenant-b"), OURS, 8)]))
-    assert matches(d, OURS, A) == set() and matches(d, OURS, B) == set()
+    assert matches(d, OURS, A) == {(h, 0)} and matches(d, OURS, B) == {(h, 8)}
     assert contents(d, "tenant-a", "tenant-b") == [OURS.tolist(), OURS.tolist()]
-    d.consume(b.batch("store", [entry(key(1, salt="tenant-b"), OURS, 0)]))  # B agrees now
-    assert matches(d, OURS, A) == {(h, 0)} and matches(d, OURS, B) == {(h, 0)}
-    d.consume(b.batch("store", [entry(key(1, salt="tenant-b"), OURS, 8)]))
+    d.consume(b.batch("store", [entry(key(1, salt="tenant-b"), OURS, -1)]))  # no news
+    assert matches(d, OURS, A) == {(h, 0)} and matches(d, OURS, B) == {(h, 8)}
     d.consume(b.batch("delete", [entry(key(1, salt="tenant-b"))]))
     assert matches(d, OURS, A) == {(h, 0)} and matches(d, OURS, B) == set()
+    assert d.stats().blend.occupants == 1  # type: ignore[union-attr]
 
 
 def test_per_salt_bindings_survive_a_snapshot(tmp_path: Path) -> None:

@@ -343,18 +343,31 @@ def _cursors(header: Header[memoryview]) -> dict[str, EmitterCursor]:
 def _tenants(header: Header[memoryview], cols: Columns, hashes: HashWords) -> dict[bytes, Bindings]:
     """An entry for each chunk held under keys of several salts, with the bindings saved
     (version >= 7; an older file's one binding for all of a chunk's salts is dropped at the
-    install, ``ChunkTable.adopt_tenants``)."""
-    if not len(cols.counts) or int(cols.counts.max()) < 2:
+    install, ``ChunkTable.adopt_tenants``). A binding of another chunk, or of a salt without
+    keys of the chunk, or one given twice, is refused."""
+    rows = header.tenant_bindings
+    if not len(cols.counts) or (int(cols.counts.max()) < 2 and not rows):
         return {}
     salts = np.array([shape[3] for shape in header.shapes], np.int64)[cols.key_shapes]
-    firsts = np.repeat(salts[cols.first_key], cols.counts)
     chunks = np.repeat(np.arange(len(cols.counts)), cols.counts)
-    out: dict[bytes, dict[str, Binding]] = {
-        hashes[c]: {} for c in np.unique(chunks[salts != firsts]).tolist()
-    }
-    for h, salt, ids, offset in header.tenant_bindings:
+    many = np.unique(chunks[salts != np.repeat(salts[cols.first_key], cols.counts)]).tolist()
+    out: dict[bytes, dict[str, Binding]] = {hashes[c]: {} for c in many}
+    key_salts = {}  # of the chunks of several salts: their keys' salts
+    if rows:
+        strings, first = header.strings, cols.first_key
+        for c in many:
+            at = int(first[c])
+            key_salts[hashes[c]] = {strings[s] for s in salts[at : at + int(cols.counts[c])]}
+    for h, salt, ids, offset in rows:
         bindings = out.get(h)
-        if bindings is None or not ids or len(ids) % 4 or offset < -1:
+        if (
+            bindings is None
+            or salt in bindings
+            or salt not in key_salts[h]
+            or not ids
+            or len(ids) % 4
+            or offset < -1
+        ):
             raise SnapshotError(f"invalid binding of chunk {bytes(h).hex()} for salt {salt!r}")
         bindings[salt] = (stored_one(np.frombuffer(ids, "<u4")), offset)
     tenants: dict[bytes, Bindings] = dict(out)
