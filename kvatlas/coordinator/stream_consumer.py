@@ -61,6 +61,7 @@ from kvatlas.events import (
     EventValidationError,
     decode_stream_columns,
 )
+from kvatlas.logs import Throttle
 from kvatlas.redis_clients import redis_client
 
 log = logging.getLogger(__name__)
@@ -188,6 +189,7 @@ class StreamConsumer:
         self.applied_entries = 0
         self.bad_entries = 0
         self.rejected_entries = 0
+        self._say = Throttle(60.0)  # a refusal's WARNING: once a minute a reason
         self.lag_entries: int | None = None
         """Entries of the stream this replica's group has not read (``None``: not known)."""
         self._lag_at = self._trim_at = -math.inf
@@ -311,8 +313,13 @@ class StreamConsumer:
 
     def _refuse(self, entry_id: bytes, exc: KvatlasError) -> None:
         self.rejected_entries += 1
-        self._rejected.labels(rejection_reason(exc)).inc()
-        log.warning("stream entry %s refused: %s", entry_id.decode(), exc.detail)
+        reason = rejection_reason(exc)
+        self._rejected.labels(reason).inc()
+        if self._say(reason):  # (anyone who can write to the stream can add refused entries)
+            log.warning(
+                "stream entry %s refused (%d refused so far, logged once a minute a reason): %s",
+                entry_id.decode(), self.rejected_entries, exc.detail,
+            )  # fmt: skip
 
     def _show_alive(self, now: bool = False) -> None:
         """Refresh this consumer's idle time in Redis, at most once per touch period."""

@@ -5,9 +5,11 @@ instance the signer may not act for (issue 25 item 7), are refused, counted by r
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
+import pytest
 import redis
 
 from kvatlas.auth import stream_key
@@ -111,3 +113,35 @@ def test_undecodable_and_over_capacity_entries_are_refused_and_counted(
         assert 'kvatlas_stream_errors_total{kind="decode"} 1.0' in c.get("/metrics", headers=h).text
         keys = c.get("/directory/keys", headers=h).json()["keys"]
         assert {k["key"]["chunk_hash_hex"][:2] for k in keys} == {"02"}
+
+
+def test_a_flood_of_refused_entries_is_logged_once_a_minute_a_reason(
+    redis_server: RedisServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Anyone who can write to the stream can add entries the coordinator refuses (unsigned,
+    say): each is counted, but the log says so once a minute a reason, with the count, not
+    once an entry (a flood of forged entries must not flood the log)."""
+    stream = fresh("security-stream-flood")
+    tokens = write_tokens(
+        tmp_path / "t.json",
+        {"token": ADMIN, "role": "admin"},
+        {"token": NODE_S, "roles": ["emit"], "instance_ids": ["node-s"]},
+    )
+    with (
+        caplog.at_level(logging.WARNING, logger="kvatlas.coordinator.stream_consumer"),
+        running(
+            event_transport="redis",
+            redis_url=redis_server.url,
+            event_stream=stream,
+            auth_token_file=tokens,
+        ) as (_, c),
+    ):
+        h = bearer(ADMIN)
+        r = redis.Redis.from_url(redis_server.url)
+        for n in range(40):
+            r.xadd(stream, encode_stream_fields([_store("intruder", n + 1, 1, 2)]))  # unsigned
+        assert wait_for(
+            lambda: _rejected(c.get("/metrics", headers=h).text) == {"unsigned": 40.0}
+        ), c.get("/metrics", headers=h).text
+    refused = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) == 1, [r.getMessage() for r in refused]
