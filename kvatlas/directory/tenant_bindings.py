@@ -21,7 +21,7 @@ bindings of equal ids at different offsets would answer each other's matches wit
 other holds. So each salt's binding of such a chunk is indexed under an occupant hash of its
 own (:meth:`TenantBindings.occupant`: a keyed hash of the salt and the chunk hash, under a
 secret of this process no tenant knows, so none can aim one at another's), which matches map
-back to the chunk hash (:meth:`TenantBindings.chunk_of`). Which claims the index holds is a
+back to the chunk hash (:meth:`TenantBindings.matched`). Which claims the index holds is a
 function of a chunk's bindings and keys (:meth:`TenantBindings.claims`); a change queues the
 difference (:func:`claim_ops`).
 """
@@ -74,11 +74,6 @@ class TenantBindings:
         occupant = blake3.blake3(salt.encode() + b"\0" + h, key=_SECRET).digest(len(h))
         self.real[occupant] = h
         return occupant
-
-    def chunk_of(self, occupant: bytes) -> bytes:
-        """The chunk hash of an occupant hash a match returned (itself: a chunk of one
-        salt's)."""
-        return self.real.get(occupant, occupant)
 
     def claims(
         self, h: bytes, shapes: ShapeTable, rec: Record, bindings: Bindings, chunk_size: int
