@@ -127,7 +127,7 @@ def _store_tenant(
     if tokens is not None:
         spaces = salt_namespaces(shapes, rec)[shape.cache_salt]
         keep = old is not None and _conflicts(table, spaces, sid, old[0], tokens)
-        bindings = {**bindings, shape.cache_salt: bound_after(old, tokens, offset, keep)}  # type: ignore[dict-item]
+        bindings = {**bindings, shape.cache_salt: bound_after(old, tokens, offset, keep)}
     tenants.rows[h] = bindings
     if table.indexing:
         table.queue(claim_ops(before, tenants.claims(h, shapes, rec, bindings, chunk_size)))

@@ -183,14 +183,10 @@ def claim_ops(before: set[Claim], after: set[Claim]) -> list[BlendOp]:
     return ops + [AddOp(t, h, at, ns) for t, h, at, ns in after - before]
 
 
-def bound_after(
-    old: Binding | None, tokens: StoredTokens | None, offset: int, keep: bool
-) -> Binding | None:
-    """A salt's binding after one of its stores (``tokens`` ``None``: a store without ids,
-    which leaves it): equal ids keep the content (a known offset replaces the old one), other
-    ids rebind it unless ``keep`` (another namespace of the salt holds the chunk)."""
-    if tokens is None:
-        return old
+def bound_after(old: Binding | None, tokens: StoredTokens, offset: int, keep: bool) -> Binding:
+    """A salt's binding after one of its stores with ids (one without leaves it): equal ids
+    keep the content (a known offset replaces the old one), other ids rebind it unless
+    ``keep`` (another namespace of the salt holds the chunk)."""
     if old is not None and stored_equal(old[0], tokens):
         return old if offset in (UNKNOWN_OFFSET, old[1]) else (old[0], offset)
     return old if old is not None and keep else (tokens, offset)
