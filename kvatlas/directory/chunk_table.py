@@ -117,7 +117,7 @@ class ChunkTable:
             self.ops = []
             if index is not None:
                 index.apply(ops)
-            self.tenants.applied()
+        self.tenants.applied()
 
     # ------------------------------------------------------------------ restore
 

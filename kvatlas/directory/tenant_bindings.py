@@ -29,6 +29,7 @@ difference (:func:`claim_ops`).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final, TypeVar
 
@@ -53,6 +54,14 @@ _T = TypeVar("_T")
 _SECRET: Final = os.urandom(32)
 """The key of occupant hashes: this process's, never saved or sent (the index is rebuilt on
 restore); one for every directory of the process, so two built alike hold alike."""
+RETIRED_S: Final = 60.0
+"""How long an occupant that left is still mapped back: a match that read the index before
+it left (a blend lookup maps its matches after the index read, without the directory lock)
+answers the chunk hash, never the occupant."""
+
+
+def _occupant(h: bytes, salt: str) -> bytes:
+    return blake3.blake3(salt.encode() + b"\0" + h, key=_SECRET).digest(len(h))
 
 
 class TenantBindings:
@@ -60,20 +69,35 @@ class TenantBindings:
     empty one while none of its salts bound content); changed by the store and removal rules
     under the directory's lock."""
 
-    __slots__ = ("_leaving", "real", "rows")
+    __slots__ = ("_clock", "_leaving", "real", "retired", "rows")
 
-    def __init__(self, rows: Mapping[bytes, Bindings] | None = None) -> None:
+    def __init__(
+        self,
+        rows: Mapping[bytes, Bindings] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.rows: dict[bytes, Bindings] = {} if rows is None else dict(rows)
         self.real: dict[bytes, bytes] = {}
         """Occupant hash → chunk hash, of each salt's binding the index may hold."""
+        self.retired: dict[bytes, tuple[bytes, float]] = {}
+        """Occupants that left, for :data:`RETIRED_S`: → (chunk hash, when), oldest first."""
         self._leaving: list[tuple[bytes, bytes, str]] = []
+        self._clock = clock
 
     def occupant(self, h: bytes, salt: str) -> bytes:
         """The hash the blend index holds ``salt``'s binding of chunk ``h`` under (as long
         as ``h``: the index's hash width)."""
-        occupant = blake3.blake3(salt.encode() + b"\0" + h, key=_SECRET).digest(len(h))
+        occupant = _occupant(h, salt)
         self.real[occupant] = h
         return occupant
+
+    def _chunk(self, occupant: bytes) -> bytes:
+        """The chunk hash of a hash a match returned (itself: a chunk of one salt's)."""
+        h = self.real.get(occupant)
+        if h is None:
+            left = self.retired.get(occupant)
+            h = occupant if left is None else left[0]
+        return h
 
     def claims(
         self, h: bytes, shapes: ShapeTable, rec: Record, bindings: Bindings, chunk_size: int
@@ -84,40 +108,40 @@ class TenantBindings:
 
     def matched(self, matches: list[BlendMatch]) -> list[BlendMatch]:
         """Blend matches, each occupant hash mapped back to its chunk hash."""
-        real = self.real
-        if not real:
+        if not self.real and not self.retired:
             return matches
-        return [
-            m
-            if m.chunk_hash not in real
-            else BlendMatch(real.get(m.chunk_hash, m.chunk_hash), m.old_st, m.cur_st)
-            for m in matches
-        ]
+        chunk = self._chunk
+        return [BlendMatch(chunk(m.chunk_hash), m.old_st, m.cur_st) for m in matches]
 
     def matched_columns(self, columns: MatchColumns) -> MatchColumns:
         """:meth:`matched` of matches as columns."""
-        real = self.real
-        if not real or not len(columns.old_st):
+        if (not self.real and not self.retired) or not len(columns.old_st):
             return columns
         hashes = columns.chunk_hashes()
-        if real.keys().isdisjoint(hashes):
+        if self.real.keys().isdisjoint(hashes) and self.retired.keys().isdisjoint(hashes):
             return columns
-        chunks = [real.get(h, h) for h in hashes]
-        return MatchColumns.of(chunks, columns.old_st, columns.cur_st)
+        return MatchColumns.of(list(map(self._chunk, hashes)), columns.old_st, columns.cur_st)
 
     def leave(self, h: bytes, salts: Sequence[str]) -> None:
         """``salts`` no longer hold bindings of chunk ``h`` under occupants of their own: their
-        occupants are forgotten once the index writes queued meanwhile are applied
-        (:meth:`applied`; a match before still maps them back)."""
-        self._leaving += [(self.occupant(h, salt), h, salt) for salt in salts]
+        occupants retire once the index writes queued meanwhile are applied (:meth:`applied`)."""
+        self._leaving += [(_occupant(h, salt), h, salt) for salt in salts]
 
     def applied(self) -> None:
-        """The queued index writes were applied: forget the occupants that left (unless
-        their salt bound the chunk again since)."""
+        """The queued index writes were applied (or there were none): the occupants that left
+        retire (unless their salt bound the chunk again since), mapped back for
+        :data:`RETIRED_S` more; older retired ones are forgotten."""
+        now, real, retired = self._clock(), self.real, self.retired
         for occupant, h, salt in self._leaving:
-            if salt not in self.rows.get(h, ()):
-                self.real.pop(occupant, None)
+            if salt not in self.rows.get(h, ()) and real.pop(occupant, None) is not None:
+                retired.pop(occupant, None)  # (to the end: oldest first)
+                retired[occupant] = (h, now)
         self._leaving = []
+        while retired:
+            oldest = next(iter(retired))
+            if now - retired[oldest][1] < RETIRED_S:
+                break
+            del retired[oldest]
 
     def copy(self) -> dict[bytes, Bindings]:
         """The entries as they are now (a capture's, under the directory's lock: one C-level
