@@ -18,11 +18,10 @@ from pathlib import Path
 import pytest
 
 from kvatlas.keys import chunk_hashes
-from tests.coordinator.helpers import Emitter, post_batches, running, wire_entry, wire_key
-from tests.coordinator.security_support import bearer, token
-from tests.helpers import write_tokens
+from tests.coordinator.helpers import Emitter, post_batches, wire_entry, wire_key
+from tests.coordinator.security_support import bearer
+from tests.coordinator.two_tenants import NODE_A, NODE_B, two_tenants
 
-NODE_A, NODE_B = token("node-a"), token("node-b")
 CHUNKS = [[n, 1, 2, 3] for n in range(50)]
 
 
@@ -34,25 +33,8 @@ CHUNKS = [[n, 1, 2, 3] for n in range(50)]
 def test_chunks_back_to_one_salt_leave_nothing_behind(
     tmp_path: Path, blend: bool, offset: int
 ) -> None:
-    tokens = write_tokens(
-        tmp_path / "tokens.json",
-        {"token": NODE_A, "roles": ["emit", "lookup"], "instance_ids": ["node-a"],
-         "cache_salts": ["tenant-a"]},
-        {"token": NODE_B, "roles": ["emit", "lookup"], "instance_ids": ["node-b"],
-         "cache_salts": ["tenant-b"]},
-    )  # fmt: skip
     hashes = [chunk_hashes(ids, 4)[0] for ids in CHUNKS]
-    with running(auth_token_file=tokens, chunk_size=4, enable_blend_lookup=blend) as (
-        server,
-        client,
-    ):
-        for iid, tok in (("node-a", NODE_A), ("node-b", NODE_B)):
-            r = client.post(
-                "/instances",
-                json={"instance_id": iid, "ip": "127.0.0.1", "http_port": 1, "metadata": {}},
-                headers=bearer(tok),
-            )
-            assert r.status_code == 200, r.text
+    with two_tenants(tmp_path, enable_blend_lookup=blend) as (server, client):
         a, b = Emitter("node-a"), Emitter("node-b")
         stored = a.batch(
             "store",

@@ -22,35 +22,20 @@ import httpx
 import pytest
 
 from kvatlas.keys import chunk_hashes
-from tests.coordinator.helpers import Emitter, b64, post_batches, running, wire_entry, wire_key
-from tests.coordinator.security_support import bearer, token
-from tests.helpers import write_tokens
+from tests.coordinator.helpers import Emitter, b64, post_batches, wire_entry, wire_key
+from tests.coordinator.security_support import bearer
+from tests.coordinator.two_tenants import NODE_A, NODE_B, two_tenants
 
 A_TOKENS = [11, 12, 13, 14]
 H = chunk_hashes(A_TOKENS, 4)[0]
 B_TOKENS = [900, 901, 902, 903]
-NODE_A, NODE_B = token("node-a"), token("node-b")
 A_MATCH = {"chunk_hash": H.hex(), "old_st": 0, "cur_st": 1}
 
 
 @pytest.fixture()
 def fleet(tmp_path: Path) -> Iterator[httpx.Client]:
     """Auth on; node-a (tenant-a) has stored its chunk; node-b may only emit for tenant-b."""
-    tokens = write_tokens(
-        tmp_path / "tokens.json",
-        {"token": NODE_A, "roles": ["emit", "lookup"], "instance_ids": ["node-a"],
-         "cache_salts": ["tenant-a"]},
-        {"token": NODE_B, "roles": ["emit", "lookup"], "instance_ids": ["node-b"],
-         "cache_salts": ["tenant-b"]},
-    )  # fmt: skip
-    with running(auth_token_file=tokens, chunk_size=4, enable_blend_lookup=True) as (_, client):
-        for iid, tok in (("node-a", NODE_A), ("node-b", NODE_B)):
-            r = client.post(
-                "/instances",
-                json={"instance_id": iid, "ip": "127.0.0.1", "http_port": 1, "metadata": {}},
-                headers=bearer(tok),
-            )
-            assert r.status_code == 200, r.text
+    with two_tenants(tmp_path, enable_blend_lookup=True) as (_, client):
         a = Emitter("node-a")
         stored = a.batch(
             "store", entries=[wire_entry(wire_key(H, salt="tenant-a"), 10, A_TOKENS, 0)]

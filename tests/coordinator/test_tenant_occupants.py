@@ -24,39 +24,21 @@ import pytest
 
 from kvatlas.events import CacheEntry, EventBatch
 from kvatlas.keys import ObjectKey, chunk_hashes, pack_kv_rank
-from tests.coordinator.helpers import Emitter, b64, post_batches, running, wire_entry, wire_key
-from tests.coordinator.security_support import bearer, token
-from tests.helpers import write_tokens
+from tests.coordinator.helpers import Emitter, b64, post_batches, wire_entry, wire_key
+from tests.coordinator.security_support import bearer
+from tests.coordinator.two_tenants import NODE_A, NODE_B, two_tenants
 
 A_TOKENS = [11, 12, 13, 14]
 H = chunk_hashes(A_TOKENS, 4)[0]
-NODE_A, NODE_B = token("node-a"), token("node-b")
 
 
 @pytest.mark.parametrize("asker", ["a", "b"])
 def test_a_blend_reply_never_carries_an_occupant_hash_when_a_salt_leaves_mid_lookup(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, asker: str
 ) -> None:
-    tokens = write_tokens(
-        tmp_path / "tokens.json",
-        {"token": NODE_A, "roles": ["emit", "lookup"], "instance_ids": ["node-a"],
-         "cache_salts": ["tenant-a"]},
-        {"token": NODE_B, "roles": ["emit", "lookup"], "instance_ids": ["node-b"],
-         "cache_salts": ["tenant-b"]},
-    )  # fmt: skip
-    with running(auth_token_file=tokens, chunk_size=4, enable_blend_lookup=True) as (
-        server,
-        client,
-    ):
+    with two_tenants(tmp_path, enable_blend_lookup=True) as (server, client):
         emitters = {"a": Emitter("node-a"), "b": Emitter("node-b")}
         for salt, tok in (("a", NODE_A), ("b", NODE_B)):
-            r = client.post(
-                "/instances",
-                json={"instance_id": f"node-{salt}", "ip": "127.0.0.1", "http_port": 1,
-                      "metadata": {}},
-                headers=bearer(tok),
-            )  # fmt: skip
-            assert r.status_code == 200, r.text
             stored = emitters[salt].batch(
                 "store",
                 entries=[wire_entry(wire_key(H, salt=f"tenant-{salt}"), 10, A_TOKENS, 0)],
