@@ -60,8 +60,12 @@ it left (a blend lookup maps its matches after the index read, without the direc
 answers the chunk hash, never the occupant."""
 
 
-def _occupant(h: bytes, salt: str) -> bytes:
-    return blake3.blake3(salt.encode() + b"\0" + h, key=_SECRET).digest(len(h))
+def occupant_hash(h: bytes, salt: str) -> bytes:
+    """A keyed hash of (salt, chunk hash ``h``), as long as ``h`` (the index's hash width),
+    under this process's secret: one no tenant can aim at another chunk's hash or another
+    salt's occupant (the directory's per-salt occupants; the node's, ``node/presence.py``)."""
+    name = salt.encode()
+    return blake3.blake3(len(name).to_bytes(4, "big") + name + h, key=_SECRET).digest(len(h))
 
 
 class TenantBindings:
@@ -87,7 +91,7 @@ class TenantBindings:
     def occupant(self, h: bytes, salt: str) -> bytes:
         """The hash the blend index holds ``salt``'s binding of chunk ``h`` under (as long
         as ``h``: the index's hash width)."""
-        occupant = _occupant(h, salt)
+        occupant = occupant_hash(h, salt)
         self.real[occupant] = h
         return occupant
 
@@ -125,7 +129,7 @@ class TenantBindings:
     def leave(self, h: bytes, salts: Sequence[str]) -> None:
         """``salts`` no longer hold bindings of chunk ``h`` under occupants of their own: their
         occupants retire once the index writes queued meanwhile are applied (:meth:`applied`)."""
-        self._leaving += [(_occupant(h, salt), h, salt) for salt in salts]
+        self._leaving += [(occupant_hash(h, salt), h, salt) for salt in salts]
 
     def applied(self) -> None:
         """The queued index writes were applied (or there were none): the occupants that left

@@ -12,7 +12,8 @@ Three guarantees, all kept under one lock:
   move, a prefetch or a shared pool carries its own offset) would move the first salt's
   ``old_st``. So the first salt to claim a chunk hash claims it under the hash itself and
   every other salt holding it meanwhile under a surrogate, a keyed hash of (salt, chunk hash)
-  under a per-process secret, never on the wire: one occupant each. A match maps the
+  under a per-process secret, never on the wire (``directory.tenant_bindings.occupant_hash``,
+  as the directory's own per-salt occupants): one occupant each. A match maps the
   surrogates back to the chunk hash and keeps only hits that are the querying salt's claims
   now (a claim dropped while the match ran is left out);
 * :meth:`Presence.cost_of` reads the per-hash tier count, so ranking a blend segment's fetch
@@ -23,8 +24,6 @@ See ``docs/node.md`` (pieces, blend lookup).
 
 from __future__ import annotations
 
-import hashlib
-import secrets
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from kvatlas.directory import BlendIndex
+from kvatlas.directory.tenant_bindings import occupant_hash
 from kvatlas.keys import BlendMatch, BlendNamespace, ObjectKey, TokenArray
 from kvatlas.node.segments import FetchCost, Segment
 from kvatlas.node.stored_chunk import StoredChunk
@@ -71,7 +71,6 @@ class Presence:
         self._lock = threading.Lock()
         self._held: dict[ObjectKey, _Held] = {}
         self._tiers_by_hash: dict[bytes, Counter[Tier]] = {}
-        self._secret = secrets.token_bytes(32)  # the surrogates' key, never on the wire
         self._occupants: dict[tuple[bytes, str], _Occupant] = {}  # (chunk hash, salt) ->
         self._first_salt: dict[bytes, str] = {}  # chunk hash -> the salt claiming it as itself
         self._surrogates: dict[bytes, tuple[bytes, str]] = {}  # -> (chunk hash, salt)
@@ -150,7 +149,7 @@ class Presence:
             if self._first_salt.setdefault(chunk_hash, salt) == salt:
                 own = _Occupant(chunk_hash)
             else:
-                surrogate = self._surrogate(chunk_hash, salt)
+                surrogate = occupant_hash(chunk_hash, salt)
                 self._surrogates[surrogate] = (chunk_hash, salt)
                 own = _Occupant(surrogate)
             self._occupants[(chunk_hash, salt)] = own
@@ -169,13 +168,6 @@ class Presence:
             del self._first_salt[chunk_hash]
         else:
             del self._surrogates[own.under]
-
-    def _surrogate(self, chunk_hash: bytes, salt: str) -> bytes:
-        """A keyed hash of (salt, chunk hash): 32 bytes no one without the secret can aim at
-        another chunk's hash or surrogate."""
-        name = salt.encode()
-        data = len(name).to_bytes(4, "big") + name + chunk_hash
-        return hashlib.blake2b(data, key=self._secret, digest_size=32).digest()
 
     def tiers_of_key(self, key: ObjectKey) -> frozenset[Tier]:
         """The tiers of this node holding ``key``."""
