@@ -30,7 +30,6 @@ from __future__ import annotations
 import email.message
 import json
 import re
-from types import ModuleType
 from typing import Any, Final, Literal
 
 import msgspec
@@ -176,26 +175,14 @@ def read_body(body: bytes, content_type: str | None) -> Any:
     return value
 
 
-_models: ModuleType | None = None
-
-
-def _request_models() -> ModuleType:
-    """:mod:`kvatlas.vllm_request_models`, imported on first use (pydantic: ≈0.1 s)."""
-    global _models
-    if _models is None:
-        from kvatlas import vllm_request_models
-
-        _models = vllm_request_models
-    return _models
-
-
 def validate(kind: Kind, value: Any) -> Any:
     """``value`` (a body's JSON) as vLLM's request model of ``kind`` reads it — a
     :class:`~kvatlas.vllm_request_models.CompletionRequest` or ``ChatRequest`` with pydantic's
     lax coercions applied — or vLLM's refusal."""
-    from pydantic import ValidationError
+    from pydantic import ValidationError  # (on first use: pydantic's import ≈0.1 s)
 
-    models = _request_models()
+    from kvatlas import vllm_request_models as models
+
     model = models.CompletionRequest if kind == "completions" else models.ChatRequest
     try:
         return model.model_validate(value, from_attributes=True)
